@@ -1,0 +1,1550 @@
+/* moept.c - implementation of moept.h (see the top of moept.h).
+   One C11 translation unit: config validation, routing, the step plan, the
+   CPU executor, GEMM, safetensors reading. */
+#if !defined(_POSIX_C_SOURCE)
+#define _POSIX_C_SOURCE 200809L
+#endif
+#define MOEPT_INTERNAL
+#include "moept.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/stat.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef MOEPT_CBLAS
+#include <cblas.h>
+#endif
+
+#ifndef MOEPT_MALLOC
+#define MOEPT_MALLOC(n) malloc(n)
+#define MOEPT_FREE(p) free(p)
+#endif
+
+/* ------------------------------------------------------------------------
+   Errors and allocation
+   ------------------------------------------------------------------------ */
+#define MOEPT__ERRLEN 512
+static _Thread_local char moept__thread_err[MOEPT__ERRLEN];
+
+typedef struct moept__counter {
+    int64_t allocations, bytes;
+} moept__counter;
+
+static void *moept__alloc(moept__counter *c, size_t n) {
+    if (n == 0) n = 1;
+    void *p = MOEPT_MALLOC(n);
+    if (p && c) { c->allocations++; c->bytes += (int64_t)n; }
+    return p;
+}
+
+static void moept__verr(char *buf, const char *fmt, va_list ap) {
+    vsnprintf(buf, MOEPT__ERRLEN, fmt, ap);
+}
+static moept_status moept__thread_fail(moept_status s, const char *fmt, ...) {
+    va_list ap; va_start(ap, fmt);
+    moept__verr(moept__thread_err, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+const char *moept_status_string(moept_status s) {
+    switch (s) {
+    case MOEPT_OK: return "ok";
+    case MOEPT_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case MOEPT_ERR_OUT_OF_MEMORY: return "out of memory";
+    case MOEPT_ERR_NOT_FOUND: return "not found";
+    case MOEPT_ERR_NUMERIC: return "non-finite value";
+    case MOEPT_ERR_STATE: return "invalid state";
+    case MOEPT_ERR_IO: return "i/o error";
+    case MOEPT_ERR_FORMAT: return "malformed file";
+    case MOEPT_ERR_COMM: return "communication error";
+    }
+    return "unknown status";
+}
+
+/* ------------------------------------------------------------------------
+   GEMM descriptor: row-major C[m][n] = alpha * op(A)[m][k] * op(B)[k][n]
+   + beta * C. One descriptor is built by the stages and executed by the
+   builtin GEMM, CBLAS, or (moept_kernels.cu) cuBLAS, which swaps operands
+   to see the same product column-major.
+   ------------------------------------------------------------------------ */
+typedef struct moept__gemm {
+    int trans_a, trans_b;  /* 0: op(X) = X, 1: op(X) = X^T */
+    int64_t m, n, k;
+    float alpha, beta;
+    const float *a; int64_t lda;
+    const float *b; int64_t ldb;
+    float *c; int64_t ldc;
+} moept__gemm;
+
+static moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
+                                    int64_t k, const float *a, int64_t lda,
+                                    const float *b, int64_t ldb, float beta,
+                                    float *c, int64_t ldc) {
+    moept__gemm g = {ta, tb, m, n, k, 1.0f, beta, a, lda, b, ldb, c, ldc};
+    return g;
+}
+
+/* Builtin GEMM: BLIS-style packing with a register-blocked micro-kernel
+   written with GCC/Clang vector extensions (AVX-512, AVX or SSE by -march).
+   Each element of C is summed over k in one fixed order whatever the
+   thread count, so results do not depend on threads. */
+#if defined(__AVX512F__)
+#define MOEPT__VW 16
+#define MOEPT__MR 8
+#elif defined(__AVX__)
+#define MOEPT__VW 8
+#define MOEPT__MR 6
+#else
+#define MOEPT__VW 4
+#define MOEPT__MR 4
+#endif
+#define MOEPT__NR (2 * MOEPT__VW)
+#define MOEPT__KC 256
+#define MOEPT__MC 96
+#define MOEPT__NC 2048
+
+#if defined(__GNUC__) || defined(__clang__)
+#define MOEPT__VEC 1
+typedef float moept__vf __attribute__((vector_size(MOEPT__VW * 4), aligned(4)));
+#endif
+
+typedef struct moept__gemm_ws {
+    float *apack;     /* [round_up(m_max, MR)][KC] packed op(A) strips */
+    float *bpack;     /* [NC/NR][KC][NR] packed op(B) strips */
+    int64_t m_max;
+} moept__gemm_ws;
+
+static inline float moept__opa(const moept__gemm *g, int64_t i, int64_t p) {
+    return g->trans_a ? g->a[p * g->lda + i] : g->a[i * g->lda + p];
+}
+static inline float moept__opb(const moept__gemm *g, int64_t p, int64_t j) {
+    return g->trans_b ? g->b[j * g->ldb + p] : g->b[p * g->ldb + j];
+}
+
+/* packs rows [i0, i0+MR) x k [p0, p0+kc) of op(A) into dst[kc][MR] */
+static void moept__pack_a(const moept__gemm *g, int64_t i0, int64_t p0,
+                          int64_t kc, float *dst) {
+    int64_t mr = g->m - i0 < MOEPT__MR ? g->m - i0 : MOEPT__MR;
+    if (!g->trans_a) {
+        for (int64_t i = 0; i < MOEPT__MR; i++) {
+            const float *src = g->a + (i0 + i) * g->lda + p0;
+            if (i < mr) for (int64_t p = 0; p < kc; p++) dst[p * MOEPT__MR + i] = src[p];
+            else for (int64_t p = 0; p < kc; p++) dst[p * MOEPT__MR + i] = 0.0f;
+        }
+    } else {
+        for (int64_t p = 0; p < kc; p++) {
+            const float *src = g->a + (p0 + p) * g->lda + i0;
+            int64_t i = 0;
+            for (; i < mr; i++) dst[p * MOEPT__MR + i] = src[i];
+            for (; i < MOEPT__MR; i++) dst[p * MOEPT__MR + i] = 0.0f;
+        }
+    }
+}
+
+/* packs k [p0, p0+kc) x cols [j0, j0+NR) of op(B) into dst[kc][NR] */
+static void moept__pack_b(const moept__gemm *g, int64_t p0, int64_t j0,
+                          int64_t kc, float *dst) {
+    int64_t nr = g->n - j0 < MOEPT__NR ? g->n - j0 : MOEPT__NR;
+    if (!g->trans_b) {
+        for (int64_t p = 0; p < kc; p++) {
+            const float *src = g->b + (p0 + p) * g->ldb + j0;
+            int64_t j = 0;
+            for (; j < nr; j++) dst[p * MOEPT__NR + j] = src[j];
+            for (; j < MOEPT__NR; j++) dst[p * MOEPT__NR + j] = 0.0f;
+        }
+    } else {
+        for (int64_t j = 0; j < MOEPT__NR; j++) {
+            if (j < nr) {
+                const float *src = g->b + (j0 + j) * g->ldb + p0;
+                for (int64_t p = 0; p < kc; p++) dst[p * MOEPT__NR + j] = src[p];
+            } else {
+                for (int64_t p = 0; p < kc; p++) dst[p * MOEPT__NR + j] = 0.0f;
+            }
+        }
+    }
+}
+
+/* acc[MR][NR] = sum_p ap[p][:] x bp[p][:]; then stores into C (first k block
+   applies beta, later ones add). */
+static void moept__micro(int64_t kc, const float *ap, const float *bp,
+                         const moept__gemm *g, int64_t i0, int64_t j0,
+                         int first) {
+    float acc[MOEPT__MR][MOEPT__NR];
+#ifdef MOEPT__VEC
+    moept__vf c0[MOEPT__MR], c1[MOEPT__MR];
+    for (int i = 0; i < MOEPT__MR; i++) {
+        c0[i] = (moept__vf){0};
+        c1[i] = (moept__vf){0};
+    }
+    for (int64_t p = 0; p < kc; p++) {
+        moept__vf b0, b1;
+        memcpy(&b0, bp + p * MOEPT__NR, sizeof b0);
+        memcpy(&b1, bp + p * MOEPT__NR + MOEPT__VW, sizeof b1);
+        const float *a = ap + p * MOEPT__MR;
+        for (int i = 0; i < MOEPT__MR; i++) {
+            c0[i] += a[i] * b0;
+            c1[i] += a[i] * b1;
+        }
+    }
+    for (int i = 0; i < MOEPT__MR; i++) {
+        memcpy(&acc[i][0], &c0[i], sizeof c0[i]);
+        memcpy(&acc[i][MOEPT__VW], &c1[i], sizeof c1[i]);
+    }
+#else
+    for (int i = 0; i < MOEPT__MR; i++)
+        for (int j = 0; j < MOEPT__NR; j++) acc[i][j] = 0.0f;
+    for (int64_t p = 0; p < kc; p++)
+        for (int i = 0; i < MOEPT__MR; i++)
+            for (int j = 0; j < MOEPT__NR; j++)
+                acc[i][j] += ap[p * MOEPT__MR + i] * bp[p * MOEPT__NR + j];
+#endif
+    int64_t mr = g->m - i0 < MOEPT__MR ? g->m - i0 : MOEPT__MR;
+    int64_t nr = g->n - j0 < MOEPT__NR ? g->n - j0 : MOEPT__NR;
+    for (int64_t i = 0; i < mr; i++) {
+        float *c = g->c + (i0 + i) * g->ldc + j0;
+        if (first) {
+            if (g->beta == 0.0f)
+                for (int64_t j = 0; j < nr; j++) c[j] = g->alpha * acc[i][j];
+            else
+                for (int64_t j = 0; j < nr; j++) c[j] = g->beta * c[j] + g->alpha * acc[i][j];
+        } else {
+            for (int64_t j = 0; j < nr; j++) c[j] += g->alpha * acc[i][j];
+        }
+    }
+}
+
+static void moept__gemm_builtin(const moept__gemm *g, moept__gemm_ws *ws) {
+    const int64_t MR = MOEPT__MR, NR = MOEPT__NR;
+    for (int64_t jc = 0; jc < g->n; jc += MOEPT__NC) {
+        int64_t nc = g->n - jc < MOEPT__NC ? g->n - jc : MOEPT__NC;
+        int64_t nstrips = (nc + NR - 1) / NR;
+        for (int64_t pc = 0; pc < g->k; pc += MOEPT__KC) {
+            int64_t kc = g->k - pc < MOEPT__KC ? g->k - pc : MOEPT__KC;
+            int64_t mstrips = (g->m + MR - 1) / MR;
+            int64_t mblocks = (g->m + MOEPT__MC - 1) / MOEPT__MC;
+            /* split the strips of B into chunks so both cores work even when
+               op(A) has a single MC block */
+            int64_t nchunks = mblocks >= 4 ? 1 : (nstrips < 4 ? nstrips : 4);
+            int64_t ntasks = mblocks * nchunks;
+            int first = pc == 0;
+            #pragma omp parallel
+            {
+                #pragma omp for schedule(static)
+                for (int64_t s = 0; s < nstrips; s++)
+                    moept__pack_b(g, pc, jc + s * NR, kc, ws->bpack + s * MOEPT__KC * NR);
+                #pragma omp for schedule(static)
+                for (int64_t s = 0; s < mstrips; s++)
+                    moept__pack_a(g, s * MR, pc, kc, ws->apack + s * MOEPT__KC * MR);
+                #pragma omp for schedule(static)
+                for (int64_t t = 0; t < ntasks; t++) {
+                    int64_t mb = t / nchunks, ch = t % nchunks;
+                    int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
+                    int64_t i_end = (mb + 1) * MOEPT__MC < g->m ? (mb + 1) * MOEPT__MC : g->m;
+                    for (int64_t s = s0; s < s1; s++)
+                        for (int64_t i = mb * MOEPT__MC; i < i_end; i += MR)
+                            moept__micro(kc, ws->apack + (i / MR) * MOEPT__KC * MR,
+                                         ws->bpack + s * MOEPT__KC * NR, g, i,
+                                         jc + s * NR, first);
+                }
+            }
+        }
+    }
+}
+
+/* Executes a batch of descriptors (one per expert group), in order. */
+static void moept__gemm_run(const moept__gemm *gs, int64_t count,
+                            moept__gemm_ws *ws) {
+    for (int64_t i = 0; i < count; i++) {
+        const moept__gemm *g = &gs[i];
+        if (g->m == 0 || g->n == 0) continue;
+        if (g->k == 0) { /* C = beta * C */
+            for (int64_t r = 0; r < g->m; r++)
+                for (int64_t j = 0; j < g->n; j++)
+                    g->c[r * g->ldc + j] = g->beta == 0.0f ? 0.0f : g->beta * g->c[r * g->ldc + j];
+            continue;
+        }
+#ifdef MOEPT_CBLAS
+        (void)ws;
+        cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans,
+                    g->trans_b ? CblasTrans : CblasNoTrans, (int)g->m, (int)g->n,
+                    (int)g->k, g->alpha, g->a, (int)g->lda, g->b, (int)g->ldb,
+                    g->beta, g->c, (int)g->ldc);
+#else
+        moept__gemm_builtin(g, ws);
+#endif
+    }
+}
+
+/* ------------------------------------------------------------------------
+   The layer
+   ------------------------------------------------------------------------ */
+typedef enum moept__ptype {
+    MOEPT__P_ROUTER, MOEPT__P_BIAS, MOEPT__P_GATE, MOEPT__P_UP, MOEPT__P_DOWN,
+    MOEPT__P_SGATE_PROJ, MOEPT__P_SUP, MOEPT__P_SDOWN, MOEPT__P_SGATE
+} moept__ptype;
+
+typedef struct moept__param {
+    char name[64];
+    moept__ptype type;
+    int64_t expert;        /* global expert id for expert weights, else -1 */
+    int64_t rows, cols;    /* logical HF shape [rows][cols] */
+    float *data;           /* first row; rows are `stride` floats apart */
+    float *grad;           /* NULL: no gradient (the bias) */
+} moept__param;
+
+struct moept_layer {
+    moept_config cfg;      /* resolved */
+    int64_t D, F, E, K, S; /* hidden, expert width, experts, top-k, shared */
+    int64_t H, HS;         /* rows of w13: 2F gated / F; shared: 2S / S */
+    int act;
+    int64_t Tmax, Nmax;    /* tokens, routed rows per step */
+    moept__counter mem;
+    void *work;            /* the one workspace block every buffer below lives in */
+
+    /* parameters: one buffer, gradients mirror it */
+    float *params, *grads; int64_t n_params;
+    float *w_router;       /* [E][D] */
+    float *w13;            /* [E][H][D] gate rows 0..F-1, up rows F..2F-1 */
+    float *w2;             /* [E][D][F] */
+    float *ws13;           /* [HS][D] shared gate+up */
+    float *ws2;            /* [D][S] shared down */
+    float *wsg;            /* [1][D] shared-expert gate (NULL if ungated) */
+    float *g_router, *g13, *g2, *gs13, *gs2, *gsg; /* gradient mirrors */
+    float *bias;           /* [E] correction bias (not a trainable parameter) */
+    moept__param *table; int64_t n_table;
+
+    /* saved forward state (double-buffered router outputs so a rejected
+       step leaves the previous one intact) */
+    int cur;               /* which of [2] is committed */
+    float *logits[2];      /* [Tmax][E] */
+    float *probs[2];       /* [Tmax][E] router scores: softmax p or sigmoid s */
+    int32_t *ids[2];       /* [Tmax][K] */
+    float *wts[2];         /* [Tmax][K] */
+    float *choice;         /* [nthreads][2E] per-thread scratch */
+    int64_t T;             /* tokens of the committed forward, -1 none */
+    int fwd_valid;
+
+    /* plan */
+    int64_t *counts;       /* [E] rows kept per expert */
+    int64_t *sel_counts;   /* [E] selections before capacity (loss counts) */
+    int64_t *aux_counts;   /* [E] counts used by the aux loss */
+    int64_t *offsets;      /* [E+1] first permuted row of each expert */
+    int64_t *row_of;       /* [Tmax*K] permuted row of assignment t*K+k, -1 dropped */
+    int64_t *tok_of_row;   /* [Nmax] token of each permuted row */
+    int64_t N;             /* rows kept this step */
+    int64_t *fill;         /* [E] plan cursor */
+    double *psum;          /* [E] sum over tokens of the aux-loss scores */
+    float *aux_g;          /* [E] d(aux_coef * aux)/d score_t,e (same for all t) */
+    int32_t *kscratch;     /* [nthreads][K] */
+
+    /* activations */
+    float *xs;             /* [Nmax][D] permuted input rows */
+    float *h;              /* [Nmax][H] expert pre-activations (gate|up) */
+    float *a;              /* [Nmax][F] expert activations */
+    float *ys;             /* [Nmax][D] expert outputs; backward: dys, dxs */
+    float *da;             /* [Nmax][F] backward scratch */
+    float *hs;             /* [Tmax][HS] shared pre-activations */
+    float *as;             /* [Tmax][S] shared activations */
+    float *yss;            /* [Tmax][D] shared outputs; backward: dys_shared */
+    float *das;            /* [Tmax][S] */
+    float *sg;             /* [Tmax] shared gate values (sigmoid) */
+    float *dsg;            /* [Tmax] shared gate logit gradients */
+    float *dwts;           /* [Tmax][K] dL/d routing weight */
+    float *dlogits;        /* [Tmax][E] */
+    float *lse;            /* [Tmax] logsumexp of logits (z-loss) */
+    moept__gemm *descs;    /* [E] grouped GEMM descriptors */
+    moept__gemm_ws gws;
+    int nthreads;
+
+    moept_stats stats;
+    char err[MOEPT__ERRLEN];
+};
+
+static moept_status moept__fail(const moept_layer *L, moept_status s,
+                                const char *fmt, ...) {
+    va_list ap; va_start(ap, fmt);
+    moept__verr(((moept_layer *)L)->err, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+const char *moept_last_error(const moept_layer *layer) {
+    return layer ? layer->err : moept__thread_err;
+}
+
+static const char *moept__family_name(int f) {
+    switch (f) {
+    case MOEPT_FAMILY_MIXTRAL: return "mixtral";
+    case MOEPT_FAMILY_QWEN2_MOE: return "qwen2_moe";
+    case MOEPT_FAMILY_OLMOE: return "olmoe";
+    case MOEPT_FAMILY_DEEPSEEK_V3: return "deepseek_v3";
+    }
+    return "?";
+}
+
+/* Validates and resolves defaults. Writes a message naming the field. */
+static moept_status moept__resolve(const moept_config *in, moept_config *c) {
+    *c = *in;
+#define MOEPT__BAD(...) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, __VA_ARGS__)
+    if ((unsigned)c->family > MOEPT_FAMILY_DEEPSEEK_V3)
+        MOEPT__BAD("config.family: %d is not a moept_family", (int)c->family);
+    if (c->hidden_size <= 0 || c->hidden_size > (1 << 20))
+        MOEPT__BAD("config.hidden_size: %lld must be in 1..1048576", (long long)c->hidden_size);
+    if (c->intermediate_size <= 0 || c->intermediate_size > (1 << 20))
+        MOEPT__BAD("config.intermediate_size: %lld must be in 1..1048576", (long long)c->intermediate_size);
+    if (c->num_experts <= 0 || c->num_experts > 65536)
+        MOEPT__BAD("config.num_experts: %lld must be in 1..65536", (long long)c->num_experts);
+    if (c->top_k <= 0 || c->top_k > c->num_experts)
+        MOEPT__BAD("config.top_k: %lld must be in 1..num_experts (%lld)", (long long)c->top_k, (long long)c->num_experts);
+    if (c->norm_topk_prob != 0 && c->norm_topk_prob != 1)
+        MOEPT__BAD("config.norm_topk_prob: %d must be 0 or 1", c->norm_topk_prob);
+    if ((unsigned)c->activation > MOEPT_ACT_RELU)
+        MOEPT__BAD("config.activation: %d is not a moept_activation", (int)c->activation);
+    if (c->shared_intermediate_size < 0 || c->shared_intermediate_size > (1 << 20))
+        MOEPT__BAD("config.shared_intermediate_size: %lld must be in 0..1048576", (long long)c->shared_intermediate_size);
+    if ((unsigned)c->shared_gate > MOEPT_SHARED_GATE_SIGMOID)
+        MOEPT__BAD("config.shared_gate: %d is not a moept_shared_gate", (int)c->shared_gate);
+    if (c->shared_gate == MOEPT_SHARED_GATE_DEFAULT)
+        c->shared_gate = c->family == MOEPT_FAMILY_QWEN2_MOE ? MOEPT_SHARED_GATE_SIGMOID
+                                                            : MOEPT_SHARED_GATE_NONE;
+    if (c->n_group == 0) c->n_group = 1;
+    if (c->topk_group == 0) c->topk_group = 1;
+    if (c->n_group < 1 || c->n_group > 64 || c->num_experts % c->n_group != 0)
+        MOEPT__BAD("config.n_group: %lld must be in 1..64 and divide num_experts (%lld)",
+                   (long long)c->n_group, (long long)c->num_experts);
+    if (c->topk_group < 1 || c->topk_group > c->n_group)
+        MOEPT__BAD("config.topk_group: %lld must be in 1..n_group (%lld)", (long long)c->topk_group, (long long)c->n_group);
+    if (c->n_group > 1) {
+        if (c->family != MOEPT_FAMILY_DEEPSEEK_V3)
+            MOEPT__BAD("config.n_group: group-limited routing (n_group %lld) needs family deepseek_v3", (long long)c->n_group);
+        if (c->num_experts / c->n_group < 2)
+            MOEPT__BAD("config.n_group: each group needs at least 2 experts (E/n_group = %lld)",
+                       (long long)(c->num_experts / c->n_group));
+        if (c->top_k > c->topk_group * (c->num_experts / c->n_group))
+            MOEPT__BAD("config.top_k: %lld exceeds the experts in topk_group groups (%lld)",
+                       (long long)c->top_k, (long long)(c->topk_group * (c->num_experts / c->n_group)));
+    }
+    if (!(c->routed_scaling_factor >= 0.0f) || !moept__finite(c->routed_scaling_factor))
+        MOEPT__BAD("config.routed_scaling_factor: must be finite and >= 0 (0 = 1.0)");
+    if (c->routed_scaling_factor == 0.0f) c->routed_scaling_factor = 1.0f;
+    if (c->family != MOEPT_FAMILY_DEEPSEEK_V3 && c->routed_scaling_factor != 1.0f)
+        MOEPT__BAD("config.routed_scaling_factor: only deepseek_v3 scales routed weights");
+    if ((unsigned)c->aux_loss > MOEPT_AUX_MEGATRON)
+        MOEPT__BAD("config.aux_loss: %d is not a moept_aux_loss", (int)c->aux_loss);
+    if (!moept__finite(c->aux_loss_coef) || c->aux_loss_coef < 0.0f)
+        MOEPT__BAD("config.aux_loss_coef: must be finite and >= 0");
+    if (c->aux_loss == MOEPT_AUX_NONE && c->aux_loss_coef != 0.0f)
+        MOEPT__BAD("config.aux_loss_coef: is %g but config.aux_loss is none", (double)c->aux_loss_coef);
+    if (!moept__finite(c->z_loss_coef) || c->z_loss_coef < 0.0f)
+        MOEPT__BAD("config.z_loss_coef: must be finite and >= 0");
+    if (!moept__finite(c->capacity_factor) || c->capacity_factor < 0.0f)
+        MOEPT__BAD("config.capacity_factor: must be finite and >= 0 (0 = dropless)");
+    if (c->max_tokens <= 0 || c->max_tokens > ((int64_t)1 << 31) / c->top_k)
+        MOEPT__BAD("config.max_tokens: %lld must be in 1..2^31/top_k", (long long)c->max_tokens);
+#undef MOEPT__BAD
+    return MOEPT_OK;
+}
+
+static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
+                             int64_t rows, int64_t cols, float *data, float *grad,
+                             const char *fmt, ...) {
+    moept__param *p = &L->table[L->n_table++];
+    va_list ap; va_start(ap, fmt);
+    vsnprintf(p->name, sizeof p->name, fmt, ap);
+    va_end(ap);
+    p->type = type; p->expert = expert; p->rows = rows; p->cols = cols;
+    p->data = data; p->grad = grad;
+}
+
+static void moept__build_table(moept_layer *L) {
+    const int64_t D = L->D, F = L->F, E = L->E, S = L->S;
+    int mix = L->cfg.family == MOEPT_FAMILY_MIXTRAL;
+    int gated = moept__act_gated(L->act);
+    L->n_table = 0;
+    moept__add_param(L, MOEPT__P_ROUTER, -1, E, D, L->w_router, L->g_router, "gate.weight");
+    for (int64_t e = 0; e < E; e++) {
+        float *w = L->w13 + e * L->H * D, *g = L->g13 + e * L->H * D;
+        float *w2 = L->w2 + e * D * F, *g2 = L->g2 + e * D * F;
+        if (gated) {
+            moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", (long long)e);
+            moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, g + F * D, mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", (long long)e);
+        } else {
+            moept__add_param(L, MOEPT__P_UP, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.up_proj.weight", (long long)e);
+        }
+        moept__add_param(L, MOEPT__P_DOWN, e, D, F, w2, g2, mix ? "experts.%lld.w2.weight" : "experts.%lld.down_proj.weight", (long long)e);
+    }
+    if (S > 0) {
+        const char *pre = L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
+        if (gated) {
+            moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, L->ws13, L->gs13, "%s.gate_proj.weight", pre);
+            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13 + S * D, L->gs13 + S * D, "%s.up_proj.weight", pre);
+        } else {
+            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13, L->gs13, "%s.up_proj.weight", pre);
+        }
+        moept__add_param(L, MOEPT__P_SDOWN, -1, D, S, L->ws2, L->gs2, "%s.down_proj.weight", pre);
+        if (L->wsg)
+            moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->wsg, L->gsg, "shared_expert_gate.weight");
+    }
+    if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
+        moept__add_param(L, MOEPT__P_BIAS, -1, 1, E, L->bias, NULL, "gate.e_score_correction_bias");
+}
+
+void moept_destroy(moept_layer *L) {
+    if (!L) return;
+    /* every buffer lives in one of three blocks */
+    MOEPT_FREE(L->params);
+    MOEPT_FREE(L->table);
+    MOEPT_FREE(L->work);
+    MOEPT_FREE(L);
+}
+
+/* Carves aligned sub-buffers out of one block. */
+typedef struct moept__carve { char *base; size_t off; } moept__carve;
+static void *moept__take(moept__carve *c, size_t bytes) {
+    size_t off = (c->off + 63) & ~(size_t)63;
+    c->off = off + bytes;
+    return c->base ? c->base + off : NULL;
+}
+
+static void moept__layout_work(moept_layer *L, moept__carve *c) {
+    const int64_t T = L->Tmax, N = L->Nmax, E = L->E, K = L->K, D = L->D;
+    const size_t f = sizeof(float), i64 = sizeof(int64_t);
+    for (int b = 0; b < 2; b++) {
+        L->logits[b] = moept__take(c, (size_t)(T * E) * f);
+        L->probs[b] = moept__take(c, (size_t)(T * E) * f);
+        L->ids[b] = moept__take(c, (size_t)(T * K) * sizeof(int32_t));
+        L->wts[b] = moept__take(c, (size_t)(T * K) * f);
+    }
+    L->choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
+    L->counts = moept__take(c, (size_t)E * i64);
+    L->sel_counts = moept__take(c, (size_t)E * i64);
+    L->aux_counts = moept__take(c, (size_t)E * i64);
+    L->offsets = moept__take(c, (size_t)(E + 1) * i64);
+    L->row_of = moept__take(c, (size_t)(T * K) * i64);
+    L->tok_of_row = moept__take(c, (size_t)N * i64);
+    L->psum = moept__take(c, (size_t)E * sizeof(double));
+    L->aux_g = moept__take(c, (size_t)E * f);
+    L->fill = moept__take(c, (size_t)E * i64);
+    L->kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
+    L->xs = moept__take(c, (size_t)(N * D) * f);
+    L->h = moept__take(c, (size_t)(N * L->H) * f);
+    L->a = moept__take(c, (size_t)(N * L->F) * f);
+    L->ys = moept__take(c, (size_t)(N * D) * f);
+    L->da = moept__take(c, (size_t)(N * L->F) * f);
+    if (L->S > 0) {
+        L->hs = moept__take(c, (size_t)(T * L->HS) * f);
+        L->as = moept__take(c, (size_t)(T * L->S) * f);
+        L->yss = moept__take(c, (size_t)(T * D) * f);
+        L->das = moept__take(c, (size_t)(T * L->S) * f);
+        L->sg = moept__take(c, (size_t)T * f);
+        L->dsg = moept__take(c, (size_t)T * f);
+    }
+    L->dwts = moept__take(c, (size_t)(T * K) * f);
+    L->dlogits = moept__take(c, (size_t)(T * E) * f);
+    L->lse = moept__take(c, (size_t)T * f);
+    L->descs = moept__take(c, (size_t)E * sizeof(moept__gemm));
+#ifndef MOEPT_CBLAS
+    int64_t mmax = N;
+    int64_t cand[5] = {T, D, L->H, L->HS, E};
+    for (int i = 0; i < 5; i++) mmax = cand[i] > mmax ? cand[i] : mmax;
+    mmax = (mmax + MOEPT__MR - 1) / MOEPT__MR * MOEPT__MR;
+    L->gws.m_max = mmax;
+    L->gws.apack = moept__take(c, (size_t)(mmax * MOEPT__KC) * f);
+    L->gws.bpack = moept__take(c, (size_t)((MOEPT__NC + MOEPT__NR) * MOEPT__KC) * f);
+#endif
+}
+
+moept_status moept_create(const moept_config *cfg, moept_layer **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: out is NULL");
+    *out = NULL;
+    if (!cfg) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: cfg is NULL");
+    moept_config c;
+    moept_status st = moept__resolve(cfg, &c);
+    if (st) return st;
+    moept__counter mem = {0, 0};
+    moept_layer *L = moept__alloc(&mem, sizeof *L);
+    if (!L) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_create: out of memory");
+    memset(L, 0, sizeof *L);
+    L->cfg = c;
+    L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
+    L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
+    int gated = moept__act_gated(L->act);
+    L->H = gated ? 2 * L->F : L->F;
+    L->HS = gated ? 2 * L->S : L->S;
+    L->Tmax = c.max_tokens;
+    L->Nmax = c.max_tokens * c.top_k;
+    L->T = -1;
+#ifdef _OPENMP
+    L->nthreads = omp_get_max_threads();
+#else
+    L->nthreads = 1;
+#endif
+    const int64_t D = L->D, F = L->F, E = L->E, S = L->S;
+    int shared_gate = S > 0 && c.shared_gate == MOEPT_SHARED_GATE_SIGMOID;
+    /* parameter buffer: router | w13 | w2 | ws13 | ws2 | wsg */
+    int64_t n_router = E * D, n13 = E * L->H * D, n2 = E * D * F;
+    int64_t ns13 = L->HS * D, ns2 = D * S, nsg = shared_gate ? D : 0;
+    L->n_params = n_router + n13 + n2 + ns13 + ns2 + nsg;
+    size_t pbytes = (size_t)(2 * L->n_params + E) * sizeof(float);
+    L->params = moept__alloc(&mem, pbytes);
+    L->table = moept__alloc(&mem, (size_t)(3 * E + 8) * sizeof(moept__param));
+    moept__carve wc = {NULL, 0};
+    moept__layout_work(L, &wc);
+    size_t wbytes = wc.off;
+    char *work = moept__alloc(&mem, wbytes);
+    if (!L->params || !L->table || !work) {
+        MOEPT_FREE(L->params); MOEPT_FREE(L->table); MOEPT_FREE(work); MOEPT_FREE(L);
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY,
+                                  "moept_create: cannot allocate %zu bytes of parameters and %zu of workspace",
+                                  pbytes, wbytes);
+    }
+    memset(L->params, 0, pbytes);
+    memset(work, 0, wbytes);
+    wc.base = work; wc.off = 0;
+    moept__layout_work(L, &wc);
+    L->work = work;
+    float *p = L->params, *g = L->params + L->n_params;
+    L->w_router = p; L->g_router = g; p += n_router; g += n_router;
+    L->w13 = p; L->g13 = g; p += n13; g += n13;
+    L->w2 = p; L->g2 = g; p += n2; g += n2;
+    L->ws13 = p; L->gs13 = g; p += ns13; g += ns13;
+    L->ws2 = p; L->gs2 = g; p += ns2; g += ns2;
+    L->wsg = nsg ? p : NULL; L->gsg = nsg ? g : NULL;
+    L->grads = L->params + L->n_params;
+    L->bias = L->params + 2 * L->n_params;
+    moept__build_table(L);
+    L->mem = mem;
+    L->stats.capacity = -1;
+    L->stats.workspace_bytes = (int64_t)wbytes;
+    L->stats.param_bytes = (int64_t)pbytes;
+    *out = L;
+    return MOEPT_OK;
+}
+
+moept_status moept_get_config(const moept_layer *L, moept_config *cfg) {
+    if (!L || !cfg) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_config: NULL argument");
+    *cfg = L->cfg;
+    return MOEPT_OK;
+}
+
+static const moept__param *moept__find(const moept_layer *L, const char *name) {
+    for (int64_t i = 0; i < L->n_table; i++)
+        if (strcmp(L->table[i].name, name) == 0) return &L->table[i];
+    return NULL;
+}
+
+static moept_status moept__param_io(const moept_layer *L, const char *fn,
+                                    const char *name, int64_t numel,
+                                    const void *ptr, const moept__param **out) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer is NULL", fn);
+    if (!name) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: name is NULL", fn);
+    if (!ptr) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s(%s): data pointer is NULL", fn, name);
+    const moept__param *p = moept__find(L, name);
+    if (!p) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: no parameter named '%s' in this %s layer", fn, name,
+                               moept__family_name(L->cfg.family));
+    if (numel != p->rows * p->cols)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s(%s): numel %lld, expected %lld ([%lld][%lld])", fn, name,
+                           (long long)numel, (long long)(p->rows * p->cols), (long long)p->rows, (long long)p->cols);
+    *out = p;
+    return MOEPT_OK;
+}
+
+moept_status moept_set_param(moept_layer *L, const char *name, const float *src, int64_t numel) {
+    const moept__param *p;
+    moept_status st = moept__param_io(L, "moept_set_param", name, numel, src, &p);
+    if (st) return st;
+    for (int64_t i = 0; i < numel; i++)
+        if (!moept__finite(src[i]))
+            return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_set_param(%s): element %lld is not finite", name, (long long)i);
+    memcpy(p->data, src, (size_t)numel * sizeof(float));
+    return MOEPT_OK;
+}
+
+moept_status moept_get_param(const moept_layer *L, const char *name, float *dst, int64_t numel) {
+    const moept__param *p;
+    moept_status st = moept__param_io(L, "moept_get_param", name, numel, dst, &p);
+    if (st) return st;
+    memcpy(dst, p->data, (size_t)numel * sizeof(float));
+    return MOEPT_OK;
+}
+
+moept_status moept_get_grad(const moept_layer *L, const char *name, float *dst, int64_t numel) {
+    const moept__param *p;
+    moept_status st = moept__param_io(L, "moept_get_grad", name, numel, dst, &p);
+    if (st) return st;
+    if (!p->grad) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "moept_get_grad: '%s' has no gradient", name);
+    memcpy(dst, p->grad, (size_t)numel * sizeof(float));
+    return MOEPT_OK;
+}
+
+int64_t moept_param_count(const moept_layer *L) { return L ? L->n_table : 0; }
+
+moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_info *info) {
+    if (!L || !info) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: NULL argument");
+    if (i < 0 || i >= L->n_table)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: index %lld not in 0..%lld", (long long)i, (long long)L->n_table - 1);
+    const moept__param *p = &L->table[i];
+    info->name = p->name; info->rows = p->rows; info->cols = p->cols;
+    info->data = p->data; info->grad = p->grad;
+    return MOEPT_OK;
+}
+
+moept_status moept_params(moept_layer *L, float **params, int64_t *numel) {
+    if (!L || !params || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_params: NULL argument");
+    *params = L->params; *numel = L->n_params;
+    return MOEPT_OK;
+}
+
+moept_status moept_grads(moept_layer *L, float **grads, int64_t *numel) {
+    if (!L || !grads || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grads: NULL argument");
+    *grads = L->grads; *numel = L->n_params;
+    return MOEPT_OK;
+}
+
+moept_status moept_zero_grad(moept_layer *L) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_zero_grad: layer is NULL");
+    memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
+    return MOEPT_OK;
+}
+
+/* splitmix64: a small deterministic generator for initialisation */
+static uint64_t moept__mix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+moept_status moept_init_params(moept_layer *L, uint64_t seed) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_init_params: layer is NULL");
+    for (int64_t i = 0; i < L->n_table; i++) {
+        const moept__param *p = &L->table[i];
+        if (p->type == MOEPT__P_BIAS) { memset(p->data, 0, (size_t)p->cols * sizeof(float)); continue; }
+        /* seed per parameter name, so a layout change keeps each value */
+        uint64_t s = seed;
+        for (const char *c = p->name; *c; c++) s = s * 131 + (unsigned char)*c;
+        float bound = 1.0f / sqrtf((float)p->cols);
+        for (int64_t j = 0; j < p->rows * p->cols; j++) {
+            double u = (double)(moept__mix(&s) >> 11) * (1.0 / 9007199254740992.0);
+            p->data[j] = (float)((2.0 * u - 1.0) * bound);
+        }
+    }
+    return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   Forward
+   ------------------------------------------------------------------------ */
+#ifdef _OPENMP
+#define MOEPT__TID omp_get_thread_num()
+#else
+#define MOEPT__TID 0
+#endif
+/* parallel loops only where the work pays for the fork */
+#define MOEPT__PAR(work) if ((work) > 32768)
+
+static int64_t moept__first_nonfinite(const float *v, int64_t n) {
+    int64_t bad = -1;
+    for (int64_t i = 0; i < n && bad < 0; i++)
+        if (!moept__finite(v[i])) bad = i;
+    return bad;
+}
+
+/* Expert FFN over the permuted rows of every group: h = xs W13^T,
+   a = act(h), ys = a W2^T. The same code runs the shared expert (one group). */
+static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
+                               const int64_t *offsets, const float *w13,
+                               const float *w2, int64_t H, int64_t F,
+                               float *h, float *a, float *ys) {
+    const int64_t D = L->D;
+    moept__gemm *gd = L->descs;
+    int64_t n = 0;
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 1, rows, H, D, xs + r0 * D, D,
+                                   w13 + e * H * D, D, 0.0f, h + r0 * H, H);
+    }
+    moept__gemm_run(gd, n, &L->gws);
+    int64_t R = offsets[groups] - offsets[0], base = offsets[0];
+    const int act = L->act;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
+    for (int64_t r = base; r < base + R; r++)
+        for (int64_t j = 0; j < F; j++)
+            a[r * F + j] = moept__act_fwd(act, h + r * H, F, j);
+    n = 0;
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 1, rows, D, F, a + r0 * F, F,
+                                   w2 + e * D * F, F, 0.0f, ys + r0 * D, D);
+    }
+    moept__gemm_run(gd, n, &L->gws);
+}
+
+/* Backward of moept__ffn_forward. dys (in ys) -> weight grads accumulate,
+   dxs written over ys. h is overwritten by dh. */
+static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
+                                const int64_t *offsets, const float *w13,
+                                const float *w2, float *g13, float *g2,
+                                int64_t H, int64_t F, float *h, const float *a,
+                                float *da, float *ys) {
+    const int64_t D = L->D;
+    moept__gemm *gd = L->descs;
+    int64_t n = 0;
+    /* da = dys W2 ; g2 += dys^T a */
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D,
+                                   w2 + e * D * F, F, 0.0f, da + r0 * F, F);
+    }
+    moept__gemm_run(gd, n, &L->gws);
+    n = 0;
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(1, 0, D, F, rows, ys + r0 * D, D,
+                                   a + r0 * F, F, 1.0f, g2 + e * D * F, F);
+    }
+    moept__gemm_run(gd, n, &L->gws);
+    int64_t R = offsets[groups] - offsets[0], base = offsets[0];
+    const int act = L->act;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
+    for (int64_t r = base; r < base + R; r++)
+        for (int64_t j = 0; j < F; j++)
+            moept__act_bwd(act, h + r * H, da[r * F + j], F, j, h + r * H);
+    /* g13 += dh^T xs ; dxs = dh W13 (into ys) */
+    n = 0;
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(1, 0, H, D, rows, h + r0 * H, H,
+                                   xs + r0 * D, D, 1.0f, g13 + e * H * D, D);
+    }
+    moept__gemm_run(gd, n, &L->gws);
+    n = 0;
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 0, rows, D, H, h + r0 * H, H,
+                                   w13 + e * H * D, D, 0.0f, ys + r0 * D, D);
+    }
+    moept__gemm_run(gd, n, &L->gws);
+}
+
+moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: layer is NULL");
+    if (T < 0 || T > L->Tmax)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: tokens %lld not in 0..max_tokens (%lld)",
+                           (long long)T, (long long)L->Tmax);
+    if (T > 0 && (!x || !y))
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: %s is NULL", x ? "y" : "x");
+    const int64_t D = L->D, E = L->E, K = L->K;
+    const int fam = (int)L->cfg.family;
+    int64_t bad = moept__first_nonfinite(x, T * D);
+    if (bad >= 0)
+        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite",
+                           (long long)(bad / D), (long long)(bad % D));
+
+    /* route into the spare buffers; commit only if every token routed */
+    const int nb = 1 - L->cur;
+    float *logits = L->logits[nb], *probs = L->probs[nb], *wts = L->wts[nb];
+    int32_t *ids = L->ids[nb];
+    moept__gemm g = moept__gemm_make(0, 1, T, E, D, x, D, L->w_router, D, 0.0f, logits, E);
+    moept__gemm_run(&g, 1, &L->gws);
+    int64_t first_bad = T;
+    const float *bias = fam == MOEPT_FAMILY_DEEPSEEK_V3 ? L->bias : NULL;
+    const int norm = L->cfg.norm_topk_prob, ng = (int)L->cfg.n_group, tg = (int)L->cfg.topk_group;
+    const float scale = L->cfg.routed_scaling_factor;
+    #pragma omp parallel for schedule(static) reduction(min : first_bad) MOEPT__PAR(T * E * K)
+    for (int64_t t = 0; t < T; t++) {
+        float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
+        if (moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, scale,
+                               probs + t * E, scratch, ids + t * K, wts + t * K) != 0)
+            first_bad = t < first_bad ? t : first_bad;
+    }
+    if (first_bad < T)
+        return moept__fail(L, MOEPT_ERR_NUMERIC,
+                           "moept_forward: router logits of token %lld are not finite (overflow in x . gate.weight^T?)",
+                           (long long)first_bad);
+    /* commit: from here on nothing can fail */
+    L->cur = nb;
+    L->T = T;
+    L->fwd_valid = 1;
+
+    /* losses (sequential over tokens: the sums are in token order) */
+    const int aux = (int)L->cfg.aux_loss;
+    for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = 0; L->aux_counts[e] = 0; L->psum[e] = 0.0; }
+    double zsum = 0.0;
+    for (int64_t t = 0; t < T; t++) {
+        const float *lg = logits + t * E;
+        float m = lg[0];
+        for (int64_t e = 1; e < E; e++) m = lg[e] > m ? lg[e] : m;
+        float s = 0.0f;
+        for (int64_t e = 0; e < E; e++) s += expf(lg[e] - m);
+        L->lse[t] = m + logf(s);
+        zsum += (double)L->lse[t] * L->lse[t];
+        for (int64_t k = 0; k < K; k++) L->sel_counts[ids[t * K + k]]++;
+        if (aux != MOEPT_AUX_NONE) {
+            float *score = L->choice;
+            int32_t *cid = L->kscratch;
+            moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, (int)E, (int)K, score, cid);
+            for (int64_t e = 0; e < E; e++) L->psum[e] += score[e];
+            for (int64_t k = 0; k < K; k++) L->aux_counts[cid[k]]++;
+        }
+    }
+    double aux_v = 0.0;
+    const double Td = T > 0 ? (double)T : 1.0;
+    double cnorm = aux == MOEPT_AUX_MEGATRON ? Td * (double)K : Td;
+    for (int64_t e = 0; e < E; e++) {
+        aux_v += (double)L->aux_counts[e] / cnorm * (L->psum[e] / Td);
+        /* d(coef * aux)/d score_t,e = coef * E * count_e / (cnorm * T) */
+        L->aux_g[e] = (float)(L->cfg.aux_loss_coef * (double)E * (double)L->aux_counts[e] / (cnorm * Td));
+    }
+    aux_v *= (double)E;
+
+    /* plan: stable counting sort of the T*K assignments by expert */
+    int64_t cap = -1;
+    if (L->cfg.capacity_factor > 0.0f)
+        cap = (int64_t)ceil((double)L->cfg.capacity_factor * (double)T * (double)K / (double)E);
+    L->offsets[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        L->counts[e] = cap >= 0 && L->sel_counts[e] > cap ? cap : L->sel_counts[e];
+        L->offsets[e + 1] = L->offsets[e] + L->counts[e];
+        L->fill[e] = 0;
+    }
+    L->N = L->offsets[E];
+    for (int64_t i = 0; i < T * K; i++) {
+        int64_t e = ids[i];
+        if (L->fill[e] < L->counts[e]) {
+            int64_t r = L->offsets[e] + L->fill[e]++;
+            L->row_of[i] = r;
+            L->tok_of_row[r] = i / K;
+        } else {
+            L->row_of[i] = -1;
+        }
+    }
+
+    /* permute: each kept row copied once, straight to its final place */
+    const int64_t N = L->N;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
+    for (int64_t r = 0; r < N; r++)
+        memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
+
+    moept__ffn_forward(L, L->xs, E, L->offsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->ys);
+
+    if (L->S > 0) {
+        int64_t off[2] = {0, T};
+        moept__ffn_forward(L, x, 1, off, L->ws13, L->ws2, L->HS, L->S, L->hs, L->as, L->yss);
+        if (L->wsg) {
+            moept__gemm gg = moept__gemm_make(0, 1, T, 1, D, x, D, L->wsg, D, 0.0f, L->sg, 1);
+            moept__gemm_run(&gg, 1, &L->gws);
+            for (int64_t t = 0; t < T; t++) L->sg[t] = moept__sigmoid(L->sg[t]);
+        }
+    }
+
+    /* combine: each output row written once, k contributions in slot order */
+    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
+    for (int64_t t = 0; t < T; t++) {
+        float *yt = y + t * D;
+        if (L->S > 0) {
+            float gs = L->wsg ? L->sg[t] : 1.0f;
+            for (int64_t d = 0; d < D; d++) yt[d] = gs * L->yss[t * D + d];
+        } else {
+            memset(yt, 0, (size_t)D * sizeof(float));
+        }
+        for (int64_t k = 0; k < K; k++) {
+            int64_t r = L->row_of[t * K + k];
+            if (r < 0) continue;
+            float w = wts[t * K + k];
+            const float *src = L->ys + r * D;
+            for (int64_t d = 0; d < D; d++) yt[d] += w * src[d];
+        }
+    }
+
+    moept_stats *st = &L->stats;
+    st->steps++;
+    st->tokens = T;
+    st->routed_rows = N;
+    st->dropped_rows = T * K - N;
+    st->capacity = cap;
+    st->aux_loss = (float)aux_v;
+    st->z_loss = (float)(zsum / Td);
+    return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   Backward
+   ------------------------------------------------------------------------ */
+moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
+    if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
+    const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
+    if (T > 0 && (!x || !dy || !dx))
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
+    int64_t bad = moept__first_nonfinite(dy, T * D);
+    if (bad >= 0)
+        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
+                           (long long)(bad / D), (long long)(bad % D));
+    const int fam = (int)L->cfg.family;
+    const float *logits = L->logits[L->cur], *probs = L->probs[L->cur], *wts = L->wts[L->cur];
+    const int32_t *ids = L->ids[L->cur];
+
+    /* combine': dL/dw per slot, then dys = w * dy in place of ys */
+    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
+    for (int64_t t = 0; t < T; t++) {
+        const float *dyt = dy + t * D;
+        for (int64_t k = 0; k < K; k++) {
+            int64_t r = L->row_of[t * K + k];
+            if (r < 0) { L->dwts[t * K + k] = 0.0f; continue; }
+            float *ys = L->ys + r * D;
+            double dot = 0.0;
+            for (int64_t d = 0; d < D; d++) dot += (double)ys[d] * dyt[d];
+            L->dwts[t * K + k] = (float)dot;
+            float w = wts[t * K + k];
+            for (int64_t d = 0; d < D; d++) ys[d] = w * dyt[d];
+        }
+        if (L->S > 0) {
+            float *yss = L->yss + t * D;
+            float gs = L->wsg ? L->sg[t] : 1.0f;
+            if (L->wsg) {
+                double dot = 0.0;
+                for (int64_t d = 0; d < D; d++) dot += (double)yss[d] * dyt[d];
+                L->dsg[t] = (float)dot * gs * (1.0f - gs);
+            }
+            for (int64_t d = 0; d < D; d++) yss[d] = gs * dyt[d];
+        }
+    }
+
+    /* experts': dxs lands in ys */
+    moept__ffn_backward(L, L->xs, E, L->offsets, L->w13, L->w2, L->g13, L->g2,
+                        L->H, L->F, L->h, L->a, L->da, L->ys);
+
+    /* dispatch': dx[t] = sum of its k rows, in slot order */
+    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
+    for (int64_t t = 0; t < T; t++) {
+        float *dxt = dx + t * D;
+        memset(dxt, 0, (size_t)D * sizeof(float));
+        for (int64_t k = 0; k < K; k++) {
+            int64_t r = L->row_of[t * K + k];
+            if (r < 0) continue;
+            const float *src = L->ys + r * D;
+            for (int64_t d = 0; d < D; d++) dxt[d] += src[d];
+        }
+    }
+
+    if (L->S > 0) {
+        int64_t off[2] = {0, T};
+        moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2,
+                            L->HS, L->S, L->hs, L->as, L->das, L->yss);
+        #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
+        for (int64_t i = 0; i < T * D; i++) dx[i] += L->yss[i];
+        if (L->wsg) { /* shared gate: gsg += dsg^T x ; dx += dsg wsg */
+            moept__gemm gd[2];
+            gd[0] = moept__gemm_make(1, 0, 1, D, T, L->dsg, 1, x, D, 1.0f, L->gsg, D);
+            gd[1] = moept__gemm_make(0, 0, T, D, 1, L->dsg, 1, L->wsg, D, 1.0f, dx, D);
+            moept__gemm_run(gd, 2, &L->gws);
+        }
+    }
+
+    /* router': per-token dlogits, then g_router += dlogits^T x, dx += dlogits W */
+    const int aux = (int)L->cfg.aux_loss;
+    const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->aux_g : NULL;
+    const float zc = L->cfg.z_loss_coef;
+    const int norm = L->cfg.norm_topk_prob;
+    const float scale = L->cfg.routed_scaling_factor;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(T * E * K)
+    for (int64_t t = 0; t < T; t++) {
+        float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
+        float zgrad = zc != 0.0f ? zc * 2.0f * L->lse[t] / (float)T : 0.0f;
+        moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K,
+                                L->dwts + t * K, aux_g, zgrad, (int)E, (int)K, norm,
+                                scale, scratch, L->dlogits + t * E);
+    }
+    moept__gemm gr[2];
+    gr[0] = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, x, D, 1.0f, L->g_router, D);
+    gr[1] = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
+    moept__gemm_run(gr, 2, &L->gws);
+    return MOEPT_OK;
+}
+
+moept_status moept_update_bias(moept_layer *L, float rate) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: layer is NULL");
+    if (L->cfg.family != MOEPT_FAMILY_DEEPSEEK_V3)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: only deepseek_v3 has a correction bias");
+    if (!moept__finite(rate) || rate < 0.0f)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
+    if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
+    int64_t total = 0;
+    for (int64_t e = 0; e < L->E; e++) total += L->sel_counts[e];
+    double mean = (double)total / (double)L->E;
+    for (int64_t e = 0; e < L->E; e++) {
+        double c = (double)L->sel_counts[e];
+        L->bias[e] += rate * (float)((mean > c) - (mean < c));
+    }
+    return MOEPT_OK;
+}
+
+moept_status moept_routing(const moept_layer *L, const int32_t **ids, const float **weights,
+                           const float **logits) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing: layer is NULL");
+    if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing: no forward yet");
+    if (ids) *ids = L->ids[L->cur];
+    if (weights) *weights = L->wts[L->cur];
+    if (logits) *logits = L->logits[L->cur];
+    return MOEPT_OK;
+}
+
+moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe) {
+    if (!L || !st) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_stats: NULL argument");
+    *st = L->stats;
+    st->allocations = L->mem.allocations;
+    st->allocated_bytes = L->mem.bytes;
+    if (tpe)
+        for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd_valid ? L->sel_counts[e] : 0;
+    return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   safetensors, read side. Strict: header length 2..100 MB and inside the
+   file; the header is a UTF-8 JSON object; __metadata__ maps strings to
+   strings; names are unique; dtypes known; shape x dtype size equals the
+   byte range; ranges tile the data area exactly (contiguous, in offset order,
+   from 0 to the end of the file: no gaps, overlaps or trailing bytes). All
+   arithmetic 64-bit with overflow checks.
+   ------------------------------------------------------------------------ */
+#define MOEPT__ST_MAX_HEADER (100 * 1000 * 1000)
+
+struct moept_st_file {
+    int fd;
+    int64_t file_size, data_start;
+    char *header;            /* [header_len + 1] decoded strings point in here */
+    moept_st_tensor *tensors; int64_t n_tensors;
+    char **meta; int64_t n_meta; /* key, value pairs */
+    int64_t bytes_read;
+};
+
+typedef struct moept__json {
+    char *p, *end;
+    const char *err;
+} moept__json;
+
+static void moept__ws(moept__json *j) {
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
+}
+
+static int moept__utf8_ok(const unsigned char *s, int64_t n) {
+    for (int64_t i = 0; i < n;) {
+        unsigned c = s[i];
+        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        if (!len || i + len > n) return 0;
+        uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
+        for (int k = 1; k < len; k++) {
+            if ((s[i + k] & 0xc0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3f);
+        }
+        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
+            (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+        i += len;
+    }
+    return 1;
+}
+
+static int moept__hex4(const char *p, uint32_t *out) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
+        else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
+        else return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* Decodes a JSON string in place (the decoded form is never longer). */
+static char *moept__jstring(moept__json *j) {
+    moept__ws(j);
+    if (j->p >= j->end || *j->p != '"') { j->err = "expected a string"; return NULL; }
+    char *out = ++j->p, *w = out;
+    while (j->p < j->end && *j->p != '"') {
+        unsigned char c = (unsigned char)*j->p;
+        if (c < 0x20) { j->err = "control character in a string"; return NULL; }
+        if (c != '\\') { *w++ = *j->p++; continue; }
+        if (j->p + 1 >= j->end) { j->err = "truncated escape"; return NULL; }
+        char e = j->p[1];
+        j->p += 2;
+        switch (e) {
+        case '"': *w++ = '"'; break;
+        case '\\': *w++ = '\\'; break;
+        case '/': *w++ = '/'; break;
+        case 'b': *w++ = '\b'; break;
+        case 'f': *w++ = '\f'; break;
+        case 'n': *w++ = '\n'; break;
+        case 'r': *w++ = '\r'; break;
+        case 't': *w++ = '\t'; break;
+        case 'u': {
+            uint32_t cp, lo;
+            if (j->end - j->p < 4 || !moept__hex4(j->p, &cp)) { j->err = "bad \\u escape"; return NULL; }
+            j->p += 4;
+            if (cp >= 0xd800 && cp <= 0xdbff) {
+                if (j->end - j->p < 6 || j->p[0] != '\\' || j->p[1] != 'u' || !moept__hex4(j->p + 2, &lo) ||
+                    lo < 0xdc00 || lo > 0xdfff) { j->err = "unpaired surrogate"; return NULL; }
+                j->p += 6;
+                cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+            } else if (cp >= 0xdc00 && cp <= 0xdfff) { j->err = "unpaired surrogate"; return NULL; }
+            if (cp == 0) { j->err = "NUL in a string"; return NULL; }
+            if (cp < 0x80) *w++ = (char)cp;
+            else if (cp < 0x800) { *w++ = (char)(0xc0 | (cp >> 6)); *w++ = (char)(0x80 | (cp & 0x3f)); }
+            else if (cp < 0x10000) { *w++ = (char)(0xe0 | (cp >> 12)); *w++ = (char)(0x80 | ((cp >> 6) & 0x3f)); *w++ = (char)(0x80 | (cp & 0x3f)); }
+            else { *w++ = (char)(0xf0 | (cp >> 18)); *w++ = (char)(0x80 | ((cp >> 12) & 0x3f)); *w++ = (char)(0x80 | ((cp >> 6) & 0x3f)); *w++ = (char)(0x80 | (cp & 0x3f)); }
+            break;
+        }
+        default: j->err = "bad escape"; return NULL;
+        }
+    }
+    if (j->p >= j->end) { j->err = "unterminated string"; return NULL; }
+    *w = 0;          /* may overwrite the closing quote: already consumed */
+    j->p++;
+    return out;
+}
+
+static int moept__jchar(moept__json *j, char c) {
+    moept__ws(j);
+    if (j->p < j->end && *j->p == c) { j->p++; return 1; }
+    return 0;
+}
+
+static int moept__juint(moept__json *j, int64_t *out) {
+    moept__ws(j);
+    if (j->p >= j->end || *j->p < '0' || *j->p > '9') { j->err = "expected a non-negative integer"; return 0; }
+    if (*j->p == '0' && j->p + 1 < j->end && j->p[1] >= '0' && j->p[1] <= '9') { j->err = "leading zero"; return 0; }
+    int64_t v = 0;
+    while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
+        int d = *j->p++ - '0';
+        if (v > (INT64_MAX - d) / 10) { j->err = "integer overflows 64 bits"; return 0; }
+        v = v * 10 + d;
+    }
+    if (j->p < j->end && (*j->p == '.' || *j->p == 'e' || *j->p == 'E')) { j->err = "expected an integer"; return 0; }
+    *out = v;
+    return 1;
+}
+
+static int moept__dtype_parse(const char *s, moept_dtype *d, int64_t *size) {
+    static const struct { const char *n; moept_dtype d; int64_t sz; } tab[] = {
+        {"F32", MOEPT_DTYPE_F32, 4}, {"F16", MOEPT_DTYPE_F16, 2}, {"BF16", MOEPT_DTYPE_BF16, 2},
+        {"F64", MOEPT_DTYPE_F64, 8}, {"I64", MOEPT_DTYPE_I64, 8}, {"I32", MOEPT_DTYPE_I32, 4},
+        {"U8", MOEPT_DTYPE_U8, 1}, {"BOOL", MOEPT_DTYPE_BOOL, 1}};
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
+        if (strcmp(s, tab[i].n) == 0) { *d = tab[i].d; *size = tab[i].sz; return 1; }
+    return 0;
+}
+
+static int moept__cmp_offset(const void *a, const void *b) {
+    const moept_st_tensor *x = a, *y = b;
+    return (x->offset > y->offset) - (x->offset < y->offset);
+}
+
+static int moept__cmp_name(const void *a, const void *b) {
+    const moept_st_tensor *x = a, *y = b;
+    return strcmp(x->name, y->name);
+}
+
+static moept_status moept__st_parse(moept_st_file *f, const char *path) {
+    int64_t hlen = f->data_start - 8;
+    moept__json j = {f->header, f->header + hlen, NULL};
+    moept__counter *none = NULL;
+    /* count entries generously: each needs at least one ':' */
+    int64_t cap = 1;
+    for (int64_t i = 0; i < hlen; i++) cap += f->header[i] == ':';
+    f->tensors = moept__alloc(none, (size_t)cap * sizeof(moept_st_tensor));
+    f->meta = moept__alloc(none, (size_t)(2 * cap) * sizeof(char *));
+    if (!f->tensors || !f->meta) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for the header", path);
+#define MOEPT__JFAIL(...) return moept__thread_fail(MOEPT_ERR_FORMAT, __VA_ARGS__)
+    if (!moept__jchar(&j, '{')) MOEPT__JFAIL("%s: header is not a JSON object", path);
+    int saw_meta = 0;
+    if (!moept__jchar(&j, '}')) {
+        do {
+            char *name = moept__jstring(&j);
+            if (!name) MOEPT__JFAIL("%s: header: %s", path, j.err);
+            if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: header: expected ':' after \"%s\"", path, name);
+            if (!moept__jchar(&j, '{')) MOEPT__JFAIL("%s: entry \"%s\" is not an object", path, name);
+            if (strcmp(name, "__metadata__") == 0) {
+                if (saw_meta) MOEPT__JFAIL("%s: duplicate __metadata__", path);
+                saw_meta = 1;
+                if (!moept__jchar(&j, '}')) {
+                    do {
+                        char *k = moept__jstring(&j);
+                        if (!k) MOEPT__JFAIL("%s: __metadata__: %s", path, j.err);
+                        if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: __metadata__: expected ':'", path);
+                        char *v = moept__jstring(&j);
+                        if (!v) MOEPT__JFAIL("%s: __metadata__[\"%s\"]: values must be strings (%s)", path, k, j.err);
+                        for (int64_t m = 0; m < f->n_meta; m++)
+                            if (strcmp(f->meta[2 * m], k) == 0) MOEPT__JFAIL("%s: __metadata__: duplicate key \"%s\"", path, k);
+                        f->meta[2 * f->n_meta] = k; f->meta[2 * f->n_meta + 1] = v; f->n_meta++;
+                    } while (moept__jchar(&j, ','));
+                    if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: __metadata__: expected '}'", path);
+                }
+                continue;
+            }
+            moept_st_tensor *t = &f->tensors[f->n_tensors];
+            memset(t, 0, sizeof *t);
+            t->name = name;
+            int have_dtype = 0, have_shape = 0, have_off = 0;
+            int64_t esize = 0, b0 = 0, b1 = 0;
+            if (!moept__jchar(&j, '}')) {
+                do {
+                    char *k = moept__jstring(&j);
+                    if (!k) MOEPT__JFAIL("%s: tensor \"%s\": %s", path, name, j.err);
+                    if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: tensor \"%s\": expected ':'", path, name);
+                    if (strcmp(k, "dtype") == 0 && !have_dtype) {
+                        char *d = moept__jstring(&j);
+                        if (!d) MOEPT__JFAIL("%s: tensor \"%s\": dtype: %s", path, name, j.err);
+                        if (!moept__dtype_parse(d, &t->dtype, &esize)) MOEPT__JFAIL("%s: tensor \"%s\": unknown dtype \"%s\"", path, name, d);
+                        have_dtype = 1;
+                    } else if (strcmp(k, "shape") == 0 && !have_shape) {
+                        if (!moept__jchar(&j, '[')) MOEPT__JFAIL("%s: tensor \"%s\": shape is not an array", path, name);
+                        if (!moept__jchar(&j, ']')) {
+                            do {
+                                if (t->ndim == 8) MOEPT__JFAIL("%s: tensor \"%s\": more than 8 dimensions", path, name);
+                                if (!moept__juint(&j, &t->shape[t->ndim])) MOEPT__JFAIL("%s: tensor \"%s\": shape: %s", path, name, j.err);
+                                t->ndim++;
+                            } while (moept__jchar(&j, ','));
+                            if (!moept__jchar(&j, ']')) MOEPT__JFAIL("%s: tensor \"%s\": shape: expected ']'", path, name);
+                        }
+                        have_shape = 1;
+                    } else if (strcmp(k, "data_offsets") == 0 && !have_off) {
+                        if (!moept__jchar(&j, '[') || !moept__juint(&j, &b0) || !moept__jchar(&j, ',') ||
+                            !moept__juint(&j, &b1) || !moept__jchar(&j, ']'))
+                            MOEPT__JFAIL("%s: tensor \"%s\": data_offsets must be [begin, end]", path, name);
+                        have_off = 1;
+                    } else {
+                        MOEPT__JFAIL("%s: tensor \"%s\": unexpected or repeated field \"%s\"", path, name, k);
+                    }
+                } while (moept__jchar(&j, ','));
+                if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: tensor \"%s\": expected '}'", path, name);
+            }
+            if (!have_dtype || !have_shape || !have_off)
+                MOEPT__JFAIL("%s: tensor \"%s\": needs dtype, shape and data_offsets", path, name);
+            int64_t numel = 1;
+            for (int d = 0; d < t->ndim; d++) {
+                if (t->shape[d] != 0 && numel > INT64_MAX / t->shape[d])
+                    MOEPT__JFAIL("%s: tensor \"%s\": shape overflows 64 bits", path, name);
+                numel *= t->shape[d];
+            }
+            if (numel > INT64_MAX / esize) MOEPT__JFAIL("%s: tensor \"%s\": byte size overflows 64 bits", path, name);
+            if (b1 < b0) MOEPT__JFAIL("%s: tensor \"%s\": data_offsets end %lld < begin %lld", path, name, (long long)b1, (long long)b0);
+            if (b1 - b0 != numel * esize)
+                MOEPT__JFAIL("%s: tensor \"%s\": shape needs %lld bytes but data_offsets span %lld", path, name,
+                             (long long)(numel * esize), (long long)(b1 - b0));
+            t->numel = numel;
+            t->offset = b0;
+            t->nbytes = b1 - b0;
+            f->n_tensors++;
+        } while (moept__jchar(&j, ','));
+        if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: header: expected ',' or '}'", path);
+    }
+    moept__ws(&j);
+    if (j.p != j.end) MOEPT__JFAIL("%s: header: trailing characters after the JSON object", path);
+    /* unique names */
+    qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, moept__cmp_name);
+    for (int64_t i = 1; i < f->n_tensors; i++)
+        if (strcmp(f->tensors[i - 1].name, f->tensors[i].name) == 0)
+            MOEPT__JFAIL("%s: duplicate tensor name \"%s\"", path, f->tensors[i].name);
+    /* the ranges must tile the data area */
+    qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, moept__cmp_offset);
+    int64_t pos = 0, data_size = f->file_size - f->data_start;
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        moept_st_tensor *t = &f->tensors[i];
+        if (t->offset != pos)
+            MOEPT__JFAIL("%s: tensor \"%s\": data starts at %lld, expected %lld (%s)", path, t->name,
+                         (long long)t->offset, (long long)pos, t->offset > pos ? "gap" : "overlap");
+        if (t->nbytes > data_size - pos)
+            MOEPT__JFAIL("%s: tensor \"%s\": data ends past the end of the file", path, t->name);
+        pos += t->nbytes;
+        t->offset += f->data_start;
+    }
+    if (pos != data_size)
+        MOEPT__JFAIL("%s: %lld trailing bytes after the last tensor", path, (long long)(data_size - pos));
+#undef MOEPT__JFAIL
+    return MOEPT_OK;
+}
+
+void moept_st_close(moept_st_file *f) {
+    if (!f) return;
+    if (f->fd >= 0) close(f->fd);
+    MOEPT_FREE(f->header);
+    MOEPT_FREE(f->tensors);
+    MOEPT_FREE(f->meta);
+    MOEPT_FREE(f);
+}
+
+static int moept__pread_all(int fd, void *buf, int64_t n, int64_t off) {
+    char *p = buf;
+    while (n > 0) {
+        ssize_t r = pread(fd, p, (size_t)(n > (1 << 30) ? (1 << 30) : n), (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return 0;
+        p += r; n -= r; off += r;
+    }
+    return 1;
+}
+
+moept_status moept_st_open(const char *path, moept_st_file **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_open: out is NULL");
+    *out = NULL;
+    if (!path) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_open: path is NULL");
+    moept_st_file *f = moept__alloc(NULL, sizeof *f);
+    if (!f) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_open: out of memory");
+    memset(f, 0, sizeof *f);
+    f->fd = open(path, O_RDONLY);
+    if (f->fd < 0) {
+        int e = errno;
+        MOEPT_FREE(f);
+        return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(e));
+    }
+    moept_status st;
+    struct stat sb;
+    unsigned char len8[8];
+    if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        st = moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
+        goto fail;
+    }
+    f->file_size = (int64_t)sb.st_size;
+    if (f->file_size < 8 || !moept__pread_all(f->fd, len8, 8, 0)) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: shorter than the 8-byte header length", path);
+        goto fail;
+    }
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+    if (hlen < 2 || hlen > MOEPT__ST_MAX_HEADER) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header length %llu not in 2..%d", path,
+                                (unsigned long long)hlen, MOEPT__ST_MAX_HEADER);
+        goto fail;
+    }
+    if ((int64_t)hlen > f->file_size - 8) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header length %llu runs past the end of the file (%lld bytes)",
+                                path, (unsigned long long)hlen, (long long)f->file_size);
+        goto fail;
+    }
+    f->data_start = 8 + (int64_t)hlen;
+    f->header = moept__alloc(NULL, (size_t)hlen + 1);
+    if (!f->header) { st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path); goto fail; }
+    if (!moept__pread_all(f->fd, f->header, (int64_t)hlen, 8)) {
+        st = moept__thread_fail(MOEPT_ERR_IO, "%s: cannot read the header", path);
+        goto fail;
+    }
+    f->header[hlen] = 0;
+    f->bytes_read = 8 + (int64_t)hlen;
+    if (!moept__utf8_ok((const unsigned char *)f->header, (int64_t)hlen)) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header is not valid UTF-8", path);
+        goto fail;
+    }
+    st = moept__st_parse(f, path);
+    if (st) goto fail;
+    *out = f;
+    return MOEPT_OK;
+fail:
+    moept_st_close(f);
+    return st;
+}
+
+int64_t moept_st_count(const moept_st_file *f) { return f ? f->n_tensors : 0; }
+
+const moept_st_tensor *moept_st_at(const moept_st_file *f, int64_t i) {
+    return f && i >= 0 && i < f->n_tensors ? &f->tensors[i] : NULL;
+}
+
+const moept_st_tensor *moept_st_find(const moept_st_file *f, const char *name) {
+    if (!f || !name) return NULL;
+    for (int64_t i = 0; i < f->n_tensors; i++)
+        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+    return NULL;
+}
+
+const char *moept_st_meta(const moept_st_file *f, const char *key) {
+    if (!f || !key) return NULL;
+    for (int64_t i = 0; i < f->n_meta; i++)
+        if (strcmp(f->meta[2 * i], key) == 0) return f->meta[2 * i + 1];
+    return NULL;
+}
+
+static float moept__half_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* reads the tensor's bytes in chunks through a small stack buffer and
+   converts; dst receives numel values of `out_size` bytes */
+static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, void *dst,
+                                   int64_t numel, int want_int) {
+    if (!f || !t || !dst) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_read: NULL argument");
+    if (numel != t->numel)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "tensor \"%s\": has %lld elements, caller expects %lld",
+                                  t->name, (long long)t->numel, (long long)numel);
+    int isint = t->dtype == MOEPT_DTYPE_I64 || t->dtype == MOEPT_DTYPE_I32;
+    int isflt = t->dtype == MOEPT_DTYPE_F32 || t->dtype == MOEPT_DTYPE_F16 || t->dtype == MOEPT_DTYPE_BF16 ||
+                t->dtype == MOEPT_DTYPE_F64;
+    if ((want_int && !isint) || (!want_int && !isflt))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "tensor \"%s\": dtype cannot be read as %s", t->name,
+                                  want_int ? "integers" : "floats");
+    int64_t es = t->numel ? t->nbytes / t->numel : 1;
+    unsigned char buf[1 << 16];
+    int64_t per = (int64_t)sizeof buf / es, done = 0;
+    while (done < numel) {
+        int64_t n = numel - done < per ? numel - done : per;
+        if (!moept__pread_all(f->fd, buf, n * es, t->offset + done * es))
+            return moept__thread_fail(MOEPT_ERR_IO, "tensor \"%s\": read failed", t->name);
+        f->bytes_read += n * es;
+        for (int64_t i = 0; i < n; i++) {
+            const unsigned char *b = buf + i * es;
+            if (want_int) {
+                int64_t v;
+                if (t->dtype == MOEPT_DTYPE_I64) { uint64_t u = 0; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 8); }
+                else { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; int32_t s; memcpy(&s, &u, 4); v = s; }
+                ((int64_t *)dst)[done + i] = v;
+            } else {
+                float v;
+                if (t->dtype == MOEPT_DTYPE_F32) { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 4); }
+                else if (t->dtype == MOEPT_DTYPE_F64) { uint64_t u = 0; double d; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&d, &u, 8); v = (float)d; }
+                else if (t->dtype == MOEPT_DTYPE_BF16) { uint32_t u = ((uint32_t)b[1] << 24) | ((uint32_t)b[0] << 16); memcpy(&v, &u, 4); }
+                else v = moept__half_to_f32((uint16_t)(b[0] | (b[1] << 8)));
+                ((float *)dst)[done + i] = v;
+            }
+        }
+        done += n;
+    }
+    return MOEPT_OK;
+}
+
+moept_status moept_st_read_f32(moept_st_file *f, const moept_st_tensor *t, float *dst, int64_t numel) {
+    return moept__st_read(f, t, dst, numel, 0);
+}
+
+moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t, int64_t *dst, int64_t numel) {
+    return moept__st_read(f, t, dst, numel, 1);
+}

@@ -1,0 +1,530 @@
+/* moept.h - v0.1.0 - mixture-of-experts layer for training, in C.
+   MIT licensed (see LICENSE at the end of this file and in the repository).
+
+   WHAT IT IS
+     One MoE block (router -> top-k -> experts -> weighted combine, plus an
+     optional shared expert), forward and backward, with the routers and
+     losses of the families people train: Mixtral, Qwen2-MoE, OLMoE
+     (softmax top-k, optional renormalisation) and DeepSeek-V3 (sigmoid,
+     correction bias, group-limited top-k, routed scaling). Weights use the
+     Hugging Face names and orientation ([out][in], y = x W^T), so HF
+     checkpoints map without transposes.
+
+   VENDORING
+     Copy moept.h and moept.c into your project and compile moept.c as C11:
+         cc -O2 -std=c11 -c moept.c             (nothing but libm needed)
+         cc -O2 -std=c11 -fopenmp -c moept.c    (threads in the CPU GEMM)
+         cc -O2 -std=c11 -DMOEPT_CBLAS -c moept.c   (+ link -lopenblas)
+     Link with -lm (and -lopenblas / -fopenmp where used).
+
+   COMPILE-TIME OPTIONS
+     MOEPT_CBLAS        expert GEMMs through cblas_sgemm instead of the
+                        builtin cache-blocked GEMM.
+     MOEPT_MALLOC(n), MOEPT_FREE(p)
+                        override the allocator (define before moept.c).
+                        Every allocation is counted in moept_stats.
+
+   USAGE
+     moept_config cfg = {0};
+     cfg.family = MOEPT_FAMILY_MIXTRAL;
+     cfg.hidden_size = 512; cfg.intermediate_size = 1024;
+     cfg.num_experts = 8;   cfg.top_k = 2; cfg.norm_topk_prob = 1;
+     cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f;
+     cfg.max_tokens = 4096;
+     moept_layer *L;
+     if (moept_create(&cfg, &L) != MOEPT_OK) puts(moept_last_error(NULL));
+     moept_set_param(L, "experts.3.w1.weight", w, F * D);   // [F][D]
+     moept_forward(L, x, T, y);          // x [T][D] -> y [T][D]
+     moept_backward(L, x, dy, dx);       // dy [T][D] -> dx [T][D], grads +=
+     float *g; int64_t n; moept_grads(L, &g, &n);  // one contiguous range
+     moept_zero_grad(L);
+     moept_destroy(L);
+
+   CONVENTIONS
+     - All row-major float32. x, y, dx, dy are [T][hidden_size].
+     - Gradients accumulate across moept_backward calls until
+       moept_zero_grad (as in PyTorch). They are gradients of
+           L = sum(y * dy) + aux_loss_coef * aux_loss + z_loss_coef * z_loss.
+     - moept_backward must be given the same x as the last moept_forward.
+     - Every call returns a moept_status. On failure moept_last_error(layer)
+       says why (moept_last_error(NULL) for moept_create), and the layer is
+       left exactly as it was: parameters, gradients, bias, the saved
+       forward state and the stats.
+     - The library never prints, exits or aborts. Per-step work performs no
+       allocation (checked through moept_stats.allocations).
+     - Top-k ties go to the lower expert index; all sums are in a fixed order,
+       so results are bitwise reproducible for a given build and thread count
+       (and independent of the thread count with the builtin GEMM).
+
+   ROUTING (fp32)
+     softmax families (mixtral, qwen2_moe, olmoe):
+         p = softmax(logits); ids = top-k(p); w = p[ids];
+         if norm_topk_prob: w /= sum(w)
+     deepseek_v3:
+         s = sigmoid(logits); c = s + correction_bias;
+         group score = sum of the top 2 c in each of n_group groups;
+         keep the topk_group best groups (the others' experts excluded,
+         as masked_fill(-inf) in transformers and DeepSeek's reference);
+         ids = top-k(c); w = s[ids];
+         if norm_topk_prob: w /= sum(w) + 1e-20;  w *= routed_scaling_factor
+       The correction bias only selects experts and gets no gradient;
+       moept_update_bias() implements aux-loss-free balancing.
+
+   LOSSES
+     MOEPT_AUX_HF:       E * sum_e (count_e / T) * mean_t softmax(logits_t)_e,
+                         counts from the top-k of softmax(logits), exactly as
+                         transformers' load_balancing_loss_func.
+     MOEPT_AUX_MEGATRON: E * sum_e count_e / (T*K) * mean_t score_t,e with the
+                         router's own selection and scores (softmax, or
+                         sigmoid normalised over experts), as Megatron-Core.
+                         It equals the HF value / K for softmax routers.
+     z_loss:             mean_t (logsumexp_e logits_t,e)^2.
+     Counts are taken before capacity dropping.
+
+   PARAMETER NAMES (per family, the HF module-relative names)
+     all:          gate.weight [E][D]
+     deepseek_v3:  gate.e_score_correction_bias [E]   (a buffer, no gradient)
+     mixtral:      experts.{e}.w1.weight [F][D] (gate)  .w3.weight [F][D] (up)
+                   experts.{e}.w2.weight [D][F] (down)
+     others:       experts.{e}.gate_proj.weight, .up_proj.weight [F][D],
+                   experts.{e}.down_proj.weight [D][F]
+     non-gated activations (gelu, relu): mixtral w1 (in) and w2 (out);
+                   others up_proj (in) and down_proj (out).
+     shared expert (shared_intermediate_size S > 0):
+                   shared_expert.{gate,up,down}_proj.weight  [S][D],[S][D],[D][S]
+                   (deepseek_v3: shared_experts.*), and with a sigmoid gate
+                   shared_expert_gate.weight [1][D].
+*/
+#ifndef MOEPT_H
+#define MOEPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOEPT_VERSION_MAJOR 0
+#define MOEPT_VERSION_MINOR 1
+#define MOEPT_VERSION_PATCH 0
+
+typedef enum moept_status {
+    MOEPT_OK = 0,
+    MOEPT_ERR_INVALID_ARGUMENT = 1, /* bad config field, NULL pointer, bad size */
+    MOEPT_ERR_OUT_OF_MEMORY = 2,
+    MOEPT_ERR_NOT_FOUND = 3,        /* unknown parameter name, missing tensor */
+    MOEPT_ERR_NUMERIC = 4,          /* NaN/Inf in inputs or router logits */
+    MOEPT_ERR_STATE = 5,            /* e.g. backward without a forward */
+    MOEPT_ERR_IO = 6,               /* file errors */
+    MOEPT_ERR_FORMAT = 7,           /* malformed file */
+    MOEPT_ERR_COMM = 8              /* communication backend error */
+} moept_status;
+
+typedef enum moept_family {
+    MOEPT_FAMILY_MIXTRAL = 0,
+    MOEPT_FAMILY_QWEN2_MOE = 1,
+    MOEPT_FAMILY_OLMOE = 2,
+    MOEPT_FAMILY_DEEPSEEK_V3 = 3
+} moept_family;
+
+typedef enum moept_activation {
+    MOEPT_ACT_SILU_GATED = 0, /* down(silu(gate(x)) * up(x)): all four families */
+    MOEPT_ACT_GELU_GATED = 1, /* down(gelu(gate(x)) * up(x)), exact erf gelu */
+    MOEPT_ACT_GELU = 2,       /* down(gelu(up(x))) */
+    MOEPT_ACT_RELU = 3        /* down(relu(up(x))) */
+} moept_activation;
+
+typedef enum moept_aux_loss {
+    MOEPT_AUX_NONE = 0,
+    MOEPT_AUX_HF = 1,
+    MOEPT_AUX_MEGATRON = 2
+} moept_aux_loss;
+
+typedef enum moept_shared_gate {
+    MOEPT_SHARED_GATE_DEFAULT = 0, /* sigmoid for qwen2_moe, none otherwise */
+    MOEPT_SHARED_GATE_NONE = 1,
+    MOEPT_SHARED_GATE_SIGMOID = 2
+} moept_shared_gate;
+
+/* Zero means "default" where a default is stated. */
+typedef struct moept_config {
+    moept_family family;
+    int64_t hidden_size;              /* D, required */
+    int64_t intermediate_size;        /* F, routed expert FFN width, required */
+    int64_t num_experts;              /* E, required, <= 65536 */
+    int64_t top_k;                    /* K, 1..E, required */
+    int norm_topk_prob;               /* 0/1: renormalise the K weights */
+    moept_activation activation;      /* default gated SiLU */
+    int64_t shared_intermediate_size; /* S, 0 = no shared expert */
+    moept_shared_gate shared_gate;
+    int64_t n_group, topk_group;      /* deepseek_v3 groups; 0 = 1 (off) */
+    float routed_scaling_factor;      /* deepseek_v3; 0 = 1.0 */
+    moept_aux_loss aux_loss;
+    float aux_loss_coef;
+    float z_loss_coef;
+    float capacity_factor;            /* 0 = dropless; else per-expert capacity
+                                         ceil(cf * T * K / E), drop by position */
+    int64_t max_tokens;               /* most rows per forward; required */
+} moept_config;
+
+typedef struct moept_stats {
+    int64_t steps;             /* successful forwards since create */
+    int64_t tokens;            /* T of the last forward */
+    int64_t routed_rows;       /* token-expert assignments computed */
+    int64_t dropped_rows;      /* assignments dropped by capacity */
+    int64_t capacity;          /* per-expert capacity, -1 if dropless */
+    float aux_loss;            /* unscaled values of the last forward */
+    float z_loss;
+    int64_t allocations;       /* allocations made since create */
+    int64_t allocated_bytes;   /* bytes allocated since create */
+    int64_t workspace_bytes;   /* bytes held now (parameters excluded) */
+    int64_t param_bytes;       /* parameters + gradients */
+} moept_stats;
+
+typedef struct moept_layer moept_layer;
+
+typedef struct moept_param_info {
+    const char *name;  /* HF module-relative name; valid while the layer lives */
+    int64_t rows, cols; /* shape [rows][cols]; a vector has rows = 1 */
+    float *data;       /* inside the parameter buffer (NULL for none) */
+    float *grad;       /* mirror in the gradient buffer; NULL without gradient */
+} moept_param_info;
+
+/* Lifecycle */
+moept_status moept_create(const moept_config *cfg, moept_layer **out);
+void moept_destroy(moept_layer *layer);
+/* Fills `cfg` with the resolved configuration (defaults applied). */
+moept_status moept_get_config(const moept_layer *layer, moept_config *cfg);
+
+/* Parameters by HF name. `numel` must equal rows*cols of the parameter. */
+moept_status moept_set_param(moept_layer *layer, const char *name,
+                             const float *src, int64_t numel);
+moept_status moept_get_param(const moept_layer *layer, const char *name,
+                             float *dst, int64_t numel);
+moept_status moept_get_grad(const moept_layer *layer, const char *name,
+                            float *dst, int64_t numel);
+/* Enumerate: index 0..moept_param_count()-1, in buffer order. */
+int64_t moept_param_count(const moept_layer *layer);
+moept_status moept_param_info_at(const moept_layer *layer, int64_t index,
+                                 moept_param_info *info);
+/* The one contiguous parameter buffer and its gradient mirror (same layout).
+   The correction bias is not in it (moept_set_param/get_param reach it). */
+moept_status moept_params(moept_layer *layer, float **params, int64_t *numel);
+moept_status moept_grads(moept_layer *layer, float **grads, int64_t *numel);
+/* Fills every parameter with deterministic random values in the ranges of
+   torch.nn.Linear's default init (uniform +-1/sqrt(fan_in)). */
+moept_status moept_init_params(moept_layer *layer, uint64_t seed);
+
+/* Compute */
+moept_status moept_forward(moept_layer *layer, const float *x, int64_t tokens,
+                           float *y);
+moept_status moept_backward(moept_layer *layer, const float *x,
+                            const float *dy, float *dx);
+moept_status moept_zero_grad(moept_layer *layer);
+/* Aux-loss-free balancing (DeepSeek-V3): with the last forward's counts,
+   bias_e += rate * sign(mean_count - count_e). */
+moept_status moept_update_bias(moept_layer *layer, float rate);
+
+/* Router outputs of the last forward: ids [T][K] (int32), weights [T][K],
+   logits [T][E]. Any pointer may be NULL. Valid until the next forward. */
+moept_status moept_routing(const moept_layer *layer, const int32_t **ids,
+                           const float **weights, const float **logits);
+
+/* Stats of the last successful forward; tokens_per_expert [E] may be NULL. */
+moept_status moept_get_stats(const moept_layer *layer, moept_stats *stats,
+                             int64_t *tokens_per_expert);
+
+const char *moept_status_string(moept_status s);
+/* Message of the last failure on `layer`; NULL gives this thread's last
+   moept_create / file error. Never NULL. */
+const char *moept_last_error(const moept_layer *layer);
+
+/* ---- safetensors (read side; used by the checker and checkpoints) ----- */
+typedef enum moept_dtype {
+    MOEPT_DTYPE_F32 = 0, MOEPT_DTYPE_F16 = 1, MOEPT_DTYPE_BF16 = 2,
+    MOEPT_DTYPE_F64 = 3, MOEPT_DTYPE_I64 = 4, MOEPT_DTYPE_I32 = 5,
+    MOEPT_DTYPE_U8 = 6, MOEPT_DTYPE_BOOL = 7
+} moept_dtype;
+
+typedef struct moept_st_file moept_st_file;
+typedef struct moept_st_tensor {
+    const char *name;
+    moept_dtype dtype;
+    int ndim;
+    int64_t shape[8];
+    int64_t numel;
+    int64_t offset, nbytes; /* absolute file offset of the data */
+} moept_st_tensor;
+
+/* Opens and validates the header (strict: see moept.c). On failure *out is
+   NULL and moept_last_error(NULL) names the rule broken. */
+moept_status moept_st_open(const char *path, moept_st_file **out);
+void moept_st_close(moept_st_file *f);
+int64_t moept_st_count(const moept_st_file *f);
+const moept_st_tensor *moept_st_at(const moept_st_file *f, int64_t i);
+const moept_st_tensor *moept_st_find(const moept_st_file *f, const char *name);
+/* NULL if absent. */
+const char *moept_st_meta(const moept_st_file *f, const char *key);
+/* Reads a tensor, converting F32/F16/BF16/F64 to float, or I64/I32 to int64. */
+moept_status moept_st_read_f32(moept_st_file *f, const moept_st_tensor *t,
+                               float *dst, int64_t numel);
+moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t,
+                               int64_t *dst, int64_t numel);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOEPT_H */
+
+/* ======================================================================
+   Shared per-element math (host and device). Internal: moept.c and
+   moept_kernels.cu define MOEPT_INTERNAL before including this header. The
+   CPU executor calls exactly these functions, so the reference-case checks
+   cover the math the CUDA kernels run.
+   ====================================================================== */
+#if defined(MOEPT_INTERNAL) && !defined(MOEPT_INTERNAL_MATH)
+#define MOEPT_INTERNAL_MATH
+#include <math.h>
+#ifdef __CUDACC__
+#define MOEPT_HD __host__ __device__
+#else
+#define MOEPT_HD
+#endif
+
+MOEPT_HD static inline int moept__finite(float v) {
+    /* not isfinite(): -ffast-math builds must still catch NaN/Inf */
+    union { float f; uint32_t u; } b; b.f = v;
+    return (b.u & 0x7f800000u) != 0x7f800000u;
+}
+
+MOEPT_HD static inline float moept__sigmoid(float v) {
+    return 1.0f / (1.0f + expf(-v));
+}
+
+/* Activation of one element: act_kind as moept_activation. For gated kinds
+   g is the gate pre-activation and u the up projection; otherwise u is
+   unused and g is the pre-activation. */
+MOEPT_HD static inline float moept__act_base(int kind, float g) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: return g * moept__sigmoid(g);
+    case MOEPT_ACT_GELU_GATED:
+    case MOEPT_ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
+    default: return g > 0.0f ? g : 0.0f;
+    }
+}
+MOEPT_HD static inline float moept__act_base_grad(int kind, float g) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: {
+        float s = moept__sigmoid(g);
+        return s * (1.0f + g * (1.0f - s));
+    }
+    case MOEPT_ACT_GELU_GATED:
+    case MOEPT_ACT_GELU: {
+        float cdf = 0.5f * (1.0f + erff(g * 0.70710678118654752f));
+        float pdf = 0.39894228040143268f * expf(-0.5f * g * g);
+        return cdf + g * pdf;
+    }
+    default: return g > 0.0f ? 1.0f : 0.0f;
+    }
+}
+MOEPT_HD static inline int moept__act_gated(int kind) {
+    return kind == MOEPT_ACT_SILU_GATED || kind == MOEPT_ACT_GELU_GATED;
+}
+
+/* Forward of one hidden unit: h holds [gate | up] (gated, width 2F) or [up]
+   (width F); returns a = act(gate) * up, or act(up). */
+MOEPT_HD static inline float moept__act_fwd(int kind, const float *h,
+                                            int64_t F, int64_t j) {
+    if (moept__act_gated(kind)) return moept__act_base(kind, h[j]) * h[F + j];
+    return moept__act_base(kind, h[j]);
+}
+/* Backward of one hidden unit: da = dL/da; writes dL/dh into dh (same
+   layout as h). dh may alias h. */
+MOEPT_HD static inline void moept__act_bwd(int kind, const float *h, float da,
+                                           int64_t F, int64_t j, float *dh) {
+    float g = h[j];
+    if (moept__act_gated(kind)) {
+        float u = h[F + j];
+        float ag = moept__act_base(kind, g);
+        dh[j] = da * u * moept__act_base_grad(kind, g);
+        dh[F + j] = da * ag;
+    } else {
+        dh[j] = da * moept__act_base_grad(kind, g);
+    }
+}
+
+/* Top-k of score[0..E) over experts not masked out; ties to the lower index.
+   Scores must be finite (the router checks). Writes ids in descending score
+   order. O(K*E), fine for E <= a few hundred. */
+MOEPT_HD static inline void moept__topk(const float *score, int E, int K,
+                                        int32_t *ids) {
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        float bv = 0.0f;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= (ids[j] == e);
+            if (taken) continue;
+            if (best < 0 || score[e] > bv) { best = e; bv = score[e]; }
+        }
+        ids[k] = best;
+    }
+}
+
+/* Softmax of one token's logits into p[E]; returns logsumexp. */
+MOEPT_HD static inline float moept__softmax(const float *logit, int E, float *p) {
+    float m = logit[0];
+    for (int e = 1; e < E; e++) m = logit[e] > m ? logit[e] : m;
+    float s = 0.0f;
+    for (int e = 0; e < E; e++) { p[e] = expf(logit[e] - m); s += p[e]; }
+    float inv = 1.0f / s;
+    for (int e = 0; e < E; e++) p[e] *= inv;
+    return m + logf(s);
+}
+
+/* Route one token. family: moept_family. probs[E] receives the router's
+   scores (softmax p, or sigmoid s); choice[E] is scratch. Returns 0, or -1 if
+   a logit is not finite (ids/weights then untouched). */
+MOEPT_HD static inline int moept__route_token(
+    int family, const float *logit, const float *bias, int E, int K, int norm,
+    int n_group, int topk_group, float scale, float *probs, float *choice,
+    int32_t *ids, float *w) {
+    for (int e = 0; e < E; e++)
+        if (!moept__finite(logit[e])) return -1;
+    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
+        moept__softmax(logit, E, probs);
+        moept__topk(probs, E, K, ids);
+        float sum = 0.0f;
+        for (int k = 0; k < K; k++) sum += probs[ids[k]];
+        for (int k = 0; k < K; k++)
+            w[k] = norm ? probs[ids[k]] / sum : probs[ids[k]];
+        return 0;
+    }
+    for (int e = 0; e < E; e++) {
+        probs[e] = moept__sigmoid(logit[e]);
+        choice[e] = probs[e] + (bias ? bias[e] : 0.0f);
+    }
+    if (n_group > 1) {
+        int gs = E / n_group;
+        float gscore[64];      /* n_group <= 64, checked at create */
+        int32_t gsel[64];
+        for (int g = 0; g < n_group; g++) {
+            int32_t two[2];
+            moept__topk(choice + (int64_t)g * gs, gs, 2, two);
+            gscore[g] = choice[g * gs + two[0]] + choice[g * gs + two[1]];
+        }
+        moept__topk(gscore, n_group, topk_group, gsel);
+        for (int g = 0; g < n_group; g++) {
+            int keep = 0;
+            for (int j = 0; j < topk_group; j++) keep |= (gsel[j] == g);
+            if (!keep) /* as transformers >= 4.57 and DeepSeek's own code */
+                for (int e = g * gs; e < (g + 1) * gs; e++) choice[e] = -HUGE_VALF;
+        }
+    }
+    moept__topk(choice, E, K, ids);
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) sum += probs[ids[k]];
+    float div = norm ? sum + 1e-20f : 1.0f;
+    for (int k = 0; k < K; k++) w[k] = probs[ids[k]] / div * scale;
+    return 0;
+}
+
+/* Backward of one token's routing weights. gw[K] = dL/dw; probs[E] the
+   router's scores of the forward. Accumulates dL/dscore into dprob[E]
+   (which the caller then pushes through softmax or sigmoid). */
+MOEPT_HD static inline void moept__route_weights_bwd(
+    int family, const float *probs, const int32_t *ids, const float *gw, int K,
+    int norm, float scale, float *dprob) {
+    if (!norm) {
+        for (int k = 0; k < K; k++)
+            dprob[ids[k]] += gw[k] * (family == MOEPT_FAMILY_DEEPSEEK_V3 ? scale : 1.0f);
+        return;
+    }
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) sum += probs[ids[k]];
+    float den = family == MOEPT_FAMILY_DEEPSEEK_V3 ? sum + 1e-20f : sum;
+    float sc = family == MOEPT_FAMILY_DEEPSEEK_V3 ? scale : 1.0f;
+    /* w_k = sc * p_k / den: dL/dp_j = sc * (g_j - sum_k g_k p_k / den) / den,
+       in this form so that K = 1 cancels exactly (p / p == 1) */
+    float dot = 0.0f;
+    for (int k = 0; k < K; k++) dot += gw[k] * (probs[ids[k]] / den);
+    for (int k = 0; k < K; k++) dprob[ids[k]] += sc * (gw[k] - dot) / den;
+}
+
+/* Softmax backward in place: d[e] <- p[e] * (d[e] - sum_j p[j] d[j]). */
+MOEPT_HD static inline void moept__softmax_bwd(const float *p, int E, float *d) {
+    float dot = 0.0f;
+    for (int e = 0; e < E; e++) dot += p[e] * d[e];
+    for (int e = 0; e < E; e++) d[e] = p[e] * (d[e] - dot);
+}
+
+/* Scores the aux loss averages for one token, and (HF convention) the experts
+   it counts. HF: softmax(logits) and its top-k, as load_balancing_loss_func,
+   whatever the router; Megatron: the router's scores (sigmoid scores
+   normalised over experts) and its own selection. */
+MOEPT_HD static inline void moept__aux_token(int family, int aux,
+                                             const float *logit, const float *probs,
+                                             const int32_t *ids, int E, int K,
+                                             float *score, int32_t *count_ids) {
+    int softmax_router = family != MOEPT_FAMILY_DEEPSEEK_V3;
+    if (aux == MOEPT_AUX_HF) {
+        if (softmax_router) {
+            for (int e = 0; e < E; e++) score[e] = probs[e];
+            for (int k = 0; k < K; k++) count_ids[k] = ids[k];
+        } else {
+            moept__softmax(logit, E, score);
+            moept__topk(score, E, K, count_ids);
+        }
+        return;
+    }
+    if (softmax_router) {
+        for (int e = 0; e < E; e++) score[e] = probs[e];
+    } else {
+        float z = 0.0f;
+        for (int e = 0; e < E; e++) z += probs[e];
+        z += 1e-20f;
+        for (int e = 0; e < E; e++) score[e] = probs[e] / z;
+    }
+    for (int k = 0; k < K; k++) count_ids[k] = ids[k];
+}
+
+/* Router backward of one token: dlogit[E] = dL/dlogits from the routing
+   weights' gradient gw[K], the aux loss (aux_g[E] = dL/dscore, NULL for
+   none) and the z loss (zgrad = z_coef * 2 * lse / T). scratch[E]. */
+MOEPT_HD static inline void moept__router_token_bwd(
+    int family, int aux, const float *logit, const float *probs,
+    const int32_t *ids, const float *gw, const float *aux_g, float zgrad,
+    int E, int K, int norm, float scale, float *scratch, float *dlogit) {
+    for (int e = 0; e < E; e++) dlogit[e] = 0.0f;
+    moept__route_weights_bwd(family, probs, ids, gw, K, norm, scale, dlogit);
+    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
+        if (aux_g)
+            for (int e = 0; e < E; e++) dlogit[e] += aux_g[e];
+        moept__softmax_bwd(probs, E, dlogit);
+        if (zgrad != 0.0f)
+            for (int e = 0; e < E; e++) dlogit[e] += zgrad * probs[e];
+        return;
+    }
+    for (int e = 0; e < E; e++) dlogit[e] *= probs[e] * (1.0f - probs[e]);
+    if (aux_g && aux == MOEPT_AUX_MEGATRON) {
+        /* q = s / Z, Z = sum s + 1e-20: ds_j = (g_j - sum_e g_e q_e) / Z */
+        float z = 0.0f, dot = 0.0f;
+        for (int e = 0; e < E; e++) z += probs[e];
+        z += 1e-20f;
+        for (int e = 0; e < E; e++) dot += aux_g[e] * probs[e] / z;
+        for (int e = 0; e < E; e++)
+            dlogit[e] += (aux_g[e] - dot) / z * probs[e] * (1.0f - probs[e]);
+    }
+    if ((aux_g && aux == MOEPT_AUX_HF) || zgrad != 0.0f) {
+        moept__softmax(logit, E, scratch);
+        float dot = 0.0f;
+        if (aux_g && aux == MOEPT_AUX_HF)
+            for (int e = 0; e < E; e++) dot += scratch[e] * aux_g[e];
+        for (int e = 0; e < E; e++) {
+            float g = (aux_g && aux == MOEPT_AUX_HF) ? aux_g[e] - dot : 0.0f;
+            dlogit[e] += scratch[e] * (g + zgrad);
+        }
+    }
+}
+#endif /* MOEPT_INTERNAL */

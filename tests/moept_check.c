@@ -1,0 +1,226 @@
+/* moept_check: runs moept-case-v1 reference cases (../shared/CASES.md)
+   through moept and compares every output and gradient.
+
+   usage: moept_check [--tol X] FILE...
+   One line per case, then "N passed, N failed"; exit 1 if any failed. */
+#include "../moept.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct check {
+    const char *path;
+    moept_st_file *f;
+    double worst;           /* largest relative error so far */
+    char worst_name[128];
+    char reason[600];       /* non-empty: the case failed for this reason */
+} check;
+
+static int failf(check *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int failf(check *c, const char *fmt, ...) {
+    if (c->reason[0]) return 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->reason, sizeof c->reason, fmt, ap);
+    va_end(ap);
+    return 0;
+}
+
+static int meta_int(check *c, const char *key, int64_t *out) {
+    const char *v = moept_st_meta(c->f, key);
+    if (!v) return failf(c, "metadata '%s' missing", key);
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    if (end == v || *end) return failf(c, "metadata '%s' = '%s' is not an integer", key, v);
+    *out = x;
+    return 1;
+}
+
+static int meta_float(check *c, const char *key, float *out) {
+    const char *v = moept_st_meta(c->f, key);
+    if (!v) return failf(c, "metadata '%s' missing", key);
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || *end || !isfinite(x)) return failf(c, "metadata '%s' = '%s' is not a number", key, v);
+    *out = (float)x;
+    return 1;
+}
+
+/* reads a float tensor that must have shape [rows][cols] (or rows*cols) */
+static float *read_f(check *c, const char *name, int64_t rows, int64_t cols) {
+    const moept_st_tensor *t = moept_st_find(c->f, name);
+    if (!t) { failf(c, "tensor '%s' missing", name); return NULL; }
+    int64_t want = rows * cols;
+    int ok = t->numel == want && (t->ndim == 2 ? t->shape[0] == rows && t->shape[1] == cols
+                                               : t->ndim == 1 && (rows == 1 || cols == 1));
+    if (!ok) { failf(c, "tensor '%s' has the wrong shape (want [%lld, %lld])", name, (long long)rows, (long long)cols); return NULL; }
+    float *buf = malloc((size_t)(want ? want : 1) * sizeof(float));
+    if (!buf) { failf(c, "out of memory"); return NULL; }
+    if (moept_st_read_f32(c->f, t, buf, want) != MOEPT_OK) {
+        failf(c, "%s", moept_last_error(NULL));
+        free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
+static void compare(check *c, const char *name, const float *got, const float *want, int64_t n) {
+    double num = 0.0, den = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = (double)got[i] - (double)want[i];
+        num += d * d;
+        den += (double)want[i] * want[i];
+    }
+    double rel = den > 0.0 ? sqrt(num / den) : sqrt(num);
+    if (!(rel <= c->worst) || c->worst_name[0] == 0) {
+        if (!(rel <= c->worst)) c->worst = isnan(rel) ? INFINITY : rel;
+        if (c->worst == rel || isnan(rel)) snprintf(c->worst_name, sizeof c->worst_name, "%s", name);
+    }
+}
+
+static int family_of(const char *s, moept_family *f) {
+    static const char *names[] = {"mixtral", "qwen2_moe", "olmoe", "deepseek_v3"};
+    for (int i = 0; i < 4; i++)
+        if (strcmp(s, names[i]) == 0) { *f = (moept_family)i; return 1; }
+    return 0;
+}
+
+static void run_case(check *c) {
+    moept_layer *L = NULL;
+    float *x = NULL, *y = NULL, *gy = NULL, *dx = NULL, *want = NULL, *got = NULL;
+    if (moept_st_open(c->path, &c->f) != MOEPT_OK) { failf(c, "%s", moept_last_error(NULL)); return; }
+    const char *fmt = moept_st_meta(c->f, "format");
+    if (!fmt || strcmp(fmt, "moept-case-v1") != 0) { failf(c, "metadata 'format' is not moept-case-v1"); goto done; }
+    moept_config cfg = {0};
+    const char *fam = moept_st_meta(c->f, "family");
+    if (!fam || !family_of(fam, &cfg.family)) { failf(c, "metadata 'family' = '%s' is not supported", fam ? fam : "(missing)"); goto done; }
+    int64_t T, norm, ng, tg;
+    if (!meta_int(c, "tokens", &T) || !meta_int(c, "hidden_size", &cfg.hidden_size) ||
+        !meta_int(c, "intermediate_size", &cfg.intermediate_size) || !meta_int(c, "num_experts", &cfg.num_experts) ||
+        !meta_int(c, "top_k", &cfg.top_k) || !meta_int(c, "norm_topk_prob", &norm) ||
+        !meta_int(c, "shared_intermediate_size", &cfg.shared_intermediate_size) ||
+        !meta_int(c, "n_group", &ng) || !meta_int(c, "topk_group", &tg) ||
+        !meta_float(c, "routed_scaling_factor", &cfg.routed_scaling_factor) ||
+        !meta_float(c, "aux_loss_coef", &cfg.aux_loss_coef) || !meta_float(c, "z_loss_coef", &cfg.z_loss_coef))
+        goto done;
+    const char *act = moept_st_meta(c->f, "hidden_act");
+    if (!act || strcmp(act, "silu") != 0) { failf(c, "metadata 'hidden_act' must be 'silu'"); goto done; }
+    const char *aux = moept_st_meta(c->f, "aux_loss");
+    if (!aux) { failf(c, "metadata 'aux_loss' missing"); goto done; }
+    if (strcmp(aux, "hf") == 0) cfg.aux_loss = MOEPT_AUX_HF;
+    else if (strcmp(aux, "megatron") == 0) cfg.aux_loss = MOEPT_AUX_MEGATRON;
+    else if (strcmp(aux, "none") == 0) cfg.aux_loss = MOEPT_AUX_NONE;
+    else { failf(c, "metadata 'aux_loss' = '%s' is not supported", aux); goto done; }
+    if (T < 0 || T > (1 << 24)) { failf(c, "metadata 'tokens' out of range"); goto done; }
+    cfg.norm_topk_prob = (int)norm;
+    cfg.n_group = ng; cfg.topk_group = tg;
+    cfg.max_tokens = T > 0 ? T : 1;
+    if (moept_create(&cfg, &L) != MOEPT_OK) { failf(c, "config rejected: %s", moept_last_error(NULL)); goto done; }
+    const int64_t D = cfg.hidden_size, E = cfg.num_experts, K = cfg.top_k;
+
+    /* parameters: every one the layer has must be in the file */
+    int64_t np = moept_param_count(L);
+    for (int64_t i = 0; i < np; i++) {
+        moept_param_info pi;
+        moept_param_info_at(L, i, &pi);
+        float *w = read_f(c, pi.name, pi.rows, pi.cols);
+        if (!w) goto done;
+        moept_status st = moept_set_param(L, pi.name, w, pi.rows * pi.cols);
+        free(w);
+        if (st) { failf(c, "%s", moept_last_error(L)); goto done; }
+    }
+    if (!(x = read_f(c, "input", T, D)) || !(gy = read_f(c, "grad_output", T, D))) goto done;
+    y = malloc((size_t)(T * D + 1) * sizeof(float));
+    dx = malloc((size_t)(T * D + 1) * sizeof(float));
+    if (!y || !dx) { failf(c, "out of memory"); goto done; }
+    if (moept_forward(L, x, T, y) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
+
+    if (!(want = read_f(c, "expected.output", T, D))) goto done;
+    compare(c, "output", y, want, T * D);
+    free(want); want = NULL;
+    const int32_t *ids; const float *wts, *logits;
+    moept_routing(L, &ids, &wts, &logits);
+    if (!(want = read_f(c, "expected.router_logits", T, E))) goto done;
+    compare(c, "router_logits", logits, want, T * E);
+    free(want); want = NULL;
+    /* top-k: the same set per token; weights paired with their ids */
+    const moept_st_tensor *tid = moept_st_find(c->f, "expected.topk_ids");
+    if (!tid || tid->ndim != 2 || tid->shape[0] != T || tid->shape[1] != K) { failf(c, "tensor 'expected.topk_ids' missing or not [T, K]"); goto done; }
+    int64_t *eid = malloc((size_t)(T * K + 1) * sizeof(int64_t));
+    if (!eid || moept_st_read_i64(c->f, tid, eid, T * K) != MOEPT_OK) { free(eid); failf(c, "cannot read expected.topk_ids"); goto done; }
+    if (!(want = read_f(c, "expected.topk_weights", T, K))) { free(eid); goto done; }
+    got = malloc((size_t)(T * K + 1) * sizeof(float));
+    for (int64_t t = 0; t < T && got; t++)
+        for (int64_t k = 0; k < K; k++) {
+            int64_t j = 0;
+            while (j < K && ids[t * K + j] != eid[t * K + k]) j++;
+            if (j == K) {
+                failf(c, "topk_ids differ at token %lld: expert %lld expected but not selected", (long long)t, (long long)eid[t * K + k]);
+                free(eid); goto done;
+            }
+            got[t * K + k] = wts[t * K + j];
+        }
+    free(eid);
+    compare(c, "topk_weights", got, want, T * K);
+    free(want); want = NULL;
+    moept_stats st;
+    moept_get_stats(L, &st, NULL);
+    if (!(want = read_f(c, "expected.aux_loss", 1, 1))) goto done;
+    compare(c, "aux_loss", &st.aux_loss, want, 1);
+    free(want); want = NULL;
+    if (!(want = read_f(c, "expected.z_loss", 1, 1))) goto done;
+    compare(c, "z_loss", &st.z_loss, want, 1);
+    free(want); want = NULL;
+
+    if (moept_backward(L, x, gy, dx) != MOEPT_OK) { failf(c, "backward: %s", moept_last_error(L)); goto done; }
+    if (!(want = read_f(c, "expected.grad.input", T, D))) goto done;
+    compare(c, "grad.input", dx, want, T * D);
+    free(want); want = NULL;
+    for (int64_t i = 0; i < np; i++) {
+        moept_param_info pi;
+        moept_param_info_at(L, i, &pi);
+        if (!pi.grad) continue;
+        char name[160];
+        snprintf(name, sizeof name, "expected.grad.%s", pi.name);
+        if (!(want = read_f(c, name, pi.rows, pi.cols))) goto done;
+        compare(c, name + 9, pi.grad, want, pi.rows * pi.cols);
+        free(want); want = NULL;
+    }
+done:
+    free(x); free(y); free(gy); free(dx); free(want); free(got);
+    moept_destroy(L);
+    moept_st_close(c->f);
+}
+
+int main(int argc, char **argv) {
+    double tol = 1e-5;
+    int first = 1;
+    for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
+        if (strcmp(argv[first], "--tol") == 0 && first + 1 < argc) tol = atof(argv[++first]);
+        else if (strcmp(argv[first], "--") == 0) { first++; break; }
+        else { fprintf(stderr, "usage: %s [--tol X] FILE...\n", argv[0]); return 2; }
+    }
+    int passed = 0, failed = 0;
+    for (int i = first; i < argc; i++) {
+        check c;
+        memset(&c, 0, sizeof c);
+        c.path = argv[i];
+        run_case(&c);
+        const char *base = strrchr(c.path, '/');
+        base = base ? base + 1 : c.path;
+        if (!c.reason[0] && !(c.worst <= tol))
+            snprintf(c.reason, sizeof c.reason, "relative error %.3g > %.3g in %s", c.worst, tol, c.worst_name);
+        if (c.reason[0]) {
+            printf("%-40s FAIL  max rel err %.3g (%s): %s\n", base, c.worst, c.worst_name[0] ? c.worst_name : "-", c.reason);
+            failed++;
+        } else {
+            printf("%-40s PASS  max rel err %.3g (%s)\n", base, c.worst, c.worst_name);
+            passed++;
+        }
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed || passed + failed == 0 ? 1 : 0;
+}

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Writes moept-case-v1 reference cases (see ../shared/CASES.md) from
+Hugging Face transformers' own MoE blocks.
+
+Each block is built with transformers' class, run in float64 (including the
+router, whose float32 casts are kept at float64: see Float64Routers), and
+differentiated by autograd. Everything is stored as float32. A case whose routing has a near
+tie (a selection margin below --margin) is redrawn with the next seed, so
+the fp32 implementation under test routes exactly as the reference did.
+
+    pip install -r tools/requirements.txt
+    python3 tools/make_cases.py --out tests/cases
+"""
+import argparse
+import os
+
+import torch
+from safetensors.torch import save_file
+import transformers
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralConfig
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock, Qwen2MoeConfig
+from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock, OlmoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3Config
+
+# name, family, T, D, F, E, K, norm, shared S, n_group, topk_group, scaling, aux coef, z coef
+CASES = [
+    ("mixtral_basic",          "mixtral",     7, 13, 11, 5, 2, 1, 0, 1, 1, 1.0, 0.02, 0.001),
+    ("mixtral_k1",             "mixtral",     9, 10, 6, 4, 1, 1, 0, 1, 1, 1.0, 0.01, 0.0),
+    ("mixtral_t1",             "mixtral",     1, 12, 9, 6, 2, 1, 0, 1, 1, 1.0, 0.01, 0.01),
+    ("mixtral_empty_experts",  "mixtral",     3, 9, 7, 16, 2, 1, 0, 1, 1, 1.0, 0.05, 0.0),
+    ("mixtral_e8_t40",         "mixtral",     40, 24, 20, 8, 2, 1, 0, 1, 1, 1.0, 0.01, 0.001),
+    ("qwen2_shared_nonorm",    "qwen2_moe",   11, 14, 10, 6, 2, 0, 9, 1, 1, 1.0, 0.01, 0.001),
+    ("qwen2_shared_norm_e8",   "qwen2_moe",   16, 15, 7, 8, 4, 1, 13, 1, 1, 1.0, 0.02, 0.0),
+    ("olmoe_nonorm",           "olmoe",       13, 11, 9, 8, 3, 0, 0, 1, 1, 1.0, 0.01, 0.002),
+    ("olmoe_k_eq_e",           "olmoe",       6, 10, 5, 4, 4, 0, 0, 1, 1, 1.0, 0.01, 0.001),
+    ("olmoe_k_eq_e_norm",      "olmoe",       5, 9, 6, 3, 3, 1, 0, 1, 1, 1.0, 0.0, 0.001),
+    ("deepseek_group",         "deepseek_v3", 12, 16, 6, 8, 2, 1, 6, 4, 2, 2.5, 0.01, 0.001),
+    ("deepseek_group_k3",      "deepseek_v3", 10, 13, 5, 12, 3, 1, 10, 3, 1, 1.5, 0.0, 0.002),
+    ("deepseek_nogroup_nonorm","deepseek_v3", 9, 11, 7, 6, 2, 0, 7, 1, 1, 1.0, 0.02, 0.0),
+    ("deepseek_t1",            "deepseek_v3", 1, 10, 5, 8, 2, 1, 5, 2, 1, 2.0, 0.01, 0.001),
+]
+
+
+def build(family, D, F, E, K, norm, S, n_group, topk_group, scaling):
+    if family == "mixtral":
+        cfg = MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
+                            num_experts_per_tok=K, hidden_act="silu", router_jitter_noise=0.0)
+        return MixtralSparseMoeBlock(cfg)
+    if family == "qwen2_moe":
+        cfg = Qwen2MoeConfig(hidden_size=D, moe_intermediate_size=F, num_experts=E,
+                             num_experts_per_tok=K, norm_topk_prob=bool(norm),
+                             shared_expert_intermediate_size=S, hidden_act="silu")
+        return Qwen2MoeSparseMoeBlock(cfg)
+    if family == "olmoe":
+        cfg = OlmoeConfig(hidden_size=D, intermediate_size=F, num_experts=E,
+                          num_experts_per_tok=K, norm_topk_prob=bool(norm), hidden_act="silu")
+        return OlmoeSparseMoeBlock(cfg)
+    assert S % F == 0, "deepseek shared width is a multiple of F"
+    cfg = DeepseekV3Config(hidden_size=D, moe_intermediate_size=F, n_routed_experts=E,
+                           num_experts_per_tok=K, n_group=n_group, topk_group=topk_group,
+                           norm_topk_prob=bool(norm), routed_scaling_factor=scaling,
+                           n_shared_experts=S // F, hidden_act="silu")
+    return DeepseekV3MoE(cfg)
+
+
+class Float64Routers:
+    """Keeps HF's router code in float64: inside this context the float32
+    casts the routers make (`.float()`, `.type(torch.float32)`,
+    `softmax(..., dtype=torch.float)`) leave float64 tensors as they are, so
+    the reference is float64 throughout (an fp32 router leaves ~1e-5 of
+    rounding noise in the router gradient, e.g. when K = 1 renormalises to
+    exactly 1). The HF code itself runs unchanged."""
+
+    def __enter__(self):
+        self.saved = (torch.Tensor.float, torch.Tensor.type, torch.nn.functional.softmax)
+        f, ty, sm = self.saved
+        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else f(t, *a, **k)
+        torch.Tensor.type = lambda t, *a, **k: (t if t.dtype == torch.float64 and a and a[0] is torch.float32
+                                                else ty(t, *a, **k))
+
+        def softmax(t, *a, dtype=None, **k):
+            return sm(t, *a, dtype=None if t.dtype == torch.float64 else dtype, **k)
+        torch.nn.functional.softmax = softmax
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.float, torch.Tensor.type, torch.nn.functional.softmax = self.saved
+
+
+def margin_ok(block, family, x, K, E, n_group, topk_group, margin):
+    """True if every selection in the routing is decided by more than margin."""
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(x.float(), block.gate.weight.float()).double()
+
+        def gap(score, k):  # distance between the k-th and (k+1)-th largest
+            if k >= score.shape[-1]:
+                return torch.full(score.shape[:-1], float("inf"), dtype=score.dtype)
+            v = score.sort(dim=-1, descending=True).values
+            return v[..., k - 1] - v[..., k]
+
+        soft = logits.softmax(-1)
+        gaps = [gap(soft, K)]  # softmax top-k (also the HF aux-loss counts)
+        if family == "deepseek_v3":
+            s = logits.sigmoid()
+            c = s + block.gate.e_score_correction_bias.double()
+            gs = E // n_group
+            grouped = c.view(-1, n_group, gs)
+            gaps.append(gap(grouped, 2).reshape(-1))
+            gscore = grouped.topk(2, dim=-1).values.sum(-1)
+            if n_group > 1:
+                gaps.append(gap(gscore, topk_group))
+            keep = torch.zeros_like(gscore).scatter_(1, gscore.topk(topk_group, dim=-1).indices, 1)
+            cm = c.masked_fill(~keep.repeat_interleave(gs, dim=1).bool(), float("-inf"))
+            gaps.append(gap(cm, K))
+        return all(bool((g > margin).all()) for g in gaps)
+
+
+def per_expert_names(family, E):
+    if family == "mixtral":
+        return [(f"experts.{e}.w1.weight", f"experts.{e}.w3.weight", f"experts.{e}.w2.weight") for e in range(E)]
+    return [(f"experts.{e}.gate_proj.weight", f"experts.{e}.up_proj.weight", f"experts.{e}.down_proj.weight")
+            for e in range(E)]
+
+
+def flatten_params(block, family, E, F, grads=False):
+    """HF module params -> per-expert checkpoint names (fused experts split)."""
+    out = {}
+    get = (lambda p: p.grad) if grads else (lambda p: p.data)
+    for name, p in block.named_parameters():
+        if name == "experts.gate_up_proj":
+            gu = get(p)
+            for e, (g, u, _) in enumerate(per_expert_names(family, E)):
+                out[g] = gu[e, :F]
+                out[u] = gu[e, F:]
+        elif name == "experts.down_proj":
+            dn = get(p)
+            for e, (_, _, d) in enumerate(per_expert_names(family, E)):
+                out[d] = dn[e]
+        else:
+            out[name] = get(p)
+    if not grads and family == "deepseek_v3":
+        out["gate.e_score_correction_bias"] = block.gate.e_score_correction_bias
+    return out
+
+
+def make_case(spec, seed, margin):
+    (name, family, T, D, F, E, K, norm, S, n_group, topk_group, scaling, aux_coef, z_coef) = spec
+    for attempt in range(1000):
+        g = torch.Generator().manual_seed(seed * 1000 + attempt)
+        block = build(family, D, F, E, K, norm, S, n_group, topk_group, scaling).double()
+        with torch.no_grad():
+            for pname, p in block.named_parameters():
+                fan_in = p.shape[-1]
+                std = 1.5 / fan_in ** 0.5 if pname.startswith("gate") else 0.7 / fan_in ** 0.5
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
+            if family == "deepseek_v3":
+                block.gate.e_score_correction_bias.copy_(torch.rand(E, generator=g, dtype=torch.float64) * 0.1)
+            # store float32, compute on exactly those values
+            for p in block.parameters():
+                p.copy_(p.float().double())
+            for b in block.buffers():
+                b.copy_(b.float().double())
+        x = torch.randn(1, T, D, generator=g, dtype=torch.float64).float().double()
+        gy = torch.randn(1, T, D, generator=g, dtype=torch.float64).float().double()
+        if margin_ok(block, family, x.view(T, D), K, E, n_group, topk_group, margin):
+            break
+    else:
+        raise RuntimeError(f"{name}: no draw without near ties")
+    x.requires_grad_(True)
+    captured = {}
+
+    def hook(_mod, _inp, out):
+        captured["logits"], captured["weights"], captured["ids"] = out
+
+    block.gate.register_forward_hook(hook)
+    with Float64Routers():
+        y = block(x)
+    logits = captured["logits"]
+    assert logits.dtype == torch.float64 and captured["weights"].dtype == torch.float64
+    aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func((logits,), E, K)
+    z = (torch.logsumexp(logits.double(), dim=-1) ** 2).mean()
+    obj = (y * gy).sum() + aux_coef * aux + z_coef * z
+    obj.backward()
+
+    tensors = {"input": x.detach().view(T, D), "grad_output": gy.view(T, D)}
+    tensors.update(flatten_params(block, family, E, F))
+    tensors["expected.output"] = y.detach().view(T, D)
+    tensors["expected.router_logits"] = logits.detach().view(T, E)
+    tensors["expected.topk_ids"] = captured["ids"].detach().view(T, K).to(torch.int64)
+    tensors["expected.topk_weights"] = captured["weights"].detach().view(T, K)
+    tensors["expected.aux_loss"] = aux.detach().reshape(1)
+    tensors["expected.z_loss"] = z.detach().reshape(1)
+    tensors["expected.grad.input"] = x.grad.view(T, D)
+    for k, v in flatten_params(block, family, E, F, grads=True).items():
+        tensors["expected.grad." + k] = v if v is not None else torch.zeros_like(dict(block.named_parameters())[k])
+    tensors = {k: v.detach().to(torch.int64 if v.dtype == torch.int64 else torch.float32).contiguous()
+               for k, v in tensors.items()}
+    meta = {
+        "format": "moept-case-v1", "family": family, "tokens": str(T), "hidden_size": str(D),
+        "intermediate_size": str(F), "num_experts": str(E), "top_k": str(K),
+        "norm_topk_prob": str(norm), "hidden_act": "silu", "shared_intermediate_size": str(S),
+        "n_group": str(n_group), "topk_group": str(topk_group),
+        "routed_scaling_factor": repr(float(scaling)), "aux_loss": "hf",
+        "aux_loss_coef": repr(float(aux_coef)), "z_loss_coef": repr(float(z_coef)),
+        "generator": f"tools/make_cases.py torch {torch.__version__} transformers {transformers.__version__}",
+    }
+    return tensors, meta
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="tests/cases")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--margin", type=float, default=2e-4)
+    ap.add_argument("--only", default=None, help="comma-separated case names")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.set_num_threads(1)
+    for i, spec in enumerate(CASES):
+        if args.only and spec[0] not in args.only.split(","):
+            continue
+        tensors, meta = make_case(spec, args.seed + i, args.margin)
+        path = os.path.join(args.out, spec[0] + ".safetensors")
+        save_file(tensors, path, metadata=meta)
+        used = tensors["expected.topk_ids"].unique().numel()
+        print(f"{path}: T={meta['tokens']} E={meta['num_experts']} K={meta['top_k']} experts used {used}")
+
+
+if __name__ == "__main__":
+    main()
