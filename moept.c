@@ -95,13 +95,20 @@ static moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
     return g;
 }
 
+typedef struct moept__gemm_ws {
+    float *apack;     /* [round_up(m_max, MR)][KC], builtin GEMM only packed op(A) strips */
+    float *bpack;     /* [NC/NR][KC][NR] packed op(B) strips */
+    int64_t m_max;
+} moept__gemm_ws;
+
+#ifndef MOEPT_CBLAS
 /* Builtin GEMM: BLIS-style packing with a register-blocked micro-kernel
    written with GCC/Clang vector extensions (AVX-512, AVX or SSE by -march).
    Each element of C is summed over k in one fixed order whatever the
    thread count, so results do not depend on threads. */
 #if defined(__AVX512F__)
 #define MOEPT__VW 16
-#define MOEPT__MR 8
+#define MOEPT__MR 12
 #elif defined(__AVX__)
 #define MOEPT__VW 8
 #define MOEPT__MR 6
@@ -111,19 +118,13 @@ static moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
 #endif
 #define MOEPT__NR (2 * MOEPT__VW)
 #define MOEPT__KC 256
-#define MOEPT__MC 96
+#define MOEPT__MC 144
 #define MOEPT__NC 2048
 
 #if defined(__GNUC__) || defined(__clang__)
 #define MOEPT__VEC 1
 typedef float moept__vf __attribute__((vector_size(MOEPT__VW * 4), aligned(4)));
 #endif
-
-typedef struct moept__gemm_ws {
-    float *apack;     /* [round_up(m_max, MR)][KC] packed op(A) strips */
-    float *bpack;     /* [NC/NR][KC][NR] packed op(B) strips */
-    int64_t m_max;
-} moept__gemm_ws;
 
 static inline float moept__opa(const moept__gemm *g, int64_t i, int64_t p) {
     return g->trans_a ? g->a[p * g->lda + i] : g->a[i * g->lda + p];
@@ -137,10 +138,16 @@ static void moept__pack_a(const moept__gemm *g, int64_t i0, int64_t p0,
                           int64_t kc, float *dst) {
     int64_t mr = g->m - i0 < MOEPT__MR ? g->m - i0 : MOEPT__MR;
     if (!g->trans_a) {
-        for (int64_t i = 0; i < MOEPT__MR; i++) {
-            const float *src = g->a + (i0 + i) * g->lda + p0;
-            if (i < mr) for (int64_t p = 0; p < kc; p++) dst[p * MOEPT__MR + i] = src[p];
-            else for (int64_t p = 0; p < kc; p++) dst[p * MOEPT__MR + i] = 0.0f;
+        /* p outer: contiguous writes; the MR source rows stay in L1 */
+        const float *src = g->a + i0 * g->lda + p0;
+        if (mr == MOEPT__MR) {
+            for (int64_t p = 0; p < kc; p++)
+#pragma GCC unroll 16
+                for (int64_t i = 0; i < MOEPT__MR; i++) dst[p * MOEPT__MR + i] = src[i * g->lda + p];
+        } else {
+            for (int64_t p = 0; p < kc; p++)
+                for (int64_t i = 0; i < MOEPT__MR; i++)
+                    dst[p * MOEPT__MR + i] = i < mr ? src[i * g->lda + p] : 0.0f;
         }
     } else {
         for (int64_t p = 0; p < kc; p++) {
@@ -164,13 +171,16 @@ static void moept__pack_b(const moept__gemm *g, int64_t p0, int64_t j0,
             for (; j < MOEPT__NR; j++) dst[p * MOEPT__NR + j] = 0.0f;
         }
     } else {
-        for (int64_t j = 0; j < MOEPT__NR; j++) {
-            if (j < nr) {
-                const float *src = g->b + (j0 + j) * g->ldb + p0;
-                for (int64_t p = 0; p < kc; p++) dst[p * MOEPT__NR + j] = src[p];
-            } else {
-                for (int64_t p = 0; p < kc; p++) dst[p * MOEPT__NR + j] = 0.0f;
-            }
+        /* p outer: contiguous writes; the NR source rows stay in L1 */
+        const float *src = g->b + j0 * g->ldb + p0;
+        if (nr == MOEPT__NR) {
+            for (int64_t p = 0; p < kc; p++)
+#pragma GCC unroll 32
+                for (int64_t j = 0; j < MOEPT__NR; j++) dst[p * MOEPT__NR + j] = src[j * g->ldb + p];
+        } else {
+            for (int64_t p = 0; p < kc; p++)
+                for (int64_t j = 0; j < MOEPT__NR; j++)
+                    dst[p * MOEPT__NR + j] = j < nr ? src[j * g->ldb + p] : 0.0f;
         }
     }
 }
@@ -182,7 +192,9 @@ static void moept__micro(int64_t kc, const float *ap, const float *bp,
                          int first) {
     float acc[MOEPT__MR][MOEPT__NR];
 #ifdef MOEPT__VEC
+    /* MR x 2 vector accumulators live in registers (the loops unroll) */
     moept__vf c0[MOEPT__MR], c1[MOEPT__MR];
+#pragma GCC unroll 16
     for (int i = 0; i < MOEPT__MR; i++) {
         c0[i] = (moept__vf){0};
         c1[i] = (moept__vf){0};
@@ -192,11 +204,13 @@ static void moept__micro(int64_t kc, const float *ap, const float *bp,
         memcpy(&b0, bp + p * MOEPT__NR, sizeof b0);
         memcpy(&b1, bp + p * MOEPT__NR + MOEPT__VW, sizeof b1);
         const float *a = ap + p * MOEPT__MR;
+#pragma GCC unroll 16
         for (int i = 0; i < MOEPT__MR; i++) {
             c0[i] += a[i] * b0;
             c1[i] += a[i] * b1;
         }
     }
+#pragma GCC unroll 16
     for (int i = 0; i < MOEPT__MR; i++) {
         memcpy(&acc[i][0], &c0[i], sizeof c0[i]);
         memcpy(&acc[i][MOEPT__VW], &c1[i], sizeof c1[i]);
@@ -238,7 +252,8 @@ static void moept__gemm_builtin(const moept__gemm *g, moept__gemm_ws *ws) {
             int64_t nchunks = mblocks >= 4 ? 1 : (nstrips < 4 ? nstrips : 4);
             int64_t ntasks = mblocks * nchunks;
             int first = pc == 0;
-            #pragma omp parallel
+            /* small blocks run on one thread: a fork-join costs more */
+            #pragma omp parallel if (g->m * nc * kc > (1 << 19))
             {
                 #pragma omp for schedule(static)
                 for (int64_t s = 0; s < nstrips; s++)
@@ -262,6 +277,8 @@ static void moept__gemm_builtin(const moept__gemm *g, moept__gemm_ws *ws) {
     }
 }
 
+#endif /* !MOEPT_CBLAS */
+
 /* Executes a batch of descriptors (one per expert group), in order. */
 static void moept__gemm_run(const moept__gemm *gs, int64_t count,
                             moept__gemm_ws *ws) {
@@ -269,6 +286,7 @@ static void moept__gemm_run(const moept__gemm *gs, int64_t count,
         const moept__gemm *g = &gs[i];
         if (g->m == 0 || g->n == 0) continue;
         if (g->k == 0) { /* C = beta * C */
+            if (g->beta == 1.0f) continue;
             for (int64_t r = 0; r < g->m; r++)
                 for (int64_t j = 0; j < g->n; j++)
                     g->c[r * g->ldc + j] = g->beta == 0.0f ? 0.0f : g->beta * g->c[r * g->ldc + j];
@@ -351,13 +369,11 @@ struct moept_layer {
     /* activations */
     float *xs;             /* [Nmax][D] permuted input rows */
     float *h;              /* [Nmax][H] expert pre-activations (gate|up) */
-    float *a;              /* [Nmax][F] expert activations */
+    float *a;              /* [Nmax][F] expert activations; backward: da */
     float *ys;             /* [Nmax][D] expert outputs; backward: dys, dxs */
-    float *da;             /* [Nmax][F] backward scratch */
     float *hs;             /* [Tmax][HS] shared pre-activations */
-    float *as;             /* [Tmax][S] shared activations */
+    float *as;             /* [Tmax][S] shared activations; backward: da */
     float *yss;            /* [Tmax][D] shared outputs; backward: dys_shared */
-    float *das;            /* [Tmax][S] */
     float *sg;             /* [Tmax] shared gate values (sigmoid) */
     float *dsg;            /* [Tmax] shared gate logit gradients */
     float *dwts;           /* [Tmax][K] dL/d routing weight */
@@ -368,6 +384,10 @@ struct moept_layer {
     int nthreads;
 
     moept_stats stats;
+    double aux_value, z_value; /* the last forward's losses in double */
+    double capacity_factor;    /* the float config value read as the decimal
+                                  it was written as (0.6f -> 0.6), so that
+                                  ceil(0.6 * 20) is 12 as in Megatron */
     char err[MOEPT__ERRLEN];
 };
 
@@ -541,12 +561,10 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->h = moept__take(c, (size_t)(N * L->H) * f);
     L->a = moept__take(c, (size_t)(N * L->F) * f);
     L->ys = moept__take(c, (size_t)(N * D) * f);
-    L->da = moept__take(c, (size_t)(N * L->F) * f);
     if (L->S > 0) {
         L->hs = moept__take(c, (size_t)(T * L->HS) * f);
         L->as = moept__take(c, (size_t)(T * L->S) * f);
         L->yss = moept__take(c, (size_t)(T * D) * f);
-        L->das = moept__take(c, (size_t)(T * L->S) * f);
         L->sg = moept__take(c, (size_t)T * f);
         L->dsg = moept__take(c, (size_t)T * f);
     }
@@ -626,6 +644,11 @@ moept_status moept_create(const moept_config *cfg, moept_layer **out) {
     moept__build_table(L);
     L->mem = mem;
     L->stats.capacity = -1;
+    {
+        char buf[32];
+        snprintf(buf, sizeof buf, "%.7g", (double)c.capacity_factor);
+        L->capacity_factor = strtod(buf, NULL);
+    }
     L->stats.workspace_bytes = (int64_t)wbytes;
     L->stats.param_bytes = (int64_t)pbytes;
     *out = L;
@@ -661,9 +684,9 @@ static moept_status moept__param_io(const moept_layer *L, const char *fn,
 }
 
 moept_status moept_set_param(moept_layer *L, const char *name, const float *src, int64_t numel) {
-    const moept__param *p;
+    const moept__param *p = NULL;
     moept_status st = moept__param_io(L, "moept_set_param", name, numel, src, &p);
-    if (st) return st;
+    if (st || !p || !src) return st ? st : MOEPT_ERR_INVALID_ARGUMENT;
     for (int64_t i = 0; i < numel; i++)
         if (!moept__finite(src[i]))
             return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_set_param(%s): element %lld is not finite", name, (long long)i);
@@ -672,7 +695,7 @@ moept_status moept_set_param(moept_layer *L, const char *name, const float *src,
 }
 
 moept_status moept_get_param(const moept_layer *L, const char *name, float *dst, int64_t numel) {
-    const moept__param *p;
+    const moept__param *p = NULL;
     moept_status st = moept__param_io(L, "moept_get_param", name, numel, dst, &p);
     if (st) return st;
     memcpy(dst, p->data, (size_t)numel * sizeof(float));
@@ -680,7 +703,7 @@ moept_status moept_get_param(const moept_layer *L, const char *name, float *dst,
 }
 
 moept_status moept_get_grad(const moept_layer *L, const char *name, float *dst, int64_t numel) {
-    const moept__param *p;
+    const moept__param *p = NULL;
     moept_status st = moept__param_io(L, "moept_get_grad", name, numel, dst, &p);
     if (st) return st;
     if (!p->grad) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "moept_get_grad: '%s' has no gradient", name);
@@ -751,8 +774,15 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
 #else
 #define MOEPT__TID 0
 #endif
-/* parallel loops only where the work pays for the fork */
+/* parallel loops only where the work pays for the fork. With MOEPT_CBLAS
+   the BLAS owns the cores: OpenMP workers spinning after our loops would
+   steal them from its threads (measured: +12% step time at T=256), so the
+   stages run on the calling thread, vectorised. */
+#ifdef MOEPT_CBLAS
+#define MOEPT__PAR(work) if (0)
+#else
 #define MOEPT__PAR(work) if ((work) > 32768)
+#endif
 
 static int64_t moept__first_nonfinite(const float *v, int64_t n) {
     int64_t bad = -1;
@@ -781,8 +811,7 @@ static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
     const int act = L->act;
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
-        for (int64_t j = 0; j < F; j++)
-            a[r * F + j] = moept__act_fwd(act, h + r * H, F, j);
+        moept__act_fwd_row(act, h + r * H, F, a + r * F);
     n = 0;
     for (int64_t e = 0; e < groups; e++) {
         int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
@@ -794,24 +823,23 @@ static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
 }
 
 /* Backward of moept__ffn_forward. dys (in ys) -> weight grads accumulate,
-   dxs written over ys. h is overwritten by dh. */
+   dxs written over ys, h overwritten by dh. `a` is scratch: the activations
+   are recomputed from h (cheap) so one [rows][F] buffer serves both a and
+   da, instead of keeping a from the forward and a second one for da. */
 static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
                                 const int64_t *offsets, const float *w13,
                                 const float *w2, float *g13, float *g2,
-                                int64_t H, int64_t F, float *h, const float *a,
-                                float *da, float *ys) {
+                                int64_t H, int64_t F, float *h, float *a,
+                                float *ys) {
     const int64_t D = L->D;
+    const int act = L->act;
+    int64_t R = offsets[groups] - offsets[0], base = offsets[0];
     moept__gemm *gd = L->descs;
     int64_t n = 0;
-    /* da = dys W2 ; g2 += dys^T a */
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D,
-                                   w2 + e * D * F, F, 0.0f, da + r0 * F, F);
-    }
-    moept__gemm_run(gd, n, &L->gws);
-    n = 0;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
+    for (int64_t r = base; r < base + R; r++)
+        moept__act_fwd_row(act, h + r * H, F, a + r * F);
+    /* g2 += dys^T a */
     for (int64_t e = 0; e < groups; e++) {
         int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
         if (rows == 0) continue;
@@ -819,12 +847,18 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
                                    a + r0 * F, F, 1.0f, g2 + e * D * F, F);
     }
     moept__gemm_run(gd, n, &L->gws);
-    int64_t R = offsets[groups] - offsets[0], base = offsets[0];
-    const int act = L->act;
+    /* da = dys W2 (over a) */
+    n = 0;
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D,
+                                   w2 + e * D * F, F, 0.0f, a + r0 * F, F);
+    }
+    moept__gemm_run(gd, n, &L->gws);
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
-        for (int64_t j = 0; j < F; j++)
-            moept__act_bwd(act, h + r * H, da[r * F + j], F, j, h + r * H);
+        moept__act_bwd_row(act, h + r * H, a + r * F, F, h + r * H);
     /* g13 += dh^T xs ; dxs = dh W13 (into ys) */
     n = 0;
     for (int64_t e = 0; e < groups; e++) {
@@ -893,7 +927,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         float m = lg[0];
         for (int64_t e = 1; e < E; e++) m = lg[e] > m ? lg[e] : m;
         float s = 0.0f;
-        for (int64_t e = 0; e < E; e++) s += expf(lg[e] - m);
+        for (int64_t e = 0; e < E; e++) s += moept__exp(lg[e] - m);
         L->lse[t] = m + logf(s);
         zsum += (double)L->lse[t] * L->lse[t];
         for (int64_t k = 0; k < K; k++) L->sel_counts[ids[t * K + k]]++;
@@ -917,8 +951,8 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
 
     /* plan: stable counting sort of the T*K assignments by expert */
     int64_t cap = -1;
-    if (L->cfg.capacity_factor > 0.0f)
-        cap = (int64_t)ceil((double)L->cfg.capacity_factor * (double)T * (double)K / (double)E);
+    if (L->capacity_factor > 0.0)
+        cap = (int64_t)ceil(L->capacity_factor * ((double)T * (double)K / (double)E));
     L->offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         L->counts[e] = cap >= 0 && L->sel_counts[e] > cap ? cap : L->sel_counts[e];
@@ -980,6 +1014,8 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     st->routed_rows = N;
     st->dropped_rows = T * K - N;
     st->capacity = cap;
+    L->aux_value = aux_v;
+    L->z_value = zsum / Td;
     st->aux_loss = (float)aux_v;
     st->z_loss = (float)(zsum / Td);
     return MOEPT_OK;
@@ -1030,7 +1066,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
 
     /* experts': dxs lands in ys */
     moept__ffn_backward(L, L->xs, E, L->offsets, L->w13, L->w2, L->g13, L->g2,
-                        L->H, L->F, L->h, L->a, L->da, L->ys);
+                        L->H, L->F, L->h, L->a, L->ys);
 
     /* dispatch': dx[t] = sum of its k rows, in slot order */
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
@@ -1048,7 +1084,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     if (L->S > 0) {
         int64_t off[2] = {0, T};
         moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2,
-                            L->HS, L->S, L->hs, L->as, L->das, L->yss);
+                            L->HS, L->S, L->hs, L->as, L->yss);
         #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
         for (int64_t i = 0; i < T * D; i++) dx[i] += L->yss[i];
         if (L->wsg) { /* shared gate: gsg += dsg^T x ; dx += dsg wsg */

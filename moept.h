@@ -298,59 +298,107 @@ MOEPT_HD static inline int moept__finite(float v) {
     return (b.u & 0x7f800000u) != 0x7f800000u;
 }
 
-MOEPT_HD static inline float moept__sigmoid(float v) {
-    return 1.0f / (1.0f + expf(-v));
+/* e^x for the whole library (host and device, so both round alike):
+   e^x = 2^n e^r with n = round(x / ln 2), |r| <= ln(2)/2, e^r by its degree-7
+   Taylor polynomial; error within 2 ulp. Branch-free so loops vectorise.
+   Inputs are clamped to [-87.3, 88.7]: results stay normal and finite (a
+   saturated e^-100 reads 1.2e-38, not 3.7e-44, which no sum notices). */
+MOEPT_HD static inline float moept__exp(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.7f ? 88.7f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693145751953125f;        /* ln 2, high part: n*C exact */
+    r = r - n * 1.428606765330187045e-06f;        /* ln 2, low part */
+    float p = 1.9841269841e-4f;
+    p = p * r + 1.3888888889e-3f;
+    p = p * r + 8.3333333333e-3f;
+    p = p * r + 4.1666666667e-2f;
+    p = p * r + 1.6666666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) * (1 << 23);
+#ifdef __CUDA_ARCH__
+    return p * __int_as_float(bits);
+#else
+    union { int32_t i; float f; } u;
+    u.i = bits;
+    return p * u.f;
+#endif
 }
 
-/* Activation of one element: act_kind as moept_activation. For gated kinds
-   g is the gate pre-activation and u the up projection; otherwise u is
-   unused and g is the pre-activation. */
-MOEPT_HD static inline float moept__act_base(int kind, float g) {
+MOEPT_HD static inline float moept__sigmoid(float v) {
+    return 1.0f / (1.0f + moept__exp(-v));
+}
+
+/* Activation of one hidden unit (kind: moept_activation). Gated kinds:
+   a = act(g) * u with g the gate and u the up projection; plain kinds:
+   a = act(g), u unused. Exact-erf GELU, as torch's default. */
+MOEPT_HD static inline float moept__act_fwd1(int kind, float g, float u) {
     switch (kind) {
-    case MOEPT_ACT_SILU_GATED: return g * moept__sigmoid(g);
-    case MOEPT_ACT_GELU_GATED:
+    case MOEPT_ACT_SILU_GATED: return g / (1.0f + moept__exp(-g)) * u;
+    case MOEPT_ACT_GELU_GATED: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
     case MOEPT_ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
     default: return g > 0.0f ? g : 0.0f;
     }
 }
-MOEPT_HD static inline float moept__act_base_grad(int kind, float g) {
+/* Its backward: da -> dg (and du for gated kinds). */
+MOEPT_HD static inline void moept__act_bwd1(int kind, float g, float u, float da,
+                                            float *dg, float *du) {
     switch (kind) {
     case MOEPT_ACT_SILU_GATED: {
-        float s = moept__sigmoid(g);
-        return s * (1.0f + g * (1.0f - s));
+        float s = 1.0f / (1.0f + moept__exp(-g));
+        *dg = da * u * (s * (1.0f + g * (1.0f - s)));
+        *du = da * g * s;
+        return;
     }
     case MOEPT_ACT_GELU_GATED:
     case MOEPT_ACT_GELU: {
         float cdf = 0.5f * (1.0f + erff(g * 0.70710678118654752f));
-        float pdf = 0.39894228040143268f * expf(-0.5f * g * g);
-        return cdf + g * pdf;
+        float pdf = 0.39894228040143268f * moept__exp(-0.5f * g * g);
+        float gate_grad = cdf + g * pdf;
+        if (kind == MOEPT_ACT_GELU_GATED) { *dg = da * u * gate_grad; *du = da * g * cdf; }
+        else { *dg = da * gate_grad; *du = 0.0f; }
+        return;
     }
-    default: return g > 0.0f ? 1.0f : 0.0f;
+    default:
+        *dg = g > 0.0f ? da : 0.0f;
+        *du = 0.0f;
     }
 }
 MOEPT_HD static inline int moept__act_gated(int kind) {
     return kind == MOEPT_ACT_SILU_GATED || kind == MOEPT_ACT_GELU_GATED;
 }
 
-/* Forward of one hidden unit: h holds [gate | up] (gated, width 2F) or [up]
-   (width F); returns a = act(gate) * up, or act(up). */
-MOEPT_HD static inline float moept__act_fwd(int kind, const float *h,
-                                            int64_t F, int64_t j) {
-    if (moept__act_gated(kind)) return moept__act_base(kind, h[j]) * h[F + j];
-    return moept__act_base(kind, h[j]);
+/* A row of F hidden units: h is [gate | up] (gated, 2F) or [up] (F).
+   The kind is a constant inside each loop, so the loops vectorise. */
+#define MOEPT__ACT_ROW_FWD(K)                                                    \
+    _Pragma("omp simd") for (int64_t j = 0; j < F; j++)                          \
+        a[j] = moept__act_fwd1(K, h[j], moept__act_gated(K) ? h[F + j] : 0.0f)
+MOEPT_HD static inline void moept__act_fwd_row(int kind, const float *h, int64_t F, float *a) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: MOEPT__ACT_ROW_FWD(MOEPT_ACT_SILU_GATED); break;
+    case MOEPT_ACT_GELU_GATED: MOEPT__ACT_ROW_FWD(MOEPT_ACT_GELU_GATED); break;
+    case MOEPT_ACT_GELU: MOEPT__ACT_ROW_FWD(MOEPT_ACT_GELU); break;
+    default: MOEPT__ACT_ROW_FWD(MOEPT_ACT_RELU); break;
+    }
 }
-/* Backward of one hidden unit: da = dL/da; writes dL/dh into dh (same
-   layout as h). dh may alias h. */
-MOEPT_HD static inline void moept__act_bwd(int kind, const float *h, float da,
-                                           int64_t F, int64_t j, float *dh) {
-    float g = h[j];
-    if (moept__act_gated(kind)) {
-        float u = h[F + j];
-        float ag = moept__act_base(kind, g);
-        dh[j] = da * u * moept__act_base_grad(kind, g);
-        dh[F + j] = da * ag;
-    } else {
-        dh[j] = da * moept__act_base_grad(kind, g);
+/* da[F] -> dh (layout of h; dh may alias h) */
+#define MOEPT__ACT_ROW_BWD(K)                                                    \
+    _Pragma("omp simd") for (int64_t j = 0; j < F; j++) {                        \
+        float dg_, du_;                                                          \
+        moept__act_bwd1(K, h[j], moept__act_gated(K) ? h[F + j] : 0.0f, da[j],   \
+                        &dg_, &du_);                                             \
+        dh[j] = dg_;                                                             \
+        if (moept__act_gated(K)) dh[F + j] = du_;                                \
+    }
+MOEPT_HD static inline void moept__act_bwd_row(int kind, const float *h, const float *da,
+                                               int64_t F, float *dh) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: MOEPT__ACT_ROW_BWD(MOEPT_ACT_SILU_GATED); break;
+    case MOEPT_ACT_GELU_GATED: MOEPT__ACT_ROW_BWD(MOEPT_ACT_GELU_GATED); break;
+    case MOEPT_ACT_GELU: MOEPT__ACT_ROW_BWD(MOEPT_ACT_GELU); break;
+    default: MOEPT__ACT_ROW_BWD(MOEPT_ACT_RELU); break;
     }
 }
 
@@ -377,7 +425,7 @@ MOEPT_HD static inline float moept__softmax(const float *logit, int E, float *p)
     float m = logit[0];
     for (int e = 1; e < E; e++) m = logit[e] > m ? logit[e] : m;
     float s = 0.0f;
-    for (int e = 0; e < E; e++) { p[e] = expf(logit[e] - m); s += p[e]; }
+    for (int e = 0; e < E; e++) { p[e] = moept__exp(logit[e] - m); s += p[e]; }
     float inv = 1.0f / s;
     for (int e = 0; e < E; e++) p[e] *= inv;
     return m + logf(s);

@@ -1,0 +1,86 @@
+# moept: `make run` trains the example on the CPU, `make test` runs every test.
+# Needs only a C11 compiler and make; OpenBLAS, OpenMP, MPI and CUDA are
+# used when found (and the tests that need them say "skip" otherwise).
+
+CC      ?= cc
+ARCH    ?= -march=native
+OPT     ?= -O2
+CFLAGS  ?= $(OPT) $(ARCH) -g
+WARN     = -std=c11 -Wall -Wextra -Wshadow -Wno-unknown-pragmas
+LDLIBS   = -lm
+B        = build
+
+# OpenMP if the compiler has it (threads in the builtin GEMM and the stages)
+OMP := $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
+# OpenBLAS for the MOEPT_CBLAS build, if installed
+CBLAS_LIBS := $(shell printf 'int main(void){float a=0;cblas_sgemm(CblasRowMajor,CblasNoTrans,CblasNoTrans,1,1,1,1,&a,1,&a,1,0,&a,1);return 0;}' | $(CC) -include cblas.h -x c - -lopenblas -o /dev/null 2>/dev/null && echo -lopenblas)
+
+SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+
+TESTS   = test_grad test_props test_errors
+TEST_BINS = $(TESTS:%=$(B)/%)
+HDRS    = moept.h
+
+.PHONY: all test run bench clean info check-cases sanitize cblas-test valgrind
+
+all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer
+
+info:
+	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no)"
+
+$(B):
+	@mkdir -p $(B)
+
+$(B)/moept.o: moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -c moept.c -o $@
+
+$(B)/moept_check: tests/moept_check.c $(B)/moept.o
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
+
+# white-box tests include moept.c directly (one translation unit)
+$(B)/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+
+$(B)/san/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
+	@mkdir -p $(B)/san
+	$(CC) -O1 -g $(WARN) $(OMP) $(SAN) $< -o $@ $(LDLIBS)
+
+$(B)/san/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/san
+	$(CC) -O1 -g $(WARN) $(OMP) $(SAN) tests/moept_check.c moept.c -o $@ $(LDLIBS)
+
+$(B)/cblas/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/cblas
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS tests/moept_check.c moept.c -o $@ $(LDLIBS) $(CBLAS_LIBS)
+
+$(B)/cblas/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
+	@mkdir -p $(B)/cblas
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
+
+$(B)/train: examples/train.c $(B)/moept.o
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
+
+$(B)/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+
+$(B)/cblas/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/cblas
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
+
+CASES = $(wildcard tests/cases/*.safetensors)
+
+SAN_BINS = $(TESTS:%=$(B)/san/test_%) $(B)/san/moept_check
+CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/test_%) $(B)/cblas/moept_check)
+
+# Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
+test: all $(SAN_BINS) $(CBLAS_BINS)
+	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" sh tests/run.sh
+
+run: $(B)/train
+	$(B)/train
+
+bench: $(B)/bench_layer $(if $(CBLAS_LIBS),$(B)/cblas/bench_layer)
+	python3 bench/run_bench_layer.py
+
+clean:
+	rm -rf $(B)

@@ -1,0 +1,130 @@
+/* bench_layer: one MoE layer's forward+backward against its GEMM floor.
+
+   The floor runs exactly the GEMMs the step runs (router, and per expert the
+   gate/up and down projections forward and their three products backward,
+   with the step's own per-expert row counts) through the same GEMM path,
+   on separate buffers: what is left between the two is the cost of
+   routing, the plan, the permute, activations and the combine.
+
+   usage: bench_layer [--tokens T] [--hidden D] [--ffn F] [--experts E]
+                      [--topk K] [--reps R]
+   Prints one "RESULT key=value ..." line (bench/run_bench_layer.py reads it). */
+#include "../moept.c"
+
+#include <time.h>
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* resident set now and its high-water mark, in bytes (Linux) */
+static void rss(int64_t *cur, int64_t *peak) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    *cur = *peak = 0;
+    if (!f) return;
+    while (fgets(line, sizeof line, f)) {
+        long long kb;
+        if (sscanf(line, "VmRSS: %lld", &kb) == 1) *cur = kb * 1024;
+        if (sscanf(line, "VmHWM: %lld", &kb) == 1) *peak = kb * 1024;
+    }
+    fclose(f);
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    int64_t T = 4096, D = 1024, F = 3584, E = 8, K = 2;
+    int reps = 3;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        long long v = atoll(argv[i + 1]);
+        if (!strcmp(argv[i], "--tokens")) T = v;
+        else if (!strcmp(argv[i], "--hidden")) D = v;
+        else if (!strcmp(argv[i], "--ffn")) F = v;
+        else if (!strcmp(argv[i], "--experts")) E = v;
+        else if (!strcmp(argv[i], "--topk")) K = v;
+        else if (!strcmp(argv[i], "--reps")) reps = (int)v;
+        else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
+    }
+    int64_t rss0, peak0;
+    rss(&rss0, &peak0);
+    moept_config c = {0};
+    c.family = MOEPT_FAMILY_MIXTRAL;
+    c.hidden_size = D; c.intermediate_size = F; c.num_experts = E; c.top_k = K;
+    c.norm_topk_prob = 1; c.max_tokens = T;
+    c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f;
+    moept_layer *L;
+    if (moept_create(&c, &L) != MOEPT_OK) { fprintf(stderr, "%s\n", moept_last_error(NULL)); return 1; }
+    moept_init_params(L, 1);
+    float *x = malloc((size_t)(T * D) * 4), *dy = malloc((size_t)(T * D) * 4);
+    float *y = malloc((size_t)(T * D) * 4), *dx = malloc((size_t)(T * D) * 4);
+    uint64_t s = 5;
+    for (int64_t i = 0; i < T * D; i++) {
+        x[i] = (float)((double)(moept__mix(&s) >> 11) / 9007199254740992.0 * 2 - 1);
+        dy[i] = (float)((double)(moept__mix(&s) >> 11) / 9007199254740992.0 * 2 - 1) * 1e-3f;
+    }
+    double *tm = malloc((size_t)reps * sizeof(double)), *tf = malloc((size_t)reps * sizeof(double));
+    for (int r = -2; r < 0; r++) { /* warm-up */
+        moept_forward(L, x, T, y);
+        moept_backward(L, x, dy, dx);
+    }
+    int64_t rss1, peak1;
+    rss(&rss1, &peak1);
+    moept_stats st;
+    moept_get_stats(L, &st, NULL);
+
+    /* the floor: the same GEMMs on separate buffers (allocated after the
+       layer's peak was read) */
+    int64_t N = L->N, H = L->H;
+    float *bx = calloc((size_t)(N * D), 4), *bh = calloc((size_t)(N * H), 4), *ba = calloc((size_t)(N * F), 4);
+    float *by = calloc((size_t)(N * D), 4), *lg = calloc((size_t)(T * E), 4), *dxx = calloc((size_t)(T * D), 4);
+    moept__gemm *g = malloc((size_t)(6 * E + 3) * sizeof *g);
+    int64_t n = 0;
+    double flops = 0;
+    g[n++] = moept__gemm_make(0, 1, T, E, D, x, D, L->w_router, D, 0.0f, lg, E);
+    g[n++] = moept__gemm_make(1, 0, E, D, T, lg, E, x, D, 1.0f, L->g_router, D);
+    g[n++] = moept__gemm_make(0, 0, T, D, E, lg, E, L->w_router, D, 1.0f, dxx, D);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = L->offsets[e], m = L->counts[e];
+        if (!m) continue;
+        g[n++] = moept__gemm_make(0, 1, m, H, D, bx + r0 * D, D, L->w13 + e * H * D, D, 0.0f, bh + r0 * H, H);
+        g[n++] = moept__gemm_make(0, 1, m, D, F, ba + r0 * F, F, L->w2 + e * D * F, F, 0.0f, by + r0 * D, D);
+        g[n++] = moept__gemm_make(1, 0, D, F, m, by + r0 * D, D, ba + r0 * F, F, 1.0f, L->g2 + e * D * F, F);
+        g[n++] = moept__gemm_make(0, 0, m, F, D, by + r0 * D, D, L->w2 + e * D * F, F, 0.0f, ba + r0 * F, F);
+        g[n++] = moept__gemm_make(1, 0, H, D, m, bh + r0 * H, H, bx + r0 * D, D, 1.0f, L->g13 + e * H * D, D);
+        g[n++] = moept__gemm_make(0, 0, m, D, H, bh + r0 * H, H, L->w13 + e * H * D, D, 0.0f, by + r0 * D, D);
+    }
+    for (int64_t i = 0; i < n; i++) flops += 2.0 * (double)g[i].m * (double)g[i].n * (double)g[i].k;
+    moept__gemm_run(g, n, &L->gws); /* warm-up: first touch of the floor's buffers */
+    /* alternate the two so both see the same cache and clock conditions */
+    for (int r = 0; r < reps; r++) {
+        double t0 = now();
+        moept_forward(L, x, T, y);
+        moept_backward(L, x, dy, dx);
+        double t1 = now();
+        moept__gemm_run(g, n, &L->gws);
+        tm[r] = t1 - t0;
+        tf[r] = now() - t1;
+    }
+    qsort(tm, (size_t)reps, sizeof *tm, cmp_d);
+    qsort(tf, (size_t)reps, sizeof *tf, cmp_d);
+    double mt = tm[reps / 2], ft = tf[reps / 2];
+#ifdef MOEPT_CBLAS
+    const char *path = "cblas";
+#else
+    const char *path = "builtin";
+#endif
+    printf("RESULT gemm=%s tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld threads=%d reps=%d "
+           "moept_s=%.6f floor_s=%.6f ratio=%.4f gflops=%.1f floor_gflops=%.1f peak_bytes=%lld "
+           "layer_bytes=%lld routed_rows=%lld\n",
+           path, (long long)T, (long long)D, (long long)F, (long long)E, (long long)K, L->nthreads, reps, mt, ft,
+           mt / ft, flops / mt * 1e-9, flops / ft * 1e-9, (long long)(peak1 - rss0),
+           (long long)(st.param_bytes + st.workspace_bytes), (long long)st.routed_rows);
+    moept_destroy(L);
+    return 0;
+}

@@ -1,0 +1,355 @@
+/* train: a character-level language model built from moept layers, trained
+   end to end on the CPU.
+
+     model:  h0 = sum_j emb_j[c_{t-j}]           (j = 1..ctx previous bytes)
+             h_{l+1} = h_l + MoE_l(rmsnorm_l(h_l)) (moept does MoE_l)
+             p(c_t) = softmax(rmsnorm(h_L) W_out^T)
+     loss:   cross-entropy + the layers' aux and z losses; AdamW.
+
+   usage: train [--data FILE]... [--steps N] [--batch B] [--layers L]
+                [--dim D] [--ffn F] [--experts E] [--topk K] [--ctx C]
+                [--family mixtral|qwen2_moe|olmoe|deepseek_v3] [--lr X]
+                [--csv FILE] [--seed S] [--quiet]
+   With no --data it trains on the project's own source files. */
+#include "../moept.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct opts {
+    const char *data[32]; int ndata;
+    int steps, batch, layers, dim, ffn, experts, topk, ctx, quiet;
+    moept_family family;
+    float lr;
+    const char *csv;
+    unsigned long long seed;
+} opts;
+
+typedef struct adam { float *m, *v; int64_t n; } adam;
+
+typedef struct model {
+    int V, D, C, NL, B;
+    float *emb;      /* [C][V][D] one table per context position */
+    float *norm;     /* [NL+1][D] rmsnorm gains (last: final norm) */
+    float *head;     /* [V][D] */
+    float *g_emb, *g_norm, *g_head;
+    moept_layer **moe;
+    /* activations for one batch */
+    float *h;        /* [NL+1][B][D] residual stream */
+    float *n;        /* [NL+1][B][D] normalised inputs of each layer / head */
+    float *rms;      /* [NL+1][B] 1/rms */
+    float *m;        /* [B][D] moe output */
+    float *logits;   /* [B][V] */
+    float *dh, *dn, *dm; /* [B][D] */
+    adam a_emb, a_norm, a_head, *a_moe;
+} model;
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static unsigned long long rng_state;
+static double urand(void) {
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (double)(rng_state >> 11) / 9007199254740992.0;
+}
+
+static void *xcalloc(size_t n, size_t s) {
+    void *p = calloc(n ? n : 1, s);
+    if (!p) { fprintf(stderr, "train: out of memory\n"); exit(1); }
+    return p;
+}
+
+static void check(moept_status s, const moept_layer *L, const char *what) {
+    if (s != MOEPT_OK) {
+        fprintf(stderr, "train: %s: %s\n", what, moept_last_error(L));
+        exit(1);
+    }
+}
+
+static adam adam_new(int64_t n) {
+    adam a = {xcalloc((size_t)n, 4), xcalloc((size_t)n, 4), n};
+    return a;
+}
+
+/* AdamW as torch.optim.AdamW (decoupled weight decay, bias correction) */
+static void adam_step(adam *a, float *p, float *g, int step, float lr, float wd) {
+    const float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f;
+    float c1 = 1.0f - powf(b1, (float)step), c2 = 1.0f - powf(b2, (float)step);
+    for (int64_t i = 0; i < a->n; i++) {
+        a->m[i] = b1 * a->m[i] + (1 - b1) * g[i];
+        a->v[i] = b2 * a->v[i] + (1 - b2) * g[i] * g[i];
+        p[i] -= lr * wd * p[i];
+        p[i] -= lr * (a->m[i] / c1) / (sqrtf(a->v[i] / c2) + eps);
+    }
+}
+
+static void rmsnorm_fwd(const float *x, const float *g, int B, int D, float *y, float *inv) {
+    for (int b = 0; b < B; b++) {
+        double ss = 0;
+        for (int d = 0; d < D; d++) ss += (double)x[b * D + d] * x[b * D + d];
+        float r = 1.0f / sqrtf((float)(ss / D) + 1e-6f);
+        inv[b] = r;
+        for (int d = 0; d < D; d++) y[b * D + d] = x[b * D + d] * r * g[d];
+    }
+}
+
+/* dx += rmsnorm'(dy); dg += */
+static void rmsnorm_bwd(const float *x, const float *g, const float *inv, const float *dy, int B, int D,
+                        float *dx, float *dg) {
+    for (int b = 0; b < B; b++) {
+        const float *xb = x + b * D, *dyb = dy + b * D;
+        float r = inv[b];
+        double dot = 0;
+        for (int d = 0; d < D; d++) {
+            dot += (double)dyb[d] * g[d] * xb[d];
+            dg[d] += dyb[d] * xb[d] * r;
+        }
+        float c = (float)dot * r * r * r / (float)D;
+        for (int d = 0; d < D; d++) dx[b * D + d] += dyb[d] * g[d] * r - xb[d] * c;
+    }
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: train [--data FILE]... [--steps N] [--batch B] [--layers L] [--dim D] [--ffn F]\n"
+                    "             [--experts E] [--topk K] [--ctx C] [--family NAME] [--lr X] [--csv FILE]\n"
+                    "             [--seed S] [--quiet]\n");
+    exit(2);
+}
+
+static void parse(int argc, char **argv, opts *o) {
+    *o = (opts){.steps = 1500, .batch = 512, .layers = 2, .dim = 96, .ffn = 192, .experts = 8, .topk = 2,
+                .ctx = 8, .family = MOEPT_FAMILY_MIXTRAL, .lr = 3e-3f, .csv = "build/train_log.csv", .seed = 1};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define OPT_INT(name, field) if (strcmp(a, name) == 0 && v) { o->field = atoi(v); i++; continue; }
+        OPT_INT("--steps", steps) OPT_INT("--batch", batch) OPT_INT("--layers", layers) OPT_INT("--dim", dim)
+        OPT_INT("--ffn", ffn) OPT_INT("--experts", experts) OPT_INT("--topk", topk) OPT_INT("--ctx", ctx)
+        if (strcmp(a, "--data") == 0 && v && o->ndata < 32) { o->data[o->ndata++] = v; i++; continue; }
+        if (strcmp(a, "--lr") == 0 && v) { o->lr = (float)atof(v); i++; continue; }
+        if (strcmp(a, "--csv") == 0 && v) { o->csv = v; i++; continue; }
+        if (strcmp(a, "--seed") == 0 && v) { o->seed = strtoull(v, NULL, 10); i++; continue; }
+        if (strcmp(a, "--quiet") == 0) { o->quiet = 1; continue; }
+        if (strcmp(a, "--family") == 0 && v) {
+            static const char *f[] = {"mixtral", "qwen2_moe", "olmoe", "deepseek_v3"};
+            int k = 0;
+            while (k < 4 && strcmp(v, f[k]) != 0) k++;
+            if (k == 4) usage();
+            o->family = (moept_family)k; i++; continue;
+        }
+        usage();
+    }
+    if (o->steps < 1 || o->batch < 1 || o->layers < 1 || o->dim < 1 || o->ffn < 1 || o->experts < 1 ||
+        o->topk < 1 || o->topk > o->experts || o->ctx < 1) usage();
+}
+
+static unsigned char *load_text(opts *o, int64_t *len) {
+    static const char *defaults[] = {"moept.c", "moept.h", "examples/train.c", "tests/test_props.c",
+                                     "tests/test_grad.c", "tests/moept_check.c", "README.md"};
+    const char **files = o->ndata ? o->data : defaults;
+    int nf = o->ndata ? o->ndata : (int)(sizeof defaults / sizeof defaults[0]);
+    unsigned char *buf = NULL;
+    int64_t n = 0;
+    for (int i = 0; i < nf; i++) {
+        FILE *f = fopen(files[i], "rb");
+        if (!f) {
+            if (o->ndata) { fprintf(stderr, "train: cannot open %s\n", files[i]); exit(1); }
+            continue;
+        }
+        fseek(f, 0, SEEK_END);
+        long sz = ftell(f);
+        fseek(f, 0, SEEK_SET);
+        buf = realloc(buf, (size_t)(n + sz + 1));
+        if (!buf) { fprintf(stderr, "train: out of memory\n"); exit(1); }
+        n += (int64_t)fread(buf + n, 1, (size_t)sz, f);
+        fclose(f);
+    }
+    *len = n;
+    return buf;
+}
+
+/* forward + (optionally) backward over the batch at positions pos[B];
+   returns the mean cross-entropy */
+static double step(model *M, const unsigned char *text, const int64_t *pos, const int *vmap, int train) {
+    const int B = M->B, D = M->D, V = M->V, C = M->C, NL = M->NL;
+    float *h0 = M->h;
+    memset(h0, 0, (size_t)B * D * 4);
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < C; j++) {
+            const float *e = M->emb + ((size_t)j * V + vmap[text[pos[b] - 1 - j]]) * D;
+            for (int d = 0; d < D; d++) h0[b * D + d] += e[d];
+        }
+    for (int l = 0; l < NL; l++) {
+        float *h = M->h + (size_t)l * B * D, *hn = h + (size_t)B * D, *n = M->n + (size_t)l * B * D;
+        rmsnorm_fwd(h, M->norm + l * D, B, D, n, M->rms + l * B);
+        check(moept_forward(M->moe[l], n, B, M->m), M->moe[l], "moe forward");
+        for (int i = 0; i < B * D; i++) hn[i] = h[i] + M->m[i];
+    }
+    float *hf = M->h + (size_t)NL * B * D, *nf = M->n + (size_t)NL * B * D;
+    rmsnorm_fwd(hf, M->norm + NL * D, B, D, nf, M->rms + NL * B);
+    double loss = 0;
+    for (int b = 0; b < B; b++) {
+        float *lg = M->logits + (size_t)b * V, mx = -1e30f;
+        for (int v = 0; v < V; v++) {
+            float s = 0;
+            for (int d = 0; d < D; d++) s += nf[b * D + d] * M->head[v * D + d];
+            lg[v] = s;
+            mx = s > mx ? s : mx;
+        }
+        double z = 0;
+        for (int v = 0; v < V; v++) z += exp(lg[v] - mx);
+        int tgt = vmap[text[pos[b]]];
+        loss += -(lg[tgt] - mx - log(z));
+        if (train) /* dlogits = (softmax - onehot) / B */
+            for (int v = 0; v < V; v++) lg[v] = (float)((exp(lg[v] - mx) / z - (v == tgt)) / B);
+    }
+    if (!train) return loss / B;
+    /* head */
+    memset(M->dn, 0, (size_t)B * D * 4);
+    for (int b = 0; b < B; b++)
+        for (int v = 0; v < V; v++) {
+            float g = M->logits[(size_t)b * V + v];
+            for (int d = 0; d < D; d++) {
+                M->g_head[v * D + d] += g * nf[b * D + d];
+                M->dn[b * D + d] += g * M->head[v * D + d];
+            }
+        }
+    memset(M->dh, 0, (size_t)B * D * 4);
+    rmsnorm_bwd(hf, M->norm + NL * D, M->rms + NL * B, M->dn, B, D, M->dh, M->g_norm + NL * D);
+    for (int l = NL - 1; l >= 0; l--) {
+        float *h = M->h + (size_t)l * B * D, *n = M->n + (size_t)l * B * D;
+        /* the residual passes dh through; the MoE branch adds rmsnorm'(moe'(dh)) */
+        check(moept_backward(M->moe[l], n, M->dh, M->dn), M->moe[l], "moe backward");
+        rmsnorm_bwd(h, M->norm + l * D, M->rms + l * B, M->dn, B, D, M->dh, M->g_norm + l * D);
+    }
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < C; j++) {
+            float *ge = M->g_emb + ((size_t)j * V + vmap[text[pos[b] - 1 - j]]) * D;
+            for (int d = 0; d < D; d++) ge[d] += M->dh[b * D + d];
+        }
+    return loss / B;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    parse(argc, argv, &o);
+    rng_state = o.seed;
+    int64_t len;
+    unsigned char *text = load_text(&o, &len);
+    if (len < 1000) { fprintf(stderr, "train: need at least 1000 bytes of text (have %lld)\n", (long long)len); return 1; }
+    int vmap[256] = {0}, V = 0;
+    for (int64_t i = 0; i < len; i++) vmap[text[i]] = 1;
+    for (int c = 0; c < 256; c++) vmap[c] = vmap[c] ? V++ : 0;
+    int64_t split = len - len / 10; /* last 10% held out */
+
+    model M = {0};
+    M.V = V; M.D = o.dim; M.C = o.ctx; M.NL = o.layers; M.B = o.batch;
+    const int D = M.D, B = M.B, NL = M.NL;
+    M.emb = xcalloc((size_t)M.C * V * D, 4); M.g_emb = xcalloc((size_t)M.C * V * D, 4);
+    M.norm = xcalloc((size_t)(NL + 1) * D, 4); M.g_norm = xcalloc((size_t)(NL + 1) * D, 4);
+    M.head = xcalloc((size_t)V * D, 4); M.g_head = xcalloc((size_t)V * D, 4);
+    for (int64_t i = 0; i < (int64_t)M.C * V * D; i++) M.emb[i] = (float)((urand() * 2 - 1) * 0.5);
+    for (int i = 0; i < (NL + 1) * D; i++) M.norm[i] = 1.0f;
+    for (int i = 0; i < V * D; i++) M.head[i] = (float)((urand() * 2 - 1) / sqrt(D));
+    M.h = xcalloc((size_t)(NL + 1) * B * D, 4); M.n = xcalloc((size_t)(NL + 1) * B * D, 4);
+    M.rms = xcalloc((size_t)(NL + 1) * B, 4); M.m = xcalloc((size_t)B * D, 4);
+    M.logits = xcalloc((size_t)B * V, 4);
+    M.dh = xcalloc((size_t)B * D, 4); M.dn = xcalloc((size_t)B * D, 4); M.dm = xcalloc((size_t)B * D, 4);
+    M.moe = xcalloc((size_t)NL, sizeof *M.moe);
+    M.a_moe = xcalloc((size_t)NL, sizeof *M.a_moe);
+    moept_config cfg = {0};
+    cfg.family = o.family; cfg.hidden_size = D; cfg.intermediate_size = o.ffn;
+    cfg.num_experts = o.experts; cfg.top_k = o.topk; cfg.norm_topk_prob = 1;
+    cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.z_loss_coef = 1e-3f;
+    cfg.max_tokens = B;
+    if (o.family == MOEPT_FAMILY_QWEN2_MOE || o.family == MOEPT_FAMILY_DEEPSEEK_V3) cfg.shared_intermediate_size = o.ffn;
+    if (o.family == MOEPT_FAMILY_DEEPSEEK_V3 && o.experts % 4 == 0 && o.topk <= o.experts / 2) { cfg.n_group = 4; cfg.topk_group = 2; }
+    for (int l = 0; l < NL; l++) {
+        check(moept_create(&cfg, &M.moe[l]), NULL, "moept_create");
+        check(moept_init_params(M.moe[l], o.seed * 100 + (unsigned long long)l), M.moe[l], "init");
+        float *p; int64_t n;
+        moept_params(M.moe[l], &p, &n);
+        M.a_moe[l] = adam_new(n);
+    }
+    M.a_emb = adam_new((int64_t)M.C * V * D); M.a_norm = adam_new((int64_t)(NL + 1) * D); M.a_head = adam_new((int64_t)V * D);
+
+    FILE *csv = o.csv ? fopen(o.csv, "w") : NULL;
+    if (csv) {
+        fprintf(csv, "step,loss,val_loss,aux_loss,z_loss,tokens_per_s");
+        for (int l = 0; l < NL; l++) for (int e = 0; e < o.experts; e++) fprintf(csv, ",load_l%d_e%d", l, e);
+        fprintf(csv, "\n");
+    }
+    if (!o.quiet)
+        printf("train: %lld bytes of text, vocab %d, %d MoE layers (%s, D=%d F=%d E=%d K=%d), batch %d\n",
+               (long long)len, V, NL, o.family == MOEPT_FAMILY_MIXTRAL ? "mixtral" : o.family == MOEPT_FAMILY_QWEN2_MOE ? "qwen2_moe" :
+               o.family == MOEPT_FAMILY_OLMOE ? "olmoe" : "deepseek_v3", D, o.ffn, o.experts, o.topk, B);
+    int64_t *pos = xcalloc((size_t)B, sizeof(int64_t));
+    int64_t *load = xcalloc((size_t)o.experts, sizeof(int64_t));
+    double t0 = now(), tlast = t0, first_loss = 0, ema = 0, val = NAN;
+    for (int s = 1; s <= o.steps; s++) {
+        for (int b = 0; b < B; b++) pos[b] = M.C + (int64_t)(urand() * (double)(split - M.C - 1));
+        for (int l = 0; l < NL; l++) moept_zero_grad(M.moe[l]);
+        memset(M.g_emb, 0, (size_t)M.C * V * D * 4); memset(M.g_norm, 0, (size_t)(NL + 1) * D * 4);
+        memset(M.g_head, 0, (size_t)V * D * 4);
+        double loss = step(&M, text, pos, vmap, 1);
+        float lr = o.lr * (s < 50 ? (float)s / 50 : 0.5f * (1 + cosf(3.14159265f * (float)(s - 50) / (float)(o.steps - 49))));
+        for (int l = 0; l < NL; l++) {
+            float *p, *g; int64_t n;
+            moept_params(M.moe[l], &p, &n);
+            moept_grads(M.moe[l], &g, &n);
+            adam_step(&M.a_moe[l], p, g, s, lr, 0.01f);
+        }
+        adam_step(&M.a_emb, M.emb, M.g_emb, s, lr, 0.0f);
+        adam_step(&M.a_norm, M.norm, M.g_norm, s, lr, 0.0f);
+        adam_step(&M.a_head, M.head, M.g_head, s, lr, 0.01f);
+        if (s == 1) first_loss = ema = loss;
+        ema = 0.95 * ema + 0.05 * loss;
+        moept_stats st;
+        double aux = 0, z = 0;
+        for (int l = 0; l < NL; l++) { moept_get_stats(M.moe[l], &st, NULL); aux += st.aux_loss; z += st.z_loss; }
+        if (s % 100 == 0 || s == o.steps) { /* held-out loss over a fixed set of positions */
+            unsigned long long saved = rng_state;
+            rng_state = 42;
+            double vs = 0;
+            for (int r = 0; r < 4; r++) {
+                for (int b = 0; b < B; b++) pos[b] = split + M.C + (int64_t)(urand() * (double)(len - split - M.C - 1));
+                vs += step(&M, text, pos, vmap, 0);
+            }
+            val = vs / 4;
+            rng_state = saved;
+        }
+        double t = now();
+        double tps = (double)B / (t - tlast);
+        tlast = t;
+        if (csv) {
+            fprintf(csv, "%d,%.6f,%.6f,%.6f,%.6f,%.1f", s, loss, (s % 100 == 0 || s == o.steps) ? val : NAN, aux / NL, z / NL, tps);
+            for (int l = 0; l < NL; l++) {
+                moept_get_stats(M.moe[l], &st, load);
+                for (int e = 0; e < o.experts; e++) fprintf(csv, ",%lld", (long long)load[e]);
+            }
+            fprintf(csv, "\n");
+        }
+        if (!o.quiet && (s % 50 == 0 || s == 1 || s == o.steps)) {
+            moept_get_stats(M.moe[0], &st, load);
+            int64_t mx = 1;
+            for (int e = 0; e < o.experts; e++) mx = load[e] > mx ? load[e] : mx;
+            char bar[80];
+            int nb = o.experts < 64 ? o.experts : 64;
+            for (int e = 0; e < nb; e++) bar[e] = " .:-=+*#%@"[(int)(9 * load[e] / mx)];
+            bar[nb] = 0;
+            printf("step %4d | loss %.4f | val %.4f | aux %.4f | %7.0f tok/s | layer-0 load [%s]\n",
+                   s, ema, val, aux / NL, (double)B * s / (t - t0), bar);
+            fflush(stdout);
+        }
+    }
+    printf("train: loss %.4f -> %.4f (held-out %.4f) in %d steps, %.1f s\n", first_loss, ema, val, o.steps, now() - t0);
+    if (csv) { fclose(csv); printf("train: log written to %s\n", o.csv); }
+    for (int l = 0; l < NL; l++) moept_destroy(M.moe[l]);
+    return ema < first_loss ? 0 : 1;
+}

@@ -1,0 +1,260 @@
+/* Bad input: every invalid config field is rejected at create with a message
+   naming it; non-finite inputs, NULL pointers, oversize batches and bad names
+   give errors and leave the layer exactly as it was. */
+#include "../moept.c"
+#include "testutil.h"
+
+static moept_config good(void) {
+    moept_config c = {0};
+    c.family = MOEPT_FAMILY_DEEPSEEK_V3;
+    c.hidden_size = 8; c.intermediate_size = 6; c.num_experts = 8; c.top_k = 2;
+    c.n_group = 4; c.topk_group = 2; c.max_tokens = 16;
+    return c;
+}
+
+typedef struct mut { const char *field; void (*apply)(moept_config *); } mut;
+#define MUT(name, field, body) static void name(moept_config *c) { body; }
+MUT(m_family, family, c->family = (moept_family)9)
+MUT(m_d0, hidden_size, c->hidden_size = 0)
+MUT(m_dneg, hidden_size, c->hidden_size = -5)
+MUT(m_f0, intermediate_size, c->intermediate_size = 0)
+MUT(m_e0, num_experts, c->num_experts = 0)
+MUT(m_ebig, num_experts, c->num_experts = 1 << 20)
+MUT(m_k0, top_k, c->top_k = 0)
+MUT(m_kbig, top_k, c->top_k = 9)
+MUT(m_norm, norm_topk_prob, c->norm_topk_prob = 2)
+MUT(m_act, activation, c->activation = (moept_activation)7)
+MUT(m_s, shared_intermediate_size, c->shared_intermediate_size = -1)
+MUT(m_sg, shared_gate, c->shared_gate = (moept_shared_gate)5)
+MUT(m_ng, n_group, c->n_group = 3)
+MUT(m_ng2, n_group, c->n_group = 8)  /* one expert per group */
+MUT(m_tg, topk_group, c->topk_group = 5)
+MUT(m_tgk, top_k, c->topk_group = 1; c->top_k = 3) /* more than one group holds */
+MUT(m_ngfam, n_group, c->family = MOEPT_FAMILY_MIXTRAL)
+MUT(m_rsf, routed_scaling_factor, c->routed_scaling_factor = -1.0f)
+MUT(m_rsfnan, routed_scaling_factor, c->routed_scaling_factor = NAN)
+MUT(m_rsffam, routed_scaling_factor, c->family = MOEPT_FAMILY_OLMOE; c->n_group = 1; c->topk_group = 1; c->routed_scaling_factor = 2.0f)
+MUT(m_aux, aux_loss, c->aux_loss = (moept_aux_loss)4)
+MUT(m_auxc, aux_loss_coef, c->aux_loss = MOEPT_AUX_HF; c->aux_loss_coef = -0.1f)
+MUT(m_auxnone, aux_loss_coef, c->aux_loss_coef = 0.1f)
+MUT(m_z, z_loss_coef, c->z_loss_coef = INFINITY)
+MUT(m_cap, capacity_factor, c->capacity_factor = -1.0f)
+MUT(m_max, max_tokens, c->max_tokens = 0)
+
+static void test_invalid_config_fields(void) {
+    static const mut muts[] = {
+        {"config.family", m_family}, {"config.hidden_size", m_d0}, {"config.hidden_size", m_dneg},
+        {"config.intermediate_size", m_f0}, {"config.num_experts", m_e0}, {"config.num_experts", m_ebig},
+        {"config.top_k", m_k0}, {"config.top_k", m_kbig}, {"config.norm_topk_prob", m_norm},
+        {"config.activation", m_act}, {"config.shared_intermediate_size", m_s}, {"config.shared_gate", m_sg},
+        {"config.n_group", m_ng}, {"config.n_group", m_ng2}, {"config.topk_group", m_tg}, {"config.top_k", m_tgk},
+        {"config.n_group", m_ngfam}, {"config.routed_scaling_factor", m_rsf},
+        {"config.routed_scaling_factor", m_rsfnan}, {"config.routed_scaling_factor", m_rsffam},
+        {"config.aux_loss", m_aux}, {"config.aux_loss_coef", m_auxc}, {"config.aux_loss_coef", m_auxnone},
+        {"config.z_loss_coef", m_z}, {"config.capacity_factor", m_cap}, {"config.max_tokens", m_max}};
+    moept_config c = good();
+    moept_layer *L = (moept_layer *)1;
+    EXPECT(moept_create(&c, &L) == MOEPT_OK, "the base config must be valid: %s", moept_last_error(NULL));
+    moept_destroy(L);
+    for (size_t i = 0; i < sizeof muts / sizeof muts[0]; i++) {
+        c = good();
+        muts[i].apply(&c);
+        L = (moept_layer *)1;
+        moept_status s = moept_create(&c, &L);
+        EXPECT(s == MOEPT_ERR_INVALID_ARGUMENT, "%s: accepted (status %d)", muts[i].field, s);
+        EXPECT(L == NULL, "%s: *out not cleared on failure", muts[i].field);
+        EXPECT(strstr(moept_last_error(NULL), muts[i].field) != NULL, "%s: message '%s' does not name it",
+               muts[i].field, moept_last_error(NULL));
+        if (s == MOEPT_OK) moept_destroy(L);
+    }
+    EXPECT(moept_create(NULL, &L) == MOEPT_ERR_INVALID_ARGUMENT, "NULL config accepted");
+    EXPECT(moept_create(&c, NULL) == MOEPT_ERR_INVALID_ARGUMENT, "NULL out accepted");
+}
+
+/* a full snapshot of everything the caller can observe */
+typedef struct snap { float *params; moept_stats st; float *logits, *w; int32_t *ids; int64_t T; } snap;
+static snap take(moept_layer *L) {
+    snap s;
+    size_t pb = (size_t)(2 * L->n_params + L->E) * 4;
+    s.params = malloc(pb);
+    memcpy(s.params, L->params, pb);
+    moept_get_stats(L, &s.st, NULL);
+    s.T = L->T;
+    s.logits = malloc((size_t)(L->Tmax * L->E) * 4);
+    s.w = malloc((size_t)(L->Tmax * L->K) * 4);
+    s.ids = malloc((size_t)(L->Tmax * L->K) * 4);
+    const int32_t *ids; const float *w, *lg;
+    if (moept_routing(L, &ids, &w, &lg) == MOEPT_OK) {
+        memcpy(s.logits, lg, (size_t)(L->T * L->E) * 4);
+        memcpy(s.w, w, (size_t)(L->T * L->K) * 4);
+        memcpy(s.ids, ids, (size_t)(L->T * L->K) * 4);
+    }
+    return s;
+}
+static int same(moept_layer *L, snap *a) {
+    snap b = take(L);
+    int64_t T = a->T > 0 ? a->T : 0;
+    int ok = memcmp(a->params, b.params, (size_t)(2 * L->n_params + L->E) * 4) == 0 &&
+             memcmp(&a->st, &b.st, sizeof a->st) == 0 && a->T == b.T &&
+             memcmp(a->logits, b.logits, (size_t)(T * L->E) * 4) == 0 &&
+             memcmp(a->w, b.w, (size_t)(T * L->K) * 4) == 0 &&
+             memcmp(a->ids, b.ids, (size_t)(T * L->K) * 4) == 0;
+    free(b.params); free(b.logits); free(b.w); free(b.ids);
+    return ok;
+}
+static void drop(snap *s) { free(s->params); free(s->logits); free(s->w); free(s->ids); }
+
+static void test_nonfinite_input_leaves_layer_unchanged(void) {
+    moept_config c = good();
+    c.shared_intermediate_size = 6;
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 1);
+    unsigned long long s = 1;
+    float x[16 * 8], y[16 * 8], dy[16 * 8], dx1[16 * 8], dx2[16 * 8], y2[16 * 8];
+    tu_fill(x, 128, 1.0, &s);
+    tu_fill(dy, 128, 1.0, &s);
+    EXPECT_OK(moept_forward(L, x, 10, y));
+    snap before = take(L);
+    /* NaN in x, Inf in x, finite x whose logits overflow */
+    float bad[16 * 8];
+    for (int kind = 0; kind < 3; kind++) {
+        memcpy(bad, x, sizeof bad);
+        if (kind == 0) bad[37] = NAN;
+        if (kind == 1) bad[5] = -INFINITY;
+        if (kind == 2) /* finite x aligned with expert 0's router row: its logit overflows */
+            for (int i = 0; i < 128; i++) bad[i] = L->w_router[i % 8] >= 0 ? 3e38f : -3e38f;
+        memcpy(y2, y, sizeof y);
+        moept_status st = moept_forward(L, bad, 12, y2);
+        EXPECT(st == MOEPT_ERR_NUMERIC, "non-finite input kind %d: status %d", kind, st);
+        EXPECT(strlen(moept_last_error(L)) > 0, "no message");
+        EXPECT(same(L, &before), "kind %d: the layer changed on a rejected forward", kind);
+        EXPECT(memcmp(y2, y, sizeof y) == 0, "kind %d: y written on a rejected forward", kind);
+    }
+    /* the earlier forward is still the one backward differentiates */
+    EXPECT_OK(moept_backward(L, x, dy, dx1));
+    float *g1 = malloc((size_t)L->n_params * 4);
+    memcpy(g1, L->grads, (size_t)L->n_params * 4);
+    moept_zero_grad(L);
+    EXPECT_OK(moept_forward(L, x, 10, y2));
+    EXPECT_OK(moept_backward(L, x, dy, dx2));
+    EXPECT(memcmp(g1, L->grads, (size_t)L->n_params * 4) == 0, "gradients after a rejected step differ");
+    EXPECT(memcmp(dx1, dx2, (size_t)(10 * 8) * 4) == 0, "dx after a rejected step differs");
+    /* NaN in dy: rejected, gradients untouched */
+    snap s2 = take(L);
+    dy[3] = NAN;
+    EXPECT(moept_backward(L, x, dy, dx1) == MOEPT_ERR_NUMERIC, "NaN dy accepted");
+    EXPECT(same(L, &s2), "layer changed on a rejected backward");
+    free(g1); drop(&before); drop(&s2);
+    moept_destroy(L);
+}
+
+static void test_null_and_sizes(void) {
+    moept_config c = good();
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    float x[17 * 8] = {0}, y[17 * 8];
+    snap s = take(L);
+    EXPECT(moept_forward(NULL, x, 1, y) == MOEPT_ERR_INVALID_ARGUMENT, "NULL layer");
+    EXPECT(moept_forward(L, NULL, 1, y) == MOEPT_ERR_INVALID_ARGUMENT, "NULL x");
+    EXPECT(moept_forward(L, x, 1, NULL) == MOEPT_ERR_INVALID_ARGUMENT, "NULL y");
+    EXPECT(moept_forward(L, x, 17, y) == MOEPT_ERR_INVALID_ARGUMENT, "more tokens than max_tokens accepted");
+    EXPECT(strstr(moept_last_error(L), "max_tokens") != NULL, "message does not say max_tokens: %s", moept_last_error(L));
+    EXPECT(moept_forward(L, x, -1, y) == MOEPT_ERR_INVALID_ARGUMENT, "negative tokens accepted");
+    EXPECT(moept_backward(L, x, x, y) == MOEPT_ERR_STATE, "backward without forward accepted");
+    EXPECT(moept_update_bias(L, 0.1f) == MOEPT_ERR_STATE, "update_bias without forward accepted");
+    EXPECT(moept_routing(L, NULL, NULL, NULL) == MOEPT_ERR_STATE, "routing without forward accepted");
+    EXPECT(same(L, &s), "layer changed by rejected calls");
+    EXPECT_OK(moept_forward(L, x, 4, y));
+    EXPECT(moept_backward(L, x, NULL, y) == MOEPT_ERR_INVALID_ARGUMENT, "NULL dy accepted");
+    EXPECT(moept_backward(L, NULL, x, y) == MOEPT_ERR_INVALID_ARGUMENT, "NULL x accepted");
+    EXPECT(moept_backward(L, x, x, NULL) == MOEPT_ERR_INVALID_ARGUMENT, "NULL dx accepted");
+    EXPECT(moept_update_bias(L, NAN) == MOEPT_ERR_INVALID_ARGUMENT, "NaN rate accepted");
+    EXPECT(moept_zero_grad(NULL) == MOEPT_ERR_INVALID_ARGUMENT, "zero_grad(NULL)");
+    EXPECT(moept_get_stats(L, NULL, NULL) == MOEPT_ERR_INVALID_ARGUMENT, "get_stats(NULL)");
+    float *p; int64_t n;
+    EXPECT(moept_params(L, NULL, &n) == MOEPT_ERR_INVALID_ARGUMENT && moept_grads(L, &p, NULL) == MOEPT_ERR_INVALID_ARGUMENT, "params/grads NULL");
+    moept_param_info pi;
+    EXPECT(moept_param_info_at(L, moept_param_count(L), &pi) == MOEPT_ERR_INVALID_ARGUMENT, "index past the end");
+    moept_destroy(NULL); /* no-op */
+    drop(&s);
+    moept_destroy(L);
+    /* update_bias on a family without a bias */
+    c.family = MOEPT_FAMILY_MIXTRAL; c.n_group = 1; c.topk_group = 1;
+    EXPECT_OK(moept_create(&c, &L));
+    EXPECT_OK(moept_forward(L, x, 2, y));
+    EXPECT(moept_update_bias(L, 0.1f) == MOEPT_ERR_INVALID_ARGUMENT, "mixtral update_bias accepted");
+    moept_destroy(L);
+}
+
+static void test_param_names(void) {
+    moept_config c = good();
+    c.shared_intermediate_size = 4;
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 3);
+    snap s = take(L);
+    float w[6 * 8] = {0}, nanw[6 * 8] = {0};
+    nanw[7] = NAN;
+    EXPECT(moept_set_param(L, "experts.8.gate_proj.weight", w, 48) == MOEPT_ERR_NOT_FOUND, "expert 8 of 8 accepted");
+    EXPECT(moept_set_param(L, "experts.0.w1.weight", w, 48) == MOEPT_ERR_NOT_FOUND, "mixtral name in deepseek accepted");
+    EXPECT(moept_set_param(L, "experts.0.gate_proj.weight", w, 47) == MOEPT_ERR_INVALID_ARGUMENT, "wrong numel accepted");
+    EXPECT(moept_set_param(L, "experts.0.gate_proj.weight", nanw, 48) == MOEPT_ERR_NUMERIC, "NaN weights accepted");
+    EXPECT(moept_set_param(L, NULL, w, 48) == MOEPT_ERR_INVALID_ARGUMENT, "NULL name accepted");
+    EXPECT(moept_set_param(L, "gate.weight", NULL, 64) == MOEPT_ERR_INVALID_ARGUMENT, "NULL data accepted");
+    EXPECT(moept_get_grad(L, "gate.e_score_correction_bias", w, 8) == MOEPT_ERR_NOT_FOUND, "bias has no gradient");
+    EXPECT(same(L, &s), "rejected set_param changed the layer");
+    /* every family's names resolve */
+    static const char *names[4][4] = {
+        {"gate.weight", "experts.2.w1.weight", "experts.2.w3.weight", "experts.2.w2.weight"},
+        {"shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight", "shared_expert_gate.weight"},
+        {"gate.weight", "experts.2.gate_proj.weight", "experts.2.up_proj.weight", "experts.2.down_proj.weight"},
+        {"gate.e_score_correction_bias", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"}};
+    for (int f = 0; f < 4; f++) {
+        moept_config d = {0};
+        d.family = (moept_family)f; d.hidden_size = 8; d.intermediate_size = 6; d.num_experts = 4; d.top_k = 2;
+        d.max_tokens = 4; d.shared_intermediate_size = f == 1 || f == 3 ? 4 : 0;
+        moept_layer *M;
+        EXPECT_OK(moept_create(&d, &M));
+        for (int i = 0; i < 4; i++) {
+            const moept__param *p = moept__find(M, names[f][i]);
+            EXPECT(p != NULL, "family %d: no parameter '%s'", f, names[f][i]);
+        }
+        moept_destroy(M);
+    }
+    drop(&s);
+    moept_destroy(L);
+}
+
+static void test_bad_files(void) {
+    moept_st_file *f = (moept_st_file *)1;
+    EXPECT(moept_st_open("/nonexistent/file.safetensors", &f) == MOEPT_ERR_IO && f == NULL, "missing file");
+    const char *path = "build/test_errors_tmp.safetensors";
+    static const char *headers[] = {
+        "{", "[]", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}",
+        "{\"a\":{\"dtype\":\"Q9\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+        "{\"__metadata__\":{\"k\":1}}"};
+    for (size_t i = 0; i < sizeof headers / sizeof headers[0]; i++) {
+        FILE *fp = fopen(path, "wb");
+        if (!fp) { EXPECT(0, "cannot write %s", path); return; }
+        uint64_t n = strlen(headers[i]);
+        unsigned char len[8];
+        for (int b = 0; b < 8; b++) len[b] = (unsigned char)(n >> (8 * b));
+        fwrite(len, 1, 8, fp);
+        fwrite(headers[i], 1, n, fp);
+        fwrite("\0\0\0\0", 1, 4, fp);
+        fclose(fp);
+        f = (moept_st_file *)1;
+        EXPECT(moept_st_open(path, &f) == MOEPT_ERR_FORMAT && f == NULL, "header '%s' accepted", headers[i]);
+    }
+    remove(path);
+}
+
+int main(void) {
+    RUN(test_invalid_config_fields);
+    RUN(test_nonfinite_input_leaves_layer_unchanged);
+    RUN(test_null_and_sizes);
+    RUN(test_param_names);
+    RUN(test_bad_files);
+    return tu_done();
+}

@@ -1,0 +1,209 @@
+/* Finite-difference gradient checks: for every parameter group, each router
+   family, each activation, the aux loss (both conventions) and the z loss,
+   the analytic directional derivative <grad, v> must match the central
+   difference of the objective L = sum(y * gy) + ca*aux + cz*z, accumulated
+   in double. Perturbations are measured as actually stored in fp32. */
+#include "../moept.c"
+#include "testutil.h"
+
+typedef struct gcase {
+    const char *name;
+    moept_config cfg;
+    int64_t T;
+    int zero_dy;   /* 1: only the losses drive the gradient */
+} gcase;
+
+static double objective(moept_layer *L, const float *x, int64_t T, const float *gy,
+                        float *y, int32_t *ids) {
+    if (moept_forward(L, x, T, y) != MOEPT_OK) return NAN;
+    double o = 0.0;
+    for (int64_t i = 0; i < T * L->D; i++) o += (double)y[i] * gy[i];
+    o += (double)L->cfg.aux_loss_coef * L->aux_value + (double)L->cfg.z_loss_coef * L->z_value;
+    memcpy(ids, L->ids[L->cur], (size_t)(T * L->K) * sizeof(int32_t));
+    return o;
+}
+
+/* One directional check over the floats p[0..n) (a parameter group or x)
+   whose analytic gradient is g. Returns the relative error. */
+static double dircheck(moept_layer *L, float *x, int64_t T, const float *gy, float **ptrs,
+                       int64_t *lens, int nptr, float **grads, unsigned long long *seed,
+                       const int32_t *ids0) {
+    int64_t total = 0;
+    for (int i = 0; i < nptr; i++) total += lens[i];
+    float *y = malloc((size_t)(T * L->D) * sizeof(float));
+    int32_t *ids = malloc((size_t)(T * L->K) * sizeof(int32_t));
+    float *orig = malloc((size_t)total * sizeof(float));
+    float *v = malloc((size_t)total * sizeof(float));
+    for (int64_t i = 0; i < total; i++) v[i] = (float)tu_rand(seed);
+    int64_t o = 0;
+    for (int i = 0; i < nptr; i++) { memcpy(orig + o, ptrs[i], (size_t)lens[i] * sizeof(float)); o += lens[i]; }
+    double rel = INFINITY;
+    /* the best of a few step sizes: a step that crosses a routing decision
+       or a ReLU kink is not a gradient error; a wrong gradient fails at all */
+    for (double h = 3e-3; h > 1e-5 && !(rel < 1e-4); h *= 0.25) {
+        double lp, lm, dot = 0.0;
+        int same = 1;
+        /* + */
+        o = 0;
+        for (int i = 0; i < nptr; i++)
+            for (int64_t j = 0; j < lens[i]; j++, o++) ptrs[i][j] = orig[o] + (float)h * v[o];
+        lp = objective(L, x, T, gy, y, ids);
+        same &= memcmp(ids, ids0, (size_t)(T * L->K) * sizeof(int32_t)) == 0;
+        o = 0;
+        for (int i = 0; i < nptr; i++)
+            for (int64_t j = 0; j < lens[i]; j++, o++) dot += (double)grads[i][j] * ((double)ptrs[i][j] - orig[o]);
+        /* - */
+        o = 0;
+        for (int i = 0; i < nptr; i++)
+            for (int64_t j = 0; j < lens[i]; j++, o++) ptrs[i][j] = orig[o] - (float)h * v[o];
+        lm = objective(L, x, T, gy, y, ids);
+        same &= memcmp(ids, ids0, (size_t)(T * L->K) * sizeof(int32_t)) == 0;
+        o = 0;
+        for (int i = 0; i < nptr; i++)
+            for (int64_t j = 0; j < lens[i]; j++, o++) dot -= (double)grads[i][j] * ((double)ptrs[i][j] - orig[o]);
+        if (!same) continue; /* a routing decision flipped: smaller step */
+        double fd = lp - lm;
+        rel = fmin(rel, fabs(fd - dot) / fmax(fabs(dot), 1e-12));
+    }
+    o = 0;
+    for (int i = 0; i < nptr; i++) { memcpy(ptrs[i], orig + o, (size_t)lens[i] * sizeof(float)); o += lens[i]; }
+    free(y); free(ids); free(orig); free(v);
+    return rel;
+}
+
+static int groups_of_type(moept_layer *L, moept__ptype t, float **p, float **g, int64_t *n) {
+    int k = 0;
+    for (int64_t i = 0; i < L->n_table; i++)
+        if (L->table[i].type == t && k < 64) {
+            p[k] = L->table[i].data;
+            g[k] = L->table[i].grad;
+            n[k] = L->table[i].rows * L->table[i].cols;
+            k++;
+        }
+    return k;
+}
+
+static void run_gcase(const gcase *gc) {
+    moept_layer *L;
+    if (moept_create(&gc->cfg, &L) != MOEPT_OK) {
+        EXPECT(0, "%s: create: %s", gc->name, moept_last_error(NULL));
+        return;
+    }
+    unsigned long long seed = 1234;
+    moept_init_params(L, 7);
+    /* a sharper router so routing is decisive, experts strong enough to matter */
+    for (int64_t i = 0; i < L->E * L->D; i++) L->w_router[i] *= 3.0f;
+    if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
+        for (int64_t e = 0; e < L->E; e++) L->bias[e] = 0.05f * (float)tu_rand(&seed);
+    const int64_t T = gc->T, D = L->D;
+    float *x = malloc((size_t)(T * D) * sizeof(float)), *gy = calloc((size_t)(T * D), sizeof(float));
+    float *y = malloc((size_t)(T * D) * sizeof(float)), *dx = malloc((size_t)(T * D) * sizeof(float));
+    int32_t *ids0 = malloc((size_t)(T * L->K) * sizeof(int32_t));
+    tu_fill(x, T * D, 1.0, &seed);
+    if (!gc->zero_dy) tu_fill(gy, T * D, 1.0, &seed);
+    moept_zero_grad(L);
+    double base = objective(L, x, T, gy, y, ids0);
+    EXPECT(isfinite(base), "%s: forward failed: %s", gc->name, moept_last_error(L));
+    EXPECT_OK(moept_backward(L, x, gy, dx));
+    /* freeze the analytic gradients before the perturbed forwards */
+    float *gcopy = malloc((size_t)L->n_params * sizeof(float));
+    memcpy(gcopy, L->grads, (size_t)L->n_params * sizeof(float));
+    static const moept__ptype types[] = {MOEPT__P_ROUTER, MOEPT__P_GATE, MOEPT__P_UP, MOEPT__P_DOWN,
+                                         MOEPT__P_SGATE_PROJ, MOEPT__P_SUP, MOEPT__P_SDOWN, MOEPT__P_SGATE};
+    static const char *tnames[] = {"router", "experts.gate", "experts.up", "experts.down",
+                                   "shared.gate", "shared.up", "shared.down", "shared_expert_gate"};
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        float *p[64], *g[64];
+        int64_t n[64];
+        int k = groups_of_type(L, types[ti], p, g, n);
+        if (k == 0) continue;
+        for (int i = 0; i < k; i++) g[i] = gcopy + (g[i] - L->grads);
+        double rel = dircheck(L, x, T, gy, p, n, k, g, &seed, ids0);
+        int expect_zero = gc->zero_dy && types[ti] != MOEPT__P_ROUTER;
+        if (expect_zero) {
+            /* losses only: no gradient may reach the experts */
+            double s = 0;
+            for (int i = 0; i < k; i++) for (int64_t j = 0; j < n[i]; j++) s += fabs(g[i][j]);
+            EXPECT(s == 0.0, "%s: %s gradient should be 0 with dy = 0, |g| = %g", gc->name, tnames[ti], s);
+        } else {
+            EXPECT(rel < 2e-3, "%s: %s directional derivative rel err %.3g", gc->name, tnames[ti], rel);
+        }
+    }
+    /* the input */
+    float *px[1] = {x}, *gx[1] = {dx};
+    int64_t nx[1] = {T * D};
+    double rel = dircheck(L, x, T, gy, px, nx, 1, gx, &seed, ids0);
+    EXPECT(rel < 2e-3, "%s: input directional derivative rel err %.3g", gc->name, rel);
+    free(x); free(gy); free(y); free(dx); free(ids0); free(gcopy);
+    moept_destroy(L);
+}
+
+static moept_config base_cfg(moept_family f) {
+    moept_config c = {0};
+    c.family = f;
+    c.hidden_size = 9; c.intermediate_size = 7; c.num_experts = 6; c.top_k = 2;
+    c.norm_topk_prob = 1; c.max_tokens = 16;
+    return c;
+}
+
+static void test_families(void) {
+    gcase cs[8];
+    int n = 0;
+    cs[n] = (gcase){"mixtral", base_cfg(MOEPT_FAMILY_MIXTRAL), 11, 0};
+    cs[n].cfg.aux_loss = MOEPT_AUX_HF; cs[n].cfg.aux_loss_coef = 0.1f; cs[n].cfg.z_loss_coef = 0.01f; n++;
+    cs[n] = (gcase){"qwen2 shared, no norm", base_cfg(MOEPT_FAMILY_QWEN2_MOE), 10, 0};
+    cs[n].cfg.norm_topk_prob = 0; cs[n].cfg.shared_intermediate_size = 5;
+    cs[n].cfg.aux_loss = MOEPT_AUX_MEGATRON; cs[n].cfg.aux_loss_coef = 0.1f; n++;
+    cs[n] = (gcase){"olmoe k=3", base_cfg(MOEPT_FAMILY_OLMOE), 12, 0};
+    cs[n].cfg.top_k = 3; cs[n].cfg.norm_topk_prob = 0; cs[n].cfg.z_loss_coef = 0.05f; n++;
+    cs[n] = (gcase){"deepseek grouped", base_cfg(MOEPT_FAMILY_DEEPSEEK_V3), 12, 0};
+    cs[n].cfg.num_experts = 8; cs[n].cfg.n_group = 4; cs[n].cfg.topk_group = 2;
+    cs[n].cfg.routed_scaling_factor = 2.5f; cs[n].cfg.shared_intermediate_size = 6;
+    cs[n].cfg.aux_loss = MOEPT_AUX_HF; cs[n].cfg.aux_loss_coef = 0.1f; cs[n].cfg.z_loss_coef = 0.01f; n++;
+    cs[n] = (gcase){"deepseek no norm, gated shared", base_cfg(MOEPT_FAMILY_DEEPSEEK_V3), 9, 0};
+    cs[n].cfg.norm_topk_prob = 0; cs[n].cfg.shared_intermediate_size = 4;
+    cs[n].cfg.shared_gate = MOEPT_SHARED_GATE_SIGMOID; n++;
+    cs[n] = (gcase){"capacity 0.75", base_cfg(MOEPT_FAMILY_MIXTRAL), 12, 0};
+    cs[n].cfg.capacity_factor = 0.75f; n++;
+    for (int i = 0; i < n; i++) run_gcase(&cs[i]);
+}
+
+static void test_activations(void) {
+    static const moept_activation acts[] = {MOEPT_ACT_SILU_GATED, MOEPT_ACT_GELU_GATED, MOEPT_ACT_GELU, MOEPT_ACT_RELU};
+    static const char *names[] = {"silu gated", "gelu gated", "gelu", "relu"};
+    for (int i = 0; i < 4; i++) {
+        gcase c = {names[i], base_cfg(MOEPT_FAMILY_QWEN2_MOE), 10, 0};
+        c.cfg.activation = acts[i];
+        c.cfg.shared_intermediate_size = 5;
+        run_gcase(&c);
+    }
+}
+
+static void test_aux_loss_only(void) {
+    static const moept_family fams[] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_DEEPSEEK_V3};
+    static const moept_aux_loss kinds[] = {MOEPT_AUX_HF, MOEPT_AUX_MEGATRON};
+    for (int f = 0; f < 2; f++)
+        for (int k = 0; k < 2; k++) {
+            gcase c = {"aux only", base_cfg(fams[f]), 12, 1};
+            c.cfg.aux_loss = kinds[k];
+            c.cfg.aux_loss_coef = 1.0f;
+            run_gcase(&c);
+        }
+}
+
+static void test_z_loss_only(void) {
+    static const moept_family fams[] = {MOEPT_FAMILY_OLMOE, MOEPT_FAMILY_DEEPSEEK_V3};
+    for (int f = 0; f < 2; f++) {
+        gcase c = {"z only", base_cfg(fams[f]), 12, 1};
+        c.cfg.z_loss_coef = 1.0f;
+        run_gcase(&c);
+    }
+}
+
+int main(void) {
+    RUN(test_families);
+    RUN(test_activations);
+    RUN(test_aux_loss_only);
+    RUN(test_z_loss_only);
+    return tu_done();
+}

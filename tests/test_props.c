@@ -1,0 +1,445 @@
+/* Properties of the layer: plan invariants, capacity, the dense limit,
+   ties, determinism, allocation-free steps, the builtin GEMM. Forward
+   outputs are also compared with a naive double-precision reference of the
+   whole block (every activation, shared experts, capacity). */
+#include "../moept.c"
+#include "testutil.h"
+
+static moept_layer *make(moept_config c, uint64_t seed) {
+    moept_layer *L = NULL;
+    if (moept_create(&c, &L) != MOEPT_OK) {
+        EXPECT(0, "create: %s", moept_last_error(NULL));
+        return NULL;
+    }
+    moept_init_params(L, seed);
+    for (int64_t i = 0; i < L->E * L->D; i++) L->w_router[i] *= 3.0f;
+    return L;
+}
+
+static moept_config cfg0(moept_family f, int64_t D, int64_t F, int64_t E, int64_t K, int64_t T) {
+    moept_config c = {0};
+    c.family = f; c.hidden_size = D; c.intermediate_size = F; c.num_experts = E; c.top_k = K;
+    c.norm_topk_prob = 1; c.max_tokens = T;
+    return c;
+}
+
+static double act_ref(int kind, double g) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: return g / (1.0 + exp(-g));
+    case MOEPT_ACT_GELU_GATED: case MOEPT_ACT_GELU: return 0.5 * g * (1.0 + erf(g / sqrt(2.0)));
+    default: return g > 0 ? g : 0;
+    }
+}
+
+/* y = shared(x) + sum_k w * FFN_e(x) over the kept slots, in double. */
+static void ref_ffn(const moept_layer *L, const float *x, const float *w13, const float *w2,
+                    int64_t H, int64_t F, double *out) {
+    const int64_t D = L->D;
+    int gated = moept__act_gated(L->act);
+    double *a = malloc((size_t)F * sizeof(double));
+    for (int64_t j = 0; j < F; j++) {
+        double g = 0, u = 0;
+        for (int64_t d = 0; d < D; d++) g += (double)w13[j * D + d] * x[d];
+        if (gated) for (int64_t d = 0; d < D; d++) u += (double)w13[(F + j) * D + d] * x[d];
+        a[j] = act_ref(L->act, g) * (gated ? u : 1.0);
+    }
+    (void)H;
+    for (int64_t d = 0; d < D; d++) {
+        double s = 0;
+        for (int64_t j = 0; j < F; j++) s += (double)w2[d * F + j] * a[j];
+        out[d] = s;
+    }
+    free(a);
+}
+
+static double ref_forward_err(const moept_layer *L, const float *x, int64_t T, const float *y) {
+    const int64_t D = L->D, K = L->K;
+    const int32_t *ids = L->ids[L->cur];
+    const float *w = L->wts[L->cur];
+    double *o = malloc((size_t)D * sizeof(double)), *acc = malloc((size_t)D * sizeof(double));
+    int64_t *seen = calloc((size_t)L->E, sizeof(int64_t));
+    int64_t cap = L->stats.capacity;
+    double num = 0, den = 0;
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t d = 0; d < D; d++) acc[d] = 0;
+        if (L->S > 0) {
+            ref_ffn(L, x + t * D, L->ws13, L->ws2, L->HS, L->S, o);
+            double gs = 1;
+            if (L->wsg) {
+                double z = 0;
+                for (int64_t d = 0; d < D; d++) z += (double)L->wsg[d] * x[t * D + d];
+                gs = 1 / (1 + exp(-z));
+            }
+            for (int64_t d = 0; d < D; d++) acc[d] += gs * o[d];
+        }
+        for (int64_t k = 0; k < K; k++) {
+            int64_t e = ids[t * K + k];
+            if (cap >= 0 && seen[e]++ >= cap) continue; /* dropped by position */
+            ref_ffn(L, x + t * D, L->w13 + e * L->H * D, L->w2 + e * D * L->F, L->H, L->F, o);
+            for (int64_t d = 0; d < D; d++) acc[d] += w[t * K + k] * o[d];
+        }
+        for (int64_t d = 0; d < D; d++) {
+            num += (y[t * D + d] - acc[d]) * (y[t * D + d] - acc[d]);
+            den += acc[d] * acc[d];
+        }
+    }
+    free(o); free(acc); free(seen);
+    return sqrt(num / den);
+}
+
+static void test_dropless_plan(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_OLMOE, 16, 12, 8, 3, 64);
+    moept_layer *L = make(c, 3);
+    if (!L) return;
+    unsigned long long s = 5;
+    float x[64 * 16], y[64 * 16];
+    tu_fill(x, 64 * 16, 1.0, &s);
+    EXPECT_OK(moept_forward(L, x, 50, y));
+    moept_stats st;
+    int64_t tpe[8], sum = 0;
+    moept_get_stats(L, &st, tpe);
+    for (int e = 0; e < 8; e++) sum += tpe[e];
+    EXPECT(sum == 50 * 3, "counts sum %lld != T*K", (long long)sum);
+    EXPECT(st.routed_rows == 150 && st.dropped_rows == 0, "routed %lld dropped %lld", (long long)st.routed_rows, (long long)st.dropped_rows);
+    /* stable: rows of each expert in increasing token order, each row's token routed there */
+    for (int e = 0; e < 8; e++)
+        for (int64_t r = L->offsets[e]; r < L->offsets[e + 1]; r++) {
+            if (r > L->offsets[e]) EXPECT(L->tok_of_row[r] > L->tok_of_row[r - 1], "expert %d rows out of token order", e);
+            int64_t t = L->tok_of_row[r], hit = 0;
+            for (int k = 0; k < 3; k++) hit |= L->ids[L->cur][t * 3 + k] == e && L->row_of[t * 3 + k] == r;
+            EXPECT(hit, "row %lld not owned by token %lld", (long long)r, (long long)t);
+        }
+    double err = ref_forward_err(L, x, 50, y);
+    EXPECT(err < 1e-5, "forward vs double reference: %g", err);
+    moept_destroy(L);
+}
+
+static void test_capacity(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_MIXTRAL, 12, 10, 4, 2, 40);
+    c.capacity_factor = 0.6f;
+    moept_layer *L = make(c, 9);
+    if (!L) return;
+    /* skew the router so some experts overflow */
+    for (int64_t d = 0; d < L->D; d++) L->w_router[d] += 0.8f;
+    unsigned long long s = 11;
+    float x[40 * 12], y[40 * 12];
+    tu_fill(x, 40 * 12, 1.0, &s);
+    for (int i = 0; i < 40 * 12; i += 12) x[i] = 2.0f;
+    EXPECT_OK(moept_forward(L, x, 40, y));
+    moept_stats st;
+    moept_get_stats(L, &st, NULL);
+    int64_t cap = (int64_t)ceil(0.6 * 40 * 2 / 4.0);
+    EXPECT(st.capacity == cap, "capacity %lld != %lld", (long long)st.capacity, (long long)cap);
+    int64_t kept = 0;
+    for (int e = 0; e < 4; e++) {
+        EXPECT(L->counts[e] <= cap, "expert %d keeps %lld > capacity %lld", e, (long long)L->counts[e], (long long)cap);
+        kept += L->counts[e];
+    }
+    EXPECT(st.dropped_rows > 0, "the skewed router should overflow an expert");
+    EXPECT(st.dropped_rows == 80 - kept, "dropped %lld != T*K - kept", (long long)st.dropped_rows);
+    /* drop by position: for each expert, kept tokens precede dropped ones */
+    for (int e = 0; e < 4; e++) {
+        int64_t last_kept = -1, first_drop = 1 << 30;
+        for (int64_t i = 0; i < 80; i++) {
+            if (L->ids[L->cur][i] != e) continue;
+            if (L->row_of[i] >= 0) last_kept = i; else if (i < first_drop) first_drop = i;
+        }
+        EXPECT(last_kept < first_drop, "expert %d kept a later token than one it dropped", e);
+    }
+    double err = ref_forward_err(L, x, 40, y);
+    EXPECT(err < 1e-5, "capacity forward vs reference: %g", err);
+    moept_destroy(L);
+}
+
+static void test_activations_and_shared(void) {
+    static const moept_activation acts[] = {MOEPT_ACT_SILU_GATED, MOEPT_ACT_GELU_GATED, MOEPT_ACT_GELU, MOEPT_ACT_RELU};
+    for (int a = 0; a < 4; a++)
+        for (int gate = 0; gate < 2; gate++) {
+            moept_config c = cfg0(MOEPT_FAMILY_QWEN2_MOE, 19, 13, 5, 2, 30);
+            c.activation = acts[a];
+            c.shared_intermediate_size = 11;
+            c.shared_gate = gate ? MOEPT_SHARED_GATE_SIGMOID : MOEPT_SHARED_GATE_NONE;
+            moept_layer *L = make(c, 21 + a);
+            if (!L) return;
+            unsigned long long s = 3;
+            float x[30 * 19], y[30 * 19];
+            tu_fill(x, 30 * 19, 1.0, &s);
+            EXPECT_OK(moept_forward(L, x, 30, y));
+            double err = ref_forward_err(L, x, 30, y);
+            EXPECT(err < 1e-5, "activation %d shared gate %d: forward vs reference %g", a, gate, err);
+            moept_destroy(L);
+        }
+}
+
+static void test_k_equals_e_is_dense(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_OLMOE, 10, 8, 5, 5, 12);
+    c.norm_topk_prob = 0;
+    moept_layer *L = make(c, 4);
+    if (!L) return;
+    unsigned long long s = 8;
+    float x[12 * 10], y[12 * 10];
+    tu_fill(x, 120, 1.0, &s);
+    EXPECT_OK(moept_forward(L, x, 12, y));
+    double num = 0, den = 0, o[10];
+    for (int t = 0; t < 12; t++) {
+        double lg[5], m = -1e300, z = 0, acc[10] = {0};
+        for (int e = 0; e < 5; e++) {
+            lg[e] = 0;
+            for (int d = 0; d < 10; d++) lg[e] += (double)L->w_router[e * 10 + d] * x[t * 10 + d];
+            m = fmax(m, lg[e]);
+        }
+        for (int e = 0; e < 5; e++) z += exp(lg[e] - m);
+        for (int e = 0; e < 5; e++) {
+            ref_ffn(L, x + t * 10, L->w13 + e * L->H * 10, L->w2 + e * 10 * 8, L->H, 8, o);
+            for (int d = 0; d < 10; d++) acc[d] += exp(lg[e] - m) / z * o[d];
+        }
+        for (int d = 0; d < 10; d++) { num += (y[t * 10 + d] - acc[d]) * (y[t * 10 + d] - acc[d]); den += acc[d] * acc[d]; }
+    }
+    EXPECT(sqrt(num / den) < 1e-5, "K=E differs from the dense softmax mixture: %g", sqrt(num / den));
+    moept_destroy(L);
+}
+
+static void test_zero_aux_coef_no_gradient(void) {
+    for (int coef = 0; coef < 2; coef++) {
+        moept_config c = cfg0(MOEPT_FAMILY_MIXTRAL, 8, 6, 4, 2, 10);
+        c.aux_loss = MOEPT_AUX_HF;
+        c.aux_loss_coef = coef ? 0.1f : 0.0f;
+        moept_layer *L = make(c, 2);
+        if (!L) return;
+        unsigned long long s = 1;
+        float x[80], y[80], dy[80] = {0}, dx[80];
+        tu_fill(x, 80, 1.0, &s);
+        EXPECT_OK(moept_forward(L, x, 10, y));
+        EXPECT_OK(moept_backward(L, x, dy, dx));
+        double g = 0;
+        for (int64_t i = 0; i < L->n_params; i++) g += fabs(L->grads[i]);
+        for (int i = 0; i < 80; i++) g += fabs(dx[i]);
+        if (coef) EXPECT(g > 0, "aux coefficient 0.1 gave no gradient");
+        else EXPECT(g == 0, "aux coefficient 0 gave gradient %g", g);
+        moept_destroy(L);
+    }
+}
+
+static void test_megatron_is_hf_over_k(void) {
+    float v[2];
+    for (int conv = 0; conv < 2; conv++) {
+        moept_config c = cfg0(MOEPT_FAMILY_QWEN2_MOE, 8, 6, 6, 3, 20);
+        c.aux_loss = conv ? MOEPT_AUX_MEGATRON : MOEPT_AUX_HF;
+        moept_layer *L = make(c, 2);
+        if (!L) return;
+        unsigned long long s = 1;
+        float x[160], y[160];
+        tu_fill(x, 160, 1.0, &s);
+        EXPECT_OK(moept_forward(L, x, 20, y));
+        v[conv] = L->stats.aux_loss;
+        moept_destroy(L);
+    }
+    EXPECT(fabs(v[0] / 3.0 - v[1]) < 1e-6 * fabs(v[0]), "megatron %g != hf %g / K", v[1], v[0]);
+}
+
+static void test_ties_lower_index(void) {
+    static const moept_family fams[] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_DEEPSEEK_V3};
+    for (int f = 0; f < 2; f++) {
+        moept_config c = cfg0(fams[f], 8, 6, 8, 3, 4);
+        if (f) { c.n_group = 4; c.topk_group = 2; }
+        moept_layer *L = make(c, 2);
+        if (!L) return;
+        memset(L->w_router, 0, (size_t)(8 * 8) * sizeof(float)); /* all logits equal */
+        float x[32], y[32];
+        unsigned long long s = 1;
+        tu_fill(x, 32, 1.0, &s);
+        EXPECT_OK(moept_forward(L, x, 4, y));
+        for (int t = 0; t < 4; t++)
+            for (int k = 0; k < 3; k++)
+                EXPECT(L->ids[L->cur][t * 3 + k] == k, "family %d token %d slot %d: expert %d, ties must go to the lower index",
+                       f, t, k, L->ids[L->cur][t * 3 + k]);
+        moept_destroy(L);
+    }
+}
+
+static void test_group_limited(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_DEEPSEEK_V3, 12, 6, 16, 4, 64);
+    c.n_group = 4; c.topk_group = 2; c.routed_scaling_factor = 2.0f;
+    moept_layer *L = make(c, 6);
+    if (!L) return;
+    unsigned long long s = 77;
+    for (int e = 0; e < 16; e++) L->bias[e] = (float)(0.3 * tu_rand(&s));
+    float x[64 * 12], y[64 * 12];
+    tu_fill(x, 64 * 12, 1.0, &s);
+    EXPECT_OK(moept_forward(L, x, 64, y));
+    for (int t = 0; t < 64; t++) {
+        double gsc[4];
+        for (int g = 0; g < 4; g++) { /* top-2 sum of s + bias in the group */
+            double b1 = -1e9, b2 = -1e9;
+            for (int e = g * 4; e < g * 4 + 4; e++) {
+                double v = 1 / (1 + exp(-(double)L->logits[L->cur][t * 16 + e])) + L->bias[e];
+                if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v;
+            }
+            gsc[g] = b1 + b2;
+        }
+        double wsum = 0;
+        for (int k = 0; k < 4; k++) {
+            int e = L->ids[L->cur][t * 4 + k], g = e / 4, better = 0;
+            for (int h = 0; h < 4; h++) better += gsc[h] > gsc[g];
+            EXPECT(better < 2, "token %d: expert %d from a group outside the top 2", t, e);
+            wsum += L->wts[L->cur][t * 4 + k];
+        }
+        EXPECT(fabs(wsum - 2.0) < 1e-5, "token %d: weights sum %g, expected the scaling factor 2", t, wsum);
+    }
+    moept_destroy(L);
+}
+
+static void run_step(moept_layer *L, const float *x, int64_t T, const float *dy, float *y, float *dx) {
+    moept_zero_grad(L);
+    EXPECT_OK(moept_forward(L, x, T, y));
+    EXPECT_OK(moept_backward(L, x, dy, dx));
+}
+
+static void test_deterministic_across_threads(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_DEEPSEEK_V3, 64, 96, 8, 2, 300);
+    c.shared_intermediate_size = 40; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.z_loss_coef = 0.001f;
+    moept_layer *L = make(c, 12);
+    if (!L) return;
+    int64_t T = 300, n = T * 64;
+    float *x = malloc((size_t)n * 4), *dy = malloc((size_t)n * 4), *y[2], *dx[2], *g[2];
+    unsigned long long s = 4;
+    tu_fill(x, n, 1.0, &s);
+    tu_fill(dy, n, 1.0, &s);
+    int threads[2] = {1, 2};
+    for (int r = 0; r < 2; r++) {
+        y[r] = malloc((size_t)n * 4); dx[r] = malloc((size_t)n * 4); g[r] = malloc((size_t)L->n_params * 4);
+#ifdef _OPENMP
+        omp_set_num_threads(threads[r]);
+#else
+        (void)threads;
+#endif
+        run_step(L, x, T, dy, y[r], dx[r]);
+        memcpy(g[r], L->grads, (size_t)L->n_params * 4);
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(L->nthreads);
+#endif
+#ifndef MOEPT_CBLAS /* OpenBLAS may split sums by thread count: only run to run there */
+    EXPECT(memcmp(y[0], y[1], (size_t)n * 4) == 0, "y differs between 1 and 2 threads");
+    EXPECT(memcmp(dx[0], dx[1], (size_t)n * 4) == 0, "dx differs between 1 and 2 threads");
+    EXPECT(memcmp(g[0], g[1], (size_t)L->n_params * 4) == 0, "grads differ between 1 and 2 threads");
+#endif
+    /* run to run with the same threads */
+    run_step(L, x, T, dy, y[0], dx[0]);
+    EXPECT(memcmp(y[0], y[1], (size_t)n * 4) == 0, "y differs run to run");
+    EXPECT(memcmp(L->grads, g[1], (size_t)L->n_params * 4) == 0, "grads differ run to run");
+    for (int r = 0; r < 2; r++) { free(y[r]); free(dx[r]); free(g[r]); }
+    free(x); free(dy);
+    moept_destroy(L);
+}
+
+static void test_no_allocations_in_steady_state(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_QWEN2_MOE, 32, 24, 8, 2, 64);
+    c.shared_intermediate_size = 16; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f;
+    moept_layer *L = make(c, 1);
+    if (!L) return;
+    float x[64 * 32], dy[64 * 32], y[64 * 32], dx[64 * 32];
+    unsigned long long s = 2;
+    tu_fill(x, 64 * 32, 1.0, &s);
+    tu_fill(dy, 64 * 32, 1.0, &s);
+    moept_stats a, b;
+    run_step(L, x, 64, dy, y, dx); /* warm-up */
+    moept_get_stats(L, &a, NULL);
+    for (int i = 0; i < 100; i++) run_step(L, x, 1 + (i * 37) % 64, dy, y, dx);
+    moept_get_stats(L, &b, NULL);
+    EXPECT(b.allocations == a.allocations, "%lld allocations in 100 steps", (long long)(b.allocations - a.allocations));
+    EXPECT(b.steps == a.steps + 100, "step counter %lld", (long long)b.steps);
+    moept_destroy(L);
+}
+
+static void test_zero_tokens(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_QWEN2_MOE, 8, 6, 4, 2, 8);
+    c.shared_intermediate_size = 4; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.1f; c.z_loss_coef = 0.1f;
+    moept_layer *L = make(c, 1);
+    if (!L) return;
+    EXPECT_OK(moept_forward(L, NULL, 0, NULL));
+    EXPECT_OK(moept_backward(L, NULL, NULL, NULL));
+    double g = 0;
+    for (int64_t i = 0; i < L->n_params; i++) g += fabs(L->grads[i]);
+    EXPECT(g == 0 && L->stats.aux_loss == 0 && L->stats.z_loss == 0, "T=0 must give zero losses and gradients");
+    moept_destroy(L);
+}
+
+static void test_update_bias(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_DEEPSEEK_V3, 8, 6, 4, 1, 16);
+    moept_layer *L = make(c, 3);
+    if (!L) return;
+    for (int d = 0; d < 8; d++) L->w_router[d] += 1.0f; /* expert 0 favoured */
+    float x[16 * 8], y[16 * 8];
+    for (int i = 0; i < 128; i++) x[i] = 1.0f;
+    EXPECT_OK(moept_forward(L, x, 16, y));
+    float before[4];
+    memcpy(before, L->bias, sizeof before);
+    EXPECT_OK(moept_update_bias(L, 0.01f));
+    for (int e = 0; e < 4; e++) {
+        double mean = 16.0 / 4, cnt = (double)L->sel_counts[e];
+        double want = before[e] + (cnt < mean ? 0.01 : cnt > mean ? -0.01 : 0.0);
+        EXPECT(fabs(L->bias[e] - want) < 1e-7, "expert %d count %g: bias %g, want %g", e, cnt, L->bias[e], want);
+    }
+    moept_destroy(L);
+}
+
+static void test_gemm_all_transposes(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_MIXTRAL, 300, 8, 2, 1, 300);
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create(&c, &L));
+    if (!L) return;
+    static const int64_t shapes[][3] = {{1, 1, 1}, {7, 33, 5}, {97, 35, 257}, {300, 2100, 3}, {13, 17, 600}, {200, 1, 300}};
+    unsigned long long s = 99;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++)
+                for (int beta = 0; beta < 2; beta++) {
+                    int64_t m = shapes[si][0], n = shapes[si][1], k = shapes[si][2];
+                    int64_t lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 1, ldc = n + 2;
+                    float *A = malloc((size_t)((ta ? k : m) * lda) * 4), *B = malloc((size_t)((tb ? n : k) * ldb) * 4);
+                    float *C = malloc((size_t)(m * ldc) * 4);
+                    double *R = malloc((size_t)(m * n) * 8);
+                    tu_fill(A, (ta ? k : m) * lda, 1.0, &s);
+                    tu_fill(B, (tb ? n : k) * ldb, 1.0, &s);
+                    tu_fill(C, m * ldc, 1.0, &s);
+                    for (int64_t i = 0; i < m; i++)
+                        for (int64_t j = 0; j < n; j++) {
+                            double acc = beta ? C[i * ldc + j] : 0.0;
+                            for (int64_t p = 0; p < k; p++)
+                                acc += (double)(ta ? A[p * lda + i] : A[i * lda + p]) * (tb ? B[j * ldb + p] : B[p * ldb + j]);
+                            R[i * n + j] = acc;
+                        }
+                    if (!beta) for (int64_t i = 0; i < m * ldc; i++) C[i] = NAN; /* beta 0 must not read C */
+                    moept__gemm g = moept__gemm_make(ta, tb, m, n, k, A, lda, B, ldb, beta ? 1.0f : 0.0f, C, ldc);
+                    moept__gemm_run(&g, 1, &L->gws);
+                    double num = 0, den = 0;
+                    for (int64_t i = 0; i < m; i++)
+                        for (int64_t j = 0; j < n; j++) {
+                            double d = C[i * ldc + j] - R[i * n + j];
+                            num += d * d;
+                            den += R[i * n + j] * R[i * n + j];
+                        }
+                    EXPECT(sqrt(num / den) < 1e-6, "gemm %lldx%lldx%lld ta %d tb %d beta %d: rel err %g",
+                           (long long)m, (long long)n, (long long)k, ta, tb, beta, sqrt(num / den));
+                    free(A); free(B); free(C); free(R);
+                }
+    moept_destroy(L);
+}
+
+int main(void) {
+    RUN(test_dropless_plan);
+    RUN(test_capacity);
+    RUN(test_activations_and_shared);
+    RUN(test_k_equals_e_is_dense);
+    RUN(test_zero_aux_coef_no_gradient);
+    RUN(test_megatron_is_hf_over_k);
+    RUN(test_ties_lower_index);
+    RUN(test_group_limited);
+    RUN(test_deterministic_across_threads);
+    RUN(test_no_allocations_in_steady_state);
+    RUN(test_zero_tokens);
+    RUN(test_update_bias);
+    RUN(test_gemm_all_transposes);
+    return tu_done();
+}

@@ -1,0 +1,64 @@
+/* Tiny test harness: each test prints "ok - name", "FAIL - name: why" or
+   "skip - name: why"; tu_done() prints the totals and gives the exit code. */
+#ifndef MOEPT_TESTUTIL_H
+#define MOEPT_TESTUTIL_H
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int tu_passed, tu_failed, tu_skipped, tu_bad;
+static char tu_msg[1024];
+
+static inline void tu_note(const char *file, int line, const char *fmt, ...) {
+    if (tu_bad++) return; /* keep the first failure's message */
+    int n = snprintf(tu_msg, sizeof tu_msg, "%s:%d: ", file, line);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tu_msg + n, sizeof tu_msg - (size_t)n, fmt, ap);
+    va_end(ap);
+}
+
+#define EXPECT(cond, ...) \
+    do { if (!(cond)) tu_note(__FILE__, __LINE__, __VA_ARGS__); } while (0)
+#define EXPECT_OK(call) \
+    do { moept_status s_ = (call); \
+         if (s_ != MOEPT_OK) tu_note(__FILE__, __LINE__, "%s -> %s", #call, moept_last_error(NULL)); } while (0)
+
+static inline void tu_run(const char *name, void (*fn)(void)) {
+    tu_bad = 0;
+    tu_msg[0] = 0;
+    fn();
+    if (tu_bad) { printf("FAIL - %s: %s\n", name, tu_msg); tu_failed++; }
+    else { printf("ok - %s\n", name); tu_passed++; }
+    fflush(stdout);
+}
+static inline void tu_skip(const char *name, const char *why) {
+    printf("skip - %s: %s\n", name, why);
+    tu_skipped++;
+}
+static inline int tu_done(void) {
+    printf("%d passed, %d failed, %d skipped\n", tu_passed, tu_failed, tu_skipped);
+    return tu_failed ? 1 : 0;
+}
+#define RUN(fn) tu_run(#fn, fn)
+
+/* deterministic uniform(-1, 1) */
+static inline double tu_rand(unsigned long long *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (double)(*s >> 11) / 4503599627370496.0 - 1.0;
+}
+static inline void tu_fill(float *v, long long n, double scale, unsigned long long *s) {
+    for (long long i = 0; i < n; i++) v[i] = (float)(scale * tu_rand(s));
+}
+static inline double tu_relerr(const float *a, const float *b, long long n) {
+    double num = 0, den = 0;
+    for (long long i = 0; i < n; i++) {
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+#endif
