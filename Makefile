@@ -69,8 +69,8 @@ $(B)/cblas/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
 
 CASES = $(wildcard tests/cases/*.safetensors)
 
-SAN_BINS = $(TESTS:%=$(B)/san/test_%) $(B)/san/moept_check
-CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/test_%) $(B)/cblas/moept_check)
+SAN_BINS = $(TESTS:%=$(B)/san/%) $(B)/san/moept_check
+CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
 test: all $(SAN_BINS) $(CBLAS_BINS)

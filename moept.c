@@ -186,7 +186,11 @@ static void moept__pack_b(const moept__gemm *g, int64_t p0, int64_t j0,
 }
 
 /* acc[MR][NR] = sum_p ap[p][:] x bp[p][:]; then stores into C (first k block
-   applies beta, later ones add). */
+   applies beta, later ones add). GCC in ISO C mode does not contract a*b+c
+   into FMA (half the FLOP rate): ask for it here. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=fast")))
+#endif
 static void moept__micro(int64_t kc, const float *ap, const float *bp,
                          const moept__gemm *g, int64_t i0, int64_t j0,
                          int first) {
@@ -352,6 +356,7 @@ struct moept_layer {
     float *choice;         /* [nthreads][2E] per-thread scratch */
     int64_t T;             /* tokens of the committed forward, -1 none */
     int fwd_valid;
+    int bwd_valid;         /* a backward ran since the last forward */
 
     /* plan */
     int64_t *counts;       /* [E] rows kept per expert */
@@ -775,11 +780,11 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
 #define MOEPT__TID 0
 #endif
 /* parallel loops only where the work pays for the fork. With MOEPT_CBLAS
-   the BLAS owns the cores: OpenMP workers spinning after our loops would
-   steal them from its threads (measured: +12% step time at T=256), so the
-   stages run on the calling thread, vectorised. */
+   the BLAS owns the cores: OpenMP workers spinning after our loops steal
+   them from its threads (measured: +12% step time at T=256), so only the
+   largest passes (memory-bound, 8M+ elements) fork. */
 #ifdef MOEPT_CBLAS
-#define MOEPT__PAR(work) if (0)
+#define MOEPT__PAR(work) if ((work) > (1 << 23))
 #else
 #define MOEPT__PAR(work) if ((work) > 32768)
 #endif
@@ -917,6 +922,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     L->cur = nb;
     L->T = T;
     L->fwd_valid = 1;
+    L->bwd_valid = 0;
 
     /* losses (sequential over tokens: the sums are in token order) */
     const int aux = (int)L->cfg.aux_loss;
@@ -1113,6 +1119,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     gr[0] = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, x, D, 1.0f, L->g_router, D);
     gr[1] = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
     moept__gemm_run(gr, 2, &L->gws);
+    L->bwd_valid = 1;
     return MOEPT_OK;
 }
 
@@ -1140,6 +1147,13 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
     if (ids) *ids = L->ids[L->cur];
     if (weights) *weights = L->wts[L->cur];
     if (logits) *logits = L->logits[L->cur];
+    return MOEPT_OK;
+}
+
+moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
+    if (!L || !dweights) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing_grads: NULL argument");
+    if (!L->bwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
+    *dweights = L->dwts;
     return MOEPT_OK;
 }
 

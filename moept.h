@@ -231,6 +231,10 @@ moept_status moept_update_bias(moept_layer *layer, float rate);
 moept_status moept_routing(const moept_layer *layer, const int32_t **ids,
                            const float **weights, const float **logits);
 
+/* After moept_backward: dL/d(routing weight) [T][K], in the order of ids.
+   Valid until the next forward. */
+moept_status moept_routing_grads(const moept_layer *layer, const float **dweights);
+
 /* Stats of the last successful forward; tokens_per_expert [E] may be NULL. */
 moept_status moept_get_stats(const moept_layer *layer, moept_stats *stats,
                              int64_t *tokens_per_expert);

@@ -124,7 +124,7 @@ static void usage(void) {
 }
 
 static void parse(int argc, char **argv, opts *o) {
-    *o = (opts){.steps = 1500, .batch = 512, .layers = 2, .dim = 96, .ffn = 192, .experts = 8, .topk = 2,
+    *o = (opts){.steps = 800, .batch = 512, .layers = 2, .dim = 96, .ffn = 192, .experts = 8, .topk = 2,
                 .ctx = 8, .family = MOEPT_FAMILY_MIXTRAL, .lr = 3e-3f, .csv = "build/train_log.csv", .seed = 1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;

@@ -67,18 +67,27 @@ static float *read_f(check *c, const char *name, int64_t rows, int64_t cols) {
     return buf;
 }
 
-static void compare(check *c, const char *name, const float *got, const float *want, int64_t n) {
+/* relative error |a-b|/|b|; an absolute allowance floor_abs is taken off
+   |a-b| first (see the router gradient below) */
+static void compare_floor(check *c, const char *name, const float *got, const float *want, int64_t n,
+                          double floor_abs) {
     double num = 0.0, den = 0.0;
     for (int64_t i = 0; i < n; i++) {
         double d = (double)got[i] - (double)want[i];
         num += d * d;
         den += (double)want[i] * want[i];
     }
-    double rel = den > 0.0 ? sqrt(num / den) : sqrt(num);
+    double err = sqrt(num) > floor_abs ? sqrt(num) - floor_abs : 0.0;
+    if (isnan(num)) err = NAN;
+    double rel = den > 0.0 ? err / sqrt(den) : err;
     if (!(rel <= c->worst) || c->worst_name[0] == 0) {
         if (!(rel <= c->worst)) c->worst = isnan(rel) ? INFINITY : rel;
         if (c->worst == rel || isnan(rel)) snprintf(c->worst_name, sizeof c->worst_name, "%s", name);
     }
+}
+
+static void compare(check *c, const char *name, const float *got, const float *want, int64_t n) {
+    compare_floor(c, name, got, want, n, 0.0);
 }
 
 static int family_of(const char *s, moept_family *f) {
@@ -179,6 +188,22 @@ static void run_case(check *c) {
     if (!(want = read_f(c, "expected.grad.input", T, D))) goto done;
     compare(c, "grad.input", dx, want, T * D);
     free(want); want = NULL;
+    /* The router weight's gradient carries a rounding floor when the
+       reference ran its router in fp32 (as transformers does by default):
+       dL/dlogits is formed from terms of size |dL/dw|, rounded at fp32.
+       Cancellation (K = 1 with renormalisation makes dw/dlogits exactly 0)
+       can leave that floor above 1e-5 of a tiny true gradient. The checker
+       allows that floor on top of the relative tolerance:
+           eps32 * sum_t (sum_k |dL/dw_t,k|) * |x_t|  */
+    const float *dw = NULL;
+    double floor_abs = 0.0;
+    if (moept_routing_grads(L, &dw) == MOEPT_OK)
+        for (int64_t t = 0; t < T; t++) {
+            double g = 0.0, xn = 0.0;
+            for (int64_t k = 0; k < K; k++) g += fabs(dw[t * K + k]);
+            for (int64_t d = 0; d < D; d++) xn += (double)x[t * D + d] * x[t * D + d];
+            floor_abs += 5.96e-8 * g * sqrt(xn);
+        }
     for (int64_t i = 0; i < np; i++) {
         moept_param_info pi;
         moept_param_info_at(L, i, &pi);
@@ -186,7 +211,8 @@ static void run_case(check *c) {
         char name[160];
         snprintf(name, sizeof name, "expected.grad.%s", pi.name);
         if (!(want = read_f(c, name, pi.rows, pi.cols))) goto done;
-        compare(c, name + 9, pi.grad, want, pi.rows * pi.cols);
+        compare_floor(c, name + 9, pi.grad, want, pi.rows * pi.cols,
+                      strcmp(pi.name, "gate.weight") == 0 ? floor_abs : 0.0);
         free(want); want = NULL;
     }
 done:

@@ -40,7 +40,7 @@ static double dircheck(moept_layer *L, float *x, int64_t T, const float *gy, flo
     double rel = INFINITY;
     /* the best of a few step sizes: a step that crosses a routing decision
        or a ReLU kink is not a gradient error; a wrong gradient fails at all */
-    for (double h = 3e-3; h > 1e-5 && !(rel < 1e-4); h *= 0.25) {
+    for (double h = 1.2e-2; h > 1e-5 && !(rel < 1e-4); h *= 0.25) {
         double lp, lm, dot = 0.0;
         int same = 1;
         /* + */
