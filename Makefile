@@ -67,14 +67,26 @@ $(B)/cblas/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cblas
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
 
+# valgrind: a plain build (no OpenMP: libgomp's pool reads as leaks)
+$(B)/vg/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
+	@mkdir -p $(B)/vg
+	$(CC) -O1 -g $(WARN) $< -o $@ $(LDLIBS)
+
+$(B)/vg/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/vg
+	$(CC) -O1 -g $(WARN) tests/moept_check.c moept.c -o $@ $(LDLIBS)
+
+VALGRIND := $(shell command -v valgrind 2>/dev/null)
+VG_BINS = $(if $(VALGRIND),$(TESTS:%=$(B)/vg/%) $(B)/vg/moept_check)
+
 CASES = $(wildcard tests/cases/*.safetensors)
 
 SAN_BINS = $(TESTS:%=$(B)/san/%) $(B)/san/moept_check
 CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
-test: all $(SAN_BINS) $(CBLAS_BINS)
-	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" sh tests/run.sh
+test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS)
+	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" sh tests/run.sh
 
 run: $(B)/train
 	$(B)/train

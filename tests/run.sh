@@ -43,6 +43,15 @@ else
     skip "cblas" "OpenBLAS not found (apt-get install libopenblas-dev); the MOEPT_CBLAS path was not tested"
 fi
 
+if [ -n "$VALGRIND" ]; then
+    suite "valgrind reference cases" "$VALGRIND" -q --error-exitcode=9 --leak-check=full "$B/vg/moept_check" $CASES
+    for t in test_grad test_props test_errors; do
+        suite "valgrind $t" "$VALGRIND" -q --error-exitcode=9 --leak-check=full "$B/vg/$t"
+    done
+else
+    skip "valgrind" "valgrind not installed"
+fi
+
 p=$(grep -c '^ok - ' "$B/results.txt")
 f=$(grep -c '^FAIL - ' "$B/results.txt")
 s=$(grep -c '^skip - ' "$B/results.txt")

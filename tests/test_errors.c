@@ -111,7 +111,7 @@ static void test_nonfinite_input_leaves_layer_unchanged(void) {
     EXPECT_OK(moept_create(&c, &L));
     moept_init_params(L, 1);
     unsigned long long s = 1;
-    float x[16 * 8], y[16 * 8], dy[16 * 8], dx1[16 * 8], dx2[16 * 8], y2[16 * 8];
+    float x[16 * 8], y[16 * 8] = {0}, dy[16 * 8], dx1[16 * 8], dx2[16 * 8], y2[16 * 8];
     tu_fill(x, 128, 1.0, &s);
     tu_fill(dy, 128, 1.0, &s);
     EXPECT_OK(moept_forward(L, x, 10, y));
