@@ -7,7 +7,7 @@ ARCH    ?= -march=native
 OPT     ?= -O2
 CFLAGS  ?= $(OPT) $(ARCH) -g
 WARN     = -std=c11 -Wall -Wextra -Wshadow -Wno-unknown-pragmas
-LDLIBS   = -lm
+LDLIBS   = -lm -pthread
 B        = build
 
 # OpenMP if the compiler has it (threads in the builtin GEMM and the stages)
@@ -15,9 +15,13 @@ OMP := $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /de
 # OpenBLAS for the MOEPT_CBLAS build, if installed
 CBLAS_LIBS := $(shell printf 'int main(void){float a=0;cblas_sgemm(CblasRowMajor,CblasNoTrans,CblasNoTrans,1,1,1,1,&a,1,&a,1,0,&a,1);return 0;}' | $(CC) -include cblas.h -x c - -lopenblas -o /dev/null 2>/dev/null && echo -lopenblas)
 
+# MPI (Open MPI's mpicc), if installed
+MPICC := $(shell command -v mpicc 2>/dev/null)
+MPIRUN := $(shell command -v mpirun 2>/dev/null)
+
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
-TESTS   = test_grad test_props test_errors
+TESTS   = test_grad test_props test_errors test_ep
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
@@ -26,7 +30,7 @@ HDRS    = moept.h
 all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer
 
 info:
-	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no)"
+	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no)"
 
 $(B):
 	@mkdir -p $(B)
@@ -57,6 +61,9 @@ $(B)/cblas/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(B)/cblas
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
 
+$(B)/moept_check_mpi: tests/moept_check.c moept.c $(HDRS) | $(B)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI tests/moept_check.c moept.c -o $@ $(LDLIBS)
+
 $(B)/train: examples/train.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
@@ -85,8 +92,10 @@ SAN_BINS = $(TESTS:%=$(B)/san/%) $(B)/san/moept_check
 CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
-test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS)
-	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" sh tests/run.sh
+MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi)
+
+test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS)
+	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" sh tests/run.sh
 
 run: $(B)/train
 	$(B)/train

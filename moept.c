@@ -17,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -296,6 +297,18 @@ static void moept__gemm_run(const moept__gemm *gs, int64_t count,
                     g->c[r * g->ldc + j] = g->beta == 0.0f ? 0.0f : g->beta * g->c[r * g->ldc + j];
             continue;
         }
+#ifndef MOEPT_CBLAS
+        if (g->m > ws->m_max) { /* row blocks that fit the packing buffer */
+            for (int64_t r0 = 0; r0 < g->m; r0 += ws->m_max) {
+                moept__gemm b = *g;
+                b.m = g->m - r0 < ws->m_max ? g->m - r0 : ws->m_max;
+                b.a = g->trans_a ? g->a + r0 : g->a + r0 * g->lda;
+                b.c = g->c + r0 * g->ldc;
+                moept__gemm_run(&b, 1, ws);
+            }
+            continue;
+        }
+#endif
 #ifdef MOEPT_CBLAS
         (void)ws;
         cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans,
@@ -337,8 +350,8 @@ struct moept_layer {
     /* parameters: one buffer, gradients mirror it */
     float *params, *grads; int64_t n_params;
     float *w_router;       /* [E][D] */
-    float *w13;            /* [E][H][D] gate rows 0..F-1, up rows F..2F-1 */
-    float *w2;             /* [E][D][F] */
+    float *w13;            /* [El][H][D] local experts: gate rows 0..F-1, up rows F..2F-1 */
+    float *w2;             /* [El][D][F] */
     float *ws13;           /* [HS][D] shared gate+up */
     float *ws2;            /* [D][S] shared down */
     float *wsg;            /* [1][D] shared-expert gate (NULL if ungated) */
@@ -358,6 +371,22 @@ struct moept_layer {
     int fwd_valid;
     int bwd_valid;         /* a backward ran since the last forward */
 
+    /* expert parallel */
+    moept_comm *ep, *dp;   /* NULL: a single rank */
+    int P, rank;           /* EP group size and this rank */
+    int64_t El, e0;        /* this rank's experts: [e0, e0 + El), El = E / P */
+    int64_t *rcounts;      /* [P][El] rows from peer p for local expert j */
+    int64_t *rcounts_next; /* [P][El] the same for a step not yet committed */
+    int64_t *counts_next;  /* [E] kept rows per expert of a step not yet committed */
+    int64_t *roffsets;     /* [El+1] first received row of each local expert */
+    moept_seg *send_segs;  /* [P][El] dispatch pieces (elements): xs for peer q's expert j */
+    moept_seg *recv_segs;  /* [P][El] dispatch pieces (elements): xr from peer p, expert j */
+    moept_seg *count_segs; /* [2][P] the count exchange's pieces */
+    int64_t R, Rcap;       /* rows received this step; rows the receive block holds */
+    void *rwork;           /* receive-side block: [xr | yr (P > 1)] | h | a */
+    double *lstat;         /* [3E + 2] loss statistics (all-reduced when global) */
+    int64_t *peer_rows;    /* [2][P] rows sent to / received from each peer */
+
     /* plan */
     int64_t *counts;       /* [E] rows kept per expert */
     int64_t *sel_counts;   /* [E] selections before capacity (loss counts) */
@@ -372,10 +401,13 @@ struct moept_layer {
     int32_t *kscratch;     /* [nthreads][K] */
 
     /* activations */
-    float *xs;             /* [Nmax][D] permuted input rows */
-    float *h;              /* [Nmax][H] expert pre-activations (gate|up) */
-    float *a;              /* [Nmax][F] expert activations; backward: da */
-    float *ys;             /* [Nmax][D] expert outputs; backward: dys, dxs */
+    float *xs;             /* [Nmax][D] permuted input rows = the dispatch send buffer */
+    float *ys;             /* [Nmax][D] their expert outputs (combine receive buffer);
+                              backward: dys, then dxs */
+    float *xr;             /* [Rcap][D] rows this rank's experts process (P = 1: xs) */
+    float *yr;             /* [Rcap][D] their outputs; backward dys, dxs (P = 1: ys) */
+    float *h;              /* [Rcap][H] expert pre-activations (gate|up) */
+    float *a;              /* [Rcap][F] expert activations; backward: da */
     float *hs;             /* [Tmax][HS] shared pre-activations */
     float *as;             /* [Tmax][S] shared activations; backward: da */
     float *yss;            /* [Tmax][D] shared outputs; backward: dys_shared */
@@ -384,12 +416,14 @@ struct moept_layer {
     float *dwts;           /* [Tmax][K] dL/d routing weight */
     float *dlogits;        /* [Tmax][E] */
     float *lse;            /* [Tmax] logsumexp of logits (z-loss) */
-    moept__gemm *descs;    /* [E] grouped GEMM descriptors */
+    moept__gemm *descs;    /* [El] grouped GEMM descriptors */
     moept__gemm_ws gws;
     int nthreads;
 
     moept_stats stats;
     double aux_value, z_value; /* the last forward's losses in double */
+    double loss_T;             /* tokens the losses average over (global or local) */
+    int64_t work_bytes;        /* the fixed workspace block */
     double capacity_factor;    /* the float config value read as the decimal
                                   it was written as (0.6f -> 0.6), so that
                                   ceil(0.6 * 20) is 12 as in Megatron */
@@ -495,19 +529,21 @@ static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
 static void moept__build_table(moept_layer *L) {
     const int64_t D = L->D, F = L->F, E = L->E, S = L->S;
     int mix = L->cfg.family == MOEPT_FAMILY_MIXTRAL;
+    (void)E;
     int gated = moept__act_gated(L->act);
     L->n_table = 0;
     moept__add_param(L, MOEPT__P_ROUTER, -1, E, D, L->w_router, L->g_router, "gate.weight");
-    for (int64_t e = 0; e < E; e++) {
-        float *w = L->w13 + e * L->H * D, *g = L->g13 + e * L->H * D;
-        float *w2 = L->w2 + e * D * F, *g2 = L->g2 + e * D * F;
+    for (int64_t j = 0; j < L->El; j++) { /* this rank's experts, named by global id */
+        long long e = (long long)(L->e0 + j);
+        float *w = L->w13 + j * L->H * D, *g = L->g13 + j * L->H * D;
+        float *w2 = L->w2 + j * D * F, *g2 = L->g2 + j * D * F;
         if (gated) {
-            moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", (long long)e);
-            moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, g + F * D, mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", (long long)e);
+            moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", e);
+            moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, g + F * D, mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", e);
         } else {
-            moept__add_param(L, MOEPT__P_UP, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.up_proj.weight", (long long)e);
+            moept__add_param(L, MOEPT__P_UP, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.up_proj.weight", e);
         }
-        moept__add_param(L, MOEPT__P_DOWN, e, D, F, w2, g2, mix ? "experts.%lld.w2.weight" : "experts.%lld.down_proj.weight", (long long)e);
+        moept__add_param(L, MOEPT__P_DOWN, e, D, F, w2, g2, mix ? "experts.%lld.w2.weight" : "experts.%lld.down_proj.weight", e);
     }
     if (S > 0) {
         const char *pre = L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
@@ -531,6 +567,7 @@ void moept_destroy(moept_layer *L) {
     MOEPT_FREE(L->params);
     MOEPT_FREE(L->table);
     MOEPT_FREE(L->work);
+    MOEPT_FREE(L->rwork);
     MOEPT_FREE(L);
 }
 
@@ -553,6 +590,15 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     }
     L->choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
     L->counts = moept__take(c, (size_t)E * i64);
+    L->counts_next = moept__take(c, (size_t)E * i64);
+    L->rcounts = moept__take(c, (size_t)(L->P * L->El) * i64);
+    L->rcounts_next = moept__take(c, (size_t)(L->P * L->El) * i64);
+    L->roffsets = moept__take(c, (size_t)(L->El + 1) * i64);
+    L->send_segs = moept__take(c, (size_t)(L->P * L->El) * sizeof(moept_seg));
+    L->recv_segs = moept__take(c, (size_t)(L->P * L->El) * sizeof(moept_seg));
+    L->count_segs = moept__take(c, (size_t)(2 * L->P) * sizeof(moept_seg));
+    L->lstat = moept__take(c, (size_t)(3 * E + 2) * sizeof(double));
+    L->peer_rows = moept__take(c, (size_t)(2 * L->P) * i64);
     L->sel_counts = moept__take(c, (size_t)E * i64);
     L->aux_counts = moept__take(c, (size_t)E * i64);
     L->offsets = moept__take(c, (size_t)(E + 1) * i64);
@@ -563,8 +609,6 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->fill = moept__take(c, (size_t)E * i64);
     L->kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
     L->xs = moept__take(c, (size_t)(N * D) * f);
-    L->h = moept__take(c, (size_t)(N * L->H) * f);
-    L->a = moept__take(c, (size_t)(N * L->F) * f);
     L->ys = moept__take(c, (size_t)(N * D) * f);
     if (L->S > 0) {
         L->hs = moept__take(c, (size_t)(T * L->HS) * f);
@@ -576,9 +620,9 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->dwts = moept__take(c, (size_t)(T * K) * f);
     L->dlogits = moept__take(c, (size_t)(T * E) * f);
     L->lse = moept__take(c, (size_t)T * f);
-    L->descs = moept__take(c, (size_t)E * sizeof(moept__gemm));
+    L->descs = moept__take(c, (size_t)L->El * sizeof(moept__gemm));
 #ifndef MOEPT_CBLAS
-    int64_t mmax = N;
+    int64_t mmax = N; /* taller GEMMs (received rows at P > 1) run in row blocks */
     int64_t cand[5] = {T, D, L->H, L->HS, E};
     for (int i = 0; i < 5; i++) mmax = cand[i] > mmax ? cand[i] : mmax;
     mmax = (mmax + MOEPT__MR - 1) / MOEPT__MR * MOEPT__MR;
@@ -588,74 +632,205 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
 #endif
 }
 
+/* Makes the receive block hold `need` rows (geometric growth, never
+   shrinks). The rows of the committed step are kept, so a step rejected
+   after growing still leaves the layer's saved state intact. Returns 0 on
+   out-of-memory (nothing changed). */
+static int moept__grow_recv(moept_layer *L, int64_t need) {
+    if (need <= L->Rcap && L->rwork) return 1;
+    int64_t cap = need > 2 * L->Rcap ? need : 2 * L->Rcap;
+    if (cap < 1) cap = 1;
+    int own_xy = L->P > 1; /* at one rank xr, yr are xs, ys */
+    int64_t w_xr = own_xy ? L->D : 0, w_yr = own_xy ? L->D : 0, w_h = L->H, w_a = L->F;
+    size_t bytes = (size_t)cap * (size_t)(w_xr + w_yr + w_h + w_a) * sizeof(float) + 4 * 64;
+    char *blk = moept__alloc(&L->mem, bytes);
+    if (!blk) return 0;
+    moept__carve cv = {blk, 0};
+    float *xr = moept__take(&cv, (size_t)(cap * w_xr) * sizeof(float));
+    float *yr = moept__take(&cv, (size_t)(cap * w_yr) * sizeof(float));
+    float *h = moept__take(&cv, (size_t)(cap * w_h) * sizeof(float));
+    float *a = moept__take(&cv, (size_t)(cap * w_a) * sizeof(float));
+    int64_t keep = L->rwork && L->fwd_valid ? L->R : 0;
+    if (keep > 0) {
+        if (own_xy) {
+            memcpy(xr, L->xr, (size_t)(keep * w_xr) * sizeof(float));
+            memcpy(yr, L->yr, (size_t)(keep * w_yr) * sizeof(float));
+        }
+        memcpy(h, L->h, (size_t)(keep * w_h) * sizeof(float));
+        memcpy(a, L->a, (size_t)(keep * w_a) * sizeof(float));
+    }
+    MOEPT_FREE(L->rwork);
+    L->rwork = blk;
+    L->xr = own_xy ? xr : L->xs;
+    L->yr = own_xy ? yr : L->ys;
+    L->h = h;
+    L->a = a;
+    if (L->Rcap > 0) L->stats.recv_growths++;
+    L->Rcap = cap;
+    L->stats.recv_capacity = cap;
+    return 1;
+}
+
+/* Config fields every rank must agree on, serialised for the create-time
+   all-gather (a mismatch is an error on every rank, never a hang later). */
+#define MOEPT__NFP 20
+static const char *moept__fp_names[MOEPT__NFP] = {
+    "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
+    "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
+    "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
+    "global_balance", "EP size", "DP size"};
+
+static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int64_t *fp) {
+    float fl[4] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor};
+    int32_t b[4];
+    memcpy(b, fl, sizeof b);
+    int64_t v[MOEPT__NFP] = {ok, c->family, c->hidden_size, c->intermediate_size, c->num_experts, c->top_k,
+                             c->norm_topk_prob, c->activation, c->shared_intermediate_size, c->shared_gate,
+                             c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
+                             c->global_balance, P, DP};
+    memcpy(fp, v, sizeof v);
+}
+
+/* All-gathers fingerprints over `comm`; fails (on every rank alike) if any
+   rank failed its own checks or any field differs from rank 0's. */
+static moept_status moept__agree_config(moept_comm *comm, const char *group, const int64_t *fp) {
+    if (!comm || comm->size == 1) return MOEPT_OK;
+    int64_t all[64 * MOEPT__NFP], *buf = comm->size <= 64 ? all : moept__alloc(NULL, (size_t)comm->size * sizeof(int64_t) * MOEPT__NFP);
+    if (!buf) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_create: out of memory");
+    moept_status st = comm->allgather(comm, fp, buf, (int64_t)sizeof(int64_t) * MOEPT__NFP);
+    if (st) {
+        st = moept__thread_fail(st, "moept_create: %s config all-gather failed: %s", group, comm->err);
+    } else {
+        for (int r = 0; r < comm->size && !st; r++)
+            if (!buf[r * MOEPT__NFP])
+                st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: %s rank %d rejected its config%s",
+                                        group, r, r == comm->rank ? "" : " (see that rank's error)");
+        for (int r = 1; r < comm->size && !st; r++)
+            for (int k = 1; k < MOEPT__NFP && !st; k++)
+                if (buf[r * MOEPT__NFP + k] != buf[k])
+                    st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                            "moept_create: config.%s differs between %s ranks 0 (%lld) and %d (%lld)",
+                                            moept__fp_names[k], group, (long long)buf[k], r,
+                                            (long long)buf[r * MOEPT__NFP + k]);
+    }
+    if (buf != all) MOEPT_FREE(buf);
+    return st;
+}
+
+/* Sums a failure flag over the EP (and DP) group: 0 when every rank is fine. */
+static int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st) {
+    int64_t v = mine;
+    *st = MOEPT_OK;
+    if (ep && ep->size > 1 && (*st = ep->allreduce(ep, &v, 1, MOEPT_DTYPE_I64))) return -1;
+    if (dp && dp->size > 1 && (*st = dp->allreduce(dp, &v, 1, MOEPT_DTYPE_I64))) return -1;
+    return v;
+}
+
 moept_status moept_create(const moept_config *cfg, moept_layer **out) {
+    return moept_create_parallel(cfg, NULL, NULL, out);
+}
+
+moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moept_comm *dp, moept_layer **out) {
     if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: out is NULL");
     *out = NULL;
-    if (!cfg) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: cfg is NULL");
+    if (ep && (ep->size < 1 || ep->rank < 0 || ep->rank >= ep->size || !ep->alltoallv || !ep->allreduce || !ep->allgather))
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: ep comm is incomplete (size, rank or functions)");
+    if (dp && (dp->size < 1 || dp->rank < 0 || dp->rank >= dp->size || !dp->allreduce || !dp->allgather))
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: dp comm is incomplete (size, rank or functions)");
+    int P = ep ? ep->size : 1, DP = dp ? dp->size : 1;
+    /* 1. local checks, then agreement: every rank learns whether any failed */
     moept_config c;
-    moept_status st = moept__resolve(cfg, &c);
-    if (st) return st;
+    memset(&c, 0, sizeof c);
+    moept_status st = cfg ? moept__resolve(cfg, &c)
+                          : moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: cfg is NULL");
+    if (!st && c.num_experts % P != 0)
+        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                "config.num_experts: %lld experts cannot be split evenly over an EP group of %d ranks",
+                                (long long)c.num_experts, P);
+    if (!st && (c.global_balance != 0 && c.global_balance != 1))
+        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "config.global_balance: %d must be 0 or 1", c.global_balance);
+    char mine[MOEPT__ERRLEN];
+    memcpy(mine, moept__thread_err, sizeof mine);
+    int64_t fp[MOEPT__NFP];
+    moept__fingerprint(&c, st == MOEPT_OK, P, DP, fp);
+    moept_status ag = moept__agree_config(ep, "EP", fp);
+    if (!ag) ag = moept__agree_config(dp, "DP", fp);
+    if (st) { memcpy(moept__thread_err, mine, sizeof mine); return st; }
+    if (ag) return ag;
+
+    /* 2. allocate; agree again so an out-of-memory rank fails every rank */
     moept__counter mem = {0, 0};
     moept_layer *L = moept__alloc(&mem, sizeof *L);
-    if (!L) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_create: out of memory");
-    memset(L, 0, sizeof *L);
-    L->cfg = c;
-    L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
-    L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
-    int gated = moept__act_gated(L->act);
-    L->H = gated ? 2 * L->F : L->F;
-    L->HS = gated ? 2 * L->S : L->S;
-    L->Tmax = c.max_tokens;
-    L->Nmax = c.max_tokens * c.top_k;
-    L->T = -1;
+    if (L) {
+        memset(L, 0, sizeof *L);
+        L->cfg = c;
+        L->ep = ep && ep->size > 1 ? ep : NULL;
+        L->dp = dp && dp->size > 1 ? dp : NULL;
+        L->P = P; L->rank = ep ? ep->rank : 0;
+        L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
+        L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
+        L->El = L->E / P; L->e0 = (int64_t)L->rank * L->El;
+        int gated = moept__act_gated(L->act);
+        L->H = gated ? 2 * L->F : L->F;
+        L->HS = gated ? 2 * L->S : L->S;
+        L->Tmax = c.max_tokens;
+        L->Nmax = c.max_tokens * c.top_k;
+        L->T = -1;
 #ifdef _OPENMP
-    L->nthreads = omp_get_max_threads();
+        L->nthreads = omp_get_max_threads();
 #else
-    L->nthreads = 1;
+        L->nthreads = 1;
 #endif
-    const int64_t D = L->D, F = L->F, E = L->E, S = L->S;
-    int shared_gate = S > 0 && c.shared_gate == MOEPT_SHARED_GATE_SIGMOID;
-    /* parameter buffer: router | w13 | w2 | ws13 | ws2 | wsg */
-    int64_t n_router = E * D, n13 = E * L->H * D, n2 = E * D * F;
-    int64_t ns13 = L->HS * D, ns2 = D * S, nsg = shared_gate ? D : 0;
-    L->n_params = n_router + n13 + n2 + ns13 + ns2 + nsg;
-    size_t pbytes = (size_t)(2 * L->n_params + E) * sizeof(float);
-    L->params = moept__alloc(&mem, pbytes);
-    L->table = moept__alloc(&mem, (size_t)(3 * E + 8) * sizeof(moept__param));
-    moept__carve wc = {NULL, 0};
-    moept__layout_work(L, &wc);
-    size_t wbytes = wc.off;
-    char *work = moept__alloc(&mem, wbytes);
-    if (!L->params || !L->table || !work) {
-        MOEPT_FREE(L->params); MOEPT_FREE(L->table); MOEPT_FREE(work); MOEPT_FREE(L);
-        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY,
-                                  "moept_create: cannot allocate %zu bytes of parameters and %zu of workspace",
-                                  pbytes, wbytes);
+        const int64_t D = L->D, F = L->F, E = L->E, S = L->S, El = L->El;
+        int shared_gate = S > 0 && c.shared_gate == MOEPT_SHARED_GATE_SIGMOID;
+        /* parameter buffer: router | w13 | w2 | ws13 | ws2 | wsg, then the
+           gradient mirror, then the bias */
+        int64_t n_router = E * D, n13 = El * L->H * D, n2 = El * D * F;
+        int64_t ns13 = L->HS * D, ns2 = D * S, nsg = shared_gate ? D : 0;
+        L->n_params = n_router + n13 + n2 + ns13 + ns2 + nsg;
+        size_t pbytes = (size_t)(2 * L->n_params + E) * sizeof(float);
+        L->params = moept__alloc(&mem, pbytes);
+        L->table = moept__alloc(&mem, (size_t)(3 * El + 8) * sizeof(moept__param));
+        moept__carve wc = {NULL, 0};
+        moept__layout_work(L, &wc);
+        size_t wbytes = wc.off;
+        L->work = moept__alloc(&mem, wbytes);
+        L->work_bytes = (int64_t)wbytes;
+        if (L->params && L->table && L->work) {
+            memset(L->params, 0, pbytes);
+            memset(L->work, 0, wbytes);
+            wc.base = L->work; wc.off = 0;
+            moept__layout_work(L, &wc);
+            float *p = L->params, *g = L->params + L->n_params;
+            L->w_router = p; L->g_router = g; p += n_router; g += n_router;
+            L->w13 = p; L->g13 = g; p += n13; g += n13;
+            L->w2 = p; L->g2 = g; p += n2; g += n2;
+            L->ws13 = p; L->gs13 = g; p += ns13; g += ns13;
+            L->ws2 = p; L->gs2 = g; p += ns2; g += ns2;
+            L->wsg = nsg ? p : NULL; L->gsg = nsg ? g : NULL;
+            L->grads = L->params + L->n_params;
+            L->bias = L->params + 2 * L->n_params;
+            moept__build_table(L);
+            L->stats.capacity = -1;
+            L->stats.param_bytes = (int64_t)pbytes;
+            char buf[32];
+            snprintf(buf, sizeof buf, "%.7g", (double)c.capacity_factor);
+            L->capacity_factor = strtod(buf, NULL);
+            L->mem = mem;
+            /* the receive block: at one rank it is the send side's own rows */
+            if (!moept__grow_recv(L, L->Nmax)) { moept_destroy(L); L = NULL; }
+        } else {
+            MOEPT_FREE(L->params); MOEPT_FREE(L->table); MOEPT_FREE(L->work); MOEPT_FREE(L);
+            L = NULL;
+        }
     }
-    memset(L->params, 0, pbytes);
-    memset(work, 0, wbytes);
-    wc.base = work; wc.off = 0;
-    moept__layout_work(L, &wc);
-    L->work = work;
-    float *p = L->params, *g = L->params + L->n_params;
-    L->w_router = p; L->g_router = g; p += n_router; g += n_router;
-    L->w13 = p; L->g13 = g; p += n13; g += n13;
-    L->w2 = p; L->g2 = g; p += n2; g += n2;
-    L->ws13 = p; L->gs13 = g; p += ns13; g += ns13;
-    L->ws2 = p; L->gs2 = g; p += ns2; g += ns2;
-    L->wsg = nsg ? p : NULL; L->gsg = nsg ? g : NULL;
-    L->grads = L->params + L->n_params;
-    L->bias = L->params + 2 * L->n_params;
-    moept__build_table(L);
-    L->mem = mem;
-    L->stats.capacity = -1;
-    {
-        char buf[32];
-        snprintf(buf, sizeof buf, "%.7g", (double)c.capacity_factor);
-        L->capacity_factor = strtod(buf, NULL);
+    int64_t failed = moept__any_failed(ep, dp, L == NULL, &st);
+    if (st || failed) {
+        moept_destroy(L);
+        if (st) return moept__thread_fail(st, "moept_create: failure agreement failed: %s", ep && ep->err[0] ? ep->err : dp ? dp->err : "");
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, L ? "moept_create: another rank ran out of memory"
+                                                             : "moept_create: out of memory for the layer");
     }
-    L->stats.workspace_bytes = (int64_t)wbytes;
-    L->stats.param_bytes = (int64_t)pbytes;
     *out = L;
     return MOEPT_OK;
 }
@@ -679,8 +854,14 @@ static moept_status moept__param_io(const moept_layer *L, const char *fn,
     if (!name) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: name is NULL", fn);
     if (!ptr) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s(%s): data pointer is NULL", fn, name);
     const moept__param *p = moept__find(L, name);
-    if (!p) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: no parameter named '%s' in this %s layer", fn, name,
-                               moept__family_name(L->cfg.family));
+    if (!p) {
+        long long e = -1;
+        if (sscanf(name, "experts.%lld.", &e) == 1 && e >= 0 && e < L->E && (e < L->e0 || e >= L->e0 + L->El))
+            return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: expert %lld of '%s' lives on EP rank %lld, not on rank %d",
+                               fn, e, name, e / L->El, L->rank);
+        return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: no parameter named '%s' in this %s layer", fn, name,
+                           moept__family_name(L->cfg.family));
+    }
     if (numel != p->rows * p->cols)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s(%s): numel %lld, expected %lld ([%lld][%lld])", fn, name,
                            (long long)numel, (long long)(p->rows * p->cols), (long long)p->rows, (long long)p->cols);
@@ -883,51 +1064,132 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     moept__gemm_run(gd, n, &L->gws);
 }
 
+#ifdef _OPENMP
+static double moept__now(void) { return omp_get_wtime(); }
+#else
+static double moept__now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#endif
+
+/* One direction of the expert exchange. dispatch = 1: rows of xs-side
+   buffer `local` go to the experts' ranks, landing expert-major in `remote`;
+   dispatch = 0: the reverse. Counted in the stats. */
+static moept_status moept__exchange(moept_layer *L, float *local, float *remote, int dispatch) {
+    double t0 = moept__now();
+    moept_seg *s = L->send_segs, *r = L->recv_segs;
+    moept_status st = dispatch ? L->ep->alltoallv(L->ep, local, s, remote, r, (int)L->El, 4)
+                               : L->ep->alltoallv(L->ep, remote, r, local, s, (int)L->El, 4);
+    int64_t rowbytes = L->D * (int64_t)sizeof(float);
+    L->stats.bytes_sent += (dispatch ? L->stats.rows_sent : L->stats.rows_received) * rowbytes;
+    L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
+    L->stats.comm_seconds += moept__now() - t0;
+    if (st) return moept__fail(L, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", L->ep->err);
+    return MOEPT_OK;
+}
+
+/* all-reduce over EP then DP (the world), timed */
+static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept_dtype t) {
+    double t0 = moept__now();
+    moept_status st = MOEPT_OK;
+    if (L->ep && (st = L->ep->allreduce(L->ep, buf, n, t))) st = moept__fail(L, st, "all-reduce over EP: %s", L->ep->err);
+    if (!st && L->dp && (st = L->dp->allreduce(L->dp, buf, n, t))) st = moept__fail(L, st, "all-reduce over DP: %s", L->dp->err);
+    L->stats.comm_seconds += moept__now() - t0;
+    return st;
+}
+
 moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: layer is NULL");
-    if (T < 0 || T > L->Tmax)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: tokens %lld not in 0..max_tokens (%lld)",
-                           (long long)T, (long long)L->Tmax);
-    if (T > 0 && (!x || !y))
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: %s is NULL", x ? "y" : "x");
-    const int64_t D = L->D, E = L->E, K = L->K;
-    const int fam = (int)L->cfg.family;
-    int64_t bad = moept__first_nonfinite(x, T * D);
-    if (bad >= 0)
-        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite",
-                           (long long)(bad / D), (long long)(bad % D));
-
-    /* route into the spare buffers; commit only if every token routed */
+    const int64_t D = L->D, E = L->E, K = L->K, El = L->El;
+    const int fam = (int)L->cfg.family, P = L->P;
+    const int global = L->cfg.global_balance && (L->ep || L->dp);
+    /* ---- 1. this rank's checks, routing into the spare buffers ---- */
+    moept_status local = MOEPT_OK;
     const int nb = 1 - L->cur;
     float *logits = L->logits[nb], *probs = L->probs[nb], *wts = L->wts[nb];
     int32_t *ids = L->ids[nb];
-    moept__gemm g = moept__gemm_make(0, 1, T, E, D, x, D, L->w_router, D, 0.0f, logits, E);
-    moept__gemm_run(&g, 1, &L->gws);
-    int64_t first_bad = T;
-    const float *bias = fam == MOEPT_FAMILY_DEEPSEEK_V3 ? L->bias : NULL;
-    const int norm = L->cfg.norm_topk_prob, ng = (int)L->cfg.n_group, tg = (int)L->cfg.topk_group;
-    const float scale = L->cfg.routed_scaling_factor;
-    #pragma omp parallel for schedule(static) reduction(min : first_bad) MOEPT__PAR(T * E * K)
-    for (int64_t t = 0; t < T; t++) {
-        float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
-        if (moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, scale,
-                               probs + t * E, scratch, ids + t * K, wts + t * K) != 0)
-            first_bad = t < first_bad ? t : first_bad;
+    if (T < 0 || T > L->Tmax)
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: tokens %lld not in 0..max_tokens (%lld)",
+                            (long long)T, (long long)L->Tmax);
+    else if (T > 0 && (!x || !y))
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: %s is NULL", x ? "y" : "x");
+    if (!local) {
+        int64_t bad = moept__first_nonfinite(x, T * D);
+        if (bad >= 0)
+            local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite",
+                                (long long)(bad / D), (long long)(bad % D));
     }
-    if (first_bad < T)
-        return moept__fail(L, MOEPT_ERR_NUMERIC,
-                           "moept_forward: router logits of token %lld are not finite (overflow in x . gate.weight^T?)",
-                           (long long)first_bad);
-    /* commit: from here on nothing can fail */
+    if (!local) {
+        moept__gemm g = moept__gemm_make(0, 1, T, E, D, x, D, L->w_router, D, 0.0f, logits, E);
+        moept__gemm_run(&g, 1, &L->gws);
+        int64_t first_bad = T;
+        const float *bias = fam == MOEPT_FAMILY_DEEPSEEK_V3 ? L->bias : NULL;
+        const int norm = L->cfg.norm_topk_prob, ng = (int)L->cfg.n_group, tg = (int)L->cfg.topk_group;
+        const float scale = L->cfg.routed_scaling_factor;
+        #pragma omp parallel for schedule(static) reduction(min : first_bad) num_threads(L->nthreads) MOEPT__PAR(T * E * K)
+        for (int64_t t = 0; t < T; t++) {
+            float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
+            if (moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, scale,
+                                   probs + t * E, scratch, ids + t * K, wts + t * K) != 0)
+                first_bad = t < first_bad ? t : first_bad;
+        }
+        if (first_bad < T)
+            local = moept__fail(L, MOEPT_ERR_NUMERIC,
+                                "moept_forward: router logits of token %lld are not finite (overflow in x . gate.weight^T?)",
+                                (long long)first_bad);
+    }
+    /* ---- 2. the pending step's plan counts; exchange them; room to receive ---- */
+    int64_t cap = -1;
+    if (!local && L->capacity_factor > 0.0)
+        cap = (int64_t)ceil(L->capacity_factor * ((double)T * (double)K / (double)E));
+    for (int64_t e = 0; e < E; e++) L->counts_next[e] = 0;
+    if (!local) {
+        for (int64_t i = 0; i < T * K; i++) L->counts_next[ids[i]]++;
+        if (cap >= 0)
+            for (int64_t e = 0; e < E; e++) L->counts_next[e] = L->counts_next[e] > cap ? cap : L->counts_next[e];
+    }
+    int64_t R_next = 0;
+    moept_status st = MOEPT_OK;
+    if (L->ep) { /* counts before data, always: no rank trusts sizes it computed alone */
+        moept_seg *cs = L->count_segs, *cr = L->count_segs + P;
+        for (int q = 0; q < P; q++) { cs[q].offset = q * El; cs[q].count = El; cr[q].offset = q * El; cr[q].count = El; }
+        double t0 = moept__now();
+        st = L->ep->alltoallv(L->ep, L->counts_next, cs, L->rcounts_next, cr, 1, 8);
+        L->stats.comm_seconds += moept__now() - t0;
+        if (st) return moept__fail(L, st, "moept_forward: count exchange failed: %s", L->ep->err);
+        for (int64_t i = 0; i < P * El; i++) R_next += L->rcounts_next[i];
+    } else {
+        for (int64_t e = 0; e < E; e++) R_next += L->counts_next[e];
+    }
+    int grow_fail = !local && !moept__grow_recv(L, R_next);
+    if (grow_fail) local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: cannot grow the receive buffers to %lld rows", (long long)R_next);
+    /* ---- 3. agreement: every rank commits, or none does ---- */
+    if (L->ep || (global && L->dp)) {
+        int64_t failed = moept__any_failed(L->ep, global ? L->dp : NULL, local != MOEPT_OK, &st);
+        if (st) return moept__fail(L, st, "moept_forward: failure agreement failed: %s", L->ep ? L->ep->err : L->dp->err);
+        if (failed && !local)
+            return moept__fail(L, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed",
+                               (long long)failed);
+    }
+    if (local) return local;
+
+    /* ---- commit: from here on every rank proceeds ---- */
     L->cur = nb;
     L->T = T;
     L->fwd_valid = 1;
     L->bwd_valid = 0;
+    { int64_t *t = L->counts; L->counts = L->counts_next; L->counts_next = t; }
+    { int64_t *t = L->rcounts; L->rcounts = L->rcounts_next; L->rcounts_next = t; }
+    L->R = R_next;
+    L->stats.bytes_sent = L->stats.bytes_received = 0;
+    L->stats.comm_seconds = 0.0;
 
-    /* losses (sequential over tokens: the sums are in token order) */
+    /* losses: counts, score sums and sum of lse^2 in token order (double) */
     const int aux = (int)L->cfg.aux_loss;
-    for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = 0; L->aux_counts[e] = 0; L->psum[e] = 0.0; }
-    double zsum = 0.0;
+    double *sel = L->lstat, *auxc = L->lstat + E, *psum = L->lstat + 2 * E;
+    for (int64_t i = 0; i < 3 * E + 2; i++) L->lstat[i] = 0.0;
     for (int64_t t = 0; t < T; t++) {
         const float *lg = logits + t * E;
         float m = lg[0];
@@ -935,33 +1197,37 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         float s = 0.0f;
         for (int64_t e = 0; e < E; e++) s += moept__exp(lg[e] - m);
         L->lse[t] = m + logf(s);
-        zsum += (double)L->lse[t] * L->lse[t];
-        for (int64_t k = 0; k < K; k++) L->sel_counts[ids[t * K + k]]++;
+        L->lstat[3 * E + 1] += (double)L->lse[t] * L->lse[t];
+        for (int64_t k = 0; k < K; k++) sel[ids[t * K + k]] += 1.0;
         if (aux != MOEPT_AUX_NONE) {
             float *score = L->choice;
             int32_t *cid = L->kscratch;
             moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, (int)E, (int)K, score, cid);
-            for (int64_t e = 0; e < E; e++) L->psum[e] += score[e];
-            for (int64_t k = 0; k < K; k++) L->aux_counts[cid[k]]++;
+            for (int64_t e = 0; e < E; e++) psum[e] += score[e];
+            for (int64_t k = 0; k < K; k++) auxc[cid[k]] += 1.0;
         }
     }
+    L->lstat[3 * E] = (double)T;
+    if (global) { /* the whole batch's statistics (a failure here is a broken comm) */
+        st = moept__world_sum(L, L->lstat, 3 * E + 2, MOEPT_DTYPE_F64);
+        if (st) { L->fwd_valid = 0; return st; }
+    }
+    for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = (int64_t)sel[e]; L->aux_counts[e] = (int64_t)auxc[e]; }
+    const double Tl = L->lstat[3 * E] > 0 ? L->lstat[3 * E] : 1.0;
+    L->loss_T = Tl;
     double aux_v = 0.0;
-    const double Td = T > 0 ? (double)T : 1.0;
-    double cnorm = aux == MOEPT_AUX_MEGATRON ? Td * (double)K : Td;
+    double cnorm = aux == MOEPT_AUX_MEGATRON ? Tl * (double)K : Tl;
     for (int64_t e = 0; e < E; e++) {
-        aux_v += (double)L->aux_counts[e] / cnorm * (L->psum[e] / Td);
+        aux_v += auxc[e] / cnorm * (psum[e] / Tl);
         /* d(coef * aux)/d score_t,e = coef * E * count_e / (cnorm * T) */
-        L->aux_g[e] = (float)(L->cfg.aux_loss_coef * (double)E * (double)L->aux_counts[e] / (cnorm * Td));
+        L->aux_g[e] = (float)(L->cfg.aux_loss_coef * (double)E * auxc[e] / (cnorm * Tl));
     }
     aux_v *= (double)E;
 
-    /* plan: stable counting sort of the T*K assignments by expert */
-    int64_t cap = -1;
-    if (L->capacity_factor > 0.0)
-        cap = (int64_t)ceil(L->capacity_factor * ((double)T * (double)K / (double)E));
+    /* plan: stable counting sort of the T*K assignments by expert; expert
+       order is destination-rank order, so xs is the send buffer */
     L->offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
-        L->counts[e] = cap >= 0 && L->sel_counts[e] > cap ? cap : L->sel_counts[e];
         L->offsets[e + 1] = L->offsets[e] + L->counts[e];
         L->fill[e] = 0;
     }
@@ -976,14 +1242,40 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
             L->row_of[i] = -1;
         }
     }
+    /* where the received rows go: expert-major, then by source rank */
+    L->roffsets[0] = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t n = 0;
+        for (int p = 0; p < P; p++) n += L->ep ? L->rcounts[p * El + j] : L->counts[L->e0 + j];
+        L->roffsets[j + 1] = L->roffsets[j] + n;
+    }
+    if (L->ep) {
+        for (int q = 0; q < P; q++) L->peer_rows[q] = L->peer_rows[P + q] = 0;
+        for (int64_t j = 0; j < El; j++) {
+            int64_t off = L->roffsets[j];
+            for (int p = 0; p < P; p++) {
+                int64_t e = (int64_t)p * El + j; /* p's expert j, as seen from here */
+                L->send_segs[p * El + j] = (moept_seg){L->offsets[e] * D, L->counts[e] * D};
+                L->recv_segs[p * El + j] = (moept_seg){off * D, L->rcounts[p * El + j] * D};
+                off += L->rcounts[p * El + j];
+                L->peer_rows[p] += L->counts[e];
+                L->peer_rows[P + p] += L->rcounts[p * El + j];
+            }
+        }
+        L->stats.rows_sent = L->stats.rows_received = 0;
+        for (int q = 0; q < P; q++)
+            if (q != L->rank) { L->stats.rows_sent += L->peer_rows[q]; L->stats.rows_received += L->peer_rows[P + q]; }
+    }
 
-    /* permute: each kept row copied once, straight to its final place */
+    /* permute: each kept row copied once, straight to its place in the send buffer */
     const int64_t N = L->N;
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
     for (int64_t r = 0; r < N; r++)
         memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
 
-    moept__ffn_forward(L, L->xs, E, L->offsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->ys);
+    if (L->ep && (st = moept__exchange(L, L->xs, L->xr, 1))) { L->fwd_valid = 0; return st; }
+    moept__ffn_forward(L, L->xr, El, L->roffsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->yr);
+    if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) { L->fwd_valid = 0; return st; }
 
     if (L->S > 0) {
         int64_t off[2] = {0, T};
@@ -1014,16 +1306,16 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         }
     }
 
-    moept_stats *st = &L->stats;
-    st->steps++;
-    st->tokens = T;
-    st->routed_rows = N;
-    st->dropped_rows = T * K - N;
-    st->capacity = cap;
+    moept_stats *sts = &L->stats;
+    sts->steps++;
+    sts->tokens = T;
+    sts->routed_rows = N;
+    sts->dropped_rows = T * K - N;
+    sts->capacity = cap;
     L->aux_value = aux_v;
-    L->z_value = zsum / Td;
-    st->aux_loss = (float)aux_v;
-    st->z_loss = (float)(zsum / Td);
+    L->z_value = L->lstat[3 * E + 1] / Tl;
+    sts->aux_loss = (float)aux_v;
+    sts->z_loss = (float)L->z_value;
     return MOEPT_OK;
 }
 
@@ -1032,14 +1324,26 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
    ------------------------------------------------------------------------ */
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
-    if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
+    /* local checks, then (EP) agreement so no rank is left waiting */
+    moept_status local = MOEPT_OK, st;
     const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
-    if (T > 0 && (!x || !dy || !dx))
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
-    int64_t bad = moept__first_nonfinite(dy, T * D);
-    if (bad >= 0)
-        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
-                           (long long)(bad / D), (long long)(bad % D));
+    if (!L->fwd_valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
+    else if (T > 0 && (!x || !dy || !dx))
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
+    else {
+        int64_t bad = moept__first_nonfinite(dy, T * D);
+        if (bad >= 0)
+            local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
+                                (long long)(bad / D), (long long)(bad % D));
+    }
+    if (L->ep) {
+        int64_t failed = moept__any_failed(L->ep, NULL, local != MOEPT_OK, &st);
+        if (st) return moept__fail(L, st, "moept_backward: failure agreement failed: %s", L->ep->err);
+        if (failed && !local)
+            return moept__fail(L, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; nothing changed",
+                               (long long)failed);
+    }
+    if (local) return local;
     const int fam = (int)L->cfg.family;
     const float *logits = L->logits[L->cur], *probs = L->probs[L->cur], *wts = L->wts[L->cur];
     const int32_t *ids = L->ids[L->cur];
@@ -1070,9 +1374,11 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         }
     }
 
-    /* experts': dxs lands in ys */
-    moept__ffn_backward(L, L->xs, E, L->offsets, L->w13, L->w2, L->g13, L->g2,
-                        L->H, L->F, L->h, L->a, L->ys);
+    /* experts': dys travel to the experts, dxs come back into ys */
+    if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 1))) return st;
+    moept__ffn_backward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->g13, L->g2,
+                        L->H, L->F, L->h, L->a, L->yr);
+    if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
 
     /* dispatch': dx[t] = sum of its k rows, in slot order */
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
@@ -1107,10 +1413,11 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     const float zc = L->cfg.z_loss_coef;
     const int norm = L->cfg.norm_topk_prob;
     const float scale = L->cfg.routed_scaling_factor;
-    #pragma omp parallel for schedule(static) MOEPT__PAR(T * E * K)
+    const float Tl = (float)L->loss_T;
+    #pragma omp parallel for schedule(static) num_threads(L->nthreads) MOEPT__PAR(T * E * K)
     for (int64_t t = 0; t < T; t++) {
         float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
-        float zgrad = zc != 0.0f ? zc * 2.0f * L->lse[t] / (float)T : 0.0f;
+        float zgrad = zc != 0.0f ? zc * 2.0f * L->lse[t] / Tl : 0.0f;
         moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K,
                                 L->dwts + t * K, aux_g, zgrad, (int)E, (int)K, norm,
                                 scale, scratch, L->dlogits + t * E);
@@ -1120,6 +1427,55 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     gr[1] = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
     moept__gemm_run(gr, 2, &L->gws);
     L->bwd_valid = 1;
+    return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   Gradient reduction and norm
+   ------------------------------------------------------------------------ */
+moept_status moept_sync_grads(moept_layer *L, float scale) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: layer is NULL");
+    if (!moept__finite(scale)) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
+    double t0 = moept__now();
+    moept_status st = MOEPT_OK;
+    int64_t n_router = L->E * L->D, n_exp = L->El * (L->H + L->F) * L->D;
+    float *shared = L->g_router + n_router + n_exp;
+    int64_t n_shared = L->n_params - n_router - n_exp;
+    /* replicated: router and shared expert, over EP then DP; experts over DP */
+    if (L->ep && !st) st = L->ep->allreduce(L->ep, L->g_router, n_router, MOEPT_DTYPE_F32);
+    if (L->ep && !st && n_shared) st = L->ep->allreduce(L->ep, shared, n_shared, MOEPT_DTYPE_F32);
+    if (L->dp && !st) st = L->dp->allreduce(L->dp, L->grads, L->n_params, MOEPT_DTYPE_F32);
+    L->stats.comm_seconds += moept__now() - t0;
+    if (st) return moept__fail(L, st, "moept_sync_grads: %s", (L->ep && L->ep->err[0]) ? L->ep->err : L->dp ? L->dp->err : "");
+    if (scale != 1.0f)
+        for (int64_t i = 0; i < L->n_params; i++) L->grads[i] *= scale;
+    return MOEPT_OK;
+}
+
+moept_status moept_grad_norm(moept_layer *L, double *norm) {
+    if (!L || !norm) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: NULL argument");
+    int64_t n_router = L->E * L->D, n_exp = L->El * (L->H + L->F) * L->D;
+    double s[2] = {0.0, 0.0}; /* [replicated, experts] */
+    for (int64_t i = 0; i < L->n_params; i++) {
+        double g = L->grads[i];
+        s[i >= n_router && i < n_router + n_exp] += g * g;
+    }
+    if (L->ep) { /* each expert lives on one EP rank: sum those; replicated counted once */
+        moept_status st = L->ep->allreduce(L->ep, &s[1], 1, MOEPT_DTYPE_F64);
+        if (st) return moept__fail(L, st, "moept_grad_norm: %s", L->ep->err);
+    }
+    *norm = sqrt(s[0] + s[1]);
+    return MOEPT_OK;
+}
+
+moept_status moept_get_peer_rows(const moept_layer *L, int64_t *sent, int64_t *received) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_peer_rows: layer is NULL");
+    if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_get_peer_rows: no forward yet");
+    for (int q = 0; q < L->P; q++) {
+        int64_t s = L->ep ? L->peer_rows[q] : L->N, r = L->ep ? L->peer_rows[L->P + q] : L->N;
+        if (sent) sent[q] = s;
+        if (received) received[q] = r;
+    }
     return MOEPT_OK;
 }
 
@@ -1162,6 +1518,9 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     *st = L->stats;
     st->allocations = L->mem.allocations;
     st->allocated_bytes = L->mem.bytes;
+    int own_xy = L->P > 1;
+    st->workspace_bytes = L->work_bytes +
+        L->Rcap * ((own_xy ? 2 * L->D : 0) + L->H + L->F) * (int64_t)sizeof(float);
     if (tpe)
         for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd_valid ? L->sel_counts[e] : 0;
     return MOEPT_OK;
@@ -1598,3 +1957,388 @@ moept_status moept_st_read_f32(moept_st_file *f, const moept_st_tensor *t, float
 moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t, int64_t *dst, int64_t numel) {
     return moept__st_read(f, t, dst, numel, 1);
 }
+
+/* ------------------------------------------------------------------------
+   Communication backends
+   ------------------------------------------------------------------------ */
+static moept_status moept__comm_fail(moept_comm *c, moept_status s, const char *fmt, ...) {
+    va_list ap; va_start(ap, fmt);
+    vsnprintf(c->err, sizeof c->err, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+static size_t moept__dtype_size(moept_dtype t) {
+    return t == MOEPT_DTYPE_F32 || t == MOEPT_DTYPE_I32 ? 4 : t == MOEPT_DTYPE_F16 || t == MOEPT_DTYPE_BF16 ? 2
+         : t == MOEPT_DTYPE_U8 || t == MOEPT_DTYPE_BOOL ? 1 : 8;
+}
+
+/* sums n elements of src into dst */
+static void moept__sum_into(void *dst, const void *src, int64_t n, moept_dtype t) {
+    if (t == MOEPT_DTYPE_F32) { float *d = dst; const float *s = src; for (int64_t i = 0; i < n; i++) d[i] += s[i]; }
+    else if (t == MOEPT_DTYPE_F64) { double *d = dst; const double *s = src; for (int64_t i = 0; i < n; i++) d[i] += s[i]; }
+    else { int64_t *d = dst; const int64_t *s = src; for (int64_t i = 0; i < n; i++) d[i] += s[i]; }
+}
+
+void moept_comm_destroy(moept_comm *c) {
+    if (c && c->destroy) c->destroy(c);
+}
+
+/* ---- threads: ranks are threads of one process; a collective publishes
+   each rank's buffers and every receiver copies straight from the sender's
+   memory (one copy per byte, no staging). ---- */
+#include <pthread.h>
+#include <time.h>
+
+typedef struct moept__slot {
+    const void *send; const moept_seg *send_segs;
+    const void *buf;
+    const moept_p2p *sends; int nsend;
+} moept__slot;
+
+struct moept_thread_group {
+    int size, timeout_ms;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int arrived, broken;
+    uint64_t generation;
+    moept__slot *slots;      /* [size] */
+    char *scratch;           /* allreduce result, grows geometrically */
+    size_t scratch_bytes;
+    int scratch_fail;
+    moept_comm *comms;       /* [size] */
+};
+
+/* Returns 0, or -1 if a rank timed out (the group is then broken for good:
+   every later collective fails at once instead of hanging). */
+static int moept__barrier(moept_thread_group *g) {
+    pthread_mutex_lock(&g->mu);
+    if (g->broken) { pthread_mutex_unlock(&g->mu); return -1; }
+    uint64_t gen = g->generation;
+    if (++g->arrived == g->size) {
+        g->arrived = 0;
+        g->generation++;
+        pthread_cond_broadcast(&g->cv);
+        pthread_mutex_unlock(&g->mu);
+        return 0;
+    }
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    int64_t ns = dl.tv_nsec + (int64_t)(g->timeout_ms % 1000) * 1000000;
+    dl.tv_sec += g->timeout_ms / 1000 + ns / 1000000000;
+    dl.tv_nsec = ns % 1000000000;
+    while (gen == g->generation && !g->broken) {
+        if (pthread_cond_timedwait(&g->cv, &g->mu, &dl) == ETIMEDOUT && gen == g->generation) {
+            g->broken = 1;
+            pthread_cond_broadcast(&g->cv);
+        }
+    }
+    int ok = gen != g->generation;
+    pthread_mutex_unlock(&g->mu);
+    return ok ? 0 : -1;
+}
+
+#define MOEPT__GROUP(c) ((moept_thread_group *)(c)->ctx)
+#define MOEPT__BARRIER(c)                                                                \
+    do { if (moept__barrier(MOEPT__GROUP(c)))                                            \
+             return moept__comm_fail(c, MOEPT_ERR_COMM, "threads comm: rank %d: another rank did not arrive within %d ms (group broken)", \
+                                     (c)->rank, MOEPT__GROUP(c)->timeout_ms); } while (0)
+
+static moept_status moept__thr_alltoallv(moept_comm *c, const void *send, const moept_seg *send_segs,
+                                         void *recv, const moept_seg *recv_segs, int nseg, int es) {
+    moept_thread_group *g = MOEPT__GROUP(c);
+    g->slots[c->rank].send = send;
+    g->slots[c->rank].send_segs = send_segs;
+    MOEPT__BARRIER(c);
+    int bad = -1;
+    for (int p = 0; p < c->size; p++)
+        for (int s = 0; s < nseg; s++) {
+            const moept_seg *ss = &g->slots[p].send_segs[c->rank * nseg + s];
+            const moept_seg *rs = &recv_segs[p * nseg + s];
+            if (ss->count != rs->count) { bad = p; continue; }
+            if (rs->count)
+                memcpy((char *)recv + rs->offset * es, (const char *)g->slots[p].send + ss->offset * es,
+                       (size_t)(rs->count * es));
+        }
+    MOEPT__BARRIER(c);
+    if (bad >= 0)
+        return moept__comm_fail(c, MOEPT_ERR_COMM, "threads alltoallv: rank %d expected other counts from rank %d", c->rank, bad);
+    return MOEPT_OK;
+}
+
+static moept_status moept__thr_allreduce(moept_comm *c, void *buf, int64_t count, moept_dtype t) {
+    moept_thread_group *g = MOEPT__GROUP(c);
+    size_t es = moept__dtype_size(t), bytes = (size_t)count * es;
+    if (c->rank == 0 && bytes > g->scratch_bytes) { /* nobody reads scratch between collectives */
+        size_t nb = bytes > 2 * g->scratch_bytes ? bytes : 2 * g->scratch_bytes;
+        char *p = moept__alloc(NULL, nb);
+        if (p) { MOEPT_FREE(g->scratch); g->scratch = p; g->scratch_bytes = nb; g->scratch_fail = 0; }
+        else g->scratch_fail = 1;
+    }
+    g->slots[c->rank].buf = buf;
+    MOEPT__BARRIER(c);
+    if (!g->scratch_fail) { /* each rank sums a slice, ranks in order: deterministic */
+        int64_t lo = count * c->rank / c->size, hi = count * (c->rank + 1) / c->size;
+        if (hi > lo) {
+            memcpy(g->scratch + lo * es, (const char *)g->slots[0].buf + lo * es, (size_t)(hi - lo) * es);
+            for (int p = 1; p < c->size; p++)
+                moept__sum_into(g->scratch + lo * es, (const char *)g->slots[p].buf + lo * es, hi - lo, t);
+        }
+    }
+    MOEPT__BARRIER(c);
+    int fail = g->scratch_fail;
+    if (!fail && bytes) memcpy(buf, g->scratch, bytes);
+    MOEPT__BARRIER(c);
+    if (fail) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "threads allreduce: out of memory for %zu bytes", bytes);
+    return MOEPT_OK;
+}
+
+static moept_status moept__thr_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
+    moept_thread_group *g = MOEPT__GROUP(c);
+    g->slots[c->rank].buf = send;
+    MOEPT__BARRIER(c);
+    for (int p = 0; p < c->size; p++)
+        if (bytes) memcpy((char *)recv + (int64_t)p * bytes, g->slots[p].buf, (size_t)bytes);
+    MOEPT__BARRIER(c);
+    return MOEPT_OK;
+}
+
+static moept_status moept__thr_p2p(moept_comm *c, const moept_p2p *sends, int nsend,
+                                   const moept_p2p *recvs, int nrecv) {
+    moept_thread_group *g = MOEPT__GROUP(c);
+    g->slots[c->rank].sends = sends;
+    g->slots[c->rank].nsend = nsend;
+    MOEPT__BARRIER(c);
+    int bad = -1;
+    for (int i = 0; i < nrecv; i++) {
+        int p = recvs[i].peer, nth = 0;
+        for (int j = 0; j < i; j++) nth += recvs[j].peer == p;
+        const moept_p2p *m = NULL;
+        if (p >= 0 && p < c->size)
+            for (int j = 0; j < g->slots[p].nsend && !m; j++)
+                if (g->slots[p].sends[j].peer == c->rank && nth-- == 0) m = &g->slots[p].sends[j];
+        if (!m || m->bytes != recvs[i].bytes) { bad = i; continue; }
+        if (m->bytes) memcpy(recvs[i].buf, m->buf, (size_t)m->bytes);
+    }
+    MOEPT__BARRIER(c);
+    if (bad >= 0)
+        return moept__comm_fail(c, MOEPT_ERR_COMM, "threads p2p: rank %d receive %d from rank %d has no matching send of %lld bytes",
+                                c->rank, bad, recvs[bad].peer, (long long)recvs[bad].bytes);
+    return MOEPT_OK;
+}
+
+static void moept__thr_destroy(moept_comm *c) { (void)c; /* owned by the group */ }
+
+moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_group **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_thread_group_create: out is NULL");
+    *out = NULL;
+    if (size < 1 || size > 4096)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_thread_group_create: size %d not in 1..4096", size);
+    if (timeout_ms < 0)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_thread_group_create: timeout_ms < 0");
+    moept_thread_group *g = moept__alloc(NULL, sizeof *g);
+    if (!g) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_thread_group_create: out of memory");
+    memset(g, 0, sizeof *g);
+    g->size = size;
+    g->timeout_ms = timeout_ms ? timeout_ms : 600000;
+    g->slots = moept__alloc(NULL, (size_t)size * sizeof *g->slots);
+    g->comms = moept__alloc(NULL, (size_t)size * sizeof *g->comms);
+    if (!g->slots || !g->comms) {
+        MOEPT_FREE(g->slots); MOEPT_FREE(g->comms); MOEPT_FREE(g);
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_thread_group_create: out of memory");
+    }
+    memset(g->slots, 0, (size_t)size * sizeof *g->slots);
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    for (int r = 0; r < size; r++) {
+        moept_comm *c = &g->comms[r];
+        memset(c, 0, sizeof *c);
+        c->rank = r; c->size = size; c->ctx = g;
+        c->alltoallv = moept__thr_alltoallv;
+        c->allreduce = moept__thr_allreduce;
+        c->allgather = moept__thr_allgather;
+        c->p2p = moept__thr_p2p;
+        c->destroy = moept__thr_destroy;
+    }
+    *out = g;
+    return MOEPT_OK;
+}
+
+void moept_thread_group_destroy(moept_thread_group *g) {
+    if (!g) return;
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->cv);
+    MOEPT_FREE(g->scratch);
+    MOEPT_FREE(g->slots);
+    MOEPT_FREE(g->comms);
+    MOEPT_FREE(g);
+}
+
+moept_status moept_comm_threads(moept_thread_group *g, int rank, moept_comm **out) {
+    if (!g || !out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_threads: NULL argument");
+    if (rank < 0 || rank >= g->size)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_threads: rank %d not in 0..%d", rank, g->size - 1);
+    *out = &g->comms[rank];
+    return MOEPT_OK;
+}
+
+/* ---- MPI ---- */
+#ifdef MOEPT_MPI
+typedef struct moept__mpi {
+    MPI_Comm comm;
+    MPI_Datatype elem[2];    /* 4- and 8-byte elements, as bytes */
+    MPI_Request *reqs; int64_t nreqs_cap;
+    int *cnt, *dsp;          /* [4][size] int counts/displacements for MPI_Alltoallv */
+} moept__mpi;
+
+#define MOEPT__MPI_CHUNK ((int64_t)1 << 30) /* elements per message piece */
+
+static moept_status moept__mpi_err(moept_comm *c, int rc, const char *call, int line) {
+    char s[MPI_MAX_ERROR_STRING];
+    int n = 0;
+    MPI_Error_string(rc, s, &n);
+    return moept__comm_fail(c, MOEPT_ERR_COMM, "%s failed (moept.c:%d): %s", call, line, s);
+}
+#define MOEPT__MPI(c, call) do { int rc_ = (call); if (rc_ != MPI_SUCCESS) return moept__mpi_err(c, rc_, #call, __LINE__); } while (0)
+
+static int moept__mpi_reqs(moept__mpi *m, int64_t n) {
+    if (n <= m->nreqs_cap) return 1;
+    int64_t cap = n > 2 * m->nreqs_cap ? n : 2 * m->nreqs_cap;
+    MPI_Request *r = moept__alloc(NULL, (size_t)cap * sizeof *r);
+    if (!r) return 0;
+    MOEPT_FREE(m->reqs);
+    m->reqs = r; m->nreqs_cap = cap;
+    return 1;
+}
+
+static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const moept_seg *ss,
+                                         void *recv, const moept_seg *rs, int nseg, int es) {
+    moept__mpi *m = c->ctx;
+    MPI_Datatype t = m->elem[es == 8];
+    int P = c->size, fits = nseg == 1;
+    for (int p = 0; p < P && fits; p++)
+        fits = ss[p].count <= INT_MAX && ss[p].offset <= INT_MAX && rs[p].count <= INT_MAX && rs[p].offset <= INT_MAX;
+    if (fits) { /* the plain collective: one contiguous piece per peer */
+        int *sc = m->cnt, *sd = m->dsp, *rc = m->cnt + 2 * P, *rd = m->dsp + 2 * P;
+        for (int p = 0; p < P; p++) {
+            sc[p] = (int)ss[p].count; sd[p] = (int)ss[p].offset;
+            rc[p] = (int)rs[p].count; rd[p] = (int)rs[p].offset;
+        }
+        MOEPT__MPI(c, MPI_Alltoallv(send, sc, sd, t, recv, rc, rd, t, m->comm));
+        return MOEPT_OK;
+    }
+    /* pieces (and counts past INT_MAX): non-blocking point-to-point, each
+       piece split into chunks of 2^30 elements */
+    int64_t n = 0;
+    for (int i = 0; i < P * nseg; i++)
+        n += (ss[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK + (rs[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
+    if (!moept__mpi_reqs(m, n)) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv: out of memory");
+    n = 0;
+    for (int i = 0; i < P * nseg; i++)
+        for (int64_t o = 0; o < rs[i].count; o += MOEPT__MPI_CHUNK) {
+            int64_t k = rs[i].count - o < MOEPT__MPI_CHUNK ? rs[i].count - o : MOEPT__MPI_CHUNK;
+            MOEPT__MPI(c, MPI_Irecv((char *)recv + (rs[i].offset + o) * es, (int)k, t, i / nseg, 0, m->comm, &m->reqs[n++]));
+        }
+    for (int i = 0; i < P * nseg; i++)
+        for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
+            int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
+            MOEPT__MPI(c, MPI_Isend((const char *)send + (ss[i].offset + o) * es, (int)k, t, i / nseg, 0, m->comm, &m->reqs[n++]));
+        }
+    MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
+    return MOEPT_OK;
+}
+
+static moept_status moept__mpi_allreduce(moept_comm *c, void *buf, int64_t count, moept_dtype t) {
+    moept__mpi *m = c->ctx;
+    MPI_Datatype mt = t == MOEPT_DTYPE_F32 ? MPI_FLOAT : t == MOEPT_DTYPE_F64 ? MPI_DOUBLE : MPI_INT64_T;
+    size_t es = moept__dtype_size(t);
+    for (int64_t o = 0; o < count; o += MOEPT__MPI_CHUNK) {
+        int64_t k = count - o < MOEPT__MPI_CHUNK ? count - o : MOEPT__MPI_CHUNK;
+        MOEPT__MPI(c, MPI_Allreduce(MPI_IN_PLACE, (char *)buf + o * (int64_t)es, (int)k, mt, MPI_SUM, m->comm));
+    }
+    return MOEPT_OK;
+}
+
+static moept_status moept__mpi_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs, int nrecv) {
+    moept__mpi *m = c->ctx;
+    int64_t n = 0;
+    for (int i = 0; i < nsend; i++) n += (sends[i].bytes + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
+    for (int i = 0; i < nrecv; i++) n += (recvs[i].bytes + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
+    if (!moept__mpi_reqs(m, n)) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi p2p: out of memory");
+    n = 0;
+    for (int i = 0; i < nrecv; i++)
+        for (int64_t o = 0; o < recvs[i].bytes; o += MOEPT__MPI_CHUNK) {
+            int64_t k = recvs[i].bytes - o < MOEPT__MPI_CHUNK ? recvs[i].bytes - o : MOEPT__MPI_CHUNK;
+            MOEPT__MPI(c, MPI_Irecv((char *)recvs[i].buf + o, (int)k, MPI_BYTE, recvs[i].peer, 1, m->comm, &m->reqs[n++]));
+        }
+    for (int i = 0; i < nsend; i++)
+        for (int64_t o = 0; o < sends[i].bytes; o += MOEPT__MPI_CHUNK) {
+            int64_t k = sends[i].bytes - o < MOEPT__MPI_CHUNK ? sends[i].bytes - o : MOEPT__MPI_CHUNK;
+            MOEPT__MPI(c, MPI_Isend((const char *)sends[i].buf + o, (int)k, MPI_BYTE, sends[i].peer, 1, m->comm, &m->reqs[n++]));
+        }
+    MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
+    return MOEPT_OK;
+}
+
+static moept_status moept__mpi_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
+    moept__mpi *m = c->ctx;
+    if (bytes <= INT_MAX) {
+        MOEPT__MPI(c, MPI_Allgather(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, m->comm));
+        return MOEPT_OK;
+    }
+    /* large: every rank sends its block to every other (own block copied) */
+    memcpy((char *)recv + (int64_t)c->rank * bytes, send, (size_t)bytes);
+    for (int d = 1; d < c->size; d++) {
+        int to = (c->rank + d) % c->size, from = (c->rank - d + c->size) % c->size;
+        moept_p2p s = {to, (void *)send, bytes}, r = {from, (char *)recv + (int64_t)from * bytes, bytes};
+        moept_status st = moept__mpi_p2p(c, &s, 1, &r, 1);
+        if (st) return st;
+    }
+    return MOEPT_OK;
+}
+
+static void moept__mpi_destroy(moept_comm *c) {
+    moept__mpi *m = c->ctx;
+    MPI_Type_free(&m->elem[0]);
+    MPI_Type_free(&m->elem[1]);
+    MPI_Comm_free(&m->comm);
+    MOEPT_FREE(m->reqs);
+    MOEPT_FREE(m->cnt);
+    MOEPT_FREE(m->dsp);
+    MOEPT_FREE(m);
+    MOEPT_FREE(c);
+}
+
+moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_mpi: out is NULL");
+    *out = NULL;
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init) return moept__thread_fail(MOEPT_ERR_STATE, "moept_comm_mpi: MPI is not initialised (the caller initialises it)");
+    moept_comm *c = moept__alloc(NULL, sizeof *c);
+    moept__mpi *m = moept__alloc(NULL, sizeof *m);
+    if (!c || !m) { MOEPT_FREE(c); MOEPT_FREE(m); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory"); }
+    memset(c, 0, sizeof *c);
+    memset(m, 0, sizeof *m);
+    int rc = MPI_Comm_dup(comm, &m->comm);
+    if (rc != MPI_SUCCESS) { MOEPT_FREE(c); MOEPT_FREE(m); return moept__thread_fail(MOEPT_ERR_COMM, "moept_comm_mpi: MPI_Comm_dup failed"); }
+    MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(m->comm, &c->rank);
+    MPI_Comm_size(m->comm, &c->size);
+    MPI_Type_contiguous(4, MPI_BYTE, &m->elem[0]);
+    MPI_Type_contiguous(8, MPI_BYTE, &m->elem[1]);
+    MPI_Type_commit(&m->elem[0]);
+    MPI_Type_commit(&m->elem[1]);
+    m->cnt = moept__alloc(NULL, (size_t)(4 * c->size) * sizeof(int));
+    m->dsp = moept__alloc(NULL, (size_t)(4 * c->size) * sizeof(int));
+    c->ctx = m;
+    c->alltoallv = moept__mpi_alltoallv;
+    c->allreduce = moept__mpi_allreduce;
+    c->allgather = moept__mpi_allgather;
+    c->p2p = moept__mpi_p2p;
+    c->destroy = moept__mpi_destroy;
+    if (!m->cnt || !m->dsp) { moept__mpi_destroy(c); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory"); }
+    *out = c;
+    return MOEPT_OK;
+}
+#endif /* MOEPT_MPI */

@@ -100,6 +100,9 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#ifdef MOEPT_MPI
+#include <mpi.h>
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -120,6 +123,14 @@ typedef enum moept_status {
     MOEPT_ERR_FORMAT = 7,           /* malformed file */
     MOEPT_ERR_COMM = 8              /* communication backend error */
 } moept_status;
+
+typedef enum moept_dtype {
+    MOEPT_DTYPE_F32 = 0, MOEPT_DTYPE_F16 = 1, MOEPT_DTYPE_BF16 = 2,
+    MOEPT_DTYPE_F64 = 3, MOEPT_DTYPE_I64 = 4, MOEPT_DTYPE_I32 = 5,
+    MOEPT_DTYPE_U8 = 6, MOEPT_DTYPE_BOOL = 7
+} moept_dtype;
+
+typedef struct moept_layer moept_layer;
 
 typedef enum moept_family {
     MOEPT_FAMILY_MIXTRAL = 0,
@@ -164,9 +175,69 @@ typedef struct moept_config {
     float aux_loss_coef;
     float z_loss_coef;
     float capacity_factor;            /* 0 = dropless; else per-expert capacity
-                                         ceil(cf * T * K / E), drop by position */
-    int64_t max_tokens;               /* most rows per forward; required */
+                                         ceil(cf * T * K / E), drop by position
+                                         (per rank, from its own T) */
+    int64_t max_tokens;               /* most rows per forward (per rank); required */
+    int global_balance;               /* 0: aux and z loss over this rank's
+                                         tokens; 1: over every rank's tokens
+                                         (counts, score sums and T all-reduced
+                                         over the EP and DP groups) */
 } moept_config;
+
+/* ---- communication -------------------------------------------------
+   A small table of collectives over a group of ranks. Built in: single
+   rank (NULL), threads in one process (moept_comm_threads), MPI
+   (moept_comm_mpi, with -DMOEPT_MPI), NCCL (CUDA builds). A host framework
+   can fill in its own. Counts and offsets are in elements. Every call is
+   collective: all ranks of the group make it, in the same order. */
+typedef struct moept_seg {
+    int64_t offset, count;     /* elements */
+} moept_seg;
+
+typedef struct moept_p2p {
+    int peer;
+    void *buf;                 /* const for sends */
+    int64_t bytes;
+} moept_p2p;
+
+typedef struct moept_comm moept_comm;
+struct moept_comm {
+    int rank, size;
+    void *ctx;                 /* backend state */
+    /* All-to-all-v in pieces: for each peer q, this rank sends the nseg
+       pieces send_segs[q*nseg + s] of `send` and receives from q the pieces
+       recv_segs[q*nseg + s] of `recv`. Piece s from p to q has the same count
+       in p's send_segs and q's recv_segs (the caller exchanged counts first).
+       elem_size is 4 or 8. With nseg = 1 this is MPI_Alltoallv. */
+    moept_status (*alltoallv)(moept_comm *c, const void *send, const moept_seg *send_segs,
+                              void *recv, const moept_seg *recv_segs, int nseg, int elem_size);
+    /* In-place sum over ranks; dtype F32, F64 or I64. */
+    moept_status (*allreduce)(moept_comm *c, void *buf, int64_t count, moept_dtype dtype);
+    /* recv[r*bytes .. (r+1)*bytes) = rank r's send. */
+    moept_status (*allgather)(moept_comm *c, const void *send, void *recv, int64_t bytes);
+    /* Point-to-point, all at once: messages between two ranks match in list
+       order. Used by resharding. */
+    moept_status (*p2p)(moept_comm *c, const moept_p2p *sends, int nsend,
+                        const moept_p2p *recvs, int nrecv);
+    void (*destroy)(moept_comm *c);
+    char err[256];             /* backend message of the last failure */
+};
+
+/* Threads: `size` ranks in one process. Create the group once, then hand
+   each rank's thread its comm (moept_comm_threads_rank). A rank that waits
+   longer than timeout_ms (0 = 600 s) for the others fails with
+   MOEPT_ERR_COMM instead of hanging. */
+typedef struct moept_thread_group moept_thread_group;
+moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_group **out);
+void moept_thread_group_destroy(moept_thread_group *g);
+moept_status moept_comm_threads(moept_thread_group *g, int rank, moept_comm **out);
+
+#ifdef MOEPT_MPI
+/* Works on a duplicate of `comm` with MPI_ERRORS_RETURN; never initialises
+   or finalises MPI. */
+moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out);
+#endif
+void moept_comm_destroy(moept_comm *c);
 
 typedef struct moept_stats {
     int64_t steps;             /* successful forwards since create */
@@ -180,9 +251,19 @@ typedef struct moept_stats {
     int64_t allocated_bytes;   /* bytes allocated since create */
     int64_t workspace_bytes;   /* bytes held now (parameters excluded) */
     int64_t param_bytes;       /* parameters + gradients */
+    /* expert parallel, last forward + backward on this rank */
+    int64_t rows_sent, rows_received;   /* token rows to/from other ranks, per direction */
+    int64_t bytes_sent, bytes_received; /* all exchanges of the step (dispatch,
+                                           combine, and their backward) */
+    double comm_seconds;       /* wall time inside communication calls */
+    int64_t recv_capacity;     /* rows the receive buffers hold now */
+    int64_t recv_growths;      /* times they grew (each an allocation) */
 } moept_stats;
 
-typedef struct moept_layer moept_layer;
+/* Rows this rank sent to / received from each EP peer in the last forward's
+   dispatch ([P] each; either may be NULL). */
+moept_status moept_get_peer_rows(const moept_layer *layer, int64_t *sent, int64_t *received);
+
 
 typedef struct moept_param_info {
     const char *name;  /* HF module-relative name; valid while the layer lives */
@@ -193,6 +274,14 @@ typedef struct moept_param_info {
 
 /* Lifecycle */
 moept_status moept_create(const moept_config *cfg, moept_layer **out);
+/* Expert parallel: experts are sharded over the `ep` group (rank r owns the
+   E/P experts [r*E/P, (r+1)*E/P)); router and shared expert are replicated.
+   `dp` (may be NULL) joins the ranks that hold the same experts in other EP
+   groups (world = EP x DP). Every rank of both groups calls this together;
+   a config that differs between ranks is an error on every rank. The comms
+   must outlive the layer. */
+moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep,
+                                   moept_comm *dp, moept_layer **out);
 void moept_destroy(moept_layer *layer);
 /* Fills `cfg` with the resolved configuration (defaults applied). */
 moept_status moept_get_config(const moept_layer *layer, moept_config *cfg);
@@ -222,6 +311,18 @@ moept_status moept_forward(moept_layer *layer, const float *x, int64_t tokens,
 moept_status moept_backward(moept_layer *layer, const float *x,
                             const float *dy, float *dx);
 moept_status moept_zero_grad(moept_layer *layer);
+/* Gradient reduction across ranks: replicated parameters (router, shared
+   expert) are summed over all EP x DP ranks, each expert's over the DP group
+   (the ranks holding the same expert); then everything is multiplied by
+   `scale`. With scale = 1 the gradients are those of the sum of every
+   rank's objective, i.e. of one rank processing the whole batch (use
+   global_balance for its aux loss); scale = 1/DP averages over data-parallel
+   replicas as DDP does. */
+moept_status moept_sync_grads(moept_layer *layer, float scale);
+/* Global L2 norm of the gradients (for clipping), each expert counted once
+   and replicated parameters once. Call after moept_sync_grads. */
+moept_status moept_grad_norm(moept_layer *layer, double *norm);
+
 /* Aux-loss-free balancing (DeepSeek-V3): with the last forward's counts,
    bias_e += rate * sign(mean_count - count_e). */
 moept_status moept_update_bias(moept_layer *layer, float rate);
@@ -245,11 +346,6 @@ const char *moept_status_string(moept_status s);
 const char *moept_last_error(const moept_layer *layer);
 
 /* ---- safetensors (read side; used by the checker and checkpoints) ----- */
-typedef enum moept_dtype {
-    MOEPT_DTYPE_F32 = 0, MOEPT_DTYPE_F16 = 1, MOEPT_DTYPE_BF16 = 2,
-    MOEPT_DTYPE_F64 = 3, MOEPT_DTYPE_I64 = 4, MOEPT_DTYPE_I32 = 5,
-    MOEPT_DTYPE_U8 = 6, MOEPT_DTYPE_BOOL = 7
-} moept_dtype;
 
 typedef struct moept_st_file moept_st_file;
 typedef struct moept_st_tensor {

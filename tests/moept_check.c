@@ -1,11 +1,20 @@
 /* moept_check: runs moept-case-v1 reference cases (../shared/CASES.md)
    through moept and compares every output and gradient.
 
-   usage: moept_check [--tol X] FILE...
-   One line per case, then "N passed, N failed"; exit 1 if any failed. */
+   usage: moept_check [--ep N] [--tol X] FILE...
+          mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
+   With --ep N the experts are sharded over N ranks (threads, or MPI
+   processes) and the tokens split into N contiguous slices (the first T mod N
+   ranks take one more); losses are over the global batch, router and shared
+   gradients are summed over ranks, each expert's gradient is compared on its
+   owner. One line per case, then "N passed, N failed"; exit 1 if any failed. */
 #include "../moept.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,10 +22,12 @@
 
 typedef struct check {
     const char *path;
+    moept_comm *ep;         /* NULL: one rank */
     moept_st_file *f;
     double worst;           /* largest relative error so far */
     char worst_name[128];
     char reason[600];       /* non-empty: the case failed for this reason */
+    char skip[200];         /* non-empty: the case cannot run at this --ep */
 } check;
 
 static int failf(check *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -90,6 +101,18 @@ static void compare(check *c, const char *name, const float *got, const float *w
     compare_floor(c, name, got, want, n, 0.0);
 }
 
+/* 1 if every rank is fine; keeps ranks in step so none waits forever on a
+   collective another rank skipped */
+static int all_ok(check *c) {
+    int64_t bad = c->reason[0] != 0;
+    if (c->ep && c->ep->allreduce(c->ep, &bad, 1, MOEPT_DTYPE_I64) != MOEPT_OK) {
+        failf(c, "agreement failed: %s", c->ep->err);
+        return 0;
+    }
+    if (bad && !c->reason[0]) failf(c, "another rank failed this case");
+    return bad == 0;
+}
+
 static int family_of(const char *s, moept_family *f) {
     static const char *names[] = {"mixtral", "qwen2_moe", "olmoe", "deepseek_v3"};
     for (int i = 0; i < 4; i++)
@@ -126,8 +149,17 @@ static void run_case(check *c) {
     if (T < 0 || T > (1 << 24)) { failf(c, "metadata 'tokens' out of range"); goto done; }
     cfg.norm_topk_prob = (int)norm;
     cfg.n_group = ng; cfg.topk_group = tg;
-    cfg.max_tokens = T > 0 ? T : 1;
-    if (moept_create(&cfg, &L) != MOEPT_OK) { failf(c, "config rejected: %s", moept_last_error(NULL)); goto done; }
+    int P = c->ep ? c->ep->size : 1, rank = c->ep ? c->ep->rank : 0;
+    /* this rank's slice of the tokens: the first T mod P ranks take one more */
+    int64_t lo = T / P * rank + (rank < T % P ? rank : T % P);
+    int64_t Tr = T / P + (rank < T % P);
+    cfg.max_tokens = Tr > 0 ? Tr : 1;
+    cfg.global_balance = P > 1;
+    if (cfg.num_experts % P != 0) { /* the same on every rank: no collective is left waiting */
+        snprintf(c->skip, sizeof c->skip, "E=%lld experts do not split over --ep %d", (long long)cfg.num_experts, P);
+        goto done;
+    }
+    if (moept_create_parallel(&cfg, c->ep, NULL, &L) != MOEPT_OK) { failf(c, "config rejected: %s", moept_last_error(NULL)); goto done; }
     const int64_t D = cfg.hidden_size, E = cfg.num_experts, K = cfg.top_k;
 
     /* parameters: every one the layer has must be in the file */
@@ -145,15 +177,16 @@ static void run_case(check *c) {
     y = malloc((size_t)(T * D + 1) * sizeof(float));
     dx = malloc((size_t)(T * D + 1) * sizeof(float));
     if (!y || !dx) { failf(c, "out of memory"); goto done; }
-    if (moept_forward(L, x, T, y) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
+    if (!all_ok(c)) goto done;
+    if (moept_forward(L, x + lo * D, Tr, y) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
 
     if (!(want = read_f(c, "expected.output", T, D))) goto done;
-    compare(c, "output", y, want, T * D);
+    compare(c, "output", y, want + lo * D, Tr * D);
     free(want); want = NULL;
     const int32_t *ids; const float *wts, *logits;
     moept_routing(L, &ids, &wts, &logits);
     if (!(want = read_f(c, "expected.router_logits", T, E))) goto done;
-    compare(c, "router_logits", logits, want, T * E);
+    compare(c, "router_logits", logits, want + lo * E, Tr * E);
     free(want); want = NULL;
     /* top-k: the same set per token; weights paired with their ids */
     const moept_st_tensor *tid = moept_st_find(c->f, "expected.topk_ids");
@@ -162,18 +195,18 @@ static void run_case(check *c) {
     if (!eid || moept_st_read_i64(c->f, tid, eid, T * K) != MOEPT_OK) { free(eid); failf(c, "cannot read expected.topk_ids"); goto done; }
     if (!(want = read_f(c, "expected.topk_weights", T, K))) { free(eid); goto done; }
     got = malloc((size_t)(T * K + 1) * sizeof(float));
-    for (int64_t t = 0; t < T && got; t++)
+    for (int64_t t = 0; t < Tr && got; t++)
         for (int64_t k = 0; k < K; k++) {
-            int64_t j = 0;
-            while (j < K && ids[t * K + j] != eid[t * K + k]) j++;
+            int64_t j = 0, te = lo + t;
+            while (j < K && ids[t * K + j] != eid[te * K + k]) j++;
             if (j == K) {
-                failf(c, "topk_ids differ at token %lld: expert %lld expected but not selected", (long long)t, (long long)eid[t * K + k]);
-                free(eid); goto done;
+                failf(c, "topk_ids differ at token %lld: expert %lld expected but not selected", (long long)te, (long long)eid[te * K + k]);
+                break;
             }
             got[t * K + k] = wts[t * K + j];
         }
     free(eid);
-    compare(c, "topk_weights", got, want, T * K);
+    if (!c->reason[0]) compare(c, "topk_weights", got, want + lo * K, Tr * K);
     free(want); want = NULL;
     moept_stats st;
     moept_get_stats(L, &st, NULL);
@@ -184,9 +217,11 @@ static void run_case(check *c) {
     compare(c, "z_loss", &st.z_loss, want, 1);
     free(want); want = NULL;
 
-    if (moept_backward(L, x, gy, dx) != MOEPT_OK) { failf(c, "backward: %s", moept_last_error(L)); goto done; }
+    if (!all_ok(c)) goto done;
+    if (moept_backward(L, x + lo * D, gy + lo * D, dx) != MOEPT_OK) { failf(c, "backward: %s", moept_last_error(L)); goto done; }
+    if (moept_sync_grads(L, 1.0f) != MOEPT_OK) { failf(c, "sync_grads: %s", moept_last_error(L)); goto done; }
     if (!(want = read_f(c, "expected.grad.input", T, D))) goto done;
-    compare(c, "grad.input", dx, want, T * D);
+    compare(c, "grad.input", dx, want + lo * D, Tr * D);
     free(want); want = NULL;
     /* The router weight's gradient carries a rounding floor when the
        reference ran its router in fp32 (as transformers does by default):
@@ -198,12 +233,13 @@ static void run_case(check *c) {
     const float *dw = NULL;
     double floor_abs = 0.0;
     if (moept_routing_grads(L, &dw) == MOEPT_OK)
-        for (int64_t t = 0; t < T; t++) {
+        for (int64_t t = 0; t < Tr; t++) {
             double g = 0.0, xn = 0.0;
             for (int64_t k = 0; k < K; k++) g += fabs(dw[t * K + k]);
-            for (int64_t d = 0; d < D; d++) xn += (double)x[t * D + d] * x[t * D + d];
+            for (int64_t d = 0; d < D; d++) xn += (double)x[(lo + t) * D + d] * x[(lo + t) * D + d];
             floor_abs += 5.96e-8 * g * sqrt(xn);
         }
+    if (c->ep) c->ep->allreduce(c->ep, &floor_abs, 1, MOEPT_DTYPE_F64); /* the summed gradient's floor */
     for (int64_t i = 0; i < np; i++) {
         moept_param_info pi;
         moept_param_info_at(L, i, &pi);
@@ -221,32 +257,114 @@ done:
     moept_st_close(c->f);
 }
 
+/* ---- several ranks ---- */
+/* merges the ranks' verdicts into c (worst error, first reason) */
+static void merge(check *c, const check *r, int rank) {
+    if (r->skip[0] && !c->skip[0]) snprintf(c->skip, sizeof c->skip, "%s", r->skip);
+    if (r->reason[0] && !c->reason[0]) snprintf(c->reason, sizeof c->reason, "rank %d: %s", rank, r->reason);
+    if (!(r->worst <= c->worst) || (r->worst > c->worst)) {
+        c->worst = r->worst;
+        snprintf(c->worst_name, sizeof c->worst_name, "%s", r->worst_name);
+    }
+}
+
+#ifndef MOEPT_MPI
+typedef struct rank_job { check c; } rank_job;
+
+static void *rank_main(void *arg) {
+    rank_job *j = arg;
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+    run_case(&j->c);
+    return NULL;
+}
+
+static void run_threads(check *c, int P) {
+    moept_thread_group *g;
+    if (moept_thread_group_create(P, 60000, &g) != MOEPT_OK) { failf(c, "%s", moept_last_error(NULL)); return; }
+    rank_job *jobs = calloc((size_t)P, sizeof *jobs);
+    pthread_t *th = calloc((size_t)P, sizeof *th);
+    for (int r = 0; r < P; r++) {
+        jobs[r].c.path = c->path;
+        moept_comm_threads(g, r, &jobs[r].c.ep);
+        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+    }
+    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < P; r++) merge(c, &jobs[r].c, r);
+    free(jobs); free(th);
+    moept_thread_group_destroy(g);
+}
+#endif
+
 int main(int argc, char **argv) {
     double tol = 1e-5;
-    int first = 1;
+    int first = 1, P = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--tol") == 0 && first + 1 < argc) tol = atof(argv[++first]);
+        else if (strcmp(argv[first], "--ep") == 0 && first + 1 < argc) P = atoi(argv[++first]);
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
-        else { fprintf(stderr, "usage: %s [--tol X] FILE...\n", argv[0]); return 2; }
+        else { fprintf(stderr, "usage: %s [--ep N] [--tol X] FILE...\n", argv[0]); return 2; }
     }
-    int passed = 0, failed = 0;
+    if (P < 1 || P > 1024) { fprintf(stderr, "moept_check: --ep %d not in 1..1024\n", P); return 2; }
+#ifdef MOEPT_MPI
+    MPI_Init(&argc, &argv);
+    moept_comm *world = NULL;
+    if (moept_comm_mpi(MPI_COMM_WORLD, &world) != MOEPT_OK) { fprintf(stderr, "%s\n", moept_last_error(NULL)); return 2; }
+    if (world->size != P) {
+        if (world->rank == 0) fprintf(stderr, "moept_check_mpi: --ep %d but %d MPI processes\n", P, world->size);
+        MPI_Finalize();
+        return 2;
+    }
+    int me = world->rank;
+#else
+    int me = 0;
+#endif
+    int passed = 0, failed = 0, skipped = 0;
     for (int i = first; i < argc; i++) {
         check c;
         memset(&c, 0, sizeof c);
         c.path = argv[i];
-        run_case(&c);
+#ifdef MOEPT_MPI
+        { /* this process is one rank; gather every rank's verdict */
+            check mine;
+            memset(&mine, 0, sizeof mine);
+            mine.path = argv[i];
+            mine.ep = world;
+            run_case(&mine);
+            mine.ep = NULL;
+            mine.f = NULL;
+            check *all = calloc((size_t)P, sizeof *all);
+            world->allgather(world, &mine, all, (int64_t)sizeof mine);
+            for (int r = 0; r < P; r++) merge(&c, &all[r], r);
+            free(all);
+        }
+#else
+        if (P > 1) run_threads(&c, P);
+        else run_case(&c);
+#endif
         const char *base = strrchr(c.path, '/');
         base = base ? base + 1 : c.path;
         if (!c.reason[0] && !(c.worst <= tol))
             snprintf(c.reason, sizeof c.reason, "relative error %.3g > %.3g in %s", c.worst, tol, c.worst_name);
-        if (c.reason[0]) {
+        if (c.reason[0]) failed++;
+        else if (c.skip[0]) skipped++;
+        else passed++;
+        if (me != 0) continue;
+        if (!c.reason[0] && c.skip[0])
+            printf("%-40s SKIP  %s\n", base, c.skip);
+        else if (c.reason[0])
             printf("%-40s FAIL  max rel err %.3g (%s): %s\n", base, c.worst, c.worst_name[0] ? c.worst_name : "-", c.reason);
-            failed++;
-        } else {
+        else
             printf("%-40s PASS  max rel err %.3g (%s)\n", base, c.worst, c.worst_name);
-            passed++;
-        }
     }
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed || passed + failed == 0 ? 1 : 0;
+    if (me == 0) {
+        if (skipped) printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+        else printf("%d passed, %d failed\n", passed, failed);
+    }
+#ifdef MOEPT_MPI
+    moept_comm_destroy(world);
+    MPI_Finalize();
+#endif
+    return failed || passed == 0 ? 1 : 0;
 }

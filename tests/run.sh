@@ -28,10 +28,24 @@ suite "reference cases" "$B/moept_check" $CASES
 for t in test_grad test_props test_errors; do
     suite "$t" "$B/$t"
 done
+# expert parallel over threads: every case whose E splits over the ranks
+for n in 2 4 8; do
+    suite "reference cases --ep $n (threads)" "$B/moept_check" --ep $n $CASES
+done
+suite "test_ep" "$B/test_ep"
+# ... and over MPI processes
+if [ -n "$MPIRUN" ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+    for n in 2 4; do
+        suite "reference cases --ep $n (mpirun -np $n)" timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/moept_check_mpi" --ep $n $CASES
+    done
+else
+    skip "mpi" "Open MPI not found (apt-get install libopenmpi-dev openmpi-bin); the MPI backend was not tested"
+fi
 # sanitizers: ASan + UBSan over the same suites (1 thread keeps it quick)
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 suite "asan+ubsan reference cases" env OMP_NUM_THREADS=2 "$B/san/moept_check" $CASES
-for t in test_grad test_props test_errors; do
+for t in test_grad test_props test_errors test_ep; do
     suite "asan+ubsan $t" env OMP_NUM_THREADS=2 "$B/san/$t"
 done
 if [ -n "$CBLAS" ]; then

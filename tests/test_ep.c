@@ -1,0 +1,351 @@
+/* Expert parallel over the threads backend: EP = N against EP = 1 on random
+   configs and skewed routing, zero-token ranks, mismatched configs (no hang),
+   a rank's bad input (every rank fails, nothing changes), allocation-free
+   steady state, world = EP x DP gradient sync, the global gradient norm. */
+#include "../moept.c"
+#include "testutil.h"
+
+#define MAXR 8
+
+typedef struct world {
+    moept_config cfg;
+    int P, DP;                 /* EP size, DP size: world = P * DP */
+    int64_t T[MAXR * 2];       /* tokens per world rank */
+    int64_t Ttot, D;
+    float *x, *dy;             /* [Ttot][D] the whole batch, rank slices in order */
+    float skew;                /* added to expert `hot`'s router row */
+    int hot;
+    int steps;                 /* forward+backward steps per rank */
+    moept_thread_group *ep[MAXR], *dp[MAXR];
+    /* results */
+    float *y, *dx;             /* [Ttot][D] */
+    float *grads[MAXR * 2];    /* per world rank: its gradient buffer after sync */
+    int64_t allocs[MAXR * 2];  /* allocations during steps 2..steps */
+    moept_status st[MAXR * 2];
+    double norm[MAXR * 2];
+    char err[MAXR * 2][MOEPT__ERRLEN];
+} world;
+
+typedef struct job { world *w; int r; } job;
+
+static int64_t off_of(const world *w, int r) {
+    int64_t o = 0;
+    for (int i = 0; i < r; i++) o += w->T[i];
+    return o;
+}
+
+static void setup_params(moept_layer *L, const world *w) {
+    moept_init_params(L, 5); /* by name: the same values on every layout */
+    for (int64_t d = 0; d < L->D; d++) L->w_router[(int64_t)w->hot * L->D + d] += w->skew;
+    if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
+        for (int64_t e = 0; e < L->E; e++) L->bias[e] = 0.01f * (float)(e % 3);
+}
+
+static void *rank_main(void *arg) {
+    job *j = arg;
+    world *w = j->w;
+    int r = j->r, er = r % w->P, dr = r / w->P;
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+    moept_comm *ep = NULL, *dp = NULL;
+    if (w->P > 1) moept_comm_threads(w->ep[dr], er, &ep);
+    if (w->DP > 1) moept_comm_threads(w->dp[er], dr, &dp);
+    moept_layer *L = NULL;
+    moept_config c = w->cfg;
+    int64_t mx = 1;
+    for (int i = 0; i < w->P * w->DP; i++) mx = w->T[i] > mx ? w->T[i] : mx;
+    c.max_tokens = mx;
+    w->st[r] = moept_create_parallel(&c, ep, dp, &L);
+    if (w->st[r]) { snprintf(w->err[r], sizeof w->err[r], "%s", moept_last_error(NULL)); return NULL; }
+    setup_params(L, w);
+    int64_t o = off_of(w, r);
+    moept_stats s0, s1;
+    for (int s = 0; s < w->steps && !w->st[r]; s++) {
+        if (s == 1) moept_get_stats(L, &s0, NULL);
+        moept_zero_grad(L);
+        w->st[r] = moept_forward(L, w->x + o * w->D, w->T[r], w->y + o * w->D);
+        if (!w->st[r]) w->st[r] = moept_backward(L, w->x + o * w->D, w->dy + o * w->D, w->dx + o * w->D);
+        if (!w->st[r]) w->st[r] = moept_sync_grads(L, 1.0f);
+    }
+    if (!w->st[r]) w->st[r] = moept_grad_norm(L, &w->norm[r]);
+    moept_get_stats(L, &s1, NULL);
+    w->allocs[r] = w->steps > 1 ? s1.allocations - s0.allocations : 0;
+    if (w->st[r]) snprintf(w->err[r], sizeof w->err[r], "%s", moept_last_error(L));
+    w->grads[r] = malloc((size_t)L->n_params * 4);
+    memcpy(w->grads[r], L->grads, (size_t)L->n_params * 4);
+    moept_destroy(L);
+    return NULL;
+}
+
+static void run_world(world *w) {
+    int n = w->P * w->DP;
+    for (int d = 0; d < w->DP; d++) moept_thread_group_create(w->P, 20000, &w->ep[d]);
+    for (int e = 0; e < w->P; e++) moept_thread_group_create(w->DP, 20000, &w->dp[e]);
+    pthread_t th[MAXR * 2];
+    job jobs[MAXR * 2];
+    for (int r = 0; r < n; r++) {
+        jobs[r] = (job){w, r};
+        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+    }
+    for (int r = 0; r < n; r++) pthread_join(th[r], NULL);
+    for (int d = 0; d < w->DP; d++) moept_thread_group_destroy(w->ep[d]);
+    for (int e = 0; e < w->P; e++) moept_thread_group_destroy(w->dp[e]);
+}
+
+static world *new_world(moept_config cfg, int P, int DP, const int64_t *T, uint64_t seed) {
+    world *w = calloc(1, sizeof *w);
+    w->cfg = cfg; w->P = P; w->DP = DP; w->D = cfg.hidden_size; w->steps = 1; w->hot = 0;
+    for (int r = 0; r < P * DP; r++) { w->T[r] = T[r]; w->Ttot += T[r]; }
+    w->x = malloc((size_t)(w->Ttot * w->D + 1) * 4);
+    w->dy = malloc((size_t)(w->Ttot * w->D + 1) * 4);
+    w->y = calloc((size_t)(w->Ttot * w->D + 1), 4);
+    w->dx = calloc((size_t)(w->Ttot * w->D + 1), 4);
+    unsigned long long s = seed;
+    tu_fill(w->x, w->Ttot * w->D, 1.0, &s);
+    tu_fill(w->dy, w->Ttot * w->D, 1.0, &s);
+    return w;
+}
+
+static void free_world(world *w) {
+    for (int r = 0; r < w->P * w->DP; r++) free(w->grads[r]);
+    free(w->x); free(w->dy); free(w->y); free(w->dx); free(w);
+}
+
+/* the whole batch on one rank */
+static world *reference(const world *w) {
+    int64_t T[1] = {w->Ttot};
+    world *one = new_world(w->cfg, 1, 1, T, 1);
+    memcpy(one->x, w->x, (size_t)(w->Ttot * w->D) * 4);
+    memcpy(one->dy, w->dy, (size_t)(w->Ttot * w->D) * 4);
+    one->skew = w->skew; one->hot = w->hot;
+    run_world(one);
+    return one;
+}
+
+/* compares w (EP = P, DP) with the one-rank run of the same batch */
+static void compare_world(world *w, const char *what, double tol) {
+    for (int r = 0; r < w->P * w->DP; r++)
+        EXPECT(w->st[r] == MOEPT_OK, "%s: rank %d: %s", what, r, w->err[r]);
+    if (tu_bad) return;
+    world *one = reference(w);
+    EXPECT(one->st[0] == MOEPT_OK, "%s: one rank: %s", what, one->err[0]);
+    double ey = tu_relerr(w->y, one->y, w->Ttot * w->D), edx = tu_relerr(w->dx, one->dx, w->Ttot * w->D);
+    EXPECT(ey <= tol, "%s: output rel err %g", what, ey);
+    EXPECT(edx <= tol, "%s: dx rel err %g", what, edx);
+    /* gradient layout: router | experts (local) | shared */
+    moept_layer *L1;
+    moept_config c = w->cfg;
+    c.max_tokens = 1;
+    moept_create(&c, &L1);
+    int64_t nr = L1->E * L1->D, El = L1->E / w->P, per = (L1->H + L1->F) * L1->D;
+    int64_t nexp = El * per, nsh = L1->n_params - nr - L1->E * per;
+    for (int r = 0; r < w->P * w->DP; r++) {
+        int er = r % w->P;
+        const float *g = w->grads[r], *g1 = one->grads[0];
+        double e1 = tu_relerr(g, g1, nr);
+        double e3 = tu_relerr(g + nr + nexp, g1 + nr + L1->E * per, nsh);
+        /* local experts: w13 block then w2 block, each El experts long */
+        double e2a = tu_relerr(g + nr, g1 + nr + (int64_t)er * El * L1->H * L1->D, El * L1->H * L1->D);
+        double e2b = tu_relerr(g + nr + El * L1->H * L1->D,
+                               g1 + nr + L1->E * L1->H * L1->D + (int64_t)er * El * L1->D * L1->F, El * L1->D * L1->F);
+        EXPECT(e1 <= tol, "%s: rank %d router grad rel err %g", what, r, e1);
+        EXPECT(e2a <= tol && e2b <= tol, "%s: rank %d expert grads rel err %g %g", what, r, e2a, e2b);
+        if (nsh) EXPECT(e3 <= tol, "%s: rank %d shared grads rel err %g", what, r, e3);
+        EXPECT(fabs(w->norm[r] - one->norm[0]) <= tol * one->norm[0], "%s: rank %d grad norm %.9g vs %.9g", what, r,
+               w->norm[r], one->norm[0]);
+    }
+    moept_destroy(L1);
+    free_world(one);
+}
+
+static moept_config cfg_of(moept_family f) {
+    moept_config c = {0};
+    c.family = f; c.hidden_size = 40; c.intermediate_size = 36; c.num_experts = 8; c.top_k = 2;
+    c.norm_topk_prob = 1; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.z_loss_coef = 0.001f;
+    c.global_balance = 1;
+    if (f == MOEPT_FAMILY_QWEN2_MOE || f == MOEPT_FAMILY_DEEPSEEK_V3) c.shared_intermediate_size = 24;
+    if (f == MOEPT_FAMILY_DEEPSEEK_V3) { c.n_group = 4; c.topk_group = 2; c.routed_scaling_factor = 2.5f; }
+    return c;
+}
+
+static void test_ep_matches_one_rank(void) {
+    static const moept_family fams[] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_QWEN2_MOE, MOEPT_FAMILY_OLMOE, MOEPT_FAMILY_DEEPSEEK_V3};
+    static const int Ps[] = {2, 4, 8};
+    for (int f = 0; f < 4; f++)
+        for (int pi = 0; pi < 3; pi++) {
+            int64_t T[MAXR] = {37, 20, 51, 8, 29, 13, 40, 22};
+            moept_config c = cfg_of(fams[f]);
+            if (f == 2) c.aux_loss = MOEPT_AUX_MEGATRON;
+            world *w = new_world(c, Ps[pi], 1, T, 100 + (uint64_t)f);
+            run_world(w);
+            char what[64];
+            snprintf(what, sizeof what, "family %d EP=%d", f, Ps[pi]);
+            compare_world(w, what, 1e-6);
+            free_world(w);
+        }
+}
+
+static void test_skew_and_empty(void) {
+    /* every token of every rank routed to expert 5 (top-1), a rank with no
+       tokens, experts nobody uses */
+    int64_t T[4] = {30, 0, 25, 17};
+    moept_config c = cfg_of(MOEPT_FAMILY_MIXTRAL);
+    world *w = new_world(c, 4, 1, T, 7);
+    w->skew = 50.0f; w->hot = 5;
+    run_world(w);
+    compare_world(w, "all to expert 5, rank 1 empty", 1e-6);
+    free_world(w);
+    /* T = 0 on every rank but one */
+    int64_t T2[4] = {0, 0, 9, 0};
+    w = new_world(cfg_of(MOEPT_FAMILY_DEEPSEEK_V3), 4, 1, T2, 8);
+    run_world(w);
+    compare_world(w, "one rank with tokens", 1e-6);
+    free_world(w);
+}
+
+static void test_capacity_ep(void) {
+    int64_t T[2] = {40, 33};
+    moept_config c = cfg_of(MOEPT_FAMILY_QWEN2_MOE);
+    c.capacity_factor = 0.75f;
+    c.global_balance = 0; /* capacity is per rank, from its own T: compare rank by rank */
+    world *w = new_world(c, 2, 1, T, 9);
+    w->skew = 0.7f; w->hot = 2;
+    run_world(w);
+    for (int r = 0; r < 2; r++) EXPECT(w->st[r] == MOEPT_OK, "rank %d: %s", r, w->err[r]);
+    /* each rank's output equals a one-rank layer run on its own slice */
+    for (int r = 0; r < 2 && !tu_bad; r++) {
+        int64_t Tr[1] = {T[r]};
+        world *one = new_world(c, 1, 1, Tr, 1);
+        memcpy(one->x, w->x + off_of(w, r) * w->D, (size_t)(T[r] * w->D) * 4);
+        memcpy(one->dy, w->dy + off_of(w, r) * w->D, (size_t)(T[r] * w->D) * 4);
+        one->skew = w->skew; one->hot = w->hot;
+        run_world(one);
+        double e = tu_relerr(w->y + off_of(w, r) * w->D, one->y, T[r] * w->D);
+        EXPECT(e <= 1e-6, "capacity at EP=2, rank %d: output rel err %g", r, e);
+        free_world(one);
+    }
+    free_world(w);
+}
+
+static void test_world_ep_by_dp(void) {
+    int64_t T[4] = {21, 34, 15, 28};
+    moept_config c = cfg_of(MOEPT_FAMILY_QWEN2_MOE);
+    world *w = new_world(c, 2, 2, T, 11);
+    run_world(w);
+    compare_world(w, "world=4 EP=2 DP=2", 1e-6);
+    free_world(w);
+}
+
+static void test_steady_state_allocations(void) {
+    int64_t T[4] = {32, 32, 32, 32};
+    world *w = new_world(cfg_of(MOEPT_FAMILY_DEEPSEEK_V3), 4, 1, T, 12);
+    w->steps = 101; /* one warm-up, then 100 */
+    run_world(w);
+    for (int r = 0; r < 4; r++) {
+        EXPECT(w->st[r] == MOEPT_OK, "rank %d: %s", r, w->err[r]);
+        EXPECT(w->allocs[r] == 0, "rank %d made %lld allocations in 100 steps", r, (long long)w->allocs[r]);
+    }
+    free_world(w);
+}
+
+/* a rank whose config differs: every rank gets an error and returns */
+typedef struct mm { moept_thread_group *g; int r; moept_status st; char err[MOEPT__ERRLEN]; } mm;
+static void *mismatch_main(void *arg) {
+    mm *m = arg;
+    moept_comm *c;
+    moept_comm_threads(m->g, m->r, &c);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_MIXTRAL);
+    cfg.max_tokens = 8;
+    if (m->r == 2) cfg.intermediate_size = 37;
+    if (m->r == 3 && m->g->size == 5) cfg.num_experts = 7; /* fails its own checks too */
+    moept_layer *L = NULL;
+    m->st = moept_create_parallel(&cfg, c, NULL, &L);
+    snprintf(m->err, sizeof m->err, "%s", moept_last_error(NULL));
+    moept_destroy(L);
+    return NULL;
+}
+
+static void test_mismatched_config(void) {
+    for (int size = 4; size <= 5; size++) {
+        moept_thread_group *g;
+        moept_thread_group_create(size, 10000, &g);
+        mm ms[5];
+        pthread_t th[5];
+        for (int r = 0; r < size; r++) { ms[r].g = g; ms[r].r = r; pthread_create(&th[r], NULL, mismatch_main, &ms[r]); }
+        for (int r = 0; r < size; r++) pthread_join(th[r], NULL);
+        for (int r = 0; r < size; r++) {
+            EXPECT(ms[r].st == MOEPT_ERR_INVALID_ARGUMENT, "size %d rank %d: status %d", size, r, ms[r].st);
+            if (size == 4)
+                EXPECT(strstr(ms[r].err, "intermediate_size") != NULL, "rank %d: message '%s' does not name the field", r, ms[r].err);
+        }
+        moept_thread_group_destroy(g);
+    }
+}
+
+/* one rank's NaN: every rank fails the step, and the next step works */
+typedef struct nn { moept_thread_group *g; int r; moept_status st1, st2; char err[MOEPT__ERRLEN]; float y0, y1; } nn;
+static void *nan_main(void *arg) {
+    nn *m = arg;
+    moept_comm *c;
+    moept_comm_threads(m->g, m->r, &c);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_OLMOE);
+    cfg.max_tokens = 8;
+    moept_layer *L = NULL;
+    if (moept_create_parallel(&cfg, c, NULL, &L)) { m->st1 = MOEPT_ERR_STATE; return NULL; }
+    moept_init_params(L, 1);
+    float x[8 * 40], y[8 * 40];
+    unsigned long long s = 3 + (unsigned long long)m->r;
+    tu_fill(x, 8 * 40, 1.0, &s);
+    moept_forward(L, x, 8, y);
+    m->y0 = y[7];
+    float bad = x[11];
+    if (m->r == 1) x[11] = NAN;
+    m->st1 = moept_forward(L, x, 8, y);
+    snprintf(m->err, sizeof m->err, "%s", moept_last_error(L));
+    x[11] = bad;
+    m->st2 = moept_forward(L, x, 8, y);
+    m->y1 = y[7];
+    moept_destroy(L);
+    return NULL;
+}
+
+static void test_one_rank_bad_input(void) {
+    moept_thread_group *g;
+    moept_thread_group_create(4, 10000, &g);
+    nn ms[4];
+    pthread_t th[4];
+    for (int r = 0; r < 4; r++) { memset(&ms[r], 0, sizeof ms[r]); ms[r].g = g; ms[r].r = r; pthread_create(&th[r], NULL, nan_main, &ms[r]); }
+    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 4; r++) {
+        EXPECT(ms[r].st1 == (r == 1 ? MOEPT_ERR_NUMERIC : MOEPT_ERR_STATE), "rank %d: status %d (%s)", r, ms[r].st1, ms[r].err);
+        EXPECT(ms[r].st2 == MOEPT_OK, "rank %d: the next step failed", r);
+        EXPECT(ms[r].y0 == ms[r].y1, "rank %d: the same input gave a different output after the rejected step", r);
+    }
+    moept_thread_group_destroy(g);
+}
+
+static void test_threads_comm_timeout(void) {
+    /* a rank that never arrives: the others fail after the timeout */
+    moept_thread_group *g;
+    moept_thread_group_create(2, 200, &g);
+    moept_comm *c;
+    moept_comm_threads(g, 0, &c);
+    int64_t v = 1;
+    moept_status st = c->allreduce(c, &v, 1, MOEPT_DTYPE_I64);
+    EXPECT(st == MOEPT_ERR_COMM, "allreduce without the peer returned %d", st);
+    EXPECT(strstr(c->err, "did not arrive") != NULL, "message: %s", c->err);
+    moept_thread_group_destroy(g);
+}
+
+int main(void) {
+    RUN(test_ep_matches_one_rank);
+    RUN(test_skew_and_empty);
+    RUN(test_capacity_ep);
+    RUN(test_world_ep_by_dp);
+    RUN(test_steady_state_allocations);
+    RUN(test_mismatched_config);
+    RUN(test_one_rank_bad_input);
+    RUN(test_threads_comm_timeout);
+    return tu_done();
+}
