@@ -25,9 +25,9 @@ TESTS   = test_grad test_props test_errors test_ep
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
-.PHONY: all test run bench clean info check-cases sanitize cblas-test valgrind
+.PHONY: all test run bench bench-layer bench-a2a clean info check-cases sanitize cblas-test valgrind
 
-all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer
+all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a
 
 info:
 	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no)"
@@ -64,11 +64,20 @@ $(B)/cblas/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 $(B)/moept_check_mpi: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
+$(B)/train_mpi: examples/train.c moept.c $(HDRS) | $(B)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI examples/train.c moept.c -o $@ $(LDLIBS)
+
 $(B)/train: examples/train.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
 $(B)/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+
+$(B)/bench_a2a: bench/bench_a2a.c moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+
+$(B)/bench_a2a_mpi: bench/bench_a2a.c moept.c $(HDRS) | $(B)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
 $(B)/cblas/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cblas
@@ -83,6 +92,11 @@ $(B)/vg/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/vg
 	$(CC) -O1 -g $(WARN) tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
+# ThreadSanitizer over the threads backend (no OpenMP: libgomp is not instrumented)
+$(B)/tsan/test_ep: tests/test_ep.c moept.c $(HDRS) tests/testutil.h | $(B)
+	@mkdir -p $(B)/tsan
+	$(CC) -O1 -g $(WARN) -fsanitize=thread $< -o $@ $(LDLIBS)
+
 VALGRIND := $(shell command -v valgrind 2>/dev/null)
 VG_BINS = $(if $(VALGRIND),$(TESTS:%=$(B)/vg/%) $(B)/vg/moept_check)
 
@@ -92,16 +106,21 @@ SAN_BINS = $(TESTS:%=$(B)/san/%) $(B)/san/moept_check
 CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
-MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi)
+MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/train_mpi)
 
-test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS)
+test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(B)/tsan/test_ep
 	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" sh tests/run.sh
 
 run: $(B)/train
 	$(B)/train
 
-bench: $(B)/bench_layer $(if $(CBLAS_LIBS),$(B)/cblas/bench_layer)
+bench: bench-layer bench-a2a
+
+bench-layer: $(B)/bench_layer $(if $(CBLAS_LIBS),$(B)/cblas/bench_layer)
 	python3 bench/run_bench_layer.py
+
+bench-a2a: $(B)/bench_a2a $(if $(MPICC),$(B)/bench_a2a_mpi)
+	sh bench/run_bench_a2a.sh
 
 clean:
 	rm -rf $(B)

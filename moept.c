@@ -338,6 +338,19 @@ typedef struct moept__param {
     float *grad;           /* NULL: no gradient (the bias) */
 } moept__param;
 
+/* A rank's step, as its peers read it on the direct (shared-memory) path. */
+typedef struct moept__view {
+    const float *x;              /* [T][D] token rows */
+    const float *dy;             /* [T][D] (backward) */
+    const float *wts;            /* [T][K] routing weights */
+    const int64_t *tok_of_row;   /* [N] */
+    const int32_t *slot_of_row;  /* [N] */
+    const int64_t *offsets;      /* [E+1] its permuted rows per expert */
+    const moept_seg *recv_segs;  /* [P][El] where its experts keep each source's rows */
+    float *yr;                   /* [Rcap][D] its experts' outputs; dys; dxs */
+    int64_t K;
+} moept__view;
+
 struct moept_layer {
     moept_config cfg;      /* resolved */
     int64_t D, F, E, K, S; /* hidden, expert width, experts, top-k, shared */
@@ -386,6 +399,9 @@ struct moept_layer {
     void *rwork;           /* receive-side block: [xr | yr (P > 1)] | h | a */
     double *lstat;         /* [3E + 2] loss statistics (all-reduced when global) */
     int64_t *peer_rows;    /* [2][P] rows sent to / received from each peer */
+    int direct;            /* ranks share memory: exchange by reading peers' rows in place */
+    struct moept__view *view;     /* what this rank shows its peers (direct) */
+    const struct moept__view **peers; /* [P] every rank's view (direct) */
 
     /* plan */
     int64_t *counts;       /* [E] rows kept per expert */
@@ -394,6 +410,7 @@ struct moept_layer {
     int64_t *offsets;      /* [E+1] first permuted row of each expert */
     int64_t *row_of;       /* [Tmax*K] permuted row of assignment t*K+k, -1 dropped */
     int64_t *tok_of_row;   /* [Nmax] token of each permuted row */
+    int32_t *slot_of_row;  /* [Nmax] its slot k */
     int64_t N;             /* rows kept this step */
     int64_t *fill;         /* [E] plan cursor */
     double *psum;          /* [E] sum over tokens of the aux-loss scores */
@@ -604,6 +621,9 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->offsets = moept__take(c, (size_t)(E + 1) * i64);
     L->row_of = moept__take(c, (size_t)(T * K) * i64);
     L->tok_of_row = moept__take(c, (size_t)N * i64);
+    L->slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
+    L->view = moept__take(c, sizeof(moept__view));
+    L->peers = moept__take(c, (size_t)L->P * sizeof(void *));
     L->psum = moept__take(c, (size_t)E * sizeof(double));
     L->aux_g = moept__take(c, (size_t)E * f);
     L->fill = moept__take(c, (size_t)E * i64);
@@ -770,6 +790,7 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
         L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
         L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
         L->El = L->E / P; L->e0 = (int64_t)L->rank * L->El;
+        L->direct = L->ep && ep->share && ep->barrier;
         int gated = moept__act_gated(L->act);
         L->H = gated ? 2 * L->F : L->F;
         L->HS = gated ? 2 * L->S : L->S;
@@ -1090,6 +1111,55 @@ static moept_status moept__exchange(moept_layer *L, float *local, float *remote,
     return MOEPT_OK;
 }
 
+/* the bytes of one exchange direction, for the stats (direct path) */
+static void moept__count_bytes(moept_layer *L, int dispatch) {
+    int64_t rowbytes = L->D * (int64_t)sizeof(float);
+    L->stats.bytes_sent += (dispatch ? L->stats.rows_sent : L->stats.rows_received) * rowbytes;
+    L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
+}
+
+/* Direct path: where row r of this rank's permuted order (expert e) lives
+   in the yr buffer of the expert's rank. */
+static inline float *moept__remote_row(const moept_layer *L, int64_t e, int64_t r) {
+    int64_t q = e / L->El, j = e % L->El;
+    const moept__view *vq = L->peers[q];
+    return vq->yr + vq->recv_segs[L->rank * L->El + j].offset + (r - L->offsets[e]) * L->D;
+}
+
+/* Direct dispatch, expert side: gather every source's rows for this rank's
+   experts straight from the sources' token rows into xr (rows move once,
+   no permuted send buffer). With dys = 1 it gathers w * dy instead, into yr. */
+static void moept__direct_gather(moept_layer *L, int dys) {
+    const int64_t D = L->D, El = L->El;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t e = L->e0 + j;
+        for (int p = 0; p < L->P; p++) {
+            const moept__view *vp = L->peers[p];
+            int64_t n = L->rcounts[p * El + j], base = vp->offsets[e];
+            float *dst = (dys ? L->yr : L->xr) + L->recv_segs[p * El + j].offset;
+            for (int64_t i = 0; i < n; i++) {
+                int64_t t = vp->tok_of_row[base + i];
+                if (!dys) {
+                    memcpy(dst + i * D, vp->x + t * D, (size_t)D * sizeof(float));
+                } else {
+                    float w = vp->wts[t * vp->K + vp->slot_of_row[base + i]];
+                    const float *src = vp->dy + t * D;
+                    float *o = dst + i * D;
+                    for (int64_t d = 0; d < D; d++) o[d] = w * src[d];
+                }
+            }
+        }
+    }
+}
+
+static moept_status moept__direct_sync(moept_layer *L, const char *what) {
+    double t0 = moept__now();
+    moept_status st = L->ep->barrier(L->ep);
+    L->stats.comm_seconds += moept__now() - t0;
+    if (st) return moept__fail(L, st, "%s: %s", what, L->ep->err);
+    return MOEPT_OK;
+}
+
 /* all-reduce over EP then DP (the world), timed */
 static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept_dtype t) {
     double t0 = moept__now();
@@ -1184,7 +1254,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     { int64_t *t = L->rcounts; L->rcounts = L->rcounts_next; L->rcounts_next = t; }
     L->R = R_next;
     L->stats.bytes_sent = L->stats.bytes_received = 0;
-    L->stats.comm_seconds = 0.0;
+    L->stats.comm_seconds = L->stats.dispatch_seconds = L->stats.combine_seconds = 0.0;
 
     /* losses: counts, score sums and sum of lse^2 in token order (double) */
     const int aux = (int)L->cfg.aux_loss;
@@ -1238,6 +1308,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
             int64_t r = L->offsets[e] + L->fill[e]++;
             L->row_of[i] = r;
             L->tok_of_row[r] = i / K;
+            L->slot_of_row[r] = (int32_t)(i % K);
         } else {
             L->row_of[i] = -1;
         }
@@ -1267,15 +1338,33 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
             if (q != L->rank) { L->stats.rows_sent += L->peer_rows[q]; L->stats.rows_received += L->peer_rows[P + q]; }
     }
 
-    /* permute: each kept row copied once, straight to its place in the send buffer */
     const int64_t N = L->N;
-    #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
-    for (int64_t r = 0; r < N; r++)
-        memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
-
-    if (L->ep && (st = moept__exchange(L, L->xs, L->xr, 1))) { L->fwd_valid = 0; return st; }
+    double ts = moept__now();
+    if (L->direct) {
+        /* shared memory: show the peers this step, then gather our experts'
+           rows from their token rows directly */
+        *L->view = (moept__view){x, NULL, wts, L->tok_of_row, L->slot_of_row, L->offsets, L->recv_segs, L->yr, K};
+        double t0 = moept__now();
+        st = L->ep->share(L->ep, L->view, (const void **)L->peers);
+        L->stats.comm_seconds += moept__now() - t0;
+        if (st) { L->fwd_valid = 0; return moept__fail(L, st, "moept_forward: share: %s", L->ep->err); }
+        moept__direct_gather(L, 0);
+        moept__count_bytes(L, 1);
+    } else {
+        /* permute: each kept row copied once, straight to its place in the send buffer */
+        #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
+        for (int64_t r = 0; r < N; r++)
+            memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
+        if (L->ep && (st = moept__exchange(L, L->xs, L->xr, 1))) { L->fwd_valid = 0; return st; }
+    }
+    L->stats.dispatch_seconds += moept__now() - ts;
     moept__ffn_forward(L, L->xr, El, L->roffsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->yr);
-    if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) { L->fwd_valid = 0; return st; }
+    ts = moept__now();
+    if (L->direct) { /* the combine reads the experts' outputs where they lie */
+        if ((st = moept__direct_sync(L, "moept_forward"))) { L->fwd_valid = 0; return st; }
+        moept__count_bytes(L, 0);
+    } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) { L->fwd_valid = 0; return st; }
+    double combine_exchange = moept__now() - ts;
 
     if (L->S > 0) {
         int64_t off[2] = {0, T};
@@ -1288,6 +1377,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     }
 
     /* combine: each output row written once, k contributions in slot order */
+    ts = moept__now();
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         float *yt = y + t * D;
@@ -1301,12 +1391,16 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
             float w = wts[t * K + k];
-            const float *src = L->ys + r * D;
+            const float *src = L->direct ? moept__remote_row(L, ids[t * K + k], r) : L->ys + r * D;
             for (int64_t d = 0; d < D; d++) yt[d] += w * src[d];
         }
     }
 
+    /* direct: no rank may leave (and free or regrow its rows) while a peer
+       still reads them */
+    if (L->direct && (st = moept__direct_sync(L, "moept_forward"))) { L->fwd_valid = 0; return st; }
     moept_stats *sts = &L->stats;
+    sts->combine_seconds += combine_exchange + (moept__now() - ts);
     sts->steps++;
     sts->tokens = T;
     sts->routed_rows = N;
@@ -1348,37 +1442,50 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     const float *logits = L->logits[L->cur], *probs = L->probs[L->cur], *wts = L->wts[L->cur];
     const int32_t *ids = L->ids[L->cur];
 
-    /* combine': dL/dw per slot, then dys = w * dy in place of ys */
+    /* combine': dL/dw per slot, then dys = w * dy in place of ys (direct
+       path: the experts' ranks build dys from our dy themselves) */
+    double ts = moept__now();
+    if (L->direct) {
+        L->view->dy = dy;
+        if ((st = moept__direct_sync(L, "moept_backward"))) return st;
+    }
+    const int direct = L->direct;
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         const float *dyt = dy + t * D;
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->row_of[t * K + k];
             if (r < 0) { L->dwts[t * K + k] = 0.0f; continue; }
-            float *ys = L->ys + r * D;
-            double dot = 0.0;
-            for (int64_t d = 0; d < D; d++) dot += (double)ys[d] * dyt[d];
-            L->dwts[t * K + k] = (float)dot;
+            float *ys = direct ? moept__remote_row(L, ids[t * K + k], r) : L->ys + r * D;
+            L->dwts[t * K + k] = (float)moept__dot(ys, dyt, D);
+            if (direct) continue;
             float w = wts[t * K + k];
             for (int64_t d = 0; d < D; d++) ys[d] = w * dyt[d];
         }
         if (L->S > 0) {
             float *yss = L->yss + t * D;
             float gs = L->wsg ? L->sg[t] : 1.0f;
-            if (L->wsg) {
-                double dot = 0.0;
-                for (int64_t d = 0; d < D; d++) dot += (double)yss[d] * dyt[d];
-                L->dsg[t] = (float)dot * gs * (1.0f - gs);
-            }
+            if (L->wsg) L->dsg[t] = (float)moept__dot(yss, dyt, D) * gs * (1.0f - gs);
             for (int64_t d = 0; d < D; d++) yss[d] = gs * dyt[d];
         }
     }
 
+    L->stats.combine_seconds += moept__now() - ts;
     /* experts': dys travel to the experts, dxs come back into ys */
-    if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 1))) return st;
+    ts = moept__now();
+    if (direct) { /* once every rank has read our outputs, overwrite them with dys */
+        if ((st = moept__direct_sync(L, "moept_backward"))) return st;
+        moept__direct_gather(L, 1);
+        moept__count_bytes(L, 1);
+    } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 1))) return st;
+    L->stats.dispatch_seconds += moept__now() - ts;
     moept__ffn_backward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->g13, L->g2,
                         L->H, L->F, L->h, L->a, L->yr);
-    if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
+    ts = moept__now();
+    if (direct) {
+        if ((st = moept__direct_sync(L, "moept_backward"))) return st;
+        moept__count_bytes(L, 0);
+    } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
 
     /* dispatch': dx[t] = sum of its k rows, in slot order */
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
@@ -1388,10 +1495,12 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
-            const float *src = L->ys + r * D;
+            const float *src = direct ? moept__remote_row(L, ids[t * K + k], r) : L->ys + r * D;
             for (int64_t d = 0; d < D; d++) dxt[d] += src[d];
         }
     }
+    if (direct && (st = moept__direct_sync(L, "moept_backward"))) return st; /* peers done reading */
+    L->stats.dispatch_seconds += moept__now() - ts;
 
     if (L->S > 0) {
         int64_t off[2] = {0, T};
@@ -2127,6 +2236,15 @@ static moept_status moept__thr_p2p(moept_comm *c, const moept_p2p *sends, int ns
     return MOEPT_OK;
 }
 
+static moept_status moept__thr_share(moept_comm *c, const void *mine, const void **all) {
+    return moept__thr_allgather(c, &mine, (void *)all, (int64_t)sizeof(void *));
+}
+
+static moept_status moept__thr_barrier(moept_comm *c) {
+    MOEPT__BARRIER(c);
+    return MOEPT_OK;
+}
+
 static void moept__thr_destroy(moept_comm *c) { (void)c; /* owned by the group */ }
 
 moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_group **out) {
@@ -2158,6 +2276,8 @@ moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_gr
         c->allreduce = moept__thr_allreduce;
         c->allgather = moept__thr_allgather;
         c->p2p = moept__thr_p2p;
+        c->share = moept__thr_share;
+        c->barrier = moept__thr_barrier;
         c->destroy = moept__thr_destroy;
     }
     *out = g;

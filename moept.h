@@ -219,6 +219,13 @@ struct moept_comm {
        order. Used by resharding. */
     moept_status (*p2p)(moept_comm *c, const moept_p2p *sends, int nsend,
                         const moept_p2p *recvs, int nrecv);
+    /* Optional, for ranks that share one address space (the threads
+       backend), NULL otherwise: `share` hands every rank all ranks'
+       pointers (all[r] = rank r's `mine`), `barrier` waits for all ranks.
+       With them the layer reads and writes peers' rows in place, so every
+       row crosses once and nothing is staged. */
+    moept_status (*share)(moept_comm *c, const void *mine, const void **all);
+    moept_status (*barrier)(moept_comm *c);
     void (*destroy)(moept_comm *c);
     char err[256];             /* backend message of the last failure */
 };
@@ -256,6 +263,10 @@ typedef struct moept_stats {
     int64_t bytes_sent, bytes_received; /* all exchanges of the step (dispatch,
                                            combine, and their backward) */
     double comm_seconds;       /* wall time inside communication calls */
+    double dispatch_seconds;   /* permute + exchange to the experts, forward and
+                                  backward (dys out, dxs back + token sums) */
+    double combine_seconds;    /* exchange back + weighted sums (forward), and
+                                  dL/dw + dys scaling (backward) */
     int64_t recv_capacity;     /* rows the receive buffers hold now */
     int64_t recv_growths;      /* times they grew (each an allocation) */
 } moept_stats;
@@ -598,6 +609,18 @@ MOEPT_HD static inline void moept__route_weights_bwd(
     float dot = 0.0f;
     for (int k = 0; k < K; k++) dot += gw[k] * (probs[ids[k]] / den);
     for (int k = 0; k < K; k++) dprob[ids[k]] += sc * (gw[k] - dot) / den;
+}
+
+/* dot(a, b) over n floats in double, as 8 interleaved partial sums added in
+   a fixed order: deterministic, and vectorisable (one running sum is a
+   latency-bound chain, 4x slower on the combine backward's rows). */
+MOEPT_HD static inline double moept__dot(const float *a, const float *b, int64_t n) {
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) s[l] += (double)a[i + l] * (double)b[i + l];
+    for (; i < n; i++) s[i & 7] += (double)a[i] * (double)b[i];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
 /* Softmax backward in place: d[e] <- p[e] * (d[e] - sum_j p[j] d[j]). */

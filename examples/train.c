@@ -9,16 +9,27 @@
    usage: train [--data FILE]... [--steps N] [--batch B] [--layers L]
                 [--dim D] [--ffn F] [--experts E] [--topk K] [--ctx C]
                 [--family mixtral|qwen2_moe|olmoe|deepseek_v3] [--lr X]
-                [--csv FILE] [--seed S] [--quiet]
-   With no --data it trains on the project's own source files. */
+                [--csv FILE] [--seed S] [--ep N] [--quiet]
+          mpirun -np N train_mpi --ep N ...      (built with -DMOEPT_MPI)
+   With no --data it trains on the project's own source files.
+
+   --ep N: expert parallel over N ranks (threads, or MPI processes). Each
+   rank keeps E/N experts and a replica of everything else, and takes a
+   contiguous slice of every batch; the dense parts' gradients are summed
+   over ranks and the aux loss is over the global batch, so the run follows
+   the one-rank run up to fp32 rounding. */
 #include "../moept.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct opts {
     const char *data[32]; int ndata;
@@ -27,12 +38,14 @@ typedef struct opts {
     float lr;
     const char *csv;
     unsigned long long seed;
+    int ep;
 } opts;
 
 typedef struct adam { float *m, *v; int64_t n; } adam;
 
 typedef struct model {
-    int V, D, C, NL, B;
+    int V, D, C, NL, B;    /* B: this rank's rows per step */
+    int Bg;                /* the global batch (the loss is its mean) */
     float *emb;      /* [C][V][D] one table per context position */
     float *norm;     /* [NL+1][D] rmsnorm gains (last: final norm) */
     float *head;     /* [V][D] */
@@ -54,10 +67,9 @@ static double now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static unsigned long long rng_state;
-static double urand(void) {
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (double)(rng_state >> 11) / 9007199254740992.0;
+static double urand(unsigned long long *st) {
+    *st = *st * 6364136223846793005ull + 1442695040888963407ull;
+    return (double)(*st >> 11) / 9007199254740992.0;
 }
 
 static void *xcalloc(size_t n, size_t s) {
@@ -69,6 +81,14 @@ static void *xcalloc(size_t n, size_t s) {
 static void check(moept_status s, const moept_layer *L, const char *what) {
     if (s != MOEPT_OK) {
         fprintf(stderr, "train: %s: %s\n", what, moept_last_error(L));
+        exit(1);
+    }
+}
+
+/* sums over the ranks (no-op at one rank) */
+static void allsum(moept_comm *c, void *buf, int64_t n, moept_dtype t) {
+    if (c && c->size > 1 && c->allreduce(c, buf, n, t) != MOEPT_OK) {
+        fprintf(stderr, "train: all-reduce failed: %s\n", c->err);
         exit(1);
     }
 }
@@ -119,18 +139,20 @@ static void rmsnorm_bwd(const float *x, const float *g, const float *inv, const 
 static void usage(void) {
     fprintf(stderr, "usage: train [--data FILE]... [--steps N] [--batch B] [--layers L] [--dim D] [--ffn F]\n"
                     "             [--experts E] [--topk K] [--ctx C] [--family NAME] [--lr X] [--csv FILE]\n"
-                    "             [--seed S] [--quiet]\n");
+                    "             [--seed S] [--ep N] [--quiet]\n");
     exit(2);
 }
 
 static void parse(int argc, char **argv, opts *o) {
     *o = (opts){.steps = 800, .batch = 512, .layers = 2, .dim = 96, .ffn = 192, .experts = 8, .topk = 2,
-                .ctx = 8, .family = MOEPT_FAMILY_MIXTRAL, .lr = 3e-3f, .csv = "build/train_log.csv", .seed = 1};
+                .ctx = 8, .family = MOEPT_FAMILY_MIXTRAL, .lr = 3e-3f, .csv = "build/train_log.csv", .seed = 1,
+                .ep = 1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT_INT(name, field) if (strcmp(a, name) == 0 && v) { o->field = atoi(v); i++; continue; }
         OPT_INT("--steps", steps) OPT_INT("--batch", batch) OPT_INT("--layers", layers) OPT_INT("--dim", dim)
         OPT_INT("--ffn", ffn) OPT_INT("--experts", experts) OPT_INT("--topk", topk) OPT_INT("--ctx", ctx)
+        OPT_INT("--ep", ep)
         if (strcmp(a, "--data") == 0 && v && o->ndata < 32) { o->data[o->ndata++] = v; i++; continue; }
         if (strcmp(a, "--lr") == 0 && v) { o->lr = (float)atof(v); i++; continue; }
         if (strcmp(a, "--csv") == 0 && v) { o->csv = v; i++; continue; }
@@ -146,7 +168,8 @@ static void parse(int argc, char **argv, opts *o) {
         usage();
     }
     if (o->steps < 1 || o->batch < 1 || o->layers < 1 || o->dim < 1 || o->ffn < 1 || o->experts < 1 ||
-        o->topk < 1 || o->topk > o->experts || o->ctx < 1) usage();
+        o->topk < 1 || o->topk > o->experts || o->ctx < 1 || o->ep < 1 || o->ep > o->batch ||
+        o->experts % o->ep != 0) usage();
 }
 
 static unsigned char *load_text(opts *o, int64_t *len) {
@@ -177,6 +200,8 @@ static unsigned char *load_text(opts *o, int64_t *len) {
 /* forward + (optionally) backward over the batch at positions pos[B];
    returns the mean cross-entropy */
 static double step(model *M, const unsigned char *text, const int64_t *pos, const int *vmap, int train) {
+    /* returns the sum of this rank's cross-entropies; gradients are of the
+       global batch's mean */
     const int B = M->B, D = M->D, V = M->V, C = M->C, NL = M->NL;
     float *h0 = M->h;
     memset(h0, 0, (size_t)B * D * 4);
@@ -206,10 +231,10 @@ static double step(model *M, const unsigned char *text, const int64_t *pos, cons
         for (int v = 0; v < V; v++) z += exp(lg[v] - mx);
         int tgt = vmap[text[pos[b]]];
         loss += -(lg[tgt] - mx - log(z));
-        if (train) /* dlogits = (softmax - onehot) / B */
-            for (int v = 0; v < V; v++) lg[v] = (float)((exp(lg[v] - mx) / z - (v == tgt)) / B);
+        if (train) /* dlogits = (softmax - onehot) / B_global */
+            for (int v = 0; v < V; v++) lg[v] = (float)((exp(lg[v] - mx) / z - (v == tgt)) / M->Bg);
     }
-    if (!train) return loss / B;
+    if (!train) return loss;
     /* head */
     memset(M->dn, 0, (size_t)B * D * 4);
     for (int b = 0; b < B; b++)
@@ -233,13 +258,13 @@ static double step(model *M, const unsigned char *text, const int64_t *pos, cons
             float *ge = M->g_emb + ((size_t)j * V + vmap[text[pos[b] - 1 - j]]) * D;
             for (int d = 0; d < D; d++) ge[d] += M->dh[b * D + d];
         }
-    return loss / B;
+    return loss;
 }
 
-int main(int argc, char **argv) {
-    opts o;
-    parse(argc, argv, &o);
-    rng_state = o.seed;
+static int train_rank(const opts *op, moept_comm *comm) {
+    opts o = *op;
+    int P = comm ? comm->size : 1, rank = comm ? comm->rank : 0, lead = rank == 0;
+    unsigned long long rng = o.seed;
     int64_t len;
     unsigned char *text = load_text(&o, &len);
     if (len < 1000) { fprintf(stderr, "train: need at least 1000 bytes of text (have %lld)\n", (long long)len); return 1; }
@@ -249,14 +274,16 @@ int main(int argc, char **argv) {
     int64_t split = len - len / 10; /* last 10% held out */
 
     model M = {0};
-    M.V = V; M.D = o.dim; M.C = o.ctx; M.NL = o.layers; M.B = o.batch;
+    /* this rank's slice of each global batch: the first Bg mod P ranks take one more */
+    int Bg = o.batch, lo = Bg / P * rank + (rank < Bg % P ? rank : Bg % P), Bl = Bg / P + (rank < Bg % P);
+    M.V = V; M.D = o.dim; M.C = o.ctx; M.NL = o.layers; M.B = Bl; M.Bg = Bg;
     const int D = M.D, B = M.B, NL = M.NL;
     M.emb = xcalloc((size_t)M.C * V * D, 4); M.g_emb = xcalloc((size_t)M.C * V * D, 4);
     M.norm = xcalloc((size_t)(NL + 1) * D, 4); M.g_norm = xcalloc((size_t)(NL + 1) * D, 4);
     M.head = xcalloc((size_t)V * D, 4); M.g_head = xcalloc((size_t)V * D, 4);
-    for (int64_t i = 0; i < (int64_t)M.C * V * D; i++) M.emb[i] = (float)((urand() * 2 - 1) * 0.5);
+    for (int64_t i = 0; i < (int64_t)M.C * V * D; i++) M.emb[i] = (float)((urand(&rng) * 2 - 1) * 0.5);
     for (int i = 0; i < (NL + 1) * D; i++) M.norm[i] = 1.0f;
-    for (int i = 0; i < V * D; i++) M.head[i] = (float)((urand() * 2 - 1) / sqrt(D));
+    for (int i = 0; i < V * D; i++) M.head[i] = (float)((urand(&rng) * 2 - 1) / sqrt(D));
     M.h = xcalloc((size_t)(NL + 1) * B * D, 4); M.n = xcalloc((size_t)(NL + 1) * B * D, 4);
     M.rms = xcalloc((size_t)(NL + 1) * B, 4); M.m = xcalloc((size_t)B * D, 4);
     M.logits = xcalloc((size_t)B * V, 4);
@@ -267,11 +294,11 @@ int main(int argc, char **argv) {
     cfg.family = o.family; cfg.hidden_size = D; cfg.intermediate_size = o.ffn;
     cfg.num_experts = o.experts; cfg.top_k = o.topk; cfg.norm_topk_prob = 1;
     cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.z_loss_coef = 1e-3f;
-    cfg.max_tokens = B;
+    cfg.max_tokens = B; cfg.global_balance = 1;
     if (o.family == MOEPT_FAMILY_QWEN2_MOE || o.family == MOEPT_FAMILY_DEEPSEEK_V3) cfg.shared_intermediate_size = o.ffn;
     if (o.family == MOEPT_FAMILY_DEEPSEEK_V3 && o.experts % 4 == 0 && o.topk <= o.experts / 2) { cfg.n_group = 4; cfg.topk_group = 2; }
     for (int l = 0; l < NL; l++) {
-        check(moept_create(&cfg, &M.moe[l]), NULL, "moept_create");
+        check(moept_create_parallel(&cfg, comm, NULL, &M.moe[l]), NULL, "moept_create");
         check(moept_init_params(M.moe[l], o.seed * 100 + (unsigned long long)l), M.moe[l], "init");
         float *p; int64_t n;
         moept_params(M.moe[l], &p, &n);
@@ -279,28 +306,36 @@ int main(int argc, char **argv) {
     }
     M.a_emb = adam_new((int64_t)M.C * V * D); M.a_norm = adam_new((int64_t)(NL + 1) * D); M.a_head = adam_new((int64_t)V * D);
 
-    FILE *csv = o.csv ? fopen(o.csv, "w") : NULL;
+    FILE *csv = lead && o.csv ? fopen(o.csv, "w") : NULL;
     if (csv) {
         fprintf(csv, "step,loss,val_loss,aux_loss,z_loss,tokens_per_s");
         for (int l = 0; l < NL; l++) for (int e = 0; e < o.experts; e++) fprintf(csv, ",load_l%d_e%d", l, e);
         fprintf(csv, "\n");
     }
-    if (!o.quiet)
-        printf("train: %lld bytes of text, vocab %d, %d MoE layers (%s, D=%d F=%d E=%d K=%d), batch %d\n",
+    if (!o.quiet && lead)
+        printf("train: %lld bytes of text, vocab %d, %d MoE layers (%s, D=%d F=%d E=%d K=%d), batch %d, EP=%d\n",
                (long long)len, V, NL, o.family == MOEPT_FAMILY_MIXTRAL ? "mixtral" : o.family == MOEPT_FAMILY_QWEN2_MOE ? "qwen2_moe" :
-               o.family == MOEPT_FAMILY_OLMOE ? "olmoe" : "deepseek_v3", D, o.ffn, o.experts, o.topk, B);
-    int64_t *pos = xcalloc((size_t)B, sizeof(int64_t));
+               o.family == MOEPT_FAMILY_OLMOE ? "olmoe" : "deepseek_v3", D, o.ffn, o.experts, o.topk, Bg, P);
+    int64_t *pos = xcalloc((size_t)Bg, sizeof(int64_t));
     int64_t *load = xcalloc((size_t)o.experts, sizeof(int64_t));
     double t0 = now(), tlast = t0, first_loss = 0, ema = 0, val = NAN;
     for (int s = 1; s <= o.steps; s++) {
-        for (int b = 0; b < B; b++) pos[b] = M.C + (int64_t)(urand() * (double)(split - M.C - 1));
+        /* every rank draws the whole batch's positions and takes its slice */
+        for (int b = 0; b < Bg; b++) pos[b] = M.C + (int64_t)(urand(&rng) * (double)(split - M.C - 1));
         for (int l = 0; l < NL; l++) moept_zero_grad(M.moe[l]);
         memset(M.g_emb, 0, (size_t)M.C * V * D * 4); memset(M.g_norm, 0, (size_t)(NL + 1) * D * 4);
         memset(M.g_head, 0, (size_t)V * D * 4);
-        double loss = step(&M, text, pos, vmap, 1);
+        double loss = step(&M, text, pos + lo, vmap, 1);
+        allsum(comm, &loss, 1, MOEPT_DTYPE_F64);
+        loss /= Bg;
+        /* gradients of the global batch: sum the replicas' contributions */
+        allsum(comm, M.g_emb, (int64_t)M.C * V * D, MOEPT_DTYPE_F32);
+        allsum(comm, M.g_norm, (int64_t)(NL + 1) * D, MOEPT_DTYPE_F32);
+        allsum(comm, M.g_head, (int64_t)V * D, MOEPT_DTYPE_F32);
         float lr = o.lr * (s < 50 ? (float)s / 50 : 0.5f * (1 + cosf(3.14159265f * (float)(s - 50) / (float)(o.steps - 49))));
         for (int l = 0; l < NL; l++) {
             float *p, *g; int64_t n;
+            check(moept_sync_grads(M.moe[l], 1.0f), M.moe[l], "sync_grads");
             moept_params(M.moe[l], &p, &n);
             moept_grads(M.moe[l], &g, &n);
             adam_step(&M.a_moe[l], p, g, s, lr, 0.01f);
@@ -314,18 +349,17 @@ int main(int argc, char **argv) {
         double aux = 0, z = 0;
         for (int l = 0; l < NL; l++) { moept_get_stats(M.moe[l], &st, NULL); aux += st.aux_loss; z += st.z_loss; }
         if (s % 100 == 0 || s == o.steps) { /* held-out loss over a fixed set of positions */
-            unsigned long long saved = rng_state;
-            rng_state = 42;
+            unsigned long long vr = 42;
             double vs = 0;
             for (int r = 0; r < 4; r++) {
-                for (int b = 0; b < B; b++) pos[b] = split + M.C + (int64_t)(urand() * (double)(len - split - M.C - 1));
-                vs += step(&M, text, pos, vmap, 0);
+                for (int b = 0; b < Bg; b++) pos[b] = split + M.C + (int64_t)(urand(&vr) * (double)(len - split - M.C - 1));
+                vs += step(&M, text, pos + lo, vmap, 0);
             }
-            val = vs / 4;
-            rng_state = saved;
+            allsum(comm, &vs, 1, MOEPT_DTYPE_F64);
+            val = vs / (4.0 * Bg);
         }
         double t = now();
-        double tps = (double)B / (t - tlast);
+        double tps = (double)Bg / (t - tlast);
         tlast = t;
         if (csv) {
             fprintf(csv, "%d,%.6f,%.6f,%.6f,%.6f,%.1f", s, loss, (s % 100 == 0 || s == o.steps) ? val : NAN, aux / NL, z / NL, tps);
@@ -335,7 +369,7 @@ int main(int argc, char **argv) {
             }
             fprintf(csv, "\n");
         }
-        if (!o.quiet && (s % 50 == 0 || s == 1 || s == o.steps)) {
+        if (lead && !o.quiet && (s % 50 == 0 || s == 1 || s == o.steps)) {
             moept_get_stats(M.moe[0], &st, load);
             int64_t mx = 1;
             for (int e = 0; e < o.experts; e++) mx = load[e] > mx ? load[e] : mx;
@@ -344,12 +378,65 @@ int main(int argc, char **argv) {
             for (int e = 0; e < nb; e++) bar[e] = " .:-=+*#%@"[(int)(9 * load[e] / mx)];
             bar[nb] = 0;
             printf("step %4d | loss %.4f | val %.4f | aux %.4f | %7.0f tok/s | layer-0 load [%s]\n",
-                   s, ema, val, aux / NL, (double)B * s / (t - t0), bar);
+                   s, ema, val, aux / NL, (double)Bg * s / (t - t0), bar);
             fflush(stdout);
         }
     }
-    printf("train: loss %.4f -> %.4f (held-out %.4f) in %d steps, %.1f s\n", first_loss, ema, val, o.steps, now() - t0);
-    if (csv) { fclose(csv); printf("train: log written to %s\n", o.csv); }
+    if (lead) {
+        printf("train: loss %.4f -> %.4f (held-out %.4f) in %d steps, %.1f s\n", first_loss, ema, val, o.steps, now() - t0);
+        if (csv) printf("train: log written to %s\n", o.csv);
+    }
+    if (csv) fclose(csv);
     for (int l = 0; l < NL; l++) moept_destroy(M.moe[l]);
     return ema < first_loss ? 0 : 1;
+}
+
+#ifndef MOEPT_MPI
+typedef struct rank_job { const opts *o; moept_comm *comm; int rc; } rank_job;
+
+static void *rank_main(void *arg) {
+    rank_job *j = arg;
+#ifdef _OPENMP
+    int per = omp_get_num_procs() / j->comm->size;
+    omp_set_num_threads(per > 0 ? per : 1);
+#endif
+    j->rc = train_rank(j->o, j->comm);
+    return NULL;
+}
+#endif
+
+int main(int argc, char **argv) {
+#ifdef MOEPT_MPI
+    MPI_Init(&argc, &argv);
+#endif
+    opts o;
+    parse(argc, argv, &o);
+#ifdef MOEPT_MPI
+    moept_comm *world;
+    check(moept_comm_mpi(MPI_COMM_WORLD, &world), NULL, "moept_comm_mpi");
+    if (world->size != o.ep) {
+        if (world->rank == 0) fprintf(stderr, "train_mpi: --ep %d but %d MPI processes\n", o.ep, world->size);
+        MPI_Finalize();
+        return 2;
+    }
+    int rc = train_rank(&o, world);
+    moept_comm_destroy(world);
+    MPI_Finalize();
+    return rc;
+#else
+    if (o.ep == 1) return train_rank(&o, NULL);
+    moept_thread_group *g;
+    check(moept_thread_group_create(o.ep, 0, &g), NULL, "thread group");
+    rank_job *jobs = xcalloc((size_t)o.ep, sizeof *jobs);
+    pthread_t *th = xcalloc((size_t)o.ep, sizeof *th);
+    for (int r = 0; r < o.ep; r++) {
+        jobs[r].o = &o;
+        moept_comm_threads(g, r, &jobs[r].comm);
+        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+    }
+    int rc = 0;
+    for (int r = 0; r < o.ep; r++) { pthread_join(th[r], NULL); rc |= jobs[r].rc; }
+    moept_thread_group_destroy(g);
+    return rc;
+#endif
 }

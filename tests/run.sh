@@ -13,7 +13,8 @@ suite() { # name, command...
     "$@" >"$log" 2>&1
     rc=$?
     cat "$log"
-    sed -e 's/^\(.*\)  *PASS  .*/ok - \1/' -e 's/^\(.*\)  *FAIL  .*/FAIL - \1/' "$log" |
+    sed -e 's/^\(.*\)  *PASS  .*/ok - \1/' -e 's/^\(.*\)  *FAIL  .*/FAIL - \1/' \
+        -e 's/^\([^ ]*\)  *SKIP  \(.*\)/skip - \1 (\2)/' "$log" |
         grep -E '^(ok|FAIL|skip) - ' | sed "s|^\([a-zA-Z]*\) - |\1 - $name: |" >>"$B/results.txt"
     if [ $rc -ne 0 ]; then
         echo "FAIL - $name: exit status $rc" >>"$B/results.txt"
@@ -48,6 +49,7 @@ suite "asan+ubsan reference cases" env OMP_NUM_THREADS=2 "$B/san/moept_check" $C
 for t in test_grad test_props test_errors test_ep; do
     suite "asan+ubsan $t" env OMP_NUM_THREADS=2 "$B/san/$t"
 done
+suite "tsan test_ep" "$B/tsan/test_ep"
 if [ -n "$CBLAS" ]; then
     suite "cblas reference cases" "$B/cblas/moept_check" $CASES
     for t in test_grad test_props test_errors; do
