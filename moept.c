@@ -348,6 +348,7 @@ typedef struct moept__view {
     const int64_t *offsets;      /* [E+1] its permuted rows per expert */
     const moept_seg *recv_segs;  /* [P][El] where its experts keep each source's rows */
     float *yr;                   /* [Rcap][D] its experts' outputs; dys; dxs */
+    float *dwts;                 /* [T][K] dL/dw, written by the experts' ranks */
     int64_t K;
 } moept__view;
 
@@ -1128,7 +1129,9 @@ static inline float *moept__remote_row(const moept_layer *L, int64_t e, int64_t 
 
 /* Direct dispatch, expert side: gather every source's rows for this rank's
    experts straight from the sources' token rows into xr (rows move once,
-   no permuted send buffer). With dys = 1 it gathers w * dy instead, into yr. */
+   no permuted send buffer). With dys = 1, the backward: for each of our
+   output rows, dL/dw = <output, dy> goes straight into the source's dwts,
+   and the row is overwritten by w * dy (one pass over each row). */
 static void moept__direct_gather(moept_layer *L, int dys) {
     const int64_t D = L->D, El = L->El;
     for (int64_t j = 0; j < El; j++) {
@@ -1142,9 +1145,10 @@ static void moept__direct_gather(moept_layer *L, int dys) {
                 if (!dys) {
                     memcpy(dst + i * D, vp->x + t * D, (size_t)D * sizeof(float));
                 } else {
-                    float w = vp->wts[t * vp->K + vp->slot_of_row[base + i]];
+                    int64_t slot = t * vp->K + vp->slot_of_row[base + i];
                     const float *src = vp->dy + t * D;
-                    float *o = dst + i * D;
+                    float *o = dst + i * D, w = vp->wts[slot];
+                    vp->dwts[slot] = (float)moept__dot(o, src, D);
                     for (int64_t d = 0; d < D; d++) o[d] = w * src[d];
                 }
             }
@@ -1343,7 +1347,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     if (L->direct) {
         /* shared memory: show the peers this step, then gather our experts'
            rows from their token rows directly */
-        *L->view = (moept__view){x, NULL, wts, L->tok_of_row, L->slot_of_row, L->offsets, L->recv_segs, L->yr, K};
+        *L->view = (moept__view){x, NULL, wts, L->tok_of_row, L->slot_of_row, L->offsets, L->recv_segs, L->yr, L->dwts, K};
         double t0 = moept__now();
         st = L->ep->share(L->ep, L->view, (const void **)L->peers);
         L->stats.comm_seconds += moept__now() - t0;
@@ -1456,9 +1460,9 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->row_of[t * K + k];
             if (r < 0) { L->dwts[t * K + k] = 0.0f; continue; }
-            float *ys = direct ? moept__remote_row(L, ids[t * K + k], r) : L->ys + r * D;
+            if (direct) continue; /* the expert's rank computes dL/dw and dys */
+            float *ys = L->ys + r * D;
             L->dwts[t * K + k] = (float)moept__dot(ys, dyt, D);
-            if (direct) continue;
             float w = wts[t * K + k];
             for (int64_t d = 0; d < D; d++) ys[d] = w * dyt[d];
         }
@@ -1473,8 +1477,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     L->stats.combine_seconds += moept__now() - ts;
     /* experts': dys travel to the experts, dxs come back into ys */
     ts = moept__now();
-    if (direct) { /* once every rank has read our outputs, overwrite them with dys */
-        if ((st = moept__direct_sync(L, "moept_backward"))) return st;
+    if (direct) { /* dL/dw for our rows into their owners, then dys over our outputs */
         moept__direct_gather(L, 1);
         moept__count_bytes(L, 1);
     } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 1))) return st;
