@@ -2312,6 +2312,8 @@ typedef struct moept__mpi {
     MPI_Datatype elem[2];    /* 4- and 8-byte elements, as bytes */
     MPI_Request *reqs; int64_t nreqs_cap;
     int *cnt, *dsp;          /* [4][size] int counts/displacements for MPI_Alltoallv */
+    char *scratch;           /* allreduce slices, grows geometrically */
+    size_t scratch_bytes;
 } moept__mpi;
 
 #define MOEPT__MPI_CHUNK ((int64_t)1 << 30) /* elements per message piece */
@@ -2371,13 +2373,41 @@ static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const 
     return MOEPT_OK;
 }
 
+/* Sum over ranks in rank order, the same order as the threads backend, so
+   results do not depend on MPI's reduction algorithm: a reduce-scatter by
+   all-to-all-v (rank r sums slice r of every rank's buffer, in rank order),
+   then an all-gather of the slices. Chunks of 2^28 elements bound the
+   scratch and keep counts in int. */
 static moept_status moept__mpi_allreduce(moept_comm *c, void *buf, int64_t count, moept_dtype t) {
     moept__mpi *m = c->ctx;
     MPI_Datatype mt = t == MOEPT_DTYPE_F32 ? MPI_FLOAT : t == MOEPT_DTYPE_F64 ? MPI_DOUBLE : MPI_INT64_T;
     size_t es = moept__dtype_size(t);
-    for (int64_t o = 0; o < count; o += MOEPT__MPI_CHUNK) {
-        int64_t k = count - o < MOEPT__MPI_CHUNK ? count - o : MOEPT__MPI_CHUNK;
-        MOEPT__MPI(c, MPI_Allreduce(MPI_IN_PLACE, (char *)buf + o * (int64_t)es, (int)k, mt, MPI_SUM, m->comm));
+    int P = c->size, me = c->rank;
+    if (P == 1) return MOEPT_OK;
+    const int64_t chunk = (int64_t)1 << 28;
+    for (int64_t o = 0; o < count; o += chunk) {
+        int64_t n = count - o < chunk ? count - o : chunk;
+        char *b = (char *)buf + o * (int64_t)es;
+        int *sc = m->cnt, *sd = m->dsp, *rc = m->cnt + P, *rd = m->dsp + P;
+        for (int q = 0; q < P; q++) {
+            int64_t lo = n * q / P, hi = n * (q + 1) / P;
+            sc[q] = (int)(hi - lo); sd[q] = (int)lo;
+        }
+        int mine = sc[me];
+        size_t need = (size_t)P * (size_t)mine * es;
+        if (need > m->scratch_bytes) {
+            size_t nb = need > 2 * m->scratch_bytes ? need : 2 * m->scratch_bytes;
+            char *s = moept__alloc(NULL, nb);
+            if (!s) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi allreduce: out of memory for %zu bytes", nb);
+            MOEPT_FREE(m->scratch);
+            m->scratch = s; m->scratch_bytes = nb;
+        }
+        for (int p = 0; p < P; p++) { rc[p] = mine; rd[p] = p * mine; }
+        MOEPT__MPI(c, MPI_Alltoallv(b, sc, sd, mt, m->scratch, rc, rd, mt, m->comm));
+        memcpy(b + (int64_t)sd[me] * (int64_t)es, m->scratch, (size_t)mine * es);
+        for (int p = 1; p < P; p++)
+            moept__sum_into(b + (int64_t)sd[me] * (int64_t)es, m->scratch + (size_t)p * (size_t)mine * es, mine, t);
+        MOEPT__MPI(c, MPI_Allgatherv(MPI_IN_PLACE, 0, mt, b, sc, sd, mt, m->comm));
     }
     return MOEPT_OK;
 }
@@ -2426,6 +2456,7 @@ static void moept__mpi_destroy(moept_comm *c) {
     MPI_Type_free(&m->elem[1]);
     MPI_Comm_free(&m->comm);
     MOEPT_FREE(m->reqs);
+    MOEPT_FREE(m->scratch);
     MOEPT_FREE(m->cnt);
     MOEPT_FREE(m->dsp);
     MOEPT_FREE(m);
