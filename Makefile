@@ -64,6 +64,11 @@ $(B)/cblas/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 $(B)/moept_check_mpi: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
+# the same with 7-element message chunks and a tiny "INT_MAX": every
+# large-count path (chunked pieces, chunked all-reduce, p2p all-gather) runs
+$(B)/moept_check_mpi_chunked: tests/moept_check.c moept.c $(HDRS) | $(B)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI -DMOEPT__MPI_CHUNK=7 -DMOEPT__MPI_INT_MAX=5 tests/moept_check.c moept.c -o $@ $(LDLIBS)
+
 $(B)/train_mpi: examples/train.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI examples/train.c moept.c -o $@ $(LDLIBS)
 
@@ -106,7 +111,7 @@ SAN_BINS = $(TESTS:%=$(B)/san/%) $(B)/san/moept_check
 CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
-MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/train_mpi)
+MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi)
 
 test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(B)/tsan/test_ep
 	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" sh tests/run.sh

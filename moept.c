@@ -2316,7 +2316,14 @@ typedef struct moept__mpi {
     size_t scratch_bytes;
 } moept__mpi;
 
-#define MOEPT__MPI_CHUNK ((int64_t)1 << 30) /* elements per message piece */
+/* elements per message piece, and the largest count handed to MPI as an
+   int; tests shrink both to run the chunked paths on small data */
+#ifndef MOEPT__MPI_CHUNK
+#define MOEPT__MPI_CHUNK ((int64_t)1 << 30)
+#endif
+#ifndef MOEPT__MPI_INT_MAX
+#define MOEPT__MPI_INT_MAX INT_MAX
+#endif
 
 static moept_status moept__mpi_err(moept_comm *c, int rc, const char *call, int line) {
     char s[MPI_MAX_ERROR_STRING];
@@ -2342,7 +2349,8 @@ static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const 
     MPI_Datatype t = m->elem[es == 8];
     int P = c->size, fits = nseg == 1;
     for (int p = 0; p < P && fits; p++)
-        fits = ss[p].count <= INT_MAX && ss[p].offset <= INT_MAX && rs[p].count <= INT_MAX && rs[p].offset <= INT_MAX;
+        fits = ss[p].count <= MOEPT__MPI_INT_MAX && ss[p].offset <= MOEPT__MPI_INT_MAX &&
+               rs[p].count <= MOEPT__MPI_INT_MAX && rs[p].offset <= MOEPT__MPI_INT_MAX;
     if (fits) { /* the plain collective: one contiguous piece per peer */
         int *sc = m->cnt, *sd = m->dsp, *rc = m->cnt + 2 * P, *rd = m->dsp + 2 * P;
         for (int p = 0; p < P; p++) {
@@ -2384,7 +2392,7 @@ static moept_status moept__mpi_allreduce(moept_comm *c, void *buf, int64_t count
     size_t es = moept__dtype_size(t);
     int P = c->size, me = c->rank;
     if (P == 1) return MOEPT_OK;
-    const int64_t chunk = (int64_t)1 << 28;
+    const int64_t chunk = MOEPT__MPI_CHUNK < ((int64_t)1 << 28) ? MOEPT__MPI_CHUNK : ((int64_t)1 << 28);
     for (int64_t o = 0; o < count; o += chunk) {
         int64_t n = count - o < chunk ? count - o : chunk;
         char *b = (char *)buf + o * (int64_t)es;
@@ -2435,7 +2443,7 @@ static moept_status moept__mpi_p2p(moept_comm *c, const moept_p2p *sends, int ns
 
 static moept_status moept__mpi_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
     moept__mpi *m = c->ctx;
-    if (bytes <= INT_MAX) {
+    if (bytes <= MOEPT__MPI_INT_MAX) {
         MOEPT__MPI(c, MPI_Allgather(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, m->comm));
         return MOEPT_OK;
     }
