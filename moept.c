@@ -2504,3 +2504,447 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
     return MOEPT_OK;
 }
 #endif /* MOEPT_MPI */
+
+/* ------------------------------------------------------------------------
+   safetensors, write side
+   ------------------------------------------------------------------------ */
+typedef struct moept__st_entry {
+    char *name; moept_dtype dtype; int ndim; int64_t shape[8]; const void *data; int64_t nbytes;
+} moept__st_entry;
+
+struct moept_st_writer {
+    moept__st_entry *e; int64_t n, cap;
+    char **meta; int64_t nmeta, metacap;   /* key, value pairs (copies) */
+};
+
+static char *moept__strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *p = moept__alloc(NULL, n);
+    if (p) memcpy(p, s, n);
+    return p;
+}
+
+moept_status moept_st_writer_create(moept_st_writer **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_writer_create: out is NULL");
+    *out = moept__alloc(NULL, sizeof **out);
+    if (!*out) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_writer_create: out of memory");
+    memset(*out, 0, sizeof **out);
+    return MOEPT_OK;
+}
+
+void moept_st_writer_destroy(moept_st_writer *w) {
+    if (!w) return;
+    for (int64_t i = 0; i < w->n; i++) MOEPT_FREE(w->e[i].name);
+    for (int64_t i = 0; i < 2 * w->nmeta; i++) MOEPT_FREE(w->meta[i]);
+    MOEPT_FREE(w->e);
+    MOEPT_FREE(w->meta);
+    MOEPT_FREE(w);
+}
+
+static const char *moept__dtype_name(moept_dtype t) {
+    static const char *n[] = {"F32", "F16", "BF16", "F64", "I64", "I32", "U8", "BOOL"};
+    return (unsigned)t < 8 ? n[t] : "?";
+}
+
+moept_status moept_st_add(moept_st_writer *w, const char *name, moept_dtype dtype, int ndim,
+                          const int64_t *shape, const void *data) {
+    if (!w || !name || (ndim > 0 && !shape)) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: NULL argument");
+    if ((unsigned)dtype > MOEPT_DTYPE_BOOL || ndim < 0 || ndim > 8)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add(%s): bad dtype or ndim", name);
+    if (!name[0] || strcmp(name, "__metadata__") == 0)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: invalid tensor name '%s'", name);
+    if (!moept__utf8_ok((const unsigned char *)name, (int64_t)strlen(name)))
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: tensor name is not UTF-8");
+    for (int64_t i = 0; i < w->n; i++)
+        if (strcmp(w->e[i].name, name) == 0)
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: duplicate tensor name '%s'", name);
+    int64_t numel = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0 || (shape[d] && numel > INT64_MAX / 8 / shape[d]))
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add(%s): bad shape", name);
+        numel *= shape[d];
+    }
+    if (numel > 0 && !data) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add(%s): data is NULL", name);
+    if (w->n == w->cap) {
+        int64_t cap = w->cap ? 2 * w->cap : 16;
+        moept__st_entry *e = moept__alloc(NULL, (size_t)cap * sizeof *e);
+        if (!e) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_add: out of memory");
+        if (w->n) memcpy(e, w->e, (size_t)w->n * sizeof *e);
+        MOEPT_FREE(w->e);
+        w->e = e; w->cap = cap;
+    }
+    moept__st_entry *t = &w->e[w->n];
+    memset(t, 0, sizeof *t);
+    if (!(t->name = moept__strdup(name))) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_add: out of memory");
+    t->dtype = dtype; t->ndim = ndim; t->data = data;
+    for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
+    t->nbytes = numel * (int64_t)moept__dtype_size(dtype);
+    w->n++;
+    return MOEPT_OK;
+}
+
+moept_status moept_st_add_meta(moept_st_writer *w, const char *key, const char *value) {
+    if (!w || !key || !value) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add_meta: NULL argument");
+    if (!moept__utf8_ok((const unsigned char *)key, (int64_t)strlen(key)) ||
+        !moept__utf8_ok((const unsigned char *)value, (int64_t)strlen(value)))
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add_meta: key or value is not UTF-8");
+    for (int64_t i = 0; i < w->nmeta; i++)
+        if (strcmp(w->meta[2 * i], key) == 0)
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add_meta: duplicate key '%s'", key);
+    if (w->nmeta == w->metacap) {
+        int64_t cap = w->metacap ? 2 * w->metacap : 8;
+        char **m = moept__alloc(NULL, (size_t)(2 * cap) * sizeof *m);
+        if (!m) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_add_meta: out of memory");
+        if (w->nmeta) memcpy(m, w->meta, (size_t)(2 * w->nmeta) * sizeof *m);
+        MOEPT_FREE(w->meta);
+        w->meta = m; w->metacap = cap;
+    }
+    char *k = moept__strdup(key), *v = moept__strdup(value);
+    if (!k || !v) { MOEPT_FREE(k); MOEPT_FREE(v); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_add_meta: out of memory"); }
+    w->meta[2 * w->nmeta] = k; w->meta[2 * w->nmeta + 1] = v; w->nmeta++;
+    return MOEPT_OK;
+}
+
+/* appends s as a JSON string; returns the new length (counting only when buf is NULL) */
+static size_t moept__json_str(char *buf, size_t at, const char *s) {
+    static const char hex[] = "0123456789abcdef";
+#define MOEPT__PUT(ch) do { if (buf) buf[at] = (ch); at++; } while (0)
+    MOEPT__PUT('"');
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\') { MOEPT__PUT('\\'); MOEPT__PUT((char)*p); }
+        else if (*p < 0x20) { MOEPT__PUT('\\'); MOEPT__PUT('u'); MOEPT__PUT('0'); MOEPT__PUT('0'); MOEPT__PUT(hex[*p >> 4]); MOEPT__PUT(hex[*p & 15]); }
+        else MOEPT__PUT((char)*p);
+    }
+    MOEPT__PUT('"');
+#undef MOEPT__PUT
+    return at;
+}
+
+static size_t moept__json_raw(char *buf, size_t at, const char *s) {
+    size_t n = strlen(s);
+    if (buf) memcpy(buf + at, s, n);
+    return at + n;
+}
+
+/* the header JSON; buf NULL: just the length */
+static size_t moept__st_header(const moept_st_writer *w, char *buf) {
+    size_t at = moept__json_raw(buf, 0, "{");
+    int first = 1;
+    if (w->nmeta) {
+        at = moept__json_raw(buf, at, "\"__metadata__\":{");
+        for (int64_t i = 0; i < w->nmeta; i++) {
+            if (i) at = moept__json_raw(buf, at, ",");
+            at = moept__json_str(buf, at, w->meta[2 * i]);
+            at = moept__json_raw(buf, at, ":");
+            at = moept__json_str(buf, at, w->meta[2 * i + 1]);
+        }
+        at = moept__json_raw(buf, at, "}");
+        first = 0;
+    }
+    int64_t off = 0;
+    for (int64_t i = 0; i < w->n; i++) {
+        const moept__st_entry *t = &w->e[i];
+        char num[64];
+        if (!first) at = moept__json_raw(buf, at, ",");
+        first = 0;
+        at = moept__json_str(buf, at, t->name);
+        at = moept__json_raw(buf, at, ":{\"dtype\":\"");
+        at = moept__json_raw(buf, at, moept__dtype_name(t->dtype));
+        at = moept__json_raw(buf, at, "\",\"shape\":[");
+        for (int d = 0; d < t->ndim; d++) {
+            snprintf(num, sizeof num, d ? ",%lld" : "%lld", (long long)t->shape[d]);
+            at = moept__json_raw(buf, at, num);
+        }
+        snprintf(num, sizeof num, "],\"data_offsets\":[%lld,%lld]}", (long long)off, (long long)(off + t->nbytes));
+        at = moept__json_raw(buf, at, num);
+        off += t->nbytes;
+    }
+    return moept__json_raw(buf, at, "}");
+}
+
+static int moept__write_all(int fd, const void *p, int64_t n) {
+    const char *c = p;
+    while (n > 0) {
+        ssize_t r = write(fd, c, (size_t)(n > (1 << 30) ? (1 << 30) : n));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return 0;
+        c += r; n -= r;
+    }
+    return 1;
+}
+
+/* writes `path` atomically with the writer callback's bytes */
+typedef int (*moept__emit_fn)(int fd, const void *ctx);
+static moept_status moept__atomic_write(const char *path, moept__emit_fn emit, const void *ctx) {
+    size_t pl = strlen(path);
+    char *tmp = moept__alloc(NULL, pl + 32);
+    if (!tmp) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    snprintf(tmp, pl + 32, "%s.tmp.%ld", path, (long)getpid());
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) {
+        int e = errno;
+        MOEPT_FREE(tmp);
+        return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot create a temporary file: %s", path, strerror(e));
+    }
+    int ok = emit(fd, ctx) && fsync(fd) == 0;
+    int e = errno;
+    ok = close(fd) == 0 && ok;
+    if (ok && rename(tmp, path) != 0) { e = errno; ok = 0; }
+    if (!ok) {
+        unlink(tmp);
+        MOEPT_FREE(tmp);
+        return moept__thread_fail(MOEPT_ERR_IO, "%s: write failed: %s", path, strerror(e));
+    }
+    MOEPT_FREE(tmp);
+    /* make the rename itself durable */
+    char *dir = moept__strdup(path);
+    if (dir) {
+        char *slash = strrchr(dir, '/');
+        if (slash) { if (slash == dir) slash[1] = 0; else *slash = 0; }
+        int dfd = open(slash ? dir : ".", O_RDONLY);
+        if (dfd >= 0) { fsync(dfd); close(dfd); }
+        MOEPT_FREE(dir);
+    }
+    return MOEPT_OK;
+}
+
+static int moept__st_emit(int fd, const void *ctx) {
+    const moept_st_writer *w = ctx;
+    size_t hl = moept__st_header(w, NULL);
+    size_t padded = (hl + 7) / 8 * 8; /* data starts 8-byte aligned, as the reference writer does */
+    char *hdr = moept__alloc(NULL, padded + 8);
+    if (!hdr) return 0;
+    for (int i = 0; i < 8; i++) hdr[i] = (char)((uint64_t)padded >> (8 * i));
+    moept__st_header(w, hdr + 8);
+    memset(hdr + 8 + hl, ' ', padded - hl);
+    int ok = moept__write_all(fd, hdr, (int64_t)padded + 8);
+    MOEPT_FREE(hdr);
+    for (int64_t i = 0; ok && i < w->n; i++)
+        if (w->e[i].nbytes) ok = moept__write_all(fd, w->e[i].data, w->e[i].nbytes); /* little-endian host */
+    return ok;
+}
+
+moept_status moept_st_write(moept_st_writer *w, const char *path) {
+    if (!w || !path) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_write: NULL argument");
+    if (moept__st_header(w, NULL) > MOEPT__ST_MAX_HEADER)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: header would exceed %d bytes", path, MOEPT__ST_MAX_HEADER);
+    return moept__atomic_write(path, moept__st_emit, w);
+}
+
+/* ------------------------------------------------------------------------
+   Hugging Face checkpoints
+   ------------------------------------------------------------------------ */
+static void moept__hf_prefix(const moept_layer *L, int64_t layer_index, char *buf, size_t n) {
+    snprintf(buf, n, "model.layers.%lld.%s", (long long)layer_index,
+             L->cfg.family == MOEPT_FAMILY_MIXTRAL ? "block_sparse_moe." : "mlp.");
+}
+
+/* skips one JSON value (for index files' fields we do not use) */
+static int moept__jskip(moept__json *j, int depth) {
+    moept__ws(j);
+    if (j->p >= j->end || depth > 64) { j->err = "truncated or too deep"; return 0; }
+    char ch = *j->p;
+    if (ch == '"') return moept__jstring(j) != NULL;
+    if (ch == '{' || ch == '[') {
+        char close = ch == '{' ? '}' : ']';
+        j->p++;
+        if (moept__jchar(j, close)) return 1;
+        do {
+            if (ch == '{') {
+                if (!moept__jstring(j) || !moept__jchar(j, ':')) { j->err = "bad object"; return 0; }
+            }
+            if (!moept__jskip(j, depth + 1)) return 0;
+        } while (moept__jchar(j, ','));
+        if (!moept__jchar(j, close)) { j->err = "bad container"; return 0; }
+        return 1;
+    }
+    /* number, true, false, null */
+    const char *s = j->p;
+    while (j->p < j->end && strchr("+-0123456789.eEtrufalsn", *j->p)) j->p++;
+    if (j->p == s) { j->err = "unexpected character"; return 0; }
+    return 1;
+}
+
+typedef struct moept__hf_src {
+    char **files;  int64_t nfiles;     /* shard file names */
+    char **names; int64_t *file_of; int64_t nnames; /* weight_map */
+    char *json;                        /* the index text (names point in here) */
+    moept_st_file **open;              /* [nfiles] opened on demand */
+} moept__hf_src;
+
+static void moept__hf_src_free(moept__hf_src *s) {
+    for (int64_t i = 0; i < s->nfiles; i++) { if (s->open) moept_st_close(s->open[i]); }
+    MOEPT_FREE(s->open);
+    MOEPT_FREE(s->files);
+    MOEPT_FREE(s->names);
+    MOEPT_FREE(s->file_of);
+    MOEPT_FREE(s->json);
+}
+
+/* model.safetensors.index.json -> weight_map; or a single model.safetensors */
+static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *bytes) {
+    memset(s, 0, sizeof *s);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) { /* one file */
+        s->files = moept__alloc(NULL, sizeof(char *));
+        s->open = moept__alloc(NULL, sizeof(moept_st_file *));
+        if (!s->files || !s->open) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
+        s->files[0] = "model.safetensors";
+        s->open[0] = NULL;
+        s->nfiles = 1;
+        return MOEPT_OK;
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || sb.st_size > MOEPT__ST_MAX_HEADER) {
+        close(fd);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a regular file or larger than %d bytes", path, MOEPT__ST_MAX_HEADER);
+    }
+    int64_t n = (int64_t)sb.st_size;
+    s->json = moept__alloc(NULL, (size_t)n + 1);
+    if (!s->json) { close(fd); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path); }
+    int ok = moept__pread_all(fd, s->json, n, 0);
+    close(fd);
+    if (!ok) return moept__thread_fail(MOEPT_ERR_IO, "%s: read failed", path);
+    *bytes += n;
+    s->json[n] = 0;
+    if (!moept__utf8_ok((const unsigned char *)s->json, n)) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not UTF-8", path);
+    int64_t cap = 1;
+    for (int64_t i = 0; i < n; i++) cap += s->json[i] == ':';
+    s->names = moept__alloc(NULL, (size_t)cap * sizeof(char *));
+    s->file_of = moept__alloc(NULL, (size_t)cap * sizeof(int64_t));
+    s->files = moept__alloc(NULL, (size_t)cap * sizeof(char *));
+    if (!s->names || !s->file_of || !s->files) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    moept__json j = {s->json, s->json + n, NULL};
+    int have_map = 0;
+#define MOEPT__IFAIL(what) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: %s (%s)", path, what, j.err ? j.err : "syntax")
+    if (!moept__jchar(&j, '{')) MOEPT__IFAIL("not a JSON object");
+    if (!moept__jchar(&j, '}')) {
+        do {
+            char *k = moept__jstring(&j);
+            if (!k || !moept__jchar(&j, ':')) MOEPT__IFAIL("bad key");
+            if (strcmp(k, "weight_map") != 0) { if (!moept__jskip(&j, 0)) MOEPT__IFAIL("bad value"); continue; }
+            if (have_map++) MOEPT__IFAIL("duplicate weight_map");
+            if (!moept__jchar(&j, '{')) MOEPT__IFAIL("weight_map is not an object");
+            if (moept__jchar(&j, '}')) continue;
+            do {
+                char *name = moept__jstring(&j), *file;
+                if (!name || !moept__jchar(&j, ':') || !(file = moept__jstring(&j))) MOEPT__IFAIL("bad weight_map entry");
+                if (strchr(file, '/') || strcmp(file, "..") == 0 || !file[0]) MOEPT__IFAIL("shard names must be plain file names");
+                int64_t f = 0;
+                while (f < s->nfiles && strcmp(s->files[f], file) != 0) f++;
+                if (f == s->nfiles) s->files[s->nfiles++] = file;
+                for (int64_t i = 0; i < s->nnames; i++)
+                    if (strcmp(s->names[i], name) == 0) MOEPT__IFAIL("duplicate name in weight_map");
+                s->names[s->nnames] = name;
+                s->file_of[s->nnames++] = f;
+            } while (moept__jchar(&j, ','));
+            if (!moept__jchar(&j, '}')) MOEPT__IFAIL("weight_map: expected '}'");
+        } while (moept__jchar(&j, ','));
+        if (!moept__jchar(&j, '}')) MOEPT__IFAIL("expected '}'");
+    }
+    moept__ws(&j);
+    if (j.p != j.end) MOEPT__IFAIL("trailing characters");
+    if (!have_map) MOEPT__IFAIL("no weight_map");
+#undef MOEPT__IFAIL
+    s->open = moept__alloc(NULL, (size_t)(s->nfiles ? s->nfiles : 1) * sizeof(moept_st_file *));
+    if (!s->open) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    for (int64_t i = 0; i < s->nfiles; i++) s->open[i] = NULL;
+    return MOEPT_OK;
+}
+
+/* finds `name` in the checkpoint, opening (header only) its shard on demand */
+static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char *name, moept_st_file **f,
+                                   const moept_st_tensor **t, int64_t *bytes) {
+    int64_t fi = 0;
+    if (s->nnames) {
+        int64_t i = 0;
+        while (i < s->nnames && strcmp(s->names[i], name) != 0) i++;
+        if (i == s->nnames) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: '%s' is not in the weight_map", dir, name);
+        fi = s->file_of[i];
+    }
+    if (!s->open[fi]) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, s->files[fi]);
+        moept_status st = moept_st_open(path, &s->open[fi]);
+        if (st) return st;
+        *bytes += s->open[fi]->bytes_read;
+    }
+    *f = s->open[fi];
+    *t = moept_st_find(*f, name);
+    if (!*t) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s/%s: no tensor '%s'", dir, s->files[fi], name);
+    return MOEPT_OK;
+}
+
+moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: layer is NULL");
+    if (!dir || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: bad directory or layer index");
+    char prefix[128], name[256];
+    moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
+    moept__hf_src src;
+    int64_t bytes = 0;
+    moept_status st = moept__hf_open(dir, &src, &bytes);
+    /* read every tensor into a staging copy of the parameter buffer first:
+       the layer changes only if all of them were read */
+    float *stage = NULL;
+    size_t sbytes = (size_t)(L->n_params + L->E) * sizeof(float);
+    if (!st && !(stage = moept__alloc(NULL, sbytes))) st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_load_hf: out of memory");
+    for (int64_t i = 0; !st && i < L->n_table; i++) {
+        const moept__param *p = &L->table[i];
+        snprintf(name, sizeof name, "%s%s", prefix, p->name);
+        moept_st_file *f;
+        const moept_st_tensor *t;
+        if ((st = moept__hf_find(dir, &src, name, &f, &t, &bytes))) break;
+        int shape_ok = (t->ndim == 2 && t->shape[0] == p->rows && t->shape[1] == p->cols) ||
+                       (t->ndim == 1 && p->rows == 1 && t->shape[0] == p->cols);
+        if (!shape_ok) {
+            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' has shape [%lld%s%lld], the layer expects [%lld, %lld]", dir,
+                                    name, (long long)t->shape[0], t->ndim > 1 ? ", " : "", (long long)(t->ndim > 1 ? t->shape[1] : 0),
+                                    (long long)p->rows, (long long)p->cols);
+            break;
+        }
+        if (t->dtype != MOEPT_DTYPE_F32 && t->dtype != MOEPT_DTYPE_BF16 && t->dtype != MOEPT_DTYPE_F16) {
+            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' is %s; F32, BF16 or F16 expected", dir, name, moept__dtype_name(t->dtype));
+            break;
+        }
+        float *dst = p->type == MOEPT__P_BIAS ? stage + L->n_params : stage + (p->data - L->params);
+        int64_t before = f->bytes_read;
+        st = moept_st_read_f32(f, t, dst, p->rows * p->cols);
+        bytes += f->bytes_read - before;
+        for (int64_t k = 0; !st && k < p->rows * p->cols; k++)
+            if (!moept__finite(dst[k])) st = moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: tensor '%s' element %lld is not finite", dir, name, (long long)k);
+    }
+    moept__hf_src_free(&src);
+    L->stats.checkpoint_bytes_read += bytes;
+    if (st) {
+        MOEPT_FREE(stage);
+        return moept__fail(L, st, "moept_load_hf: %s", moept__thread_err);
+    }
+    memcpy(L->params, stage, (size_t)L->n_params * sizeof(float));
+    memcpy(L->bias, stage + L->n_params, (size_t)L->E * sizeof(float));
+    MOEPT_FREE(stage);
+    return MOEPT_OK;
+}
+
+moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index, int with_replicated) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: layer is NULL");
+    if (!path || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: bad path or layer index");
+    char prefix[128], name[256];
+    moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
+    moept_st_writer *w;
+    moept_status st = moept_st_writer_create(&w);
+    for (int64_t i = 0; !st && i < L->n_table; i++) {
+        const moept__param *p = &L->table[i];
+        if (p->expert < 0 && !with_replicated) continue;
+        snprintf(name, sizeof name, "%s%s", prefix, p->name);
+        int64_t shape[2] = {p->rows, p->cols};
+        st = p->type == MOEPT__P_BIAS ? moept_st_add(w, name, MOEPT_DTYPE_F32, 1, shape + 1, p->data)
+                                      : moept_st_add(w, name, MOEPT_DTYPE_F32, 2, shape, p->data);
+    }
+    if (!st) st = moept_st_add_meta(w, "format", "pt");
+    if (!st) st = moept_st_write(w, path);
+    moept_st_writer_destroy(w);
+    if (st) return moept__fail(L, st, "moept_save_hf: %s", moept__thread_err);
+    return MOEPT_OK;
+}

@@ -269,6 +269,7 @@ typedef struct moept_stats {
                                   dL/dw + dys scaling (backward) */
     int64_t recv_capacity;     /* rows the receive buffers hold now */
     int64_t recv_growths;      /* times they grew (each an allocation) */
+    int64_t checkpoint_bytes_read; /* by moept_load_hf since create */
 } moept_stats;
 
 /* Rows this rank sent to / received from each EP peer in the last forward's
@@ -382,6 +383,36 @@ moept_status moept_st_read_f32(moept_st_file *f, const moept_st_tensor *t,
                                float *dst, int64_t numel);
 moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t,
                                int64_t *dst, int64_t numel);
+
+/* ---- safetensors, write side -------------------------------------------
+   Tensors are added by pointer (no copy) and written in the order added.
+   The file is written atomically: a temporary file in the same directory,
+   fsync, rename over `path`, fsync of the directory. A crash leaves either
+   the old file or the new one, never a torn one. */
+typedef struct moept_st_writer moept_st_writer;
+moept_status moept_st_writer_create(moept_st_writer **out);
+void moept_st_writer_destroy(moept_st_writer *w);
+moept_status moept_st_add(moept_st_writer *w, const char *name, moept_dtype dtype,
+                          int ndim, const int64_t *shape, const void *data);
+moept_status moept_st_add_meta(moept_st_writer *w, const char *key, const char *value);
+moept_status moept_st_write(moept_st_writer *w, const char *path);
+
+/* ---- Hugging Face checkpoints --------------------------------------------
+   The MoE block of decoder layer `layer_index`, under the model's names:
+   mixtral "model.layers.{L}.block_sparse_moe.", the others
+   "model.layers.{L}.mlp.", followed by the names listed at the top.
+   moept_load_hf reads a checkpoint directory (model.safetensors, or the
+   shards listed in model.safetensors.index.json): this rank's experts and
+   the replicated tensors only, by positioned reads of their byte ranges (no
+   whole-file read, no concatenation); F32, BF16 and F16 convert to fp32.
+   The bytes read (headers included) are counted in moept_stats. Nothing
+   changes unless every tensor was found and read. */
+moept_status moept_load_hf(moept_layer *layer, const char *dir, int64_t layer_index);
+/* Writes this rank's experts (and, if with_replicated, the router, bias and
+   shared expert) of layer `layer_index` under the HF names, as one
+   safetensors file. */
+moept_status moept_save_hf(moept_layer *layer, const char *path, int64_t layer_index,
+                           int with_replicated);
 
 #ifdef __cplusplus
 }

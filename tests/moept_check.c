@@ -1,13 +1,16 @@
 /* moept_check: runs moept-case-v1 reference cases (../shared/CASES.md)
    through moept and compares every output and gradient.
 
-   usage: moept_check [--ep N] [--tol X] FILE...
+   usage: moept_check [--ep N] [--tol X] [--weights DIR --layer L] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
    With --ep N the experts are sharded over N ranks (threads, or MPI
    processes) and the tokens split into N contiguous slices (the first T mod N
    ranks take one more); losses are over the global batch, router and shared
    gradients are summed over ranks, each expert's gradient is compared on its
-   owner. One line per case, then "N passed, N failed"; exit 1 if any failed. */
+   owner. With --weights every parameter comes from the Hugging Face
+   checkpoint DIR (decoder layer L's MoE block, this rank's experts only)
+   instead of the case file. One line per case, then "N passed, N failed";
+   exit 1 if any failed. */
 #include "../moept.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -19,6 +22,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+static const char *g_weights; /* --weights DIR */
+static long long g_layer = -1;  /* --layer L */
 
 typedef struct check {
     const char *path;
@@ -162,9 +168,13 @@ static void run_case(check *c) {
     if (moept_create_parallel(&cfg, c->ep, NULL, &L) != MOEPT_OK) { failf(c, "config rejected: %s", moept_last_error(NULL)); goto done; }
     const int64_t D = cfg.hidden_size, E = cfg.num_experts, K = cfg.top_k;
 
-    /* parameters: every one the layer has must be in the file */
+    /* parameters: every one the layer has must be in the file (or the checkpoint) */
     int64_t np = moept_param_count(L);
-    for (int64_t i = 0; i < np; i++) {
+    if (g_weights && moept_load_hf(L, g_weights, g_layer) != MOEPT_OK) {
+        failf(c, "--weights: %s", moept_last_error(L));
+        goto done;
+    }
+    for (int64_t i = 0; i < np && !g_weights; i++) {
         moept_param_info pi;
         moept_param_info_at(L, i, &pi);
         float *w = read_f(c, pi.name, pi.rows, pi.cols);
@@ -303,9 +313,12 @@ int main(int argc, char **argv) {
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--tol") == 0 && first + 1 < argc) tol = atof(argv[++first]);
         else if (strcmp(argv[first], "--ep") == 0 && first + 1 < argc) P = atoi(argv[++first]);
+        else if (strcmp(argv[first], "--weights") == 0 && first + 1 < argc) g_weights = argv[++first];
+        else if (strcmp(argv[first], "--layer") == 0 && first + 1 < argc) g_layer = atoll(argv[++first]);
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
-        else { fprintf(stderr, "usage: %s [--ep N] [--tol X] FILE...\n", argv[0]); return 2; }
+        else { fprintf(stderr, "usage: %s [--ep N] [--tol X] [--weights DIR --layer L] FILE...\n", argv[0]); return 2; }
     }
+    if (!g_weights != (g_layer < 0)) { fprintf(stderr, "moept_check: --weights and --layer go together\n"); return 2; }
     if (P < 1 || P > 1024) { fprintf(stderr, "moept_check: --ep %d not in 1..1024\n", P); return 2; }
 #ifdef MOEPT_MPI
     MPI_Init(&argc, &argv);
