@@ -21,7 +21,7 @@ MPIRUN := $(shell command -v mpirun 2>/dev/null)
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
-TESTS   = test_grad test_props test_errors test_ep
+TESTS   = test_grad test_props test_errors test_ep test_ckpt
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
@@ -43,11 +43,11 @@ $(B)/moept_check: tests/moept_check.c $(B)/moept.o
 
 # white-box tests include moept.c directly (one translation unit)
 $(B)/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
-	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
 
 $(B)/san/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(B)/san
-	$(CC) -O1 -g $(WARN) $(OMP) $(SAN) $< -o $@ $(LDLIBS)
+	$(CC) -O1 -g $(WARN) -D_DEFAULT_SOURCE $(OMP) $(SAN) $< -o $@ $(LDLIBS)
 
 $(B)/san/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/san
@@ -59,7 +59,7 @@ $(B)/cblas/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
 
 $(B)/cblas/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(B)/cblas
-	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
 
 $(B)/moept_check_mpi: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI tests/moept_check.c moept.c -o $@ $(LDLIBS)
@@ -91,7 +91,7 @@ $(B)/cblas/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
 # valgrind: a plain build (no OpenMP: libgomp's pool reads as leaks)
 $(B)/vg/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(B)/vg
-	$(CC) -O1 -g $(WARN) $< -o $@ $(LDLIBS)
+	$(CC) -O1 -g $(WARN) -D_DEFAULT_SOURCE $< -o $@ $(LDLIBS)
 
 $(B)/vg/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/vg
@@ -100,7 +100,7 @@ $(B)/vg/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
 # ThreadSanitizer over the threads backend (no OpenMP: libgomp is not instrumented)
 $(B)/tsan/test_ep: tests/test_ep.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(B)/tsan
-	$(CC) -O1 -g $(WARN) -fsanitize=thread $< -o $@ $(LDLIBS)
+	$(CC) -O1 -g $(WARN) -D_DEFAULT_SOURCE -fsanitize=thread $< -o $@ $(LDLIBS)
 
 VALGRIND := $(shell command -v valgrind 2>/dev/null)
 VG_BINS = $(if $(VALGRIND),$(TESTS:%=$(B)/vg/%) $(B)/vg/moept_check)

@@ -28,8 +28,13 @@ skip() { echo "skip - $1: $2" | tee -a "$B/results.txt"; }
 
 : >"$B/results.txt"
 suite "reference cases" "$B/moept_check" $CASES
-for t in test_grad test_props test_errors; do
+for t in test_grad test_props test_errors test_ckpt; do
     suite "$t" "$B/$t"
+done
+# parameters from checkpoints written by transformers' save_pretrained
+for c in mixtral_e8_t40 qwen2_shared_norm_e8 olmoe_nonorm deepseek_group; do
+    suite "--weights $c" "$B/moept_check" --weights tests/checkpoints/$c --layer 1 tests/cases/$c.safetensors
+    suite "--weights $c --ep 4" "$B/moept_check" --ep 4 --weights tests/checkpoints/$c --layer 1 tests/cases/$c.safetensors
 done
 # expert parallel over threads: every case whose E splits over the ranks
 for n in 2 4 8; do
@@ -43,6 +48,7 @@ if [ -n "$MPIRUN" ]; then
     for n in 2 4; do
         suite "reference cases --ep $n (mpirun -np $n)" timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/moept_check_mpi" --ep $n $CASES
     done
+    suite "--weights mixtral_e8_t40 (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi" --ep 4 --weights tests/checkpoints/mixtral_e8_t40 --layer 1 tests/cases/mixtral_e8_t40.safetensors
     suite "reference cases --ep 4, MPI counts chunked (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi_chunked" --ep 4 $CASES
     suite "train --ep 4 (mpirun -np 4)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/train_mpi" --ep 4 --steps 30 --quiet --csv "$B/train_mpi.csv"
 else
@@ -51,7 +57,7 @@ fi
 # sanitizers: ASan + UBSan over the same suites (1 thread keeps it quick)
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 suite "asan+ubsan reference cases" env OMP_NUM_THREADS=2 "$B/san/moept_check" $CASES
-for t in test_grad test_props test_errors test_ep; do
+for t in test_grad test_props test_errors test_ep test_ckpt; do
     suite "asan+ubsan $t" env OMP_NUM_THREADS=2 "$B/san/$t"
 done
 suite "tsan test_ep" "$B/tsan/test_ep"

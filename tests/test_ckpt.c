@@ -1,0 +1,276 @@
+/* Checkpoints: safetensors round trips, Hugging Face names in and out for
+   all four families, per-rank loading that reads only the owned experts'
+   bytes, every malformed-file rule, and a save killed mid-write. */
+#include "../moept.c"
+#include "testutil.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+
+static moept_config fam_cfg(moept_family f) {
+    moept_config c = {0};
+    c.family = f; c.hidden_size = 12; c.intermediate_size = 10; c.num_experts = 8; c.top_k = 2;
+    c.norm_topk_prob = 1; c.max_tokens = 8;
+    if (f == MOEPT_FAMILY_QWEN2_MOE || f == MOEPT_FAMILY_DEEPSEEK_V3) c.shared_intermediate_size = 6;
+    if (f == MOEPT_FAMILY_DEEPSEEK_V3) { c.n_group = 4; c.topk_group = 2; }
+    return c;
+}
+
+static void test_hf_round_trip_all_families(void) {
+    mkdir("build/ckpt_rt", 0755);
+    for (int f = 0; f < 4; f++) {
+        moept_config c = fam_cfg((moept_family)f);
+        moept_layer *A, *B;
+        EXPECT_OK(moept_create(&c, &A));
+        EXPECT_OK(moept_create(&c, &B));
+        if (!A || !B) return;
+        moept_init_params(A, 3 + (uint64_t)f);
+        for (int64_t e = 0; e < A->E; e++) A->bias[e] = 0.1f * (float)e;
+        EXPECT_OK(moept_save_hf(A, "build/ckpt_rt/model.safetensors", 7, 1));
+        EXPECT_OK(moept_load_hf(B, "build/ckpt_rt", 7));
+        EXPECT(memcmp(A->params, B->params, (size_t)A->n_params * 4) == 0, "family %d: parameters differ after the round trip", f);
+        if (f == MOEPT_FAMILY_DEEPSEEK_V3)
+            EXPECT(memcmp(A->bias, B->bias, (size_t)A->E * 4) == 0, "correction bias differs after the round trip");
+        /* the names on disk are the HF ones */
+        moept_st_file *sf;
+        EXPECT_OK(moept_st_open("build/ckpt_rt/model.safetensors", &sf));
+        const char *want = f == 0 ? "model.layers.7.block_sparse_moe.experts.3.w3.weight" : "model.layers.7.mlp.experts.3.up_proj.weight";
+        EXPECT(sf && moept_st_find(sf, want), "family %d: '%s' not in the saved file", f, want);
+        moept_st_close(sf);
+        moept_destroy(A);
+        moept_destroy(B);
+    }
+}
+
+static void test_load_failure_leaves_layer_unchanged(void) {
+    moept_config c = fam_cfg(MOEPT_FAMILY_OLMOE);
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 1);
+    float *before = malloc((size_t)L->n_params * 4);
+    memcpy(before, L->params, (size_t)L->n_params * 4);
+    /* a checkpoint of another family: names do not match */
+    moept_config m = fam_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *M;
+    EXPECT_OK(moept_create(&m, &M));
+    mkdir("build/ckpt_bad", 0755);
+    EXPECT_OK(moept_save_hf(M, "build/ckpt_bad/model.safetensors", 0, 1));
+    moept_status st = moept_load_hf(L, "build/ckpt_bad", 0);
+    EXPECT(st == MOEPT_ERR_NOT_FOUND, "wrong-family checkpoint: status %d", st);
+    EXPECT(strstr(moept_last_error(L), "model.layers.0.mlp.gate.weight") != NULL, "message: %s", moept_last_error(L));
+    EXPECT(memcmp(before, L->params, (size_t)L->n_params * 4) == 0, "a failed load changed the layer");
+    EXPECT(moept_load_hf(L, "build/no_such_dir", 0) == MOEPT_ERR_IO, "missing directory");
+    free(before);
+    moept_destroy(L);
+    moept_destroy(M);
+}
+
+/* ---- per-rank loading at EP=4 from a transformers-written checkpoint ---- */
+typedef struct lj { moept_thread_group *g; int r; int64_t read, bound, owned; moept_status st; char err[512]; } lj;
+
+static void *load_main(void *arg) {
+    lj *j = arg;
+    moept_comm *c;
+    moept_comm_threads(j->g, j->r, &c);
+    moept_st_file *sf;
+    moept_st_open("tests/cases/mixtral_e8_t40.safetensors", &sf);
+    moept_config cfg = {0};
+    cfg.family = MOEPT_FAMILY_MIXTRAL;
+    cfg.hidden_size = 24; cfg.intermediate_size = 20; cfg.num_experts = 8; cfg.top_k = 2; cfg.norm_topk_prob = 1;
+    cfg.max_tokens = 16;
+    moept_st_close(sf);
+    moept_layer *L = NULL;
+    j->st = moept_create_parallel(&cfg, c, NULL, &L);
+    if (!j->st) j->st = moept_load_hf(L, "tests/checkpoints/mixtral_e8_t40", 1);
+    if (j->st) { snprintf(j->err, sizeof j->err, "%s", L ? moept_last_error(L) : moept_last_error(NULL)); moept_destroy(L); return NULL; }
+    moept_stats st;
+    moept_get_stats(L, &st, NULL);
+    j->read = st.checkpoint_bytes_read;
+    /* the bound: this rank's experts + the router + every file header it
+       had to open + the index */
+    int64_t owned = (int64_t)L->n_params * 4; /* router + local experts (no shared expert here) */
+    j->owned = owned;
+    int64_t headers = 0;
+    struct stat sb;
+    if (stat("tests/checkpoints/mixtral_e8_t40/model.safetensors.index.json", &sb) == 0) headers += sb.st_size;
+    for (int i = 1; i <= 9; i++) {
+        char p[256];
+        snprintf(p, sizeof p, "tests/checkpoints/mixtral_e8_t40/model-%05d-of-00009.safetensors", i);
+        FILE *f = fopen(p, "rb");
+        unsigned char len[8] = {0};
+        if (f && fread(len, 1, 8, f) == 8) {
+            uint64_t hl = 0;
+            for (int b = 7; b >= 0; b--) hl = (hl << 8) | len[b];
+            headers += 8 + (int64_t)hl;
+        }
+        if (f) fclose(f);
+    }
+    j->bound = owned + headers;
+    moept_destroy(L);
+    return NULL;
+}
+
+static void test_per_rank_loading_reads_only_owned_bytes(void) {
+    moept_thread_group *g;
+    moept_thread_group_create(4, 20000, &g);
+    lj js[4];
+    pthread_t th[4];
+    for (int r = 0; r < 4; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; pthread_create(&th[r], NULL, load_main, &js[r]); }
+    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 4; r++) {
+        EXPECT(js[r].st == MOEPT_OK, "rank %d: %s", r, js[r].err);
+        EXPECT(js[r].read <= js[r].bound, "rank %d read %lld bytes > owned + replicated + headers = %lld", r,
+               (long long)js[r].read, (long long)js[r].bound);
+        EXPECT(js[r].read >= js[r].owned, "rank %d read %lld bytes < its own tensors' %lld", r, (long long)js[r].read,
+               (long long)js[r].owned);
+    }
+    moept_thread_group_destroy(g);
+}
+
+/* ---- malformed files: one per rule ---- */
+static void write_raw(const char *path, const char *header, int64_t hlen_field, const void *data, size_t nd) {
+    FILE *f = fopen(path, "wb");
+    uint64_t n = hlen_field >= 0 ? (uint64_t)hlen_field : strlen(header);
+    unsigned char len[8];
+    for (int b = 0; b < 8; b++) len[b] = (unsigned char)(n >> (8 * b));
+    fwrite(len, 1, 8, f);
+    fwrite(header, 1, strlen(header), f);
+    if (nd) fwrite(data, 1, nd, f);
+    fclose(f);
+}
+
+static void test_malformed_rules(void) {
+    static const struct { const char *why, *header; int64_t hlen; size_t data; const char *msg; } cases[] = {
+        {"header length 0", "", 0, 0, "header length"},
+        {"header length 1", "{", 1, 0, "header length"},
+        {"header length over 100 MB", "{}", 100000001, 0, "header length"},
+        {"header past the end of the file", "{}", 4000, 0, "past the end"},
+        {"not UTF-8", "{\"\xff\":{}}", -1, 0, "UTF-8"},
+        {"not an object", "[1,2]", -1, 0, "not a JSON object"},
+        {"trailing garbage after the object", "{} x", -1, 0, "trailing characters"},
+        {"metadata value not a string", "{\"__metadata__\":{\"a\":1}}", -1, 0, "must be strings"},
+        {"duplicate metadata key", "{\"__metadata__\":{\"a\":\"1\",\"a\":\"2\"}}", -1, 0, "duplicate key"},
+        {"duplicate tensor name", "{\"t\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},\"t\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}", -1, 2, "duplicate tensor name"},
+        {"unknown dtype", "{\"t\":{\"dtype\":\"F8\",\"shape\":[1],\"data_offsets\":[0,1]}}", -1, 1, "unknown dtype"},
+        {"shape x dtype != byte range", "{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,4]}}", -1, 4, "shape needs 8 bytes"},
+        {"end before begin", "{\"t\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[4,0]}}", -1, 4, "end"},
+        {"gap between tensors", "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},\"b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[2,3]}}", -1, 3, "gap"},
+        {"overlapping tensors", "{\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]},\"b\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[1,3]}}", -1, 3, "overlap"},
+        {"data past the end", "{\"t\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[0,8]}}", -1, 4, "past the end"},
+        {"trailing bytes", "{\"t\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]}}", -1, 5, "trailing bytes"},
+        {"shape overflows 64 bits", "{\"t\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,4]}}", -1, 4, "overflows"},
+        {"integer overflows 64 bits", "{\"t\":{\"dtype\":\"U8\",\"shape\":[99999999999999999999],\"data_offsets\":[0,1]}}", -1, 1, "overflows"},
+        {"negative number", "{\"t\":{\"dtype\":\"U8\",\"shape\":[-1],\"data_offsets\":[0,1]}}", -1, 1, "non-negative integer"},
+        {"float in shape", "{\"t\":{\"dtype\":\"U8\",\"shape\":[1.5],\"data_offsets\":[0,1]}}", -1, 1, "integer"},
+        {"unknown field", "{\"t\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1],\"x\":1}}", -1, 1, "unexpected or repeated field"},
+        {"missing data_offsets", "{\"t\":{\"dtype\":\"U8\",\"shape\":[1]}}", -1, 1, "needs dtype, shape and data_offsets"},
+        {"unpaired surrogate", "{\"\\ud800\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", -1, 1, "surrogate"},
+        {"control character in a name", "{\"a\x01\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", -1, 1, "control character"},
+        {"more than 8 dimensions", "{\"t\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,1]}}", -1, 1, "more than 8"},
+    };
+    static const unsigned char zeros[64] = {0};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        write_raw("build/malformed.safetensors", cases[i].header, cases[i].hlen, zeros, cases[i].data);
+        moept_st_file *f = (moept_st_file *)1;
+        moept_status st = moept_st_open("build/malformed.safetensors", &f);
+        EXPECT(st == MOEPT_ERR_FORMAT && f == NULL, "%s: accepted (status %d)", cases[i].why, st);
+        EXPECT(strstr(moept_last_error(NULL), cases[i].msg) != NULL, "%s: message '%s' lacks '%s'", cases[i].why,
+               moept_last_error(NULL), cases[i].msg);
+    }
+    /* shorter than the length field */
+    FILE *f = fopen("build/malformed.safetensors", "wb");
+    fwrite("abc", 1, 3, f);
+    fclose(f);
+    moept_st_file *sf;
+    EXPECT(moept_st_open("build/malformed.safetensors", &sf) == MOEPT_ERR_FORMAT, "3-byte file accepted");
+    /* and a well-formed one with escapes, an empty tensor and metadata */
+    write_raw("build/malformed.safetensors",
+              "{\"__metadata__\":{\"k\":\"v\\n\"},\"a\\\"b\\u00e9\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+              "\"e\":{\"dtype\":\"F32\",\"shape\":[0,3],\"data_offsets\":[4,4]}}", -1, zeros, 4);
+    EXPECT(moept_st_open("build/malformed.safetensors", &sf) == MOEPT_OK, "valid file rejected: %s", moept_last_error(NULL));
+    if (sf) {
+        EXPECT(moept_st_find(sf, "a\"b\xc3\xa9") != NULL, "escaped name not decoded");
+        EXPECT(moept_st_meta(sf, "k") && strcmp(moept_st_meta(sf, "k"), "v\n") == 0, "metadata not decoded");
+        moept_st_close(sf);
+    }
+}
+
+static void test_dtypes_convert(void) {
+    /* F16 and BF16 read as fp32; writer and reader agree on every dtype */
+    uint16_t h[4] = {0x3c00, 0xc000, 0x0001, 0x7bff};   /* 1, -2, 2^-24, 65504 */
+    uint16_t b[3] = {0x3f80, 0xc040, 0x4049};           /* 1, -3, 3.140625 */
+    moept_st_writer *w;
+    EXPECT_OK(moept_st_writer_create(&w));
+    int64_t s4 = 4, s3 = 3;
+    EXPECT_OK(moept_st_add(w, "h", MOEPT_DTYPE_F16, 1, &s4, h));
+    EXPECT_OK(moept_st_add(w, "b", MOEPT_DTYPE_BF16, 1, &s3, b));
+    EXPECT(moept_st_add(w, "h", MOEPT_DTYPE_F16, 1, &s4, h) == MOEPT_ERR_INVALID_ARGUMENT, "duplicate name accepted by the writer");
+    EXPECT_OK(moept_st_write(w, "build/dtypes.safetensors"));
+    moept_st_writer_destroy(w);
+    moept_st_file *f;
+    EXPECT_OK(moept_st_open("build/dtypes.safetensors", &f));
+    if (!f) return;
+    float out[4];
+    EXPECT_OK(moept_st_read_f32(f, moept_st_find(f, "h"), out, 4));
+    EXPECT(out[0] == 1.0f && out[1] == -2.0f && out[2] == ldexpf(1.0f, -24) && out[3] == 65504.0f, "F16 conversion: %g %g %g %g",
+           out[0], out[1], out[2], out[3]);
+    EXPECT_OK(moept_st_read_f32(f, moept_st_find(f, "b"), out, 3));
+    EXPECT(out[0] == 1.0f && out[1] == -3.0f && out[2] == 3.140625f, "BF16 conversion");
+    moept_st_close(f);
+}
+
+static void test_crash_during_save_keeps_previous(void) {
+    /* a valid checkpoint, then a save of a large one killed mid-write */
+    moept_st_writer *w;
+    float small[4] = {1, 2, 3, 4};
+    int64_t s4 = 4;
+    moept_st_writer_create(&w);
+    moept_st_add(w, "v", MOEPT_DTYPE_F32, 1, &s4, small);
+    EXPECT_OK(moept_st_write(w, "build/crash.safetensors"));
+    moept_st_writer_destroy(w);
+    int64_t big = (int64_t)96 << 20; /* 384 MB of floats: takes a while to write */
+    pid_t pid = fork();
+    if (pid == 0) {
+        float *data = calloc((size_t)big, 4);
+        moept_st_writer *cw;
+        moept_st_writer_create(&cw);
+        moept_st_add(cw, "v", MOEPT_DTYPE_F32, 1, &big, data);
+        moept_st_write(cw, "build/crash.safetensors");
+        _exit(0);
+    }
+    /* kill it once the temporary file has started to grow */
+    char tmp[256];
+    snprintf(tmp, sizeof tmp, "build/crash.safetensors.tmp.%ld", (long)pid);
+    struct stat sb;
+    for (int i = 0; i < 2000; i++) {
+        if (stat(tmp, &sb) == 0 && sb.st_size > (1 << 20)) break;
+        usleep(1000);
+    }
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    EXPECT(WIFSIGNALED(status), "the writer finished before it was killed; the test proves nothing");
+    moept_st_file *f;
+    EXPECT_OK(moept_st_open("build/crash.safetensors", &f));
+    if (f) {
+        float out[4] = {0};
+        const moept_st_tensor *t = moept_st_find(f, "v");
+        EXPECT(t && t->numel == 4, "the previous checkpoint was replaced by a partial one");
+        if (t && t->numel == 4) {
+            moept_st_read_f32(f, t, out, 4);
+            EXPECT(memcmp(out, small, sizeof small) == 0, "previous checkpoint's data changed");
+        }
+        moept_st_close(f);
+    }
+    unlink(tmp);
+}
+
+int main(void) {
+    RUN(test_hf_round_trip_all_families);
+    RUN(test_load_failure_leaves_layer_unchanged);
+    RUN(test_per_rank_loading_reads_only_owned_bytes);
+    RUN(test_malformed_rules);
+    RUN(test_dtypes_convert);
+    RUN(test_crash_during_save_keeps_previous);
+    return tu_done();
+}
