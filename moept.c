@@ -442,6 +442,8 @@ struct moept_layer {
     double aux_value, z_value; /* the last forward's losses in double */
     double loss_T;             /* tokens the losses average over (global or local) */
     int64_t work_bytes;        /* the fixed workspace block */
+    float *opt_m, *opt_v;      /* [n_params] AdamW moments (first step allocates) */
+    int64_t opt_t;             /* AdamW steps taken */
     double capacity_factor;    /* the float config value read as the decimal
                                   it was written as (0.6f -> 0.6), so that
                                   ceil(0.6 * 20) is 12 as in Megatron */
@@ -586,6 +588,7 @@ void moept_destroy(moept_layer *L) {
     MOEPT_FREE(L->table);
     MOEPT_FREE(L->work);
     MOEPT_FREE(L->rwork);
+    MOEPT_FREE(L->opt_m);
     MOEPT_FREE(L);
 }
 
@@ -2946,5 +2949,151 @@ moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index
     if (!st) st = moept_st_write(w, path);
     moept_st_writer_destroy(w);
     if (st) return moept__fail(L, st, "moept_save_hf: %s", moept__thread_err);
+    return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   AdamW and training checkpoints
+   ------------------------------------------------------------------------ */
+moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
+    if (!L || !o) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: NULL argument");
+    float b1 = o->beta1 ? o->beta1 : 0.9f, b2 = o->beta2 ? o->beta2 : 0.999f, eps = o->eps ? o->eps : 1e-8f;
+    float wd = o->weight_decay, lr = o->lr;
+    if (!moept__finite(lr) || lr < 0 || !(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) || !moept__finite(wd) || wd < 0)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: need lr >= 0, betas in [0,1), eps > 0, weight_decay >= 0");
+    if (!L->opt_m) {
+        float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
+        if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");
+        memset(s, 0, (size_t)(2 * L->n_params) * sizeof(float));
+        L->opt_m = s; L->opt_v = s + L->n_params;
+    }
+    int64_t t = ++L->opt_t;
+    double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
+    float step = (float)(lr / bc1), sbc2 = (float)sqrt(bc2);
+    float *p = L->params, *g = L->grads, *m = L->opt_m, *v = L->opt_v;
+    const int64_t n = L->n_params;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(n)
+    for (int64_t i = 0; i < n; i++) {
+        p[i] *= 1.0f - lr * wd;
+        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+        p[i] -= step * m[i] / (sqrtf(v[i]) / sbc2 + eps);
+    }
+    return MOEPT_OK;
+}
+
+static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
+    int64_t fp[MOEPT__NFP];
+    moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, fp);
+    uint64_t h = 1469598103934665603ull; /* FNV-1a over the fields */
+    for (int i = 0; i < MOEPT__NFP; i++)
+        for (int b = 0; b < 8; b++) { h ^= (uint64_t)((fp[i] >> (8 * b)) & 0xff); h *= 1099511628211ull; }
+    snprintf(out, n, "%016llx", (unsigned long long)h);
+}
+
+typedef struct moept__text { const char *s; } moept__text;
+static int moept__text_emit(int fd, const void *ctx) {
+    const moept__text *t = ctx;
+    return moept__write_all(fd, t->s, (int64_t)strlen(t->s));
+}
+
+moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: layer is NULL");
+    if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: dir is NULL");
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return moept__fail(L, MOEPT_ERR_IO, "moept_save_checkpoint: cannot create %s: %s", dir, strerror(errno));
+    char path[4096], fp[32], step[32], meta[512], name[256];
+    moept__fp_hex(L, fp, sizeof fp);
+    snprintf(step, sizeof step, "%lld", (long long)L->opt_t);
+    moept_st_writer *w;
+    moept_status st = moept_st_writer_create(&w);
+    for (int64_t i = 0; !st && i < L->n_table; i++) {
+        const moept__param *p = &L->table[i];
+        int64_t shape[2] = {p->rows, p->cols};
+        st = moept_st_add(w, p->name, MOEPT_DTYPE_F32, 2, shape, p->data);
+        if (!st && p->grad && L->opt_m) {
+            int64_t off = p->data - L->params;
+            snprintf(name, sizeof name, "optimizer.m.%s", p->name);
+            st = moept_st_add(w, name, MOEPT_DTYPE_F32, 2, shape, L->opt_m + off);
+            snprintf(name, sizeof name, "optimizer.v.%s", p->name);
+            if (!st) st = moept_st_add(w, name, MOEPT_DTYPE_F32, 2, shape, L->opt_v + off);
+        }
+    }
+    if (!st) st = moept_st_add_meta(w, "format", "moept-train-v1");
+    if (!st) st = moept_st_add_meta(w, "step", step);
+    if (!st) st = moept_st_add_meta(w, "fingerprint", fp);
+    snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", dir, L->rank, L->P);
+    if (!st) st = moept_st_write(w, path);
+    moept_st_writer_destroy(w);
+    if (!st && L->rank == 0) {
+        snprintf(meta, sizeof meta, "{\"format\": \"moept-train-v1\", \"num_experts\": %lld, \"ep_size\": %d, "
+                 "\"fingerprint\": \"%s\", \"step\": %s}\n", (long long)L->E, L->P, fp, step);
+        moept__text t = {meta};
+        snprintf(path, sizeof path, "%s/index.json", dir);
+        st = moept__atomic_write(path, moept__text_emit, &t);
+    }
+    if (st) return moept__fail(L, st, "moept_save_checkpoint: %s", moept__thread_err);
+    return MOEPT_OK;
+}
+
+moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: layer is NULL");
+    if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: dir is NULL");
+    char path[4096], fp[32], name[256];
+    moept__fp_hex(L, fp, sizeof fp);
+    snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", dir, L->rank, L->P);
+    moept_st_file *f;
+    moept_status st = moept_st_open(path, &f);
+    if (st) {
+        if (st == MOEPT_ERR_IO)
+            return moept__fail(L, st, "moept_load_checkpoint: %s (a checkpoint saved at another EP size needs resharding)", moept__thread_err);
+        return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
+    }
+    const char *fmt = moept_st_meta(f, "format"), *ffp = moept_st_meta(f, "fingerprint"), *fstep = moept_st_meta(f, "step");
+    if (!fmt || strcmp(fmt, "moept-train-v1") != 0 || !ffp || !fstep) {
+        moept_st_close(f);
+        return moept__fail(L, MOEPT_ERR_FORMAT, "moept_load_checkpoint: %s is not a moept training checkpoint", path);
+    }
+    if (strcmp(ffp, fp) != 0) {
+        moept_st_close(f);
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: %s was saved with another config (fingerprint %s, this layer %s)",
+                           path, ffp, fp);
+    }
+    char *end;
+    long long t = strtoll(fstep, &end, 10);
+    int has_opt = t > 0;
+    /* stage everything, then commit */
+    size_t n = (size_t)L->n_params;
+    float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float));
+    if (!stage) { moept_st_close(f); return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_load_checkpoint: out of memory"); }
+    memset(stage, 0, (3 * n + (size_t)L->E) * sizeof(float));
+    for (int64_t i = 0; !st && i < L->n_table; i++) {
+        const moept__param *p = &L->table[i];
+        int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->params, cnt = p->rows * p->cols;
+        for (int k = 0; k < (p->grad && has_opt ? 3 : 1) && !st; k++) {
+            if (k == 0) snprintf(name, sizeof name, "%s", p->name);
+            else snprintf(name, sizeof name, "optimizer.%c.%s", k == 1 ? 'm' : 'v', p->name);
+            const moept_st_tensor *tt = moept_st_find(f, name);
+            if (!tt) st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: no tensor '%s'", path, name);
+            else st = moept_st_read_f32(f, tt, stage + off + (int64_t)k * (int64_t)n, cnt);
+        }
+    }
+    moept_st_close(f);
+    if (!st && has_opt && !L->opt_m) {
+        float *s = moept__alloc(&L->mem, 2 * n * sizeof(float));
+        if (!s) st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
+        else { L->opt_m = s; L->opt_v = s + n; }
+    }
+    if (st) { MOEPT_FREE(stage); return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err); }
+    memcpy(L->params, stage, n * sizeof(float));
+    memcpy(L->bias, stage + 3 * n, (size_t)L->E * sizeof(float));
+    if (has_opt) {
+        memcpy(L->opt_m, stage + n, n * sizeof(float));
+        memcpy(L->opt_v, stage + 2 * n, n * sizeof(float));
+    } else if (L->opt_m) {
+        memset(L->opt_m, 0, 2 * n * sizeof(float));
+    }
+    L->opt_t = t;
+    MOEPT_FREE(stage);
     return MOEPT_OK;
 }

@@ -384,6 +384,24 @@ moept_status moept_st_read_f32(moept_st_file *f, const moept_st_tensor *t,
 moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t,
                                int64_t *dst, int64_t numel);
 
+/* ---- optimizer and training checkpoints -------------------------------- */
+typedef struct moept_adamw {
+    float lr, beta1, beta2, eps, weight_decay;   /* 0 = torch's default, except lr */
+} moept_adamw;
+/* One AdamW step over this rank's parameter buffer with its gradients, as
+   torch.optim.AdamW: p -= lr*wd*p; m, v updated; p -= lr/(1-b1^t) * m /
+   (sqrt(v)/sqrt(1-b2^t) + eps). Correct under EP once gradients are synced:
+   each rank updates its own experts, replicated parameters get identical
+   updates everywhere. The state (m, v, t) is allocated on the first call. */
+moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
+/* Training checkpoint in directory `dir` (created if needed): each rank
+   writes rank-R-of-P.safetensors (parameters under HF names, AdamW state,
+   correction bias, the step), atomically; rank 0 also writes index.json
+   with E, the EP size and the config fingerprint. Loading verifies all of
+   it and restores the exact state, so training resumes bitwise. */
+moept_status moept_save_checkpoint(moept_layer *layer, const char *dir);
+moept_status moept_load_checkpoint(moept_layer *layer, const char *dir);
+
 /* ---- safetensors, write side -------------------------------------------
    Tensors are added by pointer (no copy) and written in the order added.
    The file is written atomically: a temporary file in the same directory,

@@ -265,6 +265,111 @@ static void test_crash_during_save_keeps_previous(void) {
     unlink(tmp);
 }
 
+/* ---- resume: N steps, save, a fresh layer loads, M more steps: the losses
+   equal those of the uninterrupted run bit for bit ---- */
+typedef struct rj { moept_thread_group *g; int r, P, from, to; const char *dir; int save_at; double loss[16]; moept_status st; char err[512]; } rj;
+
+static void *resume_main(void *arg) {
+    rj *j = arg;
+    moept_comm *c = NULL;
+    if (j->P > 1) moept_comm_threads(j->g, j->r, &c);
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+    moept_config cfg = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.global_balance = 1;
+    moept_layer *L = NULL;
+    j->st = moept_create_parallel(&cfg, c, NULL, &L);
+    if (!j->st) j->st = moept_init_params(L, 9);
+    if (!j->st && j->from > 0) j->st = moept_load_checkpoint(L, j->dir);
+    moept_adamw opt = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+    float x[8 * 12], y[8 * 12], dy[8 * 12], dx[8 * 12];
+    for (int s = j->from; s < j->to && !j->st; s++) {
+        unsigned long long seed = 1000 + (unsigned long long)s * 31 + (unsigned long long)j->r;
+        tu_fill(x, 8 * 12, 1.0, &seed);
+        tu_fill(dy, 8 * 12, 1.0, &seed);
+        moept_zero_grad(L);
+        if ((j->st = moept_forward(L, x, 8, y))) break;
+        if ((j->st = moept_backward(L, x, dy, dx))) break;
+        if ((j->st = moept_sync_grads(L, 1.0f))) break;
+        if ((j->st = moept_adamw_step(L, &opt))) break;
+        if ((j->st = moept_update_bias(L, 1e-3f))) break;
+        double l = 0;
+        for (int i = 0; i < 8 * 12; i++) l += (double)y[i] * dy[i];
+        moept_stats st;
+        moept_get_stats(L, &st, NULL);
+        j->loss[s] = l + st.aux_loss;
+        if (s + 1 == j->save_at && (j->st = moept_save_checkpoint(L, j->dir))) break;
+    }
+    if (j->st) snprintf(j->err, sizeof j->err, "%s", L ? moept_last_error(L) : moept_last_error(NULL));
+    moept_destroy(L);
+    return NULL;
+}
+
+static void run_resume(int P, rj *js, int from, int to, int save_at, const char *dir) {
+    moept_thread_group *g = NULL;
+    if (P > 1) moept_thread_group_create(P, 20000, &g);
+    pthread_t th[4];
+    for (int r = 0; r < P; r++) {
+        memset(&js[r], 0, sizeof js[r]);
+        js[r].g = g; js[r].r = r; js[r].P = P; js[r].from = from; js[r].to = to; js[r].save_at = save_at; js[r].dir = dir;
+        pthread_create(&th[r], NULL, resume_main, &js[r]);
+    }
+    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+}
+
+static void test_resume_is_bitwise(void) {
+    static const int Ps[2] = {1, 4};
+    for (int pi = 0; pi < 2; pi++) {
+        int P = Ps[pi];
+        rj full[4], a[4], b[4];
+        char dir[64];
+        snprintf(dir, sizeof dir, "build/resume_ep%d", P);
+        run_resume(P, full, 0, 10, 0, dir);   /* uninterrupted */
+        run_resume(P, a, 0, 5, 5, dir);       /* 5 steps, save, stop */
+        run_resume(P, b, 5, 10, 0, dir);      /* a fresh layer resumes */
+        for (int r = 0; r < P; r++) {
+            EXPECT(full[r].st == MOEPT_OK && a[r].st == MOEPT_OK && b[r].st == MOEPT_OK, "EP=%d rank %d: %s %s %s", P, r,
+                   full[r].err, a[r].err, b[r].err);
+            for (int s = 0; s < 10; s++) {
+                double got = s < 5 ? a[r].loss[s] : b[r].loss[s];
+                EXPECT(memcmp(&got, &full[r].loss[s], sizeof got) == 0, "EP=%d rank %d step %d: %.17g resumed vs %.17g", P, r, s,
+                       got, full[r].loss[s]);
+            }
+        }
+        /* the checkpoint refuses another EP layout */
+        if (P == 4) {
+            moept_config cfg = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
+            cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.global_balance = 1;
+            moept_layer *L;
+            EXPECT_OK(moept_create(&cfg, &L));
+            EXPECT(moept_load_checkpoint(L, dir) != MOEPT_OK, "an EP=4 checkpoint loaded into an EP=1 layer");
+            moept_destroy(L);
+        }
+    }
+}
+
+static void test_adamw_matches_formula(void) {
+    moept_config c = fam_cfg(MOEPT_FAMILY_OLMOE);
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 2);
+    double p = L->params[5], m = 0, v = 0;
+    moept_adamw opt = {0.01f, 0.9f, 0.999f, 1e-8f, 0.1f};
+    for (int t = 1; t <= 3; t++) {
+        float g = 0.3f * (float)t - 0.5f;
+        L->grads[5] = g;
+        EXPECT_OK(moept_adamw_step(L, &opt));
+        p *= 1 - 0.01 * 0.1;
+        m = 0.9 * m + 0.1 * g;
+        v = 0.999 * v + 0.001 * (double)g * g;
+        p -= 0.01 / (1 - pow(0.9, t)) * m / (sqrt(v) / sqrt(1 - pow(0.999, t)) + 1e-8);
+        EXPECT(fabs(L->params[5] - p) < 1e-6, "step %d: %.9g vs torch.optim.AdamW's %.9g", t, L->params[5], p);
+    }
+    moept_destroy(L);
+}
+
 int main(void) {
     RUN(test_hf_round_trip_all_families);
     RUN(test_load_failure_leaves_layer_unchanged);
@@ -272,5 +377,7 @@ int main(void) {
     RUN(test_malformed_rules);
     RUN(test_dtypes_convert);
     RUN(test_crash_during_save_keeps_previous);
+    RUN(test_adamw_matches_formula);
+    RUN(test_resume_is_bitwise);
     return tu_done();
 }
