@@ -2985,8 +2985,8 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
 static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
     int64_t fp[MOEPT__NFP];
     moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, fp);
-    uint64_t h = 1469598103934665603ull; /* FNV-1a over the fields */
-    for (int i = 0; i < MOEPT__NFP; i++)
+    uint64_t h = 1469598103934665603ull; /* FNV-1a over the fields, the layout (EP, DP sizes) left out */
+    for (int i = 0; i < MOEPT__NFP - 2; i++)
         for (int b = 0; b < 8; b++) { h ^= (uint64_t)((fp[i] >> (8 * b)) & 0xff); h *= 1099511628211ull; }
     snprintf(out, n, "%016llx", (unsigned long long)h);
 }
@@ -3036,49 +3036,99 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     return MOEPT_OK;
 }
 
+/* index.json of a training checkpoint: the EP size it was saved at and
+   the config fingerprint */
+static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/index.json", dir);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    char buf[4096];
+    int64_t n = (int64_t)read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty or unreadable", path);
+    buf[n] = 0;
+    moept__json j = {buf, buf + n, NULL};
+    *ep = -1;
+    fp[0] = 0;
+    int ok = moept__jchar(&j, '{');
+    if (ok && !moept__jchar(&j, '}')) {
+        do {
+            char *k = moept__jstring(&j);
+            if (!k || !moept__jchar(&j, ':')) { ok = 0; break; }
+            if (strcmp(k, "ep_size") == 0) ok = moept__juint(&j, ep);
+            else if (strcmp(k, "fingerprint") == 0) {
+                char *v = moept__jstring(&j);
+                if (v) snprintf(fp, fpn, "%s", v);
+                ok = v != NULL;
+            } else ok = moept__jskip(&j, 0);
+        } while (ok && moept__jchar(&j, ','));
+        ok = ok && moept__jchar(&j, '}');
+    }
+    if (!ok || *ep < 1 || !fp[0]) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a moept checkpoint index", path);
+    return MOEPT_OK;
+}
+
+/* Loads a training checkpoint saved at any EP size P that divides E into
+   this layer's layout (Q ranks): every tensor this rank needs is read with
+   positioned reads from the file of the rank that saved it (replicated
+   ones from rank 0's), nothing else. */
 moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: layer is NULL");
     if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: dir is NULL");
-    char path[4096], fp[32], name[256];
+    char path[4096], fp[32], ffp[64], name[256];
     moept__fp_hex(L, fp, sizeof fp);
-    snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", dir, L->rank, L->P);
-    moept_st_file *f;
-    moept_status st = moept_st_open(path, &f);
-    if (st) {
-        if (st == MOEPT_ERR_IO)
-            return moept__fail(L, st, "moept_load_checkpoint: %s (a checkpoint saved at another EP size needs resharding)", moept__thread_err);
-        return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
-    }
-    const char *fmt = moept_st_meta(f, "format"), *ffp = moept_st_meta(f, "fingerprint"), *fstep = moept_st_meta(f, "step");
-    if (!fmt || strcmp(fmt, "moept-train-v1") != 0 || !ffp || !fstep) {
-        moept_st_close(f);
-        return moept__fail(L, MOEPT_ERR_FORMAT, "moept_load_checkpoint: %s is not a moept training checkpoint", path);
-    }
-    if (strcmp(ffp, fp) != 0) {
-        moept_st_close(f);
+    int64_t P = 0;
+    moept_status st = moept__read_ckpt_index(dir, &P, ffp, sizeof ffp);
+    if (st) return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
+    if (strcmp(ffp, fp) != 0)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: %s was saved with another config (fingerprint %s, this layer %s)",
-                           path, ffp, fp);
-    }
-    char *end;
-    long long t = strtoll(fstep, &end, 10);
-    int has_opt = t > 0;
-    /* stage everything, then commit */
+                           dir, ffp, fp);
+    if (P > L->E || L->E % P != 0)
+        return moept__fail(L, MOEPT_ERR_FORMAT, "moept_load_checkpoint: %s: EP size %lld does not divide E=%lld", dir, (long long)P, (long long)L->E);
+    int64_t Elp = L->E / P;
+    moept_st_file **files = moept__alloc(NULL, (size_t)P * sizeof *files);
     size_t n = (size_t)L->n_params;
     float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float));
-    if (!stage) { moept_st_close(f); return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_load_checkpoint: out of memory"); }
+    if (!files || !stage) {
+        MOEPT_FREE(files); MOEPT_FREE(stage);
+        return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_load_checkpoint: out of memory");
+    }
+    for (int64_t r = 0; r < P; r++) files[r] = NULL;
     memset(stage, 0, (3 * n + (size_t)L->E) * sizeof(float));
+    long long t = -1;
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
+        int64_t src = p->expert >= 0 ? p->expert / Elp : 0; /* the rank that saved it */
+        if (!files[src]) {
+            snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)src, (long long)P);
+            if ((st = moept_st_open(path, &files[src]))) break;
+            L->stats.checkpoint_bytes_read += files[src]->bytes_read;
+            const char *fmt = moept_st_meta(files[src], "format"), *fs = moept_st_meta(files[src], "step");
+            const char *f2 = moept_st_meta(files[src], "fingerprint");
+            char *end = NULL;
+            long long ts = fs ? strtoll(fs, &end, 10) : -1;
+            if (!fmt || strcmp(fmt, "moept-train-v1") != 0 || !f2 || strcmp(f2, fp) != 0 || !fs || *end || ts < 0 || (t >= 0 && ts != t)) {
+                st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a training checkpoint of this config, or its step disagrees with the others", path);
+                break;
+            }
+            t = ts;
+        }
+        int has_opt = t > 0;
         int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->params, cnt = p->rows * p->cols;
         for (int k = 0; k < (p->grad && has_opt ? 3 : 1) && !st; k++) {
             if (k == 0) snprintf(name, sizeof name, "%s", p->name);
             else snprintf(name, sizeof name, "optimizer.%c.%s", k == 1 ? 'm' : 'v', p->name);
-            const moept_st_tensor *tt = moept_st_find(f, name);
-            if (!tt) st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: no tensor '%s'", path, name);
-            else st = moept_st_read_f32(f, tt, stage + off + (int64_t)k * (int64_t)n, cnt);
+            const moept_st_tensor *tt = moept_st_find(files[src], name);
+            if (!tt) { st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: rank %lld's file has no tensor '%s'", dir, (long long)src, name); break; }
+            int64_t before = files[src]->bytes_read;
+            st = moept_st_read_f32(files[src], tt, stage + off + (int64_t)k * (int64_t)n, cnt);
+            L->stats.checkpoint_bytes_read += files[src]->bytes_read - before;
         }
     }
-    moept_st_close(f);
+    for (int64_t r = 0; r < P; r++) moept_st_close(files[r]);
+    MOEPT_FREE(files);
+    int has_opt = t > 0;
     if (!st && has_opt && !L->opt_m) {
         float *s = moept__alloc(&L->mem, 2 * n * sizeof(float));
         if (!s) st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");

@@ -398,7 +398,10 @@ moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
    writes rank-R-of-P.safetensors (parameters under HF names, AdamW state,
    correction bias, the step), atomically; rank 0 also writes index.json
    with E, the EP size and the config fingerprint. Loading verifies all of
-   it and restores the exact state, so training resumes bitwise. */
+   it and restores the exact state, so training resumes bitwise; a
+   checkpoint saved at EP size P loads into any EP size Q (P and Q dividing
+   E): each rank reads only its experts' byte ranges from the files that
+   hold them. */
 moept_status moept_save_checkpoint(moept_layer *layer, const char *dir);
 moept_status moept_load_checkpoint(moept_layer *layer, const char *dir);
 

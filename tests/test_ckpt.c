@@ -338,15 +338,77 @@ static void test_resume_is_bitwise(void) {
                        got, full[r].loss[s]);
             }
         }
-        /* the checkpoint refuses another EP layout */
-        if (P == 4) {
-            moept_config cfg = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
-            cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.global_balance = 1;
-            moept_layer *L;
-            EXPECT_OK(moept_create(&cfg, &L));
-            EXPECT(moept_load_checkpoint(L, dir) != MOEPT_OK, "an EP=4 checkpoint loaded into an EP=1 layer");
-            moept_destroy(L);
+        /* a config that differs is refused */
+        moept_config cfg = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
+        cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.02f; cfg.global_balance = 1;
+        moept_layer *L;
+        EXPECT_OK(moept_create(&cfg, &L));
+        EXPECT(moept_load_checkpoint(L, dir) == MOEPT_ERR_INVALID_ARGUMENT, "a checkpoint of another config loaded");
+        moept_destroy(L);
+    }
+}
+
+/* load a checkpoint at another EP size, save it again there */
+typedef struct rs { moept_thread_group *g; int r, Q; const char *src, *dst; moept_status st; char err[512]; } rs;
+static void *reshard_main(void *arg) {
+    rs *j = arg;
+    moept_comm *c = NULL;
+    if (j->Q > 1) moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.global_balance = 1;
+    moept_layer *L = NULL;
+    j->st = moept_create_parallel(&cfg, c, NULL, &L);
+    if (!j->st) j->st = moept_load_checkpoint(L, j->src);
+    if (!j->st) j->st = moept_save_checkpoint(L, j->dst);
+    if (j->st) snprintf(j->err, sizeof j->err, "%s", L ? moept_last_error(L) : moept_last_error(NULL));
+    moept_destroy(L);
+    return NULL;
+}
+
+static moept_layer *load_one(const char *dir) {
+    moept_config cfg = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.global_balance = 1;
+    moept_layer *L = NULL;
+    if (moept_create(&cfg, &L) || moept_load_checkpoint(L, dir)) {
+        EXPECT(0, "%s: %s", dir, L ? moept_last_error(L) : moept_last_error(NULL));
+        moept_destroy(L);
+        return NULL;
+    }
+    return L;
+}
+
+static void test_checkpoint_across_ep_sizes(void) {
+    static const int pairs[3][2] = {{4, 2}, {2, 4}, {4, 1}};
+    for (int pi = 0; pi < 3; pi++) {
+        int P = pairs[pi][0], Q = pairs[pi][1];
+        char dp[64], dq[64];
+        snprintf(dp, sizeof dp, "build/xep_%d", P);
+        snprintf(dq, sizeof dq, "build/xep_%d_to_%d", P, Q);
+        rj a[4];
+        run_resume(P, a, 0, 3, 3, dp); /* 3 steps at EP=P (optimizer state, bias moved), saved */
+        moept_thread_group *g = NULL;
+        if (Q > 1) moept_thread_group_create(Q, 20000, &g);
+        rs js[4];
+        pthread_t th[4];
+        for (int r = 0; r < Q; r++) {
+            memset(&js[r], 0, sizeof js[r]);
+            js[r].g = g; js[r].r = r; js[r].Q = Q; js[r].src = dp; js[r].dst = dq;
+            pthread_create(&th[r], NULL, reshard_main, &js[r]);
         }
+        for (int r = 0; r < Q; r++) pthread_join(th[r], NULL);
+        moept_thread_group_destroy(g);
+        for (int r = 0; r < Q; r++) EXPECT(js[r].st == MOEPT_OK, "EP=%d -> EP=%d rank %d: %s", P, Q, r, js[r].err);
+        /* EP=P -> 1 and EP=P -> Q -> 1 hold the same state, bit for bit */
+        moept_layer *A = load_one(dp), *B = load_one(dq);
+        if (A && B) {
+            EXPECT(memcmp(A->params, B->params, (size_t)A->n_params * 4) == 0, "EP=%d -> %d: parameters differ", P, Q);
+            EXPECT(memcmp(A->bias, B->bias, (size_t)A->E * 4) == 0, "EP=%d -> %d: correction bias differs", P, Q);
+            EXPECT(A->opt_t == 3 && B->opt_t == 3, "step not restored (%lld, %lld)", (long long)A->opt_t, (long long)B->opt_t);
+            EXPECT(A->opt_m && B->opt_m && memcmp(A->opt_m, B->opt_m, (size_t)(2 * A->n_params) * 4) == 0,
+                   "EP=%d -> %d: optimizer state differs", P, Q);
+        }
+        moept_destroy(A);
+        moept_destroy(B);
     }
 }
 
@@ -379,5 +441,6 @@ int main(void) {
     RUN(test_crash_during_save_keeps_previous);
     RUN(test_adamw_matches_formula);
     RUN(test_resume_is_bitwise);
+    RUN(test_checkpoint_across_ep_sizes);
     return tu_done();
 }
