@@ -25,7 +25,7 @@ TESTS   = test_grad test_props test_errors test_ep test_ckpt
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
-.PHONY: all test run bench bench-layer bench-a2a clean info check-cases sanitize cblas-test valgrind
+.PHONY: all test run bench bench-layer bench-a2a fuzz clean info check-cases sanitize cblas-test valgrind
 
 all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a
 
@@ -126,6 +126,15 @@ bench-layer: $(B)/bench_layer $(if $(CBLAS_LIBS),$(B)/cblas/bench_layer)
 
 bench-a2a: $(B)/bench_a2a $(if $(MPICC),$(B)/bench_a2a_mpi)
 	sh bench/run_bench_a2a.sh
+
+# libFuzzer over the safetensors parser and the checkpoint indexes, from the
+# committed corpus (new finds are added to it): make fuzz FUZZ_SECONDS=600
+FUZZ_SECONDS ?= 60
+$(B)/fuzz_safetensors: tests/fuzz/fuzz_safetensors.c moept.c $(HDRS) | $(B)
+	clang -O1 -g -std=c11 -D_DEFAULT_SOURCE -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined $< -o $@ -lm -pthread
+
+fuzz: $(B)/fuzz_safetensors
+	$(B)/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=10 tests/fuzz/corpus
 
 clean:
 	rm -rf $(B)
