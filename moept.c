@@ -419,9 +419,10 @@ struct moept_layer {
     int32_t *kscratch;     /* [nthreads][K] */
 
     /* activations */
-    float *xs;             /* [Nmax][D] permuted input rows = the dispatch send buffer */
+    float *xs;             /* [Nmax][D] permuted input rows = the dispatch send buffer
+                              (none on the direct path) */
     float *ys;             /* [Nmax][D] their expert outputs (combine receive buffer);
-                              backward: dys, then dxs */
+                              backward: dys, then dxs (none on the direct path) */
     float *xr;             /* [Rcap][D] rows this rank's experts process (P = 1: xs) */
     float *yr;             /* [Rcap][D] their outputs; backward dys, dxs (P = 1: ys) */
     float *h;              /* [Rcap][H] expert pre-activations (gate|up) */
@@ -632,8 +633,11 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->aux_g = moept__take(c, (size_t)E * f);
     L->fill = moept__take(c, (size_t)E * i64);
     L->kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
-    L->xs = moept__take(c, (size_t)(N * D) * f);
-    L->ys = moept__take(c, (size_t)(N * D) * f);
+    /* the direct (shared-memory) path gathers from x and combines from the
+       experts' rows in place: no send/receive buffers on the token side */
+    int64_t Nxs = L->direct ? 0 : N;
+    L->xs = moept__take(c, (size_t)(Nxs * D) * f);
+    L->ys = moept__take(c, (size_t)(Nxs * D) * f);
     if (L->S > 0) {
         L->hs = moept__take(c, (size_t)(T * L->HS) * f);
         L->as = moept__take(c, (size_t)(T * L->S) * f);
