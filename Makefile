@@ -25,9 +25,9 @@ TESTS   = test_grad test_props test_errors test_ep test_ckpt
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
-.PHONY: all test run bench bench-layer bench-a2a fuzz clean info check-cases sanitize cblas-test valgrind
+.PHONY: all test run bench bench-layer bench-a2a bench-load fuzz clean info check-cases sanitize cblas-test valgrind
 
-all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a
+all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load
 
 info:
 	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no)"
@@ -81,6 +81,9 @@ $(B)/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
 $(B)/bench_a2a: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 
+$(B)/bench_load: bench/bench_load.c moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+
 $(B)/bench_a2a_mpi: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
@@ -119,7 +122,10 @@ test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(B)/tsan/test_ep
 run: $(B)/train
 	$(B)/train
 
-bench: bench-layer bench-a2a
+bench: bench-layer bench-a2a bench-load
+
+bench-load: $(B)/bench_load
+	$(B)/bench_load
 
 bench-layer: $(B)/bench_layer $(if $(CBLAS_LIBS),$(B)/cblas/bench_layer)
 	python3 bench/run_bench_layer.py

@@ -2041,6 +2041,15 @@ static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, v
         return moept__thread_fail(MOEPT_ERR_FORMAT, "tensor \"%s\": dtype cannot be read as %s", t->name,
                                   want_int ? "integers" : "floats");
     int64_t es = t->numel ? t->nbytes / t->numel : 1;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* same type on a little-endian host: one positioned read into place */
+    if ((!want_int && t->dtype == MOEPT_DTYPE_F32) || (want_int && t->dtype == MOEPT_DTYPE_I64)) {
+        if (!moept__pread_all(f->fd, dst, t->nbytes, t->offset))
+            return moept__thread_fail(MOEPT_ERR_IO, "tensor \"%s\": read failed", t->name);
+        f->bytes_read += t->nbytes;
+        return MOEPT_OK;
+    }
+#endif
     unsigned char buf[1 << 16];
     int64_t per = (int64_t)sizeof buf / es, done = 0;
     while (done < numel) {
