@@ -443,6 +443,7 @@ struct moept_layer {
     double aux_value, z_value; /* the last forward's losses in double */
     double loss_T;             /* tokens the losses average over (global or local) */
     int64_t work_bytes;        /* the fixed workspace block */
+    int counts_global;         /* sel_counts are the whole batch's (all ranks) */
     float *opt_m, *opt_v;      /* [n_params] AdamW moments (first step allocates) */
     int64_t opt_t;             /* AdamW steps taken */
     double capacity_factor;    /* the float config value read as the decimal
@@ -1294,6 +1295,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         if (st) { L->fwd_valid = 0; return st; }
     }
     for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = (int64_t)sel[e]; L->aux_counts[e] = (int64_t)auxc[e]; }
+    L->counts_global = global || (!L->ep && !L->dp);
     const double Tl = L->lstat[3 * E] > 0 ? L->lstat[3 * E] : 1.0;
     L->loss_T = Tl;
     double aux_v = 0.0;
@@ -1605,9 +1607,18 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     if (!moept__finite(rate) || rate < 0.0f)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
     if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
-    int64_t total = 0;
-    for (int64_t e = 0; e < L->E; e++) total += L->sel_counts[e];
-    double mean = (double)total / (double)L->E;
+    /* the bias is replicated: every rank must see the whole batch's counts
+       (already so with global_balance; otherwise sum them here) */
+    double *cnt = L->lstat; /* [E] the forward's selection counts; free after the forward */
+    if ((L->ep || L->dp) && !L->counts_global) {
+        moept_status st = moept__world_sum(L, cnt, L->E, MOEPT_DTYPE_F64);
+        if (st) return st;
+        for (int64_t e = 0; e < L->E; e++) L->sel_counts[e] = (int64_t)cnt[e];
+        L->counts_global = 1; /* a second call after the same forward sums nothing twice */
+    }
+    double total = 0.0;
+    for (int64_t e = 0; e < L->E; e++) total += (double)L->sel_counts[e];
+    double mean = total / (double)L->E;
     for (int64_t e = 0; e < L->E; e++) {
         double c = (double)L->sel_counts[e];
         L->bias[e] += rate * (float)((mean > c) - (mean < c));

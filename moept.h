@@ -336,7 +336,9 @@ moept_status moept_sync_grads(moept_layer *layer, float scale);
 moept_status moept_grad_norm(moept_layer *layer, double *norm);
 
 /* Aux-loss-free balancing (DeepSeek-V3): with the last forward's counts,
-   bias_e += rate * sign(mean_count - count_e). */
+   bias_e += rate * sign(mean_count - count_e). The bias is replicated, so
+   under EP/DP the counts are the whole batch's: a collective call (every
+   rank makes it), unless global_balance already summed them. */
 moept_status moept_update_bias(moept_layer *layer, float rate);
 
 /* Router outputs of the last forward: ids [T][K] (int32), weights [T][K],

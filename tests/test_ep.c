@@ -338,6 +338,53 @@ static void test_threads_comm_timeout(void) {
     moept_thread_group_destroy(g);
 }
 
+/* update_bias under EP without global balancing: every rank ends with the
+   bias a single rank computes from the whole batch */
+typedef struct bj { moept_thread_group *g; int r, P; float bias[8]; moept_status st; } bj;
+static void *bias_main(void *arg) {
+    bj *j = arg;
+    moept_comm *c = NULL;
+    if (j->P > 1) moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.global_balance = 0; cfg.max_tokens = 64;
+    moept_layer *L = NULL;
+    if ((j->st = moept_create_parallel(&cfg, c, NULL, &L))) return NULL;
+    moept_init_params(L, 4);
+    float x[64 * 40], y[64 * 40];
+    int64_t per = 64 / j->P;
+    for (int r = 0; r < j->P; r++) if (r == j->r) {
+        unsigned long long s = 77;
+        float all[64 * 40];
+        tu_fill(all, 64 * 40, 1.0, &s);
+        memcpy(x, all + (int64_t)r * per * 40, (size_t)(per * 40) * 4);
+    }
+    for (int it = 0; it < 3 && !j->st; it++) {
+        j->st = moept_forward(L, x, per, y);
+        if (!j->st) j->st = moept_update_bias(L, 0.01f);
+        if (!j->st && it == 2) j->st = moept_update_bias(L, 0.01f); /* twice after one forward */
+    }
+    memcpy(j->bias, L->bias, sizeof j->bias);
+    moept_destroy(L);
+    return NULL;
+}
+
+static void test_update_bias_ep(void) {
+    bj one = {NULL, 0, 1, {0}, MOEPT_OK};
+    bias_main(&one);
+    moept_thread_group *g;
+    moept_thread_group_create(4, 20000, &g);
+    bj js[4];
+    pthread_t th[4];
+    for (int r = 0; r < 4; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; js[r].P = 4; pthread_create(&th[r], NULL, bias_main, &js[r]); }
+    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+    EXPECT(one.st == MOEPT_OK, "one rank failed");
+    for (int r = 0; r < 4; r++) {
+        EXPECT(js[r].st == MOEPT_OK, "rank %d failed", r);
+        EXPECT(memcmp(js[r].bias, one.bias, sizeof one.bias) == 0, "rank %d's bias differs from the one-rank bias", r);
+    }
+}
+
 int main(void) {
     RUN(test_ep_matches_one_rank);
     RUN(test_skew_and_empty);
@@ -347,5 +394,6 @@ int main(void) {
     RUN(test_mismatched_config);
     RUN(test_one_rank_bad_input);
     RUN(test_threads_comm_timeout);
+    RUN(test_update_bias_ep);
     return tu_done();
 }
