@@ -388,7 +388,11 @@ struct moept_layer {
     /* expert parallel */
     moept_comm *ep, *dp;   /* NULL: a single rank */
     int P, rank;           /* EP group size and this rank */
-    int64_t El, e0;        /* this rank's experts: [e0, e0 + El), El = E / P */
+    int64_t El;            /* experts per rank, E / P */
+    int32_t *slot_of;      /* [E] placement: expert e lives on rank slot_of[e] / El, local
+                              index slot_of[e] % El; the plan orders rows by slot, so
+                              dispatch order follows the placement (identity at create) */
+    int32_t *expert_at;    /* [E] the inverse: the expert in each slot */
     int64_t *rcounts;      /* [P][El] rows from peer p for local expert j */
     int64_t *rcounts_next; /* [P][El] the same for a step not yet committed */
     int64_t *counts_next;  /* [E] kept rows per expert of a step not yet committed */
@@ -556,7 +560,7 @@ static void moept__build_table(moept_layer *L) {
     L->n_table = 0;
     moept__add_param(L, MOEPT__P_ROUTER, -1, E, D, L->w_router, L->g_router, "gate.weight");
     for (int64_t j = 0; j < L->El; j++) { /* this rank's experts, named by global id */
-        long long e = (long long)(L->e0 + j);
+        long long e = (long long)L->expert_at[(int64_t)L->rank * L->El + j];
         float *w = L->w13 + j * L->H * D, *g = L->g13 + j * L->H * D;
         float *w2 = L->w2 + j * D * F, *g2 = L->g2 + j * D * F;
         if (gated) {
@@ -614,6 +618,8 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
     L->counts = moept__take(c, (size_t)E * i64);
     L->counts_next = moept__take(c, (size_t)E * i64);
+    L->slot_of = moept__take(c, (size_t)E * sizeof(int32_t));
+    L->expert_at = moept__take(c, (size_t)E * sizeof(int32_t));
     L->rcounts = moept__take(c, (size_t)(L->P * L->El) * i64);
     L->rcounts_next = moept__take(c, (size_t)(L->P * L->El) * i64);
     L->roffsets = moept__take(c, (size_t)(L->El + 1) * i64);
@@ -798,7 +804,7 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
         L->P = P; L->rank = ep ? ep->rank : 0;
         L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
         L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
-        L->El = L->E / P; L->e0 = (int64_t)L->rank * L->El;
+        L->El = L->E / P;
         L->direct = L->ep && ep->share && ep->barrier;
         int gated = moept__act_gated(L->act);
         L->H = gated ? 2 * L->F : L->F;
@@ -840,6 +846,7 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
             L->wsg = nsg ? p : NULL; L->gsg = nsg ? g : NULL;
             L->grads = L->params + L->n_params;
             L->bias = L->params + 2 * L->n_params;
+            for (int64_t e = 0; e < E; e++) L->slot_of[e] = L->expert_at[e] = (int32_t)e;
             moept__build_table(L);
             L->stats.capacity = -1;
             L->stats.param_bytes = (int64_t)pbytes;
@@ -886,9 +893,9 @@ static moept_status moept__param_io(const moept_layer *L, const char *fn,
     const moept__param *p = moept__find(L, name);
     if (!p) {
         long long e = -1;
-        if (sscanf(name, "experts.%lld.", &e) == 1 && e >= 0 && e < L->E && (e < L->e0 || e >= L->e0 + L->El))
+        if (sscanf(name, "experts.%lld.", &e) == 1 && e >= 0 && e < L->E && L->slot_of[e] / L->El != L->rank)
             return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: expert %lld of '%s' lives on EP rank %lld, not on rank %d",
-                               fn, e, name, e / L->El, L->rank);
+                               fn, e, name, (long long)(L->slot_of[e] / L->El), L->rank);
         return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: no parameter named '%s' in this %s layer", fn, name,
                            moept__family_name(L->cfg.family));
     }
@@ -1127,12 +1134,12 @@ static void moept__count_bytes(moept_layer *L, int dispatch) {
     L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
 }
 
-/* Direct path: where row r of this rank's permuted order (expert e) lives
-   in the yr buffer of the expert's rank. */
-static inline float *moept__remote_row(const moept_layer *L, int64_t e, int64_t r) {
-    int64_t q = e / L->El, j = e % L->El;
+/* Direct path: where row r of this rank's permuted order (slot s) lives
+   in the yr buffer of the slot's rank. */
+static inline float *moept__remote_row(const moept_layer *L, int64_t s, int64_t r) {
+    int64_t q = s / L->El, j = s % L->El;
     const moept__view *vq = L->peers[q];
-    return vq->yr + vq->recv_segs[L->rank * L->El + j].offset + (r - L->offsets[e]) * L->D;
+    return vq->yr + vq->recv_segs[L->rank * L->El + j].offset + (r - L->offsets[s]) * L->D;
 }
 
 /* Direct dispatch, expert side: gather every source's rows for this rank's
@@ -1143,7 +1150,7 @@ static inline float *moept__remote_row(const moept_layer *L, int64_t e, int64_t 
 static void moept__direct_gather(moept_layer *L, int dys) {
     const int64_t D = L->D, El = L->El;
     for (int64_t j = 0; j < El; j++) {
-        int64_t e = L->e0 + j;
+        int64_t e = (int64_t)L->rank * El + j; /* our slot j */
         for (int p = 0; p < L->P; p++) {
             const moept__view *vp = L->peers[p];
             int64_t n = L->rcounts[p * El + j], base = vp->offsets[e];
@@ -1228,7 +1235,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         cap = (int64_t)ceil(L->capacity_factor * ((double)T * (double)K / (double)E));
     for (int64_t e = 0; e < E; e++) L->counts_next[e] = 0;
     if (!local) {
-        for (int64_t i = 0; i < T * K; i++) L->counts_next[ids[i]]++;
+        for (int64_t i = 0; i < T * K; i++) L->counts_next[L->slot_of[ids[i]]]++;
         if (cap >= 0)
             for (int64_t e = 0; e < E; e++) L->counts_next[e] = L->counts_next[e] > cap ? cap : L->counts_next[e];
     }
@@ -1307,8 +1314,9 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     }
     aux_v *= (double)E;
 
-    /* plan: stable counting sort of the T*K assignments by expert; expert
-       order is destination-rank order, so xs is the send buffer */
+    /* plan: stable counting sort of the T*K assignments by slot (the
+       expert's place in the placement); slot order is destination-rank
+       order, so xs is the send buffer. counts/offsets are per slot. */
     L->offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         L->offsets[e + 1] = L->offsets[e] + L->counts[e];
@@ -1316,7 +1324,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     }
     L->N = L->offsets[E];
     for (int64_t i = 0; i < T * K; i++) {
-        int64_t e = ids[i];
+        int64_t e = L->slot_of[ids[i]];
         if (L->fill[e] < L->counts[e]) {
             int64_t r = L->offsets[e] + L->fill[e]++;
             L->row_of[i] = r;
@@ -1330,7 +1338,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     L->roffsets[0] = 0;
     for (int64_t j = 0; j < El; j++) {
         int64_t n = 0;
-        for (int p = 0; p < P; p++) n += L->ep ? L->rcounts[p * El + j] : L->counts[L->e0 + j];
+        for (int p = 0; p < P; p++) n += L->ep ? L->rcounts[p * El + j] : L->counts[j];
         L->roffsets[j + 1] = L->roffsets[j] + n;
     }
     if (L->ep) {
@@ -1404,7 +1412,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
             float w = wts[t * K + k];
-            const float *src = L->direct ? moept__remote_row(L, ids[t * K + k], r) : L->ys + r * D;
+            const float *src = L->direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : L->ys + r * D;
             for (int64_t d = 0; d < D; d++) yt[d] += w * src[d];
         }
     }
@@ -1507,7 +1515,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
-            const float *src = direct ? moept__remote_row(L, ids[t * K + k], r) : L->ys + r * D;
+            const float *src = direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : L->ys + r * D;
             for (int64_t d = 0; d < D; d++) dxt[d] += src[d];
         }
     }
@@ -2920,8 +2928,8 @@ moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index)
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        moept_st_file *f;
-        const moept_st_tensor *t;
+        moept_st_file *f = NULL;
+        const moept_st_tensor *t = NULL;
         if ((st = moept__hf_find(dir, &src, name, &f, &t, &bytes))) break;
         int shape_ok = (t->ndim == 2 && t->shape[0] == p->rows && t->shape[1] == p->cols) ||
                        (t->ndim == 1 && p->rows == 1 && t->shape[0] == p->cols);
@@ -3123,21 +3131,30 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     long long t = -1;
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
-        int64_t src = p->expert >= 0 ? p->expert / Elp : 0; /* the rank that saved it */
-        if (!files[src]) {
-            snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)src, (long long)P);
-            if ((st = moept_st_open(path, &files[src]))) break;
-            L->stats.checkpoint_bytes_read += files[src]->bytes_read;
-            const char *fmt = moept_st_meta(files[src], "format"), *fs = moept_st_meta(files[src], "step");
-            const char *f2 = moept_st_meta(files[src], "fingerprint");
-            char *end = NULL;
-            long long ts = fs ? strtoll(fs, &end, 10) : -1;
-            if (!fmt || strcmp(fmt, "moept-train-v1") != 0 || !f2 || strcmp(f2, fp) != 0 || !fs || *end || ts < 0 || (t >= 0 && ts != t)) {
-                st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a training checkpoint of this config, or its step disagrees with the others", path);
-                break;
+        /* the rank that saved it: where a contiguous placement puts it, else
+           (a resharded placement) the first file that holds it */
+        int64_t guess = p->expert >= 0 ? p->expert / Elp : 0, src = -1;
+        for (int64_t k = 0; k <= P && src < 0 && !st; k++) {
+            int64_t r = k == 0 ? guess : k - 1;
+            if (k > 0 && r == guess) continue;
+            if (!files[r]) {
+                snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)r, (long long)P);
+                if ((st = moept_st_open(path, &files[r]))) break;
+                L->stats.checkpoint_bytes_read += files[r]->bytes_read;
+                const char *fmt = moept_st_meta(files[r], "format"), *fs = moept_st_meta(files[r], "step");
+                const char *f2 = moept_st_meta(files[r], "fingerprint");
+                char *end = NULL;
+                long long ts = fs ? strtoll(fs, &end, 10) : -1;
+                if (!fmt || strcmp(fmt, "moept-train-v1") != 0 || !f2 || strcmp(f2, fp) != 0 || !fs || *end || ts < 0 || (t >= 0 && ts != t)) {
+                    st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a training checkpoint of this config, or its step disagrees with the others", path);
+                    break;
+                }
+                t = ts;
             }
-            t = ts;
+            if (moept_st_find(files[r], p->name)) src = r;
         }
+        if (st) break;
+        if (src < 0) { st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: no rank's file has '%s'", dir, p->name); break; }
         int has_opt = t > 0;
         int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->params, cnt = p->rows * p->cols;
         for (int k = 0; k < (p->grad && has_opt ? 3 : 1) && !st; k++) {
@@ -3170,4 +3187,165 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     L->opt_t = t;
     MOEPT_FREE(stage);
     return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   Placement and resharding
+   ------------------------------------------------------------------------ */
+moept_status moept_get_placement(const moept_layer *L, int32_t *rank_of) {
+    if (!L || !rank_of) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_placement: NULL argument");
+    for (int64_t e = 0; e < L->E; e++) rank_of[e] = (int32_t)(L->slot_of[e] / L->El);
+    return MOEPT_OK;
+}
+
+/* the pieces of local slot j in one of the three expert-shaped buffers
+   (parameters, AdamW m, AdamW v): w13 rows and w2 rows */
+static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, float **w13, float **w2) {
+    *w13 = base + (L->w13 - L->params) + j * L->H * L->D;
+    *w2 = base + (L->w2 - L->params) + j * L->D * L->F;
+}
+
+moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshard_report *rep) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: layer is NULL");
+    const int64_t E = L->E, El = L->El, P = L->P, me = L->rank;
+    moept_status local = MOEPT_OK, st;
+    if (!new_rank) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: new_rank is NULL");
+    int64_t *per = moept__alloc(NULL, (size_t)P * sizeof(int64_t));
+    int32_t *nslot = moept__alloc(NULL, (size_t)E * sizeof(int32_t));
+    int32_t *all = moept__alloc(NULL, (size_t)(E * (P > 2 ? P : 2)) * sizeof(int32_t));
+    int64_t part = L->H * L->D + L->D * L->F; /* floats per expert */
+    float *stage = moept__alloc(NULL, (size_t)part * sizeof(float));
+    if (!local && (!per || !nslot || !all || !stage)) local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
+    if (!local) {
+        for (int64_t r = 0; r < P; r++) per[r] = 0;
+        for (int64_t e = 0; e < E && !local; e++) {
+            if (new_rank[e] < 0 || new_rank[e] >= P) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: expert %lld to rank %d, not in 0..%lld", (long long)e, new_rank[e], (long long)P - 1);
+            else per[new_rank[e]]++;
+        }
+        for (int64_t r = 0; r < P && !local; r++)
+            if (per[r] != El) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: rank %lld would hold %lld experts; every rank holds E/P = %lld", (long long)r, (long long)per[r], (long long)El);
+    }
+    /* every rank must pass the same table: all-gather it and compare */
+    if (L->ep) {
+        int32_t *mine = nslot; /* as scratch for the send side */
+        if (!local) for (int64_t e = 0; e < E; e++) mine[e] = new_rank[e];
+        else if (nslot) for (int64_t e = 0; e < E; e++) mine[e] = -1;
+        if (nslot && all) {
+            st = L->ep->allgather(L->ep, mine, all, E * (int64_t)sizeof(int32_t));
+            if (st) local = moept__fail(L, st, "moept_reshard: all-gather failed: %s", L->ep->err);
+            for (int64_t r = 0; r < P && !local; r++)
+                if (memcmp(all + r * E, all, (size_t)E * sizeof(int32_t)) != 0)
+                    local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: rank %lld passed a different placement than rank 0", (long long)r);
+        }
+        int64_t failed = moept__any_failed(L->ep, NULL, local != MOEPT_OK, &st);
+        if (!local && (st || failed))
+            local = moept__fail(L, st ? st : MOEPT_ERR_STATE, "moept_reshard: another rank rejected the placement; nothing moved");
+    }
+    if (local) { MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage); return local; }
+    /* new slots: each rank's experts in increasing id */
+    for (int64_t r = 0; r < P; r++) per[r] = 0;
+    for (int64_t e = 0; e < E; e++) nslot[e] = (int32_t)(new_rank[e] * El + per[new_rank[e]]++);
+    /* this rank's outgoing and incoming experts, in id order; their counts
+       are equal (E/P each side), so round k pairs out[k] with in[k] and the
+       incoming expert lands in the slot out[k] just left */
+    int32_t *out = all, *in = all + E; /* the all-gather scratch is free now (at least 2E long) */
+    int64_t nout = 0, nin = 0, rounds = 0, moved = 0;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t a = L->slot_of[e] / El, b = nslot[e] / El;
+        if (a != b) moved++;
+        if (a == me && b != me) out[nout++] = (int32_t)e;
+        if (b == me && a != me) in[nin++] = (int32_t)e;
+    }
+    for (int64_t r = 0; r < P; r++) { /* rounds = the busiest rank's moves, known to all */
+        int64_t n = 0;
+        for (int64_t e = 0; e < E; e++) n += L->slot_of[e] / El == r && nslot[e] / El != r;
+        rounds = n > rounds ? n : rounds;
+    }
+    int64_t where[4096], *pos = E <= 4096 ? where : moept__alloc(NULL, (size_t)E * sizeof(int64_t)); /* local index of each held expert */
+    int64_t sent = 0, recvd = 0;
+    float *bufs[3] = {L->params, L->opt_m, L->opt_v};
+    for (int64_t e = 0; e < E; e++) pos[e] = L->slot_of[e] / El == me ? L->slot_of[e] % El : -1;
+    for (int64_t k = 0; k < rounds && !local; k++) {
+        for (int b = 0; b < 3 && !local; b++) {
+            /* optimizer state moves only if allocated (the same on every rank in a training loop) */
+            int have = bufs[b] != NULL;
+            moept_p2p s[2], r[2];
+            int ns = 0, nr = 0;
+            float *w13, *w2;
+            if (have && k < nout) {
+                moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
+                int to = (int)(nslot[out[k]] / El);
+                s[ns++] = (moept_p2p){to, w13, L->H * L->D * (int64_t)sizeof(float)};
+                s[ns++] = (moept_p2p){to, w2, L->D * L->F * (int64_t)sizeof(float)};
+            }
+            if (have && k < nin) {
+                int from = (int)(L->slot_of[in[k]] / El);
+                r[nr++] = (moept_p2p){from, stage, L->H * L->D * (int64_t)sizeof(float)};
+                r[nr++] = (moept_p2p){from, stage + L->H * L->D, L->D * L->F * (int64_t)sizeof(float)};
+            }
+            double t0 = moept__now();
+            st = L->ep->p2p(L->ep, s, ns, r, nr);
+            L->stats.comm_seconds += moept__now() - t0;
+            if (st) { local = moept__fail(L, st, "moept_reshard: round %lld: %s", (long long)k, L->ep->err); break; }
+            for (int i = 0; i < ns; i++) sent += s[i].bytes;
+            for (int i = 0; i < nr; i++) recvd += r[i].bytes;
+            if (have && k < nin) { /* into the slot out[k] vacated */
+                moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
+                memcpy(w13, stage, (size_t)(L->H * L->D) * sizeof(float));
+                memcpy(w2, stage + L->H * L->D, (size_t)(L->D * L->F) * sizeof(float));
+            }
+        }
+        if (k < nin) { pos[in[k]] = pos[out[k]]; pos[out[k]] = -1; }
+    }
+    if (!local) {
+        /* put the held experts in id order (their new local index), cycle
+           by cycle through the one staging buffer */
+        int64_t *at = moept__alloc(NULL, (size_t)El * sizeof(int64_t)); /* expert at each local index */
+        if (!at) local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
+        for (int b = 0; b < 3 && !local; b++) {
+            if (!bufs[b]) continue;
+            for (int64_t e = 0; e < E; e++) if (pos[e] >= 0) at[pos[e]] = e;
+            for (int64_t j = 0; j < El; j++) {
+                if (nslot[at[j]] % El == j) continue;
+                /* follow the cycle that starts at j */
+                float *w13, *w2;
+                moept__expert_parts(L, bufs[b], j, &w13, &w2);
+                memcpy(stage, w13, (size_t)(L->H * L->D) * sizeof(float));
+                memcpy(stage + L->H * L->D, w2, (size_t)(L->D * L->F) * sizeof(float));
+                int64_t held = at[j], cur = j;
+                at[j] = -1; /* j is empty; its expert waits in stage */
+                while (nslot[held] % El != cur) {
+                    int64_t want = -1; /* where the expert that belongs at cur sits */
+                    for (int64_t q = 0; q < El; q++)
+                        if (at[q] >= 0 && nslot[at[q]] % El == cur) { want = q; break; }
+                    float *s13, *s2;
+                    moept__expert_parts(L, bufs[b], want, &s13, &s2);
+                    moept__expert_parts(L, bufs[b], cur, &w13, &w2);
+                    memcpy(w13, s13, (size_t)(L->H * L->D) * sizeof(float));
+                    memcpy(w2, s2, (size_t)(L->D * L->F) * sizeof(float));
+                    at[cur] = at[want];
+                    at[want] = -1;
+                    cur = want;
+                }
+                moept__expert_parts(L, bufs[b], cur, &w13, &w2);
+                memcpy(w13, stage, (size_t)(L->H * L->D) * sizeof(float));
+                memcpy(w2, stage + L->H * L->D, (size_t)(L->D * L->F) * sizeof(float));
+                at[cur] = held;
+            }
+        }
+        MOEPT_FREE(at);
+    }
+    if (pos != where) MOEPT_FREE(pos);
+    if (!local) {
+        for (int64_t e = 0; e < E; e++) { L->slot_of[e] = nslot[e]; L->expert_at[nslot[e]] = (int32_t)e; }
+        moept__build_table(L);
+        memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
+        L->fwd_valid = 0; /* the saved forward's plan used the old placement */
+        if (rep) {
+            rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;
+            rep->rounds = rounds; rep->extra_bytes = part * (int64_t)sizeof(float);
+        }
+    }
+    MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage);
+    return local;
 }

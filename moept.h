@@ -323,6 +323,27 @@ moept_status moept_forward(moept_layer *layer, const float *x, int64_t tokens,
 moept_status moept_backward(moept_layer *layer, const float *x,
                             const float *dy, float *dx);
 moept_status moept_zero_grad(moept_layer *layer);
+/* Moves experts between the ranks of a running EP group to a new placement
+   (new_rank[e]: the rank that will hold expert e; every rank gets E/P
+   experts; e.g. from recent load, to balance ranks). Collective over the EP
+   group, between steps. Each expert whose owner changes travels once,
+   straight from its old owner to its new one (point-to-point, all pairs at
+   once), in rounds of at most one expert per rank, so the extra memory per
+   rank is one expert; experts that stay do not move (they may change
+   place in their rank's buffer). Parameters and AdamW state move;
+   gradients are zeroed. From then on the dispatch order follows the
+   placement. Every EP group of a DP layout must reshard alike. */
+typedef struct moept_reshard_report {
+    int64_t experts_moved;      /* whole group */
+    int64_t bytes_sent, bytes_received; /* this rank */
+    int64_t rounds;
+    int64_t extra_bytes;        /* this rank's staging memory (one expert) */
+} moept_reshard_report;
+moept_status moept_reshard(moept_layer *layer, const int32_t *new_rank,
+                           moept_reshard_report *report);
+/* The current placement: rank_of[e] for every expert ([E]). */
+moept_status moept_get_placement(const moept_layer *layer, int32_t *rank_of);
+
 /* Gradient reduction across ranks: replicated parameters (router, shared
    expert) are summed over all EP x DP ranks, each expert's over the DP group
    (the ranks holding the same expert); then everything is multiplied by

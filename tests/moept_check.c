@@ -271,7 +271,7 @@ done:
 /* merges the ranks' verdicts into c (worst error, first reason) */
 static void merge(check *c, const check *r, int rank) {
     if (r->skip[0] && !c->skip[0]) snprintf(c->skip, sizeof c->skip, "%s", r->skip);
-    if (r->reason[0] && !c->reason[0]) snprintf(c->reason, sizeof c->reason, "rank %d: %s", rank, r->reason);
+    if (r->reason[0] && !c->reason[0]) snprintf(c->reason, sizeof c->reason, "rank %d: %.560s", rank, r->reason);
     if (!(r->worst <= c->worst) || (r->worst > c->worst)) {
         c->worst = r->worst;
         snprintf(c->worst_name, sizeof c->worst_name, "%s", r->worst_name);

@@ -385,6 +385,149 @@ static void test_update_bias_ep(void) {
     }
 }
 
+/* ---- resharding a running group to a new placement ---- */
+#define RS_E 8
+typedef struct rsj {
+    moept_thread_group *g; int r, P;
+    float *before;   /* [E][part]: every expert's parameters before (shared, each rank fills its own) */
+    float *mbefore;  /* [E][part]: AdamW m before */
+    float y0[16 * 40], y1[16 * 40];
+    moept_reshard_report rep, rep2;
+    int32_t placement[RS_E];
+    int ok_after2;
+    float y2[16 * 40];
+    moept_status st, bad_st, mismatch_st;
+    int ok_after;
+    char err[512];
+} rsj;
+
+static void expert_copy(moept_layer *L, const float *base, int64_t j, float *dst) {
+    int64_t h = L->H * L->D;
+    memcpy(dst, base + (L->w13 - L->params) + j * h, (size_t)h * 4);
+    memcpy(dst + h, base + (L->w2 - L->params) + j * L->D * L->F, (size_t)(L->D * L->F) * 4);
+}
+
+static void *reshard_main(void *arg) {
+    rsj *j = arg;
+    moept_comm *c;
+    moept_comm_threads(j->g, j->r, &c);
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+    moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.max_tokens = 16;
+    moept_layer *L = NULL;
+    if ((j->st = moept_create_parallel(&cfg, c, NULL, &L))) return NULL;
+    moept_init_params(L, 8);
+    float x[16 * 40], dy[16 * 40], dx[16 * 40];
+    unsigned long long s = 5 + (unsigned long long)j->r;
+    tu_fill(x, 16 * 40, 1.0, &s);
+    tu_fill(dy, 16 * 40, 1.0, &s);
+    moept_adamw opt = {1e-2f, 0, 0, 0, 0};
+    for (int it = 0; it < 2 && !j->st; it++) { /* optimizer state worth moving */
+        moept_zero_grad(L);
+        j->st = moept_forward(L, x, 16, j->y0);
+        if (!j->st) j->st = moept_backward(L, x, dy, dx);
+        if (!j->st) j->st = moept_sync_grads(L, 1.0f);
+        if (!j->st) j->st = moept_adamw_step(L, &opt);
+    }
+    if (!j->st) j->st = moept_forward(L, x, 16, j->y0);
+    int64_t part = L->H * L->D + L->D * L->F;
+    for (int64_t k = 0; k < L->El; k++) {
+        int64_t e = L->expert_at[j->r * L->El + k];
+        expert_copy(L, L->params, k, j->before + e * part);
+        expert_copy(L, L->opt_m, k, j->mbefore + e * part);
+    }
+    /* an unbalanced placement and one that differs between ranks: refused everywhere, nothing moves */
+    int32_t bad[RS_E] = {0, 0, 0, 1, 1, 2, 2, 3};
+    j->bad_st = moept_reshard(L, bad, NULL);
+    int32_t mine[RS_E];
+    for (int e = 0; e < RS_E; e++) mine[e] = (int32_t)((RS_E - 1 - e) / 2);
+    if (j->r == 2) { int32_t tmp = mine[0]; mine[0] = mine[7]; mine[7] = tmp; }
+    j->mismatch_st = moept_reshard(L, mine, NULL);
+    /* the permutation: expert e to rank (E-1-e)/2 */
+    for (int e = 0; e < RS_E; e++) mine[e] = (int32_t)((RS_E - 1 - e) / 2);
+    if (!j->st) j->st = moept_reshard(L, mine, &j->rep);
+    if (!j->st) j->st = moept_forward(L, x, 16, j->y1);
+    moept_get_placement(L, j->placement);
+    /* every expert this rank now holds has its old parameters and AdamW state */
+    j->ok_after = !j->st;
+    float *tmp = malloc((size_t)part * 4);
+    for (int64_t k = 0; k < L->El && j->ok_after; k++) {
+        int64_t e = L->expert_at[j->r * L->El + k];
+        expert_copy(L, L->params, k, tmp);
+        j->ok_after &= memcmp(tmp, j->before + e * part, (size_t)part * 4) == 0;
+        expert_copy(L, L->opt_m, k, tmp);
+        j->ok_after &= memcmp(tmp, j->mbefore + e * part, (size_t)part * 4) == 0;
+        char name[64];
+        snprintf(name, sizeof name, "experts.%lld.gate_proj.weight", (long long)e);
+        j->ok_after &= moept__find(L, name) != NULL;
+    }
+    /* a second move where most experts stay and one that stays changes its
+       place in the rank's buffer (rank 1: {4,5} -> {5,6}) */
+    static const int32_t second[RS_E] = {3, 3, 2, 2, 0, 1, 1, 0};
+    if (!j->st) j->st = moept_reshard(L, second, &j->rep2);
+    if (!j->st) j->st = moept_forward(L, x, 16, j->y2);
+    j->ok_after2 = !j->st;
+    for (int64_t k = 0; k < L->El && j->ok_after2; k++) {
+        int64_t e = L->expert_at[j->r * L->El + k];
+        j->ok_after2 &= second[e] == j->r;
+        expert_copy(L, L->params, k, tmp);
+        j->ok_after2 &= memcmp(tmp, j->before + e * part, (size_t)part * 4) == 0;
+        expert_copy(L, L->opt_v, k, tmp);
+        j->ok_after2 &= isfinite(tmp[0]);
+    }
+    free(tmp);
+    if (j->st) snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
+    moept_destroy(L);
+    return NULL;
+}
+
+static void test_reshard_permutation(void) {
+    const int P = 4;
+    moept_thread_group *g;
+    moept_thread_group_create(P, 20000, &g);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
+    int64_t H = 2 * cfg.intermediate_size, part = H * cfg.hidden_size + cfg.hidden_size * cfg.intermediate_size;
+    float *before = calloc((size_t)(RS_E * part), 4), *mbefore = calloc((size_t)(RS_E * part), 4);
+    rsj js[4];
+    pthread_t th[4];
+    for (int r = 0; r < P; r++) {
+        memset(&js[r], 0, sizeof js[r]);
+        js[r].g = g; js[r].r = r; js[r].P = P; js[r].before = before; js[r].mbefore = mbefore;
+        pthread_create(&th[r], NULL, reshard_main, &js[r]);
+    }
+    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+    int64_t sent = 0, recvd = 0;
+    for (int r = 0; r < P; r++) {
+        EXPECT(js[r].st == MOEPT_OK, "rank %d: %s", r, js[r].err);
+        EXPECT(js[r].bad_st == MOEPT_ERR_INVALID_ARGUMENT, "rank %d: an unbalanced placement gave %d", r, js[r].bad_st);
+        EXPECT(js[r].mismatch_st != MOEPT_OK, "rank %d: placements that differ between ranks were accepted", r);
+        EXPECT(js[r].ok_after, "rank %d: an expert's parameters or AdamW state changed in the move", r);
+        EXPECT(memcmp(js[r].y0, js[r].y1, sizeof js[r].y0) == 0, "rank %d: the next step's output differs after resharding", r);
+        for (int e = 0; e < RS_E; e++)
+            EXPECT(js[r].placement[e] == (RS_E - 1 - e) / 2, "rank %d: expert %d on rank %d", r, e, js[r].placement[e]);
+        sent += js[r].rep.bytes_sent;
+        recvd += js[r].rep.bytes_received;
+        EXPECT(js[r].rep.extra_bytes == part * 4, "staging memory %lld, one expert is %lld", (long long)js[r].rep.extra_bytes, (long long)(part * 4));
+    }
+    /* identity [0,0,1,1,2,2,3,3] -> [3,3,2,2,1,1,0,0]: every expert moves once,
+       with its parameters and both AdamW moments */
+    EXPECT(js[0].rep.experts_moved == RS_E, "%lld experts moved, expected %d", (long long)js[0].rep.experts_moved, RS_E);
+    EXPECT(sent == RS_E * part * 4 * 3 && recvd == sent, "bytes moved %lld/%lld, expected %lld", (long long)sent, (long long)recvd,
+           (long long)(RS_E * part * 4 * 3));
+    sent = 0;
+    for (int r = 0; r < P; r++) {
+        EXPECT(js[r].ok_after2, "rank %d: wrong experts or data after the second move", r);
+        EXPECT(memcmp(js[r].y0, js[r].y2, sizeof js[r].y0) == 0, "rank %d: output differs after the second move", r);
+        sent += js[r].rep2.bytes_sent;
+    }
+    EXPECT(js[0].rep2.experts_moved == 2 && sent == 2 * part * 4 * 3, "second move: %lld experts, %lld bytes; expected 2 and %lld",
+           (long long)js[0].rep2.experts_moved, (long long)sent, (long long)(2 * part * 4 * 3));
+    free(before); free(mbefore);
+}
+
 int main(void) {
     RUN(test_ep_matches_one_rank);
     RUN(test_skew_and_empty);
@@ -395,5 +538,6 @@ int main(void) {
     RUN(test_one_rank_bad_input);
     RUN(test_threads_comm_timeout);
     RUN(test_update_bias_ep);
+    RUN(test_reshard_permutation);
     return tu_done();
 }
