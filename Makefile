@@ -25,9 +25,9 @@ TESTS   = test_grad test_props test_errors test_ep test_ckpt
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
-.PHONY: all test run bench bench-layer bench-a2a bench-load fuzz clean info check-cases sanitize cblas-test valgrind
+.PHONY: all test run bench bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
 
-all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load
+all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard
 
 info:
 	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no)"
@@ -84,6 +84,12 @@ $(B)/bench_a2a: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 $(B)/bench_load: bench/bench_load.c moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 
+$(B)/hf_resave: tools/hf_resave.c $(B)/moept.o
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
+
+$(B)/bench_reshard: bench/bench_reshard.c moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+
 $(B)/bench_a2a_mpi: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
@@ -122,7 +128,10 @@ test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(B)/tsan/test_ep
 run: $(B)/train
 	$(B)/train
 
-bench: bench-layer bench-a2a bench-load
+bench: bench-layer bench-a2a bench-load bench-reshard
+
+bench-reshard: $(B)/bench_reshard
+	$(B)/bench_reshard
 
 bench-load: $(B)/bench_load
 	$(B)/bench_load

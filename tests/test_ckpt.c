@@ -327,8 +327,29 @@ static void test_resume_is_bitwise(void) {
         char dir[64];
         snprintf(dir, sizeof dir, "build/resume_ep%d", P);
         run_resume(P, full, 0, 10, 0, dir);   /* uninterrupted */
-        run_resume(P, a, 0, 5, 5, dir);       /* 5 steps, save, stop */
-        run_resume(P, b, 5, 10, 0, dir);      /* a fresh layer resumes */
+        /* 5 steps and a save in another process, which then exits; its
+           losses come back through a pipe */
+        int fds[2];
+        EXPECT(pipe(fds) == 0, "pipe");
+        pid_t pid = fork();
+        if (pid == 0) {
+            close(fds[0]);
+            run_resume(P, a, 0, 5, 5, dir);
+            ssize_t wr = write(fds[1], a, sizeof a);
+            _exit(wr == (ssize_t)sizeof a ? 0 : 1);
+        }
+        close(fds[1]);
+        size_t got = 0;
+        while (got < sizeof a) {
+            ssize_t n = read(fds[0], (char *)a + got, sizeof a - got);
+            if (n <= 0) break;
+            got += (size_t)n;
+        }
+        close(fds[0]);
+        int status = 0;
+        waitpid(pid, &status, 0);
+        EXPECT(got == sizeof a && WIFEXITED(status) && WEXITSTATUS(status) == 0, "the saving process failed");
+        run_resume(P, b, 5, 10, 0, dir);      /* this process resumes from the files */
         for (int r = 0; r < P; r++) {
             EXPECT(full[r].st == MOEPT_OK && a[r].st == MOEPT_OK && b[r].st == MOEPT_OK, "EP=%d rank %d: %s %s %s", P, r,
                    full[r].err, a[r].err, b[r].err);
