@@ -354,9 +354,9 @@ static void test_resume_is_bitwise(void) {
             EXPECT(full[r].st == MOEPT_OK && a[r].st == MOEPT_OK && b[r].st == MOEPT_OK, "EP=%d rank %d: %s %s %s", P, r,
                    full[r].err, a[r].err, b[r].err);
             for (int s = 0; s < 10; s++) {
-                double got = s < 5 ? a[r].loss[s] : b[r].loss[s];
-                EXPECT(memcmp(&got, &full[r].loss[s], sizeof got) == 0, "EP=%d rank %d step %d: %.17g resumed vs %.17g", P, r, s,
-                       got, full[r].loss[s]);
+                double l = s < 5 ? a[r].loss[s] : b[r].loss[s];
+                EXPECT(memcmp(&l, &full[r].loss[s], sizeof l) == 0, "EP=%d rank %d step %d: %.17g resumed vs %.17g", P, r, s,
+                       l, full[r].loss[s]);
             }
         }
         /* a config that differs is refused */
