@@ -3242,24 +3242,26 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
             local = moept__fail(L, st ? st : MOEPT_ERR_STATE, "moept_reshard: another rank rejected the placement; nothing moved");
     }
     if (local) { MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage); return local; }
-    /* new slots: each rank's experts in increasing id */
-    for (int64_t r = 0; r < P; r++) per[r] = 0;
-    for (int64_t e = 0; e < E; e++) nslot[e] = (int32_t)(new_rank[e] * El + per[new_rank[e]]++);
-    /* this rank's outgoing and incoming experts, in id order; their counts
-       are equal (E/P each side), so round k pairs out[k] with in[k] and the
-       incoming expert lands in the slot out[k] just left */
+    /* New slots, the same on every rank: an expert that stays keeps its
+       place; on each rank the k-th expert leaving (in id order) hands its
+       place to the k-th arriving (there are as many of each: E/P per rank),
+       so nothing that stays is touched and round k moves out[k] -> in[k]. */
     int32_t *out = all, *in = all + E; /* the all-gather scratch is free now (at least 2E long) */
     int64_t nout = 0, nin = 0, rounds = 0, moved = 0;
-    for (int64_t e = 0; e < E; e++) {
-        int64_t a = L->slot_of[e] / El, b = nslot[e] / El;
-        if (a != b) moved++;
-        if (a == me && b != me) out[nout++] = (int32_t)e;
-        if (b == me && a != me) in[nin++] = (int32_t)e;
+    for (int64_t e = 0; e < E; e++) nslot[e] = new_rank[e] == L->slot_of[e] / El ? L->slot_of[e] : -1;
+    for (int64_t r = 0; r < P; r++) {
+        int64_t no = 0, ni = 0;
+        for (int64_t e = 0; e < E; e++) {
+            if (L->slot_of[e] / El == r && new_rank[e] != r) out[no++] = (int32_t)e;
+            if (new_rank[e] == r && L->slot_of[e] / El != r) in[ni++] = (int32_t)e;
+        }
+        for (int64_t k = 0; k < ni; k++) nslot[in[k]] = L->slot_of[out[k]] % El + (int32_t)(r * El);
+        rounds = no > rounds ? no : rounds;
+        moved += no;
     }
-    for (int64_t r = 0; r < P; r++) { /* rounds = the busiest rank's moves, known to all */
-        int64_t n = 0;
-        for (int64_t e = 0; e < E; e++) n += L->slot_of[e] / El == r && nslot[e] / El != r;
-        rounds = n > rounds ? n : rounds;
+    for (int64_t e = 0; e < E; e++) { /* this rank's lists again, for the rounds */
+        if (L->slot_of[e] / El == me && new_rank[e] != me) out[nout++] = (int32_t)e;
+        if (new_rank[e] == me && L->slot_of[e] / El != me) in[nin++] = (int32_t)e;
     }
     int64_t where[4096], *pos = E <= 4096 ? where : moept__alloc(NULL, (size_t)E * sizeof(int64_t)); /* local index of each held expert */
     int64_t sent = 0, recvd = 0;
@@ -3274,7 +3276,7 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
             float *w13, *w2;
             if (have && k < nout) {
                 moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
-                int to = (int)(nslot[out[k]] / El);
+                int to = (int)new_rank[out[k]];
                 s[ns++] = (moept_p2p){to, w13, L->H * L->D * (int64_t)sizeof(float)};
                 s[ns++] = (moept_p2p){to, w2, L->D * L->F * (int64_t)sizeof(float)};
             }
@@ -3296,44 +3298,6 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
             }
         }
         if (k < nin) { pos[in[k]] = pos[out[k]]; pos[out[k]] = -1; }
-    }
-    if (!local) {
-        /* put the held experts in id order (their new local index), cycle
-           by cycle through the one staging buffer */
-        int64_t *at = moept__alloc(NULL, (size_t)El * sizeof(int64_t)); /* expert at each local index */
-        if (!at) local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
-        for (int b = 0; b < 3 && !local; b++) {
-            if (!bufs[b]) continue;
-            for (int64_t e = 0; e < E; e++) if (pos[e] >= 0) at[pos[e]] = e;
-            for (int64_t j = 0; j < El; j++) {
-                if (nslot[at[j]] % El == j) continue;
-                /* follow the cycle that starts at j */
-                float *w13, *w2;
-                moept__expert_parts(L, bufs[b], j, &w13, &w2);
-                memcpy(stage, w13, (size_t)(L->H * L->D) * sizeof(float));
-                memcpy(stage + L->H * L->D, w2, (size_t)(L->D * L->F) * sizeof(float));
-                int64_t held = at[j], cur = j;
-                at[j] = -1; /* j is empty; its expert waits in stage */
-                while (nslot[held] % El != cur) {
-                    int64_t want = -1; /* where the expert that belongs at cur sits */
-                    for (int64_t q = 0; q < El; q++)
-                        if (at[q] >= 0 && nslot[at[q]] % El == cur) { want = q; break; }
-                    float *s13, *s2;
-                    moept__expert_parts(L, bufs[b], want, &s13, &s2);
-                    moept__expert_parts(L, bufs[b], cur, &w13, &w2);
-                    memcpy(w13, s13, (size_t)(L->H * L->D) * sizeof(float));
-                    memcpy(w2, s2, (size_t)(L->D * L->F) * sizeof(float));
-                    at[cur] = at[want];
-                    at[want] = -1;
-                    cur = want;
-                }
-                moept__expert_parts(L, bufs[b], cur, &w13, &w2);
-                memcpy(w13, stage, (size_t)(L->H * L->D) * sizeof(float));
-                memcpy(w2, stage + L->H * L->D, (size_t)(L->D * L->F) * sizeof(float));
-                at[cur] = held;
-            }
-        }
-        MOEPT_FREE(at);
     }
     if (pos != where) MOEPT_FREE(pos);
     if (!local) {

@@ -329,8 +329,8 @@ moept_status moept_zero_grad(moept_layer *layer);
    group, between steps. Each expert whose owner changes travels once,
    straight from its old owner to its new one (point-to-point, all pairs at
    once), in rounds of at most one expert per rank, so the extra memory per
-   rank is one expert; experts that stay do not move (they may change
-   place in their rank's buffer). Parameters and AdamW state move;
+   rank is one expert; experts that stay are not touched (an arriving
+   expert takes the place a leaving one freed). Parameters and AdamW state move;
    gradients are zeroed. From then on the dispatch order follows the
    placement. Every EP group of a DP layout must reshard alike. */
 typedef struct moept_reshard_report {

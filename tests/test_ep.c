@@ -463,8 +463,7 @@ static void *reshard_main(void *arg) {
         snprintf(name, sizeof name, "experts.%lld.gate_proj.weight", (long long)e);
         j->ok_after &= moept__find(L, name) != NULL;
     }
-    /* a second move where most experts stay and one that stays changes its
-       place in the rank's buffer (rank 1: {4,5} -> {5,6}) */
+    /* a second move where most experts stay (untouched) and two swap ranks */
     static const int32_t second[RS_E] = {3, 3, 2, 2, 0, 1, 1, 0};
     if (!j->st) j->st = moept_reshard(L, second, &j->rep2);
     if (!j->st) j->st = moept_forward(L, x, 16, j->y2);
