@@ -17,7 +17,7 @@
           mpirun -np P bench_a2a_mpi [same options]  (MPI)          */
 #include "../moept.c"
 
-#include <pthread.h>
+#include "bench_threads.h"
 
 typedef struct cfg { int P, reps; int64_t T, D, E, K; } cfg;
 typedef struct res { double moept, raw, wait; int64_t routed, peer_sum; int bytes_ok; } res;
@@ -127,7 +127,7 @@ static void report(const char *backend, const cfg *k, res *all) {
 }
 
 #ifndef MOEPT_MPI
-typedef struct job { const cfg *k; moept_comm *c; res *out; } job;
+typedef bench_job job;
 static void *job_main(void *a) {
     job *j = a;
 #ifdef _OPENMP
@@ -160,26 +160,17 @@ int main(int argc, char **argv) {
 #ifdef _OPENMP
     omp_set_num_threads(1);
 #endif
-    res mine = {0}, all[64];
+    if (c->size > BENCH_MAX_RANKS) { fprintf(stderr, "bench_a2a: at most %d ranks\n", BENCH_MAX_RANKS); MPI_Abort(MPI_COMM_WORLD, 2); }
+    res mine = {0}, all[BENCH_MAX_RANKS];
     rank_run(&k, c, &mine);
     c->allgather(c, &mine, all, sizeof mine);
     if (c->rank == 0) report("mpi", &k, all);
     moept_comm_destroy(c);
     MPI_Finalize();
 #else
-    moept_thread_group *g;
-    moept_thread_group_create(k.P, 0, &g);
-    res all[64];
-    job jobs[64];
-    pthread_t th[64];
-    for (int r = 0; r < k.P; r++) {
-        jobs[r] = (job){&k, NULL, &all[r]};
-        moept_comm_threads(g, r, &jobs[r].c);
-        pthread_create(&th[r], NULL, job_main, &jobs[r]);
-    }
-    for (int r = 0; r < k.P; r++) pthread_join(th[r], NULL);
+    res all[BENCH_MAX_RANKS];
+    if (!bench_run_threads(k.P, job_main, &k, all, sizeof all[0])) return 2;
     report("threads", &k, all);
-    moept_thread_group_destroy(g);
 #endif
     return 0;
 }

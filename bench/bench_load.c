@@ -9,11 +9,11 @@
    usage: bench_load [--hidden D] [--ffn F] [--experts E] [--shards S] [--ranks P] */
 #include "../moept.c"
 
-#include <pthread.h>
+#include "bench_threads.h"
 
 typedef struct cfg { int64_t D, F, E; int S, P; const char *dir; } cfg;
 typedef struct res { double t_moept, t_all; int64_t b_moept, b_all; moept_status st; } res;
-typedef struct job { const cfg *k; moept_comm *c; res *out; } job;
+typedef bench_job job;
 
 static moept_config layer_cfg(const cfg *k) {
     moept_config c = {0};
@@ -63,15 +63,16 @@ static void write_checkpoint(const cfg *k) {
 static void *rank_main(void *arg) {
     job *j = arg;
     const cfg *k = j->k;
+    res *out = j->out;
     moept_config c = layer_cfg(k);
     moept_layer *L;
-    if ((j->out->st = moept_create_parallel(&c, j->c, NULL, &L))) return NULL;
+    if ((out->st = moept_create_parallel(&c, j->c, NULL, &L))) return NULL;
     double t0 = moept__now();
-    j->out->st = moept_load_hf(L, k->dir, 0);
-    j->out->t_moept = moept__now() - t0;
+    out->st = moept_load_hf(L, k->dir, 0);
+    out->t_moept = moept__now() - t0;
     moept_stats st;
     moept_get_stats(L, &st, NULL);
-    j->out->b_moept = st.checkpoint_bytes_read;
+    out->b_moept = st.checkpoint_bytes_read;
     j->c->barrier(j->c);
     /* baseline: read every file whole, then slice this rank's experts out of
        the buffers (what a loader that concatenates all experts does) */
@@ -102,8 +103,8 @@ static void *rank_main(void *arg) {
         }
         free(buf);
     }
-    j->out->t_all = moept__now() - t0;
-    j->out->b_all = total;
+    out->t_all = moept__now() - t0;
+    out->b_all = total;
     moept_destroy(L);
     return NULL;
 }
@@ -120,18 +121,8 @@ int main(int argc, char **argv) {
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
     write_checkpoint(&k);
-    moept_thread_group *g;
-    moept_thread_group_create(k.P, 0, &g);
-    res out[64];
-    job jobs[64];
-    pthread_t th[64];
-    for (int r = 0; r < k.P; r++) {
-        memset(&out[r], 0, sizeof out[r]);
-        jobs[r] = (job){&k, NULL, &out[r]};
-        moept_comm_threads(g, r, &jobs[r].c);
-        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
-    }
-    for (int r = 0; r < k.P; r++) pthread_join(th[r], NULL);
+    res out[BENCH_MAX_RANKS];
+    if (!bench_run_threads(k.P, rank_main, &k, out, sizeof out[0])) return 2;
     printf("| rank | moept bytes read | moept time (ms) | read-everything bytes | read-everything time (ms) | bytes ratio | time ratio |\n");
     printf("|---|---|---|---|---|---|---|\n");
     for (int r = 0; r < k.P; r++) {
@@ -140,6 +131,5 @@ int main(int argc, char **argv) {
                (long long)out[r].b_all, out[r].t_all * 1e3, (double)out[r].b_moept / (double)out[r].b_all,
                out[r].t_all / out[r].t_moept);
     }
-    moept_thread_group_destroy(g);
     return 0;
 }

@@ -11,21 +11,22 @@
    usage: bench_reshard [--hidden D] [--ffn F] [--experts E] [--ranks P] */
 #include "../moept.c"
 
-#include <pthread.h>
+#include "bench_threads.h"
 
 typedef struct cfg { int64_t D, F, E; int P; } cfg;
 typedef struct res { double t_moept, t_base; int64_t b_moept, b_base, x_moept, x_base, moved; moept_status st; } res;
-typedef struct job { const cfg *k; moept_comm *c; res *out; } job;
+typedef bench_job job;
 
 static void *rank_main(void *arg) {
     job *j = arg;
     const cfg *k = j->k;
+    res *out = j->out;
     moept_config c = {0};
     c.family = MOEPT_FAMILY_MIXTRAL;
     c.hidden_size = k->D; c.intermediate_size = k->F; c.num_experts = k->E; c.top_k = 2; c.norm_topk_prob = 1;
     c.max_tokens = 1;
     moept_layer *L;
-    if ((j->out->st = moept_create_parallel(&c, j->c, NULL, &L))) return NULL;
+    if ((out->st = moept_create_parallel(&c, j->c, NULL, &L))) return NULL;
     moept_init_params(L, 1);
     int64_t El = L->El, P = k->P, E = k->E, part = L->H * L->D + L->D * L->F;
     int32_t *to = malloc((size_t)E * sizeof(int32_t));
@@ -45,20 +46,20 @@ static void *rank_main(void *arg) {
     for (int64_t e = 0; e < E; e++)
         if (to[e] == j->c->rank) memcpy(newblk + (n++) * part, everything + e * part, (size_t)part * 4);
     j->c->barrier(j->c);
-    j->out->t_base = moept__now() - t0;
-    j->out->b_base = (E - El) * part * 4; /* every other rank's experts arrive here */
-    j->out->x_base = (E * part + El * part + El * part) * 4; /* gathered copy + packed + sliced block */
+    out->t_base = moept__now() - t0;
+    out->b_base = (E - El) * part * 4; /* every other rank's experts arrive here */
+    out->x_base = (E * part + El * part + El * part) * 4; /* gathered copy + packed + sliced block */
     free(mine); free(everything); free(newblk);
     /* moept */
     moept_reshard_report rep;
     j->c->barrier(j->c);
     t0 = moept__now();
-    j->out->st = moept_reshard(L, to, &rep);
+    out->st = moept_reshard(L, to, &rep);
     j->c->barrier(j->c);
-    j->out->t_moept = moept__now() - t0;
-    j->out->b_moept = rep.bytes_received;
-    j->out->x_moept = rep.extra_bytes;
-    j->out->moved = rep.experts_moved;
+    out->t_moept = moept__now() - t0;
+    out->b_moept = rep.bytes_received;
+    out->x_moept = rep.extra_bytes;
+    out->moved = rep.experts_moved;
     free(to);
     moept_destroy(L);
     return NULL;
@@ -74,19 +75,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--ranks")) k.P = (int)v;
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
-    moept_thread_group *g;
-    moept_thread_group_create(k.P, 0, &g);
-    res out[64];
-    job jobs[64];
-    pthread_t th[64];
-    for (int r = 0; r < k.P; r++) {
-        memset(&out[r], 0, sizeof out[r]);
-        jobs[r] = (job){&k, NULL, &out[r]};
-        moept_comm_threads(g, r, &jobs[r].c);
-        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
-    }
-    for (int r = 0; r < k.P; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    res out[BENCH_MAX_RANKS];
+    if (!bench_run_threads(k.P, rank_main, &k, out, sizeof out[0])) return 2;
     printf("E=%lld experts, D=%lld, F=%lld, %d ranks (threads); %lld experts change owner\n\n", (long long)k.E, (long long)k.D,
            (long long)k.F, k.P, (long long)out[0].moved);
     printf("| rank | moept bytes received | gather-all bytes received | moept time (ms) | gather-all time (ms) | moept extra memory (MiB) | gather-all extra memory (MiB) |\n");
