@@ -19,18 +19,33 @@ CBLAS_LIBS := $(shell printf 'int main(void){float a=0;cblas_sgemm(CblasRowMajor
 MPICC := $(shell command -v mpicc 2>/dev/null)
 MPIRUN := $(shell command -v mpirun 2>/dev/null)
 
+# CUDA: nvcc from CUDA_HOME (or PATH), NCCL from NCCL_HOME (or next to CUDA),
+# each confirmed by a test compile. Override CUDA_ARCHS for other GPUs.
+NVCC_PATH := $(shell command -v nvcc 2>/dev/null)
+CUDA_HOME ?= $(if $(NVCC_PATH),$(patsubst %/bin/nvcc,%,$(realpath $(NVCC_PATH))),/usr/local/cuda)
+NVCC := $(wildcard $(CUDA_HOME)/bin/nvcc)
+NCCL_HOME ?= $(CUDA_HOME)
+CUDA_INC = $(sort -I$(CUDA_HOME)/include -I$(NCCL_HOME)/include)
+CUDA_LIBDIRS = $(foreach d,$(sort $(wildcard $(CUDA_HOME)/lib64 $(CUDA_HOME)/lib $(NCCL_HOME)/lib64 $(NCCL_HOME)/lib)),-L$(d) -Wl,-rpath,$(d))
+CUDA_OK := $(if $(NVCC),$(shell printf '\043include <nccl.h>\n\043include <cublas_v2.h>\nint main(void){int v;return (int)ncclGetVersion(&v)+(int)cublasCreate(0);}' | $(CC) -x c - $(CUDA_INC) $(CUDA_LIBDIRS) -lnccl -lcublas -lcudart -o /dev/null 2>/dev/null && echo yes))
+CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+NVCCFLAGS ?= -O3 -std=c++17 --fmad=false -Xcompiler -Wall,-Wextra,-Wno-unknown-pragmas $(CUDA_ARCHS)
+CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lnccl -lstdc++
+CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda)
+
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 TESTS   = test_grad test_props test_errors test_ep test_ckpt
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
-.PHONY: all test run bench bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
+
+.PHONY: cuda all test run bench bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
 
 all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard
 
 info:
-	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no)"
+	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no) cuda=$(if $(CUDA_OK),$(CUDA_HOME) (nvcc + cuBLAS + NCCL),no)"
 
 $(B):
 	@mkdir -p $(B)
@@ -97,6 +112,30 @@ $(B)/cblas/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cblas
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
 
+# CUDA executor: nvcc with the ptxas report kept (tests/check_ptxas.sh reads
+# it: no kernel may spill to local memory); moept.c with -DMOEPT_CUDA.
+$(B)/cuda/moept_kernels.o: moept_kernels.cu $(HDRS) | $(B)
+	@mkdir -p $(B)/cuda
+	$(NVCC) $(NVCCFLAGS) -Xptxas -v -c moept_kernels.cu -o $@ 2> $(B)/cuda/ptxas.txt || { cat $(B)/cuda/ptxas.txt; exit 1; }
+	@grep -v '^ptxas info' $(B)/cuda/ptxas.txt >&2 || true
+
+$(B)/cuda/moept.o: moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/cuda
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) -c moept.c -o $@
+
+CUDA_OBJS = $(B)/cuda/moept.o $(B)/cuda/moept_kernels.o
+
+$(B)/moept_check_cuda: tests/moept_check.c $(CUDA_OBJS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+$(B)/test_cuda: tests/test_cuda.c tests/testutil.h $(CUDA_OBJS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+$(B)/train_cuda: examples/train.c $(CUDA_OBJS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+cuda: $(CUDA_BINS)
+
 # valgrind: a plain build (no OpenMP: libgomp's pool reads as leaks)
 $(B)/vg/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(B)/vg
@@ -122,8 +161,8 @@ CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
 MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi)
 
-test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(B)/tsan/test_ep
-	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" sh tests/run.sh
+test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(B)/tsan/test_ep
+	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" sh tests/run.sh
 
 run: $(B)/train
 	$(B)/train

@@ -34,7 +34,6 @@
 /* ------------------------------------------------------------------------
    Errors and allocation
    ------------------------------------------------------------------------ */
-#define MOEPT__ERRLEN 512
 static _Thread_local char moept__thread_err[MOEPT__ERRLEN];
 
 typedef struct moept__counter {
@@ -69,6 +68,8 @@ const char *moept_status_string(moept_status s) {
     case MOEPT_ERR_IO: return "i/o error";
     case MOEPT_ERR_FORMAT: return "malformed file";
     case MOEPT_ERR_COMM: return "communication error";
+    case MOEPT_ERR_UNSUPPORTED: return "unsupported";
+    case MOEPT_ERR_DEVICE: return "device error";
     }
     return "unknown status";
 }
@@ -79,23 +80,6 @@ const char *moept_status_string(moept_status s) {
    builtin GEMM, CBLAS, or (moept_kernels.cu) cuBLAS, which swaps operands
    to see the same product column-major.
    ------------------------------------------------------------------------ */
-typedef struct moept__gemm {
-    int trans_a, trans_b;  /* 0: op(X) = X, 1: op(X) = X^T */
-    int64_t m, n, k;
-    float alpha, beta;
-    const float *a; int64_t lda;
-    const float *b; int64_t ldb;
-    float *c; int64_t ldc;
-} moept__gemm;
-
-static moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
-                                    int64_t k, const float *a, int64_t lda,
-                                    const float *b, int64_t ldb, float beta,
-                                    float *c, int64_t ldc) {
-    moept__gemm g = {ta, tb, m, n, k, 1.0f, beta, a, lda, b, ldb, c, ldc};
-    return g;
-}
-
 typedef struct moept__gemm_ws {
     float *apack;     /* [round_up(m_max, MR)][KC], builtin GEMM only packed op(A) strips */
     float *bpack;     /* [NC/NR][KC][NR] packed op(B) strips */
@@ -453,8 +437,19 @@ struct moept_layer {
     double capacity_factor;    /* the float config value read as the decimal
                                   it was written as (0.6f -> 0.6), so that
                                   ceil(0.6 * 20) is 12 as in Megatron */
+    /* CUDA layers: the executor, and which side changed last (0 both equal,
+       1 host copy newer, 2 device newer) for the parameters (with the bias
+       and placement) and for the gradients */
+    void *cuda;
+    int cuda_pnew, cuda_gnew;
+    int cuda_routing;      /* host ids/wts/logits hold the committed step */
+    int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
     char err[MOEPT__ERRLEN];
 };
+
+static moept_status moept__to_host(const moept_layer *L, int params, int grads);
+static void moept__host_wrote(moept_layer *L, int params, int grads);
+#define MOEPT__HOST_SYNC(L, p, g) do { moept_status st_ = moept__to_host((L), (p), (g)); if (st_) return st_; } while (0)
 
 static moept_status moept__fail(const moept_layer *L, moept_status s,
                                 const char *fmt, ...) {
@@ -589,6 +584,9 @@ static void moept__build_table(moept_layer *L) {
 
 void moept_destroy(moept_layer *L) {
     if (!L) return;
+#ifdef MOEPT_CUDA
+    if (L->cuda) moept__cuda_destroy((moept__cuda *)L->cuda);
+#endif
     /* every buffer lives in one of three blocks */
     MOEPT_FREE(L->params);
     MOEPT_FREE(L->table);
@@ -910,10 +908,12 @@ moept_status moept_set_param(moept_layer *L, const char *name, const float *src,
     const moept__param *p = NULL;
     moept_status st = moept__param_io(L, "moept_set_param", name, numel, src, &p);
     if (st || !p || !src) return st ? st : MOEPT_ERR_INVALID_ARGUMENT;
+    MOEPT__HOST_SYNC(L, 1, 0);
     for (int64_t i = 0; i < numel; i++)
         if (!moept__finite(src[i]))
             return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_set_param(%s): element %lld is not finite", name, (long long)i);
     memcpy(p->data, src, (size_t)numel * sizeof(float));
+    moept__host_wrote(L, 1, 0);
     return MOEPT_OK;
 }
 
@@ -921,6 +921,7 @@ moept_status moept_get_param(const moept_layer *L, const char *name, float *dst,
     const moept__param *p = NULL;
     moept_status st = moept__param_io(L, "moept_get_param", name, numel, dst, &p);
     if (st) return st;
+    MOEPT__HOST_SYNC(L, 1, 0);
     memcpy(dst, p->data, (size_t)numel * sizeof(float));
     return MOEPT_OK;
 }
@@ -929,6 +930,7 @@ moept_status moept_get_grad(const moept_layer *L, const char *name, float *dst, 
     const moept__param *p = NULL;
     moept_status st = moept__param_io(L, "moept_get_grad", name, numel, dst, &p);
     if (st) return st;
+    MOEPT__HOST_SYNC(L, 0, 1);
     if (!p->grad) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "moept_get_grad: '%s' has no gradient", name);
     memcpy(dst, p->grad, (size_t)numel * sizeof(float));
     return MOEPT_OK;
@@ -940,6 +942,8 @@ moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_in
     if (!L || !info) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: NULL argument");
     if (i < 0 || i >= L->n_table)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: index %lld not in 0..%lld", (long long)i, (long long)L->n_table - 1);
+    MOEPT__HOST_SYNC(L, 1, 1);
+    moept__host_wrote((moept_layer *)L, 1, 1); /* the pointers may be written through */
     const moept__param *p = &L->table[i];
     info->name = p->name; info->rows = p->rows; info->cols = p->cols;
     info->data = p->data; info->grad = p->grad;
@@ -948,18 +952,29 @@ moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_in
 
 moept_status moept_params(moept_layer *L, float **params, int64_t *numel) {
     if (!L || !params || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_params: NULL argument");
+    MOEPT__HOST_SYNC(L, 1, 0);
+    moept__host_wrote(L, 1, 0);
     *params = L->params; *numel = L->n_params;
     return MOEPT_OK;
 }
 
 moept_status moept_grads(moept_layer *L, float **grads, int64_t *numel) {
     if (!L || !grads || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grads: NULL argument");
+    MOEPT__HOST_SYNC(L, 0, 1);
+    moept__host_wrote(L, 0, 1);
     *grads = L->grads; *numel = L->n_params;
     return MOEPT_OK;
 }
 
 moept_status moept_zero_grad(moept_layer *L) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_zero_grad: layer is NULL");
+#ifdef MOEPT_CUDA
+    if (L->cuda) {
+        moept_status st = moept__cuda_zero_grad((moept__cuda *)L->cuda, L->err);
+        if (st) return st;
+        L->cuda_gnew = 0; /* both sides zero */
+    }
+#endif
     memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
     return MOEPT_OK;
 }
@@ -974,6 +989,8 @@ static uint64_t moept__mix(uint64_t *s) {
 
 moept_status moept_init_params(moept_layer *L, uint64_t seed) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_init_params: layer is NULL");
+    MOEPT__HOST_SYNC(L, 1, 0);
+    moept__host_wrote(L, 1, 0);
     for (int64_t i = 0; i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
         if (p->type == MOEPT__P_BIAS) { memset(p->data, 0, (size_t)p->cols * sizeof(float)); continue; }
@@ -986,6 +1003,136 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
             p->data[j] = (float)((2.0 * u - 1.0) * bound);
         }
     }
+    return MOEPT_OK;
+}
+
+
+/* ------------------------------------------------------------------------
+   CUDA layers: a host copy of the parameters, gradients and bias serves
+   every host-side call; the copies move only when the other side changed.
+   ------------------------------------------------------------------------ */
+static moept_status moept__to_host(const moept_layer *cL, int params, int grads) {
+    moept_layer *L = (moept_layer *)cL;
+    (void)params; (void)grads;
+#ifdef MOEPT_CUDA
+    if (!L->cuda) return MOEPT_OK;
+    int p = params && L->cuda_pnew == 2, g = grads && L->cuda_gnew == 2;
+    if (!p && !g) return MOEPT_OK;
+    moept_status st = moept__cuda_download((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL, L->err);
+    if (st) return st;
+    if (p) L->cuda_pnew = 0;
+    if (g) L->cuda_gnew = 0;
+#else
+    (void)L;
+#endif
+    return MOEPT_OK;
+}
+static void moept__host_wrote(moept_layer *L, int params, int grads) {
+    if (!L->cuda) return;
+    if (params) L->cuda_pnew = 1;
+    if (grads) L->cuda_gnew = 1;
+}
+#ifdef MOEPT_CUDA
+static moept_status moept__to_device(moept_layer *L) {
+    int p = L->cuda_pnew == 1, g = L->cuda_gnew == 1;
+    if (!p && !g) return MOEPT_OK;
+    moept_status st = moept__cuda_upload((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL,
+                                         p ? L->bias : NULL, p ? L->slot_of : NULL, L->err);
+    if (st) return st;
+    if (p) L->cuda_pnew = 0;
+    if (g) L->cuda_gnew = 0;
+    return MOEPT_OK;
+}
+#endif
+int moept_cuda_device_count(void) {
+#ifdef MOEPT_CUDA
+    return moept__cuda_device_count();
+#else
+    return 0;
+#endif
+}
+
+moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                               const moept_cuda_options *opt, moept_layer **out) {
+#ifndef MOEPT_CUDA
+    (void)cfg; (void)ep; (void)dp; (void)opt;
+    if (out) *out = NULL;
+    return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: moept.c was built without MOEPT_CUDA");
+#else
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: out is NULL");
+    *out = NULL;
+    moept_cuda_options o;
+    memset(&o, 0, sizeof o);
+    if (opt) o = *opt;
+    /* this rank's checks, agreed before the collective create */
+    int bad = o.dtype != MOEPT_DTYPE_F32 && o.dtype != MOEPT_DTYPE_BF16;
+    char why[MOEPT__ERRLEN] = "";
+    if (bad) snprintf(why, sizeof why, "moept_create_cuda: options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16");
+    else if (moept__cuda_device_count() < 1) { bad = 1; snprintf(why, sizeof why, "moept_create_cuda: no CUDA device"); }
+    moept_status st;
+    int64_t failed = moept__any_failed(ep, dp, bad, &st);
+    if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
+    if (bad) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s", why);
+    if (failed) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: another rank's options were rejected");
+    /* every rank must run the same executor options (a rank that skips the
+       backward's agreement would leave the others waiting) */
+    int64_t mine[2] = {(int64_t)o.dtype, o.unchecked_backward != 0}, sum[2] = {mine[0], mine[1]};
+    int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
+    if (ep && ep->size > 1 && (st = ep->allreduce(ep, sum, 2, MOEPT_DTYPE_I64)))
+        return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", ep->err);
+    if (dp && dp->size > 1 && (st = dp->allreduce(dp, sum, 2, MOEPT_DTYPE_I64)))
+        return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", dp->err);
+    if (sum[0] != mine[0] * ranks || sum[1] != mine[1] * ranks)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs between ranks",
+                                  sum[0] != mine[0] * ranks ? "dtype" : "unchecked_backward");
+    moept_layer *L = NULL;
+    if ((st = moept_create_parallel(cfg, ep, dp, &L))) return st;
+    moept__cuda_spec sp;
+    memset(&sp, 0, sizeof sp);
+    sp.family = (int)L->cfg.family; sp.act = L->act; sp.norm = L->cfg.norm_topk_prob;
+    sp.aux = (int)L->cfg.aux_loss; sp.global_balance = L->cfg.global_balance && (L->ep || L->dp);
+    sp.n_group = (int)L->cfg.n_group; sp.topk_group = (int)L->cfg.topk_group;
+    sp.dtype = (int)o.dtype; sp.unchecked_backward = o.unchecked_backward != 0;
+    sp.D = L->D; sp.F = L->F; sp.E = L->E; sp.K = L->K; sp.S = L->S; sp.H = L->H; sp.HS = L->HS;
+    sp.El = L->El; sp.P = L->P; sp.rank = L->rank; sp.Tmax = L->Tmax;
+    sp.scale = L->cfg.routed_scaling_factor; sp.aux_coef = L->cfg.aux_loss_coef; sp.z_coef = L->cfg.z_loss_coef;
+    sp.capacity_factor = L->capacity_factor;
+    sp.n_params = L->n_params;
+    sp.off13 = L->w13 - L->params; sp.off2 = L->w2 - L->params;
+    sp.offs13 = L->ws13 - L->params; sp.offs2 = L->ws2 - L->params;
+    sp.offsg = L->wsg ? L->wsg - L->params : -1;
+    sp.ep = L->ep; sp.dp = L->dp; sp.stream = o.stream;
+    moept__cuda *c = NULL;
+    char err[MOEPT__ERRLEN] = "";
+    st = moept__cuda_create(&sp, &c, err);
+    if (!st) { L->cuda = c; L->cuda_pnew = 1; L->cuda_gnew = 1; st = moept__to_device(L); if (st) memcpy(err, L->err, sizeof err); }
+    failed = moept__any_failed(ep, dp, st != MOEPT_OK, &st);
+    if (st || failed) {
+        moept_destroy(L);
+        return moept__thread_fail(st ? st : MOEPT_ERR_DEVICE, "%s", err[0] ? err : "moept_create_cuda: another rank failed to set up its device");
+    }
+    *out = L;
+    return MOEPT_OK;
+#endif
+}
+
+moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, int64_t *numel) {
+    if (!L || !params || !grads || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params: NULL argument");
+    if (!L->cuda) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params: not a CUDA layer");
+#ifdef MOEPT_CUDA
+    moept_status st = moept__to_device(L); /* hand out the newest values */
+    if (st) return st;
+    moept__cuda_pointers((moept__cuda *)L->cuda, params, grads);
+    *numel = L->n_params;
+#endif
+    return MOEPT_OK;
+}
+
+moept_status moept_cuda_params_changed(moept_layer *L) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params_changed: layer is NULL");
+    if (!L->cuda) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params_changed: not a CUDA layer");
+    L->cuda_pnew = 2;
+    L->cuda_gnew = 2;
     return MOEPT_OK;
 }
 
@@ -1189,8 +1336,69 @@ static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept
     return st;
 }
 
+#ifdef MOEPT_CUDA
+static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
+    L->dev_allocations = r->allocations;
+    L->dev_allocated_bytes = r->allocated_bytes;
+    L->dev_workspace_bytes = r->workspace_bytes;
+    L->stats.recv_capacity = r->recv_capacity;
+    L->stats.recv_growths = r->recv_growths;
+    L->stats.comm_seconds += r->comm_seconds;
+    L->stats.bytes_sent += r->bytes_sent;
+    L->stats.bytes_received += r->bytes_received;
+}
+
+static moept_status moept__cuda_layer_forward(moept_layer *L, const float *x, int64_t T, float *y) {
+    moept_status st = moept__to_device(L);
+    if (st) return st;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    st = moept__cuda_forward((moept__cuda *)L->cuda, x, T, y, L->lstat, L->peer_rows, &r, L->err);
+    if (st) return st;
+    const int64_t E = L->E;
+    L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; L->cuda_routing = 0;
+    for (int64_t e = 0; e < E; e++) {
+        L->sel_counts[e] = (int64_t)L->lstat[e];
+        L->aux_counts[e] = (int64_t)L->lstat[E + e];
+    }
+    L->counts_global = r.counts_global;
+    L->N = r.N; L->R = r.R;
+    L->loss_T = r.loss_T; L->aux_value = r.aux_value; L->z_value = r.z_value;
+    moept_stats *sts = &L->stats;
+    sts->bytes_sent = sts->bytes_received = 0;
+    sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
+    moept__cuda_stats(L, &r);
+    sts->steps++;
+    sts->tokens = T;
+    sts->routed_rows = r.N;
+    sts->dropped_rows = T * L->K - r.N;
+    sts->capacity = r.capacity;
+    sts->rows_sent = r.rows_sent;
+    sts->rows_received = r.rows_received;
+    sts->aux_loss = (float)r.aux_value;
+    sts->z_loss = (float)r.z_value;
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+    moept_status st = moept__to_device(L);
+    if (st) return st;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    st = moept__cuda_backward((moept__cuda *)L->cuda, x, dy, dx, &r, L->err);
+    if (st) return st;
+    moept__cuda_stats(L, &r);
+    L->bwd_valid = 1;
+    L->cuda_gnew = 2;
+    return MOEPT_OK;
+}
+#endif
+
 moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: layer is NULL");
+#ifdef MOEPT_CUDA
+    if (L->cuda) return moept__cuda_layer_forward(L, x, T, y);
+#endif
     const int64_t D = L->D, E = L->E, K = L->K, El = L->El;
     const int fam = (int)L->cfg.family, P = L->P;
     const int global = L->cfg.global_balance && (L->ep || L->dp);
@@ -1281,11 +1489,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     for (int64_t i = 0; i < 3 * E + 2; i++) L->lstat[i] = 0.0;
     for (int64_t t = 0; t < T; t++) {
         const float *lg = logits + t * E;
-        float m = lg[0];
-        for (int64_t e = 1; e < E; e++) m = lg[e] > m ? lg[e] : m;
-        float s = 0.0f;
-        for (int64_t e = 0; e < E; e++) s += moept__exp(lg[e] - m);
-        L->lse[t] = m + logf(s);
+        L->lse[t] = moept__lse(lg, E);
         L->lstat[3 * E + 1] += (double)L->lse[t] * L->lse[t];
         for (int64_t k = 0; k < K; k++) sel[ids[t * K + k]] += 1.0;
         if (aux != MOEPT_AUX_NONE) {
@@ -1305,14 +1509,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     L->counts_global = global || (!L->ep && !L->dp);
     const double Tl = L->lstat[3 * E] > 0 ? L->lstat[3 * E] : 1.0;
     L->loss_T = Tl;
-    double aux_v = 0.0;
-    double cnorm = aux == MOEPT_AUX_MEGATRON ? Tl * (double)K : Tl;
-    for (int64_t e = 0; e < E; e++) {
-        aux_v += auxc[e] / cnorm * (psum[e] / Tl);
-        /* d(coef * aux)/d score_t,e = coef * E * count_e / (cnorm * T) */
-        L->aux_g[e] = (float)(L->cfg.aux_loss_coef * (double)E * auxc[e] / (cnorm * Tl));
-    }
-    aux_v *= (double)E;
+    double aux_v = moept__aux_finalize(auxc, psum, E, K, aux, Tl, L->cfg.aux_loss_coef, L->aux_g);
 
     /* plan: stable counting sort of the T*K assignments by slot (the
        expert's place in the placement); slot order is destination-rank
@@ -1325,14 +1522,8 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     L->N = L->offsets[E];
     for (int64_t i = 0; i < T * K; i++) {
         int64_t e = L->slot_of[ids[i]];
-        if (L->fill[e] < L->counts[e]) {
-            int64_t r = L->offsets[e] + L->fill[e]++;
-            L->row_of[i] = r;
-            L->tok_of_row[r] = i / K;
-            L->slot_of_row[r] = (int32_t)(i % K);
-        } else {
-            L->row_of[i] = -1;
-        }
+        moept__plan_place(i, L->fill[e]++, L->counts[e], L->offsets[e], K, L->row_of, L->tok_of_row,
+                          L->slot_of_row);
     }
     /* where the received rows go: expert-major, then by source rank */
     L->roffsets[0] = 0;
@@ -1413,7 +1604,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
             if (r < 0) continue;
             float w = wts[t * K + k];
             const float *src = L->direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : L->ys + r * D;
-            for (int64_t d = 0; d < D; d++) yt[d] += w * src[d];
+            for (int64_t d = 0; d < D; d++) yt[d] = moept__combine_step(yt[d], w, src[d]);
         }
     }
 
@@ -1439,6 +1630,9 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
    ------------------------------------------------------------------------ */
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
+#ifdef MOEPT_CUDA
+    if (L->cuda) return moept__cuda_layer_backward(L, x, dy, dx);
+#endif
     /* local checks, then (EP) agreement so no rank is left waiting */
     moept_status local = MOEPT_OK, st;
     const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
@@ -1486,7 +1680,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         if (L->S > 0) {
             float *yss = L->yss + t * D;
             float gs = L->wsg ? L->sg[t] : 1.0f;
-            if (L->wsg) L->dsg[t] = (float)moept__dot(yss, dyt, D) * gs * (1.0f - gs);
+            if (L->wsg) L->dsg[t] = moept__gate_bwd(moept__dot(yss, dyt, D), gs);
             for (int64_t d = 0; d < D; d++) yss[d] = gs * dyt[d];
         }
     }
@@ -1546,7 +1740,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     #pragma omp parallel for schedule(static) num_threads(L->nthreads) MOEPT__PAR(T * E * K)
     for (int64_t t = 0; t < T; t++) {
         float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
-        float zgrad = zc != 0.0f ? zc * 2.0f * L->lse[t] / Tl : 0.0f;
+        float zgrad = moept__zgrad(zc, L->lse[t], Tl);
         moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K,
                                 L->dwts + t * K, aux_g, zgrad, (int)E, (int)K, norm,
                                 scale, scratch, L->dlogits + t * E);
@@ -1565,6 +1759,14 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
 moept_status moept_sync_grads(moept_layer *L, float scale) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: layer is NULL");
     if (!moept__finite(scale)) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
+#ifdef MOEPT_CUDA
+    if (L->cuda) {
+        moept_status cs = moept__to_device(L);
+        if (!cs) cs = moept__cuda_sync_grads((moept__cuda *)L->cuda, scale, L->err);
+        if (!cs) L->cuda_gnew = 2;
+        return cs;
+    }
+#endif
     double t0 = moept__now();
     moept_status st = MOEPT_OK;
     int64_t n_router = L->E * L->D, n_exp = L->El * (L->H + L->F) * L->D;
@@ -1583,6 +1785,7 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
     if (!L || !norm) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: NULL argument");
+    MOEPT__HOST_SYNC(L, 0, 1);
     int64_t n_router = L->E * L->D, n_exp = L->El * (L->H + L->F) * L->D;
     double s[2] = {0.0, 0.0}; /* [replicated, experts] */
     for (int64_t i = 0; i < L->n_params; i++) {
@@ -1615,6 +1818,8 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     if (!moept__finite(rate) || rate < 0.0f)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
     if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
+    MOEPT__HOST_SYNC(L, 1, 0);
+    moept__host_wrote(L, 1, 0);
     /* the bias is replicated: every rank must see the whole batch's counts
        (already so with global_balance; otherwise sum them here) */
     double *cnt = L->lstat; /* [E] the forward's selection counts; free after the forward */
@@ -1638,6 +1843,15 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
                            const float **logits) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing: layer is NULL");
     if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing: no forward yet");
+#ifdef MOEPT_CUDA
+    if (L->cuda && !L->cuda_routing) {
+        moept_layer *W = (moept_layer *)L;
+        moept_status cs = moept__cuda_download_routing((moept__cuda *)L->cuda, W->ids[L->cur], W->wts[L->cur],
+                                                       W->logits[L->cur], NULL, W->err);
+        if (cs) return cs;
+        W->cuda_routing = 1;
+    }
+#endif
     if (ids) *ids = L->ids[L->cur];
     if (weights) *weights = L->wts[L->cur];
     if (logits) *logits = L->logits[L->cur];
@@ -1647,6 +1861,13 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
 moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
     if (!L || !dweights) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing_grads: NULL argument");
     if (!L->bwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
+#ifdef MOEPT_CUDA
+    if (L->cuda) {
+        moept_status cs = moept__cuda_download_routing((moept__cuda *)L->cuda, NULL, NULL, NULL,
+                                                       ((moept_layer *)L)->dwts, ((moept_layer *)L)->err);
+        if (cs) return cs;
+    }
+#endif
     *dweights = L->dwts;
     return MOEPT_OK;
 }
@@ -1654,11 +1875,12 @@ moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
 moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe) {
     if (!L || !st) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_stats: NULL argument");
     *st = L->stats;
-    st->allocations = L->mem.allocations;
-    st->allocated_bytes = L->mem.bytes;
+    st->allocations = L->mem.allocations + L->dev_allocations;
+    st->allocated_bytes = L->mem.bytes + L->dev_allocated_bytes;
     int own_xy = L->P > 1;
     st->workspace_bytes = L->work_bytes +
         L->Rcap * ((own_xy ? 2 * L->D : 0) + L->H + L->F) * (int64_t)sizeof(float);
+    st->device_workspace_bytes = L->dev_workspace_bytes;
     if (tpe)
         for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd_valid ? L->sel_counts[e] : 0;
     return MOEPT_OK;
@@ -2087,7 +2309,7 @@ static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, v
                 float v;
                 if (t->dtype == MOEPT_DTYPE_F32) { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 4); }
                 else if (t->dtype == MOEPT_DTYPE_F64) { uint64_t u = 0; double d; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&d, &u, 8); v = (float)d; }
-                else if (t->dtype == MOEPT_DTYPE_BF16) { uint32_t u = ((uint32_t)b[1] << 24) | ((uint32_t)b[0] << 16); memcpy(&v, &u, 4); }
+                else if (t->dtype == MOEPT_DTYPE_BF16) v = moept__bf16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
                 else v = moept__half_to_f32((uint16_t)(b[0] | (b[1] << 8)));
                 ((float *)dst)[done + i] = v;
             }
@@ -2915,6 +3137,8 @@ static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char
 moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: layer is NULL");
     if (!dir || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: bad directory or layer index");
+    MOEPT__HOST_SYNC(L, 1, 0);
+    moept__host_wrote(L, 1, 0);
     char prefix[128], name[256];
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
     moept__hf_src src;
@@ -2965,6 +3189,7 @@ moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index)
 moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index, int with_replicated) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: layer is NULL");
     if (!path || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: bad path or layer index");
+    MOEPT__HOST_SYNC(L, 1, 0);
     char prefix[128], name[256];
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
     moept_st_writer *w;
@@ -2989,6 +3214,8 @@ moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index
    ------------------------------------------------------------------------ */
 moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     if (!L || !o) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: NULL argument");
+    MOEPT__HOST_SYNC(L, 1, 1);
+    moept__host_wrote(L, 1, 0);
     float b1 = o->beta1 ? o->beta1 : 0.9f, b2 = o->beta2 ? o->beta2 : 0.999f, eps = o->eps ? o->eps : 1e-8f;
     float wd = o->weight_decay, lr = o->lr;
     if (!moept__finite(lr) || lr < 0 || !(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) || !moept__finite(wd) || wd < 0)
@@ -3032,6 +3259,7 @@ static int moept__text_emit(int fd, const void *ctx) {
 moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: layer is NULL");
     if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: dir is NULL");
+    MOEPT__HOST_SYNC(L, 1, 0);
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         return moept__fail(L, MOEPT_ERR_IO, "moept_save_checkpoint: cannot create %s: %s", dir, strerror(errno));
     char path[4096], fp[32], step[32], meta[512], name[256];
@@ -3108,6 +3336,8 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
 moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: layer is NULL");
     if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: dir is NULL");
+    MOEPT__HOST_SYNC(L, 1, 0);
+    moept__host_wrote(L, 1, 0);
     char path[4096], fp[32], ffp[64], name[256];
     moept__fp_hex(L, fp, sizeof fp);
     int64_t P = 0;
@@ -3207,6 +3437,7 @@ static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, fl
 
 moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshard_report *rep) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: layer is NULL");
+    if (L->cuda) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not on a CUDA layer (reshard a host layer, or save and load a checkpoint at the new placement)");
     const int64_t E = L->E, El = L->El, P = L->P, me = L->rank;
     moept_status local = MOEPT_OK, st;
     if (!new_rank) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: new_rank is NULL");

@@ -20,6 +20,11 @@
    COMPILE-TIME OPTIONS
      MOEPT_CBLAS        expert GEMMs through cblas_sgemm instead of the
                         builtin cache-blocked GEMM.
+     MOEPT_MPI          the MPI backend (moept_comm_mpi); compile with mpicc.
+     MOEPT_CUDA         the CUDA executor and NCCL backend: compile moept.c
+                        with -DMOEPT_CUDA -I$CUDA_HOME/include, compile
+                        moept_kernels.cu with nvcc, link -lcudart -lcublas
+                        -lnccl -lstdc++ (see docs/CUDA.md).
      MOEPT_MALLOC(n), MOEPT_FREE(p)
                         override the allocator (define before moept.c).
                         Every allocation is counted in moept_stats.
@@ -103,6 +108,9 @@
 #ifdef MOEPT_MPI
 #include <mpi.h>
 #endif
+#ifdef MOEPT_CUDA
+#include <nccl.h>
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -121,7 +129,9 @@ typedef enum moept_status {
     MOEPT_ERR_STATE = 5,            /* e.g. backward without a forward */
     MOEPT_ERR_IO = 6,               /* file errors */
     MOEPT_ERR_FORMAT = 7,           /* malformed file */
-    MOEPT_ERR_COMM = 8              /* communication backend error */
+    MOEPT_ERR_COMM = 8,             /* communication backend error */
+    MOEPT_ERR_UNSUPPORTED = 9,      /* not in this build, or not on this kind of layer */
+    MOEPT_ERR_DEVICE = 10           /* CUDA or cuBLAS error (call and line in the message) */
 } moept_status;
 
 typedef enum moept_dtype {
@@ -208,7 +218,7 @@ struct moept_comm {
        pieces send_segs[q*nseg + s] of `send` and receives from q the pieces
        recv_segs[q*nseg + s] of `recv`. Piece s from p to q has the same count
        in p's send_segs and q's recv_segs (the caller exchanged counts first).
-       elem_size is 4 or 8. With nseg = 1 this is MPI_Alltoallv. */
+       elem_size is 2, 4 or 8. With nseg = 1 this is MPI_Alltoallv. */
     moept_status (*alltoallv)(moept_comm *c, const void *send, const moept_seg *send_segs,
                               void *recv, const moept_seg *recv_segs, int nseg, int elem_size);
     /* In-place sum over ranks; dtype F32, F64 or I64. */
@@ -246,6 +256,42 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out);
 #endif
 void moept_comm_destroy(moept_comm *c);
 
+/* ---- CUDA ------------------------------------------------------------
+   A layer on a GPU (build with MOEPT_CUDA; without it moept_create_cuda
+   fails with MOEPT_ERR_UNSUPPORTED and moept_cuda_device_count is 0).
+   Its moept_forward / moept_backward take DEVICE pointers x, y, dy, dx of
+   options.dtype (F32, or BF16 passed as float* casts); the router, its
+   logits, the losses, accumulation, master weights and gradients stay
+   fp32. Work is queued on options.stream; the EP exchange runs on the NCCL
+   comm's stream, joined by events. Host synchronisations: one per forward
+   (reading the exchanged expert counts, which size everything after), and
+   one per backward for the dy check unless unchecked_backward is set.
+   Parameters: moept_set_param / moept_get_param / moept_get_grad take host
+   arrays as for a CPU layer (the host copy is uploaded before the next
+   forward); moept_params / moept_grads return the host copies, downloaded
+   on demand. moept_cuda_params returns the device buffers for an optimizer
+   that stays on the GPU (call moept_cuda_params_changed after it writes).
+   Everything else (checkpoints, AdamW, bias updates) works on the host copy. */
+typedef struct moept_cuda_options {
+    moept_dtype dtype;          /* F32 (default) or BF16 token rows and expert weights */
+    void *stream;               /* cudaStream_t for compute; NULL = default stream */
+    int unchecked_backward;     /* 1: skip the backward's dy check and its host sync */
+} moept_cuda_options;
+int moept_cuda_device_count(void);
+moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                               const moept_cuda_options *opt, moept_layer **out);
+/* Device parameter and gradient buffers (layout of moept_params), fp32. */
+moept_status moept_cuda_params(moept_layer *layer, float **params, float **grads, int64_t *numel);
+moept_status moept_cuda_params_changed(moept_layer *layer);
+#ifdef MOEPT_CUDA
+/* NCCL: collectives on `stream` (a cudaStream_t). Buffers may be device or
+   host memory (host buffers are staged through a device copy and the call
+   waits for it). With a non-blocking communicator (ncclConfig_t blocking =
+   0) every call polls ncclCommGetAsyncError and aborts the communicator
+   after timeout_ms (0 = 600 s) instead of hanging. Never initialises NCCL. */
+moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeout_ms, moept_comm **out);
+#endif
+
 typedef struct moept_stats {
     int64_t steps;             /* successful forwards since create */
     int64_t tokens;            /* T of the last forward */
@@ -270,6 +316,8 @@ typedef struct moept_stats {
     int64_t recv_capacity;     /* rows the receive buffers hold now */
     int64_t recv_growths;      /* times they grew (each an allocation) */
     int64_t checkpoint_bytes_read; /* by moept_load_hf since create */
+    int64_t device_workspace_bytes; /* CUDA layers: device memory held beyond the
+                                       parameters (allocations above count both sides) */
 } moept_stats;
 
 /* Rows this rank sent to / received from each EP peer in the last forward's
@@ -618,7 +666,7 @@ MOEPT_HD static inline float moept__softmax(const float *logit, int E, float *p)
 }
 
 /* Route one token. family: moept_family. probs[E] receives the router's
-   scores (softmax p, or sigmoid s); choice[E] is scratch. Returns 0, or -1 if
+   scores (softmax p, or sigmoid s); choice[2E] is scratch. Returns 0, or -1 if
    a logit is not finite (ids/weights then untouched). */
 MOEPT_HD static inline int moept__route_token(
     int family, const float *logit, const float *bias, int E, int K, int norm,
@@ -640,19 +688,24 @@ MOEPT_HD static inline int moept__route_token(
         choice[e] = probs[e] + (bias ? bias[e] : 0.0f);
     }
     if (n_group > 1) {
+        /* group score: the sum of its two best biased scores; keep the
+           topk_group best groups (ties to the lower group); group scores
+           live in choice[E..E+n_group), so no per-thread arrays */
         int gs = E / n_group;
-        float gscore[64];      /* n_group <= 64, checked at create */
-        int32_t gsel[64];
+        float *gscore = choice + E;
         for (int g = 0; g < n_group; g++) {
-            int32_t two[2];
-            moept__topk(choice + (int64_t)g * gs, gs, 2, two);
-            gscore[g] = choice[g * gs + two[0]] + choice[g * gs + two[1]];
+            const float *cg = choice + (int64_t)g * gs;
+            int b0 = 0;
+            for (int e = 1; e < gs; e++) b0 = cg[e] > cg[b0] ? e : b0;
+            int b1 = b0 == 0 ? 1 : 0;
+            for (int e = 0; e < gs; e++) b1 = (e != b0 && cg[e] > cg[b1]) ? e : b1;
+            gscore[g] = cg[b0] + cg[b1];
         }
-        moept__topk(gscore, n_group, topk_group, gsel);
         for (int g = 0; g < n_group; g++) {
-            int keep = 0;
-            for (int j = 0; j < topk_group; j++) keep |= (gsel[j] == g);
-            if (!keep) /* as transformers >= 4.57 and DeepSeek's own code */
+            int better = 0; /* groups ranked before g */
+            for (int h = 0; h < n_group; h++)
+                better += gscore[h] > gscore[g] || (gscore[h] == gscore[g] && h < g);
+            if (better >= topk_group) /* as transformers >= 4.57 and DeepSeek's own code */
                 for (int e = g * gs; e < (g + 1) * gs; e++) choice[e] = -HUGE_VALF;
         }
     }
@@ -773,4 +826,207 @@ MOEPT_HD static inline void moept__router_token_bwd(
         }
     }
 }
+
+/* logsumexp of one token's logits (the z loss), summed as moept__softmax. */
+MOEPT_HD static inline float moept__lse(const float *logit, int64_t E) {
+    float m = logit[0];
+    for (int64_t e = 1; e < E; e++) m = logit[e] > m ? logit[e] : m;
+    float s = 0.0f;
+    for (int64_t e = 0; e < E; e++) s += moept__exp(logit[e] - m);
+    return m + logf(s);
+}
+
+/* d(z_coef * mean_t lse_t^2)/d lse_t */
+MOEPT_HD static inline float moept__zgrad(float z_coef, float lse, float T) {
+    return z_coef != 0.0f ? z_coef * 2.0f * lse / T : 0.0f;
+}
+
+/* The aux loss from its per-expert statistics (auxc: counted selections,
+   psum: summed scores, T tokens), and d(coef * aux)/d score_t,e into
+   aux_g[E] (the same for every token). Returns the unscaled loss. */
+MOEPT_HD static inline double moept__aux_finalize(const double *auxc, const double *psum,
+                                                  int64_t E, int64_t K, int aux, double T,
+                                                  float coef, float *aux_g) {
+    double cnorm = aux == MOEPT_AUX_MEGATRON ? T * (double)K : T, v = 0.0;
+    for (int64_t e = 0; e < E; e++) {
+        v += auxc[e] / cnorm * (psum[e] / T);
+        aux_g[e] = (float)((double)coef * (double)E * auxc[e] / (cnorm * T));
+    }
+    return v * (double)E;
+}
+
+/* The plan's placement of assignment i (token i / K, slot i % K) that is the
+   pos-th of its expert's assignments in index order (a stable sort by
+   expert): row koff + pos if pos < kept (the expert's capacity), else
+   dropped (-1). Both executors compute pos their own way (a counting pass;
+   a block-wise count on the GPU) and place through this. */
+MOEPT_HD static inline void moept__plan_place(int64_t i, int64_t pos, int64_t kept, int64_t koff,
+                                              int64_t K, int64_t *row_of, int64_t *tok_of_row,
+                                              int32_t *slot_of_row) {
+    if (pos < kept) {
+        int64_t r = koff + pos;
+        row_of[i] = r;
+        tok_of_row[r] = i / K;
+        slot_of_row[r] = (int32_t)(i % K);
+    } else {
+        row_of[i] = -1;
+    }
+}
+
+/* The GPU plan's count pass, per assignment: within its block's slots
+   sl[0..n), the number of earlier assignments to the same slot (its rank)
+   and whether none later shares it (then rank + 1 is the block's count). */
+MOEPT_HD static inline int moept__block_rank(const int32_t *sl, int n, int i, int *last) {
+    int r = 0, l = 1;
+    for (int j = 0; j < n; j++) {
+        int same = sl[j] == sl[i];
+        r += (j < i) & same;
+        l &= !((j > i) & same);
+    }
+    *last = l;
+    return r;
+}
+
+/* The GPU plan's scan pass, per slot e: hist [nblk][E] block counts become
+   each block's first position within the slot; returns the rows kept
+   (capacity cap, -1 for none). */
+MOEPT_HD static inline int64_t moept__plan_scan_slot(int64_t *hist, int64_t nblk, int64_t E, int64_t e,
+                                                     int64_t cap) {
+    int64_t run = 0;
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t h = hist[b * E + e];
+        hist[b * E + e] = run;
+        run += h;
+    }
+    return cap >= 0 && run > cap ? cap : run;
+}
+
+/* One term of a token's combine: acc + w * v (k in slot order). Neither
+   executor contracts it into an fma (C11 without -ffp-contract=fast;
+   nvcc --fmad=false), so both round alike. */
+MOEPT_HD static inline float moept__combine_step(float acc, float w, float v) {
+    return acc + w * v;
+}
+
+/* Shared-expert sigmoid gate backward: dL/d logit from <y_shared, dy> and
+   the gate value g. */
+MOEPT_HD static inline float moept__gate_bwd(double dot, float g) {
+    return (float)dot * g * (1.0f - g);
+}
+
+/* bfloat16 <-> float by bits: round to nearest even, NaN kept quiet. The
+   GPU's conversions and the checkpoint reader's both go through these. */
+MOEPT_HD static inline uint16_t moept__f32_to_bf16(float f) {
+    union { float f; uint32_t u; } b; b.f = f;
+    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40u);
+    uint32_t r = b.u + 0x7fffu + ((b.u >> 16) & 1u);
+    return (uint16_t)(r >> 16);
+}
+MOEPT_HD static inline float moept__bf16_to_f32(uint16_t h) {
+    union { float f; uint32_t u; } b; b.u = (uint32_t)h << 16;
+    return b.f;
+}
+
+/* ---- GEMM descriptor --------------------------------------------------
+   Row-major C[m][n] = alpha * op(A)[m][k] op(B)[k][n] + beta * C. The stages
+   build these; the builtin GEMM, CBLAS and cuBLAS all execute the same
+   descriptors. The pointers' element type is the executor's (fp32 on the
+   CPU; fp32 or bf16 operands with fp32 or bf16 C on the GPU). */
+typedef struct moept__gemm {
+    int trans_a, trans_b;  /* 0: op(X) = X, 1: op(X) = X^T */
+    int64_t m, n, k;
+    float alpha, beta;
+    const float *a; int64_t lda;
+    const float *b; int64_t ldb;
+    float *c; int64_t ldc;
+} moept__gemm;
+
+static inline moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
+                                           int64_t k, const float *a, int64_t lda,
+                                           const float *b, int64_t ldb, float beta,
+                                           float *c, int64_t ldc) {
+    moept__gemm g;
+    g.trans_a = ta; g.trans_b = tb; g.m = m; g.n = n; g.k = k;
+    g.alpha = 1.0f; g.beta = beta;
+    g.a = a; g.lda = lda; g.b = b; g.ldb = ldb; g.c = c; g.ldc = ldc;
+    return g;
+}
+
+/* The column-major (BLAS/cuBLAS) call computing a row-major descriptor: a
+   row-major [m][n] matrix is a column-major [n][m] one, so C^T = op(B)^T
+   op(A)^T: operands swapped, m and n swapped, transposes kept. */
+typedef struct moept__gemm_cm {
+    int trans_a, trans_b;  /* cuBLAS transa / transb */
+    int64_t m, n, k;
+    const void *a; int64_t lda;  /* = the descriptor's B */
+    const void *b; int64_t ldb;  /* = its A */
+    void *c; int64_t ldc;
+    float alpha, beta;
+} moept__gemm_cm;
+static inline moept__gemm_cm moept__gemm_colmajor(const moept__gemm *g) {
+    moept__gemm_cm c;
+    c.trans_a = g->trans_b; c.trans_b = g->trans_a;
+    c.m = g->n; c.n = g->m; c.k = g->k;
+    c.a = g->b; c.lda = g->ldb;
+    c.b = g->a; c.ldb = g->lda;
+    c.c = g->c; c.ldc = g->ldc;
+    c.alpha = g->alpha; c.beta = g->beta;
+    return c;
+}
+
+/* ---- the CUDA executor's interface to moept.c ------------------------ */
+#define MOEPT__ERRLEN 512 /* error message buffers */
+#ifdef MOEPT_CUDA
+#ifdef __cplusplus
+extern "C" {
+#endif
+typedef struct moept__cuda moept__cuda;
+/* What the executor needs to know of a layer, filled by moept.c. */
+typedef struct moept__cuda_spec {
+    int family, act, norm, aux, global_balance, n_group, topk_group;
+    int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
+    int unchecked_backward;
+    int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
+    float scale, aux_coef, z_coef;
+    double capacity_factor;     /* <= 0: dropless */
+    int64_t n_params;           /* router | w13 | w2 | ws13 | ws2 | wsg */
+    int64_t off13, off2, offs13, offs2, offsg; /* offsets in the buffer; offsg -1: no gate */
+    moept_comm *ep, *dp;        /* NULL: one rank */
+    void *stream;
+} moept__cuda_spec;
+/* Results of a forward the host keeps (statistics and the saved state's size). */
+typedef struct moept__cuda_step {
+    int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
+    int64_t allocations, allocated_bytes, workspace_bytes;
+    double aux_value, z_value, loss_T;
+    int counts_global;
+    double comm_seconds;
+    int64_t bytes_sent, bytes_received;
+} moept__cuda_step;
+int moept__cuda_device_count(void);
+moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err);
+void moept__cuda_destroy(moept__cuda *c);
+/* Host <-> device copies of the parameter buffer, its gradient mirror, the
+   correction bias [E] and the placement slot_of [E] (NULL: skip). */
+moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
+                                const float *bias, const int32_t *slot_of, char *err);
+moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err);
+/* The committed step's router state: ids, wts [T][K], logits [T][E], and
+   after a backward dwts [T][K] (NULL: skip). */
+moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
+                                          float *dwts, char *err);
+moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
+/* lstat [3E + 2] receives the step's loss statistics (selection counts,
+   aux counts, score sums, T, sum lse^2; global when global_balance);
+   peer_rows [2][P] rows sent to / received from each peer. */
+moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y,
+                                 double *lstat, int64_t *peer_rows, moept__cuda_step *out, char *err);
+moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
+                                  moept__cuda_step *out, char *err);
+moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err);
+void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
+#ifdef __cplusplus
+}
+#endif
+#endif
 #endif /* MOEPT_INTERNAL */

@@ -11,6 +11,8 @@
                 [--family mixtral|qwen2_moe|olmoe|deepseek_v3] [--lr X]
                 [--csv FILE] [--seed S] [--ep N] [--quiet]
           mpirun -np N train_mpi --ep N ...      (built with -DMOEPT_MPI)
+          train_cuda ...     (built with -DMOEPT_CUDA: the MoE layers on the
+                              GPU, one rank; skipped without a device)
    With no --data it trains on the project's own source files.
 
    --ep N: expert parallel over N ranks (threads, or MPI processes). Each
@@ -29,6 +31,9 @@
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef MOEPT_CUDA
+#include <cuda_runtime.h>
 #endif
 
 typedef struct opts {
@@ -59,6 +64,8 @@ typedef struct model {
     float *logits;   /* [B][V] */
     float *dh, *dn, *dm; /* [B][D] */
     adam a_emb, a_norm, a_head, *a_moe;
+    float **dev_in;  /* CUDA: [NL] each layer's input [B][D] on the device, kept for its backward */
+    float *dev_a, *dev_b; /* CUDA: [B][D] output / dy, dx */
 } model;
 
 static double now(void) {
@@ -197,6 +204,30 @@ static unsigned char *load_text(opts *o, int64_t *len) {
     return buf;
 }
 
+/* The MoE layers' calls; the CUDA build moves the rows to and from the
+   device around them (the rest of this small model stays on the CPU). */
+static void moe_forward(model *M, int l, const float *x, float *y) {
+#ifdef MOEPT_CUDA
+    size_t bytes = (size_t)M->B * M->D * sizeof(float);
+    if (cudaMemcpy(M->dev_in[l], x, bytes, cudaMemcpyHostToDevice) != cudaSuccess) { fprintf(stderr, "train: cudaMemcpy failed\n"); exit(1); }
+    check(moept_forward(M->moe[l], M->dev_in[l], M->B, M->dev_a), M->moe[l], "moe forward");
+    if (cudaMemcpy(y, M->dev_a, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) { fprintf(stderr, "train: cudaMemcpy failed\n"); exit(1); }
+#else
+    check(moept_forward(M->moe[l], x, M->B, y), M->moe[l], "moe forward");
+#endif
+}
+static void moe_backward(model *M, int l, const float *x, const float *dy, float *dx) {
+#ifdef MOEPT_CUDA
+    (void)x;
+    size_t bytes = (size_t)M->B * M->D * sizeof(float);
+    if (cudaMemcpy(M->dev_a, dy, bytes, cudaMemcpyHostToDevice) != cudaSuccess) { fprintf(stderr, "train: cudaMemcpy failed\n"); exit(1); }
+    check(moept_backward(M->moe[l], M->dev_in[l], M->dev_a, M->dev_b), M->moe[l], "moe backward");
+    if (cudaMemcpy(dx, M->dev_b, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) { fprintf(stderr, "train: cudaMemcpy failed\n"); exit(1); }
+#else
+    check(moept_backward(M->moe[l], x, dy, dx), M->moe[l], "moe backward");
+#endif
+}
+
 /* forward + (optionally) backward over the batch at positions pos[B];
    returns the mean cross-entropy */
 static double step(model *M, const unsigned char *text, const int64_t *pos, const int *vmap, int train) {
@@ -213,7 +244,7 @@ static double step(model *M, const unsigned char *text, const int64_t *pos, cons
     for (int l = 0; l < NL; l++) {
         float *h = M->h + (size_t)l * B * D, *hn = h + (size_t)B * D, *n = M->n + (size_t)l * B * D;
         rmsnorm_fwd(h, M->norm + l * D, B, D, n, M->rms + l * B);
-        check(moept_forward(M->moe[l], n, B, M->m), M->moe[l], "moe forward");
+        moe_forward(M, l, n, M->m);
         for (int i = 0; i < B * D; i++) hn[i] = h[i] + M->m[i];
     }
     float *hf = M->h + (size_t)NL * B * D, *nf = M->n + (size_t)NL * B * D;
@@ -250,7 +281,7 @@ static double step(model *M, const unsigned char *text, const int64_t *pos, cons
     for (int l = NL - 1; l >= 0; l--) {
         float *h = M->h + (size_t)l * B * D, *n = M->n + (size_t)l * B * D;
         /* the residual passes dh through; the MoE branch adds rmsnorm'(moe'(dh)) */
-        check(moept_backward(M->moe[l], n, M->dh, M->dn), M->moe[l], "moe backward");
+        moe_backward(M, l, n, M->dh, M->dn);
         rmsnorm_bwd(h, M->norm + l * D, M->rms + l * B, M->dn, B, D, M->dh, M->g_norm + l * D);
     }
     for (int b = 0; b < B; b++)
@@ -297,8 +328,21 @@ static int train_rank(const opts *op, moept_comm *comm) {
     cfg.max_tokens = B; cfg.global_balance = 1;
     if (o.family == MOEPT_FAMILY_QWEN2_MOE || o.family == MOEPT_FAMILY_DEEPSEEK_V3) cfg.shared_intermediate_size = o.ffn;
     if (o.family == MOEPT_FAMILY_DEEPSEEK_V3 && o.experts % 4 == 0 && o.topk <= o.experts / 2) { cfg.n_group = 4; cfg.topk_group = 2; }
+#ifdef MOEPT_CUDA
+    M.dev_in = xcalloc((size_t)NL, sizeof *M.dev_in);
+    for (int l = 0; l <= NL; l++)
+        if (cudaMalloc(l < NL ? (void **)&M.dev_in[l] : (void **)&M.dev_a, (size_t)B * D * 4) != cudaSuccess ||
+            (l == NL && cudaMalloc((void **)&M.dev_b, (size_t)B * D * 4) != cudaSuccess)) {
+            fprintf(stderr, "train: cudaMalloc failed\n");
+            return 1;
+        }
+#endif
     for (int l = 0; l < NL; l++) {
+#ifdef MOEPT_CUDA
+        check(moept_create_cuda(&cfg, comm, NULL, NULL, &M.moe[l]), NULL, "moept_create_cuda");
+#else
         check(moept_create_parallel(&cfg, comm, NULL, &M.moe[l]), NULL, "moept_create");
+#endif
         check(moept_init_params(M.moe[l], o.seed * 100 + (unsigned long long)l), M.moe[l], "init");
         float *p; int64_t n;
         moept_params(M.moe[l], &p, &n);
@@ -411,6 +455,10 @@ int main(int argc, char **argv) {
 #endif
     opts o;
     parse(argc, argv, &o);
+#ifdef MOEPT_CUDA
+    if (o.ep != 1) { fprintf(stderr, "train_cuda: one GPU rank (--ep 1)\n"); return 2; }
+    if (moept_cuda_device_count() < 1) { printf("skip - train_cuda: no CUDA device\n"); return 0; }
+#endif
 #ifdef MOEPT_MPI
     moept_comm *world;
     check(moept_comm_mpi(MPI_COMM_WORLD, &world), NULL, "moept_comm_mpi");

@@ -10,8 +10,17 @@
    owner. With --weights every parameter comes from the Hugging Face
    checkpoint DIR (decoder layer L's MoE block, this rank's experts only)
    instead of the case file. One line per case, then "N passed, N failed";
-   exit 1 if any failed. */
+   exit 1 if any failed.
+
+   Built with -DMOEPT_CUDA (build/moept_check_cuda) the layer runs on the
+   GPU: every case twice, in fp32 (--tol, 1e-5) and in bf16 (--tol-bf16,
+   1e-2), with x, dy, y and dx in device memory. Without a device every case
+   is reported skipped and the exit status is 0. */
+#define MOEPT_INTERNAL /* moept__f32_to_bf16 / moept__bf16_to_f32 */
 #include "../moept.h"
+#ifdef MOEPT_CUDA
+#include <cuda_runtime.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -25,6 +34,65 @@
 
 static const char *g_weights; /* --weights DIR */
 static long long g_layer = -1;  /* --layer L */
+static int g_bf16;              /* CUDA: this pass runs in bf16 */
+
+/* ---- the layer, on the CPU or (MOEPT_CUDA) on the GPU ---- */
+#ifdef MOEPT_CUDA
+/* a device copy of n host floats (as bf16 when g_bf16); NULL on failure */
+static void *to_device(const float *h, int64_t n) {
+    size_t es = g_bf16 ? 2 : 4;
+    void *d = NULL, *stage = malloc((size_t)(n + 1) * es);
+    if (!stage || cudaMalloc(&d, (size_t)(n + 1) * es) != cudaSuccess) { free(stage); return NULL; }
+    for (int64_t i = 0; i < n; i++) {
+        if (g_bf16) ((uint16_t *)stage)[i] = moept__f32_to_bf16(h[i]);
+        else ((float *)stage)[i] = h[i];
+    }
+    if (n > 0 && cudaMemcpy(d, stage, (size_t)n * es, cudaMemcpyHostToDevice) != cudaSuccess) { cudaFree(d); d = NULL; }
+    free(stage);
+    return d;
+}
+static int to_host(float *h, const void *d, int64_t n) {
+    size_t es = g_bf16 ? 2 : 4;
+    void *stage = malloc((size_t)(n + 1) * es);
+    if (!stage) return 0;
+    int ok = n == 0 || cudaMemcpy(stage, d, (size_t)n * es, cudaMemcpyDeviceToHost) == cudaSuccess;
+    for (int64_t i = 0; ok && i < n; i++) h[i] = g_bf16 ? moept__bf16_to_f32(((uint16_t *)stage)[i]) : ((float *)stage)[i];
+    free(stage);
+    return ok;
+}
+#endif
+static moept_status layer_create(const moept_config *cfg, moept_comm *ep, moept_layer **L) {
+#ifdef MOEPT_CUDA
+    moept_cuda_options o = {g_bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+    return moept_create_cuda(cfg, ep, NULL, &o, L);
+#else
+    return moept_create_parallel(cfg, ep, NULL, L);
+#endif
+}
+static moept_status layer_forward(moept_layer *L, const float *x, int64_t T, int64_t D, float *y) {
+#ifdef MOEPT_CUDA
+    void *dxp = to_device(x, T * D), *dyp = to_device(y, T * D);
+    moept_status st = dxp && dyp ? moept_forward(L, (const float *)dxp, T, (float *)dyp) : MOEPT_ERR_OUT_OF_MEMORY;
+    if (!st && !to_host(y, dyp, T * D)) st = MOEPT_ERR_DEVICE;
+    cudaFree(dxp); cudaFree(dyp);
+    return st;
+#else
+    (void)D;
+    return moept_forward(L, x, T, y);
+#endif
+}
+static moept_status layer_backward(moept_layer *L, const float *x, const float *dy, int64_t T, int64_t D, float *dx) {
+#ifdef MOEPT_CUDA
+    void *a = to_device(x, T * D), *b = to_device(dy, T * D), *c = to_device(dx, T * D);
+    moept_status st = a && b && c ? moept_backward(L, (const float *)a, (const float *)b, (float *)c) : MOEPT_ERR_OUT_OF_MEMORY;
+    if (!st && !to_host(dx, c, T * D)) st = MOEPT_ERR_DEVICE;
+    cudaFree(a); cudaFree(b); cudaFree(c);
+    return st;
+#else
+    (void)T; (void)D;
+    return moept_backward(L, x, dy, dx);
+#endif
+}
 
 typedef struct check {
     const char *path;
@@ -165,7 +233,7 @@ static void run_case(check *c) {
         snprintf(c->skip, sizeof c->skip, "E=%lld experts do not split over --ep %d", (long long)cfg.num_experts, P);
         goto done;
     }
-    if (moept_create_parallel(&cfg, c->ep, NULL, &L) != MOEPT_OK) { failf(c, "config rejected: %s", moept_last_error(NULL)); goto done; }
+    if (layer_create(&cfg, c->ep, &L) != MOEPT_OK) { failf(c, "config rejected: %s", moept_last_error(NULL)); goto done; }
     const int64_t D = cfg.hidden_size, E = cfg.num_experts, K = cfg.top_k;
 
     /* parameters: every one the layer has must be in the file (or the checkpoint) */
@@ -184,11 +252,11 @@ static void run_case(check *c) {
         if (st) { failf(c, "%s", moept_last_error(L)); goto done; }
     }
     if (!(x = read_f(c, "input", T, D)) || !(gy = read_f(c, "grad_output", T, D))) goto done;
-    y = malloc((size_t)(T * D + 1) * sizeof(float));
-    dx = malloc((size_t)(T * D + 1) * sizeof(float));
+    y = calloc((size_t)(T * D + 1), sizeof(float));
+    dx = calloc((size_t)(T * D + 1), sizeof(float));
     if (!y || !dx) { failf(c, "out of memory"); goto done; }
     if (!all_ok(c)) goto done;
-    if (moept_forward(L, x + lo * D, Tr, y) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
+    if (layer_forward(L, x + lo * D, Tr, D, y) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
 
     if (!(want = read_f(c, "expected.output", T, D))) goto done;
     compare(c, "output", y, want + lo * D, Tr * D);
@@ -228,7 +296,7 @@ static void run_case(check *c) {
     free(want); want = NULL;
 
     if (!all_ok(c)) goto done;
-    if (moept_backward(L, x + lo * D, gy + lo * D, dx) != MOEPT_OK) { failf(c, "backward: %s", moept_last_error(L)); goto done; }
+    if (layer_backward(L, x + lo * D, gy + lo * D, Tr, D, dx) != MOEPT_OK) { failf(c, "backward: %s", moept_last_error(L)); goto done; }
     if (moept_sync_grads(L, 1.0f) != MOEPT_OK) { failf(c, "sync_grads: %s", moept_last_error(L)); goto done; }
     if (!(want = read_f(c, "expected.grad.input", T, D))) goto done;
     compare(c, "grad.input", dx, want + lo * D, Tr * D);
@@ -308,10 +376,11 @@ static void run_threads(check *c, int P) {
 #endif
 
 int main(int argc, char **argv) {
-    double tol = 1e-5;
+    double tol = 1e-5, tol_bf16 = 1e-2;
     int first = 1, P = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--tol") == 0 && first + 1 < argc) tol = atof(argv[++first]);
+        else if (strcmp(argv[first], "--tol-bf16") == 0 && first + 1 < argc) tol_bf16 = atof(argv[++first]);
         else if (strcmp(argv[first], "--ep") == 0 && first + 1 < argc) P = atoi(argv[++first]);
         else if (strcmp(argv[first], "--weights") == 0 && first + 1 < argc) g_weights = argv[++first];
         else if (strcmp(argv[first], "--layer") == 0 && first + 1 < argc) g_layer = atoll(argv[++first]);
@@ -334,15 +403,34 @@ int main(int argc, char **argv) {
     int me = 0;
 #endif
     int passed = 0, failed = 0, skipped = 0;
-    for (int i = first; i < argc; i++) {
+#ifdef MOEPT_CUDA
+    if (P != 1) { fprintf(stderr, "moept_check_cuda: --ep needs NCCL ranks; this checker runs one GPU\n"); return 2; }
+    if (moept_cuda_device_count() < 1) { /* a GPU check without a GPU is skipped, never passed */
+        for (int i = first; i < argc; i++) {
+            const char *b = strrchr(argv[i], '/');
+            printf("%-40s SKIP  no CUDA device (fp32 and bf16 not run)\n", b ? b + 1 : argv[i]);
+            skipped++;
+        }
+        printf("0 passed, 0 failed, %d skipped\n", skipped);
+        return 0;
+    }
+    const int passes = 2;
+#else
+    const int passes = 1;
+#endif
+    const int nfiles = argc - first;
+    for (int it = 0; it < nfiles * passes; it++) { /* CUDA: fp32 pass, then bf16 */
+        int arg = first + it % nfiles;
+        g_bf16 = passes == 2 && it >= nfiles;
+        double case_tol = g_bf16 ? tol_bf16 : tol;
         check c;
         memset(&c, 0, sizeof c);
-        c.path = argv[i];
+        c.path = argv[arg];
 #ifdef MOEPT_MPI
         { /* this process is one rank; gather every rank's verdict */
             check mine;
             memset(&mine, 0, sizeof mine);
-            mine.path = argv[i];
+            mine.path = argv[arg];
             mine.ep = world;
             run_case(&mine);
             mine.ep = NULL;
@@ -358,18 +446,20 @@ int main(int argc, char **argv) {
 #endif
         const char *base = strrchr(c.path, '/');
         base = base ? base + 1 : c.path;
-        if (!c.reason[0] && !(c.worst <= tol))
-            snprintf(c.reason, sizeof c.reason, "relative error %.3g > %.3g in %s", c.worst, tol, c.worst_name);
+        if (!c.reason[0] && !(c.worst <= case_tol))
+            snprintf(c.reason, sizeof c.reason, "relative error %.3g > %.3g in %s", c.worst, case_tol, c.worst_name);
         if (c.reason[0]) failed++;
         else if (c.skip[0]) skipped++;
         else passed++;
         if (me != 0) continue;
+        char label[300];
+        snprintf(label, sizeof label, "%s%s", base, passes == 2 ? (g_bf16 ? "[bf16]" : "[fp32]") : "");
         if (!c.reason[0] && c.skip[0])
-            printf("%-40s SKIP  %s\n", base, c.skip);
+            printf("%-40s SKIP  %s\n", label, c.skip);
         else if (c.reason[0])
-            printf("%-40s FAIL  max rel err %.3g (%s): %s\n", base, c.worst, c.worst_name[0] ? c.worst_name : "-", c.reason);
+            printf("%-40s FAIL  max rel err %.3g (%s): %s\n", label, c.worst, c.worst_name[0] ? c.worst_name : "-", c.reason);
         else
-            printf("%-40s PASS  max rel err %.3g (%s)\n", base, c.worst, c.worst_name);
+            printf("%-40s PASS  max rel err %.3g (%s)\n", label, c.worst, c.worst_name);
     }
     if (me == 0) {
         if (skipped) printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);

@@ -79,6 +79,17 @@ else
     skip "valgrind" "valgrind not installed"
 fi
 
+# CUDA: compiled and linked (nvcc, cuBLAS, NCCL) when found; without a GPU
+# every GPU check reports itself skipped
+if [ -n "$CUDA" ]; then
+    suite "cuda: no kernel spills (nvcc -Xptxas -v)" sh tests/check_ptxas.sh "$B/cuda/ptxas.txt"
+    suite "cuda reference cases (fp32 1e-5, bf16 1e-2)" "$B/moept_check_cuda" $CASES
+    suite "test_cuda" "$B/test_cuda"
+    suite "train_cuda" "$B/train_cuda" --steps 30 --quiet
+else
+    skip "cuda" "nvcc, cuBLAS or NCCL not found (CUDA_HOME, NCCL_HOME); the CUDA executor was not built"
+fi
+
 p=$(grep -c '^ok - ' "$B/results.txt")
 f=$(grep -c '^FAIL - ' "$B/results.txt")
 s=$(grep -c '^skip - ' "$B/results.txt")

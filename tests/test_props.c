@@ -427,6 +427,130 @@ static void test_gemm_all_transposes(void) {
     moept_destroy(L);
 }
 
+/* The CUDA plan, run on the CPU: the block-wise count (moept__block_rank,
+   blocks of 256 as the kernel), the per-slot scan (moept__plan_scan_slot)
+   and placement (moept__plan_place) give the same rows as the CPU's
+   counting sort, with and without capacity, including empty experts. */
+static void test_gpu_plan_emulated(void) {
+    for (int capmode = 0; capmode < 2; capmode++) {
+        moept_config c = cfg0(MOEPT_FAMILY_MIXTRAL, 16, 8, 16, 3, 700);
+        if (capmode) c.capacity_factor = 0.7f;
+        moept_layer *L = make(c, 11);
+        if (!L) return;
+        const int64_t T = 700, D = L->D, E = L->E, K = L->K, TK = T * K, PB = 256;
+        float *x = malloc((size_t)(T * D) * sizeof(float)), *y = malloc((size_t)(T * D) * sizeof(float));
+        uint64_t st = 5;
+        for (int64_t i = 0; i < T * D; i++) x[i] = (float)((moept__mix(&st) >> 40) * (1.0 / 16777216.0)) + 0.1f;
+        for (int64_t d = 0; d < D; d++) L->w_router[3 * D + d] = -50.0f; /* x > 0: expert 3 never chosen */
+        EXPECT_OK(moept_forward(L, x, T, y));
+        const int32_t *ids = L->ids[L->cur];
+        int64_t nblk = (TK + PB - 1) / PB, cap = L->stats.capacity;
+        int64_t *hist = calloc((size_t)(nblk * E), sizeof(int64_t)), *kept = calloc((size_t)E, sizeof(int64_t));
+        int64_t *koff = calloc((size_t)E + 1, sizeof(int64_t)), *row_of = calloc((size_t)TK, sizeof(int64_t));
+        int64_t *tok = calloc((size_t)TK, sizeof(int64_t));
+        int32_t *ks = calloc((size_t)TK, sizeof(int32_t)), *lrank = calloc((size_t)TK, sizeof(int32_t)), sl[256];
+        for (int64_t b = 0; b < nblk; b++) { /* the count kernel, one block at a time */
+            int n = (int)(TK - b * PB < PB ? TK - b * PB : PB);
+            for (int i = 0; i < PB; i++) sl[i] = i < n ? L->slot_of[ids[b * PB + i]] : -1;
+            for (int i = 0; i < n; i++) {
+                int last;
+                lrank[b * PB + i] = moept__block_rank(sl, PB, i, &last);
+                if (last) hist[b * E + sl[i]] = lrank[b * PB + i] + 1;
+            }
+        }
+        for (int64_t e = 0; e < E; e++) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
+        for (int64_t e = 0; e < E; e++) koff[e + 1] = koff[e] + kept[e];
+        for (int64_t a = 0; a < TK; a++) {
+            int64_t s = L->slot_of[ids[a]];
+            moept__plan_place(a, hist[(a / PB) * E + s] + lrank[a], kept[s], koff[s], K, row_of, tok, ks);
+        }
+        EXPECT(koff[E] == L->N, "kept rows %lld vs %lld", (long long)koff[E], (long long)L->N);
+        EXPECT(kept[3] == 0, "expert 3 got rows");
+        for (int64_t e = 0; e < E; e++) EXPECT(kept[e] == L->counts[e], "slot %lld: %lld vs %lld", (long long)e, (long long)kept[e], (long long)L->counts[e]);
+        for (int64_t a = 0; a < TK; a++) EXPECT(row_of[a] == L->row_of[a], "assignment %lld: row %lld vs %lld", (long long)a, (long long)row_of[a], (long long)L->row_of[a]);
+        for (int64_t r = 0; r < L->N; r++)
+            EXPECT(tok[r] == L->tok_of_row[r] && ks[r] == L->slot_of_row[r], "row %lld differs", (long long)r);
+        free(x); free(y); free(hist); free(kept); free(koff); free(row_of); free(tok); free(ks); free(lrank);
+        moept_destroy(L);
+    }
+}
+
+/* Naive column-major GEMM, as BLAS/cuBLAS define it. */
+static void colmajor_ref(const moept__gemm_cm *g) {
+    const float *A = g->a, *B = g->b;
+    float *C = g->c;
+    for (int64_t j = 0; j < g->n; j++)
+        for (int64_t i = 0; i < g->m; i++) {
+            double s = 0;
+            for (int64_t p = 0; p < g->k; p++) {
+                double a = g->trans_a ? A[i * g->lda + p] : A[p * g->lda + i];
+                double b = g->trans_b ? B[p * g->ldb + j] : B[j * g->ldb + p];
+                s += a * b;
+            }
+            C[j * g->ldc + i] = (float)(g->alpha * s + g->beta * C[j * g->ldc + i]);
+        }
+}
+
+/* The arguments cuBLAS receives (moept__gemm_colmajor of each descriptor)
+   compute what the builtin GEMM computes, for every transpose pair, with
+   padded leading dimensions and beta 0 and 1. */
+static void test_cublas_arguments(void) {
+    uint64_t st = 9;
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++)
+            for (int bi = 0; bi < 2; bi++) {
+                int64_t m = 13, n = 37, k = 21, lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5, ldc = n + 2;
+                float *A = malloc((size_t)((ta ? k : m) * lda) * 4), *B = malloc((size_t)((tb ? n : k) * ldb) * 4);
+                float *C1 = malloc((size_t)(m * ldc) * 4), *C2 = malloc((size_t)(m * ldc) * 4);
+                for (int64_t i = 0; i < (ta ? k : m) * lda; i++) A[i] = (float)((moept__mix(&st) >> 40) * (1.0 / 16777216.0) - 0.5);
+                for (int64_t i = 0; i < (tb ? n : k) * ldb; i++) B[i] = (float)((moept__mix(&st) >> 40) * (1.0 / 16777216.0) - 0.5);
+                for (int64_t i = 0; i < m * ldc; i++) C1[i] = C2[i] = (float)i * 0.001f;
+                moept__gemm g = moept__gemm_make(ta, tb, m, n, k, A, lda, B, ldb, (float)bi, C1, ldc);
+                moept__gemm_ws ws = {0};
+#ifndef MOEPT_CBLAS
+                ws.m_max = 16 * 1024;
+                ws.apack = malloc((size_t)(ws.m_max + MOEPT__MR) * MOEPT__KC * 4);
+                ws.bpack = malloc((size_t)((MOEPT__NC + MOEPT__NR) * MOEPT__KC) * 4);
+#endif
+                moept__gemm_run(&g, 1, &ws);
+                g.c = C2;
+                moept__gemm_cm cm = moept__gemm_colmajor(&g);
+                EXPECT(cm.m == n && cm.n == m && cm.k == k && cm.a == B && cm.b == A, "operands not swapped");
+                colmajor_ref(&cm);
+                double worst = 0;
+                for (int64_t i = 0; i < m; i++)
+                    for (int64_t j = 0; j < n; j++) {
+                        double d = fabs((double)C1[i * ldc + j] - C2[i * ldc + j]);
+                        worst = d > worst ? d : worst;
+                    }
+                EXPECT(worst < 1e-5, "ta %d tb %d beta %d: column-major result differs by %.3g", ta, tb, bi, worst);
+                free(A); free(B); free(C1); free(C2); free(ws.apack); free(ws.bpack);
+            }
+}
+
+/* bf16 rounding (the CUDA executor's conversions): nearest, ties to even,
+   NaN stays NaN, infinities and overflow to infinity as IEEE says. */
+static void test_bf16_rounding(void) {
+    union { float f; uint32_t u; } v;
+    v.u = 0x3f800000u; EXPECT(moept__f32_to_bf16(v.f) == 0x3f80, "1.0");
+    v.u = 0x3f808000u; EXPECT(moept__f32_to_bf16(v.f) == 0x3f80, "tie rounds to even (down)");
+    v.u = 0x3f818000u; EXPECT(moept__f32_to_bf16(v.f) == 0x3f82, "tie rounds to even (up)");
+    v.u = 0x3f808001u; EXPECT(moept__f32_to_bf16(v.f) == 0x3f81, "above the tie rounds up");
+    v.u = 0x7f7fffffu; EXPECT(moept__f32_to_bf16(v.f) == 0x7f80, "FLT_MAX rounds to inf");
+    v.u = 0xff800000u; EXPECT(moept__f32_to_bf16(v.f) == 0xff80, "-inf");
+    v.u = 0x7fc00001u; EXPECT((moept__f32_to_bf16(v.f) & 0x7fff) > 0x7f80, "NaN stays NaN");
+    v.u = 0x7f800001u; EXPECT((moept__f32_to_bf16(v.f) & 0x7fff) > 0x7f80, "signalling NaN stays NaN");
+    uint64_t st = 3;
+    for (int i = 0; i < 100000; i++) {
+        v.u = (uint32_t)(moept__mix(&st) >> 32);
+        if ((v.u & 0x7f800000u) == 0x7f800000u) continue;
+        float r = moept__bf16_to_f32(moept__f32_to_bf16(v.f));
+        double err = fabs((double)r - v.f), ulp = ldexp(1.0, (int)((v.u >> 23) & 0xff) - 127 - 7);
+        if ((v.u & 0x7f800000u) == 0) ulp = ldexp(1.0, -126 - 7);
+        if (!isinf(r)) EXPECT(err <= ulp / 2, "0x%08x: error %.3g > half a bf16 ulp", v.u, err);
+    }
+}
+
 int main(void) {
     RUN(test_dropless_plan);
     RUN(test_capacity);
@@ -441,5 +565,8 @@ int main(void) {
     RUN(test_zero_tokens);
     RUN(test_update_bias);
     RUN(test_gemm_all_transposes);
+    RUN(test_gpu_plan_emulated);
+    RUN(test_cublas_arguments);
+    RUN(test_bf16_rounding);
     return tu_done();
 }

@@ -1,0 +1,1482 @@
+/* moept_kernels.cu - the CUDA executor and the NCCL backend of moept.
+   MIT licensed (see LICENSE).
+
+   Build: nvcc -O3 --fmad=false -c moept_kernels.cu (see docs/CUDA.md for the
+   -gencode list) and link with moept.c compiled with -DMOEPT_CUDA, plus
+   -lcudart -lcublas -lnccl -lstdc++.
+
+   The pipeline mirrors moept.c's CPU executor stage by stage:
+     forward:  check+convert x -> router GEMM -> route (per token) -> loss
+               statistics -> plan counts -> [count exchange, the one host
+               sync] -> commit -> plan placement -> gather rows -> all-to-all-v
+               -> grouped GEMM gate/up -> activation -> grouped GEMM down ->
+               all-to-all-v back (shared expert meanwhile) -> combine
+     backward: combine' (dL/dw, dys) -> all-to-all-v -> expert GEMMs' and
+               activation' -> all-to-all-v back -> token sums -> shared
+               expert' -> router' -> router GEMMs
+   Every per-element computation is a MOEPT_HD function from moept.h that the
+   CPU executor calls too (routing, losses, plan placement, activations and
+   their derivatives, combine terms, bf16 rounding); --fmad=false keeps nvcc
+   from contracting them into fma, so both executors round alike. GEMMs are
+   built as moept__gemm descriptors, the ones the CPU executes, and handed to
+   cuBLAS through moept__gemm_colmajor.
+
+   Element types: T is float (dtype F32) or moept__bf16 (dtype BF16, stored
+   as its bits). Router, logits, losses, dL/dw, dx accumulation, master
+   weights and gradients are fp32 in both. */
+#define MOEPT_INTERNAL
+#ifndef MOEPT_CUDA
+#define MOEPT_CUDA
+#endif
+#include "moept.h"
+
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <nccl.h>
+
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef uint16_t moept__bf16;
+
+#define MOEPT__TB 256           /* threads per block of the elementwise kernels */
+#define MOEPT__PB 256           /* assignments per block of the plan count */
+#define MOEPT__PTR_SLOTS 16     /* grouped-GEMM pointer arrays: forward 0..7, backward 8..15 */
+#define MOEPT__MAX_GRID 65535
+
+/* ------------------------------------------------------------------------
+   Errors: every CUDA, cuBLAS and NCCL call is checked; the message names the
+   call and the line.
+   ------------------------------------------------------------------------ */
+static moept_status moept__kfail(char *err, moept_status s, const char *fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, MOEPT__ERRLEN, fmt, ap);
+        va_end(ap);
+    }
+    return s;
+}
+#define MOEPT__CU(call)                                                                        \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess)                                                                 \
+            return moept__kfail(err, MOEPT_ERR_DEVICE, "%s: %s (moept_kernels.cu:%d)", #call,  \
+                                cudaGetErrorString(e_), __LINE__);                             \
+    } while (0)
+#define MOEPT__CB(call)                                                                        \
+    do {                                                                                       \
+        cublasStatus_t e_ = (call);                                                            \
+        if (e_ != CUBLAS_STATUS_SUCCESS)                                                       \
+            return moept__kfail(err, MOEPT_ERR_DEVICE, "%s: %s (moept_kernels.cu:%d)", #call,  \
+                                cublasGetStatusString(e_), __LINE__);                          \
+    } while (0)
+#define MOEPT__LAUNCHED() MOEPT__CU(cudaGetLastError())
+#define MOEPT__TRY(expr)                     \
+    do {                                     \
+        moept_status s_ = (expr);            \
+        if (s_ != MOEPT_OK) return s_;       \
+    } while (0)
+
+/* ------------------------------------------------------------------------
+   Element access
+   ------------------------------------------------------------------------ */
+__device__ __forceinline__ float moept__ld(const float *p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float moept__ld(const moept__bf16 *p, int64_t i) { return moept__bf16_to_f32(p[i]); }
+__device__ __forceinline__ void moept__st(float *p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void moept__st(moept__bf16 *p, int64_t i, float v) { p[i] = moept__f32_to_bf16(v); }
+
+static int moept__grid(int64_t n) {
+    int64_t b = (n + MOEPT__TB - 1) / MOEPT__TB;
+    if (b < 1) b = 1;
+    return (int)(b > 8 * MOEPT__MAX_GRID ? 8 * MOEPT__MAX_GRID : b);
+}
+#define MOEPT__FOR(i, n) \
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+/* Sum of one double per thread over a block of MOEPT__TB threads, in a fixed
+   tree order (deterministic). The result is valid in thread 0. */
+__device__ __forceinline__ double moept__block_sum(double v, double *sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (int w = MOEPT__TB / 2; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    return sh[0];
+}
+
+/* ------------------------------------------------------------------------
+   Kernels. Launch shapes are in docs/CUDA.md.
+   ------------------------------------------------------------------------ */
+
+/* x [n] -> finiteness (first bad index, atomicMin: the same index whatever
+   the order) and, when xf is given, its fp32 copy (the router's input). */
+template <typename T>
+__global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long long *first_bad) {
+    MOEPT__FOR(i, n) {
+        float v = moept__ld(x, i);
+        if (!moept__finite(v)) atomicMin(first_bad, (unsigned long long)i);
+        if (xf) xf[i] = v;
+    }
+}
+
+/* fp32 -> T (weights for the expert GEMMs; dx at the end) */
+template <typename T>
+__global__ void moept__k_cast(const float *src, int64_t n, T *dst) {
+    MOEPT__FOR(i, n) moept__st(dst, i, src[i]);
+}
+
+/* One thread per token: routing, logsumexp and the aux loss's per-token
+   scores and counted ids. scratch [T][2E]: the router's choice buffer, then
+   the token's aux scores. A token with non-finite logits is recorded and
+   given harmless ids (its step is rejected everywhere). */
+__global__ void moept__k_route(int fam, int aux, const float *logits, const float *bias, int E, int K,
+                               int norm, int ng, int tg, float scale, int64_t T, float *probs,
+                               float *scratch, int32_t *ids, float *wts, float *lse, int32_t *cids,
+                               unsigned long long *bad_token) {
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const float *lg = logits + t * E;
+    float *sc = scratch + t * 2 * E;
+    if (moept__route_token(fam, lg, bias, E, K, norm, ng, tg, scale, probs + t * E, sc, ids + t * K,
+                           wts + t * K) != 0) {
+        atomicMin(bad_token, (unsigned long long)t);
+        for (int k = 0; k < K; k++) { ids[t * K + k] = k; wts[t * K + k] = 0.0f; cids[t * K + k] = k; }
+        for (int e = 0; e < E; e++) sc[e] = 0.0f;
+        lse[t] = 0.0f;
+        return;
+    }
+    lse[t] = moept__lse(lg, E);
+    if (aux != MOEPT_AUX_NONE) moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, E, K, sc, cids + t * K);
+}
+
+/* Loss statistics, one block per expert column (block E: sum of lse^2):
+   lstat = [selections E | aux counts E | aux score sums E | T | sum lse^2].
+   Each block sums its column over tokens in a fixed order (deterministic). */
+__global__ void moept__k_loss_stats(const int32_t *ids, const int32_t *cids, const float *scratch,
+                                    const float *lse, int64_t T, int E, int K, int aux, double *lstat) {
+    __shared__ double sh[MOEPT__TB];
+    const int e = blockIdx.x;
+    double sel = 0.0, cnt = 0.0, ps = 0.0;
+    for (int64_t t = threadIdx.x; t < T; t += MOEPT__TB) {
+        if (e < E) {
+            for (int k = 0; k < K; k++) {
+                sel += ids[t * K + k] == e;
+                if (aux != MOEPT_AUX_NONE) cnt += cids[t * K + k] == e;
+            }
+            if (aux != MOEPT_AUX_NONE) ps += scratch[t * 2 * E + e];
+        } else {
+            double l = lse[t];
+            sel += l * l;
+        }
+    }
+    sel = moept__block_sum(sel, sh);
+    __syncthreads();
+    cnt = moept__block_sum(cnt, sh);
+    __syncthreads();
+    ps = moept__block_sum(ps, sh);
+    if (threadIdx.x == 0) {
+        if (e < E) { lstat[e] = sel; lstat[E + e] = cnt; lstat[2 * E + e] = ps; }
+        else { lstat[3 * E] = (double)T; lstat[3 * E + 1] = sel; }
+    }
+}
+
+/* Plan, count pass: blocks of MOEPT__PB assignments; each assignment's rank
+   among the same slot's earlier assignments in its block, and per block and
+   slot the count (hist [nblk][E], zeroed before). Stable by construction. */
+__global__ void moept__k_plan_count(const int32_t *ids, const int32_t *slot_of, int64_t TK, int E,
+                                    int32_t *lrank, int64_t *hist) {
+    __shared__ int32_t sl[MOEPT__PB];
+    int64_t a = blockIdx.x * (int64_t)MOEPT__PB + threadIdx.x;
+    int s = a < TK ? slot_of[ids[a]] : -1;
+    sl[threadIdx.x] = s;
+    __syncthreads();
+    if (s < 0) return;
+    int last;
+    int r = moept__block_rank(sl, MOEPT__PB, (int)threadIdx.x, &last);
+    lrank[a] = r;
+    if (last) hist[blockIdx.x * (int64_t)E + s] = r + 1;
+}
+
+/* Plan, scan pass (one block): per slot, hist becomes each block's first
+   position; kept = min(count, capacity); koff = exclusive scan of kept;
+   msg = [kept E | failed | T] for the count exchange. */
+__global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
+                                   int64_t *koff, int64_t *msg, const unsigned long long *bad,
+                                   int host_bad, int64_t T, double *lstat_flag) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int64_t o = 0;
+        for (int e = 0; e < E; e++) { koff[e] = o; o += kept[e]; msg[e] = kept[e]; }
+        koff[E] = o;
+        int64_t failed = host_bad || bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX;
+        msg[E] = failed;
+        msg[E + 1] = T;
+        *lstat_flag = (double)failed;
+    }
+}
+
+/* Plan, placement: each assignment's row through moept__plan_place. */
+__global__ void moept__k_plan_place(const int32_t *ids, const int32_t *slot_of, const int32_t *lrank,
+                                    const int64_t *hist, const int64_t *kept, const int64_t *koff,
+                                    int64_t TK, int64_t K, int E, int64_t *row_of, int64_t *tok_of_row,
+                                    int32_t *kslot_of_row) {
+    int64_t a = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (a >= TK) return;
+    int s = slot_of[ids[a]];
+    int64_t pos = hist[(a / MOEPT__PB) * E + s] + lrank[a];
+    moept__plan_place(a, pos, kept[s], koff[s], K, row_of, tok_of_row, kslot_of_row);
+}
+
+/* Permute: row r of xs is token tok_of_row[r] of x. grid (N, D blocks). */
+template <typename T>
+__global__ void moept__k_gather(const T *x, const int64_t *tok_of_row, int64_t D, T *xs) {
+    int64_t r = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
+    if (d < D) xs[r * D + d] = x[tok_of_row[r] * D + d];
+}
+
+/* a = act(h): h [R][H] (gate | up), a [R][F] */
+template <typename T>
+__global__ void moept__k_act_fwd(int kind, const T *h, int64_t R, int64_t F, int64_t H, T *a) {
+    const int gated = moept__act_gated(kind);
+    MOEPT__FOR(i, R * F) {
+        int64_t r = i / F, j = i % F;
+        float g = moept__ld(h, r * H + j), u = gated ? moept__ld(h, r * H + F + j) : 0.0f;
+        moept__st(a, i, moept__act_fwd1(kind, g, u));
+    }
+}
+
+/* dh over h from da [R][F] */
+template <typename T>
+__global__ void moept__k_act_bwd(int kind, T *h, const T *da, int64_t R, int64_t F, int64_t H) {
+    const int gated = moept__act_gated(kind);
+    MOEPT__FOR(i, R * F) {
+        int64_t r = i / F, j = i % F;
+        float g = moept__ld(h, r * H + j), u = gated ? moept__ld(h, r * H + F + j) : 0.0f, dg, du;
+        moept__act_bwd1(kind, g, u, moept__ld(da, i), &dg, &du);
+        moept__st(h, r * H + j, dg);
+        if (gated) moept__st(h, r * H + F + j, du);
+    }
+}
+
+/* y[t] = g_t * yss[t] + sum_k w_tk * ys[row_of[t,k]], k in slot order.
+   grid (T, D blocks). */
+template <typename T>
+__global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float *wts, const T *yss,
+                                 const float *sg, int64_t D, int K, T *y) {
+    int64_t t = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    float acc = yss ? (sg ? sg[t] : 1.0f) * moept__ld(yss, t * D + d) : 0.0f;
+    for (int k = 0; k < K; k++) {
+        int64_t r = row_of[t * K + k];
+        if (r >= 0) acc = moept__combine_step(acc, wts[t * K + k], moept__ld(ys, r * D + d));
+    }
+    moept__st(y, t * D + d, acc);
+}
+
+/* Combine backward, one block per assignment i = (t, k): dwts[i] =
+   <ys[row], dy[t]> (double, fixed tree), then ys[row] = w * dy[t]. */
+template <typename T>
+__global__ void moept__k_combine_bwd(T *ys, const int64_t *row_of, const float *wts, const T *dy,
+                                     int64_t D, int K, float *dwts) {
+    __shared__ double sh[MOEPT__TB];
+    int64_t i = blockIdx.x, t = i / K, r = row_of[i];
+    if (r < 0) {
+        if (threadIdx.x == 0) dwts[i] = 0.0f;
+        return;
+    }
+    float w = wts[i];
+    double acc = 0.0;
+    for (int64_t d = threadIdx.x; d < D; d += MOEPT__TB) {
+        float g = moept__ld(dy, t * D + d);
+        acc += (double)moept__ld(ys, r * D + d) * (double)g;
+        moept__st(ys, r * D + d, w * g);
+    }
+    acc = moept__block_sum(acc, sh);
+    if (threadIdx.x == 0) dwts[i] = (float)acc;
+}
+
+/* Shared expert's combine backward, one block per token: the gate's
+   gradient (when gated) and yss[t] = g_t * dy[t]. */
+template <typename T>
+__global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int64_t D, float *dsg) {
+    __shared__ double sh[MOEPT__TB];
+    int64_t t = blockIdx.x;
+    float gs = sg ? sg[t] : 1.0f;
+    double acc = 0.0;
+    for (int64_t d = threadIdx.x; d < D; d += MOEPT__TB) {
+        float g = moept__ld(dy, t * D + d);
+        acc += (double)moept__ld(yss, t * D + d) * (double)g;
+        moept__st(yss, t * D + d, gs * g);
+    }
+    acc = moept__block_sum(acc, sh);
+    if (threadIdx.x == 0 && sg) dsg[t] = moept__gate_bwd(acc, gs);
+}
+
+/* dxf[t] = sum_k ys[row_of[t,k]] (dxs), k in slot order. grid (T, D blocks). */
+template <typename T>
+__global__ void moept__k_token_sum(const T *ys, const int64_t *row_of, int64_t D, int K, float *dxf) {
+    int64_t t = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
+    if (d >= D) return;
+    float acc = 0.0f;
+    for (int k = 0; k < K; k++) {
+        int64_t r = row_of[t * K + k];
+        if (r >= 0) acc = moept__combine_step(acc, 1.0f, moept__ld(ys, r * D + d));
+    }
+    dxf[t * D + d] = acc;
+}
+
+template <typename T>
+__global__ void moept__k_add(float *dst, const T *src, int64_t n) {
+    MOEPT__FOR(i, n) dst[i] = dst[i] + moept__ld(src, i);
+}
+
+/* sg[t] = sigmoid(sg[t]) (the shared-expert gate) */
+__global__ void moept__k_sigmoid(float *v, int64_t n) {
+    MOEPT__FOR(i, n) v[i] = moept__sigmoid(v[i]);
+}
+
+/* Router backward, one thread per token. scratch [T][2E]. */
+__global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const float *probs,
+                                    const int32_t *ids, const float *dwts, const float *aux_g, float zc,
+                                    const float *lse, float Tl, int E, int K, int norm, float scale,
+                                    int64_t T, float *scratch, float *dlogits) {
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    float zg = moept__zgrad(zc, lse[t], Tl);
+    moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, dwts + t * K, aux_g, zg,
+                            E, K, norm, scale, scratch + t * 2 * E, dlogits + t * E);
+}
+
+/* ------------------------------------------------------------------------
+   NCCL backend
+   ------------------------------------------------------------------------ */
+typedef struct moept__nccl {
+    ncclComm_t comm;
+    cudaStream_t stream;
+    int timeout_ms;
+    void *stage;            /* device staging for host buffers */
+    size_t stage_bytes;
+} moept__nccl;
+
+static moept_status moept__nccl_fail(moept_comm *c, moept_status s, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof c->err, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+static double moept__clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A call's result, as NCCL's guide says: ncclInProgress (non-blocking
+   communicators) is polled through ncclCommGetAsyncError until it settles or
+   the timeout passes, and then the communicator is aborted. */
+static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char *call, int line) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    double t0 = moept__clock();
+    while (r == ncclInProgress) {
+        if (moept__clock() - t0 > n->timeout_ms * 1e-3) {
+            ncclCommAbort(n->comm);
+            return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: timed out after %d ms; communicator aborted (moept_kernels.cu:%d)",
+                                    call, n->timeout_ms, line);
+        }
+        if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
+    }
+    if (r != ncclSuccess)
+        return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: %s (%s) (moept_kernels.cu:%d)", call, ncclGetErrorString(r),
+                                ncclGetLastError(n->comm), line);
+    return MOEPT_OK;
+}
+#define MOEPT__NC(c, call)                                                      \
+    do {                                                                        \
+        moept_status s_ = moept__nccl_check((c), (call), #call, __LINE__);      \
+        if (s_ != MOEPT_OK) return s_;                                          \
+    } while (0)
+#define MOEPT__NCU(c, call)                                                                     \
+    do {                                                                                        \
+        cudaError_t e_ = (call);                                                                \
+        if (e_ != cudaSuccess)                                                                  \
+            return moept__nccl_fail((c), MOEPT_ERR_DEVICE, "%s: %s (moept_kernels.cu:%d)", #call, \
+                                    cudaGetErrorString(e_), __LINE__);                          \
+    } while (0)
+
+/* Waits for the comm's stream, watching for asynchronous NCCL errors and the
+   timeout (a peer that never arrives is an error, not a hang). */
+static moept_status moept__nccl_wait(moept_comm *c) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    double t0 = moept__clock();
+    for (;;) {
+        cudaError_t q = cudaStreamQuery(n->stream);
+        if (q == cudaSuccess) return MOEPT_OK;
+        if (q != cudaErrorNotReady)
+            return moept__nccl_fail(c, MOEPT_ERR_DEVICE, "cudaStreamQuery: %s", cudaGetErrorString(q));
+        ncclResult_t r = ncclSuccess;
+        if (ncclCommGetAsyncError(n->comm, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
+            ncclCommAbort(n->comm);
+            return moept__nccl_fail(c, MOEPT_ERR_COMM, "nccl: %s (%s); communicator aborted", ncclGetErrorString(r),
+                                    ncclGetLastError(n->comm));
+        }
+        if (moept__clock() - t0 > n->timeout_ms * 1e-3) {
+            ncclCommAbort(n->comm);
+            return moept__nccl_fail(c, MOEPT_ERR_COMM, "nccl: no progress in %d ms; communicator aborted", n->timeout_ms);
+        }
+    }
+}
+
+static int moept__is_host(const void *p) {
+    cudaPointerAttributes a;
+    if (!p) return 0;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) { cudaGetLastError(); return 1; }
+    return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
+}
+
+static moept_status moept__nccl_stage(moept_comm *c, size_t bytes) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    if (bytes <= n->stage_bytes) return MOEPT_OK;
+    if (n->stage) MOEPT__NCU(c, cudaFree(n->stage));
+    n->stage = NULL;
+    n->stage_bytes = 0;
+    MOEPT__NCU(c, cudaMalloc(&n->stage, bytes));
+    n->stage_bytes = bytes;
+    return MOEPT_OK;
+}
+
+static int64_t moept__seg_end(const moept_seg *s, int n) {
+    int64_t m = 0;
+    for (int i = 0; i < n; i++)
+        if (s[i].count > 0 && s[i].offset + s[i].count > m) m = s[i].offset + s[i].count;
+    return m;
+}
+
+/* All-to-all-v in pieces: grouped ncclSend/ncclRecv after the caller's count
+   exchange; counts in elements, moved as bytes. */
+static moept_status moept__nccl_a2a_dev(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
+                                        const moept_seg *rs, int nseg, int es) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    MOEPT__NC(c, ncclGroupStart());
+    for (int q = 0; q < c->size; q++)
+        for (int s = 0; s < nseg; s++) {
+            const moept_seg *a = &ss[q * nseg + s], *b = &rs[q * nseg + s];
+            if (a->count > 0)
+                MOEPT__NC(c, ncclSend((const char *)send + a->offset * es, (size_t)(a->count * es), ncclUint8, q, n->comm, n->stream));
+            if (b->count > 0)
+                MOEPT__NC(c, ncclRecv((char *)recv + b->offset * es, (size_t)(b->count * es), ncclUint8, q, n->comm, n->stream));
+        }
+    MOEPT__NC(c, ncclGroupEnd());
+    return MOEPT_OK;
+}
+
+static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
+                                          const moept_seg *rs, int nseg, int es) {
+    if (es != 2 && es != 4 && es != 8) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
+    if (!moept__is_host(send) && !moept__is_host(recv)) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
+    /* host buffers (set-up and agreement traffic): through a device copy */
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    int64_t sb = moept__seg_end(ss, c->size * nseg) * es, rb = moept__seg_end(rs, c->size * nseg) * es;
+    moept_status st = moept__nccl_stage(c, (size_t)(sb + rb + 64));
+    if (st) return st;
+    char *ds = (char *)n->stage, *dr = ds + sb;
+    if (sb) MOEPT__NCU(c, cudaMemcpyAsync(ds, send, (size_t)sb, cudaMemcpyHostToDevice, n->stream));
+    moept_seg *ss2 = (moept_seg *)malloc(sizeof(moept_seg) * 2 * c->size * nseg);
+    if (!ss2) return moept__nccl_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "nccl alltoallv: out of memory");
+    memcpy(ss2, ss, sizeof(moept_seg) * c->size * nseg);
+    memcpy(ss2 + c->size * nseg, rs, sizeof(moept_seg) * c->size * nseg);
+    st = moept__nccl_a2a_dev(c, ds, ss2, dr, ss2 + c->size * nseg, nseg, es);
+    free(ss2);
+    if (st) return st;
+    if (rb) MOEPT__NCU(c, cudaMemcpyAsync(recv, dr, (size_t)rb, cudaMemcpyDeviceToHost, n->stream));
+    return moept__nccl_wait(c);
+}
+
+static ncclDataType_t moept__nccl_type(moept_dtype t, size_t *es) {
+    switch (t) {
+    case MOEPT_DTYPE_F64: *es = 8; return ncclFloat64;
+    case MOEPT_DTYPE_I64: *es = 8; return ncclInt64;
+    case MOEPT_DTYPE_BF16: *es = 2; return ncclBfloat16;
+    default: *es = 4; return ncclFloat32;
+    }
+}
+
+static moept_status moept__nccl_allreduce(moept_comm *c, void *buf, int64_t count, moept_dtype t) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    size_t es;
+    ncclDataType_t nt = moept__nccl_type(t, &es);
+    if (count <= 0) return MOEPT_OK;
+    if (!moept__is_host(buf)) {
+        MOEPT__NC(c, ncclAllReduce(buf, buf, (size_t)count, nt, ncclSum, n->comm, n->stream));
+        return MOEPT_OK;
+    }
+    moept_status st = moept__nccl_stage(c, (size_t)count * es);
+    if (st) return st;
+    MOEPT__NCU(c, cudaMemcpyAsync(n->stage, buf, (size_t)count * es, cudaMemcpyHostToDevice, n->stream));
+    MOEPT__NC(c, ncclAllReduce(n->stage, n->stage, (size_t)count, nt, ncclSum, n->comm, n->stream));
+    MOEPT__NCU(c, cudaMemcpyAsync(buf, n->stage, (size_t)count * es, cudaMemcpyDeviceToHost, n->stream));
+    return moept__nccl_wait(c);
+}
+
+static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    if (bytes <= 0) return MOEPT_OK;
+    if (!moept__is_host(send) && !moept__is_host(recv)) {
+        MOEPT__NC(c, ncclAllGather(send, recv, (size_t)bytes, ncclUint8, n->comm, n->stream));
+        return MOEPT_OK;
+    }
+    size_t total = (size_t)bytes * (size_t)(c->size + 1);
+    moept_status st = moept__nccl_stage(c, total);
+    if (st) return st;
+    char *ds = (char *)n->stage, *dr = ds + bytes;
+    MOEPT__NCU(c, cudaMemcpyAsync(ds, send, (size_t)bytes, cudaMemcpyHostToDevice, n->stream));
+    MOEPT__NC(c, ncclAllGather(ds, dr, (size_t)bytes, ncclUint8, n->comm, n->stream));
+    MOEPT__NCU(c, cudaMemcpyAsync(recv, dr, (size_t)bytes * c->size, cudaMemcpyDeviceToHost, n->stream));
+    return moept__nccl_wait(c);
+}
+
+/* Point-to-point (resharding): device buffers only. */
+static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs, int nrecv) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    for (int i = 0; i < nsend; i++)
+        if (moept__is_host(sends[i].buf)) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: send %d is host memory", i);
+    for (int i = 0; i < nrecv; i++)
+        if (moept__is_host(recvs[i].buf)) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: receive %d is host memory", i);
+    MOEPT__NC(c, ncclGroupStart());
+    for (int i = 0; i < nsend; i++)
+        MOEPT__NC(c, ncclSend(sends[i].buf, (size_t)sends[i].bytes, ncclUint8, sends[i].peer, n->comm, n->stream));
+    for (int i = 0; i < nrecv; i++)
+        MOEPT__NC(c, ncclRecv(recvs[i].buf, (size_t)recvs[i].bytes, ncclUint8, recvs[i].peer, n->comm, n->stream));
+    MOEPT__NC(c, ncclGroupEnd());
+    return moept__nccl_wait(c);
+}
+
+static void moept__nccl_destroy(moept_comm *c) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    if (n) {
+        if (n->stage) cudaFree(n->stage);
+        free(n);
+    }
+    free(c);
+}
+
+extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeout_ms, moept_comm **out) {
+    if (!out) return MOEPT_ERR_INVALID_ARGUMENT;
+    *out = NULL;
+    int rank = 0, size = 0;
+    if (!comm || ncclCommUserRank(comm, &rank) != ncclSuccess || ncclCommCount(comm, &size) != ncclSuccess)
+        return MOEPT_ERR_INVALID_ARGUMENT;
+    moept_comm *c = (moept_comm *)calloc(1, sizeof *c);
+    moept__nccl *n = (moept__nccl *)calloc(1, sizeof *n);
+    if (!c || !n) { free(c); free(n); return MOEPT_ERR_OUT_OF_MEMORY; }
+    n->comm = comm;
+    n->stream = (cudaStream_t)stream;
+    n->timeout_ms = timeout_ms > 0 ? timeout_ms : 600000;
+    c->rank = rank;
+    c->size = size;
+    c->ctx = n;
+    c->alltoallv = moept__nccl_alltoallv;
+    c->allreduce = moept__nccl_allreduce;
+    c->allgather = moept__nccl_allgather;
+    c->p2p = moept__nccl_p2p;
+    c->destroy = moept__nccl_destroy;
+    *out = c;
+    return MOEPT_OK;
+}
+
+static int moept__is_nccl(const moept_comm *c) { return c && c->destroy == moept__nccl_destroy; }
+
+/* ------------------------------------------------------------------------
+   The executor
+   ------------------------------------------------------------------------ */
+struct moept__cuda {
+    moept__cuda_spec sp;
+    int dev;
+    cudaStream_t s;             /* compute */
+    cudaStream_t cs;            /* the EP comm's stream (s at one rank) */
+    cudaEvent_t ev_compute, ev_comm;
+    cublasHandle_t blas;
+    int esz;                    /* bytes per data element: 4 (F32) or 2 (BF16) */
+    cudaDataType_t dt;          /* CUDA_R_32F or CUDA_R_16BF */
+    int64_t nblk_max;           /* plan-count blocks at Tmax */
+    int64_t G;                  /* most groups in one grouped GEMM: max(El, 1) */
+
+    /* device: parameters */
+    float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg */
+    float *bias;                /* [E] */
+    int32_t *slot_of;           /* [E] */
+    void *wlow;                 /* [n_params - E*D] bf16 copy of the non-router weights (BF16) */
+
+    /* device: the fixed workspace (one allocation, sized for Tmax) */
+    void *work;
+    float *xf;                  /* [Tmax][D] fp32 router input (BF16; F32 uses x) */
+    float *dxf;                 /* [Tmax][D] fp32 dx accumulator (BF16; F32 uses dx) */
+    float *logits[2];           /* [Tmax][E] double-buffered: a rejected step keeps the last */
+    float *probs[2];            /* [Tmax][E] */
+    int32_t *ids[2];            /* [Tmax][K] */
+    float *wts[2];              /* [Tmax][K] */
+    float *lse[2];              /* [Tmax] */
+    float *scratch;             /* [Tmax][2E] router scratch, aux scores, router' scratch */
+    int32_t *cids;              /* [Tmax][K] aux-counted ids */
+    double *lstat;              /* [3E + 3] loss statistics + failure flag */
+    int64_t *hist;              /* [nblk_max][E] plan counts, then block offsets */
+    int32_t *lrank;             /* [Tmax*K] rank within block and slot */
+    int64_t *kept, *koff;       /* [E], [E+1] */
+    int64_t *msg, *msg_all;     /* [E+2], [P][E+2] the count message: kept per slot | failed | T */
+    unsigned long long *bad;    /* [4] first non-finite x index, token with bad logits, dy index */
+    int64_t *flag;              /* [1] backward agreement */
+    int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
+    int64_t *tok_of_row;        /* [Tmax*K] */
+    int32_t *kslot_of_row;      /* [Tmax*K] */
+    void *xs, *ys;              /* [Tmax*K][D] send/receive side of the token rows (P > 1) */
+    void *hs, *as, *yss;        /* [Tmax][HS], [Tmax][S], [Tmax][D] shared expert (T) */
+    float *sg, *dsg;            /* [Tmax] shared gate */
+    float *dwts;                /* [Tmax][K] */
+    float *dlogits;             /* [Tmax][E] */
+    float *aux_g;               /* [E] */
+    const void **d_ptrs;        /* [PTR_SLOTS][3G] grouped-GEMM pointer arrays */
+
+    /* device: the receive block (grows geometrically, never shrinks) */
+    void *rblock;
+    void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][F] (T) */
+    int64_t Rcap;
+
+    /* pinned host */
+    void *pinned;
+    int64_t *h_msg_all;         /* [P][E+2] */
+    double *h_lstat;            /* [3E + 3] */
+    unsigned long long *h_bad;  /* [4] */
+    int64_t *h_flag;            /* [1] */
+    float *h_aux_g;             /* [E] */
+    const void **h_ptrs;        /* [PTR_SLOTS][3G] */
+
+    /* host */
+    int64_t *counts, *offsets;  /* [E], [E+1] rows kept per slot and their first row */
+    int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
+    moept_seg *send_segs, *recv_segs; /* [P][El] */
+    int64_t *rcap_all;          /* [P] every rank's receive capacity (all grow alike) */
+    int64_t *grow_ok;           /* [P] */
+    moept__gemm *descs;         /* [G] */
+    int64_t *garr;              /* [9][G] grouped GEMM sizes */
+    cublasOperation_t *gops;    /* [2][G] */
+    float *galpha;              /* [2][G] */
+
+    int cur, fwd_valid;
+    int64_t T, N, R, capacity;
+    double loss_T;              /* tokens the committed step's losses average over */
+    int ptr_slot;
+    int64_t allocations, allocated_bytes, fixed_bytes, rblock_bytes, growths;
+};
+
+static moept_status moept__dmalloc(moept__cuda *c, void **p, size_t bytes, char *err) {
+    *p = NULL;
+    if (bytes == 0) return MOEPT_OK;
+    MOEPT__CU(cudaMalloc(p, bytes));
+    c->allocations++;
+    c->allocated_bytes += (int64_t)bytes;
+    return MOEPT_OK;
+}
+
+typedef struct moept__carve_t { char *base; size_t off; } moept__carve_t;
+static void *moept__cv(moept__carve_t *cv, size_t bytes) {
+    size_t off = (cv->off + 255) & ~(size_t)255;
+    cv->off = off + bytes;
+    return cv->base ? cv->base + off : NULL;
+}
+
+static void moept__layout(moept__cuda *c, moept__carve_t *cv) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t T = p->Tmax, E = p->E, K = p->K, D = p->D, P = p->P;
+    const size_t f = sizeof(float), es = (size_t)c->esz;
+    int bf = p->dtype == MOEPT_DTYPE_BF16;
+    c->xf = (float *)moept__cv(cv, bf ? (size_t)(T * D) * f : 0);
+    c->dxf = (float *)moept__cv(cv, bf ? (size_t)(T * D) * f : 0);
+    for (int b = 0; b < 2; b++) {
+        c->logits[b] = (float *)moept__cv(cv, (size_t)(T * E) * f);
+        c->probs[b] = (float *)moept__cv(cv, (size_t)(T * E) * f);
+        c->ids[b] = (int32_t *)moept__cv(cv, (size_t)(T * K) * 4);
+        c->wts[b] = (float *)moept__cv(cv, (size_t)(T * K) * f);
+        c->lse[b] = (float *)moept__cv(cv, (size_t)T * f);
+    }
+    c->scratch = (float *)moept__cv(cv, (size_t)(T * 2 * E) * f);
+    c->cids = (int32_t *)moept__cv(cv, (size_t)(T * K) * 4);
+    c->lstat = (double *)moept__cv(cv, (size_t)(3 * E + 3) * 8);
+    c->hist = (int64_t *)moept__cv(cv, (size_t)(c->nblk_max * E) * 8);
+    c->lrank = (int32_t *)moept__cv(cv, (size_t)(T * K) * 4);
+    c->kept = (int64_t *)moept__cv(cv, (size_t)E * 8);
+    c->koff = (int64_t *)moept__cv(cv, (size_t)(E + 1) * 8);
+    c->msg = (int64_t *)moept__cv(cv, (size_t)(E + 2) * 8);
+    c->msg_all = (int64_t *)moept__cv(cv, (size_t)(P * (E + 2)) * 8);
+    c->bad = (unsigned long long *)moept__cv(cv, 4 * 8);
+    c->flag = (int64_t *)moept__cv(cv, 8);
+    c->row_of = (int64_t *)moept__cv(cv, (size_t)(T * K) * 8);
+    c->tok_of_row = (int64_t *)moept__cv(cv, (size_t)(T * K) * 8);
+    c->kslot_of_row = (int32_t *)moept__cv(cv, (size_t)(T * K) * 4);
+    c->xs = moept__cv(cv, P > 1 ? (size_t)(T * K * D) * es : 0);
+    c->ys = moept__cv(cv, P > 1 ? (size_t)(T * K * D) * es : 0);
+    c->hs = moept__cv(cv, (size_t)(T * p->HS) * es);
+    c->as = moept__cv(cv, (size_t)(T * p->S) * es);
+    c->yss = moept__cv(cv, p->S > 0 ? (size_t)(T * D) * es : 0);
+    c->sg = (float *)moept__cv(cv, (size_t)T * f);
+    c->dsg = (float *)moept__cv(cv, (size_t)T * f);
+    c->dwts = (float *)moept__cv(cv, (size_t)(T * K) * f);
+    c->dlogits = (float *)moept__cv(cv, (size_t)(T * E) * f);
+    c->aux_g = (float *)moept__cv(cv, (size_t)E * f);
+    c->d_ptrs = (const void **)moept__cv(cv, (size_t)(MOEPT__PTR_SLOTS * 3 * c->G) * sizeof(void *));
+}
+
+/* Makes the receive block hold `need` rows, keeping the committed step's rows. */
+static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
+    if (need <= c->Rcap && c->rblock) return MOEPT_OK;
+    int64_t cap = need > 2 * c->Rcap ? need : 2 * c->Rcap;
+    if (cap < 1) cap = 1;
+    const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F;
+    size_t es = (size_t)c->esz;
+    size_t bytes = (size_t)cap * (size_t)(2 * D + H + F) * es + 4 * 256;
+    void *blk = NULL;
+    MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
+    moept__carve_t cv = {(char *)blk, 0};
+    void *xr = moept__cv(&cv, (size_t)(cap * D) * es), *yr = moept__cv(&cv, (size_t)(cap * D) * es);
+    void *h = moept__cv(&cv, (size_t)(cap * H) * es), *a = moept__cv(&cv, (size_t)(cap * F) * es);
+    int64_t keep = c->fwd_valid ? c->R : 0;
+    if (keep > 0 && c->rblock) {
+        cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, cudaMemcpyDeviceToDevice, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(yr, c->yr, (size_t)(keep * D) * es, cudaMemcpyDeviceToDevice, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(h, c->h, (size_t)(keep * H) * es, cudaMemcpyDeviceToDevice, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(a, c->a, (size_t)(keep * F) * es, cudaMemcpyDeviceToDevice, c->s);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(c->s);
+        if (e != cudaSuccess) {
+            cudaFree(blk);
+            return moept__kfail(err, MOEPT_ERR_DEVICE, "growing the receive block: %s", cudaGetErrorString(e));
+        }
+    }
+    if (c->rblock) cudaFree(c->rblock);
+    c->rblock = blk;
+    c->xr = xr; c->yr = yr; c->h = h; c->a = a;
+    if (c->Rcap > 0) c->growths++;
+    c->rblock_bytes = (int64_t)bytes;
+    c->Rcap = cap;
+    return MOEPT_OK;
+}
+
+extern "C" int moept__cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return 0; }
+    return n;
+}
+
+extern "C" void moept__cuda_destroy(moept__cuda *c) {
+    if (!c) return;
+    if (c->blas) cudaStreamSynchronize(c->s);
+    if (c->blas) cublasDestroy(c->blas);
+    if (c->ev_compute) cudaEventDestroy(c->ev_compute);
+    if (c->ev_comm) cudaEventDestroy(c->ev_comm);
+    cudaFree(c->params);
+    cudaFree(c->wlow);
+    cudaFree(c->work);
+    cudaFree(c->rblock);
+    cudaFreeHost(c->pinned);
+    free(c->counts);
+    free(c);
+}
+
+extern "C" void moept__cuda_pointers(moept__cuda *c, float **params, float **grads) {
+    *params = c->params;
+    *grads = c->grads;
+}
+
+static moept_status moept__create(moept__cuda *c, char *err) {
+    moept__cuda_spec *p = &c->sp;
+    const int64_t E = p->E, P = p->P, El = p->El, G = c->G;
+    MOEPT__CU(cudaGetDevice(&c->dev));
+    c->s = (cudaStream_t)p->stream;
+    c->cs = c->s;
+    if (p->ep) c->cs = ((moept__nccl *)p->ep->ctx)->stream;
+    MOEPT__CU(cudaEventCreateWithFlags(&c->ev_compute, cudaEventDisableTiming));
+    MOEPT__CU(cudaEventCreateWithFlags(&c->ev_comm, cudaEventDisableTiming));
+    MOEPT__CB(cublasCreate(&c->blas));
+    MOEPT__CB(cublasSetStream(c->blas, c->s));
+    MOEPT__CB(cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)); /* fp32 stays fp32: no TF32 */
+    /* parameters + gradients + bias + placement: one allocation */
+    size_t pbytes = (size_t)(2 * p->n_params + E) * 4 + (size_t)E * 4 + 256;
+    void *pb = NULL;
+    MOEPT__TRY(moept__dmalloc(c, &pb, pbytes, err));
+    MOEPT__CU(cudaMemset(pb, 0, pbytes));
+    c->params = (float *)pb;
+    c->grads = c->params + p->n_params;
+    c->bias = c->grads + p->n_params;
+    c->slot_of = (int32_t *)(c->bias + E);
+    if (p->dtype == MOEPT_DTYPE_BF16)
+        MOEPT__TRY(moept__dmalloc(c, &c->wlow, (size_t)(p->n_params - E * p->D) * 2, err));
+    moept__carve_t cv = {NULL, 0};
+    moept__layout(c, &cv);
+    MOEPT__TRY(moept__dmalloc(c, &c->work, cv.off, err));
+    MOEPT__CU(cudaMemset(c->work, 0, cv.off));
+    c->fixed_bytes = (int64_t)cv.off + (c->wlow ? (p->n_params - E * p->D) * 2 : 0);
+    cv.base = (char *)c->work;
+    cv.off = 0;
+    moept__layout(c, &cv);
+    /* pinned host block */
+    size_t hb = (size_t)(P * (E + 2)) * 8 + (size_t)(3 * E + 3) * 8 + 4 * 8 + 8 + (size_t)E * 4 +
+                (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *) + 6 * 64;
+    MOEPT__CU(cudaMallocHost(&c->pinned, hb));
+    moept__carve_t hv = {(char *)c->pinned, 0};
+    c->h_msg_all = (int64_t *)moept__cv(&hv, (size_t)(P * (E + 2)) * 8);
+    c->h_lstat = (double *)moept__cv(&hv, (size_t)(3 * E + 3) * 8);
+    c->h_bad = (unsigned long long *)moept__cv(&hv, 4 * 8);
+    c->h_flag = (int64_t *)moept__cv(&hv, 8);
+    c->h_aux_g = (float *)moept__cv(&hv, (size_t)E * 4);
+    c->h_ptrs = (const void **)moept__cv(&hv, (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *));
+    /* host plan arrays: one block */
+    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + P + 9 * G);
+    size_t bytes = n64 * 8 + (size_t)(2 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
+                   (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 8 * 64;
+    char *hbk = (char *)calloc(1, bytes);
+    if (!hbk) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
+    moept__carve_t kv = {hbk, 0};
+    c->counts = (int64_t *)moept__cv(&kv, (size_t)E * 8);
+    c->offsets = (int64_t *)moept__cv(&kv, (size_t)(E + 1) * 8);
+    c->rcounts = (int64_t *)moept__cv(&kv, (size_t)(P * El) * 8);
+    c->roffsets = (int64_t *)moept__cv(&kv, (size_t)(El + 1) * 8);
+    c->rcap_all = (int64_t *)moept__cv(&kv, (size_t)P * 8);
+    c->grow_ok = (int64_t *)moept__cv(&kv, (size_t)P * 8);
+    c->garr = (int64_t *)moept__cv(&kv, (size_t)(9 * G) * 8);
+    c->send_segs = (moept_seg *)moept__cv(&kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->recv_segs = (moept_seg *)moept__cv(&kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->descs = (moept__gemm *)moept__cv(&kv, (size_t)G * sizeof(moept__gemm));
+    c->gops = (cublasOperation_t *)moept__cv(&kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
+    c->galpha = (float *)moept__cv(&kv, (size_t)(2 * G) * sizeof(float));
+    /* every rank starts with room for its own Tmax*K rows, and all grow alike */
+    MOEPT__TRY(moept__grow(c, p->Tmax * p->K, err));
+    for (int64_t q = 0; q < P; q++) c->rcap_all[q] = c->Rcap;
+    MOEPT__CU(cudaStreamSynchronize(c->s));
+    return MOEPT_OK;
+}
+
+extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err) {
+    *out = NULL;
+    if ((spec->ep && !moept__is_nccl(spec->ep)) || (spec->dp && !moept__is_nccl(spec->dp)))
+        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT,
+                            "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
+    if (spec->E > INT_MAX / 2 || spec->K > INT_MAX)
+        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: too many experts");
+    moept__cuda *c = (moept__cuda *)calloc(1, sizeof *c);
+    if (!c) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
+    c->sp = *spec;
+    c->esz = spec->dtype == MOEPT_DTYPE_BF16 ? 2 : 4;
+    c->dt = spec->dtype == MOEPT_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    c->nblk_max = (spec->Tmax * spec->K + MOEPT__PB - 1) / MOEPT__PB;
+    if (c->nblk_max < 1) c->nblk_max = 1;
+    c->G = spec->El > 1 ? spec->El : 1;
+    c->T = -1;
+    moept_status st = moept__create(c, err);
+    if (st) { moept__cuda_destroy(c); return st; }
+    *out = c;
+    return MOEPT_OK;
+}
+
+/* ---- host <-> device ---------------------------------------------------- */
+extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
+                                           const float *bias, const int32_t *slot_of, char *err) {
+    const int64_t n = c->sp.n_params, E = c->sp.E;
+    if (params) MOEPT__CU(cudaMemcpyAsync(c->params, params, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
+    if (grads) MOEPT__CU(cudaMemcpyAsync(c->grads, grads, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
+    if (bias) MOEPT__CU(cudaMemcpyAsync(c->bias, bias, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+    if (slot_of) MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+    MOEPT__CU(cudaStreamSynchronize(c->s)); /* the host arrays may change after we return */
+    return MOEPT_OK;
+}
+
+extern "C" moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err) {
+    const int64_t n = c->sp.n_params;
+    if (params) MOEPT__CU(cudaMemcpyAsync(params, c->params, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
+    if (grads) MOEPT__CU(cudaMemcpyAsync(grads, c->grads, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaStreamSynchronize(c->s));
+    return MOEPT_OK;
+}
+
+extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
+                                                     float *dwts, char *err) {
+    if (!c->fwd_valid) return moept__kfail(err, MOEPT_ERR_STATE, "no forward yet");
+    const int64_t T = c->T, K = c->sp.K, E = c->sp.E;
+    if (ids) MOEPT__CU(cudaMemcpyAsync(ids, c->ids[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (wts) MOEPT__CU(cudaMemcpyAsync(wts, c->wts[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (logits) MOEPT__CU(cudaMemcpyAsync(logits, c->logits[c->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (dwts) MOEPT__CU(cudaMemcpyAsync(dwts, c->dwts, (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaStreamSynchronize(c->s));
+    return MOEPT_OK;
+}
+
+extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
+    MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s));
+    return MOEPT_OK;
+}
+
+/* ---- GEMMs -------------------------------------------------------------- */
+/* Runs n descriptors: one cublasGemmEx, or for several one
+   cublasGemmGroupedBatchedEx (each group its own expert's matrices, so the
+   weight-gradient groups write disjoint C: no races), falling back to a
+   cublasGemmEx loop where grouped GEMMs are missing (CUDA < 12.5) or do not
+   take these types. ta: A and B's type; tc: C's. Compute is fp32. */
+static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n, cudaDataType_t ta,
+                                 cudaDataType_t tc, char *err) {
+    if (n <= 0) return MOEPT_OK;
+#if CUBLAS_VERSION >= 120500
+    if (n > 1) {
+        const int64_t G = c->G;
+        int slot = c->ptr_slot;
+        c->ptr_slot = (c->ptr_slot & 8) | ((c->ptr_slot + 1) & 7); /* stays in its half */
+        const void **hp = c->h_ptrs + (int64_t)slot * 3 * G;
+        const void **dp = c->d_ptrs + (int64_t)slot * 3 * G;
+        int64_t *m = c->garr, *nn = m + G, *k = nn + G, *lda = k + G, *ldb = lda + G, *ldc = ldb + G, *gs = ldc + G;
+        cublasOperation_t *oa = c->gops, *ob = oa + G;
+        float *al = c->galpha, *be = al + G;
+        for (int64_t i = 0; i < n; i++) {
+            moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
+            oa[i] = cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+            ob[i] = cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+            m[i] = cm.m; nn[i] = cm.n; k[i] = cm.k;
+            lda[i] = cm.lda; ldb[i] = cm.ldb; ldc[i] = cm.ldc; gs[i] = 1;
+            al[i] = cm.alpha; be[i] = cm.beta;
+            hp[i] = cm.a; hp[G + i] = cm.b; hp[2 * G + i] = cm.c;
+        }
+        MOEPT__CU(cudaMemcpyAsync(dp, hp, (size_t)(3 * G) * sizeof(void *), cudaMemcpyHostToDevice, c->s));
+        cublasStatus_t r = cublasGemmGroupedBatchedEx_64(
+            c->blas, oa, ob, m, nn, k, al, dp, ta, lda, dp + G, ta, ldb, be, (void *const *)(dp + 2 * G), tc, ldc, n,
+            gs, CUBLAS_COMPUTE_32F);
+        if (r == CUBLAS_STATUS_SUCCESS) return MOEPT_OK;
+        if (r != CUBLAS_STATUS_NOT_SUPPORTED)
+            return moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmGroupedBatchedEx_64: %s (moept_kernels.cu:%d)",
+                                cublasGetStatusString(r), __LINE__);
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
+        MOEPT__CB(cublasGemmEx_64(c->blas, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                  cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta, cm.lda, cm.b, ta, cm.ldb, &cm.beta, cm.c, tc,
+                                  cm.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    return MOEPT_OK;
+}
+
+/* The weights the expert GEMMs read: fp32 master weights, or their bf16 copy. */
+static const float *moept__w(moept__cuda *c, int64_t off) {
+    if (!c->wlow) return c->params + off;
+    return (const float *)((const moept__bf16 *)c->wlow + (off - c->sp.E * c->sp.D));
+}
+
+/* Expert FFN forward over grouped rows: h = xs W13^T, a = act(h), ys = a W2^T.
+   The same descriptors as moept.c's moept__ffn_forward. */
+template <typename T>
+static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
+                                   int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
+                                   void *ys, char *err) {
+    const int64_t D = c->sp.D, es = c->esz;
+    moept__gemm *gd = c->descs;
+    const char *X = (const char *)xs;
+    char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
+    int64_t n = 0;
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 1, rows, H, D, (const float *)(X + r0 * D * es), D,
+                                   (const float *)((const char *)moept__w(c, w13off) + e * H * D * es), D, 0.0f,
+                                   (float *)(Hh + r0 * H * es), H);
+    }
+    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
+    int64_t R = offs[groups] - offs[0], base = offs[0];
+    if (R > 0) {
+        moept__k_act_fwd<T><<<moept__grid(R * F), MOEPT__TB, 0, c->s>>>(c->sp.act, (const T *)h + base * H, R, F, H,
+                                                                       (T *)a + base * F);
+        MOEPT__LAUNCHED();
+    }
+    n = 0;
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * F * es), F,
+                                   (const float *)((const char *)moept__w(c, w2off) + e * D * F * es), F, 0.0f,
+                                   (float *)(Y + r0 * D * es), D);
+    }
+    return moept__gemms(c, gd, n, c->dt, c->dt, err);
+}
+
+/* Its backward (moept__ffn_backward's descriptors): dys in ys -> weight
+   gradients (fp32) accumulate, dxs over ys, dh over h, a is scratch. */
+template <typename T>
+static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
+                                   int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
+                                   void *ys, char *err) {
+    const int64_t D = c->sp.D, es = c->esz;
+    moept__gemm *gd = c->descs;
+    const char *X = (const char *)xs;
+    char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
+    float *g13 = c->grads + w13off, *g2 = c->grads + w2off;
+    int64_t R = offs[groups] - offs[0], base = offs[0];
+    if (R > 0) {
+        moept__k_act_fwd<T><<<moept__grid(R * F), MOEPT__TB, 0, c->s>>>(c->sp.act, (const T *)h + base * H, R, F, H,
+                                                                       (T *)a + base * F);
+        MOEPT__LAUNCHED();
+    }
+    int64_t n = 0; /* g2 += dys^T a */
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(1, 0, D, F, rows, (const float *)(Y + r0 * D * es), D,
+                                   (const float *)(A + r0 * F * es), F, 1.0f, g2 + e * D * F, F);
+    }
+    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
+    n = 0; /* da = dys W2 */
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 0, rows, F, D, (const float *)(Y + r0 * D * es), D,
+                                   (const float *)((const char *)moept__w(c, w2off) + e * D * F * es), F, 0.0f,
+                                   (float *)(A + r0 * F * es), F);
+    }
+    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
+    if (R > 0) {
+        moept__k_act_bwd<T><<<moept__grid(R * F), MOEPT__TB, 0, c->s>>>(c->sp.act, (T *)h + base * H,
+                                                                       (const T *)a + base * F, R, F, H);
+        MOEPT__LAUNCHED();
+    }
+    n = 0; /* g13 += dh^T xs */
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
+                                   (const float *)(X + r0 * D * es), D, 1.0f, g13 + e * H * D, D);
+    }
+    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
+    n = 0; /* dxs = dh W13 (over ys) */
+    for (int64_t e = 0; e < groups; e++) {
+        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(0, 0, rows, D, H, (const float *)(Hh + r0 * H * es), H,
+                                   (const float *)((const char *)moept__w(c, w13off) + e * H * D * es), D, 0.0f,
+                                   (float *)(Y + r0 * D * es), D);
+    }
+    return moept__gemms(c, gd, n, c->dt, c->dt, err);
+}
+
+/* ---- communication, joined to the compute stream by events ------------- */
+static moept_status moept__to_comm(moept__cuda *c, cudaStream_t cs, char *err) {
+    if (cs == c->s) return MOEPT_OK;
+    MOEPT__CU(cudaEventRecord(c->ev_compute, c->s));
+    MOEPT__CU(cudaStreamWaitEvent(cs, c->ev_compute, 0));
+    return MOEPT_OK;
+}
+static moept_status moept__from_comm(moept__cuda *c, cudaStream_t cs, char *err) {
+    if (cs == c->s) return MOEPT_OK;
+    MOEPT__CU(cudaEventRecord(c->ev_comm, cs));
+    MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_comm, 0));
+    return MOEPT_OK;
+}
+static cudaStream_t moept__stream_of(const moept_comm *m) { return ((moept__nccl *)m->ctx)->stream; }
+
+/* One direction of the expert exchange (as moept.c's moept__exchange).
+   join = 0 leaves the compute stream free to run independent work (the
+   shared expert) until moept__from_comm joins the two. */
+static moept_status moept__exchange(moept__cuda *c, void *local, void *remote, int dispatch, int join,
+                                    moept__cuda_step *out, char *err) {
+    moept_comm *ep = c->sp.ep;
+    double t0 = moept__clock();
+    MOEPT__TRY(moept__to_comm(c, c->cs, err));
+    moept_status st = dispatch ? ep->alltoallv(ep, local, c->send_segs, remote, c->recv_segs, (int)c->sp.El, c->esz)
+                               : ep->alltoallv(ep, remote, c->recv_segs, local, c->send_segs, (int)c->sp.El, c->esz);
+    if (st) return moept__kfail(err, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", ep->err);
+    if (join) MOEPT__TRY(moept__from_comm(c, c->cs, err));
+    int64_t rb = c->sp.D * c->esz;
+    int64_t sent = 0, recvd = 0;
+    for (int64_t i = 0; i < c->sp.P * c->sp.El; i++)
+        if (i / c->sp.El != c->sp.rank) { sent += c->send_segs[i].count; recvd += c->recv_segs[i].count; }
+    out->bytes_sent += (dispatch ? sent : recvd) / c->sp.D * rb;
+    out->bytes_received += (dispatch ? recvd : sent) / c->sp.D * rb;
+    out->comm_seconds += moept__clock() - t0; /* enqueue time: the wire time overlaps compute */
+    return MOEPT_OK;
+}
+
+/* The one host synchronisation of a forward: wait for the compute stream
+   (and through the events, the count exchange), watching NCCL's errors. */
+static moept_status moept__host_wait(moept__cuda *c, char *err) {
+    if (c->sp.ep) {
+        moept_status st = moept__nccl_wait(c->sp.ep);
+        if (st) return moept__kfail(err, st, "%s", c->sp.ep->err);
+    }
+    MOEPT__CU(cudaStreamSynchronize(c->s));
+    return MOEPT_OK;
+}
+
+/* ---- forward ------------------------------------------------------------ */
+template <typename T>
+static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
+                                   int64_t *peer_rows, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, E = p->E, K = p->K, El = p->El, P = p->P, me = p->rank;
+    const T *x = (const T *)xv;
+    T *y = (T *)yv;
+    /* 1. local checks; the kernels then run on a valid T only */
+    char local[MOEPT__ERRLEN] = "";
+    int host_bad = 0;
+    if (Tn < 0 || Tn > p->Tmax) {
+        host_bad = 1;
+        snprintf(local, sizeof local, "moept_forward: tokens %lld not in 0..max_tokens (%lld)", (long long)Tn, (long long)p->Tmax);
+    } else if (Tn > 0 && (!x || !y)) {
+        host_bad = 1;
+        snprintf(local, sizeof local, "moept_forward: %s is NULL", x ? "y" : "x");
+    }
+    const int64_t T_ = host_bad ? 0 : Tn;
+    const int nb = 1 - c->cur;
+    c->ptr_slot = 0;
+    MOEPT__CU(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
+    if (c->wlow) { /* this step's bf16 weights from the fp32 masters */
+        int64_t nw = p->n_params - E * D;
+        moept__k_cast<moept__bf16><<<moept__grid(nw), MOEPT__TB, 0, c->s>>>(c->params + E * D, nw, (moept__bf16 *)c->wlow);
+        MOEPT__LAUNCHED();
+    }
+    const float *xf = c->wlow ? c->xf : (const float *)x;
+    if (T_ > 0) {
+        moept__k_check<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
+        MOEPT__LAUNCHED();
+        /* router GEMM in fp32: logits = xf Wr^T */
+        moept__gemm g = moept__gemm_make(0, 1, T_, E, D, xf, D, c->params, D, 0.0f, c->logits[nb], E);
+        MOEPT__TRY(moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err));
+        const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
+        moept__k_route<<<(unsigned)((T_ + 127) / 128), 128, 0, c->s>>>(
+            p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group, p->scale, T_,
+            c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
+        MOEPT__LAUNCHED();
+    }
+    moept__k_loss_stats<<<(unsigned)(E + 1), MOEPT__TB, 0, c->s>>>(c->ids[nb], c->cids, c->scratch, c->lse[nb], T_,
+                                                                   (int)E, (int)K, p->aux, c->lstat);
+    MOEPT__LAUNCHED();
+    /* 2. plan counts (per slot, capacity applied) into the count message */
+    int64_t cap = -1;
+    if (p->capacity_factor > 0.0 && !host_bad)
+        cap = (int64_t)ceil(p->capacity_factor * ((double)T_ * (double)K / (double)E));
+    int64_t nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
+    if (nblk > 0) {
+        MOEPT__CU(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
+        moept__k_plan_count<<<(unsigned)nblk, MOEPT__PB, 0, c->s>>>(c->ids[nb], c->slot_of, T_ * K, (int)E, c->lrank, c->hist);
+        MOEPT__LAUNCHED();
+    }
+    moept__k_plan_scan<<<1, MOEPT__TB, 0, c->s>>>(c->hist, nblk, (int)E, cap, c->kept, c->koff, c->msg, c->bad, host_bad,
+                                                  T_, &c->lstat[3 * E + 2]);
+    MOEPT__LAUNCHED();
+    /* 3. exchange: every rank's counts to every rank (all-gather: each rank
+       then knows every rank's receive size, so all agree on growth without
+       another round); global loss statistics and the failure flag summed */
+    moept_status st;
+    double t0 = moept__clock();
+    if (p->ep) {
+        MOEPT__TRY(moept__to_comm(c, c->cs, err));
+        if ((st = p->ep->allgather(p->ep, c->msg, c->msg_all, (E + 2) * 8)))
+            return moept__kfail(err, st, "moept_forward: count exchange failed: %s", p->ep->err);
+    } else {
+        MOEPT__CU(cudaMemcpyAsync(c->msg_all, c->msg, (size_t)(E + 2) * 8, cudaMemcpyDeviceToDevice, c->s));
+    }
+    if (p->global_balance) {
+        if (p->ep && (st = p->ep->allreduce(p->ep, c->lstat, 3 * E + 3, MOEPT_DTYPE_F64)))
+            return moept__kfail(err, st, "moept_forward: all-reduce over EP: %s", p->ep->err);
+        if (p->dp) {
+            cudaStream_t ds = moept__stream_of(p->dp);
+            MOEPT__TRY(moept__from_comm(c, c->cs, err));
+            MOEPT__TRY(moept__to_comm(c, ds, err));
+            if ((st = p->dp->allreduce(p->dp, c->lstat, 3 * E + 3, MOEPT_DTYPE_F64)))
+                return moept__kfail(err, st, "moept_forward: all-reduce over DP: %s", p->dp->err);
+            MOEPT__TRY(moept__from_comm(c, ds, err));
+        }
+    }
+    if (p->ep) MOEPT__TRY(moept__from_comm(c, c->cs, err));
+    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * (E + 2)) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad, c->bad, 4 * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__TRY(moept__host_wait(c, err)); /* <- the forward's host synchronisation */
+    out->comm_seconds += moept__clock() - t0;
+    /* 4. agreement: every rank read the same flags */
+    if (!host_bad && c->h_bad[0] != ULLONG_MAX)
+        snprintf(local, sizeof local, "moept_forward: x[%lld][%lld] is not finite", (long long)(c->h_bad[0] / D),
+                 (long long)(c->h_bad[0] % D));
+    else if (!host_bad && c->h_bad[1] != ULLONG_MAX)
+        snprintf(local, sizeof local, "moept_forward: router logits of token %lld are not finite", (long long)c->h_bad[1]);
+    int64_t failed = 0;
+    for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * (E + 2) + E] != 0;
+    if (p->global_balance && c->h_lstat[3 * E + 2] > 0.0 && failed == 0) failed = 1; /* a DP peer */
+    if (local[0]) return moept__kfail(err, host_bad ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC, "%s", local);
+    if (failed) return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed", (long long)failed);
+    /* receive sizes of every rank; growth (rare) is agreed in a second round */
+    int64_t R = 0, anyone_grows = 0;
+    for (int64_t q = 0; q < P; q++) {
+        int64_t Rq = 0;
+        for (int64_t s = 0; s < P; s++)
+            for (int64_t j = 0; j < El; j++) Rq += c->h_msg_all[s * (E + 2) + q * El + j];
+        if (q == me) R = Rq;
+        if (Rq > c->rcap_all[q]) anyone_grows = 1;
+    }
+    if (anyone_grows) {
+        int64_t ok = moept__grow(c, R, err) == MOEPT_OK;
+        if (P > 1) {
+            if ((st = p->ep->allgather(p->ep, &ok, c->grow_ok, 8)))
+                return moept__kfail(err, st, "moept_forward: growth agreement failed: %s", p->ep->err);
+        } else {
+            c->grow_ok[0] = ok;
+        }
+        int64_t bad_q = -1;
+        for (int64_t q = 0; q < P; q++) {
+            if (c->grow_ok[q]) {
+                int64_t Rq = 0;
+                for (int64_t s = 0; s < P; s++)
+                    for (int64_t j = 0; j < El; j++) Rq += c->h_msg_all[s * (E + 2) + q * El + j];
+                if (Rq > c->rcap_all[q]) c->rcap_all[q] = Rq > 2 * c->rcap_all[q] ? Rq : 2 * c->rcap_all[q];
+            } else if (bad_q < 0) {
+                bad_q = q;
+            }
+        }
+        if (bad_q >= 0)
+            return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: EP rank %lld cannot grow its receive buffers; nothing changed",
+                                (long long)bad_q);
+    }
+
+    /* ---- commit ---- */
+    c->cur = nb;
+    c->T = T_;
+    c->fwd_valid = 1;
+    c->R = R;
+    c->capacity = cap;
+    const int64_t *mine = c->h_msg_all + me * (E + 2);
+    c->offsets[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        c->counts[e] = mine[e];
+        c->offsets[e + 1] = c->offsets[e] + mine[e];
+    }
+    c->N = c->offsets[E];
+    for (int64_t s = 0; s < P; s++)
+        for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * (E + 2) + me * El + j];
+    c->roffsets[0] = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t n = 0;
+        for (int64_t s = 0; s < P; s++) n += c->rcounts[s * El + j];
+        c->roffsets[j + 1] = c->roffsets[j] + n;
+    }
+    int64_t rows_sent = 0, rows_recv = 0;
+    for (int64_t q = 0; q < P; q++) peer_rows[q] = peer_rows[P + q] = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t off = c->roffsets[j];
+        for (int64_t q = 0; q < P; q++) {
+            int64_t e = q * El + j;
+            c->send_segs[q * El + j].offset = c->offsets[e] * D;
+            c->send_segs[q * El + j].count = c->counts[e] * D;
+            c->recv_segs[q * El + j].offset = off * D;
+            c->recv_segs[q * El + j].count = c->rcounts[q * El + j] * D;
+            off += c->rcounts[q * El + j];
+            peer_rows[q] += c->counts[e];
+            peer_rows[P + q] += c->rcounts[q * El + j];
+        }
+    }
+    for (int64_t q = 0; q < P; q++)
+        if (q != me) { rows_sent += peer_rows[q]; rows_recv += peer_rows[P + q]; }
+    /* losses (the same host arithmetic as moept.c) */
+    const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
+    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, K, p->aux, Tl, p->aux_coef, c->h_aux_g);
+    out->z_value = c->h_lstat[3 * E + 1] / Tl;
+    out->loss_T = Tl;
+    c->loss_T = Tl;
+    out->counts_global = p->global_balance || (!p->ep && !p->dp);
+    memcpy(lstat_out, c->h_lstat, (size_t)(3 * E + 2) * 8);
+    MOEPT__CU(cudaMemcpyAsync(c->aux_g, c->h_aux_g, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+
+    /* plan placement, then the rows go once: x -> send buffer -> experts */
+    if (T_ > 0) {
+        moept__k_plan_place<<<(unsigned)((T_ * K + 255) / 256), 256, 0, c->s>>>(
+            c->ids[nb], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)E, c->row_of, c->tok_of_row,
+            c->kslot_of_row);
+        MOEPT__LAUNCHED();
+    }
+    void *xs = P > 1 ? c->xs : c->xr; /* at one rank the permuted rows are the experts' rows */
+    void *ys = P > 1 ? c->ys : c->yr;
+    const unsigned dblk = (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB);
+    if (c->N > 0) {
+        moept__k_gather<T><<<dim3((unsigned)c->N, dblk), MOEPT__TB, 0, c->s>>>(x, c->tok_of_row, D, (T *)xs);
+        MOEPT__LAUNCHED();
+    }
+    if (P > 1) MOEPT__TRY(moept__exchange(c, xs, c->xr, 1, 1, out, err));
+    MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
+    if (P > 1) MOEPT__TRY(moept__exchange(c, ys, c->yr, 0, 0, out, err)); /* the shared expert runs meanwhile */
+    if (p->S > 0 && T_ > 0) {
+        int64_t off[2] = {0, T_};
+        MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
+        if (p->offsg >= 0) {
+            moept__gemm gg = moept__gemm_make(0, 1, T_, 1, D, (const float *)x, D, moept__w(c, p->offsg), D, 0.0f, c->sg, 1);
+            MOEPT__TRY(moept__gemms(c, &gg, 1, c->dt, CUDA_R_32F, err));
+            moept__k_sigmoid<<<moept__grid(T_), MOEPT__TB, 0, c->s>>>(c->sg, T_);
+            MOEPT__LAUNCHED();
+        }
+    }
+    if (P > 1) MOEPT__TRY(moept__from_comm(c, c->cs, err)); /* the experts' outputs are back */
+    if (T_ > 0) {
+        moept__k_combine<T><<<dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s>>>(
+            (const T *)ys, c->row_of, c->wts[nb], p->S > 0 ? (const T *)c->yss : NULL, p->offsg >= 0 ? c->sg : NULL, D,
+            (int)K, y);
+        MOEPT__LAUNCHED();
+    }
+    out->N = c->N;
+    out->R = R;
+    out->capacity = cap;
+    out->rows_sent = rows_sent;
+    out->rows_received = rows_recv;
+    return MOEPT_OK;
+}
+
+extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
+                                            int64_t *peer_rows, moept__cuda_step *out, char *err) {
+    moept_status st = c->esz == 2 ? moept__forward<moept__bf16>(c, x, T, y, lstat, peer_rows, out, err)
+                                  : moept__forward<float>(c, x, T, y, lstat, peer_rows, out, err);
+    out->recv_capacity = c->Rcap;
+    out->recv_growths = c->growths;
+    out->allocations = c->allocations;
+    out->allocated_bytes = c->allocated_bytes;
+    out->workspace_bytes = c->fixed_bytes + c->rblock_bytes;
+    return st;
+}
+
+/* ---- backward ----------------------------------------------------------- */
+template <typename T>
+static moept_status moept__backward(moept__cuda *c, const void *xv, const void *dyv, void *dxv, moept__cuda_step *out,
+                                    char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, E = p->E, K = p->K, El = p->El, P = p->P, T_ = c->T;
+    const T *x = (const T *)xv, *dy = (const T *)dyv;
+    char local[MOEPT__ERRLEN] = "";
+    moept_status why = MOEPT_OK;
+    if (!c->fwd_valid) {
+        why = MOEPT_ERR_STATE;
+        snprintf(local, sizeof local, "moept_backward: no forward to differentiate");
+    } else if (T_ > 0 && (!x || !dy || !dxv)) {
+        why = MOEPT_ERR_INVALID_ARGUMENT;
+        snprintf(local, sizeof local, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
+    }
+    int checked = !p->unchecked_backward;
+    if (!local[0] && T_ > 0) {
+        MOEPT__CU(cudaMemsetAsync(&c->bad[2], 0xff, 8, c->s));
+        moept__k_check<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(dy, T_ * D, NULL, &c->bad[2]);
+        MOEPT__LAUNCHED();
+    }
+    if (checked || local[0]) {
+        /* agreement (second host sync of the step; unchecked_backward skips it) */
+        MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 8, cudaMemcpyDeviceToHost, c->s));
+        MOEPT__CU(cudaStreamSynchronize(c->s));
+        if (!local[0] && T_ > 0 && c->h_bad[2] != ULLONG_MAX) {
+            why = MOEPT_ERR_NUMERIC;
+            snprintf(local, sizeof local, "moept_backward: dy[%lld][%lld] is not finite", (long long)(c->h_bad[2] / D),
+                     (long long)(c->h_bad[2] % D));
+        }
+        int64_t failed = local[0] != 0;
+        if (p->ep) {
+            moept_status st = p->ep->allreduce(p->ep, &failed, 1, MOEPT_DTYPE_I64); /* host buffer: waits */
+            if (st) return moept__kfail(err, st, "moept_backward: failure agreement failed: %s", p->ep->err);
+        }
+        if (local[0]) return moept__kfail(err, why, "%s", local);
+        if (failed) return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; nothing changed",
+                                        (long long)failed);
+    }
+    c->ptr_slot = 8;
+    const int cur = c->cur;
+    void *ys = P > 1 ? c->ys : c->yr;
+    float *dxf = c->wlow ? c->dxf : (float *)dxv;
+    const float *xf = c->wlow ? c->xf : (const float *)x;
+    const unsigned dblk = (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB);
+    if (c->wlow && T_ > 0) { /* the router's fp32 input again (a rejected forward may have overwritten it) */
+        moept__k_check<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(x, T_ * D, c->xf, &c->bad[3]);
+        MOEPT__LAUNCHED();
+    }
+    /* combine': dL/dw and dys in place of the outputs */
+    if (T_ > 0) {
+        moept__k_combine_bwd<T><<<(unsigned)(T_ * K), MOEPT__TB, 0, c->s>>>((T *)ys, c->row_of, c->wts[cur], dy, D, (int)K, c->dwts);
+        MOEPT__LAUNCHED();
+        if (p->S > 0) {
+            moept__k_shared_bwd<T><<<(unsigned)T_, MOEPT__TB, 0, c->s>>>((T *)c->yss, p->offsg >= 0 ? c->sg : NULL, dy, D, c->dsg);
+            MOEPT__LAUNCHED();
+        }
+    }
+    if (P > 1) MOEPT__TRY(moept__exchange(c, ys, c->yr, 1, 1, out, err));
+    MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
+    if (P > 1) MOEPT__TRY(moept__exchange(c, ys, c->yr, 0, 1, out, err));
+    if (T_ == 0) return MOEPT_OK;
+    moept__k_token_sum<T><<<dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s>>>((const T *)ys, c->row_of, D, (int)K, dxf);
+    MOEPT__LAUNCHED();
+    if (p->S > 0) {
+        int64_t off[2] = {0, T_};
+        MOEPT__TRY(moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
+        moept__k_add<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(dxf, (const T *)c->yss, T_ * D);
+        MOEPT__LAUNCHED();
+        if (p->offsg >= 0) { /* gsg += dsg^T x ; dx += dsg wsg (fp32) */
+            moept__gemm gd[2];
+            gd[0] = moept__gemm_make(1, 0, 1, D, T_, c->dsg, 1, xf, D, 1.0f, c->grads + p->offsg, D);
+            gd[1] = moept__gemm_make(0, 0, T_, D, 1, c->dsg, 1, c->params + p->offsg, D, 1.0f, dxf, D);
+            MOEPT__TRY(moept__gemms(c, &gd[0], 1, CUDA_R_32F, CUDA_R_32F, err));
+            MOEPT__TRY(moept__gemms(c, &gd[1], 1, CUDA_R_32F, CUDA_R_32F, err));
+        }
+    }
+    /* router' */
+    const float *aux_g = p->aux != MOEPT_AUX_NONE && p->aux_coef != 0.0f ? c->aux_g : NULL;
+    moept__k_router_bwd<<<(unsigned)((T_ + 127) / 128), 128, 0, c->s>>>(
+        p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->z_coef, c->lse[cur],
+        (float)c->loss_T, (int)E, (int)K, p->norm, p->scale, T_,
+        c->scratch, c->dlogits);
+    MOEPT__LAUNCHED();
+    moept__gemm gr[2];
+    gr[0] = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xf, D, 1.0f, c->grads, D);
+    gr[1] = moept__gemm_make(0, 0, T_, D, E, c->dlogits, E, c->params, D, 1.0f, dxf, D);
+    MOEPT__TRY(moept__gemms(c, &gr[0], 1, CUDA_R_32F, CUDA_R_32F, err));
+    MOEPT__TRY(moept__gemms(c, &gr[1], 1, CUDA_R_32F, CUDA_R_32F, err));
+    if (c->wlow) {
+        moept__k_cast<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(dxf, T_ * D, (T *)dxv);
+        MOEPT__LAUNCHED();
+    }
+    return MOEPT_OK;
+}
+
+extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
+                                             moept__cuda_step *out, char *err) {
+    moept_status st = c->esz == 2 ? moept__backward<moept__bf16>(c, x, dy, dx, out, err)
+                                  : moept__backward<float>(c, x, dy, dx, out, err);
+    out->recv_capacity = c->Rcap;
+    out->recv_growths = c->growths;
+    out->allocations = c->allocations;
+    out->allocated_bytes = c->allocated_bytes;
+    out->workspace_bytes = c->fixed_bytes + c->rblock_bytes;
+    return st;
+}
+
+/* Gradient reduction as moept_sync_grads: router and shared expert over EP,
+   then everything over DP, on the comms' streams. */
+extern "C" moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    int64_t n_router = p->E * p->D, n_exp = p->offs13 - p->off13;
+    int64_t n_shared = p->n_params - n_router - n_exp;
+    moept_status st;
+    if (p->ep) {
+        MOEPT__TRY(moept__to_comm(c, c->cs, err));
+        if ((st = p->ep->allreduce(p->ep, c->grads, n_router, MOEPT_DTYPE_F32)))
+            return moept__kfail(err, st, "moept_sync_grads: %s", p->ep->err);
+        if (n_shared && (st = p->ep->allreduce(p->ep, c->grads + p->offs13, n_shared, MOEPT_DTYPE_F32)))
+            return moept__kfail(err, st, "moept_sync_grads: %s", p->ep->err);
+        MOEPT__TRY(moept__from_comm(c, c->cs, err));
+    }
+    if (p->dp) {
+        cudaStream_t ds = moept__stream_of(p->dp);
+        MOEPT__TRY(moept__to_comm(c, ds, err));
+        if ((st = p->dp->allreduce(p->dp, c->grads, p->n_params, MOEPT_DTYPE_F32)))
+            return moept__kfail(err, st, "moept_sync_grads: %s", p->dp->err);
+        MOEPT__TRY(moept__from_comm(c, ds, err));
+    }
+    if (scale != 1.0f) MOEPT__CB(cublasSscal_64(c->blas, p->n_params, &scale, c->grads, 1));
+    return MOEPT_OK;
+}

@@ -1,0 +1,229 @@
+/* test_cuda: the CUDA layer against the CPU layer (build/test_cuda, built
+   when nvcc and NCCL are found). Without a device every GPU test reports
+   "skip", and only the no-device behaviour is checked. */
+#define MOEPT_INTERNAL /* bf16 conversions */
+#include "../moept.h"
+#include "testutil.h"
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+static uint64_t rng_state = 12345;
+static float frand(void) {
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((rng_state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+
+static moept_config base_cfg(moept_family fam) {
+    moept_config c;
+    memset(&c, 0, sizeof c);
+    c.family = fam;
+    c.hidden_size = 64;
+    c.intermediate_size = 96;
+    c.num_experts = 8;
+    c.top_k = 2;
+    c.norm_topk_prob = 1;
+    c.aux_loss = MOEPT_AUX_HF;
+    c.aux_loss_coef = 0.01f;
+    c.z_loss_coef = 0.001f;
+    c.max_tokens = 300;
+    return c;
+}
+
+/* device <-> host in the layer's dtype */
+static void *dev_from(const float *h, int64_t n, int bf16) {
+    size_t es = bf16 ? 2 : 4;
+    void *d = NULL, *s = malloc((size_t)(n + 1) * es);
+    for (int64_t i = 0; i < n; i++) {
+        if (bf16) ((uint16_t *)s)[i] = moept__f32_to_bf16(h[i]);
+        else ((float *)s)[i] = h[i];
+    }
+    if (cudaMalloc(&d, (size_t)(n + 1) * es) == cudaSuccess) cudaMemcpy(d, s, (size_t)n * es, cudaMemcpyHostToDevice);
+    free(s);
+    return d;
+}
+static void host_from(float *h, const void *d, int64_t n, int bf16) {
+    size_t es = bf16 ? 2 : 4;
+    void *s = malloc((size_t)(n + 1) * es);
+    cudaMemcpy(s, d, (size_t)n * es, cudaMemcpyDeviceToHost);
+    for (int64_t i = 0; i < n; i++) h[i] = bf16 ? moept__bf16_to_f32(((uint16_t *)s)[i]) : ((float *)s)[i];
+    free(s);
+}
+
+static double rel_err(const float *a, const float *b, int64_t n) {
+    double num = 0.0, den = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        num = d > num ? d : num;
+        den = fabs((double)b[i]) > den ? fabs((double)b[i]) : den;
+    }
+    return den > 0 ? num / den : num;
+}
+
+/* One forward + backward on both layers; the worst relative error over y,
+   dx and every gradient. */
+static double compare_step(moept_config cfg, int bf16, int64_t T) {
+    moept_layer *cpu = NULL, *gpu = NULL;
+    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+    EXPECT_OK(moept_create(&cfg, &cpu));
+    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &gpu));
+    if (!cpu || !gpu) { moept_destroy(cpu); moept_destroy(gpu); return 1e9; }
+    moept_init_params(cpu, 7);
+    moept_init_params(gpu, 7);
+    const int64_t D = cfg.hidden_size;
+    float *x = malloc((size_t)(T * D) * sizeof(float)), *dy = malloc((size_t)(T * D) * sizeof(float));
+    float *y0 = calloc((size_t)(T * D), sizeof(float)), *y1 = calloc((size_t)(T * D), sizeof(float));
+    float *dx0 = calloc((size_t)(T * D), sizeof(float)), *dx1 = calloc((size_t)(T * D), sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) {
+        /* the CPU sees the values the GPU sees */
+        x[i] = bf16 ? moept__bf16_to_f32(moept__f32_to_bf16(frand())) : frand();
+        dy[i] = bf16 ? moept__bf16_to_f32(moept__f32_to_bf16(frand())) : frand();
+    }
+    void *dx_ = dev_from(x, T * D, bf16), *ddy = dev_from(dy, T * D, bf16);
+    void *dyo = dev_from(y1, T * D, bf16), *ddx = dev_from(dx1, T * D, bf16);
+    double worst = 0.0;
+    EXPECT_OK(moept_forward(cpu, x, T, y0));
+    if (moept_forward(gpu, (const float *)dx_, T, (float *)dyo) != MOEPT_OK) { tu_note(__FILE__, __LINE__, "gpu forward: %s", moept_last_error(gpu)); worst = 1e9; goto out; }
+    EXPECT_OK(moept_backward(cpu, x, dy, dx0));
+    if (moept_backward(gpu, (const float *)dx_, (const float *)ddy, (float *)ddx) != MOEPT_OK) { tu_note(__FILE__, __LINE__, "gpu backward: %s", moept_last_error(gpu)); worst = 1e9; goto out; }
+    host_from(y1, dyo, T * D, bf16);
+    host_from(dx1, ddx, T * D, bf16);
+    double e = rel_err(y1, y0, T * D);
+    worst = e > worst ? e : worst;
+    e = rel_err(dx1, dx0, T * D);
+    worst = e > worst ? e : worst;
+    for (int64_t i = 0; i < moept_param_count(cpu); i++) {
+        moept_param_info a, b;
+        moept_param_info_at(cpu, i, &a);
+        moept_param_info_at(gpu, i, &b);
+        if (!a.grad) continue;
+        e = rel_err(b.grad, a.grad, a.rows * a.cols);
+        worst = e > worst ? e : worst;
+    }
+    moept_stats s0, s1;
+    moept_get_stats(cpu, &s0, NULL);
+    moept_get_stats(gpu, &s1, NULL);
+    e = fabs((double)s1.aux_loss - s0.aux_loss) / (fabs((double)s0.aux_loss) + 1e-30);
+    worst = e > worst ? e : worst;
+out:
+    cudaFree(dx_); cudaFree(ddy); cudaFree(dyo); cudaFree(ddx);
+    free(x); free(dy); free(y0); free(y1); free(dx0); free(dx1);
+    moept_destroy(cpu);
+    moept_destroy(gpu);
+    return worst;
+}
+
+static const moept_family fams[4] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_QWEN2_MOE, MOEPT_FAMILY_OLMOE,
+                                     MOEPT_FAMILY_DEEPSEEK_V3};
+static moept_config family_cfg(int i) {
+    moept_config c = base_cfg(fams[i]);
+    if (fams[i] == MOEPT_FAMILY_QWEN2_MOE) c.shared_intermediate_size = 48;
+    if (fams[i] == MOEPT_FAMILY_DEEPSEEK_V3) {
+        c.n_group = 4; c.topk_group = 2; c.routed_scaling_factor = 2.5f;
+        c.shared_intermediate_size = 32; c.aux_loss = MOEPT_AUX_MEGATRON;
+    }
+    if (fams[i] == MOEPT_FAMILY_OLMOE) { c.norm_topk_prob = 0; c.activation = MOEPT_ACT_GELU; }
+    return c;
+}
+
+static void test_fp32(void) {
+    for (int i = 0; i < 4; i++) {
+        double e = compare_step(family_cfg(i), 0, 257);
+        EXPECT(e <= 1e-5, "family %d: fp32 rel err %.3g > 1e-5", i, e);
+    }
+}
+static void test_bf16(void) {
+    for (int i = 0; i < 4; i++) {
+        double e = compare_step(family_cfg(i), 1, 257);
+        EXPECT(e <= 2e-2, "family %d: bf16 rel err %.3g > 2e-2", i, e);
+    }
+}
+static void test_capacity_and_empty(void) {
+    moept_config c = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    c.capacity_factor = 0.6f;
+    double e = compare_step(c, 0, 100);
+    EXPECT(e <= 1e-5, "capacity: rel err %.3g", e);
+    e = compare_step(c, 0, 0);
+    EXPECT(e <= 1e-5, "zero tokens: rel err %.3g", e);
+}
+
+static void test_rejected_and_steady(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0};
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+    if (!L) return;
+    moept_init_params(L, 3);
+    const int64_t T = 200, D = cfg.hidden_size;
+    float *x = malloc((size_t)(T * D) * sizeof(float)), *bad = malloc((size_t)(T * D) * sizeof(float));
+    float *a = calloc((size_t)(T * D), sizeof(float)), *b = calloc((size_t)(T * D), sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) x[i] = bad[i] = frand();
+    bad[5 * D + 3] = NAN;
+    void *dxv = dev_from(x, T * D, 0), *dbad = dev_from(bad, T * D, 0), *dy = dev_from(x, T * D, 0);
+    void *out = dev_from(a, T * D, 0), *g = dev_from(a, T * D, 0);
+    moept_stats s0, s1;
+    for (int step = 0; step < 3; step++) {
+        EXPECT_OK(moept_forward(L, (const float *)dxv, T, (float *)out));
+        EXPECT_OK(moept_backward(L, (const float *)dxv, (const float *)dy, (float *)g));
+        if (step == 0) moept_get_stats(L, &s0, NULL);
+    }
+    moept_get_stats(L, &s1, NULL);
+    EXPECT(s1.allocations == s0.allocations, "steady state allocated %lld times", (long long)(s1.allocations - s0.allocations));
+    host_from(a, g, T * D, 0);
+    EXPECT_OK(moept_forward(L, (const float *)dxv, T, (float *)out));
+    moept_status st = moept_forward(L, (const float *)dbad, T, (float *)out);
+    EXPECT(st == MOEPT_ERR_NUMERIC, "NaN x: status %d", (int)st);
+    EXPECT(strstr(moept_last_error(L), "x[5][3]") != NULL, "message: %s", moept_last_error(L));
+    EXPECT_OK(moept_backward(L, (const float *)dxv, (const float *)dy, (float *)g));
+    host_from(b, g, T * D, 0);
+    EXPECT(memcmp(a, b, (size_t)(T * D) * sizeof(float)) == 0, "the rejected step changed the saved state");
+    cudaFree(dxv); cudaFree(dbad); cudaFree(dy); cudaFree(out); cudaFree(g);
+    free(x); free(bad); free(a); free(b);
+    moept_destroy(L);
+}
+
+static void test_bad_options(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_cuda_options o = {MOEPT_DTYPE_F16, NULL, 0};
+    moept_layer *L = (moept_layer *)1;
+    moept_status st = moept_create_cuda(&cfg, NULL, NULL, &o, &L);
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && L == NULL, "dtype F16 accepted (%d)", (int)st);
+    moept_thread_group *g;
+    moept_comm *c;
+    EXPECT_OK(moept_thread_group_create(1, 1000, &g));
+    EXPECT_OK(moept_comm_threads(g, 0, &c));
+    o.dtype = MOEPT_DTYPE_F32;
+    st = moept_create_cuda(&cfg, c, NULL, &o, &L);
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(NULL), "NCCL"), "host comm accepted: %s",
+           moept_last_error(NULL));
+    moept_comm_destroy(c);
+    moept_thread_group_destroy(g);
+}
+
+static void test_no_device(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *L = (moept_layer *)1;
+    moept_status st = moept_create_cuda(&cfg, NULL, NULL, NULL, &L);
+    EXPECT(st != MOEPT_OK && L == NULL, "created a CUDA layer without a device");
+    EXPECT(strstr(moept_last_error(NULL), "no CUDA device") != NULL, "message: %s", moept_last_error(NULL));
+}
+
+int main(void) {
+    int n = moept_cuda_device_count();
+    if (n < 1) {
+        tu_run("cuda: create without a device fails cleanly", test_no_device);
+        const char *why = "no CUDA device";
+        tu_skip("cuda: fp32 equals the CPU layer (4 families, 1e-5)", why);
+        tu_skip("cuda: bf16 close to the CPU layer (4 families, 2e-2)", why);
+        tu_skip("cuda: capacity and zero tokens", why);
+        tu_skip("cuda: rejected step keeps state; steady state allocates nothing", why);
+        tu_skip("cuda: bad options and host comms rejected", why);
+        return tu_done();
+    }
+    tu_run("cuda: fp32 equals the CPU layer (4 families, 1e-5)", test_fp32);
+    tu_run("cuda: bf16 close to the CPU layer (4 families, 2e-2)", test_bf16);
+    tu_run("cuda: capacity and zero tokens", test_capacity_and_empty);
+    tu_run("cuda: rejected step keeps state; steady state allocates nothing", test_rejected_and_steady);
+    tu_run("cuda: bad options and host comms rejected", test_bad_options);
+    return tu_done();
+}
