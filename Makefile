@@ -35,7 +35,7 @@ CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
-TESTS   = test_grad test_props test_errors test_ep test_ckpt
+TESTS   = test_grad test_props test_errors test_ep test_ckpt test_overlap
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
@@ -83,6 +83,9 @@ $(B)/moept_check_mpi: tests/moept_check.c moept.c $(HDRS) | $(B)
 # large-count path (chunked pieces, chunked all-reduce, p2p all-gather) runs
 $(B)/moept_check_mpi_chunked: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI -DMOEPT__MPI_CHUNK=7 -DMOEPT__MPI_INT_MAX=5 tests/moept_check.c moept.c -o $@ $(LDLIBS)
+
+$(B)/test_overlap_mpi: tests/test_overlap.c moept.c $(HDRS) tests/testutil.h | $(B)
+	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
 $(B)/train_mpi: examples/train.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI examples/train.c moept.c -o $@ $(LDLIBS)
@@ -146,7 +149,7 @@ $(B)/vg/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(CC) -O1 -g $(WARN) tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
 # ThreadSanitizer over the threads backend (no OpenMP: libgomp is not instrumented)
-$(B)/tsan/test_ep: tests/test_ep.c moept.c $(HDRS) tests/testutil.h | $(B)
+$(B)/tsan/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(B)/tsan
 	$(CC) -O1 -g $(WARN) -D_DEFAULT_SOURCE -fsanitize=thread $< -o $@ $(LDLIBS)
 
@@ -159,9 +162,9 @@ SAN_BINS = $(TESTS:%=$(B)/san/%) $(B)/san/moept_check
 CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
-MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi)
+MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi $(B)/test_overlap_mpi)
 
-test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(B)/tsan/test_ep
+test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(B)/tsan/test_ep $(B)/tsan/test_overlap
 	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" sh tests/run.sh
 
 run: $(B)/train

@@ -423,7 +423,16 @@ struct moept_layer {
     float *dwts;           /* [Tmax][K] dL/d routing weight */
     float *dlogits;        /* [Tmax][E] */
     float *lse;            /* [Tmax] logsumexp of logits (z-loss) */
-    moept__gemm *descs;    /* [El] grouped GEMM descriptors */
+    moept__gemm *descs;    /* [El * P] grouped GEMM descriptors (a chunk: one per expert and source) */
+    /* chunked overlap (C > 1) */
+    int64_t C;             /* chunks per step (1: off) */
+    int64_t *ccnt, *ccnt_next;   /* [C][E] kept rows per chunk and slot */
+    int64_t *rccnt, *rccnt_next; /* [P][C][El] rows from peer p in chunk c for local expert j */
+    int64_t *cmsg;         /* [P][C][El] the chunked count message (send side) */
+    moept_seg *csend, *crecv; /* [C][P][El] each chunk's exchange pieces (elements) */
+    int64_t *cruns;        /* [3][El * P] a chunk's row runs: first row, rows, local expert */
+    float *dar;            /* [Rcap][F] da (chunked backward: a must survive for dW2) */
+    float *dxr;            /* [Rcap][D] dxs (chunked backward: dys must survive for dW2) */
     moept__gemm_ws gws;
     int nthreads;
 
@@ -498,6 +507,11 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
     if (c->shared_gate == MOEPT_SHARED_GATE_DEFAULT)
         c->shared_gate = c->family == MOEPT_FAMILY_QWEN2_MOE ? MOEPT_SHARED_GATE_SIGMOID
                                                             : MOEPT_SHARED_GATE_NONE;
+    if (c->overlap_chunks == 0) c->overlap_chunks = 1;
+    if (c->overlap_chunks < 1 || c->overlap_chunks > MOEPT_MAX_CHUNKS)
+        MOEPT__BAD("config.overlap_chunks: %lld must be in 0..%d", (long long)c->overlap_chunks, MOEPT_MAX_CHUNKS);
+    if ((unsigned)c->expert_sharding > MOEPT_SHARD_FSDP)
+        MOEPT__BAD("config.expert_sharding: %d is not a moept_sharding", (int)c->expert_sharding);
     if (c->n_group == 0) c->n_group = 1;
     if (c->topk_group == 0) c->topk_group = 1;
     if (c->n_group < 1 || c->n_group > 64 || c->num_experts % c->n_group != 0)
@@ -653,7 +667,19 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->dwts = moept__take(c, (size_t)(T * K) * f);
     L->dlogits = moept__take(c, (size_t)(T * E) * f);
     L->lse = moept__take(c, (size_t)T * f);
-    L->descs = moept__take(c, (size_t)L->El * sizeof(moept__gemm));
+    L->descs = moept__take(c, (size_t)(L->El * L->P) * sizeof(moept__gemm));
+    {
+        const int64_t C = L->C, P = L->P, El = L->El;
+        int on = C > 1;
+        L->ccnt = moept__take(c, on ? (size_t)(C * E) * i64 : 0);
+        L->ccnt_next = moept__take(c, on ? (size_t)(C * E) * i64 : 0);
+        L->rccnt = moept__take(c, on ? (size_t)(P * C * El) * i64 : 0);
+        L->rccnt_next = moept__take(c, on ? (size_t)(P * C * El) * i64 : 0);
+        L->cmsg = moept__take(c, on ? (size_t)(P * C * El) * i64 : 0);
+        L->csend = moept__take(c, on ? (size_t)(C * P * El) * sizeof(moept_seg) : 0);
+        L->crecv = moept__take(c, on ? (size_t)(C * P * El) * sizeof(moept_seg) : 0);
+        L->cruns = moept__take(c, on ? (size_t)(3 * El * P) * i64 : 0);
+    }
 #ifndef MOEPT_CBLAS
     int64_t mmax = N; /* taller GEMMs (received rows at P > 1) run in row blocks */
     int64_t cand[5] = {T, D, L->H, L->HS, E};
@@ -675,7 +701,8 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     if (cap < 1) cap = 1;
     int own_xy = L->P > 1; /* at one rank xr, yr are xs, ys */
     int64_t w_xr = own_xy ? L->D : 0, w_yr = own_xy ? L->D : 0, w_h = L->H, w_a = L->F;
-    size_t bytes = (size_t)cap * (size_t)(w_xr + w_yr + w_h + w_a) * sizeof(float) + 4 * 64;
+    int64_t w_da = L->C > 1 ? L->F : 0, w_dx = L->C > 1 ? L->D : 0;
+    size_t bytes = (size_t)cap * (size_t)(w_xr + w_yr + w_h + w_a + w_da + w_dx) * sizeof(float) + 6 * 64;
     char *blk = moept__alloc(&L->mem, bytes);
     if (!blk) return 0;
     moept__carve cv = {blk, 0};
@@ -683,6 +710,8 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     float *yr = moept__take(&cv, (size_t)(cap * w_yr) * sizeof(float));
     float *h = moept__take(&cv, (size_t)(cap * w_h) * sizeof(float));
     float *a = moept__take(&cv, (size_t)(cap * w_a) * sizeof(float));
+    float *da = moept__take(&cv, (size_t)(cap * w_da) * sizeof(float));
+    float *dxs = moept__take(&cv, (size_t)(cap * w_dx) * sizeof(float));
     int64_t keep = L->rwork && L->fwd_valid ? L->R : 0;
     if (keep > 0) {
         if (own_xy) {
@@ -698,6 +727,8 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     L->yr = own_xy ? yr : L->ys;
     L->h = h;
     L->a = a;
+    L->dar = da;
+    L->dxr = dxs;
     if (L->Rcap > 0) L->stats.recv_growths++;
     L->Rcap = cap;
     L->stats.recv_capacity = cap;
@@ -706,12 +737,12 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
 
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later). */
-#define MOEPT__NFP 20
+#define MOEPT__NFP 22
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
-    "global_balance", "EP size", "DP size"};
+    "global_balance", "overlap_chunks", "expert_sharding", "EP size", "DP size"};
 
 static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int64_t *fp) {
     float fl[4] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor};
@@ -720,7 +751,7 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
     int64_t v[MOEPT__NFP] = {ok, c->family, c->hidden_size, c->intermediate_size, c->num_experts, c->top_k,
                              c->norm_topk_prob, c->activation, c->shared_intermediate_size, c->shared_gate,
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
-                             c->global_balance, P, DP};
+                             c->global_balance, c->overlap_chunks, c->expert_sharding, P, DP};
     memcpy(fp, v, sizeof v);
 }
 
@@ -803,7 +834,10 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
         L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
         L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
         L->El = L->E / P;
-        L->direct = L->ep && ep->share && ep->barrier;
+        L->C = c.overlap_chunks;
+        /* chunked overlap needs the exchange's own buffers (the direct
+           shared-memory path has no exchange to overlap) */
+        L->direct = L->ep && ep->share && ep->barrier && L->C == 1;
         int gated = moept__act_gated(L->act);
         L->H = gated ? 2 * L->F : L->F;
         L->HS = gated ? 2 * L->S : L->S;
@@ -1394,6 +1428,243 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
 }
 #endif
 
+/* The shared expert (and its sigmoid gate) over all T tokens. */
+static void moept__shared_forward(moept_layer *L, const float *x, int64_t T) {
+    if (L->S <= 0) return;
+    const int64_t D = L->D;
+    int64_t off[2] = {0, T};
+    moept__ffn_forward(L, x, 1, off, L->ws13, L->ws2, L->HS, L->S, L->hs, L->as, L->yss);
+    if (L->wsg) {
+        moept__gemm gg = moept__gemm_make(0, 1, T, 1, D, x, D, L->wsg, D, 0.0f, L->sg, 1);
+        moept__gemm_run(&gg, 1, &L->gws);
+        for (int64_t t = 0; t < T; t++) L->sg[t] = moept__sigmoid(L->sg[t]);
+    }
+}
+
+/* Combine of tokens [t0, t1): each output row written once, the shared
+   expert's row first, then the k contributions in slot order. */
+static void moept__combine_range(moept_layer *L, float *y, const float *wts, const int32_t *ids,
+                                 int64_t t0, int64_t t1) {
+    const int64_t D = L->D, K = L->K;
+    #pragma omp parallel for schedule(static) MOEPT__PAR((t1 - t0) * D * K)
+    for (int64_t t = t0; t < t1; t++) {
+        float *yt = y + t * D;
+        if (L->S > 0) {
+            float gs = L->wsg ? L->sg[t] : 1.0f;
+            for (int64_t d = 0; d < D; d++) yt[d] = gs * L->yss[t * D + d];
+        } else {
+            memset(yt, 0, (size_t)D * sizeof(float));
+        }
+        for (int64_t k = 0; k < K; k++) {
+            int64_t r = L->row_of[t * K + k];
+            if (r < 0) continue;
+            float w = wts[t * K + k];
+            const float *src = L->direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : L->ys + r * D;
+            for (int64_t d = 0; d < D; d++) yt[d] = moept__combine_step(yt[d], w, src[d]);
+        }
+    }
+}
+
+/* ---- chunked overlap ----------------------------------------------------
+   The step's tokens split into C contiguous chunks (chunk c = tokens
+   [c T / C, (c+1) T / C)). The plan is a stable sort by slot, so a chunk's
+   rows of each slot are a contiguous part of that slot's rows, and on the
+   expert side a chunk's rows from source p for expert j are a contiguous part
+   of (j, p)'s rows: every chunk lands exactly where the one-chunk step puts
+   it, and per-row results (GEMM rows, activations, combine) are computed
+   the same way, so the step is bitwise equal to C = 1. The weight gradients
+   reduce over all rows and run once, over the full buffers, after the last
+   chunk arrived (overlapping the last chunk's return). */
+static inline int64_t moept__chunk_start(int64_t T, int64_t C, int64_t c) { return c * T / C; }
+
+/* Chunk c's exchange pieces (ss [P][El] on the token side, rs [P][El] on the
+   expert side; NULL: not wanted) and its row runs on the expert side;
+   returns the runs. */
+static int64_t moept__chunk_plan(moept_layer *L, int64_t c, moept_seg *ss, moept_seg *rs, int64_t *runs) {
+    const int64_t D = L->D, El = L->El, P = L->P, C = L->C, E = L->E, stride = El * P;
+    for (int64_t q = 0; q < P && ss; q++)
+        for (int64_t j = 0; j < El; j++) {
+            int64_t e = q * El + j, start = L->offsets[e];
+            for (int64_t b = 0; b < c; b++) start += L->ccnt[b * E + e];
+            ss[q * El + j] = (moept_seg){start * D, L->ccnt[c * E + e] * D};
+        }
+    int64_t n = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t base = L->roffsets[j];
+        for (int64_t p = 0; p < P; p++) {
+            int64_t before = 0;
+            for (int64_t b = 0; b < c; b++) before += L->rccnt[(p * C + b) * El + j];
+            int64_t rows = L->rccnt[(p * C + c) * El + j];
+            if (rs) rs[p * El + j] = (moept_seg){(base + before) * D, rows * D};
+            if (rows) { runs[n] = base + before; runs[stride + n] = rows; runs[2 * stride + n] = j; n++; }
+            base += L->ep ? L->rcounts[p * El + j] : L->counts[j];
+        }
+    }
+    return n;
+}
+
+/* GEMMs one at a time, letting the comm move posted messages in between. */
+static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        moept__gemm_run(&g[i], 1, &L->gws);
+        if (L->ep && L->ep->progress) L->ep->progress(L->ep);
+    }
+}
+
+/* Expert FFN over a chunk's runs (the one-chunk descriptors, row by row). */
+static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t n) {
+    const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
+    moept__gemm *gd = L->descs;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = runs[i], rows = runs[stride + i], j = runs[2 * stride + i];
+        gd[i] = moept__gemm_make(0, 1, rows, H, D, L->xr + r0 * D, D, L->w13 + j * H * D, D, 0.0f, L->h + r0 * H, H);
+    }
+    moept__gemm_run_progress(L, gd, n);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = runs[i], rows = runs[stride + i];
+        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
+        for (int64_t r = r0; r < r0 + rows; r++) moept__act_fwd_row(L->act, L->h + r * H, F, L->a + r * F);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = runs[i], rows = runs[stride + i], j = runs[2 * stride + i];
+        gd[i] = moept__gemm_make(0, 1, rows, D, F, L->a + r0 * F, F, L->w2 + j * D * F, F, 0.0f, L->yr + r0 * D, D);
+    }
+    moept__gemm_run_progress(L, gd, n);
+}
+
+/* Its backward, data side: a = act(h) kept, da into dar, dh over h, dxs into
+   dxr (dys in yr stays for the weight gradients). */
+static void moept__ffn_runs_backward(moept_layer *L, const int64_t *runs, int64_t n) {
+    const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
+    moept__gemm *gd = L->descs;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = runs[i], rows = runs[stride + i];
+        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
+        for (int64_t r = r0; r < r0 + rows; r++) moept__act_fwd_row(L->act, L->h + r * H, F, L->a + r * F);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = runs[i], rows = runs[stride + i], j = runs[2 * stride + i];
+        gd[i] = moept__gemm_make(0, 0, rows, F, D, L->yr + r0 * D, D, L->w2 + j * D * F, F, 0.0f, L->dar + r0 * F, F);
+    }
+    moept__gemm_run_progress(L, gd, n);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = runs[i], rows = runs[stride + i];
+        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
+        for (int64_t r = r0; r < r0 + rows; r++) moept__act_bwd_row(L->act, L->h + r * H, L->dar + r * F, F, L->h + r * H);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = runs[i], rows = runs[stride + i], j = runs[2 * stride + i];
+        gd[i] = moept__gemm_make(0, 0, rows, D, H, L->h + r0 * H, H, L->w13 + j * H * D, D, 0.0f, L->dxr + r0 * D, D);
+    }
+    moept__gemm_run_progress(L, gd, n);
+}
+
+/* Post / complete one exchange of a chunk (non-blocking where the comm has
+   it; else the blocking exchange at the post). */
+static moept_status moept__post(moept_layer *L, const float *send, const moept_seg *ss, float *recv,
+                                const moept_seg *rs, int slot) {
+    double t0 = moept__now();
+    moept_comm *ep = L->ep;
+    moept_status st = ep->ialltoallv && ep->wait ? ep->ialltoallv(ep, send, ss, recv, rs, (int)L->El, 4, slot)
+                                                 : ep->alltoallv(ep, send, ss, recv, rs, (int)L->El, 4);
+    L->stats.comm_seconds += moept__now() - t0;
+    if (st) return moept__fail(L, st, "chunked exchange: %s", ep->err);
+    return MOEPT_OK;
+}
+static moept_status moept__complete(moept_layer *L, int slot) {
+    double t0 = moept__now();
+    moept_comm *ep = L->ep;
+    moept_status st = ep->ialltoallv && ep->wait ? ep->wait(ep, slot) : MOEPT_OK;
+    L->stats.comm_seconds += moept__now() - t0;
+    if (st) return moept__fail(L, st, "chunked exchange: %s", ep->err);
+    return MOEPT_OK;
+}
+
+/* The forward from the permute on, chunked: dispatch of chunk c+1 in flight
+   while chunk c is in the experts, chunk c-1's outputs coming back. */
+static moept_status moept__forward_chunked(moept_layer *L, const float *x, float *y, const float *wts,
+                                           const int32_t *ids) {
+    const int64_t D = L->D, C = L->C, T = L->T, PE = L->P * L->El, N = L->N;
+    moept_status st;
+    double ts = moept__now();
+    #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
+    for (int64_t r = 0; r < N; r++)
+        memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
+    int64_t nruns;
+    if (L->ep) {
+        moept__chunk_plan(L, 0, L->csend, L->crecv, L->cruns);
+        if ((st = moept__post(L, L->xs, L->csend, L->xr, L->crecv, 0))) return st;
+        moept__count_bytes(L, 1);
+    }
+    moept__shared_forward(L, x, T);
+    for (int64_t c = 0; c < C; c++) {
+        moept_seg *ss = L->csend + c * PE, *rs = L->crecv + c * PE;
+        if (L->ep && c + 1 < C) {
+            moept_seg *s2 = L->csend + (c + 1) * PE, *r2 = L->crecv + (c + 1) * PE;
+            moept__chunk_plan(L, c + 1, s2, r2, L->cruns);
+            if ((st = moept__post(L, L->xs, s2, L->xr, r2, (int)((c + 1) % 2)))) return st;
+        }
+        nruns = moept__chunk_plan(L, c, NULL, NULL, L->cruns);
+        if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
+        moept__ffn_runs_forward(L, L->cruns, nruns);
+        if (L->ep && (st = moept__post(L, L->yr, rs, L->ys, ss, 2 + (int)(c % 2)))) return st;
+        if (c > 0) {
+            if (L->ep && (st = moept__complete(L, 2 + (int)((c - 1) % 2)))) return st;
+            moept__combine_range(L, y, wts, ids, moept__chunk_start(T, C, c - 1), moept__chunk_start(T, C, c));
+        }
+    }
+    if (L->ep && (st = moept__complete(L, 2 + (int)((C - 1) % 2)))) return st;
+    if (L->ep) moept__count_bytes(L, 0);
+    moept__combine_range(L, y, wts, ids, moept__chunk_start(T, C, C - 1), T);
+    L->stats.dispatch_seconds += moept__now() - ts;
+    return MOEPT_OK;
+}
+
+/* The backward's experts part, chunked (after combine' wrote dys into ys). */
+static moept_status moept__backward_chunked(moept_layer *L) {
+    const int64_t D = L->D, C = L->C, H = L->H, F = L->F, El = L->El, PE = L->P * L->El;
+    moept_status st;
+    int64_t nruns;
+    if (L->ep) {
+        moept__chunk_plan(L, 0, L->csend, L->crecv, L->cruns);
+        if ((st = moept__post(L, L->ys, L->csend, L->yr, L->crecv, 0))) return st;
+        moept__count_bytes(L, 1);
+    }
+    for (int64_t c = 0; c < C; c++) {
+        moept_seg *ss = L->csend + c * PE, *rs = L->crecv + c * PE;
+        if (L->ep && c + 1 < C) {
+            moept_seg *s2 = L->csend + (c + 1) * PE, *r2 = L->crecv + (c + 1) * PE;
+            moept__chunk_plan(L, c + 1, s2, r2, L->cruns);
+            if ((st = moept__post(L, L->ys, s2, L->yr, r2, (int)((c + 1) % 2)))) return st;
+        }
+        nruns = moept__chunk_plan(L, c, NULL, NULL, L->cruns);
+        if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
+        moept__ffn_runs_backward(L, L->cruns, nruns);
+        if (L->ep && (st = moept__post(L, L->dxr, rs, L->ys, ss, 2 + (int)(c % 2)))) return st;
+        if (c > 0 && L->ep && (st = moept__complete(L, 2 + (int)((c - 1) % 2)))) return st;
+    }
+    /* weight gradients over every row, as the one-chunk step (while the last
+       chunk's dxs travel) */
+    moept__gemm *gd = L->descs;
+    int64_t n = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t r0 = L->roffsets[j], rows = L->roffsets[j + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(1, 0, D, F, rows, L->yr + r0 * D, D, L->a + r0 * F, F, 1.0f, L->g2 + j * D * F, F);
+    }
+    moept__gemm_run_progress(L, gd, n);
+    n = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t r0 = L->roffsets[j], rows = L->roffsets[j + 1] - r0;
+        if (rows == 0) continue;
+        gd[n++] = moept__gemm_make(1, 0, H, D, rows, L->h + r0 * H, H, L->xr + r0 * D, D, 1.0f, L->g13 + j * H * D, D);
+    }
+    moept__gemm_run_progress(L, gd, n);
+    if (L->ep && (st = moept__complete(L, 2 + (int)((C - 1) % 2)))) return st;
+    if (L->ep) moept__count_bytes(L, 0);
+    return MOEPT_OK;
+}
+
 moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: layer is NULL");
 #ifdef MOEPT_CUDA
@@ -1447,17 +1718,45 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         if (cap >= 0)
             for (int64_t e = 0; e < E; e++) L->counts_next[e] = L->counts_next[e] > cap ? cap : L->counts_next[e];
     }
+    const int64_t C = L->C;
+    if (C > 1) { /* kept rows per chunk and slot: capacity keeps the earliest assignments */
+        for (int64_t i = 0; i < C * E; i++) L->ccnt_next[i] = 0;
+        for (int64_t c = 0; c < C && !local; c++)
+            for (int64_t i = moept__chunk_start(T, C, c) * K; i < moept__chunk_start(T, C, c + 1) * K; i++)
+                L->ccnt_next[c * E + L->slot_of[ids[i]]]++;
+        for (int64_t e = 0; e < E && cap >= 0; e++) {
+            int64_t before = 0;
+            for (int64_t c = 0; c < C; c++) {
+                int64_t sel = L->ccnt_next[c * E + e], room = cap - before > 0 ? cap - before : 0;
+                L->ccnt_next[c * E + e] = sel < room ? sel : room;
+                before += sel;
+            }
+        }
+    }
     int64_t R_next = 0;
     moept_status st = MOEPT_OK;
     if (L->ep) { /* counts before data, always: no rank trusts sizes it computed alone */
         moept_seg *cs = L->count_segs, *cr = L->count_segs + P;
-        for (int q = 0; q < P; q++) { cs[q].offset = q * El; cs[q].count = El; cr[q].offset = q * El; cr[q].count = El; }
+        const int64_t per = C * El; /* chunked: every chunk's counts, [c][j] per peer */
+        for (int q = 0; q < P; q++) { cs[q].offset = q * per; cs[q].count = per; cr[q].offset = q * per; cr[q].count = per; }
+        if (C > 1)
+            for (int64_t q = 0; q < P; q++)
+                for (int64_t c = 0; c < C; c++)
+                    for (int64_t j = 0; j < El; j++) L->cmsg[(q * C + c) * El + j] = L->ccnt_next[c * E + q * El + j];
         double t0 = moept__now();
-        st = L->ep->alltoallv(L->ep, L->counts_next, cs, L->rcounts_next, cr, 1, 8);
+        st = L->ep->alltoallv(L->ep, C > 1 ? L->cmsg : L->counts_next, cs, C > 1 ? L->rccnt_next : L->rcounts_next, cr, 1, 8);
         L->stats.comm_seconds += moept__now() - t0;
         if (st) return moept__fail(L, st, "moept_forward: count exchange failed: %s", L->ep->err);
+        if (C > 1)
+            for (int64_t p = 0; p < P; p++)
+                for (int64_t j = 0; j < El; j++) {
+                    int64_t n = 0;
+                    for (int64_t c = 0; c < C; c++) n += L->rccnt_next[(p * C + c) * El + j];
+                    L->rcounts_next[p * El + j] = n;
+                }
         for (int64_t i = 0; i < P * El; i++) R_next += L->rcounts_next[i];
     } else {
+        if (C > 1) memcpy(L->rccnt_next, L->ccnt_next, (size_t)(C * E) * sizeof(int64_t));
         for (int64_t e = 0; e < E; e++) R_next += L->counts_next[e];
     }
     int grow_fail = !local && !moept__grow_recv(L, R_next);
@@ -1479,6 +1778,8 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     L->bwd_valid = 0;
     { int64_t *t = L->counts; L->counts = L->counts_next; L->counts_next = t; }
     { int64_t *t = L->rcounts; L->rcounts = L->rcounts_next; L->rcounts_next = t; }
+    { int64_t *t = L->ccnt; L->ccnt = L->ccnt_next; L->ccnt_next = t; }
+    { int64_t *t = L->rccnt; L->rccnt = L->rccnt_next; L->rccnt_next = t; }
     L->R = R_next;
     L->stats.bytes_sent = L->stats.bytes_received = 0;
     L->stats.comm_seconds = L->stats.dispatch_seconds = L->stats.combine_seconds = 0.0;
@@ -1551,7 +1852,10 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     }
 
     const int64_t N = L->N;
-    double ts = moept__now();
+    double ts = moept__now(), combine_exchange = 0.0;
+    if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
+        if ((st = moept__forward_chunked(L, x, y, wts, ids))) { L->fwd_valid = 0; return st; }
+    } else {
     if (L->direct) {
         /* shared memory: show the peers this step, then gather our experts'
            rows from their token rows directly */
@@ -1576,38 +1880,14 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         if ((st = moept__direct_sync(L, "moept_forward"))) { L->fwd_valid = 0; return st; }
         moept__count_bytes(L, 0);
     } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) { L->fwd_valid = 0; return st; }
-    double combine_exchange = moept__now() - ts;
+    combine_exchange = moept__now() - ts;
 
-    if (L->S > 0) {
-        int64_t off[2] = {0, T};
-        moept__ffn_forward(L, x, 1, off, L->ws13, L->ws2, L->HS, L->S, L->hs, L->as, L->yss);
-        if (L->wsg) {
-            moept__gemm gg = moept__gemm_make(0, 1, T, 1, D, x, D, L->wsg, D, 0.0f, L->sg, 1);
-            moept__gemm_run(&gg, 1, &L->gws);
-            for (int64_t t = 0; t < T; t++) L->sg[t] = moept__sigmoid(L->sg[t]);
-        }
-    }
+    moept__shared_forward(L, x, T);
 
     /* combine: each output row written once, k contributions in slot order */
     ts = moept__now();
-    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
-    for (int64_t t = 0; t < T; t++) {
-        float *yt = y + t * D;
-        if (L->S > 0) {
-            float gs = L->wsg ? L->sg[t] : 1.0f;
-            for (int64_t d = 0; d < D; d++) yt[d] = gs * L->yss[t * D + d];
-        } else {
-            memset(yt, 0, (size_t)D * sizeof(float));
-        }
-        for (int64_t k = 0; k < K; k++) {
-            int64_t r = L->row_of[t * K + k];
-            if (r < 0) continue;
-            float w = wts[t * K + k];
-            const float *src = L->direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : L->ys + r * D;
-            for (int64_t d = 0; d < D; d++) yt[d] = moept__combine_step(yt[d], w, src[d]);
-        }
+    moept__combine_range(L, y, wts, ids, 0, T);
     }
-
     /* direct: no rank may leave (and free or regrow its rows) while a peer
        still reads them */
     if (L->direct && (st = moept__direct_sync(L, "moept_forward"))) { L->fwd_valid = 0; return st; }
@@ -1691,15 +1971,20 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     if (direct) { /* dL/dw for our rows into their owners, then dys over our outputs */
         moept__direct_gather(L, 1);
         moept__count_bytes(L, 1);
+    } else if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
+        if ((st = moept__backward_chunked(L))) return st;
     } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 1))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
-    moept__ffn_backward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->g13, L->g2,
-                        L->H, L->F, L->h, L->a, L->yr);
+    if (L->C == 1)
+        moept__ffn_backward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->g13, L->g2,
+                            L->H, L->F, L->h, L->a, L->yr);
     ts = moept__now();
     if (direct) {
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
         moept__count_bytes(L, 0);
-    } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
+    } else if (L->C == 1 && L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
+    /* chunked at one rank: the experts' dxs are the token side's rows */
+    const float *dxs = L->C > 1 && !L->ep ? L->dxr : L->ys;
 
     /* dispatch': dx[t] = sum of its k rows, in slot order */
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
@@ -1709,7 +1994,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
-            const float *src = direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : L->ys + r * D;
+            const float *src = direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : dxs + r * D;
             for (int64_t d = 0; d < D; d++) dxt[d] += src[d];
         }
     }
@@ -1879,7 +2164,7 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     st->allocated_bytes = L->mem.bytes + L->dev_allocated_bytes;
     int own_xy = L->P > 1;
     st->workspace_bytes = L->work_bytes +
-        L->Rcap * ((own_xy ? 2 * L->D : 0) + L->H + L->F) * (int64_t)sizeof(float);
+        L->Rcap * ((own_xy ? 2 * L->D : 0) + L->H + L->F + (L->C > 1 ? L->F + L->D : 0)) * (int64_t)sizeof(float);
     st->device_workspace_bytes = L->dev_workspace_bytes;
     if (tpe)
         for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd_valid ? L->sel_counts[e] : 0;
@@ -2363,6 +2648,10 @@ typedef struct moept__slot {
     const void *send; const moept_seg *send_segs;
     const void *buf;
     const moept_p2p *sends; int nsend;
+    /* posted non-blocking exchanges, by slot */
+    const void *asend[MOEPT_COMM_SLOTS]; const moept_seg *asegs[MOEPT_COMM_SLOTS];
+    void *arecv[MOEPT_COMM_SLOTS]; const moept_seg *arsegs[MOEPT_COMM_SLOTS];
+    int anseg[MOEPT_COMM_SLOTS], aes[MOEPT_COMM_SLOTS];
 } moept__slot;
 
 struct moept_thread_group {
@@ -2500,6 +2789,43 @@ static moept_status moept__thr_share(moept_comm *c, const void *mine, const void
     return moept__thr_allgather(c, &mine, (void *)all, (int64_t)sizeof(void *));
 }
 
+/* Threads, non-blocking: the post publishes this rank's buffers; the wait
+   is collective (each rank copies its pieces from every peer's posted send
+   between two barriers). One thread per rank has nothing to run the copies
+   meanwhile, so this orders the work without overlapping it. */
+static moept_status moept__thr_ialltoallv(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
+                                          const moept_seg *rs, int nseg, int es, int slot) {
+    if (slot < 0 || slot >= MOEPT_COMM_SLOTS)
+        return moept__comm_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "threads ialltoallv: slot %d", slot);
+    moept__slot *me = &MOEPT__GROUP(c)->slots[c->rank];
+    me->asend[slot] = send; me->asegs[slot] = ss;
+    me->arecv[slot] = recv; me->arsegs[slot] = rs;
+    me->anseg[slot] = nseg; me->aes[slot] = es;
+    return MOEPT_OK;
+}
+
+static moept_status moept__thr_wait(moept_comm *c, int slot) {
+    moept_thread_group *g = MOEPT__GROUP(c);
+    if (slot < 0 || slot >= MOEPT_COMM_SLOTS)
+        return moept__comm_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "threads wait: slot %d", slot);
+    MOEPT__BARRIER(c);
+    const moept__slot *me = &g->slots[c->rank];
+    int nseg = me->anseg[slot], es = me->aes[slot], bad = -1;
+    for (int p = 0; p < c->size; p++)
+        for (int s = 0; s < nseg; s++) {
+            const moept_seg *ss = &g->slots[p].asegs[slot][c->rank * nseg + s];
+            const moept_seg *rs = &me->arsegs[slot][p * nseg + s];
+            if (ss->count != rs->count) { bad = p; continue; }
+            if (rs->count)
+                memcpy((char *)me->arecv[slot] + rs->offset * es, (const char *)g->slots[p].asend[slot] + ss->offset * es,
+                       (size_t)(rs->count * es));
+        }
+    MOEPT__BARRIER(c);
+    if (bad >= 0)
+        return moept__comm_fail(c, MOEPT_ERR_COMM, "threads wait: rank %d expected other counts from rank %d", c->rank, bad);
+    return MOEPT_OK;
+}
+
 static moept_status moept__thr_barrier(moept_comm *c) {
     MOEPT__BARRIER(c);
     return MOEPT_OK;
@@ -2538,6 +2864,8 @@ moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_gr
         c->p2p = moept__thr_p2p;
         c->share = moept__thr_share;
         c->barrier = moept__thr_barrier;
+        c->ialltoallv = moept__thr_ialltoallv;
+        c->wait = moept__thr_wait;
         c->destroy = moept__thr_destroy;
     }
     *out = g;
@@ -2568,6 +2896,7 @@ typedef struct moept__mpi {
     MPI_Comm comm;
     MPI_Datatype elem[2];    /* 4- and 8-byte elements, as bytes */
     MPI_Request *reqs; int64_t nreqs_cap;
+    MPI_Request *preq[MOEPT_COMM_SLOTS]; int64_t npreq[MOEPT_COMM_SLOTS], pcap[MOEPT_COMM_SLOTS]; /* posted */
     int *cnt, *dsp;          /* [4][size] int counts/displacements for MPI_Alltoallv */
     char *scratch;           /* allreduce slices, grows geometrically */
     size_t scratch_bytes;
@@ -2636,6 +2965,62 @@ static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const 
         }
     MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
     return MOEPT_OK;
+}
+
+/* Non-blocking all-to-all-v: the pieces as Irecv/Isend (chunked as the
+   blocking path), their requests kept under the slot until the wait. Slot
+   tags keep two exchanges in flight apart. */
+static moept_status moept__mpi_ialltoallv(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
+                                          const moept_seg *rs, int nseg, int es, int slot) {
+    moept__mpi *m = c->ctx;
+    if (slot < 0 || slot >= MOEPT_COMM_SLOTS || m->npreq[slot])
+        return moept__comm_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "mpi ialltoallv: slot %d invalid or busy", slot);
+    MPI_Datatype t = m->elem[es == 8];
+    int P = c->size;
+    int64_t n = 0;
+    for (int i = 0; i < P * nseg; i++)
+        n += (ss[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK + (rs[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
+    if (n > m->pcap[slot]) {
+        MPI_Request *r = moept__alloc(NULL, (size_t)n * sizeof(MPI_Request));
+        if (!r) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi ialltoallv: out of memory");
+        MOEPT_FREE(m->preq[slot]);
+        m->preq[slot] = r; m->pcap[slot] = n;
+    }
+    int tag = 100 + slot;
+    n = 0;
+    for (int i = 0; i < P * nseg; i++)
+        for (int64_t o = 0; o < rs[i].count; o += MOEPT__MPI_CHUNK) {
+            int64_t k = rs[i].count - o < MOEPT__MPI_CHUNK ? rs[i].count - o : MOEPT__MPI_CHUNK;
+            MOEPT__MPI(c, MPI_Irecv((char *)recv + (rs[i].offset + o) * es, (int)k, t, i / nseg, tag, m->comm, &m->preq[slot][n++]));
+        }
+    for (int i = 0; i < P * nseg; i++)
+        for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
+            int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
+            MOEPT__MPI(c, MPI_Isend((const char *)send + (ss[i].offset + o) * es, (int)k, t, i / nseg, tag, m->comm, &m->preq[slot][n++]));
+        }
+    m->npreq[slot] = n;
+    return MOEPT_OK;
+}
+
+static moept_status moept__mpi_wait(moept_comm *c, int slot) {
+    moept__mpi *m = c->ctx;
+    if (slot < 0 || slot >= MOEPT_COMM_SLOTS)
+        return moept__comm_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "mpi wait: slot %d", slot);
+    int n = (int)m->npreq[slot];
+    m->npreq[slot] = 0;
+    if (n) MOEPT__MPI(c, MPI_Waitall(n, m->preq[slot], MPI_STATUSES_IGNORE));
+    return MOEPT_OK;
+}
+
+/* Lets Open MPI move posted messages while the caller computes (its
+   shared-memory and TCP transports progress only inside MPI calls). */
+static void moept__mpi_progress(moept_comm *c) {
+    moept__mpi *m = c->ctx;
+    for (int s = 0; s < MOEPT_COMM_SLOTS; s++)
+        if (m->npreq[s]) {
+            int done;
+            MPI_Testall((int)m->npreq[s], m->preq[s], &done, MPI_STATUSES_IGNORE);
+        }
 }
 
 /* Sum over ranks in rank order, the same order as the threads backend, so
@@ -2721,6 +3106,7 @@ static void moept__mpi_destroy(moept_comm *c) {
     MPI_Type_free(&m->elem[1]);
     MPI_Comm_free(&m->comm);
     MOEPT_FREE(m->reqs);
+    for (int i = 0; i < MOEPT_COMM_SLOTS; i++) MOEPT_FREE(m->preq[i]);
     MOEPT_FREE(m->scratch);
     MOEPT_FREE(m->cnt);
     MOEPT_FREE(m->dsp);
@@ -2755,6 +3141,9 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
     c->allreduce = moept__mpi_allreduce;
     c->allgather = moept__mpi_allgather;
     c->p2p = moept__mpi_p2p;
+    c->ialltoallv = moept__mpi_ialltoallv;
+    c->wait = moept__mpi_wait;
+    c->progress = moept__mpi_progress;
     c->destroy = moept__mpi_destroy;
     if (!m->cnt || !m->dsp) { moept__mpi_destroy(c); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory"); }
     *out = c;
@@ -3244,8 +3633,9 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
 static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
     int64_t fp[MOEPT__NFP];
     moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, fp);
-    uint64_t h = 1469598103934665603ull; /* FNV-1a over the fields, the layout (EP, DP sizes) left out */
-    for (int i = 0; i < MOEPT__NFP - 2; i++)
+    uint64_t h = 1469598103934665603ull; /* FNV-1a over the model's fields; execution choices
+                                            (overlap, sharding) and the layout (EP, DP) left out */
+    for (int i = 0; i < MOEPT__NFP - 4; i++)
         for (int b = 0; b < 8; b++) { h ^= (uint64_t)((fp[i] >> (8 * b)) & 0xff); h *= 1099511628211ull; }
     snprintf(out, n, "%016llx", (unsigned long long)h);
 }

@@ -169,6 +169,19 @@ typedef enum moept_shared_gate {
 } moept_shared_gate;
 
 /* Zero means "default" where a default is stated. */
+#define MOEPT_MAX_CHUNKS 64
+
+/* How the experts are spread over the `ep` group's ranks.
+   EP: rank r owns E/P whole experts; token rows travel to them.
+   FSDP: the baseline without expert parallelism: every rank keeps 1/P of
+   every expert's weights (a flat shard), all-gathers the full experts
+   before use, computes its own tokens locally and reduce-scatters the
+   expert gradients, so each rank ends with the summed gradient of its shard. */
+typedef enum moept_sharding {
+    MOEPT_SHARD_EP = 0,
+    MOEPT_SHARD_FSDP = 1
+} moept_sharding;
+
 typedef struct moept_config {
     moept_family family;
     int64_t hidden_size;              /* D, required */
@@ -192,6 +205,12 @@ typedef struct moept_config {
                                          tokens; 1: over every rank's tokens
                                          (counts, score sums and T all-reduced
                                          over the EP and DP groups) */
+    int64_t overlap_chunks;           /* 0 or 1: off. C > 1 (up to MOEPT_MAX_CHUNKS):
+                                         each step's tokens move and compute in C
+                                         chunks, one chunk's exchange in flight while
+                                         the experts work on another; results are
+                                         bitwise equal to C = 1 (builtin GEMM) */
+    moept_sharding expert_sharding;   /* MOEPT_SHARD_EP (default) or MOEPT_SHARD_FSDP */
 } moept_config;
 
 /* ---- communication -------------------------------------------------
@@ -210,6 +229,7 @@ typedef struct moept_p2p {
     int64_t bytes;
 } moept_p2p;
 
+#define MOEPT_COMM_SLOTS 4
 typedef struct moept_comm moept_comm;
 struct moept_comm {
     int rank, size;
@@ -229,6 +249,17 @@ struct moept_comm {
        order. Used by resharding. */
     moept_status (*p2p)(moept_comm *c, const moept_p2p *sends, int nsend,
                         const moept_p2p *recvs, int nrecv);
+    /* Optional non-blocking all-to-all-v (NULL: the layer's chunked
+       overlap uses the blocking one): starts an exchange under `slot`
+       (0..MOEPT_COMM_SLOTS-1), wait(slot) completes it. Every rank posts and
+       waits the same slots in the same order; buffers and segment arrays
+       stay untouched until the wait. progress (optional, may be NULL) lets a
+       backend move data while the caller computes. */
+    moept_status (*ialltoallv)(moept_comm *c, const void *send, const moept_seg *send_segs,
+                               void *recv, const moept_seg *recv_segs, int nseg, int elem_size,
+                               int slot);
+    moept_status (*wait)(moept_comm *c, int slot);
+    void (*progress)(moept_comm *c);
     /* Optional, for ranks that share one address space (the threads
        backend), NULL otherwise: `share` hands every rank all ranks'
        pointers (all[r] = rank r's `mine`), `barrier` waits for all ranks.

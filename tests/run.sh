@@ -41,6 +41,7 @@ for n in 2 4 8; do
     suite "reference cases --ep $n (threads)" "$B/moept_check" --ep $n $CASES
 done
 suite "test_ep" "$B/test_ep"
+suite "test_overlap" "$B/test_overlap"
 suite "train --ep 4 (threads)" "$B/train" --ep 4 --steps 30 --quiet --csv "$B/train_ep4.csv"
 # ... and over MPI processes
 if [ -n "$MPIRUN" ]; then
@@ -50,6 +51,9 @@ if [ -n "$MPIRUN" ]; then
     done
     suite "--weights mixtral_e8_t40 (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi" --ep 4 --weights tests/checkpoints/mixtral_e8_t40 --layer 1 tests/cases/mixtral_e8_t40.safetensors
     suite "reference cases --ep 4, MPI counts chunked (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi_chunked" --ep 4 $CASES
+    for n in 2 4; do
+        suite "test_overlap (mpirun -np $n)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/test_overlap_mpi"
+    done
     suite "train --ep 4 (mpirun -np 4)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/train_mpi" --ep 4 --steps 30 --quiet --csv "$B/train_mpi.csv"
 else
     skip "mpi" "Open MPI not found (apt-get install libopenmpi-dev openmpi-bin); the MPI backend was not tested"
@@ -57,10 +61,11 @@ fi
 # sanitizers: ASan + UBSan over the same suites (1 thread keeps it quick)
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 suite "asan+ubsan reference cases" env OMP_NUM_THREADS=2 "$B/san/moept_check" $CASES
-for t in test_grad test_props test_errors test_ep test_ckpt; do
+for t in test_grad test_props test_errors test_ep test_ckpt test_overlap; do
     suite "asan+ubsan $t" env OMP_NUM_THREADS=2 "$B/san/$t"
 done
 suite "tsan test_ep" "$B/tsan/test_ep"
+suite "tsan test_overlap" "$B/tsan/test_overlap"
 if [ -n "$CBLAS" ]; then
     suite "cblas reference cases" "$B/cblas/moept_check" $CASES
     for t in test_grad test_props test_errors; do

@@ -1,0 +1,175 @@
+/* test_overlap: the chunked overlap (config.overlap_chunks = C) gives
+   bitwise the same outputs, input gradients, parameter gradients and losses
+   as C = 1, over several steps, at EP = 1, 2 and 4.
+
+     build/test_overlap                       threads (EP = 1, 2, 4)
+     mpirun -np N build/test_overlap_mpi      MPI processes (EP = N)
+
+   Each rank builds both layers from the same seed, feeds both the same
+   tokens (uneven per rank, some ranks with none in one step) and compares
+   with memcmp. */
+#include "../moept.c" /* one translation unit, as the other tests */
+#include "testutil.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef struct job {
+    moept_comm *ep;
+    moept_config cfg;
+    int C;
+    int64_t T[3];       /* tokens of this rank in each step */
+    char why[1200];     /* empty: equal */
+} job;
+
+static float urand(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((*s >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+
+static void run_job(job *j) {
+    moept_layer *A = NULL, *B = NULL;
+    moept_config ca = j->cfg, cb = j->cfg;
+    ca.overlap_chunks = 1;
+    cb.overlap_chunks = j->C;
+    j->why[0] = 0;
+    if (moept_create_parallel(&ca, j->ep, NULL, &A) || moept_create_parallel(&cb, j->ep, NULL, &B)) {
+        snprintf(j->why, sizeof j->why, "create: %s", moept_last_error(NULL));
+        moept_destroy(A);
+        return;
+    }
+    moept_init_params(A, 77);
+    moept_init_params(B, 77);
+    const int64_t D = j->cfg.hidden_size, Tmax = j->cfg.max_tokens, rank = j->ep ? j->ep->rank : 0;
+    float *x = malloc((size_t)(Tmax * D + 1) * 4), *dy = malloc((size_t)(Tmax * D + 1) * 4);
+    float *ya = malloc((size_t)(Tmax * D + 1) * 4), *yb = malloc((size_t)(Tmax * D + 1) * 4);
+    float *da = malloc((size_t)(Tmax * D + 1) * 4), *db = malloc((size_t)(Tmax * D + 1) * 4);
+    uint64_t seed = 1000 + (uint64_t)rank;
+    for (int step = 0; step < 3 && !j->why[0]; step++) {
+        int64_t T = j->T[step];
+        for (int64_t i = 0; i < T * D; i++) { x[i] = urand(&seed); dy[i] = urand(&seed); }
+        moept_zero_grad(A);
+        moept_zero_grad(B);
+        if (moept_forward(A, x, T, ya) || moept_forward(B, x, T, yb) || moept_backward(A, x, dy, da) ||
+            moept_backward(B, x, dy, db) || moept_sync_grads(A, 1.0f) || moept_sync_grads(B, 1.0f)) {
+            snprintf(j->why, sizeof j->why, "step %d: %s | %s", step, moept_last_error(A), moept_last_error(B));
+            break;
+        }
+        if (memcmp(ya, yb, (size_t)(T * D) * 4)) snprintf(j->why, sizeof j->why, "step %d: outputs differ", step);
+        else if (memcmp(da, db, (size_t)(T * D) * 4)) snprintf(j->why, sizeof j->why, "step %d: dx differs", step);
+        float *ga = NULL, *gb = NULL;
+        int64_t n = 0;
+        moept_grads(A, &ga, &n);
+        moept_grads(B, &gb, &n);
+        if (!j->why[0] && memcmp(ga, gb, (size_t)n * 4)) {
+            int64_t i = 0;
+            while (ga[i] == gb[i]) i++;
+            snprintf(j->why, sizeof j->why, "step %d: gradient %lld differs (%.9g vs %.9g)", step, (long long)i, ga[i], gb[i]);
+        }
+        moept_stats sa, sb;
+        moept_get_stats(A, &sa, NULL);
+        moept_get_stats(B, &sb, NULL);
+        if (!j->why[0] && (sa.aux_loss != sb.aux_loss || sa.z_loss != sb.z_loss || sa.bytes_sent != sb.bytes_sent))
+            snprintf(j->why, sizeof j->why, "step %d: losses or byte counts differ", step);
+        /* the optimizer step keeps both on the same parameters */
+        moept_adamw o = {0};
+        o.lr = 1e-2f;
+        moept_adamw_step(A, &o);
+        moept_adamw_step(B, &o);
+    }
+    moept_stats sb;
+    moept_get_stats(B, &sb, NULL);
+    if (!j->why[0] && sb.steps != 3) snprintf(j->why, sizeof j->why, "%lld steps counted", (long long)sb.steps);
+    free(x); free(dy); free(ya); free(yb); free(da); free(db);
+    moept_destroy(A);
+    moept_destroy(B);
+}
+
+static moept_config make_cfg(int variant) {
+    moept_config c = {0};
+    c.hidden_size = 24; c.intermediate_size = 20; c.num_experts = 8; c.top_k = 2;
+    c.norm_topk_prob = 1; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.z_loss_coef = 1e-3f;
+    c.max_tokens = 150; c.global_balance = 1;
+    switch (variant) {
+    case 0: c.family = MOEPT_FAMILY_MIXTRAL; break;
+    case 1: c.family = MOEPT_FAMILY_QWEN2_MOE; c.shared_intermediate_size = 16; break;
+    case 2: c.family = MOEPT_FAMILY_DEEPSEEK_V3; c.n_group = 4; c.topk_group = 2; c.top_k = 3;
+            c.shared_intermediate_size = 12; c.routed_scaling_factor = 2.0f; c.aux_loss = MOEPT_AUX_MEGATRON; break;
+    default: c.family = MOEPT_FAMILY_OLMOE; c.capacity_factor = 0.8f; c.activation = MOEPT_ACT_GELU; break;
+    }
+    return c;
+}
+
+#ifndef MOEPT_MPI
+static void *thread_main(void *arg) {
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+    run_job(arg);
+    return NULL;
+}
+
+static int g_P, g_C, g_variant;
+static void test_case(void) {
+    moept_thread_group *g = NULL;
+    job jobs[4];
+    pthread_t th[4];
+    if (g_P > 1 && moept_thread_group_create(g_P, 60000, &g)) { EXPECT(0, "group"); return; }
+    for (int r = 0; r < g_P; r++) {
+        memset(&jobs[r], 0, sizeof jobs[r]);
+        jobs[r].cfg = make_cfg(g_variant);
+        jobs[r].C = g_C;
+        /* uneven: rank r has 150 - 37 r tokens, none in the middle step on the last rank */
+        jobs[r].T[0] = 150 - 37 * r; jobs[r].T[1] = r == g_P - 1 && g_P > 1 ? 0 : 97; jobs[r].T[2] = 5 + r;
+        if (g) moept_comm_threads(g, r, &jobs[r].ep);
+        if (g_P == 1) run_job(&jobs[r]);
+        else pthread_create(&th[r], NULL, thread_main, &jobs[r]);
+    }
+    for (int r = 0; r < g_P && g_P > 1; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < g_P; r++) EXPECT(!jobs[r].why[0], "rank %d: %s", r, jobs[r].why);
+    moept_thread_group_destroy(g);
+}
+
+int main(void) {
+    static const char *names[4] = {"mixtral", "qwen2_moe+shared", "deepseek_v3 groups+shared", "olmoe capacity gelu"};
+    int Ps[3] = {1, 2, 4}, Cs[3] = {2, 3, 4};
+    for (int v = 0; v < 4; v++)
+        for (int p = 0; p < 3; p++) {
+            char name[160];
+            g_variant = v; g_P = Ps[p]; g_C = Cs[(v + p) % 3];
+            snprintf(name, sizeof name, "overlap C=%d equals C=1 bitwise: %s, EP=%d (threads)", g_C, names[v], g_P);
+            tu_run(name, test_case);
+        }
+    return tu_done();
+}
+#else
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    moept_comm *world = NULL;
+    if (moept_comm_mpi(MPI_COMM_WORLD, &world)) { fprintf(stderr, "%s\n", moept_last_error(NULL)); return 2; }
+    static const char *names[4] = {"mixtral", "qwen2_moe+shared", "deepseek_v3 groups+shared", "olmoe capacity gelu"};
+    int bad = 0;
+    for (int v = 0; v < 4; v++)
+        for (int C = 2; C <= 4; C += 2) {
+            job j;
+            memset(&j, 0, sizeof j);
+            j.ep = world; j.cfg = make_cfg(v); j.C = C;
+            int r = world->rank, P = world->size;
+            j.T[0] = 150 - 37 * (r % 4); j.T[1] = r == P - 1 && P > 1 ? 0 : 97; j.T[2] = 5 + r;
+            run_job(&j);
+            /* every rank's verdict */
+            int64_t mine = j.why[0] != 0, any = mine;
+            world->allreduce(world, &any, 1, MOEPT_DTYPE_I64);
+            if (mine) fprintf(stderr, "rank %d: %s\n", r, j.why);
+            if (r == 0)
+                printf("%s - overlap C=%d equals C=1 bitwise: %s, EP=%d (MPI)\n", any ? "FAIL" : "ok", C, names[v], P);
+            bad |= any != 0;
+        }
+    moept_comm_destroy(world);
+    MPI_Finalize();
+    return bad;
+}
+#endif
