@@ -35,7 +35,7 @@ CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
-TESTS   = test_grad test_props test_errors test_ep test_ckpt test_overlap
+TESTS   = test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 

@@ -320,6 +320,7 @@ typedef struct moept__param {
     int64_t rows, cols;    /* logical HF shape [rows][cols] */
     float *data;           /* first row; rows are `stride` floats apart */
     float *grad;           /* NULL: no gradient (the bias) */
+    int64_t flat;          /* fsdp: offset in the full expert space (data, grad NULL); else -1 */
 } moept__param;
 
 /* A rank's step, as its peers read it on the direct (shared-memory) path. */
@@ -446,6 +447,15 @@ struct moept_layer {
     double capacity_factor;    /* the float config value read as the decimal
                                   it was written as (0.6f -> 0.6), so that
                                   ceil(0.6 * 20) is 12 as in Megatron */
+    /* fsdp baseline (expert_sharding = FSDP): the group, and this rank's flat
+       shard of the full expert space [w13 of all E | w2 of all E] */
+    moept_comm *fsdp;      /* NULL: expert parallel (or one rank) */
+    int64_t n_exp;         /* expert floats in the parameter buffer (El (H+F) D, or the shard) */
+    int64_t fs_total, fs_shard; /* E (H+F) D, and ceil(that / P) */
+    float *fs_full;        /* [P * fs_shard] gathered experts: w13 [E][H][D] then w2 [E][D][F] */
+    float *fs_gfull;       /* [P * fs_shard] this rank's full expert gradients of a backward */
+    float *fs_w, *fs_g;    /* [fs_shard] the shard in the parameter / gradient buffers */
+    double fs_gather_seconds;
     /* CUDA layers: the executor, and which side changed last (0 both equal,
        1 host copy newer, 2 device newer) for the parameters (with the bias
        and placement) and for the gradients */
@@ -457,6 +467,7 @@ struct moept_layer {
 };
 
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
+static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
 static void moept__host_wrote(moept_layer *L, int params, int grads);
 #define MOEPT__HOST_SYNC(L, p, g) do { moept_status st_ = moept__to_host((L), (p), (g)); if (st_) return st_; } while (0)
 
@@ -559,6 +570,12 @@ static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
     va_end(ap);
     p->type = type; p->expert = expert; p->rows = rows; p->cols = cols;
     p->data = data; p->grad = grad;
+    p->flat = -1;
+    if (L->fsdp && expert >= 0) { /* sharded flat: no contiguous home on this rank */
+        p->flat = data - L->w13 < L->E * L->H * L->D && data >= L->w13 ? data - L->w13
+                                                                       : L->E * L->H * L->D + (data - L->w2);
+        p->data = p->grad = NULL;
+    }
 }
 
 static void moept__build_table(moept_layer *L) {
@@ -668,6 +685,10 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->dlogits = moept__take(c, (size_t)(T * E) * f);
     L->lse = moept__take(c, (size_t)T * f);
     L->descs = moept__take(c, (size_t)(L->El * L->P) * sizeof(moept__gemm));
+    if (L->fsdp) {
+        L->fs_full = moept__take(c, (size_t)(L->fsdp->size * L->fs_shard) * f);
+        L->fs_gfull = moept__take(c, (size_t)(L->fsdp->size * L->fs_shard) * f);
+    }
     {
         const int64_t C = L->C, P = L->P, El = L->El;
         int on = C > 1;
@@ -831,6 +852,14 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
         L->ep = ep && ep->size > 1 ? ep : NULL;
         L->dp = dp && dp->size > 1 ? dp : NULL;
         L->P = P; L->rank = ep ? ep->rank : 0;
+        if (c.expert_sharding == MOEPT_SHARD_FSDP && L->ep) {
+            /* the baseline: every expert computed here, from weights gathered
+               each step; the expert path runs as at one rank */
+            L->fsdp = L->ep;
+            L->ep = NULL;
+            P = 1;
+            L->P = 1; L->rank = 0;
+        }
         L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
         L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
         L->El = L->E / P;
@@ -855,7 +884,13 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
            gradient mirror, then the bias */
         int64_t n_router = E * D, n13 = El * L->H * D, n2 = El * D * F;
         int64_t ns13 = L->HS * D, ns2 = D * S, nsg = shared_gate ? D : 0;
-        L->n_params = n_router + n13 + n2 + ns13 + ns2 + nsg;
+        L->n_exp = n13 + n2;
+        if (L->fsdp) { /* the parameter buffer holds this rank's flat shard only */
+            L->fs_total = n13 + n2;
+            L->fs_shard = (L->fs_total + L->fsdp->size - 1) / L->fsdp->size;
+            L->n_exp = L->fs_shard;
+        }
+        L->n_params = n_router + L->n_exp + ns13 + ns2 + nsg;
         size_t pbytes = (size_t)(2 * L->n_params + E) * sizeof(float);
         L->params = moept__alloc(&mem, pbytes);
         L->table = moept__alloc(&mem, (size_t)(3 * El + 8) * sizeof(moept__param));
@@ -871,8 +906,14 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
             moept__layout_work(L, &wc);
             float *p = L->params, *g = L->params + L->n_params;
             L->w_router = p; L->g_router = g; p += n_router; g += n_router;
-            L->w13 = p; L->g13 = g; p += n13; g += n13;
-            L->w2 = p; L->g2 = g; p += n2; g += n2;
+            if (L->fsdp) { /* the experts live gathered in the workspace */
+                L->fs_w = p; L->fs_g = g; p += L->fs_shard; g += L->fs_shard;
+                L->w13 = L->fs_full; L->w2 = L->fs_full + n13;
+                L->g13 = L->fs_gfull; L->g2 = L->fs_gfull + n13;
+            } else {
+                L->w13 = p; L->g13 = g; p += n13; g += n13;
+                L->w2 = p; L->g2 = g; p += n2; g += n2;
+            }
             L->ws13 = p; L->gs13 = g; p += ns13; g += ns13;
             L->ws2 = p; L->gs2 = g; p += ns2; g += ns2;
             L->wsg = nsg ? p : NULL; L->gsg = nsg ? g : NULL;
@@ -946,7 +987,8 @@ moept_status moept_set_param(moept_layer *L, const char *name, const float *src,
     for (int64_t i = 0; i < numel; i++)
         if (!moept__finite(src[i]))
             return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_set_param(%s): element %lld is not finite", name, (long long)i);
-    memcpy(p->data, src, (size_t)numel * sizeof(float));
+    if (p->flat >= 0) moept__fsdp_write(L, p->flat, src, numel); /* this rank's part */
+    else memcpy(p->data, src, (size_t)numel * sizeof(float));
     moept__host_wrote(L, 1, 0);
     return MOEPT_OK;
 }
@@ -956,6 +998,9 @@ moept_status moept_get_param(const moept_layer *L, const char *name, float *dst,
     moept_status st = moept__param_io(L, "moept_get_param", name, numel, dst, &p);
     if (st) return st;
     MOEPT__HOST_SYNC(L, 1, 0);
+    if (p->flat >= 0)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_get_param(%s): fsdp keeps expert weights sharded flat over "
+                           "the group; read this rank's part through moept_params and moept_fsdp_shard", name);
     memcpy(dst, p->data, (size_t)numel * sizeof(float));
     return MOEPT_OK;
 }
@@ -965,12 +1010,25 @@ moept_status moept_get_grad(const moept_layer *L, const char *name, float *dst, 
     moept_status st = moept__param_io(L, "moept_get_grad", name, numel, dst, &p);
     if (st) return st;
     MOEPT__HOST_SYNC(L, 0, 1);
+    if (p->flat >= 0)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_get_grad(%s): fsdp keeps expert gradients sharded flat over "
+                           "the group; read this rank's part through moept_grads and moept_fsdp_shard", name);
     if (!p->grad) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "moept_get_grad: '%s' has no gradient", name);
     memcpy(dst, p->grad, (size_t)numel * sizeof(float));
     return MOEPT_OK;
 }
 
 int64_t moept_param_count(const moept_layer *L) { return L ? L->n_table : 0; }
+
+moept_status moept_fsdp_shard(const moept_layer *L, int64_t *offset, int64_t *count, int64_t *total) {
+    if (!L || !offset || !count || !total) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_fsdp_shard: NULL argument");
+    if (!L->fsdp) return moept__fail(L, MOEPT_ERR_STATE, "moept_fsdp_shard: not an fsdp layer");
+    int64_t lo = (int64_t)L->fsdp->rank * L->fs_shard;
+    *offset = lo;
+    *count = lo >= L->fs_total ? 0 : (lo + L->fs_shard < L->fs_total ? L->fs_shard : L->fs_total - lo);
+    *total = L->fs_total;
+    return MOEPT_OK;
+}
 
 moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_info *info) {
     if (!L || !info) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: NULL argument");
@@ -981,6 +1039,7 @@ moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_in
     const moept__param *p = &L->table[i];
     info->name = p->name; info->rows = p->rows; info->cols = p->cols;
     info->data = p->data; info->grad = p->grad;
+    info->shard_offset = p->flat;
     return MOEPT_OK;
 }
 
@@ -1032,6 +1091,14 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
         uint64_t s = seed;
         for (const char *c = p->name; *c; c++) s = s * 131 + (unsigned char)*c;
         float bound = 1.0f / sqrtf((float)p->cols);
+        if (p->flat >= 0) { /* fsdp: the same values as EP, this rank's part kept */
+            int64_t lo = (int64_t)L->fsdp->rank * L->fs_shard, n = p->rows * p->cols;
+            for (int64_t j = 0; j < n; j++) {
+                double u = (double)(moept__mix(&s) >> 11) * (1.0 / 9007199254740992.0);
+                if (p->flat + j >= lo && p->flat + j < lo + L->fs_shard) L->fs_w[p->flat + j - lo] = (float)((2.0 * u - 1.0) * bound);
+            }
+            continue;
+        }
         for (int64_t j = 0; j < p->rows * p->cols; j++) {
             double u = (double)(moept__mix(&s) >> 11) * (1.0 / 9007199254740992.0);
             p->data[j] = (float)((2.0 * u - 1.0) * bound);
@@ -1364,7 +1431,8 @@ static moept_status moept__direct_sync(moept_layer *L, const char *what) {
 static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept_dtype t) {
     double t0 = moept__now();
     moept_status st = MOEPT_OK;
-    if (L->ep && (st = L->ep->allreduce(L->ep, buf, n, t))) st = moept__fail(L, st, "all-reduce over EP: %s", L->ep->err);
+    moept_comm *g = L->ep ? L->ep : L->fsdp;
+    if (g && (st = g->allreduce(g, buf, n, t))) st = moept__fail(L, st, "all-reduce over EP: %s", g->err);
     if (!st && L->dp && (st = L->dp->allreduce(L->dp, buf, n, t))) st = moept__fail(L, st, "all-reduce over DP: %s", L->dp->err);
     L->stats.comm_seconds += moept__now() - t0;
     return st;
@@ -1427,6 +1495,51 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     return MOEPT_OK;
 }
 #endif
+
+/* fsdp: all-gather of every rank's flat shard into the full experts. */
+static moept_status moept__fsdp_gather(moept_layer *L) {
+    double t0 = moept__now();
+    const int64_t S = L->fs_shard, P = L->fsdp->size;
+    moept_status st = L->fsdp->allgather(L->fsdp, L->fs_w, L->fs_full, S * (int64_t)sizeof(float));
+    L->fs_gather_seconds = moept__now() - t0;
+    L->stats.comm_seconds += L->fs_gather_seconds;
+    if (st) return moept__fail(L, st, "fsdp all-gather of the experts: %s", L->fsdp->err);
+    L->stats.bytes_sent += (P - 1) * S * (int64_t)sizeof(float);
+    L->stats.bytes_received += (P - 1) * S * (int64_t)sizeof(float);
+    return MOEPT_OK;
+}
+
+/* fsdp: reduce-scatter of the full expert gradients: piece q of every
+   rank's gradients to rank q (an all-to-all-v), summed in rank order (the
+   threads and MPI all-reduces' order) into this rank's shard gradient. The
+   gathered weights are no longer needed and take the pieces. */
+static moept_status moept__fsdp_reduce_scatter(moept_layer *L) {
+    double t0 = moept__now();
+    const int64_t S = L->fs_shard;
+    const int P = L->fsdp->size;
+    moept_seg *sg = L->count_segs, *rg = L->count_segs + P; /* [2][P], free after the forward */
+    for (int q = 0; q < P; q++) { sg[q] = (moept_seg){q * S, S}; rg[q] = (moept_seg){q * S, S}; }
+    moept_status st = L->fsdp->alltoallv(L->fsdp, L->fs_gfull, sg, L->fs_full, rg, 1, 4);
+    L->stats.comm_seconds += moept__now() - t0;
+    L->stats.bytes_sent += (int64_t)(P - 1) * S * (int64_t)sizeof(float);
+    L->stats.bytes_received += (int64_t)(P - 1) * S * (int64_t)sizeof(float);
+    if (st) return moept__fail(L, st, "fsdp reduce-scatter of the expert gradients: %s", L->fsdp->err);
+    #pragma omp parallel for schedule(static) MOEPT__PAR(S * P)
+    for (int64_t i = 0; i < S; i++) {
+        float v = L->fs_full[i];
+        for (int p = 1; p < P; p++) v += L->fs_full[(int64_t)p * S + i];
+        L->fs_g[i] += v;
+    }
+    return MOEPT_OK;
+}
+
+/* fsdp: this rank's part of a full expert tensor (flat offset `flat`, n
+   values) written into its shard (the rest belongs to other ranks). */
+static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n) {
+    int64_t lo = (int64_t)L->fsdp->rank * L->fs_shard, hi = lo + L->fs_shard;
+    int64_t a = flat > lo ? flat : lo, b = flat + n < hi ? flat + n : hi;
+    for (int64_t i = a; i < b; i++) L->fs_w[i - lo] = src[i - flat];
+}
 
 /* The shared expert (and its sigmoid gate) over all T tokens. */
 static void moept__shared_forward(moept_layer *L, const float *x, int64_t T) {
@@ -1672,7 +1785,8 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
 #endif
     const int64_t D = L->D, E = L->E, K = L->K, El = L->El;
     const int fam = (int)L->cfg.family, P = L->P;
-    const int global = L->cfg.global_balance && (L->ep || L->dp);
+    const int global = L->cfg.global_balance && (L->ep || L->fsdp || L->dp);
+    moept_comm *grp = L->ep ? L->ep : L->fsdp; /* the ranks whose tokens differ */
     /* ---- 1. this rank's checks, routing into the spare buffers ---- */
     moept_status local = MOEPT_OK;
     const int nb = 1 - L->cur;
@@ -1762,14 +1876,18 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     int grow_fail = !local && !moept__grow_recv(L, R_next);
     if (grow_fail) local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: cannot grow the receive buffers to %lld rows", (long long)R_next);
     /* ---- 3. agreement: every rank commits, or none does ---- */
-    if (L->ep || (global && L->dp)) {
-        int64_t failed = moept__any_failed(L->ep, global ? L->dp : NULL, local != MOEPT_OK, &st);
-        if (st) return moept__fail(L, st, "moept_forward: failure agreement failed: %s", L->ep ? L->ep->err : L->dp->err);
+    if (grp || (global && L->dp)) {
+        int64_t failed = moept__any_failed(grp, global ? L->dp : NULL, local != MOEPT_OK, &st);
+        if (st) return moept__fail(L, st, "moept_forward: failure agreement failed: %s", grp ? grp->err : L->dp->err);
         if (failed && !local)
             return moept__fail(L, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed",
                                (long long)failed);
     }
     if (local) return local;
+
+    /* fsdp: the full experts, gathered from every rank's shard (before the
+       commit: a broken comm leaves the last step intact) */
+    if (L->fsdp && (st = moept__fsdp_gather(L))) return st;
 
     /* ---- commit: from here on every rank proceeds ---- */
     L->cur = nb;
@@ -1783,6 +1901,11 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     L->R = R_next;
     L->stats.bytes_sent = L->stats.bytes_received = 0;
     L->stats.comm_seconds = L->stats.dispatch_seconds = L->stats.combine_seconds = 0.0;
+    if (L->fsdp) { /* the gather above belongs to this step */
+        int64_t b = (L->fsdp->size - 1) * L->fs_shard * (int64_t)sizeof(float);
+        L->stats.bytes_sent = L->stats.bytes_received = b;
+        L->stats.comm_seconds = L->fs_gather_seconds;
+    }
 
     /* losses: counts, score sums and sum of lse^2 in token order (double) */
     const int aux = (int)L->cfg.aux_loss;
@@ -1807,7 +1930,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         if (st) { L->fwd_valid = 0; return st; }
     }
     for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = (int64_t)sel[e]; L->aux_counts[e] = (int64_t)auxc[e]; }
-    L->counts_global = global || (!L->ep && !L->dp);
+    L->counts_global = global || (!grp && !L->dp);
     const double Tl = L->lstat[3 * E] > 0 ? L->lstat[3 * E] : 1.0;
     L->loss_T = Tl;
     double aux_v = moept__aux_finalize(auxc, psum, E, K, aux, Tl, L->cfg.aux_loss_coef, L->aux_g);
@@ -1925,9 +2048,10 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
     }
-    if (L->ep) {
-        int64_t failed = moept__any_failed(L->ep, NULL, local != MOEPT_OK, &st);
-        if (st) return moept__fail(L, st, "moept_backward: failure agreement failed: %s", L->ep->err);
+    if (L->ep || L->fsdp) {
+        moept_comm *grp = L->ep ? L->ep : L->fsdp;
+        int64_t failed = moept__any_failed(grp, NULL, local != MOEPT_OK, &st);
+        if (st) return moept__fail(L, st, "moept_backward: failure agreement failed: %s", grp->err);
         if (failed && !local)
             return moept__fail(L, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; nothing changed",
                                (long long)failed);
@@ -1936,6 +2060,10 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     const int fam = (int)L->cfg.family;
     const float *logits = L->logits[L->cur], *probs = L->probs[L->cur], *wts = L->wts[L->cur];
     const int32_t *ids = L->ids[L->cur];
+    if (L->fsdp) { /* as FSDP: gather the experts again, gradients of this step from zero */
+        if ((st = moept__fsdp_gather(L))) return st;
+        memset(L->fs_gfull, 0, (size_t)(L->fsdp->size * L->fs_shard) * sizeof(float));
+    }
 
     /* combine': dL/dw per slot, then dys = w * dy in place of ys (direct
        path: the experts' ranks build dys from our dy themselves) */
@@ -2034,6 +2162,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     gr[0] = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, x, D, 1.0f, L->g_router, D);
     gr[1] = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
     moept__gemm_run(gr, 2, &L->gws);
+    if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
     L->bwd_valid = 1;
     return MOEPT_OK;
 }
@@ -2054,15 +2183,17 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 #endif
     double t0 = moept__now();
     moept_status st = MOEPT_OK;
-    int64_t n_router = L->E * L->D, n_exp = L->El * (L->H + L->F) * L->D;
+    int64_t n_router = L->E * L->D, n_exp = L->n_exp;
     float *shared = L->g_router + n_router + n_exp;
     int64_t n_shared = L->n_params - n_router - n_exp;
-    /* replicated: router and shared expert, over EP then DP; experts over DP */
-    if (L->ep && !st) st = L->ep->allreduce(L->ep, L->g_router, n_router, MOEPT_DTYPE_F32);
-    if (L->ep && !st && n_shared) st = L->ep->allreduce(L->ep, shared, n_shared, MOEPT_DTYPE_F32);
+    /* replicated: router and shared expert, over EP (or the fsdp group) then
+       DP; experts (or fsdp shards, already reduce-scattered) over DP */
+    moept_comm *grp = L->ep ? L->ep : L->fsdp;
+    if (grp && !st) st = grp->allreduce(grp, L->g_router, n_router, MOEPT_DTYPE_F32);
+    if (grp && !st && n_shared) st = grp->allreduce(grp, shared, n_shared, MOEPT_DTYPE_F32);
     if (L->dp && !st) st = L->dp->allreduce(L->dp, L->grads, L->n_params, MOEPT_DTYPE_F32);
     L->stats.comm_seconds += moept__now() - t0;
-    if (st) return moept__fail(L, st, "moept_sync_grads: %s", (L->ep && L->ep->err[0]) ? L->ep->err : L->dp ? L->dp->err : "");
+    if (st) return moept__fail(L, st, "moept_sync_grads: %s", (grp && grp->err[0]) ? grp->err : L->dp ? L->dp->err : "");
     if (scale != 1.0f)
         for (int64_t i = 0; i < L->n_params; i++) L->grads[i] *= scale;
     return MOEPT_OK;
@@ -2071,15 +2202,16 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
     if (!L || !norm) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: NULL argument");
     MOEPT__HOST_SYNC(L, 0, 1);
-    int64_t n_router = L->E * L->D, n_exp = L->El * (L->H + L->F) * L->D;
+    int64_t n_router = L->E * L->D, n_exp = L->n_exp;
     double s[2] = {0.0, 0.0}; /* [replicated, experts] */
     for (int64_t i = 0; i < L->n_params; i++) {
         double g = L->grads[i];
         s[i >= n_router && i < n_router + n_exp] += g * g;
     }
-    if (L->ep) { /* each expert lives on one EP rank: sum those; replicated counted once */
-        moept_status st = L->ep->allreduce(L->ep, &s[1], 1, MOEPT_DTYPE_F64);
-        if (st) return moept__fail(L, st, "moept_grad_norm: %s", L->ep->err);
+    moept_comm *grp = L->ep ? L->ep : L->fsdp;
+    if (grp) { /* each expert (or shard) lives on one rank: sum those; replicated counted once */
+        moept_status st = grp->allreduce(grp, &s[1], 1, MOEPT_DTYPE_F64);
+        if (st) return moept__fail(L, st, "moept_grad_norm: %s", grp->err);
     }
     *norm = sqrt(s[0] + s[1]);
     return MOEPT_OK;
@@ -2108,7 +2240,7 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     /* the bias is replicated: every rank must see the whole batch's counts
        (already so with global_balance; otherwise sum them here) */
     double *cnt = L->lstat; /* [E] the forward's selection counts; free after the forward */
-    if ((L->ep || L->dp) && !L->counts_global) {
+    if ((L->ep || L->fsdp || L->dp) && !L->counts_global) {
         moept_status st = moept__world_sum(L, cnt, L->E, MOEPT_DTYPE_F64);
         if (st) return st;
         for (int64_t e = 0; e < L->E; e++) L->sel_counts[e] = (int64_t)cnt[e];
@@ -3526,6 +3658,7 @@ static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char
 moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: layer is NULL");
     if (!dir || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: bad directory or layer index");
+    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_hf: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
     MOEPT__HOST_SYNC(L, 1, 0);
     moept__host_wrote(L, 1, 0);
     char prefix[128], name[256];
@@ -3578,6 +3711,7 @@ moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index)
 moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index, int with_replicated) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: layer is NULL");
     if (!path || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: bad path or layer index");
+    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_save_hf: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
     MOEPT__HOST_SYNC(L, 1, 0);
     char prefix[128], name[256];
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
@@ -3649,6 +3783,7 @@ static int moept__text_emit(int fd, const void *ctx) {
 moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: layer is NULL");
     if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: dir is NULL");
+    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_save_checkpoint: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
     MOEPT__HOST_SYNC(L, 1, 0);
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         return moept__fail(L, MOEPT_ERR_IO, "moept_save_checkpoint: cannot create %s: %s", dir, strerror(errno));
@@ -3726,6 +3861,7 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
 moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: layer is NULL");
     if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: dir is NULL");
+    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_checkpoint: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
     MOEPT__HOST_SYNC(L, 1, 0);
     moept__host_wrote(L, 1, 0);
     char path[4096], fp[32], ffp[64], name[256];
@@ -3827,6 +3963,7 @@ static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, fl
 
 moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshard_report *rep) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: layer is NULL");
+    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
     if (L->cuda) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not on a CUDA layer (reshard a host layer, or save and load a checkpoint at the new placement)");
     const int64_t E = L->E, El = L->El, P = L->P, me = L->rank;
     moept_status local = MOEPT_OK, st;

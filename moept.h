@@ -361,6 +361,8 @@ typedef struct moept_param_info {
     int64_t rows, cols; /* shape [rows][cols]; a vector has rows = 1 */
     float *data;       /* inside the parameter buffer (NULL for none) */
     float *grad;       /* mirror in the gradient buffer; NULL without gradient */
+    int64_t shard_offset; /* fsdp expert tensors: offset in the full expert space
+                             (data and grad NULL); -1 otherwise */
 } moept_param_info;
 
 /* Lifecycle */
@@ -376,6 +378,12 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep,
 void moept_destroy(moept_layer *layer);
 /* Fills `cfg` with the resolved configuration (defaults applied). */
 moept_status moept_get_config(const moept_layer *layer, moept_config *cfg);
+/* fsdp (config.expert_sharding): this rank's flat range [offset, offset +
+   count) of the full expert space (w13 of all experts [E][H][D], then w2
+   [E][D][F]; total floats) and where it sits in moept_params / moept_grads:
+   right after the router weight (E * D floats). The shard is padded to
+   ceil(total / P) floats; padding stays zero. */
+moept_status moept_fsdp_shard(const moept_layer *layer, int64_t *offset, int64_t *count, int64_t *total);
 
 /* Parameters by HF name. `numel` must equal rows*cols of the parameter. */
 moept_status moept_set_param(moept_layer *layer, const char *name,

@@ -42,6 +42,7 @@ for n in 2 4 8; do
 done
 suite "test_ep" "$B/test_ep"
 suite "test_overlap" "$B/test_overlap"
+suite "test_fsdp" "$B/test_fsdp"
 suite "train --ep 4 (threads)" "$B/train" --ep 4 --steps 30 --quiet --csv "$B/train_ep4.csv"
 # ... and over MPI processes
 if [ -n "$MPIRUN" ]; then
@@ -61,7 +62,7 @@ fi
 # sanitizers: ASan + UBSan over the same suites (1 thread keeps it quick)
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 suite "asan+ubsan reference cases" env OMP_NUM_THREADS=2 "$B/san/moept_check" $CASES
-for t in test_grad test_props test_errors test_ep test_ckpt test_overlap; do
+for t in test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp; do
     suite "asan+ubsan $t" env OMP_NUM_THREADS=2 "$B/san/$t"
 done
 suite "tsan test_ep" "$B/tsan/test_ep"
