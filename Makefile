@@ -40,9 +40,9 @@ TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
 
-.PHONY: cuda all test run bench bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
+.PHONY: cuda all test run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
 
-all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard
+all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
 
 info:
 	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no) cuda=$(if $(CUDA_OK),$(CUDA_HOME) (nvcc + cuBLAS + NCCL),no)"
@@ -108,6 +108,16 @@ $(B)/hf_resave: tools/hf_resave.c $(B)/moept.o
 $(B)/bench_reshard: bench/bench_reshard.c moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 
+$(B)/bench_scenario: bench/bench_scenario.c bench/bench_threads.h moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+
+$(B)/bench_scenario_mpi: bench/bench_scenario.c moept.c $(HDRS) | $(B)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
+
+# the planner (tools/plan.c): memory, bytes and time per step at cluster scale
+$(B)/plan: tools/plan.c | $(B)
+	$(CC) $(CFLAGS) $(WARN) $< -o $@ -lm
+
 $(B)/bench_a2a_mpi: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
@@ -170,7 +180,12 @@ test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(B)/tsa
 run: $(B)/train
 	$(B)/train
 
-bench: bench-layer bench-a2a bench-load bench-reshard
+bench: bench-layer bench-a2a bench-load bench-reshard bench-scenarios
+
+# the scenario matrix (bench/scenarios); SLOW=1 adds the rows marked slow
+bench-scenarios: $(B)/bench_scenario $(if $(MPICC),$(B)/bench_scenario_mpi) $(B)/plan
+	python3 bench/run_scenarios.py $(if $(SLOW),--slow) $(if $(MPICC),,--only threads)
+	$(B)/plan --check --scenarios $(B)/scenarios.csv
 
 bench-reshard: $(B)/bench_reshard
 	$(B)/bench_reshard

@@ -170,6 +170,7 @@ static void moept__pack_b(const moept__gemm *g, int64_t p0, int64_t j0,
     }
 }
 
+
 /* acc[MR][NR] = sum_p ap[p][:] x bp[p][:]; then stores into C (first k block
    applies beta, later ones add). GCC in ISO C mode does not contract a*b+c
    into FMA (half the FLOP rate): ask for it here. */
@@ -269,6 +270,54 @@ static void moept__gemm_builtin(const moept__gemm *g, moept__gemm_ws *ws) {
 #endif /* !MOEPT_CBLAS */
 
 /* Executes a batch of descriptors (one per expert group), in order. */
+#ifndef MOEPT_CBLAS
+/* Several descriptors that share op(B) (one expert's weights, several row
+   runs): each B panel is packed once for all of them. Every element of C
+   gets the same packed operands and the same sequence of k-block sums as
+   one call per descriptor, so the results are bitwise those. Each m must
+   fit the A packing buffer (m <= m_max). */
+static void moept__gemm_builtin_shared_b(const moept__gemm *gs, int64_t count, moept__gemm_ws *ws) {
+    const moept__gemm *g0 = &gs[0];
+    const int64_t MR = MOEPT__MR, NR = MOEPT__NR;
+    int64_t mtotal = 0;
+    for (int64_t d = 0; d < count; d++) mtotal += gs[d].m;
+    for (int64_t jc = 0; jc < g0->n; jc += MOEPT__NC) {
+        int64_t nc = g0->n - jc < MOEPT__NC ? g0->n - jc : MOEPT__NC;
+        int64_t nstrips = (nc + NR - 1) / NR;
+        for (int64_t pc = 0; pc < g0->k; pc += MOEPT__KC) {
+            int64_t kc = g0->k - pc < MOEPT__KC ? g0->k - pc : MOEPT__KC;
+            int first = pc == 0;
+            #pragma omp parallel if (mtotal * nc * kc > (1 << 19))
+            {
+                #pragma omp for schedule(static)
+                for (int64_t s = 0; s < nstrips; s++)
+                    moept__pack_b(g0, pc, jc + s * NR, kc, ws->bpack + s * MOEPT__KC * NR);
+                for (int64_t d = 0; d < count; d++) {
+                    const moept__gemm *g = &gs[d];
+                    int64_t mstrips = (g->m + MR - 1) / MR;
+                    int64_t mblocks = (g->m + MOEPT__MC - 1) / MOEPT__MC;
+                    int64_t nchunks = mblocks >= 4 ? 1 : (nstrips < 4 ? nstrips : 4);
+                    int64_t ntasks = mblocks * nchunks;
+                    #pragma omp for schedule(static)
+                    for (int64_t s = 0; s < mstrips; s++)
+                        moept__pack_a(g, s * MR, pc, kc, ws->apack + s * MOEPT__KC * MR);
+                    #pragma omp for schedule(static)
+                    for (int64_t t = 0; t < ntasks; t++) {
+                        int64_t mb = t / nchunks, ch = t % nchunks;
+                        int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
+                        int64_t i_end = (mb + 1) * MOEPT__MC < g->m ? (mb + 1) * MOEPT__MC : g->m;
+                        for (int64_t s = s0; s < s1; s++)
+                            for (int64_t i = mb * MOEPT__MC; i < i_end; i += MR)
+                                moept__micro(kc, ws->apack + (i / MR) * MOEPT__KC * MR,
+                                             ws->bpack + s * MOEPT__KC * NR, g, i, jc + s * NR, first);
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
+
 static void moept__gemm_run(const moept__gemm *gs, int64_t count,
                             moept__gemm_ws *ws) {
     for (int64_t i = 0; i < count; i++) {
@@ -1412,7 +1461,7 @@ static void moept__direct_gather(moept_layer *L, int dys) {
                     const float *src = vp->dy + t * D;
                     float *o = dst + i * D, w = vp->wts[slot];
                     vp->dwts[slot] = (float)moept__dot(o, src, D);
-                    for (int64_t d = 0; d < D; d++) o[d] = w * src[d];
+                    for (int64_t d = 0; d < D; d++) o[d] = moept__scale(w, src[d]);
                 }
             }
         }
@@ -1564,7 +1613,7 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
         float *yt = y + t * D;
         if (L->S > 0) {
             float gs = L->wsg ? L->sg[t] : 1.0f;
-            for (int64_t d = 0; d < D; d++) yt[d] = gs * L->yss[t * D + d];
+            for (int64_t d = 0; d < D; d++) yt[d] = moept__scale(gs, L->yss[t * D + d]);
         } else {
             memset(yt, 0, (size_t)D * sizeof(float));
         }
@@ -1616,11 +1665,23 @@ static int64_t moept__chunk_plan(moept_layer *L, int64_t c, moept_seg *ss, moept
     return n;
 }
 
-/* GEMMs one at a time, letting the comm move posted messages in between. */
+/* GEMMs in groups that share op(B) (consecutive runs of one expert: its
+   weight panels packed once for all the runs), letting the comm move posted
+   messages between groups. */
 static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        moept__gemm_run(&g[i], 1, &L->gws);
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1;
+#ifndef MOEPT_CBLAS
+        int fits = g[i].m > 0 && g[i].m <= L->gws.m_max && g[i].k > 0 && g[i].n > 0;
+        while (j < n && fits && g[j].b == g[i].b && g[j].trans_b == g[i].trans_b && g[j].ldb == g[i].ldb &&
+               g[j].n == g[i].n && g[j].k == g[i].k && g[j].m > 0 && g[j].m <= L->gws.m_max)
+            j++;
+        if (j - i > 1) moept__gemm_builtin_shared_b(&g[i], j - i, &L->gws);
+        else
+#endif
+            moept__gemm_run(&g[i], 1, &L->gws);
         if (L->ep && L->ep->progress) L->ep->progress(L->ep);
+        i = j;
     }
 }
 
@@ -1692,6 +1753,7 @@ static moept_status moept__complete(moept_layer *L, int slot) {
     if (st) return moept__fail(L, st, "chunked exchange: %s", ep->err);
     return MOEPT_OK;
 }
+
 
 /* The forward from the permute on, chunked: dispatch of chunk c+1 in flight
    while chunk c is in the experts, chunk c-1's outputs coming back. */
@@ -2083,13 +2145,13 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             float *ys = L->ys + r * D;
             L->dwts[t * K + k] = (float)moept__dot(ys, dyt, D);
             float w = wts[t * K + k];
-            for (int64_t d = 0; d < D; d++) ys[d] = w * dyt[d];
+            for (int64_t d = 0; d < D; d++) ys[d] = moept__scale(w, dyt[d]);
         }
         if (L->S > 0) {
             float *yss = L->yss + t * D;
             float gs = L->wsg ? L->sg[t] : 1.0f;
             if (L->wsg) L->dsg[t] = moept__gate_bwd(moept__dot(yss, dyt, D), gs);
-            for (int64_t d = 0; d < D; d++) yss[d] = gs * dyt[d];
+            for (int64_t d = 0; d < D; d++) yss[d] = moept__scale(gs, dyt[d]);
         }
     }
 
@@ -2123,7 +2185,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
             const float *src = direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : dxs + r * D;
-            for (int64_t d = 0; d < D; d++) dxt[d] += src[d];
+            for (int64_t d = 0; d < D; d++) dxt[d] = moept__combine_step(dxt[d], 1.0f, src[d]);
         }
     }
     if (direct && (st = moept__direct_sync(L, "moept_backward"))) return st; /* peers done reading */
@@ -2134,7 +2196,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2,
                             L->HS, L->S, L->hs, L->as, L->yss);
         #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
-        for (int64_t i = 0; i < T * D; i++) dx[i] += L->yss[i];
+        for (int64_t i = 0; i < T * D; i++) dx[i] = moept__combine_step(dx[i], 1.0f, L->yss[i]);
         if (L->wsg) { /* shared gate: gsg += dsg^T x ; dx += dsg wsg */
             moept__gemm gd[2];
             gd[0] = moept__gemm_make(1, 0, 1, D, T, L->dsg, 1, x, D, 1.0f, L->gsg, D);

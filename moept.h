@@ -947,6 +947,14 @@ MOEPT_HD static inline float moept__combine_step(float acc, float w, float v) {
     return acc + w * v;
 }
 
+/* The other per-element terms of the combine and its backward: a weighted
+   row (w * v: the shared expert's gated row, and dys = w * dy) and a sum of
+   rows (dx = sum of its k rows, + the shared expert's: combine_step with
+   w = 1, exact). */
+MOEPT_HD static inline float moept__scale(float w, float v) {
+    return w * v;
+}
+
 /* Shared-expert sigmoid gate backward: dL/d logit from <y_shared, dy> and
    the gate value g. */
 MOEPT_HD static inline float moept__gate_bwd(double dot, float g) {

@@ -272,7 +272,7 @@ __global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float
                                  const float *sg, int64_t D, int K, T *y) {
     int64_t t = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
     if (d >= D) return;
-    float acc = yss ? (sg ? sg[t] : 1.0f) * moept__ld(yss, t * D + d) : 0.0f;
+    float acc = yss ? moept__scale(sg ? sg[t] : 1.0f, moept__ld(yss, t * D + d)) : 0.0f;
     for (int k = 0; k < K; k++) {
         int64_t r = row_of[t * K + k];
         if (r >= 0) acc = moept__combine_step(acc, wts[t * K + k], moept__ld(ys, r * D + d));
@@ -296,7 +296,7 @@ __global__ void moept__k_combine_bwd(T *ys, const int64_t *row_of, const float *
     for (int64_t d = threadIdx.x; d < D; d += MOEPT__TB) {
         float g = moept__ld(dy, t * D + d);
         acc += (double)moept__ld(ys, r * D + d) * (double)g;
-        moept__st(ys, r * D + d, w * g);
+        moept__st(ys, r * D + d, moept__scale(w, g));
     }
     acc = moept__block_sum(acc, sh);
     if (threadIdx.x == 0) dwts[i] = (float)acc;
@@ -313,7 +313,7 @@ __global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int64_
     for (int64_t d = threadIdx.x; d < D; d += MOEPT__TB) {
         float g = moept__ld(dy, t * D + d);
         acc += (double)moept__ld(yss, t * D + d) * (double)g;
-        moept__st(yss, t * D + d, gs * g);
+        moept__st(yss, t * D + d, moept__scale(gs, g));
     }
     acc = moept__block_sum(acc, sh);
     if (threadIdx.x == 0 && sg) dsg[t] = moept__gate_bwd(acc, gs);
@@ -334,7 +334,7 @@ __global__ void moept__k_token_sum(const T *ys, const int64_t *row_of, int64_t D
 
 template <typename T>
 __global__ void moept__k_add(float *dst, const T *src, int64_t n) {
-    MOEPT__FOR(i, n) dst[i] = dst[i] + moept__ld(src, i);
+    MOEPT__FOR(i, n) dst[i] = moept__combine_step(dst[i], 1.0f, moept__ld(src, i));
 }
 
 /* sg[t] = sigmoid(sg[t]) (the shared-expert gate) */

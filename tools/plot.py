@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Renders examples/train's CSV log to PNG: loss and held-out loss, aux loss,
 and a heat map of each expert's share of the routed tokens over the steps
-(layer 0), optionally with a second run (e.g. EP=4) overlaid.
+(layer 0), optionally with a second run (e.g. EP=4) overlaid. With
+--scenarios it renders the scenario bench's table instead (bars of step
+time, memory and bytes per rank for each mode).
 
     build/train --csv build/ep1.csv && build/train --ep 4 --csv build/ep4.csv
     python3 tools/plot.py build/ep1.csv --compare build/ep4.csv --out docs/train.png
+    python3 tools/plot.py --scenarios build/scenarios.csv --out docs/scenarios.png
 """
 import argparse
 import csv
@@ -21,14 +24,56 @@ def read(path):
     return rows, loads
 
 
+def scenarios(path, out):
+    rows = list(csv.DictReader(open(path)))
+    groups = []
+    for r in rows:
+        g = (r["backend"], r["ranks"], r["tokens"], r["dim"], r["ffn"])
+        if g not in groups:
+            groups.append(g)
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.6))
+    colors = {"fsdp": "tab:gray", "ep": "tab:blue", "overlap": "tab:green"}
+    metrics = [("step_s", "step time (s), lower is better"), ("mem_MiB", "layer memory per rank (MiB)"),
+               ("MB_per_rank", "MB sent per rank per step (log)")]
+    for mi, (key, title) in enumerate(metrics):
+        x, labels = 0, []
+        for g in groups:
+            members = [r for r in rows if (r["backend"], r["ranks"], r["tokens"], r["dim"], r["ffn"]) == g]
+            for r in members:
+                name = r["mode"] + (f" C={r['chunks']}" if r["mode"] == "overlap" else "")
+                ax[mi].bar(x, float(r[key]), color=colors.get(r["mode"], "tab:orange"))
+                labels.append((x, name))
+                x += 1
+            ax[mi].text(x - len(members) / 2 - 0.5, 0.99, f"{g[0]} P={g[1]}", ha="center", va="top",
+                        transform=ax[mi].get_xaxis_transform(), fontsize=8, fontweight="bold")
+            x += 1
+        ax[mi].set_xticks([p for p, _ in labels])
+        ax[mi].set_xticklabels([n for _, n in labels], rotation=60, fontsize=7)
+        ax[mi].set_title(title)
+        ax[mi].grid(axis="y", alpha=0.3)
+        if key == "MB_per_rank":
+            ax[mi].set_yscale("log")
+    fig.suptitle(f"one MoE layer per rank, D={rows[0]['dim']} F={rows[0]['ffn']} E={rows[0]['experts']} "
+                 f"K={rows[0]['topk']}, {rows[0]['tokens']} tokens per rank (bench/scenarios)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("csv")
+    ap.add_argument("csv", nargs="?")
+    ap.add_argument("--scenarios", default=None, help="the scenario bench's CSV (build/scenarios.csv)")
     ap.add_argument("--compare", default=None, help="a second run's CSV to overlay")
     ap.add_argument("--label", default="EP=1")
     ap.add_argument("--compare-label", default="EP=4")
     ap.add_argument("--out", default="docs/train.png")
     a = ap.parse_args()
+    if a.scenarios:
+        scenarios(a.scenarios, a.out)
+        return
+    if not a.csv:
+        ap.error("give the training log's CSV, or --scenarios")
     rows, loads = read(a.csv)
     step = [int(r["step"]) for r in rows]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.2, 1, 1.4]})
