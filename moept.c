@@ -228,55 +228,18 @@ static void moept__micro(int64_t kc, const float *ap, const float *bp,
     }
 }
 
-static void moept__gemm_builtin(const moept__gemm *g, moept__gemm_ws *ws) {
-    const int64_t MR = MOEPT__MR, NR = MOEPT__NR;
-    for (int64_t jc = 0; jc < g->n; jc += MOEPT__NC) {
-        int64_t nc = g->n - jc < MOEPT__NC ? g->n - jc : MOEPT__NC;
-        int64_t nstrips = (nc + NR - 1) / NR;
-        for (int64_t pc = 0; pc < g->k; pc += MOEPT__KC) {
-            int64_t kc = g->k - pc < MOEPT__KC ? g->k - pc : MOEPT__KC;
-            int64_t mstrips = (g->m + MR - 1) / MR;
-            int64_t mblocks = (g->m + MOEPT__MC - 1) / MOEPT__MC;
-            /* split the strips of B into chunks so both cores work even when
-               op(A) has a single MC block */
-            int64_t nchunks = mblocks >= 4 ? 1 : (nstrips < 4 ? nstrips : 4);
-            int64_t ntasks = mblocks * nchunks;
-            int first = pc == 0;
-            /* small blocks run on one thread: a fork-join costs more */
-            #pragma omp parallel if (g->m * nc * kc > (1 << 19))
-            {
-                #pragma omp for schedule(static)
-                for (int64_t s = 0; s < nstrips; s++)
-                    moept__pack_b(g, pc, jc + s * NR, kc, ws->bpack + s * MOEPT__KC * NR);
-                #pragma omp for schedule(static)
-                for (int64_t s = 0; s < mstrips; s++)
-                    moept__pack_a(g, s * MR, pc, kc, ws->apack + s * MOEPT__KC * MR);
-                #pragma omp for schedule(static)
-                for (int64_t t = 0; t < ntasks; t++) {
-                    int64_t mb = t / nchunks, ch = t % nchunks;
-                    int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
-                    int64_t i_end = (mb + 1) * MOEPT__MC < g->m ? (mb + 1) * MOEPT__MC : g->m;
-                    for (int64_t s = s0; s < s1; s++)
-                        for (int64_t i = mb * MOEPT__MC; i < i_end; i += MR)
-                            moept__micro(kc, ws->apack + (i / MR) * MOEPT__KC * MR,
-                                         ws->bpack + s * MOEPT__KC * NR, g, i,
-                                         jc + s * NR, first);
-                }
-            }
-        }
-    }
-}
 
 #endif /* !MOEPT_CBLAS */
 
 /* Executes a batch of descriptors (one per expert group), in order. */
 #ifndef MOEPT_CBLAS
-/* Several descriptors that share op(B) (one expert's weights, several row
-   runs): each B panel is packed once for all of them. Every element of C
-   gets the same packed operands and the same sequence of k-block sums as
-   one call per descriptor, so the results are bitwise those. Each m must
-   fit the A packing buffer (m <= m_max). */
-static void moept__gemm_builtin_shared_b(const moept__gemm *gs, int64_t count, moept__gemm_ws *ws) {
+/* The builtin GEMM over `count` descriptors that share op(B) (one call: one
+   descriptor; the chunked overlap: one expert's runs from several sources):
+   each B panel is packed once for all of them, and every element of C gets
+   the same packed operands and the same sequence of k-block sums as with
+   one call per descriptor, so the results are bitwise those. Each m must fit
+   the A packing buffer (m <= m_max). */
+static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gemm_ws *ws) {
     const moept__gemm *g0 = &gs[0];
     const int64_t MR = MOEPT__MR, NR = MOEPT__NR;
     int64_t mtotal = 0;
@@ -349,7 +312,7 @@ static void moept__gemm_run(const moept__gemm *gs, int64_t count,
                     (int)g->k, g->alpha, g->a, (int)g->lda, g->b, (int)g->ldb,
                     g->beta, g->c, (int)g->ldc);
 #else
-        moept__gemm_builtin(g, ws);
+        moept__gemm_builtin(g, 1, ws);
 #endif
     }
 }
@@ -1676,7 +1639,7 @@ static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64
         while (j < n && fits && g[j].b == g[i].b && g[j].trans_b == g[i].trans_b && g[j].ldb == g[i].ldb &&
                g[j].n == g[i].n && g[j].k == g[i].k && g[j].m > 0 && g[j].m <= L->gws.m_max)
             j++;
-        if (j - i > 1) moept__gemm_builtin_shared_b(&g[i], j - i, &L->gws);
+        if (j - i > 1) moept__gemm_builtin(&g[i], j - i, &L->gws);
         else
 #endif
             moept__gemm_run(&g[i], 1, &L->gws);
@@ -1755,71 +1718,80 @@ static moept_status moept__complete(moept_layer *L, int slot) {
 }
 
 
-/* The forward from the permute on, chunked: dispatch of chunk c+1 in flight
-   while chunk c is in the experts, chunk c-1's outputs coming back. */
+/* The chunk pipeline of both passes: chunk c+1's rows travel out (send ->
+   recv) while the experts compute chunk c (`compute`), chunk c's results
+   travel back (res -> ret) while the next chunk computes; `done(c)` runs
+   once chunk c is back, `tail` before the last chunk's return is awaited.
+   Slots: 0/1 out, 2/3 back, alternating. */
+typedef struct moept__pipe {
+    const float *send; float *recv;   /* out: token side -> expert side */
+    const float *res; float *ret;     /* back: expert side -> token side */
+    void (*compute)(moept_layer *L, const int64_t *runs, int64_t n);
+    void (*done)(moept_layer *L, const struct moept__pipe *p, int64_t c);
+    void (*tail)(moept_layer *L);
+    void (*start)(moept_layer *L, const struct moept__pipe *p); /* once chunk 0 is in flight */
+    const float *x; float *y; const float *wts; const int32_t *ids; /* forward: the shared expert's, the combine's */
+} moept__pipe;
+
+static moept_status moept__pipeline(moept_layer *L, const moept__pipe *p) {
+    const int64_t C = L->C, PE = L->P * L->El;
+    moept_status st;
+    if (L->ep) {
+        moept__chunk_plan(L, 0, L->csend, L->crecv, L->cruns);
+        if ((st = moept__post(L, p->send, L->csend, p->recv, L->crecv, 0))) return st;
+        moept__count_bytes(L, 1);
+    }
+    if (p->start) p->start(L, p);
+    for (int64_t c = 0; c < C; c++) {
+        moept_seg *ss = L->csend + c * PE, *rs = L->crecv + c * PE;
+        if (L->ep && c + 1 < C) {
+            moept_seg *s2 = L->csend + (c + 1) * PE, *r2 = L->crecv + (c + 1) * PE;
+            moept__chunk_plan(L, c + 1, s2, r2, L->cruns);
+            if ((st = moept__post(L, p->send, s2, p->recv, r2, (int)((c + 1) % 2)))) return st;
+        }
+        int64_t nruns = moept__chunk_plan(L, c, NULL, NULL, L->cruns);
+        if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
+        p->compute(L, L->cruns, nruns);
+        if (L->ep && (st = moept__post(L, p->res, rs, p->ret, ss, 2 + (int)(c % 2)))) return st;
+        if (c > 0) {
+            if (L->ep && (st = moept__complete(L, 2 + (int)((c - 1) % 2)))) return st;
+            if (p->done) p->done(L, p, c - 1);
+        }
+    }
+    if (p->tail) p->tail(L);
+    if (L->ep && (st = moept__complete(L, 2 + (int)((C - 1) % 2)))) return st;
+    if (L->ep) moept__count_bytes(L, 0);
+    if (p->done) p->done(L, p, C - 1);
+    return MOEPT_OK;
+}
+
+/* forward: the shared expert, while chunk 0 travels */
+static void moept__chunk_shared(moept_layer *L, const moept__pipe *p) { moept__shared_forward(L, p->x, L->T); }
+
+/* forward: chunk c's tokens combined once its rows are back */
+static void moept__chunk_combine(moept_layer *L, const moept__pipe *p, int64_t c) {
+    moept__combine_range(L, p->y, p->wts, p->ids, moept__chunk_start(L->T, L->C, c), moept__chunk_start(L->T, L->C, c + 1));
+}
+
+/* The forward from the permute on, chunked. */
 static moept_status moept__forward_chunked(moept_layer *L, const float *x, float *y, const float *wts,
                                            const int32_t *ids) {
-    const int64_t D = L->D, C = L->C, T = L->T, PE = L->P * L->El, N = L->N;
-    moept_status st;
+    const int64_t D = L->D, N = L->N;
     double ts = moept__now();
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
     for (int64_t r = 0; r < N; r++)
         memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
-    int64_t nruns;
-    if (L->ep) {
-        moept__chunk_plan(L, 0, L->csend, L->crecv, L->cruns);
-        if ((st = moept__post(L, L->xs, L->csend, L->xr, L->crecv, 0))) return st;
-        moept__count_bytes(L, 1);
-    }
-    moept__shared_forward(L, x, T);
-    for (int64_t c = 0; c < C; c++) {
-        moept_seg *ss = L->csend + c * PE, *rs = L->crecv + c * PE;
-        if (L->ep && c + 1 < C) {
-            moept_seg *s2 = L->csend + (c + 1) * PE, *r2 = L->crecv + (c + 1) * PE;
-            moept__chunk_plan(L, c + 1, s2, r2, L->cruns);
-            if ((st = moept__post(L, L->xs, s2, L->xr, r2, (int)((c + 1) % 2)))) return st;
-        }
-        nruns = moept__chunk_plan(L, c, NULL, NULL, L->cruns);
-        if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
-        moept__ffn_runs_forward(L, L->cruns, nruns);
-        if (L->ep && (st = moept__post(L, L->yr, rs, L->ys, ss, 2 + (int)(c % 2)))) return st;
-        if (c > 0) {
-            if (L->ep && (st = moept__complete(L, 2 + (int)((c - 1) % 2)))) return st;
-            moept__combine_range(L, y, wts, ids, moept__chunk_start(T, C, c - 1), moept__chunk_start(T, C, c));
-        }
-    }
-    if (L->ep && (st = moept__complete(L, 2 + (int)((C - 1) % 2)))) return st;
-    if (L->ep) moept__count_bytes(L, 0);
-    moept__combine_range(L, y, wts, ids, moept__chunk_start(T, C, C - 1), T);
+    moept__pipe p = {L->xs, L->xr, L->yr, L->ys, moept__ffn_runs_forward, moept__chunk_combine, NULL,
+                     moept__chunk_shared, x, y, wts, ids};
+    moept_status st = moept__pipeline(L, &p);
     L->stats.dispatch_seconds += moept__now() - ts;
-    return MOEPT_OK;
+    return st;
 }
 
-/* The backward's experts part, chunked (after combine' wrote dys into ys). */
-static moept_status moept__backward_chunked(moept_layer *L) {
-    const int64_t D = L->D, C = L->C, H = L->H, F = L->F, El = L->El, PE = L->P * L->El;
-    moept_status st;
-    int64_t nruns;
-    if (L->ep) {
-        moept__chunk_plan(L, 0, L->csend, L->crecv, L->cruns);
-        if ((st = moept__post(L, L->ys, L->csend, L->yr, L->crecv, 0))) return st;
-        moept__count_bytes(L, 1);
-    }
-    for (int64_t c = 0; c < C; c++) {
-        moept_seg *ss = L->csend + c * PE, *rs = L->crecv + c * PE;
-        if (L->ep && c + 1 < C) {
-            moept_seg *s2 = L->csend + (c + 1) * PE, *r2 = L->crecv + (c + 1) * PE;
-            moept__chunk_plan(L, c + 1, s2, r2, L->cruns);
-            if ((st = moept__post(L, L->ys, s2, L->yr, r2, (int)((c + 1) % 2)))) return st;
-        }
-        nruns = moept__chunk_plan(L, c, NULL, NULL, L->cruns);
-        if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
-        moept__ffn_runs_backward(L, L->cruns, nruns);
-        if (L->ep && (st = moept__post(L, L->dxr, rs, L->ys, ss, 2 + (int)(c % 2)))) return st;
-        if (c > 0 && L->ep && (st = moept__complete(L, 2 + (int)((c - 1) % 2)))) return st;
-    }
-    /* weight gradients over every row, as the one-chunk step (while the last
-       chunk's dxs travel) */
+/* backward: the weight gradients reduce over every row, as the one-chunk
+   step, while the last chunk's dxs travel */
+static void moept__chunk_weight_grads(moept_layer *L) {
+    const int64_t D = L->D, H = L->H, F = L->F, El = L->El;
     moept__gemm *gd = L->descs;
     int64_t n = 0;
     for (int64_t j = 0; j < El; j++) {
@@ -1835,9 +1807,13 @@ static moept_status moept__backward_chunked(moept_layer *L) {
         gd[n++] = moept__gemm_make(1, 0, H, D, rows, L->h + r0 * H, H, L->xr + r0 * D, D, 1.0f, L->g13 + j * H * D, D);
     }
     moept__gemm_run_progress(L, gd, n);
-    if (L->ep && (st = moept__complete(L, 2 + (int)((C - 1) % 2)))) return st;
-    if (L->ep) moept__count_bytes(L, 0);
-    return MOEPT_OK;
+}
+
+/* The backward's experts part, chunked (after combine' wrote dys into ys). */
+static moept_status moept__backward_chunked(moept_layer *L) {
+    moept__pipe p = {L->ys, L->yr, L->dxr, L->ys, moept__ffn_runs_backward, NULL, moept__chunk_weight_grads,
+                     NULL, NULL, NULL, NULL, NULL};
+    return moept__pipeline(L, &p);
 }
 
 moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
