@@ -457,7 +457,7 @@ int main(int argc, char **argv) {
     parse(argc, argv, &o);
 #ifdef MOEPT_CUDA
     if (o.ep != 1) { fprintf(stderr, "train_cuda: one GPU rank (--ep 1)\n"); return 2; }
-    if (moept_cuda_device_count() < 1) { printf("skip - train_cuda: no CUDA device\n"); return 0; }
+    if (moept_cuda_device_count() < 1) { printf("skip - no CUDA device: the GPU run was not made\n"); return 0; }
 #endif
 #ifdef MOEPT_MPI
     moept_comm *world;

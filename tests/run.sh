@@ -52,7 +52,7 @@ if [ -n "$MPIRUN" ]; then
     done
     suite "--weights mixtral_e8_t40 (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi" --ep 4 --weights tests/checkpoints/mixtral_e8_t40 --layer 1 tests/cases/mixtral_e8_t40.safetensors
     suite "reference cases --ep 4, MPI counts chunked (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi_chunked" --ep 4 $CASES
-    for n in 2 4; do
+    for n in 1 2 4; do
         suite "test_overlap (mpirun -np $n)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/test_overlap_mpi"
     done
     suite "train --ep 4 (mpirun -np 4)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/train_mpi" --ep 4 --steps 30 --quiet --csv "$B/train_mpi.csv"
@@ -78,7 +78,7 @@ fi
 
 if [ -n "$VALGRIND" ]; then
     suite "valgrind reference cases" "$VALGRIND" -q --error-exitcode=9 --leak-check=full "$B/vg/moept_check" $CASES
-    for t in test_grad test_props test_errors; do
+    for t in test_grad test_props test_errors test_overlap test_fsdp; do
         suite "valgrind $t" "$VALGRIND" -q --error-exitcode=9 --leak-check=full "$B/vg/$t"
     done
 else
