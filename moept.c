@@ -462,6 +462,8 @@ struct moept_layer {
     /* fsdp baseline (expert_sharding = FSDP): the group, and this rank's flat
        shard of the full expert space [w13 of all E | w2 of all E] */
     moept_comm *fsdp;      /* NULL: expert parallel (or one rank) */
+    moept_comm *group;     /* the ranks whose tokens differ and that replicate the router and
+                              shared expert: ep, or the fsdp group (NULL: one rank) */
     int64_t n_exp;         /* expert floats in the parameter buffer (El (H+F) D, or the shard) */
     int64_t fs_total, fs_shard; /* E (H+F) D, and ceil(that / P) */
     float *fs_full;        /* [P * fs_shard] gathered experts: w13 [E][H][D] then w2 [E][D][F] */
@@ -639,13 +641,6 @@ void moept_destroy(moept_layer *L) {
     MOEPT_FREE(L);
 }
 
-/* Carves aligned sub-buffers out of one block. */
-typedef struct moept__carve { char *base; size_t off; } moept__carve;
-static void *moept__take(moept__carve *c, size_t bytes) {
-    size_t off = (c->off + 63) & ~(size_t)63;
-    c->off = off + bytes;
-    return c->base ? c->base + off : NULL;
-}
 
 static void moept__layout_work(moept_layer *L, moept__carve *c) {
     const int64_t T = L->Tmax, N = L->Nmax, E = L->E, K = L->K, D = L->D;
@@ -872,6 +867,7 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
             P = 1;
             L->P = 1; L->rank = 0;
         }
+        L->group = L->ep ? L->ep : L->fsdp;
         L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
         L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
         L->El = L->E / P;
@@ -1282,27 +1278,37 @@ static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
                                float *h, float *a, float *ys) {
     const int64_t D = L->D;
     moept__gemm *gd = L->descs;
-    int64_t n = 0;
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 1, rows, H, D, xs + r0 * D, D,
-                                   w13 + e * H * D, D, 0.0f, h + r0 * H, H);
-    }
+    int64_t n;
+    MOEPT__PER_GROUP(gd, n, groups, offsets,
+                     moept__gemm_make(0, 1, rows, H, D, xs + r0 * D, D, w13 + e * H * D, D, 0.0f, h + r0 * H, H));
     moept__gemm_run(gd, n, &L->gws);
     int64_t R = offsets[groups] - offsets[0], base = offsets[0];
     const int act = L->act;
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_fwd_row(act, h + r * H, F, a + r * F);
-    n = 0;
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 1, rows, D, F, a + r0 * F, F,
-                                   w2 + e * D * F, F, 0.0f, ys + r0 * D, D);
-    }
+    MOEPT__PER_GROUP(gd, n, groups, offsets,
+                     moept__gemm_make(0, 1, rows, D, F, a + r0 * F, F, w2 + e * D * F, F, 0.0f, ys + r0 * D, D));
     moept__gemm_run(gd, n, &L->gws);
+}
+
+/* The expert weight gradients, reductions over every row of each group:
+   g2 += dys^T a (a = the activations) and g13 += dh^T xs. */
+static void moept__ffn_grad_w2(moept_layer *L, int64_t groups, const int64_t *offsets, const float *ys,
+                               const float *a, float *g2, int64_t F) {
+    const int64_t D = L->D;
+    int64_t n;
+    MOEPT__PER_GROUP(L->descs, n, groups, offsets,
+                     moept__gemm_make(1, 0, D, F, rows, ys + r0 * D, D, a + r0 * F, F, 1.0f, g2 + e * D * F, F));
+    moept__gemm_run(L->descs, n, &L->gws);
+}
+static void moept__ffn_grad_w13(moept_layer *L, int64_t groups, const int64_t *offsets, const float *dh,
+                                const float *xs, float *g13, int64_t H) {
+    const int64_t D = L->D;
+    int64_t n;
+    MOEPT__PER_GROUP(L->descs, n, groups, offsets,
+                     moept__gemm_make(1, 0, H, D, rows, dh + r0 * H, H, xs + r0 * D, D, 1.0f, g13 + e * H * D, D));
+    moept__gemm_run(L->descs, n, &L->gws);
 }
 
 /* Backward of moept__ffn_forward. dys (in ys) -> weight grads accumulate,
@@ -1318,46 +1324,22 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     const int act = L->act;
     int64_t R = offsets[groups] - offsets[0], base = offsets[0];
     moept__gemm *gd = L->descs;
-    int64_t n = 0;
+    int64_t n;
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_fwd_row(act, h + r * H, F, a + r * F);
-    /* g2 += dys^T a */
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(1, 0, D, F, rows, ys + r0 * D, D,
-                                   a + r0 * F, F, 1.0f, g2 + e * D * F, F);
-    }
-    moept__gemm_run(gd, n, &L->gws);
+    moept__ffn_grad_w2(L, groups, offsets, ys, a, g2, F);
     /* da = dys W2 (over a) */
-    n = 0;
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D,
-                                   w2 + e * D * F, F, 0.0f, a + r0 * F, F);
-    }
+    MOEPT__PER_GROUP(gd, n, groups, offsets,
+                     moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D, w2 + e * D * F, F, 0.0f, a + r0 * F, F));
     moept__gemm_run(gd, n, &L->gws);
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_bwd_row(act, h + r * H, a + r * F, F, h + r * H);
-    /* g13 += dh^T xs ; dxs = dh W13 (into ys) */
-    n = 0;
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(1, 0, H, D, rows, h + r0 * H, H,
-                                   xs + r0 * D, D, 1.0f, g13 + e * H * D, D);
-    }
-    moept__gemm_run(gd, n, &L->gws);
-    n = 0;
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 0, rows, D, H, h + r0 * H, H,
-                                   w13 + e * H * D, D, 0.0f, ys + r0 * D, D);
-    }
+    moept__ffn_grad_w13(L, groups, offsets, h, xs, g13, H);
+    /* dxs = dh W13 (into ys) */
+    MOEPT__PER_GROUP(gd, n, groups, offsets,
+                     moept__gemm_make(0, 0, rows, D, H, h + r0 * H, H, w13 + e * H * D, D, 0.0f, ys + r0 * D, D));
     moept__gemm_run(gd, n, &L->gws);
 }
 
@@ -1443,7 +1425,7 @@ static moept_status moept__direct_sync(moept_layer *L, const char *what) {
 static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept_dtype t) {
     double t0 = moept__now();
     moept_status st = MOEPT_OK;
-    moept_comm *g = L->ep ? L->ep : L->fsdp;
+    moept_comm *g = L->group;
     if (g && (st = g->allreduce(g, buf, n, t))) st = moept__fail(L, st, "all-reduce over EP: %s", g->err);
     if (!st && L->dp && (st = L->dp->allreduce(L->dp, buf, n, t))) st = moept__fail(L, st, "all-reduce over DP: %s", L->dp->err);
     L->stats.comm_seconds += moept__now() - t0;
@@ -1648,24 +1630,37 @@ static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64
     }
 }
 
+/* gd[0..n) for a chunk's n row runs: `make` is an expression of the run's
+   first row r0, its row count rows and its local expert e. */
+#define MOEPT__PER_RUN(gd, runs, n, stride, make)                                           \
+    for (int64_t i_ = 0; i_ < (n); i_++) {                                                  \
+        int64_t r0 = (runs)[i_], rows = (runs)[(stride) + i_], e = (runs)[2 * (stride) + i_]; \
+        (gd)[i_] = (make);                                                                  \
+    }
+
+/* the activation of a chunk's rows (backward: from da into dh over h) */
+static void moept__runs_act(moept_layer *L, const int64_t *runs, int64_t n, const float *da) {
+    const int64_t H = L->H, F = L->F, stride = L->El * L->P;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = runs[i], rows = runs[stride + i];
+        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
+        for (int64_t r = r0; r < r0 + rows; r++) {
+            if (da) moept__act_bwd_row(L->act, L->h + r * H, da + r * F, F, L->h + r * H);
+            else moept__act_fwd_row(L->act, L->h + r * H, F, L->a + r * F);
+        }
+    }
+}
+
 /* Expert FFN over a chunk's runs (the one-chunk descriptors, row by row). */
 static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t n) {
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
     moept__gemm *gd = L->descs;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = runs[i], rows = runs[stride + i], j = runs[2 * stride + i];
-        gd[i] = moept__gemm_make(0, 1, rows, H, D, L->xr + r0 * D, D, L->w13 + j * H * D, D, 0.0f, L->h + r0 * H, H);
-    }
+    MOEPT__PER_RUN(gd, runs, n, stride,
+                   moept__gemm_make(0, 1, rows, H, D, L->xr + r0 * D, D, L->w13 + e * H * D, D, 0.0f, L->h + r0 * H, H));
     moept__gemm_run_progress(L, gd, n);
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = runs[i], rows = runs[stride + i];
-        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
-        for (int64_t r = r0; r < r0 + rows; r++) moept__act_fwd_row(L->act, L->h + r * H, F, L->a + r * F);
-    }
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = runs[i], rows = runs[stride + i], j = runs[2 * stride + i];
-        gd[i] = moept__gemm_make(0, 1, rows, D, F, L->a + r0 * F, F, L->w2 + j * D * F, F, 0.0f, L->yr + r0 * D, D);
-    }
+    moept__runs_act(L, runs, n, NULL);
+    MOEPT__PER_RUN(gd, runs, n, stride,
+                   moept__gemm_make(0, 1, rows, D, F, L->a + r0 * F, F, L->w2 + e * D * F, F, 0.0f, L->yr + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
@@ -1674,25 +1669,13 @@ static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t
 static void moept__ffn_runs_backward(moept_layer *L, const int64_t *runs, int64_t n) {
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
     moept__gemm *gd = L->descs;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = runs[i], rows = runs[stride + i];
-        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
-        for (int64_t r = r0; r < r0 + rows; r++) moept__act_fwd_row(L->act, L->h + r * H, F, L->a + r * F);
-    }
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = runs[i], rows = runs[stride + i], j = runs[2 * stride + i];
-        gd[i] = moept__gemm_make(0, 0, rows, F, D, L->yr + r0 * D, D, L->w2 + j * D * F, F, 0.0f, L->dar + r0 * F, F);
-    }
+    moept__runs_act(L, runs, n, NULL);
+    MOEPT__PER_RUN(gd, runs, n, stride,
+                   moept__gemm_make(0, 0, rows, F, D, L->yr + r0 * D, D, L->w2 + e * D * F, F, 0.0f, L->dar + r0 * F, F));
     moept__gemm_run_progress(L, gd, n);
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = runs[i], rows = runs[stride + i];
-        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
-        for (int64_t r = r0; r < r0 + rows; r++) moept__act_bwd_row(L->act, L->h + r * H, L->dar + r * F, F, L->h + r * H);
-    }
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = runs[i], rows = runs[stride + i], j = runs[2 * stride + i];
-        gd[i] = moept__gemm_make(0, 0, rows, D, H, L->h + r0 * H, H, L->w13 + j * H * D, D, 0.0f, L->dxr + r0 * D, D);
-    }
+    moept__runs_act(L, runs, n, L->dar);
+    MOEPT__PER_RUN(gd, runs, n, stride,
+                   moept__gemm_make(0, 0, rows, D, H, L->h + r0 * H, H, L->w13 + e * H * D, D, 0.0f, L->dxr + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
@@ -1791,22 +1774,8 @@ static moept_status moept__forward_chunked(moept_layer *L, const float *x, float
 /* backward: the weight gradients reduce over every row, as the one-chunk
    step, while the last chunk's dxs travel */
 static void moept__chunk_weight_grads(moept_layer *L) {
-    const int64_t D = L->D, H = L->H, F = L->F, El = L->El;
-    moept__gemm *gd = L->descs;
-    int64_t n = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t r0 = L->roffsets[j], rows = L->roffsets[j + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(1, 0, D, F, rows, L->yr + r0 * D, D, L->a + r0 * F, F, 1.0f, L->g2 + j * D * F, F);
-    }
-    moept__gemm_run_progress(L, gd, n);
-    n = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t r0 = L->roffsets[j], rows = L->roffsets[j + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(1, 0, H, D, rows, L->h + r0 * H, H, L->xr + r0 * D, D, 1.0f, L->g13 + j * H * D, D);
-    }
-    moept__gemm_run_progress(L, gd, n);
+    moept__ffn_grad_w2(L, L->El, L->roffsets, L->yr, L->a, L->g2, L->F);
+    moept__ffn_grad_w13(L, L->El, L->roffsets, L->h, L->xr, L->g13, L->H);
 }
 
 /* The backward's experts part, chunked (after combine' wrote dys into ys). */
@@ -1823,8 +1792,8 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
 #endif
     const int64_t D = L->D, E = L->E, K = L->K, El = L->El;
     const int fam = (int)L->cfg.family, P = L->P;
-    const int global = L->cfg.global_balance && (L->ep || L->fsdp || L->dp);
-    moept_comm *grp = L->ep ? L->ep : L->fsdp; /* the ranks whose tokens differ */
+    const int global = L->cfg.global_balance && (L->group || L->dp);
+    moept_comm *grp = L->group;
     /* ---- 1. this rank's checks, routing into the spare buffers ---- */
     moept_status local = MOEPT_OK;
     const int nb = 1 - L->cur;
@@ -1864,26 +1833,23 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     int64_t cap = -1;
     if (!local && L->capacity_factor > 0.0)
         cap = (int64_t)ceil(L->capacity_factor * ((double)T * (double)K / (double)E));
-    for (int64_t e = 0; e < E; e++) L->counts_next[e] = 0;
-    if (!local) {
-        for (int64_t i = 0; i < T * K; i++) L->counts_next[L->slot_of[ids[i]]]++;
-        if (cap >= 0)
-            for (int64_t e = 0; e < E; e++) L->counts_next[e] = L->counts_next[e] > cap ? cap : L->counts_next[e];
-    }
+    /* kept rows per chunk and slot (one chunk: counts_next itself), one
+       pass over the assignments; capacity keeps each slot's earliest */
     const int64_t C = L->C;
-    if (C > 1) { /* kept rows per chunk and slot: capacity keeps the earliest assignments */
-        for (int64_t i = 0; i < C * E; i++) L->ccnt_next[i] = 0;
-        for (int64_t c = 0; c < C && !local; c++)
-            for (int64_t i = moept__chunk_start(T, C, c) * K; i < moept__chunk_start(T, C, c + 1) * K; i++)
-                L->ccnt_next[c * E + L->slot_of[ids[i]]]++;
-        for (int64_t e = 0; e < E && cap >= 0; e++) {
-            int64_t before = 0;
-            for (int64_t c = 0; c < C; c++) {
-                int64_t sel = L->ccnt_next[c * E + e], room = cap - before > 0 ? cap - before : 0;
-                L->ccnt_next[c * E + e] = sel < room ? sel : room;
-                before += sel;
-            }
+    int64_t *cc = C > 1 ? L->ccnt_next : L->counts_next; /* [C][E] */
+    for (int64_t i = 0; i < C * E; i++) cc[i] = 0;
+    for (int64_t c = 0; c < C && !local; c++)
+        for (int64_t i = moept__chunk_start(T, C, c) * K; i < moept__chunk_start(T, C, c + 1) * K; i++)
+            cc[c * E + L->slot_of[ids[i]]]++;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t before = 0, kept = 0;
+        for (int64_t c = 0; c < C; c++) {
+            int64_t sel = cc[c * E + e], room = cap < 0 ? sel : cap - before > 0 ? cap - before : 0;
+            cc[c * E + e] = sel < room ? sel : room;
+            kept += cc[c * E + e];
+            before += sel;
         }
+        L->counts_next[e] = kept;
     }
     int64_t R_next = 0;
     moept_status st = MOEPT_OK;
@@ -2086,8 +2052,8 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
     }
-    if (L->ep || L->fsdp) {
-        moept_comm *grp = L->ep ? L->ep : L->fsdp;
+    if (L->group) {
+        moept_comm *grp = L->group;
         int64_t failed = moept__any_failed(grp, NULL, local != MOEPT_OK, &st);
         if (st) return moept__fail(L, st, "moept_backward: failure agreement failed: %s", grp->err);
         if (failed && !local)
@@ -2226,7 +2192,7 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
     int64_t n_shared = L->n_params - n_router - n_exp;
     /* replicated: router and shared expert, over EP (or the fsdp group) then
        DP; experts (or fsdp shards, already reduce-scattered) over DP */
-    moept_comm *grp = L->ep ? L->ep : L->fsdp;
+    moept_comm *grp = L->group;
     if (grp && !st) st = grp->allreduce(grp, L->g_router, n_router, MOEPT_DTYPE_F32);
     if (grp && !st && n_shared) st = grp->allreduce(grp, shared, n_shared, MOEPT_DTYPE_F32);
     if (L->dp && !st) st = L->dp->allreduce(L->dp, L->grads, L->n_params, MOEPT_DTYPE_F32);
@@ -2246,7 +2212,7 @@ moept_status moept_grad_norm(moept_layer *L, double *norm) {
         double g = L->grads[i];
         s[i >= n_router && i < n_router + n_exp] += g * g;
     }
-    moept_comm *grp = L->ep ? L->ep : L->fsdp;
+    moept_comm *grp = L->group;
     if (grp) { /* each expert (or shard) lives on one rank: sum those; replicated counted once */
         moept_status st = grp->allreduce(grp, &s[1], 1, MOEPT_DTYPE_F64);
         if (st) return moept__fail(L, st, "moept_grad_norm: %s", grp->err);
@@ -2278,7 +2244,7 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     /* the bias is replicated: every rank must see the whole batch's counts
        (already so with global_balance; otherwise sum them here) */
     double *cnt = L->lstat; /* [E] the forward's selection counts; free after the forward */
-    if ((L->ep || L->fsdp || L->dp) && !L->counts_global) {
+    if ((L->group || L->dp) && !L->counts_global) {
         moept_status st = moept__world_sum(L, cnt, L->E, MOEPT_DTYPE_F64);
         if (st) return st;
         for (int64_t e = 0; e < L->E; e++) L->sel_counts[e] = (int64_t)cnt[e];

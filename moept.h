@@ -999,6 +999,18 @@ static inline moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
     return g;
 }
 
+/* gd[0..n) = one GEMM descriptor per group that has rows: `make` is an
+   expression of the group e, its first row r0 and its row count rows. Both
+   executors build their expert GEMMs with it. */
+#define MOEPT__PER_GROUP(gd, n, groups, offs, make)                          \
+    do {                                                                     \
+        (n) = 0;                                                             \
+        for (int64_t e = 0; e < (groups); e++) {                             \
+            int64_t r0 = (offs)[e], rows = (offs)[e + 1] - r0;               \
+            if (rows) (gd)[(n)++] = (make);                                  \
+        }                                                                    \
+    } while (0)
+
 /* The column-major (BLAS/cuBLAS) call computing a row-major descriptor: a
    row-major [m][n] matrix is a column-major [n][m] one, so C^T = op(B)^T
    op(A)^T: operands swapped, m and n swapped, transposes kept. */
@@ -1019,6 +1031,16 @@ static inline moept__gemm_cm moept__gemm_colmajor(const moept__gemm *g) {
     c.c = g->c; c.ldc = g->ldc;
     c.alpha = g->alpha; c.beta = g->beta;
     return c;
+}
+
+/* Carves 64-byte aligned sub-buffers out of one block; with base NULL it
+   only measures (the layouts run twice: size, then carve). Host and device
+   workspaces alike. */
+typedef struct moept__carve { char *base; size_t off; } moept__carve;
+static inline void *moept__take(moept__carve *c, size_t bytes) {
+    size_t off = (c->off + 63) & ~(size_t)63;
+    c->off = off + bytes;
+    return c->base ? c->base + off : NULL;
 }
 
 /* ---- the CUDA executor's interface to moept.c ------------------------ */

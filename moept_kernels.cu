@@ -488,12 +488,7 @@ static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const
     if (st) return st;
     char *ds = (char *)n->stage, *dr = ds + sb;
     if (sb) MOEPT__NCU(c, cudaMemcpyAsync(ds, send, (size_t)sb, cudaMemcpyHostToDevice, n->stream));
-    moept_seg *ss2 = (moept_seg *)malloc(sizeof(moept_seg) * 2 * c->size * nseg);
-    if (!ss2) return moept__nccl_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "nccl alltoallv: out of memory");
-    memcpy(ss2, ss, sizeof(moept_seg) * c->size * nseg);
-    memcpy(ss2 + c->size * nseg, rs, sizeof(moept_seg) * c->size * nseg);
-    st = moept__nccl_a2a_dev(c, ds, ss2, dr, ss2 + c->size * nseg, nseg, es);
-    free(ss2);
+    st = moept__nccl_a2a_dev(c, ds, ss, dr, rs, nseg, es);
     if (st) return st;
     if (rb) MOEPT__NCU(c, cudaMemcpyAsync(recv, dr, (size_t)rb, cudaMemcpyDeviceToHost, n->stream));
     return moept__nccl_wait(c);
@@ -598,7 +593,6 @@ static int moept__is_nccl(const moept_comm *c) { return c && c->destroy == moept
    ------------------------------------------------------------------------ */
 struct moept__cuda {
     moept__cuda_spec sp;
-    int dev;
     cudaStream_t s;             /* compute */
     cudaStream_t cs;            /* the EP comm's stream (s at one rank) */
     cudaEvent_t ev_compute, ev_comm;
@@ -631,7 +625,6 @@ struct moept__cuda {
     int64_t *kept, *koff;       /* [E], [E+1] */
     int64_t *msg, *msg_all;     /* [E+2], [P][E+2] the count message: kept per slot | failed | T */
     unsigned long long *bad;    /* [4] first non-finite x index, token with bad logits, dy index */
-    int64_t *flag;              /* [1] backward agreement */
     int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
     int64_t *tok_of_row;        /* [Tmax*K] */
     int32_t *kslot_of_row;      /* [Tmax*K] */
@@ -653,7 +646,6 @@ struct moept__cuda {
     int64_t *h_msg_all;         /* [P][E+2] */
     double *h_lstat;            /* [3E + 3] */
     unsigned long long *h_bad;  /* [4] */
-    int64_t *h_flag;            /* [1] */
     float *h_aux_g;             /* [E] */
     const void **h_ptrs;        /* [PTR_SLOTS][3G] */
 
@@ -669,7 +661,7 @@ struct moept__cuda {
     float *galpha;              /* [2][G] */
 
     int cur, fwd_valid;
-    int64_t T, N, R, capacity;
+    int64_t T, N, R;
     double loss_T;              /* tokens the committed step's losses average over */
     int ptr_slot;
     int64_t allocations, allocated_bytes, fixed_bytes, rblock_bytes, growths;
@@ -684,52 +676,45 @@ static moept_status moept__dmalloc(moept__cuda *c, void **p, size_t bytes, char 
     return MOEPT_OK;
 }
 
-typedef struct moept__carve_t { char *base; size_t off; } moept__carve_t;
-static void *moept__cv(moept__carve_t *cv, size_t bytes) {
-    size_t off = (cv->off + 255) & ~(size_t)255;
-    cv->off = off + bytes;
-    return cv->base ? cv->base + off : NULL;
-}
 
-static void moept__layout(moept__cuda *c, moept__carve_t *cv) {
+static void moept__layout(moept__cuda *c, moept__carve *cv) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t T = p->Tmax, E = p->E, K = p->K, D = p->D, P = p->P;
     const size_t f = sizeof(float), es = (size_t)c->esz;
     int bf = p->dtype == MOEPT_DTYPE_BF16;
-    c->xf = (float *)moept__cv(cv, bf ? (size_t)(T * D) * f : 0);
-    c->dxf = (float *)moept__cv(cv, bf ? (size_t)(T * D) * f : 0);
+    c->xf = (float *)moept__take(cv, bf ? (size_t)(T * D) * f : 0);
+    c->dxf = (float *)moept__take(cv, bf ? (size_t)(T * D) * f : 0);
     for (int b = 0; b < 2; b++) {
-        c->logits[b] = (float *)moept__cv(cv, (size_t)(T * E) * f);
-        c->probs[b] = (float *)moept__cv(cv, (size_t)(T * E) * f);
-        c->ids[b] = (int32_t *)moept__cv(cv, (size_t)(T * K) * 4);
-        c->wts[b] = (float *)moept__cv(cv, (size_t)(T * K) * f);
-        c->lse[b] = (float *)moept__cv(cv, (size_t)T * f);
+        c->logits[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
+        c->probs[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
+        c->ids[b] = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
+        c->wts[b] = (float *)moept__take(cv, (size_t)(T * K) * f);
+        c->lse[b] = (float *)moept__take(cv, (size_t)T * f);
     }
-    c->scratch = (float *)moept__cv(cv, (size_t)(T * 2 * E) * f);
-    c->cids = (int32_t *)moept__cv(cv, (size_t)(T * K) * 4);
-    c->lstat = (double *)moept__cv(cv, (size_t)(3 * E + 3) * 8);
-    c->hist = (int64_t *)moept__cv(cv, (size_t)(c->nblk_max * E) * 8);
-    c->lrank = (int32_t *)moept__cv(cv, (size_t)(T * K) * 4);
-    c->kept = (int64_t *)moept__cv(cv, (size_t)E * 8);
-    c->koff = (int64_t *)moept__cv(cv, (size_t)(E + 1) * 8);
-    c->msg = (int64_t *)moept__cv(cv, (size_t)(E + 2) * 8);
-    c->msg_all = (int64_t *)moept__cv(cv, (size_t)(P * (E + 2)) * 8);
-    c->bad = (unsigned long long *)moept__cv(cv, 4 * 8);
-    c->flag = (int64_t *)moept__cv(cv, 8);
-    c->row_of = (int64_t *)moept__cv(cv, (size_t)(T * K) * 8);
-    c->tok_of_row = (int64_t *)moept__cv(cv, (size_t)(T * K) * 8);
-    c->kslot_of_row = (int32_t *)moept__cv(cv, (size_t)(T * K) * 4);
-    c->xs = moept__cv(cv, P > 1 ? (size_t)(T * K * D) * es : 0);
-    c->ys = moept__cv(cv, P > 1 ? (size_t)(T * K * D) * es : 0);
-    c->hs = moept__cv(cv, (size_t)(T * p->HS) * es);
-    c->as = moept__cv(cv, (size_t)(T * p->S) * es);
-    c->yss = moept__cv(cv, p->S > 0 ? (size_t)(T * D) * es : 0);
-    c->sg = (float *)moept__cv(cv, (size_t)T * f);
-    c->dsg = (float *)moept__cv(cv, (size_t)T * f);
-    c->dwts = (float *)moept__cv(cv, (size_t)(T * K) * f);
-    c->dlogits = (float *)moept__cv(cv, (size_t)(T * E) * f);
-    c->aux_g = (float *)moept__cv(cv, (size_t)E * f);
-    c->d_ptrs = (const void **)moept__cv(cv, (size_t)(MOEPT__PTR_SLOTS * 3 * c->G) * sizeof(void *));
+    c->scratch = (float *)moept__take(cv, (size_t)(T * 2 * E) * f);
+    c->cids = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
+    c->lstat = (double *)moept__take(cv, (size_t)(3 * E + 3) * 8);
+    c->hist = (int64_t *)moept__take(cv, (size_t)(c->nblk_max * E) * 8);
+    c->lrank = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
+    c->kept = (int64_t *)moept__take(cv, (size_t)E * 8);
+    c->koff = (int64_t *)moept__take(cv, (size_t)(E + 1) * 8);
+    c->msg = (int64_t *)moept__take(cv, (size_t)(E + 2) * 8);
+    c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * (E + 2)) * 8);
+    c->bad = (unsigned long long *)moept__take(cv, 4 * 8);
+    c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
+    c->tok_of_row = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
+    c->kslot_of_row = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
+    c->xs = moept__take(cv, P > 1 ? (size_t)(T * K * D) * es : 0);
+    c->ys = moept__take(cv, P > 1 ? (size_t)(T * K * D) * es : 0);
+    c->hs = moept__take(cv, (size_t)(T * p->HS) * es);
+    c->as = moept__take(cv, (size_t)(T * p->S) * es);
+    c->yss = moept__take(cv, p->S > 0 ? (size_t)(T * D) * es : 0);
+    c->sg = (float *)moept__take(cv, (size_t)T * f);
+    c->dsg = (float *)moept__take(cv, (size_t)T * f);
+    c->dwts = (float *)moept__take(cv, (size_t)(T * K) * f);
+    c->dlogits = (float *)moept__take(cv, (size_t)(T * E) * f);
+    c->aux_g = (float *)moept__take(cv, (size_t)E * f);
+    c->d_ptrs = (const void **)moept__take(cv, (size_t)(MOEPT__PTR_SLOTS * 3 * c->G) * sizeof(void *));
 }
 
 /* Makes the receive block hold `need` rows, keeping the committed step's rows. */
@@ -739,12 +724,12 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     if (cap < 1) cap = 1;
     const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F;
     size_t es = (size_t)c->esz;
-    size_t bytes = (size_t)cap * (size_t)(2 * D + H + F) * es + 4 * 256;
+    size_t bytes = (size_t)cap * (size_t)(2 * D + H + F) * es + 4 * 64;
     void *blk = NULL;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
-    moept__carve_t cv = {(char *)blk, 0};
-    void *xr = moept__cv(&cv, (size_t)(cap * D) * es), *yr = moept__cv(&cv, (size_t)(cap * D) * es);
-    void *h = moept__cv(&cv, (size_t)(cap * H) * es), *a = moept__cv(&cv, (size_t)(cap * F) * es);
+    moept__carve cv = {(char *)blk, 0};
+    void *xr = moept__take(&cv, (size_t)(cap * D) * es), *yr = moept__take(&cv, (size_t)(cap * D) * es);
+    void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * F) * es);
     int64_t keep = c->fwd_valid ? c->R : 0;
     if (keep > 0 && c->rblock) {
         cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, cudaMemcpyDeviceToDevice, c->s);
@@ -795,7 +780,6 @@ extern "C" void moept__cuda_pointers(moept__cuda *c, float **params, float **gra
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P, El = p->El, G = c->G;
-    MOEPT__CU(cudaGetDevice(&c->dev));
     c->s = (cudaStream_t)p->stream;
     c->cs = c->s;
     if (p->ep) c->cs = ((moept__nccl *)p->ep->ctx)->stream;
@@ -815,7 +799,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->slot_of = (int32_t *)(c->bias + E);
     if (p->dtype == MOEPT_DTYPE_BF16)
         MOEPT__TRY(moept__dmalloc(c, &c->wlow, (size_t)(p->n_params - E * p->D) * 2, err));
-    moept__carve_t cv = {NULL, 0};
+    moept__carve cv = {NULL, 0};
     moept__layout(c, &cv);
     MOEPT__TRY(moept__dmalloc(c, &c->work, cv.off, err));
     MOEPT__CU(cudaMemset(c->work, 0, cv.off));
@@ -824,35 +808,34 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     cv.off = 0;
     moept__layout(c, &cv);
     /* pinned host block */
-    size_t hb = (size_t)(P * (E + 2)) * 8 + (size_t)(3 * E + 3) * 8 + 4 * 8 + 8 + (size_t)E * 4 +
+    size_t hb = (size_t)(P * (E + 2)) * 8 + (size_t)(3 * E + 3) * 8 + 4 * 8 + (size_t)E * 4 +
                 (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *) + 6 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
-    moept__carve_t hv = {(char *)c->pinned, 0};
-    c->h_msg_all = (int64_t *)moept__cv(&hv, (size_t)(P * (E + 2)) * 8);
-    c->h_lstat = (double *)moept__cv(&hv, (size_t)(3 * E + 3) * 8);
-    c->h_bad = (unsigned long long *)moept__cv(&hv, 4 * 8);
-    c->h_flag = (int64_t *)moept__cv(&hv, 8);
-    c->h_aux_g = (float *)moept__cv(&hv, (size_t)E * 4);
-    c->h_ptrs = (const void **)moept__cv(&hv, (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *));
+    moept__carve hv = {(char *)c->pinned, 0};
+    c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * (E + 2)) * 8);
+    c->h_lstat = (double *)moept__take(&hv, (size_t)(3 * E + 3) * 8);
+    c->h_bad = (unsigned long long *)moept__take(&hv, 4 * 8);
+    c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
+    c->h_ptrs = (const void **)moept__take(&hv, (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
     size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + P + 9 * G);
     size_t bytes = n64 * 8 + (size_t)(2 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
                    (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 8 * 64;
     char *hbk = (char *)calloc(1, bytes);
     if (!hbk) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
-    moept__carve_t kv = {hbk, 0};
-    c->counts = (int64_t *)moept__cv(&kv, (size_t)E * 8);
-    c->offsets = (int64_t *)moept__cv(&kv, (size_t)(E + 1) * 8);
-    c->rcounts = (int64_t *)moept__cv(&kv, (size_t)(P * El) * 8);
-    c->roffsets = (int64_t *)moept__cv(&kv, (size_t)(El + 1) * 8);
-    c->rcap_all = (int64_t *)moept__cv(&kv, (size_t)P * 8);
-    c->grow_ok = (int64_t *)moept__cv(&kv, (size_t)P * 8);
-    c->garr = (int64_t *)moept__cv(&kv, (size_t)(9 * G) * 8);
-    c->send_segs = (moept_seg *)moept__cv(&kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->recv_segs = (moept_seg *)moept__cv(&kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->descs = (moept__gemm *)moept__cv(&kv, (size_t)G * sizeof(moept__gemm));
-    c->gops = (cublasOperation_t *)moept__cv(&kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
-    c->galpha = (float *)moept__cv(&kv, (size_t)(2 * G) * sizeof(float));
+    moept__carve kv = {hbk, 0};
+    c->counts = (int64_t *)moept__take(&kv, (size_t)E * 8);
+    c->offsets = (int64_t *)moept__take(&kv, (size_t)(E + 1) * 8);
+    c->rcounts = (int64_t *)moept__take(&kv, (size_t)(P * El) * 8);
+    c->roffsets = (int64_t *)moept__take(&kv, (size_t)(El + 1) * 8);
+    c->rcap_all = (int64_t *)moept__take(&kv, (size_t)P * 8);
+    c->grow_ok = (int64_t *)moept__take(&kv, (size_t)P * 8);
+    c->garr = (int64_t *)moept__take(&kv, (size_t)(9 * G) * 8);
+    c->send_segs = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->recv_segs = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->descs = (moept__gemm *)moept__take(&kv, (size_t)G * sizeof(moept__gemm));
+    c->gops = (cublasOperation_t *)moept__take(&kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
+    c->galpha = (float *)moept__take(&kv, (size_t)(2 * G) * sizeof(float));
     /* every rank starts with room for its own Tmax*K rows, and all grow alike */
     MOEPT__TRY(moept__grow(c, p->Tmax * p->K, err));
     for (int64_t q = 0; q < P; q++) c->rcap_all[q] = c->Rcap;
@@ -973,23 +956,20 @@ static const float *moept__w(moept__cuda *c, int64_t off) {
 }
 
 /* Expert FFN forward over grouped rows: h = xs W13^T, a = act(h), ys = a W2^T.
-   The same descriptors as moept.c's moept__ffn_forward. */
+   The same descriptors as moept.c's moept__ffn_forward (pointers advance in
+   elements of the data type: bytes of es). */
 template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
                                    int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
                                    void *ys, char *err) {
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
-    const char *X = (const char *)xs;
+    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off), *W2 = (const char *)moept__w(c, w2off);
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
-    int64_t n = 0;
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 1, rows, H, D, (const float *)(X + r0 * D * es), D,
-                                   (const float *)((const char *)moept__w(c, w13off) + e * H * D * es), D, 0.0f,
-                                   (float *)(Hh + r0 * H * es), H);
-    }
+    int64_t n;
+    MOEPT__PER_GROUP(gd, n, groups, offs,
+                     moept__gemm_make(0, 1, rows, H, D, (const float *)(X + r0 * D * es), D,
+                                      (const float *)(W13 + e * H * D * es), D, 0.0f, (float *)(Hh + r0 * H * es), H));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     int64_t R = offs[groups] - offs[0], base = offs[0];
     if (R > 0) {
@@ -997,14 +977,9 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
                                                                        (T *)a + base * F);
         MOEPT__LAUNCHED();
     }
-    n = 0;
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * F * es), F,
-                                   (const float *)((const char *)moept__w(c, w2off) + e * D * F * es), F, 0.0f,
-                                   (float *)(Y + r0 * D * es), D);
-    }
+    MOEPT__PER_GROUP(gd, n, groups, offs,
+                     moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * F * es), F,
+                                      (const float *)(W2 + e * D * F * es), F, 0.0f, (float *)(Y + r0 * D * es), D));
     return moept__gemms(c, gd, n, c->dt, c->dt, err);
 }
 
@@ -1016,53 +991,39 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
                                    void *ys, char *err) {
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
-    const char *X = (const char *)xs;
+    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off), *W2 = (const char *)moept__w(c, w2off);
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
     float *g13 = c->grads + w13off, *g2 = c->grads + w2off;
-    int64_t R = offs[groups] - offs[0], base = offs[0];
+    int64_t R = offs[groups] - offs[0], base = offs[0], n;
     if (R > 0) {
         moept__k_act_fwd<T><<<moept__grid(R * F), MOEPT__TB, 0, c->s>>>(c->sp.act, (const T *)h + base * H, R, F, H,
                                                                        (T *)a + base * F);
         MOEPT__LAUNCHED();
     }
-    int64_t n = 0; /* g2 += dys^T a */
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(1, 0, D, F, rows, (const float *)(Y + r0 * D * es), D,
-                                   (const float *)(A + r0 * F * es), F, 1.0f, g2 + e * D * F, F);
-    }
+    /* g2 += dys^T a */
+    MOEPT__PER_GROUP(gd, n, groups, offs,
+                     moept__gemm_make(1, 0, D, F, rows, (const float *)(Y + r0 * D * es), D,
+                                      (const float *)(A + r0 * F * es), F, 1.0f, g2 + e * D * F, F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
-    n = 0; /* da = dys W2 */
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 0, rows, F, D, (const float *)(Y + r0 * D * es), D,
-                                   (const float *)((const char *)moept__w(c, w2off) + e * D * F * es), F, 0.0f,
-                                   (float *)(A + r0 * F * es), F);
-    }
+    /* da = dys W2 */
+    MOEPT__PER_GROUP(gd, n, groups, offs,
+                     moept__gemm_make(0, 0, rows, F, D, (const float *)(Y + r0 * D * es), D,
+                                      (const float *)(W2 + e * D * F * es), F, 0.0f, (float *)(A + r0 * F * es), F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     if (R > 0) {
         moept__k_act_bwd<T><<<moept__grid(R * F), MOEPT__TB, 0, c->s>>>(c->sp.act, (T *)h + base * H,
                                                                        (const T *)a + base * F, R, F, H);
         MOEPT__LAUNCHED();
     }
-    n = 0; /* g13 += dh^T xs */
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
-                                   (const float *)(X + r0 * D * es), D, 1.0f, g13 + e * H * D, D);
-    }
+    /* g13 += dh^T xs */
+    MOEPT__PER_GROUP(gd, n, groups, offs,
+                     moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
+                                      (const float *)(X + r0 * D * es), D, 1.0f, g13 + e * H * D, D));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
-    n = 0; /* dxs = dh W13 (over ys) */
-    for (int64_t e = 0; e < groups; e++) {
-        int64_t r0 = offs[e], rows = offs[e + 1] - r0;
-        if (rows == 0) continue;
-        gd[n++] = moept__gemm_make(0, 0, rows, D, H, (const float *)(Hh + r0 * H * es), H,
-                                   (const float *)((const char *)moept__w(c, w13off) + e * H * D * es), D, 0.0f,
-                                   (float *)(Y + r0 * D * es), D);
-    }
+    /* dxs = dh W13 (over ys) */
+    MOEPT__PER_GROUP(gd, n, groups, offs,
+                     moept__gemm_make(0, 0, rows, D, H, (const float *)(Hh + r0 * H * es), H,
+                                      (const float *)(W13 + e * H * D * es), D, 0.0f, (float *)(Y + r0 * D * es), D));
     return moept__gemms(c, gd, n, c->dt, c->dt, err);
 }
 
@@ -1249,7 +1210,6 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     c->T = T_;
     c->fwd_valid = 1;
     c->R = R;
-    c->capacity = cap;
     const int64_t *mine = c->h_msg_all + me * (E + 2);
     c->offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {

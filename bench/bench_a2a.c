@@ -57,7 +57,12 @@ static double raw_exchange(moept_comm *c, float *send, float *recv, const int64_
     return moept__now() - t0;
 }
 
-static void rank_run(const cfg *k, moept_comm *c, res *out) {
+static void rank_run(const void *kv, moept_comm *c, void *outv) {
+    const cfg *k = kv;
+    res *out = outv;
+#ifdef _OPENMP
+    omp_set_num_threads(1); /* one core per rank */
+#endif
     moept_config mc = {0};
     mc.family = MOEPT_FAMILY_MIXTRAL;
     mc.hidden_size = k->D; mc.intermediate_size = 16; mc.num_experts = k->E; mc.top_k = k->K;
@@ -126,18 +131,6 @@ static void report(const char *backend, const cfg *k, res *all) {
            sm / sr, algbw_m, algbw_m * f, algbw_r, algbw_r * f, slow, bytes, ok ? "yes" : "NO");
 }
 
-#ifndef MOEPT_MPI
-typedef bench_job job;
-static void *job_main(void *a) {
-    job *j = a;
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
-    rank_run(j->k, j->c, j->out);
-    return NULL;
-}
-#endif
-
 int main(int argc, char **argv) {
 #ifdef MOEPT_MPI
     MPI_Init(&argc, &argv);
@@ -154,22 +147,14 @@ int main(int argc, char **argv) {
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
 #ifdef MOEPT_MPI
-    moept_comm *c;
-    moept_comm_mpi(MPI_COMM_WORLD, &c);
-    k.P = c->size;
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
-    if (c->size > BENCH_MAX_RANKS) { fprintf(stderr, "bench_a2a: at most %d ranks\n", BENCH_MAX_RANKS); MPI_Abort(MPI_COMM_WORLD, 2); }
-    res mine = {0}, all[BENCH_MAX_RANKS];
-    rank_run(&k, c, &mine);
-    c->allgather(c, &mine, all, sizeof mine);
-    if (c->rank == 0) report("mpi", &k, all);
-    moept_comm_destroy(c);
+    res all[BENCH_MAX_RANKS];
+    int me = bench_run_mpi(&k.P, rank_run, &k, all, sizeof all[0]);
+    if (me < 0) MPI_Abort(MPI_COMM_WORLD, 2);
+    if (me == 0) report("mpi", &k, all);
     MPI_Finalize();
 #else
     res all[BENCH_MAX_RANKS];
-    if (!bench_run_threads(k.P, job_main, &k, all, sizeof all[0])) return 2;
+    if (!bench_run_threads(k.P, rank_run, &k, all, sizeof all[0])) return 2;
     report("threads", &k, all);
 #endif
     return 0;

@@ -13,7 +13,6 @@
 
 typedef struct cfg { int64_t D, F, E; int S, P; const char *dir; } cfg;
 typedef struct res { double t_moept, t_all; int64_t b_moept, b_all; moept_status st; } res;
-typedef bench_job job;
 
 static moept_config layer_cfg(const cfg *k) {
     moept_config c = {0};
@@ -60,20 +59,19 @@ static void write_checkpoint(const cfg *k) {
     moept_destroy(L);
 }
 
-static void *rank_main(void *arg) {
-    job *j = arg;
-    const cfg *k = j->k;
-    res *out = j->out;
+static void rank_main(const void *kv, moept_comm *comm, void *outv) {
+    const cfg *k = kv;
+    res *out = outv;
     moept_config c = layer_cfg(k);
     moept_layer *L;
-    if ((out->st = moept_create_parallel(&c, j->c, NULL, &L))) return NULL;
+    if ((out->st = moept_create_parallel(&c, comm, NULL, &L))) return;
     double t0 = moept__now();
     out->st = moept_load_hf(L, k->dir, 0);
     out->t_moept = moept__now() - t0;
     moept_stats st;
     moept_get_stats(L, &st, NULL);
     out->b_moept = st.checkpoint_bytes_read;
-    j->c->barrier(j->c);
+    comm->barrier(comm);
     /* baseline: read every file whole, then slice this rank's experts out of
        the buffers (what a loader that concatenates all experts does) */
     t0 = moept__now();
@@ -106,7 +104,7 @@ static void *rank_main(void *arg) {
     out->t_all = moept__now() - t0;
     out->b_all = total;
     moept_destroy(L);
-    return NULL;
+    return;
 }
 
 int main(int argc, char **argv) {

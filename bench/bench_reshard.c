@@ -15,54 +15,52 @@
 
 typedef struct cfg { int64_t D, F, E; int P; } cfg;
 typedef struct res { double t_moept, t_base; int64_t b_moept, b_base, x_moept, x_base, moved; moept_status st; } res;
-typedef bench_job job;
 
-static void *rank_main(void *arg) {
-    job *j = arg;
-    const cfg *k = j->k;
-    res *out = j->out;
+static void rank_main(const void *kv, moept_comm *comm, void *outv) {
+    const cfg *k = kv;
+    res *out = outv;
     moept_config c = {0};
     c.family = MOEPT_FAMILY_MIXTRAL;
     c.hidden_size = k->D; c.intermediate_size = k->F; c.num_experts = k->E; c.top_k = 2; c.norm_topk_prob = 1;
     c.max_tokens = 1;
     moept_layer *L;
-    if ((out->st = moept_create_parallel(&c, j->c, NULL, &L))) return NULL;
+    if ((out->st = moept_create_parallel(&c, comm, NULL, &L))) return;
     moept_init_params(L, 1);
     int64_t El = L->El, P = k->P, E = k->E, part = L->H * L->D + L->D * L->F;
     int32_t *to = malloc((size_t)E * sizeof(int32_t));
     for (int64_t e = 0; e < E; e++) to[e] = (int32_t)((e / El + (e % El < 4 ? 1 : 0)) % P);
     /* baseline first (on a copy of the layout): all-gather every local expert
        block, then slice the new ones */
-    j->c->barrier(j->c);
+    comm->barrier(comm);
     double t0 = moept__now();
     float *mine = malloc((size_t)(El * part) * 4), *everything = malloc((size_t)(E * part) * 4);
     for (int64_t q = 0; q < El; q++) { /* pack this rank's experts contiguously to all-gather them */
         memcpy(mine + q * part, L->w13 + q * L->H * L->D, (size_t)(L->H * L->D) * 4);
         memcpy(mine + q * part + L->H * L->D, L->w2 + q * L->D * L->F, (size_t)(L->D * L->F) * 4);
     }
-    j->c->allgather(j->c, mine, everything, El * part * 4);
+    comm->allgather(comm, mine, everything, El * part * 4);
     float *newblk = malloc((size_t)(El * part) * 4);
     int64_t n = 0;
     for (int64_t e = 0; e < E; e++)
-        if (to[e] == j->c->rank) memcpy(newblk + (n++) * part, everything + e * part, (size_t)part * 4);
-    j->c->barrier(j->c);
+        if (to[e] == comm->rank) memcpy(newblk + (n++) * part, everything + e * part, (size_t)part * 4);
+    comm->barrier(comm);
     out->t_base = moept__now() - t0;
     out->b_base = (E - El) * part * 4; /* every other rank's experts arrive here */
     out->x_base = (E * part + El * part + El * part) * 4; /* gathered copy + packed + sliced block */
     free(mine); free(everything); free(newblk);
     /* moept */
     moept_reshard_report rep;
-    j->c->barrier(j->c);
+    comm->barrier(comm);
     t0 = moept__now();
     out->st = moept_reshard(L, to, &rep);
-    j->c->barrier(j->c);
+    comm->barrier(comm);
     out->t_moept = moept__now() - t0;
     out->b_moept = rep.bytes_received;
     out->x_moept = rep.extra_bytes;
     out->moved = rep.experts_moved;
     free(to);
     moept_destroy(L);
-    return NULL;
+    return;
 }
 
 int main(int argc, char **argv) {

@@ -53,7 +53,12 @@ static double now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static void run_rank(const bconf *k, moept_comm *c, bres *out) {
+static void run_rank(const void *kv, moept_comm *c, void *outv) {
+    const bconf *k = kv;
+    bres *out = outv;
+#ifdef _OPENMP
+    omp_set_num_threads(1); /* one core per rank */
+#endif
     moept_layer *L[MAXMODES] = {0};
     for (int m = 0; m < k->nm; m++) {
         moept_config cfg = {0};
@@ -167,17 +172,6 @@ static void parse(int argc, char **argv, bconf *k) {
     }
 }
 
-#ifndef MOEPT_MPI
-static void *job_main(void *a) {
-    bench_job *j = a;
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
-    run_rank(j->k, j->c, j->out);
-    return NULL;
-}
-#endif
-
 int main(int argc, char **argv) {
 #ifdef MOEPT_MPI
     MPI_Init(&argc, &argv);
@@ -185,20 +179,15 @@ int main(int argc, char **argv) {
     bconf k;
     parse(argc, argv, &k);
 #ifdef MOEPT_MPI
-    moept_comm *c;
-    moept_comm_mpi(MPI_COMM_WORLD, &c);
-    k.P = c->size;
-    bres mine, *all = calloc((size_t)k.P, sizeof *all);
-    memset(&mine, 0, sizeof mine);
-    run_rank(&k, c, &mine);
-    c->allgather(c, &mine, all, (int64_t)sizeof mine);
-    if (c->rank == 0) report(&k, all, k.P);
+    bres *all = calloc(BENCH_MAX_RANKS, sizeof *all);
+    int me = bench_run_mpi(&k.P, run_rank, &k, all, sizeof *all);
+    if (me < 0) MPI_Abort(MPI_COMM_WORLD, 2);
+    if (me == 0) report(&k, all, k.P);
     free(all);
-    moept_comm_destroy(c);
     MPI_Finalize();
 #else
     bres *all = calloc((size_t)(k.P > 0 ? k.P : 1), sizeof *all);
-    if (!bench_run_threads(k.P, job_main, &k, all, sizeof *all)) return 2;
+    if (!bench_run_threads(k.P, run_rank, &k, all, sizeof *all)) return 2;
     report(&k, all, k.P);
     free(all);
 #endif

@@ -8,11 +8,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-static uint64_t rng_state = 12345;
-static float frand(void) {
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((rng_state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-}
+static unsigned long long rng_state = 12345;
+static float frand(void) { return (float)tu_rand(&rng_state); }
 
 static moept_config base_cfg(moept_family fam) {
     moept_config c;
@@ -50,16 +47,6 @@ static void host_from(float *h, const void *d, int64_t n, int bf16) {
     free(s);
 }
 
-static double rel_err(const float *a, const float *b, int64_t n) {
-    double num = 0.0, den = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        num = d > num ? d : num;
-        den = fabs((double)b[i]) > den ? fabs((double)b[i]) : den;
-    }
-    return den > 0 ? num / den : num;
-}
-
 /* One forward + backward on both layers; the worst relative error over y,
    dx and every gradient. */
 static double compare_step(moept_config cfg, int bf16, int64_t T) {
@@ -88,16 +75,16 @@ static double compare_step(moept_config cfg, int bf16, int64_t T) {
     if (moept_backward(gpu, (const float *)dx_, (const float *)ddy, (float *)ddx) != MOEPT_OK) { tu_note(__FILE__, __LINE__, "gpu backward: %s", moept_last_error(gpu)); worst = 1e9; goto out; }
     host_from(y1, dyo, T * D, bf16);
     host_from(dx1, ddx, T * D, bf16);
-    double e = rel_err(y1, y0, T * D);
+    double e = tu_maxrelerr(y1, y0, T * D);
     worst = e > worst ? e : worst;
-    e = rel_err(dx1, dx0, T * D);
+    e = tu_maxrelerr(dx1, dx0, T * D);
     worst = e > worst ? e : worst;
     for (int64_t i = 0; i < moept_param_count(cpu); i++) {
         moept_param_info a, b;
         moept_param_info_at(cpu, i, &a);
         moept_param_info_at(gpu, i, &b);
         if (!a.grad) continue;
-        e = rel_err(b.grad, a.grad, a.rows * a.cols);
+        e = tu_maxrelerr(b.grad, a.grad, a.rows * a.cols);
         worst = e > worst ? e : worst;
     }
     moept_stats s0, s1;

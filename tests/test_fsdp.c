@@ -23,21 +23,6 @@ typedef struct job {
     char why[600];
 } job;
 
-static float urand(uint64_t *s) {
-    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((*s >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-}
-
-static double rel(const float *a, const float *b, int64_t n) {
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        num = d > num ? d : num;
-        den = fabs((double)b[i]) > den ? fabs((double)b[i]) : den;
-    }
-    return den > 0 ? num / den : num;
-}
-
 static void *run(void *arg) {
     job *j = arg;
 #ifdef _OPENMP
@@ -54,10 +39,11 @@ static void *run(void *arg) {
     const int64_t D = j->cfg.hidden_size, T = j->T;
     float *x = malloc((size_t)(T * D + 1) * 4), *dy = malloc((size_t)(T * D + 1) * 4);
     for (int m = 0; m < 2; m++) { j->y[m] = malloc((size_t)(T * D + 1) * 4); j->dx[m] = malloc((size_t)(T * D + 1) * 4); }
-    uint64_t seed = 99 + (uint64_t)j->comm->rank;
+    unsigned long long seed = 99 + (unsigned long long)j->comm->rank;
     moept_layer *Ls[2] = {j->ep, j->fs};
     for (int step = 0; step < 2 && !j->why[0]; step++) {
-        for (int64_t i = 0; i < T * D; i++) { x[i] = urand(&seed); dy[i] = urand(&seed); }
+        tu_fill(x, T * D, 1.0, &seed);
+        tu_fill(dy, T * D, 1.0, &seed);
         for (int m = 0; m < 2 && !j->why[0]; m++) {
             moept_layer *L = Ls[m];
             moept_zero_grad(L);
@@ -65,9 +51,9 @@ static void *run(void *arg) {
                 snprintf(j->why, sizeof j->why, "%s step %d: %s", m ? "fsdp" : "ep", step, moept_last_error(L));
         }
         if (j->why[0]) break;
-        double e = rel(j->y[1], j->y[0], T * D), e2 = rel(j->dx[1], j->dx[0], T * D);
+        double e = tu_maxrelerr(j->y[1], j->y[0], T * D), e2 = tu_maxrelerr(j->dx[1], j->dx[0], T * D);
         e = e2 > e ? e2 : e;
-        e2 = rel(j->fs->grads, j->ep->grads, j->ep->E * j->ep->D); /* router */
+        e2 = tu_maxrelerr(j->fs->grads, j->ep->grads, j->ep->E * j->ep->D); /* router */
         e = e2 > e ? e2 : e;
         moept_stats se, sf;
         moept_get_stats(j->ep, &se, NULL);
@@ -137,7 +123,7 @@ static void test_case(void) {
             moept_param_info_at(B, 1, &pi);
             EXPECT(pi.data == NULL && pi.shard_offset == 0, "expert 0's first tensor: shard_offset %lld", (long long)pi.shard_offset);
         }
-        double e = rel(fs, ep, total);
+        double e = tu_maxrelerr(fs, ep, total);
         EXPECT(e <= 1e-5, "expert gradients differ by %.3g (relative)", e);
         free(ep); free(fs);
     }

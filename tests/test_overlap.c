@@ -25,11 +25,6 @@ typedef struct job {
     char why[1200];     /* empty: equal */
 } job;
 
-static float urand(uint64_t *s) {
-    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((*s >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-}
-
 static void run_job(job *j) {
     moept_layer *A = NULL, *B = NULL;
     moept_config ca = j->cfg, cb = j->cfg;
@@ -47,10 +42,11 @@ static void run_job(job *j) {
     float *x = malloc((size_t)(Tmax * D + 1) * 4), *dy = malloc((size_t)(Tmax * D + 1) * 4);
     float *ya = malloc((size_t)(Tmax * D + 1) * 4), *yb = malloc((size_t)(Tmax * D + 1) * 4);
     float *da = malloc((size_t)(Tmax * D + 1) * 4), *db = malloc((size_t)(Tmax * D + 1) * 4);
-    uint64_t seed = 1000 + (uint64_t)rank;
+    unsigned long long seed = 1000 + (unsigned long long)rank;
     for (int step = 0; step < 3 && !j->why[0]; step++) {
         int64_t T = j->T[step];
-        for (int64_t i = 0; i < T * D; i++) { x[i] = urand(&seed); dy[i] = urand(&seed); }
+        tu_fill(x, T * D, 1.0, &seed);
+        tu_fill(dy, T * D, 1.0, &seed);
         moept_zero_grad(A);
         moept_zero_grad(B);
         if (moept_forward(A, x, T, ya) || moept_forward(B, x, T, yb) || moept_backward(A, x, dy, da) ||

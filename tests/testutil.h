@@ -61,4 +61,14 @@ static inline double tu_relerr(const float *a, const float *b, long long n) {
     }
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
+/* max |a - b| / max |b| (the reference checker's measure) */
+static inline double tu_maxrelerr(const float *a, const float *b, long long n) {
+    double num = 0, den = 0;
+    for (long long i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]), m = fabs((double)b[i]);
+        num = d > num ? d : num;
+        den = m > den ? m : den;
+    }
+    return den > 0 ? num / den : num;
+}
 #endif
