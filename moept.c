@@ -231,7 +231,6 @@ static void moept__micro(int64_t kc, const float *ap, const float *bp,
 
 #endif /* !MOEPT_CBLAS */
 
-/* Executes a batch of descriptors (one per expert group), in order. */
 #ifndef MOEPT_CBLAS
 /* The builtin GEMM over `count` descriptors that share op(B) (one call: one
    descriptor; the chunked overlap: one expert's runs from several sources):
@@ -281,6 +280,7 @@ static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gem
 }
 #endif
 
+/* Executes a batch of descriptors (one per expert group), in order. */
 static void moept__gemm_run(const moept__gemm *gs, int64_t count,
                             moept__gemm_ws *ws) {
     for (int64_t i = 0; i < count; i++) {
