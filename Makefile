@@ -210,3 +210,60 @@ fuzz: $(B)/fuzz_safetensors
 
 clean:
 	rm -rf $(B)
+
+# ---- the emulated GPU (tests/emu): moept_kernels.cu run on the CPU ----------
+# The kernels' unit is C++ with -fsanitize=thread's instrumentation but not its
+# runtime: every load and store calls tests/emu's checks. Needs only the CUDA,
+# cuBLAS and NCCL headers (for their declarations), no GPU and no CUDA library.
+EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/include; do [ -f $$d/cuda_runtime.h ] && [ -f $$d/cublas_v2.h ] && echo -I$$d && break; done) $(if $(wildcard $(NCCL_HOME)/include/nccl.h),-I$(NCCL_HOME)/include)
+EMU_OK   := $(if $(EMU_INC),$(shell printf '\043include <cuda_runtime.h>\n\043include <cublas_v2.h>\n\043include <nccl.h>\nint main(void){return 0;}' | $(CXX) -x c++ - $(EMU_INC) -o /dev/null 2>/dev/null && echo yes))
+CXX     ?= g++
+EMU_CXX  = $(CXX) -std=c++17 -g -Wall -Wextra -Wno-unknown-pragmas $(EMU_INC)
+EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tests/emu/emu_nccl.cc
+EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
+EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0
+EMU_LIBS = -lstdc++ -lm -pthread
+EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/test_emu $(B)/emu-san/moept_check)
+
+$(B)/emu/rt.o: $(EMU_SRC) $(EMU_HDRS) | $(B)
+	@mkdir -p $(B)/emu
+	$(EMU_CXX) -O2 -c tests/emu/emu_rt.cc -o $(B)/emu/emu_rt.o
+	$(EMU_CXX) -O2 -c tests/emu/emu_kernel.cc -o $(B)/emu/emu_kernel.o
+	$(EMU_CXX) -O2 -c tests/emu/emu_blas.cc -o $(B)/emu/emu_blas.o
+	$(EMU_CXX) -O2 -c tests/emu/emu_nccl.cc -o $(B)/emu/emu_nccl.o
+	ld -r $(B)/emu/emu_rt.o $(B)/emu/emu_kernel.o $(B)/emu/emu_blas.o $(B)/emu/emu_nccl.o -o $@
+
+$(B)/emu/moept_kernels.o: moept_kernels.cu $(HDRS) tests/emu/cuda_emu.h | $(B)
+	@mkdir -p $(B)/emu
+	$(EMU_CXX) -O2 $(EMU_KFLAGS) -c moept_kernels.cu -o $@
+
+$(B)/emu/moept.o: moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/emu
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) -c moept.c -o $@
+
+EMU_OBJS = $(B)/emu/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
+
+$(B)/emu/moept_check: tests/moept_check.c $(EMU_OBJS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/test_cuda: tests/test_cuda.c tests/testutil.h $(EMU_OBJS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/train: examples/train.c $(EMU_OBJS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/test_emu: tests/emu/test_emu.cc $(EMU_OBJS)
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU_SELFTEST tests/emu/test_emu.cc $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+# the same under ASan + UBSan (no per-access hooks: ASan and the tsan
+# instrumentation do not mix; ASan sees the kernels' stacks and host memory)
+$(B)/emu-san/moept_check: tests/moept_check.c moept.c moept_kernels.cu $(HDRS) $(EMU_SRC) $(EMU_HDRS)
+	@mkdir -p $(B)/emu-san
+	$(EMU_CXX) -O1 $(SAN) -c tests/emu/emu_rt.cc -o $(B)/emu-san/emu_rt.o
+	$(EMU_CXX) -O1 $(SAN) -c tests/emu/emu_kernel.cc -o $(B)/emu-san/emu_kernel.o
+	$(EMU_CXX) -O1 $(SAN) -c tests/emu/emu_blas.cc -o $(B)/emu-san/emu_blas.o
+	$(EMU_CXX) -O1 $(SAN) -c tests/emu/emu_nccl.cc -o $(B)/emu-san/emu_nccl.o
+	$(EMU_CXX) -O1 $(SAN) -x c++ -include tests/emu/cuda_emu.h -c moept_kernels.cu -o $(B)/emu-san/moept_kernels.o
+	$(CC) -O1 -g $(WARN) $(SAN) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) tests/moept_check.c moept.c $(B)/emu-san/*.o -o $@ $(EMU_LIBS)
+
+emu: $(EMU_BINS)

@@ -76,6 +76,12 @@ static moept_status moept__kfail(char *err, moept_status s, const char *fmt, ...
                                 cublasGetStatusString(e_), __LINE__);                          \
     } while (0)
 #define MOEPT__LAUNCHED() MOEPT__CU(cudaGetLastError())
+/* Every launch is MOEPT__LAUNCH(kernel, grid, block, smem, stream)(args...):
+   <<<>>> under nvcc; tests/emu defines it as a call to run the kernels on
+   the CPU under its checkers. */
+#ifndef MOEPT__LAUNCH
+#define MOEPT__LAUNCH(k, g, b, smem, s) k<<<g, b, smem, s>>>
+#endif
 #define MOEPT__TRY(expr)                     \
     do {                                     \
         moept_status s_ = (expr);            \
@@ -205,10 +211,10 @@ __global__ void moept__k_plan_count(const int32_t *ids, const int32_t *slot_of, 
 
 /* Plan, scan pass (one block): per slot, hist becomes each block's first
    position; kept = min(count, capacity); koff = exclusive scan of kept;
-   msg = [kept E | failed | T] for the count exchange. */
+   msg = [kept E | failed | T | receive capacity] for the count exchange. */
 __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
                                    int64_t *koff, int64_t *msg, const unsigned long long *bad,
-                                   int host_bad, int64_t T, double *lstat_flag) {
+                                   int host_bad, int64_t T, int64_t rcap, double *lstat_flag) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -218,6 +224,7 @@ __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t c
         int64_t failed = host_bad || bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX;
         msg[E] = failed;
         msg[E + 1] = T;
+        msg[E + 2] = rcap;
         *lstat_flag = (double)failed;
     }
 }
@@ -623,7 +630,7 @@ struct moept__cuda {
     int64_t *hist;              /* [nblk_max][E] plan counts, then block offsets */
     int32_t *lrank;             /* [Tmax*K] rank within block and slot */
     int64_t *kept, *koff;       /* [E], [E+1] */
-    int64_t *msg, *msg_all;     /* [E+2], [P][E+2] the count message: kept per slot | failed | T */
+    int64_t *msg, *msg_all;     /* [E+3], [P][E+3] the count message: kept per slot | failed | T | Rcap */
     unsigned long long *bad;    /* [4] first non-finite x index, token with bad logits, dy index */
     int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
     int64_t *tok_of_row;        /* [Tmax*K] */
@@ -643,7 +650,7 @@ struct moept__cuda {
 
     /* pinned host */
     void *pinned;
-    int64_t *h_msg_all;         /* [P][E+2] */
+    int64_t *h_msg_all;         /* [P][E+3] */
     double *h_lstat;            /* [3E + 3] */
     unsigned long long *h_bad;  /* [4] */
     float *h_aux_g;             /* [E] */
@@ -653,7 +660,6 @@ struct moept__cuda {
     int64_t *counts, *offsets;  /* [E], [E+1] rows kept per slot and their first row */
     int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
     moept_seg *send_segs, *recv_segs; /* [P][El] */
-    int64_t *rcap_all;          /* [P] every rank's receive capacity (all grow alike) */
     int64_t *grow_ok;           /* [P] */
     moept__gemm *descs;         /* [G] */
     int64_t *garr;              /* [9][G] grouped GEMM sizes */
@@ -698,8 +704,8 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->lrank = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
     c->kept = (int64_t *)moept__take(cv, (size_t)E * 8);
     c->koff = (int64_t *)moept__take(cv, (size_t)(E + 1) * 8);
-    c->msg = (int64_t *)moept__take(cv, (size_t)(E + 2) * 8);
-    c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * (E + 2)) * 8);
+    c->msg = (int64_t *)moept__take(cv, (size_t)(E + 3) * 8);
+    c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * (E + 3)) * 8);
     c->bad = (unsigned long long *)moept__take(cv, 4 * 8);
     c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     c->tok_of_row = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
@@ -792,7 +798,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     size_t pbytes = (size_t)(2 * p->n_params + E) * 4 + (size_t)E * 4 + 256;
     void *pb = NULL;
     MOEPT__TRY(moept__dmalloc(c, &pb, pbytes, err));
-    MOEPT__CU(cudaMemset(pb, 0, pbytes));
+    /* on the layer's stream: the legacy stream would not order a non-blocking one */
+    MOEPT__CU(cudaMemsetAsync(pb, 0, pbytes, c->s));
     c->params = (float *)pb;
     c->grads = c->params + p->n_params;
     c->bias = c->grads + p->n_params;
@@ -802,23 +809,23 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     moept__carve cv = {NULL, 0};
     moept__layout(c, &cv);
     MOEPT__TRY(moept__dmalloc(c, &c->work, cv.off, err));
-    MOEPT__CU(cudaMemset(c->work, 0, cv.off));
+    MOEPT__CU(cudaMemsetAsync(c->work, 0, cv.off, c->s));
     c->fixed_bytes = (int64_t)cv.off + (c->wlow ? (p->n_params - E * p->D) * 2 : 0);
     cv.base = (char *)c->work;
     cv.off = 0;
     moept__layout(c, &cv);
     /* pinned host block */
-    size_t hb = (size_t)(P * (E + 2)) * 8 + (size_t)(3 * E + 3) * 8 + 4 * 8 + (size_t)E * 4 +
+    size_t hb = (size_t)(P * (E + 3)) * 8 + (size_t)(3 * E + 3) * 8 + 4 * 8 + (size_t)E * 4 +
                 (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *) + 6 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
     moept__carve hv = {(char *)c->pinned, 0};
-    c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * (E + 2)) * 8);
+    c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * (E + 3)) * 8);
     c->h_lstat = (double *)moept__take(&hv, (size_t)(3 * E + 3) * 8);
     c->h_bad = (unsigned long long *)moept__take(&hv, 4 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
-    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + P + 9 * G);
+    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + 9 * G);
     size_t bytes = n64 * 8 + (size_t)(2 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
                    (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 8 * 64;
     char *hbk = (char *)calloc(1, bytes);
@@ -828,7 +835,6 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->offsets = (int64_t *)moept__take(&kv, (size_t)(E + 1) * 8);
     c->rcounts = (int64_t *)moept__take(&kv, (size_t)(P * El) * 8);
     c->roffsets = (int64_t *)moept__take(&kv, (size_t)(El + 1) * 8);
-    c->rcap_all = (int64_t *)moept__take(&kv, (size_t)P * 8);
     c->grow_ok = (int64_t *)moept__take(&kv, (size_t)P * 8);
     c->garr = (int64_t *)moept__take(&kv, (size_t)(9 * G) * 8);
     c->send_segs = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
@@ -838,7 +844,6 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->galpha = (float *)moept__take(&kv, (size_t)(2 * G) * sizeof(float));
     /* every rank starts with room for its own Tmax*K rows, and all grow alike */
     MOEPT__TRY(moept__grow(c, p->Tmax * p->K, err));
-    for (int64_t q = 0; q < P; q++) c->rcap_all[q] = c->Rcap;
     MOEPT__CU(cudaStreamSynchronize(c->s));
     return MOEPT_OK;
 }
@@ -973,7 +978,7 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     int64_t R = offs[groups] - offs[0], base = offs[0];
     if (R > 0) {
-        moept__k_act_fwd<T><<<moept__grid(R * F), MOEPT__TB, 0, c->s>>>(c->sp.act, (const T *)h + base * H, R, F, H,
+        MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(c->sp.act, (const T *)h + base * H, R, F, H,
                                                                        (T *)a + base * F);
         MOEPT__LAUNCHED();
     }
@@ -996,7 +1001,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
     float *g13 = c->grads + w13off, *g2 = c->grads + w2off;
     int64_t R = offs[groups] - offs[0], base = offs[0], n;
     if (R > 0) {
-        moept__k_act_fwd<T><<<moept__grid(R * F), MOEPT__TB, 0, c->s>>>(c->sp.act, (const T *)h + base * H, R, F, H,
+        MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(c->sp.act, (const T *)h + base * H, R, F, H,
                                                                        (T *)a + base * F);
         MOEPT__LAUNCHED();
     }
@@ -1011,7 +1016,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
                                       (const float *)(W2 + e * D * F * es), F, 0.0f, (float *)(A + r0 * F * es), F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     if (R > 0) {
-        moept__k_act_bwd<T><<<moept__grid(R * F), MOEPT__TB, 0, c->s>>>(c->sp.act, (T *)h + base * H,
+        MOEPT__LAUNCH(moept__k_act_bwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(c->sp.act, (T *)h + base * H,
                                                                        (const T *)a + base * F, R, F, H);
         MOEPT__LAUNCHED();
     }
@@ -1099,23 +1104,23 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     MOEPT__CU(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
     if (c->wlow) { /* this step's bf16 weights from the fp32 masters */
         int64_t nw = p->n_params - E * D;
-        moept__k_cast<moept__bf16><<<moept__grid(nw), MOEPT__TB, 0, c->s>>>(c->params + E * D, nw, (moept__bf16 *)c->wlow);
+        MOEPT__LAUNCH(moept__k_cast<moept__bf16>, moept__grid(nw), MOEPT__TB, 0, c->s)(c->params + E * D, nw, (moept__bf16 *)c->wlow);
         MOEPT__LAUNCHED();
     }
     const float *xf = c->wlow ? c->xf : (const float *)x;
     if (T_ > 0) {
-        moept__k_check<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
         MOEPT__LAUNCHED();
         /* router GEMM in fp32: logits = xf Wr^T */
         moept__gemm g = moept__gemm_make(0, 1, T_, E, D, xf, D, c->params, D, 0.0f, c->logits[nb], E);
         MOEPT__TRY(moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err));
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
-        moept__k_route<<<(unsigned)((T_ + 127) / 128), 128, 0, c->s>>>(
+        MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
             p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group, p->scale, T_,
             c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
         MOEPT__LAUNCHED();
     }
-    moept__k_loss_stats<<<(unsigned)(E + 1), MOEPT__TB, 0, c->s>>>(c->ids[nb], c->cids, c->scratch, c->lse[nb], T_,
+    MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(c->ids[nb], c->cids, c->scratch, c->lse[nb], T_,
                                                                    (int)E, (int)K, p->aux, c->lstat);
     MOEPT__LAUNCHED();
     /* 2. plan counts (per slot, capacity applied) into the count message */
@@ -1125,11 +1130,11 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     int64_t nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
     if (nblk > 0) {
         MOEPT__CU(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
-        moept__k_plan_count<<<(unsigned)nblk, MOEPT__PB, 0, c->s>>>(c->ids[nb], c->slot_of, T_ * K, (int)E, c->lrank, c->hist);
+        MOEPT__LAUNCH(moept__k_plan_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(c->ids[nb], c->slot_of, T_ * K, (int)E, c->lrank, c->hist);
         MOEPT__LAUNCHED();
     }
-    moept__k_plan_scan<<<1, MOEPT__TB, 0, c->s>>>(c->hist, nblk, (int)E, cap, c->kept, c->koff, c->msg, c->bad, host_bad,
-                                                  T_, &c->lstat[3 * E + 2]);
+    MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(c->hist, nblk, (int)E, cap, c->kept, c->koff, c->msg, c->bad, host_bad,
+                                                  T_, c->Rcap, &c->lstat[3 * E + 2]);
     MOEPT__LAUNCHED();
     /* 3. exchange: every rank's counts to every rank (all-gather: each rank
        then knows every rank's receive size, so all agree on growth without
@@ -1138,10 +1143,10 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     double t0 = moept__clock();
     if (p->ep) {
         MOEPT__TRY(moept__to_comm(c, c->cs, err));
-        if ((st = p->ep->allgather(p->ep, c->msg, c->msg_all, (E + 2) * 8)))
+        if ((st = p->ep->allgather(p->ep, c->msg, c->msg_all, (E + 3) * 8)))
             return moept__kfail(err, st, "moept_forward: count exchange failed: %s", p->ep->err);
     } else {
-        MOEPT__CU(cudaMemcpyAsync(c->msg_all, c->msg, (size_t)(E + 2) * 8, cudaMemcpyDeviceToDevice, c->s));
+        MOEPT__CU(cudaMemcpyAsync(c->msg_all, c->msg, (size_t)(E + 3) * 8, cudaMemcpyDeviceToDevice, c->s));
     }
     if (p->global_balance) {
         if (p->ep && (st = p->ep->allreduce(p->ep, c->lstat, 3 * E + 3, MOEPT_DTYPE_F64)))
@@ -1156,7 +1161,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
         }
     }
     if (p->ep) MOEPT__TRY(moept__from_comm(c, c->cs, err));
-    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * (E + 2)) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * (E + 3)) * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__CU(cudaMemcpyAsync(c->h_bad, c->bad, 4 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err)); /* <- the forward's host synchronisation */
@@ -1168,18 +1173,19 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     else if (!host_bad && c->h_bad[1] != ULLONG_MAX)
         snprintf(local, sizeof local, "moept_forward: router logits of token %lld are not finite", (long long)c->h_bad[1]);
     int64_t failed = 0;
-    for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * (E + 2) + E] != 0;
+    for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * (E + 3) + E] != 0;
     if (p->global_balance && c->h_lstat[3 * E + 2] > 0.0 && failed == 0) failed = 1; /* a DP peer */
     if (local[0]) return moept__kfail(err, host_bad ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC, "%s", local);
     if (failed) return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed", (long long)failed);
-    /* receive sizes of every rank; growth (rare) is agreed in a second round */
+    /* receive sizes of every rank against the capacity it sent (ranks with
+       fewer max_tokens start smaller); growth (rare) is agreed in a second round */
     int64_t R = 0, anyone_grows = 0;
     for (int64_t q = 0; q < P; q++) {
         int64_t Rq = 0;
         for (int64_t s = 0; s < P; s++)
-            for (int64_t j = 0; j < El; j++) Rq += c->h_msg_all[s * (E + 2) + q * El + j];
+            for (int64_t j = 0; j < El; j++) Rq += c->h_msg_all[s * (E + 3) + q * El + j];
         if (q == me) R = Rq;
-        if (Rq > c->rcap_all[q]) anyone_grows = 1;
+        if (Rq > c->h_msg_all[q * (E + 3) + E + 2]) anyone_grows = 1;
     }
     if (anyone_grows) {
         int64_t ok = moept__grow(c, R, err) == MOEPT_OK;
@@ -1189,20 +1195,10 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
         } else {
             c->grow_ok[0] = ok;
         }
-        int64_t bad_q = -1;
-        for (int64_t q = 0; q < P; q++) {
-            if (c->grow_ok[q]) {
-                int64_t Rq = 0;
-                for (int64_t s = 0; s < P; s++)
-                    for (int64_t j = 0; j < El; j++) Rq += c->h_msg_all[s * (E + 2) + q * El + j];
-                if (Rq > c->rcap_all[q]) c->rcap_all[q] = Rq > 2 * c->rcap_all[q] ? Rq : 2 * c->rcap_all[q];
-            } else if (bad_q < 0) {
-                bad_q = q;
-            }
-        }
-        if (bad_q >= 0)
-            return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: EP rank %lld cannot grow its receive buffers; nothing changed",
-                                (long long)bad_q);
+        for (int64_t q = 0; q < P; q++)
+            if (!c->grow_ok[q])
+                return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY,
+                                    "moept_forward: EP rank %lld cannot grow its receive buffers; nothing changed", (long long)q);
     }
 
     /* ---- commit ---- */
@@ -1210,7 +1206,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     c->T = T_;
     c->fwd_valid = 1;
     c->R = R;
-    const int64_t *mine = c->h_msg_all + me * (E + 2);
+    const int64_t *mine = c->h_msg_all + me * (E + 3);
     c->offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         c->counts[e] = mine[e];
@@ -1218,7 +1214,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     }
     c->N = c->offsets[E];
     for (int64_t s = 0; s < P; s++)
-        for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * (E + 2) + me * El + j];
+        for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * (E + 3) + me * El + j];
     c->roffsets[0] = 0;
     for (int64_t j = 0; j < El; j++) {
         int64_t n = 0;
@@ -1254,7 +1250,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
 
     /* plan placement, then the rows go once: x -> send buffer -> experts */
     if (T_ > 0) {
-        moept__k_plan_place<<<(unsigned)((T_ * K + 255) / 256), 256, 0, c->s>>>(
+        MOEPT__LAUNCH(moept__k_plan_place, (unsigned)((T_ * K + 255) / 256), 256, 0, c->s)(
             c->ids[nb], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)E, c->row_of, c->tok_of_row,
             c->kslot_of_row);
         MOEPT__LAUNCHED();
@@ -1263,7 +1259,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     void *ys = P > 1 ? c->ys : c->yr;
     const unsigned dblk = (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB);
     if (c->N > 0) {
-        moept__k_gather<T><<<dim3((unsigned)c->N, dblk), MOEPT__TB, 0, c->s>>>(x, c->tok_of_row, D, (T *)xs);
+        MOEPT__LAUNCH(moept__k_gather<T>, dim3((unsigned)c->N, dblk), MOEPT__TB, 0, c->s)(x, c->tok_of_row, D, (T *)xs);
         MOEPT__LAUNCHED();
     }
     if (P > 1) MOEPT__TRY(moept__exchange(c, xs, c->xr, 1, 1, out, err));
@@ -1275,13 +1271,13 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
         if (p->offsg >= 0) {
             moept__gemm gg = moept__gemm_make(0, 1, T_, 1, D, (const float *)x, D, moept__w(c, p->offsg), D, 0.0f, c->sg, 1);
             MOEPT__TRY(moept__gemms(c, &gg, 1, c->dt, CUDA_R_32F, err));
-            moept__k_sigmoid<<<moept__grid(T_), MOEPT__TB, 0, c->s>>>(c->sg, T_);
+            MOEPT__LAUNCH(moept__k_sigmoid, moept__grid(T_), MOEPT__TB, 0, c->s)(c->sg, T_);
             MOEPT__LAUNCHED();
         }
     }
     if (P > 1) MOEPT__TRY(moept__from_comm(c, c->cs, err)); /* the experts' outputs are back */
     if (T_ > 0) {
-        moept__k_combine<T><<<dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s>>>(
+        MOEPT__LAUNCH(moept__k_combine<T>, dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s)(
             (const T *)ys, c->row_of, c->wts[nb], p->S > 0 ? (const T *)c->yss : NULL, p->offsg >= 0 ? c->sg : NULL, D,
             (int)K, y);
         MOEPT__LAUNCHED();
@@ -1325,7 +1321,7 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     int checked = !p->unchecked_backward;
     if (!local[0] && T_ > 0) {
         MOEPT__CU(cudaMemsetAsync(&c->bad[2], 0xff, 8, c->s));
-        moept__k_check<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(dy, T_ * D, NULL, &c->bad[2]);
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dy, T_ * D, NULL, &c->bad[2]);
         MOEPT__LAUNCHED();
     }
     if (checked || local[0]) {
@@ -1353,15 +1349,15 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     const float *xf = c->wlow ? c->xf : (const float *)x;
     const unsigned dblk = (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB);
     if (c->wlow && T_ > 0) { /* the router's fp32 input again (a rejected forward may have overwritten it) */
-        moept__k_check<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(x, T_ * D, c->xf, &c->bad[3]);
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(x, T_ * D, c->xf, &c->bad[3]);
         MOEPT__LAUNCHED();
     }
     /* combine': dL/dw and dys in place of the outputs */
     if (T_ > 0) {
-        moept__k_combine_bwd<T><<<(unsigned)(T_ * K), MOEPT__TB, 0, c->s>>>((T *)ys, c->row_of, c->wts[cur], dy, D, (int)K, c->dwts);
+        MOEPT__LAUNCH(moept__k_combine_bwd<T>, (unsigned)(T_ * K), MOEPT__TB, 0, c->s)((T *)ys, c->row_of, c->wts[cur], dy, D, (int)K, c->dwts);
         MOEPT__LAUNCHED();
         if (p->S > 0) {
-            moept__k_shared_bwd<T><<<(unsigned)T_, MOEPT__TB, 0, c->s>>>((T *)c->yss, p->offsg >= 0 ? c->sg : NULL, dy, D, c->dsg);
+            MOEPT__LAUNCH(moept__k_shared_bwd<T>, (unsigned)T_, MOEPT__TB, 0, c->s)((T *)c->yss, p->offsg >= 0 ? c->sg : NULL, dy, D, c->dsg);
             MOEPT__LAUNCHED();
         }
     }
@@ -1369,12 +1365,12 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
     if (P > 1) MOEPT__TRY(moept__exchange(c, ys, c->yr, 0, 1, out, err));
     if (T_ == 0) return MOEPT_OK;
-    moept__k_token_sum<T><<<dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s>>>((const T *)ys, c->row_of, D, (int)K, dxf);
+    MOEPT__LAUNCH(moept__k_token_sum<T>, dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s)((const T *)ys, c->row_of, D, (int)K, dxf);
     MOEPT__LAUNCHED();
     if (p->S > 0) {
         int64_t off[2] = {0, T_};
         MOEPT__TRY(moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
-        moept__k_add<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(dxf, (const T *)c->yss, T_ * D);
+        MOEPT__LAUNCH(moept__k_add<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, (const T *)c->yss, T_ * D);
         MOEPT__LAUNCHED();
         if (p->offsg >= 0) { /* gsg += dsg^T x ; dx += dsg wsg (fp32) */
             moept__gemm gd[2];
@@ -1386,7 +1382,7 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     }
     /* router' */
     const float *aux_g = p->aux != MOEPT_AUX_NONE && p->aux_coef != 0.0f ? c->aux_g : NULL;
-    moept__k_router_bwd<<<(unsigned)((T_ + 127) / 128), 128, 0, c->s>>>(
+    MOEPT__LAUNCH(moept__k_router_bwd, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
         p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->z_coef, c->lse[cur],
         (float)c->loss_T, (int)E, (int)K, p->norm, p->scale, T_,
         c->scratch, c->dlogits);
@@ -1397,7 +1393,7 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     MOEPT__TRY(moept__gemms(c, &gr[0], 1, CUDA_R_32F, CUDA_R_32F, err));
     MOEPT__TRY(moept__gemms(c, &gr[1], 1, CUDA_R_32F, CUDA_R_32F, err));
     if (c->wlow) {
-        moept__k_cast<T><<<moept__grid(T_ * D), MOEPT__TB, 0, c->s>>>(dxf, T_ * D, (T *)dxv);
+        MOEPT__LAUNCH(moept__k_cast<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, T_ * D, (T *)dxv);
         MOEPT__LAUNCHED();
     }
     return MOEPT_OK;

@@ -20,6 +20,7 @@
 #include "../moept.h"
 #ifdef MOEPT_CUDA
 #include <cuda_runtime.h>
+#include <nccl.h>
 #endif
 #ifdef _OPENMP
 #include <omp.h>
@@ -61,35 +62,41 @@ static int to_host(float *h, const void *d, int64_t n) {
     return ok;
 }
 #endif
-static moept_status layer_create(const moept_config *cfg, moept_comm *ep, moept_layer **L) {
+static moept_status layer_create(const moept_config *cfg, moept_comm *ep, void *stream, moept_layer **L) {
 #ifdef MOEPT_CUDA
-    moept_cuda_options o = {g_bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+    moept_cuda_options o = {g_bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, stream, 0};
     return moept_create_cuda(cfg, ep, NULL, &o, L);
 #else
+    (void)stream;
     return moept_create_parallel(cfg, ep, NULL, L);
 #endif
 }
-static moept_status layer_forward(moept_layer *L, const float *x, int64_t T, int64_t D, float *y) {
+/* (CUDA: the layer's outputs are ready in its stream's order: synchronise
+   it before reading them on another stream) */
+static moept_status layer_forward(moept_layer *L, void *stream, const float *x, int64_t T, int64_t D, float *y) {
 #ifdef MOEPT_CUDA
     void *dxp = to_device(x, T * D), *dyp = to_device(y, T * D);
     moept_status st = dxp && dyp ? moept_forward(L, (const float *)dxp, T, (float *)dyp) : MOEPT_ERR_OUT_OF_MEMORY;
+    if (!st && cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess) st = MOEPT_ERR_DEVICE;
     if (!st && !to_host(y, dyp, T * D)) st = MOEPT_ERR_DEVICE;
     cudaFree(dxp); cudaFree(dyp);
     return st;
 #else
-    (void)D;
+    (void)D; (void)stream;
     return moept_forward(L, x, T, y);
 #endif
 }
-static moept_status layer_backward(moept_layer *L, const float *x, const float *dy, int64_t T, int64_t D, float *dx) {
+static moept_status layer_backward(moept_layer *L, void *stream, const float *x, const float *dy, int64_t T, int64_t D,
+                                   float *dx) {
 #ifdef MOEPT_CUDA
     void *a = to_device(x, T * D), *b = to_device(dy, T * D), *c = to_device(dx, T * D);
     moept_status st = a && b && c ? moept_backward(L, (const float *)a, (const float *)b, (float *)c) : MOEPT_ERR_OUT_OF_MEMORY;
+    if (!st && cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess) st = MOEPT_ERR_DEVICE;
     if (!st && !to_host(dx, c, T * D)) st = MOEPT_ERR_DEVICE;
     cudaFree(a); cudaFree(b); cudaFree(c);
     return st;
 #else
-    (void)T; (void)D;
+    (void)T; (void)D; (void)stream;
     return moept_backward(L, x, dy, dx);
 #endif
 }
@@ -97,6 +104,9 @@ static moept_status layer_backward(moept_layer *L, const float *x, const float *
 typedef struct check {
     const char *path;
     moept_comm *ep;         /* NULL: one rank */
+    moept_comm *ref_ep;     /* CUDA --ep: the bf16 reference's comm (threads), NULL at one rank */
+    void *stream;           /* CUDA: the layer's compute stream (NULL: the default stream) */
+    struct ref *ref;        /* CUDA bf16: what the reference made, in place of the file's expected.* */
     moept_st_file *f;
     double worst;           /* largest relative error so far */
     char worst_name[128];
@@ -194,6 +204,109 @@ static int family_of(const char *s, moept_family *f) {
     return 0;
 }
 
+/* ---- bf16 (CUDA): the reference ----
+   A bf16 run is compared with the CPU layer run on what the GPU computes
+   from: x, dy and every non-router weight rounded to bf16, the router (its
+   weight, the DeepSeek bias, logits, losses) in fp32. Against the file's
+   fp32 expectations a bf16 run would be judged on rounding its inputs,
+   which moves logits past the top-k margin of some tokens; against this
+   reference routing must match exactly, and what differs is the GPU's own
+   bf16 storage of h, a, ys, y and dx (see docs/CUDA.md for the bound). */
+typedef struct ref {
+    int n;
+    char name[512][96];
+    float *v[512];          /* [total] each, this rank's slice at its offset */
+    int64_t *ids;           /* [T][K] */
+} ref;
+
+static float *ref_get(ref *r, const char *name) {
+    for (int i = 0; i < r->n; i++)
+        if (strcmp(r->name[i], name) == 0) return r->v[i];
+    return NULL;
+}
+static int ref_put(ref *r, const char *name, const float *v, int64_t n, int64_t at, int64_t total) {
+    if (r->n == 512) return 0;
+    float *a = calloc((size_t)(total + 1), sizeof(float));
+    if (!a) return 0;
+    if (v) memcpy(a + at, v, (size_t)n * sizeof(float));
+    snprintf(r->name[r->n], sizeof r->name[0], "%s", name);
+    r->v[r->n++] = a;
+    return 1;
+}
+static void ref_free(ref *r) {
+    if (!r) return;
+    for (int i = 0; i < r->n; i++) free(r->v[i]);
+    free(r->ids);
+    free(r);
+}
+static int is_router(const char *name) {
+    return strcmp(name, "gate.weight") == 0 || strcmp(name, "gate.e_score_correction_bias") == 0;
+}
+static void round_bf16(float *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) v[i] = moept__bf16_to_f32(moept__f32_to_bf16(v[i]));
+}
+
+/* runs the CPU reference on rounded copies of L's parameters; x and gy are
+   this rank's Tr rows (already rounded), at row lo of T */
+static int ref_build(check *c, const moept_config *cfg, moept_layer *L, const float *x, const float *gy, int64_t T,
+                     int64_t lo, int64_t Tr) {
+    const int64_t D = cfg->hidden_size, E = cfg->num_experts, K = cfg->top_k;
+    moept_layer *R = NULL;
+    ref *r = calloc(1, sizeof *r);
+    float *y = calloc((size_t)(Tr * D + 1), sizeof(float)), *dx = calloc((size_t)(Tr * D + 1), sizeof(float));
+    int ok = r && y && dx && moept_create_parallel(cfg, c->ref_ep, NULL, &R) == MOEPT_OK;
+    for (int64_t i = 0; ok && i < moept_param_count(L); i++) {
+        moept_param_info pi;
+        moept_param_info_at(L, i, &pi);
+        int64_t n = pi.rows * pi.cols;
+        float *w = malloc((size_t)(n + 1) * sizeof(float));
+        ok = w != NULL;
+        if (ok) memcpy(w, pi.data, (size_t)n * sizeof(float));
+        if (ok && !is_router(pi.name)) round_bf16(w, n);
+        ok = ok && moept_set_param(R, pi.name, w, n) == MOEPT_OK;
+        free(w);
+    }
+    ok = ok && moept_forward(R, x, Tr, y) == MOEPT_OK;
+    const int32_t *ids; const float *wts, *logits;
+    moept_stats st;
+    if (ok) {
+        moept_routing(R, &ids, &wts, &logits);
+        moept_get_stats(R, &st, NULL);
+        r->ids = calloc((size_t)(T * K + 1), sizeof(int64_t));
+        ok = r->ids != NULL;
+        for (int64_t i = 0; ok && i < Tr * K; i++) r->ids[lo * K + i] = ids[i];
+        ok = ok && ref_put(r, "output", y, Tr * D, lo * D, T * D) && ref_put(r, "router_logits", logits, Tr * E, lo * E, T * E);
+        ok = ok && ref_put(r, "topk_weights", wts, Tr * K, lo * K, T * K);
+        ok = ok && ref_put(r, "aux_loss", &st.aux_loss, 1, 0, 1) && ref_put(r, "z_loss", &st.z_loss, 1, 0, 1);
+    }
+    ok = ok && moept_backward(R, x, gy, dx) == MOEPT_OK && moept_sync_grads(R, 1.0f) == MOEPT_OK;
+    ok = ok && ref_put(r, "grad.input", dx, Tr * D, lo * D, T * D);
+    for (int64_t i = 0; ok && i < moept_param_count(R); i++) {
+        moept_param_info pi;
+        moept_param_info_at(R, i, &pi);
+        char name[120];
+        snprintf(name, sizeof name, "grad.%s", pi.name);
+        if (pi.grad) ok = ref_put(r, name, pi.grad, pi.rows * pi.cols, 0, pi.rows * pi.cols);
+    }
+    if (!ok) failf(c, "bf16 reference (CPU layer on bf16-rounded inputs): %s", moept_last_error(R));
+    moept_destroy(R);
+    free(y); free(dx);
+    if (!ok) { ref_free(r); return 0; }
+    c->ref = r;
+    return 1;
+}
+
+/* the expected tensor: the file's expected.<name>, or the bf16 reference's */
+static float *want_f(check *c, const char *name, int64_t rows, int64_t cols) {
+    char full[160];
+    snprintf(full, sizeof full, "expected.%s", name);
+    if (!c->ref) return read_f(c, full, rows, cols);
+    float *v = ref_get(c->ref, name), *out = malloc((size_t)(rows * cols + 1) * sizeof(float));
+    if (!v || !out) { free(out); failf(c, "bf16 reference: no %s", name); return NULL; }
+    memcpy(out, v, (size_t)(rows * cols) * sizeof(float));
+    return out;
+}
+
 static void run_case(check *c) {
     moept_layer *L = NULL;
     float *x = NULL, *y = NULL, *gy = NULL, *dx = NULL, *want = NULL, *got = NULL;
@@ -233,7 +346,7 @@ static void run_case(check *c) {
         snprintf(c->skip, sizeof c->skip, "E=%lld experts do not split over --ep %d", (long long)cfg.num_experts, P);
         goto done;
     }
-    if (layer_create(&cfg, c->ep, &L) != MOEPT_OK) { failf(c, "config rejected: %s", moept_last_error(NULL)); goto done; }
+    if (layer_create(&cfg, c->ep, c->stream, &L) != MOEPT_OK) { failf(c, "config rejected: %s", moept_last_error(NULL)); goto done; }
     const int64_t D = cfg.hidden_size, E = cfg.num_experts, K = cfg.top_k;
 
     /* parameters: every one the layer has must be in the file (or the checkpoint) */
@@ -252,18 +365,23 @@ static void run_case(check *c) {
         if (st) { failf(c, "%s", moept_last_error(L)); goto done; }
     }
     if (!(x = read_f(c, "input", T, D)) || !(gy = read_f(c, "grad_output", T, D))) goto done;
+    if (g_bf16) { /* the values the GPU sees, and the reference made from them */
+        round_bf16(x, T * D);
+        round_bf16(gy, T * D);
+        if (!ref_build(c, &cfg, L, x + lo * D, gy + lo * D, T, lo, Tr)) goto done;
+    }
     y = calloc((size_t)(T * D + 1), sizeof(float));
     dx = calloc((size_t)(T * D + 1), sizeof(float));
     if (!y || !dx) { failf(c, "out of memory"); goto done; }
     if (!all_ok(c)) goto done;
-    if (layer_forward(L, x + lo * D, Tr, D, y) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
+    if (layer_forward(L, c->stream, x + lo * D, Tr, D, y) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
 
-    if (!(want = read_f(c, "expected.output", T, D))) goto done;
+    if (!(want = want_f(c, "output", T, D))) goto done;
     compare(c, "output", y, want + lo * D, Tr * D);
     free(want); want = NULL;
     const int32_t *ids; const float *wts, *logits;
     moept_routing(L, &ids, &wts, &logits);
-    if (!(want = read_f(c, "expected.router_logits", T, E))) goto done;
+    if (!(want = want_f(c, "router_logits", T, E))) goto done;
     compare(c, "router_logits", logits, want + lo * E, Tr * E);
     free(want); want = NULL;
     /* top-k: the same set per token; weights paired with their ids */
@@ -271,7 +389,8 @@ static void run_case(check *c) {
     if (!tid || tid->ndim != 2 || tid->shape[0] != T || tid->shape[1] != K) { failf(c, "tensor 'expected.topk_ids' missing or not [T, K]"); goto done; }
     int64_t *eid = malloc((size_t)(T * K + 1) * sizeof(int64_t));
     if (!eid || moept_st_read_i64(c->f, tid, eid, T * K) != MOEPT_OK) { free(eid); failf(c, "cannot read expected.topk_ids"); goto done; }
-    if (!(want = read_f(c, "expected.topk_weights", T, K))) { free(eid); goto done; }
+    if (c->ref) memcpy(eid, c->ref->ids, (size_t)(T * K) * sizeof(int64_t)); /* bf16: the reference's choices, exactly */
+    if (!(want = want_f(c, "topk_weights", T, K))) { free(eid); goto done; }
     got = malloc((size_t)(T * K + 1) * sizeof(float));
     for (int64_t t = 0; t < Tr && got; t++)
         for (int64_t k = 0; k < K; k++) {
@@ -288,17 +407,17 @@ static void run_case(check *c) {
     free(want); want = NULL;
     moept_stats st;
     moept_get_stats(L, &st, NULL);
-    if (!(want = read_f(c, "expected.aux_loss", 1, 1))) goto done;
+    if (!(want = want_f(c, "aux_loss", 1, 1))) goto done;
     compare(c, "aux_loss", &st.aux_loss, want, 1);
     free(want); want = NULL;
-    if (!(want = read_f(c, "expected.z_loss", 1, 1))) goto done;
+    if (!(want = want_f(c, "z_loss", 1, 1))) goto done;
     compare(c, "z_loss", &st.z_loss, want, 1);
     free(want); want = NULL;
 
     if (!all_ok(c)) goto done;
-    if (layer_backward(L, x + lo * D, gy + lo * D, Tr, D, dx) != MOEPT_OK) { failf(c, "backward: %s", moept_last_error(L)); goto done; }
+    if (layer_backward(L, c->stream, x + lo * D, gy + lo * D, Tr, D, dx) != MOEPT_OK) { failf(c, "backward: %s", moept_last_error(L)); goto done; }
     if (moept_sync_grads(L, 1.0f) != MOEPT_OK) { failf(c, "sync_grads: %s", moept_last_error(L)); goto done; }
-    if (!(want = read_f(c, "expected.grad.input", T, D))) goto done;
+    if (!(want = want_f(c, "grad.input", T, D))) goto done;
     compare(c, "grad.input", dx, want + lo * D, Tr * D);
     free(want); want = NULL;
     /* The router weight's gradient carries a rounding floor when the
@@ -323,9 +442,9 @@ static void run_case(check *c) {
         moept_param_info_at(L, i, &pi);
         if (!pi.grad) continue;
         char name[160];
-        snprintf(name, sizeof name, "expected.grad.%s", pi.name);
-        if (!(want = read_f(c, name, pi.rows, pi.cols))) goto done;
-        compare_floor(c, name + 9, pi.grad, want, pi.rows * pi.cols,
+        snprintf(name, sizeof name, "grad.%s", pi.name);
+        if (!(want = want_f(c, name, pi.rows, pi.cols))) goto done;
+        compare_floor(c, name, pi.grad, want, pi.rows * pi.cols,
                       strcmp(pi.name, "gate.weight") == 0 ? floor_abs : 0.0);
         free(want); want = NULL;
     }
@@ -333,6 +452,8 @@ done:
     free(x); free(y); free(gy); free(dx); free(want); free(got);
     moept_destroy(L);
     moept_st_close(c->f);
+    ref_free(c->ref);
+    c->ref = NULL;
 }
 
 /* ---- several ranks ---- */
@@ -347,14 +468,52 @@ static void merge(check *c, const check *r, int rank) {
 }
 
 #ifndef MOEPT_MPI
-typedef struct rank_job { check c; } rank_job;
+typedef struct rank_job {
+    check c;
+#ifdef MOEPT_CUDA
+    int rank, size;
+    ncclUniqueId id;
+#endif
+} rank_job;
+
+#ifdef MOEPT_CUDA
+/* One GPU per rank, each driven by its thread: its NCCL communicator and two
+   non-blocking streams (compute, communication), so that only the layer's
+   own events order them. */
+static void run_case_gpu(check *c, rank_job *j) {
+    cudaStream_t ks = NULL, cs = NULL;
+    ncclComm_t nc = NULL;
+    moept_comm *ep = NULL;
+    int ok = cudaSetDevice(j ? j->rank : 0) == cudaSuccess &&
+             cudaStreamCreateWithFlags(&ks, cudaStreamNonBlocking) == cudaSuccess &&
+             cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) == cudaSuccess;
+    if (ok && j) ok = ncclCommInitRank(&nc, j->size, j->id, j->rank) == ncclSuccess &&
+                      moept_comm_nccl(nc, cs, 60000, &ep) == MOEPT_OK;
+    if (!ok) {
+        failf(c, "cannot set up this rank's device, streams or NCCL communicator");
+    } else {
+        c->ep = ep;
+        c->stream = ks;
+        run_case(c);
+    }
+    moept_comm_destroy(ep);
+    c->ep = NULL;
+    if (nc) ncclCommDestroy(nc);
+    if (ks) cudaStreamDestroy(ks);
+    if (cs) cudaStreamDestroy(cs);
+}
+#endif
 
 static void *rank_main(void *arg) {
     rank_job *j = arg;
 #ifdef _OPENMP
     omp_set_num_threads(1);
 #endif
+#ifdef MOEPT_CUDA
+    run_case_gpu(&j->c, j);
+#else
     run_case(&j->c);
+#endif
     return NULL;
 }
 
@@ -363,9 +522,20 @@ static void run_threads(check *c, int P) {
     if (moept_thread_group_create(P, 60000, &g) != MOEPT_OK) { failf(c, "%s", moept_last_error(NULL)); return; }
     rank_job *jobs = calloc((size_t)P, sizeof *jobs);
     pthread_t *th = calloc((size_t)P, sizeof *th);
+#ifdef MOEPT_CUDA
+    ncclUniqueId id;
+    if (ncclGetUniqueId(&id) != ncclSuccess) { failf(c, "ncclGetUniqueId failed"); P = 0; }
+#endif
     for (int r = 0; r < P; r++) {
         jobs[r].c.path = c->path;
+#ifdef MOEPT_CUDA
+        jobs[r].rank = r;
+        jobs[r].size = P;
+        jobs[r].id = id;
+        moept_comm_threads(g, r, &jobs[r].c.ref_ep); /* the bf16 reference's */
+#else
         moept_comm_threads(g, r, &jobs[r].c.ep);
+#endif
         pthread_create(&th[r], NULL, rank_main, &jobs[r]);
     }
     for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
@@ -376,7 +546,7 @@ static void run_threads(check *c, int P) {
 #endif
 
 int main(int argc, char **argv) {
-    double tol = 1e-5, tol_bf16 = 1e-2;
+    double tol = 1e-5, tol_bf16 = 0.015625; /* bf16: 4u, u = 2^-8 (docs/CUDA.md) */
     int first = 1, P = 1;
     for (; first < argc && strncmp(argv[first], "--", 2) == 0; first++) {
         if (strcmp(argv[first], "--tol") == 0 && first + 1 < argc) tol = atof(argv[++first]);
@@ -404,11 +574,10 @@ int main(int argc, char **argv) {
 #endif
     int passed = 0, failed = 0, skipped = 0;
 #ifdef MOEPT_CUDA
-    if (P != 1) { fprintf(stderr, "moept_check_cuda: --ep needs NCCL ranks; this checker runs one GPU\n"); return 2; }
-    if (moept_cuda_device_count() < 1) { /* a GPU check without a GPU is skipped, never passed */
+    if (moept_cuda_device_count() < P) { /* a GPU check without a GPU is skipped, never passed */
         for (int i = first; i < argc; i++) {
             const char *b = strrchr(argv[i], '/');
-            printf("%-40s SKIP  no CUDA device (fp32 and bf16 not run)\n", b ? b + 1 : argv[i]);
+            printf("%-40s SKIP  fewer CUDA devices than --ep (fp32 and bf16 not run)\n", b ? b + 1 : argv[i]);
             skipped++;
         }
         printf("0 passed, 0 failed, %d skipped\n", skipped);
@@ -442,7 +611,11 @@ int main(int argc, char **argv) {
         }
 #else
         if (P > 1) run_threads(&c, P);
+#ifdef MOEPT_CUDA
+        else run_case_gpu(&c, NULL);
+#else
         else run_case(&c);
+#endif
 #endif
         const char *base = strrchr(c.path, '/');
         base = base ? base + 1 : c.path;

@@ -1,0 +1,22 @@
+/* emu.h - the emulator's test interface (C and C++). Only tests/ use it. */
+#ifndef MOEPT_EMU_H
+#define MOEPT_EMU_H
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* Reports so far (every checker); each is also printed "moept-emu: ..." */
+long moept_emu_reports(void);
+/* The reports since the last take, and forgets them: a test that broke
+   something on purpose takes what it expected; an untaken report makes the
+   process exit nonzero at exit. The text of the last one goes to buf. */
+long moept_emu_take_reports(char *buf, int len);
+/* Fault injection: the n-th cudaMalloc from now (1 = the next) fails with
+   cudaErrorMemoryAllocation; 0 disarms. */
+void moept_emu_fail_malloc(int n);
+/* How long an NCCL op waits for a peer before the communicator gets an
+   asynchronous error (ms; default 20000). */
+void moept_emu_nccl_timeout(int ms);
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,134 @@
+/* emu_internal.h - the emulator's own declarations (tests/emu only).
+
+   The emulated CUDA runtime, cuBLAS and NCCL are built from the real
+   headers (cuda_runtime.h, cublas_v2.h, nccl.h): each emulated function is
+   defined against NVIDIA's declaration, so a prototype that differs does
+   not compile. Objects behind the opaque handles are ours:
+     cudaStream_t -> emu::Stream, cudaEvent_t -> emu::Event,
+     cublasHandle_t -> emu::Blas, ncclComm_t -> emu::Comm. */
+#pragma once
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "emu.h"
+
+namespace emu {
+
+constexpr int MAXDEV = 8;          /* emulated devices (ranks) */
+constexpr int MAXSTREAMS = 64;     /* streams over all devices: the vector-clock width */
+constexpr size_t ARENA = (size_t)1 << 32; /* device address space per device */
+constexpr size_t PAGE = 4096;
+
+/* A vector clock over streams: op o happens before op p iff p's clock has
+   o's stream entry >= o's epoch. */
+struct VC {
+    uint32_t c[MAXSTREAMS] = {0};
+    void join(const VC &o) {
+        for (int i = 0; i < MAXSTREAMS; i++)
+            if (o.c[i] > c[i]) c[i] = o.c[i];
+    }
+};
+
+/* Per 2-byte granule of device memory: the last writer and up to two
+   readers since, as (stream, epoch). */
+struct Granule {
+    uint32_t wep, rep[2];
+    uint8_t ws, rs[2], pad;
+};
+
+struct Alloc {
+    char *base;
+    size_t size;                   /* bytes asked for */
+    int dev;
+    bool live;
+    Granule *shadow;               /* [size/2 + 1] */
+};
+
+struct Stream;
+
+/* An op on a stream: a kernel, copy, memset, cuBLAS call, NCCL op, event
+   record or wait. It runs on the stream's worker once released. */
+struct Op {
+    std::string name;
+    std::function<void(Op &)> run;
+    std::vector<std::shared_ptr<Op>> deps; /* ops that must complete first (event waits, legacy stream) */
+    VC host_vc;                    /* what the enqueuing host thread had synchronised with */
+    VC vc;                         /* the stream's clock when it ran (event records pass it on) */
+    Stream *s = nullptr;
+    uint64_t seq = 0;
+    uint32_t epoch = 0;
+    bool done = false;
+    /* host buffer of an async H2D copy: its bytes when enqueued */
+    const void *hsrc = nullptr;
+    size_t hlen = 0;
+    uint64_t hsum = 0;
+};
+
+struct Stream {
+    int id = 0, dev = 0;
+    bool legacy = false, blocking = true;
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::shared_ptr<Op>> q;
+    uint64_t next_seq = 1, released = 0, completed = 0;
+    std::shared_ptr<Op> last;      /* the newest op enqueued */
+    VC vc;
+    std::vector<std::string> names; /* [epoch] what each op was (for reports) */
+    std::thread worker;
+    bool quit = false;
+};
+
+struct Event {
+    int dev;
+    std::shared_ptr<Op> rec;       /* the last record, null before any */
+};
+
+struct Device {
+    int id;
+    char *arena = nullptr;
+    size_t top = 0;                /* bump pointer: addresses are never reused */
+    std::vector<Alloc *> allocs;   /* every allocation, index = id */
+    uint32_t *page_of = nullptr;   /* [ARENA/PAGE] allocation id + 1, 0 = none */
+    std::mutex m;
+    int active = 0;                /* device ops running: memory is mapped RW */
+    Stream *legacy = nullptr;
+    std::vector<Stream *> streams;
+};
+
+extern Device *devices[MAXDEV];
+extern thread_local int cur_dev;
+extern thread_local VC host_vc;
+extern thread_local Op *cur_op;    /* set on a worker while its op runs */
+
+void report(const char *checker, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+Device *dev(int d);
+Stream *stream_of(cudaStream_t s);
+/* enqueue: op runs on s after its deps and s's earlier ops; returns it */
+std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run);
+void force(Stream *s, uint64_t seq);
+void force_all(Stream *s);
+bool wait_op(const std::shared_ptr<Op> &o, double timeout_s);
+Alloc *find(const void *p, int *devid);
+int is_pinned(const void *p);
+/* in an op: n bytes at p are read or written (memcheck on the device,
+   the stream hazard check); returns 0 after a report */
+int touch(const void *p, size_t n, int write, const char *what);
+uint64_t checksum(const void *p, size_t n);
+double now();
+void set_last_error(cudaError_t e);
+
+}  // namespace emu
+
+int moept_emu_nccl_group_depth(void);

@@ -1,0 +1,420 @@
+/* emu_kernel.cc - kernels on the CPU: launches, blocks, fibers, barriers,
+   and the per-access checks (memcheck, racecheck, synccheck, hazards).
+
+   A launch is an op on its stream. It runs the grid's blocks one at a time
+   (one lock over all devices: __shared__ variables are one static section),
+   in a seeded shuffled order; each block's threads are fibers on stacks of
+   their own, run in a fresh shuffled order between barriers. The kernels'
+   translation unit is compiled with -fsanitize=thread's instrumentation but
+   linked without its runtime: every load and store calls the __tsan_*
+   functions below, which check it:
+     - in a kernel: device memory of the launch's device, inside a live
+       allocation (memcheck), ordered after other streams' ops (hazard);
+       __shared__ bytes (static storage): no two threads of the block
+       touching a byte between barriers with one writing (racecheck), no
+       read before the block wrote it (initcheck); constants may be read;
+       the thread's own stack; anything else is host memory (memcheck);
+     - in host code of moept_kernels.cu: device memory is never read or
+       written (memcheck). */
+#include "emu_internal.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#ifdef __SANITIZE_ADDRESS__
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+/* the executable's static storage (.data, .bss): where __shared__ variables
+   are; and its read-only part (text, constants) */
+extern "C" char __data_start[], _end[], __executable_start[];
+
+namespace emu {
+
+#ifdef __SANITIZE_ADDRESS__
+constexpr size_t STACK = 256 * 1024;
+#else
+constexpr size_t STACK = 64 * 1024;
+#endif
+constexpr int MAXTHREADS = 1024;
+constexpr size_t SHARED_MAX = 48 * 1024;
+
+enum { F_NEW, F_READY, F_WAIT, F_EXIT };
+
+struct Fiber {
+#if defined(__x86_64__)
+    void *sp;
+#else
+    ucontext_t uc;
+#endif
+    char *lo;               /* stack bottom */
+    int state, line;
+    uint3 tid;
+    void *fake;             /* ASan's fake stack while switched out */
+};
+
+/* one block in flight on this worker */
+struct Exec {
+    Op *op;
+    const char *name;
+    const std::vector<char> *blob; /* the kernel and its arguments */
+    void (*invoke)(void *);
+    uint3 bid;
+    dim3 bd, gd;
+    Fiber *f;               /* [MAXTHREADS] */
+    int cur;                /* running fiber, -1: the scheduler */
+#if defined(__x86_64__)
+    void *sched_sp;
+#else
+    ucontext_t sched;
+#endif
+    const void *sched_lo;
+    size_t sched_size;
+    void *sched_fake;
+    uint32_t epoch;         /* barrier interval, for racecheck */
+    uint32_t blk;           /* block serial, for initcheck */
+};
+
+static thread_local Exec *X;
+static Fiber *g_fibers;              /* the stacks (one block runs at a time: one set) */
+static std::mutex g_sm;              /* one block at a time, process-wide */
+static uint32_t g_epoch;
+static uint64_t g_seed;
+
+/* racecheck shadow of the __shared__ section, per byte */
+struct SharedShadow {
+    uint32_t wep, rep, blk;  /* blk: the block that first touched it */
+    uint16_t wt, rt;
+    uint8_t rmulti;
+};
+static uint32_t g_block;
+static SharedShadow *g_sh;
+
+#if defined(__x86_64__)
+extern "C" void moept_emu_swap(void **save, void *to);
+extern "C" void moept_emu_fiber_start(void);
+asm(".text\n"
+    ".globl moept_emu_swap\n"
+    ".type moept_emu_swap,@function\n"
+    "moept_emu_swap:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".globl moept_emu_fiber_start\n"
+    ".type moept_emu_fiber_start,@function\n"
+    "moept_emu_fiber_start:\n"
+    "  call moept_emu_fiber_main\n"
+    "  ud2\n");
+#endif
+
+static void to_fiber(Fiber *f) {
+#ifdef __SANITIZE_ADDRESS__
+    __sanitizer_start_switch_fiber(&X->sched_fake, f->lo, STACK);
+#endif
+#if defined(__x86_64__)
+    moept_emu_swap(&X->sched_sp, f->sp);
+#else
+    swapcontext(&X->sched, &f->uc);
+#endif
+#ifdef __SANITIZE_ADDRESS__
+    __sanitizer_finish_switch_fiber(X->sched_fake, nullptr, nullptr);
+#endif
+}
+
+static void to_sched(Fiber *f, bool exiting) {
+#ifdef __SANITIZE_ADDRESS__
+    __sanitizer_start_switch_fiber(exiting ? nullptr : &f->fake, X->sched_lo, X->sched_size);
+#else
+    (void)exiting;
+#endif
+#if defined(__x86_64__)
+    moept_emu_swap(&f->sp, X->sched_sp);
+#else
+    swapcontext(&f->uc, &X->sched);
+#endif
+#ifdef __SANITIZE_ADDRESS__
+    __sanitizer_finish_switch_fiber(f->fake, nullptr, nullptr);
+#endif
+}
+
+extern "C" void moept_emu_fiber_main(void) {
+#ifdef __SANITIZE_ADDRESS__
+    __sanitizer_finish_switch_fiber(nullptr, &X->sched_lo, &X->sched_size);
+#endif
+    /* this thread's copy of the parameters, on its own stack */
+    size_t n = X->blob->size();
+    alignas(16) char args[512];
+    char *a = n <= sizeof args ? args : (char *)__builtin_alloca(n);
+    memcpy(a, X->blob->data(), n);
+    X->invoke(a);
+    Fiber *f = &X->f[X->cur];
+    f->state = F_EXIT;
+    to_sched(f, true);
+    abort(); /* never resumed */
+}
+
+static void fiber_init(Fiber *f) {
+#ifdef __SANITIZE_ADDRESS__
+    __asan_unpoison_memory_region(f->lo, STACK);
+#endif
+#if defined(__x86_64__)
+    uintptr_t top = ((uintptr_t)f->lo + STACK) & ~(uintptr_t)15;
+    void **sp = (void **)(top - 80);
+    memset(sp, 0, 80);
+    uint32_t csr[2];
+    asm volatile("stmxcsr %0\n fnstcw %1" : "=m"(csr[0]), "=m"(csr[1]));
+    memcpy(sp, csr, 8);           /* mxcsr, x87 control word */
+    sp[7] = (void *)moept_emu_fiber_start; /* after 6 registers: the return address */
+    f->sp = sp;
+#else
+    getcontext(&f->uc);
+    f->uc.uc_stack.ss_sp = f->lo;
+    f->uc.uc_stack.ss_size = STACK;
+    f->uc.uc_link = nullptr;
+    makecontext(&f->uc, moept_emu_fiber_main, 0);
+#endif
+}
+
+static Fiber *fibers() { /* under g_sm */
+    if (!g_fibers) {
+        g_fibers = (Fiber *)calloc(MAXTHREADS, sizeof(Fiber));
+        char *m = (char *)mmap(nullptr, MAXTHREADS * (STACK + PAGE), PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED) { fprintf(stderr, "moept-emu: no memory for fiber stacks\n"); abort(); }
+        for (int i = 0; i < MAXTHREADS; i++) {
+            mprotect(m + i * (STACK + PAGE), PAGE, PROT_NONE); /* overflow faults */
+            g_fibers[i].lo = m + i * (STACK + PAGE) + PAGE;
+        }
+    }
+    return g_fibers;
+}
+
+static uint64_t rnd(uint64_t *s) {
+    *s += 0x9e3779b97f4a7c15ull;
+    uint64_t z = *s;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static void shuffle(std::vector<int> &v, uint64_t *s) {
+    for (size_t i = v.size(); i > 1; i--) std::swap(v[i - 1], v[rnd(s) % i]);
+}
+
+/* one block: phases between barriers, each in a fresh order */
+static void run_block(Exec *x, int n, uint64_t *seed) {
+    Fiber *f = x->f;
+    for (int i = 0; i < n; i++) {
+        f[i].state = F_NEW;
+        f[i].tid = make_uint3((unsigned)(i % x->bd.x), (unsigned)(i / x->bd.x % x->bd.y), (unsigned)(i / (x->bd.x * x->bd.y)));
+    }
+    std::vector<int> order(n);
+    for (int i = 0; i < n; i++) order[i] = i;
+    for (;;) {
+        x->epoch = ++g_epoch;
+        shuffle(order, seed);
+        for (int i : order) {
+            if (f[i].state == F_NEW) fiber_init(&f[i]);
+            if (f[i].state == F_NEW || f[i].state == F_READY) {
+                f[i].state = F_READY;
+                x->cur = i;
+                to_fiber(&f[i]);
+                x->cur = -1;
+            }
+        }
+        int waiting = 0, exited = 0, line = -1, line2 = -1;
+        for (int i = 0; i < n; i++) {
+            if (f[i].state == F_EXIT) exited++;
+            if (f[i].state == F_WAIT) {
+                waiting++;
+                if (line < 0) line = f[i].line;
+                else if (f[i].line != line) line2 = f[i].line;
+            }
+        }
+        if (!waiting) return;
+        if (exited || line2 >= 0) {
+            report("synccheck", "kernel %s block (%u,%u,%u): __syncthreads() at line %d reached by %d of %d threads "
+                   "(%d exited%s%d)", x->name, x->bid.x, x->bid.y, x->bid.z, line, waiting, n, exited,
+                   line2 >= 0 ? "; others wait at line " : "", line2 >= 0 ? line2 : 0);
+            /* the block cannot go on as CUDA defines it: end it */
+            for (int i = 0; i < n; i++) f[i].state = F_EXIT;
+            return;
+        }
+        for (int i = 0; i < n; i++) f[i].state = F_READY;
+    }
+}
+
+static void run_kernel(Op &o, const char *name, dim3 g, dim3 b, const std::vector<char> &blob, void (*invoke)(void *)) {
+    std::lock_guard<std::mutex> lk(g_sm);
+    Exec x;
+    memset((void *)&x, 0, sizeof x);
+    x.op = &o;
+    x.name = name;
+    x.blob = &blob;
+    x.invoke = invoke;
+    x.bd = b;
+    x.gd = g;
+    x.f = fibers();
+    x.cur = -1;
+    const int n = (int)(b.x * b.y * b.z);
+    uint64_t nb = (uint64_t)g.x * g.y * g.z;
+    uint64_t seed = g_seed ^ (o.epoch * 0x2545f4914f6cdd1dull) ^ ((uint64_t)o.s->id << 48);
+    std::vector<int> border;
+    if (nb <= (1u << 22)) {
+        border.resize(nb);
+        for (uint64_t i = 0; i < nb; i++) border[i] = (int)i;
+        shuffle(border, &seed);
+    }
+    X = &x;
+    for (uint64_t k = 0; k < nb; k++) {
+        uint64_t i = border.empty() ? k : (uint64_t)border[k];
+        x.bid = make_uint3((unsigned)(i % g.x), (unsigned)(i / g.x % g.y), (unsigned)(i / ((uint64_t)g.x * g.y)));
+        x.blk = ++g_block; /* shared memory starts undefined */
+        run_block(&x, n, &seed);
+    }
+    X = nullptr;
+}
+
+/* ---- the per-access check ------------------------------------------------ */
+static void shared_access(const char *p, size_t n, int write) {
+    Exec *x = X;
+    const uint16_t t = (uint16_t)x->cur;
+    size_t off = (size_t)(p - __data_start);
+    for (size_t i = 0; i < n; i++) {
+        SharedShadow &s = g_sh[off + i];
+        const char *kind = nullptr;
+        int other = -1;
+        if (s.blk != x->blk) {
+            s.blk = x->blk;
+            s.wep = s.rep = 0;
+            if (!write) {
+                report("initcheck", "kernel %s block (%u,%u,%u) thread %d reads shared memory at %p that no thread "
+                       "of the block wrote", x->name, x->bid.x, x->bid.y, x->bid.z, t, (const void *)(p + i));
+                return;
+            }
+        }
+        if (s.wep == x->epoch && s.wt != t) { kind = write ? "write after write" : "read after write"; other = s.wt; }
+        else if (write && s.rep == x->epoch && (s.rmulti || s.rt != t)) { kind = "write after read"; other = s.rt; }
+        if (kind) {
+            report("racecheck", "kernel %s block (%u,%u,%u): thread %d %s %zu bytes of shared memory at offset %zu: "
+                   "%s with thread %d since the last barrier", x->name, x->bid.x, x->bid.y, x->bid.z, t,
+                   write ? "writes" : "reads", n, off, kind, other);
+            return;
+        }
+        if (write) { s.wep = x->epoch; s.wt = t; }
+        else if (s.rep != x->epoch) { s.rep = x->epoch; s.rt = t; s.rmulti = 0; }
+        else if (s.rt != t) s.rmulti = 1;
+    }
+}
+
+static void kernel_access(const char *p, size_t n, int write) {
+    Exec *x = X;
+    if (p >= __data_start && p < _end) return shared_access(p, n, write);
+    if (!write && p >= __executable_start && p < __data_start) return; /* code and constants */
+    if (x->cur >= 0) {
+        const char *lo = x->f[x->cur].lo;
+        if (p >= lo && p < lo + STACK) return; /* the thread's own stack */
+    }
+    int d;
+    Alloc *a = find(p, &d);
+    const uint3 t = x->cur >= 0 ? x->f[x->cur].tid : make_uint3(0, 0, 0);
+    if (d < 0) {
+        report("memcheck", "kernel %s block (%u,%u,%u) thread (%u,%u,%u): %s of %zu bytes at %p: host memory",
+               x->name, x->bid.x, x->bid.y, x->bid.z, t.x, t.y, t.z, write ? "write" : "read", n, (const void *)p);
+        return;
+    }
+    if (d != x->op->s->dev || !a || !a->live || p + n > a->base + a->size) {
+        report("memcheck", "kernel %s block (%u,%u,%u) thread (%u,%u,%u): %s of %zu bytes at %p: %s", x->name,
+               x->bid.x, x->bid.y, x->bid.z, t.x, t.y, t.z, write ? "write" : "read", n, (const void *)p,
+               d != x->op->s->dev ? "another device's memory" : !a ? "outside every allocation"
+               : !a->live ? "freed memory" : "past the end of its allocation");
+        return;
+    }
+    char what[120];
+    snprintf(what, sizeof what, "%s by block (%u,%u,%u) thread (%u,%u,%u)", write ? "write" : "read", x->bid.x,
+             x->bid.y, x->bid.z, t.x, t.y, t.z);
+    touch(p, n, write, what);
+}
+
+static inline void access(const void *p, size_t n, int write) {
+    if (X) return kernel_access((const char *)p, n, write);
+    if (cur_op) return;
+    int d;
+    find(p, &d);
+    if (d >= 0)
+        report("memcheck", "host code in moept_kernels.cu %s %zu bytes of device %d's memory at %p",
+               write ? "writes" : "reads", n, d, p);
+}
+
+}  // namespace emu
+
+using namespace emu;
+
+/* ---- what the kernels' translation unit calls --------------------------- */
+uint3 moept_emu_thread_idx(void) { return X->f[X->cur].tid; }
+uint3 moept_emu_block_idx(void) { return X->bid; }
+dim3 moept_emu_block_dim(void) { return X->bd; }
+dim3 moept_emu_grid_dim(void) { return X->gd; }
+
+void moept_emu_syncthreads(int line) {
+    Fiber *f = &X->f[X->cur];
+    f->state = F_WAIT;
+    f->line = line;
+    to_sched(f, false);
+}
+
+void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_t h, const void *blob, size_t nb,
+                      void (*invoke)(void *)) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        g_sh = (SharedShadow *)calloc((size_t)(_end - __data_start) + 1, sizeof(SharedShadow));
+        const char *e = getenv("MOEPT_EMU_SEED");
+        g_seed = e ? strtoull(e, nullptr, 0) : 0x6d6f657074ull;
+    });
+    uint64_t threads = (uint64_t)b.x * b.y * b.z;
+    if (!g.x || !g.y || !g.z || !threads || threads > 1024 || b.x > 1024 || b.y > 1024 || b.z > 64 ||
+        g.x > 2147483647u || g.y > 65535 || g.z > 65535 || smem > SHARED_MAX) {
+        set_last_error(cudaErrorInvalidConfiguration);
+        return;
+    }
+    Stream *s = stream_of(h);
+    if (s->dev != cur_dev) {
+        set_last_error(cudaErrorInvalidResourceHandle);
+        return;
+    }
+    char nm[160];
+    snprintf(nm, sizeof nm, "kernel %s<<<(%u,%u,%u),(%u,%u,%u)>>>", name, g.x, g.y, g.z, b.x, b.y, b.z);
+    auto bp = std::make_shared<std::vector<char>>((const char *)blob, (const char *)blob + nb);
+    enqueue(s, nm, [name, g, b, bp, invoke](Op &o) { run_kernel(o, name, g, b, *bp, invoke); });
+}
+
+/* ThreadSanitizer's instrumentation ABI: every access of the kernels'
+   translation unit (its runtime is not linked) */
+#define EMU_RW(n)                                                                    \
+    extern "C" void __tsan_read##n(void *p) { emu::access(p, n, 0); }                \
+    extern "C" void __tsan_write##n(void *p) { emu::access(p, n, 1); }               \
+    extern "C" void __tsan_unaligned_read##n(void *p) { emu::access(p, n, 0); }      \
+    extern "C" void __tsan_unaligned_write##n(void *p) { emu::access(p, n, 1); }
+EMU_RW(1)
+EMU_RW(2)
+EMU_RW(4)
+EMU_RW(8)
+EMU_RW(16)
+extern "C" void __tsan_read_range(void *p, unsigned long n) { emu::access(p, n, 0); }
+extern "C" void __tsan_write_range(void *p, unsigned long n) { emu::access(p, n, 1); }
+extern "C" void __tsan_init(void) {}
+extern "C" void __tsan_func_entry(void *) {}
+extern "C" void __tsan_func_exit(void) {}
+extern "C" void __tsan_vptr_update(void **, void *) {}
+extern "C" void __tsan_vptr_read(void **) {}
+/* shared_ptr's reference count (the launch's argument copies) */
+extern "C" int __tsan_atomic32_fetch_add(volatile int *p, int v, int mo) {
+    (void)mo;
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}

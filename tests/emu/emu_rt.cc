@@ -1,0 +1,763 @@
+/* emu_rt.cc - the emulated CUDA runtime: devices, memory, streams, events,
+   copies, and the checkers that watch them (see docs/CUDA.md, "Verified
+   without a GPU").
+
+   Device memory: each device has its own address range (ARENA bytes,
+   reserved PROT_NONE). Allocations are never reused, each is followed by a
+   guard page and filled with 0xff bytes (NaN as fp32, bf16 and fp64).
+   While no op of the device runs, its range is PROT_NONE: host code that
+   dereferences device memory faults, and the handler says where.
+
+   Streams: a queue and a worker thread each. An op runs only once released
+   (a synchronize, a query, an event wait from a released op, a peer's NCCL
+   op waiting on it, cudaFree's device synchronisation), so the host runs
+   as far ahead as the API allows. Each op gets an epoch in its stream's
+   vector clock; event waits and the legacy default stream's implicit
+   ordering join clocks; the host thread's clock (what it has synchronised
+   with) goes with every op it enqueues. Every byte an op touches is checked
+   against the last writer and readers of other streams: an access not
+   ordered after them is a hazard, reported with both ops. */
+#include "emu_internal.h"
+
+#include <csignal>
+#include <execinfo.h>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <map>
+#include <sys/mman.h>
+#include <unistd.h>
+
+namespace emu {
+
+Device *devices[MAXDEV];
+thread_local int cur_dev = 0;
+thread_local VC host_vc;
+thread_local Op *cur_op = nullptr;
+thread_local cudaError_t last_error = cudaSuccess;
+
+static std::mutex g_mu;                    /* devices, streams, pinned, reports */
+static std::atomic<long> g_reports{0}, g_taken{0};
+static char g_last_report[512];
+static std::atomic<int> g_fail_malloc{0};
+static int g_nstreams = 0;
+static std::vector<int> g_free_ids; /* clock entries of destroyed streams */
+static std::map<const char *, size_t> g_pinned; /* cudaMallocHost blocks */
+static bool g_protect = true;
+
+double now() {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void report(const char *checker, const char *fmt, ...) {
+    char msg[480];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    long n = ++g_reports;
+    std::lock_guard<std::mutex> lk(g_mu);
+    snprintf(g_last_report, sizeof g_last_report, "%s: %s", checker, msg);
+    if (n <= 50) fprintf(stderr, "moept-emu: %s: %s\n", checker, msg);
+    if (n == 50) fprintf(stderr, "moept-emu: (further reports counted, not printed)\n");
+}
+
+uint64_t checksum(const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+void set_last_error(cudaError_t e) {
+    if (e != cudaSuccess) last_error = e;
+}
+static cudaError_t fail(cudaError_t e) {
+    set_last_error(e);
+    return e;
+}
+
+/* ---- devices and memory --------------------------------------------- */
+static int device_count() {
+    const char *e = getenv("MOEPT_EMU_DEVICES");
+    int n = e ? atoi(e) : MAXDEV;
+    return n < 0 ? 0 : n > MAXDEV ? MAXDEV : n;
+}
+
+static void on_segv(int sig, siginfo_t *si, void *);
+
+Device *dev(int d) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (!devices[d]) {
+        Device *v = new Device();
+        v->id = d;
+        v->arena = (char *)mmap(nullptr, ARENA, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        v->page_of = (uint32_t *)mmap(nullptr, ARENA / PAGE * 4, PROT_READ | PROT_WRITE,
+                                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (v->arena == MAP_FAILED || v->page_of == MAP_FAILED) {
+            fprintf(stderr, "moept-emu: cannot reserve device memory\n");
+            abort();
+        }
+        static bool handler;
+        if (!handler) {
+            handler = true;
+#ifdef __SANITIZE_ADDRESS__
+            g_protect = false; /* ASan's own handler owns SIGSEGV */
+#endif
+            if (getenv("MOEPT_EMU_NO_PROTECT")) g_protect = false;
+            struct sigaction sa;
+            memset(&sa, 0, sizeof sa);
+            sa.sa_sigaction = on_segv;
+            sa.sa_flags = SA_SIGINFO;
+            if (g_protect) sigaction(SIGSEGV, &sa, nullptr);
+        }
+        devices[d] = v;
+    }
+    return devices[d];
+}
+
+static int arena_of(const void *p) {
+    for (int d = 0; d < MAXDEV; d++) {
+        Device *v = devices[d];
+        if (v && (const char *)p >= v->arena && (const char *)p < v->arena + ARENA) return d;
+    }
+    return -1;
+}
+
+Alloc *find(const void *p, int *devid) {
+    int d = arena_of(p);
+    if (devid) *devid = d;
+    if (d < 0) return nullptr;
+    Device *v = devices[d];
+    uint32_t a = v->page_of[((const char *)p - v->arena) / PAGE];
+    return a ? v->allocs[a - 1] : nullptr;
+}
+
+static void on_segv(int, siginfo_t *si, void *) {
+    int d = arena_of(si->si_addr);
+    char msg[200];
+    int n;
+    if (d >= 0 && cur_op)
+        n = snprintf(msg, sizeof msg, "moept-emu: memcheck: %s on device %d touched unmapped memory %p of device %d"
+                     " (live %d, active %d)\n", cur_op->name.c_str(), cur_op->s->dev, si->si_addr, d,
+                     find(si->si_addr, nullptr) ? (int)find(si->si_addr, nullptr)->live : -1, devices[d]->active);
+    else if (d >= 0)
+        n = snprintf(msg, sizeof msg, "moept-emu: memcheck: host code dereferenced device memory %p (device %d)"
+                     " outside any kernel, copy or collective\n", si->si_addr, d);
+    else
+        n = snprintf(msg, sizeof msg, "moept-emu: segmentation fault at %p\n", si->si_addr);
+    if (n > 0 && write(2, msg, (size_t)n) < 0) _exit(71);
+    void *bt[32];
+    backtrace_symbols_fd(bt, backtrace(bt, 32), 2); /* where the host code was */
+    _exit(d >= 0 ? 70 : 71);
+}
+
+/* device memory is mapped while any op of the device runs */
+static void protect(void *p, size_t n, int prot) {
+    if (mprotect(p, n, prot) != 0) {
+        perror("moept-emu: mprotect");
+        abort();
+    }
+}
+static void dev_enter(Device *v) {
+    std::lock_guard<std::mutex> lk(v->m);
+    if (v->active++ == 0 && g_protect && v->top) protect(v->arena, v->top, PROT_READ | PROT_WRITE);
+}
+static void dev_leave(Device *v) {
+    std::lock_guard<std::mutex> lk(v->m);
+    if (--v->active == 0 && g_protect && v->top) protect(v->arena, v->top, PROT_NONE);
+}
+
+int is_pinned(const void *p) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_pinned.upper_bound((const char *)p);
+    if (it == g_pinned.begin()) return 0;
+    --it;
+    return (const char *)p < it->first + it->second;
+}
+
+/* ---- the hazard and bounds check of an op's access --------------------- */
+static void name_of(int sid, uint32_t ep, char *buf, size_t len);
+static Stream *g_streams[MAXSTREAMS];
+
+static void hazard(Alloc *a, const char *p, size_t n, int write, const char *what) {
+    Op *o = cur_op;
+    const int sid = o->s->id;
+    size_t g0 = (size_t)(p - a->base) / 2, g1 = ((size_t)(p - a->base) + n + 1) / 2;
+    for (size_t i = g0; i < g1; i++) {
+        Granule &g = a->shadow[i];
+        int other = -1;
+        uint32_t oep = 0;
+        const char *kind = nullptr;
+        if (g.wep && g.ws != sid && o->vc.c[g.ws] < g.wep) { other = g.ws; oep = g.wep; kind = write ? "write after write" : "read after write"; }
+        if (write && !kind)
+            for (int r = 0; r < 2; r++)
+                if (g.rep[r] && g.rs[r] != sid && o->vc.c[g.rs[r]] < g.rep[r]) { other = g.rs[r]; oep = g.rep[r]; kind = "write after read"; }
+        if (kind) {
+            char prev[160];
+            name_of(other, oep, prev, sizeof prev);
+            report("hazard", "%s (%s of %zu bytes at %p, device %d, stream %d) is not ordered after %s on stream %d "
+                   "(%s): no event or synchronisation between them", o->name.c_str(), what, n, (const void *)p,
+                   a->dev, sid, prev, other, kind);
+            return; /* one report per access */
+        }
+        if (write) {
+            g.ws = (uint8_t)sid; g.wep = o->epoch; g.rep[0] = g.rep[1] = 0;
+        } else if (g.rs[0] == sid || !g.rep[0]) {
+            g.rs[0] = (uint8_t)sid; g.rep[0] = o->epoch;
+        } else {
+            g.rs[1] = (uint8_t)sid; g.rep[1] = o->epoch;
+        }
+    }
+}
+
+int touch(const void *p, size_t n, int write, const char *what) {
+    if (n == 0) return 1;
+    Op *o = cur_op;
+    int d;
+    Alloc *a = find(p, &d);
+    if (d < 0) return 1; /* host memory: the caller checked the kind */
+    if (d != o->s->dev) {
+        report("memcheck", "%s: %s of %zu bytes at %p touches device %d's memory from device %d", o->name.c_str(), what,
+               n, p, d, o->s->dev);
+        return 0;
+    }
+    if (!a || !a->live || (const char *)p + n > a->base + a->size) {
+        report("memcheck", "%s: %s of %zu bytes at %p is outside every live allocation of device %d%s", o->name.c_str(),
+               what, n, p, d, a && !a->live ? " (freed)" : "");
+        return 0;
+    }
+    hazard(a, (const char *)p, n, write, what);
+    return 1;
+}
+
+/* ---- streams ------------------------------------------------------------ */
+static void name_of(int sid, uint32_t ep, char *buf, size_t len) {
+    Stream *s = g_streams[sid];
+    std::lock_guard<std::mutex> lk(s->m);
+    snprintf(buf, len, "%s", ep < s->names.size() ? s->names[ep].c_str() : "?");
+}
+
+static void worker(Stream *s) {
+    Device *v = dev(s->dev);
+    std::unique_lock<std::mutex> lk(s->m);
+    for (;;) {
+        s->cv.wait(lk, [&] { return s->quit || (!s->q.empty() && s->q.front()->seq <= s->released); });
+        if (s->q.empty()) return;
+        std::shared_ptr<Op> o = s->q.front();
+        lk.unlock();
+        for (auto &d : o->deps) {
+            wait_op(d, 1e9);
+            s->vc.join(d->vc);
+        }
+        s->vc.join(o->host_vc);
+        o->epoch = ++s->vc.c[s->id];
+        o->vc = s->vc;
+        {
+            std::lock_guard<std::mutex> nl(s->m);
+            if (s->names.size() <= o->epoch) s->names.resize(o->epoch + 1);
+            s->names[o->epoch] = o->name;
+        }
+        if (o->hsrc && checksum(o->hsrc, o->hlen) != o->hsum)
+            report("hazard", "%s: its host source buffer %p (%zu bytes) was changed after the call and before the copy "
+                   "ran (async copies read host memory when they run)", o->name.c_str(), o->hsrc, o->hlen);
+        cur_op = o.get();
+        dev_enter(v);
+        if (o->run) o->run(*o);
+        dev_leave(v);
+        cur_op = nullptr;
+        lk.lock();
+        o->done = true;
+        o->run = nullptr; /* drops what the op held (kernel arguments, staged bytes) */
+        s->completed = o->seq;
+        s->q.pop_front();
+        s->cv.notify_all();
+    }
+}
+
+static Stream *new_stream(int d, bool legacy, bool blocking) {
+    Device *v = dev(d);
+    Stream *s = new Stream();
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        if (!g_free_ids.empty()) { /* a destroyed stream's clock entry, its epochs continued */
+            s->id = g_free_ids.back();
+            g_free_ids.pop_back();
+            Stream *old = g_streams[s->id];
+            std::lock_guard<std::mutex> ol(old->m);
+            s->names = old->names;
+            s->vc.c[s->id] = old->vc.c[s->id];
+        } else if (g_nstreams < MAXSTREAMS) {
+            s->id = g_nstreams++;
+            s->names.push_back("(nothing)");
+        } else {
+            delete s;
+            return nullptr;
+        }
+        g_streams[s->id] = s; /* the old Stream stays allocated: finished ops point at it */
+    }
+    s->dev = d;
+    s->legacy = legacy;
+    s->blocking = blocking;
+    s->worker = std::thread(worker, s);
+    std::lock_guard<std::mutex> lk(v->m);
+    v->streams.push_back(s);
+    if (legacy) v->legacy = s;
+    return s;
+}
+
+Stream *stream_of(cudaStream_t h) {
+    if (h == nullptr || h == cudaStreamLegacy) {
+        Device *v = dev(cur_dev);
+        if (!v->legacy) new_stream(cur_dev, true, true);
+        return v->legacy;
+    }
+    return (Stream *)h;
+}
+
+std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run) {
+    auto o = std::make_shared<Op>();
+    o->name = name;
+    o->run = std::move(run);
+    o->s = s;
+    o->host_vc = host_vc;
+    Device *v = dev(s->dev);
+    std::vector<Stream *> others;
+    {
+        std::lock_guard<std::mutex> lk(v->m);
+        others = v->streams;
+    }
+    /* the legacy default stream waits for every blocking stream, and they for it */
+    for (Stream *t : others) {
+        if (t == s || !t->blocking || !(s->legacy || t->legacy) || !s->blocking) continue;
+        std::lock_guard<std::mutex> lk(t->m);
+        if (t->last && !t->last->done) o->deps.push_back(t->last);
+    }
+    std::lock_guard<std::mutex> lk(s->m);
+    o->seq = s->next_seq++;
+    s->q.push_back(o);
+    s->last = o;
+    return o;
+}
+
+void force(Stream *s, uint64_t seq) {
+    std::lock_guard<std::mutex> lk(s->m);
+    if (s->released < seq) {
+        s->released = seq;
+        s->cv.notify_all();
+    }
+}
+void force_all(Stream *s) {
+    std::lock_guard<std::mutex> lk(s->m);
+    s->released = s->next_seq - 1;
+    s->cv.notify_all();
+}
+
+/* waits for o (releasing its stream up to it); a hang is a report */
+bool wait_op(const std::shared_ptr<Op> &o, double timeout_s) {
+    Stream *s = o->s;
+    force(s, o->seq);
+    std::unique_lock<std::mutex> lk(s->m);
+    double t0 = now();
+    while (!o->done) {
+        s->cv.wait_for(lk, std::chrono::milliseconds(100));
+        if (!o->done && now() - t0 > timeout_s) return false;
+        if (!o->done && now() - t0 > 120.0) {
+            lk.unlock();
+            report("hang", "%s on stream %d of device %d has not completed in 120 s", o->name.c_str(), s->id, s->dev);
+            fflush(stderr);
+            _exit(72);
+        }
+    }
+    return true;
+}
+
+static void sync_stream(Stream *s) {
+    std::shared_ptr<Op> last;
+    {
+        std::lock_guard<std::mutex> lk(s->m);
+        last = s->last;
+    }
+    if (!last) return;
+    wait_op(last, 1e9);
+    host_vc.join(last->vc);
+}
+
+static void sync_device(int d) {
+    Device *v = dev(d);
+    std::vector<Stream *> ss;
+    {
+        std::lock_guard<std::mutex> lk(v->m);
+        ss = v->streams;
+    }
+    for (Stream *s : ss) force_all(s);
+    for (Stream *s : ss) sync_stream(s);
+}
+
+}  // namespace emu
+
+using namespace emu;
+
+/* ---- the test interface ---------------------------------------------------- */
+extern "C" long moept_emu_reports(void) { return g_reports.load(); }
+extern "C" long moept_emu_take_reports(char *buf, int len) {
+    long n = g_reports.load() - g_taken.load();
+    g_taken += n;
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (buf && len > 0) snprintf(buf, (size_t)len, "%s", n ? g_last_report : "");
+    return n;
+}
+extern "C" void moept_emu_fail_malloc(int n) { g_fail_malloc = n; }
+
+static void at_exit_check() {
+    long n = g_reports.load() - g_taken.load();
+    if (n > 0) {
+        fprintf(stderr, "moept-emu: %ld checker report(s); failing the run\n", n);
+        fflush(stderr);
+        _exit(66);
+    }
+}
+static int g_atexit = (atexit(at_exit_check), 0);
+
+/* ---- the runtime API ------------------------------------------------------- */
+extern "C" {
+
+cudaError_t cudaGetDeviceCount(int *count) {
+    if (!count) return fail(cudaErrorInvalidValue);
+    *count = device_count();
+    return *count ? cudaSuccess : fail(cudaErrorNoDevice);
+}
+
+cudaError_t cudaSetDevice(int d) {
+    if (d < 0 || d >= device_count()) return fail(cudaErrorInvalidDevice);
+    cur_dev = d;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *d) {
+    if (!d) return fail(cudaErrorInvalidValue);
+    *d = cur_dev;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError(void) {
+    cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    return e;
+}
+cudaError_t cudaPeekAtLastError(void) { return last_error; }
+
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    default: return "unknown error (emulated)";
+    }
+}
+const char *cudaGetErrorName(cudaError_t e) { return cudaGetErrorString(e); }
+
+cudaError_t cudaMalloc(void **p, size_t bytes) {
+    if (!p) return fail(cudaErrorInvalidValue);
+    *p = nullptr;
+    if (device_count() == 0) return fail(cudaErrorNoDevice);
+    int f = g_fail_malloc.load();
+    if (f > 0 && g_fail_malloc.fetch_sub(1) == 1) return fail(cudaErrorMemoryAllocation);
+    if (bytes == 0) return cudaSuccess;
+    Device *v = dev(cur_dev);
+    size_t pages = (bytes + PAGE - 1) / PAGE;
+    Alloc *a = new Alloc();
+    {
+        std::lock_guard<std::mutex> lk(v->m);
+        if (v->top + (pages + 1) * PAGE > ARENA) { delete a; return fail(cudaErrorMemoryAllocation); }
+        a->base = v->arena + v->top;
+        a->size = bytes;
+        a->dev = v->id;
+        a->live = true;
+        a->shadow = (Granule *)calloc(bytes / 2 + 2, sizeof(Granule));
+        v->allocs.push_back(a);
+        uint32_t id = (uint32_t)v->allocs.size();
+        for (size_t i = 0; i < pages; i++) v->page_of[v->top / PAGE + i] = id;
+        v->top += (pages + 1) * PAGE; /* and a guard page */
+        protect(a->base, pages * PAGE, PROT_READ | PROT_WRITE);
+        memset(a->base, 0xff, bytes); /* not zero: a read before any write shows up */
+        if (g_protect && v->active == 0) protect(a->base, pages * PAGE, PROT_NONE);
+    }
+    *p = a->base;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    int d;
+    Alloc *a = find(p, &d);
+    if (!a || a->base != p || !a->live) {
+        report("memcheck", "cudaFree(%p): not the start of a live device allocation", p);
+        return fail(cudaErrorInvalidValue);
+    }
+    sync_device(d); /* cudaFree waits for the device */
+    Device *v = dev(d);
+    std::lock_guard<std::mutex> lk(v->m);
+    a->live = false;
+    size_t len = (a->size + PAGE - 1) / PAGE * PAGE;
+    protect(a->base, len, PROT_READ | PROT_WRITE);
+    madvise(a->base, len, MADV_DONTNEED);
+    if (g_protect && v->active == 0) protect(a->base, len, PROT_NONE);
+    free(a->shadow);
+    a->shadow = nullptr;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t bytes) {
+    if (!p) return fail(cudaErrorInvalidValue);
+    *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+    if (!*p) return fail(cudaErrorMemoryAllocation);
+    std::lock_guard<std::mutex> lk(g_mu);
+    g_pinned[(const char *)*p] = bytes;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void *p) {
+    if (!p) return cudaSuccess;
+    for (int d = 0; d < MAXDEV; d++)
+        if (devices[d]) sync_device(d);
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (!g_pinned.erase((const char *)p)) return fail(cudaErrorInvalidValue);
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *at, const void *p) {
+    if (!at) return fail(cudaErrorInvalidValue);
+    memset(at, 0, sizeof *at);
+    int d;
+    Alloc *a = find(p, &d);
+    if (a && a->live) {
+        at->type = cudaMemoryTypeDevice;
+        at->device = d;
+        at->devicePointer = (void *)p;
+    } else if (is_pinned(p)) {
+        at->type = cudaMemoryTypeHost;
+        at->hostPointer = (void *)p;
+        at->device = cur_dev;
+    } else {
+        at->type = cudaMemoryTypeUnregistered;
+        at->device = -2;
+    }
+    return cudaSuccess;
+}
+
+/* ---- streams and events ---------------------------------------------------- */
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
+    if (!s) return fail(cudaErrorInvalidValue);
+    Stream *t = new_stream(cur_dev, false, !(flags & cudaStreamNonBlocking));
+    if (!t) return fail(cudaErrorMemoryAllocation);
+    *s = (cudaStream_t)t;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+
+cudaError_t cudaStreamDestroy(cudaStream_t h) {
+    if (!h) return fail(cudaErrorInvalidResourceHandle);
+    Stream *s = (Stream *)h;
+    force_all(s);
+    sync_stream(s); /* the stream's work completes; then it is gone */
+    Device *v = dev(s->dev);
+    {
+        std::lock_guard<std::mutex> lk(v->m);
+        for (size_t i = 0; i < v->streams.size(); i++)
+            if (v->streams[i] == s) v->streams.erase(v->streams.begin() + (long)i);
+    }
+    {
+        std::lock_guard<std::mutex> lk(s->m);
+        s->quit = true;
+        s->cv.notify_all();
+    }
+    s->worker.join();
+    std::lock_guard<std::mutex> lk(g_mu);
+    g_free_ids.push_back(s->id);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t h) {
+    Stream *s = stream_of(h);
+    if (moept_emu_nccl_group_depth())
+        report("nccl", "cudaStreamSynchronize inside ncclGroupStart/ncclGroupEnd: the group's operations are not "
+               "issued until ncclGroupEnd (an ncclGroupStart left open?)");
+    force_all(s);
+    sync_stream(s);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t h) {
+    Stream *s = stream_of(h);
+    if (moept_emu_nccl_group_depth())
+        report("nccl", "cudaStreamQuery inside ncclGroupStart/ncclGroupEnd (an ncclGroupStart left open?)");
+    std::shared_ptr<Op> last;
+    {
+        std::lock_guard<std::mutex> lk(s->m);
+        if (!s->q.empty()) {
+            s->released = s->next_seq - 1; /* a poll lets the work run, and says "not yet" */
+            s->cv.notify_all();
+            return cudaErrorNotReady;
+        }
+        last = s->last;
+    }
+    if (last) host_vc.join(last->vc);
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void) {
+    sync_device(cur_dev);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+    (void)flags;
+    if (!e) return fail(cudaErrorInvalidValue);
+    Event *v = new Event();
+    v->dev = cur_dev;
+    *e = (cudaEvent_t)v;
+    return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
+
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    delete (Event *)e; /* a pending record keeps its op alive */
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t h) {
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    Event *v = (Event *)e;
+    Stream *s = stream_of(h);
+    if (s->dev != v->dev) return fail(cudaErrorInvalidResourceHandle);
+    v->rec = enqueue(s, "cudaEventRecord", nullptr);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t h, cudaEvent_t e, unsigned flags) {
+    (void)flags;
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    Event *v = (Event *)e;
+    Stream *s = stream_of(h);
+    if (!v->rec) return cudaSuccess; /* never recorded: nothing to wait for */
+    std::shared_ptr<Op> rec = v->rec;
+    auto o = enqueue(s, "cudaStreamWaitEvent", nullptr);
+    o->deps.push_back(rec); /* set before the op can be released */
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    if (!e) return fail(cudaErrorInvalidResourceHandle);
+    Event *v = (Event *)e;
+    if (v->rec) {
+        wait_op(v->rec, 1e9);
+        host_vc.join(v->rec->vc);
+    }
+    return cudaSuccess;
+}
+
+/* ---- copies and memsets ------------------------------------------------------ */
+static const char *kind_name(cudaMemcpyKind k) {
+    switch (k) {
+    case cudaMemcpyHostToDevice: return "HostToDevice";
+    case cudaMemcpyDeviceToHost: return "DeviceToHost";
+    case cudaMemcpyDeviceToDevice: return "DeviceToDevice";
+    case cudaMemcpyHostToHost: return "HostToHost";
+    default: return "Default";
+    }
+}
+
+/* the copy's kind against what the pointers are, and the device range */
+static cudaError_t check_copy(void *dst, const void *src, size_t n, cudaMemcpyKind k, Stream *s, const char *call) {
+    int dd, sd;
+    Alloc *da = find(dst, &dd), *sa = find(src, &sd);
+    (void)da; (void)sa;
+    bool dev_dst = dd >= 0, dev_src = sd >= 0;
+    if (k == cudaMemcpyDefault) return cudaSuccess;
+    bool want_dst = k == cudaMemcpyHostToDevice || k == cudaMemcpyDeviceToDevice;
+    bool want_src = k == cudaMemcpyDeviceToHost || k == cudaMemcpyDeviceToDevice;
+    if (dev_dst != want_dst || dev_src != want_src) {
+        report("memcheck", "%s(%p, %p, %zu, %s): dst is %s memory and src is %s memory", call, dst, src, n, kind_name(k),
+               dev_dst ? "device" : "host", dev_src ? "device" : "host");
+        return fail(cudaErrorInvalidValue);
+    }
+    if ((dev_dst && dd != s->dev) || (dev_src && sd != s->dev)) {
+        report("memcheck", "%s: a pointer of device %d on a stream of device %d", call, dev_dst && dd != s->dev ? dd : sd,
+               s->dev);
+        return fail(cudaErrorInvalidValue);
+    }
+    return cudaSuccess;
+}
+
+static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKind k, Stream *s, const char *call) {
+    cudaError_t e = check_copy(dst, src, n, k, s, call);
+    if (e != cudaSuccess || n == 0) return e;
+    char name[96];
+    snprintf(name, sizeof name, "%s %s (%zu bytes)", call, kind_name(k), n);
+    auto o = enqueue(s, name, [dst, src, n](Op &) {
+        if (touch(src, n, 0, "read") & touch(dst, n, 1, "write")) memmove(dst, src, n);
+    });
+    if (find(src, nullptr) == nullptr && find(dst, nullptr) != nullptr) {
+        /* note the host bytes now: a change before the copy runs is a report */
+        o->hsrc = src;
+        o->hlen = n;
+        o->hsum = checksum(src, n);
+    }
+    if (find(dst, nullptr) == nullptr && find(src, nullptr) != nullptr) { /* undefined until it ran: poison */
+        bool pending_src = false; /* unless an earlier copy of this stream still reads it */
+        std::lock_guard<std::mutex> lk(s->m);
+        for (auto &q : s->q)
+            if (q->hsrc && (const char *)q->hsrc < (char *)dst + n && (char *)dst < (const char *)q->hsrc + q->hlen)
+                pending_src = true;
+        if (!pending_src) memset(dst, 0xa5, n);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind k, cudaStream_t h) {
+    return copy_async(dst, src, n, k, stream_of(h), "cudaMemcpyAsync");
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind k) {
+    Stream *s = stream_of(nullptr);
+    cudaError_t e = copy_async(dst, src, n, k, s, "cudaMemcpy");
+    if (e != cudaSuccess) return e;
+    force_all(s);
+    sync_stream(s);
+    return cudaSuccess;
+}
+
+static cudaError_t memset_async(void *p, int v, size_t n, Stream *s, const char *call) {
+    int d;
+    find(p, &d);
+    if (n && (d < 0 || d != s->dev)) {
+        report("memcheck", "%s(%p, %zu bytes): not device memory of device %d", call, p, n, s->dev);
+        return fail(cudaErrorInvalidValue);
+    }
+    if (n == 0) return cudaSuccess;
+    char name[80];
+    snprintf(name, sizeof name, "%s (%zu bytes)", call, n);
+    enqueue(s, name, [p, v, n](Op &) {
+        if (touch(p, n, 1, "write")) memset(p, v, n);
+    });
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t h) {
+    return memset_async(p, v, n, stream_of(h), "cudaMemsetAsync");
+}
+cudaError_t cudaMemset(void *p, int v, size_t n) { return memset_async(p, v, n, stream_of(nullptr), "cudaMemset"); }
+
+}  // extern "C"
