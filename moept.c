@@ -1178,6 +1178,10 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     char why[MOEPT__ERRLEN] = "";
     if (bad) snprintf(why, sizeof why, "moept_create_cuda: options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16");
     else if (moept__cuda_device_count() < 1) { bad = 1; snprintf(why, sizeof why, "moept_create_cuda: no CUDA device"); }
+    else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
+        bad = 1;
+        snprintf(why, sizeof why, "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
+    }
     moept_status st;
     int64_t failed = moept__any_failed(ep, dp, bad, &st);
     if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
@@ -1215,10 +1219,13 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     char err[MOEPT__ERRLEN] = "";
     st = moept__cuda_create(&sp, &c, err);
     if (!st) { L->cuda = c; L->cuda_pnew = 1; L->cuda_gnew = 1; st = moept__to_device(L); if (st) memcpy(err, L->err, sizeof err); }
-    failed = moept__any_failed(ep, dp, st != MOEPT_OK, &st);
-    if (st || failed) {
+    moept_status ast; /* the agreement's own status: this rank's st is kept */
+    failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
+    if (st || ast || failed) {
         moept_destroy(L);
-        return moept__thread_fail(st ? st : MOEPT_ERR_DEVICE, "%s", err[0] ? err : "moept_create_cuda: another rank failed to set up its device");
+        if (st) return moept__thread_fail(st, "%s", err);
+        if (ast) return moept__thread_fail(ast, "moept_create_cuda: failure agreement failed");
+        return moept__thread_fail(MOEPT_ERR_DEVICE, "moept_create_cuda: another rank failed to set up its device");
     }
     *out = L;
     return MOEPT_OK;
@@ -2044,6 +2051,8 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     moept_status local = MOEPT_OK, st;
     const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
     if (!L->fwd_valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
+    else if (L->bwd_valid) /* the step's saved activations were consumed in place */
+        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: this forward was already differentiated; run forward again");
     else if (T > 0 && (!x || !dy || !dx))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
     else {

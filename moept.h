@@ -1073,6 +1073,7 @@ typedef struct moept__cuda_step {
     int64_t bytes_sent, bytes_received;
 } moept__cuda_step;
 int moept__cuda_device_count(void);
+int moept__cuda_is_nccl(const moept_comm *c);
 moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err);
 void moept__cuda_destroy(moept__cuda *c);
 /* Host <-> device copies of the parameter buffer, its gradient mirror, the

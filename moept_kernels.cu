@@ -594,6 +594,7 @@ extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeo
 }
 
 static int moept__is_nccl(const moept_comm *c) { return c && c->destroy == moept__nccl_destroy; }
+extern "C" int moept__cuda_is_nccl(const moept_comm *c) { return moept__is_nccl(c); }
 
 /* ------------------------------------------------------------------------
    The executor
@@ -666,7 +667,7 @@ struct moept__cuda {
     cublasOperation_t *gops;    /* [2][G] */
     float *galpha;              /* [2][G] */
 
-    int cur, fwd_valid;
+    int cur, fwd_valid, bwd_done;
     int64_t T, N, R;
     double loss_T;              /* tokens the committed step's losses average over */
     int ptr_slot;
@@ -676,7 +677,11 @@ struct moept__cuda {
 static moept_status moept__dmalloc(moept__cuda *c, void **p, size_t bytes, char *err) {
     *p = NULL;
     if (bytes == 0) return MOEPT_OK;
-    MOEPT__CU(cudaMalloc(p, bytes));
+    cudaError_t e = cudaMalloc(p, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError(); /* not left pending for the next step's first check */
+        return moept__kfail(err, MOEPT_ERR_DEVICE, "cudaMalloc(%zu bytes): %s", bytes, cudaGetErrorString(e));
+    }
     c->allocations++;
     c->allocated_bytes += (int64_t)bytes;
     return MOEPT_OK;
@@ -1081,6 +1086,18 @@ static moept_status moept__host_wait(moept__cuda *c, char *err) {
 }
 
 /* ---- forward ------------------------------------------------------------ */
+/* Before the count exchange an error must not return early (the peers would
+   wait in the exchange): it is recorded, and the exchange carries it. */
+#define MOEPT__PRE(call)                                                                                 \
+    do {                                                                                                 \
+        cudaError_t e_ = (call);                                                                         \
+        if (e_ != cudaSuccess && !pre) {                                                                 \
+            pre = 1;                                                                                     \
+            snprintf(local, sizeof local, "%s: %s (moept_kernels.cu:%d)", #call, cudaGetErrorString(e_), \
+                     __LINE__);                                                                          \
+        }                                                                                                \
+    } while (0)
+
 template <typename T>
 static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
                                    int64_t *peer_rows, moept__cuda_step *out, char *err) {
@@ -1098,44 +1115,57 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
         host_bad = 1;
         snprintf(local, sizeof local, "moept_forward: %s is NULL", x ? "y" : "x");
     }
+    /* an error left pending by an earlier call (a failed allocation) is this
+       step's failure, agreed like the others, not a surprise at the first check */
+    int pre = 0;
+    cudaError_t pending = cudaGetLastError();
+    if (!host_bad && pending != cudaSuccess) {
+        host_bad = 1;
+        snprintf(local, sizeof local, "moept_forward: a CUDA error was pending: %s", cudaGetErrorString(pending));
+    }
     const int64_t T_ = host_bad ? 0 : Tn;
     const int nb = 1 - c->cur;
     c->ptr_slot = 0;
-    MOEPT__CU(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
+    MOEPT__PRE(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
     if (c->wlow) { /* this step's bf16 weights from the fp32 masters */
         int64_t nw = p->n_params - E * D;
         MOEPT__LAUNCH(moept__k_cast<moept__bf16>, moept__grid(nw), MOEPT__TB, 0, c->s)(c->params + E * D, nw, (moept__bf16 *)c->wlow);
-        MOEPT__LAUNCHED();
+        MOEPT__PRE(cudaGetLastError());
     }
     const float *xf = c->wlow ? c->xf : (const float *)x;
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
-        MOEPT__LAUNCHED();
+        MOEPT__PRE(cudaGetLastError());
         /* router GEMM in fp32: logits = xf Wr^T */
         moept__gemm g = moept__gemm_make(0, 1, T_, E, D, xf, D, c->params, D, 0.0f, c->logits[nb], E);
-        MOEPT__TRY(moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err));
+        if (!pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, local)) pre = 1;
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
             p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group, p->scale, T_,
             c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
-        MOEPT__LAUNCHED();
+        MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(c->ids[nb], c->cids, c->scratch, c->lse[nb], T_,
                                                                    (int)E, (int)K, p->aux, c->lstat);
-    MOEPT__LAUNCHED();
+    MOEPT__PRE(cudaGetLastError());
     /* 2. plan counts (per slot, capacity applied) into the count message */
     int64_t cap = -1;
     if (p->capacity_factor > 0.0 && !host_bad)
         cap = (int64_t)ceil(p->capacity_factor * ((double)T_ * (double)K / (double)E));
     int64_t nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
     if (nblk > 0) {
-        MOEPT__CU(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
+        MOEPT__PRE(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
         MOEPT__LAUNCH(moept__k_plan_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(c->ids[nb], c->slot_of, T_ * K, (int)E, c->lrank, c->hist);
-        MOEPT__LAUNCHED();
+        MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(c->hist, nblk, (int)E, cap, c->kept, c->koff, c->msg, c->bad, host_bad,
                                                   T_, c->Rcap, &c->lstat[3 * E + 2]);
-    MOEPT__LAUNCHED();
+    MOEPT__PRE(cudaGetLastError());
+    if (pre) { /* the kernels may not have written the message: the host does */
+        host_bad = 1;
+        for (int64_t i = 0; i < E + 3; i++) c->h_msg_all[i] = i == E ? 1 : i == E + 2 ? c->Rcap : 0;
+        cudaMemcpyAsync(c->msg, c->h_msg_all, (size_t)(E + 3) * 8, cudaMemcpyHostToDevice, c->s);
+    }
     /* 3. exchange: every rank's counts to every rank (all-gather: each rank
        then knows every rank's receive size, so all agree on growth without
        another round); global loss statistics and the failure flag summed */
@@ -1175,7 +1205,9 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     int64_t failed = 0;
     for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * (E + 3) + E] != 0;
     if (p->global_balance && c->h_lstat[3 * E + 2] > 0.0 && failed == 0) failed = 1; /* a DP peer */
-    if (local[0]) return moept__kfail(err, host_bad ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC, "%s", local);
+    if (local[0])
+        return moept__kfail(err, pre || pending != cudaSuccess ? MOEPT_ERR_DEVICE
+                                 : host_bad ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC, "%s", local);
     if (failed) return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed", (long long)failed);
     /* receive sizes of every rank against the capacity it sent (ranks with
        fewer max_tokens start smaller); growth (rare) is agreed in a second round */
@@ -1205,6 +1237,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     c->cur = nb;
     c->T = T_;
     c->fwd_valid = 1;
+    c->bwd_done = 0;
     c->R = R;
     const int64_t *mine = c->h_msg_all + me * (E + 3);
     c->offsets[0] = 0;
@@ -1314,6 +1347,9 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     if (!c->fwd_valid) {
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local, "moept_backward: no forward to differentiate");
+    } else if (c->bwd_done) { /* ys and h were overwritten in place */
+        why = MOEPT_ERR_STATE;
+        snprintf(local, sizeof local, "moept_backward: this forward was already differentiated; run forward again");
     } else if (T_ > 0 && (!x || !dy || !dxv)) {
         why = MOEPT_ERR_INVALID_ARGUMENT;
         snprintf(local, sizeof local, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
@@ -1343,6 +1379,7 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
                                         (long long)failed);
     }
     c->ptr_slot = 8;
+    c->bwd_done = 1; /* from here on the saved rows change */
     const int cur = c->cur;
     void *ys = P > 1 ? c->ys : c->yr;
     float *dxf = c->wlow ? c->dxf : (float *)dxv;

@@ -164,6 +164,8 @@ static void test_rejected_and_steady(void) {
     EXPECT_OK(moept_backward(L, (const float *)dxv, (const float *)dy, (float *)g));
     host_from(b, g, T * D, 0);
     EXPECT(memcmp(a, b, (size_t)(T * D) * sizeof(float)) == 0, "the rejected step changed the saved state");
+    st = moept_backward(L, (const float *)dxv, (const float *)dy, (float *)g); /* its rows are consumed */
+    EXPECT(st == MOEPT_ERR_STATE, "a second backward of one forward: status %d", (int)st);
     cudaFree(dxv); cudaFree(dbad); cudaFree(dy); cudaFree(out); cudaFree(g);
     free(x); free(bad); free(a); free(b);
     moept_destroy(L);
@@ -186,6 +188,80 @@ static void test_bad_options(void) {
     moept_comm_destroy(c);
     moept_thread_group_destroy(g);
 }
+
+#ifdef MOEPT_EMU
+/* Two NCCL ranks (emulated GPUs as threads). Rank 0 must grow its receive
+   block (every token of both ranks goes to its expert) and that allocation
+   fails: both ranks reject the step; the next step must run on both, not
+   fail on rank 0 at a pending error while rank 1 waits in the exchange. */
+#include <nccl.h>
+#include <pthread.h>
+#include "emu/emu.h"
+typedef struct grow_job {
+    int rank;
+    ncclUniqueId id;
+    moept_status st[2];
+    char msg[2][256];
+} grow_job;
+
+static void *grow_rank(void *arg) {
+    grow_job *j = arg;
+    cudaStream_t s = NULL;
+    ncclComm_t nc = NULL;
+    moept_comm *ep = NULL;
+    moept_layer *L = NULL;
+    cudaSetDevice(j->rank);
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    ncclCommInitRank(&nc, 2, j->id, j->rank);
+    moept_comm_nccl(nc, s, 5000, &ep);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.num_experts = 2;
+    cfg.top_k = 1;
+    cfg.max_tokens = 16;
+    const int64_t D = cfg.hidden_size, T = 16;
+    if (moept_create_cuda(&cfg, ep, NULL, NULL, &L) == MOEPT_OK) {
+        float *w = calloc((size_t)(2 * D), sizeof(float)), *x = malloc((size_t)(T * D) * sizeof(float));
+        for (int64_t d = 0; d < D; d++) { w[d] = 1.0f; w[D + d] = -1.0f; } /* expert 0 wins */
+        for (int64_t i = 0; i < T * D; i++) x[i] = 1.0f;
+        moept_set_param(L, "gate.weight", w, 2 * D);
+        void *dx = dev_from(x, T * D, 0), *dy = dev_from(x, T * D, 0);
+        for (int step = 0; step < 2; step++) {
+            if (step == 0 && j->rank == 0) moept_emu_fail_malloc(1);
+            j->st[step] = moept_forward(L, (const float *)dx, T, (float *)dy);
+            snprintf(j->msg[step], sizeof j->msg[step], "%s", moept_last_error(L));
+        }
+        moept_emu_fail_malloc(0);
+        cudaFree(dx); cudaFree(dy);
+        free(w); free(x);
+    } else {
+        j->st[0] = j->st[1] = MOEPT_ERR_DEVICE;
+        snprintf(j->msg[0], sizeof j->msg[0], "create: %s", moept_last_error(NULL));
+    }
+    moept_destroy(L);
+    moept_comm_destroy(ep);
+    ncclCommDestroy(nc);
+    cudaStreamDestroy(s);
+    return NULL;
+}
+
+static void test_failed_growth_then_next_step(void) {
+    grow_job j[2];
+    memset(j, 0, sizeof j);
+    ncclGetUniqueId(&j[0].id);
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+        j[r].rank = r;
+        j[r].id = j[0].id;
+        pthread_create(&th[r], NULL, grow_rank, &j[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 2; r++) {
+        EXPECT(j[r].st[0] == MOEPT_ERR_OUT_OF_MEMORY, "rank %d, failed growth: status %d (%s)", r, (int)j[r].st[0],
+               j[r].msg[0]);
+        EXPECT(j[r].st[1] == MOEPT_OK, "rank %d, the step after: status %d (%s)", r, (int)j[r].st[1], j[r].msg[1]);
+    }
+}
+#endif
 
 static void test_no_device(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
@@ -212,5 +288,8 @@ int main(void) {
     tu_run("cuda: capacity and zero tokens", test_capacity_and_empty);
     tu_run("cuda: rejected step keeps state; steady state allocates nothing", test_rejected_and_steady);
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
+#ifdef MOEPT_EMU
+    tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
+#endif
     return tu_done();
 }

@@ -140,12 +140,19 @@ static void test_nonfinite_input_leaves_layer_unchanged(void) {
     EXPECT_OK(moept_backward(L, x, dy, dx2));
     EXPECT(memcmp(g1, L->grads, (size_t)L->n_params * 4) == 0, "gradients after a rejected step differ");
     EXPECT(memcmp(dx1, dx2, (size_t)(10 * 8) * 4) == 0, "dx after a rejected step differs");
-    /* NaN in dy: rejected, gradients untouched */
+    /* a second backward of one forward: rejected (its saved rows are consumed), nothing changes */
+    snap s3 = take(L);
+    EXPECT(moept_backward(L, x, dy, dx1) == MOEPT_ERR_STATE, "a second backward of one forward accepted");
+    EXPECT(same(L, &s3), "layer changed on a rejected second backward");
+    /* NaN in dy: rejected, gradients untouched; the step can still be differentiated */
+    EXPECT_OK(moept_forward(L, x, 10, y2));
     snap s2 = take(L);
     dy[3] = NAN;
     EXPECT(moept_backward(L, x, dy, dx1) == MOEPT_ERR_NUMERIC, "NaN dy accepted");
     EXPECT(same(L, &s2), "layer changed on a rejected backward");
-    free(g1); drop(&before); drop(&s2);
+    dy[3] = 0.5f;
+    EXPECT_OK(moept_backward(L, x, dy, dx1));
+    free(g1); drop(&before); drop(&s2); drop(&s3);
     moept_destroy(L);
 }
 
