@@ -33,6 +33,18 @@ NVCCFLAGS ?= -O3 -std=c++17 --fmad=false -Xcompiler -Wall,-Wextra,-Wno-unknown-p
 CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lnccl -lstdc++
 CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda)
 
+# the emulated GPU (tests/emu; rules at the end): needs only the CUDA, cuBLAS and NCCL headers
+EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/include; do [ -f $$d/cuda_runtime.h ] && [ -f $$d/cublas_v2.h ] && echo -I$$d && break; done) $(if $(wildcard $(NCCL_HOME)/include/nccl.h),-I$(NCCL_HOME)/include)
+EMU_OK   := $(if $(EMU_INC),$(shell printf '\043include <cuda_runtime.h>\n\043include <cublas_v2.h>\n\043include <nccl.h>\nint main(void){return 0;}' | $(CXX) -x c++ - $(EMU_INC) -o /dev/null 2>/dev/null && echo yes))
+CXX     ?= g++
+EMU_CXX  = $(CXX) -std=c++17 -g -Wall -Wextra -Wno-unknown-pragmas $(EMU_INC)
+EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tests/emu/emu_nccl.cc
+EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
+EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0
+EMU_LIBS = -lstdc++ -lm -pthread
+EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/test_emu $(B)/emu-san/moept_check)
+
+
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 TESTS   = test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp
@@ -174,8 +186,8 @@ CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
 MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi $(B)/test_overlap_mpi)
 
-test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(B)/tsan/test_ep $(B)/tsan/test_overlap
-	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" sh tests/run.sh
+test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) $(B)/tsan/test_ep $(B)/tsan/test_overlap
+	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" sh tests/run.sh
 
 run: $(B)/train
 	$(B)/train
@@ -215,16 +227,6 @@ clean:
 # The kernels' unit is C++ with -fsanitize=thread's instrumentation but not its
 # runtime: every load and store calls tests/emu's checks. Needs only the CUDA,
 # cuBLAS and NCCL headers (for their declarations), no GPU and no CUDA library.
-EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/include; do [ -f $$d/cuda_runtime.h ] && [ -f $$d/cublas_v2.h ] && echo -I$$d && break; done) $(if $(wildcard $(NCCL_HOME)/include/nccl.h),-I$(NCCL_HOME)/include)
-EMU_OK   := $(if $(EMU_INC),$(shell printf '\043include <cuda_runtime.h>\n\043include <cublas_v2.h>\n\043include <nccl.h>\nint main(void){return 0;}' | $(CXX) -x c++ - $(EMU_INC) -o /dev/null 2>/dev/null && echo yes))
-CXX     ?= g++
-EMU_CXX  = $(CXX) -std=c++17 -g -Wall -Wextra -Wno-unknown-pragmas $(EMU_INC)
-EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tests/emu/emu_nccl.cc
-EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
-EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0
-EMU_LIBS = -lstdc++ -lm -pthread
-EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/test_emu $(B)/emu-san/moept_check)
-
 $(B)/emu/rt.o: $(EMU_SRC) $(EMU_HDRS) | $(B)
 	@mkdir -p $(B)/emu
 	$(EMU_CXX) -O2 -c tests/emu/emu_rt.cc -o $(B)/emu/emu_rt.o
@@ -252,8 +254,8 @@ $(B)/emu/test_cuda: tests/test_cuda.c tests/testutil.h $(EMU_OBJS)
 $(B)/emu/train: examples/train.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
-$(B)/emu/test_emu: tests/emu/test_emu.cc $(EMU_OBJS)
-	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU_SELFTEST tests/emu/test_emu.cc $(EMU_OBJS) -o $@ $(EMU_LIBS)
+$(B)/emu/test_emu: tests/emu/test_emu.cc $(B)/emu/rt.o
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) tests/emu/test_emu.cc -x none $(B)/emu/rt.o -o $@ $(EMU_LIBS)
 
 # the same under ASan + UBSan (no per-access hooks: ASan and the tsan
 # instrumentation do not mix; ASan sees the kernels' stacks and host memory)

@@ -239,9 +239,10 @@ static void run_block(Exec *x, int n, uint64_t *seed) {
         }
         if (!waiting) return;
         if (exited || line2 >= 0) {
+            char other[48] = "";
+            if (line2 >= 0) snprintf(other, sizeof other, "; others wait at line %d", line2);
             report("synccheck", "kernel %s block (%u,%u,%u): __syncthreads() at line %d reached by %d of %d threads "
-                   "(%d exited%s%d)", x->name, x->bid.x, x->bid.y, x->bid.z, line, waiting, n, exited,
-                   line2 >= 0 ? "; others wait at line " : "", line2 >= 0 ? line2 : 0);
+                   "(%d exited%s)", x->name, x->bid.x, x->bid.y, x->bid.z, line, waiting, n, exited, other);
             /* the block cannot go on as CUDA defines it: end it */
             for (int i = 0; i < n; i++) f[i].state = F_EXIT;
             return;
@@ -348,7 +349,7 @@ static inline void access(const void *p, size_t n, int write) {
     int d;
     find(p, &d);
     if (d >= 0)
-        report("memcheck", "host code in moept_kernels.cu %s %zu bytes of device %d's memory at %p",
+        report("memcheck", "host code (an instrumented unit) %s %zu bytes of device %d's memory at %p",
                write ? "writes" : "reads", n, d, p);
 }
 

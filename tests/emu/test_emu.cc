@@ -1,0 +1,288 @@
+/* test_emu: the emulator's own tests. Each checker is shown to fire on a
+   small deliberately broken kernel or call sequence (the report must come,
+   and is then taken so the run stays clean), and the emulated cuBLAS is
+   checked against hand-worked products written from its documentation.
+   Prints "ok/FAIL - name" lines; exits 1 on any failure. */
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <nccl.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+#include "emu.h"
+
+static int g_fail;
+static char g_why[512];
+
+static void result(const char *name, bool ok, const char *why) {
+    printf("%s - %s%s%s\n", ok ? "ok" : "FAIL", name, ok ? "" : ": ", ok ? "" : why);
+    if (!ok) g_fail = 1;
+}
+/* the check fired: at least one report whose text has `want` */
+static void expect_report(const char *name, const char *want) {
+    long n = moept_emu_take_reports(g_why, sizeof g_why);
+    bool ok = n > 0 && strstr(g_why, want) != nullptr;
+    char why[600];
+    snprintf(why, sizeof why, "%ld report(s), last: '%s' (wanted '%s')", n, g_why, want);
+    result(name, ok, why);
+}
+static void expect_clean(const char *name) {
+    long n = moept_emu_take_reports(g_why, sizeof g_why);
+    result(name, n == 0, g_why);
+}
+
+/* ---- kernels, right and broken ---- */
+__global__ void k_sum_ok(const float *x, float *out) { /* block tree sum of 64 values */
+    __shared__ float sh[64];
+    sh[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    for (int w = 32; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = sh[0];
+}
+__global__ void k_sum_nosync(const float *x, float *out) { /* the first barrier is missing */
+    __shared__ float sh2[64];
+    sh2[threadIdx.x] = x[threadIdx.x];
+    for (int w = 32; w > 0; w >>= 1) {
+        if ((int)threadIdx.x < w) sh2[threadIdx.x] += sh2[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = sh2[0];
+}
+__global__ void k_divergent(float *out) { /* a barrier only half the block reaches */
+    __shared__ float sh3[64];
+    sh3[threadIdx.x] = 1.0f;
+    if (threadIdx.x < 32) __syncthreads();
+    out[threadIdx.x] = sh3[threadIdx.x];
+}
+__global__ void k_oob(float *p, int n) { p[threadIdx.x + n] = 1.0f; } /* writes one past the end */
+__global__ void k_fill(float *p, float v, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
+}
+__global__ void k_copy(const float *a, float *b, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) b[i] = a[i];
+}
+
+static void kernels() {
+    float *x, *out, h[64], r = 0;
+    for (int i = 0; i < 64; i++) h[i] = (float)i;
+    cudaMalloc((void **)&x, 64 * 4);
+    cudaMalloc((void **)&out, 64 * 4);
+    cudaMemcpy(x, h, 64 * 4, cudaMemcpyHostToDevice);
+    MOEPT__LAUNCH(k_sum_ok, 1, 64, 0, 0)(x, out);
+    cudaMemcpy(&r, out, 4, cudaMemcpyDeviceToHost);
+    expect_clean("a correct block reduction runs clean");
+    result("... and sums 0..63 to 2016", r == 2016.0f, "wrong sum");
+    MOEPT__LAUNCH(k_sum_nosync, 1, 64, 0, 0)(x, out);
+    cudaDeviceSynchronize();
+    expect_report("racecheck: a missing __syncthreads", "racecheck");
+    MOEPT__LAUNCH(k_divergent, 1, 64, 0, 0)(out);
+    cudaDeviceSynchronize();
+    expect_report("synccheck: __syncthreads reached by half the block", "synccheck");
+    MOEPT__LAUNCH(k_oob, 1, 64, 0, 0)(out, 1);
+    cudaDeviceSynchronize();
+    expect_report("memcheck: an out-of-bounds write", "past the end");
+    MOEPT__LAUNCH(k_fill, 1, 2048, 0, 0)(out, 0.0f, 64);
+    result("launch limits: 2048 threads a block is a launch error",
+           cudaGetLastError() == cudaErrorInvalidConfiguration, "accepted");
+    MOEPT__LAUNCH(k_fill, dim3(1, 70000), 32, 0, 0)(out, 0.0f, 64);
+    result("launch limits: grid.y 70000 is a launch error", cudaGetLastError() == cudaErrorInvalidConfiguration,
+           "accepted");
+    cudaFree(x);
+    cudaFree(out);
+}
+
+/* the bug, outside the instrumented code (as in moept.c): only the page
+   protection can see it */
+__attribute__((no_sanitize_thread, noinline)) static float read_device(const float *d) { return d[3]; }
+
+/* a host read of device memory faults: in a child, which must die saying so */
+static void host_read() {
+    float *d;
+    cudaMalloc((void **)&d, 64);
+    fflush(stdout);
+    int fd[2];
+    if (pipe(fd) != 0) { result("memcheck: a host read of device memory", false, "pipe"); return; }
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd[1], 2);
+        volatile float v = read_device(d);
+        (void)v;
+        _exit(0);
+    }
+    close(fd[1]);
+    char buf[4096] = "";
+    size_t len = 0;
+    ssize_t n;
+    while (len < sizeof buf - 1 && (n = read(fd[0], buf + len, sizeof buf - 1 - len)) > 0) len += (size_t)n;
+    buf[len] = 0;
+    close(fd[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 70 && strstr(buf, "host code dereferenced device memory");
+    result("memcheck: a host read of device memory faults and is named", ok, buf);
+    cudaFree(d);
+}
+
+/* stream order: a read on stream b of what stream a wrote needs an event */
+static void streams() {
+    cudaStream_t a, b;
+    cudaEvent_t ev;
+    float *p, *q;
+    cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+    cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    cudaMalloc((void **)&p, 256 * 4);
+    cudaMalloc((void **)&q, 256 * 4);
+    MOEPT__LAUNCH(k_fill, 1, 128, 0, a)(p, 1.0f, 256);
+    cudaEventRecord(ev, a);
+    cudaStreamWaitEvent(b, ev, 0);
+    MOEPT__LAUNCH(k_copy, 1, 128, 0, b)(p, q, 256);
+    cudaDeviceSynchronize();
+    expect_clean("an event orders a cross-stream read");
+    MOEPT__LAUNCH(k_fill, 1, 128, 0, a)(p, 2.0f, 256);
+    MOEPT__LAUNCH(k_copy, 1, 128, 0, b)(p, q, 256); /* no cudaStreamWaitEvent */
+    cudaDeviceSynchronize();
+    expect_report("hazard: a cross-stream read without cudaStreamWaitEvent", "is not ordered after");
+    float h[256];
+    for (int i = 0; i < 256; i++) h[i] = 1.0f;
+    cudaMemcpyAsync(p, h, sizeof h, cudaMemcpyHostToDevice, a);
+    h[7] = 5.0f; /* reused before the copy ran */
+    cudaStreamSynchronize(a);
+    expect_report("hazard: a host buffer reused before its async copy ran", "host source buffer");
+    cudaFree(p);
+    cudaFree(q);
+    cudaEventDestroy(ev);
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+}
+
+/* ---- cuBLAS against hand-worked products ---- */
+static float bf(float v) { /* to bf16 and back, round to nearest even */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static void blas() {
+    cublasHandle_t h;
+    cublasCreate(&h);
+    /* A (2x3, op T of a 3x2 stored with lda 4), B (3x2 with ldb 5), C (2x2, ldc 3):
+       column-major, C = 1 * op(A) op(B) + 0 * C */
+    float A[4 * 2] = {1, 2, 3, -9, 4, 5, 6, -9};       /* columns (1,2,3) and (4,5,6): A^T = [[1,2,3],[4,5,6]] */
+    float B[5 * 2] = {1, 0, 2, -9, -9, -1, 3, 1, -9, -9}; /* columns (1,0,2) and (-1,3,1) */
+    float C[3 * 2] = {7, 7, 7, 7, 7, 7};
+    float want[3 * 2] = {7, 16, 7, 8, 17, 7};             /* [[1+0+6, -1+6+3], [4+0+12, -4+15+6]]; row 2 untouched */
+    float *dA, *dB, *dC;
+    cudaMalloc((void **)&dA, sizeof A); cudaMalloc((void **)&dB, sizeof B); cudaMalloc((void **)&dC, sizeof C);
+    cudaMemcpy(dA, A, sizeof A, cudaMemcpyHostToDevice);
+    cudaMemcpy(dB, B, sizeof B, cudaMemcpyHostToDevice);
+    cudaMemcpy(dC, C, sizeof C, cudaMemcpyHostToDevice);
+    want[0] = 1 * 1 + 2 * 0 + 3 * 2; want[1] = 4 * 1 + 5 * 0 + 6 * 2;
+    want[3] = 1 * -1 + 2 * 3 + 3 * 1; want[4] = 4 * -1 + 5 * 3 + 6 * 1;
+    want[2] = want[5] = 7;
+    float one = 1, zero = 0;
+    cublasStatus_t s = cublasGemmEx_64(h, CUBLAS_OP_T, CUBLAS_OP_N, 2, 2, 3, &one, dA, CUDA_R_32F, 4, dB, CUDA_R_32F, 5,
+                                       &zero, dC, CUDA_R_32F, 3, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    float got[6];
+    cudaMemcpy(got, dC, sizeof got, cudaMemcpyDeviceToHost);
+    result("cublasGemmEx: op T, op N, padded lda/ldb/ldc, beta 0", s == 0 && memcmp(got, want, sizeof got) == 0,
+           "wrong product");
+    /* the same transposed the other way: C^T = op(B)^T op(A)^T, with beta 1 accumulating */
+    float Ct[2 * 2] = {1, 1, 1, 1}, *dCt;
+    cudaMalloc((void **)&dCt, sizeof Ct);
+    cudaMemcpy(dCt, Ct, sizeof Ct, cudaMemcpyHostToDevice);
+    s = cublasGemmEx_64(h, CUBLAS_OP_T, CUBLAS_OP_N, 2, 2, 3, &one, dB, CUDA_R_32F, 5, dA, CUDA_R_32F, 4, &one, dCt,
+                        CUDA_R_32F, 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cudaMemcpy(Ct, dCt, sizeof Ct, cudaMemcpyDeviceToHost);
+    bool ok = s == 0 && Ct[0] == want[0] + 1 && Ct[1] == want[3] + 1 && Ct[2] == want[1] + 1 && Ct[3] == want[4] + 1;
+    result("cublasGemmEx: the transposed product with beta 1", ok, "wrong product");
+    /* bf16 in, bf16 out: the fp32 sum rounded once */
+    uint16_t a16[2] = {0x3f80, 0x3f81}, b16[2] = {0x3f80, 0x3f80}, c16 = 0; /* 1, 1.0078125 */
+    void *da16, *db16, *dc16;
+    cudaMalloc(&da16, 4); cudaMalloc(&db16, 4); cudaMalloc(&dc16, 2);
+    cudaMemcpy(da16, a16, 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(db16, b16, 4, cudaMemcpyHostToDevice);
+    s = cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 2, &one, da16, CUDA_R_16BF, 1, db16, CUDA_R_16BF, 2, &zero,
+                        dc16, CUDA_R_16BF, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cudaMemcpy(&c16, dc16, 2, cudaMemcpyDeviceToHost);
+    uint32_t u = (uint32_t)c16 << 16;
+    float cv;
+    memcpy(&cv, &u, 4);
+    result("cublasGemmEx: bf16 x bf16 -> bf16, fp32 sum", s == 0 && cv == bf(1.0f + 1.0078125f), "wrong bf16 product");
+    /* wrong lda (below max(1, k) for op T): CUBLAS_STATUS_INVALID_VALUE and a report */
+    s = cublasGemmEx_64(h, CUBLAS_OP_T, CUBLAS_OP_N, 2, 2, 3, &one, dA, CUDA_R_32F, 2, dB, CUDA_R_32F, 5, &zero, dC,
+                        CUDA_R_32F, 3, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    result("cublas: a wrong lda is CUBLAS_STATUS_INVALID_VALUE", s == CUBLAS_STATUS_INVALID_VALUE, "accepted");
+    expect_report("cublas: ... and reported", "INVALID_VALUE");
+    /* grouped: parameter arrays on the host, pointer arrays on the device; the other side is an error */
+    cublasOperation_t ta[1] = {CUBLAS_OP_T}, tb[1] = {CUBLAS_OP_N};
+    int64_t m[1] = {2}, n[1] = {2}, k[1] = {3}, lda[1] = {4}, ldb[1] = {5}, ldc[1] = {3}, gs[1] = {1};
+    float al[1] = {1}, be[1] = {0};
+    const void *hp[3] = {dA, dB, dC};
+    void **dp;
+    cudaMalloc((void **)&dp, sizeof hp);
+    cudaMemcpy(dp, hp, sizeof hp, cudaMemcpyHostToDevice);
+    cudaMemcpy(dC, C, sizeof C, cudaMemcpyHostToDevice);
+    s = cublasGemmGroupedBatchedEx_64(h, ta, tb, m, n, k, al, (const void *const *)dp, CUDA_R_32F, lda,
+                                      (const void *const *)dp + 1, CUDA_R_32F, ldb, be, (void *const *)dp + 2,
+                                      CUDA_R_32F, ldc, 1, gs, CUBLAS_COMPUTE_32F);
+    cudaMemcpy(got, dC, sizeof got, cudaMemcpyDeviceToHost);
+    result("cublasGemmGroupedBatchedEx: one group, the same product", s == 0 && memcmp(got, want, sizeof got) == 0,
+           "wrong product");
+    s = cublasGemmGroupedBatchedEx_64(h, ta, tb, m, n, k, al, hp, CUDA_R_32F, lda, hp + 1, CUDA_R_32F, ldb, be,
+                                      (void *const *)hp + 2, CUDA_R_32F, ldc, 1, gs, CUBLAS_COMPUTE_32F);
+    result("cublasGemmGroupedBatchedEx: host pointer arrays rejected", s == CUBLAS_STATUS_INVALID_VALUE, "accepted");
+    expect_report("cublas: ... and reported", "device memory");
+    cudaFree(dA); cudaFree(dB); cudaFree(dC); cudaFree(dCt); cudaFree(dp);
+    cudaFree(da16); cudaFree(db16); cudaFree(dc16);
+    cublasDestroy(h);
+}
+
+/* NCCL: an ncclSend the peer never receives is an error on the comm, not a hang */
+static void nccl_unmatched() {
+    moept_emu_nccl_timeout(500);
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    ncclResult_t async[2] = {ncclSuccess, ncclSuccess};
+    auto rank = [&](int r) {
+        cudaSetDevice(r);
+        ncclComm_t c;
+        cudaStream_t s;
+        float *buf;
+        cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        ncclCommInitRank(&c, 2, id, r);
+        cudaMalloc((void **)&buf, 64);
+        if (r == 0) ncclSend(buf, 16, ncclFloat32, 1, c, s); /* rank 1 posts no ncclRecv */
+        while (cudaStreamQuery(s) == cudaErrorNotReady) usleep(1000);
+        ncclCommGetAsyncError(c, &async[r]);
+        cudaFree(buf);
+        if (async[r] != ncclSuccess) ncclCommAbort(c);
+        else ncclCommDestroy(c);
+        cudaStreamDestroy(s);
+    };
+    std::thread t0(rank, 0), t1(rank, 1);
+    t0.join();
+    t1.join();
+    result("nccl: an unmatched ncclSend gives an asynchronous error", async[0] == ncclRemoteError, "no error");
+    expect_report("nccl: ... and is reported", "no matching ncclRecv");
+    moept_emu_nccl_timeout(0);
+}
+
+int main() {
+    kernels();
+    host_read();
+    streams();
+    blas();
+    nccl_unmatched();
+    return g_fail;
+}
