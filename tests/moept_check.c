@@ -12,10 +12,13 @@
    instead of the case file. One line per case, then "N passed, N failed";
    exit 1 if any failed.
 
-   Built with -DMOEPT_CUDA (build/moept_check_cuda) the layer runs on the
-   GPU: every case twice, in fp32 (--tol, 1e-5) and in bf16 (--tol-bf16,
-   1e-2), with x, dy, y and dx in device memory. Without a device every case
-   is reported skipped and the exit status is 0. */
+   Built with -DMOEPT_CUDA (build/moept_check_cuda, or build/emu/moept_check
+   on the emulated GPU) the layer runs on GPUs: every case twice, in fp32
+   (--tol, 1e-5, against the file) and in bf16 (--tol-bf16, 2^-6 normwise,
+   against the CPU layer run on the bf16-rounded inputs and expert weights,
+   routing exactly), with x, dy, y and dx in device memory; --ep N runs N
+   GPUs as threads over NCCL. With fewer devices than ranks every case is
+   reported skipped and the exit status is 0. */
 #define MOEPT_INTERNAL /* moept__f32_to_bf16 / moept__bf16_to_f32 */
 #include "../moept.h"
 #ifdef MOEPT_CUDA
