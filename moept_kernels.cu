@@ -472,15 +472,17 @@ static moept_status moept__nccl_a2a_dev(moept_comm *c, const void *send, const m
                                         const moept_seg *rs, int nseg, int es) {
     moept__nccl *n = (moept__nccl *)c->ctx;
     MOEPT__NC(c, ncclGroupStart());
-    for (int q = 0; q < c->size; q++)
-        for (int s = 0; s < nseg; s++) {
+    ncclResult_t r = ncclSuccess; /* the group is closed whatever happens inside it */
+    for (int q = 0; q < c->size && r == ncclSuccess; q++)
+        for (int s = 0; s < nseg && r == ncclSuccess; s++) {
             const moept_seg *a = &ss[q * nseg + s], *b = &rs[q * nseg + s];
             if (a->count > 0)
-                MOEPT__NC(c, ncclSend((const char *)send + a->offset * es, (size_t)(a->count * es), ncclUint8, q, n->comm, n->stream));
-            if (b->count > 0)
-                MOEPT__NC(c, ncclRecv((char *)recv + b->offset * es, (size_t)(b->count * es), ncclUint8, q, n->comm, n->stream));
+                r = ncclSend((const char *)send + a->offset * es, (size_t)(a->count * es), ncclUint8, q, n->comm, n->stream);
+            if (r == ncclSuccess && b->count > 0)
+                r = ncclRecv((char *)recv + b->offset * es, (size_t)(b->count * es), ncclUint8, q, n->comm, n->stream);
         }
-    MOEPT__NC(c, ncclGroupEnd());
+    ncclResult_t e = ncclGroupEnd();
+    MOEPT__NC(c, r != ncclSuccess ? r : e);
     return MOEPT_OK;
 }
 
@@ -552,11 +554,13 @@ static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int n
     for (int i = 0; i < nrecv; i++)
         if (moept__is_host(recvs[i].buf)) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: receive %d is host memory", i);
     MOEPT__NC(c, ncclGroupStart());
-    for (int i = 0; i < nsend; i++)
-        MOEPT__NC(c, ncclSend(sends[i].buf, (size_t)sends[i].bytes, ncclUint8, sends[i].peer, n->comm, n->stream));
-    for (int i = 0; i < nrecv; i++)
-        MOEPT__NC(c, ncclRecv(recvs[i].buf, (size_t)recvs[i].bytes, ncclUint8, recvs[i].peer, n->comm, n->stream));
-    MOEPT__NC(c, ncclGroupEnd());
+    ncclResult_t r = ncclSuccess; /* the group is closed whatever happens inside it */
+    for (int i = 0; i < nsend && r == ncclSuccess; i++)
+        r = ncclSend(sends[i].buf, (size_t)sends[i].bytes, ncclUint8, sends[i].peer, n->comm, n->stream);
+    for (int i = 0; i < nrecv && r == ncclSuccess; i++)
+        r = ncclRecv(recvs[i].buf, (size_t)recvs[i].bytes, ncclUint8, recvs[i].peer, n->comm, n->stream);
+    ncclResult_t e = ncclGroupEnd();
+    MOEPT__NC(c, r != ncclSuccess ? r : e);
     return moept__nccl_wait(c);
 }
 
