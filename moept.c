@@ -1175,11 +1175,13 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     if (opt) o = *opt;
     /* this rank's checks, agreed before the collective create */
     int bad = o.dtype != MOEPT_DTYPE_F32 && o.dtype != MOEPT_DTYPE_BF16;
+    moept_status why_st = MOEPT_ERR_INVALID_ARGUMENT;
     char why[MOEPT__ERRLEN] = "";
     if (bad) snprintf(why, sizeof why, "moept_create_cuda: options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16");
     else if (moept__cuda_device_count() < 1) { bad = 1; snprintf(why, sizeof why, "moept_create_cuda: no CUDA device"); }
     else if (cfg && cfg->overlap_chunks > 1) { /* the CUDA executor has no chunked pipeline yet */
         bad = 1;
+        why_st = MOEPT_ERR_UNSUPPORTED;
         snprintf(why, sizeof why, "moept_create_cuda: overlap_chunks > 1 is not supported on the CUDA executor");
     } else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
         bad = 1;
@@ -1188,7 +1190,7 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     moept_status st;
     int64_t failed = moept__any_failed(ep, dp, bad, &st);
     if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
-    if (bad) return moept__thread_fail(strstr(why, "overlap") ? MOEPT_ERR_UNSUPPORTED : MOEPT_ERR_INVALID_ARGUMENT, "%s", why);
+    if (bad) return moept__thread_fail(why_st, "%s", why);
     if (failed) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: another rank's options were rejected");
     /* every rank must run the same executor options (a rank that skips the
        backward's agreement would leave the others waiting) */

@@ -477,9 +477,11 @@ static moept_status moept__nccl_a2a_dev(moept_comm *c, const void *send, const m
         for (int s = 0; s < nseg && r == ncclSuccess; s++) {
             const moept_seg *a = &ss[q * nseg + s], *b = &rs[q * nseg + s];
             if (a->count > 0)
-                r = ncclSend((const char *)send + a->offset * es, (size_t)(a->count * es), ncclUint8, q, n->comm, n->stream);
+                r = ncclSend((const char *)send + a->offset * es, (size_t)(a->count * es),
+                    ncclUint8, q, n->comm, n->stream);
             if (r == ncclSuccess && b->count > 0)
-                r = ncclRecv((char *)recv + b->offset * es, (size_t)(b->count * es), ncclUint8, q, n->comm, n->stream);
+                r = ncclRecv((char *)recv + b->offset * es, (size_t)(b->count * es),
+                    ncclUint8, q, n->comm, n->stream);
         }
     ncclResult_t e = ncclGroupEnd();
     MOEPT__NC(c, r != ncclSuccess ? r : e);
@@ -987,7 +989,8 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     int64_t R = offs[groups] - offs[0], base = offs[0];
     if (R > 0) {
-        MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(c->sp.act, (const T *)h + base * H, R, F, H,
+        MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(
+                c->sp.act, (const T *)h + base * H, R, F, H,
                                                                        (T *)a + base * F);
         MOEPT__LAUNCHED();
     }
@@ -1010,7 +1013,8 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
     float *g13 = c->grads + w13off, *g2 = c->grads + w2off;
     int64_t R = offs[groups] - offs[0], base = offs[0], n;
     if (R > 0) {
-        MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(c->sp.act, (const T *)h + base * H, R, F, H,
+        MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(
+                c->sp.act, (const T *)h + base * H, R, F, H,
                                                                        (T *)a + base * F);
         MOEPT__LAUNCHED();
     }
@@ -1025,7 +1029,8 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
                                       (const float *)(W2 + e * D * F * es), F, 0.0f, (float *)(A + r0 * F * es), F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     if (R > 0) {
-        MOEPT__LAUNCH(moept__k_act_bwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(c->sp.act, (T *)h + base * H,
+        MOEPT__LAUNCH(moept__k_act_bwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(
+                c->sp.act, (T *)h + base * H,
                                                                        (const T *)a + base * F, R, F, H);
         MOEPT__LAUNCHED();
     }
@@ -1133,12 +1138,14 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     MOEPT__PRE(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
     if (c->wlow) { /* this step's bf16 weights from the fp32 masters */
         int64_t nw = p->n_params - E * D;
-        MOEPT__LAUNCH(moept__k_cast<moept__bf16>, moept__grid(nw), MOEPT__TB, 0, c->s)(c->params + E * D, nw, (moept__bf16 *)c->wlow);
+        MOEPT__LAUNCH(moept__k_cast<moept__bf16>, moept__grid(nw), MOEPT__TB, 0, c->s)(
+                c->params + E * D, nw, (moept__bf16 *)c->wlow);
         MOEPT__PRE(cudaGetLastError());
     }
     const float *xf = c->wlow ? c->xf : (const float *)x;
     if (T_ > 0) {
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
+                x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
         MOEPT__PRE(cudaGetLastError());
         /* router GEMM in fp32: logits = xf Wr^T */
         moept__gemm g = moept__gemm_make(0, 1, T_, E, D, xf, D, c->params, D, 0.0f, c->logits[nb], E);
@@ -1149,7 +1156,8 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
             c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
         MOEPT__PRE(cudaGetLastError());
     }
-    MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(c->ids[nb], c->cids, c->scratch, c->lse[nb], T_,
+    MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(
+            E + 1), MOEPT__TB, 0, c->s)(c->ids[nb], c->cids, c->scratch, c->lse[nb], T_,
                                                                    (int)E, (int)K, p->aux, c->lstat);
     MOEPT__PRE(cudaGetLastError());
     /* 2. plan counts (per slot, capacity applied) into the count message */
@@ -1159,10 +1167,12 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     int64_t nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
     if (nblk > 0) {
         MOEPT__PRE(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
-        MOEPT__LAUNCH(moept__k_plan_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(c->ids[nb], c->slot_of, T_ * K, (int)E, c->lrank, c->hist);
+        MOEPT__LAUNCH(moept__k_plan_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(
+                c->ids[nb], c->slot_of, T_ * K, (int)E, c->lrank, c->hist);
         MOEPT__PRE(cudaGetLastError());
     }
-    MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(c->hist, nblk, (int)E, cap, c->kept, c->koff, c->msg, c->bad, host_bad,
+    MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(
+            c->hist, nblk, (int)E, cap, c->kept, c->koff, c->msg, c->bad, host_bad,
                                                   T_, c->Rcap, &c->lstat[3 * E + 2]);
     MOEPT__PRE(cudaGetLastError());
     if (pre) { /* the kernels may not have written the message: the host does */
@@ -1296,7 +1306,8 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     void *ys = P > 1 ? c->ys : c->yr;
     const unsigned dblk = (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB);
     if (c->N > 0) {
-        MOEPT__LAUNCH(moept__k_gather<T>, dim3((unsigned)c->N, dblk), MOEPT__TB, 0, c->s)(x, c->tok_of_row, D, (T *)xs);
+        MOEPT__LAUNCH(moept__k_gather<T>, dim3((unsigned)c->N, dblk), MOEPT__TB, 0, c->s)(
+                x, c->tok_of_row, D, (T *)xs);
         MOEPT__LAUNCHED();
     }
     if (P > 1) MOEPT__TRY(moept__exchange(c, xs, c->xr, 1, 1, out, err));
@@ -1361,7 +1372,8 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     int checked = !p->unchecked_backward;
     if (!local[0] && T_ > 0) {
         MOEPT__CU(cudaMemsetAsync(&c->bad[2], 0xff, 8, c->s));
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dy, T_ * D, NULL, &c->bad[2]);
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
+                dy, T_ * D, NULL, &c->bad[2]);
         MOEPT__LAUNCHED();
     }
     if (checked || local[0]) {
@@ -1390,15 +1402,18 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     const float *xf = c->wlow ? c->xf : (const float *)x;
     const unsigned dblk = (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB);
     if (c->wlow && T_ > 0) { /* the router's fp32 input again (a rejected forward may have overwritten it) */
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(x, T_ * D, c->xf, &c->bad[3]);
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
+                x, T_ * D, c->xf, &c->bad[3]);
         MOEPT__LAUNCHED();
     }
     /* combine': dL/dw and dys in place of the outputs */
     if (T_ > 0) {
-        MOEPT__LAUNCH(moept__k_combine_bwd<T>, (unsigned)(T_ * K), MOEPT__TB, 0, c->s)((T *)ys, c->row_of, c->wts[cur], dy, D, (int)K, c->dwts);
+        MOEPT__LAUNCH(moept__k_combine_bwd<T>, (unsigned)(
+                T_ * K), MOEPT__TB, 0, c->s)((T *)ys, c->row_of, c->wts[cur], dy, D, (int)K, c->dwts);
         MOEPT__LAUNCHED();
         if (p->S > 0) {
-            MOEPT__LAUNCH(moept__k_shared_bwd<T>, (unsigned)T_, MOEPT__TB, 0, c->s)((T *)c->yss, p->offsg >= 0 ? c->sg : NULL, dy, D, c->dsg);
+            MOEPT__LAUNCH(moept__k_shared_bwd<T>, (unsigned)T_, MOEPT__TB, 0, c->s)(
+                    (T *)c->yss, p->offsg >= 0 ? c->sg : NULL, dy, D, c->dsg);
             MOEPT__LAUNCHED();
         }
     }
@@ -1406,12 +1421,14 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
     if (P > 1) MOEPT__TRY(moept__exchange(c, ys, c->yr, 0, 1, out, err));
     if (T_ == 0) return MOEPT_OK;
-    MOEPT__LAUNCH(moept__k_token_sum<T>, dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s)((const T *)ys, c->row_of, D, (int)K, dxf);
+    MOEPT__LAUNCH(moept__k_token_sum<T>, dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s)(
+            (const T *)ys, c->row_of, D, (int)K, dxf);
     MOEPT__LAUNCHED();
     if (p->S > 0) {
         int64_t off[2] = {0, T_};
         MOEPT__TRY(moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
-        MOEPT__LAUNCH(moept__k_add<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, (const T *)c->yss, T_ * D);
+        MOEPT__LAUNCH(moept__k_add<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
+                dxf, (const T *)c->yss, T_ * D);
         MOEPT__LAUNCHED();
         if (p->offsg >= 0) { /* gsg += dsg^T x ; dx += dsg wsg (fp32) */
             moept__gemm gd[2];

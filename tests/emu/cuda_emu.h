@@ -13,7 +13,6 @@
 #define __shared__ static
 #include <cuda_runtime.h>
 
-#include <functional>
 #include <memory>
 #include <tuple>
 #include <utility>

@@ -13,6 +13,7 @@
    communicator used after ncclCommAbort or ncclCommDestroy is a report. */
 #include "emu_internal.h"
 
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -82,8 +83,12 @@ static bool gone(Comm *c, const char *call) {
     return false;
 }
 
-static void set_error(Comm *c, const char *fmt, const char *a, int b, size_t n) {
-    snprintf(c->err, sizeof c->err, fmt, a, b, n);
+static void set_error(Comm *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_error(Comm *c, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof c->err, fmt, ap);
+    va_end(ap);
     c->async = ncclRemoteError;
     report("nccl", "rank %d: %s", c->rank, c->err);
 }
@@ -124,7 +129,7 @@ static void run_p2p(Comm *c, const std::vector<Pending> &ps) {
         if (p.send) continue;
         auto &q = w->box[(size_t)(p.peer * w->n + c->rank)];
         if (!wait_peers(c, lk, [&] { return !q.empty(); })) {
-            set_error(c, "ncclRecv from rank %s%d (%zu bytes): no matching ncclSend came", "", p.peer, p.bytes);
+            set_error(c, "ncclRecv from rank %d (%zu bytes): no matching ncclSend came", p.peer, p.bytes);
             return;
         }
         auto m = q.front();
@@ -132,7 +137,7 @@ static void run_p2p(Comm *c, const std::vector<Pending> &ps) {
         m->taken = true;
         w->cv.notify_all();
         if (m->bytes.size() != p.bytes) {
-            set_error(c, "ncclRecv from rank %s%d of %zu bytes met an ncclSend of another size", "", p.peer, p.bytes);
+            set_error(c, "ncclRecv from rank %d of %zu bytes met an ncclSend of another size", p.peer, p.bytes);
             continue;
         }
         lk.unlock();
@@ -141,7 +146,7 @@ static void run_p2p(Comm *c, const std::vector<Pending> &ps) {
     }
     for (size_t i = 0; i < sent.size(); i++)
         if (!wait_peers(c, lk, [&] { return sent[i]->taken; })) {
-            set_error(c, "ncclSend of %s%d-th message (%zu bytes): no matching ncclRecv came", "", (int)i,
+            set_error(c, "ncclSend of message %zu (%zu bytes): no matching ncclRecv came", i,
                       sent[i]->bytes.size());
             return;
         }
@@ -183,7 +188,7 @@ static void run_coll(Comm *c, uint64_t seq, int gather, const void *sb, void *rb
             else if (t == ncclFloat64) { double a, b; memcpy(&a, o, 8); memcpy(&b, v, 8); a = r ? a + b : b; memcpy(o, &a, 8); }
             else if (t == ncclInt64) { int64_t a, b; memcpy(&a, o, 8); memcpy(&b, v, 8); a = r ? a + b : b; memcpy(o, &a, 8); }
             else if (t == ncclInt32) { int32_t a, b; memcpy(&a, o, 4); memcpy(&b, v, 4); a = r ? a + b : b; memcpy(o, &a, 4); }
-            else { set_error(c, "ncclAllReduce: type %s%d not emulated (%zu)", "", (int)t, count); return; }
+            else { set_error(c, "ncclAllReduce: type %d not emulated (%zu elements)", (int)t, count); return; }
         }
     }
     if (++k.left == w->n) w->coll.erase(seq);

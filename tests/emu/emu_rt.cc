@@ -682,8 +682,8 @@ static const char *kind_name(cudaMemcpyKind k) {
 /* the copy's kind against what the pointers are, and the device range */
 static cudaError_t check_copy(void *dst, const void *src, size_t n, cudaMemcpyKind k, Stream *s, const char *call) {
     int dd, sd;
-    Alloc *da = find(dst, &dd), *sa = find(src, &sd);
-    (void)da; (void)sa;
+    find(dst, &dd);
+    find(src, &sd);
     bool dev_dst = dd >= 0, dev_src = sd >= 0;
     if (k == cudaMemcpyDefault) return cudaSuccess;
     bool want_dst = k == cudaMemcpyHostToDevice || k == cudaMemcpyDeviceToDevice;
