@@ -115,8 +115,11 @@ extern thread_local Op *cur_op;    /* set on a worker while its op runs */
 void report(const char *checker, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 Device *dev(int d);
 Stream *stream_of(cudaStream_t s);
-/* enqueue: op runs on s after its deps and s's earlier ops; returns it */
-std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run);
+/* enqueue: op runs on s after its deps and s's earlier ops; returns it.
+   prep fills the op's fields first: once queued, any thread's synchronize
+   may release it, so nothing about it may be set after the call. */
+std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run,
+                            const std::function<void(Op &)> &prep = nullptr);
 void force(Stream *s, uint64_t seq);
 void force_all(Stream *s);
 bool wait_op(const std::shared_ptr<Op> &o, double timeout_s);

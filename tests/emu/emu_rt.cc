@@ -319,12 +319,14 @@ Stream *stream_of(cudaStream_t h) {
     return (Stream *)h;
 }
 
-std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run) {
+std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run,
+                            const std::function<void(Op &)> &prep) {
     auto o = std::make_shared<Op>();
     o->name = name;
     o->run = std::move(run);
     o->s = s;
     o->host_vc = host_vc;
+    if (prep) prep(*o);
     Device *v = dev(s->dev);
     std::vector<Stream *> others;
     {
@@ -653,8 +655,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t h, cudaEvent_t e, unsigned flags) {
     Stream *s = stream_of(h);
     if (!v->rec) return cudaSuccess; /* never recorded: nothing to wait for */
     std::shared_ptr<Op> rec = v->rec;
-    auto o = enqueue(s, "cudaStreamWaitEvent", nullptr);
-    o->deps.push_back(rec); /* set before the op can be released */
+    enqueue(s, "cudaStreamWaitEvent", nullptr, [&](Op &o) { o.deps.push_back(rec); });
     return cudaSuccess;
 }
 
@@ -706,23 +707,23 @@ static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKi
     if (e != cudaSuccess || n == 0) return e;
     char name[96];
     snprintf(name, sizeof name, "%s %s (%zu bytes)", call, kind_name(k), n);
-    auto o = enqueue(s, name, [dst, src, n](Op &) {
-        if (touch(src, n, 0, "read") & touch(dst, n, 1, "write")) memmove(dst, src, n);
-    });
-    if (find(src, nullptr) == nullptr && find(dst, nullptr) != nullptr) {
-        /* note the host bytes now: a change before the copy runs is a report */
-        o->hsrc = src;
-        o->hlen = n;
-        o->hsum = checksum(src, n);
-    }
+    bool h2d = find(src, nullptr) == nullptr && find(dst, nullptr) != nullptr;
     if (find(dst, nullptr) == nullptr && find(src, nullptr) != nullptr) { /* undefined until it ran: poison */
         bool pending_src = false; /* unless an earlier copy of this stream still reads it */
         std::lock_guard<std::mutex> lk(s->m);
         for (auto &q : s->q)
             if (q->hsrc && (const char *)q->hsrc < (char *)dst + n && (char *)dst < (const char *)q->hsrc + q->hlen)
                 pending_src = true;
-        if (!pending_src) memset(dst, 0xa5, n);
+        if (!pending_src) memset(dst, 0xa5, n); /* before the op exists: another thread may release it */
     }
+    enqueue(s, name, [dst, src, n](Op &) {
+        if (touch(src, n, 0, "read") & touch(dst, n, 1, "write")) memmove(dst, src, n);
+    }, [&](Op &o) {
+        if (!h2d) return;
+        o.hsrc = src; /* note the host bytes now: a change before the copy runs is a report */
+        o.hlen = n;
+        o.hsum = checksum(src, n);
+    });
     return cudaSuccess;
 }
 

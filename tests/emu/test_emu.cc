@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
+#include <vector>
 
 #include "emu.h"
 
@@ -164,6 +165,52 @@ static void streams() {
     cudaStreamDestroy(b);
 }
 
+/* Any thread's synchronize may release an op the moment it is queued: what
+   the emulator notes about an op (a D2H's poisoned destination, an event
+   wait's dependency) must be in place before then. Another thread keeps
+   synchronizing the device while this one copies and waits. */
+static void released_at_once() {
+    const int n = 4096;
+    cudaStream_t a, b;
+    cudaEvent_t ev;
+    float *p, *q;
+    unsigned char *big;
+    std::vector<unsigned char> h(n);
+    cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+    cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    cudaMalloc((void **)&p, 256 * 4);
+    cudaMalloc((void **)&q, 256 * 4);
+    cudaMalloc((void **)&big, n);
+    volatile bool stop = false;
+    std::thread other([&] {
+        cudaSetDevice(0);
+        while (!stop) cudaDeviceSynchronize();
+    });
+    int bad = 0;
+    for (int i = 0; i < 1500 && !bad; i++) {
+        MOEPT__LAUNCH(k_fill, 1, 128, 0, a)(p, (float)i, 256);
+        cudaEventRecord(ev, a);
+        cudaStreamWaitEvent(b, ev, 0);
+        MOEPT__LAUNCH(k_copy, 1, 128, 0, b)(p, q, 256);
+        cudaMemsetAsync(big, i & 0x7f, n, b);
+        cudaMemcpyAsync(h.data(), big, n, cudaMemcpyDeviceToHost, b);
+        cudaStreamSynchronize(b);
+        for (int j = 0; j < n; j++) bad |= h[j] != (i & 0x7f);
+    }
+    stop = true;
+    other.join();
+    result("streams: ops released by another thread at once keep their D2H results", !bad,
+           "a D2H result was lost (the destination poisoned after the copy ran)");
+    expect_clean("... and their event waits (no hazard reported)");
+    cudaFree(p);
+    cudaFree(q);
+    cudaFree(big);
+    cudaEventDestroy(ev);
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+}
+
 /* ---- cuBLAS against hand-worked products ---- */
 static float bf(float v) { /* to bf16 and back, round to nearest even */
     uint32_t u;
@@ -282,6 +329,7 @@ int main() {
     kernels();
     host_read();
     streams();
+    released_at_once();
     blas();
     nccl_unmatched();
     return g_fail;
