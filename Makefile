@@ -254,8 +254,11 @@ $(B)/emu/test_cuda: tests/test_cuda.c tests/testutil.h $(EMU_OBJS)
 $(B)/emu/train: examples/train.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
+# compiled with the kernels' instrumentation, linked without the tsan runtime
+# (its interceptors would see the uninstrumented emulator's threads and fibers)
 $(B)/emu/test_emu: tests/emu/test_emu.cc $(B)/emu/rt.o
-	$(EMU_CXX) -O1 $(EMU_KFLAGS) tests/emu/test_emu.cc -x none $(B)/emu/rt.o -o $@ $(EMU_LIBS)
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) -c tests/emu/test_emu.cc -o $(B)/emu/test_emu.o
+	$(EMU_CXX) $(B)/emu/test_emu.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
 
 # the same under ASan + UBSan (no per-access hooks: ASan and the tsan
 # instrumentation do not mix; ASan sees the kernels' stacks and host memory)

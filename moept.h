@@ -319,8 +319,16 @@ moept_status moept_cuda_params_changed(moept_layer *layer);
    host memory (host buffers are staged through a device copy and the call
    waits for it). With a non-blocking communicator (ncclConfig_t blocking =
    0) every call polls ncclCommGetAsyncError and aborts the communicator
-   after timeout_ms (0 = 600 s) instead of hanging. Never initialises NCCL. */
+   after timeout_ms (0 = 600 s) instead of hanging. Never initialises NCCL.
+   An asynchronous NCCL error or a timeout (a peer that never came) makes
+   moept call ncclCommAbort, the one way to end the stuck NCCL kernels; the
+   call fails with MOEPT_ERR_COMM, and every later call on this moept_comm
+   fails at once without touching the handle. ncclCommAbort frees the
+   communicator: when moept_comm_nccl_aborted(c) is 1, the owner must not
+   call ncclCommDestroy on it (a double free); moept_comm_destroy(c) is still
+   needed. The layers' host copies of parameters stay readable. */
 moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeout_ms, moept_comm **out);
+int moept_comm_nccl_aborted(const moept_comm *c);
 #endif
 
 typedef struct moept_stats {

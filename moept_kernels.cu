@@ -370,6 +370,8 @@ typedef struct moept__nccl {
     int timeout_ms;
     void *stage;            /* device staging for host buffers */
     size_t stage_bytes;
+    int aborted;            /* 1: moept called ncclCommAbort; the handle is freed, never touched again */
+    char abort_why[200];
 } moept__nccl;
 
 static moept_status moept__nccl_fail(moept_comm *c, moept_status s, const char *fmt, ...) {
@@ -386,6 +388,28 @@ static double moept__clock(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* Aborts the communicator (the one way to free a stream stuck in an NCCL
+   kernel): NCCL's last error is read first, as the handle is freed by the
+   abort. From then on every call on c fails without touching the handle, and
+   moept_comm_nccl_aborted tells its owner not to destroy it. */
+static moept_status moept__nccl_abort(moept_comm *c, const char *what) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    const char *last = ncclGetLastError(n->comm);
+    snprintf(n->abort_why, sizeof n->abort_why, "%s%s%s%s", what, last && last[0] ? " (" : "", last ? last : "",
+             last && last[0] ? ")" : "");
+    ncclCommAbort(n->comm);
+    n->aborted = 1;
+    return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s; the NCCL communicator was aborted (ncclCommAbort freed it: do not "
+                            "destroy it; make a new one)", n->abort_why);
+}
+/* Every call on an aborted communicator fails at once. */
+static moept_status moept__nccl_dead(moept_comm *c) {
+    moept__nccl *n = (moept__nccl *)c->ctx;
+    if (!n->aborted) return MOEPT_OK;
+    return moept__nccl_fail(c, MOEPT_ERR_COMM, "the NCCL communicator was aborted after an earlier error: %s",
+                            n->abort_why);
+}
+
 /* A call's result, as NCCL's guide says: ncclInProgress (non-blocking
    communicators) is polled through ncclCommGetAsyncError until it settles or
    the timeout passes, and then the communicator is aborted. */
@@ -394,9 +418,9 @@ static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char 
     double t0 = moept__clock();
     while (r == ncclInProgress) {
         if (moept__clock() - t0 > n->timeout_ms * 1e-3) {
-            ncclCommAbort(n->comm);
-            return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: timed out after %d ms; communicator aborted (moept_kernels.cu:%d)",
-                                    call, n->timeout_ms, line);
+            char what[160];
+            snprintf(what, sizeof what, "%s: timed out after %d ms (moept_kernels.cu:%d)", call, n->timeout_ms, line);
+            return moept__nccl_abort(c, what);
         }
         if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
     }
@@ -422,21 +446,23 @@ static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char 
    timeout (a peer that never arrives is an error, not a hang). */
 static moept_status moept__nccl_wait(moept_comm *c) {
     moept__nccl *n = (moept__nccl *)c->ctx;
+    MOEPT__TRY(moept__nccl_dead(c));
     double t0 = moept__clock();
     for (;;) {
         cudaError_t q = cudaStreamQuery(n->stream);
-        if (q == cudaSuccess) return MOEPT_OK;
-        if (q != cudaErrorNotReady)
+        if (q != cudaSuccess && q != cudaErrorNotReady)
             return moept__nccl_fail(c, MOEPT_ERR_DEVICE, "cudaStreamQuery: %s", cudaGetErrorString(q));
-        ncclResult_t r = ncclSuccess;
+        ncclResult_t r = ncclSuccess; /* checked after the stream is done too: an op may end in error */
         if (ncclCommGetAsyncError(n->comm, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
-            ncclCommAbort(n->comm);
-            return moept__nccl_fail(c, MOEPT_ERR_COMM, "nccl: %s (%s); communicator aborted", ncclGetErrorString(r),
-                                    ncclGetLastError(n->comm));
+            char what[160];
+            snprintf(what, sizeof what, "nccl: %s", ncclGetErrorString(r));
+            return moept__nccl_abort(c, what);
         }
+        if (q == cudaSuccess) return MOEPT_OK;
         if (moept__clock() - t0 > n->timeout_ms * 1e-3) {
-            ncclCommAbort(n->comm);
-            return moept__nccl_fail(c, MOEPT_ERR_COMM, "nccl: no progress in %d ms; communicator aborted", n->timeout_ms);
+            char what[160];
+            snprintf(what, sizeof what, "nccl: no progress in %d ms", n->timeout_ms);
+            return moept__nccl_abort(c, what);
         }
     }
 }
@@ -490,6 +516,7 @@ static moept_status moept__nccl_a2a_dev(moept_comm *c, const void *send, const m
 
 static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
                                           const moept_seg *rs, int nseg, int es) {
+    MOEPT__TRY(moept__nccl_dead(c));
     if (es != 2 && es != 4 && es != 8) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
     if (!moept__is_host(send) && !moept__is_host(recv)) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
     /* host buffers (set-up and agreement traffic): through a device copy */
@@ -518,6 +545,7 @@ static moept_status moept__nccl_allreduce(moept_comm *c, void *buf, int64_t coun
     moept__nccl *n = (moept__nccl *)c->ctx;
     size_t es;
     ncclDataType_t nt = moept__nccl_type(t, &es);
+    MOEPT__TRY(moept__nccl_dead(c));
     if (count <= 0) return MOEPT_OK;
     if (!moept__is_host(buf)) {
         MOEPT__NC(c, ncclAllReduce(buf, buf, (size_t)count, nt, ncclSum, n->comm, n->stream));
@@ -533,6 +561,7 @@ static moept_status moept__nccl_allreduce(moept_comm *c, void *buf, int64_t coun
 
 static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
     moept__nccl *n = (moept__nccl *)c->ctx;
+    MOEPT__TRY(moept__nccl_dead(c));
     if (bytes <= 0) return MOEPT_OK;
     if (!moept__is_host(send) && !moept__is_host(recv)) {
         MOEPT__NC(c, ncclAllGather(send, recv, (size_t)bytes, ncclUint8, n->comm, n->stream));
@@ -551,6 +580,7 @@ static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void 
 /* Point-to-point (resharding): device buffers only. */
 static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs, int nrecv) {
     moept__nccl *n = (moept__nccl *)c->ctx;
+    MOEPT__TRY(moept__nccl_dead(c));
     for (int i = 0; i < nsend; i++)
         if (moept__is_host(sends[i].buf)) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: send %d is host memory", i);
     for (int i = 0; i < nrecv; i++)
@@ -601,6 +631,9 @@ extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeo
 
 static int moept__is_nccl(const moept_comm *c) { return c && c->destroy == moept__nccl_destroy; }
 extern "C" int moept__cuda_is_nccl(const moept_comm *c) { return moept__is_nccl(c); }
+extern "C" int moept_comm_nccl_aborted(const moept_comm *c) {
+    return moept__is_nccl(c) && ((const moept__nccl *)c->ctx)->aborted;
+}
 
 /* ------------------------------------------------------------------------
    The executor
@@ -881,6 +914,23 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     return MOEPT_OK;
 }
 
+/* Every host wait on the compute stream: first the EP and DP comms' streams,
+   polled with their timeouts and async errors (the compute stream waits on
+   them through events, so a peer that never comes would hang a plain
+   synchronize); what is left on the compute stream is this rank's own. An
+   aborted comm has no work left (the abort ended it): the host copies of the
+   parameters stay readable. */
+static moept_status moept__host_wait(moept__cuda *c, char *err) {
+    moept_comm *comms[2] = {c->sp.ep, c->sp.dp};
+    for (int i = 0; i < 2; i++)
+        if (comms[i] && !moept_comm_nccl_aborted(comms[i])) {
+            moept_status st = moept__nccl_wait(comms[i]);
+            if (st) return moept__kfail(err, st, "%s", comms[i]->err);
+        }
+    MOEPT__CU(cudaStreamSynchronize(c->s));
+    return MOEPT_OK;
+}
+
 /* ---- host <-> device ---------------------------------------------------- */
 extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
                                            const float *bias, const int32_t *slot_of, char *err) {
@@ -889,7 +939,7 @@ extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, 
     if (grads) MOEPT__CU(cudaMemcpyAsync(c->grads, grads, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
     if (bias) MOEPT__CU(cudaMemcpyAsync(c->bias, bias, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
     if (slot_of) MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
-    MOEPT__CU(cudaStreamSynchronize(c->s)); /* the host arrays may change after we return */
+    MOEPT__TRY(moept__host_wait(c, err)); /* the host arrays may change after we return */
     return MOEPT_OK;
 }
 
@@ -897,7 +947,7 @@ extern "C" moept_status moept__cuda_download(moept__cuda *c, float *params, floa
     const int64_t n = c->sp.n_params;
     if (params) MOEPT__CU(cudaMemcpyAsync(params, c->params, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
     if (grads) MOEPT__CU(cudaMemcpyAsync(grads, c->grads, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
-    MOEPT__CU(cudaStreamSynchronize(c->s));
+    MOEPT__TRY(moept__host_wait(c, err));
     return MOEPT_OK;
 }
 
@@ -909,7 +959,7 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
     if (wts) MOEPT__CU(cudaMemcpyAsync(wts, c->wts[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
     if (logits) MOEPT__CU(cudaMemcpyAsync(logits, c->logits[c->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost, c->s));
     if (dwts) MOEPT__CU(cudaMemcpyAsync(dwts, c->dwts, (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
-    MOEPT__CU(cudaStreamSynchronize(c->s));
+    MOEPT__TRY(moept__host_wait(c, err));
     return MOEPT_OK;
 }
 
@@ -1083,16 +1133,6 @@ static moept_status moept__exchange(moept__cuda *c, void *local, void *remote, i
     return MOEPT_OK;
 }
 
-/* The one host synchronisation of a forward: wait for the compute stream
-   (and through the events, the count exchange), watching NCCL's errors. */
-static moept_status moept__host_wait(moept__cuda *c, char *err) {
-    if (c->sp.ep) {
-        moept_status st = moept__nccl_wait(c->sp.ep);
-        if (st) return moept__kfail(err, st, "%s", c->sp.ep->err);
-    }
-    MOEPT__CU(cudaStreamSynchronize(c->s));
-    return MOEPT_OK;
-}
 
 /* ---- forward ------------------------------------------------------------ */
 /* Before the count exchange an error must not return early (the peers would
@@ -1379,7 +1419,7 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     if (checked || local[0]) {
         /* agreement (second host sync of the step; unchecked_backward skips it) */
         MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 8, cudaMemcpyDeviceToHost, c->s));
-        MOEPT__CU(cudaStreamSynchronize(c->s));
+        MOEPT__TRY(moept__host_wait(c, err));
         if (!local[0] && T_ > 0 && c->h_bad[2] != ULLONG_MAX) {
             why = MOEPT_ERR_NUMERIC;
             snprintf(local, sizeof local, "moept_backward: dy[%lld][%lld] is not finite", (long long)(c->h_bad[2] / D),

@@ -197,6 +197,7 @@ static void test_bad_options(void) {
 #include <nccl.h>
 #include <pthread.h>
 #include "emu/emu.h"
+#include <unistd.h>
 typedef struct grow_job {
     int rank;
     ncclUniqueId id;
@@ -230,7 +231,7 @@ static void *grow_rank(void *arg) {
             j->st[step] = moept_forward(L, (const float *)dx, T, (float *)dy);
             snprintf(j->msg[step], sizeof j->msg[step], "%s", moept_last_error(L));
         }
-        moept_emu_fail_malloc(0);
+        if (j->rank == 0) moept_emu_fail_malloc(0);
         cudaFree(dx); cudaFree(dy);
         free(w); free(x);
     } else {
@@ -261,6 +262,93 @@ static void test_failed_growth_then_next_step(void) {
         EXPECT(j[r].st[1] == MOEPT_OK, "rank %d, the step after: status %d (%s)", r, (int)j[r].st[1], j[r].msg[1]);
     }
 }
+
+/* Two data-parallel NCCL ranks; rank 1 never comes to the collective that
+   rank 0 waits on: the forward's DP all-reduce of the loss statistics
+   (global_balance), or the DP gradient all-reduce read back by
+   moept_get_grad. Rank 0 must fail with MOEPT_ERR_COMM (not hang, not return
+   OK on what never arrived), its communicator aborted once; later calls fail
+   at once without touching the freed handle (the emulator reports any use),
+   and the host copies stay readable. */
+typedef struct absent_job {
+    int rank, what; /* what: 0 forward, 1 sync_grads then get_grad */
+    ncclUniqueId id;
+    volatile int *done;
+    moept_status st, again, get;
+    int aborted;
+    char msg[2][300];
+} absent_job;
+
+static void *absent_rank(void *arg) {
+    absent_job *j = arg;
+    cudaStream_t s = NULL;
+    ncclComm_t nc = NULL;
+    moept_comm *dp = NULL;
+    moept_layer *L = NULL;
+    cudaSetDevice(j->rank);
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    ncclCommInitRank(&nc, 2, j->id, j->rank);
+    moept_comm_nccl(nc, s, 5000, &dp);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.global_balance = 1;
+    const int64_t D = cfg.hidden_size, T = 8;
+    j->st = moept_create_cuda(&cfg, NULL, dp, NULL, &L);
+    if (j->st == MOEPT_OK && j->rank == 0) {
+        float *x = malloc((size_t)(T * D) * sizeof(float)), *w = malloc((size_t)(8 * D) * sizeof(float));
+        for (int64_t i = 0; i < T * D; i++) x[i] = frand();
+        void *dx = dev_from(x, T * D, 0), *dy = dev_from(x, T * D, 0);
+        if (j->what == 0) {
+            j->st = moept_forward(L, (const float *)dx, T, (float *)dy);
+        } else {
+            j->st = moept_sync_grads(L, 0.5f);
+            if (j->st == MOEPT_OK) j->st = moept_get_grad(L, "gate.weight", w, 8 * D);
+        }
+        snprintf(j->msg[0], sizeof j->msg[0], "%s", moept_last_error(L));
+        j->again = moept_forward(L, (const float *)dx, T, (float *)dy);
+        snprintf(j->msg[1], sizeof j->msg[1], "%s", moept_last_error(L));
+        j->get = moept_get_param(L, "gate.weight", w, 8 * D);
+        j->aborted = moept_comm_nccl_aborted(dp);
+        cudaFree(dx); cudaFree(dy);
+        free(x); free(w);
+        *j->done = 1;
+    }
+    while (!*j->done) usleep(1000); /* rank 1 stays away until rank 0 is through */
+    moept_destroy(L);
+    int aborted = moept_comm_nccl_aborted(dp);
+    moept_comm_destroy(dp);
+    if (!aborted) ncclCommDestroy(nc);
+    cudaStreamDestroy(s);
+    return NULL;
+}
+
+static void absent_peer(int what) {
+    moept_emu_nccl_timeout(300);
+    volatile int done = 0;
+    absent_job j[2];
+    memset(j, 0, sizeof j);
+    ncclGetUniqueId(&j[0].id);
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+        j[r].rank = r;
+        j[r].what = what;
+        j[r].id = j[0].id;
+        j[r].done = &done;
+        pthread_create(&th[r], NULL, absent_rank, &j[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    char rep[300];
+    long n = moept_emu_take_reports(rep, sizeof rep); /* the emulated NCCL's timeout, expected */
+    moept_emu_nccl_timeout(0);
+    EXPECT(j[0].st == MOEPT_ERR_COMM && strstr(j[0].msg[0], "aborted"), "rank 0: status %d (%s)", (int)j[0].st,
+           j[0].msg[0]);
+    EXPECT(j[0].aborted == 1, "rank 0's communicator is not marked aborted");
+    EXPECT(j[0].again == MOEPT_ERR_COMM && strstr(j[0].msg[1], "aborted after an earlier error"),
+           "rank 0, the next forward: status %d (%s)", (int)j[0].again, j[0].msg[1]);
+    EXPECT(j[0].get == MOEPT_OK, "rank 0: the host copy of the parameters is not readable after the abort");
+    EXPECT(n >= 1 && strstr(rep, "nccl"), "the emulator did not see the absent peer (%ld reports: %s)", n, rep);
+}
+static void test_absent_peer_forward(void) { absent_peer(0); }
+static void test_absent_peer_grads(void) { absent_peer(1); }
 #endif
 
 static void test_no_device(void) {
@@ -290,6 +378,10 @@ int main(void) {
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
 #ifdef MOEPT_EMU
     tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
+    tu_run("cuda (emulated, 2 DP ranks): a peer absent from the loss all-reduce: ERR_COMM, aborted once",
+           test_absent_peer_forward);
+    tu_run("cuda (emulated, 2 DP ranks): a peer absent from the gradient all-reduce: ERR_COMM, aborted once",
+           test_absent_peer_grads);
 #endif
     return tu_done();
 }

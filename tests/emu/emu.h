@@ -10,8 +10,9 @@ long moept_emu_reports(void);
    something on purpose takes what it expected; an untaken report makes the
    process exit nonzero at exit. The text of the last one goes to buf. */
 long moept_emu_take_reports(char *buf, int len);
-/* Fault injection: the n-th cudaMalloc from now (1 = the next) fails with
-   cudaErrorMemoryAllocation; 0 disarms. */
+/* Fault injection: the n-th cudaMalloc from now (1 = the next) on the
+   caller's current device fails with cudaErrorMemoryAllocation (other
+   devices, i.e. other ranks, are not counted); 0 disarms. */
 void moept_emu_fail_malloc(int n);
 /* How long an NCCL op waits for a peer before the communicator gets an
    asynchronous error (ms; default 20000). */

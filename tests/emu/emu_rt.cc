@@ -42,6 +42,7 @@ static std::mutex g_mu;                    /* devices, streams, pinned, reports 
 static std::atomic<long> g_reports{0}, g_taken{0};
 static char g_last_report[512];
 static std::atomic<int> g_fail_malloc{0};
+static std::atomic<int> g_fail_dev{-1}; /* the device whose cudaMalloc counts */
 static int g_nstreams = 0;
 static std::vector<int> g_free_ids; /* clock entries of destroyed streams */
 static std::map<const char *, size_t> g_pinned; /* cudaMallocHost blocks */
@@ -413,7 +414,10 @@ extern "C" long moept_emu_take_reports(char *buf, int len) {
     if (buf && len > 0) snprintf(buf, (size_t)len, "%s", n ? g_last_report : "");
     return n;
 }
-extern "C" void moept_emu_fail_malloc(int n) { g_fail_malloc = n; }
+extern "C" void moept_emu_fail_malloc(int n) {
+    g_fail_dev = cur_dev;
+    g_fail_malloc = n;
+}
 
 static void at_exit_check() {
     long n = g_reports.load() - g_taken.load();
@@ -473,7 +477,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     *p = nullptr;
     if (device_count() == 0) return fail(cudaErrorNoDevice);
     int f = g_fail_malloc.load();
-    if (f > 0 && g_fail_malloc.fetch_sub(1) == 1) return fail(cudaErrorMemoryAllocation);
+    if (f > 0 && cur_dev == g_fail_dev && g_fail_malloc.fetch_sub(1) == 1) return fail(cudaErrorMemoryAllocation);
     if (bytes == 0) return cudaSuccess;
     Device *v = dev(cur_dev);
     size_t pages = (bytes + PAGE - 1) / PAGE;
