@@ -117,7 +117,7 @@ fi
 # CUDA: compiled and linked (nvcc, cuBLAS, NCCL) when found; without a GPU
 # every GPU check reports itself skipped
 if [ -n "$CUDA" ]; then
-    suite "cuda: no kernel spills (nvcc -Xptxas -v)" sh tests/check_ptxas.sh "$B/cuda/ptxas.txt"
+    suite "cuda: no kernel spills, static shared memory <= 48 KiB (nvcc -Xptxas -v)" sh tests/check_ptxas.sh "$B/cuda/ptxas.txt"
     suite "cuda reference cases (fp32 1e-5, bf16 2^-6 vs bf16 reference)" "$B/moept_check_cuda" $CASES
     suite "test_cuda" "$B/test_cuda"
     suite "train_cuda" "$B/train_cuda" --steps 30 --quiet
