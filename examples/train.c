@@ -11,7 +11,7 @@
                 [--family mixtral|qwen2_moe|olmoe|deepseek_v3] [--lr X]
                 [--csv FILE] [--seed S] [--ep N] [--quiet]
           mpirun -np N train_mpi --ep N ...      (built with -DMOEPT_MPI)
-          train_cuda ...     (built with -DMOEPT_CUDA: the MoE layers on the
+          train_cuda [--bf16] ... (built with -DMOEPT_CUDA: the MoE layers on the
                               GPU, one rank; skipped without a device)
    With no --data it trains on the project's own source files.
 
@@ -44,6 +44,7 @@ typedef struct opts {
     const char *csv;
     unsigned long long seed;
     int ep;
+    int bf16;              /* train_cuda --bf16: the MoE layers in bf16 (rows and expert weights) */
 } opts;
 
 typedef struct adam { float *m, *v; int64_t n; } adam;
@@ -66,6 +67,8 @@ typedef struct model {
     adam a_emb, a_norm, a_head, *a_moe;
     float **dev_in;  /* CUDA: [NL] each layer's input [B][D] on the device, kept for its backward */
     float *dev_a, *dev_b; /* CUDA: [B][D] output / dy, dx */
+    int bf16;             /* CUDA: the device rows are bf16 */
+    uint16_t *stage;      /* CUDA bf16: [B][D] rows converted on the host */
 } model;
 
 static double now(void) {
@@ -146,7 +149,7 @@ static void rmsnorm_bwd(const float *x, const float *g, const float *inv, const 
 static void usage(void) {
     fprintf(stderr, "usage: train [--data FILE]... [--steps N] [--batch B] [--layers L] [--dim D] [--ffn F]\n"
                     "             [--experts E] [--topk K] [--ctx C] [--family NAME] [--lr X] [--csv FILE]\n"
-                    "             [--seed S] [--ep N] [--quiet]\n");
+                    "             [--seed S] [--ep N] [--quiet] [--bf16 (train_cuda)]\n");
     exit(2);
 }
 
@@ -165,6 +168,9 @@ static void parse(int argc, char **argv, opts *o) {
         if (strcmp(a, "--csv") == 0 && v) { o->csv = v; i++; continue; }
         if (strcmp(a, "--seed") == 0 && v) { o->seed = strtoull(v, NULL, 10); i++; continue; }
         if (strcmp(a, "--quiet") == 0) { o->quiet = 1; continue; }
+#ifdef MOEPT_CUDA
+        if (strcmp(a, "--bf16") == 0) { o->bf16 = 1; continue; }
+#endif
         if (strcmp(a, "--family") == 0 && v) {
             static const char *f[] = {"mixtral", "qwen2_moe", "olmoe", "deepseek_v3"};
             int k = 0;
@@ -205,13 +211,43 @@ static unsigned char *load_text(opts *o, int64_t *len) {
 }
 
 /* The MoE layers' calls; the CUDA build moves the rows to and from the
-   device around them (the rest of this small model stays on the CPU). */
+   device around them (the rest of this small model stays on the CPU), as
+   bf16 with --bf16 (round to nearest even). */
+#ifdef MOEPT_CUDA
+static void to_device(model *M, void *dev, const float *h) {
+    int64_t n = (int64_t)M->B * M->D;
+    const void *src = h;
+    if (M->bf16) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, &h[i], 4);
+            M->stage[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* finite inputs only */
+        }
+        src = M->stage;
+    }
+    if (cudaMemcpy(dev, src, (size_t)n * (M->bf16 ? 2 : 4), cudaMemcpyHostToDevice) != cudaSuccess) {
+        fprintf(stderr, "train: cudaMemcpy failed\n");
+        exit(1);
+    }
+}
+static void to_host(model *M, float *h, const void *dev) {
+    int64_t n = (int64_t)M->B * M->D;
+    if (cudaMemcpy(M->bf16 ? (void *)M->stage : (void *)h, dev, (size_t)n * (M->bf16 ? 2 : 4),
+                   cudaMemcpyDeviceToHost) != cudaSuccess) {
+        fprintf(stderr, "train: cudaMemcpy failed\n");
+        exit(1);
+    }
+    for (int64_t i = 0; M->bf16 && i < n; i++) {
+        uint32_t u = (uint32_t)M->stage[i] << 16;
+        memcpy(&h[i], &u, 4);
+    }
+}
+#endif
 static void moe_forward(model *M, int l, const float *x, float *y) {
 #ifdef MOEPT_CUDA
-    size_t bytes = (size_t)M->B * M->D * sizeof(float);
-    if (cudaMemcpy(M->dev_in[l], x, bytes, cudaMemcpyHostToDevice) != cudaSuccess) { fprintf(stderr, "train: cudaMemcpy failed\n"); exit(1); }
+    to_device(M, M->dev_in[l], x);
     check(moept_forward(M->moe[l], M->dev_in[l], M->B, M->dev_a), M->moe[l], "moe forward");
-    if (cudaMemcpy(y, M->dev_a, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) { fprintf(stderr, "train: cudaMemcpy failed\n"); exit(1); }
+    to_host(M, y, M->dev_a);
 #else
     check(moept_forward(M->moe[l], x, M->B, y), M->moe[l], "moe forward");
 #endif
@@ -219,10 +255,9 @@ static void moe_forward(model *M, int l, const float *x, float *y) {
 static void moe_backward(model *M, int l, const float *x, const float *dy, float *dx) {
 #ifdef MOEPT_CUDA
     (void)x;
-    size_t bytes = (size_t)M->B * M->D * sizeof(float);
-    if (cudaMemcpy(M->dev_a, dy, bytes, cudaMemcpyHostToDevice) != cudaSuccess) { fprintf(stderr, "train: cudaMemcpy failed\n"); exit(1); }
+    to_device(M, M->dev_a, dy);
     check(moept_backward(M->moe[l], M->dev_in[l], M->dev_a, M->dev_b), M->moe[l], "moe backward");
-    if (cudaMemcpy(dx, M->dev_b, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) { fprintf(stderr, "train: cudaMemcpy failed\n"); exit(1); }
+    to_host(M, dx, M->dev_b);
 #else
     check(moept_backward(M->moe[l], x, dy, dx), M->moe[l], "moe backward");
 #endif
@@ -329,6 +364,9 @@ static int train_rank(const opts *op, moept_comm *comm) {
     if (o.family == MOEPT_FAMILY_QWEN2_MOE || o.family == MOEPT_FAMILY_DEEPSEEK_V3) cfg.shared_intermediate_size = o.ffn;
     if (o.family == MOEPT_FAMILY_DEEPSEEK_V3 && o.experts % 4 == 0 && o.topk <= o.experts / 2) { cfg.n_group = 4; cfg.topk_group = 2; }
 #ifdef MOEPT_CUDA
+    M.bf16 = o.bf16;
+    M.stage = xcalloc((size_t)B * D, 2);
+    moept_cuda_options copt = {.dtype = o.bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32};
     M.dev_in = xcalloc((size_t)NL, sizeof *M.dev_in);
     for (int l = 0; l <= NL; l++)
         if (cudaMalloc(l < NL ? (void **)&M.dev_in[l] : (void **)&M.dev_a, (size_t)B * D * 4) != cudaSuccess ||
@@ -339,7 +377,7 @@ static int train_rank(const opts *op, moept_comm *comm) {
 #endif
     for (int l = 0; l < NL; l++) {
 #ifdef MOEPT_CUDA
-        check(moept_create_cuda(&cfg, comm, NULL, NULL, &M.moe[l]), NULL, "moept_create_cuda");
+        check(moept_create_cuda(&cfg, comm, NULL, &copt, &M.moe[l]), NULL, "moept_create_cuda");
 #else
         check(moept_create_parallel(&cfg, comm, NULL, &M.moe[l]), NULL, "moept_create");
 #endif
