@@ -399,8 +399,9 @@ static moept_status moept__nccl_abort(moept_comm *c, const char *what) {
              last && last[0] ? ")" : "");
     ncclCommAbort(n->comm);
     n->aborted = 1;
-    return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s; the NCCL communicator was aborted (ncclCommAbort freed it: do not "
-                            "destroy it; make a new one)", n->abort_why);
+    return moept__nccl_fail(c, MOEPT_ERR_COMM,
+                            "%s; the NCCL communicator was aborted (ncclCommAbort freed it: do not destroy it; "
+                            "make a new one)", n->abort_why);
 }
 /* Every call on an aborted communicator fails at once. */
 static moept_status moept__nccl_dead(moept_comm *c) {
@@ -419,7 +420,8 @@ static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char 
     while (r == ncclInProgress) {
         if (moept__clock() - t0 > n->timeout_ms * 1e-3) {
             char what[160];
-            snprintf(what, sizeof what, "%s: timed out after %d ms (moept_kernels.cu:%d)", call, n->timeout_ms, line);
+            snprintf(what, sizeof what, "%s: timed out after %d ms (moept_kernels.cu:%d)", call, n->timeout_ms,
+                     line);
             return moept__nccl_abort(c, what);
         }
         if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
@@ -1135,45 +1137,61 @@ static moept_status moept__exchange(moept__cuda *c, void *local, void *remote, i
 
 
 /* ---- forward ------------------------------------------------------------ */
-/* Before the count exchange an error must not return early (the peers would
-   wait in the exchange): it is recorded, and the exchange carries it. */
-#define MOEPT__PRE(call)                                                                                 \
-    do {                                                                                                 \
-        cudaError_t e_ = (call);                                                                         \
-        if (e_ != cudaSuccess && !pre) {                                                                 \
-            pre = 1;                                                                                     \
-            snprintf(local, sizeof local, "%s: %s (moept_kernels.cu:%d)", #call, cudaGetErrorString(e_), \
-                     __LINE__);                                                                          \
-        }                                                                                                \
+/* A forward's stages share this: until the agreement nothing is committed,
+   and before the count exchange an error must not return early (the peers
+   would wait in the exchange): it is recorded in `local`, and the exchange
+   carries it. */
+typedef struct moept__fwd {
+    char local[MOEPT__ERRLEN]; /* this rank's failure, "" if none */
+    int host_bad;              /* a host-side rejection (arguments, pending error): kernels ran on T = 0 */
+    int pre;                   /* a CUDA call failed before the exchange */
+    cudaError_t pending;       /* the error an earlier call left pending */
+    int nb;                    /* the spare routing buffers this step fills */
+    int64_t T, cap, R;         /* tokens (0 if rejected), capacity (-1: none), rows to receive */
+} moept__fwd;
+
+#define MOEPT__PRE(call)                                                                                       \
+    do {                                                                                                       \
+        cudaError_t e_ = (call);                                                                               \
+        if (e_ != cudaSuccess && !f->pre) {                                                                    \
+            f->pre = 1;                                                                                        \
+            snprintf(f->local, MOEPT__ERRLEN, "%s: %s (moept_kernels.cu:%d)", #call, cudaGetErrorString(e_), \
+                     __LINE__);                                                                                \
+        }                                                                                                      \
     } while (0)
 
-template <typename T>
-static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
-                                   int64_t *peer_rows, moept__cuda_step *out, char *err) {
+/* 1. this rank's argument checks; the kernels then run on a valid T only */
+static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const void *y, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, E = p->E, K = p->K, El = p->El, P = p->P, me = p->rank;
-    const T *x = (const T *)xv;
-    T *y = (T *)yv;
-    /* 1. local checks; the kernels then run on a valid T only */
-    char local[MOEPT__ERRLEN] = "";
-    int host_bad = 0;
     if (Tn < 0 || Tn > p->Tmax) {
-        host_bad = 1;
-        snprintf(local, sizeof local, "moept_forward: tokens %lld not in 0..max_tokens (%lld)", (long long)Tn, (long long)p->Tmax);
+        f->host_bad = 1;
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: tokens %lld not in 0..max_tokens (%lld)", (long long)Tn,
+                 (long long)p->Tmax);
     } else if (Tn > 0 && (!x || !y)) {
-        host_bad = 1;
-        snprintf(local, sizeof local, "moept_forward: %s is NULL", x ? "y" : "x");
+        f->host_bad = 1;
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: %s is NULL", x ? "y" : "x");
     }
     /* an error left pending by an earlier call (a failed allocation) is this
        step's failure, agreed like the others, not a surprise at the first check */
-    int pre = 0;
-    cudaError_t pending = cudaGetLastError();
-    if (!host_bad && pending != cudaSuccess) {
-        host_bad = 1;
-        snprintf(local, sizeof local, "moept_forward: a CUDA error was pending: %s", cudaGetErrorString(pending));
+    f->pending = cudaGetLastError();
+    if (!f->host_bad && f->pending != cudaSuccess) {
+        f->host_bad = 1;
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: a CUDA error was pending: %s",
+                 cudaGetErrorString(f->pending));
     }
-    const int64_t T_ = host_bad ? 0 : Tn;
-    const int nb = 1 - c->cur;
+    f->T = f->host_bad ? 0 : Tn;
+    f->nb = 1 - c->cur;
+    f->cap = -1;
+    if (p->capacity_factor > 0.0 && !f->host_bad)
+        f->cap = (int64_t)ceil(p->capacity_factor * ((double)f->T * (double)p->K / (double)p->E));
+}
+
+/* 2. route: the bf16 weights, x's check, the fp32 router, top-k, loss statistics */
+template <typename T>
+static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, E = p->E, K = p->K, T_ = f->T;
+    const int nb = f->nb;
     c->ptr_slot = 0;
     MOEPT__PRE(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
     if (c->wlow) { /* this step's bf16 weights from the fp32 masters */
@@ -1189,40 +1207,45 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
         MOEPT__PRE(cudaGetLastError());
         /* router GEMM in fp32: logits = xf Wr^T */
         moept__gemm g = moept__gemm_make(0, 1, T_, E, D, xf, D, c->params, D, 0.0f, c->logits[nb], E);
-        if (!pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, local)) pre = 1;
+        if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
             p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group, p->scale, T_,
             c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
         MOEPT__PRE(cudaGetLastError());
     }
-    MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(
-            E + 1), MOEPT__TB, 0, c->s)(c->ids[nb], c->cids, c->scratch, c->lse[nb], T_,
-                                                                   (int)E, (int)K, p->aux, c->lstat);
+    MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(
+            c->ids[nb], c->cids, c->scratch, c->lse[nb], T_, (int)E, (int)K, p->aux, c->lstat);
     MOEPT__PRE(cudaGetLastError());
-    /* 2. plan counts (per slot, capacity applied) into the count message */
-    int64_t cap = -1;
-    if (p->capacity_factor > 0.0 && !host_bad)
-        cap = (int64_t)ceil(p->capacity_factor * ((double)T_ * (double)K / (double)E));
-    int64_t nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
+}
+
+/* 3. plan: counts per slot (capacity applied) into the count message */
+static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
+    const int64_t E = c->sp.E, T_ = f->T, nblk = (T_ * c->sp.K + MOEPT__PB - 1) / MOEPT__PB;
     if (nblk > 0) {
         MOEPT__PRE(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
         MOEPT__LAUNCH(moept__k_plan_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(
-                c->ids[nb], c->slot_of, T_ * K, (int)E, c->lrank, c->hist);
+                c->ids[f->nb], c->slot_of, T_ * c->sp.K, (int)E, c->lrank, c->hist);
         MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(
-            c->hist, nblk, (int)E, cap, c->kept, c->koff, c->msg, c->bad, host_bad,
-                                                  T_, c->Rcap, &c->lstat[3 * E + 2]);
+            c->hist, nblk, (int)E, f->cap, c->kept, c->koff, c->msg, c->bad, f->host_bad, T_, c->Rcap,
+            &c->lstat[3 * E + 2]);
     MOEPT__PRE(cudaGetLastError());
-    if (pre) { /* the kernels may not have written the message: the host does */
-        host_bad = 1;
+    if (f->pre) { /* the kernels may not have written the message: the host does */
+        f->host_bad = 1;
         for (int64_t i = 0; i < E + 3; i++) c->h_msg_all[i] = i == E ? 1 : i == E + 2 ? c->Rcap : 0;
         cudaMemcpyAsync(c->msg, c->h_msg_all, (size_t)(E + 3) * 8, cudaMemcpyHostToDevice, c->s);
     }
-    /* 3. exchange: every rank's counts to every rank (all-gather: each rank
-       then knows every rank's receive size, so all agree on growth without
-       another round); global loss statistics and the failure flag summed */
+}
+
+/* 4. exchange the counts: every rank's to every rank (all-gather: each rank
+   then knows every rank's receive size, so all agree on growth without
+   another round); global loss statistics and the failure flag summed; then
+   the forward's one host synchronisation */
+static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t E = p->E, P = p->P;
     moept_status st;
     double t0 = moept__clock();
     if (p->ep) {
@@ -1250,49 +1273,63 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     MOEPT__CU(cudaMemcpyAsync(c->h_bad, c->bad, 4 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err)); /* <- the forward's host synchronisation */
     out->comm_seconds += moept__clock() - t0;
-    /* 4. agreement: every rank read the same flags */
-    if (!host_bad && c->h_bad[0] != ULLONG_MAX)
-        snprintf(local, sizeof local, "moept_forward: x[%lld][%lld] is not finite", (long long)(c->h_bad[0] / D),
+    return MOEPT_OK;
+}
+
+/* 5. agreement: every rank read the same flags; then the receive sizes of
+   every rank against the capacity it sent (ranks with fewer max_tokens start
+   smaller): growth (rare) is agreed in a second round */
+static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank;
+    if (!f->host_bad && c->h_bad[0] != ULLONG_MAX)
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: x[%lld][%lld] is not finite", (long long)(c->h_bad[0] / D),
                  (long long)(c->h_bad[0] % D));
-    else if (!host_bad && c->h_bad[1] != ULLONG_MAX)
-        snprintf(local, sizeof local, "moept_forward: router logits of token %lld are not finite", (long long)c->h_bad[1]);
+    else if (!f->host_bad && c->h_bad[1] != ULLONG_MAX)
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: router logits of token %lld are not finite",
+                 (long long)c->h_bad[1]);
     int64_t failed = 0;
     for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * (E + 3) + E] != 0;
     if (p->global_balance && c->h_lstat[3 * E + 2] > 0.0 && failed == 0) failed = 1; /* a DP peer */
-    if (local[0])
-        return moept__kfail(err, pre || pending != cudaSuccess ? MOEPT_ERR_DEVICE
-                                 : host_bad ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC, "%s", local);
-    if (failed) return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed", (long long)failed);
-    /* receive sizes of every rank against the capacity it sent (ranks with
-       fewer max_tokens start smaller); growth (rare) is agreed in a second round */
-    int64_t R = 0, anyone_grows = 0;
+    if (f->local[0])
+        return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
+                                 : f->host_bad ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC, "%s", f->local);
+    if (failed)
+        return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed",
+                            (long long)failed);
+    int64_t anyone_grows = 0;
     for (int64_t q = 0; q < P; q++) {
         int64_t Rq = 0;
         for (int64_t s = 0; s < P; s++)
             for (int64_t j = 0; j < El; j++) Rq += c->h_msg_all[s * (E + 3) + q * El + j];
-        if (q == me) R = Rq;
+        if (q == me) f->R = Rq;
         if (Rq > c->h_msg_all[q * (E + 3) + E + 2]) anyone_grows = 1;
     }
-    if (anyone_grows) {
-        int64_t ok = moept__grow(c, R, err) == MOEPT_OK;
-        if (P > 1) {
-            if ((st = p->ep->allgather(p->ep, &ok, c->grow_ok, 8)))
-                return moept__kfail(err, st, "moept_forward: growth agreement failed: %s", p->ep->err);
-        } else {
-            c->grow_ok[0] = ok;
-        }
-        for (int64_t q = 0; q < P; q++)
-            if (!c->grow_ok[q])
-                return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY,
-                                    "moept_forward: EP rank %lld cannot grow its receive buffers; nothing changed", (long long)q);
+    if (!anyone_grows) return MOEPT_OK;
+    int64_t ok = moept__grow(c, f->R, err) == MOEPT_OK;
+    moept_status st;
+    if (P > 1) {
+        if ((st = p->ep->allgather(p->ep, &ok, c->grow_ok, 8)))
+            return moept__kfail(err, st, "moept_forward: growth agreement failed: %s", p->ep->err);
+    } else {
+        c->grow_ok[0] = ok;
     }
+    for (int64_t q = 0; q < P; q++)
+        if (!c->grow_ok[q])
+            return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY,
+                                "moept_forward: EP rank %lld cannot grow its receive buffers; nothing changed", (long long)q);
+    return MOEPT_OK;
+}
 
-    /* ---- commit ---- */
-    c->cur = nb;
-    c->T = T_;
+/* 6. commit: the step's counts, offsets and exchange pieces on the host */
+static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer_rows, moept__cuda_step *out) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank;
+    c->cur = f->nb;
+    c->T = f->T;
     c->fwd_valid = 1;
     c->bwd_done = 0;
-    c->R = R;
+    c->R = f->R;
     const int64_t *mine = c->h_msg_all + me * (E + 3);
     c->offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
@@ -1308,7 +1345,6 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
         for (int64_t s = 0; s < P; s++) n += c->rcounts[s * El + j];
         c->roffsets[j + 1] = c->roffsets[j] + n;
     }
-    int64_t rows_sent = 0, rows_recv = 0;
     for (int64_t q = 0; q < P; q++) peer_rows[q] = peer_rows[P + q] = 0;
     for (int64_t j = 0; j < El; j++) {
         int64_t off = c->roffsets[j];
@@ -1323,36 +1359,59 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
             peer_rows[P + q] += c->rcounts[q * El + j];
         }
     }
+    out->rows_sent = out->rows_received = 0;
     for (int64_t q = 0; q < P; q++)
-        if (q != me) { rows_sent += peer_rows[q]; rows_recv += peer_rows[P + q]; }
-    /* losses (the same host arithmetic as moept.c) */
+        if (q != me) { out->rows_sent += peer_rows[q]; out->rows_received += peer_rows[P + q]; }
+    out->N = c->N;
+    out->R = f->R;
+    out->capacity = f->cap;
+}
+
+/* 7. losses (the same host arithmetic as moept.c); the aux gradient's
+   per-expert factors go to the device for the backward */
+static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t E = p->E;
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
-    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, K, p->aux, Tl, p->aux_coef, c->h_aux_g);
+    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef, c->h_aux_g);
     out->z_value = c->h_lstat[3 * E + 1] / Tl;
     out->loss_T = Tl;
     c->loss_T = Tl;
     out->counts_global = p->global_balance || (!p->ep && !p->dp);
     memcpy(lstat_out, c->h_lstat, (size_t)(3 * E + 2) * 8);
     MOEPT__CU(cudaMemcpyAsync(c->aux_g, c->h_aux_g, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+    return MOEPT_OK;
+}
 
-    /* plan placement, then the rows go once: x -> send buffer -> experts */
+/* 8. dispatch: plan placement, then the rows go once: x -> send buffer -> experts */
+template <typename T>
+static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, K = p->K, T_ = c->T;
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_plan_place, (unsigned)((T_ * K + 255) / 256), 256, 0, c->s)(
-            c->ids[nb], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)E, c->row_of, c->tok_of_row,
-            c->kslot_of_row);
+            c->ids[c->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)p->E, c->row_of,
+            c->tok_of_row, c->kslot_of_row);
         MOEPT__LAUNCHED();
     }
-    void *xs = P > 1 ? c->xs : c->xr; /* at one rank the permuted rows are the experts' rows */
-    void *ys = P > 1 ? c->ys : c->yr;
-    const unsigned dblk = (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB);
+    void *xs = p->P > 1 ? c->xs : c->xr; /* at one rank the permuted rows are the experts' rows */
     if (c->N > 0) {
-        MOEPT__LAUNCH(moept__k_gather<T>, dim3((unsigned)c->N, dblk), MOEPT__TB, 0, c->s)(
-                x, c->tok_of_row, D, (T *)xs);
+        MOEPT__LAUNCH(moept__k_gather<T>, dim3((unsigned)c->N, (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB)),
+                      MOEPT__TB, 0, c->s)(x, c->tok_of_row, D, (T *)xs);
         MOEPT__LAUNCHED();
     }
-    if (P > 1) MOEPT__TRY(moept__exchange(c, xs, c->xr, 1, 1, out, err));
-    MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
-    if (P > 1) MOEPT__TRY(moept__exchange(c, ys, c->yr, 0, 0, out, err)); /* the shared expert runs meanwhile */
+    if (p->P > 1) MOEPT__TRY(moept__exchange(c, xs, c->xr, 1, 1, out, err));
+    return MOEPT_OK;
+}
+
+/* 9. experts: the routed FFNs, their rows' way back (in flight while the
+   shared expert and its gate run) */
+template <typename T>
+static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, T_ = c->T;
+    MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
+    if (p->P > 1) MOEPT__TRY(moept__exchange(c, c->ys, c->yr, 0, 0, out, err));
     if (p->S > 0 && T_ > 0) {
         int64_t off[2] = {0, T_};
         MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
@@ -1363,19 +1422,42 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
             MOEPT__LAUNCHED();
         }
     }
-    if (P > 1) MOEPT__TRY(moept__from_comm(c, c->cs, err)); /* the experts' outputs are back */
-    if (T_ > 0) {
-        MOEPT__LAUNCH(moept__k_combine<T>, dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s)(
-            (const T *)ys, c->row_of, c->wts[nb], p->S > 0 ? (const T *)c->yss : NULL, p->offsg >= 0 ? c->sg : NULL, D,
-            (int)K, y);
-        MOEPT__LAUNCHED();
-    }
-    out->N = c->N;
-    out->R = R;
-    out->capacity = cap;
-    out->rows_sent = rows_sent;
-    out->rows_received = rows_recv;
+    if (p->P > 1) MOEPT__TRY(moept__from_comm(c, c->cs, err)); /* the experts' outputs are back */
     return MOEPT_OK;
+}
+
+/* 10. combine: y = sum_k w_k (expert rows) + the shared expert's (gated) */
+template <typename T>
+static moept_status moept__fwd_combine(moept__cuda *c, T *y, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, T_ = c->T;
+    if (T_ == 0) return MOEPT_OK;
+    const void *ys = p->P > 1 ? c->ys : c->yr;
+    MOEPT__LAUNCH(moept__k_combine<T>, dim3((unsigned)T_, (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB)), MOEPT__TB, 0,
+                  c->s)((const T *)ys, c->row_of, c->wts[c->cur], p->S > 0 ? (const T *)c->yss : NULL,
+                        p->offsg >= 0 ? c->sg : NULL, D, (int)p->K, y);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+
+/* The forward, stage by stage as moept.c's: route -> plan -> (counts agreed,
+   committed) -> dispatch -> experts -> combine. */
+template <typename T>
+static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
+                                   int64_t *peer_rows, moept__cuda_step *out, char *err) {
+    const T *x = (const T *)xv;
+    moept__fwd f;
+    memset(&f, 0, sizeof f);
+    moept__fwd_checks(c, xv, Tn, yv, &f);
+    moept__fwd_route<T>(c, x, &f);
+    moept__fwd_plan(c, &f);
+    MOEPT__TRY(moept__fwd_exchange_counts(c, out, err));
+    MOEPT__TRY(moept__fwd_agree(c, &f, err));
+    moept__fwd_commit(c, &f, peer_rows, out); /* nothing fails from here on but the device */
+    MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
+    MOEPT__TRY(moept__fwd_dispatch<T>(c, x, out, err));
+    MOEPT__TRY(moept__fwd_experts<T>(c, x, out, err));
+    return moept__fwd_combine<T>(c, (T *)yv, err);
 }
 
 extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
