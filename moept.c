@@ -2188,9 +2188,29 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
 /* ------------------------------------------------------------------------
    Gradient reduction and norm
    ------------------------------------------------------------------------ */
+/* A group call's outcome, agreed before it acts: this rank's rejection
+   (`local`, its message already in L->err) or any peer's fails every rank of
+   grp and dp, and nobody leaves a peer waiting in a collective. */
+static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
+                                      const char *call) {
+    moept_status cst;
+    int64_t failed = moept__any_failed(grp, dp, local != MOEPT_OK, &cst);
+    if (failed < 0)
+        return moept__fail(L, cst, "%s: agreement failed: %s", call,
+                           grp && grp->err[0] ? grp->err : dp ? dp->err : "");
+    if (local) return local;
+    if (failed)
+        return moept__fail(L, MOEPT_ERR_STATE, "%s: %lld other rank(s) rejected the call; nothing changed", call,
+                           (long long)failed);
+    return MOEPT_OK;
+}
+
 moept_status moept_sync_grads(moept_layer *L, float scale) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: layer is NULL");
-    if (!moept__finite(scale)) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
+    moept_status bad = MOEPT_OK;
+    if (!moept__finite(scale)) bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
+    moept_status ag = moept__agree_call(L, L->group, L->dp, bad, "moept_sync_grads");
+    if (ag) return ag;
 #ifdef MOEPT_CUDA
     if (L->cuda) {
         moept_status cs = moept__to_device(L);
@@ -2218,7 +2238,10 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 }
 
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
-    if (!L || !norm) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: NULL argument");
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: layer is NULL");
+    moept_status bad = norm ? MOEPT_OK : moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: norm is NULL");
+    moept_status ag = moept__agree_call(L, L->group, NULL, bad, "moept_grad_norm");
+    if (ag) return ag;
     MOEPT__HOST_SYNC(L, 0, 1);
     int64_t n_router = L->E * L->D, n_exp = L->n_exp;
     double s[2] = {0.0, 0.0}; /* [replicated, experts] */
@@ -2248,11 +2271,15 @@ moept_status moept_get_peer_rows(const moept_layer *L, int64_t *sent, int64_t *r
 
 moept_status moept_update_bias(moept_layer *L, float rate) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: layer is NULL");
+    moept_status bad = MOEPT_OK;
     if (L->cfg.family != MOEPT_FAMILY_DEEPSEEK_V3)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: only deepseek_v3 has a correction bias");
-    if (!moept__finite(rate) || rate < 0.0f)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
-    if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
+        bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: only deepseek_v3 has a correction bias");
+    else if (!moept__finite(rate) || rate < 0.0f)
+        bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
+    else if (!L->fwd_valid)
+        bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
+    moept_status ag = moept__agree_call(L, L->group, L->dp, bad, "moept_update_bias");
+    if (ag) return ag;
     MOEPT__HOST_SYNC(L, 1, 0);
     moept__host_wrote(L, 1, 0);
     /* the bias is replicated: every rank must see the whole batch's counts

@@ -55,6 +55,12 @@
        says why (moept_last_error(NULL) for moept_create), and the layer is
        left exactly as it was: parameters, gradients, bias, the saved
        forward state and the stats.
+     - Under EP/DP, moept_forward, moept_backward, moept_sync_grads,
+       moept_grad_norm and moept_update_bias agree before they act: one
+       rank's rejection fails the call on every rank of the layer's groups
+       (the others with MOEPT_ERR_STATE, "other rank(s) rejected"), and
+       none waits in a collective a peer skipped. A NULL layer cannot take
+       part (it has no groups) and fails locally.
      - The library never prints, exits or aborts. Per-step work performs no
        allocation (checked through moept_stats.allocations).
      - Top-k ties go to the lower expert index; all sums are in a fixed order,

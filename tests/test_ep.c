@@ -385,6 +385,70 @@ static void test_update_bias_ep(void) {
     }
 }
 
+/* One rank's bad argument to sync_grads, grad_norm or update_bias fails every
+   rank (the bad one with its reason, the others with "rejected"), nobody
+   hangs, and the gradients and bias are as before; then the good calls run. */
+typedef struct aj { moept_thread_group *g; int r; moept_status st[3], ok[3]; char err[3][MOEPT__ERRLEN]; int same; } aj;
+static void *agree_main(void *arg) {
+    aj *j = arg;
+    moept_comm *c = NULL;
+    moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.max_tokens = 8;
+    moept_layer *L = NULL;
+    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st[0] = MOEPT_ERR_STATE; return NULL; }
+    moept_init_params(L, 2);
+    float x[8 * 40], y[8 * 40], dx[8 * 40];
+    unsigned long long s = 5 + (unsigned long long)j->r;
+    tu_fill(x, 8 * 40, 1.0, &s);
+    moept_forward(L, x, 8, y);
+    moept_backward(L, x, y, dx);
+    float *g = NULL, *g0;
+    int64_t n = 0;
+    moept_grads(L, &g, &n);
+    g0 = malloc((size_t)n * sizeof(float));
+    memcpy(g0, g, (size_t)n * sizeof(float));
+    float b0[8];
+    memcpy(b0, L->bias, sizeof b0);
+    double norm;
+    int bad = j->r == 1;
+    j->st[0] = moept_sync_grads(L, bad ? NAN : 1.0f);
+    snprintf(j->err[0], MOEPT__ERRLEN, "%s", moept_last_error(L));
+    j->st[1] = moept_grad_norm(L, bad ? NULL : &norm);
+    snprintf(j->err[1], MOEPT__ERRLEN, "%s", moept_last_error(L));
+    j->st[2] = moept_update_bias(L, bad ? -1.0f : 0.01f);
+    snprintf(j->err[2], MOEPT__ERRLEN, "%s", moept_last_error(L));
+    moept_grads(L, &g, &n);
+    j->same = memcmp(g, g0, (size_t)n * sizeof(float)) == 0 && memcmp(L->bias, b0, sizeof b0) == 0;
+    j->ok[0] = moept_sync_grads(L, 1.0f);
+    j->ok[1] = moept_grad_norm(L, &norm);
+    j->ok[2] = moept_update_bias(L, 0.01f);
+    free(g0);
+    moept_destroy(L);
+    moept_comm_destroy(c);
+    return NULL;
+}
+
+static void test_group_calls_agree(void) {
+    moept_thread_group *g;
+    moept_thread_group_create(2, 10000, &g);
+    aj js[2];
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; pthread_create(&th[r], NULL, agree_main, &js[r]); }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+    const char *call[3] = {"sync_grads", "grad_norm", "update_bias"};
+    for (int r = 0; r < 2; r++) {
+        for (int k = 0; k < 3; k++) {
+            moept_status want = r == 1 ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_STATE;
+            EXPECT(js[r].st[k] == want, "rank %d, bad %s elsewhere: status %d (%s)", r, call[k], js[r].st[k], js[r].err[k]);
+            EXPECT(r == 1 || strstr(js[r].err[k], "other rank(s) rejected"), "rank %d: message '%s'", r, js[r].err[k]);
+            EXPECT(js[r].ok[k] == MOEPT_OK, "rank %d: the good %s after failed", r, call[k]);
+        }
+        EXPECT(js[r].same, "rank %d: a rejected call changed the gradients or the bias", r);
+    }
+}
+
 /* ---- resharding a running group to a new placement ---- */
 #define RS_E 8
 typedef struct rsj {
@@ -537,6 +601,7 @@ int main(void) {
     RUN(test_one_rank_bad_input);
     RUN(test_threads_comm_timeout);
     RUN(test_update_bias_ep);
+    RUN(test_group_calls_agree);
     RUN(test_reshard_permutation);
     return tu_done();
 }
