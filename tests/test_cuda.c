@@ -198,6 +198,32 @@ static void test_bad_options(void) {
 #include <pthread.h>
 #include "emu/emu.h"
 #include <unistd.h>
+
+/* One rank of a two-rank NCCL world: its emulated GPU, stream and comm. */
+typedef struct nccl_rank {
+    cudaStream_t s;
+    ncclComm_t nc;
+    moept_comm *c;
+} nccl_rank;
+static void nccl_rank_open(nccl_rank *n, int rank, ncclUniqueId id) {
+    memset(n, 0, sizeof *n);
+    cudaSetDevice(rank);
+    cudaStreamCreateWithFlags(&n->s, cudaStreamNonBlocking);
+    ncclCommInitRank(&n->nc, 2, id, rank);
+    moept_comm_nccl(n->nc, n->s, 5000, &n->c);
+}
+static void nccl_rank_close(nccl_rank *n) {
+    int aborted = moept_comm_nccl_aborted(n->c); /* then the handle is freed already */
+    moept_comm_destroy(n->c);
+    if (!aborted) ncclCommDestroy(n->nc);
+    cudaStreamDestroy(n->s);
+}
+/* fn on two threads, fn(jobs + r * size) for rank r */
+static void run_two(void *(*fn)(void *), void *jobs, size_t size) {
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, fn, (char *)jobs + r * size);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+}
 typedef struct grow_job {
     int rank;
     ncclUniqueId id;
@@ -207,20 +233,15 @@ typedef struct grow_job {
 
 static void *grow_rank(void *arg) {
     grow_job *j = arg;
-    cudaStream_t s = NULL;
-    ncclComm_t nc = NULL;
-    moept_comm *ep = NULL;
+    nccl_rank n;
     moept_layer *L = NULL;
-    cudaSetDevice(j->rank);
-    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    ncclCommInitRank(&nc, 2, j->id, j->rank);
-    moept_comm_nccl(nc, s, 5000, &ep);
+    nccl_rank_open(&n, j->rank, j->id);
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     cfg.num_experts = 2;
     cfg.top_k = 1;
     cfg.max_tokens = 16;
     const int64_t D = cfg.hidden_size, T = 16;
-    if (moept_create_cuda(&cfg, ep, NULL, NULL, &L) == MOEPT_OK) {
+    if (moept_create_cuda(&cfg, n.c, NULL, NULL, &L) == MOEPT_OK) {
         float *w = calloc((size_t)(2 * D), sizeof(float)), *x = malloc((size_t)(T * D) * sizeof(float));
         for (int64_t d = 0; d < D; d++) { w[d] = 1.0f; w[D + d] = -1.0f; } /* expert 0 wins */
         for (int64_t i = 0; i < T * D; i++) x[i] = 1.0f;
@@ -239,9 +260,7 @@ static void *grow_rank(void *arg) {
         snprintf(j->msg[0], sizeof j->msg[0], "create: %s", moept_last_error(NULL));
     }
     moept_destroy(L);
-    moept_comm_destroy(ep);
-    ncclCommDestroy(nc);
-    cudaStreamDestroy(s);
+    nccl_rank_close(&n);
     return NULL;
 }
 
@@ -249,13 +268,11 @@ static void test_failed_growth_then_next_step(void) {
     grow_job j[2];
     memset(j, 0, sizeof j);
     ncclGetUniqueId(&j[0].id);
-    pthread_t th[2];
     for (int r = 0; r < 2; r++) {
         j[r].rank = r;
         j[r].id = j[0].id;
-        pthread_create(&th[r], NULL, grow_rank, &j[r]);
     }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    run_two(grow_rank, j, sizeof j[0]);
     for (int r = 0; r < 2; r++) {
         EXPECT(j[r].st[0] == MOEPT_ERR_OUT_OF_MEMORY, "rank %d, failed growth: status %d (%s)", r, (int)j[r].st[0],
                j[r].msg[0]);
@@ -265,8 +282,8 @@ static void test_failed_growth_then_next_step(void) {
 
 /* Two data-parallel NCCL ranks; rank 1 never comes to the collective that
    rank 0 waits on: the forward's DP all-reduce of the loss statistics
-   (global_balance), or the DP gradient all-reduce read back by
-   moept_get_grad. Rank 0 must fail with MOEPT_ERR_COMM (not hang, not return
+   (global_balance), or moept_sync_grads (its agreement, then the gradient
+   all-reduce that moept_get_grad reads back). Rank 0 must fail with MOEPT_ERR_COMM (not hang, not return
    OK on what never arrived), its communicator aborted once; later calls fail
    at once without touching the freed handle (the emulator reports any use),
    and the host copies stay readable. */
@@ -281,18 +298,13 @@ typedef struct absent_job {
 
 static void *absent_rank(void *arg) {
     absent_job *j = arg;
-    cudaStream_t s = NULL;
-    ncclComm_t nc = NULL;
-    moept_comm *dp = NULL;
+    nccl_rank n;
     moept_layer *L = NULL;
-    cudaSetDevice(j->rank);
-    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    ncclCommInitRank(&nc, 2, j->id, j->rank);
-    moept_comm_nccl(nc, s, 5000, &dp);
+    nccl_rank_open(&n, j->rank, j->id);
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     cfg.global_balance = 1;
     const int64_t D = cfg.hidden_size, T = 8;
-    j->st = moept_create_cuda(&cfg, NULL, dp, NULL, &L);
+    j->st = moept_create_cuda(&cfg, NULL, n.c, NULL, &L);
     if (j->st == MOEPT_OK && j->rank == 0) {
         float *x = malloc((size_t)(T * D) * sizeof(float)), *w = malloc((size_t)(8 * D) * sizeof(float));
         for (int64_t i = 0; i < T * D; i++) x[i] = frand();
@@ -307,17 +319,14 @@ static void *absent_rank(void *arg) {
         j->again = moept_forward(L, (const float *)dx, T, (float *)dy);
         snprintf(j->msg[1], sizeof j->msg[1], "%s", moept_last_error(L));
         j->get = moept_get_param(L, "gate.weight", w, 8 * D);
-        j->aborted = moept_comm_nccl_aborted(dp);
+        j->aborted = moept_comm_nccl_aborted(n.c);
         cudaFree(dx); cudaFree(dy);
         free(x); free(w);
         *j->done = 1;
     }
     while (!*j->done) usleep(1000); /* rank 1 stays away until rank 0 is through */
     moept_destroy(L);
-    int aborted = moept_comm_nccl_aborted(dp);
-    moept_comm_destroy(dp);
-    if (!aborted) ncclCommDestroy(nc);
-    cudaStreamDestroy(s);
+    nccl_rank_close(&n);
     return NULL;
 }
 
@@ -327,15 +336,13 @@ static void absent_peer(int what) {
     absent_job j[2];
     memset(j, 0, sizeof j);
     ncclGetUniqueId(&j[0].id);
-    pthread_t th[2];
     for (int r = 0; r < 2; r++) {
         j[r].rank = r;
         j[r].what = what;
         j[r].id = j[0].id;
         j[r].done = &done;
-        pthread_create(&th[r], NULL, absent_rank, &j[r]);
     }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    run_two(absent_rank, j, sizeof j[0]);
     char rep[300];
     long n = moept_emu_take_reports(rep, sizeof rep); /* the emulated NCCL's timeout, expected */
     moept_emu_nccl_timeout(0);
@@ -380,7 +387,7 @@ int main(void) {
     tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from the loss all-reduce: ERR_COMM, aborted once",
            test_absent_peer_forward);
-    tu_run("cuda (emulated, 2 DP ranks): a peer absent from the gradient all-reduce: ERR_COMM, aborted once",
+    tu_run("cuda (emulated, 2 DP ranks): a peer absent from sync_grads: ERR_COMM, aborted once",
            test_absent_peer_grads);
 #endif
     return tu_done();
