@@ -1175,22 +1175,17 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     if (opt) o = *opt;
     /* this rank's checks, agreed before the collective create */
     int bad = o.dtype != MOEPT_DTYPE_F32 && o.dtype != MOEPT_DTYPE_BF16;
-    moept_status why_st = MOEPT_ERR_INVALID_ARGUMENT;
     char why[MOEPT__ERRLEN] = "";
     if (bad) snprintf(why, sizeof why, "moept_create_cuda: options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16");
     else if (moept__cuda_device_count() < 1) { bad = 1; snprintf(why, sizeof why, "moept_create_cuda: no CUDA device"); }
-    else if (cfg && cfg->overlap_chunks > 1) { /* the CUDA executor has no chunked pipeline yet */
-        bad = 1;
-        why_st = MOEPT_ERR_UNSUPPORTED;
-        snprintf(why, sizeof why, "moept_create_cuda: overlap_chunks > 1 is not supported on the CUDA executor");
-    } else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
+    else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
         bad = 1;
         snprintf(why, sizeof why, "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
     }
     moept_status st;
     int64_t failed = moept__any_failed(ep, dp, bad, &st);
     if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
-    if (bad) return moept__thread_fail(why_st, "%s", why);
+    if (bad) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s", why);
     if (failed) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: another rank's options were rejected");
     /* every rank must run the same executor options (a rank that skips the
        backward's agreement would leave the others waiting) */
@@ -1213,6 +1208,7 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     sp.dtype = (int)o.dtype; sp.unchecked_backward = o.unchecked_backward != 0;
     sp.D = L->D; sp.F = L->F; sp.E = L->E; sp.K = L->K; sp.S = L->S; sp.H = L->H; sp.HS = L->HS;
     sp.El = L->El; sp.P = L->P; sp.rank = L->rank; sp.Tmax = L->Tmax;
+    sp.C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
     sp.scale = L->cfg.routed_scaling_factor; sp.aux_coef = L->cfg.aux_loss_coef; sp.z_coef = L->cfg.z_loss_coef;
     sp.capacity_factor = L->capacity_factor;
     sp.n_params = L->n_params;
@@ -1594,7 +1590,6 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
    the same way, so the step is bitwise equal to C = 1. The weight gradients
    reduce over all rows and run once, over the full buffers, after the last
    chunk arrived (overlapping the last chunk's return). */
-static inline int64_t moept__chunk_start(int64_t T, int64_t C, int64_t c) { return c * T / C; }
 
 /* Chunk c's exchange pieces (ss [P][El] on the token side, rs [P][El] on the
    expert side; NULL: not wanted) and its row runs on the expert side;
@@ -1641,14 +1636,6 @@ static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64
         i = j;
     }
 }
-
-/* gd[0..n) for a chunk's n row runs: `make` is an expression of the run's
-   first row r0, its row count rows and its local expert e. */
-#define MOEPT__PER_RUN(gd, runs, n, stride, make)                                           \
-    for (int64_t i_ = 0; i_ < (n); i_++) {                                                  \
-        int64_t r0 = (runs)[i_], rows = (runs)[(stride) + i_], e = (runs)[2 * (stride) + i_]; \
-        (gd)[i_] = (make);                                                                  \
-    }
 
 /* the activation of a chunk's rows (backward: from da into dh over h) */
 static void moept__runs_act(moept_layer *L, const int64_t *runs, int64_t n, const float *da) {

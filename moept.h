@@ -215,7 +215,9 @@ typedef struct moept_config {
                                          each step's tokens move and compute in C
                                          chunks, one chunk's exchange in flight while
                                          the experts work on another; results are
-                                         bitwise equal to C = 1 (builtin GEMM) */
+                                         bitwise equal to C = 1 (builtin GEMM; CUDA:
+                                         cuBLAS may round other row counts apart);
+                                         the CUDA executor chunks only at EP > 1 */
     moept_sharding expert_sharding;   /* MOEPT_SHARD_EP (default) or MOEPT_SHARD_FSDP */
 } moept_config;
 
@@ -1025,6 +1027,22 @@ static inline moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
         }                                                                    \
     } while (0)
 
+/* gd[0..n) for a chunk's n row runs (runs [3][stride]: first row, rows,
+   local expert): `make` is an expression of r0, rows and e, as above. */
+#define MOEPT__PER_RUN(gd, runs, n, stride, make)                                             \
+    for (int64_t i_ = 0; i_ < (n); i_++) {                                                    \
+        int64_t r0 = (runs)[i_], rows = (runs)[(stride) + i_], e = (runs)[2 * (stride) + i_]; \
+        (gd)[i_] = (make);                                                                    \
+    }
+
+/* Chunked overlap: chunk c of C holds tokens [c T / C, (c+1) T / C);
+   moept__chunk_of is the chunk of token t (0 <= t < T): the largest c with
+   c T / C <= t, i.e. c T < (t + 1) C. */
+MOEPT_HD static inline int64_t moept__chunk_start(int64_t T, int64_t C, int64_t c) { return c * T / C; }
+MOEPT_HD static inline int64_t moept__chunk_of(int64_t t, int64_t T, int64_t C) {
+    return ((t + 1) * C - 1) / T;
+}
+
 /* The column-major (BLAS/cuBLAS) call computing a row-major descriptor: a
    row-major [m][n] matrix is a column-major [n][m] one, so C^T = op(B)^T
    op(A)^T: operands swapped, m and n swapped, transposes kept. */
@@ -1070,6 +1088,7 @@ typedef struct moept__cuda_spec {
     int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
     int unchecked_backward;
     int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
+    int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
     float scale, aux_coef, z_coef;
     double capacity_factor;     /* <= 0: dropless */
     int64_t n_params;           /* router | w13 | w2 | ws13 | ws2 | wsg */

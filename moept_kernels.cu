@@ -12,8 +12,10 @@
                -> grouped GEMM gate/up -> activation -> grouped GEMM down ->
                all-to-all-v back (shared expert meanwhile) -> combine
      backward: combine' (dL/dw, dys) -> all-to-all-v -> expert GEMMs' and
-               activation' -> all-to-all-v back -> token sums -> shared
-               expert' -> router' -> router GEMMs
+               activation' -> all-to-all-v back (shared expert' meanwhile)
+               -> token sums -> router' -> router GEMMs
+     chunked (overlap_chunks > 1, EP > 1): from the gather on, chunk c+1's
+               rows travel while the experts compute chunk c (moept__pipeline)
    Every per-element computation is a MOEPT_HD function from moept.h that the
    CPU executor calls too (routing, losses, plan placement, activations and
    their derivatives, combine terms, bf16 rounding); --fmad=false keeps nvcc
@@ -45,7 +47,6 @@ typedef uint16_t moept__bf16;
 
 #define MOEPT__TB 256           /* threads per block of the elementwise kernels */
 #define MOEPT__PB 256           /* assignments per block of the plan count */
-#define MOEPT__PTR_SLOTS 16     /* grouped-GEMM pointer arrays: forward 0..7, backward 8..15 */
 #define MOEPT__MAX_GRID 65535
 
 /* ------------------------------------------------------------------------
@@ -226,6 +227,30 @@ __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t c
         msg[E + 1] = T;
         msg[E + 2] = rcap;
         *lstat_flag = (double)failed;
+    }
+}
+
+/* Chunked overlap, count pass: sel [C][E] (zeroed before) += assignments of
+   chunk c routed to slot e (integer atomics: the same sums in any order). */
+__global__ void moept__k_chunk_count(const int32_t *ids, const int32_t *slot_of, int64_t T, int64_t K,
+                                     int64_t C, int E, unsigned long long *sel) {
+    MOEPT__FOR(a, T * K) {
+        int64_t ch = moept__chunk_of(a / K, T, C);
+        atomicAdd(&sel[ch * E + slot_of[ids[a]]], 1ULL);
+    }
+}
+
+/* ... and its scan: the kept rows of each chunk and slot (capacity keeps a
+   slot's earliest, chunk by chunk) into the count message's tail [C][E]. */
+__global__ void moept__k_chunk_scan(const unsigned long long *sel, int64_t C, int E, int64_t cap,
+                                    int64_t *msg) {
+    MOEPT__FOR(e, E) {
+        int64_t before = 0;
+        for (int64_t ch = 0; ch < C; ch++) {
+            int64_t s = (int64_t)sel[ch * E + e], room = cap < 0 ? s : cap - before > 0 ? cap - before : 0;
+            msg[ch * E + e] = s < room ? s : room;
+            before += s;
+        }
     }
 }
 
@@ -645,11 +670,15 @@ struct moept__cuda {
     cudaStream_t s;             /* compute */
     cudaStream_t cs;            /* the EP comm's stream (s at one rank) */
     cudaEvent_t ev_compute, ev_comm;
+    cudaEvent_t ev_out[2], ev_back[2]; /* chunked: a chunk's rows arrived / returned (alternating) */
     cublasHandle_t blas;
     int esz;                    /* bytes per data element: 4 (F32) or 2 (BF16) */
     cudaDataType_t dt;          /* CUDA_R_32F or CUDA_R_16BF */
     int64_t nblk_max;           /* plan-count blocks at Tmax */
-    int64_t G;                  /* most groups in one grouped GEMM: max(El, 1) */
+    int64_t G;                  /* most groups in one grouped GEMM: El (chunked: El * P), at least 1 */
+    int64_t C;                  /* overlap chunks (1: off) */
+    int64_t M;                  /* count message length: kept [E] | failed | T | Rcap | chunked: [C][E] */
+    int nslot;                  /* grouped-GEMM pointer slots per pass (forward, then backward) */
 
     /* device: parameters */
     float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg */
@@ -672,7 +701,8 @@ struct moept__cuda {
     int64_t *hist;              /* [nblk_max][E] plan counts, then block offsets */
     int32_t *lrank;             /* [Tmax*K] rank within block and slot */
     int64_t *kept, *koff;       /* [E], [E+1] */
-    int64_t *msg, *msg_all;     /* [E+3], [P][E+3] the count message: kept per slot | failed | T | Rcap */
+    int64_t *msg, *msg_all;     /* [M], [P][M] the count message */
+    unsigned long long *csel;   /* [C][E] chunked: assignments per chunk and slot */
     unsigned long long *bad;    /* [4] first non-finite x index, token with bad logits, dy index */
     int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
     int64_t *tok_of_row;        /* [Tmax*K] */
@@ -683,25 +713,29 @@ struct moept__cuda {
     float *dwts;                /* [Tmax][K] */
     float *dlogits;             /* [Tmax][E] */
     float *aux_g;               /* [E] */
-    const void **d_ptrs;        /* [PTR_SLOTS][3G] grouped-GEMM pointer arrays */
+    const void **d_ptrs;        /* [2 nslot][3G] grouped-GEMM pointer arrays */
 
     /* device: the receive block (grows geometrically, never shrinks) */
     void *rblock;
     void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][F] (T) */
+    void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
     int64_t Rcap;
 
     /* pinned host */
     void *pinned;
-    int64_t *h_msg_all;         /* [P][E+3] */
+    int64_t *h_msg_all;         /* [P][M] */
     double *h_lstat;            /* [3E + 3] */
     unsigned long long *h_bad;  /* [4] */
     float *h_aux_g;             /* [E] */
-    const void **h_ptrs;        /* [PTR_SLOTS][3G] */
+    const void **h_ptrs;        /* [2 nslot][3G] */
 
     /* host */
     int64_t *counts, *offsets;  /* [E], [E+1] rows kept per slot and their first row */
     int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
     moept_seg *send_segs, *recv_segs; /* [P][El] */
+    int64_t *ccnt, *rccnt;      /* chunked: [C][E] kept rows per chunk and slot, [P][C][El] from peer p */
+    moept_seg *csend, *crecv;   /* [P][El] one chunk's exchange pieces */
+    int64_t *cruns;             /* [3][G] one chunk's row runs: first row, rows, local expert */
     int64_t *grow_ok;           /* [P] */
     moept__gemm *descs;         /* [G] */
     int64_t *garr;              /* [9][G] grouped GEMM sizes */
@@ -750,8 +784,9 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->lrank = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
     c->kept = (int64_t *)moept__take(cv, (size_t)E * 8);
     c->koff = (int64_t *)moept__take(cv, (size_t)(E + 1) * 8);
-    c->msg = (int64_t *)moept__take(cv, (size_t)(E + 3) * 8);
-    c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * (E + 3)) * 8);
+    c->msg = (int64_t *)moept__take(cv, (size_t)c->M * 8);
+    c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
+    c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
     c->bad = (unsigned long long *)moept__take(cv, 4 * 8);
     c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     c->tok_of_row = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
@@ -766,7 +801,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->dwts = (float *)moept__take(cv, (size_t)(T * K) * f);
     c->dlogits = (float *)moept__take(cv, (size_t)(T * E) * f);
     c->aux_g = (float *)moept__take(cv, (size_t)E * f);
-    c->d_ptrs = (const void **)moept__take(cv, (size_t)(MOEPT__PTR_SLOTS * 3 * c->G) * sizeof(void *));
+    c->d_ptrs = (const void **)moept__take(cv, (size_t)(2 * c->nslot * 3 * c->G) * sizeof(void *));
 }
 
 /* Makes the receive block hold `need` rows, keeping the committed step's rows. */
@@ -776,12 +811,15 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     if (cap < 1) cap = 1;
     const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F;
     size_t es = (size_t)c->esz;
-    size_t bytes = (size_t)cap * (size_t)(2 * D + H + F) * es + 4 * 64;
+    const int chunked = c->C > 1;
+    size_t bytes = (size_t)cap * (size_t)(2 * D + H + F + (chunked ? D + F : 0)) * es + 6 * 64;
     void *blk = NULL;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept__carve cv = {(char *)blk, 0};
     void *xr = moept__take(&cv, (size_t)(cap * D) * es), *yr = moept__take(&cv, (size_t)(cap * D) * es);
     void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * F) * es);
+    void *dar = moept__take(&cv, chunked ? (size_t)(cap * F) * es : 0);
+    void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
     int64_t keep = c->fwd_valid ? c->R : 0;
     if (keep > 0 && c->rblock) {
         cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, cudaMemcpyDeviceToDevice, c->s);
@@ -796,7 +834,7 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     }
     if (c->rblock) cudaFree(c->rblock);
     c->rblock = blk;
-    c->xr = xr; c->yr = yr; c->h = h; c->a = a;
+    c->xr = xr; c->yr = yr; c->h = h; c->a = a; c->dar = dar; c->dxr = dxr;
     if (c->Rcap > 0) c->growths++;
     c->rblock_bytes = (int64_t)bytes;
     c->Rcap = cap;
@@ -815,6 +853,10 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
     if (c->blas) cublasDestroy(c->blas);
     if (c->ev_compute) cudaEventDestroy(c->ev_compute);
     if (c->ev_comm) cudaEventDestroy(c->ev_comm);
+    for (int i = 0; i < 2; i++) {
+        if (c->ev_out[i]) cudaEventDestroy(c->ev_out[i]);
+        if (c->ev_back[i]) cudaEventDestroy(c->ev_back[i]);
+    }
     cudaFree(c->params);
     cudaFree(c->wlow);
     cudaFree(c->work);
@@ -831,12 +873,16 @@ extern "C" void moept__cuda_pointers(moept__cuda *c, float **params, float **gra
 
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
-    const int64_t E = p->E, P = p->P, El = p->El, G = c->G;
+    const int64_t E = p->E, P = p->P, El = p->El, G = c->G, C = c->C;
     c->s = (cudaStream_t)p->stream;
     c->cs = c->s;
     if (p->ep) c->cs = ((moept__nccl *)p->ep->ctx)->stream;
     MOEPT__CU(cudaEventCreateWithFlags(&c->ev_compute, cudaEventDisableTiming));
     MOEPT__CU(cudaEventCreateWithFlags(&c->ev_comm, cudaEventDisableTiming));
+    for (int i = 0; i < 2 && C > 1; i++) {
+        MOEPT__CU(cudaEventCreateWithFlags(&c->ev_out[i], cudaEventDisableTiming));
+        MOEPT__CU(cudaEventCreateWithFlags(&c->ev_back[i], cudaEventDisableTiming));
+    }
     MOEPT__CB(cublasCreate(&c->blas));
     MOEPT__CB(cublasSetStream(c->blas, c->s));
     MOEPT__CB(cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)); /* fp32 stays fp32: no TF32 */
@@ -861,19 +907,19 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     cv.off = 0;
     moept__layout(c, &cv);
     /* pinned host block */
-    size_t hb = (size_t)(P * (E + 3)) * 8 + (size_t)(3 * E + 3) * 8 + 4 * 8 + (size_t)E * 4 +
-                (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *) + 6 * 64;
+    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 4 * 8 + (size_t)E * 4 +
+                (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 6 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
     moept__carve hv = {(char *)c->pinned, 0};
-    c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * (E + 3)) * 8);
+    c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * c->M) * 8);
     c->h_lstat = (double *)moept__take(&hv, (size_t)(3 * E + 3) * 8);
     c->h_bad = (unsigned long long *)moept__take(&hv, 4 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
-    c->h_ptrs = (const void **)moept__take(&hv, (size_t)(MOEPT__PTR_SLOTS * 3 * G) * sizeof(void *));
+    c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
-    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + 9 * G);
-    size_t bytes = n64 * 8 + (size_t)(2 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
-                   (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 8 * 64;
+    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + 9 * G + (C > 1 ? C * E + P * C * El + 3 * G : 0));
+    size_t bytes = n64 * 8 + (size_t)(4 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
+                   (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 12 * 64;
     char *hbk = (char *)calloc(1, bytes);
     if (!hbk) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     moept__carve kv = {hbk, 0};
@@ -888,6 +934,13 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->descs = (moept__gemm *)moept__take(&kv, (size_t)G * sizeof(moept__gemm));
     c->gops = (cublasOperation_t *)moept__take(&kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
     c->galpha = (float *)moept__take(&kv, (size_t)(2 * G) * sizeof(float));
+    if (C > 1) {
+        c->ccnt = (int64_t *)moept__take(&kv, (size_t)(C * E) * 8);
+        c->rccnt = (int64_t *)moept__take(&kv, (size_t)(P * C * El) * 8);
+        c->cruns = (int64_t *)moept__take(&kv, (size_t)(3 * G) * 8);
+        c->csend = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
+        c->crecv = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
+    }
     /* every rank starts with room for its own Tmax*K rows, and all grow alike */
     MOEPT__TRY(moept__grow(c, p->Tmax * p->K, err));
     MOEPT__CU(cudaStreamSynchronize(c->s));
@@ -908,7 +961,14 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     c->dt = spec->dtype == MOEPT_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     c->nblk_max = (spec->Tmax * spec->K + MOEPT__PB - 1) / MOEPT__PB;
     if (c->nblk_max < 1) c->nblk_max = 1;
-    c->G = spec->El > 1 ? spec->El : 1;
+    c->C = spec->P > 1 && spec->C > 1 ? spec->C : 1;
+    c->G = spec->El * (c->C > 1 ? spec->P : 1);
+    if (c->G < 1) c->G = 1;
+    c->M = spec->E + 3 + (c->C > 1 ? c->C * spec->E : 0);
+    /* every grouped GEMM of a pass has its own slot (the host rewrites a slot
+       only after the next pass's host sync): forward 2 a chunk, backward 2 a
+       chunk + 2 weight-gradient ones (unchunked: 2 and 4) */
+    c->nslot = (int)(2 * c->C + 2);
     c->T = -1;
     moept_status st = moept__create(c, err);
     if (st) { moept__cuda_destroy(c); return st; }
@@ -982,8 +1042,8 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
 #if CUBLAS_VERSION >= 120500
     if (n > 1) {
         const int64_t G = c->G;
-        int slot = c->ptr_slot;
-        c->ptr_slot = (c->ptr_slot & 8) | ((c->ptr_slot + 1) & 7); /* stays in its half */
+        int slot = c->ptr_slot, lo = slot >= c->nslot ? c->nslot : 0;
+        c->ptr_slot = lo + (slot - lo + 1) % c->nslot; /* stays in its pass's half */
         const void **hp = c->h_ptrs + (int64_t)slot * 3 * G;
         const void **dp = c->d_ptrs + (int64_t)slot * 3 * G;
         int64_t *m = c->garr, *nn = m + G, *k = nn + G, *lda = k + G, *ldb = lda + G, *ldc = ldb + G, *gs = ldc + G;
@@ -1037,7 +1097,8 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
     int64_t n;
     MOEPT__PER_GROUP(gd, n, groups, offs,
                      moept__gemm_make(0, 1, rows, H, D, (const float *)(X + r0 * D * es), D,
-                                      (const float *)(W13 + e * H * D * es), D, 0.0f, (float *)(Hh + r0 * H * es), H));
+                                      (const float *)(W13 + e * H * D * es), D, 0.0f,
+                                      (float *)(Hh + r0 * H * es), H));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     int64_t R = offs[groups] - offs[0], base = offs[0];
     if (R > 0) {
@@ -1048,7 +1109,8 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
     }
     MOEPT__PER_GROUP(gd, n, groups, offs,
                      moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * F * es), F,
-                                      (const float *)(W2 + e * D * F * es), F, 0.0f, (float *)(Y + r0 * D * es), D));
+                                      (const float *)(W2 + e * D * F * es), F, 0.0f,
+                                      (float *)(Y + r0 * D * es), D));
     return moept__gemms(c, gd, n, c->dt, c->dt, err);
 }
 
@@ -1078,7 +1140,8 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
     /* da = dys W2 */
     MOEPT__PER_GROUP(gd, n, groups, offs,
                      moept__gemm_make(0, 0, rows, F, D, (const float *)(Y + r0 * D * es), D,
-                                      (const float *)(W2 + e * D * F * es), F, 0.0f, (float *)(A + r0 * F * es), F));
+                                      (const float *)(W2 + e * D * F * es), F, 0.0f,
+                                      (float *)(A + r0 * F * es), F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     if (R > 0) {
         MOEPT__LAUNCH(moept__k_act_bwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(
@@ -1094,7 +1157,8 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
     /* dxs = dh W13 (over ys) */
     MOEPT__PER_GROUP(gd, n, groups, offs,
                      moept__gemm_make(0, 0, rows, D, H, (const float *)(Hh + r0 * H * es), H,
-                                      (const float *)(W13 + e * H * D * es), D, 0.0f, (float *)(Y + r0 * D * es), D));
+                                      (const float *)(W13 + e * H * D * es), D, 0.0f,
+                                      (float *)(Y + r0 * D * es), D));
     return moept__gemms(c, gd, n, c->dt, c->dt, err);
 }
 
@@ -1113,22 +1177,28 @@ static moept_status moept__from_comm(moept__cuda *c, cudaStream_t cs, char *err)
 }
 static cudaStream_t moept__stream_of(const moept_comm *m) { return ((moept__nccl *)m->ctx)->stream; }
 
-/* One direction of the expert exchange (as moept.c's moept__exchange).
-   join = 0 leaves the compute stream free to run independent work (the
-   shared expert) until moept__from_comm joins the two. */
-static moept_status moept__exchange(moept__cuda *c, void *local, void *remote, int dispatch, int join,
-                                    moept__cuda_step *out, char *err) {
+/* One direction of the expert exchange (as moept.c's moept__exchange):
+   pieces ls [P][El] of the token side `local`, rs [P][El] of the expert side
+   `remote`. flags: MOEPT__X_OUT (token side -> expert side, else back),
+   MOEPT__X_AFTER (after the compute stream's work so far: not needed for a
+   later chunk, whose rows were gathered long before), MOEPT__X_JOIN (the
+   compute stream waits for it; without, it runs independent work, e.g. the
+   shared expert, until moept__from_comm or an event joins the two). */
+enum { MOEPT__X_OUT = 1, MOEPT__X_AFTER = 2, MOEPT__X_JOIN = 4 };
+static moept_status moept__exchange(moept__cuda *c, void *local, const moept_seg *ls, void *remote,
+                                    const moept_seg *rs, int flags, moept__cuda_step *out, char *err) {
     moept_comm *ep = c->sp.ep;
+    const int dispatch = flags & MOEPT__X_OUT;
     double t0 = moept__clock();
-    MOEPT__TRY(moept__to_comm(c, c->cs, err));
-    moept_status st = dispatch ? ep->alltoallv(ep, local, c->send_segs, remote, c->recv_segs, (int)c->sp.El, c->esz)
-                               : ep->alltoallv(ep, remote, c->recv_segs, local, c->send_segs, (int)c->sp.El, c->esz);
+    if (flags & MOEPT__X_AFTER) MOEPT__TRY(moept__to_comm(c, c->cs, err));
+    moept_status st = dispatch ? ep->alltoallv(ep, local, ls, remote, rs, (int)c->sp.El, c->esz)
+                               : ep->alltoallv(ep, remote, rs, local, ls, (int)c->sp.El, c->esz);
     if (st) return moept__kfail(err, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", ep->err);
-    if (join) MOEPT__TRY(moept__from_comm(c, c->cs, err));
+    if (flags & MOEPT__X_JOIN) MOEPT__TRY(moept__from_comm(c, c->cs, err));
     int64_t rb = c->sp.D * c->esz;
     int64_t sent = 0, recvd = 0;
     for (int64_t i = 0; i < c->sp.P * c->sp.El; i++)
-        if (i / c->sp.El != c->sp.rank) { sent += c->send_segs[i].count; recvd += c->recv_segs[i].count; }
+        if (i / c->sp.El != c->sp.rank) { sent += ls[i].count; recvd += rs[i].count; }
     out->bytes_sent += (dispatch ? sent : recvd) / c->sp.D * rb;
     out->bytes_received += (dispatch ? recvd : sent) / c->sp.D * rb;
     out->comm_seconds += moept__clock() - t0; /* enqueue time: the wire time overlaps compute */
@@ -1219,9 +1289,10 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     MOEPT__PRE(cudaGetLastError());
 }
 
-/* 3. plan: counts per slot (capacity applied) into the count message */
+/* 3. plan: counts per slot (capacity applied) into the count message;
+   chunked, per chunk and slot too */
 static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
-    const int64_t E = c->sp.E, T_ = f->T, nblk = (T_ * c->sp.K + MOEPT__PB - 1) / MOEPT__PB;
+    const int64_t E = c->sp.E, K = c->sp.K, T_ = f->T, C = c->C, nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
     if (nblk > 0) {
         MOEPT__PRE(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
         MOEPT__LAUNCH(moept__k_plan_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(
@@ -1232,10 +1303,21 @@ static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
             c->hist, nblk, (int)E, f->cap, c->kept, c->koff, c->msg, c->bad, f->host_bad, T_, c->Rcap,
             &c->lstat[3 * E + 2]);
     MOEPT__PRE(cudaGetLastError());
+    if (C > 1) {
+        MOEPT__PRE(cudaMemsetAsync(c->csel, 0, (size_t)(C * E) * 8, c->s));
+        if (T_ > 0) {
+            MOEPT__LAUNCH(moept__k_chunk_count, moept__grid(T_ * K), MOEPT__TB, 0, c->s)(
+                    c->ids[f->nb], c->slot_of, T_, K, C, (int)E, c->csel);
+            MOEPT__PRE(cudaGetLastError());
+        }
+        MOEPT__LAUNCH(moept__k_chunk_scan, moept__grid(E), MOEPT__TB, 0, c->s)(c->csel, C, (int)E, f->cap,
+                                                                             c->msg + E + 3);
+        MOEPT__PRE(cudaGetLastError());
+    }
     if (f->pre) { /* the kernels may not have written the message: the host does */
         f->host_bad = 1;
-        for (int64_t i = 0; i < E + 3; i++) c->h_msg_all[i] = i == E ? 1 : i == E + 2 ? c->Rcap : 0;
-        cudaMemcpyAsync(c->msg, c->h_msg_all, (size_t)(E + 3) * 8, cudaMemcpyHostToDevice, c->s);
+        for (int64_t i = 0; i < c->M; i++) c->h_msg_all[i] = i == E ? 1 : i == E + 2 ? c->Rcap : 0;
+        cudaMemcpyAsync(c->msg, c->h_msg_all, (size_t)c->M * 8, cudaMemcpyHostToDevice, c->s);
     }
 }
 
@@ -1250,10 +1332,10 @@ static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step 
     double t0 = moept__clock();
     if (p->ep) {
         MOEPT__TRY(moept__to_comm(c, c->cs, err));
-        if ((st = p->ep->allgather(p->ep, c->msg, c->msg_all, (E + 3) * 8)))
+        if ((st = p->ep->allgather(p->ep, c->msg, c->msg_all, c->M * 8)))
             return moept__kfail(err, st, "moept_forward: count exchange failed: %s", p->ep->err);
     } else {
-        MOEPT__CU(cudaMemcpyAsync(c->msg_all, c->msg, (size_t)(E + 3) * 8, cudaMemcpyDeviceToDevice, c->s));
+        MOEPT__CU(cudaMemcpyAsync(c->msg_all, c->msg, (size_t)c->M * 8, cudaMemcpyDeviceToDevice, c->s));
     }
     if (p->global_balance) {
         if (p->ep && (st = p->ep->allreduce(p->ep, c->lstat, 3 * E + 3, MOEPT_DTYPE_F64)))
@@ -1268,7 +1350,8 @@ static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step 
         }
     }
     if (p->ep) MOEPT__TRY(moept__from_comm(c, c->cs, err));
-    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * (E + 3)) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * c->M) * 8, cudaMemcpyDeviceToHost,
+                              c->s));
     MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__CU(cudaMemcpyAsync(c->h_bad, c->bad, 4 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err)); /* <- the forward's host synchronisation */
@@ -1289,7 +1372,8 @@ static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: router logits of token %lld are not finite",
                  (long long)c->h_bad[1]);
     int64_t failed = 0;
-    for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * (E + 3) + E] != 0;
+    const int64_t M = c->M;
+    for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * M + E] != 0;
     if (p->global_balance && c->h_lstat[3 * E + 2] > 0.0 && failed == 0) failed = 1; /* a DP peer */
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
@@ -1301,9 +1385,9 @@ static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
     for (int64_t q = 0; q < P; q++) {
         int64_t Rq = 0;
         for (int64_t s = 0; s < P; s++)
-            for (int64_t j = 0; j < El; j++) Rq += c->h_msg_all[s * (E + 3) + q * El + j];
+            for (int64_t j = 0; j < El; j++) Rq += c->h_msg_all[s * M + q * El + j];
         if (q == me) f->R = Rq;
-        if (Rq > c->h_msg_all[q * (E + 3) + E + 2]) anyone_grows = 1;
+        if (Rq > c->h_msg_all[q * M + E + 2]) anyone_grows = 1;
     }
     if (!anyone_grows) return MOEPT_OK;
     int64_t ok = moept__grow(c, f->R, err) == MOEPT_OK;
@@ -1330,7 +1414,7 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer
     c->fwd_valid = 1;
     c->bwd_done = 0;
     c->R = f->R;
-    const int64_t *mine = c->h_msg_all + me * (E + 3);
+    const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
     c->offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         c->counts[e] = mine[e];
@@ -1338,7 +1422,13 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer
     }
     c->N = c->offsets[E];
     for (int64_t s = 0; s < P; s++)
-        for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * (E + 3) + me * El + j];
+        for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * M + me * El + j];
+    for (int64_t ch = 0; ch < C && C > 1; ch++) { /* kept: a rejected step's message must not change them */
+        for (int64_t e = 0; e < E; e++) c->ccnt[ch * E + e] = mine[E + 3 + ch * E + e];
+        for (int64_t s = 0; s < P; s++)
+            for (int64_t j = 0; j < El; j++)
+                c->rccnt[(s * C + ch) * El + j] = c->h_msg_all[s * M + E + 3 + ch * E + me * El + j];
+    }
     c->roffsets[0] = 0;
     for (int64_t j = 0; j < El; j++) {
         int64_t n = 0;
@@ -1383,7 +1473,8 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
     return MOEPT_OK;
 }
 
-/* 8. dispatch: plan placement, then the rows go once: x -> send buffer -> experts */
+/* 8. dispatch: plan placement, then the rows go once: x -> send buffer ->
+   experts (chunked: the pipeline sends them chunk by chunk) */
 template <typename T>
 static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
@@ -1400,7 +1491,26 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_
                       MOEPT__TB, 0, c->s)(x, c->tok_of_row, D, (T *)xs);
         MOEPT__LAUNCHED();
     }
-    if (p->P > 1) MOEPT__TRY(moept__exchange(c, xs, c->xr, 1, 1, out, err));
+    if (p->P > 1 && c->C == 1)
+        MOEPT__TRY(moept__exchange(c, xs, c->send_segs, c->xr, c->recv_segs,
+                                   MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN, out, err));
+    return MOEPT_OK;
+}
+
+/* the shared expert and its gate over every token (while routed rows travel) */
+template <typename T>
+static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, T_ = c->T;
+    if (p->S == 0 || T_ == 0) return MOEPT_OK;
+    int64_t off[2] = {0, T_};
+    MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
+    if (p->offsg < 0) return MOEPT_OK;
+    moept__gemm gg =
+        moept__gemm_make(0, 1, T_, 1, D, (const float *)x, D, moept__w(c, p->offsg), D, 0.0f, c->sg, 1);
+    MOEPT__TRY(moept__gemms(c, &gg, 1, c->dt, CUDA_R_32F, err));
+    MOEPT__LAUNCH(moept__k_sigmoid, moept__grid(T_), MOEPT__TB, 0, c->s)(c->sg, T_);
+    MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 
@@ -1409,39 +1519,197 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_
 template <typename T>
 static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, T_ = c->T;
     MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
-    if (p->P > 1) MOEPT__TRY(moept__exchange(c, c->ys, c->yr, 0, 0, out, err));
-    if (p->S > 0 && T_ > 0) {
-        int64_t off[2] = {0, T_};
-        MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
-        if (p->offsg >= 0) {
-            moept__gemm gg = moept__gemm_make(0, 1, T_, 1, D, (const float *)x, D, moept__w(c, p->offsg), D, 0.0f, c->sg, 1);
-            MOEPT__TRY(moept__gemms(c, &gg, 1, c->dt, CUDA_R_32F, err));
-            MOEPT__LAUNCH(moept__k_sigmoid, moept__grid(T_), MOEPT__TB, 0, c->s)(c->sg, T_);
-            MOEPT__LAUNCHED();
-        }
-    }
+    if (p->P > 1)
+        MOEPT__TRY(moept__exchange(c, c->ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
+    MOEPT__TRY(moept__shared_fwd<T>(c, x, err));
     if (p->P > 1) MOEPT__TRY(moept__from_comm(c, c->cs, err)); /* the experts' outputs are back */
     return MOEPT_OK;
 }
 
-/* 10. combine: y = sum_k w_k (expert rows) + the shared expert's (gated) */
+/* 10. combine tokens [t0, t1): y = sum_k w_k (expert rows) + the shared
+   expert's (gated) */
 template <typename T>
-static moept_status moept__fwd_combine(moept__cuda *c, T *y, char *err) {
+static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t t1, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, T_ = c->T;
-    if (T_ == 0) return MOEPT_OK;
+    const int64_t D = p->D, K = p->K;
+    if (t1 <= t0) return MOEPT_OK;
     const void *ys = p->P > 1 ? c->ys : c->yr;
-    MOEPT__LAUNCH(moept__k_combine<T>, dim3((unsigned)T_, (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB)), MOEPT__TB, 0,
-                  c->s)((const T *)ys, c->row_of, c->wts[c->cur], p->S > 0 ? (const T *)c->yss : NULL,
-                        p->offsg >= 0 ? c->sg : NULL, D, (int)p->K, y);
+    MOEPT__LAUNCH(moept__k_combine<T>, dim3((unsigned)(t1 - t0), (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB)),
+                  MOEPT__TB, 0, c->s)((const T *)ys, c->row_of + t0 * K, c->wts[c->cur] + t0 * K,
+                                      p->S > 0 ? (const T *)c->yss + t0 * D : NULL,
+                                      p->offsg >= 0 ? c->sg + t0 : NULL, D, (int)K, y + t0 * D);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 
+/* ---- chunked overlap (C > 1, P > 1) -------------------------------------
+   As moept.c's: chunk ch is tokens [ch T / C, (ch+1) T / C). The plan is a
+   stable sort by slot, so a chunk's rows of a slot follow the earlier
+   chunks' in that slot's rows, and on the expert side its rows from peer p
+   for local expert j follow the earlier chunks' in (j, p)'s rows: every row
+   lands where the one-chunk step puts it, and the per-row math is the same. */
+
+/* Chunk ch's exchange pieces (c->csend, c->crecv) and its row runs on the
+   expert side (c->cruns [3][G]); returns the runs. */
+static int64_t moept__chunk_plan(moept__cuda *c, int64_t ch) {
+    const int64_t D = c->sp.D, El = c->sp.El, P = c->sp.P, E = c->sp.E, C = c->C, G = c->G;
+    for (int64_t q = 0; q < P; q++)
+        for (int64_t j = 0; j < El; j++) {
+            int64_t e = q * El + j, start = c->offsets[e];
+            for (int64_t b = 0; b < ch; b++) start += c->ccnt[b * E + e];
+            c->csend[q * El + j].offset = start * D;
+            c->csend[q * El + j].count = c->ccnt[ch * E + e] * D;
+        }
+    int64_t n = 0, *runs = c->cruns;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t base = c->roffsets[j];
+        for (int64_t p = 0; p < P; p++) {
+            int64_t before = 0, rows = c->rccnt[(p * C + ch) * El + j];
+            for (int64_t b = 0; b < ch; b++) before += c->rccnt[(p * C + b) * El + j];
+            c->crecv[p * El + j].offset = (base + before) * D;
+            c->crecv[p * El + j].count = rows * D;
+            if (rows) { runs[n] = base + before; runs[G + n] = rows; runs[2 * G + n] = j; n++; }
+            base += c->rcounts[p * El + j];
+        }
+    }
+    return n;
+}
+
+/* the activation of a chunk's n runs (bwd: dh over h from da in dar) */
+template <typename T>
+static moept_status moept__runs_act(moept__cuda *c, int64_t n, int bwd, char *err) {
+    const int64_t H = c->sp.H, F = c->sp.F, G = c->G;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r0 = c->cruns[i], rows = c->cruns[G + i];
+        if (bwd)
+            MOEPT__LAUNCH(moept__k_act_bwd<T>, moept__grid(rows * F), MOEPT__TB, 0, c->s)(
+                    c->sp.act, (T *)c->h + r0 * H, (const T *)c->dar + r0 * F, rows, F, H);
+        else
+            MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(rows * F), MOEPT__TB, 0, c->s)(
+                    c->sp.act, (const T *)c->h + r0 * H, rows, F, H, (T *)c->a + r0 * F);
+        MOEPT__LAUNCHED();
+    }
+    return MOEPT_OK;
+}
+
+/* A chunk's expert FFN over its runs: h = xr W13^T, a = act(h), yr = a W2^T
+   (moept__ffn_fwd's descriptors, run by run) */
+template <typename T>
+static moept_status moept__runs_fwd(moept__cuda *c, int64_t n, char *err) {
+    const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F, G = c->G, es = c->esz;
+    const char *X = (const char *)c->xr, *A = (const char *)c->a;
+    const char *W13 = (const char *)moept__w(c, c->sp.off13), *W2 = (const char *)moept__w(c, c->sp.off2);
+    char *Hh = (char *)c->h, *Y = (char *)c->yr;
+    moept__gemm *gd = c->descs;
+    MOEPT__PER_RUN(gd, c->cruns, n, G,
+                   moept__gemm_make(0, 1, rows, H, D, (const float *)(X + r0 * D * es), D,
+                                    (const float *)(W13 + e * H * D * es), D, 0.0f,
+                                    (float *)(Hh + r0 * H * es), H));
+    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
+    MOEPT__TRY(moept__runs_act<T>(c, n, 0, err));
+    MOEPT__PER_RUN(gd, c->cruns, n, G,
+                   moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * F * es), F,
+                                    (const float *)(W2 + e * D * F * es), F, 0.0f,
+                                    (float *)(Y + r0 * D * es), D));
+    return moept__gemms(c, gd, n, c->dt, c->dt, err);
+}
+
+/* Its backward, data side: da = dys W2 into dar, dh over h, dxs = dh W13
+   into dxr; the forward's a and dys in yr live on for the weight gradients */
+template <typename T>
+static moept_status moept__runs_bwd(moept__cuda *c, int64_t n, char *err) {
+    const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F, G = c->G, es = c->esz;
+    const char *Y = (const char *)c->yr, *Hh = (const char *)c->h;
+    const char *W13 = (const char *)moept__w(c, c->sp.off13), *W2 = (const char *)moept__w(c, c->sp.off2);
+    char *DA = (char *)c->dar, *DX = (char *)c->dxr;
+    moept__gemm *gd = c->descs;
+    MOEPT__PER_RUN(gd, c->cruns, n, G,
+                   moept__gemm_make(0, 0, rows, F, D, (const float *)(Y + r0 * D * es), D,
+                                    (const float *)(W2 + e * D * F * es), F, 0.0f,
+                                    (float *)(DA + r0 * F * es), F));
+    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
+    MOEPT__TRY(moept__runs_act<T>(c, n, 1, err));
+    MOEPT__PER_RUN(gd, c->cruns, n, G,
+                   moept__gemm_make(0, 0, rows, D, H, (const float *)(Hh + r0 * H * es), H,
+                                    (const float *)(W13 + e * H * D * es), D, 0.0f,
+                                    (float *)(DX + r0 * D * es), D));
+    return moept__gemms(c, gd, n, c->dt, c->dt, err);
+}
+
+/* The expert weight gradients over every row of each local expert (as the
+   one-chunk step: g2 += dys^T a, g13 += dh^T xr), once all chunks computed */
+static moept_status moept__weight_grads(moept__cuda *c, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, H = p->H, F = p->F, es = c->esz;
+    const char *Y = (const char *)c->yr, *A = (const char *)c->a;
+    const char *Hh = (const char *)c->h, *X = (const char *)c->xr;
+    float *g13 = c->grads + p->off13, *g2 = c->grads + p->off2;
+    moept__gemm *gd = c->descs;
+    int64_t n;
+    MOEPT__PER_GROUP(gd, n, p->El, c->roffsets,
+                     moept__gemm_make(1, 0, D, F, rows, (const float *)(Y + r0 * D * es), D,
+                                      (const float *)(A + r0 * F * es), F, 1.0f, g2 + e * D * F, F));
+    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
+    MOEPT__PER_GROUP(gd, n, p->El, c->roffsets,
+                     moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
+                                      (const float *)(X + r0 * D * es), D, 1.0f, g13 + e * H * D, D));
+    return moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err);
+}
+
+/* the shared expert's backward (dxs over yss), while routed rows travel */
+template <typename T>
+static moept_status moept__shared_bwd(moept__cuda *c, const T *x, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    if (p->S == 0 || c->T == 0) return MOEPT_OK;
+    int64_t off[2] = {0, c->T};
+    return moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err);
+}
+
+/* The chunk pipeline of both passes (moept.c's moept__pipeline): chunk ch+1
+   travels out while the experts compute chunk ch, whose results travel back
+   while the next computes. Every rank posts the exchanges in the same order
+   on its comm stream; the compute stream waits for a chunk's arrival event
+   only. forward: xs -> xr, yr -> ys, the shared expert while chunk 0
+   travels, chunk ch combined once back. backward (after combine' wrote dys
+   into ys): ys -> yr, dxr -> ys, the shared expert's backward while chunk 0
+   travels, the weight gradients while the last chunk's dxs return. */
+template <typename T>
+static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, moept__cuda_step *out,
+                                    char *err) {
+    const int64_t C = c->C, T_ = c->T;
+    void *send = bwd ? c->ys : c->xs, *recv = bwd ? c->yr : c->xr, *res = bwd ? c->dxr : c->yr;
+    const int X_OUT = MOEPT__X_OUT;
+    moept__chunk_plan(c, 0);
+    MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT | MOEPT__X_AFTER, out, err));
+    MOEPT__CU(cudaEventRecord(c->ev_out[0], c->cs));
+    MOEPT__TRY(bwd ? moept__shared_bwd<T>(c, x, err) : moept__shared_fwd<T>(c, x, err));
+    for (int64_t ch = 0; ch < C; ch++) {
+        if (ch + 1 < C) { /* its rows were ready before chunk 0 left: no wait on the compute stream */
+            moept__chunk_plan(c, ch + 1);
+            MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT, out, err));
+            MOEPT__CU(cudaEventRecord(c->ev_out[(ch + 1) % 2], c->cs));
+        }
+        int64_t n = moept__chunk_plan(c, ch);
+        MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_out[ch % 2], 0));
+        MOEPT__TRY(bwd ? moept__runs_bwd<T>(c, n, err) : moept__runs_fwd<T>(c, n, err));
+        MOEPT__TRY(moept__exchange(c, c->ys, c->csend, res, c->crecv, MOEPT__X_AFTER, out, err));
+        MOEPT__CU(cudaEventRecord(c->ev_back[ch % 2], c->cs));
+        if (ch > 0 && !bwd) {
+            MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_back[(ch - 1) % 2], 0));
+            int64_t t0 = moept__chunk_start(T_, C, ch - 1), t1 = moept__chunk_start(T_, C, ch);
+            MOEPT__TRY(moept__fwd_combine<T>(c, y, t0, t1, err));
+        }
+    }
+    if (bwd) MOEPT__TRY(moept__weight_grads(c, err));
+    /* the last chunk's return is the comm stream's last op: all are back */
+    MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_back[(C - 1) % 2], 0));
+    return bwd ? MOEPT_OK : moept__fwd_combine<T>(c, y, moept__chunk_start(T_, C, C - 1), T_, err);
+}
+
 /* The forward, stage by stage as moept.c's: route -> plan -> (counts agreed,
-   committed) -> dispatch -> experts -> combine. */
+   committed) -> dispatch -> experts -> combine; chunked, the last three as
+   one pipeline. */
 template <typename T>
 static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
                                    int64_t *peer_rows, moept__cuda_step *out, char *err) {
@@ -1456,8 +1724,9 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     moept__fwd_commit(c, &f, peer_rows, out); /* nothing fails from here on but the device */
     MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
     MOEPT__TRY(moept__fwd_dispatch<T>(c, x, out, err));
+    if (c->C > 1) return moept__pipeline<T>(c, 0, x, (T *)yv, out, err);
     MOEPT__TRY(moept__fwd_experts<T>(c, x, out, err));
-    return moept__fwd_combine<T>(c, (T *)yv, err);
+    return moept__fwd_combine<T>(c, (T *)yv, 0, c->T, err);
 }
 
 extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
@@ -1473,12 +1742,12 @@ extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64
 }
 
 /* ---- backward ----------------------------------------------------------- */
+/* 1. checks, dy's finiteness, and (unless unchecked_backward) the agreement:
+   every rank differentiates, or none does */
 template <typename T>
-static moept_status moept__backward(moept__cuda *c, const void *xv, const void *dyv, void *dxv, moept__cuda_step *out,
-                                    char *err) {
+static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, const void *dx, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, E = p->E, K = p->K, El = p->El, P = p->P, T_ = c->T;
-    const T *x = (const T *)xv, *dy = (const T *)dyv;
+    const int64_t D = p->D, T_ = c->T;
     char local[MOEPT__ERRLEN] = "";
     moept_status why = MOEPT_OK;
     if (!c->fwd_valid) {
@@ -1487,85 +1756,111 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     } else if (c->bwd_done) { /* ys and h were overwritten in place */
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local, "moept_backward: this forward was already differentiated; run forward again");
-    } else if (T_ > 0 && (!x || !dy || !dxv)) {
+    } else if (T_ > 0 && (!x || !dy || !dx)) {
         why = MOEPT_ERR_INVALID_ARGUMENT;
         snprintf(local, sizeof local, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
     }
-    int checked = !p->unchecked_backward;
     if (!local[0] && T_ > 0) {
         MOEPT__CU(cudaMemsetAsync(&c->bad[2], 0xff, 8, c->s));
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
-                dy, T_ * D, NULL, &c->bad[2]);
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dy, T_ * D, NULL,
+                                                                             &c->bad[2]);
         MOEPT__LAUNCHED();
     }
-    if (checked || local[0]) {
-        /* agreement (second host sync of the step; unchecked_backward skips it) */
-        MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 8, cudaMemcpyDeviceToHost, c->s));
-        MOEPT__TRY(moept__host_wait(c, err));
-        if (!local[0] && T_ > 0 && c->h_bad[2] != ULLONG_MAX) {
-            why = MOEPT_ERR_NUMERIC;
-            snprintf(local, sizeof local, "moept_backward: dy[%lld][%lld] is not finite", (long long)(c->h_bad[2] / D),
-                     (long long)(c->h_bad[2] % D));
-        }
-        int64_t failed = local[0] != 0;
-        if (p->ep) {
-            moept_status st = p->ep->allreduce(p->ep, &failed, 1, MOEPT_DTYPE_I64); /* host buffer: waits */
-            if (st) return moept__kfail(err, st, "moept_backward: failure agreement failed: %s", p->ep->err);
-        }
-        if (local[0]) return moept__kfail(err, why, "%s", local);
-        if (failed) return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; nothing changed",
-                                        (long long)failed);
+    if (p->unchecked_backward && !local[0]) return MOEPT_OK;
+    /* the step's second host sync (unchecked_backward skips it) */
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__TRY(moept__host_wait(c, err));
+    if (!local[0] && T_ > 0 && c->h_bad[2] != ULLONG_MAX) {
+        why = MOEPT_ERR_NUMERIC;
+        snprintf(local, sizeof local, "moept_backward: dy[%lld][%lld] is not finite",
+                 (long long)(c->h_bad[2] / D), (long long)(c->h_bad[2] % D));
     }
-    c->ptr_slot = 8;
-    c->bwd_done = 1; /* from here on the saved rows change */
-    const int cur = c->cur;
-    void *ys = P > 1 ? c->ys : c->yr;
-    float *dxf = c->wlow ? c->dxf : (float *)dxv;
-    const float *xf = c->wlow ? c->xf : (const float *)x;
-    const unsigned dblk = (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB);
-    if (c->wlow && T_ > 0) { /* the router's fp32 input again (a rejected forward may have overwritten it) */
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
-                x, T_ * D, c->xf, &c->bad[3]);
-        MOEPT__LAUNCHED();
+    int64_t failed = local[0] != 0;
+    if (p->ep) {
+        moept_status st = p->ep->allreduce(p->ep, &failed, 1, MOEPT_DTYPE_I64); /* host buffer: waits */
+        if (st) return moept__kfail(err, st, "moept_backward: failure agreement failed: %s", p->ep->err);
     }
-    /* combine': dL/dw and dys in place of the outputs */
-    if (T_ > 0) {
-        MOEPT__LAUNCH(moept__k_combine_bwd<T>, (unsigned)(
-                T_ * K), MOEPT__TB, 0, c->s)((T *)ys, c->row_of, c->wts[cur], dy, D, (int)K, c->dwts);
-        MOEPT__LAUNCHED();
-        if (p->S > 0) {
-            MOEPT__LAUNCH(moept__k_shared_bwd<T>, (unsigned)T_, MOEPT__TB, 0, c->s)(
-                    (T *)c->yss, p->offsg >= 0 ? c->sg : NULL, dy, D, c->dsg);
-            MOEPT__LAUNCHED();
-        }
-    }
-    if (P > 1) MOEPT__TRY(moept__exchange(c, ys, c->yr, 1, 1, out, err));
-    MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
-    if (P > 1) MOEPT__TRY(moept__exchange(c, ys, c->yr, 0, 1, out, err));
+    if (local[0]) return moept__kfail(err, why, "%s", local);
+    if (failed)
+        return moept__kfail(err, MOEPT_ERR_STATE,
+                            "moept_backward: %lld other rank(s) rejected the step; nothing changed", (long long)failed);
+    return MOEPT_OK;
+}
+
+/* 2. combine': dL/dw and dys in place of the outputs (ys), the shared
+   expert's dy (gated) in yss; the router's fp32 input again (bf16: a
+   rejected forward may have overwritten xf) */
+template <typename T>
+static moept_status moept__bwd_combine(moept__cuda *c, const T *x, const T *dy, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, K = p->K, T_ = c->T;
     if (T_ == 0) return MOEPT_OK;
-    MOEPT__LAUNCH(moept__k_token_sum<T>, dim3((unsigned)T_, dblk), MOEPT__TB, 0, c->s)(
-            (const T *)ys, c->row_of, D, (int)K, dxf);
+    if (c->wlow) {
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(x, T_ * D, c->xf,
+                                                                             &c->bad[3]);
+        MOEPT__LAUNCHED();
+    }
+    void *ys = p->P > 1 ? c->ys : c->yr;
+    MOEPT__LAUNCH(moept__k_combine_bwd<T>, (unsigned)(T_ * K), MOEPT__TB, 0, c->s)(
+            (T *)ys, c->row_of, c->wts[c->cur], dy, D, (int)K, c->dwts);
     MOEPT__LAUNCHED();
     if (p->S > 0) {
-        int64_t off[2] = {0, T_};
-        MOEPT__TRY(moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
-        MOEPT__LAUNCH(moept__k_add<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
-                dxf, (const T *)c->yss, T_ * D);
+        MOEPT__LAUNCH(moept__k_shared_bwd<T>, (unsigned)T_, MOEPT__TB, 0, c->s)(
+                (T *)c->yss, p->offsg >= 0 ? c->sg : NULL, dy, D, c->dsg);
         MOEPT__LAUNCHED();
-        if (p->offsg >= 0) { /* gsg += dsg^T x ; dx += dsg wsg (fp32) */
-            moept__gemm gd[2];
-            gd[0] = moept__gemm_make(1, 0, 1, D, T_, c->dsg, 1, xf, D, 1.0f, c->grads + p->offsg, D);
-            gd[1] = moept__gemm_make(0, 0, T_, D, 1, c->dsg, 1, c->params + p->offsg, D, 1.0f, dxf, D);
-            MOEPT__TRY(moept__gemms(c, &gd[0], 1, CUDA_R_32F, CUDA_R_32F, err));
-            MOEPT__TRY(moept__gemms(c, &gd[1], 1, CUDA_R_32F, CUDA_R_32F, err));
-        }
     }
-    /* router' */
+    return MOEPT_OK;
+}
+
+/* 3. experts: dys out, the FFNs' backward, dxs back (the shared expert's
+   backward while they travel) */
+template <typename T>
+static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    void *ys = p->P > 1 ? c->ys : c->yr;
+    const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN;
+    if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, c->send_segs, c->yr, c->recv_segs, both, out, err));
+    MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr,
+                                 err));
+    if (p->P > 1)
+        MOEPT__TRY(moept__exchange(c, ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
+    MOEPT__TRY(moept__shared_bwd<T>(c, x, err));
+    if (p->P > 1) MOEPT__TRY(moept__from_comm(c, c->cs, err));
+    return MOEPT_OK;
+}
+
+/* 4. dx (fp32 dxf): the K rows of each token summed, the shared expert's
+   dxs, the shared gate's term (gsg += dsg^T x; dxf += dsg wsg) */
+template <typename T>
+static moept_status moept__bwd_dx(moept__cuda *c, float *dxf, const float *xf, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, T_ = c->T;
+    const void *ys = p->P > 1 ? c->ys : c->yr;
+    const dim3 grid((unsigned)T_, (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB));
+    MOEPT__LAUNCH(moept__k_token_sum<T>, grid, MOEPT__TB, 0, c->s)((const T *)ys, c->row_of, D, (int)p->K, dxf);
+    MOEPT__LAUNCHED();
+    if (p->S == 0) return MOEPT_OK;
+    MOEPT__LAUNCH(moept__k_add<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, (const T *)c->yss, T_ * D);
+    MOEPT__LAUNCHED();
+    if (p->offsg < 0) return MOEPT_OK;
+    moept__gemm gd[2];
+    gd[0] = moept__gemm_make(1, 0, 1, D, T_, c->dsg, 1, xf, D, 1.0f, c->grads + p->offsg, D);
+    gd[1] = moept__gemm_make(0, 0, T_, D, 1, c->dsg, 1, c->params + p->offsg, D, 1.0f, dxf, D);
+    MOEPT__TRY(moept__gemms(c, &gd[0], 1, CUDA_R_32F, CUDA_R_32F, err));
+    return moept__gemms(c, &gd[1], 1, CUDA_R_32F, CUDA_R_32F, err);
+}
+
+/* 5. router': dlogits, then gWr += dlogits^T xf and dxf += dlogits Wr;
+   bf16: dx = dxf rounded */
+template <typename T>
+static moept_status moept__bwd_router(moept__cuda *c, float *dxf, const float *xf, T *dx, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, E = p->E, K = p->K, T_ = c->T;
+    const int cur = c->cur;
     const float *aux_g = p->aux != MOEPT_AUX_NONE && p->aux_coef != 0.0f ? c->aux_g : NULL;
     MOEPT__LAUNCH(moept__k_router_bwd, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
         p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->z_coef, c->lse[cur],
-        (float)c->loss_T, (int)E, (int)K, p->norm, p->scale, T_,
-        c->scratch, c->dlogits);
+        (float)c->loss_T, (int)E, (int)K, p->norm, p->scale, T_, c->scratch, c->dlogits);
     MOEPT__LAUNCHED();
     moept__gemm gr[2];
     gr[0] = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xf, D, 1.0f, c->grads, D);
@@ -1573,10 +1868,29 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     MOEPT__TRY(moept__gemms(c, &gr[0], 1, CUDA_R_32F, CUDA_R_32F, err));
     MOEPT__TRY(moept__gemms(c, &gr[1], 1, CUDA_R_32F, CUDA_R_32F, err));
     if (c->wlow) {
-        MOEPT__LAUNCH(moept__k_cast<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, T_ * D, (T *)dxv);
+        MOEPT__LAUNCH(moept__k_cast<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, T_ * D, dx);
         MOEPT__LAUNCHED();
     }
     return MOEPT_OK;
+}
+
+/* The backward, stage by stage as moept.c's: agree -> combine' -> experts'
+   (chunked: the pipeline) -> dx -> router'. */
+template <typename T>
+static moept_status moept__backward(moept__cuda *c, const void *xv, const void *dyv, void *dxv,
+                                    moept__cuda_step *out, char *err) {
+    const T *x = (const T *)xv, *dy = (const T *)dyv;
+    MOEPT__TRY(moept__bwd_agree<T>(c, x, dy, dxv, err));
+    c->ptr_slot = c->nslot;
+    c->bwd_done = 1; /* from here on the saved rows change */
+    float *dxf = c->wlow ? c->dxf : (float *)dxv;
+    const float *xf = c->wlow ? c->xf : (const float *)xv;
+    MOEPT__TRY(moept__bwd_combine<T>(c, x, dy, err));
+    if (c->C > 1) MOEPT__TRY(moept__pipeline<T>(c, 1, x, NULL, out, err));
+    else MOEPT__TRY(moept__bwd_experts<T>(c, x, out, err));
+    if (c->T == 0) return MOEPT_OK;
+    MOEPT__TRY(moept__bwd_dx<T>(c, dxf, xf, err));
+    return moept__bwd_router<T>(c, dxf, xf, (T *)dxv, err);
 }
 
 extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,

@@ -1,13 +1,14 @@
 /* moept_check: runs moept-case-v1 reference cases (../shared/CASES.md)
    through moept and compares every output and gradient.
 
-   usage: moept_check [--ep N] [--tol X] [--weights DIR --layer L] FILE...
+   usage: moept_check [--ep N] [--chunks C] [--tol X] [--weights DIR --layer L] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
    With --ep N the experts are sharded over N ranks (threads, or MPI
    processes) and the tokens split into N contiguous slices (the first T mod N
    ranks take one more); losses are over the global batch, router and shared
    gradients are summed over ranks, each expert's gradient is compared on its
-   owner. With --weights every parameter comes from the Hugging Face
+   owner. --chunks C sets config.overlap_chunks (the chunked pipeline; on
+   the GPU it runs only with --ep > 1). With --weights every parameter comes from the Hugging Face
    checkpoint DIR (decoder layer L's MoE block, this rank's experts only)
    instead of the case file. One line per case, then "N passed, N failed";
    exit 1 if any failed.
@@ -38,6 +39,7 @@
 
 static const char *g_weights; /* --weights DIR */
 static long long g_layer = -1;  /* --layer L */
+static int g_chunks;            /* --chunks C: config.overlap_chunks */
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
 
 /* ---- the layer, on the CPU or (MOEPT_CUDA) on the GPU ---- */
@@ -345,6 +347,7 @@ static void run_case(check *c) {
     int64_t Tr = T / P + (rank < T % P);
     cfg.max_tokens = Tr > 0 ? Tr : 1;
     cfg.global_balance = P > 1;
+    cfg.overlap_chunks = g_chunks;
     if (cfg.num_experts % P != 0) { /* the same on every rank: no collective is left waiting */
         snprintf(c->skip, sizeof c->skip, "E=%lld experts do not split over --ep %d", (long long)cfg.num_experts, P);
         goto done;
@@ -555,10 +558,15 @@ int main(int argc, char **argv) {
         if (strcmp(argv[first], "--tol") == 0 && first + 1 < argc) tol = atof(argv[++first]);
         else if (strcmp(argv[first], "--tol-bf16") == 0 && first + 1 < argc) tol_bf16 = atof(argv[++first]);
         else if (strcmp(argv[first], "--ep") == 0 && first + 1 < argc) P = atoi(argv[++first]);
+        else if (strcmp(argv[first], "--chunks") == 0 && first + 1 < argc) g_chunks = atoi(argv[++first]);
         else if (strcmp(argv[first], "--weights") == 0 && first + 1 < argc) g_weights = argv[++first];
         else if (strcmp(argv[first], "--layer") == 0 && first + 1 < argc) g_layer = atoll(argv[++first]);
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
-        else { fprintf(stderr, "usage: %s [--ep N] [--tol X] [--weights DIR --layer L] FILE...\n", argv[0]); return 2; }
+        else {
+            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--tol X] [--weights DIR --layer L] FILE...\n",
+                    argv[0]);
+            return 2;
+        }
     }
     if (!g_weights != (g_layer < 0)) { fprintf(stderr, "moept_check: --weights and --layer go together\n"); return 2; }
     if (P < 1 || P > 1024) { fprintf(stderr, "moept_check: --ep %d not in 1..1024\n", P); return 2; }

@@ -354,6 +354,115 @@ static void absent_peer(int what) {
     EXPECT(j[0].get == MOEPT_OK, "rank 0: the host copy of the parameters is not readable after the abort");
     EXPECT(n >= 1 && strstr(rep, "nccl"), "the emulator did not see the absent peer (%ld reports: %s)", n, rep);
 }
+/* The chunked pipeline against the one-chunk step at two EP ranks: a layer
+   with overlap_chunks 3 and one without, the same parameters and inputs
+   (uneven T: 37 and 5 tokens, so chunks of 1 and 2 tokens), capacity
+   applied chunk by chunk; between the chunked layer's forward and backward
+   a rejected forward (rank 0's x has a NaN and routes differently) must not
+   change the plan the backward uses. y, dx, every gradient and the byte
+   counts must be equal bitwise: the emulated cuBLAS computes each output
+   element alike whatever the group's rows (a GPU's cuBLAS may pick other
+   kernels for other row counts: there, equal to rounding). */
+typedef struct chunk_job {
+    int rank, fam, bf16;
+    float cf;
+    ncclUniqueId id;
+    int64_t diffs, bytes[2][2];
+    char msg[300];
+} chunk_job;
+
+/* forward, an optional rejected forward (xbad), backward; y and dx to the
+   host; 0 on success */
+static int chunk_step(moept_layer *L, int64_t D, const void *x, const void *xbad, const void *dy, int64_t T,
+                      int bf16, float *y, float *dx, char *msg) {
+    void *yd = dev_from(y, T * D, bf16), *dxd = dev_from(dx, T * D, bf16);
+    int bad = moept_forward(L, x, T, yd) != MOEPT_OK;
+    if (!bad) host_from(y, yd, T * D, bf16);
+    if (!bad && xbad && moept_forward(L, xbad, T, yd) == MOEPT_OK) bad = 2;
+    if (!bad && moept_backward(L, x, dy, dxd) != MOEPT_OK) bad = 3;
+    if (!bad) host_from(dx, dxd, T * D, bf16);
+    if (bad) snprintf(msg, 300, "step part %d: %s", bad, bad == 2 ? "the bad forward was accepted" : moept_last_error(L));
+    cudaFree(yd); cudaFree(dxd);
+    return bad;
+}
+
+static int64_t count_diffs(const float *a, const float *b, int64_t n) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return d;
+}
+
+static void *chunk_rank(void *arg) {
+    chunk_job *j = arg;
+    nccl_rank n;
+    nccl_rank_open(&n, j->rank, j->id);
+    moept_config cfg = family_cfg(j->fam);
+    cfg.capacity_factor = j->cf;
+    cfg.global_balance = 1;
+    const int64_t D = cfg.hidden_size, T = j->rank ? 5 : 37;
+    moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+    unsigned long long rs = 99 + (unsigned long long)j->rank;
+    float *x = malloc((size_t)(3 * T * D) * sizeof(float)), *xb = x + T * D, *dy = xb + T * D;
+    float *out = calloc((size_t)(4 * T * D), sizeof(float));
+    for (int64_t i = 0; i < 3 * T * D; i++) x[i] = (float)tu_rand(&rs);
+    if (j->rank == 0) xb[3 * D + 1] = NAN;
+    void *xd = dev_from(x, T * D, j->bf16), *xbd = dev_from(xb, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16);
+    moept_layer *L[2] = {NULL, NULL};
+    for (int v = 0; v < 2 && !j->msg[0]; v++) {
+        cfg.overlap_chunks = v ? 3 : 1;
+        if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
+            snprintf(j->msg, sizeof j->msg, "create (chunks %d): %s", v ? 3 : 1, moept_last_error(NULL));
+            break;
+        }
+        moept_init_params(L[v], 7);
+        if (chunk_step(L[v], D, xd, v ? xbd : NULL, dyd, T, j->bf16, out + 2 * v * T * D, out + (2 * v + 1) * T * D,
+                       j->msg))
+            break;
+        moept_stats s;
+        moept_get_stats(L[v], &s, NULL);
+        j->bytes[v][0] = s.bytes_sent;
+        j->bytes[v][1] = s.bytes_received;
+    }
+    if (!j->msg[0]) {
+        j->diffs = count_diffs(out, out + 2 * T * D, 2 * T * D);
+        for (int64_t i = 0; i < moept_param_count(L[0]); i++) {
+            moept_param_info a, b;
+            moept_param_info_at(L[0], i, &a);
+            moept_param_info_at(L[1], i, &b);
+            if (a.grad) j->diffs += count_diffs(a.grad, b.grad, a.rows * a.cols);
+        }
+    }
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+    cudaFree(xd); cudaFree(xbd); cudaFree(dyd);
+    free(x); free(out);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_chunked_equals_one_chunk(void) {
+    const struct { int fam, bf16; float cf; } v[2] = {{1, 0, 0.9f}, {3, 1, 0.0f}}; /* qwen2 + capacity; deepseek bf16 */
+    for (int i = 0; i < 2; i++) {
+        chunk_job j[2];
+        memset(j, 0, sizeof j);
+        ncclGetUniqueId(&j[0].id);
+        for (int r = 0; r < 2; r++) {
+            j[r].rank = r; j[r].id = j[0].id;
+            j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].cf = v[i].cf;
+        }
+        run_two(chunk_rank, j, sizeof j[0]);
+        for (int r = 0; r < 2; r++) {
+            EXPECT(!j[r].msg[0], "variant %d rank %d: %s", i, r, j[r].msg);
+            EXPECT(j[r].diffs == 0, "variant %d rank %d: %lld values differ from the one-chunk step", i, r,
+                   (long long)j[r].diffs);
+            EXPECT(j[r].bytes[0][0] == j[r].bytes[1][0] && j[r].bytes[0][1] == j[r].bytes[1][1],
+                   "variant %d rank %d: bytes sent/received %lld/%lld chunked, %lld/%lld not", i, r,
+                   (long long)j[r].bytes[1][0], (long long)j[r].bytes[1][1], (long long)j[r].bytes[0][0],
+                   (long long)j[r].bytes[0][1]);
+        }
+    }
+}
+
 static void test_absent_peer_forward(void) { absent_peer(0); }
 static void test_absent_peer_grads(void) { absent_peer(1); }
 #endif
@@ -389,6 +498,8 @@ int main(void) {
            test_absent_peer_forward);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from sync_grads: ERR_COMM, aborted once",
            test_absent_peer_grads);
+    tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise (a rejected step between)",
+           test_chunked_equals_one_chunk);
 #endif
     return tu_done();
 }

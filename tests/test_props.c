@@ -551,6 +551,22 @@ static void test_bf16_rounding(void) {
     }
 }
 
+/* moept__chunk_of (the CUDA chunk count's token -> chunk) inverts
+   moept__chunk_start (the chunk boundaries both executors use), for every
+   token of every T up to 300 and every C up to MOEPT_MAX_CHUNKS, C > T
+   (empty chunks) included. */
+static void test_chunk_of_token(void) {
+    int64_t bad = 0;
+    for (int64_t T = 1; T <= 300; T++)
+        for (int64_t C = 1; C <= MOEPT_MAX_CHUNKS; C++)
+            for (int64_t t = 0; t < T; t++) {
+                int64_t c = moept__chunk_of(t, T, C);
+                if (c < 0 || c >= C || moept__chunk_start(T, C, c) > t || t >= moept__chunk_start(T, C, c + 1))
+                    bad++;
+            }
+    EXPECT(bad == 0, "%lld tokens in the wrong chunk", (long long)bad);
+}
+
 int main(void) {
     RUN(test_dropless_plan);
     RUN(test_capacity);
@@ -566,6 +582,7 @@ int main(void) {
     RUN(test_update_bias);
     RUN(test_gemm_all_transposes);
     RUN(test_gpu_plan_emulated);
+    RUN(test_chunk_of_token);
     RUN(test_cublas_arguments);
     RUN(test_bf16_rounding);
     return tu_done();

@@ -38,6 +38,11 @@ static inline unsigned long long atomicMin(unsigned long long *p, unsigned long 
 }
 static inline int atomicAdd(int *p, int v) { int o = *p; *p = o + v; return o; }
 static inline float atomicAdd(float *p, float v) { float o = *p; *p = o + v; return o; }
+static inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) {
+    unsigned long long o = *p;
+    *p = o + v;
+    return o;
+}
 
 /* The launch: the arguments are converted to the kernel's parameter types
    now (as <<<>>> does) and copied with the kernel's address into a blob the
