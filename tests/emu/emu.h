@@ -17,6 +17,11 @@ void moept_emu_fail_malloc(int n);
 /* How long an NCCL op waits for a peer before the communicator gets an
    asynchronous error (ms; default 20000). */
 void moept_emu_nccl_timeout(int ms);
+/* 1 when device memory is guarded per thread (x86 protection keys: only a
+   worker running one of the device's ops may touch it, so a host read while
+   another op of the device runs faults too); 0 when only per process (the
+   pages are PROT_NONE while no op of the device runs). */
+int moept_emu_per_thread_guard(void);
 #ifdef __cplusplus
 }
 #endif

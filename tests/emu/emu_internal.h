@@ -103,6 +103,8 @@ struct Device {
     uint32_t *page_of = nullptr;   /* [ARENA/PAGE] allocation id + 1, 0 = none */
     std::mutex m;
     int active = 0;                /* device ops running: memory is mapped RW */
+    int pkey = -1;                 /* its protection key (-1: none): only a worker running one
+                                      of the device's ops has access, other threads fault */
     Stream *legacy = nullptr;
     std::vector<Stream *> streams;
 };

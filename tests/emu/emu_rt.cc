@@ -6,7 +6,10 @@
    reserved PROT_NONE). Allocations are never reused, each is followed by a
    guard page and filled with 0xff bytes (NaN as fp32, bf16 and fp64).
    While no op of the device runs, its range is PROT_NONE: host code that
-   dereferences device memory faults, and the handler says where.
+   dereferences device memory faults, and the handler says where. Where the
+   CPU has protection keys, each device's range also has its own key, which
+   only a stream worker enables, and only while it runs one of the device's
+   ops: host code faults even while another thread runs an op.
 
    Streams: a queue and a worker thread each. An op runs only once released
    (a synchronize, a query, an event wait from a released op, a peer's NCCL
@@ -91,6 +94,25 @@ static int device_count() {
 
 static void on_segv(int sig, siginfo_t *si, void *);
 
+/* the device's own protection key on its whole range; -1 where the CPU or
+   kernel has none (pkey_alloc sets the caller's rights; threads created
+   later inherit them, and Linux starts every thread with no access to keys
+   other than 0) */
+static int alloc_pkey(char *arena) {
+    if (getenv("MOEPT_EMU_NO_PKEYS")) return -1;
+    int k = pkey_alloc(0, PKEY_DISABLE_ACCESS);
+    if (k < 0) return -1;
+    if (pkey_mprotect(arena, ARENA, PROT_NONE, k) != 0) {
+        pkey_free(k);
+        return -1;
+    }
+    return k;
+}
+/* this thread's access to the device's memory (a worker, around an op) */
+static void pkey_access(const Device *v, bool on) {
+    if (v->pkey >= 0) pkey_set(v->pkey, on ? 0 : PKEY_DISABLE_ACCESS);
+}
+
 Device *dev(int d) {
     std::lock_guard<std::mutex> lk(g_mu);
     if (!devices[d]) {
@@ -116,6 +138,7 @@ Device *dev(int d) {
             sa.sa_flags = SA_SIGINFO;
             if (g_protect) sigaction(SIGSEGV, &sa, nullptr);
         }
+        if (g_protect) v->pkey = alloc_pkey(v->arena);
         devices[d] = v;
     }
     return devices[d];
@@ -148,7 +171,8 @@ static void on_segv(int, siginfo_t *si, void *) {
                      find(si->si_addr, nullptr) ? (int)find(si->si_addr, nullptr)->live : -1, devices[d]->active);
     else if (d >= 0)
         n = snprintf(msg, sizeof msg, "moept-emu: memcheck: host code dereferenced device memory %p (device %d)"
-                     " outside any kernel, copy or collective\n", si->si_addr, d);
+                     " outside any kernel, copy or collective%s\n", si->si_addr, d,
+                     si->si_code == SEGV_PKUERR ? " (its protection key; maybe while another thread ran an op)" : "");
     else
         n = snprintf(msg, sizeof msg, "moept-emu: segmentation fault at %p\n", si->si_addr);
     if (n > 0 && write(2, msg, (size_t)n) < 0) _exit(71);
@@ -268,7 +292,9 @@ static void worker(Stream *s) {
                    "ran (async copies read host memory when they run)", o->name.c_str(), o->hsrc, o->hlen);
         cur_op = o.get();
         dev_enter(v);
+        pkey_access(v, true);
         if (o->run) o->run(*o);
+        pkey_access(v, false);
         dev_leave(v);
         cur_op = nullptr;
         lk.lock();
@@ -407,6 +433,7 @@ using namespace emu;
 
 /* ---- the test interface ---------------------------------------------------- */
 extern "C" long moept_emu_reports(void) { return g_reports.load(); }
+extern "C" int moept_emu_per_thread_guard(void) { return dev(cur_dev)->pkey >= 0; }
 extern "C" long moept_emu_take_reports(char *buf, int len) {
     long n = g_reports.load() - g_taken.load();
     g_taken += n;
@@ -495,7 +522,9 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
         for (size_t i = 0; i < pages; i++) v->page_of[v->top / PAGE + i] = id;
         v->top += (pages + 1) * PAGE; /* and a guard page */
         protect(a->base, pages * PAGE, PROT_READ | PROT_WRITE);
+        pkey_access(v, true);
         memset(a->base, 0xff, bytes); /* not zero: a read before any write shows up */
+        pkey_access(v, false);
         if (g_protect && v->active == 0) protect(a->base, pages * PAGE, PROT_NONE);
     }
     *p = a->base;

@@ -104,18 +104,16 @@ static void kernels() {
    protection can see it */
 __attribute__((no_sanitize_thread, noinline)) static float read_device(const float *d) { return d[3]; }
 
-/* a host read of device memory faults: in a child, which must die saying so */
-static void host_read() {
-    float *d;
-    cudaMalloc((void **)&d, 64);
+/* fn() in a child, which must die with the emulator's memcheck exit (70)
+   and a message containing `want`; stderr collected through a pipe */
+static void child_dies(const char *name, void (*fn)(float *), float *d, const char *want) {
     fflush(stdout);
     int fd[2];
-    if (pipe(fd) != 0) { result("memcheck: a host read of device memory", false, "pipe"); return; }
+    if (pipe(fd) != 0) { result(name, false, "pipe"); return; }
     pid_t pid = fork();
     if (pid == 0) {
         dup2(fd[1], 2);
-        volatile float v = read_device(d);
-        (void)v;
+        fn(d);
         _exit(0);
     }
     close(fd[1]);
@@ -127,8 +125,57 @@ static void host_read() {
     close(fd[0]);
     int st = 0;
     waitpid(pid, &st, 0);
-    bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 70 && strstr(buf, "host code dereferenced device memory");
-    result("memcheck: a host read of device memory faults and is named", ok, buf);
+    bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 70 && strstr(buf, want);
+    result(name, ok, len ? buf : "the child read device memory and exited normally");
+}
+
+static void read_now(float *d) {
+    volatile float v = read_device(d);
+    (void)v;
+}
+
+/* the same read while an op of the device runs on its stream's worker (an
+   NCCL receive waiting for a peer that posts its send 300 ms later): the
+   pages are mapped for that op, so only the per-thread guard can see it */
+static void read_while_op_runs(float *d) {
+    moept_emu_nccl_timeout(5000);
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    std::thread peer([&] {
+        cudaSetDevice(1);
+        ncclComm_t c;
+        cudaStream_t s;
+        float *buf;
+        cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        ncclCommInitRank(&c, 2, id, 1);
+        cudaMalloc((void **)&buf, 64);
+        usleep(300000);
+        ncclSend(buf, 16, ncclFloat32, 0, c, s);
+        cudaStreamSynchronize(s);
+    });
+    ncclComm_t c;
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    ncclCommInitRank(&c, 2, id, 0);
+    ncclRecv(d + 16, 16, ncclFloat32, 1, c, s);
+    cudaStreamQuery(s); /* releases it: the worker runs it, waiting for the send */
+    usleep(100000);
+    read_now(d);
+    peer.join();
+}
+
+/* a host read of device memory faults: in a child, which must die saying so */
+static void host_read() {
+    float *d;
+    cudaMalloc((void **)&d, 256);
+    const char *want = "host code dereferenced device memory";
+    child_dies("memcheck: a host read of device memory faults and is named", read_now, d, want);
+    if (moept_emu_per_thread_guard())
+        child_dies("memcheck: ... also while an op of its device runs on another thread", read_while_op_runs, d,
+                   want);
+    else
+        printf("skip - memcheck: ... also while an op of its device runs on another thread (no protection keys "
+               "on this CPU or kernel: the guard is per process)\n");
     cudaFree(d);
 }
 
