@@ -31,7 +31,7 @@ CUDA_OK := $(if $(NVCC),$(shell printf '\043include <nccl.h>\n\043include <cubla
 CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 --fmad=false -Xcompiler -Wall,-Wextra,-Wno-unknown-pragmas $(CUDA_ARCHS)
 CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lnccl -lstdc++
-CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda)
+CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda $(B)/bench_cuda)
 
 # the emulated GPU (tests/emu; rules at the end): needs only the CUDA, cuBLAS and NCCL headers
 EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/include; do [ -f $$d/cuda_runtime.h ] && [ -f $$d/cublas_v2.h ] && echo -I$$d && break; done) $(if $(wildcard $(NCCL_HOME)/include/nccl.h),-I$(NCCL_HOME)/include)
@@ -42,7 +42,7 @@ EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tes
 EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
 EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0
 EMU_LIBS = -lstdc++ -lm -pthread
-EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/test_emu $(B)/emu-san/moept_check)
+EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/bench_cuda $(B)/emu/test_emu $(B)/emu-san/moept_check)
 
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
@@ -159,6 +159,9 @@ $(B)/test_cuda: tests/test_cuda.c tests/testutil.h $(CUDA_OBJS)
 $(B)/train_cuda: examples/train.c $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
+$(B)/bench_cuda: bench/bench_cuda.c $(CUDA_OBJS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
 cuda: $(CUDA_BINS)
 
 # valgrind: a plain build (no OpenMP: libgomp's pool reads as leaks)
@@ -252,6 +255,9 @@ $(B)/emu/test_cuda: tests/test_cuda.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 $(B)/emu/train: examples/train.c $(EMU_OBJS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/bench_cuda: bench/bench_cuda.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 # compiled with the kernels' instrumentation, linked without the tsan runtime

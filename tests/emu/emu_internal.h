@@ -70,6 +70,7 @@ struct Op {
     uint64_t seq = 0;
     uint32_t epoch = 0;
     bool done = false;
+    double t_done = 0.0;           /* when it completed (cudaEventElapsedTime) */
     /* host buffer of an async H2D copy: its bytes when enqueued */
     const void *hsrc = nullptr;
     size_t hlen = 0;
@@ -92,6 +93,7 @@ struct Stream {
 
 struct Event {
     int dev;
+    bool timing = true;            /* not created with cudaEventDisableTiming */
     std::shared_ptr<Op> rec;       /* the last record, null before any */
 };
 

@@ -298,6 +298,7 @@ static void worker(Stream *s) {
         dev_leave(v);
         cur_op = nullptr;
         lk.lock();
+        o->t_done = now();
         o->done = true;
         o->run = nullptr; /* drops what the op held (kernel arguments, staged bytes) */
         s->completed = o->seq;
@@ -657,14 +658,33 @@ cudaError_t cudaDeviceSynchronize(void) {
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
-    (void)flags;
     if (!e) return fail(cudaErrorInvalidValue);
     Event *v = new Event();
     v->dev = cur_dev;
+    v->timing = !(flags & cudaEventDisableTiming);
     *e = (cudaEvent_t)v;
     return cudaSuccess;
 }
 cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
+
+/* the runtime API documentation's cases: either event never recorded or
+   created without timing: cudaErrorInvalidResourceHandle; either not yet
+   completed: cudaErrorNotReady (this forces nothing to run) */
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
+    if (!ms) return fail(cudaErrorInvalidValue);
+    if (!a || !b) return fail(cudaErrorInvalidResourceHandle);
+    Event *x = (Event *)a, *y = (Event *)b;
+    if (!x->timing || !y->timing || !x->rec || !y->rec) return fail(cudaErrorInvalidResourceHandle);
+    double t[2];
+    const std::shared_ptr<Op> *r[2] = {&x->rec, &y->rec};
+    for (int i = 0; i < 2; i++) {
+        std::lock_guard<std::mutex> lk((*r[i])->s->m);
+        if (!(*r[i])->done) return fail(cudaErrorNotReady);
+        t[i] = (*r[i])->t_done;
+    }
+    *ms = (float)((t[1] - t[0]) * 1e3);
+    return cudaSuccess;
+}
 
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
     if (!e) return fail(cudaErrorInvalidResourceHandle);

@@ -205,6 +205,25 @@ static void streams() {
     h[7] = 5.0f; /* reused before the copy ran */
     cudaStreamSynchronize(a);
     expect_report("hazard: a host buffer reused before its async copy ran", "host source buffer");
+    /* cudaEventElapsedTime's documented cases (bench_cuda times with it) */
+    cudaEvent_t t0, t1, never;
+    cudaEventCreate(&t0);
+    cudaEventCreate(&t1);
+    cudaEventCreate(&never);
+    float ms = -1.0f;
+    cudaEventRecord(t0, a);
+    MOEPT__LAUNCH(k_fill, 1, 128, 0, a)(p, 3.0f, 256);
+    cudaEventRecord(t1, a);
+    bool not_ready = cudaEventElapsedTime(&ms, t0, t1) == cudaErrorNotReady; /* nothing forced it to run yet */
+    cudaEventSynchronize(t1);
+    bool ok = not_ready && cudaEventElapsedTime(&ms, t0, t1) == cudaSuccess && ms >= 0.0f &&
+              cudaEventElapsedTime(&ms, t0, never) == cudaErrorInvalidResourceHandle &&
+              cudaEventElapsedTime(&ms, ev, t1) == cudaErrorInvalidResourceHandle; /* ev: timing disabled */
+    cudaGetLastError();
+    result("events: cudaEventElapsedTime as documented (not ready, not recorded, timing disabled)", ok, "");
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+    cudaEventDestroy(never);
     cudaFree(p);
     cudaFree(q);
     cudaEventDestroy(ev);

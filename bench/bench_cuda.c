@@ -1,0 +1,217 @@
+/* bench_cuda: one CUDA MoE layer's forward+backward on one GPU (every expert
+   local) against its GEMM floor, timed with CUDA events on the layer's
+   stream.
+
+   The floor runs the GEMMs the step runs, with the step's own per-expert row
+   counts (read back from its routing): per expert gate/up and down forward,
+   and backward dW2, da, dW13, dxs (weight gradients into fp32, as the
+   layer), plus the fp32 router GEMMs; each through cublasGemmEx in the
+   layer's dtype with fp32 compute (cublasGemmEx_64, one call per GEMM), on
+   separate buffers. What is left between
+   the two is routing, the plan, the permutes, activations, combine and the
+   host synchronisation(s).
+
+   usage: bench_cuda [--tokens T] [--hidden D] [--ffn F] [--experts E]
+                     [--topk K] [--reps R] [--bf16]
+   Defaults: Mixtral-8x7B's layer (D 4096, F 14336, E 8, K 2) at T 8192 in
+   bf16. Prints one "RESULT key=value ..." line. Under the emulated GPU
+   (build/emu/bench_cuda) it checks that the bench runs; its times mean
+   nothing there. */
+#define MOEPT_INTERNAL /* moept__gemm_make, moept__gemm_colmajor */
+#include "../moept.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CK(call)                                                                        \
+    do {                                                                                \
+        int e_ = (int)(call);                                                           \
+        if (e_ != 0) {                                                                  \
+            fprintf(stderr, "bench_cuda: %s failed (%d), line %d\n", #call, e_, __LINE__); \
+            exit(1);                                                                    \
+        }                                                                               \
+    } while (0)
+
+typedef struct shape { int64_t T, D, F, E, K, reps; int bf16; } shape;
+
+/* zeroed device memory. cudaMemset is asynchronous for device memory and
+   runs on the legacy stream, which does not order the layer's non-blocking
+   one: synchronised here (the emulator reported the race) */
+static void *dalloc(size_t bytes) {
+    void *p = NULL;
+    CK(cudaMalloc(&p, bytes ? bytes : 1));
+    CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    CK(cudaDeviceSynchronize());
+    return p;
+}
+
+/* one row-major descriptor through cublasGemmEx (ta: A and B's type, tc: C's) */
+static void gemm(cublasHandle_t h, moept__gemm g, cudaDataType_t ta, cudaDataType_t tc) {
+    if (g.m <= 0 || g.n <= 0 || g.k <= 0) return;
+    moept__gemm_cm c = moept__gemm_colmajor(&g);
+    cublasOperation_t oa = c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, ob = c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CK(cublasGemmEx_64(h, oa, ob, c.m, c.n, c.k, &c.alpha, c.a, ta, c.lda, c.b, ta, c.ldb, &c.beta, c.c, tc,
+                       c.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/* The floor's buffers: rows [R] of every expert, weights [E], fp32 router. */
+typedef struct floor_bufs {
+    char *x, *h, *a, *y, *w13, *w2;   /* [R][D], [R][2F], [R][F], [R][D], [E][2F][D], [E][D][F] (dtype) */
+    float *g13, *g2;                  /* [E][2F][D], [E][D][F] */
+    float *xf, *wr, *lg, *gr, *dxf;   /* [T][D], [E][D], [T][E], [E][D], [T][D] */
+} floor_bufs;
+
+/* every GEMM of one step, expert e over rows [off[e], off[e+1]) */
+static double floor_step(cublasHandle_t hb, const shape *s, const int64_t *off, const floor_bufs *b) {
+    const int64_t D = s->D, F = s->F, H = 2 * F, T = s->T, E = s->E, es = s->bf16 ? 2 : 4;
+    const cudaDataType_t dt = s->bf16 ? CUDA_R_16BF : CUDA_R_32F;
+#define AT(p, row, w) ((float *)((p) + (row) * (w) * es))
+    double flops = 0.0;
+    gemm(hb, moept__gemm_make(0, 1, T, E, D, b->xf, D, b->wr, D, 0.0f, b->lg, E), CUDA_R_32F, CUDA_R_32F);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = off[e], r = off[e + 1] - off[e];
+        const float *w13 = AT(b->w13, e * H, D), *w2 = AT(b->w2, e * D, F);
+        float *x = AT(b->x, r0, D), *h = AT(b->h, r0, H), *a = AT(b->a, r0, F), *y = AT(b->y, r0, D);
+        float *g2 = b->g2 + e * D * F, *g13 = b->g13 + e * H * D;
+        gemm(hb, moept__gemm_make(0, 1, r, H, D, x, D, w13, D, 0.0f, h, H), dt, dt);   /* h = x W13^T */
+        gemm(hb, moept__gemm_make(0, 1, r, D, F, a, F, w2, F, 0.0f, y, D), dt, dt);    /* y = a W2^T */
+        gemm(hb, moept__gemm_make(1, 0, D, F, r, y, D, a, F, 1.0f, g2, F), dt, CUDA_R_32F); /* g2 += dy^T a */
+        gemm(hb, moept__gemm_make(0, 0, r, F, D, y, D, w2, F, 0.0f, a, F), dt, dt);    /* da = dy W2 */
+        gemm(hb, moept__gemm_make(1, 0, H, D, r, h, H, x, D, 1.0f, g13, D), dt, CUDA_R_32F); /* g13 += dhT x */
+        gemm(hb, moept__gemm_make(0, 0, r, D, H, h, H, w13, D, 0.0f, y, D), dt, dt);   /* dx = dh W13 */
+        flops += 2.0 * (double)r * (3.0 * H * D + 3.0 * D * F);
+    }
+    gemm(hb, moept__gemm_make(1, 0, E, D, T, b->lg, E, b->xf, D, 1.0f, b->gr, D), CUDA_R_32F, CUDA_R_32F);
+    gemm(hb, moept__gemm_make(0, 0, T, D, E, b->lg, E, b->wr, D, 1.0f, b->dxf, D), CUDA_R_32F, CUDA_R_32F);
+#undef AT
+    return flops + 6.0 * (double)T * E * D;
+}
+
+static floor_bufs floor_alloc(const shape *s, int64_t R) {
+    const int64_t D = s->D, F = s->F, E = s->E, T = s->T, es = s->bf16 ? 2 : 4;
+    floor_bufs b;
+    b.x = dalloc((size_t)(R * D * es)); b.h = dalloc((size_t)(R * 2 * F * es));
+    b.a = dalloc((size_t)(R * F * es)); b.y = dalloc((size_t)(R * D * es));
+    b.w13 = dalloc((size_t)(E * 2 * F * D * es)); b.w2 = dalloc((size_t)(E * D * F * es));
+    b.g13 = dalloc((size_t)(E * 2 * F * D) * 4); b.g2 = dalloc((size_t)(E * D * F) * 4);
+    b.xf = dalloc((size_t)(T * D) * 4); b.wr = dalloc((size_t)(E * D) * 4);
+    b.lg = dalloc((size_t)(T * E) * 4);
+    b.gr = dalloc((size_t)(E * D) * 4); b.dxf = dalloc((size_t)(T * D) * 4);
+    return b;
+}
+static void floor_free(floor_bufs *b) {
+    void *p[] = {b->x, b->h, b->a, b->y, b->w13, b->w2, b->g13, b->g2, b->xf, b->wr, b->lg, b->gr, b->dxf};
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
+}
+
+/* n values of x, dy in the layer's dtype on the device (uniform in [-1, 1)) */
+static void *dev_random(int64_t n, int bf16, uint64_t seed) {
+    size_t es = bf16 ? 2 : 4;
+    char *h = malloc((size_t)n * es + 4);
+    for (int64_t i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        float v = (float)((double)(seed >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f;
+        if (bf16) ((uint16_t *)h)[i] = moept__f32_to_bf16(v);
+        else ((float *)h)[i] = v;
+    }
+    void *d = dalloc((size_t)n * es);
+    CK(cudaMemcpy(d, h, (size_t)n * es, cudaMemcpyHostToDevice));
+    CK(cudaDeviceSynchronize()); /* a pageable H2D copy may return before its DMA ends */
+    free(h);
+    return d;
+}
+
+static float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
+    float ms = 0.0f;
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+}
+
+static void parse(int argc, char **argv, shape *s) {
+    *s = (shape){8192, 4096, 14336, 8, 2, 5, 1};
+    for (int i = 1; i < argc; i++) {
+        int64_t *v = !strcmp(argv[i], "--tokens") ? &s->T : !strcmp(argv[i], "--hidden") ? &s->D
+                     : !strcmp(argv[i], "--ffn") ? &s->F : !strcmp(argv[i], "--experts") ? &s->E
+                     : !strcmp(argv[i], "--topk") ? &s->K : !strcmp(argv[i], "--reps") ? &s->reps : NULL;
+        if (v && i + 1 < argc) *v = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--bf16")) s->bf16 = 1;
+        else if (!strcmp(argv[i], "--fp32")) s->bf16 = 0;
+        else {
+            fprintf(stderr, "usage: bench_cuda [--tokens T] [--hidden D] [--ffn F] [--experts E] [--topk K] "
+                            "[--reps R] [--bf16|--fp32]\n");
+            exit(2);
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    shape s;
+    parse(argc, argv, &s);
+    if (moept_cuda_device_count() < 1) { printf("skip - bench_cuda: no CUDA device\n"); return 0; }
+    const int64_t T = s.T, D = s.D, E = s.E, K = s.K;
+    moept_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.family = MOEPT_FAMILY_MIXTRAL;
+    cfg.hidden_size = D; cfg.intermediate_size = s.F; cfg.num_experts = E; cfg.top_k = K;
+    cfg.norm_topk_prob = 1; cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.max_tokens = T;
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    /* unchecked_backward: the step's one host sync, as a trainer that checks dy itself would run */
+    moept_cuda_options o = {s.bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, st, 1};
+    moept_layer *L = NULL;
+    if (moept_create_cuda(&cfg, NULL, NULL, &o, &L)) {
+        fprintf(stderr, "bench_cuda: %s\n", moept_last_error(NULL));
+        return 1;
+    }
+    moept_init_params(L, 1);
+    void *x = dev_random(T * D, s.bf16, 1), *dy = dev_random(T * D, s.bf16, 2);
+    void *y = dalloc((size_t)(T * D) * (s.bf16 ? 2 : 4)), *dx = dalloc((size_t)(T * D) * (s.bf16 ? 2 : 4));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int64_t r = -2; r < s.reps; r++) { /* two warm-up steps */
+        if (r == 0) CK(cudaEventRecord(e0, st));
+        if (moept_forward(L, x, T, y) || moept_backward(L, x, dy, dx)) {
+            fprintf(stderr, "bench_cuda: %s\n", moept_last_error(L));
+            return 1;
+        }
+    }
+    CK(cudaEventRecord(e1, st));
+    double step_ms = elapsed_ms(e0, e1) / (double)s.reps;
+    /* the floor, at the step's own rows per expert */
+    const int32_t *ids;
+    const float *wts;
+    CK(moept_routing(L, &ids, &wts, NULL));
+    int64_t *off = calloc((size_t)E + 1, sizeof(int64_t));
+    for (int64_t i = 0; i < T * K; i++) off[ids[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
+    floor_bufs b = floor_alloc(&s, off[E]);
+    cublasHandle_t hb;
+    CK(cublasCreate(&hb));
+    CK(cublasSetStream(hb, st));
+    CK(cublasSetMathMode(hb, CUBLAS_DEFAULT_MATH));
+    double flops = 0.0;
+    for (int64_t r = -1; r < s.reps; r++) {
+        if (r == 0) CK(cudaEventRecord(e0, st));
+        flops = floor_step(hb, &s, off, &b);
+    }
+    CK(cudaEventRecord(e1, st));
+    double floor_ms = elapsed_ms(e0, e1) / (double)s.reps;
+    printf("RESULT tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld dtype=%s reps=%lld step_ms=%.3f "
+           "floor_ms=%.3f step_over_floor=%.3f floor_tflops=%.1f\n",
+           (long long)T, (long long)D, (long long)s.F, (long long)E, (long long)K, s.bf16 ? "bf16" : "fp32",
+           (long long)s.reps, step_ms, floor_ms, step_ms / floor_ms, flops / (floor_ms * 1e-3) * 1e-12);
+    cublasDestroy(hb);
+    floor_free(&b);
+    free(off);
+    cudaFree(x); cudaFree(dy); cudaFree(y); cudaFree(dx);
+    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    moept_destroy(L);
+    cudaStreamDestroy(st);
+    return 0;
+}

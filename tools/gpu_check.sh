@@ -1,0 +1,114 @@
+#!/bin/sh
+# tools/gpu_check.sh - the real-GPU checks, for a session lent a GPU machine
+# (the device tool; docs/CUDA.md "On a GPU" records what they gave).
+#
+#   sh tools/gpu_check.sh [build] [check] [sanitize] [bench]     (default: all four)
+#
+# build:    make cuda for the machine's GPU (NCCL from CUDA_HOME, else from the
+#           nvidia-nccl Python package), and the CPU example for the curves
+# check:    moept_check_cuda on every case (fp32 1e-5 and bf16 2^-6, as the
+#           emulated suite), the --weights cases, test_cuda, the 4-step loss
+#           curves against the CPU (fp32, bf16), train_cuda 300 steps; with
+#           two or more GPUs also --ep 2, chunked and not
+# sanitize: compute-sanitizer memcheck, racecheck, synccheck, initcheck on
+#           moept_check_cuda over three cases
+# bench:    bench_cuda at Mixtral-8x7B's layer (D 4096, F 14336, E 8, K 2,
+#           every expert on the one GPU) against its GEMM floor, bf16, T 8192
+#           and 4096; fp32 at T 4096
+#
+# Logs go to $OUT (the device tool's output folder; default build/gpu): one
+# <phase>.log each and summary.txt, one line per step with its exit status
+# and seconds. Exits nonzero if any step failed.
+set -u
+OUT=${OUT:-build/gpu}
+mkdir -p "$OUT"
+SUM="$OUT/summary.txt"
+phases=${*:-build check sanitize bench}
+failed=0
+
+step() { # name, command...: appended to the phase's log; a summary line
+    name=$1; shift
+    echo "== $name" >>"$LOG"
+    t0=$(date +%s)
+    "$@" >>"$LOG" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && failed=1
+    line=$(printf '%s rc=%d %4ds  %s' "$(date -u +%H:%M:%S)" $rc $(($(date +%s) - t0)) "$name")
+    echo "$line" | tee -a "$SUM"
+}
+
+nccl_home() { # where nccl.h and libnccl are: CUDA_HOME, else the Python package
+    for d in "${NCCL_HOME:-}" /usr/local/cuda /usr; do
+        [ -n "$d" ] && [ -f "$d/include/nccl.h" ] && { echo "$d"; return; }
+    done
+    p=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null) || return
+    mkdir -p build/nccl/lib
+    ln -sfn "$p/include" build/nccl/include
+    for f in "$p"/lib/libnccl.so*; do ln -sf "$f" build/nccl/lib/libnccl.so; ln -sf "$f" build/nccl/lib/libnccl.so.2; done
+    echo "$PWD/build/nccl"
+}
+
+gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
+
+build() {
+    LOG="$OUT/build.log"
+    {
+        date -u
+        nvidia-smi
+        nvcc --version
+        uname -r
+    } >>"$LOG" 2>&1
+    NCCL_HOME=$(nccl_home)
+    export NCCL_HOME
+    echo "NCCL_HOME=$NCCL_HOME" | tee -a "$SUM"
+    cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
+    step "make cuda (sm_${cap:-90})" make -j8 cuda build/train \
+        CUDA_ARCHS="-gencode arch=compute_${cap:-90},code=sm_${cap:-90}" NCCL_HOME="$NCCL_HOME"
+    step "ptxas: no spills" sh tests/check_ptxas.sh
+}
+
+check() {
+    LOG="$OUT/check.log"
+    step "moept_check_cuda: every case, fp32 and bf16" build/moept_check_cuda tests/cases/*.safetensors
+    for c in mixtral_e8_t40 qwen2_shared_norm_e8 olmoe_nonorm deepseek_group; do
+        step "moept_check_cuda --weights $c" build/moept_check_cuda --weights tests/checkpoints/$c --layer 1 \
+            tests/cases/$c.safetensors
+    done
+    step "test_cuda" build/test_cuda
+    step "curve fp32 vs CPU" sh tests/curves.sh fp32 build/train_cuda
+    step "curve bf16 vs CPU" sh tests/curves.sh bf16 build/train_cuda
+    step "train_cuda 300 steps" build/train_cuda --steps 300 --csv "$OUT/train_cuda.csv"
+    if [ "$(gpus)" -ge 2 ]; then
+        step "moept_check_cuda --ep 2" build/moept_check_cuda --ep 2 tests/cases/*.safetensors
+        step "moept_check_cuda --ep 2 --chunks 3" build/moept_check_cuda --ep 2 --chunks 3 tests/cases/*.safetensors
+    else
+        echo "skip - --ep 2 and chunks: $(gpus) GPU(s)" | tee -a "$SUM"
+    fi
+}
+
+sanitize() {
+    LOG="$OUT/sanitize.log"
+    cases="tests/cases/mixtral_e8_t40.safetensors tests/cases/qwen2_shared_norm_e8.safetensors"
+    cases="$cases tests/cases/deepseek_group.safetensors"
+    for t in memcheck racecheck synccheck initcheck; do
+        # shellcheck disable=SC2086
+        step "compute-sanitizer --tool $t" compute-sanitizer --tool $t --error-exitcode 1 \
+            build/moept_check_cuda $cases
+    done
+}
+
+bench() {
+    LOG="$OUT/bench.log"
+    step "bench_cuda Mixtral layer bf16 T=8192" build/bench_cuda --tokens 8192 --bf16
+    step "bench_cuda Mixtral layer bf16 T=4096" build/bench_cuda --tokens 4096 --bf16
+    step "bench_cuda Mixtral layer fp32 T=4096" build/bench_cuda --tokens 4096 --fp32
+    grep RESULT "$LOG" | tee -a "$SUM"
+}
+
+for p in $phases; do
+    case $p in
+    build | check | sanitize | bench) $p ;;
+    *) echo "usage: $0 [build] [check] [sanitize] [bench]" >&2; exit 2 ;;
+    esac
+done
+exit $failed
