@@ -8,6 +8,7 @@
 #include "moept.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
@@ -1830,8 +1831,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     }
     /* ---- 2. the pending step's plan counts; exchange them; room to receive ---- */
     int64_t cap = -1;
-    if (!local && L->capacity_factor > 0.0)
-        cap = (int64_t)ceil(L->capacity_factor * ((double)T * (double)K / (double)E));
+    if (!local) cap = moept__capacity(L->capacity_factor, T, K, E);
     /* kept rows per chunk and slot (one chunk: counts_next itself), one
        pass over the assignments; capacity keeps each slot's earliest */
     const int64_t C = L->C;
@@ -2472,9 +2472,12 @@ static int moept__dtype_parse(const char *s, moept_dtype *d, int64_t *size) {
     return 0;
 }
 
+/* by (begin, end), as the safetensors reference validates: a zero-element
+   tensor ([b, b]) sorts before the tensor that starts at b */
 static int moept__cmp_offset(const void *a, const void *b) {
     const moept_st_tensor *x = a, *y = b;
-    return (x->offset > y->offset) - (x->offset < y->offset);
+    if (x->offset != y->offset) return (x->offset > y->offset) - (x->offset < y->offset);
+    return (x->nbytes > y->nbytes) - (x->nbytes < y->nbytes);
 }
 
 static int moept__cmp_name(const void *a, const void *b) {
@@ -2622,6 +2625,21 @@ static int moept__pread_all(int fd, void *buf, int64_t n, int64_t off) {
     return 1;
 }
 
+/* A file to read, refused before it can block unless regular: a FIFO's
+   plain open waits for a writer, O_NONBLOCK returns at once (and does
+   nothing to a regular file's reads). -1: cannot open (errno); -2: not a
+   regular file. */
+static int moept__open_regular(const char *path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
+    if (fd < 0) return -1;
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return -2;
+    }
+    return fd;
+}
+
 moept_status moept_st_open(const char *path, moept_st_file **out) {
     if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_open: out is NULL");
     *out = NULL;
@@ -2629,10 +2647,11 @@ moept_status moept_st_open(const char *path, moept_st_file **out) {
     moept_st_file *f = moept__alloc(NULL, sizeof *f);
     if (!f) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_open: out of memory");
     memset(f, 0, sizeof *f);
-    f->fd = open(path, O_RDONLY);
+    f->fd = moept__open_regular(path);
     if (f->fd < 0) {
-        int e = errno;
+        int e = errno, special = f->fd == -2;
         MOEPT_FREE(f);
+        if (special) return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
         return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(e));
     }
     moept_status st;
@@ -3483,14 +3502,20 @@ static int moept__write_all(int fd, const void *p, int64_t n) {
     return 1;
 }
 
-/* writes `path` atomically with the writer callback's bytes */
+/* writes `path` atomically with the writer callback's bytes. The temporary
+   name is unique per process and call (pid, then a process-wide counter):
+   ranks and data-parallel replicas that are threads of one process may
+   write the same path at once (replicas write the same bytes; the last
+   rename wins). */
 typedef int (*moept__emit_fn)(int fd, const void *ctx);
+static atomic_ulong moept__tmp_seq;
 static moept_status moept__atomic_write(const char *path, moept__emit_fn emit, const void *ctx) {
     size_t pl = strlen(path);
-    char *tmp = moept__alloc(NULL, pl + 32);
+    char *tmp = moept__alloc(NULL, pl + 48);
     if (!tmp) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
-    snprintf(tmp, pl + 32, "%s.tmp.%ld", path, (long)getpid());
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    unsigned long seq = atomic_fetch_add(&moept__tmp_seq, 1);
+    snprintf(tmp, pl + 48, "%s.tmp.%ld.%lu", path, (long)getpid(), seq);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0644);
     if (fd < 0) {
         int e = errno;
         MOEPT_FREE(tmp);
@@ -3596,7 +3621,10 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
     memset(s, 0, sizeof *s);
     char path[4096];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    int fd = open(path, O_RDONLY);
+    int fd = moept__open_regular(path);
+    if (fd == -2) return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
+    if (fd < 0 && errno != ENOENT) /* a symlink loop, no permission: not "no index" */
+        return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     if (fd < 0) { /* one file */
         s->files = moept__alloc(NULL, sizeof(char *));
         s->open = moept__alloc(NULL, sizeof(moept_st_file *));
@@ -3858,7 +3886,8 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
 static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn) {
     char path[4096];
     snprintf(path, sizeof path, "%s/index.json", dir);
-    int fd = open(path, O_RDONLY);
+    int fd = moept__open_regular(path);
+    if (fd == -2) return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
     if (fd < 0) return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     char buf[4096];
     int64_t n = (int64_t)read(fd, buf, sizeof buf - 1);

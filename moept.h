@@ -204,8 +204,9 @@ typedef struct moept_config {
     float aux_loss_coef;
     float z_loss_coef;
     float capacity_factor;            /* 0 = dropless; else per-expert capacity
-                                         ceil(cf * T * K / E), drop by position
-                                         (per rank, from its own T) */
+                                         ceil(cf * T * K / E) (at most T * K: any
+                                         finite cf), drop by position (per rank,
+                                         from its own T) */
     int64_t max_tokens;               /* most rows per forward (per rank); required */
     int global_balance;               /* 0: aux and z loss over this rank's
                                          tokens; 1: over every rank's tokens
@@ -495,8 +496,10 @@ typedef struct moept_st_tensor {
     int64_t offset, nbytes; /* absolute file offset of the data */
 } moept_st_tensor;
 
-/* Opens and validates the header (strict: see moept.c). On failure *out is
-   NULL and moept_last_error(NULL) names the rule broken. */
+/* Opens and validates the header (strict: see moept.c; zero-element tensors
+   are fine). On failure *out is NULL and moept_last_error(NULL) names the
+   rule broken. Every file moept reads must be a regular file: a FIFO or
+   device is refused before it can block. */
 moept_status moept_st_open(const char *path, moept_st_file **out);
 void moept_st_close(moept_st_file *f);
 int64_t moept_st_count(const moept_st_file *f);
@@ -535,7 +538,10 @@ moept_status moept_load_checkpoint(moept_layer *layer, const char *dir);
    Tensors are added by pointer (no copy) and written in the order added.
    The file is written atomically: a temporary file in the same directory,
    fsync, rename over `path`, fsync of the directory. A crash leaves either
-   the old file or the new one, never a torn one. */
+   the old file or the new one, never a torn one. The temporary name is
+   unique per process and call, so threads (ranks, data-parallel replicas)
+   may write one path at once; a killed save's temporary file is left behind
+   (`path.tmp.*`), never read. */
 typedef struct moept_st_writer moept_st_writer;
 moept_status moept_st_writer_create(moept_st_writer **out);
 void moept_st_writer_destroy(moept_st_writer *w);
@@ -1034,6 +1040,15 @@ static inline moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
         int64_t r0 = (runs)[i_], rows = (runs)[(stride) + i_], e = (runs)[2 * (stride) + i_]; \
         (gd)[i_] = (make);                                                                    \
     }
+
+/* Per-expert capacity of a step of T tokens (cf > 0; else -1: dropless):
+   ceil(cf T K / E), computed in double and capped at T K (no expert can
+   receive more), so any finite cf converts without overflow. */
+static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, int64_t E) {
+    if (!(cf > 0.0)) return -1;
+    double c = ceil(cf * ((double)T * (double)K / (double)E));
+    return c < (double)(T * K) ? (int64_t)c : T * K;
+}
 
 /* Chunked overlap: chunk c of C holds tokens [c T / C, (c+1) T / C);
    moept__chunk_of is the chunk of token t (0 <= t < T): the largest c with

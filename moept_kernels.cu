@@ -1251,9 +1251,7 @@ static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const v
     }
     f->T = f->host_bad ? 0 : Tn;
     f->nb = 1 - c->cur;
-    f->cap = -1;
-    if (p->capacity_factor > 0.0 && !f->host_bad)
-        f->cap = (int64_t)ceil(p->capacity_factor * ((double)f->T * (double)p->K / (double)p->E));
+    f->cap = f->host_bad ? -1 : moept__capacity(p->capacity_factor, f->T, p->K, p->E);
 }
 
 /* 2. route: the bf16 weights, x's check, the fp32 router, top-k, loss statistics */

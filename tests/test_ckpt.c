@@ -195,6 +195,67 @@ static void test_malformed_rules(void) {
     }
 }
 
+/* Two writers of one path at once (data-parallel replicas as threads of one
+   process save the same rank file): every write succeeds and the file is
+   whole. With one temporary name per process, one writer's rename took the
+   other's file away and about half the writes failed. */
+static void *write_same_path(void *arg) {
+    int *fails = arg;
+    float v[64];
+    for (int i = 0; i < 64; i++) v[i] = (float)i;
+    int64_t n = 64;
+    for (int it = 0; it < 40; it++) {
+        moept_st_writer *w = NULL;
+        if (moept_st_writer_create(&w) || moept_st_add(w, "v", MOEPT_DTYPE_F32, 1, &n, v) ||
+            moept_st_write(w, "build/same_path.safetensors"))
+            (*fails)++;
+        moept_st_writer_destroy(w);
+    }
+    return NULL;
+}
+static void test_concurrent_writers_of_one_path(void) {
+    pthread_t th[2];
+    int fails[2] = {0, 0};
+    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, write_same_path, &fails[r]);
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    EXPECT(fails[0] + fails[1] == 0, "%d of 80 writes failed", fails[0] + fails[1]);
+    moept_st_file *f = NULL;
+    float out[64];
+    EXPECT_OK(moept_st_open("build/same_path.safetensors", &f));
+    if (f) {
+        EXPECT_OK(moept_st_read_f32(f, moept_st_find(f, "v"), out, 64));
+        EXPECT(out[63] == 63.0f, "the file is not whole");
+        moept_st_close(f);
+    }
+}
+
+/* Zero-element tensors (the reference writer emits them; so does moept's):
+   [b, b] ranges at the boundaries of others read back, in every order the
+   header sort may see them. */
+static void test_zero_element_tensors(void) {
+    float v[6] = {1, 2, 3, 4, 5, 6};
+    int64_t z = 0, four = 4, two = 2;
+    /* names sort apart from offsets: z0 [0, 0] after b4 [0, 16] by name */
+    const char *names[4] = {"z0", "b4", "y0", "d2"};
+    const int64_t *shapes[4] = {&z, &four, &z, &two};
+    const float *data[4] = {v, v, v, v + 4};
+    moept_st_writer *w = NULL;
+    EXPECT_OK(moept_st_writer_create(&w));
+    for (int i = 0; i < 4; i++) EXPECT_OK(moept_st_add(w, names[i], MOEPT_DTYPE_F32, 1, shapes[i], data[i]));
+    EXPECT_OK(moept_st_write(w, "build/zero_elem.safetensors"));
+    moept_st_writer_destroy(w);
+    moept_st_file *f = NULL;
+    EXPECT_OK(moept_st_open("build/zero_elem.safetensors", &f));
+    if (!f) return;
+    float out[4] = {0};
+    EXPECT_OK(moept_st_read_f32(f, moept_st_find(f, "z0"), out, 0));
+    EXPECT_OK(moept_st_read_f32(f, moept_st_find(f, "d2"), out, 2));
+    EXPECT(out[0] == 5.0f && out[1] == 6.0f, "d2 read %g %g", out[0], out[1]);
+    EXPECT_OK(moept_st_read_f32(f, moept_st_find(f, "b4"), out, 4));
+    EXPECT(out[3] == 4.0f, "b4 read %g", out[3]);
+    moept_st_close(f);
+}
+
 static void test_dtypes_convert(void) {
     /* F16 and BF16 read as fp32; writer and reader agree on every dtype */
     uint16_t h[4] = {0x3c00, 0xc000, 0x0001, 0x7bff};   /* 1, -2, 2^-24, 65504 */
@@ -229,6 +290,7 @@ static void test_crash_during_save_keeps_previous(void) {
     EXPECT_OK(moept_st_write(w, "build/crash.safetensors"));
     moept_st_writer_destroy(w);
     int64_t big = (int64_t)96 << 20; /* 384 MB of floats: takes a while to write */
+    unsigned long seq = atomic_load(&moept__tmp_seq); /* the child's temporary name: pid, then this */
     pid_t pid = fork();
     if (pid == 0) {
         float *data = calloc((size_t)big, 4);
@@ -240,7 +302,7 @@ static void test_crash_during_save_keeps_previous(void) {
     }
     /* kill it once the temporary file has started to grow */
     char tmp[256];
-    snprintf(tmp, sizeof tmp, "build/crash.safetensors.tmp.%ld", (long)pid);
+    snprintf(tmp, sizeof tmp, "build/crash.safetensors.tmp.%ld.%lu", (long)pid, seq);
     struct stat sb;
     for (int i = 0; i < 2000; i++) {
         if (stat(tmp, &sb) == 0 && sb.st_size > (1 << 20)) break;
@@ -459,6 +521,8 @@ int main(void) {
     RUN(test_per_rank_loading_reads_only_owned_bytes);
     RUN(test_malformed_rules);
     RUN(test_dtypes_convert);
+    RUN(test_zero_element_tensors);
+    RUN(test_concurrent_writers_of_one_path);
     RUN(test_crash_during_save_keeps_previous);
     RUN(test_adamw_matches_formula);
     RUN(test_resume_is_bitwise);

@@ -156,6 +156,30 @@ static void test_nonfinite_input_leaves_layer_unchanged(void) {
     moept_destroy(L);
 }
 
+/* The largest finite capacity_factor: no float -> int64 overflow (UBSan in
+   the sanitizer build), capacity capped at T K, the step the dropless one. */
+static void test_huge_capacity_factor(void) {
+    moept_config c = good();
+    moept_layer *A, *B;
+    EXPECT_OK(moept_create(&c, &A));
+    c.capacity_factor = 3.4e38f;
+    EXPECT_OK(moept_create(&c, &B));
+    moept_init_params(A, 4);
+    moept_init_params(B, 4);
+    unsigned long long s = 2;
+    float x[16 * 8], ya[16 * 8], yb[16 * 8];
+    tu_fill(x, 128, 1.0, &s);
+    EXPECT_OK(moept_forward(A, x, 16, ya));
+    EXPECT_OK(moept_forward(B, x, 16, yb));
+    moept_stats st;
+    moept_get_stats(B, &st, NULL);
+    EXPECT(st.capacity == 16 * 2 && st.dropped_rows == 0, "capacity %lld, dropped %lld", (long long)st.capacity,
+           (long long)st.dropped_rows);
+    EXPECT(memcmp(ya, yb, sizeof ya) == 0, "not the dropless step");
+    moept_destroy(A);
+    moept_destroy(B);
+}
+
 static void test_null_and_sizes(void) {
     moept_config c = good();
     moept_layer *L;
@@ -257,11 +281,51 @@ static void test_bad_files(void) {
     remove(path);
 }
 
+/* Special files are refused before they can block, and a symlink loop is an
+   error, not "no index": a FIFO as a safetensors file, as a Hugging Face
+   index and as a checkpoint's index.json; a self-looping index link. Each
+   open(2) of a FIFO would wait forever for a writer: alarm() turns a hang
+   into a failure. */
+static void test_special_files(void) {
+    const char *dir = "build/test_errors_special";
+    char p[256];
+    mkdir(dir, 0755);
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    remove(p);
+    moept_config c = good();
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    alarm(20);
+    moept_st_file *f = (moept_st_file *)1;
+    EXPECT(mkfifo(p, 0644) == 0, "mkfifo %s", p);
+    EXPECT(moept_st_open(p, &f) == MOEPT_ERR_IO && f == NULL && strstr(moept_last_error(NULL), "not a regular"),
+           "a FIFO opened as a safetensors file: %s", moept_last_error(NULL));
+    EXPECT(moept_load_hf(L, dir, 0) == MOEPT_ERR_IO && strstr(moept_last_error(L), "not a regular"),
+           "a FIFO as the HF index: %s", moept_last_error(L));
+    remove(p);
+    EXPECT(symlink("model.safetensors.index.json", p) == 0, "symlink %s", p);
+    moept_status st = moept_load_hf(L, dir, 0);
+    EXPECT(st == MOEPT_ERR_IO && strstr(moept_last_error(L), "index.json"),
+           "a self-looping index link: status %d, %s", (int)st, moept_last_error(L));
+    remove(p);
+    snprintf(p, sizeof p, "%s/index.json", dir);
+    remove(p);
+    EXPECT(mkfifo(p, 0644) == 0, "mkfifo %s", p);
+    EXPECT(moept_load_checkpoint(L, dir) != MOEPT_OK && strstr(moept_last_error(L), "not a regular"),
+           "a FIFO as a checkpoint's index.json: %s", moept_last_error(L));
+    remove(p);
+    alarm(0);
+    rmdir(dir);
+    moept_destroy(L);
+}
+
 int main(void) {
     RUN(test_invalid_config_fields);
     RUN(test_nonfinite_input_leaves_layer_unchanged);
+    RUN(test_huge_capacity_factor);
     RUN(test_null_and_sizes);
     RUN(test_param_names);
     RUN(test_bad_files);
+    RUN(test_special_files);
     return tu_done();
 }
