@@ -697,21 +697,22 @@ MOEPT_HD static inline void moept__act_bwd_row(int kind, const float *h, const f
     }
 }
 
-/* Top-k of score[0..E) over experts not masked out; ties to the lower index.
-   Scores must be finite (the router checks). Writes ids in descending score
-   order. O(K*E), fine for E <= a few hundred. */
+/* Top-k of score[0..E); ties to the lower index. Scores must not be NaN
+   (the router checks; masked experts are -inf). Writes ids in descending
+   score order. Pick k is the best expert after pick k-1 in the strict order
+   (score descending, index ascending), so no expert is visited twice per
+   pick and nothing is marked: O(K E), no scratch. */
 MOEPT_HD static inline void moept__topk(const float *score, int E, int K,
                                         int32_t *ids) {
+    int prev = -1;
     for (int k = 0; k < K; k++) {
         int best = -1;
-        float bv = 0.0f;
         for (int e = 0; e < E; e++) {
-            int taken = 0;
-            for (int j = 0; j < k; j++) taken |= (ids[j] == e);
-            if (taken) continue;
-            if (best < 0 || score[e] > bv) { best = e; bv = score[e]; }
+            if (prev >= 0 && !(score[e] < score[prev] || (score[e] == score[prev] && e > prev)))
+                continue; /* picked already: not after pick k-1 */
+            if (best < 0 || score[e] > score[best]) best = e;
         }
-        ids[k] = best;
+        ids[k] = prev = best;
     }
 }
 

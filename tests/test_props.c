@@ -257,6 +257,40 @@ static void test_ties_lower_index(void) {
     }
 }
 
+/* moept__topk against a full sort by (score descending, index ascending),
+   on scores with many ties (a few distinct values) and masked (-inf)
+   experts, for E up to 300 and every K up to E (the selection no longer
+   marks picks; it must still pick each expert at most once). */
+static int by_score_then_index(const void *a, const void *b, const float *sc) {
+    int x = *(const int *)a, y = *(const int *)b;
+    if (sc[x] != sc[y]) return sc[x] > sc[y] ? -1 : 1;
+    return x - y;
+}
+static const float *g_sc;
+static int cmp_sc(const void *a, const void *b) { return by_score_then_index(a, b, g_sc); }
+static void test_topk_is_a_sorted_prefix(void) {
+    static float sc[300];
+    static int32_t ids[300];
+    static int ref[300];
+    unsigned long long s = 9;
+    int64_t bad = 0, trials = 0;
+    for (int E = 1; E <= 300; E += (E < 20 ? 1 : 37)) {
+        for (int e = 0; e < E; e++) {
+            double u = tu_rand(&s);
+            sc[e] = u < -0.8 ? -HUGE_VALF : (float)(int)(u * 4.0); /* -inf, or one of a few values */
+            ref[e] = e;
+        }
+        g_sc = sc;
+        qsort(ref, (size_t)E, sizeof ref[0], cmp_sc);
+        for (int K = 1; K <= E; K++, trials++) {
+            moept__topk(sc, E, K, ids);
+            for (int k = 0; k < K; k++) bad += ids[k] != ref[k];
+        }
+    }
+    EXPECT(bad == 0, "%lld picks differ from the sorted order over %lld selections", (long long)bad,
+           (long long)trials);
+}
+
 static void test_group_limited(void) {
     moept_config c = cfg0(MOEPT_FAMILY_DEEPSEEK_V3, 12, 6, 16, 4, 64);
     c.n_group = 4; c.topk_group = 2; c.routed_scaling_factor = 2.0f;
@@ -575,6 +609,7 @@ int main(void) {
     RUN(test_zero_aux_coef_no_gradient);
     RUN(test_megatron_is_hf_over_k);
     RUN(test_ties_lower_index);
+    RUN(test_topk_is_a_sorted_prefix);
     RUN(test_group_limited);
     RUN(test_deterministic_across_threads);
     RUN(test_no_allocations_in_steady_state);
