@@ -3757,11 +3757,11 @@ moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index)
             if (!moept__finite(dst[k])) st = moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: tensor '%s' element %lld is not finite", dir, name, (long long)k);
     }
     moept__hf_src_free(&src);
-    L->stats.checkpoint_bytes_read += bytes;
-    if (st) {
+    if (st) { /* nothing changes, the statistics neither */
         MOEPT_FREE(stage);
         return moept__fail(L, st, "moept_load_hf: %s", moept__thread_err);
     }
+    L->stats.checkpoint_bytes_read += bytes;
     memcpy(L->params, stage, (size_t)L->n_params * sizeof(float));
     memcpy(L->bias, stage + L->n_params, (size_t)L->E * sizeof(float));
     MOEPT_FREE(stage);
@@ -3946,6 +3946,7 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     for (int64_t r = 0; r < P; r++) files[r] = NULL;
     memset(stage, 0, (3 * n + (size_t)L->E) * sizeof(float));
     long long t = -1;
+    const int64_t bytes0 = L->stats.checkpoint_bytes_read; /* restored if the load fails */
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
         /* the rank that saved it: where a contiguous placement puts it, else
@@ -3992,7 +3993,11 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
         if (!s) st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
         else { L->opt_m = s; L->opt_v = s + n; }
     }
-    if (st) { MOEPT_FREE(stage); return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err); }
+    if (st) {
+        L->stats.checkpoint_bytes_read = bytes0;
+        MOEPT_FREE(stage);
+        return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
+    }
     memcpy(L->params, stage, n * sizeof(float));
     memcpy(L->bias, stage + 3 * n, (size_t)L->E * sizeof(float));
     if (has_opt) {

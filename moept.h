@@ -54,7 +54,13 @@
      - Every call returns a moept_status. On failure moept_last_error(layer)
        says why (moept_last_error(NULL) for moept_create), and the layer is
        left exactly as it was: parameters, gradients, bias, the saved
-       forward state and the stats.
+       forward state and the step statistics (steps, tokens, routed and
+       dropped rows, capacity, losses, rows and bytes sent and received,
+       checkpoint_bytes_read). The memory and time counters (allocations,
+       allocated_bytes, workspace_bytes, recv_capacity, recv_growths, the
+       *_seconds) count what happened: an EP step that grew a rank's
+       receive buffers before a peer rejected it keeps the larger buffers
+       (and their rows), and the time spent agreeing is time spent.
      - Under EP/DP, moept_forward, moept_backward, moept_sync_grads,
        moept_grad_norm and moept_update_bias agree before they act: one
        rank's rejection fails the call on every rank of the layer's groups

@@ -60,9 +60,47 @@ static void test_load_failure_leaves_layer_unchanged(void) {
     EXPECT(strstr(moept_last_error(L), "model.layers.0.mlp.gate.weight") != NULL, "message: %s", moept_last_error(L));
     EXPECT(memcmp(before, L->params, (size_t)L->n_params * 4) == 0, "a failed load changed the layer");
     EXPECT(moept_load_hf(L, "build/no_such_dir", 0) == MOEPT_ERR_IO, "missing directory");
+    /* rejected after reading: a NaN in the last expert's weight (HF), a rank
+       file missing all but the router (training checkpoint); the bytes read
+       stay out of the statistics, as everything else */
+    moept_layer *N;
+    EXPECT_OK(moept_create(&c, &N));
+    moept_init_params(N, 2);
+    N->w2[N->E * N->D * N->F - 1] = NAN;
+    EXPECT_OK(moept_save_hf(N, "build/ckpt_bad/model.safetensors", 0, 1));
+    moept_stats s0, s1;
+    moept_get_stats(L, &s0, NULL);
+    st = moept_load_hf(L, "build/ckpt_bad", 0);
+    moept_get_stats(L, &s1, NULL);
+    EXPECT(st == MOEPT_ERR_NUMERIC, "a NaN weight: status %d", st);
+    EXPECT(s1.checkpoint_bytes_read == s0.checkpoint_bytes_read, "a rejected load_hf counted %lld bytes",
+           (long long)(s1.checkpoint_bytes_read - s0.checkpoint_bytes_read));
+    mkdir("build/ckpt_part", 0755);
+    EXPECT_OK(moept_save_checkpoint(L, "build/ckpt_part"));
+    moept_st_file *f = NULL;
+    const char *rank = "build/ckpt_part/rank-0-of-1.safetensors";
+    EXPECT_OK(moept_st_open(rank, &f));
+    if (f) {
+        moept_st_writer *w = NULL;
+        int64_t shape[2] = {L->E, L->D};
+        moept_st_writer_create(&w);
+        const char *keys[3] = {"format", "step", "fingerprint"};
+        for (int i = 0; i < 3; i++) moept_st_add_meta(w, keys[i], moept_st_meta(f, keys[i]));
+        moept_st_add(w, "gate.weight", MOEPT_DTYPE_F32, 2, shape, L->w_router);
+        moept_st_close(f);
+        EXPECT_OK(moept_st_write(w, rank));
+        moept_st_writer_destroy(w);
+        moept_get_stats(L, &s0, NULL);
+        st = moept_load_checkpoint(L, "build/ckpt_part");
+        moept_get_stats(L, &s1, NULL);
+        EXPECT(st == MOEPT_ERR_NOT_FOUND, "a partial rank file: status %d (%s)", st, moept_last_error(L));
+        EXPECT(s1.checkpoint_bytes_read == s0.checkpoint_bytes_read, "a rejected load_checkpoint counted %lld bytes",
+               (long long)(s1.checkpoint_bytes_read - s0.checkpoint_bytes_read));
+    }
     free(before);
     moept_destroy(L);
     moept_destroy(M);
+    moept_destroy(N);
 }
 
 /* ---- per-rank loading at EP=4 from a transformers-written checkpoint ---- */

@@ -284,7 +284,28 @@ static void test_mismatched_config(void) {
 }
 
 /* one rank's NaN: every rank fails the step, and the next step works */
-typedef struct nn { moept_thread_group *g; int r; moept_status st1, st2; char err[MOEPT__ERRLEN]; float y0, y1; } nn;
+typedef struct nn {
+    moept_thread_group *g;
+    int r;
+    moept_status st1, st2;
+    char err[MOEPT__ERRLEN];
+    float y0, y1;
+    const char *stat_changed; /* a step statistic the rejected step changed (moept.h: it must not) */
+} nn;
+
+/* the statistics a rejected call leaves alone (moept.h; memory and time
+   counters count what happened) */
+static const char *step_stats_differ(const moept_stats *a, const moept_stats *b) {
+    if (a->steps != b->steps) return "steps";
+    if (a->tokens != b->tokens) return "tokens";
+    if (a->routed_rows != b->routed_rows || a->dropped_rows != b->dropped_rows) return "routed/dropped rows";
+    if (a->capacity != b->capacity) return "capacity";
+    if (a->aux_loss != b->aux_loss || a->z_loss != b->z_loss) return "losses";
+    if (a->rows_sent != b->rows_sent || a->rows_received != b->rows_received) return "rows sent/received";
+    if (a->bytes_sent != b->bytes_sent || a->bytes_received != b->bytes_received) return "bytes sent/received";
+    if (a->checkpoint_bytes_read != b->checkpoint_bytes_read) return "checkpoint_bytes_read";
+    return NULL;
+}
 static void *nan_main(void *arg) {
     nn *m = arg;
     moept_comm *c;
@@ -301,7 +322,11 @@ static void *nan_main(void *arg) {
     m->y0 = y[7];
     float bad = x[11];
     if (m->r == 1) x[11] = NAN;
+    moept_stats s0, s1;
+    moept_get_stats(L, &s0, NULL);
     m->st1 = moept_forward(L, x, 8, y);
+    moept_get_stats(L, &s1, NULL);
+    m->stat_changed = step_stats_differ(&s0, &s1);
     snprintf(m->err, sizeof m->err, "%s", moept_last_error(L));
     x[11] = bad;
     m->st2 = moept_forward(L, x, 8, y);
@@ -320,6 +345,7 @@ static void test_one_rank_bad_input(void) {
     for (int r = 0; r < 4; r++) {
         EXPECT(ms[r].st1 == (r == 1 ? MOEPT_ERR_NUMERIC : MOEPT_ERR_STATE), "rank %d: status %d (%s)", r, ms[r].st1, ms[r].err);
         EXPECT(ms[r].st2 == MOEPT_OK, "rank %d: the next step failed", r);
+        EXPECT(!ms[r].stat_changed, "rank %d: the rejected step changed %s", r, ms[r].stat_changed);
         EXPECT(ms[r].y0 == ms[r].y1, "rank %d: the same input gave a different output after the rejected step", r);
     }
     moept_thread_group_destroy(g);
