@@ -3881,21 +3881,28 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     return MOEPT_OK;
 }
 
-/* index.json of a training checkpoint: the EP size it was saved at and
-   the config fingerprint */
-static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn) {
+/* index.json of a training checkpoint: the EP size it was saved at, the
+   config fingerprint and the step (-1 if absent: older indexes). Any size up
+   to MOEPT__INDEX_MAX is read whole (other keys may grow it). */
+#define MOEPT__INDEX_MAX (1 << 20)
+static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn, int64_t *step) {
     char path[4096];
     snprintf(path, sizeof path, "%s/index.json", dir);
     int fd = moept__open_regular(path);
     if (fd == -2) return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
     if (fd < 0) return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    char buf[4096];
-    int64_t n = (int64_t)read(fd, buf, sizeof buf - 1);
+    struct stat sb;
+    int64_t size = fstat(fd, &sb) == 0 ? (int64_t)sb.st_size : -1;
+    char *buf = size > 0 && size <= MOEPT__INDEX_MAX ? moept__alloc(NULL, (size_t)size + 1) : NULL;
+    int got = buf && moept__pread_all(fd, buf, (size_t)size, 0);
     close(fd);
-    if (n <= 0) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty or unreadable", path);
-    buf[n] = 0;
-    moept__json j = {buf, buf + n, NULL};
-    *ep = -1;
+    if (!got) {
+        MOEPT_FREE(buf);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", path, MOEPT__INDEX_MAX);
+    }
+    buf[size] = 0;
+    moept__json j = {buf, buf + size, NULL};
+    *ep = *step = -1;
     fp[0] = 0;
     int ok = moept__jchar(&j, '{');
     if (ok && !moept__jchar(&j, '}')) {
@@ -3903,6 +3910,7 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
             char *k = moept__jstring(&j);
             if (!k || !moept__jchar(&j, ':')) { ok = 0; break; }
             if (strcmp(k, "ep_size") == 0) ok = moept__juint(&j, ep);
+            else if (strcmp(k, "step") == 0) ok = moept__juint(&j, step);
             else if (strcmp(k, "fingerprint") == 0) {
                 char *v = moept__jstring(&j);
                 if (v) snprintf(fp, fpn, "%s", v);
@@ -3911,6 +3919,7 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
         } while (ok && moept__jchar(&j, ','));
         ok = ok && moept__jchar(&j, '}');
     }
+    MOEPT_FREE(buf);
     if (!ok || *ep < 1 || !fp[0]) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a moept checkpoint index", path);
     return MOEPT_OK;
 }
@@ -3927,8 +3936,8 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     moept__host_wrote(L, 1, 0);
     char path[4096], fp[32], ffp[64], name[256];
     moept__fp_hex(L, fp, sizeof fp);
-    int64_t P = 0;
-    moept_status st = moept__read_ckpt_index(dir, &P, ffp, sizeof ffp);
+    int64_t P = 0, istep = -1;
+    moept_status st = moept__read_ckpt_index(dir, &P, ffp, sizeof ffp, &istep);
     if (st) return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
     if (strcmp(ffp, fp) != 0)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: %s was saved with another config (fingerprint %s, this layer %s)",
@@ -3987,6 +3996,9 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     }
     for (int64_t r = 0; r < P; r++) moept_st_close(files[r]);
     MOEPT_FREE(files);
+    if (!st && istep >= 0 && t != istep) /* a save interrupted between the rank files and the index */
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: the rank files are of step %lld, index.json of step %lld", dir,
+                                t, (long long)istep);
     int has_opt = t > 0;
     if (!st && has_opt && !L->opt_m) {
         float *s = moept__alloc(&L->mem, 2 * n * sizeof(float));

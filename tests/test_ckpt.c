@@ -294,6 +294,36 @@ static void test_zero_element_tensors(void) {
     moept_st_close(f);
 }
 
+/* index.json: any reasonable size reads (a 6 KB one was refused at 4 KB),
+   and its step must be the rank files' (a save interrupted between them). */
+static void write_text(const char *path, const char *s) {
+    FILE *f = fopen(path, "w");
+    if (f) { fputs(s, f); fclose(f); }
+}
+static void test_ckpt_index_size_and_step(void) {
+    moept_config c = fam_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 5);
+    mkdir("build/ckpt_idx", 0755);
+    EXPECT_OK(moept_save_checkpoint(L, "build/ckpt_idx"));
+    char fp[32], *big = malloc(8192);
+    moept__fp_hex(L, fp, sizeof fp);
+    int n = snprintf(big, 8192, "{\"note\": \"");
+    for (int i = 0; i < 6000; i++) big[n++] = 'x';
+    snprintf(big + n, (size_t)(8192 - n), "\", \"format\": \"moept-train-v1\", \"ep_size\": 1, \"fingerprint\": \"%s\", "
+             "\"step\": 0}\n", fp);
+    write_text("build/ckpt_idx/index.json", big);
+    EXPECT_OK(moept_load_checkpoint(L, "build/ckpt_idx"));
+    snprintf(big, 8192, "{\"format\": \"moept-train-v1\", \"ep_size\": 1, \"fingerprint\": \"%s\", \"step\": 7}\n", fp);
+    write_text("build/ckpt_idx/index.json", big);
+    moept_status st = moept_load_checkpoint(L, "build/ckpt_idx");
+    EXPECT(st == MOEPT_ERR_FORMAT && strstr(moept_last_error(L), "step 7"), "index step 7, rank files step 0: %d (%s)",
+           (int)st, moept_last_error(L));
+    free(big);
+    moept_destroy(L);
+}
+
 static void test_dtypes_convert(void) {
     /* F16 and BF16 read as fp32; writer and reader agree on every dtype */
     uint16_t h[4] = {0x3c00, 0xc000, 0x0001, 0x7bff};   /* 1, -2, 2^-24, 65504 */
@@ -559,6 +589,7 @@ int main(void) {
     RUN(test_per_rank_loading_reads_only_owned_bytes);
     RUN(test_malformed_rules);
     RUN(test_dtypes_convert);
+    RUN(test_ckpt_index_size_and_step);
     RUN(test_zero_element_tensors);
     RUN(test_concurrent_writers_of_one_path);
     RUN(test_crash_during_save_keeps_previous);
