@@ -3715,52 +3715,75 @@ static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char
     return MOEPT_OK;
 }
 
-moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: layer is NULL");
-    if (!dir || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: bad directory or layer index");
-    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_hf: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
-    MOEPT__HOST_SYNC(L, 1, 0);
-    moept__host_wrote(L, 1, 0);
+/* One parameter's tensor of an HF checkpoint, checked (shape, dtype,
+   finiteness), into dst; *bytes counts what was read. */
+static moept_status moept__hf_read_one(const char *dir, moept__hf_src *src, const char *name,
+                                       const moept__param *p, float *dst, int64_t *bytes) {
+    moept_st_file *f = NULL;
+    const moept_st_tensor *t = NULL;
+    moept_status st = moept__hf_find(dir, src, name, &f, &t, bytes);
+    if (st) return st;
+    int shape_ok = (t->ndim == 2 && t->shape[0] == p->rows && t->shape[1] == p->cols) ||
+                   (t->ndim == 1 && p->rows == 1 && t->shape[0] == p->cols);
+    if (!shape_ok)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' has shape [%lld%s%lld], the layer "
+                                  "expects [%lld, %lld]", dir, name, (long long)t->shape[0],
+                                  t->ndim > 1 ? ", " : "", (long long)(t->ndim > 1 ? t->shape[1] : 0),
+                                  (long long)p->rows, (long long)p->cols);
+    if (t->dtype != MOEPT_DTYPE_F32 && t->dtype != MOEPT_DTYPE_BF16 && t->dtype != MOEPT_DTYPE_F16)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' is %s; F32, BF16 or F16 expected", dir,
+                                  name, moept__dtype_name(t->dtype));
+    int64_t before = f->bytes_read;
+    st = moept_st_read_f32(f, t, dst, p->rows * p->cols);
+    *bytes += f->bytes_read - before;
+    for (int64_t k = 0; !st && k < p->rows * p->cols; k++)
+        if (!moept__finite(dst[k]))
+            st = moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: tensor '%s' element %lld is not finite", dir, name,
+                                    (long long)k);
+    return st;
+}
+
+/* Every parameter of decoder layer `layer_index` into stage [n_params + E]
+   (the bias last); changes nothing. */
+static moept_status moept__hf_read(moept_layer *L, const char *dir, int64_t layer_index, float *stage,
+                                   int64_t *bytes) {
     char prefix[128], name[256];
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
     moept__hf_src src;
-    int64_t bytes = 0;
-    moept_status st = moept__hf_open(dir, &src, &bytes);
-    /* read every tensor into a staging copy of the parameter buffer first:
-       the layer changes only if all of them were read */
-    float *stage = NULL;
-    size_t sbytes = (size_t)(L->n_params + L->E) * sizeof(float);
-    if (!st && !(stage = moept__alloc(NULL, sbytes))) st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_load_hf: out of memory");
+    moept_status st = moept__hf_open(dir, &src, bytes);
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        moept_st_file *f = NULL;
-        const moept_st_tensor *t = NULL;
-        if ((st = moept__hf_find(dir, &src, name, &f, &t, &bytes))) break;
-        int shape_ok = (t->ndim == 2 && t->shape[0] == p->rows && t->shape[1] == p->cols) ||
-                       (t->ndim == 1 && p->rows == 1 && t->shape[0] == p->cols);
-        if (!shape_ok) {
-            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' has shape [%lld%s%lld], the layer expects [%lld, %lld]", dir,
-                                    name, (long long)t->shape[0], t->ndim > 1 ? ", " : "", (long long)(t->ndim > 1 ? t->shape[1] : 0),
-                                    (long long)p->rows, (long long)p->cols);
-            break;
-        }
-        if (t->dtype != MOEPT_DTYPE_F32 && t->dtype != MOEPT_DTYPE_BF16 && t->dtype != MOEPT_DTYPE_F16) {
-            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' is %s; F32, BF16 or F16 expected", dir, name, moept__dtype_name(t->dtype));
-            break;
-        }
         float *dst = p->type == MOEPT__P_BIAS ? stage + L->n_params : stage + (p->data - L->params);
-        int64_t before = f->bytes_read;
-        st = moept_st_read_f32(f, t, dst, p->rows * p->cols);
-        bytes += f->bytes_read - before;
-        for (int64_t k = 0; !st && k < p->rows * p->cols; k++)
-            if (!moept__finite(dst[k])) st = moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: tensor '%s' element %lld is not finite", dir, name, (long long)k);
+        st = moept__hf_read_one(dir, &src, name, p, dst, bytes);
     }
     moept__hf_src_free(&src);
-    if (st) { /* nothing changes, the statistics neither */
+    return st;
+}
+
+/* Collective over the EP and DP groups: every rank reads its part into a
+   staging copy, all agree, then all commit or none does. */
+moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: layer is NULL");
+    if (L->fsdp) /* the same on every rank: the config was agreed at create */
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_hf: not in fsdp mode (the expert-parallel "
+                           "layer is the one that saves, loads and reshards)");
+    MOEPT__HOST_SYNC(L, 1, 0);
+    int64_t bytes = 0;
+    float *stage = NULL;
+    size_t sbytes = (size_t)(L->n_params + L->E) * sizeof(float);
+    moept_status st = MOEPT_OK;
+    if (!dir || layer_index < 0)
+        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "bad directory or layer index");
+    else if (!(stage = moept__alloc(NULL, sbytes)))
+        st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory");
+    else st = moept__hf_read(L, dir, layer_index, stage, &bytes);
+    moept_status local = st ? moept__fail(L, st, "moept_load_hf: %s", moept__thread_err) : MOEPT_OK;
+    if ((st = moept__agree_call(L, L->group, L->dp, local, "moept_load_hf"))) { /* statistics neither */
         MOEPT_FREE(stage);
-        return moept__fail(L, st, "moept_load_hf: %s", moept__thread_err);
+        return st;
     }
+    moept__host_wrote(L, 1, 0);
     L->stats.checkpoint_bytes_read += bytes;
     memcpy(L->params, stage, (size_t)L->n_params * sizeof(float));
     memcpy(L->bias, stage + L->n_params, (size_t)L->E * sizeof(float));
@@ -3924,71 +3947,74 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
     return MOEPT_OK;
 }
 
-/* Loads a training checkpoint saved at any EP size P that divides E into
-   this layer's layout (Q ranks): every tensor this rank needs is read with
-   positioned reads from the file of the rank that saved it (replicated
-   ones from rank 0's), nothing else. */
-moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: layer is NULL");
-    if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: dir is NULL");
-    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_checkpoint: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
-    MOEPT__HOST_SYNC(L, 1, 0);
-    moept__host_wrote(L, 1, 0);
-    char path[4096], fp[32], ffp[64], name[256];
+/* The file of the rank that saved parameter p: where a contiguous placement
+   puts it, else (a resharded placement) the first file that holds it. Opens
+   files as needed, checking each one's format, fingerprint and step (*t, the
+   same in all). -1 with the status in *st. */
+static int64_t moept__ckpt_source(moept_layer *L, const char *dir, const moept__param *p, int64_t P,
+                                  moept_st_file **files, const char *fp, long long *t, moept_status *st) {
+    char path[4096];
+    int64_t guess = p->expert >= 0 ? p->expert / (L->E / P) : 0;
+    for (int64_t k = 0; k <= P; k++) {
+        int64_t r = k == 0 ? guess : k - 1;
+        if (k > 0 && r == guess) continue;
+        if (!files[r]) {
+            snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)r, (long long)P);
+            if ((*st = moept_st_open(path, &files[r]))) return -1;
+            L->stats.checkpoint_bytes_read += files[r]->bytes_read;
+            const char *fmt = moept_st_meta(files[r], "format"), *fs = moept_st_meta(files[r], "step");
+            const char *f2 = moept_st_meta(files[r], "fingerprint");
+            char *end = NULL;
+            long long ts = fs ? strtoll(fs, &end, 10) : -1;
+            int ours = fmt && strcmp(fmt, "moept-train-v1") == 0 && f2 && strcmp(f2, fp) == 0;
+            if (!ours || !fs || *end || ts < 0 || (*t >= 0 && ts != *t)) {
+                *st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a training checkpoint of this config, "
+                                         "or its step disagrees with the others", path);
+                return -1;
+            }
+            *t = ts;
+        }
+        if (moept_st_find(files[r], p->name)) return r;
+    }
+    *st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: no rank's file has '%s'", dir, p->name);
+    return -1;
+}
+
+/* Reads a training checkpoint into stage [3n + E] (parameters | AdamW m |
+   v | bias) and its step into *t; changes nothing but the bytes-read count
+   (the caller restores it on failure). */
+static moept_status moept__ckpt_read(moept_layer *L, const char *dir, float *stage, long long *t) {
+    char fp[32], ffp[64], name[256];
     moept__fp_hex(L, fp, sizeof fp);
     int64_t P = 0, istep = -1;
+    const size_t n = (size_t)L->n_params;
     moept_status st = moept__read_ckpt_index(dir, &P, ffp, sizeof ffp, &istep);
-    if (st) return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
+    if (st) return st;
     if (strcmp(ffp, fp) != 0)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: %s was saved with another config (fingerprint %s, this layer %s)",
-                           dir, ffp, fp);
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s was saved with another config (fingerprint "
+                                  "%s, this layer %s)", dir, ffp, fp);
     if (P > L->E || L->E % P != 0)
-        return moept__fail(L, MOEPT_ERR_FORMAT, "moept_load_checkpoint: %s: EP size %lld does not divide E=%lld", dir, (long long)P, (long long)L->E);
-    int64_t Elp = L->E / P;
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: EP size %lld does not divide E=%lld", dir,
+                                  (long long)P, (long long)L->E);
     moept_st_file **files = moept__alloc(NULL, (size_t)P * sizeof *files);
-    size_t n = (size_t)L->n_params;
-    float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float));
-    if (!files || !stage) {
-        MOEPT_FREE(files); MOEPT_FREE(stage);
-        return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_load_checkpoint: out of memory");
-    }
+    if (!files) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory");
     for (int64_t r = 0; r < P; r++) files[r] = NULL;
     memset(stage, 0, (3 * n + (size_t)L->E) * sizeof(float));
-    long long t = -1;
-    const int64_t bytes0 = L->stats.checkpoint_bytes_read; /* restored if the load fails */
+    *t = -1;
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
-        /* the rank that saved it: where a contiguous placement puts it, else
-           (a resharded placement) the first file that holds it */
-        int64_t guess = p->expert >= 0 ? p->expert / Elp : 0, src = -1;
-        for (int64_t k = 0; k <= P && src < 0 && !st; k++) {
-            int64_t r = k == 0 ? guess : k - 1;
-            if (k > 0 && r == guess) continue;
-            if (!files[r]) {
-                snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)r, (long long)P);
-                if ((st = moept_st_open(path, &files[r]))) break;
-                L->stats.checkpoint_bytes_read += files[r]->bytes_read;
-                const char *fmt = moept_st_meta(files[r], "format"), *fs = moept_st_meta(files[r], "step");
-                const char *f2 = moept_st_meta(files[r], "fingerprint");
-                char *end = NULL;
-                long long ts = fs ? strtoll(fs, &end, 10) : -1;
-                if (!fmt || strcmp(fmt, "moept-train-v1") != 0 || !f2 || strcmp(f2, fp) != 0 || !fs || *end || ts < 0 || (t >= 0 && ts != t)) {
-                    st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a training checkpoint of this config, or its step disagrees with the others", path);
-                    break;
-                }
-                t = ts;
-            }
-            if (moept_st_find(files[r], p->name)) src = r;
-        }
-        if (st) break;
-        if (src < 0) { st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: no rank's file has '%s'", dir, p->name); break; }
-        int has_opt = t > 0;
+        int64_t src = moept__ckpt_source(L, dir, p, P, files, fp, t, &st);
+        if (src < 0) break;
         int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->params, cnt = p->rows * p->cols;
-        for (int k = 0; k < (p->grad && has_opt ? 3 : 1) && !st; k++) {
+        for (int k = 0; k < (p->grad && *t > 0 ? 3 : 1) && !st; k++) {
             if (k == 0) snprintf(name, sizeof name, "%s", p->name);
             else snprintf(name, sizeof name, "optimizer.%c.%s", k == 1 ? 'm' : 'v', p->name);
             const moept_st_tensor *tt = moept_st_find(files[src], name);
-            if (!tt) { st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: rank %lld's file has no tensor '%s'", dir, (long long)src, name); break; }
+            if (!tt) {
+                st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: rank %lld's file has no tensor '%s'", dir,
+                                        (long long)src, name);
+                break;
+            }
             int64_t before = files[src]->bytes_read;
             st = moept_st_read_f32(files[src], tt, stage + off + (int64_t)k * (int64_t)n, cnt);
             L->stats.checkpoint_bytes_read += files[src]->bytes_read - before;
@@ -3996,23 +4022,51 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     }
     for (int64_t r = 0; r < P; r++) moept_st_close(files[r]);
     MOEPT_FREE(files);
-    if (!st && istep >= 0 && t != istep) /* a save interrupted between the rank files and the index */
+    if (!st && istep >= 0 && *t != istep) /* a save interrupted between the rank files and the index */
         st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: the rank files are of step %lld, index.json of step %lld", dir,
-                                t, (long long)istep);
-    int has_opt = t > 0;
-    if (!st && has_opt && !L->opt_m) {
-        float *s = moept__alloc(&L->mem, 2 * n * sizeof(float));
-        if (!s) st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
-        else { L->opt_m = s; L->opt_v = s + n; }
-    }
-    if (st) {
+                                *t, (long long)istep);
+    return st;
+}
+
+/* Loads a training checkpoint saved at any EP size P that divides E into
+   this layer's layout (Q ranks): every tensor this rank needs is read with
+   positioned reads from the file of the rank that saved it (replicated
+   ones from rank 0's), nothing else. Collective over the EP and DP groups:
+   every rank reads, then all agree, then all commit or none does (one
+   rank's bad file fails every rank, and no replica diverges). */
+moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: layer is NULL");
+    if (L->fsdp) /* the same on every rank: the config was agreed at create */
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_checkpoint: not in fsdp mode (the "
+                           "expert-parallel layer is the one that saves, loads and reshards)");
+    MOEPT__HOST_SYNC(L, 1, 0);
+    const size_t n = (size_t)L->n_params;
+    const int64_t bytes0 = L->stats.checkpoint_bytes_read;
+    float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float)), *opt = NULL;
+    long long t = -1;
+    moept_status st = !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
+                      : !stage ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
+                               : moept__ckpt_read(L, dir, stage, &t);
+    /* AdamW state the layer lacks: allocated before the agreement (counted at the commit) */
+    if (!st && t > 0 && !L->opt_m && !(opt = moept__alloc(NULL, 2 * n * sizeof(float))))
+        st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
+    moept_status local = st ? moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err) : MOEPT_OK;
+    if ((st = moept__agree_call(L, L->group, L->dp, local, "moept_load_checkpoint"))) {
         L->stats.checkpoint_bytes_read = bytes0;
         MOEPT_FREE(stage);
-        return moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
+        MOEPT_FREE(opt);
+        return st;
+    }
+    moept__host_wrote(L, 1, 0);
+    if (opt) {
+        L->opt_m = opt;
+        L->opt_v = opt + n;
+        L->mem.allocations++;
+        L->mem.bytes += (int64_t)(2 * n * sizeof(float));
     }
     memcpy(L->params, stage, n * sizeof(float));
     memcpy(L->bias, stage + 3 * n, (size_t)L->E * sizeof(float));
-    if (has_opt) {
+    if (t > 0) {
         memcpy(L->opt_m, stage + n, n * sizeof(float));
         memcpy(L->opt_v, stage + 2 * n, n * sizeof(float));
     } else if (L->opt_m) {

@@ -62,7 +62,9 @@
        receive buffers before a peer rejected it keeps the larger buffers
        (and their rows), and the time spent agreeing is time spent.
      - Under EP/DP, moept_forward, moept_backward, moept_sync_grads,
-       moept_grad_norm and moept_update_bias agree before they act: one
+       moept_grad_norm, moept_update_bias, moept_load_checkpoint and
+       moept_load_hf agree before they act (the loads: every rank reads
+       into a staging copy first): one
        rank's rejection fails the call on every rank of the layer's groups
        (the others with MOEPT_ERR_STATE, "other rank(s) rejected"), and
        none waits in a collective a peer skipped. A NULL layer cannot take

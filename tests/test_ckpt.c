@@ -528,6 +528,63 @@ static moept_layer *load_one(const char *dir) {
     return L;
 }
 
+/* Loads are collective: at two EP ranks, rank 1's file of a checkpoint is
+   cut short (rank 0 needs only its own), then rank 1 alone is given a
+   missing HF directory. Every rank fails (rank 0 with "other rank(s)
+   rejected"), and no rank's parameters change: before, rank 0 loaded while
+   rank 1 did not, and the replicated router diverged. */
+typedef struct cl { moept_thread_group *g; int r; moept_status st[2]; int changed; char err[2][512]; } cl;
+static void *collective_load_main(void *arg) {
+    cl *j = arg;
+    moept_comm *c = NULL;
+    moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = fam_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *L = NULL;
+    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st[0] = j->st[1] = MOEPT_ERR_STATE; return NULL; }
+    moept_init_params(L, 3);
+    moept_save_checkpoint(L, "build/ckpt_coll");
+    moept_zero_grad(L);
+    moept_init_params(L, 4); /* what a failed load must leave */
+    float *before = malloc((size_t)L->n_params * 4);
+    memcpy(before, L->params, (size_t)L->n_params * 4);
+    if (j->r == 1) truncate("build/ckpt_coll/rank-1-of-2.safetensors", 100);
+    j->st[0] = moept_load_checkpoint(L, "build/ckpt_coll");
+    snprintf(j->err[0], sizeof j->err[0], "%s", moept_last_error(L));
+    j->st[1] = moept_load_hf(L, j->r ? "build/no_such_hf_dir" : "build/ckpt_coll_hf", 0);
+    snprintf(j->err[1], sizeof j->err[1], "%s", moept_last_error(L));
+    j->changed = memcmp(before, L->params, (size_t)L->n_params * 4) != 0;
+    free(before);
+    moept_destroy(L);
+    return NULL;
+}
+static void test_loads_are_collective(void) {
+    mkdir("build/ckpt_coll", 0755);
+    mkdir("build/ckpt_coll_hf", 0755);
+    moept_config cfg = fam_cfg(MOEPT_FAMILY_MIXTRAL); /* a whole HF checkpoint of the config: rank 0's is good */
+    moept_layer *W = NULL;
+    EXPECT_OK(moept_create(&cfg, &W));
+    moept_init_params(W, 9);
+    EXPECT_OK(moept_save_hf(W, "build/ckpt_coll_hf/model.safetensors", 0, 1));
+    moept_destroy(W);
+    moept_thread_group *g = NULL;
+    moept_thread_group_create(2, 20000, &g);
+    cl js[2];
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+        memset(&js[r], 0, sizeof js[r]);
+        js[r].g = g; js[r].r = r;
+        pthread_create(&th[r], NULL, collective_load_main, &js[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+    for (int r = 0; r < 2; r++) {
+        for (int i = 0; i < 2; i++)
+            EXPECT(js[r].st[i] != MOEPT_OK && (r == 1 || strstr(js[r].err[i], "other rank")),
+                   "rank %d, %s: status %d (%s)", r, i ? "load_hf" : "load_checkpoint", (int)js[r].st[i], js[r].err[i]);
+        EXPECT(!js[r].changed, "rank %d: a rejected load changed the parameters", r);
+    }
+}
+
 static void test_checkpoint_across_ep_sizes(void) {
     static const int pairs[3][2] = {{4, 2}, {2, 4}, {4, 1}};
     for (int pi = 0; pi < 3; pi++) {
@@ -596,5 +653,6 @@ int main(void) {
     RUN(test_adamw_matches_formula);
     RUN(test_resume_is_bitwise);
     RUN(test_checkpoint_across_ep_sizes);
+    RUN(test_loads_are_collective);
     return tu_done();
 }
