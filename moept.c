@@ -2034,6 +2034,8 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
 /* ------------------------------------------------------------------------
    Backward
    ------------------------------------------------------------------------ */
+#define MOEPT__DX_ALIAS "moept_backward: dx overlaps x (dx may alias dy, not x: the weight gradients read x " \
+                        "after dx is written)"
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
 #ifdef MOEPT_CUDA
@@ -2047,6 +2049,8 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: this forward was already differentiated; run forward again");
     else if (T > 0 && (!x || !dy || !dx))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
+    else if (moept__overlaps(dx, x, (size_t)(T * D) * sizeof(float)))
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, MOEPT__DX_ALIAS);
     else {
         int64_t bad = moept__first_nonfinite(dy, T * D);
         if (bad >= 0)

@@ -51,6 +51,10 @@
        moept_zero_grad (as in PyTorch). They are gradients of
            L = sum(y * dy) + aux_loss_coef * aux_loss + z_loss_coef * z_loss.
      - moept_backward must be given the same x as the last moept_forward.
+     - Aliasing: y may overlap x (every read of x comes before the first
+       write of y), dx may overlap dy (likewise); dx must not overlap x (the
+       weight gradients read x after dx is written): rejected with
+       MOEPT_ERR_INVALID_ARGUMENT, on both executors.
      - Every call returns a moept_status. On failure moept_last_error(layer)
        says why (moept_last_error(NULL) for moept_create), and the layer is
        left exactly as it was: parameters, gradients, bias, the saved
@@ -1049,6 +1053,13 @@ static inline moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
         int64_t r0 = (runs)[i_], rows = (runs)[(stride) + i_], e = (runs)[2 * (stride) + i_]; \
         (gd)[i_] = (make);                                                                    \
     }
+
+/* Whether byte ranges [a, a + n) and [b, b + n) overlap (compared as
+   integers: the pointers may belong to unrelated objects). */
+static inline int moept__overlaps(const void *a, const void *b, size_t n) {
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return n > 0 && x < y + n && y < x + n;
+}
 
 /* Per-expert capacity of a step of T tokens (cf > 0; else -1: dropless):
    ceil(cf T K / E), computed in double and capped at T K (no expert can

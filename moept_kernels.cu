@@ -1757,6 +1757,10 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
     } else if (T_ > 0 && (!x || !dy || !dx)) {
         why = MOEPT_ERR_INVALID_ARGUMENT;
         snprintf(local, sizeof local, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
+    } else if (moept__overlaps(dx, x, (size_t)(T_ * D) * c->esz)) { /* as moept.c */
+        why = MOEPT_ERR_INVALID_ARGUMENT;
+        snprintf(local, sizeof local, "moept_backward: dx overlaps x (dx may alias dy, not x: the weight gradients "
+                 "read x after dx is written)");
     }
     if (!local[0] && T_ > 0) {
         MOEPT__CU(cudaMemsetAsync(&c->bad[2], 0xff, 8, c->s));

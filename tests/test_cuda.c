@@ -166,6 +166,11 @@ static void test_rejected_and_steady(void) {
     EXPECT(memcmp(a, b, (size_t)(T * D) * sizeof(float)) == 0, "the rejected step changed the saved state");
     st = moept_backward(L, (const float *)dxv, (const float *)dy, (float *)g); /* its rows are consumed */
     EXPECT(st == MOEPT_ERR_STATE, "a second backward of one forward: status %d", (int)st);
+    EXPECT_OK(moept_forward(L, (const float *)dxv, T, (float *)out));
+    st = moept_backward(L, (const float *)dxv, (const float *)dy, (float *)dxv); /* dx over x: moept.h rejects it */
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(L), "dx overlaps x"), "dx over x: %d (%s)",
+           (int)st, moept_last_error(L));
+    EXPECT_OK(moept_backward(L, (const float *)dxv, (const float *)dy, (float *)g));
     cudaFree(dxv); cudaFree(dbad); cudaFree(dy); cudaFree(out); cudaFree(g);
     free(x); free(bad); free(a); free(b);
     moept_destroy(L);

@@ -180,6 +180,48 @@ static void test_huge_capacity_factor(void) {
     moept_destroy(B);
 }
 
+/* moept.h's aliasing contract: y over x and dx over dy give the unaliased
+   results bitwise; dx over x (which gave wrong weight gradients) is
+   rejected, the layer unchanged, the step still differentiable. */
+static void test_aliasing(void) {
+    moept_config c = good();
+    c.shared_intermediate_size = 6;
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 6);
+    enum { T = 12, N = 12 * 8 };
+    unsigned long long s = 5;
+    float x[N], dy[N], y[N], dx[N], b[N];
+    tu_fill(x, N, 1.0, &s);
+    tu_fill(dy, N, 1.0, &s);
+    EXPECT_OK(moept_forward(L, x, T, y));
+    EXPECT_OK(moept_backward(L, x, dy, dx));
+    float *g0 = malloc((size_t)L->n_params * 4);
+    memcpy(g0, L->grads, (size_t)L->n_params * 4);
+    memcpy(b, x, sizeof b);
+    moept_zero_grad(L);
+    EXPECT_OK(moept_forward(L, b, T, b));
+    EXPECT(memcmp(b, y, sizeof b) == 0, "y over x differs");
+    EXPECT_OK(moept_forward(L, x, T, y));
+    memcpy(b, dy, sizeof b);
+    EXPECT_OK(moept_backward(L, x, b, b));
+    EXPECT(memcmp(b, dx, sizeof b) == 0 && memcmp(g0, L->grads, (size_t)L->n_params * 4) == 0, "dx over dy differs");
+    moept_zero_grad(L);
+    EXPECT_OK(moept_forward(L, x, T, y));
+    snap before = take(L);
+    float big[N + 8];
+    memcpy(big, x, sizeof x);
+    moept_status st = moept_backward(L, big, dy, big + 8); /* dx one row into x: overlapping */
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(L), "dx overlaps x"), "dx over x: %d (%s)",
+           (int)st, moept_last_error(L));
+    EXPECT(same(L, &before), "the rejected backward changed the layer");
+    EXPECT_OK(moept_backward(L, x, dy, dx));
+    EXPECT(memcmp(g0, L->grads, (size_t)L->n_params * 4) == 0, "gradients after the rejected backward differ");
+    drop(&before);
+    free(g0);
+    moept_destroy(L);
+}
+
 static void test_null_and_sizes(void) {
     moept_config c = good();
     moept_layer *L;
@@ -323,6 +365,7 @@ int main(void) {
     RUN(test_invalid_config_fields);
     RUN(test_nonfinite_input_leaves_layer_unchanged);
     RUN(test_huge_capacity_factor);
+    RUN(test_aliasing);
     RUN(test_null_and_sizes);
     RUN(test_param_names);
     RUN(test_bad_files);
