@@ -3867,6 +3867,33 @@ static int moept__text_emit(int fd, const void *ctx) {
     return moept__write_all(fd, t->s, (int64_t)strlen(t->s));
 }
 
+/* A 64-bit checksum of n floats' bytes, 8 at a time: each step a bijection
+   of the state for a given word, so any change of one word changes the
+   result. Native byte order: the files' (little-endian) on every target. */
+static uint64_t moept__checksum(const float *v, int64_t n) {
+    const unsigned char *b = (const unsigned char *)v;
+    size_t len = (size_t)n * sizeof(float), i = 0;
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ (uint64_t)len;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+    }
+    for (; i < len; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h ^ (h >> 29);
+}
+
+/* tensor `name` of n floats at v, with its checksum in the file's metadata */
+static moept_status moept__ckpt_add(moept_st_writer *w, const char *name, const int64_t *shape,
+                                    const float *v) {
+    char key[300], sum[24];
+    moept_status st = moept_st_add(w, name, MOEPT_DTYPE_F32, 2, shape, v);
+    snprintf(key, sizeof key, "checksum.%s", name);
+    snprintf(sum, sizeof sum, "%016llx", (unsigned long long)moept__checksum(v, shape[0] * shape[1]));
+    return st ? st : moept_st_add_meta(w, key, sum);
+}
+
 moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: layer is NULL");
     if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: dir is NULL");
@@ -3882,13 +3909,13 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
         int64_t shape[2] = {p->rows, p->cols};
-        st = moept_st_add(w, p->name, MOEPT_DTYPE_F32, 2, shape, p->data);
+        st = moept__ckpt_add(w, p->name, shape, p->data);
         if (!st && p->grad && L->opt_m) {
             int64_t off = p->data - L->params;
             snprintf(name, sizeof name, "optimizer.m.%s", p->name);
-            st = moept_st_add(w, name, MOEPT_DTYPE_F32, 2, shape, L->opt_m + off);
+            st = moept__ckpt_add(w, name, shape, L->opt_m + off);
             snprintf(name, sizeof name, "optimizer.v.%s", p->name);
-            if (!st) st = moept_st_add(w, name, MOEPT_DTYPE_F32, 2, shape, L->opt_v + off);
+            if (!st) st = moept__ckpt_add(w, name, shape, L->opt_v + off);
         }
     }
     if (!st) st = moept_st_add_meta(w, "format", "moept-train-v1");
@@ -3984,6 +4011,26 @@ static int64_t moept__ckpt_source(moept_layer *L, const char *dir, const moept__
     return -1;
 }
 
+/* A tensor read from rank src's file: its checksum (where the file has
+   one: older checkpoints do not) and finiteness (AdamW's v also >= 0), as
+   set_param checks what it is given. */
+static moept_status moept__ckpt_verify(const moept_st_file *f, const char *dir, int64_t src, const char *name,
+                                       const float *v, int64_t n, int second_moment) {
+    char key[300], sum[24];
+    snprintf(key, sizeof key, "checksum.%s", name);
+    const char *want = moept_st_meta(f, key);
+    snprintf(sum, sizeof sum, "%016llx", (unsigned long long)moept__checksum(v, n));
+    if (want && strcmp(want, sum) != 0)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: rank %lld's tensor '%s' fails its checksum (%s, saved "
+                                  "%s): the file is corrupt", dir, (long long)src, name, sum, want);
+    for (int64_t i = 0; i < n; i++)
+        if (!moept__finite(v[i]) || (second_moment && v[i] < 0.0f))
+            return moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: rank %lld's tensor '%s' element %lld is %s", dir,
+                                      (long long)src, name, (long long)i,
+                                      moept__finite(v[i]) ? "negative" : "not finite");
+    return MOEPT_OK;
+}
+
 /* Reads a training checkpoint into stage [3n + E] (parameters | AdamW m |
    v | bias) and its step into *t; changes nothing but the bytes-read count
    (the caller restores it on failure). */
@@ -4020,8 +4067,10 @@ static moept_status moept__ckpt_read(moept_layer *L, const char *dir, float *sta
                 break;
             }
             int64_t before = files[src]->bytes_read;
-            st = moept_st_read_f32(files[src], tt, stage + off + (int64_t)k * (int64_t)n, cnt);
+            float *dst = stage + off + (int64_t)k * (int64_t)n;
+            st = moept_st_read_f32(files[src], tt, dst, cnt);
             L->stats.checkpoint_bytes_read += files[src]->bytes_read - before;
+            if (!st) st = moept__ckpt_verify(files[src], dir, src, name, dst, cnt, k == 2);
         }
     }
     for (int64_t r = 0; r < P; r++) moept_st_close(files[r]);

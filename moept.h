@@ -537,9 +537,12 @@ typedef struct moept_adamw {
 moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
 /* Training checkpoint in directory `dir` (created if needed): each rank
    writes rank-R-of-P.safetensors (parameters under HF names, AdamW state,
-   correction bias, the step), atomically; rank 0 also writes index.json
-   with E, the EP size and the config fingerprint. Loading verifies all of
-   it and restores the exact state, so training resumes bitwise; a
+   correction bias, the step, a checksum per tensor), atomically; rank 0
+   also writes index.json with E, the EP size, the config fingerprint and
+   the step. Loading verifies all of it (each tensor's checksum where the
+   file has one, finiteness, AdamW's v >= 0, the step of every file and
+   of the index), agrees over the groups and restores the exact state, so
+   training resumes bitwise; a
    checkpoint saved at EP size P loads into any EP size Q (P and Q dividing
    E): each rank reads only its experts' byte ranges from the files that
    hold them. */

@@ -324,6 +324,55 @@ static void test_ckpt_index_size_and_step(void) {
     moept_destroy(L);
 }
 
+/* Training checkpoint payloads are verified: a flipped bit anywhere in a
+   tensor fails its checksum (naming it); a NaN parameter or a negative AdamW
+   v saved as such fails finiteness. Each loaded as OK before. */
+static void flip_bit(const char *path, int64_t at) {
+    FILE *f = fopen(path, "r+b");
+    if (!f) return;
+    fseek(f, (long)at, SEEK_SET);
+    int ch = fgetc(f);
+    fseek(f, (long)at, SEEK_SET);
+    fputc(ch ^ 0x10, f);
+    fclose(f);
+}
+static void test_ckpt_payload_verified(void) {
+    moept_config c = fam_cfg(MOEPT_FAMILY_QWEN2_MOE);
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 8);
+    for (int64_t i = 0; i < L->n_params; i++) L->grads[i] = 0.01f * (float)(i % 7);
+    moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    EXPECT_OK(moept_adamw_step(L, &opt)); /* m and v saved too */
+    const char *dir = "build/ckpt_verify", *rank = "build/ckpt_verify/rank-0-of-1.safetensors";
+    mkdir(dir, 0755);
+    EXPECT_OK(moept_save_checkpoint(L, dir));
+    EXPECT_OK(moept_load_checkpoint(L, dir));
+    moept_st_file *f = NULL;
+    EXPECT_OK(moept_st_open(rank, &f));
+    const moept_st_tensor *t = f ? moept_st_find(f, "optimizer.v.experts.3.down_proj.weight") : NULL;
+    int64_t at = t ? t->offset + t->nbytes / 2 : 0;
+    moept_st_close(f);
+    EXPECT(t != NULL, "no optimizer.v tensor in the file");
+    flip_bit(rank, at);
+    moept_status st = moept_load_checkpoint(L, dir);
+    EXPECT(st == MOEPT_ERR_FORMAT && strstr(moept_last_error(L), "checksum") &&
+           strstr(moept_last_error(L), "optimizer.v.experts.3.down_proj.weight"), "a flipped bit: %d (%s)", (int)st,
+           moept_last_error(L));
+    L->opt_v[5] = -1.0f;
+    EXPECT_OK(moept_save_checkpoint(L, dir));
+    st = moept_load_checkpoint(L, dir);
+    EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "negative"), "a negative v: %d (%s)", (int)st,
+           moept_last_error(L));
+    L->opt_v[5] = 0.0f;
+    L->params[3] = NAN;
+    EXPECT_OK(moept_save_checkpoint(L, dir));
+    st = moept_load_checkpoint(L, dir);
+    EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "not finite"), "a NaN parameter: %d (%s)", (int)st,
+           moept_last_error(L));
+    moept_destroy(L);
+}
+
 static void test_dtypes_convert(void) {
     /* F16 and BF16 read as fp32; writer and reader agree on every dtype */
     uint16_t h[4] = {0x3c00, 0xc000, 0x0001, 0x7bff};   /* 1, -2, 2^-24, 65504 */
@@ -646,6 +695,7 @@ int main(void) {
     RUN(test_per_rank_loading_reads_only_owned_bytes);
     RUN(test_malformed_rules);
     RUN(test_dtypes_convert);
+    RUN(test_ckpt_payload_verified);
     RUN(test_ckpt_index_size_and_step);
     RUN(test_zero_element_tensors);
     RUN(test_concurrent_writers_of_one_path);
