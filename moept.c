@@ -3822,20 +3822,49 @@ moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index
 /* ------------------------------------------------------------------------
    AdamW and training checkpoints
    ------------------------------------------------------------------------ */
-moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
-    if (!L || !o) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: NULL argument");
-    MOEPT__HOST_SYNC(L, 1, 1);
-    moept__host_wrote(L, 1, 0);
-    float b1 = o->beta1 ? o->beta1 : 0.9f, b2 = o->beta2 ? o->beta2 : 0.999f, eps = o->eps ? o->eps : 1e-8f;
-    float wd = o->weight_decay, lr = o->lr;
-    if (!moept__finite(lr) || lr < 0 || !(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) || !moept__finite(wd) || wd < 0)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: need lr >= 0, betas in [0,1), eps > 0, weight_decay >= 0");
-    if (!L->opt_m) {
-        float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
-        if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");
-        memset(s, 0, (size_t)(2 * L->n_params) * sizeof(float));
-        L->opt_m = s; L->opt_v = s + L->n_params;
+/* the parameter whose gradient element i (of the flat buffer) is */
+static const char *moept__param_of(const moept_layer *L, int64_t i) {
+    for (int64_t t = 0; t < L->n_table; t++) {
+        const moept__param *p = &L->table[t];
+        int64_t off = p->data - L->params;
+        if (p->grad && i >= off && i < off + p->rows * p->cols) return p->name;
     }
+    return "?";
+}
+
+/* Agreed over the EP and DP groups (a rank whose own experts' gradients are
+   not finite must not leave the others a step ahead): arguments and every
+   gradient checked, then all step or none does. */
+moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
+    MOEPT__HOST_SYNC(L, 1, 1);
+    moept_adamw d = {0.0f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    if (o) d = (moept_adamw){o->lr, o->beta1 ? o->beta1 : 0.9f, o->beta2 ? o->beta2 : 0.999f,
+                             o->eps ? o->eps : 1e-8f, o->weight_decay};
+    float b1 = d.beta1, b2 = d.beta2, eps = d.eps, wd = d.weight_decay, lr = d.lr;
+    moept_status local = MOEPT_OK;
+    int64_t bad = o ? moept__first_nonfinite(L->grads, L->n_params) : -1;
+    if (!o)
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: opt is NULL");
+    else if (!moept__finite(lr) || lr < 0 || !(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) ||
+             !moept__finite(wd) || wd < 0)
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
+                            "moept_adamw_step: need lr >= 0, betas in [0,1), eps > 0, weight_decay >= 0");
+    else if (bad >= 0)
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_adamw_step: the gradient of '%s' is not finite (flat "
+                            "element %lld); nothing changed", moept__param_of(L, bad), (long long)bad);
+    else if (!L->opt_m) {
+        float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
+        if (!s)
+            local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");
+        else {
+            memset(s, 0, (size_t)(2 * L->n_params) * sizeof(float));
+            L->opt_m = s; L->opt_v = s + L->n_params;
+        }
+    }
+    moept_status st = moept__agree_call(L, L->group, L->dp, local, "moept_adamw_step");
+    if (st) return st;
+    moept__host_wrote(L, 1, 0);
     int64_t t = ++L->opt_t;
     double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
     float step = (float)(lr / bc1), sbc2 = (float)sqrt(bc2);

@@ -66,9 +66,9 @@
        receive buffers before a peer rejected it keeps the larger buffers
        (and their rows), and the time spent agreeing is time spent.
      - Under EP/DP, moept_forward, moept_backward, moept_sync_grads,
-       moept_grad_norm, moept_update_bias, moept_load_checkpoint and
-       moept_load_hf agree before they act (the loads: every rank reads
-       into a staging copy first): one
+       moept_grad_norm, moept_update_bias, moept_adamw_step,
+       moept_load_checkpoint and moept_load_hf agree before they act (the
+       loads: every rank reads into a staging copy first): one
        rank's rejection fails the call on every rank of the layer's groups
        (the others with MOEPT_ERR_STATE, "other rank(s) rejected"), and
        none waits in a collective a peer skipped. A NULL layer cannot take
@@ -360,7 +360,9 @@ typedef struct moept_stats {
     int64_t capacity;          /* per-expert capacity, -1 if dropless */
     float aux_loss;            /* unscaled values of the last forward */
     float z_loss;
-    int64_t allocations;       /* allocations made since create */
+    int64_t allocations;       /* allocations of the layer's own buffers since create
+                                  (not the transient buffers of a load or save,
+                                  freed before the call returns) */
     int64_t allocated_bytes;   /* bytes allocated since create */
     int64_t workspace_bytes;   /* bytes held now (parameters excluded) */
     int64_t param_bytes;       /* parameters + gradients */
@@ -533,7 +535,9 @@ typedef struct moept_adamw {
    torch.optim.AdamW: p -= lr*wd*p; m, v updated; p -= lr/(1-b1^t) * m /
    (sqrt(v)/sqrt(1-b2^t) + eps). Correct under EP once gradients are synced:
    each rank updates its own experts, replicated parameters get identical
-   updates everywhere. The state (m, v, t) is allocated on the first call. */
+   updates everywhere. The state (m, v, t) is allocated on the first call.
+   A non-finite gradient anywhere (on any rank of the groups) rejects the
+   step with MOEPT_ERR_NUMERIC naming the parameter; nothing changes. */
 moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
 /* Training checkpoint in directory `dir` (created if needed): each rank
    writes rank-R-of-P.safetensors (parameters under HF names, AdamW state,

@@ -411,10 +411,17 @@ static void test_update_bias_ep(void) {
     }
 }
 
-/* One rank's bad argument to sync_grads, grad_norm or update_bias fails every
-   rank (the bad one with its reason, the others with "rejected"), nobody
-   hangs, and the gradients and bias are as before; then the good calls run. */
-typedef struct aj { moept_thread_group *g; int r; moept_status st[3], ok[3]; char err[3][MOEPT__ERRLEN]; int same; } aj;
+/* One rank's bad argument to sync_grads, grad_norm or update_bias, or a NaN
+   in its own gradients at adamw_step, fails every rank (the bad one with its
+   reason, the others with "rejected"), nobody hangs, and the gradients, bias,
+   parameters and optimizer step are as before; then the good calls run. */
+typedef struct aj {
+    moept_thread_group *g;
+    int r;
+    moept_status st[4], ok[4];
+    char err[4][MOEPT__ERRLEN];
+    int same, params_same;
+} aj;
 static void *agree_main(void *arg) {
     aj *j = arg;
     moept_comm *c = NULL;
@@ -446,6 +453,16 @@ static void *agree_main(void *arg) {
     snprintf(j->err[2], MOEPT__ERRLEN, "%s", moept_last_error(L));
     moept_grads(L, &g, &n);
     j->same = memcmp(g, g0, (size_t)n * sizeof(float)) == 0 && memcmp(L->bias, b0, sizeof b0) == 0;
+    float *p0 = malloc((size_t)n * sizeof(float));
+    memcpy(p0, L->params, (size_t)n * sizeof(float));
+    moept_adamw opt = {1e-2f, 0, 0, 0, 0};
+    if (bad) g[n - 1] = NAN; /* this rank's own: the others' gradients are fine */
+    j->st[3] = moept_adamw_step(L, &opt);
+    snprintf(j->err[3], MOEPT__ERRLEN, "%s", moept_last_error(L));
+    g[n - 1] = g0[n - 1];
+    j->params_same = memcmp(L->params, p0, (size_t)n * sizeof(float)) == 0 && L->opt_t == 0;
+    j->ok[3] = moept_adamw_step(L, &opt);
+    free(p0);
     j->ok[0] = moept_sync_grads(L, 1.0f);
     j->ok[1] = moept_grad_norm(L, &norm);
     j->ok[2] = moept_update_bias(L, 0.01f);
@@ -463,15 +480,17 @@ static void test_group_calls_agree(void) {
     for (int r = 0; r < 2; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; pthread_create(&th[r], NULL, agree_main, &js[r]); }
     for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
     moept_thread_group_destroy(g);
-    const char *call[3] = {"sync_grads", "grad_norm", "update_bias"};
+    const char *call[4] = {"sync_grads", "grad_norm", "update_bias", "adamw_step"};
     for (int r = 0; r < 2; r++) {
-        for (int k = 0; k < 3; k++) {
-            moept_status want = r == 1 ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_STATE;
+        for (int k = 0; k < 4; k++) {
+            moept_status bad_st = k == 3 ? MOEPT_ERR_NUMERIC : MOEPT_ERR_INVALID_ARGUMENT;
+            moept_status want = r == 1 ? bad_st : MOEPT_ERR_STATE;
             EXPECT(js[r].st[k] == want, "rank %d, bad %s elsewhere: status %d (%s)", r, call[k], js[r].st[k], js[r].err[k]);
             EXPECT(r == 1 || strstr(js[r].err[k], "other rank(s) rejected"), "rank %d: message '%s'", r, js[r].err[k]);
             EXPECT(js[r].ok[k] == MOEPT_OK, "rank %d: the good %s after failed", r, call[k]);
         }
         EXPECT(js[r].same, "rank %d: a rejected call changed the gradients or the bias", r);
+        EXPECT(js[r].params_same, "rank %d: a rejected adamw_step changed the parameters or the step", r);
     }
 }
 
