@@ -52,9 +52,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         moept__hf_src_free(&s);
     } else { /* a training checkpoint index */
         put("index.json", data, size);
-        int64_t ep;
+        int64_t ep, step;
         char fp[32];
-        moept__read_ckpt_index(g_dir, &ep, fp, sizeof fp);
+        moept__read_ckpt_index(g_dir, &ep, fp, sizeof fp, &step);
     }
     return 0;
 }
