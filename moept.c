@@ -457,6 +457,7 @@ struct moept_layer {
     int counts_global;         /* sel_counts are the whole batch's (all ranks) */
     float *opt_m, *opt_v;      /* [n_params] AdamW moments (first step allocates) */
     int64_t opt_t;             /* AdamW steps taken */
+    int64_t agreed_calls;      /* calls agreed by moept__agree_call: their order's tag */
     double capacity_factor;    /* the float config value read as the decimal
                                   it was written as (0.6f -> 0.6), so that
                                   ceil(0.6 * 20) is 12 as in Megatron */
@@ -2179,20 +2180,51 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
 /* ------------------------------------------------------------------------
    Gradient reduction and norm
    ------------------------------------------------------------------------ */
+/* The call's tag in the agreement: its name (12 bits of FNV-1a) and the
+   layer's count of agreed calls (12 bits), so ranks that make different
+   calls, or one call more, are told apart instead of running into each
+   other's collectives. */
+static int64_t moept__call_tag(const moept_layer *L, const char *call) {
+    uint32_t h = 2166136261u;
+    for (const char *c = call; *c; c++) h = (h ^ (unsigned char)*c) * 16777619u;
+    return (int64_t)(h & 0xfff) << 12 | (L->agreed_calls & 0xfff);
+}
+
+/* One group's agreement: [failed, tag, tag^2] summed. Every rank's tag is
+   the same iff the sums are size * tag and size * tag^2 (the mean and the
+   mean square agree only for a constant); any rank that differs makes every
+   rank see it. */
+static moept_status moept__agree_group(moept_comm *c, int64_t *v, int64_t tag, int *order_differs) {
+    if (!c || c->size <= 1) return MOEPT_OK;
+    int64_t s[3] = {v[0], tag, tag * tag};
+    moept_status st = c->allreduce(c, s, 3, MOEPT_DTYPE_I64);
+    if (st) return st;
+    v[0] = s[0];
+    if (s[1] != c->size * tag || s[2] != c->size * tag * tag) *order_differs = 1;
+    return MOEPT_OK;
+}
+
 /* A group call's outcome, agreed before it acts: this rank's rejection
-   (`local`, its message already in L->err) or any peer's fails every rank of
-   grp and dp, and nobody leaves a peer waiting in a collective. */
+   (`local`, its message already in L->err), any peer's, or a peer making
+   another call fails every rank of grp and dp, and nobody leaves a peer
+   waiting in a collective. */
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
                                       const char *call) {
-    moept_status cst;
-    int64_t failed = moept__any_failed(grp, dp, local != MOEPT_OK, &cst);
-    if (failed < 0)
+    int64_t v = local != MOEPT_OK, tag = moept__call_tag(L, call);
+    int differs = 0;
+    moept_status cst = moept__agree_group(grp, &v, tag, &differs);
+    if (!cst) cst = moept__agree_group(dp, &v, tag, &differs);
+    if (cst)
         return moept__fail(L, cst, "%s: agreement failed: %s", call,
                            grp && grp->err[0] ? grp->err : dp ? dp->err : "");
+    L->agreed_calls++;
+    if (differs)
+        return moept__fail(L, MOEPT_ERR_STATE, "%s: the ranks' call sequences differ (another rank made another "
+                           "group call here); nothing changed", call);
     if (local) return local;
-    if (failed)
+    if (v)
         return moept__fail(L, MOEPT_ERR_STATE, "%s: %lld other rank(s) rejected the call; nothing changed", call,
-                           (long long)failed);
+                           (long long)v);
     return MOEPT_OK;
 }
 

@@ -71,7 +71,13 @@
        loads: every rank reads into a staging copy first): one
        rank's rejection fails the call on every rank of the layer's groups
        (the others with MOEPT_ERR_STATE, "other rank(s) rejected"), and
-       none waits in a collective a peer skipped. A NULL layer cannot take
+       none waits in a collective a peer skipped. The agreements of the
+       calls after forward/backward carry a tag of the call and of the
+       layer's count of such calls: ranks making different calls there
+       all fail (MOEPT_ERR_STATE, "call sequences differ") instead of
+       running into each other's collectives. A forward on one rank against
+       a backward on another is not told apart: the threads and NCCL
+       backends end it at their timeout; MPI has none and waits. A NULL layer cannot take
        part (it has no groups) and fails locally.
      - The library never prints, exits or aborts. Per-step work performs no
        allocation (checked through moept_stats.allocations).

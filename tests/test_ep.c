@@ -494,6 +494,48 @@ static void test_group_calls_agree(void) {
     }
 }
 
+/* Ranks whose group calls differ (rank 0 sync_grads, rank 1 grad_norm):
+   the call's tag in the agreement tells them apart, so both fail with the
+   reason and nobody runs into the other's collective; the next matching
+   calls work. Before, both agreements matched and each rank went on into a
+   different collective. */
+typedef struct oj { moept_thread_group *g; int r; moept_status st, next; char err[MOEPT__ERRLEN]; } oj;
+static void *order_main(void *arg) {
+    oj *j = arg;
+    moept_comm *c = NULL;
+    moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_MIXTRAL);
+    cfg.max_tokens = 8;
+    moept_layer *L = NULL;
+    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st = MOEPT_ERR_STATE; return NULL; }
+    double norm;
+    j->st = j->r == 0 ? moept_sync_grads(L, 1.0f) : moept_grad_norm(L, &norm);
+    snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
+    j->next = moept_sync_grads(L, 1.0f);
+    if (!j->next) j->next = moept_grad_norm(L, &norm);
+    moept_destroy(L);
+    moept_comm_destroy(c);
+    return NULL;
+}
+static void test_call_order_mismatch(void) {
+    moept_thread_group *g;
+    moept_thread_group_create(2, 10000, &g);
+    oj js[2];
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+        memset(&js[r], 0, sizeof js[r]);
+        js[r].g = g; js[r].r = r;
+        pthread_create(&th[r], NULL, order_main, &js[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+    for (int r = 0; r < 2; r++) {
+        EXPECT(js[r].st == MOEPT_ERR_STATE && strstr(js[r].err, "call sequences differ"), "rank %d: status %d (%s)",
+               r, (int)js[r].st, js[r].err);
+        EXPECT(js[r].next == MOEPT_OK, "rank %d: the matching calls after failed", r);
+    }
+}
+
 /* ---- resharding a running group to a new placement ---- */
 #define RS_E 8
 typedef struct rsj {
@@ -647,6 +689,7 @@ int main(void) {
     RUN(test_threads_comm_timeout);
     RUN(test_update_bias_ep);
     RUN(test_group_calls_agree);
+    RUN(test_call_order_mismatch);
     RUN(test_reshard_permutation);
     return tu_done();
 }
