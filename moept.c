@@ -1242,6 +1242,7 @@ moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, in
     moept_status st = moept__to_device(L); /* hand out the newest values */
     if (st) return st;
     moept__cuda_pointers((moept__cuda *)L->cuda, params, grads);
+    moept__cuda_params_changed((moept__cuda *)L->cuda); /* the caller may write them */
     *numel = L->n_params;
 #endif
     return MOEPT_OK;
@@ -1250,6 +1251,9 @@ moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, in
 moept_status moept_cuda_params_changed(moept_layer *L) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params_changed: layer is NULL");
     if (!L->cuda) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params_changed: not a CUDA layer");
+#ifdef MOEPT_CUDA
+    moept__cuda_params_changed((moept__cuda *)L->cuda);
+#endif
     L->cuda_pnew = 2;
     L->cuda_gnew = 2;
     return MOEPT_OK;

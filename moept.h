@@ -329,6 +329,9 @@ void moept_comm_destroy(moept_comm *c);
    forward); moept_params / moept_grads return the host copies, downloaded
    on demand. moept_cuda_params returns the device buffers for an optimizer
    that stays on the GPU (call moept_cuda_params_changed after it writes).
+   A bf16 layer's weight copy is cast from the fp32 masters at the first
+   forward after they change (an upload, moept_cuda_params,
+   moept_cuda_params_changed), not every forward.
    Everything else (checkpoints, AdamW, bias updates) works on the host copy. */
 typedef struct moept_cuda_options {
     moept_dtype dtype;          /* F32 (default) or BF16 token rows and expert weights */
@@ -1162,6 +1165,9 @@ void moept__cuda_destroy(moept__cuda *c);
 moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
                                 const float *bias, const int32_t *slot_of, char *err);
 moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err);
+/* The device parameters changed outside an upload: the bf16 copy is recast
+   at the next forward. */
+void moept__cuda_params_changed(moept__cuda *c);
 /* The committed step's router state: ids, wts [T][K], logits [T][E], and
    after a backward dwts [T][K] (NULL: skip). */
 moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,

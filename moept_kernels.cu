@@ -685,6 +685,7 @@ struct moept__cuda {
     float *bias;                /* [E] */
     int32_t *slot_of;           /* [E] */
     void *wlow;                 /* [n_params - E*D] bf16 copy of the non-router weights (BF16) */
+    int wlow_stale;             /* the fp32 masters changed since wlow was cast from them */
 
     /* device: the fixed workspace (one allocation, sized for Tmax) */
     void *work;
@@ -871,6 +872,9 @@ extern "C" void moept__cuda_pointers(moept__cuda *c, float **params, float **gra
     *grads = c->grads;
 }
 
+/* the device masters were (or may be about to be) written by the caller */
+extern "C" void moept__cuda_params_changed(moept__cuda *c) { c->wlow_stale = 1; }
+
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P, El = p->El, G = c->G, C = c->C;
@@ -970,6 +974,7 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
        chunk + 2 weight-gradient ones (unchunked: 2 and 4) */
     c->nslot = (int)(2 * c->C + 2);
     c->T = -1;
+    c->wlow_stale = 1;
     moept_status st = moept__create(c, err);
     if (st) { moept__cuda_destroy(c); return st; }
     *out = c;
@@ -997,6 +1002,7 @@ static moept_status moept__host_wait(moept__cuda *c, char *err) {
 extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
                                            const float *bias, const int32_t *slot_of, char *err) {
     const int64_t n = c->sp.n_params, E = c->sp.E;
+    if (params) c->wlow_stale = 1;
     if (params) MOEPT__CU(cudaMemcpyAsync(c->params, params, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
     if (grads) MOEPT__CU(cudaMemcpyAsync(c->grads, grads, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
     if (bias) MOEPT__CU(cudaMemcpyAsync(c->bias, bias, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
@@ -1262,11 +1268,13 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     const int nb = f->nb;
     c->ptr_slot = 0;
     MOEPT__PRE(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
-    if (c->wlow) { /* this step's bf16 weights from the fp32 masters */
+    if (c->wlow && c->wlow_stale) { /* the bf16 weights, once after the fp32 masters changed */
         int64_t nw = p->n_params - E * D;
         MOEPT__LAUNCH(moept__k_cast<moept__bf16>, moept__grid(nw), MOEPT__TB, 0, c->s)(
                 c->params + E * D, nw, (moept__bf16 *)c->wlow);
-        MOEPT__PRE(cudaGetLastError());
+        cudaError_t e = cudaGetLastError();
+        MOEPT__PRE(e);
+        if (e == cudaSuccess) c->wlow_stale = 0;
     }
     const float *xf = c->wlow ? c->xf : (const float *)x;
     if (T_ > 0) {

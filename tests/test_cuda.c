@@ -468,6 +468,60 @@ static void test_chunked_equals_one_chunk(void) {
     }
 }
 
+/* bf16 weights are cast from the fp32 masters once per change, not every
+   forward (issue #14 item 1), counted by the emulator: none on a second
+   forward with the same parameters; one after set_param, after an AdamW
+   step and after moept_cuda_params_changed; and the output after set_param
+   is a fresh layer's with those parameters (stale bf16 weights would not
+   be: the bf16 curve test also catches a refresh missing after AdamW). */
+static void test_bf16_weights_cast_once(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0};
+    moept_layer *L = NULL, *F = NULL;
+    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &F));
+    if (!L || !F) { moept_destroy(L); moept_destroy(F); return; }
+    moept_init_params(L, 3);
+    const int64_t T = 40, D = cfg.hidden_size, F_ = cfg.intermediate_size;
+    float *x = malloc((size_t)(T * D) * sizeof(float)), *a = calloc((size_t)(T * D), sizeof(float));
+    float *b = calloc((size_t)(T * D), sizeof(float)), *w = malloc((size_t)(F_ * D) * sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) x[i] = frand();
+    for (int64_t i = 0; i < F_ * D; i++) w[i] = 0.1f * frand();
+    void *xd = dev_from(x, T * D, 1), *yd = dev_from(a, T * D, 1);
+    const char *cast = "moept__k_cast<moept__bf16>";
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    long n0 = moept_emu_launches(cast);
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT(moept_emu_launches(cast) == n0, "a forward with unchanged parameters cast the weights again");
+    EXPECT_OK(moept_set_param(L, "experts.2.w1.weight", w, F_ * D));
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT(moept_emu_launches(cast) == n0 + 1, "set_param: %ld casts", moept_emu_launches(cast) - n0);
+    host_from(a, yd, T * D, 1);
+    moept_init_params(F, 3); /* F: created with L's final parameters */
+    EXPECT_OK(moept_set_param(F, "experts.2.w1.weight", w, F_ * D));
+    EXPECT_OK(moept_forward(F, xd, T, yd));
+    host_from(b, yd, T * D, 1);
+    EXPECT(memcmp(a, b, (size_t)(T * D) * sizeof(float)) == 0, "the output after set_param is not a fresh layer's");
+    long n1 = moept_emu_launches(cast);
+    void *dy = dev_from(x, T * D, 1), *dx = dev_from(a, T * D, 1);
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT_OK(moept_backward(L, xd, dy, dx));
+    moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+    EXPECT_OK(moept_adamw_step(L, &opt));
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT(moept_emu_launches(cast) == n1 + 1, "adamw_step: %ld casts", moept_emu_launches(cast) - n1);
+    float *dp, *dg;
+    int64_t n;
+    EXPECT_OK(moept_cuda_params(L, &dp, &dg, &n));
+    EXPECT_OK(moept_cuda_params_changed(L));
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT(moept_emu_launches(cast) == n1 + 2, "cuda_params_changed: %ld casts", moept_emu_launches(cast) - n1);
+    cudaFree(xd); cudaFree(yd); cudaFree(dy); cudaFree(dx);
+    free(x); free(a); free(b); free(w);
+    moept_destroy(L);
+    moept_destroy(F);
+}
+
 static void test_absent_peer_forward(void) { absent_peer(0); }
 static void test_absent_peer_grads(void) { absent_peer(1); }
 #endif
@@ -505,6 +559,7 @@ int main(void) {
            test_absent_peer_grads);
     tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise (a rejected step between)",
            test_chunked_equals_one_chunk);
+    tu_run("cuda (emulated): bf16 weights cast once per parameter change", test_bf16_weights_cast_once);
 #endif
     return tu_done();
 }

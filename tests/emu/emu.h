@@ -22,6 +22,9 @@ void moept_emu_nccl_timeout(int ms);
    another op of the device runs faults too); 0 when only per process (the
    pages are PROT_NONE while no op of the device runs). */
 int moept_emu_per_thread_guard(void);
+/* Kernel launches queued so far (every device) whose kernel expression, as
+   written at the launch (e.g. "moept__k_cast<moept__bf16>"), contains part. */
+long moept_emu_launches(const char *part);
 #ifdef __cplusplus
 }
 #endif

@@ -21,6 +21,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <string>
 #include <sys/mman.h>
 #include <ucontext.h>
 
@@ -370,6 +372,18 @@ void moept_emu_syncthreads(int line) {
     to_sched(f, false);
 }
 
+/* launches queued so far, by kernel (moept_emu_launches) */
+static std::mutex g_launch_mu;
+static std::map<std::string, long> g_launches;
+
+extern "C" long moept_emu_launches(const char *part) {
+    std::lock_guard<std::mutex> lk(g_launch_mu);
+    long n = 0;
+    for (auto &kv : g_launches)
+        if (strstr(kv.first.c_str(), part)) n += kv.second;
+    return n;
+}
+
 void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_t h, const void *blob, size_t nb,
                       void (*invoke)(void *)) {
     static std::once_flag once;
@@ -388,6 +402,10 @@ void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_
     if (s->dev != cur_dev) {
         set_last_error(cudaErrorInvalidResourceHandle);
         return;
+    }
+    {
+        std::lock_guard<std::mutex> lk(g_launch_mu);
+        g_launches[name]++;
     }
     char nm[160];
     snprintf(nm, sizeof nm, "kernel %s<<<(%u,%u,%u),(%u,%u,%u)>>>", name, g.x, g.y, g.z, b.x, b.y, b.z);
