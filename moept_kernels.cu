@@ -1121,7 +1121,8 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
 }
 
 /* Its backward (moept__ffn_backward's descriptors): dys in ys -> weight
-   gradients (fp32) accumulate, dxs over ys, dh over h, a is scratch. */
+   gradients (fp32) accumulate, dxs over ys, dh over h, da over a (after
+   g2 read the forward's a). */
 template <typename T>
 static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
                                    int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
@@ -1132,13 +1133,8 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
     float *g13 = c->grads + w13off, *g2 = c->grads + w2off;
     int64_t R = offs[groups] - offs[0], base = offs[0], n;
-    if (R > 0) {
-        MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(
-                c->sp.act, (const T *)h + base * H, R, F, H,
-                                                                       (T *)a + base * F);
-        MOEPT__LAUNCHED();
-    }
-    /* g2 += dys^T a */
+    /* g2 += dys^T a: a = act(h) as the forward left it (a rejected forward
+       or a growth of the receive block keeps it), not recomputed */
     MOEPT__PER_GROUP(gd, n, groups, offs,
                      moept__gemm_make(1, 0, D, F, rows, (const float *)(Y + r0 * D * es), D,
                                       (const float *)(A + r0 * F * es), F, 1.0f, g2 + e * D * F, F));
