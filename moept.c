@@ -2039,8 +2039,6 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
 /* ------------------------------------------------------------------------
    Backward
    ------------------------------------------------------------------------ */
-#define MOEPT__DX_ALIAS "moept_backward: dx overlaps x (dx may alias dy, not x: the weight gradients read x " \
-                        "after dx is written)"
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
 #ifdef MOEPT_CUDA
@@ -2665,19 +2663,23 @@ static int moept__pread_all(int fd, void *buf, int64_t n, int64_t off) {
     return 1;
 }
 
-/* A file to read, refused before it can block unless regular: a FIFO's
-   plain open waits for a writer, O_NONBLOCK returns at once (and does
-   nothing to a regular file's reads). -1: cannot open (errno); -2: not a
-   regular file. */
-static int moept__open_regular(const char *path) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK);
-    if (fd < 0) return -1;
+/* Opens a file to read and gives its size; anything but a regular file is
+   refused before it can block (a FIFO's plain open waits for a writer;
+   O_NONBLOCK returns at once and does nothing to a regular file's reads).
+   On failure *fd is -1, the message names the path, and *missing says the
+   path does not exist (ENOENT: a symlink loop or no permission is not). */
+static moept_status moept__open_read(const char *path, int *fd, int64_t *size, int *missing) {
     struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return -2;
+    *fd = open(path, O_RDONLY | O_NONBLOCK);
+    *missing = *fd < 0 && errno == ENOENT;
+    if (*fd < 0) return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (fstat(*fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(*fd);
+        *fd = -1;
+        return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
     }
-    return fd;
+    *size = (int64_t)sb.st_size;
+    return MOEPT_OK;
 }
 
 moept_status moept_st_open(const char *path, moept_st_file **out) {
@@ -2687,21 +2689,13 @@ moept_status moept_st_open(const char *path, moept_st_file **out) {
     moept_st_file *f = moept__alloc(NULL, sizeof *f);
     if (!f) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_open: out of memory");
     memset(f, 0, sizeof *f);
-    f->fd = moept__open_regular(path);
-    if (f->fd < 0) {
-        int e = errno, special = f->fd == -2;
+    int missing;
+    moept_status st = moept__open_read(path, &f->fd, &f->file_size, &missing);
+    if (st) {
         MOEPT_FREE(f);
-        if (special) return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
-        return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(e));
+        return st;
     }
-    moept_status st;
-    struct stat sb;
     unsigned char len8[8];
-    if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        st = moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
-        goto fail;
-    }
-    f->file_size = (int64_t)sb.st_size;
     if (f->file_size < 8 || !moept__pread_all(f->fd, len8, 8, 0)) {
         st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: shorter than the 8-byte header length", path);
         goto fail;
@@ -3661,11 +3655,11 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
     memset(s, 0, sizeof *s);
     char path[4096];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    int fd = moept__open_regular(path);
-    if (fd == -2) return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
-    if (fd < 0 && errno != ENOENT) /* a symlink loop, no permission: not "no index" */
-        return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    if (fd < 0) { /* one file */
+    int fd, missing;
+    int64_t n = 0;
+    moept_status st = moept__open_read(path, &fd, &n, &missing);
+    if (st && !missing) return st; /* a symlink loop, no permission, a FIFO: not "no index" */
+    if (st) { /* one file */
         s->files = moept__alloc(NULL, sizeof(char *));
         s->open = moept__alloc(NULL, sizeof(moept_st_file *));
         if (!s->files || !s->open) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
@@ -3674,12 +3668,10 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
         s->nfiles = 1;
         return MOEPT_OK;
     }
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || sb.st_size > MOEPT__ST_MAX_HEADER) {
+    if (n > MOEPT__ST_MAX_HEADER) {
         close(fd);
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a regular file or larger than %d bytes", path, MOEPT__ST_MAX_HEADER);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: larger than %d bytes", path, MOEPT__ST_MAX_HEADER);
     }
-    int64_t n = (int64_t)sb.st_size;
     s->json = moept__alloc(NULL, (size_t)n + 1);
     if (!s->json) { close(fd); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path); }
     int ok = moept__pread_all(fd, s->json, n, 0);
@@ -4007,11 +3999,10 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
 static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn, int64_t *step) {
     char path[4096];
     snprintf(path, sizeof path, "%s/index.json", dir);
-    int fd = moept__open_regular(path);
-    if (fd == -2) return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
-    if (fd < 0) return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    int64_t size = fstat(fd, &sb) == 0 ? (int64_t)sb.st_size : -1;
+    int fd, missing;
+    int64_t size = 0;
+    moept_status st = moept__open_read(path, &fd, &size, &missing);
+    if (st) return st;
     char *buf = size > 0 && size <= MOEPT__INDEX_MAX ? moept__alloc(NULL, (size_t)size + 1) : NULL;
     int got = buf && moept__pread_all(fd, buf, (size_t)size, 0);
     close(fd);
@@ -4047,8 +4038,9 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
    puts it, else (a resharded placement) the first file that holds it. Opens
    files as needed, checking each one's format, fingerprint and step (*t, the
    same in all). -1 with the status in *st. */
-static int64_t moept__ckpt_source(moept_layer *L, const char *dir, const moept__param *p, int64_t P,
-                                  moept_st_file **files, const char *fp, long long *t, moept_status *st) {
+static int64_t moept__ckpt_source(const moept_layer *L, const char *dir, const moept__param *p, int64_t P,
+                                  moept_st_file **files, const char *fp, long long *t, int64_t *bytes,
+                                  moept_status *st) {
     char path[4096];
     int64_t guess = p->expert >= 0 ? p->expert / (L->E / P) : 0;
     for (int64_t k = 0; k <= P; k++) {
@@ -4057,7 +4049,7 @@ static int64_t moept__ckpt_source(moept_layer *L, const char *dir, const moept__
         if (!files[r]) {
             snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)r, (long long)P);
             if ((*st = moept_st_open(path, &files[r]))) return -1;
-            L->stats.checkpoint_bytes_read += files[r]->bytes_read;
+            *bytes += files[r]->bytes_read;
             const char *fmt = moept_st_meta(files[r], "format"), *fs = moept_st_meta(files[r], "step");
             const char *f2 = moept_st_meta(files[r], "fingerprint");
             char *end = NULL;
@@ -4097,9 +4089,10 @@ static moept_status moept__ckpt_verify(const moept_st_file *f, const char *dir, 
 }
 
 /* Reads a training checkpoint into stage [3n + E] (parameters | AdamW m |
-   v | bias) and its step into *t; changes nothing but the bytes-read count
-   (the caller restores it on failure). */
-static moept_status moept__ckpt_read(moept_layer *L, const char *dir, float *stage, long long *t) {
+   v | bias), its step into *t and the bytes read into *bytes; changes
+   nothing. */
+static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, float *stage, long long *t,
+                                     int64_t *bytes) {
     char fp[32], ffp[64], name[256];
     moept__fp_hex(L, fp, sizeof fp);
     int64_t P = 0, istep = -1;
@@ -4119,7 +4112,7 @@ static moept_status moept__ckpt_read(moept_layer *L, const char *dir, float *sta
     *t = -1;
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
-        int64_t src = moept__ckpt_source(L, dir, p, P, files, fp, t, &st);
+        int64_t src = moept__ckpt_source(L, dir, p, P, files, fp, t, bytes, &st);
         if (src < 0) break;
         int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->params, cnt = p->rows * p->cols;
         for (int k = 0; k < (p->grad && *t > 0 ? 3 : 1) && !st; k++) {
@@ -4134,7 +4127,7 @@ static moept_status moept__ckpt_read(moept_layer *L, const char *dir, float *sta
             int64_t before = files[src]->bytes_read;
             float *dst = stage + off + (int64_t)k * (int64_t)n;
             st = moept_st_read_f32(files[src], tt, dst, cnt);
-            L->stats.checkpoint_bytes_read += files[src]->bytes_read - before;
+            *bytes += files[src]->bytes_read - before;
             if (!st) st = moept__ckpt_verify(files[src], dir, src, name, dst, cnt, k == 2);
         }
     }
@@ -4159,23 +4152,23 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
                            "expert-parallel layer is the one that saves, loads and reshards)");
     MOEPT__HOST_SYNC(L, 1, 0);
     const size_t n = (size_t)L->n_params;
-    const int64_t bytes0 = L->stats.checkpoint_bytes_read;
+    int64_t bytes = 0; /* counted only if the load commits */
     float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float)), *opt = NULL;
     long long t = -1;
     moept_status st = !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
                       : !stage ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
-                               : moept__ckpt_read(L, dir, stage, &t);
+                               : moept__ckpt_read(L, dir, stage, &t, &bytes);
     /* AdamW state the layer lacks: allocated before the agreement (counted at the commit) */
     if (!st && t > 0 && !L->opt_m && !(opt = moept__alloc(NULL, 2 * n * sizeof(float))))
         st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
     moept_status local = st ? moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err) : MOEPT_OK;
     if ((st = moept__agree_call(L, L->group, L->dp, local, "moept_load_checkpoint"))) {
-        L->stats.checkpoint_bytes_read = bytes0;
         MOEPT_FREE(stage);
         MOEPT_FREE(opt);
         return st;
     }
     moept__host_wrote(L, 1, 0);
+    L->stats.checkpoint_bytes_read += bytes;
     if (opt) {
         L->opt_m = opt;
         L->opt_v = opt + n;

@@ -734,7 +734,8 @@ struct moept__cuda {
     int64_t *counts, *offsets;  /* [E], [E+1] rows kept per slot and their first row */
     int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
     moept_seg *send_segs, *recv_segs; /* [P][El] */
-    int64_t *ccnt, *rccnt;      /* chunked: [C][E] kept rows per chunk and slot, [P][C][El] from peer p */
+    int64_t *ccum, *rccum;      /* chunked: rows of the chunks before c: [C+1][E] per slot,
+                                   [P][C+1][El] from peer p per local expert */
     moept_seg *csend, *crecv;   /* [P][El] one chunk's exchange pieces */
     int64_t *cruns;             /* [3][G] one chunk's row runs: first row, rows, local expert */
     int64_t *grow_ok;           /* [P] */
@@ -921,7 +922,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
-    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + 9 * G + (C > 1 ? C * E + P * C * El + 3 * G : 0));
+    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + 9 * G);
+    n64 += (size_t)(C > 1 ? (C + 1) * (E + P * El) + 3 * G : 0); /* chunked */
     size_t bytes = n64 * 8 + (size_t)(4 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
                    (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 12 * 64;
     char *hbk = (char *)calloc(1, bytes);
@@ -939,8 +941,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->gops = (cublasOperation_t *)moept__take(&kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
     c->galpha = (float *)moept__take(&kv, (size_t)(2 * G) * sizeof(float));
     if (C > 1) {
-        c->ccnt = (int64_t *)moept__take(&kv, (size_t)(C * E) * 8);
-        c->rccnt = (int64_t *)moept__take(&kv, (size_t)(P * C * El) * 8);
+        c->ccum = (int64_t *)moept__take(&kv, (size_t)((C + 1) * E) * 8);
+        c->rccum = (int64_t *)moept__take(&kv, (size_t)(P * (C + 1) * El) * 8);
         c->cruns = (int64_t *)moept__take(&kv, (size_t)(3 * G) * 8);
         c->csend = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
         c->crecv = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
@@ -965,7 +967,7 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     c->dt = spec->dtype == MOEPT_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     c->nblk_max = (spec->Tmax * spec->K + MOEPT__PB - 1) / MOEPT__PB;
     if (c->nblk_max < 1) c->nblk_max = 1;
-    c->C = spec->P > 1 && spec->C > 1 ? spec->C : 1;
+    c->C = spec->C > 1 ? spec->C : 1; /* moept.c passes 1 at one EP rank */
     c->G = spec->El * (c->C > 1 ? spec->P : 1);
     if (c->G < 1) c->G = 1;
     c->M = spec->E + 3 + (c->C > 1 ? c->C * spec->E : 0);
@@ -1425,11 +1427,16 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer
     c->N = c->offsets[E];
     for (int64_t s = 0; s < P; s++)
         for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * M + me * El + j];
-    for (int64_t ch = 0; ch < C && C > 1; ch++) { /* kept: a rejected step's message must not change them */
-        for (int64_t e = 0; e < E; e++) c->ccnt[ch * E + e] = mine[E + 3 + ch * E + e];
+    /* chunked: each chunk's first row, as running sums (kept: a rejected
+       step's message must not change them) */
+    for (int64_t ch = 0; ch <= C && C > 1; ch++) {
+        for (int64_t e = 0; e < E; e++)
+            c->ccum[ch * E + e] = ch ? c->ccum[(ch - 1) * E + e] + mine[E + 3 + (ch - 1) * E + e] : 0;
         for (int64_t s = 0; s < P; s++)
-            for (int64_t j = 0; j < El; j++)
-                c->rccnt[(s * C + ch) * El + j] = c->h_msg_all[s * M + E + 3 + ch * E + me * El + j];
+            for (int64_t j = 0; j < El; j++) {
+                int64_t *r = &c->rccum[(s * (C + 1) + ch) * El + j];
+                *r = ch ? r[-El] + c->h_msg_all[s * M + E + 3 + (ch - 1) * E + me * El + j] : 0;
+            }
     }
     c->roffsets[0] = 0;
     for (int64_t j = 0; j < El; j++) {
@@ -1556,19 +1563,17 @@ static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t
    expert side (c->cruns [3][G]); returns the runs. */
 static int64_t moept__chunk_plan(moept__cuda *c, int64_t ch) {
     const int64_t D = c->sp.D, El = c->sp.El, P = c->sp.P, E = c->sp.E, C = c->C, G = c->G;
-    for (int64_t q = 0; q < P; q++)
-        for (int64_t j = 0; j < El; j++) {
-            int64_t e = q * El + j, start = c->offsets[e];
-            for (int64_t b = 0; b < ch; b++) start += c->ccnt[b * E + e];
-            c->csend[q * El + j].offset = start * D;
-            c->csend[q * El + j].count = c->ccnt[ch * E + e] * D;
-        }
+    const int64_t *cum = c->ccum + ch * E;
+    for (int64_t e = 0; e < E; e++) { /* slot e = (q, j) is piece q * El + j */
+        c->csend[e].offset = (c->offsets[e] + cum[e]) * D;
+        c->csend[e].count = (cum[E + e] - cum[e]) * D;
+    }
     int64_t n = 0, *runs = c->cruns;
     for (int64_t j = 0; j < El; j++) {
         int64_t base = c->roffsets[j];
         for (int64_t p = 0; p < P; p++) {
-            int64_t before = 0, rows = c->rccnt[(p * C + ch) * El + j];
-            for (int64_t b = 0; b < ch; b++) before += c->rccnt[(p * C + b) * El + j];
+            const int64_t *rc = c->rccum + (p * (C + 1) + ch) * El + j;
+            int64_t before = rc[0], rows = rc[El] - rc[0];
             c->crecv[p * El + j].offset = (base + before) * D;
             c->crecv[p * El + j].count = rows * D;
             if (rows) { runs[n] = base + before; runs[G + n] = rows; runs[2 * G + n] = j; n++; }
@@ -1763,8 +1768,7 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
         snprintf(local, sizeof local, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
     } else if (moept__overlaps(dx, x, (size_t)(T_ * D) * c->esz)) { /* as moept.c */
         why = MOEPT_ERR_INVALID_ARGUMENT;
-        snprintf(local, sizeof local, "moept_backward: dx overlaps x (dx may alias dy, not x: the weight gradients "
-                 "read x after dx is written)");
+        snprintf(local, sizeof local, "%s", MOEPT__DX_ALIAS);
     }
     if (!local[0] && T_ > 0) {
         MOEPT__CU(cudaMemsetAsync(&c->bad[2], 0xff, 8, c->s));
