@@ -4,8 +4,8 @@
 # is build/emu/train (the emulated GPU, in make test) or build/train_cuda (a
 # real GPU, tools/gpu_check.sh). fp32: loss and aux equal to 1e-5 relative.
 # bf16 (--bf16: rows and expert weights in bf16): loss within 2^-11 and aux
-# within 2^-10 relative, a fraction of bf16's u = 2^-8; measured 5.3e-5 and
-# 1.7e-4 on the emulated GPU, while bf16 weights left stale after the
+# within 2^-10 relative, a fraction of bf16's u = 2^-8; measured 3.1e-5 and
+# 1.3e-4 on the emulated GPU (docs/CUDA.md, with the command), while bf16 weights left stale after the
 # optimizer step (broken on purpose) are 5.4e-4 off at step 2 and 2.8e-3 at
 # step 4 (docs/CUDA.md).
 B=${B:-build}
