@@ -52,7 +52,7 @@ TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
 
-.PHONY: cuda all test run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
+.PHONY: cuda all test stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
 
 all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
 
@@ -97,6 +97,13 @@ $(B)/moept_check_mpi_chunked: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI -DMOEPT__MPI_CHUNK=7 -DMOEPT__MPI_INT_MAX=5 tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
 $(B)/test_overlap_mpi: tests/test_overlap.c moept.c $(HDRS) tests/testutil.h | $(B)
+	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
+
+# the kill -9 loop's worker (tests/crash.sh)
+$(B)/crash_save: tests/crash_save.c moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
+
+$(B)/crash_save_mpi: tests/crash_save.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
 $(B)/train_mpi: examples/train.c moept.c $(HDRS) | $(B)
@@ -187,10 +194,16 @@ SAN_BINS = $(TESTS:%=$(B)/san/%) $(B)/san/moept_check
 CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
-MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi $(B)/test_overlap_mpi)
+MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi $(B)/test_overlap_mpi \
+             $(B)/crash_save_mpi)
 
-test: all $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) $(B)/tsan/test_ep $(B)/tsan/test_overlap
+test: all $(B)/crash_save $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) $(B)/tsan/test_ep $(B)/tsan/test_overlap
 	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" sh tests/run.sh
+
+# the long runs: the kill -9 loop with 50 kills a mode (make test runs 5)
+STRESS_KILLS ?= 50
+stress: $(B)/crash_save $(if $(MPICC),$(B)/crash_save_mpi)
+	@MPIRUN="$(if $(MPICC),$(MPIRUN),)" KILLS=$(STRESS_KILLS) sh tests/stress.sh
 
 run: $(B)/train
 	$(B)/train

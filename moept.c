@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 #include <sys/stat.h>
+#include <dirent.h>
 #include <time.h>
 
 #ifdef _OPENMP
@@ -485,6 +486,8 @@ struct moept_layer {
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
 static void moept__host_wrote(moept_layer *L, int params, int grads);
+static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
+                                      const char *call);
 #define MOEPT__HOST_SYNC(L, p, g) do { moept_status st_ = moept__to_host((L), (p), (g)); if (st_) return st_; } while (0)
 
 static moept_status moept__fail(const moept_layer *L, moept_status s,
@@ -1790,6 +1793,34 @@ static moept_status moept__backward_chunked(moept_layer *L) {
     return moept__pipeline(L, &p);
 }
 
+/* Finite inputs can still give a non-finite output or loss (an overflow in
+   the experts or the shared expert): the step fails on every rank of the
+   groups it spans. The experts' saved activations are this step's by now,
+   so the forward state is dropped (backward and update_bias are refused
+   until the next forward). */
+static int moept__finite_d(double v) { return v == v && fabs(v) <= 3.4028234663852886e38; } /* as a float */
+static moept_status moept__forward_finite(moept_layer *L, const float *y, double aux, double z, int global) {
+    int64_t bad = moept__first_nonfinite(y, L->T * L->D);
+    moept_status local = MOEPT_OK, st;
+    int zbad = 0; /* losses count only where they are part of the objective */
+    if (bad >= 0)
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: y[%lld][%lld] is not finite from finite inputs "
+                            "(an overflow in the experts?); the step is rejected, run forward again",
+                            (long long)(bad / L->D), (long long)(bad % L->D));
+    else if ((L->cfg.aux_loss_coef > 0.0f && !moept__finite_d(aux)) || (zbad = L->cfg.z_loss_coef > 0.0f &&
+                                                                      !moept__finite_d(z)))
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: the %s loss is not finite from finite inputs; "
+                            "the step is rejected, run forward again", zbad ? "z" : "aux");
+    int64_t failed = moept__any_failed(L->group, global ? L->dp : NULL, local != MOEPT_OK, &st);
+    if (st) local = moept__fail(L, st, "moept_forward: output agreement failed: %s", L->group ? L->group->err :
+                                L->dp->err);
+    else if (failed && !local)
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: %lld other rank(s) had a non-finite output or "
+                            "loss; the step is rejected, run forward again", (long long)failed);
+    if (local) L->fwd_valid = 0;
+    return local;
+}
+
 moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: layer is NULL");
 #ifdef MOEPT_CUDA
@@ -1834,15 +1865,18 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
                                 "moept_forward: router logits of token %lld are not finite (overflow in x . gate.weight^T?)",
                                 (long long)first_bad);
     }
-    /* ---- 2. the pending step's plan counts; exchange them; room to receive ---- */
-    int64_t cap = -1;
-    if (!local) cap = moept__capacity(L->capacity_factor, T, K, E);
+    /* ---- 2. agreement on the call and the checks: a rank making another
+       call fails here, tagged, instead of in the count exchange ---- */
+    moept_status st = moept__agree_call(L, grp, global ? L->dp : NULL, local, "moept_forward");
+    if (st) return st;
+    /* ---- 3. the pending step's plan counts; exchange them; room to receive ---- */
+    const int64_t cap = moept__capacity(L->capacity_factor, T, K, E);
     /* kept rows per chunk and slot (one chunk: counts_next itself), one
        pass over the assignments; capacity keeps each slot's earliest */
     const int64_t C = L->C;
     int64_t *cc = C > 1 ? L->ccnt_next : L->counts_next; /* [C][E] */
     for (int64_t i = 0; i < C * E; i++) cc[i] = 0;
-    for (int64_t c = 0; c < C && !local; c++)
+    for (int64_t c = 0; c < C; c++)
         for (int64_t i = moept__chunk_start(T, C, c) * K; i < moept__chunk_start(T, C, c + 1) * K; i++)
             cc[c * E + L->slot_of[ids[i]]]++;
     for (int64_t e = 0; e < E; e++) {
@@ -1856,7 +1890,6 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         L->counts_next[e] = kept;
     }
     int64_t R_next = 0;
-    moept_status st = MOEPT_OK;
     if (L->ep) { /* counts before data, always: no rank trusts sizes it computed alone */
         moept_seg *cs = L->count_segs, *cr = L->count_segs + P;
         const int64_t per = C * El; /* chunked: every chunk's counts, [c][j] per peer */
@@ -1881,9 +1914,10 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         if (C > 1) memcpy(L->rccnt_next, L->ccnt_next, (size_t)(C * E) * sizeof(int64_t));
         for (int64_t e = 0; e < E; e++) R_next += L->counts_next[e];
     }
-    int grow_fail = !local && !moept__grow_recv(L, R_next);
-    if (grow_fail) local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: cannot grow the receive buffers to %lld rows", (long long)R_next);
-    /* ---- 3. agreement: every rank commits, or none does ---- */
+    if (!moept__grow_recv(L, R_next))
+        local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: cannot grow the receive buffers to %lld "
+                            "rows", (long long)R_next);
+    /* ---- 4. agreement on the growth: every rank commits, or none does ---- */
     if (grp || (global && L->dp)) {
         int64_t failed = moept__any_failed(grp, global ? L->dp : NULL, local != MOEPT_OK, &st);
         if (st) return moept__fail(L, st, "moept_forward: failure agreement failed: %s", grp ? grp->err : L->dp->err);
@@ -1898,6 +1932,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     if (L->fsdp && (st = moept__fsdp_gather(L))) return st;
 
     /* ---- commit: from here on every rank proceeds ---- */
+    const moept_stats stats_before = L->stats; /* restored if the output check fails */
     L->cur = nb;
     L->T = T;
     L->fwd_valid = 1;
@@ -2022,6 +2057,10 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     /* direct: no rank may leave (and free or regrow its rows) while a peer
        still reads them */
     if (L->direct && (st = moept__direct_sync(L, "moept_forward"))) { L->fwd_valid = 0; return st; }
+    if ((st = moept__forward_finite(L, y, aux_v, L->lstat[3 * E + 1] / Tl, global))) {
+        L->stats = stats_before;
+        return st;
+    }
     moept_stats *sts = &L->stats;
     sts->combine_seconds += combine_exchange + (moept__now() - ts);
     sts->steps++;
@@ -2039,6 +2078,25 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
 /* ------------------------------------------------------------------------
    Backward
    ------------------------------------------------------------------------ */
+/* Finite dy that gives a non-finite dx (an overflow in the backward): the
+   step fails on every rank of the group. The gradients were accumulated in
+   place by then and may hold non-finite values: moept_adamw_step and
+   moept_grad_norm refuse them until moept_zero_grad. */
+static moept_status moept__backward_finite(moept_layer *L, const float *dx) {
+    int64_t bad = moept__first_nonfinite(dx, L->T * L->D);
+    moept_status local = MOEPT_OK, st;
+    if (bad >= 0)
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dx[%lld][%lld] is not finite from finite inputs "
+                            "(an overflow in the backward?); the gradients may hold non-finite values: zero them",
+                            (long long)(bad / L->D), (long long)(bad % L->D));
+    int64_t failed = moept__any_failed(L->group, NULL, local != MOEPT_OK, &st);
+    if (st) local = moept__fail(L, st, "moept_backward: output agreement failed: %s", L->group->err);
+    else if (failed && !local)
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: %lld other rank(s) had a non-finite dx; the "
+                            "gradients may hold non-finite values: zero them", (long long)failed);
+    return local;
+}
+
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
 #ifdef MOEPT_CUDA
@@ -2060,15 +2118,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
     }
-    if (L->group) {
-        moept_comm *grp = L->group;
-        int64_t failed = moept__any_failed(grp, NULL, local != MOEPT_OK, &st);
-        if (st) return moept__fail(L, st, "moept_backward: failure agreement failed: %s", grp->err);
-        if (failed && !local)
-            return moept__fail(L, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; nothing changed",
-                               (long long)failed);
-    }
-    if (local) return local;
+    if ((st = moept__agree_call(L, L->group, NULL, local, "moept_backward"))) return st;
     const int fam = (int)L->cfg.family;
     const float *logits = L->logits[L->cur], *probs = L->probs[L->cur], *wts = L->wts[L->cur];
     const int32_t *ids = L->ids[L->cur];
@@ -2174,8 +2224,9 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     gr[0] = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, x, D, 1.0f, L->g_router, D);
     gr[1] = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
     moept__gemm_run(gr, 2, &L->gws);
+    L->bwd_valid = 1; /* the saved activations are consumed, whatever follows */
+    if ((st = moept__backward_finite(L, dx))) return st;
     if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
-    L->bwd_valid = 1;
     return MOEPT_OK;
 }
 
@@ -3951,16 +4002,14 @@ static moept_status moept__ckpt_add(moept_st_writer *w, const char *name, const 
     return st ? st : moept_st_add_meta(w, key, sum);
 }
 
-moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: layer is NULL");
-    if (!dir) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: dir is NULL");
-    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_save_checkpoint: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
-    MOEPT__HOST_SYNC(L, 1, 0);
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-        return moept__fail(L, MOEPT_ERR_IO, "moept_save_checkpoint: cannot create %s: %s", dir, strerror(errno));
-    char path[4096], fp[32], step[32], meta[512], name[256];
-    moept__fp_hex(L, fp, sizeof fp);
-    snprintf(step, sizeof step, "%lld", (long long)L->opt_t);
+/* This rank's file of a checkpoint set, in directory `set` (made here if
+   another rank has not yet): parameters, AdamW state and bias, each with
+   its checksum, and the step and config fingerprint as metadata. */
+static moept_status moept__ckpt_write_rank(const moept_layer *L, const char *set, const char *fp,
+                                           const char *step) {
+    char path[4096], name[256];
+    if (mkdir(set, 0755) != 0 && errno != EEXIST)
+        return moept__thread_fail(MOEPT_ERR_IO, "cannot create %s: %s", set, strerror(errno));
     moept_st_writer *w;
     moept_status st = moept_st_writer_create(&w);
     for (int64_t i = 0; !st && i < L->n_table; i++) {
@@ -3978,25 +4027,135 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     if (!st) st = moept_st_add_meta(w, "format", "moept-train-v1");
     if (!st) st = moept_st_add_meta(w, "step", step);
     if (!st) st = moept_st_add_meta(w, "fingerprint", fp);
-    snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", dir, L->rank, L->P);
+    if (!st && snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", set, L->rank, L->P) >= (int)sizeof path)
+        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: path too long", set);
     if (!st) st = moept_st_write(w, path);
     moept_st_writer_destroy(w);
-    if (!st && L->rank == 0) {
-        snprintf(meta, sizeof meta, "{\"format\": \"moept-train-v1\", \"num_experts\": %lld, \"ep_size\": %d, "
-                 "\"fingerprint\": \"%s\", \"step\": %s}\n", (long long)L->E, L->P, fp, step);
-        moept__text t = {meta};
-        snprintf(path, sizeof path, "%s/index.json", dir);
-        st = moept__atomic_write(path, moept__text_emit, &t);
+    return st;
+}
+
+/* A set's directory name: "save-<step>-<12 hex digits>", nothing that could
+   leave the checkpoint directory (the index names it; a hand-edited index
+   must not point elsewhere). */
+static int moept__ckpt_set_name_ok(const char *s) {
+    size_t n = strlen(s);
+    if (strncmp(s, "save-", 5) != 0 || n > 60) return 0;
+    for (size_t i = 5; i < n; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f') || s[i] == '-')) return 0;
+    return 1;
+}
+
+/* Removes a set directory: its rank files and their temporaries, then the
+   directory (left if anything else is in it). */
+static void moept__ckpt_rmset(const char *path) {
+    char file[4096];
+    DIR *s = opendir(path);
+    if (!s) return;
+    for (struct dirent *f; (f = readdir(s));)
+        if (strncmp(f->d_name, "rank-", 5) == 0) {
+            snprintf(file, sizeof file, "%s/%s", path, f->d_name);
+            unlink(file);
+        }
+    closedir(s);
+    rmdir(path);
+}
+
+/* After a commit: removes what superseded or killed saves left in `dir`,
+   sets other than `keep`, the index's temporaries and the rank files of the
+   older flat layout. Best effort: what cannot be removed stays, and is never
+   read (only the index's set is). */
+static void moept__ckpt_clean(const char *dir, const char *keep) {
+    char path[4096];
+    DIR *d = opendir(dir);
+    if (!d) return;
+    for (struct dirent *e; (e = readdir(d));) {
+        const char *n = e->d_name;
+        snprintf(path, sizeof path, "%s/%s", dir, n);
+        if (strncmp(n, "index.json.tmp.", 15) == 0 || strncmp(n, "rank-", 5) == 0) unlink(path);
+        else if (moept__ckpt_set_name_ok(n) && strcmp(n, keep) != 0) moept__ckpt_rmset(path);
     }
-    if (st) return moept__fail(L, st, "moept_save_checkpoint: %s", moept__thread_err);
+    closedir(d);
+}
+
+/* A value the layer's root (EP rank 0 of DP replica 0) chose, given to every
+   rank: the others add 0. */
+static moept_status moept__share(moept_layer *L, int64_t *v, const char *call) {
+    moept_status st = MOEPT_OK;
+    if (L->group && L->group->size > 1) st = L->group->allreduce(L->group, v, 1, MOEPT_DTYPE_I64);
+    if (!st && L->dp && L->dp->size > 1) st = L->dp->allreduce(L->dp, v, 1, MOEPT_DTYPE_I64);
+    if (st) return moept__fail(L, st, "%s: all-reduce failed: %s", call, L->group && L->group->err[0] ?
+                               L->group->err : L->dp ? L->dp->err : "");
     return MOEPT_OK;
 }
 
+static int64_t moept__nonce(void) {
+    static atomic_ulong calls;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t h = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 24) ^
+                 ((uint64_t)atomic_fetch_add(&calls, 1) << 44);
+    h *= 0x9e3779b97f4a7c15ull;
+    return (int64_t)((h ^ (h >> 31)) & 0xffffffffffffull); /* 48 bits: sums of one value and zeros */
+}
+
+/* Saves a training checkpoint as a set: every rank of DP replica 0 writes
+   its file into a new set directory, all agree that every file is whole,
+   then the root renames index.json (naming the set) into place: the one
+   commit point. Until then the previous set stays current and loadable; a
+   save killed anywhere leaves either the old set or the new one current.
+   After the commit the root removes the sets it superseded and any that
+   killed saves left behind. */
+moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
+    static const char *call = "moept_save_checkpoint";
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer is NULL", call);
+    moept_status local = MOEPT_OK;
+    if (!dir || strlen(dir) > 3000)
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: dir is %s", call, dir ? "too long" : "NULL");
+    else if (L->fsdp)
+        local = moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s: not in fsdp mode (the expert-parallel layer is the "
+                            "one that saves, loads and reshards)", call);
+    else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK && mkdir(dir, 0755) != 0 && errno != EEXIST)
+        local = moept__fail(L, MOEPT_ERR_IO, "%s: cannot create %s: %s", call, dir, strerror(errno));
+    moept_status st = moept__agree_call(L, L->group, L->dp, local, call);
+    const int root = L->rank == 0 && (!L->dp || L->dp->rank == 0), writer = !L->dp || L->dp->rank == 0;
+    int committed = 0;
+    int64_t nonce = root ? moept__nonce() : 0;
+    if (st || (st = moept__share(L, &nonce, call))) return st;
+    char fp[32], step[32], set[64], path[4096], meta[512];
+    moept__fp_hex(L, fp, sizeof fp);
+    snprintf(step, sizeof step, "%lld", (long long)L->opt_t);
+    snprintf(set, sizeof set, "save-%s-%012llx", step, (unsigned long long)nonce);
+    snprintf(path, sizeof path, "%s/%s", dir, set);
+    if (writer && (local = moept__ckpt_write_rank(L, path, fp, step)))
+        local = moept__fail(L, local, "%s: %s", call, moept__thread_err);
+    if (!(st = moept__agree_call(L, L->group, L->dp, local, "moept_save_checkpoint: files")) && root) {
+        snprintf(meta, sizeof meta, "{\"format\": \"moept-train-v1\", \"num_experts\": %lld, \"ep_size\": %d, "
+                 "\"fingerprint\": \"%s\", \"step\": %s, \"set\": \"%s\"}\n", (long long)L->E, L->P, fp, step,
+                 set);
+        moept__text t = {meta};
+        snprintf(path, sizeof path, "%s/index.json", dir);
+        if ((local = moept__atomic_write(path, moept__text_emit, &t))) /* <- the commit */
+            local = moept__fail(L, local, "%s: %s", call, moept__thread_err);
+        committed = !local;
+    }
+    if (!st) st = moept__agree_call(L, L->group, L->dp, local, "moept_save_checkpoint: commit");
+    if (committed) {
+        moept__ckpt_clean(dir, set);
+    } else if (root) { /* a failed save's set goes; the current one stays */
+        snprintf(path, sizeof path, "%s/%s", dir, set);
+        moept__ckpt_rmset(path);
+    }
+    return st;
+}
+
 /* index.json of a training checkpoint: the EP size it was saved at, the
-   config fingerprint and the step (-1 if absent: older indexes). Any size up
-   to MOEPT__INDEX_MAX is read whole (other keys may grow it). */
+   config fingerprint, the step (-1 if absent: older indexes) and the set
+   directory that holds the rank files ("" in the older flat layout: `dir`
+   itself). Any size up to MOEPT__INDEX_MAX is read whole (other keys may
+   grow it). */
 #define MOEPT__INDEX_MAX (1 << 20)
-static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn, int64_t *step) {
+static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn, int64_t *step,
+                                           char *set, size_t setn) {
     char path[4096];
     snprintf(path, sizeof path, "%s/index.json", dir);
     int fd, missing;
@@ -4013,7 +4172,8 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
     buf[size] = 0;
     moept__json j = {buf, buf + size, NULL};
     *ep = *step = -1;
-    fp[0] = 0;
+    fp[0] = set[0] = 0;
+    int set_ok = 1;
     int ok = moept__jchar(&j, '{');
     if (ok && !moept__jchar(&j, '}')) {
         do {
@@ -4025,12 +4185,18 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
                 char *v = moept__jstring(&j);
                 if (v) snprintf(fp, fpn, "%s", v);
                 ok = v != NULL;
+            } else if (strcmp(k, "set") == 0) {
+                char *v = moept__jstring(&j);
+                if (v) snprintf(set, setn, "%s", v);
+                ok = v != NULL;
+                set_ok = v && moept__ckpt_set_name_ok(v) && strlen(v) < setn;
             } else ok = moept__jskip(&j, 0);
         } while (ok && moept__jchar(&j, ','));
         ok = ok && moept__jchar(&j, '}');
     }
     MOEPT_FREE(buf);
     if (!ok || *ep < 1 || !fp[0]) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a moept checkpoint index", path);
+    if (!set_ok) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: \"set\" is not a set directory's name", path);
     return MOEPT_OK;
 }
 
@@ -4047,7 +4213,11 @@ static int64_t moept__ckpt_source(const moept_layer *L, const char *dir, const m
         int64_t r = k == 0 ? guess : k - 1;
         if (k > 0 && r == guess) continue;
         if (!files[r]) {
-            snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)r, (long long)P);
+            if (snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)r, (long long)P) >=
+                (int)sizeof path) {
+                *st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: path too long", dir);
+                return -1;
+            }
             if ((*st = moept_st_open(path, &files[r]))) return -1;
             *bytes += files[r]->bytes_read;
             const char *fmt = moept_st_meta(files[r], "format"), *fs = moept_st_meta(files[r], "step");
@@ -4093,11 +4263,11 @@ static moept_status moept__ckpt_verify(const moept_st_file *f, const char *dir, 
    nothing. */
 static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, float *stage, long long *t,
                                      int64_t *bytes) {
-    char fp[32], ffp[64], name[256];
+    char fp[32], ffp[64], name[256], set[64], base[4096];
     moept__fp_hex(L, fp, sizeof fp);
     int64_t P = 0, istep = -1;
     const size_t n = (size_t)L->n_params;
-    moept_status st = moept__read_ckpt_index(dir, &P, ffp, sizeof ffp, &istep);
+    moept_status st = moept__read_ckpt_index(dir, &P, ffp, sizeof ffp, &istep, set, sizeof set);
     if (st) return st;
     if (strcmp(ffp, fp) != 0)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s was saved with another config (fingerprint "
@@ -4105,6 +4275,8 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     if (P > L->E || L->E % P != 0)
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: EP size %lld does not divide E=%lld", dir,
                                   (long long)P, (long long)L->E);
+    if (snprintf(base, sizeof base, "%s%s%s", dir, set[0] ? "/" : "", set) >= (int)sizeof base) /* the index's set */
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: path too long", dir);
     moept_st_file **files = moept__alloc(NULL, (size_t)P * sizeof *files);
     if (!files) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory");
     for (int64_t r = 0; r < P; r++) files[r] = NULL;
@@ -4112,7 +4284,7 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     *t = -1;
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
-        int64_t src = moept__ckpt_source(L, dir, p, P, files, fp, t, bytes, &st);
+        int64_t src = moept__ckpt_source(L, base, p, P, files, fp, t, bytes, &st);
         if (src < 0) break;
         int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->params, cnt = p->rows * p->cols;
         for (int k = 0; k < (p->grad && *t > 0 ? 3 : 1) && !st; k++) {
@@ -4120,7 +4292,7 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
             else snprintf(name, sizeof name, "optimizer.%c.%s", k == 1 ? 'm' : 'v', p->name);
             const moept_st_tensor *tt = moept_st_find(files[src], name);
             if (!tt) {
-                st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: rank %lld's file has no tensor '%s'", dir,
+                st = moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: rank %lld's file has no tensor '%s'", base,
                                         (long long)src, name);
                 break;
             }
@@ -4128,13 +4300,13 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
             float *dst = stage + off + (int64_t)k * (int64_t)n;
             st = moept_st_read_f32(files[src], tt, dst, cnt);
             *bytes += files[src]->bytes_read - before;
-            if (!st) st = moept__ckpt_verify(files[src], dir, src, name, dst, cnt, k == 2);
+            if (!st) st = moept__ckpt_verify(files[src], base, src, name, dst, cnt, k == 2);
         }
     }
     for (int64_t r = 0; r < P; r++) moept_st_close(files[r]);
     MOEPT_FREE(files);
     if (!st && istep >= 0 && *t != istep) /* a save interrupted between the rank files and the index */
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: the rank files are of step %lld, index.json of step %lld", dir,
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: the rank files are of step %lld, index.json of step %lld", base,
                                 *t, (long long)istep);
     return st;
 }
@@ -4150,12 +4322,13 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     if (L->fsdp) /* the same on every rank: the config was agreed at create */
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_checkpoint: not in fsdp mode (the "
                            "expert-parallel layer is the one that saves, loads and reshards)");
-    MOEPT__HOST_SYNC(L, 1, 0);
     const size_t n = (size_t)L->n_params;
     int64_t bytes = 0; /* counted only if the load commits */
     float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float)), *opt = NULL;
     long long t = -1;
-    moept_status st = !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
+    moept_status st = moept__to_host(L, 1, 0); /* its message in L->err, kept below */
+    if (st) snprintf(moept__thread_err, sizeof moept__thread_err, "%s", L->err);
+    else st = !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
                       : !stage ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
                                : moept__ckpt_read(L, dir, stage, &t, &bytes);
     /* AdamW state the layer lacks: allocated before the agreement (counted at the commit) */

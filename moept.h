@@ -67,18 +67,38 @@
        (and their rows), and the time spent agreeing is time spent.
      - Under EP/DP, moept_forward, moept_backward, moept_sync_grads,
        moept_grad_norm, moept_update_bias, moept_adamw_step,
-       moept_load_checkpoint and moept_load_hf agree before they act (the
-       loads: every rank reads into a staging copy first): one
-       rank's rejection fails the call on every rank of the layer's groups
-       (the others with MOEPT_ERR_STATE, "other rank(s) rejected"), and
-       none waits in a collective a peer skipped. The agreements of the
-       calls after forward/backward carry a tag of the call and of the
-       layer's count of such calls: ranks making different calls there
-       all fail (MOEPT_ERR_STATE, "call sequences differ") instead of
-       running into each other's collectives. A forward on one rank against
-       a backward on another is not told apart: the threads and NCCL
-       backends end it at their timeout; MPI has none and waits. A NULL layer cannot take
-       part (it has no groups) and fails locally.
+       moept_save_checkpoint, moept_load_checkpoint and moept_load_hf are
+       collective: each rank checks its arguments (the loads: reads into a
+       staging copy), then all agree before anything changes. One rank's
+       rejection fails the call on every rank of the layer's groups (the
+       others with MOEPT_ERR_STATE, "other rank(s) rejected"), and none
+       waits in a collective a peer skipped. Each agreement carries a tag
+       of the call and of the layer's count of agreed calls: ranks making
+       different calls (forward on one, backward on another, or one call
+       more) all fail with MOEPT_ERR_STATE, "call sequences differ",
+       instead of running into each other's collectives, over every
+       backend. Not detected: a rank that makes no call at all (it died,
+       or skipped one): the threads and NCCL backends end the wait at their timeout
+       with an error on every waiting rank; MPI has no timeout and waits
+       (Open MPI's mpirun ends the job when a rank process dies). On the
+       CUDA executor forward and backward agree through their count
+       exchange and flag all-reduce without the tag (it would cost a host
+       synchronisation): a forward against a backward there ends at the
+       NCCL timeout. A NULL layer cannot take part (it has no groups) and
+       fails locally.
+     - Finite inputs that give a non-finite output or loss (an overflow in
+       the experts; a loss counts where its coefficient is > 0) fail the
+       forward on every rank with MOEPT_ERR_NUMERIC and the statistics
+       unchanged. The one exception to "left exactly as it was": the
+       experts' saved activations are that step's by then, so backward and
+       update_bias are refused until the next forward. (CPU executor; on
+       the CUDA executor the output is not checked, which would need a host
+       synchronisation.) A backward whose dx comes out non-finite from a
+       finite dy fails on every rank of the EP group with
+       MOEPT_ERR_NUMERIC; the gradients were accumulated in place by then
+       (not restored) and may hold non-finite values, which
+       moept_adamw_step and moept_grad_norm refuse on every rank until
+       moept_zero_grad: nothing non-finite reaches the parameters.
      - The library never prints, exits or aborts. Per-step work performs no
        allocation (checked through moept_stats.allocations).
      - Top-k ties go to the lower expert index; all sums are in a fixed order,
@@ -548,17 +568,24 @@ typedef struct moept_adamw {
    A non-finite gradient anywhere (on any rank of the groups) rejects the
    step with MOEPT_ERR_NUMERIC naming the parameter; nothing changes. */
 moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
-/* Training checkpoint in directory `dir` (created if needed): each rank
-   writes rank-R-of-P.safetensors (parameters under HF names, AdamW state,
-   correction bias, the step, a checksum per tensor), atomically; rank 0
-   also writes index.json with E, the EP size, the config fingerprint and
-   the step. Loading verifies all of it (each tensor's checksum where the
-   file has one, finiteness, AdamW's v >= 0, the step of every file and
-   of the index), agrees over the groups and restores the exact state, so
-   training resumes bitwise; a
+/* Training checkpoint in directory `dir` (created if needed), atomic as a
+   set. Each rank of DP replica 0 writes rank-R-of-P.safetensors
+   (parameters under HF names, AdamW state, correction bias, the step, a
+   checksum per tensor) into a new set directory dir/save-<step>-<nonce>/;
+   once every rank has written its file whole (agreed), rank 0 renames
+   dir/index.json into place (E, the EP size, the config fingerprint, the
+   step and the set's name): the one commit point. Until then the previous
+   set stays current; a save killed anywhere (one rank or all) leaves the
+   previous checkpoint or the new one, never a mix. After the commit rank 0
+   removes the superseded sets and what killed saves left; a failed save
+   removes its own set. Loading reads the set the index names (or, for
+   older checkpoints without a set, dir itself), verifies all of it (each
+   tensor's checksum where the file has one, finiteness, AdamW's v >= 0,
+   the step of every file and of the index), agrees over the groups and
+   restores the exact state, so training resumes bitwise; a
    checkpoint saved at EP size P loads into any EP size Q (P and Q dividing
    E): each rank reads only its experts' byte ranges from the files that
-   hold them. */
+   hold them. One job saves into a directory at a time. */
 moept_status moept_save_checkpoint(moept_layer *layer, const char *dir);
 moept_status moept_load_checkpoint(moept_layer *layer, const char *dir);
 

@@ -41,6 +41,10 @@ for n in 2 4 8; do
     suite "reference cases --ep $n (threads)" "$B/moept_check" --ep $n $CASES
 done
 suite "reference cases --ep 4 --chunks 3 (threads)" "$B/moept_check" --ep 4 --chunks 3 $CASES
+# kill -9 during saves: the newest checkpoint loads, verifies, replays (make stress: 50 kills)
+for m in one threads; do
+    suite "kill -9 loop ($m)" sh tests/crash.sh 5 $m
+done
 suite "test_ep" "$B/test_ep"
 suite "test_overlap" "$B/test_overlap"
 suite "test_fsdp" "$B/test_fsdp"
@@ -55,6 +59,9 @@ if [ -n "$MPIRUN" ]; then
     suite "reference cases --ep 4, MPI counts chunked (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi_chunked" --ep 4 $CASES
     for n in 1 2 4; do
         suite "test_overlap (mpirun -np $n)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/test_overlap_mpi"
+    done
+    for m in mpi mpi-one; do
+        suite "kill -9 loop ($m)" env MPIRUN="$MPIRUN" sh tests/crash.sh 5 $m
     done
     suite "train --ep 4 (mpirun -np 4)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/train_mpi" --ep 4 --steps 30 --quiet --csv "$B/train_mpi.csv"
 else

@@ -16,6 +16,19 @@ static moept_config fam_cfg(moept_family f) {
     return c;
 }
 
+/* rank r's file of the set the checkpoint in dir is at now ("" if none) */
+static const char *rank_file(const char *dir, int r, int P) {
+    static char path[3][512];
+    static int next;
+    char fp[64], set[64];
+    int64_t ep, step;
+    char *out = path[next++ % 3];
+    out[0] = 0;
+    if (moept__read_ckpt_index(dir, &ep, fp, sizeof fp, &step, set, sizeof set) == MOEPT_OK)
+        snprintf(out, 512, "%s/%s/rank-%d-of-%d.safetensors", dir, set, r, P);
+    return out;
+}
+
 static void test_hf_round_trip_all_families(void) {
     mkdir("build/ckpt_rt", 0755);
     for (int f = 0; f < 4; f++) {
@@ -78,7 +91,7 @@ static void test_load_failure_leaves_layer_unchanged(void) {
     mkdir("build/ckpt_part", 0755);
     EXPECT_OK(moept_save_checkpoint(L, "build/ckpt_part"));
     moept_st_file *f = NULL;
-    const char *rank = "build/ckpt_part/rank-0-of-1.safetensors";
+    const char *rank = rank_file("build/ckpt_part", 0, 1);
     EXPECT_OK(moept_st_open(rank, &f));
     if (f) {
         moept_st_writer *w = NULL;
@@ -307,19 +320,37 @@ static void test_ckpt_index_size_and_step(void) {
     moept_init_params(L, 5);
     mkdir("build/ckpt_idx", 0755);
     EXPECT_OK(moept_save_checkpoint(L, "build/ckpt_idx"));
-    char fp[32], *big = malloc(8192);
+    char fp[32], set[64], *big = malloc(8192);
+    int64_t ep, step;
     moept__fp_hex(L, fp, sizeof fp);
+    EXPECT_OK(moept__read_ckpt_index("build/ckpt_idx", &ep, fp, sizeof fp, &step, set, sizeof set));
     int n = snprintf(big, 8192, "{\"note\": \"");
     for (int i = 0; i < 6000; i++) big[n++] = 'x';
     snprintf(big + n, (size_t)(8192 - n), "\", \"format\": \"moept-train-v1\", \"ep_size\": 1, \"fingerprint\": \"%s\", "
-             "\"step\": 0}\n", fp);
+             "\"step\": 0, \"set\": \"%s\"}\n", fp, set);
     write_text("build/ckpt_idx/index.json", big);
     EXPECT_OK(moept_load_checkpoint(L, "build/ckpt_idx"));
-    snprintf(big, 8192, "{\"format\": \"moept-train-v1\", \"ep_size\": 1, \"fingerprint\": \"%s\", \"step\": 7}\n", fp);
+    snprintf(big, 8192, "{\"format\": \"moept-train-v1\", \"ep_size\": 1, \"fingerprint\": \"%s\", \"step\": 7, "
+             "\"set\": \"%s\"}\n", fp, set);
     write_text("build/ckpt_idx/index.json", big);
     moept_status st = moept_load_checkpoint(L, "build/ckpt_idx");
     EXPECT(st == MOEPT_ERR_FORMAT && strstr(moept_last_error(L), "step 7"), "index step 7, rank files step 0: %d (%s)",
            (int)st, moept_last_error(L));
+    /* an index naming a set outside the directory is refused */
+    snprintf(big, 8192, "{\"format\": \"moept-train-v1\", \"ep_size\": 1, \"fingerprint\": \"%s\", \"step\": 0, "
+             "\"set\": \"save-0/../../ckpt_part\"}\n", fp);
+    write_text("build/ckpt_idx/index.json", big);
+    st = moept_load_checkpoint(L, "build/ckpt_idx");
+    EXPECT(st == MOEPT_ERR_FORMAT && strstr(moept_last_error(L), "set"), "a set outside the directory: %d (%s)",
+           (int)st, moept_last_error(L));
+    /* the older flat layout (rank files beside an index without a set) loads */
+    char from[256], to[256];
+    snprintf(from, sizeof from, "build/ckpt_idx/%s/rank-0-of-1.safetensors", set);
+    snprintf(to, sizeof to, "build/ckpt_idx/rank-0-of-1.safetensors");
+    EXPECT(rename(from, to) == 0, "rename %s", from);
+    snprintf(big, 8192, "{\"format\": \"moept-train-v1\", \"ep_size\": 1, \"fingerprint\": \"%s\", \"step\": 0}\n", fp);
+    write_text("build/ckpt_idx/index.json", big);
+    EXPECT_OK(moept_load_checkpoint(L, "build/ckpt_idx"));
     free(big);
     moept_destroy(L);
 }
@@ -344,9 +375,10 @@ static void test_ckpt_payload_verified(void) {
     for (int64_t i = 0; i < L->n_params; i++) L->grads[i] = 0.01f * (float)(i % 7);
     moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     EXPECT_OK(moept_adamw_step(L, &opt)); /* m and v saved too */
-    const char *dir = "build/ckpt_verify", *rank = "build/ckpt_verify/rank-0-of-1.safetensors";
+    const char *dir = "build/ckpt_verify";
     mkdir(dir, 0755);
     EXPECT_OK(moept_save_checkpoint(L, dir));
+    const char *rank = rank_file(dir, 0, 1);
     EXPECT_OK(moept_load_checkpoint(L, dir));
     moept_st_file *f = NULL;
     EXPECT_OK(moept_st_open(rank, &f));
@@ -596,7 +628,7 @@ static void *collective_load_main(void *arg) {
     moept_init_params(L, 4); /* what a failed load must leave */
     float *before = malloc((size_t)L->n_params * 4);
     memcpy(before, L->params, (size_t)L->n_params * 4);
-    if (j->r == 1) truncate("build/ckpt_coll/rank-1-of-2.safetensors", 100);
+    if (j->r == 1) truncate(rank_file("build/ckpt_coll", 1, 2), 100);
     j->st[0] = moept_load_checkpoint(L, "build/ckpt_coll");
     snprintf(j->err[0], sizeof j->err[0], "%s", moept_last_error(L));
     j->st[1] = moept_load_hf(L, j->r ? "build/no_such_hf_dir" : "build/ckpt_coll_hf", 0);
@@ -615,23 +647,75 @@ static void test_loads_are_collective(void) {
     moept_init_params(W, 9);
     EXPECT_OK(moept_save_hf(W, "build/ckpt_coll_hf/model.safetensors", 0, 1));
     moept_destroy(W);
-    moept_thread_group *g = NULL;
-    moept_thread_group_create(2, 20000, &g);
     cl js[2];
-    pthread_t th[2];
-    for (int r = 0; r < 2; r++) {
-        memset(&js[r], 0, sizeof js[r]);
-        js[r].g = g; js[r].r = r;
-        pthread_create(&th[r], NULL, collective_load_main, &js[r]);
-    }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    tu_ranks(2, 20000, collective_load_main, js, sizeof js[0]);
     for (int r = 0; r < 2; r++) {
         for (int i = 0; i < 2; i++)
             EXPECT(js[r].st[i] != MOEPT_OK && (r == 1 || strstr(js[r].err[i], "other rank")),
                    "rank %d, %s: status %d (%s)", r, i ? "load_hf" : "load_checkpoint", (int)js[r].st[i], js[r].err[i]);
         EXPECT(!js[r].changed, "rank %d: a rejected load changed the parameters", r);
     }
+}
+
+/* Saves are collective and atomic as a set: at two EP ranks, rank 1
+   cannot write its file (its directory argument is a plain file), so every
+   rank fails, the new set is removed, and the previous checkpoint stays
+   current and loads with the previous parameters. A good save then makes
+   its set current and removes the old one and a killed save's leftover. */
+typedef struct cs { moept_thread_group *g; int r; moept_status st[3]; int same; char err[512]; } cs;
+static void *collective_save_main(void *arg) {
+    cs *j = arg;
+    moept_comm *c = NULL;
+    moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = fam_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *L = NULL;
+    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st[0] = MOEPT_ERR_STATE; return NULL; }
+    const char *dir = "build/ckpt_csave";
+    moept_init_params(L, 3);
+    j->st[0] = moept_save_checkpoint(L, dir);
+    float *saved = malloc((size_t)L->n_params * 4);
+    memcpy(saved, L->params, (size_t)L->n_params * 4);
+    moept_init_params(L, 4);
+    j->st[1] = moept_save_checkpoint(L, j->r ? "build/ckpt_csave_file" : dir);
+    snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
+    j->st[2] = moept_load_checkpoint(L, dir);
+    j->same = memcmp(saved, L->params, (size_t)L->n_params * 4) == 0;
+    free(saved);
+    moept_destroy(L);
+    return NULL;
+}
+static int count_sets(const char *dir) {
+    int n = 0;
+    DIR *d = opendir(dir);
+    for (struct dirent *e; d && (e = readdir(d));) n += strncmp(e->d_name, "save-", 5) == 0;
+    if (d) closedir(d);
+    return n;
+}
+static void test_saves_are_collective(void) {
+    mkdir("build/ckpt_csave", 0755);
+    write_text("build/ckpt_csave_file", "not a directory\n");
+    cs js[2];
+    tu_ranks(2, 20000, collective_save_main, js, sizeof js[0]);
+    for (int r = 0; r < 2; r++) {
+        EXPECT(js[r].st[0] == MOEPT_OK, "rank %d: the first save failed", r);
+        EXPECT(js[r].st[1] != MOEPT_OK && (r == 1 || strstr(js[r].err, "other rank")),
+               "rank %d: a save rank 1 could not write: status %d (%s)", r, (int)js[r].st[1], js[r].err);
+        EXPECT(js[r].st[2] == MOEPT_OK && js[r].same, "rank %d: the previous checkpoint did not load as saved", r);
+    }
+    EXPECT(count_sets("build/ckpt_csave") == 1, "%d sets after a failed save (its set not removed)",
+           count_sets("build/ckpt_csave"));
+    /* a killed save's leftover set, then a good save at one rank */
+    mkdir("build/ckpt_csave/save-9-00000000dead", 0755);
+    write_text("build/ckpt_csave/save-9-00000000dead/rank-0-of-2.safetensors", "torn");
+    moept_config cfg = fam_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create(&cfg, &L));
+    EXPECT_OK(moept_load_checkpoint(L, "build/ckpt_csave"));
+    EXPECT_OK(moept_save_checkpoint(L, "build/ckpt_csave"));
+    EXPECT(count_sets("build/ckpt_csave") == 1, "%d sets after a good save", count_sets("build/ckpt_csave"));
+    struct stat sb;
+    EXPECT(stat(rank_file("build/ckpt_csave", 0, 1), &sb) == 0, "the new set is not the index's");
+    moept_destroy(L);
 }
 
 static void test_checkpoint_across_ep_sizes(void) {
@@ -704,5 +788,6 @@ int main(void) {
     RUN(test_resume_is_bitwise);
     RUN(test_checkpoint_across_ep_sizes);
     RUN(test_loads_are_collective);
+    RUN(test_saves_are_collective);
     return tu_done();
 }

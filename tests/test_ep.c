@@ -494,12 +494,14 @@ static void test_group_calls_agree(void) {
     }
 }
 
-/* Ranks whose group calls differ (rank 0 sync_grads, rank 1 grad_norm):
-   the call's tag in the agreement tells them apart, so both fail with the
-   reason and nobody runs into the other's collective; the next matching
-   calls work. Before, both agreements matched and each rank went on into a
-   different collective. */
-typedef struct oj { moept_thread_group *g; int r; moept_status st, next; char err[MOEPT__ERRLEN]; } oj;
+/* Ranks whose group calls differ (rank 0 sync_grads, rank 1 grad_norm;
+   then rank 0 forward, rank 1 backward): the call's tag in the agreement
+   tells them apart, so both fail with the reason and nobody runs into the
+   other's collective; the next matching calls work. Before, both
+   agreements matched and each rank went on into a different collective
+   (forward against backward: the count exchange against an all-reduce,
+   until the threads timeout; over MPI, forever). */
+typedef struct oj { moept_thread_group *g; int r; moept_status st[2], next; char err[2][MOEPT__ERRLEN]; } oj;
 static void *order_main(void *arg) {
     oj *j = arg;
     moept_comm *c = NULL;
@@ -507,32 +509,97 @@ static void *order_main(void *arg) {
     moept_config cfg = cfg_of(MOEPT_FAMILY_MIXTRAL);
     cfg.max_tokens = 8;
     moept_layer *L = NULL;
-    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st = MOEPT_ERR_STATE; return NULL; }
+    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st[0] = j->st[1] = MOEPT_ERR_STATE; return NULL; }
     double norm;
-    j->st = j->r == 0 ? moept_sync_grads(L, 1.0f) : moept_grad_norm(L, &norm);
-    snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
+    j->st[0] = j->r == 0 ? moept_sync_grads(L, 1.0f) : moept_grad_norm(L, &norm);
+    snprintf(j->err[0], sizeof j->err[0], "%s", moept_last_error(L));
     j->next = moept_sync_grads(L, 1.0f);
     if (!j->next) j->next = moept_grad_norm(L, &norm);
+    float x[8 * 40], y[8 * 40], dx[8 * 40];
+    for (int i = 0; i < 8 * 40; i++) x[i] = 0.01f * (float)((i * 7 + j->r) % 13);
+    if (!j->next) j->next = moept_forward(L, x, 8, y);
+    j->st[1] = j->r == 0 ? moept_forward(L, x, 8, y) : moept_backward(L, x, x, dx);
+    snprintf(j->err[1], sizeof j->err[1], "%s", moept_last_error(L));
+    if (!j->next) j->next = moept_backward(L, x, x, dx);
     moept_destroy(L);
     moept_comm_destroy(c);
     return NULL;
 }
 static void test_call_order_mismatch(void) {
-    moept_thread_group *g;
-    moept_thread_group_create(2, 10000, &g);
     oj js[2];
-    pthread_t th[2];
+    tu_ranks(2, 10000, order_main, js, sizeof js[0]);
     for (int r = 0; r < 2; r++) {
-        memset(&js[r], 0, sizeof js[r]);
-        js[r].g = g; js[r].r = r;
-        pthread_create(&th[r], NULL, order_main, &js[r]);
-    }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
-    for (int r = 0; r < 2; r++) {
-        EXPECT(js[r].st == MOEPT_ERR_STATE && strstr(js[r].err, "call sequences differ"), "rank %d: status %d (%s)",
-               r, (int)js[r].st, js[r].err);
+        for (int k = 0; k < 2; k++)
+            EXPECT(js[r].st[k] == MOEPT_ERR_STATE && strstr(js[r].err[k], "call sequences differ"),
+                   "rank %d, %s: status %d (%s)", r, k ? "forward/backward" : "sync_grads/grad_norm",
+                   (int)js[r].st[k], js[r].err[k]);
         EXPECT(js[r].next == MOEPT_OK, "rank %d: the matching calls after failed", r);
+    }
+}
+
+/* Finite inputs, non-finite output: rank 1's x is +-1e30 (the
+   router's logits stay finite, the experts overflow). Every rank fails the
+   step with MOEPT_ERR_NUMERIC, the statistics stay as they were, backward
+   is refused, and the next good step works. Likewise a backward whose dx
+   overflows on rank 1 (x 1e4 times larger, dy 3e38) fails on both ranks. Before, the forward returned
+   OK with Inf in y and one AdamW step spread it to every parameter. */
+typedef struct nfj {
+    moept_thread_group *g;
+    int r, stats_same;
+    moept_status st, bwd, bst, next;
+    char err[MOEPT__ERRLEN], berr[MOEPT__ERRLEN];
+} nfj;
+static void *nonfinite_main(void *arg) {
+    nfj *j = arg;
+    moept_comm *c = NULL;
+    moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_QWEN2_MOE);
+    cfg.max_tokens = 8;
+    cfg.z_loss_coef = 0.0f; /* lse^2 overflows too: not part of the loss without it */
+    moept_layer *L = NULL;
+    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st = MOEPT_ERR_STATE; return NULL; }
+    moept_init_params(L, 5);
+    float x[8 * 40], y[8 * 40], dx[8 * 40];
+    for (int i = 0; i < 8 * 40; i++) x[i] = 0.01f * (float)((i * 7 + j->r) % 13);
+    moept_forward(L, x, 8, y);
+    moept_stats s0, s1;
+    moept_get_stats(L, &s0, NULL);
+    float huge[8 * 40];
+    for (int i = 0; i < 8 * 40; i++) huge[i] = j->r == 1 ? 1e30f * (i % 2 ? 1.0f : -1.0f) : x[i];
+    j->st = moept_forward(L, huge, 8, y);
+    snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
+    moept_get_stats(L, &s1, NULL);
+    j->stats_same = s0.steps == s1.steps && s0.routed_rows == s1.routed_rows && s0.aux_loss == s1.aux_loss &&
+                    s0.rows_sent == s1.rows_sent && s0.bytes_received == s1.bytes_received;
+    j->bwd = moept_backward(L, huge, x, dx);
+    j->next = moept_forward(L, x, 8, y);
+    /* the backward's output: rank 1's finite x * 1e4 and dy 3e38 overflow dx */
+    float big[8 * 40], xb[8 * 40];
+    for (int i = 0; i < 8 * 40; i++) {
+        big[i] = j->r == 1 ? 3e38f : x[i];
+        xb[i] = j->r == 1 ? 1e4f * x[i] : x[i];
+    }
+    if (!j->next) j->next = moept_forward(L, xb, 8, y);
+    if (!j->next) j->bst = moept_backward(L, xb, big, dx);
+    snprintf(j->berr, sizeof j->berr, "%s", moept_last_error(L));
+    moept_zero_grad(L);
+    if (!j->next) j->next = moept_forward(L, x, 8, y);
+    if (!j->next) j->next = moept_backward(L, x, x, dx);
+    moept_destroy(L);
+    moept_comm_destroy(c);
+    return NULL;
+}
+static void test_nonfinite_output_fails_every_rank(void) {
+    nfj js[2];
+    tu_ranks(2, 10000, nonfinite_main, js, sizeof js[0]);
+    for (int r = 0; r < 2; r++) {
+        EXPECT(js[r].st == MOEPT_ERR_NUMERIC && strstr(js[r].err, r ? "from finite inputs" : "other rank"),
+               "rank %d: status %d (%s)", r, (int)js[r].st, js[r].err);
+        EXPECT(js[r].stats_same, "rank %d: the rejected step changed the statistics", r);
+        EXPECT(js[r].bwd == MOEPT_ERR_STATE, "rank %d: backward of the rejected step: status %d", r, (int)js[r].bwd);
+        EXPECT(js[r].bst == MOEPT_ERR_NUMERIC && strstr(js[r].berr, r ? "from finite inputs" : "other rank"),
+               "rank %d: backward with dx overflowing on rank 1: status %d (%s)", r, (int)js[r].bst, js[r].berr);
+        EXPECT(js[r].next == MOEPT_OK, "rank %d: the good step after failed", r);
     }
 }
 
@@ -690,6 +757,7 @@ int main(void) {
     RUN(test_update_bias_ep);
     RUN(test_group_calls_agree);
     RUN(test_call_order_mismatch);
+    RUN(test_nonfinite_output_fails_every_rank);
     RUN(test_reshard_permutation);
     return tu_done();
 }

@@ -71,4 +71,25 @@ static inline double tu_maxrelerr(const float *a, const float *b, long long n) {
     }
     return den > 0 ? num / den : num;
 }
+#ifdef MOEPT_H
+#include <pthread.h>
+/* Runs fn on P thread ranks of one group, one job each: jobs is an array of
+   P structs of job_size bytes, each starting with the group and its rank
+   (`moept_thread_group *g; int r;`), filled in here after zeroing. */
+typedef struct tu_rank { moept_thread_group *g; int r; } tu_rank;
+static inline void tu_ranks(int P, int timeout_ms, void *(*fn)(void *), void *jobs, size_t job_size) {
+    moept_thread_group *g = NULL;
+    pthread_t th[16];
+    moept_thread_group_create(P, timeout_ms, &g);
+    for (int r = 0; r < P; r++) {
+        tu_rank *j = (tu_rank *)((char *)jobs + (size_t)r * job_size);
+        memset(j, 0, job_size);
+        j->g = g; j->r = r;
+        pthread_create(&th[r], NULL, fn, j);
+    }
+    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+}
+#endif
+
 #endif
