@@ -53,8 +53,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     } else { /* a training checkpoint index */
         put("index.json", data, size);
         int64_t ep, step;
-        char fp[32];
-        moept__read_ckpt_index(g_dir, &ep, fp, sizeof fp, &step);
+        char fp[32], set[64];
+        moept__read_ckpt_index(g_dir, &ep, fp, sizeof fp, &step, set, sizeof set);
     }
     return 0;
 }
