@@ -198,7 +198,7 @@ MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/
              $(B)/crash_save_mpi)
 
 test: all $(B)/crash_save $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) $(B)/tsan/test_ep $(B)/tsan/test_overlap
-	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" sh tests/run.sh
+	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" NVCC="$(NVCC)" sh tests/run.sh
 
 # the long runs: the kill -9 loop with 50 kills a mode (make test runs 5)
 STRESS_KILLS ?= 50

@@ -5,6 +5,21 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #define MOEPT_INTERNAL
+#if defined(__FAST_MATH__)
+/* -ffast-math (and -Ofast) assume no NaN or Inf (the input and output checks
+   vanish) and change exp and the softmax: every reference case fails */
+#error "moept.c must not be built with -ffast-math or -Ofast (its NaN/Inf checks and softmax depend on IEEE arithmetic); build this file with -O2 or -O3, the rest of the project may keep it"
+#endif
+/* Built without OpenMP, the `omp` pragmas are meant to be ignored (serial
+   loops); with clang's OpenMP, an `omp simd` loop it cannot vectorise (the
+   activation backward) is a note, not a fault. Neither may fail a -Werror
+   build of this file. */
+#if !defined(_OPENMP) && defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+#endif
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpass-failed"
+#endif
 #include "moept.h"
 
 #include <errno.h>
@@ -113,12 +128,6 @@ typedef struct moept__gemm_ws {
 typedef float moept__vf __attribute__((vector_size(MOEPT__VW * 4), aligned(4)));
 #endif
 
-static inline float moept__opa(const moept__gemm *g, int64_t i, int64_t p) {
-    return g->trans_a ? g->a[p * g->lda + i] : g->a[i * g->lda + p];
-}
-static inline float moept__opb(const moept__gemm *g, int64_t p, int64_t j) {
-    return g->trans_b ? g->b[j * g->ldb + p] : g->b[p * g->ldb + j];
-}
 
 /* packs rows [i0, i0+MR) x k [p0, p0+kc) of op(A) into dst[kc][MR] */
 static void moept__pack_a(const moept__gemm *g, int64_t i0, int64_t p0,
@@ -245,6 +254,7 @@ static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gem
     const int64_t MR = MOEPT__MR, NR = MOEPT__NR;
     int64_t mtotal = 0;
     for (int64_t d = 0; d < count; d++) mtotal += gs[d].m;
+    (void)mtotal; /* read only by the parallel region's condition */
     for (int64_t jc = 0; jc < g0->n; jc += MOEPT__NC) {
         int64_t nc = g0->n - jc < MOEPT__NC ? g0->n - jc : MOEPT__NC;
         int64_t nstrips = (nc + NR - 1) / NR;
@@ -1181,8 +1191,13 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     /* this rank's checks, agreed before the collective create */
     int bad = o.dtype != MOEPT_DTYPE_F32 && o.dtype != MOEPT_DTYPE_BF16;
     char why[MOEPT__ERRLEN] = "";
+    moept_status why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
     if (bad) snprintf(why, sizeof why, "moept_create_cuda: options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16");
-    else if (moept__cuda_device_count() < 1) { bad = 1; snprintf(why, sizeof why, "moept_create_cuda: no CUDA device"); }
+    else if (moept__cuda_device_count() < 1) {
+        bad = 1;
+        why_st = MOEPT_ERR_DEVICE;
+        snprintf(why, sizeof why, "moept_create_cuda: no CUDA device");
+    }
     else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
         bad = 1;
         snprintf(why, sizeof why, "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
@@ -1190,7 +1205,7 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     moept_status st;
     int64_t failed = moept__any_failed(ep, dp, bad, &st);
     if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
-    if (bad) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s", why);
+    if (bad) return moept__thread_fail(why_st, "%s", why);
     if (failed) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: another rank's options were rejected");
     /* every rank must run the same executor options (a rank that skips the
        backward's agreement would leave the others waiting) */

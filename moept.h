@@ -336,7 +336,9 @@ void moept_comm_destroy(moept_comm *c);
 
 /* ---- CUDA ------------------------------------------------------------
    A layer on a GPU (build with MOEPT_CUDA; without it moept_create_cuda
-   fails with MOEPT_ERR_UNSUPPORTED and moept_cuda_device_count is 0).
+   fails with MOEPT_ERR_UNSUPPORTED and moept_cuda_device_count is 0; with
+   it but no device, with MOEPT_ERR_DEVICE: a caller can fall back to
+   moept_create by status).
    Its moept_forward / moept_backward take DEVICE pointers x, y, dy, dx of
    options.dtype (F32, or BF16 passed as float* casts); the router, its
    logits, the losses, accumulation, master weights and gradients stay
@@ -720,10 +722,17 @@ MOEPT_HD static inline int moept__act_gated(int kind) {
     return kind == MOEPT_ACT_SILU_GATED || kind == MOEPT_ACT_GELU_GATED;
 }
 
+/* "omp simd" only where OpenMP is on: elsewhere compilers warn about (and
+   -Werror builds fail on) a pragma they ignore. */
+#ifdef _OPENMP
+#define MOEPT__OMP_SIMD _Pragma("omp simd")
+#else
+#define MOEPT__OMP_SIMD
+#endif
 /* A row of F hidden units: h is [gate | up] (gated, 2F) or [up] (F).
    The kind is a constant inside each loop, so the loops vectorise. */
 #define MOEPT__ACT_ROW_FWD(K)                                                    \
-    _Pragma("omp simd") for (int64_t j = 0; j < F; j++)                          \
+    MOEPT__OMP_SIMD for (int64_t j = 0; j < F; j++)                          \
         a[j] = moept__act_fwd1(K, h[j], moept__act_gated(K) ? h[F + j] : 0.0f)
 MOEPT_HD static inline void moept__act_fwd_row(int kind, const float *h, int64_t F, float *a) {
     switch (kind) {
@@ -735,7 +744,7 @@ MOEPT_HD static inline void moept__act_fwd_row(int kind, const float *h, int64_t
 }
 /* da[F] -> dh (layout of h; dh may alias h) */
 #define MOEPT__ACT_ROW_BWD(K)                                                    \
-    _Pragma("omp simd") for (int64_t j = 0; j < F; j++) {                        \
+    MOEPT__OMP_SIMD for (int64_t j = 0; j < F; j++) {                        \
         float dg_, du_;                                                          \
         moept__act_bwd1(K, h[j], moept__act_gated(K) ? h[F + j] : 0.0f, da[j],   \
                         &dg_, &du_);                                             \

@@ -27,6 +27,8 @@ suite() { # name, command...
 skip() { echo "skip - $1: $2" | tee -a "$B/results.txt"; }
 
 : >"$B/results.txt"
+# the builds users have: -Werror under gcc, clang, g++, clang++, nvcc; -Ofast refused
+suite "builds" sh tests/check_builds.sh "$NVCC"
 suite "reference cases" "$B/moept_check" $CASES
 for t in test_grad test_props test_errors test_ckpt; do
     suite "$t" "$B/$t"

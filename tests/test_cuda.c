@@ -530,7 +530,7 @@ static void test_no_device(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     moept_layer *L = (moept_layer *)1;
     moept_status st = moept_create_cuda(&cfg, NULL, NULL, NULL, &L);
-    EXPECT(st != MOEPT_OK && L == NULL, "created a CUDA layer without a device");
+    EXPECT(st == MOEPT_ERR_DEVICE && L == NULL, "without a device: status %d (MOEPT_ERR_DEVICE expected)", (int)st);
     EXPECT(strstr(moept_last_error(NULL), "no CUDA device") != NULL, "message: %s", moept_last_error(NULL));
 }
 

@@ -1,0 +1,42 @@
+#!/bin/sh
+# The builds users have: moept.c with -Wall -Wextra -Wpedantic -Werror under
+# gcc and clang, with and without OpenMP; moept.h alone under gcc, g++,
+# clang++ and nvcc (a .cu including it) with -Werror; and -Ofast refused
+# with a message (it would give wrong answers). One "ok/FAIL/skip" line each.
+# usage: sh tests/check_builds.sh [NVCC]
+out=${TMPDIR:-/tmp}/moept_builds.$$
+mkdir -p "$out"
+trap 'rm -rf "$out"' EXIT
+printf '#include "moept.h"\nint main(void) { return 0; }\n' >"$out/h.c"
+cp "$out/h.c" "$out/h.cc"
+cp "$out/h.c" "$out/h.cu"
+have() { command -v "$1" >/dev/null 2>&1; }
+try() { # name, command...
+    name=$1; shift
+    if "$@" >"$out/log" 2>&1; then echo "ok - $name"; else echo "FAIL - $name"; sed 's/^/    /' "$out/log" | head -20; fi
+}
+for cc in gcc clang; do
+    if ! have $cc; then echo "skip - $cc: not installed"; continue; fi
+    for omp in "" -fopenmp; do
+        try "$cc -Wall -Wextra -Wpedantic -Werror $omp moept.c" \
+            $cc -std=c11 -O2 -Wall -Wextra -Wpedantic -Werror $omp -c moept.c -o "$out/m.o"
+    done
+    try "$cc -Wpedantic -Werror moept.h" $cc -std=c11 -Wall -Wextra -Wpedantic -Werror -I. -c "$out/h.c" -o "$out/h.o"
+done
+for cxx in g++ clang++; do
+    if ! have $cxx; then echo "skip - $cxx: not installed"; continue; fi
+    try "$cxx -Wall -Wextra -Wpedantic -Werror moept.h" \
+        $cxx -std=c++11 -Wall -Wextra -Wpedantic -Werror -I. -c "$out/h.cc" -o "$out/h.o"
+done
+if [ -n "$1" ] && have "$1"; then
+    try "nvcc -Werror: a .cu including moept.h" "$1" -std=c++17 -Xcompiler -Wall,-Wextra,-Werror -I. -c "$out/h.cu" -o "$out/hcu.o"
+else
+    echo "skip - nvcc: not found (a .cu including moept.h was not compiled)"
+fi
+if gcc -Ofast -c moept.c -o "$out/fast.o" >"$out/log" 2>&1; then
+    echo "FAIL - -Ofast: moept.c built (it gives wrong answers; it must refuse)"
+elif grep -q "must not be built with -ffast-math" "$out/log"; then
+    echo "ok - -Ofast refused with the reason"
+else
+    echo "FAIL - -Ofast failed without the reason:"; head -5 "$out/log"
+fi
