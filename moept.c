@@ -393,6 +393,7 @@ struct moept_layer {
     int64_t T;             /* tokens of the committed forward, -1 none */
     int fwd_valid;
     int bwd_valid;         /* a backward ran since the last forward */
+    uint64_t x_fp;         /* the forward's x, fingerprinted: backward checks it got the same */
 
     /* expert parallel */
     moept_comm *ep, *dp;   /* NULL: a single rank */
@@ -496,6 +497,7 @@ struct moept_layer {
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
 static void moept__host_wrote(moept_layer *L, int params, int grads);
+static uint64_t moept__checksum(const float *v, int64_t n);
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
                                       const char *call);
 #define MOEPT__HOST_SYNC(L, p, g) do { moept_status st_ = moept__to_host((L), (p), (g)); if (st_) return st_; } while (0)
@@ -1813,6 +1815,22 @@ static moept_status moept__backward_chunked(moept_layer *L) {
    groups it spans. The experts' saved activations are this step's by now,
    so the forward state is dropped (backward and update_bias are refused
    until the next forward). */
+/* A fingerprint of x [T][D]: every element, in blocks hashed in parallel and
+   combined by XOR after mixing in each block's index (any order, same
+   result). Backward compares it with the forward's: another buffer, or x
+   changed in between (y written over x included), is refused. */
+static uint64_t moept__x_fingerprint(const float *x, int64_t n) {
+    const int64_t B = 1 << 16, nb = (n + B - 1) / B;
+    uint64_t h = (uint64_t)n * 0x9e3779b97f4a7c15ull;
+    #pragma omp parallel for schedule(static) reduction(^ : h) MOEPT__PAR(n)
+    for (int64_t b = 0; b < nb; b++) {
+        uint64_t v = moept__checksum(x + b * B, b + 1 < nb ? B : n - b * B) + (uint64_t)b * 0xff51afd7ed558ccdull;
+        v ^= v >> 33;
+        h ^= v * 0xc4ceb9fe1a85ec53ull;
+    }
+    return h;
+}
+
 static int moept__finite_d(double v) { return v == v && fabs(v) <= 3.4028234663852886e38; } /* as a float */
 static moept_status moept__forward_finite(moept_layer *L, const float *y, double aux, double z, int global) {
     int64_t bad = moept__first_nonfinite(y, L->T * L->D);
@@ -1950,6 +1968,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     const moept_stats stats_before = L->stats; /* restored if the output check fails */
     L->cur = nb;
     L->T = T;
+    L->x_fp = moept__x_fingerprint(x, T * D);
     L->fwd_valid = 1;
     L->bwd_valid = 0;
     { int64_t *t = L->counts; L->counts = L->counts_next; L->counts_next = t; }
@@ -2127,6 +2146,9 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
     else if (moept__overlaps(dx, x, (size_t)(T * D) * sizeof(float)))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, MOEPT__DX_ALIAS);
+    else if (moept__x_fingerprint(x, T * D) != L->x_fp)
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: x is not the last forward's x (another "
+                            "buffer, or changed since, e.g. by a y written over it)");
     else {
         int64_t bad = moept__first_nonfinite(dy, T * D);
         if (bad >= 0)

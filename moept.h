@@ -50,9 +50,13 @@
      - Gradients accumulate across moept_backward calls until
        moept_zero_grad (as in PyTorch). They are gradients of
            L = sum(y * dy) + aux_loss_coef * aux_loss + z_loss_coef * z_loss.
-     - moept_backward must be given the same x as the last moept_forward.
+     - moept_backward must be given the same x as the last moept_forward
+       (the same values): the CPU executor checks a fingerprint of every
+       element and rejects any other x with MOEPT_ERR_INVALID_ARGUMENT
+       (the CUDA executor does not check).
      - Aliasing: y may overlap x (every read of x comes before the first
-       write of y), dx may overlap dy (likewise); dx must not overlap x (the
+       write of y; x is then gone, so a backward needs its values from
+       elsewhere), dx may overlap dy (likewise); dx must not overlap x (the
        weight gradients read x after dx is written): rejected with
        MOEPT_ERR_INVALID_ARGUMENT, on both executors.
      - Every call returns a moept_status. On failure moept_last_error(layer)

@@ -222,6 +222,39 @@ static void test_aliasing(void) {
     moept_destroy(L);
 }
 
+/* Backward must get the forward's x: another buffer with other values, x
+   changed by one element since, or x overwritten by the forward's own y
+   (y over x) is rejected, the layer unchanged; the forward's x (or an
+   equal copy) then works. Before, each returned OK with wrong gradients. */
+static void test_backward_needs_forwards_x(void) {
+    moept_config c = good();
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 7);
+    enum { T = 12, N = 12 * 8 };
+    unsigned long long s = 9;
+    float x[N], dy[N], y[N], dx[N], b[N];
+    tu_fill(x, N, 1.0, &s);
+    tu_fill(dy, N, 1.0, &s);
+    EXPECT_OK(moept_forward(L, x, T, y));
+    snap before = take(L);
+    memcpy(b, x, sizeof b);
+    b[N - 1] += 1e-3f;
+    moept_status st = moept_backward(L, b, dy, dx);
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(L), "not the last forward's x"),
+           "one element changed: %d (%s)", (int)st, moept_last_error(L));
+    EXPECT(same(L, &before), "the rejected backward changed the layer");
+    drop(&before);
+    memcpy(b, x, sizeof b);
+    EXPECT_OK(moept_backward(L, b, dy, dx)); /* an equal copy is the same x */
+    memcpy(b, x, sizeof b);
+    EXPECT_OK(moept_forward(L, b, T, b));   /* y over x: x is gone */
+    st = moept_backward(L, b, dy, dx);
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT, "backward after y over x: %d (%s)", (int)st, moept_last_error(L));
+    EXPECT_OK(moept_backward(L, x, dy, dx)); /* the original values still differentiate it */
+    moept_destroy(L);
+}
+
 static void test_null_and_sizes(void) {
     moept_config c = good();
     moept_layer *L;
@@ -366,6 +399,7 @@ int main(void) {
     RUN(test_nonfinite_input_leaves_layer_unchanged);
     RUN(test_huge_capacity_factor);
     RUN(test_aliasing);
+    RUN(test_backward_needs_forwards_x);
     RUN(test_null_and_sizes);
     RUN(test_param_names);
     RUN(test_bad_files);
