@@ -8,7 +8,7 @@
 #if defined(__FAST_MATH__)
 /* -ffast-math (and -Ofast) assume no NaN or Inf (the input and output checks
    vanish) and change exp and the softmax: every reference case fails */
-#error "moept.c must not be built with -ffast-math or -Ofast (its NaN/Inf checks and softmax depend on IEEE arithmetic); build this file with -O2 or -O3, the rest of the project may keep it"
+#error "moept.c must not be built with -ffast-math or -Ofast (NaN/Inf checks, softmax): use -O2 or -O3 here"
 #endif
 /* Built without OpenMP, the `omp` pragmas are meant to be ignored (serial
    loops); with clang's OpenMP, an `omp simd` loop it cannot vectorise (the
