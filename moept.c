@@ -1810,46 +1810,60 @@ static moept_status moept__backward_chunked(moept_layer *L) {
     return moept__pipeline(L, &p);
 }
 
+/* One pass over x [n] (blocks in parallel, each read once while in cache):
+   the first non-finite element (-1 if none) and a fingerprint of every
+   element, the block hashes combined by XOR after mixing in each block's
+   index (any order, same result). Backward compares the fingerprint with
+   the forward's: another x, or x changed in between (y written over it
+   included), is refused. */
+static int64_t moept__x_scan(const float *x, int64_t n, uint64_t *fp) {
+    const int64_t B = 1 << 16, nb = (n + B - 1) / B;
+    uint64_t h = (uint64_t)n * 0x9e3779b97f4a7c15ull;
+    int64_t bad = n;
+    #pragma omp parallel for schedule(static) reduction(^ : h) reduction(min : bad) MOEPT__PAR(n)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t len = b + 1 < nb ? B : n - b * B, i = moept__first_nonfinite(x + b * B, len);
+        uint64_t v = moept__checksum(x + b * B, len) + (uint64_t)b * 0xff51afd7ed558ccdull;
+        v ^= v >> 33;
+        h ^= v * 0xc4ceb9fe1a85ec53ull;
+        if (i >= 0 && b * B + i < bad) bad = b * B + i;
+    }
+    *fp = h;
+    return bad < n ? bad : -1;
+}
+
+/* A call's output out [T][D] (or a loss, found by the caller: `local`)
+   non-finite from finite inputs: the call fails on every rank of the EP
+   group and dp, each with `after` said (what the caller must do next). */
+static moept_status moept__agree_finite(moept_layer *L, const char *call, const char *out, const float *v,
+                                        moept_status local, moept_comm *dp, const char *after) {
+    int64_t bad = local ? -1 : moept__first_nonfinite(v, L->T * L->D), failed;
+    moept_status st;
+    if (bad >= 0)
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "%s: %s[%lld][%lld] is not finite from finite inputs (an "
+                            "overflow?); %s", call, out, (long long)(bad / L->D), (long long)(bad % L->D), after);
+    failed = moept__any_failed(L->group, dp, local != MOEPT_OK, &st);
+    if (st) return moept__fail(L, st, "%s: output agreement failed: %s", call, L->group ? L->group->err : dp->err);
+    if (failed && !local)
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "%s: %lld other rank(s) had a non-finite %s or loss; %s", call,
+                            (long long)failed, out, after);
+    return local;
+}
+
+static int moept__finite_d(double v) { return v == v && fabs(v) <= 3.4028234663852886e38; } /* as a float */
 /* Finite inputs can still give a non-finite output or loss (an overflow in
    the experts or the shared expert): the step fails on every rank of the
    groups it spans. The experts' saved activations are this step's by now,
    so the forward state is dropped (backward and update_bias are refused
    until the next forward). */
-/* A fingerprint of x [T][D]: every element, in blocks hashed in parallel and
-   combined by XOR after mixing in each block's index (any order, same
-   result). Backward compares it with the forward's: another buffer, or x
-   changed in between (y written over x included), is refused. */
-static uint64_t moept__x_fingerprint(const float *x, int64_t n) {
-    const int64_t B = 1 << 16, nb = (n + B - 1) / B;
-    uint64_t h = (uint64_t)n * 0x9e3779b97f4a7c15ull;
-    #pragma omp parallel for schedule(static) reduction(^ : h) MOEPT__PAR(n)
-    for (int64_t b = 0; b < nb; b++) {
-        uint64_t v = moept__checksum(x + b * B, b + 1 < nb ? B : n - b * B) + (uint64_t)b * 0xff51afd7ed558ccdull;
-        v ^= v >> 33;
-        h ^= v * 0xc4ceb9fe1a85ec53ull;
-    }
-    return h;
-}
-
-static int moept__finite_d(double v) { return v == v && fabs(v) <= 3.4028234663852886e38; } /* as a float */
 static moept_status moept__forward_finite(moept_layer *L, const float *y, double aux, double z, int global) {
-    int64_t bad = moept__first_nonfinite(y, L->T * L->D);
-    moept_status local = MOEPT_OK, st;
-    int zbad = 0; /* losses count only where they are part of the objective */
-    if (bad >= 0)
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: y[%lld][%lld] is not finite from finite inputs "
-                            "(an overflow in the experts?); the step is rejected, run forward again",
-                            (long long)(bad / L->D), (long long)(bad % L->D));
-    else if ((L->cfg.aux_loss_coef > 0.0f && !moept__finite_d(aux)) || (zbad = L->cfg.z_loss_coef > 0.0f &&
-                                                                      !moept__finite_d(z)))
+    static const char *after = "the step is rejected, run forward again";
+    moept_status local = MOEPT_OK; /* losses count only where they are part of the objective */
+    int zbad = L->cfg.z_loss_coef > 0.0f && !moept__finite_d(z);
+    if (zbad || (L->cfg.aux_loss_coef > 0.0f && !moept__finite_d(aux)))
         local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: the %s loss is not finite from finite inputs; "
-                            "the step is rejected, run forward again", zbad ? "z" : "aux");
-    int64_t failed = moept__any_failed(L->group, global ? L->dp : NULL, local != MOEPT_OK, &st);
-    if (st) local = moept__fail(L, st, "moept_forward: output agreement failed: %s", L->group ? L->group->err :
-                                L->dp->err);
-    else if (failed && !local)
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: %lld other rank(s) had a non-finite output or "
-                            "loss; the step is rejected, run forward again", (long long)failed);
+                            "%s", zbad ? "z" : "aux", after);
+    local = moept__agree_finite(L, "moept_forward", "y", y, local, global ? L->dp : NULL, after);
     if (local) L->fwd_valid = 0;
     return local;
 }
@@ -1873,8 +1887,9 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
                             (long long)T, (long long)L->Tmax);
     else if (T > 0 && (!x || !y))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: %s is NULL", x ? "y" : "x");
+    uint64_t x_fp = 0;
     if (!local) {
-        int64_t bad = moept__first_nonfinite(x, T * D);
+        int64_t bad = moept__x_scan(x, T * D, &x_fp);
         if (bad >= 0)
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
@@ -1968,7 +1983,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     const moept_stats stats_before = L->stats; /* restored if the output check fails */
     L->cur = nb;
     L->T = T;
-    L->x_fp = moept__x_fingerprint(x, T * D);
+    L->x_fp = x_fp;
     L->fwd_valid = 1;
     L->bwd_valid = 0;
     { int64_t *t = L->counts; L->counts = L->counts_next; L->counts_next = t; }
@@ -2117,18 +2132,8 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
    place by then and may hold non-finite values: moept_adamw_step and
    moept_grad_norm refuse them until moept_zero_grad. */
 static moept_status moept__backward_finite(moept_layer *L, const float *dx) {
-    int64_t bad = moept__first_nonfinite(dx, L->T * L->D);
-    moept_status local = MOEPT_OK, st;
-    if (bad >= 0)
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dx[%lld][%lld] is not finite from finite inputs "
-                            "(an overflow in the backward?); the gradients may hold non-finite values: zero them",
-                            (long long)(bad / L->D), (long long)(bad % L->D));
-    int64_t failed = moept__any_failed(L->group, NULL, local != MOEPT_OK, &st);
-    if (st) local = moept__fail(L, st, "moept_backward: output agreement failed: %s", L->group->err);
-    else if (failed && !local)
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: %lld other rank(s) had a non-finite dx; the "
-                            "gradients may hold non-finite values: zero them", (long long)failed);
-    return local;
+    return moept__agree_finite(L, "moept_backward", "dx", dx, MOEPT_OK, NULL,
+                               "the gradients may hold non-finite values: zero them");
 }
 
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
@@ -2138,6 +2143,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
 #endif
     /* local checks, then (EP) agreement so no rank is left waiting */
     moept_status local = MOEPT_OK, st;
+    uint64_t x_fp = 0;
     const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
     if (!L->fwd_valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
     else if (L->bwd_valid) /* the step's saved activations were consumed in place */
@@ -2146,7 +2152,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
     else if (moept__overlaps(dx, x, (size_t)(T * D) * sizeof(float)))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, MOEPT__DX_ALIAS);
-    else if (moept__x_fingerprint(x, T * D) != L->x_fp)
+    else if (moept__x_scan(x, T * D, &x_fp) >= 0 || x_fp != L->x_fp)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: x is not the last forward's x (another "
                             "buffer, or changed since, e.g. by a y written over it)");
     else {
@@ -4342,7 +4348,7 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     }
     for (int64_t r = 0; r < P; r++) moept_st_close(files[r]);
     MOEPT_FREE(files);
-    if (!st && istep >= 0 && *t != istep) /* a save interrupted between the rank files and the index */
+    if (!st && istep >= 0 && *t != istep) /* an edited index, or an older flat checkpoint's torn save */
         st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: the rank files are of step %lld, index.json of step %lld", base,
                                 *t, (long long)istep);
     return st;
@@ -4363,15 +4369,14 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     int64_t bytes = 0; /* counted only if the load commits */
     float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float)), *opt = NULL;
     long long t = -1;
-    moept_status st = moept__to_host(L, 1, 0); /* its message in L->err, kept below */
-    if (st) snprintf(moept__thread_err, sizeof moept__thread_err, "%s", L->err);
-    else st = !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
+    moept_status local = moept__to_host(L, 1, 0); /* its message in L->err */
+    moept_status st = local ? local : !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
                       : !stage ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
                                : moept__ckpt_read(L, dir, stage, &t, &bytes);
     /* AdamW state the layer lacks: allocated before the agreement (counted at the commit) */
     if (!st && t > 0 && !L->opt_m && !(opt = moept__alloc(NULL, 2 * n * sizeof(float))))
         st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
-    moept_status local = st ? moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err) : MOEPT_OK;
+    if (st && !local) local = moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
     if ((st = moept__agree_call(L, L->group, L->dp, local, "moept_load_checkpoint"))) {
         MOEPT_FREE(stage);
         MOEPT_FREE(opt);

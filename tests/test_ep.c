@@ -415,6 +415,16 @@ static void test_update_bias_ep(void) {
    in its own gradients at adamw_step, fails every rank (the bad one with its
    reason, the others with "rejected"), nobody hangs, and the gradients, bias,
    parameters and optimizer step are as before; then the good calls run. */
+/* A thread rank's comm and layer (8 tokens) of cfg; NULL if create failed */
+static moept_layer *rank_layer(const void *rank_job, moept_config cfg, moept_comm **c) {
+    const tu_rank *j = rank_job;
+    moept_layer *L = NULL;
+    *c = NULL;
+    moept_comm_threads(j->g, j->r, c);
+    cfg.max_tokens = 8;
+    return moept_create_parallel(&cfg, *c, NULL, &L) ? NULL : L;
+}
+
 typedef struct aj {
     moept_thread_group *g;
     int r;
@@ -424,12 +434,9 @@ typedef struct aj {
 } aj;
 static void *agree_main(void *arg) {
     aj *j = arg;
-    moept_comm *c = NULL;
-    moept_comm_threads(j->g, j->r, &c);
-    moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
-    cfg.max_tokens = 8;
-    moept_layer *L = NULL;
-    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st[0] = MOEPT_ERR_STATE; return NULL; }
+    moept_comm *c;
+    moept_layer *L = rank_layer(j, cfg_of(MOEPT_FAMILY_DEEPSEEK_V3), &c);
+    if (!L) { j->st[0] = MOEPT_ERR_STATE; return NULL; }
     moept_init_params(L, 2);
     float x[8 * 40], y[8 * 40], dx[8 * 40];
     unsigned long long s = 5 + (unsigned long long)j->r;
@@ -473,13 +480,8 @@ static void *agree_main(void *arg) {
 }
 
 static void test_group_calls_agree(void) {
-    moept_thread_group *g;
-    moept_thread_group_create(2, 10000, &g);
     aj js[2];
-    pthread_t th[2];
-    for (int r = 0; r < 2; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; pthread_create(&th[r], NULL, agree_main, &js[r]); }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    tu_ranks(2, 10000, agree_main, js, sizeof js[0]);
     const char *call[4] = {"sync_grads", "grad_norm", "update_bias", "adamw_step"};
     for (int r = 0; r < 2; r++) {
         for (int k = 0; k < 4; k++) {
@@ -504,12 +506,9 @@ static void test_group_calls_agree(void) {
 typedef struct oj { moept_thread_group *g; int r; moept_status st[2], next; char err[2][MOEPT__ERRLEN]; } oj;
 static void *order_main(void *arg) {
     oj *j = arg;
-    moept_comm *c = NULL;
-    moept_comm_threads(j->g, j->r, &c);
-    moept_config cfg = cfg_of(MOEPT_FAMILY_MIXTRAL);
-    cfg.max_tokens = 8;
-    moept_layer *L = NULL;
-    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st[0] = j->st[1] = MOEPT_ERR_STATE; return NULL; }
+    moept_comm *c;
+    moept_layer *L = rank_layer(j, cfg_of(MOEPT_FAMILY_MIXTRAL), &c);
+    if (!L) { j->st[0] = j->st[1] = MOEPT_ERR_STATE; return NULL; }
     double norm;
     j->st[0] = j->r == 0 ? moept_sync_grads(L, 1.0f) : moept_grad_norm(L, &norm);
     snprintf(j->err[0], sizeof j->err[0], "%s", moept_last_error(L));
@@ -551,13 +550,11 @@ typedef struct nfj {
 } nfj;
 static void *nonfinite_main(void *arg) {
     nfj *j = arg;
-    moept_comm *c = NULL;
-    moept_comm_threads(j->g, j->r, &c);
     moept_config cfg = cfg_of(MOEPT_FAMILY_QWEN2_MOE);
-    cfg.max_tokens = 8;
     cfg.z_loss_coef = 0.0f; /* lse^2 overflows too: not part of the loss without it */
-    moept_layer *L = NULL;
-    if (moept_create_parallel(&cfg, c, NULL, &L)) { j->st = MOEPT_ERR_STATE; return NULL; }
+    moept_comm *c;
+    moept_layer *L = rank_layer(j, cfg, &c);
+    if (!L) { j->st = MOEPT_ERR_STATE; return NULL; }
     moept_init_params(L, 5);
     float x[8 * 40], y[8 * 40], dx[8 * 40];
     for (int i = 0; i < 8 * 40; i++) x[i] = 0.01f * (float)((i * 7 + j->r) % 13);
