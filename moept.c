@@ -524,6 +524,13 @@ static const char *moept__family_name(int f) {
     return "?";
 }
 
+moept_config moept_config_default(moept_family family) {
+    moept_config c;
+    memset(&c, 0, sizeof c);
+    c.family = family;
+    return c;
+}
+
 /* Validates and resolves defaults. Writes a message naming the field. */
 static moept_status moept__resolve(const moept_config *in, moept_config *c) {
     *c = *in;
@@ -538,8 +545,12 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
         MOEPT__BAD("config.num_experts: %lld must be in 1..65536", (long long)c->num_experts);
     if (c->top_k <= 0 || c->top_k > c->num_experts)
         MOEPT__BAD("config.top_k: %lld must be in 1..num_experts (%lld)", (long long)c->top_k, (long long)c->num_experts);
-    if (c->norm_topk_prob != 0 && c->norm_topk_prob != 1)
-        MOEPT__BAD("config.norm_topk_prob: %d must be 0 or 1", c->norm_topk_prob);
+    if (c->norm_topk_prob < MOEPT_NORM_OFF || c->norm_topk_prob > MOEPT_NORM_ON)
+        MOEPT__BAD("config.norm_topk_prob: %d must be 1 (on), -1 (off) or 0 (the family's default)",
+                   c->norm_topk_prob);
+    if (c->norm_topk_prob == MOEPT_NORM_DEFAULT) /* as transformers' blocks and configs */
+        c->norm_topk_prob = c->family == MOEPT_FAMILY_MIXTRAL || c->family == MOEPT_FAMILY_DEEPSEEK_V3;
+    else c->norm_topk_prob = c->norm_topk_prob == MOEPT_NORM_ON;
     if ((unsigned)c->activation > MOEPT_ACT_RELU)
         MOEPT__BAD("config.activation: %d is not a moept_activation", (int)c->activation);
     if (c->shared_intermediate_size < 0 || c->shared_intermediate_size > (1 << 20))
@@ -1478,12 +1489,16 @@ static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
     L->stats.bytes_received += r->bytes_received;
 }
 
+static int64_t moept__call_tag(const moept_layer *L, const char *call);
+
 static moept_status moept__cuda_layer_forward(moept_layer *L, const float *x, int64_t T, float *y) {
     moept_status st = moept__to_device(L);
     if (st) return st;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
+    r.tag = moept__call_tag(L, "moept_forward");
     st = moept__cuda_forward((moept__cuda *)L->cuda, x, T, y, L->lstat, L->peer_rows, &r, L->err);
+    L->agreed_calls += r.agreed;
     if (st) return st;
     const int64_t E = L->E;
     L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; L->cuda_routing = 0;
@@ -1515,7 +1530,9 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     if (st) return st;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
+    r.tag = moept__call_tag(L, "moept_backward");
     st = moept__cuda_backward((moept__cuda *)L->cuda, x, dy, dx, &r, L->err);
+    L->agreed_calls += r.agreed;
     if (st) return st;
     moept__cuda_stats(L, &r);
     L->bwd_valid = 1;
@@ -3726,6 +3743,284 @@ static int moept__jskip(moept__json *j, int depth) {
     while (j->p < j->end && strchr("+-0123456789.eEtrufalsn", *j->p)) j->p++;
     if (j->p == s) { j->err = "unexpected character"; return 0; }
     return 1;
+}
+
+/* A JSON number, in any locale (strtod's decimal point is the locale's):
+   up to 19 significant digits scaled by a power of ten, enough for a
+   float's value. */
+static int moept__jnum(moept__json *j, double *out) {
+    moept__ws(j);
+    const char *p = j->p, *e = j->end;
+    int neg = p < e && *p == '-', nd = 0, dexp = 0, x = 0, xneg = 0;
+    p += neg;
+    if (p >= e || *p < '0' || *p > '9') { j->err = "expected a number"; return 0; }
+    uint64_t m = 0;
+    for (; p < e && *p >= '0' && *p <= '9'; p++)
+        if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; } else dexp++;
+    if (p < e && *p == '.') {
+        if (++p >= e || *p < '0' || *p > '9') { j->err = "expected a digit"; return 0; }
+        for (; p < e && *p >= '0' && *p <= '9'; p++)
+            if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; dexp--; }
+    }
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < e && (*p == '+' || *p == '-')) xneg = *p++ == '-';
+        if (p >= e || *p < '0' || *p > '9') { j->err = "expected an exponent"; return 0; }
+        for (; p < e && *p >= '0' && *p <= '9'; p++) x = x < 10000 ? x * 10 + (*p - '0') : x;
+    }
+    dexp += xneg ? -x : x;
+    if (dexp < -400) dexp = -400;
+    if (dexp > 400) dexp = 400;
+    double v = (double)m;
+    v = dexp >= 0 ? v * pow(10.0, dexp) : v / pow(10.0, -dexp);
+    *out = neg ? -v : v;
+    j->p = (char *)p;
+    return 1;
+}
+
+/* config.json's top-level keys: numbers (true/false as 1/0), null,
+   strings, and the raw text of arrays (read when asked for). */
+#define MOEPT__HF_KEYS 512
+#define MOEPT__CONFIG_MAX (1 << 20)
+enum { MOEPT__HK_NUM, MOEPT__HK_NULL, MOEPT__HK_STR, MOEPT__HK_ARR, MOEPT__HK_OTHER };
+typedef struct moept__hfconf {
+    const char *path;
+    int n;
+    char *key[MOEPT__HF_KEYS], *str[MOEPT__HF_KEYS];
+    int kind[MOEPT__HF_KEYS];
+    double num[MOEPT__HF_KEYS];
+} moept__hfconf;
+
+static int moept__hf_value(moept__json *j, moept__hfconf *h, int i) {
+    moept__ws(j);
+    if (j->p >= j->end) return 0;
+    char c = *j->p;
+    h->str[i] = j->p;
+    if (c == '"') { h->kind[i] = MOEPT__HK_STR; return (h->str[i] = moept__jstring(j)) != NULL; }
+    if (c == '[') { h->kind[i] = MOEPT__HK_ARR; return moept__jskip(j, 0); }
+    if (c == '{') { h->kind[i] = MOEPT__HK_OTHER; return moept__jskip(j, 0); }
+    static const char *words[3] = {"true", "false", "null"};
+    for (int w = 0; w < 3; w++)
+        if (j->end - j->p >= (ptrdiff_t)strlen(words[w]) && memcmp(j->p, words[w], strlen(words[w])) == 0) {
+            j->p += strlen(words[w]);
+            h->kind[i] = w == 2 ? MOEPT__HK_NULL : MOEPT__HK_NUM;
+            h->num[i] = w == 0;
+            return 1;
+        }
+    h->kind[i] = MOEPT__HK_NUM;
+    return moept__jnum(j, &h->num[i]);
+}
+
+static moept_status moept__hf_parse(moept__hfconf *h, char *buf, int64_t size) {
+    moept__json j = {buf, buf + size, NULL};
+    int ok = moept__jchar(&j, '{');
+    if (ok && !moept__jchar(&j, '}')) {
+        do {
+            if (h->n == MOEPT__HF_KEYS) { j.err = "too many keys"; ok = 0; break; }
+            char *k = moept__jstring(&j);
+            ok = k && moept__jchar(&j, ':') && moept__hf_value(&j, h, h->n);
+            if (ok) h->key[h->n++] = k;
+        } while (ok && moept__jchar(&j, ','));
+        ok = ok && moept__jchar(&j, '}');
+    }
+    if (!ok) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object (%s)", h->path, j.err ? j.err : "");
+    return MOEPT_OK;
+}
+
+static int moept__hf_key(const moept__hfconf *h, const char *key) {
+    for (int i = 0; i < h->n; i++)
+        if (strcmp(h->key[i], key) == 0) return i;
+    return -1;
+}
+
+/* An integer key in lo..hi; absent or null: dflt (-1: required) */
+static moept_status moept__hf_int(const moept__hfconf *h, const char *key, int64_t dflt, int64_t lo, int64_t hi,
+                                  int64_t *out) {
+    int i = moept__hf_key(h, key);
+    if (i < 0 || h->kind[i] == MOEPT__HK_NULL) {
+        if (dflt < 0) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" is missing", h->path, key);
+        *out = dflt;
+        return MOEPT_OK;
+    }
+    double v = h->num[i];
+    if (h->kind[i] != MOEPT__HK_NUM || v != floor(v) || v < (double)lo || v > (double)hi)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be an integer in %lld..%lld", h->path, key,
+                                  (long long)lo, (long long)hi);
+    *out = (int64_t)v;
+    return MOEPT_OK;
+}
+
+static moept_status moept__hf_float(const moept__hfconf *h, const char *key, double dflt, float *out) {
+    int i = moept__hf_key(h, key);
+    double v = i < 0 || h->kind[i] == MOEPT__HK_NULL ? dflt : h->num[i];
+    if ((i >= 0 && h->kind[i] != MOEPT__HK_NUM && h->kind[i] != MOEPT__HK_NULL) || !(fabs(v) <= 3.4e38))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be a finite number", h->path, key);
+    *out = (float)v;
+    return MOEPT_OK;
+}
+
+static const char *moept__hf_str(const moept__hfconf *h, const char *key, const char *dflt) {
+    int i = moept__hf_key(h, key);
+    return i >= 0 && h->kind[i] == MOEPT__HK_STR ? h->str[i] : i >= 0 && h->kind[i] != MOEPT__HK_NULL ? "" : dflt;
+}
+
+/* Qwen's mlp_only_layers: is `layer` listed (a list of integers)? */
+static moept_status moept__hf_listed(const moept__hfconf *h, const char *key, int64_t layer, int *listed) {
+    int i = moept__hf_key(h, key);
+    *listed = 0;
+    if (i < 0 || h->kind[i] == MOEPT__HK_NULL) return MOEPT_OK;
+    moept__json j = {h->str[i] + 1, h->str[i] + strlen(h->str[i]), NULL}; /* the text after '[' */
+    int ok = h->kind[i] == MOEPT__HK_ARR;
+    if (ok && !moept__jchar(&j, ']')) {
+        do {
+            int64_t v;
+            ok = moept__juint(&j, &v);
+            if (ok && v == layer) *listed = 1;
+        } while (ok && moept__jchar(&j, ','));
+        ok = ok && moept__jchar(&j, ']');
+    }
+    if (!ok)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be a list of layer numbers", h->path, key);
+    return MOEPT_OK;
+}
+
+/* The model's sizes and routing for one layer; the MoE-or-dense rules are
+   transformers': qwen2/qwen3 (layer + 1) % decoder_sparse_step == 0 and not
+   in mlp_only_layers; deepseek_v3 layer >= first_k_dense_replace (and, as
+   DeepSeek's own code, layer % moe_layer_freq == 0). Absent non-size keys
+   take transformers' class defaults. */
+static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moept_config *c) {
+    const char *mt = moept__hf_str(h, "model_type", NULL), *P = h->path;
+    int64_t E, K, L, v, ng = 1, tg = 1, dense = 0, shared = 0;
+    moept_status st;
+    if (!mt) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"model_type\" is missing", P);
+    int qwen3 = strcmp(mt, "qwen3_moe") == 0, ds = strcmp(mt, "deepseek_v3") == 0;
+    const char *ekey = "num_experts", *fkey = "moe_intermediate_size";
+    if (strcmp(mt, "mixtral") == 0) {
+        c->family = MOEPT_FAMILY_MIXTRAL;
+        ekey = "num_local_experts";
+        fkey = "intermediate_size";
+    }
+    else if (strcmp(mt, "qwen2_moe") == 0 || qwen3) { /* transformers 5 writes qwen3's count as num_local_experts */
+        c->family = MOEPT_FAMILY_QWEN2_MOE;
+        int a = moept__hf_key(h, "num_experts"), b = moept__hf_key(h, "num_local_experts");
+        if (a >= 0 && b >= 0 && h->kind[a] == MOEPT__HK_NUM && h->kind[b] == MOEPT__HK_NUM && h->num[a] != h->num[b])
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"num_experts\" and \"num_local_experts\" "
+                                      "differ", P);
+        if (a < 0 && b >= 0) ekey = "num_local_experts";
+    }
+    else if (strcmp(mt, "olmoe") == 0) { c->family = MOEPT_FAMILY_OLMOE; fkey = "intermediate_size"; }
+    else if (ds) { c->family = MOEPT_FAMILY_DEEPSEEK_V3; ekey = "n_routed_experts"; }
+    else return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: \"model_type\" \"%s\" is not mixtral, qwen2_moe, "
+                                   "qwen3_moe, olmoe or deepseek_v3", P, mt);
+    if ((st = moept__hf_int(h, "hidden_size", -1, 1, 1 << 20, &c->hidden_size)) ||
+        (st = moept__hf_int(h, fkey, -1, 1, 1 << 20, &c->intermediate_size)) ||
+        (st = moept__hf_int(h, ekey, -1, 0, 65536, &E)) ||
+        (st = moept__hf_int(h, "num_experts_per_tok", -1, 1, 65536, &K)) ||
+        (st = moept__hf_int(h, "num_hidden_layers", -1, 1, 1 << 20, &L)))
+        return st;
+    if (layer < 0 || layer >= L)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer %lld is not in 0..num_hidden_layers-1 (%lld)",
+                                  P, (long long)layer, (long long)L);
+    if (c->family == MOEPT_FAMILY_QWEN2_MOE) {
+        int listed;
+        if ((st = moept__hf_int(h, "decoder_sparse_step", 1, 1, 1 << 20, &v)) ||
+            (st = moept__hf_listed(h, "mlp_only_layers", layer, &listed)))
+            return st;
+        dense = listed || E == 0 || (layer + 1) % v != 0;
+        if (!qwen3 && (st = moept__hf_int(h, "shared_expert_intermediate_size", -1, 0, 1 << 20, &shared))) return st;
+    } else if (ds) {
+        int64_t first, freq, ns;
+        if ((st = moept__hf_int(h, "first_k_dense_replace", 3, 0, 1 << 20, &first)) ||
+            (st = moept__hf_int(h, "moe_layer_freq", 1, 1, 1 << 20, &freq)) ||
+            (st = moept__hf_int(h, "n_shared_experts", 1, 0, 1 << 10, &ns)) ||
+            (st = moept__hf_int(h, "n_group", 8, 1, 64, &ng)) ||
+            (st = moept__hf_int(h, "topk_group", 4, 1, 64, &tg)) ||
+            (st = moept__hf_float(h, "routed_scaling_factor", 2.5, &c->routed_scaling_factor)))
+            return st;
+        dense = layer < first || layer % freq != 0;
+        shared = ns * c->intermediate_size;
+        const char *sf = moept__hf_str(h, "scoring_func", "sigmoid"), *tm = moept__hf_str(h, "topk_method", "noaux_tc");
+        if (strcmp(sf, "sigmoid") != 0 || strcmp(tm, "noaux_tc") != 0)
+            return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: key \"%s\" is \"%s\"; deepseek_v3 routes by "
+                                      "\"sigmoid\" with \"noaux_tc\"", P, strcmp(sf, "sigmoid") ? "scoring_func"
+                                      : "topk_method", strcmp(sf, "sigmoid") ? sf : tm);
+        if (E > 0 && (E % ng != 0 || tg > ng))
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" (%lld) "
+                                      "do not split \"n_routed_experts\" (%lld)", P, (long long)ng, (long long)tg,
+                                      (long long)E);
+    }
+    if (dense || E == 0)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer %lld is a dense MLP layer, not MoE", P,
+                                  (long long)layer);
+    if (K > E)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"num_experts_per_tok\" (%lld) exceeds \"%s\" (%lld)", P,
+                                  (long long)K, ekey, (long long)E);
+    c->num_experts = E; c->top_k = K; c->shared_intermediate_size = shared;
+    c->n_group = ng; c->topk_group = tg;
+    return MOEPT_OK;
+}
+
+/* Activation, top-k renormalisation and the aux loss's coefficient */
+static moept_status moept__hf_behaviour(const moept__hfconf *h, moept_config *c) {
+    const char *act = moept__hf_str(h, "hidden_act", "silu");
+    if (strcmp(act, "silu") == 0 || strcmp(act, "swish") == 0) c->activation = MOEPT_ACT_SILU_GATED;
+    else if (strcmp(act, "gelu") == 0) c->activation = MOEPT_ACT_GELU_GATED;
+    else return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: key \"hidden_act\" \"%s\" is not silu or gelu",
+                                   h->path, act);
+    int64_t norm;
+    moept_status st;
+    if (c->family == MOEPT_FAMILY_MIXTRAL) c->norm_topk_prob = MOEPT_NORM_DEFAULT; /* always on: no key */
+    else if ((st = moept__hf_int(h, "norm_topk_prob", c->family == MOEPT_FAMILY_DEEPSEEK_V3, 0, 1, &norm))) return st;
+    else c->norm_topk_prob = norm ? MOEPT_NORM_ON : MOEPT_NORM_OFF;
+    c->aux_loss = MOEPT_AUX_NONE;
+    c->aux_loss_coef = 0.0f;
+    if (c->family != MOEPT_FAMILY_DEEPSEEK_V3) { /* deepseek_v3 balances by its correction bias */
+        if ((st = moept__hf_float(h, "router_aux_loss_coef", c->family == MOEPT_FAMILY_OLMOE ? 0.01 : 0.001,
+                                  &c->aux_loss_coef)))
+            return st;
+        if (c->aux_loss_coef < 0.0f)
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"router_aux_loss_coef\" is negative", h->path);
+        c->aux_loss = c->aux_loss_coef > 0.0f ? MOEPT_AUX_HF : MOEPT_AUX_NONE;
+    }
+    return MOEPT_OK;
+}
+
+moept_status moept_config_from_hf(const char *path, int64_t layer, moept_config *cfg) {
+    if (!path || !cfg)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_config_from_hf: %s is NULL",
+                                  path ? "cfg" : "path");
+    char file[4096];
+    struct stat sb;
+    int isdir = stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
+    if (snprintf(file, sizeof file, isdir ? "%s/config.json" : "%s", path) >= (int)sizeof file)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_config_from_hf: path too long");
+    int fd, missing;
+    int64_t size = 0;
+    moept_status st = moept__open_read(file, &fd, &size, &missing);
+    if (st) return st;
+    char *buf = size > 0 && size <= MOEPT__CONFIG_MAX ? moept__alloc(NULL, (size_t)size + 1) : NULL;
+    moept__hfconf *h = moept__alloc(NULL, sizeof *h);
+    int got = buf && h && moept__pread_all(fd, buf, (size_t)size, 0);
+    close(fd);
+    if (!got)
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", file, MOEPT__CONFIG_MAX);
+    moept_config c = *cfg; /* max_tokens and the training choices stay the caller's */
+    if (!st) {
+        buf[size] = 0;
+        memset(h, 0, sizeof *h);
+        h->path = file;
+        if (!(st = moept__hf_parse(h, buf, size)) && !(st = moept__hf_family(h, layer, &c)))
+            st = moept__hf_behaviour(h, &c);
+    }
+    MOEPT_FREE(buf);
+    MOEPT_FREE(h);
+    if (!st) {
+        c.shared_gate = MOEPT_SHARED_GATE_DEFAULT;
+        if (c.family != MOEPT_FAMILY_DEEPSEEK_V3) c.routed_scaling_factor = 0.0f;
+        *cfg = c;
+    }
+    return st;
 }
 
 typedef struct moept__hf_src {

@@ -30,12 +30,13 @@
                         Every allocation is counted in moept_stats.
 
    USAGE
-     moept_config cfg = {0};
-     cfg.family = MOEPT_FAMILY_MIXTRAL;
+     moept_config cfg = moept_config_default(MOEPT_FAMILY_MIXTRAL); // C and C++
      cfg.hidden_size = 512; cfg.intermediate_size = 1024;
-     cfg.num_experts = 8;   cfg.top_k = 2; cfg.norm_topk_prob = 1;
+     cfg.num_experts = 8;   cfg.top_k = 2;
      cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f;
      cfg.max_tokens = 4096;
+     // or a Hugging Face model's layer 1, sizes and routing from its config.json:
+     //   moept_config_from_hf("path/to/model", 1, &cfg); then moept_load_hf
      moept_layer *L;
      if (moept_create(&cfg, &L) != MOEPT_OK) puts(moept_last_error(NULL));
      moept_set_param(L, "experts.3.w1.weight", w, F * D);   // [F][D]
@@ -85,24 +86,33 @@
        or skipped one): the threads and NCCL backends end the wait at their timeout
        with an error on every waiting rank; MPI has no timeout and waits
        (Open MPI's mpirun ends the job when a rank process dies). On the
-       CUDA executor forward and backward agree through their count
-       exchange and flag all-reduce without the tag (it would cost a host
-       synchronisation): a forward against a backward there ends at the
-       NCCL timeout. A NULL layer cannot take part (it has no groups) and
-       fails locally.
+       CUDA executor the tag rides in the forward's count exchange and in
+       the backward's agreement (a message of the same shape), so a forward
+       against a backward fails on both ranks at no extra synchronisation;
+       with unchecked_backward the backward does not agree at all. A NULL
+       layer cannot take part (it has no groups) and fails locally.
      - Finite inputs that give a non-finite output or loss (an overflow in
        the experts; a loss counts where its coefficient is > 0) fail the
        forward on every rank with MOEPT_ERR_NUMERIC and the statistics
        unchanged. The one exception to "left exactly as it was": the
        experts' saved activations are that step's by then, so backward and
-       update_bias are refused until the next forward. (CPU executor; on
-       the CUDA executor the output is not checked, which would need a host
-       synchronisation.) A backward whose dx comes out non-finite from a
-       finite dy fails on every rank of the EP group with
+       update_bias are refused until the next forward. On the CUDA
+       executor a non-finite loss fails the forward the same way (it is
+       known at the forward's one host synchronisation); y is checked on
+       the device and reported by the next backward's synchronisation,
+       which then fails on every rank with MOEPT_ERR_NUMERIC before any
+       gradient changes and drops the step (a second host sync in the
+       forward would stall the host's run-ahead; with unchecked_backward
+       nothing reports it). A CPU backward whose dx comes out non-finite
+       from a finite dy fails on every rank of the EP group with
        MOEPT_ERR_NUMERIC; the gradients were accumulated in place by then
-       (not restored) and may hold non-finite values, which
-       moept_adamw_step and moept_grad_norm refuse on every rank until
-       moept_zero_grad: nothing non-finite reaches the parameters.
+       (restoring them would take a second copy of every gradient) and may
+       hold non-finite values, which moept_adamw_step and moept_grad_norm
+       refuse on every rank until moept_zero_grad, as mixed-precision
+       training skips a step whose gradients overflowed: nothing non-finite
+       reaches the parameters or the optimizer state. The CUDA backward
+       does not check dx (a host sync at its end); the same refusal
+       covers its gradients.
      - The library never prints, exits or aborts. Per-step work performs no
        allocation (checked through moept_stats.allocations).
      - Top-k ties go to the lower expert index; all sums are in a fixed order,
@@ -122,6 +132,19 @@
          if norm_topk_prob: w /= sum(w) + 1e-20;  w *= routed_scaling_factor
        The correction bias only selects experts and gets no gradient;
        moept_update_bias() implements aux-loss-free balancing.
+
+   FAMILY DEFAULTS (a config whose other fields are zero behaves as the
+   family's transformers block: zero takes these)
+     family        norm_topk_prob  shared gate  activation  routed_scaling
+     mixtral       on (always)     -            silu gated  1
+     qwen2_moe     off             sigmoid      silu gated  1
+     olmoe         off             -            silu gated  1
+     deepseek_v3   on              none         silu gated  0 = 1 (set it:
+                                                            2.5 for V3)
+     Sizes (hidden, expert and shared widths, experts, top-k, n_group,
+     topk_group) are the model's: set them, or read them from config.json
+     with moept_config_from_hf. Losses are off unless set. Qwen3-MoE is
+     qwen2_moe with shared_intermediate_size 0.
 
    LOSSES
      MOEPT_AUX_HF:       E * sum_e (count_e / T) * mean_t softmax(logits_t)_e,
@@ -230,13 +253,17 @@ typedef enum moept_sharding {
     MOEPT_SHARD_FSDP = 1
 } moept_sharding;
 
+enum { MOEPT_NORM_DEFAULT = 0, MOEPT_NORM_ON = 1, MOEPT_NORM_OFF = -1 }; /* norm_topk_prob */
+
 typedef struct moept_config {
     moept_family family;
     int64_t hidden_size;              /* D, required */
     int64_t intermediate_size;        /* F, routed expert FFN width, required */
     int64_t num_experts;              /* E, required, <= 65536 */
     int64_t top_k;                    /* K, 1..E, required */
-    int norm_topk_prob;               /* 0/1: renormalise the K weights */
+    int norm_topk_prob;               /* renormalise the K weights: MOEPT_NORM_ON,
+                                         MOEPT_NORM_OFF, or 0 (MOEPT_NORM_DEFAULT):
+                                         the family's (FAMILY DEFAULTS above) */
     moept_activation activation;      /* default gated SiLU */
     int64_t shared_intermediate_size; /* S, 0 = no shared expert */
     moept_shared_gate shared_gate;
@@ -349,7 +376,8 @@ void moept_comm_destroy(moept_comm *c);
    fp32. Work is queued on options.stream; the EP exchange runs on the NCCL
    comm's stream, joined by events. Host synchronisations: one per forward
    (reading the exchanged expert counts, which size everything after), and
-   one per backward for the dy check unless unchecked_backward is set.
+   one per backward for the dy check, the forward's y check and the call's
+   agreement, unless unchecked_backward is set.
    Parameters: moept_set_param / moept_get_param / moept_get_grad take host
    arrays as for a CPU layer (the host copy is uploaded before the next
    forward); moept_params / moept_grads return the host copies, downloaded
@@ -362,7 +390,8 @@ void moept_comm_destroy(moept_comm *c);
 typedef struct moept_cuda_options {
     moept_dtype dtype;          /* F32 (default) or BF16 token rows and expert weights */
     void *stream;               /* cudaStream_t for compute; NULL = default stream */
-    int unchecked_backward;     /* 1: skip the backward's dy check and its host sync */
+    int unchecked_backward;     /* 1: skip the backward's dy and y checks, its agreement
+                                   and its host sync */
 } moept_cuda_options;
 int moept_cuda_device_count(void);
 moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
@@ -430,6 +459,27 @@ typedef struct moept_param_info {
     int64_t shard_offset; /* fsdp expert tensors: offset in the full expert space
                              (data and grad NULL); -1 otherwise */
 } moept_param_info;
+
+/* A config with `family` set and every other field zero (each zero takes
+   the family's default): an initialiser that C and C++ both accept
+   (`= {0}` is an error in C++, whose first member is an enum). */
+moept_config moept_config_default(moept_family family);
+/* A Hugging Face model's config.json (path: the file, or the checkpoint
+   directory holding it) -> cfg, for decoder layer `layer`: family, sizes,
+   experts, top-k, norm_topk_prob, activation, shared width (deepseek_v3:
+   n_shared_experts * moe_intermediate_size), n_group, topk_group,
+   routed_scaling_factor, and the aux loss (MOEPT_AUX_HF with
+   router_aux_loss_coef; none for deepseek_v3). model_type mixtral,
+   qwen2_moe, qwen3_moe (as qwen2_moe without a shared expert), olmoe,
+   deepseek_v3. A dense layer (qwen: decoder_sparse_step, mlp_only_layers;
+   deepseek: first_k_dense_replace, moe_layer_freq) is
+   MOEPT_ERR_INVALID_ARGUMENT; an unknown model_type, a missing size key or
+   a contradictory one is an error naming the key. Absent non-size keys take
+   transformers' class defaults. Not read: router_jitter_noise,
+   output_router_logits. max_tokens, z_loss_coef, capacity_factor,
+   global_balance, overlap_chunks and expert_sharding stay as cfg had them;
+   on failure cfg is unchanged. */
+moept_status moept_config_from_hf(const char *path, int64_t layer, moept_config *cfg);
 
 /* Lifecycle */
 moept_status moept_create(const moept_config *cfg, moept_layer **out);
@@ -1190,8 +1240,12 @@ typedef struct moept__cuda_spec {
     moept_comm *ep, *dp;        /* NULL: one rank */
     void *stream;
 } moept__cuda_spec;
-/* Results of a forward the host keeps (statistics and the saved state's size). */
+/* Results of a forward the host keeps (statistics and the saved state's size);
+   tag in: the call's agreement tag (moept.c's call counter), agreed out: the
+   ranks exchanged their tags (the layer counts the call). */
 typedef struct moept__cuda_step {
+    int64_t tag;
+    int agreed;
     int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
     int64_t allocations, allocated_bytes, workspace_bytes;
     double aux_value, z_value, loss_T;

@@ -210,12 +210,32 @@ __global__ void moept__k_plan_count(const int32_t *ids, const int32_t *slot_of, 
     if (last) hist[blockIdx.x * (int64_t)E + s] = r + 1;
 }
 
+/* Global balance: the loss statistics [n] of every EP rank (in the count
+   messages, [P][M] from off) summed in rank order, as the threads and MPI
+   all-reduces sum: the same bits on every rank */
+__global__ void moept__k_lstat_sum(const int64_t *msg_all, int64_t P, int64_t M, int64_t off, int64_t n,
+                                   double *lstat) {
+    MOEPT__FOR(i, n) {
+        double s = 0.0;
+        for (int64_t q = 0; q < P; q++) {
+            int64_t bits = msg_all[q * M + off + i];
+            double v;
+            memcpy(&v, &bits, 8);
+            s += v;
+        }
+        lstat[i] = s;
+    }
+}
+
 /* Plan, scan pass (one block): per slot, hist becomes each block's first
    position; kept = min(count, capacity); koff = exclusive scan of kept;
-   msg = [kept E | failed | T | receive capacity] for the count exchange. */
+   msg = [kept E | failed | call tag | receive capacity] for the count
+   exchange. check_z: a local z loss that is not finite as a float fails the
+   step (the host's test in moept__fwd_loss_check, the same arithmetic). */
 __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
                                    int64_t *koff, int64_t *msg, const unsigned long long *bad,
-                                   int host_bad, int64_t T, int64_t rcap, double *lstat_flag) {
+                                   int host_bad, int64_t T, int64_t tag, int check_z, int64_t rcap,
+                                   double *lstat) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -223,10 +243,12 @@ __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t c
         for (int e = 0; e < E; e++) { koff[e] = o; o += kept[e]; msg[e] = kept[e]; }
         koff[E] = o;
         int64_t failed = host_bad || bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX;
+        double z = lstat[3 * E + 1] / (double)(T > 0 ? T : 1);
+        if (check_z && !(fabs(z) <= 3.4028234663852886e38)) failed = 1;
         msg[E] = failed;
-        msg[E + 1] = T;
+        msg[E + 1] = tag;
         msg[E + 2] = rcap;
-        *lstat_flag = (double)failed;
+        lstat[3 * E + 2] = (double)failed;
     }
 }
 
@@ -677,7 +699,9 @@ struct moept__cuda {
     int64_t nblk_max;           /* plan-count blocks at Tmax */
     int64_t G;                  /* most groups in one grouped GEMM: El (chunked: El * P), at least 1 */
     int64_t C;                  /* overlap chunks (1: off) */
-    int64_t M;                  /* count message length: kept [E] | failed | T | Rcap | chunked: [C][E] */
+    int64_t M;                  /* count message length: kept [E] | failed | call tag | Rcap | chunked:
+                                   [C][E] | global balance over EP: the loss statistics [3E + 3] */
+    int64_t moff;               /* where the loss statistics start in it */
     int nslot;                  /* grouped-GEMM pointer slots per pass (forward, then backward) */
 
     /* device: parameters */
@@ -789,7 +813,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->msg = (int64_t *)moept__take(cv, (size_t)c->M * 8);
     c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
     c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
-    c->bad = (unsigned long long *)moept__take(cv, 4 * 8);
+    c->bad = (unsigned long long *)moept__take(cv, 5 * 8);
     c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     c->tok_of_row = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     c->kslot_of_row = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
@@ -912,13 +936,13 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     cv.off = 0;
     moept__layout(c, &cv);
     /* pinned host block */
-    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 4 * 8 + (size_t)E * 4 +
+    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 5 * 8 + (size_t)E * 4 +
                 (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 6 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
     moept__carve hv = {(char *)c->pinned, 0};
     c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * c->M) * 8);
     c->h_lstat = (double *)moept__take(&hv, (size_t)(3 * E + 3) * 8);
-    c->h_bad = (unsigned long long *)moept__take(&hv, 4 * 8);
+    c->h_bad = (unsigned long long *)moept__take(&hv, 5 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
@@ -970,7 +994,10 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     c->C = spec->C > 1 ? spec->C : 1; /* moept.c passes 1 at one EP rank */
     c->G = spec->El * (c->C > 1 ? spec->P : 1);
     if (c->G < 1) c->G = 1;
-    c->M = spec->E + 3 + (c->C > 1 ? c->C * spec->E : 0);
+    c->moff = spec->E + 3 + (c->C > 1 ? c->C * spec->E : 0);
+    /* global balance: the statistics travel with the counts and are summed
+       in rank order, so no second collective can meet another call's */
+    c->M = c->moff + (spec->global_balance && spec->ep ? 3 * spec->E + 3 : 0);
     /* every grouped GEMM of a pass has its own slot (the host rewrites a slot
        only after the next pass's host sync): forward 2 a chunk, backward 2 a
        chunk + 2 weight-gradient ones (unchunked: 2 and 4) */
@@ -1222,6 +1249,7 @@ typedef struct moept__fwd {
     cudaError_t pending;       /* the error an earlier call left pending */
     int nb;                    /* the spare routing buffers this step fills */
     int64_t T, cap, R;         /* tokens (0 if rejected), capacity (-1: none), rows to receive */
+    int64_t tag;               /* the call's agreement tag (moept.c's) */
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                                       \
@@ -1304,8 +1332,8 @@ static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
         MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(
-            c->hist, nblk, (int)E, f->cap, c->kept, c->koff, c->msg, c->bad, f->host_bad, T_, c->Rcap,
-            &c->lstat[3 * E + 2]);
+            c->hist, nblk, (int)E, f->cap, c->kept, c->koff, c->msg, c->bad, f->host_bad, T_, f->tag,
+            !c->sp.global_balance && c->sp.z_coef > 0.0f, c->Rcap, c->lstat);
     MOEPT__PRE(cudaGetLastError());
     if (C > 1) {
         MOEPT__PRE(cudaMemsetAsync(c->csel, 0, (size_t)(C * E) * 8, c->s));
@@ -1320,7 +1348,8 @@ static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
     }
     if (f->pre) { /* the kernels may not have written the message: the host does */
         f->host_bad = 1;
-        for (int64_t i = 0; i < c->M; i++) c->h_msg_all[i] = i == E ? 1 : i == E + 2 ? c->Rcap : 0;
+        for (int64_t i = 0; i < c->M; i++)
+            c->h_msg_all[i] = i == E ? 1 : i == E + 1 ? f->tag : i == E + 2 ? c->Rcap : 0;
         cudaMemcpyAsync(c->msg, c->h_msg_all, (size_t)c->M * 8, cudaMemcpyHostToDevice, c->s);
     }
 }
@@ -1333,27 +1362,32 @@ static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step 
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P;
     moept_status st;
+    const int gb = p->global_balance;
     double t0 = moept__clock();
     if (p->ep) {
+        if (gb) MOEPT__CU(cudaMemcpyAsync(c->msg + c->moff, c->lstat, (size_t)(3 * E + 3) * 8,
+                                          cudaMemcpyDeviceToDevice, c->s));
         MOEPT__TRY(moept__to_comm(c, c->cs, err));
         if ((st = p->ep->allgather(p->ep, c->msg, c->msg_all, c->M * 8)))
             return moept__kfail(err, st, "moept_forward: count exchange failed: %s", p->ep->err);
+        out->agreed = 1;
+        MOEPT__TRY(moept__from_comm(c, c->cs, err));
+        if (gb) {
+            MOEPT__LAUNCH(moept__k_lstat_sum, moept__grid(3 * E + 3), MOEPT__TB, 0, c->s)(
+                    c->msg_all, P, c->M, c->moff, 3 * E + 3, c->lstat);
+            MOEPT__LAUNCHED();
+        }
     } else {
+        out->agreed = 1;
         MOEPT__CU(cudaMemcpyAsync(c->msg_all, c->msg, (size_t)c->M * 8, cudaMemcpyDeviceToDevice, c->s));
     }
-    if (p->global_balance) {
-        if (p->ep && (st = p->ep->allreduce(p->ep, c->lstat, 3 * E + 3, MOEPT_DTYPE_F64)))
-            return moept__kfail(err, st, "moept_forward: all-reduce over EP: %s", p->ep->err);
-        if (p->dp) {
-            cudaStream_t ds = moept__stream_of(p->dp);
-            MOEPT__TRY(moept__from_comm(c, c->cs, err));
-            MOEPT__TRY(moept__to_comm(c, ds, err));
-            if ((st = p->dp->allreduce(p->dp, c->lstat, 3 * E + 3, MOEPT_DTYPE_F64)))
-                return moept__kfail(err, st, "moept_forward: all-reduce over DP: %s", p->dp->err);
-            MOEPT__TRY(moept__from_comm(c, ds, err));
-        }
+    if (gb && p->dp) {
+        cudaStream_t ds = moept__stream_of(p->dp);
+        MOEPT__TRY(moept__to_comm(c, ds, err));
+        if ((st = p->dp->allreduce(p->dp, c->lstat, 3 * E + 3, MOEPT_DTYPE_F64)))
+            return moept__kfail(err, st, "moept_forward: all-reduce over DP: %s", p->dp->err);
+        MOEPT__TRY(moept__from_comm(c, ds, err));
     }
-    if (p->ep) MOEPT__TRY(moept__from_comm(c, c->cs, err));
     MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * c->M) * 8, cudaMemcpyDeviceToHost,
                               c->s));
     MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
@@ -1363,22 +1397,48 @@ static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step 
     return MOEPT_OK;
 }
 
-/* 5. agreement: every rank read the same flags; then the receive sizes of
-   every rank against the capacity it sent (ranks with fewer max_tokens start
-   smaller): growth (rare) is agreed in a second round */
+static int moept__finite_as_float(double v) { return fabs(v) <= 3.4028234663852886e38; }
+
+/* Losses (where their coefficient makes them part of the objective) that
+   are not finite from finite inputs fail the step, as in moept.c. Local
+   losses: the plan kernel's flag told the peers (this is its arithmetic);
+   global ones: every rank holds the same sums and decides alike. */
+static void moept__fwd_loss_check(moept__cuda *c, moept__fwd *f) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t E = p->E;
+    const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
+    int zbad = p->z_coef > 0.0f && !moept__finite_as_float(c->h_lstat[3 * E + 1] / Tl), abad = 0;
+    if (p->global_balance && !zbad && p->aux_coef > 0.0f)
+        abad = !moept__finite_as_float(moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl,
+                                                           p->aux_coef, c->h_aux_g));
+    if (zbad || abad)
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: the %s loss is not finite from finite inputs; the step "
+                 "is rejected, run forward again", zbad ? "z" : "aux");
+}
+
+/* 5. agreement: every rank made this call (the tags) and read the same
+   flags; then the receive sizes of every rank against the capacity it sent
+   (ranks with fewer max_tokens start smaller): growth (rare) is agreed in a
+   second round */
 static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank;
+    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank, M = c->M;
+    for (int64_t q = 0; q < P; q++)
+        if (c->h_msg_all[q * M + E + 1] != f->tag)
+            return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: the ranks' call sequences differ (another "
+                                "rank made another group call here); nothing changed");
     if (!f->host_bad && c->h_bad[0] != ULLONG_MAX)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: x[%lld][%lld] is not finite", (long long)(c->h_bad[0] / D),
                  (long long)(c->h_bad[0] % D));
     else if (!f->host_bad && c->h_bad[1] != ULLONG_MAX)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: router logits of token %lld are not finite",
                  (long long)c->h_bad[1]);
+    else if (!f->host_bad && !p->global_balance)
+        moept__fwd_loss_check(c, f);
     int64_t failed = 0;
-    const int64_t M = c->M;
     for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * M + E] != 0;
     if (p->global_balance && c->h_lstat[3 * E + 2] > 0.0 && failed == 0) failed = 1; /* a DP peer */
+    if (!f->local[0] && !failed && p->global_balance) moept__fwd_loss_check(c, f);
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
                                  : f->host_bad ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC, "%s", f->local);
@@ -1723,6 +1783,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     const T *x = (const T *)xv;
     moept__fwd f;
     memset(&f, 0, sizeof f);
+    f.tag = out->tag;
     moept__fwd_checks(c, xv, Tn, yv, &f);
     moept__fwd_route<T>(c, x, &f);
     moept__fwd_plan(c, &f);
@@ -1731,9 +1792,21 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     moept__fwd_commit(c, &f, peer_rows, out); /* nothing fails from here on but the device */
     MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
     MOEPT__TRY(moept__fwd_dispatch<T>(c, x, out, err));
-    if (c->C > 1) return moept__pipeline<T>(c, 0, x, (T *)yv, out, err);
-    MOEPT__TRY(moept__fwd_experts<T>(c, x, out, err));
-    return moept__fwd_combine<T>(c, (T *)yv, 0, c->T, err);
+    if (c->C > 1) MOEPT__TRY(moept__pipeline<T>(c, 0, x, (T *)yv, out, err));
+    else {
+        MOEPT__TRY(moept__fwd_experts<T>(c, x, out, err));
+        MOEPT__TRY(moept__fwd_combine<T>(c, (T *)yv, 0, c->T, err));
+    }
+    /* y's finiteness, read by the backward's host sync (a sync here would
+       stall the host's run-ahead): a committed step's flag, which no rejected
+       forward resets */
+    MOEPT__CU(cudaMemsetAsync(&c->bad[4], 0xff, 8, c->s));
+    if (c->T > 0) {
+        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(c->T * c->sp.D), MOEPT__TB, 0, c->s)(
+                (const T *)yv, c->T * c->sp.D, NULL, &c->bad[4]);
+        MOEPT__LAUNCHED();
+    }
+    return MOEPT_OK;
 }
 
 extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
@@ -1749,10 +1822,45 @@ extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64
 }
 
 /* ---- backward ----------------------------------------------------------- */
-/* 1. checks, dy's finiteness, and (unless unchecked_backward) the agreement:
-   every rank differentiates, or none does */
+/* 1b. the agreement (unless unchecked_backward): a message the forward's
+   count exchange's shape (so a rank in a forward meets it and both see the
+   tags differ) with [E] failed, [E + 1] the call tag, [E + 2] this rank's y
+   was not finite. A step whose y was not finite anywhere is dropped on every
+   rank. */
+static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_status why, const char *local,
+                                        int ybad, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t E = p->E, M = c->M, P = p->P;
+    int64_t *mine = c->h_msg_all + p->rank * M, failed = 0, yfail = 0;
+    memset(mine, 0, (size_t)M * 8);
+    mine[E] = local[0] != 0;
+    mine[E + 1] = tag;
+    mine[E + 2] = ybad;
+    if (p->ep) {
+        moept_status st = p->ep->allgather(p->ep, mine, c->h_msg_all, M * 8); /* host buffers: waits */
+        if (st) return moept__kfail(err, st, "moept_backward: failure agreement failed: %s", p->ep->err);
+    }
+    for (int64_t q = 0; q < P; q++) {
+        if (c->h_msg_all[q * M + E + 1] != tag)
+            return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: the ranks' call sequences differ (another "
+                                "rank made another group call here); nothing changed");
+        failed += c->h_msg_all[q * M + E] != 0;
+        yfail += c->h_msg_all[q * M + E + 2] != 0;
+    }
+    if (yfail) c->fwd_valid = 0;
+    if (local[0]) return moept__kfail(err, why, "%s", local);
+    if (failed)
+        return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; %s",
+                            (long long)failed, yfail ? "the step is rejected, run forward again" : "nothing changed");
+    return MOEPT_OK;
+}
+
+/* 1. checks, dy's finiteness and the forward's y (unless
+   unchecked_backward), then the agreement: every rank differentiates, or
+   none does */
 template <typename T>
-static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, const void *dx, char *err) {
+static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, const void *dx, int64_t tag,
+                                     moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, T_ = c->T;
     char local[MOEPT__ERRLEN] = "";
@@ -1776,25 +1884,24 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
                                                                              &c->bad[2]);
         MOEPT__LAUNCHED();
     }
-    if (p->unchecked_backward && !local[0]) return MOEPT_OK;
-    /* the step's second host sync (unchecked_backward skips it) */
-    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 8, cudaMemcpyDeviceToHost, c->s));
+    /* unchecked_backward: no host sync and no agreement; a rank's rejection is its own */
+    if (p->unchecked_backward) return local[0] ? moept__kfail(err, why, "%s", local) : MOEPT_OK;
+    /* the step's second host sync */
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 3 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
-    if (!local[0] && T_ > 0 && c->h_bad[2] != ULLONG_MAX) {
+    int ybad = !local[0] && T_ > 0 && c->h_bad[4] != ULLONG_MAX;
+    if (ybad) {
+        why = MOEPT_ERR_NUMERIC;
+        snprintf(local, sizeof local, "moept_backward: the forward's y[%lld][%lld] was not finite from finite "
+                 "inputs (an overflow?); the step is rejected, run forward again", (long long)(c->h_bad[4] / D),
+                 (long long)(c->h_bad[4] % D));
+    } else if (!local[0] && T_ > 0 && c->h_bad[2] != ULLONG_MAX) {
         why = MOEPT_ERR_NUMERIC;
         snprintf(local, sizeof local, "moept_backward: dy[%lld][%lld] is not finite",
                  (long long)(c->h_bad[2] / D), (long long)(c->h_bad[2] % D));
     }
-    int64_t failed = local[0] != 0;
-    if (p->ep) {
-        moept_status st = p->ep->allreduce(p->ep, &failed, 1, MOEPT_DTYPE_I64); /* host buffer: waits */
-        if (st) return moept__kfail(err, st, "moept_backward: failure agreement failed: %s", p->ep->err);
-    }
-    if (local[0]) return moept__kfail(err, why, "%s", local);
-    if (failed)
-        return moept__kfail(err, MOEPT_ERR_STATE,
-                            "moept_backward: %lld other rank(s) rejected the step; nothing changed", (long long)failed);
-    return MOEPT_OK;
+    out->agreed = 1;
+    return moept__bwd_exchange(c, tag, why, local, ybad, err);
 }
 
 /* 2. combine': dL/dw and dys in place of the outputs (ys), the shared
@@ -1890,7 +1997,7 @@ template <typename T>
 static moept_status moept__backward(moept__cuda *c, const void *xv, const void *dyv, void *dxv,
                                     moept__cuda_step *out, char *err) {
     const T *x = (const T *)xv, *dy = (const T *)dyv;
-    MOEPT__TRY(moept__bwd_agree<T>(c, x, dy, dxv, err));
+    MOEPT__TRY(moept__bwd_agree<T>(c, x, dy, dxv, out->tag, out, err));
     c->ptr_slot = c->nslot;
     c->bwd_done = 1; /* from here on the saved rows change */
     float *dxf = c->wlow ? c->dxf : (float *)dxv;

@@ -13,7 +13,8 @@
           mpirun -np N train_mpi --ep N ...      (built with -DMOEPT_MPI)
           train_cuda [--bf16] ... (built with -DMOEPT_CUDA: the MoE layers on the
                               GPU, one rank; skipped without a device)
-   With no --data it trains on the project's own source files.
+   With no --data it trains on examples/corpus.txt, a fixed snapshot of the
+   project's docs and sources (so its figures do not move with edits).
 
    --ep N: expert parallel over N ranks (threads, or MPI processes). Each
    rank keeps E/N experts and a replica of everything else, and takes a
@@ -186,18 +187,16 @@ static void parse(int argc, char **argv, opts *o) {
 }
 
 static unsigned char *load_text(opts *o, int64_t *len) {
-    static const char *defaults[] = {"moept.c", "moept.h", "examples/train.c", "tests/test_props.c",
-                                     "tests/test_grad.c", "tests/moept_check.c", "README.md"};
+    /* a fixed text (a snapshot of this project's docs and sources), so the
+       figures in the README do not move with every edit of the sources */
+    static const char *defaults[] = {"examples/corpus.txt"};
     const char **files = o->ndata ? o->data : defaults;
     int nf = o->ndata ? o->ndata : (int)(sizeof defaults / sizeof defaults[0]);
     unsigned char *buf = NULL;
     int64_t n = 0;
     for (int i = 0; i < nf; i++) {
         FILE *f = fopen(files[i], "rb");
-        if (!f) {
-            if (o->ndata) { fprintf(stderr, "train: cannot open %s\n", files[i]); exit(1); }
-            continue;
-        }
+        if (!f) { fprintf(stderr, "train: cannot open %s (run from the repository root)\n", files[i]); exit(1); }
         fseek(f, 0, SEEK_END);
         long sz = ftell(f);
         fseek(f, 0, SEEK_SET);

@@ -1,7 +1,7 @@
 /* moept_check: runs moept-case-v1 reference cases (../shared/CASES.md)
    through moept and compares every output and gradient.
 
-   usage: moept_check [--ep N] [--chunks C] [--tol X] [--weights DIR --layer L] FILE...
+   usage: moept_check [--ep N] [--chunks C] [--tol X] [--weights DIR --layer L [--hf-config]] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
    With --ep N the experts are sharded over N ranks (threads, or MPI
    processes) and the tokens split into N contiguous slices (the first T mod N
@@ -10,7 +10,10 @@
    owner. --chunks C sets config.overlap_chunks (the chunked pipeline; on
    the GPU it runs only with --ep > 1). With --weights every parameter comes from the Hugging Face
    checkpoint DIR (decoder layer L's MoE block, this rank's experts only)
-   instead of the case file. One line per case, then "N passed, N failed";
+   instead of the case file; with --hf-config too, the model's sizes and
+   routing come from DIR/config.json (moept_config_from_hf, norm_topk_prob
+   left to the family's default where the model has no such key) instead
+   of the case's metadata, which they must equal. One line per case, then "N passed, N failed";
    exit 1 if any failed.
 
    Built with -DMOEPT_CUDA (build/moept_check_cuda, or build/emu/moept_check
@@ -38,6 +41,7 @@
 #include <string.h>
 
 static const char *g_weights; /* --weights DIR */
+static int g_hf_config;       /* --hf-config: the model's sizes and routing from DIR/config.json */
 static long long g_layer = -1;  /* --layer L */
 static int g_chunks;            /* --chunks C: config.overlap_chunks */
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
@@ -312,6 +316,41 @@ static float *want_f(check *c, const char *name, int64_t rows, int64_t cols) {
     return out;
 }
 
+
+/* --hf-config: the config from config.json (the losses stay the case's:
+   they are training choices, not the model's); every model field must
+   equal the case's, norm_topk_prob as it resolves. 0 after failf. */
+static int eff_norm(const moept_config *c) {
+    return c->norm_topk_prob ? c->norm_topk_prob > 0
+                             : c->family == MOEPT_FAMILY_MIXTRAL || c->family == MOEPT_FAMILY_DEEPSEEK_V3;
+}
+static int hf_config(check *c, moept_config *cfg) {
+    moept_config h = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    if (moept_config_from_hf(g_weights, g_layer, &h) != MOEPT_OK) {
+        failf(c, "--hf-config: %s", moept_last_error(NULL));
+        return 0;
+    }
+    const char *bad = h.family != cfg->family ? "family" : h.hidden_size != cfg->hidden_size ? "hidden_size"
+        : h.intermediate_size != cfg->intermediate_size ? "intermediate_size"
+        : h.num_experts != cfg->num_experts ? "num_experts" : h.top_k != cfg->top_k ? "top_k"
+        : eff_norm(&h) != eff_norm(cfg) ? "norm_topk_prob"
+        : h.shared_intermediate_size != cfg->shared_intermediate_size ? "shared_intermediate_size"
+        : (h.n_group ? h.n_group : 1) != (cfg->n_group ? cfg->n_group : 1) ? "n_group"
+        : (h.topk_group ? h.topk_group : 1) != (cfg->topk_group ? cfg->topk_group : 1) ? "topk_group"
+        : (h.routed_scaling_factor ? h.routed_scaling_factor : 1.0f) !=
+          (cfg->routed_scaling_factor ? cfg->routed_scaling_factor : 1.0f) ? "routed_scaling_factor"
+        : h.activation != MOEPT_ACT_SILU_GATED ? "activation" : NULL;
+    if (bad) {
+        failf(c, "--hf-config: config.json's %s differs from the case's", bad);
+        return 0;
+    }
+    h.aux_loss = cfg->aux_loss;
+    h.aux_loss_coef = cfg->aux_loss_coef;
+    h.z_loss_coef = cfg->z_loss_coef;
+    *cfg = h;
+    return 1;
+}
+
 static void run_case(check *c) {
     moept_layer *L = NULL;
     float *x = NULL, *y = NULL, *gy = NULL, *dx = NULL, *want = NULL, *got = NULL;
@@ -339,8 +378,9 @@ static void run_case(check *c) {
     else if (strcmp(aux, "none") == 0) cfg.aux_loss = MOEPT_AUX_NONE;
     else { failf(c, "metadata 'aux_loss' = '%s' is not supported", aux); goto done; }
     if (T < 0 || T > (1 << 24)) { failf(c, "metadata 'tokens' out of range"); goto done; }
-    cfg.norm_topk_prob = (int)norm;
+    cfg.norm_topk_prob = norm ? MOEPT_NORM_ON : MOEPT_NORM_OFF;
     cfg.n_group = ng; cfg.topk_group = tg;
+    if (g_hf_config && !hf_config(c, &cfg)) goto done;
     int P = c->ep ? c->ep->size : 1, rank = c->ep ? c->ep->rank : 0;
     /* this rank's slice of the tokens: the first T mod P ranks take one more */
     int64_t lo = T / P * rank + (rank < T % P ? rank : T % P);
@@ -561,6 +601,7 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--chunks") == 0 && first + 1 < argc) g_chunks = atoi(argv[++first]);
         else if (strcmp(argv[first], "--weights") == 0 && first + 1 < argc) g_weights = argv[++first];
         else if (strcmp(argv[first], "--layer") == 0 && first + 1 < argc) g_layer = atoll(argv[++first]);
+        else if (strcmp(argv[first], "--hf-config") == 0) g_hf_config = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
             fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--tol X] [--weights DIR --layer L] FILE...\n",
@@ -568,7 +609,10 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (!g_weights != (g_layer < 0)) { fprintf(stderr, "moept_check: --weights and --layer go together\n"); return 2; }
+    if (!g_weights != (g_layer < 0) || (g_hf_config && !g_weights)) {
+        fprintf(stderr, "moept_check: --weights and --layer go together (and --hf-config needs them)\n");
+        return 2;
+    }
     if (P < 1 || P > 1024) { fprintf(stderr, "moept_check: --ep %d not in 1..1024\n", P); return 2; }
 #ifdef MOEPT_MPI
     MPI_Init(&argc, &argv);

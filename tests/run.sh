@@ -37,6 +37,10 @@ done
 for c in mixtral_e8_t40 qwen2_shared_norm_e8 olmoe_nonorm deepseek_group; do
     suite "--weights $c" "$B/moept_check" --weights tests/checkpoints/$c --layer 1 tests/cases/$c.safetensors
     suite "--weights $c --ep 4" "$B/moept_check" --ep 4 --weights tests/checkpoints/$c --layer 1 tests/cases/$c.safetensors
+    suite "--weights $c --hf-config (sizes and routing from config.json)" "$B/moept_check" --weights tests/checkpoints/$c \
+        --layer 1 --hf-config tests/cases/$c.safetensors
+    suite "--weights $c --hf-config --ep 4" "$B/moept_check" --ep 4 --weights tests/checkpoints/$c --layer 1 \
+        --hf-config tests/cases/$c.safetensors
 done
 # expert parallel over threads: every case whose E splits over the ranks
 for n in 2 4 8; do

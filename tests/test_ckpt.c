@@ -773,6 +773,129 @@ static void test_adamw_matches_formula(void) {
     moept_destroy(L);
 }
 
+/* config.json -> moept_config on configs written by transformers itself
+   (tools/make_configs.py, tests/checkpoints): sizes, routing, the dense-layer
+   rules, and errors that name the key. */
+typedef struct hf_want {
+    const char *dir;
+    int64_t layer;
+    moept_family fam;
+    int64_t D, F, E, K, S, ng, tg;
+    int norm;
+    float scale, aux;
+    moept_activation act;
+} hf_want;
+
+static void check_hf_config(const hf_want *w) {
+    moept_config c = moept_config_default(MOEPT_FAMILY_OLMOE);
+    c.max_tokens = 77; c.z_loss_coef = 0.5f; /* the caller's: kept */
+    moept_status st = moept_config_from_hf(w->dir, w->layer, &c);
+    EXPECT(st == MOEPT_OK, "%s layer %lld: %s", w->dir, (long long)w->layer, moept_last_error(NULL));
+    if (st) return;
+    EXPECT(c.family == w->fam && c.hidden_size == w->D && c.intermediate_size == w->F && c.num_experts == w->E &&
+           c.top_k == w->K && c.shared_intermediate_size == w->S && c.n_group == w->ng && c.topk_group == w->tg &&
+           c.norm_topk_prob == w->norm && c.activation == w->act && c.max_tokens == 77 && c.z_loss_coef == 0.5f,
+           "%s: family %d D %lld F %lld E %lld K %lld S %lld groups %lld/%lld norm %d act %d", w->dir,
+           (int)c.family, (long long)c.hidden_size, (long long)c.intermediate_size, (long long)c.num_experts,
+           (long long)c.top_k, (long long)c.shared_intermediate_size, (long long)c.n_group,
+           (long long)c.topk_group, c.norm_topk_prob, (int)c.activation);
+    EXPECT(c.routed_scaling_factor == w->scale && c.aux_loss_coef == w->aux &&
+           c.aux_loss == (w->aux > 0 ? MOEPT_AUX_HF : MOEPT_AUX_NONE),
+           "%s: scale %g aux %d coef %g", w->dir, (double)c.routed_scaling_factor, (int)c.aux_loss,
+           (double)c.aux_loss_coef);
+    moept_layer *L = NULL;
+    EXPECT(moept_create(&c, &L) == MOEPT_OK, "%s: the config is not accepted: %s", w->dir, moept_last_error(NULL));
+    moept_destroy(L);
+}
+
+static void expect_hf_error(const char *path, int64_t layer, moept_status want, const char *needle) {
+    moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL), before = c;
+    moept_status st = moept_config_from_hf(path, layer, &c);
+    EXPECT(st == want && strstr(moept_last_error(NULL), needle), "%s layer %lld: status %d (%d wanted), '%s' (wanted "
+           "'%s')", path, (long long)layer, (int)st, (int)want, moept_last_error(NULL), needle);
+    EXPECT(memcmp(&c, &before, sizeof c) == 0, "%s: a failed call changed the config", path);
+}
+
+static void test_config_from_hf(void) {
+    const hf_want ok[] = {
+        {"tests/checkpoints/mixtral_e8_t40", 1, MOEPT_FAMILY_MIXTRAL, 24, 20, 8, 2, 0, 1, 1, MOEPT_NORM_DEFAULT, 0.0f,
+         0.001f, MOEPT_ACT_SILU_GATED},
+        {"tests/checkpoints/deepseek_group/config.json", 1, MOEPT_FAMILY_DEEPSEEK_V3, 16, 6, 8, 2, 6, 4, 2,
+         MOEPT_NORM_ON, 2.5f, 0.0f, MOEPT_ACT_SILU_GATED},
+        {"tests/configs/qwen2_sparse", 1, MOEPT_FAMILY_QWEN2_MOE, 64, 48, 8, 2, 80, 1, 1, MOEPT_NORM_ON, 0.0f, 0.02f,
+         MOEPT_ACT_SILU_GATED},
+        {"tests/configs/qwen2_sparse", 5, MOEPT_FAMILY_QWEN2_MOE, 64, 48, 8, 2, 80, 1, 1, MOEPT_NORM_ON, 0.0f, 0.02f,
+         MOEPT_ACT_SILU_GATED},
+        {"tests/configs/qwen3_moe", 0, MOEPT_FAMILY_QWEN2_MOE, 64, 40, 16, 4, 0, 1, 1, MOEPT_NORM_OFF, 0.0f, 0.001f,
+         MOEPT_ACT_SILU_GATED},
+        {"tests/configs/deepseek_dense2", 3, MOEPT_FAMILY_DEEPSEEK_V3, 64, 24, 16, 4, 48, 4, 2, MOEPT_NORM_OFF, 1.5f,
+         0.0f, MOEPT_ACT_SILU_GATED},
+        {"tests/configs/mixtral_gelu", 0, MOEPT_FAMILY_MIXTRAL, 64, 56, 4, 2, 0, 1, 1, MOEPT_NORM_DEFAULT, 0.0f,
+         0.001f, MOEPT_ACT_GELU_GATED},
+        {"tests/configs/olmoe_default", 0, MOEPT_FAMILY_OLMOE, 64, 32, 8, 2, 0, 1, 1, MOEPT_NORM_OFF, 0.0f, 0.01f,
+         MOEPT_ACT_SILU_GATED},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) check_hf_config(&ok[i]);
+    const int64_t qdense[] = {0, 2, 3, 4}; /* (l+1) % 2 != 0, or listed in mlp_only_layers */
+    for (int i = 0; i < 4; i++)
+        expect_hf_error("tests/configs/qwen2_sparse", qdense[i], MOEPT_ERR_INVALID_ARGUMENT, "dense MLP layer");
+    expect_hf_error("tests/configs/deepseek_dense2", 1, MOEPT_ERR_INVALID_ARGUMENT, "dense MLP layer");
+    expect_hf_error("tests/checkpoints/deepseek_group", 0, MOEPT_ERR_INVALID_ARGUMENT, "dense MLP layer");
+    expect_hf_error("tests/configs/qwen2_sparse", 6, MOEPT_ERR_INVALID_ARGUMENT, "num_hidden_layers");
+    expect_hf_error("tests/configs/nowhere", 0, MOEPT_ERR_IO, "cannot open");
+    const char *p = "build/hf_config_test.json";
+    write_text(p, "{\"model_type\": \"llama\", \"hidden_size\": 8}");
+    expect_hf_error(p, 0, MOEPT_ERR_UNSUPPORTED, "\"llama\"");
+    write_text(p, "{\"model_type\": \"mixtral\", \"hidden_size\": 8, \"intermediate_size\": 4, "
+               "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 1}");
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"num_local_experts\" is missing");
+    write_text(p, "{\"model_type\": \"olmoe\", \"hidden_size\": 8, \"intermediate_size\": 4, \"num_experts\": 4, "
+               "\"num_experts_per_tok\": 5, \"num_hidden_layers\": 1}");
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"num_experts_per_tok\" (5) exceeds");
+    write_text(p, "{\"model_type\": \"olmoe\", \"hidden_size\": 8.5, \"intermediate_size\": 4, \"num_experts\": 4, "
+               "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 1}");
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"hidden_size\" must be an integer");
+    write_text(p, "{\"model_type\": \"deepseek_v3\", \"hidden_size\": 8, \"moe_intermediate_size\": 4, "
+               "\"n_routed_experts\": 6, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 2, \"n_group\": 4, "
+               "\"first_k_dense_replace\": 0}");
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"n_group\" (4)");
+    write_text(p, "{\"model_type\": \"mixtral\", \"hidden_act\": \"relu2\", \"hidden_size\": 8, "
+               "\"intermediate_size\": 4, \"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 1}");
+    expect_hf_error(p, 0, MOEPT_ERR_UNSUPPORTED, "\"hidden_act\" \"relu2\"");
+    write_text(p, "{\"model_type\": \"mixtral\", \"hidden_size\": 8,");
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "not a JSON object");
+    /* numbers in any locale's spelling of JSON: exponents, fractions */
+    write_text(p, "{\"model_type\": \"olmoe\", \"hidden_size\": 8e0, \"intermediate_size\": 4, \"num_experts\": 4, "
+               "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 1, \"router_aux_loss_coef\": 2.5E-3, "
+               "\"norm_topk_prob\": true, \"extra\": {\"a\": [1, {\"b\": null}]}}");
+    moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    EXPECT(moept_config_from_hf(p, 0, &c) == MOEPT_OK && c.hidden_size == 8 && c.aux_loss_coef == 2.5e-3f &&
+           c.norm_topk_prob == MOEPT_NORM_ON, "numbers: %s, D %lld, coef %.9g", moept_last_error(NULL),
+           (long long)c.hidden_size, (double)c.aux_loss_coef);
+    remove(p);
+}
+
+/* A zeroed config with a family set takes that family's routing defaults */
+static void test_family_defaults(void) {
+    const moept_family fams[4] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_QWEN2_MOE, MOEPT_FAMILY_OLMOE,
+                                  MOEPT_FAMILY_DEEPSEEK_V3};
+    const int norm[4] = {1, 0, 0, 1}, gate[4] = {MOEPT_SHARED_GATE_NONE, MOEPT_SHARED_GATE_SIGMOID,
+                                                  MOEPT_SHARED_GATE_NONE, MOEPT_SHARED_GATE_NONE};
+    for (int i = 0; i < 4; i++) {
+        moept_config c = moept_config_default(fams[i]), r;
+        c.hidden_size = 8; c.intermediate_size = 4; c.num_experts = 4; c.top_k = 2; c.max_tokens = 4;
+        c.shared_intermediate_size = 4;
+        EXPECT(moept__resolve(&c, &r) == MOEPT_OK && r.norm_topk_prob == norm[i] && (int)r.shared_gate == gate[i] &&
+               r.activation == MOEPT_ACT_SILU_GATED && r.routed_scaling_factor == 1.0f,
+               "family %d: norm %d gate %d act %d scale %g", (int)fams[i], r.norm_topk_prob, (int)r.shared_gate,
+               (int)r.activation, (double)r.routed_scaling_factor);
+        c.norm_topk_prob = MOEPT_NORM_OFF;
+        EXPECT(moept__resolve(&c, &r) == MOEPT_OK && r.norm_topk_prob == 0, "family %d: NORM_OFF", (int)fams[i]);
+        c.norm_topk_prob = MOEPT_NORM_ON;
+        EXPECT(moept__resolve(&c, &r) == MOEPT_OK && r.norm_topk_prob == 1, "family %d: NORM_ON", (int)fams[i]);
+    }
+}
+
 int main(void) {
     RUN(test_hf_round_trip_all_families);
     RUN(test_load_failure_leaves_layer_unchanged);
@@ -789,5 +912,7 @@ int main(void) {
     RUN(test_checkpoint_across_ep_sizes);
     RUN(test_loads_are_collective);
     RUN(test_saves_are_collective);
+    RUN(test_config_from_hf);
+    RUN(test_family_defaults);
     return tu_done();
 }

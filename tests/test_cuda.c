@@ -109,7 +109,7 @@ static moept_config family_cfg(int i) {
         c.n_group = 4; c.topk_group = 2; c.routed_scaling_factor = 2.5f;
         c.shared_intermediate_size = 32; c.aux_loss = MOEPT_AUX_MEGATRON;
     }
-    if (fams[i] == MOEPT_FAMILY_OLMOE) { c.norm_topk_prob = 0; c.activation = MOEPT_ACT_GELU; }
+    if (fams[i] == MOEPT_FAMILY_OLMOE) { c.norm_topk_prob = MOEPT_NORM_OFF; c.activation = MOEPT_ACT_GELU; }
     return c;
 }
 
@@ -522,6 +522,109 @@ static void test_bf16_weights_cast_once(void) {
     moept_destroy(F);
 }
 
+/* Two EP ranks, each call's outcome agreed on every rank (as the CPU layer's
+   test_ep): a forward on rank 0 against a backward on rank 1 (the tags in
+   the count exchange), a z loss that overflows from rank 1's finite x, and
+   a y that overflows from finite inputs (reported by the backward's sync,
+   before any gradient changes). Global balance on and off: its loss
+   statistics travel in the count exchange, so no second collective is left
+   waiting. */
+typedef struct agree_job {
+    int rank, global;
+    ncclUniqueId id;
+    moept_status st[8];
+    char msg[8][300];
+    double gsum; /* |gradients| after the rejected backward */
+} agree_job;
+
+static void agree_call(agree_job *j, int k, moept_status st, moept_layer *L) {
+    j->st[k] = st;
+    snprintf(j->msg[k], sizeof j->msg[k], "%s", st ? moept_last_error(L) : "");
+}
+
+static void *agree_rank(void *arg) {
+    agree_job *j = arg;
+    nccl_rank n;
+    moept_layer *L = NULL;
+    nccl_rank_open(&n, j->rank, j->id);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.global_balance = j->global;
+    const int64_t D = cfg.hidden_size, F = cfg.intermediate_size, T = 24;
+    if (moept_create_cuda(&cfg, n.c, NULL, NULL, &L) != MOEPT_OK) {
+        agree_call(j, 0, MOEPT_ERR_DEVICE, NULL);
+        nccl_rank_close(&n);
+        return NULL;
+    }
+    moept_init_params(L, 5);
+    unsigned long long rs = 7 + (unsigned long long)j->rank;
+    float *x = calloc((size_t)(T * D), sizeof(float)), *w = malloc((size_t)(F * D) * sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
+    void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0), *dyd = dev_from(x, T * D, 0);
+    void *dxd = dev_from(x, T * D, 0);
+    for (int64_t i = 0; i < T * D; i++) x[i] *= 1e30f; /* finite, but its logits square past FLT_MAX */
+    void *hugex = dev_from(x, T * D, 0);
+    agree_call(j, 0, moept_forward(L, xd, T, yd), L);
+    /* rank 0 forward, rank 1 backward: both fail; then matching calls work */
+    agree_call(j, 1, j->rank ? moept_backward(L, xd, dyd, dxd) : moept_forward(L, xd, T, yd), L);
+    agree_call(j, 2, moept_forward(L, xd, T, yd), L);
+    agree_call(j, 3, moept_backward(L, xd, dyd, dxd), L);
+    /* a z loss not finite from rank 1's finite x: the forward fails on both */
+    agree_call(j, 4, moept_forward(L, j->rank ? hugex : xd, T, yd), L);
+    /* w2 = 3e38 everywhere: y overflows; the backward fails on both, no gradient changes */
+    EXPECT_OK(moept_zero_grad(L));
+    for (int64_t i = 0; i < F * D; i++) w[i] = 3e38f;
+    for (int64_t e = 0; e < cfg.num_experts; e++) {
+        char name[64];
+        snprintf(name, sizeof name, "experts.%lld.w2.weight", (long long)e);
+        moept_set_param(L, name, w, F * D); /* another rank's expert: rejected, fine */
+    }
+    agree_call(j, 5, moept_forward(L, xd, T, yd), L);
+    agree_call(j, 6, moept_backward(L, xd, dyd, dxd), L);
+    agree_call(j, 7, moept_backward(L, xd, dyd, dxd), L);
+    for (int64_t i = 0; i < moept_param_count(L); i++) {
+        moept_param_info a;
+        moept_param_info_at(L, i, &a);
+        for (int64_t k = 0; a.grad && k < a.rows * a.cols; k++) j->gsum += fabs(a.grad[k]);
+    }
+    cudaFree(xd); cudaFree(yd); cudaFree(dyd); cudaFree(dxd); cudaFree(hugex);
+    free(x); free(w);
+    moept_destroy(L);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_call_agreement(void) {
+    for (int global = 0; global < 2; global++) {
+        agree_job j[2];
+        memset(j, 0, sizeof j);
+        ncclGetUniqueId(&j[0].id);
+        for (int r = 0; r < 2; r++) { j[r].rank = r; j[r].global = global; j[r].id = j[0].id; }
+        run_two(agree_rank, j, sizeof j[0]);
+        int ynum = 0;
+        for (int r = 0; r < 2; r++) {
+            agree_job *a = &j[r];
+            EXPECT(!a->st[0] && !a->st[2] && !a->st[3] && !a->st[5], "global %d rank %d: a matching call failed: "
+                   "%d %d %d %d (%s | %s | %s | %s)", global, r, (int)a->st[0], (int)a->st[2], (int)a->st[3],
+                   (int)a->st[5], a->msg[0], a->msg[2], a->msg[3], a->msg[5]);
+            EXPECT(a->st[1] == MOEPT_ERR_STATE && strstr(a->msg[1], "call sequences differ"),
+                   "global %d rank %d, forward against backward: %d (%s)", global, r, (int)a->st[1], a->msg[1]);
+            int zown = a->st[4] == MOEPT_ERR_NUMERIC && strstr(a->msg[4], "z loss is not finite");
+            int zpeer = a->st[4] == MOEPT_ERR_STATE && strstr(a->msg[4], "other rank");
+            EXPECT(global || r == 1 ? zown : zpeer, "global %d rank %d, z loss overflow: %d (%s)", global, r,
+                   (int)a->st[4], a->msg[4]);
+            ynum += a->st[6] == MOEPT_ERR_NUMERIC && strstr(a->msg[6], "y[") != NULL;
+            EXPECT(a->st[6] == MOEPT_ERR_NUMERIC || (a->st[6] == MOEPT_ERR_STATE && strstr(a->msg[6], "rejected")),
+                   "global %d rank %d, y overflow: %d (%s)", global, r, (int)a->st[6], a->msg[6]);
+            EXPECT(a->st[7] == MOEPT_ERR_STATE && strstr(a->msg[7], "no forward"),
+                   "global %d rank %d, backward after the dropped step: %d (%s)", global, r, (int)a->st[7],
+                   a->msg[7]);
+            EXPECT(a->gsum == 0.0, "global %d rank %d: the rejected backward changed the gradients (%g)", global,
+                   r, a->gsum);
+        }
+        EXPECT(ynum >= 1, "global %d: no rank named the non-finite y", global);
+    }
+}
+
 static void test_absent_peer_forward(void) { absent_peer(0); }
 static void test_absent_peer_grads(void) { absent_peer(1); }
 #endif
@@ -560,6 +663,8 @@ int main(void) {
     tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise (a rejected step between)",
            test_chunked_equals_one_chunk);
     tu_run("cuda (emulated): bf16 weights cast once per parameter change", test_bf16_weights_cast_once);
+    tu_run("cuda (emulated, 2 EP ranks): forward against backward, loss and y overflows fail on both ranks",
+           test_call_agreement);
 #endif
     return tu_done();
 }

@@ -173,7 +173,7 @@ static void test_activations_and_shared(void) {
 
 static void test_k_equals_e_is_dense(void) {
     moept_config c = cfg0(MOEPT_FAMILY_OLMOE, 10, 8, 5, 5, 12);
-    c.norm_topk_prob = 0;
+    c.norm_topk_prob = MOEPT_NORM_OFF;
     moept_layer *L = make(c, 4);
     if (!L) return;
     unsigned long long s = 8;

@@ -1,5 +1,6 @@
-/* libFuzzer target: the safetensors parser and the checkpoint indexes
-   (model.safetensors.index.json, moept's training index.json).
+/* libFuzzer target: the safetensors parser, the checkpoint indexes
+   (model.safetensors.index.json, moept's training index.json) and
+   config.json (moept_config_from_hf, for layers 0..3).
 
    The first input byte picks the parser; the rest is the file. Every input
    must give MOEPT_OK or an error status, never a crash, a leak or UB.
@@ -23,7 +24,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         mkdir(g_dir, 0700);
     }
     if (size < 1) return 0;
-    int which = data[0] % 3;
+    int which = data[0] % 4, layer = data[0] / 4 % 4;
     data++; size--;
     char path[128];
     if (which == 0) { /* a safetensors file: parse, then read every tensor */
@@ -50,11 +51,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         int64_t bytes = 0;
         moept__hf_open(g_dir, &s, &bytes);
         moept__hf_src_free(&s);
-    } else { /* a training checkpoint index */
+    } else if (which == 2) { /* a training checkpoint index */
         put("index.json", data, size);
         int64_t ep, step;
         char fp[32], set[64];
         moept__read_ckpt_index(g_dir, &ep, fp, sizeof fp, &step, set, sizeof set);
+    } else { /* a model's config.json */
+        put("config.json", data, size);
+        moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+        moept_config_from_hf(g_dir, layer, &c);
     }
     return 0;
 }
