@@ -1,4 +1,4 @@
-/* moept_check: runs moept-case-v1 reference cases (../shared/CASES.md)
+/* moept_check: runs moept-case-v1 reference cases (docs/CASES.md)
    through moept and compares every output and gradient.
 
    usage: moept_check [--ep N] [--chunks C] [--tol X] [--weights DIR --layer L [--hf-config]] FILE...

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes moept-case-v1 reference cases (see ../shared/CASES.md) from
+"""Writes moept-case-v1 reference cases (see docs/CASES.md) from
 Hugging Face transformers' own MoE blocks.
 
 Each block is built with transformers' class, run in float64 (including the
