@@ -1,5 +1,5 @@
 /* moept.h - v0.1.0 - mixture-of-experts layer for training, in C.
-   MIT licensed (see LICENSE at the end of this file and in the repository).
+   MIT licensed (see LICENSE in the repository).
 
    WHAT IT IS
      One MoE block (router -> top-k -> experts -> weighted combine, plus an
@@ -350,7 +350,7 @@ struct moept_comm {
 };
 
 /* Threads: `size` ranks in one process. Create the group once, then hand
-   each rank's thread its comm (moept_comm_threads_rank). A rank that waits
+   each rank's thread its comm (moept_comm_threads). A rank that waits
    longer than timeout_ms (0 = 600 s) for the others fails with
    MOEPT_ERR_COMM instead of hanging. */
 typedef struct moept_thread_group moept_thread_group;

@@ -397,6 +397,10 @@ static int train_rank(const opts *op, moept_comm *comm) {
         printf("train: %lld bytes of text, vocab %d, %d MoE layers (%s, D=%d F=%d E=%d K=%d), batch %d, EP=%d\n",
                (long long)len, V, NL, o.family == MOEPT_FAMILY_MIXTRAL ? "mixtral" : o.family == MOEPT_FAMILY_QWEN2_MOE ? "qwen2_moe" :
                o.family == MOEPT_FAMILY_OLMOE ? "olmoe" : "deepseek_v3", D, o.ffn, o.experts, o.topk, Bg, P);
+    if (!o.quiet && lead)
+        printf("val: held-out loss every 100 steps (- before the first); aux: the layers' mean aux loss, %d when "
+               "balanced (HF convention: top_k); load: layer 0's rows per expert, ' .:-=+*#%%@' from none to the "
+               "busiest\n", o.topk);
     int64_t *pos = xcalloc((size_t)Bg, sizeof(int64_t));
     int64_t *load = xcalloc((size_t)o.experts, sizeof(int64_t));
     double t0 = now(), tlast = t0, first_loss = 0, ema = 0, val = NAN;
@@ -458,8 +462,10 @@ static int train_rank(const opts *op, moept_comm *comm) {
             int nb = o.experts < 64 ? o.experts : 64;
             for (int e = 0; e < nb; e++) bar[e] = " .:-=+*#%@"[(int)(9 * load[e] / mx)];
             bar[nb] = 0;
-            printf("step %4d | loss %.4f | val %.4f | aux %.4f | %7.0f tok/s | layer-0 load [%s]\n",
-                   s, ema, val, aux / NL, (double)Bg * s / (t - t0), bar);
+            char vs[16] = "     -"; /* not evaluated yet */
+            if (val == val) snprintf(vs, sizeof vs, "%.4f", val);
+            printf("step %4d | loss %.4f | val %s | aux %.4f | %7.0f tok/s | layer-0 load [%s]\n",
+                   s, ema, vs, aux / NL, (double)Bg * s / (t - t0), bar);
             fflush(stdout);
         }
     }

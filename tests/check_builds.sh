@@ -7,7 +7,8 @@
 out=${TMPDIR:-/tmp}/moept_builds.$$
 mkdir -p "$out"
 trap 'rm -rf "$out"' EXIT
-printf '#include "moept.h"\nint main(void) { return 0; }\n' >"$out/h.c"
+# the initialiser C and C++ both accept (C++ refuses `= {0}` for this struct)
+printf '#include "moept.h"\nint main(void) {\n    moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);\n    return (int)c.top_k;\n}\n' >"$out/h.c"
 cp "$out/h.c" "$out/h.cc"
 cp "$out/h.c" "$out/h.cu"
 have() { command -v "$1" >/dev/null 2>&1; }

@@ -75,12 +75,20 @@ else
 fi
 # sanitizers: ASan + UBSan over the same suites (1 thread keeps it quick)
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
-suite "asan+ubsan reference cases" env OMP_NUM_THREADS=2 "$B/san/moept_check" $CASES
-for t in test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp; do
-    suite "asan+ubsan $t" env OMP_NUM_THREADS=2 "$B/san/$t"
-done
-suite "tsan test_ep" "$B/tsan/test_ep"
-suite "tsan test_overlap" "$B/tsan/test_overlap"
+if [ -x "$B/san/moept_check" ]; then
+    suite "asan+ubsan reference cases" env OMP_NUM_THREADS=2 "$B/san/moept_check" $CASES
+    for t in test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp; do
+        suite "asan+ubsan $t" env OMP_NUM_THREADS=2 "$B/san/$t"
+    done
+else
+    skip "asan+ubsan" "the compiler cannot link -fsanitize=address,undefined (libasan/libubsan missing)"
+fi
+if [ -x "$B/tsan/test_ep" ]; then
+    suite "tsan test_ep" "$B/tsan/test_ep"
+    suite "tsan test_overlap" "$B/tsan/test_overlap"
+else
+    skip "tsan" "the compiler cannot link -fsanitize=thread (libtsan missing)"
+fi
 if [ -n "$CBLAS" ]; then
     suite "cblas reference cases" "$B/cblas/moept_check" $CASES
     for t in test_grad test_props test_errors; do
