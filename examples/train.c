@@ -11,6 +11,7 @@
                 [--family mixtral|qwen2_moe|olmoe|deepseek_v3] [--lr X]
                 [--csv FILE] [--seed S] [--ep N] [--quiet]
           mpirun -np N train_mpi --ep N ...      (built with -DMOEPT_MPI)
+          mpirun -np N*M train_mpi --ep N --dp M ...
           train_cuda [--bf16] ... (built with -DMOEPT_CUDA: the MoE layers on the
                               GPU, one rank; skipped without a device)
    With no --data it trains on examples/corpus.txt, a fixed snapshot of the
@@ -20,7 +21,10 @@
    rank keeps E/N experts and a replica of everything else, and takes a
    contiguous slice of every batch; the dense parts' gradients are summed
    over ranks and the aux loss is over the global batch, so the run follows
-   the one-rank run up to fp32 rounding. */
+   the one-rank run up to fp32 rounding.
+   --dp N (train_mpi, N * ep processes): N replicas of the experts, each
+   split over --ep ranks; MPI_Comm_split makes the EP and DP groups, and
+   moept_sync_grads sums the layers' gradients over both. */
 #include "../moept.h"
 
 #include <math.h>
@@ -44,7 +48,7 @@ typedef struct opts {
     float lr;
     const char *csv;
     unsigned long long seed;
-    int ep;
+    int ep, dp;
     int bf16;              /* train_cuda --bf16: the MoE layers in bf16 (rows and expert weights) */
 } opts;
 
@@ -150,20 +154,20 @@ static void rmsnorm_bwd(const float *x, const float *g, const float *inv, const 
 static void usage(void) {
     fprintf(stderr, "usage: train [--data FILE]... [--steps N] [--batch B] [--layers L] [--dim D] [--ffn F]\n"
                     "             [--experts E] [--topk K] [--ctx C] [--family NAME] [--lr X] [--csv FILE]\n"
-                    "             [--seed S] [--ep N] [--quiet] [--bf16 (train_cuda)]\n");
+                    "             [--seed S] [--ep N] [--dp N (train_mpi)] [--quiet] [--bf16 (train_cuda)]\n");
     exit(2);
 }
 
 static void parse(int argc, char **argv, opts *o) {
     *o = (opts){.steps = 800, .batch = 512, .layers = 2, .dim = 96, .ffn = 192, .experts = 8, .topk = 2,
                 .ctx = 8, .family = MOEPT_FAMILY_MIXTRAL, .lr = 3e-3f, .csv = "build/train_log.csv", .seed = 1,
-                .ep = 1};
+                .ep = 1, .dp = 1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT_INT(name, field) if (strcmp(a, name) == 0 && v) { o->field = atoi(v); i++; continue; }
         OPT_INT("--steps", steps) OPT_INT("--batch", batch) OPT_INT("--layers", layers) OPT_INT("--dim", dim)
         OPT_INT("--ffn", ffn) OPT_INT("--experts", experts) OPT_INT("--topk", topk) OPT_INT("--ctx", ctx)
-        OPT_INT("--ep", ep)
+        OPT_INT("--ep", ep) OPT_INT("--dp", dp)
         if (strcmp(a, "--data") == 0 && v && o->ndata < 32) { o->data[o->ndata++] = v; i++; continue; }
         if (strcmp(a, "--lr") == 0 && v) { o->lr = (float)atof(v); i++; continue; }
         if (strcmp(a, "--csv") == 0 && v) { o->csv = v; i++; continue; }
@@ -182,7 +186,7 @@ static void parse(int argc, char **argv, opts *o) {
         usage();
     }
     if (o->steps < 1 || o->batch < 1 || o->layers < 1 || o->dim < 1 || o->ffn < 1 || o->experts < 1 ||
-        o->topk < 1 || o->topk > o->experts || o->ctx < 1 || o->ep < 1 || o->ep > o->batch ||
+        o->topk < 1 || o->topk > o->experts || o->ctx < 1 || o->ep < 1 || o->dp < 1 || o->ep * o->dp > o->batch ||
         o->experts % o->ep != 0) usage();
 }
 
@@ -326,7 +330,9 @@ static double step(model *M, const unsigned char *text, const int64_t *pos, cons
     return loss;
 }
 
-static int train_rank(const opts *op, moept_comm *comm) {
+/* comm: every rank (the batch's slices, the dense gradients); ep, dp: the
+   MoE layers' groups (ep = comm, dp = NULL without data parallelism) */
+static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_comm *dp) {
     opts o = *op;
     int P = comm ? comm->size : 1, rank = comm ? comm->rank : 0, lead = rank == 0;
     unsigned long long rng = o.seed;
@@ -376,9 +382,9 @@ static int train_rank(const opts *op, moept_comm *comm) {
 #endif
     for (int l = 0; l < NL; l++) {
 #ifdef MOEPT_CUDA
-        check(moept_create_cuda(&cfg, comm, NULL, &copt, &M.moe[l]), NULL, "moept_create_cuda");
+        check(moept_create_cuda(&cfg, ep, dp, &copt, &M.moe[l]), NULL, "moept_create_cuda");
 #else
-        check(moept_create_parallel(&cfg, comm, NULL, &M.moe[l]), NULL, "moept_create");
+        check(moept_create_parallel(&cfg, ep, dp, &M.moe[l]), NULL, "moept_create");
 #endif
         check(moept_init_params(M.moe[l], o.seed * 100 + (unsigned long long)l), M.moe[l], "init");
         float *p; int64_t n;
@@ -487,7 +493,7 @@ static void *rank_main(void *arg) {
     int per = omp_get_num_procs() / j->comm->size;
     omp_set_num_threads(per > 0 ? per : 1);
 #endif
-    j->rc = train_rank(j->o, j->comm);
+    j->rc = train_rank(j->o, j->comm, j->comm, NULL);
     return NULL;
 }
 #endif
@@ -499,23 +505,41 @@ int main(int argc, char **argv) {
     opts o;
     parse(argc, argv, &o);
 #ifdef MOEPT_CUDA
-    if (o.ep != 1) { fprintf(stderr, "train_cuda: one GPU rank (--ep 1)\n"); return 2; }
+    if (o.ep != 1 || o.dp != 1) { fprintf(stderr, "train_cuda: one GPU rank (--ep 1)\n"); return 2; }
     if (moept_cuda_device_count() < 1) { printf("skip - no CUDA device: the GPU run was not made\n"); return 0; }
 #endif
 #ifdef MOEPT_MPI
     moept_comm *world;
     check(moept_comm_mpi(MPI_COMM_WORLD, &world), NULL, "moept_comm_mpi");
-    if (world->size != o.ep) {
-        if (world->rank == 0) fprintf(stderr, "train_mpi: --ep %d but %d MPI processes\n", o.ep, world->size);
+    if (world->size != o.ep * o.dp) {
+        if (world->rank == 0)
+            fprintf(stderr, "train_mpi: --ep %d --dp %d but %d MPI processes\n", o.ep, o.dp, world->size);
         MPI_Finalize();
         return 2;
     }
-    int rc = train_rank(&o, world);
+    /* EP x DP: ranks r*ep .. r*ep+ep-1 are one EP group (one replica of the
+       experts); ranks with the same r % ep hold the same experts: a DP group */
+    moept_comm *ep = world, *dp = NULL;
+    MPI_Comm epc = MPI_COMM_NULL, dpc = MPI_COMM_NULL;
+    if (o.dp > 1) {
+        MPI_Comm_split(MPI_COMM_WORLD, world->rank / o.ep, world->rank, &epc);
+        MPI_Comm_split(MPI_COMM_WORLD, world->rank % o.ep, world->rank, &dpc);
+        check(moept_comm_mpi(epc, &ep), NULL, "moept_comm_mpi (EP)");
+        check(moept_comm_mpi(dpc, &dp), NULL, "moept_comm_mpi (DP)");
+    }
+    int rc = train_rank(&o, world, ep, dp);
+    if (dp) {
+        moept_comm_destroy(ep);
+        moept_comm_destroy(dp);
+        MPI_Comm_free(&epc);
+        MPI_Comm_free(&dpc);
+    }
     moept_comm_destroy(world);
     MPI_Finalize();
     return rc;
 #else
-    if (o.ep == 1) return train_rank(&o, NULL);
+    if (o.dp != 1) { fprintf(stderr, "train: --dp needs train_mpi\n"); return 2; }
+    if (o.ep == 1) return train_rank(&o, NULL, NULL, NULL);
     moept_thread_group *g;
     check(moept_thread_group_create(o.ep, 0, &g), NULL, "thread group");
     rank_job *jobs = xcalloc((size_t)o.ep, sizeof *jobs);

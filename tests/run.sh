@@ -70,6 +70,7 @@ if [ -n "$MPIRUN" ]; then
         suite "kill -9 loop ($m)" env MPIRUN="$MPIRUN" sh tests/crash.sh 5 $m
     done
     suite "train --ep 4 (mpirun -np 4)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/train_mpi" --ep 4 --steps 30 --quiet --csv "$B/train_mpi.csv"
+    suite "train_mpi --ep 2 --dp 2 vs --ep 1" sh tests/epdp.sh "$MPIRUN"
 else
     skip "mpi" "Open MPI not found (apt-get install libopenmpi-dev openmpi-bin); the MPI backend was not tested"
 fi
