@@ -2865,6 +2865,25 @@ const char *moept_st_meta(const moept_st_file *f, const char *key) {
     return NULL;
 }
 
+/* fp32 -> IEEE half, round to nearest even (past 65504: Inf; NaN stays NaN) */
+static uint16_t moept__f32_to_half(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu, q, rem, half;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* a half subnormal (units of 2^-24) or zero */
+        if (a < 0x33000000u) return (uint16_t)sign;
+        int shift = 126 - (int)(a >> 23);
+        uint32_t m = (a & 0x7fffffu) | 0x800000u;
+        q = m >> shift; rem = m & ((1u << shift) - 1); half = 1u << (shift - 1);
+    } else {
+        q = (a - 0x38000000u) >> 13; rem = a & 0x1fffu; half = 0x1000u;
+    }
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return (uint16_t)(sign | q);
+}
+
 static float moept__half_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
@@ -4213,25 +4232,56 @@ moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index)
 }
 
 moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index, int with_replicated) {
+    return moept_save_hf_as(L, path, layer_index, with_replicated, MOEPT_DTYPE_F32);
+}
+
+/* The weights in the file's dtype: one block, in table order (the writer
+   keeps pointers until it writes) */
+static uint16_t *moept__hf_low(const moept_layer *L, int with_replicated, moept_dtype dtype) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < L->n_table; i++)
+        if (L->table[i].expert >= 0 || with_replicated) n += L->table[i].rows * L->table[i].cols;
+    uint16_t *low = moept__alloc(NULL, (size_t)(n > 0 ? n : 1) * 2), *o = low;
+    for (int64_t i = 0; low && i < L->n_table; i++) {
+        const moept__param *p = &L->table[i];
+        if (p->expert < 0 && !with_replicated) continue;
+        for (int64_t k = 0; k < p->rows * p->cols; k++)
+            *o++ = dtype == MOEPT_DTYPE_BF16 ? moept__f32_to_bf16(p->data[k]) : moept__f32_to_half(p->data[k]);
+    }
+    return low;
+}
+
+moept_status moept_save_hf_as(moept_layer *L, const char *path, int64_t layer_index, int with_replicated,
+                              moept_dtype dtype) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: layer is NULL");
     if (!path || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: bad path or layer index");
+    if (dtype != MOEPT_DTYPE_F32 && dtype != MOEPT_DTYPE_BF16 && dtype != MOEPT_DTYPE_F16)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: dtype %d is not F32, BF16 or F16", (int)dtype);
     if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_save_hf: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
     MOEPT__HOST_SYNC(L, 1, 0);
     char prefix[128], name[256];
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
-    moept_st_writer *w;
-    moept_status st = moept_st_writer_create(&w);
+    moept_st_writer *w = NULL;
+    uint16_t *low = dtype == MOEPT_DTYPE_F32 ? NULL : moept__hf_low(L, with_replicated, dtype), *o = low;
+    moept_status st = dtype != MOEPT_DTYPE_F32 && !low
+                          ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the %s copy",
+                                               moept__dtype_name(dtype))
+                          : moept_st_writer_create(&w);
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
         if (p->expert < 0 && !with_replicated) continue;
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
         int64_t shape[2] = {p->rows, p->cols};
+        const void *data = low ? (const void *)o : (const void *)p->data;
+        o += low ? p->rows * p->cols : 0;
+        /* the correction bias stays F32, as DeepSeek-V3's published bf16 weights keep it */
         st = p->type == MOEPT__P_BIAS ? moept_st_add(w, name, MOEPT_DTYPE_F32, 1, shape + 1, p->data)
-                                      : moept_st_add(w, name, MOEPT_DTYPE_F32, 2, shape, p->data);
+                                      : moept_st_add(w, name, dtype, 2, shape, data);
     }
     if (!st) st = moept_st_add_meta(w, "format", "pt");
     if (!st) st = moept_st_write(w, path);
     moept_st_writer_destroy(w);
+    MOEPT_FREE(low);
     if (st) return moept__fail(L, st, "moept_save_hf: %s", moept__thread_err);
     return MOEPT_OK;
 }

@@ -677,6 +677,11 @@ moept_status moept_load_hf(moept_layer *layer, const char *dir, int64_t layer_in
    safetensors file. */
 moept_status moept_save_hf(moept_layer *layer, const char *path, int64_t layer_index,
                            int with_replicated);
+/* The same in dtype F32, BF16 or F16 (rounded to nearest even; F16 past
+   65504 is Inf), so a bf16 checkpoint round-trips at its own size; the
+   deepseek_v3 correction bias stays F32. */
+moept_status moept_save_hf_as(moept_layer *layer, const char *path, int64_t layer_index,
+                              int with_replicated, moept_dtype dtype);
 
 #ifdef __cplusplus
 }

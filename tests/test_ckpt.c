@@ -55,6 +55,82 @@ static void test_hf_round_trip_all_families(void) {
     }
 }
 
+/* fp32 -> half against a reference that tries the neighbours: every half
+   survives the trip, and random floats go to the nearest half (ties even) */
+static void test_f32_to_half(void) {
+    int64_t bad = 0;
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = moept__half_to_f32((uint16_t)h);
+        if (f == f && moept__f32_to_half(f) != h) bad++;
+    }
+    EXPECT(bad == 0, "%lld halves do not survive fp32 -> half", (long long)bad);
+    unsigned long long r = 5;
+    for (int i = 0; i < 200000; i++) {
+        uint32_t u = (uint32_t)(tu_rand(&r) * 4294967296.0);
+        u = (u & 0x80000000u) | (0x33000000u + u % (0x47800000u - 0x33000000u)); /* 2^-25 .. 65536 */
+        if (i % 4 == 0) u = (u & 0xffffe000u) | 0x1000u;                        /* a tie in the normal range */
+        float f;
+        memcpy(&f, &u, 4);
+        uint16_t got = moept__f32_to_half(f), best = got;
+        double dbest = 1e300;
+        for (int d = -1; d <= 1; d++) {
+            uint16_t c = (uint16_t)(got + d);
+            float cf = moept__half_to_f32(c);
+            if ((c & 0x7c00) == 0x7c00 || ((c ^ got) & 0x8000)) continue;
+            double e = fabs((double)cf - (double)f);
+            if (e < dbest || (e == dbest && !(c & 1))) { dbest = e; best = c; }
+        }
+        int inf = (got & 0x7fff) == 0x7c00 && fabs((double)f) >= 65520.0;
+        if (!inf && best != got) bad++;
+    }
+    EXPECT(bad == 0, "%lld of 200000 floats not rounded to the nearest half, ties even", (long long)bad);
+    EXPECT(moept__f32_to_half(65519.0f) == 0x7bff && moept__f32_to_half(65520.0f) == 0x7c00 &&
+           moept__f32_to_half(-1e30f) == 0xfc00 && (moept__f32_to_half(NAN) & 0x7fff) > 0x7c00,
+           "overflow or NaN");
+}
+
+/* save_hf_as BF16 / F16: values the dtype holds come back bitwise, from
+   2-byte tensors (the bias stays F32) */
+static void test_hf_low_precision_round_trip(void) {
+    mkdir("build/ckpt_low", 0755);
+    const moept_dtype dts[2] = {MOEPT_DTYPE_BF16, MOEPT_DTYPE_F16};
+    for (int f = 0; f < 4; f++)
+        for (int k = 0; k < 2; k++) {
+            moept_config c = fam_cfg((moept_family)f);
+            moept_layer *A, *B;
+            EXPECT_OK(moept_create(&c, &A));
+            EXPECT_OK(moept_create(&c, &B));
+            if (!A || !B) return;
+            moept_init_params(A, 11 + (uint64_t)f);
+            for (int64_t i = 0; i < A->n_params; i++) /* representable in the dtype */
+                A->params[i] = k ? moept__half_to_f32(moept__f32_to_half(A->params[i]))
+                                 : moept__bf16_to_f32(moept__f32_to_bf16(A->params[i]));
+            for (int64_t e = 0; e < A->E; e++) A->bias[e] = 0.1f * (float)e + 1e-4f; /* stays F32 */
+            EXPECT_OK(moept_save_hf_as(A, "build/ckpt_low/model.safetensors", 2, 1, dts[k]));
+            EXPECT_OK(moept_load_hf(B, "build/ckpt_low", 2));
+            EXPECT(memcmp(A->params, B->params, (size_t)A->n_params * 4) == 0 &&
+                   (f != MOEPT_FAMILY_DEEPSEEK_V3 || memcmp(A->bias, B->bias, (size_t)A->E * 4) == 0),
+                   "family %d dtype %d: not bitwise after the round trip", f, (int)dts[k]);
+            moept_st_file *sf;
+            EXPECT_OK(moept_st_open("build/ckpt_low/model.safetensors", &sf));
+            for (int64_t i = 0; sf && i < moept_st_count(sf); i++) {
+                const moept_st_tensor *t = moept_st_at(sf, i);
+                int bias = strstr(t->name, "e_score_correction_bias") != NULL;
+                EXPECT(t->dtype == (bias ? MOEPT_DTYPE_F32 : dts[k]) && t->nbytes == t->numel * (bias ? 4 : 2),
+                       "%s: dtype %d, %lld bytes", t->name, (int)t->dtype, (long long)t->nbytes);
+            }
+            moept_st_close(sf);
+            moept_destroy(A);
+            moept_destroy(B);
+        }
+    moept_layer *A;
+    moept_config c = fam_cfg(MOEPT_FAMILY_MIXTRAL);
+    EXPECT_OK(moept_create(&c, &A));
+    EXPECT(moept_save_hf_as(A, "build/ckpt_low/x.safetensors", 0, 1, MOEPT_DTYPE_I64) == MOEPT_ERR_INVALID_ARGUMENT,
+           "dtype I64 accepted");
+    moept_destroy(A);
+}
+
 static void test_load_failure_leaves_layer_unchanged(void) {
     moept_config c = fam_cfg(MOEPT_FAMILY_OLMOE);
     moept_layer *L;
@@ -912,6 +988,8 @@ int main(void) {
     RUN(test_checkpoint_across_ep_sizes);
     RUN(test_loads_are_collective);
     RUN(test_saves_are_collective);
+    RUN(test_f32_to_half);
+    RUN(test_hf_low_precision_round_trip);
     RUN(test_config_from_hf);
     RUN(test_family_defaults);
     return tu_done();
