@@ -394,6 +394,13 @@ struct moept_layer {
     int fwd_valid;
     int bwd_valid;         /* a backward ran since the last forward */
     uint64_t x_fp;         /* the forward's x, fingerprinted: backward checks it got the same */
+    int fwd_eval;          /* the committed forward was an evaluation: nothing kept for backward */
+    int fwd_jitter;        /* its router saw jittered x, drawn under fwd_jkey */
+    uint64_t fwd_jkey;
+    int64_t jitter_micro;  /* training forwards since the last AdamW step (the noise key) */
+    float *xj;             /* [Tmax][D] the router's jittered input (router_jitter > 0) */
+    uint64_t *jrow[2];     /* [Tmax] the tokens' hashes that key their noise (as logits[2]) */
+    int jitter_frozen;     /* tests: draw the last forward's noise again (finite differences) */
 
     /* expert parallel */
     moept_comm *ep, *dp;   /* NULL: a single rank */
@@ -493,6 +500,19 @@ struct moept_layer {
     int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
     char err[MOEPT__ERRLEN];
 };
+
+/* A forward's arguments and what its stages found before the commit (the
+   routing is in the spare buffers nb). */
+typedef struct moept__fstep {
+    const float *x;        /* [T][D] */
+    float *y;              /* [T][D] */
+    const uint8_t *mask;   /* [T] 0 = padding, or NULL */
+    int64_t T, valid;      /* tokens; unmasked ones */
+    int eval, global, nb, jitter;
+    uint64_t x_fp;         /* x's fingerprint, for the backward's check */
+    uint64_t jkey;         /* the jitter noise's key */
+    int64_t cap, R_next;   /* per-expert capacity (-1 dropless); rows to receive */
+} moept__fstep;
 
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
@@ -597,6 +617,8 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
         MOEPT__BAD("config.z_loss_coef: must be finite and >= 0");
     if (!moept__finite(c->capacity_factor) || c->capacity_factor < 0.0f)
         MOEPT__BAD("config.capacity_factor: must be finite and >= 0 (0 = dropless)");
+    if (!moept__finite(c->router_jitter) || c->router_jitter < 0.0f || c->router_jitter >= 1.0f)
+        MOEPT__BAD("config.router_jitter: must be in [0, 1) (0 = off)");
     if (c->max_tokens <= 0 || c->max_tokens > ((int64_t)1 << 31) / c->top_k)
         MOEPT__BAD("config.max_tokens: %lld must be in 1..2^31/top_k", (long long)c->max_tokens);
 #undef MOEPT__BAD
@@ -719,6 +741,8 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->dwts = moept__take(c, (size_t)(T * K) * f);
     L->dlogits = moept__take(c, (size_t)(T * E) * f);
     L->lse = moept__take(c, (size_t)T * f);
+    L->xj = moept__take(c, L->cfg.router_jitter > 0.0f ? (size_t)(T * D) * f : 0);
+    for (int b = 0; b < 2; b++) L->jrow[b] = moept__take(c, L->cfg.router_jitter > 0.0f ? (size_t)T * 8 : 0);
     L->descs = moept__take(c, (size_t)(L->El * L->P) * sizeof(moept__gemm));
     if (L->fsdp) {
         L->fs_full = moept__take(c, (size_t)(L->fsdp->size * L->fs_shard) * f);
@@ -793,21 +817,24 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
 
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later). */
-#define MOEPT__NFP 22
+#define MOEPT__NFP 24
+#define MOEPT__NFP_MODEL 18 /* the model's fields, first: a checkpoint's fingerprint */
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
-    "global_balance", "overlap_chunks", "expert_sharding", "EP size", "DP size"};
+    "global_balance", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed", "EP size", "DP size"};
 
 static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int64_t *fp) {
-    float fl[4] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor};
-    int32_t b[4];
+    float fl[5] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor,
+                   c->router_jitter};
+    int32_t b[5];
     memcpy(b, fl, sizeof b);
     int64_t v[MOEPT__NFP] = {ok, c->family, c->hidden_size, c->intermediate_size, c->num_experts, c->top_k,
                              c->norm_topk_prob, c->activation, c->shared_intermediate_size, c->shared_gate,
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
-                             c->global_balance, c->overlap_chunks, c->expert_sharding, P, DP};
+                             c->global_balance, c->overlap_chunks, c->expert_sharding, b[4],
+                             (int64_t)c->jitter_seed, P, DP};
     memcpy(fp, v, sizeof v);
 }
 
@@ -1211,6 +1238,11 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
         why_st = MOEPT_ERR_DEVICE;
         snprintf(why, sizeof why, "moept_create_cuda: no CUDA device");
     }
+    else if (cfg && cfg->router_jitter != 0.0f) {
+        bad = 1;
+        why_st = MOEPT_ERR_UNSUPPORTED;
+        snprintf(why, sizeof why, "moept_create_cuda: config.router_jitter is not supported by the CUDA executor");
+    }
     else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
         bad = 1;
         snprintf(why, sizeof why, "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
@@ -1491,17 +1523,22 @@ static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
 
 static int64_t moept__call_tag(const moept_layer *L, const char *call);
 
-static moept_status moept__cuda_layer_forward(moept_layer *L, const float *x, int64_t T, float *y) {
+static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep *f) {
     moept_status st = moept__to_device(L);
     if (st) return st;
+    const int64_t T = f->T;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
     r.tag = moept__call_tag(L, "moept_forward");
-    st = moept__cuda_forward((moept__cuda *)L->cuda, x, T, y, L->lstat, L->peer_rows, &r, L->err);
+    if (f->mask) { /* agreed in the executor's count exchange, as its own checks */
+        r.reject = MOEPT_ERR_UNSUPPORTED;
+        r.reject_msg = "moept_forward: a padding mask (opts.mask) is not supported by the CUDA executor";
+    }
+    st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r, L->err);
     L->agreed_calls += r.agreed;
     if (st) return st;
     const int64_t E = L->E;
-    L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; L->cuda_routing = 0;
+    L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; L->cuda_routing = 0; L->fwd_eval = f->eval;
     for (int64_t e = 0; e < E; e++) {
         L->sel_counts[e] = (int64_t)L->lstat[e];
         L->aux_counts[e] = (int64_t)L->lstat[E + e];
@@ -1531,6 +1568,11 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
     r.tag = moept__call_tag(L, "moept_backward");
+    if (L->fwd_valid && L->fwd_eval) {
+        r.reject = MOEPT_ERR_STATE;
+        r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
+                       "differentiate";
+    }
     st = moept__cuda_backward((moept__cuda *)L->cuda, x, dy, dx, &r, L->err);
     L->agreed_calls += r.agreed;
     if (st) return st;
@@ -1607,6 +1649,7 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
     #pragma omp parallel for schedule(static) MOEPT__PAR((t1 - t0) * D * K)
     for (int64_t t = t0; t < t1; t++) {
         float *yt = y + t * D;
+        if (ids[t * K] < 0) { memset(yt, 0, (size_t)D * sizeof(float)); continue; } /* padding */
         if (L->S > 0) {
             float gs = L->wsg ? L->sg[t] : 1.0f;
             for (int64_t d = 0; d < D; d++) yt[d] = moept__scale(gs, L->yss[t * D + d]);
@@ -1885,65 +1928,108 @@ static moept_status moept__forward_finite(moept_layer *L, const float *y, double
     return local;
 }
 
-moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: layer is NULL");
-#ifdef MOEPT_CUDA
-    if (L->cuda) return moept__cuda_layer_forward(L, x, T, y);
-#endif
-    const int64_t D = L->D, E = L->E, K = L->K, El = L->El;
-    const int fam = (int)L->cfg.family, P = L->P;
-    const int global = L->cfg.global_balance && (L->group || L->dp);
-    moept_comm *grp = L->group;
-    /* ---- 1. this rank's checks, routing into the spare buffers ---- */
-    moept_status local = MOEPT_OK;
-    const int nb = 1 - L->cur;
+/* ---- forward, stage by stage: checks -> route -> counts (exchanged) ->
+   growth agreed -> commit -> losses -> plan -> dispatch -> experts ->
+   combine. Until the commit a failure leaves the layer as it was. */
+
+
+/* Router jitter's factor for element d of a token whose row hashes to
+   row: uniform in [1 - eps, 1 + eps] from (seed, key, row, d) by a counter
+   hash. Keyed by the token's values, not its place, so a token draws the
+   same wherever it is routed (EP = N equals EP = 1 on the whole batch, any
+   thread count), and the backward makes it again instead of keeping it. */
+static float moept__jitter_u(uint64_t seed, uint64_t key, uint64_t row, int64_t d, float eps) {
+    uint64_t s = seed ^ (key * 0xd1b54a32d192ed03ull) ^ row ^ ((uint64_t)d * 0xa0761d6478bd642full);
+    return 1.0f - eps + 2.0f * eps * ((float)(moept__mix(&s) >> 40) * 0x1.0p-24f);
+}
+/* The noise key of the next training forward: AdamW steps (checkpointed)
+   and forwards since the last one, so a resumed run draws what it drew. */
+static uint64_t moept__jitter_key(const moept_layer *L) {
+    return ((uint64_t)L->opt_t << 20) ^ (uint64_t)L->jitter_micro;
+}
+/* out [T][D] = x * u (mul) or out * u, the router's input under jitter or
+   its gradient; rows [T] the tokens' hashes (hash: computed here from x) */
+static void moept__jitter_apply(const moept_layer *L, uint64_t key, const float *x, int64_t T, float *out,
+                                uint64_t *rows, int hash) {
+    const int64_t D = L->D;
+    const float eps = L->cfg.router_jitter;
+    const uint64_t seed = L->cfg.jitter_seed;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
+    for (int64_t t = 0; t < T; t++) {
+        if (hash) rows[t] = moept__checksum(x + t * D, D) * 0x9e3779b97f4a7c15ull;
+        for (int64_t d = 0; d < D; d++)
+            out[t * D + d] = (x ? x[t * D + d] : out[t * D + d]) * moept__jitter_u(seed, key, rows[t], d, eps);
+    }
+}
+
+/* 1. this rank's argument checks and x's scan (finite; its fingerprint) */
+static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
+    const int64_t T = f->T, D = L->D;
+    if (T < 0 || T > L->Tmax)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: tokens %lld not in 0..max_tokens (%lld)",
+                           (long long)T, (long long)L->Tmax);
+    if (T > 0 && (!f->x || !f->y))
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: %s is NULL", f->x ? "y" : "x");
+    int64_t bad = moept__x_scan(f->x, T * D, &f->x_fp);
+    if (bad >= 0)
+        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite", (long long)(bad / D),
+                           (long long)(bad % D));
+    return MOEPT_OK;
+}
+
+/* 2. route into the spare buffers: the fp32 router on x (times the jitter
+   noise in a training forward), then each token's top-k; a masked token is
+   routed nowhere (ids -1, weights 0) */
+static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
+    const int64_t T = f->T, D = L->D, E = L->E, K = L->K;
+    const int fam = (int)L->cfg.family, nb = f->nb;
     float *logits = L->logits[nb], *probs = L->probs[nb], *wts = L->wts[nb];
     int32_t *ids = L->ids[nb];
-    if (T < 0 || T > L->Tmax)
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: tokens %lld not in 0..max_tokens (%lld)",
-                            (long long)T, (long long)L->Tmax);
-    else if (T > 0 && (!x || !y))
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: %s is NULL", x ? "y" : "x");
-    uint64_t x_fp = 0;
-    if (!local) {
-        int64_t bad = moept__x_scan(x, T * D, &x_fp);
-        if (bad >= 0)
-            local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite",
-                                (long long)(bad / D), (long long)(bad % D));
+    const float *xin = f->x;
+    if (f->jitter) { /* (frozen, for tests: the committed step's noise again) */
+        if (L->jitter_frozen) memcpy(L->jrow[nb], L->jrow[L->cur], (size_t)T * sizeof(uint64_t));
+        f->jkey = L->jitter_frozen ? L->fwd_jkey : moept__jitter_key(L);
+        moept__jitter_apply(L, f->jkey, f->x, T, L->xj, L->jrow[nb], !L->jitter_frozen);
+        xin = L->xj;
     }
-    if (!local) {
-        moept__gemm g = moept__gemm_make(0, 1, T, E, D, x, D, L->w_router, D, 0.0f, logits, E);
-        moept__gemm_run(&g, 1, &L->gws);
-        int64_t first_bad = T;
-        const float *bias = fam == MOEPT_FAMILY_DEEPSEEK_V3 ? L->bias : NULL;
-        const int norm = L->cfg.norm_topk_prob, ng = (int)L->cfg.n_group, tg = (int)L->cfg.topk_group;
-        const float scale = L->cfg.routed_scaling_factor;
-        #pragma omp parallel for schedule(static) reduction(min : first_bad) num_threads(L->nthreads) MOEPT__PAR(T * E * K)
-        for (int64_t t = 0; t < T; t++) {
-            float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
-            if (moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, scale,
-                                   probs + t * E, scratch, ids + t * K, wts + t * K) != 0)
-                first_bad = t < first_bad ? t : first_bad;
+    moept__gemm g = moept__gemm_make(0, 1, T, E, D, xin, D, L->w_router, D, 0.0f, logits, E);
+    moept__gemm_run(&g, 1, &L->gws);
+    int64_t first_bad = T, valid = 0;
+    const float *bias = fam == MOEPT_FAMILY_DEEPSEEK_V3 ? L->bias : NULL;
+    const int norm = L->cfg.norm_topk_prob, ng = (int)L->cfg.n_group, tg = (int)L->cfg.topk_group;
+    const float scale = L->cfg.routed_scaling_factor;
+    const uint8_t *mask = f->mask;
+    #pragma omp parallel for schedule(static) reduction(min : first_bad) reduction(+ : valid) \
+        num_threads(L->nthreads) MOEPT__PAR(T * E * K)
+    for (int64_t t = 0; t < T; t++) {
+        float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
+        if (mask && !mask[t]) {
+            for (int64_t k = 0; k < K; k++) { ids[t * K + k] = -1; wts[t * K + k] = 0.0f; }
+            continue;
         }
-        if (first_bad < T)
-            local = moept__fail(L, MOEPT_ERR_NUMERIC,
-                                "moept_forward: router logits of token %lld are not finite (overflow in x . gate.weight^T?)",
-                                (long long)first_bad);
+        valid++;
+        if (moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, scale,
+                               probs + t * E, scratch, ids + t * K, wts + t * K) != 0)
+            first_bad = t < first_bad ? t : first_bad;
     }
-    /* ---- 2. agreement on the call and the checks: a rank making another
-       call fails here, tagged, instead of in the count exchange ---- */
-    moept_status st = moept__agree_call(L, grp, global ? L->dp : NULL, local, "moept_forward");
-    if (st) return st;
-    /* ---- 3. the pending step's plan counts; exchange them; room to receive ---- */
-    const int64_t cap = moept__capacity(L->capacity_factor, T, K, E);
-    /* kept rows per chunk and slot (one chunk: counts_next itself), one
-       pass over the assignments; capacity keeps each slot's earliest */
-    const int64_t C = L->C;
+    f->valid = valid;
+    if (first_bad < T)
+        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: router logits of token %lld are not finite "
+                           "(overflow in x . gate.weight^T?)", (long long)first_bad);
+    return MOEPT_OK;
+}
+
+/* 3. the pending step's kept rows per chunk and slot, in one pass over the
+   assignments (capacity keeps each slot's earliest): counts_next [E], and
+   chunked ccnt_next [C][E] */
+static void moept__fwd_count(moept_layer *L, const moept__fstep *f) {
+    const int64_t E = L->E, K = L->K, C = L->C, T = f->T, cap = f->cap;
+    const int32_t *ids = L->ids[f->nb];
     int64_t *cc = C > 1 ? L->ccnt_next : L->counts_next; /* [C][E] */
     for (int64_t i = 0; i < C * E; i++) cc[i] = 0;
     for (int64_t c = 0; c < C; c++)
         for (int64_t i = moept__chunk_start(T, C, c) * K; i < moept__chunk_start(T, C, c + 1) * K; i++)
-            cc[c * E + L->slot_of[ids[i]]]++;
+            if (ids[i] >= 0) cc[c * E + L->slot_of[ids[i]]]++;
     for (int64_t e = 0; e < E; e++) {
         int64_t before = 0, kept = 0;
         for (int64_t c = 0; c < C; c++) {
@@ -1954,74 +2040,100 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
         }
         L->counts_next[e] = kept;
     }
-    int64_t R_next = 0;
-    if (L->ep) { /* counts before data, always: no rank trusts sizes it computed alone */
-        moept_seg *cs = L->count_segs, *cr = L->count_segs + P;
-        const int64_t per = C * El; /* chunked: every chunk's counts, [c][j] per peer */
-        for (int q = 0; q < P; q++) { cs[q].offset = q * per; cs[q].count = per; cr[q].offset = q * per; cr[q].count = per; }
-        if (C > 1)
-            for (int64_t q = 0; q < P; q++)
-                for (int64_t c = 0; c < C; c++)
-                    for (int64_t j = 0; j < El; j++) L->cmsg[(q * C + c) * El + j] = L->ccnt_next[c * E + q * El + j];
-        double t0 = moept__now();
-        st = L->ep->alltoallv(L->ep, C > 1 ? L->cmsg : L->counts_next, cs, C > 1 ? L->rccnt_next : L->rcounts_next, cr, 1, 8);
-        L->stats.comm_seconds += moept__now() - t0;
-        if (st) return moept__fail(L, st, "moept_forward: count exchange failed: %s", L->ep->err);
-        if (C > 1)
-            for (int64_t p = 0; p < P; p++)
-                for (int64_t j = 0; j < El; j++) {
-                    int64_t n = 0;
-                    for (int64_t c = 0; c < C; c++) n += L->rccnt_next[(p * C + c) * El + j];
-                    L->rcounts_next[p * El + j] = n;
-                }
-        for (int64_t i = 0; i < P * El; i++) R_next += L->rcounts_next[i];
-    } else {
+}
+
+/* 4. counts before data, always: no rank trusts sizes it computed alone.
+   rcounts_next [P][El] (chunked: rccnt_next [P][C][El]) and R_next, the
+   rows this rank's experts will receive. */
+static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) {
+    const int64_t E = L->E, El = L->El, C = L->C, P = L->P;
+    int64_t R = 0;
+    if (!L->ep) {
         if (C > 1) memcpy(L->rccnt_next, L->ccnt_next, (size_t)(C * E) * sizeof(int64_t));
-        for (int64_t e = 0; e < E; e++) R_next += L->counts_next[e];
+        for (int64_t e = 0; e < E; e++) R += L->counts_next[e];
+        f->R_next = R;
+        return MOEPT_OK;
     }
-    if (!moept__grow_recv(L, R_next))
+    moept_seg *cs = L->count_segs, *cr = L->count_segs + P;
+    const int64_t per = C * El; /* chunked: every chunk's counts, [c][j] per peer */
+    for (int64_t q = 0; q < P; q++) cs[q] = cr[q] = (moept_seg){q * per, per};
+    if (C > 1)
+        for (int64_t q = 0; q < P; q++)
+            for (int64_t c = 0; c < C; c++)
+                for (int64_t j = 0; j < El; j++) L->cmsg[(q * C + c) * El + j] = L->ccnt_next[c * E + q * El + j];
+    double t0 = moept__now();
+    moept_status st = L->ep->alltoallv(L->ep, C > 1 ? L->cmsg : L->counts_next, cs,
+                                       C > 1 ? L->rccnt_next : L->rcounts_next, cr, 1, 8);
+    L->stats.comm_seconds += moept__now() - t0;
+    if (st) return moept__fail(L, st, "moept_forward: count exchange failed: %s", L->ep->err);
+    if (C > 1)
+        for (int64_t p = 0; p < P; p++)
+            for (int64_t j = 0; j < El; j++) {
+                int64_t n = 0;
+                for (int64_t c = 0; c < C; c++) n += L->rccnt_next[(p * C + c) * El + j];
+                L->rcounts_next[p * El + j] = n;
+            }
+    for (int64_t i = 0; i < P * El; i++) R += L->rcounts_next[i];
+    f->R_next = R;
+    return MOEPT_OK;
+}
+
+/* 5. room to receive, then agreement on it: every rank commits, or none */
+static moept_status moept__fwd_agree_growth(moept_layer *L, const moept__fstep *f) {
+    moept_status local = MOEPT_OK, st;
+    moept_comm *grp = L->group, *dp = f->global ? L->dp : NULL;
+    if (!moept__grow_recv(L, f->R_next))
         local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: cannot grow the receive buffers to %lld "
-                            "rows", (long long)R_next);
-    /* ---- 4. agreement on the growth: every rank commits, or none does ---- */
-    if (grp || (global && L->dp)) {
-        int64_t failed = moept__any_failed(grp, global ? L->dp : NULL, local != MOEPT_OK, &st);
-        if (st) return moept__fail(L, st, "moept_forward: failure agreement failed: %s", grp ? grp->err : L->dp->err);
+                            "rows", (long long)f->R_next);
+    if (grp || dp) {
+        int64_t failed = moept__any_failed(grp, dp, local != MOEPT_OK, &st);
+        if (st) return moept__fail(L, st, "moept_forward: failure agreement failed: %s", grp ? grp->err : dp->err);
         if (failed && !local)
-            return moept__fail(L, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed",
-                               (long long)failed);
+            return moept__fail(L, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing "
+                               "changed", (long long)failed);
     }
-    if (local) return local;
+    return local;
+}
 
-    /* fsdp: the full experts, gathered from every rank's shard (before the
-       commit: a broken comm leaves the last step intact) */
-    if (L->fsdp && (st = moept__fsdp_gather(L))) return st;
-
-    /* ---- commit: from here on every rank proceeds ---- */
-    const moept_stats stats_before = L->stats; /* restored if the output check fails */
-    L->cur = nb;
-    L->T = T;
-    L->x_fp = x_fp;
+/* 6. commit: from here on every rank proceeds */
+static void moept__fwd_commit(moept_layer *L, const moept__fstep *f) {
+    L->cur = f->nb;
+    L->T = f->T;
+    L->x_fp = f->x_fp;
     L->fwd_valid = 1;
     L->bwd_valid = 0;
+    L->fwd_eval = f->eval;
+    L->fwd_jitter = f->jitter;
+    L->fwd_jkey = f->jkey;
+    L->jitter_micro += f->jitter;
     { int64_t *t = L->counts; L->counts = L->counts_next; L->counts_next = t; }
     { int64_t *t = L->rcounts; L->rcounts = L->rcounts_next; L->rcounts_next = t; }
     { int64_t *t = L->ccnt; L->ccnt = L->ccnt_next; L->ccnt_next = t; }
     { int64_t *t = L->rccnt; L->rccnt = L->rccnt_next; L->rccnt_next = t; }
-    L->R = R_next;
+    L->R = f->R_next;
     L->stats.bytes_sent = L->stats.bytes_received = 0;
     L->stats.comm_seconds = L->stats.dispatch_seconds = L->stats.combine_seconds = 0.0;
-    if (L->fsdp) { /* the gather above belongs to this step */
+    if (L->fsdp) { /* the gather before the commit belongs to this step */
         int64_t b = (L->fsdp->size - 1) * L->fs_shard * (int64_t)sizeof(float);
         L->stats.bytes_sent = L->stats.bytes_received = b;
         L->stats.comm_seconds = L->fs_gather_seconds;
     }
+}
 
-    /* losses: counts, score sums and sum of lse^2 in token order (double) */
-    const int aux = (int)L->cfg.aux_loss;
+/* 7. losses: counts, score sums and the sum of lse^2 over the unmasked
+   tokens in token order (double), summed over the groups when global;
+   returns the aux value through *aux_v */
+static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, double *aux_v) {
+    const int64_t T = f->T, E = L->E, K = L->K;
+    const int fam = (int)L->cfg.family, aux = (int)L->cfg.aux_loss;
+    const float *logits = L->logits[L->cur], *probs = L->probs[L->cur];
+    const int32_t *ids = L->ids[L->cur];
     double *sel = L->lstat, *auxc = L->lstat + E, *psum = L->lstat + 2 * E;
     for (int64_t i = 0; i < 3 * E + 2; i++) L->lstat[i] = 0.0;
     for (int64_t t = 0; t < T; t++) {
         const float *lg = logits + t * E;
+        L->lse[t] = 0.0f;
+        if (ids[t * K] < 0) continue; /* padding */
         L->lse[t] = moept__lse(lg, E);
         L->lstat[3 * E + 1] += (double)L->lse[t] * L->lse[t];
         for (int64_t k = 0; k < K; k++) sel[ids[t * K + k]] += 1.0;
@@ -2033,20 +2145,25 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
             for (int64_t k = 0; k < K; k++) auxc[cid[k]] += 1.0;
         }
     }
-    L->lstat[3 * E] = (double)T;
-    if (global) { /* the whole batch's statistics (a failure here is a broken comm) */
-        st = moept__world_sum(L, L->lstat, 3 * E + 2, MOEPT_DTYPE_F64);
-        if (st) { L->fwd_valid = 0; return st; }
+    L->lstat[3 * E] = (double)f->valid;
+    if (f->global) { /* the whole batch's statistics (a failure here is a broken comm) */
+        moept_status st = moept__world_sum(L, L->lstat, 3 * E + 2, MOEPT_DTYPE_F64);
+        if (st) return st;
     }
     for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = (int64_t)sel[e]; L->aux_counts[e] = (int64_t)auxc[e]; }
-    L->counts_global = global || (!grp && !L->dp);
-    const double Tl = L->lstat[3 * E] > 0 ? L->lstat[3 * E] : 1.0;
-    L->loss_T = Tl;
-    double aux_v = moept__aux_finalize(auxc, psum, E, K, aux, Tl, L->cfg.aux_loss_coef, L->aux_g);
+    L->counts_global = f->global || (!L->group && !L->dp);
+    L->loss_T = L->lstat[3 * E] > 0 ? L->lstat[3 * E] : 1.0;
+    *aux_v = moept__aux_finalize(auxc, psum, E, K, aux, L->loss_T, L->cfg.aux_loss_coef, L->aux_g);
+    return MOEPT_OK;
+}
 
-    /* plan: stable counting sort of the T*K assignments by slot (the
-       expert's place in the placement); slot order is destination-rank
-       order, so xs is the send buffer. counts/offsets are per slot. */
+/* 8. plan: a stable counting sort of the T*K assignments by slot (the
+   expert's place in the placement); slot order is destination-rank order,
+   so xs is the send buffer. Then where the received rows go: expert-major,
+   then by source rank, and the exchange's pieces. */
+static void moept__fwd_plan(moept_layer *L) {
+    const int64_t T = L->T, D = L->D, E = L->E, K = L->K, El = L->El, P = L->P;
+    const int32_t *ids = L->ids[L->cur];
     L->offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         L->offsets[e + 1] = L->offsets[e] + L->counts[e];
@@ -2054,91 +2171,148 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
     }
     L->N = L->offsets[E];
     for (int64_t i = 0; i < T * K; i++) {
+        if (ids[i] < 0) { L->row_of[i] = -1; continue; } /* padding */
         int64_t e = L->slot_of[ids[i]];
         moept__plan_place(i, L->fill[e]++, L->counts[e], L->offsets[e], K, L->row_of, L->tok_of_row,
                           L->slot_of_row);
     }
-    /* where the received rows go: expert-major, then by source rank */
     L->roffsets[0] = 0;
     for (int64_t j = 0; j < El; j++) {
         int64_t n = 0;
-        for (int p = 0; p < P; p++) n += L->ep ? L->rcounts[p * El + j] : L->counts[j];
+        for (int64_t p = 0; p < P; p++) n += L->ep ? L->rcounts[p * El + j] : L->counts[j];
         L->roffsets[j + 1] = L->roffsets[j] + n;
     }
-    if (L->ep) {
-        for (int q = 0; q < P; q++) L->peer_rows[q] = L->peer_rows[P + q] = 0;
-        for (int64_t j = 0; j < El; j++) {
-            int64_t off = L->roffsets[j];
-            for (int p = 0; p < P; p++) {
-                int64_t e = (int64_t)p * El + j; /* p's expert j, as seen from here */
-                L->send_segs[p * El + j] = (moept_seg){L->offsets[e] * D, L->counts[e] * D};
-                L->recv_segs[p * El + j] = (moept_seg){off * D, L->rcounts[p * El + j] * D};
-                off += L->rcounts[p * El + j];
-                L->peer_rows[p] += L->counts[e];
-                L->peer_rows[P + p] += L->rcounts[p * El + j];
-            }
+    if (!L->ep) return;
+    for (int64_t q = 0; q < P; q++) L->peer_rows[q] = L->peer_rows[P + q] = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t off = L->roffsets[j];
+        for (int64_t p = 0; p < P; p++) {
+            int64_t e = p * El + j; /* p's expert j, as seen from here */
+            L->send_segs[p * El + j] = (moept_seg){L->offsets[e] * D, L->counts[e] * D};
+            L->recv_segs[p * El + j] = (moept_seg){off * D, L->rcounts[p * El + j] * D};
+            off += L->rcounts[p * El + j];
+            L->peer_rows[p] += L->counts[e];
+            L->peer_rows[P + p] += L->rcounts[p * El + j];
         }
-        L->stats.rows_sent = L->stats.rows_received = 0;
-        for (int q = 0; q < P; q++)
-            if (q != L->rank) { L->stats.rows_sent += L->peer_rows[q]; L->stats.rows_received += L->peer_rows[P + q]; }
     }
+    L->stats.rows_sent = L->stats.rows_received = 0;
+    for (int64_t q = 0; q < P; q++)
+        if (q != L->rank) { L->stats.rows_sent += L->peer_rows[q]; L->stats.rows_received += L->peer_rows[P + q]; }
+}
 
-    const int64_t N = L->N;
-    double ts = moept__now(), combine_exchange = 0.0;
-    if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
-        if ((st = moept__forward_chunked(L, x, y, wts, ids))) { L->fwd_valid = 0; return st; }
-    } else {
-    if (L->direct) {
-        /* shared memory: show the peers this step, then gather our experts'
-           rows from their token rows directly */
-        *L->view = (moept__view){x, NULL, wts, L->tok_of_row, L->slot_of_row, L->offsets, L->recv_segs, L->yr, L->dwts, K};
+/* 9. dispatch: each kept row to its expert (direct: the experts' ranks
+   gather from our x themselves; else permuted into xs, then exchanged) */
+static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
+    const int64_t D = L->D, N = L->N, K = L->K;
+    moept_status st;
+    if (L->direct) { /* show the peers this step, then gather our experts' rows from their tokens */
+        *L->view = (moept__view){x, NULL, L->wts[L->cur], L->tok_of_row, L->slot_of_row, L->offsets,
+                                 L->recv_segs, L->yr, L->dwts, K};
         double t0 = moept__now();
         st = L->ep->share(L->ep, L->view, (const void **)L->peers);
         L->stats.comm_seconds += moept__now() - t0;
-        if (st) { L->fwd_valid = 0; return moept__fail(L, st, "moept_forward: share: %s", L->ep->err); }
+        if (st) return moept__fail(L, st, "moept_forward: share: %s", L->ep->err);
         moept__direct_gather(L, 0);
         moept__count_bytes(L, 1);
-    } else {
-        /* permute: each kept row copied once, straight to its place in the send buffer */
-        #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
-        for (int64_t r = 0; r < N; r++)
-            memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
-        if (L->ep && (st = moept__exchange(L, L->xs, L->xr, 1))) { L->fwd_valid = 0; return st; }
+        return MOEPT_OK;
     }
-    L->stats.dispatch_seconds += moept__now() - ts;
-    moept__ffn_forward(L, L->xr, El, L->roffsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->yr);
-    ts = moept__now();
-    if (L->direct) { /* the combine reads the experts' outputs where they lie */
-        if ((st = moept__direct_sync(L, "moept_forward"))) { L->fwd_valid = 0; return st; }
+    #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
+    for (int64_t r = 0; r < N; r++) memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
+    return L->ep ? moept__exchange(L, L->xs, L->xr, 1) : MOEPT_OK;
+}
+
+/* 10. the experts' rows back (direct: read where they lie), the shared
+   expert, and the combine: each output row written once */
+static moept_status moept__fwd_combine(moept_layer *L, const float *x, float *y) {
+    moept_status st;
+    double ts = moept__now();
+    if (L->direct) {
+        if ((st = moept__direct_sync(L, "moept_forward"))) return st;
         moept__count_bytes(L, 0);
-    } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) { L->fwd_valid = 0; return st; }
-    combine_exchange = moept__now() - ts;
-
-    moept__shared_forward(L, x, T);
-
-    /* combine: each output row written once, k contributions in slot order */
+    } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
+    L->stats.combine_seconds += moept__now() - ts;
+    moept__shared_forward(L, x, L->T);
     ts = moept__now();
-    moept__combine_range(L, y, wts, ids, 0, T);
+    moept__combine_range(L, y, L->wts[L->cur], L->ids[L->cur], 0, L->T);
+    L->stats.combine_seconds += moept__now() - ts;
+    return MOEPT_OK;
+}
+
+/* dispatch -> experts -> combine (chunked: as a pipeline); direct: no rank
+   may leave (and free or regrow its rows) while a peer still reads them */
+static moept_status moept__fwd_run(moept_layer *L, const moept__fstep *f) {
+    moept_status st;
+    if (L->C > 1) {
+        if ((st = moept__forward_chunked(L, f->x, f->y, L->wts[L->cur], L->ids[L->cur]))) return st;
+    } else {
+        double ts = moept__now();
+        if ((st = moept__fwd_dispatch(L, f->x))) return st;
+        L->stats.dispatch_seconds += moept__now() - ts;
+        moept__ffn_forward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->yr);
+        if ((st = moept__fwd_combine(L, f->x, f->y))) return st;
     }
-    /* direct: no rank may leave (and free or regrow its rows) while a peer
-       still reads them */
-    if (L->direct && (st = moept__direct_sync(L, "moept_forward"))) { L->fwd_valid = 0; return st; }
-    if ((st = moept__forward_finite(L, y, aux_v, L->lstat[3 * E + 1] / Tl, global))) {
+    return L->direct ? moept__direct_sync(L, "moept_forward") : MOEPT_OK;
+}
+
+/* The step's statistics, once its output is known finite */
+static void moept__fwd_stats(moept_layer *L, const moept__fstep *f, double aux_v) {
+    moept_stats *sts = &L->stats;
+    sts->steps++;
+    sts->tokens = f->T;
+    sts->masked_tokens = f->T - f->valid;
+    sts->routed_rows = L->N;
+    sts->dropped_rows = f->valid * L->K - L->N;
+    sts->capacity = f->cap;
+    L->aux_value = aux_v;
+    L->z_value = L->lstat[3 * L->E + 1] / L->loss_T;
+    sts->aux_loss = (float)aux_v;
+    sts->z_loss = (float)L->z_value;
+}
+
+static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
+    f->global = L->cfg.global_balance && (L->group || L->dp);
+    f->nb = 1 - L->cur;
+    f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
+    moept_status local = moept__fwd_checks(L, f), st;
+    if (!local) local = moept__fwd_route(L, f);
+    /* a rank making another call fails here, tagged, not in the count exchange */
+    if ((st = moept__agree_call(L, L->group, f->global ? L->dp : NULL, local, "moept_forward"))) return st;
+    f->cap = moept__capacity(L->capacity_factor, f->T, L->K, L->E);
+    moept__fwd_count(L, f);
+    if ((st = moept__fwd_exchange_counts(L, f))) return st;
+    if ((st = moept__fwd_agree_growth(L, f))) return st;
+    /* fsdp: the full experts from every rank's shard (before the commit: a
+       broken comm leaves the last step intact) */
+    if (L->fsdp && (st = moept__fsdp_gather(L))) return st;
+    const moept_stats stats_before = L->stats; /* restored if the output check fails */
+    moept__fwd_commit(L, f);
+    double aux_v = 0.0;
+    if ((st = moept__fwd_losses(L, f, &aux_v)) || (moept__fwd_plan(L), (st = moept__fwd_run(L, f)))) {
+        L->fwd_valid = 0;
+        return st;
+    }
+    if ((st = moept__forward_finite(L, f->y, aux_v, L->lstat[3 * L->E + 1] / L->loss_T, f->global))) {
         L->stats = stats_before;
         return st;
     }
-    moept_stats *sts = &L->stats;
-    sts->combine_seconds += combine_exchange + (moept__now() - ts);
-    sts->steps++;
-    sts->tokens = T;
-    sts->routed_rows = N;
-    sts->dropped_rows = T * K - N;
-    sts->capacity = cap;
-    L->aux_value = aux_v;
-    L->z_value = L->lstat[3 * E + 1] / Tl;
-    sts->aux_loss = (float)aux_v;
-    sts->z_loss = (float)L->z_value;
+    moept__fwd_stats(L, f, aux_v);
     return MOEPT_OK;
+}
+
+moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *y, const moept_forward_opts *o) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: layer is NULL");
+    moept__fstep f;
+    memset(&f, 0, sizeof f);
+    f.x = x; f.y = y; f.T = T;
+    if (o) { f.mask = o->mask; f.eval = o->eval != 0; }
+#ifdef MOEPT_CUDA
+    if (L->cuda) return moept__cuda_layer_forward(L, &f);
+#endif
+    return moept__forward(L, &f);
+}
+
+moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
+    return moept_forward_ex(L, x, T, y, NULL);
 }
 
 /* ------------------------------------------------------------------------
@@ -2153,6 +2327,27 @@ static moept_status moept__backward_finite(moept_layer *L, const float *dx) {
                                "the gradients may hold non-finite values: zero them");
 }
 
+/* router': g_router += dlogits^T xin, dx += (dlogits W) * u, where the
+   router saw xin = x * u (jitter; else u = 1): the noise is drawn again */
+static void moept__router_bwd(moept_layer *L, const float *x, float *dx) {
+    const int64_t T = L->T, D = L->D, E = L->E;
+    if (!L->fwd_jitter) {
+        moept__gemm gr[2];
+        gr[0] = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, x, D, 1.0f, L->g_router, D);
+        gr[1] = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
+        moept__gemm_run(gr, 2, &L->gws);
+        return;
+    }
+    moept__jitter_apply(L, L->fwd_jkey, x, T, L->xj, L->jrow[L->cur], 0);
+    moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, L->xj, D, 1.0f, L->g_router, D);
+    moept__gemm_run(&g, 1, &L->gws);
+    g = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 0.0f, L->xj, D);
+    moept__gemm_run(&g, 1, &L->gws);
+    moept__jitter_apply(L, L->fwd_jkey, NULL, T, L->xj, L->jrow[L->cur], 0);
+    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
+    for (int64_t i = 0; i < T * D; i++) dx[i] += L->xj[i];
+}
+
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
 #ifdef MOEPT_CUDA
@@ -2163,6 +2358,9 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     uint64_t x_fp = 0;
     const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
     if (!L->fwd_valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
+    else if (L->fwd_eval)
+        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: the last forward was an evaluation (opts.eval): it "
+                            "kept nothing to differentiate");
     else if (L->bwd_valid) /* the step's saved activations were consumed in place */
         local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: this forward was already differentiated; run forward again");
     else if (T > 0 && (!x || !dy || !dx))
@@ -2207,11 +2405,12 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             float w = wts[t * K + k];
             for (int64_t d = 0; d < D; d++) ys[d] = moept__scale(w, dyt[d]);
         }
-        if (L->S > 0) {
+        if (L->S > 0) { /* padding: its y row was 0, nothing flows back */
             float *yss = L->yss + t * D;
             float gs = L->wsg ? L->sg[t] : 1.0f;
-            if (L->wsg) L->dsg[t] = moept__gate_bwd(moept__dot(yss, dyt, D), gs);
-            for (int64_t d = 0; d < D; d++) yss[d] = moept__scale(gs, dyt[d]);
+            int pad = ids[t * K] < 0;
+            if (L->wsg) L->dsg[t] = pad ? 0.0f : moept__gate_bwd(moept__dot(yss, dyt, D), gs);
+            for (int64_t d = 0; d < D; d++) yss[d] = pad ? 0.0f : moept__scale(gs, dyt[d]);
         }
     }
 
@@ -2275,15 +2474,16 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     #pragma omp parallel for schedule(static) num_threads(L->nthreads) MOEPT__PAR(T * E * K)
     for (int64_t t = 0; t < T; t++) {
         float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
+        if (ids[t * K] < 0) { /* padding: routed nowhere, in no loss */
+            for (int64_t e = 0; e < E; e++) L->dlogits[t * E + e] = 0.0f;
+            continue;
+        }
         float zgrad = moept__zgrad(zc, L->lse[t], Tl);
         moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K,
                                 L->dwts + t * K, aux_g, zgrad, (int)E, (int)K, norm,
                                 scale, scratch, L->dlogits + t * E);
     }
-    moept__gemm gr[2];
-    gr[0] = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, x, D, 1.0f, L->g_router, D);
-    gr[1] = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
-    moept__gemm_run(gr, 2, &L->gws);
+    moept__router_bwd(L, x, dx);
     L->bwd_valid = 1; /* the saved activations are consumed, whatever follows */
     if ((st = moept__backward_finite(L, dx))) return st;
     if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
@@ -2414,6 +2614,8 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
         bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
     else if (!L->fwd_valid)
         bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
+    else if (L->fwd_eval)
+        bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: the last forward was an evaluation (opts.eval)");
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, "moept_update_bias");
     if (ag) return ag;
     MOEPT__HOST_SYNC(L, 1, 0);
@@ -4002,6 +4204,12 @@ static moept_status moept__hf_behaviour(const moept__hfconf *h, moept_config *c)
             return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"router_aux_loss_coef\" is negative", h->path);
         c->aux_loss = c->aux_loss_coef > 0.0f ? MOEPT_AUX_HF : MOEPT_AUX_NONE;
     }
+    c->router_jitter = 0.0f;
+    if (c->family == MOEPT_FAMILY_MIXTRAL) { /* (transformers jitters the experts' input too: see moept.h) */
+        if ((st = moept__hf_float(h, "router_jitter_noise", 0.0, &c->router_jitter))) return st;
+        if (!(c->router_jitter >= 0.0f && c->router_jitter < 1.0f))
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"router_jitter_noise\" is not in [0, 1)", h->path);
+    }
     return MOEPT_OK;
 }
 
@@ -4333,6 +4541,7 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     if (st) return st;
     moept__host_wrote(L, 1, 0);
     int64_t t = ++L->opt_t;
+    L->jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
     double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
     float step = (float)(lr / bc1), sbc2 = (float)sqrt(bc2);
     float *p = L->params, *g = L->grads, *m = L->opt_m, *v = L->opt_v;
@@ -4352,7 +4561,7 @@ static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
     moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, fp);
     uint64_t h = 1469598103934665603ull; /* FNV-1a over the model's fields; execution choices
                                             (overlap, sharding) and the layout (EP, DP) left out */
-    for (int i = 0; i < MOEPT__NFP - 4; i++)
+    for (int i = 0; i < MOEPT__NFP_MODEL; i++)
         for (int b = 0; b < 8; b++) { h ^= (uint64_t)((fp[i] >> (8 * b)) & 0xff); h *= 1099511628211ull; }
     snprintf(out, n, "%016llx", (unsigned long long)h);
 }
@@ -4744,6 +4953,7 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
         memset(L->opt_m, 0, 2 * n * sizeof(float));
     }
     L->opt_t = t;
+    L->jitter_micro = 0;
     MOEPT_FREE(stage);
     return MOEPT_OK;
 }

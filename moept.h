@@ -157,6 +157,26 @@
      z_loss:             mean_t (logsumexp_e logits_t,e)^2.
      Counts are taken before capacity dropping.
 
+   PADDING, EVALUATION, ROUTER JITTER (moept_forward_ex; CPU layers)
+     opts.mask [T] (0 = padding): a padded token is routed nowhere, its y
+     and dx rows are 0, and it is in no loss or count: the aux and z losses
+     average over the unmasked tokens (global balance: over every rank's).
+     Unmasked tokens get the values they would get without the padding
+     rows, bitwise. opts.eval = 1: no jitter, nothing kept for backward.
+     config.router_jitter = eps: a training forward routes on x * u, u
+     uniform in [1 - eps, 1 + eps] per element (as Switch Transformer and
+     Megatron-Core's input jitter); the experts and the shared expert see x.
+     transformers' Mixtral block (router_jitter_noise, which
+     moept_config_from_hf reads) multiplies its input in place, so its
+     experts see the noise too: to get that, multiply x yourself. u is drawn
+     from (jitter_seed, the AdamW step count, training forwards since that
+     step, the token's values, d): a token draws the same on any rank and
+     EP size (EP = N equals EP = 1 on the whole batch), a resumed run draws
+     what the original drew, and equal tokens draw equal noise. The
+     backward treats u as a constant, as PyTorch does with its noise tensor.
+     The CUDA executor refuses masks (MOEPT_ERR_UNSUPPORTED on every rank)
+     and router_jitter (at create).
+
    PARAMETER NAMES (per family, the HF module-relative names)
      all:          gate.weight [E][D]
      deepseek_v3:  gate.e_score_correction_bias [E]   (a buffer, no gradient)
@@ -289,6 +309,11 @@ typedef struct moept_config {
                                          cuBLAS may round other row counts apart);
                                          the CUDA executor chunks only at EP > 1 */
     moept_sharding expert_sharding;   /* MOEPT_SHARD_EP (default) or MOEPT_SHARD_FSDP */
+    float router_jitter;              /* eps >= 0 (0 = off): a training forward's router
+                                         sees x * u, u uniform in [1 - eps, 1 + eps) per
+                                         element (Switch/Megatron input jitter; see ROUTER
+                                         JITTER); the experts see x. CPU layers only */
+    uint64_t jitter_seed;             /* the noise's seed (ranks alike: same noise) */
 } moept_config;
 
 /* ---- communication -------------------------------------------------
@@ -421,6 +446,7 @@ typedef struct moept_stats {
     int64_t tokens;            /* T of the last forward */
     int64_t routed_rows;       /* token-expert assignments computed */
     int64_t dropped_rows;      /* assignments dropped by capacity */
+    int64_t masked_tokens;     /* padding tokens of the last forward (routed nowhere) */
     int64_t capacity;          /* per-expert capacity, -1 if dropless */
     float aux_loss;            /* unscaled values of the last forward */
     float z_loss;
@@ -523,6 +549,26 @@ moept_status moept_init_params(moept_layer *layer, uint64_t seed);
 /* Compute */
 moept_status moept_forward(moept_layer *layer, const float *x, int64_t tokens,
                            float *y);
+/* moept_forward with per-call options (a zeroed struct, or NULL, is
+   moept_forward). */
+typedef struct moept_forward_opts {
+    const uint8_t *mask; /* [tokens] or NULL (all tokens). 0 marks padding: the
+                            token is routed nowhere (moept_routing: ids -1,
+                            weights 0), its y row is 0 (shared expert too), no
+                            gradient flows from it (its dx row is 0), and it is
+                            left out of the aux and z losses, their token count
+                            and the expert counts, as transformers'
+                            load_balancing_loss_func with attention_mask (global
+                            balance: summed over the ranks' unmasked tokens).
+                            The backward uses the forward's mask. CPU layers */
+    int eval;            /* 1: an evaluation forward (PyTorch's model.eval() under
+                            no_grad): no router jitter, and nothing is kept for a
+                            backward: moept_backward and moept_update_bias
+                            refuse until the next training forward. y is the
+                            training forward's (bitwise, jitter off) */
+} moept_forward_opts;
+moept_status moept_forward_ex(moept_layer *layer, const float *x, int64_t tokens, float *y,
+                              const moept_forward_opts *opts);
 moept_status moept_backward(moept_layer *layer, const float *x,
                             const float *dy, float *dx);
 moept_status moept_zero_grad(moept_layer *layer);
@@ -1247,10 +1293,14 @@ typedef struct moept__cuda_spec {
 } moept__cuda_spec;
 /* Results of a forward the host keeps (statistics and the saved state's size);
    tag in: the call's agreement tag (moept.c's call counter), agreed out: the
-   ranks exchanged their tags (the layer counts the call). */
+   ranks exchanged their tags (the layer counts the call); reject in: fail
+   this call on every rank with reject_msg. */
 typedef struct moept__cuda_step {
     int64_t tag;
     int agreed;
+    moept_status reject;       /* in: a rejection moept.c found (an option this executor
+                                  lacks, ...), agreed like the executor's own checks */
+    const char *reject_msg;
     int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
     int64_t allocations, allocated_bytes, workspace_bytes;
     double aux_value, z_value, loss_T;

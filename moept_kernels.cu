@@ -1250,6 +1250,7 @@ typedef struct moept__fwd {
     int nb;                    /* the spare routing buffers this step fills */
     int64_t T, cap, R;         /* tokens (0 if rejected), capacity (-1: none), rows to receive */
     int64_t tag;               /* the call's agreement tag (moept.c's) */
+    moept_status reject;       /* moept.c's rejection of the call, agreed as a host one */
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                                       \
@@ -1263,9 +1264,13 @@ typedef struct moept__fwd {
     } while (0)
 
 /* 1. this rank's argument checks; the kernels then run on a valid T only */
-static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const void *y, moept__fwd *f) {
+static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const void *y, const char *reject,
+                              moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
-    if (Tn < 0 || Tn > p->Tmax) {
+    if (f->reject) {
+        f->host_bad = 1;
+        snprintf(f->local, MOEPT__ERRLEN, "%s", reject);
+    } else if (Tn < 0 || Tn > p->Tmax) {
         f->host_bad = 1;
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: tokens %lld not in 0..max_tokens (%lld)", (long long)Tn,
                  (long long)p->Tmax);
@@ -1441,7 +1446,8 @@ static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
     if (!f->local[0] && !failed && p->global_balance) moept__fwd_loss_check(c, f);
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
-                                 : f->host_bad ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC, "%s", f->local);
+                                 : f->reject ? f->reject : f->host_bad ? MOEPT_ERR_INVALID_ARGUMENT
+                                 : MOEPT_ERR_NUMERIC, "%s", f->local);
     if (failed)
         return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed",
                             (long long)failed);
@@ -1784,7 +1790,8 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     moept__fwd f;
     memset(&f, 0, sizeof f);
     f.tag = out->tag;
-    moept__fwd_checks(c, xv, Tn, yv, &f);
+    f.reject = out->reject;
+    moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
     moept__fwd_route<T>(c, x, &f);
     moept__fwd_plan(c, &f);
     MOEPT__TRY(moept__fwd_exchange_counts(c, out, err));
@@ -1865,7 +1872,10 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
     const int64_t D = p->D, T_ = c->T;
     char local[MOEPT__ERRLEN] = "";
     moept_status why = MOEPT_OK;
-    if (!c->fwd_valid) {
+    if (out->reject) {
+        why = out->reject;
+        snprintf(local, sizeof local, "%s", out->reject_msg);
+    } else if (!c->fwd_valid) {
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local, "moept_backward: no forward to differentiate");
     } else if (c->bwd_done) { /* ys and h were overwritten in place */

@@ -82,8 +82,10 @@ static moept_status layer_create(const moept_config *cfg, moept_comm *ep, void *
 }
 /* (CUDA: the layer's outputs are ready in its stream's order: synchronise
    it before reading them on another stream) */
-static moept_status layer_forward(moept_layer *L, void *stream, const float *x, int64_t T, int64_t D, float *y) {
+static moept_status layer_forward(moept_layer *L, void *stream, const float *x, int64_t T, int64_t D, float *y,
+                                  const uint8_t *mask) {
 #ifdef MOEPT_CUDA
+    (void)mask; /* cases with a mask are skipped on the CUDA executor */
     void *dxp = to_device(x, T * D), *dyp = to_device(y, T * D);
     moept_status st = dxp && dyp ? moept_forward(L, (const float *)dxp, T, (float *)dyp) : MOEPT_ERR_OUT_OF_MEMORY;
     if (!st && cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess) st = MOEPT_ERR_DEVICE;
@@ -92,7 +94,8 @@ static moept_status layer_forward(moept_layer *L, void *stream, const float *x, 
     return st;
 #else
     (void)D; (void)stream;
-    return moept_forward(L, x, T, y);
+    moept_forward_opts o = {mask, 0};
+    return moept_forward_ex(L, x, T, y, &o);
 #endif
 }
 static moept_status layer_backward(moept_layer *L, void *stream, const float *x, const float *dy, int64_t T, int64_t D,
@@ -204,6 +207,21 @@ static int all_ok(check *c) {
     }
     if (bad && !c->reason[0]) failf(c, "another rank failed this case");
     return bad == 0;
+}
+
+/* attention_mask [T] (I64, 1 = token, 0 = padding) as moept's [T] bytes */
+static int read_mask(check *c, const moept_st_tensor *t, int64_t T, uint8_t **out) {
+    int64_t *m = malloc((size_t)(T + 1) * sizeof(int64_t));
+    uint8_t *b = malloc((size_t)(T + 1));
+    int ok = m && b && t->ndim == 1 && t->shape[0] == T && moept_st_read_i64(c->f, t, m, T) == MOEPT_OK;
+    for (int64_t i = 0; ok && i < T; i++) {
+        ok = m[i] == 0 || m[i] == 1;
+        b[i] = (uint8_t)m[i];
+    }
+    free(m);
+    if (!ok) { free(b); return failf(c, "tensor 'attention_mask' is not [T] of 0 and 1"); }
+    *out = b;
+    return 1;
 }
 
 static int family_of(const char *s, moept_family *f) {
@@ -354,6 +372,7 @@ static int hf_config(check *c, moept_config *cfg) {
 static void run_case(check *c) {
     moept_layer *L = NULL;
     float *x = NULL, *y = NULL, *gy = NULL, *dx = NULL, *want = NULL, *got = NULL;
+    uint8_t *mask = NULL;  /* [T] the case's attention_mask, NULL: none */
     if (moept_st_open(c->path, &c->f) != MOEPT_OK) { failf(c, "%s", moept_last_error(NULL)); return; }
     const char *fmt = moept_st_meta(c->f, "format");
     if (!fmt || strcmp(fmt, "moept-case-v1") != 0) { failf(c, "metadata 'format' is not moept-case-v1"); goto done; }
@@ -388,6 +407,14 @@ static void run_case(check *c) {
     cfg.max_tokens = Tr > 0 ? Tr : 1;
     cfg.global_balance = P > 1;
     cfg.overlap_chunks = g_chunks;
+    const moept_st_tensor *tm = moept_st_find(c->f, "attention_mask");
+#ifdef MOEPT_CUDA
+    if (tm) { /* the same on every rank */
+        snprintf(c->skip, sizeof c->skip, "a padding mask: not on the CUDA executor");
+        goto done;
+    }
+#endif
+    if (tm && !read_mask(c, tm, T, &mask)) goto done;
     if (cfg.num_experts % P != 0) { /* the same on every rank: no collective is left waiting */
         snprintf(c->skip, sizeof c->skip, "E=%lld experts do not split over --ep %d", (long long)cfg.num_experts, P);
         goto done;
@@ -420,7 +447,7 @@ static void run_case(check *c) {
     dx = calloc((size_t)(T * D + 1), sizeof(float));
     if (!y || !dx) { failf(c, "out of memory"); goto done; }
     if (!all_ok(c)) goto done;
-    if (layer_forward(L, c->stream, x + lo * D, Tr, D, y) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
+    if (layer_forward(L, c->stream, x + lo * D, Tr, D, y, mask ? mask + lo : NULL) != MOEPT_OK) { failf(c, "forward: %s", moept_last_error(L)); goto done; }
 
     if (!(want = want_f(c, "output", T, D))) goto done;
     compare(c, "output", y, want + lo * D, Tr * D);
@@ -495,7 +522,7 @@ static void run_case(check *c) {
         free(want); want = NULL;
     }
 done:
-    free(x); free(y); free(gy); free(dx); free(want); free(got);
+    free(x); free(y); free(gy); free(dx); free(want); free(got); free(mask);
     moept_destroy(L);
     moept_st_close(c->f);
     ref_free(c->ref);

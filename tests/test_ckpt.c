@@ -945,6 +945,10 @@ static void test_config_from_hf(void) {
                "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 1, \"router_aux_loss_coef\": 2.5E-3, "
                "\"norm_topk_prob\": true, \"extra\": {\"a\": [1, {\"b\": null}]}}");
     moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    EXPECT(moept_config_from_hf("tests/configs/mixtral_gelu", 0, &c) == MOEPT_OK && c.router_jitter == 0.05f,
+           "mixtral router_jitter_noise: %s, %g", moept_last_error(NULL), (double)c.router_jitter);
+    EXPECT(moept_config_from_hf("tests/configs/olmoe_default", 0, &c) == MOEPT_OK && c.router_jitter == 0.0f,
+           "olmoe: router_jitter %g", (double)c.router_jitter);
     EXPECT(moept_config_from_hf(p, 0, &c) == MOEPT_OK && c.hidden_size == 8 && c.aux_loss_coef == 2.5e-3f &&
            c.norm_topk_prob == MOEPT_NORM_ON, "numbers: %s, D %lld, coef %.9g", moept_last_error(NULL),
            (long long)c.hidden_size, (double)c.aux_loss_coef);

@@ -625,6 +625,66 @@ static void test_call_agreement(void) {
     }
 }
 
+/* What the CUDA executor lacks is refused on every rank, agreed as its own
+   checks are: a padding mask on one rank fails both (UNSUPPORTED there,
+   "other rank" on the peer); an evaluation forward on rank 0 only makes
+   the backward fail on both; router jitter fails the create on both. */
+static void *modes_rank(void *arg) {
+    agree_job *j = arg;
+    nccl_rank n;
+    moept_layer *L = NULL;
+    nccl_rank_open(&n, j->rank, j->id);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    const int64_t D = cfg.hidden_size, T = 24;
+    cfg.router_jitter = 0.1f;
+    agree_call(j, 0, moept_create_cuda(&cfg, n.c, NULL, NULL, &L), NULL);
+    cfg.router_jitter = 0.0f;
+    if (moept_create_cuda(&cfg, n.c, NULL, NULL, &L) != MOEPT_OK) {
+        agree_call(j, 1, MOEPT_ERR_DEVICE, NULL);
+        nccl_rank_close(&n);
+        return NULL;
+    }
+    moept_init_params(L, 5);
+    unsigned long long rs = 7 + (unsigned long long)j->rank;
+    float *x = calloc((size_t)(T * D), sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
+    void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0), *dyd = dev_from(x, T * D, 0);
+    void *dxd = dev_from(x, T * D, 0);
+    uint8_t mask[24] = {1, 0, 1};
+    moept_forward_opts mo = {mask, 0}, eo = {NULL, 1};
+    agree_call(j, 1, moept_forward_ex(L, xd, T, yd, j->rank ? &mo : NULL), L);
+    agree_call(j, 2, moept_forward_ex(L, xd, T, yd, j->rank ? NULL : &eo), L);
+    agree_call(j, 3, moept_backward(L, xd, dyd, dxd), L);
+    agree_call(j, 4, moept_forward(L, xd, T, yd), L);
+    agree_call(j, 5, moept_backward(L, xd, dyd, dxd), L);
+    cudaFree(xd); cudaFree(yd); cudaFree(dyd); cudaFree(dxd);
+    free(x);
+    moept_destroy(L);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_unsupported_modes(void) {
+    agree_job j[2];
+    memset(j, 0, sizeof j);
+    ncclGetUniqueId(&j[0].id);
+    for (int r = 0; r < 2; r++) { j[r].rank = r; j[r].id = j[0].id; }
+    run_two(modes_rank, j, sizeof j[0]);
+    for (int r = 0; r < 2; r++) {
+        agree_job *a = &j[r];
+        EXPECT(a->st[0] == MOEPT_ERR_UNSUPPORTED || a->st[0] == MOEPT_ERR_INVALID_ARGUMENT,
+               "rank %d, router_jitter: %d (%s)", r, (int)a->st[0], a->msg[0]);
+        EXPECT(r ? a->st[1] == MOEPT_ERR_UNSUPPORTED && strstr(a->msg[1], "mask")
+                 : a->st[1] == MOEPT_ERR_STATE && strstr(a->msg[1], "other rank"),
+               "rank %d, a mask on rank 1: %d (%s)", r, (int)a->st[1], a->msg[1]);
+        EXPECT(!a->st[2] && !a->st[4] && !a->st[5], "rank %d: a matching call failed: %s | %s | %s", r, a->msg[2],
+               a->msg[4], a->msg[5]);
+        EXPECT(r ? a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "other rank")
+                 : a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "evaluation"),
+               "rank %d, backward after rank 0's evaluation: %d (%s)", r, (int)a->st[3], a->msg[3]);
+    }
+}
+
 static void test_absent_peer_forward(void) { absent_peer(0); }
 static void test_absent_peer_grads(void) { absent_peer(1); }
 #endif
@@ -665,6 +725,8 @@ int main(void) {
     tu_run("cuda (emulated): bf16 weights cast once per parameter change", test_bf16_weights_cast_once);
     tu_run("cuda (emulated, 2 EP ranks): forward against backward, loss and y overflows fail on both ranks",
            test_call_agreement);
+    tu_run("cuda (emulated, 2 EP ranks): masks, jitter and eval-then-backward refused on both ranks",
+           test_unsupported_modes);
 #endif
     return tu_done();
 }

@@ -16,6 +16,9 @@ typedef struct world {
     float skew;                /* added to expert `hot`'s router row */
     int hot;
     int steps;                 /* forward+backward steps per rank */
+    int eval;                  /* 1: each step starts with an evaluation forward, whose
+                                  y must be the training forward's, bitwise */
+    int eval_differs[MAXR * 2];
     moept_thread_group *ep[MAXR], *dp[MAXR];
     /* results */
     float *y, *dx;             /* [Ttot][D] */
@@ -64,7 +67,14 @@ static void *rank_main(void *arg) {
     for (int s = 0; s < w->steps && !w->st[r]; s++) {
         if (s == 1) moept_get_stats(L, &s0, NULL);
         moept_zero_grad(L);
-        w->st[r] = moept_forward(L, w->x + o * w->D, w->T[r], w->y + o * w->D);
+        float *ye = w->eval ? malloc((size_t)(w->T[r] * w->D + 1) * 4) : NULL;
+        moept_forward_opts eo = {NULL, 1};
+        if (ye && !(w->st[r] = moept_forward_ex(L, w->x + o * w->D, w->T[r], ye, &eo)))
+            w->st[r] = moept_backward(L, w->x + o * w->D, w->dy + o * w->D, w->dx + o * w->D) == MOEPT_ERR_STATE
+                       ? MOEPT_OK : MOEPT_ERR_INVALID_ARGUMENT; /* nothing kept to differentiate */
+        if (!w->st[r]) w->st[r] = moept_forward(L, w->x + o * w->D, w->T[r], w->y + o * w->D);
+        if (ye) w->eval_differs[r] |= memcmp(ye, w->y + o * w->D, (size_t)(w->T[r] * w->D) * 4) != 0;
+        free(ye);
         if (!w->st[r]) w->st[r] = moept_backward(L, w->x + o * w->D, w->dy + o * w->D, w->dx + o * w->D);
         if (!w->st[r]) w->st[r] = moept_sync_grads(L, 1.0f);
     }
@@ -118,7 +128,7 @@ static world *reference(const world *w) {
     world *one = new_world(w->cfg, 1, 1, T, 1);
     memcpy(one->x, w->x, (size_t)(w->Ttot * w->D) * 4);
     memcpy(one->dy, w->dy, (size_t)(w->Ttot * w->D) * 4);
-    one->skew = w->skew; one->hot = w->hot;
+    one->skew = w->skew; one->hot = w->hot; one->steps = w->steps; one->eval = w->eval;
     run_world(one);
     return one;
 }
@@ -184,6 +194,36 @@ static void test_ep_matches_one_rank(void) {
             compare_world(w, what, 1e-6);
             free_world(w);
         }
+}
+
+/* Router jitter keyed by the tokens' values: EP = 4 equals the whole batch
+   on one rank; an evaluation forward first (no jitter, nothing kept) gives
+   the jitter-free y, here different from the training forward's */
+static void test_ep_jitter_and_eval(void) {
+    static const moept_family fams[] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_DEEPSEEK_V3};
+    for (int f = 0; f < 2; f++) {
+        int64_t T[4] = {37, 20, 0, 29};
+        moept_config c = cfg_of(fams[f]);
+        c.router_jitter = 0.5f;
+        c.jitter_seed = 3;
+        world *w = new_world(c, 4, 1, T, 40 + (uint64_t)f);
+        w->steps = 2;
+        w->eval = 1;
+        run_world(w);
+        compare_world(w, fams[f] ? "deepseek jitter EP=4" : "mixtral jitter EP=4", 1e-6);
+        for (int r = 0; r < 4; r++)
+            EXPECT(w->eval_differs[r] == (T[r] > 0), "rank %d: the jitter %s y", r,
+                   T[r] ? "did not change" : "changed an empty");
+        free_world(w);
+        /* without jitter the evaluation's y is the training forward's, bitwise */
+        c.router_jitter = 0.0f;
+        w = new_world(c, 4, 1, T, 40 + (uint64_t)f);
+        w->eval = 1;
+        run_world(w);
+        compare_world(w, "eval EP=4", 1e-6);
+        for (int r = 0; r < 4; r++) EXPECT(!w->eval_differs[r], "rank %d: eval y differs from training y", r);
+        free_world(w);
+    }
 }
 
 static void test_skew_and_empty(void) {
@@ -745,6 +785,7 @@ static void test_reshard_permutation(void) {
 int main(void) {
     RUN(test_ep_matches_one_rank);
     RUN(test_skew_and_empty);
+    RUN(test_ep_jitter_and_eval);
     RUN(test_capacity_ep);
     RUN(test_world_ep_by_dp);
     RUN(test_steady_state_allocations);

@@ -11,11 +11,15 @@ typedef struct gcase {
     moept_config cfg;
     int64_t T;
     int zero_dy;   /* 1: only the losses drive the gradient */
+    int mask;      /* 1: tokens 0, 5 and 6 are padding */
 } gcase;
+
+static const uint8_t *g_mask; /* the case's padding mask [T], or NULL */
 
 static double objective(moept_layer *L, const float *x, int64_t T, const float *gy,
                         float *y, int32_t *ids) {
-    if (moept_forward(L, x, T, y) != MOEPT_OK) return NAN;
+    moept_forward_opts fo = {g_mask, 0};
+    if (moept_forward_ex(L, x, T, y, &fo) != MOEPT_OK) return NAN;
     double o = 0.0;
     for (int64_t i = 0; i < T * L->D; i++) o += (double)y[i] * gy[i];
     o += (double)L->cfg.aux_loss_coef * L->aux_value + (double)L->cfg.z_loss_coef * L->z_value;
@@ -101,11 +105,15 @@ static void run_gcase(const gcase *gc) {
     int32_t *ids0 = malloc((size_t)(T * L->K) * sizeof(int32_t));
     tu_fill(x, T * D, 1.0, &seed);
     if (!gc->zero_dy) tu_fill(gy, T * D, 1.0, &seed);
+    uint8_t mask[64];
+    for (int64_t t = 0; t < T && t < 64; t++) mask[t] = !(t == 0 || t == 5 || t == 6);
+    g_mask = gc->mask ? mask : NULL;
     moept_zero_grad(L);
     double base = objective(L, x, T, gy, y, ids0);
     EXPECT(isfinite(base), "%s: forward failed: %s", gc->name, moept_last_error(L));
     EXPECT_OK(moept_backward(L, x, gy, dx));
     /* freeze the analytic gradients before the perturbed forwards */
+    L->jitter_frozen = 1; /* router jitter: every perturbed forward draws this step's noise */
     float *gcopy = malloc((size_t)L->n_params * sizeof(float));
     memcpy(gcopy, L->grads, (size_t)L->n_params * sizeof(float));
     static const moept__ptype types[] = {MOEPT__P_ROUTER, MOEPT__P_GATE, MOEPT__P_UP, MOEPT__P_DOWN,
@@ -134,6 +142,11 @@ static void run_gcase(const gcase *gc) {
     int64_t nx[1] = {T * D};
     double rel = dircheck(L, x, T, gy, px, nx, 1, gx, &seed, ids0);
     EXPECT(rel < 2e-3, "%s: input directional derivative rel err %.3g", gc->name, rel);
+    if (gc->mask) /* padding rows: no gradient */
+        for (int64_t i = 0; i < D; i++)
+            EXPECT(dx[i] == 0.0f && dx[5 * D + i] == 0.0f && dx[6 * D + i] == 0.0f, "%s: a padding dx row is not 0",
+                   gc->name);
+    g_mask = NULL;
     free(x); free(gy); free(y); free(dx); free(ids0); free(gcopy);
     moept_destroy(L);
 }
@@ -149,21 +162,21 @@ static moept_config base_cfg(moept_family f) {
 static void test_families(void) {
     gcase cs[8];
     int n = 0;
-    cs[n] = (gcase){"mixtral", base_cfg(MOEPT_FAMILY_MIXTRAL), 11, 0};
+    cs[n] = (gcase){"mixtral", base_cfg(MOEPT_FAMILY_MIXTRAL), 11, 0, 0};
     cs[n].cfg.aux_loss = MOEPT_AUX_HF; cs[n].cfg.aux_loss_coef = 0.1f; cs[n].cfg.z_loss_coef = 0.01f; n++;
-    cs[n] = (gcase){"qwen2 shared, no norm", base_cfg(MOEPT_FAMILY_QWEN2_MOE), 10, 0};
+    cs[n] = (gcase){"qwen2 shared, no norm", base_cfg(MOEPT_FAMILY_QWEN2_MOE), 10, 0, 0};
     cs[n].cfg.norm_topk_prob = MOEPT_NORM_OFF; cs[n].cfg.shared_intermediate_size = 5;
     cs[n].cfg.aux_loss = MOEPT_AUX_MEGATRON; cs[n].cfg.aux_loss_coef = 0.1f; n++;
-    cs[n] = (gcase){"olmoe k=3", base_cfg(MOEPT_FAMILY_OLMOE), 12, 0};
+    cs[n] = (gcase){"olmoe k=3", base_cfg(MOEPT_FAMILY_OLMOE), 12, 0, 0};
     cs[n].cfg.top_k = 3; cs[n].cfg.norm_topk_prob = MOEPT_NORM_OFF; cs[n].cfg.z_loss_coef = 0.05f; n++;
-    cs[n] = (gcase){"deepseek grouped", base_cfg(MOEPT_FAMILY_DEEPSEEK_V3), 12, 0};
+    cs[n] = (gcase){"deepseek grouped", base_cfg(MOEPT_FAMILY_DEEPSEEK_V3), 12, 0, 0};
     cs[n].cfg.num_experts = 8; cs[n].cfg.n_group = 4; cs[n].cfg.topk_group = 2;
     cs[n].cfg.routed_scaling_factor = 2.5f; cs[n].cfg.shared_intermediate_size = 6;
     cs[n].cfg.aux_loss = MOEPT_AUX_HF; cs[n].cfg.aux_loss_coef = 0.1f; cs[n].cfg.z_loss_coef = 0.01f; n++;
-    cs[n] = (gcase){"deepseek no norm, gated shared", base_cfg(MOEPT_FAMILY_DEEPSEEK_V3), 9, 0};
+    cs[n] = (gcase){"deepseek no norm, gated shared", base_cfg(MOEPT_FAMILY_DEEPSEEK_V3), 9, 0, 0};
     cs[n].cfg.norm_topk_prob = MOEPT_NORM_OFF; cs[n].cfg.shared_intermediate_size = 4;
     cs[n].cfg.shared_gate = MOEPT_SHARED_GATE_SIGMOID; n++;
-    cs[n] = (gcase){"capacity 0.75", base_cfg(MOEPT_FAMILY_MIXTRAL), 12, 0};
+    cs[n] = (gcase){"capacity 0.75", base_cfg(MOEPT_FAMILY_MIXTRAL), 12, 0, 0};
     cs[n].cfg.capacity_factor = 0.75f; n++;
     for (int i = 0; i < n; i++) run_gcase(&cs[i]);
 }
@@ -172,7 +185,7 @@ static void test_activations(void) {
     static const moept_activation acts[] = {MOEPT_ACT_SILU_GATED, MOEPT_ACT_GELU_GATED, MOEPT_ACT_GELU, MOEPT_ACT_RELU};
     static const char *names[] = {"silu gated", "gelu gated", "gelu", "relu"};
     for (int i = 0; i < 4; i++) {
-        gcase c = {names[i], base_cfg(MOEPT_FAMILY_QWEN2_MOE), 10, 0};
+        gcase c = {names[i], base_cfg(MOEPT_FAMILY_QWEN2_MOE), 10, 0, 0};
         c.cfg.activation = acts[i];
         c.cfg.shared_intermediate_size = 5;
         run_gcase(&c);
@@ -184,7 +197,7 @@ static void test_aux_loss_only(void) {
     static const moept_aux_loss kinds[] = {MOEPT_AUX_HF, MOEPT_AUX_MEGATRON};
     for (int f = 0; f < 2; f++)
         for (int k = 0; k < 2; k++) {
-            gcase c = {"aux only", base_cfg(fams[f]), 12, 1};
+            gcase c = {"aux only", base_cfg(fams[f]), 12, 1, 0};
             c.cfg.aux_loss = kinds[k];
             c.cfg.aux_loss_coef = 1.0f;
             run_gcase(&c);
@@ -194,8 +207,35 @@ static void test_aux_loss_only(void) {
 static void test_z_loss_only(void) {
     static const moept_family fams[] = {MOEPT_FAMILY_OLMOE, MOEPT_FAMILY_DEEPSEEK_V3};
     for (int f = 0; f < 2; f++) {
-        gcase c = {"z only", base_cfg(fams[f]), 12, 1};
+        gcase c = {"z only", base_cfg(fams[f]), 12, 1, 0};
         c.cfg.z_loss_coef = 1.0f;
+        run_gcase(&c);
+    }
+}
+
+/* Router jitter: the router sees x * u (u held fixed); its gradient reaches
+   x and gate.weight through u */
+static void test_jitter(void) {
+    static const moept_family fams[] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_DEEPSEEK_V3};
+    for (int f = 0; f < 2; f++) {
+        gcase c = {"jitter", base_cfg(fams[f]), 12, 0, 0};
+        c.cfg.router_jitter = 0.3f;
+        c.cfg.jitter_seed = 99;
+        c.cfg.aux_loss = MOEPT_AUX_HF; c.cfg.aux_loss_coef = 0.1f; c.cfg.z_loss_coef = 0.01f;
+        if (f) c.cfg.shared_intermediate_size = 5;
+        run_gcase(&c);
+    }
+}
+
+/* Padding: the gradients of the masked objective (their tokens in no loss,
+   their y rows 0) */
+static void test_mask(void) {
+    static const moept_family fams[] = {MOEPT_FAMILY_QWEN2_MOE, MOEPT_FAMILY_DEEPSEEK_V3};
+    for (int f = 0; f < 2; f++) {
+        gcase c = {"mask", base_cfg(fams[f]), 12, 0, 0};
+        c.cfg.shared_intermediate_size = 5;
+        c.cfg.aux_loss = MOEPT_AUX_HF; c.cfg.aux_loss_coef = 0.1f; c.cfg.z_loss_coef = 0.01f;
+        c.mask = 1;
         run_gcase(&c);
     }
 }
@@ -205,5 +245,7 @@ int main(void) {
     RUN(test_activations);
     RUN(test_aux_loss_only);
     RUN(test_z_loss_only);
+    RUN(test_jitter);
+    RUN(test_mask);
     return tu_done();
 }

@@ -601,7 +601,147 @@ static void test_chunk_of_token(void) {
     EXPECT(bad == 0, "%lld tokens in the wrong chunk", (long long)bad);
 }
 
+/* a equals b: bitwise with the builtin GEMM (rows independent of the row
+   count); OpenBLAS may round a GEMM of other rows apart */
+static int same_f(const float *a, const float *b, int64_t n) {
+#ifdef MOEPT_CBLAS
+    return tu_relerr(a, b, n) <= 1e-6;
+#else
+    return memcmp(a, b, (size_t)n * sizeof(float)) == 0;
+#endif
+}
+
+/* Padding: masked tokens are routed nowhere (ids -1, weights 0, no rows),
+   their y and dx rows are 0, the stats count them apart; a batch of padding
+   only is a step with zero losses. The unmasked tokens' results are those
+   of the same tokens without the padding rows (bitwise). */
+static void test_mask(void) {
+    moept_config c = moept_config_default(MOEPT_FAMILY_QWEN2_MOE);
+    c.hidden_size = 16; c.intermediate_size = 12; c.num_experts = 8; c.top_k = 2; c.max_tokens = 20;
+    c.shared_intermediate_size = 8; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.z_loss_coef = 0.001f;
+    moept_layer *L = make(c, 3), *R = make(c, 3);
+    if (!L || !R) return;
+    const int64_t T = 20, D = 16, K = 2;
+    float x[20 * 16], dy[20 * 16], y[20 * 16], dx[20 * 16], xr[20 * 16], dyr[20 * 16], yr[20 * 16], dxr[20 * 16];
+    uint8_t m[20];
+    unsigned long long s = 5;
+    tu_fill(x, T * D, 1.0, &s);
+    tu_fill(dy, T * D, 1.0, &s);
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++) {
+        m[t] = t % 3 != 1;
+        if (m[t]) { memcpy(xr + n * D, x + t * D, D * 4); memcpy(dyr + n * D, dy + t * D, D * 4); n++; }
+    }
+    moept_forward_opts o = {m, 0};
+    EXPECT_OK(moept_forward_ex(L, x, T, y, &o));
+    EXPECT_OK(moept_backward(L, x, dy, dx));
+    EXPECT_OK(moept_forward(R, xr, n, yr));
+    EXPECT_OK(moept_backward(R, xr, dyr, dxr));
+    const int32_t *ids = NULL; const float *w = NULL;
+    moept_routing(L, &ids, &w, NULL);
+    moept_stats st, sr;
+    moept_get_stats(L, &st, NULL);
+    moept_get_stats(R, &sr, NULL);
+    EXPECT(st.masked_tokens == T - n && st.routed_rows == n * K && st.dropped_rows == 0, "stats: masked %lld routed %lld",
+           (long long)st.masked_tokens, (long long)st.routed_rows);
+    EXPECT(same_f(&st.aux_loss, &sr.aux_loss, 1) && same_f(&st.z_loss, &sr.z_loss, 1), "losses %g %g vs %g %g", st.aux_loss, st.z_loss,
+           sr.aux_loss, sr.z_loss);
+    for (int64_t t = 0, r = 0; t < T; t++) {
+        int zy = 1, zx = 1;
+        for (int64_t d = 0; d < D; d++) { zy &= y[t * D + d] == 0.0f; zx &= dx[t * D + d] == 0.0f; }
+        if (!m[t]) {
+            EXPECT(zy && zx && ids[t * K] == -1 && ids[t * K + 1] == -1 && w[t * K] == 0.0f, "padding token %lld",
+                   (long long)t);
+            continue;
+        }
+        EXPECT(same_f(y + t * D, yr + r * D, D) && same_f(dx + t * D, dxr + r * D, D),
+               "token %lld differs from the same token without padding", (long long)t);
+        r++;
+    }
+    EXPECT(same_f(L->grads, R->grads, L->n_params), "gradients differ from the unpadded batch's");
+    /* all padding: y 0, losses 0, no gradient */
+    memset(m, 0, sizeof m);
+    EXPECT_OK(moept_zero_grad(L));
+    EXPECT_OK(moept_forward_ex(L, x, T, y, &o));
+    EXPECT_OK(moept_backward(L, x, dy, dx));
+    moept_get_stats(L, &st, NULL);
+    double a = 0;
+    for (int64_t i = 0; i < T * D; i++) a += fabs(y[i]) + fabs(dx[i]);
+    for (int64_t i = 0; i < L->n_params; i++) a += fabs(L->grads[i]);
+    EXPECT(a == 0.0 && st.aux_loss == 0.0f && st.z_loss == 0.0f && st.routed_rows == 0, "all padding: |y|+|dx|+|g| %g",
+           a);
+    moept_destroy(L);
+    moept_destroy(R);
+}
+
+/* An evaluation forward keeps nothing for backward: backward and
+   update_bias say so, the layer's committed step is replaced, a training
+   forward afterwards differentiates as usual */
+static void test_eval_refuses_backward(void) {
+    moept_config c = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
+    c.hidden_size = 8; c.intermediate_size = 6; c.num_experts = 4; c.top_k = 2; c.max_tokens = 6;
+    moept_layer *L = make(c, 2);
+    if (!L) return;
+    float x[48], y[48], y2[48], dx[48];
+    unsigned long long s = 9;
+    tu_fill(x, 48, 1.0, &s);
+    moept_forward_opts o = {NULL, 1};
+    EXPECT_OK(moept_forward_ex(L, x, 6, y, &o));
+    EXPECT(moept_backward(L, x, x, dx) == MOEPT_ERR_STATE && strstr(moept_last_error(L), "evaluation"),
+           "backward after eval: %s", moept_last_error(L));
+    EXPECT(moept_update_bias(L, 0.1f) == MOEPT_ERR_STATE, "update_bias after eval: %s", moept_last_error(L));
+    EXPECT_OK(moept_forward(L, x, 6, y2));
+    EXPECT(!memcmp(y, y2, sizeof y), "eval y differs from training y");
+    EXPECT_OK(moept_backward(L, x, x, dx));
+    moept_destroy(L);
+}
+
+/* Router jitter: the factors lie in [1 - eps, 1 + eps] with mean 1; each
+   training forward draws anew (AdamW steps and forwards since key it), a
+   fresh layer with the same seed draws the same sequence */
+static void test_jitter_noise(void) {
+    double sum = 0, lo = 2, hi = 0;
+    const int64_t n = 200000;
+    for (int64_t i = 0; i < n; i++) {
+        double u = moept__jitter_u(7, 1, (uint64_t)(i / 64) * 0x9e3779b97f4a7c15ull, i % 64, 0.25f);
+        sum += u; lo = u < lo ? u : lo; hi = u > hi ? u : hi;
+    }
+    /* mean of U(0.75, 1.25): sd 0.144 / sqrt(n) = 3.2e-4 */
+    EXPECT(lo >= 0.75 && hi <= 1.25 && fabs(sum / n - 1.0) < 1.5e-3 && hi - lo > 0.499, "range %g..%g mean %g", lo, hi,
+           sum / n);
+    moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    c.hidden_size = 8; c.intermediate_size = 6; c.num_experts = 4; c.top_k = 2; c.max_tokens = 6;
+    c.router_jitter = 0.2f; c.jitter_seed = 11;
+    moept_layer *A = make(c, 2), *B = make(c, 2);
+    if (!A || !B) return;
+    float x[48], y[48], la[2][24];
+    unsigned long long s = 9;
+    tu_fill(x, 48, 1.0, &s);
+    const float *lg = NULL;
+    for (int k = 0; k < 2; k++) {
+        EXPECT_OK(moept_forward(A, x, 6, y));
+        moept_routing(A, NULL, NULL, &lg);
+        memcpy(la[k], lg, sizeof la[k]);
+        EXPECT_OK(moept_forward(B, x, 6, y));
+        moept_routing(B, NULL, NULL, &lg);
+        EXPECT(!memcmp(la[k], lg, sizeof la[k]), "forward %d: two layers with one seed drew differently", k);
+    }
+    EXPECT(memcmp(la[0], la[1], sizeof la[0]) != 0, "two training forwards drew the same noise");
+    moept_forward_opts o = {NULL, 1};
+    EXPECT_OK(moept_forward_ex(A, x, 6, y, &o));
+    moept_routing(A, NULL, NULL, &lg);
+    float plain[24];
+    moept__gemm g = moept__gemm_make(0, 1, 6, 4, 8, x, 8, A->w_router, 8, 0.0f, plain, 4);
+    moept__gemm_run(&g, 1, &A->gws);
+    EXPECT(!memcmp(plain, lg, sizeof plain), "an evaluation forward jittered the router");
+    moept_destroy(A);
+    moept_destroy(B);
+}
+
 int main(void) {
+    RUN(test_mask);
+    RUN(test_eval_refuses_backward);
+    RUN(test_jitter_noise);
     RUN(test_dropless_plan);
     RUN(test_capacity);
     RUN(test_activations_and_shared);

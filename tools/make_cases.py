@@ -39,6 +39,13 @@ CASES = [
     ("deepseek_nogroup_nonorm","deepseek_v3", 9, 11, 7, 6, 2, 0, 7, 1, 1, 1.0, 0.02, 0.0),
     ("deepseek_t1",            "deepseek_v3", 1, 10, 5, 8, 2, 1, 5, 2, 1, 2.0, 0.01, 0.001),
 ]
+# Padding (attention_mask 0 at these tokens): T splits 3/3/3/3 at --ep 4, so
+# mixtral_mask has a rank whose tokens are all padding
+MASKED = [
+    (("mixtral_mask",          "mixtral",     12, 12, 9, 8, 2, 1, 0, 1, 1, 1.0, 0.02, 0.001), [3, 4, 5, 11]),
+    (("qwen2_shared_mask",     "qwen2_moe",   12, 14, 10, 8, 2, 0, 9, 1, 1, 1.0, 0.01, 0.001), [0, 7, 10, 11]),
+    (("deepseek_group_mask",   "deepseek_v3", 12, 16, 6, 8, 2, 1, 6, 4, 2, 2.5, 0.01, 0.001), [0, 1, 2, 8]),
+]
 
 
 def build(family, D, F, E, K, norm, S, n_group, topk_group, scaling):
@@ -143,7 +150,11 @@ def flatten_params(block, family, E, F, grads=False):
     return out
 
 
-def make_case(spec, seed, margin):
+def make_case(spec, seed, margin, pad=()):
+    """pad: tokens whose attention_mask is 0. Their output rows are zeroed
+    (the block's output times the mask), they are left out of the aux loss
+    (transformers' attention_mask) and of the z loss's mean, so nothing
+    differentiates through them; their expected ids are -1, weights 0."""
     (name, family, T, D, F, E, K, norm, S, n_group, topk_group, scaling, aux_coef, z_coef) = spec
     for attempt in range(1000):
         g = torch.Generator().manual_seed(seed * 1000 + attempt)
@@ -173,12 +184,16 @@ def make_case(spec, seed, margin):
         captured["logits"], captured["weights"], captured["ids"] = out
 
     block.gate.register_forward_hook(hook)
+    mask = torch.ones(T, dtype=torch.int64)
+    mask[list(pad)] = 0
     with Float64Routers():
-        y = block(x)
+        y = block(x) * mask.view(1, T, 1).double()
     logits = captured["logits"]
     assert logits.dtype == torch.float64 and captured["weights"].dtype == torch.float64
-    aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func((logits,), E, K)
-    z = (torch.logsumexp(logits.double(), dim=-1) ** 2).mean()
+    aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(
+        (logits,), E, K, attention_mask=mask.view(1, T) if pad else None)
+    lse2 = torch.logsumexp(logits.double(), dim=-1) ** 2
+    z = (lse2 * mask.double()).sum() / mask.sum() if pad else lse2.mean()
     obj = (y * gy).sum() + aux_coef * aux + z_coef * z
     obj.backward()
 
@@ -186,8 +201,11 @@ def make_case(spec, seed, margin):
     tensors.update(flatten_params(block, family, E, F))
     tensors["expected.output"] = y.detach().view(T, D)
     tensors["expected.router_logits"] = logits.detach().view(T, E)
-    tensors["expected.topk_ids"] = captured["ids"].detach().view(T, K).to(torch.int64)
-    tensors["expected.topk_weights"] = captured["weights"].detach().view(T, K)
+    keep = mask.view(T, 1).bool()
+    tensors["expected.topk_ids"] = captured["ids"].detach().view(T, K).to(torch.int64).masked_fill(~keep, -1)
+    tensors["expected.topk_weights"] = captured["weights"].detach().view(T, K).masked_fill(~keep, 0.0)
+    if pad:
+        tensors["attention_mask"] = mask
     tensors["expected.aux_loss"] = aux.detach().reshape(1)
     tensors["expected.z_loss"] = z.detach().reshape(1)
     tensors["expected.grad.input"] = x.grad.view(T, D)
@@ -216,13 +234,14 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
-    for i, spec in enumerate(CASES):
+    for i, (spec, pad) in enumerate([(c, ()) for c in CASES] + MASKED):
         if args.only and spec[0] not in args.only.split(","):
             continue
-        tensors, meta = make_case(spec, args.seed + i, args.margin)
+        tensors, meta = make_case(spec, args.seed + i, args.margin, pad)
         path = os.path.join(args.out, spec[0] + ".safetensors")
         save_file(tensors, path, metadata=meta)
-        used = tensors["expected.topk_ids"].unique().numel()
+        ids = tensors["expected.topk_ids"]
+        used = ids[ids >= 0].unique().numel()
         print(f"{path}: T={meta['tokens']} E={meta['num_experts']} K={meta['top_k']} experts used {used}")
 
 

@@ -29,7 +29,7 @@ CONFIGS = {
                                         intermediate_size=96, kv_lora_rank=16, q_lora_rank=None,
                                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **SMALL),
     "mixtral_gelu": MixtralConfig(num_hidden_layers=1, intermediate_size=56, num_local_experts=4,
-                                  num_experts_per_tok=2, hidden_act="gelu", **SMALL),
+                                  num_experts_per_tok=2, hidden_act="gelu", router_jitter_noise=0.05, **SMALL),
     "olmoe_default": OlmoeConfig(num_hidden_layers=1, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                  **SMALL),
 }
