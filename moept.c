@@ -419,7 +419,9 @@ struct moept_layer {
     moept_seg *count_segs; /* [2][P] the count exchange's pieces */
     int64_t R, Rcap;       /* rows received this step; rows the receive block holds */
     void *rwork;           /* receive-side block: [xr | yr (P > 1)] | h | a */
-    double *lstat;         /* [3E + 2] loss statistics (all-reduced when global) */
+    double *lstat;         /* [3E + 4] loss statistics (all-reduced when global): selections,
+                              aux counts, aux score sums, T, sum lse^2, sum of sequence aux
+                              values, sequences */
     int64_t *peer_rows;    /* [2][P] rows sent to / received from each peer */
     int direct;            /* ranks share memory: exchange by reading peers' rows in place */
     struct moept__view *view;     /* what this rank shows its peers (direct) */
@@ -435,8 +437,10 @@ struct moept_layer {
     int32_t *slot_of_row;  /* [Nmax] its slot k */
     int64_t N;             /* rows kept this step */
     int64_t *fill;         /* [E] plan cursor */
-    double *psum;          /* [E] sum over tokens of the aux-loss scores */
-    float *aux_g;          /* [E] d(aux_coef * aux)/d score_t,e (same for all t) */
+    double *seqstat;       /* [2E + 1] one sequence's aux counts, score sums, tokens */
+    float *aux_g;          /* [nseq][E] d(aux_coef * aux)/d score_t,e: the same for every t
+                              (nseq 1), or for every t of a sequence (MOEPT_AUX_SEQ) */
+    int64_t nseq;          /* aux_g's rows */
     int32_t *kscratch;     /* [nthreads][K] */
 
     /* activations */
@@ -607,8 +611,11 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
     if (c->routed_scaling_factor == 0.0f) c->routed_scaling_factor = 1.0f;
     if (c->family != MOEPT_FAMILY_DEEPSEEK_V3 && c->routed_scaling_factor != 1.0f)
         MOEPT__BAD("config.routed_scaling_factor: only deepseek_v3 scales routed weights");
-    if ((unsigned)c->aux_loss > MOEPT_AUX_MEGATRON)
+    if ((unsigned)c->aux_loss > MOEPT_AUX_SEQ)
         MOEPT__BAD("config.aux_loss: %d is not a moept_aux_loss", (int)c->aux_loss);
+    if (c->aux_loss != MOEPT_AUX_SEQ && c->aux_seq_len != 0)
+        MOEPT__BAD("config.aux_seq_len: is %lld but config.aux_loss is not MOEPT_AUX_SEQ",
+                   (long long)c->aux_seq_len);
     if (!moept__finite(c->aux_loss_coef) || c->aux_loss_coef < 0.0f)
         MOEPT__BAD("config.aux_loss_coef: must be finite and >= 0");
     if (c->aux_loss == MOEPT_AUX_NONE && c->aux_loss_coef != 0.0f)
@@ -621,6 +628,9 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
         MOEPT__BAD("config.router_jitter: must be in [0, 1) (0 = off)");
     if (c->max_tokens <= 0 || c->max_tokens > ((int64_t)1 << 31) / c->top_k)
         MOEPT__BAD("config.max_tokens: %lld must be in 1..2^31/top_k", (long long)c->max_tokens);
+    if (c->aux_loss == MOEPT_AUX_SEQ && (c->aux_seq_len < 1 || c->aux_seq_len > c->max_tokens))
+        MOEPT__BAD("config.aux_seq_len: %lld must be in 1..max_tokens (%lld) for MOEPT_AUX_SEQ",
+                   (long long)c->aux_seq_len, (long long)c->max_tokens);
 #undef MOEPT__BAD
     return MOEPT_OK;
 }
@@ -712,7 +722,7 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->send_segs = moept__take(c, (size_t)(L->P * L->El) * sizeof(moept_seg));
     L->recv_segs = moept__take(c, (size_t)(L->P * L->El) * sizeof(moept_seg));
     L->count_segs = moept__take(c, (size_t)(2 * L->P) * sizeof(moept_seg));
-    L->lstat = moept__take(c, (size_t)(3 * E + 2) * sizeof(double));
+    L->lstat = moept__take(c, (size_t)(3 * E + 4) * sizeof(double));
     L->peer_rows = moept__take(c, (size_t)(2 * L->P) * i64);
     L->sel_counts = moept__take(c, (size_t)E * i64);
     L->aux_counts = moept__take(c, (size_t)E * i64);
@@ -722,8 +732,9 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
     L->view = moept__take(c, sizeof(moept__view));
     L->peers = moept__take(c, (size_t)L->P * sizeof(void *));
-    L->psum = moept__take(c, (size_t)E * sizeof(double));
-    L->aux_g = moept__take(c, (size_t)E * f);
+    L->seqstat = moept__take(c, (size_t)(2 * E + 1) * sizeof(double));
+    L->nseq = L->cfg.aux_loss == MOEPT_AUX_SEQ ? (T + L->cfg.aux_seq_len - 1) / L->cfg.aux_seq_len : 1;
+    L->aux_g = moept__take(c, (size_t)(L->nseq * E) * f);
     L->fill = moept__take(c, (size_t)E * i64);
     L->kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
     /* the direct (shared-memory) path gathers from x and combines from the
@@ -817,13 +828,14 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
 
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later). */
-#define MOEPT__NFP 24
+#define MOEPT__NFP 25
 #define MOEPT__NFP_MODEL 18 /* the model's fields, first: a checkpoint's fingerprint */
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
-    "global_balance", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed", "EP size", "DP size"};
+    "global_balance", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed", "aux_seq_len",
+    "EP size", "DP size"};
 
 static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int64_t *fp) {
     float fl[5] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor,
@@ -834,7 +846,7 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
                              c->norm_topk_prob, c->activation, c->shared_intermediate_size, c->shared_gate,
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
                              c->global_balance, c->overlap_chunks, c->expert_sharding, b[4],
-                             (int64_t)c->jitter_seed, P, DP};
+                             (int64_t)c->jitter_seed, c->aux_seq_len, P, DP};
     memcpy(fp, v, sizeof v);
 }
 
@@ -1242,6 +1254,11 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
         bad = 1;
         why_st = MOEPT_ERR_UNSUPPORTED;
         snprintf(why, sizeof why, "moept_create_cuda: config.router_jitter is not supported by the CUDA executor");
+    }
+    else if (cfg && cfg->aux_loss == MOEPT_AUX_SEQ) {
+        bad = 1;
+        why_st = MOEPT_ERR_UNSUPPORTED;
+        snprintf(why, sizeof why, "moept_create_cuda: MOEPT_AUX_SEQ is not supported by the CUDA executor");
     }
     else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
         bad = 1;
@@ -1970,6 +1987,10 @@ static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
                            (long long)T, (long long)L->Tmax);
     if (T > 0 && (!f->x || !f->y))
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: %s is NULL", f->x ? "y" : "x");
+    if (L->cfg.aux_loss == MOEPT_AUX_SEQ && T % L->cfg.aux_seq_len != 0)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
+                           "moept_forward: tokens %lld is not a multiple of config.aux_seq_len (%lld)",
+                           (long long)T, (long long)L->cfg.aux_seq_len);
     int64_t bad = moept__x_scan(f->x, T * D, &f->x_fp);
     if (bad >= 0)
         return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite", (long long)(bad / D),
@@ -2120,40 +2141,80 @@ static void moept__fwd_commit(moept_layer *L, const moept__fstep *f) {
     }
 }
 
+/* One sequence's aux loss (MOEPT_AUX_SEQ) from its statistics in
+   seqstat: its value goes to lstat's sum, its gradient (before the 1/nseq
+   of the mean) to aux_g row sq; an all-padding sequence counts for nothing.
+   seqstat is cleared for the next one. */
+static void moept__seq_close(moept_layer *L, int64_t sq) {
+    const int64_t E = L->E;
+    double *c = L->seqstat, *ps = c + E, n = c[2 * E];
+    float *g = L->aux_g + sq * E;
+    if (n > 0.0) {
+        L->lstat[3 * E + 2] += moept__aux_finalize(c, ps, E, L->K, MOEPT_AUX_SEQ, n, L->cfg.aux_loss_coef, g);
+        L->lstat[3 * E + 3] += 1.0;
+    } else {
+        for (int64_t e = 0; e < E; e++) g[e] = 0.0f;
+    }
+    for (int64_t i = 0; i < 2 * E + 1; i++) c[i] = 0.0;
+}
+
+/* One unmasked token's part of the loss statistics: its lse (z loss), its
+   selections, and its aux scores and counts (also into the sequence's) */
+static void moept__loss_token(moept_layer *L, int64_t t, double *sel, double *auxc, double *psum) {
+    const int64_t E = L->E, K = L->K;
+    const int aux = (int)L->cfg.aux_loss;
+    const float *lg = L->logits[L->cur] + t * E;
+    const int32_t *ids = L->ids[L->cur] + t * K;
+    L->lse[t] = moept__lse(lg, E);
+    L->lstat[3 * E + 1] += (double)L->lse[t] * L->lse[t];
+    for (int64_t k = 0; k < K; k++) sel[ids[k]] += 1.0;
+    if (aux == MOEPT_AUX_NONE) return;
+    float *score = L->choice;
+    int32_t *cid = L->kscratch;
+    moept__aux_token((int)L->cfg.family, aux, lg, L->probs[L->cur] + t * E, ids, (int)E, (int)K, score, cid);
+    for (int64_t e = 0; e < E; e++) psum[e] += score[e];
+    for (int64_t k = 0; k < K; k++) auxc[cid[k]] += 1.0;
+    if (aux != MOEPT_AUX_SEQ) return;
+    double *sc = L->seqstat;
+    for (int64_t e = 0; e < E; e++) sc[E + e] += score[e];
+    for (int64_t k = 0; k < K; k++) sc[cid[k]] += 1.0;
+    sc[2 * E] += 1.0;
+}
+
 /* 7. losses: counts, score sums and the sum of lse^2 over the unmasked
-   tokens in token order (double), summed over the groups when global;
-   returns the aux value through *aux_v */
+   tokens in token order (double), and each sequence's aux loss
+   (MOEPT_AUX_SEQ), summed over the groups when global; returns the aux
+   value through *aux_v */
 static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, double *aux_v) {
     const int64_t T = f->T, E = L->E, K = L->K;
-    const int fam = (int)L->cfg.family, aux = (int)L->cfg.aux_loss;
-    const float *logits = L->logits[L->cur], *probs = L->probs[L->cur];
+    const int aux = (int)L->cfg.aux_loss, seq = aux == MOEPT_AUX_SEQ;
+    const int64_t S = seq ? L->cfg.aux_seq_len : 0;
     const int32_t *ids = L->ids[L->cur];
     double *sel = L->lstat, *auxc = L->lstat + E, *psum = L->lstat + 2 * E;
-    for (int64_t i = 0; i < 3 * E + 2; i++) L->lstat[i] = 0.0;
+    for (int64_t i = 0; i < 3 * E + 4; i++) L->lstat[i] = 0.0;
+    for (int64_t i = 0; i < 2 * E + 1; i++) L->seqstat[i] = 0.0;
     for (int64_t t = 0; t < T; t++) {
-        const float *lg = logits + t * E;
         L->lse[t] = 0.0f;
-        if (ids[t * K] < 0) continue; /* padding */
-        L->lse[t] = moept__lse(lg, E);
-        L->lstat[3 * E + 1] += (double)L->lse[t] * L->lse[t];
-        for (int64_t k = 0; k < K; k++) sel[ids[t * K + k]] += 1.0;
-        if (aux != MOEPT_AUX_NONE) {
-            float *score = L->choice;
-            int32_t *cid = L->kscratch;
-            moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, (int)E, (int)K, score, cid);
-            for (int64_t e = 0; e < E; e++) psum[e] += score[e];
-            for (int64_t k = 0; k < K; k++) auxc[cid[k]] += 1.0;
-        }
+        if (ids[t * K] >= 0) moept__loss_token(L, t, sel, auxc, psum); /* else padding */
+        if (seq && (t + 1) % S == 0) moept__seq_close(L, t / S);
     }
     L->lstat[3 * E] = (double)f->valid;
     if (f->global) { /* the whole batch's statistics (a failure here is a broken comm) */
-        moept_status st = moept__world_sum(L, L->lstat, 3 * E + 2, MOEPT_DTYPE_F64);
+        moept_status st = moept__world_sum(L, L->lstat, 3 * E + 4, MOEPT_DTYPE_F64);
         if (st) return st;
     }
     for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = (int64_t)sel[e]; L->aux_counts[e] = (int64_t)auxc[e]; }
     L->counts_global = f->global || (!L->group && !L->dp);
     L->loss_T = L->lstat[3 * E] > 0 ? L->lstat[3 * E] : 1.0;
-    *aux_v = moept__aux_finalize(auxc, psum, E, K, aux, L->loss_T, L->cfg.aux_loss_coef, L->aux_g);
+    if (!seq) {
+        *aux_v = moept__aux_finalize(auxc, psum, E, K, aux, L->loss_T, L->cfg.aux_loss_coef, L->aux_g);
+        return MOEPT_OK;
+    }
+    /* the mean over sequences: each row's gradient times 1/nseq */
+    double nseq = L->lstat[3 * E + 3];
+    *aux_v = nseq > 0.0 ? L->lstat[3 * E + 2] / nseq : 0.0;
+    const float inv = nseq > 0.0 ? (float)(1.0 / nseq) : 0.0f;
+    for (int64_t i = 0; i < T / S * E; i++) L->aux_g[i] *= inv;
     return MOEPT_OK;
 }
 
@@ -2467,6 +2528,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     /* router': per-token dlogits, then g_router += dlogits^T x, dx += dlogits W */
     const int aux = (int)L->cfg.aux_loss;
     const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->aux_g : NULL;
+    const int64_t S = aux == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0; /* aux_g's row: t / S */
     const float zc = L->cfg.z_loss_coef;
     const int norm = L->cfg.norm_topk_prob;
     const float scale = L->cfg.routed_scaling_factor;
@@ -2480,7 +2542,8 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         }
         float zgrad = moept__zgrad(zc, L->lse[t], Tl);
         moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K,
-                                L->dwts + t * K, aux_g, zgrad, (int)E, (int)K, norm,
+                                L->dwts + t * K, aux_g && S ? aux_g + t / S * E : aux_g, zgrad,
+                                (int)E, (int)K, norm,
                                 scale, scratch, L->dlogits + t * E);
     }
     moept__router_bwd(L, x, dx);

@@ -154,6 +154,16 @@
                          router's own selection and scores (softmax, or
                          sigmoid normalised over experts), as Megatron-Core.
                          It equals the HF value / K for softmax routers.
+     MOEPT_AUX_SEQ:      DeepSeek-V3's complementary sequence-wise balance
+                         loss (Megatron-Core's seq_aux_loss): MOEPT_AUX_MEGATRON
+                         over each sequence on its own, averaged over the
+                         sequences. Rows [s*S, (s+1)*S) of a forward's x are
+                         sequence s (batch-major, as Hugging Face's [B, S]
+                         flattened; Megatron-Core lays tokens out [S, B]:
+                         transpose). A sequence's T is its unmasked tokens;
+                         an all-padding sequence is not counted. Global
+                         balance averages over every rank's sequences (a
+                         sequence is never split over ranks). CPU layers.
      z_loss:             mean_t (logsumexp_e logits_t,e)^2.
      Counts are taken before capacity dropping.
 
@@ -250,7 +260,8 @@ typedef enum moept_activation {
 typedef enum moept_aux_loss {
     MOEPT_AUX_NONE = 0,
     MOEPT_AUX_HF = 1,
-    MOEPT_AUX_MEGATRON = 2
+    MOEPT_AUX_MEGATRON = 2,
+    MOEPT_AUX_SEQ = 3 /* per sequence of config.aux_seq_len tokens (see LOSSES) */
 } moept_aux_loss;
 
 typedef enum moept_shared_gate {
@@ -291,6 +302,9 @@ typedef struct moept_config {
     float routed_scaling_factor;      /* deepseek_v3; 0 = 1.0 */
     moept_aux_loss aux_loss;
     float aux_loss_coef;
+    int64_t aux_seq_len;              /* MOEPT_AUX_SEQ: tokens per sequence, S, in
+                                         1..max_tokens (each forward's T a multiple
+                                         of it); 0 otherwise */
     float z_loss_coef;
     float capacity_factor;            /* 0 = dropless; else per-expert capacity
                                          ceil(cf * T * K / E) (at most T * K: any
@@ -1037,7 +1051,7 @@ MOEPT_HD static inline void moept__router_token_bwd(
         return;
     }
     for (int e = 0; e < E; e++) dlogit[e] *= probs[e] * (1.0f - probs[e]);
-    if (aux_g && aux == MOEPT_AUX_MEGATRON) {
+    if (aux_g && (aux == MOEPT_AUX_MEGATRON || aux == MOEPT_AUX_SEQ)) {
         /* q = s / Z, Z = sum s + 1e-20: ds_j = (g_j - sum_e g_e q_e) / Z */
         float z = 0.0f, dot = 0.0f;
         for (int e = 0; e < E; e++) z += probs[e];
@@ -1078,7 +1092,7 @@ MOEPT_HD static inline float moept__zgrad(float z_coef, float lse, float T) {
 MOEPT_HD static inline double moept__aux_finalize(const double *auxc, const double *psum,
                                                   int64_t E, int64_t K, int aux, double T,
                                                   float coef, float *aux_g) {
-    double cnorm = aux == MOEPT_AUX_MEGATRON ? T * (double)K : T, v = 0.0;
+    double cnorm = aux == MOEPT_AUX_HF ? T : T * (double)K, v = 0.0;
     for (int64_t e = 0; e < E; e++) {
         v += auxc[e] / cnorm * (psum[e] / T);
         aux_g[e] = (float)((double)coef * (double)E * auxc[e] / (cnorm * T));

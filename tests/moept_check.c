@@ -363,6 +363,7 @@ static int hf_config(check *c, moept_config *cfg) {
         return 0;
     }
     h.aux_loss = cfg->aux_loss;
+    h.aux_seq_len = cfg->aux_seq_len;
     h.aux_loss_coef = cfg->aux_loss_coef;
     h.z_loss_coef = cfg->z_loss_coef;
     *cfg = h;
@@ -395,7 +396,10 @@ static void run_case(check *c) {
     if (strcmp(aux, "hf") == 0) cfg.aux_loss = MOEPT_AUX_HF;
     else if (strcmp(aux, "megatron") == 0) cfg.aux_loss = MOEPT_AUX_MEGATRON;
     else if (strcmp(aux, "none") == 0) cfg.aux_loss = MOEPT_AUX_NONE;
-    else { failf(c, "metadata 'aux_loss' = '%s' is not supported", aux); goto done; }
+    else if (strcmp(aux, "seq") == 0) {
+        cfg.aux_loss = MOEPT_AUX_SEQ;
+        if (!meta_int(c, "aux_seq_len", &cfg.aux_seq_len)) goto done;
+    } else { failf(c, "metadata 'aux_loss' = '%s' is not supported", aux); goto done; }
     if (T < 0 || T > (1 << 24)) { failf(c, "metadata 'tokens' out of range"); goto done; }
     cfg.norm_topk_prob = norm ? MOEPT_NORM_ON : MOEPT_NORM_OFF;
     cfg.n_group = ng; cfg.topk_group = tg;
@@ -405,12 +409,23 @@ static void run_case(check *c) {
     int64_t lo = T / P * rank + (rank < T % P ? rank : T % P);
     int64_t Tr = T / P + (rank < T % P);
     cfg.max_tokens = Tr > 0 ? Tr : 1;
+    if (cfg.aux_loss == MOEPT_AUX_SEQ && (cfg.aux_seq_len < 1 || Tr % cfg.aux_seq_len || T % P)) {
+        /* the same on every rank: a sequence is never split over ranks */
+        snprintf(c->skip, sizeof c->skip, "sequences of %lld tokens do not split over --ep %d",
+                 (long long)cfg.aux_seq_len, P);
+        goto done;
+    }
+    if (cfg.aux_loss == MOEPT_AUX_SEQ && cfg.max_tokens < cfg.aux_seq_len) cfg.max_tokens = cfg.aux_seq_len;
     cfg.global_balance = P > 1;
     cfg.overlap_chunks = g_chunks;
     const moept_st_tensor *tm = moept_st_find(c->f, "attention_mask");
 #ifdef MOEPT_CUDA
     if (tm) { /* the same on every rank */
         snprintf(c->skip, sizeof c->skip, "a padding mask: not on the CUDA executor");
+        goto done;
+    }
+    if (cfg.aux_loss == MOEPT_AUX_SEQ) {
+        snprintf(c->skip, sizeof c->skip, "the sequence-wise aux loss: not on the CUDA executor");
         goto done;
     }
 #endif

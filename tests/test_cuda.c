@@ -182,6 +182,11 @@ static void test_bad_options(void) {
     moept_layer *L = (moept_layer *)1;
     moept_status st = moept_create_cuda(&cfg, NULL, NULL, &o, &L);
     EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && L == NULL, "dtype F16 accepted (%d)", (int)st);
+    moept_config sq = cfg; /* the sequence-wise aux loss is a CPU layer's */
+    sq.aux_loss = MOEPT_AUX_SEQ; sq.aux_seq_len = 4; sq.aux_loss_coef = 0.01f;
+    st = moept_create_cuda(&sq, NULL, NULL, NULL, &L);
+    EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "MOEPT_AUX_SEQ"),
+           "MOEPT_AUX_SEQ on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
     moept_thread_group *g;
     moept_comm *c;
     EXPECT_OK(moept_thread_group_create(1, 1000, &g));

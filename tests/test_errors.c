@@ -40,6 +40,9 @@ MUT(m_auxnone, aux_loss_coef, c->aux_loss_coef = 0.1f)
 MUT(m_z, z_loss_coef, c->z_loss_coef = INFINITY)
 MUT(m_cap, capacity_factor, c->capacity_factor = -1.0f)
 MUT(m_max, max_tokens, c->max_tokens = 0)
+MUT(m_seq0, aux_seq_len, c->aux_loss = MOEPT_AUX_SEQ)
+MUT(m_seqbig, aux_seq_len, c->aux_loss = MOEPT_AUX_SEQ; c->aux_seq_len = 17)
+MUT(m_seqoff, aux_seq_len, c->aux_loss = MOEPT_AUX_MEGATRON; c->aux_seq_len = 4)
 
 static void test_invalid_config_fields(void) {
     static const mut muts[] = {
@@ -51,7 +54,8 @@ static void test_invalid_config_fields(void) {
         {"config.n_group", m_ngfam}, {"config.routed_scaling_factor", m_rsf},
         {"config.routed_scaling_factor", m_rsfnan}, {"config.routed_scaling_factor", m_rsffam},
         {"config.aux_loss", m_aux}, {"config.aux_loss_coef", m_auxc}, {"config.aux_loss_coef", m_auxnone},
-        {"config.z_loss_coef", m_z}, {"config.capacity_factor", m_cap}, {"config.max_tokens", m_max}};
+        {"config.z_loss_coef", m_z}, {"config.capacity_factor", m_cap}, {"config.max_tokens", m_max},
+        {"config.aux_seq_len", m_seq0}, {"config.aux_seq_len", m_seqbig}, {"config.aux_seq_len", m_seqoff}};
     moept_config c = good();
     moept_layer *L = (moept_layer *)1;
     EXPECT(moept_create(&c, &L) == MOEPT_OK, "the base config must be valid: %s", moept_last_error(NULL));
@@ -153,6 +157,27 @@ static void test_nonfinite_input_leaves_layer_unchanged(void) {
     dy[3] = 0.5f;
     EXPECT_OK(moept_backward(L, x, dy, dx1));
     free(g1); drop(&before); drop(&s2); drop(&s3);
+    moept_destroy(L);
+}
+
+/* MOEPT_AUX_SEQ: a batch that is not whole sequences is rejected, the
+   layer as it was */
+static void test_seq_aux_partial_sequence(void) {
+    moept_config c = good();
+    c.aux_loss = MOEPT_AUX_SEQ; c.aux_seq_len = 4; c.aux_loss_coef = 0.01f;
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    moept_init_params(L, 1);
+    unsigned long long s = 2;
+    float x[16 * 8], y[16 * 8];
+    tu_fill(x, 128, 1.0, &s);
+    EXPECT_OK(moept_forward(L, x, 12, y));
+    snap before = take(L);
+    EXPECT(moept_forward(L, x, 10, y) == MOEPT_ERR_INVALID_ARGUMENT, "10 tokens in sequences of 4 accepted");
+    EXPECT(strstr(moept_last_error(L), "aux_seq_len") != NULL, "message '%s'", moept_last_error(L));
+    EXPECT(same(L, &before), "the layer changed on a rejected forward");
+    EXPECT_OK(moept_forward(L, x, 0, y));
+    drop(&before);
     moept_destroy(L);
 }
 
@@ -397,6 +422,7 @@ static void test_special_files(void) {
 int main(void) {
     RUN(test_invalid_config_fields);
     RUN(test_nonfinite_input_leaves_layer_unchanged);
+    RUN(test_seq_aux_partial_sequence);
     RUN(test_huge_capacity_factor);
     RUN(test_aliasing);
     RUN(test_backward_needs_forwards_x);

@@ -1,5 +1,5 @@
 /* Finite-difference gradient checks: for every parameter group, each router
-   family, each activation, the aux loss (both conventions) and the z loss,
+   family, each activation, the aux loss (every convention) and the z loss,
    the analytic directional derivative <grad, v> must match the central
    difference of the objective L = sum(y * gy) + ca*aux + cz*z, accumulated
    in double. Perturbations are measured as actually stored in fp32. */
@@ -240,6 +240,22 @@ static void test_mask(void) {
     }
 }
 
+/* The sequence-wise aux loss (MOEPT_AUX_SEQ): losses only, and with y and
+   padding; S = 1 under the mask leaves whole sequences of padding */
+static void test_seq_aux(void) {
+    static const struct { moept_family fam; int64_t S; int zero_dy, mask; } v[] = {
+        {MOEPT_FAMILY_MIXTRAL, 4, 1, 0}, {MOEPT_FAMILY_DEEPSEEK_V3, 3, 1, 0},
+        {MOEPT_FAMILY_QWEN2_MOE, 4, 0, 1}, {MOEPT_FAMILY_DEEPSEEK_V3, 1, 1, 1}};
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        gcase c = {"seq aux", base_cfg(v[i].fam), 12, v[i].zero_dy, v[i].mask};
+        c.cfg.aux_loss = MOEPT_AUX_SEQ; c.cfg.aux_seq_len = v[i].S;
+        c.cfg.aux_loss_coef = v[i].zero_dy ? 1.0f : 0.1f;
+        if (v[i].fam == MOEPT_FAMILY_DEEPSEEK_V3) { c.cfg.num_experts = 8; c.cfg.n_group = 4; c.cfg.topk_group = 2; }
+        if (!v[i].zero_dy) c.cfg.shared_intermediate_size = 5;
+        run_gcase(&c);
+    }
+}
+
 int main(void) {
     RUN(test_families);
     RUN(test_activations);
@@ -247,5 +263,6 @@ int main(void) {
     RUN(test_z_loss_only);
     RUN(test_jitter);
     RUN(test_mask);
+    RUN(test_seq_aux);
     return tu_done();
 }

@@ -47,6 +47,39 @@ MASKED = [
     (("deepseek_group_mask",   "deepseek_v3", 12, 16, 6, 8, 2, 1, 6, 4, 2, 2.5, 0.01, 0.001), [0, 1, 2, 8]),
 ]
 
+# The sequence-wise aux loss (aux_loss "seq"): sequences of S tokens; T splits
+# into whole sequences at --ep 1/2/4/8; deepseek's sequence 0 is all padding
+SEQ = [
+    (("mixtral_seq",           "mixtral",     24, 12, 9, 8, 2, 1, 0, 1, 1, 1.0, 0.05, 0.001), [], 3),
+    (("deepseek_seq_mask",     "deepseek_v3", 24, 16, 6, 8, 2, 1, 6, 4, 2, 2.5, 0.05, 0.001),
+     [0, 1, 2, 7, 13, 14], 3),
+]
+
+
+def seq_aux_loss(family, logits, ids, mask, E, K, S):
+    """DeepSeek-V3's complementary sequence-wise balance loss in float64, in
+    the form of Megatron-Core's sequence_load_balancing_loss_func (cost
+    coefficient count / (S K / E) times the sequence's mean score, summed over
+    experts, averaged over sequences), on the router's own scores (softmax;
+    sigmoid normalised over experts for deepseek) and its selection. Padding
+    (our extension) leaves a sequence's padded tokens out of its counts, means
+    and length, and an all-padding sequence out of the average."""
+    T = logits.shape[0]
+    if family == "deepseek_v3":
+        sg = logits.sigmoid()
+        scores = sg / (sg.sum(-1, keepdim=True) + 1e-20)
+    else:
+        scores = logits.softmax(-1)
+    m = mask.double().view(T, 1)
+    routing = torch.zeros(T, E, dtype=torch.float64).scatter_(1, ids.view(T, K).long(), 1.0) * m
+    B = T // S
+    count = routing.view(B, S, E).sum(1)
+    ssum = (scores * m).view(B, S, E).sum(1)
+    n = m.view(B, S).sum(1)
+    keep = n > 0
+    cost = count[keep] / (n[keep].view(-1, 1) * K / E)
+    return (cost * ssum[keep] / n[keep].view(-1, 1)).sum(-1).mean()
+
 
 def build(family, D, F, E, K, norm, S, n_group, topk_group, scaling):
     if family == "mixtral":
@@ -150,11 +183,12 @@ def flatten_params(block, family, E, F, grads=False):
     return out
 
 
-def make_case(spec, seed, margin, pad=()):
+def make_case(spec, seed, margin, pad=(), seq=0):
     """pad: tokens whose attention_mask is 0. Their output rows are zeroed
     (the block's output times the mask), they are left out of the aux loss
     (transformers' attention_mask) and of the z loss's mean, so nothing
-    differentiates through them; their expected ids are -1, weights 0."""
+    differentiates through them; their expected ids are -1, weights 0.
+    seq: the sequence length of the sequence-wise aux loss (0: HF's)."""
     (name, family, T, D, F, E, K, norm, S, n_group, topk_group, scaling, aux_coef, z_coef) = spec
     for attempt in range(1000):
         g = torch.Generator().manual_seed(seed * 1000 + attempt)
@@ -190,8 +224,11 @@ def make_case(spec, seed, margin, pad=()):
         y = block(x) * mask.view(1, T, 1).double()
     logits = captured["logits"]
     assert logits.dtype == torch.float64 and captured["weights"].dtype == torch.float64
-    aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(
-        (logits,), E, K, attention_mask=mask.view(1, T) if pad else None)
+    if seq:
+        aux = seq_aux_loss(family, logits.view(T, E), captured["ids"], mask, E, K, seq)
+    else:
+        aux = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(
+            (logits,), E, K, attention_mask=mask.view(1, T) if pad else None)
     lse2 = torch.logsumexp(logits.double(), dim=-1) ** 2
     z = (lse2 * mask.double()).sum() / mask.sum() if pad else lse2.mean()
     obj = (y * gy).sum() + aux_coef * aux + z_coef * z
@@ -218,8 +255,9 @@ def make_case(spec, seed, margin, pad=()):
         "intermediate_size": str(F), "num_experts": str(E), "top_k": str(K),
         "norm_topk_prob": str(norm), "hidden_act": "silu", "shared_intermediate_size": str(S),
         "n_group": str(n_group), "topk_group": str(topk_group),
-        "routed_scaling_factor": repr(float(scaling)), "aux_loss": "hf",
+        "routed_scaling_factor": repr(float(scaling)), "aux_loss": "seq" if seq else "hf",
         "aux_loss_coef": repr(float(aux_coef)), "z_loss_coef": repr(float(z_coef)),
+        **({"aux_seq_len": str(seq)} if seq else {}),
         "generator": f"tools/make_cases.py torch {torch.__version__} transformers {transformers.__version__}",
     }
     return tensors, meta
@@ -234,10 +272,10 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
-    for i, (spec, pad) in enumerate([(c, ()) for c in CASES] + MASKED):
+    for i, (spec, pad, seq) in enumerate([(c, (), 0) for c in CASES] + [m + (0,) for m in MASKED] + SEQ):
         if args.only and spec[0] not in args.only.split(","):
             continue
-        tensors, meta = make_case(spec, args.seed + i, args.margin, pad)
+        tensors, meta = make_case(spec, args.seed + i, args.margin, pad, seq)
         path = os.path.join(args.out, spec[0] + ".safetensors")
         save_file(tensors, path, metadata=meta)
         ids = tensors["expected.topk_ids"]
