@@ -451,9 +451,11 @@ struct moept_layer {
     float *xr;             /* [Rcap][D] rows this rank's experts process (P = 1: xs) */
     float *yr;             /* [Rcap][D] their outputs; backward dys, dxs (P = 1: ys) */
     float *h;              /* [Rcap][H] expert pre-activations (gate|up) */
-    float *a;              /* [Rcap][F] expert activations; backward: da */
+    float *a;              /* [Rcap][lda_a] expert activations; backward: da. An inference
+                              layer writes them over h's first F columns (lda_a = H) */
     float *hs;             /* [Tmax][HS] shared pre-activations */
-    float *as;             /* [Tmax][S] shared activations; backward: da */
+    float *as;             /* [Tmax][lda_as] shared activations; backward: da (inference: hs) */
+    int64_t lda_a, lda_as; /* a's and as's row strides: F and S, or H and HS */
     float *yss;            /* [Tmax][D] shared outputs; backward: dys_shared */
     float *sg;             /* [Tmax] shared gate values (sigmoid) */
     float *dsg;            /* [Tmax] shared gate logit gradients */
@@ -626,6 +628,8 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
         MOEPT__BAD("config.capacity_factor: must be finite and >= 0 (0 = dropless)");
     if (!moept__finite(c->router_jitter) || c->router_jitter < 0.0f || c->router_jitter >= 1.0f)
         MOEPT__BAD("config.router_jitter: must be in [0, 1) (0 = off)");
+    if (c->inference_only != 0 && c->inference_only != 1)
+        MOEPT__BAD("config.inference_only: %d must be 0 or 1", c->inference_only);
     if (c->max_tokens <= 0 || c->max_tokens > ((int64_t)1 << 31) / c->top_k)
         MOEPT__BAD("config.max_tokens: %lld must be in 1..2^31/top_k", (long long)c->max_tokens);
     if (c->aux_loss == MOEPT_AUX_SEQ && (c->aux_seq_len < 1 || c->aux_seq_len > c->max_tokens))
@@ -652,6 +656,16 @@ static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
     }
 }
 
+/* The gradient of the next n parameters (*g advanced past them), or NULL
+   in an inference layer, which has none */
+static float *moept__gnext(float **g, int64_t n) {
+    float *r = *g;
+    if (r) *g = r + n;
+    return r;
+}
+/* g + off, or NULL where there is no gradient */
+static float *moept__goff(float *g, int64_t off) { return g ? g + off : NULL; }
+
 static void moept__build_table(moept_layer *L) {
     const int64_t D = L->D, F = L->F, E = L->E, S = L->S;
     int mix = L->cfg.family == MOEPT_FAMILY_MIXTRAL;
@@ -661,11 +675,11 @@ static void moept__build_table(moept_layer *L) {
     moept__add_param(L, MOEPT__P_ROUTER, -1, E, D, L->w_router, L->g_router, "gate.weight");
     for (int64_t j = 0; j < L->El; j++) { /* this rank's experts, named by global id */
         long long e = (long long)L->expert_at[(int64_t)L->rank * L->El + j];
-        float *w = L->w13 + j * L->H * D, *g = L->g13 + j * L->H * D;
-        float *w2 = L->w2 + j * D * F, *g2 = L->g2 + j * D * F;
+        float *w = L->w13 + j * L->H * D, *g = moept__goff(L->g13, j * L->H * D);
+        float *w2 = L->w2 + j * D * F, *g2 = moept__goff(L->g2, j * D * F);
         if (gated) {
             moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", e);
-            moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, g + F * D, mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", e);
+            moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, moept__goff(g, F * D), mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", e);
         } else {
             moept__add_param(L, MOEPT__P_UP, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.up_proj.weight", e);
         }
@@ -675,7 +689,8 @@ static void moept__build_table(moept_layer *L) {
         const char *pre = L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
         if (gated) {
             moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, L->ws13, L->gs13, "%s.gate_proj.weight", pre);
-            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13 + S * D, L->gs13 + S * D, "%s.up_proj.weight", pre);
+            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13 + S * D, moept__goff(L->gs13, S * D), "%s.up_proj.weight",
+                             pre);
         } else {
             moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13, L->gs13, "%s.up_proj.weight", pre);
         }
@@ -742,22 +757,26 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     int64_t Nxs = L->direct ? 0 : N;
     L->xs = moept__take(c, (size_t)(Nxs * D) * f);
     L->ys = moept__take(c, (size_t)(Nxs * D) * f);
+    /* an inference layer keeps nothing for backward: no router or gate
+       gradients, the shared activations over hs, no jitter */
+    const int train = !L->cfg.inference_only, jit = train && L->cfg.router_jitter > 0.0f;
     if (L->S > 0) {
         L->hs = moept__take(c, (size_t)(T * L->HS) * f);
-        L->as = moept__take(c, (size_t)(T * L->S) * f);
+        L->as = train ? moept__take(c, (size_t)(T * L->S) * f) : L->hs;
+        L->lda_as = train ? L->S : L->HS;
         L->yss = moept__take(c, (size_t)(T * D) * f);
         L->sg = moept__take(c, (size_t)T * f);
-        L->dsg = moept__take(c, (size_t)T * f);
+        L->dsg = moept__take(c, train ? (size_t)T * f : 0);
     }
-    L->dwts = moept__take(c, (size_t)(T * K) * f);
-    L->dlogits = moept__take(c, (size_t)(T * E) * f);
+    L->dwts = moept__take(c, train ? (size_t)(T * K) * f : 0);
+    L->dlogits = moept__take(c, train ? (size_t)(T * E) * f : 0);
     L->lse = moept__take(c, (size_t)T * f);
-    L->xj = moept__take(c, L->cfg.router_jitter > 0.0f ? (size_t)(T * D) * f : 0);
-    for (int b = 0; b < 2; b++) L->jrow[b] = moept__take(c, L->cfg.router_jitter > 0.0f ? (size_t)T * 8 : 0);
+    L->xj = moept__take(c, jit ? (size_t)(T * D) * f : 0);
+    for (int b = 0; b < 2; b++) L->jrow[b] = moept__take(c, jit ? (size_t)T * 8 : 0);
     L->descs = moept__take(c, (size_t)(L->El * L->P) * sizeof(moept__gemm));
     if (L->fsdp) {
         L->fs_full = moept__take(c, (size_t)(L->fsdp->size * L->fs_shard) * f);
-        L->fs_gfull = moept__take(c, (size_t)(L->fsdp->size * L->fs_shard) * f);
+        L->fs_gfull = moept__take(c, train ? (size_t)(L->fsdp->size * L->fs_shard) * f : 0);
     }
     {
         const int64_t C = L->C, P = L->P, El = L->El;
@@ -782,6 +801,18 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
 #endif
 }
 
+/* The receive block's row widths (floats): xr, yr (at one rank they are
+   xs, ys), h, a (an inference layer writes a over h), and the chunked
+   backward's da, dxs */
+static void moept__recv_widths(const moept_layer *L, int64_t w[6]) {
+    const int own_xy = L->P > 1, train = !L->cfg.inference_only, ch = train && L->C > 1;
+    w[0] = w[1] = own_xy ? L->D : 0;
+    w[2] = L->H;
+    w[3] = train ? L->F : 0;
+    w[4] = ch ? L->F : 0;
+    w[5] = ch ? L->D : 0;
+}
+
 /* Makes the receive block hold `need` rows (geometric growth, never
    shrinks). The rows of the committed step are kept, so a step rejected
    after growing still leaves the layer's saved state intact. Returns 0 on
@@ -790,9 +821,11 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     if (need <= L->Rcap && L->rwork) return 1;
     int64_t cap = need > 2 * L->Rcap ? need : 2 * L->Rcap;
     if (cap < 1) cap = 1;
-    int own_xy = L->P > 1; /* at one rank xr, yr are xs, ys */
-    int64_t w_xr = own_xy ? L->D : 0, w_yr = own_xy ? L->D : 0, w_h = L->H, w_a = L->F;
-    int64_t w_da = L->C > 1 ? L->F : 0, w_dx = L->C > 1 ? L->D : 0;
+    int own_xy = L->P > 1;
+    const int train = !L->cfg.inference_only;
+    int64_t wd[6];
+    moept__recv_widths(L, wd);
+    const int64_t w_xr = wd[0], w_yr = wd[1], w_h = wd[2], w_a = wd[3], w_da = wd[4], w_dx = wd[5];
     size_t bytes = (size_t)cap * (size_t)(w_xr + w_yr + w_h + w_a + w_da + w_dx) * sizeof(float) + 6 * 64;
     char *blk = moept__alloc(&L->mem, bytes);
     if (!blk) return 0;
@@ -817,7 +850,8 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     L->xr = own_xy ? xr : L->xs;
     L->yr = own_xy ? yr : L->ys;
     L->h = h;
-    L->a = a;
+    L->a = train ? a : h;
+    L->lda_a = train ? L->F : L->H;
     L->dar = da;
     L->dxr = dxs;
     if (L->Rcap > 0) L->stats.recv_growths++;
@@ -828,14 +862,14 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
 
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later). */
-#define MOEPT__NFP 25
+#define MOEPT__NFP 26
 #define MOEPT__NFP_MODEL 18 /* the model's fields, first: a checkpoint's fingerprint */
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
     "global_balance", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed", "aux_seq_len",
-    "EP size", "DP size"};
+    "inference_only", "EP size", "DP size"};
 
 static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int64_t *fp) {
     float fl[5] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor,
@@ -846,7 +880,8 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
                              c->norm_topk_prob, c->activation, c->shared_intermediate_size, c->shared_gate,
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
                              c->global_balance, c->overlap_chunks, c->expert_sharding, b[4],
-                             (int64_t)c->jitter_seed, c->aux_seq_len, P, DP};
+                             (int64_t)c->jitter_seed, c->aux_seq_len,
+                             c->inference_only, P, DP};
     memcpy(fp, v, sizeof v);
 }
 
@@ -966,7 +1001,8 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
             L->n_exp = L->fs_shard;
         }
         L->n_params = n_router + L->n_exp + ns13 + ns2 + nsg;
-        size_t pbytes = (size_t)(2 * L->n_params + E) * sizeof(float);
+        const int64_t nmir = c.inference_only ? 1 : 2; /* an inference layer has no gradient mirror */
+        size_t pbytes = (size_t)(nmir * L->n_params + E) * sizeof(float);
         L->params = moept__alloc(&mem, pbytes);
         L->table = moept__alloc(&mem, (size_t)(3 * El + 8) * sizeof(moept__param));
         moept__carve wc = {NULL, 0};
@@ -979,21 +1015,21 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
             memset(L->work, 0, wbytes);
             wc.base = L->work; wc.off = 0;
             moept__layout_work(L, &wc);
-            float *p = L->params, *g = L->params + L->n_params;
-            L->w_router = p; L->g_router = g; p += n_router; g += n_router;
+            float *p = L->params, *g = nmir == 2 ? L->params + L->n_params : NULL;
+            L->w_router = p; L->g_router = moept__gnext(&g, n_router); p += n_router;
             if (L->fsdp) { /* the experts live gathered in the workspace */
-                L->fs_w = p; L->fs_g = g; p += L->fs_shard; g += L->fs_shard;
+                L->fs_w = p; L->fs_g = moept__gnext(&g, L->fs_shard); p += L->fs_shard;
                 L->w13 = L->fs_full; L->w2 = L->fs_full + n13;
-                L->g13 = L->fs_gfull; L->g2 = L->fs_gfull + n13;
+                L->g13 = nmir == 2 ? L->fs_gfull : NULL; L->g2 = moept__goff(L->g13, n13);
             } else {
-                L->w13 = p; L->g13 = g; p += n13; g += n13;
-                L->w2 = p; L->g2 = g; p += n2; g += n2;
+                L->w13 = p; L->g13 = moept__gnext(&g, n13); p += n13;
+                L->w2 = p; L->g2 = moept__gnext(&g, n2); p += n2;
             }
-            L->ws13 = p; L->gs13 = g; p += ns13; g += ns13;
-            L->ws2 = p; L->gs2 = g; p += ns2; g += ns2;
-            L->wsg = nsg ? p : NULL; L->gsg = nsg ? g : NULL;
-            L->grads = L->params + L->n_params;
-            L->bias = L->params + 2 * L->n_params;
+            L->ws13 = p; L->gs13 = moept__gnext(&g, ns13); p += ns13;
+            L->ws2 = p; L->gs2 = moept__gnext(&g, ns2); p += ns2;
+            L->wsg = nsg ? p : NULL; L->gsg = nsg ? moept__gnext(&g, nsg) : NULL;
+            L->grads = nmir == 2 ? L->params + L->n_params : NULL;
+            L->bias = L->params + nmir * L->n_params;
             for (int64_t e = 0; e < E; e++) L->slot_of[e] = L->expert_at[e] = (int32_t)e;
             moept__build_table(L);
             L->stats.capacity = -1;
@@ -1126,8 +1162,16 @@ moept_status moept_params(moept_layer *L, float **params, int64_t *numel) {
     return MOEPT_OK;
 }
 
+/* An inference layer has no gradients: the training calls refuse, alike
+   on every rank (the flag is in the create-time agreement: no rank waits) */
+static moept_status moept__no_grads(moept_layer *L, const char *call) {
+    return moept__fail(L, MOEPT_ERR_STATE, "%s: an inference-only layer (config.inference_only) has no gradients",
+                       call);
+}
+
 moept_status moept_grads(moept_layer *L, float **grads, int64_t *numel) {
     if (!L || !grads || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grads: NULL argument");
+    if (!L->grads) return moept__no_grads(L, "moept_grads");
     MOEPT__HOST_SYNC(L, 0, 1);
     moept__host_wrote(L, 0, 1);
     *grads = L->grads; *numel = L->n_params;
@@ -1136,6 +1180,7 @@ moept_status moept_grads(moept_layer *L, float **grads, int64_t *numel) {
 
 moept_status moept_zero_grad(moept_layer *L) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_zero_grad: layer is NULL");
+    if (!L->grads) return moept__no_grads(L, "moept_zero_grad");
 #ifdef MOEPT_CUDA
     if (L->cuda) {
         moept_status st = moept__cuda_zero_grad((moept__cuda *)L->cuda, L->err);
@@ -1255,6 +1300,11 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
         why_st = MOEPT_ERR_UNSUPPORTED;
         snprintf(why, sizeof why, "moept_create_cuda: config.router_jitter is not supported by the CUDA executor");
     }
+    else if (cfg && cfg->inference_only) {
+        bad = 1;
+        why_st = MOEPT_ERR_UNSUPPORTED;
+        snprintf(why, sizeof why, "moept_create_cuda: config.inference_only is not supported by the CUDA executor");
+    }
     else if (cfg && cfg->aux_loss == MOEPT_AUX_SEQ) {
         bad = 1;
         why_st = MOEPT_ERR_UNSUPPORTED;
@@ -1369,7 +1419,7 @@ static int64_t moept__first_nonfinite(const float *v, int64_t n) {
 static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
                                const int64_t *offsets, const float *w13,
                                const float *w2, int64_t H, int64_t F,
-                               float *h, float *a, float *ys) {
+                               float *h, float *a, int64_t lda, float *ys) {
     const int64_t D = L->D;
     moept__gemm *gd = L->descs;
     int64_t n;
@@ -1379,10 +1429,10 @@ static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
     int64_t R = offsets[groups] - offsets[0], base = offsets[0];
     const int act = L->act;
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
-    for (int64_t r = base; r < base + R; r++)
-        moept__act_fwd_row(act, h + r * H, F, a + r * F);
+    for (int64_t r = base; r < base + R; r++) /* (a may be h itself: a[j] is h[j]'s only reader) */
+        moept__act_fwd_row(act, h + r * H, F, a + r * lda);
     MOEPT__PER_GROUP(gd, n, groups, offsets,
-                     moept__gemm_make(0, 1, rows, D, F, a + r0 * F, F, w2 + e * D * F, F, 0.0f, ys + r0 * D, D));
+                     moept__gemm_make(0, 1, rows, D, F, a + r0 * lda, lda, w2 + e * D * F, F, 0.0f, ys + r0 * D, D));
     moept__gemm_run(gd, n, &L->gws);
 }
 
@@ -1650,7 +1700,7 @@ static void moept__shared_forward(moept_layer *L, const float *x, int64_t T) {
     if (L->S <= 0) return;
     const int64_t D = L->D;
     int64_t off[2] = {0, T};
-    moept__ffn_forward(L, x, 1, off, L->ws13, L->ws2, L->HS, L->S, L->hs, L->as, L->yss);
+    moept__ffn_forward(L, x, 1, off, L->ws13, L->ws2, L->HS, L->S, L->hs, L->as, L->lda_as, L->yss);
     if (L->wsg) {
         moept__gemm gg = moept__gemm_make(0, 1, T, 1, D, x, D, L->wsg, D, 0.0f, L->sg, 1);
         moept__gemm_run(&gg, 1, &L->gws);
@@ -1748,7 +1798,7 @@ static void moept__runs_act(moept_layer *L, const int64_t *runs, int64_t n, cons
         #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
         for (int64_t r = r0; r < r0 + rows; r++) {
             if (da) moept__act_bwd_row(L->act, L->h + r * H, da + r * F, F, L->h + r * H);
-            else moept__act_fwd_row(L->act, L->h + r * H, F, L->a + r * F);
+            else moept__act_fwd_row(L->act, L->h + r * H, F, L->a + r * L->lda_a);
         }
     }
 }
@@ -1762,7 +1812,8 @@ static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t
     moept__gemm_run_progress(L, gd, n);
     moept__runs_act(L, runs, n, NULL);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, D, F, L->a + r0 * F, F, L->w2 + e * D * F, F, 0.0f, L->yr + r0 * D, D));
+                   moept__gemm_make(0, 1, rows, D, F, L->a + r0 * L->lda_a, L->lda_a, L->w2 + e * D * F, F, 0.0f,
+                                    L->yr + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
@@ -2309,7 +2360,8 @@ static moept_status moept__fwd_run(moept_layer *L, const moept__fstep *f) {
         double ts = moept__now();
         if ((st = moept__fwd_dispatch(L, f->x))) return st;
         L->stats.dispatch_seconds += moept__now() - ts;
-        moept__ffn_forward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->yr);
+        moept__ffn_forward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->lda_a,
+                           L->yr);
         if ((st = moept__fwd_combine(L, f->x, f->y))) return st;
     }
     return L->direct ? moept__direct_sync(L, "moept_forward") : MOEPT_OK;
@@ -2366,6 +2418,7 @@ moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *
     memset(&f, 0, sizeof f);
     f.x = x; f.y = y; f.T = T;
     if (o) { f.mask = o->mask; f.eval = o->eval != 0; }
+    f.eval |= L->cfg.inference_only; /* nothing to keep */
 #ifdef MOEPT_CUDA
     if (L->cuda) return moept__cuda_layer_forward(L, &f);
 #endif
@@ -2411,6 +2464,7 @@ static void moept__router_bwd(moept_layer *L, const float *x, float *dx) {
 
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
+    if (!L->grads) return moept__no_grads(L, "moept_backward");
 #ifdef MOEPT_CUDA
     if (L->cuda) return moept__cuda_layer_backward(L, x, dy, dx);
 #endif
@@ -2606,6 +2660,7 @@ static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_com
 
 moept_status moept_sync_grads(moept_layer *L, float scale) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: layer is NULL");
+    if (!L->grads) return moept__no_grads(L, "moept_sync_grads");
     moept_status bad = MOEPT_OK;
     if (!moept__finite(scale)) bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, "moept_sync_grads");
@@ -2638,6 +2693,7 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: layer is NULL");
+    if (!L->grads) return moept__no_grads(L, "moept_grad_norm");
     moept_status bad = norm ? MOEPT_OK : moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: norm is NULL");
     moept_status ag = moept__agree_call(L, L->group, NULL, bad, "moept_grad_norm");
     if (ag) return ag;
@@ -2740,9 +2796,9 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     *st = L->stats;
     st->allocations = L->mem.allocations + L->dev_allocations;
     st->allocated_bytes = L->mem.bytes + L->dev_allocated_bytes;
-    int own_xy = L->P > 1;
-    st->workspace_bytes = L->work_bytes +
-        L->Rcap * ((own_xy ? 2 * L->D : 0) + L->H + L->F + (L->C > 1 ? L->F + L->D : 0)) * (int64_t)sizeof(float);
+    int64_t w[6];
+    moept__recv_widths(L, w);
+    st->workspace_bytes = L->work_bytes + L->Rcap * (w[0] + w[1] + w[2] + w[3] + w[4] + w[5]) * (int64_t)sizeof(float);
     st->device_workspace_bytes = L->dev_workspace_bytes;
     if (tpe)
         for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd_valid ? L->sel_counts[e] : 0;
@@ -4575,6 +4631,7 @@ static const char *moept__param_of(const moept_layer *L, int64_t i) {
    gradient checked, then all step or none does. */
 moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
+    if (!L->grads) return moept__no_grads(L, "moept_adamw_step");
     MOEPT__HOST_SYNC(L, 1, 1);
     moept_adamw d = {0.0f, 0.9f, 0.999f, 1e-8f, 0.0f};
     if (o) d = (moept_adamw){o->lr, o->beta1 ? o->beta1 : 0.9f, o->beta2 ? o->beta2 : 0.999f,
@@ -4991,7 +5048,7 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
                       : !stage ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
                                : moept__ckpt_read(L, dir, stage, &t, &bytes);
     /* AdamW state the layer lacks: allocated before the agreement (counted at the commit) */
-    if (!st && t > 0 && !L->opt_m && !(opt = moept__alloc(NULL, 2 * n * sizeof(float))))
+    if (!st && t > 0 && L->grads && !L->opt_m && !(opt = moept__alloc(NULL, 2 * n * sizeof(float))))
         st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
     if (st && !local) local = moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
     if ((st = moept__agree_call(L, L->group, L->dp, local, "moept_load_checkpoint"))) {
@@ -5009,13 +5066,13 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     }
     memcpy(L->params, stage, n * sizeof(float));
     memcpy(L->bias, stage + 3 * n, (size_t)L->E * sizeof(float));
-    if (t > 0) {
+    if (t > 0 && L->opt_m) { /* (an inference layer takes the parameters only) */
         memcpy(L->opt_m, stage + n, n * sizeof(float));
         memcpy(L->opt_v, stage + 2 * n, n * sizeof(float));
     } else if (L->opt_m) {
         memset(L->opt_m, 0, 2 * n * sizeof(float));
     }
-    L->opt_t = t;
+    L->opt_t = L->grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
     L->jitter_micro = 0;
     MOEPT_FREE(stage);
     return MOEPT_OK;
@@ -5137,7 +5194,7 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
     if (!local) {
         for (int64_t e = 0; e < E; e++) { L->slot_of[e] = nslot[e]; L->expert_at[nslot[e]] = (int32_t)e; }
         moept__build_table(L);
-        memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
+        if (L->grads) memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
         L->fwd_valid = 0; /* the saved forward's plan used the old placement */
         if (rep) {
             rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;

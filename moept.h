@@ -187,6 +187,21 @@
      The CUDA executor refuses masks (MOEPT_ERR_UNSUPPORTED on every rank)
      and router_jitter (at create).
 
+   INFERENCE LAYERS (config.inference_only = 1; CPU layers)
+     Every forward is an evaluation (no jitter), with the same y and
+     routing as a training layer's forward, bitwise (builtin GEMM). It holds
+     no gradients and keeps nothing for backward: per rank, 4 * (n_params
+     + Rcap * F + T * (K + E) + T * (S + 1) if S > 0) bytes less, Rcap the
+     receive rows (moept_stats.recv_capacity), T max_tokens (the
+     activations are written over the pre-activations' gate half). With
+     router_jitter, 4 T (D + 4) more; chunked (overlap_chunks > 1), 4 Rcap
+     (F + D) more; fsdp, the gathered gradient. Mixtral-8x7B's layer at
+     EP = 8 and 8192 tokens a rank (Rcap >= T K): >= 705 MB of gradients
+     and 940 MB of activations less per rank. moept_backward, grads,
+     zero_grad, sync_grads, grad_norm and adamw_step return MOEPT_ERR_STATE
+     ("inference_only"), alike on every rank; parameters load, save and
+     reshard as in a training layer (moept_param_info's grad is NULL).
+
    PARAMETER NAMES (per family, the HF module-relative names)
      all:          gate.weight [E][D]
      deepseek_v3:  gate.e_score_correction_bias [E]   (a buffer, no gradient)
@@ -328,6 +343,9 @@ typedef struct moept_config {
                                          element (Switch/Megatron input jitter; see ROUTER
                                          JITTER); the experts see x. CPU layers only */
     uint64_t jitter_seed;             /* the noise's seed (ranks alike: same noise) */
+    int inference_only;               /* 1: a layer for inference (see INFERENCE
+                                         LAYERS): every forward an evaluation, no
+                                         gradients, less memory. CPU layers */
 } moept_config;
 
 /* ---- communication -------------------------------------------------

@@ -976,6 +976,46 @@ static void test_family_defaults(void) {
     }
 }
 
+/* A trained layer's checkpoint (with AdamW state) into an inference layer:
+   its y is the training layer's, bitwise; what the inference layer saves
+   (parameters, step 0) loads back into a training layer; the inference
+   layer allocated no optimizer state */
+static void test_inference_layer_checkpoints(void) {
+    moept_config c = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
+    moept_layer *Lt, *Li, *L2;
+    EXPECT_OK(moept_create(&c, &Lt));
+    c.inference_only = 1;
+    EXPECT_OK(moept_create(&c, &Li));
+    c.inference_only = 0;
+    EXPECT_OK(moept_create(&c, &L2));
+    if (tu_bad) return;
+    moept_init_params(Lt, 3);
+    float x[8 * 12], y[8 * 12], yi[8 * 12], dx[8 * 12];
+    unsigned long long s = 5;
+    tu_fill(x, 96, 1.0, &s);
+    moept_adamw o = {1e-2f, 0, 0, 0, 0};
+    for (int step = 0; step < 2; step++) {
+        EXPECT_OK(moept_zero_grad(Lt));
+        EXPECT_OK(moept_forward(Lt, x, 8, y));
+        EXPECT_OK(moept_backward(Lt, x, x, dx));
+        EXPECT_OK(moept_adamw_step(Lt, &o));
+    }
+    EXPECT_OK(moept_save_checkpoint(Lt, "build/ckpt_infer_a"));
+    EXPECT_OK(moept_load_checkpoint(Li, "build/ckpt_infer_a"));
+    moept_stats st;
+    moept_get_stats(Li, &st, NULL);
+    EXPECT(Li->opt_m == NULL && st.allocations == Li->mem.allocations, "the inference layer took optimizer state");
+    EXPECT_OK(moept_forward(Lt, x, 8, y));
+    EXPECT_OK(moept_forward(Li, x, 8, yi));
+    EXPECT(!memcmp(y, yi, sizeof y), "the inference layer's y differs from the trained layer's");
+    EXPECT_OK(moept_save_checkpoint(Li, "build/ckpt_infer_b"));
+    EXPECT_OK(moept_load_checkpoint(L2, "build/ckpt_infer_b"));
+    EXPECT(!memcmp(L2->params, Lt->params, (size_t)Lt->n_params * 4) && !memcmp(L2->bias, Lt->bias, 8 * 4),
+           "parameters through the inference layer's checkpoint differ");
+    EXPECT(L2->opt_t == 0 && L2->opt_m == NULL, "the inference layer's checkpoint carried optimizer state");
+    moept_destroy(Lt); moept_destroy(Li); moept_destroy(L2);
+}
+
 int main(void) {
     RUN(test_hf_round_trip_all_families);
     RUN(test_load_failure_leaves_layer_unchanged);
@@ -996,5 +1036,6 @@ int main(void) {
     RUN(test_hf_low_precision_round_trip);
     RUN(test_config_from_hf);
     RUN(test_family_defaults);
+    RUN(test_inference_layer_checkpoints);
     return tu_done();
 }

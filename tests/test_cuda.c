@@ -187,6 +187,11 @@ static void test_bad_options(void) {
     st = moept_create_cuda(&sq, NULL, NULL, NULL, &L);
     EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "MOEPT_AUX_SEQ"),
            "MOEPT_AUX_SEQ on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
+    moept_config inf = cfg; /* so is an inference layer */
+    inf.inference_only = 1;
+    st = moept_create_cuda(&inf, NULL, NULL, NULL, &L);
+    EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "inference_only"),
+           "inference_only on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
     moept_thread_group *g;
     moept_comm *c;
     EXPECT_OK(moept_thread_group_create(1, 1000, &g));

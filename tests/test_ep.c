@@ -19,6 +19,8 @@ typedef struct world {
     int eval;                  /* 1: each step starts with an evaluation forward, whose
                                   y must be the training forward's, bitwise */
     int eval_differs[MAXR * 2];
+    int infer;                 /* 1: inference-only layers (forwards only; every training call
+                                  must refuse with MOEPT_ERR_STATE on every rank) */
     moept_thread_group *ep[MAXR], *dp[MAXR];
     /* results */
     float *y, *dx;             /* [Ttot][D] */
@@ -44,6 +46,20 @@ static void setup_params(moept_layer *L, const world *w) {
         for (int64_t e = 0; e < L->E; e++) L->bias[e] = 0.01f * (float)(e % 3);
 }
 
+/* An inference layer's training calls: each refuses (MOEPT_ERR_STATE,
+   naming inference_only) without a collective, so no rank waits */
+static moept_status infer_refusals(moept_layer *L, const float *x, const float *dy, float *dx) {
+    float *g;
+    int64_t n;
+    double nrm;
+    moept_adamw o = {1e-3f, 0, 0, 0, 0};
+    moept_status st[6] = {moept_backward(L, x, dy, dx), moept_sync_grads(L, 1.0f), moept_grad_norm(L, &nrm),
+                          moept_adamw_step(L, &o), moept_zero_grad(L), moept_grads(L, &g, &n)};
+    for (int i = 0; i < 6; i++)
+        if (st[i] != MOEPT_ERR_STATE) return MOEPT_ERR_INVALID_ARGUMENT;
+    return strstr(moept_last_error(L), "inference_only") ? MOEPT_OK : MOEPT_ERR_INVALID_ARGUMENT;
+}
+
 static void *rank_main(void *arg) {
     job *j = arg;
     world *w = j->w;
@@ -59,12 +75,18 @@ static void *rank_main(void *arg) {
     int64_t mx = 1;
     for (int i = 0; i < w->P * w->DP; i++) mx = w->T[i] > mx ? w->T[i] : mx;
     c.max_tokens = mx;
+    c.inference_only = w->infer;
     w->st[r] = moept_create_parallel(&c, ep, dp, &L);
     if (w->st[r]) { snprintf(w->err[r], sizeof w->err[r], "%s", moept_last_error(NULL)); return NULL; }
     setup_params(L, w);
     int64_t o = off_of(w, r);
     moept_stats s0, s1;
-    for (int s = 0; s < w->steps && !w->st[r]; s++) {
+    for (int s = 0; s < w->steps && !w->st[r] && w->infer; s++) {
+        if (s == 1) moept_get_stats(L, &s0, NULL);
+        w->st[r] = moept_forward(L, w->x + o * w->D, w->T[r], w->y + o * w->D);
+        if (!w->st[r]) w->st[r] = infer_refusals(L, w->x + o * w->D, w->dy + o * w->D, w->dx + o * w->D);
+    }
+    for (int s = 0; s < w->steps && !w->st[r] && !w->infer; s++) {
         if (s == 1) moept_get_stats(L, &s0, NULL);
         moept_zero_grad(L);
         float *ye = w->eval ? malloc((size_t)(w->T[r] * w->D + 1) * 4) : NULL;
@@ -78,12 +100,12 @@ static void *rank_main(void *arg) {
         if (!w->st[r]) w->st[r] = moept_backward(L, w->x + o * w->D, w->dy + o * w->D, w->dx + o * w->D);
         if (!w->st[r]) w->st[r] = moept_sync_grads(L, 1.0f);
     }
-    if (!w->st[r]) w->st[r] = moept_grad_norm(L, &w->norm[r]);
+    if (!w->st[r] && !w->infer) w->st[r] = moept_grad_norm(L, &w->norm[r]);
     moept_get_stats(L, &s1, NULL);
     w->allocs[r] = w->steps > 1 ? s1.allocations - s0.allocations : 0;
     if (w->st[r]) snprintf(w->err[r], sizeof w->err[r], "%s", moept_last_error(L));
-    w->grads[r] = malloc((size_t)L->n_params * 4);
-    memcpy(w->grads[r], L->grads, (size_t)L->n_params * 4);
+    w->grads[r] = calloc((size_t)L->n_params, 4);
+    if (L->grads) memcpy(w->grads[r], L->grads, (size_t)L->n_params * 4);
     moept_destroy(L);
     return NULL;
 }
@@ -223,6 +245,35 @@ static void test_ep_jitter_and_eval(void) {
         compare_world(w, "eval EP=4", 1e-6);
         for (int r = 0; r < 4; r++) EXPECT(!w->eval_differs[r], "rank %d: eval y differs from training y", r);
         free_world(w);
+    }
+}
+
+/* Inference layers (config.inference_only) over EP = 4, one of them with
+   no tokens, chunked or not: y equals the training layer's on the whole
+   batch, and on one rank bitwise; training calls refuse on every rank */
+static void test_ep_inference(void) {
+    static const moept_family fams[] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_DEEPSEEK_V3};
+    for (int f = 0; f < 2; f++) {
+        int64_t T[4] = {37, 20, 0, 29};
+        moept_config c = cfg_of(fams[f]);
+        c.overlap_chunks = f ? 3 : 0;
+        c.activation = f ? MOEPT_ACT_GELU : MOEPT_ACT_SILU_GATED;
+        world *w = new_world(c, 4, 1, T, 60 + (uint64_t)f);
+        w->infer = 1;
+        w->steps = 2;
+        run_world(w);
+        for (int r = 0; r < 4; r++) EXPECT(w->st[r] == MOEPT_OK, "inference EP=4, rank %d: %s", r, w->err[r]);
+        world *one = reference(w); /* training, on one rank */
+        int64_t T1[1] = {w->Ttot};
+        world *inf1 = new_world(c, 1, 1, T1, 1);
+        memcpy(inf1->x, w->x, (size_t)(w->Ttot * w->D) * 4);
+        inf1->infer = 1;
+        run_world(inf1);
+        EXPECT(one->st[0] == MOEPT_OK && inf1->st[0] == MOEPT_OK, "one rank: %s | %s", one->err[0], inf1->err[0]);
+        double e = tu_relerr(w->y, one->y, w->Ttot * w->D);
+        EXPECT(e <= 1e-6, "inference EP=4 y vs training EP=1: rel err %g", e);
+        EXPECT(memcmp(inf1->y, one->y, (size_t)(w->Ttot * w->D) * 4) == 0, "inference y is not training y, bitwise");
+        free_world(w); free_world(one); free_world(inf1);
     }
 }
 
@@ -786,6 +837,7 @@ int main(void) {
     RUN(test_ep_matches_one_rank);
     RUN(test_skew_and_empty);
     RUN(test_ep_jitter_and_eval);
+    RUN(test_ep_inference);
     RUN(test_capacity_ep);
     RUN(test_world_ep_by_dp);
     RUN(test_steady_state_allocations);

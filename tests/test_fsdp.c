@@ -36,6 +36,13 @@ static void *run(void *arg) {
     }
     moept_init_params(j->ep, 5);
     moept_init_params(j->fs, 5);
+    moept_layer *fi = NULL; /* an inference fsdp layer: step 0's y, bitwise */
+    cf.inference_only = 1;
+    if (moept_create_parallel(&cf, j->comm, NULL, &fi)) {
+        snprintf(j->why, sizeof j->why, "create (inference): %s", moept_last_error(NULL));
+        return NULL;
+    }
+    moept_init_params(fi, 5);
     const int64_t D = j->cfg.hidden_size, T = j->T;
     float *x = malloc((size_t)(T * D + 1) * 4), *dy = malloc((size_t)(T * D + 1) * 4);
     for (int m = 0; m < 2; m++) { j->y[m] = malloc((size_t)(T * D + 1) * 4); j->dx[m] = malloc((size_t)(T * D + 1) * 4); }
@@ -51,6 +58,11 @@ static void *run(void *arg) {
                 snprintf(j->why, sizeof j->why, "%s step %d: %s", m ? "fsdp" : "ep", step, moept_last_error(L));
         }
         if (j->why[0]) break;
+        float *yi = malloc((size_t)(T * D + 1) * 4);
+        if (step == 0 && (moept_forward(fi, x, T, yi) || memcmp(yi, j->y[1], (size_t)(T * D) * 4)))
+            snprintf(j->why, sizeof j->why, "fsdp inference layer: %s", moept_last_error(fi)[0] ? moept_last_error(fi)
+                                                                                              : "y differs");
+        free(yi);
         double e = tu_maxrelerr(j->y[1], j->y[0], T * D), e2 = tu_maxrelerr(j->dx[1], j->dx[0], T * D);
         e = e2 > e ? e2 : e;
         e2 = tu_maxrelerr(j->fs->grads, j->ep->grads, j->ep->E * j->ep->D); /* router */
@@ -74,6 +86,7 @@ static void *run(void *arg) {
         }
     }
     free(x); free(dy);
+    moept_destroy(fi);
     return NULL;
 }
 

@@ -696,6 +696,49 @@ static void test_eval_refuses_backward(void) {
     moept_destroy(L);
 }
 
+/* An inference layer (config.inference_only): the training layer's y and
+   routing, bitwise (forward and evaluation forward), in less memory: no
+   gradients (n_params floats), no activations apart from h (Rcap F floats),
+   no router/gate gradients or shared activations (T (K + E + S + 1)
+   floats), each within the workspace's 64-byte alignment */
+static void test_inference_layer(void) {
+    moept_config c = moept_config_default(MOEPT_FAMILY_QWEN2_MOE);
+    c.hidden_size = 24; c.intermediate_size = 20; c.num_experts = 8; c.top_k = 2; c.max_tokens = 40;
+    c.shared_intermediate_size = 12; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f;
+    moept_layer *Lt = make(c, 4);
+    c.inference_only = 1;
+    moept_layer *Li = make(c, 4);
+    if (!Lt || !Li) { moept_destroy(Lt); moept_destroy(Li); return; }
+    const int64_t T = 40, D = 24, F = 20, E = 8, K = 2, S = 12;
+    float *x = malloc(T * D * 4), *yt = malloc(T * D * 4), *yi = malloc(T * D * 4), *ye = malloc(T * D * 4);
+    unsigned long long sd = 3;
+    tu_fill(x, T * D, 1.0, &sd);
+    moept_forward_opts eo = {NULL, 1};
+    EXPECT_OK(moept_forward(Lt, x, T, yt));
+    EXPECT_OK(moept_forward(Li, x, T, yi));
+    EXPECT_OK(moept_forward_ex(Li, x, T, ye, &eo));
+    EXPECT(same_f(yt, yi, T * D) && same_f(yt, ye, T * D), "inference y differs from training y");
+    const int32_t *it, *ii; const float *wt, *wi, *lt, *li;
+    moept_routing(Lt, &it, &wt, &lt);
+    moept_routing(Li, &ii, &wi, &li);
+    EXPECT(!memcmp(it, ii, T * K * 4) && !memcmp(wt, wi, T * K * 4), "inference routing differs");
+    moept_stats st, si;
+    moept_get_stats(Lt, &st, NULL);
+    moept_get_stats(Li, &si, NULL);
+    int64_t dpar = st.param_bytes - si.param_bytes, dws = st.workspace_bytes - si.workspace_bytes;
+    int64_t want_ws = (Lt->Rcap * F + T * (K + E + S + 1)) * 4;
+    EXPECT(dpar == Lt->n_params * 4, "parameter bytes saved %lld, want %lld", (long long)dpar,
+           (long long)(Lt->n_params * 4));
+    EXPECT(Li->Rcap == Lt->Rcap && dws >= want_ws - 5 * 64 && dws <= want_ws + 5 * 64,
+           "workspace bytes saved %lld, want %lld (+-320)", (long long)dws, (long long)want_ws);
+    printf("# inference layer: %lld of %lld bytes (parameters %lld -> %lld, workspace %lld -> %lld)\n",
+           (long long)(si.param_bytes + si.workspace_bytes), (long long)(st.param_bytes + st.workspace_bytes),
+           (long long)st.param_bytes, (long long)si.param_bytes, (long long)st.workspace_bytes,
+           (long long)si.workspace_bytes);
+    free(x); free(yt); free(yi); free(ye);
+    moept_destroy(Lt); moept_destroy(Li);
+}
+
 /* Router jitter: the factors lie in [1 - eps, 1 + eps] with mean 1; each
    training forward draws anew (AdamW steps and forwards since key it), a
    fresh layer with the same seed draws the same sequence */
@@ -741,6 +784,7 @@ static void test_jitter_noise(void) {
 int main(void) {
     RUN(test_mask);
     RUN(test_eval_refuses_backward);
+    RUN(test_inference_layer);
     RUN(test_jitter_noise);
     RUN(test_dropless_plan);
     RUN(test_capacity);
