@@ -2936,7 +2936,7 @@ static int moept__dtype_parse(const char *s, moept_dtype *d, int64_t *size) {
     static const struct { const char *n; moept_dtype d; int64_t sz; } tab[] = {
         {"F32", MOEPT_DTYPE_F32, 4}, {"F16", MOEPT_DTYPE_F16, 2}, {"BF16", MOEPT_DTYPE_BF16, 2},
         {"F64", MOEPT_DTYPE_F64, 8}, {"I64", MOEPT_DTYPE_I64, 8}, {"I32", MOEPT_DTYPE_I32, 4},
-        {"U8", MOEPT_DTYPE_U8, 1}, {"BOOL", MOEPT_DTYPE_BOOL, 1}};
+        {"U8", MOEPT_DTYPE_U8, 1}, {"BOOL", MOEPT_DTYPE_BOOL, 1}, {"F8_E4M3", MOEPT_DTYPE_F8_E4M3, 1}};
     for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
         if (strcmp(s, tab[i].n) == 0) { *d = tab[i].d; *size = tab[i].sz; return 1; }
     return 0;
@@ -3222,6 +3222,14 @@ static float moept__half_to_f32(uint16_t h) {
 
 /* reads the tensor's bytes in chunks through a small stack buffer and
    converts; dst receives numel values of `out_size` bytes */
+/* float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+   infinities, S.1111.111 is NaN; every value is exact in float */
+static float moept__e4m3_to_f32(unsigned char b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    float v = e == 15 && m == 7 ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+    return b & 0x80 ? -v : v;
+}
+
 static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, void *dst,
                                    int64_t numel, int want_int) {
     if (!f || !t || !dst) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_read: NULL argument");
@@ -3230,7 +3238,7 @@ static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, v
                                   t->name, (long long)t->numel, (long long)numel);
     int isint = t->dtype == MOEPT_DTYPE_I64 || t->dtype == MOEPT_DTYPE_I32;
     int isflt = t->dtype == MOEPT_DTYPE_F32 || t->dtype == MOEPT_DTYPE_F16 || t->dtype == MOEPT_DTYPE_BF16 ||
-                t->dtype == MOEPT_DTYPE_F64;
+                t->dtype == MOEPT_DTYPE_F64 || t->dtype == MOEPT_DTYPE_F8_E4M3;
     if ((want_int && !isint) || (!want_int && !isflt))
         return moept__thread_fail(MOEPT_ERR_FORMAT, "tensor \"%s\": dtype cannot be read as %s", t->name,
                                   want_int ? "integers" : "floats");
@@ -3263,6 +3271,7 @@ static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, v
                 if (t->dtype == MOEPT_DTYPE_F32) { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 4); }
                 else if (t->dtype == MOEPT_DTYPE_F64) { uint64_t u = 0; double d; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&d, &u, 8); v = (float)d; }
                 else if (t->dtype == MOEPT_DTYPE_BF16) v = moept__bf16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
+                else if (t->dtype == MOEPT_DTYPE_F8_E4M3) v = moept__e4m3_to_f32(b[0]);
                 else v = moept__half_to_f32((uint16_t)(b[0] | (b[1] << 8)));
                 ((float *)dst)[done + i] = v;
             }
@@ -3292,7 +3301,7 @@ static moept_status moept__comm_fail(moept_comm *c, moept_status s, const char *
 
 static size_t moept__dtype_size(moept_dtype t) {
     return t == MOEPT_DTYPE_F32 || t == MOEPT_DTYPE_I32 ? 4 : t == MOEPT_DTYPE_F16 || t == MOEPT_DTYPE_BF16 ? 2
-         : t == MOEPT_DTYPE_U8 || t == MOEPT_DTYPE_BOOL ? 1 : 8;
+         : t == MOEPT_DTYPE_U8 || t == MOEPT_DTYPE_BOOL || t == MOEPT_DTYPE_F8_E4M3 ? 1 : 8;
 }
 
 /* sums n elements of src into dst */
@@ -3856,8 +3865,8 @@ void moept_st_writer_destroy(moept_st_writer *w) {
 }
 
 static const char *moept__dtype_name(moept_dtype t) {
-    static const char *n[] = {"F32", "F16", "BF16", "F64", "I64", "I32", "U8", "BOOL"};
-    return (unsigned)t < 8 ? n[t] : "?";
+    static const char *n[] = {"F32", "F16", "BF16", "F64", "I64", "I32", "U8", "BOOL", "F8_E4M3"};
+    return (unsigned)t < 9 ? n[t] : "?";
 }
 
 moept_status moept_st_add(moept_st_writer *w, const char *name, moept_dtype dtype, int ndim,
@@ -4370,6 +4379,7 @@ moept_status moept_config_from_hf(const char *path, int64_t layer, moept_config 
 }
 
 typedef struct moept__hf_src {
+    int64_t fp8_block[2];              /* FP8 weights' scale blocks (config.json) */
     char **files;  int64_t nfiles;     /* shard file names */
     char **names; int64_t *file_of; int64_t nnames; /* weight_map */
     char *json;                        /* the index text (names point in here) */
@@ -4482,8 +4492,84 @@ static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char
     return MOEPT_OK;
 }
 
+/* The scale block of FP8 weights: config.json's
+   quantization_config.weight_block_size, or DeepSeek-V3's 128 x 128 where
+   the directory has no config.json or it says nothing */
+static moept_status moept__hf_fp8_block(const char *dir, int64_t blk[2]) {
+    blk[0] = blk[1] = 128;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    int fd, missing;
+    int64_t size = 0;
+    moept_status st = moept__open_read(path, &fd, &size, &missing);
+    if (st) return missing ? MOEPT_OK : st;
+    /* buf [2][size + 1]: the text, and a copy for the nested object (the
+       parse unescapes strings in place) */
+    char *buf = size > 0 && size <= MOEPT__CONFIG_MAX ? moept__alloc(NULL, 2 * ((size_t)size + 1)) : NULL;
+    moept__hfconf *h = moept__alloc(NULL, sizeof *h);
+    if (!buf || !h || !moept__pread_all(fd, buf, (size_t)size, 0))
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", path, MOEPT__CONFIG_MAX);
+    close(fd);
+    char *copy = buf ? buf + size + 1 : NULL;
+    if (!st) {
+        buf[size] = 0;
+        memcpy(copy, buf, (size_t)size + 1);
+        memset(h, 0, sizeof *h);
+        h->path = path;
+        st = moept__hf_parse(h, buf, size);
+    }
+    int i = st ? -1 : moept__hf_key(h, "quantization_config");
+    if (i >= 0 && h->kind[i] == MOEPT__HK_OTHER) { /* {..., "weight_block_size": [r, c], ...} */
+        moept__json j = {copy + (h->str[i] - buf), copy + size, NULL};
+        int ok = moept__jchar(&j, '{');
+        while (ok && !moept__jchar(&j, '}')) {
+            char *k = moept__jstring(&j);
+            ok = k && moept__jchar(&j, ':');
+            if (ok && strcmp(k, "weight_block_size") == 0)
+                ok = moept__jchar(&j, '[') && moept__juint(&j, &blk[0]) && moept__jchar(&j, ',') &&
+                     moept__juint(&j, &blk[1]) && moept__jchar(&j, ']') && blk[0] > 0 && blk[1] > 0;
+            else if (ok)
+                ok = moept__jskip(&j, 0);
+            if (ok) moept__jchar(&j, ',');
+        }
+        if (!ok)
+            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\": weight_block_size must be "
+                                    "[rows, cols] (positive integers)", path);
+    }
+    MOEPT_FREE(buf);
+    MOEPT_FREE(h);
+    return st;
+}
+
+/* An FP8 weight dst [rows][cols] times its `<name>_scale_inv` [ceil(rows /
+   br)][ceil(cols / bc)] block scales (F32 or BF16), in place */
+static moept_status moept__hf_fp8_scale(const char *dir, moept__hf_src *src, const char *name, int64_t rows,
+                                        int64_t cols, float *dst, int64_t *bytes) {
+    char sname[300];
+    snprintf(sname, sizeof sname, "%s_scale_inv", name);
+    moept_st_file *f = NULL;
+    const moept_st_tensor *t = NULL;
+    moept_status st = moept__hf_find(dir, src, sname, &f, &t, bytes);
+    if (st) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: FP8 tensor '%s' has no '%s'", dir, name, sname);
+    const int64_t br = src->fp8_block[0], bc = src->fp8_block[1], sr = (rows + br - 1) / br, sc = (cols + bc - 1) / bc;
+    if (t->ndim != 2 || t->shape[0] != sr || t->shape[1] != sc || (t->dtype != MOEPT_DTYPE_F32 &&
+                                                                   t->dtype != MOEPT_DTYPE_BF16))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: '%s' must be F32 or BF16 [%lld, %lld] (blocks of %lld x "
+                                  "%lld)", dir, sname, (long long)sr, (long long)sc, (long long)br, (long long)bc);
+    float *scale = moept__alloc(NULL, (size_t)(sr * sc) * sizeof(float));
+    if (!scale) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
+    int64_t before = f->bytes_read;
+    st = moept_st_read_f32(f, t, scale, sr * sc);
+    *bytes += f->bytes_read - before;
+    for (int64_t r = 0; !st && r < rows; r++) /* e4m3 x float: one rounding, as float64 then float */
+        for (int64_t c = 0; c < cols; c++) dst[r * cols + c] *= scale[r / br * sc + c / bc];
+    MOEPT_FREE(scale);
+    return st;
+}
+
 /* One parameter's tensor of an HF checkpoint, checked (shape, dtype,
-   finiteness), into dst; *bytes counts what was read. */
+   finiteness), into dst, an FP8 one dequantised; *bytes counts what was
+   read. */
 static moept_status moept__hf_read_one(const char *dir, moept__hf_src *src, const char *name,
                                        const moept__param *p, float *dst, int64_t *bytes) {
     moept_st_file *f = NULL;
@@ -4497,12 +4583,15 @@ static moept_status moept__hf_read_one(const char *dir, moept__hf_src *src, cons
                                   "expects [%lld, %lld]", dir, name, (long long)t->shape[0],
                                   t->ndim > 1 ? ", " : "", (long long)(t->ndim > 1 ? t->shape[1] : 0),
                                   (long long)p->rows, (long long)p->cols);
-    if (t->dtype != MOEPT_DTYPE_F32 && t->dtype != MOEPT_DTYPE_BF16 && t->dtype != MOEPT_DTYPE_F16)
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' is %s; F32, BF16 or F16 expected", dir,
-                                  name, moept__dtype_name(t->dtype));
+    if (t->dtype != MOEPT_DTYPE_F32 && t->dtype != MOEPT_DTYPE_BF16 && t->dtype != MOEPT_DTYPE_F16 &&
+        t->dtype != MOEPT_DTYPE_F8_E4M3)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' is %s; F32, BF16, F16 or F8_E4M3 expected",
+                                  dir, name, moept__dtype_name(t->dtype));
     int64_t before = f->bytes_read;
     st = moept_st_read_f32(f, t, dst, p->rows * p->cols);
     *bytes += f->bytes_read - before;
+    if (!st && t->dtype == MOEPT_DTYPE_F8_E4M3)
+        st = moept__hf_fp8_scale(dir, src, name, p->rows, p->cols, dst, bytes);
     for (int64_t k = 0; !st && k < p->rows * p->cols; k++)
         if (!moept__finite(dst[k]))
             st = moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: tensor '%s' element %lld is not finite", dir, name,
@@ -4518,6 +4607,7 @@ static moept_status moept__hf_read(moept_layer *L, const char *dir, int64_t laye
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
     moept__hf_src src;
     moept_status st = moept__hf_open(dir, &src, bytes);
+    if (!st) st = moept__hf_fp8_block(dir, src.fp8_block);
     for (int64_t i = 0; !st && i < L->n_table; i++) {
         const moept__param *p = &L->table[i];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);

@@ -253,7 +253,8 @@ typedef enum moept_status {
 typedef enum moept_dtype {
     MOEPT_DTYPE_F32 = 0, MOEPT_DTYPE_F16 = 1, MOEPT_DTYPE_BF16 = 2,
     MOEPT_DTYPE_F64 = 3, MOEPT_DTYPE_I64 = 4, MOEPT_DTYPE_I32 = 5,
-    MOEPT_DTYPE_U8 = 6, MOEPT_DTYPE_BOOL = 7
+    MOEPT_DTYPE_U8 = 6, MOEPT_DTYPE_BOOL = 7,
+    MOEPT_DTYPE_F8_E4M3 = 8 /* float8_e4m3fn (read only: FP8 checkpoints) */
 } moept_dtype;
 
 typedef struct moept_layer moept_layer;
@@ -747,6 +748,12 @@ moept_status moept_st_write(moept_st_writer *w, const char *path);
    shards listed in model.safetensors.index.json): this rank's experts and
    the replicated tensors only, by positioned reads of their byte ranges (no
    whole-file read, no concatenation); F32, BF16 and F16 convert to fp32.
+   FP8 weights as DeepSeek-V3 publishes them (F8_E4M3, each with a
+   "<name>_scale_inv" F32 or BF16 tensor of per-block scales, the block
+   from config.json's quantization_config.weight_block_size, else 128 x
+   128) are dequantised on load: element times its block's scale, one fp32
+   rounding (equal to a float64 dequantisation rounded to fp32); a rank
+   reads only its own experts' weights and scales.
    The bytes read (headers included) are counted in moept_stats. Nothing
    changes unless every tensor was found and read. */
 moept_status moept_load_hf(moept_layer *layer, const char *dir, int64_t layer_index);

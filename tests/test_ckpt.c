@@ -254,6 +254,74 @@ static void test_per_rank_loading_reads_only_owned_bytes(void) {
     moept_thread_group_destroy(g);
 }
 
+/* FP8 weights as DeepSeek-V3 publishes them (tools/make_fp8_checkpoint.py:
+   F8_E4M3 tensors with F32 weight_scale_inv blocks of 4 x 8, partial blocks
+   at the edges): every parameter a rank holds equals the float64
+   dequantisation, bitwise; at EP = 4 a rank reads fewer bytes than the
+   whole layer (only its experts' weights and scales) */
+typedef struct f8j { moept_thread_group *g; int r; int64_t read; moept_status st; int64_t bad; char err[512]; } f8j;
+static void *fp8_main(void *arg) {
+    f8j *j = arg;
+    const char *dir = "tests/checkpoints/deepseek_fp8";
+    moept_comm *c = NULL;
+    if (j->g) moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.max_tokens = 8;
+    moept_layer *L = NULL;
+    j->st = moept_config_from_hf(dir, 1, &cfg);
+    if (!j->st) j->st = moept_create_parallel(&cfg, c, NULL, &L);
+    if (!j->st) j->st = moept_load_hf(L, dir, 1);
+    moept_st_file *ref = NULL;
+    if (!j->st) j->st = moept_st_open("tests/checkpoints/deepseek_fp8/dequant.safetensors", &ref);
+    if (j->st) snprintf(j->err, sizeof j->err, "%s", L ? moept_last_error(L) : moept_last_error(NULL));
+    for (int64_t i = 0; !j->st && i < moept_param_count(L); i++) {
+        moept_param_info pi;
+        moept_param_info_at(L, i, &pi);
+        const moept_st_tensor *t = moept_st_find(ref, pi.name);
+        float *want = malloc((size_t)(pi.rows * pi.cols) * 4), *got = malloc((size_t)(pi.rows * pi.cols) * 4);
+        if (!t || moept_st_read_f32(ref, t, want, pi.rows * pi.cols) ||
+            moept_get_param(L, pi.name, got, pi.rows * pi.cols) ||
+            memcmp(want, got, (size_t)(pi.rows * pi.cols) * 4))
+            j->bad++;
+        free(want); free(got);
+    }
+    moept_stats st;
+    if (L) moept_get_stats(L, &st, NULL);
+    j->read = L ? st.checkpoint_bytes_read : 0;
+    moept_st_close(ref);
+    moept_destroy(L);
+    moept_comm_destroy(c);
+    return NULL;
+}
+
+static void test_fp8_checkpoint_dequantised(void) {
+    f8j one = {0};
+    fp8_main(&one);
+    EXPECT(one.st == MOEPT_OK && one.bad == 0, "EP=1: %s, %lld parameters differ from the float64 dequantisation",
+           one.err, (long long)one.bad);
+    moept_thread_group *g;
+    moept_thread_group_create(4, 20000, &g);
+    f8j js[4];
+    pthread_t th[4];
+    for (int r = 0; r < 4; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; pthread_create(&th[r], NULL, fp8_main, &js[r]); }
+    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 4; r++) {
+        EXPECT(js[r].st == MOEPT_OK && js[r].bad == 0, "EP=4 rank %d: %s, %lld parameters differ", r, js[r].err,
+               (long long)js[r].bad);
+        EXPECT(js[r].read < one.read, "EP=4 rank %d read %lld bytes, the whole layer %lld", r, (long long)js[r].read,
+               (long long)one.read);
+    }
+    moept_thread_group_destroy(g);
+    /* the e4m3 decoding on its own: every byte against ldexp's */
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        double v = e == 0 ? m * pow(2, -9) : (1 + m / 8.0) * pow(2, e - 7);
+        float got = moept__e4m3_to_f32((unsigned char)b);
+        if (e == 15 && m == 7) EXPECT(isnan(got), "e4m3 %#x: NaN expected, %g", b, got);
+        else EXPECT(got == (float)(b & 0x80 ? -v : v), "e4m3 %#x: %g, want %g", b, got, b & 0x80 ? -v : v);
+    }
+}
+
 /* ---- malformed files: one per rule ---- */
 static void write_raw(const char *path, const char *header, int64_t hlen_field, const void *data, size_t nd) {
     FILE *f = fopen(path, "wb");
@@ -1037,5 +1105,6 @@ int main(void) {
     RUN(test_config_from_hf);
     RUN(test_family_defaults);
     RUN(test_inference_layer_checkpoints);
+    RUN(test_fp8_checkpoint_dequantised);
     return tu_done();
 }
