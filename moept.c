@@ -679,7 +679,8 @@ static void moept__build_table(moept_layer *L) {
         float *w2 = L->w2 + j * D * F, *g2 = moept__goff(L->g2, j * D * F);
         if (gated) {
             moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", e);
-            moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, moept__goff(g, F * D), mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", e);
+            moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, moept__goff(g, F * D),
+                             mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", e);
         } else {
             moept__add_param(L, MOEPT__P_UP, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.up_proj.weight", e);
         }
@@ -689,8 +690,8 @@ static void moept__build_table(moept_layer *L) {
         const char *pre = L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
         if (gated) {
             moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, L->ws13, L->gs13, "%s.gate_proj.weight", pre);
-            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13 + S * D, moept__goff(L->gs13, S * D), "%s.up_proj.weight",
-                             pre);
+            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13 + S * D, moept__goff(L->gs13, S * D),
+                             "%s.up_proj.weight", pre);
         } else {
             moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13, L->gs13, "%s.up_proj.weight", pre);
         }
@@ -1303,7 +1304,8 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     else if (cfg && cfg->inference_only) {
         bad = 1;
         why_st = MOEPT_ERR_UNSUPPORTED;
-        snprintf(why, sizeof why, "moept_create_cuda: config.inference_only is not supported by the CUDA executor");
+        snprintf(why, sizeof why, "moept_create_cuda: config.inference_only is not supported by the CUDA "
+                 "executor");
     }
     else if (cfg && cfg->aux_loss == MOEPT_AUX_SEQ) {
         bad = 1;
@@ -1432,7 +1434,8 @@ static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
     for (int64_t r = base; r < base + R; r++) /* (a may be h itself: a[j] is h[j]'s only reader) */
         moept__act_fwd_row(act, h + r * H, F, a + r * lda);
     MOEPT__PER_GROUP(gd, n, groups, offsets,
-                     moept__gemm_make(0, 1, rows, D, F, a + r0 * lda, lda, w2 + e * D * F, F, 0.0f, ys + r0 * D, D));
+                     moept__gemm_make(0, 1, rows, D, F, a + r0 * lda, lda, w2 + e * D * F, F, 0.0f,
+                                      ys + r0 * D, D));
     moept__gemm_run(gd, n, &L->gws);
 }
 
@@ -2798,7 +2801,8 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     st->allocated_bytes = L->mem.bytes + L->dev_allocated_bytes;
     int64_t w[6];
     moept__recv_widths(L, w);
-    st->workspace_bytes = L->work_bytes + L->Rcap * (w[0] + w[1] + w[2] + w[3] + w[4] + w[5]) * (int64_t)sizeof(float);
+    int64_t row = w[0] + w[1] + w[2] + w[3] + w[4] + w[5];
+    st->workspace_bytes = L->work_bytes + L->Rcap * row * (int64_t)sizeof(float);
     st->device_workspace_bytes = L->dev_workspace_bytes;
     if (tpe)
         for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd_valid ? L->sel_counts[e] : 0;
