@@ -440,7 +440,6 @@ struct moept_layer {
     double *seqstat;       /* [2E + 1] one sequence's aux counts, score sums, tokens */
     float *aux_g;          /* [nseq][E] d(aux_coef * aux)/d score_t,e: the same for every t
                               (nseq 1), or for every t of a sequence (MOEPT_AUX_SEQ) */
-    int64_t nseq;          /* aux_g's rows */
     int32_t *kscratch;     /* [nthreads][K] */
 
     /* activations */
@@ -749,8 +748,8 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->view = moept__take(c, sizeof(moept__view));
     L->peers = moept__take(c, (size_t)L->P * sizeof(void *));
     L->seqstat = moept__take(c, (size_t)(2 * E + 1) * sizeof(double));
-    L->nseq = L->cfg.aux_loss == MOEPT_AUX_SEQ ? (T + L->cfg.aux_seq_len - 1) / L->cfg.aux_seq_len : 1;
-    L->aux_g = moept__take(c, (size_t)(L->nseq * E) * f);
+    const int64_t nseq = L->cfg.aux_loss == MOEPT_AUX_SEQ ? T / L->cfg.aux_seq_len : 1; /* T a multiple */
+    L->aux_g = moept__take(c, (size_t)(nseq * E) * f);
     L->fill = moept__take(c, (size_t)E * i64);
     L->kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
     /* the direct (shared-memory) path gathers from x and combines from the
@@ -4137,7 +4136,9 @@ static int moept__jnum(moept__json *j, double *out) {
 #define MOEPT__CONFIG_MAX (1 << 20)
 enum { MOEPT__HK_NUM, MOEPT__HK_NULL, MOEPT__HK_STR, MOEPT__HK_ARR, MOEPT__HK_OTHER };
 typedef struct moept__hfconf {
-    const char *path;
+    char path[4096];
+    char *text, *raw;      /* [size + 1] the parsed text (strings unescaped in place), its copy */
+    int64_t size;
     int n;
     char *key[MOEPT__HF_KEYS], *str[MOEPT__HF_KEYS];
     int kind[MOEPT__HF_KEYS];
@@ -4177,6 +4178,42 @@ static moept_status moept__hf_parse(moept__hfconf *h, char *buf, int64_t size) {
         ok = ok && moept__jchar(&j, '}');
     }
     if (!ok) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object (%s)", h->path, j.err ? j.err : "");
+    return MOEPT_OK;
+}
+
+static void moept__hf_free(moept__hfconf *h) {
+    if (h) MOEPT_FREE(h->text);
+    MOEPT_FREE(h);
+}
+
+/* Reads and parses the config.json at `file` into *out (free with
+   moept__hf_free); *missing: there is no such file. */
+static moept_status moept__hf_load(const char *file, moept__hfconf **out, int *missing) {
+    int fd;
+    int64_t size = 0;
+    *out = NULL;
+    moept_status st = moept__open_read(file, &fd, &size, missing);
+    if (st) return st;
+    moept__hfconf *h = moept__alloc(NULL, sizeof *h);
+    char *buf = size > 0 && size <= MOEPT__CONFIG_MAX ? moept__alloc(NULL, 2 * ((size_t)size + 1)) : NULL;
+    int got = buf && h && moept__pread_all(fd, buf, (size_t)size, 0);
+    close(fd);
+    if (!got) {
+        MOEPT_FREE(buf);
+        MOEPT_FREE(h);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", file, MOEPT__CONFIG_MAX);
+    }
+    memset(h, 0, sizeof *h);
+    snprintf(h->path, sizeof h->path, "%s", file);
+    buf[size] = 0;
+    h->text = buf;
+    h->raw = memcpy(buf + size + 1, buf, (size_t)size + 1);
+    h->size = size;
+    if ((st = moept__hf_parse(h, buf, size))) {
+        moept__hf_free(h);
+        return st;
+    }
+    *out = h;
     return MOEPT_OK;
 }
 
@@ -4354,26 +4391,13 @@ moept_status moept_config_from_hf(const char *path, int64_t layer, moept_config 
     int isdir = stat(path, &sb) == 0 && S_ISDIR(sb.st_mode);
     if (snprintf(file, sizeof file, isdir ? "%s/config.json" : "%s", path) >= (int)sizeof file)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_config_from_hf: path too long");
-    int fd, missing;
-    int64_t size = 0;
-    moept_status st = moept__open_read(file, &fd, &size, &missing);
+    int missing;
+    moept__hfconf *h;
+    moept_status st = moept__hf_load(file, &h, &missing);
     if (st) return st;
-    char *buf = size > 0 && size <= MOEPT__CONFIG_MAX ? moept__alloc(NULL, (size_t)size + 1) : NULL;
-    moept__hfconf *h = moept__alloc(NULL, sizeof *h);
-    int got = buf && h && moept__pread_all(fd, buf, (size_t)size, 0);
-    close(fd);
-    if (!got)
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", file, MOEPT__CONFIG_MAX);
     moept_config c = *cfg; /* max_tokens and the training choices stay the caller's */
-    if (!st) {
-        buf[size] = 0;
-        memset(h, 0, sizeof *h);
-        h->path = file;
-        if (!(st = moept__hf_parse(h, buf, size)) && !(st = moept__hf_family(h, layer, &c)))
-            st = moept__hf_behaviour(h, &c);
-    }
-    MOEPT_FREE(buf);
-    MOEPT_FREE(h);
+    if (!(st = moept__hf_family(h, layer, &c))) st = moept__hf_behaviour(h, &c);
+    moept__hf_free(h);
     if (!st) {
         c.shared_gate = MOEPT_SHARED_GATE_DEFAULT;
         if (c.family != MOEPT_FAMILY_DEEPSEEK_V3) c.routed_scaling_factor = 0.0f;
@@ -4503,28 +4527,13 @@ static moept_status moept__hf_fp8_block(const char *dir, int64_t blk[2]) {
     blk[0] = blk[1] = 128;
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
-    int fd, missing;
-    int64_t size = 0;
-    moept_status st = moept__open_read(path, &fd, &size, &missing);
+    int missing;
+    moept__hfconf *h;
+    moept_status st = moept__hf_load(path, &h, &missing);
     if (st) return missing ? MOEPT_OK : st;
-    /* buf [2][size + 1]: the text, and a copy for the nested object (the
-       parse unescapes strings in place) */
-    char *buf = size > 0 && size <= MOEPT__CONFIG_MAX ? moept__alloc(NULL, 2 * ((size_t)size + 1)) : NULL;
-    moept__hfconf *h = moept__alloc(NULL, sizeof *h);
-    if (!buf || !h || !moept__pread_all(fd, buf, (size_t)size, 0))
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", path, MOEPT__CONFIG_MAX);
-    close(fd);
-    char *copy = buf ? buf + size + 1 : NULL;
-    if (!st) {
-        buf[size] = 0;
-        memcpy(copy, buf, (size_t)size + 1);
-        memset(h, 0, sizeof *h);
-        h->path = path;
-        st = moept__hf_parse(h, buf, size);
-    }
-    int i = st ? -1 : moept__hf_key(h, "quantization_config");
+    int i = moept__hf_key(h, "quantization_config");
     if (i >= 0 && h->kind[i] == MOEPT__HK_OTHER) { /* {..., "weight_block_size": [r, c], ...} */
-        moept__json j = {copy + (h->str[i] - buf), copy + size, NULL};
+        moept__json j = {h->raw + (h->str[i] - h->text), h->raw + h->size, NULL}; /* (raw: unparsed) */
         int ok = moept__jchar(&j, '{');
         while (ok && !moept__jchar(&j, '}')) {
             char *k = moept__jstring(&j);
@@ -4540,8 +4549,7 @@ static moept_status moept__hf_fp8_block(const char *dir, int64_t blk[2]) {
             st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\": weight_block_size must be "
                                     "[rows, cols] (positive integers)", path);
     }
-    MOEPT_FREE(buf);
-    MOEPT_FREE(h);
+    moept__hf_free(h);
     return st;
 }
 

@@ -220,7 +220,12 @@ typedef struct nccl_rank {
     ncclComm_t nc;
     moept_comm *c;
 } nccl_rank;
-static void nccl_rank_open(nccl_rank *n, int rank, ncclUniqueId id) {
+/* The first member of every two-rank job: its rank and the clique's id */
+typedef struct two_ranks { int rank; ncclUniqueId id; } two_ranks;
+
+static void nccl_rank_open(nccl_rank *n, const two_ranks *t) {
+    const int rank = t->rank;
+    const ncclUniqueId id = t->id;
     memset(n, 0, sizeof *n);
     cudaSetDevice(rank);
     cudaStreamCreateWithFlags(&n->s, cudaStreamNonBlocking);
@@ -234,14 +239,18 @@ static void nccl_rank_close(nccl_rank *n) {
     cudaStreamDestroy(n->s);
 }
 /* fn on two threads, fn(jobs + r * size) for rank r */
+/* jobs [2], each `size` bytes and starting with a two_ranks: one NCCL
+   clique, a thread per rank */
 static void run_two(void *(*fn)(void *), void *jobs, size_t size) {
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    for (int r = 0; r < 2; r++) *(two_ranks *)((char *)jobs + r * size) = (two_ranks){r, id};
     pthread_t th[2];
     for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, fn, (char *)jobs + r * size);
     for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
 }
 typedef struct grow_job {
-    int rank;
-    ncclUniqueId id;
+    two_ranks tr;
     moept_status st[2];
     char msg[2][256];
 } grow_job;
@@ -250,7 +259,7 @@ static void *grow_rank(void *arg) {
     grow_job *j = arg;
     nccl_rank n;
     moept_layer *L = NULL;
-    nccl_rank_open(&n, j->rank, j->id);
+    nccl_rank_open(&n, &j->tr);
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     cfg.num_experts = 2;
     cfg.top_k = 1;
@@ -263,11 +272,11 @@ static void *grow_rank(void *arg) {
         moept_set_param(L, "gate.weight", w, 2 * D);
         void *dx = dev_from(x, T * D, 0), *dy = dev_from(x, T * D, 0);
         for (int step = 0; step < 2; step++) {
-            if (step == 0 && j->rank == 0) moept_emu_fail_malloc(1);
+            if (step == 0 && j->tr.rank == 0) moept_emu_fail_malloc(1);
             j->st[step] = moept_forward(L, (const float *)dx, T, (float *)dy);
             snprintf(j->msg[step], sizeof j->msg[step], "%s", moept_last_error(L));
         }
-        if (j->rank == 0) moept_emu_fail_malloc(0);
+        if (j->tr.rank == 0) moept_emu_fail_malloc(0);
         cudaFree(dx); cudaFree(dy);
         free(w); free(x);
     } else {
@@ -282,11 +291,6 @@ static void *grow_rank(void *arg) {
 static void test_failed_growth_then_next_step(void) {
     grow_job j[2];
     memset(j, 0, sizeof j);
-    ncclGetUniqueId(&j[0].id);
-    for (int r = 0; r < 2; r++) {
-        j[r].rank = r;
-        j[r].id = j[0].id;
-    }
     run_two(grow_rank, j, sizeof j[0]);
     for (int r = 0; r < 2; r++) {
         EXPECT(j[r].st[0] == MOEPT_ERR_OUT_OF_MEMORY, "rank %d, failed growth: status %d (%s)", r, (int)j[r].st[0],
@@ -303,8 +307,8 @@ static void test_failed_growth_then_next_step(void) {
    at once without touching the freed handle (the emulator reports any use),
    and the host copies stay readable. */
 typedef struct absent_job {
-    int rank, what; /* what: 0 forward, 1 sync_grads then get_grad */
-    ncclUniqueId id;
+    two_ranks tr;
+    int what; /* 0 forward, 1 sync_grads then get_grad */
     volatile int *done;
     moept_status st, again, get;
     int aborted;
@@ -315,12 +319,12 @@ static void *absent_rank(void *arg) {
     absent_job *j = arg;
     nccl_rank n;
     moept_layer *L = NULL;
-    nccl_rank_open(&n, j->rank, j->id);
+    nccl_rank_open(&n, &j->tr);
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     cfg.global_balance = 1;
     const int64_t D = cfg.hidden_size, T = 8;
     j->st = moept_create_cuda(&cfg, NULL, n.c, NULL, &L);
-    if (j->st == MOEPT_OK && j->rank == 0) {
+    if (j->st == MOEPT_OK && j->tr.rank == 0) {
         float *x = malloc((size_t)(T * D) * sizeof(float)), *w = malloc((size_t)(8 * D) * sizeof(float));
         for (int64_t i = 0; i < T * D; i++) x[i] = frand();
         void *dx = dev_from(x, T * D, 0), *dy = dev_from(x, T * D, 0);
@@ -350,11 +354,8 @@ static void absent_peer(int what) {
     volatile int done = 0;
     absent_job j[2];
     memset(j, 0, sizeof j);
-    ncclGetUniqueId(&j[0].id);
     for (int r = 0; r < 2; r++) {
-        j[r].rank = r;
         j[r].what = what;
-        j[r].id = j[0].id;
         j[r].done = &done;
     }
     run_two(absent_rank, j, sizeof j[0]);
@@ -379,9 +380,9 @@ static void absent_peer(int what) {
    element alike whatever the group's rows (a GPU's cuBLAS may pick other
    kernels for other row counts: there, equal to rounding). */
 typedef struct chunk_job {
-    int rank, fam, bf16;
+    two_ranks tr;
+    int fam, bf16;
     float cf;
-    ncclUniqueId id;
     int64_t diffs, bytes[2][2];
     char msg[300];
 } chunk_job;
@@ -410,17 +411,17 @@ static int64_t count_diffs(const float *a, const float *b, int64_t n) {
 static void *chunk_rank(void *arg) {
     chunk_job *j = arg;
     nccl_rank n;
-    nccl_rank_open(&n, j->rank, j->id);
+    nccl_rank_open(&n, &j->tr);
     moept_config cfg = family_cfg(j->fam);
     cfg.capacity_factor = j->cf;
     cfg.global_balance = 1;
-    const int64_t D = cfg.hidden_size, T = j->rank ? 5 : 37;
+    const int64_t D = cfg.hidden_size, T = j->tr.rank ? 5 : 37;
     moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
-    unsigned long long rs = 99 + (unsigned long long)j->rank;
+    unsigned long long rs = 99 + (unsigned long long)j->tr.rank;
     float *x = malloc((size_t)(3 * T * D) * sizeof(float)), *xb = x + T * D, *dy = xb + T * D;
     float *out = calloc((size_t)(4 * T * D), sizeof(float));
     for (int64_t i = 0; i < 3 * T * D; i++) x[i] = (float)tu_rand(&rs);
-    if (j->rank == 0) xb[3 * D + 1] = NAN;
+    if (j->tr.rank == 0) xb[3 * D + 1] = NAN;
     void *xd = dev_from(x, T * D, j->bf16), *xbd = dev_from(xb, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16);
     moept_layer *L[2] = {NULL, NULL};
     for (int v = 0; v < 2 && !j->msg[0]; v++) {
@@ -460,9 +461,7 @@ static void test_chunked_equals_one_chunk(void) {
     for (int i = 0; i < 2; i++) {
         chunk_job j[2];
         memset(j, 0, sizeof j);
-        ncclGetUniqueId(&j[0].id);
         for (int r = 0; r < 2; r++) {
-            j[r].rank = r; j[r].id = j[0].id;
             j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].cf = v[i].cf;
         }
         run_two(chunk_rank, j, sizeof j[0]);
@@ -540,8 +539,8 @@ static void test_bf16_weights_cast_once(void) {
    statistics travel in the count exchange, so no second collective is left
    waiting. */
 typedef struct agree_job {
-    int rank, global;
-    ncclUniqueId id;
+    two_ranks tr;
+    int global;
     moept_status st[8];
     char msg[8][300];
     double gsum; /* |gradients| after the rejected backward */
@@ -556,7 +555,7 @@ static void *agree_rank(void *arg) {
     agree_job *j = arg;
     nccl_rank n;
     moept_layer *L = NULL;
-    nccl_rank_open(&n, j->rank, j->id);
+    nccl_rank_open(&n, &j->tr);
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     cfg.global_balance = j->global;
     const int64_t D = cfg.hidden_size, F = cfg.intermediate_size, T = 24;
@@ -566,7 +565,7 @@ static void *agree_rank(void *arg) {
         return NULL;
     }
     moept_init_params(L, 5);
-    unsigned long long rs = 7 + (unsigned long long)j->rank;
+    unsigned long long rs = 7 + (unsigned long long)j->tr.rank;
     float *x = calloc((size_t)(T * D), sizeof(float)), *w = malloc((size_t)(F * D) * sizeof(float));
     for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0), *dyd = dev_from(x, T * D, 0);
@@ -575,11 +574,11 @@ static void *agree_rank(void *arg) {
     void *hugex = dev_from(x, T * D, 0);
     agree_call(j, 0, moept_forward(L, xd, T, yd), L);
     /* rank 0 forward, rank 1 backward: both fail; then matching calls work */
-    agree_call(j, 1, j->rank ? moept_backward(L, xd, dyd, dxd) : moept_forward(L, xd, T, yd), L);
+    agree_call(j, 1, j->tr.rank ? moept_backward(L, xd, dyd, dxd) : moept_forward(L, xd, T, yd), L);
     agree_call(j, 2, moept_forward(L, xd, T, yd), L);
     agree_call(j, 3, moept_backward(L, xd, dyd, dxd), L);
     /* a z loss not finite from rank 1's finite x: the forward fails on both */
-    agree_call(j, 4, moept_forward(L, j->rank ? hugex : xd, T, yd), L);
+    agree_call(j, 4, moept_forward(L, j->tr.rank ? hugex : xd, T, yd), L);
     /* w2 = 3e38 everywhere: y overflows; the backward fails on both, no gradient changes */
     EXPECT_OK(moept_zero_grad(L));
     for (int64_t i = 0; i < F * D; i++) w[i] = 3e38f;
@@ -607,8 +606,7 @@ static void test_call_agreement(void) {
     for (int global = 0; global < 2; global++) {
         agree_job j[2];
         memset(j, 0, sizeof j);
-        ncclGetUniqueId(&j[0].id);
-        for (int r = 0; r < 2; r++) { j[r].rank = r; j[r].global = global; j[r].id = j[0].id; }
+        for (int r = 0; r < 2; r++) j[r].global = global;
         run_two(agree_rank, j, sizeof j[0]);
         int ynum = 0;
         for (int r = 0; r < 2; r++) {
@@ -643,7 +641,7 @@ static void *modes_rank(void *arg) {
     agree_job *j = arg;
     nccl_rank n;
     moept_layer *L = NULL;
-    nccl_rank_open(&n, j->rank, j->id);
+    nccl_rank_open(&n, &j->tr);
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     const int64_t D = cfg.hidden_size, T = 24;
     cfg.router_jitter = 0.1f;
@@ -655,15 +653,15 @@ static void *modes_rank(void *arg) {
         return NULL;
     }
     moept_init_params(L, 5);
-    unsigned long long rs = 7 + (unsigned long long)j->rank;
+    unsigned long long rs = 7 + (unsigned long long)j->tr.rank;
     float *x = calloc((size_t)(T * D), sizeof(float));
     for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0), *dyd = dev_from(x, T * D, 0);
     void *dxd = dev_from(x, T * D, 0);
     uint8_t mask[24] = {1, 0, 1};
     moept_forward_opts mo = {mask, 0}, eo = {NULL, 1};
-    agree_call(j, 1, moept_forward_ex(L, xd, T, yd, j->rank ? &mo : NULL), L);
-    agree_call(j, 2, moept_forward_ex(L, xd, T, yd, j->rank ? NULL : &eo), L);
+    agree_call(j, 1, moept_forward_ex(L, xd, T, yd, j->tr.rank ? &mo : NULL), L);
+    agree_call(j, 2, moept_forward_ex(L, xd, T, yd, j->tr.rank ? NULL : &eo), L);
     agree_call(j, 3, moept_backward(L, xd, dyd, dxd), L);
     agree_call(j, 4, moept_forward(L, xd, T, yd), L);
     agree_call(j, 5, moept_backward(L, xd, dyd, dxd), L);
@@ -677,8 +675,6 @@ static void *modes_rank(void *arg) {
 static void test_unsupported_modes(void) {
     agree_job j[2];
     memset(j, 0, sizeof j);
-    ncclGetUniqueId(&j[0].id);
-    for (int r = 0; r < 2; r++) { j[r].rank = r; j[r].id = j[0].id; }
     run_two(modes_rank, j, sizeof j[0]);
     for (int r = 0; r < 2; r++) {
         agree_job *a = &j[r];
