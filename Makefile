@@ -140,6 +140,10 @@ $(B)/plan: tools/plan.c | $(B)
 $(B)/bench_a2a_mpi: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
+# the builtin GEMM against the measured FMA peak and OpenBLAS (when found), same run
+$(B)/bench_gemm: bench/bench_gemm.c bench/peak.h moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $(if $(CBLAS_LIBS),-DBENCH_CBLAS) $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
+
 $(B)/cblas/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cblas
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
@@ -171,6 +175,46 @@ $(B)/bench_cuda: bench/bench_cuda.c $(CUDA_OBJS)
 
 cuda: $(CUDA_BINS)
 
+# The builtin GEMM's other kernels, each over the reference cases and the
+# gradient checks: the portable C kernel (vector extensions, and scalar),
+# -march=x86-64-v3 (AVX2+FMA, what a distribution ships) and x86-64-v4
+# (AVX-512) where this CPU runs them; aarch64 (NEON) as a static cross
+# build run under qemu-user. tests/run.sh skips, with the reason, what
+# this machine cannot build or run.
+ARCH_X86 := $(filter x86_64,$(shell uname -m))
+CPUFLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+GEMM_V3 := $(if $(ARCH_X86),$(if $(filter avx2,$(CPUFLAGS)),$(if $(filter fma,$(CPUFLAGS)),yes)))
+GEMM_V4 := $(if $(ARCH_X86),$(if $(filter avx512f,$(CPUFLAGS)),yes))
+AARCH64_CC := $(shell command -v aarch64-linux-gnu-gcc 2>/dev/null)
+QEMU_AARCH64 := $(shell command -v qemu-aarch64 2>/dev/null || command -v qemu-aarch64-static 2>/dev/null)
+A64_OK := $(if $(AARCH64_CC),$(if $(QEMU_AARCH64),yes))
+GEMM_BINS = $(B)/gemm-portable/moept_check $(B)/gemm-portable/test_grad $(B)/gemm-scalar/moept_check \
+            $(if $(GEMM_V3),$(B)/gemm-v3/moept_check $(B)/gemm-v3/test_grad) \
+            $(if $(GEMM_V4),$(B)/gemm-v4/moept_check $(B)/gemm-v4/test_grad) \
+            $(if $(A64_OK),$(B)/aarch64/moept_check $(B)/aarch64/test_grad $(B)/aarch64/test_ep)
+GEMM_FLAGS_portable = -DMOEPT_GEMM_PORTABLE
+GEMM_FLAGS_scalar = -DMOEPT_GEMM_PORTABLE -DMOEPT__GEMM_SCALAR
+GEMM_FLAGS_v3 = -march=x86-64-v3
+GEMM_FLAGS_v4 = -march=x86-64-v4
+
+$(B)/gemm-%/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
+	@mkdir -p $(@D)
+	$(CC) $(OPT) -g $(GEMM_FLAGS_$*) $(WARN) $(OMP) tests/moept_check.c moept.c -o $@ $(LDLIBS)
+
+$(B)/gemm-%/test_grad: tests/test_grad.c moept.c $(HDRS) tests/testutil.h | $(B)
+	@mkdir -p $(@D)
+	$(CC) $(OPT) -g $(GEMM_FLAGS_$*) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
+
+# static, so qemu-user needs no aarch64 libraries at run time; no OpenMP
+# (the threads backend's pthreads still run the EP suite's ranks)
+$(B)/aarch64/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/aarch64
+	$(AARCH64_CC) -O2 -static $(WARN) tests/moept_check.c moept.c -o $@ $(LDLIBS)
+
+$(B)/aarch64/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
+	@mkdir -p $(B)/aarch64
+	$(AARCH64_CC) -O2 -static $(WARN) -D_DEFAULT_SOURCE $< -o $@ $(LDLIBS)
+
 # valgrind: a plain build (no OpenMP: libgomp's pool reads as leaks)
 $(B)/vg/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(B)/vg
@@ -201,8 +245,10 @@ CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi $(B)/test_overlap_mpi \
              $(B)/crash_save_mpi)
 
-test: all $(B)/crash_save $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) $(TSAN_BINS)
-	@CASES="$(CASES)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" NVCC="$(NVCC)" sh tests/run.sh
+test: all $(B)/crash_save $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) $(TSAN_BINS) \
+      $(GEMM_BINS)
+	@CASES="$(CASES)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" \
+	AARCH64_CC="$(AARCH64_CC)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" NVCC="$(NVCC)" sh tests/run.sh
 
 # the long runs: the kill -9 loop with 50 kills a mode (make test runs 5)
 STRESS_KILLS ?= 50
@@ -225,7 +271,14 @@ bench-reshard: $(B)/bench_reshard
 bench-load: $(B)/bench_load
 	$(B)/bench_load
 
-bench-layer: $(B)/bench_layer $(if $(CBLAS_LIBS),$(B)/cblas/bench_layer)
+# the x86-64-v3 build (AVX2+FMA: what a distribution ships) beside -march=native
+$(B)/v3/bench_%: bench/bench_%.c bench/peak.h moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/v3
+	$(CC) $(OPT) -g -march=x86-64-v3 $(WARN) -D_DEFAULT_SOURCE $(OMP) $(if $(CBLAS_LIBS),-DBENCH_CBLAS) $< -o $@ \
+	    $(LDLIBS) $(CBLAS_LIBS)
+
+bench-layer: $(B)/bench_layer $(B)/bench_gemm $(if $(CBLAS_LIBS),$(B)/cblas/bench_layer) \
+             $(if $(GEMM_V3),$(B)/v3/bench_layer $(B)/v3/bench_gemm)
 	python3 bench/run_bench_layer.py
 
 bench-a2a: $(B)/bench_a2a $(if $(MPICC),$(B)/bench_a2a_mpi)

@@ -104,30 +104,106 @@ typedef struct moept__gemm_ws {
 } moept__gemm_ws;
 
 #ifndef MOEPT_CBLAS
-/* Builtin GEMM: BLIS-style packing with a register-blocked micro-kernel
-   written with GCC/Clang vector extensions (AVX-512, AVX or SSE by -march).
-   Each element of C is summed over k in one fixed order whatever the
-   thread count, so results do not depend on threads. */
-#if defined(__AVX512F__)
-#define MOEPT__VW 16
-#define MOEPT__MR 12
-#elif defined(__AVX__)
-#define MOEPT__VW 8
-#define MOEPT__MR 6
+/* Builtin GEMM: BLIS-style packing around one register-blocked micro-kernel
+   per vector ISA, picked at compile time from the target macros. Each kernel
+   keeps its MR x NR tile of C in named vector variables (intrinsics), so the
+   compiler's tuning (e.g. znver's preference for 128-bit vectors) cannot
+   decide to keep them on the stack; tests/check_gemm_asm.sh reads the
+   assembly of every target to make sure. Each element of C is summed over k
+   in one fixed order, one fused multiply-add per step, whatever the thread
+   count, so results do not depend on threads.
+     AVX-512F     12 x 32: 24 zmm accumulators + 2 B vectors + 1 broadcast
+     AVX2 + FMA    6 x 16: 12 ymm accumulators + 2 B vectors + 1 broadcast
+     NEON (arm64)  8 x 12: 24 q accumulators + 3 B vectors + 2 A vectors
+     portable      4 x  8: 8 accumulators of 4 floats (GCC/Clang vectors,
+                   else scalar), multiply then add (no FMA assumed)
+   The cache blocks follow the usual sizing: a KC x NR panel of B in L1, an
+   MC x KC block of A in L2, a KC x NC panel of B in the last-level cache. */
+#if defined(MOEPT_GEMM_PORTABLE)
+#define MOEPT__K_PORTABLE 1
+#elif defined(__AVX512F__)
+#define MOEPT__K_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MOEPT__K_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define MOEPT__K_NEON 1
 #else
-#define MOEPT__VW 4
-#define MOEPT__MR 4
+#define MOEPT__K_PORTABLE 1
 #endif
-#define MOEPT__NR (2 * MOEPT__VW)
+#if defined(__AVX__) && !defined(MOEPT_GEMM_PORTABLE)
+#define MOEPT__AVX_PACK 1
+#include <immintrin.h> /* the x86 kernels, and the AVX transpose in B's packing */
+#endif
+#if defined(MOEPT__K_AVX512)
+#define MOEPT__ISA "avx512f 12x32"
+#define MOEPT__MR 12
+#define MOEPT__NR 32
 #define MOEPT__KC 256
 #define MOEPT__MC 144
 #define MOEPT__NC 2048
-
-#if defined(__GNUC__) || defined(__clang__)
-#define MOEPT__VEC 1
-typedef float moept__vf __attribute__((vector_size(MOEPT__VW * 4), aligned(4)));
+#elif defined(MOEPT__K_AVX2)
+#define MOEPT__ISA "avx2+fma 6x16"
+#define MOEPT__MR 6
+#define MOEPT__NR 16
+#define MOEPT__KC 256
+#define MOEPT__MC 168
+#define MOEPT__NC 2048
+#elif defined(MOEPT__K_NEON)
+#include <arm_neon.h>
+#define MOEPT__ISA "neon 8x12"
+#define MOEPT__MR 8
+#define MOEPT__NR 12
+#define MOEPT__KC 512
+#define MOEPT__MC 120
+#define MOEPT__NC 2040
+#else
+#ifdef MOEPT__GEMM_SCALAR
+#define MOEPT__ISA "portable 4x8 scalar"
+#else
+#define MOEPT__ISA "portable 4x8"
+#endif
+#define MOEPT__MR 4
+#define MOEPT__NR 8
+#define MOEPT__KC 256
+#define MOEPT__MC 128
+#define MOEPT__NC 2048
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(MOEPT__GEMM_SCALAR)
+#define MOEPT__VEC4 1
+typedef float moept__v4 __attribute__((vector_size(16)));
+#endif
 #endif
 
+#if defined(__GNUC__) || defined(__clang__)
+#define MOEPT__NOINLINE __attribute__((noinline))
+#else
+#define MOEPT__NOINLINE
+#endif
+
+#if defined(MOEPT__AVX_PACK)
+/* d[q][i] = s[i][q] for an 8 x 8 block (row strides ls, ld): unpack pairs,
+   shuffle quads, swap 128-bit halves */
+static inline void moept__tr8x8(const float *s, int64_t ls, float *d, int64_t ld) {
+    __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + ls), r2 = _mm256_loadu_ps(s + 2 * ls);
+    __m256 r3 = _mm256_loadu_ps(s + 3 * ls), r4 = _mm256_loadu_ps(s + 4 * ls), r5 = _mm256_loadu_ps(s + 5 * ls);
+    __m256 r6 = _mm256_loadu_ps(s + 6 * ls), r7 = _mm256_loadu_ps(s + 7 * ls);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(d + ld, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(d + 2 * ld, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(d + 3 * ld, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(d + 4 * ld, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(d + 5 * ld, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(d + 6 * ld, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(d + 7 * ld, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+#endif
 
 /* packs rows [i0, i0+MR) x k [p0, p0+kc) of op(A) into dst[kc][MR] */
 static void moept__pack_a(const moept__gemm *g, int64_t i0, int64_t p0,
@@ -137,7 +213,21 @@ static void moept__pack_a(const moept__gemm *g, int64_t i0, int64_t p0,
         /* p outer: contiguous writes; the MR source rows stay in L1 */
         const float *src = g->a + i0 * g->lda + p0;
         if (mr == MOEPT__MR) {
-            for (int64_t p = 0; p < kc; p++)
+            int64_t p = 0;
+#if defined(MOEPT__AVX_PACK)
+            /* 8 x 8 blocks through a small tile (MR need not be 8): rows of
+               a power-of-two lda alias in L1 and stall the scalar copy */
+            float t[8 * 8]; /* [8 of k][8 rows] */
+            if (g->m - i0 >= (MOEPT__MR + 7) / 8 * 8)
+                for (; p + 8 <= kc; p += 8)
+                    for (int64_t i = 0; i < MOEPT__MR; i += 8) {
+                        int64_t w = MOEPT__MR - i < 8 ? MOEPT__MR - i : 8;
+                        moept__tr8x8(src + i * g->lda + p, g->lda, t, 8);
+                        for (int64_t q = 0; q < 8; q++)
+                            memcpy(dst + (p + q) * MOEPT__MR + i, t + q * 8, (size_t)w * sizeof(float));
+                    }
+#endif
+            for (; p < kc; p++)
 #pragma GCC unroll 16
                 for (int64_t i = 0; i < MOEPT__MR; i++) dst[p * MOEPT__MR + i] = src[i * g->lda + p];
         } else {
@@ -155,94 +245,213 @@ static void moept__pack_a(const moept__gemm *g, int64_t i0, int64_t p0,
     }
 }
 
-/* packs k [p0, p0+kc) x cols [j0, j0+NR) of op(B) into dst[kc][NR] */
-static void moept__pack_b(const moept__gemm *g, int64_t p0, int64_t j0,
-                          int64_t kc, float *dst) {
-    int64_t nr = g->n - j0 < MOEPT__NR ? g->n - j0 : MOEPT__NR;
-    if (!g->trans_b) {
-        for (int64_t p = 0; p < kc; p++) {
-            const float *src = g->b + (p0 + p) * g->ldb + j0;
-            int64_t j = 0;
-            for (; j < nr; j++) dst[p * MOEPT__NR + j] = src[j];
-            for (; j < MOEPT__NR; j++) dst[p * MOEPT__NR + j] = 0.0f;
-        }
-    } else {
-        /* p outer: contiguous writes; the NR source rows stay in L1 */
-        const float *src = g->b + j0 * g->ldb + p0;
-        if (nr == MOEPT__NR) {
-            for (int64_t p = 0; p < kc; p++)
-#pragma GCC unroll 32
-                for (int64_t j = 0; j < MOEPT__NR; j++) dst[p * MOEPT__NR + j] = src[j * g->ldb + p];
-        } else {
-            for (int64_t p = 0; p < kc; p++)
-                for (int64_t j = 0; j < MOEPT__NR; j++)
-                    dst[p * MOEPT__NR + j] = j < nr ? src[j * g->ldb + p] : 0.0f;
-        }
-    }
+
+/* packs row p of op(B) = B, cols [j0, j0+nc), into row p of each strip of
+   dst[nc/NR][KC][NR]: one contiguous read of the row (reading a strip's kc
+   rows instead would cross a page per row) */
+static void moept__pack_b_row(const moept__gemm *g, int64_t p, int64_t j0, int64_t nc, float *dst) {
+    const float *src = g->b + p * g->ldb + j0;
+    int64_t s = 0;
+    for (; (s + 1) * MOEPT__NR <= nc; s++)
+        memcpy(dst + s * MOEPT__KC * MOEPT__NR, src + s * MOEPT__NR, MOEPT__NR * sizeof(float));
+    if (s * MOEPT__NR < nc)
+        for (int64_t j = 0; j < MOEPT__NR; j++)
+            dst[s * MOEPT__KC * MOEPT__NR + j] = s * MOEPT__NR + j < nc ? src[s * MOEPT__NR + j] : 0.0f;
 }
 
-
-/* acc[MR][NR] = sum_p ap[p][:] x bp[p][:]; then stores into C (first k block
-   applies beta, later ones add). GCC in ISO C mode does not contract a*b+c
-   into FMA (half the FLOP rate): ask for it here. */
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=fast")))
+/* packs k [p0, p0+kc) x cols [j0, j0+NR) of op(B) = B^T into dst[kc][NR]:
+   a transpose, NR source rows read along k */
+static void moept__pack_bt(const moept__gemm *g, int64_t p0, int64_t j0,
+                           int64_t kc, float *dst) {
+    int64_t nr = g->n - j0 < MOEPT__NR ? g->n - j0 : MOEPT__NR;
+    const float *src = g->b + j0 * g->ldb + p0;
+    int64_t p = 0;
+#if defined(MOEPT__AVX_PACK)
+    if (nr == MOEPT__NR) /* in 8 x 8 blocks (NR is a multiple of 8) */
+        for (; p + 8 <= kc; p += 8)
+            for (int64_t j = 0; j < MOEPT__NR; j += 8)
+                moept__tr8x8(src + j * g->ldb + p, g->ldb, dst + p * MOEPT__NR + j, MOEPT__NR);
 #endif
+    for (; p < kc; p++) /* p outer: contiguous writes; the NR source rows stay in L1 */
+        for (int64_t j = 0; j < MOEPT__NR; j++)
+            dst[p * MOEPT__NR + j] = j < nr ? src[j * g->ldb + p] : 0.0f;
+}
+
+/* The micro-kernel: T[MR][NR] = sum over p < kc of ap[p][:] (x) bp[p][:],
+   ap packed [kc][MR], bp packed [kc][NR]; then c (row stride ldc) = T, or
+   c += T when `add`. R(i) is one row of the tile. */
+#if defined(MOEPT__K_AVX512)
+static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
+                                        int64_t ldc, int add) {
+#define MOEPT__ROWS(R) R(0) R(1) R(2) R(3) R(4) R(5) R(6) R(7) R(8) R(9) R(10) R(11)
+#define MOEPT__R(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
+    MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+    for (int i = 0; i < MOEPT__MR; i++) { /* C's rows, while the sums run (both lines they touch) */
+        _mm_prefetch((const char *)(c + i * ldc), _MM_HINT_T0);
+        _mm_prefetch((const char *)(c + i * ldc + MOEPT__NR - 1), _MM_HINT_T0);
+    }
+    for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR) {
+        __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16), a;
+#define MOEPT__R(i) a = _mm512_set1_ps(ap[i]); \
+        c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0); c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1);
+        MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+    }
+#define MOEPT__R(i) if (add) { c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(c + i * ldc)); \
+        c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(c + i * ldc + 16)); } \
+    _mm512_storeu_ps(c + i * ldc, c##i##0); _mm512_storeu_ps(c + i * ldc + 16, c##i##1);
+    MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+#undef MOEPT__ROWS
+}
+#elif defined(MOEPT__K_AVX2)
+static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
+                                        int64_t ldc, int add) {
+#define MOEPT__ROWS(R) R(0) R(1) R(2) R(3) R(4) R(5)
+#define MOEPT__R(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
+    MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+    for (int i = 0; i < MOEPT__MR; i++) { /* C's rows, while the sums run (both lines they touch) */
+        _mm_prefetch((const char *)(c + i * ldc), _MM_HINT_T0);
+        _mm_prefetch((const char *)(c + i * ldc + MOEPT__NR - 1), _MM_HINT_T0);
+    }
+    for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR) {
+        __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), a;
+#define MOEPT__R(i) a = _mm256_broadcast_ss(ap + i); \
+        c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0); c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);
+        MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+    }
+#define MOEPT__R(i) if (add) { c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(c + i * ldc)); \
+        c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(c + i * ldc + 8)); } \
+    _mm256_storeu_ps(c + i * ldc, c##i##0); _mm256_storeu_ps(c + i * ldc + 8, c##i##1);
+    MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+#undef MOEPT__ROWS
+}
+#elif defined(MOEPT__K_NEON)
+static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
+                                        int64_t ldc, int add) {
+    /* rows 0-3 take their A value from a lane of a0, rows 4-7 from a1 */
+#define MOEPT__ROWS(R) R(0, a0, 0) R(1, a0, 1) R(2, a0, 2) R(3, a0, 3) \
+                       R(4, a1, 0) R(5, a1, 1) R(6, a1, 2) R(7, a1, 3)
+#define MOEPT__R(i, av, l) float32x4_t c##i##0 = vdupq_n_f32(0.0f), c##i##1 = c##i##0, c##i##2 = c##i##0;
+    MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+    for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR) {
+        float32x4_t b0 = vld1q_f32(bp), b1 = vld1q_f32(bp + 4), b2 = vld1q_f32(bp + 8);
+        float32x4_t a0 = vld1q_f32(ap), a1 = vld1q_f32(ap + 4);
+#define MOEPT__R(i, av, l) c##i##0 = vfmaq_laneq_f32(c##i##0, b0, av, l); \
+        c##i##1 = vfmaq_laneq_f32(c##i##1, b1, av, l); c##i##2 = vfmaq_laneq_f32(c##i##2, b2, av, l);
+        MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+    }
+#define MOEPT__R(i, av, l) if (add) { c##i##0 = vaddq_f32(c##i##0, vld1q_f32(c + i * ldc)); \
+        c##i##1 = vaddq_f32(c##i##1, vld1q_f32(c + i * ldc + 4)); \
+        c##i##2 = vaddq_f32(c##i##2, vld1q_f32(c + i * ldc + 8)); } \
+    vst1q_f32(c + i * ldc, c##i##0); vst1q_f32(c + i * ldc + 4, c##i##1); vst1q_f32(c + i * ldc + 8, c##i##2);
+    MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+#undef MOEPT__ROWS
+}
+#elif defined(MOEPT__VEC4)
+static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
+                                        int64_t ldc, int add) {
+#define MOEPT__ROWS(R) R(0) R(1) R(2) R(3)
+#define MOEPT__R(i) moept__v4 c##i##0 = {0}, c##i##1 = {0};
+    MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+    for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR) {
+        moept__v4 b0, b1;
+        memcpy(&b0, bp, sizeof b0);
+        memcpy(&b1, bp + 4, sizeof b1);
+#define MOEPT__R(i) c##i##0 += ap[i] * b0; c##i##1 += ap[i] * b1;
+        MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+    }
+#define MOEPT__R(i) if (add) { moept__v4 t0, t1; memcpy(&t0, c + i * ldc, 16); memcpy(&t1, c + i * ldc + 4, 16); \
+        c##i##0 += t0; c##i##1 += t1; } \
+    memcpy(c + i * ldc, &c##i##0, 16); memcpy(c + i * ldc + 4, &c##i##1, 16);
+    MOEPT__ROWS(MOEPT__R)
+#undef MOEPT__R
+#undef MOEPT__ROWS
+}
+#else
+static void moept__kern(int64_t kc, const float *ap, const float *bp, float *c, int64_t ldc, int add) {
+    float acc[MOEPT__MR * MOEPT__NR] = {0}; /* [MR][NR] */
+    for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR)
+        for (int i = 0; i < MOEPT__MR; i++)
+            for (int j = 0; j < MOEPT__NR; j++) acc[i * MOEPT__NR + j] += ap[i] * bp[j];
+    for (int i = 0; i < MOEPT__MR; i++)
+        for (int j = 0; j < MOEPT__NR; j++)
+            c[i * ldc + j] = add ? c[i * ldc + j] + acc[i * MOEPT__NR + j] : acc[i * MOEPT__NR + j];
+}
+#endif
+
+/* One MR x NR tile of C from packed panels (the first k block applies
+   beta, later ones add): a whole tile with alpha 1 and beta 0 or 1 is the
+   kernel's own store; edges and other scalings go through a local tile. */
 static void moept__micro(int64_t kc, const float *ap, const float *bp,
                          const moept__gemm *g, int64_t i0, int64_t j0,
                          int first) {
-    float acc[MOEPT__MR][MOEPT__NR];
-#ifdef MOEPT__VEC
-    /* MR x 2 vector accumulators live in registers (the loops unroll) */
-    moept__vf c0[MOEPT__MR], c1[MOEPT__MR];
-#pragma GCC unroll 16
-    for (int i = 0; i < MOEPT__MR; i++) {
-        c0[i] = (moept__vf){0};
-        c1[i] = (moept__vf){0};
-    }
-    for (int64_t p = 0; p < kc; p++) {
-        moept__vf b0, b1;
-        memcpy(&b0, bp + p * MOEPT__NR, sizeof b0);
-        memcpy(&b1, bp + p * MOEPT__NR + MOEPT__VW, sizeof b1);
-        const float *a = ap + p * MOEPT__MR;
-#pragma GCC unroll 16
-        for (int i = 0; i < MOEPT__MR; i++) {
-            c0[i] += a[i] * b0;
-            c1[i] += a[i] * b1;
-        }
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < MOEPT__MR; i++) {
-        memcpy(&acc[i][0], &c0[i], sizeof c0[i]);
-        memcpy(&acc[i][MOEPT__VW], &c1[i], sizeof c1[i]);
-    }
-#else
-    for (int i = 0; i < MOEPT__MR; i++)
-        for (int j = 0; j < MOEPT__NR; j++) acc[i][j] = 0.0f;
-    for (int64_t p = 0; p < kc; p++)
-        for (int i = 0; i < MOEPT__MR; i++)
-            for (int j = 0; j < MOEPT__NR; j++)
-                acc[i][j] += ap[p * MOEPT__MR + i] * bp[p * MOEPT__NR + j];
-#endif
     int64_t mr = g->m - i0 < MOEPT__MR ? g->m - i0 : MOEPT__MR;
     int64_t nr = g->n - j0 < MOEPT__NR ? g->n - j0 : MOEPT__NR;
+    float *c0 = g->c + i0 * g->ldc + j0;
+    int whole = mr == MOEPT__MR && nr == MOEPT__NR && g->alpha == 1.0f;
+    if (whole && (!first || g->beta == 0.0f || g->beta == 1.0f)) {
+        moept__kern(kc, ap, bp, c0, g->ldc, !first || g->beta == 1.0f);
+        return;
+    }
+    float acc[MOEPT__MR * MOEPT__NR]; /* [MR][NR] */
+    moept__kern(kc, ap, bp, acc, MOEPT__NR, 0);
     for (int64_t i = 0; i < mr; i++) {
-        float *c = g->c + (i0 + i) * g->ldc + j0;
+        float *c = c0 + i * g->ldc;
+        const float *s = acc + i * MOEPT__NR;
         if (first) {
             if (g->beta == 0.0f)
-                for (int64_t j = 0; j < nr; j++) c[j] = g->alpha * acc[i][j];
+                for (int64_t j = 0; j < nr; j++) c[j] = g->alpha * s[j];
             else
-                for (int64_t j = 0; j < nr; j++) c[j] = g->beta * c[j] + g->alpha * acc[i][j];
+                for (int64_t j = 0; j < nr; j++) c[j] = g->beta * c[j] + g->alpha * s[j];
         } else {
-            for (int64_t j = 0; j < nr; j++) c[j] += g->alpha * acc[i][j];
+            for (int64_t j = 0; j < nr; j++) c[j] += g->alpha * s[j];
         }
     }
 }
-
-
 #endif /* !MOEPT_CBLAS */
 
 #ifndef MOEPT_CBLAS
+/* One descriptor's tiles of a packed (jc, pc) panel, shared by the team
+   (call inside the parallel region): row blocks of whole MR strips, about
+   MC rows, as many as a multiple of the team where m allows so each thread
+   gets the same rows; with fewer blocks than threads, column chunks of the
+   NR strips too. Which thread computes a tile never changes its value. */
+static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, int64_t kc, int64_t jc,
+                              int64_t nstrips, int first) {
+    const int64_t MR = MOEPT__MR, NR = MOEPT__NR;
+    int64_t nth = 1;
+#ifdef _OPENMP
+    nth = omp_get_num_threads();
+#endif
+    int64_t mstrips = (g->m + MR - 1) / MR;
+    int64_t mblocks = (g->m + MOEPT__MC - 1) / MOEPT__MC, nchunks = 1;
+    if (mblocks >= nth) mblocks = (mblocks + nth - 1) / nth * nth;
+    if (mblocks > mstrips) mblocks = mstrips;
+    if (mblocks < nth) nchunks = (4 * nth + mblocks - 1) / mblocks;
+    if (nchunks > nstrips) nchunks = nstrips;
+    int64_t ntasks = mblocks * nchunks;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < ntasks; t++) {
+        int64_t mb = t / nchunks, ch = t % nchunks;
+        int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
+        int64_t i0 = mstrips * mb / mblocks, i1 = mstrips * (mb + 1) / mblocks;
+        for (int64_t s = s0; s < s1; s++)
+            for (int64_t i = i0; i < i1; i++)
+                moept__micro(kc, ws->apack + i * MOEPT__KC * MR, ws->bpack + s * MOEPT__KC * NR, g, i * MR,
+                             jc + s * NR, first);
+    }
+}
+
 /* The builtin GEMM over `count` descriptors that share op(B) (one call: one
    descriptor; the chunked overlap: one expert's runs from several sources):
    each B panel is packed once for all of them, and every element of C gets
@@ -263,34 +472,36 @@ static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gem
             int first = pc == 0;
             #pragma omp parallel if (mtotal * nc * kc > (1 << 19))
             {
-                #pragma omp for schedule(static)
-                for (int64_t s = 0; s < nstrips; s++)
-                    moept__pack_b(g0, pc, jc + s * NR, kc, ws->bpack + s * MOEPT__KC * NR);
+                if (g0->trans_b) {
+                    #pragma omp for schedule(static)
+                    for (int64_t s = 0; s < nstrips; s++)
+                        moept__pack_bt(g0, pc, jc + s * NR, kc, ws->bpack + s * MOEPT__KC * NR);
+                } else {
+                    #pragma omp for schedule(static)
+                    for (int64_t p = 0; p < kc; p++)
+                        moept__pack_b_row(g0, pc + p, jc, nc, ws->bpack + p * NR);
+                }
                 for (int64_t d = 0; d < count; d++) {
                     const moept__gemm *g = &gs[d];
                     int64_t mstrips = (g->m + MR - 1) / MR;
-                    int64_t mblocks = (g->m + MOEPT__MC - 1) / MOEPT__MC;
-                    int64_t nchunks = mblocks >= 4 ? 1 : (nstrips < 4 ? nstrips : 4);
-                    int64_t ntasks = mblocks * nchunks;
                     #pragma omp for schedule(static)
                     for (int64_t s = 0; s < mstrips; s++)
                         moept__pack_a(g, s * MR, pc, kc, ws->apack + s * MOEPT__KC * MR);
-                    #pragma omp for schedule(static)
-                    for (int64_t t = 0; t < ntasks; t++) {
-                        int64_t mb = t / nchunks, ch = t % nchunks;
-                        int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
-                        int64_t i_end = (mb + 1) * MOEPT__MC < g->m ? (mb + 1) * MOEPT__MC : g->m;
-                        for (int64_t s = s0; s < s1; s++)
-                            for (int64_t i = mb * MOEPT__MC; i < i_end; i += MR)
-                                moept__micro(kc, ws->apack + (i / MR) * MOEPT__KC * MR,
-                                             ws->bpack + s * MOEPT__KC * NR, g, i, jc + s * NR, first);
-                    }
+                    moept__gemm_tiles(g, ws, kc, jc, nstrips, first);
                 }
             }
         }
     }
 }
 #endif
+
+const char *moept_gemm_kernel(void) {
+#ifdef MOEPT_CBLAS
+    return "cblas";
+#else
+    return "builtin " MOEPT__ISA;
+#endif
+}
 
 /* Executes a batch of descriptors (one per expert group), in order. */
 static void moept__gemm_run(const moept__gemm *gs, int64_t count,

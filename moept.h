@@ -20,6 +20,9 @@
    COMPILE-TIME OPTIONS
      MOEPT_CBLAS        expert GEMMs through cblas_sgemm instead of the
                         builtin cache-blocked GEMM.
+     MOEPT_GEMM_PORTABLE  the builtin GEMM's portable C kernel even where an
+                        AVX-512, AVX2+FMA or NEON one exists (the kernel is
+                        otherwise picked from the target: -march matters).
      MOEPT_MPI          the MPI backend (moept_comm_mpi); compile with mpicc.
      MOEPT_CUDA         the CUDA executor and NCCL backend: compile moept.c
                         with -DMOEPT_CUDA -I$CUDA_HOME/include, compile
@@ -658,6 +661,10 @@ moept_status moept_get_stats(const moept_layer *layer, moept_stats *stats,
                              int64_t *tokens_per_expert);
 
 const char *moept_status_string(moept_status s);
+/* The CPU GEMM this build runs: "cblas", or "builtin " and the kernel the
+   target macros chose ("avx2+fma 6x16", "avx512f 12x32", "neon 8x12",
+   "portable 4x8"), for logs and benchmarks. */
+const char *moept_gemm_kernel(void);
 /* Message of the last failure on `layer`; NULL gives this thread's last
    moept_create / file error. Never NULL. */
 const char *moept_last_error(const moept_layer *layer);

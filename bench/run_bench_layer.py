@@ -4,10 +4,13 @@ baseline at the two shapes of docs/PERF.md, in one go, and prints the table.
 
     make bench            (or: python3 bench/run_bench_layer.py)
 
-OpenBLAS 0.3.21 does not recognise this machine's virtual CPU and falls back
-to its generic Prescott (SSE3) kernels; where the CPU has AVX-512 (or AVX2)
-the runner sets OPENBLAS_CORETYPE=SkylakeX (Haswell) and prints the kernel
-OpenBLAS reports, so the baseline is the library at its best here."""
+OpenBLAS picks its kernel from the CPU; where it does not recognise a
+virtual CPU and falls back to a generic SSE kernel (Prescott), the runner
+sets OPENBLAS_CORETYPE to SkylakeX or Haswell if, and only if, the CPU has
+every instruction set that kernel uses, so the baseline is the library at
+its best here. Then bench_gemm: each of the step's GEMMs against the
+machine's measured FMA peak and OpenBLAS, for the native and the
+-march=x86-64-v3 builds."""
 import os
 import re
 import subprocess
@@ -31,14 +34,53 @@ def run(cmd, env):
     return r.stdout + r.stderr
 
 
+# OpenBLAS kernels it falls back to on CPUs it does not recognise, and the
+# CPU flags each better kernel needs (forcing one the CPU lacks dies of SIGILL)
+GENERIC = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai", "Northwood", "Banias", "Atom"}
+NEEDS = [("SkylakeX", {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}), ("Haswell", {"avx2", "fma"})]
+
+
+def openblas_core(env):
+    out = run(["build/cblas/bench_layer", "--tokens", "16", "--hidden", "64", "--ffn", "64", "--reps", "1"],
+              dict(env, OPENBLAS_VERBOSE="2"))
+    m = re.search(r"Core: (\S+)", out)
+    return m.group(1) if m else "unknown"
+
+
+def set_coretype(env):
+    """Leaves OpenBLAS's own choice unless it is a generic fallback; then
+    names the best kernel whose instructions this CPU has (or none)."""
+    if "OPENBLAS_CORETYPE" not in os.environ:
+        native = openblas_core(env)
+        flags = set()
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+        if native in GENERIC:
+            for core, need in NEEDS:
+                if need <= flags:
+                    env["OPENBLAS_CORETYPE"] = core
+                    break
+        print(f"OpenBLAS's own kernel here: {native}")
+    print(f"OpenBLAS kernel: {openblas_core(env)} (OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', 'unset')})")
+
+
+def gemm_tables(env):
+    """bench_gemm (builtin vs the FMA peak vs OpenBLAS) at both token counts,
+    for the native build and the -march=x86-64-v3 one when built"""
+    for exe, what in (("build/bench_gemm", "-march=native"), ("build/v3/bench_gemm", "-march=x86-64-v3")):
+        if not os.path.exists(exe):
+            continue
+        for _, T, _ in SHAPES:
+            print(f"\n### bench_gemm, {what}, T={T}\n")
+            out = run([exe, "--tokens", str(T), "--hidden", str(D), "--ffn", str(F), "--experts", str(E),
+                       "--topk", str(K), "--reps", "7" if T > 1024 else "9"], env)
+            print("\n".join(l for l in out.splitlines() if not l.startswith("RESULT")))
+
+
 def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), OPENBLAS_NUM_THREADS=str(THREADS))
-    flags = open("/proc/cpuinfo").read()
-    if "OPENBLAS_CORETYPE" not in os.environ:
-        if " avx512f" in flags:
-            env["OPENBLAS_CORETYPE"] = "SkylakeX"
-        elif " avx2" in flags:
-            env["OPENBLAS_CORETYPE"] = "Haswell"
     have_cblas = os.path.exists("build/cblas/bench_layer")
     try:
         import torch  # noqa: F401
@@ -46,16 +88,15 @@ def main():
     except ImportError:
         have_torch = False
     if have_cblas:
-        kern = run(["build/cblas/bench_layer", "--tokens", "16", "--hidden", "64", "--ffn", "64", "--reps", "1"],
-                   dict(env, OPENBLAS_VERBOSE="2"))
-        m = re.search(r"Core: (\S+)", kern)
-        print(f"OpenBLAS kernel: {m.group(1) if m else 'unknown'}"
-              f" (OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', 'unset')})")
+        set_coretype(env)
+    rows = []
     rows = []
     for name, T, reps in SHAPES:
         args = ["--tokens", str(T), "--hidden", str(D), "--ffn", str(F), "--experts", str(E), "--topk", str(K),
                 "--reps", str(reps)]
         res = {"builtin": parse(run(["build/bench_layer"] + args, env))}
+        if os.path.exists("build/v3/bench_layer"):
+            res["v3"] = parse(run(["build/v3/bench_layer"] + args, env))
         if have_cblas:
             res["cblas"] = parse(run(["build/cblas/bench_layer"] + args, env))
         if have_torch:
@@ -89,10 +130,20 @@ def main():
         else:
             cells += ["-", "-"]
         print("| " + " | ".join(cells) + " |")
-    print("\nGFLOP/s (moept / floor): " + "; ".join(
-        f"T={T} builtin {float(r['builtin']['gflops']):.0f}/{float(r['builtin']['floor_gflops']):.0f}"
-        + (f", CBLAS {float(r['cblas']['gflops']):.0f}/{float(r['cblas']['floor_gflops']):.0f}" if "cblas" in r else "")
+    def pk(r, key):
+        return f"{float(r[key]):.0f} ({100 * float(r[key]) / float(r['peak_gflops']):.0f}%)"
+    print("\nGFLOP/s, moept / floor (of the FMA peak measured in the same process): " + "; ".join(
+        f"T={T} builtin {pk(r['builtin'], 'gflops')}/{pk(r['builtin'], 'floor_gflops')}"
+        + (f", CBLAS {pk(r['cblas'], 'gflops')}/{pk(r['cblas'], 'floor_gflops')}" if "cblas" in r else "")
         for _, T, r in rows))
+    print("FMA peak measured: " + ", ".join(f"{float(r['builtin']['peak_gflops']):.0f}" for _, _, r in rows)
+          + f" GFLOP/s on {THREADS} threads")
+    for _, T, r in rows:
+        if "v3" in r:
+            v = r["v3"]
+            print(f"-march=x86-64-v3 build, T={T}: moept {float(v['moept_s']):.3f} s, floor {float(v['floor_s']):.3f} s,"
+                  f" ratio {float(v['ratio']):.3f}, {float(v['gflops']):.0f}/{float(v['floor_gflops']):.0f} GFLOP/s")
+    gemm_tables(env)
 
 
 if __name__ == "__main__":

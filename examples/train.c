@@ -476,7 +476,9 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
         }
     }
     if (lead) {
-        printf("train: loss %.4f -> %.4f (held-out %.4f) in %d steps, %.1f s\n", first_loss, ema, val, o.steps, now() - t0);
+        double secs = now() - t0;
+        printf("train: loss %.4f -> %.4f (held-out %.4f) in %d steps, %.1f s, %.0f tokens/s (GEMM: %s)\n",
+               first_loss, ema, val, o.steps, secs, (double)Bg * o.steps / secs, moept_gemm_kernel());
         if (csv) printf("train: log written to %s\n", o.csv);
     }
     if (csv) fclose(csv);

@@ -99,6 +99,34 @@ else
     skip "cblas" "OpenBLAS not found (apt-get install libopenblas-dev); the MOEPT_CBLAS path was not tested"
 fi
 
+# The builtin GEMM: its micro-kernels' assembly for every target, then each
+# kernel this machine can run over the reference cases and gradient checks
+suite "gemm: micro-kernel assembly (gcc, clang; native, x86-64-v3, x86-64-v4, aarch64)" sh tests/check_gemm_asm.sh
+suite "gemm portable kernel: reference cases" "$B/gemm-portable/moept_check" $CASES
+suite "gemm portable kernel: test_grad" "$B/gemm-portable/test_grad"
+suite "gemm portable kernel, scalar: reference cases" "$B/gemm-scalar/moept_check" $CASES
+if [ -n "$GEMM_V3" ]; then
+    suite "gemm -march=x86-64-v3 (AVX2+FMA): reference cases" "$B/gemm-v3/moept_check" $CASES
+    suite "gemm -march=x86-64-v3 (AVX2+FMA): test_grad" "$B/gemm-v3/test_grad"
+else
+    skip "gemm -march=x86-64-v3" "$([ -n "$ARCH_X86" ] && echo "this CPU has no AVX2+FMA" || echo "not x86-64")"
+fi
+if [ -n "$GEMM_V4" ]; then
+    suite "gemm -march=x86-64-v4 (AVX-512): reference cases" "$B/gemm-v4/moept_check" $CASES
+    suite "gemm -march=x86-64-v4 (AVX-512): test_grad" "$B/gemm-v4/test_grad"
+else
+    skip "gemm -march=x86-64-v4" "this CPU has no AVX-512F: that kernel's assembly is checked above, it did not run"
+fi
+if [ -n "$QEMU_AARCH64" ]; then
+    # qemu-user translates each instruction: right answers, meaningless times
+    suite "aarch64 under qemu-user (NEON kernel): reference cases" "$QEMU_AARCH64" "$B/aarch64/moept_check" $CASES
+    suite "aarch64 under qemu-user: reference cases --ep 4 (threads)" "$QEMU_AARCH64" "$B/aarch64/moept_check" --ep 4 $CASES
+    suite "aarch64 under qemu-user: test_grad" "$QEMU_AARCH64" "$B/aarch64/test_grad"
+    suite "aarch64 under qemu-user: test_ep" "$QEMU_AARCH64" "$B/aarch64/test_ep"
+else
+    skip "aarch64" "aarch64-linux-gnu-gcc or qemu-user missing (apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)"
+fi
+
 if [ -n "$VALGRIND" ]; then
     suite "valgrind reference cases" "$VALGRIND" -q --error-exitcode=9 --leak-check=full "$B/vg/moept_check" $CASES
     for t in test_grad test_props test_errors test_overlap test_fsdp; do

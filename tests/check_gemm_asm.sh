@@ -1,0 +1,75 @@
+#!/bin/sh
+# The builtin GEMM's micro-kernel (moept__kern) read from the assembly of
+# each target it claims: the multiply-adds are the ISA's (ymm/zmm FMAs, NEON
+# fmla, at least MR x NR / width of them) and nothing between the first and
+# the last of them touches the stack (no accumulator spilled or reloaded in
+# the inner loop). gcc and clang at -O2, -march=native, x86-64-v3, x86-64-v4
+# and aarch64 (cross compilers when installed; skip with the reason if not).
+# usage: sh tests/check_gemm_asm.sh
+out=${TMPDIR:-/tmp}/moept_asm.$$
+mkdir -p "$out"
+trap 'rm -rf "$out"' EXIT
+have() { command -v "$1" >/dev/null 2>&1; }
+# name, expected FMA pattern, minimum FMA count, stack pattern, compiler + flags...
+check() {
+    name=$1 fma=$2 min=$3 stack=$4; shift 4
+    if ! "$@" -std=c11 -O2 -g0 -S moept.c -o "$out/k.s" >"$out/log" 2>&1; then
+        echo "FAIL - $name: did not compile"; sed 's/^/    /' "$out/log" | head -5; return
+    fi
+    # the function's body: from its label to the end of its cfi block
+    awk '/^moept__kern:/ {on = 1} on {print} on && /\.cfi_endproc|^\.Lfunc_end/ {exit}' "$out/k.s" >"$out/f.s"
+    first=$(grep -n -E "$fma" "$out/f.s" | head -1 | cut -d: -f1)
+    last=$(grep -n -E "$fma" "$out/f.s" | tail -1 | cut -d: -f1)
+    if [ -z "$first" ]; then
+        echo "FAIL - $name: no multiply-add matching '$fma' in moept__kern"; return
+    fi
+    n=$(grep -c -E "$fma" "$out/f.s")
+    spills=$(sed -n "${first},${last}p" "$out/f.s" | grep -c -E "$stack")
+    if [ "$n" -lt "$min" ]; then
+        echo "FAIL - $name: $n multiply-adds, fewer than the tile's $min"
+    elif [ "$spills" -ne 0 ]; then
+        echo "FAIL - $name: $spills stack accesses among the multiply-adds:"
+        sed -n "${first},${last}p" "$out/f.s" | grep -E "$stack" | head -5 | sed 's/^/    /'
+    else
+        echo "ok - $name: $n multiply-adds ($fma), no stack access between them"
+    fi
+}
+X86_STACK='\(%[re]?(sp|bp)\)'
+ARM_STACK='\[(sp|x29)[],]'
+YMM='vfmadd[0-9]+ps[^%]*%ymm'
+ZMM='vfmadd[0-9]+ps[^%]*%zmm'
+NEON='fmla[[:space:]]+v[0-9]+\.4s'
+case $(uname -m) in
+x86_64)
+    flags=$(grep -m1 '^flags' /proc/cpuinfo)
+    native=""
+    case "$flags" in
+    *" avx512f"*) native="$ZMM 24" ;;
+    *" avx2"*" fma"*|*" fma"*" avx2"*) native="$YMM 12" ;;
+    esac
+    for cc in gcc clang; do
+        if ! have $cc; then echo "skip - $cc: not installed"; continue; fi
+        if [ -n "$native" ]; then
+            set -- $native
+            check "$cc -march=native" "$1" "$2" "$X86_STACK" $cc -march=native
+        else
+            echo "skip - $cc -march=native: this CPU has neither AVX-512F nor AVX2+FMA (the portable kernel)"
+        fi
+        check "$cc -march=x86-64-v3 (AVX2+FMA 6x16)" "$YMM" 12 "$X86_STACK" $cc -march=x86-64-v3
+        check "$cc -march=x86-64-v4 (AVX-512 12x32)" "$ZMM" 24 "$X86_STACK" $cc -march=x86-64-v4
+    done ;;
+aarch64)
+    for cc in gcc clang; do
+        have $cc && check "$cc -march=native (NEON 8x12)" "$NEON" 24 "$ARM_STACK" $cc -march=native
+    done ;;
+esac
+if have aarch64-linux-gnu-gcc; then
+    check "aarch64-linux-gnu-gcc (NEON 8x12)" "$NEON" 24 "$ARM_STACK" aarch64-linux-gnu-gcc
+else
+    echo "skip - aarch64-linux-gnu-gcc: not installed (apt-get install gcc-aarch64-linux-gnu)"
+fi
+if have clang && [ -d /usr/aarch64-linux-gnu/include ]; then
+    check "clang --target=aarch64-linux-gnu (NEON 8x12)" "$NEON" 24 "$ARM_STACK" clang --target=aarch64-linux-gnu
+else
+    echo "skip - clang --target=aarch64-linux-gnu: clang or the aarch64 headers (libc6-dev-arm64-cross) missing"
+fi
