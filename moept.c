@@ -280,36 +280,32 @@ static void moept__pack_bt(const moept__gemm *g, int64_t p0, int64_t j0,
 /* The micro-kernel: T[MR][NR] = sum over p < kc of ap[p][:] (x) bp[p][:],
    ap packed [kc][MR], bp packed [kc][NR]; then c (row stride ldc) = T, or
    c += T when `add`. R(i) is one row of the tile. */
+#if defined(MOEPT__K_AVX512) || defined(MOEPT__K_AVX2)
+/* one body for both x86 kernels: VW-float vectors, two a row of the tile */
 #if defined(MOEPT__K_AVX512)
-static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
-                                        int64_t ldc, int add) {
 #define MOEPT__ROWS(R) R(0) R(1) R(2) R(3) R(4) R(5) R(6) R(7) R(8) R(9) R(10) R(11)
-#define MOEPT__R(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = _mm512_setzero_ps();
-    MOEPT__ROWS(MOEPT__R)
-#undef MOEPT__R
-    for (int i = 0; i < MOEPT__MR; i++) { /* C's rows, while the sums run (both lines they touch) */
-        _mm_prefetch((const char *)(c + i * ldc), _MM_HINT_T0);
-        _mm_prefetch((const char *)(c + i * ldc + MOEPT__NR - 1), _MM_HINT_T0);
-    }
-    for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR) {
-        __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16), a;
-#define MOEPT__R(i) a = _mm512_set1_ps(ap[i]); \
-        c##i##0 = _mm512_fmadd_ps(a, b0, c##i##0); c##i##1 = _mm512_fmadd_ps(a, b1, c##i##1);
-        MOEPT__ROWS(MOEPT__R)
-#undef MOEPT__R
-    }
-#define MOEPT__R(i) if (add) { c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(c + i * ldc)); \
-        c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(c + i * ldc + 16)); } \
-    _mm512_storeu_ps(c + i * ldc, c##i##0); _mm512_storeu_ps(c + i * ldc + 16, c##i##1);
-    MOEPT__ROWS(MOEPT__R)
-#undef MOEPT__R
-#undef MOEPT__ROWS
-}
-#elif defined(MOEPT__K_AVX2)
+#define MOEPT__VW 16
+typedef __m512 moept__vx;
+#define MOEPT__VZERO _mm512_setzero_ps
+#define MOEPT__VLOAD _mm512_loadu_ps
+#define MOEPT__VSTORE _mm512_storeu_ps
+#define MOEPT__VBCAST(p) _mm512_set1_ps(*(p))
+#define MOEPT__VFMA _mm512_fmadd_ps
+#define MOEPT__VADD _mm512_add_ps
+#else
+#define MOEPT__ROWS(R) R(0) R(1) R(2) R(3) R(4) R(5)
+#define MOEPT__VW 8
+typedef __m256 moept__vx;
+#define MOEPT__VZERO _mm256_setzero_ps
+#define MOEPT__VLOAD _mm256_loadu_ps
+#define MOEPT__VSTORE _mm256_storeu_ps
+#define MOEPT__VBCAST(p) _mm256_broadcast_ss(p)
+#define MOEPT__VFMA _mm256_fmadd_ps
+#define MOEPT__VADD _mm256_add_ps
+#endif
 static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
                                         int64_t ldc, int add) {
-#define MOEPT__ROWS(R) R(0) R(1) R(2) R(3) R(4) R(5)
-#define MOEPT__R(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
+#define MOEPT__R(i) moept__vx c##i##0 = MOEPT__VZERO(), c##i##1 = MOEPT__VZERO();
     MOEPT__ROWS(MOEPT__R)
 #undef MOEPT__R
     for (int i = 0; i < MOEPT__MR; i++) { /* C's rows, while the sums run (both lines they touch) */
@@ -317,15 +313,15 @@ static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float
         _mm_prefetch((const char *)(c + i * ldc + MOEPT__NR - 1), _MM_HINT_T0);
     }
     for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR) {
-        __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), a;
-#define MOEPT__R(i) a = _mm256_broadcast_ss(ap + i); \
-        c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0); c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);
+        moept__vx b0 = MOEPT__VLOAD(bp), b1 = MOEPT__VLOAD(bp + MOEPT__VW), a;
+#define MOEPT__R(i) a = MOEPT__VBCAST(ap + i); \
+        c##i##0 = MOEPT__VFMA(a, b0, c##i##0); c##i##1 = MOEPT__VFMA(a, b1, c##i##1);
         MOEPT__ROWS(MOEPT__R)
 #undef MOEPT__R
     }
-#define MOEPT__R(i) if (add) { c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(c + i * ldc)); \
-        c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(c + i * ldc + 8)); } \
-    _mm256_storeu_ps(c + i * ldc, c##i##0); _mm256_storeu_ps(c + i * ldc + 8, c##i##1);
+#define MOEPT__R(i) if (add) { c##i##0 = MOEPT__VADD(c##i##0, MOEPT__VLOAD(c + i * ldc)); \
+        c##i##1 = MOEPT__VADD(c##i##1, MOEPT__VLOAD(c + i * ldc + MOEPT__VW)); } \
+    MOEPT__VSTORE(c + i * ldc, c##i##0); MOEPT__VSTORE(c + i * ldc + MOEPT__VW, c##i##1);
     MOEPT__ROWS(MOEPT__R)
 #undef MOEPT__R
 #undef MOEPT__ROWS
@@ -1710,14 +1706,8 @@ static double moept__now(void) {
 }
 #endif
 
-/* One direction of the expert exchange. dispatch = 1: rows of xs-side
-   buffer `local` go to the experts' ranks, landing expert-major in `remote`;
-   dispatch = 0: the reverse. Counted in the stats. */
-static moept_status moept__exchange(moept_layer *L, float *local, float *remote, int dispatch) {
-    double t0 = moept__now();
-    moept_seg *s = L->send_segs, *r = L->recv_segs;
-    moept_status st = dispatch ? L->ep->alltoallv(L->ep, local, s, remote, r, (int)L->El, 4)
-                               : L->ep->alltoallv(L->ep, remote, r, local, s, (int)L->El, 4);
+/* an exchange's bytes and time into the stats; its failure named */
+static moept_status moept__exchanged(moept_layer *L, moept_status st, double t0, int dispatch) {
     int64_t rowbytes = L->D * (int64_t)sizeof(float);
     L->stats.bytes_sent += (dispatch ? L->stats.rows_sent : L->stats.rows_received) * rowbytes;
     L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
@@ -1726,11 +1716,60 @@ static moept_status moept__exchange(moept_layer *L, float *local, float *remote,
     return MOEPT_OK;
 }
 
+/* One direction of the expert exchange. dispatch = 1: rows of xs-side
+   buffer `local` go to the experts' ranks, landing expert-major in `remote`;
+   dispatch = 0: the reverse. Counted in the stats. */
+static moept_status moept__exchange(moept_layer *L, float *local, float *remote, int dispatch) {
+    double t0 = moept__now();
+    moept_seg *s = L->send_segs, *r = L->recv_segs;
+    moept_status st = dispatch ? L->ep->alltoallv(L->ep, local, s, remote, r, (int)L->El, 4)
+                               : L->ep->alltoallv(L->ep, remote, r, local, s, (int)L->El, 4);
+    return moept__exchanged(L, st, t0, dispatch);
+}
+
+/* The forward dispatch from the token rows themselves (a backend with
+   alltoallv_rows, P > 1): the permuted order is only an index, tok_of_row. */
+static moept_status moept__exchange_rows(moept_layer *L, const float *x) {
+    double t0 = moept__now();
+    moept_status st = L->ep->alltoallv_rows(L->ep, x, L->tok_of_row, L->D, L->send_segs, L->xr, L->recv_segs,
+                                            (int)L->El, 4);
+    return moept__exchanged(L, st, t0, 1);
+}
+
 /* the bytes of one exchange direction, for the stats (direct path) */
 static void moept__count_bytes(moept_layer *L, int dispatch) {
     int64_t rowbytes = L->D * (int64_t)sizeof(float);
     L->stats.bytes_sent += (dispatch ? L->stats.rows_sent : L->stats.rows_received) * rowbytes;
     L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
+}
+
+/* Row kernels of the combine and its backward: y = y + w x (combine_step)
+   and y = w x (scale), element by element as moept.h defines them. Eight
+   elements a step, all loaded before any is stored, so -O2's cost model
+   (which adds no epilogue loop to vectorise) still makes each step vector
+   code whether or not y and x overlap. */
+static void moept__row_axpy(float *y, float w, const float *x, int64_t n) {
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) {
+        float t[8];
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; l++) t[l] = moept__combine_step(y[d + l], w, x[d + l]);
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; l++) y[d + l] = t[l];
+    }
+    for (; d < n; d++) y[d] = moept__combine_step(y[d], w, x[d]);
+}
+
+static void moept__row_scale(float *y, float w, const float *x, int64_t n) {
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) {
+        float t[8];
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; l++) t[l] = moept__scale(w, x[d + l]);
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; l++) y[d + l] = t[l];
+    }
+    for (; d < n; d++) y[d] = moept__scale(w, x[d]);
 }
 
 /* Direct path: where row r of this rank's permuted order (slot s) lives
@@ -1763,7 +1802,7 @@ static void moept__direct_gather(moept_layer *L, int dys) {
                     const float *src = vp->dy + t * D;
                     float *o = dst + i * D, w = vp->wts[slot];
                     vp->dwts[slot] = (float)moept__dot(o, src, D);
-                    for (int64_t d = 0; d < D; d++) o[d] = moept__scale(w, src[d]);
+                    moept__row_scale(o, w, src, D);
                 }
             }
         }
@@ -1932,7 +1971,7 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
         if (ids[t * K] < 0) { memset(yt, 0, (size_t)D * sizeof(float)); continue; } /* padding */
         if (L->S > 0) {
             float gs = L->wsg ? L->sg[t] : 1.0f;
-            for (int64_t d = 0; d < D; d++) yt[d] = moept__scale(gs, L->yss[t * D + d]);
+            moept__row_scale(yt, gs, L->yss + t * D, D);
         } else {
             memset(yt, 0, (size_t)D * sizeof(float));
         }
@@ -1941,7 +1980,7 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
             if (r < 0) continue;
             float w = wts[t * K + k];
             const float *src = L->direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : L->ys + r * D;
-            for (int64_t d = 0; d < D; d++) yt[d] = moept__combine_step(yt[d], w, src[d]);
+            moept__row_axpy(yt, w, src, D);
         }
     }
 }
@@ -2526,7 +2565,8 @@ static void moept__fwd_plan(moept_layer *L) {
 }
 
 /* 9. dispatch: each kept row to its expert (direct: the experts' ranks
-   gather from our x themselves; else permuted into xs, then exchanged) */
+   gather from our x themselves; a backend with alltoallv_rows sends from x
+   by index; else permuted into xs, then exchanged) */
 static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
     const int64_t D = L->D, N = L->N, K = L->K;
     moept_status st;
@@ -2541,6 +2581,7 @@ static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
         moept__count_bytes(L, 1);
         return MOEPT_OK;
     }
+    if (L->ep && L->P > 1 && L->ep->alltoallv_rows) return moept__exchange_rows(L, x);
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
     for (int64_t r = 0; r < N; r++) memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
     return L->ep ? moept__exchange(L, L->xs, L->xr, 1) : MOEPT_OK;
@@ -2731,14 +2772,15 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             float *ys = L->ys + r * D;
             L->dwts[t * K + k] = (float)moept__dot(ys, dyt, D);
             float w = wts[t * K + k];
-            for (int64_t d = 0; d < D; d++) ys[d] = moept__scale(w, dyt[d]);
+            moept__row_scale(ys, w, dyt, D);
         }
         if (L->S > 0) { /* padding: its y row was 0, nothing flows back */
             float *yss = L->yss + t * D;
             float gs = L->wsg ? L->sg[t] : 1.0f;
             int pad = ids[t * K] < 0;
             if (L->wsg) L->dsg[t] = pad ? 0.0f : moept__gate_bwd(moept__dot(yss, dyt, D), gs);
-            for (int64_t d = 0; d < D; d++) yss[d] = pad ? 0.0f : moept__scale(gs, dyt[d]);
+            if (pad) memset(yss, 0, (size_t)D * sizeof(float));
+            else moept__row_scale(yss, gs, dyt, D);
         }
     }
 
@@ -2772,7 +2814,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
             const float *src = direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : dxs + r * D;
-            for (int64_t d = 0; d < D; d++) dxt[d] = moept__combine_step(dxt[d], 1.0f, src[d]);
+            moept__row_axpy(dxt, 1.0f, src, D);
         }
     }
     if (direct && (st = moept__direct_sync(L, "moept_backward"))) return st; /* peers done reading */
@@ -2783,7 +2825,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2,
                             L->HS, L->S, L->hs, L->as, L->yss);
         #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
-        for (int64_t i = 0; i < T * D; i++) dx[i] = moept__combine_step(dx[i], 1.0f, L->yss[i]);
+        for (int64_t t = 0; t < T; t++) moept__row_axpy(dx + t * D, 1.0f, L->yss + t * D, D);
         if (L->wsg) { /* shared gate: gsg += dsg^T x ; dx += dsg wsg */
             moept__gemm gd[2];
             gd[0] = moept__gemm_make(1, 0, 1, D, T, L->dsg, 1, x, D, 1.0f, L->gsg, D);
@@ -3791,6 +3833,7 @@ typedef struct moept__mpi {
     int *cnt, *dsp;          /* [4][size] int counts/displacements for MPI_Alltoallv */
     char *scratch;           /* allreduce slices, grows geometrically */
     size_t scratch_bytes;
+    int *blen; MPI_Aint *bdisp; int64_t bcap; /* [bcap] a rows type's blocks (alltoallv_rows) */
 } moept__mpi;
 
 /* elements per message piece, and the largest count handed to MPI as an
@@ -3853,6 +3896,66 @@ static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const 
         for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
             int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
             MOEPT__MPI(c, MPI_Isend((const char *)send + (ss[i].offset + o) * es, (int)k, t, i / nseg, 0, m->comm, &m->reqs[n++]));
+        }
+    MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
+    return MOEPT_OK;
+}
+
+/* Elements [e0, e0 + n) of the virtual buffer whose row r is row rows[r]
+   of the send base (re elements a row) as one committed MPI type over the
+   base: a block per row touched (a message may start or end mid-row). */
+static moept_status moept__mpi_rows_type(moept_comm *c, const int64_t *rows, int64_t re, int es, int64_t e0,
+                                         int64_t n, MPI_Datatype *out) {
+    moept__mpi *m = c->ctx;
+    int64_t r0 = e0 / re, nb = (e0 + n - 1) / re - r0 + 1;
+    if (nb > m->bcap) {
+        int *bl = moept__alloc(NULL, (size_t)nb * sizeof *bl);
+        MPI_Aint *bd = moept__alloc(NULL, (size_t)nb * sizeof *bd);
+        if (!bl || !bd) {
+            MOEPT_FREE(bl); MOEPT_FREE(bd);
+            return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv_rows: out of memory");
+        }
+        MOEPT_FREE(m->blen); MOEPT_FREE(m->bdisp);
+        m->blen = bl; m->bdisp = bd; m->bcap = nb;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t r = r0 + b, lo = r * re > e0 ? r * re : e0, hi = (r + 1) * re < e0 + n ? (r + 1) * re : e0 + n;
+        m->blen[b] = (int)(hi - lo);
+        m->bdisp[b] = (MPI_Aint)((rows[r] * re + lo - r * re) * es);
+    }
+    MOEPT__MPI(c, MPI_Type_create_hindexed((int)nb, m->blen, m->bdisp, m->elem[es == 8], out));
+    MOEPT__MPI(c, MPI_Type_commit(out));
+    return MOEPT_OK;
+}
+
+/* alltoallv with the send side gathered by index (moept.h): receives as
+   alltoallv's piecewise path; each send message one derived type over
+   `base`, so MPI reads the rows where they lie (no staging copy). */
+static moept_status moept__mpi_alltoallv_rows(moept_comm *c, const void *base, const int64_t *rows, int64_t re,
+                                              const moept_seg *ss, void *recv, const moept_seg *rs, int nseg,
+                                              int es) {
+    moept__mpi *m = c->ctx;
+    MPI_Datatype t = m->elem[es == 8];
+    int P = c->size;
+    int64_t n = 0;
+    for (int i = 0; i < P * nseg; i++)
+        n += (ss[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK + (rs[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
+    if (!moept__mpi_reqs(m, n)) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv_rows: out of memory");
+    n = 0;
+    for (int i = 0; i < P * nseg; i++)
+        for (int64_t o = 0; o < rs[i].count; o += MOEPT__MPI_CHUNK) {
+            int64_t k = rs[i].count - o < MOEPT__MPI_CHUNK ? rs[i].count - o : MOEPT__MPI_CHUNK;
+            MOEPT__MPI(c, MPI_Irecv((char *)recv + (rs[i].offset + o) * es, (int)k, t, i / nseg, 0, m->comm, &m->reqs[n++]));
+        }
+    for (int i = 0; i < P * nseg; i++)
+        for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
+            int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
+            MPI_Datatype rt;
+            moept_status st = moept__mpi_rows_type(c, rows, re, es, ss[i].offset + o, k, &rt);
+            if (st) return st;
+            int rc = MPI_Isend(base, 1, rt, i / nseg, 0, m->comm, &m->reqs[n++]);
+            MPI_Type_free(&rt); /* the posted send keeps what it needs */
+            if (rc != MPI_SUCCESS) return moept__mpi_err(c, rc, "MPI_Isend", __LINE__);
         }
     MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
     return MOEPT_OK;
@@ -4001,6 +4104,8 @@ static void moept__mpi_destroy(moept_comm *c) {
     MOEPT_FREE(m->scratch);
     MOEPT_FREE(m->cnt);
     MOEPT_FREE(m->dsp);
+    MOEPT_FREE(m->blen);
+    MOEPT_FREE(m->bdisp);
     MOEPT_FREE(m);
     MOEPT_FREE(c);
 }
@@ -4033,6 +4138,7 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
     c->allgather = moept__mpi_allgather;
     c->p2p = moept__mpi_p2p;
     c->ialltoallv = moept__mpi_ialltoallv;
+    c->alltoallv_rows = moept__mpi_alltoallv_rows;
     c->wait = moept__mpi_wait;
     c->progress = moept__mpi_progress;
     c->destroy = moept__mpi_destroy;
