@@ -188,10 +188,10 @@ GEMM_V4 := $(if $(ARCH_X86),$(if $(filter avx512f,$(CPUFLAGS)),yes))
 AARCH64_CC := $(shell command -v aarch64-linux-gnu-gcc 2>/dev/null)
 QEMU_AARCH64 := $(shell command -v qemu-aarch64 2>/dev/null || command -v qemu-aarch64-static 2>/dev/null)
 A64_OK := $(if $(AARCH64_CC),$(if $(QEMU_AARCH64),yes))
-GEMM_BINS = $(B)/gemm-portable/moept_check $(B)/gemm-portable/test_grad $(B)/gemm-scalar/moept_check \
-            $(if $(GEMM_V3),$(B)/gemm-v3/moept_check $(B)/gemm-v3/test_grad) \
-            $(if $(GEMM_V4),$(B)/gemm-v4/moept_check $(B)/gemm-v4/test_grad) \
-            $(if $(A64_OK),$(B)/aarch64/moept_check $(B)/aarch64/test_grad $(B)/aarch64/test_ep)
+GEMM_TESTS = moept_check test_grad test_props
+GEMM_BINS = $(GEMM_TESTS:%=$(B)/gemm-portable/%) $(B)/gemm-scalar/moept_check $(B)/gemm-scalar/test_props \
+            $(if $(GEMM_V3),$(GEMM_TESTS:%=$(B)/gemm-v3/%)) $(if $(GEMM_V4),$(GEMM_TESTS:%=$(B)/gemm-v4/%)) \
+            $(if $(A64_OK),$(GEMM_TESTS:%=$(B)/aarch64/%) $(B)/aarch64/test_ep)
 GEMM_FLAGS_portable = -DMOEPT_GEMM_PORTABLE
 GEMM_FLAGS_scalar = -DMOEPT_GEMM_PORTABLE -DMOEPT__GEMM_SCALAR
 GEMM_FLAGS_v3 = -march=x86-64-v3
@@ -202,6 +202,10 @@ $(B)/gemm-%/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(CC) $(OPT) -g $(GEMM_FLAGS_$*) $(WARN) $(OMP) tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
 $(B)/gemm-%/test_grad: tests/test_grad.c moept.c $(HDRS) tests/testutil.h | $(B)
+	@mkdir -p $(@D)
+	$(CC) $(OPT) -g $(GEMM_FLAGS_$*) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
+
+$(B)/gemm-%/test_props: tests/test_props.c moept.c $(HDRS) tests/testutil.h | $(B)
 	@mkdir -p $(@D)
 	$(CC) $(OPT) -g $(GEMM_FLAGS_$*) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
 

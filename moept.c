@@ -183,8 +183,9 @@ typedef float moept__v4 __attribute__((vector_size(16)));
 /* d[q][i] = s[i][q] for an 8 x 8 block (row strides ls, ld): unpack pairs,
    shuffle quads, swap 128-bit halves */
 static inline void moept__tr8x8(const float *s, int64_t ls, float *d, int64_t ld) {
-    __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + ls), r2 = _mm256_loadu_ps(s + 2 * ls);
-    __m256 r3 = _mm256_loadu_ps(s + 3 * ls), r4 = _mm256_loadu_ps(s + 4 * ls), r5 = _mm256_loadu_ps(s + 5 * ls);
+    __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + ls);
+    __m256 r2 = _mm256_loadu_ps(s + 2 * ls), r3 = _mm256_loadu_ps(s + 3 * ls);
+    __m256 r4 = _mm256_loadu_ps(s + 4 * ls), r5 = _mm256_loadu_ps(s + 5 * ls);
     __m256 r6 = _mm256_loadu_ps(s + 6 * ls), r7 = _mm256_loadu_ps(s + 7 * ls);
     __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
     __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
@@ -366,8 +367,8 @@ static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float
         MOEPT__ROWS(MOEPT__R)
 #undef MOEPT__R
     }
-#define MOEPT__R(i) if (add) { moept__v4 t0, t1; memcpy(&t0, c + i * ldc, 16); memcpy(&t1, c + i * ldc + 4, 16); \
-        c##i##0 += t0; c##i##1 += t1; } \
+#define MOEPT__R(i) if (add) { moept__v4 t0, t1; \
+        memcpy(&t0, c + i * ldc, 16); memcpy(&t1, c + i * ldc + 4, 16); c##i##0 += t0; c##i##1 += t1; } \
     memcpy(c + i * ldc, &c##i##0, 16); memcpy(c + i * ldc + 4, &c##i##1, 16);
     MOEPT__ROWS(MOEPT__R)
 #undef MOEPT__R
@@ -1712,7 +1713,8 @@ static moept_status moept__exchanged(moept_layer *L, moept_status st, double t0,
     L->stats.bytes_sent += (dispatch ? L->stats.rows_sent : L->stats.rows_received) * rowbytes;
     L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
     L->stats.comm_seconds += moept__now() - t0;
-    if (st) return moept__fail(L, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", L->ep->err);
+    if (st)
+        return moept__fail(L, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", L->ep->err);
     return MOEPT_OK;
 }
 
@@ -3863,6 +3865,42 @@ static int moept__mpi_reqs(moept__mpi *m, int64_t n) {
     return 1;
 }
 
+/* Piecewise exchanges: each piece as messages of at most MOEPT__MPI_CHUNK
+   elements. How many requests the pieces of one exchange take: */
+static int64_t moept__mpi_nmsg(const moept_seg *ss, const moept_seg *rs, int npieces) {
+    int64_t n = 0;
+    for (int i = 0; i < npieces; i++)
+        n += (ss[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK +
+             (rs[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
+    return n;
+}
+
+/* posts the receives of every piece (peer i / nseg) into reqs[*n..] */
+static moept_status moept__mpi_post_recvs(moept_comm *c, void *recv, const moept_seg *rs, int nseg, int es,
+                                          int tag, MPI_Request *reqs, int64_t *n) {
+    moept__mpi *m = c->ctx;
+    for (int i = 0; i < c->size * nseg; i++)
+        for (int64_t o = 0; o < rs[i].count; o += MOEPT__MPI_CHUNK) {
+            int64_t k = rs[i].count - o < MOEPT__MPI_CHUNK ? rs[i].count - o : MOEPT__MPI_CHUNK;
+            char *at = (char *)recv + (rs[i].offset + o) * es;
+            MOEPT__MPI(c, MPI_Irecv(at, (int)k, m->elem[es == 8], i / nseg, tag, m->comm, &reqs[(*n)++]));
+        }
+    return MOEPT_OK;
+}
+
+/* posts the sends of every piece from a contiguous buffer */
+static moept_status moept__mpi_post_sends(moept_comm *c, const void *send, const moept_seg *ss, int nseg,
+                                          int es, int tag, MPI_Request *reqs, int64_t *n) {
+    moept__mpi *m = c->ctx;
+    for (int i = 0; i < c->size * nseg; i++)
+        for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
+            int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
+            const char *at = (const char *)send + (ss[i].offset + o) * es;
+            MOEPT__MPI(c, MPI_Isend(at, (int)k, m->elem[es == 8], i / nseg, tag, m->comm, &reqs[(*n)++]));
+        }
+    return MOEPT_OK;
+}
+
 static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const moept_seg *ss,
                                          void *recv, const moept_seg *rs, int nseg, int es) {
     moept__mpi *m = c->ctx;
@@ -3882,21 +3920,12 @@ static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const 
     }
     /* pieces (and counts past INT_MAX): non-blocking point-to-point, each
        piece split into chunks of 2^30 elements */
-    int64_t n = 0;
-    for (int i = 0; i < P * nseg; i++)
-        n += (ss[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK + (rs[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
+    int64_t n = moept__mpi_nmsg(ss, rs, P * nseg);
     if (!moept__mpi_reqs(m, n)) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv: out of memory");
     n = 0;
-    for (int i = 0; i < P * nseg; i++)
-        for (int64_t o = 0; o < rs[i].count; o += MOEPT__MPI_CHUNK) {
-            int64_t k = rs[i].count - o < MOEPT__MPI_CHUNK ? rs[i].count - o : MOEPT__MPI_CHUNK;
-            MOEPT__MPI(c, MPI_Irecv((char *)recv + (rs[i].offset + o) * es, (int)k, t, i / nseg, 0, m->comm, &m->reqs[n++]));
-        }
-    for (int i = 0; i < P * nseg; i++)
-        for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
-            int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
-            MOEPT__MPI(c, MPI_Isend((const char *)send + (ss[i].offset + o) * es, (int)k, t, i / nseg, 0, m->comm, &m->reqs[n++]));
-        }
+    moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, 0, m->reqs, &n);
+    if (!st) st = moept__mpi_post_sends(c, send, ss, nseg, es, 0, m->reqs, &n);
+    if (st) return st;
     MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
     return MOEPT_OK;
 }
@@ -3919,7 +3948,8 @@ static moept_status moept__mpi_rows_type(moept_comm *c, const int64_t *rows, int
         m->blen = bl; m->bdisp = bd; m->bcap = nb;
     }
     for (int64_t b = 0; b < nb; b++) {
-        int64_t r = r0 + b, lo = r * re > e0 ? r * re : e0, hi = (r + 1) * re < e0 + n ? (r + 1) * re : e0 + n;
+        int64_t r = r0 + b, lo = r * re > e0 ? r * re : e0;
+        int64_t hi = (r + 1) * re < e0 + n ? (r + 1) * re : e0 + n;
         m->blen[b] = (int)(hi - lo);
         m->bdisp[b] = (MPI_Aint)((rows[r] * re + lo - r * re) * es);
     }
@@ -3931,28 +3961,22 @@ static moept_status moept__mpi_rows_type(moept_comm *c, const int64_t *rows, int
 /* alltoallv with the send side gathered by index (moept.h): receives as
    alltoallv's piecewise path; each send message one derived type over
    `base`, so MPI reads the rows where they lie (no staging copy). */
-static moept_status moept__mpi_alltoallv_rows(moept_comm *c, const void *base, const int64_t *rows, int64_t re,
-                                              const moept_seg *ss, void *recv, const moept_seg *rs, int nseg,
-                                              int es) {
+static moept_status moept__mpi_alltoallv_rows(moept_comm *c, const void *base, const int64_t *rows,
+                                              int64_t re, const moept_seg *ss, void *recv,
+                                              const moept_seg *rs, int nseg, int es) {
     moept__mpi *m = c->ctx;
-    MPI_Datatype t = m->elem[es == 8];
     int P = c->size;
-    int64_t n = 0;
-    for (int i = 0; i < P * nseg; i++)
-        n += (ss[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK + (rs[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
-    if (!moept__mpi_reqs(m, n)) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv_rows: out of memory");
+    int64_t n = moept__mpi_nmsg(ss, rs, P * nseg);
+    if (!moept__mpi_reqs(m, n))
+        return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv_rows: out of memory");
     n = 0;
-    for (int i = 0; i < P * nseg; i++)
-        for (int64_t o = 0; o < rs[i].count; o += MOEPT__MPI_CHUNK) {
-            int64_t k = rs[i].count - o < MOEPT__MPI_CHUNK ? rs[i].count - o : MOEPT__MPI_CHUNK;
-            MOEPT__MPI(c, MPI_Irecv((char *)recv + (rs[i].offset + o) * es, (int)k, t, i / nseg, 0, m->comm, &m->reqs[n++]));
-        }
+    moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, 0, m->reqs, &n);
+    if (st) return st;
     for (int i = 0; i < P * nseg; i++)
         for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
             int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
             MPI_Datatype rt;
-            moept_status st = moept__mpi_rows_type(c, rows, re, es, ss[i].offset + o, k, &rt);
-            if (st) return st;
+            if ((st = moept__mpi_rows_type(c, rows, re, es, ss[i].offset + o, k, &rt))) return st;
             int rc = MPI_Isend(base, 1, rt, i / nseg, 0, m->comm, &m->reqs[n++]);
             MPI_Type_free(&rt); /* the posted send keeps what it needs */
             if (rc != MPI_SUCCESS) return moept__mpi_err(c, rc, "MPI_Isend", __LINE__);
@@ -3969,11 +3993,7 @@ static moept_status moept__mpi_ialltoallv(moept_comm *c, const void *send, const
     moept__mpi *m = c->ctx;
     if (slot < 0 || slot >= MOEPT_COMM_SLOTS || m->npreq[slot])
         return moept__comm_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "mpi ialltoallv: slot %d invalid or busy", slot);
-    MPI_Datatype t = m->elem[es == 8];
-    int P = c->size;
-    int64_t n = 0;
-    for (int i = 0; i < P * nseg; i++)
-        n += (ss[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK + (rs[i].count + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
+    int64_t n = moept__mpi_nmsg(ss, rs, c->size * nseg);
     if (n > m->pcap[slot]) {
         MPI_Request *r = moept__alloc(NULL, (size_t)n * sizeof(MPI_Request));
         if (!r) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi ialltoallv: out of memory");
@@ -3982,16 +4002,9 @@ static moept_status moept__mpi_ialltoallv(moept_comm *c, const void *send, const
     }
     int tag = 100 + slot;
     n = 0;
-    for (int i = 0; i < P * nseg; i++)
-        for (int64_t o = 0; o < rs[i].count; o += MOEPT__MPI_CHUNK) {
-            int64_t k = rs[i].count - o < MOEPT__MPI_CHUNK ? rs[i].count - o : MOEPT__MPI_CHUNK;
-            MOEPT__MPI(c, MPI_Irecv((char *)recv + (rs[i].offset + o) * es, (int)k, t, i / nseg, tag, m->comm, &m->preq[slot][n++]));
-        }
-    for (int i = 0; i < P * nseg; i++)
-        for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
-            int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
-            MOEPT__MPI(c, MPI_Isend((const char *)send + (ss[i].offset + o) * es, (int)k, t, i / nseg, tag, m->comm, &m->preq[slot][n++]));
-        }
+    moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, tag, m->preq[slot], &n);
+    if (!st) st = moept__mpi_post_sends(c, send, ss, nseg, es, tag, m->preq[slot], &n);
+    if (st) return st;
     m->npreq[slot] = n;
     return MOEPT_OK;
 }

@@ -104,16 +104,20 @@ fi
 suite "gemm: micro-kernel assembly (gcc, clang; native, x86-64-v3, x86-64-v4, aarch64)" sh tests/check_gemm_asm.sh
 suite "gemm portable kernel: reference cases" "$B/gemm-portable/moept_check" $CASES
 suite "gemm portable kernel: test_grad" "$B/gemm-portable/test_grad"
+suite "gemm portable kernel: test_props (every transpose, edges, beta)" "$B/gemm-portable/test_props"
 suite "gemm portable kernel, scalar: reference cases" "$B/gemm-scalar/moept_check" $CASES
+suite "gemm portable kernel, scalar: test_props" "$B/gemm-scalar/test_props"
 if [ -n "$GEMM_V3" ]; then
     suite "gemm -march=x86-64-v3 (AVX2+FMA): reference cases" "$B/gemm-v3/moept_check" $CASES
     suite "gemm -march=x86-64-v3 (AVX2+FMA): test_grad" "$B/gemm-v3/test_grad"
+    suite "gemm -march=x86-64-v3 (AVX2+FMA): test_props" "$B/gemm-v3/test_props"
 else
     skip "gemm -march=x86-64-v3" "$([ -n "$ARCH_X86" ] && echo "this CPU has no AVX2+FMA" || echo "not x86-64")"
 fi
 if [ -n "$GEMM_V4" ]; then
     suite "gemm -march=x86-64-v4 (AVX-512): reference cases" "$B/gemm-v4/moept_check" $CASES
     suite "gemm -march=x86-64-v4 (AVX-512): test_grad" "$B/gemm-v4/test_grad"
+    suite "gemm -march=x86-64-v4 (AVX-512): test_props" "$B/gemm-v4/test_props"
 else
     skip "gemm -march=x86-64-v4" "this CPU has no AVX-512F: that kernel's assembly is checked above, it did not run"
 fi
@@ -122,6 +126,7 @@ if [ -n "$QEMU_AARCH64" ]; then
     suite "aarch64 under qemu-user (NEON kernel): reference cases" "$QEMU_AARCH64" "$B/aarch64/moept_check" $CASES
     suite "aarch64 under qemu-user: reference cases --ep 4 (threads)" "$QEMU_AARCH64" "$B/aarch64/moept_check" --ep 4 $CASES
     suite "aarch64 under qemu-user: test_grad" "$QEMU_AARCH64" "$B/aarch64/test_grad"
+    suite "aarch64 under qemu-user: test_props (every GEMM transpose, edges)" "$QEMU_AARCH64" "$B/aarch64/test_props"
     suite "aarch64 under qemu-user: test_ep" "$QEMU_AARCH64" "$B/aarch64/test_ep"
 else
     skip "aarch64" "aarch64-linux-gnu-gcc or qemu-user missing (apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)"
