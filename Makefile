@@ -52,7 +52,7 @@ TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
 
-.PHONY: cuda all test stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
+.PHONY: cuda all test test-build stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
 
 all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
 
@@ -249,8 +249,13 @@ CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi $(B)/test_overlap_mpi \
              $(B)/crash_save_mpi)
 
-test: all $(B)/crash_save $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) $(TSAN_BINS) \
-      $(GEMM_BINS)
+# the binaries build in parallel, a job a core; the suites then run one at a time
+NPROC := $(shell nproc 2>/dev/null || echo 1)
+test-build: all $(B)/crash_save $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) \
+            $(TSAN_BINS) $(GEMM_BINS)
+
+test:
+	@$(MAKE) --no-print-directory -j$(NPROC) test-build
 	@CASES="$(CASES)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" \
 	AARCH64_CC="$(AARCH64_CC)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" NVCC="$(NVCC)" sh tests/run.sh
 
