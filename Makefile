@@ -112,7 +112,7 @@ $(B)/train_mpi: examples/train.c moept.c $(HDRS) | $(B)
 $(B)/train: examples/train.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
-$(B)/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
+$(B)/bench_layer: bench/bench_layer.c bench/peak.h bench/bench_shape.h moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 
 $(B)/bench_a2a: bench/bench_a2a.c moept.c $(HDRS) | $(B)
@@ -141,10 +141,10 @@ $(B)/bench_a2a_mpi: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
 # the builtin GEMM against the measured FMA peak and OpenBLAS (when found), same run
-$(B)/bench_gemm: bench/bench_gemm.c bench/peak.h moept.c $(HDRS) | $(B)
+$(B)/bench_gemm: bench/bench_gemm.c bench/peak.h bench/bench_shape.h moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $(if $(CBLAS_LIBS),-DBENCH_CBLAS) $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
 
-$(B)/cblas/bench_layer: bench/bench_layer.c moept.c $(HDRS) | $(B)
+$(B)/cblas/bench_layer: bench/bench_layer.c bench/peak.h bench/bench_shape.h moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cblas
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
 
@@ -281,7 +281,7 @@ bench-load: $(B)/bench_load
 	$(B)/bench_load
 
 # the x86-64-v3 build (AVX2+FMA: what a distribution ships) beside -march=native
-$(B)/v3/bench_%: bench/bench_%.c bench/peak.h moept.c $(HDRS) | $(B)
+$(B)/v3/bench_%: bench/bench_%.c bench/peak.h bench/bench_shape.h moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/v3
 	$(CC) $(OPT) -g -march=x86-64-v3 $(WARN) -D_DEFAULT_SOURCE $(OMP) $(if $(CBLAS_LIBS),-DBENCH_CBLAS) $< -o $@ \
 	    $(LDLIBS) $(CBLAS_LIBS)

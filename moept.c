@@ -925,6 +925,13 @@ void moept_destroy(moept_layer *L) {
 }
 
 
+/* The one-chunk forward dispatches from the token rows themselves when the
+   backend can (alltoallv_rows) and the rows leave the rank (P > 1): the
+   permuted order is then only an index, tok_of_row, and xs is not needed */
+static int moept__rows_dispatch(const moept_layer *L) {
+    return L->ep && L->P > 1 && L->C == 1 && !L->direct && L->ep->alltoallv_rows;
+}
+
 static void moept__layout_work(moept_layer *L, moept__carve *c) {
     const int64_t T = L->Tmax, N = L->Nmax, E = L->E, K = L->K, D = L->D;
     const size_t f = sizeof(float), i64 = sizeof(int64_t);
@@ -963,7 +970,7 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     /* the direct (shared-memory) path gathers from x and combines from the
        experts' rows in place: no send/receive buffers on the token side */
     int64_t Nxs = L->direct ? 0 : N;
-    L->xs = moept__take(c, (size_t)(Nxs * D) * f);
+    L->xs = moept__take(c, moept__rows_dispatch(L) ? 0 : (size_t)(Nxs * D) * f);
     L->ys = moept__take(c, (size_t)(Nxs * D) * f);
     /* an inference layer keeps nothing for backward: no router or gate
        gradients, the shared activations over hs, no jitter */
@@ -1729,8 +1736,7 @@ static moept_status moept__exchange(moept_layer *L, float *local, float *remote,
     return moept__exchanged(L, st, t0, dispatch);
 }
 
-/* The forward dispatch from the token rows themselves (a backend with
-   alltoallv_rows, P > 1): the permuted order is only an index, tok_of_row. */
+/* the forward dispatch from x by index (moept__rows_dispatch) */
 static moept_status moept__exchange_rows(moept_layer *L, const float *x) {
     double t0 = moept__now();
     moept_status st = L->ep->alltoallv_rows(L->ep, x, L->tok_of_row, L->D, L->send_segs, L->xr, L->recv_segs,
@@ -2583,7 +2589,7 @@ static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
         moept__count_bytes(L, 1);
         return MOEPT_OK;
     }
-    if (L->ep && L->P > 1 && L->ep->alltoallv_rows) return moept__exchange_rows(L, x);
+    if (moept__rows_dispatch(L)) return moept__exchange_rows(L, x);
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
     for (int64_t r = 0; r < N; r++) memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
     return L->ep ? moept__exchange(L, L->xs, L->xr, 1) : MOEPT_OK;
@@ -3888,48 +3894,6 @@ static moept_status moept__mpi_post_recvs(moept_comm *c, void *recv, const moept
     return MOEPT_OK;
 }
 
-/* posts the sends of every piece from a contiguous buffer */
-static moept_status moept__mpi_post_sends(moept_comm *c, const void *send, const moept_seg *ss, int nseg,
-                                          int es, int tag, MPI_Request *reqs, int64_t *n) {
-    moept__mpi *m = c->ctx;
-    for (int i = 0; i < c->size * nseg; i++)
-        for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
-            int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
-            const char *at = (const char *)send + (ss[i].offset + o) * es;
-            MOEPT__MPI(c, MPI_Isend(at, (int)k, m->elem[es == 8], i / nseg, tag, m->comm, &reqs[(*n)++]));
-        }
-    return MOEPT_OK;
-}
-
-static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const moept_seg *ss,
-                                         void *recv, const moept_seg *rs, int nseg, int es) {
-    moept__mpi *m = c->ctx;
-    MPI_Datatype t = m->elem[es == 8];
-    int P = c->size, fits = nseg == 1;
-    for (int p = 0; p < P && fits; p++)
-        fits = ss[p].count <= MOEPT__MPI_INT_MAX && ss[p].offset <= MOEPT__MPI_INT_MAX &&
-               rs[p].count <= MOEPT__MPI_INT_MAX && rs[p].offset <= MOEPT__MPI_INT_MAX;
-    if (fits) { /* the plain collective: one contiguous piece per peer */
-        int *sc = m->cnt, *sd = m->dsp, *rc = m->cnt + 2 * P, *rd = m->dsp + 2 * P;
-        for (int p = 0; p < P; p++) {
-            sc[p] = (int)ss[p].count; sd[p] = (int)ss[p].offset;
-            rc[p] = (int)rs[p].count; rd[p] = (int)rs[p].offset;
-        }
-        MOEPT__MPI(c, MPI_Alltoallv(send, sc, sd, t, recv, rc, rd, t, m->comm));
-        return MOEPT_OK;
-    }
-    /* pieces (and counts past INT_MAX): non-blocking point-to-point, each
-       piece split into chunks of 2^30 elements */
-    int64_t n = moept__mpi_nmsg(ss, rs, P * nseg);
-    if (!moept__mpi_reqs(m, n)) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv: out of memory");
-    n = 0;
-    moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, 0, m->reqs, &n);
-    if (!st) st = moept__mpi_post_sends(c, send, ss, nseg, es, 0, m->reqs, &n);
-    if (st) return st;
-    MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
-    return MOEPT_OK;
-}
-
 /* Elements [e0, e0 + n) of the virtual buffer whose row r is row rows[r]
    of the send base (re elements a row) as one committed MPI type over the
    base: a block per row touched (a message may start or end mid-row). */
@@ -3958,31 +3922,66 @@ static moept_status moept__mpi_rows_type(moept_comm *c, const int64_t *rows, int
     return MOEPT_OK;
 }
 
-/* alltoallv with the send side gathered by index (moept.h): receives as
-   alltoallv's piecewise path; each send message one derived type over
-   `base`, so MPI reads the rows where they lie (no staging copy). */
-static moept_status moept__mpi_alltoallv_rows(moept_comm *c, const void *base, const int64_t *rows,
-                                              int64_t re, const moept_seg *ss, void *recv,
-                                              const moept_seg *rs, int nseg, int es) {
+/* posts the sends of every piece: from a contiguous buffer (rows NULL), or
+   from the virtual one whose row r is row rows[r] of `send` (re elements),
+   each message then one derived type */
+static moept_status moept__mpi_post_sends(moept_comm *c, const void *send, const int64_t *rows, int64_t re,
+                                          const moept_seg *ss, int nseg, int es, int tag, MPI_Request *reqs,
+                                          int64_t *n) {
     moept__mpi *m = c->ctx;
-    int P = c->size;
-    int64_t n = moept__mpi_nmsg(ss, rs, P * nseg);
-    if (!moept__mpi_reqs(m, n))
-        return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv_rows: out of memory");
-    n = 0;
-    moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, 0, m->reqs, &n);
-    if (st) return st;
-    for (int i = 0; i < P * nseg; i++)
+    for (int i = 0; i < c->size * nseg; i++)
         for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
             int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
+            if (!rows) {
+                const char *at = (const char *)send + (ss[i].offset + o) * es;
+                MOEPT__MPI(c, MPI_Isend(at, (int)k, m->elem[es == 8], i / nseg, tag, m->comm, &reqs[(*n)++]));
+                continue;
+            }
             MPI_Datatype rt;
-            if ((st = moept__mpi_rows_type(c, rows, re, es, ss[i].offset + o, k, &rt))) return st;
-            int rc = MPI_Isend(base, 1, rt, i / nseg, 0, m->comm, &m->reqs[n++]);
+            moept_status st = moept__mpi_rows_type(c, rows, re, es, ss[i].offset + o, k, &rt);
+            if (st) return st;
+            int rc = MPI_Isend(send, 1, rt, i / nseg, tag, m->comm, &reqs[(*n)++]);
             MPI_Type_free(&rt); /* the posted send keeps what it needs */
             if (rc != MPI_SUCCESS) return moept__mpi_err(c, rc, "MPI_Isend", __LINE__);
         }
+    return MOEPT_OK;
+}
+
+/* The blocking piecewise exchange (pieces, counts past INT_MAX), and
+   alltoallv_rows itself (rows sent by index, moept.h): non-blocking
+   point-to-point, each piece split into messages of at most
+   MOEPT__MPI_CHUNK elements, then one wait */
+static moept_status moept__mpi_pieces(moept_comm *c, const void *send, const int64_t *rows, int64_t re,
+                                      const moept_seg *ss, void *recv, const moept_seg *rs, int nseg, int es) {
+    moept__mpi *m = c->ctx;
+    int64_t n = moept__mpi_nmsg(ss, rs, c->size * nseg);
+    if (!moept__mpi_reqs(m, n)) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv: out of memory");
+    n = 0;
+    moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, 0, m->reqs, &n);
+    if (!st) st = moept__mpi_post_sends(c, send, rows, re, ss, nseg, es, 0, m->reqs, &n);
+    if (st) return st;
     MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
     return MOEPT_OK;
+}
+
+static moept_status moept__mpi_alltoallv(moept_comm *c, const void *send, const moept_seg *ss,
+                                         void *recv, const moept_seg *rs, int nseg, int es) {
+    moept__mpi *m = c->ctx;
+    MPI_Datatype t = m->elem[es == 8];
+    int P = c->size, fits = nseg == 1;
+    for (int p = 0; p < P && fits; p++)
+        fits = ss[p].count <= MOEPT__MPI_INT_MAX && ss[p].offset <= MOEPT__MPI_INT_MAX &&
+               rs[p].count <= MOEPT__MPI_INT_MAX && rs[p].offset <= MOEPT__MPI_INT_MAX;
+    if (fits) { /* the plain collective: one contiguous piece per peer */
+        int *sc = m->cnt, *sd = m->dsp, *rc = m->cnt + 2 * P, *rd = m->dsp + 2 * P;
+        for (int p = 0; p < P; p++) {
+            sc[p] = (int)ss[p].count; sd[p] = (int)ss[p].offset;
+            rc[p] = (int)rs[p].count; rd[p] = (int)rs[p].offset;
+        }
+        MOEPT__MPI(c, MPI_Alltoallv(send, sc, sd, t, recv, rc, rd, t, m->comm));
+        return MOEPT_OK;
+    }
+    return moept__mpi_pieces(c, send, NULL, 1, ss, recv, rs, nseg, es);
 }
 
 /* Non-blocking all-to-all-v: the pieces as Irecv/Isend (chunked as the
@@ -4003,7 +4002,7 @@ static moept_status moept__mpi_ialltoallv(moept_comm *c, const void *send, const
     int tag = 100 + slot;
     n = 0;
     moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, tag, m->preq[slot], &n);
-    if (!st) st = moept__mpi_post_sends(c, send, ss, nseg, es, tag, m->preq[slot], &n);
+    if (!st) st = moept__mpi_post_sends(c, send, NULL, 1, ss, nseg, es, tag, m->preq[slot], &n);
     if (st) return st;
     m->npreq[slot] = n;
     return MOEPT_OK;
@@ -4151,7 +4150,7 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
     c->allgather = moept__mpi_allgather;
     c->p2p = moept__mpi_p2p;
     c->ialltoallv = moept__mpi_ialltoallv;
-    c->alltoallv_rows = moept__mpi_alltoallv_rows;
+    c->alltoallv_rows = moept__mpi_pieces;
     c->wait = moept__mpi_wait;
     c->progress = moept__mpi_progress;
     c->destroy = moept__mpi_destroy;

@@ -410,8 +410,9 @@ struct moept_comm {
     /* Optional (NULL: the layer copies the rows into a send buffer first):
        alltoallv whose send buffer is virtual: its row r (row_elems
        elements) is row rows[r] of `base`, and send_segs count elements of
-       it, as alltoallv's do. The forward dispatch sends token rows straight
-       from x with it (MPI: derived datatypes, no staging permute). */
+       it, as alltoallv's do. The one-chunk forward dispatch sends token rows
+       straight from x with it (MPI: derived datatypes, no staging permute,
+       and no permuted-input buffer: N x D floats less a rank). */
     moept_status (*alltoallv_rows)(moept_comm *c, const void *base, const int64_t *rows, int64_t row_elems,
                                    const moept_seg *send_segs, void *recv, const moept_seg *recv_segs,
                                    int nseg, int elem_size);

@@ -14,6 +14,7 @@
    Prints a markdown table and one "RESULT ..." line per product. */
 #include "../moept.c"
 #include "peak.h"
+#include "bench_shape.h"
 #ifdef BENCH_CBLAS
 #include <cblas.h>
 #endif
@@ -51,26 +52,10 @@ static void pause_ms(long ms) { /* lets the other library's spinning threads go 
 }
 
 int main(int argc, char **argv) {
-    int64_t T = 4096, D = 1024, F = 3584, E = 8, K = 2;
-    int reps = 5, threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
-    for (int i = 1; i + 1 < argc; i += 2) {
-        long long v = atoll(argv[i + 1]);
-        if (!strcmp(argv[i], "--tokens")) T = v;
-        else if (!strcmp(argv[i], "--hidden")) D = v;
-        else if (!strcmp(argv[i], "--ffn")) F = v;
-        else if (!strcmp(argv[i], "--experts")) E = v;
-        else if (!strcmp(argv[i], "--topk")) K = v;
-        else if (!strcmp(argv[i], "--reps")) reps = (int)v;
-        else if (!strcmp(argv[i], "--threads")) threads = (int)v;
-        else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
-    }
-    if (reps < 1 || reps > 64 || threads < 1 || T * K < E) { fprintf(stderr, "bad arguments\n"); return 2; }
-#ifdef _OPENMP
-    omp_set_num_threads(threads);
-#endif
+    bench_shape sh = {4096, 1024, 3584, 8, 2, 5, 1};
+    if (!bench_shape_args(argc, argv, &sh)) return 2;
+    const int64_t T = sh.T, D = sh.D, F = sh.F, E = sh.E, K = sh.K;
+    const int reps = sh.reps, threads = sh.threads;
     int64_t m = T * K / E, H = 2 * F;
     float *x = calloc((size_t)(m * D), 4), *h = calloc((size_t)(m * H), 4), *a = calloc((size_t)(m * F), 4);
     float *dy = calloc((size_t)(m * D), 4), *w13 = calloc((size_t)(H * D), 4), *w2 = calloc((size_t)(D * F), 4);

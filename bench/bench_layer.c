@@ -7,10 +7,11 @@
    routing, the plan, the permute, activations and the combine.
 
    usage: bench_layer [--tokens T] [--hidden D] [--ffn F] [--experts E]
-                      [--topk K] [--reps R]
+                      [--topk K] [--reps R] [--threads N]
    Prints one "RESULT key=value ..." line (bench/run_bench_layer.py reads it). */
 #include "../moept.c"
 #include "peak.h"
+#include "bench_shape.h"
 
 #include <time.h>
 
@@ -40,18 +41,10 @@ static int cmp_d(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-    int64_t T = 4096, D = 1024, F = 3584, E = 8, K = 2;
-    int reps = 3;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        long long v = atoll(argv[i + 1]);
-        if (!strcmp(argv[i], "--tokens")) T = v;
-        else if (!strcmp(argv[i], "--hidden")) D = v;
-        else if (!strcmp(argv[i], "--ffn")) F = v;
-        else if (!strcmp(argv[i], "--experts")) E = v;
-        else if (!strcmp(argv[i], "--topk")) K = v;
-        else if (!strcmp(argv[i], "--reps")) reps = (int)v;
-        else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
-    }
+    bench_shape sh = {4096, 1024, 3584, 8, 2, 3, 1};
+    if (!bench_shape_args(argc, argv, &sh)) return 2;
+    const int64_t T = sh.T, D = sh.D, F = sh.F, E = sh.E, K = sh.K;
+    const int reps = sh.reps;
     int64_t rss0, peak0;
     rss(&rss0, &peak0);
     double peak = 0; /* the FMA peak, before any GEMM library's threads exist (and again at the end) */

@@ -1,0 +1,46 @@
+/* bench_shape.h: the Mixtral-shaped layer's options, shared by bench_layer
+   and bench_gemm: --tokens T --hidden D --ffn F --experts E --topk K
+   --reps R --threads N (default: OpenMP's count). */
+#ifndef BENCH_SHAPE_H
+#define BENCH_SHAPE_H
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef struct bench_shape {
+    int64_t T, D, F, E, K;
+    int reps, threads;
+} bench_shape;
+
+/* fills *s from argv over its defaults and applies the thread count;
+   0 (with a message) on an unknown option or a bad value */
+static int bench_shape_args(int argc, char **argv, bench_shape *s) {
+#ifdef _OPENMP
+    s->threads = omp_get_max_threads();
+#else
+    s->threads = 1;
+#endif
+    for (int i = 1; i + 1 < argc; i += 2) {
+        long long v = atoll(argv[i + 1]);
+        if (!strcmp(argv[i], "--tokens")) s->T = v;
+        else if (!strcmp(argv[i], "--hidden")) s->D = v;
+        else if (!strcmp(argv[i], "--ffn")) s->F = v;
+        else if (!strcmp(argv[i], "--experts")) s->E = v;
+        else if (!strcmp(argv[i], "--topk")) s->K = v;
+        else if (!strcmp(argv[i], "--reps")) s->reps = (int)v;
+        else if (!strcmp(argv[i], "--threads")) s->threads = (int)v;
+        else { fprintf(stderr, "unknown option %s\n", argv[i]); return 0; }
+    }
+    if (s->reps < 1 || s->reps > 64 || s->threads < 1 || s->K < 1 || s->E < s->K || s->T * s->K < s->E) {
+        fprintf(stderr, "bad arguments\n");
+        return 0;
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(s->threads);
+#endif
+    return 1;
+}
+#endif
