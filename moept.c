@@ -710,6 +710,11 @@ struct moept_layer {
     void *cuda;
     int cuda_pnew, cuda_gnew;
     int cuda_routing;      /* host ids/wts/logits hold the committed step */
+    int cuda_dx_pending;   /* a backward's dx check on the device not yet read */
+    /* a backward whose dx came out non-finite left partial sums in
+       gradients accumulated before it: adamw_step and grad_norm refuse them
+       until zero_grad. -1: none; else dx's first bad element (or 0 for a peer's) */
+    int64_t grads_dx_bad;
     int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
     char err[MOEPT__ERRLEN];
 };
@@ -1173,6 +1178,7 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
     if (L) {
         memset(L, 0, sizeof *L);
         L->cfg = c;
+        L->grads_dx_bad = -1;
         L->ep = ep && ep->size > 1 ? ep : NULL;
         L->dp = dp && dp->size > 1 ? dp : NULL;
         L->P = P; L->rank = ep ? ep->rank : 0;
@@ -1404,7 +1410,29 @@ moept_status moept_zero_grad(moept_layer *L) {
     }
 #endif
     memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
+    L->grads_dx_bad = -1; /* the CUDA executor reset its dx check with them */
+    L->cuda_dx_pending = 0;
     return MOEPT_OK;
+}
+
+/* A backward since zero_grad whose dx came out non-finite (the CUDA
+   executor's check is read here: its backward does not synchronise) left
+   partial sums in the gradients: `call` refuses them (the caller agrees). */
+static moept_status moept__grads_refused(moept_layer *L, const char *call) {
+#ifdef MOEPT_CUDA
+    if (L->cuda && L->cuda_dx_pending) {
+        int64_t bad = -1;
+        moept_status st = moept__cuda_dx_check((moept__cuda *)L->cuda, &bad, L->err);
+        if (st) return st;
+        L->cuda_dx_pending = 0;
+        if (bad >= 0 && L->grads_dx_bad < 0) L->grads_dx_bad = bad;
+    }
+#endif
+    if (L->grads_dx_bad < 0) return MOEPT_OK;
+    return moept__fail(L, MOEPT_ERR_NUMERIC, "%s: a backward since moept_zero_grad had a non-finite dx (element "
+                       "[%lld][%lld] here, or on a peer) from finite inputs; its gradients hold partial sums: "
+                       "moept_zero_grad, then the next micro-batch", call, (long long)(L->grads_dx_bad / L->D),
+                       (long long)(L->grads_dx_bad % L->D));
 }
 
 /* splitmix64: a small deterministic generator for initialisation */
@@ -1628,6 +1656,14 @@ static int64_t moept__first_nonfinite(const float *v, int64_t n) {
     for (int64_t i = 0; i < n && bad < 0; i++)
         if (!moept__finite(v[i])) bad = i;
     return bad;
+}
+
+/* every bit of v [n] zero (+0.0f); stops at the first that is not */
+static int moept__all_zero(const float *v, int64_t n) {
+    const uint32_t *u = (const uint32_t *)(const void *)v;
+    for (int64_t i = 0; i < n; i++)
+        if (u[i]) return 0;
+    return 1;
 }
 
 /* Expert FFN over the permuted rows of every group: h = xs W13^T,
@@ -1906,6 +1942,7 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     moept__cuda_stats(L, &r);
     L->bwd_valid = 1;
     L->cuda_gnew = 2;
+    L->cuda_dx_pending = 1;
     return MOEPT_OK;
 }
 #endif
@@ -2695,12 +2732,25 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
    Backward
    ------------------------------------------------------------------------ */
 /* Finite dy that gives a non-finite dx (an overflow in the backward): the
-   step fails on every rank of the group. The gradients were accumulated in
-   place by then and may hold non-finite values: moept_adamw_step and
-   moept_grad_norm refuse them until moept_zero_grad. */
-static moept_status moept__backward_finite(moept_layer *L, const float *dx) {
-    return moept__agree_finite(L, "moept_backward", "dx", dx, MOEPT_OK, NULL,
-                               "the gradients may hold non-finite values: zero them");
+   step fails on every rank of the group, its statistics as they were. The
+   gradients were accumulated in place by then: where they were zero before
+   (zero_grad, forward, backward) they are zero again, exactly; where they
+   held earlier micro-batches (a copy to restore them would double the
+   gradients' memory), adamw_step and grad_norm refuse them until
+   moept_zero_grad. */
+static moept_status moept__backward_finite(moept_layer *L, const float *dx, int grads_were_zero,
+                                           const moept_stats *before) {
+    moept_status st = moept__agree_finite(L, "moept_backward", "dx", dx, MOEPT_OK, NULL, grads_were_zero
+        ? "the gradients are as they were (zero)"
+        : "the gradients accumulated since moept_zero_grad are refused until moept_zero_grad");
+    if (!st) return MOEPT_OK;
+    L->stats = *before;
+    if (grads_were_zero) memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
+    else if (L->grads_dx_bad < 0) {
+        int64_t bad = moept__first_nonfinite(dx, L->T * L->D);
+        L->grads_dx_bad = bad < 0 ? 0 : bad; /* 0: a peer's dx */
+    }
+    return st;
 }
 
 /* router': g_router += dlogits^T xin, dx += (dlogits W) * u, where the
@@ -2754,6 +2804,8 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
                                 (long long)(bad / D), (long long)(bad % D));
     }
     if ((st = moept__agree_call(L, L->group, NULL, local, "moept_backward"))) return st;
+    const moept_stats stats_before = L->stats;
+    const int grads_were_zero = moept__all_zero(L->grads, L->n_params);
     const int fam = (int)L->cfg.family;
     const float *logits = L->logits[L->cur], *probs = L->probs[L->cur], *wts = L->wts[L->cur];
     const int32_t *ids = L->ids[L->cur];
@@ -2865,7 +2917,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     }
     moept__router_bwd(L, x, dx);
     L->bwd_valid = 1; /* the saved activations are consumed, whatever follows */
-    if ((st = moept__backward_finite(L, dx))) return st;
+    if ((st = moept__backward_finite(L, dx, grads_were_zero, &stats_before))) return st;
     if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
     return MOEPT_OK;
 }
@@ -2957,7 +3009,8 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: layer is NULL");
     if (!L->grads) return moept__no_grads(L, "moept_grad_norm");
-    moept_status bad = norm ? MOEPT_OK : moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: norm is NULL");
+    moept_status bad = norm ? moept__grads_refused(L, "moept_grad_norm")
+                            : moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: norm is NULL");
     moept_status ag = moept__agree_call(L, L->group, NULL, bad, "moept_grad_norm");
     if (ag) return ag;
     MOEPT__HOST_SYNC(L, 0, 1);
@@ -5076,10 +5129,10 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
              !moept__finite(wd) || wd < 0)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
                             "moept_adamw_step: need lr >= 0, betas in [0,1), eps > 0, weight_decay >= 0");
-    else if (bad >= 0)
+    else if ((local = moept__grads_refused(L, "moept_adamw_step")) == MOEPT_OK && bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_adamw_step: the gradient of '%s' is not finite (flat "
                             "element %lld); nothing changed", moept__param_of(L, bad), (long long)bad);
-    else if (!L->opt_m) {
+    if (!local && !L->opt_m) {
         float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
         if (!s)
             local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");

@@ -86,9 +86,11 @@
        more) all fail with MOEPT_ERR_STATE, "call sequences differ",
        instead of running into each other's collectives, over every
        backend. Not detected: a rank that makes no call at all (it died,
-       or skipped one): the threads and NCCL backends end the wait at their timeout
-       with an error on every waiting rank; MPI has no timeout and waits
-       (Open MPI's mpirun ends the job when a rank process dies). On the
+       or skipped one): the threads and NCCL backends end the wait at
+       their timeout with an error on every waiting rank; MPI has no
+       timeout (it cannot cancel a collective) and waits, as any blocking
+       MPI program; Open MPI's mpirun ends the job when a rank process
+       dies. On the
        CUDA executor the tag rides in the forward's count exchange and in
        the backward's agreement (a message of the same shape), so a forward
        against a backward fails on both ranks at no extra synchronisation;
@@ -108,14 +110,18 @@
        forward would stall the host's run-ahead; with unchecked_backward
        nothing reports it). A CPU backward whose dx comes out non-finite
        from a finite dy fails on every rank of the EP group with
-       MOEPT_ERR_NUMERIC; the gradients were accumulated in place by then
-       (restoring them would take a second copy of every gradient) and may
-       hold non-finite values, which moept_adamw_step and moept_grad_norm
-       refuse on every rank until moept_zero_grad, as mixed-precision
-       training skips a step whose gradients overflowed: nothing non-finite
-       reaches the parameters or the optimizer state. The CUDA backward
-       does not check dx (a host sync at its end); the same refusal
-       covers its gradients.
+       MOEPT_ERR_NUMERIC and the statistics unchanged. Gradients that were
+       zero before it (zero_grad, forward, backward) are zero again,
+       bitwise. Gradients that held earlier micro-batches keep this one's
+       partial sums (restoring them would take a second copy of every
+       gradient): moept_adamw_step and moept_grad_norm refuse them on
+       every rank, naming dx, until moept_zero_grad, as mixed-precision
+       training skips a step whose gradients overflowed. The CUDA backward
+       checks dx on the device without a host sync: its next
+       moept_adamw_step or moept_grad_norm reads the check and refuses the
+       same way. Nothing non-finite reaches the parameters or the
+       optimizer state: moept_adamw_step also refuses non-finite gradients
+       (moept_grad_norm then returns their Inf or NaN norm).
      - The library never prints, exits or aborts. Per-step work performs no
        allocation (checked through moept_stats.allocations).
      - Top-k ties go to the lower expert index; all sums are in a fixed order,
@@ -1380,6 +1386,9 @@ void moept__cuda_params_changed(moept__cuda *c);
 moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
                                           float *dwts, char *err);
 moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
+/* first_bad: the first non-finite dx element of the backwards since
+   zero_grad, -1 if none (a host sync) */
+moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, char *err);
 /* lstat [3E + 2] receives the step's loss statistics (selection counts,
    aux counts, score sums, T, sum lse^2; global when global_balance);
    peer_rows [2][P] rows sent to / received from each peer. */

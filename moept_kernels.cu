@@ -750,7 +750,7 @@ struct moept__cuda {
     void *pinned;
     int64_t *h_msg_all;         /* [P][M] */
     double *h_lstat;            /* [3E + 3] */
-    unsigned long long *h_bad;  /* [4] */
+    unsigned long long *h_bad;  /* [6] */
     float *h_aux_g;             /* [E] */
     const void **h_ptrs;        /* [2 nslot][3G] */
 
@@ -813,7 +813,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->msg = (int64_t *)moept__take(cv, (size_t)c->M * 8);
     c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
     c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
-    c->bad = (unsigned long long *)moept__take(cv, 5 * 8);
+    c->bad = (unsigned long long *)moept__take(cv, 6 * 8);
     c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     c->tok_of_row = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     c->kslot_of_row = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
@@ -935,14 +935,15 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     cv.base = (char *)c->work;
     cv.off = 0;
     moept__layout(c, &cv);
+    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 8, c->s)); /* no backward's dx yet */
     /* pinned host block */
-    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 5 * 8 + (size_t)E * 4 +
+    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 6 * 8 + (size_t)E * 4 +
                 (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 6 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
     moept__carve hv = {(char *)c->pinned, 0};
     c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * c->M) * 8);
     c->h_lstat = (double *)moept__take(&hv, (size_t)(3 * E + 3) * 8);
-    c->h_bad = (unsigned long long *)moept__take(&hv, 5 * 8);
+    c->h_bad = (unsigned long long *)moept__take(&hv, 6 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
@@ -1062,6 +1063,16 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
 
 extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
     MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s));
+    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 8, c->s)); /* the backwards' dx check, with them */
+    return MOEPT_OK;
+}
+
+/* The first non-finite dx element of the backwards since zero_grad (-1:
+   none): their check ran on the device; this reads it (a host sync). */
+extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, char *err) {
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 5, &c->bad[5], 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__TRY(moept__host_wait(c, err));
+    *first_bad = c->h_bad[5] == ULLONG_MAX ? -1 : (int64_t)c->h_bad[5];
     return MOEPT_OK;
 }
 
@@ -1998,6 +2009,10 @@ static moept_status moept__bwd_router(moept__cuda *c, float *dxf, const float *x
         MOEPT__LAUNCH(moept__k_cast<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, T_ * D, dx);
         MOEPT__LAUNCHED();
     }
+    /* dx non-finite from finite dy: read by the next adamw_step or
+       grad_norm (no host sync here), which refuse these gradients */
+    MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dx, T_ * D, NULL, &c->bad[5]);
+    MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 

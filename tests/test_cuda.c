@@ -531,6 +531,44 @@ static void test_bf16_weights_cast_once(void) {
     moept_destroy(F);
 }
 
+/* A finite dy whose dx overflows (3e38 through the experts): the backward
+   does not synchronise, so its device-side check is read by the next
+   adamw_step and grad_norm, which refuse the gradients naming dx (not a
+   gradient: the message tells which check fired) until zero_grad. */
+static void test_dx_overflow(void) {
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+        moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+        moept_layer *L = NULL;
+        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+        if (!L) return;
+        moept_init_params(L, 3);
+        const int64_t T = 16, D = cfg.hidden_size;
+        float *x = malloc((size_t)(T * D) * sizeof(float)), *big = malloc((size_t)(T * D) * sizeof(float));
+        for (int64_t i = 0; i < T * D; i++) { x[i] = 1e4f * frand(); big[i] = 3e38f; }
+        void *xd = dev_from(x, T * D, bf16), *yd = dev_from(x, T * D, bf16), *bigd = dev_from(big, T * D, bf16);
+        void *dxd = dev_from(x, T * D, bf16);
+        moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+        double norm = 0.0;
+        EXPECT_OK(moept_forward(L, xd, T, yd));
+        EXPECT_OK(moept_backward(L, xd, bigd, dxd)); /* no host sync: nothing known yet */
+        moept_status st = moept_adamw_step(L, &opt);
+        EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "non-finite dx"),
+               "bf16 %d: adamw_step after dx overflowed: %d (%s)", bf16, (int)st, moept_last_error(L));
+        st = moept_grad_norm(L, &norm);
+        EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "non-finite dx"),
+               "bf16 %d: grad_norm after dx overflowed: %d (%s)", bf16, (int)st, moept_last_error(L));
+        EXPECT_OK(moept_zero_grad(L));
+        EXPECT_OK(moept_forward(L, xd, T, yd));
+        EXPECT_OK(moept_backward(L, xd, xd, dxd));
+        EXPECT_OK(moept_grad_norm(L, &norm));
+        EXPECT_OK(moept_adamw_step(L, &opt));
+        cudaFree(xd); cudaFree(yd); cudaFree(bigd); cudaFree(dxd);
+        free(x); free(big);
+        moept_destroy(L);
+    }
+}
+
 /* Two EP ranks, each call's outcome agreed on every rank (as the CPU layer's
    test_ep): a forward on rank 0 against a backward on rank 1 (the tags in
    the count exchange), a z loss that overflows from rank 1's finite x, and
@@ -713,6 +751,7 @@ int main(void) {
         tu_skip("cuda: capacity and zero tokens", why);
         tu_skip("cuda: rejected step keeps state; steady state allocates nothing", why);
         tu_skip("cuda: bad options and host comms rejected", why);
+        tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
         return tu_done();
     }
     tu_run("cuda: fp32 equals the CPU layer (4 families, 1e-5)", test_fp32);
@@ -720,6 +759,7 @@ int main(void) {
     tu_run("cuda: capacity and zero tokens", test_capacity_and_empty);
     tu_run("cuda: rejected step keeps state; steady state allocates nothing", test_rejected_and_steady);
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
+    tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
 #ifdef MOEPT_EMU
     tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from the loss all-reduce: ERR_COMM, aborted once",

@@ -631,13 +631,17 @@ static void test_call_order_mismatch(void) {
    router's logits stay finite, the experts overflow). Every rank fails the
    step with MOEPT_ERR_NUMERIC, the statistics stay as they were, backward
    is refused, and the next good step works. Likewise a backward whose dx
-   overflows on rank 1 (x 1e4 times larger, dy 3e38) fails on both ranks. Before, the forward returned
-   OK with Inf in y and one AdamW step spread it to every parameter. */
+   overflows on rank 1 (x 1e4 times larger, dy 3e38) fails on both ranks,
+   statistics unchanged: gradients that were zero are zero again, and
+   accumulated ones are refused by adamw_step and grad_norm until zero_grad.
+   Before, the forward returned OK with Inf in y and one AdamW step spread
+   it to every parameter. */
 typedef struct nfj {
     moept_thread_group *g;
     int r, stats_same;
-    moept_status st, bwd, bst, next;
-    char err[MOEPT__ERRLEN], berr[MOEPT__ERRLEN];
+    int bstats_same, grads_zero;
+    moept_status st, bwd, bst, bst2, step0, step1, norm1, next;
+    char err[MOEPT__ERRLEN], berr[MOEPT__ERRLEN], serr[MOEPT__ERRLEN];
 } nfj;
 static void *nonfinite_main(void *arg) {
     nfj *j = arg;
@@ -668,11 +672,31 @@ static void *nonfinite_main(void *arg) {
         xb[i] = j->r == 1 ? 1e4f * x[i] : x[i];
     }
     if (!j->next) j->next = moept_forward(L, xb, 8, y);
+    moept_get_stats(L, &s0, NULL);
     if (!j->next) j->bst = moept_backward(L, xb, big, dx);
     snprintf(j->berr, sizeof j->berr, "%s", moept_last_error(L));
+    moept_get_stats(L, &s1, NULL);
+    j->bstats_same = !memcmp(&s0, &s1, sizeof s0);
+    float *g;
+    int64_t ng;
+    moept_grads(L, &g, &ng);
+    j->grads_zero = 1; /* they were zero before the failed backward: zero again, bitwise */
+    for (int64_t i = 0; i < ng; i++) j->grads_zero &= ((const uint32_t *)(const void *)g)[i] == 0;
+    moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+    double norm;
+    j->step0 = moept_adamw_step(L, &opt);
+    /* accumulating: a good micro-batch, then the overflow; its partial sums are refused */
+    if (!j->next) j->next = moept_forward(L, x, 8, y);
+    if (!j->next) j->next = moept_backward(L, x, x, dx);
+    if (!j->next) j->next = moept_forward(L, xb, 8, y);
+    if (!j->next) j->bst2 = moept_backward(L, xb, big, dx);
+    j->step1 = moept_adamw_step(L, &opt);
+    snprintf(j->serr, sizeof j->serr, "%s", moept_last_error(L));
+    j->norm1 = moept_grad_norm(L, &norm);
     moept_zero_grad(L);
     if (!j->next) j->next = moept_forward(L, x, 8, y);
     if (!j->next) j->next = moept_backward(L, x, x, dx);
+    if (!j->next) j->next = moept_adamw_step(L, &opt);
     moept_destroy(L);
     moept_comm_destroy(c);
     return NULL;
@@ -687,6 +711,13 @@ static void test_nonfinite_output_fails_every_rank(void) {
         EXPECT(js[r].bwd == MOEPT_ERR_STATE, "rank %d: backward of the rejected step: status %d", r, (int)js[r].bwd);
         EXPECT(js[r].bst == MOEPT_ERR_NUMERIC && strstr(js[r].berr, r ? "from finite inputs" : "other rank"),
                "rank %d: backward with dx overflowing on rank 1: status %d (%s)", r, (int)js[r].bst, js[r].berr);
+        EXPECT(js[r].bstats_same && js[r].grads_zero && js[r].step0 == MOEPT_OK,
+               "rank %d: the failed backward left stats %d, zero gradients %d, adamw_step %d", r,
+               js[r].bstats_same, js[r].grads_zero, (int)js[r].step0);
+        EXPECT(js[r].bst2 == MOEPT_ERR_NUMERIC && js[r].step1 == MOEPT_ERR_NUMERIC &&
+               js[r].norm1 == MOEPT_ERR_NUMERIC && strstr(js[r].serr, "non-finite dx"),
+               "rank %d: accumulated gradients of a failed backward: backward %d, adamw_step %d (%s), grad_norm %d",
+               r, (int)js[r].bst2, (int)js[r].step1, js[r].serr, (int)js[r].norm1);
         EXPECT(js[r].next == MOEPT_OK, "rank %d: the good step after failed", r);
     }
 }
