@@ -83,6 +83,11 @@ static moept_status moept__kfail(char *err, moept_status s, const char *fmt, ...
 #ifndef MOEPT__LAUNCH
 #define MOEPT__LAUNCH(k, g, b, smem, s) k<<<g, b, smem, s>>>
 #endif
+/* The pipeline stage the work queued next belongs to: tests/emu counts
+   launches, bytes and host syncs per stage (docs/CUDA.md); nothing here. */
+#ifndef MOEPT__STAGE
+#define MOEPT__STAGE(name) ((void)0)
+#endif
 #define MOEPT__TRY(expr)                     \
     do {                                     \
         moept_status s_ = (expr);            \
@@ -323,7 +328,8 @@ __global__ void moept__k_act_bwd(int kind, T *h, const T *da, int64_t R, int64_t
    grid (T, D blocks). */
 template <typename T>
 __global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float *wts, const T *yss,
-                                 const float *sg, int64_t D, int K, T *y) {
+                                 const float *sg, int64_t D, int K, T *y, int64_t bad_base,
+                                 unsigned long long *first_bad) {
     int64_t t = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
     if (d >= D) return;
     float acc = yss ? moept__scale(sg ? sg[t] : 1.0f, moept__ld(yss, t * D + d)) : 0.0f;
@@ -332,6 +338,8 @@ __global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float
         if (r >= 0) acc = moept__combine_step(acc, wts[t * K + k], moept__ld(ys, r * D + d));
     }
     moept__st(y, t * D + d, acc);
+    /* y's finiteness as stored (bf16 rounding can overflow): no second pass over y */
+    if (!moept__finite(moept__ld(y, t * D + d))) atomicMin(first_bad, (unsigned long long)(bad_base + t * D + d));
 }
 
 /* Combine backward, one block per assignment i = (t, k): dwts[i] =
@@ -710,6 +718,7 @@ struct moept__cuda {
     int32_t *slot_of;           /* [E] */
     void *wlow;                 /* [n_params - E*D] bf16 copy of the non-router weights (BF16) */
     int wlow_stale;             /* the fp32 masters changed since wlow was cast from them */
+    int xf_committed;           /* xf holds the committed step's x (bf16: a rejected forward wrote it) */
 
     /* device: the fixed workspace (one allocation, sized for Tmax) */
     void *work;
@@ -1311,18 +1320,21 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     c->ptr_slot = 0;
     MOEPT__PRE(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
     if (c->wlow && c->wlow_stale) { /* the bf16 weights, once after the fp32 masters changed */
+        MOEPT__STAGE("weights");
         int64_t nw = p->n_params - E * D;
         MOEPT__LAUNCH(moept__k_cast<moept__bf16>, moept__grid(nw), MOEPT__TB, 0, c->s)(
                 c->params + E * D, nw, (moept__bf16 *)c->wlow);
         cudaError_t e = cudaGetLastError();
         MOEPT__PRE(e);
         if (e == cudaSuccess) c->wlow_stale = 0;
+        MOEPT__STAGE("route");
     }
     const float *xf = c->wlow ? c->xf : (const float *)x;
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
                 x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
         MOEPT__PRE(cudaGetLastError());
+        c->xf_committed = 0; /* until this step commits */
         /* router GEMM in fp32: logits = xf Wr^T */
         moept__gemm g = moept__gemm_make(0, 1, T_, E, D, xf, D, c->params, D, 0.0f, c->logits[nb], E);
         if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
@@ -1492,6 +1504,7 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer
     const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank;
     c->cur = f->nb;
     c->T = f->T;
+    c->xf_committed = 1;
     c->fwd_valid = 1;
     c->bwd_done = 0;
     c->R = f->R;
@@ -1624,7 +1637,8 @@ static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t
     MOEPT__LAUNCH(moept__k_combine<T>, dim3((unsigned)(t1 - t0), (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB)),
                   MOEPT__TB, 0, c->s)((const T *)ys, c->row_of + t0 * K, c->wts[c->cur] + t0 * K,
                                       p->S > 0 ? (const T *)c->yss + t0 * D : NULL,
-                                      p->offsg >= 0 ? c->sg + t0 : NULL, D, (int)K, y + t0 * D);
+                                      p->offsg >= 0 ? c->sg + t0 : NULL, D, (int)K, y + t0 * D, t0 * D,
+                                      &c->bad[4]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -1803,26 +1817,28 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     f.tag = out->tag;
     f.reject = out->reject;
     moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
+    MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);
+    MOEPT__STAGE("plan");
     moept__fwd_plan(c, &f);
     MOEPT__TRY(moept__fwd_exchange_counts(c, out, err));
     MOEPT__TRY(moept__fwd_agree(c, &f, err));
     moept__fwd_commit(c, &f, peer_rows, out); /* nothing fails from here on but the device */
     MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
-    MOEPT__TRY(moept__fwd_dispatch<T>(c, x, out, err));
-    if (c->C > 1) MOEPT__TRY(moept__pipeline<T>(c, 0, x, (T *)yv, out, err));
-    else {
-        MOEPT__TRY(moept__fwd_experts<T>(c, x, out, err));
-        MOEPT__TRY(moept__fwd_combine<T>(c, (T *)yv, 0, c->T, err));
-    }
-    /* y's finiteness, read by the backward's host sync (a sync here would
-       stall the host's run-ahead): a committed step's flag, which no rejected
-       forward resets */
+    /* y's finiteness, checked by the combine as it writes y and read by the
+       backward's host sync (a sync here would stall the host's run-ahead):
+       a committed step's flag, which no rejected forward resets */
     MOEPT__CU(cudaMemsetAsync(&c->bad[4], 0xff, 8, c->s));
-    if (c->T > 0) {
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(c->T * c->sp.D), MOEPT__TB, 0, c->s)(
-                (const T *)yv, c->T * c->sp.D, NULL, &c->bad[4]);
-        MOEPT__LAUNCHED();
+    MOEPT__STAGE("dispatch");
+    MOEPT__TRY(moept__fwd_dispatch<T>(c, x, out, err));
+    if (c->C > 1) {
+        MOEPT__STAGE("pipeline");
+        MOEPT__TRY(moept__pipeline<T>(c, 0, x, (T *)yv, out, err));
+    } else {
+        MOEPT__STAGE("experts");
+        MOEPT__TRY(moept__fwd_experts<T>(c, x, out, err));
+        MOEPT__STAGE("combine");
+        MOEPT__TRY(moept__fwd_combine<T>(c, (T *)yv, 0, c->T, err));
     }
     return MOEPT_OK;
 }
@@ -1831,6 +1847,7 @@ extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64
                                             int64_t *peer_rows, moept__cuda_step *out, char *err) {
     moept_status st = c->esz == 2 ? moept__forward<moept__bf16>(c, x, T, y, lstat, peer_rows, out, err)
                                   : moept__forward<float>(c, x, T, y, lstat, peer_rows, out, err);
+    MOEPT__STAGE(NULL);
     out->recv_capacity = c->Rcap;
     out->recv_growths = c->growths;
     out->allocations = c->allocations;
@@ -1933,10 +1950,11 @@ static moept_status moept__bwd_combine(moept__cuda *c, const T *x, const T *dy, 
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, K = p->K, T_ = c->T;
     if (T_ == 0) return MOEPT_OK;
-    if (c->wlow) {
+    if (c->wlow && !c->xf_committed) { /* a rejected forward converted its x since */
         MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(x, T_ * D, c->xf,
                                                                              &c->bad[3]);
         MOEPT__LAUNCHED();
+        c->xf_committed = 1;
     }
     void *ys = p->P > 1 ? c->ys : c->yr;
     MOEPT__LAUNCH(moept__k_combine_bwd<T>, (unsigned)(T_ * K), MOEPT__TB, 0, c->s)(
@@ -2022,16 +2040,21 @@ template <typename T>
 static moept_status moept__backward(moept__cuda *c, const void *xv, const void *dyv, void *dxv,
                                     moept__cuda_step *out, char *err) {
     const T *x = (const T *)xv, *dy = (const T *)dyv;
+    MOEPT__STAGE("bwd.agree");
     MOEPT__TRY(moept__bwd_agree<T>(c, x, dy, dxv, out->tag, out, err));
     c->ptr_slot = c->nslot;
     c->bwd_done = 1; /* from here on the saved rows change */
     float *dxf = c->wlow ? c->dxf : (float *)dxv;
     const float *xf = c->wlow ? c->xf : (const float *)xv;
+    MOEPT__STAGE("bwd.combine");
     MOEPT__TRY(moept__bwd_combine<T>(c, x, dy, err));
+    MOEPT__STAGE(c->C > 1 ? "bwd.pipeline" : "bwd.experts");
     if (c->C > 1) MOEPT__TRY(moept__pipeline<T>(c, 1, x, NULL, out, err));
     else MOEPT__TRY(moept__bwd_experts<T>(c, x, out, err));
     if (c->T == 0) return MOEPT_OK;
+    MOEPT__STAGE("bwd.dx");
     MOEPT__TRY(moept__bwd_dx<T>(c, dxf, xf, err));
+    MOEPT__STAGE("bwd.router");
     return moept__bwd_router<T>(c, dxf, xf, (T *)dxv, err);
 }
 
@@ -2039,6 +2062,7 @@ extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, cons
                                              moept__cuda_step *out, char *err) {
     moept_status st = c->esz == 2 ? moept__backward<moept__bf16>(c, x, dy, dx, out, err)
                                   : moept__backward<float>(c, x, dy, dx, out, err);
+    MOEPT__STAGE(NULL);
     out->recv_capacity = c->Rcap;
     out->recv_growths = c->growths;
     out->allocations = c->allocations;

@@ -671,6 +671,100 @@ static void test_call_agreement(void) {
     }
 }
 
+/* The cost of one training step per pipeline stage, as the emulator counts
+   it (tests/emu/emu.h; each device byte once per op, the traffic of an op
+   that caches what it touched): mixtral, one rank, dropless, T = 64, at two
+   widths (D, F). The kernels' bytes grow between the widths exactly as the
+   stage's formula says (the terms in T, K and E only cancel), and the
+   kernel launches, cuBLAS calls and host syncs of each stage are pinned:
+   an extra pass over the rows, a second conversion of x or another host
+   sync fails here. docs/CUDA.md's table is these formulas at the Mixtral
+   shape. R = T K rows, H = 2F, es the element size; bf16 keeps fp32 copies
+   of x (xf) and dx (dxf) for the fp32 router. */
+typedef struct stage_pin {
+    const char *name;
+    long kernels[2], blas[2], syncs; /* [fp32, bf16] */
+} stage_pin;
+static const stage_pin stage_pins[] = {
+    {"weights", {0, 0}, {0, 0}, 0},      /* the bf16 cast: parameters unchanged, none */
+    {"route", {3, 3}, {1, 1}, 0},        /* x check (+ xf), router GEMM, top-k, loss statistics */
+    {"plan", {2, 2}, {0, 0}, 1},         /* count, scan; the step's one forward host sync */
+    {"dispatch", {2, 2}, {0, 0}, 0},     /* place, gather */
+    {"experts", {1, 1}, {2, 2}, 0},      /* gate/up GEMM, activation, down GEMM */
+    {"combine", {1, 1}, {0, 0}, 0},      /* combine, y's check inside */
+    {"bwd.agree", {1, 1}, {0, 0}, 1},    /* dy check; the agreement's host sync */
+    {"bwd.combine", {1, 1}, {0, 0}, 0},  /* dL/dw and dys (x not converted again) */
+    {"bwd.experts", {1, 1}, {4, 18}, 0}, /* bf16: weight gradients a GEMM per expert (8 x 2) */
+    {"bwd.dx", {1, 1}, {0, 0}, 0},       /* token sums */
+    {"bwd.router", {2, 3}, {2, 2}, 0},   /* router', its GEMMs, (bf16: dx cast), dx check */
+};
+/* the stage's kernel bytes that scale with D or F */
+static double stage_formula(const char *st, double T, double R, double D, double F, int bf) {
+    const double es = bf ? 2 : 4, H = 2 * F;
+    if (!strcmp(st, "route")) return T * D * es + (bf ? T * D * 4 : 0);
+    if (!strcmp(st, "dispatch") || !strcmp(st, "combine")) return (T + R) * D * es;
+    if (!strcmp(st, "experts")) return R * (H + F) * es;
+    if (!strcmp(st, "bwd.agree")) return T * D * es;
+    if (!strcmp(st, "bwd.combine")) return (2 * R + T) * D * es;
+    if (!strcmp(st, "bwd.experts")) return R * (2 * H + F) * es;
+    if (!strcmp(st, "bwd.dx")) return R * D * es + T * D * 4;
+    if (!strcmp(st, "bwd.router")) return bf ? T * D * 8 : T * D * 4;
+    return 0.0;
+}
+
+static int step_counts(int bf16, int64_t D, int64_t F, moept_emu_counts *out, int n) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.hidden_size = D;
+    cfg.intermediate_size = F;
+    cfg.max_tokens = 64;
+    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+    if (!L) return 0;
+    moept_init_params(L, 3);
+    const int64_t T = 64;
+    float *x = malloc((size_t)(T * D) * sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) x[i] = frand();
+    void *xd = dev_from(x, T * D, bf16), *yd = dev_from(x, T * D, bf16), *dxd = dev_from(x, T * D, bf16);
+    EXPECT_OK(moept_forward(L, xd, T, yd)); /* the first step casts the weights */
+    EXPECT_OK(moept_backward(L, xd, xd, dxd));
+    cudaDeviceSynchronize();
+    moept_emu_counts_reset();
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT_OK(moept_backward(L, xd, xd, dxd));
+    cudaDeviceSynchronize();
+    for (int i = 0; i < n; i++) moept_emu_counts_get(0, stage_pins[i].name, &out[i]);
+    moept_stats st;
+    moept_get_stats(L, &st, NULL);
+    EXPECT(st.routed_rows == T * cfg.top_k && st.dropped_rows == 0, "rows %lld dropped %lld",
+           (long long)st.routed_rows, (long long)st.dropped_rows);
+    cudaFree(xd); cudaFree(yd); cudaFree(dxd);
+    free(x);
+    moept_destroy(L);
+    return 1;
+}
+
+static void test_stage_counts(void) {
+    enum { NS = sizeof stage_pins / sizeof stage_pins[0] };
+    const int64_t D[2] = {64, 128}, F[2] = {96, 160}, T = 64, R = 128;
+    for (int bf = 0; bf < 2; bf++) {
+        moept_emu_counts c[2][NS];
+        if (!step_counts(bf, D[0], F[0], c[0], NS) || !step_counts(bf, D[1], F[1], c[1], NS)) return;
+        for (int i = 0; i < NS; i++) {
+            const stage_pin *p = &stage_pins[i];
+            for (int w = 0; w < 2; w++)
+                EXPECT(c[w][i].kernels == p->kernels[bf] && c[w][i].blas == p->blas[bf] && c[w][i].syncs == p->syncs
+                       && c[w][i].comms == 0, "bf16 %d D %lld, stage %s: %ld kernels, %ld cuBLAS calls, %ld host "
+                       "syncs (pinned: %ld, %ld, %ld)", bf, (long long)D[w], p->name, c[w][i].kernels,
+                       c[w][i].blas, c[w][i].syncs, p->kernels[bf], p->blas[bf], p->syncs);
+            double grew = (double)(c[1][i].kread + c[1][i].kwrite - c[0][i].kread - c[0][i].kwrite);
+            double want = stage_formula(p->name, T, R, D[1], F[1], bf) - stage_formula(p->name, T, R, D[0], F[0], bf);
+            EXPECT(grew == want, "bf16 %d, stage %s: kernel bytes grew by %.0f from D %lld to %lld, the formula "
+                   "says %.0f", bf, p->name, grew, (long long)D[0], (long long)D[1], want);
+        }
+    }
+}
+
 /* What the CUDA executor lacks is refused on every rank, agreed as its own
    checks are: a padding mask on one rank fails both (UNSUPPORTED there,
    "other rank" on the peer); an evaluation forward on rank 0 only makes
@@ -773,6 +867,8 @@ int main(void) {
            test_call_agreement);
     tu_run("cuda (emulated, 2 EP ranks): masks, jitter and eval-then-backward refused on both ranks",
            test_unsupported_modes);
+    tu_run("cuda (emulated): per stage, kernel bytes as the formulas, launches and host syncs pinned",
+           test_stage_counts);
 #endif
     return tu_done();
 }

@@ -73,5 +73,8 @@ moept_emu_launcher<P...> moept_emu_kernel(void (*k)(P...), dim3 g, dim3 b, size_
     return moept_emu_launcher<P...>{k, g, b, smem, s, name};
 }
 #define MOEPT__LAUNCH(k, g, b, smem, s) moept_emu_kernel(k, g, b, smem, s, #k)
+/* the executor's stage: what is queued next is counted under it (emu.h) */
+extern "C" void moept_emu_stage(const char *name);
+#define MOEPT__STAGE(name) moept_emu_stage(name)
 #endif
 #endif

@@ -25,6 +25,28 @@ int moept_emu_per_thread_guard(void);
 /* Kernel launches queued so far (every device) whose kernel expression, as
    written at the launch (e.g. "moept__k_cast<moept__bf16>"), contains part. */
 long moept_emu_launches(const char *part);
+/* ---- counts: what the executor's work costs, per device and stage ----
+   The executor names its stage (MOEPT__STAGE in moept_kernels.cu) on the
+   calling host thread; every op enqueued after it, and every host wait
+   there, is counted under it until the next name (NULL: "other"). An op's
+   counts land when it completes: synchronise before reading them. */
+typedef struct moept_emu_counts {
+    long kernels, blas, comms, copies; /* ops run: kernel launches, cuBLAS calls, NCCL ops, copies and memsets */
+    long syncs;                        /* host waits: cudaStream/Device/EventSynchronize, cudaMemcpy, cudaFree */
+    /* device bytes read and written, each byte once per op (the traffic of
+       an op that caches what it touched; a byte it wrote reads for free) */
+    long long kread, kwrite;           /* kernels */
+    long long cread, cwrite;           /* copies and memsets (device side only) */
+    long long gread, gwrite;           /* cuBLAS calls (C read if beta != 0) */
+    long long nread, nwrite;           /* NCCL ops: sent, received */
+    long long kaccess;                 /* kernels' bytes accessed, every access counted (issue, not traffic) */
+} moept_emu_counts;
+void moept_emu_stage(const char *name);
+/* The sums for device dev under stage (NULL: every stage) since the last reset */
+void moept_emu_counts_get(int dev, const char *stage, moept_emu_counts *out);
+void moept_emu_counts_reset(void);
+/* Device memory held now by live cudaMalloc allocations of device dev */
+long long moept_emu_device_bytes(int dev);
 #ifdef __cplusplus
 }
 #endif

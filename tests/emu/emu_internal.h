@@ -75,6 +75,9 @@ struct Op {
     const void *hsrc = nullptr;
     size_t hlen = 0;
     uint64_t hsum = 0;
+    const char *stage = nullptr;   /* the host thread's stage when enqueued (moept_emu_stage) */
+    uint64_t rw[2] = {0, 0};       /* device bytes it read, wrote (touch), every access */
+    uint64_t uq[2] = {0, 0};       /* ... distinct bytes (2-byte granules): its traffic */
 };
 
 struct Stream {
@@ -133,6 +136,9 @@ int is_pinned(const void *p);
    the stream hazard check); returns 0 after a report */
 int touch(const void *p, size_t n, int write, const char *what);
 uint64_t checksum(const void *p, size_t n);
+/* counts (moept_emu_counts): a host wait on device d, a completed op */
+void count_sync(int d);
+void count_op(const Op &o);
 double now();
 void set_last_error(cudaError_t e);
 

@@ -230,6 +230,11 @@ static void hazard(Alloc *a, const char *p, size_t n, int write, const char *wha
                    a->dev, sid, prev, other, kind);
             return; /* one report per access */
         }
+        /* distinct bytes: a granule this op already wrote, or read, is in
+           its cache (the traffic of a perfectly cached op) */
+        const bool mine_w = g.ws == sid && g.wep == o->epoch;
+        const bool mine_r = (g.rs[0] == sid && g.rep[0] == o->epoch) || (g.rs[1] == sid && g.rep[1] == o->epoch);
+        if (write ? !mine_w : !mine_w && !mine_r) o->uq[write != 0] += 2;
         if (write) {
             g.ws = (uint8_t)sid; g.wep = o->epoch; g.rep[0] = g.rep[1] = 0;
         } else if (g.rs[0] == sid || !g.rep[0]) {
@@ -257,7 +262,37 @@ int touch(const void *p, size_t n, int write, const char *what) {
         return 0;
     }
     hazard(a, (const char *)p, n, write, what);
+    o->rw[write != 0] += n;
     return 1;
+}
+
+/* ---- counts ------------------------------------------------------------- */
+static thread_local const char *t_stage;
+static std::mutex g_count_mu;
+static std::map<std::pair<int, std::string>, moept_emu_counts> g_counts;
+static long long g_dev_bytes[MAXDEV];
+
+static moept_emu_counts &counts_at(int d, const char *stage) { /* g_count_mu held */
+    return g_counts[{d, stage ? stage : "other"}];
+}
+
+void count_sync(int d) {
+    std::lock_guard<std::mutex> lk(g_count_mu);
+    counts_at(d, t_stage).syncs++;
+}
+
+void count_op(const Op &o) {
+    const std::string &n = o.name;
+    long long r = (long long)o.uq[0], w = (long long)o.uq[1];
+    std::lock_guard<std::mutex> lk(g_count_mu);
+    moept_emu_counts &c = counts_at(o.s->dev, o.stage);
+    if (!n.compare(0, 7, "kernel ")) {
+        c.kernels++; c.kread += r; c.kwrite += w;
+        c.kaccess += (long long)(o.rw[0] + o.rw[1]);
+    }
+    else if (!n.compare(0, 6, "cublas")) { c.blas++; c.gread += r; c.gwrite += w; }
+    else if (!n.compare(0, 4, "nccl")) { c.comms++; c.nread += r; c.nwrite += w; }
+    else if (!n.compare(0, 10, "cudaMemcpy") || !n.compare(0, 10, "cudaMemset")) { c.copies++; c.cread += r; c.cwrite += w; }
 }
 
 /* ---- streams ------------------------------------------------------------ */
@@ -297,6 +332,7 @@ static void worker(Stream *s) {
         pkey_access(v, false);
         dev_leave(v);
         cur_op = nullptr;
+        count_op(*o);
         lk.lock();
         o->t_done = now();
         o->done = true;
@@ -353,6 +389,7 @@ std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &
     o->name = name;
     o->run = std::move(run);
     o->s = s;
+    o->stage = t_stage;
     o->host_vc = host_vc;
     if (prep) prep(*o);
     Device *v = dev(s->dev);
@@ -528,6 +565,10 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
         pkey_access(v, false);
         if (g_protect && v->active == 0) protect(a->base, pages * PAGE, PROT_NONE);
     }
+    {
+        std::lock_guard<std::mutex> lk(g_count_mu);
+        g_dev_bytes[a->dev] += (long long)bytes;
+    }
     *p = a->base;
     return cudaSuccess;
 }
@@ -541,6 +582,11 @@ cudaError_t cudaFree(void *p) {
         return fail(cudaErrorInvalidValue);
     }
     sync_device(d); /* cudaFree waits for the device */
+    count_sync(d);
+    {
+        std::lock_guard<std::mutex> lk(g_count_mu);
+        g_dev_bytes[d] -= (long long)a->size;
+    }
     Device *v = dev(d);
     std::lock_guard<std::mutex> lk(v->m);
     a->live = false;
@@ -631,6 +677,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t h) {
                "issued until ncclGroupEnd (an ncclGroupStart left open?)");
     force_all(s);
     sync_stream(s);
+    count_sync(s->dev);
     return cudaSuccess;
 }
 
@@ -654,6 +701,7 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
 
 cudaError_t cudaDeviceSynchronize(void) {
     sync_device(cur_dev);
+    count_sync(cur_dev);
     return cudaSuccess;
 }
 
@@ -717,6 +765,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     Event *v = (Event *)e;
     if (v->rec) {
         wait_op(v->rec, 1e9);
+        count_sync(v->dev);
         host_vc.join(v->rec->vc);
     }
     return cudaSuccess;
@@ -790,6 +839,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind k) {
     if (e != cudaSuccess) return e;
     force_all(s);
     sync_stream(s);
+    count_sync(s->dev);
     return cudaSuccess;
 }
 
@@ -813,5 +863,31 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t h) {
     return memset_async(p, v, n, stream_of(h), "cudaMemsetAsync");
 }
 cudaError_t cudaMemset(void *p, int v, size_t n) { return memset_async(p, v, n, stream_of(nullptr), "cudaMemset"); }
+
+
+void moept_emu_stage(const char *name) { t_stage = name; }
+
+void moept_emu_counts_get(int d, const char *stage, moept_emu_counts *out) {
+    memset(out, 0, sizeof *out);
+    std::lock_guard<std::mutex> lk(g_count_mu);
+    for (auto &kv : g_counts) {
+        if (kv.first.first != d || (stage && kv.first.second != stage)) continue;
+        const moept_emu_counts &c = kv.second;
+        out->kernels += c.kernels; out->blas += c.blas; out->comms += c.comms; out->copies += c.copies;
+        out->syncs += c.syncs; out->kaccess += c.kaccess;
+        out->kread += c.kread; out->kwrite += c.kwrite; out->cread += c.cread; out->cwrite += c.cwrite;
+        out->gread += c.gread; out->gwrite += c.gwrite; out->nread += c.nread; out->nwrite += c.nwrite;
+    }
+}
+
+void moept_emu_counts_reset(void) {
+    std::lock_guard<std::mutex> lk(g_count_mu);
+    g_counts.clear();
+}
+
+long long moept_emu_device_bytes(int d) {
+    std::lock_guard<std::mutex> lk(g_count_mu);
+    return d >= 0 && d < MAXDEV ? g_dev_bytes[d] : 0;
+}
 
 }  // extern "C"
