@@ -339,7 +339,8 @@ __global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float
     }
     moept__st(y, t * D + d, acc);
     /* y's finiteness as stored (bf16 rounding can overflow): no second pass over y */
-    if (!moept__finite(moept__ld(y, t * D + d))) atomicMin(first_bad, (unsigned long long)(bad_base + t * D + d));
+    if (!moept__finite(moept__ld(y, t * D + d)))
+        atomicMin(first_bad, (unsigned long long)(bad_base + t * D + d));
 }
 
 /* Combine backward, one block per assignment i = (t, k): dwts[i] =

@@ -134,13 +134,19 @@ static void test_capacity_and_empty(void) {
     EXPECT(e <= 1e-5, "zero tokens: rel err %.3g", e);
 }
 
-static void test_rejected_and_steady(void) {
-    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-    moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0};
+/* A CUDA layer of cfg, parameters from seed 3 (NULL if the create failed) */
+static moept_layer *cuda_layer(moept_config cfg, int bf16) {
+    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
     moept_layer *L = NULL;
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+    if (L) moept_init_params(L, 3);
+    return L;
+}
+
+static void test_rejected_and_steady(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *L = cuda_layer(cfg, 0);
     if (!L) return;
-    moept_init_params(L, 3);
     const int64_t T = 200, D = cfg.hidden_size;
     float *x = malloc((size_t)(T * D) * sizeof(float)), *bad = malloc((size_t)(T * D) * sizeof(float));
     float *a = calloc((size_t)(T * D), sizeof(float)), *b = calloc((size_t)(T * D), sizeof(float));
@@ -538,11 +544,8 @@ static void test_bf16_weights_cast_once(void) {
 static void test_dx_overflow(void) {
     for (int bf16 = 0; bf16 < 2; bf16++) {
         moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-        moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
-        moept_layer *L = NULL;
-        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+        moept_layer *L = cuda_layer(cfg, bf16);
         if (!L) return;
-        moept_init_params(L, 3);
         const int64_t T = 16, D = cfg.hidden_size;
         float *x = malloc((size_t)(T * D) * sizeof(float)), *big = malloc((size_t)(T * D) * sizeof(float));
         for (int64_t i = 0; i < T * D; i++) { x[i] = 1e4f * frand(); big[i] = 3e38f; }
@@ -717,11 +720,8 @@ static int step_counts(int bf16, int64_t D, int64_t F, moept_emu_counts *out, in
     cfg.hidden_size = D;
     cfg.intermediate_size = F;
     cfg.max_tokens = 64;
-    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
-    moept_layer *L = NULL;
-    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+    moept_layer *L = cuda_layer(cfg, bf16);
     if (!L) return 0;
-    moept_init_params(L, 3);
     const int64_t T = 64;
     float *x = malloc((size_t)(T * D) * sizeof(float));
     for (int64_t i = 0; i < T * D; i++) x[i] = frand();
@@ -752,13 +752,16 @@ static void test_stage_counts(void) {
         if (!step_counts(bf, D[0], F[0], c[0], NS) || !step_counts(bf, D[1], F[1], c[1], NS)) return;
         for (int i = 0; i < NS; i++) {
             const stage_pin *p = &stage_pins[i];
-            for (int w = 0; w < 2; w++)
-                EXPECT(c[w][i].kernels == p->kernels[bf] && c[w][i].blas == p->blas[bf] && c[w][i].syncs == p->syncs
-                       && c[w][i].comms == 0, "bf16 %d D %lld, stage %s: %ld kernels, %ld cuBLAS calls, %ld host "
-                       "syncs (pinned: %ld, %ld, %ld)", bf, (long long)D[w], p->name, c[w][i].kernels,
-                       c[w][i].blas, c[w][i].syncs, p->kernels[bf], p->blas[bf], p->syncs);
+            for (int w = 0; w < 2; w++) {
+                const moept_emu_counts *k = &c[w][i];
+                EXPECT(k->kernels == p->kernels[bf] && k->blas == p->blas[bf] && k->syncs == p->syncs &&
+                       k->comms == 0, "bf16 %d D %lld, stage %s: %ld kernels, %ld cuBLAS calls, %ld host "
+                       "syncs (pinned: %ld, %ld, %ld)", bf, (long long)D[w], p->name, k->kernels, k->blas,
+                       k->syncs, p->kernels[bf], p->blas[bf], p->syncs);
+            }
             double grew = (double)(c[1][i].kread + c[1][i].kwrite - c[0][i].kread - c[0][i].kwrite);
-            double want = stage_formula(p->name, T, R, D[1], F[1], bf) - stage_formula(p->name, T, R, D[0], F[0], bf);
+            double want = stage_formula(p->name, T, R, D[1], F[1], bf) -
+                          stage_formula(p->name, T, R, D[0], F[0], bf);
             EXPECT(grew == want, "bf16 %d, stage %s: kernel bytes grew by %.0f from D %lld to %lld, the formula "
                    "says %.0f", bf, p->name, grew, (long long)D[0], (long long)D[1], want);
         }

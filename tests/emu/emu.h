@@ -31,7 +31,7 @@ long moept_emu_launches(const char *part);
    there, is counted under it until the next name (NULL: "other"). An op's
    counts land when it completes: synchronise before reading them. */
 typedef struct moept_emu_counts {
-    long kernels, blas, comms, copies; /* ops run: kernel launches, cuBLAS calls, NCCL ops, copies and memsets */
+    long kernels, blas, comms, copies; /* ops run: kernel launches, cuBLAS calls, NCCL ops, copies, memsets */
     long syncs;                        /* host waits: cudaStream/Device/EventSynchronize, cudaMemcpy, cudaFree */
     /* device bytes read and written, each byte once per op (the traffic of
        an op that caches what it touched; a byte it wrote reads for free) */

@@ -233,7 +233,8 @@ static void hazard(Alloc *a, const char *p, size_t n, int write, const char *wha
         /* distinct bytes: a granule this op already wrote, or read, is in
            its cache (the traffic of a perfectly cached op) */
         const bool mine_w = g.ws == sid && g.wep == o->epoch;
-        const bool mine_r = (g.rs[0] == sid && g.rep[0] == o->epoch) || (g.rs[1] == sid && g.rep[1] == o->epoch);
+        const bool mine_r = (g.rs[0] == sid && g.rep[0] == o->epoch) ||
+                            (g.rs[1] == sid && g.rep[1] == o->epoch);
         if (write ? !mine_w : !mine_w && !mine_r) o->uq[write != 0] += 2;
         if (write) {
             g.ws = (uint8_t)sid; g.wep = o->epoch; g.rep[0] = g.rep[1] = 0;
@@ -292,7 +293,9 @@ void count_op(const Op &o) {
     }
     else if (!n.compare(0, 6, "cublas")) { c.blas++; c.gread += r; c.gwrite += w; }
     else if (!n.compare(0, 4, "nccl")) { c.comms++; c.nread += r; c.nwrite += w; }
-    else if (!n.compare(0, 10, "cudaMemcpy") || !n.compare(0, 10, "cudaMemset")) { c.copies++; c.cread += r; c.cwrite += w; }
+    else if (!n.compare(0, 10, "cudaMemcpy") || !n.compare(0, 10, "cudaMemset")) {
+        c.copies++; c.cread += r; c.cwrite += w;
+    }
 }
 
 /* ---- streams ------------------------------------------------------------ */
