@@ -210,6 +210,41 @@ static void test_bad_options(void) {
     moept_thread_group_destroy(g);
 }
 
+/* A finite dy whose dx overflows (3e38 through the experts): the backward
+   does not synchronise, so its device-side check is read by the next
+   adamw_step and grad_norm, which refuse the gradients naming dx (not a
+   gradient: the message tells which check fired) until zero_grad. */
+static void test_dx_overflow(void) {
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+        moept_layer *L = cuda_layer(cfg, bf16);
+        if (!L) return;
+        const int64_t T = 16, D = cfg.hidden_size;
+        float *x = malloc((size_t)(T * D) * sizeof(float)), *big = malloc((size_t)(T * D) * sizeof(float));
+        for (int64_t i = 0; i < T * D; i++) { x[i] = 1e4f * frand(); big[i] = 3e38f; }
+        void *xd = dev_from(x, T * D, bf16), *yd = dev_from(x, T * D, bf16), *bigd = dev_from(big, T * D, bf16);
+        void *dxd = dev_from(x, T * D, bf16);
+        moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+        double norm = 0.0;
+        EXPECT_OK(moept_forward(L, xd, T, yd));
+        EXPECT_OK(moept_backward(L, xd, bigd, dxd)); /* no host sync: nothing known yet */
+        moept_status st = moept_adamw_step(L, &opt);
+        EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "non-finite dx"),
+               "bf16 %d: adamw_step after dx overflowed: %d (%s)", bf16, (int)st, moept_last_error(L));
+        st = moept_grad_norm(L, &norm);
+        EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "non-finite dx"),
+               "bf16 %d: grad_norm after dx overflowed: %d (%s)", bf16, (int)st, moept_last_error(L));
+        EXPECT_OK(moept_zero_grad(L));
+        EXPECT_OK(moept_forward(L, xd, T, yd));
+        EXPECT_OK(moept_backward(L, xd, xd, dxd));
+        EXPECT_OK(moept_grad_norm(L, &norm));
+        EXPECT_OK(moept_adamw_step(L, &opt));
+        cudaFree(xd); cudaFree(yd); cudaFree(bigd); cudaFree(dxd);
+        free(x); free(big);
+        moept_destroy(L);
+    }
+}
+
 #ifdef MOEPT_EMU
 /* Two NCCL ranks (emulated GPUs as threads). Rank 0 must grow its receive
    block (every token of both ranks goes to its expert) and that allocation
@@ -535,41 +570,6 @@ static void test_bf16_weights_cast_once(void) {
     free(x); free(a); free(b); free(w);
     moept_destroy(L);
     moept_destroy(F);
-}
-
-/* A finite dy whose dx overflows (3e38 through the experts): the backward
-   does not synchronise, so its device-side check is read by the next
-   adamw_step and grad_norm, which refuse the gradients naming dx (not a
-   gradient: the message tells which check fired) until zero_grad. */
-static void test_dx_overflow(void) {
-    for (int bf16 = 0; bf16 < 2; bf16++) {
-        moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-        moept_layer *L = cuda_layer(cfg, bf16);
-        if (!L) return;
-        const int64_t T = 16, D = cfg.hidden_size;
-        float *x = malloc((size_t)(T * D) * sizeof(float)), *big = malloc((size_t)(T * D) * sizeof(float));
-        for (int64_t i = 0; i < T * D; i++) { x[i] = 1e4f * frand(); big[i] = 3e38f; }
-        void *xd = dev_from(x, T * D, bf16), *yd = dev_from(x, T * D, bf16), *bigd = dev_from(big, T * D, bf16);
-        void *dxd = dev_from(x, T * D, bf16);
-        moept_adamw opt = {1e-3f, 0, 0, 0, 0};
-        double norm = 0.0;
-        EXPECT_OK(moept_forward(L, xd, T, yd));
-        EXPECT_OK(moept_backward(L, xd, bigd, dxd)); /* no host sync: nothing known yet */
-        moept_status st = moept_adamw_step(L, &opt);
-        EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "non-finite dx"),
-               "bf16 %d: adamw_step after dx overflowed: %d (%s)", bf16, (int)st, moept_last_error(L));
-        st = moept_grad_norm(L, &norm);
-        EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "non-finite dx"),
-               "bf16 %d: grad_norm after dx overflowed: %d (%s)", bf16, (int)st, moept_last_error(L));
-        EXPECT_OK(moept_zero_grad(L));
-        EXPECT_OK(moept_forward(L, xd, T, yd));
-        EXPECT_OK(moept_backward(L, xd, xd, dxd));
-        EXPECT_OK(moept_grad_norm(L, &norm));
-        EXPECT_OK(moept_adamw_step(L, &opt));
-        cudaFree(xd); cudaFree(yd); cudaFree(bigd); cudaFree(dxd);
-        free(x); free(big);
-        moept_destroy(L);
-    }
 }
 
 /* Two EP ranks, each call's outcome agreed on every rank (as the CPU layer's
