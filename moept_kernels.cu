@@ -382,22 +382,26 @@ __global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int64_
     if (threadIdx.x == 0 && sg) dsg[t] = moept__gate_bwd(acc, gs);
 }
 
-/* dxf[t] = sum_k ys[row_of[t,k]] (dxs), k in slot order. grid (T, D blocks). */
+/* dx[t] = sum_k dxs[row_of[t,k]] (slot order) + the shared expert's dxs +
+   dsg[t] wsg + sum_e dlogits[t,e] Wr[e], moept.c's terms in its order,
+   written once in T (no fp32 pass) and checked as stored (first_bad: read
+   by adamw_step and grad_norm). grid (T, D blocks). */
 template <typename T>
-__global__ void moept__k_token_sum(const T *ys, const int64_t *row_of, int64_t D, int K, float *dxf) {
+__global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, const float *dsg, const float *wsg,
+                            const float *dlogits, const float *wr, int64_t D, int K, int E, T *dx,
+                            unsigned long long *first_bad) {
     int64_t t = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
     if (d >= D) return;
-    float acc = 0.0f;
+    float acc = 0.0f, r_term = 0.0f;
     for (int k = 0; k < K; k++) {
         int64_t r = row_of[t * K + k];
         if (r >= 0) acc = moept__combine_step(acc, 1.0f, moept__ld(ys, r * D + d));
     }
-    dxf[t * D + d] = acc;
-}
-
-template <typename T>
-__global__ void moept__k_add(float *dst, const T *src, int64_t n) {
-    MOEPT__FOR(i, n) dst[i] = moept__combine_step(dst[i], 1.0f, moept__ld(src, i));
+    if (yss) acc = moept__combine_step(acc, 1.0f, moept__ld(yss, t * D + d));
+    if (dsg) acc += dsg[t] * wsg[d];
+    for (int e = 0; e < E; e++) r_term += dlogits[t * E + e] * wr[e * D + d];
+    moept__st(dx, t * D + d, acc + r_term);
+    if (!moept__finite(moept__ld(dx, t * D + d))) atomicMin(first_bad, (unsigned long long)(t * D + d));
 }
 
 /* sg[t] = sigmoid(sg[t]) (the shared-expert gate) */
@@ -724,7 +728,6 @@ struct moept__cuda {
     /* device: the fixed workspace (one allocation, sized for Tmax) */
     void *work;
     float *xf;                  /* [Tmax][D] fp32 router input (BF16; F32 uses x) */
-    float *dxf;                 /* [Tmax][D] fp32 dx accumulator (BF16; F32 uses dx) */
     float *logits[2];           /* [Tmax][E] double-buffered: a rejected step keeps the last */
     float *probs[2];            /* [Tmax][E] */
     int32_t *ids[2];            /* [Tmax][K] */
@@ -805,7 +808,6 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     const size_t f = sizeof(float), es = (size_t)c->esz;
     int bf = p->dtype == MOEPT_DTYPE_BF16;
     c->xf = (float *)moept__take(cv, bf ? (size_t)(T * D) * f : 0);
-    c->dxf = (float *)moept__take(cv, bf ? (size_t)(T * D) * f : 0);
     for (int b = 0; b < 2; b++) {
         c->logits[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
         c->probs[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
@@ -1986,31 +1988,9 @@ static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_s
     return MOEPT_OK;
 }
 
-/* 4. dx (fp32 dxf): the K rows of each token summed, the shared expert's
-   dxs, the shared gate's term (gsg += dsg^T x; dxf += dsg wsg) */
-template <typename T>
-static moept_status moept__bwd_dx(moept__cuda *c, float *dxf, const float *xf, char *err) {
-    const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, T_ = c->T;
-    const void *ys = p->P > 1 ? c->ys : c->yr;
-    const dim3 grid((unsigned)T_, (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB));
-    MOEPT__LAUNCH(moept__k_token_sum<T>, grid, MOEPT__TB, 0, c->s)((const T *)ys, c->row_of, D, (int)p->K, dxf);
-    MOEPT__LAUNCHED();
-    if (p->S == 0) return MOEPT_OK;
-    MOEPT__LAUNCH(moept__k_add<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, (const T *)c->yss, T_ * D);
-    MOEPT__LAUNCHED();
-    if (p->offsg < 0) return MOEPT_OK;
-    moept__gemm gd[2];
-    gd[0] = moept__gemm_make(1, 0, 1, D, T_, c->dsg, 1, xf, D, 1.0f, c->grads + p->offsg, D);
-    gd[1] = moept__gemm_make(0, 0, T_, D, 1, c->dsg, 1, c->params + p->offsg, D, 1.0f, dxf, D);
-    MOEPT__TRY(moept__gemms(c, &gd[0], 1, CUDA_R_32F, CUDA_R_32F, err));
-    return moept__gemms(c, &gd[1], 1, CUDA_R_32F, CUDA_R_32F, err);
-}
-
-/* 5. router': dlogits, then gWr += dlogits^T xf and dxf += dlogits Wr;
-   bf16: dx = dxf rounded */
-template <typename T>
-static moept_status moept__bwd_router(moept__cuda *c, float *dxf, const float *xf, T *dx, char *err) {
+/* 4. router': dlogits, then gWr += dlogits^T xf, and the shared gate's
+   gsg += dsg^T xf */
+static moept_status moept__bwd_router(moept__cuda *c, const float *xf, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = c->T;
     const int cur = c->cur;
@@ -2019,24 +1999,32 @@ static moept_status moept__bwd_router(moept__cuda *c, float *dxf, const float *x
         p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->z_coef, c->lse[cur],
         (float)c->loss_T, (int)E, (int)K, p->norm, p->scale, T_, c->scratch, c->dlogits);
     MOEPT__LAUNCHED();
-    moept__gemm gr[2];
-    gr[0] = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xf, D, 1.0f, c->grads, D);
-    gr[1] = moept__gemm_make(0, 0, T_, D, E, c->dlogits, E, c->params, D, 1.0f, dxf, D);
-    MOEPT__TRY(moept__gemms(c, &gr[0], 1, CUDA_R_32F, CUDA_R_32F, err));
-    MOEPT__TRY(moept__gemms(c, &gr[1], 1, CUDA_R_32F, CUDA_R_32F, err));
-    if (c->wlow) {
-        MOEPT__LAUNCH(moept__k_cast<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dxf, T_ * D, dx);
-        MOEPT__LAUNCHED();
-    }
-    /* dx non-finite from finite dy: read by the next adamw_step or
-       grad_norm (no host sync here), which refuse these gradients */
-    MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dx, T_ * D, NULL, &c->bad[5]);
+    moept__gemm g = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xf, D, 1.0f, c->grads, D);
+    MOEPT__TRY(moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err));
+    if (p->S == 0 || p->offsg < 0) return MOEPT_OK;
+    g = moept__gemm_make(1, 0, 1, D, T_, c->dsg, 1, xf, D, 1.0f, c->grads + p->offsg, D);
+    return moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err);
+}
+
+/* 5. dx in one pass: the K rows of each token, the shared expert's dxs, the
+   shared gate's and the router's terms; a non-finite dx from finite dy is
+   flagged for the next adamw_step or grad_norm (no host sync here) */
+template <typename T>
+static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D, T_ = c->T;
+    const void *ys = p->P > 1 ? c->ys : c->yr;
+    const int gate = p->S > 0 && p->offsg >= 0;
+    const dim3 grid((unsigned)T_, (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB));
+    MOEPT__LAUNCH(moept__k_dx<T>, grid, MOEPT__TB, 0, c->s)(
+        (const T *)ys, c->row_of, p->S > 0 ? (const T *)c->yss : NULL, gate ? c->dsg : NULL,
+        gate ? c->params + p->offsg : NULL, c->dlogits, c->params, D, (int)p->K, (int)p->E, dx, &c->bad[5]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 
 /* The backward, stage by stage as moept.c's: agree -> combine' -> experts'
-   (chunked: the pipeline) -> dx -> router'. */
+   (chunked: the pipeline) -> router' -> dx. */
 template <typename T>
 static moept_status moept__backward(moept__cuda *c, const void *xv, const void *dyv, void *dxv,
                                     moept__cuda_step *out, char *err) {
@@ -2045,7 +2033,6 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     MOEPT__TRY(moept__bwd_agree<T>(c, x, dy, dxv, out->tag, out, err));
     c->ptr_slot = c->nslot;
     c->bwd_done = 1; /* from here on the saved rows change */
-    float *dxf = c->wlow ? c->dxf : (float *)dxv;
     const float *xf = c->wlow ? c->xf : (const float *)xv;
     MOEPT__STAGE("bwd.combine");
     MOEPT__TRY(moept__bwd_combine<T>(c, x, dy, err));
@@ -2053,10 +2040,10 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     if (c->C > 1) MOEPT__TRY(moept__pipeline<T>(c, 1, x, NULL, out, err));
     else MOEPT__TRY(moept__bwd_experts<T>(c, x, out, err));
     if (c->T == 0) return MOEPT_OK;
-    MOEPT__STAGE("bwd.dx");
-    MOEPT__TRY(moept__bwd_dx<T>(c, dxf, xf, err));
     MOEPT__STAGE("bwd.router");
-    return moept__bwd_router<T>(c, dxf, xf, (T *)dxv, err);
+    MOEPT__TRY(moept__bwd_router(c, xf, err));
+    MOEPT__STAGE("bwd.dx");
+    return moept__bwd_dx<T>(c, (T *)dxv, err);
 }
 
 extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
