@@ -5129,7 +5129,8 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
              !moept__finite(wd) || wd < 0)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
                             "moept_adamw_step: need lr >= 0, betas in [0,1), eps > 0, weight_decay >= 0");
-    else if ((local = moept__grads_refused(L, "moept_adamw_step")) == MOEPT_OK && bad >= 0)
+    else local = moept__grads_refused(L, "moept_adamw_step");
+    if (!local && bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_adamw_step: the gradient of '%s' is not finite (flat "
                             "element %lld); nothing changed", moept__param_of(L, bad), (long long)bad);
     if (!local && !L->opt_m) {

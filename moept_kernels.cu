@@ -99,8 +99,13 @@ static moept_status moept__kfail(char *err, moept_status s, const char *fmt, ...
    ------------------------------------------------------------------------ */
 __device__ __forceinline__ float moept__ld(const float *p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float moept__ld(const moept__bf16 *p, int64_t i) { return moept__bf16_to_f32(p[i]); }
-__device__ __forceinline__ void moept__st(float *p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void moept__st(moept__bf16 *p, int64_t i, float v) { p[i] = moept__f32_to_bf16(v); }
+/* stores v in p's type; returns the value as stored (bf16: rounded) */
+__device__ __forceinline__ float moept__st(float *p, int64_t i, float v) { return p[i] = v; }
+__device__ __forceinline__ float moept__st(moept__bf16 *p, int64_t i, float v) {
+    moept__bf16 b = moept__f32_to_bf16(v);
+    p[i] = b;
+    return moept__bf16_to_f32(b);
+}
 
 static int moept__grid(int64_t n) {
     int64_t b = (n + MOEPT__TB - 1) / MOEPT__TB;
@@ -337,9 +342,8 @@ __global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float
         int64_t r = row_of[t * K + k];
         if (r >= 0) acc = moept__combine_step(acc, wts[t * K + k], moept__ld(ys, r * D + d));
     }
-    moept__st(y, t * D + d, acc);
     /* y's finiteness as stored (bf16 rounding can overflow): no second pass over y */
-    if (!moept__finite(moept__ld(y, t * D + d)))
+    if (!moept__finite(moept__st(y, t * D + d, acc)))
         atomicMin(first_bad, (unsigned long long)(bad_base + t * D + d));
 }
 
@@ -400,8 +404,8 @@ __global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, co
     if (yss) acc = moept__combine_step(acc, 1.0f, moept__ld(yss, t * D + d));
     if (dsg) acc += dsg[t] * wsg[d];
     for (int e = 0; e < E; e++) r_term += dlogits[t * E + e] * wr[e * D + d];
-    moept__st(dx, t * D + d, acc + r_term);
-    if (!moept__finite(moept__ld(dx, t * D + d))) atomicMin(first_bad, (unsigned long long)(t * D + d));
+    if (!moept__finite(moept__st(dx, t * D + d, acc + r_term)))
+        atomicMin(first_bad, (unsigned long long)(t * D + d));
 }
 
 /* sg[t] = sigmoid(sg[t]) (the shared-expert gate) */

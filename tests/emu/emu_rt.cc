@@ -867,7 +867,6 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t h) {
 }
 cudaError_t cudaMemset(void *p, int v, size_t n) { return memset_async(p, v, n, stream_of(nullptr), "cudaMemset"); }
 
-
 void moept_emu_stage(const char *name) { t_stage = name; }
 
 void moept_emu_counts_get(int d, const char *stage, moept_emu_counts *out) {
