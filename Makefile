@@ -40,7 +40,9 @@ CXX     ?= g++
 EMU_CXX  = $(CXX) -std=c++17 -g -Wall -Wextra -Wno-unknown-pragmas $(EMU_INC)
 EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tests/emu/emu_nccl.cc
 EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
-EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0
+# -fno-tree-sra: a 16-byte vector access stays one access (g++ would split it into its fields)
+EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0 \
+             -fno-tree-sra
 EMU_LIBS = -lstdc++ -lm -pthread
 EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/bench_cuda $(B)/emu/test_emu $(B)/emu-san/moept_check)
 

@@ -107,6 +107,80 @@ __device__ __forceinline__ float moept__st(moept__bf16 *p, int64_t i, float v) {
     return moept__bf16_to_f32(b);
 }
 
+/* 16-byte vectors: a thread moves V elements at once, V = 16 / sizeof(T)
+   (4 fp32, 8 bf16) where its rows and pointers are 16-byte aligned (checked
+   at each launch: moept__vec), else V = 1 (one element: the same kernel).
+   moept__ldv reads V elements as floats; moept__stv stores V floats in T and
+   leaves in v the values as stored (bf16: rounded) for the checks that read
+   them; moept__cpv copies V elements as they are. No conversion differs
+   from moept__ld / moept__st. */
+#define MOEPT__VEC(T) ((int)(16 / sizeof(T)))
+__device__ __forceinline__ float moept__lane(const uint32_t *w, int i, const float *) {
+    float f;
+    memcpy(&f, &w[i], 4);
+    return f;
+}
+__device__ __forceinline__ float moept__lane(const uint32_t *w, int i, const moept__bf16 *) {
+    return moept__bf16_to_f32((moept__bf16)(w[i >> 1] >> (16 * (i & 1))));
+}
+__device__ __forceinline__ void moept__pack(uint32_t *w, int i, float *v, const float *) {
+    memcpy(&w[i], v, 4);
+}
+__device__ __forceinline__ void moept__pack(uint32_t *w, int i, float *v, const moept__bf16 *) {
+    moept__bf16 b = moept__f32_to_bf16(*v);
+    w[i >> 1] |= (uint32_t)b << (16 * (i & 1));
+    *v = moept__bf16_to_f32(b);
+}
+/* one 16-byte store: written as a uint4 store, nvcc's optimiser splits it
+   into four 4-byte stores when the words came from floats */
+__device__ __forceinline__ void moept__st128(void *p, uint4 u) {
+#ifdef __CUDA_ARCH__
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
+                 : "memory");
+#else
+    *(uint4 *)p = u;
+#endif
+}
+template <int V, typename T>
+__device__ __forceinline__ void moept__ldv(const T *p, float *v) {
+    const int L = MOEPT__VEC(T);
+    if constexpr (V == 1) {
+        v[0] = moept__ld(p, 0);
+    } else {
+        for (int c = 0; c < V / L; c++) {
+            uint4 u = ((const uint4 *)p)[c];
+            uint32_t w[4] = {u.x, u.y, u.z, u.w};
+            for (int i = 0; i < L; i++) v[c * L + i] = moept__lane(w, i, p);
+        }
+    }
+}
+template <int V, typename T>
+__device__ __forceinline__ void moept__stv(T *p, float *v) {
+    const int L = MOEPT__VEC(T);
+    if constexpr (V == 1) {
+        v[0] = moept__st(p, 0, v[0]);
+    } else {
+        for (int c = 0; c < V / L; c++) {
+            uint32_t w[4] = {0, 0, 0, 0};
+            for (int i = 0; i < L; i++) moept__pack(w, i, &v[c * L + i], p);
+            moept__st128((uint4 *)p + c, make_uint4(w[0], w[1], w[2], w[3]));
+        }
+    }
+}
+template <int V, typename T>
+__device__ __forceinline__ void moept__cpv(T *dst, const T *src) {
+    if constexpr (V == 1) dst[0] = src[0];
+    else for (int c = 0; c < V / MOEPT__VEC(T); c++) ((uint4 *)dst)[c] = ((const uint4 *)src)[c];
+}
+
+/* Rows of n elements in V-vectors: blocks of blockDim.y rows (striding over
+   the rows), blockDim.x threads along a row; in-row indexes are 32-bit
+   (D, H < 2^30: moept__cuda_create), so no per-element 64-bit arithmetic. */
+#define MOEPT__ROWS(r, n)                                                                   \
+    for (int64_t r = blockIdx.x * (int64_t)blockDim.y + threadIdx.y; r < (n);              \
+         r += (int64_t)gridDim.x * blockDim.y)
+#define MOEPT__LANES(j, n, V) for (int j = (int)threadIdx.x * (V); j < (n); j += (int)blockDim.x * (V))
+
 static int moept__grid(int64_t n) {
     int64_t b = (n + MOEPT__TB - 1) / MOEPT__TB;
     if (b < 1) b = 1;
@@ -114,6 +188,34 @@ static int moept__grid(int64_t n) {
 }
 #define MOEPT__FOR(i, n) \
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+/* launch shape for rows of `lanes` vectors: blockDim.x a power of two from
+   32 to MOEPT__TB, no wider than a row needs; MOEPT__TB threads a block */
+typedef struct { dim3 g, b; } moept__shape;
+static moept__shape moept__rows_shape(int64_t rows, int64_t lanes) {
+    unsigned bx = 32;
+    while (bx < MOEPT__TB && bx < lanes) bx *= 2;
+    const unsigned by = MOEPT__TB / bx;
+    int64_t nb = (rows + by - 1) / by;
+    nb = nb < 1 ? 1 : nb > 8 * MOEPT__MAX_GRID ? 8 * MOEPT__MAX_GRID : nb;
+    moept__shape s = {dim3((unsigned)nb), dim3(bx, by)};
+    return s;
+}
+/* whether rows of n elements of T at these pointers (NULL: none) take 16-byte vectors */
+template <typename T>
+static int moept__vec(int64_t n, const void *a, const void *b = NULL, const void *c = NULL) {
+    const void *ps[3] = {a, b, c};
+    if (n % MOEPT__VEC(T)) return 0;
+    for (int i = 0; i < 3; i++)
+        if ((uintptr_t)ps[i] % 16) return 0;
+    return 1;
+}
+/* launches kernel k<T, V>: V = MOEPT__VEC(T) where vec, else 1 */
+#define MOEPT__LAUNCH_V(vec, k, T, g, b, s, ...)                                       \
+    do {                                                                               \
+        if (vec) MOEPT__LAUNCH((k<T, MOEPT__VEC(T)>), g, b, 0, s)(__VA_ARGS__);        \
+        else MOEPT__LAUNCH((k<T, 1>), g, b, 0, s)(__VA_ARGS__);                        \
+    } while (0)
 
 /* Sum of one double per thread over a block of MOEPT__TB threads, in a fixed
    tree order (deterministic). The result is valid in thread 0. */
@@ -132,20 +234,37 @@ __device__ __forceinline__ double moept__block_sum(double v, double *sh) {
    ------------------------------------------------------------------------ */
 
 /* x [n] -> finiteness (first bad index, atomicMin: the same index whatever
-   the order) and, when xf is given, its fp32 copy (the router's input). */
-template <typename T>
+   the order) and, when xf is given, its fp32 copy (the router's input).
+   V-vectors, then the n % V tail one element a thread. */
+template <typename T, int V>
 __global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long long *first_bad) {
-    MOEPT__FOR(i, n) {
-        float v = moept__ld(x, i);
-        if (!moept__finite(v)) atomicMin(first_bad, (unsigned long long)i);
-        if (xf) xf[i] = v;
+    const int64_t nv = n / V;
+    MOEPT__FOR(i, nv + n % V) {
+        const int64_t e = i < nv ? i * V : nv * V + (i - nv);
+        float v[V];
+        if (i < nv) moept__ldv<V>(x + e, v);
+        else v[0] = moept__ld(x, e);
+        const int m = i < nv ? V : 1;
+        for (int l = 0; l < m; l++)
+            if (!moept__finite(v[l])) { atomicMin(first_bad, (unsigned long long)(e + l)); break; }
+        if (xf && i < nv) moept__stv<V>(xf + e, v);
+        else if (xf) xf[e] = v[0];
     }
 }
 
-/* fp32 -> T (weights for the expert GEMMs; dx at the end) */
-template <typename T>
+/* fp32 -> T (the weights for the expert GEMMs), V-vectors and a tail */
+template <typename T, int V>
 __global__ void moept__k_cast(const float *src, int64_t n, T *dst) {
-    MOEPT__FOR(i, n) moept__st(dst, i, src[i]);
+    const int64_t nv = n / V;
+    MOEPT__FOR(i, nv + n % V) {
+        float v[V];
+        if (i < nv) {
+            moept__ldv<V>(src + i * V, v);
+            moept__stv<V>(dst + i * V, v);
+        } else {
+            moept__st(dst, nv * V + (i - nv), src[nv * V + (i - nv)]);
+        }
+    }
 }
 
 /* One thread per token: routing, logsumexp and the aux loss's per-token
@@ -298,114 +417,182 @@ __global__ void moept__k_plan_place(const int32_t *ids, const int32_t *slot_of, 
     moept__plan_place(a, pos, kept[s], koff[s], K, row_of, tok_of_row, kslot_of_row);
 }
 
-/* Permute: row r of xs is token tok_of_row[r] of x. grid (N, D blocks). */
-template <typename T>
-__global__ void moept__k_gather(const T *x, const int64_t *tok_of_row, int64_t D, T *xs) {
-    int64_t r = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
-    if (d < D) xs[r * D + d] = x[tok_of_row[r] * D + d];
+/* Permute: row r of xs is token tok_of_row[r] of x [N rows of D] */
+template <typename T, int V>
+__global__ void moept__k_gather(const T *x, const int64_t *tok_of_row, int64_t N, int D, T *xs) {
+    MOEPT__ROWS(r, N) {
+        const T *src = x + tok_of_row[r] * D;
+        MOEPT__LANES(d, D, V) moept__cpv<V>(xs + r * D + d, src + d);
+    }
 }
 
-/* a = act(h): h [R][H] (gate | up), a [R][F] */
-template <typename T>
-__global__ void moept__k_act_fwd(int kind, const T *h, int64_t R, int64_t F, int64_t H, T *a) {
-    const int gated = moept__act_gated(kind);
-    MOEPT__FOR(i, R * F) {
-        int64_t r = i / F, j = i % F;
-        float g = moept__ld(h, r * H + j), u = gated ? moept__ld(h, r * H + F + j) : 0.0f;
-        moept__st(a, i, moept__act_fwd1(kind, g, u));
+/* a = act(h): h [R][H] (gate | up), a [R][F]. The kind is a template
+   argument inside (the kernel switches once), so a lane's math is straight
+   code, as moept.h's row loops are on the CPU. */
+template <int KIND, typename T, int V>
+__device__ __forceinline__ void moept__act_fwd_rows(const T *h, int64_t R, int F, int H, T *a) {
+    const int gated = moept__act_gated(KIND);
+    MOEPT__ROWS(r, R) {
+        const T *hr = h + r * H;
+        T *ar = a + r * F;
+        MOEPT__LANES(j, F, V) {
+            float g[V], u[V];
+            moept__ldv<V>(hr + j, g);
+            if (gated) moept__ldv<V>(hr + F + j, u);
+            for (int l = 0; l < V; l++) g[l] = moept__act_fwd1(KIND, g[l], gated ? u[l] : 0.0f);
+            moept__stv<V>(ar + j, g);
+        }
+    }
+}
+template <typename T, int V>
+__global__ void moept__k_act_fwd(int kind, const T *h, int64_t R, int F, int H, T *a) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: moept__act_fwd_rows<MOEPT_ACT_SILU_GATED, T, V>(h, R, F, H, a); break;
+    case MOEPT_ACT_GELU_GATED: moept__act_fwd_rows<MOEPT_ACT_GELU_GATED, T, V>(h, R, F, H, a); break;
+    case MOEPT_ACT_GELU: moept__act_fwd_rows<MOEPT_ACT_GELU, T, V>(h, R, F, H, a); break;
+    default: moept__act_fwd_rows<MOEPT_ACT_RELU, T, V>(h, R, F, H, a); break;
     }
 }
 
 /* dh over h from da [R][F] */
-template <typename T>
-__global__ void moept__k_act_bwd(int kind, T *h, const T *da, int64_t R, int64_t F, int64_t H) {
-    const int gated = moept__act_gated(kind);
-    MOEPT__FOR(i, R * F) {
-        int64_t r = i / F, j = i % F;
-        float g = moept__ld(h, r * H + j), u = gated ? moept__ld(h, r * H + F + j) : 0.0f, dg, du;
-        moept__act_bwd1(kind, g, u, moept__ld(da, i), &dg, &du);
-        moept__st(h, r * H + j, dg);
-        if (gated) moept__st(h, r * H + F + j, du);
+template <int KIND, typename T, int V>
+__device__ __forceinline__ void moept__act_bwd_rows(T *h, const T *da, int64_t R, int F, int H) {
+    const int gated = moept__act_gated(KIND);
+    MOEPT__ROWS(r, R) {
+        T *hr = h + r * H;
+        MOEPT__LANES(j, F, V) {
+            float g[V], u[V], d[V];
+            moept__ldv<V>(hr + j, g);
+            if (gated) moept__ldv<V>(hr + F + j, u);
+            moept__ldv<V>(da + r * F + j, d);
+            for (int l = 0; l < V; l++) moept__act_bwd1(KIND, g[l], gated ? u[l] : 0.0f, d[l], &g[l], &u[l]);
+            moept__stv<V>(hr + j, g);
+            if (gated) moept__stv<V>(hr + F + j, u);
+        }
+    }
+}
+template <typename T, int V>
+__global__ void moept__k_act_bwd(int kind, T *h, const T *da, int64_t R, int F, int H) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: moept__act_bwd_rows<MOEPT_ACT_SILU_GATED, T, V>(h, da, R, F, H); break;
+    case MOEPT_ACT_GELU_GATED: moept__act_bwd_rows<MOEPT_ACT_GELU_GATED, T, V>(h, da, R, F, H); break;
+    case MOEPT_ACT_GELU: moept__act_bwd_rows<MOEPT_ACT_GELU, T, V>(h, da, R, F, H); break;
+    default: moept__act_bwd_rows<MOEPT_ACT_RELU, T, V>(h, da, R, F, H); break;
     }
 }
 
-/* y[t] = g_t * yss[t] + sum_k w_tk * ys[row_of[t,k]], k in slot order.
-   grid (T, D blocks). */
-template <typename T>
+/* y[t] = g_t * yss[t] + sum_k w_tk * ys[row_of[t,k]], k in slot order, for
+   n tokens; y's finiteness checked as stored (bf16 rounding can overflow),
+   so y is not read again */
+template <typename T, int V>
 __global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float *wts, const T *yss,
-                                 const float *sg, int64_t D, int K, T *y, int64_t bad_base,
+                                 const float *sg, int64_t n, int D, int K, T *y, int64_t bad_base,
                                  unsigned long long *first_bad) {
-    int64_t t = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
-    if (d >= D) return;
-    float acc = yss ? moept__scale(sg ? sg[t] : 1.0f, moept__ld(yss, t * D + d)) : 0.0f;
-    for (int k = 0; k < K; k++) {
-        int64_t r = row_of[t * K + k];
-        if (r >= 0) acc = moept__combine_step(acc, wts[t * K + k], moept__ld(ys, r * D + d));
+    MOEPT__ROWS(t, n) {
+        const float gs = sg ? sg[t] : 1.0f;
+        MOEPT__LANES(d, D, V) {
+            float acc[V], v[V];
+            if (yss) moept__ldv<V>(yss + t * D + d, v);
+            for (int l = 0; l < V; l++) acc[l] = yss ? moept__scale(gs, v[l]) : 0.0f;
+            for (int k = 0; k < K; k++) {
+                const int64_t r = row_of[t * K + k];
+                if (r < 0) continue;
+                const float w = wts[t * K + k];
+                moept__ldv<V>(ys + r * D + d, v);
+                for (int l = 0; l < V; l++) acc[l] = moept__combine_step(acc[l], w, v[l]);
+            }
+            moept__stv<V>(y + t * D + d, acc);
+            for (int l = 0; l < V; l++)
+                if (!moept__finite(acc[l])) {
+                    atomicMin(first_bad, (unsigned long long)(bad_base + t * D + d + l));
+                    break;
+                }
+        }
     }
-    /* y's finiteness as stored (bf16 rounding can overflow): no second pass over y */
-    if (!moept__finite(moept__st(y, t * D + d, acc)))
-        atomicMin(first_bad, (unsigned long long)(bad_base + t * D + d));
+}
+
+/* <u, dy> over a row (double, per thread in order, then a fixed tree) while
+   u's row becomes s * dy: the combine backward's and the shared expert's */
+template <typename T, int V>
+__device__ __forceinline__ double moept__dot_scale(T *u, const T *dy, int D, float s, double *sh) {
+    double acc = 0.0;
+    for (int d = (int)threadIdx.x * V; d < D; d += MOEPT__TB * V) {
+        float g[V], v[V];
+        moept__ldv<V>(dy + d, g);
+        moept__ldv<V>(u + d, v);
+        for (int l = 0; l < V; l++) {
+            acc += (double)v[l] * (double)g[l];
+            g[l] = moept__scale(s, g[l]);
+        }
+        moept__stv<V>(u + d, g);
+    }
+    return moept__block_sum(acc, sh);
 }
 
 /* Combine backward, one block per assignment i = (t, k): dwts[i] =
-   <ys[row], dy[t]> (double, fixed tree), then ys[row] = w * dy[t]. */
-template <typename T>
+   <ys[row], dy[t]>, then ys[row] = w * dy[t]. */
+template <typename T, int V>
 __global__ void moept__k_combine_bwd(T *ys, const int64_t *row_of, const float *wts, const T *dy,
-                                     int64_t D, int K, float *dwts) {
+                                     int D, int K, float *dwts) {
     __shared__ double sh[MOEPT__TB];
-    int64_t i = blockIdx.x, t = i / K, r = row_of[i];
+    const int64_t i = blockIdx.x, t = i / K, r = row_of[i];
     if (r < 0) {
         if (threadIdx.x == 0) dwts[i] = 0.0f;
         return;
     }
-    float w = wts[i];
-    double acc = 0.0;
-    for (int64_t d = threadIdx.x; d < D; d += MOEPT__TB) {
-        float g = moept__ld(dy, t * D + d);
-        acc += (double)moept__ld(ys, r * D + d) * (double)g;
-        moept__st(ys, r * D + d, moept__scale(w, g));
-    }
-    acc = moept__block_sum(acc, sh);
+    double acc = moept__dot_scale<T, V>(ys + r * D, dy + t * D, D, wts[i], sh);
     if (threadIdx.x == 0) dwts[i] = (float)acc;
 }
 
 /* Shared expert's combine backward, one block per token: the gate's
    gradient (when gated) and yss[t] = g_t * dy[t]. */
-template <typename T>
-__global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int64_t D, float *dsg) {
+template <typename T, int V>
+__global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int D, float *dsg) {
     __shared__ double sh[MOEPT__TB];
-    int64_t t = blockIdx.x;
-    float gs = sg ? sg[t] : 1.0f;
-    double acc = 0.0;
-    for (int64_t d = threadIdx.x; d < D; d += MOEPT__TB) {
-        float g = moept__ld(dy, t * D + d);
-        acc += (double)moept__ld(yss, t * D + d) * (double)g;
-        moept__st(yss, t * D + d, moept__scale(gs, g));
-    }
-    acc = moept__block_sum(acc, sh);
+    const int64_t t = blockIdx.x;
+    const float gs = sg ? sg[t] : 1.0f;
+    double acc = moept__dot_scale<T, V>(yss + t * D, dy + t * D, D, gs, sh);
     if (threadIdx.x == 0 && sg) dsg[t] = moept__gate_bwd(acc, gs);
 }
 
 /* dx[t] = sum_k dxs[row_of[t,k]] (slot order) + the shared expert's dxs +
    dsg[t] wsg + sum_e dlogits[t,e] Wr[e], moept.c's terms in its order,
    written once in T (no fp32 pass) and checked as stored (first_bad: read
-   by adamw_step and grad_norm). grid (T, D blocks). */
-template <typename T>
+   by adamw_step and grad_norm), for n tokens */
+template <typename T, int V>
 __global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, const float *dsg, const float *wsg,
-                            const float *dlogits, const float *wr, int64_t D, int K, int E, T *dx,
+                            const float *dlogits, const float *wr, int64_t n, int D, int K, int E, T *dx,
                             unsigned long long *first_bad) {
-    int64_t t = blockIdx.x, d = blockIdx.y * (int64_t)blockDim.x + threadIdx.x;
-    if (d >= D) return;
-    float acc = 0.0f, r_term = 0.0f;
-    for (int k = 0; k < K; k++) {
-        int64_t r = row_of[t * K + k];
-        if (r >= 0) acc = moept__combine_step(acc, 1.0f, moept__ld(ys, r * D + d));
+    MOEPT__ROWS(t, n) {
+        MOEPT__LANES(d, D, V) {
+            float acc[V], rt[V], v[V];
+            for (int l = 0; l < V; l++) acc[l] = rt[l] = 0.0f;
+            for (int k = 0; k < K; k++) {
+                const int64_t r = row_of[t * K + k];
+                if (r < 0) continue;
+                moept__ldv<V>(ys + r * D + d, v);
+                for (int l = 0; l < V; l++) acc[l] = moept__combine_step(acc[l], 1.0f, v[l]);
+            }
+            if (yss) {
+                moept__ldv<V>(yss + t * D + d, v);
+                for (int l = 0; l < V; l++) acc[l] = moept__combine_step(acc[l], 1.0f, v[l]);
+            }
+            if (dsg)
+                for (int l = 0; l < V; l++) acc[l] += dsg[t] * wsg[d + l];
+            for (int e = 0; e < E; e++) {
+                const float g = dlogits[t * E + e];
+                moept__ldv<V>(wr + (int64_t)e * D + d, v);
+                for (int l = 0; l < V; l++) rt[l] += g * v[l];
+            }
+            for (int l = 0; l < V; l++) acc[l] += rt[l];
+            moept__stv<V>(dx + t * D + d, acc);
+            for (int l = 0; l < V; l++)
+                if (!moept__finite(acc[l])) {
+                    atomicMin(first_bad, (unsigned long long)(t * D + d + l));
+                    break;
+                }
+        }
     }
-    if (yss) acc = moept__combine_step(acc, 1.0f, moept__ld(yss, t * D + d));
-    if (dsg) acc += dsg[t] * wsg[d];
-    for (int e = 0; e < E; e++) r_term += dlogits[t * E + e] * wr[e * D + d];
-    if (!moept__finite(moept__st(dx, t * D + d, acc + r_term)))
-        atomicMin(first_bad, (unsigned long long)(t * D + d));
 }
 
 /* sg[t] = sigmoid(sg[t]) (the shared-expert gate) */
@@ -1001,6 +1188,9 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
                             "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
     if (spec->E > INT_MAX / 2 || spec->K > INT_MAX)
         return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: too many experts");
+    if (spec->D >= (1 << 30) || spec->H >= (1 << 30) || spec->HS >= (1 << 30))
+        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: hidden_size and the expert "
+                            "widths must be below 2^30 (the kernels index within a row in 32 bits)");
     moept__cuda *c = (moept__cuda *)calloc(1, sizeof *c);
     if (!c) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     c->sp = *spec;
@@ -1145,6 +1335,24 @@ static const float *moept__w(moept__cuda *c, int64_t off) {
     return (const float *)((const moept__bf16 *)c->wlow + (off - c->sp.E * c->sp.D));
 }
 
+/* The activation over R rows: a = act(h) [R][F] from h [R][H]; bwd: dh over
+   h from da (in a) */
+template <typename T>
+static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_t R, int64_t F, int64_t H,
+                               char *err) {
+    if (R <= 0) return MOEPT_OK;
+    const int vec = moept__vec<T>(F, h, a);
+    const moept__shape sh = moept__rows_shape(R, vec ? F / MOEPT__VEC(T) : F);
+    if (bwd)
+        MOEPT__LAUNCH_V(vec, moept__k_act_bwd, T, sh.g, sh.b, c->s, c->sp.act, (T *)h, (const T *)a, R,
+                        (int)F, (int)H);
+    else
+        MOEPT__LAUNCH_V(vec, moept__k_act_fwd, T, sh.g, sh.b, c->s, c->sp.act, (const T *)h, R, (int)F, (int)H,
+                        (T *)a);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+
 /* Expert FFN forward over grouped rows: h = xs W13^T, a = act(h), ys = a W2^T.
    The same descriptors as moept.c's moept__ffn_forward (pointers advance in
    elements of the data type: bytes of es). */
@@ -1163,12 +1371,7 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
                                       (float *)(Hh + r0 * H * es), H));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     int64_t R = offs[groups] - offs[0], base = offs[0];
-    if (R > 0) {
-        MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(
-                c->sp.act, (const T *)h + base * H, R, F, H,
-                                                                       (T *)a + base * F);
-        MOEPT__LAUNCHED();
-    }
+    MOEPT__TRY(moept__act<T>(c, 0, (T *)h + base * H, (T *)a + base * F, R, F, H, err));
     MOEPT__PER_GROUP(gd, n, groups, offs,
                      moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * F * es), F,
                                       (const float *)(W2 + e * D * F * es), F, 0.0f,
@@ -1201,12 +1404,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
                                       (const float *)(W2 + e * D * F * es), F, 0.0f,
                                       (float *)(A + r0 * F * es), F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
-    if (R > 0) {
-        MOEPT__LAUNCH(moept__k_act_bwd<T>, moept__grid(R * F), MOEPT__TB, 0, c->s)(
-                c->sp.act, (T *)h + base * H,
-                                                                       (const T *)a + base * F, R, F, H);
-        MOEPT__LAUNCHED();
-    }
+    MOEPT__TRY(moept__act<T>(c, 1, (T *)h + base * H, (T *)a + base * F, R, F, H, err));
     /* g13 += dh^T xs */
     MOEPT__PER_GROUP(gd, n, groups, offs,
                      moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
@@ -1318,6 +1516,13 @@ static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const v
     f->cap = f->host_bad ? -1 : moept__capacity(p->capacity_factor, f->T, p->K, p->E);
 }
 
+/* x [n]'s finiteness (the first bad index into bad) and, with xf, its fp32 copy */
+template <typename T>
+static void moept__check(moept__cuda *c, const T *x, int64_t n, float *xf, unsigned long long *bad) {
+    const int vec = moept__vec<T>(0, x, xf), V = vec ? MOEPT__VEC(T) : 1;
+    MOEPT__LAUNCH_V(vec, moept__k_check, T, moept__grid(n / V + n % V), MOEPT__TB, c->s, x, n, xf, bad);
+}
+
 /* 2. route: the bf16 weights, x's check, the fp32 router, top-k, loss statistics */
 template <typename T>
 static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
@@ -1329,8 +1534,10 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     if (c->wlow && c->wlow_stale) { /* the bf16 weights, once after the fp32 masters changed */
         MOEPT__STAGE("weights");
         int64_t nw = p->n_params - E * D;
-        MOEPT__LAUNCH(moept__k_cast<moept__bf16>, moept__grid(nw), MOEPT__TB, 0, c->s)(
-                c->params + E * D, nw, (moept__bf16 *)c->wlow);
+        const float *src = c->params + E * D;
+        MOEPT__LAUNCH_V(moept__vec<moept__bf16>(0, src, c->wlow), moept__k_cast, moept__bf16,
+                        moept__grid(nw / MOEPT__VEC(moept__bf16) + 1), MOEPT__TB, c->s, src, nw,
+                        (moept__bf16 *)c->wlow);
         cudaError_t e = cudaGetLastError();
         MOEPT__PRE(e);
         if (e == cudaSuccess) c->wlow_stale = 0;
@@ -1338,8 +1545,7 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     }
     const float *xf = c->wlow ? c->xf : (const float *)x;
     if (T_ > 0) {
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(
-                x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
+        moept__check<T>(c, x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
         MOEPT__PRE(cudaGetLastError());
         c->xf_committed = 0; /* until this step commits */
         /* router GEMM in fp32: logits = xf Wr^T */
@@ -1593,8 +1799,9 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_
     }
     void *xs = p->P > 1 ? c->xs : c->xr; /* at one rank the permuted rows are the experts' rows */
     if (c->N > 0) {
-        MOEPT__LAUNCH(moept__k_gather<T>, dim3((unsigned)c->N, (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB)),
-                      MOEPT__TB, 0, c->s)(x, c->tok_of_row, D, (T *)xs);
+        const int vec = moept__vec<T>(D, x, xs);
+        const moept__shape sh = moept__rows_shape(c->N, vec ? D / MOEPT__VEC(T) : D);
+        MOEPT__LAUNCH_V(vec, moept__k_gather, T, sh.g, sh.b, c->s, x, c->tok_of_row, c->N, (int)D, (T *)xs);
         MOEPT__LAUNCHED();
     }
     if (p->P > 1 && c->C == 1)
@@ -1641,11 +1848,12 @@ static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t
     const int64_t D = p->D, K = p->K;
     if (t1 <= t0) return MOEPT_OK;
     const void *ys = p->P > 1 ? c->ys : c->yr;
-    MOEPT__LAUNCH(moept__k_combine<T>, dim3((unsigned)(t1 - t0), (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB)),
-                  MOEPT__TB, 0, c->s)((const T *)ys, c->row_of + t0 * K, c->wts[c->cur] + t0 * K,
-                                      p->S > 0 ? (const T *)c->yss + t0 * D : NULL,
-                                      p->offsg >= 0 ? c->sg + t0 : NULL, D, (int)K, y + t0 * D, t0 * D,
-                                      &c->bad[4]);
+    const T *yss = p->S > 0 ? (const T *)c->yss + t0 * D : NULL;
+    const int vec = moept__vec<T>(D, ys, yss, y);
+    const moept__shape sh = moept__rows_shape(t1 - t0, vec ? D / MOEPT__VEC(T) : D);
+    MOEPT__LAUNCH_V(vec, moept__k_combine, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of + t0 * K,
+                    c->wts[c->cur] + t0 * K, yss, p->offsg >= 0 ? c->sg + t0 : NULL, t1 - t0, (int)D, (int)K,
+                    y + t0 * D, t0 * D, &c->bad[4]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -1687,13 +1895,8 @@ static moept_status moept__runs_act(moept__cuda *c, int64_t n, int bwd, char *er
     const int64_t H = c->sp.H, F = c->sp.F, G = c->G;
     for (int64_t i = 0; i < n; i++) {
         int64_t r0 = c->cruns[i], rows = c->cruns[G + i];
-        if (bwd)
-            MOEPT__LAUNCH(moept__k_act_bwd<T>, moept__grid(rows * F), MOEPT__TB, 0, c->s)(
-                    c->sp.act, (T *)c->h + r0 * H, (const T *)c->dar + r0 * F, rows, F, H);
-        else
-            MOEPT__LAUNCH(moept__k_act_fwd<T>, moept__grid(rows * F), MOEPT__TB, 0, c->s)(
-                    c->sp.act, (const T *)c->h + r0 * H, rows, F, H, (T *)c->a + r0 * F);
-        MOEPT__LAUNCHED();
+        MOEPT__TRY(moept__act<T>(c, bwd, (T *)c->h + r0 * H, (T *)(bwd ? c->dar : c->a) + r0 * F, rows, F, H,
+                                 err));
     }
     return MOEPT_OK;
 }
@@ -1925,8 +2128,7 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
     }
     if (!local[0] && T_ > 0) {
         MOEPT__CU(cudaMemsetAsync(&c->bad[2], 0xff, 8, c->s));
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(dy, T_ * D, NULL,
-                                                                             &c->bad[2]);
+        moept__check<T>(c, dy, T_ * D, NULL, &c->bad[2]);
         MOEPT__LAUNCHED();
     }
     /* unchecked_backward: no host sync and no agreement; a rank's rejection is its own */
@@ -1958,18 +2160,18 @@ static moept_status moept__bwd_combine(moept__cuda *c, const T *x, const T *dy, 
     const int64_t D = p->D, K = p->K, T_ = c->T;
     if (T_ == 0) return MOEPT_OK;
     if (c->wlow && !c->xf_committed) { /* a rejected forward converted its x since */
-        MOEPT__LAUNCH(moept__k_check<T>, moept__grid(T_ * D), MOEPT__TB, 0, c->s)(x, T_ * D, c->xf,
-                                                                             &c->bad[3]);
+        moept__check<T>(c, x, T_ * D, c->xf, &c->bad[3]);
         MOEPT__LAUNCHED();
         c->xf_committed = 1;
     }
     void *ys = p->P > 1 ? c->ys : c->yr;
-    MOEPT__LAUNCH(moept__k_combine_bwd<T>, (unsigned)(T_ * K), MOEPT__TB, 0, c->s)(
-            (T *)ys, c->row_of, c->wts[c->cur], dy, D, (int)K, c->dwts);
+    const int vec = moept__vec<T>(D, ys, dy, c->yss);
+    MOEPT__LAUNCH_V(vec, moept__k_combine_bwd, T, (unsigned)(T_ * K), MOEPT__TB, c->s, (T *)ys, c->row_of,
+                    c->wts[c->cur], dy, (int)D, (int)K, c->dwts);
     MOEPT__LAUNCHED();
     if (p->S > 0) {
-        MOEPT__LAUNCH(moept__k_shared_bwd<T>, (unsigned)T_, MOEPT__TB, 0, c->s)(
-                (T *)c->yss, p->offsg >= 0 ? c->sg : NULL, dy, D, c->dsg);
+        MOEPT__LAUNCH_V(vec, moept__k_shared_bwd, T, (unsigned)T_, MOEPT__TB, c->s, (T *)c->yss,
+                        p->offsg >= 0 ? c->sg : NULL, dy, (int)D, c->dsg);
         MOEPT__LAUNCHED();
     }
     return MOEPT_OK;
@@ -2019,10 +2221,13 @@ static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
     const int64_t D = p->D, T_ = c->T;
     const void *ys = p->P > 1 ? c->ys : c->yr;
     const int gate = p->S > 0 && p->offsg >= 0;
-    const dim3 grid((unsigned)T_, (unsigned)((D + MOEPT__TB - 1) / MOEPT__TB));
-    MOEPT__LAUNCH(moept__k_dx<T>, grid, MOEPT__TB, 0, c->s)(
-        (const T *)ys, c->row_of, p->S > 0 ? (const T *)c->yss : NULL, gate ? c->dsg : NULL,
-        gate ? c->params + p->offsg : NULL, c->dlogits, c->params, D, (int)p->K, (int)p->E, dx, &c->bad[5]);
+    const T *yss = p->S > 0 ? (const T *)c->yss : NULL;
+    /* the router's weights (fp32 rows of D) are read as vectors of as many lanes */
+    const int vec = moept__vec<T>(D, ys, yss, dx) && moept__vec<T>(0, c->params); /* D % V: Wr's rows too */
+    const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
+    MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss, gate ? c->dsg : NULL,
+                    gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_, (int)D, (int)p->K, (int)p->E,
+                    dx, &c->bad[5]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }

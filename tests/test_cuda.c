@@ -538,7 +538,7 @@ static void test_bf16_weights_cast_once(void) {
     for (int64_t i = 0; i < T * D; i++) x[i] = frand();
     for (int64_t i = 0; i < F_ * D; i++) w[i] = 0.1f * frand();
     void *xd = dev_from(x, T * D, 1), *yd = dev_from(a, T * D, 1);
-    const char *cast = "moept__k_cast<moept__bf16>";
+    const char *cast = "moept__k_cast<";
     EXPECT_OK(moept_forward(L, xd, T, yd));
     long n0 = moept_emu_launches(cast);
     EXPECT_OK(moept_forward(L, xd, T, yd));
@@ -687,19 +687,22 @@ static void test_call_agreement(void) {
 typedef struct stage_pin {
     const char *name;
     long kernels[2], blas[2], syncs; /* [fp32, bf16] */
+    int width;                       /* bytes per access of the accesses that grow with D and F, at least */
 } stage_pin;
+/* width: 16 where every element moves in 16-byte vectors; combine and dx
+   also load each row's index and weight (8 + 4 bytes) once per vector */
 static const stage_pin stage_pins[] = {
-    {"weights", {0, 0}, {0, 0}, 0},      /* the bf16 cast: parameters unchanged, none */
-    {"route", {3, 3}, {1, 1}, 0},        /* x check (+ xf), router GEMM, top-k, loss statistics */
-    {"plan", {2, 2}, {0, 0}, 1},         /* count, scan; the step's one forward host sync */
-    {"dispatch", {2, 2}, {0, 0}, 0},     /* place, gather */
-    {"experts", {1, 1}, {2, 2}, 0},      /* gate/up GEMM, activation, down GEMM */
-    {"combine", {1, 1}, {0, 0}, 0},      /* combine, y's check inside */
-    {"bwd.agree", {1, 1}, {0, 0}, 1},    /* dy check; the agreement's host sync */
-    {"bwd.combine", {1, 1}, {0, 0}, 0},  /* dL/dw and dys (x not converted again) */
-    {"bwd.experts", {1, 1}, {4, 18}, 0}, /* bf16: weight gradients a GEMM per expert (8 x 2) */
-    {"bwd.router", {1, 1}, {1, 1}, 0},   /* router', its weight gradient */
-    {"bwd.dx", {1, 1}, {0, 0}, 0},       /* dx in one pass, in T: token sums, router term, check */
+    {"weights", {0, 0}, {0, 0}, 0, 0},      /* the bf16 cast: parameters unchanged, none */
+    {"route", {3, 3}, {1, 1}, 0, 16},       /* x check (+ xf), router GEMM, top-k, loss statistics */
+    {"plan", {2, 2}, {0, 0}, 1, 0},         /* count, scan; the step's one forward host sync */
+    {"dispatch", {2, 2}, {0, 0}, 0, 16},    /* place, gather */
+    {"experts", {1, 1}, {2, 2}, 0, 16},     /* gate/up GEMM, activation, down GEMM */
+    {"combine", {1, 1}, {0, 0}, 0, 10},     /* combine, y's check inside */
+    {"bwd.agree", {1, 1}, {0, 0}, 1, 16},   /* dy check; the agreement's host sync */
+    {"bwd.combine", {1, 1}, {0, 0}, 0, 16}, /* dL/dw and dys (x not converted again) */
+    {"bwd.experts", {1, 1}, {4, 18}, 0, 16}, /* bf16: weight gradients a GEMM per expert (8 x 2) */
+    {"bwd.router", {1, 1}, {1, 1}, 0, 0},   /* router', its weight gradient */
+    {"bwd.dx", {1, 1}, {0, 0}, 0, 10},      /* dx in one pass, in T: token sums, router term, check */
 };
 /* the stage's kernel bytes that scale with D or F */
 static double stage_formula(const char *st, double T, double R, double D, double F, double E, int bf) {
@@ -764,6 +767,11 @@ static void test_stage_counts(void) {
                           stage_formula(p->name, T, R, D[0], F[0], E, bf);
             EXPECT(grew == want, "bf16 %d, stage %s: kernel bytes grew by %.0f from D %lld to %lld, the formula "
                    "says %.0f", bf, p->name, grew, (long long)D[0], (long long)D[1], want);
+            /* vectorised: the accesses that came with the width are 16 bytes wide */
+            long long acc = c[1][i].kaccess - c[0][i].kaccess, ops = c[1][i].kops - c[0][i].kops;
+            EXPECT(p->width == 0 ? ops == 0 : acc >= (long long)p->width * ops,
+                   "bf16 %d, stage %s: %lld more bytes in %lld more accesses (%.1f a access; at least %d pinned)",
+                   bf, p->name, acc, ops, ops ? (double)acc / (double)ops : 0.0, p->width);
         }
     }
 }

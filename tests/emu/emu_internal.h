@@ -77,6 +77,7 @@ struct Op {
     uint64_t hsum = 0;
     const char *stage = nullptr;   /* the host thread's stage when enqueued (moept_emu_stage) */
     uint64_t rw[2] = {0, 0};       /* device bytes it read, wrote (touch), every access */
+    uint64_t nacc = 0;             /* device accesses (touch) */
     uint64_t uq[2] = {0, 0};       /* ... distinct bytes (2-byte granules): its traffic */
 };
 

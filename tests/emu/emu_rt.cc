@@ -264,6 +264,7 @@ int touch(const void *p, size_t n, int write, const char *what) {
     }
     hazard(a, (const char *)p, n, write, what);
     o->rw[write != 0] += n;
+    o->nacc++;
     return 1;
 }
 
@@ -290,6 +291,7 @@ void count_op(const Op &o) {
     if (!n.compare(0, 7, "kernel ")) {
         c.kernels++; c.kread += r; c.kwrite += w;
         c.kaccess += (long long)(o.rw[0] + o.rw[1]);
+        c.kops += (long long)o.nacc;
     }
     else if (!n.compare(0, 6, "cublas")) { c.blas++; c.gread += r; c.gwrite += w; }
     else if (!n.compare(0, 4, "nccl")) { c.comms++; c.nread += r; c.nwrite += w; }
@@ -876,7 +878,7 @@ void moept_emu_counts_get(int d, const char *stage, moept_emu_counts *out) {
         if (kv.first.first != d || (stage && kv.first.second != stage)) continue;
         const moept_emu_counts &c = kv.second;
         out->kernels += c.kernels; out->blas += c.blas; out->comms += c.comms; out->copies += c.copies;
-        out->syncs += c.syncs; out->kaccess += c.kaccess;
+        out->syncs += c.syncs; out->kaccess += c.kaccess; out->kops += c.kops;
         out->kread += c.kread; out->kwrite += c.kwrite; out->cread += c.cread; out->cwrite += c.cwrite;
         out->gread += c.gread; out->gwrite += c.gwrite; out->nread += c.nread; out->nwrite += c.nwrite;
     }

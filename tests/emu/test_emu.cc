@@ -64,6 +64,8 @@ __global__ void k_divergent(float *out) { /* a barrier only half the block reach
     out[threadIdx.x] = sh3[threadIdx.x];
 }
 __global__ void k_oob(float *p, int n) { p[threadIdx.x + n] = 1.0f; } /* writes one past the end */
+__global__ void k_ld128(const char *p, uint4 *out) { out[threadIdx.x] = *(const uint4 *)(p + 16 * threadIdx.x); }
+__global__ void k_ld32(const char *p, float *out) { out[threadIdx.x] = *(const float *)(p + 4 * threadIdx.x); }
 __global__ void k_fill(float *p, float v, int n) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
 }
@@ -90,6 +92,13 @@ static void kernels() {
     MOEPT__LAUNCH(k_oob, 1, 64, 0, 0)(out, 1);
     cudaDeviceSynchronize();
     expect_report("memcheck: an out-of-bounds write", "past the end");
+    MOEPT__LAUNCH(k_ld128, 1, 2, 0, 0)((const char *)x, (uint4 *)out);
+    cudaDeviceSynchronize();
+    expect_clean("16-byte loads at 16-byte aligned addresses run clean");
+    /* (x86 faults on a misaligned 16-byte vector load itself: a 4-byte one shows the check) */
+    MOEPT__LAUNCH(k_ld32, 1, 2, 0, 0)((const char *)x + 2, out);
+    cudaDeviceSynchronize();
+    expect_report("memcheck: a 4-byte load at a 2-byte aligned address (a GPU faults)", "misaligned read of 4");
     MOEPT__LAUNCH(k_fill, 1, 2048, 0, 0)(out, 0.0f, 64);
     result("launch limits: 2048 threads a block is a launch error",
            cudaGetLastError() == cudaErrorInvalidConfiguration, "accepted");
