@@ -48,6 +48,7 @@ typedef uint16_t moept__bf16;
 #define MOEPT__TB 256           /* threads per block of the elementwise kernels */
 #define MOEPT__PB 256           /* assignments per block of the plan count */
 #define MOEPT__MAX_GRID 65535
+#define MOEPT__SIDE 4           /* side streams for GEMMs cuBLAS cannot group (as Transformer Engine's 4) */
 
 /* ------------------------------------------------------------------------
    Errors: every CUDA, cuBLAS and NCCL call is checked; the message names the
@@ -898,6 +899,13 @@ struct moept__cuda {
     cudaEvent_t ev_compute, ev_comm;
     cudaEvent_t ev_out[2], ev_back[2]; /* chunked: a chunk's rows arrived / returned (alternating) */
     cublasHandle_t blas;
+    /* bf16 weight gradients of several experts: no grouped cuBLAS call takes bf16 A and B with fp32 C
+       (moept__gemms), so their cublasGemmEx calls run on nside side streams, each with its own handle
+       (a handle's workspace serves one stream at a time), forked from s and joined back by events */
+    int nside;
+    cudaStream_t side[MOEPT__SIDE];
+    cublasHandle_t side_blas[MOEPT__SIDE];
+    cudaEvent_t ev_fork, ev_side[MOEPT__SIDE];
     int esz;                    /* bytes per data element: 4 (F32) or 2 (BF16) */
     cudaDataType_t dt;          /* CUDA_R_32F or CUDA_R_16BF */
     int64_t nblk_max;           /* plan-count blocks at Tmax */
@@ -1080,6 +1088,12 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
     if (!c) return;
     if (c->blas) cudaStreamSynchronize(c->s);
     if (c->blas) cublasDestroy(c->blas);
+    for (int i = 0; i < MOEPT__SIDE; i++) { /* joined to s by events: s's sync covered them */
+        if (c->side_blas[i]) cublasDestroy(c->side_blas[i]);
+        if (c->side[i]) cudaStreamDestroy(c->side[i]);
+        if (c->ev_side[i]) cudaEventDestroy(c->ev_side[i]);
+    }
+    if (c->ev_fork) cudaEventDestroy(c->ev_fork);
     if (c->ev_compute) cudaEventDestroy(c->ev_compute);
     if (c->ev_comm) cudaEventDestroy(c->ev_comm);
     for (int i = 0; i < 2; i++) {
@@ -1103,6 +1117,20 @@ extern "C" void moept__cuda_pointers(moept__cuda *c, float **params, float **gra
 /* the device masters were (or may be about to be) written by the caller */
 extern "C" void moept__cuda_params_changed(moept__cuda *c) { c->wlow_stale = 1; }
 
+/* the side streams of bf16 weight gradients, when there are several experts' */
+static moept_status moept__side_create(moept__cuda *c, char *err) {
+    c->nside = c->sp.dtype == MOEPT_DTYPE_BF16 && c->G > 1 ? (int)(c->G < MOEPT__SIDE ? c->G : MOEPT__SIDE) : 0;
+    if (c->nside) MOEPT__CU(cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming));
+    for (int i = 0; i < c->nside; i++) {
+        MOEPT__CU(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
+        MOEPT__CU(cudaEventCreateWithFlags(&c->ev_side[i], cudaEventDisableTiming));
+        MOEPT__CB(cublasCreate(&c->side_blas[i]));
+        MOEPT__CB(cublasSetStream(c->side_blas[i], c->side[i]));
+        MOEPT__CB(cublasSetMathMode(c->side_blas[i], CUBLAS_DEFAULT_MATH));
+    }
+    return MOEPT_OK;
+}
+
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P, El = p->El, G = c->G, C = c->C;
@@ -1118,6 +1146,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     MOEPT__CB(cublasCreate(&c->blas));
     MOEPT__CB(cublasSetStream(c->blas, c->s));
     MOEPT__CB(cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)); /* fp32 stays fp32: no TF32 */
+    MOEPT__TRY(moept__side_create(c, err));
     /* parameters + gradients + bias + placement: one allocation */
     size_t pbytes = (size_t)(2 * p->n_params + E) * 4 + (size_t)E * 4 + 256;
     void *pb = NULL;
@@ -1285,9 +1314,11 @@ extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad,
 /* ---- GEMMs -------------------------------------------------------------- */
 /* Runs n descriptors: one cublasGemmEx, or for several one
    cublasGemmGroupedBatchedEx (each group its own expert's matrices, so the
-   weight-gradient groups write disjoint C: no races), falling back to a
-   cublasGemmEx loop where grouped GEMMs are missing (CUDA < 12.5) or do not
-   take these types. ta: A and B's type; tc: C's. Compute is fp32. */
+   weight-gradient groups write disjoint C: no races), falling back to
+   cublasGemmEx calls where grouped GEMMs are missing (CUDA < 12.5) or do not
+   take these types (bf16 A and B with fp32 C: the bf16 weight gradients):
+   spread over the side streams where the layer has them, else in a loop.
+   ta: A and B's type; tc: C's. Compute is fp32. */
 static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n, cudaDataType_t ta,
                                  cudaDataType_t tc, char *err) {
     if (n <= 0) return MOEPT_OK;
@@ -1320,12 +1351,25 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
                                 cublasGetStatusString(r), __LINE__);
     }
 #endif
-    for (int64_t i = 0; i < n; i++) {
+    /* one cublasGemmEx each; several spread over the side streams (each writes its own C), which
+       fork from s and join back before s goes on: the same order for what comes after */
+    const int ns = n > 1 ? (int)(n < c->nside ? n : c->nside) : 0;
+    if (ns) MOEPT__CU(cudaEventRecord(c->ev_fork, c->s));
+    for (int j = 0; j < ns; j++) MOEPT__CU(cudaStreamWaitEvent(c->side[j], c->ev_fork, 0));
+    cublasStatus_t r = CUBLAS_STATUS_SUCCESS;
+    for (int64_t i = 0; i < n && r == CUBLAS_STATUS_SUCCESS; i++) {
         moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
-        MOEPT__CB(cublasGemmEx_64(c->blas, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                  cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta, cm.lda, cm.b, ta, cm.ldb, &cm.beta, cm.c, tc,
-                                  cm.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        r = cublasGemmEx_64(ns ? c->side_blas[i % ns] : c->blas, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta, cm.lda,
+                            cm.b, ta, cm.ldb, &cm.beta, cm.c, tc, cm.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }
+    for (int j = 0; j < ns; j++) { /* joined even after a failed call */
+        MOEPT__CU(cudaEventRecord(c->ev_side[j], c->side[j]));
+        MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_side[j], 0));
+    }
+    if (r != CUBLAS_STATUS_SUCCESS)
+        return moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmEx_64: %s (moept_kernels.cu:%d)",
+                            cublasGetStatusString(r), __LINE__);
     return MOEPT_OK;
 }
 

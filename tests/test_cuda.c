@@ -686,23 +686,24 @@ static void test_call_agreement(void) {
    copy of x (xf) for the fp32 router. */
 typedef struct stage_pin {
     const char *name;
-    long kernels[2], blas[2], syncs; /* [fp32, bf16] */
+    long kernels[2], blas[2], syncs, blas_streams[2]; /* [fp32, bf16] */
     int width;                       /* bytes per access of the accesses that grow with D and F, at least */
 } stage_pin;
 /* width: 16 where every element moves in 16-byte vectors; combine and dx
    also load each row's index and weight (8 + 4 bytes) once per vector */
 static const stage_pin stage_pins[] = {
-    {"weights", {0, 0}, {0, 0}, 0, 0},      /* the bf16 cast: parameters unchanged, none */
-    {"route", {3, 3}, {1, 1}, 0, 16},       /* x check (+ xf), router GEMM, top-k, loss statistics */
-    {"plan", {2, 2}, {0, 0}, 1, 0},         /* count, scan; the step's one forward host sync */
-    {"dispatch", {2, 2}, {0, 0}, 0, 16},    /* place, gather */
-    {"experts", {1, 1}, {2, 2}, 0, 16},     /* gate/up GEMM, activation, down GEMM */
-    {"combine", {1, 1}, {0, 0}, 0, 10},     /* combine, y's check inside */
-    {"bwd.agree", {1, 1}, {0, 0}, 1, 16},   /* dy check; the agreement's host sync */
-    {"bwd.combine", {1, 1}, {0, 0}, 0, 16}, /* dL/dw and dys (x not converted again) */
-    {"bwd.experts", {1, 1}, {4, 18}, 0, 16}, /* bf16: weight gradients a GEMM per expert (8 x 2) */
-    {"bwd.router", {1, 1}, {1, 1}, 0, 0},   /* router', its weight gradient */
-    {"bwd.dx", {1, 1}, {0, 0}, 0, 10},      /* dx in one pass, in T: token sums, router term, check */
+    {"weights", {0, 0}, {0, 0}, 0, {0, 0}, 0},      /* the bf16 cast: parameters unchanged, none */
+    {"route", {3, 3}, {1, 1}, 0, {1, 1}, 16},       /* x check (+ xf), router GEMM, top-k, loss statistics */
+    {"plan", {2, 2}, {0, 0}, 1, {0, 0}, 0},         /* count, scan; the step's one forward host sync */
+    {"dispatch", {2, 2}, {0, 0}, 0, {0, 0}, 16},    /* place, gather */
+    {"experts", {1, 1}, {2, 2}, 0, {1, 1}, 16},     /* gate/up GEMM, activation, down GEMM */
+    {"combine", {1, 1}, {0, 0}, 0, {0, 0}, 10},     /* combine, y's check inside */
+    {"bwd.agree", {1, 1}, {0, 0}, 1, {0, 0}, 16},   /* dy check; the agreement's host sync */
+    {"bwd.combine", {1, 1}, {0, 0}, 0, {0, 0}, 16}, /* dL/dw and dys (x not converted again) */
+    /* bf16: the weight gradients a GEMM per expert (8 x 2), on the 4 side streams, not in a loop on one */
+    {"bwd.experts", {1, 1}, {4, 18}, 0, {1, 5}, 16},
+    {"bwd.router", {1, 1}, {1, 1}, 0, {1, 1}, 0},   /* router', its weight gradient */
+    {"bwd.dx", {1, 1}, {0, 0}, 0, {0, 0}, 10},      /* dx in one pass, in T: token sums, router term, check */
 };
 /* the stage's kernel bytes that scale with D or F */
 static double stage_formula(const char *st, double T, double R, double D, double F, double E, int bf) {
@@ -758,9 +759,10 @@ static void test_stage_counts(void) {
             for (int w = 0; w < 2; w++) {
                 const moept_emu_counts *k = &c[w][i];
                 EXPECT(k->kernels == p->kernels[bf] && k->blas == p->blas[bf] && k->syncs == p->syncs &&
-                       k->comms == 0, "bf16 %d D %lld, stage %s: %ld kernels, %ld cuBLAS calls, %ld host "
-                       "syncs (pinned: %ld, %ld, %ld)", bf, (long long)D[w], p->name, k->kernels, k->blas,
-                       k->syncs, p->kernels[bf], p->blas[bf], p->syncs);
+                       k->comms == 0 && k->blas_streams == p->blas_streams[bf],
+                       "bf16 %d D %lld, stage %s: %ld kernels, %ld cuBLAS calls on %ld streams, %ld host syncs "
+                       "(pinned: %ld, %ld on %ld, %ld)", bf, (long long)D[w], p->name, k->kernels, k->blas,
+                       k->blas_streams, k->syncs, p->kernels[bf], p->blas[bf], p->blas_streams[bf], p->syncs);
             }
             double grew = (double)(c[1][i].kread + c[1][i].kwrite - c[0][i].kread - c[0][i].kwrite);
             double want = stage_formula(p->name, T, R, D[1], F[1], E, bf) -

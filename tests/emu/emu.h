@@ -41,6 +41,7 @@ typedef struct moept_emu_counts {
     long long nread, nwrite;           /* NCCL ops: sent, received */
     long long kaccess;                 /* kernels' bytes accessed, every access counted (issue, not traffic) */
     long long kops;                    /* kernels' device memory accesses (kaccess / kops: bytes per access) */
+    long blas_streams;                 /* distinct streams its cuBLAS calls ran on */
 } moept_emu_counts;
 void moept_emu_stage(const char *name);
 /* The sums for device dev under stage (NULL: every stage) since the last reset */

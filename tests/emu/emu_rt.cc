@@ -30,6 +30,7 @@
 #include <cstring>
 #include <ctime>
 #include <map>
+#include <set>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -274,6 +275,8 @@ static std::mutex g_count_mu;
 static std::map<std::pair<int, std::string>, moept_emu_counts> g_counts;
 static long long g_dev_bytes[MAXDEV];
 
+static std::map<std::pair<int, std::string>, std::set<int>> g_blas_streams; /* g_count_mu */
+
 static moept_emu_counts &counts_at(int d, const char *stage) { /* g_count_mu held */
     return g_counts[{d, stage ? stage : "other"}];
 }
@@ -293,7 +296,10 @@ void count_op(const Op &o) {
         c.kaccess += (long long)(o.rw[0] + o.rw[1]);
         c.kops += (long long)o.nacc;
     }
-    else if (!n.compare(0, 6, "cublas")) { c.blas++; c.gread += r; c.gwrite += w; }
+    else if (!n.compare(0, 6, "cublas")) {
+        c.blas++; c.gread += r; c.gwrite += w;
+        g_blas_streams[{o.s->dev, o.stage ? o.stage : "other"}].insert(o.s->id);
+    }
     else if (!n.compare(0, 4, "nccl")) { c.comms++; c.nread += r; c.nwrite += w; }
     else if (!n.compare(0, 10, "cudaMemcpy") || !n.compare(0, 10, "cudaMemset")) {
         c.copies++; c.cread += r; c.cwrite += w;
@@ -882,11 +888,16 @@ void moept_emu_counts_get(int d, const char *stage, moept_emu_counts *out) {
         out->kread += c.kread; out->kwrite += c.kwrite; out->cread += c.cread; out->cwrite += c.cwrite;
         out->gread += c.gread; out->gwrite += c.gwrite; out->nread += c.nread; out->nwrite += c.nwrite;
     }
+    std::set<int> ids;
+    for (auto &kv : g_blas_streams)
+        if (kv.first.first == d && (!stage || kv.first.second == stage)) ids.insert(kv.second.begin(), kv.second.end());
+    out->blas_streams = (long)ids.size();
 }
 
 void moept_emu_counts_reset(void) {
     std::lock_guard<std::mutex> lk(g_count_mu);
     g_counts.clear();
+    g_blas_streams.clear();
 }
 
 long long moept_emu_device_bytes(int d) {
