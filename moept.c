@@ -715,6 +715,9 @@ struct moept_layer {
        gradients accumulated before it: adamw_step and grad_norm refuse them
        until zero_grad. -1: none; else dx's first bad element (or 0 for a peer's) */
     int64_t grads_dx_bad;
+    moept_status grads_sf_bad;  /* sync-free CUDA: a step since zero_grad failed its device checks */
+    char grads_sf_why[MOEPT__ERRLEN];
+    int cuda_stats_pending;     /* sync-free CUDA: the last forward's device statistics not read yet */
     int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
     char err[MOEPT__ERRLEN];
 };
@@ -1411,6 +1414,7 @@ moept_status moept_zero_grad(moept_layer *L) {
 #endif
     memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
     L->grads_dx_bad = -1; /* the CUDA executor reset its dx check with them */
+    L->grads_sf_bad = MOEPT_OK;
     L->cuda_dx_pending = 0;
     return MOEPT_OK;
 }
@@ -1422,12 +1426,22 @@ static moept_status moept__grads_refused(moept_layer *L, const char *call) {
 #ifdef MOEPT_CUDA
     if (L->cuda && L->cuda_dx_pending) {
         int64_t bad = -1;
-        moept_status st = moept__cuda_dx_check((moept__cuda *)L->cuda, &bad, L->err);
+        char why[MOEPT__ERRLEN];
+        moept_status why_st = MOEPT_OK;
+        moept_status st = moept__cuda_dx_check((moept__cuda *)L->cuda, &bad, &why_st, why, L->err);
         if (st) return st;
         L->cuda_dx_pending = 0;
         if (bad >= 0 && L->grads_dx_bad < 0) L->grads_dx_bad = bad;
+        if (why_st && !L->grads_sf_bad) { /* the sync-free mode's checks, made on the device */
+            L->grads_sf_bad = why_st;
+            memcpy(L->grads_sf_why, why, sizeof why);
+        }
     }
 #endif
+    if (L->grads_sf_bad)
+        return moept__fail(L, L->grads_sf_bad, "%s: a sync-free step since moept_zero_grad failed its checks (%s); "
+                           "its gradients are refused: moept_zero_grad, then the next micro-batch", call,
+                           L->grads_sf_why);
     if (L->grads_dx_bad < 0) return MOEPT_OK;
     return moept__fail(L, MOEPT_ERR_NUMERIC, "%s: a backward since moept_zero_grad had a non-finite dx (element "
                        "[%lld][%lld] here, or on a peer) from finite inputs; its gradients hold partial sums: "
@@ -1554,6 +1568,11 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
         why_st = MOEPT_ERR_UNSUPPORTED;
         snprintf(why, sizeof why, "moept_create_cuda: MOEPT_AUX_SEQ is not supported by the CUDA executor");
     }
+    else if (cfg && o.sync_free && cfg->overlap_chunks > 1) {
+        bad = 1;
+        why_st = MOEPT_ERR_UNSUPPORTED;
+        snprintf(why, sizeof why, "moept_create_cuda: options.sync_free with overlap_chunks > 1 is not supported");
+    }
     else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
         bad = 1;
         snprintf(why, sizeof why, "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
@@ -1565,15 +1584,27 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     if (failed) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: another rank's options were rejected");
     /* every rank must run the same executor options (a rank that skips the
        backward's agreement would leave the others waiting) */
-    int64_t mine[2] = {(int64_t)o.dtype, o.unchecked_backward != 0}, sum[2] = {mine[0], mine[1]};
+    int64_t mine[3] = {(int64_t)o.dtype, o.unchecked_backward != 0, o.sync_free != 0};
+    int64_t sum[3] = {mine[0], mine[1], mine[2]};
     int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
-    if (ep && ep->size > 1 && (st = ep->allreduce(ep, sum, 2, MOEPT_DTYPE_I64)))
+    if (ep && ep->size > 1 && (st = ep->allreduce(ep, sum, 3, MOEPT_DTYPE_I64)))
         return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", ep->err);
-    if (dp && dp->size > 1 && (st = dp->allreduce(dp, sum, 2, MOEPT_DTYPE_I64)))
+    if (dp && dp->size > 1 && (st = dp->allreduce(dp, sum, 3, MOEPT_DTYPE_I64)))
         return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", dp->err);
-    if (sum[0] != mine[0] * ranks || sum[1] != mine[1] * ranks)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs between ranks",
-                                  sum[0] != mine[0] * ranks ? "dtype" : "unchecked_backward");
+    for (int i = 0; i < 3; i++)
+        if (sum[i] != mine[i] * ranks)
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs between "
+                                      "ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward" : "sync_free");
+    /* sync-free: every rank's blocks are the same size, from the EP group's largest max_tokens */
+    int64_t block_tokens = cfg ? cfg->max_tokens : 0;
+    if (o.sync_free && ep && ep->size > 1) {
+        int64_t *all = (int64_t *)calloc((size_t)ep->size, sizeof(int64_t));
+        if (!all) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of memory");
+        st = ep->allgather(ep, &block_tokens, all, (int64_t)sizeof(int64_t));
+        for (int q = 0; !st && q < ep->size; q++) block_tokens = all[q] > block_tokens ? all[q] : block_tokens;
+        free(all);
+        if (st) return moept__thread_fail(st, "moept_create_cuda: max_tokens agreement failed: %s", ep->err);
+    }
     moept_layer *L = NULL;
     if ((st = moept_create_parallel(cfg, ep, dp, &L))) return st;
     moept__cuda_spec sp;
@@ -1581,9 +1612,9 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     sp.family = (int)L->cfg.family; sp.act = L->act; sp.norm = L->cfg.norm_topk_prob;
     sp.aux = (int)L->cfg.aux_loss; sp.global_balance = L->cfg.global_balance && (L->ep || L->dp);
     sp.n_group = (int)L->cfg.n_group; sp.topk_group = (int)L->cfg.topk_group;
-    sp.dtype = (int)o.dtype; sp.unchecked_backward = o.unchecked_backward != 0;
+    sp.dtype = (int)o.dtype; sp.unchecked_backward = o.unchecked_backward != 0; sp.sync_free = o.sync_free != 0;
     sp.D = L->D; sp.F = L->F; sp.E = L->E; sp.K = L->K; sp.S = L->S; sp.H = L->H; sp.HS = L->HS;
-    sp.El = L->El; sp.P = L->P; sp.rank = L->rank; sp.Tmax = L->Tmax;
+    sp.El = L->El; sp.P = L->P; sp.rank = L->rank; sp.Tmax = L->Tmax; sp.block_tokens = block_tokens;
     sp.C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
     sp.scale = L->cfg.routed_scaling_factor; sp.aux_coef = L->cfg.aux_loss_coef; sp.z_coef = L->cfg.z_loss_coef;
     sp.capacity_factor = L->capacity_factor;
@@ -1886,6 +1917,39 @@ static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
 
 static int64_t moept__call_tag(const moept_layer *L, const char *call);
 
+/* the forward's statistics that come from the device (lstat and peer_rows
+   were written by the executor) */
+static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
+    const int64_t E = L->E;
+    for (int64_t e = 0; e < E; e++) {
+        L->sel_counts[e] = (int64_t)L->lstat[e];
+        L->aux_counts[e] = (int64_t)L->lstat[E + e];
+    }
+    L->counts_global = r->counts_global;
+    L->N = r->N; L->R = r->R;
+    L->loss_T = r->loss_T; L->aux_value = r->aux_value; L->z_value = r->z_value;
+    moept_stats *sts = &L->stats;
+    sts->routed_rows = r->N;
+    sts->dropped_rows = L->T * L->K - r->N;
+    sts->capacity = r->capacity;
+    sts->rows_sent = r->rows_sent;
+    sts->rows_received = r->rows_received;
+    sts->aux_loss = (float)r->aux_value;
+    sts->z_loss = (float)r->z_value;
+}
+
+/* sync-free: the last forward's device statistics, read now (a host sync) */
+static moept_status moept__cuda_settle(moept_layer *L) {
+    if (!L->cuda_stats_pending) return MOEPT_OK;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    moept_status st = moept__cuda_step_stats((moept__cuda *)L->cuda, L->lstat, L->peer_rows, &r, L->err);
+    if (st) return st;
+    L->cuda_stats_pending = 0;
+    moept__cuda_step_done(L, &r);
+    return MOEPT_OK;
+}
+
 static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep *f) {
     moept_status st = moept__to_device(L);
     if (st) return st;
@@ -1900,28 +1964,15 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep
     st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r, L->err);
     L->agreed_calls += r.agreed;
     if (st) return st;
-    const int64_t E = L->E;
     L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; L->cuda_routing = 0; L->fwd_eval = f->eval;
-    for (int64_t e = 0; e < E; e++) {
-        L->sel_counts[e] = (int64_t)L->lstat[e];
-        L->aux_counts[e] = (int64_t)L->lstat[E + e];
-    }
-    L->counts_global = r.counts_global;
-    L->N = r.N; L->R = r.R;
-    L->loss_T = r.loss_T; L->aux_value = r.aux_value; L->z_value = r.z_value;
     moept_stats *sts = &L->stats;
     sts->bytes_sent = sts->bytes_received = 0;
     sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
     moept__cuda_stats(L, &r);
     sts->steps++;
     sts->tokens = T;
-    sts->routed_rows = r.N;
-    sts->dropped_rows = T * L->K - r.N;
-    sts->capacity = r.capacity;
-    sts->rows_sent = r.rows_sent;
-    sts->rows_received = r.rows_received;
-    sts->aux_loss = (float)r.aux_value;
-    sts->z_loss = (float)r.z_value;
+    L->cuda_stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
+    if (!r.deferred) moept__cuda_step_done(L, &r);
     return MOEPT_OK;
 }
 
@@ -3029,9 +3080,21 @@ moept_status moept_grad_norm(moept_layer *L, double *norm) {
     return MOEPT_OK;
 }
 
+/* a sync-free CUDA forward's statistics, read when asked for */
+static moept_status moept__settle(const moept_layer *L) {
+#ifdef MOEPT_CUDA
+    if (L->cuda) return moept__cuda_settle((moept_layer *)L);
+#else
+    (void)L;
+#endif
+    return MOEPT_OK;
+}
+
 moept_status moept_get_peer_rows(const moept_layer *L, int64_t *sent, int64_t *received) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_peer_rows: layer is NULL");
     if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_get_peer_rows: no forward yet");
+    moept_status st = moept__settle(L);
+    if (st) return st;
     for (int q = 0; q < L->P; q++) {
         int64_t s = L->ep ? L->peer_rows[q] : L->N, r = L->ep ? L->peer_rows[L->P + q] : L->N;
         if (sent) sent[q] = s;
@@ -3051,6 +3114,7 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
         bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
     else if (L->fwd_eval)
         bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: the last forward was an evaluation (opts.eval)");
+    else bad = moept__settle(L);
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, "moept_update_bias");
     if (ag) return ag;
     MOEPT__HOST_SYNC(L, 1, 0);
@@ -3109,6 +3173,8 @@ moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
 
 moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe) {
     if (!L || !st) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_stats: NULL argument");
+    moept_status ss = moept__settle(L);
+    if (ss) return ss;
     *st = L->stats;
     st->allocations = L->mem.allocations + L->dev_allocations;
     st->allocated_bytes = L->mem.bytes + L->dev_allocated_bytes;

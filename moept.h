@@ -462,12 +462,45 @@ void moept_comm_destroy(moept_comm *c);
    A bf16 layer's weight copy is cast from the fp32 masters at the first
    forward after they change (an upload, moept_cuda_params,
    moept_cuda_params_changed), not every forward.
-   Everything else (checkpoints, AdamW, bias updates) works on the host copy. */
+   Everything else (checkpoints, AdamW, bias updates) works on the host copy.
+
+   SYNC-FREE MODE (options.sync_free = 1; off by default)
+     Forward and backward never wait on the host, so the host runs ahead
+     and a step's work can be queued in one go (DeepEP's low-latency mode
+     makes the same trade). Shapes are static: every rank sends each expert
+     a block of B rows, B = the capacity at max_tokens
+     (ceil(capacity_factor max_tokens K / E)) or, dropless, max_tokens (an
+     expert gets a token once at most); the blocks' unused rows are zeros.
+     So the receive buffers hold E B rows a rank (moept_stats.recv_capacity,
+     printed by tools/plan), the exchanges move whole blocks and the expert
+     GEMMs run over them: the cost of not knowing the counts, E / K times
+     the routed rows when dropless, about 1 with a capacity factor near 1.
+     Results are those of the default mode (the padding rows are zeros and
+     add nothing).
+     What the default mode checks before acting is checked on the device and
+     reported later: non-finite x, router logits, losses, y or dy, a rank
+     that rejected its arguments, ranks whose call sequences differ. The
+     step runs to the end on every rank (no one waits in a collective a
+     peer skipped), its gradients are marked, and the next moept_adamw_step
+     or moept_grad_norm fails on every rank with MOEPT_ERR_NUMERIC or
+     MOEPT_ERR_STATE and the reason, until moept_zero_grad. A rank's own
+     argument errors (T, NULL pointers) still fail its call at once; the
+     forward's peers see them through the device flag; in the backward,
+     as with unchecked_backward, the peers' exchange then ends at the NCCL
+     timeout. The step's statistics that need device values (losses,
+     routed and dropped rows, rows sent and received, per-expert counts)
+     are read when asked for (moept_get_stats, moept_get_peer_rows,
+     moept_update_bias: a host sync there). A host write of the parameters
+     (moept_set_param, a load, the host moept_adamw_step) is uploaded by
+     the next forward, which then waits once; an optimizer on the device
+     (moept_cuda_params) keeps every step free of host syncs. Not with
+     overlap_chunks > 1 (MOEPT_ERR_UNSUPPORTED at create). */
 typedef struct moept_cuda_options {
     moept_dtype dtype;          /* F32 (default) or BF16 token rows and expert weights */
     void *stream;               /* cudaStream_t for compute; NULL = default stream */
     int unchecked_backward;     /* 1: skip the backward's dy and y checks, its agreement
                                    and its host sync */
+    int sync_free;              /* 1: no host sync in forward and backward (above) */
 } moept_cuda_options;
 int moept_cuda_device_count(void);
 moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
@@ -1343,8 +1376,10 @@ typedef struct moept__cuda_spec {
     int family, act, norm, aux, global_balance, n_group, topk_group;
     int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
     int unchecked_backward;
+    int sync_free;              /* static shapes, device-side checks reported later */
     int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
     int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
+    int64_t block_tokens;       /* sync-free: the EP group's largest max_tokens (sizes the blocks) */
     float scale, aux_coef, z_coef;
     double capacity_factor;     /* <= 0: dropless */
     int64_t n_params;           /* router | w13 | w2 | ws13 | ws2 | wsg */
@@ -1366,6 +1401,8 @@ typedef struct moept__cuda_step {
     int64_t allocations, allocated_bytes, workspace_bytes;
     double aux_value, z_value, loss_T;
     int counts_global;
+    int deferred;              /* sync-free: the values from N to counts_global (and lstat, peer_rows) are
+                                  on the device; moept__cuda_step_stats reads them */
     double comm_seconds;
     int64_t bytes_sent, bytes_received;
 } moept__cuda_step;
@@ -1387,8 +1424,10 @@ moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *w
                                           float *dwts, char *err);
 moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
 /* first_bad: the first non-finite dx element of the backwards since
-   zero_grad, -1 if none (a host sync) */
-moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, char *err);
+   zero_grad, -1 if none (a host sync); sync-free mode: the first failed
+   device check since, its status in why_st (OK: none) and text in why */
+moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st, char *why,
+                                  char *err);
 /* lstat [3E + 2] receives the step's loss statistics (selection counts,
    aux counts, score sums, T, sum lse^2; global when global_balance);
    peer_rows [2][P] rows sent to / received from each peer. */
@@ -1396,6 +1435,9 @@ moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void 
                                  double *lstat, int64_t *peer_rows, moept__cuda_step *out, char *err);
 moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
                                   moept__cuda_step *out, char *err);
+/* Sync-free mode: the last forward's deferred statistics (a host sync). */
+moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows, moept__cuda_step *out,
+                                    char *err);
 moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err);
 void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
 #ifdef __cplusplus

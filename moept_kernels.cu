@@ -365,12 +365,12 @@ __global__ void moept__k_lstat_sum(const int64_t *msg_all, int64_t P, int64_t M,
 __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
                                    int64_t *koff, int64_t *msg, const unsigned long long *bad,
                                    int host_bad, int64_t T, int64_t tag, int check_z, int64_t rcap,
-                                   double *lstat) {
+                                   int64_t block, double *lstat) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
     __syncthreads();
     if (threadIdx.x == 0) {
-        int64_t o = 0;
-        for (int e = 0; e < E; e++) { koff[e] = o; o += kept[e]; msg[e] = kept[e]; }
+        int64_t o = 0; /* sync-free (block > 0): slot e's rows start at e block */
+        for (int e = 0; e < E; e++) { koff[e] = block ? e * block : o; o += kept[e]; msg[e] = kept[e]; }
         koff[E] = o;
         int64_t failed = host_bad || bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX;
         double z = lstat[3 * E + 1] / (double)(T > 0 ? T : 1);
@@ -418,12 +418,18 @@ __global__ void moept__k_plan_place(const int32_t *ids, const int32_t *slot_of, 
     moept__plan_place(a, pos, kept[s], koff[s], K, row_of, tok_of_row, kslot_of_row);
 }
 
-/* Permute: row r of xs is token tok_of_row[r] of x [N rows of D] */
+/* Permute: row r of xs is token tok_of_row[r] of x [N rows of D]; zeros
+   where it is -1 (a sync-free block's unused rows) */
 template <typename T, int V>
 __global__ void moept__k_gather(const T *x, const int64_t *tok_of_row, int64_t N, int D, T *xs) {
     MOEPT__ROWS(r, N) {
-        const T *src = x + tok_of_row[r] * D;
-        MOEPT__LANES(d, D, V) moept__cpv<V>(xs + r * D + d, src + d);
+        const int64_t tk = tok_of_row[r];
+        float z[V];
+        for (int l = 0; l < V; l++) z[l] = 0.0f;
+        MOEPT__LANES(d, D, V) {
+            if (tk >= 0) moept__cpv<V>(xs + r * D + d, x + tk * D + d);
+            else moept__stv<V>(xs + r * D + d, z);
+        }
     }
 }
 
@@ -604,13 +610,64 @@ __global__ void moept__k_sigmoid(float *v, int64_t n) {
 /* Router backward, one thread per token. scratch [T][2E]. */
 __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const float *probs,
                                     const int32_t *ids, const float *dwts, const float *aux_g, float zc,
-                                    const float *lse, float Tl, int E, int K, int norm, float scale,
-                                    int64_t T, float *scratch, float *dlogits) {
+                                    const float *lse, float Tl, const double *Tdev, int E, int K, int norm,
+                                    float scale, int64_t T, float *scratch, float *dlogits) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (t >= T) return;
+    if (Tdev) Tl = (float)(Tdev[0] > 0.0 ? Tdev[0] : 1.0); /* sync-free: the host has not seen it */
     float zg = moept__zgrad(zc, lse[t], Tl);
     moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, dwts + t * K, aux_g, zg,
                             E, K, norm, scale, scratch + t * 2 * E, dlogits + t * E);
+}
+
+/* Sync-free mode: why a step failed its device checks, reported by the next
+   moept_adamw_step or moept_grad_norm (bad[6]: the smallest code since
+   zero_grad; moept__sf_why says it) */
+enum { MOEPT__SF_INPUT = 1, MOEPT__SF_LOSS, MOEPT__SF_ARGS, MOEPT__SF_PEER, MOEPT__SF_CALLS, MOEPT__SF_Y, MOEPT__SF_DY };
+__device__ __forceinline__ unsigned long long moept__sf_min(unsigned long long a, int b) {
+    return a < (unsigned long long)b ? a : (unsigned long long)b;
+}
+
+/* The forward's agreement on the device, one thread: every rank's call tag
+   against this one's, the failure flags (this rank's x, logits and local z
+   loss; a peer's), the global losses' finiteness; and the aux loss's
+   per-expert factors for the backward (the host's arithmetic, moept.h) */
+__global__ void moept__k_sf_agree(const int64_t *msg_all, int64_t P, int64_t M, int E, int K, int aux,
+                                  int64_t tag, int global, float z_coef, float aux_coef, const double *lstat,
+                                  float *aux_g, unsigned long long *bad, int64_t me, int host_bad) {
+    unsigned long long code = ULLONG_MAX;
+    for (int64_t q = 0; q < P; q++) {
+        if (msg_all[q * M + E + 1] != tag) code = moept__sf_min(code, MOEPT__SF_CALLS);
+        if (msg_all[q * M + E] != 0) code = moept__sf_min(code, MOEPT__SF_PEER);
+    }
+    if (msg_all[me * M + E] != 0) /* this rank's own: its arguments, inputs, or its local z loss */
+        code = host_bad ? MOEPT__SF_ARGS
+             : bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX ? MOEPT__SF_INPUT : MOEPT__SF_LOSS;
+    const double Tl = lstat[3 * E] > 0.0 ? lstat[3 * E] : 1.0;
+    double av = 0.0;
+    if (aux != MOEPT_AUX_NONE) av = moept__aux_finalize(lstat + E, lstat + 2 * E, E, K, aux, Tl, aux_coef, aux_g);
+    if (global && ((z_coef > 0.0f && !(fabs(lstat[3 * E + 1] / Tl) <= 3.4028234663852886e38)) ||
+                   (aux_coef > 0.0f && !(fabs(av) <= 3.4028234663852886e38))))
+        code = moept__sf_min(code, MOEPT__SF_LOSS);
+    if (code != ULLONG_MAX) atomicMin(&bad[6], code);
+}
+
+/* ... and the backward's: the forward's y and this dy, as stored */
+__global__ void moept__k_sf_note(unsigned long long *bad) {
+    if (bad[4] != ULLONG_MAX) atomicMin(&bad[6], (unsigned long long)MOEPT__SF_Y);
+    if (bad[2] != ULLONG_MAX) atomicMin(&bad[6], (unsigned long long)MOEPT__SF_DY);
+}
+
+static const char *moept__sf_why(unsigned long long code) {
+    switch (code) {
+    case MOEPT__SF_INPUT: return "x or the router logits were not finite";
+    case MOEPT__SF_LOSS: return "a loss was not finite from finite inputs";
+    case MOEPT__SF_ARGS: return "this rank's forward rejected its arguments";
+    case MOEPT__SF_PEER: return "another rank's step failed its checks";
+    case MOEPT__SF_CALLS: return "the ranks' call sequences differed";
+    case MOEPT__SF_Y: return "the forward's y was not finite from finite inputs";
+    default: return "dy was not finite";
+    }
 }
 
 /* ------------------------------------------------------------------------
@@ -957,12 +1014,14 @@ struct moept__cuda {
     void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][F] (T) */
     void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
     int64_t Rcap;
+    int64_t B;                  /* sync-free: rows of each (rank, expert) block, Rcap = E B; 0 otherwise */
+    int64_t cap;                /* sync-free: the committed step's capacity (-1: dropless) */
 
     /* pinned host */
     void *pinned;
     int64_t *h_msg_all;         /* [P][M] */
     double *h_lstat;            /* [3E + 3] */
-    unsigned long long *h_bad;  /* [6] */
+    unsigned long long *h_bad;  /* [7] */
     float *h_aux_g;             /* [E] */
     const void **h_ptrs;        /* [2 nslot][3G] */
 
@@ -1024,12 +1083,13 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->msg = (int64_t *)moept__take(cv, (size_t)c->M * 8);
     c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
     c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
-    c->bad = (unsigned long long *)moept__take(cv, 6 * 8);
+    c->bad = (unsigned long long *)moept__take(cv, 7 * 8);
+    const int64_t rows = T * K > E * c->B ? T * K : E * c->B; /* sync-free: E blocks of B rows */
     c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
-    c->tok_of_row = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
-    c->kslot_of_row = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
-    c->xs = moept__take(cv, P > 1 ? (size_t)(T * K * D) * es : 0);
-    c->ys = moept__take(cv, P > 1 ? (size_t)(T * K * D) * es : 0);
+    c->tok_of_row = (int64_t *)moept__take(cv, (size_t)rows * 8);
+    c->kslot_of_row = (int32_t *)moept__take(cv, (size_t)rows * 4);
+    c->xs = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
+    c->ys = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
     c->hs = moept__take(cv, (size_t)(T * p->HS) * es);
     c->as = moept__take(cv, (size_t)(T * p->S) * es);
     c->yss = moept__take(cv, p->S > 0 ? (size_t)(T * D) * es : 0);
@@ -1131,6 +1191,23 @@ static moept_status moept__side_create(moept__cuda *c, char *err) {
     return MOEPT_OK;
 }
 
+/* Sync-free: the fixed exchange pieces and expert row groups. Rank s's rows
+   for slot e = q El + j are block e of its send buffer ([E][B] rows); rank
+   q receives them in block j P + s of its receive buffer, so local expert
+   j's rows are blocks [j P, (j + 1) P): one group of P B rows. */
+static void moept__sf_layout(moept__cuda *c) {
+    const int64_t D = c->sp.D, El = c->sp.El, P = c->sp.P, B = c->B;
+    for (int64_t q = 0; q < P; q++)
+        for (int64_t j = 0; j < El; j++) {
+            c->send_segs[q * El + j].offset = (q * El + j) * B * D;
+            c->send_segs[q * El + j].count = B * D;
+            c->recv_segs[q * El + j].offset = (j * P + q) * B * D;
+            c->recv_segs[q * El + j].count = B * D;
+        }
+    for (int64_t j = 0; j <= El; j++) c->roffsets[j] = j * P * B;
+    c->N = c->R = c->sp.E * B;
+}
+
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P, El = p->El, G = c->G, C = c->C;
@@ -1167,15 +1244,15 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     cv.base = (char *)c->work;
     cv.off = 0;
     moept__layout(c, &cv);
-    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 8, c->s)); /* no backward's dx yet */
+    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* no backward's dx yet, no failed step */
     /* pinned host block */
-    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 6 * 8 + (size_t)E * 4 +
+    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 7 * 8 + (size_t)E * 4 +
                 (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 6 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
     moept__carve hv = {(char *)c->pinned, 0};
     c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * c->M) * 8);
     c->h_lstat = (double *)moept__take(&hv, (size_t)(3 * E + 3) * 8);
-    c->h_bad = (unsigned long long *)moept__take(&hv, 6 * 8);
+    c->h_bad = (unsigned long long *)moept__take(&hv, 7 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
@@ -1204,8 +1281,10 @@ static moept_status moept__create(moept__cuda *c, char *err) {
         c->csend = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
         c->crecv = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
     }
-    /* every rank starts with room for its own Tmax*K rows, and all grow alike */
-    MOEPT__TRY(moept__grow(c, p->Tmax * p->K, err));
+    /* every rank starts with room for its own Tmax*K rows, and all grow alike;
+       sync-free: all its blocks, for good */
+    MOEPT__TRY(moept__grow(c, c->B ? E * c->B : p->Tmax * p->K, err));
+    if (c->B) moept__sf_layout(c);
     MOEPT__CU(cudaStreamSynchronize(c->s));
     return MOEPT_OK;
 }
@@ -1228,6 +1307,11 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     c->nblk_max = (spec->Tmax * spec->K + MOEPT__PB - 1) / MOEPT__PB;
     if (c->nblk_max < 1) c->nblk_max = 1;
     c->C = spec->C > 1 ? spec->C : 1; /* moept.c passes 1 at one EP rank */
+    if (spec->sync_free) { /* an expert gets a token once at most: max_tokens rows, or its capacity */
+        const int64_t Tb = spec->block_tokens, cap = moept__capacity(spec->capacity_factor, Tb, spec->K, spec->E);
+        c->B = cap >= 0 && cap < Tb ? cap : Tb;
+        if (c->B < 1) c->B = 1;
+    }
     c->G = spec->El * (c->C > 1 ? spec->P : 1);
     if (c->G < 1) c->G = 1;
     c->moff = spec->E + 3 + (c->C > 1 ? c->C * spec->E : 0);
@@ -1298,16 +1382,55 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
 
 extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
     MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s));
-    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 8, c->s)); /* the backwards' dx check, with them */
+    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* the dx check and sync-free flag, with them */
     return MOEPT_OK;
 }
 
 /* The first non-finite dx element of the backwards since zero_grad (-1:
-   none): their check ran on the device; this reads it (a host sync). */
-extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, char *err) {
-    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 5, &c->bad[5], 8, cudaMemcpyDeviceToHost, c->s));
+   none): their check ran on the device; this reads it (a host sync).
+   Sync-free mode: why a step since failed its checks, into why ("" if none). */
+extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st, char *why,
+                                             char *err) {
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 5, &c->bad[5], 2 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     *first_bad = c->h_bad[5] == ULLONG_MAX ? -1 : (int64_t)c->h_bad[5];
+    const unsigned long long code = c->h_bad[6];
+    why[0] = 0;
+    *why_st = code == ULLONG_MAX ? MOEPT_OK
+            : code == MOEPT__SF_ARGS || code == MOEPT__SF_PEER || code == MOEPT__SF_CALLS ? MOEPT_ERR_STATE
+            : MOEPT_ERR_NUMERIC;
+    if (*why_st) snprintf(why, MOEPT__ERRLEN, "%s", moept__sf_why(code));
+    return MOEPT_OK;
+}
+
+/* Sync-free mode: the last forward's statistics, as moept__fwd_commit and
+   moept__fwd_losses give them in the default mode (a host sync) */
+extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows,
+                                               moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t E = p->E, El = p->El, P = p->P, M = c->M, me = p->rank;
+    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * M) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__TRY(moept__host_wait(c, err));
+    const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
+    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef,
+                                         c->h_aux_g);
+    out->z_value = c->h_lstat[3 * E + 1] / Tl;
+    out->loss_T = Tl;
+    out->counts_global = p->global_balance || (!p->ep && !p->dp);
+    memcpy(lstat, c->h_lstat, (size_t)(3 * E + 2) * 8);
+    out->N = out->R = out->rows_sent = out->rows_received = 0;
+    for (int64_t q = 0; q < P; q++) {
+        peer_rows[q] = peer_rows[P + q] = 0;
+        for (int64_t j = 0; j < El; j++) {
+            peer_rows[q] += c->h_msg_all[me * M + q * El + j];
+            peer_rows[P + q] += c->h_msg_all[q * M + me * El + j];
+        }
+        out->N += peer_rows[q];
+        out->R += peer_rows[P + q];
+        if (q != me) { out->rows_sent += peer_rows[q]; out->rows_received += peer_rows[P + q]; }
+    }
+    out->capacity = c->cap;
     return MOEPT_OK;
 }
 
@@ -1618,7 +1741,7 @@ static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
     }
     MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(
             c->hist, nblk, (int)E, f->cap, c->kept, c->koff, c->msg, c->bad, f->host_bad, T_, f->tag,
-            !c->sp.global_balance && c->sp.z_coef > 0.0f, c->Rcap, c->lstat);
+            !c->sp.global_balance && c->sp.z_coef > 0.0f, c->Rcap, c->B, c->lstat);
     MOEPT__PRE(cudaGetLastError());
     if (C > 1) {
         MOEPT__PRE(cudaMemsetAsync(c->csel, 0, (size_t)(C * E) * 8, c->s));
@@ -1641,14 +1764,13 @@ static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
 
 /* 4. exchange the counts: every rank's to every rank (all-gather: each rank
    then knows every rank's receive size, so all agree on growth without
-   another round); global loss statistics and the failure flag summed; then
-   the forward's one host synchronisation */
-static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step *out, char *err) {
+   another round); global loss statistics and the failure flag summed on the
+   device (moept__fwd_share); then the forward's one host synchronisation */
+static moept_status moept__fwd_share(moept__cuda *c, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P;
     moept_status st;
     const int gb = p->global_balance;
-    double t0 = moept__clock();
     if (p->ep) {
         if (gb) MOEPT__CU(cudaMemcpyAsync(c->msg + c->moff, c->lstat, (size_t)(3 * E + 3) * 8,
                                           cudaMemcpyDeviceToDevice, c->s));
@@ -1673,6 +1795,12 @@ static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step 
             return moept__kfail(err, st, "moept_forward: all-reduce over DP: %s", p->dp->err);
         MOEPT__TRY(moept__from_comm(c, ds, err));
     }
+    return MOEPT_OK;
+}
+static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step *out, char *err) {
+    const int64_t E = c->sp.E, P = c->sp.P;
+    double t0 = moept__clock();
+    MOEPT__TRY(moept__fwd_share(c, out, err));
     MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * c->M) * 8, cudaMemcpyDeviceToHost,
                               c->s));
     MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
@@ -1835,6 +1963,7 @@ template <typename T>
 static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, K = p->K, T_ = c->T;
+    if (c->B) MOEPT__CU(cudaMemsetAsync(c->tok_of_row, 0xff, (size_t)c->N * 8, c->s)); /* blocks' unused rows */
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_plan_place, (unsigned)((T_ * K + 255) / 256), 256, 0, c->s)(
             c->ids[c->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)p->E, c->row_of,
@@ -2062,6 +2191,30 @@ static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, m
 /* The forward, stage by stage as moept.c's: route -> plan -> (counts agreed,
    committed) -> dispatch -> experts -> combine; chunked, the last three as
    one pipeline. */
+/* Sync-free 4-6: the counts and statistics shared on the device, the checks
+   agreed there (moept__k_sf_agree: reported later), and the step committed
+   to its fixed blocks; a host-detected failure fails this rank's call after
+   the collectives (its peers see it in the flags) */
+static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    MOEPT__TRY(moept__fwd_share(c, out, err));
+    MOEPT__LAUNCH(moept__k_sf_agree, 1, 1, 0, c->s)(c->msg_all, p->P, c->M, (int)p->E, (int)p->K, p->aux, f->tag,
+                                                  p->global_balance, p->z_coef, p->aux_coef, c->lstat, c->aux_g,
+                                                  c->bad, p->rank, f->host_bad);
+    MOEPT__LAUNCHED();
+    if (f->local[0])
+        return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
+                                 : f->reject ? f->reject : MOEPT_ERR_INVALID_ARGUMENT, "%s", f->local);
+    c->cur = f->nb;
+    c->T = f->T;
+    c->cap = f->cap;
+    c->xf_committed = 1;
+    c->fwd_valid = 1;
+    c->bwd_done = 0;
+    out->deferred = 1;
+    return MOEPT_OK;
+}
+
 template <typename T>
 static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
                                    int64_t *peer_rows, moept__cuda_step *out, char *err) {
@@ -2075,10 +2228,14 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     moept__fwd_route<T>(c, x, &f);
     MOEPT__STAGE("plan");
     moept__fwd_plan(c, &f);
-    MOEPT__TRY(moept__fwd_exchange_counts(c, out, err));
-    MOEPT__TRY(moept__fwd_agree(c, &f, err));
-    moept__fwd_commit(c, &f, peer_rows, out); /* nothing fails from here on but the device */
-    MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
+    if (c->B) {
+        MOEPT__TRY(moept__sf_commit(c, &f, out, err));
+    } else {
+        MOEPT__TRY(moept__fwd_exchange_counts(c, out, err));
+        MOEPT__TRY(moept__fwd_agree(c, &f, err));
+        moept__fwd_commit(c, &f, peer_rows, out); /* nothing fails from here on but the device */
+        MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
+    }
     /* y's finiteness, checked by the combine as it writes y and read by the
        backward's host sync (a sync here would stall the host's run-ahead):
        a committed step's flag, which no rejected forward resets */
@@ -2175,8 +2332,13 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
         moept__check<T>(c, dy, T_ * D, NULL, &c->bad[2]);
         MOEPT__LAUNCHED();
     }
-    /* unchecked_backward: no host sync and no agreement; a rank's rejection is its own */
-    if (p->unchecked_backward) return local[0] ? moept__kfail(err, why, "%s", local) : MOEPT_OK;
+    /* unchecked_backward: no host sync and no agreement; a rank's rejection is its own. Sync-free:
+       y's and dy's checks are noted for the next adamw_step or grad_norm */
+    if (p->sync_free && !local[0]) {
+        MOEPT__LAUNCH(moept__k_sf_note, 1, 1, 0, c->s)(c->bad);
+        MOEPT__LAUNCHED();
+    }
+    if (p->unchecked_backward || p->sync_free) return local[0] ? moept__kfail(err, why, "%s", local) : MOEPT_OK;
     /* the step's second host sync */
     MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 3 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
@@ -2247,7 +2409,8 @@ static moept_status moept__bwd_router(moept__cuda *c, const float *xf, char *err
     const float *aux_g = p->aux != MOEPT_AUX_NONE && p->aux_coef != 0.0f ? c->aux_g : NULL;
     MOEPT__LAUNCH(moept__k_router_bwd, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
         p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->z_coef, c->lse[cur],
-        (float)c->loss_T, (int)E, (int)K, p->norm, p->scale, T_, c->scratch, c->dlogits);
+        (float)c->loss_T, c->B ? c->lstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale, T_, c->scratch,
+        c->dlogits);
     MOEPT__LAUNCHED();
     moept__gemm g = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xf, D, 1.0f, c->grads, D);
     MOEPT__TRY(moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err));

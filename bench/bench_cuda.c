@@ -162,7 +162,7 @@ int main(int argc, char **argv) {
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     /* unchecked_backward: the step's one host sync, as a trainer that checks dy itself would run */
-    moept_cuda_options o = {s.bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, st, 1};
+    moept_cuda_options o = {s.bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, st, 1, 0};
     moept_layer *L = NULL;
     if (moept_create_cuda(&cfg, NULL, NULL, &o, &L)) {
         fprintf(stderr, "bench_cuda: %s\n", moept_last_error(NULL));

@@ -1,7 +1,7 @@
 /* moept_check: runs moept-case-v1 reference cases (docs/CASES.md)
    through moept and compares every output and gradient.
 
-   usage: moept_check [--ep N] [--chunks C] [--tol X] [--weights DIR --layer L [--hf-config]] FILE...
+   usage: moept_check [--ep N] [--chunks C] [--sync-free] [--tol X] [--weights DIR --layer L [--hf-config]] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
    With --ep N the experts are sharded over N ranks (threads, or MPI
    processes) and the tokens split into N contiguous slices (the first T mod N
@@ -21,8 +21,9 @@
    (--tol, 1e-5, against the file) and in bf16 (--tol-bf16, 2^-6 normwise,
    against the CPU layer run on the bf16-rounded inputs and expert weights,
    routing exactly), with x, dy, y and dx in device memory; --ep N runs N
-   GPUs as threads over NCCL. With fewer devices than ranks every case is
-   reported skipped and the exit status is 0. */
+   GPUs as threads over NCCL; --sync-free runs the CUDA layer in its
+   sync-free mode (moept_cuda_options.sync_free). With fewer devices than
+   ranks every case is reported skipped and the exit status is 0. */
 #define MOEPT_INTERNAL /* moept__f32_to_bf16 / moept__bf16_to_f32 */
 #include "../moept.h"
 #ifdef MOEPT_CUDA
@@ -45,6 +46,7 @@ static int g_hf_config;       /* --hf-config: the model's sizes and routing from
 static long long g_layer = -1;  /* --layer L */
 static int g_chunks;            /* --chunks C: config.overlap_chunks */
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
+static int g_sync_free;         /* CUDA: --sync-free */
 
 /* ---- the layer, on the CPU or (MOEPT_CUDA) on the GPU ---- */
 #ifdef MOEPT_CUDA
@@ -73,7 +75,7 @@ static int to_host(float *h, const void *d, int64_t n) {
 #endif
 static moept_status layer_create(const moept_config *cfg, moept_comm *ep, void *stream, moept_layer **L) {
 #ifdef MOEPT_CUDA
-    moept_cuda_options o = {g_bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, stream, 0};
+    moept_cuda_options o = {g_bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, stream, 0, g_sync_free};
     return moept_create_cuda(cfg, ep, NULL, &o, L);
 #else
     (void)stream;
@@ -644,10 +646,11 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--weights") == 0 && first + 1 < argc) g_weights = argv[++first];
         else if (strcmp(argv[first], "--layer") == 0 && first + 1 < argc) g_layer = atoll(argv[++first]);
         else if (strcmp(argv[first], "--hf-config") == 0) g_hf_config = 1;
+        else if (strcmp(argv[first], "--sync-free") == 0) g_sync_free = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
-            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--tol X] [--weights DIR --layer L] FILE...\n",
-                    argv[0]);
+            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--sync-free] [--tol X] [--weights DIR --layer L] "
+                    "FILE...\n", argv[0]);
             return 2;
         }
     }

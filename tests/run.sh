@@ -148,6 +148,7 @@ fi
 if [ -n "$EMU" ]; then
     for n in 1 2 4; do
         suite "emu: reference cases --ep $n (fp32 1e-5, bf16 2^-6 vs bf16 reference)" timeout 300 "$B/emu/moept_check" --ep $n $CASES
+        suite "emu: reference cases --ep $n --sync-free" timeout 300 "$B/emu/moept_check" --ep $n --sync-free $CASES
     done
     # chunked overlap: the pipeline (exchanges on the comm stream, per-chunk
     # events into the compute stream) runs only with --ep > 1
@@ -167,6 +168,7 @@ if [ -n "$EMU" ]; then
     for ch in 1 3; do
         suite "emu asan+ubsan: reference cases --ep 2 --chunks $ch" env LSAN_OPTIONS=suppressions=tests/emu/lsan.supp timeout 300 "$B/emu-san/moept_check" --ep 2 --chunks $ch $CASES
     done
+    suite "emu asan+ubsan: reference cases --ep 2 --sync-free" env LSAN_OPTIONS=suppressions=tests/emu/lsan.supp timeout 300 "$B/emu-san/moept_check" --ep 2 --sync-free $CASES
 else
     skip "emu" "the CUDA, cuBLAS and NCCL headers were not found (CUDA_HOME, NCCL_HOME); the emulated GPU suite did not run"
 fi

@@ -51,7 +51,7 @@ static void host_from(float *h, const void *d, int64_t n, int bf16) {
    dx and every gradient. */
 static double compare_step(moept_config cfg, int bf16, int64_t T) {
     moept_layer *cpu = NULL, *gpu = NULL;
-    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0};
     EXPECT_OK(moept_create(&cfg, &cpu));
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &gpu));
     if (!cpu || !gpu) { moept_destroy(cpu); moept_destroy(gpu); return 1e9; }
@@ -135,13 +135,14 @@ static void test_capacity_and_empty(void) {
 }
 
 /* A CUDA layer of cfg, parameters from seed 3 (NULL if the create failed) */
-static moept_layer *cuda_layer(moept_config cfg, int bf16) {
-    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+static moept_layer *cuda_layer_sf(moept_config cfg, int bf16, int sync_free) {
+    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, sync_free};
     moept_layer *L = NULL;
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
     if (L) moept_init_params(L, 3);
     return L;
 }
+static moept_layer *cuda_layer(moept_config cfg, int bf16) { return cuda_layer_sf(cfg, bf16, 0); }
 
 static void test_rejected_and_steady(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
@@ -184,7 +185,7 @@ static void test_rejected_and_steady(void) {
 
 static void test_bad_options(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-    moept_cuda_options o = {MOEPT_DTYPE_F16, NULL, 0};
+    moept_cuda_options o = {MOEPT_DTYPE_F16, NULL, 0, 0};
     moept_layer *L = (moept_layer *)1;
     moept_status st = moept_create_cuda(&cfg, NULL, NULL, &o, &L);
     EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && L == NULL, "dtype F16 accepted (%d)", (int)st);
@@ -198,6 +199,12 @@ static void test_bad_options(void) {
     st = moept_create_cuda(&inf, NULL, NULL, NULL, &L);
     EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "inference_only"),
            "inference_only on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
+    moept_config ch = cfg; /* the sync-free mode has no chunked pipeline */
+    ch.overlap_chunks = 3;
+    moept_cuda_options sf = {MOEPT_DTYPE_F32, NULL, 0, 1};
+    st = moept_create_cuda(&ch, NULL, NULL, &sf, &L);
+    EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "sync_free"),
+           "sync_free with overlap_chunks 3: %d (%s)", (int)st, moept_last_error(NULL));
     moept_thread_group *g;
     moept_comm *c;
     EXPECT_OK(moept_thread_group_create(1, 1000, &g));
@@ -457,7 +464,7 @@ static void *chunk_rank(void *arg) {
     cfg.capacity_factor = j->cf;
     cfg.global_balance = 1;
     const int64_t D = cfg.hidden_size, T = j->tr.rank ? 5 : 37;
-    moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0};
+    moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0};
     unsigned long long rs = 99 + (unsigned long long)j->tr.rank;
     float *x = malloc((size_t)(3 * T * D) * sizeof(float)), *xb = x + T * D, *dy = xb + T * D;
     float *out = calloc((size_t)(4 * T * D), sizeof(float));
@@ -526,7 +533,7 @@ static void test_chunked_equals_one_chunk(void) {
    be: the bf16 curve test also catches a refresh missing after AdamW). */
 static void test_bf16_weights_cast_once(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0};
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0};
     moept_layer *L = NULL, *F = NULL;
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &F));
@@ -718,12 +725,15 @@ static double stage_formula(const char *st, double T, double R, double D, double
     return 0.0;
 }
 
-static int step_counts(int bf16, int64_t D, int64_t F, moept_emu_counts *out, int n) {
+/* out [n]: stage_pins' stages; other (if given): the work outside them (this
+   function's own cudaDeviceSynchronize after the step: one host sync) */
+static int step_counts(int bf16, int sync_free, int64_t D, int64_t F, moept_emu_counts *out, int n,
+                       moept_emu_counts *other) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     cfg.hidden_size = D;
     cfg.intermediate_size = F;
     cfg.max_tokens = 64;
-    moept_layer *L = cuda_layer(cfg, bf16);
+    moept_layer *L = cuda_layer_sf(cfg, bf16, sync_free);
     if (!L) return 0;
     const int64_t T = 64;
     float *x = malloc((size_t)(T * D) * sizeof(float));
@@ -737,6 +747,7 @@ static int step_counts(int bf16, int64_t D, int64_t F, moept_emu_counts *out, in
     EXPECT_OK(moept_backward(L, xd, xd, dxd));
     cudaDeviceSynchronize();
     for (int i = 0; i < n; i++) moept_emu_counts_get(0, stage_pins[i].name, &out[i]);
+    if (other) moept_emu_counts_get(0, "other", other);
     moept_stats st;
     moept_get_stats(L, &st, NULL);
     EXPECT(st.routed_rows == T * cfg.top_k && st.dropped_rows == 0, "rows %lld dropped %lld",
@@ -753,7 +764,8 @@ static void test_stage_counts(void) {
     const double E = (double)base_cfg(MOEPT_FAMILY_MIXTRAL).num_experts;
     for (int bf = 0; bf < 2; bf++) {
         moept_emu_counts c[2][NS];
-        if (!step_counts(bf, D[0], F[0], c[0], NS) || !step_counts(bf, D[1], F[1], c[1], NS)) return;
+        if (!step_counts(bf, 0, D[0], F[0], c[0], NS, NULL) || !step_counts(bf, 0, D[1], F[1], c[1], NS, NULL))
+            return;
         for (int i = 0; i < NS; i++) {
             const stage_pin *p = &stage_pins[i];
             for (int w = 0; w < 2; w++) {
@@ -775,6 +787,187 @@ static void test_stage_counts(void) {
                    "bf16 %d, stage %s: %lld more bytes in %lld more accesses (%.1f a access; at least %d pinned)",
                    bf, p->name, acc, ops, ops ? (double)acc / (double)ops : 0.0, p->width);
         }
+    }
+}
+
+/* Sync-free mode (issue #14 item 6): a steady step (forward and backward,
+   no host write between) has no host sync in any stage, fp32 and bf16; its
+   statistics are read when asked for. */
+static void test_sync_free_counts(void) {
+    enum { NS = sizeof stage_pins / sizeof stage_pins[0] };
+    for (int bf = 0; bf < 2; bf++) {
+        moept_emu_counts c[NS], other;
+        if (!step_counts(bf, 1, 64, 96, c, NS, &other)) return;
+        for (int i = 0; i < NS; i++)
+            EXPECT(c[i].syncs == 0, "bf16 %d, sync-free, stage %s: %ld host syncs", bf, stage_pins[i].name,
+                   c[i].syncs);
+        EXPECT(other.syncs == 1, "bf16 %d, sync-free: %ld host syncs outside the stages (the test's own: 1)", bf,
+               other.syncs);
+    }
+}
+
+/* Sync-free equals the default mode: two EP ranks with different token
+   counts (one above the other's max_tokens), global balance, a shared
+   expert with capacity and a dropless bf16 family; a first step on other
+   tokens leaves rows in the blocks that the second's leave unused; the
+   second step's y, dx, every gradient and statistics alike (bitwise under
+   the emulator, whose cuBLAS computes an output element alike whatever the
+   group's rows). */
+typedef struct sf_job {
+    two_ranks tr;
+    int fam, bf16;
+    float cf;
+    int64_t diffs;
+    moept_stats st[2];
+    char msg[300];
+} sf_job;
+
+static void *sf_rank(void *arg) {
+    sf_job *j = arg;
+    nccl_rank n;
+    nccl_rank_open(&n, &j->tr);
+    moept_config cfg = family_cfg(j->fam);
+    cfg.capacity_factor = j->cf;
+    cfg.global_balance = 1;
+    const int64_t D = cfg.hidden_size, T = j->tr.rank ? 5 : 37;
+    cfg.max_tokens = j->tr.rank ? 8 : 40; /* the blocks come from the larger */
+    unsigned long long rs = 21 + (unsigned long long)j->tr.rank;
+    float *x = malloc((size_t)(3 * T * D) * sizeof(float)), *dy = x + T * D, *x0 = dy + T * D;
+    float *out = calloc((size_t)(4 * T * D), sizeof(float));
+    for (int64_t i = 0; i < 3 * T * D; i++) x[i] = (float)tu_rand(&rs);
+    void *xd = dev_from(x, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16), *x0d = dev_from(x0, T * D, j->bf16);
+    moept_layer *L[2] = {NULL, NULL};
+    for (int v = 0; v < 2 && !j->msg[0]; v++) {
+        moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, v};
+        if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
+            snprintf(j->msg, sizeof j->msg, "create (sync_free %d): %s", v, moept_last_error(NULL));
+            break;
+        }
+        moept_init_params(L[v], 11);
+        if (chunk_step(L[v], D, x0d, NULL, dyd, T, j->bf16, out + 2 * v * T * D, out + (2 * v + 1) * T * D,
+                       j->msg) || moept_zero_grad(L[v]) ||
+            chunk_step(L[v], D, xd, NULL, dyd, T, j->bf16, out + 2 * v * T * D, out + (2 * v + 1) * T * D,
+                       j->msg))
+            break;
+        moept_get_stats(L[v], &j->st[v], NULL);
+    }
+    if (!j->msg[0]) {
+        j->diffs = count_diffs(out, out + 2 * T * D, 2 * T * D);
+        for (int64_t i = 0; i < moept_param_count(L[0]); i++) {
+            moept_param_info a, b;
+            moept_param_info_at(L[0], i, &a);
+            moept_param_info_at(L[1], i, &b);
+            if (a.grad) j->diffs += count_diffs(a.grad, b.grad, a.rows * a.cols);
+        }
+    }
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+    cudaFree(xd); cudaFree(dyd); cudaFree(x0d);
+    free(x); free(out);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_sync_free_equals_default(void) {
+    const struct { int fam, bf16; float cf; } v[2] = {{1, 0, 0.9f}, {3, 1, 0.0f}}; /* qwen2 + capacity; deepseek bf16 */
+    for (int i = 0; i < 2; i++) {
+        sf_job j[2];
+        memset(j, 0, sizeof j);
+        for (int r = 0; r < 2; r++) {
+            j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].cf = v[i].cf;
+        }
+        run_two(sf_rank, j, sizeof j[0]);
+        for (int r = 0; r < 2; r++) {
+            const moept_stats *a = &j[r].st[0], *b = &j[r].st[1];
+            EXPECT(!j[r].msg[0], "variant %d rank %d: %s", i, r, j[r].msg);
+            EXPECT(j[r].diffs == 0, "variant %d rank %d: %lld values differ from the default mode", i, r,
+                   (long long)j[r].diffs);
+            EXPECT(a->aux_loss == b->aux_loss && a->z_loss == b->z_loss && a->routed_rows == b->routed_rows &&
+                   a->dropped_rows == b->dropped_rows && a->rows_sent == b->rows_sent &&
+                   a->rows_received == b->rows_received && a->capacity == b->capacity,
+                   "variant %d rank %d: statistics differ: aux %g/%g z %g/%g routed %lld/%lld dropped %lld/%lld "
+                   "sent %lld/%lld received %lld/%lld", i, r, a->aux_loss, b->aux_loss, a->z_loss, b->z_loss,
+                   (long long)a->routed_rows, (long long)b->routed_rows, (long long)a->dropped_rows,
+                   (long long)b->dropped_rows, (long long)a->rows_sent, (long long)b->rows_sent,
+                   (long long)a->rows_received, (long long)b->rows_received);
+        }
+    }
+}
+
+/* Sync-free: what the default mode rejects before acting is found on the
+   device and refused later, on every rank. Rank 1's x holds a NaN: both
+   forwards and backwards return OK, then moept_grad_norm and
+   moept_adamw_step fail on both (rank 1: NUMERIC, its x; rank 0: STATE,
+   the peer), until zero_grad; a clean step then updates. dy non-finite on
+   rank 0 the same way. */
+typedef struct sfd_job {
+    two_ranks tr;
+    moept_status st[13];
+    char msg[13][300];
+} sfd_job;
+
+static void *sfd_rank(void *arg) {
+    sfd_job *j = arg;
+    nccl_rank n;
+    nccl_rank_open(&n, &j->tr);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    const int64_t D = cfg.hidden_size, T = 16;
+    moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, 1};
+    moept_layer *L = NULL;
+    int k = 0;
+#define SFD(call) do { moept_status s_ = (call); j->st[k] = s_; \
+        snprintf(j->msg[k], sizeof j->msg[k], "%s", s_ ? moept_last_error(L) : ""); k++; } while (0)
+    SFD(moept_create_cuda(&cfg, n.c, NULL, &o, &L));
+    if (!L) { nccl_rank_close(&n); return NULL; }
+    moept_init_params(L, 5);
+    unsigned long long rs = 3 + (unsigned long long)j->tr.rank;
+    float *x = malloc((size_t)(3 * T * D) * sizeof(float)), *dy = x + T * D, *xb = dy + T * D;
+    for (int64_t i = 0; i < 3 * T * D; i++) x[i] = (float)tu_rand(&rs);
+    if (j->tr.rank == 1) xb[2 * D + 3] = NAN;
+    void *xd = dev_from(x, T * D, 0), *xbd = dev_from(xb, T * D, 0), *dyd = dev_from(dy, T * D, 0);
+    void *yd = dev_from(x, T * D, 0), *dxd = dev_from(x, T * D, 0);
+    moept_adamw opt = {1e-3f, 0.0f, 0.0f, 0.0f, 0.0f};
+    double norm = 0.0;
+    SFD(moept_forward(L, j->tr.rank ? xbd : xd, T, yd));                  /* 1 */
+    SFD(moept_backward(L, j->tr.rank ? xbd : xd, dyd, dxd));              /* 2 */
+    SFD(moept_grad_norm(L, &norm));                                       /* 3 */
+    SFD(moept_adamw_step(L, &opt));     /* 4 */
+    SFD(moept_zero_grad(L));                                              /* 5 */
+    SFD(moept_forward(L, xd, T, yd));                                     /* 6 */
+    SFD(moept_backward(L, xd, dyd, dxd));                                 /* 7 */
+    SFD(moept_adamw_step(L, &opt));     /* 8: a clean step */
+    float nan = NAN;
+    if (j->tr.rank == 0) cudaMemcpy((float *)dyd + 7, &nan, 4, cudaMemcpyHostToDevice);
+    SFD(moept_zero_grad(L));                                              /* 9 */
+    SFD(moept_forward(L, xd, T, yd));                                     /* 10 */
+    SFD(moept_backward(L, xd, dyd, dxd));                                 /* 11 */
+    SFD(moept_grad_norm(L, &norm));                                       /* 12 */
+#undef SFD
+    cudaFree(xd); cudaFree(xbd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd);
+    free(x);
+    moept_destroy(L);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_sync_free_deferred(void) {
+    sfd_job j[2];
+    memset(j, 0, sizeof j);
+    run_two(sfd_rank, j, sizeof j[0]);
+    for (int r = 0; r < 2; r++) {
+        const sfd_job *a = &j[r];
+        EXPECT(!a->st[0] && !a->st[1] && !a->st[2], "rank %d: create, forward or backward failed: %s | %s | %s",
+               r, a->msg[0], a->msg[1], a->msg[2]);
+        for (int k = 3; k <= 4; k++)
+            EXPECT(r ? a->st[k] == MOEPT_ERR_NUMERIC && strstr(a->msg[k], "router logits were not finite")
+                     : a->st[k] == MOEPT_ERR_STATE && strstr(a->msg[k], "another rank"),
+                   "rank %d, call %d after the NaN step: %d (%s)", r, k, (int)a->st[k], a->msg[k]);
+        EXPECT(!a->st[5] && !a->st[6] && !a->st[7] && !a->st[8], "rank %d: the clean step failed: %s | %s | %s | %s",
+               r, a->msg[5], a->msg[6], a->msg[7], a->msg[8]);
+        EXPECT(!a->st[9] && !a->st[10] && !a->st[11] && a->st[12] == (r ? MOEPT_ERR_STATE : MOEPT_ERR_NUMERIC) &&
+               strstr(a->msg[12], r ? "other rank" : "dy was not finite"),
+               "rank %d: the step with a NaN in rank 0's dy: %s | %s | %s | %d %s", r, a->msg[9], a->msg[10],
+               a->msg[11], (int)a->st[12], a->msg[12]);
     }
 }
 
@@ -882,6 +1075,11 @@ int main(void) {
            test_unsupported_modes);
     tu_run("cuda (emulated): per stage, kernel bytes as the formulas, launches and host syncs pinned",
            test_stage_counts);
+    tu_run("cuda (emulated): sync-free mode, no host sync in a step (fp32, bf16)", test_sync_free_counts);
+    tu_run("cuda (emulated, 2 EP ranks): sync-free mode equals the default bitwise, statistics too",
+           test_sync_free_equals_default);
+    tu_run("cuda (emulated, 2 EP ranks): sync-free mode, a NaN or a bad dy refused later on both ranks",
+           test_sync_free_deferred);
 #endif
     return tu_done();
 }

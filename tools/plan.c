@@ -7,13 +7,16 @@
                [--hidden D --ffn F --experts E --topk K --moe-layers L --layers L
                 --shared-ffn S --dense-params N --attn-params N]
                [--world W] [--ep P] [--gpus-per-node G] [--nvlink GBps] [--ib GBps]
-               [--tflops X] [--mfu X] [--tokens T] [--chunks C]
+               [--tflops X] [--mfu X] [--tokens T] [--chunks C] [--capacity-factor CF]
                [--weight-bytes B] [--grad-bytes B] [--opt-bytes B] [--gpu-gib M]
           plan --check [--scenarios build/scenarios.csv]
    --check compares the Mixtral-8x7B fine-tune on 8 x A100-80GB with the
    published measurements (FSDP only: 83 tokens/s, 54.8 GB peak; expert
    parallel: 337 tokens/s, 45.5 GB peak), and with --scenarios the byte
-   formulas with the bytes bench/run_scenarios.py counted. */
+   formulas with the bytes bench/run_scenarios.py counted. The last lines
+   are the CUDA layer's sync-free mode (moept_cuda_options.sync_free): its
+   static blocks' memory and traffic against the default mode's, dropless or
+   at --capacity-factor. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,6 +36,7 @@ typedef struct cluster {
     double nvlink, ib;          /* GB/s per GPU per direction */
     double tflops, mfu;         /* GEMM rate (dense, the dtype's) and the achieved fraction */
     double T, C;                /* tokens per GPU per step, overlap chunks */
+    double cf;                  /* capacity factor (0: dropless): the sync-free mode's blocks */
     double wb, gb, ob;          /* bytes per parameter: weights, gradients, optimizer state */
     double gpu_gib;
 } cluster;
@@ -109,6 +113,24 @@ static result plan(const model *m, const cluster *c, int mode) {
     return r;
 }
 
+/* The sync-free mode (moept.h): every rank sends each expert a block of B
+   rows, B = ceil(cf T K / E) (at most T) or, dropless, T; a layer's
+   receive rows are E B instead of the T K routed (on average), and the
+   exchanges and expert GEMMs run over all of them. */
+static void print_sync_free(const model *m, const cluster *c) {
+    const double D = m->D, F = m->F, E = m->E, K = m->K, T = c->T, P = c->P, wb = c->wb;
+    double B = c->cf > 0 ? ceil(c->cf * T * K / E) : T;
+    B = B < T ? B : T;
+    const double rows = E * B, routed = T * K, per_row = (2 * D + 3 * F + 2 * D) * wb; /* x, h, a, y, send, recv */
+    const double a2a = 4 * (P - 1) / P * D * wb;
+    printf("\nsync-free mode (moept_cuda_options.sync_free), per MoE layer per GPU, %s:\n",
+           c->cf > 0 ? "at the capacity factor" : "dropless");
+    printf("  blocks of B = %.0f rows: E B = %.0f receive rows against T K = %.0f routed (%.2fx)\n", B, rows, routed,
+           rows / routed);
+    printf("  rows' buffers %.2f GB (default %.2f), exchanges %.2f GB a step (default %.2f), expert GEMMs %.2fx\n",
+           rows * per_row / 1e9, routed * per_row / 1e9, rows * a2a / 1e9, routed * a2a / 1e9, rows / routed);
+}
+
 static void print_plan(const model *m, const cluster *c) {
     static const char *modes[3] = {"fsdp", "ep", "ep+overlap"};
     printf("%s: %.1fB parameters (%.1fB in experts), %.1fB active per token\n", m->name, plan(m, c, 0).p_total / 1e9,
@@ -124,6 +146,7 @@ static void print_plan(const model *m, const cluster *c) {
                r.mem_buffers / 1e9, r.mem_act / 1e9, r.mem_comm / 1e9, r.mem_total / 1e9, r.comm_bytes / 1e9, r.comm_s,
                r.compute_s, r.step_s, r.tokens_s, r.mem_total > c->gpu_gib * 1073741824.0 ? "  (does not fit)" : "");
     }
+    print_sync_free(m, c);
 }
 
 /* The CPU scenario bench's layer in fp32: its bytes per rank per step. */
@@ -177,7 +200,7 @@ static int check_scenarios(const char *path) {
 
 static int check(const char *scen) {
     const model *m = &presets[0];
-    cluster c = {8, 8, 8, 300, 25, 312, 0.4, 4096, 4, 2, 2, 4, 80};
+    cluster c = {8, 8, 8, 300, 25, 312, 0.4, 4096, 4, 0, 2, 2, 4, 80};
     printf("== Mixtral-8x7B fine-tune, 8 x A100-80GB (published: FSDP only 83 tokens/s, 54.8 GB; expert parallel 337 tokens/s, 45.5 GB)\n");
     printf("assumed: bf16 weights and gradients, bf16 AdamW moments (%g+%g+%g bytes/param: the states fit in 80 GB only so),\n"
            "activation checkpointing per layer, %g tokens per GPU per step, MFU %.0f%%; the interconnect is not in the\n"
@@ -204,7 +227,7 @@ static int check(const char *scen) {
 
 int main(int argc, char **argv) {
     model m = presets[0];
-    cluster c = {8, 8, 8, 450, 50, 989, 0.4, 4096, 4, 2, 2, 4, 80};
+    cluster c = {8, 8, 8, 450, 50, 989, 0.4, 4096, 4, 0, 2, 2, 4, 80};
     int do_check = 0, ep_set = 0;
     const char *scen = "build/scenarios.csv";
     for (int i = 1; i < argc; i++) {
@@ -236,6 +259,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--mfu")) c.mfu = atof(v);
         else if (!strcmp(a, "--tokens")) c.T = atof(v);
         else if (!strcmp(a, "--chunks")) c.C = atof(v);
+        else if (!strcmp(a, "--capacity-factor")) c.cf = atof(v);
         else if (!strcmp(a, "--weight-bytes")) c.wb = atof(v);
         else if (!strcmp(a, "--grad-bytes")) c.gb = atof(v);
         else if (!strcmp(a, "--opt-bytes")) c.ob = atof(v);
