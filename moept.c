@@ -718,6 +718,7 @@ struct moept_layer {
     moept_status grads_sf_bad;  /* sync-free CUDA: a step since zero_grad failed its device checks */
     char grads_sf_why[MOEPT__ERRLEN];
     int cuda_stats_pending;     /* sync-free CUDA: the last forward's device statistics not read yet */
+    int cuda_sync_free;         /* its checks are read at every adamw_step/grad_norm (a replayed graph's too) */
     int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
     char err[MOEPT__ERRLEN];
 };
@@ -1424,7 +1425,7 @@ moept_status moept_zero_grad(moept_layer *L) {
    partial sums in the gradients: `call` refuses them (the caller agrees). */
 static moept_status moept__grads_refused(moept_layer *L, const char *call) {
 #ifdef MOEPT_CUDA
-    if (L->cuda && L->cuda_dx_pending) {
+    if (L->cuda && (L->cuda_dx_pending || L->cuda_sync_free)) {
         int64_t bad = -1;
         char why[MOEPT__ERRLEN];
         moept_status why_st = MOEPT_OK;
@@ -1626,7 +1627,11 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     moept__cuda *c = NULL;
     char err[MOEPT__ERRLEN] = "";
     st = moept__cuda_create(&sp, &c, err);
-    if (!st) { L->cuda = c; L->cuda_pnew = 1; L->cuda_gnew = 1; st = moept__to_device(L); if (st) memcpy(err, L->err, sizeof err); }
+    if (!st) {
+        L->cuda = c; L->cuda_pnew = 1; L->cuda_gnew = 1; L->cuda_sync_free = sp.sync_free;
+        st = moept__to_device(L);
+        if (st) memcpy(err, L->err, sizeof err);
+    }
     moept_status ast; /* the agreement's own status: this rank's st is kept */
     failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
     if (st || ast || failed) {

@@ -461,7 +461,8 @@ void moept_comm_destroy(moept_comm *c);
    that stays on the GPU (call moept_cuda_params_changed after it writes).
    A bf16 layer's weight copy is cast from the fp32 masters at the first
    forward after they change (an upload, moept_cuda_params,
-   moept_cuda_params_changed), not every forward.
+   moept_cuda_params_changed), not every forward; in the sync-free mode
+   when they change (the upload, moept_cuda_params_changed).
    Everything else (checkpoints, AdamW, bias updates) works on the host copy.
 
    SYNC-FREE MODE (options.sync_free = 1; off by default)
@@ -494,7 +495,13 @@ void moept_comm_destroy(moept_comm *c);
      (moept_set_param, a load, the host moept_adamw_step) is uploaded by
      the next forward, which then waits once; an optimizer on the device
      (moept_cuda_params) keeps every step free of host syncs. Not with
-     overlap_chunks > 1 (MOEPT_ERR_UNSUPPORTED at create). */
+     overlap_chunks > 1 (MOEPT_ERR_UNSUPPORTED at create).
+     A step (moept_forward + moept_backward) can be captured in a CUDA graph
+     on options.stream (not the legacy default stream): call
+     moept_cuda_params first (pending host writes are uploaded then); a
+     replay reruns the captured device work on the same buffers; after
+     replays call moept_cuda_params_changed before reading gradients on the
+     host (the library's host view is the captured call's). */
 typedef struct moept_cuda_options {
     moept_dtype dtype;          /* F32 (default) or BF16 token rows and expert weights */
     void *stream;               /* cudaStream_t for compute; NULL = default stream */
@@ -857,7 +864,10 @@ MOEPT_HD static inline int moept__finite(float v) {
 MOEPT_HD static inline float moept__exp(float x) {
     x = x < -87.3f ? -87.3f : x;
     x = x > 88.7f ? 88.7f : x;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    /* n from a number: NaN in stays NaN out (through r), and converting NaN
+       to an integer is undefined in C (a sync-free step runs on with it) */
+    const float xi = moept__finite(x) ? x : 0.0f;
+    float n = (xi * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693145751953125f;        /* ln 2, high part: n*C exact */
     r = r - n * 1.428606765330187045e-06f;        /* ln 2, low part */
     float p = 1.9841269841e-4f;

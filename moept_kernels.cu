@@ -1174,8 +1174,25 @@ extern "C" void moept__cuda_pointers(moept__cuda *c, float **params, float **gra
     *grads = c->grads;
 }
 
-/* the device masters were (or may be about to be) written by the caller */
-extern "C" void moept__cuda_params_changed(moept__cuda *c) { c->wlow_stale = 1; }
+/* bf16 layers: the expert weights' bf16 copy from the fp32 masters (queued
+   on s; stale until it launched) */
+static cudaError_t moept__cast_weights(moept__cuda *c) {
+    const int64_t ED = c->sp.E * c->sp.D, nw = c->sp.n_params - ED;
+    const float *src = c->params + ED;
+    MOEPT__LAUNCH_V(moept__vec<moept__bf16>(0, src, c->wlow), moept__k_cast, moept__bf16,
+                    moept__grid(nw / MOEPT__VEC(moept__bf16) + 1), MOEPT__TB, c->s, src, nw, (moept__bf16 *)c->wlow);
+    cudaError_t e = cudaGetLastError();
+    c->wlow_stale = e != cudaSuccess;
+    return e;
+}
+
+/* the device masters were (or may be about to be) written by the caller;
+   sync-free: their bf16 copy now, so no forward casts (a captured step
+   would freeze whether it does) */
+extern "C" void moept__cuda_params_changed(moept__cuda *c) {
+    c->wlow_stale = 1;
+    if (c->B && c->wlow) (void)moept__cast_weights(c); /* a failure leaves it stale: the forward casts */
+}
 
 /* the side streams of bf16 weight gradients, when there are several experts' */
 static moept_status moept__side_create(moept__cuda *c, char *err) {
@@ -1356,6 +1373,7 @@ extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, 
     if (grads) MOEPT__CU(cudaMemcpyAsync(c->grads, grads, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
     if (bias) MOEPT__CU(cudaMemcpyAsync(c->bias, bias, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
     if (slot_of) MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+    if (params && c->B && c->wlow) MOEPT__CU(moept__cast_weights(c));
     MOEPT__TRY(moept__host_wait(c, err)); /* the host arrays may change after we return */
     return MOEPT_OK;
 }
@@ -1700,14 +1718,7 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     MOEPT__PRE(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
     if (c->wlow && c->wlow_stale) { /* the bf16 weights, once after the fp32 masters changed */
         MOEPT__STAGE("weights");
-        int64_t nw = p->n_params - E * D;
-        const float *src = c->params + E * D;
-        MOEPT__LAUNCH_V(moept__vec<moept__bf16>(0, src, c->wlow), moept__k_cast, moept__bf16,
-                        moept__grid(nw / MOEPT__VEC(moept__bf16) + 1), MOEPT__TB, c->s, src, nw,
-                        (moept__bf16 *)c->wlow);
-        cudaError_t e = cudaGetLastError();
-        MOEPT__PRE(e);
-        if (e == cudaSuccess) c->wlow_stale = 0;
+        MOEPT__PRE(moept__cast_weights(c));
         MOEPT__STAGE("route");
     }
     const float *xf = c->wlow ? c->xf : (const float *)x;

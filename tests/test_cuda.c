@@ -971,6 +971,109 @@ static void test_sync_free_deferred(void) {
     }
 }
 
+/* Sync-free: a training step (forward and backward, two EP ranks, bf16)
+   captured in a CUDA graph on each rank's stream (the NCCL streams and the
+   side streams join by events), then replayed on new inputs: each replay's
+   y, dx and gradients equal an eager layer's step on the same inputs,
+   bitwise. The emulator rejects any host sync inside a capture (test_emu),
+   so a capture that ends valid had none. */
+typedef struct graph_job {
+    two_ranks tr;
+    int64_t diffs;
+    char msg[300];
+} graph_job;
+
+static void *graph_rank(void *arg) {
+    graph_job *j = arg;
+    nccl_rank n;
+    nccl_rank_open(&n, &j->tr);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE);
+    cfg.global_balance = 1;
+    const int64_t D = cfg.hidden_size, T = 12, np = 4 * T * D; /* h: x, dy; out: y, y, dx, dx */
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, s, 0, 1};
+    moept_layer *L[2] = {NULL, NULL}; /* captured, eager */
+    unsigned long long rs = 77 + (unsigned long long)j->tr.rank;
+    float *h = calloc((size_t)(2 * np), sizeof(float)), *out = h + np;
+    void *xd = dev_from(h, T * D, 1), *dyd = dev_from(h, T * D, 1), *yd = dev_from(h, T * D, 1);
+    void *dxd = dev_from(h, T * D, 1);
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t x = NULL;
+    for (int v = 0; v < 2 && !j->msg[0]; v++) {
+        if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
+            snprintf(j->msg, sizeof j->msg, "create: %s", moept_last_error(NULL));
+            break;
+        }
+        moept_init_params(L[v], 13);
+    }
+    for (int step = 0; step < 4 && !j->msg[0]; step++) {
+        for (int64_t i = 0; i < 2 * T * D; i++) h[i] = (float)tu_rand(&rs);
+        void *nx = dev_from(h, T * D, 1), *ndy = dev_from(h + T * D, T * D, 1); /* into the captured buffers */
+        cudaMemcpy(xd, nx, (size_t)(T * D) * 2, cudaMemcpyDeviceToDevice);
+        cudaMemcpy(dyd, ndy, (size_t)(T * D) * 2, cudaMemcpyDeviceToDevice);
+        cudaFree(nx); cudaFree(ndy);
+        if (step == 1) { /* capture: runs nothing, then every replay reads these buffers */
+            float *pp, *gp;
+            int64_t nparams;
+            moept_cuda_params(L[0], &pp, &gp, &nparams); /* the host's writes uploaded first (param_info's) */
+            cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+            moept_status a = moept_forward(L[0], xd, T, yd), b = moept_backward(L[0], xd, dyd, dxd);
+            cudaError_t e = cudaStreamEndCapture(s, &g);
+            if (a || b || e != cudaSuccess || cudaGraphInstantiate(&x, g, 0) != cudaSuccess) {
+                snprintf(j->msg, sizeof j->msg, "capture: %d %d %d %s", (int)a, (int)b, (int)e,
+                         moept_last_error(L[0]));
+                break;
+            }
+        }
+        for (int v = 0; v < 2 && !j->msg[0]; v++) {
+            moept_zero_grad(L[v]);
+            if (v == 0 && step >= 1) {
+                cudaGraphLaunch(x, s);
+                moept_cuda_params_changed(L[0]); /* its device gradients changed outside the API */
+            } else if (moept_forward(L[v], xd, T, yd) || moept_backward(L[v], xd, dyd, dxd)) {
+                snprintf(j->msg, sizeof j->msg, "step %d layer %d: %s", step, v, moept_last_error(L[v]));
+                break;
+            }
+            cudaStreamSynchronize(s);
+            host_from(out + (v ? T * D : 0), yd, T * D, 1);
+            host_from(out + 2 * T * D + (v ? T * D : 0), dxd, T * D, 1);
+            if (v == 1) {
+                j->diffs += count_diffs(out, out + T * D, T * D) + count_diffs(out + 2 * T * D, out + 3 * T * D, T * D);
+                for (int64_t i = 0; i < moept_param_count(L[0]); i++) {
+                    moept_param_info a, b;
+                    moept_param_info_at(L[0], i, &a);
+                    moept_param_info_at(L[1], i, &b);
+                    if (a.grad) j->diffs += count_diffs(a.grad, b.grad, a.rows * a.cols);
+                }
+            }
+        }
+    }
+    double norm;
+    if (!j->msg[0] && moept_grad_norm(L[0], &norm) != MOEPT_OK)
+        snprintf(j->msg, sizeof j->msg, "grad_norm after the replays: %s", moept_last_error(L[0]));
+    if (x) cudaGraphExecDestroy(x);
+    if (g) cudaGraphDestroy(g);
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+    cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd);
+    free(h);
+    cudaStreamDestroy(s);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_sync_free_graph(void) {
+    graph_job j[2];
+    memset(j, 0, sizeof j);
+    run_two(graph_rank, j, sizeof j[0]);
+    for (int r = 0; r < 2; r++) {
+        EXPECT(!j[r].msg[0], "rank %d: %s", r, j[r].msg);
+        EXPECT(j[r].diffs == 0, "rank %d: %lld values of the replays differ from the eager steps", r,
+               (long long)j[r].diffs);
+    }
+}
+
 /* What the CUDA executor lacks is refused on every rank, agreed as its own
    checks are: a padding mask on one rank fails both (UNSUPPORTED there,
    "other rank" on the peer); an evaluation forward on rank 0 only makes
@@ -1080,6 +1183,8 @@ int main(void) {
            test_sync_free_equals_default);
     tu_run("cuda (emulated, 2 EP ranks): sync-free mode, a NaN or a bad dy refused later on both ranks",
            test_sync_free_deferred);
+    tu_run("cuda (emulated, 2 EP ranks): sync-free mode, a step captured in a CUDA graph, replays equal eager steps",
+           test_sync_free_graph);
 #endif
     return tu_done();
 }

@@ -70,6 +70,7 @@ build() {
 check() {
     LOG="$OUT/check.log"
     step "moept_check_cuda: every case, fp32 and bf16" build/moept_check_cuda tests/cases/*.safetensors
+    step "moept_check_cuda --sync-free: every case" build/moept_check_cuda --sync-free tests/cases/*.safetensors
     for c in mixtral_e8_t40 qwen2_shared_norm_e8 olmoe_nonorm deepseek_group; do
         step "moept_check_cuda --weights $c" build/moept_check_cuda --weights tests/checkpoints/$c --layer 1 \
             tests/cases/$c.safetensors
@@ -81,6 +82,7 @@ check() {
     if [ "$(gpus)" -ge 2 ]; then
         step "moept_check_cuda --ep 2" build/moept_check_cuda --ep 2 tests/cases/*.safetensors
         step "moept_check_cuda --ep 2 --chunks 3" build/moept_check_cuda --ep 2 --chunks 3 tests/cases/*.safetensors
+        step "moept_check_cuda --ep 2 --sync-free" build/moept_check_cuda --ep 2 --sync-free tests/cases/*.safetensors
     else
         echo "skip - --ep 2 and chunks: $(gpus) GPU(s)" | tee -a "$SUM"
     fi

@@ -81,7 +81,10 @@ struct Op {
     uint64_t uq[2] = {0, 0};       /* ... distinct bytes (2-byte granules): its traffic */
 };
 
+struct Graph;
+
 struct Stream {
+    Graph *cap = nullptr;          /* the capture its work goes into (cudaStreamBeginCapture), or none */
     int id = 0, dev = 0;
     bool legacy = false, blocking = true;
     std::mutex m;
@@ -96,6 +99,7 @@ struct Stream {
 };
 
 struct Event {
+    Graph *cap = nullptr;          /* recorded inside this capture (a wait on it joins the capture) */
     int dev;
     bool timing = true;            /* not created with cudaEventDisableTiming */
     std::shared_ptr<Op> rec;       /* the last record, null before any */
@@ -113,6 +117,7 @@ struct Device {
                                       of the device's ops has access, other threads fault */
     Stream *legacy = nullptr;
     std::vector<Stream *> streams;
+    int capturing = 0;             /* captures in progress (global mode: unsafe calls are rejected) */
 };
 
 extern Device *devices[MAXDEV];
@@ -128,6 +133,12 @@ Stream *stream_of(cudaStream_t s);
    may release it, so nothing about it may be set after the call. */
 std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run,
                             const std::function<void(Op &)> &prep = nullptr);
+/* For a graph's replay: set before an enqueue whose op cannot simply run
+   again (an NCCL collective takes the next sequence number), t_remake makes
+   its run function anew; t_after sees each enqueued op (capture or not).
+   enqueue consumes both. */
+extern thread_local std::function<std::function<void(Op &)>()> t_remake;
+extern thread_local std::function<void(const std::shared_ptr<Op> &)> t_after;
 void force(Stream *s, uint64_t seq);
 void force_all(Stream *s);
 bool wait_op(const std::shared_ptr<Op> &o, double timeout_s);

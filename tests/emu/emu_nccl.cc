@@ -215,8 +215,8 @@ static ncclResult_t flush_group() {
         char nm[80];
         snprintf(nm, sizeof nm, "ncclGroupEnd (%zu sends/receives, rank %d)", mine.size(), c->rank);
         Stream *st = stream_of(s);
-        auto o = enqueue(st, nm, [c, mine](Op &) { if (!c->dead) run_p2p(c, mine); });
-        note_last(c, o);
+        t_after = [c](const std::shared_ptr<Op> &o) { note_last(c, o); }; /* a graph's replay too */
+        enqueue(st, nm, [c, mine](Op &) { if (!c->dead) run_p2p(c, mine); });
     }
     return ncclSuccess;
 }
@@ -395,10 +395,15 @@ static ncclResult_t coll(int gather, const void *sb, void *rb, size_t count, ncc
     char nm[80];
     snprintf(nm, sizeof nm, "%s #%llu (%zu elements, rank %d)", gather ? "ncclAllGather" : "ncclAllReduce",
              (unsigned long long)seq, count, c->rank);
-    auto o = enqueue(st, nm, [c, seq, gather, sb, rb, count, t](Op &) {
+    /* a graph's replay is the comm's next collective, not this one again */
+    t_remake = [c, gather, sb, rb, count, t]() -> std::function<void(Op &)> {
+        uint64_t sq = c->nextcoll++;
+        return [c, sq, gather, sb, rb, count, t](Op &) { if (!c->dead) run_coll(c, sq, gather, sb, rb, count, t); };
+    };
+    t_after = [c](const std::shared_ptr<Op> &o) { note_last(c, o); };
+    enqueue(st, nm, [c, seq, gather, sb, rb, count, t](Op &) {
         if (!c->dead) run_coll(c, seq, gather, sb, rb, count, t);
     });
-    note_last(c, o);
     return ncclSuccess;
 }
 

@@ -394,8 +394,86 @@ Stream *stream_of(cudaStream_t h) {
     return (Stream *)h;
 }
 
+/* ---- stream capture (cudaStreamBeginCapture .. cudaStreamEndCapture) ------
+   A capturing stream records its work instead of running it: each op's run
+   function (its arguments as at the call), event records and waits, in call
+   order. A wait on an event recorded in the capture joins the waiting
+   stream to it (the fork and join of a multi-stream capture). Global mode
+   only: a host sync on a capturing stream (or the device, or an event of
+   the capture), a synchronous copy, an allocation or a free while the
+   device captures is rejected as CUDA does (cudaErrorStreamCaptureUnsupported
+   or cudaErrorStreamCaptureImplicit), reported ("capture"), and invalidates
+   the capture: cudaStreamEndCapture then fails. cudaGraphLaunch runs the
+   recorded sequence again on the same streams (the origin's work on the
+   launch stream), after the launch stream's earlier work, before its later
+   work. Not emulated: other capture modes, graph editing, child graphs. */
+struct Graph {
+    enum { OP, RECORD, WAIT };
+    struct Item {
+        int kind;
+        Stream *s;
+        std::string name;
+        std::function<void(Op &)> run;
+        std::function<std::function<void(Op &)>()> remake;
+        std::function<void(const std::shared_ptr<Op> &)> after;
+        Event *e;
+    };
+    Stream *origin = nullptr;
+    int dev = 0;
+    bool invalid = false;
+    std::vector<Item> items;
+    std::vector<Stream *> streams;
+    std::vector<Event *> events;
+};
+thread_local std::function<std::function<void(Op &)>()> t_remake;
+thread_local std::function<void(const std::shared_ptr<Op> &)> t_after;
+static std::mutex g_cap_mu;
+
+static void capture_item(Graph *g, int kind, Stream *s, const char *name, std::function<void(Op &)> run,
+                         Event *e) {
+    std::lock_guard<std::mutex> lk(g_cap_mu);
+    g->items.push_back({kind, s, name, std::move(run), std::move(t_remake), std::move(t_after), e});
+    t_remake = nullptr;
+    t_after = nullptr;
+}
+
+/* a call CUDA forbids during a capture (global mode): on stream s (NULL: the
+   whole device, as a device sync, an allocation or a synchronous copy) while
+   it or, for the device or its legacy stream, any stream of device d
+   captures: rejected with e, reported, the captures concerned invalidated */
+static cudaError_t capture_violation(int d, Stream *s, const char *call, cudaError_t e) {
+    Device *v = dev(d);
+    std::vector<Graph *> gs;
+    {
+        std::lock_guard<std::mutex> lk(v->m);
+        if (!v->capturing) return cudaSuccess;
+        const bool whole = !s || s->legacy;
+        for (Stream *t : v->streams)
+            if (t->cap && (whole || t == s)) gs.push_back(t->cap);
+    }
+    if (gs.empty()) return cudaSuccess;
+    {
+        std::lock_guard<std::mutex> lk(g_cap_mu);
+        for (Graph *g : gs) g->invalid = true;
+    }
+    report("capture", "%s while device %d captures a stream: rejected (%s), the capture is invalidated", call, d,
+           e == cudaErrorStreamCaptureImplicit ? "cudaErrorStreamCaptureImplicit" : "cudaErrorStreamCaptureUnsupported");
+    return fail(e);
+}
+
 std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run,
                             const std::function<void(Op &)> &prep) {
+    if (s->cap) { /* recorded; the caller gets an op that is already done */
+        capture_item(s->cap, Graph::OP, s, name, std::move(run), nullptr);
+        auto d = std::make_shared<Op>();
+        d->name = name;
+        d->s = s;
+        d->done = true;
+        return d;
+    }
+    auto after = std::move(t_after);
+    t_remake = nullptr;
+    t_after = nullptr;
     auto o = std::make_shared<Op>();
     o->name = name;
     o->run = std::move(run);
@@ -415,10 +493,13 @@ std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &
         std::lock_guard<std::mutex> lk(t->m);
         if (t->last && !t->last->done) o->deps.push_back(t->last);
     }
-    std::lock_guard<std::mutex> lk(s->m);
-    o->seq = s->next_seq++;
-    s->q.push_back(o);
-    s->last = o;
+    {
+        std::lock_guard<std::mutex> lk(s->m);
+        o->seq = s->next_seq++;
+        s->q.push_back(o);
+        s->last = o;
+    }
+    if (after) after(o);
     return o;
 }
 
@@ -552,6 +633,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     if (!p) return fail(cudaErrorInvalidValue);
     *p = nullptr;
     if (device_count() == 0) return fail(cudaErrorNoDevice);
+    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMalloc", cudaErrorStreamCaptureUnsupported)) return ce;
     int f = g_fail_malloc.load();
     if (f > 0 && cur_dev == g_fail_dev && g_fail_malloc.fetch_sub(1) == 1) return fail(cudaErrorMemoryAllocation);
     if (bytes == 0) return cudaSuccess;
@@ -592,6 +674,7 @@ cudaError_t cudaFree(void *p) {
         report("memcheck", "cudaFree(%p): not the start of a live device allocation", p);
         return fail(cudaErrorInvalidValue);
     }
+    if (cudaError_t ce = capture_violation(d, nullptr, "cudaFree", cudaErrorStreamCaptureUnsupported)) return ce;
     sync_device(d); /* cudaFree waits for the device */
     count_sync(d);
     {
@@ -612,6 +695,7 @@ cudaError_t cudaFree(void *p) {
 
 cudaError_t cudaMallocHost(void **p, size_t bytes) {
     if (!p) return fail(cudaErrorInvalidValue);
+    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMallocHost", cudaErrorStreamCaptureUnsupported)) return ce;
     *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
     if (!*p) return fail(cudaErrorMemoryAllocation);
     std::lock_guard<std::mutex> lk(g_mu);
@@ -621,6 +705,7 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) {
 
 cudaError_t cudaFreeHost(void *p) {
     if (!p) return cudaSuccess;
+    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaFreeHost", cudaErrorStreamCaptureUnsupported)) return ce;
     for (int d = 0; d < MAXDEV; d++)
         if (devices[d]) sync_device(d);
     std::lock_guard<std::mutex> lk(g_mu);
@@ -683,6 +768,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t h) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t h) {
     Stream *s = stream_of(h);
+    if (cudaError_t ce = capture_violation(s->dev, s, "cudaStreamSynchronize", cudaErrorStreamCaptureUnsupported)) return ce;
     if (moept_emu_nccl_group_depth())
         report("nccl", "cudaStreamSynchronize inside ncclGroupStart/ncclGroupEnd: the group's operations are not "
                "issued until ncclGroupEnd (an ncclGroupStart left open?)");
@@ -694,6 +780,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t h) {
 
 cudaError_t cudaStreamQuery(cudaStream_t h) {
     Stream *s = stream_of(h);
+    if (cudaError_t ce = capture_violation(s->dev, s, "cudaStreamQuery", cudaErrorStreamCaptureUnsupported)) return ce;
     if (moept_emu_nccl_group_depth())
         report("nccl", "cudaStreamQuery inside ncclGroupStart/ncclGroupEnd (an ncclGroupStart left open?)");
     std::shared_ptr<Op> last;
@@ -711,6 +798,7 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
+    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaDeviceSynchronize", cudaErrorStreamCaptureUnsupported)) return ce;
     sync_device(cur_dev);
     count_sync(cur_dev);
     return cudaSuccess;
@@ -756,6 +844,14 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t h) {
     Event *v = (Event *)e;
     Stream *s = stream_of(h);
     if (s->dev != v->dev) return fail(cudaErrorInvalidResourceHandle);
+    if (s->cap) { /* a node of the capture: a wait on it joins the waiter */
+        capture_item(s->cap, Graph::RECORD, s, "cudaEventRecord", nullptr, v);
+        std::lock_guard<std::mutex> lk(g_cap_mu);
+        if (v->cap != s->cap) s->cap->events.push_back(v);
+        v->cap = s->cap;
+        return cudaSuccess;
+    }
+    v->cap = nullptr;
     v->rec = enqueue(s, "cudaEventRecord", nullptr);
     return cudaSuccess;
 }
@@ -765,6 +861,16 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t h, cudaEvent_t e, unsigned flags) {
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     Event *v = (Event *)e;
     Stream *s = stream_of(h);
+    if (v->cap || s->cap) { /* the waiter joins the capture of the event's record */
+        Graph *g = v->cap ? v->cap : s->cap;
+        if (!s->cap) {
+            std::lock_guard<std::mutex> lk(g_cap_mu);
+            s->cap = g;
+            g->streams.push_back(s);
+        }
+        capture_item(g, Graph::WAIT, s, "cudaStreamWaitEvent", nullptr, v);
+        return cudaSuccess;
+    }
     if (!v->rec) return cudaSuccess; /* never recorded: nothing to wait for */
     std::shared_ptr<Op> rec = v->rec;
     enqueue(s, "cudaStreamWaitEvent", nullptr, [&](Op &o) { o.deps.push_back(rec); });
@@ -774,11 +880,116 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t h, cudaEvent_t e, unsigned flags) {
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     Event *v = (Event *)e;
+    if (v->cap) { /* recorded in a capture still in progress */
+        {
+            std::lock_guard<std::mutex> lk(g_cap_mu);
+            v->cap->invalid = true;
+        }
+        report("capture", "cudaEventSynchronize on an event recorded in a capture: rejected, the capture is "
+               "invalidated");
+        return fail(cudaErrorStreamCaptureUnsupported);
+    }
     if (v->rec) {
         wait_op(v->rec, 1e9);
         count_sync(v->dev);
         host_vc.join(v->rec->vc);
     }
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t h, enum cudaStreamCaptureMode mode) {
+    Stream *s = stream_of(h);
+    if (s->legacy || mode != cudaStreamCaptureModeGlobal) return fail(cudaErrorStreamCaptureUnsupported);
+    if (s->cap) return fail(cudaErrorIllegalState);
+    Graph *g = new Graph();
+    g->origin = s;
+    g->dev = s->dev;
+    g->streams.push_back(s);
+    Device *v = dev(s->dev);
+    std::lock_guard<std::mutex> lk(v->m);
+    s->cap = g;
+    v->capturing++;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t h, enum cudaStreamCaptureStatus *st) {
+    if (!st) return fail(cudaErrorInvalidValue);
+    Stream *s = stream_of(h);
+    *st = !s->cap ? cudaStreamCaptureStatusNone
+        : s->cap->invalid ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t h, cudaGraph_t *out) {
+    if (!out) return fail(cudaErrorInvalidValue);
+    *out = nullptr;
+    Stream *s = stream_of(h);
+    Graph *g = s->cap;
+    if (!g) return fail(cudaErrorIllegalState);
+    if (g->origin != s) return fail(cudaErrorStreamCaptureUnmatched);
+    Device *v = dev(s->dev);
+    {
+        std::lock_guard<std::mutex> lk(v->m);
+        for (Stream *t : g->streams) t->cap = nullptr;
+        v->capturing--;
+    }
+    std::lock_guard<std::mutex> lk(g_cap_mu);
+    for (Event *e : g->events)
+        if (e->cap == g) e->cap = nullptr;
+    if (g->invalid) {
+        delete g;
+        return fail(cudaErrorStreamCaptureInvalidated);
+    }
+    *out = (cudaGraph_t)g;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long flags) {
+    if (!exec || !graph || flags) return fail(cudaErrorInvalidValue);
+    std::lock_guard<std::mutex> lk(g_cap_mu);
+    *exec = (cudaGraphExec_t) new Graph(*(Graph *)graph);
+    return cudaSuccess;
+}
+
+/* the recorded sequence again: the origin's work on s, the rest on their
+   own streams, between an event on s and the waits of s on each of them */
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t h) {
+    if (!exec) return fail(cudaErrorInvalidValue);
+    Graph *g = (Graph *)exec;
+    Stream *s = stream_of(h);
+    if (s->cap || s->dev != g->dev) return fail(cudaErrorInvalidValue);
+    auto on = [&](Stream *t) { return t == g->origin ? s : t; };
+    cudaEvent_t start;
+    cudaEventCreateWithFlags(&start, cudaEventDisableTiming);
+    cudaEventRecord(start, (cudaStream_t)s);
+    for (Stream *t : g->streams)
+        if (on(t) != s) cudaStreamWaitEvent((cudaStream_t)t, start, 0);
+    cudaEventDestroy(start);
+    for (const Graph::Item &it : g->items) {
+        if (it.kind == Graph::RECORD) cudaEventRecord((cudaEvent_t)it.e, (cudaStream_t)on(it.s));
+        else if (it.kind == Graph::WAIT) cudaStreamWaitEvent((cudaStream_t)on(it.s), (cudaEvent_t)it.e, 0);
+        else {
+            t_after = it.after;
+            enqueue(on(it.s), it.name.c_str(), it.remake ? it.remake() : it.run);
+        }
+    }
+    for (Stream *t : g->streams) {
+        if (on(t) == s) continue;
+        cudaEvent_t end;
+        cudaEventCreateWithFlags(&end, cudaEventDisableTiming);
+        cudaEventRecord(end, (cudaStream_t)t);
+        cudaStreamWaitEvent((cudaStream_t)s, end, 0);
+        cudaEventDestroy(end);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    delete (Graph *)exec;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    delete (Graph *)graph;
     return cudaSuccess;
 }
 
@@ -846,6 +1057,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind k) {
     Stream *s = stream_of(nullptr);
+    if (cudaError_t ce = capture_violation(s->dev, nullptr, "cudaMemcpy", cudaErrorStreamCaptureImplicit)) return ce;
     cudaError_t e = copy_async(dst, src, n, k, s, "cudaMemcpy");
     if (e != cudaSuccess) return e;
     force_all(s);

@@ -240,6 +240,68 @@ static void streams() {
     cudaStreamDestroy(b);
 }
 
+__global__ void k_add(float *p, float v, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] += v;
+}
+
+/* Stream capture: a fork (a's event waited by b) and join, captured, runs
+   nothing; each launch of the graph runs it all again, in order; a host
+   sync inside a capture is rejected and the capture ends invalidated. */
+static void capture() {
+    cudaStream_t a, b;
+    cudaEvent_t fork, join;
+    float *p, *q, h[64];
+    cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+    cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
+    cudaMalloc((void **)&p, 64 * 4);
+    cudaMalloc((void **)&q, 64 * 4);
+    cudaMemset(p, 0, 64 * 4);
+    cudaMemset(q, 0, 64 * 4);
+    cudaDeviceSynchronize();
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t x = nullptr;
+    bool ok = cudaStreamBeginCapture(a, cudaStreamCaptureModeGlobal) == cudaSuccess;
+    MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
+    cudaEventRecord(fork, a);
+    cudaStreamWaitEvent(b, fork, 0); /* b joins the capture */
+    MOEPT__LAUNCH(k_copy, 1, 64, 0, b)(p, q, 64);
+    cudaEventRecord(join, b);
+    cudaStreamWaitEvent(a, join, 0);
+    MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 10.0f, 64);
+    ok = ok && cudaStreamEndCapture(a, &g) == cudaSuccess && g && cudaGraphInstantiate(&x, g, 0) == cudaSuccess;
+    cudaMemcpy(h, p, sizeof h, cudaMemcpyDeviceToHost);
+    result("capture: the captured work does not run", ok && h[0] == 0.0f, "ran at capture");
+    for (int i = 0; i < 2 && ok; i++) ok = cudaGraphLaunch(x, a) == cudaSuccess;
+    cudaStreamSynchronize(a);
+    float hq[64];
+    cudaMemcpy(h, p, sizeof h, cudaMemcpyDeviceToHost);
+    cudaMemcpy(hq, q, sizeof hq, cudaMemcpyDeviceToHost);
+    expect_clean("capture: two launches of a forked and joined graph run clean (no hazard)");
+    result("... and in order: p = 2 x 11, q = p after the first add of the second launch", ok && h[5] == 22.0f &&
+           hq[5] == 12.0f, "wrong values");
+    cudaGraphExecDestroy(x);
+    cudaGraphDestroy(g);
+    cudaStreamBeginCapture(a, cudaStreamCaptureModeGlobal);
+    MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
+    cudaError_t e = cudaStreamSynchronize(a);
+    expect_report("capture: a cudaStreamSynchronize inside a capture is rejected", "captures a stream: rejected");
+    cudaError_t e2 = cudaMalloc((void **)&q, 4);
+    expect_report("... so is a cudaMalloc", "cudaMalloc while device");
+    g = nullptr;
+    cudaError_t e3 = cudaStreamEndCapture(a, &g);
+    result("... with cudaErrorStreamCaptureUnsupported, and the capture ends invalidated",
+           e == cudaErrorStreamCaptureUnsupported && e2 == cudaErrorStreamCaptureUnsupported &&
+           e3 == cudaErrorStreamCaptureInvalidated && !g, "not rejected");
+    cudaGetLastError();
+    cudaFree(p);
+    cudaEventDestroy(fork);
+    cudaEventDestroy(join);
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+}
+
 /* Any thread's synchronize may release an op the moment it is queued: what
    the emulator notes about an op (a D2H's poisoned destination, an event
    wait's dependency) must be in place before then. Another thread keeps
@@ -407,5 +469,6 @@ int main() {
     released_at_once();
     blas();
     nccl_unmatched();
+    capture();
     return g_fail;
 }
