@@ -718,7 +718,7 @@ struct moept_layer {
     moept_status grads_sf_bad;  /* sync-free CUDA: a step since zero_grad failed its device checks */
     char grads_sf_why[MOEPT__ERRLEN];
     int cuda_stats_pending;     /* sync-free CUDA: the last forward's device statistics not read yet */
-    int cuda_sync_free;         /* its checks are read at every adamw_step/grad_norm (a replayed graph's too) */
+    int cuda_sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
     int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
     char err[MOEPT__ERRLEN];
 };
@@ -1440,8 +1440,8 @@ static moept_status moept__grads_refused(moept_layer *L, const char *call) {
     }
 #endif
     if (L->grads_sf_bad)
-        return moept__fail(L, L->grads_sf_bad, "%s: a sync-free step since moept_zero_grad failed its checks (%s); "
-                           "its gradients are refused: moept_zero_grad, then the next micro-batch", call,
+        return moept__fail(L, L->grads_sf_bad, "%s: a sync-free step since moept_zero_grad failed its checks "
+                           "(%s); its gradients are refused: moept_zero_grad, then the next micro-batch", call,
                            L->grads_sf_why);
     if (L->grads_dx_bad < 0) return MOEPT_OK;
     return moept__fail(L, MOEPT_ERR_NUMERIC, "%s: a backward since moept_zero_grad had a non-finite dx (element "
@@ -1572,7 +1572,8 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     else if (cfg && o.sync_free && cfg->overlap_chunks > 1) {
         bad = 1;
         why_st = MOEPT_ERR_UNSUPPORTED;
-        snprintf(why, sizeof why, "moept_create_cuda: options.sync_free with overlap_chunks > 1 is not supported");
+        snprintf(why, sizeof why, "moept_create_cuda: options.sync_free with overlap_chunks > 1 is not "
+                 "supported");
     }
     else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
         bad = 1;
@@ -1594,8 +1595,9 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
         return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", dp->err);
     for (int i = 0; i < 3; i++)
         if (sum[i] != mine[i] * ranks)
-            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs between "
-                                      "ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward" : "sync_free");
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs "
+                                      "between ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward"
+                                                                                 : "sync_free");
     /* sync-free: every rank's blocks are the same size, from the EP group's largest max_tokens */
     int64_t block_tokens = cfg ? cfg->max_tokens : 0;
     if (o.sync_free && ep && ep->size > 1) {
@@ -1613,7 +1615,8 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     sp.family = (int)L->cfg.family; sp.act = L->act; sp.norm = L->cfg.norm_topk_prob;
     sp.aux = (int)L->cfg.aux_loss; sp.global_balance = L->cfg.global_balance && (L->ep || L->dp);
     sp.n_group = (int)L->cfg.n_group; sp.topk_group = (int)L->cfg.topk_group;
-    sp.dtype = (int)o.dtype; sp.unchecked_backward = o.unchecked_backward != 0; sp.sync_free = o.sync_free != 0;
+    sp.dtype = (int)o.dtype; sp.unchecked_backward = o.unchecked_backward != 0;
+    sp.sync_free = o.sync_free != 0;
     sp.D = L->D; sp.F = L->F; sp.E = L->E; sp.K = L->K; sp.S = L->S; sp.H = L->H; sp.HS = L->HS;
     sp.El = L->El; sp.P = L->P; sp.rank = L->rank; sp.Tmax = L->Tmax; sp.block_tokens = block_tokens;
     sp.C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
@@ -1966,6 +1969,11 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep
         r.reject = MOEPT_ERR_UNSUPPORTED;
         r.reject_msg = "moept_forward: a padding mask (opts.mask) is not supported by the CUDA executor";
     }
+    /* sync-free: a call this rank rejects still runs the statistics kernels (its peers wait in the
+       exchange), over the committed step's: read those first */
+    if (L->cuda_stats_pending && (f->mask || T < 0 || T > L->Tmax || (T > 0 && (!f->x || !f->y))) &&
+        (st = moept__cuda_settle(L)))
+        return st;
     st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r, L->err);
     L->agreed_calls += r.agreed;
     if (st) return st;

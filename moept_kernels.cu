@@ -623,7 +623,10 @@ __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const
 /* Sync-free mode: why a step failed its device checks, reported by the next
    moept_adamw_step or moept_grad_norm (bad[6]: the smallest code since
    zero_grad; moept__sf_why says it) */
-enum { MOEPT__SF_INPUT = 1, MOEPT__SF_LOSS, MOEPT__SF_ARGS, MOEPT__SF_PEER, MOEPT__SF_CALLS, MOEPT__SF_Y, MOEPT__SF_DY };
+enum {
+    MOEPT__SF_INPUT = 1, MOEPT__SF_LOSS, MOEPT__SF_ARGS, MOEPT__SF_PEER, MOEPT__SF_CALLS, MOEPT__SF_Y,
+    MOEPT__SF_DY
+};
 __device__ __forceinline__ unsigned long long moept__sf_min(unsigned long long a, int b) {
     return a < (unsigned long long)b ? a : (unsigned long long)b;
 }
@@ -645,7 +648,8 @@ __global__ void moept__k_sf_agree(const int64_t *msg_all, int64_t P, int64_t M, 
              : bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX ? MOEPT__SF_INPUT : MOEPT__SF_LOSS;
     const double Tl = lstat[3 * E] > 0.0 ? lstat[3 * E] : 1.0;
     double av = 0.0;
-    if (aux != MOEPT_AUX_NONE) av = moept__aux_finalize(lstat + E, lstat + 2 * E, E, K, aux, Tl, aux_coef, aux_g);
+    if (aux != MOEPT_AUX_NONE)
+        av = moept__aux_finalize(lstat + E, lstat + 2 * E, E, K, aux, Tl, aux_coef, aux_g);
     if (global && ((z_coef > 0.0f && !(fabs(lstat[3 * E + 1] / Tl) <= 3.4028234663852886e38)) ||
                    (aux_coef > 0.0f && !(fabs(av) <= 3.4028234663852886e38))))
         code = moept__sf_min(code, MOEPT__SF_LOSS);
@@ -1180,7 +1184,8 @@ static cudaError_t moept__cast_weights(moept__cuda *c) {
     const int64_t ED = c->sp.E * c->sp.D, nw = c->sp.n_params - ED;
     const float *src = c->params + ED;
     MOEPT__LAUNCH_V(moept__vec<moept__bf16>(0, src, c->wlow), moept__k_cast, moept__bf16,
-                    moept__grid(nw / MOEPT__VEC(moept__bf16) + 1), MOEPT__TB, c->s, src, nw, (moept__bf16 *)c->wlow);
+                    moept__grid(nw / MOEPT__VEC(moept__bf16) + 1), MOEPT__TB, c->s, src, nw,
+                    (moept__bf16 *)c->wlow);
     cudaError_t e = cudaGetLastError();
     c->wlow_stale = e != cudaSuccess;
     return e;
@@ -1196,7 +1201,8 @@ extern "C" void moept__cuda_params_changed(moept__cuda *c) {
 
 /* the side streams of bf16 weight gradients, when there are several experts' */
 static moept_status moept__side_create(moept__cuda *c, char *err) {
-    c->nside = c->sp.dtype == MOEPT_DTYPE_BF16 && c->G > 1 ? (int)(c->G < MOEPT__SIDE ? c->G : MOEPT__SIDE) : 0;
+    const int64_t G = c->G;
+    c->nside = c->sp.dtype == MOEPT_DTYPE_BF16 && G > 1 ? (int)(G < MOEPT__SIDE ? G : MOEPT__SIDE) : 0;
     if (c->nside) MOEPT__CU(cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming));
     for (int i = 0; i < c->nside; i++) {
         MOEPT__CU(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
@@ -1325,7 +1331,8 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     if (c->nblk_max < 1) c->nblk_max = 1;
     c->C = spec->C > 1 ? spec->C : 1; /* moept.c passes 1 at one EP rank */
     if (spec->sync_free) { /* an expert gets a token once at most: max_tokens rows, or its capacity */
-        const int64_t Tb = spec->block_tokens, cap = moept__capacity(spec->capacity_factor, Tb, spec->K, spec->E);
+        const int64_t Tb = spec->block_tokens;
+        const int64_t cap = moept__capacity(spec->capacity_factor, Tb, spec->K, spec->E);
         c->B = cap >= 0 && cap < Tb ? cap : Tb;
         if (c->B < 1) c->B = 1;
     }
@@ -1400,15 +1407,15 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
 
 extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
     MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s));
-    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* the dx check and sync-free flag, with them */
+    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* the dx check, the sync-free flag */
     return MOEPT_OK;
 }
 
 /* The first non-finite dx element of the backwards since zero_grad (-1:
    none): their check ran on the device; this reads it (a host sync).
    Sync-free mode: why a step since failed its checks, into why ("" if none). */
-extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st, char *why,
-                                             char *err) {
+extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st,
+                                             char *why, char *err) {
     MOEPT__CU(cudaMemcpyAsync(c->h_bad + 5, &c->bad[5], 2 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     *first_bad = c->h_bad[5] == ULLONG_MAX ? -1 : (int64_t)c->h_bad[5];
@@ -1500,9 +1507,10 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
     cublasStatus_t r = CUBLAS_STATUS_SUCCESS;
     for (int64_t i = 0; i < n && r == CUBLAS_STATUS_SUCCESS; i++) {
         moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
-        r = cublasGemmEx_64(ns ? c->side_blas[i % ns] : c->blas, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                            cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta, cm.lda,
-                            cm.b, ta, cm.ldb, &cm.beta, cm.c, tc, cm.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        cublasHandle_t h = ns ? c->side_blas[i % ns] : c->blas;
+        r = cublasGemmEx_64(h, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta, cm.lda, cm.b, ta, cm.ldb, &cm.beta, cm.c, tc,
+                            cm.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }
     for (int j = 0; j < ns; j++) { /* joined even after a failed call */
         MOEPT__CU(cudaEventRecord(c->ev_side[j], c->side[j]));
@@ -1974,7 +1982,8 @@ template <typename T>
 static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, K = p->K, T_ = c->T;
-    if (c->B) MOEPT__CU(cudaMemsetAsync(c->tok_of_row, 0xff, (size_t)c->N * 8, c->s)); /* blocks' unused rows */
+    if (c->B) /* the blocks' unused rows */
+        MOEPT__CU(cudaMemsetAsync(c->tok_of_row, 0xff, (size_t)c->N * 8, c->s));
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_plan_place, (unsigned)((T_ * K + 255) / 256), 256, 0, c->s)(
             c->ids[c->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)p->E, c->row_of,
@@ -2209,9 +2218,9 @@ static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, m
 static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     MOEPT__TRY(moept__fwd_share(c, out, err));
-    MOEPT__LAUNCH(moept__k_sf_agree, 1, 1, 0, c->s)(c->msg_all, p->P, c->M, (int)p->E, (int)p->K, p->aux, f->tag,
-                                                  p->global_balance, p->z_coef, p->aux_coef, c->lstat, c->aux_g,
-                                                  c->bad, p->rank, f->host_bad);
+    MOEPT__LAUNCH(moept__k_sf_agree, 1, 1, 0, c->s)(c->msg_all, p->P, c->M, (int)p->E, (int)p->K, p->aux,
+                                                  f->tag, p->global_balance, p->z_coef, p->aux_coef, c->lstat,
+                                                  c->aux_g, c->bad, p->rank, f->host_bad);
     MOEPT__LAUNCHED();
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
@@ -2349,7 +2358,8 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
         MOEPT__LAUNCH(moept__k_sf_note, 1, 1, 0, c->s)(c->bad);
         MOEPT__LAUNCHED();
     }
-    if (p->unchecked_backward || p->sync_free) return local[0] ? moept__kfail(err, why, "%s", local) : MOEPT_OK;
+    if (p->unchecked_backward || p->sync_free)
+        return local[0] ? moept__kfail(err, why, "%s", local) : MOEPT_OK;
     /* the step's second host sync */
     MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 3 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
@@ -2444,8 +2454,8 @@ static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
     const int vec = moept__vec<T>(D, ys, yss, dx) && moept__vec<T>(0, c->params); /* D % V: Wr's rows too */
     const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
     MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss, gate ? c->dsg : NULL,
-                    gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_, (int)D, (int)p->K, (int)p->E,
-                    dx, &c->bad[5]);
+                    gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_, (int)D, (int)p->K,
+                    (int)p->E, dx, &c->bad[5]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }

@@ -835,7 +835,8 @@ static void *sf_rank(void *arg) {
     float *x = malloc((size_t)(3 * T * D) * sizeof(float)), *dy = x + T * D, *x0 = dy + T * D;
     float *out = calloc((size_t)(4 * T * D), sizeof(float));
     for (int64_t i = 0; i < 3 * T * D; i++) x[i] = (float)tu_rand(&rs);
-    void *xd = dev_from(x, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16), *x0d = dev_from(x0, T * D, j->bf16);
+    void *xd = dev_from(x, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16);
+    void *x0d = dev_from(x0, T * D, j->bf16);
     moept_layer *L[2] = {NULL, NULL};
     for (int v = 0; v < 2 && !j->msg[0]; v++) {
         moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, v};
@@ -869,7 +870,8 @@ static void *sf_rank(void *arg) {
 }
 
 static void test_sync_free_equals_default(void) {
-    const struct { int fam, bf16; float cf; } v[2] = {{1, 0, 0.9f}, {3, 1, 0.0f}}; /* qwen2 + capacity; deepseek bf16 */
+    /* qwen2 with capacity; deepseek in bf16 */
+    const struct { int fam, bf16; float cf; } v[2] = {{1, 0, 0.9f}, {3, 1, 0.0f}};
     for (int i = 0; i < 2; i++) {
         sf_job j[2];
         memset(j, 0, sizeof j);
@@ -962,8 +964,8 @@ static void test_sync_free_deferred(void) {
             EXPECT(r ? a->st[k] == MOEPT_ERR_NUMERIC && strstr(a->msg[k], "router logits were not finite")
                      : a->st[k] == MOEPT_ERR_STATE && strstr(a->msg[k], "another rank"),
                    "rank %d, call %d after the NaN step: %d (%s)", r, k, (int)a->st[k], a->msg[k]);
-        EXPECT(!a->st[5] && !a->st[6] && !a->st[7] && !a->st[8], "rank %d: the clean step failed: %s | %s | %s | %s",
-               r, a->msg[5], a->msg[6], a->msg[7], a->msg[8]);
+        EXPECT(!a->st[5] && !a->st[6] && !a->st[7] && !a->st[8],
+               "rank %d: the clean step failed: %s | %s | %s | %s", r, a->msg[5], a->msg[6], a->msg[7], a->msg[8]);
         EXPECT(!a->st[9] && !a->st[10] && !a->st[11] && a->st[12] == (r ? MOEPT_ERR_STATE : MOEPT_ERR_NUMERIC) &&
                strstr(a->msg[12], r ? "other rank" : "dy was not finite"),
                "rank %d: the step with a NaN in rank 0's dy: %s | %s | %s | %d %s", r, a->msg[9], a->msg[10],

@@ -329,7 +329,8 @@ static void kernel_access(const char *p, size_t n, int write) {
     const uint3 t = x->cur >= 0 ? x->f[x->cur].tid : make_uint3(0, 0, 0);
     if ((n & (n - 1)) == 0 && n <= 16 && (uintptr_t)p % n) { /* a GPU faults on these */
         report("memcheck", "kernel %s block (%u,%u,%u) thread (%u,%u,%u): misaligned %s of %zu bytes at %p",
-               x->name, x->bid.x, x->bid.y, x->bid.z, t.x, t.y, t.z, write ? "write" : "read", n, (const void *)p);
+               x->name, x->bid.x, x->bid.y, x->bid.z, t.x, t.y, t.z, write ? "write" : "read", n,
+               (const void *)p);
         return;
     }
     if (d < 0) {

@@ -398,7 +398,9 @@ static ncclResult_t coll(int gather, const void *sb, void *rb, size_t count, ncc
     /* a graph's replay is the comm's next collective, not this one again */
     t_remake = [c, gather, sb, rb, count, t]() -> std::function<void(Op &)> {
         uint64_t sq = c->nextcoll++;
-        return [c, sq, gather, sb, rb, count, t](Op &) { if (!c->dead) run_coll(c, sq, gather, sb, rb, count, t); };
+        return [c, sq, gather, sb, rb, count, t](Op &) {
+            if (!c->dead) run_coll(c, sq, gather, sb, rb, count, t);
+        };
     };
     t_after = [c](const std::shared_ptr<Op> &o) { note_last(c, o); };
     enqueue(st, nm, [c, seq, gather, sb, rb, count, t](Op &) {

@@ -428,6 +428,7 @@ struct Graph {
 thread_local std::function<std::function<void(Op &)>()> t_remake;
 thread_local std::function<void(const std::shared_ptr<Op> &)> t_after;
 static std::mutex g_cap_mu;
+static const cudaError_t UNSUPPORTED = cudaErrorStreamCaptureUnsupported;
 
 static void capture_item(Graph *g, int kind, Stream *s, const char *name, std::function<void(Op &)> run,
                          Event *e) {
@@ -456,8 +457,8 @@ static cudaError_t capture_violation(int d, Stream *s, const char *call, cudaErr
         std::lock_guard<std::mutex> lk(g_cap_mu);
         for (Graph *g : gs) g->invalid = true;
     }
-    report("capture", "%s while device %d captures a stream: rejected (%s), the capture is invalidated", call, d,
-           e == cudaErrorStreamCaptureImplicit ? "cudaErrorStreamCaptureImplicit" : "cudaErrorStreamCaptureUnsupported");
+    report("capture", "%s while device %d captures a stream: rejected (%s), the capture is invalidated", call,
+           d, e == UNSUPPORTED ? "cudaErrorStreamCaptureUnsupported" : "cudaErrorStreamCaptureImplicit");
     return fail(e);
 }
 
@@ -633,7 +634,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     if (!p) return fail(cudaErrorInvalidValue);
     *p = nullptr;
     if (device_count() == 0) return fail(cudaErrorNoDevice);
-    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMalloc", cudaErrorStreamCaptureUnsupported)) return ce;
+    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMalloc", UNSUPPORTED)) return ce;
     int f = g_fail_malloc.load();
     if (f > 0 && cur_dev == g_fail_dev && g_fail_malloc.fetch_sub(1) == 1) return fail(cudaErrorMemoryAllocation);
     if (bytes == 0) return cudaSuccess;
@@ -674,7 +675,7 @@ cudaError_t cudaFree(void *p) {
         report("memcheck", "cudaFree(%p): not the start of a live device allocation", p);
         return fail(cudaErrorInvalidValue);
     }
-    if (cudaError_t ce = capture_violation(d, nullptr, "cudaFree", cudaErrorStreamCaptureUnsupported)) return ce;
+    if (cudaError_t ce = capture_violation(d, nullptr, "cudaFree", UNSUPPORTED)) return ce;
     sync_device(d); /* cudaFree waits for the device */
     count_sync(d);
     {
@@ -695,7 +696,7 @@ cudaError_t cudaFree(void *p) {
 
 cudaError_t cudaMallocHost(void **p, size_t bytes) {
     if (!p) return fail(cudaErrorInvalidValue);
-    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMallocHost", cudaErrorStreamCaptureUnsupported)) return ce;
+    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMallocHost", UNSUPPORTED)) return ce;
     *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
     if (!*p) return fail(cudaErrorMemoryAllocation);
     std::lock_guard<std::mutex> lk(g_mu);
@@ -705,7 +706,7 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) {
 
 cudaError_t cudaFreeHost(void *p) {
     if (!p) return cudaSuccess;
-    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaFreeHost", cudaErrorStreamCaptureUnsupported)) return ce;
+    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaFreeHost", UNSUPPORTED)) return ce;
     for (int d = 0; d < MAXDEV; d++)
         if (devices[d]) sync_device(d);
     std::lock_guard<std::mutex> lk(g_mu);
@@ -768,7 +769,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t h) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t h) {
     Stream *s = stream_of(h);
-    if (cudaError_t ce = capture_violation(s->dev, s, "cudaStreamSynchronize", cudaErrorStreamCaptureUnsupported)) return ce;
+    if (cudaError_t ce = capture_violation(s->dev, s, "cudaStreamSynchronize", UNSUPPORTED)) return ce;
     if (moept_emu_nccl_group_depth())
         report("nccl", "cudaStreamSynchronize inside ncclGroupStart/ncclGroupEnd: the group's operations are not "
                "issued until ncclGroupEnd (an ncclGroupStart left open?)");
@@ -780,7 +781,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t h) {
 
 cudaError_t cudaStreamQuery(cudaStream_t h) {
     Stream *s = stream_of(h);
-    if (cudaError_t ce = capture_violation(s->dev, s, "cudaStreamQuery", cudaErrorStreamCaptureUnsupported)) return ce;
+    if (cudaError_t ce = capture_violation(s->dev, s, "cudaStreamQuery", UNSUPPORTED)) return ce;
     if (moept_emu_nccl_group_depth())
         report("nccl", "cudaStreamQuery inside ncclGroupStart/ncclGroupEnd (an ncclGroupStart left open?)");
     std::shared_ptr<Op> last;
@@ -798,7 +799,7 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
-    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaDeviceSynchronize", cudaErrorStreamCaptureUnsupported)) return ce;
+    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaDeviceSynchronize", UNSUPPORTED)) return ce;
     sync_device(cur_dev);
     count_sync(cur_dev);
     return cudaSuccess;
@@ -887,7 +888,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
         }
         report("capture", "cudaEventSynchronize on an event recorded in a capture: rejected, the capture is "
                "invalidated");
-        return fail(cudaErrorStreamCaptureUnsupported);
+        return fail(UNSUPPORTED);
     }
     if (v->rec) {
         wait_op(v->rec, 1e9);
@@ -1057,7 +1058,8 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind k) {
     Stream *s = stream_of(nullptr);
-    if (cudaError_t ce = capture_violation(s->dev, nullptr, "cudaMemcpy", cudaErrorStreamCaptureImplicit)) return ce;
+    if (cudaError_t ce = capture_violation(s->dev, nullptr, "cudaMemcpy", cudaErrorStreamCaptureImplicit))
+        return ce;
     cudaError_t e = copy_async(dst, src, n, k, s, "cudaMemcpy");
     if (e != cudaSuccess) return e;
     force_all(s);
@@ -1102,7 +1104,8 @@ void moept_emu_counts_get(int d, const char *stage, moept_emu_counts *out) {
     }
     std::set<int> ids;
     for (auto &kv : g_blas_streams)
-        if (kv.first.first == d && (!stage || kv.first.second == stage)) ids.insert(kv.second.begin(), kv.second.end());
+        if (kv.first.first == d && (!stage || kv.first.second == stage))
+            ids.insert(kv.second.begin(), kv.second.end());
     out->blas_streams = (long)ids.size();
 }
 
