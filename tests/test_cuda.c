@@ -431,7 +431,9 @@ typedef struct chunk_job {
     two_ranks tr;
     int fam, bf16;
     float cf;
-    int64_t diffs, bytes[2][2];
+    int sync_free;          /* 0: chunks 1 against 3; 1: the default mode against the sync-free one */
+    int64_t diffs;
+    moept_stats st[2];
     char msg[300];
 } chunk_job;
 
@@ -455,7 +457,21 @@ static int64_t count_diffs(const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
     return d;
 }
+/* gradient values that differ between two layers of one shape */
+static int64_t grad_diffs(moept_layer *a, moept_layer *b) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < moept_param_count(a); i++) {
+        moept_param_info x, y;
+        moept_param_info_at(a, i, &x);
+        moept_param_info_at(b, i, &y);
+        if (x.grad) d += count_diffs(x.grad, y.grad, x.rows * x.cols);
+    }
+    return d;
+}
 
+/* both variants of a job's layer on the same inputs (sync-free: a first
+   step on other tokens, then the compared one; chunks: a rejected forward
+   between); diffs: their y, dx and gradient values that differ */
 static void *chunk_rank(void *arg) {
     chunk_job *j = arg;
     nccl_rank n;
@@ -464,38 +480,30 @@ static void *chunk_rank(void *arg) {
     cfg.capacity_factor = j->cf;
     cfg.global_balance = 1;
     const int64_t D = cfg.hidden_size, T = j->tr.rank ? 5 : 37;
-    moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0};
+    if (j->sync_free) cfg.max_tokens = j->tr.rank ? 8 : 40; /* the blocks come from the larger */
     unsigned long long rs = 99 + (unsigned long long)j->tr.rank;
     float *x = malloc((size_t)(3 * T * D) * sizeof(float)), *xb = x + T * D, *dy = xb + T * D;
     float *out = calloc((size_t)(4 * T * D), sizeof(float));
     for (int64_t i = 0; i < 3 * T * D; i++) x[i] = (float)tu_rand(&rs);
-    if (j->tr.rank == 0) xb[3 * D + 1] = NAN;
+    if (j->tr.rank == 0 && !j->sync_free) xb[3 * D + 1] = NAN;
     void *xd = dev_from(x, T * D, j->bf16), *xbd = dev_from(xb, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16);
     moept_layer *L[2] = {NULL, NULL};
     for (int v = 0; v < 2 && !j->msg[0]; v++) {
-        cfg.overlap_chunks = v ? 3 : 1;
+        moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, j->sync_free && v};
+        cfg.overlap_chunks = !j->sync_free && v ? 3 : 1;
         if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
-            snprintf(j->msg, sizeof j->msg, "create (chunks %d): %s", v ? 3 : 1, moept_last_error(NULL));
+            snprintf(j->msg, sizeof j->msg, "create (variant %d): %s", v, moept_last_error(NULL));
             break;
         }
         moept_init_params(L[v], 7);
-        if (chunk_step(L[v], D, xd, v ? xbd : NULL, dyd, T, j->bf16, out + 2 * v * T * D, out + (2 * v + 1) * T * D,
-                       j->msg))
+        float *y = out + 2 * v * T * D, *dx = out + (2 * v + 1) * T * D;
+        if ((j->sync_free && (chunk_step(L[v], D, xbd, NULL, dyd, T, j->bf16, y, dx, j->msg) ||
+                              moept_zero_grad(L[v]))) ||
+            chunk_step(L[v], D, xd, !j->sync_free && v ? xbd : NULL, dyd, T, j->bf16, y, dx, j->msg))
             break;
-        moept_stats s;
-        moept_get_stats(L[v], &s, NULL);
-        j->bytes[v][0] = s.bytes_sent;
-        j->bytes[v][1] = s.bytes_received;
+        moept_get_stats(L[v], &j->st[v], NULL);
     }
-    if (!j->msg[0]) {
-        j->diffs = count_diffs(out, out + 2 * T * D, 2 * T * D);
-        for (int64_t i = 0; i < moept_param_count(L[0]); i++) {
-            moept_param_info a, b;
-            moept_param_info_at(L[0], i, &a);
-            moept_param_info_at(L[1], i, &b);
-            if (a.grad) j->diffs += count_diffs(a.grad, b.grad, a.rows * a.cols);
-        }
-    }
+    if (!j->msg[0]) j->diffs = count_diffs(out, out + 2 * T * D, 2 * T * D) + grad_diffs(L[0], L[1]);
     moept_destroy(L[0]);
     moept_destroy(L[1]);
     cudaFree(xd); cudaFree(xbd); cudaFree(dyd);
@@ -517,10 +525,11 @@ static void test_chunked_equals_one_chunk(void) {
             EXPECT(!j[r].msg[0], "variant %d rank %d: %s", i, r, j[r].msg);
             EXPECT(j[r].diffs == 0, "variant %d rank %d: %lld values differ from the one-chunk step", i, r,
                    (long long)j[r].diffs);
-            EXPECT(j[r].bytes[0][0] == j[r].bytes[1][0] && j[r].bytes[0][1] == j[r].bytes[1][1],
+            const moept_stats *a = &j[r].st[0], *b = &j[r].st[1];
+            EXPECT(a->bytes_sent == b->bytes_sent && a->bytes_received == b->bytes_received,
                    "variant %d rank %d: bytes sent/received %lld/%lld chunked, %lld/%lld not", i, r,
-                   (long long)j[r].bytes[1][0], (long long)j[r].bytes[1][1], (long long)j[r].bytes[0][0],
-                   (long long)j[r].bytes[0][1]);
+                   (long long)b->bytes_sent, (long long)b->bytes_received, (long long)a->bytes_sent,
+                   (long long)a->bytes_received);
         }
     }
 }
@@ -813,72 +822,16 @@ static void test_sync_free_counts(void) {
    second step's y, dx, every gradient and statistics alike (bitwise under
    the emulator, whose cuBLAS computes an output element alike whatever the
    group's rows). */
-typedef struct sf_job {
-    two_ranks tr;
-    int fam, bf16;
-    float cf;
-    int64_t diffs;
-    moept_stats st[2];
-    char msg[300];
-} sf_job;
-
-static void *sf_rank(void *arg) {
-    sf_job *j = arg;
-    nccl_rank n;
-    nccl_rank_open(&n, &j->tr);
-    moept_config cfg = family_cfg(j->fam);
-    cfg.capacity_factor = j->cf;
-    cfg.global_balance = 1;
-    const int64_t D = cfg.hidden_size, T = j->tr.rank ? 5 : 37;
-    cfg.max_tokens = j->tr.rank ? 8 : 40; /* the blocks come from the larger */
-    unsigned long long rs = 21 + (unsigned long long)j->tr.rank;
-    float *x = malloc((size_t)(3 * T * D) * sizeof(float)), *dy = x + T * D, *x0 = dy + T * D;
-    float *out = calloc((size_t)(4 * T * D), sizeof(float));
-    for (int64_t i = 0; i < 3 * T * D; i++) x[i] = (float)tu_rand(&rs);
-    void *xd = dev_from(x, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16);
-    void *x0d = dev_from(x0, T * D, j->bf16);
-    moept_layer *L[2] = {NULL, NULL};
-    for (int v = 0; v < 2 && !j->msg[0]; v++) {
-        moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, v};
-        if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
-            snprintf(j->msg, sizeof j->msg, "create (sync_free %d): %s", v, moept_last_error(NULL));
-            break;
-        }
-        moept_init_params(L[v], 11);
-        if (chunk_step(L[v], D, x0d, NULL, dyd, T, j->bf16, out + 2 * v * T * D, out + (2 * v + 1) * T * D,
-                       j->msg) || moept_zero_grad(L[v]) ||
-            chunk_step(L[v], D, xd, NULL, dyd, T, j->bf16, out + 2 * v * T * D, out + (2 * v + 1) * T * D,
-                       j->msg))
-            break;
-        moept_get_stats(L[v], &j->st[v], NULL);
-    }
-    if (!j->msg[0]) {
-        j->diffs = count_diffs(out, out + 2 * T * D, 2 * T * D);
-        for (int64_t i = 0; i < moept_param_count(L[0]); i++) {
-            moept_param_info a, b;
-            moept_param_info_at(L[0], i, &a);
-            moept_param_info_at(L[1], i, &b);
-            if (a.grad) j->diffs += count_diffs(a.grad, b.grad, a.rows * a.cols);
-        }
-    }
-    moept_destroy(L[0]);
-    moept_destroy(L[1]);
-    cudaFree(xd); cudaFree(dyd); cudaFree(x0d);
-    free(x); free(out);
-    nccl_rank_close(&n);
-    return NULL;
-}
-
 static void test_sync_free_equals_default(void) {
     /* qwen2 with capacity; deepseek in bf16 */
     const struct { int fam, bf16; float cf; } v[2] = {{1, 0, 0.9f}, {3, 1, 0.0f}};
     for (int i = 0; i < 2; i++) {
-        sf_job j[2];
+        chunk_job j[2];
         memset(j, 0, sizeof j);
         for (int r = 0; r < 2; r++) {
-            j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].cf = v[i].cf;
+            j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].cf = v[i].cf; j[r].sync_free = 1;
         }
-        run_two(sf_rank, j, sizeof j[0]);
+        run_two(chunk_rank, j, sizeof j[0]);
         for (int r = 0; r < 2; r++) {
             const moept_stats *a = &j[r].st[0], *b = &j[r].st[1];
             EXPECT(!j[r].msg[0], "variant %d rank %d: %s", i, r, j[r].msg);
@@ -1042,12 +995,7 @@ static void *graph_rank(void *arg) {
             host_from(out + 2 * T * D + (v ? T * D : 0), dxd, T * D, 1);
             if (v == 1) {
                 j->diffs += count_diffs(out, out + T * D, T * D) + count_diffs(out + 2 * T * D, out + 3 * T * D, T * D);
-                for (int64_t i = 0; i < moept_param_count(L[0]); i++) {
-                    moept_param_info a, b;
-                    moept_param_info_at(L[0], i, &a);
-                    moept_param_info_at(L[1], i, &b);
-                    if (a.grad) j->diffs += count_diffs(a.grad, b.grad, a.rows * a.cols);
-                }
+                j->diffs += grad_diffs(L[0], L[1]);
             }
         }
     }
