@@ -406,7 +406,10 @@ Stream *stream_of(cudaStream_t h) {
    the capture: cudaStreamEndCapture then fails. cudaGraphLaunch runs the
    recorded sequence again on the same streams (the origin's work on the
    launch stream), after the launch stream's earlier work, before its later
-   work. Not emulated: other capture modes, graph editing, child graphs. */
+   work. A stream that joined must rejoin: its last work an event record
+   that another stream of the capture waits on after it, else
+   cudaStreamEndCapture fails with cudaErrorStreamCaptureUnjoined. Not
+   emulated: other capture modes, graph editing, child graphs. */
 struct Graph {
     enum { OP, RECORD, WAIT };
     struct Item {
@@ -921,6 +924,27 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t h, enum cudaStreamCaptureStatus *
     return cudaSuccess;
 }
 
+/* every stream but the origin ends on a record that another waits on later */
+static bool capture_joined(const Graph *g) {
+    for (Stream *t : g->streams) {
+        if (t == g->origin) continue;
+        long last = -1;
+        for (size_t i = 0; i < g->items.size(); i++)
+            if (g->items[i].s == t) last = (long)i;
+        if (last < 0) continue;
+        const Graph::Item &r = g->items[(size_t)last];
+        bool waited = false;
+        for (size_t i = (size_t)last + 1; i < g->items.size() && r.kind == Graph::RECORD; i++)
+            waited |= g->items[i].kind == Graph::WAIT && g->items[i].e == r.e && g->items[i].s != t;
+        if (!waited) {
+            report("capture", "cudaStreamEndCapture: stream %d joined the capture and did not rejoin it (its last "
+                   "work is not an event another stream of the capture waits on)", t->id);
+            return false;
+        }
+    }
+    return true;
+}
+
 cudaError_t cudaStreamEndCapture(cudaStream_t h, cudaGraph_t *out) {
     if (!out) return fail(cudaErrorInvalidValue);
     *out = nullptr;
@@ -940,6 +964,10 @@ cudaError_t cudaStreamEndCapture(cudaStream_t h, cudaGraph_t *out) {
     if (g->invalid) {
         delete g;
         return fail(cudaErrorStreamCaptureInvalidated);
+    }
+    if (!capture_joined(g)) {
+        delete g;
+        return fail(cudaErrorStreamCaptureUnjoined);
     }
     *out = (cudaGraph_t)g;
     return cudaSuccess;

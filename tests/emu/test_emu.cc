@@ -295,6 +295,15 @@ static void capture() {
            e == cudaErrorStreamCaptureUnsupported && e2 == cudaErrorStreamCaptureUnsupported &&
            e3 == cudaErrorStreamCaptureInvalidated && !g, "not rejected");
     cudaGetLastError();
+    cudaStreamBeginCapture(a, cudaStreamCaptureModeGlobal); /* b forks off and never rejoins */
+    cudaEventRecord(fork, a);
+    cudaStreamWaitEvent(b, fork, 0);
+    MOEPT__LAUNCH(k_add, 1, 64, 0, b)(p, 1.0f, 64);
+    e = cudaStreamEndCapture(a, &g);
+    expect_report("capture: a forked stream that does not rejoin", "did not rejoin");
+    result("... ends the capture with cudaErrorStreamCaptureUnjoined", e == cudaErrorStreamCaptureUnjoined && !g,
+           "accepted");
+    cudaGetLastError();
     cudaFree(p);
     cudaEventDestroy(fork);
     cudaEventDestroy(join);
