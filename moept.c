@@ -1969,11 +1969,6 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep
         r.reject = MOEPT_ERR_UNSUPPORTED;
         r.reject_msg = "moept_forward: a padding mask (opts.mask) is not supported by the CUDA executor";
     }
-    /* sync-free: a call this rank rejects still runs the statistics kernels (its peers wait in the
-       exchange), over the committed step's: read those first */
-    if (L->cuda_stats_pending && (f->mask || T < 0 || T > L->Tmax || (T > 0 && (!f->x || !f->y))) &&
-        (st = moept__cuda_settle(L)))
-        return st;
     st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r, L->err);
     L->agreed_calls += r.agreed;
     if (st) return st;

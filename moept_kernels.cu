@@ -218,6 +218,12 @@ static int moept__vec(int64_t n, const void *a, const void *b = NULL, const void
         else MOEPT__LAUNCH((k<T, 1>), g, b, 0, s)(__VA_ARGS__);                        \
     } while (0)
 
+/* a loss value that is finite once rounded to float (moept.c's test): the
+   plan's local z check, the sync-free agreement and the host's */
+__host__ __device__ static inline int moept__finite_as_float(double v) {
+    return fabs(v) <= 3.4028234663852886e38;
+}
+
 /* Sum of one double per thread over a block of MOEPT__TB threads, in a fixed
    tree order (deterministic). The result is valid in thread 0. */
 __device__ __forceinline__ double moept__block_sum(double v, double *sh) {
@@ -374,7 +380,7 @@ __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t c
         koff[E] = o;
         int64_t failed = host_bad || bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX;
         double z = lstat[3 * E + 1] / (double)(T > 0 ? T : 1);
-        if (check_z && !(fabs(z) <= 3.4028234663852886e38)) failed = 1;
+        if (check_z && !moept__finite_as_float(z)) failed = 1;
         msg[E] = failed;
         msg[E + 1] = tag;
         msg[E + 2] = rcap;
@@ -646,12 +652,16 @@ __global__ void moept__k_sf_agree(const int64_t *msg_all, int64_t P, int64_t M, 
     if (msg_all[me * M + E] != 0) /* this rank's own: its arguments, inputs, or its local z loss */
         code = host_bad ? MOEPT__SF_ARGS
              : bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX ? MOEPT__SF_INPUT : MOEPT__SF_LOSS;
+    if (host_bad) { /* this call fails here: the committed step's aux factors stay */
+        atomicMin(&bad[6], code);
+        return;
+    }
     const double Tl = lstat[3 * E] > 0.0 ? lstat[3 * E] : 1.0;
     double av = 0.0;
     if (aux != MOEPT_AUX_NONE)
         av = moept__aux_finalize(lstat + E, lstat + 2 * E, E, K, aux, Tl, aux_coef, aux_g);
-    if (global && ((z_coef > 0.0f && !(fabs(lstat[3 * E + 1] / Tl) <= 3.4028234663852886e38)) ||
-                   (aux_coef > 0.0f && !(fabs(av) <= 3.4028234663852886e38))))
+    if (global && ((z_coef > 0.0f && !moept__finite_as_float(lstat[3 * E + 1] / Tl)) ||
+                   (aux_coef > 0.0f && !moept__finite_as_float(av))))
         code = moept__sf_min(code, MOEPT__SF_LOSS);
     if (code != ULLONG_MAX) atomicMin(&bad[6], code);
 }
@@ -1020,6 +1030,8 @@ struct moept__cuda {
     int64_t Rcap;
     int64_t B;                  /* sync-free: rows of each (rank, expert) block, Rcap = E B; 0 otherwise */
     int64_t cap;                /* sync-free: the committed step's capacity (-1: dropless) */
+    int64_t *cmsg;              /* sync-free: the committed step's msg_all [P][M] and lstat [3E + 3]: */
+    double *clstat;             /* a call rejected here after it ran the statistics kernels keeps them */
 
     /* pinned host */
     void *pinned;
@@ -1080,12 +1092,14 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->scratch = (float *)moept__take(cv, (size_t)(T * 2 * E) * f);
     c->cids = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
     c->lstat = (double *)moept__take(cv, (size_t)(3 * E + 3) * 8);
+    c->clstat = (double *)moept__take(cv, c->B ? (size_t)(3 * E + 3) * 8 : 0);
     c->hist = (int64_t *)moept__take(cv, (size_t)(c->nblk_max * E) * 8);
     c->lrank = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
     c->kept = (int64_t *)moept__take(cv, (size_t)E * 8);
     c->koff = (int64_t *)moept__take(cv, (size_t)(E + 1) * 8);
     c->msg = (int64_t *)moept__take(cv, (size_t)c->M * 8);
     c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
+    c->cmsg = (int64_t *)moept__take(cv, c->B ? (size_t)(P * c->M) * 8 : 0);
     c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
     c->bad = (unsigned long long *)moept__take(cv, 7 * 8);
     const int64_t rows = T * K > E * c->B ? T * K : E * c->B; /* sync-free: E blocks of B rows */
@@ -1434,8 +1448,8 @@ extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, in
                                                moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, M = c->M, me = p->rank;
-    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * M) * 8, cudaMemcpyDeviceToHost, c->s));
-    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->cmsg, (size_t)(P * M) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->clstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
     out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef,
@@ -1829,7 +1843,6 @@ static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step 
     return MOEPT_OK;
 }
 
-static int moept__finite_as_float(double v) { return fabs(v) <= 3.4028234663852886e38; }
 
 /* Losses (where their coefficient makes them part of the objective) that
    are not finite from finite inputs fail the step, as in moept.c. Local
@@ -2225,6 +2238,9 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
                                  : f->reject ? f->reject : MOEPT_ERR_INVALID_ARGUMENT, "%s", f->local);
+    const size_t nmsg = (size_t)(p->P * c->M) * 8, nlstat = (size_t)(3 * p->E + 3) * 8;
+    MOEPT__CU(cudaMemcpyAsync(c->cmsg, c->msg_all, nmsg, cudaMemcpyDeviceToDevice, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
     c->cur = f->nb;
     c->T = f->T;
     c->cap = f->cap;
@@ -2430,7 +2446,7 @@ static moept_status moept__bwd_router(moept__cuda *c, const float *xf, char *err
     const float *aux_g = p->aux != MOEPT_AUX_NONE && p->aux_coef != 0.0f ? c->aux_g : NULL;
     MOEPT__LAUNCH(moept__k_router_bwd, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
         p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->z_coef, c->lse[cur],
-        (float)c->loss_T, c->B ? c->lstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale, T_, c->scratch,
+        (float)c->loss_T, c->B ? c->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale, T_, c->scratch,
         c->dlogits);
     MOEPT__LAUNCHED();
     moept__gemm g = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xf, D, 1.0f, c->grads, D);

@@ -815,6 +815,43 @@ static void test_sync_free_counts(void) {
     }
 }
 
+/* Sync-free: a forward rejected on the host (T over max_tokens) still runs
+   the statistics kernels, for its peers; the committed step's statistics
+   and the backward's loss factors stay: stats as before, and the backward
+   then gives the gradients of a layer that never saw the rejected call,
+   the statistics read afterwards its too. */
+static void test_sync_free_rejected_keeps_step(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.aux_loss_coef = 0.02f;
+    cfg.z_loss_coef = 0.001f;
+    const int64_t D = cfg.hidden_size, T = 16;
+    cfg.max_tokens = T;
+    moept_layer *L[2] = {cuda_layer_sf(cfg, 0, 1), cuda_layer_sf(cfg, 0, 1)};
+    if (!L[0] || !L[1]) return;
+    float *x = malloc((size_t)(2 * T * D) * sizeof(float));
+    for (int64_t i = 0; i < 2 * T * D; i++) x[i] = frand();
+    void *xd = dev_from(x, T * D, 0), *dyd = dev_from(x + T * D, T * D, 0), *yd = dev_from(x, T * D, 0);
+    void *dxd = dev_from(x, T * D, 0), *x2 = dev_from(x, 2 * T * D, 0), *y2 = dev_from(x, 2 * T * D, 0);
+    moept_stats a, b;
+    for (int v = 0; v < 2; v++) {
+        EXPECT_OK(moept_forward(L[v], xd, T, yd));
+        if (v == 0) /* its statistics not read yet */
+            EXPECT(moept_forward(L[0], x2, 2 * T, y2) == MOEPT_ERR_INVALID_ARGUMENT, "T over max_tokens accepted");
+        EXPECT_OK(moept_backward(L[v], xd, dyd, dxd));
+    }
+    moept_get_stats(L[1], &a, NULL);
+    moept_get_stats(L[0], &b, NULL);
+    EXPECT(a.aux_loss == b.aux_loss && a.z_loss == b.z_loss && a.routed_rows == b.routed_rows,
+           "statistics changed by the rejected forward: aux %g -> %g, z %g -> %g", a.aux_loss, b.aux_loss, a.z_loss,
+           b.z_loss);
+    EXPECT(grad_diffs(L[0], L[1]) == 0, "%lld gradient values differ from the layer without the rejected call",
+           (long long)grad_diffs(L[0], L[1]));
+    cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd); cudaFree(x2); cudaFree(y2);
+    free(x);
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+}
+
 /* Sync-free equals the default mode: two EP ranks with different token
    counts (one above the other's max_tokens), global balance, a shared
    expert with capacity and a dropless bf16 family; a first step on other
@@ -1129,6 +1166,8 @@ int main(void) {
     tu_run("cuda (emulated): per stage, kernel bytes as the formulas, launches and host syncs pinned",
            test_stage_counts);
     tu_run("cuda (emulated): sync-free mode, no host sync in a step (fp32, bf16)", test_sync_free_counts);
+    tu_run("cuda (emulated): sync-free mode, a forward rejected on the host keeps the committed step",
+           test_sync_free_rejected_keeps_step);
     tu_run("cuda (emulated, 2 EP ranks): sync-free mode equals the default bitwise, statistics too",
            test_sync_free_equals_default);
     tu_run("cuda (emulated, 2 EP ranks): sync-free mode, a NaN or a bad dy refused later on both ranks",
