@@ -709,6 +709,7 @@ struct moept_layer {
        and placement) and for the gradients */
     void *cuda;
     int cuda_pnew, cuda_gnew;
+    int cuda_onew;         /* AdamW's moments: 0 equal (or none), 1 host newer (a load), 2 device newer */
     int cuda_routing;      /* host ids/wts/logits hold the committed step */
     int cuda_dx_pending;   /* a backward's dx check on the device not yet read */
     /* a backward whose dx came out non-finite left partial sums in
@@ -1505,6 +1506,23 @@ static moept_status moept__to_host(const moept_layer *cL, int params, int grads)
     (void)L;
 #endif
     return MOEPT_OK;
+}
+/* a CUDA layer's AdamW moments into the host's (allocated here), for a save */
+static moept_status moept__opt_to_host(moept_layer *L) {
+#ifdef MOEPT_CUDA
+    if (!L->cuda || L->cuda_onew != 2) return MOEPT_OK;
+    if (!L->opt_m) {
+        float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
+        if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
+        L->opt_m = s; L->opt_v = s + L->n_params;
+    }
+    moept_status st = moept__cuda_opt_download((moept__cuda *)L->cuda, L->opt_m, L->opt_v, L->err);
+    if (!st) L->cuda_onew = 0;
+    return st;
+#else
+    (void)L;
+    return MOEPT_OK;
+#endif
 }
 static void moept__host_wrote(moept_layer *L, int params, int grads) {
     if (!L->cuda) return;
@@ -3065,20 +3083,35 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
     return MOEPT_OK;
 }
 
+/* The gradients' squared sums [replicated, experts] when s is given, and
+   their first non-finite element (-1: none): a CUDA layer's on the device,
+   where they are. */
+static moept_status moept__grad_scan(moept_layer *L, double *s, int64_t *bad) {
+#ifdef MOEPT_CUDA
+    if (L->cuda) { /* s NULL: the executor may keep what a scan of the same gradients found */
+        moept_status st = moept__to_device(L);
+        return st ? st : moept__cuda_grad_scan((moept__cuda *)L->cuda, s, bad, L->err);
+    }
+#endif
+    const int64_t n_router = L->E * L->D, n_exp = L->n_exp;
+    for (int64_t i = 0; s && i < L->n_params; i++) {
+        double g = L->grads[i];
+        s[i >= n_router && i < n_router + n_exp] += g * g;
+    }
+    *bad = s && isfinite(s[0] + s[1]) ? -1 : moept__first_nonfinite(L->grads, L->n_params);
+    return MOEPT_OK;
+}
+
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: layer is NULL");
     if (!L->grads) return moept__no_grads(L, "moept_grad_norm");
     moept_status bad = norm ? moept__grads_refused(L, "moept_grad_norm")
                             : moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: norm is NULL");
+    double s[2] = {0.0, 0.0}; /* [replicated, experts] */
+    int64_t first_bad;
+    if (!bad) bad = moept__grad_scan(L, s, &first_bad);
     moept_status ag = moept__agree_call(L, L->group, NULL, bad, "moept_grad_norm");
     if (ag) return ag;
-    MOEPT__HOST_SYNC(L, 0, 1);
-    int64_t n_router = L->E * L->D, n_exp = L->n_exp;
-    double s[2] = {0.0, 0.0}; /* [replicated, experts] */
-    for (int64_t i = 0; i < L->n_params; i++) {
-        double g = L->grads[i];
-        s[i >= n_router && i < n_router + n_exp] += g * g;
-    }
     moept_comm *grp = L->group;
     if (grp) { /* each expert (or shard) lives on one rank: sum those; replicated counted once */
         moept_status st = grp->allreduce(grp, &s[1], 1, MOEPT_DTYPE_F64);
@@ -5184,19 +5217,40 @@ static const char *moept__param_of(const moept_layer *L, int64_t i) {
     return "?";
 }
 
+/* One AdamW step with the step's constants k over the whole buffer: a CUDA
+   layer's on the device (its parameters, moments and bf16 weights), where
+   the gradients are; nothing crosses to the host. */
+static moept_status moept__adamw_apply(moept_layer *L, moept__adamw_k k) {
+#ifdef MOEPT_CUDA
+    if (L->cuda) {
+        moept_status st = moept__cuda_adamw((moept__cuda *)L->cuda, &k, L->cuda_onew == 1, L->opt_m, L->opt_v,
+                                            L->err);
+        if (st) return st;
+        L->cuda_onew = 2;
+        L->cuda_pnew = 2;
+        return MOEPT_OK;
+    }
+#endif
+    float *p = L->params, *m = L->opt_m, *v = L->opt_v;
+    const float *g = L->grads;
+    const int64_t n = L->n_params;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(n)
+    for (int64_t i = 0; i < n; i++) p[i] = moept__adamw1(p[i], g[i], &m[i], &v[i], k);
+    return MOEPT_OK;
+}
+
 /* Agreed over the EP and DP groups (a rank whose own experts' gradients are
    not finite must not leave the others a step ahead): arguments and every
    gradient checked, then all step or none does. */
 moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
     if (!L->grads) return moept__no_grads(L, "moept_adamw_step");
-    MOEPT__HOST_SYNC(L, 1, 1);
     moept_adamw d = {0.0f, 0.9f, 0.999f, 1e-8f, 0.0f};
     if (o) d = (moept_adamw){o->lr, o->beta1 ? o->beta1 : 0.9f, o->beta2 ? o->beta2 : 0.999f,
                              o->eps ? o->eps : 1e-8f, o->weight_decay};
     float b1 = d.beta1, b2 = d.beta2, eps = d.eps, wd = d.weight_decay, lr = d.lr;
     moept_status local = MOEPT_OK;
-    int64_t bad = o ? moept__first_nonfinite(L->grads, L->n_params) : -1;
+    int64_t bad = -1;
     if (!o)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: opt is NULL");
     else if (!moept__finite(lr) || lr < 0 || !(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) ||
@@ -5204,10 +5258,11 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
                             "moept_adamw_step: need lr >= 0, betas in [0,1), eps > 0, weight_decay >= 0");
     else local = moept__grads_refused(L, "moept_adamw_step");
+    if (!local) local = moept__grad_scan(L, NULL, &bad);
     if (!local && bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_adamw_step: the gradient of '%s' is not finite (flat "
                             "element %lld); nothing changed", moept__param_of(L, bad), (long long)bad);
-    if (!local && !L->opt_m) {
+    if (!local && !L->cuda && !L->opt_m) {
         float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
         if (!s)
             local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");
@@ -5218,20 +5273,12 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     }
     moept_status st = moept__agree_call(L, L->group, L->dp, local, "moept_adamw_step");
     if (st) return st;
-    moept__host_wrote(L, 1, 0);
-    int64_t t = ++L->opt_t;
-    L->jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
+    const int64_t t = L->opt_t + 1;
     double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
-    float step = (float)(lr / bc1), sbc2 = (float)sqrt(bc2);
-    float *p = L->params, *g = L->grads, *m = L->opt_m, *v = L->opt_v;
-    const int64_t n = L->n_params;
-    #pragma omp parallel for schedule(static) MOEPT__PAR(n)
-    for (int64_t i = 0; i < n; i++) {
-        p[i] *= 1.0f - lr * wd;
-        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
-        p[i] -= step * m[i] / (sqrtf(v[i]) / sbc2 + eps);
-    }
+    moept__adamw_k k = {1.0f - lr * wd, b1, b2, (float)(lr / bc1), (float)sqrt(bc2), eps};
+    if ((st = moept__adamw_apply(L, k))) return st;
+    L->opt_t = t;
+    L->jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
     return MOEPT_OK;
 }
 
@@ -5390,7 +5437,8 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     else if (L->fsdp)
         local = moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s: not in fsdp mode (the expert-parallel layer is the "
                             "one that saves, loads and reshards)", call);
-    else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK && mkdir(dir, 0755) != 0 && errno != EEXIST)
+    else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK && (local = moept__opt_to_host(L)) == MOEPT_OK &&
+             mkdir(dir, 0755) != 0 && errno != EEXIST)
         local = moept__fail(L, MOEPT_ERR_IO, "%s: cannot create %s: %s", call, dir, strerror(errno));
     moept_status st = moept__agree_call(L, L->group, L->dp, local, call);
     const int root = L->rank == 0 && (!L->dp || L->dp->rank == 0), writer = !L->dp || L->dp->rank == 0;
@@ -5632,6 +5680,7 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
         memset(L->opt_m, 0, 2 * n * sizeof(float));
     }
     L->opt_t = L->grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
+    if (L->cuda) L->cuda_onew = 1; /* the device's moments are set from these (or zeroed) at the next step */
     L->jitter_micro = 0;
     MOEPT_FREE(stage);
     return MOEPT_OK;

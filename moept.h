@@ -459,11 +459,18 @@ void moept_comm_destroy(moept_comm *c);
    forward); moept_params / moept_grads return the host copies, downloaded
    on demand. moept_cuda_params returns the device buffers for an optimizer
    that stays on the GPU (call moept_cuda_params_changed after it writes).
-   A bf16 layer's weight copy is cast from the fp32 masters at the first
-   forward after they change (an upload, moept_cuda_params,
-   moept_cuda_params_changed), not every forward; in the sync-free mode
-   when they change (the upload, moept_cuda_params_changed).
-   Everything else (checkpoints, AdamW, bias updates) works on the host copy.
+   moept_adamw_step and moept_grad_norm run on the device, where the
+   gradients are: nothing crosses to the host but the norm's block sums;
+   the AdamW moments live on the device (copied to the host by
+   moept_save_checkpoint, from it after moept_load_checkpoint), and the
+   step equals a CPU layer's bitwise. adamw_step keeps grad_norm's finding
+   that the same gradients are finite, so after a norm it does not wait on
+   the host (a sync-free layer's may change in a replayed graph: it scans).
+   A bf16 layer's weight copy is written by the AdamW step's own pass;
+   after other changes (an upload, moept_cuda_params,
+   moept_cuda_params_changed) it is cast at the next forward, in the
+   sync-free mode at once. Everything else (checkpoints, bias updates)
+   works on the host copy.
 
    SYNC-FREE MODE (options.sync_free = 1; off by default)
      Forward and backward never wait on the host, so the host runs ahead
@@ -492,9 +499,10 @@ void moept_comm_destroy(moept_comm *c);
      routed and dropped rows, rows sent and received, per-expert counts)
      are read when asked for (moept_get_stats, moept_get_peer_rows,
      moept_update_bias: a host sync there). A host write of the parameters
-     (moept_set_param, a load, the host moept_adamw_step) is uploaded by
-     the next forward, which then waits once; an optimizer on the device
-     (moept_cuda_params) keeps every step free of host syncs. Not with
+     (moept_set_param, a load) is uploaded by the next forward, which then
+     waits once; moept_adamw_step (on the device, as above) or an optimizer
+     of the caller's on moept_cuda_params keeps every step free of host
+     syncs. Not with
      overlap_chunks > 1 (MOEPT_ERR_UNSUPPORTED at create).
      A step (moept_forward + moept_backward) can be captured in a CUDA graph
      on options.stream (not the legacy default stream): call
@@ -761,7 +769,8 @@ typedef struct moept_adamw {
    torch.optim.AdamW: p -= lr*wd*p; m, v updated; p -= lr/(1-b1^t) * m /
    (sqrt(v)/sqrt(1-b2^t) + eps). Correct under EP once gradients are synced:
    each rank updates its own experts, replicated parameters get identical
-   updates everywhere. The state (m, v, t) is allocated on the first call.
+   updates everywhere. The state (m, v, t) is allocated on the first call
+   (a CUDA layer's m and v on the device, where its step runs: see CUDA).
    A non-finite gradient anywhere (on any rank of the groups) rejects the
    step with MOEPT_ERR_NUMERIC naming the parameter; nothing changes. */
 moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
@@ -1257,6 +1266,19 @@ MOEPT_HD static inline float moept__gate_bwd(double dot, float g) {
     return (float)dot * g * (1.0f - g);
 }
 
+/* One AdamW element, as torch.optim.AdamW: decoupled decay, the moments,
+   the bias-corrected step. k: {1 - lr wd, b1, b2, lr / (1 - b1^t),
+   sqrt(1 - b2^t), eps}, made once a step on the host. The host loop and the
+   CUDA kernel both call it (IEEE sqrtf and division on both), so a CUDA
+   layer's step equals the host's bitwise. */
+typedef struct moept__adamw_k { float decay, b1, b2, step, sbc2, eps; } moept__adamw_k;
+MOEPT_HD static inline float moept__adamw1(float p, float g, float *m, float *v, moept__adamw_k k) {
+    p *= k.decay;
+    *m = k.b1 * *m + (1.0f - k.b1) * g;
+    *v = k.b2 * *v + (1.0f - k.b2) * g * g;
+    return p - k.step * *m / (sqrtf(*v) / k.sbc2 + k.eps);
+}
+
 /* bfloat16 <-> float by bits: round to nearest even, NaN kept quiet. The
    GPU's conversions and the checkpoint reader's both go through these. */
 MOEPT_HD static inline uint16_t moept__f32_to_bf16(float f) {
@@ -1449,6 +1471,15 @@ moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy,
 moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows, moept__cuda_step *out,
                                     char *err);
 moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err);
+/* The optimizer on the device. grad_scan: sums [2] of the squared
+   replicated and expert gradients (deterministic), the first non-finite
+   element or -1 (a host sync). adamw: one step, queued; with from_host the
+   moments are first set from m0, v0 [n_params] (NULL: zeros). opt_download:
+   the moments to the host (zeros before the first step). */
+moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err);
+moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host, const float *m0,
+                               const float *v0, char *err);
+moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err);
 void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
 #ifdef __cplusplus
 }

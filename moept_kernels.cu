@@ -49,6 +49,7 @@ typedef uint16_t moept__bf16;
 #define MOEPT__PB 256           /* assignments per block of the plan count */
 #define MOEPT__MAX_GRID 65535
 #define MOEPT__SIDE 4           /* side streams for GEMMs cuBLAS cannot group (as Transformer Engine's 4) */
+#define MOEPT__NPART 1024       /* most blocks of the gradient scan (moept__k_sumsq) */
 
 /* ------------------------------------------------------------------------
    Errors: every CUDA, cuBLAS and NCCL call is checked; the message names the
@@ -271,6 +272,71 @@ __global__ void moept__k_cast(const float *src, int64_t n, T *dst) {
         } else {
             moept__st(dst, nv * V + (i - nv), src[nv * V + (i - nv)]);
         }
+    }
+}
+
+/* g [n] -> part [gridDim.x][2]: each block's sums of g^2 in double (exact
+   squares, so non-finite iff some g is) over the replicated elements and the
+   experts' [e0, e1), grid-stride then a fixed tree: with a grid fixed by n
+   alone (moept__cuda_grad_scan) the sum is the same on every run and GPU. */
+template <typename T, int V>
+__global__ void moept__k_sumsq(const T *g, int64_t n, int64_t e0, int64_t e1, double *part) {
+    __shared__ double sh[MOEPT__TB];
+    const int64_t nv = n / V;
+    double s[2] = {0.0, 0.0};
+    MOEPT__FOR(i, nv + n % V) {
+        const int64_t e = i < nv ? i * V : nv * V + (i - nv);
+        float v[V];
+        if (i < nv) moept__ldv<V>(g + e, v);
+        else v[0] = moept__ld(g, e);
+        for (int l = 0; l < (i < nv ? V : 1); l++) {
+            const double sq = (double)v[l] * v[l];
+            if (e + l >= e0 && e + l < e1) s[1] += sq;
+            else s[0] += sq;
+        }
+    }
+    for (int b = 0; b < 2; b++) {
+        const double t = moept__block_sum(s[b], sh);
+        if (threadIdx.x == 0) part[2 * blockIdx.x + b] = t;
+        __syncthreads(); /* sh[0] read by all before the next sum writes it */
+    }
+}
+
+/* One AdamW step over [n] (moept__adamw1, the host's element): p, m, v in
+   place from g. bf16 layers also write p's bf16 copy of elements [e0, n)
+   into low (the expert GEMMs' weights: no separate cast reads p again).
+   V-vectors (V = 4: low takes 8-byte stores; e0 % 4 == 0, checked at the
+   launch), then the n % V tail. */
+template <typename T, int V>
+__global__ void moept__k_adamw(T *p, const T *g, T *m, T *v, int64_t n, moept__adamw_k k, int64_t e0,
+                               moept__bf16 *low) {
+    const int64_t nv = n / V;
+    MOEPT__FOR(i, nv + n % V) {
+        const int64_t e = i < nv ? i * V : nv * V + (i - nv);
+        float pv[V], gv[V], mv[V], vv[V];
+        if (i < nv) {
+            moept__ldv<V>(p + e, pv); moept__ldv<V>(g + e, gv);
+            moept__ldv<V>(m + e, mv); moept__ldv<V>(v + e, vv);
+        } else {
+            pv[0] = p[e]; gv[0] = g[e]; mv[0] = m[e]; vv[0] = v[e];
+        }
+        const int w = i < nv ? V : 1;
+        for (int l = 0; l < w; l++) pv[l] = moept__adamw1(pv[l], gv[l], &mv[l], &vv[l], k);
+        if (i < nv) {
+            moept__stv<V>(p + e, pv); moept__stv<V>(m + e, mv); moept__stv<V>(v + e, vv);
+        } else {
+            p[e] = pv[0]; m[e] = mv[0]; v[e] = vv[0];
+        }
+        if (!low || e < e0) continue;
+        if constexpr (V == 4) {
+            if (i < nv) {
+                uint32_t lo = moept__f32_to_bf16(pv[0]) | (uint32_t)moept__f32_to_bf16(pv[1]) << 16;
+                uint32_t hi = moept__f32_to_bf16(pv[2]) | (uint32_t)moept__f32_to_bf16(pv[3]) << 16;
+                *(uint2 *)(low + (e - e0)) = make_uint2(lo, hi);
+                continue;
+            }
+        }
+        low[e - e0] = moept__f32_to_bf16(pv[0]);
     }
 }
 
@@ -988,7 +1054,9 @@ struct moept__cuda {
     int nslot;                  /* grouped-GEMM pointer slots per pass (forward, then backward) */
 
     /* device: parameters */
-    float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg */
+    float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg (16-byte aligned) */
+    float *opt_m, *opt_v;       /* [n_params] each: AdamW's moments (the first device step allocates) */
+    int grads_clean;            /* a scan found the gradients finite and no call since changed them */
     float *bias;                /* [E] */
     int32_t *slot_of;           /* [E] */
     void *wlow;                 /* [n_params - E*D] bf16 copy of the non-router weights (BF16) */
@@ -1011,7 +1079,9 @@ struct moept__cuda {
     int64_t *kept, *koff;       /* [E], [E+1] */
     int64_t *msg, *msg_all;     /* [M], [P][M] the count message */
     unsigned long long *csel;   /* [C][E] chunked: assignments per chunk and slot */
-    unsigned long long *bad;    /* [4] first non-finite x index, token with bad logits, dy index */
+    unsigned long long *bad;    /* [8] first non-finite x index, token with bad logits, dy index, x
+                                   again (backward), y index, dx index, sync-free code, gradient index */
+    double *gpart;              /* [MOEPT__NPART][2] the gradient scan's block sums */
     int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
     int64_t *tok_of_row;        /* [Tmax*K] */
     int32_t *kslot_of_row;      /* [Tmax*K] */
@@ -1037,7 +1107,8 @@ struct moept__cuda {
     void *pinned;
     int64_t *h_msg_all;         /* [P][M] */
     double *h_lstat;            /* [3E + 3] */
-    unsigned long long *h_bad;  /* [7] */
+    unsigned long long *h_bad;  /* [8] */
+    double *h_gpart;            /* [MOEPT__NPART][2] */
     float *h_aux_g;             /* [E] */
     const void **h_ptrs;        /* [2 nslot][3G] */
 
@@ -1101,7 +1172,8 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
     c->cmsg = (int64_t *)moept__take(cv, c->B ? (size_t)(P * c->M) * 8 : 0);
     c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
-    c->bad = (unsigned long long *)moept__take(cv, 7 * 8);
+    c->bad = (unsigned long long *)moept__take(cv, 8 * 8);
+    c->gpart = (double *)moept__take(cv, (size_t)MOEPT__NPART * 2 * 8);
     const int64_t rows = T * K > E * c->B ? T * K : E * c->B; /* sync-free: E blocks of B rows */
     c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     c->tok_of_row = (int64_t *)moept__take(cv, (size_t)rows * 8);
@@ -1179,6 +1251,7 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
         if (c->ev_back[i]) cudaEventDestroy(c->ev_back[i]);
     }
     cudaFree(c->params);
+    cudaFree(c->opt_m);
     cudaFree(c->wlow);
     cudaFree(c->work);
     cudaFree(c->rblock);
@@ -1188,6 +1261,7 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
 }
 
 extern "C" void moept__cuda_pointers(moept__cuda *c, float **params, float **grads) {
+    c->grads_clean = 0; /* the caller may write them */
     *params = c->params;
     *grads = c->grads;
 }
@@ -1210,6 +1284,7 @@ static cudaError_t moept__cast_weights(moept__cuda *c) {
    would freeze whether it does) */
 extern "C" void moept__cuda_params_changed(moept__cuda *c) {
     c->wlow_stale = 1;
+    c->grads_clean = 0;
     if (c->B && c->wlow) (void)moept__cast_weights(c); /* a failure leaves it stale: the forward casts */
 }
 
@@ -1261,15 +1336,16 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     MOEPT__CB(cublasSetStream(c->blas, c->s));
     MOEPT__CB(cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)); /* fp32 stays fp32: no TF32 */
     MOEPT__TRY(moept__side_create(c, err));
-    /* parameters + gradients + bias + placement: one allocation */
-    size_t pbytes = (size_t)(2 * p->n_params + E) * 4 + (size_t)E * 4 + 256;
+    /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too) */
+    const int64_t npad = (p->n_params + 63) / 64 * 64;
+    size_t pbytes = (size_t)(2 * npad + E) * 4 + (size_t)E * 4 + 256;
     void *pb = NULL;
     MOEPT__TRY(moept__dmalloc(c, &pb, pbytes, err));
     /* on the layer's stream: the legacy stream would not order a non-blocking one */
     MOEPT__CU(cudaMemsetAsync(pb, 0, pbytes, c->s));
     c->params = (float *)pb;
-    c->grads = c->params + p->n_params;
-    c->bias = c->grads + p->n_params;
+    c->grads = c->params + npad;
+    c->bias = c->grads + npad;
     c->slot_of = (int32_t *)(c->bias + E);
     if (p->dtype == MOEPT_DTYPE_BF16)
         MOEPT__TRY(moept__dmalloc(c, &c->wlow, (size_t)(p->n_params - E * p->D) * 2, err));
@@ -1283,13 +1359,14 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     moept__layout(c, &cv);
     MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* no backward's dx yet, no failed step */
     /* pinned host block */
-    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 7 * 8 + (size_t)E * 4 +
-                (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 6 * 64;
+    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 8 * 8 + (size_t)MOEPT__NPART * 2 * 8 +
+                (size_t)E * 4 + (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 7 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
     moept__carve hv = {(char *)c->pinned, 0};
     c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * c->M) * 8);
     c->h_lstat = (double *)moept__take(&hv, (size_t)(3 * E + 3) * 8);
-    c->h_bad = (unsigned long long *)moept__take(&hv, 7 * 8);
+    c->h_bad = (unsigned long long *)moept__take(&hv, 8 * 8);
+    c->h_gpart = (double *)moept__take(&hv, (size_t)MOEPT__NPART * 2 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
@@ -1390,6 +1467,7 @@ extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, 
                                            const float *bias, const int32_t *slot_of, char *err) {
     const int64_t n = c->sp.n_params, E = c->sp.E;
     if (params) c->wlow_stale = 1;
+    if (grads) c->grads_clean = 0;
     if (params) MOEPT__CU(cudaMemcpyAsync(c->params, params, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
     if (grads) MOEPT__CU(cudaMemcpyAsync(c->grads, grads, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
     if (bias) MOEPT__CU(cudaMemcpyAsync(c->bias, bias, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
@@ -1420,6 +1498,7 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
 }
 
 extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
+    c->grads_clean = 0;
     MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s));
     MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* the dx check, the sync-free flag */
     return MOEPT_OK;
@@ -1430,8 +1509,10 @@ extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
    Sync-free mode: why a step since failed its checks, into why ("" if none). */
 extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st,
                                              char *why, char *err) {
+    MOEPT__STAGE("optimizer"); /* read by grad_norm and adamw_step */
     MOEPT__CU(cudaMemcpyAsync(c->h_bad + 5, &c->bad[5], 2 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
+    MOEPT__STAGE(NULL);
     *first_bad = c->h_bad[5] == ULLONG_MAX ? -1 : (int64_t)c->h_bad[5];
     const unsigned long long code = c->h_bad[6];
     why[0] = 0;
@@ -2501,6 +2582,7 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
 
 extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
                                              moept__cuda_step *out, char *err) {
+    c->grads_clean = 0;
     moept_status st = c->esz == 2 ? moept__backward<moept__bf16>(c, x, dy, dx, out, err)
                                   : moept__backward<float>(c, x, dy, dx, out, err);
     MOEPT__STAGE(NULL);
@@ -2515,6 +2597,7 @@ extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, cons
 /* Gradient reduction as moept_sync_grads: router and shared expert over EP,
    then everything over DP, on the comms' streams. */
 extern "C" moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err) {
+    c->grads_clean = 0;
     const moept__cuda_spec *p = &c->sp;
     int64_t n_router = p->E * p->D, n_exp = p->offs13 - p->off13;
     int64_t n_shared = p->n_params - n_router - n_exp;
@@ -2535,5 +2618,96 @@ extern "C" moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char
         MOEPT__TRY(moept__from_comm(c, ds, err));
     }
     if (scale != 1.0f) MOEPT__CB(cublasSscal_64(c->blas, p->n_params, &scale, c->grads, 1));
+    return MOEPT_OK;
+}
+
+/* ---- optimizer: the gradients' scan and AdamW on the device ------------ */
+/* sums [2]: the squares of the replicated and of this rank's expert
+   gradients, in double; first_bad: the first non-finite gradient element,
+   -1 if none. The block sums come back to the host (the one sync) and are
+   added there in block order: deterministic. A second pass finds the
+   element only when the sum is not finite. sums NULL (adamw_step's check)
+   after a clean scan of the same gradients (grad_norm's): nothing to do.
+   Every call that changes the device gradients clears grads_clean; a
+   sync-free layer's may change in a replayed graph, so it always scans. */
+extern "C" moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t n = p->n_params;
+    double s2[2];
+    *first_bad = -1;
+    if (!sums && c->grads_clean && !c->B) return MOEPT_OK;
+    sums = sums ? sums : s2;
+    c->grads_clean = 0;
+    const int vec = moept__vec<float>(0, c->grads), V = vec ? MOEPT__VEC(float) : 1;
+    int nb = moept__grid(n / V + n % V);
+    nb = nb < MOEPT__NPART ? nb : MOEPT__NPART;
+    MOEPT__STAGE("optimizer");
+    MOEPT__LAUNCH_V(vec, moept__k_sumsq, float, nb, MOEPT__TB, c->s, c->grads, n, p->off13, p->offs13, c->gpart);
+    MOEPT__LAUNCHED();
+    MOEPT__CU(cudaMemcpyAsync(c->h_gpart, c->gpart, (size_t)nb * 2 * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__TRY(moept__host_wait(c, err));
+    sums[0] = sums[1] = 0.0;
+    for (int b = 0; b < nb; b++) { sums[0] += c->h_gpart[2 * b]; sums[1] += c->h_gpart[2 * b + 1]; }
+    c->grads_clean = isfinite(sums[0] + sums[1]);
+    if (!c->grads_clean) {
+        MOEPT__CU(cudaMemsetAsync(&c->bad[7], 0xff, 8, c->s));
+        moept__check<float>(c, c->grads, n, NULL, &c->bad[7]);
+        MOEPT__LAUNCHED();
+        MOEPT__CU(cudaMemcpyAsync(c->h_bad + 7, &c->bad[7], 8, cudaMemcpyDeviceToHost, c->s));
+        MOEPT__TRY(moept__host_wait(c, err));
+        *first_bad = c->h_bad[7] == ULLONG_MAX ? -1 : (int64_t)c->h_bad[7];
+    }
+    MOEPT__STAGE(NULL);
+    return MOEPT_OK;
+}
+
+/* One AdamW step on the device's parameters (queued, no host sync). The
+   moments are allocated at the first (zeros); with from_host they are first
+   set from the host's m0, v0 [n_params] (NULL: zeros), which a loaded
+   checkpoint made newer. bf16 layers get their expert weights' bf16 copy
+   from the same pass. */
+extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host,
+                                          const float *m0, const float *v0, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t n = p->n_params, npad = (n + 63) / 64 * 64, e0 = p->E * p->D;
+    if (!c->opt_m) {
+        void *blk = NULL;
+        MOEPT__TRY(moept__dmalloc(c, &blk, (size_t)(2 * npad) * 4, err));
+        c->opt_m = (float *)blk;
+        c->opt_v = c->opt_m + npad;
+        c->fixed_bytes += 2 * npad * 4;
+        MOEPT__CU(cudaMemsetAsync(blk, 0, (size_t)(2 * npad) * 4, c->s));
+    } else if (from_host && !m0) {
+        MOEPT__CU(cudaMemsetAsync(c->opt_m, 0, (size_t)(2 * npad) * 4, c->s));
+    }
+    if (from_host && m0) {
+        MOEPT__CU(cudaMemcpyAsync(c->opt_m, m0, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
+        MOEPT__CU(cudaMemcpyAsync(c->opt_v, v0, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
+        MOEPT__TRY(moept__host_wait(c, err)); /* the host arrays may change after we return */
+    }
+    moept__bf16 *low = (moept__bf16 *)c->wlow;
+    const int vec = e0 % 4 == 0 && (uintptr_t)low % 8 == 0 && moept__vec<float>(0, c->params, c->grads) &&
+                    moept__vec<float>(0, c->opt_m, c->opt_v);
+    const int V = vec ? MOEPT__VEC(float) : 1;
+    MOEPT__STAGE("optimizer");
+    MOEPT__LAUNCH_V(vec, moept__k_adamw, float, moept__grid(n / V + n % V), MOEPT__TB, c->s, c->params,
+                    c->grads, c->opt_m, c->opt_v, n, *k, e0, low);
+    MOEPT__STAGE(NULL);
+    MOEPT__LAUNCHED();
+    c->wlow_stale = 0;
+    return MOEPT_OK;
+}
+
+/* AdamW's moments to the host (a sync) */
+extern "C" moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err) {
+    const int64_t n = c->sp.n_params;
+    if (!c->opt_m) {
+        memset(m, 0, (size_t)n * 4);
+        memset(v, 0, (size_t)n * 4);
+        return MOEPT_OK;
+    }
+    MOEPT__CU(cudaMemcpyAsync(m, c->opt_m, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(v, c->opt_v, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__TRY(moept__host_wait(c, err));
     return MOEPT_OK;
 }

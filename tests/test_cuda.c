@@ -252,6 +252,114 @@ static void test_dx_overflow(void) {
     }
 }
 
+/* Every parameter of A equals B's bitwise (names from the host layer B:
+   moept_get_param only reads a CUDA layer's, with no host write) */
+static int same_params(const moept_layer *A, const moept_layer *B, const char *what) {
+    moept_param_info in;
+    for (int64_t i = 0; i < moept_param_count(B); i++) {
+        if (moept_param_info_at(B, i, &in) != MOEPT_OK) return 0;
+        const int64_t n = in.rows * in.cols;
+        float *a = malloc((size_t)n * sizeof(float)), *b = malloc((size_t)n * sizeof(float));
+        int ok = moept_get_param(A, in.name, a, n) == MOEPT_OK && moept_get_param(B, in.name, b, n) == MOEPT_OK &&
+                 memcmp(a, b, (size_t)n * sizeof(float)) == 0;
+        for (int64_t j = 0; !ok && j < n; j++)
+            if (a[j] != b[j]) { tu_note(__FILE__, __LINE__, "%s: %s[%lld] %.9g vs %.9g", what, in.name,
+                                        (long long)j, a[j], b[j]); break; }
+        free(a);
+        free(b);
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
+/* the same gradients, step t's, in every layer given */
+static void put_grads(moept_layer **Ls, int n, int t) {
+    unsigned long long r = 777 + (unsigned long long)t;
+    float *g0;
+    int64_t n0;
+    if (moept_grads(Ls[0], &g0, &n0) != MOEPT_OK) return;
+    for (int64_t i = 0; i < n0; i++) g0[i] = (float)tu_rand(&r) * (i % 7 == 3 ? 1e-3f : 1.0f);
+    for (int k = 1; k < n; k++) {
+        float *g;
+        int64_t m;
+        if (moept_grads(Ls[k], &g, &m) == MOEPT_OK && m == n0) memcpy(g, g0, (size_t)n0 * sizeof(float));
+    }
+}
+
+/* AdamW and the gradient norm of a CUDA layer run on the device, where its
+   gradients are (issue #14 item 1; nothing crosses to the host). From the
+   same gradients its parameters after each step equal a CPU layer's bitwise
+   (both call moept__adamw1; the CPU's is checked against torch's formula in
+   test_ckpt); the norm agrees to 1e-12 (the same exact squares summed in
+   another order); a non-finite gradient is refused naming the parameter,
+   nothing changed, also when written on the device after a clean norm
+   (whose scan adamw_step otherwise keeps); and the moments survive a
+   checkpoint: a CUDA and a CPU layer that load it take the next step as
+   the saver does, bitwise. fp32 and bf16 (the bf16 copy the step writes
+   is test_bf16_weights_cast_once's). */
+static void test_device_adamw(void) {
+    const char *dir = "build/ckpt_cuda_adamw";
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE); /* a shared expert: replicated weights too */
+        moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0};
+        moept_layer *L[4] = {NULL, NULL, NULL, NULL}; /* CUDA, CPU, then the CUDA and CPU loaders */
+        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L[0]));
+        EXPECT_OK(moept_create(&cfg, &L[1]));
+        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L[2]));
+        EXPECT_OK(moept_create(&cfg, &L[3]));
+        if (!L[0] || !L[1] || !L[2] || !L[3]) goto out;
+        moept_init_params(L[0], 5);
+        moept_init_params(L[1], 5);
+        const moept_adamw opt = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+        for (int t = 0; t < 4; t++) {
+            const int n = t == 3 ? 4 : 2;
+            put_grads(L, n, t);
+            if (t == 1) { /* a NaN in the CUDA layer's gradients: refused, naming it */
+                float *g, v;
+                int64_t m;
+                EXPECT_OK(moept_grads(L[0], &g, &m));
+                v = g[m - 5];
+                g[m - 5] = NAN;
+                moept_status st = moept_adamw_step(L[0], &opt);
+                EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L[0]), "not finite"),
+                       "bf16 %d: a NaN gradient: %d (%s)", bf16, (int)st, moept_last_error(L[0]));
+                double nn = 0;
+                EXPECT_OK(moept_grad_norm(L[0], &nn));
+                EXPECT(isnan(nn), "bf16 %d: the norm of a NaN gradient is %g", bf16, nn);
+                EXPECT(same_params(L[0], L[1], "after a refused step"), "bf16 %d: a refused step changed "
+                       "the parameters", bf16);
+                EXPECT_OK(moept_grads(L[0], &g, &m));
+                g[m - 5] = v;
+            }
+            double ng = 0, nc = 0;
+            EXPECT_OK(moept_grad_norm(L[0], &ng));
+            EXPECT_OK(moept_grad_norm(L[1], &nc));
+            EXPECT(fabs(ng - nc) <= 1e-12 * nc, "bf16 %d step %d: norm %.17g vs the CPU's %.17g", bf16, t, ng, nc);
+            for (int k = 0; k < n; k++) EXPECT_OK(moept_adamw_step(L[k], &opt));
+            for (int k = 1; k < n; k++)
+                EXPECT(same_params(L[0], L[k], "adamw"), "bf16 %d step %d: layer %d differs", bf16, t, k);
+            if (t == 2) {
+                EXPECT_OK(moept_save_checkpoint(L[0], dir));
+                EXPECT_OK(moept_load_checkpoint(L[2], dir));
+                EXPECT_OK(moept_load_checkpoint(L[3], dir));
+            }
+        }
+        /* adamw_step keeps a clean norm scan's finding only while the gradients stay: a NaN written
+           through moept_cuda_params after the norm is still refused */
+        double nn;
+        float *dp, *dg, nan_ = NAN;
+        int64_t m;
+        EXPECT_OK(moept_grad_norm(L[0], &nn));
+        EXPECT_OK(moept_cuda_params(L[0], &dp, &dg, &m));
+        cudaMemcpy(dg + 7, &nan_, sizeof nan_, cudaMemcpyHostToDevice);
+        moept_status st = moept_adamw_step(L[0], &opt);
+        EXPECT(st == MOEPT_ERR_NUMERIC, "bf16 %d: a NaN written on the device after the norm: %d (%s)", bf16,
+               (int)st, moept_last_error(L[0]));
+    out:
+        for (int k = 0; k < 4; k++) moept_destroy(L[k]);
+    }
+}
+
 #ifdef MOEPT_EMU
 /* Two NCCL ranks (emulated GPUs as threads). Rank 0 must grow its receive
    block (every token of both ranks goes to its expert) and that allocation
@@ -536,10 +644,11 @@ static void test_chunked_equals_one_chunk(void) {
 
 /* bf16 weights are cast from the fp32 masters once per change, not every
    forward (issue #14 item 1), counted by the emulator: none on a second
-   forward with the same parameters; one after set_param, after an AdamW
-   step and after moept_cuda_params_changed; and the output after set_param
-   is a fresh layer's with those parameters (stale bf16 weights would not
-   be: the bf16 curve test also catches a refresh missing after AdamW). */
+   forward with the same parameters; one after set_param and after
+   moept_cuda_params_changed; none after an AdamW step, whose pass on the
+   device writes them. The output after set_param, and after the AdamW
+   step, is that of a layer given the same fp32 parameters through the host
+   and casting them (stale or wrongly written bf16 weights would not be). */
 static void test_bf16_weights_cast_once(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0};
@@ -575,13 +684,25 @@ static void test_bf16_weights_cast_once(void) {
     moept_adamw opt = {1e-3f, 0, 0, 0, 0};
     EXPECT_OK(moept_adamw_step(L, &opt));
     EXPECT_OK(moept_forward(L, xd, T, yd));
-    EXPECT(moept_emu_launches(cast) == n1 + 1, "adamw_step: %ld casts", moept_emu_launches(cast) - n1);
+    EXPECT(moept_emu_launches(cast) == n1, "adamw_step: %ld casts (its own pass writes the bf16 weights)",
+           moept_emu_launches(cast) - n1);
+    host_from(a, yd, T * D, 1);
+    float *lp, *fp; /* F takes L's stepped masters through the host, and casts them */
+    int64_t nl, nf;
+    EXPECT_OK(moept_params(L, &lp, &nl));
+    EXPECT_OK(moept_params(F, &fp, &nf));
+    if (nl == nf) memcpy(fp, lp, (size_t)nl * sizeof(float));
+    EXPECT_OK(moept_forward(F, xd, T, yd));
+    host_from(b, yd, T * D, 1);
+    EXPECT(memcmp(a, b, (size_t)(T * D) * sizeof(float)) == 0, "the output after adamw_step is not that of "
+           "its parameters cast afresh");
+    long n2 = moept_emu_launches(cast);
     float *dp, *dg;
     int64_t n;
     EXPECT_OK(moept_cuda_params(L, &dp, &dg, &n));
     EXPECT_OK(moept_cuda_params_changed(L));
     EXPECT_OK(moept_forward(L, xd, T, yd));
-    EXPECT(moept_emu_launches(cast) == n1 + 2, "cuda_params_changed: %ld casts", moept_emu_launches(cast) - n1);
+    EXPECT(moept_emu_launches(cast) == n2 + 1, "cuda_params_changed: %ld casts", moept_emu_launches(cast) - n2);
     cudaFree(xd); cudaFree(yd); cudaFree(dy); cudaFree(dx);
     free(x); free(a); free(b); free(w);
     moept_destroy(L);
@@ -690,15 +811,16 @@ static void test_call_agreement(void) {
     }
 }
 
-/* The cost of one training step per pipeline stage, as the emulator counts
-   it (tests/emu/emu.h; each device byte once per op, the traffic of an op
-   that caches what it touched): mixtral, one rank, dropless, T = 64, at two
-   widths (D, F). The kernels' bytes grow between the widths exactly as the
+/* The cost of one training step (forward, backward, grad_norm, adamw_step)
+   per pipeline stage, as the emulator counts it (tests/emu/emu.h; each
+   device byte once per op, the traffic of an op that caches what it
+   touched): mixtral, one rank, dropless, T = 64, at two widths (D, F). The kernels' bytes grow between the widths exactly as the
    stage's formula says (the terms in T, K and E only cancel), and the
    kernel launches, cuBLAS calls and host syncs of each stage are pinned:
    an extra pass over the rows, a second conversion of x or another host
-   sync fails here. docs/CUDA.md's table is these formulas at the Mixtral
-   shape. R = T K rows, H = 2F, es the element size; bf16 keeps an fp32
+   sync fails here; so does a weight cast after the optimizer step (its pass
+   writes the bf16 weights). docs/CUDA.md's table is these formulas at the
+   Mixtral shape. R = T K rows, H = 2F, es the element size; bf16 keeps an fp32
    copy of x (xf) for the fp32 router. */
 typedef struct stage_pin {
     const char *name;
@@ -720,6 +842,9 @@ static const stage_pin stage_pins[] = {
     {"bwd.experts", {1, 1}, {4, 18}, 0, {1, 5}, 16},
     {"bwd.router", {1, 1}, {1, 1}, 0, {1, 1}, 0},   /* router', its weight gradient */
     {"bwd.dx", {1, 1}, {0, 0}, 0, {0, 0}, 10},      /* dx in one pass, in T: token sums, router term, check */
+    /* grad_norm: the dx check's read, a scan; adamw_step: the step and the bf16 weights (the scan's
+       finding kept: the gradients did not change) */
+    {"optimizer", {2, 2}, {0, 0}, 2, {0, 0}, 14},
 };
 /* the stage's kernel bytes that scale with D or F */
 static double stage_formula(const char *st, double T, double R, double D, double F, double E, int bf) {
@@ -731,6 +856,12 @@ static double stage_formula(const char *st, double T, double R, double D, double
     if (!strcmp(st, "bwd.combine")) return (2 * R + T) * D * es;
     if (!strcmp(st, "bwd.experts")) return R * (2 * H + F) * es;
     if (!strcmp(st, "bwd.dx")) return (R + T) * D * es + E * D * 4; /* + the fp32 router weights */
+    /* the norm's scan of the n gradients (4 n, 16 bytes of sums a block of 1024), the step's p, g, m, v
+       in and p, m, v out (28 n), and the experts' bf16 weights out */
+    if (!strcmp(st, "optimizer")) {
+        const double n = E * D + E * D * 3 * F, blocks = ceil(n / 1024);
+        return 32 * n + 16 * (blocks < 1024 ? blocks : 1024) + (bf ? 2 * E * D * 3 * F : 0);
+    }
     return 0.0;
 }
 
@@ -748,12 +879,16 @@ static int step_counts(int bf16, int sync_free, int64_t D, int64_t F, moept_emu_
     float *x = malloc((size_t)(T * D) * sizeof(float));
     for (int64_t i = 0; i < T * D; i++) x[i] = frand();
     void *xd = dev_from(x, T * D, bf16), *yd = dev_from(x, T * D, bf16), *dxd = dev_from(x, T * D, bf16);
-    EXPECT_OK(moept_forward(L, xd, T, yd)); /* the first step casts the weights */
-    EXPECT_OK(moept_backward(L, xd, xd, dxd));
-    cudaDeviceSynchronize();
-    moept_emu_counts_reset();
-    EXPECT_OK(moept_forward(L, xd, T, yd));
-    EXPECT_OK(moept_backward(L, xd, xd, dxd));
+    const moept_adamw opt = {1e-4f, 0, 0, 0, 0};
+    double norm;
+    for (int i = 0; i < 2; i++) { /* the first step casts the weights; the second is counted */
+        if (i) cudaDeviceSynchronize(), moept_emu_counts_reset();
+        EXPECT_OK(moept_forward(L, xd, T, yd));
+        EXPECT_OK(moept_backward(L, xd, xd, dxd));
+        EXPECT_OK(moept_grad_norm(L, &norm));
+        EXPECT_OK(moept_adamw_step(L, &opt));
+        EXPECT_OK(moept_zero_grad(L));
+    }
     cudaDeviceSynchronize();
     for (int i = 0; i < n; i++) moept_emu_counts_get(0, stage_pins[i].name, &out[i]);
     if (other) moept_emu_counts_get(0, "other", other);
@@ -801,15 +936,16 @@ static void test_stage_counts(void) {
 
 /* Sync-free mode (issue #14 item 6): a steady step (forward and backward,
    no host write between) has no host sync in any stage, fp32 and bf16; its
-   statistics are read when asked for. */
+   statistics are read when asked for. The optimizer's calls read the
+   device checks and scan the gradients (each a sync) as they must. */
 static void test_sync_free_counts(void) {
     enum { NS = sizeof stage_pins / sizeof stage_pins[0] };
     for (int bf = 0; bf < 2; bf++) {
         moept_emu_counts c[NS], other;
         if (!step_counts(bf, 1, 64, 96, c, NS, &other)) return;
-        for (int i = 0; i < NS; i++)
-            EXPECT(c[i].syncs == 0, "bf16 %d, sync-free, stage %s: %ld host syncs", bf, stage_pins[i].name,
-                   c[i].syncs);
+        for (int i = 0; i < NS; i++) /* the optimizer's: grad_norm and adamw_step read the checks and scan */
+            EXPECT(c[i].syncs == (strcmp(stage_pins[i].name, "optimizer") ? 0 : 4),
+                   "bf16 %d, sync-free, stage %s: %ld host syncs", bf, stage_pins[i].name, c[i].syncs);
         EXPECT(other.syncs == 1, "bf16 %d, sync-free: %ld host syncs outside the stages (the test's own: 1)", bf,
                other.syncs);
     }
@@ -1142,6 +1278,7 @@ int main(void) {
         tu_skip("cuda: rejected step keeps state; steady state allocates nothing", why);
         tu_skip("cuda: bad options and host comms rejected", why);
         tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
+        tu_skip("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", why);
         return tu_done();
     }
     tu_run("cuda: fp32 equals the CPU layer (4 families, 1e-5)", test_fp32);
@@ -1150,6 +1287,7 @@ int main(void) {
     tu_run("cuda: rejected step keeps state; steady state allocates nothing", test_rejected_and_steady);
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
     tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
+    tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
 #ifdef MOEPT_EMU
     tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from the loss all-reduce: ERR_COMM, aborted once",
