@@ -1555,16 +1555,56 @@ extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, in
 }
 
 /* ---- GEMMs -------------------------------------------------------------- */
-/* Runs n descriptors: one cublasGemmEx, or for several one
+/* n GEMMs of one shape whose operands sit at constant strides (equal expert
+   groups: the sync-free mode's blocks) as one cublasGemmStridedBatchedEx_64,
+   which cuBLAS documents for every type pair used here, bf16 A and B with
+   fp32 C included (the grouped call is not). Returns 0 when they are not of
+   that form or cuBLAS answers NOT_SUPPORTED (the caller goes on), else 1
+   with the outcome in *st. */
+static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n, cudaDataType_t ta,
+                                cudaDataType_t tc, moept_status *st, char *err) {
+    const moept__gemm_cm c0 = moept__gemm_colmajor(&g[0]);
+    const int64_t ea = ta == CUDA_R_16BF ? 2 : 4, ec = tc == CUDA_R_16BF ? 2 : 4;
+    int64_t s[3] = {0, 0, 0}; /* byte strides of A, B, C */
+    for (int64_t i = 1; i < n; i++) {
+        const moept__gemm_cm ci = moept__gemm_colmajor(&g[i]);
+        const int64_t d[3] = {(const char *)ci.a - (const char *)c0.a, (const char *)ci.b - (const char *)c0.b,
+                              (char *)ci.c - (char *)c0.c};
+        if (ci.trans_a != c0.trans_a || ci.trans_b != c0.trans_b || ci.m != c0.m || ci.n != c0.n ||
+            ci.k != c0.k || ci.lda != c0.lda || ci.ldb != c0.ldb || ci.ldc != c0.ldc || ci.alpha != c0.alpha ||
+            ci.beta != c0.beta)
+            return 0;
+        for (int j = 0; j < 3; j++) {
+            if (i == 1) s[j] = d[j];
+            if (d[j] != i * s[j]) return 0;
+        }
+    }
+    /* positive, whole elements, and no two C overlap (each problem writes its own) */
+    if (s[0] <= 0 || s[1] <= 0 || s[0] % ea || s[1] % ea || s[2] % ec || s[2] < c0.ldc * c0.n * ec) return 0;
+    cublasStatus_t r = cublasGemmStridedBatchedEx_64(
+        c->blas, c0.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, c0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, c0.m, c0.n, c0.k,
+        &c0.alpha, c0.a, ta, c0.lda, s[0] / ea, c0.b, ta, c0.ldb, s[1] / ea, &c0.beta, c0.c, tc, c0.ldc, s[2] / ec,
+        n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (r == CUBLAS_STATUS_NOT_SUPPORTED) return 0;
+    *st = r == CUBLAS_STATUS_SUCCESS ? MOEPT_OK
+          : moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmStridedBatchedEx_64: %s (moept_kernels.cu:%d)",
+                         cublasGetStatusString(r), __LINE__);
+    return 1;
+}
+
+/* Runs n descriptors: one cublasGemmEx; for several of one shape at
+   constant strides one cublasGemmStridedBatchedEx; else one
    cublasGemmGroupedBatchedEx (each group its own expert's matrices, so the
    weight-gradient groups write disjoint C: no races), falling back to
    cublasGemmEx calls where grouped GEMMs are missing (CUDA < 12.5) or do not
-   take these types (bf16 A and B with fp32 C: the bf16 weight gradients):
-   spread over the side streams where the layer has them, else in a loop.
-   ta: A and B's type; tc: C's. Compute is fp32. */
+   take these types (bf16 A and B with fp32 C: the bf16 weight gradients of
+   unequal groups): spread over the side streams where the layer has them,
+   else in a loop. ta: A and B's type; tc: C's. Compute is fp32. */
 static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n, cudaDataType_t ta,
                                  cudaDataType_t tc, char *err) {
     if (n <= 0) return MOEPT_OK;
+    moept_status st;
+    if (n > 1 && moept__gemms_strided(c, g, n, ta, tc, &st, err)) return st;
 #if CUBLAS_VERSION >= 120500
     if (n > 1) {
         const int64_t G = c->G;

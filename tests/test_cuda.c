@@ -937,7 +937,8 @@ static void test_stage_counts(void) {
 /* Sync-free mode (issue #14 item 6): a steady step (forward and backward,
    no host write between) has no host sync in any stage, fp32 and bf16; its
    statistics are read when asked for. The optimizer's calls read the
-   device checks and scan the gradients (each a sync) as they must. */
+   device checks and scan the gradients (each a sync) as they must. The
+   expert GEMMs are strided-batched calls, bf16's weight gradients too. */
 static void test_sync_free_counts(void) {
     enum { NS = sizeof stage_pins / sizeof stage_pins[0] };
     for (int bf = 0; bf < 2; bf++) {
@@ -948,6 +949,13 @@ static void test_sync_free_counts(void) {
                    "bf16 %d, sync-free, stage %s: %ld host syncs", bf, stage_pins[i].name, c[i].syncs);
         EXPECT(other.syncs == 1, "bf16 %d, sync-free: %ld host syncs outside the stages (the test's own: 1)", bf,
                other.syncs);
+        /* equal expert groups (P B rows each): every grouped GEMM is one strided-batched call, the bf16
+           weight gradients too (not a call per expert over the side streams) */
+        for (int i = 0; i < NS; i++)
+            if (!strcmp(stage_pins[i].name, "experts") || !strcmp(stage_pins[i].name, "bwd.experts"))
+                EXPECT(c[i].blas == stage_pins[i].blas[0] && c[i].blas_streams == 1,
+                       "bf16 %d, sync-free, stage %s: %ld cuBLAS calls on %ld streams (%ld on 1 pinned)", bf,
+                       stage_pins[i].name, c[i].blas, c[i].blas_streams, stage_pins[i].blas[0]);
     }
 }
 

@@ -188,6 +188,44 @@ cublasStatus_t cublasGemmEx_64(cublasHandle_t h, cublasOperation_t ta, cublasOpe
     return CUBLAS_STATUS_SUCCESS;
 }
 
+cublasStatus_t cublasGemmStridedBatchedEx_64(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int64_t m,
+                                             int64_t n, int64_t k, const void *alpha, const void *A, cudaDataType at,
+                                             int64_t lda, long long sa, const void *B, cudaDataType bt, int64_t ldb,
+                                             long long sb, const void *beta, void *C, cudaDataType ct, int64_t ldc,
+                                             long long sc, int64_t batch, cublasComputeType_t comp,
+                                             cublasGemmAlgo_t algo) {
+    const char *call = "cublasGemmStridedBatchedEx";
+    (void)algo;
+    if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+    Blas *b = (Blas *)h;
+    if (batch < 0) return invalid(call, "batchCount < 0");
+    if (bad_dims(ta, tb, m, n, k, lda, ldb, ldc)) return invalid(call, "sizes, transposes or leading dimensions");
+    if (!alpha || !beta) return invalid(call, "alpha or beta is NULL");
+    /* cublasGemmEx's types, as the documentation lists for the batched forms */
+    bool types = comp == CUBLAS_COMPUTE_32F && at == bt &&
+                 ((at == CUDA_R_32F && ct == CUDA_R_32F) || (at == CUDA_R_16BF && (ct == CUDA_R_16BF || ct == CUDA_R_32F)));
+    if (!types) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (b->pmode != CUBLAS_POINTER_MODE_HOST) return CUBLAS_STATUS_NOT_SUPPORTED; /* not emulated */
+    if (is_device(alpha) || is_device(beta)) return invalid(call, "host pointer mode, but alpha or beta is device memory");
+    Stream *s = stream_of(b->stream);
+    if (s->dev != b->dev) return invalid(call, "the handle's stream belongs to another device");
+    const size_t ea = at == CUDA_R_16BF ? 2 : 4, ec = ct == CUDA_R_16BF ? 2 : 4;
+    Gemm g = {ta, tb, m, n, k, lda, ldb, ldc, *(const float *)alpha, *(const float *)beta, A, B, C, at, bt, ct};
+    char nm[112];
+    snprintf(nm, sizeof nm, "cublasGemmStridedBatchedEx_64 (%lld x m %lld n %lld k %lld)", (long long)batch,
+             (long long)m, (long long)n, (long long)k);
+    enqueue(s, nm, [g, sa, sb, sc, batch, ea, ec](Op &) {
+        for (int64_t i = 0; i < batch; i++) {
+            Gemm gi = g;
+            gi.A = (const char *)g.A + (ptrdiff_t)(i * sa) * (ptrdiff_t)ea;
+            gi.B = (const char *)g.B + (ptrdiff_t)(i * sb) * (ptrdiff_t)ea;
+            gi.C = (char *)g.C + (ptrdiff_t)(i * sc) * (ptrdiff_t)ec;
+            gemm_run(gi);
+        }
+    });
+    return CUBLAS_STATUS_SUCCESS;
+}
+
 cublasStatus_t cublasGemmGroupedBatchedEx_64(cublasHandle_t h, const cublasOperation_t ta[], const cublasOperation_t tb[],
                                              const int64_t m[], const int64_t n[], const int64_t k[], const void *alpha,
                                              const void *const A[], cudaDataType_t at, const int64_t lda[],
