@@ -1581,10 +1581,10 @@ static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n,
     }
     /* positive, whole elements, and no two C overlap (each problem writes its own) */
     if (s[0] <= 0 || s[1] <= 0 || s[0] % ea || s[1] % ea || s[2] % ec || s[2] < c0.ldc * c0.n * ec) return 0;
+    const cublasOperation_t oa = c0.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, ob = c0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasStatus_t r = cublasGemmStridedBatchedEx_64(
-        c->blas, c0.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, c0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, c0.m, c0.n, c0.k,
-        &c0.alpha, c0.a, ta, c0.lda, s[0] / ea, c0.b, ta, c0.ldb, s[1] / ea, &c0.beta, c0.c, tc, c0.ldc, s[2] / ec,
-        n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        c->blas, oa, ob, c0.m, c0.n, c0.k, &c0.alpha, c0.a, ta, c0.lda, s[0] / ea, c0.b, ta, c0.ldb, s[1] / ea,
+        &c0.beta, c0.c, tc, c0.ldc, s[2] / ec, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (r == CUBLAS_STATUS_NOT_SUPPORTED) return 0;
     *st = r == CUBLAS_STATUS_SUCCESS ? MOEPT_OK
           : moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmStridedBatchedEx_64: %s (moept_kernels.cu:%d)",
@@ -2682,7 +2682,8 @@ extern "C" moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int6
     int nb = moept__grid(n / V + n % V);
     nb = nb < MOEPT__NPART ? nb : MOEPT__NPART;
     MOEPT__STAGE("optimizer");
-    MOEPT__LAUNCH_V(vec, moept__k_sumsq, float, nb, MOEPT__TB, c->s, c->grads, n, p->off13, p->offs13, c->gpart);
+    MOEPT__LAUNCH_V(vec, moept__k_sumsq, float, nb, MOEPT__TB, c->s, c->grads, n, p->off13, p->offs13,
+                    c->gpart);
     MOEPT__LAUNCHED();
     MOEPT__CU(cudaMemcpyAsync(c->h_gpart, c->gpart, (size_t)nb * 2 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
