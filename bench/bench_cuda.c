@@ -149,6 +149,39 @@ static void parse(int argc, char **argv, shape *s) {
     }
 }
 
+/* moept_grad_norm + moept_adamw_step on the device against a device copy
+   that moves the same bytes (the norm reads the n gradients; AdamW reads p,
+   g, m, v and writes p, m, v and, bf16, the expert weights' copy), timed
+   in the same run. A RESULT line; nonzero on failure. */
+static int optimizer_bench(moept_layer *L, cudaStream_t st, const shape *s, cudaEvent_t e0, cudaEvent_t e1) {
+    float *p, *g;
+    int64_t n;
+    const moept_adamw opt = {1e-6f, 0, 0, 0, 0};
+    double norm;
+    if (moept_cuda_params(L, &p, &g, &n)) return fprintf(stderr, "bench_cuda: %s\n", moept_last_error(L)), 1;
+    const double bytes = 32.0 * (double)n + (s->bf16 ? 2.0 * (double)(n - s->E * s->D) : 0.0);
+    for (int64_t r = -1; r < s->reps; r++) {
+        if (r == 0) CK(cudaEventRecord(e0, st));
+        if (moept_grad_norm(L, &norm) || moept_adamw_step(L, &opt))
+            return fprintf(stderr, "bench_cuda: %s\n", moept_last_error(L)), 1;
+    }
+    CK(cudaEventRecord(e1, st));
+    const double opt_ms = elapsed_ms(e0, e1) / (double)s->reps;
+    const size_t half = (size_t)(bytes / 2) / 16 * 16; /* a copy reads and writes: half the bytes each */
+    void *a = dalloc(half), *b = dalloc(half);
+    for (int64_t r = -1; r < s->reps; r++) {
+        if (r == 0) CK(cudaEventRecord(e0, st));
+        CK(cudaMemcpyAsync(b, a, half, cudaMemcpyDeviceToDevice, st));
+    }
+    CK(cudaEventRecord(e1, st));
+    const double copy_ms = elapsed_ms(e0, e1) / (double)s->reps;
+    printf("RESULT optimizer params=%lld bytes=%.0f opt_ms=%.3f copy_ms=%.3f opt_over_copy=%.3f copy_gbs=%.0f\n",
+           (long long)n, bytes, opt_ms, copy_ms, opt_ms / copy_ms, 2.0 * (double)half / (copy_ms * 1e-3) * 1e-9);
+    cudaFree(a);
+    cudaFree(b);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     shape s;
     parse(argc, argv, &s);
@@ -206,6 +239,7 @@ int main(int argc, char **argv) {
            "floor_ms=%.3f step_over_floor=%.3f floor_tflops=%.1f\n",
            (long long)T, (long long)D, (long long)s.F, (long long)E, (long long)K, s.bf16 ? "bf16" : "fp32",
            (long long)s.reps, step_ms, floor_ms, step_ms / floor_ms, flops / (floor_ms * 1e-3) * 1e-12);
+    if (optimizer_bench(L, st, &s, e0, e1)) return 1;
     cublasDestroy(hb);
     floor_free(&b);
     free(off);
