@@ -716,6 +716,7 @@ struct moept_layer {
        gradients accumulated before it: adamw_step and grad_norm refuse them
        until zero_grad. -1: none; else dx's first bad element (or 0 for a peer's) */
     int64_t grads_dx_bad;
+    float *grads_copy;     /* [n_params] config.grad_backup: the gradients as an accumulating backward found them */
     moept_status grads_sf_bad;  /* sync-free CUDA: a step since zero_grad failed its device checks */
     char grads_sf_why[MOEPT__ERRLEN];
     int cuda_stats_pending;     /* sync-free CUDA: the last forward's device statistics not read yet */
@@ -847,6 +848,8 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
         MOEPT__BAD("config.router_jitter: must be in [0, 1) (0 = off)");
     if (c->inference_only != 0 && c->inference_only != 1)
         MOEPT__BAD("config.inference_only: %d must be 0 or 1", c->inference_only);
+    if (c->grad_backup != 0 && c->grad_backup != 1)
+        MOEPT__BAD("config.grad_backup: %d must be 0 or 1", c->grad_backup);
     if (c->max_tokens <= 0 || c->max_tokens > ((int64_t)1 << 31) / c->top_k)
         MOEPT__BAD("config.max_tokens: %lld must be in 1..2^31/top_k", (long long)c->max_tokens);
     if (c->aux_loss == MOEPT_AUX_SEQ && (c->aux_seq_len < 1 || c->aux_seq_len > c->max_tokens))
@@ -1087,14 +1090,14 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
 
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later). */
-#define MOEPT__NFP 26
+#define MOEPT__NFP 27
 #define MOEPT__NFP_MODEL 18 /* the model's fields, first: a checkpoint's fingerprint */
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
     "global_balance", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed", "aux_seq_len",
-    "inference_only", "EP size", "DP size"};
+    "inference_only", "grad_backup", "EP size", "DP size"};
 
 static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int64_t *fp) {
     float fl[5] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor,
@@ -1106,7 +1109,7 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
                              c->global_balance, c->overlap_chunks, c->expert_sharding, b[4],
                              (int64_t)c->jitter_seed, c->aux_seq_len,
-                             c->inference_only, P, DP};
+                             c->inference_only, c->grad_backup, P, DP};
     memcpy(fp, v, sizeof v);
 }
 
@@ -1227,7 +1230,8 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
             L->n_exp = L->fs_shard;
         }
         L->n_params = n_router + L->n_exp + ns13 + ns2 + nsg;
-        const int64_t nmir = c.inference_only ? 1 : 2; /* an inference layer has no gradient mirror */
+        /* an inference layer has no gradient mirror; grad_backup adds its copy */
+        const int64_t nmir = c.inference_only ? 1 : c.grad_backup ? 3 : 2;
         size_t pbytes = (size_t)(nmir * L->n_params + E) * sizeof(float);
         L->params = moept__alloc(&mem, pbytes);
         L->table = moept__alloc(&mem, (size_t)(3 * El + 8) * sizeof(moept__param));
@@ -1241,12 +1245,12 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
             memset(L->work, 0, wbytes);
             wc.base = L->work; wc.off = 0;
             moept__layout_work(L, &wc);
-            float *p = L->params, *g = nmir == 2 ? L->params + L->n_params : NULL;
+            float *p = L->params, *g = nmir >= 2 ? L->params + L->n_params : NULL;
             L->w_router = p; L->g_router = moept__gnext(&g, n_router); p += n_router;
             if (L->fsdp) { /* the experts live gathered in the workspace */
                 L->fs_w = p; L->fs_g = moept__gnext(&g, L->fs_shard); p += L->fs_shard;
                 L->w13 = L->fs_full; L->w2 = L->fs_full + n13;
-                L->g13 = nmir == 2 ? L->fs_gfull : NULL; L->g2 = moept__goff(L->g13, n13);
+                L->g13 = nmir >= 2 ? L->fs_gfull : NULL; L->g2 = moept__goff(L->g13, n13);
             } else {
                 L->w13 = p; L->g13 = moept__gnext(&g, n13); p += n13;
                 L->w2 = p; L->g2 = moept__gnext(&g, n2); p += n2;
@@ -1254,7 +1258,8 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
             L->ws13 = p; L->gs13 = moept__gnext(&g, ns13); p += ns13;
             L->ws2 = p; L->gs2 = moept__gnext(&g, ns2); p += ns2;
             L->wsg = nsg ? p : NULL; L->gsg = nsg ? moept__gnext(&g, nsg) : NULL;
-            L->grads = nmir == 2 ? L->params + L->n_params : NULL;
+            L->grads = nmir >= 2 ? L->params + L->n_params : NULL;
+            L->grads_copy = nmir == 3 ? L->params + 2 * L->n_params : NULL;
             L->bias = L->params + nmir * L->n_params;
             for (int64_t e = 0; e < E; e++) L->slot_of[e] = L->expert_at[e] = (int32_t)e;
             moept__build_table(L);
@@ -1581,6 +1586,12 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
         why_st = MOEPT_ERR_UNSUPPORTED;
         snprintf(why, sizeof why, "moept_create_cuda: config.inference_only is not supported by the CUDA "
                  "executor");
+    }
+    else if (cfg && cfg->grad_backup) {
+        bad = 1;
+        why_st = MOEPT_ERR_UNSUPPORTED;
+        snprintf(why, sizeof why, "moept_create_cuda: config.grad_backup is not supported by the CUDA executor "
+                 "(its gradients after a dx overflow are refused until moept_zero_grad)");
     }
     else if (cfg && cfg->aux_loss == MOEPT_AUX_SEQ) {
         bad = 1;
@@ -2812,17 +2823,19 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
    step fails on every rank of the group, its statistics as they were. The
    gradients were accumulated in place by then: where they were zero before
    (zero_grad, forward, backward) they are zero again, exactly; where they
-   held earlier micro-batches (a copy to restore them would double the
-   gradients' memory), adamw_step and grad_norm refuse them until
-   moept_zero_grad. */
+   held earlier micro-batches, config.grad_backup's copy restores them
+   exactly, and without it (the copy doubles the gradients' memory)
+   adamw_step and grad_norm refuse them until moept_zero_grad. */
 static moept_status moept__backward_finite(moept_layer *L, const float *dx, int grads_were_zero,
                                            const moept_stats *before) {
-    moept_status st = moept__agree_finite(L, "moept_backward", "dx", dx, MOEPT_OK, NULL, grads_were_zero
-        ? "the gradients are as they were (zero)"
+    moept_status st = moept__agree_finite(L, "moept_backward", "dx", dx, MOEPT_OK, NULL,
+        grads_were_zero ? "the gradients are as they were (zero)"
+        : L->grads_copy ? "the gradients are as they were (config.grad_backup's copy)"
         : "the gradients accumulated since moept_zero_grad are refused until moept_zero_grad");
     if (!st) return MOEPT_OK;
     L->stats = *before;
     if (grads_were_zero) memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
+    else if (L->grads_copy) memcpy(L->grads, L->grads_copy, (size_t)L->n_params * sizeof(float));
     else if (L->grads_dx_bad < 0) {
         int64_t bad = moept__first_nonfinite(dx, L->T * L->D);
         L->grads_dx_bad = bad < 0 ? 0 : bad; /* 0: a peer's dx */
@@ -2883,6 +2896,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     if ((st = moept__agree_call(L, L->group, NULL, local, "moept_backward"))) return st;
     const moept_stats stats_before = L->stats;
     const int grads_were_zero = moept__all_zero(L->grads, L->n_params);
+    if (L->grads_copy && !grads_were_zero) memcpy(L->grads_copy, L->grads, (size_t)L->n_params * sizeof(float));
     const int fam = (int)L->cfg.family;
     const float *logits = L->logits[L->cur], *probs = L->probs[L->cur], *wts = L->wts[L->cur];
     const int32_t *ids = L->ids[L->cur];

@@ -112,14 +112,15 @@
        from a finite dy fails on every rank of the EP group with
        MOEPT_ERR_NUMERIC and the statistics unchanged. Gradients that were
        zero before it (zero_grad, forward, backward) are zero again,
-       bitwise. Gradients that held earlier micro-batches keep this one's
-       partial sums (restoring them would take a second copy of every
-       gradient): moept_adamw_step and moept_grad_norm refuse them on
-       every rank, naming dx, until moept_zero_grad, as mixed-precision
-       training skips a step whose gradients overflowed. The CUDA backward
-       checks dx on the device without a host sync: its next
-       moept_adamw_step or moept_grad_norm reads the check and refuses the
-       same way. Nothing non-finite reaches the parameters or the
+       bitwise. Gradients that held earlier micro-batches are as they were
+       too, bitwise, with config.grad_backup (a second copy of every
+       gradient, taken by each accumulating backward); without it they keep
+       this one's partial sums, and moept_adamw_step and moept_grad_norm
+       refuse them on every rank, naming dx, until moept_zero_grad, as
+       mixed-precision training skips a step whose gradients overflowed.
+       The CUDA backward checks dx on the device without a host sync: its
+       next moept_adamw_step or moept_grad_norm reads the check and refuses
+       the same way (no grad_backup there). Nothing non-finite reaches the parameters or the
        optimizer state: moept_adamw_step also refuses non-finite gradients
        (moept_grad_norm then returns their Inf or NaN norm).
      - The library never prints, exits or aborts. Per-step work performs no
@@ -356,6 +357,13 @@ typedef struct moept_config {
     int inference_only;               /* 1: a layer for inference (see INFERENCE
                                          LAYERS): every forward an evaluation, no
                                          gradients, less memory. CPU layers */
+    int grad_backup;                  /* 1: a backward that fails after its gradients
+                                         began to accumulate (a dx overflow) restores
+                                         them exactly from a copy taken at its start:
+                                         one more gradient buffer, one copy per
+                                         accumulating backward. 0: they are refused
+                                         until moept_zero_grad (see NUMERICS). CPU
+                                         layers */
 } moept_config;
 
 /* ---- communication -------------------------------------------------
@@ -554,7 +562,7 @@ typedef struct moept_stats {
                                   freed before the call returns) */
     int64_t allocated_bytes;   /* bytes allocated since create */
     int64_t workspace_bytes;   /* bytes held now (parameters excluded) */
-    int64_t param_bytes;       /* parameters + gradients */
+    int64_t param_bytes;       /* parameters + gradients (+ config.grad_backup's copy) */
     /* expert parallel, last forward + backward on this rank */
     int64_t rows_sent, rows_received;   /* token rows to/from other ranks, per direction */
     int64_t bytes_sent, bytes_received; /* all exchanges of the step (dispatch,

@@ -199,6 +199,11 @@ static void test_bad_options(void) {
     st = moept_create_cuda(&inf, NULL, NULL, NULL, &L);
     EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "inference_only"),
            "inference_only on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
+    moept_config gb = cfg; /* and the gradients' backup copy */
+    gb.grad_backup = 1;
+    st = moept_create_cuda(&gb, NULL, NULL, NULL, &L);
+    EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "grad_backup"),
+           "grad_backup on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
     moept_config ch = cfg; /* the sync-free mode has no chunked pipeline */
     ch.overlap_chunks = 3;
     moept_cuda_options sf = {MOEPT_DTYPE_F32, NULL, 0, 1};

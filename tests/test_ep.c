@@ -722,6 +722,63 @@ static void test_nonfinite_output_fails_every_rank(void) {
     }
 }
 
+/* config.grad_backup: the same overflowing backward (rank 1's dx) after a
+   good micro-batch fails on both ranks and leaves the accumulated gradients
+   as the good one left them, bitwise, so grad_norm and adamw_step take them
+   (without the copy they are refused: the test above). */
+typedef struct gbj {
+    moept_thread_group *g;
+    int r, same;
+    moept_status setup, bst, norm, step;
+    char berr[MOEPT__ERRLEN];
+} gbj;
+static void *grad_backup_main(void *arg) {
+    gbj *j = arg;
+    moept_config cfg = cfg_of(MOEPT_FAMILY_QWEN2_MOE);
+    cfg.z_loss_coef = 0.0f;
+    cfg.grad_backup = 1;
+    moept_comm *c;
+    moept_layer *L = rank_layer(j, cfg, &c);
+    if (!L) { j->setup = MOEPT_ERR_STATE; return NULL; }
+    moept_init_params(L, 5);
+    float x[8 * 40], y[8 * 40], dx[8 * 40], big[8 * 40], xb[8 * 40];
+    for (int i = 0; i < 8 * 40; i++) {
+        x[i] = 0.01f * (float)((i * 7 + j->r) % 13);
+        big[i] = j->r == 1 ? 3e38f : x[i];
+        xb[i] = j->r == 1 ? 1e4f * x[i] : x[i];
+    }
+    float *g, *g0 = NULL;
+    int64_t ng = 0;
+    j->setup = moept_forward(L, x, 8, y);
+    if (!j->setup) j->setup = moept_backward(L, x, x, dx);
+    if (!j->setup) j->setup = moept_grads(L, &g, &ng);
+    if (!j->setup && (g0 = malloc((size_t)ng * sizeof(float)))) memcpy(g0, g, (size_t)ng * sizeof(float));
+    if (!j->setup) j->setup = moept_forward(L, xb, 8, y);
+    if (!j->setup) j->bst = moept_backward(L, xb, big, dx);
+    snprintf(j->berr, sizeof j->berr, "%s", moept_last_error(L));
+    j->same = g0 && moept_grads(L, &g, &ng) == MOEPT_OK && !memcmp(g, g0, (size_t)ng * sizeof(float));
+    double norm;
+    moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+    j->norm = moept_grad_norm(L, &norm);
+    j->step = moept_adamw_step(L, &opt);
+    free(g0);
+    moept_destroy(L);
+    moept_comm_destroy(c);
+    return NULL;
+}
+static void test_grad_backup_restores(void) {
+    gbj js[2];
+    tu_ranks(2, 10000, grad_backup_main, js, sizeof js[0]);
+    for (int r = 0; r < 2; r++) {
+        EXPECT(js[r].setup == MOEPT_OK, "rank %d: setup %d", r, (int)js[r].setup);
+        EXPECT(js[r].bst == MOEPT_ERR_NUMERIC && strstr(js[r].berr, "grad_backup"),
+               "rank %d: the overflowing backward: %d (%s)", r, (int)js[r].bst, js[r].berr);
+        EXPECT(js[r].same, "rank %d: the gradients differ from the good micro-batch's", r);
+        EXPECT(js[r].norm == MOEPT_OK && js[r].step == MOEPT_OK, "rank %d: grad_norm %d, adamw_step %d", r,
+               (int)js[r].norm, (int)js[r].step);
+    }
+}
+
 /* ---- resharding a running group to a new placement ---- */
 #define RS_E 8
 typedef struct rsj {
@@ -879,6 +936,7 @@ int main(void) {
     RUN(test_group_calls_agree);
     RUN(test_call_order_mismatch);
     RUN(test_nonfinite_output_fails_every_rank);
+    RUN(test_grad_backup_restores);
     RUN(test_reshard_permutation);
     return tu_done();
 }

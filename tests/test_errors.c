@@ -44,6 +44,7 @@ MUT(m_seq0, aux_seq_len, c->aux_loss = MOEPT_AUX_SEQ)
 MUT(m_seqbig, aux_seq_len, c->aux_loss = MOEPT_AUX_SEQ; c->aux_seq_len = 17)
 MUT(m_seqoff, aux_seq_len, c->aux_loss = MOEPT_AUX_MEGATRON; c->aux_seq_len = 4)
 MUT(m_inf, inference_only, c->inference_only = 2)
+MUT(m_gb, grad_backup, c->grad_backup = -1)
 
 static void test_invalid_config_fields(void) {
     static const mut muts[] = {
@@ -57,7 +58,7 @@ static void test_invalid_config_fields(void) {
         {"config.aux_loss", m_aux}, {"config.aux_loss_coef", m_auxc}, {"config.aux_loss_coef", m_auxnone},
         {"config.z_loss_coef", m_z}, {"config.capacity_factor", m_cap}, {"config.max_tokens", m_max},
         {"config.aux_seq_len", m_seq0}, {"config.aux_seq_len", m_seqbig}, {"config.aux_seq_len", m_seqoff},
-        {"config.inference_only", m_inf}};
+        {"config.inference_only", m_inf}, {"config.grad_backup", m_gb}};
     moept_config c = good();
     moept_layer *L = (moept_layer *)1;
     EXPECT(moept_create(&c, &L) == MOEPT_OK, "the base config must be valid: %s", moept_last_error(NULL));
