@@ -241,37 +241,53 @@ __device__ __forceinline__ double moept__block_sum(double v, double *sh) {
    Kernels. Launch shapes are in docs/CUDA.md.
    ------------------------------------------------------------------------ */
 
+/* Flat kernels over n elements: item i of nv + n % V (nv = n / V) is the
+   V-vector at element i V, or in the tail the one element after them.
+   moept__flat gives the item's first element and its width; moept__ldf /
+   moept__stf move that many, as moept__ldv / moept__stv and moept__ld /
+   moept__st do. */
+#define MOEPT__FLAT_FOR(i, n, V) MOEPT__FOR(i, (n) / (V) + (n) % (V))
+template <int V>
+__device__ __forceinline__ int64_t moept__flat(int64_t i, int64_t n, int *w) {
+    const int64_t nv = n / V;
+    *w = i < nv ? V : 1;
+    return i < nv ? i * V : nv * V + (i - nv);
+}
+template <int V, typename T>
+__device__ __forceinline__ void moept__ldf(const T *p, int w, float *v) {
+    if (w == V) moept__ldv<V>(p, v);
+    else v[0] = moept__ld(p, 0);
+}
+template <int V, typename T>
+__device__ __forceinline__ void moept__stf(T *p, int w, float *v) {
+    if (w == V) moept__stv<V>(p, v);
+    else v[0] = moept__st(p, 0, v[0]);
+}
+
 /* x [n] -> finiteness (first bad index, atomicMin: the same index whatever
-   the order) and, when xf is given, its fp32 copy (the router's input).
-   V-vectors, then the n % V tail one element a thread. */
+   the order) and, when xf is given, its fp32 copy (the router's input) */
 template <typename T, int V>
 __global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long long *first_bad) {
-    const int64_t nv = n / V;
-    MOEPT__FOR(i, nv + n % V) {
-        const int64_t e = i < nv ? i * V : nv * V + (i - nv);
+    MOEPT__FLAT_FOR(i, n, V) {
+        int w;
+        const int64_t e = moept__flat<V>(i, n, &w);
         float v[V];
-        if (i < nv) moept__ldv<V>(x + e, v);
-        else v[0] = moept__ld(x, e);
-        const int m = i < nv ? V : 1;
-        for (int l = 0; l < m; l++)
+        moept__ldf<V>(x + e, w, v);
+        for (int l = 0; l < w; l++)
             if (!moept__finite(v[l])) { atomicMin(first_bad, (unsigned long long)(e + l)); break; }
-        if (xf && i < nv) moept__stv<V>(xf + e, v);
-        else if (xf) xf[e] = v[0];
+        if (xf) moept__stf<V>(xf + e, w, v);
     }
 }
 
-/* fp32 -> T (the weights for the expert GEMMs), V-vectors and a tail */
+/* fp32 -> T (the weights for the expert GEMMs) */
 template <typename T, int V>
 __global__ void moept__k_cast(const float *src, int64_t n, T *dst) {
-    const int64_t nv = n / V;
-    MOEPT__FOR(i, nv + n % V) {
+    MOEPT__FLAT_FOR(i, n, V) {
+        int w;
+        const int64_t e = moept__flat<V>(i, n, &w);
         float v[V];
-        if (i < nv) {
-            moept__ldv<V>(src + i * V, v);
-            moept__stv<V>(dst + i * V, v);
-        } else {
-            moept__st(dst, nv * V + (i - nv), src[nv * V + (i - nv)]);
-        }
+        moept__ldf<V>(src + e, w, v);
+        moept__stf<V>(dst + e, w, v);
     }
 }
 
@@ -282,14 +298,13 @@ __global__ void moept__k_cast(const float *src, int64_t n, T *dst) {
 template <typename T, int V>
 __global__ void moept__k_sumsq(const T *g, int64_t n, int64_t e0, int64_t e1, double *part) {
     __shared__ double sh[MOEPT__TB];
-    const int64_t nv = n / V;
     double s[2] = {0.0, 0.0};
-    MOEPT__FOR(i, nv + n % V) {
-        const int64_t e = i < nv ? i * V : nv * V + (i - nv);
+    MOEPT__FLAT_FOR(i, n, V) {
+        int w;
+        const int64_t e = moept__flat<V>(i, n, &w);
         float v[V];
-        if (i < nv) moept__ldv<V>(g + e, v);
-        else v[0] = moept__ld(g, e);
-        for (int l = 0; l < (i < nv ? V : 1); l++) {
+        moept__ldf<V>(g + e, w, v);
+        for (int l = 0; l < w; l++) { /* not s[in range]: an indexed array would live in local memory */
             const double sq = (double)v[l] * v[l];
             if (e + l >= e0 && e + l < e1) s[1] += sq;
             else s[0] += sq;
@@ -304,32 +319,22 @@ __global__ void moept__k_sumsq(const T *g, int64_t n, int64_t e0, int64_t e1, do
 
 /* One AdamW step over [n] (moept__adamw1, the host's element): p, m, v in
    place from g. bf16 layers also write p's bf16 copy of elements [e0, n)
-   into low (the expert GEMMs' weights: no separate cast reads p again).
-   V-vectors (V = 4: low takes 8-byte stores; e0 % 4 == 0, checked at the
-   launch), then the n % V tail. */
+   into low (the expert GEMMs' weights: no separate cast reads p again);
+   V = 4 stores 8 bytes there (e0 % 4 == 0, checked at the launch). */
 template <typename T, int V>
 __global__ void moept__k_adamw(T *p, const T *g, T *m, T *v, int64_t n, moept__adamw_k k, int64_t e0,
                                moept__bf16 *low) {
-    const int64_t nv = n / V;
-    MOEPT__FOR(i, nv + n % V) {
-        const int64_t e = i < nv ? i * V : nv * V + (i - nv);
+    MOEPT__FLAT_FOR(i, n, V) {
+        int w;
+        const int64_t e = moept__flat<V>(i, n, &w);
         float pv[V], gv[V], mv[V], vv[V];
-        if (i < nv) {
-            moept__ldv<V>(p + e, pv); moept__ldv<V>(g + e, gv);
-            moept__ldv<V>(m + e, mv); moept__ldv<V>(v + e, vv);
-        } else {
-            pv[0] = p[e]; gv[0] = g[e]; mv[0] = m[e]; vv[0] = v[e];
-        }
-        const int w = i < nv ? V : 1;
+        moept__ldf<V>(p + e, w, pv); moept__ldf<V>(g + e, w, gv);
+        moept__ldf<V>(m + e, w, mv); moept__ldf<V>(v + e, w, vv);
         for (int l = 0; l < w; l++) pv[l] = moept__adamw1(pv[l], gv[l], &mv[l], &vv[l], k);
-        if (i < nv) {
-            moept__stv<V>(p + e, pv); moept__stv<V>(m + e, mv); moept__stv<V>(v + e, vv);
-        } else {
-            p[e] = pv[0]; m[e] = mv[0]; v[e] = vv[0];
-        }
+        moept__stf<V>(p + e, w, pv); moept__stf<V>(m + e, w, mv); moept__stf<V>(v + e, w, vv);
         if (!low || e < e0) continue;
         if constexpr (V == 4) {
-            if (i < nv) {
+            if (w == 4) {
                 uint32_t lo = moept__f32_to_bf16(pv[0]) | (uint32_t)moept__f32_to_bf16(pv[1]) << 16;
                 uint32_t hi = moept__f32_to_bf16(pv[2]) | (uint32_t)moept__f32_to_bf16(pv[3]) << 16;
                 *(uint2 *)(low + (e - e0)) = make_uint2(lo, hi);
@@ -1320,6 +1325,9 @@ static void moept__sf_layout(moept__cuda *c) {
     c->N = c->R = c->sp.E * B;
 }
 
+/* n_params rounded up to 64 floats: the gradients and AdamW's v start 16-byte aligned */
+static int64_t moept__npad(const moept__cuda *c) { return (c->sp.n_params + 63) / 64 * 64; }
+
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P, El = p->El, G = c->G, C = c->C;
@@ -1337,7 +1345,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     MOEPT__CB(cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)); /* fp32 stays fp32: no TF32 */
     MOEPT__TRY(moept__side_create(c, err));
     /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too) */
-    const int64_t npad = (p->n_params + 63) / 64 * 64;
+    const int64_t npad = moept__npad(c);
     size_t pbytes = (size_t)(2 * npad + E) * 4 + (size_t)E * 4 + 256;
     void *pb = NULL;
     MOEPT__TRY(moept__dmalloc(c, &pb, pbytes, err));
@@ -2710,7 +2718,7 @@ extern "C" moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int6
 extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host,
                                           const float *m0, const float *v0, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t n = p->n_params, npad = (n + 63) / 64 * 64, e0 = p->E * p->D;
+    const int64_t n = p->n_params, npad = moept__npad(c), e0 = p->E * p->D;
     if (!c->opt_m) {
         void *blk = NULL;
         MOEPT__TRY(moept__dmalloc(c, &blk, (size_t)(2 * npad) * 4, err));

@@ -164,6 +164,13 @@ const char *cublasGetStatusString(cublasStatus_t s) {
     }
 }
 
+/* the types cublasGemmEx (and its batched forms) take here, fp32 compute:
+   32F x 32F -> 32F, 16BF x 16BF -> 16BF or 32F */
+static bool gemm_ex_types(cudaDataType at, cudaDataType bt, cudaDataType ct, cublasComputeType_t comp) {
+    return comp == CUBLAS_COMPUTE_32F && at == bt &&
+           ((at == CUDA_R_32F && ct == CUDA_R_32F) || (at == CUDA_R_16BF && (ct == CUDA_R_16BF || ct == CUDA_R_32F)));
+}
+
 cublasStatus_t cublasGemmEx_64(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n,
                                int64_t k, const void *alpha, const void *A, cudaDataType at, int64_t lda, const void *B,
                                cudaDataType bt, int64_t ldb, const void *beta, void *C, cudaDataType ct, int64_t ldc,
@@ -173,10 +180,7 @@ cublasStatus_t cublasGemmEx_64(cublasHandle_t h, cublasOperation_t ta, cublasOpe
     Blas *b = (Blas *)h;
     if (bad_dims(ta, tb, m, n, k, lda, ldb, ldc)) return invalid("cublasGemmEx", "sizes, transposes or leading dimensions");
     if (!alpha || !beta) return invalid("cublasGemmEx", "alpha or beta is NULL");
-    /* fp32 compute: 32F x 32F -> 32F, 16BF x 16BF -> 16BF or 32F */
-    bool types = comp == CUBLAS_COMPUTE_32F && at == bt &&
-                 ((at == CUDA_R_32F && ct == CUDA_R_32F) || (at == CUDA_R_16BF && (ct == CUDA_R_16BF || ct == CUDA_R_32F)));
-    if (!types) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (!gemm_ex_types(at, bt, ct, comp)) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (b->pmode != CUBLAS_POINTER_MODE_HOST) return CUBLAS_STATUS_NOT_SUPPORTED; /* not emulated */
     if (is_device(alpha) || is_device(beta)) return invalid("cublasGemmEx", "host pointer mode, but alpha or beta is device memory");
     Gemm g = {ta, tb, m, n, k, lda, ldb, ldc, *(const float *)alpha, *(const float *)beta, A, B, C, at, bt, ct};
@@ -201,10 +205,7 @@ cublasStatus_t cublasGemmStridedBatchedEx_64(cublasHandle_t h, cublasOperation_t
     if (batch < 0) return invalid(call, "batchCount < 0");
     if (bad_dims(ta, tb, m, n, k, lda, ldb, ldc)) return invalid(call, "sizes, transposes or leading dimensions");
     if (!alpha || !beta) return invalid(call, "alpha or beta is NULL");
-    /* cublasGemmEx's types, as the documentation lists for the batched forms */
-    bool types = comp == CUBLAS_COMPUTE_32F && at == bt &&
-                 ((at == CUDA_R_32F && ct == CUDA_R_32F) || (at == CUDA_R_16BF && (ct == CUDA_R_16BF || ct == CUDA_R_32F)));
-    if (!types) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (!gemm_ex_types(at, bt, ct, comp)) return CUBLAS_STATUS_NOT_SUPPORTED; /* its batched forms' too */
     if (b->pmode != CUBLAS_POINTER_MODE_HOST) return CUBLAS_STATUS_NOT_SUPPORTED; /* not emulated */
     if (is_device(alpha) || is_device(beta)) return invalid(call, "host pointer mode, but alpha or beta is device memory");
     Stream *s = stream_of(b->stream);
