@@ -4012,6 +4012,7 @@ typedef struct moept__mpi {
     MPI_Datatype elem[2];    /* 4- and 8-byte elements, as bytes */
     MPI_Request *reqs; int64_t nreqs_cap;
     MPI_Request *preq[MOEPT_COMM_SLOTS]; int64_t npreq[MOEPT_COMM_SLOTS], pcap[MOEPT_COMM_SLOTS]; /* posted */
+    int pbad[MOEPT_COMM_SLOTS]; /* a posted exchange's self piece whose counts differ, or -1 */
     int *cnt, *dsp;          /* [4][size] int counts/displacements for MPI_Alltoallv */
     char *scratch;           /* allreduce slices, grows geometrically */
     size_t scratch_bytes;
@@ -4060,7 +4061,7 @@ static moept_status moept__mpi_post_recvs(moept_comm *c, void *recv, const moept
                                           int tag, MPI_Request *reqs, int64_t *n) {
     moept__mpi *m = c->ctx;
     for (int i = 0; i < c->size * nseg; i++)
-        for (int64_t o = 0; o < rs[i].count; o += MOEPT__MPI_CHUNK) {
+        for (int64_t o = 0; o < rs[i].count && i / nseg != c->rank; o += MOEPT__MPI_CHUNK) {
             int64_t k = rs[i].count - o < MOEPT__MPI_CHUNK ? rs[i].count - o : MOEPT__MPI_CHUNK;
             char *at = (char *)recv + (rs[i].offset + o) * es;
             MOEPT__MPI(c, MPI_Irecv(at, (int)k, m->elem[es == 8], i / nseg, tag, m->comm, &reqs[(*n)++]));
@@ -4104,7 +4105,7 @@ static moept_status moept__mpi_post_sends(moept_comm *c, const void *send, const
                                           int64_t *n) {
     moept__mpi *m = c->ctx;
     for (int i = 0; i < c->size * nseg; i++)
-        for (int64_t o = 0; o < ss[i].count; o += MOEPT__MPI_CHUNK) {
+        for (int64_t o = 0; o < ss[i].count && i / nseg != c->rank; o += MOEPT__MPI_CHUNK) {
             int64_t k = ss[i].count - o < MOEPT__MPI_CHUNK ? ss[i].count - o : MOEPT__MPI_CHUNK;
             if (!rows) {
                 const char *at = (const char *)send + (ss[i].offset + o) * es;
@@ -4121,6 +4122,30 @@ static moept_status moept__mpi_post_sends(moept_comm *c, const void *send, const
     return MOEPT_OK;
 }
 
+/* The pieces a rank sends itself, as copies (MPI would move them through
+   its self transport: a derived type packed, then unpacked). Counts must
+   match, as for a peer's message; a mismatch copies nothing and is named
+   once the peers' messages are done, so no rank is left waiting. */
+static int moept__mpi_self(moept_comm *c, const void *send, const int64_t *rows, int64_t re,
+                           const moept_seg *ss, void *recv, const moept_seg *rs, int nseg, int es) {
+    const moept_seg *s = ss + c->rank * nseg, *r = rs + c->rank * nseg;
+    for (int j = 0; j < nseg; j++)
+        if (s[j].count != r[j].count) return j;
+    for (int j = 0; j < nseg; j++) {
+        char *to = (char *)recv + r[j].offset * es;
+        if (!rows) {
+            memcpy(to, (const char *)send + s[j].offset * es, (size_t)(s[j].count * es));
+            continue;
+        }
+        for (int64_t e = s[j].offset, end = e + s[j].count; e < end;) { /* by rows, maybe mid-row */
+            int64_t row = e / re, n = (row + 1) * re < end ? (row + 1) * re - e : end - e;
+            memcpy(to, (const char *)send + (rows[row] * re + e - row * re) * es, (size_t)(n * es));
+            to += n * es; e += n;
+        }
+    }
+    return -1;
+}
+
 /* The blocking piecewise exchange (pieces, counts past INT_MAX), and
    alltoallv_rows itself (rows sent by index, moept.h): non-blocking
    point-to-point, each piece split into messages of at most
@@ -4134,7 +4159,11 @@ static moept_status moept__mpi_pieces(moept_comm *c, const void *send, const int
     moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, 0, m->reqs, &n);
     if (!st) st = moept__mpi_post_sends(c, send, rows, re, ss, nseg, es, 0, m->reqs, &n);
     if (st) return st;
+    int bad = moept__mpi_self(c, send, rows, re, ss, recv, rs, nseg, es);
     MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
+    if (bad >= 0)
+        return moept__comm_fail(c, MOEPT_ERR_COMM, "mpi alltoallv: rank %d sends itself other counts than it "
+                                "receives (piece %d)", c->rank, bad);
     return MOEPT_OK;
 }
 
@@ -4178,6 +4207,7 @@ static moept_status moept__mpi_ialltoallv(moept_comm *c, const void *send, const
     moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, tag, m->preq[slot], &n);
     if (!st) st = moept__mpi_post_sends(c, send, NULL, 1, ss, nseg, es, tag, m->preq[slot], &n);
     if (st) return st;
+    m->pbad[slot] = moept__mpi_self(c, send, NULL, 1, ss, recv, rs, nseg, es);
     m->npreq[slot] = n;
     return MOEPT_OK;
 }
@@ -4186,9 +4216,13 @@ static moept_status moept__mpi_wait(moept_comm *c, int slot) {
     moept__mpi *m = c->ctx;
     if (slot < 0 || slot >= MOEPT_COMM_SLOTS)
         return moept__comm_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "mpi wait: slot %d", slot);
-    int n = (int)m->npreq[slot];
+    int n = (int)m->npreq[slot], bad = m->pbad[slot];
     m->npreq[slot] = 0;
+    m->pbad[slot] = -1;
     if (n) MOEPT__MPI(c, MPI_Waitall(n, m->preq[slot], MPI_STATUSES_IGNORE));
+    if (bad >= 0)
+        return moept__comm_fail(c, MOEPT_ERR_COMM, "mpi ialltoallv: rank %d sends itself other counts than "
+                                "it receives (piece %d)", c->rank, bad);
     return MOEPT_OK;
 }
 
@@ -4307,6 +4341,7 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
     if (!c || !m) { MOEPT_FREE(c); MOEPT_FREE(m); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory"); }
     memset(c, 0, sizeof *c);
     memset(m, 0, sizeof *m);
+    for (int s = 0; s < MOEPT_COMM_SLOTS; s++) m->pbad[s] = -1;
     int rc = MPI_Comm_dup(comm, &m->comm);
     if (rc != MPI_SUCCESS) { MOEPT_FREE(c); MOEPT_FREE(m); return moept__thread_fail(MOEPT_ERR_COMM, "moept_comm_mpi: MPI_Comm_dup failed"); }
     MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
