@@ -418,34 +418,70 @@ static void moept__micro(int64_t kc, const float *ap, const float *bp,
 #endif /* !MOEPT_CBLAS */
 
 #ifndef MOEPT_CBLAS
-/* One descriptor's tiles of a packed (jc, pc) panel, shared by the team
-   (call inside the parallel region): row blocks of whole MR strips, about
-   MC rows, as many as a multiple of the team where m allows so each thread
-   gets the same rows; with fewer blocks than threads, column chunks of the
-   NR strips too. Which thread computes a tile never changes its value. */
-static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, int64_t kc, int64_t jc,
-                              int64_t nstrips, int first) {
-    const int64_t MR = MOEPT__MR, NR = MOEPT__NR;
-    int64_t nth = 1;
+/* B strips [s0, s1) of the panel (pc, jc; nc columns) into their places in
+   bpack: by row when B is row-major (contiguous reads across the strips) */
+static void moept__pack_b_span(const moept__gemm *g, int64_t pc, int64_t kc, int64_t jc, int64_t nc,
+                               int64_t s0, int64_t s1, float *bpack) {
+    const int64_t NR = MOEPT__NR;
+    if (g->trans_b) {
+        for (int64_t s = s0; s < s1; s++) moept__pack_bt(g, pc, jc + s * NR, kc, bpack + s * MOEPT__KC * NR);
+        return;
+    }
+    int64_t w = (nc < s1 * NR ? nc : s1 * NR) - s0 * NR;
+    for (int64_t p = 0; p < kc; p++) moept__pack_b_row(g, pc + p, jc + s0 * NR, w, bpack + s0 * MOEPT__KC * NR + p * NR);
+}
+
+/* How a descriptor's tiles split over nth threads: row blocks of whole MR
+   strips, about MC rows, as many as a multiple of the team where m allows
+   so each thread gets the same rows; with fewer blocks than threads, column
+   chunks of the NR strips too. */
+static void moept__gemm_split(const moept__gemm *g, int64_t nth, int64_t nstrips, int64_t *mblocks,
+                              int64_t *nchunks) {
+    int64_t mstrips = (g->m + MOEPT__MR - 1) / MOEPT__MR;
+    int64_t mb = (g->m + MOEPT__MC - 1) / MOEPT__MC, nch = 1;
+    if (mb >= nth) mb = (mb + nth - 1) / nth * nth;
+    if (mb > mstrips) mb = mstrips;
+    if (mb < nth) nch = (4 * nth + mb - 1) / mb;
+    *mblocks = mb;
+    *nchunks = nch > nstrips ? nstrips : nch;
+}
+
+/* One descriptor's tiles of a B panel (jc, pc; call inside the parallel
+   region). Each row block's A strips are packed by the thread that
+   computes them, just before (in its L2, no barrier between), unless
+   column chunks share the block: then A is packed by all first. packb:
+   B is not packed yet and each strip has one task (a single row block),
+   which packs it a few strips at a time, each used while in cache. Which
+   thread computes a tile never changes its value. */
+static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, int64_t pc, int64_t kc,
+                              int64_t jc, int64_t nc, int packb) {
+    const int64_t MR = MOEPT__MR, NR = MOEPT__NR, nstrips = (nc + NR - 1) / NR;
+    int64_t nth = 1, mblocks, nchunks;
 #ifdef _OPENMP
     nth = omp_get_num_threads();
 #endif
+    moept__gemm_split(g, nth, nstrips, &mblocks, &nchunks);
     int64_t mstrips = (g->m + MR - 1) / MR;
-    int64_t mblocks = (g->m + MOEPT__MC - 1) / MOEPT__MC, nchunks = 1;
-    if (mblocks >= nth) mblocks = (mblocks + nth - 1) / nth * nth;
-    if (mblocks > mstrips) mblocks = mstrips;
-    if (mblocks < nth) nchunks = (4 * nth + mblocks - 1) / mblocks;
-    if (nchunks > nstrips) nchunks = nstrips;
+    if (nchunks > 1) { /* blocks shared by threads: A packed once, first */
+        #pragma omp for schedule(static)
+        for (int64_t s = 0; s < mstrips; s++) moept__pack_a(g, s * MR, pc, kc, ws->apack + s * MOEPT__KC * MR);
+    }
     int64_t ntasks = mblocks * nchunks;
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntasks; t++) {
         int64_t mb = t / nchunks, ch = t % nchunks;
         int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
         int64_t i0 = mstrips * mb / mblocks, i1 = mstrips * (mb + 1) / mblocks;
-        for (int64_t s = s0; s < s1; s++)
-            for (int64_t i = i0; i < i1; i++)
-                moept__micro(kc, ws->apack + i * MOEPT__KC * MR, ws->bpack + s * MOEPT__KC * NR, g, i * MR,
-                             jc + s * NR, first);
+        if (nchunks == 1)
+            for (int64_t i = i0; i < i1; i++) moept__pack_a(g, i * MR, pc, kc, ws->apack + i * MOEPT__KC * MR);
+        for (int64_t sg = s0; sg < s1; sg += 8) {
+            int64_t sg1 = sg + 8 < s1 ? sg + 8 : s1;
+            if (packb) moept__pack_b_span(g, pc, kc, jc, nc, sg, sg1, ws->bpack);
+            for (int64_t s = sg; s < sg1; s++)
+                for (int64_t i = i0; i < i1; i++)
+                    moept__micro(kc, ws->apack + i * MOEPT__KC * MR, ws->bpack + s * MOEPT__KC * NR, g, i * MR,
+                                 jc + s * NR, pc == 0);
+        }
     }
 }
 
@@ -454,39 +490,32 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
    each B panel is packed once for all of them, and every element of C gets
    the same packed operands and the same sequence of k-block sums as with
    one call per descriptor, so the results are bitwise those. Each m must fit
-   the A packing buffer (m <= m_max). */
+   the A packing buffer (m <= m_max). One parallel region for all panels: B
+   is packed by the team (then a barrier), or, for one descriptor of one
+   row block, strip by strip by the tasks that use it. */
 static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gemm_ws *ws) {
     const moept__gemm *g0 = &gs[0];
-    const int64_t MR = MOEPT__MR, NR = MOEPT__NR;
+    const int64_t NR = MOEPT__NR;
     int64_t mtotal = 0;
     for (int64_t d = 0; d < count; d++) mtotal += gs[d].m;
-    (void)mtotal; /* read only by the parallel region's condition */
+    int64_t work = mtotal * (g0->n < MOEPT__NC ? g0->n : MOEPT__NC) * (g0->k < MOEPT__KC ? g0->k : MOEPT__KC);
+    (void)work; /* read only by the parallel region's condition */
+    #pragma omp parallel if (work > (1 << 19))
     for (int64_t jc = 0; jc < g0->n; jc += MOEPT__NC) {
-        int64_t nc = g0->n - jc < MOEPT__NC ? g0->n - jc : MOEPT__NC;
-        int64_t nstrips = (nc + NR - 1) / NR;
+        int64_t nc = g0->n - jc < MOEPT__NC ? g0->n - jc : MOEPT__NC, nstrips = (nc + NR - 1) / NR;
+        int64_t nth = 1, mblocks, nchunks;
+#ifdef _OPENMP
+        nth = omp_get_num_threads();
+#endif
+        moept__gemm_split(g0, nth, nstrips, &mblocks, &nchunks);
+        int packb = count == 1 && mblocks == 1;
         for (int64_t pc = 0; pc < g0->k; pc += MOEPT__KC) {
             int64_t kc = g0->k - pc < MOEPT__KC ? g0->k - pc : MOEPT__KC;
-            int first = pc == 0;
-            #pragma omp parallel if (mtotal * nc * kc > (1 << 19))
-            {
-                if (g0->trans_b) {
-                    #pragma omp for schedule(static)
-                    for (int64_t s = 0; s < nstrips; s++)
-                        moept__pack_bt(g0, pc, jc + s * NR, kc, ws->bpack + s * MOEPT__KC * NR);
-                } else {
-                    #pragma omp for schedule(static)
-                    for (int64_t p = 0; p < kc; p++)
-                        moept__pack_b_row(g0, pc + p, jc, nc, ws->bpack + p * NR);
-                }
-                for (int64_t d = 0; d < count; d++) {
-                    const moept__gemm *g = &gs[d];
-                    int64_t mstrips = (g->m + MR - 1) / MR;
-                    #pragma omp for schedule(static)
-                    for (int64_t s = 0; s < mstrips; s++)
-                        moept__pack_a(g, s * MR, pc, kc, ws->apack + s * MOEPT__KC * MR);
-                    moept__gemm_tiles(g, ws, kc, jc, nstrips, first);
-                }
+            if (!packb) {
+                #pragma omp for schedule(static)
+                for (int64_t s = 0; s < nstrips; s++) moept__pack_b_span(g0, pc, kc, jc, nc, s, s + 1, ws->bpack);
             }
+            for (int64_t d = 0; d < count; d++) moept__gemm_tiles(&gs[d], ws, pc, kc, jc, nc, packb);
         }
     }
 }
