@@ -585,6 +585,44 @@ static void test_bf16_rounding(void) {
     }
 }
 
+/* The CPU executor's activation rows (eight-wide for gated SiLU) equal
+   moept.h's per-element functions bitwise, for every kind, on a row whose
+   width leaves a tail: random values, the exp's clamp edges, +-inf, NaN
+   (NaN compared as "is NaN"), backward in place as the layer runs it. */
+static int same_bits(float a, float b) {
+    uint32_t x, y;
+    memcpy(&x, &a, 4); memcpy(&y, &b, 4);
+    return x == y || (a != a && b != b);
+}
+static void test_activation_rows(void) {
+    enum { F = 8 * 37 + 5 };
+    static float h[2 * F], dh[2 * F], a[F], da[F];
+    const float edge[] = {-87.3f, -87.31f, 87.3f, 88.7f, 88.71f, -88.7f, 0.0f, -0.0f, 1e-30f, 200.0f, -200.0f,
+                          INFINITY, -INFINITY, NAN};
+    uint64_t st = 5;
+    for (int kind = 0; kind < 4; kind++) {
+        for (int j = 0; j < 2 * F; j++) {
+            h[j] = ((float)(moept__mix(&st) >> 40) * 0x1p-24f - 0.5f) * 40.0f;
+            if (j % 7 == 3) h[j] = edge[(j / 7) % (int)(sizeof edge / sizeof edge[0])];
+        }
+        for (int j = 0; j < F; j++) da[j] = (float)(moept__mix(&st) >> 40) * 0x1p-24f - 0.5f;
+        moept__act_fwd_rowv(kind, h, F, a);
+        memcpy(dh, h, sizeof h);
+        moept__act_bwd_rowv(kind, dh, da, F, dh);
+        int bad = -1;
+        for (int j = 0; j < F && bad < 0; j++) {
+            int gated = moept__act_gated(kind);
+            float dg, du, u = gated ? h[F + j] : 0.0f;
+            moept__act_bwd1(kind, h[j], u, da[j], &dg, &du);
+            if (!same_bits(a[j], moept__act_fwd1(kind, h[j], u)) || !same_bits(dh[j], dg) ||
+                (gated && !same_bits(dh[F + j], du)))
+                bad = j;
+        }
+        EXPECT(bad < 0, "activation %d: row differs from the per-element functions at %d (h %g, %g)", kind, bad,
+               bad < 0 ? 0.0 : (double)h[bad], bad < 0 ? 0.0 : (double)h[F + bad]);
+    }
+}
+
 /* moept__chunk_of (the CUDA chunk count's token -> chunk) inverts
    moept__chunk_start (the chunk boundaries both executors use), for every
    token of every T up to 300 and every C up to MOEPT_MAX_CHUNKS, C > T
@@ -804,5 +842,6 @@ int main(void) {
     RUN(test_chunk_of_token);
     RUN(test_cublas_arguments);
     RUN(test_bf16_rounding);
+    RUN(test_activation_rows);
     return tu_done();
 }
