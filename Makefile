@@ -195,7 +195,7 @@ GEMM_BINS = $(GEMM_TESTS:%=$(B)/gemm-portable/%) $(B)/gemm-scalar/moept_check $(
             $(if $(GEMM_V3),$(GEMM_TESTS:%=$(B)/gemm-v3/%)) $(if $(GEMM_V4),$(GEMM_TESTS:%=$(B)/gemm-v4/%)) \
             $(if $(A64_OK),$(GEMM_TESTS:%=$(B)/aarch64/%) $(B)/aarch64/test_ep)
 GEMM_FLAGS_portable = -DMOEPT_GEMM_PORTABLE
-GEMM_FLAGS_scalar = -DMOEPT_GEMM_PORTABLE -DMOEPT__GEMM_SCALAR
+GEMM_FLAGS_scalar = -DMOEPT_GEMM_PORTABLE -DMOEPT__GEMM_SCALAR -DMOEPT_NO_VEC
 GEMM_FLAGS_v3 = -march=x86-64-v3
 GEMM_FLAGS_v4 = -march=x86-64-v4
 

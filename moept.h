@@ -23,6 +23,8 @@
      MOEPT_GEMM_PORTABLE  the builtin GEMM's portable C kernel even where an
                         AVX-512, AVX2+FMA or NEON one exists (the kernel is
                         otherwise picked from the target: -march matters).
+     MOEPT_NO_VEC       the activations' plain scalar loops instead of
+                        GCC/clang vector types (bitwise the same results).
      MOEPT_MPI          the MPI backend (moept_comm_mpi); compile with mpicc.
      MOEPT_CUDA         the CUDA executor and NCCL backend: compile moept.c
                         with -DMOEPT_CUDA -I$CUDA_HOME/include, compile
