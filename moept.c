@@ -428,7 +428,8 @@ static void moept__pack_b_span(const moept__gemm *g, int64_t pc, int64_t kc, int
         return;
     }
     int64_t w = (nc < s1 * NR ? nc : s1 * NR) - s0 * NR;
-    for (int64_t p = 0; p < kc; p++) moept__pack_b_row(g, pc + p, jc + s0 * NR, w, bpack + s0 * MOEPT__KC * NR + p * NR);
+    float *dst = bpack + s0 * MOEPT__KC * NR;
+    for (int64_t p = 0; p < kc; p++) moept__pack_b_row(g, pc + p, jc + s0 * NR, w, dst + p * NR);
 }
 
 /* How a descriptor's tiles split over nth threads: row blocks of whole MR
@@ -455,7 +456,7 @@ static void moept__gemm_split(const moept__gemm *g, int64_t nth, int64_t nstrips
    thread computes a tile never changes its value. */
 static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, int64_t pc, int64_t kc,
                               int64_t jc, int64_t nc, int packb) {
-    const int64_t MR = MOEPT__MR, NR = MOEPT__NR, nstrips = (nc + NR - 1) / NR;
+    const int64_t MR = MOEPT__MR, NR = MOEPT__NR, KC = MOEPT__KC, nstrips = (nc + NR - 1) / NR;
     int64_t nth = 1, mblocks, nchunks;
 #ifdef _OPENMP
     nth = omp_get_num_threads();
@@ -464,7 +465,7 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
     int64_t mstrips = (g->m + MR - 1) / MR;
     if (nchunks > 1) { /* blocks shared by threads: A packed once, first */
         #pragma omp for schedule(static)
-        for (int64_t s = 0; s < mstrips; s++) moept__pack_a(g, s * MR, pc, kc, ws->apack + s * MOEPT__KC * MR);
+        for (int64_t s = 0; s < mstrips; s++) moept__pack_a(g, s * MR, pc, kc, ws->apack + s * KC * MR);
     }
     int64_t ntasks = mblocks * nchunks;
     #pragma omp for schedule(static)
@@ -473,14 +474,14 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
         int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
         int64_t i0 = mstrips * mb / mblocks, i1 = mstrips * (mb + 1) / mblocks;
         if (nchunks == 1)
-            for (int64_t i = i0; i < i1; i++) moept__pack_a(g, i * MR, pc, kc, ws->apack + i * MOEPT__KC * MR);
+            for (int64_t i = i0; i < i1; i++) moept__pack_a(g, i * MR, pc, kc, ws->apack + i * KC * MR);
         for (int64_t sg = s0; sg < s1; sg += 8) {
             int64_t sg1 = sg + 8 < s1 ? sg + 8 : s1;
             if (packb) moept__pack_b_span(g, pc, kc, jc, nc, sg, sg1, ws->bpack);
             for (int64_t s = sg; s < sg1; s++)
                 for (int64_t i = i0; i < i1; i++)
-                    moept__micro(kc, ws->apack + i * MOEPT__KC * MR, ws->bpack + s * MOEPT__KC * NR, g, i * MR,
-                                 jc + s * NR, pc == 0);
+                    moept__micro(kc, ws->apack + i * KC * MR, ws->bpack + s * KC * NR, g, i * MR, jc + s * NR,
+                                 pc == 0);
         }
     }
 }
@@ -511,9 +512,10 @@ static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gem
         int packb = count == 1 && mblocks == 1;
         for (int64_t pc = 0; pc < g0->k; pc += MOEPT__KC) {
             int64_t kc = g0->k - pc < MOEPT__KC ? g0->k - pc : MOEPT__KC;
-            if (!packb) {
+            if (!packb) { /* eight strips a task: rows of B read 8 NR wide */
                 #pragma omp for schedule(static)
-                for (int64_t s = 0; s < nstrips; s++) moept__pack_b_span(g0, pc, kc, jc, nc, s, s + 1, ws->bpack);
+                for (int64_t s = 0; s < nstrips; s += 8)
+                    moept__pack_b_span(g0, pc, kc, jc, nc, s, s + 8 < nstrips ? s + 8 : nstrips, ws->bpack);
             }
             for (int64_t d = 0; d < count; d++) moept__gemm_tiles(&gs[d], ws, pc, kc, jc, nc, packb);
         }

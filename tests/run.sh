@@ -105,8 +105,8 @@ suite "gemm: micro-kernel assembly (gcc, clang; native, x86-64-v3, x86-64-v4, aa
 suite "gemm portable kernel: reference cases" "$B/gemm-portable/moept_check" $CASES
 suite "gemm portable kernel: test_grad" "$B/gemm-portable/test_grad"
 suite "gemm portable kernel: test_props (every transpose, edges, beta)" "$B/gemm-portable/test_props"
-suite "gemm portable kernel, scalar (and scalar activations): reference cases" "$B/gemm-scalar/moept_check" $CASES
-suite "gemm portable kernel, scalar (and scalar activations): test_props" "$B/gemm-scalar/test_props"
+suite "gemm portable kernel, scalar (activations too): reference cases" "$B/gemm-scalar/moept_check" $CASES
+suite "gemm portable kernel, scalar (activations too): test_props" "$B/gemm-scalar/test_props"
 if [ -n "$GEMM_V3" ]; then
     suite "gemm -march=x86-64-v3 (AVX2+FMA): reference cases" "$B/gemm-v3/moept_check" $CASES
     suite "gemm -march=x86-64-v3 (AVX2+FMA): test_grad" "$B/gemm-v3/test_grad"

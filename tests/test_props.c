@@ -618,8 +618,8 @@ static void test_activation_rows(void) {
                 (gated && !same_bits(dh[F + j], du)))
                 bad = j;
         }
-        EXPECT(bad < 0, "activation %d: row differs from the per-element functions at %d (h %g, %g)", kind, bad,
-               bad < 0 ? 0.0 : (double)h[bad], bad < 0 ? 0.0 : (double)h[F + bad]);
+        double g = bad < 0 ? 0.0 : (double)h[bad], u = bad < 0 ? 0.0 : (double)h[F + bad];
+        EXPECT(bad < 0, "activation %d: row differs from the per-element functions at %d (h %g, %g)", kind, bad, g, u);
     }
 }
 
