@@ -1788,17 +1788,8 @@ static inline moept__fv moept__expv(moept__fv x) {
     x = MOEPT__SEL(x > 88.7f, zero + 88.7f, x);
     moept__iv fin = ((moept__iv)x & 0x7f800000) != 0x7f800000;
     moept__fv xi = MOEPT__SEL(fin, x, zero);
-    moept__fv n = (xi * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    moept__fv r = x - n * 0.693145751953125f;
-    r = r - n * 1.428606765330187045e-06f;
-    moept__fv p = zero + 1.9841269841e-4f;
-    p = p * r + 1.3888888889e-3f;
-    p = p * r + 8.3333333333e-3f;
-    p = p * r + 4.1666666667e-2f;
-    p = p * r + 1.6666666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    moept__fv n, r, p;
+    MOEPT__EXP_STEPS(x, xi, zero, n, r, p);
     moept__iv bits = (__builtin_convertvector(n, moept__iv) + 127) * (1 << 23);
     return p * (moept__fv)bits;
 }

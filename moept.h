@@ -880,23 +880,30 @@ MOEPT_HD static inline int moept__finite(float v) {
    Taylor polynomial; error within 2 ulp. Branch-free so loops vectorise.
    Inputs are clamped to [-87.3, 88.7]: results stay normal and finite (a
    saturated e^-100 reads 1.2e-38, not 3.7e-44, which no sum notices). */
+/* Its steps after the clamps, for a float or a float vector (the CPU's
+   vector rows in moept.c run the same, so they round alike): n, r = x - n
+   ln 2 in two parts (n*C exact), then e^r by Horner. */
+#define MOEPT__EXP_STEPS(x, xi, zero, n, r, p) do {                     \
+        n = (xi * 1.44269504088896341f + 12582912.0f) - 12582912.0f;    \
+        r = x - n * 0.693145751953125f;                                 \
+        r = r - n * 1.428606765330187045e-06f;                          \
+        p = (zero) + 1.9841269841e-4f;                                  \
+        p = p * r + 1.3888888889e-3f;                                   \
+        p = p * r + 8.3333333333e-3f;                                   \
+        p = p * r + 4.1666666667e-2f;                                   \
+        p = p * r + 1.6666666667e-1f;                                   \
+        p = p * r + 0.5f;                                               \
+        p = p * r + 1.0f;                                               \
+        p = p * r + 1.0f;                                               \
+    } while (0)
 MOEPT_HD static inline float moept__exp(float x) {
     x = x < -87.3f ? -87.3f : x;
     x = x > 88.7f ? 88.7f : x;
     /* n from a number: NaN in stays NaN out (through r), and converting NaN
        to an integer is undefined in C (a sync-free step runs on with it) */
     const float xi = moept__finite(x) ? x : 0.0f;
-    float n = (xi * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693145751953125f;        /* ln 2, high part: n*C exact */
-    r = r - n * 1.428606765330187045e-06f;        /* ln 2, low part */
-    float p = 1.9841269841e-4f;
-    p = p * r + 1.3888888889e-3f;
-    p = p * r + 8.3333333333e-3f;
-    p = p * r + 4.1666666667e-2f;
-    p = p * r + 1.6666666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    float n, r, p;
+    MOEPT__EXP_STEPS(x, xi, 0.0f, n, r, p);
     int32_t bits = ((int32_t)n + 127) * (1 << 23);
 #ifdef __CUDA_ARCH__
     return p * __int_as_float(bits);
