@@ -586,20 +586,6 @@ typedef struct moept__param {
     int64_t flat;          /* fsdp: offset in the full expert space (data, grad NULL); else -1 */
 } moept__param;
 
-/* A rank's step, as its peers read it on the direct (shared-memory) path. */
-typedef struct moept__view {
-    const float *x;              /* [T][D] token rows */
-    const float *dy;             /* [T][D] (backward) */
-    const float *wts;            /* [T][K] routing weights */
-    const int64_t *tok_of_row;   /* [N] */
-    const int32_t *slot_of_row;  /* [N] */
-    const int64_t *offsets;      /* [E+1] its permuted rows per expert */
-    const moept_seg *recv_segs;  /* [P][El] where its experts keep each source's rows */
-    float *yr;                   /* [Rcap][D] its experts' outputs; dys; dxs */
-    float *dwts;                 /* [T][K] dL/dw, written by the experts' ranks */
-    int64_t K;
-} moept__view;
-
 struct moept_layer {
     moept_config cfg;      /* resolved */
     int64_t D, F, E, K, S; /* hidden, expert width, experts, top-k, shared */
@@ -663,8 +649,12 @@ struct moept_layer {
                               values, sequences */
     int64_t *peer_rows;    /* [2][P] rows sent to / received from each peer */
     int direct;            /* ranks share memory: exchange by reading peers' rows in place */
-    struct moept__view *view;     /* what this rank shows its peers (direct) */
-    const struct moept__view **peers; /* [P] every rank's view (direct) */
+    void *shm;             /* direct: this rank's shared block (ep->shm_free) */
+    float **shbase;        /* [2][P] direct: every rank's shared block, [shcap][D] xr then
+                              [shcap][D] yr; the second half: a growing step's new blocks */
+    int64_t shcap;         /* direct: rows of xr (and of yr) every rank's shared block holds */
+    int64_t *allcnt, *allcnt_next; /* [P][E] direct: every rank's rows per slot */
+    int64_t *dst_row;      /* [E] direct: where our rows of slot s start in its rank's xr/yr */
 
     /* plan */
     int64_t *counts;       /* [E] rows kept per expert */
@@ -964,6 +954,7 @@ void moept_destroy(moept_layer *L) {
     MOEPT_FREE(L->table);
     MOEPT_FREE(L->work);
     MOEPT_FREE(L->rwork);
+    if (L->shm) L->ep->shm_free(L->ep, L->shm);
     MOEPT_FREE(L->opt_m);
     MOEPT_FREE(L);
 }
@@ -1004,8 +995,11 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->row_of = moept__take(c, (size_t)(T * K) * i64);
     L->tok_of_row = moept__take(c, (size_t)N * i64);
     L->slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
-    L->view = moept__take(c, sizeof(moept__view));
-    L->peers = moept__take(c, (size_t)L->P * sizeof(void *));
+    const int dir = L->direct;
+    L->shbase = moept__take(c, dir ? (size_t)(2 * L->P) * sizeof(float *) : 0);
+    L->allcnt = moept__take(c, dir ? (size_t)(L->P * E) * i64 : 0);
+    L->allcnt_next = moept__take(c, dir ? (size_t)(L->P * E) * i64 : 0);
+    L->dst_row = moept__take(c, dir ? (size_t)E * i64 : 0);
     L->seqstat = moept__take(c, (size_t)(2 * E + 1) * sizeof(double));
     const int64_t nseq = L->cfg.aux_loss == MOEPT_AUX_SEQ ? T / L->cfg.aux_seq_len : 1; /* T a multiple */
     L->aux_g = moept__take(c, (size_t)(nseq * E) * f);
@@ -1064,7 +1058,7 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
    xs, ys), h, a (an inference layer writes a over h), and the chunked
    backward's da, dxs */
 static void moept__recv_widths(const moept_layer *L, int64_t w[6]) {
-    const int own_xy = L->P > 1, train = !L->cfg.inference_only, ch = train && L->C > 1;
+    const int own_xy = L->P > 1 && !L->direct, train = !L->cfg.inference_only, ch = train && L->C > 1;
     w[0] = w[1] = own_xy ? L->D : 0;
     w[2] = L->H;
     w[3] = train ? L->F : 0;
@@ -1080,7 +1074,7 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     if (need <= L->Rcap && L->rwork) return 1;
     int64_t cap = need > 2 * L->Rcap ? need : 2 * L->Rcap;
     if (cap < 1) cap = 1;
-    int own_xy = L->P > 1;
+    int own_xy = L->P > 1 && !L->direct; /* direct: xr and yr are shared (moept__grow_shared) */
     const int train = !L->cfg.inference_only;
     int64_t wd[6];
     moept__recv_widths(L, wd);
@@ -1106,8 +1100,10 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     }
     MOEPT_FREE(L->rwork);
     L->rwork = blk;
-    L->xr = own_xy ? xr : L->xs;
-    L->yr = own_xy ? yr : L->ys;
+    if (!L->direct) {
+        L->xr = own_xy ? xr : L->xs;
+        L->yr = own_xy ? yr : L->ys;
+    }
     L->h = h;
     L->a = train ? a : h;
     L->lda_a = train ? L->F : L->H;
@@ -1119,18 +1115,48 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     return 1;
 }
 
+/* Direct path: every rank's shared block holds cap >= need rows of xr and
+   of yr. Collective: the need is the largest over ranks (all compute it
+   alike from the all-gathered counts), so all grow together, the same cap.
+   The committed step's rows are kept; on failure (every rank's, the comm
+   agrees) nothing changed. */
+static moept_status moept__grow_shared(moept_layer *L, int64_t need) {
+    if (need <= L->shcap && L->shm) return MOEPT_OK;
+    int64_t cap = !L->shm || need > 2 * L->shcap ? need : 2 * L->shcap;
+    if (cap < 1) cap = 1;
+    const int64_t D = L->D, P = L->P;
+    void *h = NULL;
+    moept_status st = L->ep->shm_alloc(L->ep, 2 * cap * D * (int64_t)sizeof(float), (void **)(L->shbase + P), &h);
+    if (st) return st;
+    float *xr = L->shbase[P + L->rank], *yr = xr + cap * D;
+    int64_t keep = L->shm && L->fwd_valid ? L->R : 0;
+    if (keep > 0) {
+        memcpy(xr, L->xr, (size_t)(keep * D) * sizeof(float));
+        memcpy(yr, L->yr, (size_t)(keep * D) * sizeof(float));
+    }
+    if (L->shm) L->ep->shm_free(L->ep, L->shm);
+    L->mem.allocations++; /* the comm's memory, the layer's rows */
+    L->mem.bytes += 2 * cap * D * (int64_t)sizeof(float);
+    memcpy(L->shbase, L->shbase + P, (size_t)P * sizeof(float *));
+    L->shm = h;
+    L->shcap = cap;
+    L->xr = xr;
+    L->yr = yr;
+    return MOEPT_OK;
+}
+
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later). */
-#define MOEPT__NFP 27
+#define MOEPT__NFP 28
 #define MOEPT__NFP_MODEL 18 /* the model's fields, first: a checkpoint's fingerprint */
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
     "global_balance", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed", "aux_seq_len",
-    "inference_only", "grad_backup", "EP size", "DP size"};
+    "inference_only", "grad_backup", "EP size", "DP size", "EP comm's shared memory (shm_alloc)"};
 
-static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int64_t *fp) {
+static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int shm, int64_t *fp) {
     float fl[5] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor,
                    c->router_jitter};
     int32_t b[5];
@@ -1140,7 +1166,7 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
                              c->global_balance, c->overlap_chunks, c->expert_sharding, b[4],
                              (int64_t)c->jitter_seed, c->aux_seq_len,
-                             c->inference_only, c->grad_backup, P, DP};
+                             c->inference_only, c->grad_backup, P, DP, shm};
     memcpy(fp, v, sizeof v);
 }
 
@@ -1167,6 +1193,27 @@ static moept_status moept__agree_config(moept_comm *comm, const char *group, con
                                             (long long)buf[r * MOEPT__NFP + k]);
     }
     if (buf != all) MOEPT_FREE(buf);
+    return st;
+}
+
+/* the EP comm offers the direct path's shared memory (every rank must agree) */
+static int moept__has_shm(const moept_comm *ep) {
+    return ep && ep->size > 1 && ep->shm_alloc && ep->shm_free && ep->barrier;
+}
+
+static int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st);
+static moept_status moept__comm_fail(moept_comm *c, moept_status s, const char *fmt, ...);
+
+/* *most = the largest v over the group (an out-of-memory rank fails all) */
+static moept_status moept__group_max(moept_comm *g, int64_t v, int64_t *most) {
+    int64_t few[64], *all = g->size <= 64 ? few : moept__alloc(NULL, (size_t)g->size * sizeof(int64_t));
+    moept_status st;
+    int64_t failed = moept__any_failed(g, NULL, all == NULL, &st);
+    if (!st && failed) st = moept__comm_fail(g, MOEPT_ERR_OUT_OF_MEMORY, "a rank is out of memory");
+    if (!st) st = g->allgather(g, &v, all, (int64_t)sizeof v);
+    *most = v;
+    for (int q = 0; !st && q < g->size; q++) *most = all[q] > *most ? all[q] : *most;
+    if (all != few) MOEPT_FREE(all);
     return st;
 }
 
@@ -1205,7 +1252,7 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
     char mine[MOEPT__ERRLEN];
     memcpy(mine, moept__thread_err, sizeof mine);
     int64_t fp[MOEPT__NFP];
-    moept__fingerprint(&c, st == MOEPT_OK, P, DP, fp);
+    moept__fingerprint(&c, st == MOEPT_OK, P, DP, moept__has_shm(ep), fp);
     moept_status ag = moept__agree_config(ep, "EP", fp);
     if (!ag) ag = moept__agree_config(dp, "DP", fp);
     if (st) { memcpy(moept__thread_err, mine, sizeof mine); return st; }
@@ -1236,7 +1283,7 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
         L->C = c.overlap_chunks;
         /* chunked overlap needs the exchange's own buffers (the direct
            shared-memory path has no exchange to overlap) */
-        L->direct = L->ep && ep->share && ep->barrier && L->C == 1;
+        L->direct = L->ep && moept__has_shm(ep) && L->C == 1;
         int gated = moept__act_gated(L->act);
         L->H = gated ? 2 * L->F : L->F;
         L->HS = gated ? 2 * L->S : L->S;
@@ -1313,6 +1360,13 @@ moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moep
         if (st) return moept__thread_fail(st, "moept_create: failure agreement failed: %s", ep && ep->err[0] ? ep->err : dp ? dp->err : "");
         return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, L ? "moept_create: another rank ran out of memory"
                                                              : "moept_create: out of memory for the layer");
+    }
+    /* the direct path's shared rows: every rank allocates them, or none,
+       all of the same size (the largest max_tokens' rows) */
+    int64_t rows = 0;
+    if (L->direct && ((st = moept__group_max(ep, L->Nmax, &rows)) || (st = moept__grow_shared(L, rows)))) {
+        moept_destroy(L);
+        return moept__thread_fail(st, "moept_create: the experts' shared rows: %s", ep->err);
     }
     *out = L;
     return MOEPT_OK;
@@ -1982,40 +2036,38 @@ static void moept__row_scale(float *y, float w, const float *x, int64_t n) {
     for (; d < n; d++) y[d] = moept__scale(w, x[d]);
 }
 
-/* Direct path: where row r of this rank's permuted order (slot s) lives
-   in the yr buffer of the slot's rank. */
-static inline float *moept__remote_row(const moept_layer *L, int64_t s, int64_t r) {
-    int64_t q = s / L->El, j = s % L->El;
-    const moept__view *vq = L->peers[q];
-    return vq->yr + vq->recv_segs[L->rank * L->El + j].offset + (r - L->offsets[s]) * L->D;
+/* Direct path: row r of this rank's permuted order (slot s) where the
+   slot's rank keeps it: in its xr (out = 0) or its yr (out = 1) */
+static inline float *moept__shared_row(const moept_layer *L, int64_t s, int64_t r, int out) {
+    const int64_t D = L->D;
+    return L->shbase[s / L->El] + (out * L->shcap + L->dst_row[s] + r - L->offsets[s]) * D;
 }
 
-/* Direct dispatch, expert side: gather every source's rows for this rank's
-   experts straight from the sources' token rows into xr (rows move once,
-   no permuted send buffer). With dys = 1, the backward: for each of our
-   output rows, dL/dw = <output, dy> goes straight into the source's dwts,
-   and the row is overwritten by w * dy (one pass over each row). */
-static void moept__direct_gather(moept_layer *L, int dys) {
-    const int64_t D = L->D, El = L->El;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t e = (int64_t)L->rank * El + j; /* our slot j */
-        for (int p = 0; p < L->P; p++) {
-            const moept__view *vp = L->peers[p];
-            int64_t n = L->rcounts[p * El + j], base = vp->offsets[e];
-            float *dst = (dys ? L->yr : L->xr) + L->recv_segs[p * El + j].offset;
-            for (int64_t i = 0; i < n; i++) {
-                int64_t t = vp->tok_of_row[base + i];
-                if (!dys) {
-                    memcpy(dst + i * D, vp->x + t * D, (size_t)D * sizeof(float));
-                } else {
-                    int64_t slot = t * vp->K + vp->slot_of_row[base + i];
-                    const float *src = vp->dy + t * D;
-                    float *o = dst + i * D, w = vp->wts[slot];
-                    vp->dwts[slot] = (float)moept__dot(o, src, D);
-                    moept__row_scale(o, w, src, D);
-                }
+/* Direct plan: where our rows of each slot start in its rank's xr/yr.
+   That rank's order (expert-major, then by source rank), from everyone's
+   counts. */
+static void moept__direct_plan(moept_layer *L) {
+    const int64_t E = L->E, El = L->El, P = L->P;
+    for (int64_t q = 0; q < P; q++) {
+        int64_t off = 0;
+        for (int64_t s = q * El; s < (q + 1) * El; s++)
+            for (int64_t p = 0; p < P; p++) {
+                if (p == L->rank) L->dst_row[s] = off;
+                off += L->allcnt[p * E + s];
             }
-        }
+    }
+}
+
+/* Direct dispatch: our rows straight from x into the experts' ranks' xr
+   (each row moves once, no send buffer) */
+static void moept__direct_push(moept_layer *L, const float *x) {
+    const int64_t D = L->D, E = L->E;
+    #pragma omp parallel MOEPT__PAR(L->N * D)
+    for (int64_t s = 0; s < E; s++) {
+        float *dst = moept__shared_row(L, s, L->offsets[s], 0);
+        const int64_t *tok = L->tok_of_row + L->offsets[s];
+        #pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < L->counts[s]; i++) memcpy(dst + i * D, x + tok[i] * D, (size_t)D * sizeof(float));
     }
 }
 
@@ -2210,7 +2262,7 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
             float w = wts[t * K + k];
-            const float *src = L->direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : L->ys + r * D;
+            const float *src = L->direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : L->ys + r * D;
             moept__row_axpy(yt, w, src, D);
         }
     }
@@ -2597,6 +2649,33 @@ static void moept__fwd_count(moept_layer *L, const moept__fstep *f) {
     }
 }
 
+/* 4, direct: every rank's counts to every rank (allcnt_next), so each
+   knows where its rows go in the experts' shared rows and how many rows
+   every rank's experts get */
+static moept_status moept__fwd_gather_counts(moept_layer *L, moept__fstep *f) {
+    const int64_t E = L->E, El = L->El, P = L->P;
+    double t0 = moept__now();
+    moept_status st = L->ep->allgather(L->ep, L->counts_next, L->allcnt_next, E * (int64_t)sizeof(int64_t));
+    L->stats.comm_seconds += moept__now() - t0;
+    if (st) return moept__fail(L, st, "moept_forward: count all-gather failed: %s", L->ep->err);
+    int64_t R = 0;
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t j = 0; j < El; j++) R += L->rcounts_next[p * El + j] = L->allcnt_next[p * E + L->rank * El + j];
+    f->R_next = R;
+    return MOEPT_OK;
+}
+
+/* the most rows any rank's experts get next step (direct) */
+static int64_t moept__max_recv(const moept_layer *L) {
+    int64_t most = 0;
+    for (int64_t q = 0; q < L->P; q++) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < L->P * L->E; i++) n += i % L->E / L->El == q ? L->allcnt_next[i] : 0;
+        most = n > most ? n : most;
+    }
+    return most;
+}
+
 /* 4. counts before data, always: no rank trusts sizes it computed alone.
    rcounts_next [P][El] (chunked: rccnt_next [P][C][El]) and R_next, the
    rows this rank's experts will receive. */
@@ -2609,6 +2688,7 @@ static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) 
         f->R_next = R;
         return MOEPT_OK;
     }
+    if (L->direct) return moept__fwd_gather_counts(L, f);
     moept_seg *cs = L->count_segs, *cr = L->count_segs + P;
     const int64_t per = C * El; /* chunked: every chunk's counts, [c][j] per peer */
     for (int64_t q = 0; q < P; q++) cs[q] = cr[q] = (moept_seg){q * per, per};
@@ -2637,7 +2717,10 @@ static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) 
 static moept_status moept__fwd_agree_growth(moept_layer *L, const moept__fstep *f) {
     moept_status local = MOEPT_OK, st;
     moept_comm *grp = L->group, *dp = f->global ? L->dp : NULL;
-    if (!moept__grow_recv(L, f->R_next))
+    if (L->direct && (st = moept__grow_shared(L, moept__max_recv(L)))) /* all grow, or none */
+        local = moept__fail(L, st, "moept_forward: cannot grow the shared rows to %lld: %s",
+                            (long long)moept__max_recv(L), L->ep->err);
+    else if (!moept__grow_recv(L, f->R_next))
         local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: cannot grow the receive buffers to %lld "
                             "rows", (long long)f->R_next);
     if (grp || dp) {
@@ -2663,6 +2746,7 @@ static void moept__fwd_commit(moept_layer *L, const moept__fstep *f) {
     L->jitter_micro += f->jitter;
     { int64_t *t = L->counts; L->counts = L->counts_next; L->counts_next = t; }
     { int64_t *t = L->rcounts; L->rcounts = L->rcounts_next; L->rcounts_next = t; }
+    { int64_t *t = L->allcnt; L->allcnt = L->allcnt_next; L->allcnt_next = t; }
     { int64_t *t = L->ccnt; L->ccnt = L->ccnt_next; L->ccnt_next = t; }
     { int64_t *t = L->rccnt; L->rccnt = L->rccnt_next; L->rccnt_next = t; }
     L->R = f->R_next;
@@ -2790,27 +2874,21 @@ static void moept__fwd_plan(moept_layer *L) {
             L->peer_rows[P + p] += L->rcounts[p * El + j];
         }
     }
+    if (L->direct) moept__direct_plan(L);
     L->stats.rows_sent = L->stats.rows_received = 0;
     for (int64_t q = 0; q < P; q++)
         if (q != L->rank) { L->stats.rows_sent += L->peer_rows[q]; L->stats.rows_received += L->peer_rows[P + q]; }
 }
 
-/* 9. dispatch: each kept row to its expert (direct: the experts' ranks
-   gather from our x themselves; a backend with alltoallv_rows sends from x
-   by index; else permuted into xs, then exchanged) */
+/* 9. dispatch: each kept row to its expert (direct: written straight into
+   the experts' shared rows; a backend with alltoallv_rows sends from x by
+   index; else permuted into xs, then exchanged) */
 static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
-    const int64_t D = L->D, N = L->N, K = L->K;
-    moept_status st;
-    if (L->direct) { /* show the peers this step, then gather our experts' rows from their tokens */
-        *L->view = (moept__view){x, NULL, L->wts[L->cur], L->tok_of_row, L->slot_of_row, L->offsets,
-                                 L->recv_segs, L->yr, L->dwts, K};
-        double t0 = moept__now();
-        st = L->ep->share(L->ep, L->view, (const void **)L->peers);
-        L->stats.comm_seconds += moept__now() - t0;
-        if (st) return moept__fail(L, st, "moept_forward: share: %s", L->ep->err);
-        moept__direct_gather(L, 0);
+    const int64_t D = L->D, N = L->N;
+    if (L->direct) { /* our rows into the experts' rows; all have arrived after the barrier */
+        moept__direct_push(L, x);
         moept__count_bytes(L, 1);
-        return MOEPT_OK;
+        return moept__direct_sync(L, "moept_forward");
     }
     if (moept__rows_dispatch(L)) return moept__exchange_rows(L, x);
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
@@ -3004,12 +3082,8 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     }
 
     /* combine': dL/dw per slot, then dys = w * dy in place of ys (direct
-       path: the experts' ranks build dys from our dy themselves) */
+       path: of the output where the expert's rank keeps it) */
     double ts = moept__now();
-    if (L->direct) {
-        L->view->dy = dy;
-        if ((st = moept__direct_sync(L, "moept_backward"))) return st;
-    }
     const int direct = L->direct;
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
@@ -3017,8 +3091,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->row_of[t * K + k];
             if (r < 0) { L->dwts[t * K + k] = 0.0f; continue; }
-            if (direct) continue; /* the expert's rank computes dL/dw and dys */
-            float *ys = L->ys + r * D;
+            float *ys = direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : L->ys + r * D;
             L->dwts[t * K + k] = (float)moept__dot(ys, dyt, D);
             float w = wts[t * K + k];
             moept__row_scale(ys, w, dyt, D);
@@ -3036,9 +3109,9 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     L->stats.combine_seconds += moept__now() - ts;
     /* experts': dys travel to the experts, dxs come back into ys */
     ts = moept__now();
-    if (direct) { /* dL/dw for our rows into their owners, then dys over our outputs */
-        moept__direct_gather(L, 1);
+    if (direct) { /* our dys are in place: wait for every rank's */
         moept__count_bytes(L, 1);
+        if ((st = moept__direct_sync(L, "moept_backward"))) return st;
     } else if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
         if ((st = moept__backward_chunked(L))) return st;
     } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 1))) return st;
@@ -3062,7 +3135,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
-            const float *src = direct ? moept__remote_row(L, L->slot_of[ids[t * K + k]], r) : dxs + r * D;
+            const float *src = direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : dxs + r * D;
             moept__row_axpy(dxt, 1.0f, src, D);
         }
     }
@@ -3334,7 +3407,9 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     int64_t w[6];
     moept__recv_widths(L, w);
     int64_t row = w[0] + w[1] + w[2] + w[3] + w[4] + w[5];
-    st->workspace_bytes = L->work_bytes + L->Rcap * row * (int64_t)sizeof(float);
+    st->workspace_bytes = (L->work_bytes + L->Rcap * row * (int64_t)sizeof(float) +
+                           2 * L->shcap * L->D * (int64_t)sizeof(float));
+    st->shared_exchange = L->direct;
     st->device_workspace_bytes = L->dev_workspace_bytes;
     if (tpe)
         for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd_valid ? L->sel_counts[e] : 0;
@@ -4044,6 +4119,23 @@ static moept_status moept__thr_barrier(moept_comm *c) {
     return MOEPT_OK;
 }
 
+/* Threads share the heap: each rank's block is its own allocation (the
+   handle; the block is it rounded up to 64 bytes), shown to all. */
+static moept_status moept__thr_shm_alloc(moept_comm *c, int64_t bytes, void **all, void **handle) {
+    char *raw = bytes >= 0 ? moept__alloc(NULL, (size_t)bytes + 64) : NULL;
+    void *mine = raw ? raw + (64 - (uintptr_t)raw % 64) % 64 : NULL;
+    int64_t bad = raw == NULL;
+    moept_status st = moept__thr_allreduce(c, &bad, 1, MOEPT_DTYPE_I64);
+    if (!st && bad) st = moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "threads shm_alloc: %lld rank(s) out of "
+                                          "memory", (long long)bad);
+    if (!st) st = moept__thr_share(c, mine, (const void **)all);
+    if (st) { MOEPT_FREE(raw); return st; }
+    *handle = raw;
+    return MOEPT_OK;
+}
+
+static void moept__thr_shm_free(moept_comm *c, void *handle) { (void)c; MOEPT_FREE(handle); }
+
 static void moept__thr_destroy(moept_comm *c) { (void)c; /* owned by the group */ }
 
 moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_group **out) {
@@ -4077,6 +4169,8 @@ moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_gr
         c->p2p = moept__thr_p2p;
         c->share = moept__thr_share;
         c->barrier = moept__thr_barrier;
+        c->shm_alloc = moept__thr_shm_alloc;
+        c->shm_free = moept__thr_shm_free;
         c->ialltoallv = moept__thr_ialltoallv;
         c->wait = moept__thr_wait;
         c->destroy = moept__thr_destroy;
@@ -4105,6 +4199,9 @@ moept_status moept_comm_threads(moept_thread_group *g, int rank, moept_comm **ou
 
 /* ---- MPI ---- */
 #ifdef MOEPT_MPI
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 typedef struct moept__mpi {
     MPI_Comm comm;
     MPI_Datatype elem[2];    /* 4- and 8-byte elements, as bytes */
@@ -4115,6 +4212,7 @@ typedef struct moept__mpi {
     char *scratch;           /* allreduce slices, grows geometrically */
     size_t scratch_bytes;
     int *blen; MPI_Aint *bdisp; int64_t bcap; /* [bcap] a rows type's blocks (alltoallv_rows) */
+    uint64_t shm_seq;        /* shared-memory segments made, for their names */
 } moept__mpi;
 
 /* elements per message piece, and the largest count handed to MPI as an
@@ -4412,6 +4510,127 @@ static moept_status moept__mpi_allgather(moept_comm *c, const void *send, void *
     return MOEPT_OK;
 }
 
+/* with fences: rows written to shared memory before it are seen after it */
+static moept_status moept__mpi_barrier(moept_comm *c) {
+    atomic_thread_fence(memory_order_seq_cst);
+    MOEPT__MPI(c, MPI_Barrier(((moept__mpi *)c->ctx)->comm));
+    atomic_thread_fence(memory_order_seq_cst);
+    return MOEPT_OK;
+}
+
+#if defined(__linux__)
+/* MPI ranks on one host: each rank's block is a POSIX shared-memory
+   segment it creates; its peers map it by name, and once all have, the
+   name is unlinked (the memory lives until the last unmap, so a rank that
+   dies later leaves nothing behind). A 64-byte header holds the owner's
+   nonce, which every peer checks: a name that does not lead to the
+   owner's segment fails the call instead of aliasing another's memory. */
+typedef struct moept__mpi_shm { int n; void **map; size_t *len; } moept__mpi_shm;
+typedef struct moept__mpi_seg { char name[48]; uint64_t len, nonce; } moept__mpi_seg;
+
+static void moept__mpi_shm_free(moept_comm *c, void *handle) {
+    (void)c;
+    moept__mpi_shm *h = handle;
+    if (!h) return;
+    for (int q = 0; q < h->n && h->map; q++)
+        if (h->map[q]) munmap(h->map[q], h->len[q]);
+    MOEPT_FREE(h->map);
+    MOEPT_FREE(h->len);
+    MOEPT_FREE(h);
+}
+
+/* this rank's segment, mapped (NULL: could not) */
+static void *moept__mpi_shm_create(moept__mpi_seg *me) {
+    int fd = shm_open(me->name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) return NULL;
+    void *p = MAP_FAILED;
+    if (posix_fallocate(fd, 0, (off_t)me->len) == 0) /* room now, not SIGBUS on first touch */
+        p = mmap(NULL, (size_t)me->len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) { shm_unlink(me->name); return NULL; }
+    memcpy(p, &me->nonce, sizeof me->nonce);
+    return p;
+}
+
+/* the peers' segments, mapped and checked; 1 when all are */
+static int moept__mpi_shm_map(moept_comm *c, moept__mpi_shm *h, const moept__mpi_seg *every) {
+    int ok = 1;
+    for (int q = 0; q < c->size; q++) {
+        if (q == c->rank) continue;
+        int fd = shm_open(every[q].name, O_RDWR, 0);
+        void *p = fd < 0 ? MAP_FAILED : mmap(NULL, (size_t)every[q].len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (fd >= 0) close(fd);
+        if (p == MAP_FAILED) { ok = 0; continue; }
+        h->map[q] = p;
+        h->len[q] = (size_t)every[q].len;
+        ok &= memcmp(p, &every[q].nonce, sizeof every[q].nonce) == 0;
+    }
+    return ok;
+}
+
+static moept_status moept__mpi_shm_alloc(moept_comm *c, int64_t bytes, void **all, void **handle) {
+    moept__mpi *m = c->ctx;
+    const int P = c->size;
+    moept__mpi_shm *h = moept__alloc(NULL, sizeof *h);
+    moept__mpi_seg me, *every = moept__alloc(NULL, (size_t)P * sizeof *every);
+    if (h) {
+        h->n = P;
+        h->map = moept__alloc(NULL, (size_t)P * sizeof(void *));
+        h->len = moept__alloc(NULL, (size_t)P * sizeof(size_t));
+        if (h->map) memset(h->map, 0, (size_t)P * sizeof(void *));
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    memset(&me, 0, sizeof me);
+    snprintf(me.name, sizeof me.name, "/moept.%ld.%llu", (long)getpid(), (unsigned long long)++m->shm_seq);
+    me.len = (uint64_t)(bytes < 0 ? 0 : bytes) + 64;
+    me.nonce = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 40) ^ m->shm_seq;
+    int ok = bytes >= 0 && h && h->map && h->len && every, all_ok = 0, rc;
+    void *mine = ok ? moept__mpi_shm_create(&me) : NULL;
+    ok = mine != NULL;
+    if (ok) { h->map[c->rank] = mine; h->len[c->rank] = (size_t)me.len; }
+    /* every rank's segment exists, then every rank maps its peers' */
+    rc = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m->comm);
+    if (rc == MPI_SUCCESS && all_ok)
+        rc = MPI_Allgather(&me, (int)sizeof me, MPI_BYTE, every, (int)sizeof me, MPI_BYTE, m->comm);
+    if (rc == MPI_SUCCESS && all_ok) {
+        ok = moept__mpi_shm_map(c, h, every);
+        rc = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m->comm);
+    }
+    if (mine) shm_unlink(me.name); /* all peers have mapped it, or none will */
+    MOEPT_FREE(every);
+    if (rc != MPI_SUCCESS || !all_ok) {
+        moept__mpi_shm_free(c, h);
+        if (rc != MPI_SUCCESS) return moept__mpi_err(c, rc, "MPI shm_alloc", __LINE__);
+        return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "MPI shm_alloc: a rank could not create or map "
+                                "%lld bytes of POSIX shared memory", (long long)me.len);
+    }
+    for (int q = 0; q < P; q++) all[q] = (char *)h->map[q] + 64;
+    *handle = h;
+    return MOEPT_OK;
+}
+
+/* shared memory when every rank is on this host and a first segment works
+   (the same answer on every rank: the probe agrees) */
+static void moept__mpi_shm_probe(moept_comm *c) {
+    moept__mpi *m = c->ctx;
+    MPI_Comm node;
+    int n = 0;
+    if (MPI_Comm_split_type(m->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS) return;
+    MPI_Comm_size(node, &n);
+    MPI_Comm_free(&node);
+    if (n != c->size) return;
+    void **all = moept__alloc(NULL, (size_t)c->size * sizeof(void *)), *h = NULL;
+    if (all && moept__mpi_shm_alloc(c, 0, all, &h) == MOEPT_OK) {
+        c->shm_alloc = moept__mpi_shm_alloc;
+        c->shm_free = moept__mpi_shm_free;
+        moept__mpi_shm_free(c, h);
+    }
+    c->err[0] = 0;
+    MOEPT_FREE(all);
+}
+#endif
+
 static void moept__mpi_destroy(moept_comm *c) {
     moept__mpi *m = c->ctx;
     MPI_Type_free(&m->elem[0]);
@@ -4460,8 +4679,12 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
     c->alltoallv_rows = moept__mpi_pieces;
     c->wait = moept__mpi_wait;
     c->progress = moept__mpi_progress;
+    c->barrier = moept__mpi_barrier;
     c->destroy = moept__mpi_destroy;
     if (!m->cnt || !m->dsp) { moept__mpi_destroy(c); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory"); }
+#if defined(__linux__)
+    moept__mpi_shm_probe(c);
+#endif
     *out = c;
     return MOEPT_OK;
 }
@@ -5431,7 +5654,7 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
 
 static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
     int64_t fp[MOEPT__NFP];
-    moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, fp);
+    moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, L->direct, fp);
     uint64_t h = 1469598103934665603ull; /* FNV-1a over the model's fields; execution choices
                                             (overlap, sharding) and the layout (EP, DP) left out */
     for (int i = 0; i < MOEPT__NFP_MODEL; i++)

@@ -416,12 +416,23 @@ struct moept_comm {
     moept_status (*wait)(moept_comm *c, int slot);
     void (*progress)(moept_comm *c);
     /* Optional, for ranks that share one address space (the threads
-       backend), NULL otherwise: `share` hands every rank all ranks'
-       pointers (all[r] = rank r's `mine`), `barrier` waits for all ranks.
-       With them the layer reads and writes peers' rows in place, so every
-       row crosses once and nothing is staged. */
+       backend), NULL otherwise: all[r] = rank r's `mine`. */
     moept_status (*share)(moept_comm *c, const void *mine, const void **all);
+    /* Optional: waits for all ranks. */
     moept_status (*barrier)(moept_comm *c);
+    /* Optional (NULL: the layer exchanges rows by message), with barrier:
+       memory every rank reads and writes. shm_alloc is collective: each
+       rank asks for `bytes` (they may differ) and gets all[r], rank r's
+       block as mapped in this process (all[rank] its own, 64-byte
+       aligned), and a handle for shm_free, which is local. It fails on
+       every rank or on none. The layer keeps its experts' rows there:
+       token ranks write their rows straight into the experts' rows and
+       read the outputs where they lie, so every row crosses once and
+       nothing is staged. Threads: the heap; MPI: POSIX shared memory when
+       every rank runs on one host (Linux). A caller may set it to NULL
+       before creating a layer to force the message path. */
+    moept_status (*shm_alloc)(moept_comm *c, int64_t bytes, void **all, void **handle);
+    void (*shm_free)(moept_comm *c, void *handle);
     void (*destroy)(moept_comm *c);
     /* Optional (NULL: the layer copies the rows into a send buffer first):
        alltoallv whose send buffer is virtual: its row r (row_elems
@@ -579,6 +590,9 @@ typedef struct moept_stats {
     int64_t checkpoint_bytes_read; /* by moept_load_hf since create */
     int64_t device_workspace_bytes; /* CUDA layers: device memory held beyond the
                                        parameters (allocations above count both sides) */
+    int64_t shared_exchange;   /* 1: the expert exchange writes and reads the experts'
+                                  rows in shared memory (the EP comm's shm_alloc);
+                                  0: by message, or one rank */
 } moept_stats;
 
 /* Rows this rank sent to / received from each EP peer in the last forward's

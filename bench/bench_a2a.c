@@ -13,13 +13,13 @@
    x D x 4 exactly.
 
    usage: bench_a2a [--ranks P] [--tokens T] [--hidden D] [--experts E]
-                    [--topk K] [--reps R]            (threads)
+                    [--topk K] [--ffn F] [--reps R]  (threads)
           mpirun -np P bench_a2a_mpi [same options]  (MPI)          */
 #include "../moept.c"
 
 #include "bench_threads.h"
 
-typedef struct cfg { int P, reps; int64_t T, D, E, K; } cfg;
+typedef struct cfg { int P, reps; int64_t T, D, E, K, F; } cfg;
 typedef struct res { double moept, raw, wait; int64_t routed, peer_sum; int bytes_ok; } res;
 
 static int cmp_d(const void *a, const void *b) {
@@ -65,7 +65,7 @@ static void rank_run(const void *kv, moept_comm *c, void *outv) {
 #endif
     moept_config mc = {0};
     mc.family = MOEPT_FAMILY_MIXTRAL;
-    mc.hidden_size = k->D; mc.intermediate_size = 16; mc.num_experts = k->E; mc.top_k = k->K;
+    mc.hidden_size = k->D; mc.intermediate_size = k->F; mc.num_experts = k->E; mc.top_k = k->K;
     mc.norm_topk_prob = 1; mc.max_tokens = k->T;
     moept_layer *L;
     if (moept_create_parallel(&mc, c, NULL, &L)) { fprintf(stderr, "%s\n", moept_last_error(NULL)); exit(1); }
@@ -124,10 +124,10 @@ static void report(const char *backend, const cfg *k, res *all) {
     for (int r = 0; r < k->P; r++) { bytes += (double)all[r].routed * k->D * 4; ok &= all[r].bytes_ok; }
     bytes /= k->P;
     double algbw_m = 4 * bytes / sm / 1e9, algbw_r = 4 * bytes / sr / 1e9, f = (k->P - 1.0) / k->P;
-    printf("RESULT backend=%s ranks=%d tokens=%lld hidden=%lld experts=%lld topk=%lld reps=%d "
+    printf("RESULT backend=%s ranks=%d tokens=%lld hidden=%lld experts=%lld topk=%lld ffn=%lld reps=%d "
            "moept_ms=%.2f comm_calls_ms=%.2f raw_ms=%.2f ratio=%.3f algbw_moept=%.2f busbw_moept=%.2f algbw_raw=%.2f busbw_raw=%.2f "
            "slowest_rank=%d bytes_per_exchange=%.0f bytes_exact=%s\n",
-           backend, k->P, (long long)k->T, (long long)k->D, (long long)k->E, (long long)k->K, k->reps, sm * 1e3, sw * 1e3, sr * 1e3,
+           backend, k->P, (long long)k->T, (long long)k->D, (long long)k->E, (long long)k->K, (long long)k->F, k->reps, sm * 1e3, sw * 1e3, sr * 1e3,
            sm / sr, algbw_m, algbw_m * f, algbw_r, algbw_r * f, slow, bytes, ok ? "yes" : "NO");
 }
 
@@ -135,7 +135,7 @@ int main(int argc, char **argv) {
 #ifdef MOEPT_MPI
     MPI_Init(&argc, &argv);
 #endif
-    cfg k = {4, 9, 4096, 1024, 8, 2};
+    cfg k = {4, 9, 4096, 1024, 8, 2, 16};
     for (int i = 1; i + 1 < argc; i += 2) {
         long long v = atoll(argv[i + 1]);
         if (!strcmp(argv[i], "--ranks")) k.P = (int)v;
@@ -144,6 +144,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--experts")) k.E = v;
         else if (!strcmp(argv[i], "--topk")) k.K = v;
         else if (!strcmp(argv[i], "--reps")) k.reps = (int)v;
+        else if (!strcmp(argv[i], "--ffn")) k.F = v;
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
 #ifdef MOEPT_MPI

@@ -1,14 +1,18 @@
 /* moept_check: runs moept-case-v1 reference cases (docs/CASES.md)
    through moept and compares every output and gradient.
 
-   usage: moept_check [--ep N] [--chunks C] [--sync-free] [--tol X] [--weights DIR --layer L [--hf-config]] FILE...
+   usage: moept_check [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--tol X]
+                      [--weights DIR --layer L [--hf-config]] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
    With --ep N the experts are sharded over N ranks (threads, or MPI
    processes) and the tokens split into N contiguous slices (the first T mod N
    ranks take one more); losses are over the global batch, router and shared
    gradients are summed over ranks, each expert's gradient is compared on its
    owner. --chunks C sets config.overlap_chunks (the chunked pipeline; on
-   the GPU it runs only with --ep > 1). With --weights every parameter comes from the Hugging Face
+   the GPU it runs only with --ep > 1). The exchange goes through the EP
+   comm's shared memory where it has some (checked: stats.shared_exchange);
+   --no-shm turns that off for the message path, --expect-shm fails the
+   cases when the comm has none (MPI across hosts, or no POSIX shm). With --weights every parameter comes from the Hugging Face
    checkpoint DIR (decoder layer L's MoE block, this rank's experts only)
    instead of the case file; with --hf-config too, the model's sizes and
    routing come from DIR/config.json (moept_config_from_hf, norm_topk_prob
@@ -45,6 +49,8 @@ static const char *g_weights; /* --weights DIR */
 static int g_hf_config;       /* --hf-config: the model's sizes and routing from DIR/config.json */
 static long long g_layer = -1;  /* --layer L */
 static int g_chunks;            /* --chunks C: config.overlap_chunks */
+static int g_no_shm;            /* --no-shm: the EP comm's shm_alloc off (the message path) */
+static int g_expect_shm;        /* --expect-shm: fail if the EP comm offers no shared memory */
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
 static int g_sync_free;         /* CUDA: --sync-free */
 
@@ -497,6 +503,14 @@ static void run_case(check *c) {
     free(want); want = NULL;
     moept_stats st;
     moept_get_stats(L, &st, NULL);
+#ifndef MOEPT_CUDA
+    { /* the exchange took the path asked for: shared memory when the comm has it */
+        int has = c->ep && c->ep->size > 1 && c->ep->shm_alloc, want_shared = has && g_chunks <= 1;
+        if (g_expect_shm && c->ep && c->ep->size > 1 && !has) failf(c, "--expect-shm: the EP comm has no shm_alloc");
+        else if (st.shared_exchange != want_shared)
+            failf(c, "stats.shared_exchange %lld, expected %d", (long long)st.shared_exchange, want_shared);
+    }
+#endif
     if (!(want = want_f(c, "aux_loss", 1, 1))) goto done;
     compare(c, "aux_loss", &st.aux_loss, want, 1);
     free(want); want = NULL;
@@ -625,6 +639,7 @@ static void run_threads(check *c, int P) {
         moept_comm_threads(g, r, &jobs[r].c.ref_ep); /* the bf16 reference's */
 #else
         moept_comm_threads(g, r, &jobs[r].c.ep);
+        if (g_no_shm) jobs[r].c.ep->shm_alloc = NULL;
 #endif
         pthread_create(&th[r], NULL, rank_main, &jobs[r]);
     }
@@ -647,9 +662,11 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--layer") == 0 && first + 1 < argc) g_layer = atoll(argv[++first]);
         else if (strcmp(argv[first], "--hf-config") == 0) g_hf_config = 1;
         else if (strcmp(argv[first], "--sync-free") == 0) g_sync_free = 1;
+        else if (strcmp(argv[first], "--no-shm") == 0) g_no_shm = 1;
+        else if (strcmp(argv[first], "--expect-shm") == 0) g_expect_shm = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
-            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--sync-free] [--tol X] [--weights DIR --layer L] "
+            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--tol X] [--weights DIR --layer L] "
                     "FILE...\n", argv[0]);
             return 2;
         }
@@ -663,6 +680,7 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     moept_comm *world = NULL;
     if (moept_comm_mpi(MPI_COMM_WORLD, &world) != MOEPT_OK) { fprintf(stderr, "%s\n", moept_last_error(NULL)); return 2; }
+    if (g_no_shm) world->shm_alloc = NULL;
     if (world->size != P) {
         if (world->rank == 0) fprintf(stderr, "moept_check_mpi: --ep %d but %d MPI processes\n", P, world->size);
         MPI_Finalize();

@@ -47,6 +47,7 @@ for n in 2 4 8; do
     suite "reference cases --ep $n (threads)" "$B/moept_check" --ep $n $CASES
 done
 suite "reference cases --ep 4 --chunks 3 (threads)" "$B/moept_check" --ep 4 --chunks 3 $CASES
+suite "reference cases --ep 4, messages (threads, no shared rows)" "$B/moept_check" --ep 4 --no-shm $CASES
 # kill -9 during saves: the newest checkpoint loads, verifies, replays (make stress: 50 kills)
 for m in one threads; do
     suite "kill -9 loop ($m)" sh tests/crash.sh 5 $m
@@ -59,10 +60,11 @@ suite "train --ep 4 (threads)" "$B/train" --ep 4 --steps 30 --quiet --csv "$B/tr
 if [ -n "$MPIRUN" ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
     for n in 2 4; do
-        suite "reference cases --ep $n (mpirun -np $n)" timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/moept_check_mpi" --ep $n $CASES
+        suite "reference cases --ep $n, shared memory (mpirun -np $n)" timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/moept_check_mpi" --ep $n --expect-shm $CASES
     done
+    suite "reference cases --ep 4, messages (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi" --ep 4 --no-shm $CASES
     suite "--weights mixtral_e8_t40 (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi" --ep 4 --weights tests/checkpoints/mixtral_e8_t40 --layer 1 tests/cases/mixtral_e8_t40.safetensors
-    suite "reference cases --ep 4, MPI counts chunked (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi_chunked" --ep 4 $CASES
+    suite "reference cases --ep 4, MPI counts chunked (mpirun -np 4)" timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/moept_check_mpi_chunked" --ep 4 --no-shm $CASES
     for n in 1 2 4; do
         suite "test_overlap (mpirun -np $n)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/test_overlap_mpi"
     done
