@@ -1126,7 +1126,8 @@ static moept_status moept__grow_shared(moept_layer *L, int64_t need) {
     if (cap < 1) cap = 1;
     const int64_t D = L->D, P = L->P;
     void *h = NULL;
-    moept_status st = L->ep->shm_alloc(L->ep, 2 * cap * D * (int64_t)sizeof(float), (void **)(L->shbase + P), &h);
+    int64_t bytes = 2 * cap * D * (int64_t)sizeof(float);
+    moept_status st = L->ep->shm_alloc(L->ep, bytes, (void **)(L->shbase + P), &h);
     if (st) return st;
     float *xr = L->shbase[P + L->rank], *yr = xr + cap * D;
     int64_t keep = L->shm && L->fwd_valid ? L->R : 0;
@@ -1136,7 +1137,7 @@ static moept_status moept__grow_shared(moept_layer *L, int64_t need) {
     }
     if (L->shm) L->ep->shm_free(L->ep, L->shm);
     L->mem.allocations++; /* the comm's memory, the layer's rows */
-    L->mem.bytes += 2 * cap * D * (int64_t)sizeof(float);
+    L->mem.bytes += bytes;
     memcpy(L->shbase, L->shbase + P, (size_t)P * sizeof(float *));
     L->shm = h;
     L->shcap = cap;
@@ -2067,7 +2068,8 @@ static void moept__direct_push(moept_layer *L, const float *x) {
         float *dst = moept__shared_row(L, s, L->offsets[s], 0);
         const int64_t *tok = L->tok_of_row + L->offsets[s];
         #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < L->counts[s]; i++) memcpy(dst + i * D, x + tok[i] * D, (size_t)D * sizeof(float));
+        for (int64_t i = 0; i < L->counts[s]; i++)
+            memcpy(dst + i * D, x + tok[i] * D, (size_t)D * sizeof(float));
     }
 }
 
@@ -2262,7 +2264,8 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
             int64_t r = L->row_of[t * K + k];
             if (r < 0) continue;
             float w = wts[t * K + k];
-            const float *src = L->direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : L->ys + r * D;
+            int64_t s = L->slot_of[ids[t * K + k]];
+            const float *src = L->direct ? moept__shared_row(L, s, r, 1) : L->ys + r * D;
             moept__row_axpy(yt, w, src, D);
         }
     }
@@ -2660,7 +2663,8 @@ static moept_status moept__fwd_gather_counts(moept_layer *L, moept__fstep *f) {
     if (st) return moept__fail(L, st, "moept_forward: count all-gather failed: %s", L->ep->err);
     int64_t R = 0;
     for (int64_t p = 0; p < P; p++)
-        for (int64_t j = 0; j < El; j++) R += L->rcounts_next[p * El + j] = L->allcnt_next[p * E + L->rank * El + j];
+        for (int64_t j = 0; j < El; j++)
+            R += L->rcounts_next[p * El + j] = L->allcnt_next[p * E + L->rank * El + j];
     f->R_next = R;
     return MOEPT_OK;
 }
@@ -4126,8 +4130,9 @@ static moept_status moept__thr_shm_alloc(moept_comm *c, int64_t bytes, void **al
     void *mine = raw ? raw + (64 - (uintptr_t)raw % 64) % 64 : NULL;
     int64_t bad = raw == NULL;
     moept_status st = moept__thr_allreduce(c, &bad, 1, MOEPT_DTYPE_I64);
-    if (!st && bad) st = moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "threads shm_alloc: %lld rank(s) out of "
-                                          "memory", (long long)bad);
+    if (!st && bad)
+        st = moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "threads shm_alloc: %lld rank(s) out of memory",
+                              (long long)bad);
     if (!st) st = moept__thr_share(c, mine, (const void **)all);
     if (st) { MOEPT_FREE(raw); return st; }
     *handle = raw;
@@ -4212,7 +4217,6 @@ typedef struct moept__mpi {
     char *scratch;           /* allreduce slices, grows geometrically */
     size_t scratch_bytes;
     int *blen; MPI_Aint *bdisp; int64_t bcap; /* [bcap] a rows type's blocks (alltoallv_rows) */
-    uint64_t shm_seq;        /* shared-memory segments made, for their names */
 } moept__mpi;
 
 /* elements per message piece, and the largest count handed to MPI as an
@@ -4526,6 +4530,7 @@ static moept_status moept__mpi_barrier(moept_comm *c) {
    nonce, which every peer checks: a name that does not lead to the
    owner's segment fails the call instead of aliasing another's memory. */
 typedef struct moept__mpi_shm { int n; void **map; size_t *len; } moept__mpi_shm;
+static atomic_ullong moept__shm_seq; /* segments this process made: their names differ */
 typedef struct moept__mpi_seg { char name[48]; uint64_t len, nonce; } moept__mpi_seg;
 
 static void moept__mpi_shm_free(moept_comm *c, void *handle) {
@@ -4558,11 +4563,12 @@ static int moept__mpi_shm_map(moept_comm *c, moept__mpi_shm *h, const moept__mpi
     for (int q = 0; q < c->size; q++) {
         if (q == c->rank) continue;
         int fd = shm_open(every[q].name, O_RDWR, 0);
-        void *p = fd < 0 ? MAP_FAILED : mmap(NULL, (size_t)every[q].len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        size_t len = (size_t)every[q].len;
+        void *p = fd < 0 ? MAP_FAILED : mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (fd >= 0) close(fd);
         if (p == MAP_FAILED) { ok = 0; continue; }
         h->map[q] = p;
-        h->len[q] = (size_t)every[q].len;
+        h->len[q] = len;
         ok &= memcmp(p, &every[q].nonce, sizeof every[q].nonce) == 0;
     }
     return ok;
@@ -4582,9 +4588,10 @@ static moept_status moept__mpi_shm_alloc(moept_comm *c, int64_t bytes, void **al
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     memset(&me, 0, sizeof me);
-    snprintf(me.name, sizeof me.name, "/moept.%ld.%llu", (long)getpid(), (unsigned long long)++m->shm_seq);
+    unsigned long long seq = atomic_fetch_add(&moept__shm_seq, 1) + 1;
+    snprintf(me.name, sizeof me.name, "/moept.%ld.%llu", (long)getpid(), seq);
     me.len = (uint64_t)(bytes < 0 ? 0 : bytes) + 64;
-    me.nonce = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 40) ^ m->shm_seq;
+    me.nonce = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 40) ^ seq;
     int ok = bytes >= 0 && h && h->map && h->len && every, all_ok = 0, rc;
     void *mine = ok ? moept__mpi_shm_create(&me) : NULL;
     ok = mine != NULL;

@@ -127,7 +127,8 @@ static void report(const char *backend, const cfg *k, res *all) {
     printf("RESULT backend=%s ranks=%d tokens=%lld hidden=%lld experts=%lld topk=%lld ffn=%lld reps=%d "
            "moept_ms=%.2f comm_calls_ms=%.2f raw_ms=%.2f ratio=%.3f algbw_moept=%.2f busbw_moept=%.2f algbw_raw=%.2f busbw_raw=%.2f "
            "slowest_rank=%d bytes_per_exchange=%.0f bytes_exact=%s\n",
-           backend, k->P, (long long)k->T, (long long)k->D, (long long)k->E, (long long)k->K, (long long)k->F, k->reps, sm * 1e3, sw * 1e3, sr * 1e3,
+           backend, k->P, (long long)k->T, (long long)k->D, (long long)k->E, (long long)k->K, (long long)k->F,
+           k->reps, sm * 1e3, sw * 1e3, sr * 1e3,
            sm / sr, algbw_m, algbw_m * f, algbw_r, algbw_r * f, slow, bytes, ok ? "yes" : "NO");
 }
 

@@ -12,7 +12,8 @@
    the GPU it runs only with --ep > 1). The exchange goes through the EP
    comm's shared memory where it has some (checked: stats.shared_exchange);
    --no-shm turns that off for the message path, --expect-shm fails the
-   cases when the comm has none (MPI across hosts, or no POSIX shm). With --weights every parameter comes from the Hugging Face
+   cases when the comm has none (MPI across hosts, or no POSIX shm).
+   With --weights every parameter comes from the Hugging Face
    checkpoint DIR (decoder layer L's MoE block, this rank's experts only)
    instead of the case file; with --hf-config too, the model's sizes and
    routing come from DIR/config.json (moept_config_from_hf, norm_topk_prob
@@ -506,7 +507,8 @@ static void run_case(check *c) {
 #ifndef MOEPT_CUDA
     { /* the exchange took the path asked for: shared memory when the comm has it */
         int has = c->ep && c->ep->size > 1 && c->ep->shm_alloc, want_shared = has && g_chunks <= 1;
-        if (g_expect_shm && c->ep && c->ep->size > 1 && !has) failf(c, "--expect-shm: the EP comm has no shm_alloc");
+        if (g_expect_shm && c->ep && c->ep->size > 1 && !has)
+            failf(c, "--expect-shm: the EP comm has no shm_alloc");
         else if (st.shared_exchange != want_shared)
             failf(c, "stats.shared_exchange %lld, expected %d", (long long)st.shared_exchange, want_shared);
     }
@@ -666,7 +668,8 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--expect-shm") == 0) g_expect_shm = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
-            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--tol X] [--weights DIR --layer L] "
+            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--tol X] "
+                    "[--weights DIR --layer L] "
                     "FILE...\n", argv[0]);
             return 2;
         }
