@@ -648,7 +648,8 @@ struct moept_layer {
                               aux counts, aux score sums, T, sum lse^2, sum of sequence aux
                               values, sequences */
     int64_t *peer_rows;    /* [2][P] rows sent to / received from each peer */
-    int direct;            /* ranks share memory: exchange by reading peers' rows in place */
+    int direct;            /* the experts' rows in the EP comm's shared memory: token ranks
+                              write and read them in place (no exchange buffers) */
     void *shm;             /* direct: this rank's shared block (ep->shm_free) */
     float **shbase;        /* [2][P] direct: every rank's shared block, [shcap][D] xr then
                               [shcap][D] yr; the second half: a growing step's new blocks */
@@ -2674,7 +2675,8 @@ static int64_t moept__max_recv(const moept_layer *L) {
     int64_t most = 0;
     for (int64_t q = 0; q < L->P; q++) {
         int64_t n = 0;
-        for (int64_t i = 0; i < L->P * L->E; i++) n += i % L->E / L->El == q ? L->allcnt_next[i] : 0;
+        for (int64_t p = 0; p < L->P; p++)
+            for (int64_t s = q * L->El; s < (q + 1) * L->El; s++) n += L->allcnt_next[p * L->E + s];
         most = n > most ? n : most;
     }
     return most;
@@ -2721,9 +2723,10 @@ static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) 
 static moept_status moept__fwd_agree_growth(moept_layer *L, const moept__fstep *f) {
     moept_status local = MOEPT_OK, st;
     moept_comm *grp = L->group, *dp = f->global ? L->dp : NULL;
-    if (L->direct && (st = moept__grow_shared(L, moept__max_recv(L)))) /* all grow, or none */
-        local = moept__fail(L, st, "moept_forward: cannot grow the shared rows to %lld: %s",
-                            (long long)moept__max_recv(L), L->ep->err);
+    int64_t most = L->direct ? moept__max_recv(L) : 0;
+    if (L->direct && (st = moept__grow_shared(L, most))) /* all grow, or none */
+        local = moept__fail(L, st, "moept_forward: cannot grow the shared rows to %lld: %s", (long long)most,
+                            L->ep->err);
     else if (!moept__grow_recv(L, f->R_next))
         local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: cannot grow the receive buffers to %lld "
                             "rows", (long long)f->R_next);
@@ -4077,9 +4080,6 @@ static moept_status moept__thr_p2p(moept_comm *c, const moept_p2p *sends, int ns
     return MOEPT_OK;
 }
 
-static moept_status moept__thr_share(moept_comm *c, const void *mine, const void **all) {
-    return moept__thr_allgather(c, &mine, (void *)all, (int64_t)sizeof(void *));
-}
 
 /* Threads, non-blocking: the post publishes this rank's buffers; the wait
    is collective (each rank copies its pieces from every peer's posted send
@@ -4133,7 +4133,7 @@ static moept_status moept__thr_shm_alloc(moept_comm *c, int64_t bytes, void **al
     if (!st && bad)
         st = moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "threads shm_alloc: %lld rank(s) out of memory",
                               (long long)bad);
-    if (!st) st = moept__thr_share(c, mine, (const void **)all);
+    if (!st) st = moept__thr_allgather(c, &mine, all, (int64_t)sizeof(void *));
     if (st) { MOEPT_FREE(raw); return st; }
     *handle = raw;
     return MOEPT_OK;
@@ -4172,7 +4172,6 @@ moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_gr
         c->allreduce = moept__thr_allreduce;
         c->allgather = moept__thr_allgather;
         c->p2p = moept__thr_p2p;
-        c->share = moept__thr_share;
         c->barrier = moept__thr_barrier;
         c->shm_alloc = moept__thr_shm_alloc;
         c->shm_free = moept__thr_shm_free;

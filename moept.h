@@ -415,9 +415,6 @@ struct moept_comm {
                                int slot);
     moept_status (*wait)(moept_comm *c, int slot);
     void (*progress)(moept_comm *c);
-    /* Optional, for ranks that share one address space (the threads
-       backend), NULL otherwise: all[r] = rank r's `mine`. */
-    moept_status (*share)(moept_comm *c, const void *mine, const void **all);
     /* Optional: waits for all ranks. */
     moept_status (*barrier)(moept_comm *c);
     /* Optional (NULL: the layer exchanges rows by message), with barrier:
