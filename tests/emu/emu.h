@@ -14,9 +14,12 @@ long moept_emu_take_reports(char *buf, int len);
    caller's current device fails with cudaErrorMemoryAllocation (other
    devices, i.e. other ranks, are not counted); 0 disarms. */
 void moept_emu_fail_malloc(int n);
-/* How long an NCCL op waits for a peer before the communicator gets an
-   asynchronous error (ms; default 20000). */
-void moept_emu_nccl_timeout(int ms);
+/* The emulated NCCL waits for an absent peer for ever, as NCCL does (a
+   "hang" report after MOEPT_EMU_HANG_S seconds, default 120, ends the
+   process). With ms > 0, a peer absent that long is instead an injected
+   transport failure: the op ends and the communicator's asynchronous error
+   is ncclRemoteError, as after a network error. 0 turns it off. */
+void moept_emu_nccl_inject_error(int ms);
 /* 1 when device memory is guarded per thread (x86 protection keys: only a
    worker running one of the device's ops may touch it, so a host read while
    another op of the device runs faults too); 0 when only per process (the

@@ -142,6 +142,9 @@ extern thread_local std::function<void(const std::shared_ptr<Op> &)> t_after;
 void force(Stream *s, uint64_t seq);
 void force_all(Stream *s);
 bool wait_op(const std::shared_ptr<Op> &o, double timeout_s);
+/* the hang limit (MOEPT_EMU_HANG_S, default 120 s); hang() reports and ends the process */
+double hang_seconds();
+[[noreturn]] void hang(const char *what);
 Alloc *find(const void *p, int *devid);
 int is_pinned(const void *p);
 /* in an op: n bytes at p are read or written (memcheck on the device,

@@ -8,9 +8,15 @@
    (the i-th collective of every rank meet; count and type must agree),
    ncclCommGetAsyncError, ncclCommAbort, ncclCommDestroy, ncclGetLastError.
    Every call is an op on its stream and runs when the stream gets there.
-   A peer that does not come within the timeout gives the communicator an
-   asynchronous error (ncclRemoteError) and a report, never a hang. A
-   communicator used after ncclCommAbort or ncclCommDestroy is a report. */
+   A peer that does not come is waited for, as real NCCL does: NCCL reports
+   no error for a live peer that is merely absent (NCCL User Guide,
+   "Fault tolerance" / ncclCommAbort: the application detects the hang and
+   aborts the communicator). Only ncclCommAbort on this rank ends a waiting
+   op (another rank's abort does not: its kernels wait on, as on a GPU); an
+   injected transport failure (moept_emu_nccl_inject_error) gives
+   ncclRemoteError, as a network error would. A wait past MOEPT_EMU_HANG_S
+   is a "hang" report and ends the process. A communicator used after
+   ncclCommAbort or ncclCommDestroy is a report. */
 #include "emu_internal.h"
 
 #include <cstdarg>
@@ -39,7 +45,6 @@ struct World {
     std::vector<std::deque<std::shared_ptr<Msg>>> box; /* [src * n + dst] */
     std::map<uint64_t, Coll> coll;
     std::vector<std::shared_ptr<Op>> last;             /* [rank] newest op enqueued */
-    bool aborted = false;
 };
 struct Comm {
     World *w;
@@ -53,7 +58,7 @@ struct Comm {
 static std::mutex g_mu;
 static std::map<int, World *> g_worlds;
 static int g_next_world = 1;
-static int g_timeout_ms = 20000;
+static int g_inject_ms = 0; /* > 0: a peer absent this long is a transport error (moept_emu_nccl_inject_error) */
 
 struct Pending {
     Comm *c;
@@ -83,23 +88,28 @@ static bool gone(Comm *c, const char *call) {
     return false;
 }
 
-static void set_error(Comm *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void set_error(Comm *c, const char *fmt, ...) {
+/* An error of the communicator, asynchronous as NCCL's are. A mismatch
+   between ranks (sizes, counts, types) is also a report: moept must never
+   post one. An aborted op or an injected transport failure is not. */
+static void set_error(Comm *c, bool rep, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_error(Comm *c, bool rep, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(c->err, sizeof c->err, fmt, ap);
     va_end(ap);
     c->async = ncclRemoteError;
-    report("nccl", "rank %d: %s", c->rank, c->err);
+    if (rep) report("nccl", "rank %d: %s", c->rank, c->err);
 }
 
-/* waits (under w->m) until pred holds, letting every peer's stream run; 0 on timeout or abort */
+/* waits (under w->m) until pred holds, letting every peer's stream run:
+   for ever, as NCCL does, unless this rank aborts (false, silently) or an
+   injected transport failure comes (false, the comm's async error set) */
 template <typename F>
-static bool wait_peers(Comm *c, std::unique_lock<std::mutex> &lk, F pred) {
+static bool wait_peers(Comm *c, std::unique_lock<std::mutex> &lk, F pred, const char *what) {
     World *w = c->w;
     double t0 = now();
     while (!pred()) {
-        if (w->aborted || c->dead) return false;
+        if (c->dead) return false;
         std::vector<std::shared_ptr<Op>> last = w->last;
         lk.unlock();
         for (auto &o : last)
@@ -107,7 +117,17 @@ static bool wait_peers(Comm *c, std::unique_lock<std::mutex> &lk, F pred) {
         lk.lock();
         if (pred()) break;
         w->cv.wait_for(lk, std::chrono::milliseconds(2));
-        if (now() - t0 > g_timeout_ms * 1e-3) return false;
+        if (g_inject_ms > 0 && now() - t0 > g_inject_ms * 1e-3) {
+            set_error(c, false, "rank %d: %s: injected transport failure (the peer did not come in %d ms)",
+                      c->rank, what, g_inject_ms);
+            return false;
+        }
+        if (now() - t0 > hang_seconds()) {
+            char h[300];
+            snprintf(h, sizeof h, "NCCL rank %d: %s (a peer never came)", c->rank, what);
+            lk.unlock();
+            hang(h);
+        }
     }
     return true;
 }
@@ -128,16 +148,13 @@ static void run_p2p(Comm *c, const std::vector<Pending> &ps) {
     for (const Pending &p : ps) {
         if (p.send) continue;
         auto &q = w->box[(size_t)(p.peer * w->n + c->rank)];
-        if (!wait_peers(c, lk, [&] { return !q.empty(); })) {
-            set_error(c, "ncclRecv from rank %d (%zu bytes): no matching ncclSend came", p.peer, p.bytes);
-            return;
-        }
+        if (!wait_peers(c, lk, [&] { return !q.empty(); }, "ncclRecv waits for its ncclSend")) return;
         auto m = q.front();
         q.pop_front();
         m->taken = true;
         w->cv.notify_all();
         if (m->bytes.size() != p.bytes) {
-            set_error(c, "ncclRecv from rank %d of %zu bytes met an ncclSend of another size", p.peer, p.bytes);
+            set_error(c, true, "ncclRecv from rank %d of %zu bytes met an ncclSend of another size", p.peer, p.bytes);
             continue;
         }
         lk.unlock();
@@ -145,11 +162,7 @@ static void run_p2p(Comm *c, const std::vector<Pending> &ps) {
         lk.lock();
     }
     for (size_t i = 0; i < sent.size(); i++)
-        if (!wait_peers(c, lk, [&] { return sent[i]->taken; })) {
-            set_error(c, "ncclSend of message %zu (%zu bytes): no matching ncclRecv came", i,
-                      sent[i]->bytes.size());
-            return;
-        }
+        if (!wait_peers(c, lk, [&] { return sent[i]->taken; }, "ncclSend waits for its ncclRecv")) return;
 }
 
 /* allreduce (sum) or allgather: the seq-th collective of every rank */
@@ -168,13 +181,11 @@ static void run_coll(Comm *c, uint64_t seq, int gather, const void *sb, void *rb
     k.type[(size_t)c->rank] = (int)t;
     k.arrived++;
     w->cv.notify_all();
-    if (!wait_peers(c, lk, [&] { return k.arrived == w->n; })) {
-        set_error(c, "%s #%d: not every rank came (%zu elements)", gather ? "ncclAllGather" : "ncclAllReduce", (int)seq, count);
-        return;
-    }
+    if (!wait_peers(c, lk, [&] { return k.arrived == w->n; }, gather ? "ncclAllGather" : "ncclAllReduce")) return;
     for (int r = 0; r < w->n; r++)
         if (k.count[(size_t)r] != count || k.type[(size_t)r] != (int)t) {
-            set_error(c, "%s: rank %d's count or type differs (%zu here)", gather ? "ncclAllGather" : "ncclAllReduce", r, count);
+            set_error(c, true, "%s: rank %d's count or type differs (%zu here)", gather ? "ncclAllGather" : "ncclAllReduce",
+                      r, count);
             return;
         }
     std::vector<char> out(gather ? bytes * (size_t)w->n : bytes);
@@ -188,7 +199,7 @@ static void run_coll(Comm *c, uint64_t seq, int gather, const void *sb, void *rb
             else if (t == ncclFloat64) { double a, b; memcpy(&a, o, 8); memcpy(&b, v, 8); a = r ? a + b : b; memcpy(o, &a, 8); }
             else if (t == ncclInt64) { int64_t a, b; memcpy(&a, o, 8); memcpy(&b, v, 8); a = r ? a + b : b; memcpy(o, &a, 8); }
             else if (t == ncclInt32) { int32_t a, b; memcpy(&a, o, 4); memcpy(&b, v, 4); a = r ? a + b : b; memcpy(o, &a, 4); }
-            else { set_error(c, "ncclAllReduce: type %d not emulated (%zu elements)", (int)t, count); return; }
+            else { set_error(c, true, "ncclAllReduce: type %d not emulated (%zu elements)", (int)t, count); return; }
         }
     }
     if (++k.left == w->n) w->coll.erase(seq);
@@ -239,7 +250,7 @@ static ncclResult_t p2p(int send, const void *buf, size_t count, ncclDataType_t 
 using namespace emu;
 
 int moept_emu_nccl_group_depth(void) { return t_depth; }
-extern "C" void moept_emu_nccl_timeout(int ms) { g_timeout_ms = ms > 0 ? ms : 20000; }
+extern "C" void moept_emu_nccl_inject_error(int ms) { g_inject_ms = ms > 0 ? ms : 0; }
 
 extern "C" {
 
@@ -284,11 +295,13 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
     w->joined++;
     w->cv.notify_all();
     double t0 = now();
-    while (w->joined < n) { /* blocking, as ncclCommInitRank is */
+    while (w->joined < n) { /* blocking, as ncclCommInitRank is: for ever */
         w->cv.wait_for(lk, std::chrono::milliseconds(10));
-        if (now() - t0 > g_timeout_ms * 1e-3) {
-            report("nccl", "ncclCommInitRank: rank %d waited for %d ranks; %d came", rank, n, w->joined);
-            return ncclSystemError;
+        if (now() - t0 > hang_seconds()) {
+            char h[160];
+            snprintf(h, sizeof h, "ncclCommInitRank: rank %d waited for %d ranks; %d came", rank, n, w->joined);
+            lk.unlock();
+            hang(h);
         }
     }
     *out = (ncclComm_t)c;
@@ -343,8 +356,7 @@ ncclResult_t ncclCommAbort(ncclComm_t h) {
     if (!c) return ncclSuccess;
     if (gone(c, "ncclCommAbort")) return ncclInvalidArgument;
     std::lock_guard<std::mutex> lk(c->w->m);
-    c->dead = true; /* freed, as far as the caller may know */
-    c->w->aborted = true;
+    c->dead = true; /* freed, as far as the caller may know; its waiting ops end */
     c->w->cv.notify_all();
     return ncclSuccess;
 }

@@ -49,7 +49,8 @@ static std::atomic<int> g_fail_malloc{0};
 static std::atomic<int> g_fail_dev{-1}; /* the device whose cudaMalloc counts */
 static int g_nstreams = 0;
 static std::vector<int> g_free_ids; /* clock entries of destroyed streams */
-static std::map<const char *, size_t> g_pinned; /* cudaMallocHost blocks */
+static std::map<const char *, size_t> g_pinned; /* page-locked ranges: cudaMallocHost, cudaHostRegister */
+static std::set<const char *> g_registered;     /* ... of them, the cudaHostRegister ones */
 static bool g_protect = true;
 
 double now() {
@@ -520,6 +521,23 @@ void force_all(Stream *s) {
     s->cv.notify_all();
 }
 
+/* How long a host wait or an NCCL op may wait before the emulator calls it
+   a hang (what a GPU would do for ever): MOEPT_EMU_HANG_S seconds, 120 by
+   default. The hang is a report and the process ends (exit 72). */
+double hang_seconds() {
+    static double h = [] {
+        const char *e = getenv("MOEPT_EMU_HANG_S");
+        double v = e ? atof(e) : 0.0;
+        return v > 0.0 ? v : 120.0;
+    }();
+    return h;
+}
+void hang(const char *what) {
+    report("hang", "%s has not completed in %.0f s (what a GPU would wait for ever)", what, hang_seconds());
+    fflush(stderr);
+    _exit(72);
+}
+
 /* waits for o (releasing its stream up to it); a hang is a report */
 bool wait_op(const std::shared_ptr<Op> &o, double timeout_s) {
     Stream *s = o->s;
@@ -529,11 +547,11 @@ bool wait_op(const std::shared_ptr<Op> &o, double timeout_s) {
     while (!o->done) {
         s->cv.wait_for(lk, std::chrono::milliseconds(100));
         if (!o->done && now() - t0 > timeout_s) return false;
-        if (!o->done && now() - t0 > 120.0) {
+        if (!o->done && now() - t0 > hang_seconds()) {
             lk.unlock();
-            report("hang", "%s on stream %d of device %d has not completed in 120 s", o->name.c_str(), s->id, s->dev);
-            fflush(stderr);
-            _exit(72);
+            char what[200];
+            snprintf(what, sizeof what, "%s on stream %d of device %d", o->name.c_str(), s->id, s->dev);
+            hang(what);
         }
     }
     return true;
@@ -707,14 +725,37 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) {
     return cudaSuccess;
 }
 
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int flags) {
+    (void)flags; /* portable, mapped, write-combined: all page-locked, which is what the copies see */
+    return cudaMallocHost(p, bytes);
+}
+
 cudaError_t cudaFreeHost(void *p) {
     if (!p) return cudaSuccess;
     if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaFreeHost", UNSUPPORTED)) return ce;
     for (int d = 0; d < MAXDEV; d++)
         if (devices[d]) sync_device(d);
     std::lock_guard<std::mutex> lk(g_mu);
-    if (!g_pinned.erase((const char *)p)) return fail(cudaErrorInvalidValue);
+    if (g_registered.count((const char *)p) || !g_pinned.erase((const char *)p)) return fail(cudaErrorInvalidValue);
     free(p);
+    return cudaSuccess;
+}
+
+/* cudaHostRegister page-locks a caller's range: copies to and from it are
+   then asynchronous as for cudaMallocHost (CUDA Runtime API, cudaHostRegister) */
+cudaError_t cudaHostRegister(void *p, size_t bytes, unsigned int flags) {
+    (void)flags;
+    if (!p || !bytes) return fail(cudaErrorInvalidValue);
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (g_pinned.count((const char *)p)) return fail(cudaErrorHostMemoryAlreadyRegistered);
+    g_pinned[(const char *)p] = bytes;
+    g_registered.insert((const char *)p);
+    return cudaSuccess;
+}
+cudaError_t cudaHostUnregister(void *p) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (!g_registered.erase((const char *)p)) return fail(cudaErrorHostMemoryNotRegistered);
+    g_pinned.erase((const char *)p);
     return cudaSuccess;
 }
 
@@ -1055,13 +1096,48 @@ static cudaError_t check_copy(void *dst, const void *src, size_t n, cudaMemcpyKi
     return cudaSuccess;
 }
 
+/* A copy to or from pageable host memory, as the CUDA Runtime API's "API
+   synchronization behavior" page states it for the asynchronous forms:
+   device to pageable host returns only once the copy has completed (so the
+   host thread waits for everything the stream must run first, however long);
+   pageable host to device may synchronise with the stream and stage the
+   bytes (strict reading: it waits for the stream's earlier work, then takes
+   the bytes at the call); host to host is fully synchronous. Pinned memory
+   (cudaMallocHost, cudaHostAlloc, cudaHostRegister) stays asynchronous. A
+   copy that must synchronise cannot be captured (CUDA Programming Guide,
+   "CUDA Graphs", "Prohibited and Unhandled Operations": synchronous
+   operations on a capturing stream are illegal): rejected with
+   cudaErrorStreamCaptureUnsupported, reported, the capture invalidated. */
+static cudaError_t pageable_in_capture(Stream *s, const char *call) {
+    {
+        std::lock_guard<std::mutex> lk(g_cap_mu);
+        s->cap->invalid = true;
+    }
+    report("capture", "%s with pageable host memory on a capturing stream: rejected "
+           "(cudaErrorStreamCaptureUnsupported), the capture is invalidated", call);
+    return fail(UNSUPPORTED);
+}
+
 static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKind k, Stream *s, const char *call) {
     cudaError_t e = check_copy(dst, src, n, k, s, call);
     if (e != cudaSuccess || n == 0) return e;
     char name[96];
     snprintf(name, sizeof name, "%s %s (%zu bytes)", call, kind_name(k), n);
-    bool h2d = find(src, nullptr) == nullptr && find(dst, nullptr) != nullptr;
-    if (find(dst, nullptr) == nullptr && find(src, nullptr) != nullptr) { /* undefined until it ran: poison */
+    const bool ddev = find(dst, nullptr) != nullptr, sdev = find(src, nullptr) != nullptr;
+    const bool h2d = !sdev && ddev, d2h = sdev && !ddev;
+    const bool pageable = (!sdev && !is_pinned(src)) || (!ddev && !is_pinned(dst));
+    if (pageable && s->cap) return pageable_in_capture(s, call);
+    if (h2d && pageable) { /* the stream's earlier work first, then the bytes are staged now */
+        force_all(s);
+        sync_stream(s);
+        count_sync(s->dev);
+        auto staged = std::make_shared<std::vector<char>>((const char *)src, (const char *)src + n);
+        enqueue(s, name, [dst, n, staged](Op &) {
+            if (touch(dst, n, 1, "write")) memcpy(dst, staged->data(), n);
+        });
+        return cudaSuccess;
+    }
+    if (d2h && !pageable) { /* undefined until it ran: poison */
         bool pending_src = false; /* unless an earlier copy of this stream still reads it */
         std::lock_guard<std::mutex> lk(s->m);
         for (auto &q : s->q)
@@ -1069,7 +1145,7 @@ static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKi
                 pending_src = true;
         if (!pending_src) memset(dst, 0xa5, n); /* before the op exists: another thread may release it */
     }
-    enqueue(s, name, [dst, src, n](Op &) {
+    auto o = enqueue(s, name, [dst, src, n](Op &) {
         if (touch(src, n, 0, "read") & touch(dst, n, 1, "write")) memmove(dst, src, n);
     }, [&](Op &o) {
         if (!h2d) return;
@@ -1077,6 +1153,11 @@ static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKi
         o.hlen = n;
         o.hsum = checksum(src, n);
     });
+    if (pageable) { /* to pageable host memory (or host to host): the call returns when it is done */
+        wait_op(o, 1e9);
+        host_vc.join(o->vc);
+        count_sync(s->dev);
+    }
     return cudaSuccess;
 }
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -31,6 +32,11 @@ static void expect_report(const char *name, const char *want) {
     char why[600];
     snprintf(why, sizeof why, "%ld report(s), last: '%s' (wanted '%s')", n, g_why, want);
     result(name, ok, why);
+}
+static double now_s() {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 static void expect_clean(const char *name) {
     long n = moept_emu_take_reports(g_why, sizeof g_why);
@@ -147,7 +153,6 @@ static void read_now(float *d) {
    NCCL receive waiting for a peer that posts its send 300 ms later): the
    pages are mapped for that op, so only the per-thread guard can see it */
 static void read_while_op_runs(float *d) {
-    moept_emu_nccl_timeout(5000);
     ncclUniqueId id;
     ncclGetUniqueId(&id);
     std::thread peer([&] {
@@ -208,12 +213,14 @@ static void streams() {
     MOEPT__LAUNCH(k_copy, 1, 128, 0, b)(p, q, 256); /* no cudaStreamWaitEvent */
     cudaDeviceSynchronize();
     expect_report("hazard: a cross-stream read without cudaStreamWaitEvent", "is not ordered after");
-    float h[256];
+    float *h; /* pinned: the copy reads it when it runs (a pageable source is staged at the call) */
+    cudaMallocHost((void **)&h, 256 * 4);
     for (int i = 0; i < 256; i++) h[i] = 1.0f;
-    cudaMemcpyAsync(p, h, sizeof h, cudaMemcpyHostToDevice, a);
+    cudaMemcpyAsync(p, h, 256 * 4, cudaMemcpyHostToDevice, a);
     h[7] = 5.0f; /* reused before the copy ran */
     cudaStreamSynchronize(a);
-    expect_report("hazard: a host buffer reused before its async copy ran", "host source buffer");
+    expect_report("hazard: a pinned host buffer reused before its async copy ran", "host source buffer");
+    cudaFreeHost(h);
     /* cudaEventElapsedTime's documented cases (bench_cuda times with it) */
     cudaEvent_t t0, t1, never;
     cudaEventCreate(&t0);
@@ -247,6 +254,61 @@ __global__ void k_add(float *p, float v, int n) {
 /* Stream capture: a fork (a's event waited by b) and join, captured, runs
    nothing; each launch of the graph runs it all again, in order; a host
    sync inside a capture is rejected and the capture ends invalidated. */
+/* ---- copies and host memory kinds (CUDA Runtime API, "API synchronization behavior") ---- */
+__global__ void k_sleep(int ms) { /* a stream busy for ms: the copies behind it wait */
+    if (threadIdx.x == 0) usleep((useconds_t)ms * 1000);
+}
+static void copies() {
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    float *d, *pinned, page[16], reg[16];
+    cudaMalloc((void **)&d, 64);
+    cudaMallocHost((void **)&pinned, 64);
+    cudaMemsetAsync(d, 0, 64, s);
+    cudaStreamSynchronize(s);
+    MOEPT__LAUNCH(k_sleep, 1, 1, 0, s)(300);
+    double t0 = now_s();
+    cudaMemcpyAsync(pinned, d, 64, cudaMemcpyDeviceToHost, s);
+    double t_pinned = now_s() - t0;
+    cudaMemcpyAsync(page, d, 64, cudaMemcpyDeviceToHost, s);
+    double t_page = now_s() - t0;
+    result("copies: device to pinned host returns at once", t_pinned < 0.1, "it waited");
+    result("copies: device to pageable host returns only once done (after the 300 ms kernel)",
+           t_page >= 0.29 && page[3] == 0.0f, "it returned early");
+    for (int i = 0; i < 16; i++) page[i] = 7.0f;
+    MOEPT__LAUNCH(k_sleep, 1, 1, 0, s)(200);
+    t0 = now_s();
+    cudaMemcpyAsync(d, page, 64, cudaMemcpyHostToDevice, s);
+    double t_h2d = now_s() - t0;
+    for (int i = 0; i < 16; i++) page[i] = -1.0f; /* staged at the call: this changes nothing */
+    cudaMemcpyAsync(pinned, d, 64, cudaMemcpyDeviceToHost, s);
+    cudaStreamSynchronize(s);
+    result("copies: pageable host to device waits for the stream's earlier work, takes the bytes at the call",
+           t_h2d >= 0.19 && pinned[5] == 7.0f, "it did not wait, or read the bytes later");
+    result("copies: cudaHostRegister makes a range pinned (device to it returns at once)",
+           cudaHostRegister(reg, sizeof reg, 0) == cudaSuccess, "refused");
+    MOEPT__LAUNCH(k_sleep, 1, 1, 0, s)(300);
+    t0 = now_s();
+    cudaMemcpyAsync(reg, d, 64, cudaMemcpyDeviceToHost, s);
+    result("... device to the registered range returns at once", now_s() - t0 < 0.1, "it waited");
+    cudaStreamSynchronize(s);
+    cudaHostUnregister(reg);
+    cudaGraph_t g = nullptr;
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+    cudaError_t e = cudaMemcpyAsync(page, d, 64, cudaMemcpyDeviceToHost, s);
+    cudaError_t e2 = cudaMemcpyAsync(pinned, d, 64, cudaMemcpyDeviceToHost, s);
+    cudaError_t end = cudaStreamEndCapture(s, &g);
+    result("copies: a pageable copy in a capture is rejected, a pinned one is not",
+           e == cudaErrorStreamCaptureUnsupported && e2 == cudaSuccess, "wrong status");
+    expect_report("... reported, and the capture invalidated", "pageable host memory on a capturing stream");
+    result("... cudaStreamEndCapture fails", end == cudaErrorStreamCaptureInvalidated && !g, "capture ended valid");
+    cudaGetLastError();
+    cudaFree(d);
+    cudaFreeHost(pinned);
+    cudaStreamDestroy(s);
+    expect_clean("copies: no other report");
+}
+
 static void capture() {
     cudaStream_t a, b;
     cudaEvent_t fork, join;
@@ -441,12 +503,16 @@ static void blas() {
     cublasDestroy(h);
 }
 
-/* NCCL: an ncclSend the peer never receives is an error on the comm, not a hang */
-static void nccl_unmatched() {
-    moept_emu_nccl_timeout(500);
+/* NCCL: an ncclSend the peer never receives waits for ever, as on a GPU
+   (no error by itself); ncclCommAbort on its rank ends it. An injected
+   transport failure instead gives the asynchronous error. */
+static void nccl_unmatched(int inject) {
+    moept_emu_nccl_inject_error(inject ? 300 : 0);
     ncclUniqueId id;
     ncclGetUniqueId(&id);
     ncclResult_t async[2] = {ncclSuccess, ncclSuccess};
+    cudaError_t later[2] = {cudaSuccess, cudaSuccess};
+    bool ended[2] = {false, false};
     auto rank = [&](int r) {
         cudaSetDevice(r);
         ncclComm_t c;
@@ -456,19 +522,30 @@ static void nccl_unmatched() {
         ncclCommInitRank(&c, 2, id, r);
         cudaMalloc((void **)&buf, 64);
         if (r == 0) ncclSend(buf, 16, ncclFloat32, 1, c, s); /* rank 1 posts no ncclRecv */
-        while (cudaStreamQuery(s) == cudaErrorNotReady) usleep(1000);
+        double t0 = now_s();
+        while (cudaStreamQuery(s) == cudaErrorNotReady && now_s() - t0 < 1.0) usleep(1000);
+        later[r] = cudaStreamQuery(s);
         ncclCommGetAsyncError(c, &async[r]);
-        cudaFree(buf);
-        if (async[r] != ncclSuccess) ncclCommAbort(c);
+        if (r == 0) ncclCommAbort(c); /* the one way to end it */
         else ncclCommDestroy(c);
+        t0 = now_s();
+        while (cudaStreamQuery(s) == cudaErrorNotReady && now_s() - t0 < 5.0) usleep(1000);
+        ended[r] = cudaStreamQuery(s) == cudaSuccess;
+        cudaFree(buf);
         cudaStreamDestroy(s);
     };
     std::thread t0(rank, 0), t1(rank, 1);
     t0.join();
     t1.join();
-    result("nccl: an unmatched ncclSend gives an asynchronous error", async[0] == ncclRemoteError, "no error");
-    expect_report("nccl: ... and is reported", "no matching ncclRecv");
-    moept_emu_nccl_timeout(0);
+    if (inject) {
+        result("nccl: an injected transport failure gives an asynchronous error",
+               async[0] == ncclRemoteError && later[0] == cudaSuccess, "no error");
+    } else {
+        result("nccl: an unmatched ncclSend is still waiting after 1 s, no error by itself",
+               later[0] == cudaErrorNotReady && async[0] == ncclSuccess, "it ended or erred by itself");
+        result("nccl: ... and ncclCommAbort on its rank ends it", ended[0] && ended[1], "still waiting");
+    }
+    moept_emu_nccl_inject_error(0);
 }
 
 int main() {
@@ -476,8 +553,10 @@ int main() {
     host_read();
     streams();
     released_at_once();
+    copies();
     blas();
-    nccl_unmatched();
+    nccl_unmatched(0);
+    nccl_unmatched(1);
     capture();
     return g_fail;
 }
