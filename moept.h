@@ -543,10 +543,12 @@ moept_status moept_cuda_params(moept_layer *layer, float **params, float **grads
 moept_status moept_cuda_params_changed(moept_layer *layer);
 #ifdef MOEPT_CUDA
 /* NCCL: collectives on `stream` (a cudaStream_t). Buffers may be device or
-   host memory (host buffers are staged through a device copy and the call
-   waits for it). With a non-blocking communicator (ncclConfig_t blocking =
-   0) every call polls ncclCommGetAsyncError and aborts the communicator
-   after timeout_ms (0 = 600 s) instead of hanging. Never initialises NCCL.
+   host memory (host buffers cross through the comm's pinned and device
+   staging, and the call polls for the result with the timeout). With a
+   non-blocking communicator (ncclConfig_t blocking = 0) every call polls
+   ncclCommGetAsyncError and aborts the communicator after timeout_ms
+   (0 = 600 s) instead of hanging; a blocking one may block inside NCCL
+   while it connects to a peer. Never initialises NCCL.
    An asynchronous NCCL error or a timeout (a peer that never came) makes
    moept call ncclCommAbort, the one way to end the stuck NCCL kernels; the
    call fails with MOEPT_ERR_COMM, and every later call on this moept_comm

@@ -40,6 +40,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <string.h>
 #include <time.h>
 
@@ -758,12 +759,23 @@ static const char *moept__sf_why(unsigned long long code) {
 /* ------------------------------------------------------------------------
    NCCL backend
    ------------------------------------------------------------------------ */
+#define MOEPT__NRETIRED 40
 typedef struct moept__nccl {
     ncclComm_t comm;
     cudaStream_t stream;
     int timeout_ms;
-    void *stage;            /* device staging for host buffers */
-    size_t stage_bytes;
+    /* Host buffers (set-up and agreement traffic) cross through pinned
+       memory: a copy into or out of pageable memory waits for the stream's
+       earlier work (the CUDA Runtime API's "API synchronization behavior"),
+       which here is an NCCL op that may wait on a peer for ever; a pinned
+       copy is asynchronous and the host polls with the timeout instead. */
+    void *stage;            /* [stage_bytes] device staging */
+    void *host;             /* [host_bytes] pinned host staging */
+    size_t stage_bytes, host_bytes;
+    /* outgrown staging, freed at destroy: cudaFree waits for the whole
+       device, which may wait on a peer (no free on a call's path) */
+    void *retired[MOEPT__NRETIRED];
+    int nretired, retired_host[MOEPT__NRETIRED];
     int aborted;            /* 1: moept called ncclCommAbort; the handle is freed, never touched again */
     char abort_why[200];
 } moept__nccl;
@@ -781,6 +793,8 @@ static double moept__clock(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+/* between two polls of a host wait: the core goes to whatever else runs */
+static void moept__pause(void) { sched_yield(); }
 
 /* Aborts the communicator (the one way to free a stream stuck in an NCCL
    kernel): NCCL's last error is read first, as the handle is freed by the
@@ -819,6 +833,7 @@ static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char 
             return moept__nccl_abort(c, what);
         }
         if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
+        moept__pause();
     }
     if (r != ncclSuccess)
         return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: %s (%s) (moept_kernels.cu:%d)", call, ncclGetErrorString(r),
@@ -860,6 +875,7 @@ static moept_status moept__nccl_wait(moept_comm *c) {
             snprintf(what, sizeof what, "nccl: no progress in %d ms", n->timeout_ms);
             return moept__nccl_abort(c, what);
         }
+        moept__pause();
     }
 }
 
@@ -870,14 +886,31 @@ static int moept__is_host(const void *p) {
     return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
 }
 
-static moept_status moept__nccl_stage(moept_comm *c, size_t bytes) {
+/* Device and pinned host staging of at least dev and host bytes: grown to
+   twice what it was at least (so the retired blocks sum to less than the
+   live ones), the old blocks kept until destroy. */
+static moept_status moept__nccl_stage(moept_comm *c, size_t dev, size_t host) {
     moept__nccl *n = (moept__nccl *)c->ctx;
-    if (bytes <= n->stage_bytes) return MOEPT_OK;
-    if (n->stage) MOEPT__NCU(c, cudaFree(n->stage));
-    n->stage = NULL;
-    n->stage_bytes = 0;
-    MOEPT__NCU(c, cudaMalloc(&n->stage, bytes));
-    n->stage_bytes = bytes;
+    for (int h = 0; h < 2; h++) {
+        void **p = h ? &n->host : &n->stage;
+        size_t *have = h ? &n->host_bytes : &n->stage_bytes, want = h ? host : dev;
+        if (want <= *have) continue;
+        if (want < 2 * *have) want = 2 * *have;
+        if (want < 4096) want = 4096;
+        if (*p && n->nretired == MOEPT__NRETIRED)
+            return moept__nccl_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "nccl: staging grown too often");
+        void *q = NULL;
+        cudaError_t e = h ? cudaMallocHost(&q, want) : cudaMalloc(&q, want);
+        if (e != cudaSuccess)
+            return moept__nccl_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "nccl: %zu bytes of %s staging: %s", want,
+                                    h ? "pinned host" : "device", cudaGetErrorString(e));
+        if (*p) {
+            n->retired_host[n->nretired] = h;
+            n->retired[n->nretired++] = *p;
+        }
+        *p = q;
+        *have = want;
+    }
     return MOEPT_OK;
 }
 
@@ -915,17 +948,22 @@ static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const
     MOEPT__TRY(moept__nccl_dead(c));
     if (es != 2 && es != 4 && es != 8) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
     if (!moept__is_host(send) && !moept__is_host(recv)) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
-    /* host buffers (set-up and agreement traffic): through a device copy */
+    /* host buffers (set-up and agreement traffic): through pinned and device staging */
     moept__nccl *n = (moept__nccl *)c->ctx;
     int64_t sb = moept__seg_end(ss, c->size * nseg) * es, rb = moept__seg_end(rs, c->size * nseg) * es;
-    moept_status st = moept__nccl_stage(c, (size_t)(sb + rb + 64));
+    moept_status st = moept__nccl_stage(c, (size_t)(sb + rb + 64), (size_t)(sb + rb + 64));
     if (st) return st;
-    char *ds = (char *)n->stage, *dr = ds + sb;
-    if (sb) MOEPT__NCU(c, cudaMemcpyAsync(ds, send, (size_t)sb, cudaMemcpyHostToDevice, n->stream));
+    char *ds = (char *)n->stage, *dr = ds + sb, *hs = (char *)n->host, *hr = hs + sb;
+    if (sb) memcpy(hs, send, (size_t)sb);
+    if (sb) MOEPT__NCU(c, cudaMemcpyAsync(ds, hs, (size_t)sb, cudaMemcpyHostToDevice, n->stream));
     st = moept__nccl_a2a_dev(c, ds, ss, dr, rs, nseg, es);
     if (st) return st;
-    if (rb) MOEPT__NCU(c, cudaMemcpyAsync(recv, dr, (size_t)rb, cudaMemcpyDeviceToHost, n->stream));
-    return moept__nccl_wait(c);
+    if (rb) MOEPT__NCU(c, cudaMemcpyAsync(hr, dr, (size_t)rb, cudaMemcpyDeviceToHost, n->stream));
+    MOEPT__TRY(moept__nccl_wait(c));
+    for (int i = 0; i < c->size * nseg; i++) /* the pieces only: recv's bytes between them stay */
+        if (rs[i].count > 0)
+            memcpy((char *)recv + rs[i].offset * es, hr + rs[i].offset * es, (size_t)(rs[i].count * es));
+    return MOEPT_OK;
 }
 
 static ncclDataType_t moept__nccl_type(moept_dtype t, size_t *es) {
@@ -947,12 +985,16 @@ static moept_status moept__nccl_allreduce(moept_comm *c, void *buf, int64_t coun
         MOEPT__NC(c, ncclAllReduce(buf, buf, (size_t)count, nt, ncclSum, n->comm, n->stream));
         return MOEPT_OK;
     }
-    moept_status st = moept__nccl_stage(c, (size_t)count * es);
+    const size_t bytes = (size_t)count * es;
+    moept_status st = moept__nccl_stage(c, bytes, bytes);
     if (st) return st;
-    MOEPT__NCU(c, cudaMemcpyAsync(n->stage, buf, (size_t)count * es, cudaMemcpyHostToDevice, n->stream));
+    memcpy(n->host, buf, bytes);
+    MOEPT__NCU(c, cudaMemcpyAsync(n->stage, n->host, bytes, cudaMemcpyHostToDevice, n->stream));
     MOEPT__NC(c, ncclAllReduce(n->stage, n->stage, (size_t)count, nt, ncclSum, n->comm, n->stream));
-    MOEPT__NCU(c, cudaMemcpyAsync(buf, n->stage, (size_t)count * es, cudaMemcpyDeviceToHost, n->stream));
-    return moept__nccl_wait(c);
+    MOEPT__NCU(c, cudaMemcpyAsync(n->host, n->stage, bytes, cudaMemcpyDeviceToHost, n->stream));
+    MOEPT__TRY(moept__nccl_wait(c)); /* buf keeps its bytes unless the sum arrived */
+    memcpy(buf, n->host, bytes);
+    return MOEPT_OK;
 }
 
 static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
@@ -964,13 +1006,16 @@ static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void 
         return MOEPT_OK;
     }
     size_t total = (size_t)bytes * (size_t)(c->size + 1);
-    moept_status st = moept__nccl_stage(c, total);
+    moept_status st = moept__nccl_stage(c, total, total);
     if (st) return st;
-    char *ds = (char *)n->stage, *dr = ds + bytes;
-    MOEPT__NCU(c, cudaMemcpyAsync(ds, send, (size_t)bytes, cudaMemcpyHostToDevice, n->stream));
+    char *ds = (char *)n->stage, *dr = ds + bytes, *hs = (char *)n->host, *hr = hs + bytes;
+    memcpy(hs, send, (size_t)bytes);
+    MOEPT__NCU(c, cudaMemcpyAsync(ds, hs, (size_t)bytes, cudaMemcpyHostToDevice, n->stream));
     MOEPT__NC(c, ncclAllGather(ds, dr, (size_t)bytes, ncclUint8, n->comm, n->stream));
-    MOEPT__NCU(c, cudaMemcpyAsync(recv, dr, (size_t)bytes * c->size, cudaMemcpyDeviceToHost, n->stream));
-    return moept__nccl_wait(c);
+    MOEPT__NCU(c, cudaMemcpyAsync(hr, dr, (size_t)bytes * c->size, cudaMemcpyDeviceToHost, n->stream));
+    MOEPT__TRY(moept__nccl_wait(c));
+    memcpy(recv, hr, (size_t)bytes * c->size);
+    return MOEPT_OK;
 }
 
 /* Point-to-point (resharding): device buffers only. */
@@ -992,10 +1037,21 @@ static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int n
     return moept__nccl_wait(c);
 }
 
+/* The frees wait for the device: first the comm's own work is polled, up to
+   the timeout; work still pending then (a peer that never came, on a comm
+   its owner did not abort) keeps the staging allocated rather than hang. */
 static void moept__nccl_destroy(moept_comm *c) {
     moept__nccl *n = (moept__nccl *)c->ctx;
     if (n) {
+        const double t0 = moept__clock();
+        cudaError_t q;
+        while ((q = cudaStreamQuery(n->stream)) == cudaErrorNotReady && moept__clock() - t0 < n->timeout_ms * 1e-3)
+            moept__pause();
+        if (q == cudaErrorNotReady) n->nretired = 0, n->stage = n->host = NULL;
+        for (int i = 0; i < n->nretired; i++)
+            (void)(n->retired_host[i] ? cudaFreeHost(n->retired[i]) : cudaFree(n->retired[i]));
         if (n->stage) cudaFree(n->stage);
+        if (n->host) cudaFreeHost(n->host);
         free(n);
     }
     free(c);
@@ -1239,9 +1295,13 @@ extern "C" int moept__cuda_device_count(void) {
     return n;
 }
 
+static moept_status moept__host_wait(moept__cuda *c, char *err);
+/* The frees below wait for the device: the comms' work is polled first
+   (with their timeouts), so the device has only this rank's own left. */
 extern "C" void moept__cuda_destroy(moept__cuda *c) {
     if (!c) return;
-    if (c->blas) cudaStreamSynchronize(c->s);
+    char err[MOEPT__ERRLEN];
+    if (c->blas) (void)moept__host_wait(c, err);
     if (c->blas) cublasDestroy(c->blas);
     for (int i = 0; i < MOEPT__SIDE; i++) { /* joined to s by events: s's sync covered them */
         if (c->side_blas[i]) cublasDestroy(c->side_blas[i]);
@@ -1458,7 +1518,10 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
    them through events, so a peer that never comes would hang a plain
    synchronize); what is left on the compute stream is this rank's own. An
    aborted comm has no work left (the abort ended it): the host copies of the
-   parameters stay readable. */
+   parameters stay readable. It also goes before every copy to or from the
+   caller's (pageable) host memory: such a copy waits for the stream's
+   earlier work inside the call (the CUDA Runtime API's "API synchronization
+   behavior"), so that work must be this rank's own by then. */
 static moept_status moept__host_wait(moept__cuda *c, char *err) {
     moept_comm *comms[2] = {c->sp.ep, c->sp.dp};
     for (int i = 0; i < 2; i++)
@@ -1474,6 +1537,7 @@ static moept_status moept__host_wait(moept__cuda *c, char *err) {
 extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
                                            const float *bias, const int32_t *slot_of, char *err) {
     const int64_t n = c->sp.n_params, E = c->sp.E;
+    MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     if (params) c->wlow_stale = 1;
     if (grads) c->grads_clean = 0;
     if (params) MOEPT__CU(cudaMemcpyAsync(c->params, params, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
@@ -1487,6 +1551,7 @@ extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, 
 
 extern "C" moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err) {
     const int64_t n = c->sp.n_params;
+    MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     if (params) MOEPT__CU(cudaMemcpyAsync(params, c->params, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
     if (grads) MOEPT__CU(cudaMemcpyAsync(grads, c->grads, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
@@ -1497,6 +1562,7 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
                                                      float *dwts, char *err) {
     if (!c->fwd_valid) return moept__kfail(err, MOEPT_ERR_STATE, "no forward yet");
     const int64_t T = c->T, K = c->sp.K, E = c->sp.E;
+    MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     if (ids) MOEPT__CU(cudaMemcpyAsync(ids, c->ids[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
     if (wts) MOEPT__CU(cudaMemcpyAsync(wts, c->wts[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
     if (logits) MOEPT__CU(cudaMemcpyAsync(logits, c->logits[c->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost, c->s));
@@ -2730,6 +2796,7 @@ extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *
         MOEPT__CU(cudaMemsetAsync(c->opt_m, 0, (size_t)(2 * npad) * 4, c->s));
     }
     if (from_host && m0) {
+        MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
         MOEPT__CU(cudaMemcpyAsync(c->opt_m, m0, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
         MOEPT__CU(cudaMemcpyAsync(c->opt_v, v0, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
         MOEPT__TRY(moept__host_wait(c, err)); /* the host arrays may change after we return */
@@ -2755,6 +2822,7 @@ extern "C" moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float
         memset(v, 0, (size_t)n * 4);
         return MOEPT_OK;
     }
+    MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     MOEPT__CU(cudaMemcpyAsync(m, c->opt_m, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
     MOEPT__CU(cudaMemcpyAsync(v, c->opt_v, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
