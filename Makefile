@@ -31,7 +31,8 @@ CUDA_OK := $(if $(NVCC),$(shell printf '\043include <nccl.h>\n\043include <cubla
 CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 --fmad=false -Xcompiler -Wall,-Wextra,-Wno-unknown-pragmas $(CUDA_ARCHS)
 CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lnccl -lstdc++
-CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda $(B)/bench_cuda)
+CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda $(B)/bench_cuda \
+            $(if $(MPICC),$(B)/moept_check_cuda_mpi $(B)/train_cuda_mpi))
 
 # the emulated GPU (tests/emu; rules at the end): needs only the CUDA, cuBLAS and NCCL headers
 EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/include; do [ -f $$d/cuda_runtime.h ] && [ -f $$d/cublas_v2.h ] && echo -I$$d && break; done) $(if $(wildcard $(NCCL_HOME)/include/nccl.h),-I$(NCCL_HOME)/include)
@@ -44,7 +45,8 @@ EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
 EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0 \
              -fno-tree-sra
 EMU_LIBS = -lstdc++ -lm -pthread
-EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/bench_cuda $(B)/emu/test_emu $(B)/emu-san/moept_check)
+EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/bench_cuda $(B)/emu/test_emu \
+           $(B)/emu-san/moept_check $(if $(MPICC),$(B)/emu/moept_check_mpi $(B)/emu/train_mpi))
 
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
@@ -174,6 +176,20 @@ $(B)/train_cuda: examples/train.c $(CUDA_OBJS)
 
 $(B)/bench_cuda: bench/bench_cuda.c $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+# one process per GPU (the deployment users run): MPI + CUDA, each process on
+# device local_rank % device_count, the NCCL ids broadcast over MPI
+$(B)/cuda-mpi/moept.o: moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/cuda-mpi
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) -c moept.c -o $@
+
+CUDA_MPI_OBJS = $(B)/cuda-mpi/moept.o $(B)/cuda/moept_kernels.o
+
+$(B)/moept_check_cuda_mpi: tests/moept_check.c $(CUDA_MPI_OBJS)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) $< $(CUDA_MPI_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+$(B)/train_cuda_mpi: examples/train.c $(CUDA_MPI_OBJS)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) $< $(CUDA_MPI_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 cuda: $(CUDA_BINS)
 
@@ -340,6 +356,20 @@ $(B)/emu/train: examples/train.c $(EMU_OBJS)
 
 $(B)/emu/bench_cuda: bench/bench_cuda.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+# one process per emulated GPU: MPI + the emulated CUDA, its NCCL across
+# processes through POSIX shared memory (tests/emu/emu_nccl.cc)
+$(B)/emu-mpi/moept.o: moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/emu-mpi
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(EMU_INC) -c moept.c -o $@
+
+EMU_MPI_OBJS = $(B)/emu-mpi/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
+
+$(B)/emu/moept_check_mpi: tests/moept_check.c $(EMU_MPI_OBJS)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI -DMOEPT_EMU $(EMU_INC) $< $(EMU_MPI_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/train_mpi: examples/train.c $(EMU_MPI_OBJS)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(EMU_INC) $< $(EMU_MPI_OBJS) -o $@ $(EMU_LIBS)
 
 # compiled with the kernels' instrumentation, linked without the tsan runtime
 # (its interceptors would see the uninstrumented emulator's threads and fibers)

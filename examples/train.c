@@ -14,6 +14,8 @@
           mpirun -np N*M train_mpi --ep N --dp M ...
           train_cuda [--bf16] ... (built with -DMOEPT_CUDA: the MoE layers on the
                               GPU, one rank; skipped without a device)
+          mpirun -np N*M train_cuda_mpi --ep N [--dp M] [--bf16] ...
+                             (both: one process per GPU, as users deploy it)
    With no --data it trains on examples/corpus.txt, a fixed snapshot of the
    project's docs and sources (so its figures do not move with edits).
 
@@ -24,7 +26,11 @@
    the one-rank run up to fp32 rounding.
    --dp N (train_mpi, N * ep processes): N replicas of the experts, each
    split over --ep ranks; MPI_Comm_split makes the EP and DP groups, and
-   moept_sync_grads sums the layers' gradients over both. */
+   moept_sync_grads sums the layers' gradients over both.
+   train_cuda_mpi: each process drives device local_rank % device_count
+   (local_rank: its place among the processes of its host); rank 0 of each
+   EP and DP group makes an NCCL id and broadcasts it over the group's MPI
+   communicator, and every rank joins with ncclCommInitRank. */
 #include "../moept.h"
 
 #include <math.h>
@@ -39,6 +45,10 @@
 #endif
 #ifdef MOEPT_CUDA
 #include <cuda_runtime.h>
+#endif
+#if defined(MOEPT_CUDA) && defined(MOEPT_MPI)
+#include <mpi.h>
+#include <nccl.h>
 #endif
 
 typedef struct opts {
@@ -486,6 +496,54 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
     return ema < first_loss ? 0 : 1;
 }
 
+#if defined(MOEPT_CUDA) && defined(MOEPT_MPI)
+/* The GPU ranks' comms: NCCL over the EP group and, with --dp, the DP
+   group, each on its own stream, on this process's device */
+typedef struct gpu_comms {
+    ncclComm_t nc[2];
+    cudaStream_t s[2];
+    moept_comm *c[2]; /* EP, DP (NULL: none) */
+} gpu_comms;
+
+static void gpu_comms_open(gpu_comms *g, MPI_Comm epc, MPI_Comm dpc) {
+    memset(g, 0, sizeof *g);
+    MPI_Comm node;
+    int local = 0;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    MPI_Comm_rank(node, &local);
+    MPI_Comm_free(&node);
+    if (cudaSetDevice(local % moept_cuda_device_count()) != cudaSuccess) {
+        fprintf(stderr, "train: cudaSetDevice failed\n");
+        exit(1);
+    }
+    MPI_Comm groups[2] = {epc, dpc};
+    for (int i = 0; i < 2; i++) {
+        if (groups[i] == MPI_COMM_NULL) continue;
+        int r, n;
+        MPI_Comm_rank(groups[i], &r);
+        MPI_Comm_size(groups[i], &n);
+        ncclUniqueId id;
+        if (r == 0 && ncclGetUniqueId(&id) != ncclSuccess) { fprintf(stderr, "train: ncclGetUniqueId\n"); exit(1); }
+        MPI_Bcast(&id, (int)sizeof id, MPI_BYTE, 0, groups[i]);
+        if (cudaStreamCreateWithFlags(&g->s[i], cudaStreamNonBlocking) != cudaSuccess ||
+            ncclCommInitRank(&g->nc[i], n, id, r) != ncclSuccess) {
+            fprintf(stderr, "train: cannot make the NCCL communicator\n");
+            exit(1);
+        }
+        check(moept_comm_nccl(g->nc[i], g->s[i], 0, &g->c[i]), NULL, "moept_comm_nccl");
+    }
+}
+static void gpu_comms_close(gpu_comms *g) {
+    for (int i = 0; i < 2; i++) {
+        if (!g->c[i]) continue;
+        int aborted = moept_comm_nccl_aborted(g->c[i]); /* then NCCL freed it already */
+        moept_comm_destroy(g->c[i]);
+        if (!aborted) ncclCommDestroy(g->nc[i]);
+        cudaStreamDestroy(g->s[i]);
+    }
+}
+#endif
+
 #ifndef MOEPT_MPI
 typedef struct rank_job { const opts *o; moept_comm *comm; int rc; } rank_job;
 
@@ -507,8 +565,16 @@ int main(int argc, char **argv) {
     opts o;
     parse(argc, argv, &o);
 #ifdef MOEPT_CUDA
-    if (o.ep != 1 || o.dp != 1) { fprintf(stderr, "train_cuda: one GPU rank (--ep 1)\n"); return 2; }
-    if (moept_cuda_device_count() < 1) { printf("skip - no CUDA device: the GPU run was not made\n"); return 0; }
+#ifndef MOEPT_MPI
+    if (o.ep != 1 || o.dp != 1) { fprintf(stderr, "train_cuda: one GPU rank (--ep 1; train_cuda_mpi for more)\n"); return 2; }
+#endif
+    if (moept_cuda_device_count() < 1) {
+        printf("skip - no CUDA device: the GPU run was not made\n");
+#ifdef MOEPT_MPI
+        MPI_Finalize();
+#endif
+        return 0;
+    }
 #endif
 #ifdef MOEPT_MPI
     moept_comm *world;
@@ -526,6 +592,20 @@ int main(int argc, char **argv) {
     if (o.dp > 1) {
         MPI_Comm_split(MPI_COMM_WORLD, world->rank / o.ep, world->rank, &epc);
         MPI_Comm_split(MPI_COMM_WORLD, world->rank % o.ep, world->rank, &dpc);
+    }
+#ifdef MOEPT_CUDA
+    gpu_comms gc;
+    gpu_comms_open(&gc, epc != MPI_COMM_NULL ? epc : MPI_COMM_WORLD, o.dp > 1 ? dpc : MPI_COMM_NULL);
+    ep = gc.c[0];
+    dp = gc.c[1];
+    int rc = train_rank(&o, world, ep, dp); /* the dense parts' sums stay on MPI */
+    gpu_comms_close(&gc);
+    if (o.dp > 1) {
+        MPI_Comm_free(&epc);
+        MPI_Comm_free(&dpc);
+    }
+#else
+    if (o.dp > 1) {
         check(moept_comm_mpi(epc, &ep), NULL, "moept_comm_mpi (EP)");
         check(moept_comm_mpi(dpc, &dp), NULL, "moept_comm_mpi (DP)");
     }
@@ -536,6 +616,7 @@ int main(int argc, char **argv) {
         MPI_Comm_free(&epc);
         MPI_Comm_free(&dpc);
     }
+#endif
     moept_comm_destroy(world);
     MPI_Finalize();
     return rc;

@@ -28,12 +28,19 @@
    routing exactly), with x, dy, y and dx in device memory; --ep N runs N
    GPUs as threads over NCCL; --sync-free runs the CUDA layer in its
    sync-free mode (moept_cuda_options.sync_free). With fewer devices than
-   ranks every case is reported skipped and the exit status is 0. */
+   ranks every case is reported skipped and the exit status is 0.
+   Built with both (build/moept_check_cuda_mpi, build/emu/moept_check_mpi)
+   it is the deployment users run: one process per GPU, each on device
+   local_rank % device_count, the NCCL id made by rank 0 and broadcast over
+   MPI (the bf16 reference's CPU layer runs over MPI). */
 #define MOEPT_INTERNAL /* moept__f32_to_bf16 / moept__bf16_to_f32 */
 #include "../moept.h"
 #ifdef MOEPT_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
+#endif
+#ifdef MOEPT_MPI
+#include <mpi.h>
 #endif
 #ifdef _OPENMP
 #include <omp.h>
@@ -573,27 +580,24 @@ static void merge(check *c, const check *r, int rank) {
     }
 }
 
-#ifndef MOEPT_MPI
-typedef struct rank_job {
-    check c;
 #ifdef MOEPT_CUDA
-    int rank, size;
+/* A GPU rank: its device, its place in the NCCL clique and the clique's id */
+typedef struct gpu_rank {
+    int dev, rank, size;
     ncclUniqueId id;
-#endif
-} rank_job;
+} gpu_rank;
 
-#ifdef MOEPT_CUDA
-/* One GPU per rank, each driven by its thread: its NCCL communicator and two
-   non-blocking streams (compute, communication), so that only the layer's
-   own events order them. */
-static void run_case_gpu(check *c, rank_job *j) {
+/* One GPU per rank: its NCCL communicator and two non-blocking streams
+   (compute, communication), so that only the layer's own events order
+   them. g NULL: one rank, device 0, no communicator. */
+static void run_case_gpu(check *c, const gpu_rank *g) {
     cudaStream_t ks = NULL, cs = NULL;
     ncclComm_t nc = NULL;
     moept_comm *ep = NULL;
-    int ok = cudaSetDevice(j ? j->rank : 0) == cudaSuccess &&
+    int ok = cudaSetDevice(g ? g->dev : 0) == cudaSuccess &&
              cudaStreamCreateWithFlags(&ks, cudaStreamNonBlocking) == cudaSuccess &&
              cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) == cudaSuccess;
-    if (ok && j) ok = ncclCommInitRank(&nc, j->size, j->id, j->rank) == ncclSuccess &&
+    if (ok && g) ok = ncclCommInitRank(&nc, g->size, g->id, g->rank) == ncclSuccess &&
                       moept_comm_nccl(nc, cs, 60000, &ep) == MOEPT_OK;
     if (!ok) {
         failf(c, "cannot set up this rank's device, streams or NCCL communicator");
@@ -602,13 +606,22 @@ static void run_case_gpu(check *c, rank_job *j) {
         c->stream = ks;
         run_case(c);
     }
+    const int aborted = ep && moept_comm_nccl_aborted(ep); /* then NCCL freed it already */
     moept_comm_destroy(ep);
     c->ep = NULL;
-    if (nc) ncclCommDestroy(nc);
+    if (nc && !aborted) ncclCommDestroy(nc);
     if (ks) cudaStreamDestroy(ks);
     if (cs) cudaStreamDestroy(cs);
 }
 #endif
+
+#ifndef MOEPT_MPI
+typedef struct rank_job {
+    check c;
+#ifdef MOEPT_CUDA
+    gpu_rank g;
+#endif
+} rank_job;
 
 static void *rank_main(void *arg) {
     rank_job *j = arg;
@@ -616,7 +629,7 @@ static void *rank_main(void *arg) {
     omp_set_num_threads(1);
 #endif
 #ifdef MOEPT_CUDA
-    run_case_gpu(&j->c, j);
+    run_case_gpu(&j->c, &j->g);
 #else
     run_case(&j->c);
 #endif
@@ -635,9 +648,7 @@ static void run_threads(check *c, int P) {
     for (int r = 0; r < P; r++) {
         jobs[r].c.path = c->path;
 #ifdef MOEPT_CUDA
-        jobs[r].rank = r;
-        jobs[r].size = P;
-        jobs[r].id = id;
+        jobs[r].g = (gpu_rank){r, r, P, id};
         moept_comm_threads(g, r, &jobs[r].c.ref_ep); /* the bf16 reference's */
 #else
         moept_comm_threads(g, r, &jobs[r].c.ep);
@@ -689,19 +700,38 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 2;
     }
+#ifdef MOEPT_CUDA
+    int local_rank = 0; /* this process's place among the processes of its host */
+    {
+        MPI_Comm node;
+        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+        MPI_Comm_rank(node, &local_rank);
+        MPI_Comm_free(&node);
+    }
+#endif
     int me = world->rank;
 #else
     int me = 0;
 #endif
     int passed = 0, failed = 0, skipped = 0;
 #ifdef MOEPT_CUDA
-    if (moept_cuda_device_count() < P) { /* a GPU check without a GPU is skipped, never passed */
-        for (int i = first; i < argc; i++) {
+#ifdef MOEPT_MPI
+    const int need = 1; /* a GPU a process: device local_rank % device_count */
+#else
+    const int need = P;
+#endif
+    if (moept_cuda_device_count() < need) { /* a GPU check without a GPU is skipped, never passed */
+        for (int i = first; i < argc && me == 0; i++) {
             const char *b = strrchr(argv[i], '/');
-            printf("%-40s SKIP  fewer CUDA devices than --ep (fp32 and bf16 not run)\n", b ? b + 1 : argv[i]);
+            printf("%-40s SKIP  %s (fp32 and bf16 not run)\n", b ? b + 1 : argv[i],
+                   need > 1 ? "fewer CUDA devices than --ep" : "no CUDA device");
             skipped++;
         }
-        printf("0 passed, 0 failed, %d skipped\n", skipped);
+        if (me == 0) printf("0 passed, 0 failed, %d skipped\n", skipped);
+#ifdef MOEPT_MPI
+        moept_comm_destroy(world);
+        MPI_Finalize();
+#endif
         return 0;
     }
     const int passes = 2;
@@ -721,8 +751,17 @@ int main(int argc, char **argv) {
             check mine;
             memset(&mine, 0, sizeof mine);
             mine.path = argv[arg];
+#ifdef MOEPT_CUDA
+            gpu_rank g = {local_rank % moept_cuda_device_count(), me, P, {{0}}};
+            if (me == 0 && ncclGetUniqueId(&g.id) != ncclSuccess) failf(&mine, "ncclGetUniqueId failed");
+            MPI_Bcast(&g.id, (int)sizeof g.id, MPI_BYTE, 0, MPI_COMM_WORLD);
+            mine.ref_ep = world;
+            run_case_gpu(&mine, &g);
+            mine.ref_ep = NULL;
+#else
             mine.ep = world;
             run_case(&mine);
+#endif
             mine.ep = NULL;
             mine.f = NULL;
             check *all = calloc((size_t)P, sizeof *all);

@@ -145,8 +145,10 @@ fi
 
 # The CUDA executor on the emulated GPU (tests/emu): moept_kernels.cu run on
 # the CPU under memcheck, racecheck, synccheck, initcheck and the stream
-# hazard check; emulated cuBLAS and NCCL (ranks as threads). Any checker
-# report fails the program (exit 66).
+# hazard check; emulated cuBLAS and NCCL (ranks as threads, or processes).
+# Any checker report fails the program (exit 66); a wait that would last for
+# ever on a GPU is a "hang" report after MOEPT_EMU_HANG_S seconds (exit 72).
+export MOEPT_EMU_HANG_S=${MOEPT_EMU_HANG_S:-90}
 if [ -n "$EMU" ]; then
     for n in 1 2 4; do
         suite "emu: reference cases --ep $n (fp32 1e-5, bf16 2^-6 vs bf16 reference)" timeout 300 "$B/emu/moept_check" --ep $n $CASES
@@ -171,6 +173,26 @@ if [ -n "$EMU" ]; then
         suite "emu asan+ubsan: reference cases --ep 2 --chunks $ch" env LSAN_OPTIONS=suppressions=tests/emu/lsan.supp timeout 300 "$B/emu-san/moept_check" --ep 2 --chunks $ch $CASES
     done
     suite "emu asan+ubsan: reference cases --ep 2 --sync-free" env LSAN_OPTIONS=suppressions=tests/emu/lsan.supp timeout 300 "$B/emu-san/moept_check" --ep 2 --sync-free $CASES
+    # one process per emulated GPU, as users deploy it (each process one
+    # device, NCCL across processes, the ids broadcast over MPI)
+    if [ -n "$MPIRUN" ]; then
+        for n in 2 4; do
+            for m in "" --sync-free "--chunks 3"; do
+                suite "emu: reference cases, mpirun -np $n moept_check_mpi --ep $n $m" env MOEPT_EMU_DEVICES=1 \
+                    timeout 300 "$MPIRUN" --oversubscribe -np $n "$B/emu/moept_check_mpi" --ep $n $m $CASES
+            done
+        done
+        suite "emu: train_mpi --ep 4 (4 processes) vs train" env MOEPT_EMU_DEVICES=1 sh tests/epdp.sh "$MPIRUN" \
+            "$B/emu/train_mpi" 4 1
+        suite "emu: train_mpi --ep 2 --dp 2 (4 processes) vs train" env MOEPT_EMU_DEVICES=1 sh tests/epdp.sh \
+            "$MPIRUN" "$B/emu/train_mpi" 2 2
+        suite "emu: train_mpi --ep 2 --bf16 (2 processes) vs train" env MOEPT_EMU_DEVICES=1 sh tests/epdp.sh \
+            "$MPIRUN" "$B/emu/train_mpi" 2 1 bf16
+        suite "emu: kill -9 of one GPU process mid-training" env MOEPT_EMU_DEVICES=1 sh tests/crash_gpu.sh \
+            "$MPIRUN" "$B/emu/train_mpi" 3
+    else
+        skip "emu: one process per GPU" "mpirun not installed"
+    fi
 else
     skip "emu" "the CUDA, cuBLAS and NCCL headers were not found (CUDA_HOME, NCCL_HOME); the emulated GPU suite did not run"
 fi
@@ -182,6 +204,11 @@ if [ -n "$CUDA" ]; then
     suite "cuda reference cases (fp32 1e-5, bf16 2^-6 vs bf16 reference)" "$B/moept_check_cuda" $CASES
     suite "test_cuda" "$B/test_cuda"
     suite "train_cuda" "$B/train_cuda" --steps 30 --quiet
+    if [ -n "$MPIRUN" ]; then # one process per GPU: as many processes as this machine has GPUs (1 here)
+        suite "cuda reference cases, mpirun -np 1 moept_check_cuda_mpi" "$MPIRUN" -np 1 "$B/moept_check_cuda_mpi" \
+            --ep 1 $CASES
+        suite "train_cuda_mpi (mpirun -np 1)" "$MPIRUN" -np 1 "$B/train_cuda_mpi" --steps 30 --quiet
+    fi
 else
     skip "cuda" "nvcc, cuBLAS or NCCL not found (CUDA_HOME, NCCL_HOME); the CUDA executor was not built"
 fi

@@ -8,8 +8,11 @@
 #           nvidia-nccl Python package), and the CPU example for the curves
 # check:    moept_check_cuda on every case (fp32 1e-5 and bf16 2^-6, as the
 #           emulated suite), the --weights cases, test_cuda, the 4-step loss
-#           curves against the CPU (fp32, bf16), train_cuda 300 steps; with
-#           two or more GPUs also --ep 2, chunked and not
+#           curves against the CPU (fp32, bf16), train_cuda 300 steps, the
+#           one-process-per-GPU binaries at EP 1 (mpirun -np 1); with two or
+#           more GPUs also --ep 2 as threads (chunked and not) and the
+#           multi-process recipe (mpirun -np N, N = 2..GPUs: every case,
+#           --sync-free, --chunks 3, the example's curve), each process one GPU
 # sanitize: compute-sanitizer memcheck, racecheck, synccheck, initcheck on
 #           moept_check_cuda over three cases
 # bench:    bench_cuda at Mixtral-8x7B's layer (D 4096, F 14336, E 8, K 2,
@@ -62,7 +65,7 @@ build() {
     export NCCL_HOME
     echo "NCCL_HOME=$NCCL_HOME" | tee -a "$SUM"
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
-    step "make cuda (sm_${cap:-90})" make -j8 cuda build/train \
+    step "make cuda (sm_${cap:-90})" make -j8 cuda build/train build/train_mpi \
         CUDA_ARCHS="-gencode arch=compute_${cap:-90},code=sm_${cap:-90}" NCCL_HOME="$NCCL_HOME"
     step "ptxas: no spills" sh tests/check_ptxas.sh
 }
@@ -79,12 +82,29 @@ check() {
     step "curve fp32 vs CPU" sh tests/curves.sh fp32 build/train_cuda
     step "curve bf16 vs CPU" sh tests/curves.sh bf16 build/train_cuda
     step "train_cuda 300 steps" build/train_cuda --steps 300 --csv "$OUT/train_cuda.csv"
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+    if command -v mpirun >/dev/null && [ -x build/moept_check_cuda_mpi ]; then
+        step "mpirun -np 1 moept_check_cuda_mpi: every case" mpirun -np 1 build/moept_check_cuda_mpi --ep 1 \
+            tests/cases/*.safetensors
+        step "mpirun -np 1 train_cuda_mpi 30 steps" mpirun -np 1 build/train_cuda_mpi --steps 30 --quiet
+    else
+        echo "skip - one process per GPU: mpirun or build/moept_check_cuda_mpi missing" | tee -a "$SUM"
+    fi
     if [ "$(gpus)" -ge 2 ]; then
         step "moept_check_cuda --ep 2" build/moept_check_cuda --ep 2 tests/cases/*.safetensors
         step "moept_check_cuda --ep 2 --chunks 3" build/moept_check_cuda --ep 2 --chunks 3 tests/cases/*.safetensors
         step "moept_check_cuda --ep 2 --sync-free" build/moept_check_cuda --ep 2 --sync-free tests/cases/*.safetensors
+        n=2
+        while [ $n -le "$(gpus)" ] && [ $n -le 8 ]; do
+            for m in "" --sync-free "--chunks 3"; do
+                step "mpirun -np $n moept_check_cuda_mpi --ep $n $m" mpirun -np $n build/moept_check_cuda_mpi \
+                    --ep $n $m tests/cases/*.safetensors
+            done
+            step "mpirun -np $n train_cuda_mpi --ep $n curve vs CPU" sh tests/epdp.sh mpirun build/train_cuda_mpi $n 1
+            n=$((n * 2))
+        done
     else
-        echo "skip - --ep 2 and chunks: $(gpus) GPU(s)" | tee -a "$SUM"
+        echo "skip - --ep 2, chunks and the multi-process recipe: $(gpus) GPU(s)" | tee -a "$SUM"
     fi
 }
 

@@ -1,13 +1,25 @@
-/* emu_nccl.cc - the emulated NCCL: ranks are threads of one process, each
-   with its own emulated device (cudaSetDevice before ncclCommInitRank).
-   Written from NCCL's documentation: ncclGetUniqueId/ncclCommInitRank
-   (blocking until every rank joined), ncclGroupStart/End (per thread,
-   nested; the group's point-to-point calls become one op per stream at the
-   outermost ncclGroupEnd), ncclSend/ncclRecv (matched per ordered pair of
-   ranks in call order; sizes must agree), ncclAllReduce and ncclAllGather
-   (the i-th collective of every rank meet; count and type must agree),
+/* emu_nccl.cc - the emulated NCCL. Ranks are threads of one process or
+   processes (one emulated GPU each, as users deploy NCCL: the unique id
+   travels by MPI or a file), or both; each rank has its own emulated device
+   (cudaSetDevice before ncclCommInitRank). Written from NCCL's
+   documentation: ncclGetUniqueId/ncclCommInitRank (blocking until every
+   rank joined), ncclGroupStart/End (per thread, nested; the group's
+   point-to-point calls become one op per stream at the outermost
+   ncclGroupEnd), ncclSend/ncclRecv (matched per ordered pair of ranks in
+   call order; sizes must agree), ncclAllReduce and ncclAllGather (the i-th
+   collective of every rank meet; count and type must agree),
    ncclCommGetAsyncError, ncclCommAbort, ncclCommDestroy, ncclGetLastError.
    Every call is an op on its stream and runs when the stream gets there.
+
+   The data plane is POSIX shared memory named by the unique id, so threads
+   and processes take the same path: one ring per ordered pair of ranks,
+   each message a header (kind, sequence, bytes) and its bytes, streamed
+   through the ring; an op moves all its sends and receives together (as a
+   group does), and a send completes when its receiver has taken every
+   byte. A collective is every rank's part sent to every other rank, summed
+   in rank order (every rank gets the same sum). The segment is unlinked as
+   soon as every rank has mapped it.
+
    A peer that does not come is waited for, as real NCCL does: NCCL reports
    no error for a live peer that is merely absent (NCCL User Guide,
    "Fault tolerance" / ncclCommAbort: the application detects the hang and
@@ -16,35 +28,58 @@
    injected transport failure (moept_emu_nccl_inject_error) gives
    ncclRemoteError, as a network error would. A wait past MOEPT_EMU_HANG_S
    is a "hang" report and ends the process. A communicator used after
-   ncclCommAbort or ncclCommDestroy is a report. */
+   ncclCommAbort or ncclCommDestroy is a report, as is a message whose
+   kind, count or type differs from what its receiver posted. */
 #include "emu_internal.h"
 
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
 #include <map>
+#include <sched.h>
+#include <ctime>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 namespace emu {
 
-struct Msg {
-    std::vector<char> bytes;
-    bool taken = false;
+constexpr int MAXRANKS = 8;
+constexpr uint64_t RING = (uint64_t)1 << 18; /* bytes a ring holds: a longer message streams through */
+constexpr uint64_t MAGIC = 0x6d6f6570746e636cULL;
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "the rings' counters must be lock-free across processes");
+
+/* One direction between two ranks: head bytes written, tail bytes taken,
+   ever (a single writer and a single reader: the two ranks' op workers) */
+struct Ring {
+    std::atomic<uint64_t> head, tail;
+    char data[RING];
 };
-struct Coll {
-    int arrived = 0, left = 0;
-    std::vector<std::vector<char>> part;
-    std::vector<size_t> count;
-    std::vector<int> type;
+/* The shared segment: zero-filled by ftruncate, which is every counter's start */
+struct Shm {
+    std::atomic<uint64_t> magic;
+    std::atomic<int> n, joined, mapped; /* the last rank to map it unlinks its name */
+    std::atomic<int> aborted[MAXRANKS];  /* its messages may stay unreceived */
+    Ring ring[MAXRANKS * MAXRANKS];     /* [src * MAXRANKS + dst] */
 };
-struct Comm;
+/* A message's header in its ring */
+struct Hdr {
+    uint32_t kind, type; /* P2P or a collective, and its element type */
+    uint64_t seq, bytes; /* the collective's number on its comm; payload bytes */
+};
+enum { P2P = 1, ALLREDUCE = 2, ALLGATHER = 3 };
+
+/* This process's view of a world: the mapping, and its own ranks' newest
+   ops (an op waiting for a peer of this process releases the peer's stream,
+   which otherwise runs only when its host forces it) */
 struct World {
-    int n = 0, joined = 0;
+    std::string name;
+    Shm *shm = nullptr;
+    int n = 0;
     std::mutex m;
-    std::condition_variable cv;
-    std::vector<std::deque<std::shared_ptr<Msg>>> box; /* [src * n + dst] */
-    std::map<uint64_t, Coll> coll;
-    std::vector<std::shared_ptr<Op>> last;             /* [rank] newest op enqueued */
+    std::vector<std::shared_ptr<Op>> last; /* [rank] newest op enqueued by a rank of this process */
 };
 struct Comm {
     World *w;
@@ -56,8 +91,7 @@ struct Comm {
 };
 
 static std::mutex g_mu;
-static std::map<int, World *> g_worlds;
-static int g_next_world = 1;
+static std::map<std::string, World *> g_worlds; /* by the id's segment name */
 static int g_inject_ms = 0; /* > 0: a peer absent this long is a transport error (moept_emu_nccl_inject_error) */
 
 struct Pending {
@@ -101,31 +135,130 @@ static void set_error(Comm *c, bool rep, const char *fmt, ...) {
     if (rep) report("nccl", "rank %d: %s", c->rank, c->err);
 }
 
-/* waits (under w->m) until pred holds, letting every peer's stream run:
-   for ever, as NCCL does, unless this rank aborts (false, silently) or an
-   injected transport failure comes (false, the comm's async error set) */
-template <typename F>
-static bool wait_peers(Comm *c, std::unique_lock<std::mutex> &lk, F pred, const char *what) {
+/* ---- an op's transfers: every send and receive moved together ---------- */
+struct Xfer {
+    int send, peer;
+    char *buf;           /* device bytes (sent from, received into), or host staging of a collective */
+    uint64_t bytes, done; /* payload bytes, moved so far */
+    Hdr h;
+    bool hdr_done = false, active = true;
+    uint64_t end = 0;    /* a send: the ring position after its last byte (taken when tail reaches it) */
+};
+
+static void ring_put(Ring &r, uint64_t pos, const char *src, uint64_t n) {
+    uint64_t at = pos % RING, first = n < RING - at ? n : RING - at;
+    memcpy(r.data + at, src, first);
+    memcpy(r.data, src + first, n - first);
+}
+static void ring_get(const Ring &r, uint64_t pos, char *dst, uint64_t n) {
+    uint64_t at = pos % RING, first = n < RING - at ? n : RING - at;
+    memcpy(dst, r.data + at, first);
+    memcpy(dst + first, r.data, n - first);
+}
+
+/* one pass over the transfers; true if anything moved. A ring carries one
+   message at a time: a transfer moves only when the earlier ones of its
+   ring and direction (call order) have moved all their bytes. */
+static bool progress(Comm *c, std::vector<Xfer> &xs, int *left) {
+    Shm *m = c->w->shm;
+    bool moved = false, busy[2][MAXRANKS] = {};
+    for (Xfer &x : xs) {
+        if (!x.active) continue;
+        bool &b = busy[x.send][x.peer];
+        if (b) continue;
+        b = !x.hdr_done || x.done < x.bytes; /* still moving after this pass? set again below */
+        if (x.send) {
+            Ring &r = m->ring[c->rank * MAXRANKS + x.peer];
+            uint64_t head = r.head.load(std::memory_order_relaxed), tail = r.tail.load(std::memory_order_acquire);
+            if (!x.hdr_done) {
+                if (RING - (head - tail) < sizeof(Hdr)) continue;
+                ring_put(r, head, (const char *)&x.h, sizeof(Hdr));
+                head += sizeof(Hdr);
+                x.hdr_done = moved = true;
+            }
+            uint64_t n = RING - (head - tail), rest = x.bytes - x.done;
+            if (n > rest) n = rest;
+            if (n) {
+                ring_put(r, head, x.buf + x.done, n);
+                x.done += n;
+                head += n;
+                moved = true;
+            }
+            r.head.store(head, std::memory_order_release);
+            b = !x.hdr_done || x.done < x.bytes;
+            if (x.done == x.bytes && !x.end) x.end = head;
+            if (x.end && tail >= x.end) { /* the receiver took it all: the send completes */
+                x.active = false;
+                --*left;
+            }
+            continue;
+        }
+        Ring &r = m->ring[x.peer * MAXRANKS + c->rank];
+        uint64_t tail = r.tail.load(std::memory_order_relaxed), head = r.head.load(std::memory_order_acquire);
+        if (!x.hdr_done) {
+            if (head - tail < sizeof(Hdr)) continue;
+            Hdr h;
+            ring_get(r, tail, (char *)&h, sizeof h);
+            if (h.kind != x.h.kind || h.bytes != x.bytes || h.type != x.h.type || h.seq != x.h.seq) {
+                set_error(c, true, "a message from rank %d (kind %u, #%llu, %llu bytes, type %u) met a receive "
+                          "of kind %u, #%llu, %llu bytes, type %u", x.peer, h.kind, (unsigned long long)h.seq,
+                          (unsigned long long)h.bytes, h.type, x.h.kind, (unsigned long long)x.h.seq,
+                          (unsigned long long)x.bytes, x.h.type);
+                return false;
+            }
+            tail += sizeof(Hdr);
+            x.hdr_done = moved = true;
+        }
+        uint64_t n = head - tail, rest = x.bytes - x.done;
+        if (n > rest) n = rest;
+        if (n) {
+            ring_get(r, tail, x.buf + x.done, n);
+            x.done += n;
+            tail += n;
+            moved = true;
+        }
+        r.tail.store(tail, std::memory_order_release);
+        b = x.done < x.bytes;
+        if (x.done == x.bytes) {
+            x.active = false;
+            --*left;
+        }
+    }
+    return moved;
+}
+
+/* Runs the transfers to the end: for ever, as NCCL does, unless this rank
+   aborts (false, silently) or an injected transport failure comes (false,
+   the comm's async error set). While nothing moves, the streams of this
+   process's peers are released up to their newest ops. */
+static bool transfer(Comm *c, std::vector<Xfer> &xs, const char *what) {
     World *w = c->w;
-    double t0 = now();
-    while (!pred()) {
+    int left = (int)xs.size();
+    double t0 = now(), idle = now();
+    while (left > 0) {
         if (c->dead) return false;
-        std::vector<std::shared_ptr<Op>> last = w->last;
-        lk.unlock();
+        if (progress(c, xs, &left)) {
+            idle = now();
+            continue;
+        }
+        if (c->async.load() != ncclSuccess) return false; /* a mismatch, reported */
+        std::vector<std::shared_ptr<Op>> last;
+        {
+            std::lock_guard<std::mutex> lk(w->m);
+            last = w->last;
+        }
         for (auto &o : last)
             if (o) force(o->s, o->seq);
-        lk.lock();
-        if (pred()) break;
-        w->cv.wait_for(lk, std::chrono::milliseconds(2));
+        if (now() - idle > 1e-3) usleep(50);
+        else sched_yield();
         if (g_inject_ms > 0 && now() - t0 > g_inject_ms * 1e-3) {
-            set_error(c, false, "rank %d: %s: injected transport failure (the peer did not come in %d ms)",
+            set_error(c, false, "rank %d: %s: injected transport failure (a peer did not come in %d ms)",
                       c->rank, what, g_inject_ms);
             return false;
         }
         if (now() - t0 > hang_seconds()) {
             char h[300];
             snprintf(h, sizeof h, "NCCL rank %d: %s (a peer never came)", c->rank, what);
-            lk.unlock();
             hang(h);
         }
     }
@@ -133,85 +266,64 @@ static bool wait_peers(Comm *c, std::unique_lock<std::mutex> &lk, F pred, const 
 }
 
 static void run_p2p(Comm *c, const std::vector<Pending> &ps) {
-    World *w = c->w;
-    std::vector<std::shared_ptr<Msg>> sent;
+    std::vector<Xfer> xs;
     for (const Pending &p : ps) {
-        if (!p.send) continue;
-        auto m = std::make_shared<Msg>();
-        if (touch(p.buf, p.bytes, 0, "ncclSend read")) m->bytes.assign((char *)p.buf, (char *)p.buf + p.bytes);
-        std::lock_guard<std::mutex> lk(w->m);
-        w->box[(size_t)(c->rank * w->n + p.peer)].push_back(m);
-        sent.push_back(m);
-        w->cv.notify_all();
+        if (!touch(p.buf, p.bytes, p.send ? 0 : 1, p.send ? "ncclSend read" : "ncclRecv write")) return;
+        Xfer x{};
+        x.send = p.send;
+        x.peer = p.peer;
+        x.buf = (char *)p.buf;
+        x.bytes = p.bytes;
+        x.h = {P2P, 0, 0, p.bytes};
+        xs.push_back(x);
     }
-    std::unique_lock<std::mutex> lk(w->m);
-    for (const Pending &p : ps) {
-        if (p.send) continue;
-        auto &q = w->box[(size_t)(p.peer * w->n + c->rank)];
-        if (!wait_peers(c, lk, [&] { return !q.empty(); }, "ncclRecv waits for its ncclSend")) return;
-        auto m = q.front();
-        q.pop_front();
-        m->taken = true;
-        w->cv.notify_all();
-        if (m->bytes.size() != p.bytes) {
-            set_error(c, true, "ncclRecv from rank %d of %zu bytes met an ncclSend of another size", p.peer, p.bytes);
-            continue;
-        }
-        lk.unlock();
-        if (touch(p.buf, p.bytes, 1, "ncclRecv write")) memcpy(p.buf, m->bytes.data(), p.bytes);
-        lk.lock();
-    }
-    for (size_t i = 0; i < sent.size(); i++)
-        if (!wait_peers(c, lk, [&] { return sent[i]->taken; }, "ncclSend waits for its ncclRecv")) return;
+    transfer(c, xs, "ncclGroupEnd's sends and receives");
 }
 
 /* allreduce (sum) or allgather: the seq-th collective of every rank */
 static void run_coll(Comm *c, uint64_t seq, int gather, const void *sb, void *rb, size_t count, ncclDataType_t t) {
-    World *w = c->w;
-    size_t es = type_size(t), bytes = count * es;
-    std::vector<char> mine;
-    if (touch(sb, bytes, 0, gather ? "ncclAllGather read" : "ncclAllReduce read"))
-        mine.assign((const char *)sb, (const char *)sb + bytes);
-    mine.resize(bytes);
-    std::unique_lock<std::mutex> lk(w->m);
-    Coll &k = w->coll[seq];
-    if (k.part.empty()) { k.part.resize((size_t)w->n); k.count.resize((size_t)w->n); k.type.resize((size_t)w->n); }
-    k.part[(size_t)c->rank] = std::move(mine);
-    k.count[(size_t)c->rank] = count;
-    k.type[(size_t)c->rank] = (int)t;
-    k.arrived++;
-    w->cv.notify_all();
-    if (!wait_peers(c, lk, [&] { return k.arrived == w->n; }, gather ? "ncclAllGather" : "ncclAllReduce")) return;
-    for (int r = 0; r < w->n; r++)
-        if (k.count[(size_t)r] != count || k.type[(size_t)r] != (int)t) {
-            set_error(c, true, "%s: rank %d's count or type differs (%zu here)", gather ? "ncclAllGather" : "ncclAllReduce",
-                      r, count);
-            return;
-        }
-    std::vector<char> out(gather ? bytes * (size_t)w->n : bytes);
-    for (int r = 0; r < w->n; r++) {
-        const char *p = k.part[(size_t)r].data();
-        if (gather) { memcpy(out.data() + (size_t)r * bytes, p, bytes); continue; }
-        for (size_t i = 0; i < count; i++) { /* rank order: every rank gets the same sum */
+    const int n = c->w->n, me = c->rank;
+    const size_t es = type_size(t), bytes = count * es;
+    const char *what = gather ? "ncclAllGather" : "ncclAllReduce";
+    if (!gather && t != ncclFloat32 && t != ncclFloat64 && t != ncclInt64 && t != ncclInt32) {
+        set_error(c, true, "%s: type %d not emulated (%zu elements)", what, (int)t, count);
+        return;
+    }
+    std::vector<char> part((size_t)n * bytes);
+    if (!touch(sb, bytes, 0, gather ? "ncclAllGather read" : "ncclAllReduce read")) return;
+    memcpy(part.data() + (size_t)me * bytes, sb, bytes);
+    std::vector<Xfer> xs;
+    for (int q = 0; q < n; q++) {
+        if (q == me) continue;
+        Hdr h = {(uint32_t)(gather ? ALLGATHER : ALLREDUCE), (uint32_t)t, seq, bytes};
+        Xfer s{}, r{};
+        s.send = 1; s.peer = q; s.buf = part.data() + (size_t)me * bytes; s.bytes = bytes; s.h = h;
+        r.send = 0; r.peer = q; r.buf = part.data() + (size_t)q * bytes; r.bytes = bytes; r.h = h;
+        xs.push_back(s);
+        xs.push_back(r);
+    }
+    if (!transfer(c, xs, what)) return;
+    std::vector<char> out(gather ? part.size() : bytes);
+    if (gather) out = part;
+    for (int r = 0; r < n && !gather; r++) { /* rank order: every rank gets the same sum */
+        const char *p = part.data() + (size_t)r * bytes;
+        for (size_t i = 0; i < count; i++) {
             char *o = out.data() + i * es;
             const char *v = p + i * es;
             if (t == ncclFloat32) { float a, b; memcpy(&a, o, 4); memcpy(&b, v, 4); a = r ? a + b : b; memcpy(o, &a, 4); }
             else if (t == ncclFloat64) { double a, b; memcpy(&a, o, 8); memcpy(&b, v, 8); a = r ? a + b : b; memcpy(o, &a, 8); }
             else if (t == ncclInt64) { int64_t a, b; memcpy(&a, o, 8); memcpy(&b, v, 8); a = r ? a + b : b; memcpy(o, &a, 8); }
-            else if (t == ncclInt32) { int32_t a, b; memcpy(&a, o, 4); memcpy(&b, v, 4); a = r ? a + b : b; memcpy(o, &a, 4); }
-            else { set_error(c, true, "ncclAllReduce: type %d not emulated (%zu elements)", (int)t, count); return; }
+            else { int32_t a, b; memcpy(&a, o, 4); memcpy(&b, v, 4); a = r ? a + b : b; memcpy(o, &a, 4); }
         }
     }
-    if (++k.left == w->n) w->coll.erase(seq);
-    lk.unlock();
-    if (touch(rb, out.size(), 1, gather ? "ncclAllGather write" : "ncclAllReduce write")) memcpy(rb, out.data(), out.size());
+    if (touch(rb, out.size(), 1, gather ? "ncclAllGather write" : "ncclAllReduce write"))
+        memcpy(rb, out.data(), out.size());
 }
 
 static void note_last(Comm *c, const std::shared_ptr<Op> &o) {
     if (getenv("MOEPT_EMU_TRACE")) fprintf(stderr, "moept-emu trace: rank %d enqueues %s\n", c->rank, o->name.c_str());
     std::lock_guard<std::mutex> lk(c->w->m);
     c->w->last[(size_t)c->rank] = o;
-    c->w->cv.notify_all();
 }
 
 static ncclResult_t flush_group() {
@@ -260,50 +372,78 @@ ncclResult_t ncclGetVersion(int *v) {
     return ncclSuccess;
 }
 
+/* The id names the world's shared segment (made by the first rank to join) */
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     if (!id) return ncclInvalidArgument;
+    static std::atomic<int> counter{0};
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
     memset(id, 0, sizeof *id);
-    std::lock_guard<std::mutex> lk(g_mu);
-    int w = g_next_world++;
-    g_worlds[w] = new World();
-    memcpy(id->internal, &w, sizeof w);
+    snprintf(id->internal, sizeof id->internal, "/moept-emu-nccl.%d.%d.%lx", (int)getpid(), counter++,
+             (unsigned long)ts.tv_nsec);
     return ncclSuccess;
 }
 
+/* maps the id's segment (making it if this rank is first); NULL if it cannot */
+static Shm *map_world(const char *name) {
+    int fd = shm_open(name, O_RDWR | O_CREAT, 0600);
+    if (fd < 0) return nullptr;
+    Shm *m = nullptr;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && (st.st_size == (off_t)sizeof(Shm) || ftruncate(fd, sizeof(Shm)) == 0)) {
+        void *p = mmap(nullptr, sizeof(Shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) m = (Shm *)p;
+    }
+    close(fd);
+    return m;
+}
+
 ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank) {
-    if (!out || n < 1 || rank < 0 || rank >= n) return ncclInvalidArgument;
-    int wid;
-    memcpy(&wid, id.internal, sizeof wid);
+    if (!out || n < 1 || n > MAXRANKS || rank < 0 || rank >= n) return ncclInvalidArgument;
+    char name[sizeof id.internal + 1];
+    memcpy(name, id.internal, sizeof id.internal);
+    name[sizeof id.internal] = 0;
+    if (strncmp(name, "/moept-emu-nccl.", 16) != 0) return ncclInvalidArgument;
     World *w;
     {
         std::lock_guard<std::mutex> lk(g_mu);
-        auto it = g_worlds.find(wid);
-        if (it == g_worlds.end()) return ncclInvalidArgument;
-        w = it->second;
+        auto it = g_worlds.find(name);
+        if (it == g_worlds.end()) {
+            w = new World();
+            w->name = name;
+            w->shm = map_world(name);
+            if (!w->shm) {
+                delete w;
+                report("nccl", "ncclCommInitRank: cannot map the shared segment %s", name);
+                return ncclSystemError;
+            }
+            w->n = n;
+            w->last.resize((size_t)n);
+            g_worlds[name] = w;
+        } else {
+            w = it->second;
+        }
     }
+    Shm *m = w->shm;
+    int zero = 0;
+    uint64_t z = 0;
+    m->magic.compare_exchange_strong(z, MAGIC);
+    if (!m->n.compare_exchange_strong(zero, n) && zero != n) return ncclInvalidArgument;
     Comm *c = new Comm();
     c->w = w;
     c->rank = rank;
     c->dev = cur_dev;
-    std::unique_lock<std::mutex> lk(w->m);
-    if (w->n == 0) {
-        w->n = n;
-        w->box.resize((size_t)(n * n));
-        w->last.resize((size_t)n);
-    }
-    if (w->n != n) { delete c; return ncclInvalidArgument; }
-    w->joined++;
-    w->cv.notify_all();
+    m->joined.fetch_add(1);
     double t0 = now();
-    while (w->joined < n) { /* blocking, as ncclCommInitRank is: for ever */
-        w->cv.wait_for(lk, std::chrono::milliseconds(10));
+    while (m->joined.load() < n) { /* blocking, as ncclCommInitRank is: for ever */
+        usleep(200);
         if (now() - t0 > hang_seconds()) {
-            char h[160];
-            snprintf(h, sizeof h, "ncclCommInitRank: rank %d waited for %d ranks; %d came", rank, n, w->joined);
-            lk.unlock();
+            char h[200];
+            snprintf(h, sizeof h, "ncclCommInitRank: rank %d waited for %d ranks; %d came", rank, n, m->joined.load());
             hang(h);
         }
     }
+    if (m->mapped.fetch_add(1) + 1 == n) shm_unlink(name); /* every rank has it: the name can go */
     *out = (ncclComm_t)c;
     return ncclSuccess;
 }
@@ -355,9 +495,8 @@ ncclResult_t ncclCommAbort(ncclComm_t h) {
     Comm *c = (Comm *)h;
     if (!c) return ncclSuccess;
     if (gone(c, "ncclCommAbort")) return ncclInvalidArgument;
-    std::lock_guard<std::mutex> lk(c->w->m);
     c->dead = true; /* freed, as far as the caller may know; its waiting ops end */
-    c->w->cv.notify_all();
+    c->w->shm->aborted[c->rank] = 1;
     return ncclSuccess;
 }
 
@@ -371,10 +510,11 @@ ncclResult_t ncclCommDestroy(ncclComm_t h) {
         last = c->w->last[(size_t)c->rank];
     }
     if (last) wait_op(last, 1e9); /* its work completes first */
-    std::lock_guard<std::mutex> lk(c->w->m);
-    for (int p = 0; p < c->w->n; p++)
-        if (!c->w->box[(size_t)(p * c->w->n + c->rank)].empty())
+    for (int p = 0; p < c->w->n; p++) {
+        Ring &r = c->w->shm->ring[p * MAXRANKS + c->rank];
+        if (r.head.load() != r.tail.load() && !c->w->shm->aborted[p].load())
             report("nccl", "ncclCommDestroy on rank %d: a message from rank %d was never received", c->rank, p);
+    }
     c->dead = true;
     return ncclSuccess;
 }

@@ -1,0 +1,47 @@
+#!/bin/sh
+# usage: tests/crash_gpu.sh MPIRUN TRAIN_MPI [KILLS]
+# kill -9 of one process of a running one-process-per-GPU job (TRAIN_MPI:
+# build/emu/train_mpi, or build/train_cuda_mpi on GPUs), KILLS times (default
+# 3), each at a random moment 1.5-3.5 s into training, a random rank: the
+# job must end within 60 s (mpirun ends the other ranks, or their NCCL
+# timeout makes them fail) and leave no moept or emulated-NCCL segment in
+# /dev/shm (every segment is unlinked as soon as all its ranks mapped it).
+mpirun=$1 bin=$2 kills=${3:-3}
+export OMP_NUM_THREADS=1
+before=$(ls /dev/shm 2>/dev/null | grep -c moept)
+fail=0
+i=0
+while [ $i -lt "$kills" ]; do
+    i=$((i + 1))
+    "$mpirun" --oversubscribe -np 2 "$bin" --ep 2 --steps 1000000 --quiet >/dev/null 2>&1 &
+    mp=$!
+    sleep "$(awk -v s="$i$$" 'BEGIN { srand(s); printf "%.2f", 1.5 + 2 * rand() }')"
+    ranks=$(pgrep -P $mp)
+    victim=$(echo "$ranks" | awk -v s="$i$$" 'BEGIN { srand(s) } { r[NR] = $1 } END { print r[1 + int(rand() * NR)] }')
+    if [ -z "$victim" ]; then
+        echo "FAIL - kill $i: no rank process of $bin was running"
+        fail=1
+        kill -9 $mp 2>/dev/null
+        wait $mp 2>/dev/null
+        continue
+    fi
+    kill -9 "$victim"
+    t0=$(date +%s)
+    while kill -0 $mp 2>/dev/null && [ $(($(date +%s) - t0)) -lt 60 ]; do sleep 0.2; done
+    if kill -0 $mp 2>/dev/null; then
+        echo "FAIL - kill $i: the job still runs 60 s after one rank was killed"
+        fail=1
+        kill -9 $mp $ranks 2>/dev/null
+    else
+        echo "ok - kill $i: the job ended $(($(date +%s) - t0)) s after a rank was killed"
+    fi
+    wait $mp 2>/dev/null
+    left=$(ls /dev/shm 2>/dev/null | grep -c moept)
+    if [ "$left" -gt "$before" ]; then
+        echo "FAIL - kill $i: $((left - before)) segment(s) left in /dev/shm: $(ls /dev/shm | grep moept | tr '\n' ' ')"
+        fail=1
+    else
+        echo "ok - kill $i: nothing left in /dev/shm"
+    fi
+done
+exit $fail
