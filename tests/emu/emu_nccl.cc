@@ -156,73 +156,79 @@ static void ring_get(const Ring &r, uint64_t pos, char *dst, uint64_t n) {
     memcpy(dst + first, r.data, n - first);
 }
 
+/* moves what fits of x's payload at ring position pos (room bytes free to
+   write, or there to read); returns the bytes moved */
+static uint64_t move_payload(Ring &r, Xfer &x, uint64_t pos, uint64_t room) {
+    uint64_t n = room < x.bytes - x.done ? room : x.bytes - x.done;
+    if (n && x.send) ring_put(r, pos, x.buf + x.done, n);
+    else if (n) ring_get(r, pos, x.buf + x.done, n);
+    x.done += n;
+    return n;
+}
+
+/* a send's step: its header, what fits of its bytes; complete once the
+   receiver has taken them all. Returns whether anything moved. */
+static bool send_step(Comm *c, Xfer &x, int *left) {
+    Ring &r = c->w->shm->ring[c->rank * MAXRANKS + x.peer];
+    uint64_t head = r.head.load(std::memory_order_relaxed), tail = r.tail.load(std::memory_order_acquire);
+    const uint64_t h0 = head;
+    if (!x.hdr_done) {
+        if (RING - (head - tail) < sizeof(Hdr)) return false;
+        ring_put(r, head, (const char *)&x.h, sizeof(Hdr));
+        head += sizeof(Hdr);
+        x.hdr_done = true;
+    }
+    head += move_payload(r, x, head, RING - (head - tail));
+    r.head.store(head, std::memory_order_release);
+    if (x.done == x.bytes && !x.end) x.end = head;
+    if (x.end && tail >= x.end) {
+        x.active = false;
+        --*left;
+    }
+    return head != h0;
+}
+
+/* a receive's step: the header (checked against what was posted), what has
+   come of its bytes. Returns whether anything moved; a mismatch is the
+   comm's error, reported. */
+static bool recv_step(Comm *c, Xfer &x, int *left) {
+    Ring &r = c->w->shm->ring[x.peer * MAXRANKS + c->rank];
+    uint64_t tail = r.tail.load(std::memory_order_relaxed), head = r.head.load(std::memory_order_acquire);
+    const uint64_t t0 = tail;
+    if (!x.hdr_done) {
+        if (head - tail < sizeof(Hdr)) return false;
+        Hdr h;
+        ring_get(r, tail, (char *)&h, sizeof h);
+        if (h.kind != x.h.kind || h.bytes != x.bytes || h.type != x.h.type || h.seq != x.h.seq) {
+            set_error(c, true, "a message from rank %d (kind %u, #%llu, %llu bytes, type %u) met a receive "
+                      "of kind %u, #%llu, %llu bytes, type %u", x.peer, h.kind, (unsigned long long)h.seq,
+                      (unsigned long long)h.bytes, h.type, x.h.kind, (unsigned long long)x.h.seq,
+                      (unsigned long long)x.bytes, x.h.type);
+            return false;
+        }
+        tail += sizeof(Hdr);
+        x.hdr_done = true;
+    }
+    tail += move_payload(r, x, tail, head - tail);
+    r.tail.store(tail, std::memory_order_release);
+    if (x.done == x.bytes) {
+        x.active = false;
+        --*left;
+    }
+    return tail != t0;
+}
+
 /* one pass over the transfers; true if anything moved. A ring carries one
    message at a time: a transfer moves only when the earlier ones of its
    ring and direction (call order) have moved all their bytes. */
 static bool progress(Comm *c, std::vector<Xfer> &xs, int *left) {
-    Shm *m = c->w->shm;
     bool moved = false, busy[2][MAXRANKS] = {};
     for (Xfer &x : xs) {
-        if (!x.active) continue;
         bool &b = busy[x.send][x.peer];
-        if (b) continue;
-        b = !x.hdr_done || x.done < x.bytes; /* still moving after this pass? set again below */
-        if (x.send) {
-            Ring &r = m->ring[c->rank * MAXRANKS + x.peer];
-            uint64_t head = r.head.load(std::memory_order_relaxed), tail = r.tail.load(std::memory_order_acquire);
-            if (!x.hdr_done) {
-                if (RING - (head - tail) < sizeof(Hdr)) continue;
-                ring_put(r, head, (const char *)&x.h, sizeof(Hdr));
-                head += sizeof(Hdr);
-                x.hdr_done = moved = true;
-            }
-            uint64_t n = RING - (head - tail), rest = x.bytes - x.done;
-            if (n > rest) n = rest;
-            if (n) {
-                ring_put(r, head, x.buf + x.done, n);
-                x.done += n;
-                head += n;
-                moved = true;
-            }
-            r.head.store(head, std::memory_order_release);
-            b = !x.hdr_done || x.done < x.bytes;
-            if (x.done == x.bytes && !x.end) x.end = head;
-            if (x.end && tail >= x.end) { /* the receiver took it all: the send completes */
-                x.active = false;
-                --*left;
-            }
-            continue;
-        }
-        Ring &r = m->ring[x.peer * MAXRANKS + c->rank];
-        uint64_t tail = r.tail.load(std::memory_order_relaxed), head = r.head.load(std::memory_order_acquire);
-        if (!x.hdr_done) {
-            if (head - tail < sizeof(Hdr)) continue;
-            Hdr h;
-            ring_get(r, tail, (char *)&h, sizeof h);
-            if (h.kind != x.h.kind || h.bytes != x.bytes || h.type != x.h.type || h.seq != x.h.seq) {
-                set_error(c, true, "a message from rank %d (kind %u, #%llu, %llu bytes, type %u) met a receive "
-                          "of kind %u, #%llu, %llu bytes, type %u", x.peer, h.kind, (unsigned long long)h.seq,
-                          (unsigned long long)h.bytes, h.type, x.h.kind, (unsigned long long)x.h.seq,
-                          (unsigned long long)x.bytes, x.h.type);
-                return false;
-            }
-            tail += sizeof(Hdr);
-            x.hdr_done = moved = true;
-        }
-        uint64_t n = head - tail, rest = x.bytes - x.done;
-        if (n > rest) n = rest;
-        if (n) {
-            ring_get(r, tail, x.buf + x.done, n);
-            x.done += n;
-            tail += n;
-            moved = true;
-        }
-        r.tail.store(tail, std::memory_order_release);
-        b = x.done < x.bytes;
-        if (x.done == x.bytes) {
-            x.active = false;
-            --*left;
-        }
+        if (!x.active || b) continue;
+        moved |= x.send ? send_step(c, x, left) : recv_step(c, x, left);
+        if (c->async.load() != ncclSuccess) return false;
+        b = !x.hdr_done || x.done < x.bytes;
     }
     return moved;
 }

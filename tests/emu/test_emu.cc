@@ -513,6 +513,7 @@ static void nccl_unmatched(int inject) {
     ncclResult_t async[2] = {ncclSuccess, ncclSuccess};
     cudaError_t later[2] = {cudaSuccess, cudaSuccess};
     bool ended[2] = {false, false};
+    volatile bool aborted0 = false; /* not std::atomic: this unit has tsan's hooks but not its runtime */
     auto rank = [&](int r) {
         cudaSetDevice(r);
         ncclComm_t c;
@@ -526,8 +527,13 @@ static void nccl_unmatched(int inject) {
         while (cudaStreamQuery(s) == cudaErrorNotReady && now_s() - t0 < 1.0) usleep(1000);
         later[r] = cudaStreamQuery(s);
         ncclCommGetAsyncError(c, &async[r]);
-        if (r == 0) ncclCommAbort(c); /* the one way to end it */
-        else ncclCommDestroy(c);
+        if (r == 0) {
+            ncclCommAbort(c); /* the one way to end it */
+            aborted0 = true;
+        } else {
+            while (!aborted0) usleep(1000); /* its unreceived message is then no report */
+            ncclCommDestroy(c);
+        }
         t0 = now_s();
         while (cudaStreamQuery(s) == cudaErrorNotReady && now_s() - t0 < 5.0) usleep(1000);
         ended[r] = cudaStreamQuery(s) == cudaSuccess;
