@@ -14,6 +14,17 @@ long moept_emu_take_reports(char *buf, int len);
    caller's current device fails with cudaErrorMemoryAllocation (other
    devices, i.e. other ranks, are not counted); 0 disarms. */
 void moept_emu_fail_malloc(int n);
+/* Fault injection: the next kernel launched on device dev (from now) faults
+   when it runs, as one that touched an illegal address: a "context" report
+   (take it), and the device's context is lost (cudaErrorIllegalAddress).
+   A kernel's own out-of-bounds or misaligned access (memcheck) loses it too. */
+void moept_emu_fault_next_kernel(int dev);
+/* Test only, after a lost context: what ending the process and starting a
+   new one would give device dev (no CUDA call recovers a sticky error): a
+   new context, its allocations, streams and pinned host blocks gone (every
+   handle of the old one is invalid), no error (nor the calling thread's
+   last error). Call it once nothing uses the device any more. */
+void moept_emu_recover(int dev);
 /* How long an NCCL op waits for a peer before the communicator gets an
    asynchronous error (ms; default 20000). */
 void moept_emu_nccl_timeout(int ms);

@@ -225,6 +225,7 @@ static ncclResult_t p2p(int send, const void *buf, size_t count, ncclDataType_t 
     if (gone(c, send ? "ncclSend" : "ncclRecv")) return ncclInvalidArgument;
     if (peer < 0 || peer >= c->w->n) return ncclInvalidArgument;
     Stream *st = stream_of(s);
+    if (sticky(st->dev)) return ncclUnhandledCudaError; /* a lost context (see coll) */
     if (st->dev != c->dev) {
         report("nccl", "rank %d: %s on a stream of device %d; the communicator's device is %d", c->rank,
                send ? "ncclSend" : "ncclRecv", st->dev, c->dev);
@@ -261,6 +262,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
 
 ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank) {
     if (!out || n < 1 || rank < 0 || rank >= n) return ncclInvalidArgument;
+    if (sticky(cur_dev)) return ncclUnhandledCudaError; /* a lost context (see coll) */
     int wid;
     memcpy(&wid, id.internal, sizeof wid);
     World *w;
@@ -305,6 +307,14 @@ ncclResult_t ncclCommCount(const ncclComm_t h, int *n) {
     Comm *c = (Comm *)h;
     if (gone(c, "ncclCommCount") || !n) return ncclInvalidArgument;
     *n = c->w->n;
+    return ncclSuccess;
+}
+
+/* NCCL API, ncclCommCuDevice: the CUDA device the communicator was made on */
+ncclResult_t ncclCommCuDevice(const ncclComm_t h, int *device) {
+    Comm *c = (Comm *)h;
+    if (gone(c, "ncclCommCuDevice") || !device) return ncclInvalidArgument;
+    *device = c->dev;
     return ncclSuccess;
 }
 
@@ -390,6 +400,9 @@ static ncclResult_t coll(int gather, const void *sb, void *rb, size_t count, ncc
         return ncclInvalidUsage;
     }
     Stream *st = stream_of(s);
+    /* NCCL, ncclResult_t: ncclUnhandledCudaError, a call to a CUDA function
+       failed: so every NCCL call on a lost context (emu_rt.cc, lose) */
+    if (sticky(st->dev)) return ncclUnhandledCudaError;
     if (st->dev != c->dev) return ncclInvalidUsage;
     uint64_t seq = c->nextcoll++;
     char nm[80];
