@@ -464,6 +464,14 @@ void moept_comm_destroy(moept_comm *c);
    fails with MOEPT_ERR_UNSUPPORTED and moept_cuda_device_count is 0; with
    it but no device, with MOEPT_ERR_DEVICE: a caller can fall back to
    moept_create by status).
+   A layer lives on the device current at its create, and each call makes
+   that device current for its duration (the caller's is restored), so any
+   thread may call it; its NCCL comms must be on the same device. A kernel
+   fault (an illegal address...) loses the device's CUDA context for good:
+   the call that sees it, and every later call that needs the device, fails
+   with MOEPT_ERR_DEVICE and says so; destroy the layer and its comms (only
+   a new process can use the device again; current host copies stay
+   readable).
    Its moept_forward / moept_backward take DEVICE pointers x, y, dy, dx of
    options.dtype (F32, or BF16 passed as float* casts); the router, its
    logits, the losses, accumulation, master weights and gradients stay
@@ -555,7 +563,9 @@ moept_status moept_cuda_params_changed(moept_layer *layer);
    fails at once without touching the handle. ncclCommAbort frees the
    communicator: when moept_comm_nccl_aborted(c) is 1, the owner must not
    call ncclCommDestroy on it (a double free); moept_comm_destroy(c) is still
-   needed. The layers' host copies of parameters stay readable. */
+   needed. The layers' host copies of parameters stay readable. Each call
+   makes the communicator's device (ncclCommCuDevice) current for its
+   duration. */
 moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeout_ms, moept_comm **out);
 int moept_comm_nccl_aborted(const moept_comm *c);
 #endif

@@ -55,7 +55,43 @@ typedef uint16_t moept__bf16;
 /* ------------------------------------------------------------------------
    Errors: every CUDA, cuBLAS and NCCL call is checked; the message names the
    call and the line.
+
+   A kernel's fault (an illegal or misaligned address, a trap, a timeout) is
+   sticky: CUDA Runtime API, enum cudaError, cudaErrorIllegalAddress and the
+   others below: it leaves the process in an inconsistent state, any further
+   CUDA work returns the same error, and only a new process can use CUDA
+   again. So every failure is checked for one (moept__lost_note): the call
+   then fails with MOEPT_ERR_DEVICE and a message that says the context is
+   lost, whatever failed first (a CUDA call, cuBLAS, NCCL, an agreement), and
+   so does every later call on the device (moept__on_device).
    ------------------------------------------------------------------------ */
+static cudaError_t moept__lost(void) {
+    cudaError_t e = cudaPeekAtLastError(); /* a sticky error is never cleared: any thread sees it */
+    switch (e) {
+    case cudaErrorIllegalAddress: case cudaErrorLaunchTimeout: case cudaErrorAssert:
+    case cudaErrorHardwareStackError: case cudaErrorIllegalInstruction: case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace: case cudaErrorInvalidPc: case cudaErrorLaunchFailure:
+        return e;
+    default:
+        return cudaSuccess;
+    }
+}
+/* s (a failure), or MOEPT_ERR_DEVICE when the current device's context is
+   lost: then msg (len bytes) says so first */
+static moept_status moept__lost_note(char *msg, size_t len, moept_status s) {
+    cudaError_t e = s != MOEPT_OK ? moept__lost() : cudaSuccess;
+    if (e == cudaSuccess) return s;
+    if (msg && !strstr(msg, "CUDA context of device")) {
+        int d = -1;
+        char was[MOEPT__ERRLEN];
+        (void)cudaGetDevice(&d);
+        snprintf(was, sizeof was, "%s", msg);
+        snprintf(msg, len, "the CUDA context of device %d is lost (%s, a sticky error): every later call "
+                 "on it fails; destroy the layer and its comms, only a new process can use the device again "
+                 "[%.160s]", d, cudaGetErrorString(e), was);
+    }
+    return MOEPT_ERR_DEVICE;
+}
 static moept_status moept__kfail(char *err, moept_status s, const char *fmt, ...) {
     if (err) {
         va_list ap;
@@ -63,8 +99,34 @@ static moept_status moept__kfail(char *err, moept_status s, const char *fmt, ...
         vsnprintf(err, MOEPT__ERRLEN, fmt, ap);
         va_end(ap);
     }
-    return s;
+    return moept__lost_note(err, MOEPT__ERRLEN, s);
 }
+
+/* A layer, and an NCCL comm, keep the device they were made on (the current
+   one at moept_create_cuda; the communicator's, ncclCommCuDevice): the
+   current device is a host thread's (CUDA Runtime API, cudaSetDevice), and
+   memory, streams, events and handles belong to one device, so each call
+   makes its device current and gives the caller's back on return. A lost
+   context (above) fails the call at once. */
+struct moept__on_device {
+    int prev, dev;
+    cudaError_t e;
+    explicit moept__on_device(int d) : prev(-1), dev(d), e(cudaSuccess) {
+        if (d < 0) return;
+        if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+        if (prev != d) e = cudaSetDevice(d);
+        if (e == cudaSuccess) e = moept__lost();
+    }
+    ~moept__on_device() {
+        if (prev >= 0 && prev != dev) (void)cudaSetDevice(prev);
+    }
+};
+/* the first line of every extern "C" entry of a layer c (with its err) */
+#define MOEPT__ENTER(c)                                                                                   \
+    moept__on_device moept__dev_((c)->dev);                                                               \
+    if (moept__dev_.e != cudaSuccess)                                                                     \
+    return moept__kfail(err, MOEPT_ERR_DEVICE, "device %d at the call's start: %s", (c)->dev,            \
+                        cudaGetErrorString(moept__dev_.e))
 #define MOEPT__CU(call)                                                                        \
     do {                                                                                       \
         cudaError_t e_ = (call);                                                               \
@@ -778,6 +840,7 @@ typedef struct moept__nccl {
     int nretired, retired_host[MOEPT__NRETIRED];
     int aborted;            /* 1: moept called ncclCommAbort; the handle is freed, never touched again */
     char abort_why[200];
+    int dev;                /* the communicator's device (ncclCommCuDevice): current in every call */
 } moept__nccl;
 
 static moept_status moept__nccl_fail(moept_comm *c, moept_status s, const char *fmt, ...) {
@@ -785,8 +848,14 @@ static moept_status moept__nccl_fail(moept_comm *c, moept_status s, const char *
     va_start(ap, fmt);
     vsnprintf(c->err, sizeof c->err, fmt, ap);
     va_end(ap);
-    return s;
+    return moept__lost_note(c->err, sizeof c->err, s); /* a lost context: MOEPT_ERR_DEVICE */
 }
+/* the first line of every call of an NCCL comm c (moept__on_device) */
+#define MOEPT__NENTER(c)                                                                                  \
+    moept__on_device moept__dev_(((moept__nccl *)(c)->ctx)->dev);                                         \
+    if (moept__dev_.e != cudaSuccess)                                                                     \
+    return moept__nccl_fail((c), MOEPT_ERR_DEVICE, "device %d at the call's start: %s",                  \
+                            ((moept__nccl *)(c)->ctx)->dev, cudaGetErrorString(moept__dev_.e))
 
 static double moept__clock(void) {
     struct timespec ts;
@@ -945,6 +1014,7 @@ static moept_status moept__nccl_a2a_dev(moept_comm *c, const void *send, const m
 
 static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
                                           const moept_seg *rs, int nseg, int es) {
+    MOEPT__NENTER(c);
     MOEPT__TRY(moept__nccl_dead(c));
     if (es != 2 && es != 4 && es != 8) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
     if (!moept__is_host(send) && !moept__is_host(recv)) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
@@ -976,6 +1046,7 @@ static ncclDataType_t moept__nccl_type(moept_dtype t, size_t *es) {
 }
 
 static moept_status moept__nccl_allreduce(moept_comm *c, void *buf, int64_t count, moept_dtype t) {
+    MOEPT__NENTER(c);
     moept__nccl *n = (moept__nccl *)c->ctx;
     size_t es;
     ncclDataType_t nt = moept__nccl_type(t, &es);
@@ -998,6 +1069,7 @@ static moept_status moept__nccl_allreduce(moept_comm *c, void *buf, int64_t coun
 }
 
 static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
+    MOEPT__NENTER(c);
     moept__nccl *n = (moept__nccl *)c->ctx;
     MOEPT__TRY(moept__nccl_dead(c));
     if (bytes <= 0) return MOEPT_OK;
@@ -1020,6 +1092,7 @@ static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void 
 
 /* Point-to-point (resharding): device buffers only. */
 static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs, int nrecv) {
+    MOEPT__NENTER(c);
     moept__nccl *n = (moept__nccl *)c->ctx;
     MOEPT__TRY(moept__nccl_dead(c));
     for (int i = 0; i < nsend; i++)
@@ -1042,6 +1115,7 @@ static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int n
    its owner did not abort) keeps the staging allocated rather than hang. */
 static void moept__nccl_destroy(moept_comm *c) {
     moept__nccl *n = (moept__nccl *)c->ctx;
+    moept__on_device on(n ? n->dev : -1);
     if (n) {
         const double t0 = moept__clock();
         cudaError_t q;
@@ -1060,8 +1134,9 @@ static void moept__nccl_destroy(moept_comm *c) {
 extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeout_ms, moept_comm **out) {
     if (!out) return MOEPT_ERR_INVALID_ARGUMENT;
     *out = NULL;
-    int rank = 0, size = 0;
-    if (!comm || ncclCommUserRank(comm, &rank) != ncclSuccess || ncclCommCount(comm, &size) != ncclSuccess)
+    int rank = 0, size = 0, dev = 0;
+    if (!comm || ncclCommUserRank(comm, &rank) != ncclSuccess || ncclCommCount(comm, &size) != ncclSuccess ||
+        ncclCommCuDevice(comm, &dev) != ncclSuccess)
         return MOEPT_ERR_INVALID_ARGUMENT;
     moept_comm *c = (moept_comm *)calloc(1, sizeof *c);
     moept__nccl *n = (moept__nccl *)calloc(1, sizeof *n);
@@ -1069,6 +1144,7 @@ extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeo
     n->comm = comm;
     n->stream = (cudaStream_t)stream;
     n->timeout_ms = timeout_ms > 0 ? timeout_ms : 600000;
+    n->dev = dev;
     c->rank = rank;
     c->size = size;
     c->ctx = n;
@@ -1092,6 +1168,7 @@ extern "C" int moept_comm_nccl_aborted(const moept_comm *c) {
    ------------------------------------------------------------------------ */
 struct moept__cuda {
     moept__cuda_spec sp;
+    int dev;                    /* the device current at create: current in every call (moept__on_device) */
     cudaStream_t s;             /* compute */
     cudaStream_t cs;            /* the EP comm's stream (s at one rank) */
     cudaEvent_t ev_compute, ev_comm;
@@ -1300,6 +1377,7 @@ static moept_status moept__host_wait(moept__cuda *c, char *err);
    (with their timeouts), so the device has only this rank's own left. */
 extern "C" void moept__cuda_destroy(moept__cuda *c) {
     if (!c) return;
+    moept__on_device on(c->dev); /* a lost context: each call below fails, the host memory is freed */
     char err[MOEPT__ERRLEN];
     if (c->blas) (void)moept__host_wait(c, err);
     if (c->blas) cublasDestroy(c->blas);
@@ -1348,6 +1426,7 @@ static cudaError_t moept__cast_weights(moept__cuda *c) {
    sync-free: their bf16 copy now, so no forward casts (a captured step
    would freeze whether it does) */
 extern "C" void moept__cuda_params_changed(moept__cuda *c) {
+    moept__on_device on(c->dev);
     c->wlow_stale = 1;
     c->grads_clean = 0;
     if (c->B && c->wlow) (void)moept__cast_weights(c); /* a failure leaves it stale: the forward casts */
@@ -1476,6 +1555,14 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     if ((spec->ep && !moept__is_nccl(spec->ep)) || (spec->dp && !moept__is_nccl(spec->dp)))
         return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT,
                             "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
+    int dev = 0;
+    MOEPT__CU(cudaGetDevice(&dev));
+    const moept_comm *cm[2] = {spec->ep, spec->dp};
+    for (int i = 0; i < 2; i++) /* their streams and buffers are the layer's device's */
+        if (cm[i] && ((const moept__nccl *)cm[i]->ctx)->dev != dev)
+            return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: the %s comm's NCCL "
+                                "communicator is on device %d, the layer on device %d (the current one)",
+                                i ? "DP" : "EP", ((const moept__nccl *)cm[i]->ctx)->dev, dev);
     if (spec->E > INT_MAX / 2 || spec->K > INT_MAX)
         return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: too many experts");
     if (spec->D >= (1 << 30) || spec->H >= (1 << 30) || spec->HS >= (1 << 30))
@@ -1484,6 +1571,7 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     moept__cuda *c = (moept__cuda *)calloc(1, sizeof *c);
     if (!c) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     c->sp = *spec;
+    c->dev = dev;
     c->esz = spec->dtype == MOEPT_DTYPE_BF16 ? 2 : 4;
     c->dt = spec->dtype == MOEPT_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     c->nblk_max = (spec->Tmax * spec->K + MOEPT__PB - 1) / MOEPT__PB;
@@ -1536,6 +1624,7 @@ static moept_status moept__host_wait(moept__cuda *c, char *err) {
 /* ---- host <-> device ---------------------------------------------------- */
 extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
                                            const float *bias, const int32_t *slot_of, char *err) {
+    MOEPT__ENTER(c);
     const int64_t n = c->sp.n_params, E = c->sp.E;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     if (params) c->wlow_stale = 1;
@@ -1550,6 +1639,7 @@ extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, 
 }
 
 extern "C" moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err) {
+    MOEPT__ENTER(c);
     const int64_t n = c->sp.n_params;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     if (params) MOEPT__CU(cudaMemcpyAsync(params, c->params, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
@@ -1560,6 +1650,7 @@ extern "C" moept_status moept__cuda_download(moept__cuda *c, float *params, floa
 
 extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
                                                      float *dwts, char *err) {
+    MOEPT__ENTER(c);
     if (!c->fwd_valid) return moept__kfail(err, MOEPT_ERR_STATE, "no forward yet");
     const int64_t T = c->T, K = c->sp.K, E = c->sp.E;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
@@ -1572,6 +1663,7 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
 }
 
 extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
+    MOEPT__ENTER(c);
     c->grads_clean = 0;
     MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s));
     MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* the dx check, the sync-free flag */
@@ -1583,6 +1675,7 @@ extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
    Sync-free mode: why a step since failed its checks, into why ("" if none). */
 extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st,
                                              char *why, char *err) {
+    MOEPT__ENTER(c);
     MOEPT__STAGE("optimizer"); /* read by grad_norm and adamw_step */
     MOEPT__CU(cudaMemcpyAsync(c->h_bad + 5, &c->bad[5], 2 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
@@ -1601,6 +1694,7 @@ extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad,
    moept__fwd_losses give them in the default mode (a host sync) */
 extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows,
                                                moept__cuda_step *out, char *err) {
+    MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, M = c->M, me = p->rank;
     MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->cmsg, (size_t)(P * M) * 8, cudaMemcpyDeviceToHost, c->s));
@@ -2487,6 +2581,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
 
 extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
                                             int64_t *peer_rows, moept__cuda_step *out, char *err) {
+    MOEPT__ENTER(c);
     moept_status st = c->esz == 2 ? moept__forward<moept__bf16>(c, x, T, y, lstat, peer_rows, out, err)
                                   : moept__forward<float>(c, x, T, y, lstat, peer_rows, out, err);
     MOEPT__STAGE(NULL);
@@ -2696,6 +2791,7 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
 
 extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
                                              moept__cuda_step *out, char *err) {
+    MOEPT__ENTER(c);
     c->grads_clean = 0;
     moept_status st = c->esz == 2 ? moept__backward<moept__bf16>(c, x, dy, dx, out, err)
                                   : moept__backward<float>(c, x, dy, dx, out, err);
@@ -2711,6 +2807,7 @@ extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, cons
 /* Gradient reduction as moept_sync_grads: router and shared expert over EP,
    then everything over DP, on the comms' streams. */
 extern "C" moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err) {
+    MOEPT__ENTER(c);
     c->grads_clean = 0;
     const moept__cuda_spec *p = &c->sp;
     int64_t n_router = p->E * p->D, n_exp = p->offs13 - p->off13;
@@ -2745,6 +2842,7 @@ extern "C" moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char
    Every call that changes the device gradients clears grads_clean; a
    sync-free layer's may change in a replayed graph, so it always scans. */
 extern "C" moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err) {
+    MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
     const int64_t n = p->n_params;
     double s2[2];
@@ -2783,6 +2881,7 @@ extern "C" moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int6
    from the same pass. */
 extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host,
                                           const float *m0, const float *v0, char *err) {
+    MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
     const int64_t n = p->n_params, npad = moept__npad(c), e0 = p->E * p->D;
     if (!c->opt_m) {
@@ -2816,6 +2915,7 @@ extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *
 
 /* AdamW's moments to the host (a sync) */
 extern "C" moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err) {
+    MOEPT__ENTER(c);
     const int64_t n = c->sp.n_params;
     if (!c->opt_m) {
         memset(m, 0, (size_t)n * 4);

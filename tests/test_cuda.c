@@ -1281,6 +1281,203 @@ static void test_unsupported_modes(void) {
     }
 }
 
+/* A kernel fault on rank 0's GPU (injected: moept_emu_fault_next_kernel)
+   loses its CUDA context, as an illegal address does on the hardware: the
+   error is sticky, every later CUDA call on the device returns it. Rank 0's
+   forward and every later call of its layer that needs the device must fail
+   with MOEPT_ERR_DEVICE and a message that says the context is lost (not
+   OK, not another status, not a hang); a host copy that is current (the
+   gradients, downloaded after step 0) stays readable, for a last
+   checkpoint. Rank 1, waiting for rank 0 in the forward's count exchange,
+   fails with MOEPT_ERR_COMM within the comm timeout, and at once after. */
+typedef struct lost_job {
+    two_ranks tr;
+    volatile int *done, *ready;
+    moept_status first, later[7];
+    double secs;                     /* the faulting forward's wall time */
+    char msg[8][300];
+} lost_job;
+
+static void *lost_rank(void *arg) {
+    lost_job *j = arg;
+    nccl_rank n;
+    moept_layer *L = NULL;
+    nccl_rank_open(&n, &j->tr);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    const int64_t D = cfg.hidden_size, T = 8;
+    j->first = moept_create_cuda(&cfg, n.c, NULL, NULL, &L);
+    snprintf(j->msg[0], sizeof j->msg[0], "create: %s", moept_last_error(NULL));
+    float *x = malloc((size_t)(T * D) * sizeof(float)), *w = malloc((size_t)(8 * D) * sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) x[i] = frand();
+    void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0), *dyd = dev_from(x, T * D, 0);
+    void *dxd = dev_from(x, T * D, 0);
+    if (j->first == MOEPT_OK) {
+        moept_init_params(L, 3);
+        j->first = moept_forward(L, xd, T, yd); /* a good step first, and its work done */
+        if (j->first == MOEPT_OK) j->first = moept_backward(L, xd, dyd, dxd);
+        if (j->first == MOEPT_OK) j->first = moept_get_grad(L, "gate.weight", w, 8 * D);
+        snprintf(j->msg[0], sizeof j->msg[0], "step 0: %s", moept_last_error(L));
+    }
+    __sync_fetch_and_add(j->ready, 1); /* both through step 0 before the fault */
+    while (*j->ready < 2) usleep(1000);
+    if (j->first == MOEPT_OK) {
+        if (j->tr.rank == 0) moept_emu_fault_next_kernel(0); /* the forward's first kernel */
+        double t0 = now_s();
+        j->first = moept_forward(L, xd, T, yd);
+        j->secs = now_s() - t0;
+        snprintf(j->msg[0], sizeof j->msg[0], "%s", moept_last_error(L));
+        moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+        double norm;
+        for (int k = 0; k < 7; k++) {
+            moept_status st = k == 0 ? moept_forward(L, xd, T, yd)
+                            : k == 1 ? moept_backward(L, xd, dyd, dxd)
+                            : k == 2 ? moept_zero_grad(L)
+                            : k == 3 ? moept_sync_grads(L, 1.0f)
+                            : k == 4 ? moept_grad_norm(L, &norm)
+                            : k == 5 ? moept_adamw_step(L, &opt)
+                            : moept_get_grad(L, "gate.weight", w, 8 * D); /* the host copy: OK */
+            j->later[k] = st;
+            snprintf(j->msg[k + 1], sizeof j->msg[k + 1], "%s", moept_last_error(L));
+            if (j->tr.rank == 1) break; /* its comm is aborted: one more call shows it */
+        }
+    }
+    __sync_fetch_and_add(j->done, 1);
+    while (*j->done < 2) usleep(1000); /* neither rank tears down while the other still calls */
+    cudaFree(xd); cudaFree(yd); cudaFree(dyd); cudaFree(dxd); /* rank 0's fail: its context is gone */
+    free(x); free(w);
+    moept_destroy(L);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_lost_context(void) {
+    volatile int done = 0, ready = 0;
+    lost_job j[2];
+    memset(j, 0, sizeof j);
+    for (int r = 0; r < 2; r++) {
+        j[r].done = &done;
+        j[r].ready = &ready;
+    }
+    run_two(lost_rank, j, sizeof j[0]);
+    char rep[300];
+    long n = moept_emu_take_reports(rep, sizeof rep); /* the fault: expected */
+    moept_emu_recover(0); /* a new process's device 0, for the tests after */
+    const char *lost = "context of device 0 is lost";
+    EXPECT(j[0].first == MOEPT_ERR_DEVICE && strstr(j[0].msg[0], lost),
+           "rank 0, the faulting forward: %d (%s)", (int)j[0].first, j[0].msg[0]);
+    const char *what[7] = {"forward", "backward", "zero_grad", "sync_grads", "grad_norm", "adamw_step",
+                           "get_grad"};
+    for (int k = 0; k < 6; k++)
+        EXPECT(j[0].later[k] == MOEPT_ERR_DEVICE && strstr(j[0].msg[k + 1], lost), "rank 0, then %s: %d (%s)",
+               what[k], (int)j[0].later[k], j[0].msg[k + 1]);
+    EXPECT(j[0].later[6] == MOEPT_OK, "rank 0: the host copy of the gradients (current since step 0) is not "
+           "readable after the fault: %d (%s)", (int)j[0].later[6], j[0].msg[7]);
+    EXPECT(j[1].first == MOEPT_ERR_COMM && j[1].secs < ABSENT_TIMEOUT_S + 1.0,
+           "rank 1, its forward: %d after %.2f s (%s)", (int)j[1].first, j[1].secs, j[1].msg[0]);
+    EXPECT(j[1].later[0] == MOEPT_ERR_COMM, "rank 1, its next forward: %d (%s)", (int)j[1].later[0],
+           j[1].msg[1]);
+    EXPECT(n >= 1, "the emulator saw no fault (%ld reports)", n);
+}
+
+/* A layer keeps the device it was made on (the thread's current device at
+   moept_create_cuda; a comm's is its NCCL communicator's): two EP ranks make
+   theirs on devices 0 and 1, then call from their threads with the other
+   device current. Each call must run on the layer's device (a launch, copy
+   or allocation on the current device puts rank 0's work on device 1: the
+   emulator reports another device's memory, a stream of another device),
+   succeed, give the output of the same call with the layer's device
+   current, and leave the caller's device current. First rank 1 tries to
+   make its layer with device 0 current: its comm is on device 1, so the
+   create fails (on both ranks: it is agreed). */
+typedef struct swap_job {
+    two_ranks tr;
+    volatile int *ready;
+    moept_status bad;                /* the create with the comm on another device */
+    char bad_msg[300];
+    moept_status st[6];
+    int cur[6];                      /* the current device after each call */
+    int same;                        /* y equal bitwise */
+    char msg[6][300];
+} swap_job;
+
+static void *swap_rank(void *arg) {
+    swap_job *j = arg;
+    nccl_rank n;
+    moept_layer *L = NULL;
+    const int me = j->tr.rank, other = 1 - me;
+    nccl_rank_open(&n, &j->tr);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    const int64_t D = cfg.hidden_size, T = 16;
+    float *x = malloc((size_t)(T * D) * sizeof(float)), *ya = calloc((size_t)(T * D), sizeof(float));
+    float *yb = calloc((size_t)(T * D), sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) x[i] = frand();
+    void *xd = dev_from(x, T * D, 0), *yd = dev_from(ya, T * D, 0), *dyd = dev_from(x, T * D, 0);
+    void *dxd = dev_from(ya, T * D, 0);
+    for (int k = 0; k < 6; k++) j->st[k] = MOEPT_ERR_STATE;
+    if (me == 1) cudaSetDevice(0);
+    j->bad = moept_create_cuda(&cfg, n.c, NULL, NULL, &L);
+    snprintf(j->bad_msg, sizeof j->bad_msg, "%s", moept_last_error(NULL));
+    moept_destroy(L);
+    L = NULL;
+    cudaSetDevice(me);
+    /* both are through (rank 0 freed its half-made layer; the emulated
+       cudaFreeHost synchronises every device) before the next collective */
+    __sync_fetch_and_add(j->ready, 1);
+    while (*j->ready < 2) usleep(1000);
+    j->st[0] = moept_create_cuda(&cfg, n.c, NULL, NULL, &L);
+    snprintf(j->msg[0], sizeof j->msg[0], "create: %s", moept_last_error(NULL));
+    if (j->st[0] == MOEPT_OK) {
+        moept_init_params(L, 3);
+        j->st[0] = moept_forward(L, xd, T, yd); /* the layer's device current */
+        snprintf(j->msg[0], sizeof j->msg[0], "%s", moept_last_error(L));
+        host_from(ya, yd, T * D, 0);
+        cudaSetDevice(other);
+        double norm;
+        for (int k = 1; k < 6; k++) {
+            j->st[k] = k == 1 ? moept_forward(L, xd, T, yd)
+                     : k == 2 ? moept_backward(L, xd, dyd, dxd)
+                     : k == 3 ? moept_sync_grads(L, 0.5f)
+                     : k == 4 ? moept_grad_norm(L, &norm)
+                     : moept_zero_grad(L);
+            snprintf(j->msg[k], sizeof j->msg[k], "%s", moept_last_error(L));
+            cudaGetDevice(&j->cur[k]);
+            if (j->st[k]) break;
+        }
+        cudaSetDevice(me);
+        host_from(yb, yd, T * D, 0);
+        j->same = memcmp(ya, yb, (size_t)(T * D) * sizeof(float)) == 0;
+        cudaSetDevice(other);
+    }
+    moept_destroy(L); /* from the other device too */
+    cudaSetDevice(me);
+    cudaFree(xd); cudaFree(yd); cudaFree(dyd); cudaFree(dxd);
+    free(x); free(ya); free(yb);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_other_device_current(void) {
+    volatile int ready = 0;
+    swap_job j[2];
+    memset(j, 0, sizeof j);
+    j[0].ready = j[1].ready = &ready;
+    run_two(swap_rank, j, sizeof j[0]);
+    const char *what[6] = {"create + forward", "forward", "backward", "sync_grads", "grad_norm", "zero_grad"};
+    EXPECT(j[1].bad == MOEPT_ERR_INVALID_ARGUMENT && strstr(j[1].bad_msg, "communicator is on device 1"),
+           "rank 1, created with device 0 current and its comm on device 1: %d (%s)", (int)j[1].bad,
+           j[1].bad_msg);
+    EXPECT(j[0].bad != MOEPT_OK, "rank 0's create succeeded while rank 1's failed");
+    for (int r = 0; r < 2; r++) {
+        for (int k = 0; k < 6; k++) {
+            EXPECT(j[r].st[k] == MOEPT_OK, "rank %d, %s with device %d current: %d (%s)", r, what[k],
+                   k ? 1 - r : r, (int)j[r].st[k], j[r].msg[k]);
+            EXPECT(!k || j[r].st[k] || j[r].cur[k] == 1 - r, "rank %d, after %s: device %d current, not the "
+                   "caller's %d", r, what[k], j[r].cur[k], 1 - r);
+        }
+        EXPECT(j[r].same, "rank %d: the forward with the other device current gave another y", r);
+    }
+}
+
 static void test_absent_peer_forward(void) { absent_peer(0); }
 static void test_absent_peer_grads(void) { absent_peer(1); }
 #endif
@@ -1320,6 +1517,10 @@ int main(void) {
            test_absent_peer_forward);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from sync_grads: ERR_COMM, aborted once",
            test_absent_peer_grads);
+    tu_run("cuda (emulated, 2 EP ranks): a kernel fault loses rank 0's context: ERR_DEVICE from then on, "
+           "the peer ERR_COMM within the timeout", test_lost_context);
+    tu_run("cuda (emulated, 2 EP ranks): calls with another device current run on the layer's, restore it",
+           test_other_device_current);
     tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise (a rejected step between)",
            test_chunked_equals_one_chunk);
     tu_run("cuda (emulated): bf16 weights cast once per parameter change", test_bf16_weights_cast_once);

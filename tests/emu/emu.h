@@ -20,6 +20,17 @@ void moept_emu_fail_malloc(int n);
    transport failure: the op ends and the communicator's asynchronous error
    is ncclRemoteError, as after a network error. 0 turns it off. */
 void moept_emu_nccl_inject_error(int ms);
+/* Fault injection: the next kernel launched on device dev (from now) faults
+   when it runs, as one that touched an illegal address: a "context" report
+   (take it), and the device's context is lost (cudaErrorIllegalAddress).
+   A kernel's own out-of-bounds or misaligned access (memcheck) loses it too. */
+void moept_emu_fault_next_kernel(int dev);
+/* Test only, after a lost context: what ending the process and starting a
+   new one would give device dev (no CUDA call recovers a sticky error): a
+   new context, its allocations, streams and pinned host blocks gone (every
+   handle of the old one is invalid), no error (nor the calling thread's
+   last error). Call it once nothing uses the device any more. */
+void moept_emu_recover(int dev);
 /* 1 when device memory is guarded per thread (x86 protection keys: only a
    worker running one of the device's ops may touch it, so a host read while
    another op of the device runs faults too); 0 when only per process (the

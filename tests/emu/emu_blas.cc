@@ -99,6 +99,12 @@ static bool is_device(const void *p) {
     return d >= 0;
 }
 
+/* cuBLAS Library, cublasStatus_t and each function's return table: a call
+   that cannot run its kernel is CUBLAS_STATUS_EXECUTION_FAILED ("the
+   function failed to launch on the GPU"); on a lost context (emu_rt.cc,
+   lose) every call that queues work is */
+static bool ctx_lost(const Blas *b) { return sticky(b->dev) != cudaSuccess; }
+
 static cublasStatus_t invalid(const char *call, const char *why) {
     report("cublas", "%s: %s (CUBLAS_STATUS_INVALID_VALUE)", call, why);
     return CUBLAS_STATUS_INVALID_VALUE;
@@ -117,6 +123,7 @@ cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
         cudaGetLastError();
         return CUBLAS_STATUS_NOT_INITIALIZED;
     }
+    if (sticky(cur_dev)) return CUBLAS_STATUS_NOT_INITIALIZED; /* cublasCreate: the CUDA Runtime failed */
     Blas *b = new Blas();
     b->dev = cur_dev;
     *h = (cublasHandle_t)b;
@@ -178,6 +185,7 @@ cublasStatus_t cublasGemmEx_64(cublasHandle_t h, cublasOperation_t ta, cublasOpe
     (void)algo;
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
     Blas *b = (Blas *)h;
+    if (ctx_lost(b)) return CUBLAS_STATUS_EXECUTION_FAILED;
     if (bad_dims(ta, tb, m, n, k, lda, ldb, ldc)) return invalid("cublasGemmEx", "sizes, transposes or leading dimensions");
     if (!alpha || !beta) return invalid("cublasGemmEx", "alpha or beta is NULL");
     if (!gemm_ex_types(at, bt, ct, comp)) return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -202,6 +210,7 @@ cublasStatus_t cublasGemmStridedBatchedEx_64(cublasHandle_t h, cublasOperation_t
     (void)algo;
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
     Blas *b = (Blas *)h;
+    if (ctx_lost(b)) return CUBLAS_STATUS_EXECUTION_FAILED;
     if (batch < 0) return invalid(call, "batchCount < 0");
     if (bad_dims(ta, tb, m, n, k, lda, ldb, ldc)) return invalid(call, "sizes, transposes or leading dimensions");
     if (!alpha || !beta) return invalid(call, "alpha or beta is NULL");
@@ -236,6 +245,7 @@ cublasStatus_t cublasGemmGroupedBatchedEx_64(cublasHandle_t h, const cublasOpera
     const char *call = "cublasGemmGroupedBatchedEx";
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
     Blas *b = (Blas *)h;
+    if (ctx_lost(b)) return CUBLAS_STATUS_EXECUTION_FAILED;
     if (groups < 0) return invalid(call, "group_count < 0");
     if (!ta || !tb || !m || !n || !k || !alpha || !A || !lda || !B || !ldb || !beta || !C || !ldc || !gsize)
         return invalid(call, "an array is NULL");
@@ -279,6 +289,7 @@ cublasStatus_t cublasGemmGroupedBatchedEx_64(cublasHandle_t h, const cublasOpera
 cublasStatus_t cublasSscal_v2_64(cublasHandle_t h, int64_t n, const float *alpha, float *x, int64_t incx) {
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
     Blas *b = (Blas *)h;
+    if (ctx_lost(b)) return CUBLAS_STATUS_EXECUTION_FAILED;
     if (!alpha || !x) return invalid("cublasSscal", "alpha or x is NULL");
     if (n <= 0 || incx <= 0) return CUBLAS_STATUS_SUCCESS; /* the reference BLAS returns at once */
     if (b->pmode != CUBLAS_POINTER_MODE_HOST) return CUBLAS_STATUS_NOT_SUPPORTED;

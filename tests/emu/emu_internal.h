@@ -118,6 +118,8 @@ struct Device {
     Stream *legacy = nullptr;
     std::vector<Stream *> streams;
     int capturing = 0;             /* captures in progress (global mode: unsafe calls are rejected) */
+    std::atomic<int> lost{0};      /* a sticky error (cudaError_t): the context is lost (lose) */
+    std::atomic<int> fault_next{0}; /* moept_emu_fault_next_kernel: the next kernel launched faults */
 };
 
 extern Device *devices[MAXDEV];
@@ -156,6 +158,15 @@ void count_sync(int d);
 void count_op(const Op &o);
 double now();
 void set_last_error(cudaError_t e);
+/* The device's sticky error (cudaSuccess while its context is fine). CUDA
+   Runtime API, enum cudaError (cudaErrorIllegalAddress, ...): a kernel's
+   fault leaves the process in an inconsistent state, any further CUDA work
+   returns the same error, and only a new process can use CUDA again. */
+cudaError_t sticky(int d);
+/* op (a kernel, cuBLAS call, NCCL op, copy) on device d faulted with e: the
+   context is lost (the first time: a "context" report). Its queued work
+   never runs; every later call on d returns e (moept_emu_recover ends it). */
+void lose(int d, cudaError_t e, const char *op, const char *why);
 
 }  // namespace emu
 

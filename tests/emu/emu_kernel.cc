@@ -327,18 +327,22 @@ static void kernel_access(const char *p, size_t n, int write) {
     int d;
     Alloc *a = find(p, &d);
     const uint3 t = x->cur >= 0 ? x->f[x->cur].tid : make_uint3(0, 0, 0);
+    /* a fault loses the device's context (lose) before the report says why */
     if ((n & (n - 1)) == 0 && n <= 16 && (uintptr_t)p % n) { /* a GPU faults on these */
+        lose(x->op->s->dev, cudaErrorMisalignedAddress, x->op->name.c_str(), nullptr);
         report("memcheck", "kernel %s block (%u,%u,%u) thread (%u,%u,%u): misaligned %s of %zu bytes at %p",
                x->name, x->bid.x, x->bid.y, x->bid.z, t.x, t.y, t.z, write ? "write" : "read", n,
                (const void *)p);
         return;
     }
     if (d < 0) {
+        lose(x->op->s->dev, cudaErrorIllegalAddress, x->op->name.c_str(), nullptr);
         report("memcheck", "kernel %s block (%u,%u,%u) thread (%u,%u,%u): %s of %zu bytes at %p: host memory",
                x->name, x->bid.x, x->bid.y, x->bid.z, t.x, t.y, t.z, write ? "write" : "read", n, (const void *)p);
         return;
     }
     if (d != x->op->s->dev || !a || !a->live || p + n > a->base + a->size) {
+        lose(x->op->s->dev, cudaErrorIllegalAddress, x->op->name.c_str(), nullptr);
         report("memcheck", "kernel %s block (%u,%u,%u) thread (%u,%u,%u): %s of %zu bytes at %p: %s", x->name,
                x->bid.x, x->bid.y, x->bid.z, t.x, t.y, t.z, write ? "write" : "read", n, (const void *)p,
                d != x->op->s->dev ? "another device's memory" : !a ? "outside every allocation"
@@ -405,10 +409,15 @@ void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_
         return;
     }
     Stream *s = stream_of(h);
+    if (cudaError_t e = sticky(s->dev)) { /* the context is lost (lose): the launch returns its error */
+        set_last_error(e);
+        return;
+    }
     if (s->dev != cur_dev) {
         set_last_error(cudaErrorInvalidResourceHandle);
         return;
     }
+    const bool fault = dev(s->dev)->fault_next.exchange(0) != 0; /* moept_emu_fault_next_kernel */
     {
         std::lock_guard<std::mutex> lk(g_launch_mu);
         g_launches[name]++;
@@ -416,7 +425,10 @@ void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_
     char nm[160];
     snprintf(nm, sizeof nm, "kernel %s<<<(%u,%u,%u),(%u,%u,%u)>>>", name, g.x, g.y, g.z, b.x, b.y, b.z);
     auto bp = std::make_shared<std::vector<char>>((const char *)blob, (const char *)blob + nb);
-    enqueue(s, nm, [name, g, b, bp, invoke](Op &o) { run_kernel(o, name, g, b, *bp, invoke); });
+    enqueue(s, nm, [name, g, b, bp, invoke, fault](Op &o) {
+        if (fault) lose(o.s->dev, cudaErrorIllegalAddress, o.name.c_str(), "injected");
+        else run_kernel(o, name, g, b, *bp, invoke);
+    });
 }
 
 /* ThreadSanitizer's instrumentation ABI: every access of the kernels'

@@ -354,6 +354,7 @@ static ncclResult_t p2p(int send, const void *buf, size_t count, ncclDataType_t 
     if (gone(c, send ? "ncclSend" : "ncclRecv")) return ncclInvalidArgument;
     if (peer < 0 || peer >= c->w->n) return ncclInvalidArgument;
     Stream *st = stream_of(s);
+    if (sticky(st->dev)) return ncclUnhandledCudaError; /* a lost context (see coll) */
     if (st->dev != c->dev) {
         report("nccl", "rank %d: %s on a stream of device %d; the communicator's device is %d", c->rank,
                send ? "ncclSend" : "ncclRecv", st->dev, c->dev);
@@ -410,6 +411,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
     memcpy(name, id.internal, sizeof id.internal);
     name[sizeof id.internal] = 0;
     if (strncmp(name, "/moept-emu-nccl.", 16) != 0) return ncclInvalidArgument;
+    if (sticky(cur_dev)) return ncclUnhandledCudaError; /* a lost context (see coll) */
     World *w;
     {
         std::lock_guard<std::mutex> lk(g_mu);
@@ -464,6 +466,14 @@ ncclResult_t ncclCommCount(const ncclComm_t h, int *n) {
     Comm *c = (Comm *)h;
     if (gone(c, "ncclCommCount") || !n) return ncclInvalidArgument;
     *n = c->w->n;
+    return ncclSuccess;
+}
+
+/* NCCL API, ncclCommCuDevice: the CUDA device the communicator was made on */
+ncclResult_t ncclCommCuDevice(const ncclComm_t h, int *device) {
+    Comm *c = (Comm *)h;
+    if (gone(c, "ncclCommCuDevice") || !device) return ncclInvalidArgument;
+    *device = c->dev;
     return ncclSuccess;
 }
 
@@ -548,6 +558,9 @@ static ncclResult_t coll(int gather, const void *sb, void *rb, size_t count, ncc
         return ncclInvalidUsage;
     }
     Stream *st = stream_of(s);
+    /* NCCL, ncclResult_t: ncclUnhandledCudaError, a call to a CUDA function
+       failed: so every NCCL call on a lost context (emu_rt.cc, lose) */
+    if (sticky(st->dev)) return ncclUnhandledCudaError;
     if (st->dev != c->dev) return ncclInvalidUsage;
     uint64_t seq = c->nextcoll++;
     char nm[80];

@@ -51,6 +51,7 @@ static int g_nstreams = 0;
 static std::vector<int> g_free_ids; /* clock entries of destroyed streams */
 static std::map<const char *, size_t> g_pinned; /* page-locked ranges: cudaMallocHost, cudaHostRegister */
 static std::set<const char *> g_registered;     /* ... of them, the cudaHostRegister ones */
+static std::map<const char *, int> g_pinned_dev; /* ... and the device current at the call */
 static bool g_protect = true;
 
 double now() {
@@ -85,6 +86,37 @@ void set_last_error(cudaError_t e) {
 static cudaError_t fail(cudaError_t e) {
     set_last_error(e);
     return e;
+}
+
+/* ---- a lost context ------------------------------------------------------
+   CUDA Runtime API, enum cudaError: cudaErrorIllegalAddress (a load or store
+   on an invalid address), cudaErrorMisalignedAddress and the other kernel
+   faults leave the process in an inconsistent state; any further CUDA work
+   returns the same error, and only a new process can use CUDA again. So
+   once an op of device d faults, every call that acts on d (its memory,
+   streams, events, copies, launches, synchronisations, captures; the
+   emulated cuBLAS and NCCL calls on it: emu_blas.cc, emu_nccl.cc) returns
+   the error, cudaGetLastError and cudaPeekAtLastError return it whenever d
+   is current (it is not cleared), and the work queued on d never runs
+   (worker). Not refused: cudaGetDeviceCount, cudaSetDevice, cudaGetDevice,
+   cudaGetErrorString, cudaPointerGetAttributes (queries of the process).
+   moept_emu_recover stands for a new process (test only). */
+cudaError_t sticky(int d) {
+    Device *v = d >= 0 && d < MAXDEV ? devices[d] : nullptr;
+    return v ? (cudaError_t)v->lost.load() : cudaSuccess;
+}
+void lose(int d, cudaError_t e, const char *op, const char *why) {
+    int none = 0;
+    if (dev(d)->lost.compare_exchange_strong(none, (int)e))
+        report("context", "device %d: %s faulted (%s%s%s): the device's context is lost, every later call "
+               "on it fails with that error", d, op,
+               e == cudaErrorMisalignedAddress ? "cudaErrorMisalignedAddress" : "cudaErrorIllegalAddress",
+               why ? ", " : "", why ? why : "");
+}
+/* a call on device d: its sticky error, if any (also the thread's last error) */
+static cudaError_t lost_call(int d) {
+    cudaError_t e = sticky(d);
+    return e ? fail(e) : cudaSuccess;
 }
 
 /* ---- devices and memory --------------------------------------------- */
@@ -254,12 +286,14 @@ int touch(const void *p, size_t n, int write, const char *what) {
     int d;
     Alloc *a = find(p, &d);
     if (d < 0) return 1; /* host memory: the caller checked the kind */
-    if (d != o->s->dev) {
+    if (d != o->s->dev) { /* a device fault: the context is lost (lose), then the report says why */
+        lose(o->s->dev, cudaErrorIllegalAddress, o->name.c_str(), "another device's memory");
         report("memcheck", "%s: %s of %zu bytes at %p touches device %d's memory from device %d", o->name.c_str(), what,
                n, p, d, o->s->dev);
         return 0;
     }
     if (!a || !a->live || (const char *)p + n > a->base + a->size) {
+        lose(o->s->dev, cudaErrorIllegalAddress, o->name.c_str(), "outside every live allocation");
         report("memcheck", "%s: %s of %zu bytes at %p is outside every live allocation of device %d%s", o->name.c_str(),
                what, n, p, d, a && !a->live ? " (freed)" : "");
         return 0;
@@ -314,6 +348,33 @@ static void name_of(int sid, uint32_t ep, char *buf, size_t len) {
     snprintf(buf, len, "%s", ep < s->names.size() ? s->names[ep].c_str() : "?");
 }
 
+/* one op on its stream's worker: after its dependencies, with its device's memory mapped */
+static void run_op(Stream *s, Device *v, const std::shared_ptr<Op> &o) {
+    for (auto &d : o->deps) {
+        wait_op(d, 1e9);
+        s->vc.join(d->vc);
+    }
+    s->vc.join(o->host_vc);
+    o->epoch = ++s->vc.c[s->id];
+    o->vc = s->vc;
+    {
+        std::lock_guard<std::mutex> nl(s->m);
+        if (s->names.size() <= o->epoch) s->names.resize(o->epoch + 1);
+        s->names[o->epoch] = o->name;
+    }
+    if (o->hsrc && checksum(o->hsrc, o->hlen) != o->hsum)
+        report("hazard", "%s: its host source buffer %p (%zu bytes) was changed after the call and before the "
+               "copy ran (async copies read host memory when they run)", o->name.c_str(), o->hsrc, o->hlen);
+    cur_op = o.get();
+    dev_enter(v);
+    pkey_access(v, true);
+    if (o->run) o->run(*o);
+    pkey_access(v, false);
+    dev_leave(v);
+    cur_op = nullptr;
+    count_op(*o);
+}
+
 static void worker(Stream *s) {
     Device *v = dev(s->dev);
     std::unique_lock<std::mutex> lk(s->m);
@@ -322,29 +383,7 @@ static void worker(Stream *s) {
         if (s->q.empty()) return;
         std::shared_ptr<Op> o = s->q.front();
         lk.unlock();
-        for (auto &d : o->deps) {
-            wait_op(d, 1e9);
-            s->vc.join(d->vc);
-        }
-        s->vc.join(o->host_vc);
-        o->epoch = ++s->vc.c[s->id];
-        o->vc = s->vc;
-        {
-            std::lock_guard<std::mutex> nl(s->m);
-            if (s->names.size() <= o->epoch) s->names.resize(o->epoch + 1);
-            s->names[o->epoch] = o->name;
-        }
-        if (o->hsrc && checksum(o->hsrc, o->hlen) != o->hsum)
-            report("hazard", "%s: its host source buffer %p (%zu bytes) was changed after the call and before the copy "
-                   "ran (async copies read host memory when they run)", o->name.c_str(), o->hsrc, o->hlen);
-        cur_op = o.get();
-        dev_enter(v);
-        pkey_access(v, true);
-        if (o->run) o->run(*o);
-        pkey_access(v, false);
-        dev_leave(v);
-        cur_op = nullptr;
-        count_op(*o);
+        if (!v->lost.load()) run_op(s, v, o); /* a lost context's queued work never runs (lose) */
         lk.lock();
         o->t_done = now();
         o->done = true;
@@ -598,6 +637,63 @@ extern "C" void moept_emu_fail_malloc(int n) {
     g_fail_malloc = n;
 }
 
+extern "C" void moept_emu_fault_next_kernel(int d) {
+    if (d >= 0 && d < MAXDEV) dev(d)->fault_next = 1;
+}
+
+/* A new process's device d (test only): the old context's streams end (their
+   queued work was dropped), its allocations and pinned blocks are freed. */
+extern "C" void moept_emu_recover(int d) {
+    if (d < 0 || d >= MAXDEV) return;
+    Device *v = dev(d);
+    std::vector<Stream *> ss;
+    {
+        std::lock_guard<std::mutex> lk(v->m);
+        ss.swap(v->streams);
+        v->legacy = nullptr;
+        v->capturing = 0;
+    }
+    for (Stream *s : ss) { /* still lost: the worker drops what is queued, then ends */
+        {
+            std::lock_guard<std::mutex> lk(s->m);
+            s->quit = true;
+            s->cv.notify_all();
+        }
+        s->worker.join();
+        std::lock_guard<std::mutex> lk(g_mu);
+        g_free_ids.push_back(s->id);
+    }
+    {
+        std::lock_guard<std::mutex> lk(v->m);
+        for (Alloc *a : v->allocs) {
+            if (!a->live) continue;
+            a->live = false;
+            size_t len = (a->size + PAGE - 1) / PAGE * PAGE;
+            protect(a->base, len, PROT_READ | PROT_WRITE);
+            madvise(a->base, len, MADV_DONTNEED);
+            if (g_protect && v->active == 0) protect(a->base, len, PROT_NONE);
+            free(a->shadow);
+            a->shadow = nullptr;
+        }
+    }
+    {
+        std::lock_guard<std::mutex> lk(g_count_mu);
+        g_dev_bytes[d] = 0;
+    }
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        for (auto it = g_pinned_dev.begin(); it != g_pinned_dev.end();) {
+            if (it->second != d) { ++it; continue; }
+            g_pinned.erase(it->first);
+            free((void *)it->first);
+            it = g_pinned_dev.erase(it);
+        }
+    }
+    v->fault_next = 0;
+    v->lost = 0;
+    last_error = cudaSuccess; /* the calling thread's, as in a new process */
+}
+
 static void at_exit_check() {
     long n = g_reports.load() - g_taken.load();
     if (n > 0) {
@@ -632,9 +728,9 @@ cudaError_t cudaGetDevice(int *d) {
 cudaError_t cudaGetLastError(void) {
     cudaError_t e = last_error;
     last_error = cudaSuccess;
-    return e;
+    return sticky(cur_dev) ? sticky(cur_dev) : e; /* a lost context's error is not cleared */
 }
-cudaError_t cudaPeekAtLastError(void) { return last_error; }
+cudaError_t cudaPeekAtLastError(void) { return sticky(cur_dev) ? sticky(cur_dev) : last_error; }
 
 const char *cudaGetErrorString(cudaError_t e) {
     switch (e) {
@@ -646,6 +742,8 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorNotReady: return "device not ready";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorIllegalAddress: return "illegal memory access";
+    case cudaErrorMisalignedAddress: return "misaligned address";
     default: return "unknown error (emulated)";
     }
 }
@@ -655,6 +753,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     if (!p) return fail(cudaErrorInvalidValue);
     *p = nullptr;
     if (device_count() == 0) return fail(cudaErrorNoDevice);
+    if (cudaError_t le = lost_call(cur_dev)) return le;
     if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMalloc", UNSUPPORTED)) return ce;
     int f = g_fail_malloc.load();
     if (f > 0 && cur_dev == g_fail_dev && g_fail_malloc.fetch_sub(1) == 1) return fail(cudaErrorMemoryAllocation);
@@ -692,6 +791,7 @@ cudaError_t cudaFree(void *p) {
     if (!p) return cudaSuccess;
     int d;
     Alloc *a = find(p, &d);
+    if (cudaError_t le = lost_call(d)) return le;
     if (!a || a->base != p || !a->live) {
         report("memcheck", "cudaFree(%p): not the start of a live device allocation", p);
         return fail(cudaErrorInvalidValue);
@@ -699,6 +799,7 @@ cudaError_t cudaFree(void *p) {
     if (cudaError_t ce = capture_violation(d, nullptr, "cudaFree", UNSUPPORTED)) return ce;
     sync_device(d); /* cudaFree waits for the device */
     count_sync(d);
+    if (cudaError_t le = lost_call(d)) return le;
     {
         std::lock_guard<std::mutex> lk(g_count_mu);
         g_dev_bytes[d] -= (long long)a->size;
@@ -717,11 +818,13 @@ cudaError_t cudaFree(void *p) {
 
 cudaError_t cudaMallocHost(void **p, size_t bytes) {
     if (!p) return fail(cudaErrorInvalidValue);
+    if (cudaError_t le = lost_call(cur_dev)) return le;
     if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMallocHost", UNSUPPORTED)) return ce;
     *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
     if (!*p) return fail(cudaErrorMemoryAllocation);
     std::lock_guard<std::mutex> lk(g_mu);
     g_pinned[(const char *)*p] = bytes;
+    g_pinned_dev[(const char *)*p] = cur_dev;
     return cudaSuccess;
 }
 
@@ -732,11 +835,14 @@ cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int flags) {
 
 cudaError_t cudaFreeHost(void *p) {
     if (!p) return cudaSuccess;
+    if (cudaError_t le = lost_call(cur_dev)) return le;
     if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaFreeHost", UNSUPPORTED)) return ce;
     for (int d = 0; d < MAXDEV; d++)
         if (devices[d]) sync_device(d);
+    if (cudaError_t le = lost_call(cur_dev)) return le;
     std::lock_guard<std::mutex> lk(g_mu);
     if (g_registered.count((const char *)p) || !g_pinned.erase((const char *)p)) return fail(cudaErrorInvalidValue);
+    g_pinned_dev.erase((const char *)p);
     free(p);
     return cudaSuccess;
 }
@@ -782,6 +888,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *at, const void *p) {
 /* ---- streams and events ---------------------------------------------------- */
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
     if (!s) return fail(cudaErrorInvalidValue);
+    if (cudaError_t le = lost_call(cur_dev)) return le;
     Stream *t = new_stream(cur_dev, false, !(flags & cudaStreamNonBlocking));
     if (!t) return fail(cudaErrorMemoryAllocation);
     *s = (cudaStream_t)t;
@@ -792,8 +899,10 @@ cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithFlags
 cudaError_t cudaStreamDestroy(cudaStream_t h) {
     if (!h) return fail(cudaErrorInvalidResourceHandle);
     Stream *s = (Stream *)h;
+    if (cudaError_t le = lost_call(s->dev)) return le;
     force_all(s);
     sync_stream(s); /* the stream's work completes; then it is gone */
+    if (cudaError_t le = lost_call(s->dev)) return le;
     Device *v = dev(s->dev);
     {
         std::lock_guard<std::mutex> lk(v->m);
@@ -813,6 +922,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t h) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t h) {
     Stream *s = stream_of(h);
+    if (cudaError_t le = lost_call(s->dev)) return le;
     if (cudaError_t ce = capture_violation(s->dev, s, "cudaStreamSynchronize", UNSUPPORTED)) return ce;
     if (moept_emu_nccl_group_depth())
         report("nccl", "cudaStreamSynchronize inside ncclGroupStart/ncclGroupEnd: the group's operations are not "
@@ -820,11 +930,12 @@ cudaError_t cudaStreamSynchronize(cudaStream_t h) {
     force_all(s);
     sync_stream(s);
     count_sync(s->dev);
-    return cudaSuccess;
+    return lost_call(s->dev); /* the work it waited for faulted */
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t h) {
     Stream *s = stream_of(h);
+    if (cudaError_t le = lost_call(s->dev)) return le;
     if (cudaError_t ce = capture_violation(s->dev, s, "cudaStreamQuery", UNSUPPORTED)) return ce;
     if (moept_emu_nccl_group_depth())
         report("nccl", "cudaStreamQuery inside ncclGroupStart/ncclGroupEnd (an ncclGroupStart left open?)");
@@ -839,18 +950,21 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
         last = s->last;
     }
     if (last) host_vc.join(last->vc);
-    return cudaSuccess;
+    return lost_call(s->dev);
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
+    if (cudaError_t le = lost_call(cur_dev)) return le;
     if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaDeviceSynchronize", UNSUPPORTED)) return ce;
     sync_device(cur_dev);
     count_sync(cur_dev);
-    return cudaSuccess;
+    return lost_call(cur_dev);
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
     if (!e) return fail(cudaErrorInvalidValue);
+    *e = nullptr;
+    if (cudaError_t le = lost_call(cur_dev)) return le;
     Event *v = new Event();
     v->dev = cur_dev;
     v->timing = !(flags & cudaEventDisableTiming);
@@ -866,6 +980,7 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     if (!ms) return fail(cudaErrorInvalidValue);
     if (!a || !b) return fail(cudaErrorInvalidResourceHandle);
     Event *x = (Event *)a, *y = (Event *)b;
+    if (cudaError_t le = lost_call(x->dev)) return le;
     if (!x->timing || !y->timing || !x->rec || !y->rec) return fail(cudaErrorInvalidResourceHandle);
     double t[2];
     const std::shared_ptr<Op> *r[2] = {&x->rec, &y->rec};
@@ -880,6 +995,7 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
 
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
     if (!e) return fail(cudaErrorInvalidResourceHandle);
+    if (cudaError_t le = lost_call(((Event *)e)->dev)) return le;
     delete (Event *)e; /* a pending record keeps its op alive */
     return cudaSuccess;
 }
@@ -888,6 +1004,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t h) {
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     Event *v = (Event *)e;
     Stream *s = stream_of(h);
+    if (cudaError_t le = lost_call(s->dev)) return le;
     if (s->dev != v->dev) return fail(cudaErrorInvalidResourceHandle);
     if (s->cap) { /* a node of the capture: a wait on it joins the waiter */
         capture_item(s->cap, Graph::RECORD, s, "cudaEventRecord", nullptr, v);
@@ -906,6 +1023,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t h, cudaEvent_t e, unsigned flags) {
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     Event *v = (Event *)e;
     Stream *s = stream_of(h);
+    if (cudaError_t le = lost_call(s->dev)) return le;
     if (v->cap || s->cap) { /* the waiter joins the capture of the event's record */
         Graph *g = v->cap ? v->cap : s->cap;
         if (!s->cap) {
@@ -925,6 +1043,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t h, cudaEvent_t e, unsigned flags) {
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     Event *v = (Event *)e;
+    if (cudaError_t le = lost_call(v->dev)) return le;
     if (v->cap) { /* recorded in a capture still in progress */
         {
             std::lock_guard<std::mutex> lk(g_cap_mu);
@@ -939,11 +1058,12 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
         count_sync(v->dev);
         host_vc.join(v->rec->vc);
     }
-    return cudaSuccess;
+    return lost_call(v->dev);
 }
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t h, enum cudaStreamCaptureMode mode) {
     Stream *s = stream_of(h);
+    if (cudaError_t le = lost_call(s->dev)) return le;
     if (s->legacy || mode != cudaStreamCaptureModeGlobal) return fail(cudaErrorStreamCaptureUnsupported);
     if (s->cap) return fail(cudaErrorIllegalState);
     Graph *g = new Graph();
@@ -990,6 +1110,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t h, cudaGraph_t *out) {
     if (!out) return fail(cudaErrorInvalidValue);
     *out = nullptr;
     Stream *s = stream_of(h);
+    if (cudaError_t le = lost_call(s->dev)) return le;
     Graph *g = s->cap;
     if (!g) return fail(cudaErrorIllegalState);
     if (g->origin != s) return fail(cudaErrorStreamCaptureUnmatched);
@@ -1027,6 +1148,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t h) {
     if (!exec) return fail(cudaErrorInvalidValue);
     Graph *g = (Graph *)exec;
     Stream *s = stream_of(h);
+    if (cudaError_t le = lost_call(s->dev)) return le;
     if (s->cap || s->dev != g->dev) return fail(cudaErrorInvalidValue);
     auto on = [&](Stream *t) { return t == g->origin ? s : t; };
     cudaEvent_t start;
@@ -1076,6 +1198,7 @@ static const char *kind_name(cudaMemcpyKind k) {
 
 /* the copy's kind against what the pointers are, and the device range */
 static cudaError_t check_copy(void *dst, const void *src, size_t n, cudaMemcpyKind k, Stream *s, const char *call) {
+    if (cudaError_t le = lost_call(s->dev)) return le;
     int dd, sd;
     find(dst, &dd);
     find(src, &sd);
@@ -1174,10 +1297,11 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind k) {
     force_all(s);
     sync_stream(s);
     count_sync(s->dev);
-    return cudaSuccess;
+    return lost_call(s->dev);
 }
 
 static cudaError_t memset_async(void *p, int v, size_t n, Stream *s, const char *call) {
+    if (cudaError_t le = lost_call(s->dev)) return le;
     int d;
     find(p, &d);
     if (n && (d < 0 || d != s->dev)) {

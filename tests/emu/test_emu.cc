@@ -96,15 +96,25 @@ static void kernels() {
     cudaDeviceSynchronize();
     expect_report("synccheck: __syncthreads reached by half the block", "synccheck");
     MOEPT__LAUNCH(k_oob, 1, 64, 0, 0)(out, 1);
-    cudaDeviceSynchronize();
+    cudaError_t e = cudaDeviceSynchronize();
     expect_report("memcheck: an out-of-bounds write", "past the end");
+    result("... faults: the synchronize returns cudaErrorIllegalAddress (the context is lost)",
+           e == cudaErrorIllegalAddress, cudaGetErrorString(e));
+    moept_emu_recover(0); /* a new process, for what follows */
+    cudaMalloc((void **)&x, 64 * 4);
+    cudaMalloc((void **)&out, 64 * 4);
+    cudaMemcpy(x, h, 64 * 4, cudaMemcpyHostToDevice);
     MOEPT__LAUNCH(k_ld128, 1, 2, 0, 0)((const char *)x, (uint4 *)out);
     cudaDeviceSynchronize();
     expect_clean("16-byte loads at 16-byte aligned addresses run clean");
     /* (x86 faults on a misaligned 16-byte vector load itself: a 4-byte one shows the check) */
     MOEPT__LAUNCH(k_ld32, 1, 2, 0, 0)((const char *)x + 2, out);
-    cudaDeviceSynchronize();
+    e = cudaDeviceSynchronize();
     expect_report("memcheck: a 4-byte load at a 2-byte aligned address (a GPU faults)", "misaligned read of 4");
+    result("... faults: cudaErrorMisalignedAddress", e == cudaErrorMisalignedAddress, cudaGetErrorString(e));
+    moept_emu_recover(0);
+    cudaMalloc((void **)&x, 64 * 4);
+    cudaMalloc((void **)&out, 64 * 4);
     MOEPT__LAUNCH(k_fill, 1, 2048, 0, 0)(out, 0.0f, 64);
     result("launch limits: 2048 threads a block is a launch error",
            cudaGetLastError() == cudaErrorInvalidConfiguration, "accepted");
@@ -113,6 +123,85 @@ static void kernels() {
            "accepted");
     cudaFree(x);
     cudaFree(out);
+}
+
+/* A kernel fault loses its device's context (CUDA Runtime API, enum
+   cudaError: cudaErrorIllegalAddress is sticky): the synchronize that ran it
+   returns the error, so does every later call on that device (memory,
+   streams, events, copies, launches, cuBLAS, NCCL), cudaGetLastError does
+   not clear it, the work queued behind the fault never runs; the other
+   device goes on; moept_emu_recover (a new process) ends it. */
+static void lost_context() {
+    float *p, *q, hv[64], one = 1.0f;
+    cudaStream_t a, b;
+    cudaEvent_t ev;
+    cublasHandle_t bh;
+    ncclComm_t nc;
+    ncclUniqueId id;
+    cudaSetDevice(1);
+    cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking);
+    cudaMalloc((void **)&q, 64 * 4);
+    cudaSetDevice(0);
+    cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+    cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    cudaMalloc((void **)&p, 64 * 4);
+    cublasCreate(&bh);
+    cublasSetStream(bh, a);
+    ncclGetUniqueId(&id);
+    ncclCommInitRank(&nc, 1, id, 0);
+    cudaDeviceSynchronize();
+    moept_emu_counts_reset();
+    moept_emu_fault_next_kernel(0);
+    MOEPT__LAUNCH(k_fill, 1, 64, 0, a)(p, 1.0f, 64); /* faults */
+    MOEPT__LAUNCH(k_fill, 1, 64, 0, a)(p, 2.0f, 64); /* queued behind it: never runs */
+    bool launched = cudaGetLastError() == cudaSuccess; /* the launches themselves were fine */
+    cudaError_t e = cudaStreamSynchronize(a);
+    expect_report("context: an injected kernel fault is reported", "injected");
+    const cudaError_t L = cudaErrorIllegalAddress;
+    result("... the synchronize that ran it returns cudaErrorIllegalAddress", launched && e == L,
+           cudaGetErrorString(e));
+    bool sticky = cudaGetLastError() == L && cudaGetLastError() == L && cudaPeekAtLastError() == L;
+    result("... cudaGetLastError returns it and does not clear it", sticky, "cleared");
+    void *m = nullptr;
+    cudaStream_t c2h = nullptr;
+    bool calls = cudaMalloc(&m, 64) == L && cudaMemcpy(hv, p, 64 * 4, cudaMemcpyDeviceToHost) == L &&
+                 cudaMemsetAsync(p, 0, 64, a) == L && cudaStreamQuery(a) == L &&
+                 cudaEventRecord(ev, a) == L && cudaDeviceSynchronize() == L &&
+                 cudaStreamCreateWithFlags(&c2h, 0) == L && cudaEventSynchronize(ev) == L && cudaFree(p) == L;
+    MOEPT__LAUNCH(k_fill, 1, 64, 0, a)(p, 3.0f, 64);
+    calls = calls && cudaPeekAtLastError() == L;
+    result("... so does every later call on the device (memory, copies, streams, events, launches)", calls,
+           "a call succeeded");
+    result("... cuBLAS: CUBLAS_STATUS_EXECUTION_FAILED, NCCL: ncclUnhandledCudaError",
+           cublasSscal_v2_64(bh, 64, &one, p, 1) == CUBLAS_STATUS_EXECUTION_FAILED &&
+           ncclAllReduce(p, p, 64, ncclFloat32, ncclSum, nc, a) == ncclUnhandledCudaError, "accepted");
+    moept_emu_counts sum;
+    moept_emu_counts_get(0, nullptr, &sum);
+    result("... the kernel queued behind the fault never ran", sum.kernels == 1, "it ran");
+    cudaSetDevice(1); /* the other device goes on */
+    cudaGetLastError(); /* what the calls on device 0 left in this thread */
+    MOEPT__LAUNCH(k_fill, 1, 64, 0, b)(q, 3.0f, 64);
+    e = cudaMemcpyAsync(hv, q, sizeof hv, cudaMemcpyDeviceToHost, b);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(b);
+    result("... device 1 goes on", e == cudaSuccess && hv[7] == 3.0f && cudaGetLastError() == cudaSuccess,
+           cudaGetErrorString(e));
+    cudaFree(q);
+    cudaStreamDestroy(b);
+    cudaSetDevice(0);
+    ncclCommDestroy(nc);
+    cublasDestroy(bh);
+    cudaEventDestroy(ev);
+    cudaStreamDestroy(a);
+    moept_emu_recover(0);
+    e = cudaGetLastError();
+    cudaMalloc((void **)&p, 64 * 4);
+    MOEPT__LAUNCH(k_fill, 1, 64, 0, 0)(p, 4.0f, 64);
+    cudaError_t e2 = cudaMemcpy(hv, p, sizeof hv, cudaMemcpyDeviceToHost);
+    snprintf(g_why, sizeof g_why, "%s, %s, %g", cudaGetErrorString(e), cudaGetErrorString(e2), hv[63]);
+    result("moept_emu_recover: device 0 runs again (a new process's context)",
+           e == cudaSuccess && e2 == cudaSuccess && hv[63] == 4.0f, g_why);
+    expect_clean("... clean");
+    cudaFree(p);
 }
 
 /* the bug, outside the instrumented code (as in moept.c): only the page
@@ -556,6 +645,7 @@ static void nccl_unmatched(int inject) {
 
 int main() {
     kernels();
+    lost_context();
     host_read();
     streams();
     released_at_once();
