@@ -117,7 +117,6 @@ struct Device {
                                       of the device's ops has access, other threads fault */
     Stream *legacy = nullptr;
     std::vector<Stream *> streams;
-    int capturing = 0;             /* captures in progress (global mode: unsafe calls are rejected) */
 };
 
 extern Device *devices[MAXDEV];
