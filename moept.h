@@ -535,7 +535,12 @@ void moept_comm_destroy(moept_comm *c);
      moept_cuda_params first (pending host writes are uploaded then); a
      replay reruns the captured device work on the same buffers; after
      replays call moept_cuda_params_changed before reading gradients on the
-     host (the library's host view is the captured call's). */
+     host (the library's host view is the captured call's). A process that
+     drives several GPUs from several threads captures each rank's step on
+     its own thread with cudaStreamCaptureModeThreadLocal: a global-mode
+     capture is process-wide, and another thread's allocation, free or
+     synchronous copy during it invalidates it. The step makes no such call
+     on the capturing thread. */
 typedef struct moept_cuda_options {
     moept_dtype dtype;          /* F32 (default) or BF16 token rows and expert weights */
     void *stream;               /* cudaStream_t for compute; NULL = default stream */

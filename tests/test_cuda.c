@@ -1130,7 +1130,10 @@ static void test_sync_free_deferred(void) {
    side streams join by events), then replayed on new inputs: each replay's
    y, dx and gradients equal an eager layer's step on the same inputs,
    bitwise. The emulator rejects any host sync inside a capture (test_emu),
-   so a capture that ends valid had none. */
+   so a capture that ends valid had none. Each rank-thread captures in
+   thread-local mode: in global mode (process-wide) the other rank's
+   allocations, frees and synchronous copies, unordered with the capture,
+   may fall inside it and invalidate it. */
 typedef struct graph_job {
     two_ranks tr;
     int64_t diffs;
@@ -1171,7 +1174,7 @@ static void *graph_rank(void *arg) {
             float *pp, *gp;
             int64_t nparams;
             moept_cuda_params(L[0], &pp, &gp, &nparams); /* the host's writes uploaded first (param_info's) */
-            cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+            cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal); /* one process, two GPUs */
             moept_status a = moept_forward(L[0], xd, T, yd), b = moept_backward(L[0], xd, dyd, dxd);
             cudaError_t e = cudaStreamEndCapture(s, &g);
             if (a || b || e != cudaSuccess || cudaGraphInstantiate(&x, g, 0) != cudaSuccess) {

@@ -117,7 +117,6 @@ struct Device {
                                       of the device's ops has access, other threads fault */
     Stream *legacy = nullptr;
     std::vector<Stream *> streams;
-    int capturing = 0;             /* captures in progress (global mode: unsafe calls are rejected) */
     std::atomic<int> lost{0};      /* a sticky error (cudaError_t): the context is lost (lose) */
     std::atomic<int> fault_next{0}; /* moept_emu_fault_next_kernel: the next kernel launched faults */
 };

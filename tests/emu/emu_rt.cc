@@ -438,18 +438,42 @@ Stream *stream_of(cudaStream_t h) {
    A capturing stream records its work instead of running it: each op's run
    function (its arguments as at the call), event records and waits, in call
    order. A wait on an event recorded in the capture joins the waiting
-   stream to it (the fork and join of a multi-stream capture). Global mode
-   only: a host sync on a capturing stream (or the device, or an event of
-   the capture), a synchronous copy, an allocation or a free while the
-   device captures is rejected as CUDA does (cudaErrorStreamCaptureUnsupported
-   or cudaErrorStreamCaptureImplicit), reported ("capture"), and invalidates
-   the capture: cudaStreamEndCapture then fails. cudaGraphLaunch runs the
-   recorded sequence again on the same streams (the origin's work on the
-   launch stream), after the launch stream's earlier work, before its later
-   work. A stream that joined must rejoin: its last work an event record
-   that another stream of the capture waits on after it, else
+   stream to it (the fork and join of a multi-stream capture). A call CUDA
+   refuses during a capture is rejected with CUDA's error, reported
+   ("capture"), and invalidates the captures concerned: their
+   cudaStreamEndCapture fails (cudaErrorStreamCaptureInvalidated). Two kinds
+   of rule (capture_violation):
+   - in every capture mode (CUDA Programming Guide, CUDA Graphs, "Prohibited
+     and Unhandled Operations"): a sync or query of a capturing stream, a
+     sync of a device one of whose streams captures, a sync of an event
+     recorded in a capture (cudaErrorCapturedEvent), and any use of the
+     legacy stream while a blocking stream of its device captures
+     (cudaErrorStreamCaptureImplicit);
+   - by mode, for potentially unsafe calls (CUDA Runtime API,
+     cudaThreadExchangeStreamCaptureMode; cudaStreamBeginCapture): an
+     allocation or a free, a synchronous copy, a sync of a device, an event
+     or the legacy stream. Each thread has an interaction mode, Global until
+     it exchanges it. A thread in Global mode is refused them while it
+     began a capture not in Relaxed mode, or while any thread's Global-mode
+     capture is in progress, on any device: process-wide. In ThreadLocal
+     mode only its own non-Relaxed captures refuse them; in Relaxed mode
+     nothing does. The refused call invalidates the captures that refused it.
+     Whether another thread's call falls inside a Global-mode capture is a
+     matter of timing, and the emulator cannot see how threads order
+     themselves on the host (a mutex, a join, a collective one waited on).
+     As with streams, it takes the timing that shows the bug: a Global-mode
+     capture begun while another thread that still runs has made an unsafe
+     call in Global mode since this thread began is invalidated and
+     reported, as if the call fell inside it (a thread that has ended is
+     ordered before).
+   A capture not begun in Relaxed mode must end on the thread that began it
+   (cudaErrorStreamCaptureWrongThread). cudaGraphLaunch runs the recorded
+   sequence again on the same streams (the origin's work on the launch
+   stream), after the launch stream's earlier work, before its later work.
+   A stream that joined must rejoin: its last work an event record that
+   another stream of the capture waits on after it, else
    cudaStreamEndCapture fails with cudaErrorStreamCaptureUnjoined. Not
-   emulated: other capture modes, graph editing, child graphs. */
+   emulated: graph editing, child graphs, capture into an existing graph. */
 struct Graph {
     enum { OP, RECORD, WAIT };
     struct Item {
@@ -464,14 +488,45 @@ struct Graph {
     Stream *origin = nullptr;
     int dev = 0;
     bool invalid = false;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+    std::thread::id owner;         /* the thread that began it */
     std::vector<Item> items;
     std::vector<Stream *> streams;
     std::vector<Event *> events;
 };
 thread_local std::function<std::function<void(Op &)>()> t_remake;
 thread_local std::function<void(const std::shared_ptr<Op> &)> t_after;
-static std::mutex g_cap_mu;
+static std::mutex g_cap_mu;                /* captures: their items, streams, events, the list below */
+static std::vector<Graph *> g_captures;    /* in progress, any thread's */
+/* this thread's capture interaction mode (cudaThreadExchangeStreamCaptureMode) */
+static thread_local cudaStreamCaptureMode t_cap_mode = cudaStreamCaptureModeGlobal;
+/* A thread that calls the capture rules, while it runs: when it began (its
+   first such call) and its last potentially unsafe call in global mode,
+   as numbers from one sequence (g_cap_seq), for the check at a global
+   capture's start. Touch t_thread before taking g_cap_mu (it registers). */
+struct CapThread {
+    uint64_t first = 0, unsafe = 0;
+    const char *call = nullptr;    /* that call, and its device */
+    int dev = 0;
+    CapThread();
+    ~CapThread();
+};
+static uint64_t g_cap_seq = 0; /* g_cap_mu */
+/* never freed: a thread may end after the static destructors ran */
+static std::vector<CapThread *> *g_cap_threads = new std::vector<CapThread *>();
+CapThread::CapThread() {
+    std::lock_guard<std::mutex> lk(g_cap_mu);
+    first = ++g_cap_seq;
+    g_cap_threads->push_back(this);
+}
+CapThread::~CapThread() {
+    std::lock_guard<std::mutex> lk(g_cap_mu);
+    for (size_t i = 0; i < g_cap_threads->size(); i++)
+        if ((*g_cap_threads)[i] == this) g_cap_threads->erase(g_cap_threads->begin() + (long)i);
+}
+static thread_local CapThread t_thread;
 static const cudaError_t UNSUPPORTED = cudaErrorStreamCaptureUnsupported;
+static const cudaError_t IMPLICIT = cudaErrorStreamCaptureImplicit;
 
 static void capture_item(Graph *g, int kind, Stream *s, const char *name, std::function<void(Op &)> run,
                          Event *e) {
@@ -481,29 +536,67 @@ static void capture_item(Graph *g, int kind, Stream *s, const char *name, std::f
     t_after = nullptr;
 }
 
-/* a call CUDA forbids during a capture (global mode): on stream s (NULL: the
-   whole device, as a device sync, an allocation or a synchronous copy) while
-   it or, for the device or its legacy stream, any stream of device d
-   captures: rejected with e, reported, the captures concerned invalidated */
+static const char *mode_name(cudaStreamCaptureMode m) {
+    if (m == cudaStreamCaptureModeGlobal) return "global";
+    return m == cudaStreamCaptureModeThreadLocal ? "thread-local" : "relaxed";
+}
+
+/* A call CUDA may refuse during a capture (the rules above). What it
+   conflicts with in every mode: s, a sync or query of stream s (of the
+   legacy stream: a use of it); else, d >= 0: with e IMPLICIT a use of
+   device d's legacy stream (a synchronous copy), otherwise a sync of device
+   d; d < 0, nothing. Each is also a potentially unsafe call, refused by
+   mode, except a sync or query of a stream other than the legacy one.
+   Refused: e (a mode rule alone: cudaErrorStreamCaptureUnsupported), a
+   report, every capture concerned invalidated. */
 static cudaError_t capture_violation(int d, Stream *s, const char *call, cudaError_t e) {
-    Device *v = dev(d);
-    std::vector<Graph *> gs;
-    {
-        std::lock_guard<std::mutex> lk(v->m);
-        if (!v->capturing) return cudaSuccess;
-        const bool whole = !s || s->legacy;
-        for (Stream *t : v->streams)
-            if (t->cap && (whole || t == s)) gs.push_back(t->cap);
+    const bool legacy = s ? s->legacy : d >= 0 && e == IMPLICIT, unsafe = !s || s->legacy;
+    if (s) d = s->dev;
+    const std::thread::id me = std::this_thread::get_id();
+    CapThread &self = t_thread;
+    char why[200] = "";
+    int n = 0;
+    bool conflict = false;
+    std::lock_guard<std::mutex> lk(g_cap_mu);
+    for (Graph *g : g_captures) {
+        bool hit = false; /* Programming Guide, "Prohibited and Unhandled Operations" */
+        for (Stream *t : g->streams)
+            hit |= s && !legacy ? t == s : d >= 0 && t->dev == d && (t->blocking || !legacy);
+        /* Runtime API, cudaThreadExchangeStreamCaptureMode: the thread's mode against the capture's */
+        const bool own = g->owner == me && g->mode != cudaStreamCaptureModeRelaxed;
+        const bool by_mode = unsafe && t_cap_mode != cudaStreamCaptureModeRelaxed &&
+            (own || (t_cap_mode == cudaStreamCaptureModeGlobal && g->mode == cudaStreamCaptureModeGlobal));
+        if (!hit && !by_mode) continue;
+        if (!n++) {
+            if (hit && s && !legacy) snprintf(why, sizeof why, "stream %d captures", s->id);
+            else if (hit && legacy)
+                snprintf(why, sizeof why, "a blocking stream of device %d captures (the legacy stream would "
+                         "depend on it)", d);
+            else if (hit) snprintf(why, sizeof why, "a stream of device %d captures", d);
+            else if (own) snprintf(why, sizeof why, "this thread captures (%s mode, device %d)",
+                                   mode_name(g->mode), g->dev);
+            else snprintf(why, sizeof why, "another thread's global-mode capture is in progress (device %d): "
+                          "global mode is process-wide", g->dev);
+        }
+        conflict |= hit;
+        g->invalid = true;
     }
-    if (gs.empty()) return cudaSuccess;
-    {
-        std::lock_guard<std::mutex> lk(g_cap_mu);
-        for (Graph *g : gs) g->invalid = true;
+    if (!n) {
+        if (unsafe && t_cap_mode == cudaStreamCaptureModeGlobal) { /* for later global captures */
+            self.unsafe = ++g_cap_seq;
+            self.call = call;
+            self.dev = cur_dev;
+        }
+        return cudaSuccess;
     }
-    report("capture", "%s while device %d captures a stream: rejected (%s), the capture is invalidated", call,
-           d, e == UNSUPPORTED ? "cudaErrorStreamCaptureUnsupported" : "cudaErrorStreamCaptureImplicit");
+    if (!conflict) e = UNSUPPORTED;
+    else if (legacy) e = IMPLICIT;
+    report("capture", "%s on device %d while %s: rejected (%s), %d capture(s) invalidated", call, cur_dev,
+           why, e == UNSUPPORTED ? "cudaErrorStreamCaptureUnsupported" : "cudaErrorStreamCaptureImplicit", n);
     return fail(e);
 }
+/* a potentially unsafe call that touches no stream (an allocation, a free) */
+static cudaError_t unsafe_call(const char *call) { return capture_violation(-1, nullptr, call, UNSUPPORTED); }
 
 std::shared_ptr<Op> enqueue(Stream *s, const char *name, std::function<void(Op &)> run,
                             const std::function<void(Op &)> &prep) {
@@ -651,7 +744,11 @@ extern "C" void moept_emu_recover(int d) {
         std::lock_guard<std::mutex> lk(v->m);
         ss.swap(v->streams);
         v->legacy = nullptr;
-        v->capturing = 0;
+    }
+    {
+        std::lock_guard<std::mutex> lk(g_cap_mu); /* its captures end with the context */
+        for (size_t i = g_captures.size(); i-- > 0;)
+            if (g_captures[i]->dev == d) g_captures.erase(g_captures.begin() + (long)i);
     }
     for (Stream *s : ss) { /* still lost: the worker drops what is queued, then ends */
         {
@@ -754,7 +851,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
     *p = nullptr;
     if (device_count() == 0) return fail(cudaErrorNoDevice);
     if (cudaError_t le = lost_call(cur_dev)) return le;
-    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMalloc", UNSUPPORTED)) return ce;
+    if (cudaError_t ce = unsafe_call("cudaMalloc")) return ce;
     int f = g_fail_malloc.load();
     if (f > 0 && cur_dev == g_fail_dev && g_fail_malloc.fetch_sub(1) == 1) return fail(cudaErrorMemoryAllocation);
     if (bytes == 0) return cudaSuccess;
@@ -796,7 +893,7 @@ cudaError_t cudaFree(void *p) {
         report("memcheck", "cudaFree(%p): not the start of a live device allocation", p);
         return fail(cudaErrorInvalidValue);
     }
-    if (cudaError_t ce = capture_violation(d, nullptr, "cudaFree", UNSUPPORTED)) return ce;
+    if (cudaError_t ce = unsafe_call("cudaFree")) return ce;
     sync_device(d); /* cudaFree waits for the device */
     count_sync(d);
     if (cudaError_t le = lost_call(d)) return le;
@@ -819,7 +916,7 @@ cudaError_t cudaFree(void *p) {
 cudaError_t cudaMallocHost(void **p, size_t bytes) {
     if (!p) return fail(cudaErrorInvalidValue);
     if (cudaError_t le = lost_call(cur_dev)) return le;
-    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaMallocHost", UNSUPPORTED)) return ce;
+    if (cudaError_t ce = unsafe_call("cudaMallocHost")) return ce;
     *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
     if (!*p) return fail(cudaErrorMemoryAllocation);
     std::lock_guard<std::mutex> lk(g_mu);
@@ -836,7 +933,7 @@ cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int flags) {
 cudaError_t cudaFreeHost(void *p) {
     if (!p) return cudaSuccess;
     if (cudaError_t le = lost_call(cur_dev)) return le;
-    if (cudaError_t ce = capture_violation(cur_dev, nullptr, "cudaFreeHost", UNSUPPORTED)) return ce;
+    if (cudaError_t ce = unsafe_call("cudaFreeHost")) return ce;
     for (int d = 0; d < MAXDEV; d++)
         if (devices[d]) sync_device(d);
     if (cudaError_t le = lost_call(cur_dev)) return le;
@@ -1044,15 +1141,18 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     Event *v = (Event *)e;
     if (cudaError_t le = lost_call(v->dev)) return le;
-    if (v->cap) { /* recorded in a capture still in progress */
-        {
-            std::lock_guard<std::mutex> lk(g_cap_mu);
+    {
+        std::unique_lock<std::mutex> lk(g_cap_mu);
+        if (v->cap) { /* recorded in a capture still in progress: refused in every mode (Programming Guide,
+                         "Prohibited and Unhandled Operations"; Runtime API, cudaErrorCapturedEvent) */
             v->cap->invalid = true;
+            lk.unlock();
+            report("capture", "cudaEventSynchronize on an event recorded in a capture: rejected "
+                   "(cudaErrorCapturedEvent), the capture is invalidated");
+            return fail(cudaErrorCapturedEvent);
         }
-        report("capture", "cudaEventSynchronize on an event recorded in a capture: rejected, the capture is "
-               "invalidated");
-        return fail(UNSUPPORTED);
     }
+    if (cudaError_t ce = unsafe_call("cudaEventSynchronize")) return ce;
     if (v->rec) {
         wait_op(v->rec, 1e9);
         count_sync(v->dev);
@@ -1061,25 +1161,57 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     return lost_call(v->dev);
 }
 
+/* Runtime API, cudaStreamBeginCapture: not on the legacy stream, not on a
+   stream already capturing; the mode says which calls the capture refuses
+   (capture_violation) */
 cudaError_t cudaStreamBeginCapture(cudaStream_t h, enum cudaStreamCaptureMode mode) {
     Stream *s = stream_of(h);
     if (cudaError_t le = lost_call(s->dev)) return le;
-    if (s->legacy || mode != cudaStreamCaptureModeGlobal) return fail(cudaErrorStreamCaptureUnsupported);
+    if (s->legacy) return fail(cudaErrorStreamCaptureUnsupported);
+    if (mode != cudaStreamCaptureModeGlobal && mode != cudaStreamCaptureModeThreadLocal &&
+        mode != cudaStreamCaptureModeRelaxed)
+        return fail(cudaErrorInvalidValue);
+    CapThread &self = t_thread;
+    std::lock_guard<std::mutex> lk(g_cap_mu);
     if (s->cap) return fail(cudaErrorIllegalState);
     Graph *g = new Graph();
     g->origin = s;
     g->dev = s->dev;
+    g->mode = mode;
+    g->owner = std::this_thread::get_id();
     g->streams.push_back(s);
-    Device *v = dev(s->dev);
-    std::lock_guard<std::mutex> lk(v->m);
     s->cap = g;
-    v->capturing++;
+    g_captures.push_back(g);
+    /* Global mode is process-wide. Another thread, still running, made a potentially unsafe call after
+       this one began: the emulator sees nothing that orders the two threads (a mutex, a join, a
+       collective the host waited on), so that call may as well fall inside this capture, where CUDA
+       refuses it and invalidates the capture. As with streams, the emulator takes that timing. */
+    for (const CapThread *t : *g_cap_threads)
+        if (mode == cudaStreamCaptureModeGlobal && t != &self && t->unsafe > self.first) {
+            g->invalid = true;
+            report("capture", "cudaStreamBeginCapture (global mode, device %d): another thread, still "
+                   "running, called %s (device %d) in global mode, unordered with this capture: global "
+                   "mode is process-wide, so that call may fall inside it; the capture is invalidated "
+                   "(several threads using CUDA: capture in thread-local mode)", s->dev, t->call, t->dev);
+            break;
+        }
+    return cudaSuccess;
+}
+
+/* Runtime API, cudaThreadExchangeStreamCaptureMode: swaps the calling
+   thread's interaction mode (capture_violation reads it) */
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode) {
+    if (!mode || (*mode != cudaStreamCaptureModeGlobal && *mode != cudaStreamCaptureModeThreadLocal &&
+                  *mode != cudaStreamCaptureModeRelaxed))
+        return fail(cudaErrorInvalidValue);
+    std::swap(*mode, t_cap_mode);
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t h, enum cudaStreamCaptureStatus *st) {
     if (!st) return fail(cudaErrorInvalidValue);
     Stream *s = stream_of(h);
+    std::lock_guard<std::mutex> lk(g_cap_mu);
     *st = !s->cap ? cudaStreamCaptureStatusNone
         : s->cap->invalid ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive;
     return cudaSuccess;
@@ -1111,16 +1243,16 @@ cudaError_t cudaStreamEndCapture(cudaStream_t h, cudaGraph_t *out) {
     *out = nullptr;
     Stream *s = stream_of(h);
     if (cudaError_t le = lost_call(s->dev)) return le;
+    std::lock_guard<std::mutex> lk(g_cap_mu);
     Graph *g = s->cap;
     if (!g) return fail(cudaErrorIllegalState);
     if (g->origin != s) return fail(cudaErrorStreamCaptureUnmatched);
-    Device *v = dev(s->dev);
-    {
-        std::lock_guard<std::mutex> lk(v->m);
-        for (Stream *t : g->streams) t->cap = nullptr;
-        v->capturing--;
-    }
-    std::lock_guard<std::mutex> lk(g_cap_mu);
+    /* Runtime API, cudaStreamEndCapture: not Relaxed, the thread that began it ends it */
+    if (g->mode != cudaStreamCaptureModeRelaxed && g->owner != std::this_thread::get_id())
+        return fail(cudaErrorStreamCaptureWrongThread);
+    for (Stream *t : g->streams) t->cap = nullptr;
+    for (size_t i = 0; i < g_captures.size(); i++)
+        if (g_captures[i] == g) g_captures.erase(g_captures.begin() + (long)i);
     for (Event *e : g->events)
         if (e->cap == g) e->cap = nullptr;
     if (g->invalid) {

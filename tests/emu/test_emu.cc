@@ -9,8 +9,11 @@
 
 #include <cmath>
 #include <cstdio>
+#include <condition_variable>
 #include <cstring>
 #include <ctime>
+#include <functional>
+#include <mutex>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -437,9 +440,9 @@ static void capture() {
     cudaStreamBeginCapture(a, cudaStreamCaptureModeGlobal);
     MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
     cudaError_t e = cudaStreamSynchronize(a);
-    expect_report("capture: a cudaStreamSynchronize inside a capture is rejected", "captures a stream: rejected");
+    expect_report("capture: a cudaStreamSynchronize inside a capture is rejected", "captures: rejected");
     cudaError_t e2 = cudaMalloc((void **)&q, 4);
-    expect_report("... so is a cudaMalloc", "cudaMalloc while device");
+    expect_report("... so is a cudaMalloc", "cudaMalloc on device 0 while this thread captures (global");
     g = nullptr;
     cudaError_t e3 = cudaStreamEndCapture(a, &g);
     result("... with cudaErrorStreamCaptureUnsupported, and the capture ends invalidated",
@@ -460,6 +463,174 @@ static void capture() {
     cudaEventDestroy(join);
     cudaStreamDestroy(a);
     cudaStreamDestroy(b);
+}
+
+/* the call on a new thread on device dev, its capture interaction mode
+   exchanged for mode first (Global: as a thread starts) */
+static cudaError_t on_thread(int dev, cudaStreamCaptureMode mode, const std::function<cudaError_t()> &call) {
+    cudaError_t r = cudaErrorUnknown;
+    std::thread t([&] {
+        cudaSetDevice(dev);
+        cudaStreamCaptureMode m = mode;
+        if (cudaThreadExchangeStreamCaptureMode(&m) != cudaSuccess || m != cudaStreamCaptureModeGlobal)
+            return;
+        r = call();
+        cudaGetLastError();
+    });
+    t.join();
+    return r;
+}
+static cudaError_t malloc_free() {
+    void *q = nullptr;
+    cudaError_t e = cudaMalloc(&q, 256);
+    if (e == cudaSuccess) e = cudaFree(q);
+    return e;
+}
+
+/* Capture modes (CUDA Runtime API, cudaThreadExchangeStreamCaptureMode):
+   this thread captures on device 0 while another thread, on device 1,
+   allocates and frees. A global-mode capture refuses that (process-wide)
+   and ends invalidated; a thread-local or a relaxed one does not, nor does
+   a global one where the other thread exchanged its mode for relaxed or
+   thread-local. The capturing thread's own allocation is refused in
+   thread-local mode, not in relaxed mode, where a sync of the capturing
+   stream still is. In every mode a device sync from another thread of
+   the capturing device is refused, and a non-relaxed capture ends only on
+   the thread that began it. */
+static void capture_modes() {
+    const cudaStreamCaptureMode G = cudaStreamCaptureModeGlobal, TL = cudaStreamCaptureModeThreadLocal,
+                                R = cudaStreamCaptureModeRelaxed;
+    cudaSetDevice(0);
+    cudaStream_t a;
+    float *p;
+    cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking);
+    cudaMalloc((void **)&p, 64 * 4);
+    cudaMemset(p, 0, 64 * 4);
+    cudaDeviceSynchronize();
+    struct {
+        cudaStreamCaptureMode cap, other;
+        bool refused;
+        const char *name;
+    } cases[] = {
+        {G, G, true, "capture modes: global, another thread's cudaMalloc on device 1 refused: invalidated"},
+        {TL, G, false, "capture modes: thread-local, another thread's cudaMalloc/cudaFree on device 1 run"},
+        {R, G, false, "capture modes: relaxed, another thread's cudaMalloc/cudaFree on device 1 run"},
+        {G, R, false, "capture modes: global, the other thread's mode exchanged for relaxed: they run"},
+        {G, TL, false, "capture modes: global, the other thread's mode exchanged for thread-local: they run"},
+    };
+    for (const auto &c : cases) {
+        cudaGraph_t g = nullptr;
+        bool ok = cudaStreamBeginCapture(a, c.cap) == cudaSuccess;
+        MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
+        cudaError_t e = on_thread(1, c.other, malloc_free);
+        long n = moept_emu_take_reports(g_why, sizeof g_why);
+        cudaError_t end = cudaStreamEndCapture(a, &g);
+        cudaGetLastError();
+        ok = ok && (c.refused ? e == cudaErrorStreamCaptureUnsupported && n == 1 &&
+                                    strstr(g_why, "another thread's global-mode capture") &&
+                                    end == cudaErrorStreamCaptureInvalidated && !g
+                              : e == cudaSuccess && n == 0 && end == cudaSuccess && g);
+        char why[700];
+        snprintf(why, sizeof why, "call %d, %ld report(s) '%s', end %d", (int)e, n, n ? g_why : "", (int)end);
+        result(c.name, ok, why);
+        if (g) cudaGraphDestroy(g);
+    }
+    void *q = nullptr;
+    cudaStreamBeginCapture(a, TL);
+    cudaError_t e = cudaMalloc(&q, 4);
+    expect_report("capture modes: thread-local, the capturing thread's own cudaMalloc is refused",
+                  "this thread captures (thread-local mode");
+    cudaGraph_t g = nullptr;
+    cudaError_t end = cudaStreamEndCapture(a, &g);
+    result("... with cudaErrorStreamCaptureUnsupported, and the capture ends invalidated",
+           e == cudaErrorStreamCaptureUnsupported && end == cudaErrorStreamCaptureInvalidated && !g,
+           "not refused");
+    cudaStreamBeginCapture(a, R);
+    MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
+    e = cudaMalloc(&q, 4);
+    expect_clean("capture modes: relaxed, the capturing thread's own cudaMalloc runs");
+    cudaFree(q);
+    cudaError_t e2 = cudaStreamSynchronize(a);
+    expect_report("... but a cudaStreamSynchronize of the capturing stream is refused", "captures: rejected");
+    end = cudaStreamEndCapture(a, &g);
+    result("... and invalidates the capture", e == cudaSuccess && e2 == cudaErrorStreamCaptureUnsupported &&
+           end == cudaErrorStreamCaptureInvalidated && !g, "wrong errors");
+    cudaStreamBeginCapture(a, TL);
+    MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
+    e = on_thread(0, G, [] { return cudaDeviceSynchronize(); });
+    expect_report("capture modes: thread-local, another thread's cudaDeviceSynchronize of the capturing "
+                  "device is refused (every mode)", "a stream of device 0 captures");
+    end = cudaStreamEndCapture(a, &g);
+    result("... and invalidates the capture", e == cudaErrorStreamCaptureUnsupported &&
+           end == cudaErrorStreamCaptureInvalidated && !g, "not refused");
+    cudaStreamBeginCapture(a, G);
+    MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
+    e = on_thread(0, G, [&] { return cudaStreamEndCapture(a, &g); });
+    end = cudaStreamEndCapture(a, &g);
+    result("capture modes: a global capture ended on another thread: cudaErrorStreamCaptureWrongThread",
+           e == cudaErrorStreamCaptureWrongThread && end == cudaSuccess && g, "accepted");
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    expect_clean("capture modes: no other report");
+    /* a thread that allocated and still runs, nothing ordering it with the capture (it waits on an
+       condition variable the emulator does not see): a global capture takes the call as inside it */
+    struct {
+        cudaStreamCaptureMode cap, other;
+        bool refused;
+        const char *name;
+    } live[] = {
+        {G, G, true, "capture modes: global, a running thread's earlier unordered cudaMalloc invalidates it"},
+        {TL, G, false, "capture modes: thread-local, it does not"},
+        {G, TL, false, "capture modes: global, the other thread in thread-local mode: it does not"},
+    };
+    for (const auto &c : live) {
+        std::mutex mu;
+        std::condition_variable cv;
+        int step = 0;
+        auto set = [&](int k) {
+            std::lock_guard<std::mutex> lk(mu);
+            step = k;
+            cv.notify_all();
+        };
+        auto wait = [&](int k) {
+            std::unique_lock<std::mutex> lk(mu);
+            cv.wait(lk, [&] { return step == k; });
+        };
+        std::thread t([&] {
+            cudaSetDevice(1);
+            cudaStreamCaptureMode m = c.other;
+            cudaThreadExchangeStreamCaptureMode(&m);
+            malloc_free();
+            set(1);
+            wait(2);
+        });
+        wait(1);
+        cudaStreamBeginCapture(a, c.cap);
+        MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
+        long n = moept_emu_take_reports(g_why, sizeof g_why);
+        g = nullptr;
+        end = cudaStreamEndCapture(a, &g);
+        set(2);
+        t.join();
+        bool ok = c.refused ? n == 1 && strstr(g_why, "still running, called cudaFree (device 1)") &&
+                                  end == cudaErrorStreamCaptureInvalidated && !g
+                            : n == 0 && end == cudaSuccess && g;
+        char why[700];
+        snprintf(why, sizeof why, "%ld report(s) '%s', end %d", n, n ? g_why : "", (int)end);
+        result(c.name, ok, why);
+        if (g) cudaGraphDestroy(g);
+        cudaGetLastError();
+    }
+    cudaStreamBeginCapture(a, G); /* the last of those threads has ended: its calls came before */
+    MOEPT__LAUNCH(k_add, 1, 64, 0, a)(p, 1.0f, 64);
+    g = nullptr;
+    end = cudaStreamEndCapture(a, &g);
+    result("capture modes: global, after the thread that allocated has ended: valid", end == cudaSuccess && g,
+           "invalidated");
+    if (g) cudaGraphDestroy(g);
+    expect_clean("capture modes: no other report");
+    cudaFree(p);
+    cudaStreamDestroy(a);
 }
 
 /* Any thread's synchronize may release an op the moment it is queued: what
@@ -654,5 +825,6 @@ int main() {
     nccl_unmatched(0);
     nccl_unmatched(1);
     capture();
+    capture_modes();
     return g_fail;
 }
