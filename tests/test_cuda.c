@@ -1210,6 +1210,110 @@ static void test_sync_free_graph(void) {
     }
 }
 
+/* One forward + backward of a layer of cfg on fixed tokens: y, dx and every
+   gradient, concatenated into out (if given), their count (L NULL: at most
+   how many, without running) */
+static int64_t step_values(moept_layer *L, moept_config cfg, int bf16, float *out) {
+    const int64_t D = cfg.hidden_size, T = 48;
+    if (!L) {
+        moept_layer *cpu = NULL;
+        EXPECT_OK(moept_create(&cfg, &cpu));
+        int64_t n = 2 * T * D;
+        for (int64_t i = 0; cpu && i < moept_param_count(cpu); i++) {
+            moept_param_info a;
+            moept_param_info_at(cpu, i, &a);
+            n += a.rows * a.cols;
+        }
+        moept_destroy(cpu);
+        return n;
+    }
+    unsigned long long rs = 99;
+    float *x = malloc((size_t)(2 * T * D) * sizeof(float));
+    for (int64_t i = 0; i < 2 * T * D; i++) x[i] = (float)tu_rand(&rs);
+    void *xd = dev_from(x, T * D, bf16), *dyd = dev_from(x + T * D, T * D, bf16);
+    void *yd = dev_from(x, T * D, bf16), *dxd = dev_from(x, T * D, bf16);
+    int64_t len = 0;
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT_OK(moept_backward(L, xd, dyd, dxd));
+    if (out) host_from(out, yd, T * D, bf16);
+    len += T * D;
+    if (out) host_from(out + len, dxd, T * D, bf16);
+    len += T * D;
+    for (int64_t i = 0; i < moept_param_count(L); i++) {
+        moept_param_info a;
+        moept_param_info_at(L, i, &a);
+        if (!a.grad) continue;
+        if (out) memcpy(out + len, a.grad, (size_t)(a.rows * a.cols) * sizeof(float));
+        len += a.rows * a.cols;
+    }
+    cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd);
+    free(x);
+    return len;
+}
+
+/* The layer's values with and without the emulated cuBLAS reducing in the
+   output type where the math mode allows it: equal bitwise when every handle
+   forbids it (CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION), as the bf16
+   bound in docs/CUDA.md assumes; kchunk 4 makes bf16 partial sums of every
+   GEMM with k > 4 and a bf16 C. */
+static void test_no_reduced_precision_reduction(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE);
+    cfg.shared_intermediate_size = 48;
+    cfg.max_tokens = 64;
+    for (int bf = 0; bf < 2; bf++) {
+        float *v[2] = {NULL, NULL};
+        int64_t len = 0;
+        for (int red = 0; red < 2; red++) {
+            moept_layer *L = cuda_layer(cfg, bf);
+            if (!L) return;
+            v[red] = malloc((size_t)step_values(NULL, cfg, bf, NULL) * sizeof(float));
+            moept_emu_blas_reduced_reduction(red ? 4 : 0);
+            len = step_values(L, cfg, bf, v[red]);
+            moept_emu_blas_reduced_reduction(0);
+            moept_destroy(L);
+        }
+        int64_t diffs = 0;
+        for (int64_t i = 0; i < len; i++) diffs += memcmp(&v[0][i], &v[1][i], sizeof(float)) != 0;
+        EXPECT(diffs == 0, "bf16 %d: %lld of %lld values change when cuBLAS may reduce in the output type", bf,
+               (long long)diffs, (long long)len);
+        free(v[0]);
+        free(v[1]);
+    }
+}
+
+/* Every cuBLAS handle of a layer (the compute stream's, and the side
+   streams' of a bf16 layer with several experts) has a workspace set, which
+   cuBLAS Library, "CUDA Graphs Support" asks for where the calls may be
+   captured; and the layer counts it: after a step, the device memory it
+   holds is its parameter block plus device_workspace_bytes. */
+static void test_blas_workspace(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.max_tokens = 48;
+    for (int bf = 0; bf < 2; bf++) {
+        int bare0 = 0, bare1 = 0;
+        const int h0 = moept_emu_blas_handles(0, &bare0);
+        const long long b0 = moept_emu_device_bytes(0);
+        moept_layer *L = cuda_layer(cfg, bf);
+        if (!L) return;
+        const int h1 = moept_emu_blas_handles(0, &bare1);
+        EXPECT(h1 - h0 == (bf ? 5 : 1) && bare1 == bare0, "bf16 %d: %d handles, %d of them without a workspace",
+               bf, h1 - h0, bare1 - bare0);
+        step_values(L, cfg, bf, NULL); /* its buffers are freed before it returns */
+        cudaDeviceSynchronize();
+        moept_stats st;
+        moept_get_stats(L, &st, NULL);
+        float *p, *g;
+        int64_t n = 0;
+        EXPECT_OK(moept_cuda_params(L, &p, &g, &n));
+        const long long npad = (n + 63) / 64 * 64, pblock = (2 * npad + 2 * cfg.num_experts) * 4 + 256;
+        const long long held = moept_emu_device_bytes(0) - b0;
+        EXPECT(held == pblock + st.device_workspace_bytes, "bf16 %d: the layer holds %lld device bytes, its "
+               "parameter block %lld and device_workspace_bytes %lld", bf, held, pblock,
+               (long long)st.device_workspace_bytes);
+        moept_destroy(L);
+    }
+}
+
 /* What the CUDA executor lacks is refused on every rank, agreed as its own
    checks are: a padding mask on one rank fails both (UNSUPPORTED there,
    "other rank" on the peer); an evaluation forward on rank 0 only makes
@@ -1325,6 +1429,10 @@ int main(void) {
            test_sync_free_deferred);
     tu_run("cuda (emulated, 2 EP ranks): sync-free mode, a step captured in a CUDA graph, replays equal eager steps",
            test_sync_free_graph);
+    tu_run("cuda (emulated): cuBLAS may not reduce in the output type (bf16 bound): values unchanged when allowed",
+           test_no_reduced_precision_reduction);
+    tu_run("cuda (emulated): every cuBLAS handle has a workspace, counted in device_workspace_bytes",
+           test_blas_workspace);
 #endif
     return tu_done();
 }
