@@ -1042,9 +1042,9 @@ struct moept__cuda {
     cudaEvent_t ev_out[2], ev_back[2]; /* chunked: a chunk's rows arrived / returned (alternating) */
     cublasHandle_t blas;
     /* expert GEMMs run one cublasGemmEx an expert (bf16 weight gradients: no grouped cuBLAS call takes
-       bf16 A and B with fp32 C; bf16 pointers the grouped call's alignment rule refuses): over nside
-       side streams, each with its own handle (a handle's workspace serves one stream at a time), forked
-       from s and joined back by events (moept__gemms) */
+       bf16 A and B with fp32 C; bf16 pointers the grouped call's alignment rule refuses; the per-expert
+       and strided GEMM forms): over nside side streams, each with its own handle (a handle's workspace
+       serves one stream at a time), forked from s and joined back by events (moept__gemms) */
     int nside;
     cudaStream_t side[MOEPT__SIDE];
     cublasHandle_t side_blas[MOEPT__SIDE];
@@ -1315,8 +1315,17 @@ static moept_status moept__blas_handle(moept__cuda *c, cublasHandle_t *h, cudaSt
 }
 
 /* Whether a call of several expert GEMMs can go per expert: bf16 layers (their weight gradients are
-   outside the grouped call's type table, and odd widths break its alignment rule) */
-static int moept__side_wanted(const moept__cuda *c) { return c->sp.dtype == MOEPT_DTYPE_BF16; }
+   outside the grouped call's type table, and odd widths break its alignment rule), the per-expert and
+   strided forms, and a cuBLAS without the grouped call */
+static int moept__side_wanted(const moept__cuda *c) {
+#if CUBLAS_VERSION < 120500
+    (void)c;
+    return 1;
+#else
+    const int f = c->sp.gemm_form;
+    return c->sp.dtype == MOEPT_DTYPE_BF16 || f == MOEPT_GEMM_PER_EXPERT || f == MOEPT_GEMM_STRIDED;
+#endif
+}
 
 /* The handles (the compute stream's and, when several experts' GEMMs may go one an expert, up to 4
    side streams') and their workspaces: one device block, counted in the layer's workspace. Its size
@@ -1324,6 +1333,11 @@ static int moept__side_wanted(const moept__cuda *c) { return c->sp.dtype == MOEP
    on Hopper and Blackwell (compute capability 9 and up), 4 MiB on the others. */
 static moept_status moept__blas_create(moept__cuda *c, char *err) {
     const int64_t G = c->G;
+#if CUBLAS_VERSION < 120500
+    if (c->sp.gemm_form == MOEPT_GEMM_GROUPED)
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
+                            "MOEPT_GEMM_GROUPED needs cublasGemmGroupedBatchedEx (cuBLAS 12.5 or later)");
+#endif
     c->nside = G > 1 && moept__side_wanted(c) ? (int)(G < MOEPT__SIDE ? G : MOEPT__SIDE) : 0;
     int dev = 0, major = 0;
     MOEPT__CU(cudaGetDevice(&dev));
@@ -1651,20 +1665,24 @@ static int moept__grouped_ok(const moept__gemm *g, int64_t n, cudaDataType_t ta,
 }
 #endif
 
-/* Runs n descriptors: one cublasGemmEx; for several, one
-   cublasGemmStridedBatchedEx where they have one shape at constant strides,
-   else one cublasGemmGroupedBatchedEx where its table and alignment allow
-   (CUDA >= 12.5; each group its own expert's matrices, so the
+/* Runs n descriptors: one cublasGemmEx; for several, by the layer's GEMM
+   form (moept_cuda_options.gemm_form): one cublasGemmStridedBatchedEx where
+   they have one shape at constant strides (auto, strided), else one
+   cublasGemmGroupedBatchedEx where its table and alignment allow (auto,
+   grouped; CUDA >= 12.5; each group its own expert's matrices, so the
    weight-gradient groups write disjoint C: no races), else one cublasGemmEx
    each: spread over the side streams where the layer has them, else in a
    loop. ta: A and B's type; tc: C's. Compute is fp32. */
 static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n, cudaDataType_t ta,
                                  cudaDataType_t tc, char *err) {
     if (n <= 0) return MOEPT_OK;
+    const int form = c->sp.gemm_form;
     moept_status st;
-    if (n > 1 && moept__gemms_strided(c, g, n, ta, tc, &st, err)) return st;
+    if (n > 1 && (form == MOEPT_GEMM_AUTO || form == MOEPT_GEMM_STRIDED) &&
+        moept__gemms_strided(c, g, n, ta, tc, &st, err))
+        return st;
 #if CUBLAS_VERSION >= 120500
-    if (n > 1 && moept__grouped_ok(g, n, ta, tc)) {
+    if (n > 1 && (form == MOEPT_GEMM_AUTO || form == MOEPT_GEMM_GROUPED) && moept__grouped_ok(g, n, ta, tc)) {
         const int64_t G = c->G;
         int slot = c->ptr_slot, lo = slot >= c->nslot ? c->nslot : 0;
         c->ptr_slot = lo + (slot - lo + 1) % c->nslot; /* stays in its pass's half */
