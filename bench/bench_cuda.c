@@ -273,7 +273,8 @@ int main(int argc, char **argv) {
     CK(cublasCreate(&hb));
     CK(cublasSetStream(hb, st));
     /* the layer's math mode: no TF32, no reduction in a bf16 output type */
-    CK(cublasSetMathMode(hb, (cublasMath_t)(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+    CK(cublasSetMathMode(hb,
+                         (cublasMath_t)(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));

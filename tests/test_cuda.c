@@ -606,7 +606,8 @@ static void *chunk_rank(void *arg) {
     void *xd = dev_from(x, T * D, j->bf16), *xbd = dev_from(xb, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16);
     moept_layer *L[2] = {NULL, NULL};
     for (int v = 0; v < 2 && !j->msg[0]; v++) {
-        moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, j->sync_free && v, MOEPT_GEMM_AUTO};
+        moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, j->sync_free && v,
+                                MOEPT_GEMM_AUTO};
         cfg.overlap_chunks = !j->sync_free && v ? 3 : 1;
         if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
             snprintf(j->msg, sizeof j->msg, "create (variant %d): %s", v, moept_last_error(NULL));
@@ -1361,11 +1362,13 @@ static void test_gemm_forms(void) {
                    "bf16 %d sync-free %d: per-expert: %ld forward expert GEMMs on %ld streams, backward on %ld "
                    "(16 on 4, and 4)", bf, sf, ex[2].blas, ex[2].blas_streams, bx[2].blas_streams);
             EXPECT(ex[0].blas_streams == 1 && ex[1].blas_streams == 1 && ex[0].blas == 2 && ex[1].blas == 2,
-                   "bf16 %d sync-free %d: forward expert GEMMs: auto %ld on %ld streams, grouped %ld on %ld (2 on 1)",
+                   "bf16 %d sync-free %d: forward expert GEMMs: auto %ld on %ld streams, grouped %ld on %ld "
+                   "(2 on 1)",
                    bf, sf, ex[0].blas, ex[0].blas_streams, ex[1].blas, ex[1].blas_streams);
             if (sf)
                 EXPECT(ex[0].copies == 0 && ex[3].copies == 0 && ex[1].copies == 2 && ex[3].blas == 2,
-                       "bf16 %d sync-free: forward copies auto %ld, strided %ld (%ld calls), grouped %ld (0, 0, 2)",
+                       "bf16 %d sync-free: forward copies auto %ld, strided %ld (%ld calls), grouped %ld "
+                       "(0, 0, 2)",
                        bf, ex[0].copies, ex[3].copies, ex[3].blas, ex[1].copies);
         out:
             for (int f = 0; f < 4; f++) free(v[f]);

@@ -210,13 +210,14 @@ static const char *comp_name(cublasComputeType_t c) {
 }
 
 template <size_t N>
-static cublasStatus_t check_types(const char *call, const TypeRow (&table)[N], cudaDataType_t at, cudaDataType_t bt,
-                                  cudaDataType_t ct, cublasComputeType_t comp) {
+static cublasStatus_t check_types(const char *call, const TypeRow (&table)[N], cudaDataType_t at,
+                                  cudaDataType_t bt, cudaDataType_t ct, cublasComputeType_t comp) {
     bool listed = false;
     for (const TypeRow &r : table) listed |= at == bt && r.comp == comp && r.ab == at && r.c == ct;
     if (!listed) {
         report("cublas", "%s: Atype %s, Btype %s, Ctype %s with %s is not in its documented type table "
-               "(CUBLAS_STATUS_NOT_SUPPORTED)", call, type_name(at), type_name(bt), type_name(ct), comp_name(comp));
+               "(CUBLAS_STATUS_NOT_SUPPORTED)", call, type_name(at), type_name(bt), type_name(ct),
+               comp_name(comp));
         return CUBLAS_STATUS_NOT_SUPPORTED;
     }
     bool emulated = (comp == CUBLAS_COMPUTE_32F || comp == CUBLAS_COMPUTE_32F_PEDANTIC) &&
@@ -318,7 +319,8 @@ static cublasStatus_t gemm_prologue(const char *call, Blas *b, const TypeRow (&t
         report("cublas", "%s: CUBLAS_POINTER_MODE_DEVICE is not emulated", call);
         return CUBLAS_STATUS_NOT_SUPPORTED;
     }
-    if (is_device(alpha) || is_device(beta)) return invalid(call, "host pointer mode, but alpha or beta is device memory");
+    if (is_device(alpha) || is_device(beta))
+        return invalid(call, "host pointer mode, but alpha or beta is device memory");
     if ((r = ws_check(b, call))) return r;
     *s = stream_of(b->stream);
     if ((*s)->dev != b->dev) return invalid(call, "the handle's stream belongs to another device");

@@ -465,9 +465,9 @@ static cublasStatus_t grouped_one(cublasHandle_t h, cudaDataType_t t, int64_t m,
     void **dp;
     cudaMalloc((void **)&dp, sizeof hp);
     cudaMemcpy(dp, hp, sizeof hp, cudaMemcpyHostToDevice);
-    cublasStatus_t s = cublasGemmGroupedBatchedEx_64(h, ta, tb, mm, nn, kk, al, (const void *const *)dp, t, lda,
-                                                     (const void *const *)dp + 1, t, ldb, be, (void *const *)dp + 2,
-                                                     t, ldc, 1, gs, CUBLAS_COMPUTE_32F);
+    const void *const *pa = (const void *const *)dp;
+    cublasStatus_t s = cublasGemmGroupedBatchedEx_64(h, ta, tb, mm, nn, kk, al, pa, t, lda, pa + 1, t, ldb, be,
+                                                     (void *const *)dp + 2, t, ldc, 1, gs, CUBLAS_COMPUTE_32F);
     cudaDeviceSynchronize();
     cudaFree(dp);
     return s;
@@ -517,7 +517,8 @@ static void blas_rules() {
                   "not in its documented type table");
     s = cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
                         blk + 128, CUDA_R_16BF, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    result("cublas types: cublasGemmEx fp32 -> bf16 is NOT_SUPPORTED", s == CUBLAS_STATUS_NOT_SUPPORTED, "accepted");
+    result("cublas types: cublasGemmEx fp32 -> bf16 is NOT_SUPPORTED", s == CUBLAS_STATUS_NOT_SUPPORTED,
+           "accepted");
     expect_report("cublas types: ... and reported", "not in its documented type table");
     s = cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
                         blk + 128, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
