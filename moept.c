@@ -1658,6 +1658,10 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     char why[MOEPT__ERRLEN] = "";
     moept_status why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
     if (bad) snprintf(why, sizeof why, "moept_create_cuda: options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16");
+    else if ((int)o.gemm_form < MOEPT_GEMM_AUTO || (int)o.gemm_form > MOEPT_GEMM_STRIDED) {
+        bad = 1;
+        snprintf(why, sizeof why, "moept_create_cuda: options.gemm_form must be a moept_gemm_form");
+    }
     else if (moept__cuda_device_count() < 1) {
         bad = 1;
         why_st = MOEPT_ERR_DEVICE;
@@ -1733,6 +1737,7 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     sp.n_group = (int)L->cfg.n_group; sp.topk_group = (int)L->cfg.topk_group;
     sp.dtype = (int)o.dtype; sp.unchecked_backward = o.unchecked_backward != 0;
     sp.sync_free = o.sync_free != 0;
+    sp.gemm_form = (int)o.gemm_form; /* a rank's own choice: its GEMMs are local */
     sp.D = L->D; sp.F = L->F; sp.E = L->E; sp.K = L->K; sp.S = L->S; sp.H = L->H; sp.HS = L->HS;
     sp.El = L->El; sp.P = L->P; sp.rank = L->rank; sp.Tmax = L->Tmax; sp.block_tokens = block_tokens;
     sp.C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */

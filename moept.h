@@ -540,13 +540,36 @@ void moept_comm_destroy(moept_comm *c);
      its own thread with cudaStreamCaptureModeThreadLocal: a global-mode
      capture is process-wide, and another thread's allocation, free or
      synchronous copy during it invalidates it. The step makes no such call
-     on the capturing thread. */
+     on the capturing thread.
+   gemm_form: how a call of several local experts' GEMMs reaches cuBLAS;
+   every form gives the same results up to cuBLAS's own rounding.
+     MOEPT_GEMM_AUTO (0, the default): one cublasGemmStridedBatchedEx where
+       every expert's GEMM has one shape at constant strides (the sync-free
+       mode's equal blocks), else one cublasGemmGroupedBatchedEx where its
+       documented types and pointer alignment allow (CUDA >= 12.5), else one
+       cublasGemmEx an expert over side streams.
+     MOEPT_GEMM_GROUPED: the grouped call wherever it applies, equal groups
+       too (else per expert; MOEPT_ERR_UNSUPPORTED at create below CUDA 12.5).
+     MOEPT_GEMM_PER_EXPERT: one cublasGemmEx an expert, over up to 4 side
+       streams (each with its own cuBLAS handle and workspace).
+     MOEPT_GEMM_STRIDED: the strided-batched call where the groups are equal,
+       else per expert over side streams (never the grouped call).
+   bf16 weight gradients (bf16 A and B, fp32 C) are outside the grouped
+   call's table: per expert in every form but where the groups are equal
+   (strided, in AUTO and STRIDED). docs/CUDA.md has the side streams' cost. */
+typedef enum moept_gemm_form {
+    MOEPT_GEMM_AUTO = 0,
+    MOEPT_GEMM_GROUPED = 1,
+    MOEPT_GEMM_PER_EXPERT = 2,
+    MOEPT_GEMM_STRIDED = 3
+} moept_gemm_form;
 typedef struct moept_cuda_options {
     moept_dtype dtype;          /* F32 (default) or BF16 token rows and expert weights */
     void *stream;               /* cudaStream_t for compute; NULL = default stream */
     int unchecked_backward;     /* 1: skip the backward's dy and y checks, its agreement
                                    and its host sync */
     int sync_free;              /* 1: no host sync in forward and backward (above) */
+    moept_gemm_form gemm_form;  /* the expert GEMMs' cuBLAS calls (above); 0: AUTO */
 } moept_cuda_options;
 int moept_cuda_device_count(void);
 moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
@@ -1454,6 +1477,7 @@ typedef struct moept__cuda_spec {
     int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
     int unchecked_backward;
     int sync_free;              /* static shapes, device-side checks reported later */
+    int gemm_form;              /* moept_gemm_form */
     int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
     int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
     int64_t block_tokens;       /* sync-free: the EP group's largest max_tokens (sizes the blocks) */

@@ -1174,13 +1174,16 @@ struct moept__cuda {
     cudaEvent_t ev_compute, ev_comm;
     cudaEvent_t ev_out[2], ev_back[2]; /* chunked: a chunk's rows arrived / returned (alternating) */
     cublasHandle_t blas;
-    /* bf16 weight gradients of several experts: no grouped cuBLAS call takes bf16 A and B with fp32 C
-       (moept__gemms), so their cublasGemmEx calls run on nside side streams, each with its own handle
-       (a handle's workspace serves one stream at a time), forked from s and joined back by events */
+    /* expert GEMMs run one cublasGemmEx an expert (bf16 weight gradients: no grouped cuBLAS call takes
+       bf16 A and B with fp32 C; bf16 pointers the grouped call's alignment rule refuses; the per-expert
+       and strided GEMM forms): over nside side streams, each with its own handle (a handle's workspace
+       serves one stream at a time), forked from s and joined back by events (moept__gemms) */
     int nside;
     cudaStream_t side[MOEPT__SIDE];
     cublasHandle_t side_blas[MOEPT__SIDE];
     cudaEvent_t ev_fork, ev_side[MOEPT__SIDE];
+    void *blas_ws;              /* the handles' cuBLAS workspaces, (1 + nside) x blas_ws_each bytes */
+    int64_t blas_ws_each;
     int esz;                    /* bytes per data element: 4 (F32) or 2 (BF16) */
     cudaDataType_t dt;          /* CUDA_R_32F or CUDA_R_16BF */
     int64_t nblk_max;           /* plan-count blocks at Tmax */
@@ -1386,6 +1389,7 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
         if (c->side[i]) cudaStreamDestroy(c->side[i]);
         if (c->ev_side[i]) cudaEventDestroy(c->ev_side[i]);
     }
+    cudaFree(c->blas_ws); /* after the handles that used it */
     if (c->ev_fork) cudaEventDestroy(c->ev_fork);
     if (c->ev_compute) cudaEventDestroy(c->ev_compute);
     if (c->ev_comm) cudaEventDestroy(c->ev_comm);
@@ -1432,17 +1436,59 @@ extern "C" void moept__cuda_params_changed(moept__cuda *c) {
     if (c->B && c->wlow) (void)moept__cast_weights(c); /* a failure leaves it stale: the forward casts */
 }
 
-/* the side streams of bf16 weight gradients, when there are several experts' */
-static moept_status moept__side_create(moept__cuda *c, char *err) {
+/* Every handle's math mode: fp32 stays fp32 (no TF32), and reductions stay in the fp32 compute type
+   (cuBLAS Library, "cublasMath_t": CUBLAS_DEFAULT_MATH alone lets a mixed-precision routine reduce in a
+   narrower output type, e.g. a bf16 C's, which the bf16 error bound in docs/CUDA.md does not cover) */
+#define MOEPT__MATH ((cublasMath_t)(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION))
+
+/* A handle on stream st with its slice of the workspace block. cublasSetStream resets a handle's
+   workspace to cuBLAS's default pool (cuBLAS Library, "cublasSetStream()"), so the workspace comes
+   after it; a user workspace keeps cuBLAS from allocating one inside a captured graph (memory nodes,
+   which child graphs cannot hold: "CUDA Graphs Support"). */
+static moept_status moept__blas_handle(moept__cuda *c, cublasHandle_t *h, cudaStream_t st, int slot, char *err) {
+    MOEPT__CB(cublasCreate(h));
+    MOEPT__CB(cublasSetStream(*h, st));
+    MOEPT__CB(cublasSetMathMode(*h, MOEPT__MATH));
+    MOEPT__CB(cublasSetWorkspace(*h, (char *)c->blas_ws + slot * c->blas_ws_each, (size_t)c->blas_ws_each));
+    return MOEPT_OK;
+}
+
+/* Whether a call of several expert GEMMs can go per expert: bf16 layers (their weight gradients are
+   outside the grouped call's type table, and odd widths break its alignment rule), the per-expert and
+   strided forms, and a cuBLAS without the grouped call */
+static int moept__side_wanted(const moept__cuda *c) {
+#if CUBLAS_VERSION < 120500
+    (void)c;
+    return 1;
+#else
+    const int f = c->sp.gemm_form;
+    return c->sp.dtype == MOEPT_DTYPE_BF16 || f == MOEPT_GEMM_PER_EXPERT || f == MOEPT_GEMM_STRIDED;
+#endif
+}
+
+/* The handles (the compute stream's and, when several experts' GEMMs may go one an expert, up to 4
+   side streams') and their workspaces: one device block, counted in the layer's workspace. Its size
+   per handle is what cuBLAS Library, "cublasSetWorkspace()" recommends for the architecture: 32 MiB
+   on Hopper and Blackwell (compute capability 9 and up), 4 MiB on the others. */
+static moept_status moept__blas_create(moept__cuda *c, char *err) {
     const int64_t G = c->G;
-    c->nside = c->sp.dtype == MOEPT_DTYPE_BF16 && G > 1 ? (int)(G < MOEPT__SIDE ? G : MOEPT__SIDE) : 0;
+#if CUBLAS_VERSION < 120500
+    if (c->sp.gemm_form == MOEPT_GEMM_GROUPED)
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
+                            "MOEPT_GEMM_GROUPED needs cublasGemmGroupedBatchedEx (cuBLAS 12.5 or later)");
+#endif
+    c->nside = G > 1 && moept__side_wanted(c) ? (int)(G < MOEPT__SIDE ? G : MOEPT__SIDE) : 0;
+    int dev = 0, major = 0;
+    MOEPT__CU(cudaGetDevice(&dev));
+    MOEPT__CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    c->blas_ws_each = (int64_t)(major >= 9 ? 32 : 4) << 20;
+    MOEPT__TRY(moept__dmalloc(c, &c->blas_ws, (size_t)((1 + c->nside) * c->blas_ws_each), err));
+    MOEPT__TRY(moept__blas_handle(c, &c->blas, c->s, 0, err));
     if (c->nside) MOEPT__CU(cudaEventCreateWithFlags(&c->ev_fork, cudaEventDisableTiming));
     for (int i = 0; i < c->nside; i++) {
         MOEPT__CU(cudaStreamCreateWithFlags(&c->side[i], cudaStreamNonBlocking));
         MOEPT__CU(cudaEventCreateWithFlags(&c->ev_side[i], cudaEventDisableTiming));
-        MOEPT__CB(cublasCreate(&c->side_blas[i]));
-        MOEPT__CB(cublasSetStream(c->side_blas[i], c->side[i]));
-        MOEPT__CB(cublasSetMathMode(c->side_blas[i], CUBLAS_DEFAULT_MATH));
+        MOEPT__TRY(moept__blas_handle(c, &c->side_blas[i], c->side[i], 1 + i, err));
     }
     return MOEPT_OK;
 }
@@ -1479,10 +1525,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
         MOEPT__CU(cudaEventCreateWithFlags(&c->ev_out[i], cudaEventDisableTiming));
         MOEPT__CU(cudaEventCreateWithFlags(&c->ev_back[i], cudaEventDisableTiming));
     }
-    MOEPT__CB(cublasCreate(&c->blas));
-    MOEPT__CB(cublasSetStream(c->blas, c->s));
-    MOEPT__CB(cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)); /* fp32 stays fp32: no TF32 */
-    MOEPT__TRY(moept__side_create(c, err));
+    MOEPT__TRY(moept__blas_create(c, err));
     /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too) */
     const int64_t npad = moept__npad(c);
     size_t pbytes = (size_t)(2 * npad + E) * 4 + (size_t)E * 4 + 256;
@@ -1500,7 +1543,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     moept__layout(c, &cv);
     MOEPT__TRY(moept__dmalloc(c, &c->work, cv.off, err));
     MOEPT__CU(cudaMemsetAsync(c->work, 0, cv.off, c->s));
-    c->fixed_bytes = (int64_t)cv.off + (c->wlow ? (p->n_params - E * p->D) * 2 : 0);
+    c->fixed_bytes = (int64_t)cv.off + (c->wlow ? (p->n_params - E * p->D) * 2 : 0) +
+                     (1 + c->nside) * c->blas_ws_each;
     cv.base = (char *)c->work;
     cv.off = 0;
     moept__layout(c, &cv);
@@ -1725,10 +1769,10 @@ extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, in
 /* ---- GEMMs -------------------------------------------------------------- */
 /* n GEMMs of one shape whose operands sit at constant strides (equal expert
    groups: the sync-free mode's blocks) as one cublasGemmStridedBatchedEx_64,
-   which cuBLAS documents for every type pair used here, bf16 A and B with
-   fp32 C included (the grouped call is not). Returns 0 when they are not of
-   that form or cuBLAS answers NOT_SUPPORTED (the caller goes on), else 1
-   with the outcome in *st. */
+   whose type table (cuBLAS Library, "cublasGemmStridedBatchedEx()") holds
+   every pair used here, bf16 A and B with fp32 C included. Returns 0 when
+   they are not of that form (the caller goes on), else 1 with the outcome
+   in *st: any status but success is an error. */
 static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n, cudaDataType_t ta,
                                 cudaDataType_t tc, moept_status *st, char *err) {
     const moept__gemm_cm c0 = moept__gemm_colmajor(&g[0]);
@@ -1753,28 +1797,52 @@ static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n,
     cublasStatus_t r = cublasGemmStridedBatchedEx_64(
         c->blas, oa, ob, c0.m, c0.n, c0.k, &c0.alpha, c0.a, ta, c0.lda, s[0] / ea, c0.b, ta, c0.ldb, s[1] / ea,
         &c0.beta, c0.c, tc, c0.ldc, s[2] / ec, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    if (r == CUBLAS_STATUS_NOT_SUPPORTED) return 0;
     *st = r == CUBLAS_STATUS_SUCCESS ? MOEPT_OK
           : moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmStridedBatchedEx_64: %s (moept_kernels.cu:%d)",
                          cublasGetStatusString(r), __LINE__);
     return 1;
 }
 
-/* Runs n descriptors: one cublasGemmEx; for several of one shape at
-   constant strides one cublasGemmStridedBatchedEx; else one
-   cublasGemmGroupedBatchedEx (each group its own expert's matrices, so the
-   weight-gradient groups write disjoint C: no races), falling back to
-   cublasGemmEx calls where grouped GEMMs are missing (CUDA < 12.5) or do not
-   take these types (bf16 A and B with fp32 C: the bf16 weight gradients of
-   unequal groups): spread over the side streams where the layer has them,
-   else in a loop. ta: A and B's type; tc: C's. Compute is fp32. */
+/* Whether cublasGemmGroupedBatchedEx takes these descriptors, by its
+   documentation (cuBLAS Library, "cublasGemmGroupedBatchedEx()"), never by
+   trying: its type table has fp32 compute with fp32 or bf16 A and B and C of
+   the same type (not bf16 A and B with fp32 C: the bf16 weight gradients);
+   and with bf16 A it reads its matrix pointers on the device without
+   checking them, so each must be aligned to 16 bytes where k * 2 is a
+   multiple of 16, else to 4 where it is a multiple of 4 (rows of an odd
+   width put a group's first row at a 2-byte boundary). */
+#if CUBLAS_VERSION >= 120500
+static int moept__grouped_ok(const moept__gemm *g, int64_t n, cudaDataType_t ta, cudaDataType_t tc) {
+    if (ta != tc) return 0;
+    if (ta != CUDA_R_16BF) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        const moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
+        const int64_t kb = cm.k * 2;
+        const uintptr_t al = kb % 16 == 0 ? 16 : kb % 4 == 0 ? 4 : 1;
+        if ((uintptr_t)cm.a % al || (uintptr_t)cm.b % al || (uintptr_t)cm.c % al) return 0;
+    }
+    return 1;
+}
+#endif
+
+/* Runs n descriptors: one cublasGemmEx; for several, by the layer's GEMM
+   form (moept_cuda_options.gemm_form): one cublasGemmStridedBatchedEx where
+   they have one shape at constant strides (auto, strided), else one
+   cublasGemmGroupedBatchedEx where its table and alignment allow (auto,
+   grouped; CUDA >= 12.5; each group its own expert's matrices, so the
+   weight-gradient groups write disjoint C: no races), else one cublasGemmEx
+   each: spread over the side streams where the layer has them, else in a
+   loop. ta: A and B's type; tc: C's. Compute is fp32. */
 static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n, cudaDataType_t ta,
                                  cudaDataType_t tc, char *err) {
     if (n <= 0) return MOEPT_OK;
+    const int form = c->sp.gemm_form;
     moept_status st;
-    if (n > 1 && moept__gemms_strided(c, g, n, ta, tc, &st, err)) return st;
+    if (n > 1 && (form == MOEPT_GEMM_AUTO || form == MOEPT_GEMM_STRIDED) &&
+        moept__gemms_strided(c, g, n, ta, tc, &st, err))
+        return st;
 #if CUBLAS_VERSION >= 120500
-    if (n > 1) {
+    if (n > 1 && (form == MOEPT_GEMM_AUTO || form == MOEPT_GEMM_GROUPED) && moept__grouped_ok(g, n, ta, tc)) {
         const int64_t G = c->G;
         int slot = c->ptr_slot, lo = slot >= c->nslot ? c->nslot : 0;
         c->ptr_slot = lo + (slot - lo + 1) % c->nslot; /* stays in its pass's half */
@@ -1796,10 +1864,10 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
         cublasStatus_t r = cublasGemmGroupedBatchedEx_64(
             c->blas, oa, ob, m, nn, k, al, dp, ta, lda, dp + G, ta, ldb, be, (void *const *)(dp + 2 * G), tc, ldc, n,
             gs, CUBLAS_COMPUTE_32F);
-        if (r == CUBLAS_STATUS_SUCCESS) return MOEPT_OK;
-        if (r != CUBLAS_STATUS_NOT_SUPPORTED)
+        if (r != CUBLAS_STATUS_SUCCESS)
             return moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmGroupedBatchedEx_64: %s (moept_kernels.cu:%d)",
                                 cublasGetStatusString(r), __LINE__);
+        return MOEPT_OK;
     }
 #endif
     /* one cublasGemmEx each; several spread over the side streams (each writes its own C), which

@@ -11,12 +11,19 @@
    the two is routing, the plan, the permutes, activations, combine and the
    host synchronisation(s).
 
-   usage: bench_cuda [--tokens T] [--hidden D] [--ffn F] [--experts E]
-                     [--topk K] [--reps R] [--bf16]
-   Defaults: Mixtral-8x7B's layer (D 4096, F 14336, E 8, K 2) at T 8192 in
-   bf16. Prints one "RESULT key=value ..." line. Under the emulated GPU
-   (build/emu/bench_cuda) it checks that the bench runs; its times mean
-   nothing there. */
+   usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D]
+                     [--ffn F] [--experts E] [--topk K] [--reps R] [--bf16|--fp32]
+                     [--gemm-form auto|grouped|per-expert|strided|all]
+   Defaults: Mixtral-8x7B's layer (--shape mixtral: D 4096, F 14336, E 8,
+   K 2) at T 8192 in bf16. --shape deepseek: DeepSeek-V3's expert (D 7168,
+   F 2048) with 16 local experts (its 256 over 16 EP ranks), top-8: about
+   T / 2 rows an expert, as a rank of that EP group receives. The options
+   after --shape override it.
+   --gemm-form times the layer with that moept_cuda_options.gemm_form (all:
+   each in turn, one layer at a time); the floor is the same for all.
+   Prints one "RESULT key=value ..." line per form, then the optimizer's.
+   Under the emulated GPU (build/emu/bench_cuda) it checks that the bench
+   runs; its times mean nothing there. */
 #define MOEPT_INTERNAL /* moept__gemm_make, moept__gemm_colmajor */
 #include "../moept.h"
 
@@ -36,7 +43,9 @@
         }                                                                               \
     } while (0)
 
-typedef struct shape { int64_t T, D, F, E, K, reps; int bf16; } shape;
+typedef struct shape { int64_t T, D, F, E, K, reps; int bf16, form; } shape; /* form -1: all */
+
+static const char *form_names[4] = {"auto", "grouped", "per-expert", "strided"};
 
 /* zeroed device memory. cudaMemset is asynchronous for device memory and
    runs on the legacy stream, which does not order the layer's non-blocking
@@ -132,8 +141,15 @@ static float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
     return ms;
 }
 
+static void usage(void) {
+    fprintf(stderr, "usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D] [--ffn F] "
+                    "[--experts E] [--topk K] [--reps R] [--bf16|--fp32] "
+                    "[--gemm-form auto|grouped|per-expert|strided|all]\n");
+    exit(2);
+}
+
 static void parse(int argc, char **argv, shape *s) {
-    *s = (shape){8192, 4096, 14336, 8, 2, 5, 1};
+    *s = (shape){8192, 4096, 14336, 8, 2, 5, 1, MOEPT_GEMM_AUTO};
     for (int i = 1; i < argc; i++) {
         int64_t *v = !strcmp(argv[i], "--tokens") ? &s->T : !strcmp(argv[i], "--hidden") ? &s->D
                      : !strcmp(argv[i], "--ffn") ? &s->F : !strcmp(argv[i], "--experts") ? &s->E
@@ -141,11 +157,19 @@ static void parse(int argc, char **argv, shape *s) {
         if (v && i + 1 < argc) *v = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--bf16")) s->bf16 = 1;
         else if (!strcmp(argv[i], "--fp32")) s->bf16 = 0;
-        else {
-            fprintf(stderr, "usage: bench_cuda [--tokens T] [--hidden D] [--ffn F] [--experts E] [--topk K] "
-                            "[--reps R] [--bf16|--fp32]\n");
-            exit(2);
-        }
+        else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
+            const char *n = argv[++i];
+            if (!strcmp(n, "mixtral")) s->D = 4096, s->F = 14336, s->E = 8, s->K = 2;
+            else if (!strcmp(n, "deepseek")) s->D = 7168, s->F = 2048, s->E = 16, s->K = 8;
+            else usage();
+        } else if (!strcmp(argv[i], "--gemm-form") && i + 1 < argc) {
+            const char *n = argv[++i];
+            s->form = -2;
+            for (int f = 0; f < 4; f++)
+                if (!strcmp(n, form_names[f])) s->form = f;
+            if (!strcmp(n, "all")) s->form = -1;
+            if (s->form == -2) usage();
+        } else usage();
     }
 }
 
@@ -182,52 +206,78 @@ static int optimizer_bench(moept_layer *L, cudaStream_t st, const shape *s, cuda
     return 0;
 }
 
+/* One layer of gemm form f: two warm-up steps, then reps timed; its mean step in ms. The first form's
+   layer also gives the routing (off, per expert) and runs the optimizer bench. 0 on failure. */
+static double step_bench(const shape *s, int f, cudaStream_t st, int64_t *off, int first) {
+    const int64_t T = s->T, D = s->D, E = s->E, K = s->K;
+    moept_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.family = MOEPT_FAMILY_MIXTRAL;
+    cfg.hidden_size = D; cfg.intermediate_size = s->F; cfg.num_experts = E; cfg.top_k = K;
+    cfg.norm_topk_prob = 1; cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.max_tokens = T;
+    /* unchecked_backward: the step's one host sync, as a trainer that checks dy itself would run */
+    moept_cuda_options o = {s->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, st, 1, 0, (moept_gemm_form)f};
+    moept_layer *L = NULL;
+    if (moept_create_cuda(&cfg, NULL, NULL, &o, &L)) {
+        fprintf(stderr, "bench_cuda: %s\n", moept_last_error(NULL));
+        return 0.0;
+    }
+    moept_init_params(L, 1);
+    void *x = dev_random(T * D, s->bf16, 1), *dy = dev_random(T * D, s->bf16, 2);
+    void *y = dalloc((size_t)(T * D) * (s->bf16 ? 2 : 4)), *dx = dalloc((size_t)(T * D) * (s->bf16 ? 2 : 4));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double ms = 0.0;
+    for (int64_t r = -2; r < s->reps; r++) { /* two warm-up steps */
+        if (r == 0) CK(cudaEventRecord(e0, st));
+        if (moept_forward(L, x, T, y) || moept_backward(L, x, dy, dx)) {
+            fprintf(stderr, "bench_cuda: %s\n", moept_last_error(L));
+            goto out;
+        }
+    }
+    CK(cudaEventRecord(e1, st));
+    ms = elapsed_ms(e0, e1) / (double)s->reps;
+    if (first) { /* the floor's rows per expert, from the step's own routing; the optimizer */
+        const int32_t *ids;
+        const float *wts;
+        CK(moept_routing(L, &ids, &wts, NULL));
+        for (int64_t i = 0; i < T * K; i++) off[ids[i] + 1]++;
+        for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
+        if (optimizer_bench(L, st, s, e0, e1)) ms = 0.0;
+    }
+out:
+    cudaFree(x); cudaFree(dy); cudaFree(y); cudaFree(dx);
+    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    moept_destroy(L);
+    return ms;
+}
+
 int main(int argc, char **argv) {
     shape s;
     parse(argc, argv, &s);
     if (moept_cuda_device_count() < 1) { printf("skip - bench_cuda: no CUDA device\n"); return 0; }
-    const int64_t T = s.T, D = s.D, E = s.E, K = s.K;
-    moept_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.family = MOEPT_FAMILY_MIXTRAL;
-    cfg.hidden_size = D; cfg.intermediate_size = s.F; cfg.num_experts = E; cfg.top_k = K;
-    cfg.norm_topk_prob = 1; cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.max_tokens = T;
+    const int64_t T = s.T, E = s.E, K = s.K;
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    /* unchecked_backward: the step's one host sync, as a trainer that checks dy itself would run */
-    moept_cuda_options o = {s.bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, st, 1, 0};
-    moept_layer *L = NULL;
-    if (moept_create_cuda(&cfg, NULL, NULL, &o, &L)) {
-        fprintf(stderr, "bench_cuda: %s\n", moept_last_error(NULL));
-        return 1;
-    }
-    moept_init_params(L, 1);
-    void *x = dev_random(T * D, s.bf16, 1), *dy = dev_random(T * D, s.bf16, 2);
-    void *y = dalloc((size_t)(T * D) * (s.bf16 ? 2 : 4)), *dx = dalloc((size_t)(T * D) * (s.bf16 ? 2 : 4));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (int64_t r = -2; r < s.reps; r++) { /* two warm-up steps */
-        if (r == 0) CK(cudaEventRecord(e0, st));
-        if (moept_forward(L, x, T, y) || moept_backward(L, x, dy, dx)) {
-            fprintf(stderr, "bench_cuda: %s\n", moept_last_error(L));
-            return 1;
-        }
-    }
-    CK(cudaEventRecord(e1, st));
-    double step_ms = elapsed_ms(e0, e1) / (double)s.reps;
-    /* the floor, at the step's own rows per expert */
-    const int32_t *ids;
-    const float *wts;
-    CK(moept_routing(L, &ids, &wts, NULL));
+    int forms[4], nf = 0;
+    for (int f = 0; f < 4; f++)
+        if (s.form == -1 || s.form == f) forms[nf++] = f;
+    double step_ms[4];
     int64_t *off = calloc((size_t)E + 1, sizeof(int64_t));
-    for (int64_t i = 0; i < T * K; i++) off[ids[i] + 1]++;
-    for (int64_t e = 0; e < E; e++) off[e + 1] += off[e];
+    for (int i = 0; i < nf; i++) /* one layer at a time: the Mixtral and DeepSeek shapes each fill a GPU */
+        if ((step_ms[i] = step_bench(&s, forms[i], st, off, i == 0)) <= 0.0) return 1;
+    /* the floor, at the step's own rows per expert (every form routes alike) */
     floor_bufs b = floor_alloc(&s, off[E]);
     cublasHandle_t hb;
     CK(cublasCreate(&hb));
     CK(cublasSetStream(hb, st));
-    CK(cublasSetMathMode(hb, CUBLAS_DEFAULT_MATH));
+    /* the layer's math mode: no TF32, no reduction in a bf16 output type */
+    CK(cublasSetMathMode(hb,
+                         (cublasMath_t)(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
     double flops = 0.0;
     for (int64_t r = -1; r < s.reps; r++) {
         if (r == 0) CK(cudaEventRecord(e0, st));
@@ -235,17 +285,16 @@ int main(int argc, char **argv) {
     }
     CK(cudaEventRecord(e1, st));
     double floor_ms = elapsed_ms(e0, e1) / (double)s.reps;
-    printf("RESULT tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld dtype=%s reps=%lld step_ms=%.3f "
-           "floor_ms=%.3f step_over_floor=%.3f floor_tflops=%.1f\n",
-           (long long)T, (long long)D, (long long)s.F, (long long)E, (long long)K, s.bf16 ? "bf16" : "fp32",
-           (long long)s.reps, step_ms, floor_ms, step_ms / floor_ms, flops / (floor_ms * 1e-3) * 1e-12);
-    if (optimizer_bench(L, st, &s, e0, e1)) return 1;
+    for (int i = 0; i < nf; i++)
+        printf("RESULT tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld dtype=%s reps=%lld step_ms=%.3f "
+               "floor_ms=%.3f step_over_floor=%.3f floor_tflops=%.1f gemm_form=%s\n",
+               (long long)T, (long long)s.D, (long long)s.F, (long long)E, (long long)K, s.bf16 ? "bf16" : "fp32",
+               (long long)s.reps, step_ms[i], floor_ms, step_ms[i] / floor_ms, flops / (floor_ms * 1e-3) * 1e-12,
+               form_names[forms[i]]);
     cublasDestroy(hb);
     floor_free(&b);
     free(off);
-    cudaFree(x); cudaFree(dy); cudaFree(y); cudaFree(dx);
     cudaEventDestroy(e0); cudaEventDestroy(e1);
-    moept_destroy(L);
     cudaStreamDestroy(st);
     return 0;
 }

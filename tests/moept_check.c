@@ -1,7 +1,8 @@
 /* moept_check: runs moept-case-v1 reference cases (docs/CASES.md)
    through moept and compares every output and gradient.
 
-   usage: moept_check [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--tol X]
+   usage: moept_check [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free]
+                      [--gemm-form auto|grouped|per-expert|strided] [--tol X]
                       [--weights DIR --layer L [--hf-config]] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
    With --ep N the experts are sharded over N ranks (threads, or MPI
@@ -27,7 +28,8 @@
    against the CPU layer run on the bf16-rounded inputs and expert weights,
    routing exactly), with x, dy, y and dx in device memory; --ep N runs N
    GPUs as threads over NCCL; --sync-free runs the CUDA layer in its
-   sync-free mode (moept_cuda_options.sync_free). With fewer devices than
+   sync-free mode (moept_cuda_options.sync_free); --gemm-form picks
+   moept_cuda_options.gemm_form (ignored on the CPU). With fewer devices than
    ranks every case is reported skipped and the exit status is 0.
    Built with both (build/moept_check_cuda_mpi, build/emu/moept_check_mpi)
    it is the deployment users run: one process per GPU, each on device
@@ -61,6 +63,7 @@ static int g_no_shm;            /* --no-shm: the EP comm's shm_alloc off (the me
 static int g_expect_shm;        /* --expect-shm: fail if the EP comm offers no shared memory */
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
 static int g_sync_free;         /* CUDA: --sync-free */
+static int g_gemm_form;         /* CUDA: --gemm-form (moept_gemm_form) */
 
 /* ---- the layer, on the CPU or (MOEPT_CUDA) on the GPU ---- */
 #ifdef MOEPT_CUDA
@@ -89,7 +92,8 @@ static int to_host(float *h, const void *d, int64_t n) {
 #endif
 static moept_status layer_create(const moept_config *cfg, moept_comm *ep, void *stream, moept_layer **L) {
 #ifdef MOEPT_CUDA
-    moept_cuda_options o = {g_bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, stream, 0, g_sync_free};
+    moept_cuda_options o = {g_bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, stream, 0, g_sync_free,
+                            (moept_gemm_form)g_gemm_form};
     return moept_create_cuda(cfg, ep, NULL, &o, L);
 #else
     (void)stream;
@@ -675,12 +679,22 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--layer") == 0 && first + 1 < argc) g_layer = atoll(argv[++first]);
         else if (strcmp(argv[first], "--hf-config") == 0) g_hf_config = 1;
         else if (strcmp(argv[first], "--sync-free") == 0) g_sync_free = 1;
+        else if (strcmp(argv[first], "--gemm-form") == 0 && first + 1 < argc) {
+            const char *f = argv[++first], *names[4] = {"auto", "grouped", "per-expert", "strided"};
+            g_gemm_form = -1;
+            for (int i = 0; i < 4; i++)
+                if (strcmp(f, names[i]) == 0) g_gemm_form = i;
+            if (g_gemm_form < 0) {
+                fprintf(stderr, "moept_check: --gemm-form auto|grouped|per-expert|strided, not %s\n", f);
+                return 2;
+            }
+        }
         else if (strcmp(argv[first], "--no-shm") == 0) g_no_shm = 1;
         else if (strcmp(argv[first], "--expect-shm") == 0) g_expect_shm = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
-            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--tol X] "
-                    "[--weights DIR --layer L] "
+            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] "
+                    "[--gemm-form F] [--tol X] [--weights DIR --layer L] "
                     "FILE...\n", argv[0]);
             return 2;
         }

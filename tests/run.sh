@@ -159,6 +159,10 @@ if [ -n "$EMU" ]; then
     for n in 2 4; do
         suite "emu: reference cases --ep $n --chunks 3" timeout 300 "$B/emu/moept_check" --ep $n --chunks 3 $CASES
     done
+    # the expert GEMMs' other cuBLAS forms (moept_cuda_options.gemm_form; auto runs above)
+    for f in grouped per-expert strided; do
+        suite "emu: reference cases --ep 2 --gemm-form $f" timeout 300 "$B/emu/moept_check" --ep 2 --gemm-form $f $CASES
+    done
     for c in mixtral_e8_t40 qwen2_shared_norm_e8 olmoe_nonorm deepseek_group; do
         for ch in 1 3; do
             suite "emu: --weights $c --ep 2 --chunks $ch" timeout 120 "$B/emu/moept_check" --ep 2 --chunks $ch --weights tests/checkpoints/$c --layer 1 tests/cases/$c.safetensors
@@ -168,7 +172,7 @@ if [ -n "$EMU" ]; then
     suite "emu: test_cuda" "$B/emu/test_cuda"
     suite "emu: train_cuda vs train, fp32" sh tests/curves.sh fp32 "$B/emu/train"
     suite "emu: train_cuda --bf16 vs train" sh tests/curves.sh bf16 "$B/emu/train"
-    suite "emu: bench_cuda runs (tiny shape; its times mean nothing here)" "$B/emu/bench_cuda" --tokens 64 --hidden 32 --ffn 48 --experts 4 --topk 2 --reps 2
+    suite "emu: bench_cuda runs, every GEMM form (tiny shape; its times mean nothing here)" "$B/emu/bench_cuda" --tokens 64 --hidden 32 --ffn 48 --experts 4 --topk 2 --reps 2 --gemm-form all
     for ch in 1 3; do
         suite "emu asan+ubsan: reference cases --ep 2 --chunks $ch" env LSAN_OPTIONS=suppressions=tests/emu/lsan.supp timeout 300 "$B/emu-san/moept_check" --ep 2 --chunks $ch $CASES
     done

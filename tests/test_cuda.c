@@ -51,7 +51,7 @@ static void host_from(float *h, const void *d, int64_t n, int bf16) {
    dx and every gradient. */
 static double compare_step(moept_config cfg, int bf16, int64_t T) {
     moept_layer *cpu = NULL, *gpu = NULL;
-    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0};
+    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0, MOEPT_GEMM_AUTO};
     EXPECT_OK(moept_create(&cfg, &cpu));
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &gpu));
     if (!cpu || !gpu) { moept_destroy(cpu); moept_destroy(gpu); return 1e9; }
@@ -136,7 +136,7 @@ static void test_capacity_and_empty(void) {
 
 /* A CUDA layer of cfg, parameters from seed 3 (NULL if the create failed) */
 static moept_layer *cuda_layer_sf(moept_config cfg, int bf16, int sync_free) {
-    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, sync_free};
+    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, sync_free, MOEPT_GEMM_AUTO};
     moept_layer *L = NULL;
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
     if (L) moept_init_params(L, 3);
@@ -185,10 +185,14 @@ static void test_rejected_and_steady(void) {
 
 static void test_bad_options(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-    moept_cuda_options o = {MOEPT_DTYPE_F16, NULL, 0, 0};
+    moept_cuda_options o = {MOEPT_DTYPE_F16, NULL, 0, 0, MOEPT_GEMM_AUTO};
     moept_layer *L = (moept_layer *)1;
     moept_status st = moept_create_cuda(&cfg, NULL, NULL, &o, &L);
     EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && L == NULL, "dtype F16 accepted (%d)", (int)st);
+    moept_cuda_options gf = {MOEPT_DTYPE_F32, NULL, 0, 0, (moept_gemm_form)4};
+    st = moept_create_cuda(&cfg, NULL, NULL, &gf, &L);
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && L == NULL && strstr(moept_last_error(NULL), "gemm_form"),
+           "gemm_form 4 accepted: %d (%s)", (int)st, moept_last_error(NULL));
     moept_config sq = cfg; /* the sequence-wise aux loss is a CPU layer's */
     sq.aux_loss = MOEPT_AUX_SEQ; sq.aux_seq_len = 4; sq.aux_loss_coef = 0.01f;
     st = moept_create_cuda(&sq, NULL, NULL, NULL, &L);
@@ -206,7 +210,7 @@ static void test_bad_options(void) {
            "grad_backup on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
     moept_config ch = cfg; /* the sync-free mode has no chunked pipeline */
     ch.overlap_chunks = 3;
-    moept_cuda_options sf = {MOEPT_DTYPE_F32, NULL, 0, 1};
+    moept_cuda_options sf = {MOEPT_DTYPE_F32, NULL, 0, 1, MOEPT_GEMM_AUTO};
     st = moept_create_cuda(&ch, NULL, NULL, &sf, &L);
     EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "sync_free"),
            "sync_free with overlap_chunks 3: %d (%s)", (int)st, moept_last_error(NULL));
@@ -306,7 +310,7 @@ static void test_device_adamw(void) {
     const char *dir = "build/ckpt_cuda_adamw";
     for (int bf16 = 0; bf16 < 2; bf16++) {
         moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE); /* a shared expert: replicated weights too */
-        moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0};
+        moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0, MOEPT_GEMM_AUTO};
         moept_layer *L[4] = {NULL, NULL, NULL, NULL}; /* CUDA, CPU, then the CUDA and CPU loaders */
         EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L[0]));
         EXPECT_OK(moept_create(&cfg, &L[1]));
@@ -615,7 +619,8 @@ static void *chunk_rank(void *arg) {
     void *xd = dev_from(x, T * D, j->bf16), *xbd = dev_from(xb, T * D, j->bf16), *dyd = dev_from(dy, T * D, j->bf16);
     moept_layer *L[2] = {NULL, NULL};
     for (int v = 0; v < 2 && !j->msg[0]; v++) {
-        moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, j->sync_free && v};
+        moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, j->sync_free && v,
+                                MOEPT_GEMM_AUTO};
         cfg.overlap_chunks = !j->sync_free && v ? 3 : 1;
         if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
             snprintf(j->msg, sizeof j->msg, "create (variant %d): %s", v, moept_last_error(NULL));
@@ -669,7 +674,7 @@ static void test_chunked_equals_one_chunk(void) {
    and casting them (stale or wrongly written bf16 weights would not be). */
 static void test_bf16_weights_cast_once(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0};
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_AUTO};
     moept_layer *L = NULL, *F = NULL;
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
     EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &F));
@@ -1066,7 +1071,7 @@ static void *sfd_rank(void *arg) {
     nccl_rank_open(&n, &j->tr);
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     const int64_t D = cfg.hidden_size, T = 16;
-    moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, 1};
+    moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, 1, MOEPT_GEMM_AUTO};
     moept_layer *L = NULL;
     int k = 0;
 #define SFD(call) do { moept_status s_ = (call); j->st[k] = s_; \
@@ -1149,7 +1154,7 @@ static void *graph_rank(void *arg) {
     const int64_t D = cfg.hidden_size, T = 12, np = 4 * T * D; /* h: x, dy; out: y, y, dx, dx */
     cudaStream_t s;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    moept_cuda_options o = {MOEPT_DTYPE_BF16, s, 0, 1};
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, s, 0, 1, MOEPT_GEMM_AUTO};
     moept_layer *L[2] = {NULL, NULL}; /* captured, eager */
     unsigned long long rs = 77 + (unsigned long long)j->tr.rank;
     float *h = calloc((size_t)(2 * np), sizeof(float)), *out = h + np;
@@ -1224,6 +1229,166 @@ static void test_sync_free_graph(void) {
         EXPECT(j[r].diffs == 0, "rank %d: %lld values of the replays differ from the eager steps", r,
                (long long)j[r].diffs);
     }
+}
+
+/* One forward + backward of a layer of cfg on fixed tokens: y, dx and every
+   gradient, concatenated into out (if given), their count (L NULL: at most
+   how many, without running) */
+static int64_t step_values(moept_layer *L, moept_config cfg, int bf16, float *out) {
+    const int64_t D = cfg.hidden_size, T = 48;
+    if (!L) {
+        moept_layer *cpu = NULL;
+        EXPECT_OK(moept_create(&cfg, &cpu));
+        int64_t n = 2 * T * D;
+        for (int64_t i = 0; cpu && i < moept_param_count(cpu); i++) {
+            moept_param_info a;
+            moept_param_info_at(cpu, i, &a);
+            n += a.rows * a.cols;
+        }
+        moept_destroy(cpu);
+        return n;
+    }
+    unsigned long long rs = 99;
+    float *x = malloc((size_t)(2 * T * D) * sizeof(float));
+    for (int64_t i = 0; i < 2 * T * D; i++) x[i] = (float)tu_rand(&rs);
+    void *xd = dev_from(x, T * D, bf16), *dyd = dev_from(x + T * D, T * D, bf16);
+    void *yd = dev_from(x, T * D, bf16), *dxd = dev_from(x, T * D, bf16);
+    int64_t len = 0;
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT_OK(moept_backward(L, xd, dyd, dxd));
+    if (out) host_from(out, yd, T * D, bf16);
+    len += T * D;
+    if (out) host_from(out + len, dxd, T * D, bf16);
+    len += T * D;
+    for (int64_t i = 0; i < moept_param_count(L); i++) {
+        moept_param_info a;
+        moept_param_info_at(L, i, &a);
+        if (!a.grad) continue;
+        if (out) memcpy(out + len, a.grad, (size_t)(a.rows * a.cols) * sizeof(float));
+        len += a.rows * a.cols;
+    }
+    cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd);
+    free(x);
+    return len;
+}
+
+/* The layer's values with and without the emulated cuBLAS reducing in the
+   output type where the math mode allows it: equal bitwise when every handle
+   forbids it (CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION), as the bf16
+   bound in docs/CUDA.md assumes; kchunk 4 makes bf16 partial sums of every
+   GEMM with k > 4 and a bf16 C. */
+static void test_no_reduced_precision_reduction(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE);
+    cfg.shared_intermediate_size = 48;
+    cfg.max_tokens = 64;
+    for (int bf = 0; bf < 2; bf++) {
+        float *v[2] = {NULL, NULL};
+        int64_t len = 0;
+        for (int red = 0; red < 2; red++) {
+            moept_layer *L = cuda_layer(cfg, bf);
+            if (!L) return;
+            v[red] = malloc((size_t)step_values(NULL, cfg, bf, NULL) * sizeof(float));
+            moept_emu_blas_reduced_reduction(red ? 4 : 0);
+            len = step_values(L, cfg, bf, v[red]);
+            moept_emu_blas_reduced_reduction(0);
+            moept_destroy(L);
+        }
+        int64_t diffs = 0;
+        for (int64_t i = 0; i < len; i++) diffs += memcmp(&v[0][i], &v[1][i], sizeof(float)) != 0;
+        EXPECT(diffs == 0, "bf16 %d: %lld of %lld values change when cuBLAS may reduce in the output type", bf,
+               (long long)diffs, (long long)len);
+        free(v[0]);
+        free(v[1]);
+    }
+}
+
+/* Every cuBLAS handle of a layer (the compute stream's, and the side
+   streams' of a bf16 layer with several experts) has a workspace set, which
+   cuBLAS Library, "CUDA Graphs Support" asks for where the calls may be
+   captured; and the layer counts it: after a step, the device memory it
+   holds is its parameter block plus device_workspace_bytes. */
+static void test_blas_workspace(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.max_tokens = 48;
+    for (int bf = 0; bf < 2; bf++) {
+        int bare0 = 0, bare1 = 0;
+        const int h0 = moept_emu_blas_handles(0, &bare0);
+        const long long b0 = moept_emu_device_bytes(0);
+        moept_layer *L = cuda_layer(cfg, bf);
+        if (!L) return;
+        const int h1 = moept_emu_blas_handles(0, &bare1);
+        EXPECT(h1 - h0 == (bf ? 5 : 1) && bare1 == bare0, "bf16 %d: %d handles, %d of them without a workspace",
+               bf, h1 - h0, bare1 - bare0);
+        step_values(L, cfg, bf, NULL); /* its buffers are freed before it returns */
+        cudaDeviceSynchronize();
+        moept_stats st;
+        moept_get_stats(L, &st, NULL);
+        float *p, *g;
+        int64_t n = 0;
+        EXPECT_OK(moept_cuda_params(L, &p, &g, &n));
+        const long long npad = (n + 63) / 64 * 64, pblock = (2 * npad + 2 * cfg.num_experts) * 4 + 256;
+        const long long held = moept_emu_device_bytes(0) - b0;
+        EXPECT(held == pblock + st.device_workspace_bytes, "bf16 %d: the layer holds %lld device bytes, its "
+               "parameter block %lld and device_workspace_bytes %lld", bf, held, pblock,
+               (long long)st.device_workspace_bytes);
+        moept_destroy(L);
+    }
+}
+
+/* The GEMM forms (moept_cuda_options.gemm_form) give the default's values
+   bitwise (the emulated cuBLAS computes an element alike in every call),
+   fp32 and bf16, default and sync-free mode; and each runs its own calls:
+   per-expert puts the expert GEMMs on the 4 side streams only, grouped and
+   auto keep fp32's on the compute stream, and in the sync-free mode (equal
+   groups) grouped stages its pointer arrays (a copy a call) where auto and
+   strided make one strided-batched call with none. */
+static void test_gemm_forms(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.max_tokens = 48;
+    cfg.hidden_size = 32; /* rows of 64 bytes in bf16: the grouped call's alignment holds */
+    cfg.intermediate_size = 48;
+    const char *names[4] = {"auto", "grouped", "per-expert", "strided"};
+    const int64_t len = step_values(NULL, cfg, 0, NULL);
+    for (int bf = 0; bf < 2; bf++)
+        for (int sf = 0; sf < 2; sf++) {
+            float *v[4] = {NULL, NULL, NULL, NULL};
+            moept_emu_counts ex[4], bx[4];
+            for (int f = 0; f < 4; f++) {
+                moept_cuda_options o = {bf ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, sf, (moept_gemm_form)f};
+                moept_layer *L = NULL;
+                EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+                if (!L) goto out;
+                moept_init_params(L, 3);
+                v[f] = calloc((size_t)len, sizeof(float));
+                cudaDeviceSynchronize();
+                moept_emu_counts_reset();
+                step_values(L, cfg, bf, v[f]);
+                cudaDeviceSynchronize();
+                moept_emu_counts_get(0, "experts", &ex[f]);
+                moept_emu_counts_get(0, "bwd.experts", &bx[f]);
+                moept_destroy(L);
+            }
+            for (int f = 1; f < 4; f++) {
+                int64_t diffs = 0;
+                for (int64_t i = 0; i < len; i++) diffs += memcmp(&v[0][i], &v[f][i], sizeof(float)) != 0;
+                EXPECT(diffs == 0, "bf16 %d sync-free %d: gemm_form %s: %lld values differ from auto", bf, sf,
+                       names[f], (long long)diffs);
+            }
+            EXPECT(ex[2].blas_streams == 4 && bx[2].blas_streams == 4 && ex[2].blas == 16,
+                   "bf16 %d sync-free %d: per-expert: %ld forward expert GEMMs on %ld streams, backward on %ld "
+                   "(16 on 4, and 4)", bf, sf, ex[2].blas, ex[2].blas_streams, bx[2].blas_streams);
+            EXPECT(ex[0].blas_streams == 1 && ex[1].blas_streams == 1 && ex[0].blas == 2 && ex[1].blas == 2,
+                   "bf16 %d sync-free %d: forward expert GEMMs: auto %ld on %ld streams, grouped %ld on %ld "
+                   "(2 on 1)",
+                   bf, sf, ex[0].blas, ex[0].blas_streams, ex[1].blas, ex[1].blas_streams);
+            if (sf)
+                EXPECT(ex[0].copies == 0 && ex[3].copies == 0 && ex[1].copies == 2 && ex[3].blas == 2,
+                       "bf16 %d sync-free: forward copies auto %ld, strided %ld (%ld calls), grouped %ld "
+                       "(0, 0, 2)",
+                       bf, ex[0].copies, ex[3].copies, ex[3].blas, ex[1].copies);
+        out:
+            for (int f = 0; f < 4; f++) free(v[f]);
+        }
 }
 
 /* What the CUDA executor lacks is refused on every rank, agreed as its own
@@ -1542,6 +1707,12 @@ int main(void) {
            test_sync_free_deferred);
     tu_run("cuda (emulated, 2 EP ranks): sync-free mode, a step captured in a CUDA graph, replays equal eager steps",
            test_sync_free_graph);
+    tu_run("cuda (emulated): cuBLAS may not reduce in the output type (bf16 bound): values unchanged when allowed",
+           test_no_reduced_precision_reduction);
+    tu_run("cuda (emulated): every cuBLAS handle has a workspace, counted in device_workspace_bytes",
+           test_blas_workspace);
+    tu_run("cuda (emulated): every GEMM form equals auto bitwise and runs its own cuBLAS calls",
+           test_gemm_forms);
 #endif
     return tu_done();
 }

@@ -17,7 +17,9 @@
 #           moept_check_cuda over three cases
 # bench:    bench_cuda at Mixtral-8x7B's layer (D 4096, F 14336, E 8, K 2,
 #           every expert on the one GPU) against its GEMM floor, bf16, T 8192
-#           and 4096; fp32 at T 4096
+#           (each GEMM form: moept_cuda_options.gemm_form) and 4096; fp32 at
+#           T 4096; DeepSeek-V3's experts (D 7168, F 2048, 16 local, K 8) in
+#           bf16 at T 8192, each GEMM form
 #
 # Logs go to $OUT (the device tool's output folder; default build/gpu): one
 # <phase>.log each and summary.txt, one line per step with its exit status
@@ -121,7 +123,9 @@ sanitize() {
 
 bench() {
     LOG="$OUT/bench.log"
-    step "bench_cuda Mixtral layer bf16 T=8192" build/bench_cuda --tokens 8192 --bf16
+    step "bench_cuda Mixtral layer bf16 T=8192, every GEMM form" build/bench_cuda --tokens 8192 --bf16 --gemm-form all
+    step "bench_cuda DeepSeek-V3 experts bf16 T=8192, every GEMM form" build/bench_cuda --shape deepseek --tokens 8192 \
+        --bf16 --gemm-form all
     step "bench_cuda Mixtral layer bf16 T=4096" build/bench_cuda --tokens 4096 --bf16
     step "bench_cuda Mixtral layer fp32 T=4096" build/bench_cuda --tokens 4096 --fp32
     grep RESULT "$LOG" | tee -a "$SUM"

@@ -61,6 +61,18 @@ void moept_emu_stage(const char *name);
 /* The sums for device dev under stage (NULL: every stage) since the last reset */
 void moept_emu_counts_get(int dev, const char *stage, moept_emu_counts *out);
 void moept_emu_counts_reset(void);
+/* ---- cuBLAS ----
+   Reductions in the output type where the math mode allows them (no
+   CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION, computeType
+   CUBLAS_COMPUTE_32F, a C type narrower than fp32): k is summed in fp32 in
+   chunks of kchunk, each chunk's sum rounded to C's type and the chunks added
+   in C's type (a split-K reduction in the output type). 0 (the default) turns
+   it off; MOEPT_EMU_BLAS_REDUCED_REDUCTION=kchunk in the environment sets it
+   for a whole run. */
+void moept_emu_blas_reduced_reduction(int kchunk);
+/* Live cuBLAS handles created on device dev; *no_ws (if not NULL): how many
+   have no cublasSetWorkspace in effect */
+int moept_emu_blas_handles(int dev, int *no_ws);
 /* Device memory held now by live cudaMalloc allocations of device dev */
 long long moept_emu_device_bytes(int dev);
 #ifdef __cplusplus

@@ -822,6 +822,22 @@ cudaError_t cudaGetDevice(int *d) {
     return cudaSuccess;
 }
 
+/* The compute capability only: the emulated device is no real architecture; it
+   answers 8.0 (MOEPT_EMU_CC=90 for 9.0), so what a caller sizes by it (e.g.
+   the cuBLAS workspace the cuBLAS docs recommend per architecture) stays small */
+cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int d) {
+    if (!v || d < 0 || d >= device_count()) return fail(!v ? cudaErrorInvalidValue : cudaErrorInvalidDevice);
+    const char *e = getenv("MOEPT_EMU_CC");
+    int cc = e && atoi(e) > 0 ? atoi(e) : 80;
+    if (a == cudaDevAttrComputeCapabilityMajor) *v = cc / 10;
+    else if (a == cudaDevAttrComputeCapabilityMinor) *v = cc % 10;
+    else {
+        report("runtime", "cudaDeviceGetAttribute(%d): not emulated", (int)a);
+        return fail(cudaErrorInvalidValue);
+    }
+    return cudaSuccess;
+}
+
 cudaError_t cudaGetLastError(void) {
     cudaError_t e = last_error;
     last_error = cudaSuccess;

@@ -763,6 +763,202 @@ static void blas() {
     cublasDestroy(h);
 }
 
+/* bf16 bits of a value bf16 holds exactly */
+static uint16_t bits16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)(u >> 16);
+}
+static float from16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* one grouped problem (group of 1): C (m x 1) = A (m x k) B (k x 1), bf16 or fp32 in and out, the
+   pointers as given (A, B, C at byte offsets off[3] into one device block) */
+static cublasStatus_t grouped_one(cublasHandle_t h, cudaDataType_t t, int64_t m, int64_t k, char *base,
+                                  const int off[3]) {
+    cublasOperation_t ta[1] = {CUBLAS_OP_N}, tb[1] = {CUBLAS_OP_N};
+    int64_t mm[1] = {m}, nn[1] = {1}, kk[1] = {k}, lda[1] = {m}, ldb[1] = {k}, ldc[1] = {m}, gs[1] = {1};
+    float al[1] = {1}, be[1] = {0};
+    const void *hp[3] = {base + off[0], base + off[1], base + off[2]};
+    void **dp;
+    cudaMalloc((void **)&dp, sizeof hp);
+    cudaMemcpy(dp, hp, sizeof hp, cudaMemcpyHostToDevice);
+    const void *const *pa = (const void *const *)dp;
+    cublasStatus_t s = cublasGemmGroupedBatchedEx_64(h, ta, tb, mm, nn, kk, al, pa, t, lda, pa + 1, t, ldb, be,
+                                                     (void *const *)dp + 2, t, ldc, 1, gs, CUBLAS_COMPUTE_32F);
+    cudaDeviceSynchronize();
+    cudaFree(dp);
+    return s;
+}
+
+/* The cuBLAS documentation's rules beyond the products: each call's type
+   table, the batched forms' pointer alignment, reductions in the output type
+   where the math mode allows them, and the workspace (alignment, size,
+   cublasSetStream's reset, graph capture, one stream at a time). */
+static void blas_rules() {
+    cublasHandle_t h;
+    cublasCreate(&h);
+    const float one = 1, zero = 0;
+    char *blk;
+    cudaMalloc((void **)&blk, 4096);
+    cudaMemset(blk, 0, 4096);
+    cudaDeviceSynchronize();
+    /* types: bf16 A and B with fp32 C is in cublasGemmEx's table and the strided-batched one's, not in the
+       grouped call's */
+    uint16_t a2[2] = {bits16(1.5f), bits16(2.0f)};
+    cudaMemcpy(blk, a2, 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(blk + 64, a2, 4, cudaMemcpyHostToDevice);
+    cublasStatus_t s = cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 2, &one, blk, CUDA_R_16BF, 1, blk + 64,
+                                       CUDA_R_16BF, 2, &zero, blk + 128, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT);
+    float c32 = 0;
+    cudaMemcpy(&c32, blk + 128, 4, cudaMemcpyDeviceToHost);
+    result("cublas types: cublasGemmEx takes bf16 x bf16 -> fp32", s == 0 && c32 == 1.5f * 1.5f + 4.0f,
+           "refused or wrong");
+    s = cublasGemmStridedBatchedEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 2, &one, blk, CUDA_R_16BF, 1, 0, blk + 64,
+                                      CUDA_R_16BF, 2, 0, &zero, blk + 128, CUDA_R_32F, 1, 4, 1, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT);
+    cudaDeviceSynchronize();
+    result("cublas types: ... so does cublasGemmStridedBatchedEx", s == 0, "refused");
+    const int off0[3] = {0, 64, 128};
+    s = grouped_one(h, CUDA_R_16BF, 1, 2, blk, off0);
+    result("cublas types: cublasGemmGroupedBatchedEx takes bf16 -> bf16", s == 0, "refused");
+    cublasOperation_t ta[1] = {CUBLAS_OP_N};
+    int64_t one64[1] = {1}, two64[1] = {2};
+    float al[1] = {1}, be[1] = {0};
+    s = cublasGemmGroupedBatchedEx_64(h, ta, ta, one64, one64, two64, al, (const void *const *)blk, CUDA_R_16BF,
+                                      one64, (const void *const *)blk, CUDA_R_16BF, two64, be, (void *const *)blk,
+                                      CUDA_R_32F, one64, 1, one64, CUBLAS_COMPUTE_32F);
+    result("cublas types: ... not bf16 -> fp32 (outside its table): CUBLAS_STATUS_NOT_SUPPORTED",
+           s == CUBLAS_STATUS_NOT_SUPPORTED, "accepted");
+    expect_report("cublas types: ... and reported (a caller picks by the table, never by probing)",
+                  "not in its documented type table");
+    s = cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
+                        blk + 128, CUDA_R_16BF, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    result("cublas types: cublasGemmEx fp32 -> bf16 is NOT_SUPPORTED", s == CUBLAS_STATUS_NOT_SUPPORTED,
+           "accepted");
+    expect_report("cublas types: ... and reported", "not in its documented type table");
+    s = cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
+                        blk + 128, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
+    result("cublas types: a documented combination the emulator does not compute (TF32) is declined",
+           s == CUBLAS_STATUS_NOT_SUPPORTED, "accepted");
+    expect_report("cublas types: ... and reported", "not emulated");
+
+    /* alignment of the grouped call's matrix pointers (bf16: the rule applies; fp32 default math: not) */
+    const int a16[3] = {0, 64, 132}, a4[3] = {0, 64, 130}, a_none[3] = {2, 66, 130};
+    s = grouped_one(h, CUDA_R_16BF, 2, 8, blk, a16); /* k * 2 = 16: every pointer 16-byte aligned */
+    expect_report("cublas alignment: grouped bf16, k 8, C 4-byte aligned: reported (a GPU faults)",
+                  "C pointer");
+    s = grouped_one(h, CUDA_R_16BF, 2, 2, blk, a4); /* k * 2 = 4: 4-byte aligned */
+    expect_report("cublas alignment: grouped bf16, k 2, C 2-byte aligned: reported", "not 4-byte aligned");
+    s = grouped_one(h, CUDA_R_16BF, 2, 3, blk, a_none); /* k * 2 = 6: no rule */
+    expect_clean("cublas alignment: grouped bf16, k 3 (6 bytes a column): 2-byte pointers are fine");
+    const int f4[3] = {4, 68, 132};
+    s = grouped_one(h, CUDA_R_32F, 2, 4, blk, f4);
+    expect_clean("cublas alignment: grouped fp32 with default math: 4-byte pointers are fine");
+    s = grouped_one(h, CUDA_R_16BF, 2, 8, blk, off0);
+    expect_clean("cublas alignment: grouped bf16, k 8, 64-byte aligned pointers: clean");
+
+    /* reductions in the output type: 1 + 3 (1.5 2^-9) sums to 1 + 2^-7 in fp32 (bf16 rounds 1.0087890625
+       there), but stays 1 when each partial sum is held in bf16 */
+    uint16_t av[4] = {bits16(1.0f), bits16(0.0029296875f), bits16(0.0029296875f), bits16(0.0029296875f)};
+    uint16_t bv[4] = {bits16(1.0f), bits16(1.0f), bits16(1.0f), bits16(1.0f)};
+    cudaMemcpy(blk, av, 8, cudaMemcpyHostToDevice);
+    cudaMemcpy(blk + 64, bv, 8, cudaMemcpyHostToDevice);
+    auto dot = [&](cudaDataType_t ct) {
+        cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 4, &one, blk, CUDA_R_16BF, 1, blk + 64, CUDA_R_16BF, 4,
+                        &zero, blk + 128, ct, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        if (ct == CUDA_R_32F) {
+            float v = 0;
+            cudaMemcpy(&v, blk + 128, 4, cudaMemcpyDeviceToHost);
+            return v;
+        }
+        uint16_t v = 0;
+        cudaMemcpy(&v, blk + 128, 2, cudaMemcpyDeviceToHost);
+        return from16(v);
+    };
+    const float exact = from16(bits16(1.0078125f));
+    float off_v = dot(CUDA_R_16BF);
+    moept_emu_blas_reduced_reduction(1);
+    float red_v = dot(CUDA_R_16BF), red32 = dot(CUDA_R_32F);
+    cublasSetMathMode(h, (cublasMath_t)(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+    float dis_v = dot(CUDA_R_16BF);
+    moept_emu_blas_reduced_reduction(0);
+    cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);
+    result("cublas reduced-precision reduction: off, the fp32 sum rounded once", off_v == exact, "wrong value");
+    result("cublas reduced-precision reduction: on with CUBLAS_DEFAULT_MATH, bf16 partial sums", red_v == 1.0f,
+           "not reduced in bf16");
+    result("cublas reduced-precision reduction: ... not with CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION",
+           dis_v == exact, "reduced anyway");
+    result("cublas reduced-precision reduction: ... nor with an fp32 C", red32 == 1.0087890625f, "reduced anyway");
+
+    /* the workspace */
+    int bare = -1;
+    int nh = moept_emu_blas_handles(0, &bare);
+    result("cublas workspace: a new handle has none set", nh >= 1 && bare == nh, "counted wrong");
+    char *ws;
+    cudaMalloc((void **)&ws, 65536);
+    s = cublasSetWorkspace(h, ws + 16, 32768);
+    result("cublas workspace: a pointer not 256-byte aligned is CUBLAS_STATUS_INVALID_VALUE",
+           s == CUBLAS_STATUS_INVALID_VALUE, "accepted");
+    expect_report("cublas workspace: ... and reported", "256-byte");
+    cublasSetWorkspace(h, ws, 8192);
+    s = cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
+                        blk + 128, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    result("cublas workspace: under 16 KiB, a GEMM may answer CUBLAS_STATUS_ALLOC_FAILED (taken as it does)",
+           s == CUBLAS_STATUS_ALLOC_FAILED, "accepted");
+    expect_report("cublas workspace: ... and reported", "16 KiB");
+    cudaStream_t sa, sb;
+    cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking);
+    cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking);
+    cublasSetWorkspace(h, ws, 32768);
+    cublasSetStream(h, sa); /* resets the workspace to the default pool */
+    moept_emu_blas_handles(0, &bare);
+    result("cublas workspace: cublasSetStream resets it", bare == nh, "kept");
+    auto captured_gemm = [&](cublasHandle_t hh, cudaStream_t st) {
+        cudaGraph_t g = nullptr;
+        cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal);
+        cublasGemmEx_64(hh, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
+                        blk + 128, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        cudaStreamEndCapture(st, &g);
+        if (g) cudaGraphDestroy(g);
+    };
+    captured_gemm(h, sa);
+    expect_report("cublas workspace: a GEMM captured without one is reported (memory nodes in the graph)",
+                  "no cublasSetWorkspace");
+    cublasSetWorkspace(h, ws, 32768);
+    captured_gemm(h, sa);
+    expect_clean("cublas workspace: ... and with one set after cublasSetStream, clean");
+    /* two handles on two streams sharing one workspace, their calls unordered */
+    cublasHandle_t h2;
+    cublasCreate(&h2);
+    cublasSetStream(h2, sb);
+    cublasSetWorkspace(h2, ws, 32768);
+    cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
+                    blk + 256, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasGemmEx_64(h2, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
+                    blk + 384, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cudaDeviceSynchronize();
+    expect_report("cublas workspace: one workspace used by two streams at once is a hazard", "cuBLAS workspace");
+    cublasSetWorkspace(h2, ws + 32768, 32768); /* each its own */
+    cublasGemmEx_64(h, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
+                    blk + 256, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cublasGemmEx_64(h2, CUBLAS_OP_N, CUBLAS_OP_N, 1, 1, 1, &one, blk, CUDA_R_32F, 1, blk, CUDA_R_32F, 1, &zero,
+                    blk + 384, CUDA_R_32F, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cudaDeviceSynchronize();
+    expect_clean("cublas workspace: ... one each, clean");
+    cublasDestroy(h2);
+    cublasDestroy(h);
+    cudaStreamDestroy(sa);
+    cudaStreamDestroy(sb);
+    cudaFree(ws);
+    cudaFree(blk);
+}
+
 /* NCCL: an ncclSend the peer never receives waits for ever, as on a GPU
    (no error by itself); ncclCommAbort on its rank ends it. An injected
    transport failure instead gives the asynchronous error. */
@@ -822,6 +1018,7 @@ int main() {
     released_at_once();
     copies();
     blas();
+    blas_rules();
     nccl_unmatched(0);
     nccl_unmatched(1);
     capture();
