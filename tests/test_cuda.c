@@ -261,6 +261,24 @@ static void test_dx_overflow(void) {
     }
 }
 
+/* values that differ bitwise */
+static int64_t count_diffs(const float *a, const float *b, int64_t n) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return d;
+}
+/* gradient values that differ between two layers of one shape */
+static int64_t grad_diffs(moept_layer *a, moept_layer *b) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < moept_param_count(a); i++) {
+        moept_param_info x, y;
+        moept_param_info_at(a, i, &x);
+        moept_param_info_at(b, i, &y);
+        if (x.grad) d += count_diffs(x.grad, y.grad, x.rows * x.cols);
+    }
+    return d;
+}
+
 /* Every parameter of A equals B's bitwise (names from the host layer B:
    moept_get_param only reads a CUDA layer's, with no host write) */
 static int same_params(const moept_layer *A, const moept_layer *B, const char *what) {
@@ -367,6 +385,79 @@ static void test_device_adamw(void) {
     out:
         for (int k = 0; k < 4; k++) moept_destroy(L[k]);
     }
+}
+
+/* One GPU: a sync-free step (forward + backward) captured in a CUDA graph
+   on the layer's non-blocking stream (thread-local mode) and replayed for
+   three more steps on new inputs written into the captured buffers; each
+   replay's y, dx and gradients equal an eager layer's bitwise (the same
+   parameters, the same calls). Runs on a real GPU (tools/gpu_check.sh) and
+   the emulated one. */
+static void test_graph_one_gpu(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE);
+    const int64_t D = cfg.hidden_size, T = 12;
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    moept_cuda_options o = {.dtype = MOEPT_DTYPE_BF16, .stream = s, .sync_free = 1};
+    moept_layer *L[2] = {NULL, NULL}; /* captured, eager */
+    for (int v = 0; v < 2; v++) {
+        EXPECT(moept_create_cuda(&cfg, NULL, NULL, &o, &L[v]) == MOEPT_OK, "create: %s", moept_last_error(NULL));
+        if (L[v]) moept_init_params(L[v], 13);
+    }
+    if (!L[0] || !L[1]) {
+        moept_destroy(L[0]);
+        moept_destroy(L[1]);
+        cudaStreamDestroy(s);
+        return;
+    }
+    unsigned long long rs = 91;
+    float *h = calloc((size_t)(6 * T * D), sizeof(float)), *out = h + 2 * T * D;
+    void *xd = dev_from(h, T * D, 1), *dyd = dev_from(h, T * D, 1), *yd = dev_from(h, T * D, 1);
+    void *dxd = dev_from(h, T * D, 1);
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t x = NULL;
+    int64_t diffs = 0;
+    for (int step = 0; step < 4; step++) {
+        for (int64_t i = 0; i < 2 * T * D; i++) h[i] = (float)tu_rand(&rs);
+        void *nx = dev_from(h, T * D, 1), *ndy = dev_from(h + T * D, T * D, 1);
+        cudaMemcpy(xd, nx, (size_t)(T * D) * 2, cudaMemcpyDeviceToDevice);
+        cudaMemcpy(dyd, ndy, (size_t)(T * D) * 2, cudaMemcpyDeviceToDevice);
+        cudaFree(nx);
+        cudaFree(ndy);
+        if (step == 1) {
+            float *pp, *gp;
+            int64_t np;
+            moept_cuda_params(L[0], &pp, &gp, &np); /* pending host writes uploaded before the capture */
+            cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+            moept_status a = moept_forward(L[0], xd, T, yd), b = moept_backward(L[0], xd, dyd, dxd);
+            cudaError_t e = cudaStreamEndCapture(s, &g);
+            EXPECT(!a && !b && e == cudaSuccess && cudaGraphInstantiate(&x, g, 0) == cudaSuccess,
+                   "capture: %d %d %d %s", (int)a, (int)b, (int)e, moept_last_error(L[0]));
+            if (!x) break;
+        }
+        for (int v = 0; v < 2; v++) {
+            moept_zero_grad(L[v]);
+            if (v == 0 && step >= 1) {
+                cudaGraphLaunch(x, s);
+                moept_cuda_params_changed(L[0]); /* its gradients changed outside the API */
+            } else {
+                EXPECT(!moept_forward(L[v], xd, T, yd) && !moept_backward(L[v], xd, dyd, dxd), "step %d: %s",
+                       step, moept_last_error(L[v]));
+            }
+            cudaStreamSynchronize(s);
+            host_from(out + 2 * v * T * D, yd, T * D, 1);
+            host_from(out + (2 * v + 1) * T * D, dxd, T * D, 1);
+        }
+        diffs += count_diffs(out, out + 2 * T * D, 2 * T * D) + grad_diffs(L[0], L[1]);
+    }
+    EXPECT(diffs == 0, "%lld values of the replays differ from the eager steps", (long long)diffs);
+    if (x) cudaGraphExecDestroy(x);
+    if (g) cudaGraphDestroy(g);
+    cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd);
+    free(h);
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+    cudaStreamDestroy(s);
 }
 
 #ifdef MOEPT_EMU
@@ -582,22 +673,6 @@ static int chunk_step(moept_layer *L, int64_t D, const void *x, const void *xbad
     return bad;
 }
 
-static int64_t count_diffs(const float *a, const float *b, int64_t n) {
-    int64_t d = 0;
-    for (int64_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
-    return d;
-}
-/* gradient values that differ between two layers of one shape */
-static int64_t grad_diffs(moept_layer *a, moept_layer *b) {
-    int64_t d = 0;
-    for (int64_t i = 0; i < moept_param_count(a); i++) {
-        moept_param_info x, y;
-        moept_param_info_at(a, i, &x);
-        moept_param_info_at(b, i, &y);
-        if (x.grad) d += count_diffs(x.grad, y.grad, x.rows * x.cols);
-    }
-    return d;
-}
 
 /* both variants of a job's layer on the same inputs (sync-free: a first
    step on other tokens, then the compared one; chunks: a rejected forward
@@ -1670,6 +1745,7 @@ int main(void) {
         tu_skip("cuda: bad options and host comms rejected", why);
         tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
         tu_skip("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", why);
+        tu_skip("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps", why);
         return tu_done();
     }
     tu_run("cuda: fp32 equals the CPU layer (4 families, 1e-5)", test_fp32);
@@ -1679,6 +1755,8 @@ int main(void) {
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
     tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
     tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
+    tu_run("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps",
+           test_graph_one_gpu);
 #ifdef MOEPT_EMU
     tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from the loss all-reduce: ERR_COMM, aborted once",

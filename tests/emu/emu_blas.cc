@@ -190,8 +190,10 @@ static const TypeRow k_grouped[] = {
     {CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_16BF},
     {CUBLAS_COMPUTE_32F, CUDA_R_16F, CUDA_R_16F},
     {CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_32F},
+    {CUBLAS_COMPUTE_32F_PEDANTIC, CUDA_R_32F, CUDA_R_32F},
     {CUBLAS_COMPUTE_32F_FAST_TF32, CUDA_R_32F, CUDA_R_32F},
     {CUBLAS_COMPUTE_64F, CUDA_R_64F, CUDA_R_64F},
+    {CUBLAS_COMPUTE_64F_PEDANTIC, CUDA_R_64F, CUDA_R_64F},
 };
 
 static const char *type_name(cudaDataType_t t) {
@@ -211,6 +213,7 @@ static const char *comp_name(cublasComputeType_t c) {
     case CUBLAS_COMPUTE_32F_PEDANTIC: return "CUBLAS_COMPUTE_32F_PEDANTIC";
     case CUBLAS_COMPUTE_32F_FAST_TF32: return "CUBLAS_COMPUTE_32F_FAST_TF32";
     case CUBLAS_COMPUTE_64F: return "CUBLAS_COMPUTE_64F";
+    case CUBLAS_COMPUTE_64F_PEDANTIC: return "CUBLAS_COMPUTE_64F_PEDANTIC";
     default: return "(another computeType)";
     }
 }
@@ -237,8 +240,7 @@ static cublasStatus_t check_types(const char *call, const TypeRow (&table)[N], c
 }
 
 /* The math mode's fast modes (cuBLAS Library, "cublasMath_t"): TF32 or the deprecated
-   CUBLAS_TENSOR_OP_MATH may round fp32 inputs, which the emulator does not do (so it declines them);
-   they matter here for the alignment rule. */
+   CUBLAS_TENSOR_OP_MATH may round fp32 inputs, which the emulator does not do (so it declines them). */
 static bool fast_math(cublasMath_t m) {
     int base = (int)m & 0xf;
     return base == CUBLAS_TENSOR_OP_MATH || base == CUBLAS_TF32_TENSOR_OP_MATH;
@@ -255,19 +257,21 @@ static int reduced(const Blas *b, cudaDataType_t ct, cublasComputeType_t comp) {
     return reduced_chunk();
 }
 
-/* The batched forms read their matrix pointers on the device, so the pointers
-   themselves must be aligned (cuBLAS Library, "cublasGemmBatchedEx()" and
-   "cublasGemmGroupedBatchedEx()": with Atype CUDA_R_16F or CUDA_R_16BF, a
-   FAST compute type or a fast math mode, "pointers (not the pointer arrays)
-   placed in the GPU memory must be properly aligned to avoid misaligned
-   memory access errors": to 16 bytes when k * sizeof(Atype) is a multiple of
-   16, else to 4 bytes when it is a multiple of 4). The bytes a problem needs,
-   1 for none. cublasGemmEx and cublasGemmStridedBatchedEx see their pointers
-   on the host; for them the documentation's alignment advice ("Tensor Core
-   Usage") is about speed, not correctness, and is not checked. */
+/* The grouped call reads its matrix pointers on the device, so the pointers
+   themselves must be aligned (cuBLAS Library, "cublasGemmGroupedBatchedEx()":
+   with Atype CUDA_R_16F or CUDA_R_16BF, or a FAST compute type, the pointers
+   (not the pointer arrays) must be aligned to avoid misaligned memory
+   accesses: to 16 bytes when k * sizeof(Atype) is a multiple of 16, else to
+   4 bytes when it is a multiple of 4; a requirement there, where
+   "cublasGemmBatchedEx()" only recommends alignment). The bytes a problem
+   needs, 1 for none. cublasGemmEx and cublasGemmStridedBatchedEx see their
+   pointers on the host; for them the documentation's alignment advice
+   ("Tensor Core Usage") is about speed, not correctness, and is not
+   checked. */
 static int align_need(const Blas *b, cudaDataType_t at, cublasComputeType_t comp, int64_t k) {
+    (void)b; /* the math mode does not enter the grouped call's rule */
     bool rule = at == CUDA_R_16F || at == CUDA_R_16BF || comp == CUBLAS_COMPUTE_32F_FAST_16F ||
-                comp == CUBLAS_COMPUTE_32F_FAST_16BF || comp == CUBLAS_COMPUTE_32F_FAST_TF32 || fast_math(b->math);
+                comp == CUBLAS_COMPUTE_32F_FAST_16BF || comp == CUBLAS_COMPUTE_32F_FAST_TF32;
     if (!rule) return 1;
     int64_t kb = k * (int64_t)esize(at);
     return kb % 16 == 0 ? 16 : kb % 4 == 0 ? 4 : 1;
