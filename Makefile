@@ -31,7 +31,7 @@ CUDA_OK := $(if $(NVCC),$(shell printf '\043include <nccl.h>\n\043include <cubla
 CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 --fmad=false -Xcompiler -Wall,-Wextra,-Wno-unknown-pragmas $(CUDA_ARCHS)
 CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lnccl -lstdc++
-CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/train_cuda $(B)/bench_cuda \
+CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/test_fault $(B)/train_cuda $(B)/bench_cuda \
             $(if $(MPICC),$(B)/moept_check_cuda_mpi $(B)/train_cuda_mpi))
 
 # the emulated GPU (tests/emu; rules at the end): needs only the CUDA, cuBLAS and NCCL headers
@@ -45,7 +45,8 @@ EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
 EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0 \
              -fno-tree-sra
 EMU_LIBS = -lstdc++ -lm -pthread
-EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/train $(B)/emu/bench_cuda $(B)/emu/test_emu \
+EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/test_fault $(B)/emu/train $(B)/emu/bench_cuda \
+           $(B)/emu/test_emu \
            $(B)/emu-san/moept_check $(if $(MPICC),$(B)/emu/moept_check_mpi $(B)/emu/train_mpi))
 
 
@@ -173,6 +174,11 @@ $(B)/test_cuda: tests/test_cuda.c tests/testutil.h $(CUDA_OBJS)
 
 $(B)/train_cuda: examples/train.c $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+# a kernel of the test's own loses the context (tests/test_fault.cu)
+$(B)/test_fault: tests/test_fault.cu tests/testutil.h $(CUDA_OBJS)
+	$(NVCC) $(NVCCFLAGS) -Itests -c tests/test_fault.cu -o $(B)/cuda/test_fault.o
+	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/test_fault.o $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/bench_cuda: bench/bench_cuda.c $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
@@ -350,6 +356,10 @@ $(B)/emu/moept_check: tests/moept_check.c $(EMU_OBJS)
 
 $(B)/emu/test_cuda: tests/test_cuda.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/test_fault.cu -o $(B)/emu/test_fault.o
+	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_fault.o $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 $(B)/emu/train: examples/train.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)

@@ -170,6 +170,7 @@ if [ -n "$EMU" ]; then
     done
     suite "emu: test_emu (each checker fires; cuBLAS hand-worked)" "$B/emu/test_emu"
     suite "emu: test_cuda" "$B/emu/test_cuda"
+    suite "emu: test_fault (a kernel fault loses the context)" "$B/emu/test_fault"
     suite "emu: train_cuda vs train, fp32" sh tests/curves.sh fp32 "$B/emu/train"
     suite "emu: train_cuda --bf16 vs train" sh tests/curves.sh bf16 "$B/emu/train"
     suite "emu: bench_cuda runs, every GEMM form (tiny shape; its times mean nothing here)" "$B/emu/bench_cuda" --tokens 64 --hidden 32 --ffn 48 --experts 4 --topk 2 --reps 2 --gemm-form all
@@ -207,6 +208,7 @@ if [ -n "$CUDA" ]; then
     suite "cuda: no kernel spills, static shared memory <= 48 KiB (nvcc -Xptxas -v)" sh tests/check_ptxas.sh "$B/cuda/ptxas.txt"
     suite "cuda reference cases (fp32 1e-5, bf16 2^-6 vs bf16 reference)" "$B/moept_check_cuda" $CASES
     suite "test_cuda" "$B/test_cuda"
+    suite "test_fault (a kernel fault loses the context)" "$B/test_fault"
     suite "train_cuda" "$B/train_cuda" --steps 30 --quiet
     if [ -n "$MPIRUN" ]; then # one process per GPU: as many processes as this machine has GPUs (1 here)
         suite "cuda reference cases, mpirun -np 1 moept_check_cuda_mpi" "$MPIRUN" -np 1 "$B/moept_check_cuda_mpi" \

@@ -7,7 +7,8 @@
 # build:    make cuda for the machine's GPU (NCCL from CUDA_HOME, else from the
 #           nvidia-nccl Python package), and the CPU example for the curves
 # check:    moept_check_cuda on every case (fp32 1e-5 and bf16 2^-6, as the
-#           emulated suite), the --weights cases, test_cuda, the 4-step loss
+#           emulated suite), the --weights cases, test_cuda (a captured graph
+#           replayed included), test_fault (the lost-context path), the 4-step loss
 #           curves against the CPU (fp32, bf16), train_cuda 300 steps, the
 #           one-process-per-GPU binaries at EP 1 (mpirun -np 1); with two or
 #           more GPUs also --ep 2 as threads (chunked and not) and the
@@ -81,6 +82,7 @@ check() {
             tests/cases/$c.safetensors
     done
     step "test_cuda" build/test_cuda
+    step "test_fault: a kernel fault loses the context, moept says so" build/test_fault
     step "curve fp32 vs CPU" sh tests/curves.sh fp32 build/train_cuda
     step "curve bf16 vs CPU" sh tests/curves.sh bf16 build/train_cuda
     step "train_cuda 300 steps" build/train_cuda --steps 300 --csv "$OUT/train_cuda.csv"
