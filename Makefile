@@ -45,8 +45,8 @@ EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
 EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0 \
              -fno-tree-sra
 EMU_LIBS = -lstdc++ -lm -pthread
-EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/test_fault $(B)/emu/train $(B)/emu/bench_cuda \
-           $(B)/emu/test_emu \
+EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/test_fault $(B)/emu/train \
+           $(B)/emu/bench_cuda $(B)/emu/test_emu \
            $(B)/emu-san/moept_check $(if $(MPICC),$(B)/emu/moept_check_mpi $(B)/emu/train_mpi))
 
 
@@ -192,10 +192,12 @@ $(B)/cuda-mpi/moept.o: moept.c $(HDRS) | $(B)
 CUDA_MPI_OBJS = $(B)/cuda-mpi/moept.o $(B)/cuda/moept_kernels.o
 
 $(B)/moept_check_cuda_mpi: tests/moept_check.c $(CUDA_MPI_OBJS)
-	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) $< $(CUDA_MPI_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) $< $(CUDA_MPI_OBJS) -o $@ \
+	    $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/train_cuda_mpi: examples/train.c $(CUDA_MPI_OBJS)
-	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) $< $(CUDA_MPI_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) $< $(CUDA_MPI_OBJS) -o $@ \
+	    $(CUDA_LIBS) $(LDLIBS)
 
 cuda: $(CUDA_BINS)
 
@@ -376,7 +378,8 @@ $(B)/emu-mpi/moept.o: moept.c $(HDRS) | $(B)
 EMU_MPI_OBJS = $(B)/emu-mpi/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
 
 $(B)/emu/moept_check_mpi: tests/moept_check.c $(EMU_MPI_OBJS)
-	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI -DMOEPT_EMU $(EMU_INC) $< $(EMU_MPI_OBJS) -o $@ $(EMU_LIBS)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI -DMOEPT_EMU $(EMU_INC) $< $(EMU_MPI_OBJS) -o $@ \
+	    $(EMU_LIBS)
 
 $(B)/emu/train_mpi: examples/train.c $(EMU_MPI_OBJS)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(EMU_INC) $< $(EMU_MPI_OBJS) -o $@ $(EMU_LIBS)

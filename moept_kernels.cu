@@ -65,8 +65,12 @@ typedef uint16_t moept__bf16;
    lost, whatever failed first (a CUDA call, cuBLAS, NCCL, an agreement), and
    so does every later call on the device (moept__on_device).
    ------------------------------------------------------------------------ */
+/* the calling layer's or comm's probe: an empty stream of its device, set by moept__on_device */
+static thread_local cudaStream_t moept__t_probe;
 static cudaError_t moept__lost(void) {
-    cudaError_t e = cudaPeekAtLastError(); /* a sticky error is never cleared: any thread sees it */
+    /* a call bound to the device answers for its context; the thread's last error would also carry
+       another device's (a thread that drives several) */
+    cudaError_t e = moept__t_probe ? cudaStreamQuery(moept__t_probe) : cudaPeekAtLastError();
     switch (e) {
     case cudaErrorIllegalAddress: case cudaErrorLaunchTimeout: case cudaErrorAssert:
     case cudaErrorHardwareStackError: case cudaErrorIllegalInstruction: case cudaErrorMisalignedAddress:
@@ -110,20 +114,24 @@ static moept_status moept__kfail(char *err, moept_status s, const char *fmt, ...
    context (above) fails the call at once. */
 struct moept__on_device {
     int prev, dev;
+    cudaStream_t prev_probe;
     cudaError_t e;
-    explicit moept__on_device(int d) : prev(-1), dev(d), e(cudaSuccess) {
+    moept__on_device(int d, cudaStream_t probe) : prev(-1), dev(d), prev_probe(moept__t_probe), e(cudaSuccess) {
         if (d < 0) return;
+        moept__t_probe = probe;
         if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
         if (prev != d) e = cudaSetDevice(d);
         if (e == cudaSuccess) e = moept__lost();
     }
     ~moept__on_device() {
+        if (dev < 0) return;
+        moept__t_probe = prev_probe;
         if (prev >= 0 && prev != dev) (void)cudaSetDevice(prev);
     }
 };
 /* the first line of every extern "C" entry of a layer c (with its err) */
 #define MOEPT__ENTER(c)                                                                                   \
-    moept__on_device moept__dev_((c)->dev);                                                               \
+    moept__on_device moept__dev_((c)->dev, (c)->probe);                                                   \
     if (moept__dev_.e != cudaSuccess)                                                                     \
     return moept__kfail(err, MOEPT_ERR_DEVICE, "device %d at the call's start: %s", (c)->dev,            \
                         cudaGetErrorString(moept__dev_.e))
@@ -825,6 +833,7 @@ static const char *moept__sf_why(unsigned long long code) {
 typedef struct moept__nccl {
     ncclComm_t comm;
     cudaStream_t stream;
+    cudaStream_t probe;     /* empty, of the comm's device: asks whether its context is lost */
     int timeout_ms;
     /* Host buffers (set-up and agreement traffic) cross through pinned
        memory: a copy into or out of pageable memory waits for the stream's
@@ -852,7 +861,7 @@ static moept_status moept__nccl_fail(moept_comm *c, moept_status s, const char *
 }
 /* the first line of every call of an NCCL comm c (moept__on_device) */
 #define MOEPT__NENTER(c)                                                                                  \
-    moept__on_device moept__dev_(((moept__nccl *)(c)->ctx)->dev);                                         \
+    moept__on_device moept__dev_(((moept__nccl *)(c)->ctx)->dev, ((moept__nccl *)(c)->ctx)->probe);       \
     if (moept__dev_.e != cudaSuccess)                                                                     \
     return moept__nccl_fail((c), MOEPT_ERR_DEVICE, "device %d at the call's start: %s",                  \
                             ((moept__nccl *)(c)->ctx)->dev, cudaGetErrorString(moept__dev_.e))
@@ -1018,6 +1027,9 @@ static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const
     MOEPT__TRY(moept__nccl_dead(c));
     if (es != 2 && es != 4 && es != 8) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
     if (!moept__is_host(send) && !moept__is_host(recv)) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
+    if (!moept__is_host(send) || !moept__is_host(recv))
+        return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: one buffer is host memory, "
+                                "the other device memory (both one or the other)");
     /* host buffers (set-up and agreement traffic): through pinned and device staging */
     moept__nccl *n = (moept__nccl *)c->ctx;
     int64_t sb = moept__seg_end(ss, c->size * nseg) * es, rb = moept__seg_end(rs, c->size * nseg) * es;
@@ -1077,6 +1089,9 @@ static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void 
         MOEPT__NC(c, ncclAllGather(send, recv, (size_t)bytes, ncclUint8, n->comm, n->stream));
         return MOEPT_OK;
     }
+    if (!moept__is_host(send) || !moept__is_host(recv))
+        return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl allgather: one buffer is host memory, "
+                                "the other device memory (both one or the other)");
     size_t total = (size_t)bytes * (size_t)(c->size + 1);
     moept_status st = moept__nccl_stage(c, total, total);
     if (st) return st;
@@ -1115,7 +1130,7 @@ static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int n
    its owner did not abort) keeps the staging allocated rather than hang. */
 static void moept__nccl_destroy(moept_comm *c) {
     moept__nccl *n = (moept__nccl *)c->ctx;
-    moept__on_device on(n ? n->dev : -1);
+    moept__on_device on(n ? n->dev : -1, n ? n->probe : NULL);
     if (n) {
         const double t0 = moept__clock();
         cudaError_t q;
@@ -1126,6 +1141,7 @@ static void moept__nccl_destroy(moept_comm *c) {
             (void)(n->retired_host[i] ? cudaFreeHost(n->retired[i]) : cudaFree(n->retired[i]));
         if (n->stage) cudaFree(n->stage);
         if (n->host) cudaFreeHost(n->host);
+        if (n->probe) cudaStreamDestroy(n->probe);
         free(n);
     }
     free(c);
@@ -1141,6 +1157,14 @@ extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeo
     moept_comm *c = (moept_comm *)calloc(1, sizeof *c);
     moept__nccl *n = (moept__nccl *)calloc(1, sizeof *n);
     if (!c || !n) { free(c); free(n); return MOEPT_ERR_OUT_OF_MEMORY; }
+    {
+        moept__on_device on(dev, NULL);
+        if (on.e != cudaSuccess || cudaStreamCreateWithFlags(&n->probe, cudaStreamNonBlocking) != cudaSuccess) {
+            free(c);
+            free(n);
+            return MOEPT_ERR_DEVICE;
+        }
+    }
     n->comm = comm;
     n->stream = (cudaStream_t)stream;
     n->timeout_ms = timeout_ms > 0 ? timeout_ms : 600000;
@@ -1170,6 +1194,7 @@ struct moept__cuda {
     moept__cuda_spec sp;
     int dev;                    /* the device current at create: current in every call (moept__on_device) */
     cudaStream_t s;             /* compute */
+    cudaStream_t probe;         /* empty, of the layer's device: asks whether its context is lost */
     cudaStream_t cs;            /* the EP comm's stream (s at one rank) */
     cudaEvent_t ev_compute, ev_comm;
     cudaEvent_t ev_out[2], ev_back[2]; /* chunked: a chunk's rows arrived / returned (alternating) */
@@ -1375,14 +1400,16 @@ extern "C" int moept__cuda_device_count(void) {
     return n;
 }
 
-static moept_status moept__host_wait(moept__cuda *c, char *err);
-/* The frees below wait for the device: the comms' work is polled first
-   (with their timeouts), so the device has only this rank's own left. */
+/* The frees below wait for the device: each comm's work is polled first,
+   whatever the other's gave (one that times out is aborted, which ends its
+   work), so the device has only this rank's own left. */
 extern "C" void moept__cuda_destroy(moept__cuda *c) {
     if (!c) return;
-    moept__on_device on(c->dev); /* a lost context: each call below fails, the host memory is freed */
-    char err[MOEPT__ERRLEN];
-    if (c->blas) (void)moept__host_wait(c, err);
+    moept__on_device on(c->dev, c->probe); /* a lost context: each call below fails, host memory is freed */
+    moept_comm *comms[2] = {c->sp.ep, c->sp.dp};
+    for (int i = 0; i < 2 && c->blas; i++)
+        if (comms[i] && !moept_comm_nccl_aborted(comms[i])) (void)moept__nccl_wait(comms[i]);
+    if (c->blas) (void)cudaStreamSynchronize(c->s);
     if (c->blas) cublasDestroy(c->blas);
     for (int i = 0; i < MOEPT__SIDE; i++) { /* joined to s by events: s's sync covered them */
         if (c->side_blas[i]) cublasDestroy(c->side_blas[i]);
@@ -1403,6 +1430,7 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
     cudaFree(c->work);
     cudaFree(c->rblock);
     cudaFreeHost(c->pinned);
+    if (c->probe) cudaStreamDestroy(c->probe);
     free(c->counts);
     free(c);
 }
@@ -1430,7 +1458,7 @@ static cudaError_t moept__cast_weights(moept__cuda *c) {
    sync-free: their bf16 copy now, so no forward casts (a captured step
    would freeze whether it does) */
 extern "C" void moept__cuda_params_changed(moept__cuda *c) {
-    moept__on_device on(c->dev);
+    moept__on_device on(c->dev, c->probe);
     c->wlow_stale = 1;
     c->grads_clean = 0;
     if (c->B && c->wlow) (void)moept__cast_weights(c); /* a failure leaves it stale: the forward casts */
@@ -1519,6 +1547,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->s = (cudaStream_t)p->stream;
     c->cs = c->s;
     if (p->ep) c->cs = ((moept__nccl *)p->ep->ctx)->stream;
+    MOEPT__CU(cudaStreamCreateWithFlags(&c->probe, cudaStreamNonBlocking));
     MOEPT__CU(cudaEventCreateWithFlags(&c->ev_compute, cudaEventDisableTiming));
     MOEPT__CU(cudaEventCreateWithFlags(&c->ev_comm, cudaEventDisableTiming));
     for (int i = 0; i < 2 && C > 1; i++) {

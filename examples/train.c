@@ -523,7 +523,10 @@ static void gpu_comms_open(gpu_comms *g, MPI_Comm epc, MPI_Comm dpc) {
         MPI_Comm_rank(groups[i], &r);
         MPI_Comm_size(groups[i], &n);
         ncclUniqueId id;
-        if (r == 0 && ncclGetUniqueId(&id) != ncclSuccess) { fprintf(stderr, "train: ncclGetUniqueId\n"); exit(1); }
+        if (r == 0 && ncclGetUniqueId(&id) != ncclSuccess) {
+            fprintf(stderr, "train: ncclGetUniqueId failed\n");
+            exit(1);
+        }
         MPI_Bcast(&id, (int)sizeof id, MPI_BYTE, 0, groups[i]);
         if (cudaStreamCreateWithFlags(&g->s[i], cudaStreamNonBlocking) != cudaSuccess ||
             ncclCommInitRank(&g->nc[i], n, id, r) != ncclSuccess) {
@@ -566,7 +569,10 @@ int main(int argc, char **argv) {
     parse(argc, argv, &o);
 #ifdef MOEPT_CUDA
 #ifndef MOEPT_MPI
-    if (o.ep != 1 || o.dp != 1) { fprintf(stderr, "train_cuda: one GPU rank (--ep 1; train_cuda_mpi for more)\n"); return 2; }
+    if (o.ep != 1 || o.dp != 1) {
+        fprintf(stderr, "train_cuda: one GPU rank (--ep 1; train_cuda_mpi for more)\n");
+        return 2;
+    }
 #endif
     if (moept_cuda_device_count() < 1) {
         printf("skip - no CUDA device: the GPU run was not made\n");

@@ -3,9 +3,11 @@
 # kill -9 of one process of a running one-process-per-GPU job (TRAIN_MPI:
 # build/emu/train_mpi, or build/train_cuda_mpi on GPUs), KILLS times (default
 # 3), each at a random moment 1.5-3.5 s into training, a random rank: the
-# job must end within 60 s (mpirun ends the other ranks, or their NCCL
-# timeout makes them fail) and leave no moept or emulated-NCCL segment in
+# job must end within 60 s and leave no moept or emulated-NCCL segment in
 # /dev/shm (every segment is unlinked as soon as all its ranks mapped it).
+# What ends the job is mpirun, which kills the other ranks when one dies;
+# moept's own timeout and abort for a peer that never comes run over the
+# same emulated NCCL path in test_cuda's absent-peer tests (ranks as threads).
 mpirun=$1 bin=$2 kills=${3:-3}
 export OMP_NUM_THREADS=1
 before=$(ls /dev/shm 2>/dev/null | grep -c moept)
@@ -17,7 +19,8 @@ while [ $i -lt "$kills" ]; do
     mp=$!
     sleep "$(awk -v s="$i$$" 'BEGIN { srand(s); printf "%.2f", 1.5 + 2 * rand() }')"
     ranks=$(pgrep -P $mp)
-    victim=$(echo "$ranks" | awk -v s="$i$$" 'BEGIN { srand(s) } { r[NR] = $1 } END { print r[1 + int(rand() * NR)] }')
+    victim=$(echo "$ranks" | awk -v s="$i$$" 'BEGIN { srand(s) } { r[NR] = $1 }
+                                             END { print r[1 + int(rand() * NR)] }')
     if [ -z "$victim" ]; then
         echo "FAIL - kill $i: no rank process of $bin was running"
         fail=1
@@ -38,7 +41,8 @@ while [ $i -lt "$kills" ]; do
     wait $mp 2>/dev/null
     left=$(ls /dev/shm 2>/dev/null | grep -c moept)
     if [ "$left" -gt "$before" ]; then
-        echo "FAIL - kill $i: $((left - before)) segment(s) left in /dev/shm: $(ls /dev/shm | grep moept | tr '\n' ' ')"
+        echo "FAIL - kill $i: $((left - before)) segment(s) left in /dev/shm:" \
+            "$(ls /dev/shm | grep moept | tr '\n' ' ')"
         fail=1
     else
         echo "ok - kill $i: nothing left in /dev/shm"

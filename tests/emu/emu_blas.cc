@@ -566,7 +566,7 @@ cublasStatus_t cublasGemmGroupedBatchedEx_64(cublasHandle_t h, const cublasOpera
             const void *ptr[3] = {g.A, g.B, g.C};
             bool aligned = true;
             for (int j = 0; j < 3 && aligned; j++)
-                if ((uintptr_t)ptr[j] % (uintptr_t)a) {
+                if ((uintptr_t)ptr[j] % (uintptr_t)a) { /* a GPU would fault here; a report fails the run */
                     report("memcheck", "%s: problem %lld (k %lld): %c pointer %p is not %d-byte aligned, as "
                            "cublasGemmGroupedBatchedEx() requires for these types and k (misaligned access)",
                            o.name.c_str(), (long long)i, (long long)g.k, "ABC"[j], ptr[j], a);

@@ -49,7 +49,8 @@ namespace emu {
 constexpr int MAXRANKS = 8;
 constexpr uint64_t RING = (uint64_t)1 << 18; /* bytes a ring holds: a longer message streams through */
 constexpr uint64_t MAGIC = 0x6d6f6570746e636cULL;
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "the rings' counters must be lock-free across processes");
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "the rings' counters must be lock-free across processes");
 
 /* One direction between two ranks: head bytes written, tail bytes taken,
    ever (a single writer and a single reader: the two ranks' op workers) */
@@ -80,19 +81,23 @@ struct World {
     int n = 0;
     std::mutex m;
     std::vector<std::shared_ptr<Op>> last; /* [rank] newest op enqueued by a rank of this process */
+    int live = 0;          /* this process's communicators not yet destroyed (under g_mu) */
+    bool aborted = false;  /* one of them was aborted: its ops may still touch the segment */
 };
 struct Comm {
     World *w;
     int rank, dev;
     uint64_t nextcoll = 0;
     std::atomic<int> async{ncclSuccess};
-    bool dead = false;          /* aborted or destroyed: the handle is gone */
+    std::atomic<bool> dead{false};     /* aborted or destroyed: the handle is gone (the worker polls it) */
+    std::atomic<bool> moving{false};   /* an op of this comm moves data now: a ring has one writer */
     char err[256] = "";
 };
 
 static std::mutex g_mu;
 static std::map<std::string, World *> g_worlds; /* by the id's segment name */
-static int g_inject_ms = 0; /* > 0: a peer absent this long is a transport error (moept_emu_nccl_inject_error) */
+/* > 0: a peer absent this long is a transport error (moept_emu_nccl_inject_error) */
+static std::atomic<int> g_inject_ms{0};
 
 struct Pending {
     Comm *c;
@@ -240,6 +245,15 @@ static bool progress(Comm *c, std::vector<Xfer> &xs, int *left) {
 static bool transfer(Comm *c, std::vector<Xfer> &xs, const char *what) {
     World *w = c->w;
     int left = (int)xs.size();
+    if (c->moving.exchange(true)) { /* NCCL: a communicator's operations are serial; here two rings' writers */
+        set_error(c, true, "rank %d: %s while another op of this communicator moves data (two streams use "
+                  "one communicator at once)", c->rank, what);
+        return false;
+    }
+    struct Done {
+        Comm *c;
+        ~Done() { c->moving = false; }
+    } done{c};
     double t0 = now(), idle = now();
     while (left > 0) {
         if (c->dead) return false;
@@ -257,9 +271,10 @@ static bool transfer(Comm *c, std::vector<Xfer> &xs, const char *what) {
             if (o) force(o->s, o->seq);
         if (now() - idle > 1e-3) usleep(50);
         else sched_yield();
-        if (g_inject_ms > 0 && now() - t0 > g_inject_ms * 1e-3) {
+        const int inject = g_inject_ms.load();
+        if (inject > 0 && now() - t0 > inject * 1e-3) {
             set_error(c, false, "rank %d: %s: injected transport failure (a peer did not come in %d ms)",
-                      c->rank, what, g_inject_ms);
+                      c->rank, what, inject);
             return false;
         }
         if (now() - t0 > hang_seconds()) {
@@ -435,8 +450,15 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
     Shm *m = w->shm;
     int zero = 0;
     uint64_t z = 0;
-    m->magic.compare_exchange_strong(z, MAGIC);
+    if (!m->magic.compare_exchange_strong(z, MAGIC) && z != MAGIC) {
+        report("nccl", "ncclCommInitRank: the segment %s is not an emulated NCCL world", name);
+        return ncclInvalidArgument;
+    }
     if (!m->n.compare_exchange_strong(zero, n) && zero != n) return ncclInvalidArgument;
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        w->live++;
+    }
     Comm *c = new Comm();
     c->w = w;
     c->rank = rank;
@@ -447,7 +469,8 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
         usleep(200);
         if (now() - t0 > hang_seconds()) {
             char h[200];
-            snprintf(h, sizeof h, "ncclCommInitRank: rank %d waited for %d ranks; %d came", rank, n, m->joined.load());
+            snprintf(h, sizeof h, "ncclCommInitRank: rank %d waited for %d ranks; %d came", rank, n,
+                     m->joined.load());
             hang(h);
         }
     }
@@ -513,6 +536,8 @@ ncclResult_t ncclCommAbort(ncclComm_t h) {
     if (gone(c, "ncclCommAbort")) return ncclInvalidArgument;
     c->dead = true; /* freed, as far as the caller may know; its waiting ops end */
     c->w->shm->aborted[c->rank] = 1;
+    std::lock_guard<std::mutex> lk(g_mu);
+    c->w->aborted = true; /* its op may still be in the segment: this process keeps the mapping */
     return ncclSuccess;
 }
 
@@ -532,6 +557,13 @@ ncclResult_t ncclCommDestroy(ncclComm_t h) {
             report("nccl", "ncclCommDestroy on rank %d: a message from rank %d was never received", c->rank, p);
     }
     c->dead = true;
+    std::lock_guard<std::mutex> lk(g_mu); /* the last of this process's comms unmaps the segment */
+    World *w = c->w;
+    if (--w->live == 0 && !w->aborted) {
+        munmap(w->shm, sizeof(Shm));
+        g_worlds.erase(w->name);
+        delete w;
+    }
     return ncclSuccess;
 }
 

@@ -1406,7 +1406,7 @@ static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKi
         enqueue(s, name, [dst, n, staged](Op &) {
             if (touch(dst, n, 1, "write")) memcpy(dst, staged->data(), n);
         });
-        return cudaSuccess;
+        return lost_call(s->dev); /* the context lost while it waited: the sticky error */
     }
     if (d2h && !pageable) { /* undefined until it ran: poison */
         bool pending_src = false; /* unless an earlier copy of this stream still reads it */
@@ -1428,6 +1428,7 @@ static cudaError_t copy_async(void *dst, const void *src, size_t n, cudaMemcpyKi
         wait_op(o, 1e9);
         host_vc.join(o->vc);
         count_sync(s->dev);
+        return lost_call(s->dev); /* the copy never ran if the context was lost meanwhile */
     }
     return cudaSuccess;
 }
