@@ -7,12 +7,17 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
 
+now() { date +%s.%N; }
 suite() { # name, command...
     name=$1; shift
     echo "== $name"
+    t0=$(now)
     "$@" >"$log" 2>&1
     rc=$?
+    secs=$(echo "$(now) $t0" | awk '{ printf "%.1f", $1 - $2 }')
+    echo "$secs $name" >>"$B/times.txt"
     cat "$log"
+    echo "($secs s)"
     sed -e 's/^\(.*\)  *PASS  .*/ok - \1/' -e 's/^\(.*\)  *FAIL  .*/FAIL - \1/' \
         -e 's/^\([^ ]*\)  *SKIP  \(.*\)/skip - \1 (\2)/' "$log" |
         grep -E '^(ok|FAIL|skip) - ' | sed "s|^\([a-zA-Z]*\) - |\1 - $name: |" >>"$B/results.txt"
@@ -27,6 +32,7 @@ suite() { # name, command...
 skip() { echo "skip - $1: $2" | tee -a "$B/results.txt"; }
 
 : >"$B/results.txt"
+: >"$B/times.txt"
 # the builds users have: -Werror under gcc, clang, g++, clang++, nvcc; -Ofast refused
 suite "builds" sh tests/check_builds.sh "$NVCC"
 suite "reference cases" "$B/moept_check" $CASES
@@ -149,6 +155,7 @@ fi
 # Any checker report fails the program (exit 66); a wait that would last for
 # ever on a GPU is a "hang" report after MOEPT_EMU_HANG_S seconds (exit 72).
 export MOEPT_EMU_HANG_S=${MOEPT_EMU_HANG_S:-90}
+emu_t0=$(now)
 if [ -n "$EMU" ]; then
     for n in 1 2 4; do
         suite "emu: reference cases --ep $n (fp32 1e-5, bf16 2^-6 vs bf16 reference)" timeout 300 "$B/emu/moept_check" --ep $n $CASES
@@ -198,6 +205,7 @@ if [ -n "$EMU" ]; then
     else
         skip "emu: one process per GPU" "mpirun not installed"
     fi
+    echo "== the emulated GPU's suites took $(echo "$(now) $emu_t0" | awk '{ printf "%.0f", $1 - $2 }') s"
 else
     skip "emu" "the CUDA, cuBLAS and NCCL headers were not found (CUDA_HOME, NCCL_HOME); the emulated GPU suite did not run"
 fi
@@ -223,6 +231,8 @@ p=$(grep -c '^ok - ' "$B/results.txt")
 f=$(grep -c '^FAIL - ' "$B/results.txt")
 s=$(grep -c '^skip - ' "$B/results.txt")
 echo
+echo "the slowest suites (seconds):"
+sort -rn "$B/times.txt" | head -n 5
 grep '^FAIL - ' "$B/results.txt"
 echo "total: $p passed, $f failed, $s skipped"
 [ "$f" -eq 0 ] && [ $status -eq 0 ]
