@@ -734,6 +734,18 @@ extern "C" void moept_emu_fault_next_kernel(int d) {
     if (d >= 0 && d < MAXDEV) dev(d)->fault_next = 1;
 }
 
+/* a stream's worker ends (its queue run or, on a lost device, dropped) and its clock entry is free */
+static void end_worker(Stream *s) {
+    {
+        std::lock_guard<std::mutex> lk(s->m);
+        s->quit = true;
+        s->cv.notify_all();
+    }
+    s->worker.join();
+    std::lock_guard<std::mutex> lk(g_mu);
+    g_free_ids.push_back(s->id);
+}
+
 /* A new process's device d (test only): the old context's streams end (their
    queued work was dropped), its allocations and pinned blocks are freed. */
 extern "C" void moept_emu_recover(int d) {
@@ -750,16 +762,7 @@ extern "C" void moept_emu_recover(int d) {
         for (size_t i = g_captures.size(); i-- > 0;)
             if (g_captures[i]->dev == d) g_captures.erase(g_captures.begin() + (long)i);
     }
-    for (Stream *s : ss) { /* still lost: the worker drops what is queued, then ends */
-        {
-            std::lock_guard<std::mutex> lk(s->m);
-            s->quit = true;
-            s->cv.notify_all();
-        }
-        s->worker.join();
-        std::lock_guard<std::mutex> lk(g_mu);
-        g_free_ids.push_back(s->id);
-    }
+    for (Stream *s : ss) end_worker(s); /* still lost: the worker drops what is queued, then ends */
     {
         std::lock_guard<std::mutex> lk(v->m);
         for (Alloc *a : v->allocs) {
@@ -1022,14 +1025,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t h) {
         for (size_t i = 0; i < v->streams.size(); i++)
             if (v->streams[i] == s) v->streams.erase(v->streams.begin() + (long)i);
     }
-    {
-        std::lock_guard<std::mutex> lk(s->m);
-        s->quit = true;
-        s->cv.notify_all();
-    }
-    s->worker.join();
-    std::lock_guard<std::mutex> lk(g_mu);
-    g_free_ids.push_back(s->id);
+    end_worker(s);
     return cudaSuccess;
 }
 
