@@ -51,6 +51,9 @@
 /* ------------------------------------------------------------------------
    Errors and allocation
    ------------------------------------------------------------------------ */
+/* The one error channel: every failure, of a layer's call or of a
+   layer-less one (moept_create, the file readers), writes the calling
+   thread's message, which moept_last_error reads whatever its argument. */
 static _Thread_local char moept__thread_err[MOEPT__ERRLEN];
 
 typedef struct moept__counter {
@@ -64,8 +67,11 @@ static void *moept__alloc(moept__counter *c, size_t n) {
     return p;
 }
 
+/* through a copy: a message may quote the one it replaces */
 static void moept__verr(char *buf, const char *fmt, va_list ap) {
-    vsnprintf(buf, MOEPT__ERRLEN, fmt, ap);
+    char tmp[MOEPT__ERRLEN];
+    vsnprintf(tmp, sizeof tmp, fmt, ap);
+    memcpy(buf, tmp, sizeof tmp);
 }
 static moept_status moept__thread_fail(moept_status s, const char *fmt, ...) {
     va_list ap; va_start(ap, fmt);
@@ -744,7 +750,6 @@ struct moept_layer {
     int cuda_stats_pending;     /* sync-free CUDA: the last forward's device statistics not read yet */
     int cuda_sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
     int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
-    char err[MOEPT__ERRLEN];
 };
 
 /* A forward's arguments and what its stages found before the commit (the
@@ -768,16 +773,19 @@ static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_com
                                       const char *call);
 #define MOEPT__HOST_SYNC(L, p, g) do { moept_status st_ = moept__to_host((L), (p), (g)); if (st_) return st_; } while (0)
 
+/* a layer's failure: the thread's message too (L names the call's layer) */
 static moept_status moept__fail(const moept_layer *L, moept_status s,
                                 const char *fmt, ...) {
+    (void)L;
     va_list ap; va_start(ap, fmt);
-    moept__verr(((moept_layer *)L)->err, fmt, ap);
+    moept__verr(moept__thread_err, fmt, ap);
     va_end(ap);
     return s;
 }
 
 const char *moept_last_error(const moept_layer *layer) {
-    return layer ? layer->err : moept__thread_err;
+    (void)layer;
+    return moept__thread_err;
 }
 
 static const char *moept__family_name(int f) {
@@ -1501,7 +1509,7 @@ moept_status moept_zero_grad(moept_layer *L) {
     if (!L->grads) return moept__no_grads(L, "moept_zero_grad");
 #ifdef MOEPT_CUDA
     if (L->cuda) {
-        moept_status st = moept__cuda_zero_grad((moept__cuda *)L->cuda, L->err);
+        moept_status st = moept__cuda_zero_grad((moept__cuda *)L->cuda, moept__thread_err);
         if (st) return st;
         L->cuda_gnew = 0; /* both sides zero */
     }
@@ -1522,7 +1530,7 @@ static moept_status moept__grads_refused(moept_layer *L, const char *call) {
         int64_t bad = -1;
         char why[MOEPT__ERRLEN];
         moept_status why_st = MOEPT_OK;
-        moept_status st = moept__cuda_dx_check((moept__cuda *)L->cuda, &bad, &why_st, why, L->err);
+        moept_status st = moept__cuda_dx_check((moept__cuda *)L->cuda, &bad, &why_st, why, moept__thread_err);
         if (st) return st;
         L->cuda_dx_pending = 0;
         if (bad >= 0 && L->grads_dx_bad < 0) L->grads_dx_bad = bad;
@@ -1590,7 +1598,8 @@ static moept_status moept__to_host(const moept_layer *cL, int params, int grads)
     if (!L->cuda) return MOEPT_OK;
     int p = params && L->cuda_pnew == 2, g = grads && L->cuda_gnew == 2;
     if (!p && !g) return MOEPT_OK;
-    moept_status st = moept__cuda_download((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL, L->err);
+    moept_status st = moept__cuda_download((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL,
+                                           moept__thread_err);
     if (st) return st;
     if (p) L->cuda_pnew = 0;
     if (g) L->cuda_gnew = 0;
@@ -1608,7 +1617,7 @@ static moept_status moept__opt_to_host(moept_layer *L) {
         if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
         L->opt_m = s; L->opt_v = s + L->n_params;
     }
-    moept_status st = moept__cuda_opt_download((moept__cuda *)L->cuda, L->opt_m, L->opt_v, L->err);
+    moept_status st = moept__cuda_opt_download((moept__cuda *)L->cuda, L->opt_m, L->opt_v, moept__thread_err);
     if (!st) L->cuda_onew = 0;
     return st;
 #else
@@ -1626,7 +1635,7 @@ static moept_status moept__to_device(moept_layer *L) {
     int p = L->cuda_pnew == 1, g = L->cuda_gnew == 1;
     if (!p && !g) return MOEPT_OK;
     moept_status st = moept__cuda_upload((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL,
-                                         p ? L->bias : NULL, p ? L->slot_of : NULL, L->err);
+                                         p ? L->bias : NULL, p ? L->slot_of : NULL, moept__thread_err);
     if (st) return st;
     if (p) L->cuda_pnew = 0;
     if (g) L->cuda_gnew = 0;
@@ -1754,7 +1763,7 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     if (!st) {
         L->cuda = c; L->cuda_pnew = 1; L->cuda_gnew = 1; L->cuda_sync_free = sp.sync_free;
         st = moept__to_device(L);
-        if (st) memcpy(err, L->err, sizeof err);
+        if (st) memcpy(err, moept__thread_err, sizeof err);
     }
     moept_status ast; /* the agreement's own status: this rank's st is kept */
     failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
@@ -2138,7 +2147,8 @@ static moept_status moept__cuda_settle(moept_layer *L) {
     if (!L->cuda_stats_pending) return MOEPT_OK;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
-    moept_status st = moept__cuda_step_stats((moept__cuda *)L->cuda, L->lstat, L->peer_rows, &r, L->err);
+    moept_status st = moept__cuda_step_stats((moept__cuda *)L->cuda, L->lstat, L->peer_rows, &r,
+                                             moept__thread_err);
     if (st) return st;
     L->cuda_stats_pending = 0;
     moept__cuda_step_done(L, &r);
@@ -2156,7 +2166,8 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep
         r.reject = MOEPT_ERR_UNSUPPORTED;
         r.reject_msg = "moept_forward: a padding mask (opts.mask) is not supported by the CUDA executor";
     }
-    st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r, L->err);
+    st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r,
+                             moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
     L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; L->cuda_routing = 0; L->fwd_eval = f->eval;
@@ -2182,7 +2193,7 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
         r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
                        "differentiate";
     }
-    st = moept__cuda_backward((moept__cuda *)L->cuda, x, dy, dx, &r, L->err);
+    st = moept__cuda_backward((moept__cuda *)L->cuda, x, dy, dx, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
     moept__cuda_stats(L, &r);
@@ -3224,7 +3235,7 @@ static moept_status moept__agree_group(moept_comm *c, int64_t *v, int64_t tag, i
 }
 
 /* A group call's outcome, agreed before it acts: this rank's rejection
-   (`local`, its message already in L->err), any peer's, or a peer making
+   (`local`, its message already the thread's), any peer's, or a peer making
    another call fails every rank of grp and dp, and nobody leaves a peer
    waiting in a collective. */
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
@@ -3257,7 +3268,7 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 #ifdef MOEPT_CUDA
     if (L->cuda) {
         moept_status cs = moept__to_device(L);
-        if (!cs) cs = moept__cuda_sync_grads((moept__cuda *)L->cuda, scale, L->err);
+        if (!cs) cs = moept__cuda_sync_grads((moept__cuda *)L->cuda, scale, moept__thread_err);
         if (!cs) L->cuda_gnew = 2;
         return cs;
     }
@@ -3287,7 +3298,7 @@ static moept_status moept__grad_scan(moept_layer *L, double *s, int64_t *bad) {
 #ifdef MOEPT_CUDA
     if (L->cuda) { /* s NULL: the executor may keep what a scan of the same gradients found */
         moept_status st = moept__to_device(L);
-        return st ? st : moept__cuda_grad_scan((moept__cuda *)L->cuda, s, bad, L->err);
+        return st ? st : moept__cuda_grad_scan((moept__cuda *)L->cuda, s, bad, moept__thread_err);
     }
 #endif
     const int64_t n_router = L->E * L->D, n_exp = L->n_exp;
@@ -3384,7 +3395,7 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
     if (L->cuda && !L->cuda_routing) {
         moept_layer *W = (moept_layer *)L;
         moept_status cs = moept__cuda_download_routing((moept__cuda *)L->cuda, W->ids[L->cur], W->wts[L->cur],
-                                                       W->logits[L->cur], NULL, W->err);
+                                                       W->logits[L->cur], NULL, moept__thread_err);
         if (cs) return cs;
         W->cuda_routing = 1;
     }
@@ -3401,7 +3412,7 @@ moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
 #ifdef MOEPT_CUDA
     if (L->cuda) {
         moept_status cs = moept__cuda_download_routing((moept__cuda *)L->cuda, NULL, NULL, NULL,
-                                                       ((moept_layer *)L)->dwts, ((moept_layer *)L)->err);
+                                                       ((moept_layer *)L)->dwts, moept__thread_err);
         if (cs) return cs;
     }
 #endif
@@ -5605,7 +5616,7 @@ static moept_status moept__adamw_apply(moept_layer *L, moept__adamw_k k) {
 #ifdef MOEPT_CUDA
     if (L->cuda) {
         moept_status st = moept__cuda_adamw((moept__cuda *)L->cuda, &k, L->cuda_onew == 1, L->opt_m, L->opt_v,
-                                            L->err);
+                                            moept__thread_err);
         if (st) return st;
         L->cuda_onew = 2;
         L->cuda_pnew = 2;
@@ -5634,10 +5645,12 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     int64_t bad = -1;
     if (!o)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: opt is NULL");
-    else if (!moept__finite(lr) || lr < 0 || !(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) ||
-             !moept__finite(wd) || wd < 0)
+    else if (!moept__finite(lr) || !(lr > 0)) /* lr 0 would only advance t and the moments: a caller's slip */
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: lr %g must be finite and > 0",
+                            (double)lr);
+    else if (!(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) || !moept__finite(wd) || wd < 0)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
-                            "moept_adamw_step: need lr >= 0, betas in [0,1), eps > 0, weight_decay >= 0");
+                            "moept_adamw_step: need betas in [0,1), eps > 0, weight_decay >= 0");
     else local = moept__grads_refused(L, "moept_adamw_step");
     if (!local) local = moept__grad_scan(L, NULL, &bad);
     if (!local && bad >= 0)
@@ -6031,7 +6044,7 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     int64_t bytes = 0; /* counted only if the load commits */
     float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float)), *opt = NULL;
     long long t = -1;
-    moept_status local = moept__to_host(L, 1, 0); /* its message in L->err */
+    moept_status local = moept__to_host(L, 1, 0); /* its message the thread's */
     moept_status st = local ? local : !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
                       : !stage ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
                                : moept__ckpt_read(L, dir, stage, &t, &bytes);
