@@ -1084,6 +1084,45 @@ static void test_inference_layer_checkpoints(void) {
     moept_destroy(Lt); moept_destroy(Li); moept_destroy(L2);
 }
 
+/* A scale block larger than the weight (weight_block_size up to 2^63 - 1,
+   as a config.json may say): one block per row or column, computed
+   without overflow (rows + br - 1 overflowed: UB, and the expected shape
+   came out [0, 0]); the deepseek_fp8 scales, made for 4 x 8 blocks, are
+   then refused with the expected shape [1, 1] and the key named */
+static void test_fp8_block_size_huge(void) {
+    const char *dir = "build/ckpt_fp8_huge", *src = "tests/checkpoints/deepseek_fp8";
+    char path[256];
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    remove(path);
+    EXPECT(symlink("../../tests/checkpoints/deepseek_fp8/model.safetensors", path) == 0, "symlink %s", path);
+    FILE *f = fopen("tests/checkpoints/deepseek_fp8/config.json", "r");
+    char *text = calloc(1, 1 << 16);
+    size_t n = f ? fread(text, 1, (1 << 16) - 1, f) : 0;
+    if (f) fclose(f);
+    char *at = strstr(text, "\"weight_block_size\"");
+    EXPECT(n > 0 && at, "no weight_block_size in %s/config.json", src);
+    if (!at) { free(text); return; }
+    char *close = strchr(at, ']');
+    char conf[1 << 16];
+    snprintf(conf, sizeof conf, "%.*s\"weight_block_size\": [9223372036854775807, 9223372036854775807%s",
+             (int)(at - text), text, close);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    write_text(path, conf);
+    free(text);
+    moept_config cfg = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.max_tokens = 8;
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_config_from_hf(dir, 1, &cfg));
+    EXPECT_OK(moept_create(&cfg, &L));
+    if (!L) return;
+    moept_status st = moept_load_hf(L, dir, 1);
+    const char *m = moept_last_error(L);
+    EXPECT(st == MOEPT_ERR_FORMAT && strstr(m, "weight_block_size") && strstr(m, "[1, 1]") && !strstr(m, "[0, "),
+           "blocks of 2^63 - 1: status %d, '%s'", (int)st, m);
+    moept_destroy(L);
+}
+
 int main(void) {
     RUN(test_hf_round_trip_all_families);
     RUN(test_load_failure_leaves_layer_unchanged);
@@ -1106,5 +1145,6 @@ int main(void) {
     RUN(test_family_defaults);
     RUN(test_inference_layer_checkpoints);
     RUN(test_fp8_checkpoint_dequantised);
+    RUN(test_fp8_block_size_huge);
     return tu_done();
 }
