@@ -5444,11 +5444,14 @@ static moept_status moept__hf_fp8_scale(const char *dir, moept__hf_src *src, con
     const moept_st_tensor *t = NULL;
     moept_status st = moept__hf_find(dir, src, sname, &f, &t, bytes);
     if (st) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: FP8 tensor '%s' has no '%s'", dir, name, sname);
-    const int64_t br = src->fp8_block[0], bc = src->fp8_block[1], sr = (rows + br - 1) / br, sc = (cols + bc - 1) / bc;
+    /* ceil(rows / br) as rows / br + remainder: br comes from config.json, up to 2^63 - 1 */
+    const int64_t br = src->fp8_block[0], bc = src->fp8_block[1];
+    const int64_t sr = rows / br + (rows % br != 0), sc = cols / bc + (cols % bc != 0);
     if (t->ndim != 2 || t->shape[0] != sr || t->shape[1] != sc || (t->dtype != MOEPT_DTYPE_F32 &&
                                                                    t->dtype != MOEPT_DTYPE_BF16))
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: '%s' must be F32 or BF16 [%lld, %lld] (blocks of %lld x "
-                                  "%lld)", dir, sname, (long long)sr, (long long)sc, (long long)br, (long long)bc);
+                                  "%lld: config.json's quantization_config.weight_block_size)", dir, sname,
+                                  (long long)sr, (long long)sc, (long long)br, (long long)bc);
     float *scale = moept__alloc(NULL, (size_t)(sr * sc) * sizeof(float));
     if (!scale) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
     int64_t before = f->bytes_read;
