@@ -4952,31 +4952,17 @@ static void moept__hf_prefix(const moept_layer *L, int64_t layer_index, char *bu
              L->cfg.family == MOEPT_FAMILY_MIXTRAL ? "block_sparse_moe." : "mlp.");
 }
 
-/* skips one JSON value (for index files' fields we do not use) */
-static int moept__jskip(moept__json *j, int depth) {
-    moept__ws(j);
-    if (j->p >= j->end || depth > 64) { j->err = "truncated or too deep"; return 0; }
-    char ch = *j->p;
-    if (ch == '"') return moept__jstring(j) != NULL;
-    if (ch == '{' || ch == '[') {
-        char close = ch == '{' ? '}' : ']';
-        j->p++;
-        if (moept__jchar(j, close)) return 1;
-        do {
-            if (ch == '{') {
-                if (!moept__jstring(j) || !moept__jchar(j, ':')) { j->err = "bad object"; return 0; }
-            }
-            if (!moept__jskip(j, depth + 1)) return 0;
-        } while (moept__jchar(j, ','));
-        if (!moept__jchar(j, close)) { j->err = "bad container"; return 0; }
-        return 1;
-    }
-    /* number, true, false, null */
-    const char *s = j->p;
-    while (j->p < j->end && strchr("+-0123456789.eEtrufalsn", *j->p)) j->p++;
-    if (j->p == s) { j->err = "unexpected character"; return 0; }
-    return 1;
-}
+/* ------------------------------------------------------------------------
+   Strict JSON (RFC 8259) for config.json, model.safetensors.index.json and
+   a training checkpoint's index.json. moept__json_check takes a document
+   whole before its reader walks it: UTF-8; the grammar (exact literals, no
+   leading zeros, nothing after the object; NaN and Infinity, which Python
+   also reads, are not JSON); nesting up to 64; no key twice in one object
+   (Python's json, and so transformers, keeps a repeated key's last value,
+   where a reader here would take the first: the two would differ
+   silently). Strings may not hold U+0000 (they become C strings). The
+   readers walk the checked text with moept__jmember and moept__jelement.
+   ------------------------------------------------------------------------ */
 
 /* A JSON number, in any locale (strtod's decimal point is the locale's):
    up to 19 significant digits scaled by a power of ten, enough for a
@@ -4987,28 +4973,144 @@ static int moept__jnum(moept__json *j, double *out) {
     int neg = p < e && *p == '-', nd = 0, dexp = 0, x = 0, xneg = 0;
     p += neg;
     if (p >= e || *p < '0' || *p > '9') { j->err = "expected a number"; return 0; }
+    if (*p == '0' && p + 1 < e && p[1] >= '0' && p[1] <= '9') {
+        j->err = "leading zero in a number";
+        return 0;
+    }
     uint64_t m = 0;
     for (; p < e && *p >= '0' && *p <= '9'; p++)
         if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; } else dexp++;
     if (p < e && *p == '.') {
-        if (++p >= e || *p < '0' || *p > '9') { j->err = "expected a digit"; return 0; }
+        if (++p >= e || *p < '0' || *p > '9') { j->err = "a number's fraction has no digits"; return 0; }
         for (; p < e && *p >= '0' && *p <= '9'; p++)
             if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; dexp--; }
     }
     if (p < e && (*p == 'e' || *p == 'E')) {
         p++;
         if (p < e && (*p == '+' || *p == '-')) xneg = *p++ == '-';
-        if (p >= e || *p < '0' || *p > '9') { j->err = "expected an exponent"; return 0; }
+        if (p >= e || *p < '0' || *p > '9') { j->err = "a number's exponent has no digits"; return 0; }
         for (; p < e && *p >= '0' && *p <= '9'; p++) x = x < 10000 ? x * 10 + (*p - '0') : x;
     }
     dexp += xneg ? -x : x;
     if (dexp < -400) dexp = -400;
     if (dexp > 400) dexp = 400;
-    double v = (double)m;
-    v = dexp >= 0 ? v * pow(10.0, dexp) : v / pow(10.0, -dexp);
+    double v = (double)m; /* 0 stays 0 at any exponent (0 x inf would be NaN) */
+    if (m) v = dexp >= 0 ? v * pow(10.0, dexp) : v / pow(10.0, -dexp);
     *out = neg ? -v : v;
     j->p = (char *)p;
     return 1;
+}
+
+/* The members of the object at j: *n = 0 before the first call; each call
+   moves to the next member (its decoded name in *key, j at its value), or
+   returns 0 past the '}', with j->err set if the object is malformed. */
+static int moept__jmember(moept__json *j, int64_t *n, char **key) {
+    if ((*n)++ == 0) {
+        if (!moept__jchar(j, '{')) { j->err = "expected an object"; return 0; }
+        if (moept__jchar(j, '}')) return 0;
+    } else if (!moept__jchar(j, ',')) {
+        if (!moept__jchar(j, '}')) j->err = "expected ',' or '}'";
+        return 0;
+    }
+    if (!(*key = moept__jstring(j))) return 0;
+    if (!moept__jchar(j, ':')) { j->err = "expected ':'"; return 0; }
+    return 1;
+}
+
+/* The elements of the array at j, likewise (j at each element) */
+static int moept__jelement(moept__json *j, int64_t *n) {
+    if ((*n)++ == 0) {
+        if (!moept__jchar(j, '[')) { j->err = "expected an array"; return 0; }
+        return !moept__jchar(j, ']');
+    }
+    if (moept__jchar(j, ',')) return 1;
+    if (!moept__jchar(j, ']')) j->err = "expected ',' or ']'";
+    return 0;
+}
+
+/* every object's member names (object number, name), for the duplicate check */
+typedef struct moept__jkey { int64_t obj; const char *name; } moept__jkey;
+typedef struct moept__jkeys { moept__jkey *v; int64_t n, cap, objs; } moept__jkeys;
+
+/* One value, strictly; its objects' names go to keys (NULL: not kept) */
+static int moept__jvalue(moept__json *j, int depth, moept__jkeys *keys) {
+    moept__ws(j);
+    if (j->p >= j->end) { j->err = "expected a value"; return 0; }
+    if (depth > 64) { j->err = "nested deeper than 64"; return 0; }
+    const char c = *j->p;
+    int64_t n = 0;
+    if (c == '"') return moept__jstring(j) != NULL;
+    if (c == '{') {
+        int64_t obj = keys ? keys->objs++ : 0;
+        char *k;
+        while (moept__jmember(j, &n, &k)) {
+            if (keys && keys->n == keys->cap) { j->err = "too many keys"; return 0; }
+            if (keys) keys->v[keys->n++] = (moept__jkey){obj, k};
+            if (!moept__jvalue(j, depth + 1, keys)) return 0;
+        }
+        return !j->err;
+    }
+    if (c == '[') {
+        while (moept__jelement(j, &n))
+            if (!moept__jvalue(j, depth + 1, keys)) return 0;
+        return !j->err;
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) {
+        double v;
+        return moept__jnum(j, &v);
+    }
+    static const char *const lit[3] = {"true", "false", "null"};
+    for (int w = 0; w < 3; w++) {
+        size_t len = strlen(lit[w]);
+        if ((size_t)(j->end - j->p) >= len && memcmp(j->p, lit[w], len) == 0) { j->p += len; return 1; }
+    }
+    j->err = c == 't' || c == 'f' || c == 'n' ? "a malformed literal (true, false or null)"
+                                               : "expected a value";
+    return 0;
+}
+
+static int moept__cmp_jkey(const void *a, const void *b) {
+    const moept__jkey *x = a, *y = b;
+    if (x->obj != y->obj) return (x->obj > y->obj) - (x->obj < y->obj);
+    return strcmp(x->name, y->name);
+}
+
+/* Checks text[0, n), a document that must be one JSON object, whole;
+   messages name `path`. Strings decode in place, so the check runs on a
+   copy and the caller's text stays raw for its reader. */
+static moept_status moept__json_check(const char *text, int64_t n, const char *path) {
+    if (!moept__utf8_ok((const unsigned char *)text, n))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not UTF-8 (RFC 8259 JSON is)", path);
+    int64_t cap = 1; /* each member has a ':' */
+    for (int64_t i = 0; i < n; i++) cap += text[i] == ':';
+    char *copy = moept__alloc(NULL, (size_t)n + 1);
+    moept__jkeys keys = {moept__alloc(NULL, (size_t)cap * sizeof(moept__jkey)), 0, cap, 0};
+    moept_status st = MOEPT_OK;
+    if (!copy || !keys.v) {
+        st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+        goto out;
+    }
+    memcpy(copy, text, (size_t)n);
+    copy[n] = 0;
+    moept__json j = {copy, copy + n, NULL};
+    moept__ws(&j);
+    int ok = j.p < j.end && *j.p == '{' && moept__jvalue(&j, 0, &keys);
+    if (ok) moept__ws(&j);
+    if (ok && j.p != j.end) { j.err = "trailing content after the object"; ok = 0; }
+    if (!ok) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object: %s (byte %lld)", path,
+                                j.err ? j.err : "expected '{'", (long long)(j.p - copy));
+        goto out;
+    }
+    qsort(keys.v, (size_t)keys.n, sizeof *keys.v, moept__cmp_jkey);
+    for (int64_t i = 1; i < keys.n && !st; i++)
+        if (keys.v[i].obj == keys.v[i - 1].obj && strcmp(keys.v[i].name, keys.v[i - 1].name) == 0)
+            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" twice in one object (Python's json "
+                                    "takes the last value, moept the first: refused)", path, keys.v[i].name);
+out:
+    MOEPT_FREE(copy);
+    MOEPT_FREE(keys.v);
+    return st;
 }
 
 /* config.json's top-level keys: numbers (true/false as 1/0), null,
@@ -5026,14 +5128,16 @@ typedef struct moept__hfconf {
     double num[MOEPT__HF_KEYS];
 } moept__hfconf;
 
+/* a top-level value (the document checked): arrays and objects are read
+   later from their raw text, where h->str[i] points */
 static int moept__hf_value(moept__json *j, moept__hfconf *h, int i) {
     moept__ws(j);
     if (j->p >= j->end) return 0;
     char c = *j->p;
     h->str[i] = j->p;
     if (c == '"') { h->kind[i] = MOEPT__HK_STR; return (h->str[i] = moept__jstring(j)) != NULL; }
-    if (c == '[') { h->kind[i] = MOEPT__HK_ARR; return moept__jskip(j, 0); }
-    if (c == '{') { h->kind[i] = MOEPT__HK_OTHER; return moept__jskip(j, 0); }
+    if (c == '[') { h->kind[i] = MOEPT__HK_ARR; return moept__jvalue(j, 1, NULL); }
+    if (c == '{') { h->kind[i] = MOEPT__HK_OTHER; return moept__jvalue(j, 1, NULL); }
     static const char *words[3] = {"true", "false", "null"};
     for (int w = 0; w < 3; w++)
         if (j->end - j->p >= (ptrdiff_t)strlen(words[w]) && memcmp(j->p, words[w], strlen(words[w])) == 0) {
@@ -5047,19 +5151,25 @@ static int moept__hf_value(moept__json *j, moept__hfconf *h, int i) {
 }
 
 static moept_status moept__hf_parse(moept__hfconf *h, char *buf, int64_t size) {
+    moept_status st = moept__json_check(buf, size, h->path);
+    if (st) return st;
     moept__json j = {buf, buf + size, NULL};
-    int ok = moept__jchar(&j, '{');
-    if (ok && !moept__jchar(&j, '}')) {
-        do {
-            if (h->n == MOEPT__HF_KEYS) { j.err = "too many keys"; ok = 0; break; }
-            char *k = moept__jstring(&j);
-            ok = k && moept__jchar(&j, ':') && moept__hf_value(&j, h, h->n);
-            if (ok) h->key[h->n++] = k;
-        } while (ok && moept__jchar(&j, ','));
-        ok = ok && moept__jchar(&j, '}');
+    int64_t n = 0;
+    char *k;
+    while (moept__jmember(&j, &n, &k)) {
+        if (h->n == MOEPT__HF_KEYS)
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: more than %d keys", h->path, MOEPT__HF_KEYS);
+        if (!moept__hf_value(&j, h, h->n)) break;
+        h->key[h->n++] = k;
     }
-    if (!ok) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object (%s)", h->path, j.err ? j.err : "");
+    if (j.err) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object (%s)", h->path, j.err);
     return MOEPT_OK;
+}
+
+/* the raw (undecoded) text of top-level value i, to its end */
+static moept__json moept__hf_raw(const moept__hfconf *h, int i) {
+    moept__json j = {h->raw + (h->str[i] - h->text), h->raw + h->size, NULL};
+    return j;
 }
 
 static void moept__hf_free(moept__hfconf *h) {
@@ -5140,17 +5250,14 @@ static moept_status moept__hf_listed(const moept__hfconf *h, const char *key, in
     int i = moept__hf_key(h, key);
     *listed = 0;
     if (i < 0 || h->kind[i] == MOEPT__HK_NULL) return MOEPT_OK;
-    moept__json j = {h->str[i] + 1, h->str[i] + strlen(h->str[i]), NULL}; /* the text after '[' */
     int ok = h->kind[i] == MOEPT__HK_ARR;
-    if (ok && !moept__jchar(&j, ']')) {
-        do {
-            int64_t v;
-            ok = moept__juint(&j, &v);
-            if (ok && v == layer) *listed = 1;
-        } while (ok && moept__jchar(&j, ','));
-        ok = ok && moept__jchar(&j, ']');
+    moept__json j = moept__hf_raw(h, i);
+    int64_t n = 0, v;
+    while (ok && moept__jelement(&j, &n)) {
+        ok = moept__juint(&j, &v);
+        if (ok && v == layer) *listed = 1;
     }
-    if (!ok)
+    if (!ok || j.err)
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be a list of layer numbers", h->path, key);
     return MOEPT_OK;
 }
@@ -5209,6 +5316,8 @@ static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moep
             (st = moept__hf_int(h, "topk_group", 4, 1, 64, &tg)) ||
             (st = moept__hf_float(h, "routed_scaling_factor", 2.5, &c->routed_scaling_factor)))
             return st;
+        if (!(c->routed_scaling_factor > 0.0f)) /* (as a float: moept_config's 0 means 1.0) */
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be > 0", P);
         dense = layer < first || layer % freq != 0;
         shared = ns * c->intermediate_size;
         const char *sf = moept__hf_str(h, "scoring_func", "sigmoid"), *tm = moept__hf_str(h, "topk_method", "noaux_tc");
@@ -5333,7 +5442,7 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
     if (!ok) return moept__thread_fail(MOEPT_ERR_IO, "%s: read failed", path);
     *bytes += n;
     s->json[n] = 0;
-    if (!moept__utf8_ok((const unsigned char *)s->json, n)) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not UTF-8", path);
+    if ((st = moept__json_check(s->json, n, path))) return st; /* (a name twice in weight_map, too) */
     int64_t cap = 1;
     for (int64_t i = 0; i < n; i++) cap += s->json[i] == ':';
     s->names = moept__alloc(NULL, (size_t)cap * sizeof(char *));
@@ -5342,34 +5451,28 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
     if (!s->names || !s->file_of || !s->files) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     moept__json j = {s->json, s->json + n, NULL};
     int have_map = 0;
+    int64_t m = 0, e;
+    char *k, *name, *file;
 #define MOEPT__IFAIL(what) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: %s (%s)", path, what, j.err ? j.err : "syntax")
-    if (!moept__jchar(&j, '{')) MOEPT__IFAIL("not a JSON object");
-    if (!moept__jchar(&j, '}')) {
-        do {
-            char *k = moept__jstring(&j);
-            if (!k || !moept__jchar(&j, ':')) MOEPT__IFAIL("bad key");
-            if (strcmp(k, "weight_map") != 0) { if (!moept__jskip(&j, 0)) MOEPT__IFAIL("bad value"); continue; }
-            if (have_map++) MOEPT__IFAIL("duplicate weight_map");
-            if (!moept__jchar(&j, '{')) MOEPT__IFAIL("weight_map is not an object");
-            if (moept__jchar(&j, '}')) continue;
-            do {
-                char *name = moept__jstring(&j), *file;
-                if (!name || !moept__jchar(&j, ':') || !(file = moept__jstring(&j))) MOEPT__IFAIL("bad weight_map entry");
-                if (strchr(file, '/') || strcmp(file, "..") == 0 || !file[0]) MOEPT__IFAIL("shard names must be plain file names");
-                int64_t f = 0;
-                while (f < s->nfiles && strcmp(s->files[f], file) != 0) f++;
-                if (f == s->nfiles) s->files[s->nfiles++] = file;
-                for (int64_t i = 0; i < s->nnames; i++)
-                    if (strcmp(s->names[i], name) == 0) MOEPT__IFAIL("duplicate name in weight_map");
-                s->names[s->nnames] = name;
-                s->file_of[s->nnames++] = f;
-            } while (moept__jchar(&j, ','));
-            if (!moept__jchar(&j, '}')) MOEPT__IFAIL("weight_map: expected '}'");
-        } while (moept__jchar(&j, ','));
-        if (!moept__jchar(&j, '}')) MOEPT__IFAIL("expected '}'");
+    while (moept__jmember(&j, &m, &k)) {
+        if (strcmp(k, "weight_map") != 0) {
+            if (!moept__jvalue(&j, 1, NULL)) break;
+            continue;
+        }
+        have_map = 1;
+        for (e = 0; moept__jmember(&j, &e, &name);) {
+            if (!(file = moept__jstring(&j))) MOEPT__IFAIL("weight_map values must be file names");
+            if (strchr(file, '/') || strcmp(file, "..") == 0 || !file[0])
+                MOEPT__IFAIL("shard names must be plain file names");
+            int64_t f = 0;
+            while (f < s->nfiles && strcmp(s->files[f], file) != 0) f++;
+            if (f == s->nfiles) s->files[s->nfiles++] = file;
+            s->names[s->nnames] = name;
+            s->file_of[s->nnames++] = f;
+        }
+        if (j.err) MOEPT__IFAIL("bad weight_map");
     }
-    moept__ws(&j);
-    if (j.p != j.end) MOEPT__IFAIL("trailing characters");
+    if (j.err) MOEPT__IFAIL("bad index");
     if (!have_map) MOEPT__IFAIL("no weight_map");
 #undef MOEPT__IFAIL
     s->open = moept__alloc(NULL, (size_t)(s->nfiles ? s->nfiles : 1) * sizeof(moept_st_file *));
@@ -5382,7 +5485,7 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
 static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char *name, moept_st_file **f,
                                    const moept_st_tensor **t, int64_t *bytes) {
     int64_t fi = 0;
-    if (s->nnames) {
+    if (s->json) { /* an index: its weight_map (even an empty one) says where, not the single file */
         int64_t i = 0;
         while (i < s->nnames && strcmp(s->names[i], name) != 0) i++;
         if (i == s->nnames) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: '%s' is not in the weight_map", dir, name);
@@ -5414,19 +5517,18 @@ static moept_status moept__hf_fp8_block(const char *dir, int64_t blk[2]) {
     if (st) return missing ? MOEPT_OK : st;
     int i = moept__hf_key(h, "quantization_config");
     if (i >= 0 && h->kind[i] == MOEPT__HK_OTHER) { /* {..., "weight_block_size": [r, c], ...} */
-        moept__json j = {h->raw + (h->str[i] - h->text), h->raw + h->size, NULL}; /* (raw: unparsed) */
-        int ok = moept__jchar(&j, '{');
-        while (ok && !moept__jchar(&j, '}')) {
-            char *k = moept__jstring(&j);
-            ok = k && moept__jchar(&j, ':');
-            if (ok && strcmp(k, "weight_block_size") == 0)
+        moept__json j = moept__hf_raw(h, i);
+        int64_t n = 0;
+        char *k;
+        int ok = 1;
+        while (ok && moept__jmember(&j, &n, &k)) {
+            if (strcmp(k, "weight_block_size") == 0)
                 ok = moept__jchar(&j, '[') && moept__juint(&j, &blk[0]) && moept__jchar(&j, ',') &&
                      moept__juint(&j, &blk[1]) && moept__jchar(&j, ']') && blk[0] > 0 && blk[1] > 0;
-            else if (ok)
-                ok = moept__jskip(&j, 0);
-            if (ok) moept__jchar(&j, ',');
+            else
+                ok = moept__jvalue(&j, 1, NULL);
         }
-        if (!ok)
+        if (!ok || j.err)
             st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\": weight_block_size must be "
                                     "[rows, cols] (positive integers)", path);
     }
@@ -5891,30 +5993,31 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", path, MOEPT__INDEX_MAX);
     }
     buf[size] = 0;
-    moept__json j = {buf, buf + size, NULL};
     *ep = *step = -1;
     fp[0] = set[0] = 0;
-    int set_ok = 1;
-    int ok = moept__jchar(&j, '{');
-    if (ok && !moept__jchar(&j, '}')) {
-        do {
-            char *k = moept__jstring(&j);
-            if (!k || !moept__jchar(&j, ':')) { ok = 0; break; }
-            if (strcmp(k, "ep_size") == 0) ok = moept__juint(&j, ep);
-            else if (strcmp(k, "step") == 0) ok = moept__juint(&j, step);
-            else if (strcmp(k, "fingerprint") == 0) {
-                char *v = moept__jstring(&j);
-                if (v) snprintf(fp, fpn, "%s", v);
-                ok = v != NULL;
-            } else if (strcmp(k, "set") == 0) {
-                char *v = moept__jstring(&j);
-                if (v) snprintf(set, setn, "%s", v);
-                ok = v != NULL;
-                set_ok = v && moept__ckpt_set_name_ok(v) && strlen(v) < setn;
-            } else ok = moept__jskip(&j, 0);
-        } while (ok && moept__jchar(&j, ','));
-        ok = ok && moept__jchar(&j, '}');
+    if ((st = moept__json_check(buf, size, path))) {
+        MOEPT_FREE(buf);
+        return st;
     }
+    moept__json j = {buf, buf + size, NULL};
+    int set_ok = 1, ok = 1;
+    int64_t n = 0;
+    char *k;
+    while (ok && moept__jmember(&j, &n, &k)) {
+        if (strcmp(k, "ep_size") == 0) ok = moept__juint(&j, ep);
+        else if (strcmp(k, "step") == 0) ok = moept__juint(&j, step);
+        else if (strcmp(k, "fingerprint") == 0) {
+            char *v = moept__jstring(&j);
+            if (v) snprintf(fp, fpn, "%s", v);
+            ok = v != NULL;
+        } else if (strcmp(k, "set") == 0) {
+            char *v = moept__jstring(&j);
+            if (v) snprintf(set, setn, "%s", v);
+            ok = v != NULL;
+            set_ok = v && moept__ckpt_set_name_ok(v) && strlen(v) < setn;
+        } else ok = moept__jvalue(&j, 1, NULL);
+    }
+    ok = ok && !j.err;
     MOEPT_FREE(buf);
     if (!ok || *ep < 1 || !fp[0]) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a moept checkpoint index", path);
     if (!set_ok) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: \"set\" is not a set directory's name", path);

@@ -668,7 +668,15 @@ moept_config moept_config_default(moept_family family);
    transformers' class defaults. Not read: router_jitter_noise,
    output_router_logits. max_tokens, z_loss_coef, capacity_factor,
    global_balance, overlap_chunks and expert_sharding stay as cfg had them;
-   on failure cfg is unchanged. */
+   on failure cfg is unchanged. routed_scaling_factor must be > 0 (0,
+   which this struct reads as 1.0, is refused). The file is read as
+   RFC 8259 JSON, as strictly as model.safetensors.index.json and a
+   training checkpoint's index.json: invalid UTF-8, trailing content,
+   leading zeros, malformed literals (anywhere, also in keys moept does not
+   read), NaN/Infinity and U+0000 in a string are MOEPT_ERR_FORMAT, and so
+   is a key twice in one object, at any depth (Python's json, and so
+   transformers, takes the last value; taking the first would route
+   differently without a word): the message names the key. */
 moept_status moept_config_from_hf(const char *path, int64_t layer, moept_config *cfg);
 
 /* Lifecycle */
