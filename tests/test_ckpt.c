@@ -960,6 +960,11 @@ static void expect_hf_error(const char *path, int64_t layer, moept_status want, 
     EXPECT(memcmp(&c, &before, sizeof c) == 0, "%s: a failed call changed the config", path);
 }
 
+#define OLMOE_KEYS "\"model_type\": \"olmoe\", \"hidden_size\": 8, \"intermediate_size\": 4, \"num_experts\": 4, " \
+                   "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 1"
+#define DSV3_KEYS "\"model_type\": \"deepseek_v3\", \"hidden_size\": 8, \"moe_intermediate_size\": 4, " \
+                  "\"n_routed_experts\": 8, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 2, " \
+                  "\"first_k_dense_replace\": 0"
 static void test_config_from_hf(void) {
     const hf_want ok[] = {
         {"tests/checkpoints/mixtral_e8_t40", 1, MOEPT_FAMILY_MIXTRAL, 24, 20, 8, 2, 0, 1, 1, MOEPT_NORM_DEFAULT, 0.0f,
@@ -1003,6 +1008,23 @@ static void test_config_from_hf(void) {
                "\"n_routed_experts\": 6, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 2, \"n_group\": 4, "
                "\"first_k_dense_replace\": 0}");
     expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"n_group\" (4)");
+    /* what moept_config_from_hf accepts, moept_create accepts: sizes and groups it would refuse, named */
+#define DSV3_GROUPS(ng, tg, k, ns) "{\"model_type\": \"deepseek_v3\", \"hidden_size\": 8, \"moe_intermediate_size\": " \
+    "2048, \"n_routed_experts\": 8, \"num_experts_per_tok\": " #k ", \"num_hidden_layers\": 1, " \
+    "\"first_k_dense_replace\": 0, \"n_group\": " #ng ", \"topk_group\": " #tg ", \"n_shared_experts\": " #ns "}"
+    write_text(p, DSV3_GROUPS(1, 1, 2, 1024));
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"n_shared_experts\" (1024) x \"moe_intermediate_size\" (2048)");
+    write_text(p, DSV3_GROUPS(8, 1, 1, 0));
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "groups of fewer than 2 experts");
+    write_text(p, DSV3_GROUPS(4, 1, 3, 0));
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"n_group\" (4) and \"topk_group\" (1)");
+    write_text(p, DSV3_GROUPS(4, 2, 4, 512)); /* the limits themselves: accepted, and by moept_create */
+    moept_config g = moept_config_default(MOEPT_FAMILY_MIXTRAL), r;
+    g.max_tokens = 4;
+    EXPECT(moept_config_from_hf(p, 0, &g) == MOEPT_OK && g.shared_intermediate_size == 1 << 20,
+           "the group and size limits: %s", moept_last_error(NULL));
+    EXPECT(moept__resolve(&g, &r) == MOEPT_OK, "moept_create refuses: %s", moept_last_error(NULL));
+#undef DSV3_GROUPS
     write_text(p, "{\"model_type\": \"mixtral\", \"hidden_act\": \"relu2\", \"hidden_size\": 8, "
                "\"intermediate_size\": 4, \"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 1}");
     expect_hf_error(p, 0, MOEPT_ERR_UNSUPPORTED, "\"hidden_act\" \"relu2\"");
@@ -1030,11 +1052,6 @@ static void test_config_from_hf(void) {
    escaped; trailing content, leading zeros, malformed literals in values
    moept skips and invalid UTF-8 are refused; routed_scaling_factor 0 is
    refused (moept_config's 0 means 1.0); what Python reads, moept reads */
-#define OLMOE_KEYS "\"model_type\": \"olmoe\", \"hidden_size\": 8, \"intermediate_size\": 4, \"num_experts\": 4, " \
-                   "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 1"
-#define DSV3_KEYS "\"model_type\": \"deepseek_v3\", \"hidden_size\": 8, \"moe_intermediate_size\": 4, " \
-                  "\"n_routed_experts\": 8, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 2, " \
-                  "\"first_k_dense_replace\": 0"
 static void test_config_json_strict(void) {
     const char *p = "build/hf_strict.json";
     static const struct { const char *why, *text, *needle; } bad[] = {
