@@ -5319,7 +5319,11 @@ static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moep
         if (!(c->routed_scaling_factor > 0.0f)) /* (as a float: moept_config's 0 means 1.0) */
             return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be > 0", P);
         dense = layer < first || layer % freq != 0;
-        shared = ns * c->intermediate_size;
+        shared = ns * c->intermediate_size; /* at most 2^10 x 2^20 */
+        if (shared > (1 << 20))
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_shared_experts\" (%lld) x \"%s\" "
+                                      "(%lld) exceed 1048576", P, (long long)ns, fkey,
+                                      (long long)c->intermediate_size);
         const char *sf = moept__hf_str(h, "scoring_func", "sigmoid"), *tm = moept__hf_str(h, "topk_method", "noaux_tc");
         if (strcmp(sf, "sigmoid") != 0 || strcmp(tm, "noaux_tc") != 0)
             return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: key \"%s\" is \"%s\"; deepseek_v3 routes by "
@@ -5329,6 +5333,12 @@ static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moep
             return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" (%lld) "
                                       "do not split \"n_routed_experts\" (%lld)", P, (long long)ng, (long long)tg,
                                       (long long)E);
+        /* moept_create's group rules: a group's score is its best two experts'; K from topk_group groups */
+        if (E > 0 && ng > 1 && (E / ng < 2 || K > tg * (E / ng)))
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" "
+                                      "(%lld) leave groups of fewer than 2 experts or fewer than "
+                                      "\"num_experts_per_tok\" (%lld) to choose from", P, (long long)ng,
+                                      (long long)tg, (long long)K);
     }
     if (dense || E == 0)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer %lld is a dense MLP layer, not MoE", P,
