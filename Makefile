@@ -57,7 +57,7 @@ TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
 
-.PHONY: cuda all test test-build stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz clean info check-cases sanitize cblas-test valgrind
+.PHONY: cuda all test test-build stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
 
 all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
 
@@ -319,14 +319,27 @@ bench-layer: $(B)/bench_layer $(B)/bench_gemm $(if $(CBLAS_LIBS),$(B)/cblas/benc
 bench-a2a: $(B)/bench_a2a $(if $(MPICC),$(B)/bench_a2a_mpi)
 	sh bench/run_bench_a2a.sh
 
-# libFuzzer over the safetensors parser and the checkpoint indexes, from the
-# committed corpus (new finds are added to it): make fuzz FUZZ_SECONDS=600
+# libFuzzer (ASan + UBSan) from the committed corpora (new finds are added to
+# them): fuzz_safetensors over the safetensors parser and the checkpoint
+# indexes, fuzz_config over config.json (the strict JSON reader,
+# moept_config_from_hf, the FP8 block). make fuzz runs each FUZZ_SECONDS;
+# make fuzz-config FUZZ_SECONDS=600 one of them.
 FUZZ_SECONDS ?= 60
+FUZZ_CC = clang -O1 -g -std=c11 -D_DEFAULT_SOURCE -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
 $(B)/fuzz_safetensors: tests/fuzz/fuzz_safetensors.c moept.c $(HDRS) | $(B)
-	clang -O1 -g -std=c11 -D_DEFAULT_SOURCE -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined $< -o $@ -lm -pthread
+	$(FUZZ_CC) $< -o $@ -lm -pthread
 
-fuzz: $(B)/fuzz_safetensors
+$(B)/fuzz_config: tests/fuzz/fuzz_config.c moept.c $(HDRS) | $(B)
+	$(FUZZ_CC) $< -o $@ -lm -pthread
+
+fuzz-safetensors: $(B)/fuzz_safetensors
 	$(B)/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=10 tests/fuzz/corpus
+
+fuzz-config: $(B)/fuzz_config
+	$(B)/fuzz_config -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=10 -dict=tests/fuzz/config.dict \
+	    tests/fuzz/corpus_config
+
+fuzz: fuzz-safetensors fuzz-config
 
 clean:
 	rm -rf $(B)

@@ -51,6 +51,9 @@
 /* ------------------------------------------------------------------------
    Errors and allocation
    ------------------------------------------------------------------------ */
+/* The one error channel: every failure, of a layer's call or of a
+   layer-less one (moept_create, the file readers), writes the calling
+   thread's message, which moept_last_error reads whatever its argument. */
 static _Thread_local char moept__thread_err[MOEPT__ERRLEN];
 
 typedef struct moept__counter {
@@ -64,8 +67,11 @@ static void *moept__alloc(moept__counter *c, size_t n) {
     return p;
 }
 
+/* through a copy: a message may quote the one it replaces */
 static void moept__verr(char *buf, const char *fmt, va_list ap) {
-    vsnprintf(buf, MOEPT__ERRLEN, fmt, ap);
+    char tmp[MOEPT__ERRLEN];
+    vsnprintf(tmp, sizeof tmp, fmt, ap);
+    memcpy(buf, tmp, sizeof tmp);
 }
 static moept_status moept__thread_fail(moept_status s, const char *fmt, ...) {
     va_list ap; va_start(ap, fmt);
@@ -744,7 +750,6 @@ struct moept_layer {
     int cuda_stats_pending;     /* sync-free CUDA: the last forward's device statistics not read yet */
     int cuda_sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
     int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
-    char err[MOEPT__ERRLEN];
 };
 
 /* A forward's arguments and what its stages found before the commit (the
@@ -768,16 +773,19 @@ static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_com
                                       const char *call);
 #define MOEPT__HOST_SYNC(L, p, g) do { moept_status st_ = moept__to_host((L), (p), (g)); if (st_) return st_; } while (0)
 
+/* a layer's failure: the thread's message too (L names the call's layer) */
 static moept_status moept__fail(const moept_layer *L, moept_status s,
                                 const char *fmt, ...) {
+    (void)L;
     va_list ap; va_start(ap, fmt);
-    moept__verr(((moept_layer *)L)->err, fmt, ap);
+    moept__verr(moept__thread_err, fmt, ap);
     va_end(ap);
     return s;
 }
 
 const char *moept_last_error(const moept_layer *layer) {
-    return layer ? layer->err : moept__thread_err;
+    (void)layer;
+    return moept__thread_err;
 }
 
 static const char *moept__family_name(int f) {
@@ -1501,7 +1509,7 @@ moept_status moept_zero_grad(moept_layer *L) {
     if (!L->grads) return moept__no_grads(L, "moept_zero_grad");
 #ifdef MOEPT_CUDA
     if (L->cuda) {
-        moept_status st = moept__cuda_zero_grad((moept__cuda *)L->cuda, L->err);
+        moept_status st = moept__cuda_zero_grad((moept__cuda *)L->cuda, moept__thread_err);
         if (st) return st;
         L->cuda_gnew = 0; /* both sides zero */
     }
@@ -1522,7 +1530,7 @@ static moept_status moept__grads_refused(moept_layer *L, const char *call) {
         int64_t bad = -1;
         char why[MOEPT__ERRLEN];
         moept_status why_st = MOEPT_OK;
-        moept_status st = moept__cuda_dx_check((moept__cuda *)L->cuda, &bad, &why_st, why, L->err);
+        moept_status st = moept__cuda_dx_check((moept__cuda *)L->cuda, &bad, &why_st, why, moept__thread_err);
         if (st) return st;
         L->cuda_dx_pending = 0;
         if (bad >= 0 && L->grads_dx_bad < 0) L->grads_dx_bad = bad;
@@ -1590,7 +1598,8 @@ static moept_status moept__to_host(const moept_layer *cL, int params, int grads)
     if (!L->cuda) return MOEPT_OK;
     int p = params && L->cuda_pnew == 2, g = grads && L->cuda_gnew == 2;
     if (!p && !g) return MOEPT_OK;
-    moept_status st = moept__cuda_download((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL, L->err);
+    moept_status st = moept__cuda_download((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL,
+                                           moept__thread_err);
     if (st) return st;
     if (p) L->cuda_pnew = 0;
     if (g) L->cuda_gnew = 0;
@@ -1608,7 +1617,7 @@ static moept_status moept__opt_to_host(moept_layer *L) {
         if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
         L->opt_m = s; L->opt_v = s + L->n_params;
     }
-    moept_status st = moept__cuda_opt_download((moept__cuda *)L->cuda, L->opt_m, L->opt_v, L->err);
+    moept_status st = moept__cuda_opt_download((moept__cuda *)L->cuda, L->opt_m, L->opt_v, moept__thread_err);
     if (!st) L->cuda_onew = 0;
     return st;
 #else
@@ -1626,7 +1635,7 @@ static moept_status moept__to_device(moept_layer *L) {
     int p = L->cuda_pnew == 1, g = L->cuda_gnew == 1;
     if (!p && !g) return MOEPT_OK;
     moept_status st = moept__cuda_upload((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL,
-                                         p ? L->bias : NULL, p ? L->slot_of : NULL, L->err);
+                                         p ? L->bias : NULL, p ? L->slot_of : NULL, moept__thread_err);
     if (st) return st;
     if (p) L->cuda_pnew = 0;
     if (g) L->cuda_gnew = 0;
@@ -1754,7 +1763,7 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     if (!st) {
         L->cuda = c; L->cuda_pnew = 1; L->cuda_gnew = 1; L->cuda_sync_free = sp.sync_free;
         st = moept__to_device(L);
-        if (st) memcpy(err, L->err, sizeof err);
+        if (st) memcpy(err, moept__thread_err, sizeof err);
     }
     moept_status ast; /* the agreement's own status: this rank's st is kept */
     failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
@@ -2138,7 +2147,8 @@ static moept_status moept__cuda_settle(moept_layer *L) {
     if (!L->cuda_stats_pending) return MOEPT_OK;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
-    moept_status st = moept__cuda_step_stats((moept__cuda *)L->cuda, L->lstat, L->peer_rows, &r, L->err);
+    moept_status st = moept__cuda_step_stats((moept__cuda *)L->cuda, L->lstat, L->peer_rows, &r,
+                                             moept__thread_err);
     if (st) return st;
     L->cuda_stats_pending = 0;
     moept__cuda_step_done(L, &r);
@@ -2156,7 +2166,8 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep
         r.reject = MOEPT_ERR_UNSUPPORTED;
         r.reject_msg = "moept_forward: a padding mask (opts.mask) is not supported by the CUDA executor";
     }
-    st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r, L->err);
+    st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r,
+                             moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
     L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; L->cuda_routing = 0; L->fwd_eval = f->eval;
@@ -2182,7 +2193,7 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
         r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
                        "differentiate";
     }
-    st = moept__cuda_backward((moept__cuda *)L->cuda, x, dy, dx, &r, L->err);
+    st = moept__cuda_backward((moept__cuda *)L->cuda, x, dy, dx, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
     moept__cuda_stats(L, &r);
@@ -3224,7 +3235,7 @@ static moept_status moept__agree_group(moept_comm *c, int64_t *v, int64_t tag, i
 }
 
 /* A group call's outcome, agreed before it acts: this rank's rejection
-   (`local`, its message already in L->err), any peer's, or a peer making
+   (`local`, its message already the thread's), any peer's, or a peer making
    another call fails every rank of grp and dp, and nobody leaves a peer
    waiting in a collective. */
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
@@ -3257,7 +3268,7 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 #ifdef MOEPT_CUDA
     if (L->cuda) {
         moept_status cs = moept__to_device(L);
-        if (!cs) cs = moept__cuda_sync_grads((moept__cuda *)L->cuda, scale, L->err);
+        if (!cs) cs = moept__cuda_sync_grads((moept__cuda *)L->cuda, scale, moept__thread_err);
         if (!cs) L->cuda_gnew = 2;
         return cs;
     }
@@ -3287,7 +3298,7 @@ static moept_status moept__grad_scan(moept_layer *L, double *s, int64_t *bad) {
 #ifdef MOEPT_CUDA
     if (L->cuda) { /* s NULL: the executor may keep what a scan of the same gradients found */
         moept_status st = moept__to_device(L);
-        return st ? st : moept__cuda_grad_scan((moept__cuda *)L->cuda, s, bad, L->err);
+        return st ? st : moept__cuda_grad_scan((moept__cuda *)L->cuda, s, bad, moept__thread_err);
     }
 #endif
     const int64_t n_router = L->E * L->D, n_exp = L->n_exp;
@@ -3384,7 +3395,7 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
     if (L->cuda && !L->cuda_routing) {
         moept_layer *W = (moept_layer *)L;
         moept_status cs = moept__cuda_download_routing((moept__cuda *)L->cuda, W->ids[L->cur], W->wts[L->cur],
-                                                       W->logits[L->cur], NULL, W->err);
+                                                       W->logits[L->cur], NULL, moept__thread_err);
         if (cs) return cs;
         W->cuda_routing = 1;
     }
@@ -3401,7 +3412,7 @@ moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
 #ifdef MOEPT_CUDA
     if (L->cuda) {
         moept_status cs = moept__cuda_download_routing((moept__cuda *)L->cuda, NULL, NULL, NULL,
-                                                       ((moept_layer *)L)->dwts, ((moept_layer *)L)->err);
+                                                       ((moept_layer *)L)->dwts, moept__thread_err);
         if (cs) return cs;
     }
 #endif
@@ -4941,31 +4952,17 @@ static void moept__hf_prefix(const moept_layer *L, int64_t layer_index, char *bu
              L->cfg.family == MOEPT_FAMILY_MIXTRAL ? "block_sparse_moe." : "mlp.");
 }
 
-/* skips one JSON value (for index files' fields we do not use) */
-static int moept__jskip(moept__json *j, int depth) {
-    moept__ws(j);
-    if (j->p >= j->end || depth > 64) { j->err = "truncated or too deep"; return 0; }
-    char ch = *j->p;
-    if (ch == '"') return moept__jstring(j) != NULL;
-    if (ch == '{' || ch == '[') {
-        char close = ch == '{' ? '}' : ']';
-        j->p++;
-        if (moept__jchar(j, close)) return 1;
-        do {
-            if (ch == '{') {
-                if (!moept__jstring(j) || !moept__jchar(j, ':')) { j->err = "bad object"; return 0; }
-            }
-            if (!moept__jskip(j, depth + 1)) return 0;
-        } while (moept__jchar(j, ','));
-        if (!moept__jchar(j, close)) { j->err = "bad container"; return 0; }
-        return 1;
-    }
-    /* number, true, false, null */
-    const char *s = j->p;
-    while (j->p < j->end && strchr("+-0123456789.eEtrufalsn", *j->p)) j->p++;
-    if (j->p == s) { j->err = "unexpected character"; return 0; }
-    return 1;
-}
+/* ------------------------------------------------------------------------
+   Strict JSON (RFC 8259) for config.json, model.safetensors.index.json and
+   a training checkpoint's index.json. moept__json_check takes a document
+   whole before its reader walks it: UTF-8; the grammar (exact literals, no
+   leading zeros, nothing after the object; NaN and Infinity, which Python
+   also reads, are not JSON); nesting up to 64; no key twice in one object
+   (Python's json, and so transformers, keeps a repeated key's last value,
+   where a reader here would take the first: the two would differ
+   silently). Strings may not hold U+0000 (they become C strings). The
+   readers walk the checked text with moept__jmember and moept__jelement.
+   ------------------------------------------------------------------------ */
 
 /* A JSON number, in any locale (strtod's decimal point is the locale's):
    up to 19 significant digits scaled by a power of ten, enough for a
@@ -4976,28 +4973,144 @@ static int moept__jnum(moept__json *j, double *out) {
     int neg = p < e && *p == '-', nd = 0, dexp = 0, x = 0, xneg = 0;
     p += neg;
     if (p >= e || *p < '0' || *p > '9') { j->err = "expected a number"; return 0; }
+    if (*p == '0' && p + 1 < e && p[1] >= '0' && p[1] <= '9') {
+        j->err = "leading zero in a number";
+        return 0;
+    }
     uint64_t m = 0;
     for (; p < e && *p >= '0' && *p <= '9'; p++)
         if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; } else dexp++;
     if (p < e && *p == '.') {
-        if (++p >= e || *p < '0' || *p > '9') { j->err = "expected a digit"; return 0; }
+        if (++p >= e || *p < '0' || *p > '9') { j->err = "a number's fraction has no digits"; return 0; }
         for (; p < e && *p >= '0' && *p <= '9'; p++)
             if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; dexp--; }
     }
     if (p < e && (*p == 'e' || *p == 'E')) {
         p++;
         if (p < e && (*p == '+' || *p == '-')) xneg = *p++ == '-';
-        if (p >= e || *p < '0' || *p > '9') { j->err = "expected an exponent"; return 0; }
+        if (p >= e || *p < '0' || *p > '9') { j->err = "a number's exponent has no digits"; return 0; }
         for (; p < e && *p >= '0' && *p <= '9'; p++) x = x < 10000 ? x * 10 + (*p - '0') : x;
     }
     dexp += xneg ? -x : x;
     if (dexp < -400) dexp = -400;
     if (dexp > 400) dexp = 400;
-    double v = (double)m;
-    v = dexp >= 0 ? v * pow(10.0, dexp) : v / pow(10.0, -dexp);
+    double v = (double)m; /* 0 stays 0 at any exponent (0 x inf would be NaN) */
+    if (m) v = dexp >= 0 ? v * pow(10.0, dexp) : v / pow(10.0, -dexp);
     *out = neg ? -v : v;
     j->p = (char *)p;
     return 1;
+}
+
+/* The members of the object at j: *n = 0 before the first call; each call
+   moves to the next member (its decoded name in *key, j at its value), or
+   returns 0 past the '}', with j->err set if the object is malformed. */
+static int moept__jmember(moept__json *j, int64_t *n, char **key) {
+    if ((*n)++ == 0) {
+        if (!moept__jchar(j, '{')) { j->err = "expected an object"; return 0; }
+        if (moept__jchar(j, '}')) return 0;
+    } else if (!moept__jchar(j, ',')) {
+        if (!moept__jchar(j, '}')) j->err = "expected ',' or '}'";
+        return 0;
+    }
+    if (!(*key = moept__jstring(j))) return 0;
+    if (!moept__jchar(j, ':')) { j->err = "expected ':'"; return 0; }
+    return 1;
+}
+
+/* The elements of the array at j, likewise (j at each element) */
+static int moept__jelement(moept__json *j, int64_t *n) {
+    if ((*n)++ == 0) {
+        if (!moept__jchar(j, '[')) { j->err = "expected an array"; return 0; }
+        return !moept__jchar(j, ']');
+    }
+    if (moept__jchar(j, ',')) return 1;
+    if (!moept__jchar(j, ']')) j->err = "expected ',' or ']'";
+    return 0;
+}
+
+/* every object's member names (object number, name), for the duplicate check */
+typedef struct moept__jkey { int64_t obj; const char *name; } moept__jkey;
+typedef struct moept__jkeys { moept__jkey *v; int64_t n, cap, objs; } moept__jkeys;
+
+/* One value, strictly; its objects' names go to keys (NULL: not kept) */
+static int moept__jvalue(moept__json *j, int depth, moept__jkeys *keys) {
+    moept__ws(j);
+    if (j->p >= j->end) { j->err = "expected a value"; return 0; }
+    if (depth > 64) { j->err = "nested deeper than 64"; return 0; }
+    const char c = *j->p;
+    int64_t n = 0;
+    if (c == '"') return moept__jstring(j) != NULL;
+    if (c == '{') {
+        int64_t obj = keys ? keys->objs++ : 0;
+        char *k;
+        while (moept__jmember(j, &n, &k)) {
+            if (keys && keys->n == keys->cap) { j->err = "too many keys"; return 0; }
+            if (keys) keys->v[keys->n++] = (moept__jkey){obj, k};
+            if (!moept__jvalue(j, depth + 1, keys)) return 0;
+        }
+        return !j->err;
+    }
+    if (c == '[') {
+        while (moept__jelement(j, &n))
+            if (!moept__jvalue(j, depth + 1, keys)) return 0;
+        return !j->err;
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) {
+        double v;
+        return moept__jnum(j, &v);
+    }
+    static const char *const lit[3] = {"true", "false", "null"};
+    for (int w = 0; w < 3; w++) {
+        size_t len = strlen(lit[w]);
+        if ((size_t)(j->end - j->p) >= len && memcmp(j->p, lit[w], len) == 0) { j->p += len; return 1; }
+    }
+    j->err = c == 't' || c == 'f' || c == 'n' ? "a malformed literal (true, false or null)"
+                                               : "expected a value";
+    return 0;
+}
+
+static int moept__cmp_jkey(const void *a, const void *b) {
+    const moept__jkey *x = a, *y = b;
+    if (x->obj != y->obj) return (x->obj > y->obj) - (x->obj < y->obj);
+    return strcmp(x->name, y->name);
+}
+
+/* Checks text[0, n), a document that must be one JSON object, whole;
+   messages name `path`. Strings decode in place, so the check runs on a
+   copy and the caller's text stays raw for its reader. */
+static moept_status moept__json_check(const char *text, int64_t n, const char *path) {
+    if (!moept__utf8_ok((const unsigned char *)text, n))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not UTF-8 (RFC 8259 JSON is)", path);
+    int64_t cap = 1; /* each member has a ':' */
+    for (int64_t i = 0; i < n; i++) cap += text[i] == ':';
+    char *copy = moept__alloc(NULL, (size_t)n + 1);
+    moept__jkeys keys = {moept__alloc(NULL, (size_t)cap * sizeof(moept__jkey)), 0, cap, 0};
+    moept_status st = MOEPT_OK;
+    if (!copy || !keys.v) {
+        st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+        goto out;
+    }
+    memcpy(copy, text, (size_t)n);
+    copy[n] = 0;
+    moept__json j = {copy, copy + n, NULL};
+    moept__ws(&j);
+    int ok = j.p < j.end && *j.p == '{' && moept__jvalue(&j, 0, &keys);
+    if (ok) moept__ws(&j);
+    if (ok && j.p != j.end) { j.err = "trailing content after the object"; ok = 0; }
+    if (!ok) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object: %s (byte %lld)", path,
+                                j.err ? j.err : "expected '{'", (long long)(j.p - copy));
+        goto out;
+    }
+    qsort(keys.v, (size_t)keys.n, sizeof *keys.v, moept__cmp_jkey);
+    for (int64_t i = 1; i < keys.n && !st; i++)
+        if (keys.v[i].obj == keys.v[i - 1].obj && strcmp(keys.v[i].name, keys.v[i - 1].name) == 0)
+            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" twice in one object (Python's json "
+                                    "takes the last value, moept the first: refused)", path, keys.v[i].name);
+out:
+    MOEPT_FREE(copy);
+    MOEPT_FREE(keys.v);
+    return st;
 }
 
 /* config.json's top-level keys: numbers (true/false as 1/0), null,
@@ -5015,14 +5128,16 @@ typedef struct moept__hfconf {
     double num[MOEPT__HF_KEYS];
 } moept__hfconf;
 
+/* a top-level value (the document checked): arrays and objects are read
+   later from their raw text, where h->str[i] points */
 static int moept__hf_value(moept__json *j, moept__hfconf *h, int i) {
     moept__ws(j);
     if (j->p >= j->end) return 0;
     char c = *j->p;
     h->str[i] = j->p;
     if (c == '"') { h->kind[i] = MOEPT__HK_STR; return (h->str[i] = moept__jstring(j)) != NULL; }
-    if (c == '[') { h->kind[i] = MOEPT__HK_ARR; return moept__jskip(j, 0); }
-    if (c == '{') { h->kind[i] = MOEPT__HK_OTHER; return moept__jskip(j, 0); }
+    if (c == '[') { h->kind[i] = MOEPT__HK_ARR; return moept__jvalue(j, 1, NULL); }
+    if (c == '{') { h->kind[i] = MOEPT__HK_OTHER; return moept__jvalue(j, 1, NULL); }
     static const char *words[3] = {"true", "false", "null"};
     for (int w = 0; w < 3; w++)
         if (j->end - j->p >= (ptrdiff_t)strlen(words[w]) && memcmp(j->p, words[w], strlen(words[w])) == 0) {
@@ -5036,19 +5151,25 @@ static int moept__hf_value(moept__json *j, moept__hfconf *h, int i) {
 }
 
 static moept_status moept__hf_parse(moept__hfconf *h, char *buf, int64_t size) {
+    moept_status st = moept__json_check(buf, size, h->path);
+    if (st) return st;
     moept__json j = {buf, buf + size, NULL};
-    int ok = moept__jchar(&j, '{');
-    if (ok && !moept__jchar(&j, '}')) {
-        do {
-            if (h->n == MOEPT__HF_KEYS) { j.err = "too many keys"; ok = 0; break; }
-            char *k = moept__jstring(&j);
-            ok = k && moept__jchar(&j, ':') && moept__hf_value(&j, h, h->n);
-            if (ok) h->key[h->n++] = k;
-        } while (ok && moept__jchar(&j, ','));
-        ok = ok && moept__jchar(&j, '}');
+    int64_t n = 0;
+    char *k;
+    while (moept__jmember(&j, &n, &k)) {
+        if (h->n == MOEPT__HF_KEYS)
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: more than %d keys", h->path, MOEPT__HF_KEYS);
+        if (!moept__hf_value(&j, h, h->n)) break;
+        h->key[h->n++] = k;
     }
-    if (!ok) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object (%s)", h->path, j.err ? j.err : "");
+    if (j.err) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object (%s)", h->path, j.err);
     return MOEPT_OK;
+}
+
+/* the raw (undecoded) text of top-level value i, to its end */
+static moept__json moept__hf_raw(const moept__hfconf *h, int i) {
+    moept__json j = {h->raw + (h->str[i] - h->text), h->raw + h->size, NULL};
+    return j;
 }
 
 static void moept__hf_free(moept__hfconf *h) {
@@ -5129,17 +5250,14 @@ static moept_status moept__hf_listed(const moept__hfconf *h, const char *key, in
     int i = moept__hf_key(h, key);
     *listed = 0;
     if (i < 0 || h->kind[i] == MOEPT__HK_NULL) return MOEPT_OK;
-    moept__json j = {h->str[i] + 1, h->str[i] + strlen(h->str[i]), NULL}; /* the text after '[' */
     int ok = h->kind[i] == MOEPT__HK_ARR;
-    if (ok && !moept__jchar(&j, ']')) {
-        do {
-            int64_t v;
-            ok = moept__juint(&j, &v);
-            if (ok && v == layer) *listed = 1;
-        } while (ok && moept__jchar(&j, ','));
-        ok = ok && moept__jchar(&j, ']');
+    moept__json j = moept__hf_raw(h, i);
+    int64_t n = 0, v;
+    while (ok && moept__jelement(&j, &n)) {
+        ok = moept__juint(&j, &v);
+        if (ok && v == layer) *listed = 1;
     }
-    if (!ok)
+    if (!ok || j.err)
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be a list of layer numbers", h->path, key);
     return MOEPT_OK;
 }
@@ -5198,8 +5316,14 @@ static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moep
             (st = moept__hf_int(h, "topk_group", 4, 1, 64, &tg)) ||
             (st = moept__hf_float(h, "routed_scaling_factor", 2.5, &c->routed_scaling_factor)))
             return st;
+        if (!(c->routed_scaling_factor > 0.0f)) /* (as a float: moept_config's 0 means 1.0) */
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"routed_scaling_factor\" must be > 0", P);
         dense = layer < first || layer % freq != 0;
-        shared = ns * c->intermediate_size;
+        shared = ns * c->intermediate_size; /* at most 2^10 x 2^20 */
+        if (shared > (1 << 20))
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_shared_experts\" (%lld) x \"%s\" "
+                                      "(%lld) exceed 1048576", P, (long long)ns, fkey,
+                                      (long long)c->intermediate_size);
         const char *sf = moept__hf_str(h, "scoring_func", "sigmoid"), *tm = moept__hf_str(h, "topk_method", "noaux_tc");
         if (strcmp(sf, "sigmoid") != 0 || strcmp(tm, "noaux_tc") != 0)
             return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: key \"%s\" is \"%s\"; deepseek_v3 routes by "
@@ -5209,6 +5333,12 @@ static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moep
             return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" (%lld) "
                                       "do not split \"n_routed_experts\" (%lld)", P, (long long)ng, (long long)tg,
                                       (long long)E);
+        /* moept_create's group rules: a group's score is its best two experts'; K from topk_group groups */
+        if (E > 0 && ng > 1 && (E / ng < 2 || K > tg * (E / ng)))
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" "
+                                      "(%lld) leave groups of fewer than 2 experts or fewer than "
+                                      "\"num_experts_per_tok\" (%lld) to choose from", P, (long long)ng,
+                                      (long long)tg, (long long)K);
     }
     if (dense || E == 0)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer %lld is a dense MLP layer, not MoE", P,
@@ -5322,7 +5452,7 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
     if (!ok) return moept__thread_fail(MOEPT_ERR_IO, "%s: read failed", path);
     *bytes += n;
     s->json[n] = 0;
-    if (!moept__utf8_ok((const unsigned char *)s->json, n)) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not UTF-8", path);
+    if ((st = moept__json_check(s->json, n, path))) return st; /* (a name twice in weight_map, too) */
     int64_t cap = 1;
     for (int64_t i = 0; i < n; i++) cap += s->json[i] == ':';
     s->names = moept__alloc(NULL, (size_t)cap * sizeof(char *));
@@ -5331,34 +5461,28 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
     if (!s->names || !s->file_of || !s->files) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     moept__json j = {s->json, s->json + n, NULL};
     int have_map = 0;
+    int64_t m = 0, e;
+    char *k, *name, *file;
 #define MOEPT__IFAIL(what) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: %s (%s)", path, what, j.err ? j.err : "syntax")
-    if (!moept__jchar(&j, '{')) MOEPT__IFAIL("not a JSON object");
-    if (!moept__jchar(&j, '}')) {
-        do {
-            char *k = moept__jstring(&j);
-            if (!k || !moept__jchar(&j, ':')) MOEPT__IFAIL("bad key");
-            if (strcmp(k, "weight_map") != 0) { if (!moept__jskip(&j, 0)) MOEPT__IFAIL("bad value"); continue; }
-            if (have_map++) MOEPT__IFAIL("duplicate weight_map");
-            if (!moept__jchar(&j, '{')) MOEPT__IFAIL("weight_map is not an object");
-            if (moept__jchar(&j, '}')) continue;
-            do {
-                char *name = moept__jstring(&j), *file;
-                if (!name || !moept__jchar(&j, ':') || !(file = moept__jstring(&j))) MOEPT__IFAIL("bad weight_map entry");
-                if (strchr(file, '/') || strcmp(file, "..") == 0 || !file[0]) MOEPT__IFAIL("shard names must be plain file names");
-                int64_t f = 0;
-                while (f < s->nfiles && strcmp(s->files[f], file) != 0) f++;
-                if (f == s->nfiles) s->files[s->nfiles++] = file;
-                for (int64_t i = 0; i < s->nnames; i++)
-                    if (strcmp(s->names[i], name) == 0) MOEPT__IFAIL("duplicate name in weight_map");
-                s->names[s->nnames] = name;
-                s->file_of[s->nnames++] = f;
-            } while (moept__jchar(&j, ','));
-            if (!moept__jchar(&j, '}')) MOEPT__IFAIL("weight_map: expected '}'");
-        } while (moept__jchar(&j, ','));
-        if (!moept__jchar(&j, '}')) MOEPT__IFAIL("expected '}'");
+    while (moept__jmember(&j, &m, &k)) {
+        if (strcmp(k, "weight_map") != 0) {
+            if (!moept__jvalue(&j, 1, NULL)) break;
+            continue;
+        }
+        have_map = 1;
+        for (e = 0; moept__jmember(&j, &e, &name);) {
+            if (!(file = moept__jstring(&j))) MOEPT__IFAIL("weight_map values must be file names");
+            if (strchr(file, '/') || strcmp(file, "..") == 0 || !file[0])
+                MOEPT__IFAIL("shard names must be plain file names");
+            int64_t f = 0;
+            while (f < s->nfiles && strcmp(s->files[f], file) != 0) f++;
+            if (f == s->nfiles) s->files[s->nfiles++] = file;
+            s->names[s->nnames] = name;
+            s->file_of[s->nnames++] = f;
+        }
+        if (j.err) MOEPT__IFAIL("bad weight_map");
     }
-    moept__ws(&j);
-    if (j.p != j.end) MOEPT__IFAIL("trailing characters");
+    if (j.err) MOEPT__IFAIL("bad index");
     if (!have_map) MOEPT__IFAIL("no weight_map");
 #undef MOEPT__IFAIL
     s->open = moept__alloc(NULL, (size_t)(s->nfiles ? s->nfiles : 1) * sizeof(moept_st_file *));
@@ -5371,7 +5495,7 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
 static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char *name, moept_st_file **f,
                                    const moept_st_tensor **t, int64_t *bytes) {
     int64_t fi = 0;
-    if (s->nnames) {
+    if (s->json) { /* an index: its weight_map (even an empty one) says where, not the single file */
         int64_t i = 0;
         while (i < s->nnames && strcmp(s->names[i], name) != 0) i++;
         if (i == s->nnames) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: '%s' is not in the weight_map", dir, name);
@@ -5403,19 +5527,18 @@ static moept_status moept__hf_fp8_block(const char *dir, int64_t blk[2]) {
     if (st) return missing ? MOEPT_OK : st;
     int i = moept__hf_key(h, "quantization_config");
     if (i >= 0 && h->kind[i] == MOEPT__HK_OTHER) { /* {..., "weight_block_size": [r, c], ...} */
-        moept__json j = {h->raw + (h->str[i] - h->text), h->raw + h->size, NULL}; /* (raw: unparsed) */
-        int ok = moept__jchar(&j, '{');
-        while (ok && !moept__jchar(&j, '}')) {
-            char *k = moept__jstring(&j);
-            ok = k && moept__jchar(&j, ':');
-            if (ok && strcmp(k, "weight_block_size") == 0)
+        moept__json j = moept__hf_raw(h, i);
+        int64_t n = 0;
+        char *k;
+        int ok = 1;
+        while (ok && moept__jmember(&j, &n, &k)) {
+            if (strcmp(k, "weight_block_size") == 0)
                 ok = moept__jchar(&j, '[') && moept__juint(&j, &blk[0]) && moept__jchar(&j, ',') &&
                      moept__juint(&j, &blk[1]) && moept__jchar(&j, ']') && blk[0] > 0 && blk[1] > 0;
-            else if (ok)
-                ok = moept__jskip(&j, 0);
-            if (ok) moept__jchar(&j, ',');
+            else
+                ok = moept__jvalue(&j, 1, NULL);
         }
-        if (!ok)
+        if (!ok || j.err)
             st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\": weight_block_size must be "
                                     "[rows, cols] (positive integers)", path);
     }
@@ -5433,11 +5556,14 @@ static moept_status moept__hf_fp8_scale(const char *dir, moept__hf_src *src, con
     const moept_st_tensor *t = NULL;
     moept_status st = moept__hf_find(dir, src, sname, &f, &t, bytes);
     if (st) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: FP8 tensor '%s' has no '%s'", dir, name, sname);
-    const int64_t br = src->fp8_block[0], bc = src->fp8_block[1], sr = (rows + br - 1) / br, sc = (cols + bc - 1) / bc;
+    /* ceil(rows / br) as rows / br + remainder: br comes from config.json, up to 2^63 - 1 */
+    const int64_t br = src->fp8_block[0], bc = src->fp8_block[1];
+    const int64_t sr = rows / br + (rows % br != 0), sc = cols / bc + (cols % bc != 0);
     if (t->ndim != 2 || t->shape[0] != sr || t->shape[1] != sc || (t->dtype != MOEPT_DTYPE_F32 &&
                                                                    t->dtype != MOEPT_DTYPE_BF16))
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: '%s' must be F32 or BF16 [%lld, %lld] (blocks of %lld x "
-                                  "%lld)", dir, sname, (long long)sr, (long long)sc, (long long)br, (long long)bc);
+                                  "%lld: config.json's quantization_config.weight_block_size)", dir, sname,
+                                  (long long)sr, (long long)sc, (long long)br, (long long)bc);
     float *scale = moept__alloc(NULL, (size_t)(sr * sc) * sizeof(float));
     if (!scale) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
     int64_t before = f->bytes_read;
@@ -5605,7 +5731,7 @@ static moept_status moept__adamw_apply(moept_layer *L, moept__adamw_k k) {
 #ifdef MOEPT_CUDA
     if (L->cuda) {
         moept_status st = moept__cuda_adamw((moept__cuda *)L->cuda, &k, L->cuda_onew == 1, L->opt_m, L->opt_v,
-                                            L->err);
+                                            moept__thread_err);
         if (st) return st;
         L->cuda_onew = 2;
         L->cuda_pnew = 2;
@@ -5634,10 +5760,12 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     int64_t bad = -1;
     if (!o)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: opt is NULL");
-    else if (!moept__finite(lr) || lr < 0 || !(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) ||
-             !moept__finite(wd) || wd < 0)
+    else if (!moept__finite(lr) || !(lr > 0)) /* lr 0 would only advance t and the moments: a caller's slip */
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: lr %g must be finite and > 0",
+                            (double)lr);
+    else if (!(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) || !moept__finite(wd) || wd < 0)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
-                            "moept_adamw_step: need lr >= 0, betas in [0,1), eps > 0, weight_decay >= 0");
+                            "moept_adamw_step: need betas in [0,1), eps > 0, weight_decay >= 0");
     else local = moept__grads_refused(L, "moept_adamw_step");
     if (!local) local = moept__grad_scan(L, NULL, &bad);
     if (!local && bad >= 0)
@@ -5875,30 +6003,31 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", path, MOEPT__INDEX_MAX);
     }
     buf[size] = 0;
-    moept__json j = {buf, buf + size, NULL};
     *ep = *step = -1;
     fp[0] = set[0] = 0;
-    int set_ok = 1;
-    int ok = moept__jchar(&j, '{');
-    if (ok && !moept__jchar(&j, '}')) {
-        do {
-            char *k = moept__jstring(&j);
-            if (!k || !moept__jchar(&j, ':')) { ok = 0; break; }
-            if (strcmp(k, "ep_size") == 0) ok = moept__juint(&j, ep);
-            else if (strcmp(k, "step") == 0) ok = moept__juint(&j, step);
-            else if (strcmp(k, "fingerprint") == 0) {
-                char *v = moept__jstring(&j);
-                if (v) snprintf(fp, fpn, "%s", v);
-                ok = v != NULL;
-            } else if (strcmp(k, "set") == 0) {
-                char *v = moept__jstring(&j);
-                if (v) snprintf(set, setn, "%s", v);
-                ok = v != NULL;
-                set_ok = v && moept__ckpt_set_name_ok(v) && strlen(v) < setn;
-            } else ok = moept__jskip(&j, 0);
-        } while (ok && moept__jchar(&j, ','));
-        ok = ok && moept__jchar(&j, '}');
+    if ((st = moept__json_check(buf, size, path))) {
+        MOEPT_FREE(buf);
+        return st;
     }
+    moept__json j = {buf, buf + size, NULL};
+    int set_ok = 1, ok = 1;
+    int64_t n = 0;
+    char *k;
+    while (ok && moept__jmember(&j, &n, &k)) {
+        if (strcmp(k, "ep_size") == 0) ok = moept__juint(&j, ep);
+        else if (strcmp(k, "step") == 0) ok = moept__juint(&j, step);
+        else if (strcmp(k, "fingerprint") == 0) {
+            char *v = moept__jstring(&j);
+            if (v) snprintf(fp, fpn, "%s", v);
+            ok = v != NULL;
+        } else if (strcmp(k, "set") == 0) {
+            char *v = moept__jstring(&j);
+            if (v) snprintf(set, setn, "%s", v);
+            ok = v != NULL;
+            set_ok = v && moept__ckpt_set_name_ok(v) && strlen(v) < setn;
+        } else ok = moept__jvalue(&j, 1, NULL);
+    }
+    ok = ok && !j.err;
     MOEPT_FREE(buf);
     if (!ok || *ep < 1 || !fp[0]) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a moept checkpoint index", path);
     if (!set_ok) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: \"set\" is not a set directory's name", path);
@@ -6031,7 +6160,7 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     int64_t bytes = 0; /* counted only if the load commits */
     float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float)), *opt = NULL;
     long long t = -1;
-    moept_status local = moept__to_host(L, 1, 0); /* its message in L->err */
+    moept_status local = moept__to_host(L, 1, 0); /* its message the thread's */
     moept_status st = local ? local : !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
                       : !stage ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
                                : moept__ckpt_read(L, dir, stage, &t, &bytes);

@@ -65,9 +65,13 @@
        elsewhere), dx may overlap dy (likewise); dx must not overlap x (the
        weight gradients read x after dx is written): rejected with
        MOEPT_ERR_INVALID_ARGUMENT, on both executors.
-     - Every call returns a moept_status. On failure moept_last_error(layer)
-       says why (moept_last_error(NULL) for moept_create), and the layer is
-       left exactly as it was: parameters, gradients, bias, the saved
+     - Every call returns a moept_status. On failure moept_last_error says
+       why: one channel, the calling thread's last failure message whatever
+       call it came from (a layer's, moept_create, moept_config_from_hf, a
+       file reader), read through any argument (the layer, or NULL: the
+       same text). A successful call does not clear it (read it right after
+       the failing call); another thread's failures are that thread's. And
+       the layer is left exactly as it was: parameters, gradients, bias, the saved
        forward state and the step statistics (steps, tokens, routed and
        dropped rows, capacity, losses, rows and bytes sent and received,
        checkpoint_bytes_read). The memory and time counters (allocations,
@@ -664,7 +668,15 @@ moept_config moept_config_default(moept_family family);
    transformers' class defaults. Not read: router_jitter_noise,
    output_router_logits. max_tokens, z_loss_coef, capacity_factor,
    global_balance, overlap_chunks and expert_sharding stay as cfg had them;
-   on failure cfg is unchanged. */
+   on failure cfg is unchanged. routed_scaling_factor must be > 0 (0,
+   which this struct reads as 1.0, is refused). The file is read as
+   RFC 8259 JSON, as strictly as model.safetensors.index.json and a
+   training checkpoint's index.json: invalid UTF-8, trailing content,
+   leading zeros, malformed literals (anywhere, also in keys moept does not
+   read), NaN/Infinity and U+0000 in a string are MOEPT_ERR_FORMAT, and so
+   is a key twice in one object, at any depth (Python's json, and so
+   transformers, takes the last value; taking the first would route
+   differently without a word): the message names the key. */
 moept_status moept_config_from_hf(const char *path, int64_t layer, moept_config *cfg);
 
 /* Lifecycle */
@@ -789,8 +801,8 @@ const char *moept_status_string(moept_status s);
    target macros chose ("avx2+fma 6x16", "avx512f 12x32", "neon 8x12",
    "portable 4x8"), for logs and benchmarks. */
 const char *moept_gemm_kernel(void);
-/* Message of the last failure on `layer`; NULL gives this thread's last
-   moept_create / file error. Never NULL. */
+/* The calling thread's last failure message, whatever call it came from
+   (see CONVENTIONS); `layer` is not read (NULL is fine). Never NULL. */
 const char *moept_last_error(const moept_layer *layer);
 
 /* ---- safetensors (read side; used by the checker and checkpoints) ----- */
@@ -824,7 +836,7 @@ moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t,
 
 /* ---- optimizer and training checkpoints -------------------------------- */
 typedef struct moept_adamw {
-    float lr, beta1, beta2, eps, weight_decay;   /* 0 = torch's default, except lr */
+    float lr, beta1, beta2, eps, weight_decay;   /* 0 = torch's default; lr finite, > 0 */
 } moept_adamw;
 /* One AdamW step over this rank's parameter buffer with its gradients, as
    torch.optim.AdamW: p -= lr*wd*p; m, v updated; p -= lr/(1-b1^t) * m /
@@ -833,7 +845,9 @@ typedef struct moept_adamw {
    updates everywhere. The state (m, v, t) is allocated on the first call
    (a CUDA layer's m and v on the device, where its step runs: see CUDA).
    A non-finite gradient anywhere (on any rank of the groups) rejects the
-   step with MOEPT_ERR_NUMERIC naming the parameter; nothing changes. */
+   step with MOEPT_ERR_NUMERIC naming the parameter; nothing changes. An lr
+   that is not finite and > 0 (0 would train nothing) is refused with
+   MOEPT_ERR_INVALID_ARGUMENT. */
 moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
 /* Training checkpoint in directory `dir` (created if needed), atomic as a
    set. Each rank of DP replica 0 writes rank-R-of-P.safetensors

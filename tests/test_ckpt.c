@@ -960,6 +960,11 @@ static void expect_hf_error(const char *path, int64_t layer, moept_status want, 
     EXPECT(memcmp(&c, &before, sizeof c) == 0, "%s: a failed call changed the config", path);
 }
 
+#define OLMOE_KEYS "\"model_type\": \"olmoe\", \"hidden_size\": 8, \"intermediate_size\": 4, \"num_experts\": 4, " \
+                   "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 1"
+#define DSV3_KEYS "\"model_type\": \"deepseek_v3\", \"hidden_size\": 8, \"moe_intermediate_size\": 4, " \
+                  "\"n_routed_experts\": 8, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 2, " \
+                  "\"first_k_dense_replace\": 0"
 static void test_config_from_hf(void) {
     const hf_want ok[] = {
         {"tests/checkpoints/mixtral_e8_t40", 1, MOEPT_FAMILY_MIXTRAL, 24, 20, 8, 2, 0, 1, 1, MOEPT_NORM_DEFAULT, 0.0f,
@@ -1003,6 +1008,23 @@ static void test_config_from_hf(void) {
                "\"n_routed_experts\": 6, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 2, \"n_group\": 4, "
                "\"first_k_dense_replace\": 0}");
     expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"n_group\" (4)");
+    /* what moept_config_from_hf accepts, moept_create accepts: sizes and groups it would refuse, named */
+#define DSV3_GROUPS(ng, tg, k, ns) "{\"model_type\": \"deepseek_v3\", \"hidden_size\": 8, \"moe_intermediate_size\": " \
+    "2048, \"n_routed_experts\": 8, \"num_experts_per_tok\": " #k ", \"num_hidden_layers\": 1, " \
+    "\"first_k_dense_replace\": 0, \"n_group\": " #ng ", \"topk_group\": " #tg ", \"n_shared_experts\": " #ns "}"
+    write_text(p, DSV3_GROUPS(1, 1, 2, 1024));
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"n_shared_experts\" (1024) x \"moe_intermediate_size\" (2048)");
+    write_text(p, DSV3_GROUPS(8, 1, 1, 0));
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "groups of fewer than 2 experts");
+    write_text(p, DSV3_GROUPS(4, 1, 3, 0));
+    expect_hf_error(p, 0, MOEPT_ERR_FORMAT, "\"n_group\" (4) and \"topk_group\" (1)");
+    write_text(p, DSV3_GROUPS(4, 2, 4, 512)); /* the limits themselves: accepted, and by moept_create */
+    moept_config g = moept_config_default(MOEPT_FAMILY_MIXTRAL), r;
+    g.max_tokens = 4;
+    EXPECT(moept_config_from_hf(p, 0, &g) == MOEPT_OK && g.shared_intermediate_size == 1 << 20,
+           "the group and size limits: %s", moept_last_error(NULL));
+    EXPECT(moept__resolve(&g, &r) == MOEPT_OK, "moept_create refuses: %s", moept_last_error(NULL));
+#undef DSV3_GROUPS
     write_text(p, "{\"model_type\": \"mixtral\", \"hidden_act\": \"relu2\", \"hidden_size\": 8, "
                "\"intermediate_size\": 4, \"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"num_hidden_layers\": 1}");
     expect_hf_error(p, 0, MOEPT_ERR_UNSUPPORTED, "\"hidden_act\" \"relu2\"");
@@ -1021,6 +1043,99 @@ static void test_config_from_hf(void) {
            c.norm_topk_prob == MOEPT_NORM_ON, "numbers: %s, D %lld, coef %.9g", moept_last_error(NULL),
            (long long)c.hidden_size, (double)c.aux_loss_coef);
     remove(p);
+}
+
+/* config.json, the HF index and a checkpoint's index.json are read as
+   strictly as RFC 8259 says, by one reader: a key twice in one object
+   (Python's json, and so transformers, takes the last; moept took the
+   first) is refused naming the key, at any depth and however it is
+   escaped; trailing content, leading zeros, malformed literals in values
+   moept skips and invalid UTF-8 are refused; routed_scaling_factor 0 is
+   refused (moept_config's 0 means 1.0); what Python reads, moept reads */
+static void test_config_json_strict(void) {
+    const char *p = "build/hf_strict.json";
+    static const struct { const char *why, *text, *needle; } bad[] = {
+        {"a key twice", "{" OLMOE_KEYS ", \"num_experts_per_tok\": 4}", "\"num_experts_per_tok\" twice"},
+        {"a key twice, once escaped", "{" OLMOE_KEYS ", \"hidden\\u005fsize\": 16}", "\"hidden_size\" twice"},
+        {"a nested key twice", "{" OLMOE_KEYS ", \"quantization_config\": {\"weight_block_size\": [1, 1], "
+         "\"fmt\": \"e4m3\", \"weight_block_size\": [2, 2]}}", "\"weight_block_size\" twice"},
+        {"trailing content", "{" OLMOE_KEYS "} x", "trailing"},
+        {"a second object", "{" OLMOE_KEYS "}{}", "trailing"},
+        {"a leading zero", "{" OLMOE_KEYS ", \"router_aux_loss_coef\": 00.01}", "leading zero"},
+        {"a leading zero, skipped", "{" OLMOE_KEYS ", \"vocab_size\": 032000}", "leading zero"},
+        {"a leading zero, negative", "{" OLMOE_KEYS ", \"x\": [-01]}", "leading zero"},
+        {"a malformed nested literal", "{" OLMOE_KEYS ", \"rope_scaling\": {\"a\": tru}}", "literal"},
+        {"a malformed literal", "{" OLMOE_KEYS ", \"use_cache\": nul}", "literal"},
+        {"a number without digits", "{" OLMOE_KEYS ", \"x\": [-]}", "number"},
+        {"a number's bare exponent", "{" OLMOE_KEYS ", \"x\": 1e}", "number"},
+        {"a plus sign", "{" OLMOE_KEYS ", \"x\": +1}", "value"},
+        {"a trailing comma", "{" OLMOE_KEYS ", \"x\": [1, 2,]}", "value"},
+        {"a single-quoted string", "{" OLMOE_KEYS ", \"x\": 'a'}", "value"},
+        {"invalid UTF-8", "{" OLMOE_KEYS ", \"name\": \"\xff\"}", "UTF-8"},
+        {"an overlong UTF-8 '/'", "{" OLMOE_KEYS ", \"name\": \"\xc0\xaf\"}", "UTF-8"},
+        {"routed_scaling_factor 0", "{" DSV3_KEYS ", \"n_group\": 1, \"topk_group\": 1, "
+         "\"routed_scaling_factor\": 0.0}", "\"routed_scaling_factor\""},
+        {"routed_scaling_factor < 0", "{" DSV3_KEYS ", \"n_group\": 1, \"topk_group\": 1, "
+         "\"routed_scaling_factor\": -2.5}", "\"routed_scaling_factor\""},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        write_text(p, bad[i].text);
+        moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL), before = c;
+        moept_status st = moept_config_from_hf(p, 0, &c);
+        EXPECT(st == MOEPT_ERR_FORMAT && strstr(moept_last_error(NULL), bad[i].needle), "%s: status %d, '%s' "
+               "(wanted '%s')", bad[i].why, (int)st, moept_last_error(NULL), bad[i].needle);
+        EXPECT(memcmp(&c, &before, sizeof c) == 0, "%s: a failed call changed the config", bad[i].why);
+    }
+    /* what Python's json reads: escapes, exponents, -0, empty and nested containers, whitespace; 0e400 is 0 */
+    write_text(p, " {\"model_\\u0074ype\" : \"olmoe\",\"hidden_size\":8E0,\"intermediate_size\":4,\n\t\"num_experts\""
+               ":4.0e+0,\"num_experts_per_tok\":2,\"num_hidden_layers\":1,\"router_aux_loss_coef\":0e400,\"a\":[],"
+               "\"b\":{},\"c\":[[{\"d\":[true,false,null,-0,-0.5e-3,\"\\\"\\\\\\/\\b\\f\\n\\r\\t\\ud83d\\ude00\"]}]],"
+               "\"e\":\"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80\"} \r\n");
+    moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    moept_status st = moept_config_from_hf(p, 0, &c);
+    EXPECT(st == MOEPT_OK && c.hidden_size == 8 && c.num_experts == 4 && c.aux_loss == MOEPT_AUX_NONE,
+           "valid JSON: status %d (%s), D %lld E %lld aux %d", (int)st, moept_last_error(NULL), (long long)c.hidden_size,
+           (long long)c.num_experts, (int)c.aux_loss);
+    remove(p);
+    /* the HF index: a metadata key twice, a leading zero in a value moept skips, a tensor twice (named) */
+    moept_config fc = fam_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create(&fc, &L));
+    if (!L) return;
+    mkdir("build/hf_strict_idx", 0755);
+#define MAP "{\"model.layers.0.block_sparse_moe.gate.weight\": \"a.safetensors\"}"
+    static const struct { const char *text, *needle; } idx[] = {
+        {"{\"metadata\": {}, \"metadata\": {}, \"weight_map\": " MAP "}", "\"metadata\" twice"},
+        {"{\"metadata\": {\"total_size\": 0100}, \"weight_map\": " MAP "}", "leading zero"},
+        {"{\"metadata\": {\"x\": fals}, \"weight_map\": " MAP "}", "literal"},
+        {"{\"weight_map\": " MAP "} x", "trailing"},
+        {"{\"weight_map\": {\"model.layers.0.block_sparse_moe.gate.weight\": \"a.safetensors\", "
+         "\"model.layers.0.block_sparse_moe.gate.weight\": \"b.safetensors\"}}",
+         "\"model.layers.0.block_sparse_moe.gate.weight\" twice"},
+    };
+    for (size_t i = 0; i < sizeof idx / sizeof idx[0]; i++) {
+        write_text("build/hf_strict_idx/model.safetensors.index.json", idx[i].text);
+        st = moept_load_hf(L, "build/hf_strict_idx", 0);
+        EXPECT(st == MOEPT_ERR_FORMAT && strstr(moept_last_error(L), idx[i].needle), "index %zu: status %d, '%s' "
+               "(wanted '%s')", i, (int)st, moept_last_error(L), idx[i].needle);
+    }
+#undef MAP
+    /* a checkpoint's index.json with trailing content */
+    mkdir("build/ckpt_strict", 0755);
+    EXPECT_OK(moept_save_checkpoint(L, "build/ckpt_strict"));
+    FILE *f = fopen("build/ckpt_strict/index.json", "a");
+    if (f) { fputs("{}", f); fclose(f); }
+    st = moept_load_checkpoint(L, "build/ckpt_strict");
+    EXPECT(st == MOEPT_ERR_FORMAT && strstr(moept_last_error(L), "trailing"), "index.json with trailing content: "
+           "status %d, '%s'", (int)st, moept_last_error(L));
+    /* an empty weight_map names no tensor (the lookup read an unset shard pointer) */
+    write_text("build/hf_strict_idx/model.safetensors.index.json", "{\"weight_map\": {}}");
+    st = moept_load_hf(L, "build/hf_strict_idx", 0);
+    EXPECT(st == MOEPT_ERR_NOT_FOUND && strstr(moept_last_error(L), "weight_map"), "an empty weight_map: status %d, "
+           "'%s'", (int)st, moept_last_error(L));
+    remove("build/hf_strict_idx/model.safetensors.index.json");
+    rmdir("build/hf_strict_idx");
+    moept_destroy(L);
 }
 
 /* A zeroed config with a family set takes that family's routing defaults */
@@ -1084,6 +1199,45 @@ static void test_inference_layer_checkpoints(void) {
     moept_destroy(Lt); moept_destroy(Li); moept_destroy(L2);
 }
 
+/* A scale block larger than the weight (weight_block_size up to 2^63 - 1,
+   as a config.json may say): one block per row or column, computed
+   without overflow (rows + br - 1 overflowed: UB, and the expected shape
+   came out [0, 0]); the deepseek_fp8 scales, made for 4 x 8 blocks, are
+   then refused with the expected shape [1, 1] and the key named */
+static void test_fp8_block_size_huge(void) {
+    const char *dir = "build/ckpt_fp8_huge", *src = "tests/checkpoints/deepseek_fp8";
+    char path[256];
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    remove(path);
+    EXPECT(symlink("../../tests/checkpoints/deepseek_fp8/model.safetensors", path) == 0, "symlink %s", path);
+    FILE *f = fopen("tests/checkpoints/deepseek_fp8/config.json", "r");
+    char *text = calloc(1, 1 << 16);
+    size_t n = f ? fread(text, 1, (1 << 16) - 1, f) : 0;
+    if (f) fclose(f);
+    char *at = strstr(text, "\"weight_block_size\"");
+    EXPECT(n > 0 && at, "no weight_block_size in %s/config.json", src);
+    if (!at) { free(text); return; }
+    char *close = strchr(at, ']');
+    char conf[1 << 16];
+    snprintf(conf, sizeof conf, "%.*s\"weight_block_size\": [9223372036854775807, 9223372036854775807%s",
+             (int)(at - text), text, close);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    write_text(path, conf);
+    free(text);
+    moept_config cfg = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.max_tokens = 8;
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_config_from_hf(dir, 1, &cfg));
+    EXPECT_OK(moept_create(&cfg, &L));
+    if (!L) return;
+    moept_status st = moept_load_hf(L, dir, 1);
+    const char *m = moept_last_error(L);
+    EXPECT(st == MOEPT_ERR_FORMAT && strstr(m, "weight_block_size") && strstr(m, "[1, 1]") && !strstr(m, "[0, "),
+           "blocks of 2^63 - 1: status %d, '%s'", (int)st, m);
+    moept_destroy(L);
+}
+
 int main(void) {
     RUN(test_hf_round_trip_all_families);
     RUN(test_load_failure_leaves_layer_unchanged);
@@ -1103,8 +1257,10 @@ int main(void) {
     RUN(test_f32_to_half);
     RUN(test_hf_low_precision_round_trip);
     RUN(test_config_from_hf);
+    RUN(test_config_json_strict);
     RUN(test_family_defaults);
     RUN(test_inference_layer_checkpoints);
     RUN(test_fp8_checkpoint_dequantised);
+    RUN(test_fp8_block_size_huge);
     return tu_done();
 }

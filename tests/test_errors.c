@@ -422,6 +422,62 @@ static void test_special_files(void) {
     moept_destroy(L);
 }
 
+/* One error channel: moept_last_error gives the calling thread's last
+   failure whatever call it came from, through any argument (a NULL layer's
+   call read through the layer showed the layer's older "y is NULL"; a
+   layer's failure read through NULL, moept_create's); another thread's
+   failures stay its own. AdamW refuses a rate that trains nothing or is
+   not finite (lr 0 was accepted) and leaves the layer as it was. */
+static void *fail_elsewhere(void *arg) {
+    moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    *(moept_status *)arg = moept_config_from_hf("build/test_errors_other_thread", 0, &c);
+    return NULL;
+}
+
+static void test_one_error_channel(void) {
+    moept_config c = good();
+    moept_layer *L;
+    EXPECT_OK(moept_create(&c, &L));
+    if (!L) return;
+    float x[2 * 8] = {0}, y[2 * 8], dx[2 * 8];
+    EXPECT(moept_forward(L, x, 1, NULL) == MOEPT_ERR_INVALID_ARGUMENT, "NULL y accepted");
+    EXPECT(moept_forward(NULL, x, 1, y) == MOEPT_ERR_INVALID_ARGUMENT, "NULL layer accepted");
+    EXPECT(strstr(moept_last_error(L), "layer is NULL") && strstr(moept_last_error(NULL), "layer is NULL"),
+           "a NULL layer's forward read through the layer: '%s', through NULL: '%s'", moept_last_error(L),
+           moept_last_error(NULL));
+    EXPECT(moept_forward(L, x, 17, y) == MOEPT_ERR_INVALID_ARGUMENT, "17 tokens accepted");
+    EXPECT(strstr(moept_last_error(NULL), "max_tokens") && strstr(moept_last_error(L), "max_tokens"),
+           "the layer's failure read through NULL: '%s'", moept_last_error(NULL));
+    moept_config h = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    EXPECT(moept_config_from_hf("build/test_errors_no_model", 0, &h) == MOEPT_ERR_IO, "a missing config.json");
+    EXPECT(strstr(moept_last_error(L), "test_errors_no_model"), "the config reader's failure read through the "
+           "layer: '%s'", moept_last_error(L));
+    moept_status other = MOEPT_OK;
+    pthread_t th;
+    pthread_create(&th, NULL, fail_elsewhere, &other);
+    pthread_join(th, NULL);
+    EXPECT(other == MOEPT_ERR_IO && strstr(moept_last_error(L), "test_errors_no_model"),
+           "another thread's failure (%d) shows here: '%s'", (int)other, moept_last_error(L));
+    /* AdamW: lr <= 0 or not finite is refused, naming lr; nothing changes */
+    moept_init_params(L, 3);
+    EXPECT_OK(moept_forward(L, x, 2, y));
+    EXPECT_OK(moept_backward(L, x, x, dx));
+    snap s = take(L);
+    const float lrs[4] = {0.0f, -1e-3f, NAN, INFINITY};
+    for (int i = 0; i < 4; i++) {
+        moept_adamw o = {lrs[i], 0, 0, 0, 0};
+        moept_status st = moept_adamw_step(L, &o);
+        EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(L), "lr"), "lr %g: status %d (%s)",
+               (double)lrs[i], (int)st, moept_last_error(L));
+    }
+    EXPECT(same(L, &s) && L->opt_m == NULL, "a refused AdamW step changed the layer");
+    moept_adamw o = {1e-3f, 0, 0, 0, 0};
+    EXPECT_OK(moept_adamw_step(L, &o));
+    EXPECT(!same(L, &s), "lr 1e-3 trained nothing");
+    drop(&s);
+    moept_destroy(L);
+}
+
 int main(void) {
     RUN(test_invalid_config_fields);
     RUN(test_nonfinite_input_leaves_layer_unchanged);
@@ -433,5 +489,6 @@ int main(void) {
     RUN(test_param_names);
     RUN(test_bad_files);
     RUN(test_special_files);
+    RUN(test_one_error_channel);
     return tu_done();
 }
