@@ -652,11 +652,14 @@ static int same_f(const float *a, const float *b, int64_t n) {
 /* Padding: masked tokens are routed nowhere (ids -1, weights 0, no rows),
    their y and dx rows are 0, the stats count them apart; a batch of padding
    only is a step with zero losses. The unmasked tokens' results are those
-   of the same tokens without the padding rows (bitwise). */
-static void test_mask(void) {
+   of the same tokens without the padding rows (bitwise), with a capacity
+   factor too: capacity is that of the unmasked tokens (cf 0.5: 2 an expert
+   for the 13 of them, where the 20 rows with padding would give 3). */
+static void mask_case(float cf) {
     moept_config c = moept_config_default(MOEPT_FAMILY_QWEN2_MOE);
     c.hidden_size = 16; c.intermediate_size = 12; c.num_experts = 8; c.top_k = 2; c.max_tokens = 20;
     c.shared_intermediate_size = 8; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.z_loss_coef = 0.001f;
+    c.capacity_factor = cf;
     moept_layer *L = make(c, 3), *R = make(c, 3);
     if (!L || !R) return;
     const int64_t T = 20, D = 16, K = 2;
@@ -680,8 +683,11 @@ static void test_mask(void) {
     moept_stats st, sr;
     moept_get_stats(L, &st, NULL);
     moept_get_stats(R, &sr, NULL);
-    EXPECT(st.masked_tokens == T - n && st.routed_rows == n * K && st.dropped_rows == 0, "stats: masked %lld routed %lld",
-           (long long)st.masked_tokens, (long long)st.routed_rows);
+    EXPECT(st.masked_tokens == T - n && st.routed_rows == sr.routed_rows && st.dropped_rows == sr.dropped_rows &&
+           st.capacity == sr.capacity && (cf > 0.0f || st.dropped_rows == 0),
+           "cf %g stats: masked %lld routed %lld dropped %lld (unpadded %lld) capacity %lld (unpadded %lld)",
+           (double)cf, (long long)st.masked_tokens, (long long)st.routed_rows, (long long)st.dropped_rows,
+           (long long)sr.dropped_rows, (long long)st.capacity, (long long)sr.capacity);
     EXPECT(same_f(&st.aux_loss, &sr.aux_loss, 1) && same_f(&st.z_loss, &sr.z_loss, 1), "losses %g %g vs %g %g", st.aux_loss, st.z_loss,
            sr.aux_loss, sr.z_loss);
     for (int64_t t = 0, r = 0; t < T; t++) {
@@ -696,7 +702,13 @@ static void test_mask(void) {
                "token %lld differs from the same token without padding", (long long)t);
         r++;
     }
-    EXPECT(same_f(L->grads, R->grads, L->n_params), "gradients differ from the unpadded batch's");
+    EXPECT(same_f(L->grads, R->grads, L->n_params), "cf %g: gradients differ from the unpadded batch's",
+           (double)cf);
+    if (cf > 0.0f) {
+        moept_destroy(L);
+        moept_destroy(R);
+        return;
+    }
     /* all padding: y 0, losses 0, no gradient */
     memset(m, 0, sizeof m);
     EXPECT_OK(moept_zero_grad(L));
@@ -710,6 +722,10 @@ static void test_mask(void) {
            a);
     moept_destroy(L);
     moept_destroy(R);
+}
+static void test_mask(void) {
+    mask_case(0.0f);
+    mask_case(0.5f);
 }
 
 /* An evaluation forward keeps nothing for backward: backward and
