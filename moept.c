@@ -2976,7 +2976,8 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     if (!local) local = moept__fwd_route(L, f);
     /* a rank making another call fails here, tagged, not in the count exchange */
     if ((st = moept__agree_call(L, L->group, f->global ? L->dp : NULL, local, "moept_forward"))) return st;
-    f->cap = moept__capacity(L->capacity_factor, f->T, L->K, L->E);
+    /* the unmasked tokens': padding changes no token's fate */
+    f->cap = moept__capacity(L->capacity_factor, f->valid, L->K, L->E);
     moept__fwd_count(L, f);
     if ((st = moept__fwd_exchange_counts(L, f))) return st;
     if ((st = moept__fwd_agree_growth(L, f))) return st;

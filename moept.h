@@ -341,7 +341,8 @@ typedef struct moept_config {
     float capacity_factor;            /* 0 = dropless; else per-expert capacity
                                          ceil(cf * T * K / E) (at most T * K: any
                                          finite cf), drop by position (per rank,
-                                         from its own T) */
+                                         from its own T; T counts the unmasked
+                                         tokens: padding changes nothing) */
     int64_t max_tokens;               /* most rows per forward (per rank); required */
     int global_balance;               /* 0: aux and z loss over this rank's
                                          tokens; 1: over every rank's tokens
