@@ -654,8 +654,10 @@ static int same_f(const float *a, const float *b, int64_t n) {
    only is a step with zero losses. The unmasked tokens' results are those
    of the same tokens without the padding rows (bitwise), with a capacity
    factor too: capacity is that of the unmasked tokens (cf 0.5: 2 an expert
-   for the 13 of them, where the 20 rows with padding would give 3). */
-static void mask_case(float cf) {
+   for the 13 of them, where the 20 rows with padding would give 3); and
+   whatever the padded rows of x hold (pad: 1e20 or 3e38 in each), the
+   shared expert never reads them. */
+static void mask_case(float cf, float pad) {
     moept_config c = moept_config_default(MOEPT_FAMILY_QWEN2_MOE);
     c.hidden_size = 16; c.intermediate_size = 12; c.num_experts = 8; c.top_k = 2; c.max_tokens = 20;
     c.shared_intermediate_size = 8; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.z_loss_coef = 0.001f;
@@ -672,10 +674,11 @@ static void mask_case(float cf) {
     for (int64_t t = 0; t < T; t++) {
         m[t] = t % 3 != 1;
         if (m[t]) { memcpy(xr + n * D, x + t * D, D * 4); memcpy(dyr + n * D, dy + t * D, D * 4); n++; }
+        else if (pad != 0.0f) for (int64_t d = 0; d < D; d++) x[t * D + d] = pad;
     }
     moept_forward_opts o = {m, 0};
     EXPECT_OK(moept_forward_ex(L, x, T, y, &o));
-    EXPECT_OK(moept_backward(L, x, dy, dx));
+    EXPECT(moept_backward(L, x, dy, dx) == MOEPT_OK, "pad %g: backward: %s", (double)pad, moept_last_error(L));
     EXPECT_OK(moept_forward(R, xr, n, yr));
     EXPECT_OK(moept_backward(R, xr, dyr, dxr));
     const int32_t *ids = NULL; const float *w = NULL;
@@ -702,9 +705,9 @@ static void mask_case(float cf) {
                "token %lld differs from the same token without padding", (long long)t);
         r++;
     }
-    EXPECT(same_f(L->grads, R->grads, L->n_params), "cf %g: gradients differ from the unpadded batch's",
-           (double)cf);
-    if (cf > 0.0f) {
+    EXPECT(same_f(L->grads, R->grads, L->n_params), "cf %g pad %g: gradients differ from the unpadded batch's",
+           (double)cf, (double)pad);
+    if (cf > 0.0f || pad != 0.0f) {
         moept_destroy(L);
         moept_destroy(R);
         return;
@@ -724,8 +727,10 @@ static void mask_case(float cf) {
     moept_destroy(R);
 }
 static void test_mask(void) {
-    mask_case(0.0f);
-    mask_case(0.5f);
+    mask_case(0.0f, 0.0f);
+    mask_case(0.5f, 0.0f);
+    mask_case(0.0f, 1e20f);
+    mask_case(0.5f, 3e38f);
 }
 
 /* An evaluation forward keeps nothing for backward: backward and
