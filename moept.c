@@ -694,6 +694,12 @@ struct moept_layer {
     float *yss;            /* [Tmax][D] shared outputs; backward: dys_shared */
     float *sg;             /* [Tmax] shared gate values (sigmoid) */
     float *dsg;            /* [Tmax] shared gate logit gradients */
+    /* a padded step's shared expert runs over the unmasked rows only, packed
+       (allocated at the first such step): whatever padded rows of x hold
+       changes nothing, and the GEMMs are those of the call without them */
+    float *xsh;            /* [Tmax][D] the unmasked rows of x, packed */
+    int64_t *shrow;        /* [Tmax] their tokens */
+    int64_t sh_n;          /* unmasked tokens of the committed step (< T: padded) */
     float *dwts;           /* [Tmax][K] dL/d routing weight */
     float *dlogits;        /* [Tmax][E] */
     float *lse;            /* [Tmax] logsumexp of logits (z-loss) */
@@ -965,6 +971,8 @@ void moept_destroy(moept_layer *L) {
     MOEPT_FREE(L->rwork);
     if (L->shm) L->ep->shm_free(L->ep, L->shm);
     MOEPT_FREE(L->opt_m);
+    MOEPT_FREE(L->xsh);
+    MOEPT_FREE(L->shrow);
     MOEPT_FREE(L);
 }
 
@@ -2249,16 +2257,52 @@ static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, in
     for (int64_t i = a; i < b; i++) L->fs_w[i - lo] = src[i - flat];
 }
 
-/* The shared expert (and its sigmoid gate) over all T tokens. */
+/* The packed rows of a padded step's shared expert: its unmasked tokens
+   (ids -1: padding), their x rows into L->xsh; returns how many. */
+static int64_t moept__shared_pack(moept_layer *L, const float *x, int64_t T) {
+    const int32_t *ids = L->ids[L->cur];
+    const int64_t D = L->D, K = L->K;
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t * K] >= 0) L->shrow[n++] = t;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
+    for (int64_t i = 0; i < n; i++) memcpy(L->xsh + i * D, x + L->shrow[i] * D, (size_t)D * sizeof(float));
+    return n;
+}
+/* rows [n][w] of v packed (to 1) or unpacked (0: to their tokens' rows, the
+   others zero), in place: row i and its token's row shrow[i] >= i */
+static void moept__shared_move(const moept_layer *L, float *v, int64_t w, int64_t n, int64_t T, int to_packed) {
+    const size_t b = (size_t)w * sizeof(float);
+    if (to_packed) {
+        for (int64_t i = 0; i < n; i++) memmove(v + i * w, v + L->shrow[i] * w, b);
+        return;
+    }
+    for (int64_t i = n - 1, t = T - 1; t >= 0; t--) {
+        if (i >= 0 && L->shrow[i] == t) memmove(v + t * w, v + i-- * w, b);
+        else memset(v + t * w, 0, b);
+    }
+}
+
+/* The shared expert (and its sigmoid gate) over the T tokens; a padded
+   step's over its unmasked rows, packed, then their outputs unpacked */
 static void moept__shared_forward(moept_layer *L, const float *x, int64_t T) {
     if (L->S <= 0) return;
     const int64_t D = L->D;
-    int64_t off[2] = {0, T};
+    const int64_t n = L->sh_n < T ? L->sh_n : T; /* the step's unmasked tokens (moept__forward) */
+    if (n < T) {
+        moept__shared_pack(L, x, T);
+        x = L->xsh;
+    }
+    int64_t off[2] = {0, n};
     moept__ffn_forward(L, x, 1, off, L->ws13, L->ws2, L->HS, L->S, L->hs, L->as, L->lda_as, L->yss);
     if (L->wsg) {
-        moept__gemm gg = moept__gemm_make(0, 1, T, 1, D, x, D, L->wsg, D, 0.0f, L->sg, 1);
+        moept__gemm gg = moept__gemm_make(0, 1, n, 1, D, x, D, L->wsg, D, 0.0f, L->sg, 1);
         moept__gemm_run(&gg, 1, &L->gws);
-        for (int64_t t = 0; t < T; t++) L->sg[t] = moept__sigmoid(L->sg[t]);
+        for (int64_t t = 0; t < n; t++) L->sg[t] = moept__sigmoid(L->sg[t]);
+    }
+    if (n < T) {
+        moept__shared_move(L, L->yss, D, n, T, 0);
+        if (L->wsg) moept__shared_move(L, L->sg, 1, n, T, 0);
     }
 }
 
@@ -2974,6 +3018,18 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
     moept_status local = moept__fwd_checks(L, f), st;
     if (!local) local = moept__fwd_route(L, f);
+    if (!local && L->S > 0 && f->valid < f->T && !L->xsh) { /* the first padded step: room to pack */
+        L->xsh = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
+        L->shrow = moept__alloc(&L->mem, (size_t)L->cfg.max_tokens * sizeof(int64_t));
+        if (!L->xsh || !L->shrow) {
+            MOEPT_FREE(L->xsh);
+            MOEPT_FREE(L->shrow);
+            L->xsh = NULL;
+            L->shrow = NULL;
+            local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: out of memory for packing the "
+                                "shared expert's unmasked rows");
+        }
+    }
     /* a rank making another call fails here, tagged, not in the count exchange */
     if ((st = moept__agree_call(L, L->group, f->global ? L->dp : NULL, local, "moept_forward"))) return st;
     /* the unmasked tokens': padding changes no token's fate */
@@ -2986,6 +3042,7 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     if (L->fsdp && (st = moept__fsdp_gather(L))) return st;
     const moept_stats stats_before = L->stats; /* restored if the output check fails */
     moept__fwd_commit(L, f);
+    L->sh_n = f->valid;
     double aux_v = 0.0;
     if ((st = moept__fwd_losses(L, f, &aux_v)) || (moept__fwd_plan(L), (st = moept__fwd_run(L, f)))) {
         L->fwd_valid = 0;
@@ -3062,6 +3119,31 @@ static void moept__router_bwd(moept_layer *L, const float *x, float *dx) {
     moept__jitter_apply(L, L->fwd_jkey, NULL, T, L->xj, L->jrow[L->cur], 0);
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
     for (int64_t i = 0; i < T * D; i++) dx[i] += L->xj[i];
+}
+
+/* The shared expert's backward (dys_shared in L->yss, the gate's in
+   L->dsg): its weight gradients, and its part of dx added; a padded step's
+   over the packed unmasked rows, as its forward (dx's padded rows stay 0) */
+static void moept__shared_backward(moept_layer *L, const float *x, float *dx, int64_t T) {
+    const int64_t D = L->D, n = L->sh_n < T ? L->sh_n : T;
+    if (n < T) {
+        moept__shared_pack(L, x, T);
+        x = L->xsh;
+        moept__shared_move(L, L->yss, D, n, T, 1);
+        if (L->wsg) moept__shared_move(L, L->dsg, 1, n, T, 1);
+        moept__shared_move(L, dx, D, n, T, 1);
+    }
+    int64_t off[2] = {0, n};
+    moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2, L->HS, L->S, L->hs, L->as, L->yss);
+    #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
+    for (int64_t t = 0; t < n; t++) moept__row_axpy(dx + t * D, 1.0f, L->yss + t * D, D);
+    if (L->wsg) { /* shared gate: gsg += dsg^T x ; dx += dsg wsg */
+        moept__gemm gd[2];
+        gd[0] = moept__gemm_make(1, 0, 1, D, n, L->dsg, 1, x, D, 1.0f, L->gsg, D);
+        gd[1] = moept__gemm_make(0, 0, n, D, 1, L->dsg, 1, L->wsg, D, 1.0f, dx, D);
+        moept__gemm_run(gd, 2, &L->gws);
+    }
+    if (n < T) moept__shared_move(L, dx, D, n, T, 0);
 }
 
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
@@ -3166,19 +3248,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     if (direct && (st = moept__direct_sync(L, "moept_backward"))) return st; /* peers done reading */
     L->stats.dispatch_seconds += moept__now() - ts;
 
-    if (L->S > 0) {
-        int64_t off[2] = {0, T};
-        moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2,
-                            L->HS, L->S, L->hs, L->as, L->yss);
-        #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
-        for (int64_t t = 0; t < T; t++) moept__row_axpy(dx + t * D, 1.0f, L->yss + t * D, D);
-        if (L->wsg) { /* shared gate: gsg += dsg^T x ; dx += dsg wsg */
-            moept__gemm gd[2];
-            gd[0] = moept__gemm_make(1, 0, 1, D, T, L->dsg, 1, x, D, 1.0f, L->gsg, D);
-            gd[1] = moept__gemm_make(0, 0, T, D, 1, L->dsg, 1, L->wsg, D, 1.0f, dx, D);
-            moept__gemm_run(gd, 2, &L->gws);
-        }
-    }
+    if (L->S > 0) moept__shared_backward(L, x, dx, T);
 
     /* router': per-token dlogits, then g_router += dlogits^T x, dx += dlogits W */
     const int aux = (int)L->cfg.aux_loss;
