@@ -727,8 +727,10 @@ moept_status moept_forward(moept_layer *layer, const float *x, int64_t tokens,
 typedef struct moept_forward_opts {
     const uint8_t *mask; /* [tokens] or NULL (all tokens). 0 marks padding: the
                             token is routed nowhere (moept_routing: ids -1,
-                            weights 0), its y row is 0 (shared expert too), no
-                            gradient flows from it (its dx row is 0), and it is
+                            weights 0), its y row is 0 (shared expert too, which
+                            never reads a padded row of x: what it holds changes
+                            nothing), no gradient flows from it (its dx row is
+                            0), capacity is that of the unmasked tokens, and it is
                             left out of the aux and z losses, their token count
                             and the expert counts, as transformers'
                             load_balancing_loss_func with attention_mask (global
