@@ -4609,15 +4609,19 @@ static moept_status moept__mpi_barrier(moept_comm *c) {
 }
 
 #if defined(__linux__)
-/* MPI ranks on one host: each rank's block is a POSIX shared-memory
-   segment it creates; its peers map it by name, and once all have, the
-   name is unlinked (the memory lives until the last unmap, so a rank that
-   dies later leaves nothing behind). A 64-byte header holds the owner's
-   nonce, which every peer checks: a name that does not lead to the
-   owner's segment fails the call instead of aliasing another's memory. */
+/* MPI ranks on one host: each rank's block is an anonymous memory file
+   (memfd_create: it has no name, so no kill at any moment can leave one
+   behind in /dev/shm); its peers open it through /proc/<pid>/fd/<fd>
+   while the owner keeps the descriptor open, and map it. The memory lives
+   until the last unmap. A 64-byte header holds the owner's nonce, which
+   every peer checks: a descriptor that does not lead to the owner's block
+   fails the call instead of aliasing another's memory. Where /proc does
+   not open a same-user peer's descriptor, the probe fails and the ranks
+   exchange by message. */
+int memfd_create(const char *name, unsigned int flags); /* glibc >= 2.27, musl (declared under _GNU_SOURCE) */
 typedef struct moept__mpi_shm { int n; void **map; size_t *len; } moept__mpi_shm;
-static atomic_ullong moept__shm_seq; /* segments this process made: their names differ */
-typedef struct moept__mpi_seg { char name[48]; uint64_t len, nonce; } moept__mpi_seg;
+static atomic_ullong moept__shm_seq; /* blocks this process made: their nonces differ */
+typedef struct moept__mpi_seg { int64_t pid, fd; uint64_t len, nonce; } moept__mpi_seg;
 
 static void moept__mpi_shm_free(moept_comm *c, void *handle) {
     (void)c;
@@ -4630,15 +4634,16 @@ static void moept__mpi_shm_free(moept_comm *c, void *handle) {
     MOEPT_FREE(h);
 }
 
-/* this rank's segment, mapped (NULL: could not) */
+/* this rank's block, mapped (NULL: could not); me->fd stays open for the
+   peers until the caller closes it */
 static void *moept__mpi_shm_create(moept__mpi_seg *me) {
-    int fd = shm_open(me->name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    int fd = memfd_create("moept", 1u /* MFD_CLOEXEC */);
+    me->fd = fd;
     if (fd < 0) return NULL;
     void *p = MAP_FAILED;
     if (posix_fallocate(fd, 0, (off_t)me->len) == 0) /* room now, not SIGBUS on first touch */
         p = mmap(NULL, (size_t)me->len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) { shm_unlink(me->name); return NULL; }
+    if (p == MAP_FAILED) { close(fd); me->fd = -1; return NULL; }
     memcpy(p, &me->nonce, sizeof me->nonce);
     return p;
 }
@@ -4648,7 +4653,9 @@ static int moept__mpi_shm_map(moept_comm *c, moept__mpi_shm *h, const moept__mpi
     int ok = 1;
     for (int q = 0; q < c->size; q++) {
         if (q == c->rank) continue;
-        int fd = shm_open(every[q].name, O_RDWR, 0);
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%lld/fd/%lld", (long long)every[q].pid, (long long)every[q].fd);
+        int fd = open(path, O_RDWR | O_CLOEXEC);
         size_t len = (size_t)every[q].len;
         void *p = fd < 0 ? MAP_FAILED : mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (fd >= 0) close(fd);
@@ -4675,7 +4682,8 @@ static moept_status moept__mpi_shm_alloc(moept_comm *c, int64_t bytes, void **al
     clock_gettime(CLOCK_REALTIME, &ts);
     memset(&me, 0, sizeof me);
     unsigned long long seq = atomic_fetch_add(&moept__shm_seq, 1) + 1;
-    snprintf(me.name, sizeof me.name, "/moept.%ld.%llu", (long)getpid(), seq);
+    me.pid = (int64_t)getpid();
+    me.fd = -1;
     me.len = (uint64_t)(bytes < 0 ? 0 : bytes) + 64;
     me.nonce = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 40) ^ seq;
     int ok = bytes >= 0 && h && h->map && h->len && every, all_ok = 0, rc;
@@ -4690,7 +4698,7 @@ static moept_status moept__mpi_shm_alloc(moept_comm *c, int64_t bytes, void **al
         ok = moept__mpi_shm_map(c, h, every);
         rc = MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, m->comm);
     }
-    if (mine) shm_unlink(me.name); /* all peers have mapped it, or none will */
+    if (me.fd >= 0) close(me.fd); /* all peers have mapped it, or none will */
     MOEPT_FREE(every);
     if (rc != MPI_SUCCESS || !all_ok) {
         moept__mpi_shm_free(c, h);

@@ -430,8 +430,10 @@ struct moept_comm {
        every rank or on none. The layer keeps its experts' rows there:
        token ranks write their rows straight into the experts' rows and
        read the outputs where they lie, so every row crosses once and
-       nothing is staged. Threads: the heap; MPI: POSIX shared memory when
-       every rank runs on one host (Linux). A caller may set it to NULL
+       nothing is staged. Threads: the heap; MPI: anonymous memory files
+       (memfd_create, opened by the peers through /proc/<pid>/fd: no name,
+       so nothing is ever left in /dev/shm) when every rank runs on one
+       host (Linux). A caller may set it to NULL
        before creating a layer to force the message path. */
     moept_status (*shm_alloc)(moept_comm *c, int64_t bytes, void **all, void **handle);
     void (*shm_free)(moept_comm *c, void *handle);

@@ -10,7 +10,9 @@
 #         mpi-one  2 MPI ranks, rank 1 alone killed (mpirun ends rank 0)
 # Prints one "ok - ..." line with how many kills left a killed save's
 # leftovers (the kill landed inside a save), or "FAIL - ..." lines: a lost
-# checkpoint, a wrong one, or a hang (a round not over 30 s after its kill).
+# checkpoint, a wrong one, a hang (a round not over 30 s after its kill), or
+# a shared-memory segment of moept's left in /dev/shm after a kill (the MPI
+# ranks' blocks are anonymous memory files: none may ever be there).
 B=${B:-build}
 kills=$1 mode=$2
 dir=$B/crash_$mode
@@ -53,6 +55,8 @@ if ! finish || ! "$B/crash_save" verify "$dir" >/dev/null; then
     cat "$dir.out"
     exit 1
 fi
+shm() { ls /dev/shm 2>/dev/null | grep -c '^moept\.'; }
+shm0=$(shm)
 fails=0 torn=0 hangs=0 i=0
 while [ $i -lt "$kills" ]; do
     i=$((i + 1))
@@ -72,6 +76,11 @@ while [ $i -lt "$kills" ]; do
     if ! finish; then
         hangs=$((hangs + 1))
         echo "FAIL - kill -9 during saves ($mode): round $i did not end 30 s after the kill"
+    fi
+    if [ "$(shm)" -gt "$shm0" ]; then
+        fails=$((fails + 1))
+        echo "FAIL - kill -9 during saves ($mode): round $i left $(($(shm) - shm0)) segment(s) in /dev/shm"
+        shm0=$(shm)
     fi
     out=$("$B/crash_save" verify "$dir")
     case $out in

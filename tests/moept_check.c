@@ -13,7 +13,7 @@
    the GPU it runs only with --ep > 1). The exchange goes through the EP
    comm's shared memory where it has some (checked: stats.shared_exchange);
    --no-shm turns that off for the message path, --expect-shm fails the
-   cases when the comm has none (MPI across hosts, or no POSIX shm).
+   cases when the comm has none (MPI across hosts, or /proc not opening a peer's memory file).
    With --weights every parameter comes from the Hugging Face
    checkpoint DIR (decoder layer L's MoE block, this rank's experts only)
    instead of the case file; with --hf-config too, the model's sizes and
