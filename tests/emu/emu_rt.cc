@@ -734,6 +734,17 @@ extern "C" void moept_emu_fault_next_kernel(int d) {
     if (d >= 0 && d < MAXDEV) dev(d)->fault_next = 1;
 }
 
+/* an allocation's pages go back (v->m held); its addresses are never reused */
+static void release(Device *v, Alloc *a) {
+    a->live = false;
+    size_t len = (a->size + PAGE - 1) / PAGE * PAGE;
+    protect(a->base, len, PROT_READ | PROT_WRITE);
+    madvise(a->base, len, MADV_DONTNEED);
+    if (g_protect && v->active == 0) protect(a->base, len, PROT_NONE);
+    free(a->shadow);
+    a->shadow = nullptr;
+}
+
 /* a stream's worker ends (its queue run or, on a lost device, dropped) and its clock entry is free */
 static void end_worker(Stream *s) {
     {
@@ -765,16 +776,8 @@ extern "C" void moept_emu_recover(int d) {
     for (Stream *s : ss) end_worker(s); /* still lost: the worker drops what is queued, then ends */
     {
         std::lock_guard<std::mutex> lk(v->m);
-        for (Alloc *a : v->allocs) {
-            if (!a->live) continue;
-            a->live = false;
-            size_t len = (a->size + PAGE - 1) / PAGE * PAGE;
-            protect(a->base, len, PROT_READ | PROT_WRITE);
-            madvise(a->base, len, MADV_DONTNEED);
-            if (g_protect && v->active == 0) protect(a->base, len, PROT_NONE);
-            free(a->shadow);
-            a->shadow = nullptr;
-        }
+        for (Alloc *a : v->allocs)
+            if (a->live) release(v, a);
     }
     {
         std::lock_guard<std::mutex> lk(g_count_mu);
@@ -922,13 +925,7 @@ cudaError_t cudaFree(void *p) {
     }
     Device *v = dev(d);
     std::lock_guard<std::mutex> lk(v->m);
-    a->live = false;
-    size_t len = (a->size + PAGE - 1) / PAGE * PAGE;
-    protect(a->base, len, PROT_READ | PROT_WRITE);
-    madvise(a->base, len, MADV_DONTNEED);
-    if (g_protect && v->active == 0) protect(a->base, len, PROT_NONE);
-    free(a->shadow);
-    a->shadow = nullptr;
+    release(v, a);
     return cudaSuccess;
 }
 
