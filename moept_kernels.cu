@@ -1021,27 +1021,50 @@ static moept_status moept__nccl_a2a_dev(moept_comm *c, const void *send, const m
     return MOEPT_OK;
 }
 
+/* Host buffers (set-up and agreement traffic) cross through the staging:
+   in, n bytes of src into the pinned staging and on to the device staging
+   (both first grown to total bytes); out, the device staging's [off, off +
+   n) back into the pinned one, polled (moept__nccl_wait), so the caller
+   reads the pinned bytes only when the result arrived */
+static moept_status moept__nccl_in(moept_comm *c, size_t total, const void *src, size_t n) {
+    moept__nccl *k = (moept__nccl *)c->ctx;
+    MOEPT__TRY(moept__nccl_stage(c, total, total));
+    if (!n) return MOEPT_OK;
+    memcpy(k->host, src, n);
+    MOEPT__NCU(c, cudaMemcpyAsync(k->stage, k->host, n, cudaMemcpyHostToDevice, k->stream));
+    return MOEPT_OK;
+}
+static moept_status moept__nccl_out(moept_comm *c, size_t off, size_t n) {
+    moept__nccl *k = (moept__nccl *)c->ctx;
+    if (n) MOEPT__NCU(c, cudaMemcpyAsync((char *)k->host + off, (char *)k->stage + off, n, cudaMemcpyDeviceToHost,
+                                         k->stream));
+    return moept__nccl_wait(c);
+}
+/* both buffers host memory (1: staged) or both device memory (0); one of
+   each is refused (-1, the comm's error set) */
+static int moept__nccl_on_host(moept_comm *c, const void *a, const void *b, const char *call) {
+    const int ha = moept__is_host(a), hb = moept__is_host(b);
+    if (ha == hb) return ha;
+    moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl %s: one buffer is host memory, the other device "
+                     "memory (both one or the other)", call);
+    return -1;
+}
+
 static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
                                           const moept_seg *rs, int nseg, int es) {
     MOEPT__NENTER(c);
     MOEPT__TRY(moept__nccl_dead(c));
-    if (es != 2 && es != 4 && es != 8) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
-    if (!moept__is_host(send) && !moept__is_host(recv)) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
-    if (!moept__is_host(send) || !moept__is_host(recv))
-        return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: one buffer is host memory, "
-                                "the other device memory (both one or the other)");
-    /* host buffers (set-up and agreement traffic): through pinned and device staging */
+    if (es != 2 && es != 4 && es != 8)
+        return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
+    const int host = moept__nccl_on_host(c, send, recv, "alltoallv");
+    if (host < 0) return MOEPT_ERR_INVALID_ARGUMENT;
+    if (!host) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
     moept__nccl *n = (moept__nccl *)c->ctx;
-    int64_t sb = moept__seg_end(ss, c->size * nseg) * es, rb = moept__seg_end(rs, c->size * nseg) * es;
-    moept_status st = moept__nccl_stage(c, (size_t)(sb + rb + 64), (size_t)(sb + rb + 64));
-    if (st) return st;
-    char *ds = (char *)n->stage, *dr = ds + sb, *hs = (char *)n->host, *hr = hs + sb;
-    if (sb) memcpy(hs, send, (size_t)sb);
-    if (sb) MOEPT__NCU(c, cudaMemcpyAsync(ds, hs, (size_t)sb, cudaMemcpyHostToDevice, n->stream));
-    st = moept__nccl_a2a_dev(c, ds, ss, dr, rs, nseg, es);
-    if (st) return st;
-    if (rb) MOEPT__NCU(c, cudaMemcpyAsync(hr, dr, (size_t)rb, cudaMemcpyDeviceToHost, n->stream));
-    MOEPT__TRY(moept__nccl_wait(c));
+    const int64_t sb = moept__seg_end(ss, c->size * nseg) * es, rb = moept__seg_end(rs, c->size * nseg) * es;
+    MOEPT__TRY(moept__nccl_in(c, (size_t)(sb + rb + 64), send, (size_t)sb));
+    MOEPT__TRY(moept__nccl_a2a_dev(c, n->stage, ss, (char *)n->stage + sb, rs, nseg, es));
+    MOEPT__TRY(moept__nccl_out(c, (size_t)sb, (size_t)rb));
+    const char *hr = (const char *)n->host + sb;
     for (int i = 0; i < c->size * nseg; i++) /* the pieces only: recv's bytes between them stay */
         if (rs[i].count > 0)
             memcpy((char *)recv + rs[i].offset * es, hr + rs[i].offset * es, (size_t)(rs[i].count * es));
@@ -1069,13 +1092,9 @@ static moept_status moept__nccl_allreduce(moept_comm *c, void *buf, int64_t coun
         return MOEPT_OK;
     }
     const size_t bytes = (size_t)count * es;
-    moept_status st = moept__nccl_stage(c, bytes, bytes);
-    if (st) return st;
-    memcpy(n->host, buf, bytes);
-    MOEPT__NCU(c, cudaMemcpyAsync(n->stage, n->host, bytes, cudaMemcpyHostToDevice, n->stream));
+    MOEPT__TRY(moept__nccl_in(c, bytes, buf, bytes));
     MOEPT__NC(c, ncclAllReduce(n->stage, n->stage, (size_t)count, nt, ncclSum, n->comm, n->stream));
-    MOEPT__NCU(c, cudaMemcpyAsync(n->host, n->stage, bytes, cudaMemcpyDeviceToHost, n->stream));
-    MOEPT__TRY(moept__nccl_wait(c)); /* buf keeps its bytes unless the sum arrived */
+    MOEPT__TRY(moept__nccl_out(c, 0, bytes)); /* buf keeps its bytes unless the sum arrived */
     memcpy(buf, n->host, bytes);
     return MOEPT_OK;
 }
@@ -1085,23 +1104,17 @@ static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void 
     moept__nccl *n = (moept__nccl *)c->ctx;
     MOEPT__TRY(moept__nccl_dead(c));
     if (bytes <= 0) return MOEPT_OK;
-    if (!moept__is_host(send) && !moept__is_host(recv)) {
+    const int host = moept__nccl_on_host(c, send, recv, "allgather");
+    if (host < 0) return MOEPT_ERR_INVALID_ARGUMENT;
+    if (!host) {
         MOEPT__NC(c, ncclAllGather(send, recv, (size_t)bytes, ncclUint8, n->comm, n->stream));
         return MOEPT_OK;
     }
-    if (!moept__is_host(send) || !moept__is_host(recv))
-        return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl allgather: one buffer is host memory, "
-                                "the other device memory (both one or the other)");
-    size_t total = (size_t)bytes * (size_t)(c->size + 1);
-    moept_status st = moept__nccl_stage(c, total, total);
-    if (st) return st;
-    char *ds = (char *)n->stage, *dr = ds + bytes, *hs = (char *)n->host, *hr = hs + bytes;
-    memcpy(hs, send, (size_t)bytes);
-    MOEPT__NCU(c, cudaMemcpyAsync(ds, hs, (size_t)bytes, cudaMemcpyHostToDevice, n->stream));
-    MOEPT__NC(c, ncclAllGather(ds, dr, (size_t)bytes, ncclUint8, n->comm, n->stream));
-    MOEPT__NCU(c, cudaMemcpyAsync(hr, dr, (size_t)bytes * c->size, cudaMemcpyDeviceToHost, n->stream));
-    MOEPT__TRY(moept__nccl_wait(c));
-    memcpy(recv, hr, (size_t)bytes * c->size);
+    const size_t all = (size_t)bytes * (size_t)c->size;
+    MOEPT__TRY(moept__nccl_in(c, (size_t)bytes + all, send, (size_t)bytes));
+    MOEPT__NC(c, ncclAllGather(n->stage, (char *)n->stage + bytes, (size_t)bytes, ncclUint8, n->comm, n->stream));
+    MOEPT__TRY(moept__nccl_out(c, (size_t)bytes, all));
+    memcpy(recv, (char *)n->host + bytes, all);
     return MOEPT_OK;
 }
 
@@ -1506,9 +1519,8 @@ static moept_status moept__blas_create(moept__cuda *c, char *err) {
                             "MOEPT_GEMM_GROUPED needs cublasGemmGroupedBatchedEx (cuBLAS 12.5 or later)");
 #endif
     c->nside = G > 1 && moept__side_wanted(c) ? (int)(G < MOEPT__SIDE ? G : MOEPT__SIDE) : 0;
-    int dev = 0, major = 0;
-    MOEPT__CU(cudaGetDevice(&dev));
-    MOEPT__CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    int major = 0;
+    MOEPT__CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->dev));
     c->blas_ws_each = (int64_t)(major >= 9 ? 32 : 4) << 20;
     MOEPT__TRY(moept__dmalloc(c, &c->blas_ws, (size_t)((1 + c->nside) * c->blas_ws_each), err));
     MOEPT__TRY(moept__blas_handle(c, &c->blas, c->s, 0, err));
