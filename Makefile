@@ -52,7 +52,7 @@ EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/test_
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
-TESTS   = test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp
+TESTS   = test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp test_calls
 TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
@@ -102,6 +102,9 @@ $(B)/moept_check_mpi_chunked: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI -DMOEPT__MPI_CHUNK=7 -DMOEPT__MPI_INT_MAX=5 tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
 $(B)/test_overlap_mpi: tests/test_overlap.c moept.c $(HDRS) tests/testutil.h | $(B)
+	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
+
+$(B)/test_calls_mpi: tests/test_calls.c moept.c $(HDRS) tests/testutil.h | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
 # the kill -9 loop's worker (tests/crash.sh)
@@ -260,7 +263,9 @@ $(B)/tsan/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
 	$(CC) -O1 -g $(WARN) -D_DEFAULT_SOURCE -fsanitize=thread $< -o $@ $(LDLIBS)
 
 VALGRIND := $(shell command -v valgrind 2>/dev/null)
-VG_BINS = $(if $(VALGRIND),$(TESTS:%=$(B)/vg/%) $(B)/vg/moept_check)
+# (each list names the suites tests/run.sh runs under that variant: nothing built unrun)
+VG_TESTS = test_grad test_props test_errors test_overlap test_fsdp test_calls
+VG_BINS = $(if $(VALGRIND),$(VG_TESTS:%=$(B)/vg/%) $(B)/vg/moept_check)
 
 CASES = $(wildcard tests/cases/*.safetensors)
 
@@ -268,12 +273,14 @@ CASES = $(wildcard tests/cases/*.safetensors)
 SAN_OK  := $(shell echo 'int main(void){return 0;}' | $(CC) -x c -fsanitize=address,undefined - -o /dev/null 2>/dev/null && echo yes)
 TSAN_OK := $(shell echo 'int main(void){return 0;}' | $(CC) -x c -fsanitize=thread - -o /dev/null 2>/dev/null && echo yes)
 SAN_BINS = $(if $(SAN_OK),$(TESTS:%=$(B)/san/%) $(B)/san/moept_check)
-TSAN_BINS = $(if $(TSAN_OK),$(B)/tsan/test_ep $(B)/tsan/test_overlap)
-CBLAS_BINS = $(if $(CBLAS_LIBS),$(TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
+TSAN_TESTS = test_ep test_overlap test_calls test_props test_errors test_ckpt
+TSAN_BINS = $(if $(TSAN_OK),$(TSAN_TESTS:%=$(B)/tsan/%))
+CBLAS_TESTS = test_grad test_props test_errors
+CBLAS_BINS = $(if $(CBLAS_LIBS),$(CBLAS_TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
 # Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
 MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi $(B)/test_overlap_mpi \
-             $(B)/crash_save_mpi)
+             $(B)/test_calls_mpi $(B)/crash_save_mpi)
 
 # the binaries build in parallel, a job a core; the suites then run one at a time
 NPROC := $(shell nproc 2>/dev/null || echo 1)

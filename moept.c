@@ -775,8 +775,30 @@ static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
 static void moept__host_wrote(moept_layer *L, int params, int grads);
 static uint64_t moept__checksum(const float *v, int64_t n);
+/* The group calls (moept.h's table): each agreement carries the call's id
+   and a fingerprint of the arguments that must match on every rank */
+enum {
+    MOEPT__CALL_FORWARD = 1, MOEPT__CALL_BACKWARD, MOEPT__CALL_SYNC_GRADS, MOEPT__CALL_GRAD_NORM,
+    MOEPT__CALL_UPDATE_BIAS, MOEPT__CALL_ADAMW_STEP, MOEPT__CALL_SAVE_CHECKPOINT, MOEPT__CALL_SAVE_FILES,
+    MOEPT__CALL_SAVE_COMMIT, MOEPT__CALL_LOAD_CHECKPOINT, MOEPT__CALL_LOAD_HF, MOEPT__CALL_RESHARD,
+    MOEPT__NCALLS
+};
+static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
+    [MOEPT__CALL_FORWARD] = {"moept_forward", ""},
+    [MOEPT__CALL_BACKWARD] = {"moept_backward", ""},
+    [MOEPT__CALL_SYNC_GRADS] = {"moept_sync_grads", "scale"},
+    [MOEPT__CALL_GRAD_NORM] = {"moept_grad_norm", ""},
+    [MOEPT__CALL_UPDATE_BIAS] = {"moept_update_bias", "rate"},
+    [MOEPT__CALL_ADAMW_STEP] = {"moept_adamw_step", "hyperparameters (lr, betas, eps, weight_decay)"},
+    [MOEPT__CALL_SAVE_CHECKPOINT] = {"moept_save_checkpoint", "directories"},
+    [MOEPT__CALL_SAVE_FILES] = {"moept_save_checkpoint: files", ""},
+    [MOEPT__CALL_SAVE_COMMIT] = {"moept_save_checkpoint: commit", ""},
+    [MOEPT__CALL_LOAD_CHECKPOINT] = {"moept_load_checkpoint", "directories"},
+    [MOEPT__CALL_LOAD_HF] = {"moept_load_hf", "directories or layer indices"},
+    [MOEPT__CALL_RESHARD] = {"moept_reshard", "placements (new_rank)"},
+};
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
-                                      const char *call);
+                                      int call, uint64_t args);
 #define MOEPT__HOST_SYNC(L, p, g) do { moept_status st_ = moept__to_host((L), (p), (g)); if (st_) return st_; } while (0)
 
 /* a layer's failure: the thread's message too (L names the call's layer) */
@@ -2127,7 +2149,7 @@ static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
     L->stats.bytes_received += r->bytes_received;
 }
 
-static int64_t moept__call_tag(const moept_layer *L, const char *call);
+static int64_t moept__call_tag(const moept_layer *L, int call);
 
 /* the forward's statistics that come from the device (lstat and peer_rows
    were written by the executor) */
@@ -2169,7 +2191,7 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep
     const int64_t T = f->T;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
-    r.tag = moept__call_tag(L, "moept_forward");
+    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD);
     if (f->mask) { /* agreed in the executor's count exchange, as its own checks */
         r.reject = MOEPT_ERR_UNSUPPORTED;
         r.reject_msg = "moept_forward: a padding mask (opts.mask) is not supported by the CUDA executor";
@@ -2195,7 +2217,7 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     if (st) return st;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
-    r.tag = moept__call_tag(L, "moept_backward");
+    r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
     if (L->fwd_valid && L->fwd_eval) {
         r.reject = MOEPT_ERR_STATE;
         r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
@@ -3031,7 +3053,8 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
         }
     }
     /* a rank making another call fails here, tagged, not in the count exchange */
-    if ((st = moept__agree_call(L, L->group, f->global ? L->dp : NULL, local, "moept_forward"))) return st;
+    if ((st = moept__agree_call(L, L->group, f->global ? L->dp : NULL, local, MOEPT__CALL_FORWARD, 0)))
+        return st;
     /* the unmasked tokens': padding changes no token's fate */
     f->cap = moept__capacity(L->capacity_factor, f->valid, L->K, L->E);
     moept__fwd_count(L, f);
@@ -3175,7 +3198,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
     }
-    if ((st = moept__agree_call(L, L->group, NULL, local, "moept_backward"))) return st;
+    if ((st = moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD, 0))) return st;
     const moept_stats stats_before = L->stats;
     const int grads_were_zero = moept__all_zero(L->grads, L->n_params);
     if (L->grads_copy && !grads_were_zero) memcpy(L->grads_copy, L->grads, (size_t)L->n_params * sizeof(float));
@@ -3281,51 +3304,95 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
 /* ------------------------------------------------------------------------
    Gradient reduction and norm
    ------------------------------------------------------------------------ */
-/* The call's tag in the agreement: its name (12 bits of FNV-1a) and the
-   layer's count of agreed calls (12 bits), so ranks that make different
-   calls, or one call more, are told apart instead of running into each
-   other's collectives. */
-static int64_t moept__call_tag(const moept_layer *L, const char *call) {
-    uint32_t h = 2166136261u;
-    for (const char *c = call; *c; c++) h = (h ^ (unsigned char)*c) * 16777619u;
-    return (int64_t)(h & 0xfff) << 12 | (L->agreed_calls & 0xfff);
+/* The call's tag in the agreement: its id (moept.h's table of group calls)
+   and the layer's count of agreed calls (12 bits), so ranks that make
+   different calls, or one call more, are told apart instead of running into
+   each other's collectives. */
+static int64_t moept__call_tag(const moept_layer *L, int call) {
+    return (int64_t)call << 12 | (L->agreed_calls & 0xfff);
 }
 
-/* One group's agreement: [failed, tag, tag^2] summed. Every rank's tag is
-   the same iff the sums are size * tag and size * tag^2 (the mean and the
-   mean square agree only for a constant); any rank that differs makes every
-   rank see it. */
-static moept_status moept__agree_group(moept_comm *c, int64_t *v, int64_t tag, int *order_differs) {
+/* FNV-1a over n bytes, from h (MOEPT__FNV0 to start): arguments' fingerprints */
+#define MOEPT__FNV0 14695981039346656037ull
+static uint64_t moept__fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* the fingerprint of n floats' values (-0 as +0: the same value) */
+static uint64_t moept__fnv_f32(const float *v, int n) {
+    uint64_t h = MOEPT__FNV0;
+    for (int i = 0; i < n; i++) {
+        float x = v[i] + 0.0f;
+        h = moept__fnv(h, &x, sizeof x);
+    }
+    return h;
+}
+
+/* A directory argument's fingerprint: the path as realpath resolves it
+   (the same directory named two ways is the same), as given where it does
+   not resolve (not made yet) */
+char *realpath(const char *restrict path, char *restrict resolved); /* POSIX.1-2008 (glibc: XOPEN only) */
+static uint64_t moept__fnv_dir(const char *dir) {
+    if (!dir) return 0;
+#ifdef PATH_MAX
+    char real[PATH_MAX];
+    if (realpath(dir, real)) dir = real;
+#endif
+    return moept__fnv(MOEPT__FNV0, dir, strlen(dir));
+}
+
+/* One group's agreement: [failed, calls differ, arguments differ] (out:
+   summed over the group) and, to compare, tag, tag^2 and each 16-bit piece
+   a of args with a^2. A value is the same on every rank iff its sum is size
+   * value and its square's size * value^2 (the squared deviations sum to
+   0; no term overflows below 2^23 ranks). The three counts carry into the
+   next group's agreement, so after EP then DP every rank of the layout
+   knows of a difference in any group. */
+#define MOEPT__AGREE_N 13
+static moept_status moept__agree_group(moept_comm *c, int64_t *n, int64_t tag, uint64_t args) {
     if (!c || c->size <= 1) return MOEPT_OK;
-    int64_t s[3] = {v[0], tag, tag * tag};
-    moept_status st = c->allreduce(c, s, 3, MOEPT_DTYPE_I64);
+    int64_t s[MOEPT__AGREE_N] = {n[0], n[1], n[2], tag, tag * tag}, mine[MOEPT__AGREE_N];
+    for (int i = 0; i < 4; i++) {
+        int64_t a = (int64_t)(args >> (16 * i) & 0xffff);
+        s[5 + 2 * i] = a;
+        s[6 + 2 * i] = a * a;
+    }
+    memcpy(mine, s, sizeof s);
+    moept_status st = c->allreduce(c, s, MOEPT__AGREE_N, MOEPT_DTYPE_I64);
     if (st) return st;
-    v[0] = s[0];
-    if (s[1] != c->size * tag || s[2] != c->size * tag * tag) *order_differs = 1;
+    memcpy(n, s, 3 * sizeof(int64_t));
+    n[1] += s[3] != c->size * mine[3] || s[4] != c->size * mine[4];
+    for (int i = 5; i < MOEPT__AGREE_N; i++) n[2] += s[i] != c->size * mine[i];
     return MOEPT_OK;
 }
 
-/* A group call's outcome, agreed before it acts: this rank's rejection
-   (`local`, its message already the thread's), any peer's, or a peer making
-   another call fails every rank of grp and dp, and nobody leaves a peer
-   waiting in a collective. */
+/* A group call's outcome, agreed before it acts: a peer making another
+   call, this rank's rejection (`local`, its message already the thread's),
+   any peer's, or arguments that differ between ranks (args: their
+   fingerprint, 0 for a call without any that must match) fails every rank
+   of grp and dp, and nobody leaves a peer waiting in a collective. */
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
-                                      const char *call) {
-    int64_t v = local != MOEPT_OK, tag = moept__call_tag(L, call);
-    int differs = 0;
-    moept_status cst = moept__agree_group(grp, &v, tag, &differs);
-    if (!cst) cst = moept__agree_group(dp, &v, tag, &differs);
+                                      int call, uint64_t args) {
+    const char *name = moept__calls[call].name;
+    int64_t n[3] = {local != MOEPT_OK, 0, 0}, tag = moept__call_tag(L, call);
+    moept_status cst = moept__agree_group(grp, n, tag, args);
+    if (!cst) cst = moept__agree_group(dp, n, tag, args);
     if (cst)
-        return moept__fail(L, cst, "%s: agreement failed: %s", call,
+        return moept__fail(L, cst, "%s: agreement failed: %s", name,
                            grp && grp->err[0] ? grp->err : dp ? dp->err : "");
     L->agreed_calls++;
-    if (differs)
+    if (n[1])
         return moept__fail(L, MOEPT_ERR_STATE, "%s: the ranks' call sequences differ (another rank made another "
-                           "group call here); nothing changed", call);
+                           "group call here); nothing changed", name);
     if (local) return local;
-    if (v)
-        return moept__fail(L, MOEPT_ERR_STATE, "%s: %lld other rank(s) rejected the call; nothing changed", call,
-                           (long long)v);
+    if (n[0]) /* (a peer's own rejection explains its arguments too) */
+        return moept__fail(L, MOEPT_ERR_STATE, "%s: %lld other rank(s) rejected the call; nothing changed",
+                           name, (long long)n[0]);
+    if (n[2])
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: the ranks passed different %s (every rank "
+                           "must pass the same); nothing changed", name, moept__calls[call].args);
     return MOEPT_OK;
 }
 
@@ -3334,7 +3401,8 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
     if (!L->grads) return moept__no_grads(L, "moept_sync_grads");
     moept_status bad = MOEPT_OK;
     if (!moept__finite(scale)) bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
-    moept_status ag = moept__agree_call(L, L->group, L->dp, bad, "moept_sync_grads");
+    moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_SYNC_GRADS,
+                                        moept__fnv_f32(&scale, 1));
     if (ag) return ag;
 #ifdef MOEPT_CUDA
     if (L->cuda) {
@@ -3389,7 +3457,7 @@ moept_status moept_grad_norm(moept_layer *L, double *norm) {
     double s[2] = {0.0, 0.0}; /* [replicated, experts] */
     int64_t first_bad;
     if (!bad) bad = moept__grad_scan(L, s, &first_bad);
-    moept_status ag = moept__agree_call(L, L->group, NULL, bad, "moept_grad_norm");
+    moept_status ag = moept__agree_call(L, L->group, NULL, bad, MOEPT__CALL_GRAD_NORM, 0);
     if (ag) return ag;
     moept_comm *grp = L->group;
     if (grp) { /* each expert (or shard) lives on one rank: sum those; replicated counted once */
@@ -3435,7 +3503,8 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     else if (L->fwd_eval)
         bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: the last forward was an evaluation (opts.eval)");
     else bad = moept__settle(L);
-    moept_status ag = moept__agree_call(L, L->group, L->dp, bad, "moept_update_bias");
+    moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_UPDATE_BIAS,
+                                        moept__fnv_f32(&rate, 1));
     if (ag) return ag;
     MOEPT__HOST_SYNC(L, 1, 0);
     moept__host_wrote(L, 1, 0);
@@ -5723,7 +5792,8 @@ moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index)
         st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory");
     else st = moept__hf_read(L, dir, layer_index, stage, &bytes);
     moept_status local = st ? moept__fail(L, st, "moept_load_hf: %s", moept__thread_err) : MOEPT_OK;
-    if ((st = moept__agree_call(L, L->group, L->dp, local, "moept_load_hf"))) { /* statistics neither */
+    uint64_t args = moept__fnv(moept__fnv_dir(dir), &layer_index, sizeof layer_index);
+    if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_LOAD_HF, args))) { /* statistics neither */
         MOEPT_FREE(stage);
         return st;
     }
@@ -5859,7 +5929,8 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
             L->opt_m = s; L->opt_v = s + L->n_params;
         }
     }
-    moept_status st = moept__agree_call(L, L->group, L->dp, local, "moept_adamw_step");
+    moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
+                                              moept__fnv_f32((const float[5]){lr, b1, b2, eps, wd}, 5));
     if (st) return st;
     const int64_t t = L->opt_t + 1;
     double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
@@ -6025,10 +6096,11 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     else if (L->fsdp)
         local = moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s: not in fsdp mode (the expert-parallel layer is the "
                             "one that saves, loads and reshards)", call);
-    else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK && (local = moept__opt_to_host(L)) == MOEPT_OK &&
-             mkdir(dir, 0755) != 0 && errno != EEXIST)
-        local = moept__fail(L, MOEPT_ERR_IO, "%s: cannot create %s: %s", call, dir, strerror(errno));
-    moept_status st = moept__agree_call(L, L->group, L->dp, local, call);
+    else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK)
+        local = moept__opt_to_host(L);
+    /* nothing is made before the ranks agree, on the directory too */
+    moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_CHECKPOINT,
+                                        moept__fnv_dir(dir));
     const int root = L->rank == 0 && (!L->dp || L->dp->rank == 0), writer = !L->dp || L->dp->rank == 0;
     int committed = 0;
     int64_t nonce = root ? moept__nonce() : 0;
@@ -6038,9 +6110,11 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     snprintf(step, sizeof step, "%lld", (long long)L->opt_t);
     snprintf(set, sizeof set, "save-%s-%012llx", step, (unsigned long long)nonce);
     snprintf(path, sizeof path, "%s/%s", dir, set);
-    if (writer && (local = moept__ckpt_write_rank(L, path, fp, step)))
+    if (writer && mkdir(dir, 0755) != 0 && errno != EEXIST)
+        local = moept__fail(L, MOEPT_ERR_IO, "%s: cannot create %s: %s", call, dir, strerror(errno));
+    else if (writer && (local = moept__ckpt_write_rank(L, path, fp, step)))
         local = moept__fail(L, local, "%s: %s", call, moept__thread_err);
-    if (!(st = moept__agree_call(L, L->group, L->dp, local, "moept_save_checkpoint: files")) && root) {
+    if (!(st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_FILES, 0)) && root) {
         snprintf(meta, sizeof meta, "{\"format\": \"moept-train-v1\", \"num_experts\": %lld, \"ep_size\": %d, "
                  "\"fingerprint\": \"%s\", \"step\": %s, \"set\": \"%s\"}\n", (long long)L->E, L->P, fp, step,
                  set);
@@ -6050,7 +6124,7 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
             local = moept__fail(L, local, "%s: %s", call, moept__thread_err);
         committed = !local;
     }
-    if (!st) st = moept__agree_call(L, L->group, L->dp, local, "moept_save_checkpoint: commit");
+    if (!st) st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_COMMIT, 0);
     if (committed) {
         moept__ckpt_clean(dir, set);
     } else if (root) { /* a failed save's set goes; the current one stays */
@@ -6247,7 +6321,8 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     if (!st && t > 0 && L->grads && !L->opt_m && !(opt = moept__alloc(NULL, 2 * n * sizeof(float))))
         st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
     if (st && !local) local = moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
-    if ((st = moept__agree_call(L, L->group, L->dp, local, "moept_load_checkpoint"))) {
+    uint64_t args = moept__fnv_dir(dir);
+    if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_LOAD_CHECKPOINT, args))) {
         MOEPT_FREE(stage);
         MOEPT_FREE(opt);
         return st;
@@ -6300,7 +6375,7 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
     if (!new_rank) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: new_rank is NULL");
     int64_t *per = moept__alloc(NULL, (size_t)P * sizeof(int64_t));
     int32_t *nslot = moept__alloc(NULL, (size_t)E * sizeof(int32_t));
-    int32_t *all = moept__alloc(NULL, (size_t)(E * (P > 2 ? P : 2)) * sizeof(int32_t));
+    int32_t *all = moept__alloc(NULL, (size_t)(2 * E) * sizeof(int32_t)); /* out, in lists */
     int64_t part = L->H * L->D + L->D * L->F; /* floats per expert */
     float *stage = moept__alloc(NULL, (size_t)part * sizeof(float));
     if (!local && (!per || !nslot || !all || !stage)) local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
@@ -6313,28 +6388,15 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
         for (int64_t r = 0; r < P && !local; r++)
             if (per[r] != El) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: rank %lld would hold %lld experts; every rank holds E/P = %lld", (long long)r, (long long)per[r], (long long)El);
     }
-    /* every rank must pass the same table: all-gather it and compare */
-    if (L->ep) {
-        int32_t *mine = nslot; /* as scratch for the send side */
-        if (!local) for (int64_t e = 0; e < E; e++) mine[e] = new_rank[e];
-        else if (nslot) for (int64_t e = 0; e < E; e++) mine[e] = -1;
-        if (nslot && all) {
-            st = L->ep->allgather(L->ep, mine, all, E * (int64_t)sizeof(int32_t));
-            if (st) local = moept__fail(L, st, "moept_reshard: all-gather failed: %s", L->ep->err);
-            for (int64_t r = 0; r < P && !local; r++)
-                if (memcmp(all + r * E, all, (size_t)E * sizeof(int32_t)) != 0)
-                    local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: rank %lld passed a different placement than rank 0", (long long)r);
-        }
-        int64_t failed = moept__any_failed(L->ep, NULL, local != MOEPT_OK, &st);
-        if (!local && (st || failed))
-            local = moept__fail(L, st ? st : MOEPT_ERR_STATE, "moept_reshard: another rank rejected the placement; nothing moved");
-    }
+    /* every rank of the layout must pass the same table (DP replicas hold alike) */
+    uint64_t fp = new_rank ? moept__fnv(MOEPT__FNV0, new_rank, (size_t)E * sizeof(int32_t)) : 0;
+    if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_RESHARD, fp))) local = st;
     if (local) { MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage); return local; }
     /* New slots, the same on every rank: an expert that stays keeps its
        place; on each rank the k-th expert leaving (in id order) hands its
        place to the k-th arriving (there are as many of each: E/P per rank),
        so nothing that stays is touched and round k moves out[k] -> in[k]. */
-    int32_t *out = all, *in = all + E; /* the all-gather scratch is free now (at least 2E long) */
+    int32_t *out = all, *in = all + E; /* this rank's leaving and arriving experts, by round */
     int64_t nout = 0, nin = 0, rounds = 0, moved = 0;
     for (int64_t e = 0; e < E; e++) nslot[e] = new_rank[e] == L->slot_of[e] / El ? L->slot_of[e] : -1;
     for (int64_t r = 0; r < P; r++) {

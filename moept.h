@@ -79,24 +79,48 @@
        *_seconds) count what happened: an EP step that grew a rank's
        receive buffers before a peer rejected it keeps the larger buffers
        (and their rows), and the time spent agreeing is time spent.
-     - Under EP/DP, moept_forward, moept_backward, moept_sync_grads,
-       moept_grad_norm, moept_update_bias, moept_adamw_step,
-       moept_save_checkpoint, moept_load_checkpoint and moept_load_hf are
-       collective: each rank checks its arguments (the loads: reads into a
-       staging copy), then all agree before anything changes. One rank's
+     - Group calls. Under EP/DP (FSDP: its group in place of EP) the
+       calls below are collective: each rank checks its arguments (the
+       loads: reads into a staging copy), then all agree before anything
+       changes. The agreement carries the call's tag (which call, and the
+       layer's count of agreed calls) and a fingerprint of the arguments
+       that must be the same on every rank:
+
+         call                   agreed over          arguments that must match
+         moept_forward          EP (DP too with      none: each rank's tokens, T,
+                                global_balance)      mask and eval are its own
+         moept_backward         EP                   none
+         moept_sync_grads       EP, DP               scale
+         moept_grad_norm        EP                   none
+         moept_update_bias      EP, DP               rate
+         moept_adamw_step       EP, DP               lr, beta1, beta2, eps,
+                                                     weight_decay (0s as defaulted)
+         moept_save_checkpoint  EP, DP               dir (*)
+         moept_load_checkpoint  EP, DP               dir (*)
+         moept_load_hf          EP, DP               dir (*), layer_index
+         moept_reshard          EP, DP               new_rank[0..E)
+         (*) as realpath(3) resolves it ("ck" and "./ck" are one directory);
+             as given where it does not exist yet
+
+       moept_create_parallel and moept_create_cuda are collective too (they
+       agree on the config); every other call is local. One rank's
        rejection fails the call on every rank of the layer's groups (the
-       others with MOEPT_ERR_STATE, "other rank(s) rejected"), and none
-       waits in a collective a peer skipped. Each agreement carries a tag
-       of the call and of the layer's count of agreed calls: ranks making
-       different calls (forward on one, backward on another, or one call
-       more) all fail with MOEPT_ERR_STATE, "call sequences differ",
-       instead of running into each other's collectives, over every
-       backend. Not detected: a rank that makes no call at all (it died,
-       or skipped one): the threads and NCCL backends end the wait at
-       their timeout with an error on every waiting rank; MPI has no
-       timeout (it cannot cancel a collective) and waits, as any blocking
-       MPI program; Open MPI's mpirun ends the job when a rank process
-       dies. On the
+       others with MOEPT_ERR_STATE, "other rank(s) rejected"); arguments
+       that differ, each valid on its own rank, fail every rank with
+       MOEPT_ERR_INVALID_ARGUMENT, "passed different ..."; ranks making different calls (forward on one,
+       reshard on another, or one call more) all fail with
+       MOEPT_ERR_STATE, "call sequences differ", instead of running into
+       each other's collectives, over every backend. None waits in a
+       collective a peer skipped, and nothing is written, moved or deleted
+       before the agreement. Not detected: a rank that makes no call at
+       all (it died, or skipped one): the threads and NCCL backends end
+       the wait at their timeout with an error on every waiting rank; MPI
+       has no timeout (it cannot cancel a collective) and waits, as any
+       blocking MPI program; Open MPI's mpirun ends the job when a rank
+       process dies. Nor does the tag name the layer: two layers of one
+       config over the same groups, called in a different order on two
+       ranks whose counts happen to agree, are not told apart (create and
+       call layers in the same order on every rank). On the
        CUDA executor the tag rides in the forward's count exchange and in
        the backward's agreement (a message of the same shape), so a forward
        against a backward fails on both ranks at no extra synchronisation;

@@ -59,6 +59,7 @@ for m in one threads; do
     suite "kill -9 loop ($m)" sh tests/crash.sh 5 $m
 done
 suite "test_ep" "$B/test_ep"
+suite "test_calls" "$B/test_calls"
 suite "test_overlap" "$B/test_overlap"
 suite "test_fsdp" "$B/test_fsdp"
 suite "train --ep 4 (threads)" "$B/train" --ep 4 --steps 30 --quiet --csv "$B/train_ep4.csv"
@@ -77,6 +78,7 @@ if [ -n "$MPIRUN" ]; then
     for m in mpi mpi-one; do
         suite "kill -9 loop ($m)" env MPIRUN="$MPIRUN" sh tests/crash.sh 5 $m
     done
+    suite "test_calls (mpirun -np 2)" timeout 300 "$MPIRUN" --oversubscribe -np 2 "$B/test_calls_mpi"
     suite "train --ep 4 (mpirun -np 4)" env OMP_NUM_THREADS=1 timeout 300 "$MPIRUN" --oversubscribe -np 4 "$B/train_mpi" --ep 4 --steps 30 --quiet --csv "$B/train_mpi.csv"
     suite "train_mpi --ep 2 --dp 2 vs --ep 1" sh tests/epdp.sh "$MPIRUN"
 else
@@ -86,15 +88,16 @@ fi
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 if [ -x "$B/san/moept_check" ]; then
     suite "asan+ubsan reference cases" env OMP_NUM_THREADS=2 "$B/san/moept_check" $CASES
-    for t in test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp; do
+    for t in test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp test_calls; do
         suite "asan+ubsan $t" env OMP_NUM_THREADS=2 "$B/san/$t"
     done
 else
     skip "asan+ubsan" "the compiler cannot link -fsanitize=address,undefined (libasan/libubsan missing)"
 fi
 if [ -x "$B/tsan/test_ep" ]; then
-    suite "tsan test_ep" "$B/tsan/test_ep"
-    suite "tsan test_overlap" "$B/tsan/test_overlap"
+    for t in test_ep test_overlap test_calls test_props test_errors test_ckpt; do # Makefile's TSAN_TESTS
+        suite "tsan $t" "$B/tsan/$t"
+    done
 else
     skip "tsan" "the compiler cannot link -fsanitize=thread (libtsan missing)"
 fi
@@ -142,7 +145,7 @@ fi
 
 if [ -n "$VALGRIND" ]; then
     suite "valgrind reference cases" "$VALGRIND" -q --error-exitcode=9 --leak-check=full "$B/vg/moept_check" $CASES
-    for t in test_grad test_props test_errors test_overlap test_fsdp; do
+    for t in test_grad test_props test_errors test_overlap test_fsdp test_calls; do
         suite "valgrind $t" "$VALGRIND" -q --error-exitcode=9 --leak-check=full "$B/vg/$t"
     done
 else

@@ -802,8 +802,8 @@ static void test_loads_are_collective(void) {
 }
 
 /* Saves are collective and atomic as a set: at two EP ranks, rank 1
-   cannot write its file (its directory argument is a plain file), so every
-   rank fails, the new set is removed, and the previous checkpoint stays
+   rejects its directory argument (a path over the 3000-byte limit), so
+   every rank fails, the new set is removed, and the previous checkpoint stays
    current and loads with the previous parameters. A good save then makes
    its set current and removes the old one and a killed save's leftover. */
 typedef struct cs { moept_thread_group *g; int r; moept_status st[3]; int same; char err[512]; } cs;
@@ -820,7 +820,10 @@ static void *collective_save_main(void *arg) {
     float *saved = malloc((size_t)L->n_params * 4);
     memcpy(saved, L->params, (size_t)L->n_params * 4);
     moept_init_params(L, 4);
-    j->st[1] = moept_save_checkpoint(L, j->r ? "build/ckpt_csave_file" : dir);
+    char *too_long = calloc(3002, 1);
+    memset(too_long, 'd', 3001);
+    j->st[1] = moept_save_checkpoint(L, j->r ? too_long : dir);
+    free(too_long);
     snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
     j->st[2] = moept_load_checkpoint(L, dir);
     j->same = memcmp(saved, L->params, (size_t)L->n_params * 4) == 0;
@@ -837,7 +840,6 @@ static int count_sets(const char *dir) {
 }
 static void test_saves_are_collective(void) {
     mkdir("build/ckpt_csave", 0755);
-    write_text("build/ckpt_csave_file", "not a directory\n");
     cs js[2];
     tu_ranks(2, 20000, collective_save_main, js, sizeof js[0]);
     for (int r = 0; r < 2; r++) {
