@@ -241,7 +241,64 @@ static void test_calls_threads(void) {
     if (system(cmd)) EXPECT(0, "could not remove %s", g_jobs[0].c.base);
 }
 
+/* EP 2 x DP 2: the EP groups are {0,1} and {2,3}, the DP groups {0,2} and
+   {1,3}; rank 3 alone passes another lr. Rank 1's EP group and DP group
+   each hold one differing rank, rank 0's neither: every rank must still fail
+   (the difference found in one group's round carries into the next). */
+typedef struct lj { int r; moept_thread_group *ep, *dp; moept_status st; char msg[600]; } lj;
+static void *layout_main(void *arg) {
+    lj *j = arg;
+    moept_comm *ep = NULL, *dp = NULL;
+    moept_config cfg = calls_cfg();
+    moept_layer *L = NULL;
+    float x[T * 40], y[T * 40], dy[T * 40], dx[T * 40];
+    unsigned long long seed = 9 + (unsigned long long)j->r;
+    tu_fill(x, T * 40, 1.0, &seed);
+    tu_fill(dy, T * 40, 1.0, &seed);
+    moept_comm_threads(j->ep, j->r % 2, &ep);
+    moept_comm_threads(j->dp, j->r / 2, &dp);
+    j->st = moept_create_parallel(&cfg, ep, dp, &L);
+    if (!j->st) j->st = moept_init_params(L, 3);
+    if (!j->st) j->st = moept_forward(L, x, T, y);
+    if (!j->st) j->st = moept_backward(L, x, dy, dx);
+    if (!j->st) {
+        moept_adamw o = {j->r == 3 ? 2e-3f : 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
+        j->st = moept_adamw_step(L, &o);
+        snprintf(j->msg, sizeof j->msg, "%s", moept_last_error(L));
+    } else {
+        snprintf(j->msg, sizeof j->msg, "set-up: %s", moept_last_error(L));
+        j->st = MOEPT_ERR_STATE;
+    }
+    moept_destroy(L);
+    moept_comm_destroy(ep);
+    moept_comm_destroy(dp);
+    return NULL;
+}
+static void test_layout(void) {
+    moept_thread_group *eg[2], *dg[2];
+    for (int i = 0; i < 2; i++) {
+        moept_thread_group_create(2, 10000, &eg[i]);
+        moept_thread_group_create(2, 10000, &dg[i]);
+    }
+    lj js[4];
+    pthread_t th[4];
+    for (int r = 0; r < 4; r++) {
+        memset(&js[r], 0, sizeof js[r]);
+        js[r].r = r; js[r].ep = eg[r / 2]; js[r].dp = dg[r % 2];
+        pthread_create(&th[r], NULL, layout_main, &js[r]);
+    }
+    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 4; r++)
+        EXPECT(js[r].st == MOEPT_ERR_INVALID_ARGUMENT && strstr(js[r].msg, "passed different"),
+               "rank %d: status %d (%s)", r, (int)js[r].st, js[r].msg);
+    for (int i = 0; i < 2; i++) {
+        moept_thread_group_destroy(eg[i]);
+        moept_thread_group_destroy(dg[i]);
+    }
+}
+
 int main(void) {
+    tu_run("an lr differing on one rank of EP 2 x DP 2 fails all four ranks (threads)", test_layout);
     tu_run("every pair of different group calls fails on both ranks, and differing arguments fail every "
            "rank before anything changes (threads, EP=2)", test_calls_threads);
     return tu_done();
