@@ -57,7 +57,7 @@ TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
 
-.PHONY: cuda all test test-build stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
+.PHONY: bench-busy cuda all test test-build stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
 
 all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
 
@@ -291,6 +291,10 @@ test:
 	@$(MAKE) --no-print-directory -j$(NPROC) test-build
 	@CASES="$(CASES)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" \
 	AARCH64_CC="$(AARCH64_CC)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" NVCC="$(NVCC)" sh tests/run.sh
+
+# the example's 200 steps alone and beside a busy process per core, one run
+bench-busy: $(B)/train
+	sh bench/busy.sh $(B)/train 200
 
 # the long runs: the kill -9 loop with 50 kills a mode (make test runs 5)
 STRESS_KILLS ?= 50

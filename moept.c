@@ -49,6 +49,105 @@
 #endif
 
 /* ------------------------------------------------------------------------
+   The team on a busy machine
+   ------------------------------------------------------------------------ */
+/* OpenMP threads spin at every barrier: beside another process that holds
+   a core, a team as wide as the machine waits at each barrier for a member
+   the scheduler put aside (measured: 5x slower beside two busy processes on
+   2 cores, under 2x with one thread). So the layer's regions take at most
+   moept__team_cap threads: the CPU forward and backward look, at most every
+   20 ms, at the share of the time the calling thread waited for a CPU
+   (Linux: /proc/thread-self/schedstat). Waiting over 15% narrows the team
+   in proportion; eight looks in a row under 3%, each finding a core idle
+   (/proc/loadavg's runnable tasks), widen it by one thread. No
+   result depends on the team's size (a tile's, a row's and a reduction's
+   arithmetic never does). */
+static atomic_int moept__team_cap;  /* threads at most; 0: no cap */
+static atomic_int moept__team_calm; /* looks in a row that found little waiting */
+
+/* the team for a region (max > 0: at most that, e.g. per-thread scratch) */
+static int moept__team(int max) {
+#ifdef _OPENMP
+    int n = omp_get_max_threads(), cap = atomic_load_explicit(&moept__team_cap, memory_order_relaxed);
+    if (cap > 0 && cap < n) n = cap;
+    return max > 0 && max < n ? max : n;
+#else
+    (void)max;
+    return 1;
+#endif
+}
+
+/* the calling thread's time spent waiting for a CPU so far (ns); -1 unknown */
+static int64_t moept__run_delay(void) {
+#if defined(__linux__) && defined(_OPENMP)
+    char buf[96];
+    int fd = open("/proc/thread-self/schedstat", O_RDONLY);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    unsigned long long run, delay;
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    return sscanf(buf, "%llu %llu", &run, &delay) == 2 ? (int64_t)delay : -1;
+#else
+    return -1;
+#endif
+}
+
+/* tasks runnable on the machine now, this thread included (Linux:
+   /proc/loadavg's fourth field); -1 unknown */
+static int moept__runnable(void) {
+#if defined(__linux__) && defined(_OPENMP)
+    char buf[128];
+    int fd = open("/proc/loadavg", O_RDONLY), r = -1, total;
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    double l1, l5, l15;
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    return sscanf(buf, "%lf %lf %lf %d/%d", &l1, &l5, &l15, &r, &total) == 5 ? r : -1;
+#else
+    return -1;
+#endif
+}
+
+/* At the end of each CPU forward and backward: once 20 ms or more passed
+   since this thread's last look (one hiccup in a short call is no load),
+   the share of that time it spent waiting for a CPU sets the team. */
+static void moept__load_note(void) {
+#ifdef _OPENMP
+    static _Thread_local struct timespec t0;
+    static _Thread_local int64_t d0 = -2; /* -2: no look yet; -1: cannot tell here */
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (d0 == -1) return;
+    double span = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    if (d0 >= 0 && span < 0.02) return;
+    int64_t d = moept__run_delay();
+    double waited = d0 >= 0 && d >= 0 ? 1e-9 * (double)(d - d0) / span : -1.0;
+    d0 = d;
+    t0 = t1;
+    if (waited < 0.0) return;
+    int max = omp_get_max_threads(), cap = atomic_load(&moept__team_cap);
+    cap = cap > 0 && cap < max ? cap : max;
+    if (waited > 0.15) {
+        int want = (int)((double)cap * (1.0 - waited));
+        atomic_store(&moept__team_cap, want < 1 ? 1 : want);
+        atomic_store(&moept__team_calm, 0);
+    } else if (waited < 0.03 && cap < max) {
+        /* a narrow team waits for nobody: widen only onto a core that is idle now */
+        int r = moept__runnable();
+        if (r < 0 || r - 1 + cap + 1 > omp_get_num_procs()) atomic_store(&moept__team_calm, 0);
+        else if (atomic_fetch_add(&moept__team_calm, 1) + 1 >= 8) {
+            atomic_store(&moept__team_cap, cap + 1 >= max ? 0 : cap + 1);
+            atomic_store(&moept__team_calm, 0);
+        }
+    }
+#endif
+}
+
+/* ------------------------------------------------------------------------
    Errors and allocation
    ------------------------------------------------------------------------ */
 /* The one error channel: every failure, of a layer's call or of a
@@ -507,7 +606,7 @@ static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gem
     for (int64_t d = 0; d < count; d++) mtotal += gs[d].m;
     int64_t work = mtotal * (g0->n < MOEPT__NC ? g0->n : MOEPT__NC) * (g0->k < MOEPT__KC ? g0->k : MOEPT__KC);
     (void)work; /* read only by the parallel region's condition */
-    #pragma omp parallel if (work > (1 << 19))
+    #pragma omp parallel if (work > (1 << 19)) num_threads(moept__team(0))
     for (int64_t jc = 0; jc < g0->n; jc += MOEPT__NC) {
         int64_t nc = g0->n - jc < MOEPT__NC ? g0->n - jc : MOEPT__NC, nstrips = (nc + NR - 1) / NR;
         int64_t nth = 1, mblocks, nchunks;
@@ -1843,11 +1942,12 @@ moept_status moept_cuda_params_changed(moept_layer *L) {
 /* parallel loops only where the work pays for the fork. With MOEPT_CBLAS
    the BLAS owns the cores: OpenMP workers spinning after our loops steal
    them from its threads (measured: +12% step time at T=256), so only the
-   largest passes (memory-bound, 8M+ elements) fork. */
+   largest passes (memory-bound, 8M+ elements) fork. The team is at most
+   moept__team()'s (fewer on a busy machine). */
 #ifdef MOEPT_CBLAS
-#define MOEPT__PAR(work) if ((work) > (1 << 23))
+#define MOEPT__PAR(work) if ((work) > (1 << 23)) num_threads(moept__team(0))
 #else
-#define MOEPT__PAR(work) if ((work) > 32768)
+#define MOEPT__PAR(work) if ((work) > 32768) num_threads(moept__team(0))
 #endif
 
 static int64_t moept__first_nonfinite(const float *v, int64_t n) {
@@ -2693,7 +2793,7 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
     const float scale = L->cfg.routed_scaling_factor;
     const uint8_t *mask = f->mask;
     #pragma omp parallel for schedule(static) reduction(min : first_bad) reduction(+ : valid) \
-        num_threads(L->nthreads) MOEPT__PAR(T * E * K)
+        if (T * E * K > 32768) num_threads(moept__team(L->nthreads))
     for (int64_t t = 0; t < T; t++) {
         float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
         if (mask && !mask[t]) {
@@ -3089,7 +3189,9 @@ moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *
 #ifdef MOEPT_CUDA
     if (L->cuda) return moept__cuda_layer_forward(L, &f);
 #endif
-    return moept__forward(L, &f);
+    moept_status st = moept__forward(L, &f);
+    moept__load_note();
+    return st;
 }
 
 moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
@@ -3169,12 +3271,19 @@ static void moept__shared_backward(moept_layer *L, const float *x, float *dx, in
     if (n < T) moept__shared_move(L, dx, D, n, T, 0);
 }
 
+static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx);
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
     if (!L->grads) return moept__no_grads(L, "moept_backward");
 #ifdef MOEPT_CUDA
     if (L->cuda) return moept__cuda_layer_backward(L, x, dy, dx);
 #endif
+    moept_status st = moept__backward(L, x, dy, dx);
+    moept__load_note();
+    return st;
+}
+
+static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     /* local checks, then (EP) agreement so no rank is left waiting */
     moept_status local = MOEPT_OK, st;
     uint64_t x_fp = 0;
@@ -3281,7 +3390,7 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
     const int norm = L->cfg.norm_topk_prob;
     const float scale = L->cfg.routed_scaling_factor;
     const float Tl = (float)L->loss_T;
-    #pragma omp parallel for schedule(static) num_threads(L->nthreads) MOEPT__PAR(T * E * K)
+    #pragma omp parallel for schedule(static) if (T * E * K > 32768) num_threads(moept__team(L->nthreads))
     for (int64_t t = 0; t < T; t++) {
         float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
         if (ids[t * K] < 0) { /* padding: routed nowhere, in no loss */
