@@ -424,9 +424,10 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
                (long long)len, V, NL, o.family == MOEPT_FAMILY_MIXTRAL ? "mixtral" : o.family == MOEPT_FAMILY_QWEN2_MOE ? "qwen2_moe" :
                o.family == MOEPT_FAMILY_OLMOE ? "olmoe" : "deepseek_v3", D, o.ffn, o.experts, o.topk, Bg, P);
     if (!o.quiet && lead)
-        printf("loss: this step's training loss; avg: its moving average (0.95 decay); val: held-out loss every "
-               "100 steps (- before the first); aux: the layers' mean aux loss, %d when balanced (HF convention: "
-               "top_k); load: layer 0's rows per expert, ' .:-=+*#%%@' from none to the busiest\n", o.topk);
+        printf("loss: this step's training loss; avg: its moving average (0.95 decay); val: held-out "
+               "loss every 100 steps (- before the first); aux: the layers' mean aux loss, %d when "
+               "balanced (HF convention: top_k); load: layer 0's rows per expert, ' .:-=+*#%%@' from none "
+               "to the busiest\n", o.topk);
     int64_t *pos = xcalloc((size_t)Bg, sizeof(int64_t));
     int64_t *load = xcalloc((size_t)o.experts, sizeof(int64_t));
     double t0 = now(), tlast = t0, first_loss = 0, ema = 0, val = NAN;
@@ -501,9 +502,11 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
                "%.0f tokens/s (GEMM: %s)\n", first_loss, ema, val, o.steps, secs, (double)Bg * o.steps / secs,
                moept_gemm_kernel());
         if (o.steps < MIN_JUDGED_STEPS)
-            printf("train: %d steps: the loss's drop is judged only from %d steps\n", o.steps, MIN_JUDGED_STEPS);
+            printf("train: %d steps: the loss's drop is judged only from %d steps\n", o.steps,
+                   MIN_JUDGED_STEPS);
         else if (!(ema < first_loss))
-            printf("train: FAIL - the loss's moving average %.4f is not below step 1's %.4f\n", ema, first_loss);
+            printf("train: FAIL - the loss's moving average %.4f is not below step 1's %.4f\n", ema,
+                   first_loss);
         if (csv) printf("train: log written to %s\n", o.csv);
     }
     if (csv) fclose(csv);

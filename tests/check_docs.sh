@@ -82,11 +82,14 @@ report "no issue numbers or sessions in README.md, moept.h, docs/*.md" "$tmp/bad
 
 # 4. the claims found false stay gone, the true ones stay said
 : >"$tmp/bad"
-joined moept.h | grep -oE '.{0,40}(Not read: router_jitter_noise|router_jitter_noise[^.]{0,40}not read).{0,20}' |
+false_jitter='.{0,40}(Not read: router_jitter_noise|router_jitter_noise[^.]{0,40}not read).{0,20}'
+joined moept.h | grep -oE "$false_jitter" |
     sed 's/^/moept.h: says router_jitter_noise is not read: /' >>"$tmp/bad"
-grep -q '"router_jitter_noise"' moept.c && ! joined moept.h | grep -q 'router_jitter_noise (mixtral) is read' &&
+grep -q '"router_jitter_noise"' moept.c &&
+    ! joined moept.h | grep -q 'router_jitter_noise (mixtral) is read' &&
     echo "moept.h: does not say moept_config_from_hf reads router_jitter_noise" >>"$tmp/bad"
-joined moept.h | grep -q "moe_layer_freq is applied as DeepSeek's own.*transformers' DeepseekV3 ignores the key" ||
+freq="moe_layer_freq is applied as DeepSeek's own.*transformers' DeepseekV3 ignores the key"
+joined moept.h | grep -q "$freq" ||
     echo "moept.h: does not say how moe_layer_freq is applied and that transformers ignores it" >>"$tmp/bad"
 joined README.md | grep -oE 'every reference case passes at[^.]*' |
     sed 's/^/README.md: no word of the skipped cases: /' >>"$tmp/bad"

@@ -34,7 +34,9 @@ awk -v dir="$tmp" '
         next
     }
     want && NR == want + 1 {
-        if ($0 != "```sh") { print "marker at line " want " is not followed by ```sh" > "/dev/stderr"; exit 3 }
+        if ($0 != "```sh") {
+            print "marker at line " want " is not followed by ```sh" > "/dev/stderr"; exit 3
+        }
         n++; inblock = 1; want = 0
         print needs > (dir "/needs." n); print NR + 1 > (dir "/line." n)
         printf "" > (dir "/block." n)
@@ -42,7 +44,10 @@ awk -v dir="$tmp" '
     }
     inblock && /^```$/ { inblock = 0; next }
     inblock { print > (dir "/block." n) }
-    END { if (inblock) { print "block " n " has no closing ```" > "/dev/stderr"; exit 3 } print n + 0 > (dir "/count") }
+    END {
+        if (inblock) { print "block " n " has no closing ```" > "/dev/stderr"; exit 3 }
+        print n + 0 > (dir "/count")
+    }
 ' "$readme" || { echo "FAIL - $readme: a malformed runnable marker"; exit 1; }
 count=$(cat "$tmp/count")
 [ "$count" -gt 0 ] || { echo "FAIL - $readme has no runnable blocks"; exit 1; }
