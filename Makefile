@@ -59,7 +59,8 @@ HDRS    = moept.h
 
 .PHONY: bench-busy cuda all test test-build stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
 
-all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
+# (train_mpi where mpicc is found: the README's mpirun lines run it)
+all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(if $(MPICC),$(B)/train_mpi) $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
 
 info:
 	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no) cuda=$(if $(CUDA_OK),$(CUDA_HOME) (nvcc + cuBLAS + NCCL),no)"

@@ -5,6 +5,11 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #define MOEPT_INTERNAL
+#ifdef __cplusplus
+/* C11 only (_Thread_local, stdatomic.h, void * conversions): the rest of the
+   file is skipped, so this is the one error a C++ compiler prints */
+#error "compile moept.c as C11 (cc -std=c11 -c moept.c); C++ code includes only moept.h and links moept.o"
+#else
 #if defined(__FAST_MATH__)
 /* -ffast-math (and -Ofast) assume no NaN or Inf (the input and output checks
    vanish) and change exp and the softmax: every reference case fails */
@@ -6572,3 +6577,4 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
     MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage);
     return local;
 }
+#endif /* !__cplusplus */

@@ -11,11 +11,19 @@
      checkpoints map without transposes.
 
    VENDORING
-     Copy moept.h and moept.c into your project and compile moept.c as C11:
-         cc -O2 -std=c11 -c moept.c             (nothing but libm needed)
-         cc -O2 -std=c11 -fopenmp -c moept.c    (threads in the CPU GEMM)
-         cc -O2 -std=c11 -DMOEPT_CBLAS -c moept.c   (+ link -lopenblas)
-     Link with -lm (and -lopenblas / -fopenmp where used).
+     Copy moept.h and moept.c into your project and compile moept.c as C11
+     (C++ code includes moept.h and links moept.o). The builtin GEMM's
+     kernel is picked from the target, so -march decides it:
+         cc -O2 -std=c11 -c moept.c      x86-64: portable C kernel (4x8, no FMA)
+         cc -O2 -std=c11 -march=native -fopenmp -c moept.c
+                                         this CPU's kernel (AVX-512 or AVX2+FMA),
+                                         threaded (-fopenmp: the GEMM and stages)
+         cc -O2 -std=c11 -DMOEPT_CBLAS -c moept.c   (cblas_sgemm: OpenBLAS)
+     moept_gemm_kernel() names the kernel a build has. The link line, for
+     every build (the same in README.md):
+         cc your.o moept.o -lm -pthread
+     adding -fopenmp when moept.c was compiled with it and -lopenblas with
+     MOEPT_CBLAS (-pthread: the threads backend; libm: exp, sqrt).
 
    COMPILE-TIME OPTIONS
      MOEPT_CBLAS        expert GEMMs through cblas_sgemm instead of the
@@ -690,11 +698,19 @@ moept_config moept_config_default(moept_family family);
    qwen2_moe, qwen3_moe (as qwen2_moe without a shared expert), olmoe,
    deepseek_v3. A dense layer (qwen: decoder_sparse_step, mlp_only_layers;
    deepseek: first_k_dense_replace, moe_layer_freq) is
-   MOEPT_ERR_INVALID_ARGUMENT; an unknown model_type, a missing size key or
-   a contradictory one is an error naming the key. Absent non-size keys take
-   transformers' class defaults. Not read: router_jitter_noise,
-   output_router_logits. max_tokens, z_loss_coef, capacity_factor,
-   global_balance, overlap_chunks and expert_sharding stay as cfg had them;
+   MOEPT_ERR_INVALID_ARGUMENT. moe_layer_freq is applied as DeepSeek's own
+   modeling code does (a layer from first_k_dense_replace on is MoE when
+   layer % moe_layer_freq == 0); transformers' DeepseekV3 ignores the key
+   (every layer from first_k_dense_replace on is MoE). The published
+   checkpoints have moe_layer_freq 1, where both agree; a checkpoint with
+   another value comes from DeepSeek's code, whose other layers are dense
+   and hold no experts to load. An unknown model_type, a missing size key
+   or a contradictory one is an error naming the key. Absent non-size keys
+   take transformers' class defaults. router_jitter_noise (mixtral) is
+   read into router_jitter (ROUTER JITTER above: how transformers' jitter
+   differs); output_router_logits is not read. max_tokens, z_loss_coef,
+   capacity_factor, global_balance, overlap_chunks and expert_sharding
+   stay as cfg had them;
    on failure cfg is unchanged. routed_scaling_factor must be > 0 (0,
    which this struct reads as 1.0, is refused). The file is read as
    RFC 8259 JSON, as strictly as model.safetensors.index.json and a

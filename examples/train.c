@@ -19,6 +19,12 @@
    With no --data it trains on examples/corpus.txt, a fixed snapshot of the
    project's docs and sources (so its figures do not move with edits).
 
+   Output: "loss" is each printed step's training loss, "avg" its moving
+   average (0.95 decay) over every step so far. Exit status: 0, or 1 when a
+   check failed: a library call, or, in a run of at least MIN_JUDGED_STEPS
+   (100) steps, the moving average not below the first step's loss (fewer
+   steps are not judged: warm-up alone is 50 steps); 2: usage.
+
    --ep N: expert parallel over N ranks (threads, or MPI processes). Each
    rank keeps E/N experts and a replica of everything else, and takes a
    contiguous slice of every batch; the dense parts' gradients are summed
@@ -32,6 +38,8 @@
    EP and DP group makes an NCCL id and broadcasts it over the group's MPI
    communicator, and every rank joins with ncclCommInitRank. */
 #include "../moept.h"
+
+#define MIN_JUDGED_STEPS 100 /* a run this long is expected to lower its loss */
 
 #include <math.h>
 #include <pthread.h>
@@ -164,7 +172,9 @@ static void rmsnorm_bwd(const float *x, const float *g, const float *inv, const 
 static void usage(void) {
     fprintf(stderr, "usage: train [--data FILE]... [--steps N] [--batch B] [--layers L] [--dim D] [--ffn F]\n"
                     "             [--experts E] [--topk K] [--ctx C] [--family NAME] [--lr X] [--csv FILE]\n"
-                    "             [--seed S] [--ep N] [--dp N (train_mpi)] [--quiet] [--bf16 (train_cuda)]\n");
+                    "             [--seed S] [--ep N] [--dp N (train_mpi)] [--quiet] [--bf16 (train_cuda)]\n"
+                    "exit status 1: a check failed (a library call; with --steps >= %d, the loss's moving\n"
+                    "average not below step 1's loss); 2: usage\n", MIN_JUDGED_STEPS);
     exit(2);
 }
 
@@ -414,9 +424,10 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
                (long long)len, V, NL, o.family == MOEPT_FAMILY_MIXTRAL ? "mixtral" : o.family == MOEPT_FAMILY_QWEN2_MOE ? "qwen2_moe" :
                o.family == MOEPT_FAMILY_OLMOE ? "olmoe" : "deepseek_v3", D, o.ffn, o.experts, o.topk, Bg, P);
     if (!o.quiet && lead)
-        printf("val: held-out loss every 100 steps (- before the first); aux: the layers' mean aux loss, %d when "
-               "balanced (HF convention: top_k); load: layer 0's rows per expert, ' .:-=+*#%%@' from none to the "
-               "busiest\n", o.topk);
+        printf("loss: this step's training loss; avg: its moving average (0.95 decay); val: held-out "
+               "loss every 100 steps (- before the first); aux: the layers' mean aux loss, %d when "
+               "balanced (HF convention: top_k); load: layer 0's rows per expert, ' .:-=+*#%%@' from none "
+               "to the busiest\n", o.topk);
     int64_t *pos = xcalloc((size_t)Bg, sizeof(int64_t));
     int64_t *load = xcalloc((size_t)o.experts, sizeof(int64_t));
     double t0 = now(), tlast = t0, first_loss = 0, ema = 0, val = NAN;
@@ -480,20 +491,27 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
             bar[nb] = 0;
             char vs[16] = "     -"; /* not evaluated yet */
             if (val == val) snprintf(vs, sizeof vs, "%.4f", val);
-            printf("step %4d | loss %.4f | val %s | aux %.4f | %7.0f tok/s | layer-0 load [%s]\n",
-                   s, ema, vs, aux / NL, (double)Bg * s / (t - t0), bar);
+            printf("step %4d | loss %.4f | avg %.4f | val %s | aux %.4f | %7.0f tok/s | layer-0 load [%s]\n",
+                   s, loss, ema, vs, aux / NL, (double)Bg * s / (t - t0), bar);
             fflush(stdout);
         }
     }
     if (lead) {
         double secs = now() - t0;
-        printf("train: loss %.4f -> %.4f (held-out %.4f) in %d steps, %.1f s, %.0f tokens/s (GEMM: %s)\n",
-               first_loss, ema, val, o.steps, secs, (double)Bg * o.steps / secs, moept_gemm_kernel());
+        printf("train: loss %.4f at step 1 -> moving average %.4f (held-out %.4f) in %d steps, %.1f s, "
+               "%.0f tokens/s (GEMM: %s)\n", first_loss, ema, val, o.steps, secs, (double)Bg * o.steps / secs,
+               moept_gemm_kernel());
+        if (o.steps < MIN_JUDGED_STEPS)
+            printf("train: %d steps: the loss's drop is judged only from %d steps\n", o.steps,
+                   MIN_JUDGED_STEPS);
+        else if (!(ema < first_loss))
+            printf("train: FAIL - the loss's moving average %.4f is not below step 1's %.4f\n", ema,
+                   first_loss);
         if (csv) printf("train: log written to %s\n", o.csv);
     }
     if (csv) fclose(csv);
     for (int l = 0; l < NL; l++) moept_destroy(M.moe[l]);
-    return ema < first_loss ? 0 : 1;
+    return o.steps < MIN_JUDGED_STEPS || ema < first_loss ? 0 : 1;
 }
 
 #if defined(MOEPT_CUDA) && defined(MOEPT_MPI)

@@ -1,8 +1,9 @@
 #!/bin/sh
 # The builds users have: moept.c with -Wall -Wextra -Wpedantic -Werror under
 # gcc and clang, with and without OpenMP; moept.h alone under gcc, g++,
-# clang++ and nvcc (a .cu including it) with -Werror; and -Ofast refused
-# with a message (it would give wrong answers). One "ok/FAIL/skip" line each.
+# clang++ and nvcc (a .cu including it) with -Werror; -Ofast refused with a
+# message (it would give wrong answers), and moept.c given to g++/clang++
+# refused with "compile moept.c as C11". One "ok/FAIL/skip" line each.
 # usage: sh tests/check_builds.sh [NVCC]
 out=${TMPDIR:-/tmp}/moept_builds.$$
 mkdir -p "$out"
@@ -34,6 +35,17 @@ if [ -n "$1" ] && have "$1"; then
 else
     echo "skip - nvcc: not found (a .cu including moept.h was not compiled)"
 fi
+# a C++ compiler given moept.c stops at the first line with the reason, not 138 errors
+for cxx in g++ clang++; do
+    have $cxx || continue
+    if $cxx -x c++ -c moept.c -o "$out/cxx.o" >"$out/log" 2>&1; then
+        echo "FAIL - $cxx moept.c: built as C++ (it must refuse, naming C11)"
+    elif grep -q "compile moept.c as C11" "$out/log" && [ "$(grep -c ': error' "$out/log")" -eq 1 ]; then
+        echo "ok - $cxx moept.c refused with the reason (compile as C11)"
+    else
+        echo "FAIL - $cxx moept.c failed without the reason:"; head -5 "$out/log"
+    fi
+done
 if gcc -Ofast -c moept.c -o "$out/fast.o" >"$out/log" 2>&1; then
     echo "FAIL - -Ofast: moept.c built (it gives wrong answers; it must refuse)"
 elif grep -q "must not be built with -ffast-math" "$out/log"; then

@@ -13,13 +13,10 @@ mode=$1 gpu=$2
 if [ "$mode" = bf16 ]; then tl=0.00048828125; ta=0.0009765625; else tl=1e-5; ta=1e-5; fi
 out="$B/train_gpu4_$mode.csv"
 rm -f "$out" "$B/train_cpu4.csv" # never a stale curve: a GPU run that skips writes none
-# exit status 1 is the example's "the loss did not go down", which 4 steps
-# on the shipped text need not: the curves
-# are what is judged here; anything else (a crash, 2: usage) fails
-"$B/train" --steps 4 --quiet --csv "$B/train_cpu4.csv" >/dev/null
-[ $? -le 1 ] || exit 1
-"$gpu" --steps 4 --quiet $([ "$mode" = bf16 ] && echo --bf16) --csv "$out"
-[ $? -le 1 ] || exit 1
+# the example exits non-zero only when a check failed (a 4-step run's loss
+# drop is not judged): any non-zero status fails here
+"$B/train" --steps 4 --quiet --csv "$B/train_cpu4.csv" >/dev/null || exit 1
+"$gpu" --steps 4 --quiet $([ "$mode" = bf16 ] && echo --bf16) --csv "$out" || exit 1
 if [ ! -s "$out" ]; then
     echo "skip - $gpu $mode loss curve: no GPU run (no device)"
     exit 0

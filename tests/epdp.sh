@@ -16,13 +16,12 @@ np=$((ep * dp))
 tag=$(basename "$bin")_${ep}x${dp}${bf16:+_bf16}
 if [ -n "$bf16" ]; then tl=0.00048828125; ta=0.0009765625; else tl=1e-5; ta=1e-5; fi
 rm -f "$B/epdp_1.csv" "$B/epdp_$tag.csv"
-"$B/train" --steps 4 --quiet --csv "$B/epdp_1.csv" > /dev/null
-[ $? -le 1 ] || exit 1
+"$B/train" --steps 4 --quiet --csv "$B/epdp_1.csv" > /dev/null || exit 1
 OMP_NUM_THREADS=1 timeout 300 "$mpirun" --oversubscribe -np $np "$bin" --ep $ep --dp $dp --steps 4 --quiet \
     ${bf16:+--bf16} --csv "$B/epdp_$tag.csv" > "$B/epdp_$tag.log" 2>&1
 rc=$?
 if grep -q "^skip - " "$B/epdp_$tag.log"; then grep -m1 "^skip - " "$B/epdp_$tag.log"; exit 0; fi
-[ $rc -le 1 ] && [ -s "$B/epdp_$tag.csv" ] || { cat "$B/epdp_$tag.log"; echo "FAIL - $bin EP $ep x DP $dp: no log written"; exit 1; }
+[ $rc -eq 0 ] && [ -s "$B/epdp_$tag.csv" ] || { cat "$B/epdp_$tag.log"; echo "FAIL - $bin EP $ep x DP $dp: exit status $rc or no log written"; exit 1; }
 awk -F, -v tl=$tl -v ta=$ta -v what="$bin --ep $ep --dp $dp${bf16:+ --bf16} (mpirun -np $np)" '
     NR == FNR { if (FNR > 1) { l[$1] = $2; a[$1] = $4 } next }
     FNR > 1 {

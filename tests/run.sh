@@ -35,6 +35,9 @@ skip() { echo "skip - $1: $2" | tee -a "$B/results.txt"; }
 : >"$B/times.txt"
 # the builds users have: -Werror under gcc, clang, g++, clang++, nvcc; -Ofast refused
 suite "builds" sh tests/check_builds.sh "$NVCC"
+# the README's runnable blocks, as written, in a fresh copy; the docs' links and claims
+suite "README commands" sh tests/readme_commands.sh
+suite "docs: links, anchors, no issue numbers, no false claims" sh tests/check_docs.sh
 suite "reference cases" "$B/moept_check" $CASES
 for t in test_grad test_props test_errors test_ckpt; do
     suite "$t" "$B/$t"

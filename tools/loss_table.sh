@@ -7,13 +7,13 @@
 # (tools/plot.py draws docs/train.png from the first two).
 B=${B:-build}
 set -e
-"$B/train" --quiet --csv "$B/ep1.csv" > /dev/null || [ $? -eq 1 ]
-"$B/train" --quiet --ep 4 --csv "$B/ep4.csv" > /dev/null || [ $? -eq 1 ]
+"$B/train" --quiet --csv "$B/ep1.csv" > /dev/null || exit 1
+"$B/train" --quiet --ep 4 --csv "$B/ep4.csv" > /dev/null || exit 1
 mpi="$B/ep4_mpi.csv"
 rm -f "$mpi"
 if [ -x "$B/train_mpi" ] && command -v mpirun > /dev/null; then
     OMP_NUM_THREADS=1 mpirun --oversubscribe --allow-run-as-root -np 4 "$B/train_mpi" --quiet --ep 4 \
-        --csv "$mpi" > /dev/null || [ $? -eq 1 ]
+        --csv "$mpi" > /dev/null || exit 1
 fi
 [ -s "$mpi" ] || mpi="$B/ep4.csv" # no MPI: its columns repeat the threads run, said below
 awk -F, -v nompi="$([ "$mpi" = "$B/ep4.csv" ] && echo 1)" '
