@@ -67,24 +67,20 @@
    (/proc/loadavg's runnable tasks), widen it by one thread. No
    result depends on the team's size (a tile's, a row's and a reduction's
    arithmetic never does). */
+#ifdef _OPENMP
 static atomic_int moept__team_cap;  /* threads at most; 0: no cap */
 static atomic_int moept__team_calm; /* looks in a row that found little waiting */
 
 /* the team for a region (max > 0: at most that, e.g. per-thread scratch) */
 static int moept__team(int max) {
-#ifdef _OPENMP
     int n = omp_get_max_threads(), cap = atomic_load_explicit(&moept__team_cap, memory_order_relaxed);
     if (cap > 0 && cap < n) n = cap;
     return max > 0 && max < n ? max : n;
-#else
-    (void)max;
-    return 1;
-#endif
 }
 
 /* the calling thread's time spent waiting for a CPU so far (ns); -1 unknown */
 static int64_t moept__run_delay(void) {
-#if defined(__linux__) && defined(_OPENMP)
+#ifdef __linux__
     char buf[96];
     int fd = open("/proc/thread-self/schedstat", O_RDONLY);
     if (fd < 0) return -1;
@@ -102,7 +98,7 @@ static int64_t moept__run_delay(void) {
 /* tasks runnable on the machine now, this thread included (Linux:
    /proc/loadavg's fourth field); -1 unknown */
 static int moept__runnable(void) {
-#if defined(__linux__) && defined(_OPENMP)
+#ifdef __linux__
     char buf[128];
     int fd = open("/proc/loadavg", O_RDONLY), r = -1, total;
     if (fd < 0) return -1;
@@ -121,7 +117,6 @@ static int moept__runnable(void) {
    since this thread's last look (one hiccup in a short call is no load),
    the share of that time it spent waiting for a CPU sets the team. */
 static void moept__load_note(void) {
-#ifdef _OPENMP
     static _Thread_local struct timespec t0;
     static _Thread_local int64_t d0 = -2; /* -2: no look yet; -1: cannot tell here */
     struct timespec t1;
@@ -149,8 +144,10 @@ static void moept__load_note(void) {
             atomic_store(&moept__team_calm, 0);
         }
     }
-#endif
 }
+#else
+static void moept__load_note(void) {} /* one thread: no team to size */
+#endif
 
 /* ------------------------------------------------------------------------
    Errors and allocation
