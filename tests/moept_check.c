@@ -64,6 +64,8 @@ static int g_expect_shm;        /* --expect-shm: fail if the EP comm offers no s
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
 static int g_sync_free;         /* CUDA: --sync-free */
 static int g_gemm_form;         /* CUDA: --gemm-form (moept_gemm_form) */
+static int g_digest;            /* --digest: print a hash of every compared result's bits (refactors
+                                   that must leave results bitwise unchanged compare two runs' hashes) */
 
 /* ---- the layer, on the CPU or (MOEPT_CUDA) on the GPU ---- */
 #ifdef MOEPT_CUDA
@@ -144,6 +146,7 @@ typedef struct check {
     char worst_name[128];
     char reason[600];       /* non-empty: the case failed for this reason */
     char skip[200];         /* non-empty: the case cannot run at this --ep */
+    uint64_t digest;        /* --digest: FNV-1a of the names and bits of every result compared */
 } check;
 
 static int failf(check *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -198,6 +201,11 @@ static float *read_f(check *c, const char *name, int64_t rows, int64_t cols) {
    |a-b| first (see the router gradient below) */
 static void compare_floor(check *c, const char *name, const float *got, const float *want, int64_t n,
                           double floor_abs) {
+    if (g_digest) { /* the name, then the bits: a result moved to another name changes the hash */
+        for (const char *p = name; *p; p++) c->digest = (c->digest ^ (uint8_t)*p) * 0x100000001b3ULL;
+        const uint8_t *b = (const uint8_t *)got;
+        for (int64_t i = 0; i < n * (int64_t)sizeof(float); i++) c->digest = (c->digest ^ b[i]) * 0x100000001b3ULL;
+    }
     double num = 0.0, den = 0.0;
     for (int64_t i = 0; i < n; i++) {
         double d = (double)got[i] - (double)want[i];
@@ -576,6 +584,7 @@ done:
 /* ---- several ranks ---- */
 /* merges the ranks' verdicts into c (worst error, first reason) */
 static void merge(check *c, const check *r, int rank) {
+    c->digest = (c->digest ^ r->digest) * 0x100000001b3ULL; /* in rank order */
     if (r->skip[0] && !c->skip[0]) snprintf(c->skip, sizeof c->skip, "%s", r->skip);
     if (r->reason[0] && !c->reason[0]) snprintf(c->reason, sizeof c->reason, "rank %d: %.560s", rank, r->reason);
     if (!(r->worst <= c->worst) || (r->worst > c->worst)) {
@@ -690,10 +699,11 @@ int main(int argc, char **argv) {
             }
         }
         else if (strcmp(argv[first], "--no-shm") == 0) g_no_shm = 1;
+        else if (strcmp(argv[first], "--digest") == 0) g_digest = 1;
         else if (strcmp(argv[first], "--expect-shm") == 0) g_expect_shm = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
-            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] "
+            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--digest] "
                     "[--gemm-form F] [--tol X] [--weights DIR --layer L] "
                     "FILE...\n", argv[0]);
             return 2;
@@ -805,6 +815,9 @@ int main(int argc, char **argv) {
             printf("%-40s SKIP  %s\n", label, c.skip);
         else if (c.reason[0])
             printf("%-40s FAIL  max rel err %.3g (%s): %s\n", label, c.worst, c.worst_name[0] ? c.worst_name : "-", c.reason);
+        else if (g_digest)
+            printf("%-40s PASS  max rel err %.3g (%s) digest %016llx\n", label, c.worst, c.worst_name,
+                   (unsigned long long)c.digest);
         else
             printf("%-40s PASS  max rel err %.3g (%s)\n", label, c.worst, c.worst_name);
     }
