@@ -693,6 +693,83 @@ typedef struct moept__param {
     int64_t flat;          /* fsdp: offset in the full expert space (data, grad NULL); else -1 */
 } moept__param;
 
+/* ------------------------------------------------------------------------
+   The executor interface
+   ------------------------------------------------------------------------ */
+/* An executor runs a layer's steps: the CPU executor (moept__cpu_exec) from
+   this file's stage functions, the CUDA executor (its table in the glue
+   below) from moept_kernels.cu's. Every call goes through moept__ex: a NULL
+   entry is a step that executor does not need (the CPU keeps nothing on a
+   device, so it has nothing to copy or settle). What an executor cannot do
+   is a missing capability bit, refused in one place (moept__ex_refuses) with
+   one message shape, on every rank. */
+enum {
+    MOEPT__CAN_JITTER = 1 << 0,      /* config.router_jitter */
+    MOEPT__CAN_INFERENCE = 1 << 1,   /* config.inference_only */
+    MOEPT__CAN_GRAD_BACKUP = 1 << 2, /* config.grad_backup */
+    MOEPT__CAN_AUX_SEQ = 1 << 3,     /* MOEPT_AUX_SEQ */
+    MOEPT__CAN_FSDP = 1 << 4,        /* config.expert_sharding = MOEPT_SHARD_FSDP */
+    MOEPT__CAN_MASK = 1 << 5,        /* moept_forward_ex's opts.mask */
+    MOEPT__CAN_RESHARD = 1 << 6,     /* moept_reshard */
+    MOEPT__CAN_HOST_STEPS = 1 << 7,  /* the steps run on the host: the CPU workspace is its own */
+    MOEPT__CAN_DEVICE = 1 << 8,      /* parameters on a device (moept_cuda_params) */
+    MOEPT__NCAPS = 9
+};
+static const char *const moept__cap_names[MOEPT__NCAPS] = {
+    "config.router_jitter", "config.inference_only", "config.grad_backup", "MOEPT_AUX_SEQ",
+    "config.expert_sharding = MOEPT_SHARD_FSDP", "a padding mask (opts.mask)", "resharding",
+    "running on the host", "device parameters"};
+
+typedef struct moept__fstep moept__fstep;
+enum { MOEPT__HOST_PARAMS = 1, MOEPT__HOST_GRADS = 2, MOEPT__HOST_OPT = 4 }; /* host copies (bits) */
+typedef struct moept__exec {
+    const char *name;      /* in refusals: "the CUDA executor" */
+    unsigned caps;         /* MOEPT__CAN_* */
+    /* the steps (after the API's checks; each agrees over the group itself) */
+    moept_status (*forward)(moept_layer *L, moept__fstep *f);
+    moept_status (*backward)(moept_layer *L, const float *x, const float *dy, float *dx);
+    moept_status (*sync_grads)(moept_layer *L, float scale);     /* after the call's agreement */
+    moept_status (*grad_scan)(moept_layer *L, double *s, int64_t *bad);
+    moept_status (*adamw_ready)(moept_layer *L);                 /* before the agreement */
+    moept_status (*adamw)(moept_layer *L, moept__adamw_k k);     /* after it */
+    /* state between the host's copy and the executor's (NULL: nothing to do) */
+    moept_status (*zero_grad)(moept_layer *L);
+    moept_status (*grads_check)(moept_layer *L); /* read checks the executor made without a sync */
+    moept_status (*settle)(moept_layer *L);      /* statistics the executor deferred */
+    moept_status (*routing)(moept_layer *L, int dweights); /* ids/wts/logits (or dwts) to the host */
+    moept_status (*to_host)(moept_layer *L, int what);      /* MOEPT__HOST_* the host is to read */
+    void (*host_wrote)(moept_layer *L, int what);           /* MOEPT__HOST_* the host changed */
+    moept_status (*device_params)(moept_layer *L, float **params, float **grads);
+    moept_status (*params_changed)(moept_layer *L);
+    void (*destroy)(moept_layer *L);
+} moept__exec;
+/* an entry the executor may leave NULL: MOEPT_OK (nothing to do) */
+#define MOEPT__EX(L, fn, ...) ((L)->ex->fn ? (L)->ex->fn(__VA_ARGS__) : MOEPT_OK)
+static const moept__exec moept__cpu_exec;
+
+/* The one refusal: MOEPT_ERR_UNSUPPORTED and "call: feature is not
+   supported by the X executor" in why[MOEPT__ERRLEN] when ex lacks cap */
+static moept_status moept__ex_refuse(const moept__exec *ex, unsigned cap, const char *call, char *why) {
+    if (ex->caps & cap) return MOEPT_OK;
+    int bit = 0;
+    while (bit < MOEPT__NCAPS - 1 && !(cap & (1u << bit))) bit++;
+    snprintf(why, MOEPT__ERRLEN, "%s: %s is not supported by %s", call, moept__cap_names[bit], ex->name);
+    return MOEPT_ERR_UNSUPPORTED;
+}
+
+/* A config's features the executor lacks (at create, agreed with the config) */
+static moept_status moept__ex_refuse_config(const moept__exec *ex, const moept_config *c, const char *call,
+                                            char *why) {
+    const int need[5] = {c->router_jitter != 0.0f, c->inference_only != 0, c->grad_backup != 0,
+                         c->aux_loss == MOEPT_AUX_SEQ, c->expert_sharding == MOEPT_SHARD_FSDP};
+    const unsigned cap[5] = {MOEPT__CAN_JITTER, MOEPT__CAN_INFERENCE, MOEPT__CAN_GRAD_BACKUP,
+                             MOEPT__CAN_AUX_SEQ, MOEPT__CAN_FSDP};
+    moept_status st = MOEPT_OK;
+    for (int i = 0; i < 5 && !st; i++)
+        if (need[i]) st = moept__ex_refuse(ex, cap[i], call, why);
+    return st;
+}
+
 struct moept_layer {
     moept_config cfg;      /* resolved */
     int64_t D, F, E, K, S; /* hidden, expert width, experts, top-k, shared */
@@ -839,14 +916,10 @@ struct moept_layer {
     float *fs_gfull;       /* [P * fs_shard] this rank's full expert gradients of a backward */
     float *fs_w, *fs_g;    /* [fs_shard] the shard in the parameter / gradient buffers */
     double fs_gather_seconds;
-    /* CUDA layers: the executor, and which side changed last (0 both equal,
-       1 host copy newer, 2 device newer) for the parameters (with the bias
-       and placement) and for the gradients */
-    void *cuda;
-    int cuda_pnew, cuda_gnew;
-    int cuda_onew;         /* AdamW's moments: 0 equal (or none), 1 host newer (a load), 2 device newer */
-    int cuda_routing;      /* host ids/wts/logits hold the committed step */
-    int cuda_dx_pending;   /* a backward's dx check on the device not yet read */
+    /* the executor that runs the steps (moept__cpu_exec, or the CUDA
+       executor's table), and its own state (NULL on the CPU) */
+    const struct moept__exec *ex;
+    void *xstate;
     /* a backward whose dx came out non-finite left partial sums in
        gradients accumulated before it: adamw_step and grad_norm refuse them
        until zero_grad. -1: none; else dx's first bad element (or 0 for a peer's) */
@@ -854,14 +927,12 @@ struct moept_layer {
     float *grads_copy;     /* [n_params] config.grad_backup: the gradients as an accumulating backward found them */
     moept_status grads_sf_bad;  /* sync-free CUDA: a step since zero_grad failed its device checks */
     char grads_sf_why[MOEPT__ERRLEN];
-    int cuda_stats_pending;     /* sync-free CUDA: the last forward's device statistics not read yet */
-    int cuda_sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
     int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
 };
 
 /* A forward's arguments and what its stages found before the commit (the
    routing is in the spare buffers nb). */
-typedef struct moept__fstep {
+struct moept__fstep {
     const float *x;        /* [T][D] */
     float *y;              /* [T][D] */
     const uint8_t *mask;   /* [T] 0 = padding, or NULL */
@@ -870,7 +941,9 @@ typedef struct moept__fstep {
     uint64_t x_fp;         /* x's fingerprint, for the backward's check */
     uint64_t jkey;         /* the jitter noise's key */
     int64_t cap, R_next;   /* per-expert capacity (-1 dropless); rows to receive */
-} moept__fstep;
+    moept_status reject;   /* the executor refuses this call (agreed as a local check) */
+    char reject_why[MOEPT__ERRLEN];
+};
 
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
@@ -1084,9 +1157,7 @@ static void moept__build_table(moept_layer *L) {
 
 void moept_destroy(moept_layer *L) {
     if (!L) return;
-#ifdef MOEPT_CUDA
-    if (L->cuda) moept__cuda_destroy((moept__cuda *)L->cuda);
-#endif
+    if (L->ex && L->ex->destroy) L->ex->destroy(L);
     /* every buffer lives in one of three blocks */
     MOEPT_FREE(L->params);
     MOEPT_FREE(L->table);
@@ -1107,44 +1178,71 @@ static int moept__rows_dispatch(const moept_layer *L) {
     return L->ep && L->P > 1 && L->C == 1 && !L->direct && L->ep->alltoallv_rows;
 }
 
-static void moept__layout_work(moept_layer *L, moept__carve *c) {
-    const int64_t T = L->Tmax, N = L->Nmax, E = L->E, K = L->K, D = L->D;
-    const size_t f = sizeof(float), i64 = sizeof(int64_t);
-    for (int b = 0; b < 2; b++) {
-        L->logits[b] = moept__take(c, (size_t)(T * E) * f);
-        L->probs[b] = moept__take(c, (size_t)(T * E) * f);
-        L->ids[b] = moept__take(c, (size_t)(T * K) * sizeof(int32_t));
-        L->wts[b] = moept__take(c, (size_t)(T * K) * f);
+/* The workspace every executor's layer keeps on the host: the committed
+   routing (moept_routing), its gradient (moept_routing_grads), the loss
+   counts, placement and peer rows. */
+static void moept__layout_host(moept_layer *L, moept__carve *c, int run) {
+    const int64_t T = L->Tmax, E = L->E, K = L->K;
+    const size_t f = sizeof(float), i64 = sizeof(int64_t), t = !L->cfg.inference_only;
+    for (int b = 0; b < 2; b++) { /* a device executor's host copy: one */
+        const size_t on = b == 0 || run;
+        L->logits[b] = moept__take(c, on * (size_t)(T * E) * f);
+        L->ids[b] = moept__take(c, on * (size_t)(T * K) * sizeof(int32_t));
+        L->wts[b] = moept__take(c, on * (size_t)(T * K) * f);
     }
-    L->choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
-    L->counts = moept__take(c, (size_t)E * i64);
-    L->counts_next = moept__take(c, (size_t)E * i64);
     L->slot_of = moept__take(c, (size_t)E * sizeof(int32_t));
     L->expert_at = moept__take(c, (size_t)E * sizeof(int32_t));
-    L->rcounts = moept__take(c, (size_t)(L->P * L->El) * i64);
-    L->rcounts_next = moept__take(c, (size_t)(L->P * L->El) * i64);
-    L->roffsets = moept__take(c, (size_t)(L->El + 1) * i64);
-    L->send_segs = moept__take(c, (size_t)(L->P * L->El) * sizeof(moept_seg));
-    L->recv_segs = moept__take(c, (size_t)(L->P * L->El) * sizeof(moept_seg));
-    L->count_segs = moept__take(c, (size_t)(2 * L->P) * sizeof(moept_seg));
     L->lstat = moept__take(c, (size_t)(3 * E + 4) * sizeof(double));
     L->peer_rows = moept__take(c, (size_t)(2 * L->P) * i64);
     L->sel_counts = moept__take(c, (size_t)E * i64);
     L->aux_counts = moept__take(c, (size_t)E * i64);
+    L->dwts = moept__take(c, t * (size_t)(T * K) * f);
+}
+
+/* The CPU steps' routing and plan: scores, counts, the exchange's pieces,
+   each row's place */
+static void moept__layout_plan(moept_layer *L, moept__carve *c) {
+    const int64_t T = L->Tmax, N = L->Nmax, E = L->E, K = L->K, P = L->P, El = L->El;
+    const size_t f = sizeof(float), i64 = sizeof(int64_t), dir = L->direct;
+    for (int b = 0; b < 2; b++) L->probs[b] = moept__take(c, (size_t)(T * E) * f);
+    L->choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
+    L->counts = moept__take(c, (size_t)E * i64);
+    L->counts_next = moept__take(c, (size_t)E * i64);
+    L->rcounts = moept__take(c, (size_t)(P * El) * i64);
+    L->rcounts_next = moept__take(c, (size_t)(P * El) * i64);
+    L->roffsets = moept__take(c, (size_t)(El + 1) * i64);
+    L->send_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
+    L->recv_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
+    L->count_segs = moept__take(c, (size_t)(2 * P) * sizeof(moept_seg));
     L->offsets = moept__take(c, (size_t)(E + 1) * i64);
     L->row_of = moept__take(c, (size_t)(T * K) * i64);
     L->tok_of_row = moept__take(c, (size_t)N * i64);
     L->slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
-    const int dir = L->direct;
-    L->shbase = moept__take(c, dir ? (size_t)(2 * L->P) * sizeof(float *) : 0);
-    L->allcnt = moept__take(c, dir ? (size_t)(L->P * E) * i64 : 0);
-    L->allcnt_next = moept__take(c, dir ? (size_t)(L->P * E) * i64 : 0);
-    L->dst_row = moept__take(c, dir ? (size_t)E * i64 : 0);
+    L->shbase = moept__take(c, dir * (size_t)(2 * P) * sizeof(float *));
+    L->allcnt = moept__take(c, dir * (size_t)(P * E) * i64);
+    L->allcnt_next = moept__take(c, dir * (size_t)(P * E) * i64);
+    L->dst_row = moept__take(c, dir * (size_t)E * i64);
     L->seqstat = moept__take(c, (size_t)(2 * E + 1) * sizeof(double));
     const int64_t nseq = L->cfg.aux_loss == MOEPT_AUX_SEQ ? T / L->cfg.aux_seq_len : 1; /* T a multiple */
     L->aux_g = moept__take(c, (size_t)(nseq * E) * f);
     L->fill = moept__take(c, (size_t)E * i64);
     L->kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
+    L->descs = moept__take(c, (size_t)(El * P) * sizeof(moept__gemm));
+    const size_t on = L->C > 1, C = (size_t)L->C; /* chunked overlap */
+    L->ccnt = moept__take(c, on * C * (size_t)E * i64);
+    L->ccnt_next = moept__take(c, on * C * (size_t)E * i64);
+    L->rccnt = moept__take(c, on * (size_t)(P * El) * C * i64);
+    L->rccnt_next = moept__take(c, on * (size_t)(P * El) * C * i64);
+    L->cmsg = moept__take(c, on * (size_t)(P * El) * C * i64);
+    L->csend = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
+    L->crecv = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
+    L->cruns = moept__take(c, on * (size_t)(3 * El * P) * i64);
+}
+
+/* The CPU steps' activations and the GEMM's packing buffers */
+static void moept__layout_acts(moept_layer *L, moept__carve *c) {
+    const int64_t T = L->Tmax, N = L->Nmax, E = L->E, D = L->D;
+    const size_t f = sizeof(float);
     /* the direct (shared-memory) path gathers from x and combines from the
        experts' rows in place: no send/receive buffers on the token side */
     int64_t Nxs = L->direct ? 0 : N;
@@ -1161,27 +1259,13 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
         L->sg = moept__take(c, (size_t)T * f);
         L->dsg = moept__take(c, train ? (size_t)T * f : 0);
     }
-    L->dwts = moept__take(c, train ? (size_t)(T * K) * f : 0);
     L->dlogits = moept__take(c, train ? (size_t)(T * E) * f : 0);
     L->lse = moept__take(c, (size_t)T * f);
     L->xj = moept__take(c, jit ? (size_t)(T * D) * f : 0);
     for (int b = 0; b < 2; b++) L->jrow[b] = moept__take(c, jit ? (size_t)T * 8 : 0);
-    L->descs = moept__take(c, (size_t)(L->El * L->P) * sizeof(moept__gemm));
     if (L->fsdp) {
         L->fs_full = moept__take(c, (size_t)(L->fsdp->size * L->fs_shard) * f);
         L->fs_gfull = moept__take(c, train ? (size_t)(L->fsdp->size * L->fs_shard) * f : 0);
-    }
-    {
-        const int64_t C = L->C, P = L->P, El = L->El;
-        int on = C > 1;
-        L->ccnt = moept__take(c, on ? (size_t)(C * E) * i64 : 0);
-        L->ccnt_next = moept__take(c, on ? (size_t)(C * E) * i64 : 0);
-        L->rccnt = moept__take(c, on ? (size_t)(P * C * El) * i64 : 0);
-        L->rccnt_next = moept__take(c, on ? (size_t)(P * C * El) * i64 : 0);
-        L->cmsg = moept__take(c, on ? (size_t)(P * C * El) * i64 : 0);
-        L->csend = moept__take(c, on ? (size_t)(C * P * El) * sizeof(moept_seg) : 0);
-        L->crecv = moept__take(c, on ? (size_t)(C * P * El) * sizeof(moept_seg) : 0);
-        L->cruns = moept__take(c, on ? (size_t)(3 * El * P) * i64 : 0);
     }
 #ifndef MOEPT_CBLAS
     int64_t mmax = N; /* taller GEMMs (received rows at P > 1) run in row blocks */
@@ -1192,6 +1276,16 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
     L->gws.apack = moept__take(c, (size_t)(mmax * MOEPT__KC) * f);
     L->gws.bpack = moept__take(c, (size_t)((MOEPT__NC + MOEPT__NR) * MOEPT__KC) * f);
 #endif
+}
+
+/* The fixed workspace: what the host keeps for every executor, and, where
+   the steps run on the host, theirs (a device executor keeps its own) */
+static void moept__layout_work(moept_layer *L, moept__carve *c) {
+    const int run = (L->ex->caps & MOEPT__CAN_HOST_STEPS) != 0;
+    moept__layout_host(L, c, run);
+    if (!run) return;
+    moept__layout_plan(L, c);
+    moept__layout_acts(L, c);
 }
 
 /* The receive block's row widths (floats): xr, yr (at one rank they are
@@ -1371,146 +1465,179 @@ moept_status moept_create(const moept_config *cfg, moept_layer **out) {
     return moept_create_parallel(cfg, NULL, NULL, out);
 }
 
-moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moept_comm *dp, moept_layer **out) {
-    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: out is NULL");
-    *out = NULL;
-    if (ep && (ep->size < 1 || ep->rank < 0 || ep->rank >= ep->size || !ep->alltoallv || !ep->allreduce || !ep->allgather))
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: ep comm is incomplete (size, rank or functions)");
+/* create, 1: this rank's checks (comms, config, what the executor can do),
+   then the agreement: every rank learns whether any failed */
+static moept_status moept__create_checks(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                                         const moept__exec *ex, const char *call, moept_config *c) {
+    if (ep && (ep->size < 1 || ep->rank < 0 || ep->rank >= ep->size || !ep->alltoallv || !ep->allreduce ||
+               !ep->allgather))
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: ep comm is incomplete (size, rank or "
+                                  "functions)", call);
     if (dp && (dp->size < 1 || dp->rank < 0 || dp->rank >= dp->size || !dp->allreduce || !dp->allgather))
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: dp comm is incomplete (size, rank or functions)");
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: dp comm is incomplete (size, rank or "
+                                  "functions)", call);
     int P = ep ? ep->size : 1, DP = dp ? dp->size : 1;
-    /* 1. local checks, then agreement: every rank learns whether any failed */
-    moept_config c;
-    memset(&c, 0, sizeof c);
-    moept_status st = cfg ? moept__resolve(cfg, &c)
-                          : moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: cfg is NULL");
-    if (!st && c.num_experts % P != 0)
-        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
-                                "config.num_experts: %lld experts cannot be split evenly over an EP group of %d ranks",
-                                (long long)c.num_experts, P);
-    if (!st && (c.global_balance != 0 && c.global_balance != 1))
-        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "config.global_balance: %d must be 0 or 1", c.global_balance);
+    memset(c, 0, sizeof *c);
+    moept_status st = cfg ? moept__resolve(cfg, c)
+                          : moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", call);
+    if (!st && c->num_experts % P != 0)
+        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "config.num_experts: %lld experts cannot be split "
+                                "evenly over an EP group of %d ranks", (long long)c->num_experts, P);
+    if (!st && (c->global_balance != 0 && c->global_balance != 1))
+        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "config.global_balance: %d must be 0 or 1",
+                                c->global_balance);
+    char why[MOEPT__ERRLEN];
+    if (!st && (st = moept__ex_refuse_config(ex, c, call, why))) moept__thread_fail(st, "%s", why);
     char mine[MOEPT__ERRLEN];
     memcpy(mine, moept__thread_err, sizeof mine);
     int64_t fp[MOEPT__NFP];
-    moept__fingerprint(&c, st == MOEPT_OK, P, DP, moept__has_shm(ep), fp);
+    moept__fingerprint(c, st == MOEPT_OK, P, DP, moept__has_shm(ep), fp);
     moept_status ag = moept__agree_config(ep, "EP", fp);
     if (!ag) ag = moept__agree_config(dp, "DP", fp);
     if (st) { memcpy(moept__thread_err, mine, sizeof mine); return st; }
-    if (ag) return ag;
+    return ag;
+}
 
-    /* 2. allocate; agree again so an out-of-memory rank fails every rank */
+/* create, 2: the layer's shapes, groups and executor from the resolved config */
+static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm *ep, moept_comm *dp,
+                               const moept__exec *ex) {
+    L->cfg = *c;
+    L->ex = ex;
+    L->grads_dx_bad = -1;
+    L->ep = ep && ep->size > 1 ? ep : NULL;
+    L->dp = dp && dp->size > 1 ? dp : NULL;
+    L->P = ep ? ep->size : 1; L->rank = ep ? ep->rank : 0;
+    if (c->expert_sharding == MOEPT_SHARD_FSDP && L->ep) {
+        /* the baseline: every expert computed here, from weights gathered
+           each step; the expert path runs as at one rank */
+        L->fsdp = L->ep;
+        L->ep = NULL;
+        L->P = 1; L->rank = 0;
+    }
+    L->group = L->ep ? L->ep : L->fsdp;
+    L->D = c->hidden_size; L->F = c->intermediate_size; L->E = c->num_experts;
+    L->K = c->top_k; L->S = c->shared_intermediate_size; L->act = (int)c->activation;
+    L->El = L->E / L->P;
+    L->C = c->overlap_chunks;
+    /* chunked overlap needs the exchange's own buffers (the direct
+       shared-memory path has no exchange to overlap); a device executor
+       has its own exchange */
+    L->direct = L->ep && moept__has_shm(ep) && L->C == 1 && (ex->caps & MOEPT__CAN_HOST_STEPS);
+    int gated = moept__act_gated(L->act);
+    L->H = gated ? 2 * L->F : L->F;
+    L->HS = gated ? 2 * L->S : L->S;
+    L->Tmax = c->max_tokens;
+    L->Nmax = c->max_tokens * c->top_k;
+    L->T = -1;
+#ifdef _OPENMP
+    L->nthreads = omp_get_max_threads();
+#else
+    L->nthreads = 1;
+#endif
+    L->stats.capacity = -1;
+    char buf[32];
+    snprintf(buf, sizeof buf, "%.7g", (double)c->capacity_factor);
+    L->capacity_factor = strtod(buf, NULL);
+}
+
+/* create, 3: the parameter buffer router | w13 | w2 | ws13 | ws2 | wsg,
+   then its gradient mirror (and grad_backup's copy), then the bias; the
+   workspace block. 0: out of memory (the caller frees what is set). */
+static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
+    const int64_t D = L->D, F = L->F, E = L->E, S = L->S, El = L->El;
+    const moept_config *c = &L->cfg;
+    int shared_gate = S > 0 && c->shared_gate == MOEPT_SHARED_GATE_SIGMOID;
+    int64_t n_router = E * D, n13 = El * L->H * D, n2 = El * D * F;
+    int64_t ns13 = L->HS * D, ns2 = D * S, nsg = shared_gate ? D : 0;
+    L->n_exp = n13 + n2;
+    if (L->fsdp) { /* the parameter buffer holds this rank's flat shard only */
+        L->fs_total = n13 + n2;
+        L->fs_shard = (L->fs_total + L->fsdp->size - 1) / L->fsdp->size;
+        L->n_exp = L->fs_shard;
+    }
+    L->n_params = n_router + L->n_exp + ns13 + ns2 + nsg;
+    /* an inference layer has no gradient mirror; grad_backup adds its copy */
+    const int64_t nmir = c->inference_only ? 1 : c->grad_backup ? 3 : 2;
+    size_t pbytes = (size_t)(nmir * L->n_params + E) * sizeof(float);
+    L->params = moept__alloc(mem, pbytes);
+    L->table = moept__alloc(mem, (size_t)(3 * El + 8) * sizeof(moept__param));
+    moept__carve wc = {NULL, 0};
+    moept__layout_work(L, &wc);
+    size_t wbytes = wc.off;
+    L->work = moept__alloc(mem, wbytes);
+    L->work_bytes = (int64_t)wbytes;
+    if (!L->params || !L->table || !L->work) return 0;
+    memset(L->params, 0, pbytes);
+    memset(L->work, 0, wbytes);
+    wc.base = L->work; wc.off = 0;
+    moept__layout_work(L, &wc);
+    float *p = L->params, *g = nmir >= 2 ? L->params + L->n_params : NULL;
+    L->w_router = p; L->g_router = moept__gnext(&g, n_router); p += n_router;
+    if (L->fsdp) { /* the experts live gathered in the workspace */
+        L->fs_w = p; L->fs_g = moept__gnext(&g, L->fs_shard); p += L->fs_shard;
+        L->w13 = L->fs_full; L->w2 = L->fs_full + n13;
+        L->g13 = nmir >= 2 ? L->fs_gfull : NULL; L->g2 = moept__goff(L->g13, n13);
+    } else {
+        L->w13 = p; L->g13 = moept__gnext(&g, n13); p += n13;
+        L->w2 = p; L->g2 = moept__gnext(&g, n2); p += n2;
+    }
+    L->ws13 = p; L->gs13 = moept__gnext(&g, ns13); p += ns13;
+    L->ws2 = p; L->gs2 = moept__gnext(&g, ns2); p += ns2;
+    L->wsg = nsg ? p : NULL; L->gsg = nsg ? moept__gnext(&g, nsg) : NULL;
+    L->grads = nmir >= 2 ? L->params + L->n_params : NULL;
+    L->grads_copy = nmir == 3 ? L->params + 2 * L->n_params : NULL;
+    L->bias = L->params + nmir * L->n_params;
+    for (int64_t e = 0; e < E; e++) L->slot_of[e] = L->expert_at[e] = (int32_t)e;
+    moept__build_table(L);
+    L->stats.param_bytes = (int64_t)pbytes;
+    return 1;
+}
+
+/* A layer run by executor ex: checks agreed, then allocation agreed (an
+   out-of-memory rank fails every rank), then the direct path's shared rows */
+static moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                                  const moept__exec *ex, const char *call, moept_layer **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: out is NULL", call);
+    *out = NULL;
+    moept_config c;
+    moept_status st = moept__create_checks(cfg, ep, dp, ex, call, &c);
+    if (st) return st;
     moept__counter mem = {0, 0};
     moept_layer *L = moept__alloc(&mem, sizeof *L);
     if (L) {
         memset(L, 0, sizeof *L);
-        L->cfg = c;
-        L->grads_dx_bad = -1;
-        L->ep = ep && ep->size > 1 ? ep : NULL;
-        L->dp = dp && dp->size > 1 ? dp : NULL;
-        L->P = P; L->rank = ep ? ep->rank : 0;
-        if (c.expert_sharding == MOEPT_SHARD_FSDP && L->ep) {
-            /* the baseline: every expert computed here, from weights gathered
-               each step; the expert path runs as at one rank */
-            L->fsdp = L->ep;
-            L->ep = NULL;
-            P = 1;
-            L->P = 1; L->rank = 0;
-        }
-        L->group = L->ep ? L->ep : L->fsdp;
-        L->D = c.hidden_size; L->F = c.intermediate_size; L->E = c.num_experts;
-        L->K = c.top_k; L->S = c.shared_intermediate_size; L->act = (int)c.activation;
-        L->El = L->E / P;
-        L->C = c.overlap_chunks;
-        /* chunked overlap needs the exchange's own buffers (the direct
-           shared-memory path has no exchange to overlap) */
-        L->direct = L->ep && moept__has_shm(ep) && L->C == 1;
-        int gated = moept__act_gated(L->act);
-        L->H = gated ? 2 * L->F : L->F;
-        L->HS = gated ? 2 * L->S : L->S;
-        L->Tmax = c.max_tokens;
-        L->Nmax = c.max_tokens * c.top_k;
-        L->T = -1;
-#ifdef _OPENMP
-        L->nthreads = omp_get_max_threads();
-#else
-        L->nthreads = 1;
-#endif
-        const int64_t D = L->D, F = L->F, E = L->E, S = L->S, El = L->El;
-        int shared_gate = S > 0 && c.shared_gate == MOEPT_SHARED_GATE_SIGMOID;
-        /* parameter buffer: router | w13 | w2 | ws13 | ws2 | wsg, then the
-           gradient mirror, then the bias */
-        int64_t n_router = E * D, n13 = El * L->H * D, n2 = El * D * F;
-        int64_t ns13 = L->HS * D, ns2 = D * S, nsg = shared_gate ? D : 0;
-        L->n_exp = n13 + n2;
-        if (L->fsdp) { /* the parameter buffer holds this rank's flat shard only */
-            L->fs_total = n13 + n2;
-            L->fs_shard = (L->fs_total + L->fsdp->size - 1) / L->fsdp->size;
-            L->n_exp = L->fs_shard;
-        }
-        L->n_params = n_router + L->n_exp + ns13 + ns2 + nsg;
-        /* an inference layer has no gradient mirror; grad_backup adds its copy */
-        const int64_t nmir = c.inference_only ? 1 : c.grad_backup ? 3 : 2;
-        size_t pbytes = (size_t)(nmir * L->n_params + E) * sizeof(float);
-        L->params = moept__alloc(&mem, pbytes);
-        L->table = moept__alloc(&mem, (size_t)(3 * El + 8) * sizeof(moept__param));
-        moept__carve wc = {NULL, 0};
-        moept__layout_work(L, &wc);
-        size_t wbytes = wc.off;
-        L->work = moept__alloc(&mem, wbytes);
-        L->work_bytes = (int64_t)wbytes;
-        if (L->params && L->table && L->work) {
-            memset(L->params, 0, pbytes);
-            memset(L->work, 0, wbytes);
-            wc.base = L->work; wc.off = 0;
-            moept__layout_work(L, &wc);
-            float *p = L->params, *g = nmir >= 2 ? L->params + L->n_params : NULL;
-            L->w_router = p; L->g_router = moept__gnext(&g, n_router); p += n_router;
-            if (L->fsdp) { /* the experts live gathered in the workspace */
-                L->fs_w = p; L->fs_g = moept__gnext(&g, L->fs_shard); p += L->fs_shard;
-                L->w13 = L->fs_full; L->w2 = L->fs_full + n13;
-                L->g13 = nmir >= 2 ? L->fs_gfull : NULL; L->g2 = moept__goff(L->g13, n13);
-            } else {
-                L->w13 = p; L->g13 = moept__gnext(&g, n13); p += n13;
-                L->w2 = p; L->g2 = moept__gnext(&g, n2); p += n2;
-            }
-            L->ws13 = p; L->gs13 = moept__gnext(&g, ns13); p += ns13;
-            L->ws2 = p; L->gs2 = moept__gnext(&g, ns2); p += ns2;
-            L->wsg = nsg ? p : NULL; L->gsg = nsg ? moept__gnext(&g, nsg) : NULL;
-            L->grads = nmir >= 2 ? L->params + L->n_params : NULL;
-            L->grads_copy = nmir == 3 ? L->params + 2 * L->n_params : NULL;
-            L->bias = L->params + nmir * L->n_params;
-            for (int64_t e = 0; e < E; e++) L->slot_of[e] = L->expert_at[e] = (int32_t)e;
-            moept__build_table(L);
-            L->stats.capacity = -1;
-            L->stats.param_bytes = (int64_t)pbytes;
-            char buf[32];
-            snprintf(buf, sizeof buf, "%.7g", (double)c.capacity_factor);
-            L->capacity_factor = strtod(buf, NULL);
-            L->mem = mem;
-            /* the receive block: at one rank it is the send side's own rows */
-            if (!moept__grow_recv(L, L->Nmax)) { moept_destroy(L); L = NULL; }
-        } else {
-            MOEPT_FREE(L->params); MOEPT_FREE(L->table); MOEPT_FREE(L->work); MOEPT_FREE(L);
+        moept__layer_shape(L, &c, ep, dp, ex);
+        int ok = moept__layer_alloc(L, &mem);
+        L->mem = mem;
+        /* the receive block: at one rank it is the send side's own rows */
+        if (ok && (ex->caps & MOEPT__CAN_HOST_STEPS)) ok = moept__grow_recv(L, L->Nmax);
+        if (!ok) {
+            L->ex = NULL; /* nothing of the executor's yet */
+            moept_destroy(L);
             L = NULL;
         }
     }
     int64_t failed = moept__any_failed(ep, dp, L == NULL, &st);
     if (st || failed) {
         moept_destroy(L);
-        if (st) return moept__thread_fail(st, "moept_create: failure agreement failed: %s", ep && ep->err[0] ? ep->err : dp ? dp->err : "");
-        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, L ? "moept_create: another rank ran out of memory"
-                                                             : "moept_create: out of memory for the layer");
+        if (st) return moept__thread_fail(st, "%s: failure agreement failed: %s", call,
+                                          ep && ep->err[0] ? ep->err : dp ? dp->err : "");
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, L ? "%s: another rank ran out of memory"
+                                                             : "%s: out of memory for the layer", call);
     }
     /* the direct path's shared rows: every rank allocates them, or none,
        all of the same size (the largest max_tokens' rows) */
     int64_t rows = 0;
     if (L->direct && ((st = moept__group_max(ep, L->Nmax, &rows)) || (st = moept__grow_shared(L, rows)))) {
         moept_destroy(L);
-        return moept__thread_fail(st, "moept_create: the experts' shared rows: %s", ep->err);
+        return moept__thread_fail(st, "%s: the experts' shared rows: %s", call, ep->err);
     }
     *out = L;
     return MOEPT_OK;
+}
+
+moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moept_comm *dp, moept_layer **out) {
+    return moept__create(cfg, ep, dp, &moept__cpu_exec, "moept_create", out);
 }
 
 moept_status moept_get_config(const moept_layer *L, moept_config *cfg) {
@@ -1638,39 +1765,20 @@ moept_status moept_grads(moept_layer *L, float **grads, int64_t *numel) {
 moept_status moept_zero_grad(moept_layer *L) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_zero_grad: layer is NULL");
     if (!L->grads) return moept__no_grads(L, "moept_zero_grad");
-#ifdef MOEPT_CUDA
-    if (L->cuda) {
-        moept_status st = moept__cuda_zero_grad((moept__cuda *)L->cuda, moept__thread_err);
-        if (st) return st;
-        L->cuda_gnew = 0; /* both sides zero */
-    }
-#endif
+    moept_status st = MOEPT__EX(L, zero_grad, L); /* the executor's copy, and its checks reset */
+    if (st) return st;
     memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
-    L->grads_dx_bad = -1; /* the CUDA executor reset its dx check with them */
+    L->grads_dx_bad = -1;
     L->grads_sf_bad = MOEPT_OK;
-    L->cuda_dx_pending = 0;
     return MOEPT_OK;
 }
 
-/* A backward since zero_grad whose dx came out non-finite (the CUDA
-   executor's check is read here: its backward does not synchronise) left
+/* A backward since zero_grad whose dx came out non-finite (an executor's
+   check made without a sync is read here) left
    partial sums in the gradients: `call` refuses them (the caller agrees). */
 static moept_status moept__grads_refused(moept_layer *L, const char *call) {
-#ifdef MOEPT_CUDA
-    if (L->cuda && (L->cuda_dx_pending || L->cuda_sync_free)) {
-        int64_t bad = -1;
-        char why[MOEPT__ERRLEN];
-        moept_status why_st = MOEPT_OK;
-        moept_status st = moept__cuda_dx_check((moept__cuda *)L->cuda, &bad, &why_st, why, moept__thread_err);
-        if (st) return st;
-        L->cuda_dx_pending = 0;
-        if (bad >= 0 && L->grads_dx_bad < 0) L->grads_dx_bad = bad;
-        if (why_st && !L->grads_sf_bad) { /* the sync-free mode's checks, made on the device */
-            L->grads_sf_bad = why_st;
-            memcpy(L->grads_sf_why, why, sizeof why);
-        }
-    }
-#endif
+    moept_status st = MOEPT__EX(L, grads_check, L);
+    if (st) return st;
     if (L->grads_sf_bad)
         return moept__fail(L, L->grads_sf_bad, "%s: a sync-free step since moept_zero_grad failed its checks "
                            "(%s); its gradients are refused: moept_zero_grad, then the next micro-batch", call,
@@ -1718,219 +1826,19 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
 }
 
 
-/* ------------------------------------------------------------------------
-   CUDA layers: a host copy of the parameters, gradients and bias serves
-   every host-side call; the copies move only when the other side changed.
-   ------------------------------------------------------------------------ */
+/* The host's copy of the parameters, gradients and bias serves every host
+   call; an executor that keeps its own (a device's) copies it over when
+   the host reads, and learns when the host wrote. */
 static moept_status moept__to_host(const moept_layer *cL, int params, int grads) {
     moept_layer *L = (moept_layer *)cL;
-    (void)params; (void)grads;
-#ifdef MOEPT_CUDA
-    if (!L->cuda) return MOEPT_OK;
-    int p = params && L->cuda_pnew == 2, g = grads && L->cuda_gnew == 2;
-    if (!p && !g) return MOEPT_OK;
-    moept_status st = moept__cuda_download((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL,
-                                           moept__thread_err);
-    if (st) return st;
-    if (p) L->cuda_pnew = 0;
-    if (g) L->cuda_gnew = 0;
-#else
-    (void)L;
-#endif
-    return MOEPT_OK;
+    return MOEPT__EX(L, to_host, L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
 }
-/* a CUDA layer's AdamW moments into the host's (allocated here), for a save */
+/* the AdamW moments, for a save */
 static moept_status moept__opt_to_host(moept_layer *L) {
-#ifdef MOEPT_CUDA
-    if (!L->cuda || L->cuda_onew != 2) return MOEPT_OK;
-    if (!L->opt_m) {
-        float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
-        if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
-        L->opt_m = s; L->opt_v = s + L->n_params;
-    }
-    moept_status st = moept__cuda_opt_download((moept__cuda *)L->cuda, L->opt_m, L->opt_v, moept__thread_err);
-    if (!st) L->cuda_onew = 0;
-    return st;
-#else
-    (void)L;
-    return MOEPT_OK;
-#endif
+    return MOEPT__EX(L, to_host, L, MOEPT__HOST_OPT);
 }
 static void moept__host_wrote(moept_layer *L, int params, int grads) {
-    if (!L->cuda) return;
-    if (params) L->cuda_pnew = 1;
-    if (grads) L->cuda_gnew = 1;
-}
-#ifdef MOEPT_CUDA
-static moept_status moept__to_device(moept_layer *L) {
-    int p = L->cuda_pnew == 1, g = L->cuda_gnew == 1;
-    if (!p && !g) return MOEPT_OK;
-    moept_status st = moept__cuda_upload((moept__cuda *)L->cuda, p ? L->params : NULL, g ? L->grads : NULL,
-                                         p ? L->bias : NULL, p ? L->slot_of : NULL, moept__thread_err);
-    if (st) return st;
-    if (p) L->cuda_pnew = 0;
-    if (g) L->cuda_gnew = 0;
-    return MOEPT_OK;
-}
-#endif
-int moept_cuda_device_count(void) {
-#ifdef MOEPT_CUDA
-    return moept__cuda_device_count();
-#else
-    return 0;
-#endif
-}
-
-moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
-                               const moept_cuda_options *opt, moept_layer **out) {
-#ifndef MOEPT_CUDA
-    (void)cfg; (void)ep; (void)dp; (void)opt;
-    if (out) *out = NULL;
-    return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: moept.c was built without MOEPT_CUDA");
-#else
-    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: out is NULL");
-    *out = NULL;
-    moept_cuda_options o;
-    memset(&o, 0, sizeof o);
-    if (opt) o = *opt;
-    /* this rank's checks, agreed before the collective create */
-    int bad = o.dtype != MOEPT_DTYPE_F32 && o.dtype != MOEPT_DTYPE_BF16;
-    char why[MOEPT__ERRLEN] = "";
-    moept_status why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
-    if (bad) snprintf(why, sizeof why, "moept_create_cuda: options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16");
-    else if ((int)o.gemm_form < MOEPT_GEMM_AUTO || (int)o.gemm_form > MOEPT_GEMM_STRIDED) {
-        bad = 1;
-        snprintf(why, sizeof why, "moept_create_cuda: options.gemm_form must be a moept_gemm_form");
-    }
-    else if (moept__cuda_device_count() < 1) {
-        bad = 1;
-        why_st = MOEPT_ERR_DEVICE;
-        snprintf(why, sizeof why, "moept_create_cuda: no CUDA device");
-    }
-    else if (cfg && cfg->router_jitter != 0.0f) {
-        bad = 1;
-        why_st = MOEPT_ERR_UNSUPPORTED;
-        snprintf(why, sizeof why, "moept_create_cuda: config.router_jitter is not supported by the CUDA executor");
-    }
-    else if (cfg && cfg->inference_only) {
-        bad = 1;
-        why_st = MOEPT_ERR_UNSUPPORTED;
-        snprintf(why, sizeof why, "moept_create_cuda: config.inference_only is not supported by the CUDA "
-                 "executor");
-    }
-    else if (cfg && cfg->grad_backup) {
-        bad = 1;
-        why_st = MOEPT_ERR_UNSUPPORTED;
-        snprintf(why, sizeof why, "moept_create_cuda: config.grad_backup is not supported by the CUDA executor "
-                 "(its gradients after a dx overflow are refused until moept_zero_grad)");
-    }
-    else if (cfg && cfg->aux_loss == MOEPT_AUX_SEQ) {
-        bad = 1;
-        why_st = MOEPT_ERR_UNSUPPORTED;
-        snprintf(why, sizeof why, "moept_create_cuda: MOEPT_AUX_SEQ is not supported by the CUDA executor");
-    }
-    else if (cfg && o.sync_free && cfg->overlap_chunks > 1) {
-        bad = 1;
-        why_st = MOEPT_ERR_UNSUPPORTED;
-        snprintf(why, sizeof why, "moept_create_cuda: options.sync_free with overlap_chunks > 1 is not "
-                 "supported");
-    }
-    else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) { /* size 1 too */
-        bad = 1;
-        snprintf(why, sizeof why, "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
-    }
-    moept_status st;
-    int64_t failed = moept__any_failed(ep, dp, bad, &st);
-    if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
-    if (bad) return moept__thread_fail(why_st, "%s", why);
-    if (failed) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: another rank's options were rejected");
-    /* every rank must run the same executor options (a rank that skips the
-       backward's agreement would leave the others waiting) */
-    int64_t mine[3] = {(int64_t)o.dtype, o.unchecked_backward != 0, o.sync_free != 0};
-    int64_t sum[3] = {mine[0], mine[1], mine[2]};
-    int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
-    if (ep && ep->size > 1 && (st = ep->allreduce(ep, sum, 3, MOEPT_DTYPE_I64)))
-        return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", ep->err);
-    if (dp && dp->size > 1 && (st = dp->allreduce(dp, sum, 3, MOEPT_DTYPE_I64)))
-        return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", dp->err);
-    for (int i = 0; i < 3; i++)
-        if (sum[i] != mine[i] * ranks)
-            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs "
-                                      "between ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward"
-                                                                                 : "sync_free");
-    /* sync-free: every rank's blocks are the same size, from the EP group's largest max_tokens */
-    int64_t block_tokens = cfg ? cfg->max_tokens : 0;
-    if (o.sync_free && ep && ep->size > 1) {
-        int64_t *all = (int64_t *)calloc((size_t)ep->size, sizeof(int64_t));
-        if (!all) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of memory");
-        st = ep->allgather(ep, &block_tokens, all, (int64_t)sizeof(int64_t));
-        for (int q = 0; !st && q < ep->size; q++) block_tokens = all[q] > block_tokens ? all[q] : block_tokens;
-        free(all);
-        if (st) return moept__thread_fail(st, "moept_create_cuda: max_tokens agreement failed: %s", ep->err);
-    }
-    moept_layer *L = NULL;
-    if ((st = moept_create_parallel(cfg, ep, dp, &L))) return st;
-    moept__cuda_spec sp;
-    memset(&sp, 0, sizeof sp);
-    sp.family = (int)L->cfg.family; sp.act = L->act; sp.norm = L->cfg.norm_topk_prob;
-    sp.aux = (int)L->cfg.aux_loss; sp.global_balance = L->cfg.global_balance && (L->ep || L->dp);
-    sp.n_group = (int)L->cfg.n_group; sp.topk_group = (int)L->cfg.topk_group;
-    sp.dtype = (int)o.dtype; sp.unchecked_backward = o.unchecked_backward != 0;
-    sp.sync_free = o.sync_free != 0;
-    sp.gemm_form = (int)o.gemm_form; /* a rank's own choice: its GEMMs are local */
-    sp.D = L->D; sp.F = L->F; sp.E = L->E; sp.K = L->K; sp.S = L->S; sp.H = L->H; sp.HS = L->HS;
-    sp.El = L->El; sp.P = L->P; sp.rank = L->rank; sp.Tmax = L->Tmax; sp.block_tokens = block_tokens;
-    sp.C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
-    sp.scale = L->cfg.routed_scaling_factor; sp.aux_coef = L->cfg.aux_loss_coef; sp.z_coef = L->cfg.z_loss_coef;
-    sp.capacity_factor = L->capacity_factor;
-    sp.n_params = L->n_params;
-    sp.off13 = L->w13 - L->params; sp.off2 = L->w2 - L->params;
-    sp.offs13 = L->ws13 - L->params; sp.offs2 = L->ws2 - L->params;
-    sp.offsg = L->wsg ? L->wsg - L->params : -1;
-    sp.ep = L->ep; sp.dp = L->dp; sp.stream = o.stream;
-    moept__cuda *c = NULL;
-    char err[MOEPT__ERRLEN] = "";
-    st = moept__cuda_create(&sp, &c, err);
-    if (!st) {
-        L->cuda = c; L->cuda_pnew = 1; L->cuda_gnew = 1; L->cuda_sync_free = sp.sync_free;
-        st = moept__to_device(L);
-        if (st) memcpy(err, moept__thread_err, sizeof err);
-    }
-    moept_status ast; /* the agreement's own status: this rank's st is kept */
-    failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
-    if (st || ast || failed) {
-        moept_destroy(L);
-        if (st) return moept__thread_fail(st, "%s", err);
-        if (ast) return moept__thread_fail(ast, "moept_create_cuda: failure agreement failed");
-        return moept__thread_fail(MOEPT_ERR_DEVICE, "moept_create_cuda: another rank failed to set up its device");
-    }
-    *out = L;
-    return MOEPT_OK;
-#endif
-}
-
-moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, int64_t *numel) {
-    if (!L || !params || !grads || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params: NULL argument");
-    if (!L->cuda) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params: not a CUDA layer");
-#ifdef MOEPT_CUDA
-    moept_status st = moept__to_device(L); /* hand out the newest values */
-    if (st) return st;
-    moept__cuda_pointers((moept__cuda *)L->cuda, params, grads);
-    moept__cuda_params_changed((moept__cuda *)L->cuda); /* the caller may write them */
-    *numel = L->n_params;
-#endif
-    return MOEPT_OK;
-}
-
-moept_status moept_cuda_params_changed(moept_layer *L) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params_changed: layer is NULL");
-    if (!L->cuda) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params_changed: not a CUDA layer");
-#ifdef MOEPT_CUDA
-    moept__cuda_params_changed((moept__cuda *)L->cuda);
-#endif
-    L->cuda_pnew = 2;
-    L->cuda_gnew = 2;
-    return MOEPT_OK;
+    if (L->ex->host_wrote) L->ex->host_wrote(L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
 }
 
 /* ------------------------------------------------------------------------
@@ -2238,103 +2146,6 @@ static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept
     L->stats.comm_seconds += moept__now() - t0;
     return st;
 }
-
-#ifdef MOEPT_CUDA
-static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
-    L->dev_allocations = r->allocations;
-    L->dev_allocated_bytes = r->allocated_bytes;
-    L->dev_workspace_bytes = r->workspace_bytes;
-    L->stats.recv_capacity = r->recv_capacity;
-    L->stats.recv_growths = r->recv_growths;
-    L->stats.comm_seconds += r->comm_seconds;
-    L->stats.bytes_sent += r->bytes_sent;
-    L->stats.bytes_received += r->bytes_received;
-}
-
-static int64_t moept__call_tag(const moept_layer *L, int call);
-
-/* the forward's statistics that come from the device (lstat and peer_rows
-   were written by the executor) */
-static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
-    const int64_t E = L->E;
-    for (int64_t e = 0; e < E; e++) {
-        L->sel_counts[e] = (int64_t)L->lstat[e];
-        L->aux_counts[e] = (int64_t)L->lstat[E + e];
-    }
-    L->counts_global = r->counts_global;
-    L->N = r->N; L->R = r->R;
-    L->loss_T = r->loss_T; L->aux_value = r->aux_value; L->z_value = r->z_value;
-    moept_stats *sts = &L->stats;
-    sts->routed_rows = r->N;
-    sts->dropped_rows = L->T * L->K - r->N;
-    sts->capacity = r->capacity;
-    sts->rows_sent = r->rows_sent;
-    sts->rows_received = r->rows_received;
-    sts->aux_loss = (float)r->aux_value;
-    sts->z_loss = (float)r->z_value;
-}
-
-/* sync-free: the last forward's device statistics, read now (a host sync) */
-static moept_status moept__cuda_settle(moept_layer *L) {
-    if (!L->cuda_stats_pending) return MOEPT_OK;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    moept_status st = moept__cuda_step_stats((moept__cuda *)L->cuda, L->lstat, L->peer_rows, &r,
-                                             moept__thread_err);
-    if (st) return st;
-    L->cuda_stats_pending = 0;
-    moept__cuda_step_done(L, &r);
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_forward(moept_layer *L, const moept__fstep *f) {
-    moept_status st = moept__to_device(L);
-    if (st) return st;
-    const int64_t T = f->T;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD);
-    if (f->mask) { /* agreed in the executor's count exchange, as its own checks */
-        r.reject = MOEPT_ERR_UNSUPPORTED;
-        r.reject_msg = "moept_forward: a padding mask (opts.mask) is not supported by the CUDA executor";
-    }
-    st = moept__cuda_forward((moept__cuda *)L->cuda, f->x, T, f->y, L->lstat, L->peer_rows, &r,
-                             moept__thread_err);
-    L->agreed_calls += r.agreed;
-    if (st) return st;
-    L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; L->cuda_routing = 0; L->fwd_eval = f->eval;
-    moept_stats *sts = &L->stats;
-    sts->bytes_sent = sts->bytes_received = 0;
-    sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
-    moept__cuda_stats(L, &r);
-    sts->steps++;
-    sts->tokens = T;
-    L->cuda_stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
-    if (!r.deferred) moept__cuda_step_done(L, &r);
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
-    moept_status st = moept__to_device(L);
-    if (st) return st;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
-    if (L->fwd_valid && L->fwd_eval) {
-        r.reject = MOEPT_ERR_STATE;
-        r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
-                       "differentiate";
-    }
-    st = moept__cuda_backward((moept__cuda *)L->cuda, x, dy, dx, &r, moept__thread_err);
-    L->agreed_calls += r.agreed;
-    if (st) return st;
-    moept__cuda_stats(L, &r);
-    L->bwd_valid = 1;
-    L->cuda_gnew = 2;
-    L->cuda_dx_pending = 1;
-    return MOEPT_OK;
-}
-#endif
 
 /* fsdp: all-gather of every rank's flat shard into the full experts. */
 static moept_status moept__fsdp_gather(moept_layer *L) {
@@ -3140,7 +2951,7 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     f->global = L->cfg.global_balance && (L->group || L->dp);
     f->nb = 1 - L->cur;
     f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
-    moept_status local = moept__fwd_checks(L, f), st;
+    moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why) : moept__fwd_checks(L, f), st;
     if (!local) local = moept__fwd_route(L, f);
     if (!local && L->S > 0 && f->valid < f->T && !L->xsh) { /* the first padded step: room to pack */
         L->xsh = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
@@ -3188,12 +2999,8 @@ moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *
     f.x = x; f.y = y; f.T = T;
     if (o) { f.mask = o->mask; f.eval = o->eval != 0; }
     f.eval |= L->cfg.inference_only; /* nothing to keep */
-#ifdef MOEPT_CUDA
-    if (L->cuda) return moept__cuda_layer_forward(L, &f);
-#endif
-    moept_status st = moept__forward(L, &f);
-    moept__load_note();
-    return st;
+    if (f.mask) f.reject = moept__ex_refuse(L->ex, MOEPT__CAN_MASK, "moept_forward", f.reject_why);
+    return L->ex->forward(L, &f);
 }
 
 moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
@@ -3277,12 +3084,7 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
     if (!L->grads) return moept__no_grads(L, "moept_backward");
-#ifdef MOEPT_CUDA
-    if (L->cuda) return moept__cuda_layer_backward(L, x, dy, dx);
-#endif
-    moept_status st = moept__backward(L, x, dy, dx);
-    moept__load_note();
-    return st;
+    return L->ex->backward(L, x, dy, dx);
 }
 
 static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx) {
@@ -3515,14 +3317,11 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_SYNC_GRADS,
                                         moept__fnv_f32(&scale, 1));
     if (ag) return ag;
-#ifdef MOEPT_CUDA
-    if (L->cuda) {
-        moept_status cs = moept__to_device(L);
-        if (!cs) cs = moept__cuda_sync_grads((moept__cuda *)L->cuda, scale, moept__thread_err);
-        if (!cs) L->cuda_gnew = 2;
-        return cs;
-    }
-#endif
+    return L->ex->sync_grads(L, scale);
+}
+
+/* the CPU's: router and shared expert over EP, then everything over DP */
+static moept_status moept__cpu_sync_grads(moept_layer *L, float scale) {
     double t0 = moept__now();
     moept_status st = MOEPT_OK;
     int64_t n_router = L->E * L->D, n_exp = L->n_exp;
@@ -3544,13 +3343,7 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 /* The gradients' squared sums [replicated, experts] when s is given, and
    their first non-finite element (-1: none): a CUDA layer's on the device,
    where they are. */
-static moept_status moept__grad_scan(moept_layer *L, double *s, int64_t *bad) {
-#ifdef MOEPT_CUDA
-    if (L->cuda) { /* s NULL: the executor may keep what a scan of the same gradients found */
-        moept_status st = moept__to_device(L);
-        return st ? st : moept__cuda_grad_scan((moept__cuda *)L->cuda, s, bad, moept__thread_err);
-    }
-#endif
+static moept_status moept__cpu_grad_scan(moept_layer *L, double *s, int64_t *bad) {
     const int64_t n_router = L->E * L->D, n_exp = L->n_exp;
     for (int64_t i = 0; s && i < L->n_params; i++) {
         double g = L->grads[i];
@@ -3567,7 +3360,7 @@ moept_status moept_grad_norm(moept_layer *L, double *norm) {
                             : moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: norm is NULL");
     double s[2] = {0.0, 0.0}; /* [replicated, experts] */
     int64_t first_bad;
-    if (!bad) bad = moept__grad_scan(L, s, &first_bad);
+    if (!bad) bad = L->ex->grad_scan(L, s, &first_bad);
     moept_status ag = moept__agree_call(L, L->group, NULL, bad, MOEPT__CALL_GRAD_NORM, 0);
     if (ag) return ag;
     moept_comm *grp = L->group;
@@ -3580,13 +3373,9 @@ moept_status moept_grad_norm(moept_layer *L, double *norm) {
 }
 
 /* a sync-free CUDA forward's statistics, read when asked for */
-static moept_status moept__settle(const moept_layer *L) {
-#ifdef MOEPT_CUDA
-    if (L->cuda) return moept__cuda_settle((moept_layer *)L);
-#else
-    (void)L;
-#endif
-    return MOEPT_OK;
+static moept_status moept__settle(const moept_layer *cL) {
+    moept_layer *L = (moept_layer *)cL;
+    return MOEPT__EX(L, settle, L);
 }
 
 moept_status moept_get_peer_rows(const moept_layer *L, int64_t *sent, int64_t *received) {
@@ -3642,15 +3431,9 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
                            const float **logits) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing: layer is NULL");
     if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing: no forward yet");
-#ifdef MOEPT_CUDA
-    if (L->cuda && !L->cuda_routing) {
-        moept_layer *W = (moept_layer *)L;
-        moept_status cs = moept__cuda_download_routing((moept__cuda *)L->cuda, W->ids[L->cur], W->wts[L->cur],
-                                                       W->logits[L->cur], NULL, moept__thread_err);
-        if (cs) return cs;
-        W->cuda_routing = 1;
-    }
-#endif
+    moept_layer *W = (moept_layer *)L;
+    moept_status cs = MOEPT__EX(W, routing, W, 0);
+    if (cs) return cs;
     if (ids) *ids = L->ids[L->cur];
     if (weights) *weights = L->wts[L->cur];
     if (logits) *logits = L->logits[L->cur];
@@ -3660,13 +3443,9 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
 moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
     if (!L || !dweights) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing_grads: NULL argument");
     if (!L->bwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
-#ifdef MOEPT_CUDA
-    if (L->cuda) {
-        moept_status cs = moept__cuda_download_routing((moept__cuda *)L->cuda, NULL, NULL, NULL,
-                                                       ((moept_layer *)L)->dwts, moept__thread_err);
-        if (cs) return cs;
-    }
-#endif
+    moept_layer *W = (moept_layer *)L;
+    moept_status cs = MOEPT__EX(W, routing, W, 1);
+    if (cs) return cs;
     *dweights = L->dwts;
     return MOEPT_OK;
 }
@@ -5984,20 +5763,20 @@ static const char *moept__param_of(const moept_layer *L, int64_t i) {
     return "?";
 }
 
-/* One AdamW step with the step's constants k over the whole buffer: a CUDA
-   layer's on the device (its parameters, moments and bf16 weights), where
-   the gradients are; nothing crosses to the host. */
-static moept_status moept__adamw_apply(moept_layer *L, moept__adamw_k k) {
-#ifdef MOEPT_CUDA
-    if (L->cuda) {
-        moept_status st = moept__cuda_adamw((moept__cuda *)L->cuda, &k, L->cuda_onew == 1, L->opt_m, L->opt_v,
-                                            moept__thread_err);
-        if (st) return st;
-        L->cuda_onew = 2;
-        L->cuda_pnew = 2;
-        return MOEPT_OK;
-    }
-#endif
+/* The CPU's moments, allocated at the first step (before the agreement:
+   a rank out of memory fails every rank) */
+static moept_status moept__cpu_adamw_ready(moept_layer *L) {
+    if (L->opt_m) return MOEPT_OK;
+    float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
+    if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");
+    memset(s, 0, (size_t)(2 * L->n_params) * sizeof(float));
+    L->opt_m = s; L->opt_v = s + L->n_params;
+    return MOEPT_OK;
+}
+
+/* One AdamW step with the step's constants k over the whole buffer (an
+   executor with device copies runs it where the gradients are) */
+static moept_status moept__cpu_adamw(moept_layer *L, moept__adamw_k k) {
     float *p = L->params, *m = L->opt_m, *v = L->opt_v;
     const float *g = L->grads;
     const int64_t n = L->n_params;
@@ -6027,29 +5806,462 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
                             "moept_adamw_step: need betas in [0,1), eps > 0, weight_decay >= 0");
     else local = moept__grads_refused(L, "moept_adamw_step");
-    if (!local) local = moept__grad_scan(L, NULL, &bad);
+    if (!local) local = L->ex->grad_scan(L, NULL, &bad); /* NULL: the executor may keep what it found */
     if (!local && bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_adamw_step: the gradient of '%s' is not finite (flat "
                             "element %lld); nothing changed", moept__param_of(L, bad), (long long)bad);
-    if (!local && !L->cuda && !L->opt_m) {
-        float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
-        if (!s)
-            local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");
-        else {
-            memset(s, 0, (size_t)(2 * L->n_params) * sizeof(float));
-            L->opt_m = s; L->opt_v = s + L->n_params;
-        }
-    }
+    if (!local) local = MOEPT__EX(L, adamw_ready, L);
     moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
                                               moept__fnv_f32((const float[5]){lr, b1, b2, eps, wd}, 5));
     if (st) return st;
     const int64_t t = L->opt_t + 1;
     double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
     moept__adamw_k k = {1.0f - lr * wd, b1, b2, (float)(lr / bc1), (float)sqrt(bc2), eps};
-    if ((st = moept__adamw_apply(L, k))) return st;
+    if ((st = L->ex->adamw(L, k))) return st;
     L->opt_t = t;
     L->jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
     return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   Executor glue: the CPU executor's table, and the CUDA executor's (its
+   state, the host copies, create)
+   ------------------------------------------------------------------------ */
+static moept_status moept__cpu_forward(moept_layer *L, moept__fstep *f) {
+    moept_status st = moept__forward(L, f);
+    moept__load_note();
+    return st;
+}
+
+static moept_status moept__cpu_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+    moept_status st = moept__backward(L, x, dy, dx);
+    moept__load_note();
+    return st;
+}
+
+/* the executable spec: every capability, nothing kept off the host */
+static const moept__exec moept__cpu_exec = {
+    .name = "the CPU executor",
+    .caps = MOEPT__CAN_JITTER | MOEPT__CAN_INFERENCE | MOEPT__CAN_GRAD_BACKUP | MOEPT__CAN_AUX_SEQ |
+            MOEPT__CAN_FSDP | MOEPT__CAN_MASK | MOEPT__CAN_RESHARD | MOEPT__CAN_HOST_STEPS,
+    .forward = moept__cpu_forward,
+    .backward = moept__cpu_backward,
+    .sync_grads = moept__cpu_sync_grads,
+    .grad_scan = moept__cpu_grad_scan,
+    .adamw_ready = moept__cpu_adamw_ready,
+    .adamw = moept__cpu_adamw,
+};
+
+#ifdef MOEPT_CUDA
+/* A CUDA layer's state beside the device executor: which side changed last
+   for the parameters (with the bias and placement), the gradients and
+   AdamW's moments, and what the device checked that the host has not read */
+typedef enum { MOEPT__SAME = 0, MOEPT__HOST_NEWER, MOEPT__DEVICE_NEWER } moept__newer;
+typedef struct moept__cudax {
+    moept__cuda *c;
+    moept__newer params, grads, opt; /* opt: MOEPT__SAME also when there are none */
+    int routing_on_host;   /* host ids/wts/logits hold the committed step */
+    int dx_pending;        /* a backward's dx check on the device not yet read */
+    int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
+    int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
+} moept__cudax;
+#define MOEPT__CX(L) ((moept__cudax *)(L)->xstate)
+
+static moept_status moept__cuda_to_host(moept_layer *L, int what) {
+    moept__cudax *X = MOEPT__CX(L);
+    int p = (what & MOEPT__HOST_PARAMS) && X->params == MOEPT__DEVICE_NEWER;
+    int g = (what & MOEPT__HOST_GRADS) && X->grads == MOEPT__DEVICE_NEWER;
+    moept_status st;
+    if ((p || g) && (st = moept__cuda_download(X->c, p ? L->params : NULL, g ? L->grads : NULL,
+                                               moept__thread_err)))
+        return st;
+    if (p) X->params = MOEPT__SAME;
+    if (g) X->grads = MOEPT__SAME;
+    if (!(what & MOEPT__HOST_OPT) || X->opt != MOEPT__DEVICE_NEWER) return MOEPT_OK;
+    if (!L->opt_m) { /* the host's moments, for a save */
+        float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
+        if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
+        L->opt_m = s; L->opt_v = s + L->n_params;
+    }
+    st = moept__cuda_opt_download(X->c, L->opt_m, L->opt_v, moept__thread_err);
+    if (!st) X->opt = MOEPT__SAME;
+    return st;
+}
+
+static void moept__cuda_host_wrote(moept_layer *L, int what) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (what & MOEPT__HOST_PARAMS) X->params = MOEPT__HOST_NEWER;
+    if (what & MOEPT__HOST_GRADS) X->grads = MOEPT__HOST_NEWER;
+    if (what & MOEPT__HOST_OPT) X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
+}
+
+static moept_status moept__to_device(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER;
+    if (!p && !g) return MOEPT_OK;
+    moept_status st = moept__cuda_upload(X->c, p ? L->params : NULL, g ? L->grads : NULL,
+                                         p ? L->bias : NULL, p ? L->slot_of : NULL, moept__thread_err);
+    if (st) return st;
+    if (p) X->params = MOEPT__SAME;
+    if (g) X->grads = MOEPT__SAME;
+    return MOEPT_OK;
+}
+
+static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
+    L->dev_allocations = r->allocations;
+    L->dev_allocated_bytes = r->allocated_bytes;
+    L->dev_workspace_bytes = r->workspace_bytes;
+    L->stats.recv_capacity = r->recv_capacity;
+    L->stats.recv_growths = r->recv_growths;
+    L->stats.comm_seconds += r->comm_seconds;
+    L->stats.bytes_sent += r->bytes_sent;
+    L->stats.bytes_received += r->bytes_received;
+}
+
+/* the forward's statistics that come from the device (lstat and peer_rows
+   were written by the executor) */
+static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
+    const int64_t E = L->E;
+    for (int64_t e = 0; e < E; e++) {
+        L->sel_counts[e] = (int64_t)L->lstat[e];
+        L->aux_counts[e] = (int64_t)L->lstat[E + e];
+    }
+    L->counts_global = r->counts_global;
+    L->N = r->N; L->R = r->R;
+    L->loss_T = r->loss_T; L->aux_value = r->aux_value; L->z_value = r->z_value;
+    moept_stats *sts = &L->stats;
+    sts->routed_rows = r->N;
+    sts->dropped_rows = L->T * L->K - r->N;
+    sts->capacity = r->capacity;
+    sts->rows_sent = r->rows_sent;
+    sts->rows_received = r->rows_received;
+    sts->aux_loss = (float)r->aux_value;
+    sts->z_loss = (float)r->z_value;
+}
+
+/* sync-free: the last forward's device statistics, read now (a host sync) */
+static moept_status moept__cuda_settle(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (!X->stats_pending) return MOEPT_OK;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    moept_status st = moept__cuda_step_stats(X->c, L->lstat, L->peer_rows, &r, moept__thread_err);
+    if (st) return st;
+    X->stats_pending = 0;
+    moept__cuda_step_done(L, &r);
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = moept__to_device(L);
+    if (st) return st;
+    const int64_t T = f->T;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD);
+    r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
+    r.reject_msg = f->reject ? f->reject_why : NULL;
+    st = moept__cuda_forward(X->c, f->x, T, f->y, L->lstat, L->peer_rows, &r, moept__thread_err);
+    L->agreed_calls += r.agreed;
+    if (st) return st;
+    L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; X->routing_on_host = 0; L->fwd_eval = f->eval;
+    moept_stats *sts = &L->stats;
+    sts->bytes_sent = sts->bytes_received = 0;
+    sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
+    moept__cuda_stats(L, &r);
+    sts->steps++;
+    sts->tokens = T;
+    X->stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
+    if (!r.deferred) moept__cuda_step_done(L, &r);
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = moept__to_device(L);
+    if (st) return st;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
+    if (L->fwd_valid && L->fwd_eval) {
+        r.reject = MOEPT_ERR_STATE;
+        r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
+                       "differentiate";
+    }
+    st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__thread_err);
+    L->agreed_calls += r.agreed;
+    if (st) return st;
+    moept__cuda_stats(L, &r);
+    L->bwd_valid = 1;
+    X->grads = MOEPT__DEVICE_NEWER;
+    X->dx_pending = 1;
+    return MOEPT_OK;
+}
+
+/* router and shared expert over EP, then everything over DP, on the device */
+static moept_status moept__cuda_layer_sync_grads(moept_layer *L, float scale) {
+    moept_status st = moept__to_device(L);
+    if (!st) st = moept__cuda_sync_grads(MOEPT__CX(L)->c, scale, moept__thread_err);
+    if (!st) MOEPT__CX(L)->grads = MOEPT__DEVICE_NEWER;
+    return st;
+}
+
+/* s NULL: the executor may keep what a scan of the same gradients found */
+static moept_status moept__cuda_layer_grad_scan(moept_layer *L, double *s, int64_t *bad) {
+    moept_status st = moept__to_device(L);
+    return st ? st : moept__cuda_grad_scan(MOEPT__CX(L)->c, s, bad, moept__thread_err);
+}
+
+/* the step on the device (its parameters, moments and bf16 weights), where
+   the gradients are; nothing crosses to the host */
+static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = moept__cuda_adamw(X->c, &k, X->opt == MOEPT__HOST_NEWER, L->opt_m, L->opt_v,
+                                        moept__thread_err);
+    if (st) return st;
+    X->opt = MOEPT__DEVICE_NEWER;
+    X->params = MOEPT__DEVICE_NEWER;
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = moept__cuda_zero_grad(X->c, moept__thread_err); /* its dx check reset with them */
+    if (st) return st;
+    X->grads = MOEPT__SAME; /* both sides zero */
+    X->dx_pending = 0;
+    return MOEPT_OK;
+}
+
+/* the device's dx check of the backwards since zero_grad (and, sync-free,
+   its other checks), read without a sync at the backward */
+static moept_status moept__cuda_grads_check(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (!X->dx_pending && !X->sync_free) return MOEPT_OK;
+    int64_t bad = -1;
+    char why[MOEPT__ERRLEN];
+    moept_status why_st = MOEPT_OK;
+    moept_status st = moept__cuda_dx_check(X->c, &bad, &why_st, why, moept__thread_err);
+    if (st) return st;
+    X->dx_pending = 0;
+    if (bad >= 0 && L->grads_dx_bad < 0) L->grads_dx_bad = bad;
+    if (why_st && !L->grads_sf_bad) { /* the sync-free mode's checks, made on the device */
+        L->grads_sf_bad = why_st;
+        memcpy(L->grads_sf_why, why, sizeof why);
+    }
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, L->dwts, moept__thread_err);
+    if (X->routing_on_host) return MOEPT_OK;
+    moept_status st = moept__cuda_download_routing(X->c, L->ids[L->cur], L->wts[L->cur], L->logits[L->cur],
+                                                   NULL, moept__thread_err);
+    if (!st) X->routing_on_host = 1;
+    return st;
+}
+
+static moept_status moept__cuda_device_params(moept_layer *L, float **params, float **grads) {
+    moept_status st = moept__to_device(L); /* hand out the newest values */
+    if (st) return st;
+    moept__cuda_pointers(MOEPT__CX(L)->c, params, grads);
+    moept__cuda_params_changed(MOEPT__CX(L)->c); /* the caller may write them */
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept__cuda_params_changed(X->c);
+    X->params = MOEPT__DEVICE_NEWER;
+    X->grads = MOEPT__DEVICE_NEWER;
+    return MOEPT_OK;
+}
+
+static void moept__cuda_layer_destroy(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (!X) return;
+    if (X->c) moept__cuda_destroy(X->c);
+    MOEPT_FREE(X);
+    L->xstate = NULL;
+}
+
+static const moept__exec moept__cuda_exec = {
+    .name = "the CUDA executor",
+    .caps = MOEPT__CAN_DEVICE,
+    .forward = moept__cuda_layer_forward,
+    .backward = moept__cuda_layer_backward,
+    .sync_grads = moept__cuda_layer_sync_grads,
+    .grad_scan = moept__cuda_layer_grad_scan,
+    .adamw = moept__cuda_layer_adamw,
+    .zero_grad = moept__cuda_layer_zero_grad,
+    .grads_check = moept__cuda_grads_check,
+    .settle = moept__cuda_settle,
+    .routing = moept__cuda_routing,
+    .to_host = moept__cuda_to_host,
+    .host_wrote = moept__cuda_host_wrote,
+    .device_params = moept__cuda_device_params,
+    .params_changed = moept__cuda_layer_params_changed,
+    .destroy = moept__cuda_layer_destroy,
+};
+
+/* create_cuda, 1: this rank's options (the config's features come from the
+   executor's capability bits in moept__create) */
+static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                                   const moept_cuda_options *o, char *why, moept_status *why_st) {
+    *why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
+    const char *w = NULL;
+    if (o->dtype != MOEPT_DTYPE_F32 && o->dtype != MOEPT_DTYPE_BF16)
+        w = "options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16";
+    else if ((int)o->gemm_form < MOEPT_GEMM_AUTO || (int)o->gemm_form > MOEPT_GEMM_STRIDED)
+        w = "options.gemm_form must be a moept_gemm_form";
+    else if (moept__cuda_device_count() < 1) {
+        *why_st = MOEPT_ERR_DEVICE;
+        w = "no CUDA device";
+    } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
+        *why_st = MOEPT_ERR_UNSUPPORTED;
+        w = "options.sync_free with overlap_chunks > 1 is not supported";
+    } else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) /* size 1 too */
+        w = "the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)";
+    if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
+    return w != NULL;
+}
+
+/* create_cuda, 2: every rank runs the same executor options (a rank that
+   skips the backward's agreement would leave the others waiting); sync-free
+   blocks are the same size everywhere, from the EP group's largest max_tokens */
+static moept_status moept__cuda_options_agree(moept_comm *ep, moept_comm *dp, const moept_cuda_options *o,
+                                              const moept_config *cfg, int64_t *block_tokens) {
+    int64_t mine[3] = {(int64_t)o->dtype, o->unchecked_backward != 0, o->sync_free != 0};
+    int64_t sum[3] = {mine[0], mine[1], mine[2]};
+    int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
+    moept_status st;
+    if (ep && ep->size > 1 && (st = ep->allreduce(ep, sum, 3, MOEPT_DTYPE_I64)))
+        return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", ep->err);
+    if (dp && dp->size > 1 && (st = dp->allreduce(dp, sum, 3, MOEPT_DTYPE_I64)))
+        return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", dp->err);
+    for (int i = 0; i < 3; i++)
+        if (sum[i] != mine[i] * ranks)
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs "
+                                      "between ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward"
+                                                                                 : "sync_free");
+    *block_tokens = cfg ? cfg->max_tokens : 0;
+    if (!o->sync_free || !ep || ep->size == 1) return MOEPT_OK;
+    if ((st = moept__group_max(ep, *block_tokens, block_tokens)))
+        return moept__thread_fail(st, "moept_create_cuda: max_tokens agreement failed: %s", ep->err);
+    return MOEPT_OK;
+}
+
+/* create_cuda, 3: what the device executor is told of the layer */
+static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
+                                moept__cuda_spec *sp) {
+    memset(sp, 0, sizeof *sp);
+    sp->family = (int)L->cfg.family; sp->act = L->act; sp->norm = L->cfg.norm_topk_prob;
+    sp->aux = (int)L->cfg.aux_loss; sp->global_balance = L->cfg.global_balance && (L->ep || L->dp);
+    sp->n_group = (int)L->cfg.n_group; sp->topk_group = (int)L->cfg.topk_group;
+    sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
+    sp->sync_free = o->sync_free != 0;
+    sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
+    sp->D = L->D; sp->F = L->F; sp->E = L->E; sp->K = L->K; sp->S = L->S; sp->H = L->H; sp->HS = L->HS;
+    sp->El = L->El; sp->P = L->P; sp->rank = L->rank; sp->Tmax = L->Tmax; sp->block_tokens = block_tokens;
+    sp->C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
+    sp->scale = L->cfg.routed_scaling_factor; sp->aux_coef = L->cfg.aux_loss_coef;
+    sp->z_coef = L->cfg.z_loss_coef;
+    sp->capacity_factor = L->capacity_factor;
+    sp->n_params = L->n_params;
+    sp->off13 = L->w13 - L->params; sp->off2 = L->w2 - L->params;
+    sp->offs13 = L->ws13 - L->params; sp->offs2 = L->ws2 - L->params;
+    sp->offsg = L->wsg ? L->wsg - L->params : -1;
+    sp->ep = L->ep; sp->dp = L->dp; sp->stream = o->stream;
+}
+
+/* create_cuda, 4: the device executor set up and the parameters uploaded,
+   agreed (a rank whose device failed fails every rank) */
+static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
+                                      moept_comm *ep, moept_comm *dp) {
+    moept__cuda_spec sp;
+    moept__cuda_spec_of(L, o, block_tokens, &sp);
+    char err[MOEPT__ERRLEN] = "";
+    moept__cudax *X = (moept__cudax *)MOEPT_MALLOC(sizeof *X);
+    moept_status st = MOEPT_ERR_OUT_OF_MEMORY;
+    if (!X) snprintf(err, sizeof err, "moept_create_cuda: out of host memory");
+    else {
+        memset(X, 0, sizeof *X);
+        L->xstate = X;
+        X->params = X->grads = MOEPT__HOST_NEWER;
+        X->sync_free = sp.sync_free;
+        st = moept__cuda_create(&sp, &X->c, err);
+    }
+    if (!st && (st = moept__to_device(L))) memcpy(err, moept__thread_err, sizeof err);
+    moept_status ast; /* the agreement's own status: this rank's st is kept */
+    int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
+    if (st) return moept__thread_fail(st, "%s", err);
+    if (ast) return moept__thread_fail(ast, "moept_create_cuda: failure agreement failed");
+    if (failed) return moept__thread_fail(MOEPT_ERR_DEVICE, "moept_create_cuda: another rank failed to set up "
+                                          "its device");
+    return MOEPT_OK;
+}
+
+moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                               const moept_cuda_options *opt, moept_layer **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: out is NULL");
+    *out = NULL;
+    moept_cuda_options o;
+    memset(&o, 0, sizeof o);
+    if (opt) o = *opt;
+    /* this rank's checks, agreed before the collective create */
+    char why[MOEPT__ERRLEN] = "";
+    moept_status why_st, st;
+    int bad = moept__cuda_options_bad(cfg, ep, dp, &o, why, &why_st);
+    int64_t failed = moept__any_failed(ep, dp, bad, &st);
+    if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
+    if (bad) return moept__thread_fail(why_st, "%s", why);
+    if (failed)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: another rank's options were "
+                                  "rejected");
+    int64_t block_tokens;
+    if ((st = moept__cuda_options_agree(ep, dp, &o, cfg, &block_tokens))) return st;
+    moept_layer *L = NULL;
+    if ((st = moept__create(cfg, ep, dp, &moept__cuda_exec, "moept_create_cuda", &L))) return st;
+    if ((st = moept__cuda_start(L, &o, block_tokens, ep, dp))) {
+        char keep[MOEPT__ERRLEN];
+        memcpy(keep, moept__thread_err, sizeof keep);
+        moept_destroy(L);
+        memcpy(moept__thread_err, keep, sizeof keep);
+        return st;
+    }
+    *out = L;
+    return MOEPT_OK;
+}
+
+int moept_cuda_device_count(void) { return moept__cuda_device_count(); }
+
+#else /* built without MOEPT_CUDA */
+moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                               const moept_cuda_options *opt, moept_layer **out) {
+    (void)cfg; (void)ep; (void)dp; (void)opt;
+    if (out) *out = NULL;
+    return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: moept.c was built without MOEPT_CUDA");
+}
+
+int moept_cuda_device_count(void) { return 0; }
+#endif
+
+moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, int64_t *numel) {
+    if (!L || !params || !grads || !numel)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params: NULL argument");
+    if (!L->ex->device_params) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params: not a CUDA layer");
+    moept_status st = L->ex->device_params(L, params, grads);
+    if (!st) *numel = L->n_params;
+    return st;
+}
+
+moept_status moept_cuda_params_changed(moept_layer *L) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params_changed: layer is NULL");
+    if (!L->ex->params_changed)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params_changed: not a CUDA layer");
+    return L->ex->params_changed(L);
 }
 
 static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
@@ -6455,7 +6667,7 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
         memset(L->opt_m, 0, 2 * n * sizeof(float));
     }
     L->opt_t = L->grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
-    if (L->cuda) L->cuda_onew = 1; /* the device's moments are set from these (or zeroed) at the next step */
+    if (L->ex->host_wrote) L->ex->host_wrote(L, MOEPT__HOST_OPT); /* an executor's moments: from these */
     L->jitter_micro = 0;
     MOEPT_FREE(stage);
     return MOEPT_OK;
@@ -6480,7 +6692,9 @@ static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, fl
 moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshard_report *rep) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: layer is NULL");
     if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
-    if (L->cuda) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not on a CUDA layer (reshard a host layer, or save and load a checkpoint at the new placement)");
+    char why[MOEPT__ERRLEN];
+    if (moept__ex_refuse(L->ex, MOEPT__CAN_RESHARD, "moept_reshard", why)) /* save, and load at the new placement */
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s", why);
     const int64_t E = L->E, El = L->El, P = L->P, me = L->rank;
     moept_status local = MOEPT_OK, st;
     if (!new_rank) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: new_rank is NULL");

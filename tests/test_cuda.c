@@ -1524,6 +1524,80 @@ static void test_unsupported_modes(void) {
     }
 }
 
+/* What the CUDA executor lacks comes from its capability bits, refused in
+   one place: each feature it does not run (the five config features at
+   create, a mask at the forward, resharding) fails on both ranks, with the
+   same status and the same message on each, in one shape; the layer made
+   after the refusals runs. */
+typedef struct caps_job {
+    two_ranks tr;
+    moept_status st[8];
+    char msg[8][300];
+    moept_status after;
+} caps_job;
+
+static void caps_call(caps_job *j, int k, moept_status st, moept_layer *L) {
+    j->st[k] = st;
+    snprintf(j->msg[k], sizeof j->msg[k], "%s", st ? moept_last_error(L) : "");
+}
+
+static void *caps_rank(void *arg) {
+    caps_job *j = arg;
+    nccl_rank n;
+    moept_layer *L = NULL;
+    nccl_rank_open(&n, &j->tr);
+    for (int k = 0; k < 5; k++) {
+        moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+        if (k == 0) cfg.router_jitter = 0.1f;
+        if (k == 1) cfg.inference_only = 1;
+        if (k == 2) cfg.grad_backup = 1;
+        if (k == 3) { cfg.aux_loss = MOEPT_AUX_SEQ; cfg.aux_seq_len = 4; cfg.aux_loss_coef = 0.01f; }
+        if (k == 4) cfg.expert_sharding = MOEPT_SHARD_FSDP;
+        caps_call(j, k, moept_create_cuda(&cfg, n.c, NULL, NULL, &L), NULL);
+        if (L) { moept_destroy(L); L = NULL; }
+    }
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    if (moept_create_cuda(&cfg, n.c, NULL, NULL, &L) != MOEPT_OK) {
+        caps_call(j, 5, MOEPT_ERR_DEVICE, NULL);
+        nccl_rank_close(&n);
+        return NULL;
+    }
+    moept_init_params(L, 5);
+    const int64_t D = cfg.hidden_size, T = 24;
+    float *x = calloc((size_t)(T * D), sizeof(float));
+    unsigned long long rs = 11 + (unsigned long long)j->tr.rank;
+    for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
+    void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
+    uint8_t mask[24] = {1, 0, 1};
+    moept_forward_opts mo = {mask, 0};
+    caps_call(j, 5, moept_forward_ex(L, xd, T, yd, &mo), L);
+    int32_t place[8] = {1, 1, 1, 1, 0, 0, 0, 0};
+    caps_call(j, 6, moept_reshard(L, place, NULL), L);
+    j->after = moept_forward(L, xd, T, yd);
+    cudaFree(xd); cudaFree(yd);
+    free(x);
+    moept_destroy(L);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_capability_refusals(void) {
+    caps_job j[2];
+    memset(j, 0, sizeof j);
+    run_two(caps_rank, j, sizeof j[0]);
+    const char *what[7] = {"config.router_jitter", "config.inference_only", "config.grad_backup", "MOEPT_AUX_SEQ",
+                           "MOEPT_SHARD_FSDP", "opts.mask", "resharding"};
+    for (int k = 0; k < 7; k++) {
+        EXPECT(j[0].st[k] == MOEPT_ERR_UNSUPPORTED && j[1].st[k] == MOEPT_ERR_UNSUPPORTED,
+               "%s: status %d, %d (%s | %s)", what[k], (int)j[0].st[k], (int)j[1].st[k], j[0].msg[k], j[1].msg[k]);
+        EXPECT(strcmp(j[0].msg[k], j[1].msg[k]) == 0, "%s: the ranks' messages differ: %s | %s", what[k],
+               j[0].msg[k], j[1].msg[k]);
+        EXPECT(strstr(j[0].msg[k], what[k]) && strstr(j[0].msg[k], "is not supported by the CUDA executor"),
+               "%s: message %s", what[k], j[0].msg[k]);
+    }
+    EXPECT(!j[0].after && !j[1].after, "a forward after the refusals: %d, %d", (int)j[0].after, (int)j[1].after);
+}
+
 /* A kernel fault on rank 0's GPU (injected: moept_emu_fault_next_kernel)
    loses its CUDA context, as an illegal address does on the hardware: the
    error is sticky, every later CUDA call on the device returns it. Rank 0's
@@ -1774,6 +1848,8 @@ int main(void) {
            test_call_agreement);
     tu_run("cuda (emulated, 2 EP ranks): masks, jitter and eval-then-backward refused on both ranks",
            test_unsupported_modes);
+    tu_run("cuda (emulated, 2 EP ranks): every feature the executor lacks refused on both ranks, one message",
+           test_capability_refusals);
     tu_run("cuda (emulated): per stage, kernel bytes as the formulas, launches and host syncs pinned",
            test_stage_counts);
     tu_run("cuda (emulated): sync-free mode, no host sync in a step (fp32, bf16)", test_sync_free_counts);
