@@ -1853,12 +1853,14 @@ static void moept__host_wrote(moept_layer *L, int params, int grads) {
    the BLAS owns the cores: OpenMP workers spinning after our loops steal
    them from its threads (measured: +12% step time at T=256), so only the
    largest passes (memory-bound, 8M+ elements) fork. The team is at most
-   moept__team()'s (fewer on a busy machine). */
+   moept__team()'s (fewer on a busy machine); MOEPT__PAR_MAX's at most max
+   (a region with per-thread scratch for that many). */
 #ifdef MOEPT_CBLAS
-#define MOEPT__PAR(work) if ((work) > (1 << 23)) num_threads(moept__team(0))
+#define MOEPT__PAR_MAX(work, max) if ((work) > (1 << 23)) num_threads(moept__team(max))
 #else
-#define MOEPT__PAR(work) if ((work) > 32768) num_threads(moept__team(0))
+#define MOEPT__PAR_MAX(work, max) if ((work) > 32768) num_threads(moept__team(max))
 #endif
+#define MOEPT__PAR(work) MOEPT__PAR_MAX(work, 0)
 
 static int64_t moept__first_nonfinite(const float *v, int64_t n) {
     int64_t bad = -1;
@@ -2606,7 +2608,7 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
     const float scale = L->cfg.routed_scaling_factor;
     const uint8_t *mask = f->mask;
     #pragma omp parallel for schedule(static) reduction(min : first_bad) reduction(+ : valid) \
-        if (T * E * K > 32768) num_threads(moept__team(L->nthreads))
+        MOEPT__PAR_MAX(T * E * K, L->nthreads)
     for (int64_t t = 0; t < T; t++) {
         float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
         if (mask && !mask[t]) {
@@ -3034,98 +3036,59 @@ static moept_status moept__backward_finite(moept_layer *L, const float *dx, int 
     return st;
 }
 
-/* router': g_router += dlogits^T xin, dx += (dlogits W) * u, where the
-   router saw xin = x * u (jitter; else u = 1): the noise is drawn again */
-static void moept__router_bwd(moept_layer *L, const float *x, float *dx) {
-    const int64_t T = L->T, D = L->D, E = L->E;
-    if (!L->fwd_jitter) {
-        moept__gemm gr[2];
-        gr[0] = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, x, D, 1.0f, L->g_router, D);
-        gr[1] = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
-        moept__gemm_run(gr, 2, &L->gws);
-        return;
-    }
-    moept__jitter_apply(L, L->fwd_jkey, x, T, L->xj, L->jrow[L->cur], 0);
-    moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, L->xj, D, 1.0f, L->g_router, D);
-    moept__gemm_run(&g, 1, &L->gws);
-    g = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 0.0f, L->xj, D);
-    moept__gemm_run(&g, 1, &L->gws);
-    moept__jitter_apply(L, L->fwd_jkey, NULL, T, L->xj, L->jrow[L->cur], 0);
-    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
-    for (int64_t i = 0; i < T * D; i++) dx[i] += L->xj[i];
-}
-
-/* The shared expert's backward (dys_shared in L->yss, the gate's in
-   L->dsg): its weight gradients, and its part of dx added; a padded step's
-   over the packed unmasked rows, as its forward (dx's padded rows stay 0) */
-static void moept__shared_backward(moept_layer *L, const float *x, float *dx, int64_t T) {
-    const int64_t D = L->D, n = L->sh_n < T ? L->sh_n : T;
-    if (n < T) {
-        moept__shared_pack(L, x, T);
-        x = L->xsh;
-        moept__shared_move(L, L->yss, D, n, T, 1);
-        if (L->wsg) moept__shared_move(L, L->dsg, 1, n, T, 1);
-        moept__shared_move(L, dx, D, n, T, 1);
-    }
-    int64_t off[2] = {0, n};
-    moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2, L->HS, L->S, L->hs, L->as, L->yss);
-    #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
-    for (int64_t t = 0; t < n; t++) moept__row_axpy(dx + t * D, 1.0f, L->yss + t * D, D);
-    if (L->wsg) { /* shared gate: gsg += dsg^T x ; dx += dsg wsg */
-        moept__gemm gd[2];
-        gd[0] = moept__gemm_make(1, 0, 1, D, n, L->dsg, 1, x, D, 1.0f, L->gsg, D);
-        gd[1] = moept__gemm_make(0, 0, n, D, 1, L->dsg, 1, L->wsg, D, 1.0f, dx, D);
-        moept__gemm_run(gd, 2, &L->gws);
-    }
-    if (n < T) moept__shared_move(L, dx, D, n, T, 0);
-}
-
-static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx);
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
     if (!L->grads) return moept__no_grads(L, "moept_backward");
     return L->ex->backward(L, x, dy, dx);
 }
 
-static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx) {
-    /* local checks, then (EP) agreement so no rank is left waiting */
-    moept_status local = MOEPT_OK, st;
+/* The backward's stages, as the CUDA executor's (moept_kernels.cu):
+   agree -> combine' -> experts' -> router' -> dx. Each rank's output rows
+   (ys) become dys, then the experts' dxs; dx is written once, by the last. */
+
+/* agree: this rank's checks, then (EP) agreement so no rank is left waiting */
+static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float *dy, const float *dx) {
+    moept_status local = MOEPT_OK;
     uint64_t x_fp = 0;
-    const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
+    const int64_t T = L->T, D = L->D;
     if (!L->fwd_valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
     else if (L->fwd_eval)
-        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: the last forward was an evaluation (opts.eval): it "
-                            "kept nothing to differentiate");
+        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: the last forward was an evaluation (opts.eval): "
+                            "it kept nothing to differentiate");
     else if (L->bwd_valid) /* the step's saved activations were consumed in place */
-        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: this forward was already differentiated; run forward again");
+        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: this forward was already differentiated; run "
+                            "forward again");
     else if (T > 0 && (!x || !dy || !dx))
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL",
+                            !x ? "x" : !dy ? "dy" : "dx");
     else if (moept__overlaps(dx, x, (size_t)(T * D) * sizeof(float)))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, MOEPT__DX_ALIAS);
     else if (moept__x_scan(x, T * D, &x_fp) >= 0 || x_fp != L->x_fp)
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: x is not the last forward's x (another "
-                            "buffer, or changed since, e.g. by a y written over it)");
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: x is not the last forward's x "
+                            "(another buffer, or changed since, e.g. by a y written over it)");
     else {
         int64_t bad = moept__first_nonfinite(dy, T * D);
         if (bad >= 0)
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
     }
-    if ((st = moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD, 0))) return st;
-    const moept_stats stats_before = L->stats;
-    const int grads_were_zero = moept__all_zero(L->grads, L->n_params);
-    if (L->grads_copy && !grads_were_zero) memcpy(L->grads_copy, L->grads, (size_t)L->n_params * sizeof(float));
-    const int fam = (int)L->cfg.family;
-    const float *logits = L->logits[L->cur], *probs = L->probs[L->cur], *wts = L->wts[L->cur];
-    const int32_t *ids = L->ids[L->cur];
-    if (L->fsdp) { /* as FSDP: gather the experts again, gradients of this step from zero */
-        if ((st = moept__fsdp_gather(L))) return st;
-        memset(L->fs_gfull, 0, (size_t)(L->fsdp->size * L->fs_shard) * sizeof(float));
-    }
+    moept_status st = moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD, 0);
+    if (st || !L->fsdp) return st;
+    /* fsdp: the experts gathered again (before anything changes: a broken
+       comm leaves the step to differentiate), this step's gradients from zero */
+    if ((st = moept__fsdp_gather(L))) return st;
+    memset(L->fs_gfull, 0, (size_t)(L->fsdp->size * L->fs_shard) * sizeof(float));
+    return MOEPT_OK;
+}
 
-    /* combine': dL/dw per slot, then dys = w * dy in place of ys (direct
-       path: of the output where the expert's rank keeps it) */
+/* combine': dL/dw per slot, then dys = w * dy in place of ys (direct path:
+   of the output where the expert's rank keeps it); the shared expert's
+   dy (gated) in yss and its gate's gradient in dsg */
+static void moept__bwd_combine(moept_layer *L, const float *dy) {
     double ts = moept__now();
+    const int64_t T = L->T, D = L->D, K = L->K;
+    const float *wts = L->wts[L->cur];
+    const int32_t *ids = L->ids[L->cur];
     const int direct = L->direct;
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
@@ -3135,8 +3098,7 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
             if (r < 0) { L->dwts[t * K + k] = 0.0f; continue; }
             float *ys = direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : L->ys + r * D;
             L->dwts[t * K + k] = (float)moept__dot(ys, dyt, D);
-            float w = wts[t * K + k];
-            moept__row_scale(ys, w, dyt, D);
+            moept__row_scale(ys, wts[t * K + k], dyt, D);
         }
         if (L->S > 0) { /* padding: its y row was 0, nothing flows back */
             float *yss = L->yss + t * D;
@@ -3147,11 +3109,30 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
             else moept__row_scale(yss, gs, dyt, D);
         }
     }
-
     L->stats.combine_seconds += moept__now() - ts;
-    /* experts': dys travel to the experts, dxs come back into ys */
-    ts = moept__now();
-    if (direct) { /* our dys are in place: wait for every rank's */
+}
+
+/* The shared expert's weight gradients from its dys (yss), its dxs left in
+   yss; a padded step's over the packed unmasked rows, as its forward */
+static void moept__bwd_shared(moept_layer *L, const float *x) {
+    const int64_t T = L->T, D = L->D, n = L->sh_n < T ? L->sh_n : T;
+    if (n < T) {
+        moept__shared_pack(L, x, T);
+        x = L->xsh;
+        moept__shared_move(L, L->yss, D, n, T, 1);
+        if (L->wsg) moept__shared_move(L, L->dsg, 1, n, T, 1);
+    }
+    int64_t off[2] = {0, n};
+    moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2, L->HS, L->S, L->hs, L->as, L->yss);
+}
+
+/* experts': the dys travel to the experts, the FFNs' backward, the dxs
+   come back into ys (chunked: as a pipeline); the shared expert's backward
+   meanwhile */
+static moept_status moept__bwd_experts(moept_layer *L, const float *x) {
+    moept_status st;
+    double ts = moept__now();
+    if (L->direct) { /* our dys are in place: wait for every rank's */
         moept__count_bytes(L, 1);
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
     } else if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
@@ -3161,15 +3142,63 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
     if (L->C == 1)
         moept__ffn_backward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->g13, L->g2,
                             L->H, L->F, L->h, L->a, L->yr);
+    if (L->S > 0) moept__bwd_shared(L, x);
     ts = moept__now();
-    if (direct) {
+    if (L->direct) {
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
         moept__count_bytes(L, 0);
     } else if (L->C == 1 && L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
-    /* chunked at one rank: the experts' dxs are the token side's rows */
-    const float *dxs = L->C > 1 && !L->ep ? L->dxr : L->ys;
+    L->stats.dispatch_seconds += moept__now() - ts;
+    return MOEPT_OK;
+}
 
-    /* dispatch': dx[t] = sum of its k rows, in slot order */
+/* router': per-token dlogits (padding: routed nowhere, in no loss), then
+   g_router += dlogits^T xin where the router saw xin = x * u (jitter: the
+   noise drawn again into xj; else u = 1), and the shared gate's
+   gsg += dsg^T x (over the packed rows as its forward) */
+static void moept__bwd_router(moept_layer *L, const float *x) {
+    const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
+    const int fam = (int)L->cfg.family, aux = (int)L->cfg.aux_loss, norm = L->cfg.norm_topk_prob;
+    const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->aux_g : NULL;
+    const int64_t S = aux == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0; /* aux_g's row: t / S */
+    const float zc = L->cfg.z_loss_coef, scale = L->cfg.routed_scaling_factor, Tl = (float)L->loss_T;
+    const float *logits = L->logits[L->cur], *probs = L->probs[L->cur];
+    const int32_t *ids = L->ids[L->cur];
+    #pragma omp parallel for schedule(static) MOEPT__PAR_MAX(T * E * K, L->nthreads)
+    for (int64_t t = 0; t < T; t++) {
+        float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
+        if (ids[t * K] < 0) {
+            for (int64_t e = 0; e < E; e++) L->dlogits[t * E + e] = 0.0f;
+            continue;
+        }
+        float zgrad = moept__zgrad(zc, L->lse[t], Tl);
+        moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, L->dwts + t * K,
+                                aux_g && S ? aux_g + t / S * E : aux_g, zgrad, (int)E, (int)K, norm, scale,
+                                scratch, L->dlogits + t * E);
+    }
+    const float *xin = x;
+    if (L->fwd_jitter) {
+        moept__jitter_apply(L, L->fwd_jkey, x, T, L->xj, L->jrow[L->cur], 0);
+        xin = L->xj;
+    }
+    moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, xin, D, 1.0f, L->g_router, D);
+    moept__gemm_run(&g, 1, &L->gws);
+    const int64_t n = L->sh_n < T ? L->sh_n : T;
+    if (L->S > 0 && L->wsg) {
+        g = moept__gemm_make(1, 0, 1, D, n, L->dsg, 1, n < T ? L->xsh : x, D, 1.0f, L->gsg, D);
+        moept__gemm_run(&g, 1, &L->gws);
+    }
+}
+
+/* dx in one place: the sum of each token's K rows of dxs in slot order,
+   then the shared expert's dxs and its gate's term (over its packed rows),
+   then the router's (dlogits W) * u */
+static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
+    double ts = moept__now();
+    const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
+    const int32_t *ids = L->ids[L->cur];
+    const int direct = L->direct;
+    const float *dxs = L->C > 1 && !L->ep ? L->dxr : L->ys; /* chunked at one rank: the experts' own rows */
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         float *dxt = dx + t * D;
@@ -3181,33 +3210,43 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
             moept__row_axpy(dxt, 1.0f, src, D);
         }
     }
+    moept_status st;
     if (direct && (st = moept__direct_sync(L, "moept_backward"))) return st; /* peers done reading */
     L->stats.dispatch_seconds += moept__now() - ts;
-
-    if (L->S > 0) moept__shared_backward(L, x, dx, T);
-
-    /* router': per-token dlogits, then g_router += dlogits^T x, dx += dlogits W */
-    const int aux = (int)L->cfg.aux_loss;
-    const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->aux_g : NULL;
-    const int64_t S = aux == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0; /* aux_g's row: t / S */
-    const float zc = L->cfg.z_loss_coef;
-    const int norm = L->cfg.norm_topk_prob;
-    const float scale = L->cfg.routed_scaling_factor;
-    const float Tl = (float)L->loss_T;
-    #pragma omp parallel for schedule(static) if (T * E * K > 32768) num_threads(moept__team(L->nthreads))
-    for (int64_t t = 0; t < T; t++) {
-        float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
-        if (ids[t * K] < 0) { /* padding: routed nowhere, in no loss */
-            for (int64_t e = 0; e < E; e++) L->dlogits[t * E + e] = 0.0f;
-            continue;
+    const int64_t n = L->sh_n < T ? L->sh_n : T;
+    if (L->S > 0) {
+        if (n < T) moept__shared_move(L, dx, D, n, T, 1);
+        #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
+        for (int64_t t = 0; t < n; t++) moept__row_axpy(dx + t * D, 1.0f, L->yss + t * D, D);
+        if (L->wsg) { /* dx += dsg wsg */
+            moept__gemm g = moept__gemm_make(0, 0, n, D, 1, L->dsg, 1, L->wsg, D, 1.0f, dx, D);
+            moept__gemm_run(&g, 1, &L->gws);
         }
-        float zgrad = moept__zgrad(zc, L->lse[t], Tl);
-        moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K,
-                                L->dwts + t * K, aux_g && S ? aux_g + t / S * E : aux_g, zgrad,
-                                (int)E, (int)K, norm,
-                                scale, scratch, L->dlogits + t * E);
+        if (n < T) moept__shared_move(L, dx, D, n, T, 0);
     }
-    moept__router_bwd(L, x, dx);
+    if (!L->fwd_jitter) {
+        moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
+        moept__gemm_run(&g, 1, &L->gws);
+        return MOEPT_OK;
+    }
+    moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 0.0f, L->xj, D);
+    moept__gemm_run(&g, 1, &L->gws);
+    moept__jitter_apply(L, L->fwd_jkey, NULL, T, L->xj, L->jrow[L->cur], 0);
+    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
+    for (int64_t i = 0; i < T * D; i++) dx[i] += L->xj[i];
+    return MOEPT_OK;
+}
+
+static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+    moept_status st;
+    if ((st = moept__bwd_agree(L, x, dy, dx))) return st;
+    const moept_stats stats_before = L->stats; /* restored if dx is not finite */
+    const int grads_were_zero = moept__all_zero(L->grads, L->n_params);
+    if (L->grads_copy && !grads_were_zero) memcpy(L->grads_copy, L->grads, (size_t)L->n_params * sizeof(float));
+    moept__bwd_combine(L, dy);
+    if ((st = moept__bwd_experts(L, x))) return st;
+    moept__bwd_router(L, x);
+    if ((st = moept__bwd_dx(L, dx))) return st;
     L->bwd_valid = 1; /* the saved activations are consumed, whatever follows */
     if ((st = moept__backward_finite(L, dx, grads_were_zero, &stats_before))) return st;
     if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
