@@ -828,9 +828,8 @@ struct moept_layer {
     moept_seg *count_segs; /* [2][P] the count exchange's pieces */
     int64_t R, Rcap;       /* rows received this step; rows the receive block holds */
     void *rwork;           /* receive-side block: [xr | yr (P > 1)] | h | a */
-    double *lstat;         /* [3E + 4] loss statistics (all-reduced when global): selections,
-                              aux counts, aux score sums, T, sum lse^2, sum of sequence aux
-                              values, sequences */
+    double *lstat;         /* [ls.n] loss statistics (all-reduced when global) */
+    moept__lso ls;         /* their fields' offsets (moept.h) */
     int64_t *peer_rows;    /* [2][P] rows sent to / received from each peer */
     int direct;            /* the experts' rows in the EP comm's shared memory: token ranks
                               write and read them in place (no exchange buffers) */
@@ -859,10 +858,17 @@ struct moept_layer {
     /* activations */
     float *xs;             /* [Nmax][D] permuted input rows = the dispatch send buffer
                               (none on the direct path) */
-    float *ys;             /* [Nmax][D] their expert outputs (combine receive buffer);
-                              backward: dys, then dxs (none on the direct path) */
+    union {                /* [Nmax][D] one buffer, a name per content (none on the direct path): */
+        float *ys;         /* the experts' outputs (combine's receive buffer) */
+        float *dys;        /* backward, combine': their gradients, to the experts */
+        float *dxs;        /* backward, experts': the gradients of their inputs, back */
+    };
     float *xr;             /* [Rcap][D] rows this rank's experts process (P = 1: xs) */
-    float *yr;             /* [Rcap][D] their outputs; backward dys, dxs (P = 1: ys) */
+    union {                /* [Rcap][D] (P = 1: ys) */
+        float *yr;         /* the experts' outputs */
+        float *dyr;        /* backward: their gradients, received */
+        float *dxr;        /* backward: the gradients of the experts' inputs (over dyr) */
+    };
     float *h;              /* [Rcap][H] expert pre-activations (gate|up) */
     float *a;              /* [Rcap][lda_a] expert activations; backward: da. An inference
                               layer writes them over h's first F columns (lda_a = H) */
@@ -889,8 +895,8 @@ struct moept_layer {
     int64_t *cmsg;         /* [P][C][El] the chunked count message (send side) */
     moept_seg *csend, *crecv; /* [C][P][El] each chunk's exchange pieces (elements) */
     int64_t *cruns;        /* [3][El * P] a chunk's row runs: first row, rows, local expert */
-    float *dar;            /* [Rcap][F] da (chunked backward: a must survive for dW2) */
-    float *dxr;            /* [Rcap][D] dxs (chunked backward: dys must survive for dW2) */
+    float *ch_da;          /* [Rcap][F] da (chunked backward: a must survive for dW2) */
+    float *ch_dx;          /* [Rcap][D] dxs (chunked backward: dyr must survive for dW2) */
     moept__gemm_ws gws;
     int nthreads;
 
@@ -1192,7 +1198,7 @@ static void moept__layout_host(moept_layer *L, moept__carve *c, int run) {
     }
     L->slot_of = moept__take(c, (size_t)E * sizeof(int32_t));
     L->expert_at = moept__take(c, (size_t)E * sizeof(int32_t));
-    L->lstat = moept__take(c, (size_t)(3 * E + 4) * sizeof(double));
+    L->lstat = moept__take(c, (size_t)L->ls.n * sizeof(double));
     L->peer_rows = moept__take(c, (size_t)(2 * L->P) * i64);
     L->sel_counts = moept__take(c, (size_t)E * i64);
     L->aux_counts = moept__take(c, (size_t)E * i64);
@@ -1341,8 +1347,8 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     L->h = h;
     L->a = train ? a : h;
     L->lda_a = train ? L->F : L->H;
-    L->dar = da;
-    L->dxr = dxs;
+    L->ch_da = da;
+    L->ch_dx = dxs;
     if (L->Rcap > 0) L->stats.recv_growths++;
     L->Rcap = cap;
     L->stats.recv_capacity = cap;
@@ -1518,6 +1524,7 @@ static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm
     L->D = c->hidden_size; L->F = c->intermediate_size; L->E = c->num_experts;
     L->K = c->top_k; L->S = c->shared_intermediate_size; L->act = (int)c->activation;
     L->El = L->E / L->P;
+    L->ls = moept__lstat_of(L->E);
     L->C = c->overlap_chunks;
     /* chunked overlap needs the exchange's own buffers (the direct
        shared-memory path has no exchange to overlap); a device executor
@@ -2152,13 +2159,13 @@ static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept
 /* fsdp: all-gather of every rank's flat shard into the full experts. */
 static moept_status moept__fsdp_gather(moept_layer *L) {
     double t0 = moept__now();
-    const int64_t S = L->fs_shard, P = L->fsdp->size;
-    moept_status st = L->fsdp->allgather(L->fsdp, L->fs_w, L->fs_full, S * (int64_t)sizeof(float));
+    const int64_t sh = L->fs_shard, P = L->fsdp->size;
+    moept_status st = L->fsdp->allgather(L->fsdp, L->fs_w, L->fs_full, sh * (int64_t)sizeof(float));
     L->fs_gather_seconds = moept__now() - t0;
     L->stats.comm_seconds += L->fs_gather_seconds;
     if (st) return moept__fail(L, st, "fsdp all-gather of the experts: %s", L->fsdp->err);
-    L->stats.bytes_sent += (P - 1) * S * (int64_t)sizeof(float);
-    L->stats.bytes_received += (P - 1) * S * (int64_t)sizeof(float);
+    L->stats.bytes_sent += (P - 1) * sh * (int64_t)sizeof(float);
+    L->stats.bytes_received += (P - 1) * sh * (int64_t)sizeof(float);
     return MOEPT_OK;
 }
 
@@ -2168,19 +2175,19 @@ static moept_status moept__fsdp_gather(moept_layer *L) {
    gathered weights are no longer needed and take the pieces. */
 static moept_status moept__fsdp_reduce_scatter(moept_layer *L) {
     double t0 = moept__now();
-    const int64_t S = L->fs_shard;
+    const int64_t sh = L->fs_shard;
     const int P = L->fsdp->size;
     moept_seg *sg = L->count_segs, *rg = L->count_segs + P; /* [2][P], free after the forward */
-    for (int q = 0; q < P; q++) { sg[q] = (moept_seg){q * S, S}; rg[q] = (moept_seg){q * S, S}; }
+    for (int q = 0; q < P; q++) { sg[q] = (moept_seg){q * sh, sh}; rg[q] = (moept_seg){q * sh, sh}; }
     moept_status st = L->fsdp->alltoallv(L->fsdp, L->fs_gfull, sg, L->fs_full, rg, 1, 4);
     L->stats.comm_seconds += moept__now() - t0;
-    L->stats.bytes_sent += (int64_t)(P - 1) * S * (int64_t)sizeof(float);
-    L->stats.bytes_received += (int64_t)(P - 1) * S * (int64_t)sizeof(float);
+    L->stats.bytes_sent += (int64_t)(P - 1) * sh * (int64_t)sizeof(float);
+    L->stats.bytes_received += (int64_t)(P - 1) * sh * (int64_t)sizeof(float);
     if (st) return moept__fail(L, st, "fsdp reduce-scatter of the expert gradients: %s", L->fsdp->err);
-    #pragma omp parallel for schedule(static) MOEPT__PAR(S * P)
-    for (int64_t i = 0; i < S; i++) {
+    #pragma omp parallel for schedule(static) MOEPT__PAR(sh * P)
+    for (int64_t i = 0; i < sh; i++) {
         float v = L->fs_full[i];
-        for (int p = 1; p < P; p++) v += L->fs_full[(int64_t)p * S + i];
+        for (int p = 1; p < P; p++) v += L->fs_full[(int64_t)p * sh + i];
         L->fs_g[i] += v;
     }
     return MOEPT_OK;
@@ -2353,18 +2360,18 @@ static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t
     moept__gemm_run_progress(L, gd, n);
 }
 
-/* Its backward, data side: a = act(h) kept, da into dar, dh over h, dxs into
-   dxr (dys in yr stays for the weight gradients). */
+/* Its backward, data side: a = act(h) kept, da into ch_da, dh over h, dxs
+   into ch_dx (dyr stays for the weight gradients). */
 static void moept__ffn_runs_backward(moept_layer *L, const int64_t *runs, int64_t n) {
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
     moept__gemm *gd = L->descs;
     moept__runs_act(L, runs, n, NULL);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, F, D, L->yr + r0 * D, D, L->w2 + e * D * F, F, 0.0f, L->dar + r0 * F, F));
+                   moept__gemm_make(0, 0, rows, F, D, L->yr + r0 * D, D, L->w2 + e * D * F, F, 0.0f, L->ch_da + r0 * F, F));
     moept__gemm_run_progress(L, gd, n);
-    moept__runs_act(L, runs, n, L->dar);
+    moept__runs_act(L, runs, n, L->ch_da);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, D, H, L->h + r0 * H, H, L->w13 + e * H * D, D, 0.0f, L->dxr + r0 * D, D));
+                   moept__gemm_make(0, 0, rows, D, H, L->h + r0 * H, H, L->w13 + e * H * D, D, 0.0f, L->ch_dx + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
@@ -2463,13 +2470,13 @@ static moept_status moept__forward_chunked(moept_layer *L, const float *x, float
 /* backward: the weight gradients reduce over every row, as the one-chunk
    step, while the last chunk's dxs travel */
 static void moept__chunk_weight_grads(moept_layer *L) {
-    moept__ffn_grad_w2(L, L->El, L->roffsets, L->yr, L->a, L->g2, L->F);
+    moept__ffn_grad_w2(L, L->El, L->roffsets, L->dyr, L->a, L->g2, L->F);
     moept__ffn_grad_w13(L, L->El, L->roffsets, L->h, L->xr, L->g13, L->H);
 }
 
-/* The backward's experts part, chunked (after combine' wrote dys into ys). */
+/* The backward's experts part, chunked (after combine' wrote dys). */
 static moept_status moept__backward_chunked(moept_layer *L) {
-    moept__pipe p = {L->ys, L->yr, L->dxr, L->ys, moept__ffn_runs_backward, NULL, moept__chunk_weight_grads,
+    moept__pipe p = {L->dys, L->dyr, L->ch_dx, L->dxs, moept__ffn_runs_backward, NULL, moept__chunk_weight_grads,
                      NULL, NULL, NULL, NULL, NULL};
     return moept__pipeline(L, &p);
 }
@@ -2772,8 +2779,8 @@ static void moept__seq_close(moept_layer *L, int64_t sq) {
     double *c = L->seqstat, *ps = c + E, n = c[2 * E];
     float *g = L->aux_g + sq * E;
     if (n > 0.0) {
-        L->lstat[3 * E + 2] += moept__aux_finalize(c, ps, E, L->K, MOEPT_AUX_SEQ, n, L->cfg.aux_loss_coef, g);
-        L->lstat[3 * E + 3] += 1.0;
+        L->lstat[L->ls.seqaux] += moept__aux_finalize(c, ps, E, L->K, MOEPT_AUX_SEQ, n, L->cfg.aux_loss_coef, g);
+        L->lstat[L->ls.nseq] += 1.0;
     } else {
         for (int64_t e = 0; e < E; e++) g[e] = 0.0f;
     }
@@ -2788,7 +2795,7 @@ static void moept__loss_token(moept_layer *L, int64_t t, double *sel, double *au
     const float *lg = L->logits[L->cur] + t * E;
     const int32_t *ids = L->ids[L->cur] + t * K;
     L->lse[t] = moept__lse(lg, E);
-    L->lstat[3 * E + 1] += (double)L->lse[t] * L->lse[t];
+    L->lstat[L->ls.lse2] += (double)L->lse[t] * L->lse[t];
     for (int64_t k = 0; k < K; k++) sel[ids[k]] += 1.0;
     if (aux == MOEPT_AUX_NONE) return;
     float *score = L->choice;
@@ -2810,33 +2817,33 @@ static void moept__loss_token(moept_layer *L, int64_t t, double *sel, double *au
 static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, double *aux_v) {
     const int64_t T = f->T, E = L->E, K = L->K;
     const int aux = (int)L->cfg.aux_loss, seq = aux == MOEPT_AUX_SEQ;
-    const int64_t S = seq ? L->cfg.aux_seq_len : 0;
+    const int64_t slen = seq ? L->cfg.aux_seq_len : 0; /* tokens per sequence */
     const int32_t *ids = L->ids[L->cur];
-    double *sel = L->lstat, *auxc = L->lstat + E, *psum = L->lstat + 2 * E;
-    for (int64_t i = 0; i < 3 * E + 4; i++) L->lstat[i] = 0.0;
+    double *sel = L->lstat + L->ls.sel, *auxc = L->lstat + L->ls.auxc, *psum = L->lstat + L->ls.psum;
+    for (int64_t i = 0; i < L->ls.n; i++) L->lstat[i] = 0.0;
     for (int64_t i = 0; i < 2 * E + 1; i++) L->seqstat[i] = 0.0;
     for (int64_t t = 0; t < T; t++) {
         L->lse[t] = 0.0f;
         if (ids[t * K] >= 0) moept__loss_token(L, t, sel, auxc, psum); /* else padding */
-        if (seq && (t + 1) % S == 0) moept__seq_close(L, t / S);
+        if (seq && (t + 1) % slen == 0) moept__seq_close(L, t / slen);
     }
-    L->lstat[3 * E] = (double)f->valid;
+    L->lstat[L->ls.T] = (double)f->valid;
     if (f->global) { /* the whole batch's statistics (a failure here is a broken comm) */
-        moept_status st = moept__world_sum(L, L->lstat, 3 * E + 4, MOEPT_DTYPE_F64);
+        moept_status st = moept__world_sum(L, L->lstat, L->ls.n, MOEPT_DTYPE_F64);
         if (st) return st;
     }
     for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = (int64_t)sel[e]; L->aux_counts[e] = (int64_t)auxc[e]; }
     L->counts_global = f->global || (!L->group && !L->dp);
-    L->loss_T = L->lstat[3 * E] > 0 ? L->lstat[3 * E] : 1.0;
+    L->loss_T = L->lstat[L->ls.T] > 0 ? L->lstat[L->ls.T] : 1.0;
     if (!seq) {
         *aux_v = moept__aux_finalize(auxc, psum, E, K, aux, L->loss_T, L->cfg.aux_loss_coef, L->aux_g);
         return MOEPT_OK;
     }
     /* the mean over sequences: each row's gradient times 1/nseq */
-    double nseq = L->lstat[3 * E + 3];
-    *aux_v = nseq > 0.0 ? L->lstat[3 * E + 2] / nseq : 0.0;
+    double nseq = L->lstat[L->ls.nseq];
+    *aux_v = nseq > 0.0 ? L->lstat[L->ls.seqaux] / nseq : 0.0;
     const float inv = nseq > 0.0 ? (float)(1.0 / nseq) : 0.0f;
-    for (int64_t i = 0; i < T / S * E; i++) L->aux_g[i] *= inv;
+    for (int64_t i = 0; i < T / slen * E; i++) L->aux_g[i] *= inv;
     return MOEPT_OK;
 }
 
@@ -2944,7 +2951,7 @@ static void moept__fwd_stats(moept_layer *L, const moept__fstep *f, double aux_v
     sts->dropped_rows = f->valid * L->K - L->N;
     sts->capacity = f->cap;
     L->aux_value = aux_v;
-    L->z_value = L->lstat[3 * L->E + 1] / L->loss_T;
+    L->z_value = L->lstat[L->ls.lse2] / L->loss_T;
     sts->aux_loss = (float)aux_v;
     sts->z_loss = (float)L->z_value;
 }
@@ -2986,7 +2993,7 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
         L->fwd_valid = 0;
         return st;
     }
-    if ((st = moept__forward_finite(L, f->y, aux_v, L->lstat[3 * L->E + 1] / L->loss_T, f->global))) {
+    if ((st = moept__forward_finite(L, f->y, aux_v, L->lstat[L->ls.lse2] / L->loss_T, f->global))) {
         L->stats = stats_before;
         return st;
     }
@@ -3096,9 +3103,9 @@ static void moept__bwd_combine(moept_layer *L, const float *dy) {
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->row_of[t * K + k];
             if (r < 0) { L->dwts[t * K + k] = 0.0f; continue; }
-            float *ys = direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : L->ys + r * D;
-            L->dwts[t * K + k] = (float)moept__dot(ys, dyt, D);
-            moept__row_scale(ys, wts[t * K + k], dyt, D);
+            float *dys = direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : L->dys + r * D;
+            L->dwts[t * K + k] = (float)moept__dot(dys, dyt, D); /* the output row still, then dys */
+            moept__row_scale(dys, wts[t * K + k], dyt, D);
         }
         if (L->S > 0) { /* padding: its y row was 0, nothing flows back */
             float *yss = L->yss + t * D;
@@ -3137,17 +3144,17 @@ static moept_status moept__bwd_experts(moept_layer *L, const float *x) {
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
     } else if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
         if ((st = moept__backward_chunked(L))) return st;
-    } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 1))) return st;
+    } else if (L->ep && (st = moept__exchange(L, L->dys, L->dyr, 1))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
-    if (L->C == 1)
+    if (L->C == 1) /* dyr in, dxr out over it */
         moept__ffn_backward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->g13, L->g2,
-                            L->H, L->F, L->h, L->a, L->yr);
+                            L->H, L->F, L->h, L->a, L->dyr);
     if (L->S > 0) moept__bwd_shared(L, x);
     ts = moept__now();
     if (L->direct) {
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
         moept__count_bytes(L, 0);
-    } else if (L->C == 1 && L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
+    } else if (L->C == 1 && L->ep && (st = moept__exchange(L, L->dxs, L->dxr, 0))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
     return MOEPT_OK;
 }
@@ -3160,7 +3167,7 @@ static void moept__bwd_router(moept_layer *L, const float *x) {
     const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
     const int fam = (int)L->cfg.family, aux = (int)L->cfg.aux_loss, norm = L->cfg.norm_topk_prob;
     const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->aux_g : NULL;
-    const int64_t S = aux == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0; /* aux_g's row: t / S */
+    const int64_t slen = aux == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0; /* aux_g's row: t / slen */
     const float zc = L->cfg.z_loss_coef, scale = L->cfg.routed_scaling_factor, Tl = (float)L->loss_T;
     const float *logits = L->logits[L->cur], *probs = L->probs[L->cur];
     const int32_t *ids = L->ids[L->cur];
@@ -3173,7 +3180,7 @@ static void moept__bwd_router(moept_layer *L, const float *x) {
         }
         float zgrad = moept__zgrad(zc, L->lse[t], Tl);
         moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, L->dwts + t * K,
-                                aux_g && S ? aux_g + t / S * E : aux_g, zgrad, (int)E, (int)K, norm, scale,
+                                aux_g && slen ? aux_g + t / slen * E : aux_g, zgrad, (int)E, (int)K, norm, scale,
                                 scratch, L->dlogits + t * E);
     }
     const float *xin = x;
@@ -3198,7 +3205,7 @@ static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
     const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
     const int32_t *ids = L->ids[L->cur];
     const int direct = L->direct;
-    const float *dxs = L->C > 1 && !L->ep ? L->dxr : L->ys; /* chunked at one rank: the experts' own rows */
+    const float *dxs = L->C > 1 && !L->ep ? L->ch_dx : L->dxs; /* chunked at one rank: the experts' own rows */
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         float *dxt = dx + t * D;
@@ -5962,8 +5969,8 @@ static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
 static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
     const int64_t E = L->E;
     for (int64_t e = 0; e < E; e++) {
-        L->sel_counts[e] = (int64_t)L->lstat[e];
-        L->aux_counts[e] = (int64_t)L->lstat[E + e];
+        L->sel_counts[e] = (int64_t)L->lstat[L->ls.sel + e];
+        L->aux_counts[e] = (int64_t)L->lstat[L->ls.auxc + e];
     }
     L->counts_global = r->counts_global;
     L->N = r->N; L->R = r->R;

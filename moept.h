@@ -1513,6 +1513,16 @@ static inline moept__gemm_cm moept__gemm_colmajor(const moept__gemm *g) {
     return c;
 }
 
+/* The loss statistics: one vector of doubles per step (all-reduced in one
+   call when the balance is global), per expert the selections, the aux
+   loss's counts and its score sums, then the tokens, the sum of lse^2, the
+   sum of sequence aux values and the sequences. Its fields' offsets: */
+typedef struct moept__lso { int64_t sel, auxc, psum, T, lse2, seqaux, nseq, n; } moept__lso;
+MOEPT_HD static inline moept__lso moept__lstat_of(int64_t E) {
+    moept__lso o = {0, E, 2 * E, 3 * E, 3 * E + 1, 3 * E + 2, 3 * E + 3, 3 * E + 4};
+    return o;
+}
+
 /* Carves 64-byte aligned sub-buffers out of one block; with base NULL it
    only measures (the layouts run twice: size, then carve). Host and device
    workspaces alike. */
