@@ -1014,9 +1014,9 @@ moept_config moept_config_default(moept_family family) {
 }
 
 /* Validates and resolves defaults. Writes a message naming the field. */
-static moept_status moept__resolve(const moept_config *in, moept_config *c) {
-    *c = *in;
 #define MOEPT__BAD(...) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, __VA_ARGS__)
+/* the model's fields: sizes, routing, the shared expert */
+static moept_status moept__resolve_model(moept_config *c) {
     if ((unsigned)c->family > MOEPT_FAMILY_DEEPSEEK_V3)
         MOEPT__BAD("config.family: %d is not a moept_family", (int)c->family);
     if (c->hidden_size <= 0 || c->hidden_size > (1 << 20))
@@ -1069,6 +1069,11 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
     if (c->routed_scaling_factor == 0.0f) c->routed_scaling_factor = 1.0f;
     if (c->family != MOEPT_FAMILY_DEEPSEEK_V3 && c->routed_scaling_factor != 1.0f)
         MOEPT__BAD("config.routed_scaling_factor: only deepseek_v3 scales routed weights");
+    return MOEPT_OK;
+}
+
+/* the training's: losses, capacity, jitter, flags, sizes of a step */
+static moept_status moept__resolve_train(moept_config *c) {
     if ((unsigned)c->aux_loss > MOEPT_AUX_SEQ)
         MOEPT__BAD("config.aux_loss: %d is not a moept_aux_loss", (int)c->aux_loss);
     if (c->aux_loss != MOEPT_AUX_SEQ && c->aux_seq_len != 0)
@@ -1093,8 +1098,15 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
     if (c->aux_loss == MOEPT_AUX_SEQ && (c->aux_seq_len < 1 || c->aux_seq_len > c->max_tokens))
         MOEPT__BAD("config.aux_seq_len: %lld must be in 1..max_tokens (%lld) for MOEPT_AUX_SEQ",
                    (long long)c->aux_seq_len, (long long)c->max_tokens);
-#undef MOEPT__BAD
     return MOEPT_OK;
+}
+#undef MOEPT__BAD
+
+/* Checks the config and fills in the defaults (0 = the family's) */
+static moept_status moept__resolve(const moept_config *in, moept_config *c) {
+    *c = *in;
+    moept_status st = moept__resolve_model(c);
+    return st ? st : moept__resolve_train(c);
 }
 
 static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
