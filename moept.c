@@ -1470,13 +1470,27 @@ static moept_status moept__group_max(moept_comm *g, int64_t v, int64_t *most) {
     return st;
 }
 
+/* The one sum over the world: all-reduce over the EP (or fsdp) group, then
+   over DP (a NULL comm, or one of one rank, is skipped). On failure *bad
+   (when given) is the comm that failed: its err says why. */
+static moept_status moept__sum_ep_dp(moept_comm *ep, moept_comm *dp, void *buf, int64_t n, moept_dtype t,
+                                     moept_comm **bad) {
+    moept_comm *c[2] = {ep, dp};
+    for (int i = 0; i < 2; i++) {
+        moept_status st = c[i] && c[i]->size > 1 ? c[i]->allreduce(c[i], buf, n, t) : MOEPT_OK;
+        if (st) {
+            if (bad) *bad = c[i];
+            return st;
+        }
+    }
+    return MOEPT_OK;
+}
+
 /* Sums a failure flag over the EP (and DP) group: 0 when every rank is fine. */
 static int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st) {
     int64_t v = mine;
-    *st = MOEPT_OK;
-    if (ep && ep->size > 1 && (*st = ep->allreduce(ep, &v, 1, MOEPT_DTYPE_I64))) return -1;
-    if (dp && dp->size > 1 && (*st = dp->allreduce(dp, &v, 1, MOEPT_DTYPE_I64))) return -1;
-    return v;
+    *st = moept__sum_ep_dp(ep, dp, &v, 1, MOEPT_DTYPE_I64, NULL);
+    return *st ? -1 : v;
 }
 
 moept_status moept_create(const moept_config *cfg, moept_layer **out) {
@@ -2160,10 +2174,9 @@ static moept_status moept__direct_sync(moept_layer *L, const char *what) {
 /* all-reduce over EP then DP (the world), timed */
 static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept_dtype t) {
     double t0 = moept__now();
-    moept_status st = MOEPT_OK;
-    moept_comm *g = L->group;
-    if (g && (st = g->allreduce(g, buf, n, t))) st = moept__fail(L, st, "all-reduce over EP: %s", g->err);
-    if (!st && L->dp && (st = L->dp->allreduce(L->dp, buf, n, t))) st = moept__fail(L, st, "all-reduce over DP: %s", L->dp->err);
+    moept_comm *bad = NULL;
+    moept_status st = moept__sum_ep_dp(L->group, L->dp, buf, n, t, &bad);
+    if (st) st = moept__fail(L, st, "all-reduce over %s: %s", bad == L->dp ? "DP" : "EP", bad->err);
     L->stats.comm_seconds += moept__now() - t0;
     return st;
 }
@@ -6194,11 +6207,9 @@ static moept_status moept__cuda_options_agree(moept_comm *ep, moept_comm *dp, co
     int64_t mine[3] = {(int64_t)o->dtype, o->unchecked_backward != 0, o->sync_free != 0};
     int64_t sum[3] = {mine[0], mine[1], mine[2]};
     int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
-    moept_status st;
-    if (ep && ep->size > 1 && (st = ep->allreduce(ep, sum, 3, MOEPT_DTYPE_I64)))
-        return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", ep->err);
-    if (dp && dp->size > 1 && (st = dp->allreduce(dp, sum, 3, MOEPT_DTYPE_I64)))
-        return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", dp->err);
+    moept_comm *bad = NULL;
+    moept_status st = moept__sum_ep_dp(ep, dp, sum, 3, MOEPT_DTYPE_I64, &bad);
+    if (st) return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", bad->err);
     for (int i = 0; i < 3; i++)
         if (sum[i] != mine[i] * ranks)
             return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs "
@@ -6443,11 +6454,9 @@ static void moept__ckpt_clean(const char *dir, const char *keep) {
 /* A value the layer's root (EP rank 0 of DP replica 0) chose, given to every
    rank: the others add 0. */
 static moept_status moept__share(moept_layer *L, int64_t *v, const char *call) {
-    moept_status st = MOEPT_OK;
-    if (L->group && L->group->size > 1) st = L->group->allreduce(L->group, v, 1, MOEPT_DTYPE_I64);
-    if (!st && L->dp && L->dp->size > 1) st = L->dp->allreduce(L->dp, v, 1, MOEPT_DTYPE_I64);
-    if (st) return moept__fail(L, st, "%s: all-reduce failed: %s", call, L->group && L->group->err[0] ?
-                               L->group->err : L->dp ? L->dp->err : "");
+    moept_comm *bad = NULL;
+    moept_status st = moept__sum_ep_dp(L->group, L->dp, v, 1, MOEPT_DTYPE_I64, &bad);
+    if (st) return moept__fail(L, st, "%s: all-reduce failed: %s", call, bad->err);
     return MOEPT_OK;
 }
 
