@@ -144,6 +144,40 @@ static moept_layer *cuda_layer_sf(moept_config cfg, int bf16, int sync_free) {
 }
 static moept_layer *cuda_layer(moept_config cfg, int bf16) { return cuda_layer_sf(cfg, bf16, 0); }
 
+/* A CUDA layer keeps on the host only what host calls read: the committed
+   routing (one copy), its gradient, the loss counts, the placement and the
+   peer rows (each buffer 64-byte aligned), before and after a step; the CPU
+   layer of the same config keeps its steps' plan and activations too. */
+static void test_host_workspace(void) {
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    const int64_t T = cfg.max_tokens, E = cfg.num_experts, K = cfg.top_k, D = cfg.hidden_size;
+    const int64_t sizes[10] = {T * E * 4, T * K * 4, T * K * 4, E * 4, E * 4, (3 * E + 4) * 8, 2 * 8, E * 8, E * 8,
+                               T * K * 4};
+    int64_t want = 0;
+    for (int i = 0; i < 10; i++) want = (want + 63) / 64 * 64 + sizes[i];
+    moept_layer *L = cuda_layer(cfg, 0), *C = NULL;
+    EXPECT_OK(moept_create(&cfg, &C));
+    if (!L || !C) { moept_destroy(L); moept_destroy(C); return; }
+    moept_stats st, sc;
+    EXPECT_OK(moept_get_stats(L, &st, NULL));
+    EXPECT_OK(moept_get_stats(C, &sc, NULL));
+    EXPECT(st.workspace_bytes == want, "CUDA layer's host workspace %lld bytes, want %lld", (long long)st.workspace_bytes,
+           (long long)want);
+    EXPECT(sc.workspace_bytes > 4 * want, "CPU layer's workspace %lld bytes (the CUDA layer's %lld)",
+           (long long)sc.workspace_bytes, (long long)st.workspace_bytes);
+    float *x = malloc((size_t)(T * D) * sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) x[i] = frand();
+    void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
+    EXPECT_OK(moept_forward(L, xd, T, yd));
+    EXPECT_OK(moept_get_stats(L, &st, NULL));
+    EXPECT(st.workspace_bytes == want, "after a step: %lld bytes, want %lld", (long long)st.workspace_bytes,
+           (long long)want);
+    cudaFree(xd); cudaFree(yd);
+    free(x);
+    moept_destroy(L);
+    moept_destroy(C);
+}
+
 static void test_rejected_and_steady(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     moept_layer *L = cuda_layer(cfg, 0);
@@ -1816,6 +1850,7 @@ int main(void) {
         tu_skip("cuda: bf16 close to the CPU layer (4 families, 2e-2)", why);
         tu_skip("cuda: capacity and zero tokens", why);
         tu_skip("cuda: rejected step keeps state; steady state allocates nothing", why);
+        tu_skip("cuda: the host keeps only what host calls read (routing copy, counts, placement)", why);
         tu_skip("cuda: bad options and host comms rejected", why);
         tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
         tu_skip("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", why);
@@ -1826,6 +1861,7 @@ int main(void) {
     tu_run("cuda: bf16 close to the CPU layer (4 families, 2e-2)", test_bf16);
     tu_run("cuda: capacity and zero tokens", test_capacity_and_empty);
     tu_run("cuda: rejected step keeps state; steady state allocates nothing", test_rejected_and_steady);
+    tu_run("cuda: the host keeps only what host calls read (routing copy, counts, placement)", test_host_workspace);
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
     tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
     tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
