@@ -5,17 +5,37 @@
    -gencode list) and link with moept.c compiled with -DMOEPT_CUDA, plus
    -lcudart -lcublas -lnccl -lstdc++.
 
-   The pipeline mirrors moept.c's CPU executor stage by stage:
-     forward:  check+convert x -> router GEMM -> route (per token) -> loss
-               statistics -> plan counts -> [count exchange, the one host
-               sync] -> commit -> plan placement -> gather rows -> all-to-all-v
-               -> grouped GEMM gate/up -> activation -> grouped GEMM down ->
-               all-to-all-v back (shared expert meanwhile) -> combine
-     backward: combine' (dL/dw, dys) -> all-to-all-v -> expert GEMMs' and
-               activation' -> all-to-all-v back (shared expert' meanwhile)
-               -> token sums -> router' -> router GEMMs
-     chunked (overlap_chunks > 1, EP > 1): from the gather on, chunk c+1's
-               rows travel while the experts compute chunk c (moept__pipeline)
+   The stage map: each stage has one name and one meaning in both
+   executors; the CUDA function (here) beside the moept.c one it mirrors.
+       stage           moept_kernels.cu            moept.c
+     forward (moept__forward, both):
+       checks          moept__fwd_checks           moept__fwd_checks
+       route           moept__fwd_route            moept__fwd_route (the
+                       loss statistics here, on the device; moept.c's in losses)
+       count           moept__fwd_count            moept__fwd_count
+       exchange_counts moept__fwd_exchange_counts  moept__fwd_exchange_counts
+                       (the forward's one host sync)
+       agree_growth    moept__fwd_agree_growth     moept__fwd_agree_growth
+       commit          moept__fwd_commit           moept__fwd_commit
+       losses          moept__fwd_losses           moept__fwd_losses
+       plan            moept__fwd_plan             moept__fwd_plan
+       dispatch        moept__fwd_dispatch         moept__fwd_dispatch
+       experts         moept__fwd_experts          moept__ffn_forward
+       combine         moept__fwd_combine          moept__fwd_combine
+       chunked (overlap_chunks > 1, EP > 1): dispatch on, moept__pipeline
+                       (moept.c: moept__forward_chunked, moept__pipeline):
+                       chunk c+1's rows travel while the experts compute chunk c
+       sync-free: exchange_counts, agree_growth and commit on the device
+                       (moept__sf_commit), the losses read when asked for
+     backward (moept__backward, both):
+       agree           moept__bwd_agree            moept__bwd_agree
+       combine'        moept__bwd_combine          moept__bwd_combine
+       experts'        moept__bwd_experts          moept__bwd_experts
+                       (chunked: moept__pipeline, both)
+       router'         moept__bwd_router           moept__bwd_router
+       dx              moept__bwd_dx               moept__bwd_dx
+   MOEPT__STAGE names the forward's stages as above, the backward's
+   "bwd.agree" .. "bwd.dx" ("pipeline", "bwd.pipeline" chunked).
    Every per-element computation is a MOEPT_HD function from moept.h that the
    CPU executor calls too (routing, losses, plan placement, activations and
    their derivatives, combine terms, bf16 rounding); --fmad=false keeps nvcc
@@ -47,7 +67,7 @@
 typedef uint16_t moept__bf16;
 
 #define MOEPT__TB 256           /* threads per block of the elementwise kernels */
-#define MOEPT__PB 256           /* assignments per block of the plan count */
+#define MOEPT__PB 256           /* assignments per block of the count (moept__k_count) */
 #define MOEPT__MAX_GRID 65535
 #define MOEPT__SIDE 4           /* side streams for GEMMs cuBLAS cannot group (as Transformer Engine's 4) */
 #define MOEPT__NPART 1024       /* most blocks of the gradient scan (moept__k_sumsq) */
@@ -471,11 +491,11 @@ __global__ void moept__k_loss_stats(const int32_t *ids, const int32_t *cids, con
     }
 }
 
-/* Plan, count pass: blocks of MOEPT__PB assignments; each assignment's rank
+/* Count (stage 3), per block: blocks of MOEPT__PB assignments; each assignment's rank
    among the same slot's earlier assignments in its block, and per block and
    slot the count (hist [nblk][E], zeroed before). Stable by construction. */
-__global__ void moept__k_plan_count(const int32_t *ids, const int32_t *slot_of, int64_t TK, int E,
-                                    int32_t *lrank, int64_t *hist) {
+__global__ void moept__k_count(const int32_t *ids, const int32_t *slot_of, int64_t TK, int E,
+                               int32_t *lrank, int64_t *hist) {
     __shared__ int32_t sl[MOEPT__PB];
     int64_t a = blockIdx.x * (int64_t)MOEPT__PB + threadIdx.x;
     int s = a < TK ? slot_of[ids[a]] : -1;
@@ -505,15 +525,15 @@ __global__ void moept__k_lstat_sum(const int64_t *msg_all, int64_t P, int64_t M,
     }
 }
 
-/* Plan, scan pass (one block): per slot, hist becomes each block's first
+/* Count, scan pass (one block): per slot, hist becomes each block's first
    position; kept = min(count, capacity); koff = exclusive scan of kept;
    msg = [kept E | failed | call tag | receive capacity] for the count
    exchange. check_z: a local z loss that is not finite as a float fails the
    step (the host's test in moept__fwd_loss_check, the same arithmetic). */
-__global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
-                                   int64_t *koff, int64_t *msg, const unsigned long long *bad,
-                                   int host_bad, int64_t T, int64_t tag, int check_z, int64_t rcap,
-                                   int64_t block, double *lstat) {
+__global__ void moept__k_count_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
+                                    int64_t *koff, int64_t *msg, const unsigned long long *bad,
+                                    int host_bad, int64_t T, int64_t tag, int check_z, int64_t rcap,
+                                    int64_t block, double *lstat) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -530,7 +550,7 @@ __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t c
     }
 }
 
-/* Chunked overlap, count pass: sel [C][E] (zeroed before) += assignments of
+/* Chunked overlap, count: sel [C][E] (zeroed before) += assignments of
    chunk c routed to slot e (integer atomics: the same sums in any order). */
 __global__ void moept__k_chunk_count(const int32_t *ids, const int32_t *slot_of, int64_t T, int64_t K,
                                      int64_t C, int E, unsigned long long *sel) {
@@ -554,7 +574,8 @@ __global__ void moept__k_chunk_scan(const unsigned long long *sel, int64_t C, in
     }
 }
 
-/* Plan, placement: each assignment's row through moept__plan_place. */
+/* Plan (stage 8), placement: each assignment's row through
+   moept__plan_place, from the count's block ranks and offsets. */
 __global__ void moept__k_plan_place(const int32_t *ids, const int32_t *slot_of, const int32_t *lrank,
                                     const int64_t *hist, const int64_t *kept, const int64_t *koff,
                                     int64_t TK, int64_t K, int E, int64_t *row_of, int64_t *tok_of_row,
@@ -1253,7 +1274,7 @@ struct moept__cuda {
     float *scratch;             /* [Tmax][2E] router scratch, aux scores, router' scratch */
     int32_t *cids;              /* [Tmax][K] aux-counted ids */
     double *lstat;              /* [3E + 3] loss statistics + failure flag */
-    int64_t *hist;              /* [nblk_max][E] plan counts, then block offsets */
+    int64_t *hist;              /* [nblk_max][E] the count's per block, then block offsets */
     int32_t *lrank;             /* [Tmax*K] rank within block and slot */
     int64_t *kept, *koff;       /* [E], [E+1] */
     int64_t *msg, *msg_all;     /* [M], [P][M] the count message */
@@ -1775,7 +1796,7 @@ extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad,
     return MOEPT_OK;
 }
 
-/* Sync-free mode: the last forward's statistics, as moept__fwd_commit and
+/* Sync-free mode: the last forward's statistics, as moept__fwd_plan and
    moept__fwd_losses give them in the default mode (a host sync) */
 extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows,
                                                moept__cuda_step *out, char *err) {
@@ -2160,17 +2181,17 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     MOEPT__PRE(cudaGetLastError());
 }
 
-/* 3. plan: counts per slot (capacity applied) into the count message;
-   chunked, per chunk and slot too */
-static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
+/* 3. count: the kept rows per slot (capacity applied) into the count
+   message; chunked, per chunk and slot too */
+static void moept__fwd_count(moept__cuda *c, moept__fwd *f) {
     const int64_t E = c->sp.E, K = c->sp.K, T_ = f->T, C = c->C, nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
     if (nblk > 0) {
         MOEPT__PRE(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
-        MOEPT__LAUNCH(moept__k_plan_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(
+        MOEPT__LAUNCH(moept__k_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(
                 c->ids[f->nb], c->slot_of, T_ * c->sp.K, (int)E, c->lrank, c->hist);
         MOEPT__PRE(cudaGetLastError());
     }
-    MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(
+    MOEPT__LAUNCH(moept__k_count_scan, 1, MOEPT__TB, 0, c->s)(
             c->hist, nblk, (int)E, f->cap, c->kept, c->koff, c->msg, c->bad, f->host_bad, T_, f->tag,
             !c->sp.global_balance && c->sp.z_coef > 0.0f, c->Rcap, c->B, c->lstat);
     MOEPT__PRE(cudaGetLastError());
@@ -2259,11 +2280,11 @@ static void moept__fwd_loss_check(moept__cuda *c, moept__fwd *f) {
                  "is rejected, run forward again", zbad ? "z" : "aux");
 }
 
-/* 5. agreement: every rank made this call (the tags) and read the same
+/* 5. agree_growth: every rank made this call (the tags) and read the same
    flags; then the receive sizes of every rank against the capacity it sent
    (ranks with fewer max_tokens start smaller): growth (rare) is agreed in a
    second round */
-static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
+static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank, M = c->M;
     for (int64_t q = 0; q < P; q++)
@@ -2313,10 +2334,12 @@ static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
     return MOEPT_OK;
 }
 
-/* 6. commit: the step's counts, offsets and exchange pieces on the host */
-static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer_rows, moept__cuda_step *out) {
+/* 6. commit: the step's counts, from the agreed message (chunked: per
+   chunk too, as running sums, kept: a rejected step's message must not
+   change them) */
+static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_step *out) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank;
+    const int64_t E = p->E, El = p->El, P = p->P, me = p->rank;
     c->cur = f->nb;
     c->T = f->T;
     c->xf_committed = 1;
@@ -2324,16 +2347,9 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer
     c->bwd_done = 0;
     c->R = f->R;
     const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
-    c->offsets[0] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        c->counts[e] = mine[e];
-        c->offsets[e + 1] = c->offsets[e] + mine[e];
-    }
-    c->N = c->offsets[E];
+    for (int64_t e = 0; e < E; e++) c->counts[e] = mine[e];
     for (int64_t s = 0; s < P; s++)
         for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * M + me * El + j];
-    /* chunked: each chunk's first row, as running sums (kept: a rejected
-       step's message must not change them) */
     for (int64_t ch = 0; ch <= C && C > 1; ch++) {
         for (int64_t e = 0; e < E; e++)
             c->ccum[ch * E + e] = ch ? c->ccum[(ch - 1) * E + e] + mine[E + 3 + (ch - 1) * E + e] : 0;
@@ -2343,30 +2359,6 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer
                 *r = ch ? r[-El] + c->h_msg_all[s * M + E + 3 + (ch - 1) * E + me * El + j] : 0;
             }
     }
-    c->roffsets[0] = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t n = 0;
-        for (int64_t s = 0; s < P; s++) n += c->rcounts[s * El + j];
-        c->roffsets[j + 1] = c->roffsets[j] + n;
-    }
-    for (int64_t q = 0; q < P; q++) peer_rows[q] = peer_rows[P + q] = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t off = c->roffsets[j];
-        for (int64_t q = 0; q < P; q++) {
-            int64_t e = q * El + j;
-            c->send_segs[q * El + j].offset = c->offsets[e] * D;
-            c->send_segs[q * El + j].count = c->counts[e] * D;
-            c->recv_segs[q * El + j].offset = off * D;
-            c->recv_segs[q * El + j].count = c->rcounts[q * El + j] * D;
-            off += c->rcounts[q * El + j];
-            peer_rows[q] += c->counts[e];
-            peer_rows[P + q] += c->rcounts[q * El + j];
-        }
-    }
-    out->rows_sent = out->rows_received = 0;
-    for (int64_t q = 0; q < P; q++)
-        if (q != me) { out->rows_sent += peer_rows[q]; out->rows_received += peer_rows[P + q]; }
-    out->N = c->N;
     out->R = f->R;
     out->capacity = f->cap;
 }
@@ -2387,20 +2379,59 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
     return MOEPT_OK;
 }
 
-/* 8. dispatch: plan placement, then the rows go once: x -> send buffer ->
-   experts (chunked: the pipeline sends them chunk by chunk) */
-template <typename T>
-static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+/* 8. plan: each row's place on the device (moept__k_plan_place: row_of,
+   tok_of_row, from the count's kept rows per block), and on the host each
+   slot's first row, each local expert's, the exchange's pieces and the rows
+   per peer (sync-free: the fixed blocks of moept__sf_layout) */
+static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, K = p->K, T_ = c->T;
+    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, K = p->K, me = p->rank, T_ = c->T;
+    if (!c->B) {
+        c->offsets[0] = 0;
+        for (int64_t e = 0; e < E; e++) c->offsets[e + 1] = c->offsets[e] + c->counts[e];
+        c->N = c->offsets[E];
+        c->roffsets[0] = 0;
+        for (int64_t j = 0; j < El; j++) {
+            int64_t n = 0;
+            for (int64_t s = 0; s < P; s++) n += c->rcounts[s * El + j];
+            c->roffsets[j + 1] = c->roffsets[j] + n;
+        }
+        for (int64_t q = 0; q < P; q++) peer_rows[q] = peer_rows[P + q] = 0;
+        for (int64_t j = 0; j < El; j++) {
+            int64_t off = c->roffsets[j];
+            for (int64_t q = 0; q < P; q++) {
+                int64_t e = q * El + j;
+                c->send_segs[q * El + j].offset = c->offsets[e] * D;
+                c->send_segs[q * El + j].count = c->counts[e] * D;
+                c->recv_segs[q * El + j].offset = off * D;
+                c->recv_segs[q * El + j].count = c->rcounts[q * El + j] * D;
+                off += c->rcounts[q * El + j];
+                peer_rows[q] += c->counts[e];
+                peer_rows[P + q] += c->rcounts[q * El + j];
+            }
+        }
+        out->rows_sent = out->rows_received = 0;
+        for (int64_t q = 0; q < P; q++)
+            if (q != me) { out->rows_sent += peer_rows[q]; out->rows_received += peer_rows[P + q]; }
+        out->N = c->N;
+    }
     if (c->B) /* the blocks' unused rows */
         MOEPT__CU(cudaMemsetAsync(c->tok_of_row, 0xff, (size_t)c->N * 8, c->s));
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_plan_place, (unsigned)((T_ * K + 255) / 256), 256, 0, c->s)(
-            c->ids[c->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)p->E, c->row_of,
+            c->ids[c->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)E, c->row_of,
             c->tok_of_row, c->kslot_of_row);
         MOEPT__LAUNCHED();
     }
+    return MOEPT_OK;
+}
+
+/* 9. dispatch: the rows go once: x -> send buffer -> experts (chunked: the
+   pipeline sends them chunk by chunk) */
+template <typename T>
+static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D;
     void *xs = p->P > 1 ? c->xs : c->xr; /* at one rank the permuted rows are the experts' rows */
     if (c->N > 0) {
         const int vec = moept__vec<T>(D, x, xs);
@@ -2431,7 +2462,7 @@ static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
     return MOEPT_OK;
 }
 
-/* 9. experts: the routed FFNs, their rows' way back (in flight while the
+/* 10. experts: the routed FFNs, their rows' way back (in flight while the
    shared expert and its gate run) */
 template <typename T>
 static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
@@ -2444,7 +2475,7 @@ static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_s
     return MOEPT_OK;
 }
 
-/* 10. combine tokens [t0, t1): y = sum_k w_k (expert rows) + the shared
+/* 11. combine tokens [t0, t1): y = sum_k w_k (expert rows) + the shared
    expert's (gated) */
 template <typename T>
 static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t t1, char *err) {
@@ -2619,16 +2650,15 @@ static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, m
     return bwd ? MOEPT_OK : moept__fwd_combine<T>(c, y, moept__chunk_start(T_, C, C - 1), T_, err);
 }
 
-/* The forward, stage by stage as moept.c's: route -> plan -> (counts agreed,
-   committed) -> dispatch -> experts -> combine; chunked, the last three as
-   one pipeline. */
 /* Sync-free 4-6: the counts and statistics shared on the device, the checks
    agreed there (moept__k_sf_agree: reported later), and the step committed
    to its fixed blocks; a host-detected failure fails this rank's call after
    the collectives (its peers see it in the flags) */
 static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
+    MOEPT__STAGE("exchange_counts");
     MOEPT__TRY(moept__fwd_share(c, out, err));
+    MOEPT__STAGE("agree_growth");
     MOEPT__LAUNCH(moept__k_sf_agree, 1, 1, 0, c->s)(c->msg_all, p->P, c->M, (int)p->E, (int)p->K, p->aux,
                                                   f->tag, p->global_balance, p->z_coef, p->aux_coef, c->lstat,
                                                   c->aux_g, c->bad, p->rank, f->host_bad);
@@ -2636,6 +2666,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
                                  : f->reject ? f->reject : MOEPT_ERR_INVALID_ARGUMENT, "%s", f->local);
+    MOEPT__STAGE("commit");
     const size_t nmsg = (size_t)(p->P * c->M) * 8, nlstat = (size_t)(3 * p->E + 3) * 8;
     MOEPT__CU(cudaMemcpyAsync(c->cmsg, c->msg_all, nmsg, cudaMemcpyDeviceToDevice, c->s));
     MOEPT__CU(cudaMemcpyAsync(c->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
@@ -2649,6 +2680,11 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
     return MOEPT_OK;
 }
 
+/* The forward, stage by stage as moept.c's (the stage map at the top):
+   checks -> route -> count -> exchange_counts -> agree_growth -> commit ->
+   losses -> plan -> dispatch -> experts -> combine; chunked, the last three
+   as one pipeline; sync-free, 4-6 on the device (moept__sf_commit) and the
+   losses read when asked for (moept__cuda_step_stats). */
 template <typename T>
 static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
                                    int64_t *peer_rows, moept__cuda_step *out, char *err) {
@@ -2660,20 +2696,26 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
     MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);
-    MOEPT__STAGE("plan");
-    moept__fwd_plan(c, &f);
+    MOEPT__STAGE("count");
+    moept__fwd_count(c, &f);
     if (c->B) {
         MOEPT__TRY(moept__sf_commit(c, &f, out, err));
     } else {
+        MOEPT__STAGE("exchange_counts");
         MOEPT__TRY(moept__fwd_exchange_counts(c, out, err));
-        MOEPT__TRY(moept__fwd_agree(c, &f, err));
-        moept__fwd_commit(c, &f, peer_rows, out); /* nothing fails from here on but the device */
+        MOEPT__STAGE("agree_growth");
+        MOEPT__TRY(moept__fwd_agree_growth(c, &f, err));
+        MOEPT__STAGE("commit");
+        moept__fwd_commit(c, &f, out); /* nothing fails from here on but the device */
+        MOEPT__STAGE("losses");
         MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
     }
     /* y's finiteness, checked by the combine as it writes y and read by the
        backward's host sync (a sync here would stall the host's run-ahead):
        a committed step's flag, which no rejected forward resets */
     MOEPT__CU(cudaMemsetAsync(&c->bad[4], 0xff, 8, c->s));
+    MOEPT__STAGE("plan");
+    MOEPT__TRY(moept__fwd_plan(c, peer_rows, out, err));
     MOEPT__STAGE("dispatch");
     MOEPT__TRY(moept__fwd_dispatch<T>(c, x, out, err));
     if (c->C > 1) {
