@@ -36,6 +36,9 @@
        dx              moept__bwd_dx               moept__bwd_dx
    MOEPT__STAGE names the forward's stages as above, the backward's
    "bwd.agree" .. "bwd.dx" ("pipeline", "bwd.pipeline" chunked).
+   The host plan (row offsets, exchange pieces, rows per peer, each chunk's
+   pieces and runs) is moept.h's moept__plan_*, one implementation both
+   executors call.
    Every per-element computation is a MOEPT_HD function from moept.h that the
    CPU executor calls too (routing, losses, plan placement, activations and
    their derivatives, combine terms, bf16 rounding); --fmad=false keeps nvcc
@@ -1316,8 +1319,8 @@ struct moept__cuda {
     int64_t *counts, *offsets;  /* [E], [E+1] rows kept per slot and their first row */
     int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
     moept_seg *send_segs, *recv_segs; /* [P][El] */
-    int64_t *ccum, *rccum;      /* chunked: rows of the chunks before c: [C+1][E] per slot,
-                                   [P][C+1][El] from peer p per local expert */
+    int64_t *ccnt, *rccnt;      /* chunked: [C][E] kept rows per chunk and slot, [P][C][El] rows from
+                                   peer p in chunk c for local expert j */
     moept_seg *csend, *crecv;   /* [P][El] one chunk's exchange pieces */
     int64_t *cruns;             /* [3][G] one chunk's row runs: first row, rows, local expert */
     int64_t *grow_ok;           /* [P] */
@@ -1624,7 +1627,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
     /* host plan arrays: one block */
     size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + 9 * G);
-    n64 += (size_t)(C > 1 ? (C + 1) * (E + P * El) + 3 * G : 0); /* chunked */
+    n64 += (size_t)(C > 1 ? C * (E + P * El) + 3 * G : 0); /* chunked */
     size_t bytes = n64 * 8 + (size_t)(4 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
                    (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 12 * 64;
     char *hbk = (char *)calloc(1, bytes);
@@ -1642,8 +1645,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->gops = (cublasOperation_t *)moept__take(&kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
     c->galpha = (float *)moept__take(&kv, (size_t)(2 * G) * sizeof(float));
     if (C > 1) {
-        c->ccum = (int64_t *)moept__take(&kv, (size_t)((C + 1) * E) * 8);
-        c->rccum = (int64_t *)moept__take(&kv, (size_t)(P * (C + 1) * El) * 8);
+        c->ccnt = (int64_t *)moept__take(&kv, (size_t)(C * E) * 8);
+        c->rccnt = (int64_t *)moept__take(&kv, (size_t)(P * C * El) * 8);
         c->cruns = (int64_t *)moept__take(&kv, (size_t)(3 * G) * 8);
         c->csend = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
         c->crecv = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
@@ -1813,17 +1816,11 @@ extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, in
     out->loss_T = Tl;
     out->counts_global = p->global_balance || (!p->ep && !p->dp);
     memcpy(lstat, c->h_lstat, (size_t)(3 * E + 2) * 8);
-    out->N = out->R = out->rows_sent = out->rows_received = 0;
-    for (int64_t q = 0; q < P; q++) {
-        peer_rows[q] = peer_rows[P + q] = 0;
-        for (int64_t j = 0; j < El; j++) {
-            peer_rows[q] += c->h_msg_all[me * M + q * El + j];
-            peer_rows[P + q] += c->h_msg_all[q * M + me * El + j];
-        }
-        out->N += peer_rows[q];
-        out->R += peer_rows[P + q];
-        if (q != me) { out->rows_sent += peer_rows[q]; out->rows_received += peer_rows[P + q]; }
-    }
+    /* this rank's counts head its message; rank q's rows for its expert j are at [q][M] + me El + j */
+    moept__plan_peer_rows(P, El, me, c->h_msg_all + me * M, c->h_msg_all + me * El, M, peer_rows,
+                          &out->rows_sent, &out->rows_received);
+    out->N = out->rows_sent + peer_rows[me];
+    out->R = out->rows_received + peer_rows[P + me];
     out->capacity = c->cap;
     return MOEPT_OK;
 }
@@ -2335,8 +2332,7 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
 }
 
 /* 6. commit: the step's counts, from the agreed message (chunked: per
-   chunk too, as running sums, kept: a rejected step's message must not
-   change them) */
+   chunk too; kept: a rejected step's message must not change them) */
 static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_step *out) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, me = p->rank;
@@ -2350,14 +2346,11 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_s
     for (int64_t e = 0; e < E; e++) c->counts[e] = mine[e];
     for (int64_t s = 0; s < P; s++)
         for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * M + me * El + j];
-    for (int64_t ch = 0; ch <= C && C > 1; ch++) {
-        for (int64_t e = 0; e < E; e++)
-            c->ccum[ch * E + e] = ch ? c->ccum[(ch - 1) * E + e] + mine[E + 3 + (ch - 1) * E + e] : 0;
+    for (int64_t ch = 0; ch < C && C > 1; ch++) { /* the message's tail: [C][E] per rank */
+        for (int64_t e = 0; e < E; e++) c->ccnt[ch * E + e] = mine[E + 3 + ch * E + e];
         for (int64_t s = 0; s < P; s++)
-            for (int64_t j = 0; j < El; j++) {
-                int64_t *r = &c->rccum[(s * (C + 1) + ch) * El + j];
-                *r = ch ? r[-El] + c->h_msg_all[s * M + E + 3 + (ch - 1) * E + me * El + j] : 0;
-            }
+            for (int64_t j = 0; j < El; j++)
+                c->rccnt[(s * C + ch) * El + j] = c->h_msg_all[s * M + E + 3 + ch * E + me * El + j];
     }
     out->R = f->R;
     out->capacity = f->cap;
@@ -2385,35 +2378,15 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
    per peer (sync-free: the fixed blocks of moept__sf_layout) */
 static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, K = p->K, me = p->rank, T_ = c->T;
+    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, K = p->K, T_ = c->T;
     if (!c->B) {
         c->offsets[0] = 0;
         for (int64_t e = 0; e < E; e++) c->offsets[e + 1] = c->offsets[e] + c->counts[e];
-        c->N = c->offsets[E];
-        c->roffsets[0] = 0;
-        for (int64_t j = 0; j < El; j++) {
-            int64_t n = 0;
-            for (int64_t s = 0; s < P; s++) n += c->rcounts[s * El + j];
-            c->roffsets[j + 1] = c->roffsets[j] + n;
-        }
-        for (int64_t q = 0; q < P; q++) peer_rows[q] = peer_rows[P + q] = 0;
-        for (int64_t j = 0; j < El; j++) {
-            int64_t off = c->roffsets[j];
-            for (int64_t q = 0; q < P; q++) {
-                int64_t e = q * El + j;
-                c->send_segs[q * El + j].offset = c->offsets[e] * D;
-                c->send_segs[q * El + j].count = c->counts[e] * D;
-                c->recv_segs[q * El + j].offset = off * D;
-                c->recv_segs[q * El + j].count = c->rcounts[q * El + j] * D;
-                off += c->rcounts[q * El + j];
-                peer_rows[q] += c->counts[e];
-                peer_rows[P + q] += c->rcounts[q * El + j];
-            }
-        }
-        out->rows_sent = out->rows_received = 0;
-        for (int64_t q = 0; q < P; q++)
-            if (q != me) { out->rows_sent += peer_rows[q]; out->rows_received += peer_rows[P + q]; }
-        out->N = c->N;
+        c->N = out->N = c->offsets[E];
+        moept__plan_roffsets(P, El, c->rcounts, c->roffsets);
+        moept__plan_segs(P, El, D, c->offsets, c->counts, c->rcounts, c->roffsets, c->send_segs, c->recv_segs);
+        moept__plan_peer_rows(P, El, p->rank, c->counts, c->rcounts, El, peer_rows, &out->rows_sent,
+                              &out->rows_received);
     }
     if (c->B) /* the blocks' unused rows */
         MOEPT__CU(cudaMemsetAsync(c->tok_of_row, 0xff, (size_t)c->N * 8, c->s));
@@ -2501,27 +2474,12 @@ static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t
    lands where the one-chunk step puts it, and the per-row math is the same. */
 
 /* Chunk ch's exchange pieces (c->csend, c->crecv) and its row runs on the
-   expert side (c->cruns [3][G]); returns the runs. */
+   expert side (c->cruns [3][G]); returns the runs (moept.h's
+   moept__plan_chunk, as moept.c's moept__chunk_plan). */
 static int64_t moept__chunk_plan(moept__cuda *c, int64_t ch) {
-    const int64_t D = c->sp.D, El = c->sp.El, P = c->sp.P, E = c->sp.E, C = c->C, G = c->G;
-    const int64_t *cum = c->ccum + ch * E;
-    for (int64_t e = 0; e < E; e++) { /* slot e = (q, j) is piece q * El + j */
-        c->csend[e].offset = (c->offsets[e] + cum[e]) * D;
-        c->csend[e].count = (cum[E + e] - cum[e]) * D;
-    }
-    int64_t n = 0, *runs = c->cruns;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t base = c->roffsets[j];
-        for (int64_t p = 0; p < P; p++) {
-            const int64_t *rc = c->rccum + (p * (C + 1) + ch) * El + j;
-            int64_t before = rc[0], rows = rc[El] - rc[0];
-            c->crecv[p * El + j].offset = (base + before) * D;
-            c->crecv[p * El + j].count = rows * D;
-            if (rows) { runs[n] = base + before; runs[G + n] = rows; runs[2 * G + n] = j; n++; }
-            base += c->rcounts[p * El + j];
-        }
-    }
-    return n;
+    const moept__cuda_spec *p = &c->sp;
+    return moept__plan_chunk(ch, c->C, p->P, p->El, p->D, c->offsets, c->ccnt, c->rcounts, c->roffsets,
+                             c->rccnt, c->csend, c->crecv, c->cruns);
 }
 
 /* the activation of a chunk's n runs (bwd: dh over h from da in dar) */
