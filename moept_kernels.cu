@@ -1574,12 +1574,36 @@ static void moept__sf_layout(moept__cuda *c) {
     c->N = c->R = c->sp.E * B;
 }
 
+/* The host plan arrays in one block (c->counts first: moept__cuda_destroy
+   frees it); with kv->base NULL it only measures, as moept__layout */
+static void moept__host_layout(moept__cuda *c, moept__carve *kv) {
+    const int64_t E = c->sp.E, P = c->sp.P, El = c->sp.El, G = c->G, C = c->C;
+    c->counts = (int64_t *)moept__take(kv, (size_t)E * 8);
+    c->offsets = (int64_t *)moept__take(kv, (size_t)(E + 1) * 8);
+    c->rcounts = (int64_t *)moept__take(kv, (size_t)(P * El) * 8);
+    c->roffsets = (int64_t *)moept__take(kv, (size_t)(El + 1) * 8);
+    c->grow_ok = (int64_t *)moept__take(kv, (size_t)P * 8);
+    c->garr = (int64_t *)moept__take(kv, (size_t)(9 * G) * 8);
+    c->send_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->recv_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->descs = (moept__gemm *)moept__take(kv, (size_t)G * sizeof(moept__gemm));
+    c->gops = (cublasOperation_t *)moept__take(kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
+    c->galpha = (float *)moept__take(kv, (size_t)(2 * G) * sizeof(float));
+    if (C > 1) {
+        c->ccnt = (int64_t *)moept__take(kv, (size_t)(C * E) * 8);
+        c->rccnt = (int64_t *)moept__take(kv, (size_t)(P * C * El) * 8);
+        c->cruns = (int64_t *)moept__take(kv, (size_t)(3 * G) * 8);
+        c->csend = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+        c->crecv = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    }
+}
+
 /* n_params rounded up to 64 floats: the gradients and AdamW's v start 16-byte aligned */
 static int64_t moept__npad(const moept__cuda *c) { return (c->sp.n_params + 63) / 64 * 64; }
 
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
-    const int64_t E = p->E, P = p->P, El = p->El, G = c->G, C = c->C;
+    const int64_t E = p->E, P = p->P, G = c->G, C = c->C;
     c->s = (cudaStream_t)p->stream;
     c->cs = c->s;
     if (p->ep) c->cs = ((moept__nccl *)p->ep->ctx)->stream;
@@ -1625,32 +1649,14 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->h_gpart = (double *)moept__take(&hv, (size_t)MOEPT__NPART * 2 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
-    /* host plan arrays: one block */
-    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + 9 * G);
-    n64 += (size_t)(C > 1 ? C * (E + P * El) + 3 * G : 0); /* chunked */
-    size_t bytes = n64 * 8 + (size_t)(4 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
-                   (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 12 * 64;
-    char *hbk = (char *)calloc(1, bytes);
+    /* the host plan arrays: one block, measured, then carved */
+    moept__carve kv = {NULL, 0};
+    moept__host_layout(c, &kv);
+    char *hbk = (char *)calloc(1, kv.off);
     if (!hbk) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
-    moept__carve kv = {hbk, 0};
-    c->counts = (int64_t *)moept__take(&kv, (size_t)E * 8);
-    c->offsets = (int64_t *)moept__take(&kv, (size_t)(E + 1) * 8);
-    c->rcounts = (int64_t *)moept__take(&kv, (size_t)(P * El) * 8);
-    c->roffsets = (int64_t *)moept__take(&kv, (size_t)(El + 1) * 8);
-    c->grow_ok = (int64_t *)moept__take(&kv, (size_t)P * 8);
-    c->garr = (int64_t *)moept__take(&kv, (size_t)(9 * G) * 8);
-    c->send_segs = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->recv_segs = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->descs = (moept__gemm *)moept__take(&kv, (size_t)G * sizeof(moept__gemm));
-    c->gops = (cublasOperation_t *)moept__take(&kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
-    c->galpha = (float *)moept__take(&kv, (size_t)(2 * G) * sizeof(float));
-    if (C > 1) {
-        c->ccnt = (int64_t *)moept__take(&kv, (size_t)(C * E) * 8);
-        c->rccnt = (int64_t *)moept__take(&kv, (size_t)(P * C * El) * 8);
-        c->cruns = (int64_t *)moept__take(&kv, (size_t)(3 * G) * 8);
-        c->csend = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
-        c->crecv = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
-    }
+    kv.base = hbk;
+    kv.off = 0;
+    moept__host_layout(c, &kv);
     /* every rank starts with room for its own Tmax*K rows, and all grow alike;
        sync-free: all its blocks, for good */
     MOEPT__TRY(moept__grow(c, c->B ? E * c->B : p->Tmax * p->K, err));
