@@ -139,7 +139,8 @@ struct moept__on_device {
     int prev, dev;
     cudaStream_t prev_probe;
     cudaError_t e;
-    moept__on_device(int d, cudaStream_t probe) : prev(-1), dev(d), prev_probe(moept__t_probe), e(cudaSuccess) {
+    moept__on_device(int d, cudaStream_t probe)
+        : prev(-1), dev(d), prev_probe(moept__t_probe), e(cudaSuccess) {
         if (d < 0) return;
         moept__t_probe = probe;
         if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
@@ -194,7 +195,9 @@ struct moept__on_device {
    Element access
    ------------------------------------------------------------------------ */
 __device__ __forceinline__ float moept__ld(const float *p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float moept__ld(const moept__bf16 *p, int64_t i) { return moept__bf16_to_f32(p[i]); }
+__device__ __forceinline__ float moept__ld(const moept__bf16 *p, int64_t i) {
+    return moept__bf16_to_f32(p[i]);
+}
 /* stores v in p's type; returns the value as stored (bf16: rounded) */
 __device__ __forceinline__ float moept__st(float *p, int64_t i, float v) { return p[i] = v; }
 __device__ __forceinline__ float moept__st(moept__bf16 *p, int64_t i, float v) {
@@ -282,8 +285,9 @@ static int moept__grid(int64_t n) {
     if (b < 1) b = 1;
     return (int)(b > 8 * MOEPT__MAX_GRID ? 8 * MOEPT__MAX_GRID : b);
 }
-#define MOEPT__FOR(i, n) \
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+#define MOEPT__FOR(i, n)                                                        \
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
+         i += (int64_t)gridDim.x * blockDim.x)
 
 /* launch shape for rows of `lanes` vectors: blockDim.x a power of two from
    32 to MOEPT__TB, no wider than a row needs; MOEPT__TB threads a block */
@@ -460,7 +464,8 @@ __global__ void moept__k_route(int fam, int aux, const float *logits, const floa
         return;
     }
     lse[t] = moept__lse(lg, E);
-    if (aux != MOEPT_AUX_NONE) moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, E, K, sc, cids + t * K);
+    if (aux != MOEPT_AUX_NONE)
+        moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, E, K, sc, cids + t * K);
 }
 
 /* Loss statistics, one block per expert column (block E: sum of lse^2):
@@ -739,9 +744,9 @@ __global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int D,
    written once in T (no fp32 pass) and checked as stored (first_bad: read
    by adamw_step and grad_norm), for n tokens */
 template <typename T, int V>
-__global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, const float *dsg, const float *wsg,
-                            const float *dlogits, const float *wr, int64_t n, int D, int K, int E, T *dx,
-                            unsigned long long *first_bad) {
+__global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, const float *dsg,
+                            const float *wsg, const float *dlogits, const float *wr, int64_t n, int D, int K,
+                            int E, T *dx, unsigned long long *first_bad) {
     MOEPT__ROWS(t, n) {
         MOEPT__LANES(d, D, V) {
             float acc[V], rt[V], v[V];
@@ -905,13 +910,12 @@ static void moept__pause(void) { sched_yield(); }
 static moept_status moept__nccl_abort(moept_comm *c, const char *what) {
     moept__nccl *n = (moept__nccl *)c->ctx;
     const char *last = ncclGetLastError(n->comm);
-    snprintf(n->abort_why, sizeof n->abort_why, "%s%s%s%s", what, last && last[0] ? " (" : "", last ? last : "",
-             last && last[0] ? ")" : "");
+    snprintf(n->abort_why, sizeof n->abort_why, "%s%s%s%s", what, last && last[0] ? " (" : "",
+             last ? last : "", last && last[0] ? ")" : "");
     ncclCommAbort(n->comm);
     n->aborted = 1;
-    return moept__nccl_fail(c, MOEPT_ERR_COMM,
-                            "%s; the NCCL communicator was aborted (ncclCommAbort freed it: do not destroy it; "
-                            "make a new one)", n->abort_why);
+    return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s; the NCCL communicator was aborted (ncclCommAbort "
+                            "freed it: do not destroy it; make a new one)", n->abort_why);
 }
 /* Every call on an aborted communicator fails at once. */
 static moept_status moept__nccl_dead(moept_comm *c) {
@@ -930,16 +934,16 @@ static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char 
     while (r == ncclInProgress) {
         if (moept__clock() - t0 > n->timeout_ms * 1e-3) {
             char what[160];
-            snprintf(what, sizeof what, "%s: timed out after %d ms (moept_kernels.cu:%d)", call, n->timeout_ms,
-                     line);
+            snprintf(what, sizeof what, "%s: timed out after %d ms (moept_kernels.cu:%d)", call,
+                     n->timeout_ms, line);
             return moept__nccl_abort(c, what);
         }
         if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
         moept__pause();
     }
     if (r != ncclSuccess)
-        return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: %s (%s) (moept_kernels.cu:%d)", call, ncclGetErrorString(r),
-                                ncclGetLastError(n->comm), line);
+        return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: %s (%s) (moept_kernels.cu:%d)", call,
+                                ncclGetErrorString(r), ncclGetLastError(n->comm), line);
     return MOEPT_OK;
 }
 #define MOEPT__NC(c, call)                                                      \
@@ -1060,8 +1064,9 @@ static moept_status moept__nccl_in(moept_comm *c, size_t total, const void *src,
 }
 static moept_status moept__nccl_out(moept_comm *c, size_t off, size_t n) {
     moept__nccl *k = (moept__nccl *)c->ctx;
-    if (n) MOEPT__NCU(c, cudaMemcpyAsync((char *)k->host + off, (char *)k->stage + off, n, cudaMemcpyDeviceToHost,
-                                         k->stream));
+    if (n)
+        MOEPT__NCU(c, cudaMemcpyAsync((char *)k->host + off, (char *)k->stage + off, n,
+                                      cudaMemcpyDeviceToHost, k->stream));
     return moept__nccl_wait(c);
 }
 /* both buffers host memory (1: staged) or both device memory (0); one of
@@ -1136,21 +1141,25 @@ static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void 
     }
     const size_t all = (size_t)bytes * (size_t)c->size;
     MOEPT__TRY(moept__nccl_in(c, (size_t)bytes + all, send, (size_t)bytes));
-    MOEPT__NC(c, ncclAllGather(n->stage, (char *)n->stage + bytes, (size_t)bytes, ncclUint8, n->comm, n->stream));
+    MOEPT__NC(c, ncclAllGather(n->stage, (char *)n->stage + bytes, (size_t)bytes, ncclUint8, n->comm,
+                               n->stream));
     MOEPT__TRY(moept__nccl_out(c, (size_t)bytes, all));
     memcpy(recv, (char *)n->host + bytes, all);
     return MOEPT_OK;
 }
 
 /* Point-to-point (resharding): device buffers only. */
-static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs, int nrecv) {
+static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs,
+                                    int nrecv) {
     MOEPT__NENTER(c);
     moept__nccl *n = (moept__nccl *)c->ctx;
     MOEPT__TRY(moept__nccl_dead(c));
     for (int i = 0; i < nsend; i++)
-        if (moept__is_host(sends[i].buf)) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: send %d is host memory", i);
+        if (moept__is_host(sends[i].buf))
+            return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: send %d is host memory", i);
     for (int i = 0; i < nrecv; i++)
-        if (moept__is_host(recvs[i].buf)) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: receive %d is host memory", i);
+        if (moept__is_host(recvs[i].buf))
+            return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: receive %d is host memory", i);
     MOEPT__NC(c, ncclGroupStart());
     ncclResult_t r = ncclSuccess; /* the group is closed whatever happens inside it */
     for (int i = 0; i < nsend && r == ncclSuccess; i++)
@@ -1171,7 +1180,8 @@ static void moept__nccl_destroy(moept_comm *c) {
     if (n) {
         const double t0 = moept__clock();
         cudaError_t q;
-        while ((q = cudaStreamQuery(n->stream)) == cudaErrorNotReady && moept__clock() - t0 < n->timeout_ms * 1e-3)
+        while ((q = cudaStreamQuery(n->stream)) == cudaErrorNotReady &&
+               moept__clock() - t0 < n->timeout_ms * 1e-3)
             moept__pause();
         if (q == cudaErrorNotReady) n->nretired = 0, n->stage = n->host = NULL;
         for (int i = 0; i < n->nretired; i++)
@@ -1196,7 +1206,8 @@ extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeo
     if (!c || !n) { free(c); free(n); return MOEPT_ERR_OUT_OF_MEMORY; }
     {
         moept__on_device on(dev, NULL);
-        if (on.e != cudaSuccess || cudaStreamCreateWithFlags(&n->probe, cudaStreamNonBlocking) != cudaSuccess) {
+        if (on.e != cudaSuccess ||
+            cudaStreamCreateWithFlags(&n->probe, cudaStreamNonBlocking) != cudaSuccess) {
             free(c);
             free(n);
             return MOEPT_ERR_DEVICE;
@@ -1412,14 +1423,16 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
     int64_t keep = c->fwd_valid ? c->R : 0;
     if (keep > 0 && c->rblock) {
-        cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, cudaMemcpyDeviceToDevice, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(yr, c->yr, (size_t)(keep * D) * es, cudaMemcpyDeviceToDevice, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(h, c->h, (size_t)(keep * H) * es, cudaMemcpyDeviceToDevice, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(a, c->a, (size_t)(keep * F) * es, cudaMemcpyDeviceToDevice, c->s);
+        const cudaMemcpyKind dd = cudaMemcpyDeviceToDevice;
+        cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(yr, c->yr, (size_t)(keep * D) * es, dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(h, c->h, (size_t)(keep * H) * es, dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(a, c->a, (size_t)(keep * F) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaStreamSynchronize(c->s);
         if (e != cudaSuccess) {
             cudaFree(blk);
-            return moept__kfail(err, MOEPT_ERR_DEVICE, "growing the receive block: %s", cudaGetErrorString(e));
+            return moept__kfail(err, MOEPT_ERR_DEVICE, "growing the receive block: %s",
+                                cudaGetErrorString(e));
         }
     }
     if (c->rblock) cudaFree(c->rblock);
@@ -1510,7 +1523,8 @@ extern "C" void moept__cuda_params_changed(moept__cuda *c) {
    workspace to cuBLAS's default pool (cuBLAS Library, "cublasSetStream()"), so the workspace comes
    after it; a user workspace keeps cuBLAS from allocating one inside a captured graph (memory nodes,
    which child graphs cannot hold: "CUDA Graphs Support"). */
-static moept_status moept__blas_handle(moept__cuda *c, cublasHandle_t *h, cudaStream_t st, int slot, char *err) {
+static moept_status moept__blas_handle(moept__cuda *c, cublasHandle_t *h, cudaStream_t st, int slot,
+                                       char *err) {
     MOEPT__CB(cublasCreate(h));
     MOEPT__CB(cublasSetStream(*h, st));
     MOEPT__CB(cublasSetMathMode(*h, MOEPT__MATH));
@@ -1668,8 +1682,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
 extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err) {
     *out = NULL;
     if ((spec->ep && !moept__is_nccl(spec->ep)) || (spec->dp && !moept__is_nccl(spec->dp)))
-        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT,
-                            "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
+        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: the EP and DP comms of a "
+                            "CUDA layer must be NCCL comms (moept_comm_nccl)");
     int dev = 0;
     MOEPT__CU(cudaGetDevice(&dev));
     const moept_comm *cm[2] = {spec->ep, spec->dp};
@@ -1769,9 +1783,13 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
     if (!c->fwd_valid) return moept__kfail(err, MOEPT_ERR_STATE, "no forward yet");
     const int64_t T = c->T, K = c->sp.K, E = c->sp.E;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
-    if (ids) MOEPT__CU(cudaMemcpyAsync(ids, c->ids[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
-    if (wts) MOEPT__CU(cudaMemcpyAsync(wts, c->wts[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
-    if (logits) MOEPT__CU(cudaMemcpyAsync(logits, c->logits[c->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (ids)
+        MOEPT__CU(cudaMemcpyAsync(ids, c->ids[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (wts)
+        MOEPT__CU(cudaMemcpyAsync(wts, c->wts[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (logits)
+        MOEPT__CU(cudaMemcpyAsync(logits, c->logits[c->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost,
+                                  c->s));
     if (dwts) MOEPT__CU(cudaMemcpyAsync(dwts, c->dwts, (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     return MOEPT_OK;
@@ -1845,11 +1863,11 @@ static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n,
     int64_t s[3] = {0, 0, 0}; /* byte strides of A, B, C */
     for (int64_t i = 1; i < n; i++) {
         const moept__gemm_cm ci = moept__gemm_colmajor(&g[i]);
-        const int64_t d[3] = {(const char *)ci.a - (const char *)c0.a, (const char *)ci.b - (const char *)c0.b,
-                              (char *)ci.c - (char *)c0.c};
+        const int64_t d[3] = {(const char *)ci.a - (const char *)c0.a,
+                              (const char *)ci.b - (const char *)c0.b, (char *)ci.c - (char *)c0.c};
         if (ci.trans_a != c0.trans_a || ci.trans_b != c0.trans_b || ci.m != c0.m || ci.n != c0.n ||
-            ci.k != c0.k || ci.lda != c0.lda || ci.ldb != c0.ldb || ci.ldc != c0.ldc || ci.alpha != c0.alpha ||
-            ci.beta != c0.beta)
+            ci.k != c0.k || ci.lda != c0.lda || ci.ldb != c0.ldb || ci.ldc != c0.ldc ||
+            ci.alpha != c0.alpha || ci.beta != c0.beta)
             return 0;
         for (int j = 0; j < 3; j++) {
             if (i == 1) s[j] = d[j];
@@ -1858,10 +1876,11 @@ static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n,
     }
     /* positive, whole elements, and no two C overlap (each problem writes its own) */
     if (s[0] <= 0 || s[1] <= 0 || s[0] % ea || s[1] % ea || s[2] % ec || s[2] < c0.ldc * c0.n * ec) return 0;
-    const cublasOperation_t oa = c0.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, ob = c0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t oa = c0.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t ob = c0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasStatus_t r = cublasGemmStridedBatchedEx_64(
-        c->blas, oa, ob, c0.m, c0.n, c0.k, &c0.alpha, c0.a, ta, c0.lda, s[0] / ea, c0.b, ta, c0.ldb, s[1] / ea,
-        &c0.beta, c0.c, tc, c0.ldc, s[2] / ec, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        c->blas, oa, ob, c0.m, c0.n, c0.k, &c0.alpha, c0.a, ta, c0.lda, s[0] / ea, c0.b, ta, c0.ldb,
+        s[1] / ea, &c0.beta, c0.c, tc, c0.ldc, s[2] / ec, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     *st = r == CUBLAS_STATUS_SUCCESS ? MOEPT_OK
           : moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmStridedBatchedEx_64: %s (moept_kernels.cu:%d)",
                          cublasGetStatusString(r), __LINE__);
@@ -1913,7 +1932,8 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
         c->ptr_slot = lo + (slot - lo + 1) % c->nslot; /* stays in its pass's half */
         const void **hp = c->h_ptrs + (int64_t)slot * 3 * G;
         const void **dp = c->d_ptrs + (int64_t)slot * 3 * G;
-        int64_t *m = c->garr, *nn = m + G, *k = nn + G, *lda = k + G, *ldb = lda + G, *ldc = ldb + G, *gs = ldc + G;
+        int64_t *m = c->garr, *nn = m + G, *k = nn + G, *lda = k + G, *ldb = lda + G, *ldc = ldb + G;
+        int64_t *gs = ldc + G;
         cublasOperation_t *oa = c->gops, *ob = oa + G;
         float *al = c->galpha, *be = al + G;
         for (int64_t i = 0; i < n; i++) {
@@ -1927,10 +1947,11 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
         }
         MOEPT__CU(cudaMemcpyAsync(dp, hp, (size_t)(3 * G) * sizeof(void *), cudaMemcpyHostToDevice, c->s));
         cublasStatus_t r = cublasGemmGroupedBatchedEx_64(
-            c->blas, oa, ob, m, nn, k, al, dp, ta, lda, dp + G, ta, ldb, be, (void *const *)(dp + 2 * G), tc, ldc, n,
-            gs, CUBLAS_COMPUTE_32F);
+            c->blas, oa, ob, m, nn, k, al, dp, ta, lda, dp + G, ta, ldb, be, (void *const *)(dp + 2 * G), tc,
+            ldc, n, gs, CUBLAS_COMPUTE_32F);
         if (r != CUBLAS_STATUS_SUCCESS)
-            return moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmGroupedBatchedEx_64: %s (moept_kernels.cu:%d)",
+            return moept__kfail(err, MOEPT_ERR_DEVICE,
+                                "cublasGemmGroupedBatchedEx_64: %s (moept_kernels.cu:%d)",
                                 cublasGetStatusString(r), __LINE__);
         return MOEPT_OK;
     }
@@ -1944,9 +1965,10 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
     for (int64_t i = 0; i < n && r == CUBLAS_STATUS_SUCCESS; i++) {
         moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
         cublasHandle_t h = ns ? c->side_blas[i % ns] : c->blas;
-        r = cublasGemmEx_64(h, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                            cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta, cm.lda, cm.b, ta, cm.ldb, &cm.beta, cm.c, tc,
-                            cm.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        r = cublasGemmEx_64(h, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta,
+                            cm.lda, cm.b, ta, cm.ldb, &cm.beta, cm.c, tc, cm.ldc, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT);
     }
     for (int j = 0; j < ns; j++) { /* joined even after a failed call */
         MOEPT__CU(cudaEventRecord(c->ev_side[j], c->side[j]));
@@ -1976,8 +1998,8 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
         MOEPT__LAUNCH_V(vec, moept__k_act_bwd, T, sh.g, sh.b, c->s, c->sp.act, (T *)h, (const T *)a, R,
                         (int)F, (int)H);
     else
-        MOEPT__LAUNCH_V(vec, moept__k_act_fwd, T, sh.g, sh.b, c->s, c->sp.act, (const T *)h, R, (int)F, (int)H,
-                        (T *)a);
+        MOEPT__LAUNCH_V(vec, moept__k_act_fwd, T, sh.g, sh.b, c->s, c->sp.act, (const T *)h, R, (int)F,
+                        (int)H, (T *)a);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -1991,7 +2013,8 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
                                    void *ys, char *err) {
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
-    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off), *W2 = (const char *)moept__w(c, w2off);
+    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
+    const char *W2 = (const char *)moept__w(c, w2off);
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
     int64_t n;
     MOEPT__PER_GROUP(gd, n, groups, offs,
@@ -2017,7 +2040,8 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
                                    void *ys, char *err) {
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
-    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off), *W2 = (const char *)moept__w(c, w2off);
+    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
+    const char *W2 = (const char *)moept__w(c, w2off);
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
     float *g13 = c->grads + w13off, *g2 = c->grads + w2off;
     int64_t R = offs[groups] - offs[0], base = offs[0], n;
@@ -2078,7 +2102,8 @@ static moept_status moept__exchange(moept__cuda *c, void *local, const moept_seg
     if (flags & MOEPT__X_AFTER) MOEPT__TRY(moept__to_comm(c, c->cs, err));
     moept_status st = dispatch ? ep->alltoallv(ep, local, ls, remote, rs, (int)c->sp.El, c->esz)
                                : ep->alltoallv(ep, remote, rs, local, ls, (int)c->sp.El, c->esz);
-    if (st) return moept__kfail(err, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", ep->err);
+    if (st)
+        return moept__kfail(err, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", ep->err);
     if (flags & MOEPT__X_JOIN) MOEPT__TRY(moept__from_comm(c, c->cs, err));
     int64_t rb = c->sp.D * c->esz;
     int64_t sent = 0, recvd = 0;
@@ -2107,14 +2132,14 @@ typedef struct moept__fwd {
     moept_status reject;       /* moept.c's rejection of the call, agreed as a host one */
 } moept__fwd;
 
-#define MOEPT__PRE(call)                                                                                       \
-    do {                                                                                                       \
-        cudaError_t e_ = (call);                                                                               \
-        if (e_ != cudaSuccess && !f->pre) {                                                                    \
-            f->pre = 1;                                                                                        \
-            snprintf(f->local, MOEPT__ERRLEN, "%s: %s (moept_kernels.cu:%d)", #call, cudaGetErrorString(e_), \
-                     __LINE__);                                                                                \
-        }                                                                                                      \
+#define MOEPT__PRE(call)                                                                             \
+    do {                                                                                             \
+        cudaError_t e_ = (call);                                                                     \
+        if (e_ != cudaSuccess && !f->pre) {                                                          \
+            f->pre = 1;                                                                              \
+            snprintf(f->local, MOEPT__ERRLEN, "%s: %s (moept_kernels.cu:%d)", #call,                 \
+                     cudaGetErrorString(e_), __LINE__);                                              \
+        }                                                                                            \
     } while (0)
 
 /* 1. this rank's argument checks; the kernels then run on a valid T only */
@@ -2126,8 +2151,8 @@ static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const v
         snprintf(f->local, MOEPT__ERRLEN, "%s", reject);
     } else if (Tn < 0 || Tn > p->Tmax) {
         f->host_bad = 1;
-        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: tokens %lld not in 0..max_tokens (%lld)", (long long)Tn,
-                 (long long)p->Tmax);
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: tokens %lld not in 0..max_tokens (%lld)",
+                 (long long)Tn, (long long)p->Tmax);
     } else if (Tn > 0 && (!x || !y)) {
         f->host_bad = 1;
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: %s is NULL", x ? "y" : "x");
@@ -2175,8 +2200,8 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
         if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-            p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group, p->scale, T_,
-            c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
+            p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group,
+            p->scale, T_, c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
         MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(
@@ -2276,11 +2301,11 @@ static void moept__fwd_loss_check(moept__cuda *c, moept__fwd *f) {
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
     int zbad = p->z_coef > 0.0f && !moept__finite_as_float(c->h_lstat[3 * E + 1] / Tl), abad = 0;
     if (p->global_balance && !zbad && p->aux_coef > 0.0f)
-        abad = !moept__finite_as_float(moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl,
-                                                           p->aux_coef, c->h_aux_g));
+        abad = !moept__finite_as_float(moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K,
+                                                           p->aux, Tl, p->aux_coef, c->h_aux_g));
     if (zbad || abad)
-        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: the %s loss is not finite from finite inputs; the step "
-                 "is rejected, run forward again", zbad ? "z" : "aux");
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: the %s loss is not finite from finite inputs; "
+                 "the step is rejected, run forward again", zbad ? "z" : "aux");
 }
 
 /* 5. agree_growth: every rank made this call (the tags) and read the same
@@ -2292,11 +2317,11 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
     const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank, M = c->M;
     for (int64_t q = 0; q < P; q++)
         if (c->h_msg_all[q * M + E + 1] != f->tag)
-            return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: the ranks' call sequences differ (another "
-                                "rank made another group call here); nothing changed");
+            return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: the ranks' call sequences differ "
+                                "(another rank made another group call here); nothing changed");
     if (!f->host_bad && c->h_bad[0] != ULLONG_MAX)
-        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: x[%lld][%lld] is not finite", (long long)(c->h_bad[0] / D),
-                 (long long)(c->h_bad[0] % D));
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: x[%lld][%lld] is not finite",
+                 (long long)(c->h_bad[0] / D), (long long)(c->h_bad[0] % D));
     else if (!f->host_bad && c->h_bad[1] != ULLONG_MAX)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: router logits of token %lld are not finite",
                  (long long)c->h_bad[1]);
@@ -2311,8 +2336,8 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
                                  : f->reject ? f->reject : f->host_bad ? MOEPT_ERR_INVALID_ARGUMENT
                                  : MOEPT_ERR_NUMERIC, "%s", f->local);
     if (failed)
-        return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed",
-                            (long long)failed);
+        return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; "
+                            "nothing changed", (long long)failed);
     int64_t anyone_grows = 0;
     for (int64_t q = 0; q < P; q++) {
         int64_t Rq = 0;
@@ -2332,8 +2357,8 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
     }
     for (int64_t q = 0; q < P; q++)
         if (!c->grow_ok[q])
-            return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY,
-                                "moept_forward: EP rank %lld cannot grow its receive buffers; nothing changed", (long long)q);
+            return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: EP rank %lld cannot grow its "
+                                "receive buffers; nothing changed", (long long)q);
     return MOEPT_OK;
 }
 
@@ -2368,7 +2393,8 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E;
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
-    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef, c->h_aux_g);
+    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef,
+                                         c->h_aux_g);
     out->z_value = c->h_lstat[3 * E + 1] / Tl;
     out->loss_T = Tl;
     c->loss_T = Tl;
@@ -2390,7 +2416,8 @@ static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__c
         for (int64_t e = 0; e < E; e++) c->offsets[e + 1] = c->offsets[e] + c->counts[e];
         c->N = out->N = c->offsets[E];
         moept__plan_roffsets(P, El, c->rcounts, c->roffsets);
-        moept__plan_segs(P, El, D, c->offsets, c->counts, c->rcounts, c->roffsets, c->send_segs, c->recv_segs);
+        moept__plan_segs(P, El, D, c->offsets, c->counts, c->rcounts, c->roffsets, c->send_segs,
+                         c->recv_segs);
         moept__plan_peer_rows(P, El, p->rank, c->counts, c->rcounts, El, peer_rows, &out->rows_sent,
                               &out->rows_received);
     }
@@ -2446,7 +2473,8 @@ static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
 template <typename T>
 static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
+    MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a,
+                                 c->yr, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, c->ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
     MOEPT__TRY(moept__shared_fwd<T>(c, x, err));
@@ -2729,8 +2757,8 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
     }
     for (int64_t q = 0; q < P; q++) {
         if (c->h_msg_all[q * M + E + 1] != tag)
-            return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: the ranks' call sequences differ (another "
-                                "rank made another group call here); nothing changed");
+            return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: the ranks' call sequences differ "
+                                "(another rank made another group call here); nothing changed");
         failed += c->h_msg_all[q * M + E] != 0;
         yfail += c->h_msg_all[q * M + E + 2] != 0;
     }
@@ -2738,7 +2766,8 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
     if (local[0]) return moept__kfail(err, why, "%s", local);
     if (failed)
         return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; %s",
-                            (long long)failed, yfail ? "the step is rejected, run forward again" : "nothing changed");
+                            (long long)failed,
+                            yfail ? "the step is rejected, run forward again" : "nothing changed");
     return MOEPT_OK;
 }
 
@@ -2760,7 +2789,8 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
         snprintf(local, sizeof local, "moept_backward: no forward to differentiate");
     } else if (c->bwd_done) { /* ys and h were overwritten in place */
         why = MOEPT_ERR_STATE;
-        snprintf(local, sizeof local, "moept_backward: this forward was already differentiated; run forward again");
+        snprintf(local, sizeof local,
+                 "moept_backward: this forward was already differentiated; run forward again");
     } else if (T_ > 0 && (!x || !dy || !dx)) {
         why = MOEPT_ERR_INVALID_ARGUMENT;
         snprintf(local, sizeof local, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
@@ -2787,9 +2817,9 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
     int ybad = !local[0] && T_ > 0 && c->h_bad[4] != ULLONG_MAX;
     if (ybad) {
         why = MOEPT_ERR_NUMERIC;
-        snprintf(local, sizeof local, "moept_backward: the forward's y[%lld][%lld] was not finite from finite "
-                 "inputs (an overflow?); the step is rejected, run forward again", (long long)(c->h_bad[4] / D),
-                 (long long)(c->h_bad[4] % D));
+        snprintf(local, sizeof local, "moept_backward: the forward's y[%lld][%lld] was not finite from "
+                 "finite inputs (an overflow?); the step is rejected, run forward again",
+                 (long long)(c->h_bad[4] / D), (long long)(c->h_bad[4] % D));
     } else if (!local[0] && T_ > 0 && c->h_bad[2] != ULLONG_MAX) {
         why = MOEPT_ERR_NUMERIC;
         snprintf(local, sizeof local, "moept_backward: dy[%lld][%lld] is not finite",
@@ -2833,8 +2863,8 @@ static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_s
     void *ys = p->P > 1 ? c->ys : c->yr;
     const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN;
     if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, c->send_segs, c->yr, c->recv_segs, both, out, err));
-    MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr,
-                                 err));
+    MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a,
+                                 c->yr, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
     MOEPT__TRY(moept__shared_bwd<T>(c, x, err));
@@ -2874,9 +2904,9 @@ static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
     /* the router's weights (fp32 rows of D) are read as vectors of as many lanes */
     const int vec = moept__vec<T>(D, ys, yss, dx) && moept__vec<T>(0, c->params); /* D % V: Wr's rows too */
     const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
-    MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss, gate ? c->dsg : NULL,
-                    gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_, (int)D, (int)p->K,
-                    (int)p->E, dx, &c->bad[5]);
+    MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss,
+                    gate ? c->dsg : NULL, gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_,
+                    (int)D, (int)p->K, (int)p->E, dx, &c->bad[5]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
