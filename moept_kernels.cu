@@ -31,7 +31,8 @@
        agree           moept__bwd_agree            moept__bwd_agree
        combine'        moept__bwd_combine          moept__bwd_combine
        experts'        moept__bwd_experts          moept__bwd_experts
-                       (chunked: moept__pipeline, both)
+                       chunked: moept__pipeline (moept.c: moept__backward_chunked,
+                       moept__pipeline)
        router'         moept__bwd_router           moept__bwd_router
        dx              moept__bwd_dx               moept__bwd_dx
    MOEPT__STAGE names the forward's stages as above, the backward's
