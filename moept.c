@@ -2314,28 +2314,10 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
 
 /* Chunk c's exchange pieces (ss [P][El] on the token side, rs [P][El] on the
    expert side; NULL: not wanted) and its row runs on the expert side;
-   returns the runs. */
+   returns the runs (moept.h's moept__plan_chunk, as the CUDA executor's). */
 static int64_t moept__chunk_plan(moept_layer *L, int64_t c, moept_seg *ss, moept_seg *rs, int64_t *runs) {
-    const int64_t D = L->D, El = L->El, P = L->P, C = L->C, E = L->E, stride = El * P;
-    for (int64_t q = 0; q < P && ss; q++)
-        for (int64_t j = 0; j < El; j++) {
-            int64_t e = q * El + j, start = L->offsets[e];
-            for (int64_t b = 0; b < c; b++) start += L->ccnt[b * E + e];
-            ss[q * El + j] = (moept_seg){start * D, L->ccnt[c * E + e] * D};
-        }
-    int64_t n = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t base = L->roffsets[j];
-        for (int64_t p = 0; p < P; p++) {
-            int64_t before = 0;
-            for (int64_t b = 0; b < c; b++) before += L->rccnt[(p * C + b) * El + j];
-            int64_t rows = L->rccnt[(p * C + c) * El + j];
-            if (rs) rs[p * El + j] = (moept_seg){(base + before) * D, rows * D};
-            if (rows) { runs[n] = base + before; runs[stride + n] = rows; runs[2 * stride + n] = j; n++; }
-            base += L->ep ? L->rcounts[p * El + j] : L->counts[j];
-        }
-    }
-    return n;
+    return moept__plan_chunk(c, L->C, L->P, L->El, L->D, L->offsets, L->ccnt, L->ep ? L->rcounts : L->counts,
+                             L->roffsets, L->rccnt, ss, rs, runs);
 }
 
 /* GEMMs in groups that share op(B) (consecutive runs of one expert: its
@@ -2891,29 +2873,12 @@ static void moept__fwd_plan(moept_layer *L) {
         moept__plan_place(i, L->fill[e]++, L->counts[e], L->offsets[e], K, L->row_of, L->tok_of_row,
                           L->slot_of_row);
     }
-    L->roffsets[0] = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t n = 0;
-        for (int64_t p = 0; p < P; p++) n += L->ep ? L->rcounts[p * El + j] : L->counts[j];
-        L->roffsets[j + 1] = L->roffsets[j] + n;
-    }
+    moept__plan_roffsets(P, El, L->ep ? L->rcounts : L->counts, L->roffsets); /* one rank: P = 1 */
     if (!L->ep) return;
-    for (int64_t q = 0; q < P; q++) L->peer_rows[q] = L->peer_rows[P + q] = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t off = L->roffsets[j];
-        for (int64_t p = 0; p < P; p++) {
-            int64_t e = p * El + j; /* p's expert j, as seen from here */
-            L->send_segs[p * El + j] = (moept_seg){L->offsets[e] * D, L->counts[e] * D};
-            L->recv_segs[p * El + j] = (moept_seg){off * D, L->rcounts[p * El + j] * D};
-            off += L->rcounts[p * El + j];
-            L->peer_rows[p] += L->counts[e];
-            L->peer_rows[P + p] += L->rcounts[p * El + j];
-        }
-    }
+    moept__plan_segs(P, El, D, L->offsets, L->counts, L->rcounts, L->roffsets, L->send_segs, L->recv_segs);
+    moept__plan_peer_rows(P, El, L->rank, L->counts, L->rcounts, El, L->peer_rows, &L->stats.rows_sent,
+                          &L->stats.rows_received);
     if (L->direct) moept__direct_plan(L);
-    L->stats.rows_sent = L->stats.rows_received = 0;
-    for (int64_t q = 0; q < P; q++)
-        if (q != L->rank) { L->stats.rows_sent += L->peer_rows[q]; L->stats.rows_received += L->peer_rows[P + q]; }
 }
 
 /* 9. dispatch: each kept row to its expert (direct: written straight into

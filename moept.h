@@ -1491,6 +1491,92 @@ MOEPT_HD static inline int64_t moept__chunk_of(int64_t t, int64_t T, int64_t C) 
     return ((t + 1) * C - 1) / T;
 }
 
+/* The plan's host side, one implementation both executors call. P ranks of
+   El local experts each: slot e = q El + j is rank q's expert j. offsets
+   [E+1] and counts [E]: this rank's kept rows per slot, in slot order (the
+   send side); rcounts [P][El]: the rows rank p sends this rank's expert j.
+   The expert side holds its rows expert-major, then by source rank. */
+
+/* roffsets [El+1]: the first received row of each local expert */
+static inline void moept__plan_roffsets(int64_t P, int64_t El, const int64_t *rcounts, int64_t *roffsets) {
+    roffsets[0] = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t n = 0;
+        for (int64_t p = 0; p < P; p++) n += rcounts[p * El + j];
+        roffsets[j + 1] = roffsets[j] + n;
+    }
+}
+
+/* The expert exchange's pieces in elements (rows of D): ss [P][El] slot
+   (p, j)'s rows in the send buffer, rs [P][El] where rank p's rows for
+   expert j land on the expert side */
+static inline void moept__plan_segs(int64_t P, int64_t El, int64_t D, const int64_t *offsets,
+                                    const int64_t *counts, const int64_t *rcounts, const int64_t *roffsets,
+                                    moept_seg *ss, moept_seg *rs) {
+    for (int64_t j = 0; j < El; j++) {
+        int64_t off = roffsets[j];
+        for (int64_t p = 0; p < P; p++) {
+            int64_t e = p * El + j; /* p's expert j, as seen from here */
+            ss[e].offset = offsets[e] * D;
+            ss[e].count = counts[e] * D;
+            rs[e].offset = off * D;
+            rs[e].count = rcounts[e] * D;
+            off += rcounts[e];
+        }
+    }
+}
+
+/* peer_rows [2][P]: the rows this rank (me) sends to each rank, then those
+   it receives from each (rank p's for expert j at rcounts[p * rstride + j]:
+   a strided view, e.g. of the count messages); *sent and *received: those
+   to and from the other ranks */
+static inline void moept__plan_peer_rows(int64_t P, int64_t El, int64_t me, const int64_t *counts,
+                                         const int64_t *rcounts, int64_t rstride, int64_t *peer_rows,
+                                         int64_t *sent, int64_t *received) {
+    *sent = *received = 0;
+    for (int64_t q = 0; q < P; q++) {
+        peer_rows[q] = peer_rows[P + q] = 0;
+        for (int64_t j = 0; j < El; j++) {
+            peer_rows[q] += counts[q * El + j];
+            peer_rows[P + q] += rcounts[q * rstride + j];
+        }
+        if (q != me) { *sent += peer_rows[q]; *received += peer_rows[P + q]; }
+    }
+}
+
+/* Chunk c of C's exchange pieces (ss [P][El] on the send side, rs [P][El]
+   on the expert side; NULL: not wanted) and its row runs on the expert side
+   (runs [3][P El]: first row, rows, local expert); returns the runs. ccnt
+   [C][E]: this rank's kept rows per chunk and slot; rccnt [P][C][El]: rank
+   p's rows of chunk c for expert j. The plan is a stable sort by slot, so a
+   chunk's rows of a slot follow the earlier chunks' on both sides: every
+   row lands where the one-chunk step puts it. */
+static inline int64_t moept__plan_chunk(int64_t c, int64_t C, int64_t P, int64_t El, int64_t D,
+                                        const int64_t *offsets, const int64_t *ccnt, const int64_t *rcounts,
+                                        const int64_t *roffsets, const int64_t *rccnt, moept_seg *ss,
+                                        moept_seg *rs, int64_t *runs) {
+    const int64_t E = P * El, stride = P * El;
+    for (int64_t e = 0; e < E && ss; e++) { /* slot e = (q, j) is piece q El + j */
+        int64_t start = offsets[e];
+        for (int64_t b = 0; b < c; b++) start += ccnt[b * E + e];
+        ss[e].offset = start * D;
+        ss[e].count = ccnt[c * E + e] * D;
+    }
+    int64_t n = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t base = roffsets[j];
+        for (int64_t p = 0; p < P; p++) {
+            int64_t before = 0;
+            for (int64_t b = 0; b < c; b++) before += rccnt[(p * C + b) * El + j];
+            int64_t rows = rccnt[(p * C + c) * El + j];
+            if (rs) { rs[p * El + j].offset = (base + before) * D; rs[p * El + j].count = rows * D; }
+            if (rows) { runs[n] = base + before; runs[stride + n] = rows; runs[2 * stride + n] = j; n++; }
+            base += rcounts[p * El + j];
+        }
+    }
+    return n;
+}
+
 /* The column-major (BLAS/cuBLAS) call computing a row-major descriptor: a
    row-major [m][n] matrix is a column-major [n][m] one, so C^T = op(B)^T
    op(A)^T: operands swapped, m and n swapped, transposes kept. */

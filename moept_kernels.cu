@@ -5,17 +5,41 @@
    -gencode list) and link with moept.c compiled with -DMOEPT_CUDA, plus
    -lcudart -lcublas -lnccl -lstdc++.
 
-   The pipeline mirrors moept.c's CPU executor stage by stage:
-     forward:  check+convert x -> router GEMM -> route (per token) -> loss
-               statistics -> plan counts -> [count exchange, the one host
-               sync] -> commit -> plan placement -> gather rows -> all-to-all-v
-               -> grouped GEMM gate/up -> activation -> grouped GEMM down ->
-               all-to-all-v back (shared expert meanwhile) -> combine
-     backward: combine' (dL/dw, dys) -> all-to-all-v -> expert GEMMs' and
-               activation' -> all-to-all-v back (shared expert' meanwhile)
-               -> token sums -> router' -> router GEMMs
-     chunked (overlap_chunks > 1, EP > 1): from the gather on, chunk c+1's
-               rows travel while the experts compute chunk c (moept__pipeline)
+   The stage map: each stage has one name and one meaning in both
+   executors; the CUDA function (here) beside the moept.c one it mirrors.
+       stage           moept_kernels.cu            moept.c
+     forward (moept__forward, both):
+       checks          moept__fwd_checks           moept__fwd_checks
+       route           moept__fwd_route            moept__fwd_route (the
+                       loss statistics here, on the device; moept.c's in losses)
+       count           moept__fwd_count            moept__fwd_count
+       exchange_counts moept__fwd_exchange_counts  moept__fwd_exchange_counts
+                       (the forward's one host sync)
+       agree_growth    moept__fwd_agree_growth     moept__fwd_agree_growth
+       commit          moept__fwd_commit           moept__fwd_commit
+       losses          moept__fwd_losses           moept__fwd_losses
+       plan            moept__fwd_plan             moept__fwd_plan
+       dispatch        moept__fwd_dispatch         moept__fwd_dispatch
+       experts         moept__fwd_experts          moept__ffn_forward
+       combine         moept__fwd_combine          moept__fwd_combine
+       chunked (overlap_chunks > 1, EP > 1): dispatch on, moept__pipeline
+                       (moept.c: moept__forward_chunked, moept__pipeline):
+                       chunk c+1's rows travel while the experts compute chunk c
+       sync-free: exchange_counts, agree_growth and commit on the device
+                       (moept__sf_commit), the losses read when asked for
+     backward (moept__backward, both):
+       agree           moept__bwd_agree            moept__bwd_agree
+       combine'        moept__bwd_combine          moept__bwd_combine
+       experts'        moept__bwd_experts          moept__bwd_experts
+                       chunked: moept__pipeline (moept.c: moept__backward_chunked,
+                       moept__pipeline)
+       router'         moept__bwd_router           moept__bwd_router
+       dx              moept__bwd_dx               moept__bwd_dx
+   MOEPT__STAGE names the forward's stages as above, the backward's
+   "bwd.agree" .. "bwd.dx" ("pipeline", "bwd.pipeline" chunked).
+   The host plan (row offsets, exchange pieces, rows per peer, each chunk's
+   pieces and runs) is moept.h's moept__plan_*, one implementation both
+   executors call.
    Every per-element computation is a MOEPT_HD function from moept.h that the
    CPU executor calls too (routing, losses, plan placement, activations and
    their derivatives, combine terms, bf16 rounding); --fmad=false keeps nvcc
@@ -47,7 +71,7 @@
 typedef uint16_t moept__bf16;
 
 #define MOEPT__TB 256           /* threads per block of the elementwise kernels */
-#define MOEPT__PB 256           /* assignments per block of the plan count */
+#define MOEPT__PB 256           /* assignments per block of the count (moept__k_count) */
 #define MOEPT__MAX_GRID 65535
 #define MOEPT__SIDE 4           /* side streams for GEMMs cuBLAS cannot group (as Transformer Engine's 4) */
 #define MOEPT__NPART 1024       /* most blocks of the gradient scan (moept__k_sumsq) */
@@ -116,7 +140,8 @@ struct moept__on_device {
     int prev, dev;
     cudaStream_t prev_probe;
     cudaError_t e;
-    moept__on_device(int d, cudaStream_t probe) : prev(-1), dev(d), prev_probe(moept__t_probe), e(cudaSuccess) {
+    moept__on_device(int d, cudaStream_t probe)
+        : prev(-1), dev(d), prev_probe(moept__t_probe), e(cudaSuccess) {
         if (d < 0) return;
         moept__t_probe = probe;
         if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
@@ -171,7 +196,9 @@ struct moept__on_device {
    Element access
    ------------------------------------------------------------------------ */
 __device__ __forceinline__ float moept__ld(const float *p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float moept__ld(const moept__bf16 *p, int64_t i) { return moept__bf16_to_f32(p[i]); }
+__device__ __forceinline__ float moept__ld(const moept__bf16 *p, int64_t i) {
+    return moept__bf16_to_f32(p[i]);
+}
 /* stores v in p's type; returns the value as stored (bf16: rounded) */
 __device__ __forceinline__ float moept__st(float *p, int64_t i, float v) { return p[i] = v; }
 __device__ __forceinline__ float moept__st(moept__bf16 *p, int64_t i, float v) {
@@ -259,8 +286,9 @@ static int moept__grid(int64_t n) {
     if (b < 1) b = 1;
     return (int)(b > 8 * MOEPT__MAX_GRID ? 8 * MOEPT__MAX_GRID : b);
 }
-#define MOEPT__FOR(i, n) \
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+#define MOEPT__FOR(i, n)                                                        \
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); \
+         i += (int64_t)gridDim.x * blockDim.x)
 
 /* launch shape for rows of `lanes` vectors: blockDim.x a power of two from
    32 to MOEPT__TB, no wider than a row needs; MOEPT__TB threads a block */
@@ -437,7 +465,8 @@ __global__ void moept__k_route(int fam, int aux, const float *logits, const floa
         return;
     }
     lse[t] = moept__lse(lg, E);
-    if (aux != MOEPT_AUX_NONE) moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, E, K, sc, cids + t * K);
+    if (aux != MOEPT_AUX_NONE)
+        moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, E, K, sc, cids + t * K);
 }
 
 /* Loss statistics, one block per expert column (block E: sum of lse^2):
@@ -471,11 +500,11 @@ __global__ void moept__k_loss_stats(const int32_t *ids, const int32_t *cids, con
     }
 }
 
-/* Plan, count pass: blocks of MOEPT__PB assignments; each assignment's rank
+/* Count (stage 3), per block: blocks of MOEPT__PB assignments; each assignment's rank
    among the same slot's earlier assignments in its block, and per block and
    slot the count (hist [nblk][E], zeroed before). Stable by construction. */
-__global__ void moept__k_plan_count(const int32_t *ids, const int32_t *slot_of, int64_t TK, int E,
-                                    int32_t *lrank, int64_t *hist) {
+__global__ void moept__k_count(const int32_t *ids, const int32_t *slot_of, int64_t TK, int E,
+                               int32_t *lrank, int64_t *hist) {
     __shared__ int32_t sl[MOEPT__PB];
     int64_t a = blockIdx.x * (int64_t)MOEPT__PB + threadIdx.x;
     int s = a < TK ? slot_of[ids[a]] : -1;
@@ -505,15 +534,15 @@ __global__ void moept__k_lstat_sum(const int64_t *msg_all, int64_t P, int64_t M,
     }
 }
 
-/* Plan, scan pass (one block): per slot, hist becomes each block's first
+/* Count, scan pass (one block): per slot, hist becomes each block's first
    position; kept = min(count, capacity); koff = exclusive scan of kept;
    msg = [kept E | failed | call tag | receive capacity] for the count
    exchange. check_z: a local z loss that is not finite as a float fails the
    step (the host's test in moept__fwd_loss_check, the same arithmetic). */
-__global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
-                                   int64_t *koff, int64_t *msg, const unsigned long long *bad,
-                                   int host_bad, int64_t T, int64_t tag, int check_z, int64_t rcap,
-                                   int64_t block, double *lstat) {
+__global__ void moept__k_count_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
+                                    int64_t *koff, int64_t *msg, const unsigned long long *bad,
+                                    int host_bad, int64_t T, int64_t tag, int check_z, int64_t rcap,
+                                    int64_t block, double *lstat) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -530,7 +559,7 @@ __global__ void moept__k_plan_scan(int64_t *hist, int64_t nblk, int E, int64_t c
     }
 }
 
-/* Chunked overlap, count pass: sel [C][E] (zeroed before) += assignments of
+/* Chunked overlap, count: sel [C][E] (zeroed before) += assignments of
    chunk c routed to slot e (integer atomics: the same sums in any order). */
 __global__ void moept__k_chunk_count(const int32_t *ids, const int32_t *slot_of, int64_t T, int64_t K,
                                      int64_t C, int E, unsigned long long *sel) {
@@ -554,7 +583,8 @@ __global__ void moept__k_chunk_scan(const unsigned long long *sel, int64_t C, in
     }
 }
 
-/* Plan, placement: each assignment's row through moept__plan_place. */
+/* Plan (stage 8), placement: each assignment's row through
+   moept__plan_place, from the count's block ranks and offsets. */
 __global__ void moept__k_plan_place(const int32_t *ids, const int32_t *slot_of, const int32_t *lrank,
                                     const int64_t *hist, const int64_t *kept, const int64_t *koff,
                                     int64_t TK, int64_t K, int E, int64_t *row_of, int64_t *tok_of_row,
@@ -715,9 +745,9 @@ __global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int D,
    written once in T (no fp32 pass) and checked as stored (first_bad: read
    by adamw_step and grad_norm), for n tokens */
 template <typename T, int V>
-__global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, const float *dsg, const float *wsg,
-                            const float *dlogits, const float *wr, int64_t n, int D, int K, int E, T *dx,
-                            unsigned long long *first_bad) {
+__global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, const float *dsg,
+                            const float *wsg, const float *dlogits, const float *wr, int64_t n, int D, int K,
+                            int E, T *dx, unsigned long long *first_bad) {
     MOEPT__ROWS(t, n) {
         MOEPT__LANES(d, D, V) {
             float acc[V], rt[V], v[V];
@@ -881,13 +911,12 @@ static void moept__pause(void) { sched_yield(); }
 static moept_status moept__nccl_abort(moept_comm *c, const char *what) {
     moept__nccl *n = (moept__nccl *)c->ctx;
     const char *last = ncclGetLastError(n->comm);
-    snprintf(n->abort_why, sizeof n->abort_why, "%s%s%s%s", what, last && last[0] ? " (" : "", last ? last : "",
-             last && last[0] ? ")" : "");
+    snprintf(n->abort_why, sizeof n->abort_why, "%s%s%s%s", what, last && last[0] ? " (" : "",
+             last ? last : "", last && last[0] ? ")" : "");
     ncclCommAbort(n->comm);
     n->aborted = 1;
-    return moept__nccl_fail(c, MOEPT_ERR_COMM,
-                            "%s; the NCCL communicator was aborted (ncclCommAbort freed it: do not destroy it; "
-                            "make a new one)", n->abort_why);
+    return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s; the NCCL communicator was aborted (ncclCommAbort "
+                            "freed it: do not destroy it; make a new one)", n->abort_why);
 }
 /* Every call on an aborted communicator fails at once. */
 static moept_status moept__nccl_dead(moept_comm *c) {
@@ -906,16 +935,16 @@ static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char 
     while (r == ncclInProgress) {
         if (moept__clock() - t0 > n->timeout_ms * 1e-3) {
             char what[160];
-            snprintf(what, sizeof what, "%s: timed out after %d ms (moept_kernels.cu:%d)", call, n->timeout_ms,
-                     line);
+            snprintf(what, sizeof what, "%s: timed out after %d ms (moept_kernels.cu:%d)", call,
+                     n->timeout_ms, line);
             return moept__nccl_abort(c, what);
         }
         if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
         moept__pause();
     }
     if (r != ncclSuccess)
-        return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: %s (%s) (moept_kernels.cu:%d)", call, ncclGetErrorString(r),
-                                ncclGetLastError(n->comm), line);
+        return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: %s (%s) (moept_kernels.cu:%d)", call,
+                                ncclGetErrorString(r), ncclGetLastError(n->comm), line);
     return MOEPT_OK;
 }
 #define MOEPT__NC(c, call)                                                      \
@@ -1036,8 +1065,9 @@ static moept_status moept__nccl_in(moept_comm *c, size_t total, const void *src,
 }
 static moept_status moept__nccl_out(moept_comm *c, size_t off, size_t n) {
     moept__nccl *k = (moept__nccl *)c->ctx;
-    if (n) MOEPT__NCU(c, cudaMemcpyAsync((char *)k->host + off, (char *)k->stage + off, n, cudaMemcpyDeviceToHost,
-                                         k->stream));
+    if (n)
+        MOEPT__NCU(c, cudaMemcpyAsync((char *)k->host + off, (char *)k->stage + off, n,
+                                      cudaMemcpyDeviceToHost, k->stream));
     return moept__nccl_wait(c);
 }
 /* both buffers host memory (1: staged) or both device memory (0); one of
@@ -1112,21 +1142,25 @@ static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void 
     }
     const size_t all = (size_t)bytes * (size_t)c->size;
     MOEPT__TRY(moept__nccl_in(c, (size_t)bytes + all, send, (size_t)bytes));
-    MOEPT__NC(c, ncclAllGather(n->stage, (char *)n->stage + bytes, (size_t)bytes, ncclUint8, n->comm, n->stream));
+    MOEPT__NC(c, ncclAllGather(n->stage, (char *)n->stage + bytes, (size_t)bytes, ncclUint8, n->comm,
+                               n->stream));
     MOEPT__TRY(moept__nccl_out(c, (size_t)bytes, all));
     memcpy(recv, (char *)n->host + bytes, all);
     return MOEPT_OK;
 }
 
 /* Point-to-point (resharding): device buffers only. */
-static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs, int nrecv) {
+static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs,
+                                    int nrecv) {
     MOEPT__NENTER(c);
     moept__nccl *n = (moept__nccl *)c->ctx;
     MOEPT__TRY(moept__nccl_dead(c));
     for (int i = 0; i < nsend; i++)
-        if (moept__is_host(sends[i].buf)) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: send %d is host memory", i);
+        if (moept__is_host(sends[i].buf))
+            return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: send %d is host memory", i);
     for (int i = 0; i < nrecv; i++)
-        if (moept__is_host(recvs[i].buf)) return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: receive %d is host memory", i);
+        if (moept__is_host(recvs[i].buf))
+            return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: receive %d is host memory", i);
     MOEPT__NC(c, ncclGroupStart());
     ncclResult_t r = ncclSuccess; /* the group is closed whatever happens inside it */
     for (int i = 0; i < nsend && r == ncclSuccess; i++)
@@ -1147,7 +1181,8 @@ static void moept__nccl_destroy(moept_comm *c) {
     if (n) {
         const double t0 = moept__clock();
         cudaError_t q;
-        while ((q = cudaStreamQuery(n->stream)) == cudaErrorNotReady && moept__clock() - t0 < n->timeout_ms * 1e-3)
+        while ((q = cudaStreamQuery(n->stream)) == cudaErrorNotReady &&
+               moept__clock() - t0 < n->timeout_ms * 1e-3)
             moept__pause();
         if (q == cudaErrorNotReady) n->nretired = 0, n->stage = n->host = NULL;
         for (int i = 0; i < n->nretired; i++)
@@ -1172,7 +1207,8 @@ extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeo
     if (!c || !n) { free(c); free(n); return MOEPT_ERR_OUT_OF_MEMORY; }
     {
         moept__on_device on(dev, NULL);
-        if (on.e != cudaSuccess || cudaStreamCreateWithFlags(&n->probe, cudaStreamNonBlocking) != cudaSuccess) {
+        if (on.e != cudaSuccess ||
+            cudaStreamCreateWithFlags(&n->probe, cudaStreamNonBlocking) != cudaSuccess) {
             free(c);
             free(n);
             return MOEPT_ERR_DEVICE;
@@ -1253,7 +1289,7 @@ struct moept__cuda {
     float *scratch;             /* [Tmax][2E] router scratch, aux scores, router' scratch */
     int32_t *cids;              /* [Tmax][K] aux-counted ids */
     double *lstat;              /* [3E + 3] loss statistics + failure flag */
-    int64_t *hist;              /* [nblk_max][E] plan counts, then block offsets */
+    int64_t *hist;              /* [nblk_max][E] the count's per block, then block offsets */
     int32_t *lrank;             /* [Tmax*K] rank within block and slot */
     int64_t *kept, *koff;       /* [E], [E+1] */
     int64_t *msg, *msg_all;     /* [M], [P][M] the count message */
@@ -1295,8 +1331,8 @@ struct moept__cuda {
     int64_t *counts, *offsets;  /* [E], [E+1] rows kept per slot and their first row */
     int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
     moept_seg *send_segs, *recv_segs; /* [P][El] */
-    int64_t *ccum, *rccum;      /* chunked: rows of the chunks before c: [C+1][E] per slot,
-                                   [P][C+1][El] from peer p per local expert */
+    int64_t *ccnt, *rccnt;      /* chunked: [C][E] kept rows per chunk and slot, [P][C][El] rows from
+                                   peer p in chunk c for local expert j */
     moept_seg *csend, *crecv;   /* [P][El] one chunk's exchange pieces */
     int64_t *cruns;             /* [3][G] one chunk's row runs: first row, rows, local expert */
     int64_t *grow_ok;           /* [P] */
@@ -1388,14 +1424,16 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
     int64_t keep = c->fwd_valid ? c->R : 0;
     if (keep > 0 && c->rblock) {
-        cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, cudaMemcpyDeviceToDevice, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(yr, c->yr, (size_t)(keep * D) * es, cudaMemcpyDeviceToDevice, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(h, c->h, (size_t)(keep * H) * es, cudaMemcpyDeviceToDevice, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(a, c->a, (size_t)(keep * F) * es, cudaMemcpyDeviceToDevice, c->s);
+        const cudaMemcpyKind dd = cudaMemcpyDeviceToDevice;
+        cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(yr, c->yr, (size_t)(keep * D) * es, dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(h, c->h, (size_t)(keep * H) * es, dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(a, c->a, (size_t)(keep * F) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaStreamSynchronize(c->s);
         if (e != cudaSuccess) {
             cudaFree(blk);
-            return moept__kfail(err, MOEPT_ERR_DEVICE, "growing the receive block: %s", cudaGetErrorString(e));
+            return moept__kfail(err, MOEPT_ERR_DEVICE, "growing the receive block: %s",
+                                cudaGetErrorString(e));
         }
     }
     if (c->rblock) cudaFree(c->rblock);
@@ -1486,7 +1524,8 @@ extern "C" void moept__cuda_params_changed(moept__cuda *c) {
    workspace to cuBLAS's default pool (cuBLAS Library, "cublasSetStream()"), so the workspace comes
    after it; a user workspace keeps cuBLAS from allocating one inside a captured graph (memory nodes,
    which child graphs cannot hold: "CUDA Graphs Support"). */
-static moept_status moept__blas_handle(moept__cuda *c, cublasHandle_t *h, cudaStream_t st, int slot, char *err) {
+static moept_status moept__blas_handle(moept__cuda *c, cublasHandle_t *h, cudaStream_t st, int slot,
+                                       char *err) {
     MOEPT__CB(cublasCreate(h));
     MOEPT__CB(cublasSetStream(*h, st));
     MOEPT__CB(cublasSetMathMode(*h, MOEPT__MATH));
@@ -1550,12 +1589,36 @@ static void moept__sf_layout(moept__cuda *c) {
     c->N = c->R = c->sp.E * B;
 }
 
+/* The host plan arrays in one block (c->counts first: moept__cuda_destroy
+   frees it); with kv->base NULL it only measures, as moept__layout */
+static void moept__host_layout(moept__cuda *c, moept__carve *kv) {
+    const int64_t E = c->sp.E, P = c->sp.P, El = c->sp.El, G = c->G, C = c->C;
+    c->counts = (int64_t *)moept__take(kv, (size_t)E * 8);
+    c->offsets = (int64_t *)moept__take(kv, (size_t)(E + 1) * 8);
+    c->rcounts = (int64_t *)moept__take(kv, (size_t)(P * El) * 8);
+    c->roffsets = (int64_t *)moept__take(kv, (size_t)(El + 1) * 8);
+    c->grow_ok = (int64_t *)moept__take(kv, (size_t)P * 8);
+    c->garr = (int64_t *)moept__take(kv, (size_t)(9 * G) * 8);
+    c->send_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->recv_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->descs = (moept__gemm *)moept__take(kv, (size_t)G * sizeof(moept__gemm));
+    c->gops = (cublasOperation_t *)moept__take(kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
+    c->galpha = (float *)moept__take(kv, (size_t)(2 * G) * sizeof(float));
+    if (C > 1) {
+        c->ccnt = (int64_t *)moept__take(kv, (size_t)(C * E) * 8);
+        c->rccnt = (int64_t *)moept__take(kv, (size_t)(P * C * El) * 8);
+        c->cruns = (int64_t *)moept__take(kv, (size_t)(3 * G) * 8);
+        c->csend = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+        c->crecv = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    }
+}
+
 /* n_params rounded up to 64 floats: the gradients and AdamW's v start 16-byte aligned */
 static int64_t moept__npad(const moept__cuda *c) { return (c->sp.n_params + 63) / 64 * 64; }
 
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
-    const int64_t E = p->E, P = p->P, El = p->El, G = c->G, C = c->C;
+    const int64_t E = p->E, P = p->P, G = c->G, C = c->C;
     c->s = (cudaStream_t)p->stream;
     c->cs = c->s;
     if (p->ep) c->cs = ((moept__nccl *)p->ep->ctx)->stream;
@@ -1601,32 +1664,14 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->h_gpart = (double *)moept__take(&hv, (size_t)MOEPT__NPART * 2 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
     c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
-    /* host plan arrays: one block */
-    size_t n64 = (size_t)(E + E + 1 + P * El + El + 1 + P + 9 * G);
-    n64 += (size_t)(C > 1 ? (C + 1) * (E + P * El) + 3 * G : 0); /* chunked */
-    size_t bytes = n64 * 8 + (size_t)(4 * P * El) * sizeof(moept_seg) + (size_t)G * sizeof(moept__gemm) +
-                   (size_t)(2 * G) * sizeof(cublasOperation_t) + (size_t)(2 * G) * sizeof(float) + 12 * 64;
-    char *hbk = (char *)calloc(1, bytes);
+    /* the host plan arrays: one block, measured, then carved */
+    moept__carve kv = {NULL, 0};
+    moept__host_layout(c, &kv);
+    char *hbk = (char *)calloc(1, kv.off);
     if (!hbk) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
-    moept__carve kv = {hbk, 0};
-    c->counts = (int64_t *)moept__take(&kv, (size_t)E * 8);
-    c->offsets = (int64_t *)moept__take(&kv, (size_t)(E + 1) * 8);
-    c->rcounts = (int64_t *)moept__take(&kv, (size_t)(P * El) * 8);
-    c->roffsets = (int64_t *)moept__take(&kv, (size_t)(El + 1) * 8);
-    c->grow_ok = (int64_t *)moept__take(&kv, (size_t)P * 8);
-    c->garr = (int64_t *)moept__take(&kv, (size_t)(9 * G) * 8);
-    c->send_segs = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->recv_segs = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->descs = (moept__gemm *)moept__take(&kv, (size_t)G * sizeof(moept__gemm));
-    c->gops = (cublasOperation_t *)moept__take(&kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
-    c->galpha = (float *)moept__take(&kv, (size_t)(2 * G) * sizeof(float));
-    if (C > 1) {
-        c->ccum = (int64_t *)moept__take(&kv, (size_t)((C + 1) * E) * 8);
-        c->rccum = (int64_t *)moept__take(&kv, (size_t)(P * (C + 1) * El) * 8);
-        c->cruns = (int64_t *)moept__take(&kv, (size_t)(3 * G) * 8);
-        c->csend = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
-        c->crecv = (moept_seg *)moept__take(&kv, (size_t)(P * El) * sizeof(moept_seg));
-    }
+    kv.base = hbk;
+    kv.off = 0;
+    moept__host_layout(c, &kv);
     /* every rank starts with room for its own Tmax*K rows, and all grow alike;
        sync-free: all its blocks, for good */
     MOEPT__TRY(moept__grow(c, c->B ? E * c->B : p->Tmax * p->K, err));
@@ -1638,8 +1683,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
 extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err) {
     *out = NULL;
     if ((spec->ep && !moept__is_nccl(spec->ep)) || (spec->dp && !moept__is_nccl(spec->dp)))
-        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT,
-                            "moept_create_cuda: the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)");
+        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: the EP and DP comms of a "
+                            "CUDA layer must be NCCL comms (moept_comm_nccl)");
     int dev = 0;
     MOEPT__CU(cudaGetDevice(&dev));
     const moept_comm *cm[2] = {spec->ep, spec->dp};
@@ -1739,9 +1784,13 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
     if (!c->fwd_valid) return moept__kfail(err, MOEPT_ERR_STATE, "no forward yet");
     const int64_t T = c->T, K = c->sp.K, E = c->sp.E;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
-    if (ids) MOEPT__CU(cudaMemcpyAsync(ids, c->ids[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
-    if (wts) MOEPT__CU(cudaMemcpyAsync(wts, c->wts[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
-    if (logits) MOEPT__CU(cudaMemcpyAsync(logits, c->logits[c->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (ids)
+        MOEPT__CU(cudaMemcpyAsync(ids, c->ids[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (wts)
+        MOEPT__CU(cudaMemcpyAsync(wts, c->wts[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (logits)
+        MOEPT__CU(cudaMemcpyAsync(logits, c->logits[c->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost,
+                                  c->s));
     if (dwts) MOEPT__CU(cudaMemcpyAsync(dwts, c->dwts, (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     return MOEPT_OK;
@@ -1775,7 +1824,7 @@ extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad,
     return MOEPT_OK;
 }
 
-/* Sync-free mode: the last forward's statistics, as moept__fwd_commit and
+/* Sync-free mode: the last forward's statistics, as moept__fwd_plan and
    moept__fwd_losses give them in the default mode (a host sync) */
 extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows,
                                                moept__cuda_step *out, char *err) {
@@ -1792,17 +1841,11 @@ extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, in
     out->loss_T = Tl;
     out->counts_global = p->global_balance || (!p->ep && !p->dp);
     memcpy(lstat, c->h_lstat, (size_t)(3 * E + 2) * 8);
-    out->N = out->R = out->rows_sent = out->rows_received = 0;
-    for (int64_t q = 0; q < P; q++) {
-        peer_rows[q] = peer_rows[P + q] = 0;
-        for (int64_t j = 0; j < El; j++) {
-            peer_rows[q] += c->h_msg_all[me * M + q * El + j];
-            peer_rows[P + q] += c->h_msg_all[q * M + me * El + j];
-        }
-        out->N += peer_rows[q];
-        out->R += peer_rows[P + q];
-        if (q != me) { out->rows_sent += peer_rows[q]; out->rows_received += peer_rows[P + q]; }
-    }
+    /* this rank's counts head its message; rank q's rows for its expert j are at [q][M] + me El + j */
+    moept__plan_peer_rows(P, El, me, c->h_msg_all + me * M, c->h_msg_all + me * El, M, peer_rows,
+                          &out->rows_sent, &out->rows_received);
+    out->N = out->rows_sent + peer_rows[me];
+    out->R = out->rows_received + peer_rows[P + me];
     out->capacity = c->cap;
     return MOEPT_OK;
 }
@@ -1821,11 +1864,11 @@ static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n,
     int64_t s[3] = {0, 0, 0}; /* byte strides of A, B, C */
     for (int64_t i = 1; i < n; i++) {
         const moept__gemm_cm ci = moept__gemm_colmajor(&g[i]);
-        const int64_t d[3] = {(const char *)ci.a - (const char *)c0.a, (const char *)ci.b - (const char *)c0.b,
-                              (char *)ci.c - (char *)c0.c};
+        const int64_t d[3] = {(const char *)ci.a - (const char *)c0.a,
+                              (const char *)ci.b - (const char *)c0.b, (char *)ci.c - (char *)c0.c};
         if (ci.trans_a != c0.trans_a || ci.trans_b != c0.trans_b || ci.m != c0.m || ci.n != c0.n ||
-            ci.k != c0.k || ci.lda != c0.lda || ci.ldb != c0.ldb || ci.ldc != c0.ldc || ci.alpha != c0.alpha ||
-            ci.beta != c0.beta)
+            ci.k != c0.k || ci.lda != c0.lda || ci.ldb != c0.ldb || ci.ldc != c0.ldc ||
+            ci.alpha != c0.alpha || ci.beta != c0.beta)
             return 0;
         for (int j = 0; j < 3; j++) {
             if (i == 1) s[j] = d[j];
@@ -1834,10 +1877,11 @@ static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n,
     }
     /* positive, whole elements, and no two C overlap (each problem writes its own) */
     if (s[0] <= 0 || s[1] <= 0 || s[0] % ea || s[1] % ea || s[2] % ec || s[2] < c0.ldc * c0.n * ec) return 0;
-    const cublasOperation_t oa = c0.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, ob = c0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t oa = c0.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t ob = c0.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasStatus_t r = cublasGemmStridedBatchedEx_64(
-        c->blas, oa, ob, c0.m, c0.n, c0.k, &c0.alpha, c0.a, ta, c0.lda, s[0] / ea, c0.b, ta, c0.ldb, s[1] / ea,
-        &c0.beta, c0.c, tc, c0.ldc, s[2] / ec, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        c->blas, oa, ob, c0.m, c0.n, c0.k, &c0.alpha, c0.a, ta, c0.lda, s[0] / ea, c0.b, ta, c0.ldb,
+        s[1] / ea, &c0.beta, c0.c, tc, c0.ldc, s[2] / ec, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     *st = r == CUBLAS_STATUS_SUCCESS ? MOEPT_OK
           : moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmStridedBatchedEx_64: %s (moept_kernels.cu:%d)",
                          cublasGetStatusString(r), __LINE__);
@@ -1889,7 +1933,8 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
         c->ptr_slot = lo + (slot - lo + 1) % c->nslot; /* stays in its pass's half */
         const void **hp = c->h_ptrs + (int64_t)slot * 3 * G;
         const void **dp = c->d_ptrs + (int64_t)slot * 3 * G;
-        int64_t *m = c->garr, *nn = m + G, *k = nn + G, *lda = k + G, *ldb = lda + G, *ldc = ldb + G, *gs = ldc + G;
+        int64_t *m = c->garr, *nn = m + G, *k = nn + G, *lda = k + G, *ldb = lda + G, *ldc = ldb + G;
+        int64_t *gs = ldc + G;
         cublasOperation_t *oa = c->gops, *ob = oa + G;
         float *al = c->galpha, *be = al + G;
         for (int64_t i = 0; i < n; i++) {
@@ -1903,10 +1948,11 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
         }
         MOEPT__CU(cudaMemcpyAsync(dp, hp, (size_t)(3 * G) * sizeof(void *), cudaMemcpyHostToDevice, c->s));
         cublasStatus_t r = cublasGemmGroupedBatchedEx_64(
-            c->blas, oa, ob, m, nn, k, al, dp, ta, lda, dp + G, ta, ldb, be, (void *const *)(dp + 2 * G), tc, ldc, n,
-            gs, CUBLAS_COMPUTE_32F);
+            c->blas, oa, ob, m, nn, k, al, dp, ta, lda, dp + G, ta, ldb, be, (void *const *)(dp + 2 * G), tc,
+            ldc, n, gs, CUBLAS_COMPUTE_32F);
         if (r != CUBLAS_STATUS_SUCCESS)
-            return moept__kfail(err, MOEPT_ERR_DEVICE, "cublasGemmGroupedBatchedEx_64: %s (moept_kernels.cu:%d)",
+            return moept__kfail(err, MOEPT_ERR_DEVICE,
+                                "cublasGemmGroupedBatchedEx_64: %s (moept_kernels.cu:%d)",
                                 cublasGetStatusString(r), __LINE__);
         return MOEPT_OK;
     }
@@ -1920,9 +1966,10 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
     for (int64_t i = 0; i < n && r == CUBLAS_STATUS_SUCCESS; i++) {
         moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
         cublasHandle_t h = ns ? c->side_blas[i % ns] : c->blas;
-        r = cublasGemmEx_64(h, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                            cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta, cm.lda, cm.b, ta, cm.ldb, &cm.beta, cm.c, tc,
-                            cm.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        r = cublasGemmEx_64(h, cm.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            cm.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, cm.m, cm.n, cm.k, &cm.alpha, cm.a, ta,
+                            cm.lda, cm.b, ta, cm.ldb, &cm.beta, cm.c, tc, cm.ldc, CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT);
     }
     for (int j = 0; j < ns; j++) { /* joined even after a failed call */
         MOEPT__CU(cudaEventRecord(c->ev_side[j], c->side[j]));
@@ -1952,8 +1999,8 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
         MOEPT__LAUNCH_V(vec, moept__k_act_bwd, T, sh.g, sh.b, c->s, c->sp.act, (T *)h, (const T *)a, R,
                         (int)F, (int)H);
     else
-        MOEPT__LAUNCH_V(vec, moept__k_act_fwd, T, sh.g, sh.b, c->s, c->sp.act, (const T *)h, R, (int)F, (int)H,
-                        (T *)a);
+        MOEPT__LAUNCH_V(vec, moept__k_act_fwd, T, sh.g, sh.b, c->s, c->sp.act, (const T *)h, R, (int)F,
+                        (int)H, (T *)a);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -1967,7 +2014,8 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
                                    void *ys, char *err) {
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
-    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off), *W2 = (const char *)moept__w(c, w2off);
+    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
+    const char *W2 = (const char *)moept__w(c, w2off);
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
     int64_t n;
     MOEPT__PER_GROUP(gd, n, groups, offs,
@@ -1993,7 +2041,8 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
                                    void *ys, char *err) {
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
-    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off), *W2 = (const char *)moept__w(c, w2off);
+    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
+    const char *W2 = (const char *)moept__w(c, w2off);
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
     float *g13 = c->grads + w13off, *g2 = c->grads + w2off;
     int64_t R = offs[groups] - offs[0], base = offs[0], n;
@@ -2054,7 +2103,8 @@ static moept_status moept__exchange(moept__cuda *c, void *local, const moept_seg
     if (flags & MOEPT__X_AFTER) MOEPT__TRY(moept__to_comm(c, c->cs, err));
     moept_status st = dispatch ? ep->alltoallv(ep, local, ls, remote, rs, (int)c->sp.El, c->esz)
                                : ep->alltoallv(ep, remote, rs, local, ls, (int)c->sp.El, c->esz);
-    if (st) return moept__kfail(err, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", ep->err);
+    if (st)
+        return moept__kfail(err, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", ep->err);
     if (flags & MOEPT__X_JOIN) MOEPT__TRY(moept__from_comm(c, c->cs, err));
     int64_t rb = c->sp.D * c->esz;
     int64_t sent = 0, recvd = 0;
@@ -2083,14 +2133,14 @@ typedef struct moept__fwd {
     moept_status reject;       /* moept.c's rejection of the call, agreed as a host one */
 } moept__fwd;
 
-#define MOEPT__PRE(call)                                                                                       \
-    do {                                                                                                       \
-        cudaError_t e_ = (call);                                                                               \
-        if (e_ != cudaSuccess && !f->pre) {                                                                    \
-            f->pre = 1;                                                                                        \
-            snprintf(f->local, MOEPT__ERRLEN, "%s: %s (moept_kernels.cu:%d)", #call, cudaGetErrorString(e_), \
-                     __LINE__);                                                                                \
-        }                                                                                                      \
+#define MOEPT__PRE(call)                                                                             \
+    do {                                                                                             \
+        cudaError_t e_ = (call);                                                                     \
+        if (e_ != cudaSuccess && !f->pre) {                                                          \
+            f->pre = 1;                                                                              \
+            snprintf(f->local, MOEPT__ERRLEN, "%s: %s (moept_kernels.cu:%d)", #call,                 \
+                     cudaGetErrorString(e_), __LINE__);                                              \
+        }                                                                                            \
     } while (0)
 
 /* 1. this rank's argument checks; the kernels then run on a valid T only */
@@ -2102,8 +2152,8 @@ static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const v
         snprintf(f->local, MOEPT__ERRLEN, "%s", reject);
     } else if (Tn < 0 || Tn > p->Tmax) {
         f->host_bad = 1;
-        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: tokens %lld not in 0..max_tokens (%lld)", (long long)Tn,
-                 (long long)p->Tmax);
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: tokens %lld not in 0..max_tokens (%lld)",
+                 (long long)Tn, (long long)p->Tmax);
     } else if (Tn > 0 && (!x || !y)) {
         f->host_bad = 1;
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: %s is NULL", x ? "y" : "x");
@@ -2151,8 +2201,8 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
         if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-            p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group, p->scale, T_,
-            c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
+            p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group,
+            p->scale, T_, c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
         MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(
@@ -2160,17 +2210,17 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     MOEPT__PRE(cudaGetLastError());
 }
 
-/* 3. plan: counts per slot (capacity applied) into the count message;
-   chunked, per chunk and slot too */
-static void moept__fwd_plan(moept__cuda *c, moept__fwd *f) {
+/* 3. count: the kept rows per slot (capacity applied) into the count
+   message; chunked, per chunk and slot too */
+static void moept__fwd_count(moept__cuda *c, moept__fwd *f) {
     const int64_t E = c->sp.E, K = c->sp.K, T_ = f->T, C = c->C, nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
     if (nblk > 0) {
         MOEPT__PRE(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
-        MOEPT__LAUNCH(moept__k_plan_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(
+        MOEPT__LAUNCH(moept__k_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(
                 c->ids[f->nb], c->slot_of, T_ * c->sp.K, (int)E, c->lrank, c->hist);
         MOEPT__PRE(cudaGetLastError());
     }
-    MOEPT__LAUNCH(moept__k_plan_scan, 1, MOEPT__TB, 0, c->s)(
+    MOEPT__LAUNCH(moept__k_count_scan, 1, MOEPT__TB, 0, c->s)(
             c->hist, nblk, (int)E, f->cap, c->kept, c->koff, c->msg, c->bad, f->host_bad, T_, f->tag,
             !c->sp.global_balance && c->sp.z_coef > 0.0f, c->Rcap, c->B, c->lstat);
     MOEPT__PRE(cudaGetLastError());
@@ -2252,27 +2302,27 @@ static void moept__fwd_loss_check(moept__cuda *c, moept__fwd *f) {
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
     int zbad = p->z_coef > 0.0f && !moept__finite_as_float(c->h_lstat[3 * E + 1] / Tl), abad = 0;
     if (p->global_balance && !zbad && p->aux_coef > 0.0f)
-        abad = !moept__finite_as_float(moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl,
-                                                           p->aux_coef, c->h_aux_g));
+        abad = !moept__finite_as_float(moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K,
+                                                           p->aux, Tl, p->aux_coef, c->h_aux_g));
     if (zbad || abad)
-        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: the %s loss is not finite from finite inputs; the step "
-                 "is rejected, run forward again", zbad ? "z" : "aux");
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: the %s loss is not finite from finite inputs; "
+                 "the step is rejected, run forward again", zbad ? "z" : "aux");
 }
 
-/* 5. agreement: every rank made this call (the tags) and read the same
+/* 5. agree_growth: every rank made this call (the tags) and read the same
    flags; then the receive sizes of every rank against the capacity it sent
    (ranks with fewer max_tokens start smaller): growth (rare) is agreed in a
    second round */
-static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
+static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank, M = c->M;
     for (int64_t q = 0; q < P; q++)
         if (c->h_msg_all[q * M + E + 1] != f->tag)
-            return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: the ranks' call sequences differ (another "
-                                "rank made another group call here); nothing changed");
+            return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: the ranks' call sequences differ "
+                                "(another rank made another group call here); nothing changed");
     if (!f->host_bad && c->h_bad[0] != ULLONG_MAX)
-        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: x[%lld][%lld] is not finite", (long long)(c->h_bad[0] / D),
-                 (long long)(c->h_bad[0] % D));
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: x[%lld][%lld] is not finite",
+                 (long long)(c->h_bad[0] / D), (long long)(c->h_bad[0] % D));
     else if (!f->host_bad && c->h_bad[1] != ULLONG_MAX)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: router logits of token %lld are not finite",
                  (long long)c->h_bad[1]);
@@ -2287,8 +2337,8 @@ static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
                                  : f->reject ? f->reject : f->host_bad ? MOEPT_ERR_INVALID_ARGUMENT
                                  : MOEPT_ERR_NUMERIC, "%s", f->local);
     if (failed)
-        return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing changed",
-                            (long long)failed);
+        return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; "
+                            "nothing changed", (long long)failed);
     int64_t anyone_grows = 0;
     for (int64_t q = 0; q < P; q++) {
         int64_t Rq = 0;
@@ -2308,15 +2358,16 @@ static moept_status moept__fwd_agree(moept__cuda *c, moept__fwd *f, char *err) {
     }
     for (int64_t q = 0; q < P; q++)
         if (!c->grow_ok[q])
-            return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY,
-                                "moept_forward: EP rank %lld cannot grow its receive buffers; nothing changed", (long long)q);
+            return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: EP rank %lld cannot grow its "
+                                "receive buffers; nothing changed", (long long)q);
     return MOEPT_OK;
 }
 
-/* 6. commit: the step's counts, offsets and exchange pieces on the host */
-static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer_rows, moept__cuda_step *out) {
+/* 6. commit: the step's counts, from the agreed message (chunked: per
+   chunk too; kept: a rejected step's message must not change them) */
+static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_step *out) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank;
+    const int64_t E = p->E, El = p->El, P = p->P, me = p->rank;
     c->cur = f->nb;
     c->T = f->T;
     c->xf_committed = 1;
@@ -2324,49 +2375,15 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, int64_t *peer
     c->bwd_done = 0;
     c->R = f->R;
     const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
-    c->offsets[0] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        c->counts[e] = mine[e];
-        c->offsets[e + 1] = c->offsets[e] + mine[e];
-    }
-    c->N = c->offsets[E];
+    for (int64_t e = 0; e < E; e++) c->counts[e] = mine[e];
     for (int64_t s = 0; s < P; s++)
         for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * M + me * El + j];
-    /* chunked: each chunk's first row, as running sums (kept: a rejected
-       step's message must not change them) */
-    for (int64_t ch = 0; ch <= C && C > 1; ch++) {
-        for (int64_t e = 0; e < E; e++)
-            c->ccum[ch * E + e] = ch ? c->ccum[(ch - 1) * E + e] + mine[E + 3 + (ch - 1) * E + e] : 0;
+    for (int64_t ch = 0; ch < C && C > 1; ch++) { /* the message's tail: [C][E] per rank */
+        for (int64_t e = 0; e < E; e++) c->ccnt[ch * E + e] = mine[E + 3 + ch * E + e];
         for (int64_t s = 0; s < P; s++)
-            for (int64_t j = 0; j < El; j++) {
-                int64_t *r = &c->rccum[(s * (C + 1) + ch) * El + j];
-                *r = ch ? r[-El] + c->h_msg_all[s * M + E + 3 + (ch - 1) * E + me * El + j] : 0;
-            }
+            for (int64_t j = 0; j < El; j++)
+                c->rccnt[(s * C + ch) * El + j] = c->h_msg_all[s * M + E + 3 + ch * E + me * El + j];
     }
-    c->roffsets[0] = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t n = 0;
-        for (int64_t s = 0; s < P; s++) n += c->rcounts[s * El + j];
-        c->roffsets[j + 1] = c->roffsets[j] + n;
-    }
-    for (int64_t q = 0; q < P; q++) peer_rows[q] = peer_rows[P + q] = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t off = c->roffsets[j];
-        for (int64_t q = 0; q < P; q++) {
-            int64_t e = q * El + j;
-            c->send_segs[q * El + j].offset = c->offsets[e] * D;
-            c->send_segs[q * El + j].count = c->counts[e] * D;
-            c->recv_segs[q * El + j].offset = off * D;
-            c->recv_segs[q * El + j].count = c->rcounts[q * El + j] * D;
-            off += c->rcounts[q * El + j];
-            peer_rows[q] += c->counts[e];
-            peer_rows[P + q] += c->rcounts[q * El + j];
-        }
-    }
-    out->rows_sent = out->rows_received = 0;
-    for (int64_t q = 0; q < P; q++)
-        if (q != me) { out->rows_sent += peer_rows[q]; out->rows_received += peer_rows[P + q]; }
-    out->N = c->N;
     out->R = f->R;
     out->capacity = f->cap;
 }
@@ -2377,7 +2394,8 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E;
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
-    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef, c->h_aux_g);
+    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef,
+                                         c->h_aux_g);
     out->z_value = c->h_lstat[3 * E + 1] / Tl;
     out->loss_T = Tl;
     c->loss_T = Tl;
@@ -2387,20 +2405,40 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
     return MOEPT_OK;
 }
 
-/* 8. dispatch: plan placement, then the rows go once: x -> send buffer ->
-   experts (chunked: the pipeline sends them chunk by chunk) */
-template <typename T>
-static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+/* 8. plan: each row's place on the device (moept__k_plan_place: row_of,
+   tok_of_row, from the count's kept rows per block), and on the host each
+   slot's first row, each local expert's, the exchange's pieces and the rows
+   per peer (sync-free: the fixed blocks of moept__sf_layout) */
+static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, K = p->K, T_ = c->T;
+    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, K = p->K, T_ = c->T;
+    if (!c->B) {
+        c->offsets[0] = 0;
+        for (int64_t e = 0; e < E; e++) c->offsets[e + 1] = c->offsets[e] + c->counts[e];
+        c->N = out->N = c->offsets[E];
+        moept__plan_roffsets(P, El, c->rcounts, c->roffsets);
+        moept__plan_segs(P, El, D, c->offsets, c->counts, c->rcounts, c->roffsets, c->send_segs,
+                         c->recv_segs);
+        moept__plan_peer_rows(P, El, p->rank, c->counts, c->rcounts, El, peer_rows, &out->rows_sent,
+                              &out->rows_received);
+    }
     if (c->B) /* the blocks' unused rows */
         MOEPT__CU(cudaMemsetAsync(c->tok_of_row, 0xff, (size_t)c->N * 8, c->s));
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_plan_place, (unsigned)((T_ * K + 255) / 256), 256, 0, c->s)(
-            c->ids[c->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)p->E, c->row_of,
+            c->ids[c->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)E, c->row_of,
             c->tok_of_row, c->kslot_of_row);
         MOEPT__LAUNCHED();
     }
+    return MOEPT_OK;
+}
+
+/* 9. dispatch: the rows go once: x -> send buffer -> experts (chunked: the
+   pipeline sends them chunk by chunk) */
+template <typename T>
+static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t D = p->D;
     void *xs = p->P > 1 ? c->xs : c->xr; /* at one rank the permuted rows are the experts' rows */
     if (c->N > 0) {
         const int vec = moept__vec<T>(D, x, xs);
@@ -2431,12 +2469,13 @@ static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
     return MOEPT_OK;
 }
 
-/* 9. experts: the routed FFNs, their rows' way back (in flight while the
+/* 10. experts: the routed FFNs, their rows' way back (in flight while the
    shared expert and its gate run) */
 template <typename T>
 static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr, err));
+    MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a,
+                                 c->yr, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, c->ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
     MOEPT__TRY(moept__shared_fwd<T>(c, x, err));
@@ -2444,7 +2483,7 @@ static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_s
     return MOEPT_OK;
 }
 
-/* 10. combine tokens [t0, t1): y = sum_k w_k (expert rows) + the shared
+/* 11. combine tokens [t0, t1): y = sum_k w_k (expert rows) + the shared
    expert's (gated) */
 template <typename T>
 static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t t1, char *err) {
@@ -2470,27 +2509,12 @@ static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t
    lands where the one-chunk step puts it, and the per-row math is the same. */
 
 /* Chunk ch's exchange pieces (c->csend, c->crecv) and its row runs on the
-   expert side (c->cruns [3][G]); returns the runs. */
+   expert side (c->cruns [3][G]); returns the runs (moept.h's
+   moept__plan_chunk, as moept.c's moept__chunk_plan). */
 static int64_t moept__chunk_plan(moept__cuda *c, int64_t ch) {
-    const int64_t D = c->sp.D, El = c->sp.El, P = c->sp.P, E = c->sp.E, C = c->C, G = c->G;
-    const int64_t *cum = c->ccum + ch * E;
-    for (int64_t e = 0; e < E; e++) { /* slot e = (q, j) is piece q * El + j */
-        c->csend[e].offset = (c->offsets[e] + cum[e]) * D;
-        c->csend[e].count = (cum[E + e] - cum[e]) * D;
-    }
-    int64_t n = 0, *runs = c->cruns;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t base = c->roffsets[j];
-        for (int64_t p = 0; p < P; p++) {
-            const int64_t *rc = c->rccum + (p * (C + 1) + ch) * El + j;
-            int64_t before = rc[0], rows = rc[El] - rc[0];
-            c->crecv[p * El + j].offset = (base + before) * D;
-            c->crecv[p * El + j].count = rows * D;
-            if (rows) { runs[n] = base + before; runs[G + n] = rows; runs[2 * G + n] = j; n++; }
-            base += c->rcounts[p * El + j];
-        }
-    }
-    return n;
+    const moept__cuda_spec *p = &c->sp;
+    return moept__plan_chunk(ch, c->C, p->P, p->El, p->D, c->offsets, c->ccnt, c->rcounts, c->roffsets,
+                             c->rccnt, c->csend, c->crecv, c->cruns);
 }
 
 /* the activation of a chunk's n runs (bwd: dh over h from da in dar) */
@@ -2619,16 +2643,15 @@ static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, m
     return bwd ? MOEPT_OK : moept__fwd_combine<T>(c, y, moept__chunk_start(T_, C, C - 1), T_, err);
 }
 
-/* The forward, stage by stage as moept.c's: route -> plan -> (counts agreed,
-   committed) -> dispatch -> experts -> combine; chunked, the last three as
-   one pipeline. */
 /* Sync-free 4-6: the counts and statistics shared on the device, the checks
    agreed there (moept__k_sf_agree: reported later), and the step committed
    to its fixed blocks; a host-detected failure fails this rank's call after
    the collectives (its peers see it in the flags) */
 static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
+    MOEPT__STAGE("exchange_counts");
     MOEPT__TRY(moept__fwd_share(c, out, err));
+    MOEPT__STAGE("agree_growth");
     MOEPT__LAUNCH(moept__k_sf_agree, 1, 1, 0, c->s)(c->msg_all, p->P, c->M, (int)p->E, (int)p->K, p->aux,
                                                   f->tag, p->global_balance, p->z_coef, p->aux_coef, c->lstat,
                                                   c->aux_g, c->bad, p->rank, f->host_bad);
@@ -2636,6 +2659,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
                                  : f->reject ? f->reject : MOEPT_ERR_INVALID_ARGUMENT, "%s", f->local);
+    MOEPT__STAGE("commit");
     const size_t nmsg = (size_t)(p->P * c->M) * 8, nlstat = (size_t)(3 * p->E + 3) * 8;
     MOEPT__CU(cudaMemcpyAsync(c->cmsg, c->msg_all, nmsg, cudaMemcpyDeviceToDevice, c->s));
     MOEPT__CU(cudaMemcpyAsync(c->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
@@ -2649,6 +2673,11 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
     return MOEPT_OK;
 }
 
+/* The forward, stage by stage as moept.c's (the stage map at the top):
+   checks -> route -> count -> exchange_counts -> agree_growth -> commit ->
+   losses -> plan -> dispatch -> experts -> combine; chunked, the last three
+   as one pipeline; sync-free, 4-6 on the device (moept__sf_commit) and the
+   losses read when asked for (moept__cuda_step_stats). */
 template <typename T>
 static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
                                    int64_t *peer_rows, moept__cuda_step *out, char *err) {
@@ -2660,20 +2689,26 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
     MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);
-    MOEPT__STAGE("plan");
-    moept__fwd_plan(c, &f);
+    MOEPT__STAGE("count");
+    moept__fwd_count(c, &f);
     if (c->B) {
         MOEPT__TRY(moept__sf_commit(c, &f, out, err));
     } else {
+        MOEPT__STAGE("exchange_counts");
         MOEPT__TRY(moept__fwd_exchange_counts(c, out, err));
-        MOEPT__TRY(moept__fwd_agree(c, &f, err));
-        moept__fwd_commit(c, &f, peer_rows, out); /* nothing fails from here on but the device */
+        MOEPT__STAGE("agree_growth");
+        MOEPT__TRY(moept__fwd_agree_growth(c, &f, err));
+        MOEPT__STAGE("commit");
+        moept__fwd_commit(c, &f, out); /* nothing fails from here on but the device */
+        MOEPT__STAGE("losses");
         MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
     }
     /* y's finiteness, checked by the combine as it writes y and read by the
        backward's host sync (a sync here would stall the host's run-ahead):
        a committed step's flag, which no rejected forward resets */
     MOEPT__CU(cudaMemsetAsync(&c->bad[4], 0xff, 8, c->s));
+    MOEPT__STAGE("plan");
+    MOEPT__TRY(moept__fwd_plan(c, peer_rows, out, err));
     MOEPT__STAGE("dispatch");
     MOEPT__TRY(moept__fwd_dispatch<T>(c, x, out, err));
     if (c->C > 1) {
@@ -2723,8 +2758,8 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
     }
     for (int64_t q = 0; q < P; q++) {
         if (c->h_msg_all[q * M + E + 1] != tag)
-            return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: the ranks' call sequences differ (another "
-                                "rank made another group call here); nothing changed");
+            return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: the ranks' call sequences differ "
+                                "(another rank made another group call here); nothing changed");
         failed += c->h_msg_all[q * M + E] != 0;
         yfail += c->h_msg_all[q * M + E + 2] != 0;
     }
@@ -2732,7 +2767,8 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
     if (local[0]) return moept__kfail(err, why, "%s", local);
     if (failed)
         return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; %s",
-                            (long long)failed, yfail ? "the step is rejected, run forward again" : "nothing changed");
+                            (long long)failed,
+                            yfail ? "the step is rejected, run forward again" : "nothing changed");
     return MOEPT_OK;
 }
 
@@ -2754,7 +2790,8 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
         snprintf(local, sizeof local, "moept_backward: no forward to differentiate");
     } else if (c->bwd_done) { /* ys and h were overwritten in place */
         why = MOEPT_ERR_STATE;
-        snprintf(local, sizeof local, "moept_backward: this forward was already differentiated; run forward again");
+        snprintf(local, sizeof local,
+                 "moept_backward: this forward was already differentiated; run forward again");
     } else if (T_ > 0 && (!x || !dy || !dx)) {
         why = MOEPT_ERR_INVALID_ARGUMENT;
         snprintf(local, sizeof local, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
@@ -2781,9 +2818,9 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
     int ybad = !local[0] && T_ > 0 && c->h_bad[4] != ULLONG_MAX;
     if (ybad) {
         why = MOEPT_ERR_NUMERIC;
-        snprintf(local, sizeof local, "moept_backward: the forward's y[%lld][%lld] was not finite from finite "
-                 "inputs (an overflow?); the step is rejected, run forward again", (long long)(c->h_bad[4] / D),
-                 (long long)(c->h_bad[4] % D));
+        snprintf(local, sizeof local, "moept_backward: the forward's y[%lld][%lld] was not finite from "
+                 "finite inputs (an overflow?); the step is rejected, run forward again",
+                 (long long)(c->h_bad[4] / D), (long long)(c->h_bad[4] % D));
     } else if (!local[0] && T_ > 0 && c->h_bad[2] != ULLONG_MAX) {
         why = MOEPT_ERR_NUMERIC;
         snprintf(local, sizeof local, "moept_backward: dy[%lld][%lld] is not finite",
@@ -2827,8 +2864,8 @@ static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_s
     void *ys = p->P > 1 ? c->ys : c->yr;
     const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN;
     if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, c->send_segs, c->yr, c->recv_segs, both, out, err));
-    MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a, c->yr,
-                                 err));
+    MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a,
+                                 c->yr, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
     MOEPT__TRY(moept__shared_bwd<T>(c, x, err));
@@ -2868,9 +2905,9 @@ static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
     /* the router's weights (fp32 rows of D) are read as vectors of as many lanes */
     const int vec = moept__vec<T>(D, ys, yss, dx) && moept__vec<T>(0, c->params); /* D % V: Wr's rows too */
     const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
-    MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss, gate ? c->dsg : NULL,
-                    gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_, (int)D, (int)p->K,
-                    (int)p->E, dx, &c->bad[5]);
+    MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss,
+                    gate ? c->dsg : NULL, gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_,
+                    (int)D, (int)p->K, (int)p->E, dx, &c->bad[5]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }

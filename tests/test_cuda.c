@@ -964,8 +964,13 @@ typedef struct stage_pin {
 static const stage_pin stage_pins[] = {
     {"weights", {0, 0}, {0, 0}, 0, {0, 0}, 0},      /* the bf16 cast: parameters unchanged, none */
     {"route", {3, 3}, {1, 1}, 0, {1, 1}, 16},       /* x check (+ xf), router GEMM, top-k, loss statistics */
-    {"plan", {2, 2}, {0, 0}, 1, {0, 0}, 0},         /* count, scan; the step's one forward host sync */
-    {"dispatch", {2, 2}, {0, 0}, 0, {0, 0}, 16},    /* place, gather */
+    {"count", {2, 2}, {0, 0}, 0, {0, 0}, 0},        /* count, scan */
+    {"exchange_counts", {0, 0}, {0, 0}, 1, {0, 0}, 0}, /* the step's one forward host sync */
+    {"agree_growth", {0, 0}, {0, 0}, 0, {0, 0}, 0}, /* host checks; no growth in a steady step */
+    {"commit", {0, 0}, {0, 0}, 0, {0, 0}, 0},
+    {"losses", {0, 0}, {0, 0}, 0, {0, 0}, 0},       /* host arithmetic, the aux factors uploaded */
+    {"plan", {1, 1}, {0, 0}, 0, {0, 0}, 0},         /* place */
+    {"dispatch", {1, 1}, {0, 0}, 0, {0, 0}, 16},    /* gather */
     {"experts", {1, 1}, {2, 2}, 0, {1, 1}, 16},     /* gate/up GEMM, activation, down GEMM */
     {"combine", {1, 1}, {0, 0}, 0, {0, 0}, 10},     /* combine, y's check inside */
     {"bwd.agree", {1, 1}, {0, 0}, 1, {0, 0}, 16},   /* dy check; the agreement's host sync */

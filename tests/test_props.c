@@ -509,6 +509,74 @@ static void test_gpu_plan_emulated(void) {
     }
 }
 
+/* The host plan both executors call (moept.h's moept__plan_*), against the
+   layout walked row by row: the send side slot by slot, then chunk by
+   chunk; the expert side expert by expert, then by source rank, then by
+   chunk. Random counts (empty pieces included) at P 3, El 2, C 3. */
+static void test_host_plan(void) {
+    enum { P = 3, El = 2, E = P * El, C = 3, D = 5 };
+    int64_t ccnt[C * E], rccnt[P * C * El], counts[E] = {0}, rcounts[P * El] = {0}, offsets[E + 1] = {0};
+    int64_t roffsets[El + 1], peer[2 * P], runs[3 * P * El], sent, recv, want_ro[El + 1];
+    int64_t sstart[C][E], rstart[C][P * El]; /* each chunk's first row of each piece, walked */
+    moept_seg ss[E], rs[E], cs[E], cr[E];
+    uint64_t st = 7;
+    for (int64_t i = 0; i < C * E; i++) ccnt[i] = (int64_t)(moept__mix(&st) % 4); /* 0..3 */
+    for (int64_t i = 0; i < P * C * El; i++) rccnt[i] = (int64_t)(moept__mix(&st) % 4);
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t e = 0; e < E; e++) counts[e] += ccnt[c * E + e];
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t c = 0; c < C; c++)
+            for (int64_t j = 0; j < El; j++) rcounts[p * El + j] += rccnt[(p * C + c) * El + j];
+    for (int64_t e = 0, at = 0; e < E; e++) {
+        offsets[e] = at;
+        for (int64_t c = 0; c < C; c++) { sstart[c][e] = at; at += ccnt[c * E + e]; }
+        offsets[e + 1] = at;
+    }
+    for (int64_t j = 0, at = 0; j < El; j++) {
+        want_ro[j] = at;
+        for (int64_t p = 0; p < P; p++)
+            for (int64_t c = 0; c < C; c++) { rstart[c][p * El + j] = at; at += rccnt[(p * C + c) * El + j]; }
+        want_ro[j + 1] = at;
+    }
+    moept__plan_roffsets(P, El, rcounts, roffsets);
+    moept__plan_segs(P, El, D, offsets, counts, rcounts, roffsets, ss, rs);
+    for (int64_t j = 0; j <= El; j++) EXPECT(roffsets[j] == want_ro[j], "roffsets[%lld]", (long long)j);
+    for (int64_t e = 0; e < E; e++)
+        EXPECT(ss[e].offset == offsets[e] * D && ss[e].count == counts[e] * D && rs[e].offset ==
+               rstart[0][e] * D && rs[e].count == rcounts[e] * D, "piece %lld", (long long)e);
+    for (int64_t me = 0; me < P; me++) {
+        moept__plan_peer_rows(P, El, me, counts, rcounts, El, peer, &sent, &recv);
+        int64_t ws = 0, wr = 0;
+        for (int64_t q = 0; q < P; q++) {
+            int64_t s = 0, r = 0;
+            for (int64_t j = 0; j < El; j++) { s += counts[q * El + j]; r += rcounts[q * El + j]; }
+            EXPECT(peer[q] == s && peer[P + q] == r, "me %lld: peer %lld rows", (long long)me, (long long)q);
+            if (q != me) { ws += s; wr += r; }
+        }
+        EXPECT(sent == ws && recv == wr, "me %lld: sent %lld received %lld", (long long)me, (long long)sent,
+               (long long)recv);
+    }
+    for (int64_t c = 0; c < C; c++) {
+        int64_t w = 0, n = moept__plan_chunk(c, C, P, El, D, offsets, ccnt, rcounts, roffsets, rccnt, cs, cr,
+                                             runs);
+        for (int64_t e = 0; e < E; e++) { /* piece e: slot e sent, rank e / El's rows for expert e % El */
+            int64_t rows = rccnt[(e / El * C + c) * El + e % El];
+            EXPECT(cs[e].offset == sstart[c][e] * D && cs[e].count == ccnt[c * E + e] * D &&
+                   cr[e].offset == rstart[c][e] * D && cr[e].count == rows * D, "chunk %lld piece %lld",
+                   (long long)c, (long long)e);
+        }
+        for (int64_t j = 0; j < El; j++)
+            for (int64_t p = 0; p < P; p++) {
+                int64_t rows = rccnt[(p * C + c) * El + j];
+                if (!rows) continue;
+                EXPECT(w < n && runs[w] == rstart[c][p * El + j] && runs[P * El + w] == rows &&
+                       runs[2 * P * El + w] == j, "chunk %lld run %lld", (long long)c, (long long)w);
+                w++;
+            }
+        EXPECT(n == w, "chunk %lld: %lld runs, %lld walked", (long long)c, (long long)n, (long long)w);
+    }
+}
+
 /* Naive column-major GEMM, as BLAS/cuBLAS define it. */
 static void colmajor_ref(const moept__gemm_cm *g) {
     const float *A = g->a, *B = g->b;
@@ -860,6 +928,7 @@ int main(void) {
     RUN(test_update_bias);
     RUN(test_gemm_all_transposes);
     RUN(test_gpu_plan_emulated);
+    RUN(test_host_plan);
     RUN(test_chunk_of_token);
     RUN(test_cublas_arguments);
     RUN(test_bf16_rounding);
