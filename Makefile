@@ -31,8 +31,6 @@ CUDA_OK := $(if $(NVCC),$(shell printf '\043include <nccl.h>\n\043include <cubla
 CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 --fmad=false -Xcompiler -Wall,-Wextra,-Wno-unknown-pragmas $(CUDA_ARCHS)
 CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lnccl -lstdc++
-CUDA_BINS = $(if $(CUDA_OK),$(B)/moept_check_cuda $(B)/test_cuda $(B)/test_fault $(B)/train_cuda $(B)/bench_cuda \
-            $(if $(MPICC),$(B)/moept_check_cuda_mpi $(B)/train_cuda_mpi))
 
 # the emulated GPU (tests/emu; rules at the end): needs only the CUDA, cuBLAS and NCCL headers
 EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/include; do [ -f $$d/cuda_runtime.h ] && [ -f $$d/cublas_v2.h ] && echo -I$$d && break; done) $(if $(wildcard $(NCCL_HOME)/include/nccl.h),-I$(NCCL_HOME)/include)
@@ -45,22 +43,17 @@ EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
 EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0 \
              -fno-tree-sra
 EMU_LIBS = -lstdc++ -lm -pthread
-EMU_BINS = $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_cuda $(B)/emu/test_fault $(B)/emu/train \
-           $(B)/emu/bench_cuda $(B)/emu/test_emu \
-           $(B)/emu-san/moept_check $(if $(MPICC),$(B)/emu/moept_check_mpi $(B)/emu/train_mpi))
 
 
 SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
-TESTS   = test_grad test_props test_errors test_ep test_ckpt test_overlap test_fsdp test_calls
-TEST_BINS = $(TESTS:%=$(B)/%)
 HDRS    = moept.h
 
 
-.PHONY: bench-busy cuda all test test-build stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
+.PHONY: bench-busy cuda emu all test test-build check stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
 
-# (train_mpi where mpicc is found: the README's mpirun lines run it)
-all: info $(B)/moept_check $(TEST_BINS) $(B)/train $(if $(MPICC),$(B)/train_mpi) $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
+# (train_mpi where mpicc is found: the README's mpirun lines run it; the test programs: below)
+all: info $(B)/moept_check $(B)/train $(if $(MPICC),$(B)/train_mpi) $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
 
 info:
 	@echo "moept build: CC=$(CC) openmp=$(if $(OMP),yes,no) openblas=$(if $(CBLAS_LIBS),yes,no) mpi=$(if $(MPICC),yes,no) cuda=$(if $(CUDA_OK),$(CUDA_HOME) (nvcc + cuBLAS + NCCL),no)"
@@ -74,39 +67,48 @@ $(B)/moept.o: moept.c $(HDRS) | $(B)
 $(B)/moept_check: tests/moept_check.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
-# white-box tests include moept.c directly (one translation unit)
-$(B)/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
-	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
+# A white-box test (one that includes moept.c: it reads the internals) is one
+# translation unit; a test of the public API links the build's moept.o.
+linked = $(if $(shell grep -l '^.include "\.\./moept\.c"' $(1)),,$(2))
 
-$(B)/san/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
-	@mkdir -p $(B)/san
-	$(CC) -O1 -g $(WARN) -D_DEFAULT_SOURCE $(OMP) $(SAN) $< -o $@ $(LDLIBS)
+$(B)/test_%: tests/test_%.c $(B)/moept.o $(HDRS) tests/testutil.h
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< $(call linked,$<,$(B)/moept.o) -o $@ $(LDLIBS)
 
-$(B)/san/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
-	@mkdir -p $(B)/san
-	$(CC) -O1 -g $(WARN) $(OMP) $(SAN) tests/moept_check.c moept.c -o $@ $(LDLIBS)
+# The test variants, a directory each: DIR, compiler, flags, libraries. DIR/moept.o is
+# compiled once; moept_check and the public-API tests link it.
+define variant
+$(B)/$(1)/moept.o: moept.c $(HDRS)
+	@mkdir -p $$(@D)
+	$(2) $(3) $(WARN) -c moept.c -o $$@
 
-$(B)/cblas/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
-	@mkdir -p $(B)/cblas
-	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CBLAS tests/moept_check.c moept.c -o $@ $(LDLIBS) $(CBLAS_LIBS)
+$(B)/$(1)/moept_check: tests/moept_check.c $(B)/$(1)/moept.o
+	$(2) $(3) $(WARN) $$< $(B)/$(1)/moept.o -o $$@ $(LDLIBS) $(4)
 
-$(B)/cblas/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
-	@mkdir -p $(B)/cblas
-	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CBLAS $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
+$(B)/$(1)/test_%: tests/test_%.c $(B)/$(1)/moept.o $(HDRS) tests/testutil.h
+	$(2) $(3) $(WARN) -D_DEFAULT_SOURCE $$< $$(call linked,$$<,$(B)/$(1)/moept.o) -o $$@ $(LDLIBS) $(4)
+endef
+$(eval $(call variant,san,$(CC),-O1 -g $(OMP) $(SAN)))
+$(eval $(call variant,cblas,$(CC),$(CFLAGS) $(OMP) -DMOEPT_CBLAS,$(CBLAS_LIBS)))
+# valgrind: a plain build (no OpenMP: libgomp's pool reads as leaks)
+$(eval $(call variant,vg,$(CC),-O1 -g))
+# ThreadSanitizer over the threads backend (no OpenMP: libgomp is not instrumented)
+$(eval $(call variant,tsan,$(CC),-O1 -g -fsanitize=thread))
 
-$(B)/moept_check_mpi: tests/moept_check.c moept.c $(HDRS) | $(B)
-	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI tests/moept_check.c moept.c -o $@ $(LDLIBS)
+$(B)/mpi/moept.o: moept.c $(HDRS)
+	@mkdir -p $(@D)
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI -c moept.c -o $@
+
+$(B)/moept_check_mpi: tests/moept_check.c $(B)/mpi/moept.o
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< $(B)/mpi/moept.o -o $@ $(LDLIBS)
 
 # the same with 7-element message chunks and a tiny "INT_MAX": every
 # large-count path (chunked pieces, chunked all-reduce, p2p all-gather) runs
 $(B)/moept_check_mpi_chunked: tests/moept_check.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI -DMOEPT__MPI_CHUNK=7 -DMOEPT__MPI_INT_MAX=5 tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
-$(B)/test_overlap_mpi: tests/test_overlap.c moept.c $(HDRS) tests/testutil.h | $(B)
-	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
-
-$(B)/test_calls_mpi: tests/test_calls.c moept.c $(HDRS) tests/testutil.h | $(B)
-	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
+$(B)/test_%_mpi: tests/test_%.c $(B)/mpi/moept.o $(HDRS) tests/testutil.h
+	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< $(call linked,$<,$(B)/mpi/moept.o) -o $@ \
+	    $(LDLIBS)
 
 # the kill -9 loop's worker (tests/crash.sh)
 $(B)/crash_save: tests/crash_save.c moept.c $(HDRS) | $(B)
@@ -115,8 +117,8 @@ $(B)/crash_save: tests/crash_save.c moept.c $(HDRS) | $(B)
 $(B)/crash_save_mpi: tests/crash_save.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
-$(B)/train_mpi: examples/train.c moept.c $(HDRS) | $(B)
-	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI examples/train.c moept.c -o $@ $(LDLIBS)
+$(B)/train_mpi: examples/train.c $(B)/mpi/moept.o
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< $(B)/mpi/moept.o -o $@ $(LDLIBS)
 
 $(B)/train: examples/train.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
@@ -164,6 +166,8 @@ $(B)/cuda/moept_kernels.o: moept_kernels.cu $(HDRS) | $(B)
 	$(NVCC) $(NVCCFLAGS) -Xptxas -v -c moept_kernels.cu -o $@ 2> $(B)/cuda/ptxas.txt || { cat $(B)/cuda/ptxas.txt; exit 1; }
 	@grep -v '^ptxas info' $(B)/cuda/ptxas.txt >&2 || true
 
+$(B)/cuda/ptxas.txt: $(B)/cuda/moept_kernels.o ;
+
 $(B)/cuda/moept.o: moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cuda
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) -c moept.c -o $@
@@ -203,8 +207,6 @@ $(B)/train_cuda_mpi: examples/train.c $(CUDA_MPI_OBJS)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) $< $(CUDA_MPI_OBJS) -o $@ \
 	    $(CUDA_LIBS) $(LDLIBS)
 
-cuda: $(CUDA_BINS)
-
 # The builtin GEMM's other kernels, each over the reference cases and the
 # gradient checks: the portable C kernel (vector extensions, and scalar),
 # -march=x86-64-v3 (AVX2+FMA, what a distribution ships) and x86-64-v4
@@ -218,80 +220,49 @@ GEMM_V4 := $(if $(ARCH_X86),$(if $(filter avx512f,$(CPUFLAGS)),yes))
 AARCH64_CC := $(shell command -v aarch64-linux-gnu-gcc 2>/dev/null)
 QEMU_AARCH64 := $(shell command -v qemu-aarch64 2>/dev/null || command -v qemu-aarch64-static 2>/dev/null)
 A64_OK := $(if $(AARCH64_CC),$(if $(QEMU_AARCH64),yes))
-GEMM_TESTS = moept_check test_grad test_props
-GEMM_BINS = $(GEMM_TESTS:%=$(B)/gemm-portable/%) $(B)/gemm-scalar/moept_check $(B)/gemm-scalar/test_props \
-            $(if $(GEMM_V3),$(GEMM_TESTS:%=$(B)/gemm-v3/%)) $(if $(GEMM_V4),$(GEMM_TESTS:%=$(B)/gemm-v4/%)) \
-            $(if $(A64_OK),$(GEMM_TESTS:%=$(B)/aarch64/%) $(B)/aarch64/test_ep)
 GEMM_FLAGS_portable = -DMOEPT_GEMM_PORTABLE
 GEMM_FLAGS_scalar = -DMOEPT_GEMM_PORTABLE -DMOEPT__GEMM_SCALAR -DMOEPT_NO_VEC
 GEMM_FLAGS_v3 = -march=x86-64-v3
 GEMM_FLAGS_v4 = -march=x86-64-v4
 
-$(B)/gemm-%/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
-	@mkdir -p $(@D)
-	$(CC) $(OPT) -g $(GEMM_FLAGS_$*) $(WARN) $(OMP) tests/moept_check.c moept.c -o $@ $(LDLIBS)
-
-$(B)/gemm-%/test_grad: tests/test_grad.c moept.c $(HDRS) tests/testutil.h | $(B)
-	@mkdir -p $(@D)
-	$(CC) $(OPT) -g $(GEMM_FLAGS_$*) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
-
-$(B)/gemm-%/test_props: tests/test_props.c moept.c $(HDRS) tests/testutil.h | $(B)
-	@mkdir -p $(@D)
-	$(CC) $(OPT) -g $(GEMM_FLAGS_$*) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
-
+$(foreach k,portable scalar v3 v4,$(eval $(call variant,gemm-$(k),$(CC),$(OPT) -g $(GEMM_FLAGS_$(k)) $(OMP))))
 # static, so qemu-user needs no aarch64 libraries at run time; no OpenMP
 # (the threads backend's pthreads still run the EP suite's ranks)
-$(B)/aarch64/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
-	@mkdir -p $(B)/aarch64
-	$(AARCH64_CC) -O2 -static $(WARN) tests/moept_check.c moept.c -o $@ $(LDLIBS)
-
-$(B)/aarch64/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
-	@mkdir -p $(B)/aarch64
-	$(AARCH64_CC) -O2 -static $(WARN) -D_DEFAULT_SOURCE $< -o $@ $(LDLIBS)
-
-# valgrind: a plain build (no OpenMP: libgomp's pool reads as leaks)
-$(B)/vg/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
-	@mkdir -p $(B)/vg
-	$(CC) -O1 -g $(WARN) -D_DEFAULT_SOURCE $< -o $@ $(LDLIBS)
-
-$(B)/vg/moept_check: tests/moept_check.c moept.c $(HDRS) | $(B)
-	@mkdir -p $(B)/vg
-	$(CC) -O1 -g $(WARN) tests/moept_check.c moept.c -o $@ $(LDLIBS)
-
-# ThreadSanitizer over the threads backend (no OpenMP: libgomp is not instrumented)
-$(B)/tsan/test_%: tests/test_%.c moept.c $(HDRS) tests/testutil.h | $(B)
-	@mkdir -p $(B)/tsan
-	$(CC) -O1 -g $(WARN) -D_DEFAULT_SOURCE -fsanitize=thread $< -o $@ $(LDLIBS)
+$(eval $(call variant,aarch64,$(AARCH64_CC),-O2 -static))
 
 VALGRIND := $(shell command -v valgrind 2>/dev/null)
-# (each list names the suites tests/run.sh runs under that variant: nothing built unrun)
-VG_TESTS = test_grad test_props test_errors test_overlap test_fsdp test_calls
-VG_BINS = $(if $(VALGRIND),$(VG_TESTS:%=$(B)/vg/%) $(B)/vg/moept_check)
-
 CASES = $(wildcard tests/cases/*.safetensors)
 
 # sanitizer runtimes: a toolchain without them skips those suites (tests/run.sh says why)
 SAN_OK  := $(shell echo 'int main(void){return 0;}' | $(CC) -x c -fsanitize=address,undefined - -o /dev/null 2>/dev/null && echo yes)
 TSAN_OK := $(shell echo 'int main(void){return 0;}' | $(CC) -x c -fsanitize=thread - -o /dev/null 2>/dev/null && echo yes)
-SAN_BINS = $(if $(SAN_OK),$(TESTS:%=$(B)/san/%) $(B)/san/moept_check)
-TSAN_TESTS = test_ep test_overlap test_calls test_props test_errors test_ckpt
-TSAN_BINS = $(if $(TSAN_OK),$(TSAN_TESTS:%=$(B)/tsan/%))
-CBLAS_TESTS = test_grad test_props test_errors
-CBLAS_BINS = $(if $(CBLAS_LIBS),$(CBLAS_TESTS:%=$(B)/cblas/%) $(B)/cblas/moept_check)
 
-# Every suite prints "ok/FAIL/skip - name" lines; tests/run.sh totals them.
-MPI_BINS = $(if $(MPICC),$(B)/moept_check_mpi $(B)/moept_check_mpi_chunked $(B)/train_mpi $(B)/test_overlap_mpi \
-             $(B)/test_calls_mpi $(B)/crash_save_mpi)
+# What to build and run comes from tests/suites (tests/run.sh --bins prints a
+# selection's build outputs); the suites print "ok/FAIL/skip - name" lines
+# and tests/run.sh totals them.
+TEST_ENV = B="$(B)" CASES="$(CASES)" MPIRUN="$(if $(MPICC),$(MPIRUN))" SAN="$(SAN_OK)" TSAN="$(TSAN_OK)" \
+           CBLAS="$(if $(CBLAS_LIBS),yes)" VALGRIND="$(VALGRIND)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" \
+           ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" EMU="$(EMU_OK)" \
+           CUDA="$(CUDA_OK)" NVCC="$(NVCC)"
+suite_outputs = $(sort $(shell $(TEST_ENV) sh tests/run.sh --bins $(1)))
+SUITE_BINS := $(call suite_outputs)
+CHECK_BINS := $(call suite_outputs,--check)
+all: $(filter $(B)/test_%,$(call suite_outputs,cpu))
+cuda: $(call suite_outputs,cuda)
+emu: $(call suite_outputs,emu)
 
 # the binaries build in parallel, a job a core; the suites then run one at a time
 NPROC := $(shell nproc 2>/dev/null || echo 1)
-test-build: all $(B)/crash_save $(SAN_BINS) $(CBLAS_BINS) $(VG_BINS) $(MPI_BINS) $(CUDA_BINS) $(EMU_BINS) \
-            $(TSAN_BINS) $(GEMM_BINS)
+test-build: all $(SUITE_BINS)
 
 test:
 	@$(MAKE) --no-print-directory -j$(NPROC) test-build
-	@CASES="$(CASES)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" \
-	AARCH64_CC="$(AARCH64_CC)" CBLAS="$(if $(CBLAS_LIBS),yes,)" VALGRIND="$(VALGRIND)" MPIRUN="$(if $(MPICC),$(MPIRUN),)" CUDA="$(CUDA_OK)" EMU="$(EMU_OK)" NVCC="$(NVCC)" sh tests/run.sh
+	@$(TEST_ENV) sh tests/run.sh
+
+# the edit-compile loop's subset (tests/suites' "check" lines), about a minute
+check:
+	@$(MAKE) --no-print-directory -j$(NPROC) $(CHECK_BINS)
+	@$(TEST_ENV) sh tests/run.sh --check
 
 # the example's 200 steps alone and beside a busy process per core, one run
 bench-busy: $(B)/train
@@ -426,4 +397,3 @@ $(B)/emu-san/moept_check: tests/moept_check.c moept.c moept_kernels.cu $(HDRS) $
 	$(EMU_CXX) -O1 $(SAN) -x c++ -include tests/emu/cuda_emu.h -c moept_kernels.cu -o $(B)/emu-san/moept_kernels.o
 	$(CC) -O1 -g $(WARN) $(SAN) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) tests/moept_check.c moept.c $(B)/emu-san/*.o -o $@ $(EMU_LIBS)
 
-emu: $(EMU_BINS)

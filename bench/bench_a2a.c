@@ -110,7 +110,8 @@ static void rank_run(const void *kv, moept_comm *c, void *outv) {
     moept_destroy(L);
 }
 
-static void report(const char *backend, const cfg *k, res *all) {
+/* prints the RESULT line; returns whether every rank moved exactly its rows' bytes */
+static int report(const char *backend, const cfg *k, res *all) {
     double sm = 0, sr = 0, sw = 0;
     int slow = 0;
     for (int r = 0; r < k->P; r++) {
@@ -130,6 +131,7 @@ static void report(const char *backend, const cfg *k, res *all) {
            backend, k->P, (long long)k->T, (long long)k->D, (long long)k->E, (long long)k->K, (long long)k->F,
            k->reps, sm * 1e3, sw * 1e3, sr * 1e3,
            sm / sr, algbw_m, algbw_m * f, algbw_r, algbw_r * f, slow, bytes, ok ? "yes" : "NO");
+    return ok;
 }
 
 int main(int argc, char **argv) {
@@ -152,12 +154,12 @@ int main(int argc, char **argv) {
     res all[BENCH_MAX_RANKS];
     int me = bench_run_mpi(&k.P, rank_run, &k, all, sizeof all[0]);
     if (me < 0) MPI_Abort(MPI_COMM_WORLD, 2);
-    if (me == 0) report("mpi", &k, all);
+    int exact = me != 0 || report("mpi", &k, all);
     MPI_Finalize();
 #else
     res all[BENCH_MAX_RANKS];
     if (!bench_run_threads(k.P, rank_run, &k, all, sizeof all[0])) return 2;
-    report("threads", &k, all);
+    int exact = report("threads", &k, all);
 #endif
-    return 0;
+    return exact ? 0 : 1;
 }

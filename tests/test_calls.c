@@ -12,7 +12,7 @@
    call whose arguments must match, with rank 1's differing: every rank
    fails before anything is written or changed. The same body runs on both
    backends; only uses the public API. */
-#include "../moept.c" /* one translation unit, as the other tests */
+#include "../moept.h" /* the public API only: linked with moept.o */
 #include "testutil.h"
 
 #include <dirent.h>

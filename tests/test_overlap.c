@@ -8,7 +8,7 @@
    Each rank builds both layers from the same seed, feeds both the same
    tokens (uneven per rank, some ranks with none in one step) and compares
    with memcmp. */
-#include "../moept.c" /* one translation unit, as the other tests */
+#include "../moept.h" /* the public API only: linked with moept.o */
 #include "testutil.h"
 
 #include <pthread.h>
