@@ -10,6 +10,21 @@
      Hugging Face names and orientation ([out][in], y = x W^T), so HF
      checkpoints map without transposes.
 
+   CONTENTS
+     This comment: vendoring, compile-time options, usage, conventions
+     (errors, group calls, numerics), routing, family defaults, losses,
+     padding/evaluation/jitter, inference layers, parameter names. Then the
+     declarations, each documented where it is declared: config,
+     communication (the comm table and its backends), CUDA (the executor,
+     its options and the NCCL backend), statistics, config_from_hf,
+     lifecycle, parameters, compute, resharding, gradient sync, routing and
+     statistics, safetensors, the optimizer and training checkpoints,
+     Hugging Face checkpoints. The rest of the file (MOEPT_INTERNAL) is
+     moept.c's and moept_kernels.cu's, not API.
+     Beyond this header: README.md (what runs where, quick start),
+     docs/GUIDE.md (the training loop, parallelism, your own comm backend,
+     checkpoints, errors), docs/CUDA.md (the GPU executor), docs/DESIGN.md.
+
    VENDORING
      Copy moept.h and moept.c into your project and compile moept.c as C11
      (C++ code includes moept.h and links moept.o). The builtin GEMM's
@@ -387,7 +402,8 @@ typedef struct moept_config {
                                          bitwise equal to C = 1 (builtin GEMM; CUDA:
                                          cuBLAS may round other row counts apart);
                                          the CUDA executor chunks only at EP > 1 */
-    moept_sharding expert_sharding;   /* MOEPT_SHARD_EP (default) or MOEPT_SHARD_FSDP */
+    moept_sharding expert_sharding;   /* MOEPT_SHARD_EP (default) or MOEPT_SHARD_FSDP
+                                         (CPU layers) */
     float router_jitter;              /* eps >= 0 (0 = off): a training forward's router
                                          sees x * u, u uniform in [1 - eps, 1 + eps) per
                                          element (Switch/Megatron input jitter; see ROUTER
@@ -503,6 +519,12 @@ void moept_comm_destroy(moept_comm *c);
    fails with MOEPT_ERR_UNSUPPORTED and moept_cuda_device_count is 0; with
    it but no device, with MOEPT_ERR_DEVICE: a caller can fall back to
    moept_create by status).
+   What the CUDA executor does not run it refuses on every rank with
+   MOEPT_ERR_UNSUPPORTED, "<call>: <feature> is not supported by the CUDA
+   executor": at create config.router_jitter, inference_only, grad_backup,
+   MOEPT_AUX_SEQ and expert_sharding = MOEPT_SHARD_FSDP; a padding mask
+   (opts.mask) at the forward; moept_reshard. Its comms are NCCL comms
+   (moept_comm_nccl); a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes
    that device current for its duration (the caller's is restored), so any
    thread may call it; its NCCL comms must be on the same device. A kernel
@@ -798,7 +820,9 @@ moept_status moept_zero_grad(moept_layer *layer);
    rank is one expert; experts that stay are not touched (an arriving
    expert takes the place a leaving one freed). Parameters and AdamW state move;
    gradients are zeroed. From then on the dispatch order follows the
-   placement. Every EP group of a DP layout must reshard alike. */
+   placement. Every EP group of a DP layout must reshard alike. CPU layers
+   (a CUDA layer refuses it: save a checkpoint, load it at the new
+   placement). */
 typedef struct moept_reshard_report {
     int64_t experts_moved;      /* whole group */
     int64_t bytes_sent, bytes_received; /* this rank */

@@ -212,7 +212,7 @@ static void parse(int argc, char **argv, opts *o) {
 
 static unsigned char *load_text(opts *o, int64_t *len) {
     /* a fixed text (a snapshot of this project's docs and sources), so the
-       figures in the README do not move with every edit of the sources */
+       loss figures in the docs do not move with every edit of the sources */
     static const char *defaults[] = {"examples/corpus.txt"};
     const char **files = o->ndata ? o->data : defaults;
     int nf = o->ndata ? o->ndata : (int)(sizeof defaults / sizeof defaults[0]);

@@ -1,9 +1,9 @@
 #!/bin/sh
 # usage: tools/loss_table.sh   (from the repository root, after make)
-# The README's example loss table: build/train at EP=1, EP=4 over threads and
-# EP=4 over MPI (when build/train_mpi and mpirun exist), make run's settings,
-# on the shipped text; prints the markdown table and the largest difference
-# from EP=1. Logs go to build/ep1.csv, build/ep4.csv, build/ep4_mpi.csv
+# The example's loss table (docs/GUIDE.md, "The training loop"): build/train at
+# EP=1, EP=4 over threads and EP=4 over MPI (when build/train_mpi and mpirun
+# exist), make run's settings, on the shipped text; prints the markdown table
+# and the largest difference from EP=1. Logs go to build/ep1.csv, build/ep4.csv, build/ep4_mpi.csv
 # (tools/plot.py draws docs/train.png from the first two).
 B=${B:-build}
 set -e
