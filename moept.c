@@ -3506,490 +3506,6 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
 }
 
 /* ------------------------------------------------------------------------
-   safetensors, read side. Strict: header length 2..100 MB and inside the
-   file; the header is a UTF-8 JSON object; __metadata__ maps strings to
-   strings; names are unique; dtypes known; shape x dtype size equals the
-   byte range; ranges tile the data area exactly (contiguous, in offset order,
-   from 0 to the end of the file: no gaps, overlaps or trailing bytes). All
-   arithmetic 64-bit with overflow checks.
-   ------------------------------------------------------------------------ */
-#define MOEPT__ST_MAX_HEADER (100 * 1000 * 1000)
-
-struct moept_st_file {
-    int fd;
-    int64_t file_size, data_start;
-    char *header;            /* [header_len + 1] decoded strings point in here */
-    moept_st_tensor *tensors; int64_t n_tensors;
-    char **meta; int64_t n_meta; /* key, value pairs */
-    int64_t bytes_read;
-};
-
-typedef struct moept__json {
-    char *p, *end;
-    const char *err;
-} moept__json;
-
-static void moept__ws(moept__json *j) {
-    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
-}
-
-static int moept__utf8_ok(const unsigned char *s, int64_t n) {
-    for (int64_t i = 0; i < n;) {
-        unsigned c = s[i];
-        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-        if (!len || i + len > n) return 0;
-        uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
-        for (int k = 1; k < len; k++) {
-            if ((s[i + k] & 0xc0) != 0x80) return 0;
-            cp = (cp << 6) | (s[i + k] & 0x3f);
-        }
-        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
-            (cp >= 0xd800 && cp <= 0xdfff)) return 0;
-        i += len;
-    }
-    return 1;
-}
-
-static int moept__hex4(const char *p, uint32_t *out) {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) {
-        char c = p[i];
-        v <<= 4;
-        if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
-        else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
-        else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
-        else return 0;
-    }
-    *out = v;
-    return 1;
-}
-
-/* Decodes a JSON string in place (the decoded form is never longer). */
-static char *moept__jstring(moept__json *j) {
-    moept__ws(j);
-    if (j->p >= j->end || *j->p != '"') { j->err = "expected a string"; return NULL; }
-    char *out = ++j->p, *w = out;
-    while (j->p < j->end && *j->p != '"') {
-        unsigned char c = (unsigned char)*j->p;
-        if (c < 0x20) { j->err = "control character in a string"; return NULL; }
-        if (c != '\\') { *w++ = *j->p++; continue; }
-        if (j->p + 1 >= j->end) { j->err = "truncated escape"; return NULL; }
-        char e = j->p[1];
-        j->p += 2;
-        switch (e) {
-        case '"': *w++ = '"'; break;
-        case '\\': *w++ = '\\'; break;
-        case '/': *w++ = '/'; break;
-        case 'b': *w++ = '\b'; break;
-        case 'f': *w++ = '\f'; break;
-        case 'n': *w++ = '\n'; break;
-        case 'r': *w++ = '\r'; break;
-        case 't': *w++ = '\t'; break;
-        case 'u': {
-            uint32_t cp, lo;
-            if (j->end - j->p < 4 || !moept__hex4(j->p, &cp)) { j->err = "bad \\u escape"; return NULL; }
-            j->p += 4;
-            if (cp >= 0xd800 && cp <= 0xdbff) {
-                if (j->end - j->p < 6 || j->p[0] != '\\' || j->p[1] != 'u' || !moept__hex4(j->p + 2, &lo) ||
-                    lo < 0xdc00 || lo > 0xdfff) { j->err = "unpaired surrogate"; return NULL; }
-                j->p += 6;
-                cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
-            } else if (cp >= 0xdc00 && cp <= 0xdfff) { j->err = "unpaired surrogate"; return NULL; }
-            if (cp == 0) { j->err = "NUL in a string"; return NULL; }
-            if (cp < 0x80) *w++ = (char)cp;
-            else if (cp < 0x800) { *w++ = (char)(0xc0 | (cp >> 6)); *w++ = (char)(0x80 | (cp & 0x3f)); }
-            else if (cp < 0x10000) { *w++ = (char)(0xe0 | (cp >> 12)); *w++ = (char)(0x80 | ((cp >> 6) & 0x3f)); *w++ = (char)(0x80 | (cp & 0x3f)); }
-            else { *w++ = (char)(0xf0 | (cp >> 18)); *w++ = (char)(0x80 | ((cp >> 12) & 0x3f)); *w++ = (char)(0x80 | ((cp >> 6) & 0x3f)); *w++ = (char)(0x80 | (cp & 0x3f)); }
-            break;
-        }
-        default: j->err = "bad escape"; return NULL;
-        }
-    }
-    if (j->p >= j->end) { j->err = "unterminated string"; return NULL; }
-    *w = 0;          /* may overwrite the closing quote: already consumed */
-    j->p++;
-    return out;
-}
-
-static int moept__jchar(moept__json *j, char c) {
-    moept__ws(j);
-    if (j->p < j->end && *j->p == c) { j->p++; return 1; }
-    return 0;
-}
-
-static int moept__juint(moept__json *j, int64_t *out) {
-    moept__ws(j);
-    if (j->p >= j->end || *j->p < '0' || *j->p > '9') { j->err = "expected a non-negative integer"; return 0; }
-    if (*j->p == '0' && j->p + 1 < j->end && j->p[1] >= '0' && j->p[1] <= '9') { j->err = "leading zero"; return 0; }
-    int64_t v = 0;
-    while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
-        int d = *j->p++ - '0';
-        if (v > (INT64_MAX - d) / 10) { j->err = "integer overflows 64 bits"; return 0; }
-        v = v * 10 + d;
-    }
-    if (j->p < j->end && (*j->p == '.' || *j->p == 'e' || *j->p == 'E')) { j->err = "expected an integer"; return 0; }
-    *out = v;
-    return 1;
-}
-
-static int moept__dtype_parse(const char *s, moept_dtype *d, int64_t *size) {
-    static const struct { const char *n; moept_dtype d; int64_t sz; } tab[] = {
-        {"F32", MOEPT_DTYPE_F32, 4}, {"F16", MOEPT_DTYPE_F16, 2}, {"BF16", MOEPT_DTYPE_BF16, 2},
-        {"F64", MOEPT_DTYPE_F64, 8}, {"I64", MOEPT_DTYPE_I64, 8}, {"I32", MOEPT_DTYPE_I32, 4},
-        {"U8", MOEPT_DTYPE_U8, 1}, {"BOOL", MOEPT_DTYPE_BOOL, 1}, {"F8_E4M3", MOEPT_DTYPE_F8_E4M3, 1}};
-    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
-        if (strcmp(s, tab[i].n) == 0) { *d = tab[i].d; *size = tab[i].sz; return 1; }
-    return 0;
-}
-
-/* by (begin, end), as the safetensors reference validates: a zero-element
-   tensor ([b, b]) sorts before the tensor that starts at b */
-static int moept__cmp_offset(const void *a, const void *b) {
-    const moept_st_tensor *x = a, *y = b;
-    if (x->offset != y->offset) return (x->offset > y->offset) - (x->offset < y->offset);
-    return (x->nbytes > y->nbytes) - (x->nbytes < y->nbytes);
-}
-
-static int moept__cmp_name(const void *a, const void *b) {
-    const moept_st_tensor *x = a, *y = b;
-    return strcmp(x->name, y->name);
-}
-
-static moept_status moept__st_parse(moept_st_file *f, const char *path) {
-    int64_t hlen = f->data_start - 8;
-    moept__json j = {f->header, f->header + hlen, NULL};
-    moept__counter *none = NULL;
-    /* count entries generously: each needs at least one ':' */
-    int64_t cap = 1;
-    for (int64_t i = 0; i < hlen; i++) cap += f->header[i] == ':';
-    f->tensors = moept__alloc(none, (size_t)cap * sizeof(moept_st_tensor));
-    f->meta = moept__alloc(none, (size_t)(2 * cap) * sizeof(char *));
-    if (!f->tensors || !f->meta) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for the header", path);
-#define MOEPT__JFAIL(...) return moept__thread_fail(MOEPT_ERR_FORMAT, __VA_ARGS__)
-    if (!moept__jchar(&j, '{')) MOEPT__JFAIL("%s: header is not a JSON object", path);
-    int saw_meta = 0;
-    if (!moept__jchar(&j, '}')) {
-        do {
-            char *name = moept__jstring(&j);
-            if (!name) MOEPT__JFAIL("%s: header: %s", path, j.err);
-            if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: header: expected ':' after \"%s\"", path, name);
-            if (!moept__jchar(&j, '{')) MOEPT__JFAIL("%s: entry \"%s\" is not an object", path, name);
-            if (strcmp(name, "__metadata__") == 0) {
-                if (saw_meta) MOEPT__JFAIL("%s: duplicate __metadata__", path);
-                saw_meta = 1;
-                if (!moept__jchar(&j, '}')) {
-                    do {
-                        char *k = moept__jstring(&j);
-                        if (!k) MOEPT__JFAIL("%s: __metadata__: %s", path, j.err);
-                        if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: __metadata__: expected ':'", path);
-                        char *v = moept__jstring(&j);
-                        if (!v) MOEPT__JFAIL("%s: __metadata__[\"%s\"]: values must be strings (%s)", path, k, j.err);
-                        for (int64_t m = 0; m < f->n_meta; m++)
-                            if (strcmp(f->meta[2 * m], k) == 0) MOEPT__JFAIL("%s: __metadata__: duplicate key \"%s\"", path, k);
-                        f->meta[2 * f->n_meta] = k; f->meta[2 * f->n_meta + 1] = v; f->n_meta++;
-                    } while (moept__jchar(&j, ','));
-                    if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: __metadata__: expected '}'", path);
-                }
-                continue;
-            }
-            moept_st_tensor *t = &f->tensors[f->n_tensors];
-            memset(t, 0, sizeof *t);
-            t->name = name;
-            int have_dtype = 0, have_shape = 0, have_off = 0;
-            int64_t esize = 0, b0 = 0, b1 = 0;
-            if (!moept__jchar(&j, '}')) {
-                do {
-                    char *k = moept__jstring(&j);
-                    if (!k) MOEPT__JFAIL("%s: tensor \"%s\": %s", path, name, j.err);
-                    if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: tensor \"%s\": expected ':'", path, name);
-                    if (strcmp(k, "dtype") == 0 && !have_dtype) {
-                        char *d = moept__jstring(&j);
-                        if (!d) MOEPT__JFAIL("%s: tensor \"%s\": dtype: %s", path, name, j.err);
-                        if (!moept__dtype_parse(d, &t->dtype, &esize)) MOEPT__JFAIL("%s: tensor \"%s\": unknown dtype \"%s\"", path, name, d);
-                        have_dtype = 1;
-                    } else if (strcmp(k, "shape") == 0 && !have_shape) {
-                        if (!moept__jchar(&j, '[')) MOEPT__JFAIL("%s: tensor \"%s\": shape is not an array", path, name);
-                        if (!moept__jchar(&j, ']')) {
-                            do {
-                                if (t->ndim == 8) MOEPT__JFAIL("%s: tensor \"%s\": more than 8 dimensions", path, name);
-                                if (!moept__juint(&j, &t->shape[t->ndim])) MOEPT__JFAIL("%s: tensor \"%s\": shape: %s", path, name, j.err);
-                                t->ndim++;
-                            } while (moept__jchar(&j, ','));
-                            if (!moept__jchar(&j, ']')) MOEPT__JFAIL("%s: tensor \"%s\": shape: expected ']'", path, name);
-                        }
-                        have_shape = 1;
-                    } else if (strcmp(k, "data_offsets") == 0 && !have_off) {
-                        if (!moept__jchar(&j, '[') || !moept__juint(&j, &b0) || !moept__jchar(&j, ',') ||
-                            !moept__juint(&j, &b1) || !moept__jchar(&j, ']'))
-                            MOEPT__JFAIL("%s: tensor \"%s\": data_offsets must be [begin, end]", path, name);
-                        have_off = 1;
-                    } else {
-                        MOEPT__JFAIL("%s: tensor \"%s\": unexpected or repeated field \"%s\"", path, name, k);
-                    }
-                } while (moept__jchar(&j, ','));
-                if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: tensor \"%s\": expected '}'", path, name);
-            }
-            if (!have_dtype || !have_shape || !have_off)
-                MOEPT__JFAIL("%s: tensor \"%s\": needs dtype, shape and data_offsets", path, name);
-            int64_t numel = 1;
-            for (int d = 0; d < t->ndim; d++) {
-                if (t->shape[d] != 0 && numel > INT64_MAX / t->shape[d])
-                    MOEPT__JFAIL("%s: tensor \"%s\": shape overflows 64 bits", path, name);
-                numel *= t->shape[d];
-            }
-            if (numel > INT64_MAX / esize) MOEPT__JFAIL("%s: tensor \"%s\": byte size overflows 64 bits", path, name);
-            if (b1 < b0) MOEPT__JFAIL("%s: tensor \"%s\": data_offsets end %lld < begin %lld", path, name, (long long)b1, (long long)b0);
-            if (b1 - b0 != numel * esize)
-                MOEPT__JFAIL("%s: tensor \"%s\": shape needs %lld bytes but data_offsets span %lld", path, name,
-                             (long long)(numel * esize), (long long)(b1 - b0));
-            t->numel = numel;
-            t->offset = b0;
-            t->nbytes = b1 - b0;
-            f->n_tensors++;
-        } while (moept__jchar(&j, ','));
-        if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: header: expected ',' or '}'", path);
-    }
-    moept__ws(&j);
-    if (j.p != j.end) MOEPT__JFAIL("%s: header: trailing characters after the JSON object", path);
-    /* unique names */
-    qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, moept__cmp_name);
-    for (int64_t i = 1; i < f->n_tensors; i++)
-        if (strcmp(f->tensors[i - 1].name, f->tensors[i].name) == 0)
-            MOEPT__JFAIL("%s: duplicate tensor name \"%s\"", path, f->tensors[i].name);
-    /* the ranges must tile the data area */
-    qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, moept__cmp_offset);
-    int64_t pos = 0, data_size = f->file_size - f->data_start;
-    for (int64_t i = 0; i < f->n_tensors; i++) {
-        moept_st_tensor *t = &f->tensors[i];
-        if (t->offset != pos)
-            MOEPT__JFAIL("%s: tensor \"%s\": data starts at %lld, expected %lld (%s)", path, t->name,
-                         (long long)t->offset, (long long)pos, t->offset > pos ? "gap" : "overlap");
-        if (t->nbytes > data_size - pos)
-            MOEPT__JFAIL("%s: tensor \"%s\": data ends past the end of the file", path, t->name);
-        pos += t->nbytes;
-        t->offset += f->data_start;
-    }
-    if (pos != data_size)
-        MOEPT__JFAIL("%s: %lld trailing bytes after the last tensor", path, (long long)(data_size - pos));
-#undef MOEPT__JFAIL
-    return MOEPT_OK;
-}
-
-void moept_st_close(moept_st_file *f) {
-    if (!f) return;
-    if (f->fd >= 0) close(f->fd);
-    MOEPT_FREE(f->header);
-    MOEPT_FREE(f->tensors);
-    MOEPT_FREE(f->meta);
-    MOEPT_FREE(f);
-}
-
-static int moept__pread_all(int fd, void *buf, int64_t n, int64_t off) {
-    char *p = buf;
-    while (n > 0) {
-        ssize_t r = pread(fd, p, (size_t)(n > (1 << 30) ? (1 << 30) : n), (off_t)off);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) return 0;
-        p += r; n -= r; off += r;
-    }
-    return 1;
-}
-
-/* Opens a file to read and gives its size; anything but a regular file is
-   refused before it can block (a FIFO's plain open waits for a writer;
-   O_NONBLOCK returns at once and does nothing to a regular file's reads).
-   On failure *fd is -1, the message names the path, and *missing says the
-   path does not exist (ENOENT: a symlink loop or no permission is not). */
-static moept_status moept__open_read(const char *path, int *fd, int64_t *size, int *missing) {
-    struct stat sb;
-    *fd = open(path, O_RDONLY | O_NONBLOCK);
-    *missing = *fd < 0 && errno == ENOENT;
-    if (*fd < 0) return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    if (fstat(*fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(*fd);
-        *fd = -1;
-        return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
-    }
-    *size = (int64_t)sb.st_size;
-    return MOEPT_OK;
-}
-
-moept_status moept_st_open(const char *path, moept_st_file **out) {
-    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_open: out is NULL");
-    *out = NULL;
-    if (!path) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_open: path is NULL");
-    moept_st_file *f = moept__alloc(NULL, sizeof *f);
-    if (!f) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_open: out of memory");
-    memset(f, 0, sizeof *f);
-    int missing;
-    moept_status st = moept__open_read(path, &f->fd, &f->file_size, &missing);
-    if (st) {
-        MOEPT_FREE(f);
-        return st;
-    }
-    unsigned char len8[8];
-    if (f->file_size < 8 || !moept__pread_all(f->fd, len8, 8, 0)) {
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: shorter than the 8-byte header length", path);
-        goto fail;
-    }
-    uint64_t hlen = 0;
-    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
-    if (hlen < 2 || hlen > MOEPT__ST_MAX_HEADER) {
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header length %llu not in 2..%d", path,
-                                (unsigned long long)hlen, MOEPT__ST_MAX_HEADER);
-        goto fail;
-    }
-    if ((int64_t)hlen > f->file_size - 8) {
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header length %llu runs past the end of the file (%lld bytes)",
-                                path, (unsigned long long)hlen, (long long)f->file_size);
-        goto fail;
-    }
-    f->data_start = 8 + (int64_t)hlen;
-    f->header = moept__alloc(NULL, (size_t)hlen + 1);
-    if (!f->header) { st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path); goto fail; }
-    if (!moept__pread_all(f->fd, f->header, (int64_t)hlen, 8)) {
-        st = moept__thread_fail(MOEPT_ERR_IO, "%s: cannot read the header", path);
-        goto fail;
-    }
-    f->header[hlen] = 0;
-    f->bytes_read = 8 + (int64_t)hlen;
-    if (!moept__utf8_ok((const unsigned char *)f->header, (int64_t)hlen)) {
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header is not valid UTF-8", path);
-        goto fail;
-    }
-    st = moept__st_parse(f, path);
-    if (st) goto fail;
-    *out = f;
-    return MOEPT_OK;
-fail:
-    moept_st_close(f);
-    return st;
-}
-
-int64_t moept_st_count(const moept_st_file *f) { return f ? f->n_tensors : 0; }
-
-const moept_st_tensor *moept_st_at(const moept_st_file *f, int64_t i) {
-    return f && i >= 0 && i < f->n_tensors ? &f->tensors[i] : NULL;
-}
-
-const moept_st_tensor *moept_st_find(const moept_st_file *f, const char *name) {
-    if (!f || !name) return NULL;
-    for (int64_t i = 0; i < f->n_tensors; i++)
-        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
-    return NULL;
-}
-
-const char *moept_st_meta(const moept_st_file *f, const char *key) {
-    if (!f || !key) return NULL;
-    for (int64_t i = 0; i < f->n_meta; i++)
-        if (strcmp(f->meta[2 * i], key) == 0) return f->meta[2 * i + 1];
-    return NULL;
-}
-
-/* fp32 -> IEEE half, round to nearest even (past 65504: Inf; NaN stays NaN) */
-static uint16_t moept__f32_to_half(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu, q, rem, half;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
-    if (a < 0x38800000u) { /* a half subnormal (units of 2^-24) or zero */
-        if (a < 0x33000000u) return (uint16_t)sign;
-        int shift = 126 - (int)(a >> 23);
-        uint32_t m = (a & 0x7fffffu) | 0x800000u;
-        q = m >> shift; rem = m & ((1u << shift) - 1); half = 1u << (shift - 1);
-    } else {
-        q = (a - 0x38000000u) >> 13; rem = a & 0x1fffu; half = 0x1000u;
-    }
-    if (rem > half || (rem == half && (q & 1))) q++;
-    return (uint16_t)(sign | q);
-}
-
-static float moept__half_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) bits = sign;
-        else { /* subnormal */
-            int e = -1;
-            do { e++; man <<= 1; } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
-    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    float f; memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* reads the tensor's bytes in chunks through a small stack buffer and
-   converts; dst receives numel values of `out_size` bytes */
-/* float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no
-   infinities, S.1111.111 is NaN; every value is exact in float */
-static float moept__e4m3_to_f32(unsigned char b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    float v = e == 15 && m == 7 ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
-    return b & 0x80 ? -v : v;
-}
-
-static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, void *dst,
-                                   int64_t numel, int want_int) {
-    if (!f || !t || !dst) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_read: NULL argument");
-    if (numel != t->numel)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "tensor \"%s\": has %lld elements, caller expects %lld",
-                                  t->name, (long long)t->numel, (long long)numel);
-    int isint = t->dtype == MOEPT_DTYPE_I64 || t->dtype == MOEPT_DTYPE_I32;
-    int isflt = t->dtype == MOEPT_DTYPE_F32 || t->dtype == MOEPT_DTYPE_F16 || t->dtype == MOEPT_DTYPE_BF16 ||
-                t->dtype == MOEPT_DTYPE_F64 || t->dtype == MOEPT_DTYPE_F8_E4M3;
-    if ((want_int && !isint) || (!want_int && !isflt))
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "tensor \"%s\": dtype cannot be read as %s", t->name,
-                                  want_int ? "integers" : "floats");
-    int64_t es = t->numel ? t->nbytes / t->numel : 1;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    /* same type on a little-endian host: one positioned read into place */
-    if ((!want_int && t->dtype == MOEPT_DTYPE_F32) || (want_int && t->dtype == MOEPT_DTYPE_I64)) {
-        if (!moept__pread_all(f->fd, dst, t->nbytes, t->offset))
-            return moept__thread_fail(MOEPT_ERR_IO, "tensor \"%s\": read failed", t->name);
-        f->bytes_read += t->nbytes;
-        return MOEPT_OK;
-    }
-#endif
-    unsigned char buf[1 << 16];
-    int64_t per = (int64_t)sizeof buf / es, done = 0;
-    while (done < numel) {
-        int64_t n = numel - done < per ? numel - done : per;
-        if (!moept__pread_all(f->fd, buf, n * es, t->offset + done * es))
-            return moept__thread_fail(MOEPT_ERR_IO, "tensor \"%s\": read failed", t->name);
-        f->bytes_read += n * es;
-        for (int64_t i = 0; i < n; i++) {
-            const unsigned char *b = buf + i * es;
-            if (want_int) {
-                int64_t v;
-                if (t->dtype == MOEPT_DTYPE_I64) { uint64_t u = 0; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 8); }
-                else { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; int32_t s; memcpy(&s, &u, 4); v = s; }
-                ((int64_t *)dst)[done + i] = v;
-            } else {
-                float v;
-                if (t->dtype == MOEPT_DTYPE_F32) { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 4); }
-                else if (t->dtype == MOEPT_DTYPE_F64) { uint64_t u = 0; double d; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&d, &u, 8); v = (float)d; }
-                else if (t->dtype == MOEPT_DTYPE_BF16) v = moept__bf16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
-                else if (t->dtype == MOEPT_DTYPE_F8_E4M3) v = moept__e4m3_to_f32(b[0]);
-                else v = moept__half_to_f32((uint16_t)(b[0] | (b[1] << 8)));
-                ((float *)dst)[done + i] = v;
-            }
-        }
-        done += n;
-    }
-    return MOEPT_OK;
-}
-
-moept_status moept_st_read_f32(moept_st_file *f, const moept_st_tensor *t, float *dst, int64_t numel) {
-    return moept__st_read(f, t, dst, numel, 0);
-}
-
-moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t, int64_t *dst, int64_t numel) {
-    return moept__st_read(f, t, dst, numel, 1);
-}
-
-/* ------------------------------------------------------------------------
    Communication backends
    ------------------------------------------------------------------------ */
 static moept_status moept__comm_fail(moept_comm *c, moept_status s, const char *fmt, ...) {
@@ -4787,8 +4303,655 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
 #endif /* MOEPT_MPI */
 
 /* ------------------------------------------------------------------------
-   safetensors, write side
+   JSON (RFC 8259), strict, for every file moept reads: the safetensors
+   header, config.json, model.safetensors.index.json and a training
+   checkpoint's index.json. Every reader walks an object with
+   moept__jmember and an array with moept__jelement. moept__json_check
+   takes a document whole before its reader walks it (all but the
+   safetensors header, whose reader accepts only the shapes it knows):
+   UTF-8; the grammar (exact literals, no leading zeros, nothing after the
+   object; NaN and Infinity, which Python also reads, are not JSON);
+   nesting up to 64; no key twice in one object (Python's json, and so
+   transformers, keeps a repeated key's last value, where a reader here
+   would take the first: the two would differ silently). Strings may not
+   hold U+0000 (they become C strings).
    ------------------------------------------------------------------------ */
+typedef struct moept__json {
+    char *p, *end;
+    const char *err;
+} moept__json;
+
+static void moept__ws(moept__json *j) {
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
+}
+
+static int moept__utf8_ok(const unsigned char *s, int64_t n) {
+    for (int64_t i = 0; i < n;) {
+        unsigned c = s[i];
+        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        if (!len || i + len > n) return 0;
+        uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
+        for (int k = 1; k < len; k++) {
+            if ((s[i + k] & 0xc0) != 0x80) return 0;
+            cp = (cp << 6) | (s[i + k] & 0x3f);
+        }
+        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
+            (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+        i += len;
+    }
+    return 1;
+}
+
+static int moept__hex4(const char *p, uint32_t *out) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        v <<= 4;
+        if (c >= '0' && c <= '9') v |= (uint32_t)(c - '0');
+        else if (c >= 'a' && c <= 'f') v |= (uint32_t)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') v |= (uint32_t)(c - 'A' + 10);
+        else return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* Decodes a JSON string in place (the decoded form is never longer). */
+static char *moept__jstring(moept__json *j) {
+    moept__ws(j);
+    if (j->p >= j->end || *j->p != '"') { j->err = "expected a string"; return NULL; }
+    char *out = ++j->p, *w = out;
+    while (j->p < j->end && *j->p != '"') {
+        unsigned char c = (unsigned char)*j->p;
+        if (c < 0x20) { j->err = "control character in a string"; return NULL; }
+        if (c != '\\') { *w++ = *j->p++; continue; }
+        if (j->p + 1 >= j->end) { j->err = "truncated escape"; return NULL; }
+        char e = j->p[1];
+        j->p += 2;
+        switch (e) {
+        case '"': *w++ = '"'; break;
+        case '\\': *w++ = '\\'; break;
+        case '/': *w++ = '/'; break;
+        case 'b': *w++ = '\b'; break;
+        case 'f': *w++ = '\f'; break;
+        case 'n': *w++ = '\n'; break;
+        case 'r': *w++ = '\r'; break;
+        case 't': *w++ = '\t'; break;
+        case 'u': {
+            uint32_t cp, lo;
+            if (j->end - j->p < 4 || !moept__hex4(j->p, &cp)) { j->err = "bad \\u escape"; return NULL; }
+            j->p += 4;
+            if (cp >= 0xd800 && cp <= 0xdbff) {
+                if (j->end - j->p < 6 || j->p[0] != '\\' || j->p[1] != 'u' || !moept__hex4(j->p + 2, &lo) ||
+                    lo < 0xdc00 || lo > 0xdfff) { j->err = "unpaired surrogate"; return NULL; }
+                j->p += 6;
+                cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+            } else if (cp >= 0xdc00 && cp <= 0xdfff) { j->err = "unpaired surrogate"; return NULL; }
+            if (cp == 0) { j->err = "NUL in a string"; return NULL; }
+            if (cp < 0x80) *w++ = (char)cp;
+            else if (cp < 0x800) { *w++ = (char)(0xc0 | (cp >> 6)); *w++ = (char)(0x80 | (cp & 0x3f)); }
+            else if (cp < 0x10000) { *w++ = (char)(0xe0 | (cp >> 12)); *w++ = (char)(0x80 | ((cp >> 6) & 0x3f)); *w++ = (char)(0x80 | (cp & 0x3f)); }
+            else { *w++ = (char)(0xf0 | (cp >> 18)); *w++ = (char)(0x80 | ((cp >> 12) & 0x3f)); *w++ = (char)(0x80 | ((cp >> 6) & 0x3f)); *w++ = (char)(0x80 | (cp & 0x3f)); }
+            break;
+        }
+        default: j->err = "bad escape"; return NULL;
+        }
+    }
+    if (j->p >= j->end) { j->err = "unterminated string"; return NULL; }
+    *w = 0;          /* may overwrite the closing quote: already consumed */
+    j->p++;
+    return out;
+}
+
+static int moept__jchar(moept__json *j, char c) {
+    moept__ws(j);
+    if (j->p < j->end && *j->p == c) { j->p++; return 1; }
+    return 0;
+}
+
+static int moept__juint(moept__json *j, int64_t *out) {
+    moept__ws(j);
+    if (j->p >= j->end || *j->p < '0' || *j->p > '9') { j->err = "expected a non-negative integer"; return 0; }
+    if (*j->p == '0' && j->p + 1 < j->end && j->p[1] >= '0' && j->p[1] <= '9') { j->err = "leading zero"; return 0; }
+    int64_t v = 0;
+    while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
+        int d = *j->p++ - '0';
+        if (v > (INT64_MAX - d) / 10) { j->err = "integer overflows 64 bits"; return 0; }
+        v = v * 10 + d;
+    }
+    if (j->p < j->end && (*j->p == '.' || *j->p == 'e' || *j->p == 'E')) { j->err = "expected an integer"; return 0; }
+    *out = v;
+    return 1;
+}
+
+/* A JSON number, in any locale (strtod's decimal point is the locale's):
+   up to 19 significant digits scaled by a power of ten, enough for a
+   float's value. */
+static int moept__jnum(moept__json *j, double *out) {
+    moept__ws(j);
+    const char *p = j->p, *e = j->end;
+    int neg = p < e && *p == '-', nd = 0, dexp = 0, x = 0, xneg = 0;
+    p += neg;
+    if (p >= e || *p < '0' || *p > '9') { j->err = "expected a number"; return 0; }
+    if (*p == '0' && p + 1 < e && p[1] >= '0' && p[1] <= '9') {
+        j->err = "leading zero in a number";
+        return 0;
+    }
+    uint64_t m = 0;
+    for (; p < e && *p >= '0' && *p <= '9'; p++)
+        if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; } else dexp++;
+    if (p < e && *p == '.') {
+        if (++p >= e || *p < '0' || *p > '9') { j->err = "a number's fraction has no digits"; return 0; }
+        for (; p < e && *p >= '0' && *p <= '9'; p++)
+            if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; dexp--; }
+    }
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < e && (*p == '+' || *p == '-')) xneg = *p++ == '-';
+        if (p >= e || *p < '0' || *p > '9') { j->err = "a number's exponent has no digits"; return 0; }
+        for (; p < e && *p >= '0' && *p <= '9'; p++) x = x < 10000 ? x * 10 + (*p - '0') : x;
+    }
+    dexp += xneg ? -x : x;
+    if (dexp < -400) dexp = -400;
+    if (dexp > 400) dexp = 400;
+    double v = (double)m; /* 0 stays 0 at any exponent (0 x inf would be NaN) */
+    if (m) v = dexp >= 0 ? v * pow(10.0, dexp) : v / pow(10.0, -dexp);
+    *out = neg ? -v : v;
+    j->p = (char *)p;
+    return 1;
+}
+
+/* The members of the object at j: *n = 0 before the first call; each call
+   moves to the next member (its decoded name in *key, j at its value), or
+   returns 0 past the '}', with j->err set if the object is malformed. */
+static int moept__jmember(moept__json *j, int64_t *n, char **key) {
+    if ((*n)++ == 0) {
+        if (!moept__jchar(j, '{')) { j->err = "expected an object"; return 0; }
+        if (moept__jchar(j, '}')) return 0;
+    } else if (!moept__jchar(j, ',')) {
+        if (!moept__jchar(j, '}')) j->err = "expected ',' or '}'";
+        return 0;
+    }
+    if (!(*key = moept__jstring(j))) return 0;
+    if (!moept__jchar(j, ':')) { j->err = "expected ':'"; return 0; }
+    return 1;
+}
+
+/* The elements of the array at j, likewise (j at each element) */
+static int moept__jelement(moept__json *j, int64_t *n) {
+    if ((*n)++ == 0) {
+        if (!moept__jchar(j, '[')) { j->err = "expected an array"; return 0; }
+        return !moept__jchar(j, ']');
+    }
+    if (moept__jchar(j, ',')) return 1;
+    if (!moept__jchar(j, ']')) j->err = "expected ',' or ']'";
+    return 0;
+}
+
+/* every object's member names (object number, name), for the duplicate check */
+typedef struct moept__jkey { int64_t obj; const char *name; } moept__jkey;
+typedef struct moept__jkeys { moept__jkey *v; int64_t n, cap, objs; } moept__jkeys;
+
+/* One value, strictly; its objects' names go to keys (NULL: not kept) */
+static int moept__jvalue(moept__json *j, int depth, moept__jkeys *keys) {
+    moept__ws(j);
+    if (j->p >= j->end) { j->err = "expected a value"; return 0; }
+    if (depth > 64) { j->err = "nested deeper than 64"; return 0; }
+    const char c = *j->p;
+    int64_t n = 0;
+    if (c == '"') return moept__jstring(j) != NULL;
+    if (c == '{') {
+        int64_t obj = keys ? keys->objs++ : 0;
+        char *k;
+        while (moept__jmember(j, &n, &k)) {
+            if (keys && keys->n == keys->cap) { j->err = "too many keys"; return 0; }
+            if (keys) keys->v[keys->n++] = (moept__jkey){obj, k};
+            if (!moept__jvalue(j, depth + 1, keys)) return 0;
+        }
+        return !j->err;
+    }
+    if (c == '[') {
+        while (moept__jelement(j, &n))
+            if (!moept__jvalue(j, depth + 1, keys)) return 0;
+        return !j->err;
+    }
+    if (c == '-' || (c >= '0' && c <= '9')) {
+        double v;
+        return moept__jnum(j, &v);
+    }
+    static const char *const lit[3] = {"true", "false", "null"};
+    for (int w = 0; w < 3; w++) {
+        size_t len = strlen(lit[w]);
+        if ((size_t)(j->end - j->p) >= len && memcmp(j->p, lit[w], len) == 0) { j->p += len; return 1; }
+    }
+    j->err = c == 't' || c == 'f' || c == 'n' ? "a malformed literal (true, false or null)"
+                                               : "expected a value";
+    return 0;
+}
+
+static int moept__cmp_jkey(const void *a, const void *b) {
+    const moept__jkey *x = a, *y = b;
+    if (x->obj != y->obj) return (x->obj > y->obj) - (x->obj < y->obj);
+    return strcmp(x->name, y->name);
+}
+
+/* Checks text[0, n), a document that must be one JSON object, whole;
+   messages name `path`. Strings decode in place, so the check runs on a
+   copy and the caller's text stays raw for its reader. */
+static moept_status moept__json_check(const char *text, int64_t n, const char *path) {
+    if (!moept__utf8_ok((const unsigned char *)text, n))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not UTF-8 (RFC 8259 JSON is)", path);
+    int64_t cap = 1; /* each member has a ':' */
+    for (int64_t i = 0; i < n; i++) cap += text[i] == ':';
+    char *copy = moept__alloc(NULL, (size_t)n + 1);
+    moept__jkeys keys = {moept__alloc(NULL, (size_t)cap * sizeof(moept__jkey)), 0, cap, 0};
+    moept_status st = MOEPT_OK;
+    if (!copy || !keys.v) {
+        st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+        goto out;
+    }
+    memcpy(copy, text, (size_t)n);
+    copy[n] = 0;
+    moept__json j = {copy, copy + n, NULL};
+    moept__ws(&j);
+    int ok = j.p < j.end && *j.p == '{' && moept__jvalue(&j, 0, &keys);
+    if (ok) moept__ws(&j);
+    if (ok && j.p != j.end) { j.err = "trailing content after the object"; ok = 0; }
+    if (!ok) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object: %s (byte %lld)", path,
+                                j.err ? j.err : "expected '{'", (long long)(j.p - copy));
+        goto out;
+    }
+    qsort(keys.v, (size_t)keys.n, sizeof *keys.v, moept__cmp_jkey);
+    for (int64_t i = 1; i < keys.n && !st; i++)
+        if (keys.v[i].obj == keys.v[i - 1].obj && strcmp(keys.v[i].name, keys.v[i - 1].name) == 0)
+            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" twice in one object (Python's json "
+                                    "takes the last value, moept the first: refused)", path, keys.v[i].name);
+out:
+    MOEPT_FREE(copy);
+    MOEPT_FREE(keys.v);
+    return st;
+}
+
+/* ------------------------------------------------------------------------
+   safetensors: the reader (moept_st_open, moept_st_read_*), then the writer
+   (moept_st_writer, written atomically). The reader is strict: header
+   length 2..100 MB and inside the file; the header is a UTF-8 JSON object;
+   __metadata__ maps strings to strings; names are unique; dtypes known;
+   shape x dtype size equals the byte range; ranges tile the data area
+   exactly (contiguous, in offset order, from 0 to the end of the file: no
+   gaps, overlaps or trailing bytes). All arithmetic 64-bit with overflow
+   checks.
+   ------------------------------------------------------------------------ */
+#define MOEPT__ST_MAX_HEADER (100 * 1000 * 1000)
+
+struct moept_st_file {
+    int fd;
+    int64_t file_size, data_start;
+    char *header;            /* [header_len + 1] decoded strings point in here */
+    moept_st_tensor *tensors; int64_t n_tensors;
+    char **meta; int64_t n_meta; /* key, value pairs */
+    int64_t bytes_read;
+};
+
+static int moept__dtype_parse(const char *s, moept_dtype *d, int64_t *size) {
+    static const struct { const char *n; moept_dtype d; int64_t sz; } tab[] = {
+        {"F32", MOEPT_DTYPE_F32, 4}, {"F16", MOEPT_DTYPE_F16, 2}, {"BF16", MOEPT_DTYPE_BF16, 2},
+        {"F64", MOEPT_DTYPE_F64, 8}, {"I64", MOEPT_DTYPE_I64, 8}, {"I32", MOEPT_DTYPE_I32, 4},
+        {"U8", MOEPT_DTYPE_U8, 1}, {"BOOL", MOEPT_DTYPE_BOOL, 1}, {"F8_E4M3", MOEPT_DTYPE_F8_E4M3, 1}};
+    for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
+        if (strcmp(s, tab[i].n) == 0) { *d = tab[i].d; *size = tab[i].sz; return 1; }
+    return 0;
+}
+
+/* by (begin, end), as the safetensors reference validates: a zero-element
+   tensor ([b, b]) sorts before the tensor that starts at b */
+static int moept__cmp_offset(const void *a, const void *b) {
+    const moept_st_tensor *x = a, *y = b;
+    if (x->offset != y->offset) return (x->offset > y->offset) - (x->offset < y->offset);
+    return (x->nbytes > y->nbytes) - (x->nbytes < y->nbytes);
+}
+
+static int moept__cmp_name(const void *a, const void *b) {
+    const moept_st_tensor *x = a, *y = b;
+    return strcmp(x->name, y->name);
+}
+
+static moept_status moept__st_parse(moept_st_file *f, const char *path) {
+    int64_t hlen = f->data_start - 8;
+    moept__json j = {f->header, f->header + hlen, NULL};
+    moept__counter *none = NULL;
+    /* count entries generously: each needs at least one ':' */
+    int64_t cap = 1;
+    for (int64_t i = 0; i < hlen; i++) cap += f->header[i] == ':';
+    f->tensors = moept__alloc(none, (size_t)cap * sizeof(moept_st_tensor));
+    f->meta = moept__alloc(none, (size_t)(2 * cap) * sizeof(char *));
+    if (!f->tensors || !f->meta) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for the header", path);
+#define MOEPT__JFAIL(...) return moept__thread_fail(MOEPT_ERR_FORMAT, __VA_ARGS__)
+    if (!moept__jchar(&j, '{')) MOEPT__JFAIL("%s: header is not a JSON object", path);
+    int saw_meta = 0;
+    if (!moept__jchar(&j, '}')) {
+        do {
+            char *name = moept__jstring(&j);
+            if (!name) MOEPT__JFAIL("%s: header: %s", path, j.err);
+            if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: header: expected ':' after \"%s\"", path, name);
+            if (!moept__jchar(&j, '{')) MOEPT__JFAIL("%s: entry \"%s\" is not an object", path, name);
+            if (strcmp(name, "__metadata__") == 0) {
+                if (saw_meta) MOEPT__JFAIL("%s: duplicate __metadata__", path);
+                saw_meta = 1;
+                if (!moept__jchar(&j, '}')) {
+                    do {
+                        char *k = moept__jstring(&j);
+                        if (!k) MOEPT__JFAIL("%s: __metadata__: %s", path, j.err);
+                        if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: __metadata__: expected ':'", path);
+                        char *v = moept__jstring(&j);
+                        if (!v) MOEPT__JFAIL("%s: __metadata__[\"%s\"]: values must be strings (%s)", path, k, j.err);
+                        for (int64_t m = 0; m < f->n_meta; m++)
+                            if (strcmp(f->meta[2 * m], k) == 0) MOEPT__JFAIL("%s: __metadata__: duplicate key \"%s\"", path, k);
+                        f->meta[2 * f->n_meta] = k; f->meta[2 * f->n_meta + 1] = v; f->n_meta++;
+                    } while (moept__jchar(&j, ','));
+                    if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: __metadata__: expected '}'", path);
+                }
+                continue;
+            }
+            moept_st_tensor *t = &f->tensors[f->n_tensors];
+            memset(t, 0, sizeof *t);
+            t->name = name;
+            int have_dtype = 0, have_shape = 0, have_off = 0;
+            int64_t esize = 0, b0 = 0, b1 = 0;
+            if (!moept__jchar(&j, '}')) {
+                do {
+                    char *k = moept__jstring(&j);
+                    if (!k) MOEPT__JFAIL("%s: tensor \"%s\": %s", path, name, j.err);
+                    if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: tensor \"%s\": expected ':'", path, name);
+                    if (strcmp(k, "dtype") == 0 && !have_dtype) {
+                        char *d = moept__jstring(&j);
+                        if (!d) MOEPT__JFAIL("%s: tensor \"%s\": dtype: %s", path, name, j.err);
+                        if (!moept__dtype_parse(d, &t->dtype, &esize)) MOEPT__JFAIL("%s: tensor \"%s\": unknown dtype \"%s\"", path, name, d);
+                        have_dtype = 1;
+                    } else if (strcmp(k, "shape") == 0 && !have_shape) {
+                        if (!moept__jchar(&j, '[')) MOEPT__JFAIL("%s: tensor \"%s\": shape is not an array", path, name);
+                        if (!moept__jchar(&j, ']')) {
+                            do {
+                                if (t->ndim == 8) MOEPT__JFAIL("%s: tensor \"%s\": more than 8 dimensions", path, name);
+                                if (!moept__juint(&j, &t->shape[t->ndim])) MOEPT__JFAIL("%s: tensor \"%s\": shape: %s", path, name, j.err);
+                                t->ndim++;
+                            } while (moept__jchar(&j, ','));
+                            if (!moept__jchar(&j, ']')) MOEPT__JFAIL("%s: tensor \"%s\": shape: expected ']'", path, name);
+                        }
+                        have_shape = 1;
+                    } else if (strcmp(k, "data_offsets") == 0 && !have_off) {
+                        if (!moept__jchar(&j, '[') || !moept__juint(&j, &b0) || !moept__jchar(&j, ',') ||
+                            !moept__juint(&j, &b1) || !moept__jchar(&j, ']'))
+                            MOEPT__JFAIL("%s: tensor \"%s\": data_offsets must be [begin, end]", path, name);
+                        have_off = 1;
+                    } else {
+                        MOEPT__JFAIL("%s: tensor \"%s\": unexpected or repeated field \"%s\"", path, name, k);
+                    }
+                } while (moept__jchar(&j, ','));
+                if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: tensor \"%s\": expected '}'", path, name);
+            }
+            if (!have_dtype || !have_shape || !have_off)
+                MOEPT__JFAIL("%s: tensor \"%s\": needs dtype, shape and data_offsets", path, name);
+            int64_t numel = 1;
+            for (int d = 0; d < t->ndim; d++) {
+                if (t->shape[d] != 0 && numel > INT64_MAX / t->shape[d])
+                    MOEPT__JFAIL("%s: tensor \"%s\": shape overflows 64 bits", path, name);
+                numel *= t->shape[d];
+            }
+            if (numel > INT64_MAX / esize) MOEPT__JFAIL("%s: tensor \"%s\": byte size overflows 64 bits", path, name);
+            if (b1 < b0) MOEPT__JFAIL("%s: tensor \"%s\": data_offsets end %lld < begin %lld", path, name, (long long)b1, (long long)b0);
+            if (b1 - b0 != numel * esize)
+                MOEPT__JFAIL("%s: tensor \"%s\": shape needs %lld bytes but data_offsets span %lld", path, name,
+                             (long long)(numel * esize), (long long)(b1 - b0));
+            t->numel = numel;
+            t->offset = b0;
+            t->nbytes = b1 - b0;
+            f->n_tensors++;
+        } while (moept__jchar(&j, ','));
+        if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: header: expected ',' or '}'", path);
+    }
+    moept__ws(&j);
+    if (j.p != j.end) MOEPT__JFAIL("%s: header: trailing characters after the JSON object", path);
+    /* unique names */
+    qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, moept__cmp_name);
+    for (int64_t i = 1; i < f->n_tensors; i++)
+        if (strcmp(f->tensors[i - 1].name, f->tensors[i].name) == 0)
+            MOEPT__JFAIL("%s: duplicate tensor name \"%s\"", path, f->tensors[i].name);
+    /* the ranges must tile the data area */
+    qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, moept__cmp_offset);
+    int64_t pos = 0, data_size = f->file_size - f->data_start;
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        moept_st_tensor *t = &f->tensors[i];
+        if (t->offset != pos)
+            MOEPT__JFAIL("%s: tensor \"%s\": data starts at %lld, expected %lld (%s)", path, t->name,
+                         (long long)t->offset, (long long)pos, t->offset > pos ? "gap" : "overlap");
+        if (t->nbytes > data_size - pos)
+            MOEPT__JFAIL("%s: tensor \"%s\": data ends past the end of the file", path, t->name);
+        pos += t->nbytes;
+        t->offset += f->data_start;
+    }
+    if (pos != data_size)
+        MOEPT__JFAIL("%s: %lld trailing bytes after the last tensor", path, (long long)(data_size - pos));
+#undef MOEPT__JFAIL
+    return MOEPT_OK;
+}
+
+void moept_st_close(moept_st_file *f) {
+    if (!f) return;
+    if (f->fd >= 0) close(f->fd);
+    MOEPT_FREE(f->header);
+    MOEPT_FREE(f->tensors);
+    MOEPT_FREE(f->meta);
+    MOEPT_FREE(f);
+}
+
+static int moept__pread_all(int fd, void *buf, int64_t n, int64_t off) {
+    char *p = buf;
+    while (n > 0) {
+        ssize_t r = pread(fd, p, (size_t)(n > (1 << 30) ? (1 << 30) : n), (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return 0;
+        p += r; n -= r; off += r;
+    }
+    return 1;
+}
+
+/* Opens a file to read and gives its size; anything but a regular file is
+   refused before it can block (a FIFO's plain open waits for a writer;
+   O_NONBLOCK returns at once and does nothing to a regular file's reads).
+   On failure *fd is -1, the message names the path, and *missing says the
+   path does not exist (ENOENT: a symlink loop or no permission is not). */
+static moept_status moept__open_read(const char *path, int *fd, int64_t *size, int *missing) {
+    struct stat sb;
+    *fd = open(path, O_RDONLY | O_NONBLOCK);
+    *missing = *fd < 0 && errno == ENOENT;
+    if (*fd < 0) return moept__thread_fail(MOEPT_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (fstat(*fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(*fd);
+        *fd = -1;
+        return moept__thread_fail(MOEPT_ERR_IO, "%s: not a regular file", path);
+    }
+    *size = (int64_t)sb.st_size;
+    return MOEPT_OK;
+}
+
+moept_status moept_st_open(const char *path, moept_st_file **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_open: out is NULL");
+    *out = NULL;
+    if (!path) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_open: path is NULL");
+    moept_st_file *f = moept__alloc(NULL, sizeof *f);
+    if (!f) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_open: out of memory");
+    memset(f, 0, sizeof *f);
+    int missing;
+    moept_status st = moept__open_read(path, &f->fd, &f->file_size, &missing);
+    if (st) {
+        MOEPT_FREE(f);
+        return st;
+    }
+    unsigned char len8[8];
+    if (f->file_size < 8 || !moept__pread_all(f->fd, len8, 8, 0)) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: shorter than the 8-byte header length", path);
+        goto fail;
+    }
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+    if (hlen < 2 || hlen > MOEPT__ST_MAX_HEADER) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header length %llu not in 2..%d", path,
+                                (unsigned long long)hlen, MOEPT__ST_MAX_HEADER);
+        goto fail;
+    }
+    if ((int64_t)hlen > f->file_size - 8) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header length %llu runs past the end of the file (%lld bytes)",
+                                path, (unsigned long long)hlen, (long long)f->file_size);
+        goto fail;
+    }
+    f->data_start = 8 + (int64_t)hlen;
+    f->header = moept__alloc(NULL, (size_t)hlen + 1);
+    if (!f->header) { st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path); goto fail; }
+    if (!moept__pread_all(f->fd, f->header, (int64_t)hlen, 8)) {
+        st = moept__thread_fail(MOEPT_ERR_IO, "%s: cannot read the header", path);
+        goto fail;
+    }
+    f->header[hlen] = 0;
+    f->bytes_read = 8 + (int64_t)hlen;
+    if (!moept__utf8_ok((const unsigned char *)f->header, (int64_t)hlen)) {
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header is not valid UTF-8", path);
+        goto fail;
+    }
+    st = moept__st_parse(f, path);
+    if (st) goto fail;
+    *out = f;
+    return MOEPT_OK;
+fail:
+    moept_st_close(f);
+    return st;
+}
+
+int64_t moept_st_count(const moept_st_file *f) { return f ? f->n_tensors : 0; }
+
+const moept_st_tensor *moept_st_at(const moept_st_file *f, int64_t i) {
+    return f && i >= 0 && i < f->n_tensors ? &f->tensors[i] : NULL;
+}
+
+const moept_st_tensor *moept_st_find(const moept_st_file *f, const char *name) {
+    if (!f || !name) return NULL;
+    for (int64_t i = 0; i < f->n_tensors; i++)
+        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+    return NULL;
+}
+
+const char *moept_st_meta(const moept_st_file *f, const char *key) {
+    if (!f || !key) return NULL;
+    for (int64_t i = 0; i < f->n_meta; i++)
+        if (strcmp(f->meta[2 * i], key) == 0) return f->meta[2 * i + 1];
+    return NULL;
+}
+
+/* fp32 -> IEEE half, round to nearest even (past 65504: Inf; NaN stays NaN) */
+static uint16_t moept__f32_to_half(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu, q, rem, half;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* a half subnormal (units of 2^-24) or zero */
+        if (a < 0x33000000u) return (uint16_t)sign;
+        int shift = 126 - (int)(a >> 23);
+        uint32_t m = (a & 0x7fffffu) | 0x800000u;
+        q = m >> shift; rem = m & ((1u << shift) - 1); half = 1u << (shift - 1);
+    } else {
+        q = (a - 0x38000000u) >> 13; rem = a & 0x1fffu; half = 0x1000u;
+    }
+    if (rem > half || (rem == half && (q & 1))) q++;
+    return (uint16_t)(sign | q);
+}
+
+static float moept__half_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* reads the tensor's bytes in chunks through a small stack buffer and
+   converts; dst receives numel values of `out_size` bytes */
+/* float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+   infinities, S.1111.111 is NaN; every value is exact in float */
+static float moept__e4m3_to_f32(unsigned char b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    float v = e == 15 && m == 7 ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+    return b & 0x80 ? -v : v;
+}
+
+static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, void *dst,
+                                   int64_t numel, int want_int) {
+    if (!f || !t || !dst) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_read: NULL argument");
+    if (numel != t->numel)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "tensor \"%s\": has %lld elements, caller expects %lld",
+                                  t->name, (long long)t->numel, (long long)numel);
+    int isint = t->dtype == MOEPT_DTYPE_I64 || t->dtype == MOEPT_DTYPE_I32;
+    int isflt = t->dtype == MOEPT_DTYPE_F32 || t->dtype == MOEPT_DTYPE_F16 || t->dtype == MOEPT_DTYPE_BF16 ||
+                t->dtype == MOEPT_DTYPE_F64 || t->dtype == MOEPT_DTYPE_F8_E4M3;
+    if ((want_int && !isint) || (!want_int && !isflt))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "tensor \"%s\": dtype cannot be read as %s", t->name,
+                                  want_int ? "integers" : "floats");
+    int64_t es = t->numel ? t->nbytes / t->numel : 1;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* same type on a little-endian host: one positioned read into place */
+    if ((!want_int && t->dtype == MOEPT_DTYPE_F32) || (want_int && t->dtype == MOEPT_DTYPE_I64)) {
+        if (!moept__pread_all(f->fd, dst, t->nbytes, t->offset))
+            return moept__thread_fail(MOEPT_ERR_IO, "tensor \"%s\": read failed", t->name);
+        f->bytes_read += t->nbytes;
+        return MOEPT_OK;
+    }
+#endif
+    unsigned char buf[1 << 16];
+    int64_t per = (int64_t)sizeof buf / es, done = 0;
+    while (done < numel) {
+        int64_t n = numel - done < per ? numel - done : per;
+        if (!moept__pread_all(f->fd, buf, n * es, t->offset + done * es))
+            return moept__thread_fail(MOEPT_ERR_IO, "tensor \"%s\": read failed", t->name);
+        f->bytes_read += n * es;
+        for (int64_t i = 0; i < n; i++) {
+            const unsigned char *b = buf + i * es;
+            if (want_int) {
+                int64_t v;
+                if (t->dtype == MOEPT_DTYPE_I64) { uint64_t u = 0; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 8); }
+                else { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; int32_t s; memcpy(&s, &u, 4); v = s; }
+                ((int64_t *)dst)[done + i] = v;
+            } else {
+                float v;
+                if (t->dtype == MOEPT_DTYPE_F32) { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 4); }
+                else if (t->dtype == MOEPT_DTYPE_F64) { uint64_t u = 0; double d; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&d, &u, 8); v = (float)d; }
+                else if (t->dtype == MOEPT_DTYPE_BF16) v = moept__bf16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
+                else if (t->dtype == MOEPT_DTYPE_F8_E4M3) v = moept__e4m3_to_f32(b[0]);
+                else v = moept__half_to_f32((uint16_t)(b[0] | (b[1] << 8)));
+                ((float *)dst)[done + i] = v;
+            }
+        }
+        done += n;
+    }
+    return MOEPT_OK;
+}
+
+moept_status moept_st_read_f32(moept_st_file *f, const moept_st_tensor *t, float *dst, int64_t numel) {
+    return moept__st_read(f, t, dst, numel, 0);
+}
+
+moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t, int64_t *dst, int64_t numel) {
+    return moept__st_read(f, t, dst, numel, 1);
+}
+
+/* ---- the writer ---------------------------------------------------------- */
 typedef struct moept__st_entry {
     char *name; moept_dtype dtype; int ndim; int64_t shape[8]; const void *data; int64_t nbytes;
 } moept__st_entry;
@@ -5019,174 +5182,13 @@ moept_status moept_st_write(moept_st_writer *w, const char *path) {
 }
 
 /* ------------------------------------------------------------------------
-   Hugging Face checkpoints
+   Hugging Face checkpoints: config.json into a moept_config, and one
+   decoder layer's weights loaded from and saved as safetensors
    ------------------------------------------------------------------------ */
 static void moept__hf_prefix(const moept_layer *L, int64_t layer_index, char *buf, size_t n) {
     snprintf(buf, n, "model.layers.%lld.%s", (long long)layer_index,
              L->cfg.family == MOEPT_FAMILY_MIXTRAL ? "block_sparse_moe." : "mlp.");
 }
-
-/* ------------------------------------------------------------------------
-   Strict JSON (RFC 8259) for config.json, model.safetensors.index.json and
-   a training checkpoint's index.json. moept__json_check takes a document
-   whole before its reader walks it: UTF-8; the grammar (exact literals, no
-   leading zeros, nothing after the object; NaN and Infinity, which Python
-   also reads, are not JSON); nesting up to 64; no key twice in one object
-   (Python's json, and so transformers, keeps a repeated key's last value,
-   where a reader here would take the first: the two would differ
-   silently). Strings may not hold U+0000 (they become C strings). The
-   readers walk the checked text with moept__jmember and moept__jelement.
-   ------------------------------------------------------------------------ */
-
-/* A JSON number, in any locale (strtod's decimal point is the locale's):
-   up to 19 significant digits scaled by a power of ten, enough for a
-   float's value. */
-static int moept__jnum(moept__json *j, double *out) {
-    moept__ws(j);
-    const char *p = j->p, *e = j->end;
-    int neg = p < e && *p == '-', nd = 0, dexp = 0, x = 0, xneg = 0;
-    p += neg;
-    if (p >= e || *p < '0' || *p > '9') { j->err = "expected a number"; return 0; }
-    if (*p == '0' && p + 1 < e && p[1] >= '0' && p[1] <= '9') {
-        j->err = "leading zero in a number";
-        return 0;
-    }
-    uint64_t m = 0;
-    for (; p < e && *p >= '0' && *p <= '9'; p++)
-        if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; } else dexp++;
-    if (p < e && *p == '.') {
-        if (++p >= e || *p < '0' || *p > '9') { j->err = "a number's fraction has no digits"; return 0; }
-        for (; p < e && *p >= '0' && *p <= '9'; p++)
-            if (nd < 19) { m = m * 10 + (uint64_t)(*p - '0'); nd += m != 0; dexp--; }
-    }
-    if (p < e && (*p == 'e' || *p == 'E')) {
-        p++;
-        if (p < e && (*p == '+' || *p == '-')) xneg = *p++ == '-';
-        if (p >= e || *p < '0' || *p > '9') { j->err = "a number's exponent has no digits"; return 0; }
-        for (; p < e && *p >= '0' && *p <= '9'; p++) x = x < 10000 ? x * 10 + (*p - '0') : x;
-    }
-    dexp += xneg ? -x : x;
-    if (dexp < -400) dexp = -400;
-    if (dexp > 400) dexp = 400;
-    double v = (double)m; /* 0 stays 0 at any exponent (0 x inf would be NaN) */
-    if (m) v = dexp >= 0 ? v * pow(10.0, dexp) : v / pow(10.0, -dexp);
-    *out = neg ? -v : v;
-    j->p = (char *)p;
-    return 1;
-}
-
-/* The members of the object at j: *n = 0 before the first call; each call
-   moves to the next member (its decoded name in *key, j at its value), or
-   returns 0 past the '}', with j->err set if the object is malformed. */
-static int moept__jmember(moept__json *j, int64_t *n, char **key) {
-    if ((*n)++ == 0) {
-        if (!moept__jchar(j, '{')) { j->err = "expected an object"; return 0; }
-        if (moept__jchar(j, '}')) return 0;
-    } else if (!moept__jchar(j, ',')) {
-        if (!moept__jchar(j, '}')) j->err = "expected ',' or '}'";
-        return 0;
-    }
-    if (!(*key = moept__jstring(j))) return 0;
-    if (!moept__jchar(j, ':')) { j->err = "expected ':'"; return 0; }
-    return 1;
-}
-
-/* The elements of the array at j, likewise (j at each element) */
-static int moept__jelement(moept__json *j, int64_t *n) {
-    if ((*n)++ == 0) {
-        if (!moept__jchar(j, '[')) { j->err = "expected an array"; return 0; }
-        return !moept__jchar(j, ']');
-    }
-    if (moept__jchar(j, ',')) return 1;
-    if (!moept__jchar(j, ']')) j->err = "expected ',' or ']'";
-    return 0;
-}
-
-/* every object's member names (object number, name), for the duplicate check */
-typedef struct moept__jkey { int64_t obj; const char *name; } moept__jkey;
-typedef struct moept__jkeys { moept__jkey *v; int64_t n, cap, objs; } moept__jkeys;
-
-/* One value, strictly; its objects' names go to keys (NULL: not kept) */
-static int moept__jvalue(moept__json *j, int depth, moept__jkeys *keys) {
-    moept__ws(j);
-    if (j->p >= j->end) { j->err = "expected a value"; return 0; }
-    if (depth > 64) { j->err = "nested deeper than 64"; return 0; }
-    const char c = *j->p;
-    int64_t n = 0;
-    if (c == '"') return moept__jstring(j) != NULL;
-    if (c == '{') {
-        int64_t obj = keys ? keys->objs++ : 0;
-        char *k;
-        while (moept__jmember(j, &n, &k)) {
-            if (keys && keys->n == keys->cap) { j->err = "too many keys"; return 0; }
-            if (keys) keys->v[keys->n++] = (moept__jkey){obj, k};
-            if (!moept__jvalue(j, depth + 1, keys)) return 0;
-        }
-        return !j->err;
-    }
-    if (c == '[') {
-        while (moept__jelement(j, &n))
-            if (!moept__jvalue(j, depth + 1, keys)) return 0;
-        return !j->err;
-    }
-    if (c == '-' || (c >= '0' && c <= '9')) {
-        double v;
-        return moept__jnum(j, &v);
-    }
-    static const char *const lit[3] = {"true", "false", "null"};
-    for (int w = 0; w < 3; w++) {
-        size_t len = strlen(lit[w]);
-        if ((size_t)(j->end - j->p) >= len && memcmp(j->p, lit[w], len) == 0) { j->p += len; return 1; }
-    }
-    j->err = c == 't' || c == 'f' || c == 'n' ? "a malformed literal (true, false or null)"
-                                               : "expected a value";
-    return 0;
-}
-
-static int moept__cmp_jkey(const void *a, const void *b) {
-    const moept__jkey *x = a, *y = b;
-    if (x->obj != y->obj) return (x->obj > y->obj) - (x->obj < y->obj);
-    return strcmp(x->name, y->name);
-}
-
-/* Checks text[0, n), a document that must be one JSON object, whole;
-   messages name `path`. Strings decode in place, so the check runs on a
-   copy and the caller's text stays raw for its reader. */
-static moept_status moept__json_check(const char *text, int64_t n, const char *path) {
-    if (!moept__utf8_ok((const unsigned char *)text, n))
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not UTF-8 (RFC 8259 JSON is)", path);
-    int64_t cap = 1; /* each member has a ':' */
-    for (int64_t i = 0; i < n; i++) cap += text[i] == ':';
-    char *copy = moept__alloc(NULL, (size_t)n + 1);
-    moept__jkeys keys = {moept__alloc(NULL, (size_t)cap * sizeof(moept__jkey)), 0, cap, 0};
-    moept_status st = MOEPT_OK;
-    if (!copy || !keys.v) {
-        st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
-        goto out;
-    }
-    memcpy(copy, text, (size_t)n);
-    copy[n] = 0;
-    moept__json j = {copy, copy + n, NULL};
-    moept__ws(&j);
-    int ok = j.p < j.end && *j.p == '{' && moept__jvalue(&j, 0, &keys);
-    if (ok) moept__ws(&j);
-    if (ok && j.p != j.end) { j.err = "trailing content after the object"; ok = 0; }
-    if (!ok) {
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a JSON object: %s (byte %lld)", path,
-                                j.err ? j.err : "expected '{'", (long long)(j.p - copy));
-        goto out;
-    }
-    qsort(keys.v, (size_t)keys.n, sizeof *keys.v, moept__cmp_jkey);
-    for (int64_t i = 1; i < keys.n && !st; i++)
-        if (keys.v[i].obj == keys.v[i - 1].obj && strcmp(keys.v[i].name, keys.v[i - 1].name) == 0)
-            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" twice in one object (Python's json "
-                                    "takes the last value, moept the first: refused)", path, keys.v[i].name);
-out:
-    MOEPT_FREE(copy);
-    MOEPT_FREE(keys.v);
-    return st;
-}
-
 /* config.json's top-level keys: numbers (true/false as 1/0), null,
    strings, and the raw text of arrays (read when asked for). */
 #define MOEPT__HF_KEYS 512
