@@ -4409,6 +4409,12 @@ static int moept__jchar(moept__json *j, char c) {
     return 0;
 }
 
+/* is the next character c (left unread)? */
+static int moept__jpeek(moept__json *j, char c) {
+    moept__ws(j);
+    return j->p < j->end && *j->p == c;
+}
+
 static int moept__juint(moept__json *j, int64_t *out) {
     moept__ws(j);
     if (j->p >= j->end || *j->p < '0' || *j->p > '9') { j->err = "expected a non-negative integer"; return 0; }
@@ -4461,19 +4467,23 @@ static int moept__jnum(moept__json *j, double *out) {
     return 1;
 }
 
-/* The members of the object at j: *n = 0 before the first call; each call
-   moves to the next member (its decoded name in *key, j at its value), or
-   returns 0 past the '}', with j->err set if the object is malformed. */
+/* The iterators' own errors, named so a reader may word them its own way */
+static const char moept__jerr_colon[] = "expected ':'", moept__jerr_more[] = "expected ',' or '}'";
+
+/* The one object iterator of every reader: *n = 0 before the first call;
+   each call moves to the next member (its decoded name in *key, j at its
+   value), or returns 0 past the '}', with j->err set if the object is
+   malformed (*key is the member's name where its ':' is missing). */
 static int moept__jmember(moept__json *j, int64_t *n, char **key) {
     if ((*n)++ == 0) {
         if (!moept__jchar(j, '{')) { j->err = "expected an object"; return 0; }
         if (moept__jchar(j, '}')) return 0;
     } else if (!moept__jchar(j, ',')) {
-        if (!moept__jchar(j, '}')) j->err = "expected ',' or '}'";
+        if (!moept__jchar(j, '}')) j->err = moept__jerr_more;
         return 0;
     }
     if (!(*key = moept__jstring(j))) return 0;
-    if (!moept__jchar(j, ':')) { j->err = "expected ':'"; return 0; }
+    if (!moept__jchar(j, ':')) { j->err = moept__jerr_colon; return 0; }
     return 1;
 }
 
@@ -4617,108 +4627,103 @@ static int moept__cmp_name(const void *a, const void *b) {
     return strcmp(x->name, y->name);
 }
 
-static moept_status moept__st_parse(moept_st_file *f, const char *path) {
-    int64_t hlen = f->data_start - 8;
-    moept__json j = {f->header, f->header + hlen, NULL};
-    moept__counter *none = NULL;
-    /* count entries generously: each needs at least one ':' */
-    int64_t cap = 1;
-    for (int64_t i = 0; i < hlen; i++) cap += f->header[i] == ':';
-    f->tensors = moept__alloc(none, (size_t)cap * sizeof(moept_st_tensor));
-    f->meta = moept__alloc(none, (size_t)(2 * cap) * sizeof(char *));
-    if (!f->tensors || !f->meta) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for the header", path);
 #define MOEPT__JFAIL(...) return moept__thread_fail(MOEPT_ERR_FORMAT, __VA_ARGS__)
-    if (!moept__jchar(&j, '{')) MOEPT__JFAIL("%s: header is not a JSON object", path);
-    int saw_meta = 0;
-    if (!moept__jchar(&j, '}')) {
-        do {
-            char *name = moept__jstring(&j);
-            if (!name) MOEPT__JFAIL("%s: header: %s", path, j.err);
-            if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: header: expected ':' after \"%s\"", path, name);
-            if (!moept__jchar(&j, '{')) MOEPT__JFAIL("%s: entry \"%s\" is not an object", path, name);
-            if (strcmp(name, "__metadata__") == 0) {
-                if (saw_meta) MOEPT__JFAIL("%s: duplicate __metadata__", path);
-                saw_meta = 1;
-                if (!moept__jchar(&j, '}')) {
-                    do {
-                        char *k = moept__jstring(&j);
-                        if (!k) MOEPT__JFAIL("%s: __metadata__: %s", path, j.err);
-                        if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: __metadata__: expected ':'", path);
-                        char *v = moept__jstring(&j);
-                        if (!v) MOEPT__JFAIL("%s: __metadata__[\"%s\"]: values must be strings (%s)", path, k, j.err);
-                        for (int64_t m = 0; m < f->n_meta; m++)
-                            if (strcmp(f->meta[2 * m], k) == 0) MOEPT__JFAIL("%s: __metadata__: duplicate key \"%s\"", path, k);
-                        f->meta[2 * f->n_meta] = k; f->meta[2 * f->n_meta + 1] = v; f->n_meta++;
-                    } while (moept__jchar(&j, ','));
-                    if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: __metadata__: expected '}'", path);
-                }
-                continue;
-            }
-            moept_st_tensor *t = &f->tensors[f->n_tensors];
-            memset(t, 0, sizeof *t);
-            t->name = name;
-            int have_dtype = 0, have_shape = 0, have_off = 0;
-            int64_t esize = 0, b0 = 0, b1 = 0;
-            if (!moept__jchar(&j, '}')) {
-                do {
-                    char *k = moept__jstring(&j);
-                    if (!k) MOEPT__JFAIL("%s: tensor \"%s\": %s", path, name, j.err);
-                    if (!moept__jchar(&j, ':')) MOEPT__JFAIL("%s: tensor \"%s\": expected ':'", path, name);
-                    if (strcmp(k, "dtype") == 0 && !have_dtype) {
-                        char *d = moept__jstring(&j);
-                        if (!d) MOEPT__JFAIL("%s: tensor \"%s\": dtype: %s", path, name, j.err);
-                        if (!moept__dtype_parse(d, &t->dtype, &esize)) MOEPT__JFAIL("%s: tensor \"%s\": unknown dtype \"%s\"", path, name, d);
-                        have_dtype = 1;
-                    } else if (strcmp(k, "shape") == 0 && !have_shape) {
-                        if (!moept__jchar(&j, '[')) MOEPT__JFAIL("%s: tensor \"%s\": shape is not an array", path, name);
-                        if (!moept__jchar(&j, ']')) {
-                            do {
-                                if (t->ndim == 8) MOEPT__JFAIL("%s: tensor \"%s\": more than 8 dimensions", path, name);
-                                if (!moept__juint(&j, &t->shape[t->ndim])) MOEPT__JFAIL("%s: tensor \"%s\": shape: %s", path, name, j.err);
-                                t->ndim++;
-                            } while (moept__jchar(&j, ','));
-                            if (!moept__jchar(&j, ']')) MOEPT__JFAIL("%s: tensor \"%s\": shape: expected ']'", path, name);
-                        }
-                        have_shape = 1;
-                    } else if (strcmp(k, "data_offsets") == 0 && !have_off) {
-                        if (!moept__jchar(&j, '[') || !moept__juint(&j, &b0) || !moept__jchar(&j, ',') ||
-                            !moept__juint(&j, &b1) || !moept__jchar(&j, ']'))
-                            MOEPT__JFAIL("%s: tensor \"%s\": data_offsets must be [begin, end]", path, name);
-                        have_off = 1;
-                    } else {
-                        MOEPT__JFAIL("%s: tensor \"%s\": unexpected or repeated field \"%s\"", path, name, k);
-                    }
-                } while (moept__jchar(&j, ','));
-                if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: tensor \"%s\": expected '}'", path, name);
-            }
-            if (!have_dtype || !have_shape || !have_off)
-                MOEPT__JFAIL("%s: tensor \"%s\": needs dtype, shape and data_offsets", path, name);
-            int64_t numel = 1;
-            for (int d = 0; d < t->ndim; d++) {
-                if (t->shape[d] != 0 && numel > INT64_MAX / t->shape[d])
-                    MOEPT__JFAIL("%s: tensor \"%s\": shape overflows 64 bits", path, name);
-                numel *= t->shape[d];
-            }
-            if (numel > INT64_MAX / esize) MOEPT__JFAIL("%s: tensor \"%s\": byte size overflows 64 bits", path, name);
-            if (b1 < b0) MOEPT__JFAIL("%s: tensor \"%s\": data_offsets end %lld < begin %lld", path, name, (long long)b1, (long long)b0);
-            if (b1 - b0 != numel * esize)
-                MOEPT__JFAIL("%s: tensor \"%s\": shape needs %lld bytes but data_offsets span %lld", path, name,
-                             (long long)(numel * esize), (long long)(b1 - b0));
-            t->numel = numel;
-            t->offset = b0;
-            t->nbytes = b1 - b0;
-            f->n_tensors++;
-        } while (moept__jchar(&j, ','));
-        if (!moept__jchar(&j, '}')) MOEPT__JFAIL("%s: header: expected ',' or '}'", path);
+
+/* an iterator's error in the header's wording: a member list that neither
+   goes on nor ends is "expected '}'" inside an entry */
+static const char *moept__st_jerr(const moept__json *j) {
+    return j->err == moept__jerr_more ? "expected '}'" : j->err;
+}
+
+/* __metadata__'s members (j at its '{'): strings to strings, no key twice */
+static moept_status moept__st_meta(moept_st_file *f, moept__json *j, const char *path) {
+    int64_t n = 0;
+    char *k;
+    while (moept__jmember(j, &n, &k)) {
+        char *v = moept__jstring(j);
+        if (!v) MOEPT__JFAIL("%s: __metadata__[\"%s\"]: values must be strings (%s)", path, k, j->err);
+        for (int64_t m = 0; m < f->n_meta; m++)
+            if (strcmp(f->meta[2 * m], k) == 0)
+                MOEPT__JFAIL("%s: __metadata__: duplicate key \"%s\"", path, k);
+        f->meta[2 * f->n_meta] = k; f->meta[2 * f->n_meta + 1] = v; f->n_meta++;
     }
-    moept__ws(&j);
-    if (j.p != j.end) MOEPT__JFAIL("%s: header: trailing characters after the JSON object", path);
-    /* unique names */
+    if (j->err) MOEPT__JFAIL("%s: __metadata__: %s", path, moept__st_jerr(j));
+    return MOEPT_OK;
+}
+
+/* Field k of tensor t's entry (j at its value): dtype, shape or
+   data_offsets [b0, b1], each once (have[3] says which were seen) */
+static moept_status moept__st_field(moept__json *j, const char *path, moept_st_tensor *t, const char *k,
+                                    int have[3], int64_t *esize, int64_t b[2]) {
+    const char *name = t->name;
+    if (strcmp(k, "dtype") == 0 && !have[0]) {
+        char *d = moept__jstring(j);
+        if (!d) MOEPT__JFAIL("%s: tensor \"%s\": dtype: %s", path, name, j->err);
+        if (!moept__dtype_parse(d, &t->dtype, esize))
+            MOEPT__JFAIL("%s: tensor \"%s\": unknown dtype \"%s\"", path, name, d);
+        have[0] = 1;
+    } else if (strcmp(k, "shape") == 0 && !have[1]) {
+        if (!moept__jpeek(j, '[')) MOEPT__JFAIL("%s: tensor \"%s\": shape is not an array", path, name);
+        for (int64_t n = 0; moept__jelement(j, &n); t->ndim++) {
+            if (t->ndim == 8) MOEPT__JFAIL("%s: tensor \"%s\": more than 8 dimensions", path, name);
+            if (!moept__juint(j, &t->shape[t->ndim]))
+                MOEPT__JFAIL("%s: tensor \"%s\": shape: %s", path, name, j->err);
+        }
+        if (j->err) MOEPT__JFAIL("%s: tensor \"%s\": shape: expected ']'", path, name);
+        have[1] = 1;
+    } else if (strcmp(k, "data_offsets") == 0 && !have[2]) {
+        if (!moept__jchar(j, '[') || !moept__juint(j, &b[0]) || !moept__jchar(j, ',') ||
+            !moept__juint(j, &b[1]) || !moept__jchar(j, ']'))
+            MOEPT__JFAIL("%s: tensor \"%s\": data_offsets must be [begin, end]", path, name);
+        have[2] = 1;
+    } else {
+        MOEPT__JFAIL("%s: tensor \"%s\": unexpected or repeated field \"%s\"", path, name, k);
+    }
+    return MOEPT_OK;
+}
+
+/* Tensor `name`'s entry (j at its '{') into the next of f->tensors: its
+   fields, and a byte range that matches its shape and dtype */
+static moept_status moept__st_tensor(moept_st_file *f, moept__json *j, const char *path, char *name) {
+    moept_st_tensor *t = &f->tensors[f->n_tensors];
+    memset(t, 0, sizeof *t);
+    t->name = name;
+    int have[3] = {0, 0, 0};
+    int64_t esize = 0, b[2] = {0, 0}, n = 0;
+    char *k;
+    moept_status st;
+    while (moept__jmember(j, &n, &k))
+        if ((st = moept__st_field(j, path, t, k, have, &esize, b))) return st;
+    if (j->err) MOEPT__JFAIL("%s: tensor \"%s\": %s", path, name, moept__st_jerr(j));
+    if (!have[0] || !have[1] || !have[2])
+        MOEPT__JFAIL("%s: tensor \"%s\": needs dtype, shape and data_offsets", path, name);
+    int64_t numel = 1;
+    for (int d = 0; d < t->ndim; d++) {
+        if (t->shape[d] != 0 && numel > INT64_MAX / t->shape[d])
+            MOEPT__JFAIL("%s: tensor \"%s\": shape overflows 64 bits", path, name);
+        numel *= t->shape[d];
+    }
+    if (numel > INT64_MAX / esize) MOEPT__JFAIL("%s: tensor \"%s\": byte size overflows 64 bits", path, name);
+    if (b[1] < b[0])
+        MOEPT__JFAIL("%s: tensor \"%s\": data_offsets end %lld < begin %lld", path, name, (long long)b[1],
+                     (long long)b[0]);
+    if (b[1] - b[0] != numel * esize)
+        MOEPT__JFAIL("%s: tensor \"%s\": shape needs %lld bytes but data_offsets span %lld", path, name,
+                     (long long)(numel * esize), (long long)(b[1] - b[0]));
+    t->numel = numel;
+    t->offset = b[0];
+    t->nbytes = b[1] - b[0];
+    f->n_tensors++;
+    return MOEPT_OK;
+}
+
+/* Unique names, and byte ranges that tile the data area; the offsets
+   become the file's */
+static moept_status moept__st_tile(moept_st_file *f, const char *path) {
     qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, moept__cmp_name);
     for (int64_t i = 1; i < f->n_tensors; i++)
         if (strcmp(f->tensors[i - 1].name, f->tensors[i].name) == 0)
             MOEPT__JFAIL("%s: duplicate tensor name \"%s\"", path, f->tensors[i].name);
-    /* the ranges must tile the data area */
     qsort(f->tensors, (size_t)f->n_tensors, sizeof *f->tensors, moept__cmp_offset);
     int64_t pos = 0, data_size = f->file_size - f->data_start;
     for (int64_t i = 0; i < f->n_tensors; i++) {
@@ -4733,9 +4738,39 @@ static moept_status moept__st_parse(moept_st_file *f, const char *path) {
     }
     if (pos != data_size)
         MOEPT__JFAIL("%s: %lld trailing bytes after the last tensor", path, (long long)(data_size - pos));
-#undef MOEPT__JFAIL
     return MOEPT_OK;
 }
+
+/* The header (decoded in place: the names point into it): one object of
+   tensor entries and at most one __metadata__ */
+static moept_status moept__st_parse(moept_st_file *f, const char *path) {
+    int64_t hlen = f->data_start - 8;
+    moept__json j = {f->header, f->header + hlen, NULL};
+    /* count entries generously: each needs at least one ':' */
+    int64_t cap = 1, n = 0;
+    for (int64_t i = 0; i < hlen; i++) cap += f->header[i] == ':';
+    f->tensors = moept__alloc(NULL, (size_t)cap * sizeof(moept_st_tensor));
+    f->meta = moept__alloc(NULL, (size_t)(2 * cap) * sizeof(char *));
+    if (!f->tensors || !f->meta)
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for the header", path);
+    if (!moept__jpeek(&j, '{')) MOEPT__JFAIL("%s: header is not a JSON object", path);
+    int saw_meta = 0;
+    char *name;
+    while (moept__jmember(&j, &n, &name)) {
+        if (!moept__jpeek(&j, '{')) MOEPT__JFAIL("%s: entry \"%s\" is not an object", path, name);
+        int meta = strcmp(name, "__metadata__") == 0;
+        if (meta && saw_meta) MOEPT__JFAIL("%s: duplicate __metadata__", path);
+        saw_meta |= meta;
+        moept_status st = meta ? moept__st_meta(f, &j, path) : moept__st_tensor(f, &j, path, name);
+        if (st) return st;
+    }
+    if (j.err == moept__jerr_colon) MOEPT__JFAIL("%s: header: expected ':' after \"%s\"", path, name);
+    if (j.err) MOEPT__JFAIL("%s: header: %s", path, j.err);
+    moept__ws(&j);
+    if (j.p != j.end) MOEPT__JFAIL("%s: header: trailing characters after the JSON object", path);
+    return moept__st_tile(f, path);
+}
+#undef MOEPT__JFAIL
 
 void moept_st_close(moept_st_file *f) {
     if (!f) return;
