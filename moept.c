@@ -5718,9 +5718,55 @@ static moept_status moept__hf_read_one(const char *dir, moept__hf_src *src, cons
     return st;
 }
 
+/* A collective load (moept_load_hf, moept_load_checkpoint): every rank
+   reads its part into a staging copy and changes nothing, all agree, then
+   all commit or none does (one rank's bad file fails every rank, and no
+   replica diverges). A loader gives its read and its commit. */
+typedef struct moept__load moept__load;
+struct moept__load {
+    const char *call;      /* the public call, for messages */
+    int id;                /* its MOEPT__CALL_* */
+    uint64_t args;         /* the arguments every rank must pass alike */
+    const char *bad_args;  /* non-NULL: the arguments are refused, with this */
+    int copies;            /* the stage: [copies * n_params] then the bias [E] */
+    moept_status (*read)(const moept_layer *L, moept__load *ld, float *stage, int64_t *bytes);
+    void (*commit)(moept_layer *L, moept__load *ld, const float *stage);
+    const char *dir;       /* the loader's arguments */
+    int64_t layer_index;
+    long long step;        /* the checkpoint's step (its read sets it) */
+    float *opt;            /* [2 n_params] AdamW state its read allocated: freed unless committed */
+};
+
+static moept_status moept__load_staged(moept_layer *L, moept__load *ld) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer is NULL", ld->call);
+    if (L->fsdp) /* the same on every rank: the config was agreed at create */
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s: not in fsdp mode (the expert-parallel layer is the "
+                           "one that saves, loads and reshards)", ld->call);
+    const size_t nstage = (size_t)ld->copies * (size_t)L->n_params + (size_t)L->E;
+    int64_t bytes = 0; /* counted only if the load commits */
+    float *stage = NULL;
+    moept_status local = moept__to_host(L, 1, 0); /* its message the thread's */
+    moept_status st = local ? local
+                      : ld->bad_args ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s", ld->bad_args)
+                      : !(stage = moept__alloc(NULL, nstage * sizeof(float)))
+                          ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
+                          : ld->read(L, ld, stage, &bytes);
+    if (st && !local) local = moept__fail(L, st, "%s: %s", ld->call, moept__thread_err);
+    if ((st = moept__agree_call(L, L->group, L->dp, local, ld->id, ld->args))) { /* statistics neither */
+        MOEPT_FREE(stage);
+        MOEPT_FREE(ld->opt);
+        return st;
+    }
+    moept__host_wrote(L, 1, 0);
+    L->stats.checkpoint_bytes_read += bytes;
+    ld->commit(L, ld, stage);
+    MOEPT_FREE(stage);
+    return MOEPT_OK;
+}
+
 /* Every parameter of decoder layer `layer_index` into stage [n_params + E]
    (the bias last); changes nothing. */
-static moept_status moept__hf_read(moept_layer *L, const char *dir, int64_t layer_index, float *stage,
+static moept_status moept__hf_read(const moept_layer *L, const char *dir, int64_t layer_index, float *stage,
                                    int64_t *bytes) {
     char prefix[128], name[256];
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
@@ -5737,35 +5783,23 @@ static moept_status moept__hf_read(moept_layer *L, const char *dir, int64_t laye
     return st;
 }
 
-/* Collective over the EP and DP groups: every rank reads its part into a
-   staging copy, all agree, then all commit or none does. */
-moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_hf: layer is NULL");
-    if (L->fsdp) /* the same on every rank: the config was agreed at create */
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_hf: not in fsdp mode (the expert-parallel "
-                           "layer is the one that saves, loads and reshards)");
-    MOEPT__HOST_SYNC(L, 1, 0);
-    int64_t bytes = 0;
-    float *stage = NULL;
-    size_t sbytes = (size_t)(L->n_params + L->E) * sizeof(float);
-    moept_status st = MOEPT_OK;
-    if (!dir || layer_index < 0)
-        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "bad directory or layer index");
-    else if (!(stage = moept__alloc(NULL, sbytes)))
-        st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory");
-    else st = moept__hf_read(L, dir, layer_index, stage, &bytes);
-    moept_status local = st ? moept__fail(L, st, "moept_load_hf: %s", moept__thread_err) : MOEPT_OK;
-    uint64_t args = moept__fnv(moept__fnv_dir(dir), &layer_index, sizeof layer_index);
-    if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_LOAD_HF, args))) { /* statistics neither */
-        MOEPT_FREE(stage);
-        return st;
-    }
-    moept__host_wrote(L, 1, 0);
-    L->stats.checkpoint_bytes_read += bytes;
+static moept_status moept__hf_stage(const moept_layer *L, moept__load *ld, float *stage, int64_t *bytes) {
+    return moept__hf_read(L, ld->dir, ld->layer_index, stage, bytes);
+}
+
+static void moept__hf_commit(moept_layer *L, moept__load *ld, const float *stage) {
+    (void)ld;
     memcpy(L->params, stage, (size_t)L->n_params * sizeof(float));
     memcpy(L->bias, stage + L->n_params, (size_t)L->E * sizeof(float));
-    MOEPT_FREE(stage);
-    return MOEPT_OK;
+}
+
+/* Collective over the EP and DP groups (moept__load_staged) */
+moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index) {
+    moept__load ld = {"moept_load_hf", MOEPT__CALL_LOAD_HF,
+                      moept__fnv(moept__fnv_dir(dir), &layer_index, sizeof layer_index),
+                      !dir || layer_index < 0 ? "bad directory or layer index" : NULL, 1,
+                      moept__hf_stage, moept__hf_commit, dir, layer_index, -1, NULL};
+    return moept__load_staged(L, &ld);
 }
 
 moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index, int with_replicated) {
@@ -6690,40 +6724,22 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     return st;
 }
 
-/* Loads a training checkpoint saved at any EP size P that divides E into
-   this layer's layout (Q ranks): every tensor this rank needs is read with
-   positioned reads from the file of the rank that saved it (replicated
-   ones from rank 0's), nothing else. Collective over the EP and DP groups:
-   every rank reads, then all agree, then all commit or none does (one
-   rank's bad file fails every rank, and no replica diverges). */
-moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_load_checkpoint: layer is NULL");
-    if (L->fsdp) /* the same on every rank: the config was agreed at create */
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_load_checkpoint: not in fsdp mode (the "
-                           "expert-parallel layer is the one that saves, loads and reshards)");
-    const size_t n = (size_t)L->n_params;
-    int64_t bytes = 0; /* counted only if the load commits */
-    float *stage = moept__alloc(NULL, (3 * n + (size_t)L->E) * sizeof(float)), *opt = NULL;
-    long long t = -1;
-    moept_status local = moept__to_host(L, 1, 0); /* its message the thread's */
-    moept_status st = local ? local : !dir ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "dir is NULL")
-                      : !stage ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
-                               : moept__ckpt_read(L, dir, stage, &t, &bytes);
-    /* AdamW state the layer lacks: allocated before the agreement (counted at the commit) */
-    if (!st && t > 0 && L->grads && !L->opt_m && !(opt = moept__alloc(NULL, 2 * n * sizeof(float))))
+/* moept_load_checkpoint's read: the checkpoint, and AdamW state the layer
+   lacks (allocated before the agreement, counted at the commit) */
+static moept_status moept__ckpt_stage(const moept_layer *L, moept__load *ld, float *stage, int64_t *bytes) {
+    moept_status st = moept__ckpt_read(L, ld->dir, stage, &ld->step, bytes);
+    if (!st && ld->step > 0 && L->grads && !L->opt_m &&
+        !(ld->opt = moept__alloc(NULL, 2 * (size_t)L->n_params * sizeof(float))))
         st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
-    if (st && !local) local = moept__fail(L, st, "moept_load_checkpoint: %s", moept__thread_err);
-    uint64_t args = moept__fnv_dir(dir);
-    if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_LOAD_CHECKPOINT, args))) {
-        MOEPT_FREE(stage);
-        MOEPT_FREE(opt);
-        return st;
-    }
-    moept__host_wrote(L, 1, 0);
-    L->stats.checkpoint_bytes_read += bytes;
-    if (opt) {
-        L->opt_m = opt;
-        L->opt_v = opt + n;
+    return st;
+}
+
+static void moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *stage) {
+    const size_t n = (size_t)L->n_params;
+    const long long t = ld->step;
+    if (ld->opt) {
+        L->opt_m = ld->opt;
+        L->opt_v = ld->opt + n;
         L->mem.allocations++;
         L->mem.bytes += (int64_t)(2 * n * sizeof(float));
     }
@@ -6738,8 +6754,17 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     L->opt_t = L->grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
     if (L->ex->host_wrote) L->ex->host_wrote(L, MOEPT__HOST_OPT); /* an executor's moments: from these */
     L->jitter_micro = 0;
-    MOEPT_FREE(stage);
-    return MOEPT_OK;
+}
+
+/* Loads a training checkpoint saved at any EP size P that divides E into
+   this layer's layout (Q ranks): every tensor this rank needs is read with
+   positioned reads from the file of the rank that saved it (replicated
+   ones from rank 0's), nothing else. Collective over the EP and DP groups
+   (moept__load_staged). */
+moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
+    moept__load ld = {"moept_load_checkpoint", MOEPT__CALL_LOAD_CHECKPOINT, moept__fnv_dir(dir),
+                      !dir ? "dir is NULL" : NULL, 3, moept__ckpt_stage, moept__ckpt_commit, dir, 0, -1, NULL};
+    return moept__load_staged(L, &ld);
 }
 
 /* ------------------------------------------------------------------------
