@@ -5373,35 +5373,74 @@ static moept_status moept__hf_listed(const moept__hfconf *h, const char *key, in
     return MOEPT_OK;
 }
 
+/* model_type: the family, and the keys that hold its expert count and
+   expert FFN size (*ekey, *fkey) */
+static moept_status moept__hf_model_type(const moept__hfconf *h, moept_config *c, const char **ekey,
+                                         const char **fkey) {
+    const char *mt = moept__hf_str(h, "model_type", NULL), *P = h->path;
+    if (!mt) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"model_type\" is missing", P);
+    *ekey = "num_experts";
+    *fkey = "moe_intermediate_size";
+    if (strcmp(mt, "mixtral") == 0) {
+        c->family = MOEPT_FAMILY_MIXTRAL;
+        *ekey = "num_local_experts";
+        *fkey = "intermediate_size";
+    }
+    else if (strcmp(mt, "qwen2_moe") == 0 || strcmp(mt, "qwen3_moe") == 0) {
+        /* transformers 5 writes qwen3's count as num_local_experts */
+        c->family = MOEPT_FAMILY_QWEN2_MOE;
+        int a = moept__hf_key(h, "num_experts"), b = moept__hf_key(h, "num_local_experts");
+        if (a >= 0 && b >= 0 && h->kind[a] == MOEPT__HK_NUM && h->kind[b] == MOEPT__HK_NUM &&
+            h->num[a] != h->num[b])
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"num_experts\" and \"num_local_experts\" "
+                                      "differ", P);
+        if (a < 0 && b >= 0) *ekey = "num_local_experts";
+    }
+    else if (strcmp(mt, "olmoe") == 0) { c->family = MOEPT_FAMILY_OLMOE; *fkey = "intermediate_size"; }
+    else if (strcmp(mt, "deepseek_v3") == 0) {
+        c->family = MOEPT_FAMILY_DEEPSEEK_V3;
+        *ekey = "n_routed_experts";
+    }
+    else return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: \"model_type\" \"%s\" is not mixtral, "
+                                   "qwen2_moe, qwen3_moe, olmoe or deepseek_v3", P, mt);
+    return MOEPT_OK;
+}
+
+/* deepseek_v3's routing: sigmoid scores, noaux_tc, and n_group groups of
+   which topk_group are chosen, as moept_create takes them */
+static moept_status moept__hf_ds_groups(const moept__hfconf *h, int64_t E, int64_t K, int64_t ng,
+                                        int64_t tg) {
+    const char *P = h->path;
+    const char *sf = moept__hf_str(h, "scoring_func", "sigmoid");
+    const char *tm = moept__hf_str(h, "topk_method", "noaux_tc");
+    if (strcmp(sf, "sigmoid") != 0 || strcmp(tm, "noaux_tc") != 0)
+        return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: key \"%s\" is \"%s\"; deepseek_v3 routes by "
+                                  "\"sigmoid\" with \"noaux_tc\"", P, strcmp(sf, "sigmoid") ? "scoring_func"
+                                  : "topk_method", strcmp(sf, "sigmoid") ? sf : tm);
+    if (E > 0 && (E % ng != 0 || tg > ng))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" (%lld) "
+                                  "do not split \"n_routed_experts\" (%lld)", P, (long long)ng, (long long)tg,
+                                  (long long)E);
+    /* moept_create's group rules: a group's score is its best two experts'; K from topk_group groups */
+    if (E > 0 && ng > 1 && (E / ng < 2 || K > tg * (E / ng)))
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" "
+                                  "(%lld) leave groups of fewer than 2 experts or fewer than "
+                                  "\"num_experts_per_tok\" (%lld) to choose from", P, (long long)ng,
+                                  (long long)tg, (long long)K);
+    return MOEPT_OK;
+}
+
 /* The model's sizes and routing for one layer; the MoE-or-dense rules are
    transformers': qwen2/qwen3 (layer + 1) % decoder_sparse_step == 0 and not
    in mlp_only_layers; deepseek_v3 layer >= first_k_dense_replace (and, as
    DeepSeek's own code, layer % moe_layer_freq == 0). Absent non-size keys
    take transformers' class defaults. */
 static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moept_config *c) {
-    const char *mt = moept__hf_str(h, "model_type", NULL), *P = h->path;
+    const char *P = h->path, *ekey, *fkey;
     int64_t E, K, L, v, ng = 1, tg = 1, dense = 0, shared = 0;
-    moept_status st;
-    if (!mt) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"model_type\" is missing", P);
-    int qwen3 = strcmp(mt, "qwen3_moe") == 0, ds = strcmp(mt, "deepseek_v3") == 0;
-    const char *ekey = "num_experts", *fkey = "moe_intermediate_size";
-    if (strcmp(mt, "mixtral") == 0) {
-        c->family = MOEPT_FAMILY_MIXTRAL;
-        ekey = "num_local_experts";
-        fkey = "intermediate_size";
-    }
-    else if (strcmp(mt, "qwen2_moe") == 0 || qwen3) { /* transformers 5 writes qwen3's count as num_local_experts */
-        c->family = MOEPT_FAMILY_QWEN2_MOE;
-        int a = moept__hf_key(h, "num_experts"), b = moept__hf_key(h, "num_local_experts");
-        if (a >= 0 && b >= 0 && h->kind[a] == MOEPT__HK_NUM && h->kind[b] == MOEPT__HK_NUM && h->num[a] != h->num[b])
-            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"num_experts\" and \"num_local_experts\" "
-                                      "differ", P);
-        if (a < 0 && b >= 0) ekey = "num_local_experts";
-    }
-    else if (strcmp(mt, "olmoe") == 0) { c->family = MOEPT_FAMILY_OLMOE; fkey = "intermediate_size"; }
-    else if (ds) { c->family = MOEPT_FAMILY_DEEPSEEK_V3; ekey = "n_routed_experts"; }
-    else return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: \"model_type\" \"%s\" is not mixtral, qwen2_moe, "
-                                   "qwen3_moe, olmoe or deepseek_v3", P, mt);
+    moept_status st = moept__hf_model_type(h, c, &ekey, &fkey);
+    if (st) return st;
+    int qwen3 = strcmp(moept__hf_str(h, "model_type", ""), "qwen3_moe") == 0;
     if ((st = moept__hf_int(h, "hidden_size", -1, 1, 1 << 20, &c->hidden_size)) ||
         (st = moept__hf_int(h, fkey, -1, 1, 1 << 20, &c->intermediate_size)) ||
         (st = moept__hf_int(h, ekey, -1, 0, 65536, &E)) ||
@@ -5409,16 +5448,17 @@ static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moep
         (st = moept__hf_int(h, "num_hidden_layers", -1, 1, 1 << 20, &L)))
         return st;
     if (layer < 0 || layer >= L)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer %lld is not in 0..num_hidden_layers-1 (%lld)",
-                                  P, (long long)layer, (long long)L);
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer %lld is not in "
+                                  "0..num_hidden_layers-1 (%lld)", P, (long long)layer, (long long)L);
     if (c->family == MOEPT_FAMILY_QWEN2_MOE) {
         int listed;
         if ((st = moept__hf_int(h, "decoder_sparse_step", 1, 1, 1 << 20, &v)) ||
             (st = moept__hf_listed(h, "mlp_only_layers", layer, &listed)))
             return st;
         dense = listed || E == 0 || (layer + 1) % v != 0;
-        if (!qwen3 && (st = moept__hf_int(h, "shared_expert_intermediate_size", -1, 0, 1 << 20, &shared))) return st;
-    } else if (ds) {
+        if (!qwen3 && (st = moept__hf_int(h, "shared_expert_intermediate_size", -1, 0, 1 << 20, &shared)))
+            return st;
+    } else if (c->family == MOEPT_FAMILY_DEEPSEEK_V3) {
         int64_t first, freq, ns;
         if ((st = moept__hf_int(h, "first_k_dense_replace", 3, 0, 1 << 20, &first)) ||
             (st = moept__hf_int(h, "moe_layer_freq", 1, 1, 1 << 20, &freq)) ||
@@ -5435,28 +5475,14 @@ static moept_status moept__hf_family(const moept__hfconf *h, int64_t layer, moep
             return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_shared_experts\" (%lld) x \"%s\" "
                                       "(%lld) exceed 1048576", P, (long long)ns, fkey,
                                       (long long)c->intermediate_size);
-        const char *sf = moept__hf_str(h, "scoring_func", "sigmoid"), *tm = moept__hf_str(h, "topk_method", "noaux_tc");
-        if (strcmp(sf, "sigmoid") != 0 || strcmp(tm, "noaux_tc") != 0)
-            return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: key \"%s\" is \"%s\"; deepseek_v3 routes by "
-                                      "\"sigmoid\" with \"noaux_tc\"", P, strcmp(sf, "sigmoid") ? "scoring_func"
-                                      : "topk_method", strcmp(sf, "sigmoid") ? sf : tm);
-        if (E > 0 && (E % ng != 0 || tg > ng))
-            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" (%lld) "
-                                      "do not split \"n_routed_experts\" (%lld)", P, (long long)ng, (long long)tg,
-                                      (long long)E);
-        /* moept_create's group rules: a group's score is its best two experts'; K from topk_group groups */
-        if (E > 0 && ng > 1 && (E / ng < 2 || K > tg * (E / ng)))
-            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: keys \"n_group\" (%lld) and \"topk_group\" "
-                                      "(%lld) leave groups of fewer than 2 experts or fewer than "
-                                      "\"num_experts_per_tok\" (%lld) to choose from", P, (long long)ng,
-                                      (long long)tg, (long long)K);
+        if ((st = moept__hf_ds_groups(h, E, K, ng, tg))) return st;
     }
     if (dense || E == 0)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer %lld is a dense MLP layer, not MoE", P,
-                                  (long long)layer);
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer %lld is a dense MLP layer, not MoE",
+                                  P, (long long)layer);
     if (K > E)
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"num_experts_per_tok\" (%lld) exceeds \"%s\" (%lld)", P,
-                                  (long long)K, ekey, (long long)E);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"num_experts_per_tok\" (%lld) exceeds \"%s\" "
+                                  "(%lld)", P, (long long)K, ekey, (long long)E);
     c->num_experts = E; c->top_k = K; c->shared_intermediate_size = shared;
     c->n_group = ng; c->topk_group = tg;
     return MOEPT_OK;
@@ -6763,7 +6789,8 @@ static void moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *sta
    (moept__load_staged). */
 moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     moept__load ld = {"moept_load_checkpoint", MOEPT__CALL_LOAD_CHECKPOINT, moept__fnv_dir(dir),
-                      !dir ? "dir is NULL" : NULL, 3, moept__ckpt_stage, moept__ckpt_commit, dir, 0, -1, NULL};
+                      !dir ? "dir is NULL" : NULL, 3, moept__ckpt_stage, moept__ckpt_commit, dir, 0, -1,
+                      NULL};
     return moept__load_staged(L, &ld);
 }
 
@@ -6783,9 +6810,104 @@ static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, fl
     *w2 = base + (L->w2 - L->params) + j * L->D * L->F;
 }
 
+/* moept_reshard's arguments: every expert to a rank in 0..P-1, E/P to each
+   (per [P]: scratch) */
+static moept_status moept__reshard_check(moept_layer *L, const int32_t *new_rank, int64_t *per) {
+    const int64_t E = L->E, El = L->El, P = L->P;
+    for (int64_t r = 0; r < P; r++) per[r] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (new_rank[e] < 0 || new_rank[e] >= P)
+            return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: expert %lld to rank %d, not in "
+                               "0..%lld", (long long)e, new_rank[e], (long long)P - 1);
+        per[new_rank[e]]++;
+    }
+    for (int64_t r = 0; r < P; r++)
+        if (per[r] != El)
+            return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: rank %lld would hold %lld "
+                               "experts; every rank holds E/P = %lld", (long long)r, (long long)per[r],
+                               (long long)El);
+    return MOEPT_OK;
+}
+
+/* this rank's experts leaving (out) and arriving (in) under new_rank, in id order */
+static void moept__reshard_lists(const moept_layer *L, const int32_t *new_rank, int64_t r, int32_t *out,
+                                 int64_t *nout, int32_t *in, int64_t *nin) {
+    const int64_t El = L->El;
+    *nout = *nin = 0;
+    for (int64_t e = 0; e < L->E; e++) {
+        if (L->slot_of[e] / El == r && new_rank[e] != r) out[(*nout)++] = (int32_t)e;
+        if (new_rank[e] == r && L->slot_of[e] / El != r) in[(*nin)++] = (int32_t)e;
+    }
+}
+
+/* New slots nslot [E], the same on every rank: an expert that stays keeps
+   its place; on each rank the k-th expert leaving (in id order) hands its
+   place to the k-th arriving (there are as many of each: E/P per rank), so
+   nothing that stays is touched and round k moves out[k] -> in[k].
+   out, in [E]: scratch. */
+static void moept__reshard_plan(const moept_layer *L, const int32_t *new_rank, int32_t *nslot, int32_t *out,
+                                int32_t *in, int64_t *rounds, int64_t *moved) {
+    const int64_t E = L->E, El = L->El;
+    *rounds = *moved = 0;
+    for (int64_t e = 0; e < E; e++) nslot[e] = new_rank[e] == L->slot_of[e] / El ? L->slot_of[e] : -1;
+    for (int64_t r = 0; r < L->P; r++) {
+        int64_t no, ni;
+        moept__reshard_lists(L, new_rank, r, out, &no, in, &ni);
+        for (int64_t k = 0; k < ni; k++) nslot[in[k]] = L->slot_of[out[k]] % El + (int32_t)(r * El);
+        *rounds = no > *rounds ? no : *rounds;
+        *moved += no;
+    }
+}
+
+/* The rounds: in round k this rank sends out[k]'s expert (parameters, then
+   AdamW m and v where allocated) and receives in[k]'s through stage [H*D +
+   D*F] into the slot out[k] vacates; pos [E]: each held expert's local
+   slot. Bytes moved add to sent and recvd. */
+static moept_status moept__reshard_rounds(moept_layer *L, const int32_t *new_rank, const int32_t *out,
+                                          int64_t nout, const int32_t *in, int64_t nin, int64_t rounds,
+                                          float *stage, int64_t *pos, int64_t *sent, int64_t *recvd) {
+    const int64_t El = L->El, n13 = L->H * L->D, n2 = L->D * L->F;
+    float *bufs[3] = {L->params, L->opt_m, L->opt_v};
+    for (int64_t k = 0; k < rounds; k++) {
+        for (int b = 0; b < 3; b++) {
+            /* optimizer state moves only if allocated (the same on every rank in a training loop) */
+            int have = bufs[b] != NULL;
+            moept_p2p s[2], r[2];
+            int ns = 0, nr = 0;
+            float *w13, *w2;
+            if (have && k < nout) {
+                moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
+                int to = (int)new_rank[out[k]];
+                s[ns++] = (moept_p2p){to, w13, n13 * (int64_t)sizeof(float)};
+                s[ns++] = (moept_p2p){to, w2, n2 * (int64_t)sizeof(float)};
+            }
+            if (have && k < nin) {
+                int from = (int)(L->slot_of[in[k]] / El);
+                r[nr++] = (moept_p2p){from, stage, n13 * (int64_t)sizeof(float)};
+                r[nr++] = (moept_p2p){from, stage + n13, n2 * (int64_t)sizeof(float)};
+            }
+            double t0 = moept__now();
+            moept_status st = L->ep->p2p(L->ep, s, ns, r, nr);
+            L->stats.comm_seconds += moept__now() - t0;
+            if (st) return moept__fail(L, st, "moept_reshard: round %lld: %s", (long long)k, L->ep->err);
+            for (int i = 0; i < ns; i++) *sent += s[i].bytes;
+            for (int i = 0; i < nr; i++) *recvd += r[i].bytes;
+            if (have && k < nin) { /* into the slot out[k] vacated */
+                moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
+                memcpy(w13, stage, (size_t)n13 * sizeof(float));
+                memcpy(w2, stage + n13, (size_t)n2 * sizeof(float));
+            }
+        }
+        if (k < nin) { pos[in[k]] = pos[out[k]]; pos[out[k]] = -1; }
+    }
+    return MOEPT_OK;
+}
+
 moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshard_report *rep) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: layer is NULL");
-    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
+    if (L->fsdp)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not in fsdp mode (the expert-parallel "
+                           "layer is the one that saves, loads and reshards)");
     char why[MOEPT__ERRLEN];
     if (moept__ex_refuse(L->ex, MOEPT__CAN_RESHARD, "moept_reshard", why)) /* save, and load at the new placement */
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s", why);
@@ -6797,78 +6919,21 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
     int32_t *all = moept__alloc(NULL, (size_t)(2 * E) * sizeof(int32_t)); /* out, in lists */
     int64_t part = L->H * L->D + L->D * L->F; /* floats per expert */
     float *stage = moept__alloc(NULL, (size_t)part * sizeof(float));
-    if (!local && (!per || !nslot || !all || !stage)) local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
-    if (!local) {
-        for (int64_t r = 0; r < P; r++) per[r] = 0;
-        for (int64_t e = 0; e < E && !local; e++) {
-            if (new_rank[e] < 0 || new_rank[e] >= P) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: expert %lld to rank %d, not in 0..%lld", (long long)e, new_rank[e], (long long)P - 1);
-            else per[new_rank[e]]++;
-        }
-        for (int64_t r = 0; r < P && !local; r++)
-            if (per[r] != El) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: rank %lld would hold %lld experts; every rank holds E/P = %lld", (long long)r, (long long)per[r], (long long)El);
-    }
+    int64_t *pos = moept__alloc(NULL, (size_t)E * sizeof(int64_t)); /* local slot of each held expert */
+    if (!local && (!per || !nslot || !all || !stage || !pos))
+        local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
+    if (!local) local = moept__reshard_check(L, new_rank, per);
     /* every rank of the layout must pass the same table (DP replicas hold alike) */
     uint64_t fp = new_rank ? moept__fnv(MOEPT__FNV0, new_rank, (size_t)E * sizeof(int32_t)) : 0;
     if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_RESHARD, fp))) local = st;
-    if (local) { MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage); return local; }
-    /* New slots, the same on every rank: an expert that stays keeps its
-       place; on each rank the k-th expert leaving (in id order) hands its
-       place to the k-th arriving (there are as many of each: E/P per rank),
-       so nothing that stays is touched and round k moves out[k] -> in[k]. */
     int32_t *out = all, *in = all + E; /* this rank's leaving and arriving experts, by round */
-    int64_t nout = 0, nin = 0, rounds = 0, moved = 0;
-    for (int64_t e = 0; e < E; e++) nslot[e] = new_rank[e] == L->slot_of[e] / El ? L->slot_of[e] : -1;
-    for (int64_t r = 0; r < P; r++) {
-        int64_t no = 0, ni = 0;
-        for (int64_t e = 0; e < E; e++) {
-            if (L->slot_of[e] / El == r && new_rank[e] != r) out[no++] = (int32_t)e;
-            if (new_rank[e] == r && L->slot_of[e] / El != r) in[ni++] = (int32_t)e;
-        }
-        for (int64_t k = 0; k < ni; k++) nslot[in[k]] = L->slot_of[out[k]] % El + (int32_t)(r * El);
-        rounds = no > rounds ? no : rounds;
-        moved += no;
+    int64_t nout = 0, nin = 0, rounds = 0, moved = 0, sent = 0, recvd = 0;
+    if (!local) {
+        moept__reshard_plan(L, new_rank, nslot, out, in, &rounds, &moved);
+        moept__reshard_lists(L, new_rank, me, out, &nout, in, &nin); /* this rank's, for the rounds */
+        for (int64_t e = 0; e < E; e++) pos[e] = L->slot_of[e] / El == me ? L->slot_of[e] % El : -1;
+        local = moept__reshard_rounds(L, new_rank, out, nout, in, nin, rounds, stage, pos, &sent, &recvd);
     }
-    for (int64_t e = 0; e < E; e++) { /* this rank's lists again, for the rounds */
-        if (L->slot_of[e] / El == me && new_rank[e] != me) out[nout++] = (int32_t)e;
-        if (new_rank[e] == me && L->slot_of[e] / El != me) in[nin++] = (int32_t)e;
-    }
-    int64_t where[4096], *pos = E <= 4096 ? where : moept__alloc(NULL, (size_t)E * sizeof(int64_t)); /* local index of each held expert */
-    int64_t sent = 0, recvd = 0;
-    float *bufs[3] = {L->params, L->opt_m, L->opt_v};
-    for (int64_t e = 0; e < E; e++) pos[e] = L->slot_of[e] / El == me ? L->slot_of[e] % El : -1;
-    for (int64_t k = 0; k < rounds && !local; k++) {
-        for (int b = 0; b < 3 && !local; b++) {
-            /* optimizer state moves only if allocated (the same on every rank in a training loop) */
-            int have = bufs[b] != NULL;
-            moept_p2p s[2], r[2];
-            int ns = 0, nr = 0;
-            float *w13, *w2;
-            if (have && k < nout) {
-                moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
-                int to = (int)new_rank[out[k]];
-                s[ns++] = (moept_p2p){to, w13, L->H * L->D * (int64_t)sizeof(float)};
-                s[ns++] = (moept_p2p){to, w2, L->D * L->F * (int64_t)sizeof(float)};
-            }
-            if (have && k < nin) {
-                int from = (int)(L->slot_of[in[k]] / El);
-                r[nr++] = (moept_p2p){from, stage, L->H * L->D * (int64_t)sizeof(float)};
-                r[nr++] = (moept_p2p){from, stage + L->H * L->D, L->D * L->F * (int64_t)sizeof(float)};
-            }
-            double t0 = moept__now();
-            st = L->ep->p2p(L->ep, s, ns, r, nr);
-            L->stats.comm_seconds += moept__now() - t0;
-            if (st) { local = moept__fail(L, st, "moept_reshard: round %lld: %s", (long long)k, L->ep->err); break; }
-            for (int i = 0; i < ns; i++) sent += s[i].bytes;
-            for (int i = 0; i < nr; i++) recvd += r[i].bytes;
-            if (have && k < nin) { /* into the slot out[k] vacated */
-                moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
-                memcpy(w13, stage, (size_t)(L->H * L->D) * sizeof(float));
-                memcpy(w2, stage + L->H * L->D, (size_t)(L->D * L->F) * sizeof(float));
-            }
-        }
-        if (k < nin) { pos[in[k]] = pos[out[k]]; pos[out[k]] = -1; }
-    }
-    if (pos != where) MOEPT_FREE(pos);
     if (!local) {
         for (int64_t e = 0; e < E; e++) { L->slot_of[e] = nslot[e]; L->expert_at[nslot[e]] = (int32_t)e; }
         moept__build_table(L);
@@ -6879,7 +6944,7 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
             rep->rounds = rounds; rep->extra_bytes = part * (int64_t)sizeof(float);
         }
     }
-    MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage);
+    MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage); MOEPT_FREE(pos);
     return local;
 }
 #endif /* !__cplusplus */
