@@ -74,6 +74,15 @@ linked = $(if $(shell grep -l '^.include "\.\./moept\.c"' $(1)),,$(2))
 $(B)/test_%: tests/test_%.c $(B)/moept.o $(HDRS) tests/testutil.h
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< $(call linked,$<,$(B)/moept.o) -o $@ $(LDLIBS)
 
+# every allocation through MOEPT_MALLOC/MOEPT_FREE: test_alloc poisons malloc, free & co., so a direct
+# call in moept.c fails to compile; its MPI and CUDA code is compiled the same way where they build
+$(B)/test_alloc: tests/test_alloc.c moept.c $(HDRS) tests/testutil.h | $(B)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -Werror=implicit-function-declaration $< -o $@ $(LDLIBS)
+	$(if $(MPICC),$(MPICC) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI -Werror=implicit-function-declaration \
+	    -fsyntax-only $<)
+	$(if $(EMU_OK),$(CC) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(EMU_INC) \
+	    -Werror=implicit-function-declaration -fsyntax-only $<)
+
 # The test variants, a directory each: DIR, compiler, flags, libraries. DIR/moept.o is
 # compiled once; moept_check and the public-API tests link it.
 define variant

@@ -1,0 +1,289 @@
+/* test_alloc: every allocation of moept.c goes through MOEPT_MALLOC and
+   MOEPT_FREE, and every block it allocates is freed.
+
+   moept.c is compiled here with MOEPT_MALLOC/MOEPT_FREE defined to
+   counting wrappers and, after the system headers, malloc, calloc,
+   realloc, free, strdup and the libc calls that hand back malloc'd memory
+   (getline, asprintf, open_memstream, ...) defined to undeclared names: a
+   direct call in moept.c does not compile (-Werror=implicit-function-
+   declaration). realpath stays allowed with a caller's buffer only (its
+   NULL form allocates): the wrapper below fails the test if it is ever
+   given NULL. At run time each cycle (one rank; EP 2 over threads with
+   chunks, reshard and checkpoints; fsdp; the file readers and writer,
+   their error paths included) must free as many blocks as it allocated, and
+   MOEPT_FREE must only ever be given blocks MOEPT_MALLOC gave.
+
+     build/test_alloc */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <dirent.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef MOEPT_CBLAS
+#include <cblas.h>
+#endif
+#ifdef MOEPT_MPI
+#include <mpi.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* its _mm_malloc calls posix_memalign: included before the poison */
+#endif
+#if defined(__aarch64__) || defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+/* the live blocks MOEPT_MALLOC gave, under a lock (ranks are threads) */
+static pthread_mutex_t ta_mu = PTHREAD_MUTEX_INITIALIZER;
+static void **ta_live;                  /* [ta_cap] */
+static size_t ta_n, ta_cap;
+static long long ta_allocs, ta_frees, ta_foreign, ta_realpath_null;
+
+static void *ta_malloc(size_t n) {
+    void *p = malloc(n);
+    if (!p) return NULL;
+    pthread_mutex_lock(&ta_mu);
+    if (ta_n == ta_cap) {
+        size_t cap = ta_cap ? 2 * ta_cap : 1024;
+        void **v = realloc(ta_live, cap * sizeof *v);
+        if (!v) abort();
+        ta_live = v;
+        ta_cap = cap;
+    }
+    ta_live[ta_n++] = p;
+    ta_allocs++;
+    pthread_mutex_unlock(&ta_mu);
+    return p;
+}
+
+static void ta_free(void *p) {
+    if (!p) return;
+    pthread_mutex_lock(&ta_mu);
+    size_t i = ta_n;
+    while (i > 0 && ta_live[i - 1] != p) i--;
+    if (i == 0) ta_foreign++; /* not from MOEPT_MALLOC: freed anyway, and counted */
+    else { ta_live[i - 1] = ta_live[--ta_n]; ta_frees++; }
+    pthread_mutex_unlock(&ta_mu);
+    free(p);
+}
+
+char *ta_realpath(const char *restrict path, char *restrict resolved);
+char *realpath(const char *restrict path, char *restrict resolved);
+char *ta_realpath(const char *restrict path, char *restrict resolved) {
+    if (!resolved) { ta_realpath_null++; return NULL; } /* its malloc'd result would need free() */
+    return realpath(path, resolved);
+}
+
+#define MOEPT_MALLOC(n) ta_malloc(n)
+#define MOEPT_FREE(p) ta_free(p)
+/* from here on a direct call is a call to an undeclared function */
+#define malloc moept_direct_malloc_is_forbidden
+#define calloc moept_direct_calloc_is_forbidden
+#define realloc moept_direct_realloc_is_forbidden
+#define reallocarray moept_direct_reallocarray_is_forbidden
+#define free moept_direct_free_is_forbidden
+#define strdup moept_direct_strdup_is_forbidden
+#define strndup moept_direct_strndup_is_forbidden
+#define aligned_alloc moept_direct_aligned_alloc_is_forbidden
+#define posix_memalign moept_direct_posix_memalign_is_forbidden
+#define getline moept_getline_needs_free_is_forbidden
+#define getdelim moept_getdelim_needs_free_is_forbidden
+#define asprintf moept_asprintf_needs_free_is_forbidden
+#define vasprintf moept_vasprintf_needs_free_is_forbidden
+#define open_memstream moept_open_memstream_needs_free_is_forbidden
+#define scandir moept_scandir_needs_free_is_forbidden
+#define realpath(p, r) ta_realpath(p, r)
+
+#include "../moept.c" /* one translation unit, as the other tests */
+#include "testutil.h"
+
+enum { T = 12 };
+
+/* blocks allocated and not freed since `mark` (and anything freed that was not allocated) */
+typedef struct ta_mark { long long allocs, frees; } ta_mark;
+static ta_mark ta_now(void) {
+    pthread_mutex_lock(&ta_mu);
+    ta_mark m = {ta_allocs, ta_frees};
+    pthread_mutex_unlock(&ta_mu);
+    return m;
+}
+static void ta_expect_balanced(ta_mark m, const char *what) {
+    ta_mark e = ta_now();
+    EXPECT(e.allocs > m.allocs, "%s: no allocation went through MOEPT_MALLOC", what);
+    EXPECT(e.allocs - m.allocs == e.frees - m.frees, "%s: %lld blocks allocated, %lld freed", what,
+           e.allocs - m.allocs, e.frees - m.frees);
+    EXPECT(ta_foreign == 0, "%s: MOEPT_FREE was given %lld blocks MOEPT_MALLOC did not give", what,
+           ta_foreign);
+    EXPECT(ta_realpath_null == 0, "%s: realpath called to allocate", what);
+}
+
+static moept_config ta_cfg(void) {
+    moept_config c = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3); /* routed, shared and a bias */
+    c.hidden_size = 16; c.intermediate_size = 8; c.num_experts = 4; c.top_k = 2;
+    c.n_group = 2; c.topk_group = 1; c.shared_intermediate_size = 8; c.max_tokens = T;
+    return c;
+}
+
+/* forward, backward, gradient calls, a step, a checkpoint saved and loaded
+   back (and one that fails to load), an HF save, through an index, and load */
+static moept_status ta_train(moept_layer *L, const char *dir, int rank) {
+    float x[T * 16], y[T * 16], dy[T * 16], dx[T * 16];
+    unsigned long long seed = 7u + (unsigned)rank;
+    tu_fill(x, T * 16, 1.0, &seed);
+    tu_fill(dy, T * 16, 1.0, &seed);
+    moept_adamw o = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f};
+    double norm;
+    char path[300];
+    moept_status st;
+    if ((st = moept_init_params(L, 1)) || (st = moept_forward(L, x, T, y)) ||
+        (st = moept_backward(L, x, dy, dx)) || (st = moept_sync_grads(L, 1.0f)) ||
+        (st = moept_grad_norm(L, &norm)) || (st = moept_update_bias(L, 1e-3f)) ||
+        (st = moept_adamw_step(L, &o)) || (st = moept_save_checkpoint(L, dir)) ||
+        (st = moept_load_checkpoint(L, dir)))
+        return st;
+    snprintf(path, sizeof path, "%s/nowhere", dir);
+    if (moept_load_checkpoint(L, path) == MOEPT_OK) return MOEPT_ERR_STATE; /* the failure path frees too */
+    return moept_forward(L, x, T, y);
+}
+
+static void test_one_rank(void) {
+    ta_mark m = ta_now();
+    moept_config c = ta_cfg();
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create(&c, &L));
+    if (!L) return;
+    mkdir("build/alloc_files", 0755);
+    EXPECT(ta_train(L, "build/alloc_files/one", 0) == MOEPT_OK, "train: %s", moept_last_error(L));
+    /* an HF file, its bf16 form, and an index naming the file for every tensor */
+    mkdir("build/alloc_files/hf", 0755);
+    EXPECT_OK(moept_save_hf(L, "build/alloc_files/hf/model.safetensors", 0, 1));
+    EXPECT_OK(moept_save_hf_as(L, "build/alloc_files/bf16.safetensors", 0, 1, MOEPT_DTYPE_BF16));
+    EXPECT_OK(moept_load_hf(L, "build/alloc_files/hf", 0));
+    moept_st_file *f = NULL;
+    EXPECT_OK(moept_st_open("build/alloc_files/hf/model.safetensors", &f));
+    FILE *ix = fopen("build/alloc_files/hf/model.safetensors.index.json", "w");
+    if (f && ix) {
+        fputs("{\"metadata\": {\"total_size\": 0}, \"weight_map\": {", ix);
+        for (int64_t i = 0; i < moept_st_count(f); i++)
+            fprintf(ix, "%s\"%s\": \"model.safetensors\"", i ? ", " : "", moept_st_at(f, i)->name);
+        fputs("}}", ix);
+    }
+    if (ix) fclose(ix);
+    moept_st_close(f);
+    EXPECT_OK(moept_load_hf(L, "build/alloc_files/hf", 0));
+    EXPECT(moept_load_hf(L, "build/alloc_files/hf", 5) != MOEPT_OK, "layer 5 of a one-layer file loaded");
+    moept_destroy(L);
+    ta_expect_balanced(m, "one rank");
+}
+
+/* the readers on their own: a real checkpoint's config and shards, a
+   malformed file, the writer */
+static void test_files(void) {
+    ta_mark m = ta_now();
+    mkdir("build/alloc_files", 0755);
+    moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    EXPECT_OK(moept_config_from_hf("tests/checkpoints/mixtral_e8_t40", 1, &c));
+    c.max_tokens = T;
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create(&c, &L));
+    EXPECT_OK(moept_load_hf(L, "tests/checkpoints/mixtral_e8_t40", 1));
+    moept_destroy(L);
+    int64_t blk[2];
+    EXPECT_OK(moept__hf_fp8_block("tests/checkpoints/deepseek_fp8", blk));
+    moept_st_writer *w = NULL;
+    float v[6] = {1, 2, 3, 4, 5, 6};
+    int64_t shape[2] = {2, 3};
+    EXPECT_OK(moept_st_writer_create(&w));
+    EXPECT_OK(moept_st_add(w, "t", MOEPT_DTYPE_F32, 2, shape, v));
+    EXPECT_OK(moept_st_add_meta(w, "k", "v"));
+    EXPECT(moept_st_add(w, "t", MOEPT_DTYPE_F32, 2, shape, v) != MOEPT_OK, "a duplicate name added");
+    EXPECT_OK(moept_st_write(w, "build/alloc_files/w.safetensors"));
+    moept_st_writer_destroy(w);
+    moept_st_file *f = NULL;
+    EXPECT_OK(moept_st_open("build/alloc_files/w.safetensors", &f));
+    float r[6];
+    if (f) EXPECT_OK(moept_st_read_f32(f, moept_st_find(f, "t"), r, 6));
+    moept_st_close(f);
+    FILE *bad = fopen("build/alloc_files/bad.safetensors", "wb");
+    if (bad) { fwrite("\x0b\0\0\0\0\0\0\0{\"t\":{\"x\"}}", 1, 19, bad); fclose(bad); }
+    EXPECT(moept_st_open("build/alloc_files/bad.safetensors", &f) == MOEPT_ERR_FORMAT, "a bad header opened");
+    ta_expect_balanced(m, "files");
+}
+
+typedef struct ta_job {
+    moept_thread_group *g; int r;
+    moept_sharding sh;
+    moept_status st;
+    char why[512];
+} ta_job;
+
+static void *ta_rank(void *arg) {
+    ta_job *j = arg;
+    moept_comm *comm = NULL;
+    moept_layer *L = NULL;
+    moept_config c = ta_cfg();
+    c.expert_sharding = j->sh;
+    if (j->sh == MOEPT_SHARD_EP) c.overlap_chunks = 2;
+    j->st = moept_comm_threads(j->g, j->r, &comm);
+    if (!j->st) j->st = moept_create_parallel(&c, comm, NULL, &L);
+    if (!j->st && j->sh == MOEPT_SHARD_EP) {
+        int32_t swap[4] = {1, 0, 1, 0}; /* experts 0, 2 to rank 1; 1, 3 to rank 0 */
+        moept_reshard_report rep;
+        j->st = ta_train(L, "build/alloc_files/ep", j->r);
+        if (!j->st) j->st = moept_reshard(L, swap, &rep);
+    } else if (!j->st) {
+        float x[T * 16], y[T * 16], dy[T * 16], dx[T * 16];
+        unsigned long long seed = 3;
+        tu_fill(x, T * 16, 1.0, &seed);
+        tu_fill(dy, T * 16, 1.0, &seed);
+        if (!(j->st = moept_init_params(L, 1)) && !(j->st = moept_forward(L, x, T, y)))
+            j->st = moept_backward(L, x, dy, dx);
+    }
+    if (j->st) snprintf(j->why, sizeof j->why, "%s", moept_last_error(L));
+    moept_destroy(L);
+    moept_comm_destroy(comm);
+    return NULL;
+}
+
+static void ta_two_ranks(moept_sharding sh, const char *what) {
+    ta_mark m = ta_now();
+    ta_job jobs[2];
+    for (int r = 0; r < 2; r++) jobs[r].sh = sh;
+    moept_thread_group *g = NULL;
+    pthread_t th[2];
+    EXPECT_OK(moept_thread_group_create(2, 20000, &g));
+    if (!g) return;
+    for (int r = 0; r < 2; r++) {
+        jobs[r].g = g; jobs[r].r = r; jobs[r].st = MOEPT_OK; jobs[r].why[0] = 0;
+        pthread_create(&th[r], NULL, ta_rank, &jobs[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+    for (int r = 0; r < 2; r++) EXPECT(jobs[r].st == MOEPT_OK, "%s rank %d: %s", what, r, jobs[r].why);
+    ta_expect_balanced(m, what);
+}
+
+static void test_ep_threads(void) { ta_two_ranks(MOEPT_SHARD_EP, "EP 2, chunked, reshard, checkpoints"); }
+static void test_fsdp_threads(void) { ta_two_ranks(MOEPT_SHARD_FSDP, "fsdp 2"); }
+
+int main(void) {
+    RUN(test_one_rank);
+    RUN(test_files);
+    RUN(test_ep_threads);
+    RUN(test_fsdp_threads);
+    printf("# %lld blocks through MOEPT_MALLOC, %lld freed through MOEPT_FREE\n", ta_allocs, ta_frees);
+    return tu_done();
+}
