@@ -770,17 +770,13 @@ static moept_status moept__ex_refuse_config(const moept__exec *ex, const moept_c
     return st;
 }
 
-struct moept_layer {
-    moept_config cfg;      /* resolved */
-    int64_t D, F, E, K, S; /* hidden, expert width, experts, top-k, shared */
-    int64_t H, HS;         /* rows of w13: 2F gated / F; shared: 2S / S */
-    int act;
-    int64_t Tmax, Nmax;    /* tokens, routed rows per step */
-    moept__counter mem;
-    void *work;            /* the one workspace block every buffer below lives in */
-
-    /* parameters: one buffer, gradients mirror it */
+/* The layer's state, grouped by concern as llm.c groups its tensors: the
+   parameters, the committed forward the backward differentiates, the plan
+   of the step, the expert-parallel exchange, the chunked overlap, the FSDP
+   shard, the CPU steps' workspace, AdamW's state, the device's counters. */
+typedef struct moept__params {      /* one buffer, gradients mirror it */
     float *params, *grads; int64_t n_params;
+    int64_t n_exp;         /* expert floats in the parameter buffer (El (H+F) D, or the fsdp shard) */
     float *w_router;       /* [E][D] */
     float *w13;            /* [El][H][D] local experts: gate rows 0..F-1, up rows F..2F-1 */
     float *w2;             /* [El][D][F] */
@@ -790,46 +786,73 @@ struct moept_layer {
     float *g_router, *g13, *g2, *gs13, *gs2, *gsg; /* gradient mirrors */
     float *bias;           /* [E] correction bias (not a trainable parameter) */
     moept__param *table; int64_t n_table;
+    float *grads_copy;     /* [n_params] config.grad_backup: the gradients as an accumulating backward found them */
+    /* a backward whose dx came out non-finite left partial sums in
+       gradients accumulated before it: adamw_step and grad_norm refuse them
+       until zero_grad. -1: none; else dx's first bad element (or 0 for a peer's) */
+    int64_t grads_dx_bad;
+    moept_status grads_sf_bad;  /* sync-free CUDA: a step since zero_grad failed its device checks */
+    char grads_sf_why[MOEPT__ERRLEN];
+} moept__params;
 
-    /* saved forward state (double-buffered router outputs so a rejected
-       step leaves the previous one intact) */
+typedef struct moept__saved {       /* the committed forward (double-buffered router outputs so
+                                       a rejected step leaves the previous one intact) */
     int cur;               /* which of [2] is committed */
     float *logits[2];      /* [Tmax][E] */
     float *probs[2];       /* [Tmax][E] router scores: softmax p or sigmoid s */
     int32_t *ids[2];       /* [Tmax][K] */
     float *wts[2];         /* [Tmax][K] */
-    float *choice;         /* [nthreads][2E] per-thread scratch */
     int64_t T;             /* tokens of the committed forward, -1 none */
-    int fwd_valid;
+    int valid;
     int bwd_valid;         /* a backward ran since the last forward */
     uint64_t x_fp;         /* the forward's x, fingerprinted: backward checks it got the same */
-    int fwd_eval;          /* the committed forward was an evaluation: nothing kept for backward */
-    int fwd_jitter;        /* its router saw jittered x, drawn under fwd_jkey */
-    uint64_t fwd_jkey;
+    int eval;              /* the committed forward was an evaluation: nothing kept for backward */
+    int jitter;            /* its router saw jittered x, drawn under jkey */
+    uint64_t jkey;
     int64_t jitter_micro;  /* training forwards since the last AdamW step (the noise key) */
     float *xj;             /* [Tmax][D] the router's jittered input (router_jitter > 0) */
     uint64_t *jrow[2];     /* [Tmax] the tokens' hashes that key their noise (as logits[2]) */
     int jitter_frozen;     /* tests: draw the last forward's noise again (finite differences) */
+    double *lstat;         /* [ls.n] loss statistics (all-reduced when global) */
+    moept__lso ls;         /* their fields' offsets (moept.h) */
+    double aux_value, z_value; /* the losses in double */
+    double loss_T;         /* tokens the losses average over (global or local) */
+    int counts_global;     /* sel_counts are the whole batch's (all ranks) */
+    int64_t *sel_counts;   /* [E] selections before capacity (loss counts) */
+    int64_t *aux_counts;   /* [E] counts used by the aux loss */
+    float *aux_g;          /* [nseq][E] d(aux_coef * aux)/d score_t,e: the same for every t
+                              (nseq 1), or for every t of a sequence (MOEPT_AUX_SEQ) */
+    float *lse;            /* [Tmax] logsumexp of logits (z-loss) */
+    int64_t sh_n;          /* unmasked tokens (< T: padded) */
+} moept__saved;
 
-    /* expert parallel */
-    moept_comm *ep, *dp;   /* NULL: a single rank */
-    int P, rank;           /* EP group size and this rank */
-    int64_t El;            /* experts per rank, E / P */
+typedef struct moept__plan {        /* where each routed row goes */
     int32_t *slot_of;      /* [E] placement: expert e lives on rank slot_of[e] / El, local
                               index slot_of[e] % El; the plan orders rows by slot, so
                               dispatch order follows the placement (identity at create) */
     int32_t *expert_at;    /* [E] the inverse: the expert in each slot */
+    int64_t *counts;       /* [E] rows kept per expert */
+    int64_t *counts_next;  /* [E] kept rows per expert of a step not yet committed */
+    int64_t *offsets;      /* [E+1] first permuted row of each expert */
+    int64_t *row_of;       /* [Tmax*K] permuted row of assignment t*K+k, -1 dropped */
+    int64_t *tok_of_row;   /* [Nmax] token of each permuted row */
+    int32_t *slot_of_row;  /* [Nmax] its slot k */
+    int64_t N;             /* rows kept this step */
+    int64_t *fill;         /* [E] plan cursor */
+    double *seqstat;       /* [2E + 1] one sequence's aux counts, score sums, tokens */
+    float *choice;         /* [nthreads][2E] per-thread scratch */
+    int32_t *kscratch;     /* [nthreads][K] */
+} moept__plan;
+
+typedef struct moept__exch {        /* the expert-parallel exchange */
     int64_t *rcounts;      /* [P][El] rows from peer p for local expert j */
     int64_t *rcounts_next; /* [P][El] the same for a step not yet committed */
-    int64_t *counts_next;  /* [E] kept rows per expert of a step not yet committed */
     int64_t *roffsets;     /* [El+1] first received row of each local expert */
     moept_seg *send_segs;  /* [P][El] dispatch pieces (elements): xs for peer q's expert j */
     moept_seg *recv_segs;  /* [P][El] dispatch pieces (elements): xr from peer p, expert j */
     moept_seg *count_segs; /* [2][P] the count exchange's pieces */
     int64_t R, Rcap;       /* rows received this step; rows the receive block holds */
     void *rwork;           /* receive-side block: [xr | yr (P > 1)] | h | a */
-    double *lstat;         /* [ls.n] loss statistics (all-reduced when global) */
-    moept__lso ls;         /* their fields' offsets (moept.h) */
     int64_t *peer_rows;    /* [2][P] rows sent to / received from each peer */
     int direct;            /* the experts' rows in the EP comm's shared memory: token ranks
                               write and read them in place (no exchange buffers) */
@@ -839,23 +862,28 @@ struct moept_layer {
     int64_t shcap;         /* direct: rows of xr (and of yr) every rank's shared block holds */
     int64_t *allcnt, *allcnt_next; /* [P][E] direct: every rank's rows per slot */
     int64_t *dst_row;      /* [E] direct: where our rows of slot s start in its rank's xr/yr */
+} moept__exch;
 
-    /* plan */
-    int64_t *counts;       /* [E] rows kept per expert */
-    int64_t *sel_counts;   /* [E] selections before capacity (loss counts) */
-    int64_t *aux_counts;   /* [E] counts used by the aux loss */
-    int64_t *offsets;      /* [E+1] first permuted row of each expert */
-    int64_t *row_of;       /* [Tmax*K] permuted row of assignment t*K+k, -1 dropped */
-    int64_t *tok_of_row;   /* [Nmax] token of each permuted row */
-    int32_t *slot_of_row;  /* [Nmax] its slot k */
-    int64_t N;             /* rows kept this step */
-    int64_t *fill;         /* [E] plan cursor */
-    double *seqstat;       /* [2E + 1] one sequence's aux counts, score sums, tokens */
-    float *aux_g;          /* [nseq][E] d(aux_coef * aux)/d score_t,e: the same for every t
-                              (nseq 1), or for every t of a sequence (MOEPT_AUX_SEQ) */
-    int32_t *kscratch;     /* [nthreads][K] */
+typedef struct moept__chunks {      /* chunked overlap (C > 1) */
+    int64_t *ccnt, *ccnt_next;   /* [C][E] kept rows per chunk and slot */
+    int64_t *rccnt, *rccnt_next; /* [P][C][El] rows from peer p in chunk c for local expert j */
+    int64_t *cmsg;         /* [P][C][El] the chunked count message (send side) */
+    moept_seg *csend, *crecv; /* [C][P][El] each chunk's exchange pieces (elements) */
+    int64_t *cruns;        /* [3][El * P] a chunk's row runs: first row, rows, local expert */
+    float *da;             /* [Rcap][F] da (the backward: a must survive for dW2) */
+    float *dx;             /* [Rcap][D] dxs (the backward: dyr must survive for dW2) */
+} moept__chunks;
 
-    /* activations */
+typedef struct moept__fsdp {        /* this rank's flat shard of the full expert space
+                                       [w13 of all E | w2 of all E] (expert_sharding = FSDP) */
+    int64_t total, shard;  /* E (H+F) D, and ceil(that / P) */
+    float *full;           /* [P * shard] gathered experts: w13 [E][H][D] then w2 [E][D][F] */
+    float *gfull;          /* [P * shard] this rank's full expert gradients of a backward */
+    float *w, *g;          /* [shard] the shard in the parameter / gradient buffers */
+    double gather_seconds;
+} moept__fsdp;
+
+typedef struct moept__workspace {   /* the CPU steps' activations */
     float *xs;             /* [Nmax][D] permuted input rows = the dispatch send buffer
                               (none on the direct path) */
     union {                /* [Nmax][D] one buffer, a name per content (none on the direct path): */
@@ -883,57 +911,50 @@ struct moept_layer {
        changes nothing, and the GEMMs are those of the call without them */
     float *xsh;            /* [Tmax][D] the unmasked rows of x, packed */
     int64_t *shrow;        /* [Tmax] their tokens */
-    int64_t sh_n;          /* unmasked tokens of the committed step (< T: padded) */
     float *dwts;           /* [Tmax][K] dL/d routing weight */
     float *dlogits;        /* [Tmax][E] */
-    float *lse;            /* [Tmax] logsumexp of logits (z-loss) */
     moept__gemm *descs;    /* [El * P] grouped GEMM descriptors (a chunk: one per expert and source) */
-    /* chunked overlap (C > 1) */
-    int64_t C;             /* chunks per step (1: off) */
-    int64_t *ccnt, *ccnt_next;   /* [C][E] kept rows per chunk and slot */
-    int64_t *rccnt, *rccnt_next; /* [P][C][El] rows from peer p in chunk c for local expert j */
-    int64_t *cmsg;         /* [P][C][El] the chunked count message (send side) */
-    moept_seg *csend, *crecv; /* [C][P][El] each chunk's exchange pieces (elements) */
-    int64_t *cruns;        /* [3][El * P] a chunk's row runs: first row, rows, local expert */
-    float *ch_da;          /* [Rcap][F] da (chunked backward: a must survive for dW2) */
-    float *ch_dx;          /* [Rcap][D] dxs (chunked backward: dyr must survive for dW2) */
     moept__gemm_ws gws;
-    int nthreads;
+} moept__workspace;
 
-    moept_stats stats;
-    double aux_value, z_value; /* the last forward's losses in double */
-    double loss_T;             /* tokens the losses average over (global or local) */
-    int64_t work_bytes;        /* the fixed workspace block */
-    int counts_global;         /* sel_counts are the whole batch's (all ranks) */
-    float *opt_m, *opt_v;      /* [n_params] AdamW moments (first step allocates) */
-    int64_t opt_t;             /* AdamW steps taken */
-    int64_t agreed_calls;      /* calls agreed by moept__agree_call: their order's tag */
+struct moept_layer {
+    moept_config cfg;      /* resolved */
+    int64_t D, F, E, K, S; /* hidden, expert width, experts, top-k, shared */
+    int64_t H, HS;         /* rows of w13: 2F gated / F; shared: 2S / S */
+    int act;
+    int64_t Tmax, Nmax;    /* tokens, routed rows per step */
+    int64_t C;             /* chunks per step (1: off) */
+    int nthreads;
     double capacity_factor;    /* the float config value read as the decimal
                                   it was written as (0.6f -> 0.6), so that
                                   ceil(0.6 * 20) is 12 as in Megatron */
-    /* fsdp baseline (expert_sharding = FSDP): the group, and this rank's flat
-       shard of the full expert space [w13 of all E | w2 of all E] */
-    moept_comm *fsdp;      /* NULL: expert parallel (or one rank) */
+    /* the groups */
+    moept_comm *ep, *dp;   /* NULL: a single rank */
+    moept_comm *fsdp;      /* expert_sharding = FSDP's group (NULL: expert parallel, or one rank) */
     moept_comm *group;     /* the ranks whose tokens differ and that replicate the router and
                               shared expert: ep, or the fsdp group (NULL: one rank) */
-    int64_t n_exp;         /* expert floats in the parameter buffer (El (H+F) D, or the shard) */
-    int64_t fs_total, fs_shard; /* E (H+F) D, and ceil(that / P) */
-    float *fs_full;        /* [P * fs_shard] gathered experts: w13 [E][H][D] then w2 [E][D][F] */
-    float *fs_gfull;       /* [P * fs_shard] this rank's full expert gradients of a backward */
-    float *fs_w, *fs_g;    /* [fs_shard] the shard in the parameter / gradient buffers */
-    double fs_gather_seconds;
+    int P, rank;           /* EP group size and this rank */
+    int64_t El;            /* experts per rank, E / P */
+    int64_t agreed_calls;  /* calls agreed by moept__agree_call: their order's tag */
     /* the executor that runs the steps (moept__cpu_exec, or the CUDA
        executor's table), and its own state (NULL on the CPU) */
     const struct moept__exec *ex;
     void *xstate;
-    /* a backward whose dx came out non-finite left partial sums in
-       gradients accumulated before it: adamw_step and grad_norm refuse them
-       until zero_grad. -1: none; else dx's first bad element (or 0 for a peer's) */
-    int64_t grads_dx_bad;
-    float *grads_copy;     /* [n_params] config.grad_backup: the gradients as an accumulating backward found them */
-    moept_status grads_sf_bad;  /* sync-free CUDA: a step since zero_grad failed its device checks */
-    char grads_sf_why[MOEPT__ERRLEN];
-    int64_t dev_allocations, dev_allocated_bytes, dev_workspace_bytes;
+
+    moept__params par;
+    moept__saved fwd;
+    moept__plan plan;
+    moept__exch xch;
+    moept__chunks ch;
+    moept__fsdp fs;
+    moept__workspace ws;
+    struct { float *m, *v; int64_t t; } opt;  /* AdamW: [n_params] moments (first step allocates), steps */
+    struct { int64_t allocations, allocated_bytes, workspace_bytes; } dev; /* the device executor's */
+
+    moept__counter mem;
+    void *work;            /* the one workspace block every buffer lives in */
+    int64_t work_bytes;
+    moept_stats stats;
 };
 
 /* A forward's arguments and what its stages found before the commit (the
@@ -1112,7 +1133,7 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
 static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
                              int64_t rows, int64_t cols, float *data, float *grad,
                              const char *fmt, ...) {
-    moept__param *p = &L->table[L->n_table++];
+    moept__param *p = &L->par.table[L->par.n_table++];
     va_list ap; va_start(ap, fmt);
     vsnprintf(p->name, sizeof p->name, fmt, ap);
     va_end(ap);
@@ -1120,8 +1141,8 @@ static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
     p->data = data; p->grad = grad;
     p->flat = -1;
     if (L->fsdp && expert >= 0) { /* sharded flat: no contiguous home on this rank */
-        p->flat = data - L->w13 < L->E * L->H * L->D && data >= L->w13 ? data - L->w13
-                                                                       : L->E * L->H * L->D + (data - L->w2);
+        p->flat = data - L->par.w13 < L->E * L->H * L->D && data >= L->par.w13 ? data - L->par.w13
+                                                                       : L->E * L->H * L->D + (data - L->par.w2);
         p->data = p->grad = NULL;
     }
 }
@@ -1141,12 +1162,12 @@ static void moept__build_table(moept_layer *L) {
     int mix = L->cfg.family == MOEPT_FAMILY_MIXTRAL;
     (void)E;
     int gated = moept__act_gated(L->act);
-    L->n_table = 0;
-    moept__add_param(L, MOEPT__P_ROUTER, -1, E, D, L->w_router, L->g_router, "gate.weight");
+    L->par.n_table = 0;
+    moept__add_param(L, MOEPT__P_ROUTER, -1, E, D, L->par.w_router, L->par.g_router, "gate.weight");
     for (int64_t j = 0; j < L->El; j++) { /* this rank's experts, named by global id */
-        long long e = (long long)L->expert_at[(int64_t)L->rank * L->El + j];
-        float *w = L->w13 + j * L->H * D, *g = moept__goff(L->g13, j * L->H * D);
-        float *w2 = L->w2 + j * D * F, *g2 = moept__goff(L->g2, j * D * F);
+        long long e = (long long)L->plan.expert_at[(int64_t)L->rank * L->El + j];
+        float *w = L->par.w13 + j * L->H * D, *g = moept__goff(L->par.g13, j * L->H * D);
+        float *w2 = L->par.w2 + j * D * F, *g2 = moept__goff(L->par.g2, j * D * F);
         if (gated) {
             moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", e);
             moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, moept__goff(g, F * D),
@@ -1159,32 +1180,32 @@ static void moept__build_table(moept_layer *L) {
     if (S > 0) {
         const char *pre = L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
         if (gated) {
-            moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, L->ws13, L->gs13, "%s.gate_proj.weight", pre);
-            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13 + S * D, moept__goff(L->gs13, S * D),
+            moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, L->par.ws13, L->par.gs13, "%s.gate_proj.weight", pre);
+            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->par.ws13 + S * D, moept__goff(L->par.gs13, S * D),
                              "%s.up_proj.weight", pre);
         } else {
-            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->ws13, L->gs13, "%s.up_proj.weight", pre);
+            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->par.ws13, L->par.gs13, "%s.up_proj.weight", pre);
         }
-        moept__add_param(L, MOEPT__P_SDOWN, -1, D, S, L->ws2, L->gs2, "%s.down_proj.weight", pre);
-        if (L->wsg)
-            moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->wsg, L->gsg, "shared_expert_gate.weight");
+        moept__add_param(L, MOEPT__P_SDOWN, -1, D, S, L->par.ws2, L->par.gs2, "%s.down_proj.weight", pre);
+        if (L->par.wsg)
+            moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->par.wsg, L->par.gsg, "shared_expert_gate.weight");
     }
     if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
-        moept__add_param(L, MOEPT__P_BIAS, -1, 1, E, L->bias, NULL, "gate.e_score_correction_bias");
+        moept__add_param(L, MOEPT__P_BIAS, -1, 1, E, L->par.bias, NULL, "gate.e_score_correction_bias");
 }
 
 void moept_destroy(moept_layer *L) {
     if (!L) return;
     if (L->ex && L->ex->destroy) L->ex->destroy(L);
     /* every buffer lives in one of three blocks */
-    MOEPT_FREE(L->params);
-    MOEPT_FREE(L->table);
+    MOEPT_FREE(L->par.params);
+    MOEPT_FREE(L->par.table);
     MOEPT_FREE(L->work);
-    MOEPT_FREE(L->rwork);
-    if (L->shm) L->ep->shm_free(L->ep, L->shm);
-    MOEPT_FREE(L->opt_m);
-    MOEPT_FREE(L->xsh);
-    MOEPT_FREE(L->shrow);
+    MOEPT_FREE(L->xch.rwork);
+    if (L->xch.shm) L->ep->shm_free(L->ep, L->xch.shm);
+    MOEPT_FREE(L->opt.m);
+    MOEPT_FREE(L->ws.xsh);
+    MOEPT_FREE(L->ws.shrow);
     MOEPT_FREE(L);
 }
 
@@ -1193,7 +1214,7 @@ void moept_destroy(moept_layer *L) {
    backend can (alltoallv_rows) and the rows leave the rank (P > 1): the
    permuted order is then only an index, tok_of_row, and xs is not needed */
 static int moept__rows_dispatch(const moept_layer *L) {
-    return L->ep && L->P > 1 && L->C == 1 && !L->direct && L->ep->alltoallv_rows;
+    return L->ep && L->P > 1 && L->C == 1 && !L->xch.direct && L->ep->alltoallv_rows;
 }
 
 /* The workspace every executor's layer keeps on the host: the committed
@@ -1204,57 +1225,57 @@ static void moept__layout_host(moept_layer *L, moept__carve *c, int run) {
     const size_t f = sizeof(float), i64 = sizeof(int64_t), t = !L->cfg.inference_only;
     for (int b = 0; b < 2; b++) { /* a device executor's host copy: one */
         const size_t on = b == 0 || run;
-        L->logits[b] = moept__take(c, on * (size_t)(T * E) * f);
-        L->ids[b] = moept__take(c, on * (size_t)(T * K) * sizeof(int32_t));
-        L->wts[b] = moept__take(c, on * (size_t)(T * K) * f);
+        L->fwd.logits[b] = moept__take(c, on * (size_t)(T * E) * f);
+        L->fwd.ids[b] = moept__take(c, on * (size_t)(T * K) * sizeof(int32_t));
+        L->fwd.wts[b] = moept__take(c, on * (size_t)(T * K) * f);
     }
-    L->slot_of = moept__take(c, (size_t)E * sizeof(int32_t));
-    L->expert_at = moept__take(c, (size_t)E * sizeof(int32_t));
-    L->lstat = moept__take(c, (size_t)L->ls.n * sizeof(double));
-    L->peer_rows = moept__take(c, (size_t)(2 * L->P) * i64);
-    L->sel_counts = moept__take(c, (size_t)E * i64);
-    L->aux_counts = moept__take(c, (size_t)E * i64);
-    L->dwts = moept__take(c, t * (size_t)(T * K) * f);
+    L->plan.slot_of = moept__take(c, (size_t)E * sizeof(int32_t));
+    L->plan.expert_at = moept__take(c, (size_t)E * sizeof(int32_t));
+    L->fwd.lstat = moept__take(c, (size_t)L->fwd.ls.n * sizeof(double));
+    L->xch.peer_rows = moept__take(c, (size_t)(2 * L->P) * i64);
+    L->fwd.sel_counts = moept__take(c, (size_t)E * i64);
+    L->fwd.aux_counts = moept__take(c, (size_t)E * i64);
+    L->ws.dwts = moept__take(c, t * (size_t)(T * K) * f);
 }
 
 /* The CPU steps' routing and plan: scores, counts, the exchange's pieces,
    each row's place */
 static void moept__layout_plan(moept_layer *L, moept__carve *c) {
     const int64_t T = L->Tmax, N = L->Nmax, E = L->E, K = L->K, P = L->P, El = L->El;
-    const size_t f = sizeof(float), i64 = sizeof(int64_t), dir = L->direct;
-    for (int b = 0; b < 2; b++) L->probs[b] = moept__take(c, (size_t)(T * E) * f);
-    L->choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
-    L->counts = moept__take(c, (size_t)E * i64);
-    L->counts_next = moept__take(c, (size_t)E * i64);
-    L->rcounts = moept__take(c, (size_t)(P * El) * i64);
-    L->rcounts_next = moept__take(c, (size_t)(P * El) * i64);
-    L->roffsets = moept__take(c, (size_t)(El + 1) * i64);
-    L->send_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
-    L->recv_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
-    L->count_segs = moept__take(c, (size_t)(2 * P) * sizeof(moept_seg));
-    L->offsets = moept__take(c, (size_t)(E + 1) * i64);
-    L->row_of = moept__take(c, (size_t)(T * K) * i64);
-    L->tok_of_row = moept__take(c, (size_t)N * i64);
-    L->slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
-    L->shbase = moept__take(c, dir * (size_t)(2 * P) * sizeof(float *));
-    L->allcnt = moept__take(c, dir * (size_t)(P * E) * i64);
-    L->allcnt_next = moept__take(c, dir * (size_t)(P * E) * i64);
-    L->dst_row = moept__take(c, dir * (size_t)E * i64);
-    L->seqstat = moept__take(c, (size_t)(2 * E + 1) * sizeof(double));
+    const size_t f = sizeof(float), i64 = sizeof(int64_t), dir = L->xch.direct;
+    for (int b = 0; b < 2; b++) L->fwd.probs[b] = moept__take(c, (size_t)(T * E) * f);
+    L->plan.choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
+    L->plan.counts = moept__take(c, (size_t)E * i64);
+    L->plan.counts_next = moept__take(c, (size_t)E * i64);
+    L->xch.rcounts = moept__take(c, (size_t)(P * El) * i64);
+    L->xch.rcounts_next = moept__take(c, (size_t)(P * El) * i64);
+    L->xch.roffsets = moept__take(c, (size_t)(El + 1) * i64);
+    L->xch.send_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
+    L->xch.recv_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
+    L->xch.count_segs = moept__take(c, (size_t)(2 * P) * sizeof(moept_seg));
+    L->plan.offsets = moept__take(c, (size_t)(E + 1) * i64);
+    L->plan.row_of = moept__take(c, (size_t)(T * K) * i64);
+    L->plan.tok_of_row = moept__take(c, (size_t)N * i64);
+    L->plan.slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
+    L->xch.shbase = moept__take(c, dir * (size_t)(2 * P) * sizeof(float *));
+    L->xch.allcnt = moept__take(c, dir * (size_t)(P * E) * i64);
+    L->xch.allcnt_next = moept__take(c, dir * (size_t)(P * E) * i64);
+    L->xch.dst_row = moept__take(c, dir * (size_t)E * i64);
+    L->plan.seqstat = moept__take(c, (size_t)(2 * E + 1) * sizeof(double));
     const int64_t nseq = L->cfg.aux_loss == MOEPT_AUX_SEQ ? T / L->cfg.aux_seq_len : 1; /* T a multiple */
-    L->aux_g = moept__take(c, (size_t)(nseq * E) * f);
-    L->fill = moept__take(c, (size_t)E * i64);
-    L->kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
-    L->descs = moept__take(c, (size_t)(El * P) * sizeof(moept__gemm));
+    L->fwd.aux_g = moept__take(c, (size_t)(nseq * E) * f);
+    L->plan.fill = moept__take(c, (size_t)E * i64);
+    L->plan.kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
+    L->ws.descs = moept__take(c, (size_t)(El * P) * sizeof(moept__gemm));
     const size_t on = L->C > 1, C = (size_t)L->C; /* chunked overlap */
-    L->ccnt = moept__take(c, on * C * (size_t)E * i64);
-    L->ccnt_next = moept__take(c, on * C * (size_t)E * i64);
-    L->rccnt = moept__take(c, on * (size_t)(P * El) * C * i64);
-    L->rccnt_next = moept__take(c, on * (size_t)(P * El) * C * i64);
-    L->cmsg = moept__take(c, on * (size_t)(P * El) * C * i64);
-    L->csend = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
-    L->crecv = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
-    L->cruns = moept__take(c, on * (size_t)(3 * El * P) * i64);
+    L->ch.ccnt = moept__take(c, on * C * (size_t)E * i64);
+    L->ch.ccnt_next = moept__take(c, on * C * (size_t)E * i64);
+    L->ch.rccnt = moept__take(c, on * (size_t)(P * El) * C * i64);
+    L->ch.rccnt_next = moept__take(c, on * (size_t)(P * El) * C * i64);
+    L->ch.cmsg = moept__take(c, on * (size_t)(P * El) * C * i64);
+    L->ch.csend = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
+    L->ch.crecv = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
+    L->ch.cruns = moept__take(c, on * (size_t)(3 * El * P) * i64);
 }
 
 /* The CPU steps' activations and the GEMM's packing buffers */
@@ -1263,36 +1284,36 @@ static void moept__layout_acts(moept_layer *L, moept__carve *c) {
     const size_t f = sizeof(float);
     /* the direct (shared-memory) path gathers from x and combines from the
        experts' rows in place: no send/receive buffers on the token side */
-    int64_t Nxs = L->direct ? 0 : N;
-    L->xs = moept__take(c, moept__rows_dispatch(L) ? 0 : (size_t)(Nxs * D) * f);
-    L->ys = moept__take(c, (size_t)(Nxs * D) * f);
+    int64_t Nxs = L->xch.direct ? 0 : N;
+    L->ws.xs = moept__take(c, moept__rows_dispatch(L) ? 0 : (size_t)(Nxs * D) * f);
+    L->ws.ys = moept__take(c, (size_t)(Nxs * D) * f);
     /* an inference layer keeps nothing for backward: no router or gate
        gradients, the shared activations over hs, no jitter */
     const int train = !L->cfg.inference_only, jit = train && L->cfg.router_jitter > 0.0f;
     if (L->S > 0) {
-        L->hs = moept__take(c, (size_t)(T * L->HS) * f);
-        L->as = train ? moept__take(c, (size_t)(T * L->S) * f) : L->hs;
-        L->lda_as = train ? L->S : L->HS;
-        L->yss = moept__take(c, (size_t)(T * D) * f);
-        L->sg = moept__take(c, (size_t)T * f);
-        L->dsg = moept__take(c, train ? (size_t)T * f : 0);
+        L->ws.hs = moept__take(c, (size_t)(T * L->HS) * f);
+        L->ws.as = train ? moept__take(c, (size_t)(T * L->S) * f) : L->ws.hs;
+        L->ws.lda_as = train ? L->S : L->HS;
+        L->ws.yss = moept__take(c, (size_t)(T * D) * f);
+        L->ws.sg = moept__take(c, (size_t)T * f);
+        L->ws.dsg = moept__take(c, train ? (size_t)T * f : 0);
     }
-    L->dlogits = moept__take(c, train ? (size_t)(T * E) * f : 0);
-    L->lse = moept__take(c, (size_t)T * f);
-    L->xj = moept__take(c, jit ? (size_t)(T * D) * f : 0);
-    for (int b = 0; b < 2; b++) L->jrow[b] = moept__take(c, jit ? (size_t)T * 8 : 0);
+    L->ws.dlogits = moept__take(c, train ? (size_t)(T * E) * f : 0);
+    L->fwd.lse = moept__take(c, (size_t)T * f);
+    L->fwd.xj = moept__take(c, jit ? (size_t)(T * D) * f : 0);
+    for (int b = 0; b < 2; b++) L->fwd.jrow[b] = moept__take(c, jit ? (size_t)T * 8 : 0);
     if (L->fsdp) {
-        L->fs_full = moept__take(c, (size_t)(L->fsdp->size * L->fs_shard) * f);
-        L->fs_gfull = moept__take(c, train ? (size_t)(L->fsdp->size * L->fs_shard) * f : 0);
+        L->fs.full = moept__take(c, (size_t)(L->fsdp->size * L->fs.shard) * f);
+        L->fs.gfull = moept__take(c, train ? (size_t)(L->fsdp->size * L->fs.shard) * f : 0);
     }
 #ifndef MOEPT_CBLAS
     int64_t mmax = N; /* taller GEMMs (received rows at P > 1) run in row blocks */
     int64_t cand[5] = {T, D, L->H, L->HS, E};
     for (int i = 0; i < 5; i++) mmax = cand[i] > mmax ? cand[i] : mmax;
     mmax = (mmax + MOEPT__MR - 1) / MOEPT__MR * MOEPT__MR;
-    L->gws.m_max = mmax;
-    L->gws.apack = moept__take(c, (size_t)(mmax * MOEPT__KC) * f);
-    L->gws.bpack = moept__take(c, (size_t)((MOEPT__NC + MOEPT__NR) * MOEPT__KC) * f);
+    L->ws.gws.m_max = mmax;
+    L->ws.gws.apack = moept__take(c, (size_t)(mmax * MOEPT__KC) * f);
+    L->ws.gws.bpack = moept__take(c, (size_t)((MOEPT__NC + MOEPT__NR) * MOEPT__KC) * f);
 #endif
 }
 
@@ -1310,7 +1331,7 @@ static void moept__layout_work(moept_layer *L, moept__carve *c) {
    xs, ys), h, a (an inference layer writes a over h), and the chunked
    backward's da, dxs */
 static void moept__recv_widths(const moept_layer *L, int64_t w[6]) {
-    const int own_xy = L->P > 1 && !L->direct, train = !L->cfg.inference_only, ch = train && L->C > 1;
+    const int own_xy = L->P > 1 && !L->xch.direct, train = !L->cfg.inference_only, ch = train && L->C > 1;
     w[0] = w[1] = own_xy ? L->D : 0;
     w[2] = L->H;
     w[3] = train ? L->F : 0;
@@ -1323,10 +1344,10 @@ static void moept__recv_widths(const moept_layer *L, int64_t w[6]) {
    after growing still leaves the layer's saved state intact. Returns 0 on
    out-of-memory (nothing changed). */
 static int moept__grow_recv(moept_layer *L, int64_t need) {
-    if (need <= L->Rcap && L->rwork) return 1;
-    int64_t cap = need > 2 * L->Rcap ? need : 2 * L->Rcap;
+    if (need <= L->xch.Rcap && L->xch.rwork) return 1;
+    int64_t cap = need > 2 * L->xch.Rcap ? need : 2 * L->xch.Rcap;
     if (cap < 1) cap = 1;
-    int own_xy = L->P > 1 && !L->direct; /* direct: xr and yr are shared (moept__grow_shared) */
+    int own_xy = L->P > 1 && !L->xch.direct; /* direct: xr and yr are shared (moept__grow_shared) */
     const int train = !L->cfg.inference_only;
     int64_t wd[6];
     moept__recv_widths(L, wd);
@@ -1341,28 +1362,28 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     float *a = moept__take(&cv, (size_t)(cap * w_a) * sizeof(float));
     float *da = moept__take(&cv, (size_t)(cap * w_da) * sizeof(float));
     float *dxs = moept__take(&cv, (size_t)(cap * w_dx) * sizeof(float));
-    int64_t keep = L->rwork && L->fwd_valid ? L->R : 0;
+    int64_t keep = L->xch.rwork && L->fwd.valid ? L->xch.R : 0;
     if (keep > 0) {
         if (own_xy) {
-            memcpy(xr, L->xr, (size_t)(keep * w_xr) * sizeof(float));
-            memcpy(yr, L->yr, (size_t)(keep * w_yr) * sizeof(float));
+            memcpy(xr, L->ws.xr, (size_t)(keep * w_xr) * sizeof(float));
+            memcpy(yr, L->ws.yr, (size_t)(keep * w_yr) * sizeof(float));
         }
-        memcpy(h, L->h, (size_t)(keep * w_h) * sizeof(float));
-        memcpy(a, L->a, (size_t)(keep * w_a) * sizeof(float));
+        memcpy(h, L->ws.h, (size_t)(keep * w_h) * sizeof(float));
+        memcpy(a, L->ws.a, (size_t)(keep * w_a) * sizeof(float));
     }
-    MOEPT_FREE(L->rwork);
-    L->rwork = blk;
-    if (!L->direct) {
-        L->xr = own_xy ? xr : L->xs;
-        L->yr = own_xy ? yr : L->ys;
+    MOEPT_FREE(L->xch.rwork);
+    L->xch.rwork = blk;
+    if (!L->xch.direct) {
+        L->ws.xr = own_xy ? xr : L->ws.xs;
+        L->ws.yr = own_xy ? yr : L->ws.ys;
     }
-    L->h = h;
-    L->a = train ? a : h;
-    L->lda_a = train ? L->F : L->H;
-    L->ch_da = da;
-    L->ch_dx = dxs;
-    if (L->Rcap > 0) L->stats.recv_growths++;
-    L->Rcap = cap;
+    L->ws.h = h;
+    L->ws.a = train ? a : h;
+    L->ws.lda_a = train ? L->F : L->H;
+    L->ch.da = da;
+    L->ch.dx = dxs;
+    if (L->xch.Rcap > 0) L->stats.recv_growths++;
+    L->xch.Rcap = cap;
     L->stats.recv_capacity = cap;
     return 1;
 }
@@ -1373,28 +1394,28 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
    The committed step's rows are kept; on failure (every rank's, the comm
    agrees) nothing changed. */
 static moept_status moept__grow_shared(moept_layer *L, int64_t need) {
-    if (need <= L->shcap && L->shm) return MOEPT_OK;
-    int64_t cap = !L->shm || need > 2 * L->shcap ? need : 2 * L->shcap;
+    if (need <= L->xch.shcap && L->xch.shm) return MOEPT_OK;
+    int64_t cap = !L->xch.shm || need > 2 * L->xch.shcap ? need : 2 * L->xch.shcap;
     if (cap < 1) cap = 1;
     const int64_t D = L->D, P = L->P;
     void *h = NULL;
     int64_t bytes = 2 * cap * D * (int64_t)sizeof(float);
-    moept_status st = L->ep->shm_alloc(L->ep, bytes, (void **)(L->shbase + P), &h);
+    moept_status st = L->ep->shm_alloc(L->ep, bytes, (void **)(L->xch.shbase + P), &h);
     if (st) return st;
-    float *xr = L->shbase[P + L->rank], *yr = xr + cap * D;
-    int64_t keep = L->shm && L->fwd_valid ? L->R : 0;
+    float *xr = L->xch.shbase[P + L->rank], *yr = xr + cap * D;
+    int64_t keep = L->xch.shm && L->fwd.valid ? L->xch.R : 0;
     if (keep > 0) {
-        memcpy(xr, L->xr, (size_t)(keep * D) * sizeof(float));
-        memcpy(yr, L->yr, (size_t)(keep * D) * sizeof(float));
+        memcpy(xr, L->ws.xr, (size_t)(keep * D) * sizeof(float));
+        memcpy(yr, L->ws.yr, (size_t)(keep * D) * sizeof(float));
     }
-    if (L->shm) L->ep->shm_free(L->ep, L->shm);
+    if (L->xch.shm) L->ep->shm_free(L->ep, L->xch.shm);
     L->mem.allocations++; /* the comm's memory, the layer's rows */
     L->mem.bytes += bytes;
-    memcpy(L->shbase, L->shbase + P, (size_t)P * sizeof(float *));
-    L->shm = h;
-    L->shcap = cap;
-    L->xr = xr;
-    L->yr = yr;
+    memcpy(L->xch.shbase, L->xch.shbase + P, (size_t)P * sizeof(float *));
+    L->xch.shm = h;
+    L->xch.shcap = cap;
+    L->ws.xr = xr;
+    L->ws.yr = yr;
     return MOEPT_OK;
 }
 
@@ -1535,7 +1556,7 @@ static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm
                                const moept__exec *ex) {
     L->cfg = *c;
     L->ex = ex;
-    L->grads_dx_bad = -1;
+    L->par.grads_dx_bad = -1;
     L->ep = ep && ep->size > 1 ? ep : NULL;
     L->dp = dp && dp->size > 1 ? dp : NULL;
     L->P = ep ? ep->size : 1; L->rank = ep ? ep->rank : 0;
@@ -1550,18 +1571,18 @@ static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm
     L->D = c->hidden_size; L->F = c->intermediate_size; L->E = c->num_experts;
     L->K = c->top_k; L->S = c->shared_intermediate_size; L->act = (int)c->activation;
     L->El = L->E / L->P;
-    L->ls = moept__lstat_of(L->E);
+    L->fwd.ls = moept__lstat_of(L->E);
     L->C = c->overlap_chunks;
     /* chunked overlap needs the exchange's own buffers (the direct
        shared-memory path has no exchange to overlap); a device executor
        has its own exchange */
-    L->direct = L->ep && moept__has_shm(ep) && L->C == 1 && (ex->caps & MOEPT__CAN_HOST_STEPS);
+    L->xch.direct = L->ep && moept__has_shm(ep) && L->C == 1 && (ex->caps & MOEPT__CAN_HOST_STEPS);
     int gated = moept__act_gated(L->act);
     L->H = gated ? 2 * L->F : L->F;
     L->HS = gated ? 2 * L->S : L->S;
     L->Tmax = c->max_tokens;
     L->Nmax = c->max_tokens * c->top_k;
-    L->T = -1;
+    L->fwd.T = -1;
 #ifdef _OPENMP
     L->nthreads = omp_get_max_threads();
 #else
@@ -1582,45 +1603,45 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
     int shared_gate = S > 0 && c->shared_gate == MOEPT_SHARED_GATE_SIGMOID;
     int64_t n_router = E * D, n13 = El * L->H * D, n2 = El * D * F;
     int64_t ns13 = L->HS * D, ns2 = D * S, nsg = shared_gate ? D : 0;
-    L->n_exp = n13 + n2;
+    L->par.n_exp = n13 + n2;
     if (L->fsdp) { /* the parameter buffer holds this rank's flat shard only */
-        L->fs_total = n13 + n2;
-        L->fs_shard = (L->fs_total + L->fsdp->size - 1) / L->fsdp->size;
-        L->n_exp = L->fs_shard;
+        L->fs.total = n13 + n2;
+        L->fs.shard = (L->fs.total + L->fsdp->size - 1) / L->fsdp->size;
+        L->par.n_exp = L->fs.shard;
     }
-    L->n_params = n_router + L->n_exp + ns13 + ns2 + nsg;
+    L->par.n_params = n_router + L->par.n_exp + ns13 + ns2 + nsg;
     /* an inference layer has no gradient mirror; grad_backup adds its copy */
     const int64_t nmir = c->inference_only ? 1 : c->grad_backup ? 3 : 2;
-    size_t pbytes = (size_t)(nmir * L->n_params + E) * sizeof(float);
-    L->params = moept__alloc(mem, pbytes);
-    L->table = moept__alloc(mem, (size_t)(3 * El + 8) * sizeof(moept__param));
+    size_t pbytes = (size_t)(nmir * L->par.n_params + E) * sizeof(float);
+    L->par.params = moept__alloc(mem, pbytes);
+    L->par.table = moept__alloc(mem, (size_t)(3 * El + 8) * sizeof(moept__param));
     moept__carve wc = {NULL, 0};
     moept__layout_work(L, &wc);
     size_t wbytes = wc.off;
     L->work = moept__alloc(mem, wbytes);
     L->work_bytes = (int64_t)wbytes;
-    if (!L->params || !L->table || !L->work) return 0;
-    memset(L->params, 0, pbytes);
+    if (!L->par.params || !L->par.table || !L->work) return 0;
+    memset(L->par.params, 0, pbytes);
     memset(L->work, 0, wbytes);
     wc.base = L->work; wc.off = 0;
     moept__layout_work(L, &wc);
-    float *p = L->params, *g = nmir >= 2 ? L->params + L->n_params : NULL;
-    L->w_router = p; L->g_router = moept__gnext(&g, n_router); p += n_router;
+    float *p = L->par.params, *g = nmir >= 2 ? L->par.params + L->par.n_params : NULL;
+    L->par.w_router = p; L->par.g_router = moept__gnext(&g, n_router); p += n_router;
     if (L->fsdp) { /* the experts live gathered in the workspace */
-        L->fs_w = p; L->fs_g = moept__gnext(&g, L->fs_shard); p += L->fs_shard;
-        L->w13 = L->fs_full; L->w2 = L->fs_full + n13;
-        L->g13 = nmir >= 2 ? L->fs_gfull : NULL; L->g2 = moept__goff(L->g13, n13);
+        L->fs.w = p; L->fs.g = moept__gnext(&g, L->fs.shard); p += L->fs.shard;
+        L->par.w13 = L->fs.full; L->par.w2 = L->fs.full + n13;
+        L->par.g13 = nmir >= 2 ? L->fs.gfull : NULL; L->par.g2 = moept__goff(L->par.g13, n13);
     } else {
-        L->w13 = p; L->g13 = moept__gnext(&g, n13); p += n13;
-        L->w2 = p; L->g2 = moept__gnext(&g, n2); p += n2;
+        L->par.w13 = p; L->par.g13 = moept__gnext(&g, n13); p += n13;
+        L->par.w2 = p; L->par.g2 = moept__gnext(&g, n2); p += n2;
     }
-    L->ws13 = p; L->gs13 = moept__gnext(&g, ns13); p += ns13;
-    L->ws2 = p; L->gs2 = moept__gnext(&g, ns2); p += ns2;
-    L->wsg = nsg ? p : NULL; L->gsg = nsg ? moept__gnext(&g, nsg) : NULL;
-    L->grads = nmir >= 2 ? L->params + L->n_params : NULL;
-    L->grads_copy = nmir == 3 ? L->params + 2 * L->n_params : NULL;
-    L->bias = L->params + nmir * L->n_params;
-    for (int64_t e = 0; e < E; e++) L->slot_of[e] = L->expert_at[e] = (int32_t)e;
+    L->par.ws13 = p; L->par.gs13 = moept__gnext(&g, ns13); p += ns13;
+    L->par.ws2 = p; L->par.gs2 = moept__gnext(&g, ns2); p += ns2;
+    L->par.wsg = nsg ? p : NULL; L->par.gsg = nsg ? moept__gnext(&g, nsg) : NULL;
+    L->par.grads = nmir >= 2 ? L->par.params + L->par.n_params : NULL;
+    L->par.grads_copy = nmir == 3 ? L->par.params + 2 * L->par.n_params : NULL;
+    L->par.bias = L->par.params + nmir * L->par.n_params;
+    for (int64_t e = 0; e < E; e++) L->plan.slot_of[e] = L->plan.expert_at[e] = (int32_t)e;
     moept__build_table(L);
     L->stats.param_bytes = (int64_t)pbytes;
     return 1;
@@ -1661,7 +1682,7 @@ static moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept
     /* the direct path's shared rows: every rank allocates them, or none,
        all of the same size (the largest max_tokens' rows) */
     int64_t rows = 0;
-    if (L->direct && ((st = moept__group_max(ep, L->Nmax, &rows)) || (st = moept__grow_shared(L, rows)))) {
+    if (L->xch.direct && ((st = moept__group_max(ep, L->Nmax, &rows)) || (st = moept__grow_shared(L, rows)))) {
         moept_destroy(L);
         return moept__thread_fail(st, "%s: the experts' shared rows: %s", call, ep->err);
     }
@@ -1680,8 +1701,8 @@ moept_status moept_get_config(const moept_layer *L, moept_config *cfg) {
 }
 
 static const moept__param *moept__find(const moept_layer *L, const char *name) {
-    for (int64_t i = 0; i < L->n_table; i++)
-        if (strcmp(L->table[i].name, name) == 0) return &L->table[i];
+    for (int64_t i = 0; i < L->par.n_table; i++)
+        if (strcmp(L->par.table[i].name, name) == 0) return &L->par.table[i];
     return NULL;
 }
 
@@ -1694,9 +1715,9 @@ static moept_status moept__param_io(const moept_layer *L, const char *fn,
     const moept__param *p = moept__find(L, name);
     if (!p) {
         long long e = -1;
-        if (sscanf(name, "experts.%lld.", &e) == 1 && e >= 0 && e < L->E && L->slot_of[e] / L->El != L->rank)
+        if (sscanf(name, "experts.%lld.", &e) == 1 && e >= 0 && e < L->E && L->plan.slot_of[e] / L->El != L->rank)
             return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: expert %lld of '%s' lives on EP rank %lld, not on rank %d",
-                               fn, e, name, (long long)(L->slot_of[e] / L->El), L->rank);
+                               fn, e, name, (long long)(L->plan.slot_of[e] / L->El), L->rank);
         return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: no parameter named '%s' in this %s layer", fn, name,
                            moept__family_name(L->cfg.family));
     }
@@ -1746,25 +1767,25 @@ moept_status moept_get_grad(const moept_layer *L, const char *name, float *dst, 
     return MOEPT_OK;
 }
 
-int64_t moept_param_count(const moept_layer *L) { return L ? L->n_table : 0; }
+int64_t moept_param_count(const moept_layer *L) { return L ? L->par.n_table : 0; }
 
 moept_status moept_fsdp_shard(const moept_layer *L, int64_t *offset, int64_t *count, int64_t *total) {
     if (!L || !offset || !count || !total) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_fsdp_shard: NULL argument");
     if (!L->fsdp) return moept__fail(L, MOEPT_ERR_STATE, "moept_fsdp_shard: not an fsdp layer");
-    int64_t lo = (int64_t)L->fsdp->rank * L->fs_shard;
+    int64_t lo = (int64_t)L->fsdp->rank * L->fs.shard;
     *offset = lo;
-    *count = lo >= L->fs_total ? 0 : (lo + L->fs_shard < L->fs_total ? L->fs_shard : L->fs_total - lo);
-    *total = L->fs_total;
+    *count = lo >= L->fs.total ? 0 : (lo + L->fs.shard < L->fs.total ? L->fs.shard : L->fs.total - lo);
+    *total = L->fs.total;
     return MOEPT_OK;
 }
 
 moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_info *info) {
     if (!L || !info) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: NULL argument");
-    if (i < 0 || i >= L->n_table)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: index %lld not in 0..%lld", (long long)i, (long long)L->n_table - 1);
+    if (i < 0 || i >= L->par.n_table)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: index %lld not in 0..%lld", (long long)i, (long long)L->par.n_table - 1);
     MOEPT__HOST_SYNC(L, 1, 1);
     moept__host_wrote((moept_layer *)L, 1, 1); /* the pointers may be written through */
-    const moept__param *p = &L->table[i];
+    const moept__param *p = &L->par.table[i];
     info->name = p->name; info->rows = p->rows; info->cols = p->cols;
     info->data = p->data; info->grad = p->grad;
     info->shard_offset = p->flat;
@@ -1775,7 +1796,7 @@ moept_status moept_params(moept_layer *L, float **params, int64_t *numel) {
     if (!L || !params || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_params: NULL argument");
     MOEPT__HOST_SYNC(L, 1, 0);
     moept__host_wrote(L, 1, 0);
-    *params = L->params; *numel = L->n_params;
+    *params = L->par.params; *numel = L->par.n_params;
     return MOEPT_OK;
 }
 
@@ -1788,21 +1809,21 @@ static moept_status moept__no_grads(moept_layer *L, const char *call) {
 
 moept_status moept_grads(moept_layer *L, float **grads, int64_t *numel) {
     if (!L || !grads || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grads: NULL argument");
-    if (!L->grads) return moept__no_grads(L, "moept_grads");
+    if (!L->par.grads) return moept__no_grads(L, "moept_grads");
     MOEPT__HOST_SYNC(L, 0, 1);
     moept__host_wrote(L, 0, 1);
-    *grads = L->grads; *numel = L->n_params;
+    *grads = L->par.grads; *numel = L->par.n_params;
     return MOEPT_OK;
 }
 
 moept_status moept_zero_grad(moept_layer *L) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_zero_grad: layer is NULL");
-    if (!L->grads) return moept__no_grads(L, "moept_zero_grad");
+    if (!L->par.grads) return moept__no_grads(L, "moept_zero_grad");
     moept_status st = MOEPT__EX(L, zero_grad, L); /* the executor's copy, and its checks reset */
     if (st) return st;
-    memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
-    L->grads_dx_bad = -1;
-    L->grads_sf_bad = MOEPT_OK;
+    memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
+    L->par.grads_dx_bad = -1;
+    L->par.grads_sf_bad = MOEPT_OK;
     return MOEPT_OK;
 }
 
@@ -1812,15 +1833,15 @@ moept_status moept_zero_grad(moept_layer *L) {
 static moept_status moept__grads_refused(moept_layer *L, const char *call) {
     moept_status st = MOEPT__EX(L, grads_check, L);
     if (st) return st;
-    if (L->grads_sf_bad)
-        return moept__fail(L, L->grads_sf_bad, "%s: a sync-free step since moept_zero_grad failed its checks "
+    if (L->par.grads_sf_bad)
+        return moept__fail(L, L->par.grads_sf_bad, "%s: a sync-free step since moept_zero_grad failed its checks "
                            "(%s); its gradients are refused: moept_zero_grad, then the next micro-batch", call,
-                           L->grads_sf_why);
-    if (L->grads_dx_bad < 0) return MOEPT_OK;
+                           L->par.grads_sf_why);
+    if (L->par.grads_dx_bad < 0) return MOEPT_OK;
     return moept__fail(L, MOEPT_ERR_NUMERIC, "%s: a backward since moept_zero_grad had a non-finite dx (element "
                        "[%lld][%lld] here, or on a peer) from finite inputs; its gradients hold partial sums: "
-                       "moept_zero_grad, then the next micro-batch", call, (long long)(L->grads_dx_bad / L->D),
-                       (long long)(L->grads_dx_bad % L->D));
+                       "moept_zero_grad, then the next micro-batch", call, (long long)(L->par.grads_dx_bad / L->D),
+                       (long long)(L->par.grads_dx_bad % L->D));
 }
 
 /* splitmix64: a small deterministic generator for initialisation */
@@ -1835,18 +1856,18 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_init_params: layer is NULL");
     MOEPT__HOST_SYNC(L, 1, 0);
     moept__host_wrote(L, 1, 0);
-    for (int64_t i = 0; i < L->n_table; i++) {
-        const moept__param *p = &L->table[i];
+    for (int64_t i = 0; i < L->par.n_table; i++) {
+        const moept__param *p = &L->par.table[i];
         if (p->type == MOEPT__P_BIAS) { memset(p->data, 0, (size_t)p->cols * sizeof(float)); continue; }
         /* seed per parameter name, so a layout change keeps each value */
         uint64_t s = seed;
         for (const char *c = p->name; *c; c++) s = s * 131 + (unsigned char)*c;
         float bound = 1.0f / sqrtf((float)p->cols);
         if (p->flat >= 0) { /* fsdp: the same values as EP, this rank's part kept */
-            int64_t lo = (int64_t)L->fsdp->rank * L->fs_shard, n = p->rows * p->cols;
+            int64_t lo = (int64_t)L->fsdp->rank * L->fs.shard, n = p->rows * p->cols;
             for (int64_t j = 0; j < n; j++) {
                 double u = (double)(moept__mix(&s) >> 11) * (1.0 / 9007199254740992.0);
-                if (p->flat + j >= lo && p->flat + j < lo + L->fs_shard) L->fs_w[p->flat + j - lo] = (float)((2.0 * u - 1.0) * bound);
+                if (p->flat + j >= lo && p->flat + j < lo + L->fs.shard) L->fs.w[p->flat + j - lo] = (float)((2.0 * u - 1.0) * bound);
             }
             continue;
         }
@@ -1984,11 +2005,11 @@ static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
                                const float *w2, int64_t H, int64_t F,
                                float *h, float *a, int64_t lda, float *ys) {
     const int64_t D = L->D;
-    moept__gemm *gd = L->descs;
+    moept__gemm *gd = L->ws.descs;
     int64_t n;
     MOEPT__PER_GROUP(gd, n, groups, offsets,
                      moept__gemm_make(0, 1, rows, H, D, xs + r0 * D, D, w13 + e * H * D, D, 0.0f, h + r0 * H, H));
-    moept__gemm_run(gd, n, &L->gws);
+    moept__gemm_run(gd, n, &L->ws.gws);
     int64_t R = offsets[groups] - offsets[0], base = offsets[0];
     const int act = L->act;
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
@@ -1997,7 +2018,7 @@ static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
     MOEPT__PER_GROUP(gd, n, groups, offsets,
                      moept__gemm_make(0, 1, rows, D, F, a + r0 * lda, lda, w2 + e * D * F, F, 0.0f,
                                       ys + r0 * D, D));
-    moept__gemm_run(gd, n, &L->gws);
+    moept__gemm_run(gd, n, &L->ws.gws);
 }
 
 /* The expert weight gradients, reductions over every row of each group:
@@ -2006,17 +2027,17 @@ static void moept__ffn_grad_w2(moept_layer *L, int64_t groups, const int64_t *of
                                const float *a, float *g2, int64_t F) {
     const int64_t D = L->D;
     int64_t n;
-    MOEPT__PER_GROUP(L->descs, n, groups, offsets,
+    MOEPT__PER_GROUP(L->ws.descs, n, groups, offsets,
                      moept__gemm_make(1, 0, D, F, rows, ys + r0 * D, D, a + r0 * F, F, 1.0f, g2 + e * D * F, F));
-    moept__gemm_run(L->descs, n, &L->gws);
+    moept__gemm_run(L->ws.descs, n, &L->ws.gws);
 }
 static void moept__ffn_grad_w13(moept_layer *L, int64_t groups, const int64_t *offsets, const float *dh,
                                 const float *xs, float *g13, int64_t H) {
     const int64_t D = L->D;
     int64_t n;
-    MOEPT__PER_GROUP(L->descs, n, groups, offsets,
+    MOEPT__PER_GROUP(L->ws.descs, n, groups, offsets,
                      moept__gemm_make(1, 0, H, D, rows, dh + r0 * H, H, xs + r0 * D, D, 1.0f, g13 + e * H * D, D));
-    moept__gemm_run(L->descs, n, &L->gws);
+    moept__gemm_run(L->ws.descs, n, &L->ws.gws);
 }
 
 /* Backward of moept__ffn_forward. dys (in ys) -> weight grads accumulate,
@@ -2031,7 +2052,7 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     const int64_t D = L->D;
     const int act = L->act;
     int64_t R = offsets[groups] - offsets[0], base = offsets[0];
-    moept__gemm *gd = L->descs;
+    moept__gemm *gd = L->ws.descs;
     int64_t n;
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
@@ -2040,7 +2061,7 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     /* da = dys W2 (over a) */
     MOEPT__PER_GROUP(gd, n, groups, offsets,
                      moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D, w2 + e * D * F, F, 0.0f, a + r0 * F, F));
-    moept__gemm_run(gd, n, &L->gws);
+    moept__gemm_run(gd, n, &L->ws.gws);
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_bwd_rowv(act, h + r * H, a + r * F, F, h + r * H);
@@ -2048,7 +2069,7 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     /* dxs = dh W13 (into ys) */
     MOEPT__PER_GROUP(gd, n, groups, offsets,
                      moept__gemm_make(0, 0, rows, D, H, h + r0 * H, H, w13 + e * H * D, D, 0.0f, ys + r0 * D, D));
-    moept__gemm_run(gd, n, &L->gws);
+    moept__gemm_run(gd, n, &L->ws.gws);
 }
 
 #ifdef _OPENMP
@@ -2077,7 +2098,7 @@ static moept_status moept__exchanged(moept_layer *L, moept_status st, double t0,
    dispatch = 0: the reverse. Counted in the stats. */
 static moept_status moept__exchange(moept_layer *L, float *local, float *remote, int dispatch) {
     double t0 = moept__now();
-    moept_seg *s = L->send_segs, *r = L->recv_segs;
+    moept_seg *s = L->xch.send_segs, *r = L->xch.recv_segs;
     moept_status st = dispatch ? L->ep->alltoallv(L->ep, local, s, remote, r, (int)L->El, 4)
                                : L->ep->alltoallv(L->ep, remote, r, local, s, (int)L->El, 4);
     return moept__exchanged(L, st, t0, dispatch);
@@ -2086,7 +2107,7 @@ static moept_status moept__exchange(moept_layer *L, float *local, float *remote,
 /* the forward dispatch from x by index (moept__rows_dispatch) */
 static moept_status moept__exchange_rows(moept_layer *L, const float *x) {
     double t0 = moept__now();
-    moept_status st = L->ep->alltoallv_rows(L->ep, x, L->tok_of_row, L->D, L->send_segs, L->xr, L->recv_segs,
+    moept_status st = L->ep->alltoallv_rows(L->ep, x, L->plan.tok_of_row, L->D, L->xch.send_segs, L->ws.xr, L->xch.recv_segs,
                                             (int)L->El, 4);
     return moept__exchanged(L, st, t0, 1);
 }
@@ -2131,7 +2152,7 @@ static void moept__row_scale(float *y, float w, const float *x, int64_t n) {
    slot's rank keeps it: in its xr (out = 0) or its yr (out = 1) */
 static inline float *moept__shared_row(const moept_layer *L, int64_t s, int64_t r, int out) {
     const int64_t D = L->D;
-    return L->shbase[s / L->El] + (out * L->shcap + L->dst_row[s] + r - L->offsets[s]) * D;
+    return L->xch.shbase[s / L->El] + (out * L->xch.shcap + L->xch.dst_row[s] + r - L->plan.offsets[s]) * D;
 }
 
 /* Direct plan: where our rows of each slot start in its rank's xr/yr.
@@ -2143,8 +2164,8 @@ static void moept__direct_plan(moept_layer *L) {
         int64_t off = 0;
         for (int64_t s = q * El; s < (q + 1) * El; s++)
             for (int64_t p = 0; p < P; p++) {
-                if (p == L->rank) L->dst_row[s] = off;
-                off += L->allcnt[p * E + s];
+                if (p == L->rank) L->xch.dst_row[s] = off;
+                off += L->xch.allcnt[p * E + s];
             }
     }
 }
@@ -2153,12 +2174,12 @@ static void moept__direct_plan(moept_layer *L) {
    (each row moves once, no send buffer) */
 static void moept__direct_push(moept_layer *L, const float *x) {
     const int64_t D = L->D, E = L->E;
-    #pragma omp parallel MOEPT__PAR(L->N * D)
+    #pragma omp parallel MOEPT__PAR(L->plan.N * D)
     for (int64_t s = 0; s < E; s++) {
-        float *dst = moept__shared_row(L, s, L->offsets[s], 0);
-        const int64_t *tok = L->tok_of_row + L->offsets[s];
+        float *dst = moept__shared_row(L, s, L->plan.offsets[s], 0);
+        const int64_t *tok = L->plan.tok_of_row + L->plan.offsets[s];
         #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < L->counts[s]; i++)
+        for (int64_t i = 0; i < L->plan.counts[s]; i++)
             memcpy(dst + i * D, x + tok[i] * D, (size_t)D * sizeof(float));
     }
 }
@@ -2184,10 +2205,10 @@ static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept
 /* fsdp: all-gather of every rank's flat shard into the full experts. */
 static moept_status moept__fsdp_gather(moept_layer *L) {
     double t0 = moept__now();
-    const int64_t sh = L->fs_shard, P = L->fsdp->size;
-    moept_status st = L->fsdp->allgather(L->fsdp, L->fs_w, L->fs_full, sh * (int64_t)sizeof(float));
-    L->fs_gather_seconds = moept__now() - t0;
-    L->stats.comm_seconds += L->fs_gather_seconds;
+    const int64_t sh = L->fs.shard, P = L->fsdp->size;
+    moept_status st = L->fsdp->allgather(L->fsdp, L->fs.w, L->fs.full, sh * (int64_t)sizeof(float));
+    L->fs.gather_seconds = moept__now() - t0;
+    L->stats.comm_seconds += L->fs.gather_seconds;
     if (st) return moept__fail(L, st, "fsdp all-gather of the experts: %s", L->fsdp->err);
     L->stats.bytes_sent += (P - 1) * sh * (int64_t)sizeof(float);
     L->stats.bytes_received += (P - 1) * sh * (int64_t)sizeof(float);
@@ -2200,20 +2221,20 @@ static moept_status moept__fsdp_gather(moept_layer *L) {
    gathered weights are no longer needed and take the pieces. */
 static moept_status moept__fsdp_reduce_scatter(moept_layer *L) {
     double t0 = moept__now();
-    const int64_t sh = L->fs_shard;
+    const int64_t sh = L->fs.shard;
     const int P = L->fsdp->size;
-    moept_seg *sg = L->count_segs, *rg = L->count_segs + P; /* [2][P], free after the forward */
+    moept_seg *sg = L->xch.count_segs, *rg = L->xch.count_segs + P; /* [2][P], free after the forward */
     for (int q = 0; q < P; q++) { sg[q] = (moept_seg){q * sh, sh}; rg[q] = (moept_seg){q * sh, sh}; }
-    moept_status st = L->fsdp->alltoallv(L->fsdp, L->fs_gfull, sg, L->fs_full, rg, 1, 4);
+    moept_status st = L->fsdp->alltoallv(L->fsdp, L->fs.gfull, sg, L->fs.full, rg, 1, 4);
     L->stats.comm_seconds += moept__now() - t0;
     L->stats.bytes_sent += (int64_t)(P - 1) * sh * (int64_t)sizeof(float);
     L->stats.bytes_received += (int64_t)(P - 1) * sh * (int64_t)sizeof(float);
     if (st) return moept__fail(L, st, "fsdp reduce-scatter of the expert gradients: %s", L->fsdp->err);
     #pragma omp parallel for schedule(static) MOEPT__PAR(sh * P)
     for (int64_t i = 0; i < sh; i++) {
-        float v = L->fs_full[i];
-        for (int p = 1; p < P; p++) v += L->fs_full[(int64_t)p * sh + i];
-        L->fs_g[i] += v;
+        float v = L->fs.full[i];
+        for (int p = 1; p < P; p++) v += L->fs.full[(int64_t)p * sh + i];
+        L->fs.g[i] += v;
     }
     return MOEPT_OK;
 }
@@ -2221,21 +2242,21 @@ static moept_status moept__fsdp_reduce_scatter(moept_layer *L) {
 /* fsdp: this rank's part of a full expert tensor (flat offset `flat`, n
    values) written into its shard (the rest belongs to other ranks). */
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n) {
-    int64_t lo = (int64_t)L->fsdp->rank * L->fs_shard, hi = lo + L->fs_shard;
+    int64_t lo = (int64_t)L->fsdp->rank * L->fs.shard, hi = lo + L->fs.shard;
     int64_t a = flat > lo ? flat : lo, b = flat + n < hi ? flat + n : hi;
-    for (int64_t i = a; i < b; i++) L->fs_w[i - lo] = src[i - flat];
+    for (int64_t i = a; i < b; i++) L->fs.w[i - lo] = src[i - flat];
 }
 
 /* The packed rows of a padded step's shared expert: its unmasked tokens
    (ids -1: padding), their x rows into L->xsh; returns how many. */
 static int64_t moept__shared_pack(moept_layer *L, const float *x, int64_t T) {
-    const int32_t *ids = L->ids[L->cur];
+    const int32_t *ids = L->fwd.ids[L->fwd.cur];
     const int64_t D = L->D, K = L->K;
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++)
-        if (ids[t * K] >= 0) L->shrow[n++] = t;
+        if (ids[t * K] >= 0) L->ws.shrow[n++] = t;
     #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
-    for (int64_t i = 0; i < n; i++) memcpy(L->xsh + i * D, x + L->shrow[i] * D, (size_t)D * sizeof(float));
+    for (int64_t i = 0; i < n; i++) memcpy(L->ws.xsh + i * D, x + L->ws.shrow[i] * D, (size_t)D * sizeof(float));
     return n;
 }
 /* rows [n][w] of v packed (to 1) or unpacked (0: to their tokens' rows, the
@@ -2243,11 +2264,11 @@ static int64_t moept__shared_pack(moept_layer *L, const float *x, int64_t T) {
 static void moept__shared_move(const moept_layer *L, float *v, int64_t w, int64_t n, int64_t T, int to_packed) {
     const size_t b = (size_t)w * sizeof(float);
     if (to_packed) {
-        for (int64_t i = 0; i < n; i++) memmove(v + i * w, v + L->shrow[i] * w, b);
+        for (int64_t i = 0; i < n; i++) memmove(v + i * w, v + L->ws.shrow[i] * w, b);
         return;
     }
     for (int64_t i = n - 1, t = T - 1; t >= 0; t--) {
-        if (i >= 0 && L->shrow[i] == t) memmove(v + t * w, v + i-- * w, b);
+        if (i >= 0 && L->ws.shrow[i] == t) memmove(v + t * w, v + i-- * w, b);
         else memset(v + t * w, 0, b);
     }
 }
@@ -2257,21 +2278,21 @@ static void moept__shared_move(const moept_layer *L, float *v, int64_t w, int64_
 static void moept__shared_forward(moept_layer *L, const float *x, int64_t T) {
     if (L->S <= 0) return;
     const int64_t D = L->D;
-    const int64_t n = L->sh_n < T ? L->sh_n : T; /* the step's unmasked tokens (moept__forward) */
+    const int64_t n = L->fwd.sh_n < T ? L->fwd.sh_n : T; /* the step's unmasked tokens (moept__forward) */
     if (n < T) {
         moept__shared_pack(L, x, T);
-        x = L->xsh;
+        x = L->ws.xsh;
     }
     int64_t off[2] = {0, n};
-    moept__ffn_forward(L, x, 1, off, L->ws13, L->ws2, L->HS, L->S, L->hs, L->as, L->lda_as, L->yss);
-    if (L->wsg) {
-        moept__gemm gg = moept__gemm_make(0, 1, n, 1, D, x, D, L->wsg, D, 0.0f, L->sg, 1);
-        moept__gemm_run(&gg, 1, &L->gws);
-        for (int64_t t = 0; t < n; t++) L->sg[t] = moept__sigmoid(L->sg[t]);
+    moept__ffn_forward(L, x, 1, off, L->par.ws13, L->par.ws2, L->HS, L->S, L->ws.hs, L->ws.as, L->ws.lda_as, L->ws.yss);
+    if (L->par.wsg) {
+        moept__gemm gg = moept__gemm_make(0, 1, n, 1, D, x, D, L->par.wsg, D, 0.0f, L->ws.sg, 1);
+        moept__gemm_run(&gg, 1, &L->ws.gws);
+        for (int64_t t = 0; t < n; t++) L->ws.sg[t] = moept__sigmoid(L->ws.sg[t]);
     }
     if (n < T) {
-        moept__shared_move(L, L->yss, D, n, T, 0);
-        if (L->wsg) moept__shared_move(L, L->sg, 1, n, T, 0);
+        moept__shared_move(L, L->ws.yss, D, n, T, 0);
+        if (L->par.wsg) moept__shared_move(L, L->ws.sg, 1, n, T, 0);
     }
 }
 
@@ -2285,17 +2306,17 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
         float *yt = y + t * D;
         if (ids[t * K] < 0) { memset(yt, 0, (size_t)D * sizeof(float)); continue; } /* padding */
         if (L->S > 0) {
-            float gs = L->wsg ? L->sg[t] : 1.0f;
-            moept__row_scale(yt, gs, L->yss + t * D, D);
+            float gs = L->par.wsg ? L->ws.sg[t] : 1.0f;
+            moept__row_scale(yt, gs, L->ws.yss + t * D, D);
         } else {
             memset(yt, 0, (size_t)D * sizeof(float));
         }
         for (int64_t k = 0; k < K; k++) {
-            int64_t r = L->row_of[t * K + k];
+            int64_t r = L->plan.row_of[t * K + k];
             if (r < 0) continue;
             float w = wts[t * K + k];
-            int64_t s = L->slot_of[ids[t * K + k]];
-            const float *src = L->direct ? moept__shared_row(L, s, r, 1) : L->ys + r * D;
+            int64_t s = L->plan.slot_of[ids[t * K + k]];
+            const float *src = L->xch.direct ? moept__shared_row(L, s, r, 1) : L->ws.ys + r * D;
             moept__row_axpy(yt, w, src, D);
         }
     }
@@ -2316,8 +2337,8 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
    expert side; NULL: not wanted) and its row runs on the expert side;
    returns the runs (moept.h's moept__plan_chunk, as the CUDA executor's). */
 static int64_t moept__chunk_plan(moept_layer *L, int64_t c, moept_seg *ss, moept_seg *rs, int64_t *runs) {
-    return moept__plan_chunk(c, L->C, L->P, L->El, L->D, L->offsets, L->ccnt, L->ep ? L->rcounts : L->counts,
-                             L->roffsets, L->rccnt, ss, rs, runs);
+    return moept__plan_chunk(c, L->C, L->P, L->El, L->D, L->plan.offsets, L->ch.ccnt, L->ep ? L->xch.rcounts : L->plan.counts,
+                             L->xch.roffsets, L->ch.rccnt, ss, rs, runs);
 }
 
 /* GEMMs in groups that share op(B) (consecutive runs of one expert: its
@@ -2327,14 +2348,14 @@ static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64
     for (int64_t i = 0; i < n;) {
         int64_t j = i + 1;
 #ifndef MOEPT_CBLAS
-        int fits = g[i].m > 0 && g[i].m <= L->gws.m_max && g[i].k > 0 && g[i].n > 0;
+        int fits = g[i].m > 0 && g[i].m <= L->ws.gws.m_max && g[i].k > 0 && g[i].n > 0;
         while (j < n && fits && g[j].b == g[i].b && g[j].trans_b == g[i].trans_b && g[j].ldb == g[i].ldb &&
-               g[j].n == g[i].n && g[j].k == g[i].k && g[j].m > 0 && g[j].m <= L->gws.m_max)
+               g[j].n == g[i].n && g[j].k == g[i].k && g[j].m > 0 && g[j].m <= L->ws.gws.m_max)
             j++;
-        if (j - i > 1) moept__gemm_builtin(&g[i], j - i, &L->gws);
+        if (j - i > 1) moept__gemm_builtin(&g[i], j - i, &L->ws.gws);
         else
 #endif
-            moept__gemm_run(&g[i], 1, &L->gws);
+            moept__gemm_run(&g[i], 1, &L->ws.gws);
         if (L->ep && L->ep->progress) L->ep->progress(L->ep);
         i = j;
     }
@@ -2347,8 +2368,8 @@ static void moept__runs_act(moept_layer *L, const int64_t *runs, int64_t n, cons
         int64_t r0 = runs[i], rows = runs[stride + i];
         #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
         for (int64_t r = r0; r < r0 + rows; r++) {
-            if (da) moept__act_bwd_rowv(L->act, L->h + r * H, da + r * F, F, L->h + r * H);
-            else moept__act_fwd_rowv(L->act, L->h + r * H, F, L->a + r * L->lda_a);
+            if (da) moept__act_bwd_rowv(L->act, L->ws.h + r * H, da + r * F, F, L->ws.h + r * H);
+            else moept__act_fwd_rowv(L->act, L->ws.h + r * H, F, L->ws.a + r * L->ws.lda_a);
         }
     }
 }
@@ -2356,14 +2377,14 @@ static void moept__runs_act(moept_layer *L, const int64_t *runs, int64_t n, cons
 /* Expert FFN over a chunk's runs (the one-chunk descriptors, row by row). */
 static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t n) {
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
-    moept__gemm *gd = L->descs;
+    moept__gemm *gd = L->ws.descs;
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, H, D, L->xr + r0 * D, D, L->w13 + e * H * D, D, 0.0f, L->h + r0 * H, H));
+                   moept__gemm_make(0, 1, rows, H, D, L->ws.xr + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f, L->ws.h + r0 * H, H));
     moept__gemm_run_progress(L, gd, n);
     moept__runs_act(L, runs, n, NULL);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, D, F, L->a + r0 * L->lda_a, L->lda_a, L->w2 + e * D * F, F, 0.0f,
-                                    L->yr + r0 * D, D));
+                   moept__gemm_make(0, 1, rows, D, F, L->ws.a + r0 * L->ws.lda_a, L->ws.lda_a, L->par.w2 + e * D * F, F, 0.0f,
+                                    L->ws.yr + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
@@ -2371,14 +2392,14 @@ static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t
    into ch_dx (dyr stays for the weight gradients). */
 static void moept__ffn_runs_backward(moept_layer *L, const int64_t *runs, int64_t n) {
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
-    moept__gemm *gd = L->descs;
+    moept__gemm *gd = L->ws.descs;
     moept__runs_act(L, runs, n, NULL);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, F, D, L->yr + r0 * D, D, L->w2 + e * D * F, F, 0.0f, L->ch_da + r0 * F, F));
+                   moept__gemm_make(0, 0, rows, F, D, L->ws.yr + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f, L->ch.da + r0 * F, F));
     moept__gemm_run_progress(L, gd, n);
-    moept__runs_act(L, runs, n, L->ch_da);
+    moept__runs_act(L, runs, n, L->ch.da);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, D, H, L->h + r0 * H, H, L->w13 + e * H * D, D, 0.0f, L->ch_dx + r0 * D, D));
+                   moept__gemm_make(0, 0, rows, D, H, L->ws.h + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f, L->ch.dx + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
@@ -2423,21 +2444,21 @@ static moept_status moept__pipeline(moept_layer *L, const moept__pipe *p) {
     const int64_t C = L->C, PE = L->P * L->El;
     moept_status st;
     if (L->ep) {
-        moept__chunk_plan(L, 0, L->csend, L->crecv, L->cruns);
-        if ((st = moept__post(L, p->send, L->csend, p->recv, L->crecv, 0))) return st;
+        moept__chunk_plan(L, 0, L->ch.csend, L->ch.crecv, L->ch.cruns);
+        if ((st = moept__post(L, p->send, L->ch.csend, p->recv, L->ch.crecv, 0))) return st;
         moept__count_bytes(L, 1);
     }
     if (p->start) p->start(L, p);
     for (int64_t c = 0; c < C; c++) {
-        moept_seg *ss = L->csend + c * PE, *rs = L->crecv + c * PE;
+        moept_seg *ss = L->ch.csend + c * PE, *rs = L->ch.crecv + c * PE;
         if (L->ep && c + 1 < C) {
-            moept_seg *s2 = L->csend + (c + 1) * PE, *r2 = L->crecv + (c + 1) * PE;
-            moept__chunk_plan(L, c + 1, s2, r2, L->cruns);
+            moept_seg *s2 = L->ch.csend + (c + 1) * PE, *r2 = L->ch.crecv + (c + 1) * PE;
+            moept__chunk_plan(L, c + 1, s2, r2, L->ch.cruns);
             if ((st = moept__post(L, p->send, s2, p->recv, r2, (int)((c + 1) % 2)))) return st;
         }
-        int64_t nruns = moept__chunk_plan(L, c, NULL, NULL, L->cruns);
+        int64_t nruns = moept__chunk_plan(L, c, NULL, NULL, L->ch.cruns);
         if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
-        p->compute(L, L->cruns, nruns);
+        p->compute(L, L->ch.cruns, nruns);
         if (L->ep && (st = moept__post(L, p->res, rs, p->ret, ss, 2 + (int)(c % 2)))) return st;
         if (c > 0) {
             if (L->ep && (st = moept__complete(L, 2 + (int)((c - 1) % 2)))) return st;
@@ -2452,22 +2473,22 @@ static moept_status moept__pipeline(moept_layer *L, const moept__pipe *p) {
 }
 
 /* forward: the shared expert, while chunk 0 travels */
-static void moept__chunk_shared(moept_layer *L, const moept__pipe *p) { moept__shared_forward(L, p->x, L->T); }
+static void moept__chunk_shared(moept_layer *L, const moept__pipe *p) { moept__shared_forward(L, p->x, L->fwd.T); }
 
 /* forward: chunk c's tokens combined once its rows are back */
 static void moept__chunk_combine(moept_layer *L, const moept__pipe *p, int64_t c) {
-    moept__combine_range(L, p->y, p->wts, p->ids, moept__chunk_start(L->T, L->C, c), moept__chunk_start(L->T, L->C, c + 1));
+    moept__combine_range(L, p->y, p->wts, p->ids, moept__chunk_start(L->fwd.T, L->C, c), moept__chunk_start(L->fwd.T, L->C, c + 1));
 }
 
 /* The forward from the permute on, chunked. */
 static moept_status moept__forward_chunked(moept_layer *L, const float *x, float *y, const float *wts,
                                            const int32_t *ids) {
-    const int64_t D = L->D, N = L->N;
+    const int64_t D = L->D, N = L->plan.N;
     double ts = moept__now();
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
     for (int64_t r = 0; r < N; r++)
-        memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
-    moept__pipe p = {L->xs, L->xr, L->yr, L->ys, moept__ffn_runs_forward, moept__chunk_combine, NULL,
+        memcpy(L->ws.xs + r * D, x + L->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
+    moept__pipe p = {L->ws.xs, L->ws.xr, L->ws.yr, L->ws.ys, moept__ffn_runs_forward, moept__chunk_combine, NULL,
                      moept__chunk_shared, x, y, wts, ids};
     moept_status st = moept__pipeline(L, &p);
     L->stats.dispatch_seconds += moept__now() - ts;
@@ -2477,13 +2498,13 @@ static moept_status moept__forward_chunked(moept_layer *L, const float *x, float
 /* backward: the weight gradients reduce over every row, as the one-chunk
    step, while the last chunk's dxs travel */
 static void moept__chunk_weight_grads(moept_layer *L) {
-    moept__ffn_grad_w2(L, L->El, L->roffsets, L->dyr, L->a, L->g2, L->F);
-    moept__ffn_grad_w13(L, L->El, L->roffsets, L->h, L->xr, L->g13, L->H);
+    moept__ffn_grad_w2(L, L->El, L->xch.roffsets, L->ws.dyr, L->ws.a, L->par.g2, L->F);
+    moept__ffn_grad_w13(L, L->El, L->xch.roffsets, L->ws.h, L->ws.xr, L->par.g13, L->H);
 }
 
 /* The backward's experts part, chunked (after combine' wrote dys). */
 static moept_status moept__backward_chunked(moept_layer *L) {
-    moept__pipe p = {L->dys, L->dyr, L->ch_dx, L->dxs, moept__ffn_runs_backward, NULL, moept__chunk_weight_grads,
+    moept__pipe p = {L->ws.dys, L->ws.dyr, L->ch.dx, L->ws.dxs, moept__ffn_runs_backward, NULL, moept__chunk_weight_grads,
                      NULL, NULL, NULL, NULL, NULL};
     return moept__pipeline(L, &p);
 }
@@ -2515,7 +2536,7 @@ static int64_t moept__x_scan(const float *x, int64_t n, uint64_t *fp) {
    group and dp, each with `after` said (what the caller must do next). */
 static moept_status moept__agree_finite(moept_layer *L, const char *call, const char *out, const float *v,
                                         moept_status local, moept_comm *dp, const char *after) {
-    int64_t bad = local ? -1 : moept__first_nonfinite(v, L->T * L->D), failed;
+    int64_t bad = local ? -1 : moept__first_nonfinite(v, L->fwd.T * L->D), failed;
     moept_status st;
     if (bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC, "%s: %s[%lld][%lld] is not finite from finite inputs (an "
@@ -2542,7 +2563,7 @@ static moept_status moept__forward_finite(moept_layer *L, const float *y, double
         local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: the %s loss is not finite from finite inputs; "
                             "%s", zbad ? "z" : "aux", after);
     local = moept__agree_finite(L, "moept_forward", "y", y, local, global ? L->dp : NULL, after);
-    if (local) L->fwd_valid = 0;
+    if (local) L->fwd.valid = 0;
     return local;
 }
 
@@ -2563,7 +2584,7 @@ static float moept__jitter_u(uint64_t seed, uint64_t key, uint64_t row, int64_t 
 /* The noise key of the next training forward: AdamW steps (checkpointed)
    and forwards since the last one, so a resumed run draws what it drew. */
 static uint64_t moept__jitter_key(const moept_layer *L) {
-    return ((uint64_t)L->opt_t << 20) ^ (uint64_t)L->jitter_micro;
+    return ((uint64_t)L->opt.t << 20) ^ (uint64_t)L->fwd.jitter_micro;
 }
 /* out [T][D] = x * u (mul) or out * u, the router's input under jitter or
    its gradient; rows [T] the tokens' hashes (hash: computed here from x) */
@@ -2605,26 +2626,26 @@ static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
 static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
     const int64_t T = f->T, D = L->D, E = L->E, K = L->K;
     const int fam = (int)L->cfg.family, nb = f->nb;
-    float *logits = L->logits[nb], *probs = L->probs[nb], *wts = L->wts[nb];
-    int32_t *ids = L->ids[nb];
+    float *logits = L->fwd.logits[nb], *probs = L->fwd.probs[nb], *wts = L->fwd.wts[nb];
+    int32_t *ids = L->fwd.ids[nb];
     const float *xin = f->x;
     if (f->jitter) { /* (frozen, for tests: the committed step's noise again) */
-        if (L->jitter_frozen) memcpy(L->jrow[nb], L->jrow[L->cur], (size_t)T * sizeof(uint64_t));
-        f->jkey = L->jitter_frozen ? L->fwd_jkey : moept__jitter_key(L);
-        moept__jitter_apply(L, f->jkey, f->x, T, L->xj, L->jrow[nb], !L->jitter_frozen);
-        xin = L->xj;
+        if (L->fwd.jitter_frozen) memcpy(L->fwd.jrow[nb], L->fwd.jrow[L->fwd.cur], (size_t)T * sizeof(uint64_t));
+        f->jkey = L->fwd.jitter_frozen ? L->fwd.jkey : moept__jitter_key(L);
+        moept__jitter_apply(L, f->jkey, f->x, T, L->fwd.xj, L->fwd.jrow[nb], !L->fwd.jitter_frozen);
+        xin = L->fwd.xj;
     }
-    moept__gemm g = moept__gemm_make(0, 1, T, E, D, xin, D, L->w_router, D, 0.0f, logits, E);
-    moept__gemm_run(&g, 1, &L->gws);
+    moept__gemm g = moept__gemm_make(0, 1, T, E, D, xin, D, L->par.w_router, D, 0.0f, logits, E);
+    moept__gemm_run(&g, 1, &L->ws.gws);
     int64_t first_bad = T, valid = 0;
-    const float *bias = fam == MOEPT_FAMILY_DEEPSEEK_V3 ? L->bias : NULL;
+    const float *bias = fam == MOEPT_FAMILY_DEEPSEEK_V3 ? L->par.bias : NULL;
     const int norm = L->cfg.norm_topk_prob, ng = (int)L->cfg.n_group, tg = (int)L->cfg.topk_group;
     const float scale = L->cfg.routed_scaling_factor;
     const uint8_t *mask = f->mask;
     #pragma omp parallel for schedule(static) reduction(min : first_bad) reduction(+ : valid) \
         MOEPT__PAR_MAX(T * E * K, L->nthreads)
     for (int64_t t = 0; t < T; t++) {
-        float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
+        float *scratch = L->plan.choice + (int64_t)MOEPT__TID * 2 * E;
         if (mask && !mask[t]) {
             for (int64_t k = 0; k < K; k++) { ids[t * K + k] = -1; wts[t * K + k] = 0.0f; }
             continue;
@@ -2646,12 +2667,12 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
    chunked ccnt_next [C][E] */
 static void moept__fwd_count(moept_layer *L, const moept__fstep *f) {
     const int64_t E = L->E, K = L->K, C = L->C, T = f->T, cap = f->cap;
-    const int32_t *ids = L->ids[f->nb];
-    int64_t *cc = C > 1 ? L->ccnt_next : L->counts_next; /* [C][E] */
+    const int32_t *ids = L->fwd.ids[f->nb];
+    int64_t *cc = C > 1 ? L->ch.ccnt_next : L->plan.counts_next; /* [C][E] */
     for (int64_t i = 0; i < C * E; i++) cc[i] = 0;
     for (int64_t c = 0; c < C; c++)
         for (int64_t i = moept__chunk_start(T, C, c) * K; i < moept__chunk_start(T, C, c + 1) * K; i++)
-            if (ids[i] >= 0) cc[c * E + L->slot_of[ids[i]]]++;
+            if (ids[i] >= 0) cc[c * E + L->plan.slot_of[ids[i]]]++;
     for (int64_t e = 0; e < E; e++) {
         int64_t before = 0, kept = 0;
         for (int64_t c = 0; c < C; c++) {
@@ -2660,7 +2681,7 @@ static void moept__fwd_count(moept_layer *L, const moept__fstep *f) {
             kept += cc[c * E + e];
             before += sel;
         }
-        L->counts_next[e] = kept;
+        L->plan.counts_next[e] = kept;
     }
 }
 
@@ -2670,13 +2691,13 @@ static void moept__fwd_count(moept_layer *L, const moept__fstep *f) {
 static moept_status moept__fwd_gather_counts(moept_layer *L, moept__fstep *f) {
     const int64_t E = L->E, El = L->El, P = L->P;
     double t0 = moept__now();
-    moept_status st = L->ep->allgather(L->ep, L->counts_next, L->allcnt_next, E * (int64_t)sizeof(int64_t));
+    moept_status st = L->ep->allgather(L->ep, L->plan.counts_next, L->xch.allcnt_next, E * (int64_t)sizeof(int64_t));
     L->stats.comm_seconds += moept__now() - t0;
     if (st) return moept__fail(L, st, "moept_forward: count all-gather failed: %s", L->ep->err);
     int64_t R = 0;
     for (int64_t p = 0; p < P; p++)
         for (int64_t j = 0; j < El; j++)
-            R += L->rcounts_next[p * El + j] = L->allcnt_next[p * E + L->rank * El + j];
+            R += L->xch.rcounts_next[p * El + j] = L->xch.allcnt_next[p * E + L->rank * El + j];
     f->R_next = R;
     return MOEPT_OK;
 }
@@ -2687,7 +2708,7 @@ static int64_t moept__max_recv(const moept_layer *L) {
     for (int64_t q = 0; q < L->P; q++) {
         int64_t n = 0;
         for (int64_t p = 0; p < L->P; p++)
-            for (int64_t s = q * L->El; s < (q + 1) * L->El; s++) n += L->allcnt_next[p * L->E + s];
+            for (int64_t s = q * L->El; s < (q + 1) * L->El; s++) n += L->xch.allcnt_next[p * L->E + s];
         most = n > most ? n : most;
     }
     return most;
@@ -2700,32 +2721,32 @@ static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) 
     const int64_t E = L->E, El = L->El, C = L->C, P = L->P;
     int64_t R = 0;
     if (!L->ep) {
-        if (C > 1) memcpy(L->rccnt_next, L->ccnt_next, (size_t)(C * E) * sizeof(int64_t));
-        for (int64_t e = 0; e < E; e++) R += L->counts_next[e];
+        if (C > 1) memcpy(L->ch.rccnt_next, L->ch.ccnt_next, (size_t)(C * E) * sizeof(int64_t));
+        for (int64_t e = 0; e < E; e++) R += L->plan.counts_next[e];
         f->R_next = R;
         return MOEPT_OK;
     }
-    if (L->direct) return moept__fwd_gather_counts(L, f);
-    moept_seg *cs = L->count_segs, *cr = L->count_segs + P;
+    if (L->xch.direct) return moept__fwd_gather_counts(L, f);
+    moept_seg *cs = L->xch.count_segs, *cr = L->xch.count_segs + P;
     const int64_t per = C * El; /* chunked: every chunk's counts, [c][j] per peer */
     for (int64_t q = 0; q < P; q++) cs[q] = cr[q] = (moept_seg){q * per, per};
     if (C > 1)
         for (int64_t q = 0; q < P; q++)
             for (int64_t c = 0; c < C; c++)
-                for (int64_t j = 0; j < El; j++) L->cmsg[(q * C + c) * El + j] = L->ccnt_next[c * E + q * El + j];
+                for (int64_t j = 0; j < El; j++) L->ch.cmsg[(q * C + c) * El + j] = L->ch.ccnt_next[c * E + q * El + j];
     double t0 = moept__now();
-    moept_status st = L->ep->alltoallv(L->ep, C > 1 ? L->cmsg : L->counts_next, cs,
-                                       C > 1 ? L->rccnt_next : L->rcounts_next, cr, 1, 8);
+    moept_status st = L->ep->alltoallv(L->ep, C > 1 ? L->ch.cmsg : L->plan.counts_next, cs,
+                                       C > 1 ? L->ch.rccnt_next : L->xch.rcounts_next, cr, 1, 8);
     L->stats.comm_seconds += moept__now() - t0;
     if (st) return moept__fail(L, st, "moept_forward: count exchange failed: %s", L->ep->err);
     if (C > 1)
         for (int64_t p = 0; p < P; p++)
             for (int64_t j = 0; j < El; j++) {
                 int64_t n = 0;
-                for (int64_t c = 0; c < C; c++) n += L->rccnt_next[(p * C + c) * El + j];
-                L->rcounts_next[p * El + j] = n;
+                for (int64_t c = 0; c < C; c++) n += L->ch.rccnt_next[(p * C + c) * El + j];
+                L->xch.rcounts_next[p * El + j] = n;
             }
-    for (int64_t i = 0; i < P * El; i++) R += L->rcounts_next[i];
+    for (int64_t i = 0; i < P * El; i++) R += L->xch.rcounts_next[i];
     f->R_next = R;
     return MOEPT_OK;
 }
@@ -2734,8 +2755,8 @@ static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) 
 static moept_status moept__fwd_agree_growth(moept_layer *L, const moept__fstep *f) {
     moept_status local = MOEPT_OK, st;
     moept_comm *grp = L->group, *dp = f->global ? L->dp : NULL;
-    int64_t most = L->direct ? moept__max_recv(L) : 0;
-    if (L->direct && (st = moept__grow_shared(L, most))) /* all grow, or none */
+    int64_t most = L->xch.direct ? moept__max_recv(L) : 0;
+    if (L->xch.direct && (st = moept__grow_shared(L, most))) /* all grow, or none */
         local = moept__fail(L, st, "moept_forward: cannot grow the shared rows to %lld: %s", (long long)most,
                             L->ep->err);
     else if (!moept__grow_recv(L, f->R_next))
@@ -2753,27 +2774,27 @@ static moept_status moept__fwd_agree_growth(moept_layer *L, const moept__fstep *
 
 /* 6. commit: from here on every rank proceeds */
 static void moept__fwd_commit(moept_layer *L, const moept__fstep *f) {
-    L->cur = f->nb;
-    L->T = f->T;
-    L->x_fp = f->x_fp;
-    L->fwd_valid = 1;
-    L->bwd_valid = 0;
-    L->fwd_eval = f->eval;
-    L->fwd_jitter = f->jitter;
-    L->fwd_jkey = f->jkey;
-    L->jitter_micro += f->jitter;
-    { int64_t *t = L->counts; L->counts = L->counts_next; L->counts_next = t; }
-    { int64_t *t = L->rcounts; L->rcounts = L->rcounts_next; L->rcounts_next = t; }
-    { int64_t *t = L->allcnt; L->allcnt = L->allcnt_next; L->allcnt_next = t; }
-    { int64_t *t = L->ccnt; L->ccnt = L->ccnt_next; L->ccnt_next = t; }
-    { int64_t *t = L->rccnt; L->rccnt = L->rccnt_next; L->rccnt_next = t; }
-    L->R = f->R_next;
+    L->fwd.cur = f->nb;
+    L->fwd.T = f->T;
+    L->fwd.x_fp = f->x_fp;
+    L->fwd.valid = 1;
+    L->fwd.bwd_valid = 0;
+    L->fwd.eval = f->eval;
+    L->fwd.jitter = f->jitter;
+    L->fwd.jkey = f->jkey;
+    L->fwd.jitter_micro += f->jitter;
+    { int64_t *t = L->plan.counts; L->plan.counts = L->plan.counts_next; L->plan.counts_next = t; }
+    { int64_t *t = L->xch.rcounts; L->xch.rcounts = L->xch.rcounts_next; L->xch.rcounts_next = t; }
+    { int64_t *t = L->xch.allcnt; L->xch.allcnt = L->xch.allcnt_next; L->xch.allcnt_next = t; }
+    { int64_t *t = L->ch.ccnt; L->ch.ccnt = L->ch.ccnt_next; L->ch.ccnt_next = t; }
+    { int64_t *t = L->ch.rccnt; L->ch.rccnt = L->ch.rccnt_next; L->ch.rccnt_next = t; }
+    L->xch.R = f->R_next;
     L->stats.bytes_sent = L->stats.bytes_received = 0;
     L->stats.comm_seconds = L->stats.dispatch_seconds = L->stats.combine_seconds = 0.0;
     if (L->fsdp) { /* the gather before the commit belongs to this step */
-        int64_t b = (L->fsdp->size - 1) * L->fs_shard * (int64_t)sizeof(float);
+        int64_t b = (L->fsdp->size - 1) * L->fs.shard * (int64_t)sizeof(float);
         L->stats.bytes_sent = L->stats.bytes_received = b;
-        L->stats.comm_seconds = L->fs_gather_seconds;
+        L->stats.comm_seconds = L->fs.gather_seconds;
     }
 }
 
@@ -2783,11 +2804,11 @@ static void moept__fwd_commit(moept_layer *L, const moept__fstep *f) {
    seqstat is cleared for the next one. */
 static void moept__seq_close(moept_layer *L, int64_t sq) {
     const int64_t E = L->E;
-    double *c = L->seqstat, *ps = c + E, n = c[2 * E];
-    float *g = L->aux_g + sq * E;
+    double *c = L->plan.seqstat, *ps = c + E, n = c[2 * E];
+    float *g = L->fwd.aux_g + sq * E;
     if (n > 0.0) {
-        L->lstat[L->ls.seqaux] += moept__aux_finalize(c, ps, E, L->K, MOEPT_AUX_SEQ, n, L->cfg.aux_loss_coef, g);
-        L->lstat[L->ls.nseq] += 1.0;
+        L->fwd.lstat[L->fwd.ls.seqaux] += moept__aux_finalize(c, ps, E, L->K, MOEPT_AUX_SEQ, n, L->cfg.aux_loss_coef, g);
+        L->fwd.lstat[L->fwd.ls.nseq] += 1.0;
     } else {
         for (int64_t e = 0; e < E; e++) g[e] = 0.0f;
     }
@@ -2799,19 +2820,19 @@ static void moept__seq_close(moept_layer *L, int64_t sq) {
 static void moept__loss_token(moept_layer *L, int64_t t, double *sel, double *auxc, double *psum) {
     const int64_t E = L->E, K = L->K;
     const int aux = (int)L->cfg.aux_loss;
-    const float *lg = L->logits[L->cur] + t * E;
-    const int32_t *ids = L->ids[L->cur] + t * K;
-    L->lse[t] = moept__lse(lg, E);
-    L->lstat[L->ls.lse2] += (double)L->lse[t] * L->lse[t];
+    const float *lg = L->fwd.logits[L->fwd.cur] + t * E;
+    const int32_t *ids = L->fwd.ids[L->fwd.cur] + t * K;
+    L->fwd.lse[t] = moept__lse(lg, E);
+    L->fwd.lstat[L->fwd.ls.lse2] += (double)L->fwd.lse[t] * L->fwd.lse[t];
     for (int64_t k = 0; k < K; k++) sel[ids[k]] += 1.0;
     if (aux == MOEPT_AUX_NONE) return;
-    float *score = L->choice;
-    int32_t *cid = L->kscratch;
-    moept__aux_token((int)L->cfg.family, aux, lg, L->probs[L->cur] + t * E, ids, (int)E, (int)K, score, cid);
+    float *score = L->plan.choice;
+    int32_t *cid = L->plan.kscratch;
+    moept__aux_token((int)L->cfg.family, aux, lg, L->fwd.probs[L->fwd.cur] + t * E, ids, (int)E, (int)K, score, cid);
     for (int64_t e = 0; e < E; e++) psum[e] += score[e];
     for (int64_t k = 0; k < K; k++) auxc[cid[k]] += 1.0;
     if (aux != MOEPT_AUX_SEQ) return;
-    double *sc = L->seqstat;
+    double *sc = L->plan.seqstat;
     for (int64_t e = 0; e < E; e++) sc[E + e] += score[e];
     for (int64_t k = 0; k < K; k++) sc[cid[k]] += 1.0;
     sc[2 * E] += 1.0;
@@ -2825,32 +2846,32 @@ static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, dou
     const int64_t T = f->T, E = L->E, K = L->K;
     const int aux = (int)L->cfg.aux_loss, seq = aux == MOEPT_AUX_SEQ;
     const int64_t slen = seq ? L->cfg.aux_seq_len : 0; /* tokens per sequence */
-    const int32_t *ids = L->ids[L->cur];
-    double *sel = L->lstat + L->ls.sel, *auxc = L->lstat + L->ls.auxc, *psum = L->lstat + L->ls.psum;
-    for (int64_t i = 0; i < L->ls.n; i++) L->lstat[i] = 0.0;
-    for (int64_t i = 0; i < 2 * E + 1; i++) L->seqstat[i] = 0.0;
+    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+    double *sel = L->fwd.lstat + L->fwd.ls.sel, *auxc = L->fwd.lstat + L->fwd.ls.auxc, *psum = L->fwd.lstat + L->fwd.ls.psum;
+    for (int64_t i = 0; i < L->fwd.ls.n; i++) L->fwd.lstat[i] = 0.0;
+    for (int64_t i = 0; i < 2 * E + 1; i++) L->plan.seqstat[i] = 0.0;
     for (int64_t t = 0; t < T; t++) {
-        L->lse[t] = 0.0f;
+        L->fwd.lse[t] = 0.0f;
         if (ids[t * K] >= 0) moept__loss_token(L, t, sel, auxc, psum); /* else padding */
         if (seq && (t + 1) % slen == 0) moept__seq_close(L, t / slen);
     }
-    L->lstat[L->ls.T] = (double)f->valid;
+    L->fwd.lstat[L->fwd.ls.T] = (double)f->valid;
     if (f->global) { /* the whole batch's statistics (a failure here is a broken comm) */
-        moept_status st = moept__world_sum(L, L->lstat, L->ls.n, MOEPT_DTYPE_F64);
+        moept_status st = moept__world_sum(L, L->fwd.lstat, L->fwd.ls.n, MOEPT_DTYPE_F64);
         if (st) return st;
     }
-    for (int64_t e = 0; e < E; e++) { L->sel_counts[e] = (int64_t)sel[e]; L->aux_counts[e] = (int64_t)auxc[e]; }
-    L->counts_global = f->global || (!L->group && !L->dp);
-    L->loss_T = L->lstat[L->ls.T] > 0 ? L->lstat[L->ls.T] : 1.0;
+    for (int64_t e = 0; e < E; e++) { L->fwd.sel_counts[e] = (int64_t)sel[e]; L->fwd.aux_counts[e] = (int64_t)auxc[e]; }
+    L->fwd.counts_global = f->global || (!L->group && !L->dp);
+    L->fwd.loss_T = L->fwd.lstat[L->fwd.ls.T] > 0 ? L->fwd.lstat[L->fwd.ls.T] : 1.0;
     if (!seq) {
-        *aux_v = moept__aux_finalize(auxc, psum, E, K, aux, L->loss_T, L->cfg.aux_loss_coef, L->aux_g);
+        *aux_v = moept__aux_finalize(auxc, psum, E, K, aux, L->fwd.loss_T, L->cfg.aux_loss_coef, L->fwd.aux_g);
         return MOEPT_OK;
     }
     /* the mean over sequences: each row's gradient times 1/nseq */
-    double nseq = L->lstat[L->ls.nseq];
-    *aux_v = nseq > 0.0 ? L->lstat[L->ls.seqaux] / nseq : 0.0;
+    double nseq = L->fwd.lstat[L->fwd.ls.nseq];
+    *aux_v = nseq > 0.0 ? L->fwd.lstat[L->fwd.ls.seqaux] / nseq : 0.0;
     const float inv = nseq > 0.0 ? (float)(1.0 / nseq) : 0.0f;
-    for (int64_t i = 0; i < T / slen * E; i++) L->aux_g[i] *= inv;
+    for (int64_t i = 0; i < T / slen * E; i++) L->fwd.aux_g[i] *= inv;
     return MOEPT_OK;
 }
 
@@ -2859,42 +2880,42 @@ static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, dou
    so xs is the send buffer. Then where the received rows go: expert-major,
    then by source rank, and the exchange's pieces. */
 static void moept__fwd_plan(moept_layer *L) {
-    const int64_t T = L->T, D = L->D, E = L->E, K = L->K, El = L->El, P = L->P;
-    const int32_t *ids = L->ids[L->cur];
-    L->offsets[0] = 0;
+    const int64_t T = L->fwd.T, D = L->D, E = L->E, K = L->K, El = L->El, P = L->P;
+    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+    L->plan.offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
-        L->offsets[e + 1] = L->offsets[e] + L->counts[e];
-        L->fill[e] = 0;
+        L->plan.offsets[e + 1] = L->plan.offsets[e] + L->plan.counts[e];
+        L->plan.fill[e] = 0;
     }
-    L->N = L->offsets[E];
+    L->plan.N = L->plan.offsets[E];
     for (int64_t i = 0; i < T * K; i++) {
-        if (ids[i] < 0) { L->row_of[i] = -1; continue; } /* padding */
-        int64_t e = L->slot_of[ids[i]];
-        moept__plan_place(i, L->fill[e]++, L->counts[e], L->offsets[e], K, L->row_of, L->tok_of_row,
-                          L->slot_of_row);
+        if (ids[i] < 0) { L->plan.row_of[i] = -1; continue; } /* padding */
+        int64_t e = L->plan.slot_of[ids[i]];
+        moept__plan_place(i, L->plan.fill[e]++, L->plan.counts[e], L->plan.offsets[e], K, L->plan.row_of, L->plan.tok_of_row,
+                          L->plan.slot_of_row);
     }
-    moept__plan_roffsets(P, El, L->ep ? L->rcounts : L->counts, L->roffsets); /* one rank: P = 1 */
+    moept__plan_roffsets(P, El, L->ep ? L->xch.rcounts : L->plan.counts, L->xch.roffsets); /* one rank: P = 1 */
     if (!L->ep) return;
-    moept__plan_segs(P, El, D, L->offsets, L->counts, L->rcounts, L->roffsets, L->send_segs, L->recv_segs);
-    moept__plan_peer_rows(P, El, L->rank, L->counts, L->rcounts, El, L->peer_rows, &L->stats.rows_sent,
+    moept__plan_segs(P, El, D, L->plan.offsets, L->plan.counts, L->xch.rcounts, L->xch.roffsets, L->xch.send_segs, L->xch.recv_segs);
+    moept__plan_peer_rows(P, El, L->rank, L->plan.counts, L->xch.rcounts, El, L->xch.peer_rows, &L->stats.rows_sent,
                           &L->stats.rows_received);
-    if (L->direct) moept__direct_plan(L);
+    if (L->xch.direct) moept__direct_plan(L);
 }
 
 /* 9. dispatch: each kept row to its expert (direct: written straight into
    the experts' shared rows; a backend with alltoallv_rows sends from x by
    index; else permuted into xs, then exchanged) */
 static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
-    const int64_t D = L->D, N = L->N;
-    if (L->direct) { /* our rows into the experts' rows; all have arrived after the barrier */
+    const int64_t D = L->D, N = L->plan.N;
+    if (L->xch.direct) { /* our rows into the experts' rows; all have arrived after the barrier */
         moept__direct_push(L, x);
         moept__count_bytes(L, 1);
         return moept__direct_sync(L, "moept_forward");
     }
     if (moept__rows_dispatch(L)) return moept__exchange_rows(L, x);
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
-    for (int64_t r = 0; r < N; r++) memcpy(L->xs + r * D, x + L->tok_of_row[r] * D, (size_t)D * sizeof(float));
-    return L->ep ? moept__exchange(L, L->xs, L->xr, 1) : MOEPT_OK;
+    for (int64_t r = 0; r < N; r++) memcpy(L->ws.xs + r * D, x + L->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
+    return L->ep ? moept__exchange(L, L->ws.xs, L->ws.xr, 1) : MOEPT_OK;
 }
 
 /* 10. the experts' rows back (direct: read where they lie), the shared
@@ -2902,14 +2923,14 @@ static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
 static moept_status moept__fwd_combine(moept_layer *L, const float *x, float *y) {
     moept_status st;
     double ts = moept__now();
-    if (L->direct) {
+    if (L->xch.direct) {
         if ((st = moept__direct_sync(L, "moept_forward"))) return st;
         moept__count_bytes(L, 0);
-    } else if (L->ep && (st = moept__exchange(L, L->ys, L->yr, 0))) return st;
+    } else if (L->ep && (st = moept__exchange(L, L->ws.ys, L->ws.yr, 0))) return st;
     L->stats.combine_seconds += moept__now() - ts;
-    moept__shared_forward(L, x, L->T);
+    moept__shared_forward(L, x, L->fwd.T);
     ts = moept__now();
-    moept__combine_range(L, y, L->wts[L->cur], L->ids[L->cur], 0, L->T);
+    moept__combine_range(L, y, L->fwd.wts[L->fwd.cur], L->fwd.ids[L->fwd.cur], 0, L->fwd.T);
     L->stats.combine_seconds += moept__now() - ts;
     return MOEPT_OK;
 }
@@ -2919,16 +2940,16 @@ static moept_status moept__fwd_combine(moept_layer *L, const float *x, float *y)
 static moept_status moept__fwd_run(moept_layer *L, const moept__fstep *f) {
     moept_status st;
     if (L->C > 1) {
-        if ((st = moept__forward_chunked(L, f->x, f->y, L->wts[L->cur], L->ids[L->cur]))) return st;
+        if ((st = moept__forward_chunked(L, f->x, f->y, L->fwd.wts[L->fwd.cur], L->fwd.ids[L->fwd.cur]))) return st;
     } else {
         double ts = moept__now();
         if ((st = moept__fwd_dispatch(L, f->x))) return st;
         L->stats.dispatch_seconds += moept__now() - ts;
-        moept__ffn_forward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->H, L->F, L->h, L->a, L->lda_a,
-                           L->yr);
+        moept__ffn_forward(L, L->ws.xr, L->El, L->xch.roffsets, L->par.w13, L->par.w2, L->H, L->F, L->ws.h, L->ws.a, L->ws.lda_a,
+                           L->ws.yr);
         if ((st = moept__fwd_combine(L, f->x, f->y))) return st;
     }
-    return L->direct ? moept__direct_sync(L, "moept_forward") : MOEPT_OK;
+    return L->xch.direct ? moept__direct_sync(L, "moept_forward") : MOEPT_OK;
 }
 
 /* The step's statistics, once its output is known finite */
@@ -2937,29 +2958,29 @@ static void moept__fwd_stats(moept_layer *L, const moept__fstep *f, double aux_v
     sts->steps++;
     sts->tokens = f->T;
     sts->masked_tokens = f->T - f->valid;
-    sts->routed_rows = L->N;
-    sts->dropped_rows = f->valid * L->K - L->N;
+    sts->routed_rows = L->plan.N;
+    sts->dropped_rows = f->valid * L->K - L->plan.N;
     sts->capacity = f->cap;
-    L->aux_value = aux_v;
-    L->z_value = L->lstat[L->ls.lse2] / L->loss_T;
+    L->fwd.aux_value = aux_v;
+    L->fwd.z_value = L->fwd.lstat[L->fwd.ls.lse2] / L->fwd.loss_T;
     sts->aux_loss = (float)aux_v;
-    sts->z_loss = (float)L->z_value;
+    sts->z_loss = (float)L->fwd.z_value;
 }
 
 static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     f->global = L->cfg.global_balance && (L->group || L->dp);
-    f->nb = 1 - L->cur;
+    f->nb = 1 - L->fwd.cur;
     f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
     moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why) : moept__fwd_checks(L, f), st;
     if (!local) local = moept__fwd_route(L, f);
-    if (!local && L->S > 0 && f->valid < f->T && !L->xsh) { /* the first padded step: room to pack */
-        L->xsh = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
-        L->shrow = moept__alloc(&L->mem, (size_t)L->cfg.max_tokens * sizeof(int64_t));
-        if (!L->xsh || !L->shrow) {
-            MOEPT_FREE(L->xsh);
-            MOEPT_FREE(L->shrow);
-            L->xsh = NULL;
-            L->shrow = NULL;
+    if (!local && L->S > 0 && f->valid < f->T && !L->ws.xsh) { /* the first padded step: room to pack */
+        L->ws.xsh = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
+        L->ws.shrow = moept__alloc(&L->mem, (size_t)L->cfg.max_tokens * sizeof(int64_t));
+        if (!L->ws.xsh || !L->ws.shrow) {
+            MOEPT_FREE(L->ws.xsh);
+            MOEPT_FREE(L->ws.shrow);
+            L->ws.xsh = NULL;
+            L->ws.shrow = NULL;
             local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: out of memory for packing the "
                                 "shared expert's unmasked rows");
         }
@@ -2977,13 +2998,13 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     if (L->fsdp && (st = moept__fsdp_gather(L))) return st;
     const moept_stats stats_before = L->stats; /* restored if the output check fails */
     moept__fwd_commit(L, f);
-    L->sh_n = f->valid;
+    L->fwd.sh_n = f->valid;
     double aux_v = 0.0;
     if ((st = moept__fwd_losses(L, f, &aux_v)) || (moept__fwd_plan(L), (st = moept__fwd_run(L, f)))) {
-        L->fwd_valid = 0;
+        L->fwd.valid = 0;
         return st;
     }
-    if ((st = moept__forward_finite(L, f->y, aux_v, L->lstat[L->ls.lse2] / L->loss_T, f->global))) {
+    if ((st = moept__forward_finite(L, f->y, aux_v, L->fwd.lstat[L->fwd.ls.lse2] / L->fwd.loss_T, f->global))) {
         L->stats = stats_before;
         return st;
     }
@@ -3020,22 +3041,22 @@ static moept_status moept__backward_finite(moept_layer *L, const float *dx, int 
                                            const moept_stats *before) {
     moept_status st = moept__agree_finite(L, "moept_backward", "dx", dx, MOEPT_OK, NULL,
         grads_were_zero ? "the gradients are as they were (zero)"
-        : L->grads_copy ? "the gradients are as they were (config.grad_backup's copy)"
+        : L->par.grads_copy ? "the gradients are as they were (config.grad_backup's copy)"
         : "the gradients accumulated since moept_zero_grad are refused until moept_zero_grad");
     if (!st) return MOEPT_OK;
     L->stats = *before;
-    if (grads_were_zero) memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
-    else if (L->grads_copy) memcpy(L->grads, L->grads_copy, (size_t)L->n_params * sizeof(float));
-    else if (L->grads_dx_bad < 0) {
-        int64_t bad = moept__first_nonfinite(dx, L->T * L->D);
-        L->grads_dx_bad = bad < 0 ? 0 : bad; /* 0: a peer's dx */
+    if (grads_were_zero) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
+    else if (L->par.grads_copy) memcpy(L->par.grads, L->par.grads_copy, (size_t)L->par.n_params * sizeof(float));
+    else if (L->par.grads_dx_bad < 0) {
+        int64_t bad = moept__first_nonfinite(dx, L->fwd.T * L->D);
+        L->par.grads_dx_bad = bad < 0 ? 0 : bad; /* 0: a peer's dx */
     }
     return st;
 }
 
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
-    if (!L->grads) return moept__no_grads(L, "moept_backward");
+    if (!L->par.grads) return moept__no_grads(L, "moept_backward");
     return L->ex->backward(L, x, dy, dx);
 }
 
@@ -3047,12 +3068,12 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
 static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float *dy, const float *dx) {
     moept_status local = MOEPT_OK;
     uint64_t x_fp = 0;
-    const int64_t T = L->T, D = L->D;
-    if (!L->fwd_valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
-    else if (L->fwd_eval)
+    const int64_t T = L->fwd.T, D = L->D;
+    if (!L->fwd.valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
+    else if (L->fwd.eval)
         local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: the last forward was an evaluation (opts.eval): "
                             "it kept nothing to differentiate");
-    else if (L->bwd_valid) /* the step's saved activations were consumed in place */
+    else if (L->fwd.bwd_valid) /* the step's saved activations were consumed in place */
         local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: this forward was already differentiated; run "
                             "forward again");
     else if (T > 0 && (!x || !dy || !dx))
@@ -3060,7 +3081,7 @@ static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float
                             !x ? "x" : !dy ? "dy" : "dx");
     else if (moept__overlaps(dx, x, (size_t)(T * D) * sizeof(float)))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, MOEPT__DX_ALIAS);
-    else if (moept__x_scan(x, T * D, &x_fp) >= 0 || x_fp != L->x_fp)
+    else if (moept__x_scan(x, T * D, &x_fp) >= 0 || x_fp != L->fwd.x_fp)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: x is not the last forward's x "
                             "(another buffer, or changed since, e.g. by a y written over it)");
     else {
@@ -3074,7 +3095,7 @@ static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float
     /* fsdp: the experts gathered again (before anything changes: a broken
        comm leaves the step to differentiate), this step's gradients from zero */
     if ((st = moept__fsdp_gather(L))) return st;
-    memset(L->fs_gfull, 0, (size_t)(L->fsdp->size * L->fs_shard) * sizeof(float));
+    memset(L->fs.gfull, 0, (size_t)(L->fsdp->size * L->fs.shard) * sizeof(float));
     return MOEPT_OK;
 }
 
@@ -3083,25 +3104,25 @@ static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float
    dy (gated) in yss and its gate's gradient in dsg */
 static void moept__bwd_combine(moept_layer *L, const float *dy) {
     double ts = moept__now();
-    const int64_t T = L->T, D = L->D, K = L->K;
-    const float *wts = L->wts[L->cur];
-    const int32_t *ids = L->ids[L->cur];
-    const int direct = L->direct;
+    const int64_t T = L->fwd.T, D = L->D, K = L->K;
+    const float *wts = L->fwd.wts[L->fwd.cur];
+    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+    const int direct = L->xch.direct;
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         const float *dyt = dy + t * D;
         for (int64_t k = 0; k < K; k++) {
-            int64_t r = L->row_of[t * K + k];
-            if (r < 0) { L->dwts[t * K + k] = 0.0f; continue; }
-            float *dys = direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : L->dys + r * D;
-            L->dwts[t * K + k] = (float)moept__dot(dys, dyt, D); /* the output row still, then dys */
+            int64_t r = L->plan.row_of[t * K + k];
+            if (r < 0) { L->ws.dwts[t * K + k] = 0.0f; continue; }
+            float *dys = direct ? moept__shared_row(L, L->plan.slot_of[ids[t * K + k]], r, 1) : L->ws.dys + r * D;
+            L->ws.dwts[t * K + k] = (float)moept__dot(dys, dyt, D); /* the output row still, then dys */
             moept__row_scale(dys, wts[t * K + k], dyt, D);
         }
         if (L->S > 0) { /* padding: its y row was 0, nothing flows back */
-            float *yss = L->yss + t * D;
-            float gs = L->wsg ? L->sg[t] : 1.0f;
+            float *yss = L->ws.yss + t * D;
+            float gs = L->par.wsg ? L->ws.sg[t] : 1.0f;
             int pad = ids[t * K] < 0;
-            if (L->wsg) L->dsg[t] = pad ? 0.0f : moept__gate_bwd(moept__dot(yss, dyt, D), gs);
+            if (L->par.wsg) L->ws.dsg[t] = pad ? 0.0f : moept__gate_bwd(moept__dot(yss, dyt, D), gs);
             if (pad) memset(yss, 0, (size_t)D * sizeof(float));
             else moept__row_scale(yss, gs, dyt, D);
         }
@@ -3112,15 +3133,15 @@ static void moept__bwd_combine(moept_layer *L, const float *dy) {
 /* The shared expert's weight gradients from its dys (yss), its dxs left in
    yss; a padded step's over the packed unmasked rows, as its forward */
 static void moept__bwd_shared(moept_layer *L, const float *x) {
-    const int64_t T = L->T, D = L->D, n = L->sh_n < T ? L->sh_n : T;
+    const int64_t T = L->fwd.T, D = L->D, n = L->fwd.sh_n < T ? L->fwd.sh_n : T;
     if (n < T) {
         moept__shared_pack(L, x, T);
-        x = L->xsh;
-        moept__shared_move(L, L->yss, D, n, T, 1);
-        if (L->wsg) moept__shared_move(L, L->dsg, 1, n, T, 1);
+        x = L->ws.xsh;
+        moept__shared_move(L, L->ws.yss, D, n, T, 1);
+        if (L->par.wsg) moept__shared_move(L, L->ws.dsg, 1, n, T, 1);
     }
     int64_t off[2] = {0, n};
-    moept__ffn_backward(L, x, 1, off, L->ws13, L->ws2, L->gs13, L->gs2, L->HS, L->S, L->hs, L->as, L->yss);
+    moept__ffn_backward(L, x, 1, off, L->par.ws13, L->par.ws2, L->par.gs13, L->par.gs2, L->HS, L->S, L->ws.hs, L->ws.as, L->ws.yss);
 }
 
 /* experts': the dys travel to the experts, the FFNs' backward, the dxs
@@ -3129,22 +3150,22 @@ static void moept__bwd_shared(moept_layer *L, const float *x) {
 static moept_status moept__bwd_experts(moept_layer *L, const float *x) {
     moept_status st;
     double ts = moept__now();
-    if (L->direct) { /* our dys are in place: wait for every rank's */
+    if (L->xch.direct) { /* our dys are in place: wait for every rank's */
         moept__count_bytes(L, 1);
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
     } else if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
         if ((st = moept__backward_chunked(L))) return st;
-    } else if (L->ep && (st = moept__exchange(L, L->dys, L->dyr, 1))) return st;
+    } else if (L->ep && (st = moept__exchange(L, L->ws.dys, L->ws.dyr, 1))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
     if (L->C == 1) /* dyr in, dxr out over it */
-        moept__ffn_backward(L, L->xr, L->El, L->roffsets, L->w13, L->w2, L->g13, L->g2,
-                            L->H, L->F, L->h, L->a, L->dyr);
+        moept__ffn_backward(L, L->ws.xr, L->El, L->xch.roffsets, L->par.w13, L->par.w2, L->par.g13, L->par.g2,
+                            L->H, L->F, L->ws.h, L->ws.a, L->ws.dyr);
     if (L->S > 0) moept__bwd_shared(L, x);
     ts = moept__now();
-    if (L->direct) {
+    if (L->xch.direct) {
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
         moept__count_bytes(L, 0);
-    } else if (L->C == 1 && L->ep && (st = moept__exchange(L, L->dxs, L->dxr, 0))) return st;
+    } else if (L->C == 1 && L->ep && (st = moept__exchange(L, L->ws.dxs, L->ws.dxr, 0))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
     return MOEPT_OK;
 }
@@ -3154,36 +3175,36 @@ static moept_status moept__bwd_experts(moept_layer *L, const float *x) {
    noise drawn again into xj; else u = 1), and the shared gate's
    gsg += dsg^T x (over the packed rows as its forward) */
 static void moept__bwd_router(moept_layer *L, const float *x) {
-    const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
+    const int64_t T = L->fwd.T, D = L->D, E = L->E, K = L->K;
     const int fam = (int)L->cfg.family, aux = (int)L->cfg.aux_loss, norm = L->cfg.norm_topk_prob;
-    const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->aux_g : NULL;
+    const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->fwd.aux_g : NULL;
     const int64_t slen = aux == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0; /* aux_g's row: t / slen */
-    const float zc = L->cfg.z_loss_coef, scale = L->cfg.routed_scaling_factor, Tl = (float)L->loss_T;
-    const float *logits = L->logits[L->cur], *probs = L->probs[L->cur];
-    const int32_t *ids = L->ids[L->cur];
+    const float zc = L->cfg.z_loss_coef, scale = L->cfg.routed_scaling_factor, Tl = (float)L->fwd.loss_T;
+    const float *logits = L->fwd.logits[L->fwd.cur], *probs = L->fwd.probs[L->fwd.cur];
+    const int32_t *ids = L->fwd.ids[L->fwd.cur];
     #pragma omp parallel for schedule(static) MOEPT__PAR_MAX(T * E * K, L->nthreads)
     for (int64_t t = 0; t < T; t++) {
-        float *scratch = L->choice + (int64_t)MOEPT__TID * 2 * E;
+        float *scratch = L->plan.choice + (int64_t)MOEPT__TID * 2 * E;
         if (ids[t * K] < 0) {
-            for (int64_t e = 0; e < E; e++) L->dlogits[t * E + e] = 0.0f;
+            for (int64_t e = 0; e < E; e++) L->ws.dlogits[t * E + e] = 0.0f;
             continue;
         }
-        float zgrad = moept__zgrad(zc, L->lse[t], Tl);
-        moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, L->dwts + t * K,
+        float zgrad = moept__zgrad(zc, L->fwd.lse[t], Tl);
+        moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, L->ws.dwts + t * K,
                                 aux_g && slen ? aux_g + t / slen * E : aux_g, zgrad, (int)E, (int)K, norm, scale,
-                                scratch, L->dlogits + t * E);
+                                scratch, L->ws.dlogits + t * E);
     }
     const float *xin = x;
-    if (L->fwd_jitter) {
-        moept__jitter_apply(L, L->fwd_jkey, x, T, L->xj, L->jrow[L->cur], 0);
-        xin = L->xj;
+    if (L->fwd.jitter) {
+        moept__jitter_apply(L, L->fwd.jkey, x, T, L->fwd.xj, L->fwd.jrow[L->fwd.cur], 0);
+        xin = L->fwd.xj;
     }
-    moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->dlogits, E, xin, D, 1.0f, L->g_router, D);
-    moept__gemm_run(&g, 1, &L->gws);
-    const int64_t n = L->sh_n < T ? L->sh_n : T;
-    if (L->S > 0 && L->wsg) {
-        g = moept__gemm_make(1, 0, 1, D, n, L->dsg, 1, n < T ? L->xsh : x, D, 1.0f, L->gsg, D);
-        moept__gemm_run(&g, 1, &L->gws);
+    moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->ws.dlogits, E, xin, D, 1.0f, L->par.g_router, D);
+    moept__gemm_run(&g, 1, &L->ws.gws);
+    const int64_t n = L->fwd.sh_n < T ? L->fwd.sh_n : T;
+    if (L->S > 0 && L->par.wsg) {
+        g = moept__gemm_make(1, 0, 1, D, n, L->ws.dsg, 1, n < T ? L->ws.xsh : x, D, 1.0f, L->par.gsg, D);
+        moept__gemm_run(&g, 1, &L->ws.gws);
     }
 }
 
@@ -3192,45 +3213,45 @@ static void moept__bwd_router(moept_layer *L, const float *x) {
    then the router's (dlogits W) * u */
 static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
     double ts = moept__now();
-    const int64_t T = L->T, D = L->D, E = L->E, K = L->K;
-    const int32_t *ids = L->ids[L->cur];
-    const int direct = L->direct;
-    const float *dxs = L->C > 1 && !L->ep ? L->ch_dx : L->dxs; /* chunked at one rank: the experts' own rows */
+    const int64_t T = L->fwd.T, D = L->D, E = L->E, K = L->K;
+    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+    const int direct = L->xch.direct;
+    const float *dxs = L->C > 1 && !L->ep ? L->ch.dx : L->ws.dxs; /* chunked at one rank: the experts' own rows */
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         float *dxt = dx + t * D;
         memset(dxt, 0, (size_t)D * sizeof(float));
         for (int64_t k = 0; k < K; k++) {
-            int64_t r = L->row_of[t * K + k];
+            int64_t r = L->plan.row_of[t * K + k];
             if (r < 0) continue;
-            const float *src = direct ? moept__shared_row(L, L->slot_of[ids[t * K + k]], r, 1) : dxs + r * D;
+            const float *src = direct ? moept__shared_row(L, L->plan.slot_of[ids[t * K + k]], r, 1) : dxs + r * D;
             moept__row_axpy(dxt, 1.0f, src, D);
         }
     }
     moept_status st;
     if (direct && (st = moept__direct_sync(L, "moept_backward"))) return st; /* peers done reading */
     L->stats.dispatch_seconds += moept__now() - ts;
-    const int64_t n = L->sh_n < T ? L->sh_n : T;
+    const int64_t n = L->fwd.sh_n < T ? L->fwd.sh_n : T;
     if (L->S > 0) {
         if (n < T) moept__shared_move(L, dx, D, n, T, 1);
         #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
-        for (int64_t t = 0; t < n; t++) moept__row_axpy(dx + t * D, 1.0f, L->yss + t * D, D);
-        if (L->wsg) { /* dx += dsg wsg */
-            moept__gemm g = moept__gemm_make(0, 0, n, D, 1, L->dsg, 1, L->wsg, D, 1.0f, dx, D);
-            moept__gemm_run(&g, 1, &L->gws);
+        for (int64_t t = 0; t < n; t++) moept__row_axpy(dx + t * D, 1.0f, L->ws.yss + t * D, D);
+        if (L->par.wsg) { /* dx += dsg wsg */
+            moept__gemm g = moept__gemm_make(0, 0, n, D, 1, L->ws.dsg, 1, L->par.wsg, D, 1.0f, dx, D);
+            moept__gemm_run(&g, 1, &L->ws.gws);
         }
         if (n < T) moept__shared_move(L, dx, D, n, T, 0);
     }
-    if (!L->fwd_jitter) {
-        moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 1.0f, dx, D);
-        moept__gemm_run(&g, 1, &L->gws);
+    if (!L->fwd.jitter) {
+        moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->ws.dlogits, E, L->par.w_router, D, 1.0f, dx, D);
+        moept__gemm_run(&g, 1, &L->ws.gws);
         return MOEPT_OK;
     }
-    moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->dlogits, E, L->w_router, D, 0.0f, L->xj, D);
-    moept__gemm_run(&g, 1, &L->gws);
-    moept__jitter_apply(L, L->fwd_jkey, NULL, T, L->xj, L->jrow[L->cur], 0);
+    moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->ws.dlogits, E, L->par.w_router, D, 0.0f, L->fwd.xj, D);
+    moept__gemm_run(&g, 1, &L->ws.gws);
+    moept__jitter_apply(L, L->fwd.jkey, NULL, T, L->fwd.xj, L->fwd.jrow[L->fwd.cur], 0);
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
-    for (int64_t i = 0; i < T * D; i++) dx[i] += L->xj[i];
+    for (int64_t i = 0; i < T * D; i++) dx[i] += L->fwd.xj[i];
     return MOEPT_OK;
 }
 
@@ -3238,13 +3259,13 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
     moept_status st;
     if ((st = moept__bwd_agree(L, x, dy, dx))) return st;
     const moept_stats stats_before = L->stats; /* restored if dx is not finite */
-    const int grads_were_zero = moept__all_zero(L->grads, L->n_params);
-    if (L->grads_copy && !grads_were_zero) memcpy(L->grads_copy, L->grads, (size_t)L->n_params * sizeof(float));
+    const int grads_were_zero = moept__all_zero(L->par.grads, L->par.n_params);
+    if (L->par.grads_copy && !grads_were_zero) memcpy(L->par.grads_copy, L->par.grads, (size_t)L->par.n_params * sizeof(float));
     moept__bwd_combine(L, dy);
     if ((st = moept__bwd_experts(L, x))) return st;
     moept__bwd_router(L, x);
     if ((st = moept__bwd_dx(L, dx))) return st;
-    L->bwd_valid = 1; /* the saved activations are consumed, whatever follows */
+    L->fwd.bwd_valid = 1; /* the saved activations are consumed, whatever follows */
     if ((st = moept__backward_finite(L, dx, grads_were_zero, &stats_before))) return st;
     if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
     return MOEPT_OK;
@@ -3347,7 +3368,7 @@ static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_com
 
 moept_status moept_sync_grads(moept_layer *L, float scale) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: layer is NULL");
-    if (!L->grads) return moept__no_grads(L, "moept_sync_grads");
+    if (!L->par.grads) return moept__no_grads(L, "moept_sync_grads");
     moept_status bad = MOEPT_OK;
     if (!moept__finite(scale)) bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_SYNC_GRADS,
@@ -3360,19 +3381,19 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
 static moept_status moept__cpu_sync_grads(moept_layer *L, float scale) {
     double t0 = moept__now();
     moept_status st = MOEPT_OK;
-    int64_t n_router = L->E * L->D, n_exp = L->n_exp;
-    float *shared = L->g_router + n_router + n_exp;
-    int64_t n_shared = L->n_params - n_router - n_exp;
+    int64_t n_router = L->E * L->D, n_exp = L->par.n_exp;
+    float *shared = L->par.g_router + n_router + n_exp;
+    int64_t n_shared = L->par.n_params - n_router - n_exp;
     /* replicated: router and shared expert, over EP (or the fsdp group) then
        DP; experts (or fsdp shards, already reduce-scattered) over DP */
     moept_comm *grp = L->group;
-    if (grp && !st) st = grp->allreduce(grp, L->g_router, n_router, MOEPT_DTYPE_F32);
+    if (grp && !st) st = grp->allreduce(grp, L->par.g_router, n_router, MOEPT_DTYPE_F32);
     if (grp && !st && n_shared) st = grp->allreduce(grp, shared, n_shared, MOEPT_DTYPE_F32);
-    if (L->dp && !st) st = L->dp->allreduce(L->dp, L->grads, L->n_params, MOEPT_DTYPE_F32);
+    if (L->dp && !st) st = L->dp->allreduce(L->dp, L->par.grads, L->par.n_params, MOEPT_DTYPE_F32);
     L->stats.comm_seconds += moept__now() - t0;
     if (st) return moept__fail(L, st, "moept_sync_grads: %s", (grp && grp->err[0]) ? grp->err : L->dp ? L->dp->err : "");
     if (scale != 1.0f)
-        for (int64_t i = 0; i < L->n_params; i++) L->grads[i] *= scale;
+        for (int64_t i = 0; i < L->par.n_params; i++) L->par.grads[i] *= scale;
     return MOEPT_OK;
 }
 
@@ -3380,18 +3401,18 @@ static moept_status moept__cpu_sync_grads(moept_layer *L, float scale) {
    their first non-finite element (-1: none): a CUDA layer's on the device,
    where they are. */
 static moept_status moept__cpu_grad_scan(moept_layer *L, double *s, int64_t *bad) {
-    const int64_t n_router = L->E * L->D, n_exp = L->n_exp;
-    for (int64_t i = 0; s && i < L->n_params; i++) {
-        double g = L->grads[i];
+    const int64_t n_router = L->E * L->D, n_exp = L->par.n_exp;
+    for (int64_t i = 0; s && i < L->par.n_params; i++) {
+        double g = L->par.grads[i];
         s[i >= n_router && i < n_router + n_exp] += g * g;
     }
-    *bad = s && isfinite(s[0] + s[1]) ? -1 : moept__first_nonfinite(L->grads, L->n_params);
+    *bad = s && isfinite(s[0] + s[1]) ? -1 : moept__first_nonfinite(L->par.grads, L->par.n_params);
     return MOEPT_OK;
 }
 
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: layer is NULL");
-    if (!L->grads) return moept__no_grads(L, "moept_grad_norm");
+    if (!L->par.grads) return moept__no_grads(L, "moept_grad_norm");
     moept_status bad = norm ? moept__grads_refused(L, "moept_grad_norm")
                             : moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: norm is NULL");
     double s[2] = {0.0, 0.0}; /* [replicated, experts] */
@@ -3416,11 +3437,11 @@ static moept_status moept__settle(const moept_layer *cL) {
 
 moept_status moept_get_peer_rows(const moept_layer *L, int64_t *sent, int64_t *received) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_peer_rows: layer is NULL");
-    if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_get_peer_rows: no forward yet");
+    if (!L->fwd.valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_get_peer_rows: no forward yet");
     moept_status st = moept__settle(L);
     if (st) return st;
     for (int q = 0; q < L->P; q++) {
-        int64_t s = L->ep ? L->peer_rows[q] : L->N, r = L->ep ? L->peer_rows[L->P + q] : L->N;
+        int64_t s = L->ep ? L->xch.peer_rows[q] : L->plan.N, r = L->ep ? L->xch.peer_rows[L->P + q] : L->plan.N;
         if (sent) sent[q] = s;
         if (received) received[q] = r;
     }
@@ -3434,9 +3455,9 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
         bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: only deepseek_v3 has a correction bias");
     else if (!moept__finite(rate) || rate < 0.0f)
         bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
-    else if (!L->fwd_valid)
+    else if (!L->fwd.valid)
         bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
-    else if (L->fwd_eval)
+    else if (L->fwd.eval)
         bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: the last forward was an evaluation (opts.eval)");
     else bad = moept__settle(L);
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_UPDATE_BIAS,
@@ -3446,19 +3467,19 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     moept__host_wrote(L, 1, 0);
     /* the bias is replicated: every rank must see the whole batch's counts
        (already so with global_balance; otherwise sum them here) */
-    double *cnt = L->lstat; /* [E] the forward's selection counts; free after the forward */
-    if ((L->group || L->dp) && !L->counts_global) {
+    double *cnt = L->fwd.lstat; /* [E] the forward's selection counts; free after the forward */
+    if ((L->group || L->dp) && !L->fwd.counts_global) {
         moept_status st = moept__world_sum(L, cnt, L->E, MOEPT_DTYPE_F64);
         if (st) return st;
-        for (int64_t e = 0; e < L->E; e++) L->sel_counts[e] = (int64_t)cnt[e];
-        L->counts_global = 1; /* a second call after the same forward sums nothing twice */
+        for (int64_t e = 0; e < L->E; e++) L->fwd.sel_counts[e] = (int64_t)cnt[e];
+        L->fwd.counts_global = 1; /* a second call after the same forward sums nothing twice */
     }
     double total = 0.0;
-    for (int64_t e = 0; e < L->E; e++) total += (double)L->sel_counts[e];
+    for (int64_t e = 0; e < L->E; e++) total += (double)L->fwd.sel_counts[e];
     double mean = total / (double)L->E;
     for (int64_t e = 0; e < L->E; e++) {
-        double c = (double)L->sel_counts[e];
-        L->bias[e] += rate * (float)((mean > c) - (mean < c));
+        double c = (double)L->fwd.sel_counts[e];
+        L->par.bias[e] += rate * (float)((mean > c) - (mean < c));
     }
     return MOEPT_OK;
 }
@@ -3466,23 +3487,23 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
 moept_status moept_routing(const moept_layer *L, const int32_t **ids, const float **weights,
                            const float **logits) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing: layer is NULL");
-    if (!L->fwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing: no forward yet");
+    if (!L->fwd.valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing: no forward yet");
     moept_layer *W = (moept_layer *)L;
     moept_status cs = MOEPT__EX(W, routing, W, 0);
     if (cs) return cs;
-    if (ids) *ids = L->ids[L->cur];
-    if (weights) *weights = L->wts[L->cur];
-    if (logits) *logits = L->logits[L->cur];
+    if (ids) *ids = L->fwd.ids[L->fwd.cur];
+    if (weights) *weights = L->fwd.wts[L->fwd.cur];
+    if (logits) *logits = L->fwd.logits[L->fwd.cur];
     return MOEPT_OK;
 }
 
 moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
     if (!L || !dweights) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing_grads: NULL argument");
-    if (!L->bwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
+    if (!L->fwd.bwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
     moept_layer *W = (moept_layer *)L;
     moept_status cs = MOEPT__EX(W, routing, W, 1);
     if (cs) return cs;
-    *dweights = L->dwts;
+    *dweights = L->ws.dwts;
     return MOEPT_OK;
 }
 
@@ -3491,17 +3512,17 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     moept_status ss = moept__settle(L);
     if (ss) return ss;
     *st = L->stats;
-    st->allocations = L->mem.allocations + L->dev_allocations;
-    st->allocated_bytes = L->mem.bytes + L->dev_allocated_bytes;
+    st->allocations = L->mem.allocations + L->dev.allocations;
+    st->allocated_bytes = L->mem.bytes + L->dev.allocated_bytes;
     int64_t w[6];
     moept__recv_widths(L, w);
     int64_t row = w[0] + w[1] + w[2] + w[3] + w[4] + w[5];
-    st->workspace_bytes = (L->work_bytes + L->Rcap * row * (int64_t)sizeof(float) +
-                           2 * L->shcap * L->D * (int64_t)sizeof(float));
-    st->shared_exchange = L->direct;
-    st->device_workspace_bytes = L->dev_workspace_bytes;
+    st->workspace_bytes = (L->work_bytes + L->xch.Rcap * row * (int64_t)sizeof(float) +
+                           2 * L->xch.shcap * L->D * (int64_t)sizeof(float));
+    st->shared_exchange = L->xch.direct;
+    st->device_workspace_bytes = L->dev.workspace_bytes;
     if (tpe)
-        for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd_valid ? L->sel_counts[e] : 0;
+        for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd.valid ? L->fwd.sel_counts[e] : 0;
     return MOEPT_OK;
 }
 
@@ -5768,7 +5789,7 @@ static moept_status moept__load_staged(moept_layer *L, moept__load *ld) {
     if (L->fsdp) /* the same on every rank: the config was agreed at create */
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s: not in fsdp mode (the expert-parallel layer is the "
                            "one that saves, loads and reshards)", ld->call);
-    const size_t nstage = (size_t)ld->copies * (size_t)L->n_params + (size_t)L->E;
+    const size_t nstage = (size_t)ld->copies * (size_t)L->par.n_params + (size_t)L->E;
     int64_t bytes = 0; /* counted only if the load commits */
     float *stage = NULL;
     moept_status local = moept__to_host(L, 1, 0); /* its message the thread's */
@@ -5799,10 +5820,10 @@ static moept_status moept__hf_read(const moept_layer *L, const char *dir, int64_
     moept__hf_src src;
     moept_status st = moept__hf_open(dir, &src, bytes);
     if (!st) st = moept__hf_fp8_block(dir, src.fp8_block);
-    for (int64_t i = 0; !st && i < L->n_table; i++) {
-        const moept__param *p = &L->table[i];
+    for (int64_t i = 0; !st && i < L->par.n_table; i++) {
+        const moept__param *p = &L->par.table[i];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        float *dst = p->type == MOEPT__P_BIAS ? stage + L->n_params : stage + (p->data - L->params);
+        float *dst = p->type == MOEPT__P_BIAS ? stage + L->par.n_params : stage + (p->data - L->par.params);
         st = moept__hf_read_one(dir, &src, name, p, dst, bytes);
     }
     moept__hf_src_free(&src);
@@ -5815,8 +5836,8 @@ static moept_status moept__hf_stage(const moept_layer *L, moept__load *ld, float
 
 static void moept__hf_commit(moept_layer *L, moept__load *ld, const float *stage) {
     (void)ld;
-    memcpy(L->params, stage, (size_t)L->n_params * sizeof(float));
-    memcpy(L->bias, stage + L->n_params, (size_t)L->E * sizeof(float));
+    memcpy(L->par.params, stage, (size_t)L->par.n_params * sizeof(float));
+    memcpy(L->par.bias, stage + L->par.n_params, (size_t)L->E * sizeof(float));
 }
 
 /* Collective over the EP and DP groups (moept__load_staged) */
@@ -5836,11 +5857,11 @@ moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index
    keeps pointers until it writes) */
 static uint16_t *moept__hf_low(const moept_layer *L, int with_replicated, moept_dtype dtype) {
     int64_t n = 0;
-    for (int64_t i = 0; i < L->n_table; i++)
-        if (L->table[i].expert >= 0 || with_replicated) n += L->table[i].rows * L->table[i].cols;
+    for (int64_t i = 0; i < L->par.n_table; i++)
+        if (L->par.table[i].expert >= 0 || with_replicated) n += L->par.table[i].rows * L->par.table[i].cols;
     uint16_t *low = moept__alloc(NULL, (size_t)(n > 0 ? n : 1) * 2), *o = low;
-    for (int64_t i = 0; low && i < L->n_table; i++) {
-        const moept__param *p = &L->table[i];
+    for (int64_t i = 0; low && i < L->par.n_table; i++) {
+        const moept__param *p = &L->par.table[i];
         if (p->expert < 0 && !with_replicated) continue;
         for (int64_t k = 0; k < p->rows * p->cols; k++)
             *o++ = dtype == MOEPT_DTYPE_BF16 ? moept__f32_to_bf16(p->data[k]) : moept__f32_to_half(p->data[k]);
@@ -5864,8 +5885,8 @@ moept_status moept_save_hf_as(moept_layer *L, const char *path, int64_t layer_in
                           ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the %s copy",
                                                moept__dtype_name(dtype))
                           : moept_st_writer_create(&w);
-    for (int64_t i = 0; !st && i < L->n_table; i++) {
-        const moept__param *p = &L->table[i];
+    for (int64_t i = 0; !st && i < L->par.n_table; i++) {
+        const moept__param *p = &L->par.table[i];
         if (p->expert < 0 && !with_replicated) continue;
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
         int64_t shape[2] = {p->rows, p->cols};
@@ -5888,9 +5909,9 @@ moept_status moept_save_hf_as(moept_layer *L, const char *path, int64_t layer_in
    ------------------------------------------------------------------------ */
 /* the parameter whose gradient element i (of the flat buffer) is */
 static const char *moept__param_of(const moept_layer *L, int64_t i) {
-    for (int64_t t = 0; t < L->n_table; t++) {
-        const moept__param *p = &L->table[t];
-        int64_t off = p->data - L->params;
+    for (int64_t t = 0; t < L->par.n_table; t++) {
+        const moept__param *p = &L->par.table[t];
+        int64_t off = p->data - L->par.params;
         if (p->grad && i >= off && i < off + p->rows * p->cols) return p->name;
     }
     return "?";
@@ -5899,20 +5920,20 @@ static const char *moept__param_of(const moept_layer *L, int64_t i) {
 /* The CPU's moments, allocated at the first step (before the agreement:
    a rank out of memory fails every rank) */
 static moept_status moept__cpu_adamw_ready(moept_layer *L) {
-    if (L->opt_m) return MOEPT_OK;
-    float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
+    if (L->opt.m) return MOEPT_OK;
+    float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
     if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");
-    memset(s, 0, (size_t)(2 * L->n_params) * sizeof(float));
-    L->opt_m = s; L->opt_v = s + L->n_params;
+    memset(s, 0, (size_t)(2 * L->par.n_params) * sizeof(float));
+    L->opt.m = s; L->opt.v = s + L->par.n_params;
     return MOEPT_OK;
 }
 
 /* One AdamW step with the step's constants k over the whole buffer (an
    executor with device copies runs it where the gradients are) */
 static moept_status moept__cpu_adamw(moept_layer *L, moept__adamw_k k) {
-    float *p = L->params, *m = L->opt_m, *v = L->opt_v;
-    const float *g = L->grads;
-    const int64_t n = L->n_params;
+    float *p = L->par.params, *m = L->opt.m, *v = L->opt.v;
+    const float *g = L->par.grads;
+    const int64_t n = L->par.n_params;
     #pragma omp parallel for schedule(static) MOEPT__PAR(n)
     for (int64_t i = 0; i < n; i++) p[i] = moept__adamw1(p[i], g[i], &m[i], &v[i], k);
     return MOEPT_OK;
@@ -5923,7 +5944,7 @@ static moept_status moept__cpu_adamw(moept_layer *L, moept__adamw_k k) {
    gradient checked, then all step or none does. */
 moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
-    if (!L->grads) return moept__no_grads(L, "moept_adamw_step");
+    if (!L->par.grads) return moept__no_grads(L, "moept_adamw_step");
     moept_adamw d = {0.0f, 0.9f, 0.999f, 1e-8f, 0.0f};
     if (o) d = (moept_adamw){o->lr, o->beta1 ? o->beta1 : 0.9f, o->beta2 ? o->beta2 : 0.999f,
                              o->eps ? o->eps : 1e-8f, o->weight_decay};
@@ -5947,12 +5968,12 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
                                               moept__fnv_f32((const float[5]){lr, b1, b2, eps, wd}, 5));
     if (st) return st;
-    const int64_t t = L->opt_t + 1;
+    const int64_t t = L->opt.t + 1;
     double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
     moept__adamw_k k = {1.0f - lr * wd, b1, b2, (float)(lr / bc1), (float)sqrt(bc2), eps};
     if ((st = L->ex->adamw(L, k))) return st;
-    L->opt_t = t;
-    L->jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
+    L->opt.t = t;
+    L->fwd.jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
     return MOEPT_OK;
 }
 
@@ -6005,18 +6026,18 @@ static moept_status moept__cuda_to_host(moept_layer *L, int what) {
     int p = (what & MOEPT__HOST_PARAMS) && X->params == MOEPT__DEVICE_NEWER;
     int g = (what & MOEPT__HOST_GRADS) && X->grads == MOEPT__DEVICE_NEWER;
     moept_status st;
-    if ((p || g) && (st = moept__cuda_download(X->c, p ? L->params : NULL, g ? L->grads : NULL,
+    if ((p || g) && (st = moept__cuda_download(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL,
                                                moept__thread_err)))
         return st;
     if (p) X->params = MOEPT__SAME;
     if (g) X->grads = MOEPT__SAME;
     if (!(what & MOEPT__HOST_OPT) || X->opt != MOEPT__DEVICE_NEWER) return MOEPT_OK;
-    if (!L->opt_m) { /* the host's moments, for a save */
-        float *s = moept__alloc(&L->mem, (size_t)(2 * L->n_params) * sizeof(float));
+    if (!L->opt.m) { /* the host's moments, for a save */
+        float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
         if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
-        L->opt_m = s; L->opt_v = s + L->n_params;
+        L->opt.m = s; L->opt.v = s + L->par.n_params;
     }
-    st = moept__cuda_opt_download(X->c, L->opt_m, L->opt_v, moept__thread_err);
+    st = moept__cuda_opt_download(X->c, L->opt.m, L->opt.v, moept__thread_err);
     if (!st) X->opt = MOEPT__SAME;
     return st;
 }
@@ -6032,8 +6053,8 @@ static moept_status moept__to_device(moept_layer *L) {
     moept__cudax *X = MOEPT__CX(L);
     int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER;
     if (!p && !g) return MOEPT_OK;
-    moept_status st = moept__cuda_upload(X->c, p ? L->params : NULL, g ? L->grads : NULL,
-                                         p ? L->bias : NULL, p ? L->slot_of : NULL, moept__thread_err);
+    moept_status st = moept__cuda_upload(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL,
+                                         p ? L->par.bias : NULL, p ? L->plan.slot_of : NULL, moept__thread_err);
     if (st) return st;
     if (p) X->params = MOEPT__SAME;
     if (g) X->grads = MOEPT__SAME;
@@ -6041,9 +6062,9 @@ static moept_status moept__to_device(moept_layer *L) {
 }
 
 static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
-    L->dev_allocations = r->allocations;
-    L->dev_allocated_bytes = r->allocated_bytes;
-    L->dev_workspace_bytes = r->workspace_bytes;
+    L->dev.allocations = r->allocations;
+    L->dev.allocated_bytes = r->allocated_bytes;
+    L->dev.workspace_bytes = r->workspace_bytes;
     L->stats.recv_capacity = r->recv_capacity;
     L->stats.recv_growths = r->recv_growths;
     L->stats.comm_seconds += r->comm_seconds;
@@ -6056,15 +6077,15 @@ static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
 static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
     const int64_t E = L->E;
     for (int64_t e = 0; e < E; e++) {
-        L->sel_counts[e] = (int64_t)L->lstat[L->ls.sel + e];
-        L->aux_counts[e] = (int64_t)L->lstat[L->ls.auxc + e];
+        L->fwd.sel_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.sel + e];
+        L->fwd.aux_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.auxc + e];
     }
-    L->counts_global = r->counts_global;
-    L->N = r->N; L->R = r->R;
-    L->loss_T = r->loss_T; L->aux_value = r->aux_value; L->z_value = r->z_value;
+    L->fwd.counts_global = r->counts_global;
+    L->plan.N = r->N; L->xch.R = r->R;
+    L->fwd.loss_T = r->loss_T; L->fwd.aux_value = r->aux_value; L->fwd.z_value = r->z_value;
     moept_stats *sts = &L->stats;
     sts->routed_rows = r->N;
-    sts->dropped_rows = L->T * L->K - r->N;
+    sts->dropped_rows = L->fwd.T * L->K - r->N;
     sts->capacity = r->capacity;
     sts->rows_sent = r->rows_sent;
     sts->rows_received = r->rows_received;
@@ -6078,7 +6099,7 @@ static moept_status moept__cuda_settle(moept_layer *L) {
     if (!X->stats_pending) return MOEPT_OK;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
-    moept_status st = moept__cuda_step_stats(X->c, L->lstat, L->peer_rows, &r, moept__thread_err);
+    moept_status st = moept__cuda_step_stats(X->c, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     if (st) return st;
     X->stats_pending = 0;
     moept__cuda_step_done(L, &r);
@@ -6095,10 +6116,10 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD);
     r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
     r.reject_msg = f->reject ? f->reject_why : NULL;
-    st = moept__cuda_forward(X->c, f->x, T, f->y, L->lstat, L->peer_rows, &r, moept__thread_err);
+    st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
-    L->T = T; L->fwd_valid = 1; L->bwd_valid = 0; X->routing_on_host = 0; L->fwd_eval = f->eval;
+    L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; X->routing_on_host = 0; L->fwd.eval = f->eval;
     moept_stats *sts = &L->stats;
     sts->bytes_sent = sts->bytes_received = 0;
     sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
@@ -6117,7 +6138,7 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
     r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
-    if (L->fwd_valid && L->fwd_eval) {
+    if (L->fwd.valid && L->fwd.eval) {
         r.reject = MOEPT_ERR_STATE;
         r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
                        "differentiate";
@@ -6126,7 +6147,7 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     L->agreed_calls += r.agreed;
     if (st) return st;
     moept__cuda_stats(L, &r);
-    L->bwd_valid = 1;
+    L->fwd.bwd_valid = 1;
     X->grads = MOEPT__DEVICE_NEWER;
     X->dx_pending = 1;
     return MOEPT_OK;
@@ -6150,7 +6171,7 @@ static moept_status moept__cuda_layer_grad_scan(moept_layer *L, double *s, int64
    the gradients are; nothing crosses to the host */
 static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
     moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__cuda_adamw(X->c, &k, X->opt == MOEPT__HOST_NEWER, L->opt_m, L->opt_v,
+    moept_status st = moept__cuda_adamw(X->c, &k, X->opt == MOEPT__HOST_NEWER, L->opt.m, L->opt.v,
                                         moept__thread_err);
     if (st) return st;
     X->opt = MOEPT__DEVICE_NEWER;
@@ -6178,19 +6199,19 @@ static moept_status moept__cuda_grads_check(moept_layer *L) {
     moept_status st = moept__cuda_dx_check(X->c, &bad, &why_st, why, moept__thread_err);
     if (st) return st;
     X->dx_pending = 0;
-    if (bad >= 0 && L->grads_dx_bad < 0) L->grads_dx_bad = bad;
-    if (why_st && !L->grads_sf_bad) { /* the sync-free mode's checks, made on the device */
-        L->grads_sf_bad = why_st;
-        memcpy(L->grads_sf_why, why, sizeof why);
+    if (bad >= 0 && L->par.grads_dx_bad < 0) L->par.grads_dx_bad = bad;
+    if (why_st && !L->par.grads_sf_bad) { /* the sync-free mode's checks, made on the device */
+        L->par.grads_sf_bad = why_st;
+        memcpy(L->par.grads_sf_why, why, sizeof why);
     }
     return MOEPT_OK;
 }
 
 static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
     moept__cudax *X = MOEPT__CX(L);
-    if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, L->dwts, moept__thread_err);
+    if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, L->ws.dwts, moept__thread_err);
     if (X->routing_on_host) return MOEPT_OK;
-    moept_status st = moept__cuda_download_routing(X->c, L->ids[L->cur], L->wts[L->cur], L->logits[L->cur],
+    moept_status st = moept__cuda_download_routing(X->c, L->fwd.ids[L->fwd.cur], L->fwd.wts[L->fwd.cur], L->fwd.logits[L->fwd.cur],
                                                    NULL, moept__thread_err);
     if (!st) X->routing_on_host = 1;
     return st;
@@ -6300,10 +6321,10 @@ static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *
     sp->scale = L->cfg.routed_scaling_factor; sp->aux_coef = L->cfg.aux_loss_coef;
     sp->z_coef = L->cfg.z_loss_coef;
     sp->capacity_factor = L->capacity_factor;
-    sp->n_params = L->n_params;
-    sp->off13 = L->w13 - L->params; sp->off2 = L->w2 - L->params;
-    sp->offs13 = L->ws13 - L->params; sp->offs2 = L->ws2 - L->params;
-    sp->offsg = L->wsg ? L->wsg - L->params : -1;
+    sp->n_params = L->par.n_params;
+    sp->off13 = L->par.w13 - L->par.params; sp->off2 = L->par.w2 - L->par.params;
+    sp->offs13 = L->par.ws13 - L->par.params; sp->offs2 = L->par.ws2 - L->par.params;
+    sp->offsg = L->par.wsg ? L->par.wsg - L->par.params : -1;
     sp->ep = L->ep; sp->dp = L->dp; sp->stream = o->stream;
 }
 
@@ -6384,7 +6405,7 @@ moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, in
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params: NULL argument");
     if (!L->ex->device_params) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params: not a CUDA layer");
     moept_status st = L->ex->device_params(L, params, grads);
-    if (!st) *numel = L->n_params;
+    if (!st) *numel = L->par.n_params;
     return st;
 }
 
@@ -6397,7 +6418,7 @@ moept_status moept_cuda_params_changed(moept_layer *L) {
 
 static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
     int64_t fp[MOEPT__NFP];
-    moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, L->direct, fp);
+    moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, L->xch.direct, fp);
     uint64_t h = 1469598103934665603ull; /* FNV-1a over the model's fields; execution choices
                                             (overlap, sharding) and the layout (EP, DP) left out */
     for (int i = 0; i < MOEPT__NFP_MODEL; i++)
@@ -6448,16 +6469,16 @@ static moept_status moept__ckpt_write_rank(const moept_layer *L, const char *set
         return moept__thread_fail(MOEPT_ERR_IO, "cannot create %s: %s", set, strerror(errno));
     moept_st_writer *w;
     moept_status st = moept_st_writer_create(&w);
-    for (int64_t i = 0; !st && i < L->n_table; i++) {
-        const moept__param *p = &L->table[i];
+    for (int64_t i = 0; !st && i < L->par.n_table; i++) {
+        const moept__param *p = &L->par.table[i];
         int64_t shape[2] = {p->rows, p->cols};
         st = moept__ckpt_add(w, p->name, shape, p->data);
-        if (!st && p->grad && L->opt_m) {
-            int64_t off = p->data - L->params;
+        if (!st && p->grad && L->opt.m) {
+            int64_t off = p->data - L->par.params;
             snprintf(name, sizeof name, "optimizer.m.%s", p->name);
-            st = moept__ckpt_add(w, name, shape, L->opt_m + off);
+            st = moept__ckpt_add(w, name, shape, L->opt.m + off);
             snprintf(name, sizeof name, "optimizer.v.%s", p->name);
-            if (!st) st = moept__ckpt_add(w, name, shape, L->opt_v + off);
+            if (!st) st = moept__ckpt_add(w, name, shape, L->opt.v + off);
         }
     }
     if (!st) st = moept_st_add_meta(w, "format", "moept-train-v1");
@@ -6559,7 +6580,7 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     if (st || (st = moept__share(L, &nonce, call))) return st;
     char fp[32], step[32], set[64], path[4096], meta[512];
     moept__fp_hex(L, fp, sizeof fp);
-    snprintf(step, sizeof step, "%lld", (long long)L->opt_t);
+    snprintf(step, sizeof step, "%lld", (long long)L->opt.t);
     snprintf(set, sizeof set, "save-%s-%012llx", step, (unsigned long long)nonce);
     snprintf(path, sizeof path, "%s/%s", dir, set);
     if (writer && mkdir(dir, 0755) != 0 && errno != EEXIST)
@@ -6705,7 +6726,7 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     char fp[32], ffp[64], name[256], set[64], base[4096];
     moept__fp_hex(L, fp, sizeof fp);
     int64_t P = 0, istep = -1;
-    const size_t n = (size_t)L->n_params;
+    const size_t n = (size_t)L->par.n_params;
     moept_status st = moept__read_ckpt_index(dir, &P, ffp, sizeof ffp, &istep, set, sizeof set);
     if (st) return st;
     if (strcmp(ffp, fp) != 0)
@@ -6721,11 +6742,11 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     for (int64_t r = 0; r < P; r++) files[r] = NULL;
     memset(stage, 0, (3 * n + (size_t)L->E) * sizeof(float));
     *t = -1;
-    for (int64_t i = 0; !st && i < L->n_table; i++) {
-        const moept__param *p = &L->table[i];
+    for (int64_t i = 0; !st && i < L->par.n_table; i++) {
+        const moept__param *p = &L->par.table[i];
         int64_t src = moept__ckpt_source(L, base, p, P, files, fp, t, bytes, &st);
         if (src < 0) break;
-        int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->params, cnt = p->rows * p->cols;
+        int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->par.params, cnt = p->rows * p->cols;
         for (int k = 0; k < (p->grad && *t > 0 ? 3 : 1) && !st; k++) {
             if (k == 0) snprintf(name, sizeof name, "%s", p->name);
             else snprintf(name, sizeof name, "optimizer.%c.%s", k == 1 ? 'm' : 'v', p->name);
@@ -6754,32 +6775,32 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
    lacks (allocated before the agreement, counted at the commit) */
 static moept_status moept__ckpt_stage(const moept_layer *L, moept__load *ld, float *stage, int64_t *bytes) {
     moept_status st = moept__ckpt_read(L, ld->dir, stage, &ld->step, bytes);
-    if (!st && ld->step > 0 && L->grads && !L->opt_m &&
-        !(ld->opt = moept__alloc(NULL, 2 * (size_t)L->n_params * sizeof(float))))
+    if (!st && ld->step > 0 && L->par.grads && !L->opt.m &&
+        !(ld->opt = moept__alloc(NULL, 2 * (size_t)L->par.n_params * sizeof(float))))
         st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
     return st;
 }
 
 static void moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *stage) {
-    const size_t n = (size_t)L->n_params;
+    const size_t n = (size_t)L->par.n_params;
     const long long t = ld->step;
     if (ld->opt) {
-        L->opt_m = ld->opt;
-        L->opt_v = ld->opt + n;
+        L->opt.m = ld->opt;
+        L->opt.v = ld->opt + n;
         L->mem.allocations++;
         L->mem.bytes += (int64_t)(2 * n * sizeof(float));
     }
-    memcpy(L->params, stage, n * sizeof(float));
-    memcpy(L->bias, stage + 3 * n, (size_t)L->E * sizeof(float));
-    if (t > 0 && L->opt_m) { /* (an inference layer takes the parameters only) */
-        memcpy(L->opt_m, stage + n, n * sizeof(float));
-        memcpy(L->opt_v, stage + 2 * n, n * sizeof(float));
-    } else if (L->opt_m) {
-        memset(L->opt_m, 0, 2 * n * sizeof(float));
+    memcpy(L->par.params, stage, n * sizeof(float));
+    memcpy(L->par.bias, stage + 3 * n, (size_t)L->E * sizeof(float));
+    if (t > 0 && L->opt.m) { /* (an inference layer takes the parameters only) */
+        memcpy(L->opt.m, stage + n, n * sizeof(float));
+        memcpy(L->opt.v, stage + 2 * n, n * sizeof(float));
+    } else if (L->opt.m) {
+        memset(L->opt.m, 0, 2 * n * sizeof(float));
     }
-    L->opt_t = L->grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
+    L->opt.t = L->par.grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
     if (L->ex->host_wrote) L->ex->host_wrote(L, MOEPT__HOST_OPT); /* an executor's moments: from these */
-    L->jitter_micro = 0;
+    L->fwd.jitter_micro = 0;
 }
 
 /* Loads a training checkpoint saved at any EP size P that divides E into
@@ -6799,15 +6820,15 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
    ------------------------------------------------------------------------ */
 moept_status moept_get_placement(const moept_layer *L, int32_t *rank_of) {
     if (!L || !rank_of) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_placement: NULL argument");
-    for (int64_t e = 0; e < L->E; e++) rank_of[e] = (int32_t)(L->slot_of[e] / L->El);
+    for (int64_t e = 0; e < L->E; e++) rank_of[e] = (int32_t)(L->plan.slot_of[e] / L->El);
     return MOEPT_OK;
 }
 
 /* the pieces of local slot j in one of the three expert-shaped buffers
    (parameters, AdamW m, AdamW v): w13 rows and w2 rows */
 static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, float **w13, float **w2) {
-    *w13 = base + (L->w13 - L->params) + j * L->H * L->D;
-    *w2 = base + (L->w2 - L->params) + j * L->D * L->F;
+    *w13 = base + (L->par.w13 - L->par.params) + j * L->H * L->D;
+    *w2 = base + (L->par.w2 - L->par.params) + j * L->D * L->F;
 }
 
 /* moept_reshard's arguments: every expert to a rank in 0..P-1, E/P to each
@@ -6835,8 +6856,8 @@ static void moept__reshard_lists(const moept_layer *L, const int32_t *new_rank, 
     const int64_t El = L->El;
     *nout = *nin = 0;
     for (int64_t e = 0; e < L->E; e++) {
-        if (L->slot_of[e] / El == r && new_rank[e] != r) out[(*nout)++] = (int32_t)e;
-        if (new_rank[e] == r && L->slot_of[e] / El != r) in[(*nin)++] = (int32_t)e;
+        if (L->plan.slot_of[e] / El == r && new_rank[e] != r) out[(*nout)++] = (int32_t)e;
+        if (new_rank[e] == r && L->plan.slot_of[e] / El != r) in[(*nin)++] = (int32_t)e;
     }
 }
 
@@ -6849,11 +6870,11 @@ static void moept__reshard_plan(const moept_layer *L, const int32_t *new_rank, i
                                 int32_t *in, int64_t *rounds, int64_t *moved) {
     const int64_t E = L->E, El = L->El;
     *rounds = *moved = 0;
-    for (int64_t e = 0; e < E; e++) nslot[e] = new_rank[e] == L->slot_of[e] / El ? L->slot_of[e] : -1;
+    for (int64_t e = 0; e < E; e++) nslot[e] = new_rank[e] == L->plan.slot_of[e] / El ? L->plan.slot_of[e] : -1;
     for (int64_t r = 0; r < L->P; r++) {
         int64_t no, ni;
         moept__reshard_lists(L, new_rank, r, out, &no, in, &ni);
-        for (int64_t k = 0; k < ni; k++) nslot[in[k]] = L->slot_of[out[k]] % El + (int32_t)(r * El);
+        for (int64_t k = 0; k < ni; k++) nslot[in[k]] = L->plan.slot_of[out[k]] % El + (int32_t)(r * El);
         *rounds = no > *rounds ? no : *rounds;
         *moved += no;
     }
@@ -6867,7 +6888,7 @@ static moept_status moept__reshard_rounds(moept_layer *L, const int32_t *new_ran
                                           int64_t nout, const int32_t *in, int64_t nin, int64_t rounds,
                                           float *stage, int64_t *pos, int64_t *sent, int64_t *recvd) {
     const int64_t El = L->El, n13 = L->H * L->D, n2 = L->D * L->F;
-    float *bufs[3] = {L->params, L->opt_m, L->opt_v};
+    float *bufs[3] = {L->par.params, L->opt.m, L->opt.v};
     for (int64_t k = 0; k < rounds; k++) {
         for (int b = 0; b < 3; b++) {
             /* optimizer state moves only if allocated (the same on every rank in a training loop) */
@@ -6882,7 +6903,7 @@ static moept_status moept__reshard_rounds(moept_layer *L, const int32_t *new_ran
                 s[ns++] = (moept_p2p){to, w2, n2 * (int64_t)sizeof(float)};
             }
             if (have && k < nin) {
-                int from = (int)(L->slot_of[in[k]] / El);
+                int from = (int)(L->plan.slot_of[in[k]] / El);
                 r[nr++] = (moept_p2p){from, stage, n13 * (int64_t)sizeof(float)};
                 r[nr++] = (moept_p2p){from, stage + n13, n2 * (int64_t)sizeof(float)};
             }
@@ -6931,14 +6952,14 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
     if (!local) {
         moept__reshard_plan(L, new_rank, nslot, out, in, &rounds, &moved);
         moept__reshard_lists(L, new_rank, me, out, &nout, in, &nin); /* this rank's, for the rounds */
-        for (int64_t e = 0; e < E; e++) pos[e] = L->slot_of[e] / El == me ? L->slot_of[e] % El : -1;
+        for (int64_t e = 0; e < E; e++) pos[e] = L->plan.slot_of[e] / El == me ? L->plan.slot_of[e] % El : -1;
         local = moept__reshard_rounds(L, new_rank, out, nout, in, nin, rounds, stage, pos, &sent, &recvd);
     }
     if (!local) {
-        for (int64_t e = 0; e < E; e++) { L->slot_of[e] = nslot[e]; L->expert_at[nslot[e]] = (int32_t)e; }
+        for (int64_t e = 0; e < E; e++) { L->plan.slot_of[e] = nslot[e]; L->plan.expert_at[nslot[e]] = (int32_t)e; }
         moept__build_table(L);
-        if (L->grads) memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
-        L->fwd_valid = 0; /* the saved forward's plan used the old placement */
+        if (L->par.grads) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
+        L->fwd.valid = 0; /* the saved forward's plan used the old placement */
         if (rep) {
             rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;
             rep->rounds = rounds; rep->extra_bytes = part * (int64_t)sizeof(float);

@@ -80,34 +80,34 @@ int main(int argc, char **argv) {
 
     /* the floor: the same GEMMs on separate buffers (allocated after the
        layer's peak was read) */
-    int64_t N = L->N, H = L->H;
+    int64_t N = L->plan.N, H = L->H;
     float *bx = calloc((size_t)(N * D), 4), *bh = calloc((size_t)(N * H), 4), *ba = calloc((size_t)(N * F), 4);
     float *by = calloc((size_t)(N * D), 4), *lg = calloc((size_t)(T * E), 4), *dxx = calloc((size_t)(T * D), 4);
     moept__gemm *g = malloc((size_t)(6 * E + 3) * sizeof *g);
     int64_t n = 0;
     double flops = 0;
-    g[n++] = moept__gemm_make(0, 1, T, E, D, x, D, L->w_router, D, 0.0f, lg, E);
-    g[n++] = moept__gemm_make(1, 0, E, D, T, lg, E, x, D, 1.0f, L->g_router, D);
-    g[n++] = moept__gemm_make(0, 0, T, D, E, lg, E, L->w_router, D, 1.0f, dxx, D);
+    g[n++] = moept__gemm_make(0, 1, T, E, D, x, D, L->par.w_router, D, 0.0f, lg, E);
+    g[n++] = moept__gemm_make(1, 0, E, D, T, lg, E, x, D, 1.0f, L->par.g_router, D);
+    g[n++] = moept__gemm_make(0, 0, T, D, E, lg, E, L->par.w_router, D, 1.0f, dxx, D);
     for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = L->offsets[e], m = L->counts[e];
+        int64_t r0 = L->plan.offsets[e], m = L->plan.counts[e];
         if (!m) continue;
-        g[n++] = moept__gemm_make(0, 1, m, H, D, bx + r0 * D, D, L->w13 + e * H * D, D, 0.0f, bh + r0 * H, H);
-        g[n++] = moept__gemm_make(0, 1, m, D, F, ba + r0 * F, F, L->w2 + e * D * F, F, 0.0f, by + r0 * D, D);
-        g[n++] = moept__gemm_make(1, 0, D, F, m, by + r0 * D, D, ba + r0 * F, F, 1.0f, L->g2 + e * D * F, F);
-        g[n++] = moept__gemm_make(0, 0, m, F, D, by + r0 * D, D, L->w2 + e * D * F, F, 0.0f, ba + r0 * F, F);
-        g[n++] = moept__gemm_make(1, 0, H, D, m, bh + r0 * H, H, bx + r0 * D, D, 1.0f, L->g13 + e * H * D, D);
-        g[n++] = moept__gemm_make(0, 0, m, D, H, bh + r0 * H, H, L->w13 + e * H * D, D, 0.0f, by + r0 * D, D);
+        g[n++] = moept__gemm_make(0, 1, m, H, D, bx + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f, bh + r0 * H, H);
+        g[n++] = moept__gemm_make(0, 1, m, D, F, ba + r0 * F, F, L->par.w2 + e * D * F, F, 0.0f, by + r0 * D, D);
+        g[n++] = moept__gemm_make(1, 0, D, F, m, by + r0 * D, D, ba + r0 * F, F, 1.0f, L->par.g2 + e * D * F, F);
+        g[n++] = moept__gemm_make(0, 0, m, F, D, by + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f, ba + r0 * F, F);
+        g[n++] = moept__gemm_make(1, 0, H, D, m, bh + r0 * H, H, bx + r0 * D, D, 1.0f, L->par.g13 + e * H * D, D);
+        g[n++] = moept__gemm_make(0, 0, m, D, H, bh + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f, by + r0 * D, D);
     }
     for (int64_t i = 0; i < n; i++) flops += 2.0 * (double)g[i].m * (double)g[i].n * (double)g[i].k;
-    moept__gemm_run(g, n, &L->gws); /* warm-up: first touch of the floor's buffers */
+    moept__gemm_run(g, n, &L->ws.gws); /* warm-up: first touch of the floor's buffers */
     /* alternate the two so both see the same cache and clock conditions */
     for (int r = 0; r < reps; r++) {
         double t0 = now();
         moept_forward(L, x, T, y);
         moept_backward(L, x, dy, dx);
         double t1 = now();
-        moept__gemm_run(g, n, &L->gws);
+        moept__gemm_run(g, n, &L->ws.gws);
         tm[r] = t1 - t0;
         tf[r] = now() - t1;
     }

@@ -40,8 +40,8 @@ static void write_checkpoint(const cfg *k) {
         moept_st_writer_create(&w);
         char file[64];
         snprintf(file, sizeof file, "model-%05d-of-%05d.safetensors", s + 1, k->S);
-        for (int64_t i = 0; i < L->n_table; i++) {
-            const moept__param *p = &L->table[i];
+        for (int64_t i = 0; i < L->par.n_table; i++) {
+            const moept__param *p = &L->par.table[i];
             int shard = p->expert < 0 ? 0 : (int)(p->expert * k->S / k->E);
             if (shard != s) continue;
             snprintf(name, sizeof name, "model.layers.0.block_sparse_moe.%s", p->name);
@@ -90,8 +90,8 @@ static void rank_main(const void *kv, moept_comm *comm, void *outv) {
         if (s < k->S) { /* keep the slices this rank owns */
             moept_st_file *f;
             moept_st_open(path, &f);
-            for (int64_t i = 0; i < L->n_table; i++) {
-                const moept__param *p = &L->table[i];
+            for (int64_t i = 0; i < L->par.n_table; i++) {
+                const moept__param *p = &L->par.table[i];
                 char name[256];
                 snprintf(name, sizeof name, "model.layers.0.block_sparse_moe.%s", p->name);
                 const moept_st_tensor *t = moept_st_find(f, name);

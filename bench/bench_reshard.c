@@ -35,8 +35,8 @@ static void rank_main(const void *kv, moept_comm *comm, void *outv) {
     double t0 = moept__now();
     float *mine = malloc((size_t)(El * part) * 4), *everything = malloc((size_t)(E * part) * 4);
     for (int64_t q = 0; q < El; q++) { /* pack this rank's experts contiguously to all-gather them */
-        memcpy(mine + q * part, L->w13 + q * L->H * L->D, (size_t)(L->H * L->D) * 4);
-        memcpy(mine + q * part + L->H * L->D, L->w2 + q * L->D * L->F, (size_t)(L->D * L->F) * 4);
+        memcpy(mine + q * part, L->par.w13 + q * L->H * L->D, (size_t)(L->H * L->D) * 4);
+        memcpy(mine + q * part + L->H * L->D, L->par.w2 + q * L->D * L->F, (size_t)(L->D * L->F) * 4);
     }
     comm->allgather(comm, mine, everything, El * part * 4);
     float *newblk = malloc((size_t)(El * part) * 4);

@@ -90,9 +90,9 @@ static int train_rank(moept_comm *c, int r, const char *dir, int64_t steps) {
         return 3;
     }
     for (int64_t i = 0; (steps < 0 || i < steps) && !st; i++) {
-        st = train_step(L, r, L->opt_t + 1);
+        st = train_step(L, r, L->opt.t + 1);
         if (!st) st = moept_save_checkpoint(L, dir);
-        if (!st && r == 0) log_step(dir, L->opt_t);
+        if (!st && r == 0) log_step(dir, L->opt.t);
     }
     if (st) fprintf(stderr, "rank %d: %s\n", r, moept_last_error(L));
     moept_destroy(L);
@@ -131,13 +131,13 @@ static void *verify_main(void *arg) {
     if (!st && (st = moept_load_checkpoint(L, j->dir)))
         snprintf(j->err, sizeof j->err, "the checkpoint does not load: %s", moept_last_error(L));
     if (!st) st = moept_init_params(R, 1);
-    j->step = L ? L->opt_t : -1;
+    j->step = L ? L->opt.t : -1;
     for (int64_t s = 1; s <= j->step && !st; s++)
         if ((st = train_step(R, j->r, s))) snprintf(j->err, sizeof j->err, "replay: %s", moept_last_error(R));
     if (!st) {
-        size_t n = (size_t)L->n_params * sizeof(float);
-        j->same = memcmp(L->params, R->params, n) == 0 && memcmp(L->bias, R->bias, (size_t)L->E * 4) == 0 &&
-                  (j->step == 0 || (memcmp(L->opt_m, R->opt_m, n) == 0 && memcmp(L->opt_v, R->opt_v, n) == 0));
+        size_t n = (size_t)L->par.n_params * sizeof(float);
+        j->same = memcmp(L->par.params, R->par.params, n) == 0 && memcmp(L->par.bias, R->par.bias, (size_t)L->E * 4) == 0 &&
+                  (j->step == 0 || (memcmp(L->opt.m, R->opt.m, n) == 0 && memcmp(L->opt.v, R->opt.v, n) == 0));
     }
     j->rc = st ? 1 : 0;
     moept_destroy(L);

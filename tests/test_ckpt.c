@@ -38,12 +38,12 @@ static void test_hf_round_trip_all_families(void) {
         EXPECT_OK(moept_create(&c, &B));
         if (!A || !B) return;
         moept_init_params(A, 3 + (uint64_t)f);
-        for (int64_t e = 0; e < A->E; e++) A->bias[e] = 0.1f * (float)e;
+        for (int64_t e = 0; e < A->E; e++) A->par.bias[e] = 0.1f * (float)e;
         EXPECT_OK(moept_save_hf(A, "build/ckpt_rt/model.safetensors", 7, 1));
         EXPECT_OK(moept_load_hf(B, "build/ckpt_rt", 7));
-        EXPECT(memcmp(A->params, B->params, (size_t)A->n_params * 4) == 0, "family %d: parameters differ after the round trip", f);
+        EXPECT(memcmp(A->par.params, B->par.params, (size_t)A->par.n_params * 4) == 0, "family %d: parameters differ after the round trip", f);
         if (f == MOEPT_FAMILY_DEEPSEEK_V3)
-            EXPECT(memcmp(A->bias, B->bias, (size_t)A->E * 4) == 0, "correction bias differs after the round trip");
+            EXPECT(memcmp(A->par.bias, B->par.bias, (size_t)A->E * 4) == 0, "correction bias differs after the round trip");
         /* the names on disk are the HF ones */
         moept_st_file *sf;
         EXPECT_OK(moept_st_open("build/ckpt_rt/model.safetensors", &sf));
@@ -102,14 +102,14 @@ static void test_hf_low_precision_round_trip(void) {
             EXPECT_OK(moept_create(&c, &B));
             if (!A || !B) return;
             moept_init_params(A, 11 + (uint64_t)f);
-            for (int64_t i = 0; i < A->n_params; i++) /* representable in the dtype */
-                A->params[i] = k ? moept__half_to_f32(moept__f32_to_half(A->params[i]))
-                                 : moept__bf16_to_f32(moept__f32_to_bf16(A->params[i]));
-            for (int64_t e = 0; e < A->E; e++) A->bias[e] = 0.1f * (float)e + 1e-4f; /* stays F32 */
+            for (int64_t i = 0; i < A->par.n_params; i++) /* representable in the dtype */
+                A->par.params[i] = k ? moept__half_to_f32(moept__f32_to_half(A->par.params[i]))
+                                 : moept__bf16_to_f32(moept__f32_to_bf16(A->par.params[i]));
+            for (int64_t e = 0; e < A->E; e++) A->par.bias[e] = 0.1f * (float)e + 1e-4f; /* stays F32 */
             EXPECT_OK(moept_save_hf_as(A, "build/ckpt_low/model.safetensors", 2, 1, dts[k]));
             EXPECT_OK(moept_load_hf(B, "build/ckpt_low", 2));
-            EXPECT(memcmp(A->params, B->params, (size_t)A->n_params * 4) == 0 &&
-                   (f != MOEPT_FAMILY_DEEPSEEK_V3 || memcmp(A->bias, B->bias, (size_t)A->E * 4) == 0),
+            EXPECT(memcmp(A->par.params, B->par.params, (size_t)A->par.n_params * 4) == 0 &&
+                   (f != MOEPT_FAMILY_DEEPSEEK_V3 || memcmp(A->par.bias, B->par.bias, (size_t)A->E * 4) == 0),
                    "family %d dtype %d: not bitwise after the round trip", f, (int)dts[k]);
             moept_st_file *sf;
             EXPECT_OK(moept_st_open("build/ckpt_low/model.safetensors", &sf));
@@ -136,8 +136,8 @@ static void test_load_failure_leaves_layer_unchanged(void) {
     moept_layer *L;
     EXPECT_OK(moept_create(&c, &L));
     moept_init_params(L, 1);
-    float *before = malloc((size_t)L->n_params * 4);
-    memcpy(before, L->params, (size_t)L->n_params * 4);
+    float *before = malloc((size_t)L->par.n_params * 4);
+    memcpy(before, L->par.params, (size_t)L->par.n_params * 4);
     /* a checkpoint of another family: names do not match */
     moept_config m = fam_cfg(MOEPT_FAMILY_MIXTRAL);
     moept_layer *M;
@@ -147,7 +147,7 @@ static void test_load_failure_leaves_layer_unchanged(void) {
     moept_status st = moept_load_hf(L, "build/ckpt_bad", 0);
     EXPECT(st == MOEPT_ERR_NOT_FOUND, "wrong-family checkpoint: status %d", st);
     EXPECT(strstr(moept_last_error(L), "model.layers.0.mlp.gate.weight") != NULL, "message: %s", moept_last_error(L));
-    EXPECT(memcmp(before, L->params, (size_t)L->n_params * 4) == 0, "a failed load changed the layer");
+    EXPECT(memcmp(before, L->par.params, (size_t)L->par.n_params * 4) == 0, "a failed load changed the layer");
     EXPECT(moept_load_hf(L, "build/no_such_dir", 0) == MOEPT_ERR_IO, "missing directory");
     /* rejected after reading: a NaN in the last expert's weight (HF), a rank
        file missing all but the router (training checkpoint); the bytes read
@@ -155,7 +155,7 @@ static void test_load_failure_leaves_layer_unchanged(void) {
     moept_layer *N;
     EXPECT_OK(moept_create(&c, &N));
     moept_init_params(N, 2);
-    N->w2[N->E * N->D * N->F - 1] = NAN;
+    N->par.w2[N->E * N->D * N->F - 1] = NAN;
     EXPECT_OK(moept_save_hf(N, "build/ckpt_bad/model.safetensors", 0, 1));
     moept_stats s0, s1;
     moept_get_stats(L, &s0, NULL);
@@ -175,7 +175,7 @@ static void test_load_failure_leaves_layer_unchanged(void) {
         moept_st_writer_create(&w);
         const char *keys[3] = {"format", "step", "fingerprint"};
         for (int i = 0; i < 3; i++) moept_st_add_meta(w, keys[i], moept_st_meta(f, keys[i]));
-        moept_st_add(w, "gate.weight", MOEPT_DTYPE_F32, 2, shape, L->w_router);
+        moept_st_add(w, "gate.weight", MOEPT_DTYPE_F32, 2, shape, L->par.w_router);
         moept_st_close(f);
         EXPECT_OK(moept_st_write(w, rank));
         moept_st_writer_destroy(w);
@@ -215,7 +215,7 @@ static void *load_main(void *arg) {
     j->read = st.checkpoint_bytes_read;
     /* the bound: this rank's experts + the router + every file header it
        had to open + the index */
-    int64_t owned = (int64_t)L->n_params * 4; /* router + local experts (no shared expert here) */
+    int64_t owned = (int64_t)L->par.n_params * 4; /* router + local experts (no shared expert here) */
     j->owned = owned;
     int64_t headers = 0;
     struct stat sb;
@@ -516,7 +516,7 @@ static void test_ckpt_payload_verified(void) {
     moept_layer *L;
     EXPECT_OK(moept_create(&c, &L));
     moept_init_params(L, 8);
-    for (int64_t i = 0; i < L->n_params; i++) L->grads[i] = 0.01f * (float)(i % 7);
+    for (int64_t i = 0; i < L->par.n_params; i++) L->par.grads[i] = 0.01f * (float)(i % 7);
     moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     EXPECT_OK(moept_adamw_step(L, &opt)); /* m and v saved too */
     const char *dir = "build/ckpt_verify";
@@ -535,13 +535,13 @@ static void test_ckpt_payload_verified(void) {
     EXPECT(st == MOEPT_ERR_FORMAT && strstr(moept_last_error(L), "checksum") &&
            strstr(moept_last_error(L), "optimizer.v.experts.3.down_proj.weight"), "a flipped bit: %d (%s)", (int)st,
            moept_last_error(L));
-    L->opt_v[5] = -1.0f;
+    L->opt.v[5] = -1.0f;
     EXPECT_OK(moept_save_checkpoint(L, dir));
     st = moept_load_checkpoint(L, dir);
     EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "negative"), "a negative v: %d (%s)", (int)st,
            moept_last_error(L));
-    L->opt_v[5] = 0.0f;
-    L->params[3] = NAN;
+    L->opt.v[5] = 0.0f;
+    L->par.params[3] = NAN;
     EXPECT_OK(moept_save_checkpoint(L, dir));
     st = moept_load_checkpoint(L, dir);
     EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), "not finite"), "a NaN parameter: %d (%s)", (int)st,
@@ -770,14 +770,14 @@ static void *collective_load_main(void *arg) {
     moept_save_checkpoint(L, "build/ckpt_coll");
     moept_zero_grad(L);
     moept_init_params(L, 4); /* what a failed load must leave */
-    float *before = malloc((size_t)L->n_params * 4);
-    memcpy(before, L->params, (size_t)L->n_params * 4);
+    float *before = malloc((size_t)L->par.n_params * 4);
+    memcpy(before, L->par.params, (size_t)L->par.n_params * 4);
     if (j->r == 1) truncate(rank_file("build/ckpt_coll", 1, 2), 100);
     j->st[0] = moept_load_checkpoint(L, "build/ckpt_coll");
     snprintf(j->err[0], sizeof j->err[0], "%s", moept_last_error(L));
     j->st[1] = moept_load_hf(L, j->r ? "build/no_such_hf_dir" : "build/ckpt_coll_hf", 0);
     snprintf(j->err[1], sizeof j->err[1], "%s", moept_last_error(L));
-    j->changed = memcmp(before, L->params, (size_t)L->n_params * 4) != 0;
+    j->changed = memcmp(before, L->par.params, (size_t)L->par.n_params * 4) != 0;
     free(before);
     moept_destroy(L);
     return NULL;
@@ -817,8 +817,8 @@ static void *collective_save_main(void *arg) {
     const char *dir = "build/ckpt_csave";
     moept_init_params(L, 3);
     j->st[0] = moept_save_checkpoint(L, dir);
-    float *saved = malloc((size_t)L->n_params * 4);
-    memcpy(saved, L->params, (size_t)L->n_params * 4);
+    float *saved = malloc((size_t)L->par.n_params * 4);
+    memcpy(saved, L->par.params, (size_t)L->par.n_params * 4);
     moept_init_params(L, 4);
     char *too_long = calloc(3002, 1);
     memset(too_long, 'd', 3001);
@@ -826,7 +826,7 @@ static void *collective_save_main(void *arg) {
     free(too_long);
     snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
     j->st[2] = moept_load_checkpoint(L, dir);
-    j->same = memcmp(saved, L->params, (size_t)L->n_params * 4) == 0;
+    j->same = memcmp(saved, L->par.params, (size_t)L->par.n_params * 4) == 0;
     free(saved);
     moept_destroy(L);
     return NULL;
@@ -888,10 +888,10 @@ static void test_checkpoint_across_ep_sizes(void) {
         /* EP=P -> 1 and EP=P -> Q -> 1 hold the same state, bit for bit */
         moept_layer *A = load_one(dp), *B = load_one(dq);
         if (A && B) {
-            EXPECT(memcmp(A->params, B->params, (size_t)A->n_params * 4) == 0, "EP=%d -> %d: parameters differ", P, Q);
-            EXPECT(memcmp(A->bias, B->bias, (size_t)A->E * 4) == 0, "EP=%d -> %d: correction bias differs", P, Q);
-            EXPECT(A->opt_t == 3 && B->opt_t == 3, "step not restored (%lld, %lld)", (long long)A->opt_t, (long long)B->opt_t);
-            EXPECT(A->opt_m && B->opt_m && memcmp(A->opt_m, B->opt_m, (size_t)(2 * A->n_params) * 4) == 0,
+            EXPECT(memcmp(A->par.params, B->par.params, (size_t)A->par.n_params * 4) == 0, "EP=%d -> %d: parameters differ", P, Q);
+            EXPECT(memcmp(A->par.bias, B->par.bias, (size_t)A->E * 4) == 0, "EP=%d -> %d: correction bias differs", P, Q);
+            EXPECT(A->opt.t == 3 && B->opt.t == 3, "step not restored (%lld, %lld)", (long long)A->opt.t, (long long)B->opt.t);
+            EXPECT(A->opt.m && B->opt.m && memcmp(A->opt.m, B->opt.m, (size_t)(2 * A->par.n_params) * 4) == 0,
                    "EP=%d -> %d: optimizer state differs", P, Q);
         }
         moept_destroy(A);
@@ -904,17 +904,17 @@ static void test_adamw_matches_formula(void) {
     moept_layer *L;
     EXPECT_OK(moept_create(&c, &L));
     moept_init_params(L, 2);
-    double p = L->params[5], m = 0, v = 0;
+    double p = L->par.params[5], m = 0, v = 0;
     moept_adamw opt = {0.01f, 0.9f, 0.999f, 1e-8f, 0.1f};
     for (int t = 1; t <= 3; t++) {
         float g = 0.3f * (float)t - 0.5f;
-        L->grads[5] = g;
+        L->par.grads[5] = g;
         EXPECT_OK(moept_adamw_step(L, &opt));
         p *= 1 - 0.01 * 0.1;
         m = 0.9 * m + 0.1 * g;
         v = 0.999 * v + 0.001 * (double)g * g;
         p -= 0.01 / (1 - pow(0.9, t)) * m / (sqrt(v) / sqrt(1 - pow(0.999, t)) + 1e-8);
-        EXPECT(fabs(L->params[5] - p) < 1e-6, "step %d: %.9g vs torch.optim.AdamW's %.9g", t, L->params[5], p);
+        EXPECT(fabs(L->par.params[5] - p) < 1e-6, "step %d: %.9g vs torch.optim.AdamW's %.9g", t, L->par.params[5], p);
     }
     moept_destroy(L);
 }
@@ -1189,15 +1189,15 @@ static void test_inference_layer_checkpoints(void) {
     EXPECT_OK(moept_load_checkpoint(Li, "build/ckpt_infer_a"));
     moept_stats st;
     moept_get_stats(Li, &st, NULL);
-    EXPECT(Li->opt_m == NULL && st.allocations == Li->mem.allocations, "the inference layer took optimizer state");
+    EXPECT(Li->opt.m == NULL && st.allocations == Li->mem.allocations, "the inference layer took optimizer state");
     EXPECT_OK(moept_forward(Lt, x, 8, y));
     EXPECT_OK(moept_forward(Li, x, 8, yi));
     EXPECT(!memcmp(y, yi, sizeof y), "the inference layer's y differs from the trained layer's");
     EXPECT_OK(moept_save_checkpoint(Li, "build/ckpt_infer_b"));
     EXPECT_OK(moept_load_checkpoint(L2, "build/ckpt_infer_b"));
-    EXPECT(!memcmp(L2->params, Lt->params, (size_t)Lt->n_params * 4) && !memcmp(L2->bias, Lt->bias, 8 * 4),
+    EXPECT(!memcmp(L2->par.params, Lt->par.params, (size_t)Lt->par.n_params * 4) && !memcmp(L2->par.bias, Lt->par.bias, 8 * 4),
            "parameters through the inference layer's checkpoint differ");
-    EXPECT(L2->opt_t == 0 && L2->opt_m == NULL, "the inference layer's checkpoint carried optimizer state");
+    EXPECT(L2->opt.t == 0 && L2->opt.m == NULL, "the inference layer's checkpoint carried optimizer state");
     moept_destroy(Lt); moept_destroy(Li); moept_destroy(L2);
 }
 

@@ -41,9 +41,9 @@ static int64_t off_of(const world *w, int r) {
 
 static void setup_params(moept_layer *L, const world *w) {
     moept_init_params(L, 5); /* by name: the same values on every layout */
-    for (int64_t d = 0; d < L->D; d++) L->w_router[(int64_t)w->hot * L->D + d] += w->skew;
+    for (int64_t d = 0; d < L->D; d++) L->par.w_router[(int64_t)w->hot * L->D + d] += w->skew;
     if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
-        for (int64_t e = 0; e < L->E; e++) L->bias[e] = 0.01f * (float)(e % 3);
+        for (int64_t e = 0; e < L->E; e++) L->par.bias[e] = 0.01f * (float)(e % 3);
 }
 
 /* An inference layer's training calls: each refuses (MOEPT_ERR_STATE,
@@ -104,8 +104,8 @@ static void *rank_main(void *arg) {
     moept_get_stats(L, &s1, NULL);
     w->allocs[r] = w->steps > 1 ? s1.allocations - s0.allocations : 0;
     if (w->st[r]) snprintf(w->err[r], sizeof w->err[r], "%s", moept_last_error(L));
-    w->grads[r] = calloc((size_t)L->n_params, 4);
-    if (L->grads) memcpy(w->grads[r], L->grads, (size_t)L->n_params * 4);
+    w->grads[r] = calloc((size_t)L->par.n_params, 4);
+    if (L->par.grads) memcpy(w->grads[r], L->par.grads, (size_t)L->par.n_params * 4);
     moept_destroy(L);
     return NULL;
 }
@@ -171,7 +171,7 @@ static void compare_world(world *w, const char *what, double tol) {
     c.max_tokens = 1;
     moept_create(&c, &L1);
     int64_t nr = L1->E * L1->D, El = L1->E / w->P, per = (L1->H + L1->F) * L1->D;
-    int64_t nexp = El * per, nsh = L1->n_params - nr - L1->E * per;
+    int64_t nexp = El * per, nsh = L1->par.n_params - nr - L1->E * per;
     for (int r = 0; r < w->P * w->DP; r++) {
         int er = r % w->P;
         const float *g = w->grads[r], *g1 = one->grads[0];
@@ -480,7 +480,7 @@ static void *bias_main(void *arg) {
         if (!j->st) j->st = moept_update_bias(L, 0.01f);
         if (!j->st && it == 2) j->st = moept_update_bias(L, 0.01f); /* twice after one forward */
     }
-    memcpy(j->bias, L->bias, sizeof j->bias);
+    memcpy(j->bias, L->par.bias, sizeof j->bias);
     moept_destroy(L);
     return NULL;
 }
@@ -540,7 +540,7 @@ static void *agree_main(void *arg) {
     g0 = malloc((size_t)n * sizeof(float));
     memcpy(g0, g, (size_t)n * sizeof(float));
     float b0[8];
-    memcpy(b0, L->bias, sizeof b0);
+    memcpy(b0, L->par.bias, sizeof b0);
     double norm;
     int bad = j->r == 1;
     j->st[0] = moept_sync_grads(L, bad ? NAN : 1.0f);
@@ -550,15 +550,15 @@ static void *agree_main(void *arg) {
     j->st[2] = moept_update_bias(L, bad ? -1.0f : 0.01f);
     snprintf(j->err[2], MOEPT__ERRLEN, "%s", moept_last_error(L));
     moept_grads(L, &g, &n);
-    j->same = memcmp(g, g0, (size_t)n * sizeof(float)) == 0 && memcmp(L->bias, b0, sizeof b0) == 0;
+    j->same = memcmp(g, g0, (size_t)n * sizeof(float)) == 0 && memcmp(L->par.bias, b0, sizeof b0) == 0;
     float *p0 = malloc((size_t)n * sizeof(float));
-    memcpy(p0, L->params, (size_t)n * sizeof(float));
+    memcpy(p0, L->par.params, (size_t)n * sizeof(float));
     moept_adamw opt = {1e-2f, 0, 0, 0, 0};
     if (bad) g[n - 1] = NAN; /* this rank's own: the others' gradients are fine */
     j->st[3] = moept_adamw_step(L, &opt);
     snprintf(j->err[3], MOEPT__ERRLEN, "%s", moept_last_error(L));
     g[n - 1] = g0[n - 1];
-    j->params_same = memcmp(L->params, p0, (size_t)n * sizeof(float)) == 0 && L->opt_t == 0;
+    j->params_same = memcmp(L->par.params, p0, (size_t)n * sizeof(float)) == 0 && L->opt.t == 0;
     j->ok[3] = moept_adamw_step(L, &opt);
     free(p0);
     j->ok[0] = moept_sync_grads(L, 1.0f);
@@ -797,8 +797,8 @@ typedef struct rsj {
 
 static void expert_copy(moept_layer *L, const float *base, int64_t j, float *dst) {
     int64_t h = L->H * L->D;
-    memcpy(dst, base + (L->w13 - L->params) + j * h, (size_t)h * 4);
-    memcpy(dst + h, base + (L->w2 - L->params) + j * L->D * L->F, (size_t)(L->D * L->F) * 4);
+    memcpy(dst, base + (L->par.w13 - L->par.params) + j * h, (size_t)h * 4);
+    memcpy(dst + h, base + (L->par.w2 - L->par.params) + j * L->D * L->F, (size_t)(L->D * L->F) * 4);
 }
 
 static void *reshard_main(void *arg) {
@@ -828,9 +828,9 @@ static void *reshard_main(void *arg) {
     if (!j->st) j->st = moept_forward(L, x, 16, j->y0);
     int64_t part = L->H * L->D + L->D * L->F;
     for (int64_t k = 0; k < L->El; k++) {
-        int64_t e = L->expert_at[j->r * L->El + k];
-        expert_copy(L, L->params, k, j->before + e * part);
-        expert_copy(L, L->opt_m, k, j->mbefore + e * part);
+        int64_t e = L->plan.expert_at[j->r * L->El + k];
+        expert_copy(L, L->par.params, k, j->before + e * part);
+        expert_copy(L, L->opt.m, k, j->mbefore + e * part);
     }
     /* an unbalanced placement and one that differs between ranks: refused everywhere, nothing moves */
     int32_t bad[RS_E] = {0, 0, 0, 1, 1, 2, 2, 3};
@@ -848,10 +848,10 @@ static void *reshard_main(void *arg) {
     j->ok_after = !j->st;
     float *tmp = malloc((size_t)part * 4);
     for (int64_t k = 0; k < L->El && j->ok_after; k++) {
-        int64_t e = L->expert_at[j->r * L->El + k];
-        expert_copy(L, L->params, k, tmp);
+        int64_t e = L->plan.expert_at[j->r * L->El + k];
+        expert_copy(L, L->par.params, k, tmp);
         j->ok_after &= memcmp(tmp, j->before + e * part, (size_t)part * 4) == 0;
-        expert_copy(L, L->opt_m, k, tmp);
+        expert_copy(L, L->opt.m, k, tmp);
         j->ok_after &= memcmp(tmp, j->mbefore + e * part, (size_t)part * 4) == 0;
         char name[64];
         snprintf(name, sizeof name, "experts.%lld.gate_proj.weight", (long long)e);
@@ -863,11 +863,11 @@ static void *reshard_main(void *arg) {
     if (!j->st) j->st = moept_forward(L, x, 16, j->y2);
     j->ok_after2 = !j->st;
     for (int64_t k = 0; k < L->El && j->ok_after2; k++) {
-        int64_t e = L->expert_at[j->r * L->El + k];
+        int64_t e = L->plan.expert_at[j->r * L->El + k];
         j->ok_after2 &= second[e] == j->r;
-        expert_copy(L, L->params, k, tmp);
+        expert_copy(L, L->par.params, k, tmp);
         j->ok_after2 &= memcmp(tmp, j->before + e * part, (size_t)part * 4) == 0;
-        expert_copy(L, L->opt_v, k, tmp);
+        expert_copy(L, L->opt.v, k, tmp);
         j->ok_after2 &= isfinite(tmp[0]);
     }
     free(tmp);

@@ -82,26 +82,26 @@ static void test_invalid_config_fields(void) {
 typedef struct snap { float *params; moept_stats st; float *logits, *w; int32_t *ids; int64_t T; } snap;
 static snap take(moept_layer *L) {
     snap s;
-    size_t pb = (size_t)(2 * L->n_params + L->E) * 4;
+    size_t pb = (size_t)(2 * L->par.n_params + L->E) * 4;
     s.params = malloc(pb);
-    memcpy(s.params, L->params, pb);
+    memcpy(s.params, L->par.params, pb);
     moept_get_stats(L, &s.st, NULL);
-    s.T = L->T;
+    s.T = L->fwd.T;
     s.logits = malloc((size_t)(L->Tmax * L->E) * 4);
     s.w = malloc((size_t)(L->Tmax * L->K) * 4);
     s.ids = malloc((size_t)(L->Tmax * L->K) * 4);
     const int32_t *ids; const float *w, *lg;
     if (moept_routing(L, &ids, &w, &lg) == MOEPT_OK) {
-        memcpy(s.logits, lg, (size_t)(L->T * L->E) * 4);
-        memcpy(s.w, w, (size_t)(L->T * L->K) * 4);
-        memcpy(s.ids, ids, (size_t)(L->T * L->K) * 4);
+        memcpy(s.logits, lg, (size_t)(L->fwd.T * L->E) * 4);
+        memcpy(s.w, w, (size_t)(L->fwd.T * L->K) * 4);
+        memcpy(s.ids, ids, (size_t)(L->fwd.T * L->K) * 4);
     }
     return s;
 }
 static int same(moept_layer *L, snap *a) {
     snap b = take(L);
     int64_t T = a->T > 0 ? a->T : 0;
-    int ok = memcmp(a->params, b.params, (size_t)(2 * L->n_params + L->E) * 4) == 0 &&
+    int ok = memcmp(a->params, b.params, (size_t)(2 * L->par.n_params + L->E) * 4) == 0 &&
              memcmp(&a->st, &b.st, sizeof a->st) == 0 && a->T == b.T &&
              memcmp(a->logits, b.logits, (size_t)(T * L->E) * 4) == 0 &&
              memcmp(a->w, b.w, (size_t)(T * L->K) * 4) == 0 &&
@@ -130,7 +130,7 @@ static void test_nonfinite_input_leaves_layer_unchanged(void) {
         if (kind == 0) bad[37] = NAN;
         if (kind == 1) bad[5] = -INFINITY;
         if (kind == 2) /* finite x aligned with expert 0's router row: its logit overflows */
-            for (int i = 0; i < 128; i++) bad[i] = L->w_router[i % 8] >= 0 ? 3e38f : -3e38f;
+            for (int i = 0; i < 128; i++) bad[i] = L->par.w_router[i % 8] >= 0 ? 3e38f : -3e38f;
         memcpy(y2, y, sizeof y);
         moept_status st = moept_forward(L, bad, 12, y2);
         EXPECT(st == MOEPT_ERR_NUMERIC, "non-finite input kind %d: status %d", kind, st);
@@ -140,12 +140,12 @@ static void test_nonfinite_input_leaves_layer_unchanged(void) {
     }
     /* the earlier forward is still the one backward differentiates */
     EXPECT_OK(moept_backward(L, x, dy, dx1));
-    float *g1 = malloc((size_t)L->n_params * 4);
-    memcpy(g1, L->grads, (size_t)L->n_params * 4);
+    float *g1 = malloc((size_t)L->par.n_params * 4);
+    memcpy(g1, L->par.grads, (size_t)L->par.n_params * 4);
     moept_zero_grad(L);
     EXPECT_OK(moept_forward(L, x, 10, y2));
     EXPECT_OK(moept_backward(L, x, dy, dx2));
-    EXPECT(memcmp(g1, L->grads, (size_t)L->n_params * 4) == 0, "gradients after a rejected step differ");
+    EXPECT(memcmp(g1, L->par.grads, (size_t)L->par.n_params * 4) == 0, "gradients after a rejected step differ");
     EXPECT(memcmp(dx1, dx2, (size_t)(10 * 8) * 4) == 0, "dx after a rejected step differs");
     /* a second backward of one forward: rejected (its saved rows are consumed), nothing changes */
     snap s3 = take(L);
@@ -224,8 +224,8 @@ static void test_aliasing(void) {
     tu_fill(dy, N, 1.0, &s);
     EXPECT_OK(moept_forward(L, x, T, y));
     EXPECT_OK(moept_backward(L, x, dy, dx));
-    float *g0 = malloc((size_t)L->n_params * 4);
-    memcpy(g0, L->grads, (size_t)L->n_params * 4);
+    float *g0 = malloc((size_t)L->par.n_params * 4);
+    memcpy(g0, L->par.grads, (size_t)L->par.n_params * 4);
     memcpy(b, x, sizeof b);
     moept_zero_grad(L);
     EXPECT_OK(moept_forward(L, b, T, b));
@@ -233,7 +233,7 @@ static void test_aliasing(void) {
     EXPECT_OK(moept_forward(L, x, T, y));
     memcpy(b, dy, sizeof b);
     EXPECT_OK(moept_backward(L, x, b, b));
-    EXPECT(memcmp(b, dx, sizeof b) == 0 && memcmp(g0, L->grads, (size_t)L->n_params * 4) == 0, "dx over dy differs");
+    EXPECT(memcmp(b, dx, sizeof b) == 0 && memcmp(g0, L->par.grads, (size_t)L->par.n_params * 4) == 0, "dx over dy differs");
     moept_zero_grad(L);
     EXPECT_OK(moept_forward(L, x, T, y));
     snap before = take(L);
@@ -244,7 +244,7 @@ static void test_aliasing(void) {
            (int)st, moept_last_error(L));
     EXPECT(same(L, &before), "the rejected backward changed the layer");
     EXPECT_OK(moept_backward(L, x, dy, dx));
-    EXPECT(memcmp(g0, L->grads, (size_t)L->n_params * 4) == 0, "gradients after the rejected backward differ");
+    EXPECT(memcmp(g0, L->par.grads, (size_t)L->par.n_params * 4) == 0, "gradients after the rejected backward differ");
     drop(&before);
     free(g0);
     moept_destroy(L);
@@ -470,7 +470,7 @@ static void test_one_error_channel(void) {
         EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(L), "lr"), "lr %g: status %d (%s)",
                (double)lrs[i], (int)st, moept_last_error(L));
     }
-    EXPECT(same(L, &s) && L->opt_m == NULL, "a refused AdamW step changed the layer");
+    EXPECT(same(L, &s) && L->opt.m == NULL, "a refused AdamW step changed the layer");
     moept_adamw o = {1e-3f, 0, 0, 0, 0};
     EXPECT_OK(moept_adamw_step(L, &o));
     EXPECT(!same(L, &s), "lr 1e-3 trained nothing");

@@ -65,7 +65,7 @@ static void *run(void *arg) {
         free(yi);
         double e = tu_maxrelerr(j->y[1], j->y[0], T * D), e2 = tu_maxrelerr(j->dx[1], j->dx[0], T * D);
         e = e2 > e ? e2 : e;
-        e2 = tu_maxrelerr(j->fs->grads, j->ep->grads, j->ep->E * j->ep->D); /* router */
+        e2 = tu_maxrelerr(j->fs->par.grads, j->ep->par.grads, j->ep->E * j->ep->D); /* router */
         e = e2 > e ? e2 : e;
         moept_stats se, sf;
         moept_get_stats(j->ep, &se, NULL);
@@ -74,7 +74,7 @@ static void *run(void *arg) {
         e = e2 > e ? e2 : e;
         j->worst = e > j->worst ? e : j->worst;
         /* bytes: two all-gathers and one reduce-scatter of the shard */
-        int64_t P = j->comm->size, want = 3 * (P - 1) * j->fs->fs_shard * 4;
+        int64_t P = j->comm->size, want = 3 * (P - 1) * j->fs->fs.shard * 4;
         if (sf.bytes_sent != want || sf.bytes_received != want)
             snprintf(j->why, sizeof j->why, "fsdp counted %lld/%lld bytes, expected %lld", (long long)sf.bytes_sent,
                      (long long)sf.bytes_received, (long long)want);
@@ -118,19 +118,19 @@ static void test_case(void) {
     /* every expert's gradient: the EP owners' against the gathered shards */
     moept_layer *L0 = jobs[0].fs;
     if (L0 && !tu_bad) {
-        const int64_t E = L0->E, H = L0->H, D = L0->D, F = L0->F, El = E / g_P, total = L0->fs_total;
-        float *ep = calloc((size_t)total, 4), *fs = calloc((size_t)(g_P * L0->fs_shard), 4);
+        const int64_t E = L0->E, H = L0->H, D = L0->D, F = L0->F, El = E / g_P, total = L0->fs.total;
+        float *ep = calloc((size_t)total, 4), *fs = calloc((size_t)(g_P * L0->fs.shard), 4);
         for (int r = 0; r < g_P; r++) {
             moept_layer *A = jobs[r].ep, *B = jobs[r].fs;
             for (int64_t jl = 0; jl < El; jl++) {
                 int64_t e = r * El + jl;
-                memcpy(ep + e * H * D, A->g13 + jl * H * D, (size_t)(H * D) * 4);
-                memcpy(ep + E * H * D + e * D * F, A->g2 + jl * D * F, (size_t)(D * F) * 4);
+                memcpy(ep + e * H * D, A->par.g13 + jl * H * D, (size_t)(H * D) * 4);
+                memcpy(ep + E * H * D + e * D * F, A->par.g2 + jl * D * F, (size_t)(D * F) * 4);
             }
             int64_t off, cnt, tot;
             EXPECT_OK(moept_fsdp_shard(B, &off, &cnt, &tot));
-            EXPECT(tot == total && off == r * B->fs_shard, "shard %d: offset %lld", r, (long long)off);
-            memcpy(fs + off, B->grads + E * D, (size_t)cnt * 4);
+            EXPECT(tot == total && off == r * B->fs.shard, "shard %d: offset %lld", r, (long long)off);
+            memcpy(fs + off, B->par.grads + E * D, (size_t)cnt * 4);
             /* the shard holds this rank's part of every expert: names map through shard_offset */
             moept_param_info pi;
             moept_param_info_at(B, 1, &pi);

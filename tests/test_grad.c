@@ -22,8 +22,8 @@ static double objective(moept_layer *L, const float *x, int64_t T, const float *
     if (moept_forward_ex(L, x, T, y, &fo) != MOEPT_OK) return NAN;
     double o = 0.0;
     for (int64_t i = 0; i < T * L->D; i++) o += (double)y[i] * gy[i];
-    o += (double)L->cfg.aux_loss_coef * L->aux_value + (double)L->cfg.z_loss_coef * L->z_value;
-    memcpy(ids, L->ids[L->cur], (size_t)(T * L->K) * sizeof(int32_t));
+    o += (double)L->cfg.aux_loss_coef * L->fwd.aux_value + (double)L->cfg.z_loss_coef * L->fwd.z_value;
+    memcpy(ids, L->fwd.ids[L->fwd.cur], (size_t)(T * L->K) * sizeof(int32_t));
     return o;
 }
 
@@ -77,11 +77,11 @@ static double dircheck(moept_layer *L, float *x, int64_t T, const float *gy, flo
 
 static int groups_of_type(moept_layer *L, moept__ptype t, float **p, float **g, int64_t *n) {
     int k = 0;
-    for (int64_t i = 0; i < L->n_table; i++)
-        if (L->table[i].type == t && k < 64) {
-            p[k] = L->table[i].data;
-            g[k] = L->table[i].grad;
-            n[k] = L->table[i].rows * L->table[i].cols;
+    for (int64_t i = 0; i < L->par.n_table; i++)
+        if (L->par.table[i].type == t && k < 64) {
+            p[k] = L->par.table[i].data;
+            g[k] = L->par.table[i].grad;
+            n[k] = L->par.table[i].rows * L->par.table[i].cols;
             k++;
         }
     return k;
@@ -96,9 +96,9 @@ static void run_gcase(const gcase *gc) {
     unsigned long long seed = 1234;
     moept_init_params(L, 7);
     /* a sharper router so routing is decisive, experts strong enough to matter */
-    for (int64_t i = 0; i < L->E * L->D; i++) L->w_router[i] *= 3.0f;
+    for (int64_t i = 0; i < L->E * L->D; i++) L->par.w_router[i] *= 3.0f;
     if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
-        for (int64_t e = 0; e < L->E; e++) L->bias[e] = 0.05f * (float)tu_rand(&seed);
+        for (int64_t e = 0; e < L->E; e++) L->par.bias[e] = 0.05f * (float)tu_rand(&seed);
     const int64_t T = gc->T, D = L->D;
     float *x = malloc((size_t)(T * D) * sizeof(float)), *gy = calloc((size_t)(T * D), sizeof(float));
     float *y = malloc((size_t)(T * D) * sizeof(float)), *dx = malloc((size_t)(T * D) * sizeof(float));
@@ -113,9 +113,9 @@ static void run_gcase(const gcase *gc) {
     EXPECT(isfinite(base), "%s: forward failed: %s", gc->name, moept_last_error(L));
     EXPECT_OK(moept_backward(L, x, gy, dx));
     /* freeze the analytic gradients before the perturbed forwards */
-    L->jitter_frozen = 1; /* router jitter: every perturbed forward draws this step's noise */
-    float *gcopy = malloc((size_t)L->n_params * sizeof(float));
-    memcpy(gcopy, L->grads, (size_t)L->n_params * sizeof(float));
+    L->fwd.jitter_frozen = 1; /* router jitter: every perturbed forward draws this step's noise */
+    float *gcopy = malloc((size_t)L->par.n_params * sizeof(float));
+    memcpy(gcopy, L->par.grads, (size_t)L->par.n_params * sizeof(float));
     static const moept__ptype types[] = {MOEPT__P_ROUTER, MOEPT__P_GATE, MOEPT__P_UP, MOEPT__P_DOWN,
                                          MOEPT__P_SGATE_PROJ, MOEPT__P_SUP, MOEPT__P_SDOWN, MOEPT__P_SGATE};
     static const char *tnames[] = {"router", "experts.gate", "experts.up", "experts.down",
@@ -125,7 +125,7 @@ static void run_gcase(const gcase *gc) {
         int64_t n[64];
         int k = groups_of_type(L, types[ti], p, g, n);
         if (k == 0) continue;
-        for (int i = 0; i < k; i++) g[i] = gcopy + (g[i] - L->grads);
+        for (int i = 0; i < k; i++) g[i] = gcopy + (g[i] - L->par.grads);
         double rel = dircheck(L, x, T, gy, p, n, k, g, &seed, ids0);
         int expect_zero = gc->zero_dy && types[ti] != MOEPT__P_ROUTER;
         if (expect_zero) {

@@ -12,7 +12,7 @@ static moept_layer *make(moept_config c, uint64_t seed) {
         return NULL;
     }
     moept_init_params(L, seed);
-    for (int64_t i = 0; i < L->E * L->D; i++) L->w_router[i] *= 3.0f;
+    for (int64_t i = 0; i < L->E * L->D; i++) L->par.w_router[i] *= 3.0f;
     return L;
 }
 
@@ -54,8 +54,8 @@ static void ref_ffn(const moept_layer *L, const float *x, const float *w13, cons
 
 static double ref_forward_err(const moept_layer *L, const float *x, int64_t T, const float *y) {
     const int64_t D = L->D, K = L->K;
-    const int32_t *ids = L->ids[L->cur];
-    const float *w = L->wts[L->cur];
+    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+    const float *w = L->fwd.wts[L->fwd.cur];
     double *o = malloc((size_t)D * sizeof(double)), *acc = malloc((size_t)D * sizeof(double));
     int64_t *seen = calloc((size_t)L->E, sizeof(int64_t));
     int64_t cap = L->stats.capacity;
@@ -63,11 +63,11 @@ static double ref_forward_err(const moept_layer *L, const float *x, int64_t T, c
     for (int64_t t = 0; t < T; t++) {
         for (int64_t d = 0; d < D; d++) acc[d] = 0;
         if (L->S > 0) {
-            ref_ffn(L, x + t * D, L->ws13, L->ws2, L->HS, L->S, o);
+            ref_ffn(L, x + t * D, L->par.ws13, L->par.ws2, L->HS, L->S, o);
             double gs = 1;
-            if (L->wsg) {
+            if (L->par.wsg) {
                 double z = 0;
-                for (int64_t d = 0; d < D; d++) z += (double)L->wsg[d] * x[t * D + d];
+                for (int64_t d = 0; d < D; d++) z += (double)L->par.wsg[d] * x[t * D + d];
                 gs = 1 / (1 + exp(-z));
             }
             for (int64_t d = 0; d < D; d++) acc[d] += gs * o[d];
@@ -75,7 +75,7 @@ static double ref_forward_err(const moept_layer *L, const float *x, int64_t T, c
         for (int64_t k = 0; k < K; k++) {
             int64_t e = ids[t * K + k];
             if (cap >= 0 && seen[e]++ >= cap) continue; /* dropped by position */
-            ref_ffn(L, x + t * D, L->w13 + e * L->H * D, L->w2 + e * D * L->F, L->H, L->F, o);
+            ref_ffn(L, x + t * D, L->par.w13 + e * L->H * D, L->par.w2 + e * D * L->F, L->H, L->F, o);
             for (int64_t d = 0; d < D; d++) acc[d] += w[t * K + k] * o[d];
         }
         for (int64_t d = 0; d < D; d++) {
@@ -103,10 +103,10 @@ static void test_dropless_plan(void) {
     EXPECT(st.routed_rows == 150 && st.dropped_rows == 0, "routed %lld dropped %lld", (long long)st.routed_rows, (long long)st.dropped_rows);
     /* stable: rows of each expert in increasing token order, each row's token routed there */
     for (int e = 0; e < 8; e++)
-        for (int64_t r = L->offsets[e]; r < L->offsets[e + 1]; r++) {
-            if (r > L->offsets[e]) EXPECT(L->tok_of_row[r] > L->tok_of_row[r - 1], "expert %d rows out of token order", e);
-            int64_t t = L->tok_of_row[r], hit = 0;
-            for (int k = 0; k < 3; k++) hit |= L->ids[L->cur][t * 3 + k] == e && L->row_of[t * 3 + k] == r;
+        for (int64_t r = L->plan.offsets[e]; r < L->plan.offsets[e + 1]; r++) {
+            if (r > L->plan.offsets[e]) EXPECT(L->plan.tok_of_row[r] > L->plan.tok_of_row[r - 1], "expert %d rows out of token order", e);
+            int64_t t = L->plan.tok_of_row[r], hit = 0;
+            for (int k = 0; k < 3; k++) hit |= L->fwd.ids[L->fwd.cur][t * 3 + k] == e && L->plan.row_of[t * 3 + k] == r;
             EXPECT(hit, "row %lld not owned by token %lld", (long long)r, (long long)t);
         }
     double err = ref_forward_err(L, x, 50, y);
@@ -120,7 +120,7 @@ static void test_capacity(void) {
     moept_layer *L = make(c, 9);
     if (!L) return;
     /* skew the router so some experts overflow */
-    for (int64_t d = 0; d < L->D; d++) L->w_router[d] += 0.8f;
+    for (int64_t d = 0; d < L->D; d++) L->par.w_router[d] += 0.8f;
     unsigned long long s = 11;
     float x[40 * 12], y[40 * 12];
     tu_fill(x, 40 * 12, 1.0, &s);
@@ -132,8 +132,8 @@ static void test_capacity(void) {
     EXPECT(st.capacity == cap, "capacity %lld != %lld", (long long)st.capacity, (long long)cap);
     int64_t kept = 0;
     for (int e = 0; e < 4; e++) {
-        EXPECT(L->counts[e] <= cap, "expert %d keeps %lld > capacity %lld", e, (long long)L->counts[e], (long long)cap);
-        kept += L->counts[e];
+        EXPECT(L->plan.counts[e] <= cap, "expert %d keeps %lld > capacity %lld", e, (long long)L->plan.counts[e], (long long)cap);
+        kept += L->plan.counts[e];
     }
     EXPECT(st.dropped_rows > 0, "the skewed router should overflow an expert");
     EXPECT(st.dropped_rows == 80 - kept, "dropped %lld != T*K - kept", (long long)st.dropped_rows);
@@ -141,8 +141,8 @@ static void test_capacity(void) {
     for (int e = 0; e < 4; e++) {
         int64_t last_kept = -1, first_drop = 1 << 30;
         for (int64_t i = 0; i < 80; i++) {
-            if (L->ids[L->cur][i] != e) continue;
-            if (L->row_of[i] >= 0) last_kept = i; else if (i < first_drop) first_drop = i;
+            if (L->fwd.ids[L->fwd.cur][i] != e) continue;
+            if (L->plan.row_of[i] >= 0) last_kept = i; else if (i < first_drop) first_drop = i;
         }
         EXPECT(last_kept < first_drop, "expert %d kept a later token than one it dropped", e);
     }
@@ -185,12 +185,12 @@ static void test_k_equals_e_is_dense(void) {
         double lg[5], m = -1e300, z = 0, acc[10] = {0};
         for (int e = 0; e < 5; e++) {
             lg[e] = 0;
-            for (int d = 0; d < 10; d++) lg[e] += (double)L->w_router[e * 10 + d] * x[t * 10 + d];
+            for (int d = 0; d < 10; d++) lg[e] += (double)L->par.w_router[e * 10 + d] * x[t * 10 + d];
             m = fmax(m, lg[e]);
         }
         for (int e = 0; e < 5; e++) z += exp(lg[e] - m);
         for (int e = 0; e < 5; e++) {
-            ref_ffn(L, x + t * 10, L->w13 + e * L->H * 10, L->w2 + e * 10 * 8, L->H, 8, o);
+            ref_ffn(L, x + t * 10, L->par.w13 + e * L->H * 10, L->par.w2 + e * 10 * 8, L->H, 8, o);
             for (int d = 0; d < 10; d++) acc[d] += exp(lg[e] - m) / z * o[d];
         }
         for (int d = 0; d < 10; d++) { num += (y[t * 10 + d] - acc[d]) * (y[t * 10 + d] - acc[d]); den += acc[d] * acc[d]; }
@@ -212,7 +212,7 @@ static void test_zero_aux_coef_no_gradient(void) {
         EXPECT_OK(moept_forward(L, x, 10, y));
         EXPECT_OK(moept_backward(L, x, dy, dx));
         double g = 0;
-        for (int64_t i = 0; i < L->n_params; i++) g += fabs(L->grads[i]);
+        for (int64_t i = 0; i < L->par.n_params; i++) g += fabs(L->par.grads[i]);
         for (int i = 0; i < 80; i++) g += fabs(dx[i]);
         if (coef) EXPECT(g > 0, "aux coefficient 0.1 gave no gradient");
         else EXPECT(g == 0, "aux coefficient 0 gave gradient %g", g);
@@ -244,15 +244,15 @@ static void test_ties_lower_index(void) {
         if (f) { c.n_group = 4; c.topk_group = 2; }
         moept_layer *L = make(c, 2);
         if (!L) return;
-        memset(L->w_router, 0, (size_t)(8 * 8) * sizeof(float)); /* all logits equal */
+        memset(L->par.w_router, 0, (size_t)(8 * 8) * sizeof(float)); /* all logits equal */
         float x[32], y[32];
         unsigned long long s = 1;
         tu_fill(x, 32, 1.0, &s);
         EXPECT_OK(moept_forward(L, x, 4, y));
         for (int t = 0; t < 4; t++)
             for (int k = 0; k < 3; k++)
-                EXPECT(L->ids[L->cur][t * 3 + k] == k, "family %d token %d slot %d: expert %d, ties must go to the lower index",
-                       f, t, k, L->ids[L->cur][t * 3 + k]);
+                EXPECT(L->fwd.ids[L->fwd.cur][t * 3 + k] == k, "family %d token %d slot %d: expert %d, ties must go to the lower index",
+                       f, t, k, L->fwd.ids[L->fwd.cur][t * 3 + k]);
         moept_destroy(L);
     }
 }
@@ -297,7 +297,7 @@ static void test_group_limited(void) {
     moept_layer *L = make(c, 6);
     if (!L) return;
     unsigned long long s = 77;
-    for (int e = 0; e < 16; e++) L->bias[e] = (float)(0.3 * tu_rand(&s));
+    for (int e = 0; e < 16; e++) L->par.bias[e] = (float)(0.3 * tu_rand(&s));
     float x[64 * 12], y[64 * 12];
     tu_fill(x, 64 * 12, 1.0, &s);
     EXPECT_OK(moept_forward(L, x, 64, y));
@@ -306,17 +306,17 @@ static void test_group_limited(void) {
         for (int g = 0; g < 4; g++) { /* top-2 sum of s + bias in the group */
             double b1 = -1e9, b2 = -1e9;
             for (int e = g * 4; e < g * 4 + 4; e++) {
-                double v = 1 / (1 + exp(-(double)L->logits[L->cur][t * 16 + e])) + L->bias[e];
+                double v = 1 / (1 + exp(-(double)L->fwd.logits[L->fwd.cur][t * 16 + e])) + L->par.bias[e];
                 if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v;
             }
             gsc[g] = b1 + b2;
         }
         double wsum = 0;
         for (int k = 0; k < 4; k++) {
-            int e = L->ids[L->cur][t * 4 + k], g = e / 4, better = 0;
+            int e = L->fwd.ids[L->fwd.cur][t * 4 + k], g = e / 4, better = 0;
             for (int h = 0; h < 4; h++) better += gsc[h] > gsc[g];
             EXPECT(better < 2, "token %d: expert %d from a group outside the top 2", t, e);
-            wsum += L->wts[L->cur][t * 4 + k];
+            wsum += L->fwd.wts[L->fwd.cur][t * 4 + k];
         }
         EXPECT(fabs(wsum - 2.0) < 1e-5, "token %d: weights sum %g, expected the scaling factor 2", t, wsum);
     }
@@ -341,14 +341,14 @@ static void test_deterministic_across_threads(void) {
     tu_fill(dy, n, 1.0, &s);
     int threads[2] = {1, 2};
     for (int r = 0; r < 2; r++) {
-        y[r] = malloc((size_t)n * 4); dx[r] = malloc((size_t)n * 4); g[r] = malloc((size_t)L->n_params * 4);
+        y[r] = malloc((size_t)n * 4); dx[r] = malloc((size_t)n * 4); g[r] = malloc((size_t)L->par.n_params * 4);
 #ifdef _OPENMP
         omp_set_num_threads(threads[r]);
 #else
         (void)threads;
 #endif
         run_step(L, x, T, dy, y[r], dx[r]);
-        memcpy(g[r], L->grads, (size_t)L->n_params * 4);
+        memcpy(g[r], L->par.grads, (size_t)L->par.n_params * 4);
     }
 #ifdef _OPENMP
     omp_set_num_threads(L->nthreads);
@@ -356,12 +356,12 @@ static void test_deterministic_across_threads(void) {
 #ifndef MOEPT_CBLAS /* OpenBLAS may split sums by thread count: only run to run there */
     EXPECT(memcmp(y[0], y[1], (size_t)n * 4) == 0, "y differs between 1 and 2 threads");
     EXPECT(memcmp(dx[0], dx[1], (size_t)n * 4) == 0, "dx differs between 1 and 2 threads");
-    EXPECT(memcmp(g[0], g[1], (size_t)L->n_params * 4) == 0, "grads differ between 1 and 2 threads");
+    EXPECT(memcmp(g[0], g[1], (size_t)L->par.n_params * 4) == 0, "grads differ between 1 and 2 threads");
 #endif
     /* run to run with the same threads */
     run_step(L, x, T, dy, y[0], dx[0]);
     EXPECT(memcmp(y[0], y[1], (size_t)n * 4) == 0, "y differs run to run");
-    EXPECT(memcmp(L->grads, g[1], (size_t)L->n_params * 4) == 0, "grads differ run to run");
+    EXPECT(memcmp(L->par.grads, g[1], (size_t)L->par.n_params * 4) == 0, "grads differ run to run");
     for (int r = 0; r < 2; r++) { free(y[r]); free(dx[r]); free(g[r]); }
     free(x); free(dy);
     moept_destroy(L);
@@ -394,7 +394,7 @@ static void test_zero_tokens(void) {
     EXPECT_OK(moept_forward(L, NULL, 0, NULL));
     EXPECT_OK(moept_backward(L, NULL, NULL, NULL));
     double g = 0;
-    for (int64_t i = 0; i < L->n_params; i++) g += fabs(L->grads[i]);
+    for (int64_t i = 0; i < L->par.n_params; i++) g += fabs(L->par.grads[i]);
     EXPECT(g == 0 && L->stats.aux_loss == 0 && L->stats.z_loss == 0, "T=0 must give zero losses and gradients");
     moept_destroy(L);
 }
@@ -403,17 +403,17 @@ static void test_update_bias(void) {
     moept_config c = cfg0(MOEPT_FAMILY_DEEPSEEK_V3, 8, 6, 4, 1, 16);
     moept_layer *L = make(c, 3);
     if (!L) return;
-    for (int d = 0; d < 8; d++) L->w_router[d] += 1.0f; /* expert 0 favoured */
+    for (int d = 0; d < 8; d++) L->par.w_router[d] += 1.0f; /* expert 0 favoured */
     float x[16 * 8], y[16 * 8];
     for (int i = 0; i < 128; i++) x[i] = 1.0f;
     EXPECT_OK(moept_forward(L, x, 16, y));
     float before[4];
-    memcpy(before, L->bias, sizeof before);
+    memcpy(before, L->par.bias, sizeof before);
     EXPECT_OK(moept_update_bias(L, 0.01f));
     for (int e = 0; e < 4; e++) {
-        double mean = 16.0 / 4, cnt = (double)L->sel_counts[e];
+        double mean = 16.0 / 4, cnt = (double)L->fwd.sel_counts[e];
         double want = before[e] + (cnt < mean ? 0.01 : cnt > mean ? -0.01 : 0.0);
-        EXPECT(fabs(L->bias[e] - want) < 1e-7, "expert %d count %g: bias %g, want %g", e, cnt, L->bias[e], want);
+        EXPECT(fabs(L->par.bias[e] - want) < 1e-7, "expert %d count %g: bias %g, want %g", e, cnt, L->par.bias[e], want);
     }
     moept_destroy(L);
 }
@@ -446,7 +446,7 @@ static void test_gemm_all_transposes(void) {
                         }
                     if (!beta) for (int64_t i = 0; i < m * ldc; i++) C[i] = NAN; /* beta 0 must not read C */
                     moept__gemm g = moept__gemm_make(ta, tb, m, n, k, A, lda, B, ldb, beta ? 1.0f : 0.0f, C, ldc);
-                    moept__gemm_run(&g, 1, &L->gws);
+                    moept__gemm_run(&g, 1, &L->ws.gws);
                     double num = 0, den = 0;
                     for (int64_t i = 0; i < m; i++)
                         for (int64_t j = 0; j < n; j++) {
@@ -475,9 +475,9 @@ static void test_gpu_plan_emulated(void) {
         float *x = malloc((size_t)(T * D) * sizeof(float)), *y = malloc((size_t)(T * D) * sizeof(float));
         uint64_t st = 5;
         for (int64_t i = 0; i < T * D; i++) x[i] = (float)((moept__mix(&st) >> 40) * (1.0 / 16777216.0)) + 0.1f;
-        for (int64_t d = 0; d < D; d++) L->w_router[3 * D + d] = -50.0f; /* x > 0: expert 3 never chosen */
+        for (int64_t d = 0; d < D; d++) L->par.w_router[3 * D + d] = -50.0f; /* x > 0: expert 3 never chosen */
         EXPECT_OK(moept_forward(L, x, T, y));
-        const int32_t *ids = L->ids[L->cur];
+        const int32_t *ids = L->fwd.ids[L->fwd.cur];
         int64_t nblk = (TK + PB - 1) / PB, cap = L->stats.capacity;
         int64_t *hist = calloc((size_t)(nblk * E), sizeof(int64_t)), *kept = calloc((size_t)E, sizeof(int64_t));
         int64_t *koff = calloc((size_t)E + 1, sizeof(int64_t)), *row_of = calloc((size_t)TK, sizeof(int64_t));
@@ -485,7 +485,7 @@ static void test_gpu_plan_emulated(void) {
         int32_t *ks = calloc((size_t)TK, sizeof(int32_t)), *lrank = calloc((size_t)TK, sizeof(int32_t)), sl[256];
         for (int64_t b = 0; b < nblk; b++) { /* the count kernel, one block at a time */
             int n = (int)(TK - b * PB < PB ? TK - b * PB : PB);
-            for (int i = 0; i < PB; i++) sl[i] = i < n ? L->slot_of[ids[b * PB + i]] : -1;
+            for (int i = 0; i < PB; i++) sl[i] = i < n ? L->plan.slot_of[ids[b * PB + i]] : -1;
             for (int i = 0; i < n; i++) {
                 int last;
                 lrank[b * PB + i] = moept__block_rank(sl, PB, i, &last);
@@ -495,15 +495,15 @@ static void test_gpu_plan_emulated(void) {
         for (int64_t e = 0; e < E; e++) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
         for (int64_t e = 0; e < E; e++) koff[e + 1] = koff[e] + kept[e];
         for (int64_t a = 0; a < TK; a++) {
-            int64_t s = L->slot_of[ids[a]];
+            int64_t s = L->plan.slot_of[ids[a]];
             moept__plan_place(a, hist[(a / PB) * E + s] + lrank[a], kept[s], koff[s], K, row_of, tok, ks);
         }
-        EXPECT(koff[E] == L->N, "kept rows %lld vs %lld", (long long)koff[E], (long long)L->N);
+        EXPECT(koff[E] == L->plan.N, "kept rows %lld vs %lld", (long long)koff[E], (long long)L->plan.N);
         EXPECT(kept[3] == 0, "expert 3 got rows");
-        for (int64_t e = 0; e < E; e++) EXPECT(kept[e] == L->counts[e], "slot %lld: %lld vs %lld", (long long)e, (long long)kept[e], (long long)L->counts[e]);
-        for (int64_t a = 0; a < TK; a++) EXPECT(row_of[a] == L->row_of[a], "assignment %lld: row %lld vs %lld", (long long)a, (long long)row_of[a], (long long)L->row_of[a]);
-        for (int64_t r = 0; r < L->N; r++)
-            EXPECT(tok[r] == L->tok_of_row[r] && ks[r] == L->slot_of_row[r], "row %lld differs", (long long)r);
+        for (int64_t e = 0; e < E; e++) EXPECT(kept[e] == L->plan.counts[e], "slot %lld: %lld vs %lld", (long long)e, (long long)kept[e], (long long)L->plan.counts[e]);
+        for (int64_t a = 0; a < TK; a++) EXPECT(row_of[a] == L->plan.row_of[a], "assignment %lld: row %lld vs %lld", (long long)a, (long long)row_of[a], (long long)L->plan.row_of[a]);
+        for (int64_t r = 0; r < L->plan.N; r++)
+            EXPECT(tok[r] == L->plan.tok_of_row[r] && ks[r] == L->plan.slot_of_row[r], "row %lld differs", (long long)r);
         free(x); free(y); free(hist); free(kept); free(koff); free(row_of); free(tok); free(ks); free(lrank);
         moept_destroy(L);
     }
@@ -773,7 +773,7 @@ static void mask_case(float cf, float pad) {
                "token %lld differs from the same token without padding", (long long)t);
         r++;
     }
-    EXPECT(same_f(L->grads, R->grads, L->n_params), "cf %g pad %g: gradients differ from the unpadded batch's",
+    EXPECT(same_f(L->par.grads, R->par.grads, L->par.n_params), "cf %g pad %g: gradients differ from the unpadded batch's",
            (double)cf, (double)pad);
     if (cf > 0.0f || pad != 0.0f) {
         moept_destroy(L);
@@ -788,7 +788,7 @@ static void mask_case(float cf, float pad) {
     moept_get_stats(L, &st, NULL);
     double a = 0;
     for (int64_t i = 0; i < T * D; i++) a += fabs(y[i]) + fabs(dx[i]);
-    for (int64_t i = 0; i < L->n_params; i++) a += fabs(L->grads[i]);
+    for (int64_t i = 0; i < L->par.n_params; i++) a += fabs(L->par.grads[i]);
     EXPECT(a == 0.0 && st.aux_loss == 0.0f && st.z_loss == 0.0f && st.routed_rows == 0, "all padding: |y|+|dx|+|g| %g",
            a);
     moept_destroy(L);
@@ -853,10 +853,10 @@ static void test_inference_layer(void) {
     moept_get_stats(Lt, &st, NULL);
     moept_get_stats(Li, &si, NULL);
     int64_t dpar = st.param_bytes - si.param_bytes, dws = st.workspace_bytes - si.workspace_bytes;
-    int64_t want_ws = (Lt->Rcap * F + T * (K + E + S + 1)) * 4;
-    EXPECT(dpar == Lt->n_params * 4, "parameter bytes saved %lld, want %lld", (long long)dpar,
-           (long long)(Lt->n_params * 4));
-    EXPECT(Li->Rcap == Lt->Rcap && dws >= want_ws - 5 * 64 && dws <= want_ws + 5 * 64,
+    int64_t want_ws = (Lt->xch.Rcap * F + T * (K + E + S + 1)) * 4;
+    EXPECT(dpar == Lt->par.n_params * 4, "parameter bytes saved %lld, want %lld", (long long)dpar,
+           (long long)(Lt->par.n_params * 4));
+    EXPECT(Li->xch.Rcap == Lt->xch.Rcap && dws >= want_ws - 5 * 64 && dws <= want_ws + 5 * 64,
            "workspace bytes saved %lld, want %lld (+-320)", (long long)dws, (long long)want_ws);
     printf("# inference layer: %lld of %lld bytes (parameters %lld -> %lld, workspace %lld -> %lld)\n",
            (long long)(si.param_bytes + si.workspace_bytes), (long long)(st.param_bytes + st.workspace_bytes),
@@ -901,8 +901,8 @@ static void test_jitter_noise(void) {
     EXPECT_OK(moept_forward_ex(A, x, 6, y, &o));
     moept_routing(A, NULL, NULL, &lg);
     float plain[24];
-    moept__gemm g = moept__gemm_make(0, 1, 6, 4, 8, x, 8, A->w_router, 8, 0.0f, plain, 4);
-    moept__gemm_run(&g, 1, &A->gws);
+    moept__gemm g = moept__gemm_make(0, 1, 6, 4, 8, x, 8, A->par.w_router, 8, 0.0f, plain, 4);
+    moept__gemm_run(&g, 1, &A->ws.gws);
     EXPECT(!memcmp(plain, lg, sizeof plain), "an evaluation forward jittered the router");
     moept_destroy(A);
     moept_destroy(B);
