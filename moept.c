@@ -786,7 +786,8 @@ typedef struct moept__params {      /* one buffer, gradients mirror it */
     float *g_router, *g13, *g2, *gs13, *gs2, *gsg; /* gradient mirrors */
     float *bias;           /* [E] correction bias (not a trainable parameter) */
     moept__param *table; int64_t n_table;
-    float *grads_copy;     /* [n_params] config.grad_backup: the gradients as an accumulating backward found them */
+    float *grads_copy;     /* [n_params] config.grad_backup: the gradients as an accumulating
+                              backward found them */
     /* a backward whose dx came out non-finite left partial sums in
        gradients accumulated before it: adamw_step and grad_norm refuse them
        until zero_grad. -1: none; else dx's first bad element (or 0 for a peer's) */
@@ -1000,7 +1001,11 @@ static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
 };
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
                                       int call, uint64_t args);
-#define MOEPT__HOST_SYNC(L, p, g) do { moept_status st_ = moept__to_host((L), (p), (g)); if (st_) return st_; } while (0)
+#define MOEPT__HOST_SYNC(L, p, g)                         \
+    do {                                                  \
+        moept_status st_ = moept__to_host((L), (p), (g)); \
+        if (st_) return st_;                              \
+    } while (0)
 
 /* a layer's failure: the thread's message too (L names the call's layer) */
 static moept_status moept__fail(const moept_layer *L, moept_status s,
@@ -1047,7 +1052,8 @@ static moept_status moept__resolve_model(moept_config *c) {
     if (c->num_experts <= 0 || c->num_experts > 65536)
         MOEPT__BAD("config.num_experts: %lld must be in 1..65536", (long long)c->num_experts);
     if (c->top_k <= 0 || c->top_k > c->num_experts)
-        MOEPT__BAD("config.top_k: %lld must be in 1..num_experts (%lld)", (long long)c->top_k, (long long)c->num_experts);
+        MOEPT__BAD("config.top_k: %lld must be in 1..num_experts (%lld)", (long long)c->top_k,
+                   (long long)c->num_experts);
     if (c->norm_topk_prob < MOEPT_NORM_OFF || c->norm_topk_prob > MOEPT_NORM_ON)
         MOEPT__BAD("config.norm_topk_prob: %d must be 1 (on), -1 (off) or 0 (the family's default)",
                    c->norm_topk_prob);
@@ -1057,7 +1063,8 @@ static moept_status moept__resolve_model(moept_config *c) {
     if ((unsigned)c->activation > MOEPT_ACT_RELU)
         MOEPT__BAD("config.activation: %d is not a moept_activation", (int)c->activation);
     if (c->shared_intermediate_size < 0 || c->shared_intermediate_size > (1 << 20))
-        MOEPT__BAD("config.shared_intermediate_size: %lld must be in 0..1048576", (long long)c->shared_intermediate_size);
+        MOEPT__BAD("config.shared_intermediate_size: %lld must be in 0..1048576",
+                   (long long)c->shared_intermediate_size);
     if ((unsigned)c->shared_gate > MOEPT_SHARED_GATE_SIGMOID)
         MOEPT__BAD("config.shared_gate: %d is not a moept_shared_gate", (int)c->shared_gate);
     if (c->shared_gate == MOEPT_SHARED_GATE_DEFAULT)
@@ -1065,7 +1072,8 @@ static moept_status moept__resolve_model(moept_config *c) {
                                                             : MOEPT_SHARED_GATE_NONE;
     if (c->overlap_chunks == 0) c->overlap_chunks = 1;
     if (c->overlap_chunks < 1 || c->overlap_chunks > MOEPT_MAX_CHUNKS)
-        MOEPT__BAD("config.overlap_chunks: %lld must be in 0..%d", (long long)c->overlap_chunks, MOEPT_MAX_CHUNKS);
+        MOEPT__BAD("config.overlap_chunks: %lld must be in 0..%d", (long long)c->overlap_chunks,
+                   MOEPT_MAX_CHUNKS);
     if ((unsigned)c->expert_sharding > MOEPT_SHARD_FSDP)
         MOEPT__BAD("config.expert_sharding: %d is not a moept_sharding", (int)c->expert_sharding);
     if (c->n_group == 0) c->n_group = 1;
@@ -1074,10 +1082,12 @@ static moept_status moept__resolve_model(moept_config *c) {
         MOEPT__BAD("config.n_group: %lld must be in 1..64 and divide num_experts (%lld)",
                    (long long)c->n_group, (long long)c->num_experts);
     if (c->topk_group < 1 || c->topk_group > c->n_group)
-        MOEPT__BAD("config.topk_group: %lld must be in 1..n_group (%lld)", (long long)c->topk_group, (long long)c->n_group);
+        MOEPT__BAD("config.topk_group: %lld must be in 1..n_group (%lld)", (long long)c->topk_group,
+                   (long long)c->n_group);
     if (c->n_group > 1) {
         if (c->family != MOEPT_FAMILY_DEEPSEEK_V3)
-            MOEPT__BAD("config.n_group: group-limited routing (n_group %lld) needs family deepseek_v3", (long long)c->n_group);
+            MOEPT__BAD("config.n_group: group-limited routing (n_group %lld) needs family deepseek_v3",
+                       (long long)c->n_group);
         if (c->num_experts / c->n_group < 2)
             MOEPT__BAD("config.n_group: each group needs at least 2 experts (E/n_group = %lld)",
                        (long long)(c->num_experts / c->n_group));
@@ -1141,8 +1151,9 @@ static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
     p->data = data; p->grad = grad;
     p->flat = -1;
     if (L->fsdp && expert >= 0) { /* sharded flat: no contiguous home on this rank */
-        p->flat = data - L->par.w13 < L->E * L->H * L->D && data >= L->par.w13 ? data - L->par.w13
-                                                                       : L->E * L->H * L->D + (data - L->par.w2);
+        p->flat = data - L->par.w13 < L->E * L->H * L->D && data >= L->par.w13
+            ? data - L->par.w13
+            : L->E * L->H * L->D + (data - L->par.w2);
         p->data = p->grad = NULL;
     }
 }
@@ -1169,18 +1180,22 @@ static void moept__build_table(moept_layer *L) {
         float *w = L->par.w13 + j * L->H * D, *g = moept__goff(L->par.g13, j * L->H * D);
         float *w2 = L->par.w2 + j * D * F, *g2 = moept__goff(L->par.g2, j * D * F);
         if (gated) {
-            moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", e);
+            moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g,
+                             mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", e);
             moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, moept__goff(g, F * D),
                              mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", e);
         } else {
-            moept__add_param(L, MOEPT__P_UP, e, F, D, w, g, mix ? "experts.%lld.w1.weight" : "experts.%lld.up_proj.weight", e);
+            moept__add_param(L, MOEPT__P_UP, e, F, D, w, g,
+                             mix ? "experts.%lld.w1.weight" : "experts.%lld.up_proj.weight", e);
         }
-        moept__add_param(L, MOEPT__P_DOWN, e, D, F, w2, g2, mix ? "experts.%lld.w2.weight" : "experts.%lld.down_proj.weight", e);
+        moept__add_param(L, MOEPT__P_DOWN, e, D, F, w2, g2,
+                         mix ? "experts.%lld.w2.weight" : "experts.%lld.down_proj.weight", e);
     }
     if (S > 0) {
         const char *pre = L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
         if (gated) {
-            moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, L->par.ws13, L->par.gs13, "%s.gate_proj.weight", pre);
+            moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, L->par.ws13, L->par.gs13,
+                             "%s.gate_proj.weight", pre);
             moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->par.ws13 + S * D, moept__goff(L->par.gs13, S * D),
                              "%s.up_proj.weight", pre);
         } else {
@@ -1188,7 +1203,8 @@ static void moept__build_table(moept_layer *L) {
         }
         moept__add_param(L, MOEPT__P_SDOWN, -1, D, S, L->par.ws2, L->par.gs2, "%s.down_proj.weight", pre);
         if (L->par.wsg)
-            moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->par.wsg, L->par.gsg, "shared_expert_gate.weight");
+            moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->par.wsg, L->par.gsg,
+                             "shared_expert_gate.weight");
     }
     if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
         moept__add_param(L, MOEPT__P_BIAS, -1, 1, E, L->par.bias, NULL, "gate.e_score_correction_bias");
@@ -1448,7 +1464,8 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
    rank failed its own checks or any field differs from rank 0's. */
 static moept_status moept__agree_config(moept_comm *comm, const char *group, const int64_t *fp) {
     if (!comm || comm->size == 1) return MOEPT_OK;
-    int64_t all[64 * MOEPT__NFP], *buf = comm->size <= 64 ? all : moept__alloc(NULL, (size_t)comm->size * sizeof(int64_t) * MOEPT__NFP);
+    int64_t all[64 * MOEPT__NFP],
+        *buf = comm->size <= 64 ? all : moept__alloc(NULL, (size_t)comm->size * sizeof(int64_t) * MOEPT__NFP);
     if (!buf) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_create: out of memory");
     moept_status st = comm->allgather(comm, fp, buf, (int64_t)sizeof(int64_t) * MOEPT__NFP);
     if (st) {
@@ -1456,15 +1473,16 @@ static moept_status moept__agree_config(moept_comm *comm, const char *group, con
     } else {
         for (int r = 0; r < comm->size && !st; r++)
             if (!buf[r * MOEPT__NFP])
-                st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create: %s rank %d rejected its config%s",
-                                        group, r, r == comm->rank ? "" : " (see that rank's error)");
+                st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                        "moept_create: %s rank %d rejected its config%s", group, r,
+                                        r == comm->rank ? "" : " (see that rank's error)");
         for (int r = 1; r < comm->size && !st; r++)
             for (int k = 1; k < MOEPT__NFP && !st; k++)
                 if (buf[r * MOEPT__NFP + k] != buf[k])
-                    st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
-                                            "moept_create: config.%s differs between %s ranks 0 (%lld) and %d (%lld)",
-                                            moept__fp_names[k], group, (long long)buf[k], r,
-                                            (long long)buf[r * MOEPT__NFP + k]);
+                    st = moept__thread_fail(
+                        MOEPT_ERR_INVALID_ARGUMENT,
+                        "moept_create: config.%s differs between %s ranks 0 (%lld) and %d (%lld)",
+                        moept__fp_names[k], group, (long long)buf[k], r, (long long)buf[r * MOEPT__NFP + k]);
     }
     if (buf != all) MOEPT_FREE(buf);
     return st;
@@ -1534,8 +1552,10 @@ static moept_status moept__create_checks(const moept_config *cfg, moept_comm *ep
     moept_status st = cfg ? moept__resolve(cfg, c)
                           : moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: cfg is NULL", call);
     if (!st && c->num_experts % P != 0)
-        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "config.num_experts: %lld experts cannot be split "
-                                "evenly over an EP group of %d ranks", (long long)c->num_experts, P);
+        st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                "config.num_experts: %lld experts cannot be split "
+                                "evenly over an EP group of %d ranks",
+                                (long long)c->num_experts, P);
     if (!st && (c->global_balance != 0 && c->global_balance != 1))
         st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "config.global_balance: %d must be 0 or 1",
                                 c->global_balance);
@@ -1682,7 +1702,8 @@ static moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept
     /* the direct path's shared rows: every rank allocates them, or none,
        all of the same size (the largest max_tokens' rows) */
     int64_t rows = 0;
-    if (L->xch.direct && ((st = moept__group_max(ep, L->Nmax, &rows)) || (st = moept__grow_shared(L, rows)))) {
+    if (L->xch.direct &&
+        ((st = moept__group_max(ep, L->Nmax, &rows)) || (st = moept__grow_shared(L, rows)))) {
         moept_destroy(L);
         return moept__thread_fail(st, "%s: the experts' shared rows: %s", call, ep->err);
     }
@@ -1690,7 +1711,8 @@ static moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept
     return MOEPT_OK;
 }
 
-moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moept_comm *dp, moept_layer **out) {
+moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                                   moept_layer **out) {
     return moept__create(cfg, ep, dp, &moept__cpu_exec, "moept_create", out);
 }
 
@@ -1715,15 +1737,18 @@ static moept_status moept__param_io(const moept_layer *L, const char *fn,
     const moept__param *p = moept__find(L, name);
     if (!p) {
         long long e = -1;
-        if (sscanf(name, "experts.%lld.", &e) == 1 && e >= 0 && e < L->E && L->plan.slot_of[e] / L->El != L->rank)
-            return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: expert %lld of '%s' lives on EP rank %lld, not on rank %d",
-                               fn, e, name, (long long)(L->plan.slot_of[e] / L->El), L->rank);
+        if (sscanf(name, "experts.%lld.", &e) == 1 && e >= 0 && e < L->E &&
+            L->plan.slot_of[e] / L->El != L->rank)
+            return moept__fail(L, MOEPT_ERR_NOT_FOUND,
+                               "%s: expert %lld of '%s' lives on EP rank %lld, not on rank %d", fn, e, name,
+                               (long long)(L->plan.slot_of[e] / L->El), L->rank);
         return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: no parameter named '%s' in this %s layer", fn, name,
                            moept__family_name(L->cfg.family));
     }
     if (numel != p->rows * p->cols)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s(%s): numel %lld, expected %lld ([%lld][%lld])", fn, name,
-                           (long long)numel, (long long)(p->rows * p->cols), (long long)p->rows, (long long)p->cols);
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s(%s): numel %lld, expected %lld ([%lld][%lld])",
+                           fn, name, (long long)numel, (long long)(p->rows * p->cols), (long long)p->rows,
+                           (long long)p->cols);
     *out = p;
     return MOEPT_OK;
 }
@@ -1735,7 +1760,8 @@ moept_status moept_set_param(moept_layer *L, const char *name, const float *src,
     MOEPT__HOST_SYNC(L, 1, 0);
     for (int64_t i = 0; i < numel; i++)
         if (!moept__finite(src[i]))
-            return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_set_param(%s): element %lld is not finite", name, (long long)i);
+            return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_set_param(%s): element %lld is not finite", name,
+                               (long long)i);
     if (p->flat >= 0) moept__fsdp_write(L, p->flat, src, numel); /* this rank's part */
     else memcpy(p->data, src, (size_t)numel * sizeof(float));
     moept__host_wrote(L, 1, 0);
@@ -1748,8 +1774,10 @@ moept_status moept_get_param(const moept_layer *L, const char *name, float *dst,
     if (st) return st;
     MOEPT__HOST_SYNC(L, 1, 0);
     if (p->flat >= 0)
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_get_param(%s): fsdp keeps expert weights sharded flat over "
-                           "the group; read this rank's part through moept_params and moept_fsdp_shard", name);
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED,
+                           "moept_get_param(%s): fsdp keeps expert weights sharded flat over "
+                           "the group; read this rank's part through moept_params and moept_fsdp_shard",
+                           name);
     memcpy(dst, p->data, (size_t)numel * sizeof(float));
     return MOEPT_OK;
 }
@@ -1760,8 +1788,10 @@ moept_status moept_get_grad(const moept_layer *L, const char *name, float *dst, 
     if (st) return st;
     MOEPT__HOST_SYNC(L, 0, 1);
     if (p->flat >= 0)
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_get_grad(%s): fsdp keeps expert gradients sharded flat over "
-                           "the group; read this rank's part through moept_grads and moept_fsdp_shard", name);
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED,
+                           "moept_get_grad(%s): fsdp keeps expert gradients sharded flat over "
+                           "the group; read this rank's part through moept_grads and moept_fsdp_shard",
+                           name);
     if (!p->grad) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "moept_get_grad: '%s' has no gradient", name);
     memcpy(dst, p->grad, (size_t)numel * sizeof(float));
     return MOEPT_OK;
@@ -1770,7 +1800,8 @@ moept_status moept_get_grad(const moept_layer *L, const char *name, float *dst, 
 int64_t moept_param_count(const moept_layer *L) { return L ? L->par.n_table : 0; }
 
 moept_status moept_fsdp_shard(const moept_layer *L, int64_t *offset, int64_t *count, int64_t *total) {
-    if (!L || !offset || !count || !total) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_fsdp_shard: NULL argument");
+    if (!L || !offset || !count || !total)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_fsdp_shard: NULL argument");
     if (!L->fsdp) return moept__fail(L, MOEPT_ERR_STATE, "moept_fsdp_shard: not an fsdp layer");
     int64_t lo = (int64_t)L->fsdp->rank * L->fs.shard;
     *offset = lo;
@@ -1780,9 +1811,11 @@ moept_status moept_fsdp_shard(const moept_layer *L, int64_t *offset, int64_t *co
 }
 
 moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_info *info) {
-    if (!L || !info) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: NULL argument");
+    if (!L || !info)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: NULL argument");
     if (i < 0 || i >= L->par.n_table)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: index %lld not in 0..%lld", (long long)i, (long long)L->par.n_table - 1);
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: index %lld not in 0..%lld",
+                           (long long)i, (long long)L->par.n_table - 1);
     MOEPT__HOST_SYNC(L, 1, 1);
     moept__host_wrote((moept_layer *)L, 1, 1); /* the pointers may be written through */
     const moept__param *p = &L->par.table[i];
@@ -1793,7 +1826,8 @@ moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_in
 }
 
 moept_status moept_params(moept_layer *L, float **params, int64_t *numel) {
-    if (!L || !params || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_params: NULL argument");
+    if (!L || !params || !numel)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_params: NULL argument");
     MOEPT__HOST_SYNC(L, 1, 0);
     moept__host_wrote(L, 1, 0);
     *params = L->par.params; *numel = L->par.n_params;
@@ -1803,12 +1837,13 @@ moept_status moept_params(moept_layer *L, float **params, int64_t *numel) {
 /* An inference layer has no gradients: the training calls refuse, alike
    on every rank (the flag is in the create-time agreement: no rank waits) */
 static moept_status moept__no_grads(moept_layer *L, const char *call) {
-    return moept__fail(L, MOEPT_ERR_STATE, "%s: an inference-only layer (config.inference_only) has no gradients",
-                       call);
+    return moept__fail(L, MOEPT_ERR_STATE,
+                       "%s: an inference-only layer (config.inference_only) has no gradients", call);
 }
 
 moept_status moept_grads(moept_layer *L, float **grads, int64_t *numel) {
-    if (!L || !grads || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grads: NULL argument");
+    if (!L || !grads || !numel)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grads: NULL argument");
     if (!L->par.grads) return moept__no_grads(L, "moept_grads");
     MOEPT__HOST_SYNC(L, 0, 1);
     moept__host_wrote(L, 0, 1);
@@ -1834,14 +1869,17 @@ static moept_status moept__grads_refused(moept_layer *L, const char *call) {
     moept_status st = MOEPT__EX(L, grads_check, L);
     if (st) return st;
     if (L->par.grads_sf_bad)
-        return moept__fail(L, L->par.grads_sf_bad, "%s: a sync-free step since moept_zero_grad failed its checks "
-                           "(%s); its gradients are refused: moept_zero_grad, then the next micro-batch", call,
-                           L->par.grads_sf_why);
+        return moept__fail(L, L->par.grads_sf_bad,
+                           "%s: a sync-free step since moept_zero_grad failed its checks "
+                           "(%s); its gradients are refused: moept_zero_grad, then the next micro-batch",
+                           call, L->par.grads_sf_why);
     if (L->par.grads_dx_bad < 0) return MOEPT_OK;
-    return moept__fail(L, MOEPT_ERR_NUMERIC, "%s: a backward since moept_zero_grad had a non-finite dx (element "
-                       "[%lld][%lld] here, or on a peer) from finite inputs; its gradients hold partial sums: "
-                       "moept_zero_grad, then the next micro-batch", call, (long long)(L->par.grads_dx_bad / L->D),
-                       (long long)(L->par.grads_dx_bad % L->D));
+    return moept__fail(
+        L, MOEPT_ERR_NUMERIC,
+        "%s: a backward since moept_zero_grad had a non-finite dx (element "
+        "[%lld][%lld] here, or on a peer) from finite inputs; its gradients hold partial sums: "
+        "moept_zero_grad, then the next micro-batch",
+        call, (long long)(L->par.grads_dx_bad / L->D), (long long)(L->par.grads_dx_bad % L->D));
 }
 
 /* splitmix64: a small deterministic generator for initialisation */
@@ -1867,7 +1905,8 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
             int64_t lo = (int64_t)L->fsdp->rank * L->fs.shard, n = p->rows * p->cols;
             for (int64_t j = 0; j < n; j++) {
                 double u = (double)(moept__mix(&s) >> 11) * (1.0 / 9007199254740992.0);
-                if (p->flat + j >= lo && p->flat + j < lo + L->fs.shard) L->fs.w[p->flat + j - lo] = (float)((2.0 * u - 1.0) * bound);
+                if (p->flat + j >= lo && p->flat + j < lo + L->fs.shard)
+                    L->fs.w[p->flat + j - lo] = (float)((2.0 * u - 1.0) * bound);
             }
             continue;
         }
@@ -1892,7 +1931,8 @@ static moept_status moept__opt_to_host(moept_layer *L) {
     return MOEPT__EX(L, to_host, L, MOEPT__HOST_OPT);
 }
 static void moept__host_wrote(moept_layer *L, int params, int grads) {
-    if (L->ex->host_wrote) L->ex->host_wrote(L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
+    if (L->ex->host_wrote)
+        L->ex->host_wrote(L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
 }
 
 /* ------------------------------------------------------------------------
@@ -2007,8 +2047,9 @@ static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
     const int64_t D = L->D;
     moept__gemm *gd = L->ws.descs;
     int64_t n;
-    MOEPT__PER_GROUP(gd, n, groups, offsets,
-                     moept__gemm_make(0, 1, rows, H, D, xs + r0 * D, D, w13 + e * H * D, D, 0.0f, h + r0 * H, H));
+    MOEPT__PER_GROUP(
+        gd, n, groups, offsets,
+        moept__gemm_make(0, 1, rows, H, D, xs + r0 * D, D, w13 + e * H * D, D, 0.0f, h + r0 * H, H));
     moept__gemm_run(gd, n, &L->ws.gws);
     int64_t R = offsets[groups] - offsets[0], base = offsets[0];
     const int act = L->act;
@@ -2027,16 +2068,18 @@ static void moept__ffn_grad_w2(moept_layer *L, int64_t groups, const int64_t *of
                                const float *a, float *g2, int64_t F) {
     const int64_t D = L->D;
     int64_t n;
-    MOEPT__PER_GROUP(L->ws.descs, n, groups, offsets,
-                     moept__gemm_make(1, 0, D, F, rows, ys + r0 * D, D, a + r0 * F, F, 1.0f, g2 + e * D * F, F));
+    MOEPT__PER_GROUP(
+        L->ws.descs, n, groups, offsets,
+        moept__gemm_make(1, 0, D, F, rows, ys + r0 * D, D, a + r0 * F, F, 1.0f, g2 + e * D * F, F));
     moept__gemm_run(L->ws.descs, n, &L->ws.gws);
 }
 static void moept__ffn_grad_w13(moept_layer *L, int64_t groups, const int64_t *offsets, const float *dh,
                                 const float *xs, float *g13, int64_t H) {
     const int64_t D = L->D;
     int64_t n;
-    MOEPT__PER_GROUP(L->ws.descs, n, groups, offsets,
-                     moept__gemm_make(1, 0, H, D, rows, dh + r0 * H, H, xs + r0 * D, D, 1.0f, g13 + e * H * D, D));
+    MOEPT__PER_GROUP(
+        L->ws.descs, n, groups, offsets,
+        moept__gemm_make(1, 0, H, D, rows, dh + r0 * H, H, xs + r0 * D, D, 1.0f, g13 + e * H * D, D));
     moept__gemm_run(L->ws.descs, n, &L->ws.gws);
 }
 
@@ -2059,16 +2102,18 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
         moept__act_fwd_rowv(act, h + r * H, F, a + r * F);
     moept__ffn_grad_w2(L, groups, offsets, ys, a, g2, F);
     /* da = dys W2 (over a) */
-    MOEPT__PER_GROUP(gd, n, groups, offsets,
-                     moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D, w2 + e * D * F, F, 0.0f, a + r0 * F, F));
+    MOEPT__PER_GROUP(
+        gd, n, groups, offsets,
+        moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D, w2 + e * D * F, F, 0.0f, a + r0 * F, F));
     moept__gemm_run(gd, n, &L->ws.gws);
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_bwd_rowv(act, h + r * H, a + r * F, F, h + r * H);
     moept__ffn_grad_w13(L, groups, offsets, h, xs, g13, H);
     /* dxs = dh W13 (into ys) */
-    MOEPT__PER_GROUP(gd, n, groups, offsets,
-                     moept__gemm_make(0, 0, rows, D, H, h + r0 * H, H, w13 + e * H * D, D, 0.0f, ys + r0 * D, D));
+    MOEPT__PER_GROUP(
+        gd, n, groups, offsets,
+        moept__gemm_make(0, 0, rows, D, H, h + r0 * H, H, w13 + e * H * D, D, 0.0f, ys + r0 * D, D));
     moept__gemm_run(gd, n, &L->ws.gws);
 }
 
@@ -2107,8 +2152,8 @@ static moept_status moept__exchange(moept_layer *L, float *local, float *remote,
 /* the forward dispatch from x by index (moept__rows_dispatch) */
 static moept_status moept__exchange_rows(moept_layer *L, const float *x) {
     double t0 = moept__now();
-    moept_status st = L->ep->alltoallv_rows(L->ep, x, L->plan.tok_of_row, L->D, L->xch.send_segs, L->ws.xr, L->xch.recv_segs,
-                                            (int)L->El, 4);
+    moept_status st = L->ep->alltoallv_rows(L->ep, x, L->plan.tok_of_row, L->D, L->xch.send_segs, L->ws.xr,
+                                            L->xch.recv_segs, (int)L->El, 4);
     return moept__exchanged(L, st, t0, 1);
 }
 
@@ -2256,12 +2301,14 @@ static int64_t moept__shared_pack(moept_layer *L, const float *x, int64_t T) {
     for (int64_t t = 0; t < T; t++)
         if (ids[t * K] >= 0) L->ws.shrow[n++] = t;
     #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
-    for (int64_t i = 0; i < n; i++) memcpy(L->ws.xsh + i * D, x + L->ws.shrow[i] * D, (size_t)D * sizeof(float));
+    for (int64_t i = 0; i < n; i++)
+        memcpy(L->ws.xsh + i * D, x + L->ws.shrow[i] * D, (size_t)D * sizeof(float));
     return n;
 }
 /* rows [n][w] of v packed (to 1) or unpacked (0: to their tokens' rows, the
    others zero), in place: row i and its token's row shrow[i] >= i */
-static void moept__shared_move(const moept_layer *L, float *v, int64_t w, int64_t n, int64_t T, int to_packed) {
+static void moept__shared_move(const moept_layer *L, float *v, int64_t w, int64_t n, int64_t T,
+                               int to_packed) {
     const size_t b = (size_t)w * sizeof(float);
     if (to_packed) {
         for (int64_t i = 0; i < n; i++) memmove(v + i * w, v + L->ws.shrow[i] * w, b);
@@ -2284,7 +2331,8 @@ static void moept__shared_forward(moept_layer *L, const float *x, int64_t T) {
         x = L->ws.xsh;
     }
     int64_t off[2] = {0, n};
-    moept__ffn_forward(L, x, 1, off, L->par.ws13, L->par.ws2, L->HS, L->S, L->ws.hs, L->ws.as, L->ws.lda_as, L->ws.yss);
+    moept__ffn_forward(L, x, 1, off, L->par.ws13, L->par.ws2, L->HS, L->S, L->ws.hs, L->ws.as, L->ws.lda_as,
+                       L->ws.yss);
     if (L->par.wsg) {
         moept__gemm gg = moept__gemm_make(0, 1, n, 1, D, x, D, L->par.wsg, D, 0.0f, L->ws.sg, 1);
         moept__gemm_run(&gg, 1, &L->ws.gws);
@@ -2337,8 +2385,9 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
    expert side; NULL: not wanted) and its row runs on the expert side;
    returns the runs (moept.h's moept__plan_chunk, as the CUDA executor's). */
 static int64_t moept__chunk_plan(moept_layer *L, int64_t c, moept_seg *ss, moept_seg *rs, int64_t *runs) {
-    return moept__plan_chunk(c, L->C, L->P, L->El, L->D, L->plan.offsets, L->ch.ccnt, L->ep ? L->xch.rcounts : L->plan.counts,
-                             L->xch.roffsets, L->ch.rccnt, ss, rs, runs);
+    return moept__plan_chunk(c, L->C, L->P, L->El, L->D, L->plan.offsets, L->ch.ccnt,
+                             L->ep ? L->xch.rcounts : L->plan.counts, L->xch.roffsets, L->ch.rccnt, ss, rs,
+                             runs);
 }
 
 /* GEMMs in groups that share op(B) (consecutive runs of one expert: its
@@ -2379,27 +2428,30 @@ static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
     moept__gemm *gd = L->ws.descs;
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, H, D, L->ws.xr + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f, L->ws.h + r0 * H, H));
+                   moept__gemm_make(0, 1, rows, H, D, L->ws.xr + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f,
+                                    L->ws.h + r0 * H, H));
     moept__gemm_run_progress(L, gd, n);
     moept__runs_act(L, runs, n, NULL);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, D, F, L->ws.a + r0 * L->ws.lda_a, L->ws.lda_a, L->par.w2 + e * D * F, F, 0.0f,
-                                    L->ws.yr + r0 * D, D));
+                   moept__gemm_make(0, 1, rows, D, F, L->ws.a + r0 * L->ws.lda_a, L->ws.lda_a,
+                                    L->par.w2 + e * D * F, F, 0.0f, L->ws.yr + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
-/* Its backward, data side: a = act(h) kept, da into ch_da, dh over h, dxs
-   into ch_dx (dyr stays for the weight gradients). */
+/* Its backward, data side: a = act(h) kept, da into ch.da, dh over h, dxs
+   into ch.dx (dyr stays for the weight gradients). */
 static void moept__ffn_runs_backward(moept_layer *L, const int64_t *runs, int64_t n) {
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
     moept__gemm *gd = L->ws.descs;
     moept__runs_act(L, runs, n, NULL);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, F, D, L->ws.yr + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f, L->ch.da + r0 * F, F));
+                   moept__gemm_make(0, 0, rows, F, D, L->ws.yr + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f,
+                                    L->ch.da + r0 * F, F));
     moept__gemm_run_progress(L, gd, n);
     moept__runs_act(L, runs, n, L->ch.da);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, D, H, L->ws.h + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f, L->ch.dx + r0 * D, D));
+                   moept__gemm_make(0, 0, rows, D, H, L->ws.h + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f,
+                                    L->ch.dx + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
@@ -2437,7 +2489,10 @@ typedef struct moept__pipe {
     void (*done)(moept_layer *L, const struct moept__pipe *p, int64_t c);
     void (*tail)(moept_layer *L);
     void (*start)(moept_layer *L, const struct moept__pipe *p); /* once chunk 0 is in flight */
-    const float *x; float *y; const float *wts; const int32_t *ids; /* forward: the shared expert's, the combine's */
+    const float *x;
+    float *y;
+    const float *wts;
+    const int32_t *ids; /* forward: the shared expert's, the combine's */
 } moept__pipe;
 
 static moept_status moept__pipeline(moept_layer *L, const moept__pipe *p) {
@@ -2473,11 +2528,14 @@ static moept_status moept__pipeline(moept_layer *L, const moept__pipe *p) {
 }
 
 /* forward: the shared expert, while chunk 0 travels */
-static void moept__chunk_shared(moept_layer *L, const moept__pipe *p) { moept__shared_forward(L, p->x, L->fwd.T); }
+static void moept__chunk_shared(moept_layer *L, const moept__pipe *p) {
+    moept__shared_forward(L, p->x, L->fwd.T);
+}
 
 /* forward: chunk c's tokens combined once its rows are back */
 static void moept__chunk_combine(moept_layer *L, const moept__pipe *p, int64_t c) {
-    moept__combine_range(L, p->y, p->wts, p->ids, moept__chunk_start(L->fwd.T, L->C, c), moept__chunk_start(L->fwd.T, L->C, c + 1));
+    moept__combine_range(L, p->y, p->wts, p->ids, moept__chunk_start(L->fwd.T, L->C, c),
+                         moept__chunk_start(L->fwd.T, L->C, c + 1));
 }
 
 /* The forward from the permute on, chunked. */
@@ -2488,8 +2546,18 @@ static moept_status moept__forward_chunked(moept_layer *L, const float *x, float
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
     for (int64_t r = 0; r < N; r++)
         memcpy(L->ws.xs + r * D, x + L->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
-    moept__pipe p = {L->ws.xs, L->ws.xr, L->ws.yr, L->ws.ys, moept__ffn_runs_forward, moept__chunk_combine, NULL,
-                     moept__chunk_shared, x, y, wts, ids};
+    moept__pipe p = {L->ws.xs,
+                     L->ws.xr,
+                     L->ws.yr,
+                     L->ws.ys,
+                     moept__ffn_runs_forward,
+                     moept__chunk_combine,
+                     NULL,
+                     moept__chunk_shared,
+                     x,
+                     y,
+                     wts,
+                     ids};
     moept_status st = moept__pipeline(L, &p);
     L->stats.dispatch_seconds += moept__now() - ts;
     return st;
@@ -2504,8 +2572,18 @@ static void moept__chunk_weight_grads(moept_layer *L) {
 
 /* The backward's experts part, chunked (after combine' wrote dys). */
 static moept_status moept__backward_chunked(moept_layer *L) {
-    moept__pipe p = {L->ws.dys, L->ws.dyr, L->ch.dx, L->ws.dxs, moept__ffn_runs_backward, NULL, moept__chunk_weight_grads,
-                     NULL, NULL, NULL, NULL, NULL};
+    moept__pipe p = {L->ws.dys,
+                     L->ws.dyr,
+                     L->ch.dx,
+                     L->ws.dxs,
+                     moept__ffn_runs_backward,
+                     NULL,
+                     moept__chunk_weight_grads,
+                     NULL,
+                     NULL,
+                     NULL,
+                     NULL,
+                     NULL};
     return moept__pipeline(L, &p);
 }
 
@@ -2539,13 +2617,17 @@ static moept_status moept__agree_finite(moept_layer *L, const char *call, const 
     int64_t bad = local ? -1 : moept__first_nonfinite(v, L->fwd.T * L->D), failed;
     moept_status st;
     if (bad >= 0)
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "%s: %s[%lld][%lld] is not finite from finite inputs (an "
-                            "overflow?); %s", call, out, (long long)(bad / L->D), (long long)(bad % L->D), after);
+        local = moept__fail(L, MOEPT_ERR_NUMERIC,
+                            "%s: %s[%lld][%lld] is not finite from finite inputs (an "
+                            "overflow?); %s",
+                            call, out, (long long)(bad / L->D), (long long)(bad % L->D), after);
     failed = moept__any_failed(L->group, dp, local != MOEPT_OK, &st);
-    if (st) return moept__fail(L, st, "%s: output agreement failed: %s", call, L->group ? L->group->err : dp->err);
+    if (st)
+        return moept__fail(L, st, "%s: output agreement failed: %s", call,
+                           L->group ? L->group->err : dp->err);
     if (failed && !local)
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "%s: %lld other rank(s) had a non-finite %s or loss; %s", call,
-                            (long long)failed, out, after);
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "%s: %lld other rank(s) had a non-finite %s or loss; %s",
+                            call, (long long)failed, out, after);
     return local;
 }
 
@@ -2560,8 +2642,10 @@ static moept_status moept__forward_finite(moept_layer *L, const float *y, double
     moept_status local = MOEPT_OK; /* losses count only where they are part of the objective */
     int zbad = L->cfg.z_loss_coef > 0.0f && !moept__finite_d(z);
     if (zbad || (L->cfg.aux_loss_coef > 0.0f && !moept__finite_d(aux)))
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: the %s loss is not finite from finite inputs; "
-                            "%s", zbad ? "z" : "aux", after);
+        local = moept__fail(L, MOEPT_ERR_NUMERIC,
+                            "moept_forward: the %s loss is not finite from finite inputs; "
+                            "%s",
+                            zbad ? "z" : "aux", after);
     local = moept__agree_finite(L, "moept_forward", "y", y, local, global ? L->dp : NULL, after);
     if (local) L->fwd.valid = 0;
     return local;
@@ -2597,7 +2681,8 @@ static void moept__jitter_apply(const moept_layer *L, uint64_t key, const float 
     for (int64_t t = 0; t < T; t++) {
         if (hash) rows[t] = moept__checksum(x + t * D, D) * 0x9e3779b97f4a7c15ull;
         for (int64_t d = 0; d < D; d++)
-            out[t * D + d] = (x ? x[t * D + d] : out[t * D + d]) * moept__jitter_u(seed, key, rows[t], d, eps);
+            out[t * D + d] =
+                (x ? x[t * D + d] : out[t * D + d]) * moept__jitter_u(seed, key, rows[t], d, eps);
     }
 }
 
@@ -2605,8 +2690,9 @@ static void moept__jitter_apply(const moept_layer *L, uint64_t key, const float 
 static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
     const int64_t T = f->T, D = L->D;
     if (T < 0 || T > L->Tmax)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: tokens %lld not in 0..max_tokens (%lld)",
-                           (long long)T, (long long)L->Tmax);
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
+                           "moept_forward: tokens %lld not in 0..max_tokens (%lld)", (long long)T,
+                           (long long)L->Tmax);
     if (T > 0 && (!f->x || !f->y))
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: %s is NULL", f->x ? "y" : "x");
     if (L->cfg.aux_loss == MOEPT_AUX_SEQ && T % L->cfg.aux_seq_len != 0)
@@ -2615,8 +2701,8 @@ static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
                            (long long)T, (long long)L->cfg.aux_seq_len);
     int64_t bad = moept__x_scan(f->x, T * D, &f->x_fp);
     if (bad >= 0)
-        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite", (long long)(bad / D),
-                           (long long)(bad % D));
+        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite",
+                           (long long)(bad / D), (long long)(bad % D));
     return MOEPT_OK;
 }
 
@@ -2630,7 +2716,8 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
     int32_t *ids = L->fwd.ids[nb];
     const float *xin = f->x;
     if (f->jitter) { /* (frozen, for tests: the committed step's noise again) */
-        if (L->fwd.jitter_frozen) memcpy(L->fwd.jrow[nb], L->fwd.jrow[L->fwd.cur], (size_t)T * sizeof(uint64_t));
+        if (L->fwd.jitter_frozen)
+            memcpy(L->fwd.jrow[nb], L->fwd.jrow[L->fwd.cur], (size_t)T * sizeof(uint64_t));
         f->jkey = L->fwd.jitter_frozen ? L->fwd.jkey : moept__jitter_key(L);
         moept__jitter_apply(L, f->jkey, f->x, T, L->fwd.xj, L->fwd.jrow[nb], !L->fwd.jitter_frozen);
         xin = L->fwd.xj;
@@ -2691,7 +2778,8 @@ static void moept__fwd_count(moept_layer *L, const moept__fstep *f) {
 static moept_status moept__fwd_gather_counts(moept_layer *L, moept__fstep *f) {
     const int64_t E = L->E, El = L->El, P = L->P;
     double t0 = moept__now();
-    moept_status st = L->ep->allgather(L->ep, L->plan.counts_next, L->xch.allcnt_next, E * (int64_t)sizeof(int64_t));
+    moept_status st =
+        L->ep->allgather(L->ep, L->plan.counts_next, L->xch.allcnt_next, E * (int64_t)sizeof(int64_t));
     L->stats.comm_seconds += moept__now() - t0;
     if (st) return moept__fail(L, st, "moept_forward: count all-gather failed: %s", L->ep->err);
     int64_t R = 0;
@@ -2733,7 +2821,8 @@ static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) 
     if (C > 1)
         for (int64_t q = 0; q < P; q++)
             for (int64_t c = 0; c < C; c++)
-                for (int64_t j = 0; j < El; j++) L->ch.cmsg[(q * C + c) * El + j] = L->ch.ccnt_next[c * E + q * El + j];
+                for (int64_t j = 0; j < El; j++)
+                    L->ch.cmsg[(q * C + c) * El + j] = L->ch.ccnt_next[c * E + q * El + j];
     double t0 = moept__now();
     moept_status st = L->ep->alltoallv(L->ep, C > 1 ? L->ch.cmsg : L->plan.counts_next, cs,
                                        C > 1 ? L->ch.rccnt_next : L->xch.rcounts_next, cr, 1, 8);
@@ -2760,14 +2849,20 @@ static moept_status moept__fwd_agree_growth(moept_layer *L, const moept__fstep *
         local = moept__fail(L, st, "moept_forward: cannot grow the shared rows to %lld: %s", (long long)most,
                             L->ep->err);
     else if (!moept__grow_recv(L, f->R_next))
-        local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: cannot grow the receive buffers to %lld "
-                            "rows", (long long)f->R_next);
+        local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY,
+                            "moept_forward: cannot grow the receive buffers to %lld "
+                            "rows",
+                            (long long)f->R_next);
     if (grp || dp) {
         int64_t failed = moept__any_failed(grp, dp, local != MOEPT_OK, &st);
-        if (st) return moept__fail(L, st, "moept_forward: failure agreement failed: %s", grp ? grp->err : dp->err);
+        if (st)
+            return moept__fail(L, st, "moept_forward: failure agreement failed: %s",
+                               grp ? grp->err : dp->err);
         if (failed && !local)
-            return moept__fail(L, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; nothing "
-                               "changed", (long long)failed);
+            return moept__fail(L, MOEPT_ERR_STATE,
+                               "moept_forward: %lld other rank(s) rejected the step; nothing "
+                               "changed",
+                               (long long)failed);
     }
     return local;
 }
@@ -2807,7 +2902,8 @@ static void moept__seq_close(moept_layer *L, int64_t sq) {
     double *c = L->plan.seqstat, *ps = c + E, n = c[2 * E];
     float *g = L->fwd.aux_g + sq * E;
     if (n > 0.0) {
-        L->fwd.lstat[L->fwd.ls.seqaux] += moept__aux_finalize(c, ps, E, L->K, MOEPT_AUX_SEQ, n, L->cfg.aux_loss_coef, g);
+        L->fwd.lstat[L->fwd.ls.seqaux] +=
+            moept__aux_finalize(c, ps, E, L->K, MOEPT_AUX_SEQ, n, L->cfg.aux_loss_coef, g);
         L->fwd.lstat[L->fwd.ls.nseq] += 1.0;
     } else {
         for (int64_t e = 0; e < E; e++) g[e] = 0.0f;
@@ -2828,7 +2924,8 @@ static void moept__loss_token(moept_layer *L, int64_t t, double *sel, double *au
     if (aux == MOEPT_AUX_NONE) return;
     float *score = L->plan.choice;
     int32_t *cid = L->plan.kscratch;
-    moept__aux_token((int)L->cfg.family, aux, lg, L->fwd.probs[L->fwd.cur] + t * E, ids, (int)E, (int)K, score, cid);
+    moept__aux_token((int)L->cfg.family, aux, lg, L->fwd.probs[L->fwd.cur] + t * E, ids, (int)E, (int)K,
+                     score, cid);
     for (int64_t e = 0; e < E; e++) psum[e] += score[e];
     for (int64_t k = 0; k < K; k++) auxc[cid[k]] += 1.0;
     if (aux != MOEPT_AUX_SEQ) return;
@@ -2847,7 +2944,8 @@ static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, dou
     const int aux = (int)L->cfg.aux_loss, seq = aux == MOEPT_AUX_SEQ;
     const int64_t slen = seq ? L->cfg.aux_seq_len : 0; /* tokens per sequence */
     const int32_t *ids = L->fwd.ids[L->fwd.cur];
-    double *sel = L->fwd.lstat + L->fwd.ls.sel, *auxc = L->fwd.lstat + L->fwd.ls.auxc, *psum = L->fwd.lstat + L->fwd.ls.psum;
+    double *sel = L->fwd.lstat + L->fwd.ls.sel, *auxc = L->fwd.lstat + L->fwd.ls.auxc,
+           *psum = L->fwd.lstat + L->fwd.ls.psum;
     for (int64_t i = 0; i < L->fwd.ls.n; i++) L->fwd.lstat[i] = 0.0;
     for (int64_t i = 0; i < 2 * E + 1; i++) L->plan.seqstat[i] = 0.0;
     for (int64_t t = 0; t < T; t++) {
@@ -2860,11 +2958,15 @@ static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, dou
         moept_status st = moept__world_sum(L, L->fwd.lstat, L->fwd.ls.n, MOEPT_DTYPE_F64);
         if (st) return st;
     }
-    for (int64_t e = 0; e < E; e++) { L->fwd.sel_counts[e] = (int64_t)sel[e]; L->fwd.aux_counts[e] = (int64_t)auxc[e]; }
+    for (int64_t e = 0; e < E; e++) {
+        L->fwd.sel_counts[e] = (int64_t)sel[e];
+        L->fwd.aux_counts[e] = (int64_t)auxc[e];
+    }
     L->fwd.counts_global = f->global || (!L->group && !L->dp);
     L->fwd.loss_T = L->fwd.lstat[L->fwd.ls.T] > 0 ? L->fwd.lstat[L->fwd.ls.T] : 1.0;
     if (!seq) {
-        *aux_v = moept__aux_finalize(auxc, psum, E, K, aux, L->fwd.loss_T, L->cfg.aux_loss_coef, L->fwd.aux_g);
+        *aux_v =
+            moept__aux_finalize(auxc, psum, E, K, aux, L->fwd.loss_T, L->cfg.aux_loss_coef, L->fwd.aux_g);
         return MOEPT_OK;
     }
     /* the mean over sequences: each row's gradient times 1/nseq */
@@ -2891,14 +2993,16 @@ static void moept__fwd_plan(moept_layer *L) {
     for (int64_t i = 0; i < T * K; i++) {
         if (ids[i] < 0) { L->plan.row_of[i] = -1; continue; } /* padding */
         int64_t e = L->plan.slot_of[ids[i]];
-        moept__plan_place(i, L->plan.fill[e]++, L->plan.counts[e], L->plan.offsets[e], K, L->plan.row_of, L->plan.tok_of_row,
-                          L->plan.slot_of_row);
+        moept__plan_place(i, L->plan.fill[e]++, L->plan.counts[e], L->plan.offsets[e], K, L->plan.row_of,
+                          L->plan.tok_of_row, L->plan.slot_of_row);
     }
-    moept__plan_roffsets(P, El, L->ep ? L->xch.rcounts : L->plan.counts, L->xch.roffsets); /* one rank: P = 1 */
+    moept__plan_roffsets(P, El, L->ep ? L->xch.rcounts : L->plan.counts,
+                         L->xch.roffsets); /* one rank: P = 1 */
     if (!L->ep) return;
-    moept__plan_segs(P, El, D, L->plan.offsets, L->plan.counts, L->xch.rcounts, L->xch.roffsets, L->xch.send_segs, L->xch.recv_segs);
-    moept__plan_peer_rows(P, El, L->rank, L->plan.counts, L->xch.rcounts, El, L->xch.peer_rows, &L->stats.rows_sent,
-                          &L->stats.rows_received);
+    moept__plan_segs(P, El, D, L->plan.offsets, L->plan.counts, L->xch.rcounts, L->xch.roffsets,
+                     L->xch.send_segs, L->xch.recv_segs);
+    moept__plan_peer_rows(P, El, L->rank, L->plan.counts, L->xch.rcounts, El, L->xch.peer_rows,
+                          &L->stats.rows_sent, &L->stats.rows_received);
     if (L->xch.direct) moept__direct_plan(L);
 }
 
@@ -2914,7 +3018,8 @@ static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
     }
     if (moept__rows_dispatch(L)) return moept__exchange_rows(L, x);
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
-    for (int64_t r = 0; r < N; r++) memcpy(L->ws.xs + r * D, x + L->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
+    for (int64_t r = 0; r < N; r++)
+        memcpy(L->ws.xs + r * D, x + L->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
     return L->ep ? moept__exchange(L, L->ws.xs, L->ws.xr, 1) : MOEPT_OK;
 }
 
@@ -2940,13 +3045,14 @@ static moept_status moept__fwd_combine(moept_layer *L, const float *x, float *y)
 static moept_status moept__fwd_run(moept_layer *L, const moept__fstep *f) {
     moept_status st;
     if (L->C > 1) {
-        if ((st = moept__forward_chunked(L, f->x, f->y, L->fwd.wts[L->fwd.cur], L->fwd.ids[L->fwd.cur]))) return st;
+        if ((st = moept__forward_chunked(L, f->x, f->y, L->fwd.wts[L->fwd.cur], L->fwd.ids[L->fwd.cur])))
+            return st;
     } else {
         double ts = moept__now();
         if ((st = moept__fwd_dispatch(L, f->x))) return st;
         L->stats.dispatch_seconds += moept__now() - ts;
-        moept__ffn_forward(L, L->ws.xr, L->El, L->xch.roffsets, L->par.w13, L->par.w2, L->H, L->F, L->ws.h, L->ws.a, L->ws.lda_a,
-                           L->ws.yr);
+        moept__ffn_forward(L, L->ws.xr, L->El, L->xch.roffsets, L->par.w13, L->par.w2, L->H, L->F, L->ws.h,
+                           L->ws.a, L->ws.lda_a, L->ws.yr);
         if ((st = moept__fwd_combine(L, f->x, f->y))) return st;
     }
     return L->xch.direct ? moept__direct_sync(L, "moept_forward") : MOEPT_OK;
@@ -2971,7 +3077,8 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     f->global = L->cfg.global_balance && (L->group || L->dp);
     f->nb = 1 - L->fwd.cur;
     f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
-    moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why) : moept__fwd_checks(L, f), st;
+    moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why) : moept__fwd_checks(L, f),
+                 st;
     if (!local) local = moept__fwd_route(L, f);
     if (!local && L->S > 0 && f->valid < f->T && !L->ws.xsh) { /* the first padded step: room to pack */
         L->ws.xsh = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
@@ -3004,7 +3111,8 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
         L->fwd.valid = 0;
         return st;
     }
-    if ((st = moept__forward_finite(L, f->y, aux_v, L->fwd.lstat[L->fwd.ls.lse2] / L->fwd.loss_T, f->global))) {
+    if ((st = moept__forward_finite(L, f->y, aux_v, L->fwd.lstat[L->fwd.ls.lse2] / L->fwd.loss_T,
+                                    f->global))) {
         L->stats = stats_before;
         return st;
     }
@@ -3012,7 +3120,8 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     return MOEPT_OK;
 }
 
-moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *y, const moept_forward_opts *o) {
+moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *y,
+                              const moept_forward_opts *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: layer is NULL");
     moept__fstep f;
     memset(&f, 0, sizeof f);
@@ -3046,7 +3155,8 @@ static moept_status moept__backward_finite(moept_layer *L, const float *dx, int 
     if (!st) return MOEPT_OK;
     L->stats = *before;
     if (grads_were_zero) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
-    else if (L->par.grads_copy) memcpy(L->par.grads, L->par.grads_copy, (size_t)L->par.n_params * sizeof(float));
+    else if (L->par.grads_copy)
+        memcpy(L->par.grads, L->par.grads_copy, (size_t)L->par.n_params * sizeof(float));
     else if (L->par.grads_dx_bad < 0) {
         int64_t bad = moept__first_nonfinite(dx, L->fwd.T * L->D);
         L->par.grads_dx_bad = bad < 0 ? 0 : bad; /* 0: a peer's dx */
@@ -3071,10 +3181,12 @@ static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float
     const int64_t T = L->fwd.T, D = L->D;
     if (!L->fwd.valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
     else if (L->fwd.eval)
-        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: the last forward was an evaluation (opts.eval): "
+        local = moept__fail(L, MOEPT_ERR_STATE,
+                            "moept_backward: the last forward was an evaluation (opts.eval): "
                             "it kept nothing to differentiate");
     else if (L->fwd.bwd_valid) /* the step's saved activations were consumed in place */
-        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: this forward was already differentiated; run "
+        local = moept__fail(L, MOEPT_ERR_STATE,
+                            "moept_backward: this forward was already differentiated; run "
                             "forward again");
     else if (T > 0 && (!x || !dy || !dx))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL",
@@ -3114,7 +3226,8 @@ static void moept__bwd_combine(moept_layer *L, const float *dy) {
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->plan.row_of[t * K + k];
             if (r < 0) { L->ws.dwts[t * K + k] = 0.0f; continue; }
-            float *dys = direct ? moept__shared_row(L, L->plan.slot_of[ids[t * K + k]], r, 1) : L->ws.dys + r * D;
+            float *dys =
+                direct ? moept__shared_row(L, L->plan.slot_of[ids[t * K + k]], r, 1) : L->ws.dys + r * D;
             L->ws.dwts[t * K + k] = (float)moept__dot(dys, dyt, D); /* the output row still, then dys */
             moept__row_scale(dys, wts[t * K + k], dyt, D);
         }
@@ -3141,7 +3254,8 @@ static void moept__bwd_shared(moept_layer *L, const float *x) {
         if (L->par.wsg) moept__shared_move(L, L->ws.dsg, 1, n, T, 1);
     }
     int64_t off[2] = {0, n};
-    moept__ffn_backward(L, x, 1, off, L->par.ws13, L->par.ws2, L->par.gs13, L->par.gs2, L->HS, L->S, L->ws.hs, L->ws.as, L->ws.yss);
+    moept__ffn_backward(L, x, 1, off, L->par.ws13, L->par.ws2, L->par.gs13, L->par.gs2, L->HS, L->S, L->ws.hs,
+                        L->ws.as, L->ws.yss);
 }
 
 /* experts': the dys travel to the experts, the FFNs' backward, the dxs
@@ -3191,8 +3305,8 @@ static void moept__bwd_router(moept_layer *L, const float *x) {
         }
         float zgrad = moept__zgrad(zc, L->fwd.lse[t], Tl);
         moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, L->ws.dwts + t * K,
-                                aux_g && slen ? aux_g + t / slen * E : aux_g, zgrad, (int)E, (int)K, norm, scale,
-                                scratch, L->ws.dlogits + t * E);
+                                aux_g && slen ? aux_g + t / slen * E : aux_g, zgrad, (int)E, (int)K, norm,
+                                scale, scratch, L->ws.dlogits + t * E);
     }
     const float *xin = x;
     if (L->fwd.jitter) {
@@ -3216,15 +3330,17 @@ static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
     const int64_t T = L->fwd.T, D = L->D, E = L->E, K = L->K;
     const int32_t *ids = L->fwd.ids[L->fwd.cur];
     const int direct = L->xch.direct;
-    const float *dxs = L->C > 1 && !L->ep ? L->ch.dx : L->ws.dxs; /* chunked at one rank: the experts' own rows */
-    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
+    const float *dxs =
+        L->C > 1 && !L->ep ? L->ch.dx : L->ws.dxs; /* chunked at one rank: the experts' own rows */
+#pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         float *dxt = dx + t * D;
         memset(dxt, 0, (size_t)D * sizeof(float));
         for (int64_t k = 0; k < K; k++) {
             int64_t r = L->plan.row_of[t * K + k];
             if (r < 0) continue;
-            const float *src = direct ? moept__shared_row(L, L->plan.slot_of[ids[t * K + k]], r, 1) : dxs + r * D;
+            const float *src =
+                direct ? moept__shared_row(L, L->plan.slot_of[ids[t * K + k]], r, 1) : dxs + r * D;
             moept__row_axpy(dxt, 1.0f, src, D);
         }
     }
@@ -3260,7 +3376,8 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
     if ((st = moept__bwd_agree(L, x, dy, dx))) return st;
     const moept_stats stats_before = L->stats; /* restored if dx is not finite */
     const int grads_were_zero = moept__all_zero(L->par.grads, L->par.n_params);
-    if (L->par.grads_copy && !grads_were_zero) memcpy(L->par.grads_copy, L->par.grads, (size_t)L->par.n_params * sizeof(float));
+    if (L->par.grads_copy && !grads_were_zero)
+        memcpy(L->par.grads_copy, L->par.grads, (size_t)L->par.n_params * sizeof(float));
     moept__bwd_combine(L, dy);
     if ((st = moept__bwd_experts(L, x))) return st;
     moept__bwd_router(L, x);
@@ -3354,8 +3471,10 @@ static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_com
                            grp && grp->err[0] ? grp->err : dp ? dp->err : "");
     L->agreed_calls++;
     if (n[1])
-        return moept__fail(L, MOEPT_ERR_STATE, "%s: the ranks' call sequences differ (another rank made another "
-                           "group call here); nothing changed", name);
+        return moept__fail(L, MOEPT_ERR_STATE,
+                           "%s: the ranks' call sequences differ (another rank made another "
+                           "group call here); nothing changed",
+                           name);
     if (local) return local;
     if (n[0]) /* (a peer's own rejection explains its arguments too) */
         return moept__fail(L, MOEPT_ERR_STATE, "%s: %lld other rank(s) rejected the call; nothing changed",
@@ -3370,7 +3489,8 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: layer is NULL");
     if (!L->par.grads) return moept__no_grads(L, "moept_sync_grads");
     moept_status bad = MOEPT_OK;
-    if (!moept__finite(scale)) bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
+    if (!moept__finite(scale))
+        bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_SYNC_GRADS,
                                         moept__fnv_f32(&scale, 1));
     if (ag) return ag;
@@ -3391,7 +3511,11 @@ static moept_status moept__cpu_sync_grads(moept_layer *L, float scale) {
     if (grp && !st && n_shared) st = grp->allreduce(grp, shared, n_shared, MOEPT_DTYPE_F32);
     if (L->dp && !st) st = L->dp->allreduce(L->dp, L->par.grads, L->par.n_params, MOEPT_DTYPE_F32);
     L->stats.comm_seconds += moept__now() - t0;
-    if (st) return moept__fail(L, st, "moept_sync_grads: %s", (grp && grp->err[0]) ? grp->err : L->dp ? L->dp->err : "");
+    if (st)
+        return moept__fail(L, st, "moept_sync_grads: %s",
+                           (grp && grp->err[0]) ? grp->err
+                               : L->dp          ? L->dp->err
+                                                : "");
     if (scale != 1.0f)
         for (int64_t i = 0; i < L->par.n_params; i++) L->par.grads[i] *= scale;
     return MOEPT_OK;
@@ -3441,7 +3565,8 @@ moept_status moept_get_peer_rows(const moept_layer *L, int64_t *sent, int64_t *r
     moept_status st = moept__settle(L);
     if (st) return st;
     for (int q = 0; q < L->P; q++) {
-        int64_t s = L->ep ? L->xch.peer_rows[q] : L->plan.N, r = L->ep ? L->xch.peer_rows[L->P + q] : L->plan.N;
+        int64_t s = L->ep ? L->xch.peer_rows[q] : L->plan.N,
+                r = L->ep ? L->xch.peer_rows[L->P + q] : L->plan.N;
         if (sent) sent[q] = s;
         if (received) received[q] = r;
     }
@@ -3452,13 +3577,15 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: layer is NULL");
     moept_status bad = MOEPT_OK;
     if (L->cfg.family != MOEPT_FAMILY_DEEPSEEK_V3)
-        bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: only deepseek_v3 has a correction bias");
+        bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
+                          "moept_update_bias: only deepseek_v3 has a correction bias");
     else if (!moept__finite(rate) || rate < 0.0f)
         bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
     else if (!L->fwd.valid)
         bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
     else if (L->fwd.eval)
-        bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: the last forward was an evaluation (opts.eval)");
+        bad = moept__fail(L, MOEPT_ERR_STATE,
+                          "moept_update_bias: the last forward was an evaluation (opts.eval)");
     else bad = moept__settle(L);
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_UPDATE_BIAS,
                                         moept__fnv_f32(&rate, 1));
@@ -3498,8 +3625,10 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
 }
 
 moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
-    if (!L || !dweights) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing_grads: NULL argument");
-    if (!L->fwd.bwd_valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
+    if (!L || !dweights)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing_grads: NULL argument");
+    if (!L->fwd.bwd_valid)
+        return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
     moept_layer *W = (moept_layer *)L;
     moept_status cs = MOEPT__EX(W, routing, W, 1);
     if (cs) return cs;
@@ -3537,15 +3666,27 @@ static moept_status moept__comm_fail(moept_comm *c, moept_status s, const char *
 }
 
 static size_t moept__dtype_size(moept_dtype t) {
-    return t == MOEPT_DTYPE_F32 || t == MOEPT_DTYPE_I32 ? 4 : t == MOEPT_DTYPE_F16 || t == MOEPT_DTYPE_BF16 ? 2
-         : t == MOEPT_DTYPE_U8 || t == MOEPT_DTYPE_BOOL || t == MOEPT_DTYPE_F8_E4M3 ? 1 : 8;
+    return t == MOEPT_DTYPE_F32 || t == MOEPT_DTYPE_I32                            ? 4
+        : t == MOEPT_DTYPE_F16 || t == MOEPT_DTYPE_BF16                            ? 2
+        : t == MOEPT_DTYPE_U8 || t == MOEPT_DTYPE_BOOL || t == MOEPT_DTYPE_F8_E4M3 ? 1
+                                                                                   : 8;
 }
 
 /* sums n elements of src into dst */
 static void moept__sum_into(void *dst, const void *src, int64_t n, moept_dtype t) {
-    if (t == MOEPT_DTYPE_F32) { float *d = dst; const float *s = src; for (int64_t i = 0; i < n; i++) d[i] += s[i]; }
-    else if (t == MOEPT_DTYPE_F64) { double *d = dst; const double *s = src; for (int64_t i = 0; i < n; i++) d[i] += s[i]; }
-    else { int64_t *d = dst; const int64_t *s = src; for (int64_t i = 0; i < n; i++) d[i] += s[i]; }
+    if (t == MOEPT_DTYPE_F32) {
+        float *d = dst;
+        const float *s = src;
+        for (int64_t i = 0; i < n; i++) d[i] += s[i];
+    } else if (t == MOEPT_DTYPE_F64) {
+        double *d = dst;
+        const double *s = src;
+        for (int64_t i = 0; i < n; i++) d[i] += s[i];
+    } else {
+        int64_t *d = dst;
+        const int64_t *s = src;
+        for (int64_t i = 0; i < n; i++) d[i] += s[i];
+    }
 }
 
 void moept_comm_destroy(moept_comm *c) {
@@ -3611,10 +3752,14 @@ static int moept__barrier(moept_thread_group *g) {
 }
 
 #define MOEPT__GROUP(c) ((moept_thread_group *)(c)->ctx)
-#define MOEPT__BARRIER(c)                                                                \
-    do { if (moept__barrier(MOEPT__GROUP(c)))                                            \
-             return moept__comm_fail(c, MOEPT_ERR_COMM, "threads comm: rank %d: another rank did not arrive within %d ms (group broken)", \
-                                     (c)->rank, MOEPT__GROUP(c)->timeout_ms); } while (0)
+#define MOEPT__BARRIER(c)                                                                                    \
+    do {                                                                                                     \
+        if (moept__barrier(MOEPT__GROUP(c)))                                                                 \
+            return moept__comm_fail(                                                                         \
+                c, MOEPT_ERR_COMM,                                                                           \
+                "threads comm: rank %d: another rank did not arrive within %d ms (group broken)", (c)->rank, \
+                MOEPT__GROUP(c)->timeout_ms);                                                                \
+    } while (0)
 
 static moept_status moept__thr_alltoallv(moept_comm *c, const void *send, const moept_seg *send_segs,
                                          void *recv, const moept_seg *recv_segs, int nseg, int es) {
@@ -3634,7 +3779,8 @@ static moept_status moept__thr_alltoallv(moept_comm *c, const void *send, const 
         }
     MOEPT__BARRIER(c);
     if (bad >= 0)
-        return moept__comm_fail(c, MOEPT_ERR_COMM, "threads alltoallv: rank %d expected other counts from rank %d", c->rank, bad);
+        return moept__comm_fail(
+            c, MOEPT_ERR_COMM, "threads alltoallv: rank %d expected other counts from rank %d", c->rank, bad);
     return MOEPT_OK;
 }
 
@@ -3661,7 +3807,9 @@ static moept_status moept__thr_allreduce(moept_comm *c, void *buf, int64_t count
     int fail = g->scratch_fail;
     if (!fail && bytes) memcpy(buf, g->scratch, bytes);
     MOEPT__BARRIER(c);
-    if (fail) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "threads allreduce: out of memory for %zu bytes", bytes);
+    if (fail)
+        return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "threads allreduce: out of memory for %zu bytes",
+                                bytes);
     return MOEPT_OK;
 }
 
@@ -3694,8 +3842,10 @@ static moept_status moept__thr_p2p(moept_comm *c, const moept_p2p *sends, int ns
     }
     MOEPT__BARRIER(c);
     if (bad >= 0)
-        return moept__comm_fail(c, MOEPT_ERR_COMM, "threads p2p: rank %d receive %d from rank %d has no matching send of %lld bytes",
-                                c->rank, bad, recvs[bad].peer, (long long)recvs[bad].bytes);
+        return moept__comm_fail(
+            c, MOEPT_ERR_COMM,
+            "threads p2p: rank %d receive %d from rank %d has no matching send of %lld bytes", c->rank, bad,
+            recvs[bad].peer, (long long)recvs[bad].bytes);
     return MOEPT_OK;
 }
 
@@ -3728,12 +3878,13 @@ static moept_status moept__thr_wait(moept_comm *c, int slot) {
             const moept_seg *rs = &me->arsegs[slot][p * nseg + s];
             if (ss->count != rs->count) { bad = p; continue; }
             if (rs->count)
-                memcpy((char *)me->arecv[slot] + rs->offset * es, (const char *)g->slots[p].asend[slot] + ss->offset * es,
-                       (size_t)(rs->count * es));
+                memcpy((char *)me->arecv[slot] + rs->offset * es,
+                       (const char *)g->slots[p].asend[slot] + ss->offset * es, (size_t)(rs->count * es));
         }
     MOEPT__BARRIER(c);
     if (bad >= 0)
-        return moept__comm_fail(c, MOEPT_ERR_COMM, "threads wait: rank %d expected other counts from rank %d", c->rank, bad);
+        return moept__comm_fail(c, MOEPT_ERR_COMM, "threads wait: rank %d expected other counts from rank %d",
+                                c->rank, bad);
     return MOEPT_OK;
 }
 
@@ -3766,7 +3917,8 @@ moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_gr
     if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_thread_group_create: out is NULL");
     *out = NULL;
     if (size < 1 || size > 4096)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_thread_group_create: size %d not in 1..4096", size);
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                  "moept_thread_group_create: size %d not in 1..4096", size);
     if (timeout_ms < 0)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_thread_group_create: timeout_ms < 0");
     moept_thread_group *g = moept__alloc(NULL, sizeof *g);
@@ -3813,9 +3965,11 @@ void moept_thread_group_destroy(moept_thread_group *g) {
 }
 
 moept_status moept_comm_threads(moept_thread_group *g, int rank, moept_comm **out) {
-    if (!g || !out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_threads: NULL argument");
+    if (!g || !out)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_threads: NULL argument");
     if (rank < 0 || rank >= g->size)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_threads: rank %d not in 0..%d", rank, g->size - 1);
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_threads: rank %d not in 0..%d",
+                                  rank, g->size - 1);
     *out = &g->comms[rank];
     return MOEPT_OK;
 }
@@ -3852,7 +4006,11 @@ static moept_status moept__mpi_err(moept_comm *c, int rc, const char *call, int 
     MPI_Error_string(rc, s, &n);
     return moept__comm_fail(c, MOEPT_ERR_COMM, "%s failed (moept.c:%d): %s", call, line, s);
 }
-#define MOEPT__MPI(c, call) do { int rc_ = (call); if (rc_ != MPI_SUCCESS) return moept__mpi_err(c, rc_, #call, __LINE__); } while (0)
+#define MOEPT__MPI(c, call)                                                     \
+    do {                                                                        \
+        int rc_ = (call);                                                       \
+        if (rc_ != MPI_SUCCESS) return moept__mpi_err(c, rc_, #call, __LINE__); \
+    } while (0)
 
 static int moept__mpi_reqs(moept__mpi *m, int64_t n) {
     if (n <= m->nreqs_cap) return 1;
@@ -3969,10 +4127,12 @@ static int moept__mpi_self(moept_comm *c, const void *send, const int64_t *rows,
    point-to-point, each piece split into messages of at most
    MOEPT__MPI_CHUNK elements, then one wait */
 static moept_status moept__mpi_pieces(moept_comm *c, const void *send, const int64_t *rows, int64_t re,
-                                      const moept_seg *ss, void *recv, const moept_seg *rs, int nseg, int es) {
+                                      const moept_seg *ss, void *recv, const moept_seg *rs, int nseg,
+                                      int es) {
     moept__mpi *m = c->ctx;
     int64_t n = moept__mpi_nmsg(ss, rs, c->size * nseg);
-    if (!moept__mpi_reqs(m, n)) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv: out of memory");
+    if (!moept__mpi_reqs(m, n))
+        return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi alltoallv: out of memory");
     n = 0;
     moept_status st = moept__mpi_post_recvs(c, recv, rs, nseg, es, 0, m->reqs, &n);
     if (!st) st = moept__mpi_post_sends(c, send, rows, re, ss, nseg, es, 0, m->reqs, &n);
@@ -4012,7 +4172,8 @@ static moept_status moept__mpi_ialltoallv(moept_comm *c, const void *send, const
                                           const moept_seg *rs, int nseg, int es, int slot) {
     moept__mpi *m = c->ctx;
     if (slot < 0 || slot >= MOEPT_COMM_SLOTS || m->npreq[slot])
-        return moept__comm_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "mpi ialltoallv: slot %d invalid or busy", slot);
+        return moept__comm_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "mpi ialltoallv: slot %d invalid or busy",
+                                slot);
     int64_t n = moept__mpi_nmsg(ss, rs, c->size * nseg);
     if (n > m->pcap[slot]) {
         MPI_Request *r = moept__alloc(NULL, (size_t)n * sizeof(MPI_Request));
@@ -4080,7 +4241,9 @@ static moept_status moept__mpi_allreduce(moept_comm *c, void *buf, int64_t count
         if (need > m->scratch_bytes) {
             size_t nb = need > 2 * m->scratch_bytes ? need : 2 * m->scratch_bytes;
             char *s = moept__alloc(NULL, nb);
-            if (!s) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "mpi allreduce: out of memory for %zu bytes", nb);
+            if (!s)
+                return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY,
+                                        "mpi allreduce: out of memory for %zu bytes", nb);
             MOEPT_FREE(m->scratch);
             m->scratch = s; m->scratch_bytes = nb;
         }
@@ -4088,13 +4251,15 @@ static moept_status moept__mpi_allreduce(moept_comm *c, void *buf, int64_t count
         MOEPT__MPI(c, MPI_Alltoallv(b, sc, sd, mt, m->scratch, rc, rd, mt, m->comm));
         memcpy(b + (int64_t)sd[me] * (int64_t)es, m->scratch, (size_t)mine * es);
         for (int p = 1; p < P; p++)
-            moept__sum_into(b + (int64_t)sd[me] * (int64_t)es, m->scratch + (size_t)p * (size_t)mine * es, mine, t);
+            moept__sum_into(b + (int64_t)sd[me] * (int64_t)es, m->scratch + (size_t)p * (size_t)mine * es,
+                            mine, t);
         MOEPT__MPI(c, MPI_Allgatherv(MPI_IN_PLACE, 0, mt, b, sc, sd, mt, m->comm));
     }
     return MOEPT_OK;
 }
 
-static moept_status moept__mpi_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs, int nrecv) {
+static moept_status moept__mpi_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs,
+                                   int nrecv) {
     moept__mpi *m = c->ctx;
     int64_t n = 0;
     for (int i = 0; i < nsend; i++) n += (sends[i].bytes + MOEPT__MPI_CHUNK - 1) / MOEPT__MPI_CHUNK;
@@ -4104,12 +4269,16 @@ static moept_status moept__mpi_p2p(moept_comm *c, const moept_p2p *sends, int ns
     for (int i = 0; i < nrecv; i++)
         for (int64_t o = 0; o < recvs[i].bytes; o += MOEPT__MPI_CHUNK) {
             int64_t k = recvs[i].bytes - o < MOEPT__MPI_CHUNK ? recvs[i].bytes - o : MOEPT__MPI_CHUNK;
-            MOEPT__MPI(c, MPI_Irecv((char *)recvs[i].buf + o, (int)k, MPI_BYTE, recvs[i].peer, 1, m->comm, &m->reqs[n++]));
+            MOEPT__MPI(c,
+                       MPI_Irecv((char *)recvs[i].buf + o, (int)k, MPI_BYTE, recvs[i].peer, 1, m->comm,
+                                 &m->reqs[n++]));
         }
     for (int i = 0; i < nsend; i++)
         for (int64_t o = 0; o < sends[i].bytes; o += MOEPT__MPI_CHUNK) {
             int64_t k = sends[i].bytes - o < MOEPT__MPI_CHUNK ? sends[i].bytes - o : MOEPT__MPI_CHUNK;
-            MOEPT__MPI(c, MPI_Isend((const char *)sends[i].buf + o, (int)k, MPI_BYTE, sends[i].peer, 1, m->comm, &m->reqs[n++]));
+            MOEPT__MPI(c,
+                       MPI_Isend((const char *)sends[i].buf + o, (int)k, MPI_BYTE, sends[i].peer, 1, m->comm,
+                                 &m->reqs[n++]));
         }
     MOEPT__MPI(c, MPI_Waitall((int)n, m->reqs, MPI_STATUSES_IGNORE));
     return MOEPT_OK;
@@ -4285,15 +4454,25 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
     *out = NULL;
     int init = 0;
     MPI_Initialized(&init);
-    if (!init) return moept__thread_fail(MOEPT_ERR_STATE, "moept_comm_mpi: MPI is not initialised (the caller initialises it)");
+    if (!init)
+        return moept__thread_fail(MOEPT_ERR_STATE,
+                                  "moept_comm_mpi: MPI is not initialised (the caller initialises it)");
     moept_comm *c = moept__alloc(NULL, sizeof *c);
     moept__mpi *m = moept__alloc(NULL, sizeof *m);
-    if (!c || !m) { MOEPT_FREE(c); MOEPT_FREE(m); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory"); }
+    if (!c || !m) {
+        MOEPT_FREE(c);
+        MOEPT_FREE(m);
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory");
+    }
     memset(c, 0, sizeof *c);
     memset(m, 0, sizeof *m);
     for (int s = 0; s < MOEPT_COMM_SLOTS; s++) m->pbad[s] = -1;
     int rc = MPI_Comm_dup(comm, &m->comm);
-    if (rc != MPI_SUCCESS) { MOEPT_FREE(c); MOEPT_FREE(m); return moept__thread_fail(MOEPT_ERR_COMM, "moept_comm_mpi: MPI_Comm_dup failed"); }
+    if (rc != MPI_SUCCESS) {
+        MOEPT_FREE(c);
+        MOEPT_FREE(m);
+        return moept__thread_fail(MOEPT_ERR_COMM, "moept_comm_mpi: MPI_Comm_dup failed");
+    }
     MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(m->comm, &c->rank);
     MPI_Comm_size(m->comm, &c->size);
@@ -4314,7 +4493,10 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
     c->progress = moept__mpi_progress;
     c->barrier = moept__mpi_barrier;
     c->destroy = moept__mpi_destroy;
-    if (!m->cnt || !m->dsp) { moept__mpi_destroy(c); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory"); }
+    if (!m->cnt || !m->dsp) {
+        moept__mpi_destroy(c);
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_mpi: out of memory");
+    }
 #if defined(__linux__)
     moept__mpi_shm_probe(c);
 #endif
@@ -4356,8 +4538,9 @@ static int moept__utf8_ok(const unsigned char *s, int64_t n) {
             if ((s[i + k] & 0xc0) != 0x80) return 0;
             cp = (cp << 6) | (s[i + k] & 0x3f);
         }
-        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
-            (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+        if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) ||
+            (len == 4 && (cp < 0x10000 || cp > 0x10ffff)) || (cp >= 0xd800 && cp <= 0xdfff))
+            return 0;
         i += len;
     }
     return 1;
@@ -4410,9 +4593,17 @@ static char *moept__jstring(moept__json *j) {
             } else if (cp >= 0xdc00 && cp <= 0xdfff) { j->err = "unpaired surrogate"; return NULL; }
             if (cp == 0) { j->err = "NUL in a string"; return NULL; }
             if (cp < 0x80) *w++ = (char)cp;
-            else if (cp < 0x800) { *w++ = (char)(0xc0 | (cp >> 6)); *w++ = (char)(0x80 | (cp & 0x3f)); }
-            else if (cp < 0x10000) { *w++ = (char)(0xe0 | (cp >> 12)); *w++ = (char)(0x80 | ((cp >> 6) & 0x3f)); *w++ = (char)(0x80 | (cp & 0x3f)); }
-            else { *w++ = (char)(0xf0 | (cp >> 18)); *w++ = (char)(0x80 | ((cp >> 12) & 0x3f)); *w++ = (char)(0x80 | ((cp >> 6) & 0x3f)); *w++ = (char)(0x80 | (cp & 0x3f)); }
+            else if (cp < 0x800) { *w++ = (char)(0xc0 | (cp >> 6)); *w++ = (char)(0x80 | (cp & 0x3f));
+            } else if (cp < 0x10000) {
+                *w++ = (char)(0xe0 | (cp >> 12));
+                *w++ = (char)(0x80 | ((cp >> 6) & 0x3f));
+                *w++ = (char)(0x80 | (cp & 0x3f));
+            } else {
+                *w++ = (char)(0xf0 | (cp >> 18));
+                *w++ = (char)(0x80 | ((cp >> 12) & 0x3f));
+                *w++ = (char)(0x80 | ((cp >> 6) & 0x3f));
+                *w++ = (char)(0x80 | (cp & 0x3f));
+            }
             break;
         }
         default: j->err = "bad escape"; return NULL;
@@ -4438,15 +4629,24 @@ static int moept__jpeek(moept__json *j, char c) {
 
 static int moept__juint(moept__json *j, int64_t *out) {
     moept__ws(j);
-    if (j->p >= j->end || *j->p < '0' || *j->p > '9') { j->err = "expected a non-negative integer"; return 0; }
-    if (*j->p == '0' && j->p + 1 < j->end && j->p[1] >= '0' && j->p[1] <= '9') { j->err = "leading zero"; return 0; }
+    if (j->p >= j->end || *j->p < '0' || *j->p > '9') {
+        j->err = "expected a non-negative integer";
+        return 0;
+    }
+    if (*j->p == '0' && j->p + 1 < j->end && j->p[1] >= '0' && j->p[1] <= '9') {
+        j->err = "leading zero";
+        return 0;
+    }
     int64_t v = 0;
     while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
         int d = *j->p++ - '0';
         if (v > (INT64_MAX - d) / 10) { j->err = "integer overflows 64 bits"; return 0; }
         v = v * 10 + d;
     }
-    if (j->p < j->end && (*j->p == '.' || *j->p == 'e' || *j->p == 'E')) { j->err = "expected an integer"; return 0; }
+    if (j->p < j->end && (*j->p == '.' || *j->p == 'e' || *j->p == 'E')) {
+        j->err = "expected an integer";
+        return 0;
+    }
     *out = v;
     return 1;
 }
@@ -4858,13 +5058,17 @@ moept_status moept_st_open(const char *path, moept_st_file **out) {
         goto fail;
     }
     if ((int64_t)hlen > f->file_size - 8) {
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: header length %llu runs past the end of the file (%lld bytes)",
-                                path, (unsigned long long)hlen, (long long)f->file_size);
+        st = moept__thread_fail(MOEPT_ERR_FORMAT,
+                                "%s: header length %llu runs past the end of the file (%lld bytes)", path,
+                                (unsigned long long)hlen, (long long)f->file_size);
         goto fail;
     }
     f->data_start = 8 + (int64_t)hlen;
     f->header = moept__alloc(NULL, (size_t)hlen + 1);
-    if (!f->header) { st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path); goto fail; }
+    if (!f->header) {
+        st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+        goto fail;
+    }
     if (!moept__pread_all(f->fd, f->header, (int64_t)hlen, 8)) {
         st = moept__thread_fail(MOEPT_ERR_IO, "%s: cannot read the header", path);
         goto fail;
@@ -4950,10 +5154,12 @@ static float moept__e4m3_to_f32(unsigned char b) {
 
 static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, void *dst,
                                    int64_t numel, int want_int) {
-    if (!f || !t || !dst) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_read: NULL argument");
+    if (!f || !t || !dst)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_read: NULL argument");
     if (numel != t->numel)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "tensor \"%s\": has %lld elements, caller expects %lld",
-                                  t->name, (long long)t->numel, (long long)numel);
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                  "tensor \"%s\": has %lld elements, caller expects %lld", t->name,
+                                  (long long)t->numel, (long long)numel);
     int isint = t->dtype == MOEPT_DTYPE_I64 || t->dtype == MOEPT_DTYPE_I32;
     int isflt = t->dtype == MOEPT_DTYPE_F32 || t->dtype == MOEPT_DTYPE_F16 || t->dtype == MOEPT_DTYPE_BF16 ||
                 t->dtype == MOEPT_DTYPE_F64 || t->dtype == MOEPT_DTYPE_F8_E4M3;
@@ -4981,14 +5187,32 @@ static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, v
             const unsigned char *b = buf + i * es;
             if (want_int) {
                 int64_t v;
-                if (t->dtype == MOEPT_DTYPE_I64) { uint64_t u = 0; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 8); }
-                else { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; int32_t s; memcpy(&s, &u, 4); v = s; }
+                if (t->dtype == MOEPT_DTYPE_I64) {
+                    uint64_t u = 0;
+                    for (int k = 7; k >= 0; k--) u = (u << 8) | b[k];
+                    memcpy(&v, &u, 8);
+                } else {
+                    uint32_t u = 0;
+                    for (int k = 3; k >= 0; k--) u = (u << 8) | b[k];
+                    int32_t s;
+                    memcpy(&s, &u, 4);
+                    v = s;
+                }
                 ((int64_t *)dst)[done + i] = v;
             } else {
                 float v;
-                if (t->dtype == MOEPT_DTYPE_F32) { uint32_t u = 0; for (int k = 3; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&v, &u, 4); }
-                else if (t->dtype == MOEPT_DTYPE_F64) { uint64_t u = 0; double d; for (int k = 7; k >= 0; k--) u = (u << 8) | b[k]; memcpy(&d, &u, 8); v = (float)d; }
-                else if (t->dtype == MOEPT_DTYPE_BF16) v = moept__bf16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
+                if (t->dtype == MOEPT_DTYPE_F32) {
+                    uint32_t u = 0;
+                    for (int k = 3; k >= 0; k--) u = (u << 8) | b[k];
+                    memcpy(&v, &u, 4);
+                } else if (t->dtype == MOEPT_DTYPE_F64) {
+                    uint64_t u = 0;
+                    double d;
+                    for (int k = 7; k >= 0; k--) u = (u << 8) | b[k];
+                    memcpy(&d, &u, 8);
+                    v = (float)d;
+                } else if (t->dtype == MOEPT_DTYPE_BF16)
+                    v = moept__bf16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
                 else if (t->dtype == MOEPT_DTYPE_F8_E4M3) v = moept__e4m3_to_f32(b[0]);
                 else v = moept__half_to_f32((uint16_t)(b[0] | (b[1] << 8)));
                 ((float *)dst)[done + i] = v;
@@ -5048,7 +5272,8 @@ static const char *moept__dtype_name(moept_dtype t) {
 
 moept_status moept_st_add(moept_st_writer *w, const char *name, moept_dtype dtype, int ndim,
                           const int64_t *shape, const void *data) {
-    if (!w || !name || (ndim > 0 && !shape)) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: NULL argument");
+    if (!w || !name || (ndim > 0 && !shape))
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: NULL argument");
     if ((unsigned)dtype > MOEPT_DTYPE_BOOL || ndim < 0 || ndim > 8)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add(%s): bad dtype or ndim", name);
     if (!name[0] || strcmp(name, "__metadata__") == 0)
@@ -5057,14 +5282,16 @@ moept_status moept_st_add(moept_st_writer *w, const char *name, moept_dtype dtyp
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: tensor name is not UTF-8");
     for (int64_t i = 0; i < w->n; i++)
         if (strcmp(w->e[i].name, name) == 0)
-            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: duplicate tensor name '%s'", name);
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add: duplicate tensor name '%s'",
+                                      name);
     int64_t numel = 1;
     for (int d = 0; d < ndim; d++) {
         if (shape[d] < 0 || (shape[d] && numel > INT64_MAX / 8 / shape[d]))
             return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add(%s): bad shape", name);
         numel *= shape[d];
     }
-    if (numel > 0 && !data) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add(%s): data is NULL", name);
+    if (numel > 0 && !data)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add(%s): data is NULL", name);
     if (w->n == w->cap) {
         int64_t cap = w->cap ? 2 * w->cap : 16;
         moept__st_entry *e = moept__alloc(NULL, (size_t)cap * sizeof *e);
@@ -5075,7 +5302,8 @@ moept_status moept_st_add(moept_st_writer *w, const char *name, moept_dtype dtyp
     }
     moept__st_entry *t = &w->e[w->n];
     memset(t, 0, sizeof *t);
-    if (!(t->name = moept__strdup(name))) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_add: out of memory");
+    if (!(t->name = moept__strdup(name)))
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_add: out of memory");
     t->dtype = dtype; t->ndim = ndim; t->data = data;
     for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
     t->nbytes = numel * (int64_t)moept__dtype_size(dtype);
@@ -5084,13 +5312,15 @@ moept_status moept_st_add(moept_st_writer *w, const char *name, moept_dtype dtyp
 }
 
 moept_status moept_st_add_meta(moept_st_writer *w, const char *key, const char *value) {
-    if (!w || !key || !value) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add_meta: NULL argument");
+    if (!w || !key || !value)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add_meta: NULL argument");
     if (!moept__utf8_ok((const unsigned char *)key, (int64_t)strlen(key)) ||
         !moept__utf8_ok((const unsigned char *)value, (int64_t)strlen(value)))
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add_meta: key or value is not UTF-8");
     for (int64_t i = 0; i < w->nmeta; i++)
         if (strcmp(w->meta[2 * i], key) == 0)
-            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add_meta: duplicate key '%s'", key);
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_add_meta: duplicate key '%s'",
+                                      key);
     if (w->nmeta == w->metacap) {
         int64_t cap = w->metacap ? 2 * w->metacap : 8;
         char **m = moept__alloc(NULL, (size_t)(2 * cap) * sizeof *m);
@@ -5100,7 +5330,11 @@ moept_status moept_st_add_meta(moept_st_writer *w, const char *key, const char *
         w->meta = m; w->metacap = cap;
     }
     char *k = moept__strdup(key), *v = moept__strdup(value);
-    if (!k || !v) { MOEPT_FREE(k); MOEPT_FREE(v); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_add_meta: out of memory"); }
+    if (!k || !v) {
+        MOEPT_FREE(k);
+        MOEPT_FREE(v);
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_st_add_meta: out of memory");
+    }
     w->meta[2 * w->nmeta] = k; w->meta[2 * w->nmeta + 1] = v; w->nmeta++;
     return MOEPT_OK;
 }
@@ -5111,9 +5345,15 @@ static size_t moept__json_str(char *buf, size_t at, const char *s) {
 #define MOEPT__PUT(ch) do { if (buf) buf[at] = (ch); at++; } while (0)
     MOEPT__PUT('"');
     for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        if (*p == '"' || *p == '\\') { MOEPT__PUT('\\'); MOEPT__PUT((char)*p); }
-        else if (*p < 0x20) { MOEPT__PUT('\\'); MOEPT__PUT('u'); MOEPT__PUT('0'); MOEPT__PUT('0'); MOEPT__PUT(hex[*p >> 4]); MOEPT__PUT(hex[*p & 15]); }
-        else MOEPT__PUT((char)*p);
+        if (*p == '"' || *p == '\\') { MOEPT__PUT('\\'); MOEPT__PUT((char)*p);
+        } else if (*p < 0x20) {
+            MOEPT__PUT('\\');
+            MOEPT__PUT('u');
+            MOEPT__PUT('0');
+            MOEPT__PUT('0');
+            MOEPT__PUT(hex[*p >> 4]);
+            MOEPT__PUT(hex[*p & 15]);
+        } else MOEPT__PUT((char)*p);
     }
     MOEPT__PUT('"');
 #undef MOEPT__PUT
@@ -5155,7 +5395,8 @@ static size_t moept__st_header(const moept_st_writer *w, char *buf) {
             snprintf(num, sizeof num, d ? ",%lld" : "%lld", (long long)t->shape[d]);
             at = moept__json_raw(buf, at, num);
         }
-        snprintf(num, sizeof num, "],\"data_offsets\":[%lld,%lld]}", (long long)off, (long long)(off + t->nbytes));
+        snprintf(num, sizeof num, "],\"data_offsets\":[%lld,%lld]}", (long long)off,
+                 (long long)(off + t->nbytes));
         at = moept__json_raw(buf, at, num);
         off += t->nbytes;
     }
@@ -5233,7 +5474,8 @@ static int moept__st_emit(int fd, const void *ctx) {
 moept_status moept_st_write(moept_st_writer *w, const char *path) {
     if (!w || !path) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_st_write: NULL argument");
     if (moept__st_header(w, NULL) > MOEPT__ST_MAX_HEADER)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: header would exceed %d bytes", path, MOEPT__ST_MAX_HEADER);
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: header would exceed %d bytes", path,
+                                  MOEPT__ST_MAX_HEADER);
     return moept__atomic_write(path, moept__st_emit, w);
 }
 
@@ -5324,7 +5566,8 @@ static moept_status moept__hf_load(const char *file, moept__hfconf **out, int *m
     if (!got) {
         MOEPT_FREE(buf);
         MOEPT_FREE(h);
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", file, MOEPT__CONFIG_MAX);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", file,
+                                  MOEPT__CONFIG_MAX);
     }
     memset(h, 0, sizeof *h);
     snprintf(h->path, sizeof h->path, "%s", file);
@@ -5347,8 +5590,8 @@ static int moept__hf_key(const moept__hfconf *h, const char *key) {
 }
 
 /* An integer key in lo..hi; absent or null: dflt (-1: required) */
-static moept_status moept__hf_int(const moept__hfconf *h, const char *key, int64_t dflt, int64_t lo, int64_t hi,
-                                  int64_t *out) {
+static moept_status moept__hf_int(const moept__hfconf *h, const char *key, int64_t dflt, int64_t lo,
+                                  int64_t hi, int64_t *out) {
     int i = moept__hf_key(h, key);
     if (i < 0 || h->kind[i] == MOEPT__HK_NULL) {
         if (dflt < 0) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" is missing", h->path, key);
@@ -5357,8 +5600,8 @@ static moept_status moept__hf_int(const moept__hfconf *h, const char *key, int64
     }
     double v = h->num[i];
     if (h->kind[i] != MOEPT__HK_NUM || v != floor(v) || v < (double)lo || v > (double)hi)
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be an integer in %lld..%lld", h->path, key,
-                                  (long long)lo, (long long)hi);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be an integer in %lld..%lld",
+                                  h->path, key, (long long)lo, (long long)hi);
     *out = (int64_t)v;
     return MOEPT_OK;
 }
@@ -5374,7 +5617,9 @@ static moept_status moept__hf_float(const moept__hfconf *h, const char *key, dou
 
 static const char *moept__hf_str(const moept__hfconf *h, const char *key, const char *dflt) {
     int i = moept__hf_key(h, key);
-    return i >= 0 && h->kind[i] == MOEPT__HK_STR ? h->str[i] : i >= 0 && h->kind[i] != MOEPT__HK_NULL ? "" : dflt;
+    return i >= 0 && h->kind[i] == MOEPT__HK_STR ? h->str[i]
+        : i >= 0 && h->kind[i] != MOEPT__HK_NULL ? ""
+                                                 : dflt;
 }
 
 /* Qwen's mlp_only_layers: is `layer` listed (a list of integers)? */
@@ -5390,7 +5635,8 @@ static moept_status moept__hf_listed(const moept__hfconf *h, const char *key, in
         if (ok && v == layer) *listed = 1;
     }
     if (!ok || j.err)
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be a list of layer numbers", h->path, key);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be a list of layer numbers", h->path,
+                                  key);
     return MOEPT_OK;
 }
 
@@ -5519,7 +5765,8 @@ static moept_status moept__hf_behaviour(const moept__hfconf *h, moept_config *c)
     int64_t norm;
     moept_status st;
     if (c->family == MOEPT_FAMILY_MIXTRAL) c->norm_topk_prob = MOEPT_NORM_DEFAULT; /* always on: no key */
-    else if ((st = moept__hf_int(h, "norm_topk_prob", c->family == MOEPT_FAMILY_DEEPSEEK_V3, 0, 1, &norm))) return st;
+    else if ((st = moept__hf_int(h, "norm_topk_prob", c->family == MOEPT_FAMILY_DEEPSEEK_V3, 0, 1, &norm)))
+        return st;
     else c->norm_topk_prob = norm ? MOEPT_NORM_ON : MOEPT_NORM_OFF;
     c->aux_loss = MOEPT_AUX_NONE;
     c->aux_loss_coef = 0.0f;
@@ -5528,14 +5775,16 @@ static moept_status moept__hf_behaviour(const moept__hfconf *h, moept_config *c)
                                   &c->aux_loss_coef)))
             return st;
         if (c->aux_loss_coef < 0.0f)
-            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"router_aux_loss_coef\" is negative", h->path);
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"router_aux_loss_coef\" is negative",
+                                      h->path);
         c->aux_loss = c->aux_loss_coef > 0.0f ? MOEPT_AUX_HF : MOEPT_AUX_NONE;
     }
     c->router_jitter = 0.0f;
     if (c->family == MOEPT_FAMILY_MIXTRAL) { /* (transformers jitters the experts' input too: see moept.h) */
         if ((st = moept__hf_float(h, "router_jitter_noise", 0.0, &c->router_jitter))) return st;
         if (!(c->router_jitter >= 0.0f && c->router_jitter < 1.0f))
-            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"router_jitter_noise\" is not in [0, 1)", h->path);
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"router_jitter_noise\" is not in [0, 1)",
+                                      h->path);
     }
     return MOEPT_OK;
 }
@@ -5593,7 +5842,8 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
     if (st) { /* one file */
         s->files = moept__alloc(NULL, sizeof(char *));
         s->open = moept__alloc(NULL, sizeof(moept_st_file *));
-        if (!s->files || !s->open) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
+        if (!s->files || !s->open)
+            return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
         s->files[0] = "model.safetensors";
         s->open[0] = NULL;
         s->nfiles = 1;
@@ -5604,7 +5854,10 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: larger than %d bytes", path, MOEPT__ST_MAX_HEADER);
     }
     s->json = moept__alloc(NULL, (size_t)n + 1);
-    if (!s->json) { close(fd); return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path); }
+    if (!s->json) {
+        close(fd);
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    }
     int ok = moept__pread_all(fd, s->json, n, 0);
     close(fd);
     if (!ok) return moept__thread_fail(MOEPT_ERR_IO, "%s: read failed", path);
@@ -5616,12 +5869,14 @@ static moept_status moept__hf_open(const char *dir, moept__hf_src *s, int64_t *b
     s->names = moept__alloc(NULL, (size_t)cap * sizeof(char *));
     s->file_of = moept__alloc(NULL, (size_t)cap * sizeof(int64_t));
     s->files = moept__alloc(NULL, (size_t)cap * sizeof(char *));
-    if (!s->names || !s->file_of || !s->files) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    if (!s->names || !s->file_of || !s->files)
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     moept__json j = {s->json, s->json + n, NULL};
     int have_map = 0;
     int64_t m = 0, e;
     char *k, *name, *file;
-#define MOEPT__IFAIL(what) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: %s (%s)", path, what, j.err ? j.err : "syntax")
+#define MOEPT__IFAIL(what) \
+    return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: %s (%s)", path, what, j.err ? j.err : "syntax")
     while (moept__jmember(&j, &m, &k)) {
         if (strcmp(k, "weight_map") != 0) {
             if (!moept__jvalue(&j, 1, NULL)) break;
@@ -5656,7 +5911,8 @@ static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char
     if (s->json) { /* an index: its weight_map (even an empty one) says where, not the single file */
         int64_t i = 0;
         while (i < s->nnames && strcmp(s->names[i], name) != 0) i++;
-        if (i == s->nnames) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: '%s' is not in the weight_map", dir, name);
+        if (i == s->nnames)
+            return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: '%s' is not in the weight_map", dir, name);
         fi = s->file_of[i];
     }
     if (!s->open[fi]) {
@@ -5697,8 +5953,10 @@ static moept_status moept__hf_fp8_block(const char *dir, int64_t blk[2]) {
                 ok = moept__jvalue(&j, 1, NULL);
         }
         if (!ok || j.err)
-            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\": weight_block_size must be "
-                                    "[rows, cols] (positive integers)", path);
+            st = moept__thread_fail(MOEPT_ERR_FORMAT,
+                                    "%s: key \"quantization_config\": weight_block_size must be "
+                                    "[rows, cols] (positive integers)",
+                                    path);
     }
     moept__hf_free(h);
     return st;
@@ -5713,15 +5971,17 @@ static moept_status moept__hf_fp8_scale(const char *dir, moept__hf_src *src, con
     moept_st_file *f = NULL;
     const moept_st_tensor *t = NULL;
     moept_status st = moept__hf_find(dir, src, sname, &f, &t, bytes);
-    if (st) return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: FP8 tensor '%s' has no '%s'", dir, name, sname);
+    if (st)
+        return moept__thread_fail(MOEPT_ERR_NOT_FOUND, "%s: FP8 tensor '%s' has no '%s'", dir, name, sname);
     /* ceil(rows / br) as rows / br + remainder: br comes from config.json, up to 2^63 - 1 */
     const int64_t br = src->fp8_block[0], bc = src->fp8_block[1];
     const int64_t sr = rows / br + (rows % br != 0), sc = cols / bc + (cols % bc != 0);
     if (t->ndim != 2 || t->shape[0] != sr || t->shape[1] != sc || (t->dtype != MOEPT_DTYPE_F32 &&
                                                                    t->dtype != MOEPT_DTYPE_BF16))
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: '%s' must be F32 or BF16 [%lld, %lld] (blocks of %lld x "
-                                  "%lld: config.json's quantization_config.weight_block_size)", dir, sname,
-                                  (long long)sr, (long long)sc, (long long)br, (long long)bc);
+        return moept__thread_fail(MOEPT_ERR_FORMAT,
+                                  "%s: '%s' must be F32 or BF16 [%lld, %lld] (blocks of %lld x "
+                                  "%lld: config.json's quantization_config.weight_block_size)",
+                                  dir, sname, (long long)sr, (long long)sc, (long long)br, (long long)bc);
     float *scale = moept__alloc(NULL, (size_t)(sr * sc) * sizeof(float));
     if (!scale) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
     int64_t before = f->bytes_read;
@@ -5751,8 +6011,9 @@ static moept_status moept__hf_read_one(const char *dir, moept__hf_src *src, cons
                                   (long long)p->rows, (long long)p->cols);
     if (t->dtype != MOEPT_DTYPE_F32 && t->dtype != MOEPT_DTYPE_BF16 && t->dtype != MOEPT_DTYPE_F16 &&
         t->dtype != MOEPT_DTYPE_F8_E4M3)
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: tensor '%s' is %s; F32, BF16, F16 or F8_E4M3 expected",
-                                  dir, name, moept__dtype_name(t->dtype));
+        return moept__thread_fail(MOEPT_ERR_FORMAT,
+                                  "%s: tensor '%s' is %s; F32, BF16, F16 or F8_E4M3 expected", dir, name,
+                                  moept__dtype_name(t->dtype));
     int64_t before = f->bytes_read;
     st = moept_st_read_f32(f, t, dst, p->rows * p->cols);
     *bytes += f->bytes_read - before;
@@ -5760,8 +6021,8 @@ static moept_status moept__hf_read_one(const char *dir, moept__hf_src *src, cons
         st = moept__hf_fp8_scale(dir, src, name, p->rows, p->cols, dst, bytes);
     for (int64_t k = 0; !st && k < p->rows * p->cols; k++)
         if (!moept__finite(dst[k]))
-            st = moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: tensor '%s' element %lld is not finite", dir, name,
-                                    (long long)k);
+            st = moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: tensor '%s' element %lld is not finite", dir,
+                                    name, (long long)k);
     return st;
 }
 
@@ -5864,7 +6125,8 @@ static uint16_t *moept__hf_low(const moept_layer *L, int with_replicated, moept_
         const moept__param *p = &L->par.table[i];
         if (p->expert < 0 && !with_replicated) continue;
         for (int64_t k = 0; k < p->rows * p->cols; k++)
-            *o++ = dtype == MOEPT_DTYPE_BF16 ? moept__f32_to_bf16(p->data[k]) : moept__f32_to_half(p->data[k]);
+            *o++ =
+                dtype == MOEPT_DTYPE_BF16 ? moept__f32_to_bf16(p->data[k]) : moept__f32_to_half(p->data[k]);
     }
     return low;
 }
@@ -5872,10 +6134,15 @@ static uint16_t *moept__hf_low(const moept_layer *L, int with_replicated, moept_
 moept_status moept_save_hf_as(moept_layer *L, const char *path, int64_t layer_index, int with_replicated,
                               moept_dtype dtype) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: layer is NULL");
-    if (!path || layer_index < 0) return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: bad path or layer index");
+    if (!path || layer_index < 0)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: bad path or layer index");
     if (dtype != MOEPT_DTYPE_F32 && dtype != MOEPT_DTYPE_BF16 && dtype != MOEPT_DTYPE_F16)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: dtype %d is not F32, BF16 or F16", (int)dtype);
-    if (L->fsdp) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_save_hf: not in fsdp mode (the expert-parallel layer is the one that saves, loads and reshards)");
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_save_hf: dtype %d is not F32, BF16 or F16",
+                           (int)dtype);
+    if (L->fsdp)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED,
+                           "moept_save_hf: not in fsdp mode (the expert-parallel layer is the one that "
+                           "saves, loads and reshards)");
     MOEPT__HOST_SYNC(L, 1, 0);
     char prefix[128], name[256];
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
@@ -5922,7 +6189,9 @@ static const char *moept__param_of(const moept_layer *L, int64_t i) {
 static moept_status moept__cpu_adamw_ready(moept_layer *L) {
     if (L->opt.m) return MOEPT_OK;
     float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
-    if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_adamw_step: out of memory for the optimizer state");
+    if (!s)
+        return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY,
+                           "moept_adamw_step: out of memory for the optimizer state");
     memset(s, 0, (size_t)(2 * L->par.n_params) * sizeof(float));
     L->opt.m = s; L->opt.v = s + L->par.n_params;
     return MOEPT_OK;
@@ -5962,8 +6231,10 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     else local = moept__grads_refused(L, "moept_adamw_step");
     if (!local) local = L->ex->grad_scan(L, NULL, &bad); /* NULL: the executor may keep what it found */
     if (!local && bad >= 0)
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_adamw_step: the gradient of '%s' is not finite (flat "
-                            "element %lld); nothing changed", moept__param_of(L, bad), (long long)bad);
+        local = moept__fail(L, MOEPT_ERR_NUMERIC,
+                            "moept_adamw_step: the gradient of '%s' is not finite (flat "
+                            "element %lld); nothing changed",
+                            moept__param_of(L, bad), (long long)bad);
     if (!local) local = MOEPT__EX(L, adamw_ready, L);
     moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
                                               moept__fnv_f32((const float[5]){lr, b1, b2, eps, wd}, 5));
@@ -6046,15 +6317,17 @@ static void moept__cuda_host_wrote(moept_layer *L, int what) {
     moept__cudax *X = MOEPT__CX(L);
     if (what & MOEPT__HOST_PARAMS) X->params = MOEPT__HOST_NEWER;
     if (what & MOEPT__HOST_GRADS) X->grads = MOEPT__HOST_NEWER;
-    if (what & MOEPT__HOST_OPT) X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
+    if (what & MOEPT__HOST_OPT)
+        X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
 }
 
 static moept_status moept__to_device(moept_layer *L) {
     moept__cudax *X = MOEPT__CX(L);
     int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER;
     if (!p && !g) return MOEPT_OK;
-    moept_status st = moept__cuda_upload(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL,
-                                         p ? L->par.bias : NULL, p ? L->plan.slot_of : NULL, moept__thread_err);
+    moept_status st =
+        moept__cuda_upload(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL, p ? L->par.bias : NULL,
+                           p ? L->plan.slot_of : NULL, moept__thread_err);
     if (st) return st;
     if (p) X->params = MOEPT__SAME;
     if (g) X->grads = MOEPT__SAME;
@@ -6211,8 +6484,8 @@ static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
     moept__cudax *X = MOEPT__CX(L);
     if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, L->ws.dwts, moept__thread_err);
     if (X->routing_on_host) return MOEPT_OK;
-    moept_status st = moept__cuda_download_routing(X->c, L->fwd.ids[L->fwd.cur], L->fwd.wts[L->fwd.cur], L->fwd.logits[L->fwd.cur],
-                                                   NULL, moept__thread_err);
+    moept_status st = moept__cuda_download_routing(X->c, L->fwd.ids[L->fwd.cur], L->fwd.wts[L->fwd.cur],
+                                                   L->fwd.logits[L->fwd.cur], NULL, moept__thread_err);
     if (!st) X->routing_on_host = 1;
     return st;
 }
@@ -6350,8 +6623,10 @@ static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *
     int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
     if (st) return moept__thread_fail(st, "%s", err);
     if (ast) return moept__thread_fail(ast, "moept_create_cuda: failure agreement failed");
-    if (failed) return moept__thread_fail(MOEPT_ERR_DEVICE, "moept_create_cuda: another rank failed to set up "
-                                          "its device");
+    if (failed)
+        return moept__thread_fail(MOEPT_ERR_DEVICE,
+                                  "moept_create_cuda: another rank failed to set up "
+                                  "its device");
     return MOEPT_OK;
 }
 
@@ -6370,7 +6645,8 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
     if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
     if (bad) return moept__thread_fail(why_st, "%s", why);
     if (failed)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: another rank's options were "
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                  "moept_create_cuda: another rank's options were "
                                   "rejected");
     int64_t block_tokens;
     if ((st = moept__cuda_options_agree(ep, dp, &o, cfg, &block_tokens))) return st;
@@ -6394,7 +6670,8 @@ moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_co
                                const moept_cuda_options *opt, moept_layer **out) {
     (void)cfg; (void)ep; (void)dp; (void)opt;
     if (out) *out = NULL;
-    return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: moept.c was built without MOEPT_CUDA");
+    return moept__thread_fail(MOEPT_ERR_UNSUPPORTED,
+                              "moept_create_cuda: moept.c was built without MOEPT_CUDA");
 }
 
 int moept_cuda_device_count(void) { return 0; }
@@ -6403,7 +6680,8 @@ int moept_cuda_device_count(void) { return 0; }
 moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, int64_t *numel) {
     if (!L || !params || !grads || !numel)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params: NULL argument");
-    if (!L->ex->device_params) return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params: not a CUDA layer");
+    if (!L->ex->device_params)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params: not a CUDA layer");
     moept_status st = L->ex->device_params(L, params, grads);
     if (!st) *numel = L->par.n_params;
     return st;
@@ -6484,7 +6762,8 @@ static moept_status moept__ckpt_write_rank(const moept_layer *L, const char *set
     if (!st) st = moept_st_add_meta(w, "format", "moept-train-v1");
     if (!st) st = moept_st_add_meta(w, "step", step);
     if (!st) st = moept_st_add_meta(w, "fingerprint", fp);
-    if (!st && snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", set, L->rank, L->P) >= (int)sizeof path)
+    if (!st &&
+        snprintf(path, sizeof path, "%s/rank-%d-of-%d.safetensors", set, L->rank, L->P) >= (int)sizeof path)
         st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: path too long", set);
     if (!st) st = moept_st_write(w, path);
     moept_st_writer_destroy(w);
@@ -6567,8 +6846,10 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     if (!dir || strlen(dir) > 3000)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: dir is %s", call, dir ? "too long" : "NULL");
     else if (L->fsdp)
-        local = moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s: not in fsdp mode (the expert-parallel layer is the "
-                            "one that saves, loads and reshards)", call);
+        local = moept__fail(L, MOEPT_ERR_UNSUPPORTED,
+                            "%s: not in fsdp mode (the expert-parallel layer is the "
+                            "one that saves, loads and reshards)",
+                            call);
     else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK)
         local = moept__opt_to_host(L);
     /* nothing is made before the ranks agree, on the directory too */
@@ -6588,9 +6869,10 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     else if (writer && (local = moept__ckpt_write_rank(L, path, fp, step)))
         local = moept__fail(L, local, "%s: %s", call, moept__thread_err);
     if (!(st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_FILES, 0)) && root) {
-        snprintf(meta, sizeof meta, "{\"format\": \"moept-train-v1\", \"num_experts\": %lld, \"ep_size\": %d, "
-                 "\"fingerprint\": \"%s\", \"step\": %s, \"set\": \"%s\"}\n", (long long)L->E, L->P, fp, step,
-                 set);
+        snprintf(meta, sizeof meta,
+                 "{\"format\": \"moept-train-v1\", \"num_experts\": %lld, \"ep_size\": %d, "
+                 "\"fingerprint\": \"%s\", \"step\": %s, \"set\": \"%s\"}\n",
+                 (long long)L->E, L->P, fp, step, set);
         moept__text t = {meta};
         snprintf(path, sizeof path, "%s/index.json", dir);
         if ((local = moept__atomic_write(path, moept__text_emit, &t))) /* <- the commit */
@@ -6626,7 +6908,8 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
     close(fd);
     if (!got) {
         MOEPT_FREE(buf);
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", path, MOEPT__INDEX_MAX);
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: empty, unreadable or over %d bytes", path,
+                                  MOEPT__INDEX_MAX);
     }
     buf[size] = 0;
     *ep = *step = -1;
@@ -6655,8 +6938,10 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
     }
     ok = ok && !j.err;
     MOEPT_FREE(buf);
-    if (!ok || *ep < 1 || !fp[0]) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a moept checkpoint index", path);
-    if (!set_ok) return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: \"set\" is not a set directory's name", path);
+    if (!ok || *ep < 1 || !fp[0])
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: not a moept checkpoint index", path);
+    if (!set_ok)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: \"set\" is not a set directory's name", path);
     return MOEPT_OK;
 }
 
@@ -6673,8 +6958,8 @@ static int64_t moept__ckpt_source(const moept_layer *L, const char *dir, const m
         int64_t r = k == 0 ? guess : k - 1;
         if (k > 0 && r == guess) continue;
         if (!files[r]) {
-            if (snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)r, (long long)P) >=
-                (int)sizeof path) {
+            if (snprintf(path, sizeof path, "%s/rank-%lld-of-%lld.safetensors", dir, (long long)r,
+                         (long long)P) >= (int)sizeof path) {
                 *st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: path too long", dir);
                 return -1;
             }
@@ -6708,12 +6993,14 @@ static moept_status moept__ckpt_verify(const moept_st_file *f, const char *dir, 
     const char *want = moept_st_meta(f, key);
     snprintf(sum, sizeof sum, "%016llx", (unsigned long long)moept__checksum(v, n));
     if (want && strcmp(want, sum) != 0)
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: rank %lld's tensor '%s' fails its checksum (%s, saved "
-                                  "%s): the file is corrupt", dir, (long long)src, name, sum, want);
+        return moept__thread_fail(MOEPT_ERR_FORMAT,
+                                  "%s: rank %lld's tensor '%s' fails its checksum (%s, saved "
+                                  "%s): the file is corrupt",
+                                  dir, (long long)src, name, sum, want);
     for (int64_t i = 0; i < n; i++)
         if (!moept__finite(v[i]) || (second_moment && v[i] < 0.0f))
-            return moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: rank %lld's tensor '%s' element %lld is %s", dir,
-                                      (long long)src, name, (long long)i,
+            return moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: rank %lld's tensor '%s' element %lld is %s",
+                                      dir, (long long)src, name, (long long)i,
                                       moept__finite(v[i]) ? "negative" : "not finite");
     return MOEPT_OK;
 }
@@ -6735,7 +7022,8 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     if (P > L->E || L->E % P != 0)
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: EP size %lld does not divide E=%lld", dir,
                                   (long long)P, (long long)L->E);
-    if (snprintf(base, sizeof base, "%s%s%s", dir, set[0] ? "/" : "", set) >= (int)sizeof base) /* the index's set */
+    if (snprintf(base, sizeof base, "%s%s%s", dir, set[0] ? "/" : "", set) >=
+        (int)sizeof base) /* the index's set */
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: path too long", dir);
     moept_st_file **files = moept__alloc(NULL, (size_t)P * sizeof *files);
     if (!files) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory");
@@ -6746,7 +7034,8 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
         const moept__param *p = &L->par.table[i];
         int64_t src = moept__ckpt_source(L, base, p, P, files, fp, t, bytes, &st);
         if (src < 0) break;
-        int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->par.params, cnt = p->rows * p->cols;
+        int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->par.params,
+                cnt = p->rows * p->cols;
         for (int k = 0; k < (p->grad && *t > 0 ? 3 : 1) && !st; k++) {
             if (k == 0) snprintf(name, sizeof name, "%s", p->name);
             else snprintf(name, sizeof name, "optimizer.%c.%s", k == 1 ? 'm' : 'v', p->name);
@@ -6766,8 +7055,9 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     for (int64_t r = 0; r < P; r++) moept_st_close(files[r]);
     MOEPT_FREE(files);
     if (!st && istep >= 0 && *t != istep) /* an edited index, or an older flat checkpoint's torn save */
-        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: the rank files are of step %lld, index.json of step %lld", base,
-                                *t, (long long)istep);
+        st = moept__thread_fail(MOEPT_ERR_FORMAT,
+                                "%s: the rank files are of step %lld, index.json of step %lld", base, *t,
+                                (long long)istep);
     return st;
 }
 
@@ -6819,7 +7109,8 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
    Placement and resharding
    ------------------------------------------------------------------------ */
 moept_status moept_get_placement(const moept_layer *L, int32_t *rank_of) {
-    if (!L || !rank_of) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_placement: NULL argument");
+    if (!L || !rank_of)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_placement: NULL argument");
     for (int64_t e = 0; e < L->E; e++) rank_of[e] = (int32_t)(L->plan.slot_of[e] / L->El);
     return MOEPT_OK;
 }
@@ -6870,7 +7161,8 @@ static void moept__reshard_plan(const moept_layer *L, const int32_t *new_rank, i
                                 int32_t *in, int64_t *rounds, int64_t *moved) {
     const int64_t E = L->E, El = L->El;
     *rounds = *moved = 0;
-    for (int64_t e = 0; e < E; e++) nslot[e] = new_rank[e] == L->plan.slot_of[e] / El ? L->plan.slot_of[e] : -1;
+    for (int64_t e = 0; e < E; e++)
+        nslot[e] = new_rank[e] == L->plan.slot_of[e] / El ? L->plan.slot_of[e] : -1;
     for (int64_t r = 0; r < L->P; r++) {
         int64_t no, ni;
         moept__reshard_lists(L, new_rank, r, out, &no, in, &ni);
@@ -6930,7 +7222,8 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not in fsdp mode (the expert-parallel "
                            "layer is the one that saves, loads and reshards)");
     char why[MOEPT__ERRLEN];
-    if (moept__ex_refuse(L->ex, MOEPT__CAN_RESHARD, "moept_reshard", why)) /* save, and load at the new placement */
+    if (moept__ex_refuse(L->ex, MOEPT__CAN_RESHARD, "moept_reshard",
+                         why)) /* save, and load at the new placement */
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s", why);
     const int64_t E = L->E, El = L->El, P = L->P, me = L->rank;
     moept_status local = MOEPT_OK, st;
@@ -6956,7 +7249,10 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
         local = moept__reshard_rounds(L, new_rank, out, nout, in, nin, rounds, stage, pos, &sent, &recvd);
     }
     if (!local) {
-        for (int64_t e = 0; e < E; e++) { L->plan.slot_of[e] = nslot[e]; L->plan.expert_at[nslot[e]] = (int32_t)e; }
+        for (int64_t e = 0; e < E; e++) {
+            L->plan.slot_of[e] = nslot[e];
+            L->plan.expert_at[nslot[e]] = (int32_t)e;
+        }
         moept__build_table(L);
         if (L->par.grads) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
         L->fwd.valid = 0; /* the saved forward's plan used the old placement */

@@ -1495,8 +1495,8 @@ static inline int moept__overlaps(const void *a, const void *b, size_t n) {
     return n > 0 && x < y + n && y < x + n;
 }
 /* both executors' message for dx overlapping x (moept.h's contract) */
-#define MOEPT__DX_ALIAS "moept_backward: dx overlaps x (dx may alias dy, not x: the weight gradients read x " \
-                        "after dx is written)"
+#define MOEPT__DX_ALIAS "moept_backward: dx overlaps x (dx may alias dy, not x: the weight gradients " \
+                        "read x after dx is written)"
 
 /* Per-expert capacity of a step of T tokens (cf > 0; else -1: dropless):
    ceil(cf T K / E), computed in double and capped at T K (no expert can

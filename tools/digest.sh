@@ -27,4 +27,7 @@ make -s "$B/train" >/dev/null && for o in "--ep 1" "--ep 2"; do table "cpu train
 for o in "--ep 1" "--ep 2" "--ep 4" "--ep 2 --sync-free" "--ep 2 --chunks 3"; do
     run "emu $o" "$emu" $o
 done
-make -s "$B/emu/train" >/dev/null 2>&1 && table "emu train --ep 1" "$B/emu/train" --ep 1 && table "emu train --bf16" "$B/emu/train" --bf16
+if make -s "$B/emu/train" >/dev/null 2>&1; then
+    table "emu train --ep 1" "$B/emu/train" --ep 1
+    table "emu train --bf16" "$B/emu/train" --bf16
+fi
