@@ -1,6 +1,40 @@
 /* moept.c - implementation of moept.h (see the top of moept.h).
-   One C11 translation unit: config validation, routing, the step plan, the
-   CPU executor, GEMM, safetensors reading. */
+   One C11 translation unit. Its sections, in order (the data's: a layer
+   is made, its calls agree, its steps run stage by stage, its parameters
+   are trained, its state goes to files):
+
+     The team on a busy machine     OpenMP team cap from the scheduler's delay
+     Errors and allocation          the one error channel; counted allocations
+     GEMM descriptor                the builtin GEMM (packed micro-kernels) or CBLAS
+     The executor interface         moept__exec, capability bits, the one refusal
+     The layer                      its state by concern, config, create, parameters
+     Agreement                      call tags and argument fingerprints, agreed
+     The steps' parallel loops      MOEPT__PAR
+     The experts' FFN               activations and grouped GEMMs, both directions
+     The exchange                   all-to-all-v, and the direct (shared-memory) path
+     FSDP                           gather the experts, reduce-scatter their gradients
+     The shared expert              and the combine
+     Chunked overlap                the pipeline of both directions
+     Checks and jitter              agreed finite outputs; the router's noise
+     Forward                        checks -> route -> count -> exchange_counts ->
+                                    agree_growth -> commit -> losses -> plan ->
+                                    dispatch -> experts -> combine
+     Backward                       agree -> combine' -> experts' -> router' -> dx
+     Gradients, statistics          sync_grads, grad_norm, update_bias, routing
+     AdamW
+     Executor glue                  the CPU executor's table; the CUDA executor's
+                                    (its state, host copies, create): the only
+                                    #ifdef MOEPT_CUDA in this file
+     Communication backends         threads, MPI
+     JSON                           strict RFC 8259, one object iterator
+     safetensors                    the reader, then the writer
+     Hugging Face checkpoints       config.json, weights in and out
+     Training checkpoints           the own format: staged, agreed, committed
+     Placement and resharding
+
+   The stage map (each stage's function here and in moept_kernels.cu, one
+   name and one meaning in both) is at the top of moept_kernels.cu and in
+   docs/DESIGN.md. */
 #if !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -676,24 +710,6 @@ static void moept__gemm_run(const moept__gemm *gs, int64_t count,
 }
 
 /* ------------------------------------------------------------------------
-   The layer
-   ------------------------------------------------------------------------ */
-typedef enum moept__ptype {
-    MOEPT__P_ROUTER, MOEPT__P_BIAS, MOEPT__P_GATE, MOEPT__P_UP, MOEPT__P_DOWN,
-    MOEPT__P_SGATE_PROJ, MOEPT__P_SUP, MOEPT__P_SDOWN, MOEPT__P_SGATE
-} moept__ptype;
-
-typedef struct moept__param {
-    char name[64];
-    moept__ptype type;
-    int64_t expert;        /* global expert id for expert weights, else -1 */
-    int64_t rows, cols;    /* logical HF shape [rows][cols] */
-    float *data;           /* first row; rows are `stride` floats apart */
-    float *grad;           /* NULL: no gradient (the bias) */
-    int64_t flat;          /* fsdp: offset in the full expert space (data, grad NULL); else -1 */
-} moept__param;
-
-/* ------------------------------------------------------------------------
    The executor interface
    ------------------------------------------------------------------------ */
 /* An executor runs a layer's steps: the CPU executor (moept__cpu_exec) from
@@ -769,6 +785,24 @@ static moept_status moept__ex_refuse_config(const moept__exec *ex, const moept_c
         if (need[i]) st = moept__ex_refuse(ex, cap[i], call, why);
     return st;
 }
+
+/* ------------------------------------------------------------------------
+   The layer: its state, config, create and parameters
+   ------------------------------------------------------------------------ */
+typedef enum moept__ptype {
+    MOEPT__P_ROUTER, MOEPT__P_BIAS, MOEPT__P_GATE, MOEPT__P_UP, MOEPT__P_DOWN,
+    MOEPT__P_SGATE_PROJ, MOEPT__P_SUP, MOEPT__P_SDOWN, MOEPT__P_SGATE
+} moept__ptype;
+
+typedef struct moept__param {
+    char name[64];
+    moept__ptype type;
+    int64_t expert;        /* global expert id for expert weights, else -1 */
+    int64_t rows, cols;    /* logical HF shape [rows][cols] */
+    float *data;           /* first row; rows are `stride` floats apart */
+    float *grad;           /* NULL: no gradient (the bias) */
+    int64_t flat;          /* fsdp: offset in the full expert space (data, grad NULL); else -1 */
+} moept__param;
 
 /* The layer's state, grouped by concern as llm.c groups its tensors: the
    parameters, the committed forward the backward differentiates, the plan
@@ -1936,7 +1970,105 @@ static void moept__host_wrote(moept_layer *L, int params, int grads) {
 }
 
 /* ------------------------------------------------------------------------
-   Forward
+   Agreement: every group call agrees before it acts (moept.h's table of group
+   calls), so one rank's error is every rank's and no rank waits alone
+   ------------------------------------------------------------------------ */
+/* The call's tag in the agreement: its id (moept.h's table of group calls)
+   and the layer's count of agreed calls (12 bits), so ranks that make
+   different calls, or one call more, are told apart instead of running into
+   each other's collectives. */
+static int64_t moept__call_tag(const moept_layer *L, int call) {
+    return (int64_t)call << 12 | (L->agreed_calls & 0xfff);
+}
+
+/* FNV-1a over n bytes, from h (MOEPT__FNV0 to start): arguments' fingerprints */
+#define MOEPT__FNV0 14695981039346656037ull
+static uint64_t moept__fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* the fingerprint of n floats' values (-0 as +0: the same value) */
+static uint64_t moept__fnv_f32(const float *v, int n) {
+    uint64_t h = MOEPT__FNV0;
+    for (int i = 0; i < n; i++) {
+        float x = v[i] + 0.0f;
+        h = moept__fnv(h, &x, sizeof x);
+    }
+    return h;
+}
+
+/* A directory argument's fingerprint: the path as realpath resolves it
+   (the same directory named two ways is the same), as given where it does
+   not resolve (not made yet) */
+char *realpath(const char *restrict path, char *restrict resolved); /* POSIX.1-2008 (glibc: XOPEN only) */
+static uint64_t moept__fnv_dir(const char *dir) {
+    if (!dir) return 0;
+#ifdef PATH_MAX
+    char real[PATH_MAX];
+    if (realpath(dir, real)) dir = real;
+#endif
+    return moept__fnv(MOEPT__FNV0, dir, strlen(dir));
+}
+
+/* One group's agreement: [failed, calls differ, arguments differ] (out:
+   summed over the group) and, to compare, tag, tag^2 and each 16-bit piece
+   a of args with a^2. A value is the same on every rank iff its sum is size
+   * value and its square's size * value^2 (the squared deviations sum to
+   0; no term overflows below 2^23 ranks). The three counts carry into the
+   next group's agreement, so after EP then DP every rank of the layout
+   knows of a difference in any group. */
+#define MOEPT__AGREE_N 13
+static moept_status moept__agree_group(moept_comm *c, int64_t *n, int64_t tag, uint64_t args) {
+    if (!c || c->size <= 1) return MOEPT_OK;
+    int64_t s[MOEPT__AGREE_N] = {n[0], n[1], n[2], tag, tag * tag}, mine[MOEPT__AGREE_N];
+    for (int i = 0; i < 4; i++) {
+        int64_t a = (int64_t)(args >> (16 * i) & 0xffff);
+        s[5 + 2 * i] = a;
+        s[6 + 2 * i] = a * a;
+    }
+    memcpy(mine, s, sizeof s);
+    moept_status st = c->allreduce(c, s, MOEPT__AGREE_N, MOEPT_DTYPE_I64);
+    if (st) return st;
+    memcpy(n, s, 3 * sizeof(int64_t));
+    n[1] += s[3] != c->size * mine[3] || s[4] != c->size * mine[4];
+    for (int i = 5; i < MOEPT__AGREE_N; i++) n[2] += s[i] != c->size * mine[i];
+    return MOEPT_OK;
+}
+
+/* A group call's outcome, agreed before it acts: a peer making another
+   call, this rank's rejection (`local`, its message already the thread's),
+   any peer's, or arguments that differ between ranks (args: their
+   fingerprint, 0 for a call without any that must match) fails every rank
+   of grp and dp, and nobody leaves a peer waiting in a collective. */
+static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
+                                      int call, uint64_t args) {
+    const char *name = moept__calls[call].name;
+    int64_t n[3] = {local != MOEPT_OK, 0, 0}, tag = moept__call_tag(L, call);
+    moept_status cst = moept__agree_group(grp, n, tag, args);
+    if (!cst) cst = moept__agree_group(dp, n, tag, args);
+    if (cst)
+        return moept__fail(L, cst, "%s: agreement failed: %s", name,
+                           grp && grp->err[0] ? grp->err : dp ? dp->err : "");
+    L->agreed_calls++;
+    if (n[1])
+        return moept__fail(L, MOEPT_ERR_STATE,
+                           "%s: the ranks' call sequences differ (another rank made another "
+                           "group call here); nothing changed",
+                           name);
+    if (local) return local;
+    if (n[0]) /* (a peer's own rejection explains its arguments too) */
+        return moept__fail(L, MOEPT_ERR_STATE, "%s: %lld other rank(s) rejected the call; nothing changed",
+                           name, (long long)n[0]);
+    if (n[2])
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: the ranks passed different %s (every rank "
+                           "must pass the same); nothing changed", name, moept__calls[call].args);
+    return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   The steps' parallel loops
    ------------------------------------------------------------------------ */
 #ifdef _OPENMP
 #define MOEPT__TID omp_get_thread_num()
@@ -1971,6 +2103,9 @@ static int moept__all_zero(const float *v, int64_t n) {
     return 1;
 }
 
+/* ------------------------------------------------------------------------
+   The experts' FFN, both directions: activations and grouped GEMMs
+   ------------------------------------------------------------------------ */
 /* The gated SiLU rows (every family's default) a vector at a time (8 lanes
    with AVX, else 4) in GCC/clang vector types: gcc's -O2 cost model leaves
    the scalar loops of moept.h unvectorised (they need an epilogue, and the
@@ -2117,6 +2252,9 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     moept__gemm_run(gd, n, &L->ws.gws);
 }
 
+/* ------------------------------------------------------------------------
+   The exchange and the direct (shared-memory) path
+   ------------------------------------------------------------------------ */
 #ifdef _OPENMP
 static double moept__now(void) { return omp_get_wtime(); }
 #else
@@ -2247,6 +2385,9 @@ static moept_status moept__world_sum(moept_layer *L, void *buf, int64_t n, moept
     return st;
 }
 
+/* ------------------------------------------------------------------------
+   FSDP: the experts gathered, their gradients reduce-scattered
+   ------------------------------------------------------------------------ */
 /* fsdp: all-gather of every rank's flat shard into the full experts. */
 static moept_status moept__fsdp_gather(moept_layer *L) {
     double t0 = moept__now();
@@ -2292,6 +2433,9 @@ static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, in
     for (int64_t i = a; i < b; i++) L->fs.w[i - lo] = src[i - flat];
 }
 
+/* ------------------------------------------------------------------------
+   The shared expert and the combine
+   ------------------------------------------------------------------------ */
 /* The packed rows of a padded step's shared expert: its unmasked tokens
    (ids -1: padding), their x rows into L->xsh; returns how many. */
 static int64_t moept__shared_pack(moept_layer *L, const float *x, int64_t T) {
@@ -2370,8 +2514,10 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
     }
 }
 
-/* ---- chunked overlap ----------------------------------------------------
-   The step's tokens split into C contiguous chunks (chunk c = tokens
+/* ------------------------------------------------------------------------
+   Chunked overlap: the pipeline of both directions
+   ------------------------------------------------------------------------ */
+/* The step's tokens split into C contiguous chunks (chunk c = tokens
    [c T / C, (c+1) T / C)). The plan is a stable sort by slot, so a chunk's
    rows of each slot are a contiguous part of that slot's rows, and on the
    expert side a chunk's rows from source p for expert j are a contiguous part
@@ -2587,6 +2733,9 @@ static moept_status moept__backward_chunked(moept_layer *L) {
     return moept__pipeline(L, &p);
 }
 
+/* ------------------------------------------------------------------------
+   Checks (finite outputs, agreed) and the router's jitter
+   ------------------------------------------------------------------------ */
 /* One pass over x [n] (blocks in parallel, each read once while in cache):
    the first non-finite element (-1 if none) and a fingerprint of every
    element, the block hashes combined by XOR after mixing in each block's
@@ -2686,6 +2835,9 @@ static void moept__jitter_apply(const moept_layer *L, uint64_t key, const float 
     }
 }
 
+/* ------------------------------------------------------------------------
+   Forward: its stages (the stage map in docs/DESIGN.md)
+   ------------------------------------------------------------------------ */
 /* 1. this rank's argument checks and x's scan (finite; its fingerprint) */
 static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
     const int64_t T = f->T, D = L->D;
@@ -3137,7 +3289,7 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
 }
 
 /* ------------------------------------------------------------------------
-   Backward
+   Backward: its stages, as the forward's
    ------------------------------------------------------------------------ */
 /* Finite dy that gives a non-finite dx (an overflow in the backward): the
    step fails on every rank of the group, its statistics as they were. The
@@ -3389,102 +3541,8 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
 }
 
 /* ------------------------------------------------------------------------
-   Gradient reduction and norm
+   Gradients, statistics and routing read back
    ------------------------------------------------------------------------ */
-/* The call's tag in the agreement: its id (moept.h's table of group calls)
-   and the layer's count of agreed calls (12 bits), so ranks that make
-   different calls, or one call more, are told apart instead of running into
-   each other's collectives. */
-static int64_t moept__call_tag(const moept_layer *L, int call) {
-    return (int64_t)call << 12 | (L->agreed_calls & 0xfff);
-}
-
-/* FNV-1a over n bytes, from h (MOEPT__FNV0 to start): arguments' fingerprints */
-#define MOEPT__FNV0 14695981039346656037ull
-static uint64_t moept__fnv(uint64_t h, const void *p, size_t n) {
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
-
-/* the fingerprint of n floats' values (-0 as +0: the same value) */
-static uint64_t moept__fnv_f32(const float *v, int n) {
-    uint64_t h = MOEPT__FNV0;
-    for (int i = 0; i < n; i++) {
-        float x = v[i] + 0.0f;
-        h = moept__fnv(h, &x, sizeof x);
-    }
-    return h;
-}
-
-/* A directory argument's fingerprint: the path as realpath resolves it
-   (the same directory named two ways is the same), as given where it does
-   not resolve (not made yet) */
-char *realpath(const char *restrict path, char *restrict resolved); /* POSIX.1-2008 (glibc: XOPEN only) */
-static uint64_t moept__fnv_dir(const char *dir) {
-    if (!dir) return 0;
-#ifdef PATH_MAX
-    char real[PATH_MAX];
-    if (realpath(dir, real)) dir = real;
-#endif
-    return moept__fnv(MOEPT__FNV0, dir, strlen(dir));
-}
-
-/* One group's agreement: [failed, calls differ, arguments differ] (out:
-   summed over the group) and, to compare, tag, tag^2 and each 16-bit piece
-   a of args with a^2. A value is the same on every rank iff its sum is size
-   * value and its square's size * value^2 (the squared deviations sum to
-   0; no term overflows below 2^23 ranks). The three counts carry into the
-   next group's agreement, so after EP then DP every rank of the layout
-   knows of a difference in any group. */
-#define MOEPT__AGREE_N 13
-static moept_status moept__agree_group(moept_comm *c, int64_t *n, int64_t tag, uint64_t args) {
-    if (!c || c->size <= 1) return MOEPT_OK;
-    int64_t s[MOEPT__AGREE_N] = {n[0], n[1], n[2], tag, tag * tag}, mine[MOEPT__AGREE_N];
-    for (int i = 0; i < 4; i++) {
-        int64_t a = (int64_t)(args >> (16 * i) & 0xffff);
-        s[5 + 2 * i] = a;
-        s[6 + 2 * i] = a * a;
-    }
-    memcpy(mine, s, sizeof s);
-    moept_status st = c->allreduce(c, s, MOEPT__AGREE_N, MOEPT_DTYPE_I64);
-    if (st) return st;
-    memcpy(n, s, 3 * sizeof(int64_t));
-    n[1] += s[3] != c->size * mine[3] || s[4] != c->size * mine[4];
-    for (int i = 5; i < MOEPT__AGREE_N; i++) n[2] += s[i] != c->size * mine[i];
-    return MOEPT_OK;
-}
-
-/* A group call's outcome, agreed before it acts: a peer making another
-   call, this rank's rejection (`local`, its message already the thread's),
-   any peer's, or arguments that differ between ranks (args: their
-   fingerprint, 0 for a call without any that must match) fails every rank
-   of grp and dp, and nobody leaves a peer waiting in a collective. */
-static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
-                                      int call, uint64_t args) {
-    const char *name = moept__calls[call].name;
-    int64_t n[3] = {local != MOEPT_OK, 0, 0}, tag = moept__call_tag(L, call);
-    moept_status cst = moept__agree_group(grp, n, tag, args);
-    if (!cst) cst = moept__agree_group(dp, n, tag, args);
-    if (cst)
-        return moept__fail(L, cst, "%s: agreement failed: %s", name,
-                           grp && grp->err[0] ? grp->err : dp ? dp->err : "");
-    L->agreed_calls++;
-    if (n[1])
-        return moept__fail(L, MOEPT_ERR_STATE,
-                           "%s: the ranks' call sequences differ (another rank made another "
-                           "group call here); nothing changed",
-                           name);
-    if (local) return local;
-    if (n[0]) /* (a peer's own rejection explains its arguments too) */
-        return moept__fail(L, MOEPT_ERR_STATE, "%s: %lld other rank(s) rejected the call; nothing changed",
-                           name, (long long)n[0]);
-    if (n[2])
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: the ranks passed different %s (every rank "
-                           "must pass the same); nothing changed", name, moept__calls[call].args);
-    return MOEPT_OK;
-}
-
 moept_status moept_sync_grads(moept_layer *L, float scale) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: layer is NULL");
     if (!L->par.grads) return moept__no_grads(L, "moept_sync_grads");
@@ -3653,6 +3711,529 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     if (tpe)
         for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd.valid ? L->fwd.sel_counts[e] : 0;
     return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   AdamW
+   ------------------------------------------------------------------------ */
+/* the parameter whose gradient element i (of the flat buffer) is */
+static const char *moept__param_of(const moept_layer *L, int64_t i) {
+    for (int64_t t = 0; t < L->par.n_table; t++) {
+        const moept__param *p = &L->par.table[t];
+        int64_t off = p->data - L->par.params;
+        if (p->grad && i >= off && i < off + p->rows * p->cols) return p->name;
+    }
+    return "?";
+}
+
+/* The CPU's moments, allocated at the first step (before the agreement:
+   a rank out of memory fails every rank) */
+static moept_status moept__cpu_adamw_ready(moept_layer *L) {
+    if (L->opt.m) return MOEPT_OK;
+    float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
+    if (!s)
+        return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY,
+                           "moept_adamw_step: out of memory for the optimizer state");
+    memset(s, 0, (size_t)(2 * L->par.n_params) * sizeof(float));
+    L->opt.m = s; L->opt.v = s + L->par.n_params;
+    return MOEPT_OK;
+}
+
+/* One AdamW step with the step's constants k over the whole buffer (an
+   executor with device copies runs it where the gradients are) */
+static moept_status moept__cpu_adamw(moept_layer *L, moept__adamw_k k) {
+    float *p = L->par.params, *m = L->opt.m, *v = L->opt.v;
+    const float *g = L->par.grads;
+    const int64_t n = L->par.n_params;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(n)
+    for (int64_t i = 0; i < n; i++) p[i] = moept__adamw1(p[i], g[i], &m[i], &v[i], k);
+    return MOEPT_OK;
+}
+
+/* Agreed over the EP and DP groups (a rank whose own experts' gradients are
+   not finite must not leave the others a step ahead): arguments and every
+   gradient checked, then all step or none does. */
+moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
+    if (!L->par.grads) return moept__no_grads(L, "moept_adamw_step");
+    moept_adamw d = {0.0f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    if (o) d = (moept_adamw){o->lr, o->beta1 ? o->beta1 : 0.9f, o->beta2 ? o->beta2 : 0.999f,
+                             o->eps ? o->eps : 1e-8f, o->weight_decay};
+    float b1 = d.beta1, b2 = d.beta2, eps = d.eps, wd = d.weight_decay, lr = d.lr;
+    moept_status local = MOEPT_OK;
+    int64_t bad = -1;
+    if (!o)
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: opt is NULL");
+    else if (!moept__finite(lr) || !(lr > 0)) /* lr 0 would only advance t and the moments: a caller's slip */
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: lr %g must be finite and > 0",
+                            (double)lr);
+    else if (!(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) || !moept__finite(wd) || wd < 0)
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
+                            "moept_adamw_step: need betas in [0,1), eps > 0, weight_decay >= 0");
+    else local = moept__grads_refused(L, "moept_adamw_step");
+    if (!local) local = L->ex->grad_scan(L, NULL, &bad); /* NULL: the executor may keep what it found */
+    if (!local && bad >= 0)
+        local = moept__fail(L, MOEPT_ERR_NUMERIC,
+                            "moept_adamw_step: the gradient of '%s' is not finite (flat "
+                            "element %lld); nothing changed",
+                            moept__param_of(L, bad), (long long)bad);
+    if (!local) local = MOEPT__EX(L, adamw_ready, L);
+    moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
+                                              moept__fnv_f32((const float[5]){lr, b1, b2, eps, wd}, 5));
+    if (st) return st;
+    const int64_t t = L->opt.t + 1;
+    double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
+    moept__adamw_k k = {1.0f - lr * wd, b1, b2, (float)(lr / bc1), (float)sqrt(bc2), eps};
+    if ((st = L->ex->adamw(L, k))) return st;
+    L->opt.t = t;
+    L->fwd.jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
+    return MOEPT_OK;
+}
+
+/* ------------------------------------------------------------------------
+   Executor glue: the CPU executor's table, and the CUDA executor's (its
+   state, the host copies, create)
+   ------------------------------------------------------------------------ */
+static moept_status moept__cpu_forward(moept_layer *L, moept__fstep *f) {
+    moept_status st = moept__forward(L, f);
+    moept__load_note();
+    return st;
+}
+
+static moept_status moept__cpu_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+    moept_status st = moept__backward(L, x, dy, dx);
+    moept__load_note();
+    return st;
+}
+
+/* the executable spec: every capability, nothing kept off the host */
+static const moept__exec moept__cpu_exec = {
+    .name = "the CPU executor",
+    .caps = MOEPT__CAN_JITTER | MOEPT__CAN_INFERENCE | MOEPT__CAN_GRAD_BACKUP | MOEPT__CAN_AUX_SEQ |
+            MOEPT__CAN_FSDP | MOEPT__CAN_MASK | MOEPT__CAN_RESHARD | MOEPT__CAN_HOST_STEPS,
+    .forward = moept__cpu_forward,
+    .backward = moept__cpu_backward,
+    .sync_grads = moept__cpu_sync_grads,
+    .grad_scan = moept__cpu_grad_scan,
+    .adamw_ready = moept__cpu_adamw_ready,
+    .adamw = moept__cpu_adamw,
+};
+
+#ifdef MOEPT_CUDA
+/* A CUDA layer's state beside the device executor: which side changed last
+   for the parameters (with the bias and placement), the gradients and
+   AdamW's moments, and what the device checked that the host has not read */
+typedef enum { MOEPT__SAME = 0, MOEPT__HOST_NEWER, MOEPT__DEVICE_NEWER } moept__newer;
+typedef struct moept__cudax {
+    moept__cuda *c;
+    moept__newer params, grads, opt; /* opt: MOEPT__SAME also when there are none */
+    int routing_on_host;   /* host ids/wts/logits hold the committed step */
+    int dx_pending;        /* a backward's dx check on the device not yet read */
+    int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
+    int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
+} moept__cudax;
+#define MOEPT__CX(L) ((moept__cudax *)(L)->xstate)
+
+static moept_status moept__cuda_to_host(moept_layer *L, int what) {
+    moept__cudax *X = MOEPT__CX(L);
+    int p = (what & MOEPT__HOST_PARAMS) && X->params == MOEPT__DEVICE_NEWER;
+    int g = (what & MOEPT__HOST_GRADS) && X->grads == MOEPT__DEVICE_NEWER;
+    moept_status st;
+    if ((p || g) && (st = moept__cuda_download(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL,
+                                               moept__thread_err)))
+        return st;
+    if (p) X->params = MOEPT__SAME;
+    if (g) X->grads = MOEPT__SAME;
+    if (!(what & MOEPT__HOST_OPT) || X->opt != MOEPT__DEVICE_NEWER) return MOEPT_OK;
+    if (!L->opt.m) { /* the host's moments, for a save */
+        float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
+        if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
+        L->opt.m = s; L->opt.v = s + L->par.n_params;
+    }
+    st = moept__cuda_opt_download(X->c, L->opt.m, L->opt.v, moept__thread_err);
+    if (!st) X->opt = MOEPT__SAME;
+    return st;
+}
+
+static void moept__cuda_host_wrote(moept_layer *L, int what) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (what & MOEPT__HOST_PARAMS) X->params = MOEPT__HOST_NEWER;
+    if (what & MOEPT__HOST_GRADS) X->grads = MOEPT__HOST_NEWER;
+    if (what & MOEPT__HOST_OPT)
+        X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
+}
+
+static moept_status moept__to_device(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER;
+    if (!p && !g) return MOEPT_OK;
+    moept_status st =
+        moept__cuda_upload(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL, p ? L->par.bias : NULL,
+                           p ? L->plan.slot_of : NULL, moept__thread_err);
+    if (st) return st;
+    if (p) X->params = MOEPT__SAME;
+    if (g) X->grads = MOEPT__SAME;
+    return MOEPT_OK;
+}
+
+static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
+    L->dev.allocations = r->allocations;
+    L->dev.allocated_bytes = r->allocated_bytes;
+    L->dev.workspace_bytes = r->workspace_bytes;
+    L->stats.recv_capacity = r->recv_capacity;
+    L->stats.recv_growths = r->recv_growths;
+    L->stats.comm_seconds += r->comm_seconds;
+    L->stats.bytes_sent += r->bytes_sent;
+    L->stats.bytes_received += r->bytes_received;
+}
+
+/* the forward's statistics that come from the device (lstat and peer_rows
+   were written by the executor) */
+static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
+    const int64_t E = L->E;
+    for (int64_t e = 0; e < E; e++) {
+        L->fwd.sel_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.sel + e];
+        L->fwd.aux_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.auxc + e];
+    }
+    L->fwd.counts_global = r->counts_global;
+    L->plan.N = r->N; L->xch.R = r->R;
+    L->fwd.loss_T = r->loss_T; L->fwd.aux_value = r->aux_value; L->fwd.z_value = r->z_value;
+    moept_stats *sts = &L->stats;
+    sts->routed_rows = r->N;
+    sts->dropped_rows = L->fwd.T * L->K - r->N;
+    sts->capacity = r->capacity;
+    sts->rows_sent = r->rows_sent;
+    sts->rows_received = r->rows_received;
+    sts->aux_loss = (float)r->aux_value;
+    sts->z_loss = (float)r->z_value;
+}
+
+/* sync-free: the last forward's device statistics, read now (a host sync) */
+static moept_status moept__cuda_settle(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (!X->stats_pending) return MOEPT_OK;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    moept_status st = moept__cuda_step_stats(X->c, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
+    if (st) return st;
+    X->stats_pending = 0;
+    moept__cuda_step_done(L, &r);
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = moept__to_device(L);
+    if (st) return st;
+    const int64_t T = f->T;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD);
+    r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
+    r.reject_msg = f->reject ? f->reject_why : NULL;
+    st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
+    L->agreed_calls += r.agreed;
+    if (st) return st;
+    L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; X->routing_on_host = 0; L->fwd.eval = f->eval;
+    moept_stats *sts = &L->stats;
+    sts->bytes_sent = sts->bytes_received = 0;
+    sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
+    moept__cuda_stats(L, &r);
+    sts->steps++;
+    sts->tokens = T;
+    X->stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
+    if (!r.deferred) moept__cuda_step_done(L, &r);
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = moept__to_device(L);
+    if (st) return st;
+    moept__cuda_step r;
+    memset(&r, 0, sizeof r);
+    r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
+    if (L->fwd.valid && L->fwd.eval) {
+        r.reject = MOEPT_ERR_STATE;
+        r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
+                       "differentiate";
+    }
+    st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__thread_err);
+    L->agreed_calls += r.agreed;
+    if (st) return st;
+    moept__cuda_stats(L, &r);
+    L->fwd.bwd_valid = 1;
+    X->grads = MOEPT__DEVICE_NEWER;
+    X->dx_pending = 1;
+    return MOEPT_OK;
+}
+
+/* router and shared expert over EP, then everything over DP, on the device */
+static moept_status moept__cuda_layer_sync_grads(moept_layer *L, float scale) {
+    moept_status st = moept__to_device(L);
+    if (!st) st = moept__cuda_sync_grads(MOEPT__CX(L)->c, scale, moept__thread_err);
+    if (!st) MOEPT__CX(L)->grads = MOEPT__DEVICE_NEWER;
+    return st;
+}
+
+/* s NULL: the executor may keep what a scan of the same gradients found */
+static moept_status moept__cuda_layer_grad_scan(moept_layer *L, double *s, int64_t *bad) {
+    moept_status st = moept__to_device(L);
+    return st ? st : moept__cuda_grad_scan(MOEPT__CX(L)->c, s, bad, moept__thread_err);
+}
+
+/* the step on the device (its parameters, moments and bf16 weights), where
+   the gradients are; nothing crosses to the host */
+static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = moept__cuda_adamw(X->c, &k, X->opt == MOEPT__HOST_NEWER, L->opt.m, L->opt.v,
+                                        moept__thread_err);
+    if (st) return st;
+    X->opt = MOEPT__DEVICE_NEWER;
+    X->params = MOEPT__DEVICE_NEWER;
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = moept__cuda_zero_grad(X->c, moept__thread_err); /* its dx check reset with them */
+    if (st) return st;
+    X->grads = MOEPT__SAME; /* both sides zero */
+    X->dx_pending = 0;
+    return MOEPT_OK;
+}
+
+/* the device's dx check of the backwards since zero_grad (and, sync-free,
+   its other checks), read without a sync at the backward */
+static moept_status moept__cuda_grads_check(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (!X->dx_pending && !X->sync_free) return MOEPT_OK;
+    int64_t bad = -1;
+    char why[MOEPT__ERRLEN];
+    moept_status why_st = MOEPT_OK;
+    moept_status st = moept__cuda_dx_check(X->c, &bad, &why_st, why, moept__thread_err);
+    if (st) return st;
+    X->dx_pending = 0;
+    if (bad >= 0 && L->par.grads_dx_bad < 0) L->par.grads_dx_bad = bad;
+    if (why_st && !L->par.grads_sf_bad) { /* the sync-free mode's checks, made on the device */
+        L->par.grads_sf_bad = why_st;
+        memcpy(L->par.grads_sf_why, why, sizeof why);
+    }
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, L->ws.dwts, moept__thread_err);
+    if (X->routing_on_host) return MOEPT_OK;
+    moept_status st = moept__cuda_download_routing(X->c, L->fwd.ids[L->fwd.cur], L->fwd.wts[L->fwd.cur],
+                                                   L->fwd.logits[L->fwd.cur], NULL, moept__thread_err);
+    if (!st) X->routing_on_host = 1;
+    return st;
+}
+
+static moept_status moept__cuda_device_params(moept_layer *L, float **params, float **grads) {
+    moept_status st = moept__to_device(L); /* hand out the newest values */
+    if (st) return st;
+    moept__cuda_pointers(MOEPT__CX(L)->c, params, grads);
+    moept__cuda_params_changed(MOEPT__CX(L)->c); /* the caller may write them */
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept__cuda_params_changed(X->c);
+    X->params = MOEPT__DEVICE_NEWER;
+    X->grads = MOEPT__DEVICE_NEWER;
+    return MOEPT_OK;
+}
+
+static void moept__cuda_layer_destroy(moept_layer *L) {
+    moept__cudax *X = MOEPT__CX(L);
+    if (!X) return;
+    if (X->c) moept__cuda_destroy(X->c);
+    MOEPT_FREE(X);
+    L->xstate = NULL;
+}
+
+static const moept__exec moept__cuda_exec = {
+    .name = "the CUDA executor",
+    .caps = MOEPT__CAN_DEVICE,
+    .forward = moept__cuda_layer_forward,
+    .backward = moept__cuda_layer_backward,
+    .sync_grads = moept__cuda_layer_sync_grads,
+    .grad_scan = moept__cuda_layer_grad_scan,
+    .adamw = moept__cuda_layer_adamw,
+    .zero_grad = moept__cuda_layer_zero_grad,
+    .grads_check = moept__cuda_grads_check,
+    .settle = moept__cuda_settle,
+    .routing = moept__cuda_routing,
+    .to_host = moept__cuda_to_host,
+    .host_wrote = moept__cuda_host_wrote,
+    .device_params = moept__cuda_device_params,
+    .params_changed = moept__cuda_layer_params_changed,
+    .destroy = moept__cuda_layer_destroy,
+};
+
+/* create_cuda, 1: this rank's options (the config's features come from the
+   executor's capability bits in moept__create) */
+static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                                   const moept_cuda_options *o, char *why, moept_status *why_st) {
+    *why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
+    const char *w = NULL;
+    if (o->dtype != MOEPT_DTYPE_F32 && o->dtype != MOEPT_DTYPE_BF16)
+        w = "options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16";
+    else if ((int)o->gemm_form < MOEPT_GEMM_AUTO || (int)o->gemm_form > MOEPT_GEMM_STRIDED)
+        w = "options.gemm_form must be a moept_gemm_form";
+    else if (moept__cuda_device_count() < 1) {
+        *why_st = MOEPT_ERR_DEVICE;
+        w = "no CUDA device";
+    } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
+        *why_st = MOEPT_ERR_UNSUPPORTED;
+        w = "options.sync_free with overlap_chunks > 1 is not supported";
+    } else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) /* size 1 too */
+        w = "the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)";
+    if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
+    return w != NULL;
+}
+
+/* create_cuda, 2: every rank runs the same executor options (a rank that
+   skips the backward's agreement would leave the others waiting); sync-free
+   blocks are the same size everywhere, from the EP group's largest max_tokens */
+static moept_status moept__cuda_options_agree(moept_comm *ep, moept_comm *dp, const moept_cuda_options *o,
+                                              const moept_config *cfg, int64_t *block_tokens) {
+    int64_t mine[3] = {(int64_t)o->dtype, o->unchecked_backward != 0, o->sync_free != 0};
+    int64_t sum[3] = {mine[0], mine[1], mine[2]};
+    int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
+    moept_comm *bad = NULL;
+    moept_status st = moept__sum_ep_dp(ep, dp, sum, 3, MOEPT_DTYPE_I64, &bad);
+    if (st) return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", bad->err);
+    for (int i = 0; i < 3; i++)
+        if (sum[i] != mine[i] * ranks)
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs "
+                                      "between ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward"
+                                                                                 : "sync_free");
+    *block_tokens = cfg ? cfg->max_tokens : 0;
+    if (!o->sync_free || !ep || ep->size == 1) return MOEPT_OK;
+    if ((st = moept__group_max(ep, *block_tokens, block_tokens)))
+        return moept__thread_fail(st, "moept_create_cuda: max_tokens agreement failed: %s", ep->err);
+    return MOEPT_OK;
+}
+
+/* create_cuda, 3: what the device executor is told of the layer */
+static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
+                                moept__cuda_spec *sp) {
+    memset(sp, 0, sizeof *sp);
+    sp->family = (int)L->cfg.family; sp->act = L->act; sp->norm = L->cfg.norm_topk_prob;
+    sp->aux = (int)L->cfg.aux_loss; sp->global_balance = L->cfg.global_balance && (L->ep || L->dp);
+    sp->n_group = (int)L->cfg.n_group; sp->topk_group = (int)L->cfg.topk_group;
+    sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
+    sp->sync_free = o->sync_free != 0;
+    sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
+    sp->D = L->D; sp->F = L->F; sp->E = L->E; sp->K = L->K; sp->S = L->S; sp->H = L->H; sp->HS = L->HS;
+    sp->El = L->El; sp->P = L->P; sp->rank = L->rank; sp->Tmax = L->Tmax; sp->block_tokens = block_tokens;
+    sp->C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
+    sp->scale = L->cfg.routed_scaling_factor; sp->aux_coef = L->cfg.aux_loss_coef;
+    sp->z_coef = L->cfg.z_loss_coef;
+    sp->capacity_factor = L->capacity_factor;
+    sp->n_params = L->par.n_params;
+    sp->off13 = L->par.w13 - L->par.params; sp->off2 = L->par.w2 - L->par.params;
+    sp->offs13 = L->par.ws13 - L->par.params; sp->offs2 = L->par.ws2 - L->par.params;
+    sp->offsg = L->par.wsg ? L->par.wsg - L->par.params : -1;
+    sp->ep = L->ep; sp->dp = L->dp; sp->stream = o->stream;
+}
+
+/* create_cuda, 4: the device executor set up and the parameters uploaded,
+   agreed (a rank whose device failed fails every rank) */
+static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
+                                      moept_comm *ep, moept_comm *dp) {
+    moept__cuda_spec sp;
+    moept__cuda_spec_of(L, o, block_tokens, &sp);
+    char err[MOEPT__ERRLEN] = "";
+    moept__cudax *X = (moept__cudax *)MOEPT_MALLOC(sizeof *X);
+    moept_status st = MOEPT_ERR_OUT_OF_MEMORY;
+    if (!X) snprintf(err, sizeof err, "moept_create_cuda: out of host memory");
+    else {
+        memset(X, 0, sizeof *X);
+        L->xstate = X;
+        X->params = X->grads = MOEPT__HOST_NEWER;
+        X->sync_free = sp.sync_free;
+        st = moept__cuda_create(&sp, &X->c, err);
+    }
+    if (!st && (st = moept__to_device(L))) memcpy(err, moept__thread_err, sizeof err);
+    moept_status ast; /* the agreement's own status: this rank's st is kept */
+    int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
+    if (st) return moept__thread_fail(st, "%s", err);
+    if (ast) return moept__thread_fail(ast, "moept_create_cuda: failure agreement failed");
+    if (failed)
+        return moept__thread_fail(MOEPT_ERR_DEVICE,
+                                  "moept_create_cuda: another rank failed to set up "
+                                  "its device");
+    return MOEPT_OK;
+}
+
+moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                               const moept_cuda_options *opt, moept_layer **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: out is NULL");
+    *out = NULL;
+    moept_cuda_options o;
+    memset(&o, 0, sizeof o);
+    if (opt) o = *opt;
+    /* this rank's checks, agreed before the collective create */
+    char why[MOEPT__ERRLEN] = "";
+    moept_status why_st, st;
+    int bad = moept__cuda_options_bad(cfg, ep, dp, &o, why, &why_st);
+    int64_t failed = moept__any_failed(ep, dp, bad, &st);
+    if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
+    if (bad) return moept__thread_fail(why_st, "%s", why);
+    if (failed)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                  "moept_create_cuda: another rank's options were "
+                                  "rejected");
+    int64_t block_tokens;
+    if ((st = moept__cuda_options_agree(ep, dp, &o, cfg, &block_tokens))) return st;
+    moept_layer *L = NULL;
+    if ((st = moept__create(cfg, ep, dp, &moept__cuda_exec, "moept_create_cuda", &L))) return st;
+    if ((st = moept__cuda_start(L, &o, block_tokens, ep, dp))) {
+        char keep[MOEPT__ERRLEN];
+        memcpy(keep, moept__thread_err, sizeof keep);
+        moept_destroy(L);
+        memcpy(moept__thread_err, keep, sizeof keep);
+        return st;
+    }
+    *out = L;
+    return MOEPT_OK;
+}
+
+int moept_cuda_device_count(void) { return moept__cuda_device_count(); }
+
+#else /* built without MOEPT_CUDA */
+moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                               const moept_cuda_options *opt, moept_layer **out) {
+    (void)cfg; (void)ep; (void)dp; (void)opt;
+    if (out) *out = NULL;
+    return moept__thread_fail(MOEPT_ERR_UNSUPPORTED,
+                              "moept_create_cuda: moept.c was built without MOEPT_CUDA");
+}
+
+int moept_cuda_device_count(void) { return 0; }
+#endif
+
+moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, int64_t *numel) {
+    if (!L || !params || !grads || !numel)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params: NULL argument");
+    if (!L->ex->device_params)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params: not a CUDA layer");
+    moept_status st = L->ex->device_params(L, params, grads);
+    if (!st) *numel = L->par.n_params;
+    return st;
+}
+
+moept_status moept_cuda_params_changed(moept_layer *L) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params_changed: layer is NULL");
+    if (!L->ex->params_changed)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params_changed: not a CUDA layer");
+    return L->ex->params_changed(L);
 }
 
 /* ------------------------------------------------------------------------
@@ -6172,528 +6753,8 @@ moept_status moept_save_hf_as(moept_layer *L, const char *path, int64_t layer_in
 }
 
 /* ------------------------------------------------------------------------
-   AdamW and training checkpoints
+   Training checkpoints
    ------------------------------------------------------------------------ */
-/* the parameter whose gradient element i (of the flat buffer) is */
-static const char *moept__param_of(const moept_layer *L, int64_t i) {
-    for (int64_t t = 0; t < L->par.n_table; t++) {
-        const moept__param *p = &L->par.table[t];
-        int64_t off = p->data - L->par.params;
-        if (p->grad && i >= off && i < off + p->rows * p->cols) return p->name;
-    }
-    return "?";
-}
-
-/* The CPU's moments, allocated at the first step (before the agreement:
-   a rank out of memory fails every rank) */
-static moept_status moept__cpu_adamw_ready(moept_layer *L) {
-    if (L->opt.m) return MOEPT_OK;
-    float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
-    if (!s)
-        return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY,
-                           "moept_adamw_step: out of memory for the optimizer state");
-    memset(s, 0, (size_t)(2 * L->par.n_params) * sizeof(float));
-    L->opt.m = s; L->opt.v = s + L->par.n_params;
-    return MOEPT_OK;
-}
-
-/* One AdamW step with the step's constants k over the whole buffer (an
-   executor with device copies runs it where the gradients are) */
-static moept_status moept__cpu_adamw(moept_layer *L, moept__adamw_k k) {
-    float *p = L->par.params, *m = L->opt.m, *v = L->opt.v;
-    const float *g = L->par.grads;
-    const int64_t n = L->par.n_params;
-    #pragma omp parallel for schedule(static) MOEPT__PAR(n)
-    for (int64_t i = 0; i < n; i++) p[i] = moept__adamw1(p[i], g[i], &m[i], &v[i], k);
-    return MOEPT_OK;
-}
-
-/* Agreed over the EP and DP groups (a rank whose own experts' gradients are
-   not finite must not leave the others a step ahead): arguments and every
-   gradient checked, then all step or none does. */
-moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
-    if (!L->par.grads) return moept__no_grads(L, "moept_adamw_step");
-    moept_adamw d = {0.0f, 0.9f, 0.999f, 1e-8f, 0.0f};
-    if (o) d = (moept_adamw){o->lr, o->beta1 ? o->beta1 : 0.9f, o->beta2 ? o->beta2 : 0.999f,
-                             o->eps ? o->eps : 1e-8f, o->weight_decay};
-    float b1 = d.beta1, b2 = d.beta2, eps = d.eps, wd = d.weight_decay, lr = d.lr;
-    moept_status local = MOEPT_OK;
-    int64_t bad = -1;
-    if (!o)
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: opt is NULL");
-    else if (!moept__finite(lr) || !(lr > 0)) /* lr 0 would only advance t and the moments: a caller's slip */
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: lr %g must be finite and > 0",
-                            (double)lr);
-    else if (!(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) || !moept__finite(wd) || wd < 0)
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
-                            "moept_adamw_step: need betas in [0,1), eps > 0, weight_decay >= 0");
-    else local = moept__grads_refused(L, "moept_adamw_step");
-    if (!local) local = L->ex->grad_scan(L, NULL, &bad); /* NULL: the executor may keep what it found */
-    if (!local && bad >= 0)
-        local = moept__fail(L, MOEPT_ERR_NUMERIC,
-                            "moept_adamw_step: the gradient of '%s' is not finite (flat "
-                            "element %lld); nothing changed",
-                            moept__param_of(L, bad), (long long)bad);
-    if (!local) local = MOEPT__EX(L, adamw_ready, L);
-    moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
-                                              moept__fnv_f32((const float[5]){lr, b1, b2, eps, wd}, 5));
-    if (st) return st;
-    const int64_t t = L->opt.t + 1;
-    double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
-    moept__adamw_k k = {1.0f - lr * wd, b1, b2, (float)(lr / bc1), (float)sqrt(bc2), eps};
-    if ((st = L->ex->adamw(L, k))) return st;
-    L->opt.t = t;
-    L->fwd.jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
-    return MOEPT_OK;
-}
-
-/* ------------------------------------------------------------------------
-   Executor glue: the CPU executor's table, and the CUDA executor's (its
-   state, the host copies, create)
-   ------------------------------------------------------------------------ */
-static moept_status moept__cpu_forward(moept_layer *L, moept__fstep *f) {
-    moept_status st = moept__forward(L, f);
-    moept__load_note();
-    return st;
-}
-
-static moept_status moept__cpu_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
-    moept_status st = moept__backward(L, x, dy, dx);
-    moept__load_note();
-    return st;
-}
-
-/* the executable spec: every capability, nothing kept off the host */
-static const moept__exec moept__cpu_exec = {
-    .name = "the CPU executor",
-    .caps = MOEPT__CAN_JITTER | MOEPT__CAN_INFERENCE | MOEPT__CAN_GRAD_BACKUP | MOEPT__CAN_AUX_SEQ |
-            MOEPT__CAN_FSDP | MOEPT__CAN_MASK | MOEPT__CAN_RESHARD | MOEPT__CAN_HOST_STEPS,
-    .forward = moept__cpu_forward,
-    .backward = moept__cpu_backward,
-    .sync_grads = moept__cpu_sync_grads,
-    .grad_scan = moept__cpu_grad_scan,
-    .adamw_ready = moept__cpu_adamw_ready,
-    .adamw = moept__cpu_adamw,
-};
-
-#ifdef MOEPT_CUDA
-/* A CUDA layer's state beside the device executor: which side changed last
-   for the parameters (with the bias and placement), the gradients and
-   AdamW's moments, and what the device checked that the host has not read */
-typedef enum { MOEPT__SAME = 0, MOEPT__HOST_NEWER, MOEPT__DEVICE_NEWER } moept__newer;
-typedef struct moept__cudax {
-    moept__cuda *c;
-    moept__newer params, grads, opt; /* opt: MOEPT__SAME also when there are none */
-    int routing_on_host;   /* host ids/wts/logits hold the committed step */
-    int dx_pending;        /* a backward's dx check on the device not yet read */
-    int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
-    int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
-} moept__cudax;
-#define MOEPT__CX(L) ((moept__cudax *)(L)->xstate)
-
-static moept_status moept__cuda_to_host(moept_layer *L, int what) {
-    moept__cudax *X = MOEPT__CX(L);
-    int p = (what & MOEPT__HOST_PARAMS) && X->params == MOEPT__DEVICE_NEWER;
-    int g = (what & MOEPT__HOST_GRADS) && X->grads == MOEPT__DEVICE_NEWER;
-    moept_status st;
-    if ((p || g) && (st = moept__cuda_download(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL,
-                                               moept__thread_err)))
-        return st;
-    if (p) X->params = MOEPT__SAME;
-    if (g) X->grads = MOEPT__SAME;
-    if (!(what & MOEPT__HOST_OPT) || X->opt != MOEPT__DEVICE_NEWER) return MOEPT_OK;
-    if (!L->opt.m) { /* the host's moments, for a save */
-        float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
-        if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
-        L->opt.m = s; L->opt.v = s + L->par.n_params;
-    }
-    st = moept__cuda_opt_download(X->c, L->opt.m, L->opt.v, moept__thread_err);
-    if (!st) X->opt = MOEPT__SAME;
-    return st;
-}
-
-static void moept__cuda_host_wrote(moept_layer *L, int what) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (what & MOEPT__HOST_PARAMS) X->params = MOEPT__HOST_NEWER;
-    if (what & MOEPT__HOST_GRADS) X->grads = MOEPT__HOST_NEWER;
-    if (what & MOEPT__HOST_OPT)
-        X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
-}
-
-static moept_status moept__to_device(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER;
-    if (!p && !g) return MOEPT_OK;
-    moept_status st =
-        moept__cuda_upload(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL, p ? L->par.bias : NULL,
-                           p ? L->plan.slot_of : NULL, moept__thread_err);
-    if (st) return st;
-    if (p) X->params = MOEPT__SAME;
-    if (g) X->grads = MOEPT__SAME;
-    return MOEPT_OK;
-}
-
-static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
-    L->dev.allocations = r->allocations;
-    L->dev.allocated_bytes = r->allocated_bytes;
-    L->dev.workspace_bytes = r->workspace_bytes;
-    L->stats.recv_capacity = r->recv_capacity;
-    L->stats.recv_growths = r->recv_growths;
-    L->stats.comm_seconds += r->comm_seconds;
-    L->stats.bytes_sent += r->bytes_sent;
-    L->stats.bytes_received += r->bytes_received;
-}
-
-/* the forward's statistics that come from the device (lstat and peer_rows
-   were written by the executor) */
-static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
-    const int64_t E = L->E;
-    for (int64_t e = 0; e < E; e++) {
-        L->fwd.sel_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.sel + e];
-        L->fwd.aux_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.auxc + e];
-    }
-    L->fwd.counts_global = r->counts_global;
-    L->plan.N = r->N; L->xch.R = r->R;
-    L->fwd.loss_T = r->loss_T; L->fwd.aux_value = r->aux_value; L->fwd.z_value = r->z_value;
-    moept_stats *sts = &L->stats;
-    sts->routed_rows = r->N;
-    sts->dropped_rows = L->fwd.T * L->K - r->N;
-    sts->capacity = r->capacity;
-    sts->rows_sent = r->rows_sent;
-    sts->rows_received = r->rows_received;
-    sts->aux_loss = (float)r->aux_value;
-    sts->z_loss = (float)r->z_value;
-}
-
-/* sync-free: the last forward's device statistics, read now (a host sync) */
-static moept_status moept__cuda_settle(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (!X->stats_pending) return MOEPT_OK;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    moept_status st = moept__cuda_step_stats(X->c, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
-    if (st) return st;
-    X->stats_pending = 0;
-    moept__cuda_step_done(L, &r);
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__to_device(L);
-    if (st) return st;
-    const int64_t T = f->T;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD);
-    r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
-    r.reject_msg = f->reject ? f->reject_why : NULL;
-    st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
-    L->agreed_calls += r.agreed;
-    if (st) return st;
-    L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; X->routing_on_host = 0; L->fwd.eval = f->eval;
-    moept_stats *sts = &L->stats;
-    sts->bytes_sent = sts->bytes_received = 0;
-    sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
-    moept__cuda_stats(L, &r);
-    sts->steps++;
-    sts->tokens = T;
-    X->stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
-    if (!r.deferred) moept__cuda_step_done(L, &r);
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__to_device(L);
-    if (st) return st;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
-    if (L->fwd.valid && L->fwd.eval) {
-        r.reject = MOEPT_ERR_STATE;
-        r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
-                       "differentiate";
-    }
-    st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__thread_err);
-    L->agreed_calls += r.agreed;
-    if (st) return st;
-    moept__cuda_stats(L, &r);
-    L->fwd.bwd_valid = 1;
-    X->grads = MOEPT__DEVICE_NEWER;
-    X->dx_pending = 1;
-    return MOEPT_OK;
-}
-
-/* router and shared expert over EP, then everything over DP, on the device */
-static moept_status moept__cuda_layer_sync_grads(moept_layer *L, float scale) {
-    moept_status st = moept__to_device(L);
-    if (!st) st = moept__cuda_sync_grads(MOEPT__CX(L)->c, scale, moept__thread_err);
-    if (!st) MOEPT__CX(L)->grads = MOEPT__DEVICE_NEWER;
-    return st;
-}
-
-/* s NULL: the executor may keep what a scan of the same gradients found */
-static moept_status moept__cuda_layer_grad_scan(moept_layer *L, double *s, int64_t *bad) {
-    moept_status st = moept__to_device(L);
-    return st ? st : moept__cuda_grad_scan(MOEPT__CX(L)->c, s, bad, moept__thread_err);
-}
-
-/* the step on the device (its parameters, moments and bf16 weights), where
-   the gradients are; nothing crosses to the host */
-static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__cuda_adamw(X->c, &k, X->opt == MOEPT__HOST_NEWER, L->opt.m, L->opt.v,
-                                        moept__thread_err);
-    if (st) return st;
-    X->opt = MOEPT__DEVICE_NEWER;
-    X->params = MOEPT__DEVICE_NEWER;
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__cuda_zero_grad(X->c, moept__thread_err); /* its dx check reset with them */
-    if (st) return st;
-    X->grads = MOEPT__SAME; /* both sides zero */
-    X->dx_pending = 0;
-    return MOEPT_OK;
-}
-
-/* the device's dx check of the backwards since zero_grad (and, sync-free,
-   its other checks), read without a sync at the backward */
-static moept_status moept__cuda_grads_check(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (!X->dx_pending && !X->sync_free) return MOEPT_OK;
-    int64_t bad = -1;
-    char why[MOEPT__ERRLEN];
-    moept_status why_st = MOEPT_OK;
-    moept_status st = moept__cuda_dx_check(X->c, &bad, &why_st, why, moept__thread_err);
-    if (st) return st;
-    X->dx_pending = 0;
-    if (bad >= 0 && L->par.grads_dx_bad < 0) L->par.grads_dx_bad = bad;
-    if (why_st && !L->par.grads_sf_bad) { /* the sync-free mode's checks, made on the device */
-        L->par.grads_sf_bad = why_st;
-        memcpy(L->par.grads_sf_why, why, sizeof why);
-    }
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, L->ws.dwts, moept__thread_err);
-    if (X->routing_on_host) return MOEPT_OK;
-    moept_status st = moept__cuda_download_routing(X->c, L->fwd.ids[L->fwd.cur], L->fwd.wts[L->fwd.cur],
-                                                   L->fwd.logits[L->fwd.cur], NULL, moept__thread_err);
-    if (!st) X->routing_on_host = 1;
-    return st;
-}
-
-static moept_status moept__cuda_device_params(moept_layer *L, float **params, float **grads) {
-    moept_status st = moept__to_device(L); /* hand out the newest values */
-    if (st) return st;
-    moept__cuda_pointers(MOEPT__CX(L)->c, params, grads);
-    moept__cuda_params_changed(MOEPT__CX(L)->c); /* the caller may write them */
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept__cuda_params_changed(X->c);
-    X->params = MOEPT__DEVICE_NEWER;
-    X->grads = MOEPT__DEVICE_NEWER;
-    return MOEPT_OK;
-}
-
-static void moept__cuda_layer_destroy(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (!X) return;
-    if (X->c) moept__cuda_destroy(X->c);
-    MOEPT_FREE(X);
-    L->xstate = NULL;
-}
-
-static const moept__exec moept__cuda_exec = {
-    .name = "the CUDA executor",
-    .caps = MOEPT__CAN_DEVICE,
-    .forward = moept__cuda_layer_forward,
-    .backward = moept__cuda_layer_backward,
-    .sync_grads = moept__cuda_layer_sync_grads,
-    .grad_scan = moept__cuda_layer_grad_scan,
-    .adamw = moept__cuda_layer_adamw,
-    .zero_grad = moept__cuda_layer_zero_grad,
-    .grads_check = moept__cuda_grads_check,
-    .settle = moept__cuda_settle,
-    .routing = moept__cuda_routing,
-    .to_host = moept__cuda_to_host,
-    .host_wrote = moept__cuda_host_wrote,
-    .device_params = moept__cuda_device_params,
-    .params_changed = moept__cuda_layer_params_changed,
-    .destroy = moept__cuda_layer_destroy,
-};
-
-/* create_cuda, 1: this rank's options (the config's features come from the
-   executor's capability bits in moept__create) */
-static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
-                                   const moept_cuda_options *o, char *why, moept_status *why_st) {
-    *why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
-    const char *w = NULL;
-    if (o->dtype != MOEPT_DTYPE_F32 && o->dtype != MOEPT_DTYPE_BF16)
-        w = "options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16";
-    else if ((int)o->gemm_form < MOEPT_GEMM_AUTO || (int)o->gemm_form > MOEPT_GEMM_STRIDED)
-        w = "options.gemm_form must be a moept_gemm_form";
-    else if (moept__cuda_device_count() < 1) {
-        *why_st = MOEPT_ERR_DEVICE;
-        w = "no CUDA device";
-    } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
-        *why_st = MOEPT_ERR_UNSUPPORTED;
-        w = "options.sync_free with overlap_chunks > 1 is not supported";
-    } else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) /* size 1 too */
-        w = "the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)";
-    if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
-    return w != NULL;
-}
-
-/* create_cuda, 2: every rank runs the same executor options (a rank that
-   skips the backward's agreement would leave the others waiting); sync-free
-   blocks are the same size everywhere, from the EP group's largest max_tokens */
-static moept_status moept__cuda_options_agree(moept_comm *ep, moept_comm *dp, const moept_cuda_options *o,
-                                              const moept_config *cfg, int64_t *block_tokens) {
-    int64_t mine[3] = {(int64_t)o->dtype, o->unchecked_backward != 0, o->sync_free != 0};
-    int64_t sum[3] = {mine[0], mine[1], mine[2]};
-    int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
-    moept_comm *bad = NULL;
-    moept_status st = moept__sum_ep_dp(ep, dp, sum, 3, MOEPT_DTYPE_I64, &bad);
-    if (st) return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", bad->err);
-    for (int i = 0; i < 3; i++)
-        if (sum[i] != mine[i] * ranks)
-            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs "
-                                      "between ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward"
-                                                                                 : "sync_free");
-    *block_tokens = cfg ? cfg->max_tokens : 0;
-    if (!o->sync_free || !ep || ep->size == 1) return MOEPT_OK;
-    if ((st = moept__group_max(ep, *block_tokens, block_tokens)))
-        return moept__thread_fail(st, "moept_create_cuda: max_tokens agreement failed: %s", ep->err);
-    return MOEPT_OK;
-}
-
-/* create_cuda, 3: what the device executor is told of the layer */
-static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
-                                moept__cuda_spec *sp) {
-    memset(sp, 0, sizeof *sp);
-    sp->family = (int)L->cfg.family; sp->act = L->act; sp->norm = L->cfg.norm_topk_prob;
-    sp->aux = (int)L->cfg.aux_loss; sp->global_balance = L->cfg.global_balance && (L->ep || L->dp);
-    sp->n_group = (int)L->cfg.n_group; sp->topk_group = (int)L->cfg.topk_group;
-    sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
-    sp->sync_free = o->sync_free != 0;
-    sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
-    sp->D = L->D; sp->F = L->F; sp->E = L->E; sp->K = L->K; sp->S = L->S; sp->H = L->H; sp->HS = L->HS;
-    sp->El = L->El; sp->P = L->P; sp->rank = L->rank; sp->Tmax = L->Tmax; sp->block_tokens = block_tokens;
-    sp->C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
-    sp->scale = L->cfg.routed_scaling_factor; sp->aux_coef = L->cfg.aux_loss_coef;
-    sp->z_coef = L->cfg.z_loss_coef;
-    sp->capacity_factor = L->capacity_factor;
-    sp->n_params = L->par.n_params;
-    sp->off13 = L->par.w13 - L->par.params; sp->off2 = L->par.w2 - L->par.params;
-    sp->offs13 = L->par.ws13 - L->par.params; sp->offs2 = L->par.ws2 - L->par.params;
-    sp->offsg = L->par.wsg ? L->par.wsg - L->par.params : -1;
-    sp->ep = L->ep; sp->dp = L->dp; sp->stream = o->stream;
-}
-
-/* create_cuda, 4: the device executor set up and the parameters uploaded,
-   agreed (a rank whose device failed fails every rank) */
-static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
-                                      moept_comm *ep, moept_comm *dp) {
-    moept__cuda_spec sp;
-    moept__cuda_spec_of(L, o, block_tokens, &sp);
-    char err[MOEPT__ERRLEN] = "";
-    moept__cudax *X = (moept__cudax *)MOEPT_MALLOC(sizeof *X);
-    moept_status st = MOEPT_ERR_OUT_OF_MEMORY;
-    if (!X) snprintf(err, sizeof err, "moept_create_cuda: out of host memory");
-    else {
-        memset(X, 0, sizeof *X);
-        L->xstate = X;
-        X->params = X->grads = MOEPT__HOST_NEWER;
-        X->sync_free = sp.sync_free;
-        st = moept__cuda_create(&sp, &X->c, err);
-    }
-    if (!st && (st = moept__to_device(L))) memcpy(err, moept__thread_err, sizeof err);
-    moept_status ast; /* the agreement's own status: this rank's st is kept */
-    int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
-    if (st) return moept__thread_fail(st, "%s", err);
-    if (ast) return moept__thread_fail(ast, "moept_create_cuda: failure agreement failed");
-    if (failed)
-        return moept__thread_fail(MOEPT_ERR_DEVICE,
-                                  "moept_create_cuda: another rank failed to set up "
-                                  "its device");
-    return MOEPT_OK;
-}
-
-moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
-                               const moept_cuda_options *opt, moept_layer **out) {
-    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: out is NULL");
-    *out = NULL;
-    moept_cuda_options o;
-    memset(&o, 0, sizeof o);
-    if (opt) o = *opt;
-    /* this rank's checks, agreed before the collective create */
-    char why[MOEPT__ERRLEN] = "";
-    moept_status why_st, st;
-    int bad = moept__cuda_options_bad(cfg, ep, dp, &o, why, &why_st);
-    int64_t failed = moept__any_failed(ep, dp, bad, &st);
-    if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
-    if (bad) return moept__thread_fail(why_st, "%s", why);
-    if (failed)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
-                                  "moept_create_cuda: another rank's options were "
-                                  "rejected");
-    int64_t block_tokens;
-    if ((st = moept__cuda_options_agree(ep, dp, &o, cfg, &block_tokens))) return st;
-    moept_layer *L = NULL;
-    if ((st = moept__create(cfg, ep, dp, &moept__cuda_exec, "moept_create_cuda", &L))) return st;
-    if ((st = moept__cuda_start(L, &o, block_tokens, ep, dp))) {
-        char keep[MOEPT__ERRLEN];
-        memcpy(keep, moept__thread_err, sizeof keep);
-        moept_destroy(L);
-        memcpy(moept__thread_err, keep, sizeof keep);
-        return st;
-    }
-    *out = L;
-    return MOEPT_OK;
-}
-
-int moept_cuda_device_count(void) { return moept__cuda_device_count(); }
-
-#else /* built without MOEPT_CUDA */
-moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
-                               const moept_cuda_options *opt, moept_layer **out) {
-    (void)cfg; (void)ep; (void)dp; (void)opt;
-    if (out) *out = NULL;
-    return moept__thread_fail(MOEPT_ERR_UNSUPPORTED,
-                              "moept_create_cuda: moept.c was built without MOEPT_CUDA");
-}
-
-int moept_cuda_device_count(void) { return 0; }
-#endif
-
-moept_status moept_cuda_params(moept_layer *L, float **params, float **grads, int64_t *numel) {
-    if (!L || !params || !grads || !numel)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params: NULL argument");
-    if (!L->ex->device_params)
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params: not a CUDA layer");
-    moept_status st = L->ex->device_params(L, params, grads);
-    if (!st) *numel = L->par.n_params;
-    return st;
-}
-
-moept_status moept_cuda_params_changed(moept_layer *L) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params_changed: layer is NULL");
-    if (!L->ex->params_changed)
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params_changed: not a CUDA layer");
-    return L->ex->params_changed(L);
-}
-
 static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
     int64_t fp[MOEPT__NFP];
     moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, L->xch.direct, fp);
