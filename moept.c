@@ -32,9 +32,16 @@
      Training checkpoints           the own format: staged, agreed, committed
      Placement and resharding
 
-   The stage map (each stage's function here and in moept_kernels.cu, one
-   name and one meaning in both) is at the top of moept_kernels.cu and in
-   docs/DESIGN.md. */
+   The stage map: a stage's function has one name and one meaning in both
+   executors, here and in moept_kernels.cu (its own map at its top has the
+   CUDA-only details; docs/DESIGN.md the table):
+       forward  moept__fwd_checks, _route, _count, _exchange_counts,
+                _agree_growth, _commit, _losses, _plan, _dispatch, then the
+                experts (moept__ffn_forward; CUDA moept__fwd_experts) and
+                moept__fwd_combine; chunked: moept__pipeline in both
+       backward moept__bwd_agree, _combine, _experts (chunked: the
+                pipeline), _router, _dx
+   moept__forward and moept__backward are these lists in both files. */
 #if !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
