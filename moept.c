@@ -40,7 +40,8 @@
                 experts (moept__ffn_forward; CUDA moept__fwd_experts) and
                 moept__fwd_combine; chunked: moept__pipeline in both
        backward moept__bwd_agree, _combine, _experts (chunked: the
-                pipeline), _router, _dx
+                pipeline), _router, _dx; FSDP gathers its experts between
+                agree and combine' (moept__bwd_fsdp_gather, CPU only)
    moept__forward and moept__backward are these lists in both files. */
 #if !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
@@ -1503,26 +1504,27 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
 
 /* All-gathers fingerprints over `comm`; fails (on every rank alike) if any
    rank failed its own checks or any field differs from rank 0's. */
-static moept_status moept__agree_config(moept_comm *comm, const char *group, const int64_t *fp) {
+static moept_status moept__agree_config(moept_comm *comm, const char *group, const int64_t *fp,
+                                        const char *call) {
     if (!comm || comm->size == 1) return MOEPT_OK;
     int64_t all[64 * MOEPT__NFP],
         *buf = comm->size <= 64 ? all : moept__alloc(NULL, (size_t)comm->size * sizeof(int64_t) * MOEPT__NFP);
-    if (!buf) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_create: out of memory");
+    if (!buf) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory", call);
     moept_status st = comm->allgather(comm, fp, buf, (int64_t)sizeof(int64_t) * MOEPT__NFP);
     if (st) {
-        st = moept__thread_fail(st, "moept_create: %s config all-gather failed: %s", group, comm->err);
+        st = moept__thread_fail(st, "%s: %s config all-gather failed: %s", call, group, comm->err);
     } else {
         for (int r = 0; r < comm->size && !st; r++)
             if (!buf[r * MOEPT__NFP])
                 st = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
-                                        "moept_create: %s rank %d rejected its config%s", group, r,
+                                        "%s: %s rank %d rejected its config%s", call, group, r,
                                         r == comm->rank ? "" : " (see that rank's error)");
         for (int r = 1; r < comm->size && !st; r++)
             for (int k = 1; k < MOEPT__NFP && !st; k++)
                 if (buf[r * MOEPT__NFP + k] != buf[k])
                     st = moept__thread_fail(
                         MOEPT_ERR_INVALID_ARGUMENT,
-                        "moept_create: config.%s differs between %s ranks 0 (%lld) and %d (%lld)",
+                        "%s: config.%s differs between %s ranks 0 (%lld) and %d (%lld)", call,
                         moept__fp_names[k], group, (long long)buf[k], r, (long long)buf[r * MOEPT__NFP + k]);
     }
     if (buf != all) MOEPT_FREE(buf);
@@ -1606,8 +1608,8 @@ static moept_status moept__create_checks(const moept_config *cfg, moept_comm *ep
     memcpy(mine, moept__thread_err, sizeof mine);
     int64_t fp[MOEPT__NFP];
     moept__fingerprint(c, st == MOEPT_OK, P, DP, moept__has_shm(ep), fp);
-    moept_status ag = moept__agree_config(ep, "EP", fp);
-    if (!ag) ag = moept__agree_config(dp, "DP", fp);
+    moept_status ag = moept__agree_config(ep, "EP", fp, call);
+    if (!ag) ag = moept__agree_config(dp, "DP", fp, call);
     if (st) { memcpy(moept__thread_err, mine, sizeof mine); return st; }
     return ag;
 }
@@ -3361,13 +3363,15 @@ static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
     }
-    moept_status st = moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD, 0);
-    if (st || !L->fsdp) return st;
-    /* fsdp: the experts gathered again (before anything changes: a broken
-       comm leaves the step to differentiate), this step's gradients from zero */
-    if ((st = moept__fsdp_gather(L))) return st;
-    memset(L->fs.gfull, 0, (size_t)(L->fsdp->size * L->fs.shard) * sizeof(float));
-    return MOEPT_OK;
+    return moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD, 0);
+}
+
+/* fsdp: the experts gathered again (before anything changes: a broken comm
+   leaves the step to differentiate), this step's gradients from zero */
+static moept_status moept__bwd_fsdp_gather(moept_layer *L) {
+    moept_status st = moept__fsdp_gather(L);
+    if (!st) memset(L->fs.gfull, 0, (size_t)(L->fsdp->size * L->fs.shard) * sizeof(float));
+    return st;
 }
 
 /* combine': dL/dw per slot, then dys = w * dy in place of ys (direct path:
@@ -3537,6 +3541,7 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
     const int grads_were_zero = moept__all_zero(L->par.grads, L->par.n_params);
     if (L->par.grads_copy && !grads_were_zero)
         memcpy(L->par.grads_copy, L->par.grads, (size_t)L->par.n_params * sizeof(float));
+    if (L->fsdp && (st = moept__bwd_fsdp_gather(L))) return st;
     moept__bwd_combine(L, dy);
     if ((st = moept__bwd_experts(L, x))) return st;
     moept__bwd_router(L, x);
