@@ -1567,21 +1567,9 @@ static void test_unsupported_modes(void) {
    one place: each feature it does not run (the five config features at
    create, a mask at the forward, resharding) fails on both ranks, with the
    same status and the same message on each, in one shape; the layer made
-   after the refusals runs. */
-typedef struct caps_job {
-    two_ranks tr;
-    moept_status st[8];
-    char msg[8][300];
-    moept_status after;
-} caps_job;
-
-static void caps_call(caps_job *j, int k, moept_status st, moept_layer *L) {
-    j->st[k] = st;
-    snprintf(j->msg[k], sizeof j->msg[k], "%s", st ? moept_last_error(L) : "");
-}
-
+   after the refusals runs (agree_job's slot 7). */
 static void *caps_rank(void *arg) {
-    caps_job *j = arg;
+    agree_job *j = arg;
     nccl_rank n;
     moept_layer *L = NULL;
     nccl_rank_open(&n, &j->tr);
@@ -1592,12 +1580,12 @@ static void *caps_rank(void *arg) {
         if (k == 2) cfg.grad_backup = 1;
         if (k == 3) { cfg.aux_loss = MOEPT_AUX_SEQ; cfg.aux_seq_len = 4; cfg.aux_loss_coef = 0.01f; }
         if (k == 4) cfg.expert_sharding = MOEPT_SHARD_FSDP;
-        caps_call(j, k, moept_create_cuda(&cfg, n.c, NULL, NULL, &L), NULL);
+        agree_call(j, k, moept_create_cuda(&cfg, n.c, NULL, NULL, &L), NULL);
         if (L) { moept_destroy(L); L = NULL; }
     }
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     if (moept_create_cuda(&cfg, n.c, NULL, NULL, &L) != MOEPT_OK) {
-        caps_call(j, 5, MOEPT_ERR_DEVICE, NULL);
+        agree_call(j, 5, MOEPT_ERR_DEVICE, NULL);
         nccl_rank_close(&n);
         return NULL;
     }
@@ -1609,10 +1597,10 @@ static void *caps_rank(void *arg) {
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
     uint8_t mask[24] = {1, 0, 1};
     moept_forward_opts mo = {mask, 0};
-    caps_call(j, 5, moept_forward_ex(L, xd, T, yd, &mo), L);
+    agree_call(j, 5, moept_forward_ex(L, xd, T, yd, &mo), L);
     int32_t place[8] = {1, 1, 1, 1, 0, 0, 0, 0};
-    caps_call(j, 6, moept_reshard(L, place, NULL), L);
-    j->after = moept_forward(L, xd, T, yd);
+    agree_call(j, 6, moept_reshard(L, place, NULL), L);
+    agree_call(j, 7, moept_forward(L, xd, T, yd), L);
     cudaFree(xd); cudaFree(yd);
     free(x);
     moept_destroy(L);
@@ -1621,7 +1609,7 @@ static void *caps_rank(void *arg) {
 }
 
 static void test_capability_refusals(void) {
-    caps_job j[2];
+    agree_job j[2];
     memset(j, 0, sizeof j);
     run_two(caps_rank, j, sizeof j[0]);
     const char *what[7] = {"config.router_jitter", "config.inference_only", "config.grad_backup", "MOEPT_AUX_SEQ",
@@ -1634,7 +1622,7 @@ static void test_capability_refusals(void) {
         EXPECT(strstr(j[0].msg[k], what[k]) && strstr(j[0].msg[k], "is not supported by the CUDA executor"),
                "%s: message %s", what[k], j[0].msg[k]);
     }
-    EXPECT(!j[0].after && !j[1].after, "a forward after the refusals: %d, %d", (int)j[0].after, (int)j[1].after);
+    EXPECT(!j[0].st[7] && !j[1].st[7], "a forward after the refusals: %s | %s", j[0].msg[7], j[1].msg[7]);
 }
 
 /* A kernel fault on rank 0's GPU (injected: moept_emu_fault_next_kernel)
