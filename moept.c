@@ -2473,12 +2473,18 @@ static void moept__shared_move(const moept_layer *L, float *v, int64_t w, int64_
     }
 }
 
+/* the committed step's unmasked tokens, which the shared expert runs over
+   (packed when fewer than its T tokens) */
+static int64_t moept__shared_rows(const moept_layer *L, int64_t T) {
+    return L->fwd.sh_n < T ? L->fwd.sh_n : T;
+}
+
 /* The shared expert (and its sigmoid gate) over the T tokens; a padded
    step's over its unmasked rows, packed, then their outputs unpacked */
 static void moept__shared_forward(moept_layer *L, const float *x, int64_t T) {
     if (L->S <= 0) return;
     const int64_t D = L->D;
-    const int64_t n = L->fwd.sh_n < T ? L->fwd.sh_n : T; /* the step's unmasked tokens (moept__forward) */
+    const int64_t n = moept__shared_rows(L, T);
     if (n < T) {
         moept__shared_pack(L, x, T);
         x = L->ws.xsh;
@@ -3409,7 +3415,7 @@ static void moept__bwd_combine(moept_layer *L, const float *dy) {
 /* The shared expert's weight gradients from its dys (yss), its dxs left in
    yss; a padded step's over the packed unmasked rows, as its forward */
 static void moept__bwd_shared(moept_layer *L, const float *x) {
-    const int64_t T = L->fwd.T, D = L->D, n = L->fwd.sh_n < T ? L->fwd.sh_n : T;
+    const int64_t T = L->fwd.T, D = L->D, n = moept__shared_rows(L, T);
     if (n < T) {
         moept__shared_pack(L, x, T);
         x = L->ws.xsh;
@@ -3478,7 +3484,7 @@ static void moept__bwd_router(moept_layer *L, const float *x) {
     }
     moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->ws.dlogits, E, xin, D, 1.0f, L->par.g_router, D);
     moept__gemm_run(&g, 1, &L->ws.gws);
-    const int64_t n = L->fwd.sh_n < T ? L->fwd.sh_n : T;
+    const int64_t n = moept__shared_rows(L, T);
     if (L->S > 0 && L->par.wsg) {
         g = moept__gemm_make(1, 0, 1, D, n, L->ws.dsg, 1, n < T ? L->ws.xsh : x, D, 1.0f, L->par.gsg, D);
         moept__gemm_run(&g, 1, &L->ws.gws);
@@ -3510,7 +3516,7 @@ static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
     moept_status st;
     if (direct && (st = moept__direct_sync(L, "moept_backward"))) return st; /* peers done reading */
     L->stats.dispatch_seconds += moept__now() - ts;
-    const int64_t n = L->fwd.sh_n < T ? L->fwd.sh_n : T;
+    const int64_t n = moept__shared_rows(L, T);
     if (L->S > 0) {
         if (n < T) moept__shared_move(L, dx, D, n, T, 1);
         #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
@@ -3738,18 +3744,19 @@ static const char *moept__param_of(const moept_layer *L, int64_t i) {
     return "?";
 }
 
-/* The CPU's moments, allocated at the first step (before the agreement:
-   a rank out of memory fails every rank) */
-static moept_status moept__cpu_adamw_ready(moept_layer *L) {
+/* The host's AdamW moments [2][n_params], zero, allocated once: the CPU's
+   at the first step (before the agreement: a rank out of memory fails
+   every rank), a device executor's copy at the first save */
+static moept_status moept__opt_alloc(moept_layer *L, const char *call) {
     if (L->opt.m) return MOEPT_OK;
     float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
-    if (!s)
-        return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY,
-                           "moept_adamw_step: out of memory for the optimizer state");
+    if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for the optimizer state", call);
     memset(s, 0, (size_t)(2 * L->par.n_params) * sizeof(float));
     L->opt.m = s; L->opt.v = s + L->par.n_params;
     return MOEPT_OK;
 }
+
+static moept_status moept__cpu_adamw_ready(moept_layer *L) { return moept__opt_alloc(L, "moept_adamw_step"); }
 
 /* One AdamW step with the step's constants k over the whole buffer (an
    executor with device copies runs it where the gradients are) */
@@ -3857,11 +3864,7 @@ static moept_status moept__cuda_to_host(moept_layer *L, int what) {
     if (p) X->params = MOEPT__SAME;
     if (g) X->grads = MOEPT__SAME;
     if (!(what & MOEPT__HOST_OPT) || X->opt != MOEPT__DEVICE_NEWER) return MOEPT_OK;
-    if (!L->opt.m) { /* the host's moments, for a save */
-        float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
-        if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for the optimizer state");
-        L->opt.m = s; L->opt.v = s + L->par.n_params;
-    }
+    if ((st = moept__opt_alloc(L, "moept_save_checkpoint"))) return st; /* the host's moments, for a save */
     st = moept__cuda_opt_download(X->c, L->opt.m, L->opt.v, moept__thread_err);
     if (!st) X->opt = MOEPT__SAME;
     return st;
