@@ -3769,15 +3769,15 @@ static moept_status moept__cpu_adamw(moept_layer *L, moept__adamw_k k) {
     return MOEPT_OK;
 }
 
+moept_adamw moept_adamw_default(float lr) { return (moept_adamw){lr, 0.9f, 0.999f, 1e-8f, 0.01f}; }
+
 /* Agreed over the EP and DP groups (a rank whose own experts' gradients are
    not finite must not leave the others a step ahead): arguments and every
    gradient checked, then all step or none does. */
 moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
     if (!L->par.grads) return moept__no_grads(L, "moept_adamw_step");
-    moept_adamw d = {0.0f, 0.9f, 0.999f, 1e-8f, 0.0f};
-    if (o) d = (moept_adamw){o->lr, o->beta1 ? o->beta1 : 0.9f, o->beta2 ? o->beta2 : 0.999f,
-                             o->eps ? o->eps : 1e-8f, o->weight_decay};
+    moept_adamw d = o ? *o : moept_adamw_default(0.0f);
     float b1 = d.beta1, b2 = d.beta2, eps = d.eps, wd = d.weight_decay, lr = d.lr;
     moept_status local = MOEPT_OK;
     int64_t bad = -1;

@@ -716,7 +716,8 @@ moept_config moept_config_default(moept_family family);
    experts, top-k, norm_topk_prob, activation, shared width (deepseek_v3:
    n_shared_experts * moe_intermediate_size), n_group, topk_group,
    routed_scaling_factor, and the aux loss (MOEPT_AUX_HF with
-   router_aux_loss_coef; none for deepseek_v3). model_type mixtral,
+   router_aux_loss_coef; none for deepseek_v3: see AUX AGAINST
+   TRANSFORMERS below). model_type mixtral,
    qwen2_moe, qwen3_moe (as qwen2_moe without a shared expert), olmoe,
    deepseek_v3. A dense layer (qwen: decoder_sparse_step, mlp_only_layers;
    deepseek: first_k_dense_replace, moe_layer_freq) is
@@ -730,7 +731,8 @@ moept_config moept_config_default(moept_family family);
    or a contradictory one is an error naming the key. Absent non-size keys
    take transformers' class defaults. router_jitter_noise (mixtral) is
    read into router_jitter (ROUTER JITTER above: how transformers' jitter
-   differs); output_router_logits is not read. max_tokens, z_loss_coef,
+   differs); output_router_logits is not read (AUX AGAINST TRANSFORMERS).
+   max_tokens, z_loss_coef,
    capacity_factor, global_balance, overlap_chunks and expert_sharding
    stay as cfg had them;
    on failure cfg is unchanged. routed_scaling_factor must be > 0 (0,
@@ -741,7 +743,19 @@ moept_config moept_config_default(moept_family family);
    read), NaN/Infinity and U+0000 in a string are MOEPT_ERR_FORMAT, and so
    is a key twice in one object, at any depth (Python's json, and so
    transformers, takes the last value; taking the first would route
-   differently without a word): the message names the key. */
+   differently without a word): the message names the key.
+
+   AUX AGAINST TRANSFORMERS. transformers adds router_aux_loss_coef times
+   load_balancing_loss_func once per model, over every layer's router
+   logits concatenated, and only when output_router_logits is true.
+   moept's MOEPT_AUX_HF is that function over one layer, and the reader
+   turns it on at router_aux_loss_coef in every layer, whatever
+   output_router_logits says. So, summed over L MoE layers, moept's aux
+   weighs about L times transformers' (exactly L times when every layer
+   routes alike; the layers' covariance of counts and probabilities is
+   the rest). To match transformers: output_router_logits false, set
+   aux_loss = MOEPT_AUX_NONE; true, set aux_loss_coef to
+   router_aux_loss_coef / L (equal up to that covariance term). */
 moept_status moept_config_from_hf(const char *path, int64_t layer, moept_config *cfg);
 
 /* Lifecycle */
@@ -905,8 +919,13 @@ moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t,
 
 /* ---- optimizer and training checkpoints -------------------------------- */
 typedef struct moept_adamw {
-    float lr, beta1, beta2, eps, weight_decay;   /* 0 = torch's default; lr finite, > 0 */
+    float lr, beta1, beta2, eps, weight_decay; /* each as given (0 is 0); lr finite and > 0,
+                                                  betas in [0,1), eps > 0, weight_decay >= 0 */
 } moept_adamw;
+/* torch.optim.AdamW's defaults at this lr: betas (0.9, 0.999), eps 1e-8,
+   weight_decay 0.01. Set a field after it to change one:
+       moept_adamw o = moept_adamw_default(3e-4f); o.weight_decay = 0.1f; */
+moept_adamw moept_adamw_default(float lr);
 /* One AdamW step over this rank's parameter buffer with its gradients, as
    torch.optim.AdamW: p -= lr*wd*p; m, v updated; p -= lr/(1-b1^t) * m /
    (sqrt(v)/sqrt(1-b2^t) + eps). Correct under EP once gradients are synced:

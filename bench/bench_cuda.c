@@ -180,7 +180,7 @@ static void parse(int argc, char **argv, shape *s) {
 static int optimizer_bench(moept_layer *L, cudaStream_t st, const shape *s, cudaEvent_t e0, cudaEvent_t e1) {
     float *p, *g;
     int64_t n;
-    const moept_adamw opt = {1e-6f, 0, 0, 0, 0};
+    const moept_adamw opt = {1e-6f, 0.9f, 0.999f, 1e-8f, 0.0f};
     double norm;
     if (moept_cuda_params(L, &p, &g, &n)) return fprintf(stderr, "bench_cuda: %s\n", moept_last_error(L)), 1;
     const double bytes = 32.0 * (double)n + (s->bf16 ? 2.0 * (double)(n - s->E * s->D) : 0.0);

@@ -1178,7 +1178,7 @@ static void test_inference_layer_checkpoints(void) {
     float x[8 * 12], y[8 * 12], yi[8 * 12], dx[8 * 12];
     unsigned long long s = 5;
     tu_fill(x, 96, 1.0, &s);
-    moept_adamw o = {1e-2f, 0, 0, 0, 0};
+    moept_adamw o = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
     for (int step = 0; step < 2; step++) {
         EXPECT_OK(moept_zero_grad(Lt));
         EXPECT_OK(moept_forward(Lt, x, 8, y));

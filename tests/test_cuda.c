@@ -274,7 +274,7 @@ static void test_dx_overflow(void) {
         for (int64_t i = 0; i < T * D; i++) { x[i] = 1e4f * frand(); big[i] = 3e38f; }
         void *xd = dev_from(x, T * D, bf16), *yd = dev_from(x, T * D, bf16), *bigd = dev_from(big, T * D, bf16);
         void *dxd = dev_from(x, T * D, bf16);
-        moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+        moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
         double norm = 0.0;
         EXPECT_OK(moept_forward(L, xd, T, yd));
         EXPECT_OK(moept_backward(L, xd, bigd, dxd)); /* no host sync: nothing known yet */
@@ -813,7 +813,7 @@ static void test_bf16_weights_cast_once(void) {
     void *dy = dev_from(x, T * D, 1), *dx = dev_from(a, T * D, 1);
     EXPECT_OK(moept_forward(L, xd, T, yd));
     EXPECT_OK(moept_backward(L, xd, dy, dx));
-    moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+    moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     EXPECT_OK(moept_adamw_step(L, &opt));
     EXPECT_OK(moept_forward(L, xd, T, yd));
     EXPECT(moept_emu_launches(cast) == n1, "adamw_step: %ld casts (its own pass writes the bf16 weights)",
@@ -1016,7 +1016,7 @@ static int step_counts(int bf16, int sync_free, int64_t D, int64_t F, moept_emu_
     float *x = malloc((size_t)(T * D) * sizeof(float));
     for (int64_t i = 0; i < T * D; i++) x[i] = frand();
     void *xd = dev_from(x, T * D, bf16), *yd = dev_from(x, T * D, bf16), *dxd = dev_from(x, T * D, bf16);
-    const moept_adamw opt = {1e-4f, 0, 0, 0, 0};
+    const moept_adamw opt = {1e-4f, 0.9f, 0.999f, 1e-8f, 0.0f};
     double norm;
     for (int i = 0; i < 2; i++) { /* the first step casts the weights; the second is counted */
         if (i) cudaDeviceSynchronize(), moept_emu_counts_reset();
@@ -1199,7 +1199,7 @@ static void *sfd_rank(void *arg) {
     if (j->tr.rank == 1) xb[2 * D + 3] = NAN;
     void *xd = dev_from(x, T * D, 0), *xbd = dev_from(xb, T * D, 0), *dyd = dev_from(dy, T * D, 0);
     void *yd = dev_from(x, T * D, 0), *dxd = dev_from(x, T * D, 0);
-    moept_adamw opt = {1e-3f, 0.0f, 0.0f, 0.0f, 0.0f};
+    moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     double norm = 0.0;
     SFD(moept_forward(L, j->tr.rank ? xbd : xd, T, yd));                  /* 1 */
     SFD(moept_backward(L, j->tr.rank ? xbd : xd, dyd, dxd));              /* 2 */
@@ -1670,7 +1670,7 @@ static void *lost_rank(void *arg) {
         j->first = moept_forward(L, xd, T, yd);
         j->secs = now_s() - t0;
         snprintf(j->msg[0], sizeof j->msg[0], "%s", moept_last_error(L));
-        moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+        moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
         double norm;
         for (int k = 0; k < 7; k++) {
             moept_status st = k == 0 ? moept_forward(L, xd, T, yd)

@@ -52,7 +52,7 @@ static moept_status infer_refusals(moept_layer *L, const float *x, const float *
     float *g;
     int64_t n;
     double nrm;
-    moept_adamw o = {1e-3f, 0, 0, 0, 0};
+    moept_adamw o = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     moept_status st[6] = {moept_backward(L, x, dy, dx), moept_sync_grads(L, 1.0f), moept_grad_norm(L, &nrm),
                           moept_adamw_step(L, &o), moept_zero_grad(L), moept_grads(L, &g, &n)};
     for (int i = 0; i < 6; i++)
@@ -553,7 +553,7 @@ static void *agree_main(void *arg) {
     j->same = memcmp(g, g0, (size_t)n * sizeof(float)) == 0 && memcmp(L->par.bias, b0, sizeof b0) == 0;
     float *p0 = malloc((size_t)n * sizeof(float));
     memcpy(p0, L->par.params, (size_t)n * sizeof(float));
-    moept_adamw opt = {1e-2f, 0, 0, 0, 0};
+    moept_adamw opt = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
     if (bad) g[n - 1] = NAN; /* this rank's own: the others' gradients are fine */
     j->st[3] = moept_adamw_step(L, &opt);
     snprintf(j->err[3], MOEPT__ERRLEN, "%s", moept_last_error(L));
@@ -682,7 +682,7 @@ static void *nonfinite_main(void *arg) {
     moept_grads(L, &g, &ng);
     j->grads_zero = 1; /* they were zero before the failed backward: zero again, bitwise */
     for (int64_t i = 0; i < ng; i++) j->grads_zero &= ((const uint32_t *)(const void *)g)[i] == 0;
-    moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+    moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     double norm;
     j->step0 = moept_adamw_step(L, &opt);
     /* accumulating: a good micro-batch, then the overflow; its partial sums are refused */
@@ -758,7 +758,7 @@ static void *grad_backup_main(void *arg) {
     snprintf(j->berr, sizeof j->berr, "%s", moept_last_error(L));
     j->same = g0 && moept_grads(L, &g, &ng) == MOEPT_OK && !memcmp(g, g0, (size_t)ng * sizeof(float));
     double norm;
-    moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+    moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     j->norm = moept_grad_norm(L, &norm);
     j->step = moept_adamw_step(L, &opt);
     free(g0);
@@ -817,7 +817,7 @@ static void *reshard_main(void *arg) {
     unsigned long long s = 5 + (unsigned long long)j->r;
     tu_fill(x, 16 * 40, 1.0, &s);
     tu_fill(dy, 16 * 40, 1.0, &s);
-    moept_adamw opt = {1e-2f, 0, 0, 0, 0};
+    moept_adamw opt = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
     for (int it = 0; it < 2 && !j->st; it++) { /* optimizer state worth moving */
         moept_zero_grad(L);
         j->st = moept_forward(L, x, 16, j->y0);

@@ -465,16 +465,53 @@ static void test_one_error_channel(void) {
     snap s = take(L);
     const float lrs[4] = {0.0f, -1e-3f, NAN, INFINITY};
     for (int i = 0; i < 4; i++) {
-        moept_adamw o = {lrs[i], 0, 0, 0, 0};
+        moept_adamw o = {lrs[i], 0.9f, 0.999f, 1e-8f, 0.0f};
         moept_status st = moept_adamw_step(L, &o);
         EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(L), "lr"), "lr %g: status %d (%s)",
                (double)lrs[i], (int)st, moept_last_error(L));
     }
     EXPECT(same(L, &s) && L->opt.m == NULL, "a refused AdamW step changed the layer");
-    moept_adamw o = {1e-3f, 0, 0, 0, 0};
+    moept_adamw o = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     EXPECT_OK(moept_adamw_step(L, &o));
     EXPECT(!same(L, &s), "lr 1e-3 trained nothing");
     drop(&s);
+    moept_destroy(L);
+}
+
+/* Every AdamW hyperparameter is taken as given: 0 is 0, not a default.
+   From fresh moments with betas 0 (m = g, v = g^2, bias corrections 1) and
+   no decay, one step is p - lr g / (|g| + eps), worked here in double. eps
+   0 is refused (it would divide by zero where g is 0). */
+static void test_adamw_zeros_are_zeros(void) {
+    moept_config cfg = good();
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create(&cfg, &L));
+    if (!L) return;
+    float x[2 * 8], y[2 * 8], dx[2 * 8];
+    for (int i = 0; i < 2 * 8; i++) x[i] = 0.1f * (float)(i % 7) - 0.3f;
+    moept_init_params(L, 4);
+    EXPECT_OK(moept_forward(L, x, 2, y));
+    EXPECT_OK(moept_backward(L, x, x, dx));
+    const int64_t n = L->par.n_params;
+    double *want = malloc((size_t)n * sizeof(double));
+    const double lr = 1e-2, eps = 1e-3;
+    for (int64_t i = 0; i < n; i++) {
+        double g = L->par.grads[i];
+        want[i] = L->par.params[i] - lr * g / (fabs(g) + eps);
+    }
+    moept_adamw o = {(float)lr, 0.9f, 0.999f, 0.0f, 0.0f};
+    moept_status st = moept_adamw_step(L, &o);
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(L), "eps"), "eps 0: status %d (%s)",
+           (int)st, moept_last_error(L));
+    o = (moept_adamw){(float)lr, 0.0f, 0.0f, (float)eps, 0.0f};
+    EXPECT_OK(moept_adamw_step(L, &o));
+    double worst = 0.0;
+    for (int64_t i = 0; i < n; i++) worst = fmax(worst, fabs(L->par.params[i] - want[i]));
+    EXPECT(worst < 1e-6, "betas 0: the step is off by %g from p - lr g / (|g| + eps)", worst);
+    moept_adamw d = moept_adamw_default(3e-4f);
+    EXPECT(d.lr == 3e-4f && d.beta1 == 0.9f && d.beta2 == 0.999f && d.eps == 1e-8f && d.weight_decay == 0.01f,
+           "moept_adamw_default is not torch.optim.AdamW's defaults");
+    free(want);
     moept_destroy(L);
 }
 
@@ -488,6 +525,7 @@ int main(void) {
     RUN(test_null_and_sizes);
     RUN(test_param_names);
     RUN(test_bad_files);
+    RUN(test_adamw_zeros_are_zeros);
     RUN(test_special_files);
     RUN(test_one_error_channel);
     return tu_done();

@@ -79,8 +79,7 @@ static void *run(void *arg) {
             snprintf(j->why, sizeof j->why, "fsdp counted %lld/%lld bytes, expected %lld", (long long)sf.bytes_sent,
                      (long long)sf.bytes_received, (long long)want);
         if (step == 0) {
-            moept_adamw o = {0};
-            o.lr = 1e-2f;
+            moept_adamw o = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
             moept_adamw_step(j->ep, &o);
             moept_adamw_step(j->fs, &o);
         }

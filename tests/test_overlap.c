@@ -71,8 +71,7 @@ static void run_job(job *j) {
         if (!j->why[0] && (sa.aux_loss != sb.aux_loss || sa.z_loss != sb.z_loss || sa.bytes_sent != sb.bytes_sent))
             snprintf(j->why, sizeof j->why, "step %d: losses or byte counts differ", step);
         /* the optimizer step keeps both on the same parameters */
-        moept_adamw o = {0};
-        o.lr = 1e-2f;
+        moept_adamw o = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
         moept_adamw_step(A, &o);
         moept_adamw_step(B, &o);
     }
