@@ -1142,6 +1142,8 @@ static moept_status moept__resolve_model(moept_config *c) {
     if (c->routed_scaling_factor == 0.0f) c->routed_scaling_factor = 1.0f;
     if (c->family != MOEPT_FAMILY_DEEPSEEK_V3 && c->routed_scaling_factor != 1.0f)
         MOEPT__BAD("config.routed_scaling_factor: only deepseek_v3 scales routed weights");
+    if ((unsigned)c->group_fill > MOEPT_GROUP_FILL_ZERO)
+        MOEPT__BAD("config.group_fill: %d is not a moept_group_fill", (int)c->group_fill);
     return MOEPT_OK;
 }
 
@@ -1479,14 +1481,15 @@ static moept_status moept__grow_shared(moept_layer *L, int64_t need) {
 
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later). */
-#define MOEPT__NFP 28
-#define MOEPT__NFP_MODEL 18 /* the model's fields, first: a checkpoint's fingerprint */
+#define MOEPT__NFP 29
+#define MOEPT__NFP_MODEL 19 /* the model's fields, first: a checkpoint's fingerprint */
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
-    "global_balance", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed", "aux_seq_len",
-    "inference_only", "grad_backup", "EP size", "DP size", "EP comm's shared memory (shm_alloc)"};
+    "global_balance", "group_fill", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed",
+    "aux_seq_len", "inference_only", "grad_backup", "EP size", "DP size",
+    "EP comm's shared memory (shm_alloc)"};
 
 static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int shm, int64_t *fp) {
     float fl[5] = {c->routed_scaling_factor, c->aux_loss_coef, c->z_loss_coef, c->capacity_factor,
@@ -1496,7 +1499,7 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
     int64_t v[MOEPT__NFP] = {ok, c->family, c->hidden_size, c->intermediate_size, c->num_experts, c->top_k,
                              c->norm_topk_prob, c->activation, c->shared_intermediate_size, c->shared_gate,
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
-                             c->global_balance, c->overlap_chunks, c->expert_sharding, b[4],
+                             c->global_balance, c->group_fill, c->overlap_chunks, c->expert_sharding, b[4],
                              (int64_t)c->jitter_seed, c->aux_seq_len,
                              c->inference_only, c->grad_backup, P, DP, shm};
     memcpy(fp, v, sizeof v);
@@ -2894,6 +2897,7 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
     int64_t first_bad = T, valid = 0;
     const float *bias = fam == MOEPT_FAMILY_DEEPSEEK_V3 ? L->par.bias : NULL;
     const int norm = L->cfg.norm_topk_prob, ng = (int)L->cfg.n_group, tg = (int)L->cfg.topk_group;
+    const int gfill = (int)L->cfg.group_fill;
     const float scale = L->cfg.routed_scaling_factor;
     const uint8_t *mask = f->mask;
     #pragma omp parallel for schedule(static) reduction(min : first_bad) reduction(+ : valid) \
@@ -2905,7 +2909,7 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
             continue;
         }
         valid++;
-        if (moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, scale,
+        if (moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, gfill, scale,
                                probs + t * E, scratch, ids + t * K, wts + t * K) != 0)
             first_bad = t < first_bad ? t : first_bad;
     }
@@ -4142,6 +4146,7 @@ static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *
     sp->family = (int)L->cfg.family; sp->act = L->act; sp->norm = L->cfg.norm_topk_prob;
     sp->aux = (int)L->cfg.aux_loss; sp->global_balance = L->cfg.global_balance && (L->ep || L->dp);
     sp->n_group = (int)L->cfg.n_group; sp->topk_group = (int)L->cfg.topk_group;
+    sp->group_fill = (int)L->cfg.group_fill;
     sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
     sp->sync_free = o->sync_free != 0;
     sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
@@ -6403,6 +6408,7 @@ moept_status moept_config_from_hf(const char *path, int64_t layer, moept_config 
     moept__hf_free(h);
     if (!st) {
         c.shared_gate = MOEPT_SHARED_GATE_DEFAULT;
+        c.group_fill = MOEPT_GROUP_FILL_NEG_INF; /* the reference's; config.json has no key */
         if (c.family != MOEPT_FAMILY_DEEPSEEK_V3) c.routed_scaling_factor = 0.0f;
         *cfg = c;
     }
@@ -6775,8 +6781,11 @@ static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
     moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, L->xch.direct, fp);
     uint64_t h = 1469598103934665603ull; /* FNV-1a over the model's fields; execution choices
                                             (overlap, sharding) and the layout (EP, DP) left out */
-    for (int i = 0; i < MOEPT__NFP_MODEL; i++)
+    for (int i = 0; i < MOEPT__NFP_MODEL; i++) {
+        if (i == MOEPT__NFP_MODEL - 1 && !fp[i]) continue; /* group_fill's default: left out, so
+                                                             older checkpoints keep their print */
         for (int b = 0; b < 8; b++) { h ^= (uint64_t)((fp[i] >> (8 * b)) & 0xff); h *= 1099511628211ull; }
+    }
     snprintf(out, n, "%016llx", (unsigned long long)h);
 }
 

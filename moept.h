@@ -189,8 +189,11 @@
      deepseek_v3:
          s = sigmoid(logits); c = s + correction_bias;
          group score = sum of the top 2 c in each of n_group groups;
-         keep the topk_group best groups (the others' experts excluded,
-         as masked_fill(-inf) in transformers and DeepSeek's reference);
+         keep the topk_group best groups; the others' experts take
+         config.group_fill: -inf (default; DeepSeek's reference and
+         transformers >= 5.6: never chosen) or 0 (MOEPT_GROUP_FILL_ZERO:
+         transformers <= 5.5 and DeepSeek-V3's first modeling_deepseek.py,
+         where an excluded expert beats a kept one whose c is negative);
          ids = top-k(c); w = s[ids];
          if norm_topk_prob: w /= sum(w) + 1e-20;  w *= routed_scaling_factor
        The correction bias only selects experts and gets no gradient;
@@ -349,6 +352,15 @@ typedef enum moept_shared_gate {
     MOEPT_SHARED_GATE_SIGMOID = 2
 } moept_shared_gate;
 
+/* deepseek_v3's group-limited routing: the value the experts of the groups
+   not kept take before the top-k (see ROUTING) */
+typedef enum moept_group_fill {
+    MOEPT_GROUP_FILL_NEG_INF = 0, /* -inf: never chosen (DeepSeek's reference, transformers >= 5.6) */
+    MOEPT_GROUP_FILL_ZERO = 1     /* 0.0: chosen over a kept expert whose biased score is
+                                     negative (transformers <= 5.5, DeepSeek-V3's first
+                                     modeling_deepseek.py) */
+} moept_group_fill;
+
 /* Zero means "default" where a default is stated. */
 #define MOEPT_MAX_CHUNKS 64
 
@@ -381,6 +393,8 @@ typedef struct moept_config {
     float routed_scaling_factor;      /* deepseek_v3; 0 = 1.0 */
     moept_aux_loss aux_loss;
     float aux_loss_coef;
+    moept_group_fill group_fill;      /* deepseek_v3 with n_group > 1: the excluded groups'
+                                         fill, default -inf (ROUTING) */
     int64_t aux_seq_len;              /* MOEPT_AUX_SEQ: tokens per sequence, S, in
                                          1..max_tokens (each forward's T a multiple
                                          of it); 0 otherwise */
@@ -715,9 +729,11 @@ moept_config moept_config_default(moept_family family);
    directory holding it) -> cfg, for decoder layer `layer`: family, sizes,
    experts, top-k, norm_topk_prob, activation, shared width (deepseek_v3:
    n_shared_experts * moe_intermediate_size), n_group, topk_group,
-   routed_scaling_factor, and the aux loss (MOEPT_AUX_HF with
-   router_aux_loss_coef; none for deepseek_v3: see AUX AGAINST
-   TRANSFORMERS below). model_type mixtral,
+   routed_scaling_factor, group_fill (MOEPT_GROUP_FILL_NEG_INF, DeepSeek's
+   reference: config.json has no key for it; for the routing of
+   transformers <= 5.5 set MOEPT_GROUP_FILL_ZERO after this call), and the
+   aux loss (MOEPT_AUX_HF with router_aux_loss_coef; none for
+   deepseek_v3: see AUX AGAINST TRANSFORMERS below). model_type mixtral,
    qwen2_moe, qwen3_moe (as qwen2_moe without a shared expert), olmoe,
    deepseek_v3. A dense layer (qwen: decoder_sparse_step, mlp_only_layers;
    deepseek: first_k_dense_replace, moe_layer_freq) is
@@ -1179,12 +1195,13 @@ MOEPT_HD static inline float moept__softmax(const float *logit, int E, float *p)
     return m + logf(s);
 }
 
-/* Route one token. family: moept_family. probs[E] receives the router's
-   scores (softmax p, or sigmoid s); choice[2E] is scratch. Returns 0, or -1 if
+/* Route one token. family: moept_family; group_fill: moept_group_fill.
+   probs[E] receives the router's scores (softmax p, or sigmoid s);
+   choice[2E] is scratch. Returns 0, or -1 if
    a logit is not finite (ids/weights then untouched). */
 MOEPT_HD static inline int moept__route_token(
     int family, const float *logit, const float *bias, int E, int K, int norm,
-    int n_group, int topk_group, float scale, float *probs, float *choice,
+    int n_group, int topk_group, int group_fill, float scale, float *probs, float *choice,
     int32_t *ids, float *w) {
     for (int e = 0; e < E; e++)
         if (!moept__finite(logit[e])) return -1;
@@ -1219,8 +1236,9 @@ MOEPT_HD static inline int moept__route_token(
             int better = 0; /* groups ranked before g */
             for (int h = 0; h < n_group; h++)
                 better += gscore[h] > gscore[g] || (gscore[h] == gscore[g] && h < g);
-            if (better >= topk_group) /* as transformers >= 4.57 and DeepSeek's own code */
-                for (int e = g * gs; e < (g + 1) * gs; e++) choice[e] = -HUGE_VALF;
+            if (better >= topk_group)
+                for (int e = g * gs; e < (g + 1) * gs; e++)
+                    choice[e] = group_fill == MOEPT_GROUP_FILL_ZERO ? 0.0f : -HUGE_VALF;
         }
     }
     moept__topk(choice, E, K, ids);
@@ -1672,6 +1690,7 @@ typedef struct moept__cuda moept__cuda;
 /* What the executor needs to know of a layer, filled by moept.c. */
 typedef struct moept__cuda_spec {
     int family, act, norm, aux, global_balance, n_group, topk_group;
+    int group_fill;             /* moept_group_fill */
     int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
     int unchecked_backward;
     int sync_free;              /* static shapes, device-side checks reported later */

@@ -449,14 +449,14 @@ __global__ void moept__k_adamw(T *p, const T *g, T *m, T *v, int64_t n, moept__a
    the token's aux scores. A token with non-finite logits is recorded and
    given harmless ids (its step is rejected everywhere). */
 __global__ void moept__k_route(int fam, int aux, const float *logits, const float *bias, int E, int K,
-                               int norm, int ng, int tg, float scale, int64_t T, float *probs,
+                               int norm, int ng, int tg, int gfill, float scale, int64_t T, float *probs,
                                float *scratch, int32_t *ids, float *wts, float *lse, int32_t *cids,
                                unsigned long long *bad_token) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (t >= T) return;
     const float *lg = logits + t * E;
     float *sc = scratch + t * 2 * E;
-    if (moept__route_token(fam, lg, bias, E, K, norm, ng, tg, scale, probs + t * E, sc, ids + t * K,
+    if (moept__route_token(fam, lg, bias, E, K, norm, ng, tg, gfill, scale, probs + t * E, sc, ids + t * K,
                            wts + t * K) != 0) {
         atomicMin(bad_token, (unsigned long long)t);
         for (int k = 0; k < K; k++) { ids[t * K + k] = k; wts[t * K + k] = 0.0f; cids[t * K + k] = k; }
@@ -2202,7 +2202,8 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
             p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group,
-            p->scale, T_, c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb], c->cids, &c->bad[1]);
+            p->group_fill, p->scale, T_, c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb],
+            c->cids, &c->bad[1]);
         MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(

@@ -179,6 +179,15 @@ static int meta_float(check *c, const char *key, float *out) {
     return 1;
 }
 
+/* optional 'group_fill': "-inf" (absent: the default) or "0" */
+static int meta_group_fill(check *c, moept_group_fill *out) {
+    const char *v = moept_st_meta(c->f, "group_fill");
+    if (!v || strcmp(v, "-inf") == 0) *out = MOEPT_GROUP_FILL_NEG_INF;
+    else if (strcmp(v, "0") == 0) *out = MOEPT_GROUP_FILL_ZERO;
+    else return failf(c, "metadata 'group_fill' = '%s' is not '-inf' or '0'", v);
+    return 1;
+}
+
 /* reads a float tensor that must have shape [rows][cols] (or rows*cols) */
 static float *read_f(check *c, const char *name, int64_t rows, int64_t cols) {
     const moept_st_tensor *t = moept_st_find(c->f, name);
@@ -364,7 +373,8 @@ static float *want_f(check *c, const char *name, int64_t rows, int64_t cols) {
 
 
 /* --hf-config: the config from config.json (the losses stay the case's:
-   they are training choices, not the model's); every model field must
+   they are training choices, not the model's; so does the group fill,
+   which config.json does not hold); every model field must
    equal the case's, norm_topk_prob as it resolves. 0 after failf. */
 static int eff_norm(const moept_config *c) {
     return c->norm_topk_prob ? c->norm_topk_prob > 0
@@ -390,6 +400,7 @@ static int hf_config(check *c, moept_config *cfg) {
         failf(c, "--hf-config: config.json's %s differs from the case's", bad);
         return 0;
     }
+    h.group_fill = cfg->group_fill; /* config.json has no key for it */
     h.aux_loss = cfg->aux_loss;
     h.aux_seq_len = cfg->aux_seq_len;
     h.aux_loss_coef = cfg->aux_loss_coef;
@@ -415,7 +426,8 @@ static void run_case(check *c) {
         !meta_int(c, "shared_intermediate_size", &cfg.shared_intermediate_size) ||
         !meta_int(c, "n_group", &ng) || !meta_int(c, "topk_group", &tg) ||
         !meta_float(c, "routed_scaling_factor", &cfg.routed_scaling_factor) ||
-        !meta_float(c, "aux_loss_coef", &cfg.aux_loss_coef) || !meta_float(c, "z_loss_coef", &cfg.z_loss_coef))
+        !meta_float(c, "aux_loss_coef", &cfg.aux_loss_coef) || !meta_float(c, "z_loss_coef", &cfg.z_loss_coef) ||
+        !meta_group_fill(c, &cfg.group_fill))
         goto done;
     const char *act = moept_st_meta(c->f, "hidden_act");
     if (!act || strcmp(act, "silu") != 0) { failf(c, "metadata 'hidden_act' must be 'silu'"); goto done; }

@@ -1240,6 +1240,40 @@ static void test_fp8_block_size_huge(void) {
     moept_destroy(L);
 }
 
+/* group_fill is in a checkpoint's fingerprint, the default's print being
+   the one from before the field (FNV-1a over the 18 fields before it);
+   moept_config_from_hf sets the reference's -inf */
+static void test_group_fill_checkpoints(void) {
+    moept_config c = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
+    moept_layer *L0, *Lz, *Lz2;
+    EXPECT_OK(moept_create(&c, &L0));
+    c.group_fill = MOEPT_GROUP_FILL_ZERO;
+    EXPECT_OK(moept_create(&c, &Lz));
+    EXPECT_OK(moept_create(&c, &Lz2));
+    if (tu_bad) return;
+    int64_t fp[MOEPT__NFP];
+    moept__fingerprint(&L0->cfg, 1, 1, 1, 0, fp);
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < 18; i++)
+        for (int b = 0; b < 8; b++) { h ^= (uint64_t)((fp[i] >> (8 * b)) & 0xff); h *= 1099511628211ull; }
+    char before[24], now[24], zero[24];
+    snprintf(before, sizeof before, "%016llx", (unsigned long long)h);
+    moept__fp_hex(L0, now, sizeof now);
+    moept__fp_hex(Lz, zero, sizeof zero);
+    EXPECT(!strcmp(before, now), "the default group fill changed the fingerprint: %s, was %s", now, before);
+    EXPECT(strcmp(zero, now) != 0, "the zero fill's fingerprint is the default's");
+    moept_init_params(Lz, 3);
+    EXPECT_OK(moept_save_checkpoint(Lz, "build/ckpt_gfill"));
+    EXPECT(moept_load_checkpoint(L0, "build/ckpt_gfill") == MOEPT_ERR_INVALID_ARGUMENT,
+           "a zero-fill checkpoint loaded into a -inf layer");
+    EXPECT_OK(moept_load_checkpoint(Lz2, "build/ckpt_gfill"));
+    moept_config hf = moept_config_default(MOEPT_FAMILY_MIXTRAL);
+    hf.group_fill = MOEPT_GROUP_FILL_ZERO;
+    EXPECT_OK(moept_config_from_hf("tests/checkpoints/deepseek_group", 1, &hf));
+    EXPECT(hf.group_fill == MOEPT_GROUP_FILL_NEG_INF, "moept_config_from_hf left group_fill %d", (int)hf.group_fill);
+    moept_destroy(L0); moept_destroy(Lz); moept_destroy(Lz2);
+}
+
 int main(void) {
     RUN(test_hf_round_trip_all_families);
     RUN(test_load_failure_leaves_layer_unchanged);
@@ -1262,6 +1296,7 @@ int main(void) {
     RUN(test_config_json_strict);
     RUN(test_family_defaults);
     RUN(test_inference_layer_checkpoints);
+    RUN(test_group_fill_checkpoints);
     RUN(test_fp8_checkpoint_dequantised);
     RUN(test_fp8_block_size_huge);
     return tu_done();

@@ -374,6 +374,34 @@ static void test_mismatched_config(void) {
     }
 }
 
+/* ranks that differ only in group_fill: every rank's create fails, naming it */
+static void *gfill_main(void *arg) {
+    mm *m = arg;
+    moept_comm *c;
+    moept_comm_threads(m->g, m->r, &c);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.max_tokens = 8;
+    if (m->r == 1) cfg.group_fill = MOEPT_GROUP_FILL_ZERO;
+    moept_layer *L = NULL;
+    m->st = moept_create_parallel(&cfg, c, NULL, &L);
+    snprintf(m->err, sizeof m->err, "%s", moept_last_error(NULL));
+    moept_destroy(L);
+    return NULL;
+}
+
+static void test_mismatched_group_fill(void) {
+    moept_thread_group *g;
+    moept_thread_group_create(2, 10000, &g);
+    mm ms[2];
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) { ms[r].g = g; ms[r].r = r; pthread_create(&th[r], NULL, gfill_main, &ms[r]); }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 2; r++)
+        EXPECT(ms[r].st == MOEPT_ERR_INVALID_ARGUMENT && strstr(ms[r].err, "group_fill"),
+               "rank %d: status %d, message '%s'", r, ms[r].st, ms[r].err);
+    moept_thread_group_destroy(g);
+}
+
 /* one rank's NaN: every rank fails the step, and the next step works */
 typedef struct nn {
     moept_thread_group *g;
@@ -930,6 +958,7 @@ int main(void) {
     RUN(test_world_ep_by_dp);
     RUN(test_steady_state_allocations);
     RUN(test_mismatched_config);
+    RUN(test_mismatched_group_fill);
     RUN(test_one_rank_bad_input);
     RUN(test_threads_comm_timeout);
     RUN(test_update_bias_ep);

@@ -34,6 +34,7 @@ MUT(m_ngfam, n_group, c->family = MOEPT_FAMILY_MIXTRAL)
 MUT(m_rsf, routed_scaling_factor, c->routed_scaling_factor = -1.0f)
 MUT(m_rsfnan, routed_scaling_factor, c->routed_scaling_factor = NAN)
 MUT(m_rsffam, routed_scaling_factor, c->family = MOEPT_FAMILY_OLMOE; c->n_group = 1; c->topk_group = 1; c->routed_scaling_factor = 2.0f)
+MUT(m_gfill, group_fill, c->group_fill = (moept_group_fill)2)
 MUT(m_aux, aux_loss, c->aux_loss = (moept_aux_loss)4)
 MUT(m_auxc, aux_loss_coef, c->aux_loss = MOEPT_AUX_HF; c->aux_loss_coef = -0.1f)
 MUT(m_auxnone, aux_loss_coef, c->aux_loss_coef = 0.1f)
@@ -55,6 +56,7 @@ static void test_invalid_config_fields(void) {
         {"config.n_group", m_ng}, {"config.n_group", m_ng2}, {"config.topk_group", m_tg}, {"config.top_k", m_tgk},
         {"config.n_group", m_ngfam}, {"config.routed_scaling_factor", m_rsf},
         {"config.routed_scaling_factor", m_rsfnan}, {"config.routed_scaling_factor", m_rsffam},
+        {"config.group_fill", m_gfill},
         {"config.aux_loss", m_aux}, {"config.aux_loss_coef", m_auxc}, {"config.aux_loss_coef", m_auxnone},
         {"config.z_loss_coef", m_z}, {"config.capacity_factor", m_cap}, {"config.max_tokens", m_max},
         {"config.aux_seq_len", m_seq0}, {"config.aux_seq_len", m_seqbig}, {"config.aux_seq_len", m_seqoff},

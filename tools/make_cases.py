@@ -12,7 +12,10 @@ the fp32 implementation under test routes exactly as the reference did.
     python3 tools/make_cases.py --out tests/cases
 """
 import argparse
+import inspect
 import os
+import textwrap
+import types
 
 import torch
 from safetensors.torch import save_file
@@ -20,6 +23,7 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralConfig
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock, Qwen2MoeConfig
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock, OlmoeConfig
+from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3Config
 
 # name, family, T, D, F, E, K, norm, shared S, n_group, topk_group, scaling, aux coef, z coef
@@ -55,6 +59,29 @@ SEQ = [
      [0, 1, 2, 7, 13, 14], 3),
 ]
 
+# The group fill (metadata group_fill): the value the excluded groups' experts
+# take before the top-k. Negative biased scores (a negative correction bias)
+# make the two choose differently; these have 2 excluded experts and K >= 2,
+# so where 0 wins it takes both (no tie between the zeros)
+GROUP_FILL = [
+    (("deepseek_fill_neg_inf", "deepseek_v3", 12, 16, 6, 8, 4, 1, 6, 4, 3, 2.5, 0.01, 0.001), "-inf"),
+    (("deepseek_fill_zero",    "deepseek_v3", 12, 14, 5, 12, 3, 0, 10, 6, 5, 1.5, 0.01, 0.002), "0"),
+]
+FILL_LINE = 'masked_fill(~score_mask.bool(), float("-inf"))'
+
+
+def zero_fill(gate):
+    """Gives this router instance transformers' own forward with the excluded
+    groups filled with 0.0 instead of -inf: transformers <= 5.5's line (and
+    DeepSeek-V3's first modeling_deepseek.py). transformers >= 5.6, as
+    DeepSeek's reference inference code (inference/model.py), fills -inf."""
+    src = textwrap.dedent(inspect.getsource(type(gate).forward))
+    assert src.count(FILL_LINE) == 1, "transformers' DeepseekV3 router changed: update zero_fill"
+    ns = {}
+    exec(compile(src.replace(FILL_LINE, FILL_LINE.replace('float("-inf")', "0.0")), "<zero_fill>", "exec"),
+         vars(modeling_deepseek_v3), ns)
+    gate.forward = types.MethodType(ns["forward"], gate)
+
 
 def seq_aux_loss(family, logits, ids, mask, E, K, S):
     """DeepSeek-V3's complementary sequence-wise balance loss in float64, in
@@ -81,7 +108,7 @@ def seq_aux_loss(family, logits, ids, mask, E, K, S):
     return (cost * ssum[keep] / n[keep].view(-1, 1)).sum(-1).mean()
 
 
-def build(family, D, F, E, K, norm, S, n_group, topk_group, scaling):
+def build(family, D, F, E, K, norm, S, n_group, topk_group, scaling, fill="-inf"):
     if family == "mixtral":
         cfg = MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
                             num_experts_per_tok=K, hidden_act="silu", router_jitter_noise=0.0)
@@ -100,7 +127,11 @@ def build(family, D, F, E, K, norm, S, n_group, topk_group, scaling):
                            num_experts_per_tok=K, n_group=n_group, topk_group=topk_group,
                            norm_topk_prob=bool(norm), routed_scaling_factor=scaling,
                            n_shared_experts=S // F, hidden_act="silu")
-    return DeepseekV3MoE(cfg)
+    block = DeepseekV3MoE(cfg)
+    assert FILL_LINE in inspect.getsource(type(block.gate).forward), "transformers' router does not fill -inf"
+    if fill == "0":
+        zero_fill(block.gate)
+    return block
 
 
 class Float64Routers:
@@ -127,8 +158,19 @@ class Float64Routers:
         torch.Tensor.float, torch.Tensor.type, torch.nn.functional.softmax = self.saved
 
 
-def margin_ok(block, family, x, K, E, n_group, topk_group, margin):
-    """True if every selection in the routing is decided by more than margin."""
+def group_choice(c, n_group, topk_group, fill):
+    """The scores the top K is taken of: c with the excluded groups' experts
+    at fill (the rule of the router above)."""
+    gs = c.shape[-1] // n_group
+    gscore = c.view(-1, n_group, gs).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(gscore).scatter_(1, gscore.topk(topk_group, dim=-1).indices, 1)
+    return c.masked_fill(~keep.repeat_interleave(gs, dim=1).bool(), float(fill)), gscore
+
+
+def margin_ok(block, family, x, K, E, n_group, topk_group, margin, fill=None):
+    """True if every selection in the routing is decided by more than margin;
+    for a group-fill case also that the other fill routes at least a third
+    of the tokens differently (so a checker with the wrong fill fails)."""
     with torch.no_grad():
         logits = torch.nn.functional.linear(x.float(), block.gate.weight.float()).double()
 
@@ -144,14 +186,16 @@ def margin_ok(block, family, x, K, E, n_group, topk_group, margin):
             s = logits.sigmoid()
             c = s + block.gate.e_score_correction_bias.double()
             gs = E // n_group
-            grouped = c.view(-1, n_group, gs)
-            gaps.append(gap(grouped, 2).reshape(-1))
-            gscore = grouped.topk(2, dim=-1).values.sum(-1)
+            gaps.append(gap(c.view(-1, n_group, gs), 2).reshape(-1))
+            cm, gscore = group_choice(c, n_group, topk_group, fill or "-inf")
             if n_group > 1:
                 gaps.append(gap(gscore, topk_group))
-            keep = torch.zeros_like(gscore).scatter_(1, gscore.topk(topk_group, dim=-1).indices, 1)
-            cm = c.masked_fill(~keep.repeat_interleave(gs, dim=1).bool(), float("-inf"))
             gaps.append(gap(cm, K))
+            if fill:
+                other = group_choice(c, n_group, topk_group, "0" if fill == "-inf" else "-inf")[0]
+                ids = [m.topk(K, dim=-1).indices.sort(dim=-1).values for m in (cm, other)]
+                if 3 * int((ids[0] != ids[1]).any(-1).sum()) < x.shape[0]:
+                    return False
         return all(bool((g > margin).all()) for g in gaps)
 
 
@@ -183,23 +227,27 @@ def flatten_params(block, family, E, F, grads=False):
     return out
 
 
-def make_case(spec, seed, margin, pad=(), seq=0):
+def make_case(spec, seed, margin, pad=(), seq=0, fill=None):
     """pad: tokens whose attention_mask is 0. Their output rows are zeroed
     (the block's output times the mask), they are left out of the aux loss
     (transformers' attention_mask) and of the z loss's mean, so nothing
     differentiates through them; their expected ids are -1, weights 0.
-    seq: the sequence length of the sequence-wise aux loss (0: HF's)."""
+    seq: the sequence length of the sequence-wise aux loss (0: HF's).
+    fill: a group-fill case's fill ("-inf", "0"); its correction bias is
+    drawn in [-1.3, -0.8), so most biased scores are negative and the two
+    fills route apart."""
     (name, family, T, D, F, E, K, norm, S, n_group, topk_group, scaling, aux_coef, z_coef) = spec
     for attempt in range(1000):
         g = torch.Generator().manual_seed(seed * 1000 + attempt)
-        block = build(family, D, F, E, K, norm, S, n_group, topk_group, scaling).double()
+        block = build(family, D, F, E, K, norm, S, n_group, topk_group, scaling, fill or "-inf").double()
         with torch.no_grad():
             for pname, p in block.named_parameters():
                 fan_in = p.shape[-1]
                 std = 1.5 / fan_in ** 0.5 if pname.startswith("gate") else 0.7 / fan_in ** 0.5
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
             if family == "deepseek_v3":
-                block.gate.e_score_correction_bias.copy_(torch.rand(E, generator=g, dtype=torch.float64) * 0.1)
+                u = torch.rand(E, generator=g, dtype=torch.float64)
+                block.gate.e_score_correction_bias.copy_(u * 0.5 - 1.3 if fill else u * 0.1)
             # store float32, compute on exactly those values
             for p in block.parameters():
                 p.copy_(p.float().double())
@@ -207,7 +255,7 @@ def make_case(spec, seed, margin, pad=(), seq=0):
                 b.copy_(b.float().double())
         x = torch.randn(1, T, D, generator=g, dtype=torch.float64).float().double()
         gy = torch.randn(1, T, D, generator=g, dtype=torch.float64).float().double()
-        if margin_ok(block, family, x.view(T, D), K, E, n_group, topk_group, margin):
+        if margin_ok(block, family, x.view(T, D), K, E, n_group, topk_group, margin, fill):
             break
     else:
         raise RuntimeError(f"{name}: no draw without near ties")
@@ -258,6 +306,7 @@ def make_case(spec, seed, margin, pad=(), seq=0):
         "routed_scaling_factor": repr(float(scaling)), "aux_loss": "seq" if seq else "hf",
         "aux_loss_coef": repr(float(aux_coef)), "z_loss_coef": repr(float(z_coef)),
         **({"aux_seq_len": str(seq)} if seq else {}),
+        **({"group_fill": fill} if fill else {}),
         "generator": f"tools/make_cases.py torch {torch.__version__} transformers {transformers.__version__}",
     }
     return tensors, meta
@@ -272,10 +321,12 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
-    for i, (spec, pad, seq) in enumerate([(c, (), 0) for c in CASES] + [m + (0,) for m in MASKED] + SEQ):
+    every = ([(c, (), 0, None) for c in CASES] + [m + (0, None) for m in MASKED] + [q + (None,) for q in SEQ]
+             + [(c, (), 0, fill) for c, fill in GROUP_FILL])  # new cases last: the others keep their seeds
+    for i, (spec, pad, seq, fill) in enumerate(every):
         if args.only and spec[0] not in args.only.split(","):
             continue
-        tensors, meta = make_case(spec, args.seed + i, args.margin, pad, seq)
+        tensors, meta = make_case(spec, args.seed + i, args.margin, pad, seq, fill)
         path = os.path.join(args.out, spec[0] + ".safetensors")
         save_file(tensors, path, metadata=meta)
         ids = tensors["expected.topk_ids"]
