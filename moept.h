@@ -112,7 +112,8 @@
 
          call                   agreed over          arguments that must match
          moept_forward          EP (DP too with      none: each rank's tokens, T,
-                                global_balance)      mask and eval are its own
+                                global_balance)      mask, eval and replay_ids are
+                                                     its own
          moept_backward         EP                   none
          moept_sync_grads       EP, DP               scale
          moept_grad_norm        EP                   none
