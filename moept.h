@@ -278,16 +278,19 @@
      (the weights' sum, the combine) run in that order, so a permuted row
      gives the same experts and values up to the rounding of those sums.
      Replaying a forward's own ids, as moept_routing returned them, equals
-     that forward bitwise (y, dx, every gradient, the loss statistics). The
+     that forward bitwise (y, dx, every gradient, the loss statistics;
+     router_jitter aside, whose noise is new each training forward). The
      ids are global expert indices: a rollout recorded at one EP size
-     replays at another. A row of an unmasked token that is not K distinct
-     experts of 0..E-1 rejects the call (MOEPT_ERR_INVALID_ARGUMENT, naming
-     [t][k]), agreed over the groups as every forward check: every rank
-     fails and nothing changes. A padded token's row (opts.mask) is not
-     read: it may hold anything. CUDA layers: replay_ids is device memory,
-     as x is; the device checks it and the forward's count exchange agrees
-     on it (sync-free mode: reported by the next moept_adamw_step or
-     moept_grad_norm, as a non-finite x is).
+     replays at another (the same token, the same values: bitwise, the
+     router's gradients, summed over other ranks, to rounding). A row of
+     an unmasked token that is not K distinct experts of 0..E-1 rejects the
+     call (MOEPT_ERR_INVALID_ARGUMENT, naming [t][k]), agreed over the
+     groups as every forward check: every rank fails and nothing changes.
+     A padded token's row (opts.mask) is not read: it may hold anything
+     (the -1 rows of a recorded padded batch replay with its mask). CUDA
+     layers: replay_ids is device memory, as x is; the device checks it and
+     the forward's count exchange agrees on it (sync-free mode: reported by
+     the next moept_adamw_step or moept_grad_norm, as a non-finite x is).
 
    INFERENCE LAYERS (config.inference_only = 1; CPU layers)
      Every forward is an evaluation (no jitter), with the same y and
