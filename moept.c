@@ -1006,6 +1006,7 @@ struct moept__fstep {
     const float *x;        /* [T][D] */
     float *y;              /* [T][D] */
     const uint8_t *mask;   /* [T] 0 = padding, or NULL */
+    const int32_t *replay; /* [T][K] the experts to route to (routing replay), or NULL */
     int64_t T, valid;      /* tokens; unmasked ones */
     int eval, global, nb, jitter;
     uint64_t x_fp;         /* x's fingerprint, for the backward's check */
@@ -2873,12 +2874,20 @@ static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
     if (bad >= 0)
         return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite",
                            (long long)(bad / D), (long long)(bad % D));
+    for (int64_t t = 0; f->replay && t < T; t++) { /* a padded token's row is not read */
+        int code = f->mask && !f->mask[t] ? -1
+                   : moept__replay_bad(f->replay + t * L->K, (int)L->E, (int)L->K);
+        if (code >= 0)
+            return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, MOEPT__REPLAY_FMT, (long long)t,
+                               (long long)(code / 2), MOEPT__REPLAY_WHY(code));
+    }
     return MOEPT_OK;
 }
 
 /* 2. route into the spare buffers: the fp32 router on x (times the jitter
-   noise in a training forward), then each token's top-k; a masked token is
-   routed nowhere (ids -1, weights 0) */
+   noise in a training forward), then each token's top-k (or the experts
+   opts.replay_ids gives it); a masked token is routed nowhere (ids -1,
+   weights 0) */
 static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
     const int64_t T = f->T, D = L->D, E = L->E, K = L->K;
     const int fam = (int)L->cfg.family, nb = f->nb;
@@ -2909,8 +2918,10 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
             continue;
         }
         valid++;
-        if (moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, gfill, scale,
-                               probs + t * E, scratch, ids + t * K, wts + t * K) != 0)
+        if (f->replay ? moept__replay_token(fam, logits + t * E, f->replay + t * K, (int)E, (int)K, norm,
+                                            scale, probs + t * E, ids + t * K, wts + t * K) != 0
+                      : moept__route_token(fam, logits + t * E, bias, (int)E, (int)K, norm, ng, tg, gfill,
+                                           scale, probs + t * E, scratch, ids + t * K, wts + t * K) != 0)
             first_bad = t < first_bad ? t : first_bad;
     }
     f->valid = valid;
@@ -3297,7 +3308,7 @@ moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *
     moept__fstep f;
     memset(&f, 0, sizeof f);
     f.x = x; f.y = y; f.T = T;
-    if (o) { f.mask = o->mask; f.eval = o->eval != 0; }
+    if (o) { f.mask = o->mask; f.eval = o->eval != 0; f.replay = o->replay_ids; }
     f.eval |= L->cfg.inference_only; /* nothing to keep */
     if (f.mask) f.reject = moept__ex_refuse(L->ex, MOEPT__CAN_MASK, "moept_forward", f.reject_why);
     return L->ex->forward(L, &f);
@@ -3950,6 +3961,7 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD);
     r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
     r.reject_msg = f->reject ? f->reject_why : NULL;
+    r.replay = f->replay; /* device memory: checked there, agreed with the executor's checks */
     st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;

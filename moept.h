@@ -13,7 +13,8 @@
    CONTENTS
      This comment: vendoring, compile-time options, usage, conventions
      (errors, group calls, numerics), routing, family defaults, losses,
-     padding/evaluation/jitter, inference layers, parameter names. Then the
+     padding/evaluation/jitter, routing replay, inference layers, parameter
+     names. Then the
      declarations, each documented where it is declared: config,
      communication (the comm table and its backends), CUDA (the executor,
      its options and the NCCL backend), statistics, config_from_hf,
@@ -111,7 +112,8 @@
 
          call                   agreed over          arguments that must match
          moept_forward          EP (DP too with      none: each rank's tokens, T,
-                                global_balance)      mask and eval are its own
+                                global_balance)      mask, eval and replay_ids are
+                                                     its own
          moept_backward         EP                   none
          moept_sync_grads       EP, DP               scale
          moept_grad_norm        EP                   none
@@ -252,6 +254,46 @@
      backward treats u as a constant, as PyTorch does with its noise tensor.
      The CUDA executor refuses masks (MOEPT_ERR_UNSUPPORTED on every rank)
      and router_jitter (at create).
+
+   ROUTING REPLAY (opts.replay_ids of moept_forward_ex; both executors)
+     Reinforcement learning on MoE models trains on the experts the rollout
+     used (Megatron-Core's "router replay", R3): routing that differs
+     between the inference engine and the trainer destabilises training.
+     The recipe: record each rollout's choice, ids [T][K] from
+     moept_routing after the rollout's forward (global expert indices, in
+     the router's order: score descending, ties to the lower index; -1 for
+     padding), or the inference engine's own top-k ids; then train with
+     them as opts.replay_ids [T][K]: token t goes to experts
+     replay_ids[t][0..K), with weights recomputed from the current router's
+     logits as the family weighs its own choice (ROUTING above: softmax
+     p[ids], divided by their sum with norm_topk_prob; deepseek_v3 s[ids],
+     divided by their sum + 1e-20 with norm_topk_prob, times
+     routed_scaling_factor; no group limit, and the correction bias, which
+     only selects, plays no part). The backward differentiates those
+     weights, so the router learns from the rollout's experts. The losses
+     count the replayed experts wherever they count the router's selection
+     (MOEPT_AUX_HF on softmax routers, MOEPT_AUX_MEGATRON, MOEPT_AUX_SEQ;
+     MOEPT_AUX_HF on deepseek_v3 counts softmax's own top-k, never the
+     router's choice; the z loss reads only the logits); capacity drops by
+     position as without replay.
+     Order: any order within a row, kept: moept_routing returns the row as
+     given, weights[t][k] belongs to replay_ids[t][k], and the K-term sums
+     (the weights' sum, the combine) run in that order, so a permuted row
+     gives the same experts and values up to the rounding of those sums.
+     Replaying a forward's own ids, as moept_routing returned them, equals
+     that forward bitwise (y, dx, every gradient, the loss statistics;
+     router_jitter aside, whose noise is new each training forward). The
+     ids are global expert indices: a rollout recorded at one EP size
+     replays at another (the same token, the same values: bitwise, the
+     router's gradients, summed over other ranks, to rounding). A row of
+     an unmasked token that is not K distinct experts of 0..E-1 rejects the
+     call (MOEPT_ERR_INVALID_ARGUMENT, naming [t][k]), agreed over the
+     groups as every forward check: every rank fails and nothing changes.
+     A padded token's row (opts.mask) is not read: it may hold anything
+     (the -1 rows of a recorded padded batch replay with its mask). CUDA
+     layers: replay_ids is device memory, as x is; the device checks it and
+     the forward's count exchange agrees on it (sync-free mode: reported by
+     the next moept_adamw_step or moept_grad_norm, as a non-finite x is).
 
    INFERENCE LAYERS (config.inference_only = 1; CPU layers)
      Every forward is an evaluation (no jitter), with the same y and
@@ -835,6 +877,10 @@ typedef struct moept_forward_opts {
                             backward: moept_backward and moept_update_bias
                             refuse until the next training forward. y is the
                             training forward's (bitwise, jitter off) */
+    const int32_t *replay_ids; /* [tokens][K] or NULL: routing replay (ROUTING REPLAY
+                            above): each token's K experts instead of the router's
+                            choice, weighted from the current logits. CUDA layers:
+                            device memory, as x */
 } moept_forward_opts;
 moept_status moept_forward_ex(moept_layer *layer, const float *x, int64_t tokens, float *y,
                               const moept_forward_opts *opts);
@@ -1195,6 +1241,23 @@ MOEPT_HD static inline float moept__softmax(const float *logit, int E, float *p)
     return m + logf(s);
 }
 
+/* The routing weights w[K] of the experts ids[K] from the router's scores
+   probs[E], as the family weighs its choice (softmax: p, or p / sum;
+   sigmoid: s / (sum + 1e-20) if norm, times scale); the sum runs in k
+   order. The router's own choice and a replayed one alike. */
+MOEPT_HD static inline void moept__route_weights(int family, const float *probs, const int32_t *ids,
+                                                 int K, int norm, float scale, float *w) {
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) sum += probs[ids[k]];
+    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
+        for (int k = 0; k < K; k++)
+            w[k] = norm ? probs[ids[k]] / sum : probs[ids[k]];
+        return;
+    }
+    float div = norm ? sum + 1e-20f : 1.0f;
+    for (int k = 0; k < K; k++) w[k] = probs[ids[k]] / div * scale;
+}
+
 /* Route one token. family: moept_family; group_fill: moept_group_fill.
    probs[E] receives the router's scores (softmax p, or sigmoid s);
    choice[2E] is scratch. Returns 0, or -1 if
@@ -1208,10 +1271,7 @@ MOEPT_HD static inline int moept__route_token(
     if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
         moept__softmax(logit, E, probs);
         moept__topk(probs, E, K, ids);
-        float sum = 0.0f;
-        for (int k = 0; k < K; k++) sum += probs[ids[k]];
-        for (int k = 0; k < K; k++)
-            w[k] = norm ? probs[ids[k]] / sum : probs[ids[k]];
+        moept__route_weights(family, probs, ids, K, norm, scale, w);
         return 0;
     }
     for (int e = 0; e < E; e++) {
@@ -1242,10 +1302,41 @@ MOEPT_HD static inline int moept__route_token(
         }
     }
     moept__topk(choice, E, K, ids);
-    float sum = 0.0f;
-    for (int k = 0; k < K; k++) sum += probs[ids[k]];
-    float div = norm ? sum + 1e-20f : 1.0f;
-    for (int k = 0; k < K; k++) w[k] = probs[ids[k]] / div * scale;
+    moept__route_weights(family, probs, ids, K, norm, scale, w);
+    return 0;
+}
+
+/* Routing replay of one token: a row given[K] that is not K distinct
+   experts of 0..E-1 gives 2 k + 1 for its first k repeating an earlier
+   expert of the row, 2 k for one out of range; -1: a valid row. */
+MOEPT_HD static inline int moept__replay_bad(const int32_t *given, int E, int K) {
+    for (int k = 0; k < K; k++) {
+        if (given[k] < 0 || given[k] >= E) return 2 * k;
+        for (int j = 0; j < k; j++)
+            if (given[j] == given[k]) return 2 * k + 1;
+    }
+    return -1;
+}
+/* both executors' message for a rejected row (code: moept__replay_bad's) */
+#define MOEPT__REPLAY_FMT "moept_forward: opts.replay_ids[%lld][%lld] %s"
+#define MOEPT__REPLAY_WHY(code) \
+    ((code) & 1 ? "repeats an expert of its row" : "is not an expert index (0..num_experts-1)")
+
+/* Routing replay of one (valid) token: the router's scores into probs[E]
+   as moept__route_token computes them, ids = given (in the given order),
+   their weights as the family weighs its own choice (moept__route_weights;
+   no top-k, no groups: the bias only selects). Returns -1, ids and w
+   untouched, if a logit is not finite. */
+MOEPT_HD static inline int moept__replay_token(int family, const float *logit, const int32_t *given, int E,
+                                               int K, int norm, float scale, float *probs, int32_t *ids,
+                                               float *w) {
+    for (int e = 0; e < E; e++)
+        if (!moept__finite(logit[e])) return -1;
+    if (family != MOEPT_FAMILY_DEEPSEEK_V3) moept__softmax(logit, E, probs);
+    else
+        for (int e = 0; e < E; e++) probs[e] = moept__sigmoid(logit[e]);
+    for (int k = 0; k < K; k++) ids[k] = given[k];
+    moept__route_weights(family, probs, ids, K, norm, scale, w);
     return 0;
 }
 
@@ -1715,6 +1806,7 @@ typedef struct moept__cuda_step {
     moept_status reject;       /* in: a rejection moept.c found (an option this executor
                                   lacks, ...), agreed like the executor's own checks */
     const char *reject_msg;
+    const int32_t *replay;     /* in: [T][K] the experts to route to (opts.replay_ids, device), or NULL */
     int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
     int64_t allocations, allocated_bytes, workspace_bytes;
     double aux_value, z_value, loss_T;

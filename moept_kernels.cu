@@ -469,6 +469,32 @@ __global__ void moept__k_route(int fam, int aux, const float *logits, const floa
         moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, E, K, sc, cids + t * K);
 }
 
+/* Routing replay (opts.replay_ids), after moept__k_route: a routed token
+   (ids >= 0; padding has -1) takes the experts of its given row [K],
+   weighted from its scores as the family weighs its own choice, and the aux
+   loss's counted ids and scores again. A row that is not K distinct
+   experts keeps the router's choice and fails the step: bad_token (the
+   route's first failed token, shared with non-finite logits, which sort
+   first) takes MOEPT__REPLAY_BAD | (t K + k) << 1 | repeat. */
+#define MOEPT__REPLAY_BAD (1ull << 62)
+__global__ void moept__k_replay(int fam, int aux, const float *logits, const int32_t *given, int E, int K,
+                                int norm, float scale, int64_t T, float *probs, float *scratch, int32_t *ids,
+                                float *wts, int32_t *cids, unsigned long long *bad_token) {
+    int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (t >= T || ids[t * K] < 0) return;
+    const float *lg = logits + t * E;
+    int code = moept__replay_bad(given + t * K, E, K);
+    if (code >= 0) {
+        atomicMin(bad_token, MOEPT__REPLAY_BAD | ((unsigned long long)(t * K + code / 2) << 1) | (code & 1));
+        return;
+    }
+    if (moept__replay_token(fam, lg, given + t * K, E, K, norm, scale, probs + t * E, ids + t * K,
+                            wts + t * K) != 0)
+        return; /* non-finite logits: moept__k_route flagged the token */
+    if (aux != MOEPT_AUX_NONE)
+        moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, E, K, scratch + t * 2 * E, cids + t * K);
+}
+
 /* Loss statistics, one block per expert column (block E: sum of lse^2):
    lstat = [selections E | aux counts E | aux score sums E | T | sum lse^2].
    Each block sums its column over tokens in a fixed order (deterministic). */
@@ -803,7 +829,7 @@ __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const
    zero_grad; moept__sf_why says it) */
 enum {
     MOEPT__SF_INPUT = 1, MOEPT__SF_LOSS, MOEPT__SF_ARGS, MOEPT__SF_PEER, MOEPT__SF_CALLS, MOEPT__SF_Y,
-    MOEPT__SF_DY
+    MOEPT__SF_DY, MOEPT__SF_REPLAY
 };
 __device__ __forceinline__ unsigned long long moept__sf_min(unsigned long long a, int b) {
     return a < (unsigned long long)b ? a : (unsigned long long)b;
@@ -823,6 +849,7 @@ __global__ void moept__k_sf_agree(const int64_t *msg_all, int64_t P, int64_t M, 
     }
     if (msg_all[me * M + E] != 0) /* this rank's own: its arguments, inputs, or its local z loss */
         code = host_bad ? MOEPT__SF_ARGS
+             : bad[0] == ULLONG_MAX && bad[1] != ULLONG_MAX && (bad[1] & MOEPT__REPLAY_BAD) ? MOEPT__SF_REPLAY
              : bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX ? MOEPT__SF_INPUT : MOEPT__SF_LOSS;
     if (host_bad) { /* this call fails here: the committed step's aux factors stay */
         atomicMin(&bad[6], code);
@@ -852,6 +879,7 @@ static const char *moept__sf_why(unsigned long long code) {
     case MOEPT__SF_PEER: return "another rank's step failed its checks";
     case MOEPT__SF_CALLS: return "the ranks' call sequences differed";
     case MOEPT__SF_Y: return "the forward's y was not finite from finite inputs";
+    case MOEPT__SF_REPLAY: return "opts.replay_ids held a row that is not K distinct experts of 0..E-1";
     default: return "dy was not finite";
     }
 }
@@ -1819,7 +1847,7 @@ extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad,
     why[0] = 0;
     *why_st = code == ULLONG_MAX ? MOEPT_OK
             : code == MOEPT__SF_ARGS || code == MOEPT__SF_PEER || code == MOEPT__SF_CALLS ? MOEPT_ERR_STATE
-            : MOEPT_ERR_NUMERIC;
+            : code == MOEPT__SF_REPLAY ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC;
     if (*why_st) snprintf(why, MOEPT__ERRLEN, "%s", moept__sf_why(code));
     return MOEPT_OK;
 }
@@ -2131,6 +2159,7 @@ typedef struct moept__fwd {
     int64_t T, cap, R;         /* tokens (0 if rejected), capacity (-1: none), rows to receive */
     int64_t tag;               /* the call's agreement tag (moept.c's) */
     moept_status reject;       /* moept.c's rejection of the call, agreed as a host one */
+    const int32_t *replay;     /* [T][K] opts.replay_ids (device), or NULL */
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                             \
@@ -2205,6 +2234,12 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
             p->group_fill, p->scale, T_, c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb],
             c->cids, &c->bad[1]);
         MOEPT__PRE(cudaGetLastError());
+        if (f->replay) {
+            MOEPT__LAUNCH(moept__k_replay, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
+                p->family, p->aux, c->logits[nb], f->replay, (int)E, (int)K, p->norm, p->scale, T_,
+                c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->cids, &c->bad[1]);
+            MOEPT__PRE(cudaGetLastError());
+        }
     }
     MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(
             c->ids[nb], c->cids, c->scratch, c->lse[nb], T_, (int)E, (int)K, p->aux, c->lstat);
@@ -2310,6 +2345,15 @@ static void moept__fwd_loss_check(moept__cuda *c, moept__fwd *f) {
                  "the step is rejected, run forward again", zbad ? "z" : "aux");
 }
 
+/* a replayed row that is not K distinct experts (moept__k_replay's flag):
+   the same message as moept.c's, and the call's status an argument's */
+static void moept__replay_msg(const moept__cuda *c, moept__fwd *f) {
+    const unsigned long long v = c->h_bad[1] & ~MOEPT__REPLAY_BAD, a = v >> 1; /* t K + k */
+    f->reject = MOEPT_ERR_INVALID_ARGUMENT;
+    snprintf(f->local, MOEPT__ERRLEN, MOEPT__REPLAY_FMT, (long long)(a / c->sp.K), (long long)(a % c->sp.K),
+             MOEPT__REPLAY_WHY((int)(v & 1)));
+}
+
 /* 5. agree_growth: every rank made this call (the tags) and read the same
    flags; then the receive sizes of every rank against the capacity it sent
    (ranks with fewer max_tokens start smaller): growth (rare) is agreed in a
@@ -2324,6 +2368,8 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
     if (!f->host_bad && c->h_bad[0] != ULLONG_MAX)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: x[%lld][%lld] is not finite",
                  (long long)(c->h_bad[0] / D), (long long)(c->h_bad[0] % D));
+    else if (!f->host_bad && c->h_bad[1] != ULLONG_MAX && (c->h_bad[1] & MOEPT__REPLAY_BAD))
+        moept__replay_msg(c, f);
     else if (!f->host_bad && c->h_bad[1] != ULLONG_MAX)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: router logits of token %lld are not finite",
                  (long long)c->h_bad[1]);
@@ -2687,6 +2733,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     memset(&f, 0, sizeof f);
     f.tag = out->tag;
     f.reject = out->reject;
+    f.replay = out->replay;
     moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
     MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);

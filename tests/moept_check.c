@@ -116,7 +116,7 @@ static moept_status layer_forward(moept_layer *L, void *stream, const float *x, 
     return st;
 #else
     (void)D; (void)stream;
-    moept_forward_opts o = {mask, 0};
+    moept_forward_opts o = {mask, 0, NULL};
     return moept_forward_ex(L, x, T, y, &o);
 #endif
 }

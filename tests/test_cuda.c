@@ -1531,7 +1531,7 @@ static void *modes_rank(void *arg) {
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0), *dyd = dev_from(x, T * D, 0);
     void *dxd = dev_from(x, T * D, 0);
     uint8_t mask[24] = {1, 0, 1};
-    moept_forward_opts mo = {mask, 0}, eo = {NULL, 1};
+    moept_forward_opts mo = {mask, 0, NULL}, eo = {NULL, 1, NULL};
     agree_call(j, 1, moept_forward_ex(L, xd, T, yd, j->tr.rank ? &mo : NULL), L);
     agree_call(j, 2, moept_forward_ex(L, xd, T, yd, j->tr.rank ? NULL : &eo), L);
     agree_call(j, 3, moept_backward(L, xd, dyd, dxd), L);
@@ -1596,7 +1596,7 @@ static void *caps_rank(void *arg) {
     for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
     uint8_t mask[24] = {1, 0, 1};
-    moept_forward_opts mo = {mask, 0};
+    moept_forward_opts mo = {mask, 0, NULL};
     agree_call(j, 5, moept_forward_ex(L, xd, T, yd, &mo), L);
     int32_t place[8] = {1, 1, 1, 1, 0, 0, 0, 0};
     agree_call(j, 6, moept_reshard(L, place, NULL), L);
