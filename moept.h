@@ -1656,6 +1656,7 @@ typedef struct moept__cuda_spec {
     int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
     int unchecked_backward;
     int sync_free;              /* static shapes, device-side checks reported later */
+    int inference;              /* config.inference_only: no gradients, activations over h */
     int gemm_form;              /* moept_gemm_form */
     int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
     int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
