@@ -4075,7 +4075,7 @@ static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
     moept__cudax *X = MOEPT__CX(L);
     moept__cuda_params_changed(X->c);
     X->params = MOEPT__DEVICE_NEWER;
-    X->grads = MOEPT__DEVICE_NEWER;
+    if (L->par.grads) X->grads = MOEPT__DEVICE_NEWER;
     return MOEPT_OK;
 }
 
@@ -4089,7 +4089,7 @@ static void moept__cuda_layer_destroy(moept_layer *L) {
 
 static const moept__exec moept__cuda_exec = {
     .name = "the CUDA executor",
-    .caps = MOEPT__CAN_DEVICE,
+    .caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE,
     .forward = moept__cuda_layer_forward,
     .backward = moept__cuda_layer_backward,
     .sync_grads = moept__cuda_layer_sync_grads,
@@ -4161,6 +4161,7 @@ static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *
     sp->group_fill = (int)L->cfg.group_fill;
     sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
     sp->sync_free = o->sync_free != 0;
+    sp->inference = L->cfg.inference_only != 0;
     sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
     sp->D = L->D; sp->F = L->F; sp->E = L->E; sp->K = L->K; sp->S = L->S; sp->H = L->H; sp->HS = L->HS;
     sp->El = L->El; sp->P = L->P; sp->rank = L->rank; sp->Tmax = L->Tmax; sp->block_tokens = block_tokens;
@@ -4188,7 +4189,8 @@ static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *
     else {
         memset(X, 0, sizeof *X);
         L->xstate = X;
-        X->params = X->grads = MOEPT__HOST_NEWER;
+        X->params = MOEPT__HOST_NEWER;
+        X->grads = L->par.grads ? MOEPT__HOST_NEWER : MOEPT__SAME; /* an inference layer has none */
         X->sync_free = sp.sync_free;
         st = moept__cuda_create(&sp, &X->c, err);
     }

@@ -295,9 +295,10 @@
      the forward's count exchange agrees on it (sync-free mode: reported by
      the next moept_adamw_step or moept_grad_norm, as a non-finite x is).
 
-   INFERENCE LAYERS (config.inference_only = 1; CPU layers)
+   INFERENCE LAYERS (config.inference_only = 1)
      Every forward is an evaluation (no jitter), with the same y and
-     routing as a training layer's forward, bitwise (builtin GEMM). It holds
+     routing as a training layer's forward, bitwise (builtin GEMM; a CUDA
+     layer: the same executor's training layer's). It holds
      no gradients and keeps nothing for backward: per rank, 4 * (n_params
      + Rcap * F + T * (K + E) + T * (S + 1) if S > 0) bytes less, Rcap the
      receive rows (moept_stats.recv_capacity), T max_tokens (the
@@ -308,7 +309,10 @@
      and 940 MB of activations less per rank. moept_backward, grads,
      zero_grad, sync_grads, grad_norm and adamw_step return MOEPT_ERR_STATE
      ("inference_only"), alike on every rank; parameters load, save and
-     reshard as in a training layer (moept_param_info's grad is NULL).
+     reshard as in a training layer (moept_param_info's grad is NULL). A
+     CUDA inference layer holds no gradients and no AdamW moments on the
+     device either (moept_cuda_params' grads is NULL), and its activations
+     the same way (docs/CUDA.md, "Memory").
 
    PARAMETER NAMES (per family, the HF module-relative names)
      all:          gate.weight [E][D]
@@ -467,7 +471,7 @@ typedef struct moept_config {
     uint64_t jitter_seed;             /* the noise's seed (ranks alike: same noise) */
     int inference_only;               /* 1: a layer for inference (see INFERENCE
                                          LAYERS): every forward an evaluation, no
-                                         gradients, less memory. CPU layers */
+                                         gradients, less memory */
     int grad_backup;                  /* 1: a backward that fails after its gradients
                                          began to accumulate (a dx overflow) restores
                                          them exactly from a copy taken at its start:
@@ -577,8 +581,8 @@ void moept_comm_destroy(moept_comm *c);
    moept_create by status).
    What the CUDA executor does not run it refuses on every rank with
    MOEPT_ERR_UNSUPPORTED, "<call>: <feature> is not supported by the CUDA
-   executor": at create config.router_jitter, inference_only, grad_backup,
-   MOEPT_AUX_SEQ and expert_sharding = MOEPT_SHARD_FSDP; a padding mask
+   executor": at create config.router_jitter, grad_backup, MOEPT_AUX_SEQ
+   and expert_sharding = MOEPT_SHARD_FSDP; a padding mask
    (opts.mask) at the forward; moept_reshard. Its comms are NCCL comms
    (moept_comm_nccl); a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes
@@ -691,7 +695,8 @@ typedef struct moept_cuda_options {
 int moept_cuda_device_count(void);
 moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
                                const moept_cuda_options *opt, moept_layer **out);
-/* Device parameter and gradient buffers (layout of moept_params), fp32. */
+/* Device parameter and gradient buffers (layout of moept_params), fp32;
+   grads is NULL in an inference layer (config.inference_only). */
 moept_status moept_cuda_params(moept_layer *layer, float **params, float **grads, int64_t *numel);
 moept_status moept_cuda_params_changed(moept_layer *layer);
 #ifdef MOEPT_CUDA
@@ -1785,6 +1790,7 @@ typedef struct moept__cuda_spec {
     int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
     int unchecked_backward;
     int sync_free;              /* static shapes, device-side checks reported later */
+    int inference;              /* config.inference_only: no gradients, activations over h */
     int gemm_form;              /* moept_gemm_form */
     int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
     int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */

@@ -637,15 +637,16 @@ __global__ void moept__k_gather(const T *x, const int64_t *tok_of_row, int64_t N
     }
 }
 
-/* a = act(h): h [R][H] (gate | up), a [R][F]. The kind is a template
-   argument inside (the kernel switches once), so a lane's math is straight
-   code, as moept.h's row loops are on the CPU. */
+/* a = act(h): h [R][H] (gate | up), a [R][lda] (F, or H where a is h: an
+   inference layer's, each lane writing the gate elements it alone read).
+   The kind is a template argument inside (the kernel switches once), so a
+   lane's math is straight code, as moept.h's row loops are on the CPU. */
 template <int KIND, typename T, int V>
-__device__ __forceinline__ void moept__act_fwd_rows(const T *h, int64_t R, int F, int H, T *a) {
+__device__ __forceinline__ void moept__act_fwd_rows(const T *h, int64_t R, int F, int H, T *a, int lda) {
     const int gated = moept__act_gated(KIND);
     MOEPT__ROWS(r, R) {
         const T *hr = h + r * H;
-        T *ar = a + r * F;
+        T *ar = a + r * lda;
         MOEPT__LANES(j, F, V) {
             float g[V], u[V];
             moept__ldv<V>(hr + j, g);
@@ -656,12 +657,12 @@ __device__ __forceinline__ void moept__act_fwd_rows(const T *h, int64_t R, int F
     }
 }
 template <typename T, int V>
-__global__ void moept__k_act_fwd(int kind, const T *h, int64_t R, int F, int H, T *a) {
+__global__ void moept__k_act_fwd(int kind, const T *h, int64_t R, int F, int H, T *a, int lda) {
     switch (kind) {
-    case MOEPT_ACT_SILU_GATED: moept__act_fwd_rows<MOEPT_ACT_SILU_GATED, T, V>(h, R, F, H, a); break;
-    case MOEPT_ACT_GELU_GATED: moept__act_fwd_rows<MOEPT_ACT_GELU_GATED, T, V>(h, R, F, H, a); break;
-    case MOEPT_ACT_GELU: moept__act_fwd_rows<MOEPT_ACT_GELU, T, V>(h, R, F, H, a); break;
-    default: moept__act_fwd_rows<MOEPT_ACT_RELU, T, V>(h, R, F, H, a); break;
+    case MOEPT_ACT_SILU_GATED: moept__act_fwd_rows<MOEPT_ACT_SILU_GATED, T, V>(h, R, F, H, a, lda); break;
+    case MOEPT_ACT_GELU_GATED: moept__act_fwd_rows<MOEPT_ACT_GELU_GATED, T, V>(h, R, F, H, a, lda); break;
+    case MOEPT_ACT_GELU: moept__act_fwd_rows<MOEPT_ACT_GELU, T, V>(h, R, F, H, a, lda); break;
+    default: moept__act_fwd_rows<MOEPT_ACT_RELU, T, V>(h, R, F, H, a, lda); break;
     }
 }
 
@@ -1297,7 +1298,8 @@ struct moept__cuda {
     int nslot;                  /* grouped-GEMM pointer slots per pass (forward, then backward) */
 
     /* device: parameters */
-    float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg (16-byte aligned) */
+    float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg (16-byte aligned);
+                                   an inference layer has no grads (NULL) */
     float *opt_m, *opt_v;       /* [n_params] each: AdamW's moments (the first device step allocates) */
     int grads_clean;            /* a scan found the gradients finite and no call since changed them */
     float *bias;                /* [E] */
@@ -1329,8 +1331,9 @@ struct moept__cuda {
     int64_t *tok_of_row;        /* [Tmax*K] */
     int32_t *kslot_of_row;      /* [Tmax*K] */
     void *xs, *ys;              /* [Tmax*K][D] send/receive side of the token rows (P > 1) */
-    void *hs, *as, *yss;        /* [Tmax][HS], [Tmax][S], [Tmax][D] shared expert (T) */
-    float *sg, *dsg;            /* [Tmax] shared gate */
+    void *hs, *as, *yss;        /* [Tmax][HS], [Tmax][lda_as], [Tmax][D] shared expert (T); an inference
+                                   layer's as is hs (lda_as = HS: the activations over the gate half) */
+    float *sg, *dsg;            /* [Tmax] shared gate (an inference layer: no dsg, nor the two below) */
     float *dwts;                /* [Tmax][K] */
     float *dlogits;             /* [Tmax][E] */
     float *aux_g;               /* [E] */
@@ -1338,8 +1341,10 @@ struct moept__cuda {
 
     /* device: the receive block (grows geometrically, never shrinks) */
     void *rblock;
-    void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][F] (T) */
+    void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][lda_a] (T); an inference
+                                   layer's a is h (lda_a = H: the activations over the gate half) */
     void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
+    int64_t lda_a, lda_as;      /* a's and as's row strides: F and S, or H and HS */
     int64_t Rcap;
     int64_t B;                  /* sync-free: rows of each (rank, expert) block, Rcap = E B; 0 otherwise */
     int64_t cap;                /* sync-free: the committed step's capacity (-1: dropless) */
@@ -1423,13 +1428,17 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->kslot_of_row = (int32_t *)moept__take(cv, (size_t)rows * 4);
     c->xs = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
     c->ys = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
+    /* an inference layer keeps nothing for a backward (as moept.c's moept__layout_acts): the shared
+       activations over hs, no gradients of the gate, the weights or the logits */
+    const size_t train = !p->inference;
     c->hs = moept__take(cv, (size_t)(T * p->HS) * es);
-    c->as = moept__take(cv, (size_t)(T * p->S) * es);
+    c->as = train ? moept__take(cv, (size_t)(T * p->S) * es) : c->hs;
+    c->lda_as = train ? p->S : p->HS;
     c->yss = moept__take(cv, p->S > 0 ? (size_t)(T * D) * es : 0);
     c->sg = (float *)moept__take(cv, (size_t)T * f);
-    c->dsg = (float *)moept__take(cv, (size_t)T * f);
-    c->dwts = (float *)moept__take(cv, (size_t)(T * K) * f);
-    c->dlogits = (float *)moept__take(cv, (size_t)(T * E) * f);
+    c->dsg = (float *)moept__take(cv, train * (size_t)T * f);
+    c->dwts = (float *)moept__take(cv, train * (size_t)(T * K) * f);
+    c->dlogits = (float *)moept__take(cv, train * (size_t)(T * E) * f);
     c->aux_g = (float *)moept__take(cv, (size_t)E * f);
     c->d_ptrs = (const void **)moept__take(cv, (size_t)(2 * c->nslot * 3 * c->G) * sizeof(void *));
 }
@@ -1441,13 +1450,15 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     if (cap < 1) cap = 1;
     const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F;
     size_t es = (size_t)c->esz;
-    const int chunked = c->C > 1;
-    size_t bytes = (size_t)cap * (size_t)(2 * D + H + F + (chunked ? D + F : 0)) * es + 6 * 64;
+    /* an inference layer writes a over h and has no backward (moept.c's moept__recv_widths) */
+    const int train = !c->sp.inference, chunked = train && c->C > 1;
+    const int64_t Fa = train ? F : 0;
+    size_t bytes = (size_t)cap * (size_t)(2 * D + H + Fa + (chunked ? D + F : 0)) * es + 6 * 64;
     void *blk = NULL;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept__carve cv = {(char *)blk, 0};
     void *xr = moept__take(&cv, (size_t)(cap * D) * es), *yr = moept__take(&cv, (size_t)(cap * D) * es);
-    void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * F) * es);
+    void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * Fa) * es);
     void *dar = moept__take(&cv, chunked ? (size_t)(cap * F) * es : 0);
     void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
     int64_t keep = c->fwd_valid ? c->R : 0;
@@ -1456,7 +1467,7 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
         cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaMemcpyAsync(yr, c->yr, (size_t)(keep * D) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaMemcpyAsync(h, c->h, (size_t)(keep * H) * es, dd, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(a, c->a, (size_t)(keep * F) * es, dd, c->s);
+        if (e == cudaSuccess && train) e = cudaMemcpyAsync(a, c->a, (size_t)(keep * F) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaStreamSynchronize(c->s);
         if (e != cudaSuccess) {
             cudaFree(blk);
@@ -1466,7 +1477,8 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     }
     if (c->rblock) cudaFree(c->rblock);
     c->rblock = blk;
-    c->xr = xr; c->yr = yr; c->h = h; c->a = a; c->dar = dar; c->dxr = dxr;
+    c->xr = xr; c->yr = yr; c->h = h; c->a = train ? a : h; c->dar = dar; c->dxr = dxr;
+    c->lda_a = train ? F : H;
     if (c->Rcap > 0) c->growths++;
     c->rblock_bytes = (int64_t)bytes;
     c->Rcap = cap;
@@ -1658,16 +1670,17 @@ static moept_status moept__create(moept__cuda *c, char *err) {
         MOEPT__CU(cudaEventCreateWithFlags(&c->ev_back[i], cudaEventDisableTiming));
     }
     MOEPT__TRY(moept__blas_create(c, err));
-    /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too) */
-    const int64_t npad = moept__npad(c);
-    size_t pbytes = (size_t)(2 * npad + E) * 4 + (size_t)E * 4 + 256;
+    /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too);
+       an inference layer has no gradients */
+    const int64_t npad = moept__npad(c), nmir = p->inference ? 1 : 2;
+    size_t pbytes = (size_t)(nmir * npad + E) * 4 + (size_t)E * 4 + 256;
     void *pb = NULL;
     MOEPT__TRY(moept__dmalloc(c, &pb, pbytes, err));
     /* on the layer's stream: the legacy stream would not order a non-blocking one */
     MOEPT__CU(cudaMemsetAsync(pb, 0, pbytes, c->s));
     c->params = (float *)pb;
-    c->grads = c->params + npad;
-    c->bias = c->grads + npad;
+    c->grads = p->inference ? NULL : c->params + npad;
+    c->bias = c->params + nmir * npad;
     c->slot_of = (int32_t *)(c->bias + E);
     if (p->dtype == MOEPT_DTYPE_BF16)
         MOEPT__TRY(moept__dmalloc(c, &c->wlow, (size_t)(p->n_params - E * p->D) * 2, err));
@@ -2015,11 +2028,11 @@ static const float *moept__w(moept__cuda *c, int64_t off) {
     return (const float *)((const moept__bf16 *)c->wlow + (off - c->sp.E * c->sp.D));
 }
 
-/* The activation over R rows: a = act(h) [R][F] from h [R][H]; bwd: dh over
-   h from da (in a) */
+/* The activation over R rows: a = act(h) [R][lda] from h [R][H] (an
+   inference layer's a is h, lda H); bwd: dh over h from da (in a, lda F) */
 template <typename T>
 static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_t R, int64_t F, int64_t H,
-                               char *err) {
+                               int64_t lda, char *err) {
     if (R <= 0) return MOEPT_OK;
     const int vec = moept__vec<T>(F, h, a);
     const moept__shape sh = moept__rows_shape(R, vec ? F / MOEPT__VEC(T) : F);
@@ -2028,18 +2041,19 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
                         (int)F, (int)H);
     else
         MOEPT__LAUNCH_V(vec, moept__k_act_fwd, T, sh.g, sh.b, c->s, c->sp.act, (const T *)h, R, (int)F,
-                        (int)H, (T *)a);
+                        (int)H, (T *)a, (int)lda);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 
 /* Expert FFN forward over grouped rows: h = xs W13^T, a = act(h), ys = a W2^T.
    The same descriptors as moept.c's moept__ffn_forward (pointers advance in
-   elements of the data type: bytes of es). */
+   elements of the data type: bytes of es); a's rows lda apart (an inference
+   layer's a is h: H, the down GEMM reading the gate half of each row). */
 template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
                                    int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
-                                   void *ys, char *err) {
+                                   int64_t lda, void *ys, char *err) {
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
     const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
@@ -2052,9 +2066,9 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t group
                                       (float *)(Hh + r0 * H * es), H));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     int64_t R = offs[groups] - offs[0], base = offs[0];
-    MOEPT__TRY(moept__act<T>(c, 0, (T *)h + base * H, (T *)a + base * F, R, F, H, err));
+    MOEPT__TRY(moept__act<T>(c, 0, (T *)h + base * H, (T *)a + base * lda, R, F, H, lda, err));
     MOEPT__PER_GROUP(gd, n, groups, offs,
-                     moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * F * es), F,
+                     moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * lda * es), lda,
                                       (const float *)(W2 + e * D * F * es), F, 0.0f,
                                       (float *)(Y + r0 * D * es), D));
     return moept__gemms(c, gd, n, c->dt, c->dt, err);
@@ -2086,7 +2100,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t group
                                       (const float *)(W2 + e * D * F * es), F, 0.0f,
                                       (float *)(A + r0 * F * es), F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
-    MOEPT__TRY(moept__act<T>(c, 1, (T *)h + base * H, (T *)a + base * F, R, F, H, err));
+    MOEPT__TRY(moept__act<T>(c, 1, (T *)h + base * H, (T *)a + base * F, R, F, H, F, err));
     /* g13 += dh^T xs */
     MOEPT__PER_GROUP(gd, n, groups, offs,
                      moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
@@ -2506,7 +2520,8 @@ static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
     const int64_t D = p->D, T_ = c->T;
     if (p->S == 0 || T_ == 0) return MOEPT_OK;
     int64_t off[2] = {0, T_};
-    MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err));
+    MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->lda_as,
+                                 c->yss, err));
     if (p->offsg < 0) return MOEPT_OK;
     moept__gemm gg =
         moept__gemm_make(0, 1, T_, 1, D, (const float *)x, D, moept__w(c, p->offsg), D, 0.0f, c->sg, 1);
@@ -2522,7 +2537,7 @@ template <typename T>
 static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a,
-                                 c->yr, err));
+                                 c->lda_a, c->yr, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, c->ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
     MOEPT__TRY(moept__shared_fwd<T>(c, x, err));
@@ -2567,20 +2582,20 @@ static int64_t moept__chunk_plan(moept__cuda *c, int64_t ch) {
 /* the activation of a chunk's n runs (bwd: dh over h from da in dar) */
 template <typename T>
 static moept_status moept__runs_act(moept__cuda *c, int64_t n, int bwd, char *err) {
-    const int64_t H = c->sp.H, F = c->sp.F, G = c->G;
+    const int64_t H = c->sp.H, F = c->sp.F, G = c->G, lda = bwd ? F : c->lda_a;
     for (int64_t i = 0; i < n; i++) {
         int64_t r0 = c->cruns[i], rows = c->cruns[G + i];
-        MOEPT__TRY(moept__act<T>(c, bwd, (T *)c->h + r0 * H, (T *)(bwd ? c->dar : c->a) + r0 * F, rows, F, H,
-                                 err));
+        void *a = (T *)(bwd ? c->dar : c->a) + r0 * lda;
+        MOEPT__TRY(moept__act<T>(c, bwd, (T *)c->h + r0 * H, a, rows, F, H, lda, err));
     }
     return MOEPT_OK;
 }
 
 /* A chunk's expert FFN over its runs: h = xr W13^T, a = act(h), yr = a W2^T
-   (moept__ffn_fwd's descriptors, run by run) */
+   (moept__ffn_fwd's descriptors, run by run; a's rows lda_a apart) */
 template <typename T>
 static moept_status moept__runs_fwd(moept__cuda *c, int64_t n, char *err) {
-    const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F, G = c->G, es = c->esz;
+    const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F, G = c->G, es = c->esz, lda = c->lda_a;
     const char *X = (const char *)c->xr, *A = (const char *)c->a;
     const char *W13 = (const char *)moept__w(c, c->sp.off13), *W2 = (const char *)moept__w(c, c->sp.off2);
     char *Hh = (char *)c->h, *Y = (char *)c->yr;
@@ -2592,7 +2607,7 @@ static moept_status moept__runs_fwd(moept__cuda *c, int64_t n, char *err) {
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
     MOEPT__TRY(moept__runs_act<T>(c, n, 0, err));
     MOEPT__PER_RUN(gd, c->cruns, n, G,
-                   moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * F * es), F,
+                   moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * lda * es), lda,
                                     (const float *)(W2 + e * D * F * es), F, 0.0f,
                                     (float *)(Y + r0 * D * es), D));
     return moept__gemms(c, gd, n, c->dt, c->dt, err);

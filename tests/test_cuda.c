@@ -232,12 +232,7 @@ static void test_bad_options(void) {
     st = moept_create_cuda(&sq, NULL, NULL, NULL, &L);
     EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "MOEPT_AUX_SEQ"),
            "MOEPT_AUX_SEQ on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
-    moept_config inf = cfg; /* so is an inference layer */
-    inf.inference_only = 1;
-    st = moept_create_cuda(&inf, NULL, NULL, NULL, &L);
-    EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "inference_only"),
-           "inference_only on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
-    moept_config gb = cfg; /* and the gradients' backup copy */
+    moept_config gb = cfg; /* so is the gradients' backup copy */
     gb.grad_backup = 1;
     st = moept_create_cuda(&gb, NULL, NULL, NULL, &L);
     EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "grad_backup"),
@@ -311,6 +306,141 @@ static int64_t grad_diffs(moept_layer *a, moept_layer *b) {
         if (x.grad) d += count_diffs(x.grad, y.grad, x.rows * x.cols);
     }
     return d;
+}
+
+/* ---- inference-only layers (config.inference_only) ---- */
+/* One of the training calls an inference layer refuses (k 0-7) */
+static moept_status training_call(moept_layer *L, int k, const void *x, const void *dy, void *dx) {
+    moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+    double norm;
+    float *g;
+    const float *dw;
+    int64_t n;
+    switch (k) {
+    case 0: return moept_backward(L, x, dy, dx);
+    case 1: return moept_zero_grad(L);
+    case 2: return moept_sync_grads(L, 1.0f);
+    case 3: return moept_grad_norm(L, &norm);
+    case 4: return moept_adamw_step(L, &opt);
+    case 5: return moept_grads(L, &g, &n);
+    case 6: return moept_update_bias(L, 1e-3f);
+    default: return moept_routing_grads(L, &dw);
+    }
+}
+#define NTRAINING_CALLS 8
+
+/* y [T][D] of a forward (opts may be NULL) to the host; 0 on success */
+static int forward_y(moept_layer *L, const void *xd, int64_t T, int64_t D, int bf16,
+                     const moept_forward_opts *o, float *y) {
+    void *yd = dev_from(y, T * D, bf16);
+    moept_status st = moept_forward_ex(L, xd, T, yd, o);
+    if (!st) host_from(y, yd, T * D, bf16);
+    else tu_note(__FILE__, __LINE__, "forward: %s", moept_last_error(L));
+    cudaFree(yd);
+    return st != MOEPT_OK;
+}
+
+/* An inference-only CUDA layer, against a training CUDA layer and the CPU
+   inference layer of the same parameters, per family, fp32 and bf16, in
+   the default and the sync-free mode: its y is the training layer's
+   bitwise (the same GEMMs, the activations written over h's gate half and
+   the down GEMM reading them H apart), and the CPU's to the GPU's bound
+   (1e-5 fp32, 2e-2 bf16) with the same routing; every training call
+   refuses as the CPU inference layer's does, the same status and message;
+   moept_cuda_params hands out no gradients. Two forwards of different T. */
+static void inference_case(int fam, int bf16, int sync_free) {
+    moept_config cfg = family_cfg(fam), icfg;
+    cfg.max_tokens = 64;
+    icfg = cfg;
+    icfg.inference_only = 1;
+    const int64_t D = cfg.hidden_size, T[2] = {57, 64}, TD = 64 * D;
+    moept_layer *gt = cuda_layer_sf(cfg, bf16, sync_free), *gi = cuda_layer_sf(icfg, bf16, sync_free);
+    moept_layer *ci = NULL;
+    EXPECT_OK(moept_create(&icfg, &ci));
+    if (ci) moept_init_params(ci, 3);
+    float *x = malloc((size_t)TD * sizeof(float)), *y = calloc((size_t)(3 * TD), sizeof(float));
+    for (int64_t i = 0; i < TD; i++) x[i] = bf16 ? moept__bf16_to_f32(moept__f32_to_bf16(frand())) : frand();
+    void *xd = dev_from(x, TD, bf16), *dxd = dev_from(x, TD, bf16);
+    for (int s = 0; s < 2 && gt && gi && ci; s++) {
+        const int64_t n = T[s] * D;
+        if (forward_y(gt, xd, T[s], D, bf16, NULL, y) || forward_y(gi, xd, T[s], D, bf16, NULL, y + TD))
+            break;
+        EXPECT_OK(moept_forward(ci, x, T[s], y + 2 * TD));
+        const int64_t d = count_diffs(y, y + TD, n);
+        EXPECT(d == 0, "family %d bf16 %d sync-free %d T %lld: %lld y values differ from the training "
+               "layer's", fam, bf16, sync_free, (long long)T[s], (long long)d);
+        const double e = tu_maxrelerr(y + TD, y + 2 * TD, n);
+        EXPECT(e <= (bf16 ? 2e-2 : 1e-5), "family %d bf16 %d sync-free %d: rel err %.3g from the CPU layer",
+               fam, bf16, sync_free, e);
+        const int32_t *ig, *ic;
+        EXPECT_OK(moept_routing(gi, &ig, NULL, NULL));
+        EXPECT_OK(moept_routing(ci, &ic, NULL, NULL));
+        EXPECT(memcmp(ig, ic, (size_t)(T[s] * cfg.top_k) * sizeof(int32_t)) == 0,
+               "family %d bf16 %d sync-free %d: routing differs from the CPU layer's", fam, bf16, sync_free);
+    }
+    for (int k = 0; k < NTRAINING_CALLS && gi && ci; k++) {
+        moept_status sc = training_call(ci, k, x, x, y), sg = training_call(gi, k, xd, xd, dxd);
+        char mc[300];
+        snprintf(mc, sizeof mc, "%s", moept_last_error(ci));
+        EXPECT(sc != MOEPT_OK && sg == sc && strcmp(mc, moept_last_error(gi)) == 0,
+               "training call %d: CUDA %d (%s), CPU %d (%s)", k, (int)sg, moept_last_error(gi), (int)sc, mc);
+    }
+    float *p = NULL, *g = (float *)1;
+    int64_t np = 0;
+    if (gi)
+        EXPECT(moept_cuda_params(gi, &p, &g, &np) == MOEPT_OK && p && !g, "cuda_params: grads %p", (void *)g);
+    cudaFree(xd); cudaFree(dxd);
+    free(x); free(y);
+    moept_destroy(gt); moept_destroy(gi); moept_destroy(ci);
+}
+static void test_inference_layer(void) {
+    for (int bf16 = 0; bf16 < 2; bf16++)
+        for (int fam = 0; fam < 4; fam++)
+            for (int sf = 0; sf < 2; sf++) inference_case(fam, bf16, sf);
+}
+
+/* An evaluation forward of a training CUDA layer (opts.eval) does what the
+   CPU layer's does: y is the training forward's bitwise, and it keeps
+   nothing for a backward: moept_backward and moept_update_bias after it
+   refuse with the CPU layer's status and message; the next training
+   forward's backward gives the gradients and dx of a layer that never
+   ran the evaluation, bitwise. */
+static void test_eval_forward(void) {
+    moept_config cfg = family_cfg(3); /* deepseek: update_bias applies */
+    cfg.max_tokens = 64;
+    const int64_t T = 50, D = cfg.hidden_size;
+    moept_layer *g[2] = {cuda_layer(cfg, 0), cuda_layer(cfg, 0)}, *c = NULL;
+    EXPECT_OK(moept_create(&cfg, &c));
+    if (!g[0] || !g[1] || !c) { moept_destroy(g[0]); moept_destroy(g[1]); moept_destroy(c); return; }
+    moept_init_params(c, 3);
+    float *x = malloc((size_t)(2 * T * D) * sizeof(float)), *y = calloc((size_t)(6 * T * D), sizeof(float));
+    for (int64_t i = 0; i < 2 * T * D; i++) x[i] = frand();
+    void *xd = dev_from(x, T * D, 0), *dyd = dev_from(x + T * D, T * D, 0), *dxd = dev_from(y, T * D, 0);
+    moept_forward_opts eo = {NULL, 1};
+    if (forward_y(g[0], xd, T, D, 0, NULL, y) || forward_y(g[0], xd, T, D, 0, &eo, y + T * D)) goto out;
+    EXPECT(count_diffs(y, y + T * D, T * D) == 0, "the evaluation's y differs from the training forward's");
+    EXPECT_OK(moept_forward(c, x, T, y + 2 * T * D));
+    EXPECT_OK(moept_forward_ex(c, x, T, y + 2 * T * D, &eo));
+    for (int k = 0; k < 2; k++) {
+        moept_status sc = k ? moept_update_bias(c, 1e-3f) : moept_backward(c, x, x + T * D, y + 2 * T * D);
+        char mc[300];
+        snprintf(mc, sizeof mc, "%s", moept_last_error(c));
+        moept_status sg = k ? moept_update_bias(g[0], 1e-3f) : moept_backward(g[0], xd, dyd, dxd);
+        EXPECT(sc == MOEPT_ERR_STATE && sg == sc && strcmp(mc, moept_last_error(g[0])) == 0,
+               "%s after an evaluation: CUDA %d (%s), CPU %d (%s)", k ? "update_bias" : "backward", (int)sg,
+               moept_last_error(g[0]), (int)sc, mc);
+    }
+    for (int v = 0; v < 2; v++) { /* the training forward and its backward, with and without the evaluation */
+        if (forward_y(g[v], xd, T, D, 0, NULL, y + (2 + v) * T * D)) goto out;
+        EXPECT_OK(moept_backward(g[v], xd, dyd, dxd));
+        host_from(y + (4 + v) * T * D, dxd, T * D, 0);
+    }
+    EXPECT(count_diffs(y + 4 * T * D, y + 5 * T * D, T * D) == 0 && grad_diffs(g[0], g[1]) == 0,
+           "the backward after an evaluation and a training forward differs from one without the evaluation");
+out:
+    cudaFree(xd); cudaFree(dyd); cudaFree(dxd);
+    free(x); free(y);
+    moept_destroy(g[0]); moept_destroy(g[1]); moept_destroy(c);
 }
 
 /* Every parameter of A equals B's bitwise (names from the host layer B:
@@ -1416,6 +1546,70 @@ static void test_no_reduced_precision_reduction(void) {
     }
 }
 
+/* 64-byte aligned size of a workspace buffer (moept__take) */
+static int64_t a64(int64_t b) { return (b + 63) / 64 * 64; }
+
+/* An inference layer holds less device memory than a training layer after
+   a step and an AdamW update, by exactly what a backward needs: the
+   gradients and AdamW's moments (3 x 4 n_params, padded), the routed
+   activations (Rcap F), the shared ones (T S), the shared gate's, routing
+   weights' and logits' gradients (4 T (1 + K + E)); the emulator counts
+   the bytes. On the host: no gradients (param_bytes 4 (n_params + E)), no
+   dL/dw copy, and the refused training calls allocate nothing. */
+static void test_inference_memory(void) {
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        moept_config cfg = family_cfg(1), icfg; /* qwen2: a shared expert and its gate */
+        cfg.max_tokens = 64;
+        icfg = cfg;
+        icfg.inference_only = 1;
+        const int64_t T = cfg.max_tokens, D = cfg.hidden_size, E = cfg.num_experts, K = cfg.top_k;
+        const int64_t F = cfg.intermediate_size, S = cfg.shared_intermediate_size, es = bf16 ? 2 : 4;
+        float *x = malloc((size_t)(T * D) * sizeof(float));
+        for (int64_t i = 0; i < T * D; i++) x[i] = frand();
+        void *xd = dev_from(x, T * D, bf16), *yd = dev_from(x, T * D, bf16), *dxd = dev_from(x, T * D, bf16);
+        long long held[2] = {0, 0};
+        moept_stats st[2];
+        int64_t n = 0;
+        for (int v = 0; v < 2; v++) {
+            const long long b0 = moept_emu_device_bytes(0);
+            moept_layer *L = cuda_layer(v ? icfg : cfg, bf16);
+            if (!L) return;
+            EXPECT_OK(moept_forward(L, xd, T, yd));
+            moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+            if (!v) {
+                EXPECT_OK(moept_backward(L, xd, xd, dxd));
+                EXPECT_OK(moept_adamw_step(L, &opt));
+            }
+            moept_get_stats(L, &st[v], NULL);
+            for (int k = 0; v && k < NTRAINING_CALLS; k++) training_call(L, k, xd, xd, dxd);
+            moept_stats after;
+            moept_get_stats(L, &after, NULL);
+            EXPECT(!v || after.allocations == st[v].allocations,
+                   "bf16 %d: the refused calls allocated %lld times", bf16,
+                   (long long)(after.allocations - st[v].allocations));
+            float *p, *g;
+            moept_cuda_params(L, &p, &g, &n);
+            cudaDeviceSynchronize();
+            held[v] = moept_emu_device_bytes(0) - b0;
+            moept_destroy(L);
+        }
+        const int64_t npad = (n + 63) / 64 * 64, R = st[1].recv_capacity;
+        const long long want = 3 * npad * 4 + R * F * es + a64(T * S * es) + a64(4 * T) + a64(4 * T * K) +
+                               a64(4 * T * E);
+        EXPECT(R == st[0].recv_capacity && held[0] - held[1] == want,
+               "bf16 %d: device bytes %lld training, %lld inference: %lld less, want %lld (Rcap %lld, %lld)",
+               bf16, held[0], held[1], held[0] - held[1], want, (long long)R, (long long)st[0].recv_capacity);
+        EXPECT(st[1].param_bytes == (n + E) * 4 && st[0].param_bytes == (2 * n + E) * 4,
+               "bf16 %d: host param_bytes %lld inference, %lld training (n_params %lld)", bf16,
+               (long long)st[1].param_bytes, (long long)st[0].param_bytes, (long long)n);
+        EXPECT(st[0].workspace_bytes - st[1].workspace_bytes == a64(T * K * 4),
+               "bf16 %d: host workspace %lld training, %lld inference", bf16,
+               (long long)st[0].workspace_bytes, (long long)st[1].workspace_bytes);
+        cudaFree(xd); cudaFree(yd); cudaFree(dxd);
+        free(x);
+    }
+}
+
 /* Every cuBLAS handle of a layer (the compute stream's, and the side
    streams' of a bf16 layer with several experts) has a workspace set, which
    cuBLAS Library, "CUDA Graphs Support" asks for where the calls may be
@@ -1563,29 +1757,124 @@ static void test_unsupported_modes(void) {
     }
 }
 
+/* Inference-only CUDA layers over 2 EP ranks (NCCL), fp32 (qwen2: a shared
+   expert and its gate) and bf16 (deepseek), in the default, the chunked (3)
+   and the sync-free mode: each rank's y equals a training CUDA layer's
+   bitwise, and the CPU inference layer's on the rank's tokens to the GPU's
+   bound (dropless: a token's y is the same at any EP size); the backward
+   refuses on both ranks with the CPU inference layer's status and message,
+   and the next forward runs. The ranks meet at a barrier after each mode's
+   destroys: a destroy's cudaFreeHost waits for every device (the emulator
+   runs the ranks in one process), so it must not meet a peer already
+   waiting in the next mode's create. */
+typedef struct infer_job {
+    two_ranks tr;
+    pthread_barrier_t *bar;
+    int64_t diffs;
+    double err;
+    char msg[1200];
+} infer_job;
+
+static void infer_mode(infer_job *j, nccl_rank *n, int bf16, int mode) {
+    moept_config cfg = family_cfg(bf16 ? 3 : 1), icfg;
+    cfg.overlap_chunks = mode == 1 ? 3 : 1;
+    cfg.max_tokens = j->tr.rank ? 8 : 40;
+    icfg = cfg;
+    icfg.inference_only = 1;
+    const int64_t D = cfg.hidden_size, T = j->tr.rank ? 5 : 37;
+    moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, mode == 2, MOEPT_GEMM_AUTO};
+    moept_layer *g[2] = {NULL, NULL}, *c = NULL;
+    unsigned long long rs = 31 + (unsigned long long)j->tr.rank;
+    float *x = malloc((size_t)(T * D) * sizeof(float)), *y = calloc((size_t)(3 * T * D), sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) {
+        x[i] = (float)tu_rand(&rs);
+        if (bf16) x[i] = moept__bf16_to_f32(moept__f32_to_bf16(x[i])); /* the CPU sees the GPU's values */
+    }
+    void *xd = dev_from(x, T * D, bf16), *dxd = dev_from(x, T * D, bf16);
+    for (int v = 0; v < 2; v++)
+        if (moept_create_cuda(v ? &icfg : &cfg, n->c, NULL, &o, &g[v]) == MOEPT_OK)
+            moept_init_params(g[v], 3);
+        else if (!j->msg[0])
+            snprintf(j->msg, sizeof j->msg, "bf16 %d mode %d: create %d: %s", bf16, mode, v,
+                     moept_last_error(NULL));
+    if (moept_create(&icfg, &c) == MOEPT_OK) moept_init_params(c, 3);
+    if (!g[0] || !g[1] || !c) goto out;
+    for (int rep = 0; rep < 2; rep++) /* the second forward after the refused backward */
+        for (int v = 0; v < 2; v++)
+            if (forward_y(g[v], xd, T, D, bf16, NULL, y + v * T * D)) {
+                if (!j->msg[0])
+                    snprintf(j->msg, sizeof j->msg, "bf16 %d mode %d: forward %d: %s", bf16, mode, v,
+                             moept_last_error(g[v]));
+                goto out;
+            } else if (rep == 0 && v == 1) {
+                moept_status sc = moept_backward(c, x, x, y + 2 * T * D);
+                char mc[300];
+                snprintf(mc, sizeof mc, "%s", moept_last_error(c));
+                moept_status sg = moept_backward(g[1], xd, xd, dxd);
+                if (!j->msg[0] && (sc == MOEPT_OK || sg != sc || strcmp(mc, moept_last_error(g[1]))))
+                    snprintf(j->msg, sizeof j->msg, "bf16 %d mode %d: backward: CUDA %d (%s), CPU %d (%s)",
+                             bf16, mode, (int)sg, moept_last_error(g[1]), (int)sc, mc);
+            }
+    EXPECT_OK(moept_forward(c, x, T, y + 2 * T * D));
+    j->diffs += count_diffs(y, y + T * D, T * D);
+    const double e = tu_maxrelerr(y + T * D, y + 2 * T * D, T * D) / (bf16 ? 2e3 : 1.0);
+    j->err = e > j->err ? e : j->err; /* bf16 scaled to fp32's bound */
+out:
+    cudaFree(xd); cudaFree(dxd);
+    free(x); free(y);
+    moept_destroy(g[0]); moept_destroy(g[1]); moept_destroy(c);
+    pthread_barrier_wait(j->bar);
+}
+
+static void *infer_rank(void *arg) {
+    infer_job *j = arg;
+    nccl_rank n;
+    nccl_rank_open(&n, &j->tr);
+    for (int bf16 = 0; bf16 < 2; bf16++)
+        for (int mode = 0; mode < 3; mode++) infer_mode(j, &n, bf16, mode);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_inference_ep2(void) {
+    infer_job j[2];
+    pthread_barrier_t bar;
+    memset(j, 0, sizeof j);
+    pthread_barrier_init(&bar, NULL, 2);
+    j[0].bar = j[1].bar = &bar;
+    run_two(infer_rank, j, sizeof j[0]);
+    pthread_barrier_destroy(&bar);
+    for (int r = 0; r < 2; r++) {
+        EXPECT(!j[r].msg[0], "rank %d: %s", r, j[r].msg);
+        EXPECT(j[r].diffs == 0, "rank %d: %lld y values differ from the training layer's", r,
+               (long long)j[r].diffs);
+        EXPECT(j[r].err <= 1e-5, "rank %d: rel err %.3g (bf16 / 2e3) from the CPU inference layer", r,
+               j[r].err);
+    }
+}
+
 /* What the CUDA executor lacks comes from its capability bits, refused in
-   one place: each feature it does not run (the five config features at
+   one place: each feature it does not run (the four config features at
    create, a mask at the forward, resharding) fails on both ranks, with the
    same status and the same message on each, in one shape; the layer made
-   after the refusals runs (agree_job's slot 7). */
+   after the refusals runs (agree_job's slot 6). */
 static void *caps_rank(void *arg) {
     agree_job *j = arg;
     nccl_rank n;
     moept_layer *L = NULL;
     nccl_rank_open(&n, &j->tr);
-    for (int k = 0; k < 5; k++) {
+    for (int k = 0; k < 4; k++) {
         moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
         if (k == 0) cfg.router_jitter = 0.1f;
-        if (k == 1) cfg.inference_only = 1;
-        if (k == 2) cfg.grad_backup = 1;
-        if (k == 3) { cfg.aux_loss = MOEPT_AUX_SEQ; cfg.aux_seq_len = 4; cfg.aux_loss_coef = 0.01f; }
-        if (k == 4) cfg.expert_sharding = MOEPT_SHARD_FSDP;
+        if (k == 1) cfg.grad_backup = 1;
+        if (k == 2) { cfg.aux_loss = MOEPT_AUX_SEQ; cfg.aux_seq_len = 4; cfg.aux_loss_coef = 0.01f; }
+        if (k == 3) cfg.expert_sharding = MOEPT_SHARD_FSDP;
         agree_call(j, k, moept_create_cuda(&cfg, n.c, NULL, NULL, &L), NULL);
         if (L) { moept_destroy(L); L = NULL; }
     }
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     if (moept_create_cuda(&cfg, n.c, NULL, NULL, &L) != MOEPT_OK) {
-        agree_call(j, 5, MOEPT_ERR_DEVICE, NULL);
+        agree_call(j, 4, MOEPT_ERR_DEVICE, NULL);
         nccl_rank_close(&n);
         return NULL;
     }
@@ -1597,10 +1886,10 @@ static void *caps_rank(void *arg) {
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
     uint8_t mask[24] = {1, 0, 1};
     moept_forward_opts mo = {mask, 0, NULL};
-    agree_call(j, 5, moept_forward_ex(L, xd, T, yd, &mo), L);
+    agree_call(j, 4, moept_forward_ex(L, xd, T, yd, &mo), L);
     int32_t place[8] = {1, 1, 1, 1, 0, 0, 0, 0};
-    agree_call(j, 6, moept_reshard(L, place, NULL), L);
-    agree_call(j, 7, moept_forward(L, xd, T, yd), L);
+    agree_call(j, 5, moept_reshard(L, place, NULL), L);
+    agree_call(j, 6, moept_forward(L, xd, T, yd), L);
     cudaFree(xd); cudaFree(yd);
     free(x);
     moept_destroy(L);
@@ -1612,9 +1901,9 @@ static void test_capability_refusals(void) {
     agree_job j[2];
     memset(j, 0, sizeof j);
     run_two(caps_rank, j, sizeof j[0]);
-    const char *what[7] = {"config.router_jitter", "config.inference_only", "config.grad_backup", "MOEPT_AUX_SEQ",
-                           "MOEPT_SHARD_FSDP", "opts.mask", "resharding"};
-    for (int k = 0; k < 7; k++) {
+    const char *what[6] = {"config.router_jitter", "config.grad_backup", "MOEPT_AUX_SEQ", "MOEPT_SHARD_FSDP",
+                           "opts.mask", "resharding"};
+    for (int k = 0; k < 6; k++) {
         EXPECT(j[0].st[k] == MOEPT_ERR_UNSUPPORTED && j[1].st[k] == MOEPT_ERR_UNSUPPORTED,
                "%s: status %d, %d (%s | %s)", what[k], (int)j[0].st[k], (int)j[1].st[k], j[0].msg[k], j[1].msg[k]);
         EXPECT(strcmp(j[0].msg[k], j[1].msg[k]) == 0, "%s: the ranks' messages differ: %s | %s", what[k],
@@ -1622,7 +1911,7 @@ static void test_capability_refusals(void) {
         EXPECT(strstr(j[0].msg[k], what[k]) && strstr(j[0].msg[k], "is not supported by the CUDA executor"),
                "%s: message %s", what[k], j[0].msg[k]);
     }
-    EXPECT(!j[0].st[7] && !j[1].st[7], "a forward after the refusals: %s | %s", j[0].msg[7], j[1].msg[7]);
+    EXPECT(!j[0].st[6] && !j[1].st[6], "a forward after the refusals: %s | %s", j[0].msg[6], j[1].msg[6]);
 }
 
 /* A kernel fault on rank 0's GPU (injected: moept_emu_fault_next_kernel)
@@ -1848,6 +2137,10 @@ int main(void) {
         tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
         tu_skip("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", why);
         tu_skip("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps", why);
+        tu_skip("cuda: an inference-only layer's y is a training layer's bitwise, the CPU's to its bound; "
+                "training calls refused as the CPU's (4 families, fp32, bf16, sync-free)", why);
+        tu_skip("cuda: an evaluation forward keeps nothing: backward refused as the CPU's, the next step's "
+                "exact", why);
         return tu_done();
     }
     tu_run("cuda: fp32 equals the CPU layer (4 families, 1e-5)", test_fp32);
@@ -1860,6 +2153,10 @@ int main(void) {
     tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
     tu_run("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps",
            test_graph_one_gpu);
+    tu_run("cuda: an inference-only layer's y is a training layer's bitwise, the CPU's to its bound; "
+           "training calls refused as the CPU's (4 families, fp32, bf16, sync-free)", test_inference_layer);
+    tu_run("cuda: an evaluation forward keeps nothing: backward refused as the CPU's, the next step's "
+           "exact", test_eval_forward);
 #ifdef MOEPT_EMU
     tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from the loss all-reduce: ERR_COMM, aborted once",
@@ -1896,6 +2193,11 @@ int main(void) {
            test_blas_workspace);
     tu_run("cuda (emulated): every GEMM form equals auto bitwise and runs its own cuBLAS calls",
            test_gemm_forms);
+    tu_run("cuda (emulated): an inference-only layer holds exactly a backward's device bytes less, no host "
+           "gradients", test_inference_memory);
+    tu_run("cuda (emulated, 2 EP ranks): inference-only layers equal training ones bitwise, the CPU's to its "
+           "bound (fp32, bf16; default, chunked, sync-free); backward refused as the CPU's",
+           test_inference_ep2);
 #endif
     return tu_done();
 }
