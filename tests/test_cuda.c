@@ -311,7 +311,7 @@ static int64_t grad_diffs(moept_layer *a, moept_layer *b) {
 /* ---- inference-only layers (config.inference_only) ---- */
 /* One of the training calls an inference layer refuses (k 0-7) */
 static moept_status training_call(moept_layer *L, int k, const void *x, const void *dy, void *dx) {
-    moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+    moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     double norm;
     float *g;
     const float *dw;
@@ -416,7 +416,7 @@ static void test_eval_forward(void) {
     float *x = malloc((size_t)(2 * T * D) * sizeof(float)), *y = calloc((size_t)(6 * T * D), sizeof(float));
     for (int64_t i = 0; i < 2 * T * D; i++) x[i] = frand();
     void *xd = dev_from(x, T * D, 0), *dyd = dev_from(x + T * D, T * D, 0), *dxd = dev_from(y, T * D, 0);
-    moept_forward_opts eo = {NULL, 1};
+    moept_forward_opts eo = {NULL, 1, NULL};
     if (forward_y(g[0], xd, T, D, 0, NULL, y) || forward_y(g[0], xd, T, D, 0, &eo, y + T * D)) goto out;
     EXPECT(count_diffs(y, y + T * D, T * D) == 0, "the evaluation's y differs from the training forward's");
     EXPECT_OK(moept_forward(c, x, T, y + 2 * T * D));
@@ -1575,7 +1575,7 @@ static void test_inference_memory(void) {
             moept_layer *L = cuda_layer(v ? icfg : cfg, bf16);
             if (!L) return;
             EXPECT_OK(moept_forward(L, xd, T, yd));
-            moept_adamw opt = {1e-3f, 0, 0, 0, 0};
+            moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
             if (!v) {
                 EXPECT_OK(moept_backward(L, xd, xd, dxd));
                 EXPECT_OK(moept_adamw_step(L, &opt));
