@@ -378,6 +378,17 @@ __global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long l
     }
 }
 
+/* Router jitter (moept.h's noise, the CPU's): rows NULL is off */
+typedef struct moept__jit { const uint64_t *rows; uint64_t seed, key; float eps; } moept__jit;
+/* rows [T]: the hash of each token's fp32 row of xf [T][D] */
+__global__ void moept__k_jitter_rows(const float *xf, int64_t T, int64_t D, uint64_t *rows) {
+    MOEPT__FOR(t, T) rows[t] = moept__jitter_row(xf + t * D, D);
+}
+/* xj [n = T D] = xf * u, the router's input under jitter */
+__global__ void moept__k_jitter(const float *xf, int64_t n, int64_t D, moept__jit j, float *xj) {
+    MOEPT__FOR(i, n) xj[i] = xf[i] * moept__jitter_u(j.seed, j.key, j.rows[i / D], i % D, j.eps);
+}
+
 /* fp32 -> T (the weights for the expert GEMMs) */
 template <typename T, int V>
 __global__ void moept__k_cast(const float *src, int64_t n, T *dst) {
@@ -747,7 +758,7 @@ __global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int D,
 template <typename T, int V>
 __global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, const float *dsg,
                             const float *wsg, const float *dlogits, const float *wr, int64_t n, int D, int K,
-                            int E, T *dx, unsigned long long *first_bad) {
+                            int E, moept__jit jit, T *dx, unsigned long long *first_bad) {
     MOEPT__ROWS(t, n) {
         MOEPT__LANES(d, D, V) {
             float acc[V], rt[V], v[V];
@@ -769,6 +780,9 @@ __global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, co
                 moept__ldv<V>(wr + (int64_t)e * D + d, v);
                 for (int l = 0; l < V; l++) rt[l] += g * v[l];
             }
+            if (jit.rows) /* the router saw x * u: its term times u */
+                for (int l = 0; l < V; l++)
+                    rt[l] *= moept__jitter_u(jit.seed, jit.key, jit.rows[t], d + l, jit.eps);
             for (int l = 0; l < V; l++) acc[l] += rt[l];
             moept__stv<V>(dx + t * D + d, acc);
             for (int l = 0; l < V; l++)
@@ -1281,6 +1295,8 @@ struct moept__cuda {
     /* device: the fixed workspace (one allocation, sized for Tmax) */
     void *work;
     float *xf;                  /* [Tmax][D] fp32 router input (BF16; F32 uses x) */
+    float *xj;                  /* [Tmax][D] the router's input under jitter, xf * u (router_jitter) */
+    uint64_t *jrow[2];          /* [Tmax] its tokens' hashes (the noise's keys), as logits */
     float *logits[2];           /* [Tmax][E] double-buffered: a rejected step keeps the last */
     float *probs[2];            /* [Tmax][E] */
     int32_t *ids[2];            /* [Tmax][K] */
@@ -1342,6 +1358,8 @@ struct moept__cuda {
     float *galpha;              /* [2][G] */
 
     int cur, fwd_valid, bwd_done;
+    int jit;                    /* the committed step's router saw xf * u, drawn under jkey */
+    uint64_t jkey;
     int64_t T, N, R;
     double loss_T;              /* tokens the committed step's losses average over */
     int ptr_slot;
@@ -1368,7 +1386,10 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     const size_t f = sizeof(float), es = (size_t)c->esz;
     int bf = p->dtype == MOEPT_DTYPE_BF16;
     c->xf = (float *)moept__take(cv, bf ? (size_t)(T * D) * f : 0);
+    const int jit = p->jitter > 0.0f;
+    c->xj = (float *)moept__take(cv, jit ? (size_t)(T * D) * f : 0);
     for (int b = 0; b < 2; b++) {
+        c->jrow[b] = (uint64_t *)moept__take(cv, jit ? (size_t)T * 8 : 0);
         c->logits[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
         c->probs[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
         c->ids[b] = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
@@ -2131,6 +2152,8 @@ typedef struct moept__fwd {
     int64_t T, cap, R;         /* tokens (0 if rejected), capacity (-1: none), rows to receive */
     int64_t tag;               /* the call's agreement tag (moept.c's) */
     moept_status reject;       /* moept.c's rejection of the call, agreed as a host one */
+    int jitter;                /* the router sees xf * u, drawn under jkey */
+    uint64_t jkey;
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                             \
@@ -2178,7 +2201,18 @@ static void moept__check(moept__cuda *c, const T *x, int64_t n, float *xf, unsig
     MOEPT__LAUNCH_V(vec, moept__k_check, T, moept__grid(n / V + n % V), MOEPT__TB, c->s, x, n, xf, bad);
 }
 
-/* 2. route: the bf16 weights, x's check, the fp32 router, top-k, loss statistics */
+/* The router's input under jitter, xj = xf * u (hash: the rows' hashes
+   first, from xf), on the CPU's noise */
+static void moept__jitter(moept__cuda *c, const float *xf, int64_t T, uint64_t *rows, uint64_t key,
+                          int hash) {
+    const int64_t D = c->sp.D;
+    if (hash) MOEPT__LAUNCH(moept__k_jitter_rows, moept__grid(T), MOEPT__TB, 0, c->s)(xf, T, D, rows);
+    const moept__jit j = {rows, c->sp.jitter_seed, key, c->sp.jitter};
+    MOEPT__LAUNCH(moept__k_jitter, moept__grid(T * D), MOEPT__TB, 0, c->s)(xf, T * D, D, j, c->xj);
+}
+
+/* 2. route: the bf16 weights, x's check, the fp32 router (on x * u under
+   jitter), top-k, loss statistics */
 template <typename T>
 static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
@@ -2196,8 +2230,10 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
         moept__check<T>(c, x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
         MOEPT__PRE(cudaGetLastError());
         c->xf_committed = 0; /* until this step commits */
+        if (f->jitter) moept__jitter(c, xf, T_, c->jrow[nb], f->jkey, 1);
         /* router GEMM in fp32: logits = xf Wr^T */
-        moept__gemm g = moept__gemm_make(0, 1, T_, E, D, xf, D, c->params, D, 0.0f, c->logits[nb], E);
+        moept__gemm g = moept__gemm_make(0, 1, T_, E, D, f->jitter ? c->xj : xf, D, c->params, D, 0.0f,
+                                         c->logits[nb], E);
         if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
@@ -2373,6 +2409,7 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_s
     c->xf_committed = 1;
     c->fwd_valid = 1;
     c->bwd_done = 0;
+    c->jit = f->jitter; c->jkey = f->jkey;
     c->R = f->R;
     const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
     for (int64_t e = 0; e < E; e++) c->counts[e] = mine[e];
@@ -2666,6 +2703,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
     c->cur = f->nb;
     c->T = f->T;
     c->cap = f->cap;
+    c->jit = f->jitter; c->jkey = f->jkey;
     c->xf_committed = 1;
     c->fwd_valid = 1;
     c->bwd_done = 0;
@@ -2686,6 +2724,8 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     memset(&f, 0, sizeof f);
     f.tag = out->tag;
     f.reject = out->reject;
+    f.jitter = out->jitter && c->sp.jitter > 0.0f;
+    f.jkey = out->jitter_key;
     moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
     MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);
@@ -2873,8 +2913,8 @@ static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_s
     return MOEPT_OK;
 }
 
-/* 4. router': dlogits, then gWr += dlogits^T xf, and the shared gate's
-   gsg += dsg^T xf */
+/* 4. router': dlogits, then gWr += dlogits^T xin (xin = xf * u under
+   jitter: the noise drawn again), and the shared gate's gsg += dsg^T xf */
 static moept_status moept__bwd_router(moept__cuda *c, const float *xf, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = c->T;
@@ -2885,7 +2925,12 @@ static moept_status moept__bwd_router(moept__cuda *c, const float *xf, char *err
         (float)c->loss_T, c->B ? c->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale, T_, c->scratch,
         c->dlogits);
     MOEPT__LAUNCHED();
-    moept__gemm g = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xf, D, 1.0f, c->grads, D);
+    if (c->jit) {
+        moept__jitter(c, xf, T_, c->jrow[cur], c->jkey, 0);
+        MOEPT__LAUNCHED();
+    }
+    const float *xin = c->jit ? c->xj : xf;
+    moept__gemm g = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xin, D, 1.0f, c->grads, D);
     MOEPT__TRY(moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err));
     if (p->S == 0 || p->offsg < 0) return MOEPT_OK;
     g = moept__gemm_make(1, 0, 1, D, T_, c->dsg, 1, xf, D, 1.0f, c->grads + p->offsg, D);
@@ -2905,9 +2950,10 @@ static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
     /* the router's weights (fp32 rows of D) are read as vectors of as many lanes */
     const int vec = moept__vec<T>(D, ys, yss, dx) && moept__vec<T>(0, c->params); /* D % V: Wr's rows too */
     const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
+    const moept__jit jit = {c->jit ? c->jrow[c->cur] : NULL, p->jitter_seed, c->jkey, p->jitter};
     MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss,
                     gate ? c->dsg : NULL, gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_,
-                    (int)D, (int)p->K, (int)p->E, dx, &c->bad[5]);
+                    (int)D, (int)p->K, (int)p->E, jit, dx, &c->bad[5]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
