@@ -4059,7 +4059,7 @@ static void moept__cuda_layer_destroy(moept_layer *L) {
 
 static const moept__exec moept__cuda_exec = {
     .name = "the CUDA executor",
-    .caps = MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER,
+    .caps = MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER | MOEPT__CAN_AUX_SEQ,
     .forward = moept__cuda_layer_forward,
     .backward = moept__cuda_layer_backward,
     .sync_grads = moept__cuda_layer_sync_grads,

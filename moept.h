@@ -226,7 +226,7 @@
                          transpose). A sequence's T is its unmasked tokens;
                          an all-padding sequence is not counted. Global
                          balance averages over every rank's sequences (a
-                         sequence is never split over ranks). CPU layers.
+                         sequence is never split over ranks).
      z_loss:             mean_t (logsumexp_e logits_t,e)^2.
      Counts are taken before capacity dropping.
 
@@ -521,8 +521,8 @@ void moept_comm_destroy(moept_comm *c);
    moept_create by status).
    What the CUDA executor does not run it refuses on every rank with
    MOEPT_ERR_UNSUPPORTED, "<call>: <feature> is not supported by the CUDA
-   executor": at create config.inference_only, grad_backup,
-   MOEPT_AUX_SEQ and expert_sharding = MOEPT_SHARD_FSDP; a padding mask
+   executor": at create config.inference_only, grad_backup and
+   expert_sharding = MOEPT_SHARD_FSDP; a padding mask
    (opts.mask) at the forward; moept_reshard. Its comms are NCCL comms
    (moept_comm_nccl); a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes

@@ -317,12 +317,7 @@ static void test_bad_options(void) {
     st = moept_create_cuda(&cfg, NULL, NULL, &gf, &L);
     EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && L == NULL && strstr(moept_last_error(NULL), "gemm_form"),
            "gemm_form 4 accepted: %d (%s)", (int)st, moept_last_error(NULL));
-    moept_config sq = cfg; /* the sequence-wise aux loss is a CPU layer's */
-    sq.aux_loss = MOEPT_AUX_SEQ; sq.aux_seq_len = 4; sq.aux_loss_coef = 0.01f;
-    st = moept_create_cuda(&sq, NULL, NULL, NULL, &L);
-    EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "MOEPT_AUX_SEQ"),
-           "MOEPT_AUX_SEQ on CUDA: %d (%s)", (int)st, moept_last_error(NULL));
-    moept_config inf = cfg; /* so is an inference layer */
+    moept_config inf = cfg; /* an inference layer is a CPU layer's */
     inf.inference_only = 1;
     st = moept_create_cuda(&inf, NULL, NULL, NULL, &L);
     EXPECT(st == MOEPT_ERR_UNSUPPORTED && L == NULL && strstr(moept_last_error(NULL), "inference_only"),
@@ -1657,6 +1652,42 @@ static void test_jitter(void) {
         }
 }
 
+/* MOEPT_AUX_SEQ (the sequence-wise balance loss) under global balance: each
+   rank's sequences' statistics and aux rows, their mean over both ranks'
+   sequences, the per-token term of the router's backward; mixtral's
+   softmax scores and deepseek_v3's normalised sigmoid ones, fp32 and bf16,
+   at EP 2 (and 1), sync-free and chunked too. A batch that is not whole
+   sequences is refused as on the CPU. */
+static void test_aux_seq(void) {
+    const struct { int fam, bf16, sync_free, chunks, ep1; } v[7] = {
+        {0, 0, 0, 1, 0}, {3, 0, 0, 1, 0}, {0, 1, 0, 1, 0}, {3, 1, 0, 1, 0},
+        {3, 0, 1, 1, 0}, {0, 1, 0, 3, 0}, {0, 0, 0, 1, 1}};
+    for (int i = 0; i < 7; i++) {
+        moept_config cfg = family_cfg(v[i].fam);
+        cfg.aux_loss = MOEPT_AUX_SEQ;
+        cfg.aux_seq_len = 8;
+        cfg.aux_loss_coef = 0.05f;
+        cfg.global_balance = 1;
+        cfg.overlap_chunks = v[i].chunks;
+        cfg.max_tokens = 24;
+        char what[80];
+        snprintf(what, sizeof what, "aux_seq family %d %s%s%s", v[i].fam, v[i].bf16 ? "bf16" : "fp32",
+                 v[i].sync_free ? " sync-free" : "", v[i].chunks > 1 ? " 3 chunks" : "");
+        side_check(what, cfg, v[i].bf16, v[i].sync_free, v[i].ep1, v[i].bf16 ? 2e-2 : 1e-5);
+    }
+    moept_config cfg = family_cfg(0);
+    cfg.aux_loss = MOEPT_AUX_SEQ;
+    cfg.aux_seq_len = 8;
+    moept_layer *L = cuda_layer(cfg, 0);
+    float x[12 * 64] = {0};
+    void *xd = dev_from(x, 12 * 64, 0), *yd = dev_from(x, 12 * 64, 0);
+    moept_status st = L ? moept_forward(L, xd, 12, yd) : MOEPT_OK;
+    EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(moept_last_error(L), "multiple of config.aux_seq_len"),
+           "12 tokens in sequences of 8: %d (%s)", (int)st, moept_last_error(L));
+    cudaFree(xd); cudaFree(yd);
+    moept_destroy(L);
+}
+
 /* What the CUDA executor lacks is refused on every rank, agreed as its own
    checks are: a padding mask on one rank fails both (UNSUPPORTED there,
    "other rank" on the peer); an evaluation forward on rank 0 only makes
@@ -1711,7 +1742,7 @@ static void test_unsupported_modes(void) {
 }
 
 /* What the CUDA executor lacks comes from its capability bits, refused in
-   one place: each feature it does not run (the four config features at
+   one place: each feature it does not run (the three config features at
    create, a mask at the forward, resharding) fails on both ranks, with the
    same status and the same message on each, in one shape; the layer made
    after the refusals runs (agree_job's slot 7). */
@@ -1720,11 +1751,11 @@ static void *caps_rank(void *arg) {
     nccl_rank n;
     moept_layer *L = NULL;
     nccl_rank_open(&n, &j->tr);
-    for (int k = 1; k < 5; k++) {
+    for (int k = 0; k < 5; k++) {
         moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-        if (k == 1) cfg.inference_only = 1; /* (k 0, router_jitter, runs on the GPU) */
+        if (k == 0 || k == 3) continue; /* router_jitter and MOEPT_AUX_SEQ run on the GPU */
+        if (k == 1) cfg.inference_only = 1;
         if (k == 2) cfg.grad_backup = 1;
-        if (k == 3) { cfg.aux_loss = MOEPT_AUX_SEQ; cfg.aux_seq_len = 4; cfg.aux_loss_coef = 0.01f; }
         if (k == 4) cfg.expert_sharding = MOEPT_SHARD_FSDP;
         agree_call(j, k, moept_create_cuda(&cfg, n.c, NULL, NULL, &L), NULL);
         if (L) { moept_destroy(L); L = NULL; }
@@ -1758,9 +1789,10 @@ static void test_capability_refusals(void) {
     agree_job j[2];
     memset(j, 0, sizeof j);
     run_two(caps_rank, j, sizeof j[0]);
-    const char *what[7] = {"config.router_jitter", "config.inference_only", "config.grad_backup", "MOEPT_AUX_SEQ",
+    const char *what[7] = {NULL, "config.inference_only", "config.grad_backup", NULL, /* (run on the GPU) */
                            "MOEPT_SHARD_FSDP", "opts.mask", "resharding"};
-    for (int k = 1; k < 7; k++) {
+    for (int k = 0; k < 7; k++) {
+        if (!what[k]) continue;
         EXPECT(j[0].st[k] == MOEPT_ERR_UNSUPPORTED && j[1].st[k] == MOEPT_ERR_UNSUPPORTED,
                "%s: status %d, %d (%s | %s)", what[k], (int)j[0].st[k], (int)j[1].st[k], j[0].msg[k], j[1].msg[k]);
         EXPECT(strcmp(j[0].msg[k], j[1].msg[k]) == 0, "%s: the ranks' messages differ: %s | %s", what[k],
@@ -2023,6 +2055,8 @@ int main(void) {
            test_call_agreement);
     tu_run("cuda (emulated, EP 1 and 2): router jitter draws the CPU's noise, none in eval (fp32, bf16)",
            test_jitter);
+    tu_run("cuda (emulated, EP 2 and 1): MOEPT_AUX_SEQ under global balance equals the CPU layer (fp32, bf16, "
+           "sync-free, chunked)", test_aux_seq);
     tu_run("cuda (emulated, 2 EP ranks): masks and eval-then-backward refused on both ranks",
            test_unsupported_modes);
     tu_run("cuda (emulated, 2 EP ranks): every feature the executor lacks refused on both ranks, one message",
