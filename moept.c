@@ -1019,7 +1019,6 @@ struct moept__fstep {
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
 static void moept__host_wrote(moept_layer *L, int params, int grads);
-static uint64_t moept__checksum(const float *v, int64_t n);
 /* The group calls (moept.h's table): each agreement carries the call's id
    and a fingerprint of the arguments that must match on every rank */
 enum {
@@ -1929,14 +1928,6 @@ static moept_status moept__grads_refused(moept_layer *L, const char *call) {
         call, (long long)(L->par.grads_dx_bad / L->D), (long long)(L->par.grads_dx_bad % L->D));
 }
 
-/* splitmix64: a small deterministic generator for initialisation */
-static uint64_t moept__mix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 moept_status moept_init_params(moept_layer *L, uint64_t seed) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_init_params: layer is NULL");
     MOEPT__HOST_SYNC(L, 1, 0);
@@ -2824,15 +2815,7 @@ static moept_status moept__forward_finite(moept_layer *L, const float *y, double
    combine. Until the commit a failure leaves the layer as it was. */
 
 
-/* Router jitter's factor for element d of a token whose row hashes to
-   row: uniform in [1 - eps, 1 + eps] from (seed, key, row, d) by a counter
-   hash. Keyed by the token's values, not its place, so a token draws the
-   same wherever it is routed (EP = N equals EP = 1 on the whole batch, any
-   thread count), and the backward makes it again instead of keeping it. */
-static float moept__jitter_u(uint64_t seed, uint64_t key, uint64_t row, int64_t d, float eps) {
-    uint64_t s = seed ^ (key * 0xd1b54a32d192ed03ull) ^ row ^ ((uint64_t)d * 0xa0761d6478bd642full);
-    return 1.0f - eps + 2.0f * eps * ((float)(moept__mix(&s) >> 40) * 0x1.0p-24f);
-}
+/* Router jitter: its noise (moept__jitter_u) and the rows' hashes are moept.h's, shared with the GPU */
 /* The noise key of the next training forward: AdamW steps (checkpointed)
    and forwards since the last one, so a resumed run draws what it drew. */
 static uint64_t moept__jitter_key(const moept_layer *L) {
@@ -2847,7 +2830,7 @@ static void moept__jitter_apply(const moept_layer *L, uint64_t key, const float 
     const uint64_t seed = L->cfg.jitter_seed;
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
     for (int64_t t = 0; t < T; t++) {
-        if (hash) rows[t] = moept__checksum(x + t * D, D) * 0x9e3779b97f4a7c15ull;
+        if (hash) rows[t] = moept__jitter_row(x + t * D, D);
         for (int64_t d = 0; d < D; d++)
             out[t * D + d] =
                 (x ? x[t * D + d] : out[t * D + d]) * moept__jitter_u(seed, key, rows[t], d, eps);
@@ -3962,9 +3945,12 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
     r.reject_msg = f->reject ? f->reject_why : NULL;
     r.replay = f->replay; /* device memory: checked there, agreed with the executor's checks */
+    r.jitter = L->cfg.router_jitter > 0.0f && !f->eval; /* the CPU's noise: its key, counted alike */
+    r.jitter_key = moept__jitter_key(L);
     st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
+    L->fwd.jitter_micro += r.jitter;
     L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; X->routing_on_host = 0; L->fwd.eval = f->eval;
     moept_stats *sts = &L->stats;
     sts->bytes_sent = sts->bytes_received = 0;
@@ -4089,7 +4075,7 @@ static void moept__cuda_layer_destroy(moept_layer *L) {
 
 static const moept__exec moept__cuda_exec = {
     .name = "the CUDA executor",
-    .caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE,
+    .caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER | MOEPT__CAN_AUX_SEQ,
     .forward = moept__cuda_layer_forward,
     .backward = moept__cuda_layer_backward,
     .sync_grads = moept__cuda_layer_sync_grads,
@@ -4168,6 +4154,8 @@ static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *
     sp->C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
     sp->scale = L->cfg.routed_scaling_factor; sp->aux_coef = L->cfg.aux_loss_coef;
     sp->z_coef = L->cfg.z_loss_coef;
+    sp->jitter = L->cfg.router_jitter; sp->jitter_seed = L->cfg.jitter_seed;
+    sp->seq_len = L->cfg.aux_loss == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0;
     sp->capacity_factor = L->capacity_factor;
     sp->n_params = L->par.n_params;
     sp->off13 = L->par.w13 - L->par.params; sp->off2 = L->par.w2 - L->par.params;
@@ -6807,23 +6795,6 @@ typedef struct moept__text { const char *s; } moept__text;
 static int moept__text_emit(int fd, const void *ctx) {
     const moept__text *t = ctx;
     return moept__write_all(fd, t->s, (int64_t)strlen(t->s));
-}
-
-/* A 64-bit checksum of n floats' bytes, 8 at a time: each step a bijection
-   of the state for a given word, so any change of one word changes the
-   result. Native byte order: the files' (little-endian) on every target. */
-static uint64_t moept__checksum(const float *v, int64_t n) {
-    const unsigned char *b = (const unsigned char *)v;
-    size_t len = (size_t)n * sizeof(float), i = 0;
-    uint64_t h = 0x9e3779b97f4a7c15ull ^ (uint64_t)len;
-    for (; i + 8 <= len; i += 8) {
-        uint64_t w;
-        memcpy(&w, b + i, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdull;
-        h ^= h >> 32;
-    }
-    for (; i < len; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h ^ (h >> 29);
 }
 
 /* tensor `name` of n floats at v, with its checksum in the file's metadata */

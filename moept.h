@@ -231,7 +231,7 @@
                          transpose). A sequence's T is its unmasked tokens;
                          an all-padding sequence is not counted. Global
                          balance averages over every rank's sequences (a
-                         sequence is never split over ranks). CPU layers.
+                         sequence is never split over ranks).
      z_loss:             mean_t (logsumexp_e logits_t,e)^2.
      Counts are taken before capacity dropping.
 
@@ -252,8 +252,8 @@
      EP size (EP = N equals EP = 1 on the whole batch), a resumed run draws
      what the original drew, and equal tokens draw equal noise. The
      backward treats u as a constant, as PyTorch does with its noise tensor.
-     The CUDA executor refuses masks (MOEPT_ERR_UNSUPPORTED on every rank)
-     and router_jitter (at create).
+     A CUDA layer draws the CPU layer's noise, bitwise (one generator).
+     The CUDA executor refuses masks (MOEPT_ERR_UNSUPPORTED on every rank).
 
    ROUTING REPLAY (opts.replay_ids of moept_forward_ex; both executors)
      Reinforcement learning on MoE models trains on the experts the rollout
@@ -467,7 +467,7 @@ typedef struct moept_config {
     float router_jitter;              /* eps >= 0 (0 = off): a training forward's router
                                          sees x * u, u uniform in [1 - eps, 1 + eps) per
                                          element (Switch/Megatron input jitter; see ROUTER
-                                         JITTER); the experts see x. CPU layers only */
+                                         JITTER); the experts see x */
     uint64_t jitter_seed;             /* the noise's seed (ranks alike: same noise) */
     int inference_only;               /* 1: a layer for inference (see INFERENCE
                                          LAYERS): every forward an evaluation, no
@@ -581,8 +581,8 @@ void moept_comm_destroy(moept_comm *c);
    moept_create by status).
    What the CUDA executor does not run it refuses on every rank with
    MOEPT_ERR_UNSUPPORTED, "<call>: <feature> is not supported by the CUDA
-   executor": at create config.router_jitter, grad_backup, MOEPT_AUX_SEQ
-   and expert_sharding = MOEPT_SHARD_FSDP; a padding mask
+   executor": at create grad_backup and expert_sharding =
+   MOEPT_SHARD_FSDP; a padding mask
    (opts.mask) at the forward; moept_reshard. Its comms are NCCL comms
    (moept_comm_nccl); a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes
@@ -654,7 +654,8 @@ void moept_comm_destroy(moept_comm *c);
      A step (moept_forward + moept_backward) can be captured in a CUDA graph
      on options.stream (not the legacy default stream): call
      moept_cuda_params first (pending host writes are uploaded then); a
-     replay reruns the captured device work on the same buffers; after
+     replay reruns the captured device work on the same buffers (with
+     router_jitter, on the captured call's noise); after
      replays call moept_cuda_params_changed before reading gradients on the
      host (the library's host view is the captured call's). A process that
      drives several GPUs from several threads captures each rank's step on
@@ -1083,6 +1084,7 @@ moept_status moept_save_hf_as(moept_layer *layer, const char *path, int64_t laye
 #if defined(MOEPT_INTERNAL) && !defined(MOEPT_INTERNAL_MATH)
 #define MOEPT_INTERNAL_MATH
 #include <math.h>
+#include <string.h>
 #ifdef __CUDACC__
 #define MOEPT_HD __host__ __device__
 #else
@@ -1766,6 +1768,47 @@ MOEPT_HD static inline moept__lso moept__lstat_of(int64_t E) {
     return o;
 }
 
+/* ---- router jitter's noise (host and device) -------------------------
+   splitmix64: a small deterministic generator (initialisation, the jitter) */
+MOEPT_HD static inline uint64_t moept__mix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+/* A 64-bit checksum of n floats' bytes, 8 at a time: each step a bijection
+   of the state for a given word, so any change of one word changes the
+   result. Native byte order: the files' (little-endian) on every target. */
+MOEPT_HD static inline uint64_t moept__checksum(const float *v, int64_t n) {
+    const unsigned char *b = (const unsigned char *)v;
+    size_t len = (size_t)n * sizeof(float), i = 0;
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ (uint64_t)len;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+    }
+    for (; i < len; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h ^ (h >> 29);
+}
+/* The jitter's hash of a token's row x [D] (fp32 values, as the router
+   sees them): the noise is keyed by the token's values, not its place */
+MOEPT_HD static inline uint64_t moept__jitter_row(const float *x, int64_t D) {
+    return moept__checksum(x, D) * 0x9e3779b97f4a7c15ull;
+}
+/* Router jitter's factor for element d of a token whose row hashes to
+   row: uniform in [1 - eps, 1 + eps] from (seed, key, row, d) by a counter
+   hash. Keyed by the token's values, not its place, so a token draws the
+   same wherever it is routed (EP = N equals EP = 1 on the whole batch, any
+   thread count, either executor), and the backward makes it again instead
+   of keeping it. */
+MOEPT_HD static inline float moept__jitter_u(uint64_t seed, uint64_t key, uint64_t row, int64_t d,
+                                             float eps) {
+    uint64_t s = seed ^ (key * 0xd1b54a32d192ed03ull) ^ row ^ ((uint64_t)d * 0xa0761d6478bd642full);
+    return 1.0f - eps + 2.0f * eps * ((float)(moept__mix(&s) >> 40) * 0x1.0p-24f);
+}
+
 /* Carves 64-byte aligned sub-buffers out of one block; with base NULL it
    only measures (the layouts run twice: size, then carve). Host and device
    workspaces alike. */
@@ -1796,6 +1839,9 @@ typedef struct moept__cuda_spec {
     int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
     int64_t block_tokens;       /* sync-free: the EP group's largest max_tokens (sizes the blocks) */
     float scale, aux_coef, z_coef;
+    float jitter;               /* router_jitter's eps (0: off) */
+    uint64_t jitter_seed;
+    int64_t seq_len;            /* MOEPT_AUX_SEQ: tokens per sequence (aux_seq_len) */
     double capacity_factor;     /* <= 0: dropless */
     int64_t n_params;           /* router | w13 | w2 | ws13 | ws2 | wsg */
     int64_t off13, off2, offs13, offs2, offsg; /* offsets in the buffer; offsg -1: no gate */
@@ -1813,6 +1859,8 @@ typedef struct moept__cuda_step {
                                   lacks, ...), agreed like the executor's own checks */
     const char *reject_msg;
     const int32_t *replay;     /* in: [T][K] the experts to route to (opts.replay_ids, device), or NULL */
+    int jitter;                /* in: this forward's router sees x * u, its noise keyed by jitter_key */
+    uint64_t jitter_key;
     int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
     int64_t allocations, allocated_bytes, workspace_bytes;
     double aux_value, z_value, loss_T;

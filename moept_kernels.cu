@@ -378,6 +378,17 @@ __global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long l
     }
 }
 
+/* Router jitter (moept.h's noise, the CPU's): rows NULL is off */
+typedef struct moept__jit { const uint64_t *rows; uint64_t seed, key; float eps; } moept__jit;
+/* rows [T]: the hash of each token's fp32 row of xf [T][D] */
+__global__ void moept__k_jitter_rows(const float *xf, int64_t T, int64_t D, uint64_t *rows) {
+    MOEPT__FOR(t, T) rows[t] = moept__jitter_row(xf + t * D, D);
+}
+/* xj [n = T D] = xf * u, the router's input under jitter */
+__global__ void moept__k_jitter(const float *xf, int64_t n, int64_t D, moept__jit j, float *xj) {
+    MOEPT__FOR(i, n) xj[i] = xf[i] * moept__jitter_u(j.seed, j.key, j.rows[i / D], i % D, j.eps);
+}
+
 /* fp32 -> T (the weights for the expert GEMMs) */
 template <typename T, int V>
 __global__ void moept__k_cast(const float *src, int64_t n, T *dst) {
@@ -444,6 +455,21 @@ __global__ void moept__k_adamw(T *p, const T *g, T *m, T *v, int64_t n, moept__a
     }
 }
 
+/* The loss statistics on the device: moept.h's layout (moept__lso), then
+   the step's failure flag at [n] */
+#define MOEPT__NLSTAT(E) (moept__lstat_of(E).n + 1)
+
+/* The aux loss's value from the loss statistics (moept__lso), as moept.c's
+   moept__fwd_losses: the mean of the sequences' (MOEPT_AUX_SEQ), else the
+   batch's, with its per-expert factors into aux_g [E] */
+MOEPT_HD static double moept__aux_value(const double *ls, int64_t E, int64_t K, int aux, float coef,
+                                        float *aux_g) {
+    const moept__lso o = moept__lstat_of(E);
+    if (aux == MOEPT_AUX_SEQ) return ls[o.nseq] > 0.0 ? ls[o.seqaux] / ls[o.nseq] : 0.0;
+    const double T = ls[o.T] > 0.0 ? ls[o.T] : 1.0;
+    return moept__aux_finalize(ls + o.auxc, ls + o.psum, E, K, aux, T, coef, aux_g);
+}
+
 /* One thread per token: routing, logsumexp and the aux loss's per-token
    scores and counted ids. scratch [T][2E]: the router's choice buffer, then
    the token's aux scores. A token with non-finite logits is recorded and
@@ -496,7 +522,8 @@ __global__ void moept__k_replay(int fam, int aux, const float *logits, const int
 }
 
 /* Loss statistics, one block per expert column (block E: sum of lse^2):
-   lstat = [selections E | aux counts E | aux score sums E | T | sum lse^2].
+   lstat = [selections E | aux counts E | aux score sums E | T | sum lse^2 |
+   sequences' aux sum | sequences] (moept__lso; the last two: moept__k_seq_close).
    Each block sums its column over tokens in a fixed order (deterministic). */
 __global__ void moept__k_loss_stats(const int32_t *ids, const int32_t *cids, const float *scratch,
                                     const float *lse, int64_t T, int E, int K, int aux, double *lstat) {
@@ -522,8 +549,62 @@ __global__ void moept__k_loss_stats(const int32_t *ids, const int32_t *cids, con
     ps = moept__block_sum(ps, sh);
     if (threadIdx.x == 0) {
         if (e < E) { lstat[e] = sel; lstat[E + e] = cnt; lstat[2 * E + e] = ps; }
-        else { lstat[3 * E] = (double)T; lstat[3 * E + 1] = sel; }
+        else { lstat[3 * E] = (double)T; lstat[3 * E + 1] = sel; lstat[3 * E + 2] = lstat[3 * E + 3] = 0.0; }
     }
+}
+
+/* MOEPT_AUX_SEQ, one thread per sequence q and expert e: over the
+   sequence's slen tokens in order, as moept.c, st [nseq][2E + 2] = its
+   counted selections [E], score sums [E], unmasked tokens (a padded
+   token's ids are -1) */
+__global__ void moept__k_seq_stats(const int32_t *ids, const int32_t *cids, const float *scratch,
+                                   int64_t nseq, int64_t slen, int E, int K, double *st) {
+    MOEPT__FOR(i, nseq * E) {
+        const int64_t q = i / E;
+        const int e = (int)(i % E);
+        double cnt = 0.0, ps = 0.0, n = 0.0;
+        for (int64_t t = q * slen; t < (q + 1) * slen; t++) {
+            if (ids[t * K] < 0) continue;
+            for (int k = 0; k < K; k++) cnt += cids[t * K + k] == e;
+            ps += scratch[t * 2 * E + e];
+            n += 1.0;
+        }
+        double *s = st + q * (2 * E + 2);
+        s[e] = cnt;
+        s[E + e] = ps;
+        if (e == 0) s[2 * E] = n;
+    }
+}
+/* ... then (one block) each sequence's aux loss (moept__aux_finalize: its
+   value into st's last column, its gradient's row into g [nseq][E] before
+   the mean's 1/nseq; an all-padding sequence counts for nothing, its row
+   0), and their sum and count in sequence order into lstat (moept__lso) */
+__global__ void moept__k_seq_close(double *st, int64_t nseq, int E, int K, float coef, float *g,
+                                   double *lstat) {
+    for (int64_t q = threadIdx.x; q < nseq; q += blockDim.x) {
+        double *s = st + q * (2 * E + 2);
+        float *gq = g + q * E;
+        if (s[2 * E] > 0.0)
+            s[2 * E + 1] = moept__aux_finalize(s, s + E, E, K, MOEPT_AUX_SEQ, s[2 * E], coef, gq);
+        else for (int e = 0; e < E; e++) gq[e] = 0.0f;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    double sum = 0.0, n = 0.0;
+    for (int64_t q = 0; q < nseq; q++) {
+        const double *s = st + q * (2 * E + 2);
+        if (s[2 * E] > 0.0) { sum += s[2 * E + 1]; n += 1.0; }
+    }
+    const moept__lso o = moept__lstat_of(E);
+    lstat[o.seqaux] = sum;
+    lstat[o.nseq] = n;
+}
+/* ... and after the commit the mean over the sequences: each row of g [n]
+   times 1/nseq, the sequences of every rank when global (lstat's) */
+__global__ void moept__k_seq_scale(float *g, int64_t n, const double *lstat, int64_t at) {
+    const double ns = lstat[at];
+    const float inv = ns > 0.0 ? (float)(1.0 / ns) : 0.0f;
+    MOEPT__FOR(i, n) g[i] *= inv;
 }
 
 /* Count (stage 3), per block: blocks of MOEPT__PB assignments; each assignment's rank
@@ -581,7 +662,7 @@ __global__ void moept__k_count_scan(int64_t *hist, int64_t nblk, int E, int64_t 
         msg[E] = failed;
         msg[E + 1] = tag;
         msg[E + 2] = rcap;
-        lstat[3 * E + 2] = (double)failed;
+        lstat[moept__lstat_of(E).n] = (double)failed;
     }
 }
 
@@ -774,7 +855,7 @@ __global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int D,
 template <typename T, int V>
 __global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, const float *dsg,
                             const float *wsg, const float *dlogits, const float *wr, int64_t n, int D, int K,
-                            int E, T *dx, unsigned long long *first_bad) {
+                            int E, moept__jit jit, T *dx, unsigned long long *first_bad) {
     MOEPT__ROWS(t, n) {
         MOEPT__LANES(d, D, V) {
             float acc[V], rt[V], v[V];
@@ -796,6 +877,9 @@ __global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, co
                 moept__ldv<V>(wr + (int64_t)e * D + d, v);
                 for (int l = 0; l < V; l++) rt[l] += g * v[l];
             }
+            if (jit.rows) /* the router saw x * u: its term times u */
+                for (int l = 0; l < V; l++)
+                    rt[l] *= moept__jitter_u(jit.seed, jit.key, jit.rows[t], d + l, jit.eps);
             for (int l = 0; l < V; l++) acc[l] += rt[l];
             moept__stv<V>(dx + t * D + d, acc);
             for (int l = 0; l < V; l++)
@@ -814,14 +898,15 @@ __global__ void moept__k_sigmoid(float *v, int64_t n) {
 
 /* Router backward, one thread per token. scratch [T][2E]. */
 __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const float *probs,
-                                    const int32_t *ids, const float *dwts, const float *aux_g, float zc,
-                                    const float *lse, float Tl, const double *Tdev, int E, int K, int norm,
-                                    float scale, int64_t T, float *scratch, float *dlogits) {
+                                    const int32_t *ids, const float *dwts, const float *aux_g, int64_t slen,
+                                    float zc, const float *lse, float Tl, const double *Tdev, int E, int K,
+                                    int norm, float scale, int64_t T, float *scratch, float *dlogits) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (t >= T) return;
     if (Tdev) Tl = (float)(Tdev[0] > 0.0 ? Tdev[0] : 1.0); /* sync-free: the host has not seen it */
     float zg = moept__zgrad(zc, lse[t], Tl);
-    moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, dwts + t * K, aux_g, zg,
+    const float *ag = aux_g && slen ? aux_g + t / slen * E : aux_g; /* MOEPT_AUX_SEQ: its sequence's row */
+    moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, dwts + t * K, ag, zg,
                             E, K, norm, scale, scratch + t * 2 * E, dlogits + t * E);
 }
 
@@ -858,8 +943,7 @@ __global__ void moept__k_sf_agree(const int64_t *msg_all, int64_t P, int64_t M, 
     }
     const double Tl = lstat[3 * E] > 0.0 ? lstat[3 * E] : 1.0;
     double av = 0.0;
-    if (aux != MOEPT_AUX_NONE)
-        av = moept__aux_finalize(lstat + E, lstat + 2 * E, E, K, aux, Tl, aux_coef, aux_g);
+    if (aux != MOEPT_AUX_NONE) av = moept__aux_value(lstat, E, K, aux, aux_coef, aux_g);
     if (global && ((z_coef > 0.0f && !moept__finite_as_float(lstat[3 * E + 1] / Tl)) ||
                    (aux_coef > 0.0f && !moept__finite_as_float(av))))
         code = moept__sf_min(code, MOEPT__SF_LOSS);
@@ -1293,7 +1377,7 @@ struct moept__cuda {
     int64_t G;                  /* most groups in one grouped GEMM: El (chunked: El * P), at least 1 */
     int64_t C;                  /* overlap chunks (1: off) */
     int64_t M;                  /* count message length: kept [E] | failed | call tag | Rcap | chunked:
-                                   [C][E] | global balance over EP: the loss statistics [3E + 3] */
+                                   [C][E] | global balance over EP: the loss statistics [3E + 5] */
     int64_t moff;               /* where the loss statistics start in it */
     int nslot;                  /* grouped-GEMM pointer slots per pass (forward, then backward) */
 
@@ -1311,6 +1395,8 @@ struct moept__cuda {
     /* device: the fixed workspace (one allocation, sized for Tmax) */
     void *work;
     float *xf;                  /* [Tmax][D] fp32 router input (BF16; F32 uses x) */
+    float *xj;                  /* [Tmax][D] the router's input under jitter, xf * u (router_jitter) */
+    uint64_t *jrow[2];          /* [Tmax] its tokens' hashes (the noise's keys), as logits */
     float *logits[2];           /* [Tmax][E] double-buffered: a rejected step keeps the last */
     float *probs[2];            /* [Tmax][E] */
     int32_t *ids[2];            /* [Tmax][K] */
@@ -1318,7 +1404,9 @@ struct moept__cuda {
     float *lse[2];              /* [Tmax] */
     float *scratch;             /* [Tmax][2E] router scratch, aux scores, router' scratch */
     int32_t *cids;              /* [Tmax][K] aux-counted ids */
-    double *lstat;              /* [3E + 3] loss statistics + failure flag */
+    double *lstat;              /* [3E + 5] loss statistics (moept__lso) + failure flag */
+    double *seqst;              /* MOEPT_AUX_SEQ: [Tmax / slen][2E + 2] per sequence (moept__k_seq_stats) */
+    float *seqg[2];             /* MOEPT_AUX_SEQ: [Tmax / slen][E] each sequence's aux gradient, as logits */
     int64_t *hist;              /* [nblk_max][E] the count's per block, then block offsets */
     int32_t *lrank;             /* [Tmax*K] rank within block and slot */
     int64_t *kept, *koff;       /* [E], [E+1] */
@@ -1348,13 +1436,13 @@ struct moept__cuda {
     int64_t Rcap;
     int64_t B;                  /* sync-free: rows of each (rank, expert) block, Rcap = E B; 0 otherwise */
     int64_t cap;                /* sync-free: the committed step's capacity (-1: dropless) */
-    int64_t *cmsg;              /* sync-free: the committed step's msg_all [P][M] and lstat [3E + 3]: */
+    int64_t *cmsg;              /* sync-free: the committed step's msg_all [P][M] and lstat [3E + 5]: */
     double *clstat;             /* a call rejected here after it ran the statistics kernels keeps them */
 
     /* pinned host */
     void *pinned;
     int64_t *h_msg_all;         /* [P][M] */
-    double *h_lstat;            /* [3E + 3] */
+    double *h_lstat;            /* [3E + 5] */
     unsigned long long *h_bad;  /* [8] */
     double *h_gpart;            /* [MOEPT__NPART][2] */
     float *h_aux_g;             /* [E] */
@@ -1375,6 +1463,8 @@ struct moept__cuda {
     float *galpha;              /* [2][G] */
 
     int cur, fwd_valid, bwd_done;
+    int jit;                    /* the committed step's router saw xf * u, drawn under jkey */
+    uint64_t jkey;
     int64_t T, N, R;
     double loss_T;              /* tokens the committed step's losses average over */
     int ptr_slot;
@@ -1401,7 +1491,10 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     const size_t f = sizeof(float), es = (size_t)c->esz;
     int bf = p->dtype == MOEPT_DTYPE_BF16;
     c->xf = (float *)moept__take(cv, bf ? (size_t)(T * D) * f : 0);
+    const int jit = p->jitter > 0.0f;
+    c->xj = (float *)moept__take(cv, jit ? (size_t)(T * D) * f : 0);
     for (int b = 0; b < 2; b++) {
+        c->jrow[b] = (uint64_t *)moept__take(cv, jit ? (size_t)T * 8 : 0);
         c->logits[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
         c->probs[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
         c->ids[b] = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
@@ -1410,8 +1503,11 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     }
     c->scratch = (float *)moept__take(cv, (size_t)(T * 2 * E) * f);
     c->cids = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
-    c->lstat = (double *)moept__take(cv, (size_t)(3 * E + 3) * 8);
-    c->clstat = (double *)moept__take(cv, c->B ? (size_t)(3 * E + 3) * 8 : 0);
+    c->lstat = (double *)moept__take(cv, (size_t)MOEPT__NLSTAT(E) * 8);
+    c->clstat = (double *)moept__take(cv, c->B ? (size_t)MOEPT__NLSTAT(E) * 8 : 0);
+    const int64_t nseq = p->seq_len > 0 ? T / p->seq_len : 0;
+    c->seqst = (double *)moept__take(cv, (size_t)(nseq * (2 * E + 2)) * 8);
+    for (int b = 0; b < 2; b++) c->seqg[b] = (float *)moept__take(cv, (size_t)(nseq * E) * f);
     c->hist = (int64_t *)moept__take(cv, (size_t)(c->nblk_max * E) * 8);
     c->lrank = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
     c->kept = (int64_t *)moept__take(cv, (size_t)E * 8);
@@ -1695,12 +1791,12 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     moept__layout(c, &cv);
     MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* no backward's dx yet, no failed step */
     /* pinned host block */
-    size_t hb = (size_t)(P * c->M) * 8 + (size_t)(3 * E + 3) * 8 + 8 * 8 + (size_t)MOEPT__NPART * 2 * 8 +
+    size_t hb = (size_t)(P * c->M) * 8 + (size_t)MOEPT__NLSTAT(E) * 8 + 8 * 8 + (size_t)MOEPT__NPART * 2 * 8 +
                 (size_t)E * 4 + (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 7 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
     moept__carve hv = {(char *)c->pinned, 0};
     c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * c->M) * 8);
-    c->h_lstat = (double *)moept__take(&hv, (size_t)(3 * E + 3) * 8);
+    c->h_lstat = (double *)moept__take(&hv, (size_t)MOEPT__NLSTAT(E) * 8);
     c->h_bad = (unsigned long long *)moept__take(&hv, 8 * 8);
     c->h_gpart = (double *)moept__take(&hv, (size_t)MOEPT__NPART * 2 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
@@ -1759,7 +1855,7 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     c->moff = spec->E + 3 + (c->C > 1 ? c->C * spec->E : 0);
     /* global balance: the statistics travel with the counts and are summed
        in rank order, so no second collective can meet another call's */
-    c->M = c->moff + (spec->global_balance && spec->ep ? 3 * spec->E + 3 : 0);
+    c->M = c->moff + (spec->global_balance && spec->ep ? MOEPT__NLSTAT(spec->E) : 0);
     /* every grouped GEMM of a pass has its own slot (the host rewrites a slot
        only after the next pass's host sync): forward 2 a chunk, backward 2 a
        chunk + 2 weight-gradient ones (unchunked: 2 and 4) */
@@ -1873,15 +1969,15 @@ extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, in
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, M = c->M, me = p->rank;
     MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->cmsg, (size_t)(P * M) * 8, cudaMemcpyDeviceToHost, c->s));
-    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->clstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->clstat, (size_t)MOEPT__NLSTAT(E) * 8, cudaMemcpyDeviceToHost,
+                              c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
-    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef,
-                                         c->h_aux_g);
+    out->aux_value = moept__aux_value(c->h_lstat, E, p->K, p->aux, p->aux_coef, c->h_aux_g);
     out->z_value = c->h_lstat[3 * E + 1] / Tl;
     out->loss_T = Tl;
     out->counts_global = p->global_balance || (!p->ep && !p->dp);
-    memcpy(lstat, c->h_lstat, (size_t)(3 * E + 2) * 8);
+    memcpy(lstat, c->h_lstat, (size_t)moept__lstat_of(E).n * 8);
     /* this rank's counts head its message; rank q's rows for its expert j are at [q][M] + me El + j */
     moept__plan_peer_rows(P, El, me, c->h_msg_all + me * M, c->h_msg_all + me * El, M, peer_rows,
                           &out->rows_sent, &out->rows_received);
@@ -2174,6 +2270,8 @@ typedef struct moept__fwd {
     int64_t tag;               /* the call's agreement tag (moept.c's) */
     moept_status reject;       /* moept.c's rejection of the call, agreed as a host one */
     const int32_t *replay;     /* [T][K] opts.replay_ids (device), or NULL */
+    int jitter;                /* the router sees xf * u, drawn under jkey */
+    uint64_t jkey;
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                             \
@@ -2200,6 +2298,10 @@ static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const v
     } else if (Tn > 0 && (!x || !y)) {
         f->host_bad = 1;
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: %s is NULL", x ? "y" : "x");
+    } else if (p->seq_len > 0 && Tn % p->seq_len != 0) {
+        f->host_bad = 1;
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: tokens %lld is not a multiple of "
+                 "config.aux_seq_len (%lld)", (long long)Tn, (long long)p->seq_len);
     }
     /* an error left pending by an earlier call (a failed allocation) is this
        step's failure, agreed like the others, not a surprise at the first check */
@@ -2221,7 +2323,37 @@ static void moept__check(moept__cuda *c, const T *x, int64_t n, float *xf, unsig
     MOEPT__LAUNCH_V(vec, moept__k_check, T, moept__grid(n / V + n % V), MOEPT__TB, c->s, x, n, xf, bad);
 }
 
-/* 2. route: the bf16 weights, x's check, the fp32 router, top-k, loss statistics */
+/* MOEPT_AUX_SEQ: each sequence's statistics, aux value and gradient row
+   (into the spare seqg), their sum and count into the loss statistics */
+static void moept__seq_stats(moept__cuda *c, moept__fwd *f) {
+    const int64_t E = c->sp.E, nseq = f->T / c->sp.seq_len;
+    if (nseq > 0)
+        MOEPT__LAUNCH(moept__k_seq_stats, moept__grid(nseq * E), MOEPT__TB, 0, c->s)(
+                c->ids[f->nb], c->cids, c->scratch, nseq, c->sp.seq_len, (int)E, (int)c->sp.K, c->seqst);
+    MOEPT__LAUNCH(moept__k_seq_close, 1, MOEPT__TB, 0, c->s)(c->seqst, nseq, (int)E, (int)c->sp.K,
+                                                          c->sp.aux_coef, c->seqg[f->nb], c->lstat);
+    MOEPT__PRE(cudaGetLastError());
+}
+/* ... after the commit: the committed rows times 1/nseq (the mean) */
+static void moept__seq_mean(moept__cuda *c) {
+    const int64_t n = c->T / c->sp.seq_len * c->sp.E;
+    if (n > 0)
+        MOEPT__LAUNCH(moept__k_seq_scale, moept__grid(n), MOEPT__TB, 0, c->s)(c->seqg[c->cur], n, c->lstat,
+                                                                            moept__lstat_of(c->sp.E).nseq);
+}
+
+/* The router's input under jitter, xj = xf * u (hash: the rows' hashes
+   first, from xf), on the CPU's noise */
+static void moept__jitter(moept__cuda *c, const float *xf, int64_t T, uint64_t *rows, uint64_t key,
+                          int hash) {
+    const int64_t D = c->sp.D;
+    if (hash) MOEPT__LAUNCH(moept__k_jitter_rows, moept__grid(T), MOEPT__TB, 0, c->s)(xf, T, D, rows);
+    const moept__jit j = {rows, c->sp.jitter_seed, key, c->sp.jitter};
+    MOEPT__LAUNCH(moept__k_jitter, moept__grid(T * D), MOEPT__TB, 0, c->s)(xf, T * D, D, j, c->xj);
+}
+
+/* 2. route: the bf16 weights, x's check, the fp32 router (on x * u under
+   jitter), top-k, loss statistics */
 template <typename T>
 static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
@@ -2239,8 +2371,10 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
         moept__check<T>(c, x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
         MOEPT__PRE(cudaGetLastError());
         c->xf_committed = 0; /* until this step commits */
+        if (f->jitter) moept__jitter(c, xf, T_, c->jrow[nb], f->jkey, 1);
         /* router GEMM in fp32: logits = xf Wr^T */
-        moept__gemm g = moept__gemm_make(0, 1, T_, E, D, xf, D, c->params, D, 0.0f, c->logits[nb], E);
+        moept__gemm g = moept__gemm_make(0, 1, T_, E, D, f->jitter ? c->xj : xf, D, c->params, D, 0.0f,
+                                         c->logits[nb], E);
         if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
@@ -2258,6 +2392,7 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(
             c->ids[nb], c->cids, c->scratch, c->lse[nb], T_, (int)E, (int)K, p->aux, c->lstat);
     MOEPT__PRE(cudaGetLastError());
+    if (p->seq_len > 0) moept__seq_stats(c, f);
 }
 
 /* 3. count: the kept rows per slot (capacity applied) into the count
@@ -2303,7 +2438,7 @@ static moept_status moept__fwd_share(moept__cuda *c, moept__cuda_step *out, char
     moept_status st;
     const int gb = p->global_balance;
     if (p->ep) {
-        if (gb) MOEPT__CU(cudaMemcpyAsync(c->msg + c->moff, c->lstat, (size_t)(3 * E + 3) * 8,
+        if (gb) MOEPT__CU(cudaMemcpyAsync(c->msg + c->moff, c->lstat, (size_t)MOEPT__NLSTAT(E) * 8,
                                           cudaMemcpyDeviceToDevice, c->s));
         MOEPT__TRY(moept__to_comm(c, c->cs, err));
         if ((st = p->ep->allgather(p->ep, c->msg, c->msg_all, c->M * 8)))
@@ -2311,8 +2446,8 @@ static moept_status moept__fwd_share(moept__cuda *c, moept__cuda_step *out, char
         out->agreed = 1;
         MOEPT__TRY(moept__from_comm(c, c->cs, err));
         if (gb) {
-            MOEPT__LAUNCH(moept__k_lstat_sum, moept__grid(3 * E + 3), MOEPT__TB, 0, c->s)(
-                    c->msg_all, P, c->M, c->moff, 3 * E + 3, c->lstat);
+            MOEPT__LAUNCH(moept__k_lstat_sum, moept__grid(MOEPT__NLSTAT(E)), MOEPT__TB, 0, c->s)(
+                    c->msg_all, P, c->M, c->moff, MOEPT__NLSTAT(E), c->lstat);
             MOEPT__LAUNCHED();
         }
     } else {
@@ -2322,7 +2457,7 @@ static moept_status moept__fwd_share(moept__cuda *c, moept__cuda_step *out, char
     if (gb && p->dp) {
         cudaStream_t ds = moept__stream_of(p->dp);
         MOEPT__TRY(moept__to_comm(c, ds, err));
-        if ((st = p->dp->allreduce(p->dp, c->lstat, 3 * E + 3, MOEPT_DTYPE_F64)))
+        if ((st = p->dp->allreduce(p->dp, c->lstat, MOEPT__NLSTAT(E), MOEPT_DTYPE_F64)))
             return moept__kfail(err, st, "moept_forward: all-reduce over DP: %s", p->dp->err);
         MOEPT__TRY(moept__from_comm(c, ds, err));
     }
@@ -2334,7 +2469,8 @@ static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step 
     MOEPT__TRY(moept__fwd_share(c, out, err));
     MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->msg_all, (size_t)(P * c->M) * 8, cudaMemcpyDeviceToHost,
                               c->s));
-    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)(3 * E + 3) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->lstat, (size_t)MOEPT__NLSTAT(E) * 8, cudaMemcpyDeviceToHost,
+                              c->s));
     MOEPT__CU(cudaMemcpyAsync(c->h_bad, c->bad, 4 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err)); /* <- the forward's host synchronisation */
     out->comm_seconds += moept__clock() - t0;
@@ -2352,8 +2488,8 @@ static void moept__fwd_loss_check(moept__cuda *c, moept__fwd *f) {
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
     int zbad = p->z_coef > 0.0f && !moept__finite_as_float(c->h_lstat[3 * E + 1] / Tl), abad = 0;
     if (p->global_balance && !zbad && p->aux_coef > 0.0f)
-        abad = !moept__finite_as_float(moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K,
-                                                           p->aux, Tl, p->aux_coef, c->h_aux_g));
+        abad = !moept__finite_as_float(moept__aux_value(c->h_lstat, E, p->K, p->aux, p->aux_coef,
+                                                        c->h_aux_g));
     if (zbad || abad)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: the %s loss is not finite from finite inputs; "
                  "the step is rejected, run forward again", zbad ? "z" : "aux");
@@ -2391,7 +2527,8 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
         moept__fwd_loss_check(c, f);
     int64_t failed = 0;
     for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * M + E] != 0;
-    if (p->global_balance && c->h_lstat[3 * E + 2] > 0.0 && failed == 0) failed = 1; /* a DP peer */
+    if (p->global_balance && c->h_lstat[moept__lstat_of(E).n] > 0.0 && failed == 0)
+        failed = 1; /* a DP peer */
     if (!f->local[0] && !failed && p->global_balance) moept__fwd_loss_check(c, f);
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
@@ -2434,6 +2571,7 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_s
     c->xf_committed = 1;
     c->fwd_valid = 1;
     c->bwd_done = 0;
+    c->jit = f->jitter; c->jkey = f->jkey;
     c->R = f->R;
     const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
     for (int64_t e = 0; e < E; e++) c->counts[e] = mine[e];
@@ -2455,14 +2593,15 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E;
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
-    out->aux_value = moept__aux_finalize(c->h_lstat + E, c->h_lstat + 2 * E, E, p->K, p->aux, Tl, p->aux_coef,
-                                         c->h_aux_g);
+    out->aux_value = moept__aux_value(c->h_lstat, E, p->K, p->aux, p->aux_coef, c->h_aux_g);
     out->z_value = c->h_lstat[3 * E + 1] / Tl;
     out->loss_T = Tl;
     c->loss_T = Tl;
     out->counts_global = p->global_balance || (!p->ep && !p->dp);
-    memcpy(lstat_out, c->h_lstat, (size_t)(3 * E + 2) * 8);
-    MOEPT__CU(cudaMemcpyAsync(c->aux_g, c->h_aux_g, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+    memcpy(lstat_out, c->h_lstat, (size_t)moept__lstat_of(E).n * 8);
+    if (p->seq_len > 0) moept__seq_mean(c);
+    else MOEPT__CU(cudaMemcpyAsync(c->aux_g, c->h_aux_g, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+    MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 
@@ -2722,16 +2861,21 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
                                  : f->reject ? f->reject : MOEPT_ERR_INVALID_ARGUMENT, "%s", f->local);
     MOEPT__STAGE("commit");
-    const size_t nmsg = (size_t)(p->P * c->M) * 8, nlstat = (size_t)(3 * p->E + 3) * 8;
+    const size_t nmsg = (size_t)(p->P * c->M) * 8, nlstat = (size_t)MOEPT__NLSTAT(p->E) * 8;
     MOEPT__CU(cudaMemcpyAsync(c->cmsg, c->msg_all, nmsg, cudaMemcpyDeviceToDevice, c->s));
     MOEPT__CU(cudaMemcpyAsync(c->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
     c->cur = f->nb;
     c->T = f->T;
     c->cap = f->cap;
+    c->jit = f->jitter; c->jkey = f->jkey;
     c->xf_committed = 1;
     c->fwd_valid = 1;
     c->bwd_done = 0;
     out->deferred = 1;
+    if (p->seq_len > 0) {
+        moept__seq_mean(c);
+        MOEPT__LAUNCHED();
+    }
     return MOEPT_OK;
 }
 
@@ -2749,6 +2893,8 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     f.tag = out->tag;
     f.reject = out->reject;
     f.replay = out->replay;
+    f.jitter = out->jitter && c->sp.jitter > 0.0f;
+    f.jkey = out->jitter_key;
     moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
     MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);
@@ -2936,19 +3082,26 @@ static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_s
     return MOEPT_OK;
 }
 
-/* 4. router': dlogits, then gWr += dlogits^T xf, and the shared gate's
-   gsg += dsg^T xf */
+/* 4. router': dlogits, then gWr += dlogits^T xin (xin = xf * u under
+   jitter: the noise drawn again), and the shared gate's gsg += dsg^T xf */
 static moept_status moept__bwd_router(moept__cuda *c, const float *xf, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = c->T;
     const int cur = c->cur;
-    const float *aux_g = p->aux != MOEPT_AUX_NONE && p->aux_coef != 0.0f ? c->aux_g : NULL;
+    const float *aux_g = p->aux == MOEPT_AUX_NONE || p->aux_coef == 0.0f ? NULL
+                       : p->seq_len > 0 ? c->seqg[cur] : c->aux_g; /* [T / slen][E] or [E] */
     MOEPT__LAUNCH(moept__k_router_bwd, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-        p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->z_coef, c->lse[cur],
+        p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->seq_len, p->z_coef,
+        c->lse[cur],
         (float)c->loss_T, c->B ? c->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale, T_, c->scratch,
         c->dlogits);
     MOEPT__LAUNCHED();
-    moept__gemm g = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xf, D, 1.0f, c->grads, D);
+    if (c->jit) {
+        moept__jitter(c, xf, T_, c->jrow[cur], c->jkey, 0);
+        MOEPT__LAUNCHED();
+    }
+    const float *xin = c->jit ? c->xj : xf;
+    moept__gemm g = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xin, D, 1.0f, c->grads, D);
     MOEPT__TRY(moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err));
     if (p->S == 0 || p->offsg < 0) return MOEPT_OK;
     g = moept__gemm_make(1, 0, 1, D, T_, c->dsg, 1, xf, D, 1.0f, c->grads + p->offsg, D);
@@ -2968,9 +3121,10 @@ static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
     /* the router's weights (fp32 rows of D) are read as vectors of as many lanes */
     const int vec = moept__vec<T>(D, ys, yss, dx) && moept__vec<T>(0, c->params); /* D % V: Wr's rows too */
     const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
+    const moept__jit jit = {c->jit ? c->jrow[c->cur] : NULL, p->jitter_seed, c->jkey, p->jitter};
     MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss,
                     gate ? c->dsg : NULL, gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_,
-                    (int)D, (int)p->K, (int)p->E, dx, &c->bad[5]);
+                    (int)D, (int)p->K, (int)p->E, jit, dx, &c->bad[5]);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }

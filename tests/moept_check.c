@@ -464,10 +464,6 @@ static void run_case(check *c) {
         snprintf(c->skip, sizeof c->skip, "a padding mask: not on the CUDA executor");
         goto done;
     }
-    if (cfg.aux_loss == MOEPT_AUX_SEQ) {
-        snprintf(c->skip, sizeof c->skip, "the sequence-wise aux loss: not on the CUDA executor");
-        goto done;
-    }
 #endif
     if (tm && !read_mask(c, tm, T, &mask)) goto done;
     if (cfg.num_experts % P != 0) { /* the same on every rank: no collective is left waiting */
