@@ -112,7 +112,7 @@ typedef struct side_run { int64_t id_diffs; double worst; char msg[300]; } side_
 static void side_note(side_run *r, double e) { r->worst = e > r->worst ? e : r->worst; }
 static int side_forward(moept_layer *L[2], const float *x, int64_t T, int64_t D, int bf16, int eval, float *y,
                         side_run *r) {
-    moept_forward_opts o = {NULL, eval};
+    moept_forward_opts o = {NULL, eval, NULL};
     void *xd = dev_from(x, T * D, bf16), *yd = dev_from(y, T * D, bf16);
     moept_status st[2] = {moept_forward_ex(L[0], x, T, y, &o), moept_forward_ex(L[1], xd, T, yd, &o)};
     if (!st[1]) host_from(y + T * D, yd, T * D, bf16);
@@ -177,7 +177,7 @@ static void side_by_side(moept_config cfg, int bf16, int sync_free, moept_comm *
                 snprintf(r->msg, sizeof r->msg, "step %d sync_grads: %s", step, moept_last_error(L[v]));
         if (r->msg[0]) break;
         side_note(r, tu_maxrelerr(g[1], g[0], n));
-        const moept_adamw opt = {1e-3f, 0.0f, 0.0f, 0.0f, 0.0f};
+        const moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
         for (int v = 0; v < 2 && !r->msg[0]; v++)
             if (moept_adamw_step(L[v], &opt) || moept_zero_grad(L[v]))
                 snprintf(r->msg, sizeof r->msg, "step %d adamw: %s", step, moept_last_error(L[v]));
