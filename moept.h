@@ -1500,8 +1500,9 @@ static inline int moept__overlaps(const void *a, const void *b, size_t n) {
 
 /* Per-expert capacity of a step of T tokens (cf > 0; else -1: dropless):
    ceil(cf T K / E), computed in double and capped at T K (no expert can
-   receive more), so any finite cf converts without overflow. */
-static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, int64_t E) {
+   receive more), so any finite cf converts without overflow. The GPU
+   computes it on the device from its unmasked tokens. */
+MOEPT_HD static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, int64_t E) {
     if (!(cf > 0.0)) return -1;
     double c = ceil(cf * ((double)T * (double)K / (double)E));
     return c < (double)(T * K) ? (int64_t)c : T * K;
@@ -1677,6 +1678,8 @@ typedef struct moept__cuda_step {
     moept_status reject;       /* in: a rejection moept.c found (an option this executor
                                   lacks, ...), agreed like the executor's own checks */
     const char *reject_msg;
+    const uint8_t *mask;       /* in: the forward's padding mask [T] on the device, or NULL */
+    int64_t valid;             /* out: this rank's unmasked tokens (deferred as N) */
     int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
     int64_t allocations, allocated_bytes, workspace_bytes;
     double aux_value, z_value, loss_T;
