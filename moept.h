@@ -230,12 +230,17 @@
      z_loss:             mean_t (logsumexp_e logits_t,e)^2.
      Counts are taken before capacity dropping.
 
-   PADDING, EVALUATION, ROUTER JITTER (moept_forward_ex; CPU layers)
+   PADDING, EVALUATION, ROUTER JITTER (moept_forward_ex)
      opts.mask [T] (0 = padding): a padded token is routed nowhere, its y
      and dx rows are 0, and it is in no loss or count: the aux and z losses
      average over the unmasked tokens (global balance: over every rank's).
      Unmasked tokens get the values they would get without the padding
-     rows, bitwise. opts.eval = 1: no jitter, nothing kept for backward.
+     rows, bitwise (the CUDA executor: up to the order of its loss sums).
+     A CUDA layer's mask is device memory, as x and y are (a host pointer
+     fails every rank with MOEPT_ERR_INVALID_ARGUMENT); one with a shared
+     expert allocates max_tokens x hidden_size elements of its dtype at its
+     first masked forward (the shared expert's input, padded rows zero), so
+     run one before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward.
      config.router_jitter = eps: a training forward routes on x * u, u
      uniform in [1 - eps, 1 + eps] per element (as Switch Transformer and
      Megatron-Core's input jitter); the experts and the shared expert see x.
@@ -247,8 +252,8 @@
      EP size (EP = N equals EP = 1 on the whole batch), a resumed run draws
      what the original drew, and equal tokens draw equal noise. The
      backward treats u as a constant, as PyTorch does with its noise tensor.
-     The CUDA executor refuses masks (MOEPT_ERR_UNSUPPORTED on every rank)
-     and router_jitter (at create).
+     The CUDA executor refuses router_jitter (MOEPT_ERR_UNSUPPORTED on every
+     rank, at create).
 
    INFERENCE LAYERS (config.inference_only = 1; CPU layers)
      Every forward is an evaluation (no jitter), with the same y and
@@ -522,8 +527,7 @@ void moept_comm_destroy(moept_comm *c);
    What the CUDA executor does not run it refuses on every rank with
    MOEPT_ERR_UNSUPPORTED, "<call>: <feature> is not supported by the CUDA
    executor": at create config.router_jitter, inference_only, grad_backup,
-   MOEPT_AUX_SEQ and expert_sharding = MOEPT_SHARD_FSDP; a padding mask
-   (opts.mask) at the forward; moept_reshard. Its comms are NCCL comms
+   MOEPT_AUX_SEQ and expert_sharding = MOEPT_SHARD_FSDP; moept_reshard. Its comms are NCCL comms
    (moept_comm_nccl); a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes
    that device current for its duration (the caller's is restored), so any
@@ -799,7 +803,8 @@ typedef struct moept_forward_opts {
                             and the expert counts, as transformers'
                             load_balancing_loss_func with attention_mask (global
                             balance: summed over the ranks' unmasked tokens).
-                            The backward uses the forward's mask. CPU layers */
+                            The backward uses the forward's mask. A CUDA
+                            layer's is device memory, as x and y */
     int eval;            /* 1: an evaluation forward (PyTorch's model.eval() under
                             no_grad): no router jitter, and nothing is kept for a
                             backward: moept_backward and moept_update_bias
