@@ -3913,7 +3913,8 @@ static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
     L->fwd.loss_T = r->loss_T; L->fwd.aux_value = r->aux_value; L->fwd.z_value = r->z_value;
     moept_stats *sts = &L->stats;
     sts->routed_rows = r->N;
-    sts->dropped_rows = L->fwd.T * L->K - r->N;
+    sts->masked_tokens = L->fwd.T - r->valid;
+    sts->dropped_rows = r->valid * L->K - r->N;
     sts->capacity = r->capacity;
     sts->rows_sent = r->rows_sent;
     sts->rows_received = r->rows_received;
@@ -3947,6 +3948,7 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.replay = f->replay; /* device memory: checked there, agreed with the executor's checks */
     r.jitter = L->cfg.router_jitter > 0.0f && !f->eval; /* the CPU's noise: its key, counted alike */
     r.jitter_key = moept__jitter_key(L);
+    r.mask = f->mask; /* device memory, as x and y */
     st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
@@ -4075,7 +4077,8 @@ static void moept__cuda_layer_destroy(moept_layer *L) {
 
 static const moept__exec moept__cuda_exec = {
     .name = "the CUDA executor",
-    .caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER | MOEPT__CAN_AUX_SEQ,
+    .caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER | MOEPT__CAN_AUX_SEQ |
+            MOEPT__CAN_MASK,
     .forward = moept__cuda_layer_forward,
     .backward = moept__cuda_layer_backward,
     .sync_grads = moept__cuda_layer_sync_grads,

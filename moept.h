@@ -235,12 +235,17 @@
      z_loss:             mean_t (logsumexp_e logits_t,e)^2.
      Counts are taken before capacity dropping.
 
-   PADDING, EVALUATION, ROUTER JITTER (moept_forward_ex; CPU layers)
+   PADDING, EVALUATION, ROUTER JITTER (moept_forward_ex)
      opts.mask [T] (0 = padding): a padded token is routed nowhere, its y
      and dx rows are 0, and it is in no loss or count: the aux and z losses
      average over the unmasked tokens (global balance: over every rank's).
      Unmasked tokens get the values they would get without the padding
-     rows, bitwise. opts.eval = 1: no jitter, nothing kept for backward.
+     rows, bitwise (the CUDA executor: up to the order of its loss sums).
+     A CUDA layer's mask is device memory, as x and y are (a host pointer
+     fails every rank with MOEPT_ERR_INVALID_ARGUMENT); one with a shared
+     expert allocates max_tokens x hidden_size elements of its dtype at its
+     first masked forward (the shared expert's input, padded rows zero), so
+     run one before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward.
      config.router_jitter = eps: a training forward routes on x * u, u
      uniform in [1 - eps, 1 + eps] per element (as Switch Transformer and
      Megatron-Core's input jitter); the experts and the shared expert see x.
@@ -253,7 +258,6 @@
      what the original drew, and equal tokens draw equal noise. The
      backward treats u as a constant, as PyTorch does with its noise tensor.
      A CUDA layer draws the CPU layer's noise, bitwise (one generator).
-     The CUDA executor refuses masks (MOEPT_ERR_UNSUPPORTED on every rank).
 
    ROUTING REPLAY (opts.replay_ids of moept_forward_ex; both executors)
      Reinforcement learning on MoE models trains on the experts the rollout
@@ -582,8 +586,7 @@ void moept_comm_destroy(moept_comm *c);
    What the CUDA executor does not run it refuses on every rank with
    MOEPT_ERR_UNSUPPORTED, "<call>: <feature> is not supported by the CUDA
    executor": at create grad_backup and expert_sharding =
-   MOEPT_SHARD_FSDP; a padding mask
-   (opts.mask) at the forward; moept_reshard. Its comms are NCCL comms
+   MOEPT_SHARD_FSDP; moept_reshard. Its comms are NCCL comms
    (moept_comm_nccl); a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes
    that device current for its duration (the caller's is restored), so any
@@ -877,7 +880,8 @@ typedef struct moept_forward_opts {
                             and the expert counts, as transformers'
                             load_balancing_loss_func with attention_mask (global
                             balance: summed over the ranks' unmasked tokens).
-                            The backward uses the forward's mask. CPU layers */
+                            The backward uses the forward's mask. A CUDA
+                            layer's is device memory, as x and y */
     int eval;            /* 1: an evaluation forward (PyTorch's model.eval() under
                             no_grad): no router jitter, and nothing is kept for a
                             backward: moept_backward and moept_update_bias
@@ -1635,8 +1639,9 @@ static inline int moept__overlaps(const void *a, const void *b, size_t n) {
 
 /* Per-expert capacity of a step of T tokens (cf > 0; else -1: dropless):
    ceil(cf T K / E), computed in double and capped at T K (no expert can
-   receive more), so any finite cf converts without overflow. */
-static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, int64_t E) {
+   receive more), so any finite cf converts without overflow. The GPU
+   computes it on the device from its unmasked tokens. */
+MOEPT_HD static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, int64_t E) {
     if (!(cf > 0.0)) return -1;
     double c = ceil(cf * ((double)T * (double)K / (double)E));
     return c < (double)(T * K) ? (int64_t)c : T * K;
@@ -1861,6 +1866,8 @@ typedef struct moept__cuda_step {
     const int32_t *replay;     /* in: [T][K] the experts to route to (opts.replay_ids, device), or NULL */
     int jitter;                /* in: this forward's router sees x * u, its noise keyed by jitter_key */
     uint64_t jitter_key;
+    const uint8_t *mask;       /* in: the forward's padding mask [T] on the device, or NULL */
+    int64_t valid;             /* out: this rank's unmasked tokens (deferred as N) */
     int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
     int64_t allocations, allocated_bytes, workspace_bytes;
     double aux_value, z_value, loss_T;

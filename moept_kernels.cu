@@ -473,15 +473,22 @@ MOEPT_HD static double moept__aux_value(const double *ls, int64_t E, int64_t K, 
 /* One thread per token: routing, logsumexp and the aux loss's per-token
    scores and counted ids. scratch [T][2E]: the router's choice buffer, then
    the token's aux scores. A token with non-finite logits is recorded and
-   given harmless ids (its step is rejected everywhere). */
+   given harmless ids (its step is rejected everywhere); a padded one (mask
+   [T] 0) is routed nowhere (ids -1, weights 0) and in no loss or count. */
 __global__ void moept__k_route(int fam, int aux, const float *logits, const float *bias, int E, int K,
                                int norm, int ng, int tg, int gfill, float scale, int64_t T, float *probs,
                                float *scratch, int32_t *ids, float *wts, float *lse, int32_t *cids,
-                               unsigned long long *bad_token) {
+                               unsigned long long *bad_token, const uint8_t *mask) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (t >= T) return;
     const float *lg = logits + t * E;
     float *sc = scratch + t * 2 * E;
+    if (mask && !mask[t]) {
+        for (int k = 0; k < K; k++) { ids[t * K + k] = -1; wts[t * K + k] = 0.0f; cids[t * K + k] = -1; }
+        for (int e = 0; e < E; e++) sc[e] = 0.0f;
+        lse[t] = 0.0f;
+        return;
+    }
     if (moept__route_token(fam, lg, bias, E, K, norm, ng, tg, gfill, scale, probs + t * E, sc, ids + t * K,
                            wts + t * K) != 0) {
         atomicMin(bad_token, (unsigned long long)t);
@@ -521,9 +528,11 @@ __global__ void moept__k_replay(int fam, int aux, const float *logits, const int
         moept__aux_token(fam, aux, lg, probs + t * E, ids + t * K, E, K, scratch + t * 2 * E, cids + t * K);
 }
 
-/* Loss statistics, one block per expert column (block E: sum of lse^2):
-   lstat = [selections E | aux counts E | aux score sums E | T | sum lse^2 |
-   sequences' aux sum | sequences] (moept__lso; the last two: moept__k_seq_close).
+/* Loss statistics, one block per expert column (block E: sum of lse^2 and
+   the unmasked tokens): lstat = [selections E | aux counts E | aux score
+   sums E | T | sum lse^2 | sequences' aux sum | sequences] (moept__lso; the
+   last two: moept__k_seq_close), T the unmasked tokens (a padded one's ids
+   are -1).
    Each block sums its column over tokens in a fixed order (deterministic). */
 __global__ void moept__k_loss_stats(const int32_t *ids, const int32_t *cids, const float *scratch,
                                     const float *lse, int64_t T, int E, int K, int aux, double *lstat) {
@@ -540,6 +549,7 @@ __global__ void moept__k_loss_stats(const int32_t *ids, const int32_t *cids, con
         } else {
             double l = lse[t];
             sel += l * l;
+            cnt += ids[t * K] >= 0;
         }
     }
     sel = moept__block_sum(sel, sh);
@@ -549,7 +559,7 @@ __global__ void moept__k_loss_stats(const int32_t *ids, const int32_t *cids, con
     ps = moept__block_sum(ps, sh);
     if (threadIdx.x == 0) {
         if (e < E) { lstat[e] = sel; lstat[E + e] = cnt; lstat[2 * E + e] = ps; }
-        else { lstat[3 * E] = (double)T; lstat[3 * E + 1] = sel; lstat[3 * E + 2] = lstat[3 * E + 3] = 0.0; }
+        else { lstat[3 * E] = cnt; lstat[3 * E + 1] = sel; lstat[3 * E + 2] = lstat[3 * E + 3] = 0.0; }
     }
 }
 
@@ -614,7 +624,7 @@ __global__ void moept__k_count(const int32_t *ids, const int32_t *slot_of, int64
                                int32_t *lrank, int64_t *hist) {
     __shared__ int32_t sl[MOEPT__PB];
     int64_t a = blockIdx.x * (int64_t)MOEPT__PB + threadIdx.x;
-    int s = a < TK ? slot_of[ids[a]] : -1;
+    int s = a < TK && ids[a] >= 0 ? slot_of[ids[a]] : -1; /* -1: padding, or past the end */
     sl[threadIdx.x] = s;
     __syncthreads();
     if (s < 0) return;
@@ -642,14 +652,17 @@ __global__ void moept__k_lstat_sum(const int64_t *msg_all, int64_t P, int64_t M,
 }
 
 /* Count, scan pass (one block): per slot, hist becomes each block's first
-   position; kept = min(count, capacity); koff = exclusive scan of kept;
-   msg = [kept E | failed | call tag | receive capacity] for the count
-   exchange. check_z: a local z loss that is not finite as a float fails the
-   step (the host's test in moept__fwd_loss_check, the same arithmetic). */
-__global__ void moept__k_count_scan(int64_t *hist, int64_t nblk, int E, int64_t cap, int64_t *kept,
+   position; kept = min(count, capacity), the capacity of the unmasked
+   tokens (lstat[3E], the loss statistics' count); koff = exclusive scan of
+   kept; msg = [kept E | failed | call tag | receive capacity] and at
+   msg[vslot] the unmasked tokens, for the count exchange. check_z: a local z
+   loss that is not finite as a float fails the step (the host's test in
+   moept__fwd_loss_check, the same arithmetic). */
+__global__ void moept__k_count_scan(int64_t *hist, int64_t nblk, int E, int K, double cf, int64_t *kept,
                                     int64_t *koff, int64_t *msg, const unsigned long long *bad,
-                                    int host_bad, int64_t T, int64_t tag, int check_z, int64_t rcap,
+                                    int host_bad, int64_t vslot, int64_t tag, int check_z, int64_t rcap,
                                     int64_t block, double *lstat) {
+    const int64_t valid = (int64_t)lstat[3 * E], cap = moept__capacity(cf, valid, K, E);
     for (int e = threadIdx.x; e < E; e += blockDim.x) kept[e] = moept__plan_scan_slot(hist, nblk, E, e, cap);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -657,29 +670,33 @@ __global__ void moept__k_count_scan(int64_t *hist, int64_t nblk, int E, int64_t 
         for (int e = 0; e < E; e++) { koff[e] = block ? e * block : o; o += kept[e]; msg[e] = kept[e]; }
         koff[E] = o;
         int64_t failed = host_bad || bad[0] != ULLONG_MAX || bad[1] != ULLONG_MAX;
-        double z = lstat[3 * E + 1] / (double)(T > 0 ? T : 1);
+        double z = lstat[3 * E + 1] / (double)(valid > 0 ? valid : 1);
         if (check_z && !moept__finite_as_float(z)) failed = 1;
         msg[E] = failed;
         msg[E + 1] = tag;
         msg[E + 2] = rcap;
+        msg[vslot] = valid;
         lstat[moept__lstat_of(E).n] = (double)failed;
     }
 }
 
 /* Chunked overlap, count: sel [C][E] (zeroed before) += assignments of
-   chunk c routed to slot e (integer atomics: the same sums in any order). */
+   chunk c routed to slot e (integer atomics: the same sums in any order;
+   padding counts nowhere). */
 __global__ void moept__k_chunk_count(const int32_t *ids, const int32_t *slot_of, int64_t T, int64_t K,
                                      int64_t C, int E, unsigned long long *sel) {
     MOEPT__FOR(a, T * K) {
         int64_t ch = moept__chunk_of(a / K, T, C);
-        atomicAdd(&sel[ch * E + slot_of[ids[a]]], 1ULL);
+        if (ids[a] >= 0) atomicAdd(&sel[ch * E + slot_of[ids[a]]], 1ULL);
     }
 }
 
 /* ... and its scan: the kept rows of each chunk and slot (capacity keeps a
-   slot's earliest, chunk by chunk) into the count message's tail [C][E]. */
-__global__ void moept__k_chunk_scan(const unsigned long long *sel, int64_t C, int E, int64_t cap,
-                                    int64_t *msg) {
+   slot's earliest, chunk by chunk; that of the unmasked tokens, *valid, as
+   the count's) into the count message's tail [C][E]. */
+__global__ void moept__k_chunk_scan(const unsigned long long *sel, int64_t C, int E, int K, double cf,
+                                    const int64_t *valid, int64_t *msg) {
+    const int64_t cap = moept__capacity(cf, *valid, K, E);
     MOEPT__FOR(e, E) {
         int64_t before = 0;
         for (int64_t ch = 0; ch < C; ch++) {
@@ -698,6 +715,7 @@ __global__ void moept__k_plan_place(const int32_t *ids, const int32_t *slot_of, 
                                     int32_t *kslot_of_row) {
     int64_t a = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (a >= TK) return;
+    if (ids[a] < 0) { row_of[a] = -1; return; } /* padding */
     int s = slot_of[ids[a]];
     int64_t pos = hist[(a / MOEPT__PB) * E + s] + lrank[a];
     moept__plan_place(a, pos, kept[s], koff[s], K, row_of, tok_of_row, kslot_of_row);
@@ -714,6 +732,23 @@ __global__ void moept__k_gather(const T *x, const int64_t *tok_of_row, int64_t N
         MOEPT__LANES(d, D, V) {
             if (tk >= 0) moept__cpv<V>(xs + r * D + d, x + tk * D + d);
             else moept__stv<V>(xs + r * D + d, z);
+        }
+    }
+}
+
+/* A masked step's shared-expert input: xsh row t is x's, zeros where the
+   token is padding (ids [T][K] -1), so the shared expert never reads a
+   padded row and its zero rows give zero outputs and add nothing to its
+   gradients (its FFN has no biases, act(0) = 0) */
+template <typename T, int V>
+__global__ void moept__k_unpadded(const T *x, const int32_t *ids, int64_t n, int D, int K, T *xsh) {
+    MOEPT__ROWS(t, n) {
+        const int pad = ids[t * K] < 0;
+        float z[V];
+        for (int l = 0; l < V; l++) z[l] = 0.0f;
+        MOEPT__LANES(d, D, V) {
+            if (!pad) moept__cpv<V>(xsh + t * D + d, x + t * D + d);
+            else moept__stv<V>(xsh + t * D + d, z);
         }
     }
 }
@@ -838,11 +873,20 @@ __global__ void moept__k_combine_bwd(T *ys, const int64_t *row_of, const float *
 }
 
 /* Shared expert's combine backward, one block per token: the gate's
-   gradient (when gated) and yss[t] = g_t * dy[t]. */
+   gradient (when gated) and yss[t] = g_t * dy[t]; a padded token's (ids
+   [T][K] given: a masked step) 0, as its y row was */
 template <typename T, int V>
-__global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int D, float *dsg) {
+__global__ void moept__k_shared_bwd(T *yss, const float *sg, const T *dy, int D, float *dsg,
+                                    const int32_t *ids, int K) {
     __shared__ double sh[MOEPT__TB];
     const int64_t t = blockIdx.x;
+    if (ids && ids[t * K] < 0) {
+        float z[V];
+        for (int l = 0; l < V; l++) z[l] = 0.0f;
+        for (int d = (int)threadIdx.x * V; d < D; d += MOEPT__TB * V) moept__stv<V>(yss + t * D + d, z);
+        if (threadIdx.x == 0 && sg) dsg[t] = 0.0f;
+        return;
+    }
     const float gs = sg ? sg[t] : 1.0f;
     double acc = moept__dot_scale<T, V>(yss + t * D, dy + t * D, D, gs, sh);
     if (threadIdx.x == 0 && sg) dsg[t] = moept__gate_bwd(acc, gs);
@@ -903,6 +947,10 @@ __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const
                                     int norm, float scale, int64_t T, float *scratch, float *dlogits) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (t >= T) return;
+    if (ids[t * K] < 0) { /* padding: routed nowhere, in no loss */
+        for (int e = 0; e < E; e++) dlogits[t * E + e] = 0.0f;
+        return;
+    }
     if (Tdev) Tl = (float)(Tdev[0] > 0.0 ? Tdev[0] : 1.0); /* sync-free: the host has not seen it */
     float zg = moept__zgrad(zc, lse[t], Tl);
     const float *ag = aux_g && slen ? aux_g + t / slen * E : aux_g; /* MOEPT_AUX_SEQ: its sequence's row */
@@ -1377,7 +1425,8 @@ struct moept__cuda {
     int64_t G;                  /* most groups in one grouped GEMM: El (chunked: El * P), at least 1 */
     int64_t C;                  /* overlap chunks (1: off) */
     int64_t M;                  /* count message length: kept [E] | failed | call tag | Rcap | chunked:
-                                   [C][E] | global balance over EP: the loss statistics [3E + 5] */
+                                   [C][E] | global balance over EP: the loss statistics [3E + 5] |
+                                   unmasked tokens */
     int64_t moff;               /* where the loss statistics start in it */
     int nslot;                  /* grouped-GEMM pointer slots per pass (forward, then backward) */
 
@@ -1435,7 +1484,6 @@ struct moept__cuda {
     int64_t lda_a, lda_as;      /* a's and as's row strides: F and S, or H and HS */
     int64_t Rcap;
     int64_t B;                  /* sync-free: rows of each (rank, expert) block, Rcap = E B; 0 otherwise */
-    int64_t cap;                /* sync-free: the committed step's capacity (-1: dropless) */
     int64_t *cmsg;              /* sync-free: the committed step's msg_all [P][M] and lstat [3E + 5]: */
     double *clstat;             /* a call rejected here after it ran the statistics kernels keeps them */
 
@@ -1465,6 +1513,9 @@ struct moept__cuda {
     int cur, fwd_valid, bwd_done;
     int jit;                    /* the committed step's router saw xf * u, drawn under jkey */
     uint64_t jkey;
+    int masked;                 /* the committed step had a padding mask */
+    void *xsh;                  /* [Tmax][D] (T) a masked step's shared-expert input (moept__k_unpadded),
+                                   made at the first masked forward (S > 0) */
     int64_t T, N, R;
     double loss_T;              /* tokens the committed step's losses average over */
     int ptr_slot;
@@ -1616,6 +1667,7 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
     cudaFree(c->wlow);
     cudaFree(c->work);
     cudaFree(c->rblock);
+    cudaFree(c->xsh);
     cudaFreeHost(c->pinned);
     if (c->probe) cudaStreamDestroy(c->probe);
     free(c->counts);
@@ -1855,7 +1907,7 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     c->moff = spec->E + 3 + (c->C > 1 ? c->C * spec->E : 0);
     /* global balance: the statistics travel with the counts and are summed
        in rank order, so no second collective can meet another call's */
-    c->M = c->moff + (spec->global_balance && spec->ep ? MOEPT__NLSTAT(spec->E) : 0);
+    c->M = c->moff + (spec->global_balance && spec->ep ? MOEPT__NLSTAT(spec->E) : 0) + 1;
     /* every grouped GEMM of a pass has its own slot (the host rewrites a slot
        only after the next pass's host sync): forward 2 a chunk, backward 2 a
        chunk + 2 weight-gradient ones (unchunked: 2 and 4) */
@@ -1983,7 +2035,8 @@ extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, in
                           &out->rows_sent, &out->rows_received);
     out->N = out->rows_sent + peer_rows[me];
     out->R = out->rows_received + peer_rows[P + me];
-    out->capacity = c->cap;
+    out->valid = c->h_msg_all[me * M + M - 1];
+    out->capacity = moept__capacity(p->capacity_factor, out->valid, p->K, E);
     return MOEPT_OK;
 }
 
@@ -2266,12 +2319,13 @@ typedef struct moept__fwd {
     int pre;                   /* a CUDA call failed before the exchange */
     cudaError_t pending;       /* the error an earlier call left pending */
     int nb;                    /* the spare routing buffers this step fills */
-    int64_t T, cap, R;         /* tokens (0 if rejected), capacity (-1: none), rows to receive */
+    int64_t T, R;              /* tokens (0 if rejected), rows to receive */
     int64_t tag;               /* the call's agreement tag (moept.c's) */
     moept_status reject;       /* moept.c's rejection of the call, agreed as a host one */
     const int32_t *replay;     /* [T][K] opts.replay_ids (device), or NULL */
     int jitter;                /* the router sees xf * u, drawn under jkey */
     uint64_t jkey;
+    const uint8_t *mask;       /* [T] the padding mask on the device, or NULL */
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                             \
@@ -2283,6 +2337,28 @@ typedef struct moept__fwd {
                      cudaGetErrorString(e_), __LINE__);                                              \
         }                                                                                            \
     } while (0)
+
+/* A mask is device memory, as x and y are (the route kernel reads it); a
+   layer with a shared expert makes the room for its unpadded input (xsh) at
+   its first masked forward, as moept.c makes its packed rows' */
+static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
+    const moept__cuda_spec *p = &c->sp;
+    char why[MOEPT__ERRLEN] = "";
+    if (moept__is_host(f->mask)) {
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: opts.mask is not device memory (a CUDA layer's "
+                 "mask is [tokens] bytes on its device, as x and y are)");
+    } else if (p->S > 0 && !c->xsh) {
+        const size_t bytes = (size_t)(p->Tmax * p->D) * (size_t)c->esz;
+        if (moept__dmalloc(c, &c->xsh, bytes, why) == MOEPT_OK) {
+            c->fixed_bytes += (int64_t)bytes;
+        } else {
+            f->reject = MOEPT_ERR_OUT_OF_MEMORY; /* agreed as a host rejection, with this status */
+            snprintf(f->local, MOEPT__ERRLEN, "moept_forward: out of device memory for the shared expert's "
+                     "unpadded rows (%.400s)", why);
+        }
+    }
+    if (f->local[0]) f->host_bad = 1;
+}
 
 /* 1. this rank's argument checks; the kernels then run on a valid T only */
 static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const void *y, const char *reject,
@@ -2311,9 +2387,9 @@ static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const v
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: a CUDA error was pending: %s",
                  cudaGetErrorString(f->pending));
     }
+    if (!f->host_bad && f->mask && Tn > 0) moept__fwd_mask_check(c, f);
     f->T = f->host_bad ? 0 : Tn;
     f->nb = 1 - c->cur;
-    f->cap = f->host_bad ? -1 : moept__capacity(p->capacity_factor, f->T, p->K, p->E);
 }
 
 /* x [n]'s finiteness (the first bad index into bad) and, with xf, its fp32 copy */
@@ -2380,7 +2456,7 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
             p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group,
             p->group_fill, p->scale, T_, c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb],
-            c->cids, &c->bad[1]);
+            c->cids, &c->bad[1], f->mask);
         MOEPT__PRE(cudaGetLastError());
         if (f->replay) {
             MOEPT__LAUNCH(moept__k_replay, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
@@ -2406,8 +2482,9 @@ static void moept__fwd_count(moept__cuda *c, moept__fwd *f) {
         MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_count_scan, 1, MOEPT__TB, 0, c->s)(
-            c->hist, nblk, (int)E, f->cap, c->kept, c->koff, c->msg, c->bad, f->host_bad, T_, f->tag,
-            !c->sp.global_balance && c->sp.z_coef > 0.0f, c->Rcap, c->B, c->lstat);
+            c->hist, nblk, (int)E, (int)K, c->sp.capacity_factor, c->kept, c->koff, c->msg, c->bad,
+            f->host_bad, c->M - 1, f->tag, !c->sp.global_balance && c->sp.z_coef > 0.0f, c->Rcap, c->B,
+            c->lstat);
     MOEPT__PRE(cudaGetLastError());
     if (C > 1) {
         MOEPT__PRE(cudaMemsetAsync(c->csel, 0, (size_t)(C * E) * 8, c->s));
@@ -2416,8 +2493,8 @@ static void moept__fwd_count(moept__cuda *c, moept__fwd *f) {
                     c->ids[f->nb], c->slot_of, T_, K, C, (int)E, c->csel);
             MOEPT__PRE(cudaGetLastError());
         }
-        MOEPT__LAUNCH(moept__k_chunk_scan, moept__grid(E), MOEPT__TB, 0, c->s)(c->csel, C, (int)E, f->cap,
-                                                                             c->msg + E + 3);
+        MOEPT__LAUNCH(moept__k_chunk_scan, moept__grid(E), MOEPT__TB, 0, c->s)(
+                c->csel, C, (int)E, (int)K, c->sp.capacity_factor, c->msg + c->M - 1, c->msg + E + 3);
         MOEPT__PRE(cudaGetLastError());
     }
     if (f->pre) { /* the kernels may not have written the message: the host does */
@@ -2584,7 +2661,9 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_s
                 c->rccnt[(s * C + ch) * El + j] = c->h_msg_all[s * M + E + 3 + ch * E + me * El + j];
     }
     out->R = f->R;
-    out->capacity = f->cap;
+    out->valid = mine[M - 1];
+    out->capacity = moept__capacity(p->capacity_factor, out->valid, p->K, E); /* the device's */
+    c->masked = f->mask != NULL;
 }
 
 /* 7. losses (the same host arithmetic as moept.c); the aux gradient's
@@ -2652,12 +2731,21 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_
     return MOEPT_OK;
 }
 
-/* the shared expert and its gate over every token (while routed rows travel) */
+/* the shared expert and its gate over every token (while routed rows
+   travel); a masked step's over x with its padded rows zero (xsh) */
 template <typename T>
 static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, T_ = c->T;
     if (p->S == 0 || T_ == 0) return MOEPT_OK;
+    if (c->masked) {
+        const int vec = moept__vec<T>(D, x, c->xsh);
+        const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
+        MOEPT__LAUNCH_V(vec, moept__k_unpadded, T, sh.g, sh.b, c->s, x, c->ids[c->cur], T_, (int)D, (int)p->K,
+                        (T *)c->xsh);
+        MOEPT__LAUNCHED();
+        x = (const T *)c->xsh;
+    }
     int64_t off[2] = {0, T_};
     MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->lda_as,
                                  c->yss, err));
@@ -2794,12 +2882,14 @@ static moept_status moept__weight_grads(moept__cuda *c, char *err) {
     return moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err);
 }
 
-/* the shared expert's backward (dxs over yss), while routed rows travel */
+/* the shared expert's backward (dxs over yss), while routed rows travel; a
+   masked step's over its forward's input (xsh) */
 template <typename T>
 static moept_status moept__shared_bwd(moept__cuda *c, const T *x, char *err) {
     const moept__cuda_spec *p = &c->sp;
     if (p->S == 0 || c->T == 0) return MOEPT_OK;
     int64_t off[2] = {0, c->T};
+    if (c->masked) x = (const T *)c->xsh;
     return moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err);
 }
 
@@ -2866,7 +2956,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
     MOEPT__CU(cudaMemcpyAsync(c->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
     c->cur = f->nb;
     c->T = f->T;
-    c->cap = f->cap;
+    c->masked = f->mask != NULL;
     c->jit = f->jitter; c->jkey = f->jkey;
     c->xf_committed = 1;
     c->fwd_valid = 1;
@@ -2895,6 +2985,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     f.replay = out->replay;
     f.jitter = out->jitter && c->sp.jitter > 0.0f;
     f.jkey = out->jitter_key;
+    f.mask = out->mask;
     moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
     MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);
@@ -3059,7 +3150,8 @@ static moept_status moept__bwd_combine(moept__cuda *c, const T *x, const T *dy, 
     MOEPT__LAUNCHED();
     if (p->S > 0) {
         MOEPT__LAUNCH_V(vec, moept__k_shared_bwd, T, (unsigned)T_, MOEPT__TB, c->s, (T *)c->yss,
-                        p->offsg >= 0 ? c->sg : NULL, dy, (int)D, c->dsg);
+                        p->offsg >= 0 ? c->sg : NULL, dy, (int)D, c->dsg, c->masked ? c->ids[c->cur] : NULL,
+                        (int)K);
         MOEPT__LAUNCHED();
     }
     return MOEPT_OK;

@@ -107,12 +107,15 @@ static moept_status layer_create(const moept_config *cfg, moept_comm *ep, void *
 static moept_status layer_forward(moept_layer *L, void *stream, const float *x, int64_t T, int64_t D, float *y,
                                   const uint8_t *mask) {
 #ifdef MOEPT_CUDA
-    (void)mask; /* cases with a mask are skipped on the CUDA executor */
-    void *dxp = to_device(x, T * D), *dyp = to_device(y, T * D);
-    moept_status st = dxp && dyp ? moept_forward(L, (const float *)dxp, T, (float *)dyp) : MOEPT_ERR_OUT_OF_MEMORY;
+    void *dxp = to_device(x, T * D), *dyp = to_device(y, T * D), *dm = NULL; /* a CUDA layer's mask: device */
+    int mok = !mask || (cudaMalloc(&dm, (size_t)T + 1) == cudaSuccess &&
+                        cudaMemcpy(dm, mask, (size_t)T, cudaMemcpyHostToDevice) == cudaSuccess);
+    moept_forward_opts o = {(const uint8_t *)dm, 0};
+    moept_status st = dxp && dyp && mok ? moept_forward_ex(L, (const float *)dxp, T, (float *)dyp, &o)
+                                        : MOEPT_ERR_OUT_OF_MEMORY;
     if (!st && cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess) st = MOEPT_ERR_DEVICE;
     if (!st && !to_host(y, dyp, T * D)) st = MOEPT_ERR_DEVICE;
-    cudaFree(dxp); cudaFree(dyp);
+    cudaFree(dxp); cudaFree(dyp); cudaFree(dm);
     return st;
 #else
     (void)D; (void)stream;
@@ -311,9 +314,9 @@ static void round_bf16(float *v, int64_t n) {
 }
 
 /* runs the CPU reference on rounded copies of L's parameters; x and gy are
-   this rank's Tr rows (already rounded), at row lo of T */
+   this rank's Tr rows (already rounded), at row lo of T; mask its padding (or NULL) */
 static int ref_build(check *c, const moept_config *cfg, moept_layer *L, const float *x, const float *gy, int64_t T,
-                     int64_t lo, int64_t Tr) {
+                     int64_t lo, int64_t Tr, const uint8_t *mask) {
     const int64_t D = cfg->hidden_size, E = cfg->num_experts, K = cfg->top_k;
     moept_layer *R = NULL;
     ref *r = calloc(1, sizeof *r);
@@ -330,7 +333,8 @@ static int ref_build(check *c, const moept_config *cfg, moept_layer *L, const fl
         ok = ok && moept_set_param(R, pi.name, w, n) == MOEPT_OK;
         free(w);
     }
-    ok = ok && moept_forward(R, x, Tr, y) == MOEPT_OK;
+    moept_forward_opts fo = {mask, 0};
+    ok = ok && moept_forward_ex(R, x, Tr, y, &fo) == MOEPT_OK;
     const int32_t *ids; const float *wts, *logits;
     moept_stats st;
     if (ok) {
@@ -459,12 +463,6 @@ static void run_case(check *c) {
     cfg.global_balance = P > 1;
     cfg.overlap_chunks = g_chunks;
     const moept_st_tensor *tm = moept_st_find(c->f, "attention_mask");
-#ifdef MOEPT_CUDA
-    if (tm) { /* the same on every rank */
-        snprintf(c->skip, sizeof c->skip, "a padding mask: not on the CUDA executor");
-        goto done;
-    }
-#endif
     if (tm && !read_mask(c, tm, T, &mask)) goto done;
     if (cfg.num_experts % P != 0) { /* the same on every rank: no collective is left waiting */
         snprintf(c->skip, sizeof c->skip, "E=%lld experts do not split over --ep %d", (long long)cfg.num_experts, P);
@@ -492,7 +490,7 @@ static void run_case(check *c) {
     if (g_bf16) { /* the values the GPU sees, and the reference made from them */
         round_bf16(x, T * D);
         round_bf16(gy, T * D);
-        if (!ref_build(c, &cfg, L, x + lo * D, gy + lo * D, T, lo, Tr)) goto done;
+        if (!ref_build(c, &cfg, L, x + lo * D, gy + lo * D, T, lo, Tr, mask ? mask + lo : NULL)) goto done;
     }
     y = calloc((size_t)(T * D + 1), sizeof(float));
     dx = calloc((size_t)(T * D + 1), sizeof(float));

@@ -47,9 +47,10 @@ static void host_from(float *h, const void *d, int64_t n, int bf16) {
     free(s);
 }
 
-/* One forward + backward on both layers; the worst relative error over y,
-   dx and every gradient. */
-static double compare_step(moept_config cfg, int bf16, int64_t T) {
+/* One forward + backward on both layers (mask: a padding mask [T], or
+   NULL); the worst relative error over y, dx and every gradient; the step's
+   statistics (padding, capacity, rows) equal. */
+static double compare_step_mask(moept_config cfg, int bf16, int64_t T, const uint8_t *mask) {
     moept_layer *cpu = NULL, *gpu = NULL;
     moept_cuda_options o = {bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0, MOEPT_GEMM_AUTO};
     EXPECT_OK(moept_create(&cfg, &cpu));
@@ -67,14 +68,19 @@ static double compare_step(moept_config cfg, int bf16, int64_t T) {
         dy[i] = bf16 ? moept__bf16_to_f32(moept__f32_to_bf16(frand())) : frand();
     }
     void *dx_ = dev_from(x, T * D, bf16), *ddy = dev_from(dy, T * D, bf16);
-    void *dyo = dev_from(y1, T * D, bf16), *ddx = dev_from(dx1, T * D, bf16);
+    void *dyo = dev_from(y1, T * D, bf16), *ddx = dev_from(dx1, T * D, bf16), *dm = NULL;
+    if (mask && cudaMalloc(&dm, (size_t)T + 1) == cudaSuccess) cudaMemcpy(dm, mask, (size_t)T, cudaMemcpyHostToDevice);
+    moept_forward_opts oc = {mask, 0}, og = {dm, 0}; /* the GPU's mask is device memory, as x */
     double worst = 0.0;
-    EXPECT_OK(moept_forward(cpu, x, T, y0));
-    if (moept_forward(gpu, (const float *)dx_, T, (float *)dyo) != MOEPT_OK) { tu_note(__FILE__, __LINE__, "gpu forward: %s", moept_last_error(gpu)); worst = 1e9; goto out; }
+    EXPECT_OK(moept_forward_ex(cpu, x, T, y0, &oc));
+    if (moept_forward_ex(gpu, (const float *)dx_, T, (float *)dyo, &og) != MOEPT_OK) { tu_note(__FILE__, __LINE__, "gpu forward: %s", moept_last_error(gpu)); worst = 1e9; goto out; }
     EXPECT_OK(moept_backward(cpu, x, dy, dx0));
     if (moept_backward(gpu, (const float *)dx_, (const float *)ddy, (float *)ddx) != MOEPT_OK) { tu_note(__FILE__, __LINE__, "gpu backward: %s", moept_last_error(gpu)); worst = 1e9; goto out; }
     host_from(y1, dyo, T * D, bf16);
     host_from(dx1, ddx, T * D, bf16);
+    int64_t padded_nonzero = 0;
+    for (int64_t i = 0; mask && i < T * D; i++) padded_nonzero += !mask[i / D] && (y1[i] != 0.0f || dx1[i] != 0.0f);
+    EXPECT(padded_nonzero == 0, "%lld values of padded rows of y or dx are not 0", (long long)padded_nonzero);
     double e = tu_maxrelerr(y1, y0, T * D);
     worst = e > worst ? e : worst;
     e = tu_maxrelerr(dx1, dx0, T * D);
@@ -92,13 +98,23 @@ static double compare_step(moept_config cfg, int bf16, int64_t T) {
     moept_get_stats(gpu, &s1, NULL);
     e = fabs((double)s1.aux_loss - s0.aux_loss) / (fabs((double)s0.aux_loss) + 1e-30);
     worst = e > worst ? e : worst;
+    e = fabs((double)s1.z_loss - s0.z_loss) / (fabs((double)s0.z_loss) + 1e-30);
+    worst = e > worst ? e : worst;
+    EXPECT(s1.masked_tokens == s0.masked_tokens && s1.capacity == s0.capacity &&
+           s1.routed_rows == s0.routed_rows && s1.dropped_rows == s0.dropped_rows,
+           "stats (GPU | CPU): masked %lld | %lld, capacity %lld | %lld, routed %lld | %lld, dropped %lld | %lld",
+           (long long)s1.masked_tokens, (long long)s0.masked_tokens, (long long)s1.capacity, (long long)s0.capacity,
+           (long long)s1.routed_rows, (long long)s0.routed_rows, (long long)s1.dropped_rows,
+           (long long)s0.dropped_rows);
 out:
-    cudaFree(dx_); cudaFree(ddy); cudaFree(dyo); cudaFree(ddx);
+    cudaFree(dx_); cudaFree(ddy); cudaFree(dyo); cudaFree(ddx); cudaFree(dm);
     free(x); free(dy); free(y0); free(y1); free(dx0); free(dx1);
     moept_destroy(cpu);
     moept_destroy(gpu);
     return worst;
 }
+
+static double compare_step(moept_config cfg, int bf16, int64_t T) { return compare_step_mask(cfg, bf16, T, NULL); }
 
 /* A CPU layer and a CUDA layer of cfg side by side on one rank (cep, gep:
    their EP comms, NULL at one rank): 3 AdamW steps, each of a training
@@ -707,6 +723,109 @@ static void test_graph_one_gpu(void) {
     moept_destroy(L[0]);
     moept_destroy(L[1]);
     cudaStreamDestroy(s);
+}
+
+/* Padding masks: every family, fp32 and bf16, against the CPU layer under
+   the same mask (padding inside and at the end), with a capacity factor, a
+   GELU shared expert, and all padding: y, dx, every gradient and both losses close, the
+   statistics equal (padding, capacity, rows), the padded rows of y and dx
+   0 (compare_step_mask). */
+static void test_mask(void) {
+    enum { T = 97 };
+    uint8_t m[T], none[T];
+    for (int t = 0; t < T; t++) { m[t] = t % 5 != 2 && t < 90; none[t] = 0; }
+    for (int bf = 0; bf < 2; bf++)
+        for (int i = 0; i < 4; i++) {
+            double e = compare_step_mask(family_cfg(i), bf, T, m);
+            EXPECT(e <= (bf ? 2e-2 : 1e-5), "family %d bf16 %d, masked: rel err %.3g", i, bf, e);
+        }
+    moept_config c = family_cfg(3);
+    c.capacity_factor = 0.6f;
+    double e = compare_step_mask(c, 0, T, m);
+    EXPECT(e <= 1e-5, "masked, capacity factor 0.6: rel err %.3g", e);
+    e = compare_step_mask(family_cfg(1), 0, T, none);
+    EXPECT(e <= 1e-5, "all padding: rel err %.3g", e);
+    c = family_cfg(1); /* a GELU shared expert: act'(0) != 0, so a padded row's dy must stop at the combine */
+    c.activation = MOEPT_ACT_GELU;
+    e = compare_step_mask(c, 1, T, m);
+    EXPECT(e <= 2e-2, "masked, GELU shared expert (bf16): rel err %.3g", e);
+}
+
+/* What a padded row holds changes nothing on the GPU either (the shared
+   expert reads a zero row in its place; the router's row is routed
+   nowhere): Qwen2 (a gated shared expert), capacity factor 0.5, fp32 and
+   bf16, padded rows of x holding 1e20 or 3e38 give y, dx and every gradient
+   bitwise those of zeros there. The capacity is that of the unmasked
+   tokens: 2 an expert for the 13 of them (20 with the padding would give
+   3), the routed and dropped rows those of the same 13 tokens without the
+   padding rows, whose y and dx they match. */
+static int mask_step(moept_layer *L, const float *x, const float *dy, int64_t T, int64_t D, int bf16,
+                     const uint8_t *mask, float *y, float *dx) {
+    void *xd = dev_from(x, T * D, bf16), *dyd = dev_from(dy, T * D, bf16), *yd = dev_from(y, T * D, bf16);
+    void *dxd = dev_from(dx, T * D, bf16), *md = NULL;
+    if (mask && cudaMalloc(&md, (size_t)T) == cudaSuccess) cudaMemcpy(md, mask, (size_t)T, cudaMemcpyHostToDevice);
+    moept_forward_opts o = {md, 0};
+    int ok = moept_zero_grad(L) == MOEPT_OK && moept_forward_ex(L, xd, T, yd, &o) == MOEPT_OK &&
+             moept_backward(L, xd, dyd, dxd) == MOEPT_OK;
+    if (!ok) tu_note(__FILE__, __LINE__, "masked step: %s", moept_last_error(L));
+    host_from(y, yd, T * D, bf16);
+    host_from(dx, dxd, T * D, bf16);
+    cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd); cudaFree(md);
+    return ok;
+}
+static void test_mask_padding_values(void) {
+    moept_config c = family_cfg(1);
+    c.capacity_factor = 0.5f;
+    c.max_tokens = 20;
+    enum { T = 20 };
+    const int64_t D = c.hidden_size;
+    const float pads[2] = {1e20f, 3e38f};
+    for (int bf = 0; bf < 2; bf++) {
+        moept_layer *L0 = cuda_layer(c, bf), *L1 = cuda_layer(c, bf), *R = cuda_layer(c, bf);
+        float *v = calloc((size_t)(10 * T * D), sizeof(float));
+        float *x = v, *dy = v + T * D, *xr = v + 2 * T * D, *dyr = v + 3 * T * D, *y0 = v + 4 * T * D;
+        float *dx0 = v + 5 * T * D, *y1 = v + 6 * T * D, *dx1 = v + 7 * T * D, *yr = v + 8 * T * D;
+        float *dxr = v + 9 * T * D;
+        uint8_t m[T];
+        int64_t n = 0;
+        for (int64_t i = 0; i < 2 * T * D; i++) x[i] = frand();
+        for (int64_t t = 0; t < T; t++) {
+            m[t] = t % 3 != 1;
+            if (m[t]) { memcpy(xr + n * D, x + t * D, D * 4); memcpy(dyr + n * D, dy + t * D, D * 4); n++; }
+            else memset(x + t * D, 0, D * 4);
+        }
+        if (!L0 || !L1 || !R || !mask_step(L0, x, dy, T, D, bf, m, y0, dx0) ||
+            !mask_step(R, xr, dyr, n, D, bf, NULL, yr, dxr))
+            goto out;
+        for (int p = 0; p < 2; p++) {
+            for (int64_t i = 0; i < T * D; i++) x[i] = m[i / D] ? x[i] : pads[p];
+            if (!mask_step(L1, x, dy, T, D, bf, m, y1, dx1)) goto out;
+            int64_t d = count_diffs(y0, y1, T * D) + count_diffs(dx0, dx1, T * D) + grad_diffs(L0, L1);
+            EXPECT(d == 0, "bf16 %d: padded rows of %g: %lld values differ from zeros there", bf, (double)pads[p],
+                   (long long)d);
+        }
+        moept_stats s1, sr;
+        moept_get_stats(L1, &s1, NULL);
+        moept_get_stats(R, &sr, NULL);
+        EXPECT(s1.masked_tokens == T - n && s1.capacity == 2 && sr.capacity == 2 &&
+               s1.routed_rows == sr.routed_rows && s1.dropped_rows == sr.dropped_rows && sr.dropped_rows > 0,
+               "bf16 %d: masked %lld, capacity %lld (unpadded %lld), routed %lld (%lld), dropped %lld (%lld)", bf,
+               (long long)s1.masked_tokens, (long long)s1.capacity, (long long)sr.capacity,
+               (long long)s1.routed_rows, (long long)sr.routed_rows, (long long)s1.dropped_rows,
+               (long long)sr.dropped_rows);
+        double e = 0.0;
+        for (int64_t t = 0, r = 0; t < T; t++) {
+            if (!m[t]) continue;
+            double a = tu_maxrelerr(y1 + t * D, yr + r * D, D), b = tu_maxrelerr(dx1 + t * D, dxr + r * D, D);
+            e = a > e ? a : e;
+            e = b > e ? b : e;
+            r++;
+        }
+        EXPECT(e <= 1e-5, "bf16 %d: unmasked tokens vs the same without padding: rel err %.3g", bf, e);
+    out:
+        moept_destroy(L0); moept_destroy(L1); moept_destroy(R);
+        free(v);
+    }
 }
 
 #ifdef MOEPT_EMU
@@ -1560,6 +1679,137 @@ static void test_sync_free_graph(void) {
     }
 }
 
+/* Padding masks over 2 EP ranks, global balance: the CUDA layer (default,
+   3 overlap chunks, sync-free) against the CPU layer of the same ranks
+   (threads) under the same masks, fp32 and bf16, with and without a
+   capacity factor, rank 1's tokens mostly or all padding: y, dx, this
+   rank's gradients (before sync_grads) and the losses close; padding,
+   capacity and rows alike (capacity: each rank's unmasked tokens'). */
+typedef struct mask_job {
+    two_ranks tr;
+    moept_thread_group *g;
+    int fam, bf16, sync_free, chunks, allpad;
+    float cf;
+    double err;
+    moept_stats sg, sc;
+    char msg[300];
+} mask_job;
+
+/* forward (mask: host memory for the CPU layer, md its device copy) and
+   backward; y and dx to the host; 0 on success */
+static int mask_rank_step(moept_layer *L, int gpu, const float *x, const float *dy, const uint8_t *mask,
+                          const void *md, int64_t T, int64_t D, int bf16, float *y, float *dx) {
+    moept_forward_opts o = {gpu ? md : mask, 0};
+    if (!gpu) return moept_forward_ex(L, x, T, y, &o) || moept_backward(L, x, dy, dx);
+    void *xd = dev_from(x, T * D, bf16), *dyd = dev_from(dy, T * D, bf16), *yd = dev_from(y, T * D, bf16);
+    void *dxd = dev_from(dx, T * D, bf16);
+    int bad = moept_forward_ex(L, xd, T, yd, &o) || moept_backward(L, xd, dyd, dxd);
+    host_from(y, yd, T * D, bf16);
+    host_from(dx, dxd, T * D, bf16);
+    cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd);
+    return bad;
+}
+
+/* the worst relative error of a's values (y, dx, every gradient) against b's */
+static double mask_rank_err(moept_layer *A, moept_layer *B, const float *ya, const float *yb, int64_t n) {
+    double w = tu_maxrelerr(ya, yb, n), e = tu_maxrelerr(ya + n, yb + n, n);
+    w = e > w ? e : w;
+    for (int64_t i = 0; i < moept_param_count(B); i++) {
+        moept_param_info a, b;
+        moept_param_info_at(A, i, &a);
+        moept_param_info_at(B, i, &b);
+        if (!b.grad) continue;
+        e = tu_maxrelerr(a.grad, b.grad, b.rows * b.cols);
+        w = e > w ? e : w;
+    }
+    return w;
+}
+
+static void *mask_rank(void *arg) {
+    mask_job *j = arg;
+    nccl_rank n;
+    nccl_rank_open(&n, &j->tr);
+    moept_comm *hc = NULL;
+    moept_config cfg = family_cfg(j->fam);
+    cfg.capacity_factor = j->cf;
+    cfg.global_balance = 1;
+    cfg.max_tokens = 40;
+    cfg.overlap_chunks = j->chunks;
+    const int64_t D = cfg.hidden_size, T = j->tr.rank ? 9 : 40;
+    unsigned long long rs = 41 + (unsigned long long)j->tr.rank;
+    float *v = calloc((size_t)(6 * T * D), sizeof(float)), *x = v, *dy = v + T * D, *out = v + 2 * T * D;
+    uint8_t mask[40];
+    for (int64_t i = 0; i < 2 * T * D; i++)
+        v[i] = j->bf16 ? moept__bf16_to_f32(moept__f32_to_bf16((float)tu_rand(&rs))) : (float)tu_rand(&rs);
+    for (int64_t t = 0; t < T; t++) mask[t] = j->tr.rank ? !j->allpad && t % 3 == 0 : t % 4 != 1;
+    void *md = NULL;
+    if (cudaMalloc(&md, (size_t)T) == cudaSuccess) cudaMemcpy(md, mask, (size_t)T, cudaMemcpyHostToDevice);
+    moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, j->sync_free, MOEPT_GEMM_AUTO};
+    moept_layer *L[2] = {NULL, NULL}; /* GPU, CPU */
+    if (moept_comm_threads(j->g, j->tr.rank, &hc) || moept_create_cuda(&cfg, n.c, NULL, &o, &L[0]) ||
+        moept_create_parallel(&cfg, hc, NULL, &L[1])) {
+        snprintf(j->msg, sizeof j->msg, "create: %s", moept_last_error(NULL));
+        goto out;
+    }
+    for (int k = 0; k < 2; k++) {
+        moept_init_params(L[k], 7);
+        if (mask_rank_step(L[k], !k, x, dy, mask, md, T, D, j->bf16, out + 2 * k * T * D,
+                           out + (2 * k + 1) * T * D)) {
+            snprintf(j->msg, sizeof j->msg, "%s step: %s", k ? "CPU" : "GPU", moept_last_error(L[k]));
+            goto out;
+        }
+    }
+    j->err = mask_rank_err(L[0], L[1], out, out + 2 * T * D, T * D);
+    for (int64_t i = 0; i < T * D; i++)
+        if (!mask[i / D] && (out[i] != 0.0f || out[T * D + i] != 0.0f))
+            snprintf(j->msg, sizeof j->msg, "token %lld: padding, its y or dx row is not 0", (long long)(i / D));
+    moept_get_stats(L[0], &j->sg, NULL);
+    moept_get_stats(L[1], &j->sc, NULL);
+out:
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+    moept_comm_destroy(hc);
+    cudaFree(md);
+    free(v);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_mask_ep(void) {
+    static const struct { int fam, bf16, sync_free, chunks, allpad; float cf; } v[] = {
+        {0, 0, 0, 1, 0, 0.0f}, {1, 0, 0, 3, 0, 0.9f}, {3, 0, 1, 1, 0, 0.9f},
+        {0, 1, 0, 1, 1, 0.0f}, {1, 1, 0, 3, 1, 0.0f}, {3, 1, 1, 1, 0, 0.0f},
+    };
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        mask_job j[2];
+        memset(j, 0, sizeof j);
+        moept_thread_group *g = NULL;
+        EXPECT_OK(moept_thread_group_create(2, 60000, &g));
+        for (int r = 0; r < 2; r++) {
+            j[r].g = g; j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].sync_free = v[i].sync_free;
+            j[r].chunks = v[i].chunks; j[r].allpad = v[i].allpad; j[r].cf = v[i].cf;
+        }
+        run_two(mask_rank, j, sizeof j[0]);
+        moept_thread_group_destroy(g);
+        for (int r = 0; r < 2; r++) {
+            const moept_stats *a = &j[r].sg, *b = &j[r].sc;
+            double ea = fabs((double)a->aux_loss - b->aux_loss) / (fabs((double)b->aux_loss) + 1e-30);
+            double ez = fabs((double)a->z_loss - b->z_loss) / (fabs((double)b->z_loss) + 1e-30);
+            const double tol = v[i].bf16 ? 2e-2 : 1e-5;
+            EXPECT(!j[r].msg[0], "variant %zu rank %d: %s", i, r, j[r].msg);
+            EXPECT(j[r].err <= tol && ea <= tol && ez <= tol, "variant %zu rank %d: rel err %.3g, aux %.3g, z %.3g",
+                   i, r, j[r].err, ea, ez);
+            EXPECT(a->masked_tokens == b->masked_tokens && a->capacity == b->capacity &&
+                   a->routed_rows == b->routed_rows && a->dropped_rows == b->dropped_rows &&
+                   a->masked_tokens == (r ? (v[i].allpad ? 9 : 6) : 10),
+                   "variant %zu rank %d (GPU | CPU): masked %lld | %lld, capacity %lld | %lld, routed %lld | %lld, "
+                   "dropped %lld | %lld", i, r, (long long)a->masked_tokens, (long long)b->masked_tokens,
+                   (long long)a->capacity, (long long)b->capacity, (long long)a->routed_rows,
+                   (long long)b->routed_rows, (long long)a->dropped_rows, (long long)b->dropped_rows);
+        }
+    }
+}
+
 /* One forward + backward of a layer of cfg on fixed tokens: y, dx and every
    gradient, concatenated into out (if given), their count (L NULL: at most
    how many, without running) */
@@ -1882,8 +2132,9 @@ static void test_aux_seq(void) {
     moept_destroy(L);
 }
 
-/* What the CUDA executor lacks is refused on every rank, agreed as its own
-   checks are: a padding mask on one rank fails both (UNSUPPORTED there,
+/* What the CUDA executor lacks or cannot read is refused on every rank,
+   agreed as its own checks are: a padding mask in host memory on one rank
+   fails both (INVALID_ARGUMENT there: a CUDA layer's mask is device memory;
    "other rank" on the peer); an evaluation forward on rank 0 only makes
    the backward fail on both. */
 static void *modes_rank(void *arg) {
@@ -1904,7 +2155,7 @@ static void *modes_rank(void *arg) {
     for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0), *dyd = dev_from(x, T * D, 0);
     void *dxd = dev_from(x, T * D, 0);
-    uint8_t mask[24] = {1, 0, 1};
+    uint8_t mask[24] = {1, 0, 1}; /* host memory */
     moept_forward_opts mo = {mask, 0, NULL}, eo = {NULL, 1, NULL};
     agree_call(j, 1, moept_forward_ex(L, xd, T, yd, j->tr.rank ? &mo : NULL), L);
     agree_call(j, 2, moept_forward_ex(L, xd, T, yd, j->tr.rank ? NULL : &eo), L);
@@ -1924,9 +2175,9 @@ static void test_unsupported_modes(void) {
     run_two(modes_rank, j, sizeof j[0]);
     for (int r = 0; r < 2; r++) {
         agree_job *a = &j[r];
-        EXPECT(r ? a->st[1] == MOEPT_ERR_UNSUPPORTED && strstr(a->msg[1], "mask")
+        EXPECT(r ? a->st[1] == MOEPT_ERR_INVALID_ARGUMENT && strstr(a->msg[1], "opts.mask is not device memory")
                  : a->st[1] == MOEPT_ERR_STATE && strstr(a->msg[1], "other rank"),
-               "rank %d, a mask on rank 1: %d (%s)", r, (int)a->st[1], a->msg[1]);
+               "rank %d, a host mask on rank 1: %d (%s)", r, (int)a->st[1], a->msg[1]);
         EXPECT(!a->st[2] && !a->st[4] && !a->st[5], "rank %d: a matching call failed: %s | %s | %s", r, a->msg[2],
                a->msg[4], a->msg[5]);
         EXPECT(r ? a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "other rank")
@@ -2033,9 +2284,9 @@ static void test_inference_ep2(void) {
 
 /* What the CUDA executor lacks comes from its capability bits, refused in
    one place: each feature it does not run (the two config features at
-   create, a mask at the forward, resharding) fails on both ranks, with the
-   same status and the same message on each, in one shape; the layer made
-   after the refusals runs (agree_job's slot 4). */
+   create, resharding) fails on both ranks, with the same status and the
+   same message on each, in one shape; the layer made after the refusals
+   runs (agree_job's slot 3). */
 static void *caps_rank(void *arg) {
     agree_job *j = arg;
     nccl_rank n;
@@ -2060,12 +2311,9 @@ static void *caps_rank(void *arg) {
     unsigned long long rs = 11 + (unsigned long long)j->tr.rank;
     for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
-    uint8_t mask[24] = {1, 0, 1};
-    moept_forward_opts mo = {mask, 0, NULL};
-    agree_call(j, 2, moept_forward_ex(L, xd, T, yd, &mo), L);
     int32_t place[8] = {1, 1, 1, 1, 0, 0, 0, 0};
-    agree_call(j, 3, moept_reshard(L, place, NULL), L);
-    agree_call(j, 4, moept_forward(L, xd, T, yd), L);
+    agree_call(j, 2, moept_reshard(L, place, NULL), L);
+    agree_call(j, 3, moept_forward(L, xd, T, yd), L);
     cudaFree(xd); cudaFree(yd);
     free(x);
     moept_destroy(L);
@@ -2077,8 +2325,8 @@ static void test_capability_refusals(void) {
     agree_job j[2];
     memset(j, 0, sizeof j);
     run_two(caps_rank, j, sizeof j[0]);
-    const char *what[4] = {"config.grad_backup", "MOEPT_SHARD_FSDP", "opts.mask", "resharding"};
-    for (int k = 0; k < 4; k++) {
+    const char *what[3] = {"config.grad_backup", "MOEPT_SHARD_FSDP", "resharding"};
+    for (int k = 0; k < 3; k++) {
         EXPECT(j[0].st[k] == MOEPT_ERR_UNSUPPORTED && j[1].st[k] == MOEPT_ERR_UNSUPPORTED,
                "%s: status %d, %d (%s | %s)", what[k], (int)j[0].st[k], (int)j[1].st[k], j[0].msg[k], j[1].msg[k]);
         EXPECT(strcmp(j[0].msg[k], j[1].msg[k]) == 0, "%s: the ranks' messages differ: %s | %s", what[k],
@@ -2086,7 +2334,7 @@ static void test_capability_refusals(void) {
         EXPECT(strstr(j[0].msg[k], what[k]) && strstr(j[0].msg[k], "is not supported by the CUDA executor"),
                "%s: message %s", what[k], j[0].msg[k]);
     }
-    EXPECT(!j[0].st[4] && !j[1].st[4], "a forward after the refusals: %s | %s", j[0].msg[4], j[1].msg[4]);
+    EXPECT(!j[0].st[3] && !j[1].st[3], "a forward after the refusals: %s | %s", j[0].msg[3], j[1].msg[3]);
 }
 
 /* A kernel fault on rank 0's GPU (injected: moept_emu_fault_next_kernel)
@@ -2316,6 +2564,8 @@ int main(void) {
                 "training calls refused as the CPU's (4 families, fp32, bf16, sync-free)", why);
         tu_skip("cuda: an evaluation forward keeps nothing: backward refused as the CPU's, the next step's "
                 "exact", why);
+        tu_skip("cuda: padding masks equal the CPU layer's (4 families, fp32 and bf16, capacity, all padding)", why);
+        tu_skip("cuda: a padded row's values change nothing (bitwise); capacity is the unmasked tokens'", why);
         return tu_done();
     }
     tu_run("cuda: fp32 equals the CPU layer (4 families, 1e-5)", test_fp32);
@@ -2332,6 +2582,10 @@ int main(void) {
            "training calls refused as the CPU's (4 families, fp32, bf16, sync-free)", test_inference_layer);
     tu_run("cuda: an evaluation forward keeps nothing: backward refused as the CPU's, the next step's "
            "exact", test_eval_forward);
+    tu_run("cuda: padding masks equal the CPU layer's (4 families, fp32 and bf16, capacity, all padding)",
+           test_mask);
+    tu_run("cuda: a padded row's values change nothing (bitwise); capacity is the unmasked tokens'",
+           test_mask_padding_values);
 #ifdef MOEPT_EMU
     tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from the loss all-reduce: ERR_COMM, aborted once",
@@ -2351,7 +2605,7 @@ int main(void) {
            test_jitter);
     tu_run("cuda (emulated, EP 2 and 1): MOEPT_AUX_SEQ under global balance equals the CPU layer (fp32, bf16, "
            "sync-free, chunked)", test_aux_seq);
-    tu_run("cuda (emulated, 2 EP ranks): masks and eval-then-backward refused on both ranks",
+        tu_run("cuda (emulated, 2 EP ranks): a host mask, jitter and eval-then-backward refused on both ranks",
            test_unsupported_modes);
     tu_run("cuda (emulated, 2 EP ranks): every feature the executor lacks refused on both ranks, one message",
            test_capability_refusals);
@@ -2366,6 +2620,8 @@ int main(void) {
            test_sync_free_deferred);
     tu_run("cuda (emulated, 2 EP ranks): sync-free mode, a step captured in a CUDA graph, replays equal eager steps",
            test_sync_free_graph);
+    tu_run("cuda (emulated, 2 EP ranks): padding masks equal the CPU layer's (default, chunked, sync-free; fp32, "
+           "bf16; capacity; a rank of padding)", test_mask_ep);
     tu_run("cuda (emulated): cuBLAS may not reduce in the output type (bf16 bound): values unchanged when allowed",
            test_no_reduced_precision_reduction);
     tu_run("cuda (emulated): every cuBLAS handle has a workspace, counted in device_workspace_bytes",
