@@ -70,7 +70,7 @@ static double compare_step_mask(moept_config cfg, int bf16, int64_t T, const uin
     void *dx_ = dev_from(x, T * D, bf16), *ddy = dev_from(dy, T * D, bf16);
     void *dyo = dev_from(y1, T * D, bf16), *ddx = dev_from(dx1, T * D, bf16), *dm = NULL;
     if (mask && cudaMalloc(&dm, (size_t)T + 1) == cudaSuccess) cudaMemcpy(dm, mask, (size_t)T, cudaMemcpyHostToDevice);
-    moept_forward_opts oc = {mask, 0}, og = {dm, 0}; /* the GPU's mask is device memory, as x */
+    moept_forward_opts oc = {mask, 0, NULL}, og = {dm, 0, NULL}; /* the GPU's mask is device memory, as x */
     double worst = 0.0;
     EXPECT_OK(moept_forward_ex(cpu, x, T, y0, &oc));
     if (moept_forward_ex(gpu, (const float *)dx_, T, (float *)dyo, &og) != MOEPT_OK) { tu_note(__FILE__, __LINE__, "gpu forward: %s", moept_last_error(gpu)); worst = 1e9; goto out; }
@@ -764,7 +764,7 @@ static int mask_step(moept_layer *L, const float *x, const float *dy, int64_t T,
     void *xd = dev_from(x, T * D, bf16), *dyd = dev_from(dy, T * D, bf16), *yd = dev_from(y, T * D, bf16);
     void *dxd = dev_from(dx, T * D, bf16), *md = NULL;
     if (mask && cudaMalloc(&md, (size_t)T) == cudaSuccess) cudaMemcpy(md, mask, (size_t)T, cudaMemcpyHostToDevice);
-    moept_forward_opts o = {md, 0};
+    moept_forward_opts o = {md, 0, NULL};
     int ok = moept_zero_grad(L) == MOEPT_OK && moept_forward_ex(L, xd, T, yd, &o) == MOEPT_OK &&
              moept_backward(L, xd, dyd, dxd) == MOEPT_OK;
     if (!ok) tu_note(__FILE__, __LINE__, "masked step: %s", moept_last_error(L));
@@ -1699,7 +1699,7 @@ typedef struct mask_job {
    backward; y and dx to the host; 0 on success */
 static int mask_rank_step(moept_layer *L, int gpu, const float *x, const float *dy, const uint8_t *mask,
                           const void *md, int64_t T, int64_t D, int bf16, float *y, float *dx) {
-    moept_forward_opts o = {gpu ? md : mask, 0};
+    moept_forward_opts o = {gpu ? md : mask, 0, NULL};
     if (!gpu) return moept_forward_ex(L, x, T, y, &o) || moept_backward(L, x, dy, dx);
     void *xd = dev_from(x, T * D, bf16), *dyd = dev_from(dy, T * D, bf16), *yd = dev_from(y, T * D, bf16);
     void *dxd = dev_from(dx, T * D, bf16);
