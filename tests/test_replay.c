@@ -44,7 +44,7 @@ typedef struct world {
     int P;
     int64_t T[MAXP], D, K;
     const float *x, *dy;
-    const uint8_t *mask;            /* [sum T] or NULL (CPU only) */
+    const uint8_t *mask;            /* [sum T] or NULL */
     int DP;                         /* CPU: data-parallel replicas (world P * DP ranks; 0 = 1) */
     float drift;                    /* added to the router's weights (a router trained on since) */
     int nsteps;
@@ -119,11 +119,12 @@ static moept_status step(moept_layer *L, const world *w, int64_t T, const float 
         void *xd = dev_rows(x, T * D, w->m.bf16), *dyd = dev_rows(dy, T * D, w->m.bf16);
         void *yd = dev_rows(o->y, T * D, w->m.bf16), *dxd = dev_rows(o->dx, T * D, w->m.bf16);
         int32_t *rd = replay ? dev_copy(replay, (size_t)(T * K) * 4) : NULL;
-        moept_forward_opts fo = {mask, 0, rd};
+        uint8_t *md = mask ? dev_copy(mask, (size_t)T) : NULL; /* device memory, as x */
+        moept_forward_opts fo = {md, 0, rd};
         st = moept_forward_ex(L, xd, T, yd, &fo);
         if (!st) st = moept_backward(L, xd, dyd, dxd);
         if (!st) { host_rows(o->y, yd, T * D, w->m.bf16); host_rows(o->dx, dxd, T * D, w->m.bf16); }
-        cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd); cudaFree(rd);
+        cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd); cudaFree(rd); cudaFree(md);
     }
 #endif
     if (!st) st = moept_sync_grads(L, 1.0f);
@@ -673,6 +674,25 @@ static void test_router_grad_cpu(void) {
 }
 #endif
 
+/* a padded token's replay row is not read (it holds -7, 99: out of range);
+   on the GPU in fp32 and bf16, and sync-free */
+static void test_masked_rows(void) {
+    uint8_t mask[40];
+    for (int t = 0; t < 40; t++) mask[t] = t % 5 != 2;
+#ifdef MOEPT_CUDA
+    const int gpu = 1, nm = 3;
+#else
+    const int gpu = 0, nm = 1;
+#endif
+    static const char *what[3][2] = {{"mask EP 1", "mask EP 2"}, {"mask EP 1 bf16", "mask EP 2 bf16"},
+                                     {"mask EP 1 sync-free", "mask EP 2 sync-free"}};
+    for (int i = 0; i < nm; i++) {
+        const mode m = {gpu, i == 1, i == 2, 1};
+        own_ids(MOEPT_FAMILY_QWEN2_MOE, 1, m, mask, what[i][0]);
+        own_ids(MOEPT_FAMILY_DEEPSEEK_V3, 2, m, mask, what[i][1]);
+    }
+}
+
 #ifndef MOEPT_CUDA
 static void test_own_ids_cpu(void) {
     char what[128];
@@ -687,13 +707,6 @@ static void test_own_ids_cpu(void) {
         }
 }
 
-/* a padded token's replay row is not read (it holds -7, 99: out of range) */
-static void test_masked_rows_cpu(void) {
-    uint8_t mask[40];
-    for (int t = 0; t < 40; t++) mask[t] = t % 5 != 2;
-    own_ids(MOEPT_FAMILY_QWEN2_MOE, 1, (mode){0, 0, 0, 1}, mask, "mask EP 1");
-    own_ids(MOEPT_FAMILY_DEEPSEEK_V3, 2, (mode){0, 0, 0, 1}, mask, "mask EP 2");
-}
 static void test_rollout_cpu(void) {
     char what[64];
     for (int fam = 0; fam < 4; fam++) {
@@ -795,6 +808,7 @@ int main(void) {
            test_own_ids_gpu);
     tu_run("replay (GPU): a rollout recorded at EP 4 replayed at EP 2 equals it (fp32, bf16)",
            test_rollout_gpu);
+    tu_run("replay (GPU): a padded token's row is not read (EP 1, 2; fp32, bf16, sync-free)", test_masked_rows);
     tu_run("replay (GPU): rejected rows fail every rank (EP 1, 2; chunks 3; sync-free: at grad_norm)",
            test_rejected_gpu);
     tu_run("replay (GPU): another choice than the router's equals the CPU layer's (EP 1, 2; fp32, bf16)",
@@ -804,7 +818,7 @@ int main(void) {
     tu_run("replay: a rollout recorded at EP 4 replayed at EP 2 equals it (4 families)", test_rollout_cpu);
     tu_run("replay: rejected rows fail every rank (EP 1, 2, 4, EP 2 x DP 2), the layer as it was",
            test_rejected_cpu);
-    tu_run("replay: a padded token's row is not read (EP 1, 2)", test_masked_rows_cpu);
+    tu_run("replay: a padded token's row is not read (EP 1, 2)", test_masked_rows);
     tu_run("replay: another choice than the router's: weights, aux loss and y as computed by hand; any order",
            test_other_choice_cpu);
     tu_run("replay: the router's gradient under another choice equals central differences",
