@@ -3863,6 +3863,11 @@ typedef struct moept__cudax {
     int dx_pending;        /* a backward's dx check on the device not yet read */
     int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
     int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
+    /* moept_reshard, during the call: this rank's moves, their buffers (1, or 3 with
+       the moments) and the leaving experts' bytes [n][rs_nbuf][H*D + D*F], for an undo */
+    int rs_nbuf;
+    int64_t *rs_slot;      /* [n] local slot of each leaving expert, then to, from [n] int32 */
+    float *rs_backup;
 } moept__cudax;
 #define MOEPT__CX(L) ((moept__cudax *)(L)->xstate)
 
@@ -4076,6 +4081,84 @@ static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
     return MOEPT_OK;
 }
 
+/* moept_reshard, before the agreement: the deferred statistics read, the
+   host's newer parameters and moments on the device (the device's move),
+   one expert of device staging, and this rank's moves with a host backup
+   of the experts it sends */
+static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept__moves *mv) {
+    moept__cudax *X = MOEPT__CX(L);
+    const int64_t P = L->P, me = L->rank, n = mv->n, part = L->H * L->D + L->D * L->F;
+    moept_status st = moept__cuda_settle(L);
+    if (!st) st = moept__to_device(L);
+    if (!st) st = moept__cuda_reshard_prep(X->c, X->opt == MOEPT__HOST_NEWER, L->opt.m, L->opt.v, &X->rs_nbuf,
+                                           moept__thread_err);
+    if (st) return moept__fail(L, st, "moept_reshard: %s", moept__thread_err);
+    if (X->opt == MOEPT__HOST_NEWER) X->opt = MOEPT__SAME;
+    X->rs_slot = moept__alloc(NULL, (size_t)(2 * n) * sizeof(int64_t));
+    X->rs_backup = moept__alloc(NULL, (size_t)(n * X->rs_nbuf * part) * sizeof(float));
+    if (!X->rs_slot || !X->rs_backup) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of "
+                                                         "host memory (a backup of the experts it sends)");
+    int32_t *to = (int32_t *)(X->rs_slot + n), *from = to + n;
+    for (int64_t k = 0, i = 0; k < mv->rounds; k++) {
+        const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
+        if (go < 0) continue;
+        X->rs_slot[i] = L->plan.slot_of[go] % L->El;
+        to[i] = mv->new_rank[go];
+        from[i++] = (int32_t)(L->plan.slot_of[come] / L->El);
+    }
+    return MOEPT_OK;
+}
+
+/* the moves, then every rank's verdict: all keep them (the new placement on
+   the device, gradients zeroed), or all put their experts back */
+static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *mv, int64_t *sent,
+                                            int64_t *recvd) {
+    moept__cudax *X = MOEPT__CX(L);
+    const int64_t n = mv->n;
+    const moept__cuda_moves cm = {n, mv->rounds, (int32_t *)(X->rs_slot + n), (int32_t *)(X->rs_slot + n) + n,
+                                  X->rs_slot};
+    int backed = 0;
+    moept_status st = moept__cuda_reshard_move(X->c, &cm, X->rs_backup, &backed, sent, recvd,
+                                               moept__thread_err), ast;
+    if (st) moept__fail(L, st, "moept_reshard: %s", moept__thread_err);
+    int64_t failed = st != MOEPT_OK;
+    moept_comm *bad = NULL;
+    ast = moept__sum_ep_dp(L->ep, L->dp, &failed, 1, MOEPT_DTYPE_I64, &bad);
+    if (!st && !ast && !failed) {
+        st = moept__cuda_reshard_commit(X->c, mv->nslot, moept__thread_err);
+        X->params = MOEPT__DEVICE_NEWER;
+        X->grads = MOEPT__SAME; /* zero on both sides (moept__reshard_commit: the host's) */
+        if (X->rs_nbuf == 3) X->opt = MOEPT__DEVICE_NEWER;
+        moept__cuda_params_changed(X->c);
+        return st;
+    }
+    if (!st && ast) st = moept__fail(L, ast, "moept_reshard: the agreement after the moves failed (every "
+                                     "rank's experts put back): %s", bad->err);
+    else if (!st) st = moept__fail(L, MOEPT_ERR_STATE, "moept_reshard: %lld other rank(s) failed to move "
+                                   "their experts; every rank's experts put back", (long long)failed);
+    char keep[MOEPT__ERRLEN];
+    memcpy(keep, moept__thread_err, sizeof keep);
+    moept_status ust = backed ? moept__cuda_reshard_undo(X->c, &cm, X->rs_backup, moept__thread_err) : 0;
+    moept__cuda_params_changed(X->c);
+    if (ust) return moept__fail(L, ust, "moept_reshard: putting this rank's experts back failed: %s",
+                                moept__thread_err);
+    memcpy(moept__thread_err, keep, sizeof keep);
+    return st;
+}
+
+/* moept_reshard after its agreement: the moves (agreed), the resources freed */
+static moept_status moept__cuda_layer_reshard(moept_layer *L, const moept__moves *mv, int agreed,
+                                              int64_t *sent, int64_t *recvd) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = agreed ? moept__cuda_reshard_run(L, mv, sent, recvd) : MOEPT_OK;
+    moept__cuda_reshard_end(X->c);
+    MOEPT_FREE(X->rs_slot);
+    MOEPT_FREE(X->rs_backup);
+    X->rs_slot = NULL;
+    X->rs_backup = NULL;
+    return st;
+}
+
 static void moept__cuda_layer_destroy(moept_layer *L) {
     moept__cudax *X = MOEPT__CX(L);
     if (!X) return;
@@ -4086,7 +4169,7 @@ static void moept__cuda_layer_destroy(moept_layer *L) {
 
 static const moept__exec moept__cuda_exec = {
     .name = "the CUDA executor",
-    .caps = MOEPT__CAN_DEVICE,
+    .caps = MOEPT__CAN_DEVICE | MOEPT__CAN_RESHARD,
     .forward = moept__cuda_layer_forward,
     .backward = moept__cuda_layer_backward,
     .sync_grads = moept__cuda_layer_sync_grads,
@@ -4100,6 +4183,8 @@ static const moept__exec moept__cuda_exec = {
     .host_wrote = moept__cuda_host_wrote,
     .device_params = moept__cuda_device_params,
     .params_changed = moept__cuda_layer_params_changed,
+    .reshard_ready = moept__cuda_layer_reshard_ready,
+    .reshard = moept__cuda_layer_reshard,
     .destroy = moept__cuda_layer_destroy,
 };
 
