@@ -746,6 +746,12 @@ static const char *const moept__cap_names[MOEPT__NCAPS] = {
 
 typedef struct moept__fstep moept__fstep;
 enum { MOEPT__HOST_PARAMS = 1, MOEPT__HOST_GRADS = 2, MOEPT__HOST_OPT = 4 }; /* host copies (bits) */
+/* moept_reshard's schedule (moept__reshard_plan), the same on every rank */
+typedef struct moept__moves {
+    const int32_t *new_rank, *nslot; /* [E] the placement asked for, each expert's new slot */
+    const int32_t *go, *come;        /* [rounds][P] the expert each rank sends, receives (-1: idle) */
+    int64_t rounds, n;               /* n: the rounds this rank is not idle in */
+} moept__moves;
 typedef struct moept__exec {
     const char *name;      /* in refusals: "the CUDA executor" */
     unsigned caps;         /* MOEPT__CAN_* */
@@ -765,6 +771,13 @@ typedef struct moept__exec {
     void (*host_wrote)(moept_layer *L, int what);           /* MOEPT__HOST_* the host changed */
     moept_status (*device_params)(moept_layer *L, float **params, float **grads);
     moept_status (*params_changed)(moept_layer *L);
+    /* moept_reshard's moves (NULL: the host's rounds): ready before the
+       agreement (this rank's resources for mv->n moves); then, agreed, the
+       moves and their own agreement (a failure on any rank undoes every
+       rank's), or, not agreed, the resources released */
+    moept_status (*reshard_ready)(moept_layer *L, const moept__moves *mv);
+    moept_status (*reshard)(moept_layer *L, const moept__moves *mv, int agreed, int64_t *sent,
+                            int64_t *recvd);
     void (*destroy)(moept_layer *L);
 } moept__exec;
 /* an entry the executor may leave NULL: MOEPT_OK (nothing to do) */
@@ -3848,6 +3861,11 @@ typedef struct moept__cudax {
     int dx_pending;        /* a backward's dx check on the device not yet read */
     int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
     int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
+    /* moept_reshard, during the call: this rank's moves, their buffers (1, or 3 with
+       the moments) and the leaving experts' bytes [n][rs_nbuf][H*D + D*F], for an undo */
+    int rs_nbuf;
+    int64_t *rs_slot;      /* [n] local slot of each leaving expert, then to, from [n] int32 */
+    float *rs_backup;
 } moept__cudax;
 #define MOEPT__CX(L) ((moept__cudax *)(L)->xstate)
 
@@ -4067,6 +4085,84 @@ static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
     return MOEPT_OK;
 }
 
+/* moept_reshard, before the agreement: the deferred statistics read, the
+   host's newer parameters and moments on the device (the device's move),
+   one expert of device staging, and this rank's moves with a host backup
+   of the experts it sends */
+static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept__moves *mv) {
+    moept__cudax *X = MOEPT__CX(L);
+    const int64_t P = L->P, me = L->rank, n = mv->n, part = L->H * L->D + L->D * L->F;
+    moept_status st = moept__cuda_settle(L);
+    if (!st) st = moept__to_device(L);
+    if (!st) st = moept__cuda_reshard_prep(X->c, X->opt == MOEPT__HOST_NEWER, L->opt.m, L->opt.v, &X->rs_nbuf,
+                                           moept__thread_err);
+    if (st) return moept__fail(L, st, "moept_reshard: %s", moept__thread_err);
+    if (X->opt == MOEPT__HOST_NEWER) X->opt = MOEPT__SAME;
+    X->rs_slot = moept__alloc(NULL, (size_t)(2 * n) * sizeof(int64_t));
+    X->rs_backup = moept__alloc(NULL, (size_t)(n * X->rs_nbuf * part) * sizeof(float));
+    if (!X->rs_slot || !X->rs_backup) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of "
+                                                         "host memory (a backup of the experts it sends)");
+    int32_t *to = (int32_t *)(X->rs_slot + n), *from = to + n;
+    for (int64_t k = 0, i = 0; k < mv->rounds; k++) {
+        const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
+        if (go < 0) continue;
+        X->rs_slot[i] = L->plan.slot_of[go] % L->El;
+        to[i] = mv->new_rank[go];
+        from[i++] = (int32_t)(L->plan.slot_of[come] / L->El);
+    }
+    return MOEPT_OK;
+}
+
+/* the moves, then every rank's verdict: all keep them (the new placement on
+   the device, gradients zeroed), or all put their experts back */
+static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *mv, int64_t *sent,
+                                            int64_t *recvd) {
+    moept__cudax *X = MOEPT__CX(L);
+    const int64_t n = mv->n;
+    const moept__cuda_moves cm = {n, mv->rounds, (int32_t *)(X->rs_slot + n), (int32_t *)(X->rs_slot + n) + n,
+                                  X->rs_slot};
+    int backed = 0;
+    moept_status st = moept__cuda_reshard_move(X->c, &cm, X->rs_backup, &backed, sent, recvd,
+                                               moept__thread_err), ast;
+    if (st) moept__fail(L, st, "moept_reshard: %s", moept__thread_err);
+    int64_t failed = st != MOEPT_OK;
+    moept_comm *bad = NULL;
+    ast = moept__sum_ep_dp(L->ep, L->dp, &failed, 1, MOEPT_DTYPE_I64, &bad);
+    if (!st && !ast && !failed) {
+        st = moept__cuda_reshard_commit(X->c, mv->nslot, moept__thread_err);
+        X->params = MOEPT__DEVICE_NEWER;
+        X->grads = MOEPT__SAME; /* zero on both sides (moept__reshard_commit: the host's) */
+        if (X->rs_nbuf == 3) X->opt = MOEPT__DEVICE_NEWER;
+        moept__cuda_params_changed(X->c);
+        return st;
+    }
+    if (!st && ast) st = moept__fail(L, ast, "moept_reshard: the agreement after the moves failed (every "
+                                     "rank's experts put back): %s", bad->err);
+    else if (!st) st = moept__fail(L, MOEPT_ERR_STATE, "moept_reshard: %lld other rank(s) failed to move "
+                                   "their experts; every rank's experts put back", (long long)failed);
+    char keep[MOEPT__ERRLEN];
+    memcpy(keep, moept__thread_err, sizeof keep);
+    moept_status ust = backed ? moept__cuda_reshard_undo(X->c, &cm, X->rs_backup, moept__thread_err) : 0;
+    moept__cuda_params_changed(X->c);
+    if (ust) return moept__fail(L, ust, "moept_reshard: putting this rank's experts back failed: %s",
+                                moept__thread_err);
+    memcpy(moept__thread_err, keep, sizeof keep);
+    return st;
+}
+
+/* moept_reshard after its agreement: the moves (agreed), the resources freed */
+static moept_status moept__cuda_layer_reshard(moept_layer *L, const moept__moves *mv, int agreed,
+                                              int64_t *sent, int64_t *recvd) {
+    moept__cudax *X = MOEPT__CX(L);
+    moept_status st = agreed ? moept__cuda_reshard_run(L, mv, sent, recvd) : MOEPT_OK;
+    moept__cuda_reshard_end(X->c);
+    MOEPT_FREE(X->rs_slot);
+    MOEPT_FREE(X->rs_backup);
+    X->rs_slot = NULL;
+    X->rs_backup = NULL;
+    return st;
+}
+
 static void moept__cuda_layer_destroy(moept_layer *L) {
     moept__cudax *X = MOEPT__CX(L);
     if (!X) return;
@@ -4078,7 +4174,7 @@ static void moept__cuda_layer_destroy(moept_layer *L) {
 static const moept__exec moept__cuda_exec = {
     .name = "the CUDA executor",
     .caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER | MOEPT__CAN_AUX_SEQ |
-            MOEPT__CAN_MASK,
+            MOEPT__CAN_MASK | MOEPT__CAN_RESHARD,
     .forward = moept__cuda_layer_forward,
     .backward = moept__cuda_layer_backward,
     .sync_grads = moept__cuda_layer_sync_grads,
@@ -4092,6 +4188,8 @@ static const moept__exec moept__cuda_exec = {
     .host_wrote = moept__cuda_host_wrote,
     .device_params = moept__cuda_device_params,
     .params_changed = moept__cuda_layer_params_changed,
+    .reshard_ready = moept__cuda_layer_reshard_ready,
+    .reshard = moept__cuda_layer_reshard,
     .destroy = moept__cuda_layer_destroy,
 };
 
@@ -7214,61 +7312,120 @@ static moept_status moept__reshard_check(moept_layer *L, const int32_t *new_rank
     return MOEPT_OK;
 }
 
-/* this rank's experts leaving (out) and arriving (in) under new_rank, in id order */
-static void moept__reshard_lists(const moept_layer *L, const int32_t *new_rank, int64_t r, int32_t *out,
-                                 int64_t *nout, int32_t *in, int64_t *nin) {
-    const int64_t El = L->El;
-    *nout = *nin = 0;
-    for (int64_t e = 0; e < L->E; e++) {
-        if (L->plan.slot_of[e] / El == r && new_rank[e] != r) out[(*nout)++] = (int32_t)e;
-        if (new_rank[e] == r && L->plan.slot_of[e] / El != r) in[(*nin)++] = (int32_t)e;
+/* Kuhn's augmenting path from rank r over the pairs with edges left
+   (first [P+1]: rank r's pairs, pto/pleft [pairs]); mate [P]: the pair
+   matched into each rank, seen [P] */
+static int moept__rs_augment(int64_t r, const int64_t *first, const int32_t *pfrom, const int32_t *pto,
+                             const int64_t *pleft, int32_t *mate, uint8_t *seen) {
+    for (int64_t i = first[r]; i < first[r + 1]; i++) {
+        const int32_t s = pto[i];
+        if (!pleft[i] || seen[s]) continue;
+        seen[s] = 1;
+        if (mate[s] < 0 || moept__rs_augment(pfrom[mate[s]], first, pfrom, pto, pleft, mate, seen)) {
+            mate[s] = (int32_t)i;
+            return 1;
+        }
     }
+    return 0;
 }
 
-/* New slots nslot [E], the same on every rank: an expert that stays keeps
-   its place; on each rank the k-th expert leaving (in id order) hands its
-   place to the k-th arriving (there are as many of each: E/P per rank), so
-   nothing that stays is touched and round k moves out[k] -> in[k].
-   out, in [E]: scratch. */
-static void moept__reshard_plan(const moept_layer *L, const int32_t *new_rank, int32_t *nslot, int32_t *out,
-                                int32_t *in, int64_t *rounds, int64_t *moved) {
-    const int64_t E = L->E, El = L->El;
-    *rounds = *moved = 0;
+/* The pairs (old rank, new rank) of the moves, rank by rank (first [P+1]),
+   each with its count (pleft) and its experts in id order from ord[pnext];
+   each rank's pair with itself holds its R - n_r idle rounds. *R: the most
+   moves of one rank. ord [E], pfrom, pto, pleft, pnext [E + P] */
+static int64_t moept__rs_pairs(const moept_layer *L, const int32_t *new_rank, int32_t *ord, int64_t *first,
+                               int32_t *pfrom, int32_t *pto, int64_t *pleft, int64_t *pnext, int64_t *R) {
+    const int64_t El = L->El, P = L->P;
+    int64_t no = 0, np = 0;
+    *R = 0;
+    for (int64_t r = 0; r < P; r++) {
+        const int64_t at = no;
+        first[r] = np;
+        for (int64_t j = 0; j < El; j++) { /* rank r's leaving experts by (new rank, id): insertion */
+            const int32_t e = L->plan.expert_at[r * El + j];
+            if (new_rank[e] == r) continue;
+            int64_t i = no++;
+            for (; i > at && (new_rank[ord[i - 1]] > new_rank[e] ||
+                              (new_rank[ord[i - 1]] == new_rank[e] && ord[i - 1] > e)); i--)
+                ord[i] = ord[i - 1];
+            ord[i] = e;
+        }
+        for (int64_t i = at; i < no; i++) {
+            if (i == at || new_rank[ord[i]] != new_rank[ord[i - 1]]) {
+                pfrom[np] = (int32_t)r; pto[np] = new_rank[ord[i]]; pleft[np] = 0; pnext[np++] = i;
+            }
+            pleft[np - 1]++;
+        }
+        pfrom[np] = pto[np] = (int32_t)r; pleft[np] = -(no - at); pnext[np++] = -1; /* idle: R - n_r */
+        *R = no - at > *R ? no - at : *R;
+    }
+    first[P] = np;
+    for (int64_t i = 0; i < np; i++)
+        if (pnext[i] < 0) pleft[i] += *R;
+    return no;
+}
+
+/* moept_reshard's schedule, the same on every rank. Each expert whose owner
+   changes is an edge from its old rank to its new one; a rank loses as many
+   as it gains (E/P before and after), so with idle self-edges padding every
+   rank to R each way the graph is R-regular and splits into R perfect
+   matchings (Koenig's theorem): the rounds. In a round each rank sends one
+   expert and receives one, or is idle, so a round's messages all meet in
+   that round (none waits for a later one) and the arriving expert takes the
+   place the leaving one frees: one expert of staging. go, come [R][P]: the
+   expert rank r sends, receives in round k (-1: idle); nslot [E]: the new
+   slots (an expert that stays keeps its own). scratch: int64 [4E + 5P + 3]. */
+static void moept__reshard_plan(const moept_layer *L, const int32_t *new_rank, int64_t *scratch, int32_t *go,
+                                int32_t *come, int32_t *nslot, int64_t *rounds, int64_t *moved) {
+    const int64_t E = L->E, El = L->El, P = L->P;
+    int64_t *first = scratch, *pleft = first + P + 1, *pnext = pleft + E + P;
+    int32_t *ord = (int32_t *)(pnext + E + P), *pfrom = ord + E, *pto = pfrom + E + P, *mate = pto + E + P;
+    uint8_t *seen = (uint8_t *)(mate + P);
+    int64_t R;
+    *moved = moept__rs_pairs(L, new_rank, ord, first, pfrom, pto, pleft, pnext, &R);
+    *rounds = R;
     for (int64_t e = 0; e < E; e++)
         nslot[e] = new_rank[e] == L->plan.slot_of[e] / El ? L->plan.slot_of[e] : -1;
-    for (int64_t r = 0; r < L->P; r++) {
-        int64_t no, ni;
-        moept__reshard_lists(L, new_rank, r, out, &no, in, &ni);
-        for (int64_t k = 0; k < ni; k++) nslot[in[k]] = L->plan.slot_of[out[k]] % El + (int32_t)(r * El);
-        *rounds = no > *rounds ? no : *rounds;
-        *moved += no;
+    for (int64_t k = 0; k < R; k++) {
+        for (int64_t s = 0; s < P; s++) mate[s] = -1;
+        for (int64_t r = 0; r < P; r++) { /* a regular graph: each finds its path (a perfect matching) */
+            memset(seen, 0, (size_t)P);
+            moept__rs_augment(r, first, pfrom, pto, pleft, mate, seen);
+        }
+        for (int64_t s = 0; s < P; s++) go[k * P + s] = come[k * P + s] = -1;
+        for (int64_t s = 0; s < P; s++) {
+            const int64_t i = mate[s];
+            if (i < 0) continue; /* not reached (see above) */
+            pleft[i]--;
+            if (pfrom[i] != s) go[k * P + pfrom[i]] = come[k * P + s] = ord[pnext[i]++];
+        }
+        for (int64_t s = 0; s < P; s++) /* into the place its rank's leaving expert frees */
+            if (come[k * P + s] >= 0) nslot[come[k * P + s]] = L->plan.slot_of[go[k * P + s]];
     }
 }
 
-/* The rounds: in round k this rank sends out[k]'s expert (parameters, then
-   AdamW m and v where allocated) and receives in[k]'s through stage [H*D +
-   D*F] into the slot out[k] vacates; pos [E]: each held expert's local
-   slot. Bytes moved add to sent and recvd. */
-static moept_status moept__reshard_rounds(moept_layer *L, const int32_t *new_rank, const int32_t *out,
-                                          int64_t nout, const int32_t *in, int64_t nin, int64_t rounds,
-                                          float *stage, int64_t *pos, int64_t *sent, int64_t *recvd) {
-    const int64_t El = L->El, n13 = L->H * L->D, n2 = L->D * L->F;
+/* The host's rounds: in round k this rank sends go's expert (parameters,
+   then AdamW m and v where allocated) and receives come's through stage
+   [H*D + D*F] into the slot go's vacates. Every rank calls the comm in
+   every round. Bytes moved add to sent and recvd. */
+static moept_status moept__reshard_rounds(moept_layer *L, const moept__moves *mv, float *stage, int64_t *sent,
+                                          int64_t *recvd) {
+    const int64_t El = L->El, P = L->P, me = L->rank, n13 = L->H * L->D, n2 = L->D * L->F;
     float *bufs[3] = {L->par.params, L->opt.m, L->opt.v};
-    for (int64_t k = 0; k < rounds; k++) {
+    for (int64_t k = 0; k < mv->rounds; k++) {
+        const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
         for (int b = 0; b < 3; b++) {
             /* optimizer state moves only if allocated (the same on every rank in a training loop) */
             int have = bufs[b] != NULL;
             moept_p2p s[2], r[2];
             int ns = 0, nr = 0;
-            float *w13, *w2;
-            if (have && k < nout) {
-                moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
-                int to = (int)new_rank[out[k]];
+            float *w13 = NULL, *w2 = NULL;
+            if (have && go >= 0) {
+                moept__expert_parts(L, bufs[b], L->plan.slot_of[go] % El, &w13, &w2);
+                int to = (int)mv->new_rank[go];
                 s[ns++] = (moept_p2p){to, w13, n13 * (int64_t)sizeof(float)};
                 s[ns++] = (moept_p2p){to, w2, n2 * (int64_t)sizeof(float)};
-            }
-            if (have && k < nin) {
-                int from = (int)(L->plan.slot_of[in[k]] / El);
+                int from = (int)(L->plan.slot_of[come] / El);
                 r[nr++] = (moept_p2p){from, stage, n13 * (int64_t)sizeof(float)};
                 r[nr++] = (moept_p2p){from, stage + n13, n2 * (int64_t)sizeof(float)};
             }
@@ -7278,15 +7435,30 @@ static moept_status moept__reshard_rounds(moept_layer *L, const int32_t *new_ran
             if (st) return moept__fail(L, st, "moept_reshard: round %lld: %s", (long long)k, L->ep->err);
             for (int i = 0; i < ns; i++) *sent += s[i].bytes;
             for (int i = 0; i < nr; i++) *recvd += r[i].bytes;
-            if (have && k < nin) { /* into the slot out[k] vacated */
-                moept__expert_parts(L, bufs[b], pos[out[k]], &w13, &w2);
+            if (nr) { /* into the slot go vacated */
                 memcpy(w13, stage, (size_t)n13 * sizeof(float));
                 memcpy(w2, stage + n13, (size_t)n2 * sizeof(float));
             }
         }
-        if (k < nin) { pos[in[k]] = pos[out[k]]; pos[out[k]] = -1; }
     }
     return MOEPT_OK;
+}
+
+/* moept_reshard after its agreement: the placement and the tables built
+   from it, gradients zeroed, the report */
+static void moept__reshard_commit(moept_layer *L, const moept__moves *mv, int64_t moved, int64_t sent,
+                                  int64_t recvd, moept_reshard_report *rep) {
+    for (int64_t e = 0; e < L->E; e++) {
+        L->plan.slot_of[e] = mv->nslot[e];
+        L->plan.expert_at[mv->nslot[e]] = (int32_t)e;
+    }
+    moept__build_table(L);
+    if (L->par.grads) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
+    L->fwd.valid = 0; /* the saved forward's plan used the old placement */
+    if (rep) {
+        rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;
+        rep->rounds = mv->rounds; rep->extra_bytes = (L->H * L->D + L->D * L->F) * (int64_t)sizeof(float);
+    }
 }
 
 moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshard_report *rep) {
@@ -7295,46 +7467,34 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not in fsdp mode (the expert-parallel "
                            "layer is the one that saves, loads and reshards)");
     char why[MOEPT__ERRLEN];
-    if (moept__ex_refuse(L->ex, MOEPT__CAN_RESHARD, "moept_reshard",
-                         why)) /* save, and load at the new placement */
+    if (moept__ex_refuse(L->ex, MOEPT__CAN_RESHARD, "moept_reshard", why))
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s", why);
-    const int64_t E = L->E, El = L->El, P = L->P, me = L->rank;
+    const int64_t E = L->E, P = L->P, me = L->rank;
     moept_status local = MOEPT_OK, st;
     if (!new_rank) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: new_rank is NULL");
-    int64_t *per = moept__alloc(NULL, (size_t)P * sizeof(int64_t));
-    int32_t *nslot = moept__alloc(NULL, (size_t)E * sizeof(int32_t));
-    int32_t *all = moept__alloc(NULL, (size_t)(2 * E) * sizeof(int32_t)); /* out, in lists */
-    int64_t part = L->H * L->D + L->D * L->F; /* floats per expert */
-    float *stage = moept__alloc(NULL, (size_t)part * sizeof(float));
-    int64_t *pos = moept__alloc(NULL, (size_t)E * sizeof(int64_t)); /* local slot of each held expert */
-    if (!local && (!per || !nslot || !all || !stage || !pos))
+    int64_t *per = moept__alloc(NULL, (size_t)(4 * E + 5 * P + 3) * sizeof(int64_t)); /* checks', plan's */
+    int32_t *nslot = moept__alloc(NULL, (size_t)(3 * E) * sizeof(int32_t)); /* nslot [E], go, come [R][P] */
+    float *stage = L->ex->reshard ? NULL : moept__alloc(NULL, (size_t)(L->H * L->D + L->D * L->F) * 4);
+    if (!local && (!per || !nslot || (!stage && !L->ex->reshard)))
         local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
     if (!local) local = moept__reshard_check(L, new_rank, per);
+    int64_t moved = 0, sent = 0, recvd = 0;
+    moept__moves mv = {new_rank, nslot, nslot + E, nslot + 2 * E, 0, 0};
+    if (!local) {
+        moept__reshard_plan(L, new_rank, per, nslot + E, nslot + 2 * E, nslot, &mv.rounds, &moved);
+        for (int64_t k = 0; k < mv.rounds; k++) mv.n += mv.go[k * P + me] >= 0;
+        local = MOEPT__EX(L, reshard_ready, L, &mv);
+    }
     /* every rank of the layout must pass the same table (DP replicas hold alike) */
     uint64_t fp = new_rank ? moept__fnv(MOEPT__FNV0, new_rank, (size_t)E * sizeof(int32_t)) : 0;
     if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_RESHARD, fp))) local = st;
-    int32_t *out = all, *in = all + E; /* this rank's leaving and arriving experts, by round */
-    int64_t nout = 0, nin = 0, rounds = 0, moved = 0, sent = 0, recvd = 0;
-    if (!local) {
-        moept__reshard_plan(L, new_rank, nslot, out, in, &rounds, &moved);
-        moept__reshard_lists(L, new_rank, me, out, &nout, in, &nin); /* this rank's, for the rounds */
-        for (int64_t e = 0; e < E; e++) pos[e] = L->plan.slot_of[e] / El == me ? L->plan.slot_of[e] % El : -1;
-        local = moept__reshard_rounds(L, new_rank, out, nout, in, nin, rounds, stage, pos, &sent, &recvd);
+    if (L->ex->reshard) { /* released when not agreed */
+        if ((st = L->ex->reshard(L, &mv, !local, &sent, &recvd)) && !local) local = st;
+    } else if (!local) {
+        local = moept__reshard_rounds(L, &mv, stage, &sent, &recvd);
     }
-    if (!local) {
-        for (int64_t e = 0; e < E; e++) {
-            L->plan.slot_of[e] = nslot[e];
-            L->plan.expert_at[nslot[e]] = (int32_t)e;
-        }
-        moept__build_table(L);
-        if (L->par.grads) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
-        L->fwd.valid = 0; /* the saved forward's plan used the old placement */
-        if (rep) {
-            rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;
-            rep->rounds = rounds; rep->extra_bytes = part * (int64_t)sizeof(float);
-        }
-    }
-    MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(all); MOEPT_FREE(stage); MOEPT_FREE(pos);
+    if (!local) moept__reshard_commit(L, &mv, moved, sent, recvd, rep);
+    MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(stage);
     return local;
 }
 #endif /* !__cplusplus */

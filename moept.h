@@ -586,7 +586,7 @@ void moept_comm_destroy(moept_comm *c);
    What the CUDA executor does not run it refuses on every rank with
    MOEPT_ERR_UNSUPPORTED, "<call>: <feature> is not supported by the CUDA
    executor": at create grad_backup and expert_sharding =
-   MOEPT_SHARD_FSDP; moept_reshard. Its comms are NCCL comms
+   MOEPT_SHARD_FSDP. Its comms are NCCL comms
    (moept_comm_nccl); a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes
    that device current for its duration (the caller's is restored), so any
@@ -900,15 +900,20 @@ moept_status moept_zero_grad(moept_layer *layer);
 /* Moves experts between the ranks of a running EP group to a new placement
    (new_rank[e]: the rank that will hold expert e; every rank gets E/P
    experts; e.g. from recent load, to balance ranks). Collective over the EP
-   group, between steps. Each expert whose owner changes travels once,
-   straight from its old owner to its new one (point-to-point, all pairs at
-   once), in rounds of at most one expert per rank, so the extra memory per
-   rank is one expert; experts that stay are not touched (an arriving
-   expert takes the place a leaving one freed). Parameters and AdamW state move;
-   gradients are zeroed. From then on the dispatch order follows the
-   placement. Every EP group of a DP layout must reshard alike. CPU layers
-   (a CUDA layer refuses it: save a checkpoint, load it at the new
-   placement). */
+   group, between steps; the rank count stays (to change it, save a
+   checkpoint and load it at the other EP size). Each expert whose owner
+   changes travels once, straight from its old owner to its new one
+   (point-to-point), in rounds in which each rank sends one expert and
+   receives one (or is idle), so the extra memory per rank is one expert;
+   experts that stay are not touched (an arriving expert takes the place a
+   leaving one freed). Parameters and AdamW state move; gradients are
+   zeroed. From then on the dispatch order follows the placement. Every EP
+   group of a DP layout must reshard alike. A CUDA layer moves them device
+   to device over its NCCL comm and also keeps a host copy of the experts
+   it sends: if any rank's moves fail (a comm error), every rank fails and
+   puts its experts back, so every rank is as before the call. A CPU
+   layer whose comm fails during the moves is left part-moved, and peers
+   that finished keep their moves (reload a checkpoint). */
 typedef struct moept_reshard_report {
     int64_t experts_moved;      /* whole group */
     int64_t bytes_sent, bytes_received; /* this rank */
@@ -1920,6 +1925,31 @@ moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from
                                const float *v0, char *err);
 moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err);
 void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
+/* moept_reshard's moves on the device, this rank's part of moept.c's plan:
+   round k sends local slot slot[k]'s expert to rank to[k] and receives one
+   from rank from[k] into that slot (k < n; no more than `rounds`). */
+typedef struct moept__cuda_moves {
+    int64_t n, rounds;
+    const int32_t *to, *from;  /* [n] */
+    const int64_t *slot;       /* [n] */
+} moept__cuda_moves;
+/* prep, before the agreement: the moments the host made newer on the
+   device (from_host, as moept__cuda_adamw), the staging of one expert;
+   *nbuf: the expert-shaped buffers that move (1, or 3 with the moments).
+   move: the leaving experts' bytes into backup [n][nbuf][H*D + D*F] (host;
+   *backed = 1 once they are), then the rounds; bytes moved add to *sent
+   and *recvd. undo: the backup
+   back into its slots. commit: the new placement slot_of [E], zero
+   gradients. After a move, moept__cuda_params_changed. end: the staging
+   freed. */
+moept_status moept__cuda_reshard_prep(moept__cuda *c, int from_host, const float *m0, const float *v0,
+                                      int *nbuf, char *err);
+moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_moves *mv, float *backup, int *backed,
+                                      int64_t *sent, int64_t *recvd, char *err);
+moept_status moept__cuda_reshard_undo(moept__cuda *c, const moept__cuda_moves *mv, const float *backup,
+                                      char *err);
+moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t *slot_of, char *err);
+void moept__cuda_reshard_end(moept__cuda *c);
 #ifdef __cplusplus
 }
 #endif

@@ -1434,6 +1434,7 @@ struct moept__cuda {
     float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg (16-byte aligned);
                                    an inference layer has no grads (NULL) */
     float *opt_m, *opt_v;       /* [n_params] each: AdamW's moments (the first device step allocates) */
+    float *rs_stage;            /* [H*D + D*F] moept_reshard's staging of one expert, during the call */
     int grads_clean;            /* a scan found the gradients finite and no call since changed them */
     float *bias;                /* [E] */
     int32_t *slot_of;           /* [E] */
@@ -1664,6 +1665,7 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
     }
     cudaFree(c->params);
     cudaFree(c->opt_m);
+    cudaFree(c->rs_stage);
     cudaFree(c->wlow);
     cudaFree(c->work);
     cudaFree(c->rblock);
@@ -3329,16 +3331,11 @@ extern "C" moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int6
     return MOEPT_OK;
 }
 
-/* One AdamW step on the device's parameters (queued, no host sync). The
-   moments are allocated at the first (zeros); with from_host they are first
-   set from the host's m0, v0 [n_params] (NULL: zeros), which a loaded
-   checkpoint made newer. bf16 layers get their expert weights' bf16 copy
-   from the same pass. */
-extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host,
-                                          const float *m0, const float *v0, char *err) {
-    MOEPT__ENTER(c);
-    const moept__cuda_spec *p = &c->sp;
-    const int64_t n = p->n_params, npad = moept__npad(c), e0 = p->E * p->D;
+/* The moments on the device: allocated at the first use (zeros); with
+   from_host set from the host's m0, v0 [n_params] (NULL: zeros) */
+static moept_status moept__opt_ready(moept__cuda *c, int from_host, const float *m0, const float *v0,
+                                     char *err) {
+    const int64_t n = c->sp.n_params, npad = moept__npad(c);
     if (!c->opt_m) {
         void *blk = NULL;
         MOEPT__TRY(moept__dmalloc(c, &blk, (size_t)(2 * npad) * 4, err));
@@ -3355,6 +3352,20 @@ extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *
         MOEPT__CU(cudaMemcpyAsync(c->opt_v, v0, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
         MOEPT__TRY(moept__host_wait(c, err)); /* the host arrays may change after we return */
     }
+    return MOEPT_OK;
+}
+
+/* One AdamW step on the device's parameters (queued, no host sync). The
+   moments are allocated at the first (zeros); with from_host they are first
+   set from the host's m0, v0 [n_params] (NULL: zeros), which a loaded
+   checkpoint made newer. bf16 layers get their expert weights' bf16 copy
+   from the same pass. */
+extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host,
+                                          const float *m0, const float *v0, char *err) {
+    MOEPT__ENTER(c);
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t n = p->n_params, e0 = p->E * p->D;
+    MOEPT__TRY(moept__opt_ready(c, from_host, m0, v0, err));
     moept__bf16 *low = (moept__bf16 *)c->wlow;
     const int vec = e0 % 4 == 0 && (uintptr_t)low % 8 == 0 && moept__vec<float>(0, c->params, c->grads) &&
                     moept__vec<float>(0, c->opt_m, c->opt_v);
@@ -3382,4 +3393,105 @@ extern "C" moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float
     MOEPT__CU(cudaMemcpyAsync(v, c->opt_v, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     return MOEPT_OK;
+}
+
+/* ---- resharding (moept_reshard) ---------------------------------------- */
+/* before the agreement: the moments the host made newer, uploaded (so the
+   device's move them), and one expert of staging */
+extern "C" moept_status moept__cuda_reshard_prep(moept__cuda *c, int from_host, const float *m0,
+                                                 const float *v0, int *nbuf, char *err) {
+    MOEPT__ENTER(c);
+    const moept__cuda_spec *p = &c->sp;
+    if (from_host) MOEPT__TRY(moept__opt_ready(c, 1, m0, v0, err));
+    *nbuf = c->opt_m ? 3 : 1;
+    if (!c->rs_stage)
+        MOEPT__TRY(moept__dmalloc(c, (void **)&c->rs_stage, (size_t)(p->H * p->D + p->D * p->F) * 4, err));
+    return MOEPT_OK;
+}
+
+/* expert-shaped buffer b (parameters, AdamW m, v) at local slot j: its w13
+   [H][D] and w2 [D][F] rows */
+static void moept__rs_parts(moept__cuda *c, int b, int64_t j, float **w13, float **w2) {
+    const moept__cuda_spec *p = &c->sp;
+    float *base = b == 0 ? c->params : b == 1 ? c->opt_m : c->opt_v;
+    *w13 = base + p->off13 + j * p->H * p->D;
+    *w2 = base + p->off2 + j * p->D * p->F;
+}
+
+/* the leaving experts' bytes to (dir 0) or from (dir 1) the host backup */
+static moept_status moept__rs_backup(moept__cuda *c, const moept__cuda_moves *mv, float *backup, int dir,
+                                     char *err) {
+    const int64_t n13 = c->sp.H * c->sp.D, n2 = c->sp.D * c->sp.F;
+    const int nb = c->opt_m ? 3 : 1;
+    MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
+    if (c->cs != c->s) { /* after the moves' copies on the comm's stream (an aborted comm's too: ended) */
+        MOEPT__CU(cudaEventRecord(c->ev_comm, c->cs));
+        MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_comm, 0));
+    }
+    for (int64_t k = 0; k < mv->n; k++)
+        for (int b = 0; b < nb; b++) {
+            float *w13, *w2, *h = backup + (k * nb + b) * (n13 + n2);
+            moept__rs_parts(c, b, mv->slot[k], &w13, &w2);
+            if (dir) {
+                MOEPT__CU(cudaMemcpyAsync(w13, h, (size_t)n13 * 4, cudaMemcpyHostToDevice, c->s));
+                MOEPT__CU(cudaMemcpyAsync(w2, h + n13, (size_t)n2 * 4, cudaMemcpyHostToDevice, c->s));
+            } else {
+                MOEPT__CU(cudaMemcpyAsync(h, w13, (size_t)n13 * 4, cudaMemcpyDeviceToHost, c->s));
+                MOEPT__CU(cudaMemcpyAsync(h + n13, w2, (size_t)n2 * 4, cudaMemcpyDeviceToHost, c->s));
+            }
+        }
+    return moept__host_wait(c, err);
+}
+
+/* As the CPU's rounds (moept__reshard_rounds): in round k, for each buffer,
+   slot[k]'s expert goes to to[k] and from[k]'s arrives through the staging
+   into that slot, over the EP comm's point-to-point call (device to device,
+   only the moved experts); the copy out of the staging is queued on the
+   comm's stream, so the next round's receive follows it. */
+extern "C" moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_moves *mv, float *backup,
+                                                 int *backed, int64_t *sent, int64_t *recvd, char *err) {
+    MOEPT__ENTER(c);
+    const int64_t n13 = c->sp.H * c->sp.D, n2 = c->sp.D * c->sp.F;
+    const int nb = c->opt_m ? 3 : 1;
+    moept_comm *ep = c->sp.ep;
+    MOEPT__TRY(moept__rs_backup(c, mv, backup, 0, err));
+    *backed = 1;
+    for (int64_t k = 0; k < mv->n; k++)
+        for (int b = 0; b < nb; b++) {
+            float *w13, *w2;
+            moept__rs_parts(c, b, mv->slot[k], &w13, &w2);
+            moept_p2p s[2] = {{mv->to[k], w13, n13 * 4}, {mv->to[k], w2, n2 * 4}};
+            moept_p2p r[2] = {{mv->from[k], c->rs_stage, n13 * 4}, {mv->from[k], c->rs_stage + n13, n2 * 4}};
+            moept_status st = ep->p2p(ep, s, 2, r, 2);
+            if (st) return moept__kfail(err, st, "round %lld: %s", (long long)k, ep->err);
+            *sent += (n13 + n2) * 4;
+            *recvd += (n13 + n2) * 4;
+            const float *st13 = c->rs_stage, *st2 = c->rs_stage + n13;
+            MOEPT__CU(cudaMemcpyAsync(w13, st13, (size_t)n13 * 4, cudaMemcpyDeviceToDevice, c->cs));
+            MOEPT__CU(cudaMemcpyAsync(w2, st2, (size_t)n2 * 4, cudaMemcpyDeviceToDevice, c->cs));
+        }
+    return moept__host_wait(c, err); /* moept.c then calls moept__cuda_params_changed */
+}
+
+extern "C" moept_status moept__cuda_reshard_undo(moept__cuda *c, const moept__cuda_moves *mv,
+                                                 const float *backup, char *err) {
+    MOEPT__ENTER(c);
+    return moept__rs_backup(c, mv, (float *)backup, 1, err);
+}
+
+extern "C" moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t *slot_of, char *err) {
+    MOEPT__ENTER(c);
+    MOEPT__TRY(moept__host_wait(c, err)); /* a pageable copy follows */
+    MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)c->sp.E * 4, cudaMemcpyHostToDevice, c->s));
+    MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s)); /* the dx check stays */
+    c->grads_clean = 0;
+    return moept__host_wait(c, err);
+}
+
+extern "C" void moept__cuda_reshard_end(moept__cuda *c) {
+    if (!c->rs_stage) return;
+    moept__on_device on(c->dev, c->probe);
+    (void)cudaFree(c->rs_stage);
+    c->allocated_bytes -= (c->sp.H * c->sp.D + c->sp.D * c->sp.F) * 4;
+    c->rs_stage = NULL;
 }

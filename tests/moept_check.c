@@ -1,7 +1,7 @@
 /* moept_check: runs moept-case-v1 reference cases (docs/CASES.md)
    through moept and compares every output and gradient.
 
-   usage: moept_check [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free]
+   usage: moept_check [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--reshard]
                       [--gemm-form auto|grouped|per-expert|strided] [--tol X]
                       [--weights DIR --layer L [--hf-config]] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
@@ -14,6 +14,8 @@
    comm's shared memory where it has some (checked: stats.shared_exchange);
    --no-shm turns that off for the message path, --expect-shm fails the
    cases when the comm has none (MPI across hosts, or /proc not opening a peer's memory file).
+   --reshard (with --ep N > 1): once the weights are set, moept_reshard moves
+   every expert to the next rank, and those moved weights compute the step.
    With --weights every parameter comes from the Hugging Face
    checkpoint DIR (decoder layer L's MoE block, this rank's experts only)
    instead of the case file; with --hf-config too, the model's sizes and
@@ -66,6 +68,7 @@ static int g_sync_free;         /* CUDA: --sync-free */
 static int g_gemm_form;         /* CUDA: --gemm-form (moept_gemm_form) */
 static int g_digest;            /* --digest: print a hash of every compared result's bits (refactors
                                    that must leave results bitwise unchanged compare two runs' hashes) */
+static int g_reshard;           /* --reshard: with the weights set, every expert to the next rank */
 
 /* ---- the layer, on the CPU or (MOEPT_CUDA) on the GPU ---- */
 #ifdef MOEPT_CUDA
@@ -313,8 +316,20 @@ static void round_bf16(float *v, int64_t n) {
     for (int64_t i = 0; i < n; i++) v[i] = moept__bf16_to_f32(moept__f32_to_bf16(v[i]));
 }
 
-/* runs the CPU reference on rounded copies of L's parameters; x and gy are
-   this rank's Tr rows (already rounded), at row lo of T; mask its padding (or NULL) */
+/* --reshard: every expert of L (E over P ranks) to the next rank */
+static moept_status reshard_next(moept_layer *L, int64_t E, int P) {
+    int32_t *place = malloc((size_t)E * sizeof(int32_t));
+    if (!place) return MOEPT_ERR_OUT_OF_MEMORY;
+    for (int64_t e = 0; e < E; e++) place[e] = (int32_t)((e / (E / P) + 1) % P);
+    moept_status st = moept_reshard(L, place, NULL);
+    free(place);
+    return st;
+}
+
+/* runs the CPU reference on rounded copies of L's parameters (at L's
+   placement: --reshard moves its experts too); x and gy are
+   this rank's Tr rows (already rounded), at row lo of T; mask its padding
+   (or NULL) */
 static int ref_build(check *c, const moept_config *cfg, moept_layer *L, const float *x, const float *gy, int64_t T,
                      int64_t lo, int64_t Tr, const uint8_t *mask) {
     const int64_t D = cfg->hidden_size, E = cfg->num_experts, K = cfg->top_k;
@@ -322,6 +337,8 @@ static int ref_build(check *c, const moept_config *cfg, moept_layer *L, const fl
     ref *r = calloc(1, sizeof *r);
     float *y = calloc((size_t)(Tr * D + 1), sizeof(float)), *dx = calloc((size_t)(Tr * D + 1), sizeof(float));
     int ok = r && y && dx && moept_create_parallel(cfg, c->ref_ep, NULL, &R) == MOEPT_OK;
+    const int P = c->ref_ep ? c->ref_ep->size : 1;
+    ok = ok && (!g_reshard || P == 1 || reshard_next(R, E, P) == MOEPT_OK);
     for (int64_t i = 0; ok && i < moept_param_count(L); i++) {
         moept_param_info pi;
         moept_param_info_at(L, i, &pi);
@@ -485,6 +502,10 @@ static void run_case(check *c) {
         moept_status st = moept_set_param(L, pi.name, w, pi.rows * pi.cols);
         free(w);
         if (st) { failf(c, "%s", moept_last_error(L)); goto done; }
+    }
+    if (g_reshard && P > 1 && reshard_next(L, E, P) != MOEPT_OK) { /* the moved weights compute the step */
+        failf(c, "--reshard: %s", moept_last_error(L));
+        goto done;
     }
     if (!(x = read_f(c, "input", T, D)) || !(gy = read_f(c, "grad_output", T, D))) goto done;
     if (g_bf16) { /* the values the GPU sees, and the reference made from them */
@@ -706,11 +727,12 @@ int main(int argc, char **argv) {
         }
         else if (strcmp(argv[first], "--no-shm") == 0) g_no_shm = 1;
         else if (strcmp(argv[first], "--digest") == 0) g_digest = 1;
+        else if (strcmp(argv[first], "--reshard") == 0) g_reshard = 1;
         else if (strcmp(argv[first], "--expect-shm") == 0) g_expect_shm = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
             fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--digest] "
-                    "[--gemm-form F] [--tol X] [--weights DIR --layer L] "
+                    "[--reshard] [--gemm-form F] [--tol X] [--weights DIR --layer L] "
                     "FILE...\n", argv[0]);
             return 2;
         }

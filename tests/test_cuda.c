@@ -836,6 +836,7 @@ static void test_mask_padding_values(void) {
 #include <nccl.h>
 #include <pthread.h>
 #include "emu/emu.h"
+#include <sys/stat.h>
 #include <unistd.h>
 #include <time.h>
 
@@ -2284,9 +2285,9 @@ static void test_inference_ep2(void) {
 
 /* What the CUDA executor lacks comes from its capability bits, refused in
    one place: each feature it does not run (the two config features at
-   create, resharding) fails on both ranks, with the same status and the
-   same message on each, in one shape; the layer made after the refusals
-   runs (agree_job's slot 3). */
+   create) fails on both ranks, with the same status and the same message
+   on each, in one shape; the layer made after the refusals runs
+   (agree_job's slot 2). */
 static void *caps_rank(void *arg) {
     agree_job *j = arg;
     nccl_rank n;
@@ -2311,9 +2312,7 @@ static void *caps_rank(void *arg) {
     unsigned long long rs = 11 + (unsigned long long)j->tr.rank;
     for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
-    int32_t place[8] = {1, 1, 1, 1, 0, 0, 0, 0};
-    agree_call(j, 2, moept_reshard(L, place, NULL), L);
-    agree_call(j, 3, moept_forward(L, xd, T, yd), L);
+    agree_call(j, 2, moept_forward(L, xd, T, yd), L);
     cudaFree(xd); cudaFree(yd);
     free(x);
     moept_destroy(L);
@@ -2325,8 +2324,8 @@ static void test_capability_refusals(void) {
     agree_job j[2];
     memset(j, 0, sizeof j);
     run_two(caps_rank, j, sizeof j[0]);
-    const char *what[3] = {"config.grad_backup", "MOEPT_SHARD_FSDP", "resharding"};
-    for (int k = 0; k < 3; k++) {
+    const char *what[2] = {"config.grad_backup", "MOEPT_SHARD_FSDP"};
+    for (int k = 0; k < 2; k++) {
         EXPECT(j[0].st[k] == MOEPT_ERR_UNSUPPORTED && j[1].st[k] == MOEPT_ERR_UNSUPPORTED,
                "%s: status %d, %d (%s | %s)", what[k], (int)j[0].st[k], (int)j[1].st[k], j[0].msg[k], j[1].msg[k]);
         EXPECT(strcmp(j[0].msg[k], j[1].msg[k]) == 0, "%s: the ranks' messages differ: %s | %s", what[k],
@@ -2334,7 +2333,7 @@ static void test_capability_refusals(void) {
         EXPECT(strstr(j[0].msg[k], what[k]) && strstr(j[0].msg[k], "is not supported by the CUDA executor"),
                "%s: message %s", what[k], j[0].msg[k]);
     }
-    EXPECT(!j[0].st[3] && !j[1].st[3], "a forward after the refusals: %s | %s", j[0].msg[3], j[1].msg[3]);
+    EXPECT(!j[0].st[2] && !j[1].st[2], "a forward after the refusals: %s | %s", j[0].msg[2], j[1].msg[2]);
 }
 
 /* A kernel fault on rank 0's GPU (injected: moept_emu_fault_next_kernel)
@@ -2536,6 +2535,384 @@ static void test_other_device_current(void) {
 
 static void test_absent_peer_forward(void) { absent_peer(0); }
 static void test_absent_peer_grads(void) { absent_peer(1); }
+
+/* ---- moept_reshard on CUDA layers: n emulated NCCL ranks as threads ---- */
+/* The first member of every n-rank job */
+typedef struct n_ranks { int rank, n, timeout_ms; ncclUniqueId id; } n_ranks;
+static void nccl_open_n(nccl_rank *nr, const n_ranks *t) {
+    memset(nr, 0, sizeof *nr);
+    cudaSetDevice(t->rank);
+    cudaStreamCreateWithFlags(&nr->s, cudaStreamNonBlocking);
+    if (t->n < 2) return; /* one rank: no comm */
+    ncclCommInitRank(&nr->nc, t->n, t->id, t->rank);
+    moept_comm_nccl(nr->nc, nr->s, t->timeout_ms, &nr->c);
+}
+static void nccl_close_n(nccl_rank *nr) {
+    if (nr->c) nccl_rank_close(nr);
+    else cudaStreamDestroy(nr->s);
+}
+/* fn on n threads, one NCCL clique (jobs [n] of `size` bytes, each starting with an n_ranks) */
+static void run_n(int n, int timeout_ms, void *(*fn)(void *), void *jobs, size_t size) {
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    pthread_t th[8];
+    for (int r = 0; r < n; r++) *(n_ranks *)((char *)jobs + r * size) = (n_ranks){r, n, timeout_ms, id};
+    for (int r = 0; r < n; r++) pthread_create(&th[r], NULL, fn, (char *)jobs + r * size);
+    for (int r = 0; r < n; r++) pthread_join(th[r], NULL);
+}
+
+/* rank r's file of the checkpoint in dir: in the set its index names (a
+   previous set may be there until rank 0 removes it) */
+static void ckpt_file(const char *dir, int r, int P, char *out, size_t len) {
+    char idx[400], buf[1024] = "", set[200] = "";
+    snprintf(idx, sizeof idx, "%s/index.json", dir);
+    FILE *f = fopen(idx, "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    buf[n] = 0;
+    if (f) fclose(f);
+    const char *p = strstr(buf, "\"set\": \"");
+    if (p) sscanf(p + 8, "%199[^\"]", set);
+    snprintf(out, len, "%s/%s/rank-%d-of-%d.safetensors", dir, set, r, P);
+}
+/* the bytes of one tensor of a file */
+static char *tensor_bytes(const char *path, const moept_st_tensor *t) {
+    char *b = malloc((size_t)t->nbytes + 1);
+    FILE *f = fopen(path, "rb");
+    if (!f || fseek(f, (long)t->offset, SEEK_SET) || fread(b, 1, (size_t)t->nbytes, f) != (size_t)t->nbytes) {
+        free(b);
+        b = NULL;
+    }
+    if (f) fclose(f);
+    return b;
+}
+/* tensors of rank r's file that differ between two checkpoints (name, shape
+   or any byte: parameters, AdamW moments, bias, step); -1: a file is missing */
+static int64_t ckpt_diffs(const char *da, const char *db, int r, int P) {
+    char pa[700], pb[700];
+    ckpt_file(da, r, P, pa, sizeof pa);
+    ckpt_file(db, r, P, pb, sizeof pb);
+    moept_st_file *fa = NULL, *fb = NULL;
+    int64_t d = -1;
+    if (moept_st_open(pa, &fa) == MOEPT_OK && moept_st_open(pb, &fb) == MOEPT_OK) {
+        d = moept_st_count(fa) != moept_st_count(fb);
+        for (int64_t i = 0; i < moept_st_count(fa); i++) {
+            const moept_st_tensor *t = moept_st_at(fa, i), *u = moept_st_find(fb, t->name);
+            char *a = u && u->nbytes == t->nbytes ? tensor_bytes(pa, t) : NULL, *b = a ? tensor_bytes(pb, u) : NULL;
+            d += !a || !b || memcmp(a, b, (size_t)t->nbytes) != 0;
+            free(a);
+            free(b);
+        }
+    }
+    moept_st_close(fa);
+    moept_st_close(fb);
+    return d;
+}
+
+/* one forward and backward on L of this rank's x, dy; y and dx to the host */
+typedef struct rs_io { void *x, *dy, *y, *dx; int64_t T, D; int bf16; } rs_io;
+static moept_status rs_step(moept_layer *L, const rs_io *io, float *y, float *dx) {
+    moept_status st = moept_forward(L, io->x, io->T, io->y);
+    if (!st) st = moept_backward(L, io->x, io->dy, io->dx);
+    host_from(y, io->y, io->T * io->D, io->bf16);
+    host_from(dx, io->dx, io->T * io->D, io->bf16);
+    return st;
+}
+static void rs_io_open(rs_io *io, int rank, int64_t T, int64_t D, int bf16) {
+    float *h = calloc((size_t)(T * D), sizeof(float));
+    unsigned long long s = 31 + (unsigned long long)rank;
+    io->T = T; io->D = D; io->bf16 = bf16;
+    for (int64_t i = 0; i < T * D; i++) h[i] = (float)tu_rand(&s);
+    io->x = dev_from(h, T * D, bf16);
+    for (int64_t i = 0; i < T * D; i++) h[i] = (float)tu_rand(&s);
+    io->dy = dev_from(h, T * D, bf16);
+    io->y = dev_from(h, T * D, bf16);
+    io->dx = dev_from(h, T * D, bf16);
+    free(h);
+}
+static void rs_io_close(rs_io *io) { cudaFree(io->x); cudaFree(io->dy); cudaFree(io->y); cudaFree(io->dx); }
+
+static const moept_adamw rs_opt = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+/* the next training step on two layers of one placement: y, dx and the
+   gradients, then the parameters after an AdamW step (which reads the
+   moments), counted where they differ; -1 if a call failed */
+static int64_t rs_next_step(moept_layer *A, moept_layer *B, const rs_io *io) {
+    const int64_t n = io->T * io->D;
+    float *h = malloc((size_t)(4 * n) * sizeof(float));
+    int64_t d = -1;
+    if (!rs_step(A, io, h, h + n) && !rs_step(B, io, h + 2 * n, h + 3 * n)) {
+        d = count_diffs(h, h + 2 * n, 2 * n) + grad_diffs(A, B);
+        if (moept_sync_grads(A, 1.0f) || moept_sync_grads(B, 1.0f) || moept_adamw_step(A, &rs_opt) ||
+            moept_adamw_step(B, &rs_opt))
+            d = -1;
+        else d += !same_params(A, B, "after the next AdamW step");
+    }
+    free(h);
+    return d;
+}
+
+/* Two AdamW steps and a backward on A (moments, gradients, a saved forward) */
+static moept_status rs_train(moept_layer *A, const rs_io *io) {
+    float *h = malloc((size_t)(2 * io->T * io->D) * sizeof(float));
+    moept_status st = MOEPT_OK;
+    for (int t = 0; t < 3 && !st; t++) {
+        st = moept_zero_grad(A);
+        if (!st) st = rs_step(A, io, h, h + io->T * io->D);
+        if (!st && t < 2) st = moept_sync_grads(A, 1.0f);
+        if (!st && t < 2) st = moept_adamw_step(A, &rs_opt);
+    }
+    free(h);
+    return st;
+}
+
+/* A trained CUDA layer A is resharded to `place`; B, a fresh layer given the
+   same placement, loads A's checkpoint from before the move (save and load
+   at the new placement). Counted where they differ: [0] the parameters,
+   [1] the two layers' checkpoints (moments too), [2] the next step. */
+typedef struct rsh_job {
+    n_ranks nr;
+    const int32_t *place;       /* [8] */
+    const char *dir;            /* <dir>/c before the move, <dir>/a and <dir>/b after */
+    int bf16, sync_free;
+    int32_t got[8];             /* A's placement after */
+    moept_reshard_report rep, rep_b;
+    int64_t diffs[3];
+    moept_status st;
+    char msg[300];
+} rsh_job;
+#define RS_TRY(call) do { if (!j->st && (j->st = (call)) != MOEPT_OK) \
+    snprintf(j->msg, sizeof j->msg, "%s: %s", #call, moept_last_error(NULL)); } while (0)
+
+static void *rsh_rank(void *arg) {
+    rsh_job *j = arg;
+    nccl_rank n;
+    nccl_open_n(&n, &j->nr);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE); /* a shared expert: replicated weights too */
+    moept_layer *A = NULL, *B = NULL;
+    char dc[300], da[300], db[300];
+    snprintf(dc, sizeof dc, "%s/c", j->dir);
+    snprintf(da, sizeof da, "%s/a", j->dir);
+    snprintf(db, sizeof db, "%s/b", j->dir);
+    rs_io io;
+    rs_io_open(&io, j->nr.rank, 24, cfg.hidden_size, j->bf16);
+    moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, j->sync_free, MOEPT_GEMM_AUTO};
+    RS_TRY(moept_create_cuda(&cfg, n.c, NULL, &o, &A));
+    RS_TRY(moept_create_cuda(&cfg, n.c, NULL, &o, &B));
+    if (A) moept_init_params(A, 5);
+    if (A) RS_TRY(rs_train(A, &io));
+    RS_TRY(moept_save_checkpoint(A, dc));
+    RS_TRY(moept_reshard(B, j->place, &j->rep_b));
+    RS_TRY(moept_load_checkpoint(B, dc));
+    RS_TRY(moept_reshard(A, j->place, &j->rep));
+    if (!j->st) {
+        moept_get_placement(A, j->got);
+        j->diffs[0] = !same_params(A, B, "after the move");
+    }
+    RS_TRY(moept_save_checkpoint(A, da));
+    RS_TRY(moept_save_checkpoint(B, db));
+    if (!j->st) {
+        j->diffs[1] = ckpt_diffs(da, db, j->nr.rank, j->nr.n);
+        j->diffs[2] = rs_next_step(A, B, &io);
+    }
+    rs_io_close(&io);
+    moept_destroy(A);
+    moept_destroy(B);
+    nccl_close_n(&n);
+    return NULL;
+}
+
+/* experts that leave rank r from the identity placement (P ranks, 8 experts) */
+static int64_t rs_leaving(const int32_t *place, int P, int r) {
+    int64_t n = 0;
+    for (int e = 0; e < 8; e++) n += e / (8 / P) == r && place[e] != r;
+    return n;
+}
+
+static void rsh_case(int P, const int32_t *place, const char *dir, int bf16, int sync_free) {
+    char sub[300];
+    mkdir(dir, 0755);
+    for (const char *s = "cab"; *s; s++) {
+        snprintf(sub, sizeof sub, "%s/%c", dir, *s);
+        mkdir(sub, 0755);
+    }
+    rsh_job j[4];
+    memset(j, 0, sizeof j);
+    for (int r = 0; r < P; r++) { j[r].place = place; j[r].dir = dir; j[r].bf16 = bf16; j[r].sync_free = sync_free; }
+    run_n(P, 20000, rsh_rank, j, sizeof j[0]);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE);
+    const int64_t part = 3 * cfg.hidden_size * cfg.intermediate_size; /* w13 [2F][D] + w2 [D][F] floats */
+    int64_t moved = 0, most = 0;
+    for (int r = 0; r < P; r++) {
+        moved += rs_leaving(place, P, r);
+        most = rs_leaving(place, P, r) > most ? rs_leaving(place, P, r) : most;
+    }
+    for (int r = 0; r < P; r++) {
+        const rsh_job *a = &j[r];
+        const int64_t bytes = rs_leaving(place, P, r) * part * 4;
+        EXPECT(!a->st, "%s rank %d: %s", dir, r, a->msg);
+        EXPECT(!a->diffs[0] && !a->diffs[1] && !a->diffs[2], "%s rank %d: resharded against saved and loaded at "
+               "the new placement: %lld parameter, %lld checkpoint tensor, %lld next-step differences", dir, r,
+               (long long)a->diffs[0], (long long)a->diffs[1], (long long)a->diffs[2]);
+        EXPECT(memcmp(a->got, place, sizeof a->got) == 0, "%s rank %d: the placement after is not the one asked",
+               dir, r);
+        /* parameters and both moments of each expert that leaves, once; B had no moments yet */
+        EXPECT(a->rep.bytes_sent == 3 * bytes && a->rep.bytes_received == 3 * bytes && a->rep_b.bytes_sent == bytes,
+               "%s rank %d: bytes sent %lld, received %lld, without moments %lld; expected %lld, %lld, %lld", dir, r,
+               (long long)a->rep.bytes_sent, (long long)a->rep.bytes_received, (long long)a->rep_b.bytes_sent,
+               (long long)(3 * bytes), (long long)(3 * bytes), (long long)bytes);
+        EXPECT(a->rep.experts_moved == moved && a->rep.rounds == most && a->rep.extra_bytes == part * 4,
+               "%s rank %d: %lld experts moved in %lld rounds, %lld bytes of staging; expected %lld, %lld, %lld",
+               dir, r, (long long)a->rep.experts_moved, (long long)a->rep.rounds, (long long)a->rep.extra_bytes,
+               (long long)moved, (long long)most, (long long)(part * 4));
+    }
+}
+
+/* Resharding a CUDA layer equals saving it and loading it at the new
+   placement, bitwise: the parameters, both layers' checkpoints (AdamW's
+   moments, bias, step), the next step's y, dx and gradients and the
+   parameters after its AdamW step; the report counts exactly the moved
+   experts' parameters and moments. At 4 ranks every expert to another
+   rank, and a mix where some stay; at 2 ranks half of them swap; the swap
+   again in bf16 and the mix in bf16 in the sync-free mode (the moved
+   weights' bf16 copy is cast again, in the sync-free mode at once). */
+static void test_reshard(void) {
+    static const int32_t rev[8] = {3, 3, 2, 2, 1, 1, 0, 0}, mix[8] = {1, 2, 0, 0, 3, 1, 2, 3};
+    static const int32_t swap2[8] = {1, 1, 0, 0, 1, 0, 0, 1};
+    mkdir("build/ckpt_cuda_rs", 0755);
+    rsh_case(4, rev, "build/ckpt_cuda_rs/rev4", 0, 0);
+    rsh_case(4, mix, "build/ckpt_cuda_rs/mix4", 0, 0);
+    rsh_case(2, swap2, "build/ckpt_cuda_rs/swap2", 0, 0);
+    rsh_case(4, mix, "build/ckpt_cuda_rs/mix4_sf_bf16", 1, 1);
+    rsh_case(2, swap2, "build/ckpt_cuda_rs/swap2_bf16", 1, 0);
+}
+
+/* A checkpoint of a resharded CUDA layer loads at another EP size: X loads
+   <dir>/a (saved after the move), Y <dir>/c (the same state before it, at
+   the identity placement); they must not differ (parameters, next step). */
+typedef struct rsx_job {
+    n_ranks nr;
+    const char *dir;
+    int64_t diffs[2];
+    moept_status st;
+    char msg[300];
+} rsx_job;
+static void *rsx_rank(void *arg) {
+    rsx_job *j = arg;
+    nccl_rank n;
+    nccl_open_n(&n, &j->nr);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE);
+    moept_layer *X = NULL, *Y = NULL;
+    char da[300], dc[300];
+    snprintf(da, sizeof da, "%s/a", j->dir);
+    snprintf(dc, sizeof dc, "%s/c", j->dir);
+    rs_io io;
+    rs_io_open(&io, j->nr.rank, 24, cfg.hidden_size, 0);
+    RS_TRY(moept_create_cuda(&cfg, n.c, NULL, NULL, &X));
+    RS_TRY(moept_create_cuda(&cfg, n.c, NULL, NULL, &Y));
+    RS_TRY(moept_load_checkpoint(X, da));
+    RS_TRY(moept_load_checkpoint(Y, dc));
+    if (!j->st) {
+        j->diffs[0] = !same_params(X, Y, "loaded");
+        j->diffs[1] = rs_next_step(X, Y, &io);
+    }
+    rs_io_close(&io);
+    moept_destroy(X);
+    moept_destroy(Y);
+    nccl_close_n(&n);
+    return NULL;
+}
+static void test_reshard_other_sizes(void) {
+    static const struct { const char *dir; int Q; } c[3] = {
+        {"build/ckpt_cuda_rs/rev4", 2}, {"build/ckpt_cuda_rs/swap2", 4}, {"build/ckpt_cuda_rs/mix4", 1}};
+    for (int i = 0; i < 3; i++) {
+        rsx_job j[4];
+        memset(j, 0, sizeof j);
+        for (int r = 0; r < c[i].Q; r++) j[r].dir = c[i].dir;
+        run_n(c[i].Q, 20000, rsx_rank, j, sizeof j[0]);
+        for (int r = 0; r < c[i].Q; r++)
+            EXPECT(!j[r].st && !j[r].diffs[0] && !j[r].diffs[1], "%s at %d ranks, rank %d: %s; %lld parameter, "
+                   "%lld next-step differences", c[i].dir, c[i].Q, r, j[r].msg, (long long)j[r].diffs[0],
+                   (long long)j[r].diffs[1]);
+    }
+}
+
+/* A reshard that fails on one rank fails on every rank and leaves every
+   rank as it was. Four EP ranks, a trained layer (its parameters newer on
+   the device); ranks 0 and 1 swap their experts, and so do 2 and 3: (0)
+   rank 1's staging allocation fails: refused before anything moves, then
+   (1) the same reshard runs, and (2) back again with rank 1's fifth
+   send/receive group failing as after a network error (round 1, after a
+   whole expert moved both ways): every rank fails (ranks 2 and 3, whose
+   own moves succeed, at the agreement after the moves), and each rank's
+   placement, host parameters and device parameters are those before. */
+typedef struct rsf_job {
+    n_ranks nr;
+    moept_status st[3];
+    char msg[3][300];
+    int32_t got[8];
+    int64_t host_diffs, dev_diffs, n;
+} rsf_job;
+static float *rs_device_params(moept_layer *L, int64_t *n) {
+    float *dp, *dg, *h;
+    if (moept_cuda_params(L, &dp, &dg, n)) return NULL;
+    h = malloc((size_t)*n * sizeof(float));
+    cudaMemcpy(h, dp, (size_t)*n * sizeof(float), cudaMemcpyDeviceToHost);
+    return h;
+}
+static void *rsf_rank(void *arg) {
+    rsf_job *j = arg;
+    nccl_rank n;
+    nccl_open_n(&n, &j->nr);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_layer *A = NULL;
+    static const int32_t there[8] = {1, 1, 0, 0, 3, 3, 2, 2}, back[8] = {0, 0, 1, 1, 2, 2, 3, 3};
+    rs_io io;
+    rs_io_open(&io, j->nr.rank, 24, cfg.hidden_size, 0);
+    if (moept_create_cuda(&cfg, n.c, NULL, NULL, &A) == MOEPT_OK) {
+        moept_init_params(A, 5);
+        const moept_status trained = rs_train(A, &io);
+        if (j->nr.rank == 1) moept_emu_fail_malloc(1);
+        for (int k = 0; k < 3 && !trained; k++) {
+            if (k == 2 && j->nr.rank == 1) moept_emu_nccl_fail_p2p(5);
+            float *d = NULL; /* what a failure must leave: the device's parameters, newer than the host's */
+            if (k == 2 && (d = rs_device_params(A, &j->n))) moept_cuda_params_changed(A);
+            j->st[k] = moept_reshard(A, k < 2 ? there : back, NULL);
+            snprintf(j->msg[k], sizeof j->msg[k], "%s", moept_last_error(A));
+            if (k == 0 && j->nr.rank == 1) moept_emu_fail_malloc(0);
+            if (k != 2) continue;
+            moept_emu_nccl_fail_p2p(0);
+            moept_get_placement(A, j->got);
+            int64_t m;
+            float *h, *d2 = rs_device_params(A, &m); /* the device's first: moept_params marks the host newer */
+            j->dev_diffs = d && d2 ? count_diffs(d, d2, j->n) : -1;
+            j->host_diffs = d && moept_params(A, &h, &m) == MOEPT_OK ? count_diffs(d, h, j->n) : -1;
+            free(d);
+            free(d2);
+        }
+        if (trained) snprintf(j->msg[0], sizeof j->msg[0], "training: %s", moept_last_error(A));
+        if (trained) j->st[0] = trained;
+    }
+    rs_io_close(&io);
+    moept_destroy(A);
+    nccl_close_n(&n);
+    return NULL;
+}
+static void test_reshard_failure(void) {
+    rsf_job j[4];
+    memset(j, 0, sizeof j);
+    run_n(4, 3000, rsf_rank, j, sizeof j[0]);
+    for (int r = 0; r < 4; r++) {
+        const rsf_job *a = &j[r];
+        EXPECT(a->st[0] != MOEPT_OK && (r == 1 ? a->st[0] == MOEPT_ERR_DEVICE : strstr(a->msg[0], "other rank") != NULL),
+               "rank %d, a staging allocation failed on rank 1: %d (%s)", r, (int)a->st[0], a->msg[0]);
+        EXPECT(a->st[1] == MOEPT_OK, "rank %d, the reshard after: %d (%s)", r, (int)a->st[1], a->msg[1]);
+        EXPECT(a->st[2] == MOEPT_ERR_COMM, "rank %d, a transport failure on rank 1: %d (%s)", r, (int)a->st[2],
+               a->msg[2]);
+        for (int e = 0; e < 8; e++)
+            EXPECT(a->got[e] == (e / 2 ^ 1), "rank %d: expert %d on rank %d after the failed reshard", r, e, a->got[e]);
+        EXPECT(a->n > 0 && a->host_diffs == 0 && a->dev_diffs == 0, "rank %d: after the failed reshard %lld host and "
+               "%lld device parameters differ from before", r, (long long)a->host_diffs, (long long)a->dev_diffs);
+    }
+}
 #endif
 
 static void test_no_device(void) {
@@ -2633,6 +3010,12 @@ int main(void) {
     tu_run("cuda (emulated, 2 EP ranks): inference-only layers equal training ones bitwise, the CPU's to its "
            "bound (fp32, bf16; default, chunked, sync-free); backward refused as the CPU's",
            test_inference_ep2);
+    tu_run("cuda (emulated, 4 and 2 EP ranks): moept_reshard equals save and load at the new placement bitwise, "
+           "the moved bytes counted", test_reshard);
+    tu_run("cuda (emulated): a resharded layer's checkpoint loads at EP 4 -> 2, 2 -> 4, 4 -> 1 as the state "
+           "before the move", test_reshard_other_sizes);
+    tu_run("cuda (emulated, 4 EP ranks): a reshard failing on one rank fails all, every rank as it was",
+           test_reshard_failure);
 #endif
     return tu_done();
 }

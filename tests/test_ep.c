@@ -949,6 +949,97 @@ static void test_reshard_permutation(void) {
     free(before); free(mbefore);
 }
 
+/* Resharding from any placement to any other: 40 random balanced
+   placements of 12 experts over 4 ranks, one after another. Every round
+   must meet on every rank (the schedule pairs each rank's sends and
+   receives round by round), each rank then holds exactly its experts with
+   their parameters, and the report counts the moves: the rounds are the
+   most experts one rank sends, the bytes each moved expert's. */
+#define RA_E 12
+typedef struct raj {
+    moept_thread_group *g; int r;
+    float *before;   /* [E][part]: every expert's parameters at the start */
+    int bad;         /* reshards that failed or left wrong data */
+    int64_t moved, rounds_bad, bytes_bad;
+    char err[512];
+} raj;
+static void ra_placement(int i, int32_t *pl) {
+    unsigned long long s = 99 + (unsigned long long)i;
+    for (int e = 0; e < RA_E; e++) pl[e] = e / 3;
+    for (int e = RA_E - 1; e > 0; e--) { /* Fisher-Yates, the same on every rank */
+        int j = (int)(tu_rand(&s) * 0.5 * (e + 1) + 0.5 * (e + 1)) % (e + 1), t = pl[e];
+        pl[e] = pl[j]; pl[j] = t;
+    }
+}
+static void *reshard_any_main(void *arg) {
+    raj *j = arg;
+    moept_comm *c;
+    moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = cfg_of(MOEPT_FAMILY_MIXTRAL);
+    cfg.num_experts = RA_E;
+    cfg.max_tokens = 8;
+    moept_layer *L = NULL;
+    if (moept_create_parallel(&cfg, c, NULL, &L)) {
+        snprintf(j->err, sizeof j->err, "create: %.400s", moept_last_error(NULL));
+        j->bad = -1;
+        return NULL;
+    }
+    moept_init_params(L, 4);
+    const int64_t part = L->H * L->D + L->D * L->F;
+    for (int64_t k = 0; k < L->El; k++) expert_copy(L, L->par.params, k, j->before + L->plan.expert_at[j->r * L->El + k] * part);
+    float *tmp = malloc((size_t)part * 4);
+    int32_t pl[RA_E], old[RA_E];
+    for (int i = 0; i < 40; i++) {
+        ra_placement(i, pl);
+        moept_get_placement(L, old);
+        int64_t out[4] = {0}, most = 0, moved = 0;
+        for (int e = 0; e < RA_E; e++)
+            if (pl[e] != old[e]) { out[old[e]]++; moved++; }
+        for (int q = 0; q < 4; q++) most = out[q] > most ? out[q] : most;
+        moept_reshard_report rep;
+        if (moept_reshard(L, pl, &rep)) {
+            if (!j->bad++) snprintf(j->err, sizeof j->err, "placement %d: %.400s", i, moept_last_error(L));
+            break;
+        }
+        j->moved += rep.experts_moved;
+        j->rounds_bad += rep.rounds != most || rep.experts_moved != moved;
+        j->bytes_bad += rep.bytes_sent != out[j->r] * part * 4 || rep.bytes_received != rep.bytes_sent;
+        for (int64_t k = 0; k < L->El; k++) {
+            int64_t e = L->plan.expert_at[j->r * L->El + k];
+            expert_copy(L, L->par.params, k, tmp);
+            if (pl[e] != j->r || memcmp(tmp, j->before + e * part, (size_t)part * 4) != 0) {
+                if (!j->bad++) snprintf(j->err, sizeof j->err, "placement %d: expert %lld wrong", i, (long long)e);
+            }
+        }
+    }
+    free(tmp);
+    moept_destroy(L);
+    return NULL;
+}
+static void test_reshard_any_placement(void) {
+    moept_config cfg = cfg_of(MOEPT_FAMILY_MIXTRAL);
+    int64_t part = 2 * cfg.intermediate_size * cfg.hidden_size + cfg.hidden_size * cfg.intermediate_size;
+    float *before = calloc((size_t)(RA_E * part), 4);
+    raj js[4];
+    memset(js, 0, sizeof js);
+    moept_thread_group *g;
+    moept_thread_group_create(4, 20000, &g);
+    pthread_t th[4];
+    for (int r = 0; r < 4; r++) {
+        js[r].g = g; js[r].r = r; js[r].before = before;
+        pthread_create(&th[r], NULL, reshard_any_main, &js[r]);
+    }
+    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    moept_thread_group_destroy(g);
+    for (int r = 0; r < 4; r++) {
+        EXPECT(js[r].bad == 0, "rank %d: %d failures (%s)", r, js[r].bad, js[r].err);
+        EXPECT(!js[r].rounds_bad && !js[r].bytes_bad, "rank %d: %lld reports with other rounds or moves, %lld "
+               "with other bytes", r, (long long)js[r].rounds_bad, (long long)js[r].bytes_bad);
+    }
+    EXPECT(js[0].moved > 200, "only %lld experts moved in 40 placements", (long long)js[0].moved);
+    free(before);
+}
+
 int main(void) {
     RUN(test_ep_matches_one_rank);
     RUN(test_skew_and_empty);
@@ -967,5 +1058,6 @@ int main(void) {
     RUN(test_nonfinite_output_fails_every_rank);
     RUN(test_grad_backup_restores);
     RUN(test_reshard_permutation);
+    RUN(test_reshard_any_placement);
     return tu_done();
 }

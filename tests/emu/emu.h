@@ -20,6 +20,11 @@ void moept_emu_fail_malloc(int n);
    transport failure: the op ends and the communicator's asynchronous error
    is ncclRemoteError, as after a network error. 0 turns it off. */
 void moept_emu_nccl_inject_error(int ms);
+/* Fault injection: the n-th point-to-point op (an outermost ncclGroupEnd's
+   sends and receives) enqueued from now for the caller's current device
+   fails as after a network error: it moves nothing, and its communicator's
+   asynchronous error is ncclRemoteError. 0 disarms. */
+void moept_emu_nccl_fail_p2p(int n);
 /* Fault injection: the next kernel launched on device dev (from now) faults
    when it runs, as one that touched an illegal address: a "context" report
    (take it), and the device's context is lost (cudaErrorIllegalAddress).

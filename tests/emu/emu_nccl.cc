@@ -98,6 +98,10 @@ static std::mutex g_mu;
 static std::map<std::string, World *> g_worlds; /* by the id's segment name */
 /* > 0: a peer absent this long is a transport error (moept_emu_nccl_inject_error) */
 static std::atomic<int> g_inject_ms{0};
+/* > 0: the n-th point-to-point op from now (an outermost ncclGroupEnd's sends
+   and receives) enqueued for device g_fail_p2p_dev fails (moept_emu_nccl_fail_p2p) */
+static std::atomic<int> g_fail_p2p{0};
+static std::atomic<int> g_fail_p2p_dev{-1};
 
 struct Pending {
     Comm *c;
@@ -360,7 +364,15 @@ static ncclResult_t flush_group() {
         snprintf(nm, sizeof nm, "ncclGroupEnd (%zu sends/receives, rank %d)", mine.size(), c->rank);
         Stream *st = stream_of(s);
         t_after = [c](const std::shared_ptr<Op> &o) { note_last(c, o); }; /* a graph's replay too */
-        enqueue(st, nm, [c, mine](Op &) { if (!c->dead) run_p2p(c, mine); });
+        const bool fail = g_fail_p2p.load() > 0 && c->dev == g_fail_p2p_dev && g_fail_p2p.fetch_sub(1) == 1;
+        /* a transport failure moves nothing and leaves ncclRemoteError as the comm's asynchronous
+           error (NCCL API, "ncclResult_t": ncclRemoteError, "a call failed possibly due to a network
+           error or a remote process exiting prematurely"); the peers' ops wait on, as on a GPU */
+        enqueue(st, nm, [c, mine, fail](Op &) {
+            if (c->dead) return;
+            if (fail) set_error(c, false, "rank %d: injected transport failure of a send/receive group", c->rank);
+            else run_p2p(c, mine);
+        });
     }
     return ncclSuccess;
 }
@@ -385,6 +397,10 @@ using namespace emu;
 
 int moept_emu_nccl_group_depth(void) { return t_depth; }
 extern "C" void moept_emu_nccl_inject_error(int ms) { g_inject_ms = ms > 0 ? ms : 0; }
+extern "C" void moept_emu_nccl_fail_p2p(int n) {
+    g_fail_p2p_dev = cur_dev;
+    g_fail_p2p = n > 0 ? n : 0;
+}
 
 extern "C" {
 
