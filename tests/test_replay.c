@@ -808,7 +808,8 @@ int main(void) {
            test_own_ids_gpu);
     tu_run("replay (GPU): a rollout recorded at EP 4 replayed at EP 2 equals it (fp32, bf16)",
            test_rollout_gpu);
-    tu_run("replay (GPU): a padded token's row is not read (EP 1, 2; fp32, bf16, sync-free)", test_masked_rows);
+    tu_run("replay (GPU): a padded token's row is not read (EP 1, 2; fp32, bf16, sync-free)",
+           test_masked_rows);
     tu_run("replay (GPU): rejected rows fail every rank (EP 1, 2; chunks 3; sync-free: at grad_norm)",
            test_rejected_gpu);
     tu_run("replay (GPU): another choice than the router's equals the CPU layer's (EP 1, 2; fp32, bf16)",
