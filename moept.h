@@ -586,7 +586,8 @@ void moept_comm_destroy(moept_comm *c);
    What the CUDA executor does not run it refuses on every rank with
    MOEPT_ERR_UNSUPPORTED, "<call>: <feature> is not supported by the CUDA
    executor": at create grad_backup and expert_sharding =
-   MOEPT_SHARD_FSDP. Its comms are NCCL comms
+   MOEPT_SHARD_FSDP (docs/CUDA.md, "What it does not run", says why).
+   Everything else a CPU layer does, a CUDA layer does. Its comms are NCCL comms
    (moept_comm_nccl); a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes
    that device current for its duration (the caller's is restored), so any
