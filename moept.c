@@ -757,7 +757,8 @@ typedef struct moept__exec {
     unsigned caps;         /* MOEPT__CAN_* */
     /* the steps (after the API's checks; each agrees over the group itself) */
     moept_status (*forward)(moept_layer *L, moept__fstep *f);
-    moept_status (*backward)(moept_layer *L, const float *x, const float *dy, float *dx);
+    moept_status (*backward)(moept_layer *L, const float *x, const float *dy, float *dx,
+                             const moept_backward_opts *o); /* o: never NULL */
     moept_status (*sync_grads)(moept_layer *L, float scale);     /* after the call's agreement */
     moept_status (*grad_scan)(moept_layer *L, double *s, int64_t *bad);
     moept_status (*adamw_ready)(moept_layer *L);                 /* before the agreement */
@@ -1020,6 +1021,7 @@ struct moept__fstep {
     float *y;              /* [T][D] */
     const uint8_t *mask;   /* [T] 0 = padding, or NULL */
     const int32_t *replay; /* [T][K] the experts to route to (routing replay), or NULL */
+    float *logits_out;     /* [T][E] the router's logits written here, or NULL */
     int64_t T, valid;      /* tokens; unmasked ones */
     int eval, global, nb, jitter;
     uint64_t x_fp;         /* x's fingerprint, for the backward's check */
@@ -1042,7 +1044,7 @@ enum {
 };
 static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
     [MOEPT__CALL_FORWARD] = {"moept_forward", ""},
-    [MOEPT__CALL_BACKWARD] = {"moept_backward", ""},
+    [MOEPT__CALL_BACKWARD] = {"moept_backward", "router_loss_scale"},
     [MOEPT__CALL_SYNC_GRADS] = {"moept_sync_grads", "scale"},
     [MOEPT__CALL_GRAD_NORM] = {"moept_grad_norm", ""},
     [MOEPT__CALL_UPDATE_BIAS] = {"moept_update_bias", "rate"},
@@ -2909,6 +2911,8 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
         MOEPT__PAR_MAX(T * E * K, L->nthreads)
     for (int64_t t = 0; t < T; t++) {
         float *scratch = L->plan.choice + (int64_t)MOEPT__TID * 2 * E;
+        float *lo = f->logits_out ? f->logits_out + t * E : NULL; /* padded rows: 0 */
+        for (int64_t e = 0; lo && e < E; e++) lo[e] = mask && !mask[t] ? 0.0f : logits[t * E + e];
         if (mask && !mask[t]) {
             for (int64_t k = 0; k < K; k++) { ids[t * K + k] = -1; wts[t * K + k] = 0.0f; }
             continue;
@@ -3304,7 +3308,10 @@ moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *
     moept__fstep f;
     memset(&f, 0, sizeof f);
     f.x = x; f.y = y; f.T = T;
-    if (o) { f.mask = o->mask; f.eval = o->eval != 0; f.replay = o->replay_ids; }
+    if (o) {
+        f.mask = o->mask; f.eval = o->eval != 0; f.replay = o->replay_ids;
+        f.logits_out = o->logits_out;
+    }
     f.eval |= L->cfg.inference_only; /* nothing to keep */
     if (f.mask) f.reject = moept__ex_refuse(L->ex, MOEPT__CAN_MASK, "moept_forward", f.reject_why);
     return L->ex->forward(L, &f);
@@ -3342,10 +3349,21 @@ static moept_status moept__backward_finite(moept_layer *L, const float *dx, int 
     return st;
 }
 
-moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+moept_backward_opts moept_backward_default(void) {
+    moept_backward_opts o = {1.0f, NULL};
+    return o;
+}
+
+moept_status moept_backward_ex(moept_layer *L, const float *x, const float *dy, float *dx,
+                               const moept_backward_opts *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
     if (!L->par.grads) return moept__no_grads(L, "moept_backward");
-    return L->ex->backward(L, x, dy, dx);
+    const moept_backward_opts def = moept_backward_default();
+    return L->ex->backward(L, x, dy, dx, o ? o : &def);
+}
+
+moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+    return moept_backward_ex(L, x, dy, dx, NULL);
 }
 
 /* The backward's stages, as the CUDA executor's (moept_kernels.cu):
@@ -3353,11 +3371,15 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
    (ys) become dys, then the experts' dxs; dx is written once, by the last. */
 
 /* agree: this rank's checks, then (EP) agreement so no rank is left waiting */
-static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float *dy, const float *dx) {
+static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float *dy, const float *dx,
+                                     float rscale) {
     moept_status local = MOEPT_OK;
     uint64_t x_fp = 0;
     const int64_t T = L->fwd.T, D = L->D;
     if (!L->fwd.valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
+    else if (!moept__finite(rscale))
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
+                            "moept_backward: opts.router_loss_scale is not finite");
     else if (L->fwd.eval)
         local = moept__fail(L, MOEPT_ERR_STATE,
                             "moept_backward: the last forward was an evaluation (opts.eval): "
@@ -3380,7 +3402,7 @@ static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
     }
-    return moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD, 0);
+    return moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD, moept__fnv_f32(&rscale, 1));
 }
 
 /* fsdp: the experts gathered again (before anything changes: a broken comm
@@ -3468,7 +3490,7 @@ static moept_status moept__bwd_experts(moept_layer *L, const float *x) {
    g_router += dlogits^T xin where the router saw xin = x * u (jitter: the
    noise drawn again into xj; else u = 1), and the shared gate's
    gsg += dsg^T x (over the packed rows as its forward) */
-static void moept__bwd_router(moept_layer *L, const float *x) {
+static void moept__bwd_router(moept_layer *L, const float *x, const moept_backward_opts *o) {
     const int64_t T = L->fwd.T, D = L->D, E = L->E, K = L->K;
     const int fam = (int)L->cfg.family, aux = (int)L->cfg.aux_loss, norm = L->cfg.norm_topk_prob;
     const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->fwd.aux_g : NULL;
@@ -3486,7 +3508,8 @@ static void moept__bwd_router(moept_layer *L, const float *x) {
         float zgrad = moept__zgrad(zc, L->fwd.lse[t], Tl);
         moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, L->ws.dwts + t * K,
                                 aux_g && slen ? aux_g + t / slen * E : aux_g, zgrad, (int)E, (int)K, norm,
-                                scale, scratch, L->ws.dlogits + t * E);
+                                scale, o->router_loss_scale, o->dlogits ? o->dlogits + t * E : NULL, scratch,
+                                L->ws.dlogits + t * E);
     }
     const float *xin = x;
     if (L->fwd.jitter) {
@@ -3551,9 +3574,10 @@ static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
     return MOEPT_OK;
 }
 
-static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx,
+                                    const moept_backward_opts *o) {
     moept_status st;
-    if ((st = moept__bwd_agree(L, x, dy, dx))) return st;
+    if ((st = moept__bwd_agree(L, x, dy, dx, o->router_loss_scale))) return st;
     const moept_stats stats_before = L->stats; /* restored if dx is not finite */
     const int grads_were_zero = moept__all_zero(L->par.grads, L->par.n_params);
     if (L->par.grads_copy && !grads_were_zero)
@@ -3561,7 +3585,7 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
     if (L->fsdp && (st = moept__bwd_fsdp_gather(L))) return st;
     moept__bwd_combine(L, dy);
     if ((st = moept__bwd_experts(L, x))) return st;
-    moept__bwd_router(L, x);
+    moept__bwd_router(L, x, o);
     if ((st = moept__bwd_dx(L, dx))) return st;
     L->fwd.bwd_valid = 1; /* the saved activations are consumed, whatever follows */
     if ((st = moept__backward_finite(L, dx, grads_were_zero, &stats_before))) return st;
@@ -3830,8 +3854,9 @@ static moept_status moept__cpu_forward(moept_layer *L, moept__fstep *f) {
     return st;
 }
 
-static moept_status moept__cpu_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
-    moept_status st = moept__backward(L, x, dy, dx);
+static moept_status moept__cpu_backward(moept_layer *L, const float *x, const float *dy, float *dx,
+                                        const moept_backward_opts *o) {
+    moept_status st = moept__backward(L, x, dy, dx, o);
     moept__load_note();
     return st;
 }
@@ -3967,6 +3992,7 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.jitter = L->cfg.router_jitter > 0.0f && !f->eval; /* the CPU's noise: its key, counted alike */
     r.jitter_key = moept__jitter_key(L);
     r.mask = f->mask; /* device memory, as x and y */
+    r.logits_out = f->logits_out;
     st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
@@ -3983,7 +4009,8 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     return MOEPT_OK;
 }
 
-static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
+static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx,
+                                               const moept_backward_opts *o) {
     moept__cudax *X = MOEPT__CX(L);
     moept_status st = moept__to_device(L);
     if (st) return st;
@@ -3994,7 +4021,12 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
         r.reject = MOEPT_ERR_STATE;
         r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
                        "differentiate";
+    } else if (!moept__finite(o->router_loss_scale)) {
+        r.reject = MOEPT_ERR_INVALID_ARGUMENT;
+        r.reject_msg = "moept_backward: opts.router_loss_scale is not finite";
     }
+    r.router_loss_scale = o->router_loss_scale;
+    r.dlogits = o->dlogits; /* device memory, as x */
     st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;

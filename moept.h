@@ -892,11 +892,45 @@ typedef struct moept_forward_opts {
                             above): each token's K experts instead of the router's
                             choice, weighted from the current logits. CUDA layers:
                             device memory, as x */
+    float *logits_out;   /* [tokens][E] fp32 or NULL: the router's logits (what the
+                            router's softmax/sigmoid read; with jitter, of x*u)
+                            written here, for a router loss of the caller's
+                            (moept_backward_opts.dlogits). A CUDA layer's is device
+                            memory. Padded rows: 0 */
 } moept_forward_opts;
 moept_status moept_forward_ex(moept_layer *layer, const float *x, int64_t tokens, float *y,
                               const moept_forward_opts *opts);
 moept_status moept_backward(moept_layer *layer, const float *x,
                             const float *dy, float *dx);
+/* moept_backward with per-call options. NULL is moept_backward.
+   Gradient accumulation over N micro-batches with the main loss scaled by
+   1/N (dy = dL/dy / N): pass router_loss_scale = 1/N, so moept's aux and z
+   losses are averaged alike. fp16-style loss scaling (dy = S dL/dy): pass
+   S, and unscale the gradients (moept_sync_grads' scale 1/S) as the rest of
+   the model's. Both: their product, the factor applied to dy. Then
+   backward(s dy, scale s) = s backward(dy, 1) (exactly for a power of 2).
+   A router loss of the caller's (HF's load_balancing_loss_func over all
+   layers' logits concatenated, a custom balance term): take each layer's
+   logits with moept_forward_opts.logits_out, compute the loss and its
+   gradient dL/dlogits, and pass that as dlogits (already scaled as dy is).
+   Under EP every rank must pass the same router_loss_scale (agreed with
+   the call; a CUDA layer in sync-free mode or with unchecked_backward does
+   not agree, and does not check it); dlogits is each rank's own tokens'. */
+typedef struct moept_backward_opts {
+    float router_loss_scale;  /* multiplies the gradients of moept's own router losses (the aux
+                                 and z terms, MOEPT_AUX_SEQ's too) before they join dy's: the
+                                 factor the caller applied to its main loss (1/N of gradient
+                                 accumulation, a loss scale), so the losses keep their weight.
+                                 Finite. 1 in moept_backward_default() */
+    const float *dlogits;     /* [T][E] fp32, or NULL: dL/dlogits of the caller's own router
+                                 loss, added to moept's terms; logits as
+                                 moept_forward_opts.logits_out wrote them. A CUDA layer's is
+                                 device memory, as x. Padded rows (opts.mask) are not read.
+                                 Not scaled by router_loss_scale */
+} moept_backward_opts;
+moept_backward_opts moept_backward_default(void); /* {1.0f, NULL} */
+moept_status moept_backward_ex(moept_layer *layer, const float *x, const float *dy, float *dx,
+                               const moept_backward_opts *opts);
 moept_status moept_zero_grad(moept_layer *layer);
 /* Moves experts between the ranks of a running EP group to a new placement
    (new_rank[e]: the rank that will hold expert e; every rank gets E/P
@@ -1430,41 +1464,46 @@ MOEPT_HD static inline void moept__aux_token(int family, int aux,
 
 /* Router backward of one token: dlogit[E] = dL/dlogits from the routing
    weights' gradient gw[K], the aux loss (aux_g[E] = dL/dscore, NULL for
-   none) and the z loss (zgrad = z_coef * 2 * lse / T). scratch[E]. */
+   none) and the z loss (zgrad = z_coef * 2 * lse / T), those two times ls
+   (moept_backward_opts.router_loss_scale), plus the caller's own dL/dlogits
+   dlx[E] (NULL: none). scratch[E]. */
 MOEPT_HD static inline void moept__router_token_bwd(
     int family, int aux, const float *logit, const float *probs,
     const int32_t *ids, const float *gw, const float *aux_g, float zgrad,
-    int E, int K, int norm, float scale, float *scratch, float *dlogit) {
+    int E, int K, int norm, float scale, float ls, const float *dlx, float *scratch, float *dlogit) {
     for (int e = 0; e < E; e++) dlogit[e] = 0.0f;
     moept__route_weights_bwd(family, probs, ids, gw, K, norm, scale, dlogit);
+    zgrad *= ls;
     if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
         if (aux_g)
-            for (int e = 0; e < E; e++) dlogit[e] += aux_g[e];
+            for (int e = 0; e < E; e++) dlogit[e] += ls * aux_g[e];
         moept__softmax_bwd(probs, E, dlogit);
         if (zgrad != 0.0f)
             for (int e = 0; e < E; e++) dlogit[e] += zgrad * probs[e];
-        return;
-    }
-    for (int e = 0; e < E; e++) dlogit[e] *= probs[e] * (1.0f - probs[e]);
-    if (aux_g && (aux == MOEPT_AUX_MEGATRON || aux == MOEPT_AUX_SEQ)) {
-        /* q = s / Z, Z = sum s + 1e-20: ds_j = (g_j - sum_e g_e q_e) / Z */
-        float z = 0.0f, dot = 0.0f;
-        for (int e = 0; e < E; e++) z += probs[e];
-        z += 1e-20f;
-        for (int e = 0; e < E; e++) dot += aux_g[e] * probs[e] / z;
-        for (int e = 0; e < E; e++)
-            dlogit[e] += (aux_g[e] - dot) / z * probs[e] * (1.0f - probs[e]);
-    }
-    if ((aux_g && aux == MOEPT_AUX_HF) || zgrad != 0.0f) {
-        moept__softmax(logit, E, scratch);
-        float dot = 0.0f;
-        if (aux_g && aux == MOEPT_AUX_HF)
-            for (int e = 0; e < E; e++) dot += scratch[e] * aux_g[e];
-        for (int e = 0; e < E; e++) {
-            float g = (aux_g && aux == MOEPT_AUX_HF) ? aux_g[e] - dot : 0.0f;
-            dlogit[e] += scratch[e] * (g + zgrad);
+    } else {
+        for (int e = 0; e < E; e++) dlogit[e] *= probs[e] * (1.0f - probs[e]);
+        if (aux_g && (aux == MOEPT_AUX_MEGATRON || aux == MOEPT_AUX_SEQ)) {
+            /* q = s / Z, Z = sum s + 1e-20: ds_j = (g_j - sum_e g_e q_e) / Z */
+            float z = 0.0f, dot = 0.0f;
+            for (int e = 0; e < E; e++) z += probs[e];
+            z += 1e-20f;
+            for (int e = 0; e < E; e++) dot += ls * aux_g[e] * probs[e] / z;
+            for (int e = 0; e < E; e++)
+                dlogit[e] += (ls * aux_g[e] - dot) / z * probs[e] * (1.0f - probs[e]);
+        }
+        if ((aux_g && aux == MOEPT_AUX_HF) || zgrad != 0.0f) {
+            moept__softmax(logit, E, scratch);
+            float dot = 0.0f;
+            if (aux_g && aux == MOEPT_AUX_HF)
+                for (int e = 0; e < E; e++) dot += scratch[e] * (ls * aux_g[e]);
+            for (int e = 0; e < E; e++) {
+                float g = (aux_g && aux == MOEPT_AUX_HF) ? ls * aux_g[e] - dot : 0.0f;
+                dlogit[e] += scratch[e] * (g + zgrad);
+            }
         }
     }
+    if (dlx)
+        for (int e = 0; e < E; e++) dlogit[e] += dlx[e];
 }
 
 /* logsumexp of one token's logits (the z loss), summed as moept__softmax. */
@@ -1873,6 +1912,9 @@ typedef struct moept__cuda_step {
     int jitter;                /* in: this forward's router sees x * u, its noise keyed by jitter_key */
     uint64_t jitter_key;
     const uint8_t *mask;       /* in: the forward's padding mask [T] on the device, or NULL */
+    float *logits_out;         /* in: [T][E] the forward's logits written here (device), or NULL */
+    float router_loss_scale;   /* in (backward): the aux and z gradients' factor */
+    const float *dlogits;      /* in (backward): [T][E] the caller's dL/dlogits (device), or NULL */
     int64_t valid;             /* out: this rank's unmasked tokens (deferred as N) */
     int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
     int64_t allocations, allocated_bytes, workspace_bytes;

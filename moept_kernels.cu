@@ -940,11 +940,19 @@ __global__ void moept__k_sigmoid(float *v, int64_t n) {
     MOEPT__FOR(i, n) v[i] = moept__sigmoid(v[i]);
 }
 
-/* Router backward, one thread per token. scratch [T][2E]. */
+/* opts.logits_out [T][E]: the router's logits, a padded token's (ids -1) 0 */
+__global__ void moept__k_logits_out(const float *logits, const int32_t *ids, int64_t T, int E, int K,
+                                    float *out) {
+    MOEPT__FOR(i, T * E) out[i] = ids[i / E * K] < 0 ? 0.0f : logits[i];
+}
+
+/* Router backward, one thread per token. scratch [T][2E]; ls the router
+   losses' scale, dlx [T][E] the caller's dL/dlogits or NULL. */
 __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const float *probs,
                                     const int32_t *ids, const float *dwts, const float *aux_g, int64_t slen,
                                     float zc, const float *lse, float Tl, const double *Tdev, int E, int K,
-                                    int norm, float scale, int64_t T, float *scratch, float *dlogits) {
+                                    int norm, float scale, float ls, const float *dlx, int64_t T,
+                                    float *scratch, float *dlogits) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (t >= T) return;
     if (ids[t * K] < 0) { /* padding: routed nowhere, in no loss */
@@ -955,7 +963,8 @@ __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const
     float zg = moept__zgrad(zc, lse[t], Tl);
     const float *ag = aux_g && slen ? aux_g + t / slen * E : aux_g; /* MOEPT_AUX_SEQ: its sequence's row */
     moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, dwts + t * K, ag, zg,
-                            E, K, norm, scale, scratch + t * 2 * E, dlogits + t * E);
+                            E, K, norm, scale, ls, dlx ? dlx + t * E : NULL, scratch + t * 2 * E,
+                            dlogits + t * E);
 }
 
 /* Sync-free mode: why a step failed its device checks, reported by the next
@@ -2328,6 +2337,7 @@ typedef struct moept__fwd {
     int jitter;                /* the router sees xf * u, drawn under jkey */
     uint64_t jkey;
     const uint8_t *mask;       /* [T] the padding mask on the device, or NULL */
+    float *logits_out;         /* [T][E] the caller's copy of the logits (device), or NULL */
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                             \
@@ -2464,6 +2474,11 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
             MOEPT__LAUNCH(moept__k_replay, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
                 p->family, p->aux, c->logits[nb], f->replay, (int)E, (int)K, p->norm, p->scale, T_,
                 c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->cids, &c->bad[1]);
+            MOEPT__PRE(cudaGetLastError());
+        }
+        if (f->logits_out) {
+            MOEPT__LAUNCH(moept__k_logits_out, moept__grid(T_ * E), MOEPT__TB, 0, c->s)(
+                c->logits[nb], c->ids[nb], T_, (int)E, (int)K, f->logits_out);
             MOEPT__PRE(cudaGetLastError());
         }
     }
@@ -2988,6 +3003,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     f.jitter = out->jitter && c->sp.jitter > 0.0f;
     f.jkey = out->jitter_key;
     f.mask = out->mask;
+    f.logits_out = out->logits_out;
     moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
     MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);
@@ -3043,17 +3059,22 @@ extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64
 /* 1b. the agreement (unless unchecked_backward): a message the forward's
    count exchange's shape (so a rank in a forward meets it and both see the
    tags differ) with [E] failed, [E + 1] the call tag, [E + 2] this rank's y
-   was not finite. A step whose y was not finite anywhere is dropped on every
+   was not finite, [E + 3] opts.router_loss_scale's bits (the same on
+   every rank). A step whose y was not finite anywhere is dropped on every
    rank. */
 static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_status why, const char *local,
-                                        int ybad, char *err) {
+                                        int ybad, float rscale, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, M = c->M, P = p->P;
-    int64_t *mine = c->h_msg_all + p->rank * M, failed = 0, yfail = 0;
+    int64_t *mine = c->h_msg_all + p->rank * M, failed = 0, yfail = 0, sdiff = 0;
     memset(mine, 0, (size_t)M * 8);
     mine[E] = local[0] != 0;
     mine[E + 1] = tag;
     mine[E + 2] = ybad;
+    uint32_t sb;
+    rscale += 0.0f; /* -0 as +0: the same value */
+    memcpy(&sb, &rscale, 4);
+    mine[E + 3] = sb; /* opts.router_loss_scale, the same on every rank */
     if (p->ep) {
         moept_status st = p->ep->allgather(p->ep, mine, c->h_msg_all, M * 8); /* host buffers: waits */
         if (st) return moept__kfail(err, st, "moept_backward: failure agreement failed: %s", p->ep->err);
@@ -3064,6 +3085,7 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
                                 "(another rank made another group call here); nothing changed");
         failed += c->h_msg_all[q * M + E] != 0;
         yfail += c->h_msg_all[q * M + E + 2] != 0;
+        sdiff += c->h_msg_all[q * M + E + 3] != mine[E + 3];
     }
     if (yfail) c->fwd_valid = 0;
     if (local[0]) return moept__kfail(err, why, "%s", local);
@@ -3071,6 +3093,9 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
         return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; %s",
                             (long long)failed,
                             yfail ? "the step is rejected, run forward again" : "nothing changed");
+    if (sdiff)
+        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: the ranks passed different "
+                            "router_loss_scale (every rank must pass the same); nothing changed");
     return MOEPT_OK;
 }
 
@@ -3129,7 +3154,7 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
                  (long long)(c->h_bad[2] / D), (long long)(c->h_bad[2] % D));
     }
     out->agreed = 1;
-    return moept__bwd_exchange(c, tag, why, local, ybad, err);
+    return moept__bwd_exchange(c, tag, why, local, ybad, out->router_loss_scale, err);
 }
 
 /* 2. combine': dL/dw and dys in place of the outputs (ys), the shared
@@ -3178,7 +3203,8 @@ static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_s
 
 /* 4. router': dlogits, then gWr += dlogits^T xin (xin = xf * u under
    jitter: the noise drawn again), and the shared gate's gsg += dsg^T xf */
-static moept_status moept__bwd_router(moept__cuda *c, const float *xf, char *err) {
+static moept_status moept__bwd_router(moept__cuda *c, const float *xf, const moept__cuda_step *o,
+                                      char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = c->T;
     const int cur = c->cur;
@@ -3187,8 +3213,8 @@ static moept_status moept__bwd_router(moept__cuda *c, const float *xf, char *err
     MOEPT__LAUNCH(moept__k_router_bwd, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
         p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->seq_len, p->z_coef,
         c->lse[cur],
-        (float)c->loss_T, c->B ? c->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale, T_, c->scratch,
-        c->dlogits);
+        (float)c->loss_T, c->B ? c->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale,
+        o->router_loss_scale, o->dlogits, T_, c->scratch, c->dlogits);
     MOEPT__LAUNCHED();
     if (c->jit) {
         moept__jitter(c, xf, T_, c->jrow[cur], c->jkey, 0);
@@ -3241,7 +3267,7 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     else MOEPT__TRY(moept__bwd_experts<T>(c, x, out, err));
     if (c->T == 0) return MOEPT_OK;
     MOEPT__STAGE("bwd.router");
-    MOEPT__TRY(moept__bwd_router(c, xf, err));
+    MOEPT__TRY(moept__bwd_router(c, xf, out, err));
     MOEPT__STAGE("bwd.dx");
     return moept__bwd_dx<T>(c, (T *)dxv, err);
 }

@@ -90,7 +90,7 @@ static void *rank_main(void *arg) {
         if (s == 1) moept_get_stats(L, &s0, NULL);
         moept_zero_grad(L);
         float *ye = w->eval ? malloc((size_t)(w->T[r] * w->D + 1) * 4) : NULL;
-        moept_forward_opts eo = {NULL, 1, NULL};
+        moept_forward_opts eo = {NULL, 1, NULL, NULL};
         if (ye && !(w->st[r] = moept_forward_ex(L, w->x + o * w->D, w->T[r], ye, &eo)))
             w->st[r] = moept_backward(L, w->x + o * w->D, w->dy + o * w->D, w->dx + o * w->D) == MOEPT_ERR_STATE
                        ? MOEPT_OK : MOEPT_ERR_INVALID_ARGUMENT; /* nothing kept to differentiate */

@@ -744,7 +744,7 @@ static void mask_case(float cf, float pad) {
         if (m[t]) { memcpy(xr + n * D, x + t * D, D * 4); memcpy(dyr + n * D, dy + t * D, D * 4); n++; }
         else if (pad != 0.0f) for (int64_t d = 0; d < D; d++) x[t * D + d] = pad;
     }
-    moept_forward_opts o = {m, 0, NULL};
+    moept_forward_opts o = {m, 0, NULL, NULL};
     EXPECT_OK(moept_forward_ex(L, x, T, y, &o));
     EXPECT(moept_backward(L, x, dy, dx) == MOEPT_OK, "pad %g: backward: %s", (double)pad, moept_last_error(L));
     EXPECT_OK(moept_forward(R, xr, n, yr));
@@ -812,7 +812,7 @@ static void test_eval_refuses_backward(void) {
     float x[48], y[48], y2[48], dx[48];
     unsigned long long s = 9;
     tu_fill(x, 48, 1.0, &s);
-    moept_forward_opts o = {NULL, 1, NULL};
+    moept_forward_opts o = {NULL, 1, NULL, NULL};
     EXPECT_OK(moept_forward_ex(L, x, 6, y, &o));
     EXPECT(moept_backward(L, x, x, dx) == MOEPT_ERR_STATE && strstr(moept_last_error(L), "evaluation"),
            "backward after eval: %s", moept_last_error(L));
@@ -840,7 +840,7 @@ static void test_inference_layer(void) {
     float *x = malloc(T * D * 4), *yt = malloc(T * D * 4), *yi = malloc(T * D * 4), *ye = malloc(T * D * 4);
     unsigned long long sd = 3;
     tu_fill(x, T * D, 1.0, &sd);
-    moept_forward_opts eo = {NULL, 1, NULL};
+    moept_forward_opts eo = {NULL, 1, NULL, NULL};
     EXPECT_OK(moept_forward(Lt, x, T, yt));
     EXPECT_OK(moept_forward(Li, x, T, yi));
     EXPECT_OK(moept_forward_ex(Li, x, T, ye, &eo));
@@ -897,7 +897,7 @@ static void test_jitter_noise(void) {
         EXPECT(!memcmp(la[k], lg, sizeof la[k]), "forward %d: two layers with one seed drew differently", k);
     }
     EXPECT(memcmp(la[0], la[1], sizeof la[0]) != 0, "two training forwards drew the same noise");
-    moept_forward_opts o = {NULL, 1, NULL};
+    moept_forward_opts o = {NULL, 1, NULL, NULL};
     EXPECT_OK(moept_forward_ex(A, x, 6, y, &o));
     moept_routing(A, NULL, NULL, &lg);
     float plain[24];
