@@ -79,7 +79,9 @@
      - All row-major float32. x, y, dx, dy are [T][hidden_size].
      - Gradients accumulate across moept_backward calls until
        moept_zero_grad (as in PyTorch). They are gradients of
-           L = sum(y * dy) + aux_loss_coef * aux_loss + z_loss_coef * z_loss.
+           L = sum(y * dy) + aux_loss_coef * aux_loss + z_loss_coef * z_loss
+       (moept_backward_ex: the two losses times router_loss_scale, plus the
+       caller's own router loss through dlogits).
      - moept_backward must be given the same x as the last moept_forward
        (the same values): the CPU executor checks a fingerprint of every
        element and rejects any other x with MOEPT_ERR_INVALID_ARGUMENT
@@ -114,7 +116,8 @@
          moept_forward          EP (DP too with      none: each rank's tokens, T,
                                 global_balance)      mask, eval and replay_ids are
                                                      its own
-         moept_backward         EP                   none
+         moept_backward(_ex)    EP                   router_loss_scale (1 for
+                                                     moept_backward)
          moept_sync_grads       EP, DP               scale
          moept_grad_norm        EP                   none
          moept_update_bias      EP, DP               rate
