@@ -129,6 +129,10 @@ $(B)/crash_save_mpi: tests/crash_save.c moept.c $(HDRS) | $(B)
 $(B)/train_mpi: examples/train.c $(B)/mpi/moept.o
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< $(B)/mpi/moept.o -o $@ $(LDLIBS)
 
+# a shared library for bindings (examples/hf_swap.py loads it through ctypes)
+$(B)/libmoept.so: moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -fPIC -shared moept.c -o $@ $(LDLIBS)
+
 $(B)/train: examples/train.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
