@@ -20,8 +20,8 @@
      its options and the NCCL backend), statistics, config_from_hf,
      lifecycle, parameters, compute, resharding, gradient sync, routing and
      statistics, safetensors, the optimizer and training checkpoints,
-     Hugging Face checkpoints. The rest of the file (MOEPT_INTERNAL) is
-     moept.c's and moept_kernels.cu's, not API.
+     Hugging Face checkpoints, the ABI report (for bindings). The rest of
+     the file (MOEPT_INTERNAL) is moept.c's and moept_kernels.cu's, not API.
      Beyond this header: README.md (what runs where, quick start),
      docs/GUIDE.md (the training loop, parallelism, your own comm backend,
      checkpoints, errors), docs/CUDA.md (the GPU executor), docs/DESIGN.md.
