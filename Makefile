@@ -129,6 +129,10 @@ $(B)/crash_save_mpi: tests/crash_save.c moept.c $(HDRS) | $(B)
 $(B)/train_mpi: examples/train.c $(B)/mpi/moept.o
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< $(B)/mpi/moept.o -o $@ $(LDLIBS)
 
+# a shared library for bindings (examples/hf_swap.py loads it through ctypes)
+$(B)/libmoept.so: moept.c $(HDRS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -fPIC -shared moept.c -o $@ $(LDLIBS)
+
 $(B)/train: examples/train.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
@@ -249,10 +253,14 @@ TSAN_OK := $(shell echo 'int main(void){return 0;}' | $(CC) -x c -fsanitize=thre
 # What to build and run comes from tests/suites (tests/run.sh --bins prints a
 # selection's build outputs); the suites print "ok/FAIL/skip - name" lines
 # and tests/run.sh totals them.
+# torch and transformers for examples/hf_swap.py --check (looked up, not imported: quick; only for make test)
+TORCH_OK := $(if $(filter test test-build,$(MAKECMDGOALS)),$(shell python3 -c 'import importlib.util as u, sys; \
+    sys.exit(not (u.find_spec("torch") and u.find_spec("transformers")))' 2>/dev/null && echo yes))
+
 TEST_ENV = B="$(B)" CASES="$(CASES)" MPIRUN="$(if $(MPICC),$(MPIRUN))" SAN="$(SAN_OK)" TSAN="$(TSAN_OK)" \
            CBLAS="$(if $(CBLAS_LIBS),yes)" VALGRIND="$(VALGRIND)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" \
            ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" EMU="$(EMU_OK)" \
-           CUDA="$(CUDA_OK)" NVCC="$(NVCC)"
+           CUDA="$(CUDA_OK)" NVCC="$(NVCC)" TORCH="$(TORCH_OK)"
 suite_outputs = $(sort $(shell $(TEST_ENV) sh tests/run.sh --bins $(1)))
 SUITE_BINS := $(call suite_outputs)
 CHECK_BINS := $(call suite_outputs,--check)

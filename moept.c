@@ -680,6 +680,30 @@ const char *moept_gemm_kernel(void) {
 #endif
 }
 
+/* moept_abi_layout's text: snprintf into what is left of buf, counting the whole length */
+typedef struct moept__abi_out { char *buf; int64_t cap, n; } moept__abi_out;
+static void moept__abi_put(moept__abi_out *o, const char *fmt, const char *a, const char *b,
+                           int64_t u, int64_t v) {
+    char line[160];
+    int len = snprintf(line, sizeof line, fmt, a, b, (long long)u, (long long)v);
+    if (len < 0) return;
+    if (o->n < o->cap) memcpy(o->buf + o->n, line, (size_t)(len < o->cap - o->n ? len : o->cap - o->n));
+    o->n += len;
+}
+
+int64_t moept_abi_layout(char *buf, int64_t cap) {
+    moept__abi_out o = {buf, buf && cap > 0 ? cap - 1 : 0, 0}; /* one byte kept for the NUL */
+    moept__abi_put(&o, "abi %.0s%.0s%lld\n", "", "", MOEPT_ABI_VERSION, 0);
+#define MOEPT__ABI_S(T) moept__abi_put(&o, "struct %s%.0s %lld\n", #T, "", (int64_t)sizeof(T), 0);
+#define MOEPT__ABI_F(T, f) moept__abi_put(&o, "field %s.%s %lld %lld\n", #T, #f, \
+                                          (int64_t)offsetof(T, f), (int64_t)sizeof(((T *)0)->f));
+    MOEPT_ABI_STRUCTS(MOEPT__ABI_S, MOEPT__ABI_F)
+#undef MOEPT__ABI_S
+#undef MOEPT__ABI_F
+    if (buf && cap > 0) buf[o.n < o.cap ? o.n : o.cap] = '\0';
+    return o.n;
+}
+
 /* Executes a batch of descriptors (one per expert group), in order. */
 static void moept__gemm_run(const moept__gemm *gs, int64_t count,
                             moept__gemm_ws *ws) {

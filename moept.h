@@ -20,8 +20,8 @@
      its options and the NCCL backend), statistics, config_from_hf,
      lifecycle, parameters, compute, resharding, gradient sync, routing and
      statistics, safetensors, the optimizer and training checkpoints,
-     Hugging Face checkpoints. The rest of the file (MOEPT_INTERNAL) is
-     moept.c's and moept_kernels.cu's, not API.
+     Hugging Face checkpoints, the ABI report (for bindings). The rest of
+     the file (MOEPT_INTERNAL) is moept.c's and moept_kernels.cu's, not API.
      Beyond this header: README.md (what runs where, quick start),
      docs/GUIDE.md (the training loop, parallelism, your own comm backend,
      checkpoints, errors), docs/CUDA.md (the GPU executor), docs/DESIGN.md.
@@ -1116,6 +1116,63 @@ moept_status moept_save_hf(moept_layer *layer, const char *path, int64_t layer_i
    deepseek_v3 correction bias stays F32. */
 moept_status moept_save_hf_as(moept_layer *layer, const char *path, int64_t layer_index,
                               int with_replicated, moept_dtype dtype);
+
+/* ---- ABI: the public structs' layout, for bindings ------------------------
+   A binding that mirrors these structs (Python's ctypes, a Rust or Julia
+   FFI) checks its mirror against the library it loaded before any other
+   call: moept_abi_layout writes, into buf (cap bytes, NUL-terminated,
+   truncated if short), the layout the library was compiled with, and
+   returns the length of the whole text (as snprintf: call with cap 0 for
+   the size). One item a line:
+       abi 1                         MOEPT_ABI_VERSION
+       struct moept_config 160       sizeof
+       field moept_config.family 0 4 offsetof, sizeof (every field, in
+                                     declaration order)
+   The version changes when a struct's meaning changes without its layout
+   changing; a new field or struct changes the layout the lines show (a
+   mirror that checks every line it knows, and that every field of its
+   structs is listed, sees it). examples/hf_swap.py does this. */
+#define MOEPT_ABI_VERSION 1
+int64_t moept_abi_layout(char *buf, int64_t cap);
+/* The structs and fields reported, in declaration order: S(struct) then
+   F(struct, field) for each field (a new field or struct: one line here) */
+#define MOEPT_ABI_STRUCTS(S, F) \
+    S(moept_config) F(moept_config, family) F(moept_config, hidden_size) \
+    F(moept_config, intermediate_size) F(moept_config, num_experts) F(moept_config, top_k) \
+    F(moept_config, norm_topk_prob) F(moept_config, activation) \
+    F(moept_config, shared_intermediate_size) F(moept_config, shared_gate) F(moept_config, n_group) \
+    F(moept_config, topk_group) F(moept_config, routed_scaling_factor) F(moept_config, aux_loss) \
+    F(moept_config, aux_loss_coef) F(moept_config, group_fill) F(moept_config, aux_seq_len) \
+    F(moept_config, z_loss_coef) F(moept_config, capacity_factor) F(moept_config, max_tokens) \
+    F(moept_config, global_balance) F(moept_config, overlap_chunks) \
+    F(moept_config, expert_sharding) F(moept_config, router_jitter) F(moept_config, jitter_seed) \
+    F(moept_config, inference_only) F(moept_config, grad_backup) \
+    S(moept_stats) F(moept_stats, steps) F(moept_stats, tokens) F(moept_stats, routed_rows) \
+    F(moept_stats, dropped_rows) F(moept_stats, masked_tokens) F(moept_stats, capacity) \
+    F(moept_stats, aux_loss) F(moept_stats, z_loss) F(moept_stats, allocations) \
+    F(moept_stats, allocated_bytes) F(moept_stats, workspace_bytes) F(moept_stats, param_bytes) \
+    F(moept_stats, rows_sent) F(moept_stats, rows_received) F(moept_stats, bytes_sent) \
+    F(moept_stats, bytes_received) F(moept_stats, comm_seconds) F(moept_stats, dispatch_seconds) \
+    F(moept_stats, combine_seconds) F(moept_stats, recv_capacity) F(moept_stats, recv_growths) \
+    F(moept_stats, checkpoint_bytes_read) F(moept_stats, device_workspace_bytes) \
+    F(moept_stats, shared_exchange) \
+    S(moept_forward_opts) F(moept_forward_opts, mask) F(moept_forward_opts, eval) \
+    F(moept_forward_opts, replay_ids) F(moept_forward_opts, logits_out) \
+    S(moept_backward_opts) F(moept_backward_opts, router_loss_scale) F(moept_backward_opts, dlogits) \
+    S(moept_param_info) F(moept_param_info, name) F(moept_param_info, rows) \
+    F(moept_param_info, cols) F(moept_param_info, data) F(moept_param_info, grad) \
+    F(moept_param_info, shard_offset) \
+    S(moept_adamw) F(moept_adamw, lr) F(moept_adamw, beta1) F(moept_adamw, beta2) \
+    F(moept_adamw, eps) F(moept_adamw, weight_decay) \
+    S(moept_reshard_report) F(moept_reshard_report, experts_moved) \
+    F(moept_reshard_report, bytes_sent) F(moept_reshard_report, bytes_received) \
+    F(moept_reshard_report, rounds) F(moept_reshard_report, extra_bytes) \
+    S(moept_st_tensor) F(moept_st_tensor, name) F(moept_st_tensor, dtype) F(moept_st_tensor, ndim) \
+    F(moept_st_tensor, shape) F(moept_st_tensor, numel) F(moept_st_tensor, offset) \
+    F(moept_st_tensor, nbytes) \
+    S(moept_cuda_options) F(moept_cuda_options, dtype) F(moept_cuda_options, stream) \
+    F(moept_cuda_options, unchecked_backward) F(moept_cuda_options, sync_free) \
+    F(moept_cuda_options, gemm_form)
 
 #ifdef __cplusplus
 }

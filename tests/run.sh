@@ -13,7 +13,7 @@
 #            prints every suite's group and label, whatever this machine has
 # What this machine has comes from the Makefile, in the environment: CASES,
 # MPIRUN, SAN, TSAN, CBLAS, VALGRIND, GEMM_V3, GEMM_V4, ARCH_X86,
-# QEMU_AARCH64, EMU, CUDA, NVCC (empty: not found; the group says "skip").
+# QEMU_AARCH64, EMU, CUDA, NVCC, TORCH (empty: not found; the group says "skip").
 B=${B:-build}
 mode=run only= want=
 while [ $# -gt 0 ]; do
