@@ -1078,7 +1078,7 @@ static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
     [MOEPT__CALL_SAVE_COMMIT] = {"moept_save_checkpoint: commit", ""},
     [MOEPT__CALL_LOAD_CHECKPOINT] = {"moept_load_checkpoint", "directories"},
     [MOEPT__CALL_LOAD_HF] = {"moept_load_hf", "directories or layer indices"},
-    [MOEPT__CALL_RESHARD] = {"moept_reshard", "placements (new_rank)"},
+    [MOEPT__CALL_RESHARD] = {"moept_reshard", "placements (new_rank) or optimizer steps"},
 };
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
                                       int call, uint64_t args);
@@ -4019,6 +4019,9 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.logits_out = f->logits_out;
     st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
+    /* sync-free: a rank's own rejection fails its call alone and its peers
+       go on, so it counts the forward as they do: the ranks' noise keys stay alike */
+    if (st && r.agreed && X->sync_free) L->fwd.jitter_micro += r.jitter;
     if (st) return st;
     L->fwd.jitter_micro += r.jitter;
     L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; X->routing_on_host = 0; L->fwd.eval = f->eval;
@@ -7541,8 +7544,10 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
         for (int64_t k = 0; k < mv.rounds; k++) mv.n += mv.go[k * P + me] >= 0;
         local = MOEPT__EX(L, reshard_ready, L, &mv);
     }
-    /* every rank of the layout must pass the same table (DP replicas hold alike) */
+    /* every rank of the layout must pass the same table (DP replicas hold alike), and be at the
+       same AdamW step: what moves (the moments too, once a step made them) pairs send with receive */
     uint64_t fp = new_rank ? moept__fnv(MOEPT__FNV0, new_rank, (size_t)E * sizeof(int32_t)) : 0;
+    fp = moept__fnv(fp, &L->opt.t, sizeof L->opt.t);
     if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_RESHARD, fp))) local = st;
     if (L->ex->reshard) { /* released when not agreed */
         if ((st = L->ex->reshard(L, &mv, !local, &sent, &recvd)) && !local) local = st;

@@ -245,7 +245,9 @@
      Unmasked tokens get the values they would get without the padding
      rows, bitwise (the CUDA executor: up to the order of its loss sums).
      A CUDA layer's mask is device memory, as x and y are (a host pointer
-     fails every rank with MOEPT_ERR_INVALID_ARGUMENT); one with a shared
+     fails the call: MOEPT_ERR_INVALID_ARGUMENT on the rank that passed it,
+     MOEPT_ERR_STATE on its peers; in the sync-free mode its peers learn at
+     their next moept_adamw_step or moept_grad_norm); one with a shared
      expert allocates max_tokens x hidden_size elements of its dtype at its
      first masked forward (the shared expert's input, padded rows zero), so
      run one before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward.
@@ -2007,8 +2009,9 @@ moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
    device check since, its status in why_st (OK: none) and text in why */
 moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st, char *why,
                                   char *err);
-/* lstat [3E + 2] receives the step's loss statistics (selection counts,
-   aux counts, score sums, T, sum lse^2; global when global_balance);
+/* lstat [3E + 4] receives the step's loss statistics (moept__lso: selection
+   counts, aux counts, score sums, T, sum lse^2, the sequences' aux sum and
+   count; global when global_balance);
    peer_rows [2][P] rows sent to / received from each peer. */
 moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y,
                                  double *lstat, int64_t *peer_rows, moept__cuda_step *out, char *err);

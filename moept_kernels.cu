@@ -1552,7 +1552,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     const size_t f = sizeof(float), es = (size_t)c->esz;
     int bf = p->dtype == MOEPT_DTYPE_BF16;
     c->xf = (float *)moept__take(cv, bf ? (size_t)(T * D) * f : 0);
-    const int jit = p->jitter > 0.0f;
+    const int jit = p->jitter > 0.0f && !p->inference; /* (an inference layer never draws noise) */
     c->xj = (float *)moept__take(cv, jit ? (size_t)(T * D) * f : 0);
     for (int b = 0; b < 2; b++) {
         c->jrow[b] = (uint64_t *)moept__take(cv, jit ? (size_t)T * 8 : 0);
@@ -2400,6 +2400,11 @@ static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const v
                  cudaGetErrorString(f->pending));
     }
     if (!f->host_bad && f->mask && Tn > 0) moept__fwd_mask_check(c, f);
+    if (!f->host_bad && f->replay && Tn > 0 && moept__is_host(f->replay)) { /* k_replay would fault */
+        f->host_bad = 1;
+        snprintf(f->local, MOEPT__ERRLEN, "moept_forward: opts.replay_ids is not device memory (a CUDA "
+                 "layer's replay ids are [tokens][top_k] int32 on its device, as x is)");
+    }
     f->T = f->host_bad ? 0 : Tn;
     f->nb = 1 - c->cur;
 }
@@ -3509,7 +3514,8 @@ extern "C" moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t
     MOEPT__ENTER(c);
     MOEPT__TRY(moept__host_wait(c, err)); /* a pageable copy follows */
     MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)c->sp.E * 4, cudaMemcpyHostToDevice, c->s));
-    MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s)); /* the dx check stays */
+    if (c->grads) /* (an inference layer has none) */
+        MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s)); /* the dx check stays */
     c->grads_clean = 0;
     return moept__host_wait(c, err);
 }

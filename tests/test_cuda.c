@@ -2336,6 +2336,60 @@ static void test_capability_refusals(void) {
     EXPECT(!j[0].st[2] && !j[1].st[2], "a forward after the refusals: %s | %s", j[0].msg[2], j[1].msg[2]);
 }
 
+/* An inference-only layer reshards as a training one does (it has no
+   gradients to zero; the moved experts' y is the same to rounding), and a
+   replay_ids in host memory fails the call on the rank that passed it
+   without faulting the device: the next forward runs. 2 EP ranks. */
+typedef struct infres_job { two_ranks tr; moept_status st[5]; char msg[5][300]; double err; } infres_job;
+static void *infres_rank(void *arg) {
+    infres_job *j = arg;
+    nccl_rank n;
+    moept_layer *L = NULL;
+    nccl_rank_open(&n, &j->tr);
+    moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    cfg.inference_only = 1;
+    const int64_t D = cfg.hidden_size, T = 24, K = cfg.top_k;
+    float *x = calloc((size_t)(3 * T * D), sizeof(float)), *y0 = x + T * D, *y1 = y0 + T * D;
+    int32_t ids[24 * 2] = {0};
+    unsigned long long rs = 5 + (unsigned long long)j->tr.rank;
+    for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
+    for (int64_t i = 0; i < T * K; i++) ids[i] = (int32_t)(i % K);
+    void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
+    int32_t place[8] = {1, 1, 1, 1, 0, 0, 0, 0};
+    moept_forward_opts ho = {NULL, 0, ids, NULL};
+    for (int k = 0; k < 5; k++) {
+        if (k == 0) j->st[0] = moept_create_cuda(&cfg, n.c, NULL, NULL, &L);
+        if (k == 1) j->st[1] = moept_forward(L, xd, T, yd);
+        if (k == 2) j->st[2] = moept_reshard(L, place, NULL);
+        if (k == 3) j->st[3] = moept_forward_ex(L, xd, T, yd, j->tr.rank ? &ho : NULL);
+        if (k == 4) j->st[4] = moept_forward(L, xd, T, yd);
+        snprintf(j->msg[k], sizeof j->msg[k], "%s", moept_last_error(L));
+        if (k == 0 && j->st[0]) break;
+        if (k == 1 && !j->st[1]) host_from(y0, yd, T * D, 0);
+        if (k == 0) moept_init_params(L, 5);
+    }
+    if (L && !j->st[4]) host_from(y1, yd, T * D, 0);
+    j->err = tu_maxrelerr(y1, y0, T * D);
+    cudaFree(xd); cudaFree(yd);
+    free(x);
+    moept_destroy(L);
+    nccl_rank_close(&n);
+    return NULL;
+}
+static void test_inference_reshard(void) {
+    infres_job j[2];
+    memset(j, 0, sizeof j);
+    run_two(infres_rank, j, sizeof j[0]);
+    for (int r = 0; r < 2; r++) {
+        EXPECT(!j[r].st[0] && !j[r].st[1] && !j[r].st[2] && !j[r].st[4], "rank %d: %s | %s | %s | %s", r,
+               j[r].msg[0], j[r].msg[1], j[r].msg[2], j[r].msg[4]);
+        EXPECT(r ? j[r].st[3] == MOEPT_ERR_INVALID_ARGUMENT && strstr(j[r].msg[3], "replay_ids is not device")
+                 : j[r].st[3] == MOEPT_ERR_STATE, "rank %d, a host replay_ids on rank 1: %d (%s)", r,
+               (int)j[r].st[3], j[r].msg[3]);
+        EXPECT(j[r].err <= 1e-6, "rank %d: y after the reshard is %.3g from y before", r, j[r].err);
+    }
+}
+
 /* A kernel fault on rank 0's GPU (injected: moept_emu_fault_next_kernel)
    loses its CUDA context, as an illegal address does on the hardware: the
    error is sticky, every later CUDA call on the device returns it. Rank 0's
@@ -2982,10 +3036,12 @@ int main(void) {
            test_jitter);
     tu_run("cuda (emulated, EP 2 and 1): MOEPT_AUX_SEQ under global balance equals the CPU layer (fp32, bf16, "
            "sync-free, chunked)", test_aux_seq);
-        tu_run("cuda (emulated, 2 EP ranks): a host mask, jitter and eval-then-backward refused on both ranks",
+    tu_run("cuda (emulated, 2 EP ranks): a host mask and eval-then-backward refused on both ranks",
            test_unsupported_modes);
     tu_run("cuda (emulated, 2 EP ranks): every feature the executor lacks refused on both ranks, one message",
            test_capability_refusals);
+    tu_run("cuda (emulated, 2 EP ranks): an inference layer reshards; a host replay_ids fails the call, the "
+           "device lives", test_inference_reshard);
     tu_run("cuda (emulated): per stage, kernel bytes as the formulas, launches and host syncs pinned",
            test_stage_counts);
     tu_run("cuda (emulated): sync-free mode, no host sync in a step (fp32, bf16)", test_sync_free_counts);
