@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""hf_swap: every MoE block of a transformers Mixtral swapped for moept (CPU
-layers, through ctypes), trained with torch's AdamW on HF's exact objective.
+"""hf_swap: every MoE block of a transformers Mixtral, Qwen2-MoE or OLMoE
+swapped for moept (CPU layers, through ctypes), trained with torch's AdamW on
+HF's exact objective.
 
     make build/libmoept.so
-    python3 examples/hf_swap.py [--steps 40] [--check] [--lib build/libmoept.so]
-                                [--layers 2] [--hidden 32] [--ffn 64] [--experts 4]
-                                [--topk 2] [--vocab 64] [--batch 4] [--seq 16]
+    python3 examples/hf_swap.py [--family mixtral|qwen2_moe|olmoe] [--steps 40] [--check]
+                                [--lib build/libmoept.so] [--layers 2] [--hidden 32] [--ffn 64]
+                                [--shared-ffn 64] [--experts 4] [--topk 2] [--norm-topk]
+                                [--vocab 64] [--batch 4] [--seq 16]
 
-The glue, for any model whose MoE block is one module (Mixtral's
-`model.layers[i].mlp`; Qwen2-MoE and OLMoE alike, with their own names):
+The glue, for any model whose MoE block is one module (`model.layers[i].mlp`
+in all three; FAMILIES below holds what differs: the block class, the moept
+config, and where each moept parameter lives in the HF block):
   - the library's struct layout is checked against the ctypes mirrors below
     before any other call (moept_abi_layout; a mismatch stops the program);
   - one moept layer per block, its weights copied in under HF names
@@ -26,7 +29,11 @@ The glue, for any model whose MoE block is one module (Mixtral's
     AGAINST TRANSFORMERS" in moept.h). So moept's aux is off
     (MOEPT_AUX_NONE), transformers' own function runs on the logits moept
     returned, and its gradient on them goes back into moept's backward,
-    which carries it to the router weight and x.
+    which carries it to the router weight and x. Qwen2-MoE and OLMoE add the
+    same term (same function); transformers' OLMoE adds no router z-loss.
+  - Qwen2-MoE's shared expert and its sigmoid gate are inside moept's layer
+    (shared_intermediate_size, shared_gate); norm_topk_prob maps to
+    MOEPT_NORM_ON / MOEPT_NORM_OFF (Mixtral always renormalises).
 With --check the original HF model trains beside the swapped one from the
 same init and batches: it prints the largest per-step loss difference, the
 step-1 gradient error, tokens routed differently, and the MoE block's time,
@@ -42,11 +49,15 @@ import sys
 import time
 
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM
-from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM)
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
+from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
 ABI_VERSION = 1  # moept.h's MOEPT_ABI_VERSION these mirrors follow
-MOEPT_FAMILY_MIXTRAL, MOEPT_AUX_NONE = 0, 0
+MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_QWEN2_MOE, MOEPT_FAMILY_OLMOE = 0, 1, 2
+MOEPT_AUX_NONE, MOEPT_NORM_ON, MOEPT_NORM_OFF, MOEPT_SHARED_GATE_SIGMOID = 0, 1, -1, 2
 
 
 class moept_config(C.Structure):
@@ -180,24 +191,93 @@ class _MoeptFn(torch.autograd.Function):
         return (dx, None, *[g.clone() for g in layer.grads])
 
 
-class MoeptMixtralBlock(torch.nn.Module):
-    """Stands in for MixtralSparseMoeBlock: same input and output, moept inside."""
+def mixtral_source(block, name, F):
+    """(HF parameter, its slice) holding moept's Mixtral parameter `name`"""
+    w, ex = name.split("."), block.experts  # gate_up_proj [E][2F][D], down_proj [E][D][F]
+    if w[0] != "experts":
+        return block.get_parameter(name), lambda t: t
+    e = int(w[1])
+    return {"w1": (ex.gate_up_proj, lambda t: t[e, :F]), "w3": (ex.gate_up_proj, lambda t: t[e, F:]),
+            "w2": (ex.down_proj, lambda t: t[e])}[w[2]]
 
-    def __init__(self, lib, hf_block, hf_config, max_tokens):
+
+def experts_source(block, name, F):
+    """(HF parameter, its slice) for Qwen2-MoE's and OLMoE's names: gate_proj and up_proj are the halves
+    of gate_up_proj; the router and the shared expert and its gate have moept's names"""
+    w, ex = name.split("."), block.experts
+    if w[0] != "experts":
+        return block.get_parameter(name), lambda t: t
+    e = int(w[1])
+    return {"gate_proj": (ex.gate_up_proj, lambda t: t[e, :F]),
+            "up_proj": (ex.gate_up_proj, lambda t: t[e, F:]),
+            "down_proj": (ex.down_proj, lambda t: t[e])}[w[2]]
+
+
+def mixtral_cfg(cfg, c):
+    cfg.intermediate_size, cfg.num_experts = c.intermediate_size, c.num_local_experts
+
+
+def qwen2_moe_cfg(cfg, c):
+    cfg.intermediate_size, cfg.num_experts = c.moe_intermediate_size, c.num_experts
+    cfg.shared_intermediate_size = c.shared_expert_intermediate_size
+    cfg.shared_gate = MOEPT_SHARED_GATE_SIGMOID
+    cfg.norm_topk_prob = MOEPT_NORM_ON if c.norm_topk_prob else MOEPT_NORM_OFF
+
+
+def olmoe_cfg(cfg, c):
+    cfg.intermediate_size, cfg.num_experts = c.intermediate_size, c.num_experts
+    cfg.norm_topk_prob = MOEPT_NORM_ON if c.norm_topk_prob else MOEPT_NORM_OFF
+
+
+def mixtral_model(a):
+    return MixtralForCausalLM(MixtralConfig(intermediate_size=a.ffn, num_local_experts=a.experts,
+                                            **common_config(a)))
+
+
+def qwen2_moe_model(a):
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        intermediate_size=a.ffn, moe_intermediate_size=a.ffn, shared_expert_intermediate_size=a.shared_ffn,
+        num_experts=a.experts, norm_topk_prob=a.norm_topk, decoder_sparse_step=1, **common_config(a)))
+
+
+def olmoe_model(a):
+    # no padding token: OLMoE's default (1) has a zero embedding, so a sequence starting with it gives x = 0,
+    # equal logits and a tie that torch's topk breaks unlike moept (lower index; harmless: y = 0 either
+    # way, but counted as routed apart); eos 50279 is outside the small vocabulary
+    return OlmoeForCausalLM(OlmoeConfig(intermediate_size=a.ffn, num_experts=a.experts, pad_token_id=None,
+                                        eos_token_id=None, norm_topk_prob=a.norm_topk, **common_config(a)))
+
+
+def common_config(a):
+    return dict(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=4,
+                num_key_value_heads=2, num_experts_per_tok=a.topk, max_position_embeddings=a.seq,
+                router_aux_loss_coef=a.aux_coef, output_router_logits=True, tie_word_embeddings=False,
+                initializer_range=a.init)
+
+
+# family: (moept family, HF MoE block class, the model, the moept config's sizes, where each parameter lives)
+FAMILIES = {"mixtral": (MOEPT_FAMILY_MIXTRAL, MixtralSparseMoeBlock, mixtral_model, mixtral_cfg,
+                        mixtral_source),
+            "qwen2_moe": (MOEPT_FAMILY_QWEN2_MOE, Qwen2MoeSparseMoeBlock, qwen2_moe_model, qwen2_moe_cfg,
+                          experts_source),
+            "olmoe": (MOEPT_FAMILY_OLMOE, OlmoeSparseMoeBlock, olmoe_model, olmoe_cfg, experts_source)}
+
+
+class MoeptBlock(torch.nn.Module):
+    """Stands in for the family's sparse MoE block: same input and output, moept inside."""
+
+    def __init__(self, lib, family, hf_block, hf_config, max_tokens):
         super().__init__()
-        E, D = hf_config.num_local_experts, hf_config.hidden_size
-        F = hf_config.intermediate_size
-        cfg = lib.moept_config_default(MOEPT_FAMILY_MIXTRAL)
-        cfg.hidden_size, cfg.intermediate_size, cfg.num_experts = D, F, E
-        cfg.top_k, cfg.max_tokens = hf_config.num_experts_per_tok, max_tokens
+        fam, _, _, set_sizes, self.source = FAMILIES[family]
+        cfg = lib.moept_config_default(fam)
+        cfg.hidden_size, cfg.top_k = hf_config.hidden_size, hf_config.num_experts_per_tok
+        cfg.max_tokens = max_tokens
+        set_sizes(cfg, hf_config)
         cfg.aux_loss = MOEPT_AUX_NONE  # HF's cross-layer aux is computed in torch (hf_aux_loss)
-        self.moe = Moept(lib, cfg)
-        wgu, wd = hf_block.experts.gate_up_proj, hf_block.experts.down_proj  # [E][2F][D], [E][D][F]
-        self.moe.set_param("gate.weight", hf_block.gate.weight)
-        for e in range(E):
-            self.moe.set_param(f"experts.{e}.w1.weight", wgu[e, :F])
-            self.moe.set_param(f"experts.{e}.w3.weight", wgu[e, F:])
-            self.moe.set_param(f"experts.{e}.w2.weight", wd[e])
+        self.moe, self.F = Moept(lib, cfg), cfg.intermediate_size
+        for name in self.moe.names:
+            param, part = self.source(hf_block, name, self.F)
+            self.moe.set_param(name, part(param))
         self.weights = torch.nn.ParameterList(torch.nn.Parameter(p) for p in self.moe.params)
         self.logits = None
 
@@ -210,30 +290,30 @@ class MoeptMixtralBlock(torch.nn.Module):
 
 
 def hf_aux_loss(blocks, config):
-    """transformers' aux term: router_aux_loss_coef * load_balancing_loss_func over every layer."""
+    """transformers' aux term (all three families): router_aux_loss_coef * load_balancing_loss_func over
+    every MoE layer (Qwen2-MoE's dense layers have no router)."""
     logits = tuple(b.logits for b in blocks)
     return config.router_aux_loss_coef * load_balancing_loss_func(
-        logits, config.num_local_experts, config.num_experts_per_tok, None)
+        logits, blocks[0].moe.E, config.num_experts_per_tok, None)
 
 
-def swap_blocks(model, lib, max_tokens):
+def swap_blocks(model, lib, family, max_tokens):
+    """every layer's MoE block (an instance of the family's class) for a MoeptBlock"""
     blocks = []
     for layer in model.model.layers:
-        layer.mlp = MoeptMixtralBlock(lib, layer.mlp, model.config, max_tokens)
-        blocks.append(layer.mlp)
+        if isinstance(layer.mlp, FAMILIES[family][1]):
+            layer.mlp = MoeptBlock(lib, family, layer.mlp, model.config, max_tokens)
+            blocks.append(layer.mlp)
     return blocks
 
 
-def moe_grad_pairs(hf, swapped, F):
+def moe_grad_pairs(hf, swapped):
     """(moept gradient, HF gradient of the same weights) for every MoE parameter."""
     for hl, ml in zip(hf.model.layers, swapped.model.layers):
-        gu, dn = hl.mlp.experts.gate_up_proj.grad, hl.mlp.experts.down_proj.grad
-        for name, p in zip(ml.mlp.moe.names, ml.mlp.weights):
-            w = name.split(".")
-            ref = {"gate": lambda: hl.mlp.gate.weight.grad,
-                   "w1": lambda: gu[int(w[1]), :F], "w3": lambda: gu[int(w[1]), F:],
-                   "w2": lambda: dn[int(w[1])]}[w[0] if w[0] == "gate" else w[2]]()
-            yield p.grad, ref
+        if isinstance(ml.mlp, MoeptBlock):
+            for name, p in zip(ml.mlp.moe.names, ml.mlp.weights):
+                param, part = ml.mlp.source(hl.mlp, name, ml.mlp.F)
+                yield p.grad, part(param.grad)
 
 
 def grad_error(hf, swapped):
@@ -241,7 +321,7 @@ def grad_error(hf, swapped):
     def rel(pairs):
         num = max(float((a - b).abs().max()) for a, b in pairs)
         return num / max(float(b.abs().max()) for _, b in pairs)
-    moe = list(moe_grad_pairs(hf, swapped, hf.config.intermediate_size))
+    moe = list(moe_grad_pairs(hf, swapped))
     named = dict(swapped.named_parameters())
     rest = [(named[n].grad, p.grad) for n, p in hf.named_parameters() if ".mlp." not in n]
     return rel(moe), rel(rest)
@@ -278,12 +358,16 @@ def block_times(hf_block, moept_block, x, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", choices=list(FAMILIES), default="mixtral")
     ap.add_argument("--lib", default=os.path.join(os.path.dirname(__file__), "..", "build", "libmoept.so"))
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--ffn", type=int, default=64)
+    ap.add_argument("--shared-ffn", type=int, default=64, help="qwen2_moe's shared expert width")
+    ap.add_argument("--norm-topk", action="store_true", help="norm_topk_prob (qwen2_moe, olmoe; "
+                    "mixtral always renormalises)")
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=64)
@@ -297,16 +381,11 @@ def main():
     a = ap.parse_args()
 
     lib = load_lib(a.lib)
-    config = MixtralConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
-                           num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
-                           num_local_experts=a.experts, num_experts_per_tok=a.topk,
-                           max_position_embeddings=a.seq, router_aux_loss_coef=a.aux_coef,
-                           output_router_logits=True, tie_word_embeddings=False,
-                           initializer_range=a.init)
     torch.manual_seed(0)
-    hf = MixtralForCausalLM(config).float()
+    hf = FAMILIES[a.family][2](a).float()
+    config = hf.config
     model = copy.deepcopy(hf)
-    blocks = swap_blocks(model, lib, a.batch * a.seq)
+    blocks = swap_blocks(model, lib, a.family, a.batch * a.seq)
     models = [model] + ([hf] if a.check else [])
     opts = [torch.optim.AdamW(m.parameters(), lr=a.lr, foreach=False) for m in models]
     gen = torch.Generator().manual_seed(1)
