@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 
-SHAPES = [("GEMM-bound", 4096, 3), ("overhead-bound", 256, 9)]
+SHAPES = [("GEMM-bound", 4096, 3), ("between", 1024, 5), ("overhead-bound", 256, 9)]
 D, F, E, K, THREADS = 1024, 3584, 8, 2, 2
 
 
