@@ -227,7 +227,8 @@ static void *wrong_main(void *arg) {
     moept_comm *c;
     moept_layer *L = slot_layer(&base, &c, 2), *K = NULL;
     if (!L) { j->st[0] = MOEPT_ERR_STATE; return NULL; }
-    float x0[TOK * DIM], x1[TOK * DIM], dy[TOK * DIM], y[TOK * DIM], dx[TOK * DIM] = {0}, dxk[TOK * DIM] = {0};
+    float x0[TOK * DIM], x1[TOK * DIM], dy[TOK * DIM], y[TOK * DIM];
+    float dx[TOK * DIM] = {0}, dxk[TOK * DIM] = {0}; /* rows past the 6 tokens: compared, never written */
     uint8_t mask[TOK];
     mb_data(j->r, 0, x0, dy, mask);
     mb_data(j->r, 1, x1, dy, mask);
