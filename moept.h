@@ -933,10 +933,11 @@ typedef struct moept_forward_opts {
                             no_grad): no router jitter, and nothing is kept for a
                             backward. A CPU layer's leaves the training forwards'
                             slots as they were (their backward follows it, as if it
-                            had not run; moept_update_bias refuses until the next
-                            training forward); a CUDA layer's replaces the saved
-                            forward (moept_backward refuses until the next training
-                            forward). y is the training forward's (bitwise, jitter off) */
+                            had not run; moept_update_bias, which reads the slot
+                            used last, refuses after it); a CUDA layer's replaces
+                            the saved forward (moept_backward and moept_update_bias
+                            refuse until the next training forward). y is the
+                            training forward's (bitwise, jitter off) */
     const int32_t *replay_ids; /* [tokens][K] or NULL: routing replay (ROUTING REPLAY
                             above): each token's K experts instead of the router's
                             choice, weighted from the current logits. CUDA layers:
