@@ -1,7 +1,7 @@
 /* Forward slots (config.max_inflight, opts.slot): pipeline orders (1F1B,
    all forwards first) equal sequential forward/backward bitwise in y, dx and
-   every gradient, at EP = 1 and EP = 4 (threads: the shared-memory path, and
-   the chunked exchange); a forward again into the same slot (activation
+   every gradient, at EP = 1 and EP = 4 (threads: the shared-memory path, the
+   chunked exchange, FSDP); a forward again into the same slot (activation
    recomputation) equals one forward; an evaluation between a forward and
    its backward changes nothing; slots that differ between ranks, out of
    range, empty or already differentiated fail every rank and change
@@ -112,6 +112,7 @@ static moept_config slot_cfg(int kind) {
         c.capacity_factor = 1.0f; c.overlap_chunks = 2;
     }
     if (kind == 2) { c.family = MOEPT_FAMILY_OLMOE; c.aux_loss = MOEPT_AUX_SEQ; c.aux_seq_len = 2; }
+    if (kind == 3) { c.family = MOEPT_FAMILY_QWEN2_MOE; c.expert_sharding = MOEPT_SHARD_FSDP; }
     return c;
 }
 
@@ -134,12 +135,12 @@ static void sj_free(sj *a, int P) {
 static void test_pipeline_orders(void) {
     static sj seq[4], pipe[4];
     const int Ps[2] = {1, 4};
-    for (int kind = 0; kind < 3; kind++)
+    for (int kind = 0; kind < 4; kind++)
         for (int pi = 0; pi < 2; pi++) {
             const int P = Ps[pi];
             moept_config c = slot_cfg(kind);
             run_order(seq, P, &c, seq_order, 0, 0);
-            EXPECT(P == 1 || (seq[0].direct == (kind != 1) && seq[0].C == (kind == 1 ? 2 : 1)),
+            EXPECT(P == 1 || (seq[0].direct == (kind == 0 || kind == 2) && seq[0].C == (kind == 1 ? 2 : 1)),
                    "kind %d EP %d: not the exchange meant (direct %d, C %d)", kind, P, seq[0].direct,
                    seq[0].C);
             for (int v = 0; v < 3; v++) {
