@@ -1048,7 +1048,7 @@ struct moept_layer {
    with the double buffers it commits between (each slot its own pair). The
    rest is layer-wide: parameters, gradients, AdamW, placement, comms,
    counters, scratch (router choice, fill, seqstat, GEMM packing and
-   descriptors, dwts, dlogits, dsg, the shared expert's packed rows, which
+   descriptors, dlogits, dsg, the shared expert's packed rows, which
    the backward packs again, fsdp's gathered experts, which it gathers again). */
 #define MOEPT__FSTATE(X) \
     X(fwd) X(plan.counts) X(plan.counts_next) X(plan.offsets) X(plan.row_of) X(plan.tok_of_row) \
@@ -1057,7 +1057,7 @@ struct moept_layer {
     X(xch.shbase) X(xch.shcap) X(xch.allcnt) X(xch.allcnt_next) X(xch.dst_row) X(ch.ccnt) \
     X(ch.ccnt_next) X(ch.rccnt) X(ch.rccnt_next) X(ch.cmsg) X(ch.csend) X(ch.crecv) X(ch.cruns) \
     X(ch.da) X(ch.dx) X(ws.xs) X(ws.ys) X(ws.xr) X(ws.yr) X(ws.h) X(ws.a) X(ws.hs) X(ws.as) X(ws.yss) \
-    X(ws.sg) X(work) X(work_bytes)
+    X(ws.sg) X(ws.dwts) X(work) X(work_bytes)
 
 /* A forward's arguments and what its stages found before the commit (the
    routing is in the spare buffers nb). */
@@ -3735,8 +3735,8 @@ static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
     return MOEPT_OK;
 }
 
-static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx,
-                                    const moept_backward_opts *o) {
+static moept_status moept__backward_slot(moept_layer *L, const float *x, const float *dy, float *dx,
+                                         const moept_backward_opts *o) {
     moept_status st;
     if ((st = moept__bwd_agree(L, x, dy, dx, o->router_loss_scale, o->slot))) return st;
     const moept_stats stats_before = L->stats; /* restored if dx is not finite */
@@ -3752,6 +3752,17 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
     if ((st = moept__backward_finite(L, dx, grads_were_zero, &stats_before))) return st;
     if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
     return MOEPT_OK;
+}
+
+/* The backward of opts.slot's forward; then the last forward's slot is the
+   active one again (moept_routing, moept_get_stats and update_bias read the
+   last forward call's; moept_routing_grads its backward, once it ran) */
+static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx,
+                                    const moept_backward_opts *o) {
+    const int last = L->active;
+    moept_status st = moept__backward_slot(L, x, dy, dx, o);
+    (void)moept__use_slot(L, last, "moept_backward"); /* allocated: cannot fail */
+    return st;
 }
 
 /* ------------------------------------------------------------------------

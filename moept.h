@@ -294,10 +294,10 @@
      slot's first forward (out of memory: that forward fails on every rank,
      nothing changed). workspace_bytes counts every slot's. Parameters,
      gradients, AdamW state and scratch are the layer's, shared by the
-     slots. moept_routing, moept_routing_grads, moept_get_stats'
-     tokens_per_expert and moept_update_bias read the slot used last (by a
-     forward, an evaluation or a backward); moept_reshard drops every slot's
-     forward. The CUDA executor keeps one (max_inflight > 1 is refused at
+     slots. moept_routing, moept_get_stats and moept_update_bias read the
+     last forward call's (an evaluation's included), whatever backwards ran
+     since; moept_routing_grads the backward of that forward, once it ran;
+     moept_reshard drops every slot's forward. The CUDA executor keeps one (max_inflight > 1 is refused at
      create, MOEPT_ERR_UNSUPPORTED) and an evaluation replaces its saved
      forward (the backward then refuses).
 
@@ -933,8 +933,8 @@ typedef struct moept_forward_opts {
                             no_grad): no router jitter, and nothing is kept for a
                             backward. A CPU layer's leaves the training forwards'
                             slots as they were (their backward follows it, as if it
-                            had not run; moept_update_bias, which reads the slot
-                            used last, refuses after it); a CUDA layer's replaces
+                            had not run; moept_update_bias, which reads the last
+                            forward, refuses after it); a CUDA layer's replaces
                             the saved forward (moept_backward and moept_update_bias
                             refuse until the next training forward). y is the
                             training forward's (bitwise, jitter off) */
@@ -1035,7 +1035,7 @@ moept_status moept_update_bias(moept_layer *layer, float rate);
 
 /* Router outputs of the last forward: ids [T][K] (int32), weights [T][K],
    logits [T][E]. Any pointer may be NULL. Valid until the next forward.
-   With forward slots: the forward of the slot used last (FORWARD SLOTS). */
+   With forward slots: the last forward call's, whatever backwards ran since. */
 moept_status moept_routing(const moept_layer *layer, const int32_t **ids,
                            const float **weights, const float **logits);
 

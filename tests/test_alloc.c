@@ -138,7 +138,7 @@ static moept_config ta_cfg(void) {
     return c;
 }
 
-/* forward, a forward into slot 1, an evaluation, both backwards, gradient
+/* an evaluation, a forward, a forward into slot 1, both backwards, gradient
    calls, a step, a checkpoint saved and loaded back (and one that fails to
    load), an HF save, through an index, and load */
 static moept_status ta_train(moept_layer *L, const char *dir, int rank) {
@@ -153,8 +153,8 @@ static moept_status ta_train(moept_layer *L, const char *dir, int rank) {
     moept_forward_opts f1 = {NULL, 0, NULL, NULL, 1}, ev = {NULL, 1, NULL, NULL, 0};
     moept_backward_opts b1 = moept_backward_default();
     b1.slot = 1;
-    if ((st = moept_init_params(L, 1)) || (st = moept_forward(L, x, T, y)) ||
-        (st = moept_forward_ex(L, x, T, y, &f1)) || (st = moept_forward_ex(L, x, T, y, &ev)) ||
+    if ((st = moept_init_params(L, 1)) || (st = moept_forward_ex(L, x, T, y, &ev)) ||
+        (st = moept_forward(L, x, T, y)) || (st = moept_forward_ex(L, x, T, y, &f1)) ||
         (st = moept_backward_ex(L, x, dy, dx, &b1)) ||
         (st = moept_backward(L, x, dy, dx)) || (st = moept_sync_grads(L, 1.0f)) ||
         (st = moept_grad_norm(L, &norm)) || (st = moept_update_bias(L, 1e-3f)) ||

@@ -3,7 +3,8 @@
    every gradient, at EP = 1 and EP = 4 (threads: the shared-memory path, the
    chunked exchange, FSDP); a forward again into the same slot (activation
    recomputation) equals one forward; an evaluation between a forward and
-   its backward changes nothing; slots that differ between ranks, out of
+   its backward changes nothing; routing and statistics read the last
+   forward's; slots that differ between ranks, out of
    range, empty or already differentiated fail every rank and change
    nothing; each slot's memory, counted exactly. */
 #include "../moept.c"
@@ -194,6 +195,62 @@ static void test_recompute(void) {
     }
 }
 
+/* What moept_routing, moept_get_stats and moept_routing_grads read with
+   two forwards in flight: the last forward's routing, whatever backward ran
+   since; its routing gradient only after its own backward, then bitwise the
+   sequential run's */
+static void test_routing_reads(void) {
+    moept_config c = slot_cfg(2);
+    c.max_inflight = 2;
+    moept_layer *A, *B;
+    if (moept_create(&c, &A) || moept_create(&c, &B)) {
+        EXPECT(0, "create: %s", moept_last_error(NULL));
+        return;
+    }
+    moept_init_params(A, 3);
+    moept_init_params(B, 3);
+    static float x[2][TOK * DIM], dy[2][TOK * DIM], y[TOK * DIM], dx[TOK * DIM];
+    uint8_t mask[TOK];
+    mb_data(0, 0, x[0], dy[0], mask);
+    mb_data(0, 1, x[1], dy[1], mask);
+    int32_t ids1[TOK * 2];
+    const int32_t *ids;
+    const float *dw, *dwb;
+    moept_forward_opts o1 = {NULL, 0, NULL, NULL, 1};
+    moept_backward_opts b1 = moept_backward_default();
+    b1.slot = 1;
+    moept_stats s1, s;
+    EXPECT_OK(moept_forward(A, x[0], TOK, y));
+    EXPECT_OK(moept_forward_ex(A, x[1], TOK, y, &o1));
+    EXPECT_OK(moept_routing(A, &ids, NULL, NULL));
+    memcpy(ids1, ids, sizeof ids1);
+    moept_get_stats(A, &s1, NULL);
+    EXPECT_OK(moept_backward(A, x[0], dy[0], dx));
+    EXPECT_OK(moept_routing(A, &ids, NULL, NULL));
+    moept_get_stats(A, &s, NULL);
+    EXPECT(!memcmp(ids, ids1, sizeof ids1) && s.aux_loss == s1.aux_loss,
+           "after slot 0's backward the routing or stats are not the last forward's");
+    EXPECT(moept_routing_grads(A, &dw) == MOEPT_ERR_STATE,
+           "routing_grads before the last forward's backward");
+    EXPECT_OK(moept_backward_ex(A, x[1], dy[1], dx, &b1));
+    EXPECT_OK(moept_routing_grads(A, &dw));
+    EXPECT_OK(moept_forward(B, x[0], TOK, y));
+    EXPECT_OK(moept_backward(B, x[0], dy[0], dx));
+    EXPECT_OK(moept_forward(B, x[1], TOK, y));
+    EXPECT_OK(moept_backward(B, x[1], dy[1], dx));
+    EXPECT_OK(moept_routing_grads(B, &dwb));
+    EXPECT(dw && dwb && !memcmp(dw, dwb, TOK * 2 * sizeof(float)), "routing_grads differ from sequential");
+    /* the last forward's backward first, then the other's: still the last forward's */
+    EXPECT_OK(moept_forward(A, x[0], TOK, y));
+    EXPECT_OK(moept_forward_ex(A, x[1], TOK, y, &o1));
+    EXPECT_OK(moept_backward_ex(A, x[1], dy[1], dx, &b1));
+    EXPECT_OK(moept_backward(A, x[0], dy[0], dx));
+    EXPECT_OK(moept_routing_grads(A, &dw));
+    EXPECT(dw && !memcmp(dw, dwb, TOK * 2 * sizeof(float)), "routing_grads after B1 B0 are not B1's");
+    moept_destroy(A);
+    moept_destroy(B);
+}
+
 /* Wrong slots at EP = 2: a slot that differs between ranks, one out of
    range on one rank, an empty slot, a slot differentiated twice: every
    rank fails (MOEPT_ERR_INVALID_ARGUMENT where the arguments differ or are
@@ -322,6 +379,7 @@ static void test_slot_memory(void) {
 int main(void) {
     RUN(test_pipeline_orders);
     RUN(test_recompute);
+    RUN(test_routing_reads);
     RUN(test_wrong_slots);
     RUN(test_slot_memory);
     return tu_done();
