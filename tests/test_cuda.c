@@ -2143,7 +2143,9 @@ static void test_aux_seq(void) {
    agreed as its own checks are: a padding mask in host memory on one rank
    fails both (INVALID_ARGUMENT there: a CUDA layer's mask is device memory;
    "other rank" on the peer); an evaluation forward on rank 0 only makes
-   the backward fail on both. */
+   the backward fail on both; a forward slot other than 0, in the forward
+   or the backward on one rank, fails both, and max_inflight > 1 every
+   rank's create. */
 static void *modes_rank(void *arg) {
     agree_job *j = arg;
     nccl_rank n;
@@ -2169,6 +2171,16 @@ static void *modes_rank(void *arg) {
     agree_call(j, 3, moept_backward(L, xd, dyd, dxd), L);
     agree_call(j, 4, moept_forward(L, xd, T, yd), L);
     agree_call(j, 5, moept_backward(L, xd, dyd, dxd), L);
+    moept_forward_opts so = {NULL, 0, NULL, NULL, 1}; /* a CUDA layer has one forward slot */
+    moept_backward_opts bo = moept_backward_default();
+    bo.slot = 1;
+    agree_call(j, 6, moept_forward_ex(L, xd, T, yd, j->tr.rank ? &so : NULL), L);
+    if (moept_forward(L, xd, T, yd) != MOEPT_OK) agree_call(j, 7, MOEPT_ERR_STATE, L);
+    else agree_call(j, 7, moept_backward_ex(L, xd, dyd, dxd, j->tr.rank ? &bo : NULL), L);
+    moept_layer *M = NULL; /* nor more than one at create, on every rank */
+    cfg.max_inflight = 2;
+    agree_call(j, 0, moept_create_cuda(&cfg, n.c, NULL, NULL, &M), NULL);
+    moept_destroy(M);
     cudaFree(xd); cudaFree(yd); cudaFree(dyd); cudaFree(dxd);
     free(x);
     moept_destroy(L);
@@ -2190,6 +2202,13 @@ static void test_unsupported_modes(void) {
         EXPECT(r ? a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "other rank")
                  : a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "evaluation"),
                "rank %d, backward after rank 0's evaluation: %d (%s)", r, (int)a->st[3], a->msg[3]);
+        for (int k = 6; k < 8; k++)
+            EXPECT(r ? a->st[k] == MOEPT_ERR_INVALID_ARGUMENT && strstr(a->msg[k], "opts.slot")
+                     : a->st[k] == MOEPT_ERR_STATE && strstr(a->msg[k], "other rank"),
+                   "rank %d, %s slot 1 on rank 1: %d (%s)", r, k == 6 ? "forward" : "backward", (int)a->st[k],
+                   a->msg[k]);
+        EXPECT(a->st[0] == MOEPT_ERR_UNSUPPORTED && strstr(a->msg[0], "max_inflight"),
+               "rank %d, a CUDA layer with max_inflight 2: %d (%s)", r, (int)a->st[0], a->msg[0]);
     }
 }
 
