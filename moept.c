@@ -1570,6 +1570,7 @@ static void moept__swap_fstate(moept_layer *a, moept_layer *b) {
    first forward's growth, collective). 0: out of memory, nothing changed. */
 static int moept__slot_alloc(moept_layer *L, int s) {
     moept_layer t = *L;
+    t.fsdp = NULL; /* fsdp's gathered experts are the layer's: not laid out again */
     moept__carve c = {NULL, 0};
     moept__layout_work(&t, &c);
     void *blk = moept__alloc(&L->mem, c.off);

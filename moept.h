@@ -287,19 +287,21 @@
      training layer runs it in its own workspace, so forward, evaluation,
      backward equals forward, backward. Switching slots moves no data (the
      layer swaps its pointers to the slot's buffers).
-     Memory: each slot used, and a training layer's first evaluation, hold
-     as much workspace as the layer at create (moept_stats.workspace_bytes of
-     a new layer: the routing, plan, exchange layout and activations; the
-     receive rows growing with a step's rows, as slot 0's), allocated at the
-     slot's first forward (out of memory: that forward fails on every rank,
-     nothing changed). workspace_bytes counts every slot's. Parameters,
-     gradients, AdamW state and scratch are the layer's, shared by the
+     Memory: each slot used, and a training layer's first evaluation, add
+     the workspace a new layer holds (moept_stats.workspace_bytes at
+     create, less fsdp's gathered experts: the routing, plan, exchange
+     layout and activations, and copies of the layer's scratch, e.g. the
+     builtin GEMM's packing buffers, which stay unused),
+     allocated at the slot's first forward (out of memory: that forward
+     fails on every rank, nothing changed); its receive rows grow with a
+     step's rows as slot 0's do. workspace_bytes counts every slot's.
+     Parameters, gradients and AdamW state are the layer's, shared by the
      slots. moept_routing, moept_get_stats and moept_update_bias read the
      last forward call's (an evaluation's included), whatever backwards ran
      since; moept_routing_grads the backward of that forward, once it ran;
-     moept_reshard drops every slot's forward. The CUDA executor keeps one (max_inflight > 1 is refused at
-     create, MOEPT_ERR_UNSUPPORTED) and an evaluation replaces its saved
-     forward (the backward then refuses).
+     moept_reshard drops every slot's forward. The CUDA executor keeps one
+     (max_inflight > 1 is refused at create, MOEPT_ERR_UNSUPPORTED) and an
+     evaluation replaces its saved forward (the backward then refuses).
 
    ROUTING REPLAY (opts.replay_ids of moept_forward_ex; both executors)
      Reinforcement learning on MoE models trains on the experts the rollout
