@@ -1036,7 +1036,28 @@ struct moept_layer {
     void *work;            /* the one workspace block every buffer lives in */
     int64_t work_bytes;
     moept_stats stats;
+    /* forward slots (moept__use_slot): the active slot's forward state is in
+       the fields above; slot s's, when s is not active, in shadow[s] (its
+       other fields unused). Slot nslots: evaluation forwards' (training layers) */
+    int nslots, active;    /* max(1, max_inflight); the slot whose state the layer holds */
+    struct moept_layer *shadow; /* [nslots + 1], allocated at the first other slot's use */
+    unsigned char *ready;  /* [nslots + 1] slot s has its buffers */
 };
+
+/* A forward's state: what a training forward writes and its backward reads,
+   with the double buffers it commits between (each slot its own pair). The
+   rest is layer-wide: parameters, gradients, AdamW, placement, comms,
+   counters, scratch (router choice, fill, seqstat, GEMM packing and
+   descriptors, dlogits, dsg, the shared expert's packed rows, which
+   the backward packs again, fsdp's gathered experts, which it gathers again). */
+#define MOEPT__FSTATE(X) \
+    X(fwd) X(plan.counts) X(plan.counts_next) X(plan.offsets) X(plan.row_of) X(plan.tok_of_row) \
+    X(plan.slot_of_row) X(plan.N) X(xch.rcounts) X(xch.rcounts_next) X(xch.roffsets) \
+    X(xch.send_segs) X(xch.recv_segs) X(xch.R) X(xch.Rcap) X(xch.rwork) X(xch.peer_rows) X(xch.shm) \
+    X(xch.shbase) X(xch.shcap) X(xch.allcnt) X(xch.allcnt_next) X(xch.dst_row) X(ch.ccnt) \
+    X(ch.ccnt_next) X(ch.rccnt) X(ch.rccnt_next) X(ch.cmsg) X(ch.csend) X(ch.crecv) X(ch.cruns) \
+    X(ch.da) X(ch.dx) X(ws.xs) X(ws.ys) X(ws.xr) X(ws.yr) X(ws.h) X(ws.a) X(ws.hs) X(ws.as) X(ws.yss) \
+    X(ws.sg) X(ws.dwts) X(work) X(work_bytes)
 
 /* A forward's arguments and what its stages found before the commit (the
    routing is in the spare buffers nb). */
@@ -1046,6 +1067,7 @@ struct moept__fstep {
     const uint8_t *mask;   /* [T] 0 = padding, or NULL */
     const int32_t *replay; /* [T][K] the experts to route to (routing replay), or NULL */
     float *logits_out;     /* [T][E] the router's logits written here, or NULL */
+    int slot;              /* the training forward's slot (opts.slot) */
     int64_t T, valid;      /* tokens; unmasked ones */
     int eval, global, nb, jitter;
     uint64_t x_fp;         /* x's fingerprint, for the backward's check */
@@ -1067,8 +1089,8 @@ enum {
     MOEPT__NCALLS
 };
 static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
-    [MOEPT__CALL_FORWARD] = {"moept_forward", ""},
-    [MOEPT__CALL_BACKWARD] = {"moept_backward", "router_loss_scale"},
+    [MOEPT__CALL_FORWARD] = {"moept_forward", "opts.slot"},
+    [MOEPT__CALL_BACKWARD] = {"moept_backward", "router_loss_scale or opts.slot"},
     [MOEPT__CALL_SYNC_GRADS] = {"moept_sync_grads", "scale"},
     [MOEPT__CALL_GRAD_NORM] = {"moept_grad_norm", ""},
     [MOEPT__CALL_UPDATE_BIAS] = {"moept_update_bias", "rate"},
@@ -1207,6 +1229,9 @@ static moept_status moept__resolve_train(moept_config *c) {
         MOEPT__BAD("config.inference_only: %d must be 0 or 1", c->inference_only);
     if (c->grad_backup != 0 && c->grad_backup != 1)
         MOEPT__BAD("config.grad_backup: %d must be 0 or 1", c->grad_backup);
+    if (c->max_inflight < 0 || c->max_inflight > MOEPT_MAX_INFLIGHT)
+        MOEPT__BAD("config.max_inflight: %lld must be in 0..%d", (long long)c->max_inflight,
+                   MOEPT_MAX_INFLIGHT);
     if (c->max_tokens <= 0 || c->max_tokens > ((int64_t)1 << 31) / c->top_k)
         MOEPT__BAD("config.max_tokens: %lld must be in 1..2^31/top_k", (long long)c->max_tokens);
     if (c->aux_loss == MOEPT_AUX_SEQ && (c->aux_seq_len < 1 || c->aux_seq_len > c->max_tokens))
@@ -1305,6 +1330,15 @@ void moept_destroy(moept_layer *L) {
     MOEPT_FREE(L->opt.m);
     MOEPT_FREE(L->ws.xsh);
     MOEPT_FREE(L->ws.shrow);
+    for (int s = 0; L->shadow && s <= L->nslots; s++) {
+        moept_layer *o = &L->shadow[s];
+        if (s == L->active || !L->ready[s]) continue;
+        MOEPT_FREE(o->work);
+        MOEPT_FREE(o->xch.rwork);
+        if (o->xch.shm) L->ep->shm_free(L->ep, o->xch.shm);
+    }
+    MOEPT_FREE(L->shadow);
+    MOEPT_FREE(L->ready);
     MOEPT_FREE(L);
 }
 
@@ -1518,6 +1552,87 @@ static moept_status moept__grow_shared(moept_layer *L, int64_t need) {
     return MOEPT_OK;
 }
 
+/* Swaps the forward state (MOEPT__FSTATE) of a and b: pointers and counts, no data */
+static void moept__swap_fstate(moept_layer *a, moept_layer *b) {
+#define MOEPT__SWAP_FIELD(fld)                    \
+    {                                             \
+        unsigned char t_[sizeof a->fld];          \
+        memcpy(t_, &a->fld, sizeof t_);           \
+        memcpy(&a->fld, &b->fld, sizeof t_);      \
+        memcpy(&b->fld, t_, sizeof t_);           \
+    }
+    MOEPT__FSTATE(MOEPT__SWAP_FIELD)
+#undef MOEPT__SWAP_FIELD
+}
+
+/* Slot s's buffers, into shadow[s]: the workspace laid out again and the
+   receive rows as at create (the direct path's shared rows come with its
+   first forward's growth, collective). 0: out of memory, nothing changed. */
+static int moept__slot_alloc(moept_layer *L, int s) {
+    moept_layer t = *L;
+    t.fsdp = NULL; /* fsdp's gathered experts are the layer's: not laid out again */
+    moept__carve c = {NULL, 0};
+    moept__layout_work(&t, &c);
+    void *blk = moept__alloc(&L->mem, c.off);
+    if (!blk) return 0;
+    memset(blk, 0, c.off);
+    c.base = blk; c.off = 0;
+    moept__layout_work(&t, &c);
+    t.work = blk; t.work_bytes = (int64_t)c.off;
+    t.fwd.cur = 0; t.fwd.T = -1; t.fwd.valid = t.fwd.bwd_valid = t.fwd.eval = t.fwd.jitter = 0;
+    t.plan.N = 0;
+    t.xch.R = t.xch.Rcap = t.xch.shcap = 0;
+    t.xch.rwork = t.xch.shm = NULL;
+    t.ws.xr = t.ws.yr = t.ws.h = t.ws.a = t.ch.da = t.ch.dx = NULL;
+    t.mem = L->mem; /* the receive rows a create makes (more grow with a step, as slot 0's) */
+    if (!moept__grow_recv(&t, L->Nmax)) {
+        MOEPT_FREE(blk);
+        return 0;
+    }
+    L->mem = t.mem;
+    moept__swap_fstate(&L->shadow[s], &t);
+    L->ready[s] = 1;
+    return 1;
+}
+
+/* Makes slot s the one whose forward state the layer holds (O(1): fields
+   swap), its buffers allocated at its first use. Out of memory: nothing
+   changed. The jitter's count of training forwards is the layer's. */
+static moept_status moept__use_slot(moept_layer *L, int s, const char *call) {
+    if (s == L->active) return MOEPT_OK;
+    if (!L->shadow) {
+        L->shadow = moept__alloc(&L->mem, (size_t)(L->nslots + 1) * sizeof(moept_layer));
+        L->ready = moept__alloc(&L->mem, (size_t)(L->nslots + 1));
+        if (!L->shadow || !L->ready) {
+            MOEPT_FREE(L->shadow);
+            MOEPT_FREE(L->ready);
+            L->shadow = NULL;
+            L->ready = NULL;
+        } else {
+            memset(L->shadow, 0, (size_t)(L->nslots + 1) * sizeof(moept_layer));
+            memset(L->ready, 0, (size_t)(L->nslots + 1));
+            L->ready[L->active] = 1;
+        }
+    }
+    if (!L->shadow || (!L->ready[s] && !moept__slot_alloc(L, s)))
+        return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for forward slot %d's state",
+                           call, s);
+    const int64_t jm = L->fwd.jitter_micro;
+    const int jf = L->fwd.jitter_frozen;
+    moept__swap_fstate(L, &L->shadow[L->active]);
+    moept__swap_fstate(L, &L->shadow[s]);
+    L->fwd.jitter_micro = jm;
+    L->fwd.jitter_frozen = jf;
+    L->active = s;
+    return MOEPT_OK;
+}
+
+/* Every slot's saved forward dropped (the placement changed under them) */
+static void moept__slots_invalidate(moept_layer *L) {
+    L->fwd.valid = 0;
+    for (int s = 0; L->shadow && s <= L->nslots; s++) L->shadow[s].fwd.valid = 0;
+}
+
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later). */
 #define MOEPT__NFP 29
@@ -1688,6 +1803,7 @@ static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm
     L->Tmax = c->max_tokens;
     L->Nmax = c->max_tokens * c->top_k;
     L->fwd.T = -1;
+    L->nslots = c->max_inflight > 1 ? (int)c->max_inflight : 1;
 #ifdef _OPENMP
     L->nthreads = omp_get_max_threads();
 #else
@@ -3280,11 +3396,16 @@ static void moept__fwd_stats(moept_layer *L, const moept__fstep *f, double aux_v
 }
 
 static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
+    /* a training forward's slot; an evaluation's own (a training layer's
+       evaluation leaves every training forward's state as it was) */
+    moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why)
+                         : moept__use_slot(L, f->eval && !L->cfg.inference_only ? L->nslots : f->slot,
+                                           "moept_forward"),
+                 st;
     f->global = L->cfg.global_balance && (L->group || L->dp);
     f->nb = 1 - L->fwd.cur;
     f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
-    moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why) : moept__fwd_checks(L, f),
-                 st;
+    if (!local) local = moept__fwd_checks(L, f);
     if (!local) local = moept__fwd_route(L, f);
     if (!local && L->S > 0 && f->valid < f->T && !L->ws.xsh) { /* the first padded step: room to pack */
         L->ws.xsh = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
@@ -3299,7 +3420,8 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
         }
     }
     /* a rank making another call fails here, tagged, not in the count exchange */
-    if ((st = moept__agree_call(L, L->group, f->global ? L->dp : NULL, local, MOEPT__CALL_FORWARD, 0)))
+    if ((st = moept__agree_call(L, L->group, f->global ? L->dp : NULL, local, MOEPT__CALL_FORWARD,
+                                f->eval ? 0 : (uint64_t)f->slot)))
         return st;
     /* the unmasked tokens': padding changes no token's fate */
     f->cap = moept__capacity(L->capacity_factor, f->valid, L->K, L->E);
@@ -3335,9 +3457,15 @@ moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *
     if (o) {
         f.mask = o->mask; f.eval = o->eval != 0; f.replay = o->replay_ids;
         f.logits_out = o->logits_out;
+        f.slot = o->slot;
     }
     f.eval |= L->cfg.inference_only; /* nothing to keep */
     if (f.mask) f.reject = moept__ex_refuse(L->ex, MOEPT__CAN_MASK, "moept_forward", f.reject_why);
+    if (!f.eval && (f.slot < 0 || f.slot >= L->nslots)) { /* agreed as the executor's refusals */
+        f.reject = MOEPT_ERR_INVALID_ARGUMENT;
+        snprintf(f.reject_why, sizeof f.reject_why, "moept_forward: opts.slot %d is not in "
+                 "0..max_inflight-1 (%d)", f.slot, L->nslots - 1);
+    }
     return L->ex->forward(L, &f);
 }
 
@@ -3374,7 +3502,7 @@ static moept_status moept__backward_finite(moept_layer *L, const float *dx, int 
 }
 
 moept_backward_opts moept_backward_default(void) {
-    moept_backward_opts o = {1.0f, NULL};
+    moept_backward_opts o = {1.0f, NULL, 0};
     return o;
 }
 
@@ -3396,11 +3524,20 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
 
 /* agree: this rank's checks, then (EP) agreement so no rank is left waiting */
 static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float *dy, const float *dx,
-                                     float rscale) {
+                                     float rscale, int slot) {
     moept_status local = MOEPT_OK;
     uint64_t x_fp = 0;
+    if (slot < 0 || slot >= L->nslots)
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: opts.slot %d is not in "
+                            "0..max_inflight-1 (%d)", slot, L->nslots - 1);
+    else if (L->active != slot && (!L->shadow || !L->ready[slot] || !L->shadow[slot].fwd.valid))
+        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: slot %d holds no forward to "
+                            "differentiate", slot);
+    else local = moept__use_slot(L, slot, "moept_backward"); /* (allocated: cannot fail) */
     const int64_t T = L->fwd.T, D = L->D;
-    if (!L->fwd.valid) local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
+    if (local) (void)0;
+    else if (!L->fwd.valid)
+        local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
     else if (!moept__finite(rscale))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
                             "moept_backward: opts.router_loss_scale is not finite");
@@ -3426,7 +3563,8 @@ static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
     }
-    return moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD, moept__fnv_f32(&rscale, 1));
+    return moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD,
+                             moept__fnv(moept__fnv_f32(&rscale, 1), &slot, sizeof slot));
 }
 
 /* fsdp: the experts gathered again (before anything changes: a broken comm
@@ -3598,10 +3736,10 @@ static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
     return MOEPT_OK;
 }
 
-static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx,
-                                    const moept_backward_opts *o) {
+static moept_status moept__backward_slot(moept_layer *L, const float *x, const float *dy, float *dx,
+                                         const moept_backward_opts *o) {
     moept_status st;
-    if ((st = moept__bwd_agree(L, x, dy, dx, o->router_loss_scale))) return st;
+    if ((st = moept__bwd_agree(L, x, dy, dx, o->router_loss_scale, o->slot))) return st;
     const moept_stats stats_before = L->stats; /* restored if dx is not finite */
     const int grads_were_zero = moept__all_zero(L->par.grads, L->par.n_params);
     if (L->par.grads_copy && !grads_were_zero)
@@ -3615,6 +3753,17 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
     if ((st = moept__backward_finite(L, dx, grads_were_zero, &stats_before))) return st;
     if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
     return MOEPT_OK;
+}
+
+/* The backward of opts.slot's forward; then the last forward's slot is the
+   active one again (moept_routing, moept_get_stats and update_bias read the
+   last forward call's; moept_routing_grads its backward, once it ran) */
+static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx,
+                                    const moept_backward_opts *o) {
+    const int last = L->active;
+    moept_status st = moept__backward_slot(L, x, dy, dx, o);
+    (void)moept__use_slot(L, last, "moept_backward"); /* allocated: cannot fail */
+    return st;
 }
 
 /* ------------------------------------------------------------------------
@@ -3781,8 +3930,12 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     int64_t w[6];
     moept__recv_widths(L, w);
     int64_t row = w[0] + w[1] + w[2] + w[3] + w[4] + w[5];
-    st->workspace_bytes = (L->work_bytes + L->xch.Rcap * row * (int64_t)sizeof(float) +
-                           2 * L->xch.shcap * L->D * (int64_t)sizeof(float));
+    st->workspace_bytes = 0;
+    for (int s = 0; s <= L->nslots; s++) { /* every forward slot's (the active one's in L) */
+        const moept_layer *o = s == L->active ? L : L->shadow && L->ready[s] ? &L->shadow[s] : NULL;
+        if (o) st->workspace_bytes += o->work_bytes + o->xch.Rcap * row * (int64_t)sizeof(float) +
+                                      2 * o->xch.shcap * L->D * (int64_t)sizeof(float);
+    }
     st->shared_exchange = L->xch.direct;
     st->device_workspace_bytes = L->dev.workspace_bytes;
     if (tpe)
@@ -4044,7 +4197,10 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
     r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
-    if (L->fwd.valid && L->fwd.eval) {
+    if (o->slot != 0) { /* one slot (max_inflight is a CPU layer's) */
+        r.reject = MOEPT_ERR_INVALID_ARGUMENT;
+        r.reject_msg = "moept_backward: opts.slot is not in 0..max_inflight-1 (0)";
+    } else if (L->fwd.valid && L->fwd.eval) {
         r.reject = MOEPT_ERR_STATE;
         r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
                        "differentiate";
@@ -4268,6 +4424,9 @@ static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moep
     } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
         *why_st = MOEPT_ERR_UNSUPPORTED;
         w = "options.sync_free with overlap_chunks > 1 is not supported";
+    } else if (cfg && cfg->max_inflight > 1) {
+        *why_st = MOEPT_ERR_UNSUPPORTED;
+        w = "config.max_inflight > 1 is not supported by the CUDA executor";
     } else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) /* size 1 too */
         w = "the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)";
     if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
@@ -7513,7 +7672,7 @@ static void moept__reshard_commit(moept_layer *L, const moept__moves *mv, int64_
     }
     moept__build_table(L);
     if (L->par.grads) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
-    L->fwd.valid = 0; /* the saved forward's plan used the old placement */
+    moept__slots_invalidate(L); /* the saved forwards' plans used the old placement */
     if (rep) {
         rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;
         rep->rounds = mv->rounds; rep->extra_bytes = (L->H * L->D + L->D * L->F) * (int64_t)sizeof(float);

@@ -250,7 +250,8 @@
      their next moept_adamw_step or moept_grad_norm); one with a shared
      expert allocates max_tokens x hidden_size elements of its dtype at its
      first masked forward (the shared expert's input, padded rows zero), so
-     run one before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward.
+     run one before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward
+     (FORWARD SLOTS: on a CPU layer it leaves every training forward's saved state as it was).
      config.router_jitter = eps: a training forward routes on x * u, u
      uniform in [1 - eps, 1 + eps] per element (as Switch Transformer and
      Megatron-Core's input jitter); the experts and the shared expert see x.
@@ -263,6 +264,46 @@
      what the original drew, and equal tokens draw equal noise. The
      backward treats u as a constant, as PyTorch does with its noise tensor.
      A CUDA layer draws the CPU layer's noise, bitwise (one generator).
+
+   FORWARD SLOTS (config.max_inflight, opts.slot; CPU layers)
+     Several training forwards of one layer in flight, each differentiated
+     later, in any order: activation recomputation, pipeline schedules with
+     several micro-batches in flight (1F1B), an evaluation in between. A
+     layer keeps max(1, max_inflight) saved forwards, in slots
+     0..max_inflight-1: a training forward saves its state in
+     moept_forward_opts.slot (replacing what that slot held: forward again
+     into a slot to recompute it), and moept_backward_ex differentiates the
+     forward in moept_backward_opts.slot. The plain calls, a zeroed or NULL
+     opts and moept_backward_default() use slot 0: today's one saved
+     forward. Each slot's forward is differentiated once; the backward of a
+     slot with no forward, or one already differentiated, returns
+     MOEPT_ERR_STATE. A slot outside 0..max_inflight-1 returns
+     MOEPT_ERR_INVALID_ARGUMENT; under EP every rank must name the same slot
+     (agreed with the call, as its other arguments): a difference fails
+     every rank and changes nothing. Any order gives what forward, backward
+     in sequence gives, bitwise (y, dx, every gradient): the router jitter
+     is keyed by the count of training forwards, not by their slots (a
+     recomputed forward is a new training forward and draws new noise: the
+     backward differentiates the one made last into its slot). An
+     evaluation forward (opts.eval) keeps nothing and needs no slot: a
+     training layer runs it in its own workspace, so forward, evaluation,
+     backward equals forward, backward. Switching slots moves no data (the
+     layer swaps its pointers to the slot's buffers).
+     Memory: each slot used, and a training layer's first evaluation, add
+     the workspace a new layer holds (moept_stats.workspace_bytes at
+     create, less fsdp's gathered experts: the routing, plan, exchange
+     layout and activations, and copies of the layer's scratch, e.g. the
+     builtin GEMM's packing buffers, which stay unused),
+     allocated at the slot's first forward (out of memory: that forward
+     fails on every rank, nothing changed); its receive rows grow with a
+     step's rows as slot 0's do. workspace_bytes counts every slot's.
+     Parameters, gradients and AdamW state are the layer's, shared by the
+     slots. moept_routing, moept_get_stats and moept_update_bias read the
+     last forward call's (an evaluation's included), whatever backwards ran
+     since; moept_routing_grads the backward of that forward, once it ran;
+     moept_reshard drops every slot's forward. The CUDA executor keeps one
+     (max_inflight > 1 is refused at create, MOEPT_ERR_UNSUPPORTED) and an
+     evaluation replaces its saved forward (the backward then refuses).
 
    ROUTING REPLAY (opts.replay_ids of moept_forward_ex; both executors)
      Reinforcement learning on MoE models trains on the experts the rollout
@@ -418,6 +459,7 @@ typedef enum moept_group_fill {
 
 /* Zero means "default" where a default is stated. */
 #define MOEPT_MAX_CHUNKS 64
+#define MOEPT_MAX_INFLIGHT 64
 
 /* How the experts are spread over the `ep` group's ranks.
    EP: rank r owns E/P whole experts; token rows travel to them.
@@ -488,6 +530,9 @@ typedef struct moept_config {
                                          accumulating backward. 0: they are refused
                                          until moept_zero_grad (see NUMERICS). CPU
                                          layers */
+    int64_t max_inflight;             /* training forwards saved at once (FORWARD SLOTS):
+                                         0 or 1: one (slot 0), up to MOEPT_MAX_INFLIGHT.
+                                         CPU layers */
 } moept_config;
 
 /* ---- communication -------------------------------------------------
@@ -890,8 +935,12 @@ typedef struct moept_forward_opts {
                             layer's is device memory, as x and y */
     int eval;            /* 1: an evaluation forward (PyTorch's model.eval() under
                             no_grad): no router jitter, and nothing is kept for a
-                            backward: moept_backward and moept_update_bias
-                            refuse until the next training forward. y is the
+                            backward. A CPU layer's leaves the training forwards'
+                            slots as they were (their backward follows it, as if it
+                            had not run; moept_update_bias, which reads the last
+                            forward, refuses after it); a CUDA layer's replaces
+                            the saved forward (moept_backward and moept_update_bias
+                            refuse until the next training forward). y is the
                             training forward's (bitwise, jitter off) */
     const int32_t *replay_ids; /* [tokens][K] or NULL: routing replay (ROUTING REPLAY
                             above): each token's K experts instead of the router's
@@ -902,6 +951,9 @@ typedef struct moept_forward_opts {
                             written here, for a router loss of the caller's
                             (moept_backward_opts.dlogits). A CUDA layer's is device
                             memory. Padded rows: 0 */
+    int slot;            /* a training forward's slot, 0..max_inflight-1 (FORWARD SLOTS):
+                            its saved state replaces what the slot held. An
+                            evaluation forward ignores it (it keeps nothing) */
 } moept_forward_opts;
 moept_status moept_forward_ex(moept_layer *layer, const float *x, int64_t tokens, float *y,
                               const moept_forward_opts *opts);
@@ -932,8 +984,10 @@ typedef struct moept_backward_opts {
                                  moept_forward_opts.logits_out wrote them. A CUDA layer's is
                                  device memory, as x. Padded rows (opts.mask) are not read.
                                  Not scaled by router_loss_scale */
+    int slot;                 /* the forward differentiated: the training forward saved in this
+                                 slot (FORWARD SLOTS). 0 in moept_backward_default() */
 } moept_backward_opts;
-moept_backward_opts moept_backward_default(void); /* {1.0f, NULL} */
+moept_backward_opts moept_backward_default(void); /* {1.0f, NULL, 0} */
 moept_status moept_backward_ex(moept_layer *layer, const float *x, const float *dy, float *dx,
                                const moept_backward_opts *opts);
 moept_status moept_zero_grad(moept_layer *layer);
@@ -984,7 +1038,8 @@ moept_status moept_grad_norm(moept_layer *layer, double *norm);
 moept_status moept_update_bias(moept_layer *layer, float rate);
 
 /* Router outputs of the last forward: ids [T][K] (int32), weights [T][K],
-   logits [T][E]. Any pointer may be NULL. Valid until the next forward. */
+   logits [T][E]. Any pointer may be NULL. Valid until the next forward.
+   With forward slots: the last forward call's, whatever backwards ran since. */
 moept_status moept_routing(const moept_layer *layer, const int32_t **ids,
                            const float **weights, const float **logits);
 
@@ -1148,7 +1203,7 @@ int64_t moept_abi_layout(char *buf, int64_t cap);
     F(moept_config, z_loss_coef) F(moept_config, capacity_factor) F(moept_config, max_tokens) \
     F(moept_config, global_balance) F(moept_config, overlap_chunks) \
     F(moept_config, expert_sharding) F(moept_config, router_jitter) F(moept_config, jitter_seed) \
-    F(moept_config, inference_only) F(moept_config, grad_backup) \
+    F(moept_config, inference_only) F(moept_config, grad_backup) F(moept_config, max_inflight) \
     S(moept_stats) F(moept_stats, steps) F(moept_stats, tokens) F(moept_stats, routed_rows) \
     F(moept_stats, dropped_rows) F(moept_stats, masked_tokens) F(moept_stats, capacity) \
     F(moept_stats, aux_loss) F(moept_stats, z_loss) F(moept_stats, allocations) \
@@ -1159,8 +1214,9 @@ int64_t moept_abi_layout(char *buf, int64_t cap);
     F(moept_stats, checkpoint_bytes_read) F(moept_stats, device_workspace_bytes) \
     F(moept_stats, shared_exchange) \
     S(moept_forward_opts) F(moept_forward_opts, mask) F(moept_forward_opts, eval) \
-    F(moept_forward_opts, replay_ids) F(moept_forward_opts, logits_out) \
+    F(moept_forward_opts, replay_ids) F(moept_forward_opts, logits_out) F(moept_forward_opts, slot) \
     S(moept_backward_opts) F(moept_backward_opts, router_loss_scale) F(moept_backward_opts, dlogits) \
+    F(moept_backward_opts, slot) \
     S(moept_param_info) F(moept_param_info, name) F(moept_param_info, rows) \
     F(moept_param_info, cols) F(moept_param_info, data) F(moept_param_info, grad) \
     F(moept_param_info, shard_offset) \

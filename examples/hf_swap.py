@@ -69,16 +69,16 @@ class moept_config(C.Structure):
                 ("aux_seq_len", C.c_int64), ("z_loss_coef", C.c_float), ("capacity_factor", C.c_float),
                 ("max_tokens", C.c_int64), ("global_balance", C.c_int), ("overlap_chunks", C.c_int64),
                 ("expert_sharding", C.c_int), ("router_jitter", C.c_float), ("jitter_seed", C.c_uint64),
-                ("inference_only", C.c_int), ("grad_backup", C.c_int)]
+                ("inference_only", C.c_int), ("grad_backup", C.c_int), ("max_inflight", C.c_int64)]
 
 
 class moept_forward_opts(C.Structure):
     _fields_ = [("mask", C.c_void_p), ("eval", C.c_int), ("replay_ids", C.c_void_p),
-                ("logits_out", C.c_void_p)]
+                ("logits_out", C.c_void_p), ("slot", C.c_int)]
 
 
 class moept_backward_opts(C.Structure):
-    _fields_ = [("router_loss_scale", C.c_float), ("dlogits", C.c_void_p)]
+    _fields_ = [("router_loss_scale", C.c_float), ("dlogits", C.c_void_p), ("slot", C.c_int)]
 
 
 class moept_param_info(C.Structure):

@@ -113,7 +113,7 @@ static moept_status layer_forward(moept_layer *L, void *stream, const float *x, 
     void *dxp = to_device(x, T * D), *dyp = to_device(y, T * D), *dm = NULL; /* a CUDA layer's mask: device */
     int mok = !mask || (cudaMalloc(&dm, (size_t)T + 1) == cudaSuccess &&
                         cudaMemcpy(dm, mask, (size_t)T, cudaMemcpyHostToDevice) == cudaSuccess);
-    moept_forward_opts o = {(const uint8_t *)dm, 0, NULL, NULL};
+    moept_forward_opts o = {(const uint8_t *)dm, 0, NULL, NULL, 0};
     moept_status st = dxp && dyp && mok ? moept_forward_ex(L, (const float *)dxp, T, (float *)dyp, &o)
                                         : MOEPT_ERR_OUT_OF_MEMORY;
     if (!st && cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess) st = MOEPT_ERR_DEVICE;
@@ -122,7 +122,7 @@ static moept_status layer_forward(moept_layer *L, void *stream, const float *x, 
     return st;
 #else
     (void)D; (void)stream;
-    moept_forward_opts o = {mask, 0, NULL, NULL};
+    moept_forward_opts o = {mask, 0, NULL, NULL, 0};
     return moept_forward_ex(L, x, T, y, &o);
 #endif
 }
@@ -350,7 +350,7 @@ static int ref_build(check *c, const moept_config *cfg, moept_layer *L, const fl
         ok = ok && moept_set_param(R, pi.name, w, n) == MOEPT_OK;
         free(w);
     }
-    moept_forward_opts fo = {mask, 0, NULL, NULL};
+    moept_forward_opts fo = {mask, 0, NULL, NULL, 0};
     ok = ok && moept_forward_ex(R, x, Tr, y, &fo) == MOEPT_OK;
     const int32_t *ids; const float *wts, *logits;
     moept_stats st;

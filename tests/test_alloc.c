@@ -134,11 +134,13 @@ static moept_config ta_cfg(void) {
     moept_config c = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3); /* routed, shared and a bias */
     c.hidden_size = 16; c.intermediate_size = 8; c.num_experts = 4; c.top_k = 2;
     c.n_group = 2; c.topk_group = 1; c.shared_intermediate_size = 8; c.max_tokens = T;
+    c.max_inflight = 2; /* a second forward slot, and an evaluation's, allocate and free too */
     return c;
 }
 
-/* forward, backward, gradient calls, a step, a checkpoint saved and loaded
-   back (and one that fails to load), an HF save, through an index, and load */
+/* an evaluation, a forward, a forward into slot 1, both backwards, gradient
+   calls, a step, a checkpoint saved and loaded back (and one that fails to
+   load), an HF save, through an index, and load */
 static moept_status ta_train(moept_layer *L, const char *dir, int rank) {
     float x[T * 16], y[T * 16], dy[T * 16], dx[T * 16];
     unsigned long long seed = 7u + (unsigned)rank;
@@ -148,7 +150,12 @@ static moept_status ta_train(moept_layer *L, const char *dir, int rank) {
     double norm;
     char path[300];
     moept_status st;
-    if ((st = moept_init_params(L, 1)) || (st = moept_forward(L, x, T, y)) ||
+    moept_forward_opts f1 = {NULL, 0, NULL, NULL, 1}, ev = {NULL, 1, NULL, NULL, 0};
+    moept_backward_opts b1 = moept_backward_default();
+    b1.slot = 1;
+    if ((st = moept_init_params(L, 1)) || (st = moept_forward_ex(L, x, T, y, &ev)) ||
+        (st = moept_forward(L, x, T, y)) || (st = moept_forward_ex(L, x, T, y, &f1)) ||
+        (st = moept_backward_ex(L, x, dy, dx, &b1)) ||
         (st = moept_backward(L, x, dy, dx)) || (st = moept_sync_grads(L, 1.0f)) ||
         (st = moept_grad_norm(L, &norm)) || (st = moept_update_bias(L, 1e-3f)) ||
         (st = moept_adamw_step(L, &o)) || (st = moept_save_checkpoint(L, dir)) ||
@@ -230,13 +237,15 @@ typedef struct ta_job {
     char why[512];
 } ta_job;
 
+static int ta_direct; /* EP 2 unchunked: the experts' rows in shared memory, a block per slot */
+
 static void *ta_rank(void *arg) {
     ta_job *j = arg;
     moept_comm *comm = NULL;
     moept_layer *L = NULL;
     moept_config c = ta_cfg();
     c.expert_sharding = j->sh;
-    if (j->sh == MOEPT_SHARD_EP) c.overlap_chunks = 2;
+    if (j->sh == MOEPT_SHARD_EP && !ta_direct) c.overlap_chunks = 2;
     j->st = moept_comm_threads(j->g, j->r, &comm);
     if (!j->st) j->st = moept_create_parallel(&c, comm, NULL, &L);
     if (!j->st && j->sh == MOEPT_SHARD_EP) {
@@ -278,12 +287,18 @@ static void ta_two_ranks(moept_sharding sh, const char *what) {
 
 static void test_ep_threads(void) { ta_two_ranks(MOEPT_SHARD_EP, "EP 2, chunked, reshard, checkpoints"); }
 static void test_fsdp_threads(void) { ta_two_ranks(MOEPT_SHARD_FSDP, "fsdp 2"); }
+static void test_ep_direct_threads(void) {
+    ta_direct = 1;
+    ta_two_ranks(MOEPT_SHARD_EP, "EP 2, shared-memory rows, reshard, checkpoints");
+    ta_direct = 0;
+}
 
 int main(void) {
     RUN(test_one_rank);
     RUN(test_files);
     RUN(test_ep_threads);
     RUN(test_fsdp_threads);
+    RUN(test_ep_direct_threads);
     printf("# %lld blocks through MOEPT_MALLOC, %lld freed through MOEPT_FREE\n", ta_allocs, ta_frees);
     return tu_done();
 }

@@ -70,7 +70,7 @@ static double compare_step_mask(moept_config cfg, int bf16, int64_t T, const uin
     void *dx_ = dev_from(x, T * D, bf16), *ddy = dev_from(dy, T * D, bf16);
     void *dyo = dev_from(y1, T * D, bf16), *ddx = dev_from(dx1, T * D, bf16), *dm = NULL;
     if (mask && cudaMalloc(&dm, (size_t)T + 1) == cudaSuccess) cudaMemcpy(dm, mask, (size_t)T, cudaMemcpyHostToDevice);
-    moept_forward_opts oc = {mask, 0, NULL, NULL}, og = {dm, 0, NULL, NULL}; /* the GPU's mask is device memory, as x */
+    moept_forward_opts oc = {mask, 0, NULL, NULL, 0}, og = {dm, 0, NULL, NULL, 0}; /* the GPU's mask is device memory, as x */
     double worst = 0.0;
     EXPECT_OK(moept_forward_ex(cpu, x, T, y0, &oc));
     if (moept_forward_ex(gpu, (const float *)dx_, T, (float *)dyo, &og) != MOEPT_OK) { tu_note(__FILE__, __LINE__, "gpu forward: %s", moept_last_error(gpu)); worst = 1e9; goto out; }
@@ -128,7 +128,7 @@ typedef struct side_run { int64_t id_diffs; double worst; char msg[300]; } side_
 static void side_note(side_run *r, double e) { r->worst = e > r->worst ? e : r->worst; }
 static int side_forward(moept_layer *L[2], const float *x, int64_t T, int64_t D, int bf16, int eval, float *y,
                         side_run *r) {
-    moept_forward_opts o = {NULL, eval, NULL, NULL};
+    moept_forward_opts o = {NULL, eval, NULL, NULL, 0};
     void *xd = dev_from(x, T * D, bf16), *yd = dev_from(y, T * D, bf16);
     moept_status st[2] = {moept_forward_ex(L[0], x, T, y, &o), moept_forward_ex(L[1], xd, T, yd, &o)};
     if (!st[1]) host_from(y + T * D, yd, T * D, bf16);
@@ -502,8 +502,9 @@ static void test_inference_layer(void) {
 
 /* An evaluation forward of a training CUDA layer (opts.eval) does what the
    CPU layer's does: y is the training forward's bitwise, and it keeps
-   nothing for a backward: moept_backward and moept_update_bias after it
-   refuse with the CPU layer's status and message; the next training
+   nothing for a backward: moept_backward after it refuses (a CPU layer's
+   evaluation keeps the training forward: its backward runs), and
+   moept_update_bias with the CPU layer's status and message; the next training
    forward's backward gives the gradients and dx of a layer that never
    ran the evaluation, bitwise. */
 static void test_eval_forward(void) {
@@ -517,7 +518,7 @@ static void test_eval_forward(void) {
     float *x = malloc((size_t)(2 * T * D) * sizeof(float)), *y = calloc((size_t)(6 * T * D), sizeof(float));
     for (int64_t i = 0; i < 2 * T * D; i++) x[i] = frand();
     void *xd = dev_from(x, T * D, 0), *dyd = dev_from(x + T * D, T * D, 0), *dxd = dev_from(y, T * D, 0);
-    moept_forward_opts eo = {NULL, 1, NULL, NULL};
+    moept_forward_opts eo = {NULL, 1, NULL, NULL, 0};
     if (forward_y(g[0], xd, T, D, 0, NULL, y) || forward_y(g[0], xd, T, D, 0, &eo, y + T * D)) goto out;
     EXPECT(count_diffs(y, y + T * D, T * D) == 0, "the evaluation's y differs from the training forward's");
     EXPECT_OK(moept_forward(c, x, T, y + 2 * T * D));
@@ -527,9 +528,14 @@ static void test_eval_forward(void) {
         char mc[300];
         snprintf(mc, sizeof mc, "%s", moept_last_error(c));
         moept_status sg = k ? moept_update_bias(g[0], 1e-3f) : moept_backward(g[0], xd, dyd, dxd);
-        EXPECT(sc == MOEPT_ERR_STATE && sg == sc && strcmp(mc, moept_last_error(g[0])) == 0,
-               "%s after an evaluation: CUDA %d (%s), CPU %d (%s)", k ? "update_bias" : "backward", (int)sg,
-               moept_last_error(g[0]), (int)sc, mc);
+        /* a CPU layer's evaluation keeps its training forward (its backward runs); a CUDA layer's
+           replaces it (moept.h, FORWARD SLOTS) */
+        if (!k) EXPECT(sc == MOEPT_OK && sg == MOEPT_ERR_STATE && strstr(moept_last_error(g[0]), "evaluation"),
+                       "backward after an evaluation: CUDA %d (%s), CPU %d (%s)", (int)sg, moept_last_error(g[0]),
+                       (int)sc, mc);
+        else EXPECT(sc == MOEPT_ERR_STATE && sg == sc && strcmp(mc, moept_last_error(g[0])) == 0,
+                    "update_bias after an evaluation: CUDA %d (%s), CPU %d (%s)", (int)sg, moept_last_error(g[0]),
+                    (int)sc, mc);
     }
     for (int v = 0; v < 2; v++) { /* the training forward and its backward, with and without the evaluation */
         if (forward_y(g[v], xd, T, D, 0, NULL, y + (2 + v) * T * D)) goto out;
@@ -764,7 +770,7 @@ static int mask_step(moept_layer *L, const float *x, const float *dy, int64_t T,
     void *xd = dev_from(x, T * D, bf16), *dyd = dev_from(dy, T * D, bf16), *yd = dev_from(y, T * D, bf16);
     void *dxd = dev_from(dx, T * D, bf16), *md = NULL;
     if (mask && cudaMalloc(&md, (size_t)T) == cudaSuccess) cudaMemcpy(md, mask, (size_t)T, cudaMemcpyHostToDevice);
-    moept_forward_opts o = {md, 0, NULL, NULL};
+    moept_forward_opts o = {md, 0, NULL, NULL, 0};
     int ok = moept_zero_grad(L) == MOEPT_OK && moept_forward_ex(L, xd, T, yd, &o) == MOEPT_OK &&
              moept_backward(L, xd, dyd, dxd) == MOEPT_OK;
     if (!ok) tu_note(__FILE__, __LINE__, "masked step: %s", moept_last_error(L));
@@ -1700,7 +1706,7 @@ typedef struct mask_job {
    backward; y and dx to the host; 0 on success */
 static int mask_rank_step(moept_layer *L, int gpu, const float *x, const float *dy, const uint8_t *mask,
                           const void *md, int64_t T, int64_t D, int bf16, float *y, float *dx) {
-    moept_forward_opts o = {gpu ? md : mask, 0, NULL, NULL};
+    moept_forward_opts o = {gpu ? md : mask, 0, NULL, NULL, 0};
     if (!gpu) return moept_forward_ex(L, x, T, y, &o) || moept_backward(L, x, dy, dx);
     void *xd = dev_from(x, T * D, bf16), *dyd = dev_from(dy, T * D, bf16), *yd = dev_from(y, T * D, bf16);
     void *dxd = dev_from(dx, T * D, bf16);
@@ -2137,7 +2143,9 @@ static void test_aux_seq(void) {
    agreed as its own checks are: a padding mask in host memory on one rank
    fails both (INVALID_ARGUMENT there: a CUDA layer's mask is device memory;
    "other rank" on the peer); an evaluation forward on rank 0 only makes
-   the backward fail on both. */
+   the backward fail on both; a forward slot other than 0, in the forward
+   or the backward on one rank, fails both, and max_inflight > 1 every
+   rank's create. */
 static void *modes_rank(void *arg) {
     agree_job *j = arg;
     nccl_rank n;
@@ -2157,12 +2165,22 @@ static void *modes_rank(void *arg) {
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0), *dyd = dev_from(x, T * D, 0);
     void *dxd = dev_from(x, T * D, 0);
     uint8_t mask[24] = {1, 0, 1}; /* host memory */
-    moept_forward_opts mo = {mask, 0, NULL, NULL}, eo = {NULL, 1, NULL, NULL};
+    moept_forward_opts mo = {mask, 0, NULL, NULL, 0}, eo = {NULL, 1, NULL, NULL, 0};
     agree_call(j, 1, moept_forward_ex(L, xd, T, yd, j->tr.rank ? &mo : NULL), L);
     agree_call(j, 2, moept_forward_ex(L, xd, T, yd, j->tr.rank ? NULL : &eo), L);
     agree_call(j, 3, moept_backward(L, xd, dyd, dxd), L);
     agree_call(j, 4, moept_forward(L, xd, T, yd), L);
     agree_call(j, 5, moept_backward(L, xd, dyd, dxd), L);
+    moept_forward_opts so = {NULL, 0, NULL, NULL, 1}; /* a CUDA layer has one forward slot */
+    moept_backward_opts bo = moept_backward_default();
+    bo.slot = 1;
+    agree_call(j, 6, moept_forward_ex(L, xd, T, yd, j->tr.rank ? &so : NULL), L);
+    if (moept_forward(L, xd, T, yd) != MOEPT_OK) agree_call(j, 7, MOEPT_ERR_STATE, L);
+    else agree_call(j, 7, moept_backward_ex(L, xd, dyd, dxd, j->tr.rank ? &bo : NULL), L);
+    moept_layer *M = NULL; /* nor more than one at create, on every rank */
+    cfg.max_inflight = 2;
+    agree_call(j, 0, moept_create_cuda(&cfg, n.c, NULL, NULL, &M), NULL);
+    moept_destroy(M);
     cudaFree(xd); cudaFree(yd); cudaFree(dyd); cudaFree(dxd);
     free(x);
     moept_destroy(L);
@@ -2184,6 +2202,13 @@ static void test_unsupported_modes(void) {
         EXPECT(r ? a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "other rank")
                  : a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "evaluation"),
                "rank %d, backward after rank 0's evaluation: %d (%s)", r, (int)a->st[3], a->msg[3]);
+        for (int k = 6; k < 8; k++)
+            EXPECT(r ? a->st[k] == MOEPT_ERR_INVALID_ARGUMENT && strstr(a->msg[k], "opts.slot")
+                     : a->st[k] == MOEPT_ERR_STATE && strstr(a->msg[k], "other rank"),
+                   "rank %d, %s slot 1 on rank 1: %d (%s)", r, k == 6 ? "forward" : "backward", (int)a->st[k],
+                   a->msg[k]);
+        EXPECT(a->st[0] == MOEPT_ERR_UNSUPPORTED && strstr(a->msg[0], "max_inflight"),
+               "rank %d, a CUDA layer with max_inflight 2: %d (%s)", r, (int)a->st[0], a->msg[0]);
     }
 }
 

@@ -18,7 +18,7 @@ static const uint8_t *g_mask; /* the case's padding mask [T], or NULL */
 
 static double objective(moept_layer *L, const float *x, int64_t T, const float *gy,
                         float *y, int32_t *ids) {
-    moept_forward_opts fo = {g_mask, 0, NULL, NULL};
+    moept_forward_opts fo = {g_mask, 0, NULL, NULL, 0};
     if (moept_forward_ex(L, x, T, y, &fo) != MOEPT_OK) return NAN;
     double o = 0.0;
     for (int64_t i = 0; i < T * L->D; i++) o += (double)y[i] * gy[i];

@@ -744,7 +744,7 @@ static void mask_case(float cf, float pad) {
         if (m[t]) { memcpy(xr + n * D, x + t * D, D * 4); memcpy(dyr + n * D, dy + t * D, D * 4); n++; }
         else if (pad != 0.0f) for (int64_t d = 0; d < D; d++) x[t * D + d] = pad;
     }
-    moept_forward_opts o = {m, 0, NULL, NULL};
+    moept_forward_opts o = {m, 0, NULL, NULL, 0};
     EXPECT_OK(moept_forward_ex(L, x, T, y, &o));
     EXPECT(moept_backward(L, x, dy, dx) == MOEPT_OK, "pad %g: backward: %s", (double)pad, moept_last_error(L));
     EXPECT_OK(moept_forward(R, xr, n, yr));
@@ -801,26 +801,38 @@ static void test_mask(void) {
     mask_case(0.5f, 3e38f);
 }
 
-/* An evaluation forward keeps nothing for backward: backward and
-   update_bias say so, the layer's committed step is replaced, a training
-   forward afterwards differentiates as usual */
-static void test_eval_refuses_backward(void) {
+/* An evaluation forward keeps nothing for backward and touches no training
+   forward's state: training forward -> evaluation -> backward equals
+   forward -> backward bitwise (dx, gradients; the evaluation's y is the
+   training y). Before any training forward the backward refuses, and
+   update_bias after the evaluation reads the evaluation (it refuses) */
+static void test_eval_between(void) {
     moept_config c = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
     c.hidden_size = 8; c.intermediate_size = 6; c.num_experts = 4; c.top_k = 2; c.max_tokens = 6;
-    moept_layer *L = make(c, 2);
-    if (!L) return;
-    float x[48], y[48], y2[48], dx[48];
+    moept_layer *L = make(c, 2), *R = make(c, 2);
+    if (!L || !R) { moept_destroy(L); moept_destroy(R); return; }
+    float x[48], y[48], y2[48], y3[48], dx[48], dx2[48], dy[48];
     unsigned long long s = 9;
     tu_fill(x, 48, 1.0, &s);
-    moept_forward_opts o = {NULL, 1, NULL, NULL};
+    tu_fill(dy, 48, 1.0, &s);
+    moept_forward_opts o = {NULL, 1, NULL, NULL, 0};
     EXPECT_OK(moept_forward_ex(L, x, 6, y, &o));
-    EXPECT(moept_backward(L, x, x, dx) == MOEPT_ERR_STATE && strstr(moept_last_error(L), "evaluation"),
-           "backward after eval: %s", moept_last_error(L));
+    EXPECT(moept_backward(L, x, dy, dx) == MOEPT_ERR_STATE && strstr(moept_last_error(L), "no forward"),
+           "backward after eval alone: %s", moept_last_error(L));
     EXPECT(moept_update_bias(L, 0.1f) == MOEPT_ERR_STATE, "update_bias after eval: %s", moept_last_error(L));
     EXPECT_OK(moept_forward(L, x, 6, y2));
     EXPECT(!memcmp(y, y2, sizeof y), "eval y differs from training y");
-    EXPECT_OK(moept_backward(L, x, x, dx));
+    EXPECT_OK(moept_forward_ex(L, x, 6, y3, &o)); /* between the forward and its backward */
+    EXPECT(!memcmp(y3, y2, sizeof y), "eval y differs from training y");
+    EXPECT_OK(moept_backward(L, x, dy, dx));
+    EXPECT_OK(moept_forward(R, x, 6, y3));
+    EXPECT_OK(moept_backward(R, x, dy, dx2));
+    EXPECT(!memcmp(dx, dx2, sizeof dx), "an evaluation between forward and backward changed dx");
+    EXPECT(!memcmp(L->par.grads, R->par.grads, (size_t)L->par.n_params * 4),
+           "an evaluation between forward and backward changed the gradients");
+    EXPECT(moept_backward(L, x, dy, dx) == MOEPT_ERR_STATE, "a second backward: %s", moept_last_error(L));
     moept_destroy(L);
+    moept_destroy(R);
 }
 
 /* An inference layer (config.inference_only): the training layer's y and
@@ -840,7 +852,7 @@ static void test_inference_layer(void) {
     float *x = malloc(T * D * 4), *yt = malloc(T * D * 4), *yi = malloc(T * D * 4), *ye = malloc(T * D * 4);
     unsigned long long sd = 3;
     tu_fill(x, T * D, 1.0, &sd);
-    moept_forward_opts eo = {NULL, 1, NULL, NULL};
+    moept_forward_opts eo = {NULL, 1, NULL, NULL, 0};
     EXPECT_OK(moept_forward(Lt, x, T, yt));
     EXPECT_OK(moept_forward(Li, x, T, yi));
     EXPECT_OK(moept_forward_ex(Li, x, T, ye, &eo));
@@ -897,7 +909,7 @@ static void test_jitter_noise(void) {
         EXPECT(!memcmp(la[k], lg, sizeof la[k]), "forward %d: two layers with one seed drew differently", k);
     }
     EXPECT(memcmp(la[0], la[1], sizeof la[0]) != 0, "two training forwards drew the same noise");
-    moept_forward_opts o = {NULL, 1, NULL, NULL};
+    moept_forward_opts o = {NULL, 1, NULL, NULL, 0};
     EXPECT_OK(moept_forward_ex(A, x, 6, y, &o));
     moept_routing(A, NULL, NULL, &lg);
     float plain[24];
@@ -910,7 +922,7 @@ static void test_jitter_noise(void) {
 
 int main(void) {
     RUN(test_mask);
-    RUN(test_eval_refuses_backward);
+    RUN(test_eval_between);
     RUN(test_inference_layer);
     RUN(test_jitter_noise);
     RUN(test_dropless_plan);

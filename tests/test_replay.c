@@ -109,7 +109,7 @@ static moept_status step(moept_layer *L, const world *w, int64_t T, const float 
     moept_status st = moept_zero_grad(L);
     if (st) return st;
     if (!w->m.gpu) {
-        moept_forward_opts fo = {mask, 0, replay, NULL};
+        moept_forward_opts fo = {mask, 0, replay, NULL, 0};
         st = moept_forward_ex(L, x, T, o->y, &fo);
         if (!st) st = moept_backward(L, x, dy, o->dx);
     }
@@ -120,7 +120,7 @@ static moept_status step(moept_layer *L, const world *w, int64_t T, const float 
         void *yd = dev_rows(o->y, T * D, w->m.bf16), *dxd = dev_rows(o->dx, T * D, w->m.bf16);
         int32_t *rd = replay ? dev_copy(replay, (size_t)(T * K) * 4) : NULL;
         uint8_t *md = mask ? dev_copy(mask, (size_t)T) : NULL; /* device memory, as x */
-        moept_forward_opts fo = {md, 0, rd, NULL};
+        moept_forward_opts fo = {md, 0, rd, NULL, 0};
         st = moept_forward_ex(L, xd, T, yd, &fo);
         if (!st) st = moept_backward(L, xd, dyd, dxd);
         if (!st) { host_rows(o->y, yd, T * D, w->m.bf16); host_rows(o->dx, dxd, T * D, w->m.bf16); }
@@ -584,7 +584,7 @@ static void test_other_choice_cpu(void) {
         moept_routing(L, &ids, NULL, NULL);
         memcpy(router, ids, sizeof router);
         moept_get_stats(L, &s0, NULL);
-        moept_forward_opts fo = {NULL, 0, given, NULL};
+        moept_forward_opts fo = {NULL, 0, given, NULL, 0};
         EXPECT_OK(moept_forward_ex(L, x, T, y1, &fo));
         moept_routing(L, &ids, &wts, &lg);
         moept_get_stats(L, &s1, NULL);
@@ -624,7 +624,7 @@ static void test_other_choice_cpu(void) {
 /* the objective of a replayed forward: sum(y dy) + aux_coef aux + z_coef z */
 static double objective(moept_layer *L, const moept_config *c, const float *x, const float *dy, int64_t T,
                         const int32_t *given, float *y) {
-    moept_forward_opts fo = {NULL, 0, given, NULL};
+    moept_forward_opts fo = {NULL, 0, given, NULL, 0};
     moept_stats st;
     if (moept_forward_ex(L, x, T, y, &fo) || moept_get_stats(L, &st, NULL)) return NAN;
     double v = 0.0;

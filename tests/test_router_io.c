@@ -348,7 +348,7 @@ static double hf_case_err(int use_dl, double *y_err, double *loss_err) {
         xd[l] = to_dev(x, T * D * 4); dyd[l] = to_dev(dy, T * D * 4);
         yd[l] = to_dev(NULL, T * D * 4); dxd[l] = to_dev(NULL, T * D * 4);
         free(x); free(dy);
-        moept_forward_opts fo = {NULL, 0, NULL, (float *)lgd + l * T * E};
+        moept_forward_opts fo = {NULL, 0, NULL, (float *)lgd + l * T * E, 0};
         if (!st) st = moept_forward_ex(L[l], xd[l], T, yd[l], &fo);
     }
     to_host(lg, lgd, (size_t)(NL * T * E) * 4);
