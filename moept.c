@@ -3395,12 +3395,22 @@ static void moept__fwd_stats(moept_layer *L, const moept__fstep *f, double aux_v
     sts->z_loss = (float)L->fwd.z_value;
 }
 
+/* An evaluation forward's slot: its own where a training forward may still
+   be waiting for its backward; a one-slot layer whose training forward was
+   differentiated (or never ran) evaluates in that slot, so a training
+   loop's evaluations add no workspace */
+static int moept__eval_slot(const moept_layer *L) {
+    if (L->nslots > 1) return L->nslots;
+    const moept_layer *s0 = L->active == 0 || !L->shadow ? L : &L->shadow[0];
+    return s0->fwd.valid && !s0->fwd.eval && !s0->fwd.bwd_valid ? L->nslots : 0;
+}
+
 static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     /* a training forward's slot; an evaluation's own (a training layer's
        evaluation leaves every training forward's state as it was) */
+    const int slot = f->eval && !L->cfg.inference_only ? moept__eval_slot(L) : f->slot;
     moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why)
-                         : moept__use_slot(L, f->eval && !L->cfg.inference_only ? L->nslots : f->slot,
-                                           "moept_forward"),
+                                   : moept__use_slot(L, slot, "moept_forward"),
                  st;
     f->global = L->cfg.global_balance && (L->group || L->dp);
     f->nb = 1 - L->fwd.cur;

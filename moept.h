@@ -286,11 +286,14 @@
      recomputed forward is a new training forward and draws new noise: the
      backward differentiates the one made last into its slot). An
      evaluation forward (opts.eval) keeps nothing and needs no slot: a
-     training layer runs it in its own workspace, so forward, evaluation,
-     backward equals forward, backward. Switching slots moves no data (the
+     training layer runs it in its own workspace where a training forward
+     may still wait for its backward (several slots, or one whose forward
+     was not differentiated yet), so forward, evaluation, backward equals
+     forward, backward; else (one slot, its forward differentiated) in the
+     training slot, adding no memory. Switching slots moves no data (the
      layer swaps its pointers to the slot's buffers).
-     Memory: each slot used, and a training layer's first evaluation, add
-     the workspace a new layer holds (moept_stats.workspace_bytes at
+     Memory: each slot used, and a training layer's first evaluation in its
+     own workspace, add the workspace a new layer holds (moept_stats.workspace_bytes at
      create, less fsdp's gathered experts: the routing, plan, exchange
      layout and activations, and copies of the layer's scratch, e.g. the
      builtin GEMM's packing buffers, which stay unused),

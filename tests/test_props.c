@@ -804,7 +804,8 @@ static void test_mask(void) {
 /* An evaluation forward keeps nothing for backward and touches no training
    forward's state: training forward -> evaluation -> backward equals
    forward -> backward bitwise (dx, gradients; the evaluation's y is the
-   training y). Before any training forward the backward refuses, and
+   training y). Before any training forward the backward refuses (the
+   evaluation ran in the training slot: nothing waited for a backward), and
    update_bias after the evaluation reads the evaluation (it refuses) */
 static void test_eval_between(void) {
     moept_config c = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
@@ -817,7 +818,7 @@ static void test_eval_between(void) {
     tu_fill(dy, 48, 1.0, &s);
     moept_forward_opts o = {NULL, 1, NULL, NULL, 0};
     EXPECT_OK(moept_forward_ex(L, x, 6, y, &o));
-    EXPECT(moept_backward(L, x, dy, dx) == MOEPT_ERR_STATE && strstr(moept_last_error(L), "no forward"),
+    EXPECT(moept_backward(L, x, dy, dx) == MOEPT_ERR_STATE && strstr(moept_last_error(L), "evaluation"),
            "backward after eval alone: %s", moept_last_error(L));
     EXPECT(moept_update_bias(L, 0.1f) == MOEPT_ERR_STATE, "update_bias after eval: %s", moept_last_error(L));
     EXPECT_OK(moept_forward(L, x, 6, y2));

@@ -367,6 +367,21 @@ static void test_slot_memory(void) {
                (long long)s.workspace_bytes);
         moept_forward_opts o = {NULL, 0, NULL, NULL, 1};
         EXPECT(moept_forward_ex(L, x, TOK, y, &o) == MOEPT_ERR_INVALID_ARGUMENT, "slot 1 of one: accepted");
+        /* a training loop's evaluation, its forward differentiated, evaluates in the training slot;
+           one between a forward and its backward takes a second workspace */
+        static float dx[TOK * DIM];
+        EXPECT_OK(moept_forward(L, x, TOK, y));
+        EXPECT_OK(moept_backward(L, x, dy, dx));
+        EXPECT_OK(moept_forward_ex(L, x, TOK, y, &eo));
+        moept_get_stats(L, &s, NULL);
+        EXPECT(s.workspace_bytes == s0.workspace_bytes, "an evaluation after the backward: workspace %lld",
+               (long long)s.workspace_bytes);
+        EXPECT_OK(moept_forward(L, x, TOK, y));
+        EXPECT_OK(moept_forward_ex(L, x, TOK, y, &eo));
+        moept_get_stats(L, &s, NULL);
+        EXPECT(s.workspace_bytes == 2 * s0.workspace_bytes, "an evaluation before the backward: workspace %lld",
+               (long long)s.workspace_bytes);
+        EXPECT_OK(moept_backward(L, x, dy, dx));
         moept_destroy(L);
     }
     for (int bad = 0; bad < 2; bad++) {
