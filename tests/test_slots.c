@@ -379,8 +379,8 @@ static void test_slot_memory(void) {
         EXPECT_OK(moept_forward(L, x, TOK, y));
         EXPECT_OK(moept_forward_ex(L, x, TOK, y, &eo));
         moept_get_stats(L, &s, NULL);
-        EXPECT(s.workspace_bytes == 2 * s0.workspace_bytes, "an evaluation before the backward: workspace %lld",
-               (long long)s.workspace_bytes);
+        EXPECT(s.workspace_bytes == 2 * s0.workspace_bytes,
+               "an evaluation before the backward: workspace %lld", (long long)s.workspace_bytes);
         EXPECT_OK(moept_backward(L, x, dy, dx));
         moept_destroy(L);
     }
