@@ -116,6 +116,7 @@ out:
 
 static double compare_step(moept_config cfg, int bf16, int64_t T) { return compare_step_mask(cfg, bf16, T, NULL); }
 
+#ifdef MOEPT_EMU /* (the tests that use it run on the emulator: several ranks) */
 /* A CPU layer and a CUDA layer of cfg side by side on one rank (cep, gep:
    their EP comms, NULL at one rank): 3 AdamW steps, each of a training
    micro-batch, an evaluation forward, a second training micro-batch, then
@@ -205,6 +206,7 @@ out:
     moept_destroy(L[0]);
     moept_destroy(L[1]);
 }
+#endif
 
 static const moept_family fams[4] = {MOEPT_FAMILY_MIXTRAL, MOEPT_FAMILY_QWEN2_MOE, MOEPT_FAMILY_OLMOE,
                                      MOEPT_FAMILY_DEEPSEEK_V3};
@@ -2381,7 +2383,7 @@ static void *infres_rank(void *arg) {
     for (int64_t i = 0; i < T * K; i++) ids[i] = (int32_t)(i % K);
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
     int32_t place[8] = {1, 1, 1, 1, 0, 0, 0, 0};
-    moept_forward_opts ho = {NULL, 0, ids, NULL};
+    moept_forward_opts ho = {NULL, 0, ids, NULL, 0};
     for (int k = 0; k < 5; k++) {
         if (k == 0) j->st[0] = moept_create_cuda(&cfg, n.c, NULL, NULL, &L);
         if (k == 1) j->st[1] = moept_forward(L, xd, T, yd);
