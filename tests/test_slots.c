@@ -155,6 +155,20 @@ static void test_pipeline_orders(void) {
         }
 }
 
+/* two layers of c with the same parameters (1: made; 0: the failure noted, none left) */
+static int make_pair(const moept_config *c, moept_layer **A, moept_layer **B) {
+    *A = *B = NULL;
+    if (moept_create(c, A) || moept_create(c, B)) {
+        EXPECT(0, "create: %s", moept_last_error(NULL));
+        moept_destroy(*A);
+        moept_destroy(*B);
+        return 0;
+    }
+    moept_init_params(*A, 3);
+    moept_init_params(*B, 3);
+    return 1;
+}
+
 /* Activation recomputation: forward, the same forward again into the same
    slot, backward equals forward, backward bitwise. With jitter, the second
    forward draws new noise (the count of training forwards keys it): the
@@ -167,12 +181,7 @@ static void test_recompute(void) {
         c.router_jitter = jit ? 0.3f : 0.0f;
         c.max_inflight = 2;
         moept_layer *A, *B;
-        if (moept_create(&c, &A) || moept_create(&c, &B)) {
-            EXPECT(0, "create: %s", moept_last_error(NULL));
-            return;
-        }
-        moept_init_params(A, 3);
-        moept_init_params(B, 3);
+        if (!make_pair(&c, &A, &B)) return;
         static float x[TOK * DIM], dy[TOK * DIM], y1[TOK * DIM], y2[TOK * DIM];
         static float dxa[TOK * DIM], dxb[TOK * DIM];
         uint8_t mask[TOK];
@@ -203,12 +212,7 @@ static void test_routing_reads(void) {
     moept_config c = slot_cfg(2);
     c.max_inflight = 2;
     moept_layer *A, *B;
-    if (moept_create(&c, &A) || moept_create(&c, &B)) {
-        EXPECT(0, "create: %s", moept_last_error(NULL));
-        return;
-    }
-    moept_init_params(A, 3);
-    moept_init_params(B, 3);
+    if (!make_pair(&c, &A, &B)) return;
     static float x[2][TOK * DIM], dy[2][TOK * DIM], y[TOK * DIM], dx[TOK * DIM];
     uint8_t mask[TOK];
     mb_data(0, 0, x[0], dy[0], mask);
