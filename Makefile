@@ -378,6 +378,9 @@ $(B)/emu/test_replay: tests/test_replay.c tests/testutil.h $(EMU_OBJS)
 $(B)/emu/test_router_io: tests/test_router_io.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
+$(B)/emu/test_slots: tests/test_slots.c tests/testutil.h $(EMU_OBJS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
 $(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/test_fault.cu -o $(B)/emu/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_fault.o $(EMU_OBJS) -o $@ $(EMU_LIBS)

@@ -1089,7 +1089,7 @@ enum {
     MOEPT__NCALLS
 };
 static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
-    [MOEPT__CALL_FORWARD] = {"moept_forward", "opts.slot"},
+    [MOEPT__CALL_FORWARD] = {"moept_forward", "opts.slot or opts.eval"},
     [MOEPT__CALL_BACKWARD] = {"moept_backward", "router_loss_scale or opts.slot"},
     [MOEPT__CALL_SYNC_GRADS] = {"moept_sync_grads", "scale"},
     [MOEPT__CALL_GRAD_NORM] = {"moept_grad_norm", ""},
@@ -3408,7 +3408,7 @@ static int moept__eval_slot(const moept_layer *L) {
 static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     /* a training forward's slot; an evaluation's own (a training layer's
        evaluation leaves every training forward's state as it was) */
-    const int slot = f->eval && !L->cfg.inference_only ? moept__eval_slot(L) : f->slot;
+    const int slot = !f->eval ? f->slot : L->cfg.inference_only ? 0 : moept__eval_slot(L);
     moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why)
                                    : moept__use_slot(L, slot, "moept_forward"),
                  st;
@@ -3431,7 +3431,7 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     }
     /* a rank making another call fails here, tagged, not in the count exchange */
     if ((st = moept__agree_call(L, L->group, f->global ? L->dp : NULL, local, MOEPT__CALL_FORWARD,
-                                f->eval ? 0 : (uint64_t)f->slot)))
+                                f->eval ? 0 : (uint64_t)f->slot + 1)))
         return st;
     /* the unmasked tokens': padding changes no token's fate */
     f->cap = moept__capacity(L->capacity_factor, f->valid, L->K, L->E);
@@ -4073,6 +4073,7 @@ typedef struct moept__cudax {
     int dx_pending;        /* a backward's dx check on the device not yet read */
     int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
     int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
+    int slot;              /* the last forward's forward slot (an evaluation's: max_inflight) */
     /* moept_reshard, during the call: this rank's moves, their buffers (1, or 3 with
        the moments) and the leaving experts' bytes [n][rs_nbuf][H*D + D*F], for an undo */
     int rs_nbuf;
@@ -4172,7 +4173,10 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     const int64_t T = f->T;
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
-    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD);
+    /* the slot in the tag's high half (0: an evaluation), agreed with the call */
+    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD) | (int64_t)(f->eval ? 0 : f->slot + 1) << 32;
+    r.slot = f->slot;
+    r.eval = f->eval;
     r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
     r.reject_msg = f->reject ? f->reject_why : NULL;
     r.replay = f->replay; /* device memory: checked there, agreed with the executor's checks */
@@ -4188,6 +4192,7 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     if (st) return st;
     L->fwd.jitter_micro += r.jitter;
     L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; X->routing_on_host = 0; L->fwd.eval = f->eval;
+    X->slot = r.slot; /* its backward's gradients are moept_routing_grads' */
     moept_stats *sts = &L->stats;
     sts->bytes_sent = sts->bytes_received = 0;
     sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
@@ -4207,24 +4212,24 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     moept__cuda_step r;
     memset(&r, 0, sizeof r);
     r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
-    if (o->slot != 0) { /* one slot (max_inflight is a CPU layer's) */
+    char why[MOEPT__ERRLEN];
+    if (o->slot < 0 || o->slot >= L->nslots) { /* (the slot's own state: the executor's checks) */
+        snprintf(why, sizeof why, "moept_backward: opts.slot %d is not in 0..max_inflight-1 (%d)", o->slot,
+                 L->nslots - 1);
         r.reject = MOEPT_ERR_INVALID_ARGUMENT;
-        r.reject_msg = "moept_backward: opts.slot is not in 0..max_inflight-1 (0)";
-    } else if (L->fwd.valid && L->fwd.eval) {
-        r.reject = MOEPT_ERR_STATE;
-        r.reject_msg = "moept_backward: the last forward was an evaluation (opts.eval): it kept nothing to "
-                       "differentiate";
+        r.reject_msg = why;
     } else if (!moept__finite(o->router_loss_scale)) {
         r.reject = MOEPT_ERR_INVALID_ARGUMENT;
         r.reject_msg = "moept_backward: opts.router_loss_scale is not finite";
     }
     r.router_loss_scale = o->router_loss_scale;
     r.dlogits = o->dlogits; /* device memory, as x */
+    r.slot = o->slot;
     st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
     if (st) return st;
     moept__cuda_stats(L, &r);
-    L->fwd.bwd_valid = 1;
+    if (o->slot == X->slot) L->fwd.bwd_valid = 1; /* the last forward's */
     X->grads = MOEPT__DEVICE_NEWER;
     X->dx_pending = 1;
     return MOEPT_OK;
@@ -4434,9 +4439,6 @@ static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moep
     } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
         *why_st = MOEPT_ERR_UNSUPPORTED;
         w = "options.sync_free with overlap_chunks > 1 is not supported";
-    } else if (cfg && cfg->max_inflight > 1) {
-        *why_st = MOEPT_ERR_UNSUPPORTED;
-        w = "config.max_inflight > 1 is not supported by the CUDA executor";
     } else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) /* size 1 too */
         w = "the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)";
     if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
@@ -4478,6 +4480,7 @@ static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *
     sp->sync_free = o->sync_free != 0;
     sp->inference = L->cfg.inference_only != 0;
     sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
+    sp->nslots = L->nslots;
     sp->D = L->D; sp->F = L->F; sp->E = L->E; sp->K = L->K; sp->S = L->S; sp->H = L->H; sp->HS = L->HS;
     sp->El = L->El; sp->P = L->P; sp->rank = L->rank; sp->Tmax = L->Tmax; sp->block_tokens = block_tokens;
     sp->C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
@@ -4512,6 +4515,7 @@ static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *
         st = moept__cuda_create(&sp, &X->c, err);
     }
     if (!st && (st = moept__to_device(L))) memcpy(err, moept__thread_err, sizeof err);
+    if (!st) moept__cuda_sizes(X->c, &L->dev.allocations, &L->dev.allocated_bytes, &L->dev.workspace_bytes);
     moept_status ast; /* the agreement's own status: this rank's st is kept */
     int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
     if (st) return moept__thread_fail(st, "%s", err);

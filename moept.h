@@ -2006,6 +2006,7 @@ typedef struct moept__cuda_spec {
     int sync_free;              /* static shapes, device-side checks reported later */
     int inference;              /* config.inference_only: no gradients, activations over h */
     int gemm_form;              /* moept_gemm_form */
+    int nslots;                 /* forward slots: max(1, config.max_inflight) */
     int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
     int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
     int64_t block_tokens;       /* sync-free: the EP group's largest max_tokens (sizes the blocks) */
@@ -2034,6 +2035,9 @@ typedef struct moept__cuda_step {
     uint64_t jitter_key;
     const uint8_t *mask;       /* in: the forward's padding mask [T] on the device, or NULL */
     float *logits_out;         /* in: [T][E] the forward's logits written here (device), or NULL */
+    int slot;                  /* in: the forward's or backward's opts.slot (a forward's tag carries it);
+                                  out (forward): the slot it used (an evaluation's: moept__fwd_slot) */
+    int eval;                  /* in (forward): an evaluation (opts.eval) */
     float router_loss_scale;   /* in (backward): the aux and z gradients' factor */
     const float *dlogits;      /* in (backward): [T][E] the caller's dL/dlogits (device), or NULL */
     int64_t valid;             /* out: this rank's unmasked tokens (deferred as N) */
@@ -2063,6 +2067,9 @@ void moept__cuda_params_changed(moept__cuda *c);
 moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
                                           float *dwts, char *err);
 moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
+/* What the executor holds now (moept__cuda_step's allocations, allocated_bytes, workspace_bytes) */
+void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
+                       int64_t *workspace_bytes);
 /* first_bad: the first non-finite dx element of the backwards since
    zero_grad, -1 if none (a host sync); sync-free mode: the first failed
    device check since, its status in why_st (OK: none) and text in why */

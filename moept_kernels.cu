@@ -67,6 +67,7 @@
 #include <sched.h>
 #include <string.h>
 #include <time.h>
+#include <utility> /* std::swap: forward slots */
 
 typedef uint16_t moept__bf16;
 
@@ -1008,8 +1009,8 @@ __global__ void moept__k_sf_agree(const int64_t *msg_all, int64_t P, int64_t M, 
 }
 
 /* ... and the backward's: the forward's y and this dy, as stored */
-__global__ void moept__k_sf_note(unsigned long long *bad) {
-    if (bad[4] != ULLONG_MAX) atomicMin(&bad[6], (unsigned long long)MOEPT__SF_Y);
+__global__ void moept__k_sf_note(unsigned long long *bad, const unsigned long long *ybad) {
+    if (*ybad != ULLONG_MAX) atomicMin(&bad[6], (unsigned long long)MOEPT__SF_Y);
     if (bad[2] != ULLONG_MAX) atomicMin(&bad[6], (unsigned long long)MOEPT__SF_DY);
 }
 
@@ -1449,53 +1450,66 @@ struct moept__cuda {
     int32_t *slot_of;           /* [E] */
     void *wlow;                 /* [n_params - E*D] bf16 copy of the non-router weights (BF16) */
     int wlow_stale;             /* the fp32 masters changed since wlow was cast from them */
-    int xf_committed;           /* xf holds the committed step's x (bf16: a rejected forward wrote it) */
+    int xf_committed;           /* slot: xf holds the committed step's x (bf16: a rejected forward wrote it) */
+
+    /* Forward slots (config.max_inflight): the fields marked "slot" are a
+       forward's state, what its backward reads (moept__CSLOT, as moept.c's
+       MOEPT__FSTATE); they belong to the active slot, and slot s's, when s is
+       not active, wait in shadow[s] (moept__use_slot swaps them: O(1)). The
+       rest is the layer's: parameters, placement, comms, scratch. */
+    int nslots;                 /* max(1, max_inflight) training slots; slot nslots: evaluations' */
+    int active;                 /* the slot whose state the fields hold: the last forward's between calls */
+    moept__cuda *shadow;        /* [nslots + 1]; shadow[active] is all zero */
 
     /* device: the fixed workspace (one allocation, sized for Tmax) */
     void *work;
-    float *xf;                  /* [Tmax][D] fp32 router input (BF16; F32 uses x) */
+    void *fwork;                /* slot: its device block (moept__slot_layout), fwork_bytes long */
+    int64_t fwork_bytes;
+    float *xf;                  /* slot: [Tmax][D] fp32 router input (BF16; F32 uses x) */
     float *xj;                  /* [Tmax][D] the router's input under jitter, xf * u (router_jitter) */
-    uint64_t *jrow[2];          /* [Tmax] its tokens' hashes (the noise's keys), as logits */
-    float *logits[2];           /* [Tmax][E] double-buffered: a rejected step keeps the last */
-    float *probs[2];            /* [Tmax][E] */
-    int32_t *ids[2];            /* [Tmax][K] */
-    float *wts[2];              /* [Tmax][K] */
-    float *lse[2];              /* [Tmax] */
+    uint64_t *jrow[2];          /* slot: [Tmax] its tokens' hashes (the noise's keys), as logits */
+    float *logits[2];           /* slot: [Tmax][E] double-buffered: a rejected step keeps the last */
+    float *probs[2];            /* slot: [Tmax][E] */
+    int32_t *ids[2];            /* slot: [Tmax][K] */
+    float *wts[2];              /* slot: [Tmax][K] */
+    float *lse[2];              /* slot: [Tmax] */
     float *scratch;             /* [Tmax][2E] router scratch, aux scores, router' scratch */
     int32_t *cids;              /* [Tmax][K] aux-counted ids */
     double *lstat;              /* [3E + 5] loss statistics (moept__lso) + failure flag */
     double *seqst;              /* MOEPT_AUX_SEQ: [Tmax / slen][2E + 2] per sequence (moept__k_seq_stats) */
-    float *seqg[2];             /* MOEPT_AUX_SEQ: [Tmax / slen][E] each sequence's aux gradient, as logits */
+    float *seqg[2];             /* slot: MOEPT_AUX_SEQ: [Tmax / slen][E] each sequence's aux gradient */
     int64_t *hist;              /* [nblk_max][E] the count's per block, then block offsets */
     int32_t *lrank;             /* [Tmax*K] rank within block and slot */
     int64_t *kept, *koff;       /* [E], [E+1] */
     int64_t *msg, *msg_all;     /* [M], [P][M] the count message */
     unsigned long long *csel;   /* [C][E] chunked: assignments per chunk and slot */
     unsigned long long *bad;    /* [8] first non-finite x index, token with bad logits, dy index, x
-                                   again (backward), y index, dx index, sync-free code, gradient index */
+                                   again (backward), (unused), dx index, sync-free code, gradient index */
+    unsigned long long *ybad;   /* slot: [1] the committed forward's first non-finite y index */
     double *gpart;              /* [MOEPT__NPART][2] the gradient scan's block sums */
-    int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
-    int64_t *tok_of_row;        /* [Tmax*K] */
-    int32_t *kslot_of_row;      /* [Tmax*K] */
-    void *xs, *ys;              /* [Tmax*K][D] send/receive side of the token rows (P > 1) */
-    void *hs, *as, *yss;        /* [Tmax][HS], [Tmax][lda_as], [Tmax][D] shared expert (T); an inference
-                                   layer's as is hs (lda_as = HS: the activations over the gate half) */
-    float *sg, *dsg;            /* [Tmax] shared gate (an inference layer: no dsg, nor the two below) */
-    float *dwts;                /* [Tmax][K] */
+    int64_t *row_of;            /* slot: [Tmax*K] permuted row of each assignment, -1 dropped */
+    int64_t *tok_of_row;        /* slot: [Tmax*K] */
+    int32_t *kslot_of_row;      /* slot: [Tmax*K] */
+    void *xs, *ys;              /* slot: [Tmax*K][D] send/receive side of the token rows (P > 1) */
+    void *hs, *as, *yss;        /* slot: [Tmax][HS], [Tmax][lda_as], [Tmax][D] shared expert (T); an
+                                   inference layer's as is hs (lda_as = HS: the activations over the gate
+                                   half) */
+    float *sg, *dsg;            /* [Tmax] shared gate (slot), its gradient (an inference layer: no dsg) */
+    float *dwts;                /* slot: [Tmax][K] (an inference layer: none, nor dlogits) */
     float *dlogits;             /* [Tmax][E] */
-    float *aux_g;               /* [E] */
+    float *aux_g;               /* slot: [E] */
     const void **d_ptrs;        /* [2 nslot][3G] grouped-GEMM pointer arrays */
 
-    /* device: the receive block (grows geometrically, never shrinks) */
+    /* device, slot: the receive block (grows geometrically, never shrinks) */
     void *rblock;
     void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][lda_a] (T); an inference
                                    layer's a is h (lda_a = H: the activations over the gate half) */
     void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
     int64_t lda_a, lda_as;      /* a's and as's row strides: F and S, or H and HS */
-    int64_t Rcap;
+    int64_t Rcap;               /* slot, as rblock_bytes */
     int64_t B;                  /* sync-free: rows of each (rank, expert) block, Rcap = E B; 0 otherwise */
-    int64_t *cmsg;              /* sync-free: the committed step's msg_all [P][M] and lstat [3E + 5]: */
-    double *clstat;             /* a call rejected here after it ran the statistics kernels keeps them */
+    int64_t *cmsg;              /* slot, sync-free: the committed step's msg_all [P][M] and lstat [3E + 5] */
+    double *clstat;             /* (a call rejected here after it ran the statistics kernels keeps them) */
 
     /* pinned host */
     void *pinned;
@@ -1507,11 +1521,12 @@ struct moept__cuda {
     const void **h_ptrs;        /* [2 nslot][3G] */
 
     /* host */
-    int64_t *counts, *offsets;  /* [E], [E+1] rows kept per slot and their first row */
-    int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
-    moept_seg *send_segs, *recv_segs; /* [P][El] */
-    int64_t *ccnt, *rccnt;      /* chunked: [C][E] kept rows per chunk and slot, [P][C][El] rows from
-                                   peer p in chunk c for local expert j */
+    void *hblock, *fhost;       /* the host plan arrays' block; slot: its own (moept__slot_host_layout) */
+    int64_t *counts, *offsets;  /* slot: [E], [E+1] rows kept per expert slot and their first row */
+    int64_t *rcounts, *roffsets;/* slot: [P][El], [El+1] */
+    moept_seg *send_segs, *recv_segs; /* slot: [P][El] */
+    int64_t *ccnt, *rccnt;      /* slot, chunked: [C][E] kept rows per chunk and expert slot, [P][C][El]
+                                   rows from peer p in chunk c for local expert j */
     moept_seg *csend, *crecv;   /* [P][El] one chunk's exchange pieces */
     int64_t *cruns;             /* [3][G] one chunk's row runs: first row, rows, local expert */
     int64_t *grow_ok;           /* [P] */
@@ -1520,14 +1535,14 @@ struct moept__cuda {
     cublasOperation_t *gops;    /* [2][G] */
     float *galpha;              /* [2][G] */
 
-    int cur, fwd_valid, bwd_done;
-    int jit;                    /* the committed step's router saw xf * u, drawn under jkey */
+    int cur, fwd_valid, bwd_done, fwd_eval; /* slot: the committed step's buffers; it was an evaluation */
+    int jit;                    /* slot: the committed step's router saw xf * u, drawn under jkey */
     uint64_t jkey;
-    int masked;                 /* the committed step had a padding mask */
+    int masked;                 /* slot: the committed step had a padding mask */
     void *xsh;                  /* [Tmax][D] (T) a masked step's shared-expert input (moept__k_unpadded),
-                                   made at the first masked forward (S > 0) */
-    int64_t T, N, R;
-    double loss_T;              /* tokens the committed step's losses average over */
+                                   made at the first masked forward (S > 0), again by its backward */
+    int64_t T, N, R;            /* slot */
+    double loss_T;              /* slot: tokens the committed step's losses average over */
     int ptr_slot;
     int64_t allocations, allocated_bytes, fixed_bytes, rblock_bytes, growths;
 };
@@ -1546,14 +1561,70 @@ static moept_status moept__dmalloc(moept__cuda *c, void **p, size_t bytes, char 
 }
 
 
+/* A forward's state (the struct's "slot" fields), swapped between the
+   layer and shadow[s] */
+#define MOEPT__CSLOT(X)                                                                                  \
+    X(fwork) X(fwork_bytes) X(xf) X(jrow) X(logits) X(probs) X(ids) X(wts) X(lse) X(seqg) X(aux_g)      \
+    X(clstat) X(cmsg) X(ybad) X(row_of) X(tok_of_row) X(kslot_of_row) X(xs) X(ys) X(hs) X(as) X(yss)    \
+    X(sg) X(dwts) X(fhost) X(counts) X(offsets) X(rcounts) X(roffsets) X(send_segs) X(recv_segs)        \
+    X(ccnt) X(rccnt) X(rblock) X(xr) X(yr) X(h) X(a) X(dar) X(dxr) X(Rcap) X(rblock_bytes) X(cur)       \
+    X(fwd_valid) X(bwd_done) X(fwd_eval) X(jit) X(jkey) X(masked) X(T) X(N) X(R) X(loss_T) X(xf_committed)
+#define MOEPT__CSWAP(f) std::swap(a->f, b->f);
+static void moept__swap_slot(moept__cuda *a, moept__cuda *b) { MOEPT__CSLOT(MOEPT__CSWAP) }
+#undef MOEPT__CSWAP
+
+/* The state of slot s, active or not */
+static const moept__cuda *moept__slot(const moept__cuda *c, int s) {
+    return s == c->active ? c : &c->shadow[s];
+}
+
+/* The slot fields' blocks freed, the fields zero (a slot never used) */
+static void moept__slot_free(moept__cuda *o) {
+    moept__cuda z;
+    memset(&z, 0, sizeof z);
+    moept__swap_slot(o, &z);
+    cudaFree(z.fwork);
+    cudaFree(z.rblock);
+    free(z.fhost);
+}
+
+/* The layer's device scratch: what a forward or backward writes and reads
+   within the call */
 static void moept__layout(moept__cuda *c, moept__carve *cv) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t T = p->Tmax, E = p->E, K = p->K, D = p->D, P = p->P;
-    const size_t f = sizeof(float), es = (size_t)c->esz;
-    int bf = p->dtype == MOEPT_DTYPE_BF16;
-    c->xf = (float *)moept__take(cv, bf ? (size_t)(T * D) * f : 0);
+    const size_t f = sizeof(float);
     const int jit = p->jitter > 0.0f && !p->inference; /* (an inference layer never draws noise) */
     c->xj = (float *)moept__take(cv, jit ? (size_t)(T * D) * f : 0);
+    c->scratch = (float *)moept__take(cv, (size_t)(T * 2 * E) * f);
+    c->cids = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
+    c->lstat = (double *)moept__take(cv, (size_t)MOEPT__NLSTAT(E) * 8);
+    const int64_t nseq = p->seq_len > 0 ? T / p->seq_len : 0;
+    c->seqst = (double *)moept__take(cv, (size_t)(nseq * (2 * E + 2)) * 8);
+    c->hist = (int64_t *)moept__take(cv, (size_t)(c->nblk_max * E) * 8);
+    c->lrank = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
+    c->kept = (int64_t *)moept__take(cv, (size_t)E * 8);
+    c->koff = (int64_t *)moept__take(cv, (size_t)(E + 1) * 8);
+    c->msg = (int64_t *)moept__take(cv, (size_t)c->M * 8);
+    c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
+    c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
+    c->bad = (unsigned long long *)moept__take(cv, 8 * 8);
+    c->gpart = (double *)moept__take(cv, (size_t)MOEPT__NPART * 2 * 8);
+    const size_t train = !p->inference;
+    c->dsg = (float *)moept__take(cv, train * (size_t)T * f);
+    c->dlogits = (float *)moept__take(cv, train * (size_t)(T * E) * f);
+    c->d_ptrs = (const void **)moept__take(cv, (size_t)(2 * c->nslot * 3 * c->G) * sizeof(void *));
+}
+
+/* A forward slot's device block: the routing (double-buffered), the plan,
+   the send rows and the shared expert's activations */
+static void moept__slot_layout(moept__cuda *c, moept__carve *cv) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t T = p->Tmax, E = p->E, K = p->K, D = p->D, P = p->P;
+    const size_t f = sizeof(float), es = (size_t)c->esz;
+    c->xf = (float *)moept__take(cv, p->dtype == MOEPT_DTYPE_BF16 ? (size_t)(T * D) * f : 0);
+    const int jit = p->jitter > 0.0f && !p->inference;
+    const int64_t nseq = p->seq_len > 0 ? T / p->seq_len : 0;
     for (int b = 0; b < 2; b++) {
         c->jrow[b] = (uint64_t *)moept__take(cv, jit ? (size_t)T * 8 : 0);
         c->logits[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
@@ -1561,24 +1632,12 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
         c->ids[b] = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
         c->wts[b] = (float *)moept__take(cv, (size_t)(T * K) * f);
         c->lse[b] = (float *)moept__take(cv, (size_t)T * f);
+        c->seqg[b] = (float *)moept__take(cv, (size_t)(nseq * E) * f);
     }
-    c->scratch = (float *)moept__take(cv, (size_t)(T * 2 * E) * f);
-    c->cids = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
-    c->lstat = (double *)moept__take(cv, (size_t)MOEPT__NLSTAT(E) * 8);
+    c->aux_g = (float *)moept__take(cv, (size_t)E * f);
     c->clstat = (double *)moept__take(cv, c->B ? (size_t)MOEPT__NLSTAT(E) * 8 : 0);
-    const int64_t nseq = p->seq_len > 0 ? T / p->seq_len : 0;
-    c->seqst = (double *)moept__take(cv, (size_t)(nseq * (2 * E + 2)) * 8);
-    for (int b = 0; b < 2; b++) c->seqg[b] = (float *)moept__take(cv, (size_t)(nseq * E) * f);
-    c->hist = (int64_t *)moept__take(cv, (size_t)(c->nblk_max * E) * 8);
-    c->lrank = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
-    c->kept = (int64_t *)moept__take(cv, (size_t)E * 8);
-    c->koff = (int64_t *)moept__take(cv, (size_t)(E + 1) * 8);
-    c->msg = (int64_t *)moept__take(cv, (size_t)c->M * 8);
-    c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
     c->cmsg = (int64_t *)moept__take(cv, c->B ? (size_t)(P * c->M) * 8 : 0);
-    c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
-    c->bad = (unsigned long long *)moept__take(cv, 8 * 8);
-    c->gpart = (double *)moept__take(cv, (size_t)MOEPT__NPART * 2 * 8);
+    c->ybad = (unsigned long long *)moept__take(cv, 8);
     const int64_t rows = T * K > E * c->B ? T * K : E * c->B; /* sync-free: E blocks of B rows */
     c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     c->tok_of_row = (int64_t *)moept__take(cv, (size_t)rows * 8);
@@ -1593,11 +1652,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->lda_as = train ? p->S : p->HS;
     c->yss = moept__take(cv, p->S > 0 ? (size_t)(T * D) * es : 0);
     c->sg = (float *)moept__take(cv, (size_t)T * f);
-    c->dsg = (float *)moept__take(cv, train * (size_t)T * f);
     c->dwts = (float *)moept__take(cv, train * (size_t)(T * K) * f);
-    c->dlogits = (float *)moept__take(cv, train * (size_t)(T * E) * f);
-    c->aux_g = (float *)moept__take(cv, (size_t)E * f);
-    c->d_ptrs = (const void **)moept__take(cv, (size_t)(2 * c->nslot * 3 * c->G) * sizeof(void *));
 }
 
 /* Makes the receive block hold `need` rows, keeping the committed step's rows. */
@@ -1642,6 +1697,20 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     return MOEPT_OK;
 }
 
+/* The device workspace: the layer's, and each forward slot's with its receive rows */
+static int64_t moept__workspace(const moept__cuda *c) {
+    int64_t n = c->fixed_bytes;
+    for (int s = 0; s <= c->nslots; s++) n += moept__slot(c, s)->fwork_bytes + moept__slot(c, s)->rblock_bytes;
+    return n;
+}
+
+extern "C" void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
+                                  int64_t *workspace_bytes) {
+    *allocations = c->allocations;
+    *allocated_bytes = c->allocated_bytes;
+    *workspace_bytes = moept__workspace(c);
+}
+
 extern "C" int moept__cuda_device_count(void) {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return 0; }
@@ -1677,11 +1746,13 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
     cudaFree(c->rs_stage);
     cudaFree(c->wlow);
     cudaFree(c->work);
-    cudaFree(c->rblock);
+    moept__slot_free(c);
+    for (int s = 0; c->shadow && s <= c->nslots; s++) moept__slot_free(&c->shadow[s]);
+    free(c->shadow);
     cudaFree(c->xsh);
     cudaFreeHost(c->pinned);
     if (c->probe) cudaStreamDestroy(c->probe);
-    free(c->counts);
+    free(c->hblock);
     free(c);
 }
 
@@ -1788,28 +1859,84 @@ static void moept__sf_layout(moept__cuda *c) {
     c->N = c->R = c->sp.E * B;
 }
 
-/* The host plan arrays in one block (c->counts first: moept__cuda_destroy
-   frees it); with kv->base NULL it only measures, as moept__layout */
+/* The host plan arrays' scratch in one block (hblock); with kv->base NULL
+   it only measures, as moept__layout */
 static void moept__host_layout(moept__cuda *c, moept__carve *kv) {
-    const int64_t E = c->sp.E, P = c->sp.P, El = c->sp.El, G = c->G, C = c->C;
-    c->counts = (int64_t *)moept__take(kv, (size_t)E * 8);
-    c->offsets = (int64_t *)moept__take(kv, (size_t)(E + 1) * 8);
-    c->rcounts = (int64_t *)moept__take(kv, (size_t)(P * El) * 8);
-    c->roffsets = (int64_t *)moept__take(kv, (size_t)(El + 1) * 8);
+    const int64_t P = c->sp.P, El = c->sp.El, G = c->G;
     c->grow_ok = (int64_t *)moept__take(kv, (size_t)P * 8);
     c->garr = (int64_t *)moept__take(kv, (size_t)(9 * G) * 8);
-    c->send_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->recv_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
     c->descs = (moept__gemm *)moept__take(kv, (size_t)G * sizeof(moept__gemm));
     c->gops = (cublasOperation_t *)moept__take(kv, (size_t)(2 * G) * sizeof(cublasOperation_t));
     c->galpha = (float *)moept__take(kv, (size_t)(2 * G) * sizeof(float));
-    if (C > 1) {
-        c->ccnt = (int64_t *)moept__take(kv, (size_t)(C * E) * 8);
-        c->rccnt = (int64_t *)moept__take(kv, (size_t)(P * C * El) * 8);
+    if (c->C > 1) {
         c->cruns = (int64_t *)moept__take(kv, (size_t)(3 * G) * 8);
         c->csend = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
         c->crecv = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
     }
+}
+
+/* ... and a forward slot's: its plan (fhost) */
+static void moept__slot_host_layout(moept__cuda *c, moept__carve *kv) {
+    const int64_t E = c->sp.E, P = c->sp.P, El = c->sp.El, C = c->C;
+    c->counts = (int64_t *)moept__take(kv, (size_t)E * 8);
+    c->offsets = (int64_t *)moept__take(kv, (size_t)(E + 1) * 8);
+    c->rcounts = (int64_t *)moept__take(kv, (size_t)(P * El) * 8);
+    c->roffsets = (int64_t *)moept__take(kv, (size_t)(El + 1) * 8);
+    c->send_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->recv_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    c->ccnt = (int64_t *)moept__take(kv, C > 1 ? (size_t)(C * E) * 8 : 0);
+    c->rccnt = (int64_t *)moept__take(kv, C > 1 ? (size_t)(P * C * El) * 8 : 0);
+}
+
+/* The active slot's buffers, at its first use (the fields zero): its device
+   and host blocks and the receive rows a create makes (every rank its own
+   Tmax*K rows; sync-free: all its blocks, for good) */
+static moept_status moept__slot_alloc(moept__cuda *c, char *err) {
+    moept__carve cv = {NULL, 0}, kv = {NULL, 0};
+    moept__slot_layout(c, &cv);
+    moept__slot_host_layout(c, &kv);
+    void *blk = NULL;
+    moept_status st = moept__dmalloc(c, &blk, cv.off, err);
+    char *hb = st ? NULL : (char *)calloc(1, kv.off);
+    if (!st && !hb) {
+        cudaFree(blk);
+        return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory");
+    }
+    if (st) return st;
+    c->fwork = blk;
+    c->fwork_bytes = (int64_t)cv.off;
+    c->fhost = hb;
+    cv = {(char *)blk, 0};
+    kv = {hb, 0};
+    moept__slot_layout(c, &cv);
+    moept__slot_host_layout(c, &kv);
+    c->T = -1;
+    cudaError_t e = cudaMemsetAsync(blk, 0, cv.off, c->s);
+    st = e == cudaSuccess ? moept__grow(c, c->B ? c->sp.E * c->B : c->sp.Tmax * c->sp.K, err)
+                          : moept__kfail(err, MOEPT_ERR_DEVICE, "cudaMemsetAsync: %s", cudaGetErrorString(e));
+    if (st) {
+        moept__slot_free(c);
+        return st;
+    }
+    if (c->B) moept__sf_layout(c);
+    return MOEPT_OK;
+}
+
+/* Makes slot s the active one (O(1): the fields swap), its buffers made at
+   its first use; a failure changes nothing */
+static moept_status moept__use_slot(moept__cuda *c, int s, char *err) {
+    if (s == c->active) return MOEPT_OK;
+    const int was = c->active;
+    moept__swap_slot(c, &c->shadow[was]);
+    moept__swap_slot(c, &c->shadow[s]);
+    c->active = s;
+    moept_status st = c->fwork ? MOEPT_OK : moept__slot_alloc(c, err);
+    if (st) { /* back: the slot's fields are zero again */
+        moept__swap_slot(c, &c->shadow[s]);
+        moept__swap_slot(c, &c->shadow[was]);
+        c->active = was;
+    }
+    return st;
 }
 
 /* n_params rounded up to 64 floats: the gradients and AdamW's v start 16-byte aligned */
@@ -1853,6 +1980,9 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     cv.off = 0;
     moept__layout(c, &cv);
     MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* no backward's dx yet, no failed step */
+    c->nslots = p->nslots > 1 ? p->nslots : 1;
+    c->shadow = (moept__cuda *)calloc((size_t)c->nslots + 1, sizeof(moept__cuda));
+    if (!c->shadow) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     /* pinned host block */
     size_t hb = (size_t)(P * c->M) * 8 + (size_t)MOEPT__NLSTAT(E) * 8 + 8 * 8 + (size_t)MOEPT__NPART * 2 * 8 +
                 (size_t)E * 4 + (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 7 * 64;
@@ -1867,15 +1997,12 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     /* the host plan arrays: one block, measured, then carved */
     moept__carve kv = {NULL, 0};
     moept__host_layout(c, &kv);
-    char *hbk = (char *)calloc(1, kv.off);
-    if (!hbk) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
-    kv.base = hbk;
+    c->hblock = calloc(1, kv.off);
+    if (!c->hblock) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
+    kv.base = (char *)c->hblock;
     kv.off = 0;
     moept__host_layout(c, &kv);
-    /* every rank starts with room for its own Tmax*K rows, and all grow alike;
-       sync-free: all its blocks, for good */
-    MOEPT__TRY(moept__grow(c, c->B ? E * c->B : p->Tmax * p->K, err));
-    if (c->B) moept__sf_layout(c);
+    MOEPT__TRY(moept__slot_alloc(c, err)); /* slot 0 */
     MOEPT__CU(cudaStreamSynchronize(c->s));
     return MOEPT_OK;
 }
@@ -2338,6 +2465,7 @@ typedef struct moept__fwd {
     uint64_t jkey;
     const uint8_t *mask;       /* [T] the padding mask on the device, or NULL */
     float *logits_out;         /* [T][E] the caller's copy of the logits (device), or NULL */
+    int eval;                  /* an evaluation forward (its slot: moept__fwd_slot) */
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                             \
@@ -2370,6 +2498,21 @@ static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
         }
     }
     if (f->local[0]) f->host_bad = 1;
+}
+
+/* 0. slot: a training forward's (opts.slot), an evaluation's own where a
+   training forward may still wait for its backward, else the training
+   slot (moept.c's moept__eval_slot); its buffers made at its first use (a
+   failure is agreed as the call's rejection) */
+static void moept__fwd_slot(moept__cuda *c, const moept__cuda_step *o, moept__fwd *f, char *why) {
+    if (f->reject) return; /* (o->slot may be out of range) */
+    const moept__cuda *s0 = moept__slot(c, 0);
+    const int s = !o->eval ? o->slot : c->sp.inference ? 0 : c->nslots > 1 ? c->nslots
+                : s0->fwd_valid && !s0->fwd_eval && !s0->bwd_done ? c->nslots : 0;
+    char e[MOEPT__ERRLEN];
+    if (moept__use_slot(c, s, e) == MOEPT_OK) return;
+    f->reject = MOEPT_ERR_OUT_OF_MEMORY;
+    snprintf(why, MOEPT__ERRLEN, "moept_forward: out of memory for forward slot %d's state (%.400s)", s, e);
 }
 
 /* 1. this rank's argument checks; the kernels then run on a valid T only */
@@ -2610,8 +2753,8 @@ static void moept__replay_msg(const moept__cuda *c, moept__fwd *f) {
 static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank, M = c->M;
-    for (int64_t q = 0; q < P; q++)
-        if (c->h_msg_all[q * M + E + 1] != f->tag)
+    for (int64_t q = 0; q < P; q++) /* the tag's low half: the call; its high half: the slot */
+        if ((c->h_msg_all[q * M + E + 1] ^ f->tag) & 0xffffffff)
             return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: the ranks' call sequences differ "
                                 "(another rank made another group call here); nothing changed");
     if (!f->host_bad && c->h_bad[0] != ULLONG_MAX)
@@ -2636,6 +2779,10 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
     if (failed)
         return moept__kfail(err, MOEPT_ERR_STATE, "moept_forward: %lld other rank(s) rejected the step; "
                             "nothing changed", (long long)failed);
+    for (int64_t q = 0; q < P; q++)
+        if (c->h_msg_all[q * M + E + 1] != f->tag)
+            return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_forward: the ranks passed different "
+                                "opts.slot or opts.eval (every rank must pass the same); nothing changed");
     int64_t anyone_grows = 0;
     for (int64_t q = 0; q < P; q++) {
         int64_t Rq = 0;
@@ -2670,6 +2817,7 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_s
     c->xf_committed = 1;
     c->fwd_valid = 1;
     c->bwd_done = 0;
+    c->fwd_eval = f->eval;
     c->jit = f->jitter; c->jkey = f->jkey;
     c->R = f->R;
     const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
@@ -2753,21 +2901,29 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_
     return MOEPT_OK;
 }
 
+/* The shared expert's input: x, or a masked step's x with its padded rows
+   zero (xsh: made again by the backward, as forward slots share it) */
+template <typename T>
+static moept_status moept__shared_in(moept__cuda *c, const T **x, char *err) {
+    const int64_t D = c->sp.D, T_ = c->T;
+    if (!c->masked) return MOEPT_OK;
+    const int vec = moept__vec<T>(D, *x, c->xsh);
+    const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
+    MOEPT__LAUNCH_V(vec, moept__k_unpadded, T, sh.g, sh.b, c->s, *x, c->ids[c->cur], T_, (int)D,
+                    (int)c->sp.K, (T *)c->xsh);
+    MOEPT__LAUNCHED();
+    *x = (const T *)c->xsh;
+    return MOEPT_OK;
+}
+
 /* the shared expert and its gate over every token (while routed rows
-   travel); a masked step's over x with its padded rows zero (xsh) */
+   travel) */
 template <typename T>
 static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, T_ = c->T;
     if (p->S == 0 || T_ == 0) return MOEPT_OK;
-    if (c->masked) {
-        const int vec = moept__vec<T>(D, x, c->xsh);
-        const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
-        MOEPT__LAUNCH_V(vec, moept__k_unpadded, T, sh.g, sh.b, c->s, x, c->ids[c->cur], T_, (int)D, (int)p->K,
-                        (T *)c->xsh);
-        MOEPT__LAUNCHED();
-        x = (const T *)c->xsh;
-    }
+    MOEPT__TRY(moept__shared_in<T>(c, &x, err));
     int64_t off[2] = {0, T_};
     MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->lda_as,
                                  c->yss, err));
@@ -2807,7 +2963,7 @@ static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t
     const moept__shape sh = moept__rows_shape(t1 - t0, vec ? D / MOEPT__VEC(T) : D);
     MOEPT__LAUNCH_V(vec, moept__k_combine, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of + t0 * K,
                     c->wts[c->cur] + t0 * K, yss, p->offsg >= 0 ? c->sg + t0 : NULL, t1 - t0, (int)D, (int)K,
-                    y + t0 * D, t0 * D, &c->bad[4]);
+                    y + t0 * D, t0 * D, c->ybad);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -2911,7 +3067,7 @@ static moept_status moept__shared_bwd(moept__cuda *c, const T *x, char *err) {
     const moept__cuda_spec *p = &c->sp;
     if (p->S == 0 || c->T == 0) return MOEPT_OK;
     int64_t off[2] = {0, c->T};
-    if (c->masked) x = (const T *)c->xsh;
+    MOEPT__TRY(moept__shared_in<T>(c, &x, err));
     return moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err);
 }
 
@@ -2983,6 +3139,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
     c->xf_committed = 1;
     c->fwd_valid = 1;
     c->bwd_done = 0;
+    c->fwd_eval = f->eval;
     out->deferred = 1;
     if (p->seq_len > 0) {
         moept__seq_mean(c);
@@ -3009,7 +3166,10 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     f.jkey = out->jitter_key;
     f.mask = out->mask;
     f.logits_out = out->logits_out;
-    moept__fwd_checks(c, xv, Tn, yv, out->reject_msg, &f);
+    f.eval = out->eval;
+    char why[MOEPT__ERRLEN];
+    moept__fwd_slot(c, out, &f, why);
+    moept__fwd_checks(c, xv, Tn, yv, f.reject == out->reject ? out->reject_msg : why, &f);
     MOEPT__STAGE("route");
     moept__fwd_route<T>(c, x, &f);
     MOEPT__STAGE("count");
@@ -3029,7 +3189,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     /* y's finiteness, checked by the combine as it writes y and read by the
        backward's host sync (a sync here would stall the host's run-ahead):
        a committed step's flag, which no rejected forward resets */
-    MOEPT__CU(cudaMemsetAsync(&c->bad[4], 0xff, 8, c->s));
+    MOEPT__CU(cudaMemsetAsync(c->ybad, 0xff, 8, c->s));
     MOEPT__STAGE("plan");
     MOEPT__TRY(moept__fwd_plan(c, peer_rows, out, err));
     MOEPT__STAGE("dispatch");
@@ -3049,14 +3209,16 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
 extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
                                             int64_t *peer_rows, moept__cuda_step *out, char *err) {
     MOEPT__ENTER(c);
+    const int was = c->active;
     moept_status st = c->esz == 2 ? moept__forward<moept__bf16>(c, x, T, y, lstat, peer_rows, out, err)
                                   : moept__forward<float>(c, x, T, y, lstat, peer_rows, out, err);
     MOEPT__STAGE(NULL);
+    char e[MOEPT__ERRLEN];
+    if (st) (void)moept__use_slot(c, was, e); /* the last forward's slot again (made: no failure) */
+    out->slot = c->active;
     out->recv_capacity = c->Rcap;
     out->recv_growths = c->growths;
-    out->allocations = c->allocations;
-    out->allocated_bytes = c->allocated_bytes;
-    out->workspace_bytes = c->fixed_bytes + c->rblock_bytes;
+    moept__cuda_sizes(c, &out->allocations, &out->allocated_bytes, &out->workspace_bytes);
     return st;
 }
 
@@ -3079,7 +3241,7 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
     uint32_t sb;
     rscale += 0.0f; /* -0 as +0: the same value */
     memcpy(&sb, &rscale, 4);
-    mine[E + 3] = sb; /* opts.router_loss_scale, the same on every rank */
+    mine[E + 3] = (int64_t)sb | (int64_t)c->active << 32; /* opts.router_loss_scale and opts.slot */
     if (p->ep) {
         moept_status st = p->ep->allgather(p->ep, mine, c->h_msg_all, M * 8); /* host buffers: waits */
         if (st) return moept__kfail(err, st, "moept_backward: failure agreement failed: %s", p->ep->err);
@@ -3100,7 +3262,7 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
                             yfail ? "the step is rejected, run forward again" : "nothing changed");
     if (sdiff)
         return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: the ranks passed different "
-                            "router_loss_scale (every rank must pass the same); nothing changed");
+                            "router_loss_scale or opts.slot (every rank must pass the same); nothing changed");
     return MOEPT_OK;
 }
 
@@ -3120,6 +3282,10 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
     } else if (!c->fwd_valid) {
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local, "moept_backward: no forward to differentiate");
+    } else if (c->fwd_eval) {
+        why = MOEPT_ERR_STATE;
+        snprintf(local, sizeof local, "moept_backward: the last forward was an evaluation (opts.eval): it "
+                 "kept nothing to differentiate");
     } else if (c->bwd_done) { /* ys and h were overwritten in place */
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local,
@@ -3139,13 +3305,14 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
     /* unchecked_backward: no host sync and no agreement; a rank's rejection is its own. Sync-free:
        y's and dy's checks are noted for the next adamw_step or grad_norm */
     if (p->sync_free && !local[0]) {
-        MOEPT__LAUNCH(moept__k_sf_note, 1, 1, 0, c->s)(c->bad);
+        MOEPT__LAUNCH(moept__k_sf_note, 1, 1, 0, c->s)(c->bad, c->ybad);
         MOEPT__LAUNCHED();
     }
     if (p->unchecked_backward || p->sync_free)
         return local[0] ? moept__kfail(err, why, "%s", local) : MOEPT_OK;
     /* the step's second host sync */
-    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 3 * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 2 * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 4, c->ybad, 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     int ybad = !local[0] && T_ > 0 && c->h_bad[4] != ULLONG_MAX;
     if (ybad) {
@@ -3277,18 +3444,28 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     return moept__bwd_dx<T>(c, (T *)dxv, err);
 }
 
+/* The backward of opts.slot's forward; then the last forward's slot is the
+   active one again (routing, statistics and growth read it) */
 extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
                                              moept__cuda_step *out, char *err) {
     MOEPT__ENTER(c);
     c->grads_clean = 0;
+    const int last = c->active;
+    char e[MOEPT__ERRLEN];
+    if (!out->reject && !moept__slot(c, out->slot)->fwork) { /* (out->reject: the slot may be out of range) */
+        out->reject = MOEPT_ERR_STATE;
+        snprintf(e, sizeof e, "moept_backward: slot %d holds no forward to differentiate", out->slot);
+        out->reject_msg = e;
+    } else if (!out->reject) {
+        (void)moept__use_slot(c, out->slot, err); /* made: no failure */
+    }
     moept_status st = c->esz == 2 ? moept__backward<moept__bf16>(c, x, dy, dx, out, err)
                                   : moept__backward<float>(c, x, dy, dx, out, err);
     MOEPT__STAGE(NULL);
+    (void)moept__use_slot(c, last, e);
     out->recv_capacity = c->Rcap;
     out->recv_growths = c->growths;
-    out->allocations = c->allocations;
-    out->allocated_bytes = c->allocated_bytes;
-    out->workspace_bytes = c->fixed_bytes + c->rblock_bytes;
+    moept__cuda_sizes(c, &out->allocations, &out->allocated_bytes, &out->workspace_bytes);
     return st;
 }
 
@@ -3517,6 +3694,8 @@ extern "C" moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t
     if (c->grads) /* (an inference layer has none) */
         MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s)); /* the dx check stays */
     c->grads_clean = 0;
+    c->fwd_valid = 0; /* every slot's saved forward: its plan used the old placement */
+    for (int s = 0; s <= c->nslots; s++) c->shadow[s].fwd_valid = 0;
     return moept__host_wait(c, err);
 }
 

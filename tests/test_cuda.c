@@ -503,12 +503,11 @@ static void test_inference_layer(void) {
 }
 
 /* An evaluation forward of a training CUDA layer (opts.eval) does what the
-   CPU layer's does: y is the training forward's bitwise, and it keeps
-   nothing for a backward: moept_backward after it refuses (a CPU layer's
-   evaluation keeps the training forward: its backward runs), and
-   moept_update_bias with the CPU layer's status and message; the next training
-   forward's backward gives the gradients and dx of a layer that never
-   ran the evaluation, bitwise. */
+   CPU layer's does: y is the training forward's bitwise; between a forward
+   and its backward it runs in its own slot and changes nothing (dx and the
+   gradients of a layer that never ran it, bitwise); after the backward it
+   runs in the training slot, and moept_backward and moept_update_bias then
+   refuse with the CPU layer's status and message. */
 static void test_eval_forward(void) {
     moept_config cfg = family_cfg(3); /* deepseek: update_bias applies */
     cfg.max_tokens = 64;
@@ -523,29 +522,26 @@ static void test_eval_forward(void) {
     moept_forward_opts eo = {NULL, 1, NULL, NULL, 0};
     if (forward_y(g[0], xd, T, D, 0, NULL, y) || forward_y(g[0], xd, T, D, 0, &eo, y + T * D)) goto out;
     EXPECT(count_diffs(y, y + T * D, T * D) == 0, "the evaluation's y differs from the training forward's");
+    EXPECT_OK(moept_backward(g[0], xd, dyd, dxd));
+    host_from(y + 4 * T * D, dxd, T * D, 0);
+    if (forward_y(g[1], xd, T, D, 0, NULL, y + 2 * T * D)) goto out;
+    EXPECT_OK(moept_backward(g[1], xd, dyd, dxd));
+    host_from(y + 5 * T * D, dxd, T * D, 0);
+    EXPECT(count_diffs(y + 4 * T * D, y + 5 * T * D, T * D) == 0 && grad_diffs(g[0], g[1]) == 0,
+           "an evaluation between a forward and its backward changed dx or the gradients");
     EXPECT_OK(moept_forward(c, x, T, y + 2 * T * D));
+    EXPECT_OK(moept_backward(c, x, x + T * D, y + 2 * T * D));
     EXPECT_OK(moept_forward_ex(c, x, T, y + 2 * T * D, &eo));
+    if (forward_y(g[0], xd, T, D, 0, &eo, y + T * D)) goto out;
     for (int k = 0; k < 2; k++) {
         moept_status sc = k ? moept_update_bias(c, 1e-3f) : moept_backward(c, x, x + T * D, y + 2 * T * D);
         char mc[300];
         snprintf(mc, sizeof mc, "%s", moept_last_error(c));
         moept_status sg = k ? moept_update_bias(g[0], 1e-3f) : moept_backward(g[0], xd, dyd, dxd);
-        /* a CPU layer's evaluation keeps its training forward (its backward runs); a CUDA layer's
-           replaces it (moept.h, FORWARD SLOTS) */
-        if (!k) EXPECT(sc == MOEPT_OK && sg == MOEPT_ERR_STATE && strstr(moept_last_error(g[0]), "evaluation"),
-                       "backward after an evaluation: CUDA %d (%s), CPU %d (%s)", (int)sg, moept_last_error(g[0]),
-                       (int)sc, mc);
-        else EXPECT(sc == MOEPT_ERR_STATE && sg == sc && strcmp(mc, moept_last_error(g[0])) == 0,
-                    "update_bias after an evaluation: CUDA %d (%s), CPU %d (%s)", (int)sg, moept_last_error(g[0]),
-                    (int)sc, mc);
+        EXPECT(sc == MOEPT_ERR_STATE && sg == sc && strcmp(mc, moept_last_error(g[0])) == 0,
+               "%s after an evaluation in the training slot: CUDA %d (%s), CPU %d (%s)",
+               k ? "update_bias" : "backward", (int)sg, moept_last_error(g[0]), (int)sc, mc);
     }
-    for (int v = 0; v < 2; v++) { /* the training forward and its backward, with and without the evaluation */
-        if (forward_y(g[v], xd, T, D, 0, NULL, y + (2 + v) * T * D)) goto out;
-        EXPECT_OK(moept_backward(g[v], xd, dyd, dxd));
-        host_from(y + (4 + v) * T * D, dxd, T * D, 0);
-    }
-    EXPECT(count_diffs(y + 4 * T * D, y + 5 * T * D, T * D) == 0 && grad_diffs(g[0], g[1]) == 0,
-           "the backward after an evaluation and a training forward differs from one without the evaluation");
 out:
     cudaFree(xd); cudaFree(dyd); cudaFree(dxd);
     free(x); free(y);
@@ -2141,13 +2137,14 @@ static void test_aux_seq(void) {
     moept_destroy(L);
 }
 
-/* What the CUDA executor lacks or cannot read is refused on every rank,
-   agreed as its own checks are: a padding mask in host memory on one rank
-   fails both (INVALID_ARGUMENT there: a CUDA layer's mask is device memory;
-   "other rank" on the peer); an evaluation forward on rank 0 only makes
-   the backward fail on both; a forward slot other than 0, in the forward
-   or the backward on one rank, fails both, and max_inflight > 1 every
-   rank's create. */
+/* What the CUDA executor cannot read, or the ranks do not agree on, is
+   refused on every rank, agreed as its own checks are: a padding mask in
+   host memory on one rank fails both (INVALID_ARGUMENT there: a CUDA
+   layer's mask is device memory; "other rank" on the peer); an evaluation
+   forward on rank 0 only fails both (INVALID_ARGUMENT: the ranks differ);
+   an evaluation between a forward and its backward runs in its own slot; a
+   forward slot other than 0 of a one-slot layer, in the forward or the
+   backward on one rank, fails both; a layer of max_inflight 2 runs slot 1. */
 static void *modes_rank(void *arg) {
     agree_job *j = arg;
     nccl_rank n;
@@ -2170,18 +2167,21 @@ static void *modes_rank(void *arg) {
     moept_forward_opts mo = {mask, 0, NULL, NULL, 0}, eo = {NULL, 1, NULL, NULL, 0};
     agree_call(j, 1, moept_forward_ex(L, xd, T, yd, j->tr.rank ? &mo : NULL), L);
     agree_call(j, 2, moept_forward_ex(L, xd, T, yd, j->tr.rank ? NULL : &eo), L);
-    agree_call(j, 3, moept_backward(L, xd, dyd, dxd), L);
-    agree_call(j, 4, moept_forward(L, xd, T, yd), L);
-    agree_call(j, 5, moept_backward(L, xd, dyd, dxd), L);
-    moept_forward_opts so = {NULL, 0, NULL, NULL, 1}; /* a CUDA layer has one forward slot */
+    agree_call(j, 3, moept_forward(L, xd, T, yd), L);
+    agree_call(j, 4, moept_forward_ex(L, xd, T, yd, &eo), L); /* in its own slot */
+    agree_call(j, 5, moept_backward(L, xd, dyd, dxd), L);     /* the training forward's */
+    moept_forward_opts so = {NULL, 0, NULL, NULL, 1}; /* max_inflight 0: one forward slot */
     moept_backward_opts bo = moept_backward_default();
     bo.slot = 1;
     agree_call(j, 6, moept_forward_ex(L, xd, T, yd, j->tr.rank ? &so : NULL), L);
     if (moept_forward(L, xd, T, yd) != MOEPT_OK) agree_call(j, 7, MOEPT_ERR_STATE, L);
     else agree_call(j, 7, moept_backward_ex(L, xd, dyd, dxd, j->tr.rank ? &bo : NULL), L);
-    moept_layer *M = NULL; /* nor more than one at create, on every rank */
+    moept_layer *M = NULL; /* two slots: slot 1 runs */
     cfg.max_inflight = 2;
-    agree_call(j, 0, moept_create_cuda(&cfg, n.c, NULL, NULL, &M), NULL);
+    moept_status st = moept_create_cuda(&cfg, n.c, NULL, NULL, &M);
+    if (!st) st = moept_forward_ex(M, xd, T, yd, &so);
+    if (!st) st = moept_backward_ex(M, xd, dyd, dxd, &bo);
+    agree_call(j, 0, st, M);
     moept_destroy(M);
     cudaFree(xd); cudaFree(yd); cudaFree(dyd); cudaFree(dxd);
     free(x);
@@ -2199,18 +2199,17 @@ static void test_unsupported_modes(void) {
         EXPECT(r ? a->st[1] == MOEPT_ERR_INVALID_ARGUMENT && strstr(a->msg[1], "opts.mask is not device memory")
                  : a->st[1] == MOEPT_ERR_STATE && strstr(a->msg[1], "other rank"),
                "rank %d, a host mask on rank 1: %d (%s)", r, (int)a->st[1], a->msg[1]);
-        EXPECT(!a->st[2] && !a->st[4] && !a->st[5], "rank %d: a matching call failed: %s | %s | %s", r, a->msg[2],
+        EXPECT(a->st[2] == MOEPT_ERR_INVALID_ARGUMENT && strstr(a->msg[2], "opts.slot or opts.eval"),
+               "rank %d, an evaluation on rank 0 only: %d (%s)", r, (int)a->st[2], a->msg[2]);
+        EXPECT(!a->st[3] && !a->st[4] && !a->st[5], "rank %d: a matching call failed: %s | %s | %s", r, a->msg[3],
                a->msg[4], a->msg[5]);
-        EXPECT(r ? a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "other rank")
-                 : a->st[3] == MOEPT_ERR_STATE && strstr(a->msg[3], "evaluation"),
-               "rank %d, backward after rank 0's evaluation: %d (%s)", r, (int)a->st[3], a->msg[3]);
         for (int k = 6; k < 8; k++)
             EXPECT(r ? a->st[k] == MOEPT_ERR_INVALID_ARGUMENT && strstr(a->msg[k], "opts.slot")
                      : a->st[k] == MOEPT_ERR_STATE && strstr(a->msg[k], "other rank"),
                    "rank %d, %s slot 1 on rank 1: %d (%s)", r, k == 6 ? "forward" : "backward", (int)a->st[k],
                    a->msg[k]);
-        EXPECT(a->st[0] == MOEPT_ERR_UNSUPPORTED && strstr(a->msg[0], "max_inflight"),
-               "rank %d, a CUDA layer with max_inflight 2: %d (%s)", r, (int)a->st[0], a->msg[0]);
+        EXPECT(a->st[0] == MOEPT_OK, "rank %d, a CUDA layer with max_inflight 2, slot 1: %d (%s)", r,
+               (int)a->st[0], a->msg[0]);
     }
 }
 
@@ -3038,8 +3037,8 @@ int main(void) {
            test_graph_one_gpu);
     tu_run("cuda: an inference-only layer's y is a training layer's bitwise, the CPU's to its bound; "
            "training calls refused as the CPU's (4 families, fp32, bf16, sync-free)", test_inference_layer);
-    tu_run("cuda: an evaluation forward keeps nothing: backward refused as the CPU's, the next step's "
-           "exact", test_eval_forward);
+    tu_run("cuda: an evaluation between a forward and its backward changes nothing; after the backward the "
+           "next backward and update_bias refuse as the CPU's", test_eval_forward);
     tu_run("cuda: padding masks equal the CPU layer's (4 families, fp32 and bf16, capacity, all padding)",
            test_mask);
     tu_run("cuda: a padded row's values change nothing (bitwise); capacity is the unmasked tokens'",
@@ -3063,8 +3062,8 @@ int main(void) {
            test_jitter);
     tu_run("cuda (emulated, EP 2 and 1): MOEPT_AUX_SEQ under global balance equals the CPU layer (fp32, bf16, "
            "sync-free, chunked)", test_aux_seq);
-    tu_run("cuda (emulated, 2 EP ranks): a host mask and eval-then-backward refused on both ranks",
-           test_unsupported_modes);
+    tu_run("cuda (emulated, 2 EP ranks): a host mask, an evaluation on one rank, a slot out of range fail "
+           "both ranks; an evaluation between forward and backward and a second slot run", test_unsupported_modes);
     tu_run("cuda (emulated, 2 EP ranks): every feature the executor lacks refused on both ranks, one message",
            test_capability_refusals);
     tu_run("cuda (emulated, 2 EP ranks): an inference layer reshards; a host replay_ids fails the call, the "

@@ -1,30 +1,38 @@
 /* Forward slots (config.max_inflight, opts.slot): pipeline orders (1F1B,
    all forwards first) equal sequential forward/backward bitwise in y, dx and
-   every gradient, at EP = 1 and EP = 4 (threads: the shared-memory path, the
-   chunked exchange, FSDP); a forward again into the same slot (activation
-   recomputation) equals one forward; an evaluation between a forward and
-   its backward changes nothing; routing and statistics read the last
-   forward's; slots that differ between ranks, out of
-   range, empty or already differentiated fail every rank and change
-   nothing; each slot's memory, counted exactly. */
+   every gradient, at EP = 1 and EP = 4; a forward again into the same slot
+   (activation recomputation) equals one forward; an evaluation between a
+   forward and its backward changes nothing; routing and statistics read the
+   last forward's; slots that differ between ranks, out of range, empty or
+   already differentiated fail every rank and change nothing; each slot's
+   memory, counted exactly. Built twice: build/test_slots runs CPU layers
+   over threads (the shared-memory path, the chunked exchange, FSDP),
+   build/emu/test_slots CUDA layers on the emulated GPU over NCCL ranks
+   (default, chunked and sync-free; the buffers in device memory). */
+#ifdef MOEPT_CUDA
+#define MOEPT_INTERNAL
+#include "../moept.h"
+#else
 #include "../moept.c"
+#endif
 #include "testutil.h"
 
 #define NMB 4  /* micro-batches */
 #define TOK 12 /* tokens a rank's micro-batch holds at most */
 #define DIM 16
+#define NB ((size_t)(TOK * DIM) * sizeof(float)) /* bytes of one micro-batch's x, y, dy or dx */
 
 typedef struct sj {
     moept_thread_group *g;
     int r;
     moept_config cfg;
-    int P;
+    int P, sync_free;
     const int *order;  /* m + 1: forward of micro-batch m; -(m + 1): its backward */
     int nslots;        /* 0: every micro-batch in slot 0 (the plain calls); else slot m % nslots */
     int eval;          /* an evaluation forward after each training forward */
-    int direct, C;     /* the layer's exchange: the shared-memory path; chunks */
+    int direct, C;     /* the CPU layer's exchange: the shared-memory path; chunks */
     moept_status st;
-    char err[MOEPT__ERRLEN];
+    char err[512];
     float y[NMB][TOK * DIM], dx[NMB][TOK * DIM];
     float *grads;
     int64_t n;
@@ -43,15 +51,59 @@ static void mb_data(int r, int m, float *x, float *dy, uint8_t *mask) {
     for (int t = 0; t < TOK; t++) mask[t] = (t + m + r) % 5 != 0;
 }
 
-static moept_layer *slot_layer(const sj *j, moept_comm **c, int max_inflight) {
-    moept_config cfg = j->cfg;
-    cfg.max_inflight = max_inflight;
+/* rank r's micro-batches where the layer reads them (x, dy, mask), and
+   room for y and dx */
+typedef struct mbs { void *x[NMB], *dy[NMB], *mask[NMB], *y[NMB], *dx[NMB]; } mbs;
+static void mbs_open(mbs *b, int r) {
+    float x[TOK * DIM], dy[TOK * DIM];
+    uint8_t mask[TOK];
+    for (int m = 0; m < NMB; m++) {
+        mb_data(r, m, x, dy, mask);
+        b->x[m] = tu_dev(x, NB); b->dy[m] = tu_dev(dy, NB); b->mask[m] = tu_dev(mask, TOK);
+        b->y[m] = tu_dev(NULL, NB); b->dx[m] = tu_dev(NULL, NB);
+    }
+}
+static void mbs_close(mbs *b) {
+    for (int m = 0; m < NMB; m++) {
+        tu_dev_free(b->x[m]); tu_dev_free(b->dy[m]); tu_dev_free(b->mask[m]);
+        tu_dev_free(b->y[m]); tu_dev_free(b->dx[m]);
+    }
+}
+
+/* a layer of cfg with max_inflight slots, its parameters seeded (NULL: failed, noted) */
+static moept_layer *slot_layer(const moept_config *cfg, moept_comm *c, int max_inflight, int sync_free) {
+    moept_config k = *cfg;
+    k.max_inflight = max_inflight;
     moept_layer *L = NULL;
-    *c = NULL;
-    if (j->P > 1) moept_comm_threads(j->g, j->r, c);
-    if (moept_create_parallel(&cfg, *c, NULL, &L)) return NULL;
+    if (tu_layer(&k, c, sync_free, &L)) return NULL;
     moept_init_params(L, 7);
     return L;
+}
+
+/* the layer's gradients, copied out (NULL: none) */
+static float *grads_of(moept_layer *L, int64_t *n) {
+    float *g, *out = NULL;
+    if (moept_grads(L, &g, n) == MOEPT_OK && (out = malloc((size_t)*n * 4))) memcpy(out, g, (size_t)*n * 4);
+    return out;
+}
+
+/* the order's calls on one rank; the first failure stops it */
+static void order_calls(sj *j, moept_layer *L, const mbs *b, void *ye) {
+    const int64_t T = tokens_of(j->r);
+    const int masked = j->cfg.shared_intermediate_size > 0;
+    for (int i = 0; i < 2 * NMB && !j->st; i++) {
+        int m = (j->order[i] > 0 ? j->order[i] : -j->order[i]) - 1, slot = j->nslots ? m % j->nslots : 0;
+        if (j->order[i] > 0) {
+            moept_forward_opts o = {masked ? b->mask[m] : NULL, 0, NULL, NULL, slot};
+            j->st = moept_forward_ex(L, b->x[m], T, b->y[m], &o);
+            o.eval = 1;
+            if (!j->st && j->eval) j->st = moept_forward_ex(L, b->x[m], T, ye, &o);
+        } else {
+            moept_backward_opts o = moept_backward_default();
+            o.slot = slot;
+            j->st = moept_backward_ex(L, b->x[m], b->dy[m], b->dx[m], &o);
+        }
+    }
 }
 
 static sj order_proto; /* the run's settings (tu_ranks zeroes the jobs) */
@@ -59,47 +111,40 @@ static sj order_proto; /* the run's settings (tu_ranks zeroes the jobs) */
 static void *order_main(void *arg) {
     sj *j = arg;
     j->cfg = order_proto.cfg; j->P = order_proto.P; j->order = order_proto.order;
-    j->nslots = order_proto.nslots; j->eval = order_proto.eval;
-    moept_comm *c;
-    moept_layer *L = slot_layer(j, &c, j->nslots);
+    j->nslots = order_proto.nslots; j->eval = order_proto.eval; j->sync_free = order_proto.sync_free;
+    tu_ep e;
+    moept_layer *L = slot_layer(&j->cfg, tu_ep_open(&e, j->g, j->P, j->r), j->nslots, j->sync_free);
     if (!L) {
         j->st = MOEPT_ERR_STATE;
         snprintf(j->err, sizeof j->err, "%s", moept_last_error(NULL));
+        tu_ep_close(&e);
         return NULL;
     }
-    static float x[16][NMB][TOK * DIM], dy[16][NMB][TOK * DIM]; /* [rank][mb] */
-    uint8_t mask[NMB][TOK];
-    const int64_t T = tokens_of(j->r);
-    const int masked = L->S > 0;
+#if !TU_GPU
     j->direct = L->xch.direct; j->C = (int)L->C;
-    for (int m = 0; m < NMB; m++) mb_data(j->r, m, x[j->r][m], dy[j->r][m], mask[m]);
-    float ye[TOK * DIM];
-    for (int i = 0; i < 2 * NMB && !j->st; i++) {
-        int m = (j->order[i] > 0 ? j->order[i] : -j->order[i]) - 1, slot = j->nslots ? m % j->nslots : 0;
-        if (j->order[i] > 0) {
-            moept_forward_opts o = {masked ? mask[m] : NULL, 0, NULL, NULL, slot};
-            j->st = moept_forward_ex(L, x[j->r][m], T, j->y[m], &o);
-            o.eval = 1;
-            if (!j->st && j->eval) j->st = moept_forward_ex(L, x[j->r][m], T, ye, &o);
-        } else {
-            moept_backward_opts o = moept_backward_default();
-            o.slot = slot;
-            j->st = moept_backward_ex(L, x[j->r][m], dy[j->r][m], j->dx[m], &o);
-        }
-    }
+#endif
+    mbs b;
+    mbs_open(&b, j->r);
+    void *ye = tu_dev(NULL, NB);
+    order_calls(j, L, &b, ye);
     snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
-    float *g;
-    moept_grads(L, &g, &j->n);
-    j->grads = malloc((size_t)j->n * 4);
-    memcpy(j->grads, g, (size_t)j->n * 4);
+    for (int m = 0; m < NMB; m++) {
+        tu_to_host(j->y[m], b.y[m], NB);
+        tu_to_host(j->dx[m], b.dx[m], NB);
+    }
+    j->grads = grads_of(L, &j->n);
+    tu_dev_free(ye);
+    mbs_close(&b);
     moept_destroy(L);
-    moept_comm_destroy(c);
+    tu_ep_close(&e);
     return NULL;
 }
 
-static void run_order(sj *js, int P, const moept_config *cfg, const int *order, int nslots, int eval) {
+static void run_order(sj *js, int P, const moept_config *cfg, const int *order, int nslots, int eval,
+                      int sync_free) {
     order_proto.cfg = *cfg; order_proto.P = P; order_proto.order = order;
-    order_proto.nslots = nslots; order_proto.eval = eval;
+    order_proto.nslots = nslots; order_proto.eval = eval; order_proto.sync_free = sync_free;
+    tu_new_world();
     tu_ranks(P, 20000, order_main, js, sizeof *js);
 }
 
@@ -122,7 +167,8 @@ static const char *sj_differs(const sj *a, const sj *b, int P) {
         if (a[r].st || b[r].st) return a[r].st ? a[r].err : b[r].err;
         if (memcmp(a[r].y, b[r].y, sizeof a[r].y)) return "y";
         if (memcmp(a[r].dx, b[r].dx, sizeof a[r].dx)) return "dx";
-        if (a[r].n != b[r].n || memcmp(a[r].grads, b[r].grads, (size_t)a[r].n * 4)) return "gradients";
+        if (!a[r].grads || a[r].n != b[r].n || memcmp(a[r].grads, b[r].grads, (size_t)a[r].n * 4))
+            return "gradients";
     }
     return NULL;
 }
@@ -132,41 +178,73 @@ static void sj_free(sj *a, int P) {
 }
 
 /* 1F1B and all-forwards-first over 4 micro-batches, with an evaluation
-   after each forward or not, equal the sequential order bitwise */
+   after each forward or not, equal the sequential order bitwise (CUDA
+   layers: no fsdp, which is a CPU layer's baseline; sync-free at EP 4 too) */
 static void test_pipeline_orders(void) {
     static sj seq[4], pipe[4];
     const int Ps[2] = {1, 4};
-    for (int kind = 0; kind < 4; kind++)
-        for (int pi = 0; pi < 2; pi++) {
-            const int P = Ps[pi];
-            moept_config c = slot_cfg(kind);
-            run_order(seq, P, &c, seq_order, 0, 0);
-            EXPECT(P == 1 || (seq[0].direct == (kind == 0 || kind == 2) && seq[0].C == (kind == 1 ? 2 : 1)),
-                   "kind %d EP %d: not the exchange meant (direct %d, C %d)", kind, P, seq[0].direct,
-                   seq[0].C);
-            for (int v = 0; v < 3; v++) {
-                run_order(pipe, P, &c, v == 2 ? gpipe_order : f1b1_order, v == 0 ? 2 : 4, v == 1);
-                const char *d = sj_differs(pipe, seq, P);
-                EXPECT(!d, "kind %d EP %d %s: differs from sequential: %s", kind, P,
-                       v == 2 ? "all forwards first" : v ? "1F1B, evaluations" : "1F1B", d);
-                sj_free(pipe, P);
+    for (int kind = 0; kind < 4 - TU_GPU; kind++)
+        for (int pi = 0; pi < 2; pi++)
+            for (int sf = 0; sf <= (TU_GPU && kind != 1 && pi == 1); sf++) {
+                const int P = Ps[pi];
+                moept_config c = slot_cfg(kind);
+                run_order(seq, P, &c, seq_order, 0, 0, sf);
+                EXPECT(TU_GPU || P == 1 || (seq[0].direct == (kind == 0 || kind == 2) &&
+                                            seq[0].C == (kind == 1 ? 2 : 1)),
+                       "kind %d EP %d: not the exchange meant (direct %d, C %d)", kind, P, seq[0].direct,
+                       seq[0].C);
+                for (int v = 0; v < 3; v++) {
+                    run_order(pipe, P, &c, v == 2 ? gpipe_order : f1b1_order, v == 0 ? 2 : 4, v == 1, sf);
+                    const char *d = sj_differs(pipe, seq, P);
+                    EXPECT(!d, "kind %d EP %d%s %s: differs from sequential: %s", kind, P, sf ? " sync-free" : "",
+                           v == 2 ? "all forwards first" : v ? "1F1B, evaluations" : "1F1B", d);
+                    sj_free(pipe, P);
+                }
+                sj_free(seq, P);
             }
-            sj_free(seq, P);
-        }
 }
 
 /* two layers of c with the same parameters (1: made; 0: the failure noted, none left) */
 static int make_pair(const moept_config *c, moept_layer **A, moept_layer **B) {
-    *A = *B = NULL;
-    if (moept_create(c, A) || moept_create(c, B)) {
-        EXPECT(0, "create: %s", moept_last_error(NULL));
-        moept_destroy(*A);
-        moept_destroy(*B);
-        return 0;
+    *A = slot_layer(c, NULL, (int)c->max_inflight, 0);
+    *B = slot_layer(c, NULL, (int)c->max_inflight, 0);
+    if (*A && *B) return 1;
+    EXPECT(0, "create: %s", moept_last_error(NULL));
+    moept_destroy(*A);
+    moept_destroy(*B);
+    return 0;
+}
+
+/* One rank's buffers for the single-layer tests: two micro-batches' x and
+   dy, and y, y2, dx, dx2 (on the layer's side), and their host copies */
+typedef struct one { void *x[2], *dy[2], *y, *y2, *dx, *dx2; float h[4][TOK * DIM]; } one;
+static void one_open(one *o) {
+    float x[TOK * DIM], dy[TOK * DIM];
+    uint8_t mask[TOK];
+    for (int m = 0; m < 2; m++) {
+        mb_data(0, m, x, dy, mask);
+        o->x[m] = tu_dev(x, NB);
+        o->dy[m] = tu_dev(dy, NB);
     }
-    moept_init_params(*A, 3);
-    moept_init_params(*B, 3);
-    return 1;
+    o->y = tu_dev(NULL, NB); o->y2 = tu_dev(NULL, NB); o->dx = tu_dev(NULL, NB); o->dx2 = tu_dev(NULL, NB);
+}
+/* y, y2, dx, dx2 into h[0..3] */
+static void one_host(one *o) {
+    void *d[4] = {o->y, o->y2, o->dx, o->dx2};
+    for (int i = 0; i < 4; i++) tu_to_host(o->h[i], d[i], NB);
+}
+static void one_close(one *o) {
+    void *d[8] = {o->x[0], o->x[1], o->dy[0], o->dy[1], o->y, o->y2, o->dx, o->dx2};
+    for (int i = 0; i < 8; i++) tu_dev_free(d[i]);
+}
+
+static int same_grads(moept_layer *A, moept_layer *B) {
+    int64_t na, nb;
+    float *a = grads_of(A, &na), *b = grads_of(B, &nb);
+    int same = a && b && na == nb && !memcmp(a, b, (size_t)na * 4);
+    free(a);
+    free(b);
+    return same;
 }
 
 /* Activation recomputation: forward, the same forward again into the same
@@ -182,23 +260,23 @@ static void test_recompute(void) {
         c.max_inflight = 2;
         moept_layer *A, *B;
         if (!make_pair(&c, &A, &B)) return;
-        static float x[TOK * DIM], dy[TOK * DIM], y1[TOK * DIM], y2[TOK * DIM];
-        static float dxa[TOK * DIM], dxb[TOK * DIM];
-        uint8_t mask[TOK];
-        mb_data(0, 0, x, dy, mask);
+        one o;
+        one_open(&o);
         moept_forward_opts o1 = {NULL, 0, NULL, NULL, 1};
-        EXPECT_OK(moept_forward(A, x, TOK, y1));
-        EXPECT_OK(moept_forward(A, x, TOK, y2));
-        EXPECT(!memcmp(y1, y2, sizeof y1) == !jit, "jitter %d: the second forward's y %s", jit,
+        EXPECT_OK(moept_forward(A, o.x[0], TOK, o.y));
+        EXPECT_OK(moept_forward(A, o.x[0], TOK, o.y2));
+        EXPECT_OK(moept_backward(A, o.x[0], o.dy[0], o.dx));
+        one_host(&o);
+        EXPECT(!memcmp(o.h[0], o.h[1], NB) == !jit, "jitter %d: the second forward's y %s", jit,
                jit ? "drew the same noise" : "differs");
-        EXPECT_OK(moept_backward(A, x, dy, dxa));
-        if (jit) EXPECT_OK(moept_forward_ex(B, x, TOK, y1, &o1));
-        EXPECT_OK(moept_forward(B, x, TOK, y1));
-        EXPECT_OK(moept_backward(B, x, dy, dxb));
-        EXPECT(!memcmp(y1, y2, sizeof y1), "jitter %d: recomputed y differs", jit);
-        EXPECT(!memcmp(dxa, dxb, sizeof dxa), "jitter %d: recomputed dx differs", jit);
-        EXPECT(!memcmp(A->par.grads, B->par.grads, (size_t)A->par.n_params * 4),
-               "jitter %d: gradients differ", jit);
+        if (jit) EXPECT_OK(moept_forward_ex(B, o.x[0], TOK, o.y, &o1));
+        EXPECT_OK(moept_forward(B, o.x[0], TOK, o.y));
+        EXPECT_OK(moept_backward(B, o.x[0], o.dy[0], o.dx2));
+        one_host(&o);
+        EXPECT(!memcmp(o.h[0], o.h[1], NB), "jitter %d: recomputed y differs", jit);
+        EXPECT(!memcmp(o.h[2], o.h[3], NB), "jitter %d: recomputed dx differs", jit);
+        EXPECT(same_grads(A, B), "jitter %d: gradients differ", jit);
+        one_close(&o);
         moept_destroy(A);
         moept_destroy(B);
     }
@@ -213,13 +291,13 @@ static void test_routing_reads(void) {
     c.max_inflight = 2;
     moept_layer *A, *B;
     if (!make_pair(&c, &A, &B)) return;
-    static float x[2][TOK * DIM], dy[2][TOK * DIM], y[TOK * DIM], dx[TOK * DIM];
-    uint8_t mask[TOK];
-    mb_data(0, 0, x[0], dy[0], mask);
-    mb_data(0, 1, x[1], dy[1], mask);
+    one o;
+    one_open(&o);
+    void **x = o.x, **dy = o.dy, *y = o.y, *dx = o.dx;
     int32_t ids1[TOK * 2];
+    float dwb[TOK * 2];
     const int32_t *ids;
-    const float *dw, *dwb;
+    const float *dw;
     moept_forward_opts o1 = {NULL, 0, NULL, NULL, 1};
     moept_backward_opts b1 = moept_backward_default();
     b1.slot = 1;
@@ -234,23 +312,24 @@ static void test_routing_reads(void) {
     moept_get_stats(A, &s, NULL);
     EXPECT(!memcmp(ids, ids1, sizeof ids1) && s.aux_loss == s1.aux_loss,
            "after slot 0's backward the routing or stats are not the last forward's");
-    EXPECT(moept_routing_grads(A, &dw) == MOEPT_ERR_STATE,
-           "routing_grads before the last forward's backward");
-    EXPECT_OK(moept_backward_ex(A, x[1], dy[1], dx, &b1));
-    EXPECT_OK(moept_routing_grads(A, &dw));
+    EXPECT(moept_routing_grads(A, &dw) == MOEPT_ERR_STATE, "routing_grads before the last forward's backward");
     EXPECT_OK(moept_forward(B, x[0], TOK, y));
     EXPECT_OK(moept_backward(B, x[0], dy[0], dx));
     EXPECT_OK(moept_forward(B, x[1], TOK, y));
     EXPECT_OK(moept_backward(B, x[1], dy[1], dx));
-    EXPECT_OK(moept_routing_grads(B, &dwb));
-    EXPECT(dw && dwb && !memcmp(dw, dwb, TOK * 2 * sizeof(float)), "routing_grads differ from sequential");
+    if (moept_routing_grads(B, &dw) == MOEPT_OK) memcpy(dwb, dw, sizeof dwb);
+    else EXPECT(0, "routing_grads of B: %s", moept_last_error(B));
+    EXPECT_OK(moept_backward_ex(A, x[1], dy[1], dx, &b1));
+    EXPECT_OK(moept_routing_grads(A, &dw));
+    EXPECT(dw && !memcmp(dw, dwb, sizeof dwb), "routing_grads differ from sequential");
     /* the last forward's backward first, then the other's: still the last forward's */
     EXPECT_OK(moept_forward(A, x[0], TOK, y));
     EXPECT_OK(moept_forward_ex(A, x[1], TOK, y, &o1));
     EXPECT_OK(moept_backward_ex(A, x[1], dy[1], dx, &b1));
     EXPECT_OK(moept_backward(A, x[0], dy[0], dx));
     EXPECT_OK(moept_routing_grads(A, &dw));
-    EXPECT(dw && !memcmp(dw, dwb, TOK * 2 * sizeof(float)), "routing_grads after B1 B0 are not B1's");
+    EXPECT(dw && !memcmp(dw, dwb, sizeof dwb), "routing_grads after B1 B0 are not B1's");
+    one_close(&o);
     moept_destroy(A);
     moept_destroy(B);
 }
@@ -265,35 +344,22 @@ typedef struct nj {
     moept_thread_group *g;
     int r;
     moept_status st[7];
-    char err[7][MOEPT__ERRLEN];
+    char err[7][512];
     int same;
 } nj;
 
-static moept_status nj_fwd(moept_layer *L, const float *x, float *y, int slot) {
+static moept_status nj_fwd(moept_layer *L, void *x, void *y, int slot) {
     moept_forward_opts o = {NULL, 0, NULL, NULL, slot};
     return moept_forward_ex(L, x, 6, y, &o);
 }
-static moept_status nj_bwd(moept_layer *L, const float *x, const float *dy, float *dx, int slot) {
+static moept_status nj_bwd(moept_layer *L, void *x, void *dy, void *dx, int slot) {
     moept_backward_opts o = moept_backward_default();
     o.slot = slot;
     return moept_backward_ex(L, x, dy, dx, &o);
 }
 
-static void *wrong_main(void *arg) {
-    nj *j = arg;
-    sj base;
-    memset(&base, 0, sizeof base);
-    base.cfg = slot_cfg(0);
-    base.cfg.router_jitter = 0.0f;
-    base.P = 2; base.g = j->g; base.r = j->r;
-    moept_comm *c;
-    moept_layer *L = slot_layer(&base, &c, 2), *K = NULL;
-    if (!L) { j->st[0] = MOEPT_ERR_STATE; return NULL; }
-    float x0[TOK * DIM], x1[TOK * DIM], dy[TOK * DIM], y[TOK * DIM];
-    float dx[TOK * DIM] = {0}, dxk[TOK * DIM] = {0}; /* rows past the 6 tokens: compared, never written */
-    uint8_t mask[TOK];
-    mb_data(j->r, 0, x0, dy, mask);
-    mb_data(j->r, 1, x1, dy, mask);
+/* the wrong calls and the good ones between them; status i into st[i] */
+static void wrong_calls(nj *j, moept_layer *L, void *x0, void *x1, void *dy, void *y, void *dx) {
     const int r = j->r;
     j->st[0] = nj_bwd(L, x0, dy, dx, 1);             /* nothing saved in slot 1 */
     j->st[1] = nj_fwd(L, x0, y, r);                  /* slots 0 and 1 */
@@ -306,22 +372,44 @@ static void *wrong_main(void *arg) {
     j->st[5] = nj_bwd(L, x1, dy, dx, 1);             /* differentiated already */
     if (!ok) ok = nj_bwd(L, x0, dy, dx, 0);
     j->st[6] = ok;
-    for (int i = 0; i < 6; i++) snprintf(j->err[i], MOEPT__ERRLEN, "%s", moept_last_error(L));
-    /* the clean run of the good calls, a layer on the same comm */
-    moept_config kc = base.cfg;
-    kc.max_inflight = 2;
-    if (moept_create_parallel(&kc, c, NULL, &K)) { j->st[6] = MOEPT_ERR_STATE; return NULL; }
-    moept_init_params(K, 7);
-    nj_fwd(K, x0, y, 0); nj_fwd(K, x1, y, 1); nj_bwd(K, x1, dy, dxk, 1); nj_bwd(K, x0, dy, dxk, 0);
-    j->same = !memcmp(dx, dxk, sizeof dx) && !memcmp(L->par.grads, K->par.grads, (size_t)L->par.n_params * 4);
+    for (int i = 0; i < 6; i++) snprintf(j->err[i], sizeof j->err[i], "%s", moept_last_error(L));
+}
+
+static void *wrong_main(void *arg) {
+    nj *j = arg;
+    moept_config cfg = slot_cfg(0);
+    cfg.router_jitter = 0.0f;
+    tu_ep e;
+    moept_comm *c = tu_ep_open(&e, j->g, 2, j->r);
+    moept_layer *L = slot_layer(&cfg, c, 2, 0), *K = slot_layer(&cfg, c, 2, 0);
+    if (!L || !K) {
+        j->st[6] = MOEPT_ERR_STATE;
+    } else {
+        float x[TOK * DIM], dy[TOK * DIM], dxh[2][TOK * DIM];
+        uint8_t mask[TOK];
+        mb_data(j->r, 1, x, dy, mask);
+        void *x1 = tu_dev(x, NB);
+        mb_data(j->r, 0, x, dy, mask);
+        void *x0 = tu_dev(x, NB), *dyd = tu_dev(dy, NB), *y = tu_dev(NULL, NB);
+        void *dx = tu_dev(NULL, NB), *dxk = tu_dev(NULL, NB); /* rows past the 6 tokens: compared, never written */
+        wrong_calls(j, L, x0, x1, dyd, y, dx);
+        /* the clean run of the good calls, a layer on the same comm */
+        nj_fwd(K, x0, y, 0); nj_fwd(K, x1, y, 1); nj_bwd(K, x1, dyd, dxk, 1); nj_bwd(K, x0, dyd, dxk, 0);
+        tu_to_host(dxh[0], dx, NB);
+        tu_to_host(dxh[1], dxk, NB);
+        j->same = !memcmp(dxh[0], dxh[1], NB) && same_grads(L, K);
+        void *d[6] = {x0, x1, dyd, y, dx, dxk};
+        for (int i = 0; i < 6; i++) tu_dev_free(d[i]);
+    }
     moept_destroy(L);
     moept_destroy(K);
-    moept_comm_destroy(c);
+    tu_ep_close(&e);
     return NULL;
 }
 
 static void test_wrong_slots(void) {
     nj js[2];
+    tu_new_world();
     tu_ranks(2, 20000, wrong_main, js, sizeof js[0]);
     const char *what[6] = {"empty slot", "slots differ (forward)", "out of range (forward)",
                            "slots differ (backward)", "out of range (backward)", "second backward"};
@@ -330,69 +418,113 @@ static void test_wrong_slots(void) {
                                 r ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_STATE, MOEPT_ERR_INVALID_ARGUMENT,
                                 r ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_STATE, MOEPT_ERR_STATE};
         for (int i = 0; i < 6; i++)
-            EXPECT(js[r].st[i] == want[i], "rank %d, %s: status %d, want %d", r, what[i], js[r].st[i],
-                   want[i]);
+            EXPECT(js[r].st[i] == want[i], "rank %d, %s: status %d, want %d (%s)", r, what[i], js[r].st[i],
+                   want[i], js[r].err[i]);
         EXPECT(js[r].st[6] == MOEPT_OK, "rank %d: the good calls after the wrong ones failed", r);
         EXPECT(js[r].same, "rank %d: the wrong calls changed dx or the gradients", r);
     }
 }
 
-/* Each slot used holds as much workspace as the layer at create (one rank:
-   the receive rows never grow): moept_stats.workspace_bytes counts them, and
-   a training layer's evaluation forward uses one more; the config's range */
+/* the workspace the layer counts: host (CPU layers) or device (CUDA layers,
+   checked against the emulated device's own count of what it holds) */
+#ifdef MOEPT_EMU
+#include "emu/emu.h"
+#endif
+static int64_t workspace(const moept_layer *L) {
+    moept_stats s;
+    moept_get_stats(L, &s, NULL);
+#ifdef MOEPT_EMU
+    static const moept_layer *last;
+    static long long held0, w0;
+    if (L != last) { last = L; held0 = moept_emu_device_bytes(0); w0 = s.device_workspace_bytes; }
+    EXPECT(moept_emu_device_bytes(0) - held0 == s.device_workspace_bytes - w0, "the device holds %lld bytes "
+           "more, device_workspace_bytes says %lld", moept_emu_device_bytes(0) - held0,
+           (long long)(s.device_workspace_bytes - w0));
+#endif
+    return TU_GPU ? s.device_workspace_bytes : s.workspace_bytes;
+}
+
+/* Each slot used adds one slot's memory (one rank: the receive rows never
+   grow), counted in moept_stats.workspace_bytes, and a training layer's
+   evaluation forward, where it needs its own slot, one more: a CPU layer's
+   slot is the workspace the layer holds at create; a CUDA layer's is its
+   forward state only (less than the create's). The config's range. */
 static void test_slot_memory(void) {
     moept_config c = slot_cfg(1);
     c.max_inflight = 4;
-    moept_layer *L;
-    if (moept_create(&c, &L)) { EXPECT(0, "create: %s", moept_last_error(NULL)); return; }
-    moept_init_params(L, 3);
-    moept_stats s0, s;
-    moept_get_stats(L, &s0, NULL);
-    static float x[TOK * DIM], dy[TOK * DIM], y[TOK * DIM];
-    uint8_t mask[TOK];
-    mb_data(0, 0, x, dy, mask);
+    c.overlap_chunks = 0;
+    moept_layer *L = slot_layer(&c, NULL, 4, 0);
+    if (!L) { EXPECT(0, "create: %s", moept_last_error(NULL)); return; }
+    one o;
+    one_open(&o);
+    uint8_t mh[TOK];
+    memset(mh, 1, sizeof mh);
+    mh[3] = 0;
+    void *mask = tu_dev(mh, TOK);
+    const int64_t wc = workspace(L);
+    int64_t unit = wc, base = 0; /* k slots used: base + k unit (a CUDA layer: measured at k = 2) */
     for (int k = 0; k < 4; k++) {
-        moept_forward_opts o = {mask, 0, NULL, NULL, k};
-        EXPECT_OK(moept_forward_ex(L, x, TOK, y, &o));
-        moept_get_stats(L, &s, NULL);
-        EXPECT(s.workspace_bytes == (k + 1) * s0.workspace_bytes, "%d slots: workspace %lld, want %d x %lld",
-               k + 1, (long long)s.workspace_bytes, k + 1, (long long)s0.workspace_bytes);
+        moept_forward_opts f = {mask, 0, NULL, NULL, k};
+        EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y, &f));
+        const int64_t w = workspace(L);
+        if (TU_GPU && k == 0) base = w - unit; /* (a CUDA layer's first masked forward adds the mask's room) */
+        if (TU_GPU && k == 1) {
+            unit = w - (base + unit);
+            base = w - 2 * unit;
+            EXPECT(unit > 0 && unit < wc, "a CUDA layer's slot: %lld bytes of %lld", (long long)unit,
+                   (long long)wc);
+        }
+        EXPECT(w == base + (k + 1) * unit, "%d slots: workspace %lld, want %lld", k + 1, (long long)w,
+               (long long)(base + (k + 1) * unit));
     }
     moept_forward_opts eo = {NULL, 1, NULL, NULL, 0};
-    EXPECT_OK(moept_forward_ex(L, x, TOK, y, &eo));
-    moept_get_stats(L, &s, NULL);
-    EXPECT(s.workspace_bytes == 5 * s0.workspace_bytes, "evaluation: workspace %lld, want 5 x %lld",
-           (long long)s.workspace_bytes, (long long)s0.workspace_bytes);
+    EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y, &eo));
+    EXPECT(workspace(L) == base + 5 * unit, "evaluation: workspace %lld, want %lld", (long long)workspace(L),
+           (long long)(base + 5 * unit));
     moept_destroy(L);
-    c.max_inflight = 0; /* one slot, as before: the same workspace */
-    if (!moept_create(&c, &L)) {
-        moept_get_stats(L, &s, NULL);
-        EXPECT(s.workspace_bytes == s0.workspace_bytes, "max_inflight 0: workspace %lld",
-               (long long)s.workspace_bytes);
-        moept_forward_opts o = {NULL, 0, NULL, NULL, 1};
-        EXPECT(moept_forward_ex(L, x, TOK, y, &o) == MOEPT_ERR_INVALID_ARGUMENT, "slot 1 of one: accepted");
+    /* one slot, as before: the same workspace */
+    if ((L = slot_layer(&c, NULL, 0, 0))) {
+        EXPECT(workspace(L) == wc, "max_inflight 0: workspace %lld", (long long)workspace(L));
+        moept_forward_opts f = {NULL, 0, NULL, NULL, 1};
+        EXPECT(moept_forward_ex(L, o.x[0], TOK, o.y, &f) == MOEPT_ERR_INVALID_ARGUMENT, "slot 1 of one: accepted");
         /* a training loop's evaluation, its forward differentiated, evaluates in the training slot;
-           one between a forward and its backward takes a second workspace */
-        static float dx[TOK * DIM];
-        EXPECT_OK(moept_forward(L, x, TOK, y));
-        EXPECT_OK(moept_backward(L, x, dy, dx));
-        EXPECT_OK(moept_forward_ex(L, x, TOK, y, &eo));
-        moept_get_stats(L, &s, NULL);
-        EXPECT(s.workspace_bytes == s0.workspace_bytes, "an evaluation after the backward: workspace %lld",
-               (long long)s.workspace_bytes);
-        EXPECT_OK(moept_forward(L, x, TOK, y));
-        EXPECT_OK(moept_forward_ex(L, x, TOK, y, &eo));
-        moept_get_stats(L, &s, NULL);
-        EXPECT(s.workspace_bytes == 2 * s0.workspace_bytes,
-               "an evaluation before the backward: workspace %lld", (long long)s.workspace_bytes);
-        EXPECT_OK(moept_backward(L, x, dy, dx));
+           one between a forward and its backward takes a second slot */
+        EXPECT_OK(moept_forward(L, o.x[0], TOK, o.y));
+        EXPECT_OK(moept_backward(L, o.x[0], o.dy[0], o.dx));
+        EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y, &eo));
+        EXPECT(workspace(L) == wc, "an evaluation after the backward: workspace %lld", (long long)workspace(L));
+        EXPECT_OK(moept_forward(L, o.x[0], TOK, o.y));
+        EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y, &eo));
+        EXPECT(workspace(L) == wc + unit, "an evaluation before the backward: workspace %lld",
+               (long long)workspace(L));
+        EXPECT_OK(moept_backward(L, o.x[0], o.dy[0], o.dx));
         moept_destroy(L);
     }
     for (int bad = 0; bad < 2; bad++) {
         c.max_inflight = bad ? MOEPT_MAX_INFLIGHT + 1 : -1;
-        EXPECT(moept_create(&c, &L) == MOEPT_ERR_INVALID_ARGUMENT, "max_inflight %lld accepted",
+        EXPECT(tu_layer(&c, NULL, 0, &L) == MOEPT_ERR_INVALID_ARGUMENT, "max_inflight %lld accepted",
                (long long)c.max_inflight);
     }
+    tu_dev_free(mask);
+    one_close(&o);
+}
+
+/* An inference layer's forward is an evaluation: it reads no opts.slot */
+static void test_inference_slot(void) {
+    moept_config c = slot_cfg(0);
+    c.inference_only = 1;
+    c.router_jitter = 0.0f;
+    moept_layer *L = slot_layer(&c, NULL, 0, 0);
+    if (!L) { EXPECT(0, "create: %s", moept_last_error(NULL)); return; }
+    one o;
+    one_open(&o);
+    moept_forward_opts f = {NULL, 0, NULL, NULL, 5};
+    EXPECT_OK(moept_forward(L, o.x[0], TOK, o.y));
+    EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y2, &f));
+    one_host(&o);
+    EXPECT(!memcmp(o.h[0], o.h[1], NB), "opts.slot 5 changed an inference layer's y");
+    one_close(&o);
+    moept_destroy(L);
 }
 
 int main(void) {
@@ -401,5 +533,6 @@ int main(void) {
     RUN(test_routing_reads);
     RUN(test_wrong_slots);
     RUN(test_slot_memory);
+    RUN(test_inference_slot);
     return tu_done();
 }
