@@ -193,6 +193,9 @@ $(B)/moept_check_cuda: tests/moept_check.c $(CUDA_OBJS)
 $(B)/test_cuda: tests/test_cuda.c tests/testutil.h $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
+$(B)/test_slots_cuda: tests/test_slots.c tests/testutil.h $(CUDA_OBJS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
 $(B)/train_cuda: examples/train.c $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 

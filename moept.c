@@ -4036,7 +4036,9 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
    state, the host copies, create)
    ------------------------------------------------------------------------ */
 static moept_status moept__cpu_forward(moept_layer *L, moept__fstep *f) {
+    const int was = L->active;
     moept_status st = moept__forward(L, f);
+    if (st) (void)moept__use_slot(L, was, "moept_forward"); /* the last forward's slot (made: no failure) */
     moept__load_note();
     return st;
 }

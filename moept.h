@@ -265,7 +265,7 @@
      backward treats u as a constant, as PyTorch does with its noise tensor.
      A CUDA layer draws the CPU layer's noise, bitwise (one generator).
 
-   FORWARD SLOTS (config.max_inflight, opts.slot; CPU layers)
+   FORWARD SLOTS (config.max_inflight, opts.slot; both executors)
      Several training forwards of one layer in flight, each differentiated
      later, in any order: activation recomputation, pipeline schedules with
      several micro-batches in flight (1F1B), an evaluation in between. A
@@ -279,8 +279,10 @@
      slot with no forward, or one already differentiated, returns
      MOEPT_ERR_STATE. A slot outside 0..max_inflight-1 returns
      MOEPT_ERR_INVALID_ARGUMENT; under EP every rank must name the same slot
-     (agreed with the call, as its other arguments): a difference fails
-     every rank and changes nothing. Any order gives what forward, backward
+     (agreed with the call, as its other arguments; so must opts.eval): a
+     difference fails every rank and changes nothing (a CUDA layer's
+     unchecked_backward and sync-free backwards agree nothing: the slot is
+     the caller's to keep alike, as their other arguments). Any order gives what forward, backward
      in sequence gives, bitwise (y, dx, every gradient): the router jitter
      is keyed by the count of training forwards, not by their slots (a
      recomputed forward is a new training forward and draws new noise: the
@@ -293,20 +295,25 @@
      training slot, adding no memory. Switching slots moves no data (the
      layer swaps its pointers to the slot's buffers).
      Memory: each slot used, and a training layer's first evaluation in its
-     own workspace, add the workspace a new layer holds (moept_stats.workspace_bytes at
-     create, less fsdp's gathered experts: the routing, plan, exchange
-     layout and activations, and copies of the layer's scratch, e.g. the
-     builtin GEMM's packing buffers, which stay unused),
-     allocated at the slot's first forward (out of memory: that forward
+     own workspace, add one slot's: a CPU layer's, the workspace a new layer
+     holds (moept_stats.workspace_bytes at create, less fsdp's gathered
+     experts: the routing, plan, exchange layout and activations, and
+     copies of the layer's scratch, e.g. the builtin GEMM's packing
+     buffers, which stay unused); a CUDA layer's, its forward state only on
+     the device (the routing, plan, send rows, the shared expert's
+     activations and the receive rows: docs/CUDA.md, "Memory"), less than
+     the create's device_workspace_bytes (no scratch, no cuBLAS workspace).
+     Allocated at the slot's first forward (out of memory: that forward
      fails on every rank, nothing changed); its receive rows grow with a
-     step's rows as slot 0's do. workspace_bytes counts every slot's.
+     step's rows as slot 0's do. workspace_bytes (CPU) and
+     device_workspace_bytes (CUDA) count every slot's.
      Parameters, gradients and AdamW state are the layer's, shared by the
      slots. moept_routing, moept_get_stats and moept_update_bias read the
      last forward call's (an evaluation's included), whatever backwards ran
      since; moept_routing_grads the backward of that forward, once it ran;
-     moept_reshard drops every slot's forward. The CUDA executor keeps one
-     (max_inflight > 1 is refused at create, MOEPT_ERR_UNSUPPORTED) and an
-     evaluation replaces its saved forward (the backward then refuses).
+     moept_reshard drops every slot's forward. Both executors run the same
+     rules, and a CUDA layer's slots equal the sequential run bitwise as the
+     CPU layer's do (tests/test_slots.c, built for both).
 
    ROUTING REPLAY (opts.replay_ids of moept_forward_ex; both executors)
      Reinforcement learning on MoE models trains on the experts the rollout
@@ -534,8 +541,7 @@ typedef struct moept_config {
                                          until moept_zero_grad (see NUMERICS). CPU
                                          layers */
     int64_t max_inflight;             /* training forwards saved at once (FORWARD SLOTS):
-                                         0 or 1: one (slot 0), up to MOEPT_MAX_INFLIGHT.
-                                         CPU layers */
+                                         0 or 1: one (slot 0), up to MOEPT_MAX_INFLIGHT */
 } moept_config;
 
 /* ---- communication -------------------------------------------------

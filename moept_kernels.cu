@@ -937,6 +937,20 @@ __global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, co
 }
 
 /* sg[t] = sigmoid(sg[t]) (the shared-expert gate) */
+/* The grouped GEMM's pointer arrays, carried by value in the launch's
+   parameters (copied at the launch: no host buffer outlives the call, so
+   nothing orders the host's next write after this copy; a captured graph
+   keeps the values): groups' A, B and C pointers, n of each (n <= 40:
+   120 pointers, under the 4 KB kernel parameter limit, CUDA C++
+   Programming Guide, "Function Parameters"), into dst's A, B and C arrays
+   (G apart). */
+#define MOEPT__NPTR 40
+typedef struct moept__ptrs { const void *p[3 * MOEPT__NPTR]; } moept__ptrs;
+__global__ void moept__k_ptrs(moept__ptrs v, int n, int64_t G, const void **dst) {
+    int i = threadIdx.x;
+    if (i < 3 * n) dst[i / n * G + i % n] = v.p[i];
+}
+
 __global__ void moept__k_sigmoid(float *v, int64_t n) {
     MOEPT__FOR(i, n) v[i] = moept__sigmoid(v[i]);
 }
@@ -1438,7 +1452,6 @@ struct moept__cuda {
                                    [C][E] | global balance over EP: the loss statistics [3E + 5] |
                                    unmasked tokens */
     int64_t moff;               /* where the loss statistics start in it */
-    int nslot;                  /* grouped-GEMM pointer slots per pass (forward, then backward) */
 
     /* device: parameters */
     float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg (16-byte aligned);
@@ -1498,7 +1511,8 @@ struct moept__cuda {
     float *dwts;                /* slot: [Tmax][K] (an inference layer: none, nor dlogits) */
     float *dlogits;             /* [Tmax][E] */
     float *aux_g;               /* slot: [E] */
-    const void **d_ptrs;        /* [2 nslot][3G] grouped-GEMM pointer arrays */
+    const void **d_ptrs;        /* [3G] the grouped GEMM's pointer arrays (moept__k_ptrs writes them
+                                   in stream order, after the last GEMM that read them) */
 
     /* device, slot: the receive block (grows geometrically, never shrinks) */
     void *rblock;
@@ -1518,7 +1532,6 @@ struct moept__cuda {
     unsigned long long *h_bad;  /* [8] */
     double *h_gpart;            /* [MOEPT__NPART][2] */
     float *h_aux_g;             /* [E] */
-    const void **h_ptrs;        /* [2 nslot][3G] */
 
     /* host */
     void *hblock, *fhost;       /* the host plan arrays' block; slot: its own (moept__slot_host_layout) */
@@ -1543,7 +1556,6 @@ struct moept__cuda {
                                    made at the first masked forward (S > 0), again by its backward */
     int64_t T, N, R;            /* slot */
     double loss_T;              /* slot: tokens the committed step's losses average over */
-    int ptr_slot;
     int64_t allocations, allocated_bytes, fixed_bytes, rblock_bytes, growths;
 };
 
@@ -1613,7 +1625,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     const size_t train = !p->inference;
     c->dsg = (float *)moept__take(cv, train * (size_t)T * f);
     c->dlogits = (float *)moept__take(cv, train * (size_t)(T * E) * f);
-    c->d_ptrs = (const void **)moept__take(cv, (size_t)(2 * c->nslot * 3 * c->G) * sizeof(void *));
+    c->d_ptrs = (const void **)moept__take(cv, (size_t)(3 * c->G) * sizeof(void *));
 }
 
 /* A forward slot's device block: the routing (double-buffered), the plan,
@@ -1944,7 +1956,7 @@ static int64_t moept__npad(const moept__cuda *c) { return (c->sp.n_params + 63) 
 
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
-    const int64_t E = p->E, P = p->P, G = c->G, C = c->C;
+    const int64_t E = p->E, P = p->P, C = c->C;
     c->s = (cudaStream_t)p->stream;
     c->cs = c->s;
     if (p->ep) c->cs = ((moept__nccl *)p->ep->ctx)->stream;
@@ -1985,7 +1997,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     if (!c->shadow) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     /* pinned host block */
     size_t hb = (size_t)(P * c->M) * 8 + (size_t)MOEPT__NLSTAT(E) * 8 + 8 * 8 + (size_t)MOEPT__NPART * 2 * 8 +
-                (size_t)E * 4 + (size_t)(2 * c->nslot * 3 * G) * sizeof(void *) + 7 * 64;
+                (size_t)E * 4 + 6 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
     moept__carve hv = {(char *)c->pinned, 0};
     c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * c->M) * 8);
@@ -1993,7 +2005,6 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->h_bad = (unsigned long long *)moept__take(&hv, 8 * 8);
     c->h_gpart = (double *)moept__take(&hv, (size_t)MOEPT__NPART * 2 * 8);
     c->h_aux_g = (float *)moept__take(&hv, (size_t)E * 4);
-    c->h_ptrs = (const void **)moept__take(&hv, (size_t)(2 * c->nslot * 3 * G) * sizeof(void *));
     /* the host plan arrays: one block, measured, then carved */
     moept__carve kv = {NULL, 0};
     moept__host_layout(c, &kv);
@@ -2046,10 +2057,6 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     /* global balance: the statistics travel with the counts and are summed
        in rank order, so no second collective can meet another call's */
     c->M = c->moff + (spec->global_balance && spec->ep ? MOEPT__NLSTAT(spec->E) : 0) + 1;
-    /* every grouped GEMM of a pass has its own slot (the host rewrites a slot
-       only after the next pass's host sync): forward 2 a chunk, backward 2 a
-       chunk + 2 weight-gradient ones (unchunked: 2 and 4) */
-    c->nslot = (int)(2 * c->C + 2);
     c->T = -1;
     c->wlow_stale = 1;
     moept_status st = moept__create(c, err);
@@ -2257,10 +2264,8 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
 #if CUBLAS_VERSION >= 120500
     if (n > 1 && (form == MOEPT_GEMM_AUTO || form == MOEPT_GEMM_GROUPED) && moept__grouped_ok(g, n, ta, tc)) {
         const int64_t G = c->G;
-        int slot = c->ptr_slot, lo = slot >= c->nslot ? c->nslot : 0;
-        c->ptr_slot = lo + (slot - lo + 1) % c->nslot; /* stays in its pass's half */
-        const void **hp = c->h_ptrs + (int64_t)slot * 3 * G;
-        const void **dp = c->d_ptrs + (int64_t)slot * 3 * G;
+        const void **dp = c->d_ptrs;
+        moept__ptrs pv; /* MOEPT__NPTR groups' pointers a launch */
         int64_t *m = c->garr, *nn = m + G, *k = nn + G, *lda = k + G, *ldb = lda + G, *ldc = ldb + G;
         int64_t *gs = ldc + G;
         cublasOperation_t *oa = c->gops, *ob = oa + G;
@@ -2272,9 +2277,16 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
             m[i] = cm.m; nn[i] = cm.n; k[i] = cm.k;
             lda[i] = cm.lda; ldb[i] = cm.ldb; ldc[i] = cm.ldc; gs[i] = 1;
             al[i] = cm.alpha; be[i] = cm.beta;
-            hp[i] = cm.a; hp[G + i] = cm.b; hp[2 * G + i] = cm.c;
         }
-        MOEPT__CU(cudaMemcpyAsync(dp, hp, (size_t)(3 * G) * sizeof(void *), cudaMemcpyHostToDevice, c->s));
+        for (int64_t i0 = 0; i0 < n; i0 += MOEPT__NPTR) {
+            const int nc = (int)(n - i0 < MOEPT__NPTR ? n - i0 : MOEPT__NPTR);
+            for (int i = 0; i < nc; i++) {
+                moept__gemm_cm cm = moept__gemm_colmajor(&g[i0 + i]);
+                pv.p[i] = cm.a; pv.p[nc + i] = cm.b; pv.p[2 * nc + i] = cm.c;
+            }
+            MOEPT__LAUNCH(moept__k_ptrs, 1, 3 * MOEPT__NPTR, 0, c->s)(pv, nc, G, dp + i0);
+            MOEPT__LAUNCHED();
+        }
         cublasStatus_t r = cublasGemmGroupedBatchedEx_64(
             c->blas, oa, ob, m, nn, k, al, dp, ta, lda, dp + G, ta, ldb, be, (void *const *)(dp + 2 * G), tc,
             ldc, n, gs, CUBLAS_COMPUTE_32F);
@@ -2595,7 +2607,6 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = f->T;
     const int nb = f->nb;
-    c->ptr_slot = 0;
     MOEPT__PRE(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
     if (c->wlow && c->wlow_stale) { /* the bf16 weights, once after the fp32 masters changed */
         MOEPT__STAGE("weights");
@@ -3429,7 +3440,6 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
     const T *x = (const T *)xv, *dy = (const T *)dyv;
     MOEPT__STAGE("bwd.agree");
     MOEPT__TRY(moept__bwd_agree<T>(c, x, dy, dxv, out->tag, out, err));
-    c->ptr_slot = c->nslot;
     c->bwd_done = 1; /* from here on the saved rows change */
     const float *xf = c->wlow ? c->xf : (const float *)xv;
     MOEPT__STAGE("bwd.combine");

@@ -82,6 +82,7 @@ check() {
             tests/cases/$c.safetensors
     done
     step "test_cuda" build/test_cuda
+    step "test_slots_cuda: forward slots (EP 1; EP 2 and 4 where the GPUs are)" build/test_slots_cuda
     step "test_fault: a kernel fault loses the context, moept says so" build/test_fault
     step "curve fp32 vs CPU" sh tests/curves.sh fp32 build/train_cuda
     step "curve bf16 vs CPU" sh tests/curves.sh bf16 build/train_cuda
