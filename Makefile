@@ -71,7 +71,7 @@ $(B)/moept_check: tests/moept_check.c $(B)/moept.o
 # translation unit; a test of the public API links the build's moept.o.
 linked = $(if $(shell grep -l '^.include "\.\./moept\.c"' $(1)),,$(2))
 
-$(B)/test_%: tests/test_%.c $(B)/moept.o $(HDRS) tests/testutil.h
+$(B)/test_%: tests/test_%.c $(B)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.h
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< $(call linked,$<,$(B)/moept.o) -o $@ $(LDLIBS)
 
 # every allocation through MOEPT_MALLOC/MOEPT_FREE: test_alloc poisons malloc, free & co., so a direct
@@ -93,7 +93,7 @@ $(B)/$(1)/moept.o: moept.c $(HDRS)
 $(B)/$(1)/moept_check: tests/moept_check.c $(B)/$(1)/moept.o
 	$(2) $(3) $(WARN) $$< $(B)/$(1)/moept.o -o $$@ $(LDLIBS) $(4)
 
-$(B)/$(1)/test_%: tests/test_%.c $(B)/$(1)/moept.o $(HDRS) tests/testutil.h
+$(B)/$(1)/test_%: tests/test_%.c $(B)/$(1)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.h
 	$(2) $(3) $(WARN) -D_DEFAULT_SOURCE $$< $$(call linked,$$<,$(B)/$(1)/moept.o) -o $$@ $(LDLIBS) $(4)
 endef
 $(eval $(call variant,san,$(CC),-O1 -g $(OMP) $(SAN)))
@@ -193,7 +193,7 @@ $(B)/moept_check_cuda: tests/moept_check.c $(CUDA_OBJS)
 $(B)/test_cuda: tests/test_cuda.c tests/testutil.h $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
-$(B)/test_slots_cuda: tests/test_slots.c tests/testutil.h $(CUDA_OBJS)
+$(B)/test_slots_cuda: tests/test_slots.c tests/testutil.h tests/tu_exec.h $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/train_cuda: examples/train.c $(CUDA_OBJS)
@@ -381,7 +381,7 @@ $(B)/emu/test_replay: tests/test_replay.c tests/testutil.h $(EMU_OBJS)
 $(B)/emu/test_router_io: tests/test_router_io.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
-$(B)/emu/test_slots: tests/test_slots.c tests/testutil.h $(EMU_OBJS)
+$(B)/emu/test_slots: tests/test_slots.c tests/testutil.h tests/tu_exec.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 $(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)

@@ -16,6 +16,7 @@
 #include "../moept.c"
 #endif
 #include "testutil.h"
+#include "tu_exec.h"
 
 #define NMB 4  /* micro-batches */
 #define TOK 12 /* tokens a rank's micro-batch holds at most */
@@ -27,7 +28,7 @@ typedef struct sj {
     int r;
     moept_config cfg;
     int P, sync_free;
-    const int *order;  /* m + 1: forward of micro-batch m; -(m + 1): its backward */
+    const int *order;  /* m + 1: forward of micro-batch m; -(m + 1): its backward; 0 ends it */
     int nslots;        /* 0: every micro-batch in slot 0 (the plain calls); else slot m % nslots */
     int eval;          /* an evaluation forward after each training forward */
     int direct, C;     /* the CPU layer's exchange: the shared-memory path; chunks */
@@ -38,9 +39,11 @@ typedef struct sj {
     int64_t n;
 } sj;
 
-static const int seq_order[2 * NMB] = {1, -1, 2, -2, 3, -3, 4, -4};
-static const int f1b1_order[2 * NMB] = {1, 2, -1, 3, -2, 4, -3, -4};
-static const int gpipe_order[2 * NMB] = {1, 2, 3, 4, -1, -2, -3, -4};
+static const int seq_order[] = {1, -1, 2, -2, 3, -3, 4, -4, 0};
+static const int f1b1_order[] = {1, 2, -1, 3, -2, 4, -3, -4, 0};
+static const int gpipe_order[] = {1, 2, 3, 4, -1, -2, -3, -4, 0};
+/* 1F1B, each forward again before its backward */
+static const int recompute_order[] = {1, 2, 1, -1, 3, 2, -2, 4, 3, -3, 4, -4, 0};
 
 static int64_t tokens_of(int r) { return TOK - 2 * r; } /* ranks hold different counts */
 
@@ -91,7 +94,7 @@ static float *grads_of(moept_layer *L, int64_t *n) {
 static void order_calls(sj *j, moept_layer *L, const mbs *b, void *ye) {
     const int64_t T = tokens_of(j->r);
     const int masked = j->cfg.shared_intermediate_size > 0;
-    for (int i = 0; i < 2 * NMB && !j->st; i++) {
+    for (int i = 0; j->order[i] && !j->st; i++) {
         int m = (j->order[i] > 0 ? j->order[i] : -j->order[i]) - 1, slot = j->nslots ? m % j->nslots : 0;
         if (j->order[i] > 0) {
             moept_forward_opts o = {masked ? b->mask[m] : NULL, 0, NULL, NULL, slot};
@@ -192,8 +195,10 @@ static void sj_free(sj *a, int P) {
 }
 
 /* 1F1B and all-forwards-first over 4 micro-batches, with an evaluation
-   after each forward or not, equal the sequential order bitwise (CUDA
-   layers: no fsdp, which is a CPU layer's baseline; sync-free at EP 4 too) */
+   after each forward or not, and 1F1B with each forward recomputed before
+   its backward (no jitter: a recomputed forward draws new noise, as
+   test_recompute shows) equal the sequential order bitwise (CUDA layers: no
+   fsdp, which is a CPU layer's baseline; sync-free at EP 4 too) */
 static void test_pipeline_orders(void) {
     static sj seq[4], pipe[4];
     const int Ps[2] = {1, 4};
@@ -208,11 +213,13 @@ static void test_pipeline_orders(void) {
                                             seq[0].C == (kind == 1 ? 2 : 1)),
                        "kind %d EP %d: not the exchange meant (direct %d, C %d)", kind, P, seq[0].direct,
                        seq[0].C);
-                for (int v = 0; v < 3; v++) {
-                    run_order(pipe, P, &c, v == 2 ? gpipe_order : f1b1_order, v == 0 ? 2 : 4, v == 1, sf);
+                const char *name[4] = {"1F1B", "1F1B, evaluations", "all forwards first", "1F1B, recomputed"};
+                const int *ord[4] = {f1b1_order, f1b1_order, gpipe_order, recompute_order};
+                for (int v = 0; v < 4 - (c.router_jitter > 0.0f); v++) {
+                    run_order(pipe, P, &c, ord[v], v == 0 ? 2 : v == 3 ? 3 : 4, v == 1, sf);
                     const char *d = sj_differs(pipe, seq, P);
-                    EXPECT(!d, "kind %d EP %d%s %s: differs from sequential: %s", kind, P, sf ? " sync-free" : "",
-                           v == 2 ? "all forwards first" : v ? "1F1B, evaluations" : "1F1B", d);
+                    EXPECT(!d, "kind %d EP %d%s %s: differs from sequential: %s", kind, P,
+                           sf ? " sync-free" : "", name[v], d);
                     sj_free(pipe, P);
                 }
                 sj_free(seq, P);
@@ -325,14 +332,15 @@ static void test_routing_reads(void) {
     /* a forward into slot 0 that is rejected leaves the reads at the last forward's */
     EXPECT(moept_forward(A, x[0], TOK + 1, y) == MOEPT_ERR_INVALID_ARGUMENT, "%d tokens accepted", TOK + 1);
     EXPECT_OK(moept_routing(A, &ids, NULL, NULL));
-    EXPECT(!memcmp(ids, ids1, sizeof ids1), "after a rejected forward into slot 0 the routing is not the last "
-           "forward's");
+    EXPECT(!memcmp(ids, ids1, sizeof ids1),
+           "after a rejected forward into slot 0 the routing is not the last forward's");
     EXPECT_OK(moept_backward(A, x[0], dy[0], dx));
     EXPECT_OK(moept_routing(A, &ids, NULL, NULL));
     moept_get_stats(A, &s, NULL);
     EXPECT(!memcmp(ids, ids1, sizeof ids1) && s.aux_loss == s1.aux_loss,
            "after slot 0's backward the routing or stats are not the last forward's");
-    EXPECT(moept_routing_grads(A, &dw) == MOEPT_ERR_STATE, "routing_grads before the last forward's backward");
+    EXPECT(moept_routing_grads(A, &dw) == MOEPT_ERR_STATE,
+           "routing_grads before the last forward's backward");
     EXPECT_OK(moept_forward(B, x[0], TOK, y));
     EXPECT_OK(moept_backward(B, x[0], dy[0], dx));
     EXPECT_OK(moept_forward(B, x[1], TOK, y));
@@ -411,7 +419,8 @@ static void *wrong_main(void *arg) {
         void *x1 = tu_dev(x, NB);
         mb_data(j->r, 0, x, dy, mask);
         void *x0 = tu_dev(x, NB), *dyd = tu_dev(dy, NB), *y = tu_dev(NULL, NB);
-        void *dx = tu_dev(NULL, NB), *dxk = tu_dev(NULL, NB); /* rows past the 6 tokens: compared, never written */
+        /* dx's rows past the 6 tokens: compared, never written */
+        void *dx = tu_dev(NULL, NB), *dxk = tu_dev(NULL, NB);
         wrong_calls(j, L, x0, x1, dyd, y, dx);
         /* the clean run of the good calls, a layer on the same comm */
         nj_fwd(K, x0, y, 0); nj_fwd(K, x1, y, 1); nj_bwd(K, x1, dyd, dxk, 1); nj_bwd(K, x0, dyd, dxk, 0);
@@ -488,7 +497,7 @@ static void test_slot_memory(void) {
         moept_forward_opts f = {mask, 0, NULL, NULL, k};
         EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y, &f));
         const int64_t w = workspace(L);
-        if (TU_GPU && k == 0) base = w - unit; /* (a CUDA layer's first masked forward adds the mask's room) */
+        if (TU_GPU && k == 0) base = w - unit; /* (a CUDA layer's first masked forward: the mask's room) */
         if (TU_GPU && k == 1) {
             unit = w - (base + unit);
             base = w - 2 * unit;
@@ -507,13 +516,15 @@ static void test_slot_memory(void) {
     if ((L = slot_layer(&c, NULL, 0, 0))) {
         EXPECT(workspace(L) == wc, "max_inflight 0: workspace %lld", (long long)workspace(L));
         moept_forward_opts f = {NULL, 0, NULL, NULL, 1};
-        EXPECT(moept_forward_ex(L, o.x[0], TOK, o.y, &f) == MOEPT_ERR_INVALID_ARGUMENT, "slot 1 of one: accepted");
+        EXPECT(moept_forward_ex(L, o.x[0], TOK, o.y, &f) == MOEPT_ERR_INVALID_ARGUMENT,
+               "slot 1 of one: accepted");
         /* a training loop's evaluation, its forward differentiated, evaluates in the training slot;
            one between a forward and its backward takes a second slot */
         EXPECT_OK(moept_forward(L, o.x[0], TOK, o.y));
         EXPECT_OK(moept_backward(L, o.x[0], o.dy[0], o.dx));
         EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y, &eo));
-        EXPECT(workspace(L) == wc, "an evaluation after the backward: workspace %lld", (long long)workspace(L));
+        EXPECT(workspace(L) == wc, "an evaluation after the backward: workspace %lld",
+               (long long)workspace(L));
         EXPECT_OK(moept_forward(L, o.x[0], TOK, o.y));
         EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y, &eo));
         EXPECT(workspace(L) == wc + unit, "an evaluation before the backward: workspace %lld",
