@@ -4188,6 +4188,7 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.logits_out = f->logits_out;
     st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
+    moept__cuda_sizes(X->c, &L->dev.allocations, &L->dev.allocated_bytes, &L->dev.workspace_bytes);
     /* sync-free: a rank's own rejection fails its call alone and its peers
        go on, so it counts the forward as they do: the ranks' noise keys stay alike */
     if (st && r.agreed && X->sync_free) L->fwd.jitter_micro += r.jitter;

@@ -251,7 +251,7 @@
      expert allocates max_tokens x hidden_size elements of its dtype at its
      first masked forward (the shared expert's input, padded rows zero), so
      run one before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward
-     (FORWARD SLOTS: on a CPU layer it leaves every training forward's saved state as it was).
+     (FORWARD SLOTS: it leaves every training forward's saved state as it was).
      config.router_jitter = eps: a training forward routes on x * u, u
      uniform in [1 - eps, 1 + eps] per element (as Switch Transformer and
      Megatron-Core's input jitter); the experts and the shared expert see x.
@@ -281,9 +281,11 @@
      MOEPT_ERR_INVALID_ARGUMENT; under EP every rank must name the same slot
      (agreed with the call, as its other arguments; so must opts.eval): a
      difference fails every rank and changes nothing (a CUDA layer's
-     unchecked_backward and sync-free backwards agree nothing: the slot is
-     the caller's to keep alike, as their other arguments). Any order gives what forward, backward
-     in sequence gives, bitwise (y, dx, every gradient): the router jitter
+     sync-free forward reports it at the next moept_adamw_step or
+     moept_grad_norm; its unchecked_backward and sync-free backwards agree
+     nothing: the slot is the caller's to keep alike, as their other
+     arguments). Any order gives what forward, backward in sequence gives,
+     bitwise (y, dx, every gradient): the router jitter
      is keyed by the count of training forwards, not by their slots (a
      recomputed forward is a new training forward and draws new noise: the
      backward differentiates the one made last into its slot). An
@@ -725,7 +727,10 @@ void moept_comm_destroy(moept_comm *c);
      its own thread with cudaStreamCaptureModeThreadLocal: a global-mode
      capture is process-wide, and another thread's allocation, free or
      synchronous copy during it invalidates it. The step makes no such call
-     on the capturing thread.
+     on the capturing thread, once every forward slot it uses (and a
+     training layer's evaluation slot) has run a forward: a slot's first
+     forward allocates its buffers, so under a capture it is refused
+     (MOEPT_ERR_STATE, the capture left valid) instead.
    gemm_form: how a call of several local experts' GEMMs reaches cuBLAS;
    every form gives the same results up to cuBLAS's own rounding.
      MOEPT_GEMM_AUTO (0, the default): one cublasGemmStridedBatchedEx where
@@ -944,12 +949,10 @@ typedef struct moept_forward_opts {
                             layer's is device memory, as x and y */
     int eval;            /* 1: an evaluation forward (PyTorch's model.eval() under
                             no_grad): no router jitter, and nothing is kept for a
-                            backward. A CPU layer's leaves the training forwards'
-                            slots as they were (their backward follows it, as if it
-                            had not run; moept_update_bias, which reads the last
-                            forward, refuses after it); a CUDA layer's replaces
-                            the saved forward (moept_backward and moept_update_bias
-                            refuse until the next training forward). y is the
+                            backward. It leaves the training forwards' slots as
+                            they were (their backward follows it, as if it had not
+                            run; moept_update_bias, which reads the last forward,
+                            refuses after it). Every rank passes the same. y is the
                             training forward's (bitwise, jitter off) */
     const int32_t *replay_ids; /* [tokens][K] or NULL: routing replay (ROUTING REPLAY
                             above): each token's K experts instead of the router's

@@ -987,7 +987,7 @@ __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const
    zero_grad; moept__sf_why says it) */
 enum {
     MOEPT__SF_INPUT = 1, MOEPT__SF_LOSS, MOEPT__SF_ARGS, MOEPT__SF_PEER, MOEPT__SF_CALLS, MOEPT__SF_Y,
-    MOEPT__SF_DY, MOEPT__SF_REPLAY
+    MOEPT__SF_DY, MOEPT__SF_REPLAY, MOEPT__SF_SLOT
 };
 __device__ __forceinline__ unsigned long long moept__sf_min(unsigned long long a, int b) {
     return a < (unsigned long long)b ? a : (unsigned long long)b;
@@ -1002,7 +1002,9 @@ __global__ void moept__k_sf_agree(const int64_t *msg_all, int64_t P, int64_t M, 
                                   float *aux_g, unsigned long long *bad, int64_t me, int host_bad) {
     unsigned long long code = ULLONG_MAX;
     for (int64_t q = 0; q < P; q++) {
-        if (msg_all[q * M + E + 1] != tag) code = moept__sf_min(code, MOEPT__SF_CALLS);
+        const int64_t t = msg_all[q * M + E + 1]; /* low half: the call; high half: the slot */
+        if ((t ^ tag) & 0xffffffff) code = moept__sf_min(code, MOEPT__SF_CALLS);
+        else if (t != tag) code = moept__sf_min(code, MOEPT__SF_SLOT);
         if (msg_all[q * M + E] != 0) code = moept__sf_min(code, MOEPT__SF_PEER);
     }
     if (msg_all[me * M + E] != 0) /* this rank's own: its arguments, inputs, or its local z loss */
@@ -1037,6 +1039,7 @@ static const char *moept__sf_why(unsigned long long code) {
     case MOEPT__SF_CALLS: return "the ranks' call sequences differed";
     case MOEPT__SF_Y: return "the forward's y was not finite from finite inputs";
     case MOEPT__SF_REPLAY: return "opts.replay_ids held a row that is not K distinct experts of 0..E-1";
+    case MOEPT__SF_SLOT: return "the ranks passed different opts.slot or opts.eval";
     default: return "dy was not finite";
     }
 }
@@ -1463,7 +1466,8 @@ struct moept__cuda {
     int32_t *slot_of;           /* [E] */
     void *wlow;                 /* [n_params - E*D] bf16 copy of the non-router weights (BF16) */
     int wlow_stale;             /* the fp32 masters changed since wlow was cast from them */
-    int xf_committed;           /* slot: xf holds the committed step's x (bf16: a rejected forward wrote it) */
+    int xf_committed;           /* slot: xf holds the committed step's x (bf16: a rejected forward wrote
+                                   it) */
 
     /* Forward slots (config.max_inflight): the fields marked "slot" are a
        forward's state, what its backward reads (moept__CSLOT, as moept.c's
@@ -1712,7 +1716,10 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
 /* The device workspace: the layer's, and each forward slot's with its receive rows */
 static int64_t moept__workspace(const moept__cuda *c) {
     int64_t n = c->fixed_bytes;
-    for (int s = 0; s <= c->nslots; s++) n += moept__slot(c, s)->fwork_bytes + moept__slot(c, s)->rblock_bytes;
+    for (int s = 0; s <= c->nslots; s++) {
+        const moept__cuda *o = moept__slot(c, s);
+        n += o->fwork_bytes + o->rblock_bytes;
+    }
     return n;
 }
 
@@ -1994,7 +2001,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* no backward's dx yet, no failed step */
     c->nslots = p->nslots > 1 ? p->nslots : 1;
     c->shadow = (moept__cuda *)calloc((size_t)c->nslots + 1, sizeof(moept__cuda));
-    if (!c->shadow) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
+    if (!c->shadow)
+        return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     /* pinned host block */
     size_t hb = (size_t)(P * c->M) * 8 + (size_t)MOEPT__NLSTAT(E) * 8 + 8 * 8 + (size_t)MOEPT__NPART * 2 * 8 +
                 (size_t)E * 4 + 6 * 64;
@@ -2009,7 +2017,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     moept__carve kv = {NULL, 0};
     moept__host_layout(c, &kv);
     c->hblock = calloc(1, kv.off);
-    if (!c->hblock) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
+    if (!c->hblock)
+        return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     kv.base = (char *)c->hblock;
     kv.off = 0;
     moept__host_layout(c, &kv);
@@ -2153,7 +2162,8 @@ extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad,
     why[0] = 0;
     *why_st = code == ULLONG_MAX ? MOEPT_OK
             : code == MOEPT__SF_ARGS || code == MOEPT__SF_PEER || code == MOEPT__SF_CALLS ? MOEPT_ERR_STATE
-            : code == MOEPT__SF_REPLAY ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC;
+            : code == MOEPT__SF_REPLAY || code == MOEPT__SF_SLOT ? MOEPT_ERR_INVALID_ARGUMENT
+            : MOEPT_ERR_NUMERIC;
     if (*why_st) snprintf(why, MOEPT__ERRLEN, "%s", moept__sf_why(code));
     return MOEPT_OK;
 }
@@ -2265,7 +2275,7 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
     if (n > 1 && (form == MOEPT_GEMM_AUTO || form == MOEPT_GEMM_GROUPED) && moept__grouped_ok(g, n, ta, tc)) {
         const int64_t G = c->G;
         const void **dp = c->d_ptrs;
-        moept__ptrs pv; /* MOEPT__NPTR groups' pointers a launch */
+        moept__ptrs pv = {}; /* MOEPT__NPTR groups' pointers a launch (zeroed: all its bytes are copied) */
         int64_t *m = c->garr, *nn = m + G, *k = nn + G, *lda = k + G, *ldb = lda + G, *ldc = ldb + G;
         int64_t *gs = ldc + G;
         cublasOperation_t *oa = c->gops, *ob = oa + G;
@@ -2521,6 +2531,15 @@ static void moept__fwd_slot(moept__cuda *c, const moept__cuda_step *o, moept__fw
     const moept__cuda *s0 = moept__slot(c, 0);
     const int s = !o->eval ? o->slot : c->sp.inference ? 0 : c->nslots > 1 ? c->nslots
                 : s0->fwd_valid && !s0->fwd_eval && !s0->bwd_done ? c->nslots : 0;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (!moept__slot(c, s)->fwork && cudaStreamIsCapturing(c->s, &cap) == cudaSuccess &&
+        cap != cudaStreamCaptureStatusNone) { /* cudaMalloc would invalidate the caller's capture */
+        f->reject = MOEPT_ERR_STATE;
+        snprintf(why, MOEPT__ERRLEN, "moept_forward: forward slot %d's first use makes its buffers, which a "
+                 "CUDA graph capture cannot: run a forward in it (%s) before capturing", s,
+                 o->eval ? "an evaluation" : "a training forward");
+        return;
+    }
     char e[MOEPT__ERRLEN];
     if (moept__use_slot(c, s, e) == MOEPT_OK) return;
     f->reject = MOEPT_ERR_OUT_OF_MEMORY;
@@ -3265,7 +3284,7 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
         yfail += c->h_msg_all[q * M + E + 2] != 0;
         sdiff += c->h_msg_all[q * M + E + 3] != mine[E + 3];
     }
-    if (yfail) c->fwd_valid = 0;
+    if (ybad || (yfail && !sdiff)) c->fwd_valid = 0; /* (peers naming other slots keep theirs) */
     if (local[0]) return moept__kfail(err, why, "%s", local);
     if (failed)
         return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; %s",
@@ -3273,7 +3292,8 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
                             yfail ? "the step is rejected, run forward again" : "nothing changed");
     if (sdiff)
         return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: the ranks passed different "
-                            "router_loss_scale or opts.slot (every rank must pass the same); nothing changed");
+                            "router_loss_scale or opts.slot (every rank must pass the same); nothing "
+                            "changed");
     return MOEPT_OK;
 }
 

@@ -162,6 +162,10 @@ static moept_config slot_cfg(int kind) {
     }
     if (kind == 2) { c.family = MOEPT_FAMILY_OLMOE; c.aux_loss = MOEPT_AUX_SEQ; c.aux_seq_len = 2; }
     if (kind == 3) { c.family = MOEPT_FAMILY_QWEN2_MOE; c.expert_sharding = MOEPT_SHARD_FSDP; }
+    if (kind == 4) { /* kind 1 unchunked: a masked shared expert in the sync-free mode too */
+        c = slot_cfg(1);
+        c.overlap_chunks = 0;
+    }
     return c;
 }
 
@@ -195,28 +199,31 @@ static void sj_free(sj *a, int P) {
 }
 
 /* 1F1B and all-forwards-first over 4 micro-batches, with an evaluation
-   after each forward or not, and 1F1B with each forward recomputed before
-   its backward (no jitter: a recomputed forward draws new noise, as
-   test_recompute shows) equal the sequential order bitwise (CUDA layers: no
-   fsdp, which is a CPU layer's baseline; sync-free at EP 4 too) */
+   after each forward or not, 1F1B with each forward recomputed before its
+   backward (no jitter: a recomputed forward draws new noise, as
+   test_recompute shows), and one slot with an evaluation between each
+   forward and its backward equal the sequential order bitwise (CUDA
+   layers: no fsdp, which is a CPU layer's baseline; sync-free at EP 4 too) */
 static void test_pipeline_orders(void) {
     static sj seq[4], pipe[4];
     const int Ps[2] = {1, 4};
-    for (int kind = 0; kind < 4 - TU_GPU; kind++)
-        for (int pi = 0; pi < 2; pi++)
+    for (int kind = 0; kind < 5; kind++)
+        for (int pi = 0; pi < 2 && !(TU_GPU && kind == 3); pi++)
             for (int sf = 0; sf <= (TU_GPU && kind != 1 && pi == 1); sf++) {
                 const int P = Ps[pi];
-                if (too_few_devices(P)) continue;
+                if ((kind == 4 && P == 1) || too_few_devices(P)) continue; /* at EP 1, 4 is 1 */
                 moept_config c = slot_cfg(kind);
                 run_order(seq, P, &c, seq_order, 0, 0, sf);
-                EXPECT(TU_GPU || P == 1 || (seq[0].direct == (kind == 0 || kind == 2) &&
+                EXPECT(TU_GPU || P == 1 || kind == 4 || (seq[0].direct == (kind == 0 || kind == 2) &&
                                             seq[0].C == (kind == 1 ? 2 : 1)),
                        "kind %d EP %d: not the exchange meant (direct %d, C %d)", kind, P, seq[0].direct,
                        seq[0].C);
-                const char *name[4] = {"1F1B", "1F1B, evaluations", "all forwards first", "1F1B, recomputed"};
-                const int *ord[4] = {f1b1_order, f1b1_order, gpipe_order, recompute_order};
-                for (int v = 0; v < 4 - (c.router_jitter > 0.0f); v++) {
-                    run_order(pipe, P, &c, ord[v], v == 0 ? 2 : v == 3 ? 3 : 4, v == 1, sf);
+                const char *name[5] = {"1F1B", "1F1B, evaluations", "all forwards first",
+                                       "one slot, evaluations", "1F1B, recomputed"};
+                const int *ord[5] = {f1b1_order, f1b1_order, gpipe_order, seq_order, recompute_order};
+                const int ns[5] = {2, 4, 4, 0, 3};
+                for (int v = 0; v < 5 - (c.router_jitter > 0.0f); v++) {
+                    run_order(pipe, P, &c, ord[v], ns[v], v == 1 || v == 3, sf);
                     const char *d = sj_differs(pipe, seq, P);
                     EXPECT(!d, "kind %d EP %d%s %s: differs from sequential: %s", kind, P,
                            sf ? " sync-free" : "", name[v], d);
@@ -455,6 +462,139 @@ static void test_wrong_slots(void) {
     }
 }
 
+/* A slot whose receive rows must grow while another slot holds a forward
+   (EP 2: every row of the second micro-batch replayed to rank 0's
+   experts): each slot keeps its own rows; F0 F1 B0 B1 equals sequential */
+typedef struct gj {
+    moept_thread_group *g;
+    int r;
+    moept_status st;
+    char err[512];
+    int64_t cap[2]; /* rank's receive capacity after F0, after F1 */
+    int same;
+} gj;
+
+static moept_status g_fwd(moept_layer *L, void *x, void *y, int slot, const int32_t *replay) {
+    moept_forward_opts o = {NULL, 0, replay, NULL, slot};
+    return moept_forward_ex(L, x, TOK, y, &o);
+}
+
+/* F0 (the router's choice), F1 (replayed), their backwards, slots as given;
+   y and dx of each into h[0..3] */
+static moept_status grow_calls(moept_layer *L, void **x, void **dy, const int32_t *rep, const int *slots,
+                               int bwd_first, void *y, void *dx, float (*h)[TOK * DIM], int64_t *cap) {
+    moept_status st = MOEPT_OK;
+    for (int i = 0; i < 4 && !st; i++) {
+        const int m = bwd_first ? i / 2 : i % 2, fwd = bwd_first ? i % 2 == 0 : i < 2;
+        moept_backward_opts bo = moept_backward_default();
+        bo.slot = slots[m];
+        st = fwd ? g_fwd(L, x[m], y, slots[m], m ? rep : NULL) : moept_backward_ex(L, x[m], dy[m], dx, &bo);
+        tu_to_host(h[2 * m + !fwd], fwd ? y : dx, NB);
+        moept_stats s;
+        if (fwd && cap && !moept_get_stats(L, &s, NULL)) cap[m] = s.recv_capacity;
+    }
+    return st;
+}
+
+static void *grow_main(void *arg) {
+    gj *j = arg;
+    moept_config cfg = slot_cfg(0);
+    cfg.router_jitter = 0.0f;
+    tu_ep e;
+    moept_comm *c = tu_ep_open(&e, j->g, 2, j->r);
+    moept_layer *A = slot_layer(&cfg, c, 2, 0), *B = slot_layer(&cfg, c, 0, 0);
+    if (A && B) {
+        float x[TOK * DIM], dy[TOK * DIM], h[2][4][TOK * DIM];
+        uint8_t mask[TOK];
+        int32_t ids[TOK * 2];
+        for (int t = 0; t < TOK; t++) { ids[2 * t] = 0; ids[2 * t + 1] = 1; } /* rank 0's experts */
+        void *rep = tu_dev(ids, sizeof ids), *xs[2], *dys[2], *y = tu_dev(NULL, NB), *dx = tu_dev(NULL, NB);
+        for (int m = 0; m < 2; m++) {
+            mb_data(j->r, m, x, dy, mask);
+            xs[m] = tu_dev(x, NB); dys[m] = tu_dev(dy, NB);
+        }
+        const int two[2] = {0, 1}, one_slot[2] = {0, 0};
+        j->st = grow_calls(A, xs, dys, rep, two, 0, y, dx, h[0], j->cap);
+        if (!j->st) j->st = grow_calls(B, xs, dys, rep, one_slot, 1, y, dx, h[1], NULL);
+        snprintf(j->err, sizeof j->err, "%s", moept_last_error(NULL));
+        j->same = !j->st && !memcmp(h[0], h[1], sizeof h[0]) && same_grads(A, B);
+        void *d[7] = {rep, xs[0], xs[1], dys[0], dys[1], y, dx};
+        for (int i = 0; i < 7; i++) tu_dev_free(d[i]);
+    } else {
+        j->st = MOEPT_ERR_STATE;
+    }
+    moept_destroy(A);
+    moept_destroy(B);
+    tu_ep_close(&e);
+    return NULL;
+}
+
+static void test_grow_other_slot(void) {
+    gj js[2];
+    if (too_few_devices(2)) return;
+    tu_new_world();
+    tu_ranks(2, 20000, grow_main, js, sizeof js[0]);
+    for (int r = 0; r < 2; r++)
+        EXPECT(!js[r].st && js[r].same, "rank %d: %d (%s), or F0 F1 B0 B1 differs from sequential", r,
+               js[r].st, js[r].err);
+    EXPECT(js[0].cap[1] > js[0].cap[0], "rank 0's slot 1 did not grow (%lld, then %lld rows)",
+           (long long)js[0].cap[0], (long long)js[0].cap[1]);
+}
+
+/* moept_reshard with two slots and an evaluation in flight (EP 2): both
+   slots' forwards are dropped (their backwards refuse on every rank), and
+   a forward and backward after it run */
+typedef struct rj { moept_thread_group *g; int r; moept_status st[4]; char err[4][512]; } rj;
+
+static void *reshard_main(void *arg) {
+    rj *j = arg;
+    moept_config cfg = slot_cfg(0);
+    cfg.router_jitter = 0.0f;
+    tu_ep e;
+    moept_layer *L = slot_layer(&cfg, tu_ep_open(&e, j->g, 2, j->r), 2, 0);
+    if (L) {
+        float x[TOK * DIM], dy[TOK * DIM];
+        uint8_t mask[TOK];
+        mb_data(j->r, 0, x, dy, mask);
+        void *x0 = tu_dev(x, NB), *dyd = tu_dev(dy, NB), *y = tu_dev(NULL, NB), *dx = tu_dev(NULL, NB);
+        moept_forward_opts f0 = {NULL, 0, NULL, NULL, 0}, f1 = {NULL, 0, NULL, NULL, 1};
+        moept_forward_opts ev = {NULL, 1, NULL, NULL, 0};
+        moept_backward_opts b0 = moept_backward_default(), b1 = moept_backward_default();
+        b1.slot = 1;
+        const int32_t swap[8] = {1, 1, 1, 1, 0, 0, 0, 0};
+        if (!moept_forward_ex(L, x0, TOK, y, &f0) && !moept_forward_ex(L, x0, TOK, y, &f1) &&
+            !moept_forward_ex(L, x0, TOK, y, &ev)) {
+            j->st[0] = moept_reshard(L, swap, NULL);
+            j->st[1] = moept_backward_ex(L, x0, dyd, dx, &b0);
+            j->st[2] = moept_backward_ex(L, x0, dyd, dx, &b1);
+            j->st[3] = moept_forward_ex(L, x0, TOK, y, &f1);
+            if (!j->st[3]) j->st[3] = moept_backward_ex(L, x0, dyd, dx, &b1);
+        } else {
+            j->st[0] = MOEPT_ERR_STATE;
+        }
+        snprintf(j->err[0], sizeof j->err[0], "%s", moept_last_error(L));
+        void *d[4] = {x0, dyd, y, dx};
+        for (int i = 0; i < 4; i++) tu_dev_free(d[i]);
+    } else {
+        j->st[0] = MOEPT_ERR_STATE;
+    }
+    moept_destroy(L);
+    tu_ep_close(&e);
+    return NULL;
+}
+
+static void test_reshard_slots(void) {
+    rj js[2];
+    if (too_few_devices(2)) return;
+    tu_new_world();
+    tu_ranks(2, 20000, reshard_main, js, sizeof js[0]);
+    for (int r = 0; r < 2; r++)
+        EXPECT(!js[r].st[0] && js[r].st[1] == MOEPT_ERR_STATE && js[r].st[2] == MOEPT_ERR_STATE &&
+               !js[r].st[3], "rank %d: reshard %d, backward of slot 0 %d and of slot 1 %d after it "
+               "(want %d), then a step %d (%s)", r, js[r].st[0], js[r].st[1], js[r].st[2], MOEPT_ERR_STATE,
+               js[r].st[3], js[r].err[0]);
+}
+
 /* the workspace the layer counts: host (CPU layers) or device (CUDA layers,
    checked against the emulated device's own count of what it holds) */
 #ifdef MOEPT_EMU
@@ -541,6 +681,294 @@ static void test_slot_memory(void) {
     one_close(&o);
 }
 
+#if TU_GPU
+/* CUDA graphs and slots: a captured step's forward into a slot never used
+   is refused (it would allocate: MOEPT_ERR_STATE) and the capture stays
+   valid; with every slot used once, F0 F1 B0 B1 (sync-free, a masked
+   shared expert) captured and replayed equals the same calls run eagerly */
+static moept_layer *sf_layer(moept_config cfg, cudaStream_t s) {
+    moept_cuda_options o = {MOEPT_DTYPE_F32, s, 0, 1, MOEPT_GEMM_AUTO};
+    moept_layer *L = NULL;
+    cfg.max_inflight = 2;
+    if (moept_create_cuda(&cfg, NULL, NULL, &o, &L)) EXPECT(0, "create: %s", moept_last_error(NULL));
+    else moept_init_params(L, 7);
+    return L;
+}
+static int two_slots(moept_layer *L, one *o, void *mask, void *y1, void *dx1) {
+    moept_forward_opts f0 = {mask, 0, NULL, NULL, 0}, f1 = {mask, 0, NULL, NULL, 1};
+    moept_backward_opts b0 = moept_backward_default(), b1 = moept_backward_default();
+    b1.slot = 1;
+    return moept_forward_ex(L, o->x[0], TOK, o->y, &f0) || moept_forward_ex(L, o->x[1], TOK, y1, &f1) ||
+           moept_backward_ex(L, o->x[0], o->dy[0], o->dx, &b0) ||
+           moept_backward_ex(L, o->x[1], o->dy[1], dx1, &b1);
+}
+static void test_capture(void) {
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    moept_layer *L[2] = {sf_layer(slot_cfg(4), s), sf_layer(slot_cfg(4), s)};
+    one o;
+    one_open(&o);
+    uint8_t mh[TOK];
+    for (int t = 0; t < TOK; t++) mh[t] = t % 4 != 1;
+    void *mask = tu_dev(mh, TOK), *y1 = tu_dev(NULL, NB), *dx1 = tu_dev(NULL, NB);
+    cudaDeviceSynchronize(); /* tu_dev's cudaMemset ran on the legacy stream, which s does not wait for */
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t gx = NULL;
+    float *p, *gr, h[2][4][TOK * DIM];
+    int64_t n;
+    if (!L[0] || !L[1]) goto out;
+    moept_forward_opts f1 = {mask, 0, NULL, NULL, 1};
+    EXPECT_OK(moept_cuda_params(L[0], &p, &gr, &n));
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    moept_status st = moept_forward_ex(L[0], o.x[0], TOK, o.y, &f1);
+    EXPECT(st == MOEPT_ERR_STATE && strstr(moept_last_error(L[0]), "capture"), "a new slot under a capture: "
+           "%d (%s)", st, moept_last_error(L[0]));
+    EXPECT(cudaStreamEndCapture(s, &g) == cudaSuccess, "the capture was invalidated");
+    if (g) cudaGraphDestroy(g);
+    g = NULL;
+    EXPECT(!two_slots(L[0], &o, mask, y1, dx1), "eager, slots made: %s", moept_last_error(L[0]));
+    EXPECT_OK(moept_cuda_params(L[0], &p, &gr, &n));
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    int bad = two_slots(L[0], &o, mask, y1, dx1);
+    EXPECT(!bad && cudaStreamEndCapture(s, &g) == cudaSuccess &&
+           cudaGraphInstantiate(&gx, g, 0) == cudaSuccess,
+           "capture of F0 F1 B0 B1: %s", moept_last_error(L[0]));
+    for (int v = 0; v < 2 && gx; v++) {
+        moept_zero_grad(L[v]);
+        if (v) EXPECT(!two_slots(L[1], &o, mask, y1, dx1), "eager: %s", moept_last_error(L[1]));
+        else if (cudaGraphLaunch(gx, s) == cudaSuccess) moept_cuda_params_changed(L[0]);
+        cudaStreamSynchronize(s);
+        void *d[4] = {o.y, y1, o.dx, dx1};
+        for (int i = 0; i < 4; i++) tu_to_host(h[v][i], d[i], NB);
+    }
+    EXPECT(gx && !memcmp(h[0], h[1], sizeof h[0]) && same_grads(L[0], L[1]),
+           "the replayed F0 F1 B0 B1 differs from the eager one");
+out:
+    if (gx) cudaGraphExecDestroy(gx);
+    if (g) cudaGraphDestroy(g);
+    tu_dev_free(mask); tu_dev_free(y1); tu_dev_free(dx1);
+    one_close(&o);
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+    cudaStreamDestroy(s);
+}
+
+/* Sync-free (EP 2): forwards naming different slots return (the mode
+   agrees on the device), and the next moept_grad_norm fails on both ranks
+   with MOEPT_ERR_INVALID_ARGUMENT naming opts.slot */
+typedef struct fj { moept_thread_group *g; int r; moept_status st[2]; char err[512]; } fj;
+static void *sf_wrong_main(void *arg) {
+    fj *j = arg;
+    tu_ep e;
+    moept_config cfg = slot_cfg(0);
+    moept_layer *L = slot_layer(&cfg, tu_ep_open(&e, j->g, 2, j->r), 2, 1);
+    float x[TOK * DIM], dy[TOK * DIM];
+    uint8_t mask[TOK];
+    mb_data(j->r, 0, x, dy, mask);
+    void *xd = tu_dev(x, NB), *y = tu_dev(NULL, NB);
+    moept_forward_opts f = {NULL, 0, NULL, NULL, j->r};
+    double norm;
+    j->st[0] = L ? moept_forward_ex(L, xd, TOK, y, &f) : MOEPT_ERR_STATE;
+    j->st[1] = L ? moept_grad_norm(L, &norm) : MOEPT_ERR_STATE;
+    snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
+    tu_dev_free(xd);
+    tu_dev_free(y);
+    moept_destroy(L);
+    tu_ep_close(&e);
+    return NULL;
+}
+static void test_sync_free_slots(void) {
+    fj js[2];
+    if (too_few_devices(2)) return;
+    tu_new_world();
+    tu_ranks(2, 20000, sf_wrong_main, js, sizeof js[0]);
+    for (int r = 0; r < 2; r++)
+        EXPECT(!js[r].st[0] && js[r].st[1] == MOEPT_ERR_INVALID_ARGUMENT && strstr(js[r].err, "opts.slot"),
+               "rank %d: forward %d, grad_norm %d (%s)", r, js[r].st[0], js[r].st[1], js[r].err);
+}
+
+/* bf16 slots: F0 F1, a forward of a non-finite x rejected into each slot
+   (it wrote the slot's fp32 router input), B0 B1 equals sequential bitwise */
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+static void test_bf16_slots(void) {
+    moept_config cfg = slot_cfg(4);
+    cfg.max_inflight = 2;
+    moept_cuda_options co = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_AUTO};
+    moept_layer *L[2] = {NULL, NULL};
+    for (int v = 0; v < 2; v++)
+        if (!moept_create_cuda(&cfg, NULL, NULL, &co, &L[v])) moept_init_params(L[v], 7);
+    const size_t nb = (size_t)(TOK * DIM) * 2;
+    uint16_t hx[3][TOK * DIM], hdy[2][TOK * DIM], out[2][4][TOK * DIM];
+    float x[TOK * DIM], dy[TOK * DIM];
+    uint8_t mask[TOK];
+    for (int m = 0; m < 2; m++) {
+        mb_data(0, m, x, dy, mask);
+        for (int i = 0; i < TOK * DIM; i++) { hx[m][i] = to_bf16(x[i]); hdy[m][i] = to_bf16(dy[i]); }
+    }
+    memcpy(hx[2], hx[1], nb);
+    hx[2][5] = 0x7fc0; /* NaN */
+    void *xd[3], *dyd[2], *y = tu_dev(NULL, nb), *dx = tu_dev(NULL, nb);
+    for (int m = 0; m < 3; m++) xd[m] = tu_dev(hx[m], nb);
+    for (int m = 0; m < 2; m++) dyd[m] = tu_dev(hdy[m], nb);
+    moept_forward_opts fo[2] = {{NULL, 0, NULL, NULL, 0}, {NULL, 0, NULL, NULL, 1}};
+    moept_backward_opts bo[2] = {moept_backward_default(), moept_backward_default()};
+    bo[1].slot = 1;
+    for (int v = 0; v < 2 && L[0] && L[1]; v++) /* v 0: slots 0 and 1; v 1: slot 0, in sequence */
+        for (int m = 0; m < 2; m++) {
+            EXPECT_OK(moept_forward_ex(L[v], xd[m], TOK, y, &fo[v ? 0 : m]));
+            tu_to_host(out[v][m], y, nb);
+            if (v) EXPECT_OK(moept_backward_ex(L[1], xd[m], dyd[m], dx, &bo[0]));
+            if (v) tu_to_host(out[1][2 + m], dx, nb);
+        }
+    for (int m = 0; m < 2 && L[0]; m++)
+        EXPECT(moept_forward_ex(L[0], xd[2], TOK, y, &fo[m]) == MOEPT_ERR_NUMERIC, "a NaN x accepted");
+    for (int m = 0; m < 2 && L[0]; m++) {
+        EXPECT_OK(moept_backward_ex(L[0], xd[m], dyd[m], dx, &bo[m]));
+        tu_to_host(out[0][2 + m], dx, nb);
+    }
+    EXPECT(L[0] && L[1] && !memcmp(out[0], out[1], sizeof out[0]) && same_grads(L[0], L[1]),
+           "bf16: F0 F1 (rejected forwards) B0 B1 differs from sequential");
+    for (int m = 0; m < 3; m++) tu_dev_free(xd[m]);
+    tu_dev_free(dyd[0]); tu_dev_free(dyd[1]); tu_dev_free(y); tu_dev_free(dx);
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+}
+#endif
+
+#ifdef MOEPT_EMU
+/* Out of device memory at a slot's first use on one rank (EP 2; the
+   first or second allocation fails): that rank fails with
+   MOEPT_ERR_OUT_OF_MEMORY, its peer with MOEPT_ERR_STATE; the slot holds
+   nothing; the device holds what device_workspace_bytes says; the calls
+   after it equal a clean run's bitwise */
+typedef struct oj {
+    moept_thread_group *g;
+    int r, nth;
+    moept_status st[4];
+    char err[512];
+    int same;
+    long long held, counted;
+} oj;
+static int oom_nth;
+
+static void oom_calls(oj *j, moept_layer *L, moept_layer *K, void **x, void *dyd, void *mk) {
+    void *y = tu_dev(NULL, NB), *dx = tu_dev(NULL, NB), *dxk = tu_dev(NULL, NB);
+    moept_forward_opts f[2] = {{mk, 0, NULL, NULL, 0}, {mk, 0, NULL, NULL, 1}};
+    moept_backward_opts b[2] = {moept_backward_default(), moept_backward_default()};
+    b[1].slot = 1;
+    moept_stats s;
+    j->st[0] = moept_forward_ex(L, x[0], 6, y, &f[0]);
+    moept_get_stats(L, &s, NULL);
+    const long long held = moept_emu_device_bytes(j->r), counted = s.device_workspace_bytes;
+    if (j->r == 1) moept_emu_fail_malloc(oom_nth);
+    j->st[1] = moept_forward_ex(L, x[1], 6, y, &f[1]);
+    snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
+    if (j->r == 1) moept_emu_fail_malloc(0);
+    moept_get_stats(L, &s, NULL);
+    j->held = moept_emu_device_bytes(j->r) - held;
+    j->counted = s.device_workspace_bytes - counted;
+    j->st[2] = moept_backward_ex(L, x[1], dyd, dx, &b[1]); /* nothing in slot 1 */
+    j->st[3] = moept_forward_ex(L, x[1], 6, y, &f[1]);
+    if (!j->st[3]) j->st[3] = moept_backward_ex(L, x[1], dyd, dx, &b[1]);
+    if (!j->st[3]) j->st[3] = moept_backward_ex(L, x[0], dyd, dx, &b[0]);
+    moept_forward_ex(K, x[0], 6, y, &f[0]); moept_forward_ex(K, x[1], 6, y, &f[1]);
+    moept_backward_ex(K, x[1], dyd, dxk, &b[1]); moept_backward_ex(K, x[0], dyd, dxk, &b[0]);
+    float h[2][TOK * DIM];
+    tu_to_host(h[0], dx, NB);
+    tu_to_host(h[1], dxk, NB);
+    j->same = !memcmp(h[0], h[1], NB) && same_grads(L, K);
+    tu_dev_free(y); tu_dev_free(dx); tu_dev_free(dxk);
+}
+
+static void *oom_main(void *arg) {
+    oj *j = arg;
+    moept_config cfg = slot_cfg(4);
+    tu_ep e;
+    moept_comm *c = tu_ep_open(&e, j->g, 2, j->r);
+    moept_layer *L = slot_layer(&cfg, c, 2, 0), *K = slot_layer(&cfg, c, 2, 0);
+    if (L && K) {
+        float x[TOK * DIM], dy[TOK * DIM];
+        uint8_t mask[TOK];
+        mb_data(j->r, 1, x, dy, mask);
+        void *xs[2], *mk = tu_dev(mask, TOK);
+        xs[1] = tu_dev(x, NB);
+        mb_data(j->r, 0, x, dy, mask);
+        xs[0] = tu_dev(x, NB);
+        void *dyd = tu_dev(dy, NB);
+        oom_calls(j, L, K, xs, dyd, mk);
+        tu_dev_free(xs[0]); tu_dev_free(xs[1]); tu_dev_free(dyd); tu_dev_free(mk);
+    } else {
+        j->st[0] = MOEPT_ERR_STATE;
+    }
+    moept_destroy(L);
+    moept_destroy(K);
+    tu_ep_close(&e);
+    return NULL;
+}
+
+static void test_slot_oom(void) {
+    for (oom_nth = 1; oom_nth <= 2; oom_nth++) { /* the slot's block, then its receive rows */
+        oj js[2];
+        tu_new_world();
+        tu_ranks(2, 20000, oom_main, js, sizeof js[0]);
+        for (int r = 0; r < 2; r++) {
+            const oj *j = &js[r];
+            EXPECT(!j->st[0] && j->st[1] == (r ? MOEPT_ERR_OUT_OF_MEMORY : MOEPT_ERR_STATE) &&
+                   j->st[2] == MOEPT_ERR_STATE && !j->st[3] && j->same,
+                   "allocation %d, rank %d: forward %d, out of memory %d (%s), backward of the empty slot "
+                   "%d, after %d, as a clean run %d", oom_nth, r, j->st[0], j->st[1], j->err, j->st[2],
+                   j->st[3], j->same);
+            EXPECT(j->held == j->counted, "allocation %d, rank %d: the device holds %lld bytes more, "
+                   "device_workspace_bytes says %lld", oom_nth, r, j->held, j->counted);
+        }
+    }
+}
+
+/* More groups than one k_ptrs launch carries (96 local experts): the
+   grouped GEMM form equals the per-expert one to fp32 rounding */
+static void test_many_groups(void) {
+    moept_config cfg = {0};
+    cfg.family = MOEPT_FAMILY_MIXTRAL;
+    cfg.hidden_size = 8; cfg.intermediate_size = 8; cfg.num_experts = 96; cfg.top_k = 4; cfg.max_tokens = 64;
+    const size_t nb = 64 * 8 * sizeof(float);
+    float x[64 * 8], dy[64 * 8], h[4][64 * 8];
+    unsigned long long sd = 5;
+    tu_fill(x, 64 * 8, 1.0, &sd);
+    tu_fill(dy, 64 * 8, 1.0, &sd);
+    void *xd = tu_dev(x, nb), *dyd = tu_dev(dy, nb), *y = tu_dev(NULL, nb), *dx = tu_dev(NULL, nb);
+    moept_layer *L[2] = {NULL, NULL};
+    long launches = 0;
+    for (int v = 0; v < 2; v++) {
+        moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, 0, v ? MOEPT_GEMM_PER_EXPERT : MOEPT_GEMM_GROUPED};
+        if (moept_create_cuda(&cfg, NULL, NULL, &o, &L[v])) break;
+        moept_init_params(L[v], 3);
+        const long k0 = moept_emu_launches("k_ptrs");
+        EXPECT_OK(moept_forward(L[v], xd, 64, y));
+        EXPECT_OK(moept_backward(L[v], xd, dyd, dx));
+        const int32_t *ids;
+        if (!v && !moept_routing(L[0], &ids, NULL, NULL)) { /* a launch per 40 experts with rows */
+            int used[96] = {0}, n = 0;
+            for (int i = 0; i < 64 * 4; i++) n += !used[ids[i]]++;
+            launches = moept_emu_launches("k_ptrs") - k0 - 6 * ((n + 39) / 40);
+        }
+        tu_to_host(h[2 * v], y, nb);
+        tu_to_host(h[2 * v + 1], dx, nb);
+    }
+    EXPECT(launches == 0, "96 groups: %ld k_ptrs launches more than one per 40 experts with rows, in each of "
+           "the step's 6 grouped GEMMs", launches);
+    EXPECT(L[0] && L[1] && tu_maxrelerr(h[0], h[2], 2 * 64 * 8) < 1e-5, "grouped against per-expert: %g",
+           tu_maxrelerr(h[0], h[2], 2 * 64 * 8));
+    void *d[4] = {xd, dyd, y, dx};
+    for (int i = 0; i < 4; i++) tu_dev_free(d[i]);
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+}
+#endif
+
 /* An inference layer's forward is an evaluation: it reads no opts.slot */
 static void test_inference_slot(void) {
     moept_config c = slot_cfg(0);
@@ -570,7 +998,18 @@ int main(void) {
     RUN(test_recompute);
     RUN(test_routing_reads);
     RUN(test_wrong_slots);
+    RUN(test_grow_other_slot);
+    RUN(test_reshard_slots);
     RUN(test_slot_memory);
     RUN(test_inference_slot);
+#if TU_GPU
+    RUN(test_capture);
+    RUN(test_sync_free_slots);
+    RUN(test_bf16_slots);
+#endif
+#ifdef MOEPT_EMU
+    RUN(test_slot_oom);
+    RUN(test_many_groups);
+#endif
     return tu_done();
 }
