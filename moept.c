@@ -266,10 +266,10 @@ typedef struct moept__gemm_ws {
      NEON (arm64)  8 x 12: 24 q accumulators + 3 B vectors + 2 A vectors
      portable      4 x  8: 8 accumulators of 4 floats (GCC/Clang vectors,
                    else scalar), multiply then add (no FMA assumed)
-   The cache blocks follow the usual sizing: a KC x NR panel of B in L1 (or,
-   for AVX-512, in L2: its longer KC halves the passes over C, which is
-   what the kernel waits for), an MC x KC block of A in L2, a KC x NC panel
-   of B in the last-level cache. The last strip of an m that is not a
+   The cache blocks: a KC x MR strip of A in L1, used against eight
+   KC x NR strips of B in L2 in turn, an MC x KC block of A in L2, a
+   KC x NC panel of B in the last-level cache; AVX-512's longer KC halves
+   the passes over C, which is what the kernel waits for. The last strip of an m that is not a
    multiple of MR runs a kernel of fewer rows on x86 (tiles of 64 rows: 5
    whole strips and 4 rows, not 6 whole strips). */
 #if defined(MOEPT_GEMM_PORTABLE)
@@ -291,7 +291,7 @@ typedef struct moept__gemm_ws {
 #define MOEPT__ISA "avx512f 12x32"
 #define MOEPT__MR 12
 #define MOEPT__NR 32
-#define MOEPT__KC 512 /* C read and written half as often as at 256; the 64 KiB B strip streams from L2 */
+#define MOEPT__KC 512 /* C read and written half as often as at 256 */
 #define MOEPT__MC 96
 #define MOEPT__NC 2048
 #elif defined(MOEPT__K_AVX2)
@@ -659,8 +659,8 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
         for (int64_t sg = s0; sg < s1; sg += 8) {
             int64_t sg1 = sg + 8 < s1 ? sg + 8 : s1;
             if (packb) moept__pack_b_span(g, pc, kc, jc, nc, sg, sg1, ws->bpack);
-            for (int64_t s = sg; s < sg1; s++)
-                for (int64_t i = i0; i < i1; i++)
+            for (int64_t i = i0; i < i1; i++) /* A's strip stays in L1 while B's strips stream */
+                for (int64_t s = sg; s < sg1; s++)
                     moept__micro(kc, ws->apack + i * KC * MR, ws->bpack + s * KC * NR, g, i * MR, jc + s * NR,
                                  pc == 0);
         }
