@@ -266,8 +266,12 @@ typedef struct moept__gemm_ws {
      NEON (arm64)  8 x 12: 24 q accumulators + 3 B vectors + 2 A vectors
      portable      4 x  8: 8 accumulators of 4 floats (GCC/Clang vectors,
                    else scalar), multiply then add (no FMA assumed)
-   The cache blocks follow the usual sizing: a KC x NR panel of B in L1, an
-   MC x KC block of A in L2, a KC x NC panel of B in the last-level cache. */
+   The cache blocks: a KC x MR strip of A in L1, used against eight
+   KC x NR strips of B in L2 in turn, an MC x KC block of A in L2, a
+   KC x NC panel of B in the last-level cache; AVX-512's longer KC halves
+   the passes over C, which is what the kernel waits for. The last strip of an m that is not a
+   multiple of MR runs a kernel of fewer rows on x86 (tiles of 64 rows: 5
+   whole strips and 4 rows, not 6 whole strips). */
 #if defined(MOEPT_GEMM_PORTABLE)
 #define MOEPT__K_PORTABLE 1
 #elif defined(__AVX512F__)
@@ -287,8 +291,8 @@ typedef struct moept__gemm_ws {
 #define MOEPT__ISA "avx512f 12x32"
 #define MOEPT__MR 12
 #define MOEPT__NR 32
-#define MOEPT__KC 256
-#define MOEPT__MC 144
+#define MOEPT__KC 512 /* C read and written half as often as at 256 */
+#define MOEPT__MC 96
 #define MOEPT__NC 2048
 #elif defined(MOEPT__K_AVX2)
 #define MOEPT__ISA "avx2+fma 6x16"
@@ -433,7 +437,6 @@ static void moept__pack_bt(const moept__gemm *g, int64_t p0, int64_t j0,
 #if defined(MOEPT__K_AVX512) || defined(MOEPT__K_AVX2)
 /* one body for both x86 kernels: VW-float vectors, two a row of the tile */
 #if defined(MOEPT__K_AVX512)
-#define MOEPT__ROWS(R) R(0) R(1) R(2) R(3) R(4) R(5) R(6) R(7) R(8) R(9) R(10) R(11)
 #define MOEPT__VW 16
 typedef __m512 moept__vx;
 #define MOEPT__VZERO _mm512_setzero_ps
@@ -443,7 +446,6 @@ typedef __m512 moept__vx;
 #define MOEPT__VFMA _mm512_fmadd_ps
 #define MOEPT__VADD _mm512_add_ps
 #else
-#define MOEPT__ROWS(R) R(0) R(1) R(2) R(3) R(4) R(5)
 #define MOEPT__VW 8
 typedef __m256 moept__vx;
 #define MOEPT__VZERO _mm256_setzero_ps
@@ -453,28 +455,51 @@ typedef __m256 moept__vx;
 #define MOEPT__VFMA _mm256_fmadd_ps
 #define MOEPT__VADD _mm256_add_ps
 #endif
-static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
-                                        int64_t ldc, int add) {
+#define MOEPT__ROWS(R) R(0) R(1) R(2) R(3) R(4) R(5) R(6) R(7) R(8) R(9) R(10) R(11)
+#if defined(__GNUC__) || defined(__clang__)
+#define MOEPT__KINLINE static inline __attribute__((always_inline))
+#else
+#define MOEPT__KINLINE static inline
+#endif
+/* The tile's first `rows` rows (a constant once inlined: the rows past it
+   and their accumulators vanish), so the last strip of an m that is not a
+   multiple of MR costs what its rows need, not a whole tile. */
+MOEPT__KINLINE void moept__kern_rows(int rows, int64_t kc, const float *ap, const float *bp, float *c,
+                                     int64_t ldc, int add) {
 #define MOEPT__R(i) moept__vx c##i##0 = MOEPT__VZERO(), c##i##1 = MOEPT__VZERO();
     MOEPT__ROWS(MOEPT__R)
 #undef MOEPT__R
-    for (int i = 0; i < MOEPT__MR; i++) { /* C's rows, while the sums run (both lines they touch) */
+    for (int i = 0; i < rows; i++) { /* C's rows, while the sums run (both lines they touch) */
         _mm_prefetch((const char *)(c + i * ldc), _MM_HINT_T0);
         _mm_prefetch((const char *)(c + i * ldc + MOEPT__NR - 1), _MM_HINT_T0);
     }
     for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR) {
-        moept__vx b0 = MOEPT__VLOAD(bp), b1 = MOEPT__VLOAD(bp + MOEPT__VW), a;
-#define MOEPT__R(i) a = MOEPT__VBCAST(ap + i); \
-        c##i##0 = MOEPT__VFMA(a, b0, c##i##0); c##i##1 = MOEPT__VFMA(a, b1, c##i##1);
+        moept__vx b0 = MOEPT__VLOAD(bp), b1 = MOEPT__VLOAD(bp + MOEPT__VW);
+#define MOEPT__R(i) if (i < rows) { moept__vx a = MOEPT__VBCAST(ap + i); \
+        c##i##0 = MOEPT__VFMA(a, b0, c##i##0); c##i##1 = MOEPT__VFMA(a, b1, c##i##1); }
         MOEPT__ROWS(MOEPT__R)
 #undef MOEPT__R
     }
-#define MOEPT__R(i) if (add) { c##i##0 = MOEPT__VADD(c##i##0, MOEPT__VLOAD(c + i * ldc)); \
+#define MOEPT__R(i) if (i < rows) { if (add) { c##i##0 = MOEPT__VADD(c##i##0, MOEPT__VLOAD(c + i * ldc)); \
         c##i##1 = MOEPT__VADD(c##i##1, MOEPT__VLOAD(c + i * ldc + MOEPT__VW)); } \
-    MOEPT__VSTORE(c + i * ldc, c##i##0); MOEPT__VSTORE(c + i * ldc + MOEPT__VW, c##i##1);
+    MOEPT__VSTORE(c + i * ldc, c##i##0); MOEPT__VSTORE(c + i * ldc + MOEPT__VW, c##i##1); }
     MOEPT__ROWS(MOEPT__R)
 #undef MOEPT__R
+}
 #undef MOEPT__ROWS
+static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
+                                        int64_t ldc, int add) {
+    moept__kern_rows(MOEPT__MR, kc, ap, bp, c, ldc, add);
+}
+/* the edge strip's kernels: at most a third and two thirds of MR rows */
+#define MOEPT__KERN_EDGE 1
+static MOEPT__NOINLINE void moept__kern_e1(int64_t kc, const float *ap, const float *bp, float *c,
+                                           int64_t ldc, int add) {
+    moept__kern_rows(MOEPT__MR / 3, kc, ap, bp, c, ldc, add);
+}
+static MOEPT__NOINLINE void moept__kern_e2(int64_t kc, const float *ap, const float *bp, float *c,
+                                           int64_t ldc, int add) {
+    moept__kern_rows(MOEPT__MR * 2 / 3, kc, ap, bp, c, ldc, add);
 }
 #elif defined(MOEPT__K_NEON)
 static MOEPT__NOINLINE void moept__kern(int64_t kc, const float *ap, const float *bp, float *c,
@@ -536,21 +561,28 @@ static void moept__kern(int64_t kc, const float *ap, const float *bp, float *c, 
 #endif
 
 /* One MR x NR tile of C from packed panels (the first k block applies
-   beta, later ones add): a whole tile with alpha 1 and beta 0 or 1 is the
-   kernel's own store; edges and other scalings go through a local tile. */
+   beta, later ones add): a whole tile (or the edge strip's rows, where a
+   kernel has that many) with alpha 1 and beta 0 or 1 is the kernel's own
+   store; other edges and scalings go through a local tile. */
 static void moept__micro(int64_t kc, const float *ap, const float *bp,
                          const moept__gemm *g, int64_t i0, int64_t j0,
                          int first) {
     int64_t mr = g->m - i0 < MOEPT__MR ? g->m - i0 : MOEPT__MR;
     int64_t nr = g->n - j0 < MOEPT__NR ? g->n - j0 : MOEPT__NR;
     float *c0 = g->c + i0 * g->ldc + j0;
-    int whole = mr == MOEPT__MR && nr == MOEPT__NR && g->alpha == 1.0f;
+    void (*kern)(int64_t, const float *, const float *, float *, int64_t, int) = moept__kern;
+    int krows = MOEPT__MR; /* the rows kern writes */
+#ifdef MOEPT__KERN_EDGE
+    if (mr <= MOEPT__MR / 3) kern = moept__kern_e1, krows = MOEPT__MR / 3;
+    else if (mr <= MOEPT__MR * 2 / 3) kern = moept__kern_e2, krows = MOEPT__MR * 2 / 3;
+#endif
+    int whole = mr == krows && nr == MOEPT__NR && g->alpha == 1.0f;
     if (whole && (!first || g->beta == 0.0f || g->beta == 1.0f)) {
-        moept__kern(kc, ap, bp, c0, g->ldc, !first || g->beta == 1.0f);
+        kern(kc, ap, bp, c0, g->ldc, !first || g->beta == 1.0f);
         return;
     }
     float acc[MOEPT__MR * MOEPT__NR]; /* [MR][NR] */
-    moept__kern(kc, ap, bp, acc, MOEPT__NR, 0);
+    kern(kc, ap, bp, acc, MOEPT__NR, 0);
     for (int64_t i = 0; i < mr; i++) {
         float *c = c0 + i * g->ldc;
         const float *s = acc + i * MOEPT__NR;
@@ -627,8 +659,8 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
         for (int64_t sg = s0; sg < s1; sg += 8) {
             int64_t sg1 = sg + 8 < s1 ? sg + 8 : s1;
             if (packb) moept__pack_b_span(g, pc, kc, jc, nc, sg, sg1, ws->bpack);
-            for (int64_t s = sg; s < sg1; s++)
-                for (int64_t i = i0; i < i1; i++)
+            for (int64_t i = i0; i < i1; i++) /* A's strip stays in L1 while B's strips stream */
+                for (int64_t s = sg; s < sg1; s++)
                     moept__micro(kc, ws->apack + i * KC * MR, ws->bpack + s * KC * NR, g, i * MR, jc + s * NR,
                                  pc == 0);
         }
