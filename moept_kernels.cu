@@ -2294,7 +2294,7 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
                 moept__gemm_cm cm = moept__gemm_colmajor(&g[i0 + i]);
                 pv.p[i] = cm.a; pv.p[nc + i] = cm.b; pv.p[2 * nc + i] = cm.c;
             }
-            MOEPT__LAUNCH(moept__k_ptrs, 1, 3 * MOEPT__NPTR, 0, c->s)(pv, nc, G, dp + i0);
+            MOEPT__LAUNCH(moept__k_ptrs, 1, 3 * nc, 0, c->s)(pv, nc, G, dp + i0);
             MOEPT__LAUNCHED();
         }
         cublasStatus_t r = cublasGemmGroupedBatchedEx_64(
