@@ -4154,10 +4154,12 @@ static moept_status moept__to_device(moept_layer *L) {
     return MOEPT_OK;
 }
 
+/* what the device executor holds now, into the layer's statistics */
+static void moept__cuda_held(moept_layer *L) {
+    moept__cuda_sizes(MOEPT__CX(L)->c, &L->dev.allocations, &L->dev.allocated_bytes, &L->dev.workspace_bytes);
+}
+
 static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
-    L->dev.allocations = r->allocations;
-    L->dev.allocated_bytes = r->allocated_bytes;
-    L->dev.workspace_bytes = r->workspace_bytes;
     L->stats.recv_capacity = r->recv_capacity;
     L->stats.recv_growths = r->recv_growths;
     L->stats.comm_seconds += r->comm_seconds;
@@ -4220,7 +4222,7 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.logits_out = f->logits_out;
     st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
-    moept__cuda_sizes(X->c, &L->dev.allocations, &L->dev.allocated_bytes, &L->dev.workspace_bytes);
+    moept__cuda_held(L); /* a failed forward's too: a slot it made stays */
     /* sync-free: a rank's own rejection fails its call alone and its peers
        go on, so it counts the forward as they do: the ranks' noise keys stay alike */
     if (st && r.agreed && X->sync_free) L->fwd.jitter_micro += r.jitter;
@@ -4262,6 +4264,7 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     r.slot = o->slot;
     st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__thread_err);
     L->agreed_calls += r.agreed;
+    moept__cuda_held(L);
     if (st) return st;
     moept__cuda_stats(L, &r);
     if (o->slot == X->slot) L->fwd.bwd_valid = 1; /* the last forward's */
@@ -4550,7 +4553,7 @@ static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *
         st = moept__cuda_create(&sp, &X->c, err);
     }
     if (!st && (st = moept__to_device(L))) memcpy(err, moept__thread_err, sizeof err);
-    if (!st) moept__cuda_sizes(X->c, &L->dev.allocations, &L->dev.allocated_bytes, &L->dev.workspace_bytes);
+    if (!st) moept__cuda_held(L);
     moept_status ast; /* the agreement's own status: this rank's st is kept */
     int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
     if (st) return moept__thread_fail(st, "%s", err);

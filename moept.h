@@ -2051,7 +2051,6 @@ typedef struct moept__cuda_step {
     const float *dlogits;      /* in (backward): [T][E] the caller's dL/dlogits (device), or NULL */
     int64_t valid;             /* out: this rank's unmasked tokens (deferred as N) */
     int64_t N, R, capacity, rows_sent, rows_received, recv_capacity, recv_growths;
-    int64_t allocations, allocated_bytes, workspace_bytes;
     double aux_value, z_value, loss_T;
     int counts_global;
     int deferred;              /* sync-free: the values from N to counts_global (and lstat, peer_rows) are
@@ -2076,7 +2075,7 @@ void moept__cuda_params_changed(moept__cuda *c);
 moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
                                           float *dwts, char *err);
 moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
-/* What the executor holds now (moept__cuda_step's allocations, allocated_bytes, workspace_bytes) */
+/* What the executor holds now: its allocations, their bytes, the device workspace (every slot's) */
 void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
                        int64_t *workspace_bytes);
 /* first_bad: the first non-finite dx element of the backwards since

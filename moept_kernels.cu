@@ -940,15 +940,15 @@ __global__ void moept__k_dx(const T *ys, const int64_t *row_of, const T *yss, co
 /* The grouped GEMM's pointer arrays, carried by value in the launch's
    parameters (copied at the launch: no host buffer outlives the call, so
    nothing orders the host's next write after this copy; a captured graph
-   keeps the values): groups' A, B and C pointers, n of each (n <= 40:
-   120 pointers, under the 4 KB kernel parameter limit, CUDA C++
-   Programming Guide, "Function Parameters"), into dst's A, B and C arrays
-   (G apart). */
+   keeps the values): n groups' A, B and C pointers, a group's three
+   together (n <= 40: 120 pointers, under the 4 KB kernel parameter limit,
+   CUDA C++ Programming Guide, "Function Parameters"), into dst's A, B and
+   C arrays (G apart). */
 #define MOEPT__NPTR 40
 typedef struct moept__ptrs { const void *p[3 * MOEPT__NPTR]; } moept__ptrs;
 __global__ void moept__k_ptrs(moept__ptrs v, int n, int64_t G, const void **dst) {
     int i = threadIdx.x;
-    if (i < 3 * n) dst[i / n * G + i % n] = v.p[i];
+    if (i < 3 * n) dst[i % 3 * G + i / 3] = v.p[i];
 }
 
 __global__ void moept__k_sigmoid(float *v, int64_t n) {
@@ -2066,7 +2066,6 @@ extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__
     /* global balance: the statistics travel with the counts and are summed
        in rank order, so no second collective can meet another call's */
     c->M = c->moff + (spec->global_balance && spec->ep ? MOEPT__NLSTAT(spec->E) : 0) + 1;
-    c->T = -1;
     c->wlow_stale = 1;
     moept_status st = moept__create(c, err);
     if (st) { moept__cuda_destroy(c); return st; }
@@ -2287,14 +2286,10 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
             m[i] = cm.m; nn[i] = cm.n; k[i] = cm.k;
             lda[i] = cm.lda; ldb[i] = cm.ldb; ldc[i] = cm.ldc; gs[i] = 1;
             al[i] = cm.alpha; be[i] = cm.beta;
-        }
-        for (int64_t i0 = 0; i0 < n; i0 += MOEPT__NPTR) {
-            const int nc = (int)(n - i0 < MOEPT__NPTR ? n - i0 : MOEPT__NPTR);
-            for (int i = 0; i < nc; i++) {
-                moept__gemm_cm cm = moept__gemm_colmajor(&g[i0 + i]);
-                pv.p[i] = cm.a; pv.p[nc + i] = cm.b; pv.p[2 * nc + i] = cm.c;
-            }
-            MOEPT__LAUNCH(moept__k_ptrs, 1, 3 * nc, 0, c->s)(pv, nc, G, dp + i0);
+            const int j = (int)(i % MOEPT__NPTR);
+            pv.p[3 * j] = cm.a; pv.p[3 * j + 1] = cm.b; pv.p[3 * j + 2] = cm.c;
+            if (j + 1 < MOEPT__NPTR && i + 1 < n) continue; /* a full launch, or the last */
+            MOEPT__LAUNCH(moept__k_ptrs, 1, 3 * (j + 1), 0, c->s)(pv, j + 1, G, dp + i - j);
             MOEPT__LAUNCHED();
         }
         cublasStatus_t r = cublasGemmGroupedBatchedEx_64(
@@ -3248,7 +3243,6 @@ extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64
     out->slot = c->active;
     out->recv_capacity = c->Rcap;
     out->recv_growths = c->growths;
-    moept__cuda_sizes(c, &out->allocations, &out->allocated_bytes, &out->workspace_bytes);
     return st;
 }
 
@@ -3495,7 +3489,6 @@ extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, cons
     (void)moept__use_slot(c, last, e);
     out->recv_capacity = c->Rcap;
     out->recv_growths = c->growths;
-    moept__cuda_sizes(c, &out->allocations, &out->allocated_bytes, &out->workspace_bytes);
     return st;
 }
 

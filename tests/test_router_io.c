@@ -16,56 +16,16 @@
 #define MOEPT_INTERNAL
 #include "../moept.h"
 #include "testutil.h"
+#include "tu_exec.h"
 
 #include <math.h>
-#ifdef MOEPT_CUDA
-#include <cuda_runtime.h>
-#define GPU 1
-#else
-#define GPU 0
-#endif
+#define GPU TU_GPU
 
 #define MAXP 2
 #define TR 16 /* tokens a rank */
 
-/* device copies (GPU build) or the host arrays themselves */
-static void *to_dev(const void *h, size_t bytes) {
-#ifdef MOEPT_CUDA
-    void *d = NULL;
-    if (cudaMalloc(&d, bytes + 4) != cudaSuccess) return NULL;
-    if (h) cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice);
-    else cudaMemset(d, 0, bytes);
-    return d;
-#else
-    void *d = calloc(1, bytes + 4);
-    if (h) memcpy(d, h, bytes);
-    return d;
-#endif
-}
-static void to_host(void *h, const void *d, size_t bytes) {
-#ifdef MOEPT_CUDA
-    cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost);
-#else
-    memcpy(h, d, bytes);
-#endif
-}
-static void dev_free(void *d) {
-#ifdef MOEPT_CUDA
-    cudaFree(d);
-#else
-    free(d);
-#endif
-}
-
 static moept_status make_layer(const moept_config *c, moept_comm *ep, int sync_free, moept_layer **L) {
-    moept_status st = MOEPT_ERR_UNSUPPORTED;
-#ifdef MOEPT_CUDA
-    moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, sync_free, MOEPT_GEMM_AUTO};
-    st = moept_create_cuda(c, ep, NULL, &o, L);
-#else
-    (void)sync_free;
-    st = moept_create_parallel(c, ep, NULL, L);
-#endif
+    moept_status st = tu_layer(c, ep, sync_free, L);
     if (!st) st = moept_init_params(*L, 11);
     return st;
 }
@@ -80,9 +40,6 @@ typedef struct sjob {
     double err_g, err_router, err_dx; /* largest over the ranks: |b - s a| / |s a| */
     moept_status st;
     char why[512];
-#ifdef MOEPT_CUDA
-    ncclUniqueId *id;
-#endif
 } sjob;
 
 /* one forward and backward_ex of x (rank's rows) with dy * s and scale ls:
@@ -91,8 +48,8 @@ static moept_status fwd_bwd(moept_layer *L, const float *x, const float *dy, flo
                             float *g, int64_t ng, int64_t D) {
     float *dys = malloc(TR * D * 4);
     for (int64_t i = 0; i < TR * D; i++) dys[i] = s * dy[i];
-    void *xd = to_dev(x, TR * D * 4), *yd = to_dev(NULL, TR * D * 4), *dyd = to_dev(dys, TR * D * 4);
-    void *dxd = to_dev(NULL, TR * D * 4);
+    void *xd = tu_dev(x, TR * D * 4), *yd = tu_dev(NULL, TR * D * 4), *dyd = tu_dev(dys, TR * D * 4);
+    void *dxd = tu_dev(NULL, TR * D * 4);
     moept_backward_opts bo = moept_backward_default();
     bo.router_loss_scale = ls;
     moept_status st = moept_zero_grad(L);
@@ -103,8 +60,8 @@ static moept_status fwd_bwd(moept_layer *L, const float *x, const float *dy, flo
     int64_t n;
     if (!st) st = moept_grads(L, &gp, &n);
     if (!st && n == ng) memcpy(g, gp, (size_t)ng * 4);
-    if (!st) to_host(dx, dxd, TR * D * 4);
-    dev_free(xd); dev_free(yd); dev_free(dyd); dev_free(dxd);
+    if (!st) tu_to_host(dx, dxd, TR * D * 4);
+    tu_dev_free(xd); tu_dev_free(yd); tu_dev_free(dyd); tu_dev_free(dxd);
     free(dys);
     return st;
 }
@@ -121,19 +78,8 @@ static void *scale_rank(void *arg) {
     sjob *j = arg;
     const moept_config *c = j->c;
     const int64_t D = c->hidden_size, E = c->num_experts;
-    moept_comm *ep = NULL;
-#ifdef MOEPT_CUDA
-    cudaStream_t cs = NULL;
-    ncclComm_t nc = NULL;
-    cudaSetDevice(j->r);
-    if (j->P > 1) {
-        cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking);
-        ncclCommInitRank(&nc, j->P, *j->id, j->r);
-        moept_comm_nccl(nc, cs, 20000, &ep);
-    }
-#else
-    if (j->P > 1) moept_comm_threads(j->g, j->r, &ep);
-#endif
+    tu_ep e;
+    moept_comm *ep = tu_ep_open(&e, j->g, j->P, j->r);
     moept_layer *L = NULL;
     j->st = make_layer(c, ep, j->sync_free, &L);
     unsigned long long seed = 77 + (unsigned long long)j->r;
@@ -156,10 +102,7 @@ static void *scale_rank(void *arg) {
     }
     free(g1); free(gs); free(dx1); free(dxs); free(x); free(dy);
     moept_destroy(L);
-    moept_comm_destroy(ep);
-#ifdef MOEPT_CUDA
-    if (nc) { ncclCommDestroy(nc); cudaStreamDestroy(cs); }
-#endif
+    tu_ep_close(&e);
     return NULL;
 }
 
@@ -167,24 +110,13 @@ static void *scale_rank(void *arg) {
 static moept_status scale_world(const moept_config *c, int P, int sync_free, float s, float pass_s,
                                 float bad_rank_s, double err[3], char *why) {
     sjob jobs[MAXP];
-#ifdef MOEPT_CUDA
-    ncclUniqueId id;
-    ncclGetUniqueId(&id);
-#endif
+    tu_new_world();
     for (int r = 0; r < P; r++) {
         memset(&jobs[r], 0, sizeof jobs[r]);
         jobs[r].c = c; jobs[r].P = P; jobs[r].sync_free = sync_free;
         jobs[r].s = s; jobs[r].pass_s = pass_s; jobs[r].bad_rank_s = bad_rank_s;
-#ifdef MOEPT_CUDA
-        jobs[r].id = &id;
-#endif
     }
-#ifdef MOEPT_CUDA
-    pthread_t th[MAXP];
-    for (int r = 0; r < P; r++) { jobs[r].r = r; pthread_create(&th[r], NULL, scale_rank, &jobs[r]); }
-    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
-#else
-    moept_thread_group *g = NULL;
+    moept_thread_group *g = NULL; /* the threads backend's (CUDA layers meet over NCCL) */
     pthread_t th[MAXP];
     moept_thread_group_create(P, 20000, &g);
     for (int r = 0; r < P; r++) {
@@ -193,7 +125,6 @@ static moept_status scale_world(const moept_config *c, int P, int sync_free, flo
     }
     for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
     moept_thread_group_destroy(g);
-#endif
     moept_status st = MOEPT_OK;
     err[0] = err[1] = err[2] = 0;
     for (int r = 0; r < P; r++) {
@@ -326,7 +257,7 @@ static double hf_case_err(int use_dl, double *y_err, double *loss_err) {
     moept_layer *L[NL] = {NULL, NULL};
     void *xd[NL], *yd[NL], *dyd[NL], *dxd[NL];
     float *lg = malloc((size_t)(NL * T * E) * 4), *dl = malloc((size_t)(NL * T * E) * 4);
-    void *lgd = to_dev(NULL, (size_t)(NL * T * E) * 4);
+    void *lgd = tu_dev(NULL, (size_t)(NL * T * E) * 4);
     double err = 0, yerr = 0;
     char name[128];
     moept_status st = MOEPT_OK;
@@ -345,16 +276,16 @@ static double hf_case_err(int use_dl, double *y_err, double *loss_err) {
         snprintf(name, sizeof name, "layer%d.grad_output", l);
         float *dy = read_t(name, T * D);
         if (!x || !dy) st = MOEPT_ERR_FORMAT;
-        xd[l] = to_dev(x, T * D * 4); dyd[l] = to_dev(dy, T * D * 4);
-        yd[l] = to_dev(NULL, T * D * 4); dxd[l] = to_dev(NULL, T * D * 4);
+        xd[l] = tu_dev(x, T * D * 4); dyd[l] = tu_dev(dy, T * D * 4);
+        yd[l] = tu_dev(NULL, T * D * 4); dxd[l] = tu_dev(NULL, T * D * 4);
         free(x); free(dy);
         moept_forward_opts fo = {NULL, 0, NULL, (float *)lgd + l * T * E, 0};
         if (!st) st = moept_forward_ex(L[l], xd[l], T, yd[l], &fo);
     }
-    to_host(lg, lgd, (size_t)(NL * T * E) * 4);
+    tu_to_host(lg, lgd, (size_t)(NL * T * E) * 4);
     double loss = 0;
     hf_aux_grad(lg, T, E, K, coef, dl, &loss);
-    void *dld = to_dev(dl, (size_t)(NL * T * E) * 4);
+    void *dld = tu_dev(dl, (size_t)(NL * T * E) * 4);
     float *aux = read_t("expected.aux_loss", 1);
     *loss_err = aux ? fabs(loss - aux[0]) / fabs(aux[0]) : 1;
     free(aux);
@@ -369,12 +300,12 @@ static double hf_case_err(int use_dl, double *y_err, double *loss_err) {
         free(want);
         snprintf(name, sizeof name, "layer%d.expected.output", l);
         want = read_t(name, T * D);
-        to_host(got, yd[l], T * D * 4);
+        tu_to_host(got, yd[l], T * D * 4);
         yerr = want ? fmax(yerr, tu_relerr(got, want, T * D)) : 1;
         free(want);
         snprintf(name, sizeof name, "layer%d.expected.grad.input", l);
         want = read_t(name, T * D);
-        to_host(got, dxd[l], T * D * 4);
+        tu_to_host(got, dxd[l], T * D * 4);
         err = want ? fmax(err, tu_relerr(got, want, T * D)) : 1;
         free(want);
         free(got);
@@ -393,9 +324,9 @@ static double hf_case_err(int use_dl, double *y_err, double *loss_err) {
     EXPECT(!st, "hf case: %s", moept_last_error(NULL));
     for (int l = 0; l < NL; l++) {
         moept_destroy(L[l]);
-        dev_free(xd[l]); dev_free(yd[l]); dev_free(dyd[l]); dev_free(dxd[l]);
+        tu_dev_free(xd[l]); tu_dev_free(yd[l]); tu_dev_free(dyd[l]); tu_dev_free(dxd[l]);
     }
-    dev_free(lgd); dev_free(dld);
+    tu_dev_free(lgd); tu_dev_free(dld);
     free(lg); free(dl);
     *y_err = yerr;
     return st ? 1 : err;

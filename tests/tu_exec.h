@@ -1,4 +1,4 @@
-/* Helpers of the tests built for both executors (tests/test_slots.c):
+/* Helpers of the tests built for both executors (test_slots, test_router_io):
    include after testutil.h. */
 #ifndef MOEPT_TU_EXEC_H
 #define MOEPT_TU_EXEC_H
