@@ -46,11 +46,6 @@ static double time_gemm(const moept__gemm *g, moept__gemm_ws *ws, int cblas, int
     return t[reps / 2];
 }
 
-static void pause_ms(long ms) { /* lets the other library's spinning threads go to sleep */
-    struct timespec ts = {0, ms * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
 int main(int argc, char **argv) {
     bench_shape sh = {4096, 1024, 3584, 8, 2, 5, 1};
     if (!bench_shape_args(argc, argv, &sh)) return 2;
@@ -91,9 +86,9 @@ int main(int argc, char **argv) {
         double f = 2.0 * (double)g->m * (double)g->n * (double)g->k;
         double sb = time_gemm(g, &ws, 0, reps), sc = 0;
 #ifdef BENCH_CBLAS
-        pause_ms(50);
+        bench_pause_ms(200);
         sc = time_gemm(g, &ws, 1, reps);
-        pause_ms(50);
+        bench_pause_ms(200);
 #endif
         fl += f; tb += sb; tc += sc;
         gbs[i] = f / sb * 1e-9;

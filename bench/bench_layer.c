@@ -6,6 +6,13 @@
    on separate buffers: what is left between the two is the cost of
    routing, the plan, the permute, activations and the combine.
 
+   Built with BENCH_CBLAS (the builtin GEMM's build, linked with OpenBLAS),
+   the same floor also runs through cblas_sgemm in the same process, and
+   again through the builtin GEMM, each after a pause (bench_pause_ms), so
+   the two libraries are timed in turn under the same clock and cache
+   conditions: RESULT adds cblas_floor_s, paused_floor_s and the kernel
+   OpenBLAS used. The layer's ratio keeps the floor timed right after it.
+
    usage: bench_layer [--tokens T] [--hidden D] [--ffn F] [--experts E]
                       [--topk K] [--reps R] [--threads N]
    Prints one "RESULT key=value ..." line (bench/run_bench_layer.py reads it). */
@@ -14,6 +21,21 @@
 #include "bench_shape.h"
 
 #include <time.h>
+#if defined(BENCH_CBLAS) && !defined(MOEPT_CBLAS)
+#include <cblas.h>
+char *openblas_get_corename(void);
+
+/* the floor's descriptors through OpenBLAS, as moept__gemm_run would call it */
+static void floor_cblas(const moept__gemm *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (g[i].m > 0 && g[i].n > 0)
+            cblas_sgemm(CblasRowMajor, g[i].trans_a ? CblasTrans : CblasNoTrans,
+                        g[i].trans_b ? CblasTrans : CblasNoTrans, (int)g[i].m, (int)g[i].n, (int)g[i].k,
+                        g[i].alpha, g[i].a, (int)g[i].lda, g[i].b, (int)g[i].ldb, g[i].beta, g[i].c,
+                        (int)g[i].ldc);
+}
+#define BENCH_OB 1
+#endif
 
 static double now(void) {
     struct timespec ts;
@@ -59,6 +81,10 @@ int main(int argc, char **argv) {
 #ifdef _OPENMP
     pth = omp_get_max_threads();
 #endif
+#ifdef BENCH_OB
+    openblas_set_num_threads(pth);
+    bench_pause_ms(200); /* OpenBLAS's workers, started at load, asleep before the peak is taken */
+#endif
     peak = peak_gflops(pth);
     moept_init_params(L, 1);
     float *x = malloc((size_t)(T * D) * 4), *dy = malloc((size_t)(T * D) * 4);
@@ -101,8 +127,26 @@ int main(int argc, char **argv) {
     }
     for (int64_t i = 0; i < n; i++) flops += 2.0 * (double)g[i].m * (double)g[i].n * (double)g[i].k;
     moept__gemm_run(g, n, &L->ws.gws); /* warm-up: first touch of the floor's buffers */
-    /* alternate the two so both see the same cache and clock conditions */
+    double *to = malloc((size_t)reps * sizeof(double)); /* OpenBLAS's floor, per rep */
+    double *tb = malloc((size_t)reps * sizeof(double)); /* the builtin floor, after the same pause */
+#ifdef BENCH_OB
+    floor_cblas(g, n);
+#endif
+    /* the layer and its floor in turn, so both see the same cache and clock
+       conditions; with OpenBLAS, its floor and the builtin's, each after a
+       pause, before them */
     for (int r = 0; r < reps; r++) {
+        to[r] = tb[r] = 0;
+#ifdef BENCH_OB
+        bench_pause_ms(200);
+        double t2 = now();
+        floor_cblas(g, n);
+        to[r] = now() - t2;
+        bench_pause_ms(200);
+        t2 = now();
+        moept__gemm_run(g, n, &L->ws.gws);
+        tb[r] = now() - t2;
+#endif
         double t0 = now();
         moept_forward(L, x, T, y);
         moept_backward(L, x, dy, dx);
@@ -113,6 +157,8 @@ int main(int argc, char **argv) {
     }
     qsort(tm, (size_t)reps, sizeof *tm, cmp_d);
     qsort(tf, (size_t)reps, sizeof *tf, cmp_d);
+    qsort(to, (size_t)reps, sizeof *to, cmp_d);
+    qsort(tb, (size_t)reps, sizeof *tb, cmp_d);
     double mt = tm[reps / 2], ft = tf[reps / 2];
     double again = peak_gflops(pth);
     peak = again > peak ? again : peak;
@@ -123,10 +169,17 @@ int main(int argc, char **argv) {
 #endif
     printf("RESULT gemm=%s tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld threads=%d reps=%d "
            "moept_s=%.6f floor_s=%.6f ratio=%.4f gflops=%.1f floor_gflops=%.1f peak_bytes=%lld "
-           "layer_bytes=%lld routed_rows=%lld peak_gflops=%.1f\n",
+           "layer_bytes=%lld routed_rows=%lld peak_gflops=%.1f",
            path, (long long)T, (long long)D, (long long)F, (long long)E, (long long)K, L->nthreads, reps, mt, ft,
            mt / ft, flops / mt * 1e-9, flops / ft * 1e-9, (long long)(peak1 - rss0),
            (long long)(st.param_bytes + st.workspace_bytes), (long long)st.routed_rows, peak);
+#ifdef BENCH_OB
+    printf(" cblas_floor_s=%.6f paused_floor_s=%.6f openblas=%s", to[reps / 2], tb[reps / 2],
+           openblas_get_corename());
+#endif
+    printf("\n");
+    free(to);
+    free(tb);
     moept_destroy(L);
     return 0;
 }

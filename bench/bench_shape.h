@@ -6,9 +6,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+/* Sleeps ms milliseconds: between one GEMM library's runs and the other's,
+   so the first's idle threads stop spinning before the second is timed
+   (OpenBLAS 0.3's workers spin for 2^28 time-stamp ticks, about 0.1 s, after
+   each call; libgomp's for a few hundred microseconds). */
+static inline void bench_pause_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
 
 typedef struct bench_shape {
     int64_t T, D, F, E, K;

@@ -8,7 +8,10 @@ OpenBLAS picks its kernel from the CPU; where it does not recognise a
 virtual CPU and falls back to a generic SSE kernel (Prescott), the runner
 sets OPENBLAS_CORETYPE to SkylakeX or Haswell if, and only if, the CPU has
 every instruction set that kernel uses, so the baseline is the library at
-its best here. Then bench_gemm: each of the step's GEMMs against the
+its best here (a value the environment sets is removed first). The builtin
+build times OpenBLAS's floor in its own process too, in turn with its own:
+the "same process" rate ratio, which the machine's drift between processes
+does not move. Then bench_gemm: each of the step's GEMMs against the
 machine's measured FMA peak and OpenBLAS, for the native and the
 -march=x86-64-v3 builds."""
 import os
@@ -48,21 +51,22 @@ def openblas_core(env):
 
 
 def set_coretype(env):
-    """Leaves OpenBLAS's own choice unless it is a generic fallback; then
-    names the best kernel whose instructions this CPU has (or none)."""
-    if "OPENBLAS_CORETYPE" not in os.environ:
-        native = openblas_core(env)
-        flags = set()
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+    """OpenBLAS's own choice for this CPU (OPENBLAS_CORETYPE removed, should
+    the environment pin one), unless that is a generic fallback: then the
+    best kernel whose instructions this CPU has (or none)."""
+    env.pop("OPENBLAS_CORETYPE", None)
+    native = openblas_core(env)
+    flags = set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if native in GENERIC:
+        for core, need in NEEDS:
+            if need <= flags:
+                env["OPENBLAS_CORETYPE"] = core
                 break
-        if native in GENERIC:
-            for core, need in NEEDS:
-                if need <= flags:
-                    env["OPENBLAS_CORETYPE"] = core
-                    break
-        print(f"OpenBLAS's own kernel here: {native}")
+    print(f"OpenBLAS's own kernel here: {native}")
     print(f"OpenBLAS kernel: {openblas_core(env)} (OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', 'unset')})")
 
 
@@ -105,7 +109,7 @@ def main():
         rows.append((name, T, res))
     print(f"\nMixtral-shaped layer D={D} F={F} E={E} K={K}, fp32, forward+backward, {THREADS} threads, median of reps\n")
     print("| shape | T | moept builtin (s) | its GEMM floor (s) | ratio | moept CBLAS (s) | its GEMM floor (s) | ratio "
-          "| PyTorch eager (s) | torch / moept CBLAS | builtin floor / CBLAS floor | moept peak MiB | torch peak MiB | memory ratio |")
+          "| PyTorch eager (s) | torch / moept CBLAS | builtin / OpenBLAS floor rate, same process (separate) | moept peak MiB | torch peak MiB | memory ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, T, r in rows:
         b = r["builtin"]
@@ -121,7 +125,8 @@ def main():
             cells += [f"{float(t['torch_s']):.3f}", f"{float(t['torch_s']) / float(best['moept_s']):.2f}x"]
         else:
             cells += ["skipped (no torch)", "-"]
-        cells += [f"{float(b['floor_s']) / float(c['floor_s']):.2f}x" if c else "-"]
+        same = f"{float(b['cblas_floor_s']) / float(b['paused_floor_s']):.2f}" if "cblas_floor_s" in b else "-"
+        cells += [f"{same} ({float(c['floor_s']) / float(b['floor_s']):.2f})" if c else "-"]
         mp = int(best["peak_bytes"]) / 2**20
         cells += [f"{mp:.0f}"]
         if t:
