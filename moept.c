@@ -620,7 +620,10 @@ static void moept__pack_b_span(const moept__gemm *g, int64_t pc, int64_t kc, int
 /* How a descriptor's tiles split over nth threads: row blocks of whole MR
    strips, about MC rows, as many as a multiple of the team where m allows
    so each thread gets the same rows; with fewer blocks than threads, column
-   chunks of the NR strips too. */
+   chunks of the NR strips too. Where the strips do not divide among the
+   threads and are few (17 strips on 2 threads: 9 against 8, a thread idle
+   for a ninth of the time), each thread takes a column chunk of every
+   block instead. Tasks run chunk by chunk (t = chunk * mblocks + block). */
 static void moept__gemm_split(const moept__gemm *g, int64_t nth, int64_t nstrips, int64_t *mblocks,
                               int64_t *nchunks) {
     int64_t mstrips = (g->m + MOEPT__MR - 1) / MOEPT__MR;
@@ -628,6 +631,10 @@ static void moept__gemm_split(const moept__gemm *g, int64_t nth, int64_t nstrips
     if (mb >= nth) mb = (mb + nth - 1) / nth * nth;
     if (mb > mstrips) mb = mstrips;
     if (mb < nth) nch = (4 * nth + mb - 1) / mb;
+    else if (nth > 1 && mstrips % nth && mstrips < 32 * nth && nstrips >= 4 * nth) {
+        mb = (g->m + MOEPT__MC - 1) / MOEPT__MC;
+        nch = nth;
+    }
     *mblocks = mb;
     *nchunks = nch > nstrips ? nstrips : nch;
 }
@@ -655,7 +662,7 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
     int64_t ntasks = mblocks * nchunks;
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntasks; t++) {
-        int64_t mb = t / nchunks, ch = t % nchunks;
+        int64_t ch = t / mblocks, mb = t % mblocks;
         int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
         int64_t i0 = mstrips * mb / mblocks, i1 = mstrips * (mb + 1) / mblocks;
         if (nchunks == 1)

@@ -10,8 +10,9 @@
    the same floor also runs through cblas_sgemm in the same process, and
    again through the builtin GEMM, each after a pause (bench_pause_ms), so
    the two libraries are timed in turn under the same clock and cache
-   conditions: RESULT adds cblas_floor_s, paused_floor_s and the kernel
-   OpenBLAS used. The layer's ratio keeps the floor timed right after it.
+   conditions: RESULT adds cblas_floor_s, paused_floor_s, the median (and
+   range) over reps of each rep's rate ratio (rate_vs_openblas: OpenBLAS's
+   time over the builtin's) and the kernel OpenBLAS used. The layer's ratio keeps the floor timed right after it.
 
    usage: bench_layer [--tokens T] [--hidden D] [--ffn F] [--experts E]
                       [--topk K] [--reps R] [--threads N]
@@ -157,6 +158,12 @@ int main(int argc, char **argv) {
     }
     qsort(tm, (size_t)reps, sizeof *tm, cmp_d);
     qsort(tf, (size_t)reps, sizeof *tf, cmp_d);
+    /* each rep's OpenBLAS floor over the builtin one timed right after it: a
+       pair shares the machine's state, so their ratio's median is steadier
+       than the ratio of the two medians where the clock drifts */
+    double *pr = malloc((size_t)reps * sizeof(double));
+    for (int r = 0; r < reps; r++) pr[r] = tb[r] > 0 ? to[r] / tb[r] : 0;
+    qsort(pr, (size_t)reps, sizeof *pr, cmp_d);
     qsort(to, (size_t)reps, sizeof *to, cmp_d);
     qsort(tb, (size_t)reps, sizeof *tb, cmp_d);
     double mt = tm[reps / 2], ft = tf[reps / 2];
@@ -174,12 +181,14 @@ int main(int argc, char **argv) {
            mt / ft, flops / mt * 1e-9, flops / ft * 1e-9, (long long)(peak1 - rss0),
            (long long)(st.param_bytes + st.workspace_bytes), (long long)st.routed_rows, peak);
 #ifdef BENCH_OB
-    printf(" cblas_floor_s=%.6f paused_floor_s=%.6f openblas=%s", to[reps / 2], tb[reps / 2],
+    printf(" cblas_floor_s=%.6f paused_floor_s=%.6f rate_vs_openblas=%.4f rate_vs_openblas_min=%.4f "
+           "rate_vs_openblas_max=%.4f openblas=%s", to[reps / 2], tb[reps / 2], pr[reps / 2], pr[0], pr[reps - 1],
            openblas_get_corename());
 #endif
     printf("\n");
     free(to);
     free(tb);
+    free(pr);
     moept_destroy(L);
     return 0;
 }

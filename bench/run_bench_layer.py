@@ -19,7 +19,7 @@ import re
 import subprocess
 import sys
 
-SHAPES = [("GEMM-bound", 4096, 3), ("between", 1024, 5), ("overhead-bound", 256, 9)]
+SHAPES = [("GEMM-bound", 4096, 5), ("between", 1024, 7), ("overhead-bound", 256, 11)]
 D, F, E, K, THREADS = 1024, 3584, 8, 2, 2
 
 
@@ -70,6 +70,17 @@ def set_coretype(env):
     print(f"OpenBLAS kernel: {openblas_core(env)} (OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', 'unset')})")
 
 
+def v3_env(env):
+    """The x86-64-v3 build stands for an AVX2 machine: on an AVX-512 CPU,
+    OpenBLAS beside it runs its AVX2 kernel (Haswell); elsewhere its own."""
+    flags = set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return dict(env, OPENBLAS_CORETYPE="Haswell") if "avx512f" in flags else env
+
+
 def gemm_tables(env):
     """bench_gemm (builtin vs the FMA peak vs OpenBLAS) at both token counts,
     for the native build and the -march=x86-64-v3 one when built"""
@@ -79,7 +90,7 @@ def gemm_tables(env):
         for _, T, _ in SHAPES:
             print(f"\n### bench_gemm, {what}, T={T}\n")
             out = run([exe, "--tokens", str(T), "--hidden", str(D), "--ffn", str(F), "--experts", str(E),
-                       "--topk", str(K), "--reps", "7" if T > 1024 else "9"], env)
+                       "--topk", str(K), "--reps", "7" if T > 1024 else "9"], v3_env(env) if "v3" in exe else env)
             print("\n".join(l for l in out.splitlines() if not l.startswith("RESULT")))
 
 
@@ -100,7 +111,7 @@ def main():
                 "--reps", str(reps)]
         res = {"builtin": parse(run(["build/bench_layer"] + args, env))}
         if os.path.exists("build/v3/bench_layer"):
-            res["v3"] = parse(run(["build/v3/bench_layer"] + args, env))
+            res["v3"] = parse(run(["build/v3/bench_layer"] + args, v3_env(env)))
         if have_cblas:
             res["cblas"] = parse(run(["build/cblas/bench_layer"] + args, env))
         if have_torch:
@@ -109,7 +120,7 @@ def main():
         rows.append((name, T, res))
     print(f"\nMixtral-shaped layer D={D} F={F} E={E} K={K}, fp32, forward+backward, {THREADS} threads, median of reps\n")
     print("| shape | T | moept builtin (s) | its GEMM floor (s) | ratio | moept CBLAS (s) | its GEMM floor (s) | ratio "
-          "| PyTorch eager (s) | torch / moept CBLAS | builtin / OpenBLAS floor rate, same process (separate) | moept peak MiB | torch peak MiB | memory ratio |")
+          "| PyTorch eager (s) | torch / moept CBLAS | builtin / OpenBLAS floor rate, same process: median [range] of reps (separate processes) | moept peak MiB | torch peak MiB | memory ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, T, r in rows:
         b = r["builtin"]
@@ -125,7 +136,8 @@ def main():
             cells += [f"{float(t['torch_s']):.3f}", f"{float(t['torch_s']) / float(best['moept_s']):.2f}x"]
         else:
             cells += ["skipped (no torch)", "-"]
-        same = f"{float(b['cblas_floor_s']) / float(b['paused_floor_s']):.2f}" if "cblas_floor_s" in b else "-"
+        same = (f"{float(b['rate_vs_openblas']):.2f} [{float(b['rate_vs_openblas_min']):.2f}-"
+                f"{float(b['rate_vs_openblas_max']):.2f}]" if "rate_vs_openblas" in b else "-")
         cells += [f"{same} ({float(c['floor_s']) / float(b['floor_s']):.2f})" if c else "-"]
         mp = int(best["peak_bytes"]) / 2**20
         cells += [f"{mp:.0f}"]
@@ -146,8 +158,11 @@ def main():
     for _, T, r in rows:
         if "v3" in r:
             v = r["v3"]
+            same = (f", builtin / OpenBLAS {v['openblas']} floor rate {float(v['rate_vs_openblas']):.2f}"
+                    f" [{float(v['rate_vs_openblas_min']):.2f}-{float(v['rate_vs_openblas_max']):.2f}]"
+                    if "rate_vs_openblas" in v else "")
             print(f"-march=x86-64-v3 build, T={T}: moept {float(v['moept_s']):.3f} s, floor {float(v['floor_s']):.3f} s,"
-                  f" ratio {float(v['ratio']):.3f}, {float(v['gflops']):.0f}/{float(v['floor_gflops']):.0f} GFLOP/s")
+                  f" ratio {float(v['ratio']):.3f}, {float(v['gflops']):.0f}/{float(v['floor_gflops']):.0f} GFLOP/s{same}")
     gemm_tables(env)
 
 

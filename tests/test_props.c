@@ -461,6 +461,64 @@ static void test_gemm_all_transposes(void) {
     moept_destroy(L);
 }
 
+/* The builtin GEMM's split over threads (moept__gemm_split): row blocks,
+   column chunks of one block, and column chunks of every block where the
+   strips do not divide among the threads (m = 204: 17 strips of 12 rows;
+   210: 35 of 6, 27 of 8, 53 of 4), over two B panels and two k blocks:
+   each thread count gives the double reference's result, and the same
+   bits as one thread. */
+static void test_gemm_thread_splits(void) {
+    moept_config c = cfg0(MOEPT_FAMILY_MIXTRAL, 64, 8, 2, 1, 1100);
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create(&c, &L));
+    if (!L) return;
+    /* m, n, k, trans_a, trans_b, beta */
+    static const int64_t shapes[][6] = {{204, 600, 530, 0, 1, 0}, {210, 2100, 90, 1, 0, 1},
+                                        {64, 700, 530, 0, 0, 0}, {1000, 300, 60, 1, 0, 1}};
+    unsigned long long s = 41;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int64_t m = shapes[si][0], n = shapes[si][1], k = shapes[si][2];
+        int ta = (int)shapes[si][3], tb = (int)shapes[si][4], beta = (int)shapes[si][5];
+        int64_t lda = ta ? m : k, ldb = tb ? k : n;
+        float *A = malloc((size_t)(m * k) * 4), *B = malloc((size_t)(k * n) * 4); /* op(A) [m][k], op(B) [k][n] */
+        float *C0 = malloc((size_t)(m * n) * 4), *C = malloc((size_t)(m * n) * 4), *C1 = malloc((size_t)(m * n) * 4);
+        tu_fill(A, m * k, 1.0, &s);
+        tu_fill(B, k * n, 1.0, &s);
+        tu_fill(C0, m * n, 1.0, &s);
+        double num = 0, den = 0;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) {
+                double acc = beta ? C0[i * n + j] : 0.0;
+                for (int64_t p = 0; p < k; p++)
+                    acc += (double)(ta ? A[p * lda + i] : A[i * lda + p]) * (tb ? B[j * ldb + p] : B[p * ldb + j]);
+                den += acc * acc;
+                C[i * n + j] = (float)acc;
+            }
+        for (int th = 1; th <= 3; th++) {
+            float *out = th == 1 ? C1 : C; /* C: the reference until the one-thread run is checked */
+            memcpy(out, C0, (size_t)(m * n) * 4);
+#ifdef _OPENMP
+            omp_set_num_threads(th);
+#endif
+            moept__gemm g = moept__gemm_make(ta, tb, m, n, k, A, lda, B, ldb, beta ? 1.0f : 0.0f, out, n);
+            moept__gemm_run(&g, 1, &L->ws.gws);
+            if (th == 1) {
+                for (int64_t i = 0; i < m * n; i++) num += ((double)C1[i] - C[i]) * ((double)C1[i] - C[i]);
+                EXPECT(sqrt(num / den) < 1e-6, "gemm %lldx%lldx%lld: rel err %g on 1 thread", (long long)m,
+                       (long long)n, (long long)k, sqrt(num / den));
+            } else {
+                EXPECT(memcmp(C, C1, (size_t)(m * n) * 4) == 0, "gemm %lldx%lldx%lld: %d threads differ from 1",
+                       (long long)m, (long long)n, (long long)k, th);
+            }
+        }
+#ifdef _OPENMP
+        omp_set_num_threads(L->nthreads);
+#endif
+        free(A); free(B); free(C0); free(C); free(C1);
+    }
+    moept_destroy(L);
+}
+
 /* The CUDA plan, run on the CPU: the block-wise count (moept__block_rank,
    blocks of 256 as the kernel), the per-slot scan (moept__plan_scan_slot)
    and placement (moept__plan_place) give the same rows as the CPU's
@@ -940,6 +998,7 @@ int main(void) {
     RUN(test_zero_tokens);
     RUN(test_update_bias);
     RUN(test_gemm_all_transposes);
+    RUN(test_gemm_thread_splits);
     RUN(test_gpu_plan_emulated);
     RUN(test_host_plan);
     RUN(test_chunk_of_token);
