@@ -475,8 +475,9 @@ MOEPT__KINLINE void moept__kern_rows(int rows, int64_t kc, const float *ap, cons
     }
     for (int64_t p = 0; p < kc; p++, ap += MOEPT__MR, bp += MOEPT__NR) {
         moept__vx b0 = MOEPT__VLOAD(bp), b1 = MOEPT__VLOAD(bp + MOEPT__VW);
-        /* B's strip streams from L2: ask for it 6 steps ahead, each of its lines (one
-           thread, against OpenBLAS: 0.85-0.92 without, 0.92-1.02 with, 4 to 8 steps alike) */
+        /* B's strip streams from L2: ask for each of its lines 6 steps ahead (on one
+           thread, all six products of bench_gemm: 0.85-0.92 of OpenBLAS without, 0.92-1.02
+           with; 4 to 8 steps alike) */
         _mm_prefetch((const char *)(bp + 6 * MOEPT__NR), _MM_HINT_T0);
         if (MOEPT__NR * sizeof(float) > 64)
             _mm_prefetch((const char *)(bp + 6 * MOEPT__NR + 16), _MM_HINT_T0);
@@ -624,7 +625,8 @@ static void moept__pack_b_span(const moept__gemm *g, int64_t pc, int64_t kc, int
    chunks of the NR strips too. Where the strips do not divide among the
    threads and are few (17 strips on 2 threads: 9 against 8, a thread idle
    for a ninth of the time), each thread takes a column chunk of every
-   block instead. Tasks run chunk by chunk (t = chunk * mblocks + block). */
+   block instead, where that leaves the busiest thread fewer tiles. Tasks
+   run chunk by chunk (t = chunk * mblocks + block). */
 static void moept__gemm_split(const moept__gemm *g, int64_t nth, int64_t nstrips, int64_t *mblocks,
                               int64_t *nchunks) {
     int64_t mstrips = (g->m + MOEPT__MR - 1) / MOEPT__MR;
@@ -632,7 +634,8 @@ static void moept__gemm_split(const moept__gemm *g, int64_t nth, int64_t nstrips
     if (mb >= nth) mb = (mb + nth - 1) / nth * nth;
     if (mb > mstrips) mb = mstrips;
     if (mb < nth) nch = (4 * nth + mb - 1) / mb;
-    else if (nth > 1 && mstrips % nth && mstrips < 32 * nth && nstrips >= 4 * nth) {
+    else if (nth > 1 && mstrips % nth && mstrips < 32 * nth && nstrips >= 4 * nth &&
+             mstrips * ((nstrips + nth - 1) / nth) < (mstrips + nth - 1) / nth * nstrips) {
         mb = (g->m + MOEPT__MC - 1) / MOEPT__MC;
         nch = nth;
     }

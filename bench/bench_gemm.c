@@ -11,12 +11,16 @@
 
    usage: bench_gemm [--tokens T] [--hidden D] [--ffn F] [--experts E]
                      [--topk K] [--reps R] [--threads N]
+          BENCH_GEMM_ALTERNATE=1 with --threads 1: the two in turn, each rep
    Prints a markdown table and one "RESULT ..." line per product. */
 #include "../moept.c"
 #include "peak.h"
 #include "bench_shape.h"
 #ifdef BENCH_CBLAS
 #include <cblas.h>
+#define BENCH_HAS_CBLAS 1
+#else
+#define BENCH_HAS_CBLAS 0
 #endif
 
 static int cmp_d(const void *a, const void *b) {
@@ -24,23 +28,29 @@ static int cmp_d(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* seconds of one run of a descriptor through the builtin GEMM or OpenBLAS */
+static double time_once(const moept__gemm *g, moept__gemm_ws *ws, int cblas) {
+    double t0 = peak_now();
+#ifdef BENCH_CBLAS
+    if (cblas) {
+        cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans,
+                    g->trans_b ? CblasTrans : CblasNoTrans, (int)g->m, (int)g->n, (int)g->k, g->alpha,
+                    g->a, (int)g->lda, g->b, (int)g->ldb, g->beta, g->c, (int)g->ldc);
+    } else
+#endif
+    {
+        (void)cblas;
+        moept__gemm_run(g, 1, ws);
+    }
+    return peak_now() - t0;
+}
+
 /* median seconds of `reps` runs of one descriptor (after one warm-up) */
 static double time_gemm(const moept__gemm *g, moept__gemm_ws *ws, int cblas, int reps) {
     double t[64];
     for (int r = -1; r < reps; r++) {
-        double t0 = peak_now();
-#ifdef BENCH_CBLAS
-        if (cblas) {
-            cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans,
-                        g->trans_b ? CblasTrans : CblasNoTrans, (int)g->m, (int)g->n, (int)g->k, g->alpha,
-                        g->a, (int)g->lda, g->b, (int)g->ldb, g->beta, g->c, (int)g->ldc);
-        } else
-#endif
-        {
-            (void)cblas;
-            moept__gemm_run(g, 1, ws);
-        }
-        if (r >= 0) t[r] = peak_now() - t0;
+        double dt = time_once(g, ws, cblas);
+        if (r >= 0) t[r] = dt;
     }
     qsort(t, (size_t)reps, sizeof t[0], cmp_d);
     return t[reps / 2];
@@ -75,6 +85,11 @@ int main(int argc, char **argv) {
     ws.bpack = malloc((size_t)((MOEPT__NC + MOEPT__NR) * MOEPT__KC) * 4);
     double peak = peak_gflops(threads), peak1 = peak_gflops(1);
     double gbs[6], gcs[6];
+    /* BENCH_GEMM_ALTERNATE=1 on one thread: each rep runs the builtin GEMM, then
+       OpenBLAS, and each library's best rep counts (a slow phase of a shared
+       machine then hits both); with more threads, each library's idle threads
+       would spin through the other's runs */
+    int alternate = getenv("BENCH_GEMM_ALTERNATE") && threads == 1;
     const char *obk = "not built (no OpenBLAS)";
 #ifdef BENCH_CBLAS
     openblas_set_num_threads(threads);
@@ -84,12 +99,22 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 6; i++) {
         const moept__gemm *g = &p[i].g;
         double f = 2.0 * (double)g->m * (double)g->n * (double)g->k;
-        double sb = time_gemm(g, &ws, 0, reps), sc = 0;
+        double sb, sc = 0;
+        if (alternate) { /* one thread: the two libraries in turn, the best of each */
+            sb = sc = 1e30;
+            for (int r = -1; r < reps; r++) {
+                double b1 = time_once(g, &ws, 0), c1 = BENCH_HAS_CBLAS ? time_once(g, &ws, 1) : 0;
+                if (r >= 0 && b1 < sb) sb = b1;
+                if (r >= 0 && c1 < sc) sc = c1;
+            }
+        } else {
+            sb = time_gemm(g, &ws, 0, reps);
 #ifdef BENCH_CBLAS
-        bench_pause_ms(200);
-        sc = time_gemm(g, &ws, 1, reps);
-        bench_pause_ms(200);
+            bench_pause_ms(200);
+            sc = time_gemm(g, &ws, 1, reps);
+            bench_pause_ms(200);
 #endif
+        }
         fl += f; tb += sb; tc += sc;
         gbs[i] = f / sb * 1e-9;
         gcs[i] = sc > 0 ? f / sc * 1e-9 : 0;
@@ -98,8 +123,9 @@ int main(int argc, char **argv) {
     peak = again > peak ? again : peak;
     printf("builtin GEMM kernel: %s; OpenBLAS kernel: %s; %d threads\n", moept_gemm_kernel(), obk, threads);
     printf("measured FMA peak: %.1f GFLOP/s on %d threads (%.1f on one)\n", peak, threads, peak1);
-    printf("T=%lld D=%lld F=%lld E=%lld K=%lld: %lld rows an expert; median of %d runs each\n\n", (long long)T,
-           (long long)D, (long long)F, (long long)E, (long long)K, (long long)m, reps);
+    printf("T=%lld D=%lld F=%lld E=%lld K=%lld: %lld rows an expert; %s of %d runs each\n\n", (long long)T,
+           (long long)D, (long long)F, (long long)E, (long long)K, (long long)m,
+           alternate ? "the two in turn, best" : "median", reps);
     printf("| product | m x n x k | builtin GFLOP/s | of peak | OpenBLAS GFLOP/s | of peak | builtin / OpenBLAS |\n");
     printf("|---|---|---|---|---|---|---|\n");
     double gb = fl / tb * 1e-9, gc = tc > 0 ? fl / tc * 1e-9 : 0;

@@ -24,7 +24,8 @@
 #include <time.h>
 #if defined(BENCH_CBLAS) && !defined(MOEPT_CBLAS)
 #include <cblas.h>
-char *openblas_get_corename(void);
+char *openblas_get_corename(void); /* OpenBLAS's own, which other cblas.h files do not declare */
+void openblas_set_num_threads(int num_threads);
 
 /* the floor's descriptors through OpenBLAS, as moept__gemm_run would call it */
 static void floor_cblas(const moept__gemm *g, int64_t n) {

@@ -44,8 +44,8 @@ NEEDS = [("SkylakeX", {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"
 
 
 def openblas_core(env):
-    out = run(["build/cblas/bench_layer", "--tokens", "16", "--hidden", "64", "--ffn", "64", "--reps", "1"],
-              dict(env, OPENBLAS_VERBOSE="2"))
+    exe = "build/cblas/bench_layer" if os.path.exists("build/cblas/bench_layer") else "build/bench_layer"
+    out = run([exe, "--tokens", "16", "--hidden", "64", "--ffn", "64", "--reps", "1"], dict(env, OPENBLAS_VERBOSE="2"))
     m = re.search(r"Core: (\S+)", out)
     return m.group(1) if m else "unknown"
 
@@ -102,9 +102,9 @@ def main():
         have_torch = True
     except ImportError:
         have_torch = False
-    if have_cblas:
+    if have_cblas or "openblas" in run(["build/bench_layer", "--tokens", "16", "--hidden", "64", "--ffn", "64",
+                                        "--reps", "1"], env):
         set_coretype(env)
-    rows = []
     rows = []
     for name, T, reps in SHAPES:
         args = ["--tokens", str(T), "--hidden", str(D), "--ffn", str(F), "--experts", str(E), "--topk", str(K),
@@ -138,7 +138,7 @@ def main():
             cells += ["skipped (no torch)", "-"]
         same = (f"{float(b['rate_vs_openblas']):.2f} [{float(b['rate_vs_openblas_min']):.2f}-"
                 f"{float(b['rate_vs_openblas_max']):.2f}]" if "rate_vs_openblas" in b else "-")
-        cells += [f"{same} ({float(c['floor_s']) / float(b['floor_s']):.2f})" if c else "-"]
+        cells += [f"{same} ({float(c['floor_s']) / float(b['floor_s']):.2f})" if c else same]
         mp = int(best["peak_bytes"]) / 2**20
         cells += [f"{mp:.0f}"]
         if t:

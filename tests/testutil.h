@@ -28,18 +28,23 @@ static inline void tu_note(const char *file, int line, const char *fmt, ...) {
 
 /* TU_PART=i/n in the environment: this process runs only every n-th test,
    from the i-th (tests/halves.sh runs a slow program's halves at once, a
-   core each); the tests of a program do not depend on each other's state */
-static inline int tu_mine(void) {
+   core each). A test that reads what the one before it wrote runs through
+   tu_run_after, in the same process as that one. Tests that draw from one
+   random stream get other inputs in a part than in a whole run: rerun a
+   part's failure with its TU_PART. */
+static int tu_part_last = 1; /* whether the last test counted was this process's */
+static inline int tu_mine(int follow) {
     static int idx;
     int i = 0, n = 1;
+    if (follow) return tu_part_last;
     const char *p = getenv("TU_PART");
-    int mine = !(p && sscanf(p, "%d/%d", &i, &n) == 2 && n > 1) || idx % n == i;
+    tu_part_last = !(p && sscanf(p, "%d/%d", &i, &n) == 2 && n > 1 && i >= 0 && i < n) || idx % n == i;
     idx++;
-    return mine;
+    return tu_part_last;
 }
 
-static inline void tu_run(const char *name, void (*fn)(void)) {
-    if (!tu_mine()) return;
+static inline void tu_run_in(const char *name, void (*fn)(void), int follow) {
+    if (!tu_mine(follow)) return;
     tu_bad = 0;
     tu_msg[0] = 0;
     fn();
@@ -47,8 +52,10 @@ static inline void tu_run(const char *name, void (*fn)(void)) {
     else { printf("ok - %s\n", name); tu_passed++; }
     fflush(stdout);
 }
+static inline void tu_run(const char *name, void (*fn)(void)) { tu_run_in(name, fn, 0); }
+static inline void tu_run_after(const char *name, void (*fn)(void)) { tu_run_in(name, fn, 1); }
 static inline void tu_skip(const char *name, const char *why) {
-    if (!tu_mine()) return;
+    if (!tu_mine(0)) return;
     printf("skip - %s: %s\n", name, why);
     tu_skipped++;
 }
