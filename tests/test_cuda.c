@@ -10,6 +10,7 @@
 
 static unsigned long long rng_state = 12345;
 static float frand(void) { return (float)tu_rand(&rng_state); }
+static void reseed(void) { rng_state = 12345; } /* each test's inputs its own, whatever ran before */
 
 static moept_config base_cfg(moept_family fam) {
     moept_config c;
@@ -3014,6 +3015,7 @@ static void test_no_device(void) {
 }
 
 int main(void) {
+    tu_before = reseed;
     int n = moept_cuda_device_count();
     if (n < 1) {
         tu_run("cuda: create without a device fails cleanly", test_no_device);

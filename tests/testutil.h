@@ -29,10 +29,11 @@ static inline void tu_note(const char *file, int line, const char *fmt, ...) {
 /* TU_PART=i/n in the environment: this process runs only every n-th test,
    from the i-th (tests/halves.sh runs a slow program's halves at once, a
    core each). A test that reads what the one before it wrote runs through
-   tu_run_after, in the same process as that one. Tests that draw from one
-   random stream get other inputs in a part than in a whole run: rerun a
-   part's failure with its TU_PART. */
+   tu_run_after, in the same process as that one. A program whose tests
+   draw from one random stream sets tu_before to reseed it, so a test's
+   inputs do not depend on which tests ran before it. */
 static int tu_part_last = 1; /* whether the last test counted was this process's */
+static void (*tu_before)(void); /* called before each test this process runs */
 static inline int tu_mine(int follow) {
     static int idx;
     int i = 0, n = 1;
@@ -47,6 +48,7 @@ static inline void tu_run_in(const char *name, void (*fn)(void), int follow) {
     if (!tu_mine(follow)) return;
     tu_bad = 0;
     tu_msg[0] = 0;
+    if (tu_before) tu_before();
     fn();
     if (tu_bad) { printf("FAIL - %s: %s\n", name, tu_msg); tu_failed++; }
     else { printf("ok - %s\n", name); tu_passed++; }
