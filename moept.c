@@ -269,9 +269,9 @@ typedef struct moept__gemm_ws {
    The cache blocks: a KC x MR strip of A in L1, used against eight
    KC x NR strips of B in L2 in turn, an MC x KC block of A in L2, a
    KC x NC panel of B in the last-level cache; AVX-512's longer KC halves
-   the passes over C, which is what the kernel waits for. The last strip of an m that is not a
-   multiple of MR runs a kernel of fewer rows on x86 (tiles of 64 rows: 5
-   whole strips and 4 rows, not 6 whole strips). */
+   the passes over C, which is what the kernel waits for. The last strip
+   of an m that is not a multiple of MR runs a kernel of fewer rows on x86
+   (tiles of 64 rows: 5 whole strips and 4 rows, not 6 whole strips). */
 #if defined(MOEPT_GEMM_PORTABLE)
 #define MOEPT__K_PORTABLE 1
 #elif defined(__AVX512F__)
@@ -630,13 +630,13 @@ static void moept__pack_b_span(const moept__gemm *g, int64_t pc, int64_t kc, int
 static void moept__gemm_split(const moept__gemm *g, int64_t nth, int64_t nstrips, int64_t *mblocks,
                               int64_t *nchunks) {
     int64_t mstrips = (g->m + MOEPT__MR - 1) / MOEPT__MR;
-    int64_t mb = (g->m + MOEPT__MC - 1) / MOEPT__MC, nch = 1;
+    int64_t mb0 = (g->m + MOEPT__MC - 1) / MOEPT__MC, mb = mb0, nch = 1;
     if (mb >= nth) mb = (mb + nth - 1) / nth * nth;
     if (mb > mstrips) mb = mstrips;
     if (mb < nth) nch = (4 * nth + mb - 1) / mb;
-    else if (nth > 1 && mstrips % nth && mstrips < 32 * nth && nstrips >= 4 * nth &&
+    else if (mstrips < 32 * nth && nstrips >= 4 * nth && /* the busiest thread's tiles: fewer by columns */
              mstrips * ((nstrips + nth - 1) / nth) < (mstrips + nth - 1) / nth * nstrips) {
-        mb = (g->m + MOEPT__MC - 1) / MOEPT__MC;
+        mb = mb0;
         nch = nth;
     }
     *mblocks = mb;

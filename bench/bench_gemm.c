@@ -17,7 +17,6 @@
 #include "peak.h"
 #include "bench_shape.h"
 #ifdef BENCH_CBLAS
-#include <cblas.h>
 #define BENCH_HAS_CBLAS 1
 #else
 #define BENCH_HAS_CBLAS 0
@@ -32,11 +31,8 @@ static int cmp_d(const void *a, const void *b) {
 static double time_once(const moept__gemm *g, moept__gemm_ws *ws, int cblas) {
     double t0 = peak_now();
 #ifdef BENCH_CBLAS
-    if (cblas) {
-        cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans,
-                    g->trans_b ? CblasTrans : CblasNoTrans, (int)g->m, (int)g->n, (int)g->k, g->alpha,
-                    g->a, (int)g->lda, g->b, (int)g->ldb, g->beta, g->c, (int)g->ldc);
-    } else
+    if (cblas) bench_cblas(g);
+    else
 #endif
     {
         (void)cblas;

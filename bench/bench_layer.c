@@ -12,7 +12,8 @@
    the two libraries are timed in turn under the same clock and cache
    conditions: RESULT adds cblas_floor_s, paused_floor_s, the median (and
    range) over reps of each rep's rate ratio (rate_vs_openblas: OpenBLAS's
-   time over the builtin's) and the kernel OpenBLAS used. The layer's ratio keeps the floor timed right after it.
+   time over the builtin's) and the kernel OpenBLAS used. The layer's ratio
+   keeps the floor timed right after it.
 
    usage: bench_layer [--tokens T] [--hidden D] [--ffn F] [--experts E]
                       [--topk K] [--reps R] [--threads N]
@@ -23,20 +24,10 @@
 
 #include <time.h>
 #if defined(BENCH_CBLAS) && !defined(MOEPT_CBLAS)
-#include <cblas.h>
-char *openblas_get_corename(void); /* OpenBLAS's own, which other cblas.h files do not declare */
-void openblas_set_num_threads(int num_threads);
-
-/* the floor's descriptors through OpenBLAS, as moept__gemm_run would call it */
+#define BENCH_OB 1 /* the builtin build, OpenBLAS beside it */
 static void floor_cblas(const moept__gemm *g, int64_t n) {
-    for (int64_t i = 0; i < n; i++)
-        if (g[i].m > 0 && g[i].n > 0)
-            cblas_sgemm(CblasRowMajor, g[i].trans_a ? CblasTrans : CblasNoTrans,
-                        g[i].trans_b ? CblasTrans : CblasNoTrans, (int)g[i].m, (int)g[i].n, (int)g[i].k,
-                        g[i].alpha, g[i].a, (int)g[i].lda, g[i].b, (int)g[i].ldb, g[i].beta, g[i].c,
-                        (int)g[i].ldc);
+    for (int64_t i = 0; i < n; i++) bench_cblas(&g[i]);
 }
-#define BENCH_OB 1
 #endif
 
 static double now(void) {
@@ -129,16 +120,15 @@ int main(int argc, char **argv) {
     }
     for (int64_t i = 0; i < n; i++) flops += 2.0 * (double)g[i].m * (double)g[i].n * (double)g[i].k;
     moept__gemm_run(g, n, &L->ws.gws); /* warm-up: first touch of the floor's buffers */
+#ifdef BENCH_OB
     double *to = malloc((size_t)reps * sizeof(double)); /* OpenBLAS's floor, per rep */
     double *tb = malloc((size_t)reps * sizeof(double)); /* the builtin floor, after the same pause */
-#ifdef BENCH_OB
     floor_cblas(g, n);
 #endif
     /* the layer and its floor in turn, so both see the same cache and clock
        conditions; with OpenBLAS, its floor and the builtin's, each after a
        pause, before them */
     for (int r = 0; r < reps; r++) {
-        to[r] = tb[r] = 0;
 #ifdef BENCH_OB
         bench_pause_ms(200);
         double t2 = now();
@@ -159,14 +149,6 @@ int main(int argc, char **argv) {
     }
     qsort(tm, (size_t)reps, sizeof *tm, cmp_d);
     qsort(tf, (size_t)reps, sizeof *tf, cmp_d);
-    /* each rep's OpenBLAS floor over the builtin one timed right after it: a
-       pair shares the machine's state, so their ratio's median is steadier
-       than the ratio of the two medians where the clock drifts */
-    double *pr = malloc((size_t)reps * sizeof(double));
-    for (int r = 0; r < reps; r++) pr[r] = tb[r] > 0 ? to[r] / tb[r] : 0;
-    qsort(pr, (size_t)reps, sizeof *pr, cmp_d);
-    qsort(to, (size_t)reps, sizeof *to, cmp_d);
-    qsort(tb, (size_t)reps, sizeof *tb, cmp_d);
     double mt = tm[reps / 2], ft = tf[reps / 2];
     double again = peak_gflops(pth);
     peak = again > peak ? again : peak;
@@ -182,14 +164,22 @@ int main(int argc, char **argv) {
            mt / ft, flops / mt * 1e-9, flops / ft * 1e-9, (long long)(peak1 - rss0),
            (long long)(st.param_bytes + st.workspace_bytes), (long long)st.routed_rows, peak);
 #ifdef BENCH_OB
+    /* each rep's OpenBLAS floor over the builtin one timed right after it: a
+       pair shares the machine's state, so their ratio's median is steadier
+       than the ratio of the two medians where the clock drifts */
+    double *pr = malloc((size_t)reps * sizeof(double));
+    for (int r = 0; r < reps; r++) pr[r] = to[r] / tb[r];
+    qsort(pr, (size_t)reps, sizeof *pr, cmp_d);
+    qsort(to, (size_t)reps, sizeof *to, cmp_d);
+    qsort(tb, (size_t)reps, sizeof *tb, cmp_d);
     printf(" cblas_floor_s=%.6f paused_floor_s=%.6f rate_vs_openblas=%.4f rate_vs_openblas_min=%.4f "
            "rate_vs_openblas_max=%.4f openblas=%s", to[reps / 2], tb[reps / 2], pr[reps / 2], pr[0], pr[reps - 1],
            openblas_get_corename());
-#endif
-    printf("\n");
     free(to);
     free(tb);
     free(pr);
+#endif
+    printf("\n");
     moept_destroy(L);
     return 0;
 }

@@ -20,6 +20,20 @@ static inline void bench_pause_ms(long ms) {
     nanosleep(&ts, NULL);
 }
 
+#ifdef BENCH_CBLAS /* the builtin GEMM's benchmarks, linked with OpenBLAS too */
+#include <cblas.h>
+char *openblas_get_corename(void); /* OpenBLAS's own, which other cblas.h files do not declare */
+void openblas_set_num_threads(int num_threads);
+
+/* one descriptor (moept.c's, included before) through OpenBLAS, as moept__gemm_run would call it */
+static inline void bench_cblas(const moept__gemm *g) {
+    if (g->m > 0 && g->n > 0)
+        cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans,
+                    g->trans_b ? CblasTrans : CblasNoTrans, (int)g->m, (int)g->n, (int)g->k, g->alpha,
+                    g->a, (int)g->lda, g->b, (int)g->ldb, g->beta, g->c, (int)g->ldc);
+}
+#endif
+
 typedef struct bench_shape {
     int64_t T, D, F, E, K;
     int reps, threads;
