@@ -205,6 +205,10 @@ $(B)/test_fault: tests/test_fault.cu tests/testutil.h $(CUDA_OBJS)
 	$(NVCC) $(NVCCFLAGS) -Itests -c tests/test_fault.cu -o $(B)/cuda/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/test_fault.o $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
+# CUDA's answers to the calls the emulator has rules for (tests/cuda_rules.txt: a real GPU's)
+$(B)/cuda_rules: tests/cuda_rules.cu | $(B)
+	$(NVCC) $(NVCCFLAGS) tests/cuda_rules.cu -o $@
+
 $(B)/bench_cuda: bench/bench_cuda.c $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
@@ -388,6 +392,10 @@ $(B)/emu/test_slots: tests/test_slots.c tests/testutil.h tests/tu_exec.h $(EMU_O
 $(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/test_fault.cu -o $(B)/emu/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_fault.o $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/cuda_rules: tests/cuda_rules.cu $(B)/emu/rt.o
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/cuda_rules.cu -o $(B)/emu/cuda_rules.o
+	$(EMU_CXX) $(B)/emu/cuda_rules.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
 
 $(B)/emu/train: examples/train.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)

@@ -735,9 +735,10 @@ void moept_comm_destroy(moept_comm *c);
    every form gives the same results up to cuBLAS's own rounding.
      MOEPT_GEMM_AUTO (0, the default): one cublasGemmStridedBatchedEx where
        every expert's GEMM has one shape at constant strides (the sync-free
-       mode's equal blocks), else one cublasGemmGroupedBatchedEx where its
-       documented types and pointer alignment allow (CUDA >= 12.5), else one
-       cublasGemmEx an expert over side streams.
+       mode's equal blocks), else one cublasGemmGroupedBatchedEx where the
+       experts' GEMMs are small (mean m*n*k at most 1e9, where it won on an
+       H200: docs/CUDA.md) and its documented types and pointer alignment
+       allow (CUDA >= 12.5), else one cublasGemmEx an expert over side streams.
      MOEPT_GEMM_GROUPED: the grouped call wherever it applies, equal groups
        too (else per expert; MOEPT_ERR_UNSUPPORTED at create below CUDA 12.5).
      MOEPT_GEMM_PER_EXPERT: one cublasGemmEx an expert, over up to 4 side

@@ -95,7 +95,18 @@ static thread_local cudaStream_t moept__t_probe;
 static cudaError_t moept__lost(void) {
     /* a call bound to the device answers for its context; the thread's last error would also carry
        another device's (a thread that drives several) */
-    cudaError_t e = moept__t_probe ? cudaStreamQuery(moept__t_probe) : cudaPeekAtLastError();
+    cudaError_t e;
+    if (moept__t_probe) {
+        /* a query is a potentially unsafe call: during a capture this thread began (not relaxed) it
+           would be refused and break the capture (tests/cuda_rules.txt), so it is asked in relaxed
+           mode (CUDA Runtime API, cudaThreadExchangeStreamCaptureMode) */
+        cudaStreamCaptureMode m = cudaStreamCaptureModeRelaxed;
+        const bool swapped = cudaThreadExchangeStreamCaptureMode(&m) == cudaSuccess;
+        e = cudaStreamQuery(moept__t_probe);
+        if (swapped) (void)cudaThreadExchangeStreamCaptureMode(&m); /* the caller's mode back */
+    } else {
+        e = cudaPeekAtLastError();
+    }
     switch (e) {
     case cudaErrorIllegalAddress: case cudaErrorLaunchTimeout: case cudaErrorAssert:
     case cudaErrorHardwareStackError: case cudaErrorIllegalInstruction: case cudaErrorMisalignedAddress:
@@ -1438,8 +1449,9 @@ struct moept__cuda {
     cublasHandle_t blas;
     /* expert GEMMs run one cublasGemmEx an expert (bf16 weight gradients: no grouped cuBLAS call takes
        bf16 A and B with fp32 C; bf16 pointers the grouped call's alignment rule refuses; the per-expert
-       and strided GEMM forms): over nside side streams, each with its own handle (a handle's workspace
-       serves one stream at a time), forked from s and joined back by events (moept__gemms) */
+       and strided GEMM forms; AUTO's large GEMMs): over nside side streams where the layer has them
+       (bf16, those forms), each with its own handle (a handle's workspace serves one stream at a time),
+       forked from s and joined back by events (moept__gemms); else in a loop on s */
     int nside;
     cudaStream_t side[MOEPT__SIDE];
     cublasHandle_t side_blas[MOEPT__SIDE];
@@ -2254,11 +2266,26 @@ static int moept__grouped_ok(const moept__gemm *g, int64_t n, cudaDataType_t ta,
 }
 #endif
 
+/* AUTO groups a call whose mean m*n*k is at most 1e9: on an H200, cuBLAS's grouped call ran large
+   experts' GEMMs at about half the rate of one cublasGemmEx each, and small ones faster (docs/CUDA.md,
+   "GEMM forms") */
+#if CUBLAS_VERSION >= 120500
+#define MOEPT__GROUPED_MAX_MNK 1e9
+static int moept__grouped_small(const moept__gemm *g, int64_t n) {
+    double w = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
+        w += (double)cm.m * (double)cm.n * (double)cm.k;
+    }
+    return w <= MOEPT__GROUPED_MAX_MNK * (double)n;
+}
+#endif
+
 /* Runs n descriptors: one cublasGemmEx; for several, by the layer's GEMM
    form (moept_cuda_options.gemm_form): one cublasGemmStridedBatchedEx where
    they have one shape at constant strides (auto, strided), else one
-   cublasGemmGroupedBatchedEx where its table and alignment allow (auto,
-   grouped; CUDA >= 12.5; each group its own expert's matrices, so the
+   cublasGemmGroupedBatchedEx where its table and alignment allow (grouped;
+   auto where the GEMMs are small, above; CUDA >= 12.5; each group its own expert's matrices, so the
    weight-gradient groups write disjoint C: no races), else one cublasGemmEx
    each: spread over the side streams where the layer has them, else in a
    loop. ta: A and B's type; tc: C's. Compute is fp32. */
@@ -2271,7 +2298,8 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
         moept__gemms_strided(c, g, n, ta, tc, &st, err))
         return st;
 #if CUBLAS_VERSION >= 120500
-    if (n > 1 && (form == MOEPT_GEMM_AUTO || form == MOEPT_GEMM_GROUPED) && moept__grouped_ok(g, n, ta, tc)) {
+    if (n > 1 && (form == MOEPT_GEMM_GROUPED || (form == MOEPT_GEMM_AUTO && moept__grouped_small(g, n))) &&
+        moept__grouped_ok(g, n, ta, tc)) {
         const int64_t G = c->G;
         const void **dp = c->d_ptrs;
         moept__ptrs pv = {}; /* MOEPT__NPTR groups' pointers a launch (zeroed: all its bytes are copied) */

@@ -13,7 +13,8 @@
    conditions: RESULT adds cblas_floor_s, paused_floor_s, the median (and
    range) over reps of each rep's rate ratio (rate_vs_openblas: OpenBLAS's
    time over the builtin's) and the kernel OpenBLAS used. The layer's ratio
-   keeps the floor timed right after it.
+   keeps the floor timed right after it: ratio (the medians' ratio) and
+   ratio_paired (the median, and range, of each rep's layer over its floor).
 
    usage: bench_layer [--tokens T] [--hidden D] [--ffn F] [--experts E]
                       [--topk K] [--reps R] [--threads N]
@@ -147,6 +148,11 @@ int main(int argc, char **argv) {
         tm[r] = t1 - t0;
         tf[r] = now() - t1;
     }
+    /* each rep's layer over the floor timed right after it: the median of
+       these pairs follows the machine's drift less than the medians' ratio */
+    double *lr = malloc((size_t)reps * sizeof(double));
+    for (int r = 0; r < reps; r++) lr[r] = tm[r] / tf[r];
+    qsort(lr, (size_t)reps, sizeof *lr, cmp_d);
     qsort(tm, (size_t)reps, sizeof *tm, cmp_d);
     qsort(tf, (size_t)reps, sizeof *tf, cmp_d);
     double mt = tm[reps / 2], ft = tf[reps / 2];
@@ -159,10 +165,13 @@ int main(int argc, char **argv) {
 #endif
     printf("RESULT gemm=%s tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld threads=%d reps=%d "
            "moept_s=%.6f floor_s=%.6f ratio=%.4f gflops=%.1f floor_gflops=%.1f peak_bytes=%lld "
-           "layer_bytes=%lld routed_rows=%lld peak_gflops=%.1f",
+           "layer_bytes=%lld routed_rows=%lld peak_gflops=%.1f ratio_paired=%.4f ratio_paired_min=%.4f "
+           "ratio_paired_max=%.4f",
            path, (long long)T, (long long)D, (long long)F, (long long)E, (long long)K, L->nthreads, reps, mt, ft,
            mt / ft, flops / mt * 1e-9, flops / ft * 1e-9, (long long)(peak1 - rss0),
-           (long long)(st.param_bytes + st.workspace_bytes), (long long)st.routed_rows, peak);
+           (long long)(st.param_bytes + st.workspace_bytes), (long long)st.routed_rows, peak, lr[reps / 2],
+           lr[0], lr[reps - 1]);
+    free(lr);
 #ifdef BENCH_OB
     /* each rep's OpenBLAS floor over the builtin one timed right after it: a
        pair shares the machine's state, so their ratio's median is steadier

@@ -94,6 +94,12 @@ def gemm_tables(env):
             print("\n".join(l for l in out.splitlines() if not l.startswith("RESULT")))
 
 
+def paired(r):
+    """the layer's ratio to its floor: the medians' ratio, then the paired median and range of reps"""
+    return (f"{float(r['ratio']):.3f} ({float(r['ratio_paired']):.3f} [{float(r['ratio_paired_min']):.3f}-"
+            f"{float(r['ratio_paired_max']):.3f}])")
+
+
 def main():
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), OPENBLAS_NUM_THREADS=str(THREADS))
     have_cblas = os.path.exists("build/cblas/bench_layer")
@@ -118,7 +124,7 @@ def main():
                                       "--reps", str(max(2, reps // 2))] + args[:-2], env))
         rows.append((name, T, res))
     print(f"\nMixtral-shaped layer D={D} F={F} E={E} K={K}, fp32, forward+backward, {THREADS} threads, median of reps\n")
-    print("| shape | T | moept builtin (s) | its GEMM floor (s) | ratio | moept CBLAS (s) | its GEMM floor (s) | ratio "
+    print("| shape | T | moept builtin (s) | its GEMM floor (s) | ratio (paired: median [range] of reps) | moept CBLAS (s) | its GEMM floor (s) | ratio "
           "| PyTorch eager (s) | torch / moept CBLAS | builtin / OpenBLAS floor rate, same process: median [range] of reps (separate processes) | moept peak MiB | torch peak MiB | memory ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, T, r in rows:
@@ -126,7 +132,7 @@ def main():
         c = r.get("cblas")
         t = r.get("torch")
         best = c or b
-        cells = [name, str(T), f"{float(b['moept_s']):.3f}", f"{float(b['floor_s']):.3f}", f"{float(b['ratio']):.3f}"]
+        cells = [name, str(T), f"{float(b['moept_s']):.3f}", f"{float(b['floor_s']):.3f}", paired(b)]
         if c:
             cells += [f"{float(c['moept_s']):.3f}", f"{float(c['floor_s']):.3f}", f"{float(c['ratio']):.3f}"]
         else:
@@ -161,7 +167,7 @@ def main():
                     f" [{float(v['rate_vs_openblas_min']):.2f}-{float(v['rate_vs_openblas_max']):.2f}]"
                     if "rate_vs_openblas" in v else "")
             print(f"-march=x86-64-v3 build, T={T}: moept {float(v['moept_s']):.3f} s, floor {float(v['floor_s']):.3f} s,"
-                  f" ratio {float(v['ratio']):.3f}, {float(v['gflops']):.0f}/{float(v['floor_gflops']):.0f} GFLOP/s{same}")
+                  f" ratio {paired(v)}, {float(v['gflops']):.0f}/{float(v['floor_gflops']):.0f} GFLOP/s{same}")
     gemm_tables(env)
 
 

@@ -658,12 +658,12 @@ static void test_device_adamw(void) {
 }
 
 /* One GPU: a sync-free step (forward + backward) captured in a CUDA graph
-   on the layer's non-blocking stream (thread-local mode) and replayed for
-   three more steps on new inputs written into the captured buffers; each
-   replay's y, dx and gradients equal an eager layer's bitwise (the same
-   parameters, the same calls). Runs on a real GPU (tools/gpu_check.sh) and
-   the emulated one. */
-static void test_graph_one_gpu(void) {
+   on the layer's non-blocking stream (thread-local mode, and global mode:
+   PyTorch's default) and replayed for three more steps on new inputs
+   written into the captured buffers; each replay's y, dx and gradients
+   equal an eager layer's bitwise (the same parameters, the same calls).
+   Runs on a real GPU (tools/gpu_check.sh) and the emulated one. */
+static void graph_one_gpu(enum cudaStreamCaptureMode mode) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE);
     const int64_t D = cfg.hidden_size, T = 12;
     cudaStream_t s;
@@ -698,11 +698,15 @@ static void test_graph_one_gpu(void) {
             float *pp, *gp;
             int64_t np;
             moept_cuda_params(L[0], &pp, &gp, &np); /* pending host writes uploaded before the capture */
-            cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
-            moept_status a = moept_forward(L[0], xd, T, yd), b = moept_backward(L[0], xd, dyd, dxd);
+            cudaStreamBeginCapture(s, mode);
+            char fwd[300];
+            moept_status a = moept_forward(L[0], xd, T, yd);
+            snprintf(fwd, sizeof fwd, "%s", a ? moept_last_error(L[0]) : "");
+            moept_status b = moept_backward(L[0], xd, dyd, dxd);
             cudaError_t e = cudaStreamEndCapture(s, &g);
             EXPECT(!a && !b && e == cudaSuccess && cudaGraphInstantiate(&x, g, 0) == cudaSuccess,
-                   "capture: %d %d %d %s", (int)a, (int)b, (int)e, moept_last_error(L[0]));
+                   "capture (mode %d): forward %d (%s), backward %d, end %d: %s", (int)mode, (int)a, fwd,
+                   (int)b, (int)e, moept_last_error(L[0]));
             if (!x) break;
         }
         for (int v = 0; v < 2; v++) {
@@ -720,7 +724,8 @@ static void test_graph_one_gpu(void) {
         }
         diffs += count_diffs(out, out + 2 * T * D, 2 * T * D) + grad_diffs(L[0], L[1]);
     }
-    EXPECT(diffs == 0, "%lld values of the replays differ from the eager steps", (long long)diffs);
+    EXPECT(diffs == 0, "mode %d: %lld values of the replays differ from the eager steps", (int)mode,
+           (long long)diffs);
     if (x) cudaGraphExecDestroy(x);
     if (g) cudaGraphDestroy(g);
     cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd);
@@ -728,6 +733,11 @@ static void test_graph_one_gpu(void) {
     moept_destroy(L[0]);
     moept_destroy(L[1]);
     cudaStreamDestroy(s);
+}
+
+static void test_graph_one_gpu(void) {
+    graph_one_gpu(cudaStreamCaptureModeThreadLocal);
+    graph_one_gpu(cudaStreamCaptureModeGlobal);
 }
 
 /* Padding masks: every family, fp32 and bf16, against the CPU layer under
@@ -3045,7 +3055,7 @@ int main(void) {
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
     tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
     tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
-    tu_run("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps",
+    tu_run("cuda: a sync-free step captured in a CUDA graph (thread-local, global), replays equal eager steps",
            test_graph_one_gpu);
     tu_run("cuda: an inference-only layer's y is a training layer's bitwise, the CPU's to its bound; "
            "training calls refused as the CPU's (4 families, fp32, bf16, sync-free)", test_inference_layer);

@@ -12,6 +12,14 @@ static int tu_passed, tu_failed, tu_skipped, tu_bad;
 static char tu_msg[1024];
 
 static inline void tu_note(const char *file, int line, const char *fmt, ...) {
+    if (getenv("TU_VERBOSE")) { /* every failure to stderr (a rare GPU run) */
+        va_list aq;
+        va_start(aq, fmt);
+        fprintf(stderr, "  %s:%d: ", file, line);
+        vfprintf(stderr, fmt, aq);
+        fputc('\n', stderr);
+        va_end(aq);
+    }
     if (tu_bad++) return; /* keep the first failure's message */
     int n = snprintf(tu_msg, sizeof tu_msg, "%s:%d: ", file, line);
     va_list ap;

@@ -2,8 +2,15 @@
 # tools/gpu_check.sh - the real-GPU checks, for a session lent a GPU machine
 # (the device tool; docs/CUDA.md "On a GPU" records what they gave).
 #
-#   sh tools/gpu_check.sh [build] [check] [sanitize] [bench]     (default: all four)
+#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [sanitize] [bench]
+#                                  [bench_small]   (default: build rules check sanitize bench)
 #
+# prebuilt: instead of build, the binaries built here beforehand and carried
+#           (GPUB, default gpub: make B=gpub ARCH=-march=x86-64-v2
+#           CUDA_ARCHS="-gencode arch=compute_90,code=sm_90" and the targets below),
+#           cuBLAS, NCCL and the CUDA runtime looked up on the machine; Open MPI
+#           from $GPUB/ompi_env.sh where carried (the lent machines have no
+#           mpirun). Falls back to build when a library is not found.
 # build:    make cuda for the machine's GPU (NCCL from CUDA_HOME, else from the
 #           nvidia-nccl Python package), and the CPU example for the curves
 # check:    moept_check_cuda on every case (fp32 1e-5 and bf16 2^-6, as the
@@ -21,6 +28,10 @@
 #           (each GEMM form: moept_cuda_options.gemm_form) and 4096; fp32 at
 #           T 4096; DeepSeek-V3's experts (D 7168, F 2048, 16 local, K 8) in
 #           bf16 at T 8192, each GEMM form
+# bench_small: each GEMM form at fewer rows an expert: Mixtral and DeepSeek-V3
+#           at T 1024, Qwen3-30B-A3B's (D 2048, F 768, E 128, K 8) and
+#           OLMoE's (D 2048, F 1024, E 64, K 8) layers at T 4096, bf16
+# rules:    tests/cuda_rules.cu's answers against tests/cuda_rules.txt
 #
 # Logs go to $OUT (the device tool's output folder; default build/gpu): one
 # <phase>.log each and summary.txt, one line per step with its exit status
@@ -29,14 +40,18 @@ set -u
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
 SUM="$OUT/summary.txt"
-phases=${*:-build check sanitize bench}
+phases=${*:-build rules check sanitize bench}
 failed=0
 
 step() { # name, command...: appended to the phase's log; a summary line
     name=$1; shift
     echo "== $name" >>"$LOG"
     t0=$(date +%s)
-    "$@" >>"$LOG" 2>&1
+    if [ "${STEP_TIMEOUT:-0}" -gt 0 ]; then
+        timeout "$STEP_TIMEOUT" "$@" >>"$LOG" 2>&1
+    else
+        "$@" >>"$LOG" 2>&1
+    fi
     rc=$?
     [ $rc -ne 0 ] && failed=1
     line=$(printf '%s rc=%d %4ds  %s' "$(date -u +%H:%M:%S)" $rc $(($(date +%s) - t0)) "$name")
@@ -68,9 +83,30 @@ build() {
     export NCCL_HOME
     echo "NCCL_HOME=$NCCL_HOME" | tee -a "$SUM"
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
-    step "make cuda (sm_${cap:-90})" make -j8 cuda build/train build/train_mpi \
+    mpi=$(command -v mpicc >/dev/null && echo build/train_mpi)
+    step "make cuda (sm_${cap:-90})" make -j8 cuda build/train build/cuda_rules $mpi \
         CUDA_ARCHS="-gencode arch=compute_${cap:-90},code=sm_${cap:-90}" NCCL_HOME="$NCCL_HOME"
     step "ptxas: no spills" sh tests/check_ptxas.sh
+}
+
+prebuilt() {
+    LOG="$OUT/build.log"
+    { date -u; nvidia-smi; uname -r; lscpu | head -20; } >>"$LOG" 2>&1
+    g=${GPUB:-gpub}
+    mkdir -p build && cp -a "$g"/. build/ || { build; return; }
+    d=$(for n in libcublas.so.13 libcublasLt.so.13 libnccl.so.2 libcudart.so.13; do
+        find /usr/local/cuda/ /usr/local/cuda/lib64/ /opt /usr/lib/python3 /usr/local/lib -name "$n" \
+            2>/dev/null | head -1
+    done | xargs -r -n1 dirname | sort -u | tr '\n' :)
+    export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:-}"
+    # shellcheck disable=SC1090
+    [ -f "$g/ompi_env.sh" ] && . "$g/ompi_env.sh"
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee -a "$SUM"
+    ldd build/moept_check_cuda build/moept_check_cuda_mpi >>"$LOG" 2>&1
+    if ldd build/moept_check_cuda | grep -q 'not found'; then
+        echo "prebuilt: a library is missing; building here" | tee -a "$SUM"
+        build
+    fi
 }
 
 check() {
@@ -113,6 +149,12 @@ check() {
     fi
 }
 
+rules() { # CUDA's answers to the calls the emulator has rules for, against tests/cuda_rules.txt
+    LOG="$OUT/rules.log"
+    { build/cuda_rules capture && build/cuda_rules fault; } >"$OUT/cuda_rules.txt" 2>>"$LOG"
+    step "cuda_rules: this GPU answers as tests/cuda_rules.txt" sh tests/cuda_rules.sh build/cuda_rules --no-skip
+}
+
 sanitize() {
     LOG="$OUT/sanitize.log"
     cases="tests/cases/mixtral_e8_t40.safetensors tests/cases/qwen2_shared_norm_e8.safetensors"
@@ -126,18 +168,33 @@ sanitize() {
 
 bench() {
     LOG="$OUT/bench.log"
-    step "bench_cuda Mixtral layer bf16 T=8192, every GEMM form" build/bench_cuda --tokens 8192 --bf16 --gemm-form all
-    step "bench_cuda DeepSeek-V3 experts bf16 T=8192, every GEMM form" build/bench_cuda --shape deepseek --tokens 8192 \
-        --bf16 --gemm-form all
+    # BENCH_FORM=auto: the default form alone (a short run)
+    step "bench_cuda Mixtral layer bf16 T=8192, GEMM form ${BENCH_FORM:-all}" build/bench_cuda --tokens 8192 \
+        --bf16 --gemm-form "${BENCH_FORM:-all}"
+    step "bench_cuda DeepSeek-V3 experts bf16 T=8192, GEMM form ${BENCH_FORM:-all}" build/bench_cuda \
+        --shape deepseek --tokens 8192 --bf16 --gemm-form "${BENCH_FORM:-all}"
     step "bench_cuda Mixtral layer bf16 T=4096" build/bench_cuda --tokens 4096 --bf16
     step "bench_cuda Mixtral layer fp32 T=4096" build/bench_cuda --tokens 4096 --fp32
     grep RESULT "$LOG" | tee -a "$SUM"
 }
 
+bench_small() { # where each GEMM form wins at fewer rows an expert (AUTO's choice)
+    LOG="$OUT/bench_small.log"
+    step "bench_cuda Mixtral layer bf16 T=1024, every GEMM form" build/bench_cuda --tokens 1024 --bf16 \
+        --gemm-form all
+    step "bench_cuda DeepSeek-V3 experts bf16 T=1024, every GEMM form" build/bench_cuda --shape deepseek \
+        --tokens 1024 --bf16 --gemm-form all
+    step "bench_cuda Qwen3-30B-A3B layer bf16 T=4096, every GEMM form" build/bench_cuda --hidden 2048 \
+        --ffn 768 --experts 128 --topk 8 --tokens 4096 --bf16 --gemm-form all
+    step "bench_cuda OLMoE layer bf16 T=4096, every GEMM form" build/bench_cuda --hidden 2048 --ffn 1024 \
+        --experts 64 --topk 8 --tokens 4096 --bf16 --gemm-form all
+    grep RESULT "$LOG" | grep -v optimizer | tee -a "$SUM"
+}
+
 for p in $phases; do
     case $p in
-    build | check | sanitize | bench) $p ;;
-    *) echo "usage: $0 [build] [check] [sanitize] [bench]" >&2; exit 2 ;;
+    build | prebuilt | rules | check | sanitize | bench | bench_small) $p ;;
+    *) echo "usage: $0 [build|prebuilt] [rules] [check] [sanitize] [bench] [bench_small]" >&2; exit 2 ;;
     esac
 done
 exit $failed

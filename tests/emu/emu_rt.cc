@@ -96,8 +96,8 @@ static cudaError_t fail(cudaError_t e) {
    once an op of device d faults, every call that acts on d (its memory,
    streams, events, copies, launches, synchronisations, captures; the
    emulated cuBLAS and NCCL calls on it: emu_blas.cc, emu_nccl.cc) returns
-   the error, cudaGetLastError and cudaPeekAtLastError return it whenever d
-   is current (it is not cleared), and the work queued on d never runs
+   the error (and sets the thread's last error again: cudaGetLastError,
+   below), and the work queued on d never runs
    (worker). Not refused: cudaGetDeviceCount, cudaSetDevice, cudaGetDevice,
    cudaGetErrorString, cudaPointerGetAttributes (queries of the process).
    moept_emu_recover stands for a new process (test only). */
@@ -441,21 +441,30 @@ Stream *stream_of(cudaStream_t h) {
    stream to it (the fork and join of a multi-stream capture). A call CUDA
    refuses during a capture is rejected with CUDA's error, reported
    ("capture"), and invalidates the captures concerned: their
-   cudaStreamEndCapture fails (cudaErrorStreamCaptureInvalidated). Two kinds
-   of rule (capture_violation):
+   cudaStreamEndCapture fails (cudaErrorStreamCaptureInvalidated). The
+   rules (the first and the last in capture_violation):
    - in every capture mode (CUDA Programming Guide, CUDA Graphs, "Prohibited
      and Unhandled Operations"): a sync or query of a capturing stream, a
      sync of a device one of whose streams captures, a sync of an event
      recorded in a capture (cudaErrorCapturedEvent), and any use of the
      legacy stream while a blocking stream of its device captures
      (cudaErrorStreamCaptureImplicit);
+   - in every mode, a capturing stream's wait on an event recorded outside
+     the capture (cudaErrorStreamCaptureIsolation);
    - by mode, for potentially unsafe calls (CUDA Runtime API,
      cudaThreadExchangeStreamCaptureMode; cudaStreamBeginCapture): an
-     allocation or a free, a synchronous copy, a sync of a device, an event
-     or the legacy stream. Each thread has an interaction mode, Global until
-     it exchanges it. A thread in Global mode is refused them while it
-     began a capture not in Relaxed mode, or while any thread's Global-mode
-     capture is in progress, on any device: process-wide. In ThreadLocal
+     allocation or a free, a sync of a device or an event, and a sync or a
+     query of any stream, an idle one too. The docs name cudaMalloc; the
+     rest is what an H200 answered (tests/cuda_rules.txt, made by
+     tests/cuda_rules.cu; the emulated run must print the same). A
+     synchronous copy is not among them: it conflicts only through the
+     legacy stream (above). So a host sync of any stream by a thread in
+     Global mode counts as an unsafe call for the check at a later
+     Global-mode capture's start (below). Each thread has an interaction
+     mode, Global until it exchanges it. A thread in Global mode is refused
+     them while it began a capture not in Relaxed mode, or while any
+     thread's Global-mode capture is in progress, on any device:
+     process-wide. In ThreadLocal
      mode only its own non-Relaxed captures refuse them; in Relaxed mode
      nothing does. The refused call invalidates the captures that refused it.
      Whether another thread's call falls inside a Global-mode capture is a
@@ -525,12 +534,19 @@ CapThread::~CapThread() {
         if ((*g_cap_threads)[i] == this) g_cap_threads->erase(g_cap_threads->begin() + (long)i);
 }
 static thread_local CapThread t_thread;
+/* g_cap_mu, taken after this thread's thread_locals are made: GCC and Clang
+   make all of a file's dynamically initialised ones at the first use of any
+   (t_remake in capture_item), and t_thread registers under g_cap_mu */
+static std::unique_lock<std::mutex> cap_lock() {
+    (void)t_thread.first;
+    return std::unique_lock<std::mutex>(g_cap_mu);
+}
 static const cudaError_t UNSUPPORTED = cudaErrorStreamCaptureUnsupported;
 static const cudaError_t IMPLICIT = cudaErrorStreamCaptureImplicit;
 
 static void capture_item(Graph *g, int kind, Stream *s, const char *name, std::function<void(Op &)> run,
                          Event *e) {
-    std::lock_guard<std::mutex> lk(g_cap_mu);
+    std::unique_lock<std::mutex> lk = cap_lock();
     g->items.push_back({kind, s, name, std::move(run), std::move(t_remake), std::move(t_after), e});
     t_remake = nullptr;
     t_after = nullptr;
@@ -546,18 +562,18 @@ static const char *mode_name(cudaStreamCaptureMode m) {
    legacy stream: a use of it); else, d >= 0: with e IMPLICIT a use of
    device d's legacy stream (a synchronous copy), otherwise a sync of device
    d; d < 0, nothing. Each is also a potentially unsafe call, refused by
-   mode, except a sync or query of a stream other than the legacy one.
+   mode, except a synchronous copy (tests/cuda_rules.txt).
    Refused: e (a mode rule alone: cudaErrorStreamCaptureUnsupported), a
    report, every capture concerned invalidated. */
 static cudaError_t capture_violation(int d, Stream *s, const char *call, cudaError_t e) {
-    const bool legacy = s ? s->legacy : d >= 0 && e == IMPLICIT, unsafe = !s || s->legacy;
+    const bool legacy = s ? s->legacy : d >= 0 && e == IMPLICIT, unsafe = s || e != IMPLICIT;
     if (s) d = s->dev;
     const std::thread::id me = std::this_thread::get_id();
     CapThread &self = t_thread;
     char why[200] = "";
     int n = 0;
     bool conflict = false;
-    std::lock_guard<std::mutex> lk(g_cap_mu);
+    std::unique_lock<std::mutex> lk = cap_lock();
     for (Graph *g : g_captures) {
         bool hit = false; /* Programming Guide, "Prohibited and Unhandled Operations" */
         for (Stream *t : g->streams)
@@ -769,7 +785,7 @@ extern "C" void moept_emu_recover(int d) {
         v->legacy = nullptr;
     }
     {
-        std::lock_guard<std::mutex> lk(g_cap_mu); /* its captures end with the context */
+        std::unique_lock<std::mutex> lk = cap_lock(); /* its captures end with the context */
         for (size_t i = g_captures.size(); i-- > 0;)
             if (g_captures[i]->dev == d) g_captures.erase(g_captures.begin() + (long)i);
     }
@@ -844,12 +860,17 @@ cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int d) {
     return cudaSuccess;
 }
 
+/* The thread's last error (Runtime API, cudaGetLastError: returned and reset
+   to cudaSuccess; cudaPeekAtLastError: returned). A lost context does not
+   keep it set: every later call that acts on the device fails again and sets
+   it again, but the reset holds until then (an H200's answers in
+   tests/cuda_rules.txt, "fault"). */
 cudaError_t cudaGetLastError(void) {
     cudaError_t e = last_error;
     last_error = cudaSuccess;
-    return sticky(cur_dev) ? sticky(cur_dev) : e; /* a lost context's error is not cleared */
+    return e;
 }
-cudaError_t cudaPeekAtLastError(void) { return sticky(cur_dev) ? sticky(cur_dev) : last_error; }
+cudaError_t cudaPeekAtLastError(void) { return last_error; }
 
 const char *cudaGetErrorString(cudaError_t e) {
     switch (e) {
@@ -863,6 +884,17 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorIllegalAddress: return "illegal memory access";
     case cudaErrorMisalignedAddress: return "misaligned address";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureIsolation: return "dependency created on uncaptured work in another stream";
+    case cudaErrorStreamCaptureImplicit:
+        return "operation would make the legacy stream depend on a capturing blocking stream";
+    case cudaErrorCapturedEvent:
+        return "operation not permitted on an event last recorded in a capturing stream";
+    case cudaErrorStreamCaptureWrongThread:
+        return "attempt to terminate a thread-local capture sequence from another thread";
+    case cudaErrorStreamCaptureUnjoined:
+        return "capture sequence contains a fork that was not joined to the primary stream";
     default: return "unknown error (emulated)";
     }
 }
@@ -1114,7 +1146,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t h) {
     if (s->dev != v->dev) return fail(cudaErrorInvalidResourceHandle);
     if (s->cap) { /* a node of the capture: a wait on it joins the waiter */
         capture_item(s->cap, Graph::RECORD, s, "cudaEventRecord", nullptr, v);
-        std::lock_guard<std::mutex> lk(g_cap_mu);
+        std::unique_lock<std::mutex> lk = cap_lock();
         if (v->cap != s->cap) s->cap->events.push_back(v);
         v->cap = s->cap;
         return cudaSuccess;
@@ -1130,10 +1162,21 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t h, cudaEvent_t e, unsigned flags) {
     Event *v = (Event *)e;
     Stream *s = stream_of(h);
     if (cudaError_t le = lost_call(s->dev)) return le;
+    if (s->cap && !v->cap && v->rec) {
+        /* recorded outside the capture: a dependency across its boundary, refused in every mode (Runtime
+           API, enum cudaError, cudaErrorStreamCaptureIsolation: only in-stream order may cross it; an
+           H200's answer in tests/cuda_rules.txt) */
+        std::unique_lock<std::mutex> lk = cap_lock();
+        s->cap->invalid = true;
+        lk.unlock();
+        report("capture", "cudaStreamWaitEvent: capturing stream %d waits on an event recorded outside the "
+               "capture: rejected (cudaErrorStreamCaptureIsolation), the capture is invalidated", s->id);
+        return fail(cudaErrorStreamCaptureIsolation);
+    }
     if (v->cap || s->cap) { /* the waiter joins the capture of the event's record */
         Graph *g = v->cap ? v->cap : s->cap;
         if (!s->cap) {
-            std::lock_guard<std::mutex> lk(g_cap_mu);
+            std::unique_lock<std::mutex> lk = cap_lock();
             s->cap = g;
             g->streams.push_back(s);
         }
@@ -1151,7 +1194,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     Event *v = (Event *)e;
     if (cudaError_t le = lost_call(v->dev)) return le;
     {
-        std::unique_lock<std::mutex> lk(g_cap_mu);
+        std::unique_lock<std::mutex> lk = cap_lock();
         if (v->cap) { /* recorded in a capture still in progress: refused in every mode (Programming Guide,
                          "Prohibited and Unhandled Operations"; Runtime API, cudaErrorCapturedEvent) */
             v->cap->invalid = true;
@@ -1181,7 +1224,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t h, enum cudaStreamCaptureMode mo
         mode != cudaStreamCaptureModeRelaxed)
         return fail(cudaErrorInvalidValue);
     CapThread &self = t_thread;
-    std::lock_guard<std::mutex> lk(g_cap_mu);
+    std::unique_lock<std::mutex> lk = cap_lock();
     if (s->cap) return fail(cudaErrorIllegalState);
     Graph *g = new Graph();
     g->origin = s;
@@ -1220,7 +1263,7 @@ cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode
 cudaError_t cudaStreamIsCapturing(cudaStream_t h, enum cudaStreamCaptureStatus *st) {
     if (!st) return fail(cudaErrorInvalidValue);
     Stream *s = stream_of(h);
-    std::lock_guard<std::mutex> lk(g_cap_mu);
+    std::unique_lock<std::mutex> lk = cap_lock();
     *st = !s->cap ? cudaStreamCaptureStatusNone
         : s->cap->invalid ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive;
     return cudaSuccess;
@@ -1252,7 +1295,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t h, cudaGraph_t *out) {
     *out = nullptr;
     Stream *s = stream_of(h);
     if (cudaError_t le = lost_call(s->dev)) return le;
-    std::lock_guard<std::mutex> lk(g_cap_mu);
+    std::unique_lock<std::mutex> lk = cap_lock();
     Graph *g = s->cap;
     if (!g) return fail(cudaErrorIllegalState);
     if (g->origin != s) return fail(cudaErrorStreamCaptureUnmatched);
@@ -1278,7 +1321,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t h, cudaGraph_t *out) {
 
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long flags) {
     if (!exec || !graph || flags) return fail(cudaErrorInvalidValue);
-    std::lock_guard<std::mutex> lk(g_cap_mu);
+    std::unique_lock<std::mutex> lk = cap_lock();
     *exec = (cudaGraphExec_t) new Graph(*(Graph *)graph);
     return cudaSuccess;
 }
@@ -1374,7 +1417,7 @@ static cudaError_t check_copy(void *dst, const void *src, size_t n, cudaMemcpyKi
    cudaErrorStreamCaptureUnsupported, reported, the capture invalidated. */
 static cudaError_t pageable_in_capture(Stream *s, const char *call) {
     {
-        std::lock_guard<std::mutex> lk(g_cap_mu);
+        std::unique_lock<std::mutex> lk = cap_lock();
         s->cap->invalid = true;
     }
     report("capture", "%s with pageable host memory on a capturing stream: rejected "
