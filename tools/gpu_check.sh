@@ -5,12 +5,11 @@
 #   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [sanitize] [bench]
 #                                  [bench_small]   (default: build rules check sanitize bench)
 #
-# prebuilt: instead of build, the binaries built here beforehand and carried
-#           (GPUB, default gpub: make B=gpub ARCH=-march=x86-64-v2
-#           CUDA_ARCHS="-gencode arch=compute_90,code=sm_90" and the targets below),
-#           cuBLAS, NCCL and the CUDA runtime looked up on the machine; Open MPI
-#           from $GPUB/ompi_env.sh where carried (the lent machines have no
-#           mpirun). Falls back to build when a library is not found.
+# prebuilt: instead of build, the binaries tools/gpu_prebuild.sh built
+#           beforehand and the device tool carried (GPUB, default gpub), cuBLAS,
+#           NCCL and the CUDA runtime looked up on the machine; Open MPI from
+#           $GPUB/ompi_env.sh where carried (the lent machines have no mpirun).
+#           Falls back to build when a library is not found.
 # build:    make cuda for the machine's GPU (NCCL from CUDA_HOME, else from the
 #           nvidia-nccl Python package), and the CPU example for the curves
 # check:    moept_check_cuda on every case (fp32 1e-5 and bf16 2^-6, as the

@@ -1,0 +1,47 @@
+#!/bin/sh
+# tools/gpu_prebuild.sh - builds here, before a lent GPU machine is started,
+# what `tools/gpu_check.sh prebuilt` runs there: $GPUB (default gpub/, kept
+# out of git by .git/info/exclude), the CUDA programs for one architecture
+# (CUDA_ARCH, default 90: H100 and H200) and, where Open MPI is installed
+# from Debian's packages, its files with $GPUB/ompi_env.sh to run them from
+# there (the lent machines have no mpirun). Needs the CUDA toolkit of the GPU
+# machine's major version (13 on the lent ones). Then, with the device tool:
+#   run: sh tools/gpu_check.sh prebuilt rules check sanitize bench, carry ["gpub"]
+set -eu
+G=${GPUB:-gpub}
+A=${CUDA_ARCH:-90}
+grep -qx "/$G/" .git/info/exclude 2>/dev/null || echo "/$G/" >>.git/info/exclude
+mpi=
+command -v mpicc >/dev/null && mpi="$G/moept_check_cuda_mpi $G/train_cuda_mpi"
+# shellcheck disable=SC2086
+make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute_$A,code=sm_$A" \
+    "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
+    "$G/bench_cuda" "$G/train" "$G/cuda_rules" $mpi
+[ -n "$mpi" ] && command -v dpkg >/dev/null || exit 0
+# Open MPI 4 and what its launcher and plugins load that a CUDA image may lack
+rm -rf "$G/ompi"
+mkdir -p "$G/ompi"
+for p in libopenmpi3 openmpi-bin openmpi-common libpmix2 libhwloc15 libevent-core-2.1-7 \
+    libevent-pthreads-2.1-7 libfabric1 libibverbs1 ibverbs-providers libmunge2 libnl-3-200 \
+    libnl-route-3-200 libnuma1 libpsm-infinipath1 libpsm2-2 librdmacm1 libucx0 libatomic1; do
+    dpkg -L "$p" 2>/dev/null | while read -r f; do
+        case $f in /usr/share/doc/* | /usr/share/man/* | /usr/share/lintian/*) continue ;; esac
+        if [ -f "$f" ] || [ -L "$f" ]; then cp -a --parents "$f" "$G/ompi/" 2>/dev/null || true; fi
+    done
+done
+if [ ! -x "$G/ompi/usr/bin/orterun" ]; then
+    echo "gpu_prebuild: no orterun copied; no Open MPI carried" >&2
+    exit 0
+fi
+ln -sf orterun "$G/ompi/usr/bin/mpirun"
+cat >"$G/ompi_env.sh" <<EOF
+# sourced from the repository root: the carried Open MPI, relocated (OPAL_PREFIX)
+R=\$PWD/$G/ompi
+export OPAL_PREFIX=\$R/usr PMIX_INSTALL_PREFIX=\$R/usr/lib/x86_64-linux-gnu/pmix2
+export PMIX_MCA_mca_base_component_path=\$R/usr/lib/x86_64-linux-gnu/pmix2/lib/pmix
+export PATH=\$R/usr/bin:\$PATH
+L=\$R/usr/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH=\$L:\$R/lib/x86_64-linux-gnu:\$L/openmpi/lib:\${LD_LIBRARY_PATH:-}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+EOF
+du -sh "$G"
