@@ -2251,33 +2251,25 @@ static int moept__gemms_strided(moept__cuda *c, const moept__gemm *g, int64_t n,
    and with bf16 A it reads its matrix pointers on the device without
    checking them, so each must be aligned to 16 bytes where k * 2 is a
    multiple of 16, else to 4 where it is a multiple of 4 (rows of an odd
-   width put a group's first row at a 2-byte boundary). */
-#if CUBLAS_VERSION >= 120500
-static int moept__grouped_ok(const moept__gemm *g, int64_t n, cudaDataType_t ta, cudaDataType_t tc) {
-    if (ta != tc) return 0;
-    if (ta != CUDA_R_16BF) return 1;
-    for (int64_t i = 0; i < n; i++) {
-        const moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
-        const int64_t kb = cm.k * 2;
-        const uintptr_t al = kb % 16 == 0 ? 16 : kb % 4 == 0 ? 4 : 1;
-        if ((uintptr_t)cm.a % al || (uintptr_t)cm.b % al || (uintptr_t)cm.c % al) return 0;
-    }
-    return 1;
-}
-#endif
-
-/* AUTO groups a call whose mean m*n*k is at most 1e9: on an H200, cuBLAS's grouped call ran large
-   experts' GEMMs at about half the rate of one cublasGemmEx each, and small ones faster (docs/CUDA.md,
-   "GEMM forms") */
+   width put a group's first row at a 2-byte boundary). AUTO also groups
+   only a call whose mean m*n*k is at most 1e9: on an H200, the grouped call
+   ran large experts' GEMMs at about half the rate of one cublasGemmEx each,
+   and small ones faster (docs/CUDA.md, "GEMM forms"). */
 #if CUBLAS_VERSION >= 120500
 #define MOEPT__GROUPED_MAX_MNK 1e9
-static int moept__grouped_small(const moept__gemm *g, int64_t n) {
+static int moept__grouped_ok(const moept__gemm *g, int64_t n, cudaDataType_t ta, cudaDataType_t tc,
+                             int form) {
+    if (ta != tc) return 0;
     double w = 0;
     for (int64_t i = 0; i < n; i++) {
         const moept__gemm_cm cm = moept__gemm_colmajor(&g[i]);
         w += (double)cm.m * (double)cm.n * (double)cm.k;
+        if (ta != CUDA_R_16BF) continue;
+        const int64_t kb = cm.k * 2;
+        const uintptr_t al = kb % 16 == 0 ? 16 : kb % 4 == 0 ? 4 : 1;
+        if ((uintptr_t)cm.a % al || (uintptr_t)cm.b % al || (uintptr_t)cm.c % al) return 0;
     }
-    return w <= MOEPT__GROUPED_MAX_MNK * (double)n;
+    return form == MOEPT_GEMM_GROUPED || w <= MOEPT__GROUPED_MAX_MNK * (double)n;
 }
 #endif
 
@@ -2285,8 +2277,9 @@ static int moept__grouped_small(const moept__gemm *g, int64_t n) {
    form (moept_cuda_options.gemm_form): one cublasGemmStridedBatchedEx where
    they have one shape at constant strides (auto, strided), else one
    cublasGemmGroupedBatchedEx where its table and alignment allow (grouped;
-   auto where the GEMMs are small, above; CUDA >= 12.5; each group its own expert's matrices, so the
-   weight-gradient groups write disjoint C: no races), else one cublasGemmEx
+   auto where the GEMMs are also small; CUDA >= 12.5; each group its own
+   expert's matrices, so the weight-gradient groups write disjoint C: no
+   races), else one cublasGemmEx
    each: spread over the side streams where the layer has them, else in a
    loop. ta: A and B's type; tc: C's. Compute is fp32. */
 static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n, cudaDataType_t ta,
@@ -2298,8 +2291,8 @@ static moept_status moept__gemms(moept__cuda *c, const moept__gemm *g, int64_t n
         moept__gemms_strided(c, g, n, ta, tc, &st, err))
         return st;
 #if CUBLAS_VERSION >= 120500
-    if (n > 1 && (form == MOEPT_GEMM_GROUPED || (form == MOEPT_GEMM_AUTO && moept__grouped_small(g, n))) &&
-        moept__grouped_ok(g, n, ta, tc)) {
+    if (n > 1 && (form == MOEPT_GEMM_AUTO || form == MOEPT_GEMM_GROUPED) &&
+        moept__grouped_ok(g, n, ta, tc, form)) {
         const int64_t G = c->G;
         const void **dp = c->d_ptrs;
         moept__ptrs pv = {}; /* MOEPT__NPTR groups' pointers a launch (zeroed: all its bytes are copied) */
