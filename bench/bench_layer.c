@@ -12,9 +12,13 @@
    the two libraries are timed in turn under the same clock and cache
    conditions: RESULT adds cblas_floor_s, paused_floor_s, the median (and
    range) over reps of each rep's rate ratio (rate_vs_openblas: OpenBLAS's
-   time over the builtin's) and the kernel OpenBLAS used. The layer's ratio
-   keeps the floor timed right after it: ratio (the medians' ratio) and
-   ratio_paired (the median, and range, of each rep's layer over its floor).
+   time over the builtin's) and the kernel OpenBLAS used. Each step is
+   bracketed by the floor timed right before it and right after it: ratio
+   is the medians' ratio, ratio_paired the median (and range) over reps of
+   the step's time over the mean of its two floors, which a drift of the
+   machine's speed across the three moves the least. ratio_best and
+   rate_vs_openblas_best are the fastest reps' ratios (another tenant's
+   load only ever slows a rep).
 
    usage: bench_layer [--tokens T] [--hidden D] [--ffn F] [--experts E]
                       [--topk K] [--reps R] [--threads N]
@@ -56,6 +60,31 @@ static int cmp_d(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* The step's GEMMs (router, then each expert's six products with the
+   step's row counts) on buffers of their own, into g[6E + 3]: returns
+   their count and adds their flops to *flops. The buffers live until exit. */
+static int64_t floor_gemms(const moept_layer *L, const float *x, int64_t T, moept__gemm *g, double *flops) {
+    const int64_t D = L->D, F = L->F, E = L->E, N = L->plan.N, H = L->H;
+    float *bx = calloc((size_t)(N * D), 4), *bh = calloc((size_t)(N * H), 4), *ba = calloc((size_t)(N * F), 4);
+    float *by = calloc((size_t)(N * D), 4), *lg = calloc((size_t)(T * E), 4), *dxx = calloc((size_t)(T * D), 4);
+    int64_t n = 0;
+    g[n++] = moept__gemm_make(0, 1, T, E, D, x, D, L->par.w_router, D, 0.0f, lg, E);
+    g[n++] = moept__gemm_make(1, 0, E, D, T, lg, E, x, D, 1.0f, L->par.g_router, D);
+    g[n++] = moept__gemm_make(0, 0, T, D, E, lg, E, L->par.w_router, D, 1.0f, dxx, D);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = L->plan.offsets[e], m = L->plan.counts[e];
+        if (!m) continue;
+        g[n++] = moept__gemm_make(0, 1, m, H, D, bx + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f, bh + r0 * H, H);
+        g[n++] = moept__gemm_make(0, 1, m, D, F, ba + r0 * F, F, L->par.w2 + e * D * F, F, 0.0f, by + r0 * D, D);
+        g[n++] = moept__gemm_make(1, 0, D, F, m, by + r0 * D, D, ba + r0 * F, F, 1.0f, L->par.g2 + e * D * F, F);
+        g[n++] = moept__gemm_make(0, 0, m, F, D, by + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f, ba + r0 * F, F);
+        g[n++] = moept__gemm_make(1, 0, H, D, m, bh + r0 * H, H, bx + r0 * D, D, 1.0f, L->par.g13 + e * H * D, D);
+        g[n++] = moept__gemm_make(0, 0, m, D, H, bh + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f, by + r0 * D, D);
+    }
+    for (int64_t i = 0; i < n; i++) *flops += 2.0 * (double)g[i].m * (double)g[i].n * (double)g[i].k;
+    return n;
+}
+
 int main(int argc, char **argv) {
     bench_shape sh = {4096, 1024, 3584, 8, 2, 3, 1};
     if (!bench_shape_args(argc, argv, &sh)) return 2;
@@ -89,6 +118,7 @@ int main(int argc, char **argv) {
         dy[i] = (float)((double)(moept__mix(&s) >> 11) / 9007199254740992.0 * 2 - 1) * 1e-3f;
     }
     double *tm = malloc((size_t)reps * sizeof(double)), *tf = malloc((size_t)reps * sizeof(double));
+    double *tb = malloc((size_t)reps * sizeof(double)); /* the floor right before each step */
     for (int r = -2; r < 0; r++) { /* warm-up */
         moept_forward(L, x, T, y);
         moept_backward(L, x, dy, dx);
@@ -100,35 +130,17 @@ int main(int argc, char **argv) {
 
     /* the floor: the same GEMMs on separate buffers (allocated after the
        layer's peak was read) */
-    int64_t N = L->plan.N, H = L->H;
-    float *bx = calloc((size_t)(N * D), 4), *bh = calloc((size_t)(N * H), 4), *ba = calloc((size_t)(N * F), 4);
-    float *by = calloc((size_t)(N * D), 4), *lg = calloc((size_t)(T * E), 4), *dxx = calloc((size_t)(T * D), 4);
     moept__gemm *g = malloc((size_t)(6 * E + 3) * sizeof *g);
-    int64_t n = 0;
     double flops = 0;
-    g[n++] = moept__gemm_make(0, 1, T, E, D, x, D, L->par.w_router, D, 0.0f, lg, E);
-    g[n++] = moept__gemm_make(1, 0, E, D, T, lg, E, x, D, 1.0f, L->par.g_router, D);
-    g[n++] = moept__gemm_make(0, 0, T, D, E, lg, E, L->par.w_router, D, 1.0f, dxx, D);
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = L->plan.offsets[e], m = L->plan.counts[e];
-        if (!m) continue;
-        g[n++] = moept__gemm_make(0, 1, m, H, D, bx + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f, bh + r0 * H, H);
-        g[n++] = moept__gemm_make(0, 1, m, D, F, ba + r0 * F, F, L->par.w2 + e * D * F, F, 0.0f, by + r0 * D, D);
-        g[n++] = moept__gemm_make(1, 0, D, F, m, by + r0 * D, D, ba + r0 * F, F, 1.0f, L->par.g2 + e * D * F, F);
-        g[n++] = moept__gemm_make(0, 0, m, F, D, by + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f, ba + r0 * F, F);
-        g[n++] = moept__gemm_make(1, 0, H, D, m, bh + r0 * H, H, bx + r0 * D, D, 1.0f, L->par.g13 + e * H * D, D);
-        g[n++] = moept__gemm_make(0, 0, m, D, H, bh + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f, by + r0 * D, D);
-    }
-    for (int64_t i = 0; i < n; i++) flops += 2.0 * (double)g[i].m * (double)g[i].n * (double)g[i].k;
+    int64_t n = floor_gemms(L, x, T, g, &flops);
     moept__gemm_run(g, n, &L->ws.gws); /* warm-up: first touch of the floor's buffers */
 #ifdef BENCH_OB
     double *to = malloc((size_t)reps * sizeof(double)); /* OpenBLAS's floor, per rep */
-    double *tb = malloc((size_t)reps * sizeof(double)); /* the builtin floor, after the same pause */
     floor_cblas(g, n);
 #endif
-    /* the layer and its floor in turn, so both see the same cache and clock
-       conditions; with OpenBLAS, its floor and the builtin's, each after a
-       pause, before them */
+    /* the floor, the layer and the floor again, so all three see the same
+       cache and clock conditions; with OpenBLAS, its floor first, and a
+       pause before it and before the builtin's (tb: the pair's other half) */
     for (int r = 0; r < reps; r++) {
 #ifdef BENCH_OB
         bench_pause_ms(200);
@@ -136,26 +148,27 @@ int main(int argc, char **argv) {
         floor_cblas(g, n);
         to[r] = now() - t2;
         bench_pause_ms(200);
-        t2 = now();
-        moept__gemm_run(g, n, &L->ws.gws);
-        tb[r] = now() - t2;
 #endif
         double t0 = now();
+        moept__gemm_run(g, n, &L->ws.gws);
+        double t1 = now();
         moept_forward(L, x, T, y);
         moept_backward(L, x, dy, dx);
-        double t1 = now();
+        double t3 = now();
         moept__gemm_run(g, n, &L->ws.gws);
-        tm[r] = t1 - t0;
-        tf[r] = now() - t1;
+        tb[r] = t1 - t0;
+        tm[r] = t3 - t1;
+        tf[r] = now() - t3;
     }
-    /* each rep's layer over the floor timed right after it: the median of
-       these pairs follows the machine's drift less than the medians' ratio */
+    /* each step over the mean of the floors on either side of it: a drift
+       of the machine's speed over the three cancels to first order */
     double *lr = malloc((size_t)reps * sizeof(double));
-    for (int r = 0; r < reps; r++) lr[r] = tm[r] / tf[r];
+    for (int r = 0; r < reps; r++) lr[r] = tm[r] / (0.5 * (tb[r] + tf[r]));
     qsort(lr, (size_t)reps, sizeof *lr, cmp_d);
     qsort(tm, (size_t)reps, sizeof *tm, cmp_d);
     qsort(tf, (size_t)reps, sizeof *tf, cmp_d);
-    double mt = tm[reps / 2], ft = tf[reps / 2];
+    double mt = tm[reps / 2], ft = tf[reps / 2], fbest = tf[0];
+    for (int r = 0; r < reps; r++) fbest = tb[r] < fbest ? tb[r] : fbest;
     double again = peak_gflops(pth);
     peak = again > peak ? again : peak;
 #ifdef MOEPT_CBLAS
@@ -166,11 +179,11 @@ int main(int argc, char **argv) {
     printf("RESULT gemm=%s tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld threads=%d reps=%d "
            "moept_s=%.6f floor_s=%.6f ratio=%.4f gflops=%.1f floor_gflops=%.1f peak_bytes=%lld "
            "layer_bytes=%lld routed_rows=%lld peak_gflops=%.1f ratio_paired=%.4f ratio_paired_min=%.4f "
-           "ratio_paired_max=%.4f",
+           "ratio_paired_max=%.4f ratio_best=%.4f",
            path, (long long)T, (long long)D, (long long)F, (long long)E, (long long)K, L->nthreads, reps, mt, ft,
            mt / ft, flops / mt * 1e-9, flops / ft * 1e-9, (long long)(peak1 - rss0),
            (long long)(st.param_bytes + st.workspace_bytes), (long long)st.routed_rows, peak, lr[reps / 2],
-           lr[0], lr[reps - 1]);
+           lr[0], lr[reps - 1], tm[0] / fbest);
     free(lr);
 #ifdef BENCH_OB
     /* each rep's OpenBLAS floor over the builtin one timed right after it: a
@@ -182,12 +195,12 @@ int main(int argc, char **argv) {
     qsort(to, (size_t)reps, sizeof *to, cmp_d);
     qsort(tb, (size_t)reps, sizeof *tb, cmp_d);
     printf(" cblas_floor_s=%.6f paused_floor_s=%.6f rate_vs_openblas=%.4f rate_vs_openblas_min=%.4f "
-           "rate_vs_openblas_max=%.4f openblas=%s", to[reps / 2], tb[reps / 2], pr[reps / 2], pr[0], pr[reps - 1],
-           openblas_get_corename());
+           "rate_vs_openblas_max=%.4f rate_vs_openblas_best=%.4f openblas=%s", to[reps / 2], tb[reps / 2],
+           pr[reps / 2], pr[0], pr[reps - 1], to[0] / tb[0], openblas_get_corename());
     free(to);
-    free(tb);
     free(pr);
 #endif
+    free(tb);
     printf("\n");
     moept_destroy(L);
     return 0;

@@ -19,7 +19,7 @@ import re
 import subprocess
 import sys
 
-SHAPES = [("GEMM-bound", 4096, 5), ("between", 1024, 7), ("overhead-bound", 256, 11)]
+SHAPES = [("GEMM-bound", 4096, 7), ("between", 1024, 7), ("overhead-bound", 256, 11)]
 D, F, E, K, THREADS = 1024, 3584, 8, 2, 2
 
 
@@ -95,9 +95,10 @@ def gemm_tables(env):
 
 
 def paired(r):
-    """the layer's ratio to its floor: the medians' ratio, then the paired median and range of reps"""
+    """the layer's ratio to its floor: the medians' ratio, then the median and range over reps of each
+    step over the mean of the floors timed right before and after it; the fastest step over the fastest floor"""
     return (f"{float(r['ratio']):.3f} ({float(r['ratio_paired']):.3f} [{float(r['ratio_paired_min']):.3f}-"
-            f"{float(r['ratio_paired_max']):.3f}])")
+            f"{float(r['ratio_paired_max']):.3f}]; best {float(r['ratio_best']):.3f})")
 
 
 def main():
@@ -124,8 +125,8 @@ def main():
                                       "--reps", str(max(2, reps // 2))] + args[:-2], env))
         rows.append((name, T, res))
     print(f"\nMixtral-shaped layer D={D} F={F} E={E} K={K}, fp32, forward+backward, {THREADS} threads, median of reps\n")
-    print("| shape | T | moept builtin (s) | its GEMM floor (s) | ratio (paired: median [range] of reps) | moept CBLAS (s) | its GEMM floor (s) | ratio "
-          "| PyTorch eager (s) | torch / moept CBLAS | builtin / OpenBLAS floor rate, same process: median [range] of reps (separate processes) | moept peak MiB | torch peak MiB | memory ratio |")
+    print("| shape | T | moept builtin (s) | its GEMM floor (s) | ratio (paired: median [range] of reps, each step over the floors beside it; best: fastest over fastest) | moept CBLAS (s) | its GEMM floor (s) | ratio "
+          "| PyTorch eager (s) | torch / moept CBLAS | builtin / OpenBLAS floor rate, same process: median [range; fastest reps] of reps (separate processes) | moept peak MiB | torch peak MiB | memory ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, T, r in rows:
         b = r["builtin"]
@@ -142,7 +143,8 @@ def main():
         else:
             cells += ["skipped (no torch)", "-"]
         same = (f"{float(b['rate_vs_openblas']):.2f} [{float(b['rate_vs_openblas_min']):.2f}-"
-                f"{float(b['rate_vs_openblas_max']):.2f}]" if "rate_vs_openblas" in b else "-")
+                f"{float(b['rate_vs_openblas_max']):.2f}; best {float(b['rate_vs_openblas_best']):.2f}]"
+                if "rate_vs_openblas" in b else "-")
         cells += [f"{same} ({float(c['floor_s']) / float(b['floor_s']):.2f})" if c else same]
         mp = int(best["peak_bytes"]) / 2**20
         cells += [f"{mp:.0f}"]
@@ -164,7 +166,8 @@ def main():
         if "v3" in r:
             v = r["v3"]
             same = (f", builtin / OpenBLAS {v['openblas']} floor rate {float(v['rate_vs_openblas']):.2f}"
-                    f" [{float(v['rate_vs_openblas_min']):.2f}-{float(v['rate_vs_openblas_max']):.2f}]"
+                    f" [{float(v['rate_vs_openblas_min']):.2f}-{float(v['rate_vs_openblas_max']):.2f};"
+                    f" best {float(v['rate_vs_openblas_best']):.2f}]"
                     if "rate_vs_openblas" in v else "")
             print(f"-march=x86-64-v3 build, T={T}: moept {float(v['moept_s']):.3f} s, floor {float(v['floor_s']):.3f} s,"
                   f" ratio {paired(v)}, {float(v['gflops']):.0f}/{float(v['floor_gflops']):.0f} GFLOP/s{same}")

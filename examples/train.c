@@ -498,9 +498,14 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
     }
     if (lead) {
         double secs = now() - t0;
+#ifdef MOEPT_CUDA
+        const char *gemm = M.bf16 ? "cuBLAS, bf16" : "cuBLAS, fp32"; /* the CPU's kernel runs none of them */
+#else
+        const char *gemm = moept_gemm_kernel();
+#endif
         printf("train: loss %.4f at step 1 -> moving average %.4f (held-out %.4f) in %d steps, %.1f s, "
-               "%.0f tokens/s (GEMM: %s)\n", first_loss, ema, val, o.steps, secs, (double)Bg * o.steps / secs,
-               moept_gemm_kernel());
+               "%.0f tokens/s (MoE GEMMs: %s)\n", first_loss, ema, val, o.steps, secs,
+               (double)Bg * o.steps / secs, gemm);
         if (o.steps < MIN_JUDGED_STEPS)
             printf("train: %d steps: the loss's drop is judged only from %d steps\n", o.steps,
                    MIN_JUDGED_STEPS);
