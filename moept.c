@@ -648,14 +648,15 @@ static void moept__gemm_split(const moept__gemm *g, int64_t nth, int64_t nstrips
 }
 
 /* One descriptor's tiles of a B panel (jc, pc; call inside the parallel
-   region). Each row block's A strips are packed by the thread that
-   computes them, just before (in its L2, no barrier between), unless
-   column chunks share the block: then A is packed by all first. packb:
-   B is not packed yet and each strip has one task (a single row block),
-   which packs it a few strips at a time, each used while in cache. Which
-   thread computes a tile never changes its value. */
+   region). packa: A's k block is not packed yet. Each row block's A strips
+   are packed by the thread that computes them, just before (in its L2, no
+   barrier between), unless column chunks share the block: then A is
+   packed by all first. packb: B is not packed yet and each strip has one
+   task (a single row block), which packs it a few strips at a time, each
+   used while in cache. Which thread computes a tile never changes its
+   value. */
 static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, int64_t pc, int64_t kc,
-                              int64_t jc, int64_t nc, int packb) {
+                              int64_t jc, int64_t nc, int packa, int packb) {
     const int64_t MR = MOEPT__MR, NR = MOEPT__NR, KC = MOEPT__KC, nstrips = (nc + NR - 1) / NR;
     int64_t nth = 1, mblocks, nchunks;
 #ifdef _OPENMP
@@ -663,7 +664,7 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
 #endif
     moept__gemm_split(g, nth, nstrips, &mblocks, &nchunks);
     int64_t mstrips = (g->m + MR - 1) / MR;
-    if (nchunks > 1) { /* blocks shared by threads: A packed once, first */
+    if (packa && nchunks > 1) { /* blocks shared by threads: A packed once, first */
         #pragma omp for schedule(static)
         for (int64_t s = 0; s < mstrips; s++) moept__pack_a(g, s * MR, pc, kc, ws->apack + s * KC * MR);
     }
@@ -673,7 +674,7 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
         int64_t ch = t / mblocks, mb = t % mblocks;
         int64_t s0 = nstrips * ch / nchunks, s1 = nstrips * (ch + 1) / nchunks;
         int64_t i0 = mstrips * mb / mblocks, i1 = mstrips * (mb + 1) / mblocks;
-        if (nchunks == 1)
+        if (packa && nchunks == 1)
             for (int64_t i = i0; i < i1; i++) moept__pack_a(g, i * MR, pc, kc, ws->apack + i * KC * MR);
         for (int64_t sg = s0; sg < s1; sg += 8) {
             int64_t sg1 = sg + 8 < s1 ? sg + 8 : s1;
@@ -693,7 +694,11 @@ static void moept__gemm_tiles(const moept__gemm *g, const moept__gemm_ws *ws, in
    one call per descriptor, so the results are bitwise those. Each m must fit
    the A packing buffer (m <= m_max). One parallel region for all panels: B
    is packed by the team (then a barrier), or, for one descriptor of one
-   row block, strip by strip by the tasks that use it. */
+   row block, strip by strip by the tasks that use it. k blocks outside
+   column panels: one descriptor's A block is packed once for all the
+   panels of its k block (at Mixtral's n = 7168 it was packed four times);
+   the descriptors of one call share the A buffer, so theirs are packed at
+   every panel. */
 static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gemm_ws *ws) {
     const moept__gemm *g0 = &gs[0];
     const int64_t NR = MOEPT__NR;
@@ -702,22 +707,23 @@ static void moept__gemm_builtin(const moept__gemm *gs, int64_t count, moept__gem
     int64_t work = mtotal * (g0->n < MOEPT__NC ? g0->n : MOEPT__NC) * (g0->k < MOEPT__KC ? g0->k : MOEPT__KC);
     (void)work; /* read only by the parallel region's condition */
     #pragma omp parallel if (work > (1 << 19)) num_threads(moept__team(0))
-    for (int64_t jc = 0; jc < g0->n; jc += MOEPT__NC) {
-        int64_t nc = g0->n - jc < MOEPT__NC ? g0->n - jc : MOEPT__NC, nstrips = (nc + NR - 1) / NR;
-        int64_t nth = 1, mblocks, nchunks;
+    for (int64_t pc = 0; pc < g0->k; pc += MOEPT__KC) {
+        int64_t kc = g0->k - pc < MOEPT__KC ? g0->k - pc : MOEPT__KC;
+        for (int64_t jc = 0; jc < g0->n; jc += MOEPT__NC) {
+            int64_t nc = g0->n - jc < MOEPT__NC ? g0->n - jc : MOEPT__NC, nstrips = (nc + NR - 1) / NR;
+            int64_t nth = 1, mblocks, nchunks;
 #ifdef _OPENMP
-        nth = omp_get_num_threads();
+            nth = omp_get_num_threads();
 #endif
-        moept__gemm_split(g0, nth, nstrips, &mblocks, &nchunks);
-        int packb = count == 1 && mblocks == 1;
-        for (int64_t pc = 0; pc < g0->k; pc += MOEPT__KC) {
-            int64_t kc = g0->k - pc < MOEPT__KC ? g0->k - pc : MOEPT__KC;
+            moept__gemm_split(g0, nth, nstrips, &mblocks, &nchunks);
+            int packb = count == 1 && mblocks == 1;
             if (!packb) { /* eight strips a task: rows of B read 8 NR wide */
                 #pragma omp for schedule(static)
                 for (int64_t s = 0; s < nstrips; s += 8)
                     moept__pack_b_span(g0, pc, kc, jc, nc, s, s + 8 < nstrips ? s + 8 : nstrips, ws->bpack);
             }
-            for (int64_t d = 0; d < count; d++) moept__gemm_tiles(&gs[d], ws, pc, kc, jc, nc, packb);
+            for (int64_t d = 0; d < count; d++)
+                moept__gemm_tiles(&gs[d], ws, pc, kc, jc, nc, count > 1 || jc == 0, packb);
         }
     }
 }

@@ -423,7 +423,9 @@ static void test_gemm_all_transposes(void) {
     moept_layer *L = NULL;
     EXPECT_OK(moept_create(&c, &L));
     if (!L) return;
-    static const int64_t shapes[][3] = {{1, 1, 1}, {7, 33, 5}, {97, 35, 257}, {300, 2100, 3}, {13, 17, 600}, {200, 1, 300}};
+    /* {50, 2100, 600}: column panels within each of several k blocks (A packed once a k block) */
+    static const int64_t shapes[][3] = {{1, 1, 1}, {7, 33, 5}, {97, 35, 257}, {300, 2100, 3}, {13, 17, 600},
+                                        {200, 1, 300}, {50, 2100, 600}};
     unsigned long long s = 99;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (int ta = 0; ta < 2; ta++)
@@ -518,8 +520,9 @@ static void test_gemm_thread_splits(void) {
 #endif
         free(A); free(B); free(C0); free(C); free(C1);
     }
-    /* descriptors sharing op(B) in one call (the chunked overlap's form) equal one call each, bitwise */
-    const int64_t n = 600, k = 530, ms[2] = {204, 64};
+    /* descriptors sharing op(B) in one call (the chunked overlap's form) equal one call each, bitwise
+       (n: two column panels, each descriptor's A packed again for the second) */
+    const int64_t n = 2100, k = 530, ms[2] = {204, 64};
     float *B = malloc((size_t)(n * k) * 4), *A[2], *C[2], *G[2]; /* B [n][k]; A [m][k]; C, G [m][n] */
     tu_fill(B, n * k, 1.0, &s);
     moept__gemm gs[2];
