@@ -16,9 +16,10 @@
    bracketed by the floor timed right before it and right after it: ratio
    is the medians' ratio, ratio_paired the median (and range) over reps of
    the step's time over the mean of its two floors, which a drift of the
-   machine's speed across the three moves the least. ratio_best and
-   rate_vs_openblas_best are the fastest reps' ratios (another tenant's
-   load only ever slows a rep).
+   machine's speed across the three moves the least. ratio_best (the
+   fastest step over the fastest floor) and rate_vs_openblas_best (the
+   fastest OpenBLAS floor over the fastest builtin one) take the best of
+   each side: another tenant's load only ever slows a rep.
 
    usage: bench_layer [--tokens T] [--hidden D] [--ffn F] [--experts E]
                       [--topk K] [--reps R] [--threads N]
