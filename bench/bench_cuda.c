@@ -7,7 +7,8 @@
    and backward dW2, da, dW13, dxs (weight gradients into fp32, as the
    layer), plus the fp32 router GEMMs; each through cublasGemmEx in the
    layer's dtype with fp32 compute (cublasGemmEx_64, one call per GEMM), on
-   separate buffers. What is left between
+   separate buffers of random values (as the layer's: a GPU runs a GEMM on
+   zeros faster). What is left between
    the two is routing, the plan, the permutes, activations, combine and the
    host synchronisation(s).
 
@@ -100,38 +101,47 @@ static double floor_step(cublasHandle_t hb, const shape *s, const int64_t *off, 
     return flops + 6.0 * (double)T * E * D;
 }
 
+/* n values in the layer's dtype (bf16) or fp32 on the device, uniform in [-scale, scale): a block of
+   up to 4M values drawn once and copied over the buffer. A GEMM on random data draws more power than
+   on zeros, and an H200 clocks down for it: the floor's operands are random as the layer's are. */
+static void *dev_random(int64_t n, int bf16, uint64_t seed, float scale) {
+    const size_t es = bf16 ? 2 : 4;
+    const int64_t nb = n < ((int64_t)1 << 22) ? n : ((int64_t)1 << 22);
+    char *h = malloc((size_t)nb * es + 4);
+    for (int64_t i = 0; i < nb; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        float v = ((float)((double)(seed >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f) * scale;
+        if (bf16) ((uint16_t *)h)[i] = moept__f32_to_bf16(v);
+        else ((float *)h)[i] = v;
+    }
+    void *d = dalloc((size_t)n * es);
+    for (int64_t o = 0; o < n; o += nb) {
+        const int64_t c = n - o < nb ? n - o : nb;
+        CK(cudaMemcpy((char *)d + o * (int64_t)es, h, (size_t)(c * (int64_t)es), cudaMemcpyHostToDevice));
+    }
+    CK(cudaDeviceSynchronize()); /* a pageable H2D copy may return before its DMA ends */
+    free(h);
+    return d;
+}
+
+/* the floor's operands: activations uniform in [-1, 1), weights in [-0.02, 0.02) (outputs stay of
+   the inputs' size, rep after rep), gradients zero as the layer's after zero_grad */
 static floor_bufs floor_alloc(const shape *s, int64_t R) {
-    const int64_t D = s->D, F = s->F, E = s->E, T = s->T, es = s->bf16 ? 2 : 4;
+    const int64_t D = s->D, F = s->F, E = s->E, T = s->T;
+    const int bf = s->bf16;
     floor_bufs b;
-    b.x = dalloc((size_t)(R * D * es)); b.h = dalloc((size_t)(R * 2 * F * es));
-    b.a = dalloc((size_t)(R * F * es)); b.y = dalloc((size_t)(R * D * es));
-    b.w13 = dalloc((size_t)(E * 2 * F * D * es)); b.w2 = dalloc((size_t)(E * D * F * es));
+    b.x = dev_random(R * D, bf, 3, 1.0f); b.h = dev_random(R * 2 * F, bf, 4, 1.0f);
+    b.a = dev_random(R * F, bf, 5, 1.0f); b.y = dev_random(R * D, bf, 6, 1.0f);
+    b.w13 = dev_random(E * 2 * F * D, bf, 7, 0.02f); b.w2 = dev_random(E * D * F, bf, 8, 0.02f);
     b.g13 = dalloc((size_t)(E * 2 * F * D) * 4); b.g2 = dalloc((size_t)(E * D * F) * 4);
-    b.xf = dalloc((size_t)(T * D) * 4); b.wr = dalloc((size_t)(E * D) * 4);
-    b.lg = dalloc((size_t)(T * E) * 4);
+    b.xf = dev_random(T * D, 0, 9, 1.0f); b.wr = dev_random(E * D, 0, 10, 0.02f);
+    b.lg = dev_random(T * E, 0, 11, 1.0f);
     b.gr = dalloc((size_t)(E * D) * 4); b.dxf = dalloc((size_t)(T * D) * 4);
     return b;
 }
 static void floor_free(floor_bufs *b) {
     void *p[] = {b->x, b->h, b->a, b->y, b->w13, b->w2, b->g13, b->g2, b->xf, b->wr, b->lg, b->gr, b->dxf};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
-}
-
-/* n values of x, dy in the layer's dtype on the device (uniform in [-1, 1)) */
-static void *dev_random(int64_t n, int bf16, uint64_t seed) {
-    size_t es = bf16 ? 2 : 4;
-    char *h = malloc((size_t)n * es + 4);
-    for (int64_t i = 0; i < n; i++) {
-        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-        float v = (float)((double)(seed >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f;
-        if (bf16) ((uint16_t *)h)[i] = moept__f32_to_bf16(v);
-        else ((float *)h)[i] = v;
-    }
-    void *d = dalloc((size_t)n * es);
-    CK(cudaMemcpy(d, h, (size_t)n * es, cudaMemcpyHostToDevice));
-    CK(cudaDeviceSynchronize()); /* a pageable H2D copy may return before its DMA ends */
-    free(h);
-    return d;
 }
 
 static float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
@@ -223,7 +233,7 @@ static double step_bench(const shape *s, int f, cudaStream_t st, int64_t *off, i
         return 0.0;
     }
     moept_init_params(L, 1);
-    void *x = dev_random(T * D, s->bf16, 1), *dy = dev_random(T * D, s->bf16, 2);
+    void *x = dev_random(T * D, s->bf16, 1, 1.0f), *dy = dev_random(T * D, s->bf16, 2, 1.0f);
     void *y = dalloc((size_t)(T * D) * (s->bf16 ? 2 : 4)), *dx = dalloc((size_t)(T * D) * (s->bf16 ? 2 : 4));
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));

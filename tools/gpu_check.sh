@@ -3,7 +3,7 @@
 # (the device tool; docs/CUDA.md "On a GPU" records what they gave).
 #
 #   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [sanitize] [bench]
-#                                  [bench_small]   (default: build rules check sanitize bench)
+#                         [bench_small] [profile]   (default: build rules check sanitize bench)
 #
 # prebuilt: instead of build, the binaries tools/gpu_prebuild.sh built
 #           beforehand and the device tool carried (GPUB, default gpub), cuBLAS,
@@ -30,6 +30,11 @@
 # bench_small: each GEMM form at fewer rows an expert: Mixtral and DeepSeek-V3
 #           at T 1024, Qwen3-30B-A3B's (D 2048, F 768, E 128, K 8) and
 #           OLMoE's (D 2048, F 1024, E 64, K 8) layers at T 4096, bf16
+# profile:  where the Mixtral layer's and DeepSeek-V3 experts' step (bf16,
+#           T 8192, default form) spend their GPU time beyond the GEMMs:
+#           tools/cupti_trace.c's records of bench_cuda, summed per step by
+#           tools/cupti_summary.py (where gpu_prebuild.sh built the tracer;
+#           else Nsight Systems' summaries where nsys is installed)
 # rules:    tests/cuda_rules.cu's answers against tests/cuda_rules.txt
 #
 # Logs go to $OUT (the device tool's output folder; default build/gpu): one
@@ -190,10 +195,37 @@ bench_small() { # where each GEMM form wins at fewer rows an expert (AUTO's choi
     grep RESULT "$LOG" | grep -v optimizer | tee -a "$SUM"
 }
 
+profile() { # where the layer's step spends its GPU time beyond the GEMMs
+    LOG="$OUT/profile.log"
+    g=${GPUB:-gpub}
+    n=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    for shape in mixtral deepseek; do
+        a="--shape $shape --tokens 8192 --bf16 --gemm-form auto --reps 5"
+        if [ -f "$g/cupti_trace.so" ]; then # 2 warm-up steps + 5
+            # shellcheck disable=SC2086
+            step "CUPTI trace: bench_cuda $a" env CUDA_INJECTION64_PATH="$PWD/$g/cupti_trace.so" \
+                CUPTI_TRACE="$OUT/trace_$shape.csv" build/bench_cuda $a
+            python3 tools/cupti_summary.py "$OUT/trace_$shape.csv" --skip 2 \
+                >"$OUT/profile_$shape.txt" 2>&1
+            cat "$OUT/profile_$shape.txt" >>"$SUM"
+            gzip -f "$OUT/trace_$shape.csv"
+        elif [ -n "$n" ]; then
+            # shellcheck disable=SC2086
+            step "nsys: bench_cuda $a" "$n" profile -t cuda -o "$OUT/prof_$shape" -f true build/bench_cuda $a
+            step "nsys stats" "$n" stats -q -r cuda_gpu_kern_sum,cuda_api_sum -f csv -o "$OUT/prof_$shape" \
+                "$OUT/prof_$shape.nsys-rep"
+            rm -f "$OUT/prof_$shape.nsys-rep" "$OUT/prof_$shape.sqlite"
+        else
+            echo "skip - profile: neither $g/cupti_trace.so nor nsys" | tee -a "$SUM"
+        fi
+    done
+}
+
 for p in $phases; do
     case $p in
-    build | prebuilt | rules | check | sanitize | bench | bench_small) $p ;;
-    *) echo "usage: $0 [build|prebuilt] [rules] [check] [sanitize] [bench] [bench_small]" >&2; exit 2 ;;
+    build | prebuilt | rules | check | sanitize | bench | bench_small | profile) $p ;;
+    *) echo "usage: $0 [build|prebuilt] [rules] [check] [sanitize] [bench] [bench_small] [profile]" >&2
+       exit 2 ;;
     esac
 done
 exit $failed
