@@ -8,9 +8,11 @@
    layer), plus the fp32 router GEMMs; each through cublasGemmEx in the
    layer's dtype with fp32 compute (cublasGemmEx_64, one call per GEMM), on
    separate buffers of random values (as the layer's: a GPU runs a GEMM on
-   zeros faster). What is left between
-   the two is routing, the plan, the permutes, activations, combine and the
-   host synchronisation(s).
+   zeros faster), one call after another. What is left between the two is
+   routing, the plan, the permutes, activations, combine and the host
+   synchronisation(s), less what the layer's GEMMs gain over the floor's
+   by running side by side on its side streams (tools/gpu_check.sh's
+   profile phase times each part).
 
    usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D]
                      [--ffn F] [--experts E] [--topk K] [--reps R] [--bf16|--fp32]
@@ -70,7 +72,7 @@ static void gemm(cublasHandle_t h, moept__gemm g, cudaDataType_t ta, cudaDataTyp
 
 /* The floor's buffers: rows [R] of every expert, weights [E], fp32 router. */
 typedef struct floor_bufs {
-    char *x, *h, *a, *y, *w13, *w2;   /* [R][D], [R][2F], [R][F], [R][D], [E][2F][D], [E][D][F] (dtype) */
+    char *x, *h, *a, *da, *y, *w13, *w2; /* [R][D], [R][2F], [R][F], [R][F], [R][D], [E][2F][D], [E][D][F] */
     float *g13, *g2;                  /* [E][2F][D], [E][D][F] */
     float *xf, *wr, *lg, *gr, *dxf;   /* [T][D], [E][D], [T][E], [E][D], [T][D] */
 } floor_bufs;
@@ -86,11 +88,12 @@ static double floor_step(cublasHandle_t hb, const shape *s, const int64_t *off, 
         int64_t r0 = off[e], r = off[e + 1] - off[e];
         const float *w13 = AT(b->w13, e * H, D), *w2 = AT(b->w2, e * D, F);
         float *x = AT(b->x, r0, D), *h = AT(b->h, r0, H), *a = AT(b->a, r0, F), *y = AT(b->y, r0, D);
+        float *da = AT(b->da, r0, F); /* its own: into a, each rep would multiply a by W2^T W2 */
         float *g2 = b->g2 + e * D * F, *g13 = b->g13 + e * H * D;
         gemm(hb, moept__gemm_make(0, 1, r, H, D, x, D, w13, D, 0.0f, h, H), dt, dt);   /* h = x W13^T */
         gemm(hb, moept__gemm_make(0, 1, r, D, F, a, F, w2, F, 0.0f, y, D), dt, dt);    /* y = a W2^T */
         gemm(hb, moept__gemm_make(1, 0, D, F, r, y, D, a, F, 1.0f, g2, F), dt, CUDA_R_32F); /* g2 += dy^T a */
-        gemm(hb, moept__gemm_make(0, 0, r, F, D, y, D, w2, F, 0.0f, a, F), dt, dt);    /* da = dy W2 */
+        gemm(hb, moept__gemm_make(0, 0, r, F, D, y, D, w2, F, 0.0f, da, F), dt, dt);   /* da = dy W2 */
         gemm(hb, moept__gemm_make(1, 0, H, D, r, h, H, x, D, 1.0f, g13, D), dt, CUDA_R_32F); /* g13 += dhT x */
         gemm(hb, moept__gemm_make(0, 0, r, D, H, h, H, w13, D, 0.0f, y, D), dt, dt);   /* dx = dh W13 */
         flops += 2.0 * (double)r * (3.0 * H * D + 3.0 * D * F);
@@ -101,22 +104,24 @@ static double floor_step(cublasHandle_t hb, const shape *s, const int64_t *off, 
     return flops + 6.0 * (double)T * E * D;
 }
 
-/* n values in the layer's dtype (bf16) or fp32 on the device, uniform in [-scale, scale): a block of
-   up to 4M values drawn once and copied over the buffer. A GEMM on random data draws more power than
-   on zeros, and an H200 clocks down for it: the floor's operands are random as the layer's are. */
+/* n values in the layer's dtype (bf16) or fp32 on the device, uniform in [-scale, scale): drawn 4M at a
+   time into a host block, each block copied to its place. A GPU's power, and with it its clock, depends
+   on the data it multiplies (the H200 ran the floor's GEMMs on zeros in 2-12% less time): the floor's
+   operands are random as the layer's are. */
 static void *dev_random(int64_t n, int bf16, uint64_t seed, float scale) {
     const size_t es = bf16 ? 2 : 4;
     const int64_t nb = n < ((int64_t)1 << 22) ? n : ((int64_t)1 << 22);
     char *h = malloc((size_t)nb * es + 4);
-    for (int64_t i = 0; i < nb; i++) {
-        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-        float v = ((float)((double)(seed >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f) * scale;
-        if (bf16) ((uint16_t *)h)[i] = moept__f32_to_bf16(v);
-        else ((float *)h)[i] = v;
-    }
     void *d = dalloc((size_t)n * es);
     for (int64_t o = 0; o < n; o += nb) {
         const int64_t c = n - o < nb ? n - o : nb;
+        for (int64_t i = 0; i < c; i++) {
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            float v = ((float)((double)(seed >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f) * scale;
+            if (bf16) ((uint16_t *)h)[i] = moept__f32_to_bf16(v);
+            else ((float *)h)[i] = v;
+        }
+        /* pageable: the call returns once h is staged, so the next block may overwrite it */
         CK(cudaMemcpy((char *)d + o * (int64_t)es, h, (size_t)(c * (int64_t)es), cudaMemcpyHostToDevice));
     }
     CK(cudaDeviceSynchronize()); /* a pageable H2D copy may return before its DMA ends */
@@ -124,23 +129,25 @@ static void *dev_random(int64_t n, int bf16, uint64_t seed, float scale) {
     return d;
 }
 
-/* the floor's operands: activations uniform in [-1, 1), weights in [-0.02, 0.02) (outputs stay of
-   the inputs' size, rep after rep), gradients zero as the layer's after zero_grad */
+/* the floor's operands: what a GEMM reads before any writes it random, activations in [-1, 1),
+   weights in [-0.02, 0.02); outputs, da and the gradients (zero as after zero_grad) zeroed */
 static floor_bufs floor_alloc(const shape *s, int64_t R) {
-    const int64_t D = s->D, F = s->F, E = s->E, T = s->T;
+    const int64_t D = s->D, F = s->F, E = s->E, T = s->T, es = s->bf16 ? 2 : 4;
     const int bf = s->bf16;
     floor_bufs b;
-    b.x = dev_random(R * D, bf, 3, 1.0f); b.h = dev_random(R * 2 * F, bf, 4, 1.0f);
-    b.a = dev_random(R * F, bf, 5, 1.0f); b.y = dev_random(R * D, bf, 6, 1.0f);
+    b.x = dev_random(R * D, bf, 3, 1.0f); b.a = dev_random(R * F, bf, 5, 1.0f);
+    b.h = dalloc((size_t)(R * 2 * F * es)); b.y = dalloc((size_t)(R * D * es));
+    b.da = dalloc((size_t)(R * F * es));
     b.w13 = dev_random(E * 2 * F * D, bf, 7, 0.02f); b.w2 = dev_random(E * D * F, bf, 8, 0.02f);
     b.g13 = dalloc((size_t)(E * 2 * F * D) * 4); b.g2 = dalloc((size_t)(E * D * F) * 4);
     b.xf = dev_random(T * D, 0, 9, 1.0f); b.wr = dev_random(E * D, 0, 10, 0.02f);
-    b.lg = dev_random(T * E, 0, 11, 1.0f);
+    b.lg = dalloc((size_t)(T * E) * 4);
     b.gr = dalloc((size_t)(E * D) * 4); b.dxf = dalloc((size_t)(T * D) * 4);
     return b;
 }
 static void floor_free(floor_bufs *b) {
-    void *p[] = {b->x, b->h, b->a, b->y, b->w13, b->w2, b->g13, b->g2, b->xf, b->wr, b->lg, b->gr, b->dxf};
+    void *p[] = {b->x, b->h, b->a, b->da, b->y, b->w13, b->w2, b->g13, b->g2, b->xf, b->wr, b->lg, b->gr,
+                 b->dxf};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) cudaFree(p[i]);
 }
 

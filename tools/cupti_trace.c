@@ -10,10 +10,14 @@
    kind K (kernel), C (copy; name is its kind number), S (memset), R
    (runtime call; name is the call's). One clock for all rows, so a host
    call and the GPU work it waits for line up. tools/cupti_summary.py sums
-   a layer step of it. Build (tools/gpu_prebuild.sh does, where CUPTI's headers are):
+   a layer step of it. Build (tools/gpu_prebuild.sh does, where CUPTI's
+   headers are):
 
        cc -O2 -shared -fPIC -I$CUPTI/include tools/cupti_trace.c \
-          -L$CUPTI/lib -l:libcupti.so.13 -o cupti_trace.so
+          -L$CUPTI/lib -l:libcupti.so.13 -Wl,-rpath,$CUPTI/lib -o cupti_trace.so
+
+   Records CUPTI dropped (its buffers full) are counted in a last row,
+   D,dropped,0,0,0,<count>.
 
    A tool, not part of the library: it prints and exits on CUPTI errors. */
 #include <cupti.h>
@@ -33,17 +37,17 @@
     } while (0)
 
 static FILE *trace_out;
+static size_t trace_dropped;
 
 static void CUPTIAPI buffer_requested(uint8_t **buf, size_t *size, size_t *max_records) {
     *size = (size_t)16 << 20;
-    *buf = aligned_alloc(8, *size);
+    *buf = aligned_alloc(8, *size); /* NULL: CUPTI drops the records and counts them */
     *max_records = 0;
 }
 
 static void write_record(const CUpti_Activity *r) {
     switch (r->kind) {
-    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
-    case CUPTI_ACTIVITY_KIND_KERNEL: {
+    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         const CUpti_ActivityKernel10 *k = (const CUpti_ActivityKernel10 *)r;
         fprintf(trace_out, "K,\"%s\",%u,%llu,%llu,0\n", k->name, k->streamId, (unsigned long long)k->start,
                 (unsigned long long)k->end);
@@ -76,16 +80,23 @@ static void write_record(const CUpti_Activity *r) {
 
 static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buf, size_t size,
                                       size_t valid) {
-    (void)ctx, (void)stream, (void)size;
+    (void)size;
     CUpti_Activity *r = NULL;
-    while (cuptiActivityGetNextRecord(buf, valid, &r) == CUPTI_SUCCESS) write_record(r);
+    while (trace_out && cuptiActivityGetNextRecord(buf, valid, &r) == CUPTI_SUCCESS) write_record(r);
+    size_t dropped = 0;
+    if (cuptiActivityGetNumDroppedRecords(ctx, stream, &dropped) == CUPTI_SUCCESS) trace_dropped += dropped;
     free(buf);
 }
 
 static void trace_flush(void) {
-    cuptiActivityFlushAll(1);
-    if (trace_out) fclose(trace_out);
-    trace_out = NULL;
+    cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
+    const CUpti_ActivityKind kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+                                        CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_RUNTIME};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) cuptiActivityDisable(kinds[i]);
+    if (!trace_out) return;
+    fprintf(trace_out, "D,dropped,0,0,0,%zu\n", trace_dropped);
+    fclose(trace_out);
+    trace_out = NULL; /* a buffer CUPTI hands back later is freed unread */
 }
 
 int InitializeInjection(void) {

@@ -198,17 +198,20 @@ bench_small() { # where each GEMM form wins at fewer rows an expert (AUTO's choi
 profile() { # where the layer's step spends its GPU time beyond the GEMMs
     LOG="$OUT/profile.log"
     g=${GPUB:-gpub}
+    case $g in /*) ;; *) g=$PWD/$g ;; esac
     n=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
     for shape in mixtral deepseek; do
         a="--shape $shape --tokens 8192 --bf16 --gemm-form auto --reps 5"
+        t="$OUT/trace_$shape.csv"
         if [ -f "$g/cupti_trace.so" ]; then # 2 warm-up steps + 5
             # shellcheck disable=SC2086
-            step "CUPTI trace: bench_cuda $a" env CUDA_INJECTION64_PATH="$PWD/$g/cupti_trace.so" \
-                CUPTI_TRACE="$OUT/trace_$shape.csv" build/bench_cuda $a
-            python3 tools/cupti_summary.py "$OUT/trace_$shape.csv" --skip 2 \
-                >"$OUT/profile_$shape.txt" 2>&1
+            step "CUPTI trace: bench_cuda $a" env CUDA_INJECTION64_PATH="$g/cupti_trace.so" CUPTI_TRACE="$t" \
+                build/bench_cuda $a
+            [ -f "$t" ] || continue
+            step "cupti_summary.py: $shape" sh -c "python3 tools/cupti_summary.py '$t' --skip 2 \
+                >'$OUT/profile_$shape.txt'"
             cat "$OUT/profile_$shape.txt" >>"$SUM"
-            gzip -f "$OUT/trace_$shape.csv"
+            gzip -f "$t"
         elif [ -n "$n" ]; then
             # shellcheck disable=SC2086
             step "nsys: bench_cuda $a" "$n" profile -t cuda -o "$OUT/prof_$shape" -f true build/bench_cuda $a

@@ -18,17 +18,21 @@ make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute
     "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
     "$G/bench_cuda" "$G/train" "$G/cuda_rules" $mpi
 # the CUPTI tracer for the profile phase, with CUPTI's library beside it, where its headers are
-# (CUPTI: the toolkit's extras/CUPTI, else the nvidia-cuda-cupti wheel's nvidia/cu13)
+# (CUPTI: the toolkit's extras/CUPTI, else the nvidia-cuda-cupti wheel's nvidia/cu13); optional
 C=${CUPTI:-}
 [ -z "$C" ] && [ -f /usr/local/cuda/extras/CUPTI/include/cupti.h ] && C=/usr/local/cuda/extras/CUPTI
-[ -z "$C" ] && C=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))' \
-    2>/dev/null)
-if [ -n "$C" ] && [ -f "$C/include/cupti.h" ]; then
-    l=$(ls "$C"/lib*/libcupti.so.1[0-9]* 2>/dev/null | head -1)
-    cp -L "$l" "$G/" && cc -O2 -Wall -Wextra -shared -fPIC -I"$C/include" -I/usr/local/cuda/include \
-        tools/cupti_trace.c "$G/$(basename "$l")" -Wl,-rpath,'$ORIGIN' -o "$G/cupti_trace.so"
+if [ -z "$C" ]; then
+    C=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))' \
+        2>/dev/null) || C=
+fi
+l=
+[ -n "$C" ] && [ -f "$C/include/cupti.h" ] && l=$(ls "$C"/lib*/libcupti.so.1[0-9]* 2>/dev/null | head -1)
+if [ -n "$l" ] && cp -L "$l" "$G/" && cc -O2 -Wall -Wextra -shared -fPIC -I"$C/include" \
+    -I/usr/local/cuda/include tools/cupti_trace.c "$G/$(basename "$l")" -Wl,-rpath,'$ORIGIN' \
+    -o "$G/cupti_trace.so"; then
+    :
 else
-    echo "gpu_prebuild: no CUPTI headers (set CUPTI); no tracer for the profile phase" >&2
+    echo "gpu_prebuild: no CUPTI headers and library (set CUPTI); no tracer for the profile phase" >&2
 fi
 [ -n "$mpi" ] && command -v dpkg >/dev/null || exit 0
 # Open MPI 4 and what its launcher and plugins load that a CUDA image may lack
