@@ -359,43 +359,35 @@ static inline void moept__tr8x8(const float *s, int64_t ls, float *d, int64_t ld
 }
 #endif
 
-/* packs rows [i0, i0+MR) x k [p0, p0+kc) of op(A) into dst[kc][MR] */
+/* packs rows [i0, i0+MR) x k [p0, p0+kc) of op(A) = A into dst[kc][MR]
+   (A^T: moept__pack_a_strips) */
 static void moept__pack_a(const moept__gemm *g, int64_t i0, int64_t p0,
                           int64_t kc, float *dst) {
     int64_t mr = g->m - i0 < MOEPT__MR ? g->m - i0 : MOEPT__MR;
-    if (!g->trans_a) {
-        /* p outer: contiguous writes; the MR source rows stay in L1 */
-        const float *src = g->a + i0 * g->lda + p0;
-        if (mr == MOEPT__MR) {
-            int64_t p = 0;
+    /* p outer: contiguous writes; the MR source rows stay in L1 */
+    const float *src = g->a + i0 * g->lda + p0;
+    if (mr == MOEPT__MR) {
+        int64_t p = 0;
 #if defined(MOEPT__AVX_PACK)
-            /* 8 x 8 blocks through a small tile (MR need not be 8): rows of
-               a power-of-two lda alias in L1 and stall the scalar copy */
-            float t[8 * 8]; /* [8 of k][8 rows] */
-            if (g->m - i0 >= (MOEPT__MR + 7) / 8 * 8)
-                for (; p + 8 <= kc; p += 8)
-                    for (int64_t i = 0; i < MOEPT__MR; i += 8) {
-                        int64_t w = MOEPT__MR - i < 8 ? MOEPT__MR - i : 8;
-                        moept__tr8x8(src + i * g->lda + p, g->lda, t, 8);
-                        for (int64_t q = 0; q < 8; q++)
-                            memcpy(dst + (p + q) * MOEPT__MR + i, t + q * 8, (size_t)w * sizeof(float));
-                    }
+        /* 8 x 8 blocks through a small tile (MR need not be 8): rows of
+           a power-of-two lda alias in L1 and stall the scalar copy */
+        float t[8 * 8]; /* [8 of k][8 rows] */
+        if (g->m - i0 >= (MOEPT__MR + 7) / 8 * 8)
+            for (; p + 8 <= kc; p += 8)
+                for (int64_t i = 0; i < MOEPT__MR; i += 8) {
+                    int64_t w = MOEPT__MR - i < 8 ? MOEPT__MR - i : 8;
+                    moept__tr8x8(src + i * g->lda + p, g->lda, t, 8);
+                    for (int64_t q = 0; q < 8; q++)
+                        memcpy(dst + (p + q) * MOEPT__MR + i, t + q * 8, (size_t)w * sizeof(float));
+                }
 #endif
-            for (; p < kc; p++)
+        for (; p < kc; p++)
 #pragma GCC unroll 16
-                for (int64_t i = 0; i < MOEPT__MR; i++) dst[p * MOEPT__MR + i] = src[i * g->lda + p];
-        } else {
-            for (int64_t p = 0; p < kc; p++)
-                for (int64_t i = 0; i < MOEPT__MR; i++)
-                    dst[p * MOEPT__MR + i] = i < mr ? src[i * g->lda + p] : 0.0f;
-        }
+            for (int64_t i = 0; i < MOEPT__MR; i++) dst[p * MOEPT__MR + i] = src[i * g->lda + p];
     } else {
-        for (int64_t p = 0; p < kc; p++) {
-            const float *src = g->a + (p0 + p) * g->lda + i0;
-            int64_t i = 0;
-            for (; i < mr; i++) dst[p * MOEPT__MR + i] = src[i];
-            for (; i < MOEPT__MR; i++) dst[p * MOEPT__MR + i] = 0.0f;
-        }
+        for (int64_t p = 0; p < kc; p++)
+            for (int64_t i = 0; i < MOEPT__MR; i++)
+                dst[p * MOEPT__MR + i] = i < mr ? src[i * g->lda + p] : 0.0f;
     }
 }
 
