@@ -4,7 +4,8 @@
    are trained, its state goes to files):
 
      The team on a busy machine     OpenMP team cap from the scheduler's delay
-     Errors and allocation          the one error channel; counted allocations
+     Errors and allocation          the one error channel; counted allocations;
+                                    the ABI report (moept_abi_layout)
      GEMM descriptor                the builtin GEMM (packed micro-kernels) or CBLAS
      The executor interface         moept__exec, capability bits, the one refusal
      The layer                      its state by concern, config, create, parameters
@@ -192,7 +193,7 @@ static void moept__load_note(void) {} /* one thread: no team to size */
 #endif
 
 /* ------------------------------------------------------------------------
-   Errors and allocation
+   Errors and allocation (and the ABI report)
    ------------------------------------------------------------------------ */
 /* The one error channel: every failure, of a layer's call or of a
    layer-less one (moept_create, the file readers), writes the calling
@@ -238,6 +239,30 @@ const char *moept_status_string(moept_status s) {
     case MOEPT_ERR_DEVICE: return "device error";
     }
     return "unknown status";
+}
+
+/* moept_abi_layout's text: snprintf into what is left of buf, counting the whole length */
+typedef struct moept__abi_out { char *buf; int64_t cap, n; } moept__abi_out;
+static void moept__abi_put(moept__abi_out *o, const char *fmt, const char *a, const char *b,
+                           int64_t u, int64_t v) {
+    /* straight into buf (no line buffer to truncate): what fits, and its NUL, which the next line
+       or the final NUL overwrites; o->cap keeps one byte for it */
+    const int64_t room = o->n < o->cap ? o->cap - o->n + 1 : 0;
+    int len = snprintf(room ? o->buf + o->n : NULL, (size_t)room, fmt, a, b, (long long)u, (long long)v);
+    if (len > 0) o->n += len;
+}
+
+int64_t moept_abi_layout(char *buf, int64_t cap) {
+    moept__abi_out o = {buf, buf && cap > 0 ? cap - 1 : 0, 0}; /* one byte kept for the NUL */
+    moept__abi_put(&o, "abi %.0s%.0s%lld\n", "", "", MOEPT_ABI_VERSION, 0);
+#define MOEPT__ABI_S(T) moept__abi_put(&o, "struct %s%.0s %lld\n", #T, "", (int64_t)sizeof(T), 0);
+#define MOEPT__ABI_F(T, f) moept__abi_put(&o, "field %s.%s %lld %lld\n", #T, #f, \
+                                          (int64_t)offsetof(T, f), (int64_t)sizeof(((T *)0)->f));
+    MOEPT_ABI_STRUCTS(MOEPT__ABI_S, MOEPT__ABI_F)
+#undef MOEPT__ABI_S
+#undef MOEPT__ABI_F
+    if (buf && cap > 0) buf[o.n < o.cap ? o.n : o.cap] = '\0';
+    return o.n;
 }
 
 /* ------------------------------------------------------------------------
@@ -764,30 +789,6 @@ const char *moept_gemm_kernel(void) {
 #endif
 }
 
-/* moept_abi_layout's text: snprintf into what is left of buf, counting the whole length */
-typedef struct moept__abi_out { char *buf; int64_t cap, n; } moept__abi_out;
-static void moept__abi_put(moept__abi_out *o, const char *fmt, const char *a, const char *b,
-                           int64_t u, int64_t v) {
-    char line[160];
-    int len = snprintf(line, sizeof line, fmt, a, b, (long long)u, (long long)v);
-    if (len < 0) return;
-    if (o->n < o->cap) memcpy(o->buf + o->n, line, (size_t)(len < o->cap - o->n ? len : o->cap - o->n));
-    o->n += len;
-}
-
-int64_t moept_abi_layout(char *buf, int64_t cap) {
-    moept__abi_out o = {buf, buf && cap > 0 ? cap - 1 : 0, 0}; /* one byte kept for the NUL */
-    moept__abi_put(&o, "abi %.0s%.0s%lld\n", "", "", MOEPT_ABI_VERSION, 0);
-#define MOEPT__ABI_S(T) moept__abi_put(&o, "struct %s%.0s %lld\n", #T, "", (int64_t)sizeof(T), 0);
-#define MOEPT__ABI_F(T, f) moept__abi_put(&o, "field %s.%s %lld %lld\n", #T, #f, \
-                                          (int64_t)offsetof(T, f), (int64_t)sizeof(((T *)0)->f));
-    MOEPT_ABI_STRUCTS(MOEPT__ABI_S, MOEPT__ABI_F)
-#undef MOEPT__ABI_S
-#undef MOEPT__ABI_F
-    if (buf && cap > 0) buf[o.n < o.cap ? o.n : o.cap] = '\0';
-    return o.n;
-}
-
 /* Executes a batch of descriptors (one per expert group), in order. */
 static void moept__gemm_run(const moept__gemm *gs, int64_t count,
                             moept__gemm_ws *ws) {
@@ -830,10 +831,10 @@ static void moept__gemm_run(const moept__gemm *gs, int64_t count,
    ------------------------------------------------------------------------ */
 /* An executor runs a layer's steps: the CPU executor (moept__cpu_exec) from
    this file's stage functions, the CUDA executor (its table in the glue
-   below) from moept_kernels.cu's. Every call goes through moept__ex: a NULL
+   below) from moept_kernels.cu's. Every call goes through MOEPT__EX: a NULL
    entry is a step that executor does not need (the CPU keeps nothing on a
    device, so it has nothing to copy or settle). What an executor cannot do
-   is a missing capability bit, refused in one place (moept__ex_refuses) with
+   is a missing capability bit, refused in one place (moept__ex_refuse) with
    one message shape, on every rank. */
 enum {
     MOEPT__CAN_JITTER = 1 << 0,      /* config.router_jitter */
@@ -3989,12 +3990,10 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     return MOEPT_OK;
 }
 
-moept_status moept_routing(const moept_layer *L, const int32_t **ids, const float **weights,
-                           const float **logits) {
+moept_status moept_routing(moept_layer *L, const int32_t **ids, const float **weights, const float **logits) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing: layer is NULL");
     if (!L->fwd.valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing: no forward yet");
-    moept_layer *W = (moept_layer *)L;
-    moept_status cs = MOEPT__EX(W, routing, W, 0);
+    moept_status cs = MOEPT__EX(L, routing, L, 0); /* a device's routing, copied to the host */
     if (cs) return cs;
     if (ids) *ids = L->fwd.ids[L->fwd.cur];
     if (weights) *weights = L->fwd.wts[L->fwd.cur];
@@ -4002,13 +4001,12 @@ moept_status moept_routing(const moept_layer *L, const int32_t **ids, const floa
     return MOEPT_OK;
 }
 
-moept_status moept_routing_grads(const moept_layer *L, const float **dweights) {
+moept_status moept_routing_grads(moept_layer *L, const float **dweights) {
     if (!L || !dweights)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing_grads: NULL argument");
     if (!L->fwd.bwd_valid)
         return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
-    moept_layer *W = (moept_layer *)L;
-    moept_status cs = MOEPT__EX(W, routing, W, 1);
+    moept_status cs = MOEPT__EX(L, routing, L, 1);
     if (cs) return cs;
     *dweights = L->ws.dwts;
     return MOEPT_OK;

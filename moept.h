@@ -1052,13 +1052,15 @@ moept_status moept_update_bias(moept_layer *layer, float rate);
 
 /* Router outputs of the last forward: ids [T][K] (int32), weights [T][K],
    logits [T][E]. Any pointer may be NULL. Valid until the next forward.
-   With forward slots: the last forward call's, whatever backwards ran since. */
-moept_status moept_routing(const moept_layer *layer, const int32_t **ids,
+   With forward slots: the last forward call's, whatever backwards ran since.
+   The layer is not const: a CUDA layer copies its routing into host
+   buffers of its own here (moept_routing_grads too). */
+moept_status moept_routing(moept_layer *layer, const int32_t **ids,
                            const float **weights, const float **logits);
 
 /* After moept_backward: dL/d(routing weight) [T][K], in the order of ids.
    Valid until the next forward. */
-moept_status moept_routing_grads(const moept_layer *layer, const float **dweights);
+moept_status moept_routing_grads(moept_layer *layer, const float **dweights);
 
 /* Stats of the last successful forward; tokens_per_expert [E] may be NULL. */
 moept_status moept_get_stats(const moept_layer *layer, moept_stats *stats,

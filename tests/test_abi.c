@@ -11,6 +11,14 @@
 
 #include <stddef.h>
 
+/* An honest API: the calls that copy a CUDA layer's state into the layer's
+   host buffers take a non-const layer (a const one would be written through a cast) */
+_Static_assert(_Generic(&moept_routing,
+                        moept_status (*)(moept_layer *, const int32_t **, const float **, const float **): 1,
+                        default: 0), "moept_routing takes a const layer");
+_Static_assert(_Generic(&moept_routing_grads, moept_status (*)(moept_layer *, const float **): 1, default: 0),
+               "moept_routing_grads takes a const layer");
+
 static char *report(void) {
     int64_t n = moept_abi_layout(NULL, 0);
     char *buf = malloc((size_t)n + 1);

@@ -480,6 +480,29 @@ static void test_one_error_channel(void) {
     moept_destroy(L);
 }
 
+/* moept_abi_layout's writer: a line longer than any fixed line buffer is
+   written whole, and a buffer too short for it keeps what fits, terminated
+   (a copy of snprintf's untruncated length out of a short buffer read past it) */
+static void test_abi_long_line(void) {
+    char name[400], out[1024];
+    memset(name, 'n', sizeof name - 1);
+    name[sizeof name - 1] = '\0';
+    moept__abi_out o = {out, sizeof out - 1, 0};
+    moept__abi_put(&o, "field %s.%s %lld %lld\n", name, "f", 7, 8);
+    out[o.n < o.cap ? o.n : o.cap] = '\0';
+    char want[1024];
+    int wn = snprintf(want, sizeof want, "field %s.f 7 8\n", name);
+    EXPECT(o.n == wn && !strcmp(out, want), "a %d-byte line: %lld bytes counted, '%.40s...' written", wn,
+           (long long)o.n, out);
+    char small[100];
+    memset(small, 'x', sizeof small);
+    moept__abi_out s = {small, sizeof small - 1, 0};
+    moept__abi_put(&s, "field %s.%s %lld %lld\n", name, "f", 7, 8);
+    small[s.n < s.cap ? s.n : s.cap] = '\0';
+    EXPECT(s.n == wn && strlen(small) == sizeof small - 1 && !strncmp(small, want, sizeof small - 1),
+           "a %d-byte line into 100 bytes: %lld counted, %zu kept", wn, (long long)s.n, strlen(small));
+}
+
 /* Every AdamW hyperparameter is taken as given: 0 is 0, not a default.
    From fresh moments with betas 0 (m = g, v = g^2, bias corrections 1) and
    no decay, one step is p - lr g / (|g| + eps), worked here in double. eps
@@ -528,6 +551,7 @@ int main(void) {
     RUN(test_param_names);
     RUN(test_bad_files);
     RUN(test_adamw_zeros_are_zeros);
+    RUN(test_abi_long_line);
     RUN(test_special_files);
     RUN(test_one_error_channel);
     return tu_done();
