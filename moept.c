@@ -3,6 +3,9 @@
    is made, its calls agree, its steps run stage by stage, its parameters
    are trained, its state goes to files):
 
+     Shared per-element math        routing, losses, activations, plan, jitter:
+                                    host and device (moept_kernels.cu includes
+                                    this section alone, MOEPT__KERNELS)
      The team on a busy machine     OpenMP team cap from the scheduler's delay
      Errors and allocation          the one error channel; counted allocations;
                                     the ABI report (moept_abi_layout)
@@ -23,9 +26,9 @@
      Backward                       agree -> combine' -> experts' -> router' -> dx
      Gradients, statistics          sync_grads, grad_norm, update_bias, routing
      AdamW
-     Executor glue                  the CPU executor's table; the CUDA executor's
-                                    (its state, host copies, create): the only
-                                    #ifdef MOEPT_CUDA in this file
+     Executor glue                  the CPU executor's table; a device executor's
+                                    view of the layer and its reports (the CUDA
+                                    executor's table is moept_kernels.cu's)
      Communication backends         threads, MPI
      JSON                           strict RFC 8259, one object iterator
      safetensors                    the reader, then the writer
@@ -44,15 +47,702 @@
                 pipeline), _router, _dx; FSDP gathers its experts between
                 agree and combine' (moept__bwd_fsdp_gather, CPU only)
    moept__forward and moept__backward are these lists in both files. */
-#if !defined(_POSIX_C_SOURCE)
+#if !defined(MOEPT__KERNELS) && !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
+#ifndef MOEPT_INTERNAL
 #define MOEPT_INTERNAL
+#endif
+#include "moept.h"
+
+/* ------------------------------------------------------------------------
+   Shared per-element math (host and device). The CPU executor calls exactly
+   these functions, and moept_kernels.cu compiles this section alone
+   (MOEPT__KERNELS: it includes this file for it), so the reference-case
+   checks cover the math the CUDA kernels run. C and C++ alike.
+   ------------------------------------------------------------------------ */
+MOEPT_HD static inline int moept__finite(float v) {
+    /* not isfinite(): -ffast-math builds must still catch NaN/Inf */
+    union { float f; uint32_t u; } b; b.f = v;
+    return (b.u & 0x7f800000u) != 0x7f800000u;
+}
+
+/* e^x for the whole library (host and device, so both round alike):
+   e^x = 2^n e^r with n = round(x / ln 2), |r| <= ln(2)/2, e^r by its degree-7
+   Taylor polynomial; error within 2 ulp. Branch-free so loops vectorise.
+   Inputs are clamped to [-87.3, 88.7]: results stay normal and finite (a
+   saturated e^-100 reads 1.2e-38, not 3.7e-44, which no sum notices). */
+/* Its steps after the clamps, for a float or a float vector (the CPU's
+   vector rows in moept.c run the same, so they round alike): n, r = x - n
+   ln 2 in two parts (n*C exact), then e^r by Horner. */
+#define MOEPT__EXP_STEPS(x, xi, zero, n, r, p) do {                     \
+        n = (xi * 1.44269504088896341f + 12582912.0f) - 12582912.0f;    \
+        r = x - n * 0.693145751953125f;                                 \
+        r = r - n * 1.428606765330187045e-06f;                          \
+        p = (zero) + 1.9841269841e-4f;                                  \
+        p = p * r + 1.3888888889e-3f;                                   \
+        p = p * r + 8.3333333333e-3f;                                   \
+        p = p * r + 4.1666666667e-2f;                                   \
+        p = p * r + 1.6666666667e-1f;                                   \
+        p = p * r + 0.5f;                                               \
+        p = p * r + 1.0f;                                               \
+        p = p * r + 1.0f;                                               \
+    } while (0)
+MOEPT_HD static inline float moept__exp(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.7f ? 88.7f : x;
+    /* n from a number: NaN in stays NaN out (through r), and converting NaN
+       to an integer is undefined in C (a sync-free step runs on with it) */
+    const float xi = moept__finite(x) ? x : 0.0f;
+    float n, r, p;
+    MOEPT__EXP_STEPS(x, xi, 0.0f, n, r, p);
+    int32_t bits = ((int32_t)n + 127) * (1 << 23);
+#ifdef __CUDA_ARCH__
+    return p * __int_as_float(bits);
+#else
+    union { int32_t i; float f; } u;
+    u.i = bits;
+    return p * u.f;
+#endif
+}
+
+MOEPT_HD static inline float moept__sigmoid(float v) {
+    return 1.0f / (1.0f + moept__exp(-v));
+}
+
+/* Activation of one hidden unit (kind: moept_activation). Gated kinds:
+   a = act(g) * u with g the gate and u the up projection; plain kinds:
+   a = act(g), u unused. Exact-erf GELU, as torch's default. */
+MOEPT_HD static inline float moept__act_fwd1(int kind, float g, float u) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: return g / (1.0f + moept__exp(-g)) * u;
+    case MOEPT_ACT_GELU_GATED: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
+    case MOEPT_ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
+    default: return g > 0.0f ? g : 0.0f;
+    }
+}
+/* Its backward: da -> dg (and du for gated kinds). */
+MOEPT_HD static inline void moept__act_bwd1(int kind, float g, float u, float da,
+                                            float *dg, float *du) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: {
+        float s = 1.0f / (1.0f + moept__exp(-g));
+        *dg = da * u * (s * (1.0f + g * (1.0f - s)));
+        *du = da * g * s;
+        return;
+    }
+    case MOEPT_ACT_GELU_GATED:
+    case MOEPT_ACT_GELU: {
+        float cdf = 0.5f * (1.0f + erff(g * 0.70710678118654752f));
+        float pdf = 0.39894228040143268f * moept__exp(-0.5f * g * g);
+        float gate_grad = cdf + g * pdf;
+        if (kind == MOEPT_ACT_GELU_GATED) { *dg = da * u * gate_grad; *du = da * g * cdf; }
+        else { *dg = da * gate_grad; *du = 0.0f; }
+        return;
+    }
+    default:
+        *dg = g > 0.0f ? da : 0.0f;
+        *du = 0.0f;
+    }
+}
+MOEPT_HD static inline int moept__act_gated(int kind) {
+    return kind == MOEPT_ACT_SILU_GATED || kind == MOEPT_ACT_GELU_GATED;
+}
+
+/* "omp simd" only where OpenMP is on: elsewhere compilers warn about (and
+   -Werror builds fail on) a pragma they ignore. */
+#ifdef _OPENMP
+#define MOEPT__OMP_SIMD _Pragma("omp simd")
+#else
+#define MOEPT__OMP_SIMD
+#endif
+/* A row of F hidden units: h is [gate | up] (gated, 2F) or [up] (F).
+   The kind is a constant inside each loop, so the loops vectorise. */
+#define MOEPT__ACT_ROW_FWD(K)                                                    \
+    MOEPT__OMP_SIMD for (int64_t j = 0; j < F; j++)                          \
+        a[j] = moept__act_fwd1(K, h[j], moept__act_gated(K) ? h[F + j] : 0.0f)
+MOEPT_HD static inline void moept__act_fwd_row(int kind, const float *h, int64_t F, float *a) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: MOEPT__ACT_ROW_FWD(MOEPT_ACT_SILU_GATED); break;
+    case MOEPT_ACT_GELU_GATED: MOEPT__ACT_ROW_FWD(MOEPT_ACT_GELU_GATED); break;
+    case MOEPT_ACT_GELU: MOEPT__ACT_ROW_FWD(MOEPT_ACT_GELU); break;
+    default: MOEPT__ACT_ROW_FWD(MOEPT_ACT_RELU); break;
+    }
+}
+/* da[F] -> dh (layout of h; dh may alias h) */
+#define MOEPT__ACT_ROW_BWD(K)                                                    \
+    MOEPT__OMP_SIMD for (int64_t j = 0; j < F; j++) {                        \
+        float dg_, du_;                                                          \
+        moept__act_bwd1(K, h[j], moept__act_gated(K) ? h[F + j] : 0.0f, da[j],   \
+                        &dg_, &du_);                                             \
+        dh[j] = dg_;                                                             \
+        if (moept__act_gated(K)) dh[F + j] = du_;                                \
+    }
+MOEPT_HD static inline void moept__act_bwd_row(int kind, const float *h, const float *da,
+                                               int64_t F, float *dh) {
+    switch (kind) {
+    case MOEPT_ACT_SILU_GATED: MOEPT__ACT_ROW_BWD(MOEPT_ACT_SILU_GATED); break;
+    case MOEPT_ACT_GELU_GATED: MOEPT__ACT_ROW_BWD(MOEPT_ACT_GELU_GATED); break;
+    case MOEPT_ACT_GELU: MOEPT__ACT_ROW_BWD(MOEPT_ACT_GELU); break;
+    default: MOEPT__ACT_ROW_BWD(MOEPT_ACT_RELU); break;
+    }
+}
+
+/* Top-k of score[0..E); ties to the lower index. Scores must not be NaN
+   (the router checks; masked experts are -inf). Writes ids in descending
+   score order. Pick k is the best expert after pick k-1 in the strict order
+   (score descending, index ascending), so no expert is visited twice per
+   pick and nothing is marked: O(K E), no scratch. */
+MOEPT_HD static inline void moept__topk(const float *score, int E, int K,
+                                        int32_t *ids) {
+    int prev = -1;
+    for (int k = 0; k < K; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            if (prev >= 0 && !(score[e] < score[prev] || (score[e] == score[prev] && e > prev)))
+                continue; /* picked already: not after pick k-1 */
+            if (best < 0 || score[e] > score[best]) best = e;
+        }
+        ids[k] = prev = best;
+    }
+}
+
+/* Softmax of one token's logits into p[E]; returns logsumexp. */
+MOEPT_HD static inline float moept__softmax(const float *logit, int E, float *p) {
+    float m = logit[0];
+    for (int e = 1; e < E; e++) m = logit[e] > m ? logit[e] : m;
+    float s = 0.0f;
+    for (int e = 0; e < E; e++) { p[e] = moept__exp(logit[e] - m); s += p[e]; }
+    float inv = 1.0f / s;
+    for (int e = 0; e < E; e++) p[e] *= inv;
+    return m + logf(s);
+}
+
+/* The routing weights w[K] of the experts ids[K] from the router's scores
+   probs[E], as the family weighs its choice (softmax: p, or p / sum;
+   sigmoid: s / (sum + 1e-20) if norm, times scale); the sum runs in k
+   order. The router's own choice and a replayed one alike. */
+MOEPT_HD static inline void moept__route_weights(int family, const float *probs, const int32_t *ids,
+                                                 int K, int norm, float scale, float *w) {
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) sum += probs[ids[k]];
+    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
+        for (int k = 0; k < K; k++)
+            w[k] = norm ? probs[ids[k]] / sum : probs[ids[k]];
+        return;
+    }
+    float div = norm ? sum + 1e-20f : 1.0f;
+    for (int k = 0; k < K; k++) w[k] = probs[ids[k]] / div * scale;
+}
+
+/* Route one token. family: moept_family; group_fill: moept_group_fill.
+   probs[E] receives the router's scores (softmax p, or sigmoid s);
+   choice[2E] is scratch. Returns 0, or -1 if
+   a logit is not finite (ids/weights then untouched). */
+MOEPT_HD static inline int moept__route_token(
+    int family, const float *logit, const float *bias, int E, int K, int norm,
+    int n_group, int topk_group, int group_fill, float scale, float *probs, float *choice,
+    int32_t *ids, float *w) {
+    for (int e = 0; e < E; e++)
+        if (!moept__finite(logit[e])) return -1;
+    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
+        moept__softmax(logit, E, probs);
+        moept__topk(probs, E, K, ids);
+        moept__route_weights(family, probs, ids, K, norm, scale, w);
+        return 0;
+    }
+    for (int e = 0; e < E; e++) {
+        probs[e] = moept__sigmoid(logit[e]);
+        choice[e] = probs[e] + (bias ? bias[e] : 0.0f);
+    }
+    if (n_group > 1) {
+        /* group score: the sum of its two best biased scores; keep the
+           topk_group best groups (ties to the lower group); group scores
+           live in choice[E..E+n_group), so no per-thread arrays */
+        int gs = E / n_group;
+        float *gscore = choice + E;
+        for (int g = 0; g < n_group; g++) {
+            const float *cg = choice + (int64_t)g * gs;
+            int b0 = 0;
+            for (int e = 1; e < gs; e++) b0 = cg[e] > cg[b0] ? e : b0;
+            int b1 = b0 == 0 ? 1 : 0;
+            for (int e = 0; e < gs; e++) b1 = (e != b0 && cg[e] > cg[b1]) ? e : b1;
+            gscore[g] = cg[b0] + cg[b1];
+        }
+        for (int g = 0; g < n_group; g++) {
+            int better = 0; /* groups ranked before g */
+            for (int h = 0; h < n_group; h++)
+                better += gscore[h] > gscore[g] || (gscore[h] == gscore[g] && h < g);
+            if (better >= topk_group)
+                for (int e = g * gs; e < (g + 1) * gs; e++)
+                    choice[e] = group_fill == MOEPT_GROUP_FILL_ZERO ? 0.0f : -HUGE_VALF;
+        }
+    }
+    moept__topk(choice, E, K, ids);
+    moept__route_weights(family, probs, ids, K, norm, scale, w);
+    return 0;
+}
+
+/* Routing replay of one token: a row given[K] that is not K distinct
+   experts of 0..E-1 gives 2 k + 1 for its first k repeating an earlier
+   expert of the row, 2 k for one out of range; -1: a valid row. */
+MOEPT_HD static inline int moept__replay_bad(const int32_t *given, int E, int K) {
+    for (int k = 0; k < K; k++) {
+        if (given[k] < 0 || given[k] >= E) return 2 * k;
+        for (int j = 0; j < k; j++)
+            if (given[j] == given[k]) return 2 * k + 1;
+    }
+    return -1;
+}
+/* both executors' message for a rejected row (code: moept__replay_bad's) */
+#define MOEPT__REPLAY_FMT "moept_forward: opts.replay_ids[%lld][%lld] %s"
+#define MOEPT__REPLAY_WHY(code) \
+    ((code) & 1 ? "repeats an expert of its row" : "is not an expert index (0..num_experts-1)")
+
+/* Routing replay of one (valid) token: the router's scores into probs[E]
+   as moept__route_token computes them, ids = given (in the given order),
+   their weights as the family weighs its own choice (moept__route_weights;
+   no top-k, no groups: the bias only selects). Returns -1, ids and w
+   untouched, if a logit is not finite. */
+MOEPT_HD static inline int moept__replay_token(int family, const float *logit, const int32_t *given, int E,
+                                               int K, int norm, float scale, float *probs, int32_t *ids,
+                                               float *w) {
+    for (int e = 0; e < E; e++)
+        if (!moept__finite(logit[e])) return -1;
+    if (family != MOEPT_FAMILY_DEEPSEEK_V3) moept__softmax(logit, E, probs);
+    else
+        for (int e = 0; e < E; e++) probs[e] = moept__sigmoid(logit[e]);
+    for (int k = 0; k < K; k++) ids[k] = given[k];
+    moept__route_weights(family, probs, ids, K, norm, scale, w);
+    return 0;
+}
+
+/* Backward of one token's routing weights. gw[K] = dL/dw; probs[E] the
+   router's scores of the forward. Accumulates dL/dscore into dprob[E]
+   (which the caller then pushes through softmax or sigmoid). */
+MOEPT_HD static inline void moept__route_weights_bwd(
+    int family, const float *probs, const int32_t *ids, const float *gw, int K,
+    int norm, float scale, float *dprob) {
+    if (!norm) {
+        for (int k = 0; k < K; k++)
+            dprob[ids[k]] += gw[k] * (family == MOEPT_FAMILY_DEEPSEEK_V3 ? scale : 1.0f);
+        return;
+    }
+    float sum = 0.0f;
+    for (int k = 0; k < K; k++) sum += probs[ids[k]];
+    float den = family == MOEPT_FAMILY_DEEPSEEK_V3 ? sum + 1e-20f : sum;
+    float sc = family == MOEPT_FAMILY_DEEPSEEK_V3 ? scale : 1.0f;
+    /* w_k = sc * p_k / den: dL/dp_j = sc * (g_j - sum_k g_k p_k / den) / den,
+       in this form so that K = 1 cancels exactly (p / p == 1) */
+    float dot = 0.0f;
+    for (int k = 0; k < K; k++) dot += gw[k] * (probs[ids[k]] / den);
+    for (int k = 0; k < K; k++) dprob[ids[k]] += sc * (gw[k] - dot) / den;
+}
+
+/* dot(a, b) over n floats in double, as 8 interleaved partial sums added in
+   a fixed order: deterministic, and vectorisable (one running sum is a
+   latency-bound chain, 4x slower on the combine backward's rows). */
+MOEPT_HD static inline double moept__dot(const float *a, const float *b, int64_t n) {
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) s[l] += (double)a[i + l] * (double)b[i + l];
+    for (; i < n; i++) s[i & 7] += (double)a[i] * (double)b[i];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* Softmax backward in place: d[e] <- p[e] * (d[e] - sum_j p[j] d[j]). */
+MOEPT_HD static inline void moept__softmax_bwd(const float *p, int E, float *d) {
+    float dot = 0.0f;
+    for (int e = 0; e < E; e++) dot += p[e] * d[e];
+    for (int e = 0; e < E; e++) d[e] = p[e] * (d[e] - dot);
+}
+
+/* Scores the aux loss averages for one token, and (HF convention) the experts
+   it counts. HF: softmax(logits) and its top-k, as load_balancing_loss_func,
+   whatever the router; Megatron: the router's scores (sigmoid scores
+   normalised over experts) and its own selection. */
+MOEPT_HD static inline void moept__aux_token(int family, int aux,
+                                             const float *logit, const float *probs,
+                                             const int32_t *ids, int E, int K,
+                                             float *score, int32_t *count_ids) {
+    int softmax_router = family != MOEPT_FAMILY_DEEPSEEK_V3;
+    if (aux == MOEPT_AUX_HF) {
+        if (softmax_router) {
+            for (int e = 0; e < E; e++) score[e] = probs[e];
+            for (int k = 0; k < K; k++) count_ids[k] = ids[k];
+        } else {
+            moept__softmax(logit, E, score);
+            moept__topk(score, E, K, count_ids);
+        }
+        return;
+    }
+    if (softmax_router) {
+        for (int e = 0; e < E; e++) score[e] = probs[e];
+    } else {
+        float z = 0.0f;
+        for (int e = 0; e < E; e++) z += probs[e];
+        z += 1e-20f;
+        for (int e = 0; e < E; e++) score[e] = probs[e] / z;
+    }
+    for (int k = 0; k < K; k++) count_ids[k] = ids[k];
+}
+
+/* Router backward of one token: dlogit[E] = dL/dlogits from the routing
+   weights' gradient gw[K], the aux loss (aux_g[E] = dL/dscore, NULL for
+   none) and the z loss (zgrad = z_coef * 2 * lse / T), those two times ls
+   (moept_backward_opts.router_loss_scale), plus the caller's own dL/dlogits
+   dlx[E] (NULL: none). scratch[E]. */
+MOEPT_HD static inline void moept__router_token_bwd(
+    int family, int aux, const float *logit, const float *probs,
+    const int32_t *ids, const float *gw, const float *aux_g, float zgrad,
+    int E, int K, int norm, float scale, float ls, const float *dlx, float *scratch, float *dlogit) {
+    for (int e = 0; e < E; e++) dlogit[e] = 0.0f;
+    moept__route_weights_bwd(family, probs, ids, gw, K, norm, scale, dlogit);
+    zgrad *= ls;
+    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
+        if (aux_g)
+            for (int e = 0; e < E; e++) dlogit[e] += ls * aux_g[e];
+        moept__softmax_bwd(probs, E, dlogit);
+        if (zgrad != 0.0f)
+            for (int e = 0; e < E; e++) dlogit[e] += zgrad * probs[e];
+    } else {
+        for (int e = 0; e < E; e++) dlogit[e] *= probs[e] * (1.0f - probs[e]);
+        if (aux_g && (aux == MOEPT_AUX_MEGATRON || aux == MOEPT_AUX_SEQ)) {
+            /* q = s / Z, Z = sum s + 1e-20: ds_j = (g_j - sum_e g_e q_e) / Z */
+            float z = 0.0f, dot = 0.0f;
+            for (int e = 0; e < E; e++) z += probs[e];
+            z += 1e-20f;
+            for (int e = 0; e < E; e++) dot += ls * aux_g[e] * probs[e] / z;
+            for (int e = 0; e < E; e++)
+                dlogit[e] += (ls * aux_g[e] - dot) / z * probs[e] * (1.0f - probs[e]);
+        }
+        if ((aux_g && aux == MOEPT_AUX_HF) || zgrad != 0.0f) {
+            moept__softmax(logit, E, scratch);
+            float dot = 0.0f;
+            if (aux_g && aux == MOEPT_AUX_HF)
+                for (int e = 0; e < E; e++) dot += scratch[e] * (ls * aux_g[e]);
+            for (int e = 0; e < E; e++) {
+                float g = (aux_g && aux == MOEPT_AUX_HF) ? ls * aux_g[e] - dot : 0.0f;
+                dlogit[e] += scratch[e] * (g + zgrad);
+            }
+        }
+    }
+    if (dlx)
+        for (int e = 0; e < E; e++) dlogit[e] += dlx[e];
+}
+
+/* logsumexp of one token's logits (the z loss), summed as moept__softmax. */
+MOEPT_HD static inline float moept__lse(const float *logit, int64_t E) {
+    float m = logit[0];
+    for (int64_t e = 1; e < E; e++) m = logit[e] > m ? logit[e] : m;
+    float s = 0.0f;
+    for (int64_t e = 0; e < E; e++) s += moept__exp(logit[e] - m);
+    return m + logf(s);
+}
+
+/* d(z_coef * mean_t lse_t^2)/d lse_t */
+MOEPT_HD static inline float moept__zgrad(float z_coef, float lse, float T) {
+    return z_coef != 0.0f ? z_coef * 2.0f * lse / T : 0.0f;
+}
+
+/* The aux loss from its per-expert statistics (auxc: counted selections,
+   psum: summed scores, T tokens), and d(coef * aux)/d score_t,e into
+   aux_g[E] (the same for every token). Returns the unscaled loss. */
+MOEPT_HD static inline double moept__aux_finalize(const double *auxc, const double *psum,
+                                                  int64_t E, int64_t K, int aux, double T,
+                                                  float coef, float *aux_g) {
+    double cnorm = aux == MOEPT_AUX_HF ? T : T * (double)K, v = 0.0;
+    for (int64_t e = 0; e < E; e++) {
+        v += auxc[e] / cnorm * (psum[e] / T);
+        aux_g[e] = (float)((double)coef * (double)E * auxc[e] / (cnorm * T));
+    }
+    return v * (double)E;
+}
+
+/* The plan's placement of assignment i (token i / K, slot i % K) that is the
+   pos-th of its expert's assignments in index order (a stable sort by
+   expert): row koff + pos if pos < kept (the expert's capacity), else
+   dropped (-1). Both executors compute pos their own way (a counting pass;
+   a block-wise count on the GPU) and place through this. */
+MOEPT_HD static inline void moept__plan_place(int64_t i, int64_t pos, int64_t kept, int64_t koff,
+                                              int64_t K, int64_t *row_of, int64_t *tok_of_row,
+                                              int32_t *slot_of_row) {
+    if (pos < kept) {
+        int64_t r = koff + pos;
+        row_of[i] = r;
+        tok_of_row[r] = i / K;
+        slot_of_row[r] = (int32_t)(i % K);
+    } else {
+        row_of[i] = -1;
+    }
+}
+
+/* The GPU plan's count pass, per assignment: within its block's slots
+   sl[0..n), the number of earlier assignments to the same slot (its rank)
+   and whether none later shares it (then rank + 1 is the block's count). */
+MOEPT_HD static inline int moept__block_rank(const int32_t *sl, int n, int i, int *last) {
+    int r = 0, l = 1;
+    for (int j = 0; j < n; j++) {
+        int same = sl[j] == sl[i];
+        r += (j < i) & same;
+        l &= !((j > i) & same);
+    }
+    *last = l;
+    return r;
+}
+
+/* The GPU plan's scan pass, per slot e: hist [nblk][E] block counts become
+   each block's first position within the slot; returns the rows kept
+   (capacity cap, -1 for none). */
+MOEPT_HD static inline int64_t moept__plan_scan_slot(int64_t *hist, int64_t nblk, int64_t E, int64_t e,
+                                                     int64_t cap) {
+    int64_t run = 0;
+    for (int64_t b = 0; b < nblk; b++) {
+        int64_t h = hist[b * E + e];
+        hist[b * E + e] = run;
+        run += h;
+    }
+    return cap >= 0 && run > cap ? cap : run;
+}
+
+/* One term of a token's combine: acc + w * v (k in slot order). Neither
+   executor contracts it into an fma (C11 without -ffp-contract=fast;
+   nvcc --fmad=false), so both round alike. */
+MOEPT_HD static inline float moept__combine_step(float acc, float w, float v) {
+    return acc + w * v;
+}
+
+/* The other per-element terms of the combine and its backward: a weighted
+   row (w * v: the shared expert's gated row, and dys = w * dy) and a sum of
+   rows (dx = sum of its k rows, + the shared expert's: combine_step with
+   w = 1, exact). */
+MOEPT_HD static inline float moept__scale(float w, float v) {
+    return w * v;
+}
+
+/* Shared-expert sigmoid gate backward: dL/d logit from <y_shared, dy> and
+   the gate value g. */
+MOEPT_HD static inline float moept__gate_bwd(double dot, float g) {
+    return (float)dot * g * (1.0f - g);
+}
+
+/* One AdamW element, as torch.optim.AdamW: decoupled decay, the moments,
+   the bias-corrected step. k: {1 - lr wd, b1, b2, lr / (1 - b1^t),
+   sqrt(1 - b2^t), eps}, made once a step on the host. The host loop and the
+   CUDA kernel both call it (IEEE sqrtf and division on both), so a CUDA
+   layer's step equals the host's bitwise. */
+MOEPT_HD static inline float moept__adamw1(float p, float g, float *m, float *v, moept__adamw_k k) {
+    p *= k.decay;
+    *m = k.b1 * *m + (1.0f - k.b1) * g;
+    *v = k.b2 * *v + (1.0f - k.b2) * g * g;
+    return p - k.step * *m / (sqrtf(*v) / k.sbc2 + k.eps);
+}
+
+
+
+/* gd[0..n) = one GEMM descriptor per group that has rows: `make` is an
+   expression of the group e, its first row r0 and its row count rows. Both
+   executors build their expert GEMMs with it. */
+#define MOEPT__PER_GROUP(gd, n, groups, offs, make)                          \
+    do {                                                                     \
+        (n) = 0;                                                             \
+        for (int64_t e = 0; e < (groups); e++) {                             \
+            int64_t r0 = (offs)[e], rows = (offs)[e + 1] - r0;               \
+            if (rows) (gd)[(n)++] = (make);                                  \
+        }                                                                    \
+    } while (0)
+
+/* gd[0..n) for a chunk's n row runs (runs [3][stride]: first row, rows,
+   local expert): `make` is an expression of r0, rows and e, as above. */
+#define MOEPT__PER_RUN(gd, runs, n, stride, make)                                             \
+    for (int64_t i_ = 0; i_ < (n); i_++) {                                                    \
+        int64_t r0 = (runs)[i_], rows = (runs)[(stride) + i_], e = (runs)[2 * (stride) + i_]; \
+        (gd)[i_] = (make);                                                                    \
+    }
+
+/* Whether byte ranges [a, a + n) and [b, b + n) overlap (compared as
+   integers: the pointers may belong to unrelated objects). */
+static inline int moept__overlaps(const void *a, const void *b, size_t n) {
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return n > 0 && x < y + n && y < x + n;
+}
+/* both executors' message for dx overlapping x (moept.h's contract) */
+#define MOEPT__DX_ALIAS "moept_backward: dx overlaps x (dx may alias dy, not x: the weight gradients " \
+                        "read x after dx is written)"
+
+/* Per-expert capacity of a step of T tokens (cf > 0; else -1: dropless):
+   ceil(cf T K / E), computed in double and capped at T K (no expert can
+   receive more), so any finite cf converts without overflow. The GPU
+   computes it on the device from its unmasked tokens. */
+MOEPT_HD static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, int64_t E) {
+    if (!(cf > 0.0)) return -1;
+    double c = ceil(cf * ((double)T * (double)K / (double)E));
+    return c < (double)(T * K) ? (int64_t)c : T * K;
+}
+
+/* Chunked overlap: chunk c of C holds tokens [c T / C, (c+1) T / C);
+   moept__chunk_of is the chunk of token t (0 <= t < T): the largest c with
+   c T / C <= t, i.e. c T < (t + 1) C. */
+MOEPT_HD static inline int64_t moept__chunk_start(int64_t T, int64_t C, int64_t c) { return c * T / C; }
+MOEPT_HD static inline int64_t moept__chunk_of(int64_t t, int64_t T, int64_t C) {
+    return ((t + 1) * C - 1) / T;
+}
+
+/* The plan's host side, one implementation both executors call. P ranks of
+   El local experts each: slot e = q El + j is rank q's expert j. offsets
+   [E+1] and counts [E]: this rank's kept rows per slot, in slot order (the
+   send side); rcounts [P][El]: the rows rank p sends this rank's expert j.
+   The expert side holds its rows expert-major, then by source rank. */
+
+/* roffsets [El+1]: the first received row of each local expert */
+static inline void moept__plan_roffsets(int64_t P, int64_t El, const int64_t *rcounts, int64_t *roffsets) {
+    roffsets[0] = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t n = 0;
+        for (int64_t p = 0; p < P; p++) n += rcounts[p * El + j];
+        roffsets[j + 1] = roffsets[j] + n;
+    }
+}
+
+/* The expert exchange's pieces in elements (rows of D): ss [P][El] slot
+   (p, j)'s rows in the send buffer, rs [P][El] where rank p's rows for
+   expert j land on the expert side */
+static inline void moept__plan_segs(int64_t P, int64_t El, int64_t D, const int64_t *offsets,
+                                    const int64_t *counts, const int64_t *rcounts, const int64_t *roffsets,
+                                    moept_seg *ss, moept_seg *rs) {
+    for (int64_t j = 0; j < El; j++) {
+        int64_t off = roffsets[j];
+        for (int64_t p = 0; p < P; p++) {
+            int64_t e = p * El + j; /* p's expert j, as seen from here */
+            ss[e].offset = offsets[e] * D;
+            ss[e].count = counts[e] * D;
+            rs[e].offset = off * D;
+            rs[e].count = rcounts[e] * D;
+            off += rcounts[e];
+        }
+    }
+}
+
+/* peer_rows [2][P]: the rows this rank (me) sends to each rank, then those
+   it receives from each (rank p's for expert j at rcounts[p * rstride + j]:
+   a strided view, e.g. of the count messages); *sent and *received: those
+   to and from the other ranks */
+static inline void moept__plan_peer_rows(int64_t P, int64_t El, int64_t me, const int64_t *counts,
+                                         const int64_t *rcounts, int64_t rstride, int64_t *peer_rows,
+                                         int64_t *sent, int64_t *received) {
+    *sent = *received = 0;
+    for (int64_t q = 0; q < P; q++) {
+        peer_rows[q] = peer_rows[P + q] = 0;
+        for (int64_t j = 0; j < El; j++) {
+            peer_rows[q] += counts[q * El + j];
+            peer_rows[P + q] += rcounts[q * rstride + j];
+        }
+        if (q != me) { *sent += peer_rows[q]; *received += peer_rows[P + q]; }
+    }
+}
+
+/* Chunk c of C's exchange pieces (ss [P][El] on the send side, rs [P][El]
+   on the expert side; NULL: not wanted) and its row runs on the expert side
+   (runs [3][P El]: first row, rows, local expert); returns the runs. ccnt
+   [C][E]: this rank's kept rows per chunk and slot; rccnt [P][C][El]: rank
+   p's rows of chunk c for expert j. The plan is a stable sort by slot, so a
+   chunk's rows of a slot follow the earlier chunks' on both sides: every
+   row lands where the one-chunk step puts it. */
+static inline int64_t moept__plan_chunk(int64_t c, int64_t C, int64_t P, int64_t El, int64_t D,
+                                        const int64_t *offsets, const int64_t *ccnt, const int64_t *rcounts,
+                                        const int64_t *roffsets, const int64_t *rccnt, moept_seg *ss,
+                                        moept_seg *rs, int64_t *runs) {
+    const int64_t E = P * El, stride = P * El;
+    for (int64_t e = 0; e < E && ss; e++) { /* slot e = (q, j) is piece q El + j */
+        int64_t start = offsets[e];
+        for (int64_t b = 0; b < c; b++) start += ccnt[b * E + e];
+        ss[e].offset = start * D;
+        ss[e].count = ccnt[c * E + e] * D;
+    }
+    int64_t n = 0;
+    for (int64_t j = 0; j < El; j++) {
+        int64_t base = roffsets[j];
+        for (int64_t p = 0; p < P; p++) {
+            int64_t before = 0;
+            for (int64_t b = 0; b < c; b++) before += rccnt[(p * C + b) * El + j];
+            int64_t rows = rccnt[(p * C + c) * El + j];
+            if (rs) { rs[p * El + j].offset = (base + before) * D; rs[p * El + j].count = rows * D; }
+            if (rows) { runs[n] = base + before; runs[stride + n] = rows; runs[2 * stride + n] = j; n++; }
+            base += rcounts[p * El + j];
+        }
+    }
+    return n;
+}
+
+
+/* The loss statistics: one vector of doubles per step (all-reduced in one
+   call when the balance is global), per expert the selections, the aux
+   loss's counts and its score sums, then the tokens, the sum of lse^2, the
+   sum of sequence aux values and the sequences. Its fields' offsets: */
+typedef struct moept__lso { int64_t sel, auxc, psum, T, lse2, seqaux, nseq, n; } moept__lso;
+MOEPT_HD static inline moept__lso moept__lstat_of(int64_t E) {
+    moept__lso o = {0, E, 2 * E, 3 * E, 3 * E + 1, 3 * E + 2, 3 * E + 3, 3 * E + 4};
+    return o;
+}
+
+/* ---- router jitter's noise (host and device) -------------------------
+   splitmix64: a small deterministic generator (initialisation, the jitter) */
+MOEPT_HD static inline uint64_t moept__mix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+/* A 64-bit checksum of n floats' bytes, 8 at a time: each step a bijection
+   of the state for a given word, so any change of one word changes the
+   result. Native byte order: the files' (little-endian) on every target. */
+MOEPT_HD static inline uint64_t moept__checksum(const float *v, int64_t n) {
+    const unsigned char *b = (const unsigned char *)v;
+    size_t len = (size_t)n * sizeof(float), i = 0;
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ (uint64_t)len;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+    }
+    for (; i < len; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h ^ (h >> 29);
+}
+/* The jitter's hash of a token's row x [D] (fp32 values, as the router
+   sees them): the noise is keyed by the token's values, not its place */
+MOEPT_HD static inline uint64_t moept__jitter_row(const float *x, int64_t D) {
+    return moept__checksum(x, D) * 0x9e3779b97f4a7c15ull;
+}
+/* Router jitter's factor for element d of a token whose row hashes to
+   row: uniform in [1 - eps, 1 + eps] from (seed, key, row, d) by a counter
+   hash. Keyed by the token's values, not its place, so a token draws the
+   same wherever it is routed (EP = N equals EP = 1 on the whole batch, any
+   thread count, either executor), and the backward makes it again instead
+   of keeping it. */
+MOEPT_HD static inline float moept__jitter_u(uint64_t seed, uint64_t key, uint64_t row, int64_t d,
+                                             float eps) {
+    uint64_t s = seed ^ (key * 0xd1b54a32d192ed03ull) ^ row ^ ((uint64_t)d * 0xa0761d6478bd642full);
+    return 1.0f - eps + 2.0f * eps * ((float)(moept__mix(&s) >> 40) * 0x1.0p-24f);
+}
+
+/* Carves 64-byte aligned sub-buffers out of one block; with base NULL it
+   only measures (the layouts run twice: size, then carve). Host and device
+   workspaces alike. */
+typedef struct moept__carve { char *base; size_t off; } moept__carve;
+static inline void *moept__take(moept__carve *c, size_t bytes) {
+    size_t off = (c->off + 63) & ~(size_t)63;
+    c->off = off + bytes;
+    return c->base ? c->base + off : NULL;
+}
+
+#ifndef MOEPT__KERNELS /* the rest is C11, moept.c's own */
 #ifdef __cplusplus
 /* C11 only (_Thread_local, stdatomic.h, void * conversions): the rest of the
    file is skipped, so this is the one error a C++ compiler prints */
 #error "compile moept.c as C11 (cc -std=c11 -c moept.c); C++ code includes only moept.h and links moept.o"
-#else
+#endif
 #if defined(__FAST_MATH__)
 /* -ffast-math (and -Ofast) assume no NaN or Inf (the input and output checks
    vanish) and change exp and the softmax: every reference case fails */
@@ -68,7 +758,6 @@
 #if defined(__clang__)
 #pragma clang diagnostic ignored "-Wpass-failed"
 #endif
-#include "moept.h"
 
 #include <errno.h>
 #include <stdatomic.h>
@@ -217,7 +906,7 @@ static void moept__verr(char *buf, const char *fmt, va_list ap) {
     vsnprintf(tmp, sizeof tmp, fmt, ap);
     memcpy(buf, tmp, sizeof tmp);
 }
-static moept_status moept__thread_fail(moept_status s, const char *fmt, ...) {
+moept_status moept__thread_fail(moept_status s, const char *fmt, ...) {
     va_list ap; va_start(ap, fmt);
     moept__verr(moept__thread_err, fmt, ap);
     va_end(ap);
@@ -829,67 +1518,19 @@ static void moept__gemm_run(const moept__gemm *gs, int64_t count,
 /* ------------------------------------------------------------------------
    The executor interface
    ------------------------------------------------------------------------ */
-/* An executor runs a layer's steps: the CPU executor (moept__cpu_exec) from
-   this file's stage functions, the CUDA executor (its table in the glue
-   below) from moept_kernels.cu's. Every call goes through MOEPT__EX: a NULL
+/* An executor runs a layer's steps (moept__exec, moept.h's internal part):
+   the CPU executor (moept__cpu_exec) from this file's stage functions, the
+   CUDA executor (its table at the end of moept_kernels.cu) from its
+   kernels. Every call goes through MOEPT__EX: a NULL
    entry is a step that executor does not need (the CPU keeps nothing on a
    device, so it has nothing to copy or settle). What an executor cannot do
    is a missing capability bit, refused in one place (moept__ex_refuse) with
    one message shape, on every rank. */
-enum {
-    MOEPT__CAN_JITTER = 1 << 0,      /* config.router_jitter */
-    MOEPT__CAN_INFERENCE = 1 << 1,   /* config.inference_only */
-    MOEPT__CAN_GRAD_BACKUP = 1 << 2, /* config.grad_backup */
-    MOEPT__CAN_AUX_SEQ = 1 << 3,     /* MOEPT_AUX_SEQ */
-    MOEPT__CAN_FSDP = 1 << 4,        /* config.expert_sharding = MOEPT_SHARD_FSDP */
-    MOEPT__CAN_MASK = 1 << 5,        /* moept_forward_ex's opts.mask */
-    MOEPT__CAN_RESHARD = 1 << 6,     /* moept_reshard */
-    MOEPT__CAN_HOST_STEPS = 1 << 7,  /* the steps run on the host: the CPU workspace is its own */
-    MOEPT__CAN_DEVICE = 1 << 8,      /* parameters on a device (moept_cuda_params) */
-    MOEPT__NCAPS = 9
-};
 static const char *const moept__cap_names[MOEPT__NCAPS] = {
     "config.router_jitter", "config.inference_only", "config.grad_backup", "MOEPT_AUX_SEQ",
     "config.expert_sharding = MOEPT_SHARD_FSDP", "a padding mask (opts.mask)", "resharding",
     "running on the host", "device parameters"};
 
-typedef struct moept__fstep moept__fstep;
-enum { MOEPT__HOST_PARAMS = 1, MOEPT__HOST_GRADS = 2, MOEPT__HOST_OPT = 4 }; /* host copies (bits) */
-/* moept_reshard's schedule (moept__reshard_plan), the same on every rank */
-typedef struct moept__moves {
-    const int32_t *new_rank, *nslot; /* [E] the placement asked for, each expert's new slot */
-    const int32_t *go, *come;        /* [rounds][P] the expert each rank sends, receives (-1: idle) */
-    int64_t rounds, n;               /* n: the rounds this rank is not idle in */
-} moept__moves;
-typedef struct moept__exec {
-    const char *name;      /* in refusals: "the CUDA executor" */
-    unsigned caps;         /* MOEPT__CAN_* */
-    /* the steps (after the API's checks; each agrees over the group itself) */
-    moept_status (*forward)(moept_layer *L, moept__fstep *f);
-    moept_status (*backward)(moept_layer *L, const float *x, const float *dy, float *dx,
-                             const moept_backward_opts *o); /* o: never NULL */
-    moept_status (*sync_grads)(moept_layer *L, float scale);     /* after the call's agreement */
-    moept_status (*grad_scan)(moept_layer *L, double *s, int64_t *bad);
-    moept_status (*adamw_ready)(moept_layer *L);                 /* before the agreement */
-    moept_status (*adamw)(moept_layer *L, moept__adamw_k k);     /* after it */
-    /* state between the host's copy and the executor's (NULL: nothing to do) */
-    moept_status (*zero_grad)(moept_layer *L);
-    moept_status (*grads_check)(moept_layer *L); /* read checks the executor made without a sync */
-    moept_status (*settle)(moept_layer *L);      /* statistics the executor deferred */
-    moept_status (*routing)(moept_layer *L, int dweights); /* ids/wts/logits (or dwts) to the host */
-    moept_status (*to_host)(moept_layer *L, int what);      /* MOEPT__HOST_* the host is to read */
-    void (*host_wrote)(moept_layer *L, int what);           /* MOEPT__HOST_* the host changed */
-    moept_status (*device_params)(moept_layer *L, float **params, float **grads);
-    moept_status (*params_changed)(moept_layer *L);
-    /* moept_reshard's moves (NULL: the host's rounds): ready before the
-       agreement (this rank's resources for mv->n moves); then, agreed, the
-       moves and their own agreement (a failure on any rank undoes every
-       rank's), or, not agreed, the resources released */
-    moept_status (*reshard_ready)(moept_layer *L, const moept__moves *mv);
-    moept_status (*reshard)(moept_layer *L, const moept__moves *mv, int agreed, int64_t *sent,
-                            int64_t *recvd);
-    void (*destroy)(moept_layer *L);
-} moept__exec;
 /* an entry the executor may leave NULL: MOEPT_OK (nothing to do) */
 #define MOEPT__EX(L, fn, ...) ((L)->ex->fn ? (L)->ex->fn(__VA_ARGS__) : MOEPT_OK)
 static const moept__exec moept__cpu_exec;
@@ -1144,35 +1785,12 @@ struct moept_layer {
     X(ch.da) X(ch.dx) X(ws.xs) X(ws.ys) X(ws.xr) X(ws.yr) X(ws.h) X(ws.a) X(ws.hs) X(ws.as) X(ws.yss) \
     X(ws.sg) X(ws.dwts) X(work) X(work_bytes)
 
-/* A forward's arguments and what its stages found before the commit (the
-   routing is in the spare buffers nb). */
-struct moept__fstep {
-    const float *x;        /* [T][D] */
-    float *y;              /* [T][D] */
-    const uint8_t *mask;   /* [T] 0 = padding, or NULL */
-    const int32_t *replay; /* [T][K] the experts to route to (routing replay), or NULL */
-    float *logits_out;     /* [T][E] the router's logits written here, or NULL */
-    int slot;              /* the training forward's slot (opts.slot) */
-    int64_t T, valid;      /* tokens; unmasked ones */
-    int eval, global, nb, jitter;
-    uint64_t x_fp;         /* x's fingerprint, for the backward's check */
-    uint64_t jkey;         /* the jitter noise's key */
-    int64_t cap, R_next;   /* per-expert capacity (-1 dropless); rows to receive */
-    moept_status reject;   /* the executor refuses this call (agreed as a local check) */
-    char reject_why[MOEPT__ERRLEN];
-};
 
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
 static void moept__host_wrote(moept_layer *L, int params, int grads);
 /* The group calls (moept.h's table): each agreement carries the call's id
    and a fingerprint of the arguments that must match on every rank */
-enum {
-    MOEPT__CALL_FORWARD = 1, MOEPT__CALL_BACKWARD, MOEPT__CALL_SYNC_GRADS, MOEPT__CALL_GRAD_NORM,
-    MOEPT__CALL_UPDATE_BIAS, MOEPT__CALL_ADAMW_STEP, MOEPT__CALL_SAVE_CHECKPOINT, MOEPT__CALL_SAVE_FILES,
-    MOEPT__CALL_SAVE_COMMIT, MOEPT__CALL_LOAD_CHECKPOINT, MOEPT__CALL_LOAD_HF, MOEPT__CALL_RESHARD,
-    MOEPT__NCALLS
-};
 static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
     [MOEPT__CALL_FORWARD] = {"moept_forward", "opts.slot or opts.eval"},
     [MOEPT__CALL_BACKWARD] = {"moept_backward", "router_loss_scale or opts.slot"},
@@ -1196,8 +1814,7 @@ static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_com
     } while (0)
 
 /* a layer's failure: the thread's message too (L names the call's layer) */
-static moept_status moept__fail(const moept_layer *L, moept_status s,
-                                const char *fmt, ...) {
+moept_status moept__fail(const moept_layer *L, moept_status s, const char *fmt, ...) {
     (void)L;
     va_list ap; va_start(ap, fmt);
     moept__verr(moept__thread_err, fmt, ap);
@@ -1778,11 +2395,10 @@ static int moept__has_shm(const moept_comm *ep) {
     return ep && ep->size > 1 && ep->shm_alloc && ep->shm_free && ep->barrier;
 }
 
-static int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st);
 static moept_status moept__comm_fail(moept_comm *c, moept_status s, const char *fmt, ...);
 
 /* *most = the largest v over the group (an out-of-memory rank fails all) */
-static moept_status moept__group_max(moept_comm *g, int64_t v, int64_t *most) {
+moept_status moept__group_max(moept_comm *g, int64_t v, int64_t *most) {
     int64_t few[64], *all = g->size <= 64 ? few : moept__alloc(NULL, (size_t)g->size * sizeof(int64_t));
     moept_status st;
     int64_t failed = moept__any_failed(g, NULL, all == NULL, &st);
@@ -1797,8 +2413,8 @@ static moept_status moept__group_max(moept_comm *g, int64_t v, int64_t *most) {
 /* The one sum over the world: all-reduce over the EP (or fsdp) group, then
    over DP (a NULL comm, or one of one rank, is skipped). On failure *bad
    (when given) is the comm that failed: its err says why. */
-static moept_status moept__sum_ep_dp(moept_comm *ep, moept_comm *dp, void *buf, int64_t n, moept_dtype t,
-                                     moept_comm **bad) {
+moept_status moept__sum_ep_dp(moept_comm *ep, moept_comm *dp, void *buf, int64_t n, moept_dtype t,
+                              moept_comm **bad) {
     moept_comm *c[2] = {ep, dp};
     for (int i = 0; i < 2; i++) {
         moept_status st = c[i] && c[i]->size > 1 ? c[i]->allreduce(c[i], buf, n, t) : MOEPT_OK;
@@ -1811,7 +2427,7 @@ static moept_status moept__sum_ep_dp(moept_comm *ep, moept_comm *dp, void *buf, 
 }
 
 /* Sums a failure flag over the EP (and DP) group: 0 when every rank is fine. */
-static int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st) {
+int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st) {
     int64_t v = mine;
     *st = moept__sum_ep_dp(ep, dp, &v, 1, MOEPT_DTYPE_I64, NULL);
     return *st ? -1 : v;
@@ -1955,8 +2571,8 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
 
 /* A layer run by executor ex: checks agreed, then allocation agreed (an
    out-of-memory rank fails every rank), then the direct path's shared rows */
-static moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
-                                  const moept__exec *ex, const char *call, moept_layer **out) {
+moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept_comm *dp, const moept__exec *ex,
+                           const char *call, moept_layer **out) {
     if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: out is NULL", call);
     *out = NULL;
     moept_config c;
@@ -2221,7 +2837,7 @@ static void moept__host_wrote(moept_layer *L, int params, int grads) {
    and the layer's count of agreed calls (12 bits), so ranks that make
    different calls, or one call more, are told apart instead of running into
    each other's collectives. */
-static int64_t moept__call_tag(const moept_layer *L, int call) {
+int64_t moept__call_tag(const moept_layer *L, int call) {
     return (int64_t)call << 12 | (L->agreed_calls & 0xfff);
 }
 
@@ -2779,7 +3395,7 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
 
 /* Chunk c's exchange pieces (ss [P][El] on the token side, rs [P][El] on the
    expert side; NULL: not wanted) and its row runs on the expert side;
-   returns the runs (moept.h's moept__plan_chunk, as the CUDA executor's). */
+   returns the runs (moept__plan_chunk above, as the CUDA executor's). */
 static int64_t moept__chunk_plan(moept_layer *L, int64_t c, moept_seg *ss, moept_seg *rs, int64_t *runs) {
     return moept__plan_chunk(c, L->C, L->P, L->El, L->D, L->plan.offsets, L->ch.ccnt,
                              L->ep ? L->xch.rcounts : L->plan.counts, L->xch.roffsets, L->ch.rccnt, ss, rs,
@@ -3058,7 +3674,7 @@ static moept_status moept__forward_finite(moept_layer *L, const float *y, double
 /* Router jitter: its noise (moept__jitter_u) and the rows' hashes are moept.h's, shared with the GPU */
 /* The noise key of the next training forward: AdamW steps (checkpointed)
    and forwards since the last one, so a resumed run draws what it drew. */
-static uint64_t moept__jitter_key(const moept_layer *L) {
+uint64_t moept__jitter_key(const moept_layer *L) {
     return ((uint64_t)L->opt.t << 20) ^ (uint64_t)L->fwd.jitter_micro;
 }
 /* out [T][D] = x * u (mul) or out * u, the router's input under jitter or
@@ -4051,7 +4667,7 @@ static const char *moept__param_of(const moept_layer *L, int64_t i) {
 /* The host's AdamW moments [2][n_params], zero, allocated once: the CPU's
    at the first step (before the agreement: a rank out of memory fails
    every rank), a device executor's copy at the first save */
-static moept_status moept__opt_alloc(moept_layer *L, const char *call) {
+moept_status moept__opt_alloc(moept_layer *L, const char *call) {
     if (L->opt.m) return MOEPT_OK;
     float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
     if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for the optimizer state", call);
@@ -4114,8 +4730,8 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
 }
 
 /* ------------------------------------------------------------------------
-   Executor glue: the CPU executor's table, and the CUDA executor's (its
-   state, the host copies, create)
+   Executor glue: the CPU executor's table, and a device executor's view
+   of the layer and its reports (moept.h's internal part)
    ------------------------------------------------------------------------ */
 static moept_status moept__cpu_forward(moept_layer *L, moept__fstep *f) {
     const int was = L->active;
@@ -4145,71 +4761,41 @@ static const moept__exec moept__cpu_exec = {
     .adamw = moept__cpu_adamw,
 };
 
-#ifdef MOEPT_CUDA
-/* A CUDA layer's state beside the device executor: which side changed last
-   for the parameters (with the bias and placement), the gradients and
-   AdamW's moments, and what the device checked that the host has not read */
-typedef enum { MOEPT__SAME = 0, MOEPT__HOST_NEWER, MOEPT__DEVICE_NEWER } moept__newer;
-typedef struct moept__cudax {
-    moept__cuda *c;
-    moept__newer params, grads, opt; /* opt: MOEPT__SAME also when there are none */
-    int routing_on_host;   /* host ids/wts/logits hold the committed step */
-    int dx_pending;        /* a backward's dx check on the device not yet read */
-    int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
-    int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
-    int slot;              /* the last forward's forward slot (an evaluation's: max_inflight) */
-    /* moept_reshard, during the call: this rank's moves, their buffers (1, or 3 with
-       the moments) and the leaving experts' bytes [n][rs_nbuf][H*D + D*F], for an undo */
-    int rs_nbuf;
-    int64_t *rs_slot;      /* [n] local slot of each leaving expert, then to, from [n] int32 */
-    float *rs_backup;
-} moept__cudax;
-#define MOEPT__CX(L) ((moept__cudax *)(L)->xstate)
+/* A device executor's view of its layer, and its reports (moept.h's
+   internal part): what moept_kernels.cu reads and writes of a layer goes
+   through these. */
+char *moept__errbuf(void) { return moept__thread_err; }
 
-static moept_status moept__cuda_to_host(moept_layer *L, int what) {
-    moept__cudax *X = MOEPT__CX(L);
-    int p = (what & MOEPT__HOST_PARAMS) && X->params == MOEPT__DEVICE_NEWER;
-    int g = (what & MOEPT__HOST_GRADS) && X->grads == MOEPT__DEVICE_NEWER;
-    moept_status st;
-    if ((p || g) && (st = moept__cuda_download(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL,
-                                               moept__thread_err)))
-        return st;
-    if (p) X->params = MOEPT__SAME;
-    if (g) X->grads = MOEPT__SAME;
-    if (!(what & MOEPT__HOST_OPT) || X->opt != MOEPT__DEVICE_NEWER) return MOEPT_OK;
-    if ((st = moept__opt_alloc(L, "moept_save_checkpoint"))) return st; /* the host's moments, for a save */
-    st = moept__cuda_opt_download(X->c, L->opt.m, L->opt.v, moept__thread_err);
-    if (!st) X->opt = MOEPT__SAME;
-    return st;
+void moept__view_of(moept_layer *L, moept__view *v) {
+    memset(v, 0, sizeof *v);
+    v->cfg = &L->cfg;
+    v->D = L->D; v->F = L->F; v->E = L->E; v->K = L->K; v->S = L->S; v->H = L->H; v->HS = L->HS;
+    v->El = L->El; v->Tmax = L->Tmax; v->C = L->C; v->n_params = L->par.n_params;
+    v->P = L->P; v->rank = L->rank; v->nslots = L->nslots; v->act = L->act;
+    v->capacity_factor = L->capacity_factor;
+    v->ep = L->ep; v->dp = L->dp;
+    v->xstate = &L->xstate;
+    v->params = L->par.params; v->grads = L->par.grads; v->bias = L->par.bias;
+    v->off13 = L->par.w13 - L->par.params; v->off2 = L->par.w2 - L->par.params;
+    v->offs13 = L->par.ws13 - L->par.params; v->offs2 = L->par.ws2 - L->par.params;
+    v->offsg = L->par.wsg ? L->par.wsg - L->par.params : -1;
+    v->slot_of = L->plan.slot_of;
+    v->m = L->opt.m; v->v = L->opt.v;
+    v->lstat = L->fwd.lstat;
+    v->peer_rows = L->xch.peer_rows;
+    v->ids = L->fwd.ids[L->fwd.cur]; v->wts = L->fwd.wts[L->fwd.cur]; v->logits = L->fwd.logits[L->fwd.cur];
+    v->dwts = L->ws.dwts;
 }
 
-static void moept__cuda_host_wrote(moept_layer *L, int what) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (what & MOEPT__HOST_PARAMS) X->params = MOEPT__HOST_NEWER;
-    if (what & MOEPT__HOST_GRADS) X->grads = MOEPT__HOST_NEWER;
-    if (what & MOEPT__HOST_OPT)
-        X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
+void moept__dev_agreed(moept_layer *L, int n) { L->agreed_calls += n; }
+
+void moept__dev_held(moept_layer *L, int64_t allocations, int64_t bytes, int64_t workspace_bytes) {
+    L->dev.allocations = allocations;
+    L->dev.allocated_bytes = bytes;
+    L->dev.workspace_bytes = workspace_bytes;
 }
 
-static moept_status moept__to_device(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER;
-    if (!p && !g) return MOEPT_OK;
-    moept_status st =
-        moept__cuda_upload(X->c, p ? L->par.params : NULL, g ? L->par.grads : NULL, p ? L->par.bias : NULL,
-                           p ? L->plan.slot_of : NULL, moept__thread_err);
-    if (st) return st;
-    if (p) X->params = MOEPT__SAME;
-    if (g) X->grads = MOEPT__SAME;
-    return MOEPT_OK;
-}
-
-/* what the device executor holds now, into the layer's statistics */
-static void moept__cuda_held(moept_layer *L) {
-    moept__cuda_sizes(MOEPT__CX(L)->c, &L->dev.allocations, &L->dev.allocated_bytes, &L->dev.workspace_bytes);
-}
-
-static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
+static void moept__dev_stats(moept_layer *L, const moept__dev_step *r) {
     L->stats.recv_capacity = r->recv_capacity;
     L->stats.recv_growths = r->recv_growths;
     L->stats.comm_seconds += r->comm_seconds;
@@ -4219,7 +4805,7 @@ static void moept__cuda_stats(moept_layer *L, const moept__cuda_step *r) {
 
 /* the forward's statistics that come from the device (lstat and peer_rows
    were written by the executor) */
-static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
+void moept__dev_step_done(moept_layer *L, const moept__dev_step *r) {
     const int64_t E = L->E;
     for (int64_t e = 0; e < E; e++) {
         L->fwd.sel_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.sel + e];
@@ -4239,418 +4825,34 @@ static void moept__cuda_step_done(moept_layer *L, const moept__cuda_step *r) {
     sts->z_loss = (float)r->z_value;
 }
 
-/* sync-free: the last forward's device statistics, read now (a host sync) */
-static moept_status moept__cuda_settle(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (!X->stats_pending) return MOEPT_OK;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    moept_status st = moept__cuda_step_stats(X->c, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
-    if (st) return st;
-    X->stats_pending = 0;
-    moept__cuda_step_done(L, &r);
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__to_device(L);
-    if (st) return st;
-    const int64_t T = f->T;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    /* the slot in the tag's high half (0: an evaluation), agreed with the call */
-    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD) | (int64_t)(f->eval ? 0 : f->slot + 1) << 32;
-    r.slot = f->slot;
-    r.eval = f->eval;
-    r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
-    r.reject_msg = f->reject ? f->reject_why : NULL;
-    r.replay = f->replay; /* device memory: checked there, agreed with the executor's checks */
-    r.jitter = L->cfg.router_jitter > 0.0f && !f->eval; /* the CPU's noise: its key, counted alike */
-    r.jitter_key = moept__jitter_key(L);
-    r.mask = f->mask; /* device memory, as x and y */
-    r.logits_out = f->logits_out;
-    st = moept__cuda_forward(X->c, f->x, T, f->y, L->fwd.lstat, L->xch.peer_rows, &r, moept__thread_err);
-    L->agreed_calls += r.agreed;
-    moept__cuda_held(L); /* a failed forward's too: a slot it made stays */
-    /* sync-free: a rank's own rejection fails its call alone and its peers
-       go on, so it counts the forward as they do: the ranks' noise keys stay alike */
-    if (st && r.agreed && X->sync_free) L->fwd.jitter_micro += r.jitter;
-    if (st) return st;
-    L->fwd.jitter_micro += r.jitter;
-    L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; X->routing_on_host = 0; L->fwd.eval = f->eval;
-    X->slot = r.slot; /* its backward's gradients are moept_routing_grads' */
+void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r, int64_t T, int eval) {
+    L->fwd.jitter_micro += r->jitter;
+    L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; L->fwd.eval = eval;
     moept_stats *sts = &L->stats;
     sts->bytes_sent = sts->bytes_received = 0;
     sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
-    moept__cuda_stats(L, &r);
+    moept__dev_stats(L, r);
     sts->steps++;
     sts->tokens = T;
-    X->stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
-    if (!r.deferred) moept__cuda_step_done(L, &r);
-    return MOEPT_OK;
+    if (!r->deferred) moept__dev_step_done(L, r); /* sync-free: read when asked for (settle) */
 }
 
-static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx,
-                                               const moept_backward_opts *o) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__to_device(L);
-    if (st) return st;
-    moept__cuda_step r;
-    memset(&r, 0, sizeof r);
-    r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
-    char why[MOEPT__ERRLEN];
-    if (o->slot < 0 || o->slot >= L->nslots) { /* (the slot's own state: the executor's checks) */
-        snprintf(why, sizeof why, "moept_backward: opts.slot %d is not in 0..max_inflight-1 (%d)", o->slot,
-                 L->nslots - 1);
-        r.reject = MOEPT_ERR_INVALID_ARGUMENT;
-        r.reject_msg = why;
-    } else if (!moept__finite(o->router_loss_scale)) {
-        r.reject = MOEPT_ERR_INVALID_ARGUMENT;
-        r.reject_msg = "moept_backward: opts.router_loss_scale is not finite";
-    }
-    r.router_loss_scale = o->router_loss_scale;
-    r.dlogits = o->dlogits; /* device memory, as x */
-    r.slot = o->slot;
-    st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__thread_err);
-    L->agreed_calls += r.agreed;
-    moept__cuda_held(L);
-    if (st) return st;
-    moept__cuda_stats(L, &r);
-    if (o->slot == X->slot) L->fwd.bwd_valid = 1; /* the last forward's */
-    X->grads = MOEPT__DEVICE_NEWER;
-    X->dx_pending = 1;
-    return MOEPT_OK;
+void moept__dev_backward_done(moept_layer *L, const moept__dev_step *r, int last) {
+    moept__dev_stats(L, r);
+    if (last) L->fwd.bwd_valid = 1;
 }
 
-/* router and shared expert over EP, then everything over DP, on the device */
-static moept_status moept__cuda_layer_sync_grads(moept_layer *L, float scale) {
-    moept_status st = moept__to_device(L);
-    if (!st) st = moept__cuda_sync_grads(MOEPT__CX(L)->c, scale, moept__thread_err);
-    if (!st) MOEPT__CX(L)->grads = MOEPT__DEVICE_NEWER;
-    return st;
-}
+void moept__dev_count_jitter(moept_layer *L, int n) { L->fwd.jitter_micro += n; }
 
-/* s NULL: the executor may keep what a scan of the same gradients found */
-static moept_status moept__cuda_layer_grad_scan(moept_layer *L, double *s, int64_t *bad) {
-    moept_status st = moept__to_device(L);
-    return st ? st : moept__cuda_grad_scan(MOEPT__CX(L)->c, s, bad, moept__thread_err);
-}
-
-/* the step on the device (its parameters, moments and bf16 weights), where
-   the gradients are; nothing crosses to the host */
-static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__cuda_adamw(X->c, &k, X->opt == MOEPT__HOST_NEWER, L->opt.m, L->opt.v,
-                                        moept__thread_err);
-    if (st) return st;
-    X->opt = MOEPT__DEVICE_NEWER;
-    X->params = MOEPT__DEVICE_NEWER;
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = moept__cuda_zero_grad(X->c, moept__thread_err); /* its dx check reset with them */
-    if (st) return st;
-    X->grads = MOEPT__SAME; /* both sides zero */
-    X->dx_pending = 0;
-    return MOEPT_OK;
-}
-
-/* the device's dx check of the backwards since zero_grad (and, sync-free,
-   its other checks), read without a sync at the backward */
-static moept_status moept__cuda_grads_check(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (!X->dx_pending && !X->sync_free) return MOEPT_OK;
-    int64_t bad = -1;
-    char why[MOEPT__ERRLEN];
-    moept_status why_st = MOEPT_OK;
-    moept_status st = moept__cuda_dx_check(X->c, &bad, &why_st, why, moept__thread_err);
-    if (st) return st;
-    X->dx_pending = 0;
+void moept__dev_grads_bad(moept_layer *L, int64_t bad, moept_status why_st, const char *why) {
     if (bad >= 0 && L->par.grads_dx_bad < 0) L->par.grads_dx_bad = bad;
     if (why_st && !L->par.grads_sf_bad) { /* the sync-free mode's checks, made on the device */
         L->par.grads_sf_bad = why_st;
-        memcpy(L->par.grads_sf_why, why, sizeof why);
+        snprintf(L->par.grads_sf_why, sizeof L->par.grads_sf_why, "%s", why);
     }
-    return MOEPT_OK;
 }
 
-static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, L->ws.dwts, moept__thread_err);
-    if (X->routing_on_host) return MOEPT_OK;
-    moept_status st = moept__cuda_download_routing(X->c, L->fwd.ids[L->fwd.cur], L->fwd.wts[L->fwd.cur],
-                                                   L->fwd.logits[L->fwd.cur], NULL, moept__thread_err);
-    if (!st) X->routing_on_host = 1;
-    return st;
-}
-
-static moept_status moept__cuda_device_params(moept_layer *L, float **params, float **grads) {
-    moept_status st = moept__to_device(L); /* hand out the newest values */
-    if (st) return st;
-    moept__cuda_pointers(MOEPT__CX(L)->c, params, grads);
-    moept__cuda_params_changed(MOEPT__CX(L)->c); /* the caller may write them */
-    return MOEPT_OK;
-}
-
-static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept__cuda_params_changed(X->c);
-    X->params = MOEPT__DEVICE_NEWER;
-    if (L->par.grads) X->grads = MOEPT__DEVICE_NEWER;
-    return MOEPT_OK;
-}
-
-/* moept_reshard, before the agreement: the deferred statistics read, the
-   host's newer parameters and moments on the device (the device's move),
-   one expert of device staging, and this rank's moves with a host backup
-   of the experts it sends */
-static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept__moves *mv) {
-    moept__cudax *X = MOEPT__CX(L);
-    const int64_t P = L->P, me = L->rank, n = mv->n, part = L->H * L->D + L->D * L->F;
-    moept_status st = moept__cuda_settle(L);
-    if (!st) st = moept__to_device(L);
-    if (!st) st = moept__cuda_reshard_prep(X->c, X->opt == MOEPT__HOST_NEWER, L->opt.m, L->opt.v, &X->rs_nbuf,
-                                           moept__thread_err);
-    if (st) return moept__fail(L, st, "moept_reshard: %s", moept__thread_err);
-    if (X->opt == MOEPT__HOST_NEWER) X->opt = MOEPT__SAME;
-    X->rs_slot = moept__alloc(NULL, (size_t)(2 * n) * sizeof(int64_t));
-    X->rs_backup = moept__alloc(NULL, (size_t)(n * X->rs_nbuf * part) * sizeof(float));
-    if (!X->rs_slot || !X->rs_backup) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of "
-                                                         "host memory (a backup of the experts it sends)");
-    int32_t *to = (int32_t *)(X->rs_slot + n), *from = to + n;
-    for (int64_t k = 0, i = 0; k < mv->rounds; k++) {
-        const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
-        if (go < 0) continue;
-        X->rs_slot[i] = L->plan.slot_of[go] % L->El;
-        to[i] = mv->new_rank[go];
-        from[i++] = (int32_t)(L->plan.slot_of[come] / L->El);
-    }
-    return MOEPT_OK;
-}
-
-/* the moves, then every rank's verdict: all keep them (the new placement on
-   the device, gradients zeroed), or all put their experts back */
-static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *mv, int64_t *sent,
-                                            int64_t *recvd) {
-    moept__cudax *X = MOEPT__CX(L);
-    const int64_t n = mv->n;
-    const moept__cuda_moves cm = {n, mv->rounds, (int32_t *)(X->rs_slot + n), (int32_t *)(X->rs_slot + n) + n,
-                                  X->rs_slot};
-    int backed = 0;
-    moept_status st = moept__cuda_reshard_move(X->c, &cm, X->rs_backup, &backed, sent, recvd,
-                                               moept__thread_err), ast;
-    if (st) moept__fail(L, st, "moept_reshard: %s", moept__thread_err);
-    int64_t failed = st != MOEPT_OK;
-    moept_comm *bad = NULL;
-    ast = moept__sum_ep_dp(L->ep, L->dp, &failed, 1, MOEPT_DTYPE_I64, &bad);
-    if (!st && !ast && !failed) {
-        st = moept__cuda_reshard_commit(X->c, mv->nslot, moept__thread_err);
-        X->params = MOEPT__DEVICE_NEWER;
-        X->grads = MOEPT__SAME; /* zero on both sides (moept__reshard_commit: the host's) */
-        if (X->rs_nbuf == 3) X->opt = MOEPT__DEVICE_NEWER;
-        moept__cuda_params_changed(X->c);
-        return st;
-    }
-    if (!st && ast) st = moept__fail(L, ast, "moept_reshard: the agreement after the moves failed (every "
-                                     "rank's experts put back): %s", bad->err);
-    else if (!st) st = moept__fail(L, MOEPT_ERR_STATE, "moept_reshard: %lld other rank(s) failed to move "
-                                   "their experts; every rank's experts put back", (long long)failed);
-    char keep[MOEPT__ERRLEN];
-    memcpy(keep, moept__thread_err, sizeof keep);
-    moept_status ust = backed ? moept__cuda_reshard_undo(X->c, &cm, X->rs_backup, moept__thread_err) : 0;
-    moept__cuda_params_changed(X->c);
-    if (ust) return moept__fail(L, ust, "moept_reshard: putting this rank's experts back failed: %s",
-                                moept__thread_err);
-    memcpy(moept__thread_err, keep, sizeof keep);
-    return st;
-}
-
-/* moept_reshard after its agreement: the moves (agreed), the resources freed */
-static moept_status moept__cuda_layer_reshard(moept_layer *L, const moept__moves *mv, int agreed,
-                                              int64_t *sent, int64_t *recvd) {
-    moept__cudax *X = MOEPT__CX(L);
-    moept_status st = agreed ? moept__cuda_reshard_run(L, mv, sent, recvd) : MOEPT_OK;
-    moept__cuda_reshard_end(X->c);
-    MOEPT_FREE(X->rs_slot);
-    MOEPT_FREE(X->rs_backup);
-    X->rs_slot = NULL;
-    X->rs_backup = NULL;
-    return st;
-}
-
-static void moept__cuda_layer_destroy(moept_layer *L) {
-    moept__cudax *X = MOEPT__CX(L);
-    if (!X) return;
-    if (X->c) moept__cuda_destroy(X->c);
-    MOEPT_FREE(X);
-    L->xstate = NULL;
-}
-
-static const moept__exec moept__cuda_exec = {
-    .name = "the CUDA executor",
-    .caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER | MOEPT__CAN_AUX_SEQ |
-            MOEPT__CAN_MASK | MOEPT__CAN_RESHARD,
-    .forward = moept__cuda_layer_forward,
-    .backward = moept__cuda_layer_backward,
-    .sync_grads = moept__cuda_layer_sync_grads,
-    .grad_scan = moept__cuda_layer_grad_scan,
-    .adamw = moept__cuda_layer_adamw,
-    .zero_grad = moept__cuda_layer_zero_grad,
-    .grads_check = moept__cuda_grads_check,
-    .settle = moept__cuda_settle,
-    .routing = moept__cuda_routing,
-    .to_host = moept__cuda_to_host,
-    .host_wrote = moept__cuda_host_wrote,
-    .device_params = moept__cuda_device_params,
-    .params_changed = moept__cuda_layer_params_changed,
-    .reshard_ready = moept__cuda_layer_reshard_ready,
-    .reshard = moept__cuda_layer_reshard,
-    .destroy = moept__cuda_layer_destroy,
-};
-
-/* create_cuda, 1: this rank's options (the config's features come from the
-   executor's capability bits in moept__create) */
-static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
-                                   const moept_cuda_options *o, char *why, moept_status *why_st) {
-    *why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
-    const char *w = NULL;
-    if (o->dtype != MOEPT_DTYPE_F32 && o->dtype != MOEPT_DTYPE_BF16)
-        w = "options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16";
-    else if ((int)o->gemm_form < MOEPT_GEMM_AUTO || (int)o->gemm_form > MOEPT_GEMM_STRIDED)
-        w = "options.gemm_form must be a moept_gemm_form";
-    else if (moept__cuda_device_count() < 1) {
-        *why_st = MOEPT_ERR_DEVICE;
-        w = "no CUDA device";
-    } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
-        *why_st = MOEPT_ERR_UNSUPPORTED;
-        w = "options.sync_free with overlap_chunks > 1 is not supported";
-    } else if ((ep && !moept__cuda_is_nccl(ep)) || (dp && !moept__cuda_is_nccl(dp))) /* size 1 too */
-        w = "the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)";
-    if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
-    return w != NULL;
-}
-
-/* create_cuda, 2: every rank runs the same executor options (a rank that
-   skips the backward's agreement would leave the others waiting); sync-free
-   blocks are the same size everywhere, from the EP group's largest max_tokens */
-static moept_status moept__cuda_options_agree(moept_comm *ep, moept_comm *dp, const moept_cuda_options *o,
-                                              const moept_config *cfg, int64_t *block_tokens) {
-    int64_t mine[3] = {(int64_t)o->dtype, o->unchecked_backward != 0, o->sync_free != 0};
-    int64_t sum[3] = {mine[0], mine[1], mine[2]};
-    int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
-    moept_comm *bad = NULL;
-    moept_status st = moept__sum_ep_dp(ep, dp, sum, 3, MOEPT_DTYPE_I64, &bad);
-    if (st) return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", bad->err);
-    for (int i = 0; i < 3; i++)
-        if (sum[i] != mine[i] * ranks)
-            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs "
-                                      "between ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward"
-                                                                                 : "sync_free");
-    *block_tokens = cfg ? cfg->max_tokens : 0;
-    if (!o->sync_free || !ep || ep->size == 1) return MOEPT_OK;
-    if ((st = moept__group_max(ep, *block_tokens, block_tokens)))
-        return moept__thread_fail(st, "moept_create_cuda: max_tokens agreement failed: %s", ep->err);
-    return MOEPT_OK;
-}
-
-/* create_cuda, 3: what the device executor is told of the layer */
-static void moept__cuda_spec_of(const moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
-                                moept__cuda_spec *sp) {
-    memset(sp, 0, sizeof *sp);
-    sp->family = (int)L->cfg.family; sp->act = L->act; sp->norm = L->cfg.norm_topk_prob;
-    sp->aux = (int)L->cfg.aux_loss; sp->global_balance = L->cfg.global_balance && (L->ep || L->dp);
-    sp->n_group = (int)L->cfg.n_group; sp->topk_group = (int)L->cfg.topk_group;
-    sp->group_fill = (int)L->cfg.group_fill;
-    sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
-    sp->sync_free = o->sync_free != 0;
-    sp->inference = L->cfg.inference_only != 0;
-    sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
-    sp->nslots = L->nslots;
-    sp->D = L->D; sp->F = L->F; sp->E = L->E; sp->K = L->K; sp->S = L->S; sp->H = L->H; sp->HS = L->HS;
-    sp->El = L->El; sp->P = L->P; sp->rank = L->rank; sp->Tmax = L->Tmax; sp->block_tokens = block_tokens;
-    sp->C = L->P > 1 ? L->C : 1; /* one EP rank: no exchange to overlap */
-    sp->scale = L->cfg.routed_scaling_factor; sp->aux_coef = L->cfg.aux_loss_coef;
-    sp->z_coef = L->cfg.z_loss_coef;
-    sp->jitter = L->cfg.router_jitter; sp->jitter_seed = L->cfg.jitter_seed;
-    sp->seq_len = L->cfg.aux_loss == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0;
-    sp->capacity_factor = L->capacity_factor;
-    sp->n_params = L->par.n_params;
-    sp->off13 = L->par.w13 - L->par.params; sp->off2 = L->par.w2 - L->par.params;
-    sp->offs13 = L->par.ws13 - L->par.params; sp->offs2 = L->par.ws2 - L->par.params;
-    sp->offsg = L->par.wsg ? L->par.wsg - L->par.params : -1;
-    sp->ep = L->ep; sp->dp = L->dp; sp->stream = o->stream;
-}
-
-/* create_cuda, 4: the device executor set up and the parameters uploaded,
-   agreed (a rank whose device failed fails every rank) */
-static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
-                                      moept_comm *ep, moept_comm *dp) {
-    moept__cuda_spec sp;
-    moept__cuda_spec_of(L, o, block_tokens, &sp);
-    char err[MOEPT__ERRLEN] = "";
-    moept__cudax *X = (moept__cudax *)MOEPT_MALLOC(sizeof *X);
-    moept_status st = MOEPT_ERR_OUT_OF_MEMORY;
-    if (!X) snprintf(err, sizeof err, "moept_create_cuda: out of host memory");
-    else {
-        memset(X, 0, sizeof *X);
-        L->xstate = X;
-        X->params = MOEPT__HOST_NEWER;
-        X->grads = L->par.grads ? MOEPT__HOST_NEWER : MOEPT__SAME; /* an inference layer has none */
-        X->sync_free = sp.sync_free;
-        st = moept__cuda_create(&sp, &X->c, err);
-    }
-    if (!st && (st = moept__to_device(L))) memcpy(err, moept__thread_err, sizeof err);
-    if (!st) moept__cuda_held(L);
-    moept_status ast; /* the agreement's own status: this rank's st is kept */
-    int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
-    if (st) return moept__thread_fail(st, "%s", err);
-    if (ast) return moept__thread_fail(ast, "moept_create_cuda: failure agreement failed");
-    if (failed)
-        return moept__thread_fail(MOEPT_ERR_DEVICE,
-                                  "moept_create_cuda: another rank failed to set up "
-                                  "its device");
-    return MOEPT_OK;
-}
-
-moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
-                               const moept_cuda_options *opt, moept_layer **out) {
-    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: out is NULL");
-    *out = NULL;
-    moept_cuda_options o;
-    memset(&o, 0, sizeof o);
-    if (opt) o = *opt;
-    /* this rank's checks, agreed before the collective create */
-    char why[MOEPT__ERRLEN] = "";
-    moept_status why_st, st;
-    int bad = moept__cuda_options_bad(cfg, ep, dp, &o, why, &why_st);
-    int64_t failed = moept__any_failed(ep, dp, bad, &st);
-    if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
-    if (bad) return moept__thread_fail(why_st, "%s", why);
-    if (failed)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
-                                  "moept_create_cuda: another rank's options were "
-                                  "rejected");
-    int64_t block_tokens;
-    if ((st = moept__cuda_options_agree(ep, dp, &o, cfg, &block_tokens))) return st;
-    moept_layer *L = NULL;
-    if ((st = moept__create(cfg, ep, dp, &moept__cuda_exec, "moept_create_cuda", &L))) return st;
-    if ((st = moept__cuda_start(L, &o, block_tokens, ep, dp))) {
-        char keep[MOEPT__ERRLEN];
-        memcpy(keep, moept__thread_err, sizeof keep);
-        moept_destroy(L);
-        memcpy(moept__thread_err, keep, sizeof keep);
-        return st;
-    }
-    *out = L;
-    return MOEPT_OK;
-}
-
-int moept_cuda_device_count(void) { return moept__cuda_device_count(); }
-
-#else /* built without MOEPT_CUDA */
+#ifndef MOEPT_CUDA /* built with it, moept_kernels.cu defines these */
 moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
                                const moept_cuda_options *opt, moept_layer **out) {
     (void)cfg; (void)ep; (void)dp; (void)opt;
@@ -7819,4 +8021,4 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
     MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(stage);
     return local;
 }
-#endif /* !__cplusplus */
+#endif /* !MOEPT__KERNELS */

@@ -21,7 +21,8 @@
      lifecycle, parameters, compute, resharding, gradient sync, routing and
      statistics, safetensors, the optimizer and training checkpoints,
      Hugging Face checkpoints, the ABI report (for bindings). The rest of
-     the file (MOEPT_INTERNAL) is moept.c's and moept_kernels.cu's, not API.
+     the file, after the "End of the API" line (MOEPT_INTERNAL), is moept.c's
+     and moept_kernels.cu's, not API.
      Beyond this header: README.md (what runs where, quick start),
      docs/GUIDE.md (the training loop, parallelism, your own comm backend,
      checkpoints, errors), docs/CUDA.md (the GPU executor), docs/DESIGN.md.
@@ -52,8 +53,9 @@
      MOEPT_MPI          the MPI backend (moept_comm_mpi); compile with mpicc.
      MOEPT_CUDA         the CUDA executor and NCCL backend: compile moept.c
                         with -DMOEPT_CUDA -I$CUDA_HOME/include, compile
-                        moept_kernels.cu with nvcc, link -lcudart -lcublas
-                        -lnccl -lstdc++ (see docs/CUDA.md).
+                        moept_kernels.cu with nvcc (it includes moept.c's
+                        shared math: keep the three files together), link
+                        -lcudart -lcublas -lnccl -lstdc++ (see docs/CUDA.md).
      MOEPT_MALLOC(n), MOEPT_FREE(p)
                         override the allocator (define before moept.c).
                         Every allocation is counted in moept_stats.
@@ -1253,13 +1255,14 @@ int64_t moept_abi_layout(char *buf, int64_t cap);
 #endif /* MOEPT_H */
 
 /* ======================================================================
-   Shared per-element math (host and device). Internal: moept.c and
-   moept_kernels.cu define MOEPT_INTERNAL before including this header. The
-   CPU executor calls exactly these functions, so the reference-case checks
-   cover the math the CUDA kernels run.
+   End of the API. What follows is internal (MOEPT_INTERNAL): the contract
+   between the layer (moept.c, which runs the CPU executor) and the CUDA
+   executor (moept_kernels.cu), and the few pieces the tests and benchmarks
+   that check both executors share. The per-element math both executors run
+   is moept.c's first section, which moept_kernels.cu compiles alone.
    ====================================================================== */
-#if defined(MOEPT_INTERNAL) && !defined(MOEPT_INTERNAL_MATH)
-#define MOEPT_INTERNAL_MATH
+#if defined(MOEPT_INTERNAL) && !defined(MOEPT_INTERNAL_DECLS)
+#define MOEPT_INTERNAL_DECLS
 #include <math.h>
 #include <string.h>
 #ifdef __CUDACC__
@@ -1267,485 +1270,7 @@ int64_t moept_abi_layout(char *buf, int64_t cap);
 #else
 #define MOEPT_HD
 #endif
-
-MOEPT_HD static inline int moept__finite(float v) {
-    /* not isfinite(): -ffast-math builds must still catch NaN/Inf */
-    union { float f; uint32_t u; } b; b.f = v;
-    return (b.u & 0x7f800000u) != 0x7f800000u;
-}
-
-/* e^x for the whole library (host and device, so both round alike):
-   e^x = 2^n e^r with n = round(x / ln 2), |r| <= ln(2)/2, e^r by its degree-7
-   Taylor polynomial; error within 2 ulp. Branch-free so loops vectorise.
-   Inputs are clamped to [-87.3, 88.7]: results stay normal and finite (a
-   saturated e^-100 reads 1.2e-38, not 3.7e-44, which no sum notices). */
-/* Its steps after the clamps, for a float or a float vector (the CPU's
-   vector rows in moept.c run the same, so they round alike): n, r = x - n
-   ln 2 in two parts (n*C exact), then e^r by Horner. */
-#define MOEPT__EXP_STEPS(x, xi, zero, n, r, p) do {                     \
-        n = (xi * 1.44269504088896341f + 12582912.0f) - 12582912.0f;    \
-        r = x - n * 0.693145751953125f;                                 \
-        r = r - n * 1.428606765330187045e-06f;                          \
-        p = (zero) + 1.9841269841e-4f;                                  \
-        p = p * r + 1.3888888889e-3f;                                   \
-        p = p * r + 8.3333333333e-3f;                                   \
-        p = p * r + 4.1666666667e-2f;                                   \
-        p = p * r + 1.6666666667e-1f;                                   \
-        p = p * r + 0.5f;                                               \
-        p = p * r + 1.0f;                                               \
-        p = p * r + 1.0f;                                               \
-    } while (0)
-MOEPT_HD static inline float moept__exp(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    x = x > 88.7f ? 88.7f : x;
-    /* n from a number: NaN in stays NaN out (through r), and converting NaN
-       to an integer is undefined in C (a sync-free step runs on with it) */
-    const float xi = moept__finite(x) ? x : 0.0f;
-    float n, r, p;
-    MOEPT__EXP_STEPS(x, xi, 0.0f, n, r, p);
-    int32_t bits = ((int32_t)n + 127) * (1 << 23);
-#ifdef __CUDA_ARCH__
-    return p * __int_as_float(bits);
-#else
-    union { int32_t i; float f; } u;
-    u.i = bits;
-    return p * u.f;
-#endif
-}
-
-MOEPT_HD static inline float moept__sigmoid(float v) {
-    return 1.0f / (1.0f + moept__exp(-v));
-}
-
-/* Activation of one hidden unit (kind: moept_activation). Gated kinds:
-   a = act(g) * u with g the gate and u the up projection; plain kinds:
-   a = act(g), u unused. Exact-erf GELU, as torch's default. */
-MOEPT_HD static inline float moept__act_fwd1(int kind, float g, float u) {
-    switch (kind) {
-    case MOEPT_ACT_SILU_GATED: return g / (1.0f + moept__exp(-g)) * u;
-    case MOEPT_ACT_GELU_GATED: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
-    case MOEPT_ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
-    default: return g > 0.0f ? g : 0.0f;
-    }
-}
-/* Its backward: da -> dg (and du for gated kinds). */
-MOEPT_HD static inline void moept__act_bwd1(int kind, float g, float u, float da,
-                                            float *dg, float *du) {
-    switch (kind) {
-    case MOEPT_ACT_SILU_GATED: {
-        float s = 1.0f / (1.0f + moept__exp(-g));
-        *dg = da * u * (s * (1.0f + g * (1.0f - s)));
-        *du = da * g * s;
-        return;
-    }
-    case MOEPT_ACT_GELU_GATED:
-    case MOEPT_ACT_GELU: {
-        float cdf = 0.5f * (1.0f + erff(g * 0.70710678118654752f));
-        float pdf = 0.39894228040143268f * moept__exp(-0.5f * g * g);
-        float gate_grad = cdf + g * pdf;
-        if (kind == MOEPT_ACT_GELU_GATED) { *dg = da * u * gate_grad; *du = da * g * cdf; }
-        else { *dg = da * gate_grad; *du = 0.0f; }
-        return;
-    }
-    default:
-        *dg = g > 0.0f ? da : 0.0f;
-        *du = 0.0f;
-    }
-}
-MOEPT_HD static inline int moept__act_gated(int kind) {
-    return kind == MOEPT_ACT_SILU_GATED || kind == MOEPT_ACT_GELU_GATED;
-}
-
-/* "omp simd" only where OpenMP is on: elsewhere compilers warn about (and
-   -Werror builds fail on) a pragma they ignore. */
-#ifdef _OPENMP
-#define MOEPT__OMP_SIMD _Pragma("omp simd")
-#else
-#define MOEPT__OMP_SIMD
-#endif
-/* A row of F hidden units: h is [gate | up] (gated, 2F) or [up] (F).
-   The kind is a constant inside each loop, so the loops vectorise. */
-#define MOEPT__ACT_ROW_FWD(K)                                                    \
-    MOEPT__OMP_SIMD for (int64_t j = 0; j < F; j++)                          \
-        a[j] = moept__act_fwd1(K, h[j], moept__act_gated(K) ? h[F + j] : 0.0f)
-MOEPT_HD static inline void moept__act_fwd_row(int kind, const float *h, int64_t F, float *a) {
-    switch (kind) {
-    case MOEPT_ACT_SILU_GATED: MOEPT__ACT_ROW_FWD(MOEPT_ACT_SILU_GATED); break;
-    case MOEPT_ACT_GELU_GATED: MOEPT__ACT_ROW_FWD(MOEPT_ACT_GELU_GATED); break;
-    case MOEPT_ACT_GELU: MOEPT__ACT_ROW_FWD(MOEPT_ACT_GELU); break;
-    default: MOEPT__ACT_ROW_FWD(MOEPT_ACT_RELU); break;
-    }
-}
-/* da[F] -> dh (layout of h; dh may alias h) */
-#define MOEPT__ACT_ROW_BWD(K)                                                    \
-    MOEPT__OMP_SIMD for (int64_t j = 0; j < F; j++) {                        \
-        float dg_, du_;                                                          \
-        moept__act_bwd1(K, h[j], moept__act_gated(K) ? h[F + j] : 0.0f, da[j],   \
-                        &dg_, &du_);                                             \
-        dh[j] = dg_;                                                             \
-        if (moept__act_gated(K)) dh[F + j] = du_;                                \
-    }
-MOEPT_HD static inline void moept__act_bwd_row(int kind, const float *h, const float *da,
-                                               int64_t F, float *dh) {
-    switch (kind) {
-    case MOEPT_ACT_SILU_GATED: MOEPT__ACT_ROW_BWD(MOEPT_ACT_SILU_GATED); break;
-    case MOEPT_ACT_GELU_GATED: MOEPT__ACT_ROW_BWD(MOEPT_ACT_GELU_GATED); break;
-    case MOEPT_ACT_GELU: MOEPT__ACT_ROW_BWD(MOEPT_ACT_GELU); break;
-    default: MOEPT__ACT_ROW_BWD(MOEPT_ACT_RELU); break;
-    }
-}
-
-/* Top-k of score[0..E); ties to the lower index. Scores must not be NaN
-   (the router checks; masked experts are -inf). Writes ids in descending
-   score order. Pick k is the best expert after pick k-1 in the strict order
-   (score descending, index ascending), so no expert is visited twice per
-   pick and nothing is marked: O(K E), no scratch. */
-MOEPT_HD static inline void moept__topk(const float *score, int E, int K,
-                                        int32_t *ids) {
-    int prev = -1;
-    for (int k = 0; k < K; k++) {
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            if (prev >= 0 && !(score[e] < score[prev] || (score[e] == score[prev] && e > prev)))
-                continue; /* picked already: not after pick k-1 */
-            if (best < 0 || score[e] > score[best]) best = e;
-        }
-        ids[k] = prev = best;
-    }
-}
-
-/* Softmax of one token's logits into p[E]; returns logsumexp. */
-MOEPT_HD static inline float moept__softmax(const float *logit, int E, float *p) {
-    float m = logit[0];
-    for (int e = 1; e < E; e++) m = logit[e] > m ? logit[e] : m;
-    float s = 0.0f;
-    for (int e = 0; e < E; e++) { p[e] = moept__exp(logit[e] - m); s += p[e]; }
-    float inv = 1.0f / s;
-    for (int e = 0; e < E; e++) p[e] *= inv;
-    return m + logf(s);
-}
-
-/* The routing weights w[K] of the experts ids[K] from the router's scores
-   probs[E], as the family weighs its choice (softmax: p, or p / sum;
-   sigmoid: s / (sum + 1e-20) if norm, times scale); the sum runs in k
-   order. The router's own choice and a replayed one alike. */
-MOEPT_HD static inline void moept__route_weights(int family, const float *probs, const int32_t *ids,
-                                                 int K, int norm, float scale, float *w) {
-    float sum = 0.0f;
-    for (int k = 0; k < K; k++) sum += probs[ids[k]];
-    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
-        for (int k = 0; k < K; k++)
-            w[k] = norm ? probs[ids[k]] / sum : probs[ids[k]];
-        return;
-    }
-    float div = norm ? sum + 1e-20f : 1.0f;
-    for (int k = 0; k < K; k++) w[k] = probs[ids[k]] / div * scale;
-}
-
-/* Route one token. family: moept_family; group_fill: moept_group_fill.
-   probs[E] receives the router's scores (softmax p, or sigmoid s);
-   choice[2E] is scratch. Returns 0, or -1 if
-   a logit is not finite (ids/weights then untouched). */
-MOEPT_HD static inline int moept__route_token(
-    int family, const float *logit, const float *bias, int E, int K, int norm,
-    int n_group, int topk_group, int group_fill, float scale, float *probs, float *choice,
-    int32_t *ids, float *w) {
-    for (int e = 0; e < E; e++)
-        if (!moept__finite(logit[e])) return -1;
-    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
-        moept__softmax(logit, E, probs);
-        moept__topk(probs, E, K, ids);
-        moept__route_weights(family, probs, ids, K, norm, scale, w);
-        return 0;
-    }
-    for (int e = 0; e < E; e++) {
-        probs[e] = moept__sigmoid(logit[e]);
-        choice[e] = probs[e] + (bias ? bias[e] : 0.0f);
-    }
-    if (n_group > 1) {
-        /* group score: the sum of its two best biased scores; keep the
-           topk_group best groups (ties to the lower group); group scores
-           live in choice[E..E+n_group), so no per-thread arrays */
-        int gs = E / n_group;
-        float *gscore = choice + E;
-        for (int g = 0; g < n_group; g++) {
-            const float *cg = choice + (int64_t)g * gs;
-            int b0 = 0;
-            for (int e = 1; e < gs; e++) b0 = cg[e] > cg[b0] ? e : b0;
-            int b1 = b0 == 0 ? 1 : 0;
-            for (int e = 0; e < gs; e++) b1 = (e != b0 && cg[e] > cg[b1]) ? e : b1;
-            gscore[g] = cg[b0] + cg[b1];
-        }
-        for (int g = 0; g < n_group; g++) {
-            int better = 0; /* groups ranked before g */
-            for (int h = 0; h < n_group; h++)
-                better += gscore[h] > gscore[g] || (gscore[h] == gscore[g] && h < g);
-            if (better >= topk_group)
-                for (int e = g * gs; e < (g + 1) * gs; e++)
-                    choice[e] = group_fill == MOEPT_GROUP_FILL_ZERO ? 0.0f : -HUGE_VALF;
-        }
-    }
-    moept__topk(choice, E, K, ids);
-    moept__route_weights(family, probs, ids, K, norm, scale, w);
-    return 0;
-}
-
-/* Routing replay of one token: a row given[K] that is not K distinct
-   experts of 0..E-1 gives 2 k + 1 for its first k repeating an earlier
-   expert of the row, 2 k for one out of range; -1: a valid row. */
-MOEPT_HD static inline int moept__replay_bad(const int32_t *given, int E, int K) {
-    for (int k = 0; k < K; k++) {
-        if (given[k] < 0 || given[k] >= E) return 2 * k;
-        for (int j = 0; j < k; j++)
-            if (given[j] == given[k]) return 2 * k + 1;
-    }
-    return -1;
-}
-/* both executors' message for a rejected row (code: moept__replay_bad's) */
-#define MOEPT__REPLAY_FMT "moept_forward: opts.replay_ids[%lld][%lld] %s"
-#define MOEPT__REPLAY_WHY(code) \
-    ((code) & 1 ? "repeats an expert of its row" : "is not an expert index (0..num_experts-1)")
-
-/* Routing replay of one (valid) token: the router's scores into probs[E]
-   as moept__route_token computes them, ids = given (in the given order),
-   their weights as the family weighs its own choice (moept__route_weights;
-   no top-k, no groups: the bias only selects). Returns -1, ids and w
-   untouched, if a logit is not finite. */
-MOEPT_HD static inline int moept__replay_token(int family, const float *logit, const int32_t *given, int E,
-                                               int K, int norm, float scale, float *probs, int32_t *ids,
-                                               float *w) {
-    for (int e = 0; e < E; e++)
-        if (!moept__finite(logit[e])) return -1;
-    if (family != MOEPT_FAMILY_DEEPSEEK_V3) moept__softmax(logit, E, probs);
-    else
-        for (int e = 0; e < E; e++) probs[e] = moept__sigmoid(logit[e]);
-    for (int k = 0; k < K; k++) ids[k] = given[k];
-    moept__route_weights(family, probs, ids, K, norm, scale, w);
-    return 0;
-}
-
-/* Backward of one token's routing weights. gw[K] = dL/dw; probs[E] the
-   router's scores of the forward. Accumulates dL/dscore into dprob[E]
-   (which the caller then pushes through softmax or sigmoid). */
-MOEPT_HD static inline void moept__route_weights_bwd(
-    int family, const float *probs, const int32_t *ids, const float *gw, int K,
-    int norm, float scale, float *dprob) {
-    if (!norm) {
-        for (int k = 0; k < K; k++)
-            dprob[ids[k]] += gw[k] * (family == MOEPT_FAMILY_DEEPSEEK_V3 ? scale : 1.0f);
-        return;
-    }
-    float sum = 0.0f;
-    for (int k = 0; k < K; k++) sum += probs[ids[k]];
-    float den = family == MOEPT_FAMILY_DEEPSEEK_V3 ? sum + 1e-20f : sum;
-    float sc = family == MOEPT_FAMILY_DEEPSEEK_V3 ? scale : 1.0f;
-    /* w_k = sc * p_k / den: dL/dp_j = sc * (g_j - sum_k g_k p_k / den) / den,
-       in this form so that K = 1 cancels exactly (p / p == 1) */
-    float dot = 0.0f;
-    for (int k = 0; k < K; k++) dot += gw[k] * (probs[ids[k]] / den);
-    for (int k = 0; k < K; k++) dprob[ids[k]] += sc * (gw[k] - dot) / den;
-}
-
-/* dot(a, b) over n floats in double, as 8 interleaved partial sums added in
-   a fixed order: deterministic, and vectorisable (one running sum is a
-   latency-bound chain, 4x slower on the combine backward's rows). */
-MOEPT_HD static inline double moept__dot(const float *a, const float *b, int64_t n) {
-    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) s[l] += (double)a[i + l] * (double)b[i + l];
-    for (; i < n; i++) s[i & 7] += (double)a[i] * (double)b[i];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
-
-/* Softmax backward in place: d[e] <- p[e] * (d[e] - sum_j p[j] d[j]). */
-MOEPT_HD static inline void moept__softmax_bwd(const float *p, int E, float *d) {
-    float dot = 0.0f;
-    for (int e = 0; e < E; e++) dot += p[e] * d[e];
-    for (int e = 0; e < E; e++) d[e] = p[e] * (d[e] - dot);
-}
-
-/* Scores the aux loss averages for one token, and (HF convention) the experts
-   it counts. HF: softmax(logits) and its top-k, as load_balancing_loss_func,
-   whatever the router; Megatron: the router's scores (sigmoid scores
-   normalised over experts) and its own selection. */
-MOEPT_HD static inline void moept__aux_token(int family, int aux,
-                                             const float *logit, const float *probs,
-                                             const int32_t *ids, int E, int K,
-                                             float *score, int32_t *count_ids) {
-    int softmax_router = family != MOEPT_FAMILY_DEEPSEEK_V3;
-    if (aux == MOEPT_AUX_HF) {
-        if (softmax_router) {
-            for (int e = 0; e < E; e++) score[e] = probs[e];
-            for (int k = 0; k < K; k++) count_ids[k] = ids[k];
-        } else {
-            moept__softmax(logit, E, score);
-            moept__topk(score, E, K, count_ids);
-        }
-        return;
-    }
-    if (softmax_router) {
-        for (int e = 0; e < E; e++) score[e] = probs[e];
-    } else {
-        float z = 0.0f;
-        for (int e = 0; e < E; e++) z += probs[e];
-        z += 1e-20f;
-        for (int e = 0; e < E; e++) score[e] = probs[e] / z;
-    }
-    for (int k = 0; k < K; k++) count_ids[k] = ids[k];
-}
-
-/* Router backward of one token: dlogit[E] = dL/dlogits from the routing
-   weights' gradient gw[K], the aux loss (aux_g[E] = dL/dscore, NULL for
-   none) and the z loss (zgrad = z_coef * 2 * lse / T), those two times ls
-   (moept_backward_opts.router_loss_scale), plus the caller's own dL/dlogits
-   dlx[E] (NULL: none). scratch[E]. */
-MOEPT_HD static inline void moept__router_token_bwd(
-    int family, int aux, const float *logit, const float *probs,
-    const int32_t *ids, const float *gw, const float *aux_g, float zgrad,
-    int E, int K, int norm, float scale, float ls, const float *dlx, float *scratch, float *dlogit) {
-    for (int e = 0; e < E; e++) dlogit[e] = 0.0f;
-    moept__route_weights_bwd(family, probs, ids, gw, K, norm, scale, dlogit);
-    zgrad *= ls;
-    if (family != MOEPT_FAMILY_DEEPSEEK_V3) {
-        if (aux_g)
-            for (int e = 0; e < E; e++) dlogit[e] += ls * aux_g[e];
-        moept__softmax_bwd(probs, E, dlogit);
-        if (zgrad != 0.0f)
-            for (int e = 0; e < E; e++) dlogit[e] += zgrad * probs[e];
-    } else {
-        for (int e = 0; e < E; e++) dlogit[e] *= probs[e] * (1.0f - probs[e]);
-        if (aux_g && (aux == MOEPT_AUX_MEGATRON || aux == MOEPT_AUX_SEQ)) {
-            /* q = s / Z, Z = sum s + 1e-20: ds_j = (g_j - sum_e g_e q_e) / Z */
-            float z = 0.0f, dot = 0.0f;
-            for (int e = 0; e < E; e++) z += probs[e];
-            z += 1e-20f;
-            for (int e = 0; e < E; e++) dot += ls * aux_g[e] * probs[e] / z;
-            for (int e = 0; e < E; e++)
-                dlogit[e] += (ls * aux_g[e] - dot) / z * probs[e] * (1.0f - probs[e]);
-        }
-        if ((aux_g && aux == MOEPT_AUX_HF) || zgrad != 0.0f) {
-            moept__softmax(logit, E, scratch);
-            float dot = 0.0f;
-            if (aux_g && aux == MOEPT_AUX_HF)
-                for (int e = 0; e < E; e++) dot += scratch[e] * (ls * aux_g[e]);
-            for (int e = 0; e < E; e++) {
-                float g = (aux_g && aux == MOEPT_AUX_HF) ? ls * aux_g[e] - dot : 0.0f;
-                dlogit[e] += scratch[e] * (g + zgrad);
-            }
-        }
-    }
-    if (dlx)
-        for (int e = 0; e < E; e++) dlogit[e] += dlx[e];
-}
-
-/* logsumexp of one token's logits (the z loss), summed as moept__softmax. */
-MOEPT_HD static inline float moept__lse(const float *logit, int64_t E) {
-    float m = logit[0];
-    for (int64_t e = 1; e < E; e++) m = logit[e] > m ? logit[e] : m;
-    float s = 0.0f;
-    for (int64_t e = 0; e < E; e++) s += moept__exp(logit[e] - m);
-    return m + logf(s);
-}
-
-/* d(z_coef * mean_t lse_t^2)/d lse_t */
-MOEPT_HD static inline float moept__zgrad(float z_coef, float lse, float T) {
-    return z_coef != 0.0f ? z_coef * 2.0f * lse / T : 0.0f;
-}
-
-/* The aux loss from its per-expert statistics (auxc: counted selections,
-   psum: summed scores, T tokens), and d(coef * aux)/d score_t,e into
-   aux_g[E] (the same for every token). Returns the unscaled loss. */
-MOEPT_HD static inline double moept__aux_finalize(const double *auxc, const double *psum,
-                                                  int64_t E, int64_t K, int aux, double T,
-                                                  float coef, float *aux_g) {
-    double cnorm = aux == MOEPT_AUX_HF ? T : T * (double)K, v = 0.0;
-    for (int64_t e = 0; e < E; e++) {
-        v += auxc[e] / cnorm * (psum[e] / T);
-        aux_g[e] = (float)((double)coef * (double)E * auxc[e] / (cnorm * T));
-    }
-    return v * (double)E;
-}
-
-/* The plan's placement of assignment i (token i / K, slot i % K) that is the
-   pos-th of its expert's assignments in index order (a stable sort by
-   expert): row koff + pos if pos < kept (the expert's capacity), else
-   dropped (-1). Both executors compute pos their own way (a counting pass;
-   a block-wise count on the GPU) and place through this. */
-MOEPT_HD static inline void moept__plan_place(int64_t i, int64_t pos, int64_t kept, int64_t koff,
-                                              int64_t K, int64_t *row_of, int64_t *tok_of_row,
-                                              int32_t *slot_of_row) {
-    if (pos < kept) {
-        int64_t r = koff + pos;
-        row_of[i] = r;
-        tok_of_row[r] = i / K;
-        slot_of_row[r] = (int32_t)(i % K);
-    } else {
-        row_of[i] = -1;
-    }
-}
-
-/* The GPU plan's count pass, per assignment: within its block's slots
-   sl[0..n), the number of earlier assignments to the same slot (its rank)
-   and whether none later shares it (then rank + 1 is the block's count). */
-MOEPT_HD static inline int moept__block_rank(const int32_t *sl, int n, int i, int *last) {
-    int r = 0, l = 1;
-    for (int j = 0; j < n; j++) {
-        int same = sl[j] == sl[i];
-        r += (j < i) & same;
-        l &= !((j > i) & same);
-    }
-    *last = l;
-    return r;
-}
-
-/* The GPU plan's scan pass, per slot e: hist [nblk][E] block counts become
-   each block's first position within the slot; returns the rows kept
-   (capacity cap, -1 for none). */
-MOEPT_HD static inline int64_t moept__plan_scan_slot(int64_t *hist, int64_t nblk, int64_t E, int64_t e,
-                                                     int64_t cap) {
-    int64_t run = 0;
-    for (int64_t b = 0; b < nblk; b++) {
-        int64_t h = hist[b * E + e];
-        hist[b * E + e] = run;
-        run += h;
-    }
-    return cap >= 0 && run > cap ? cap : run;
-}
-
-/* One term of a token's combine: acc + w * v (k in slot order). Neither
-   executor contracts it into an fma (C11 without -ffp-contract=fast;
-   nvcc --fmad=false), so both round alike. */
-MOEPT_HD static inline float moept__combine_step(float acc, float w, float v) {
-    return acc + w * v;
-}
-
-/* The other per-element terms of the combine and its backward: a weighted
-   row (w * v: the shared expert's gated row, and dys = w * dy) and a sum of
-   rows (dx = sum of its k rows, + the shared expert's: combine_step with
-   w = 1, exact). */
-MOEPT_HD static inline float moept__scale(float w, float v) {
-    return w * v;
-}
-
-/* Shared-expert sigmoid gate backward: dL/d logit from <y_shared, dy> and
-   the gate value g. */
-MOEPT_HD static inline float moept__gate_bwd(double dot, float g) {
-    return (float)dot * g * (1.0f - g);
-}
-
-/* One AdamW element, as torch.optim.AdamW: decoupled decay, the moments,
-   the bias-corrected step. k: {1 - lr wd, b1, b2, lr / (1 - b1^t),
-   sqrt(1 - b2^t), eps}, made once a step on the host. The host loop and the
-   CUDA kernel both call it (IEEE sqrtf and division on both), so a CUDA
-   layer's step equals the host's bitwise. */
-typedef struct moept__adamw_k { float decay, b1, b2, step, sbc2, eps; } moept__adamw_k;
-MOEPT_HD static inline float moept__adamw1(float p, float g, float *m, float *v, moept__adamw_k k) {
-    p *= k.decay;
-    *m = k.b1 * *m + (1.0f - k.b1) * g;
-    *v = k.b2 * *v + (1.0f - k.b2) * g * g;
-    return p - k.step * *m / (sqrtf(*v) / k.sbc2 + k.eps);
-}
+#define MOEPT__ERRLEN 512 /* error message buffers */
 
 /* bfloat16 <-> float by bits: round to nearest even, NaN kept quiet. The
    GPU's conversions and the checkpoint reader's both go through these. */
@@ -1785,140 +1310,6 @@ static inline moept__gemm moept__gemm_make(int ta, int tb, int64_t m, int64_t n,
     return g;
 }
 
-/* gd[0..n) = one GEMM descriptor per group that has rows: `make` is an
-   expression of the group e, its first row r0 and its row count rows. Both
-   executors build their expert GEMMs with it. */
-#define MOEPT__PER_GROUP(gd, n, groups, offs, make)                          \
-    do {                                                                     \
-        (n) = 0;                                                             \
-        for (int64_t e = 0; e < (groups); e++) {                             \
-            int64_t r0 = (offs)[e], rows = (offs)[e + 1] - r0;               \
-            if (rows) (gd)[(n)++] = (make);                                  \
-        }                                                                    \
-    } while (0)
-
-/* gd[0..n) for a chunk's n row runs (runs [3][stride]: first row, rows,
-   local expert): `make` is an expression of r0, rows and e, as above. */
-#define MOEPT__PER_RUN(gd, runs, n, stride, make)                                             \
-    for (int64_t i_ = 0; i_ < (n); i_++) {                                                    \
-        int64_t r0 = (runs)[i_], rows = (runs)[(stride) + i_], e = (runs)[2 * (stride) + i_]; \
-        (gd)[i_] = (make);                                                                    \
-    }
-
-/* Whether byte ranges [a, a + n) and [b, b + n) overlap (compared as
-   integers: the pointers may belong to unrelated objects). */
-static inline int moept__overlaps(const void *a, const void *b, size_t n) {
-    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-    return n > 0 && x < y + n && y < x + n;
-}
-/* both executors' message for dx overlapping x (moept.h's contract) */
-#define MOEPT__DX_ALIAS "moept_backward: dx overlaps x (dx may alias dy, not x: the weight gradients " \
-                        "read x after dx is written)"
-
-/* Per-expert capacity of a step of T tokens (cf > 0; else -1: dropless):
-   ceil(cf T K / E), computed in double and capped at T K (no expert can
-   receive more), so any finite cf converts without overflow. The GPU
-   computes it on the device from its unmasked tokens. */
-MOEPT_HD static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, int64_t E) {
-    if (!(cf > 0.0)) return -1;
-    double c = ceil(cf * ((double)T * (double)K / (double)E));
-    return c < (double)(T * K) ? (int64_t)c : T * K;
-}
-
-/* Chunked overlap: chunk c of C holds tokens [c T / C, (c+1) T / C);
-   moept__chunk_of is the chunk of token t (0 <= t < T): the largest c with
-   c T / C <= t, i.e. c T < (t + 1) C. */
-MOEPT_HD static inline int64_t moept__chunk_start(int64_t T, int64_t C, int64_t c) { return c * T / C; }
-MOEPT_HD static inline int64_t moept__chunk_of(int64_t t, int64_t T, int64_t C) {
-    return ((t + 1) * C - 1) / T;
-}
-
-/* The plan's host side, one implementation both executors call. P ranks of
-   El local experts each: slot e = q El + j is rank q's expert j. offsets
-   [E+1] and counts [E]: this rank's kept rows per slot, in slot order (the
-   send side); rcounts [P][El]: the rows rank p sends this rank's expert j.
-   The expert side holds its rows expert-major, then by source rank. */
-
-/* roffsets [El+1]: the first received row of each local expert */
-static inline void moept__plan_roffsets(int64_t P, int64_t El, const int64_t *rcounts, int64_t *roffsets) {
-    roffsets[0] = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t n = 0;
-        for (int64_t p = 0; p < P; p++) n += rcounts[p * El + j];
-        roffsets[j + 1] = roffsets[j] + n;
-    }
-}
-
-/* The expert exchange's pieces in elements (rows of D): ss [P][El] slot
-   (p, j)'s rows in the send buffer, rs [P][El] where rank p's rows for
-   expert j land on the expert side */
-static inline void moept__plan_segs(int64_t P, int64_t El, int64_t D, const int64_t *offsets,
-                                    const int64_t *counts, const int64_t *rcounts, const int64_t *roffsets,
-                                    moept_seg *ss, moept_seg *rs) {
-    for (int64_t j = 0; j < El; j++) {
-        int64_t off = roffsets[j];
-        for (int64_t p = 0; p < P; p++) {
-            int64_t e = p * El + j; /* p's expert j, as seen from here */
-            ss[e].offset = offsets[e] * D;
-            ss[e].count = counts[e] * D;
-            rs[e].offset = off * D;
-            rs[e].count = rcounts[e] * D;
-            off += rcounts[e];
-        }
-    }
-}
-
-/* peer_rows [2][P]: the rows this rank (me) sends to each rank, then those
-   it receives from each (rank p's for expert j at rcounts[p * rstride + j]:
-   a strided view, e.g. of the count messages); *sent and *received: those
-   to and from the other ranks */
-static inline void moept__plan_peer_rows(int64_t P, int64_t El, int64_t me, const int64_t *counts,
-                                         const int64_t *rcounts, int64_t rstride, int64_t *peer_rows,
-                                         int64_t *sent, int64_t *received) {
-    *sent = *received = 0;
-    for (int64_t q = 0; q < P; q++) {
-        peer_rows[q] = peer_rows[P + q] = 0;
-        for (int64_t j = 0; j < El; j++) {
-            peer_rows[q] += counts[q * El + j];
-            peer_rows[P + q] += rcounts[q * rstride + j];
-        }
-        if (q != me) { *sent += peer_rows[q]; *received += peer_rows[P + q]; }
-    }
-}
-
-/* Chunk c of C's exchange pieces (ss [P][El] on the send side, rs [P][El]
-   on the expert side; NULL: not wanted) and its row runs on the expert side
-   (runs [3][P El]: first row, rows, local expert); returns the runs. ccnt
-   [C][E]: this rank's kept rows per chunk and slot; rccnt [P][C][El]: rank
-   p's rows of chunk c for expert j. The plan is a stable sort by slot, so a
-   chunk's rows of a slot follow the earlier chunks' on both sides: every
-   row lands where the one-chunk step puts it. */
-static inline int64_t moept__plan_chunk(int64_t c, int64_t C, int64_t P, int64_t El, int64_t D,
-                                        const int64_t *offsets, const int64_t *ccnt, const int64_t *rcounts,
-                                        const int64_t *roffsets, const int64_t *rccnt, moept_seg *ss,
-                                        moept_seg *rs, int64_t *runs) {
-    const int64_t E = P * El, stride = P * El;
-    for (int64_t e = 0; e < E && ss; e++) { /* slot e = (q, j) is piece q El + j */
-        int64_t start = offsets[e];
-        for (int64_t b = 0; b < c; b++) start += ccnt[b * E + e];
-        ss[e].offset = start * D;
-        ss[e].count = ccnt[c * E + e] * D;
-    }
-    int64_t n = 0;
-    for (int64_t j = 0; j < El; j++) {
-        int64_t base = roffsets[j];
-        for (int64_t p = 0; p < P; p++) {
-            int64_t before = 0;
-            for (int64_t b = 0; b < c; b++) before += rccnt[(p * C + b) * El + j];
-            int64_t rows = rccnt[(p * C + c) * El + j];
-            if (rs) { rs[p * El + j].offset = (base + before) * D; rs[p * El + j].count = rows * D; }
-            if (rows) { runs[n] = base + before; runs[stride + n] = rows; runs[2 * stride + n] = j; n++; }
-            base += rcounts[p * El + j];
-        }
-    }
-    return n;
-}
-
 /* The column-major (BLAS/cuBLAS) call computing a row-major descriptor: a
    row-major [m][n] matrix is a column-major [n][m] one, so C^T = op(B)^T
    op(A)^T: operands swapped, m and n swapped, transposes kept. */
@@ -1941,102 +1332,95 @@ static inline moept__gemm_cm moept__gemm_colmajor(const moept__gemm *g) {
     return c;
 }
 
-/* The loss statistics: one vector of doubles per step (all-reduced in one
-   call when the balance is global), per expert the selections, the aux
-   loss's counts and its score sums, then the tokens, the sum of lse^2, the
-   sum of sequence aux values and the sequences. Its fields' offsets: */
-typedef struct moept__lso { int64_t sel, auxc, psum, T, lse2, seqaux, nseq, n; } moept__lso;
-MOEPT_HD static inline moept__lso moept__lstat_of(int64_t E) {
-    moept__lso o = {0, E, 2 * E, 3 * E, 3 * E + 1, 3 * E + 2, 3 * E + 3, 3 * E + 4};
-    return o;
-}
-
-/* ---- router jitter's noise (host and device) -------------------------
-   splitmix64: a small deterministic generator (initialisation, the jitter) */
-MOEPT_HD static inline uint64_t moept__mix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-/* A 64-bit checksum of n floats' bytes, 8 at a time: each step a bijection
-   of the state for a given word, so any change of one word changes the
-   result. Native byte order: the files' (little-endian) on every target. */
-MOEPT_HD static inline uint64_t moept__checksum(const float *v, int64_t n) {
-    const unsigned char *b = (const unsigned char *)v;
-    size_t len = (size_t)n * sizeof(float), i = 0;
-    uint64_t h = 0x9e3779b97f4a7c15ull ^ (uint64_t)len;
-    for (; i + 8 <= len; i += 8) {
-        uint64_t w;
-        memcpy(&w, b + i, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdull;
-        h ^= h >> 32;
-    }
-    for (; i < len; i++) h = (h ^ b[i]) * 0x100000001b3ull;
-    return h ^ (h >> 29);
-}
-/* The jitter's hash of a token's row x [D] (fp32 values, as the router
-   sees them): the noise is keyed by the token's values, not its place */
-MOEPT_HD static inline uint64_t moept__jitter_row(const float *x, int64_t D) {
-    return moept__checksum(x, D) * 0x9e3779b97f4a7c15ull;
-}
-/* Router jitter's factor for element d of a token whose row hashes to
-   row: uniform in [1 - eps, 1 + eps] from (seed, key, row, d) by a counter
-   hash. Keyed by the token's values, not its place, so a token draws the
-   same wherever it is routed (EP = N equals EP = 1 on the whole batch, any
-   thread count, either executor), and the backward makes it again instead
-   of keeping it. */
-MOEPT_HD static inline float moept__jitter_u(uint64_t seed, uint64_t key, uint64_t row, int64_t d,
-                                             float eps) {
-    uint64_t s = seed ^ (key * 0xd1b54a32d192ed03ull) ^ row ^ ((uint64_t)d * 0xa0761d6478bd642full);
-    return 1.0f - eps + 2.0f * eps * ((float)(moept__mix(&s) >> 40) * 0x1.0p-24f);
-}
-
-/* Carves 64-byte aligned sub-buffers out of one block; with base NULL it
-   only measures (the layouts run twice: size, then carve). Host and device
-   workspaces alike. */
-typedef struct moept__carve { char *base; size_t off; } moept__carve;
-static inline void *moept__take(moept__carve *c, size_t bytes) {
-    size_t off = (c->off + 63) & ~(size_t)63;
-    c->off = off + bytes;
-    return c->base ? c->base + off : NULL;
-}
-
-/* ---- the CUDA executor's interface to moept.c ------------------------ */
-#define MOEPT__ERRLEN 512 /* error message buffers */
-#ifdef MOEPT_CUDA
 #ifdef __cplusplus
 extern "C" {
 #endif
-typedef struct moept__cuda moept__cuda;
-/* What the executor needs to know of a layer, filled by moept.c. */
-typedef struct moept__cuda_spec {
-    int family, act, norm, aux, global_balance, n_group, topk_group;
-    int group_fill;             /* moept_group_fill */
-    int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
-    int unchecked_backward;
-    int sync_free;              /* static shapes, device-side checks reported later */
-    int inference;              /* config.inference_only: no gradients, activations over h */
-    int gemm_form;              /* moept_gemm_form */
-    int nslots;                 /* forward slots: max(1, config.max_inflight) */
-    int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
-    int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
-    int64_t block_tokens;       /* sync-free: the EP group's largest max_tokens (sizes the blocks) */
-    float scale, aux_coef, z_coef;
-    float jitter;               /* router_jitter's eps (0: off) */
-    uint64_t jitter_seed;
-    int64_t seq_len;            /* MOEPT_AUX_SEQ: tokens per sequence (aux_seq_len) */
-    double capacity_factor;     /* <= 0: dropless */
-    int64_t n_params;           /* router | w13 | w2 | ws13 | ws2 | wsg */
-    int64_t off13, off2, offs13, offs2, offsg; /* offsets in the buffer; offsg -1: no gate */
-    moept_comm *ep, *dp;        /* NULL: one rank */
-    void *stream;
-} moept__cuda_spec;
+/* ---- the executor interface ------------------------------------------
+   An executor runs a layer's steps: the CPU executor (moept.c) from its
+   stage functions, the CUDA executor (moept_kernels.cu) from its kernels.
+   Every call goes through moept.c's MOEPT__EX: a NULL entry is a step that
+   executor does not need. What an executor cannot do is a missing
+   capability bit, refused in one place with one message shape. */
+enum {
+    MOEPT__CAN_JITTER = 1 << 0,      /* config.router_jitter */
+    MOEPT__CAN_INFERENCE = 1 << 1,   /* config.inference_only */
+    MOEPT__CAN_GRAD_BACKUP = 1 << 2, /* config.grad_backup */
+    MOEPT__CAN_AUX_SEQ = 1 << 3,     /* MOEPT_AUX_SEQ */
+    MOEPT__CAN_FSDP = 1 << 4,        /* config.expert_sharding = MOEPT_SHARD_FSDP */
+    MOEPT__CAN_MASK = 1 << 5,        /* moept_forward_ex's opts.mask */
+    MOEPT__CAN_RESHARD = 1 << 6,     /* moept_reshard */
+    MOEPT__CAN_HOST_STEPS = 1 << 7,  /* the steps run on the host: the CPU workspace is its own */
+    MOEPT__CAN_DEVICE = 1 << 8,      /* parameters on a device (moept_cuda_params) */
+    MOEPT__NCAPS = 9
+};
+enum { MOEPT__HOST_PARAMS = 1, MOEPT__HOST_GRADS = 2, MOEPT__HOST_OPT = 4 }; /* host copies (bits) */
+/* AdamW's constants for one step (moept.c's moept__adamw1) */
+typedef struct moept__adamw_k { float decay, b1, b2, step, sbc2, eps; } moept__adamw_k;
+/* moept_reshard's schedule (moept__reshard_plan), the same on every rank */
+typedef struct moept__moves {
+    const int32_t *new_rank, *nslot; /* [E] the placement asked for, each expert's new slot */
+    const int32_t *go, *come;        /* [rounds][P] the expert each rank sends, receives (-1: idle) */
+    int64_t rounds, n;               /* n: the rounds this rank is not idle in */
+} moept__moves;
+/* A forward's arguments and what its stages found before the commit (the
+   routing is in the spare buffers nb). */
+typedef struct moept__fstep {
+    const float *x;        /* [T][D] */
+    float *y;              /* [T][D] */
+    const uint8_t *mask;   /* [T] 0 = padding, or NULL */
+    const int32_t *replay; /* [T][K] the experts to route to (routing replay), or NULL */
+    float *logits_out;     /* [T][E] the router's logits written here, or NULL */
+    int slot;              /* the training forward's slot (opts.slot) */
+    int64_t T, valid;      /* tokens; unmasked ones */
+    int eval, global, nb, jitter;
+    uint64_t x_fp;         /* x's fingerprint, for the backward's check */
+    uint64_t jkey;         /* the jitter noise's key */
+    int64_t cap, R_next;   /* per-expert capacity (-1 dropless); rows to receive */
+    moept_status reject;   /* the executor refuses this call (agreed as a local check) */
+    char reject_why[MOEPT__ERRLEN];
+} moept__fstep;
+typedef struct moept__exec {
+    const char *name;      /* in refusals: "the CUDA executor" */
+    unsigned caps;         /* MOEPT__CAN_* */
+    /* the steps (after the API's checks; each agrees over the group itself) */
+    moept_status (*forward)(moept_layer *L, moept__fstep *f);
+    moept_status (*backward)(moept_layer *L, const float *x, const float *dy, float *dx,
+                             const moept_backward_opts *o); /* o: never NULL */
+    moept_status (*sync_grads)(moept_layer *L, float scale);     /* after the call's agreement */
+    moept_status (*grad_scan)(moept_layer *L, double *s, int64_t *bad);
+    moept_status (*adamw_ready)(moept_layer *L);                 /* before the agreement */
+    moept_status (*adamw)(moept_layer *L, moept__adamw_k k);     /* after it */
+    /* state between the host's copy and the executor's (NULL: nothing to do) */
+    moept_status (*zero_grad)(moept_layer *L);
+    moept_status (*grads_check)(moept_layer *L); /* read checks the executor made without a sync */
+    moept_status (*settle)(moept_layer *L);      /* statistics the executor deferred */
+    moept_status (*routing)(moept_layer *L, int dweights); /* ids/wts/logits (or dwts) to the host */
+    moept_status (*to_host)(moept_layer *L, int what);      /* MOEPT__HOST_* the host is to read */
+    void (*host_wrote)(moept_layer *L, int what);           /* MOEPT__HOST_* the host changed */
+    moept_status (*device_params)(moept_layer *L, float **params, float **grads);
+    moept_status (*params_changed)(moept_layer *L);
+    /* moept_reshard's moves (NULL: the host's rounds): ready before the
+       agreement (this rank's resources for mv->n moves); then, agreed, the
+       moves and their own agreement (a failure on any rank undoes every
+       rank's), or, not agreed, the resources released */
+    moept_status (*reshard_ready)(moept_layer *L, const moept__moves *mv);
+    moept_status (*reshard)(moept_layer *L, const moept__moves *mv, int agreed, int64_t *sent,
+                            int64_t *recvd);
+    void (*destroy)(moept_layer *L);
+} moept__exec;
+/* The group calls: each agreement carries the call's id (moept.c's table names them) */
+enum {
+    MOEPT__CALL_FORWARD = 1, MOEPT__CALL_BACKWARD, MOEPT__CALL_SYNC_GRADS, MOEPT__CALL_GRAD_NORM,
+    MOEPT__CALL_UPDATE_BIAS, MOEPT__CALL_ADAMW_STEP, MOEPT__CALL_SAVE_CHECKPOINT, MOEPT__CALL_SAVE_FILES,
+    MOEPT__CALL_SAVE_COMMIT, MOEPT__CALL_LOAD_CHECKPOINT, MOEPT__CALL_LOAD_HF, MOEPT__CALL_RESHARD,
+    MOEPT__NCALLS
+};
+
 /* Results of a forward the host keeps (statistics and the saved state's size);
    tag in: the call's agreement tag (moept.c's call counter), agreed out: the
    ranks exchanged their tags (the layer counts the call); reject in: fail
    this call on every rank with reject_msg. */
-typedef struct moept__cuda_step {
+typedef struct moept__dev_step {
     int64_t tag;
     int agreed;
     moept_status reject;       /* in: a rejection moept.c found (an option this executor
@@ -2057,84 +1441,60 @@ typedef struct moept__cuda_step {
     double aux_value, z_value, loss_T;
     int counts_global;
     int deferred;              /* sync-free: the values from N to counts_global (and lstat, peer_rows) are
-                                  on the device; moept__cuda_step_stats reads them */
+                                  on the device; the executor's step_stats reads them */
     double comm_seconds;
     int64_t bytes_sent, bytes_received;
-} moept__cuda_step;
-int moept__cuda_device_count(void);
-int moept__cuda_is_nccl(const moept_comm *c);
-moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err);
-void moept__cuda_destroy(moept__cuda *c);
-/* Host <-> device copies of the parameter buffer, its gradient mirror, the
-   correction bias [E] and the placement slot_of [E] (NULL: skip). */
-moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
-                                const float *bias, const int32_t *slot_of, char *err);
-moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err);
-/* The device parameters changed outside an upload: the bf16 copy is recast
-   at the next forward. */
-void moept__cuda_params_changed(moept__cuda *c);
-/* The committed step's router state: ids, wts [T][K], logits [T][E], and
-   after a backward dwts [T][K] (NULL: skip). */
-moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
-                                          float *dwts, char *err);
-moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
-/* What the executor holds now: its allocations, their bytes, the device workspace (every slot's) */
-void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
-                       int64_t *workspace_bytes);
-/* first_bad: the first non-finite dx element of the backwards since
-   zero_grad, -1 if none (a host sync); sync-free mode: the first failed
-   device check since, its status in why_st (OK: none) and text in why */
-moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st, char *why,
-                                  char *err);
-/* lstat [3E + 4] receives the step's loss statistics (moept__lso: selection
-   counts, aux counts, score sums, T, sum lse^2, the sequences' aux sum and
-   count; global when global_balance);
-   peer_rows [2][P] rows sent to / received from each peer. */
-moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y,
-                                 double *lstat, int64_t *peer_rows, moept__cuda_step *out, char *err);
-moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
-                                  moept__cuda_step *out, char *err);
-/* Sync-free mode: the last forward's deferred statistics (a host sync). */
-moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows, moept__cuda_step *out,
-                                    char *err);
-moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err);
-/* The optimizer on the device. grad_scan: sums [2] of the squared
-   replicated and expert gradients (deterministic), the first non-finite
-   element or -1 (a host sync). adamw: one step, queued; with from_host the
-   moments are first set from m0, v0 [n_params] (NULL: zeros). opt_download:
-   the moments to the host (zeros before the first step). */
-moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err);
-moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host, const float *m0,
-                               const float *v0, char *err);
-moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err);
-void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
-/* moept_reshard's moves on the device, this rank's part of moept.c's plan:
-   round k sends local slot slot[k]'s expert to rank to[k] and receives one
-   from rank from[k] into that slot (k < n; no more than `rounds`). */
-typedef struct moept__cuda_moves {
-    int64_t n, rounds;
-    const int32_t *to, *from;  /* [n] */
-    const int64_t *slot;       /* [n] */
-} moept__cuda_moves;
-/* prep, before the agreement: the moments the host made newer on the
-   device (from_host, as moept__cuda_adamw), the staging of one expert;
-   *nbuf: the expert-shaped buffers that move (1, or 3 with the moments).
-   move: the leaving experts' bytes into backup [n][nbuf][H*D + D*F] (host;
-   *backed = 1 once they are), then the rounds; bytes moved add to *sent
-   and *recvd. undo: the backup
-   back into its slots. commit: the new placement slot_of [E], zero
-   gradients. After a move, moept__cuda_params_changed. end: the staging
-   freed. */
-moept_status moept__cuda_reshard_prep(moept__cuda *c, int from_host, const float *m0, const float *v0,
-                                      int *nbuf, char *err);
-moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_moves *mv, float *backup, int *backed,
-                                      int64_t *sent, int64_t *recvd, char *err);
-moept_status moept__cuda_reshard_undo(moept__cuda *c, const moept__cuda_moves *mv, const float *backup,
-                                      char *err);
-moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t *slot_of, char *err);
-void moept__cuda_reshard_end(moept__cuda *c);
+} moept__dev_step;
+/* What a device executor sees of its layer: its shape and the layer's
+   current host buffers (moept__view_of fills it; pointers may change
+   between calls, e.g. the moments appear at the first step or save). */
+typedef struct moept__view {
+    const moept_config *cfg;       /* resolved */
+    int64_t D, F, E, K, S, H, HS, El, Tmax, C, n_params;
+    int P, rank, nslots, act;
+    double capacity_factor;        /* the config's, read as the decimal it was written as */
+    moept_comm *ep, *dp;           /* NULL: one rank */
+    void **xstate;                 /* the executor's own state */
+    float *params, *grads, *bias;  /* [n_params], [n_params] (NULL: inference), [E] (or NULL) */
+    int64_t off13, off2, offs13, offs2, offsg; /* offsets in params; offsg -1: no shared gate */
+    int32_t *slot_of;              /* [E] the placement */
+    float *m, *v;                  /* [n_params] AdamW's host moments (NULL until moept__opt_alloc) */
+    double *lstat;                 /* [moept__lstat_of(E).n] the last forward's loss statistics */
+    int64_t *peer_rows;            /* [2][P] its rows sent to / received from each peer */
+    int32_t *ids;                  /* [Tmax][K] its routing, host copies: ids, */
+    float *wts, *logits;           /* [Tmax][K] weights, [Tmax][E] logits */
+    float *dwts;                   /* [Tmax][K] dL/d routing weight (after a backward) */
+} moept__view;
+void moept__view_of(moept_layer *L, moept__view *v);
+/* A device executor's reports: the calls agreed (tags used), what its
+   device holds, a forward done (its statistics, unless deferred), the
+   deferred statistics read, a backward done (last: of the last forward),
+   jitter forwards counted by a failed sync-free forward, and the checks it
+   made on the device (dx's first non-finite element, a sync-free check) */
+void moept__dev_agreed(moept_layer *L, int n);
+void moept__dev_held(moept_layer *L, int64_t allocations, int64_t bytes, int64_t workspace_bytes);
+void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r, int64_t T, int eval);
+void moept__dev_step_done(moept_layer *L, const moept__dev_step *r);
+void moept__dev_backward_done(moept_layer *L, const moept__dev_step *r, int last);
+void moept__dev_count_jitter(moept_layer *L, int n);
+void moept__dev_grads_bad(moept_layer *L, int64_t bad, moept_status why_st, const char *why);
+/* moept.c's helpers a device executor calls: the layer made with an
+   executor; failures (the calling thread's message, moept__errbuf); the
+   call tag; the jitter key; AdamW's host moments; sums and maxima over the
+   groups (moept__any_failed: 0 when no rank failed) */
+moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept_comm *dp, const moept__exec *ex,
+                           const char *call, moept_layer **out);
+moept_status moept__fail(const moept_layer *L, moept_status s, const char *fmt, ...);
+moept_status moept__thread_fail(moept_status s, const char *fmt, ...);
+char *moept__errbuf(void); /* [MOEPT__ERRLEN] */
+int64_t moept__call_tag(const moept_layer *L, int call);
+uint64_t moept__jitter_key(const moept_layer *L);
+moept_status moept__opt_alloc(moept_layer *L, const char *call);
+moept_status moept__sum_ep_dp(moept_comm *ep, moept_comm *dp, void *buf, int64_t n, moept_dtype t,
+                              moept_comm **bad);
+int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st);
+moept_status moept__group_max(moept_comm *g, int64_t v, int64_t *most);
 #ifdef __cplusplus
 }
-#endif
 #endif
 #endif /* MOEPT_INTERNAL */

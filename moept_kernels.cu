@@ -2,8 +2,10 @@
    MIT licensed (see LICENSE).
 
    Build: nvcc -O3 --fmad=false -c moept_kernels.cu (see docs/CUDA.md for the
-   -gencode list) and link with moept.c compiled with -DMOEPT_CUDA, plus
-   -lcudart -lcublas -lnccl -lstdc++.
+   -gencode list; moept.c must be beside it: its shared math is included
+   here) and link with moept.c compiled with -DMOEPT_CUDA, plus -lcudart
+   -lcublas -lnccl -lstdc++. The executor's table and moept_create_cuda
+   are at the end of this file.
 
    The stage map: each stage has one name and one meaning in both
    executors; the CUDA function (here) beside the moept.c one it mirrors.
@@ -38,9 +40,10 @@
    MOEPT__STAGE names the forward's stages as above, the backward's
    "bwd.agree" .. "bwd.dx" ("pipeline", "bwd.pipeline" chunked).
    The host plan (row offsets, exchange pieces, rows per peer, each chunk's
-   pieces and runs) is moept.h's moept__plan_*, one implementation both
+   pieces and runs) is moept.c's moept__plan_*, one implementation both
    executors call.
-   Every per-element computation is a MOEPT_HD function from moept.h that the
+   Every per-element computation is a MOEPT_HD function of moept.c's first
+   section (this file includes it, MOEPT__KERNELS) that the
    CPU executor calls too (routing, losses, plan placement, activations and
    their derivatives, combine terms, bf16 rounding); --fmad=false keeps nvcc
    from contracting them into fma, so both executors round alike. GEMMs are
@@ -54,7 +57,8 @@
 #ifndef MOEPT_CUDA
 #define MOEPT_CUDA
 #endif
-#include "moept.h"
+#define MOEPT__KERNELS /* moept.c's first section alone: the shared per-element math */
+#include "moept.c"
 
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
@@ -70,6 +74,107 @@
 #include <utility> /* std::swap: forward slots */
 
 typedef uint16_t moept__bf16;
+
+/* ------------------------------------------------------------------------
+   The executor's core, as the executor table (at the end of this file)
+   calls it: a layer's device state (moept__cuda), what it is told of the
+   layer at create, and its steps, each reporting in a moept__dev_step
+   (moept.h) what the layer keeps.
+   ------------------------------------------------------------------------ */
+typedef struct moept__cuda moept__cuda;
+/* What the executor needs to know of a layer, filled by moept.c. */
+typedef struct moept__cuda_spec {
+    int family, act, norm, aux, global_balance, n_group, topk_group;
+    int group_fill;             /* moept_group_fill */
+    int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
+    int unchecked_backward;
+    int sync_free;              /* static shapes, device-side checks reported later */
+    int inference;              /* config.inference_only: no gradients, activations over h */
+    int gemm_form;              /* moept_gemm_form */
+    int nslots;                 /* forward slots: max(1, config.max_inflight) */
+    int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
+    int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
+    int64_t block_tokens;       /* sync-free: the EP group's largest max_tokens (sizes the blocks) */
+    float scale, aux_coef, z_coef;
+    float jitter;               /* router_jitter's eps (0: off) */
+    uint64_t jitter_seed;
+    int64_t seq_len;            /* MOEPT_AUX_SEQ: tokens per sequence (aux_seq_len) */
+    double capacity_factor;     /* <= 0: dropless */
+    int64_t n_params;           /* router | w13 | w2 | ws13 | ws2 | wsg */
+    int64_t off13, off2, offs13, offs2, offsg; /* offsets in the buffer; offsg -1: no gate */
+    moept_comm *ep, *dp;        /* NULL: one rank */
+    void *stream;
+} moept__cuda_spec;
+static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err);
+static void moept__cuda_destroy(moept__cuda *c);
+/* Host <-> device copies of the parameter buffer, its gradient mirror, the
+   correction bias [E] and the placement slot_of [E] (NULL: skip). */
+static moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
+                                       const float *bias, const int32_t *slot_of, char *err);
+static moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err);
+/* The device parameters changed outside an upload: the bf16 copy is recast
+   at the next forward. */
+static void moept__cuda_params_changed(moept__cuda *c);
+/* The committed step's router state: ids, wts [T][K], logits [T][E], and
+   after a backward dwts [T][K] (NULL: skip). */
+static moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
+                                                 float *dwts, char *err);
+static moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
+/* What the executor holds now: its allocations, their bytes, the device workspace (every slot's) */
+static void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
+                              int64_t *workspace_bytes);
+/* first_bad: the first non-finite dx element of the backwards since
+   zero_grad, -1 if none (a host sync); sync-free mode: the first failed
+   device check since, its status in why_st (OK: none) and text in why */
+static moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st, char *why,
+                                         char *err);
+/* lstat [3E + 4] receives the step's loss statistics (moept__lso: selection
+   counts, aux counts, score sums, T, sum lse^2, the sequences' aux sum and
+   count; global when global_balance);
+   peer_rows [2][P] rows sent to / received from each peer. */
+static moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y,
+                                        double *lstat, int64_t *peer_rows, moept__dev_step *out, char *err);
+static moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
+                                         moept__dev_step *out, char *err);
+/* Sync-free mode: the last forward's deferred statistics (a host sync). */
+static moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows,
+                                           moept__dev_step *out, char *err);
+static moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err);
+/* The optimizer on the device. grad_scan: sums [2] of the squared
+   replicated and expert gradients (deterministic), the first non-finite
+   element or -1 (a host sync). adamw: one step, queued; with from_host the
+   moments are first set from m0, v0 [n_params] (NULL: zeros). opt_download:
+   the moments to the host (zeros before the first step). */
+static moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err);
+static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host, const float *m0,
+                                      const float *v0, char *err);
+static moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err);
+static void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
+/* moept_reshard's moves on the device, this rank's part of moept.c's plan:
+   round k sends local slot slot[k]'s expert to rank to[k] and receives one
+   from rank from[k] into that slot (k < n; no more than `rounds`). */
+typedef struct moept__cuda_moves {
+    int64_t n, rounds;
+    const int32_t *to, *from;  /* [n] */
+    const int64_t *slot;       /* [n] */
+} moept__cuda_moves;
+/* prep, before the agreement: the moments the host made newer on the
+   device (from_host, as moept__cuda_adamw), the staging of one expert;
+   *nbuf: the expert-shaped buffers that move (1, or 3 with the moments).
+   move: the leaving experts' bytes into backup [n][nbuf][H*D + D*F] (host;
+   *backed = 1 once they are), then the rounds; bytes moved add to *sent
+   and *recvd. undo: the backup
+   back into its slots. commit: the new placement slot_of [E], zero
+   gradients. After a move, moept__cuda_params_changed. end: the staging
+   freed. */
+static moept_status moept__cuda_reshard_prep(moept__cuda *c, int from_host, const float *m0, const float *v0,
+                                             int *nbuf, char *err);
+static moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_moves *mv, float *backup,
+                                             int *backed, int64_t *sent, int64_t *recvd, char *err);
+static moept_status moept__cuda_reshard_undo(moept__cuda *c, const moept__cuda_moves *mv, const float *backup,
+                                             char *err);
+static moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t *slot_of, char *err);
+static void moept__cuda_reshard_end(moept__cuda *c);
 
 #define MOEPT__TB 256           /* threads per block of the elementwise kernels */
 #define MOEPT__PB 256           /* assignments per block of the count (moept__k_count) */
@@ -1430,7 +1535,6 @@ extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeo
 }
 
 static int moept__is_nccl(const moept_comm *c) { return c && c->destroy == moept__nccl_destroy; }
-extern "C" int moept__cuda_is_nccl(const moept_comm *c) { return moept__is_nccl(c); }
 extern "C" int moept_comm_nccl_aborted(const moept_comm *c) {
     return moept__is_nccl(c) && ((const moept__nccl *)c->ctx)->aborted;
 }
@@ -1735,14 +1839,14 @@ static int64_t moept__workspace(const moept__cuda *c) {
     return n;
 }
 
-extern "C" void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
-                                  int64_t *workspace_bytes) {
+static void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
+                              int64_t *workspace_bytes) {
     *allocations = c->allocations;
     *allocated_bytes = c->allocated_bytes;
     *workspace_bytes = moept__workspace(c);
 }
 
-extern "C" int moept__cuda_device_count(void) {
+static int moept__cuda_device_count(void) {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return 0; }
     return n;
@@ -1751,7 +1855,7 @@ extern "C" int moept__cuda_device_count(void) {
 /* The frees below wait for the device: each comm's work is polled first,
    whatever the other's gave (one that times out is aborted, which ends its
    work), so the device has only this rank's own left. */
-extern "C" void moept__cuda_destroy(moept__cuda *c) {
+static void moept__cuda_destroy(moept__cuda *c) {
     if (!c) return;
     moept__on_device on(c->dev, c->probe); /* a lost context: each call below fails, host memory is freed */
     moept_comm *comms[2] = {c->sp.ep, c->sp.dp};
@@ -1787,7 +1891,7 @@ extern "C" void moept__cuda_destroy(moept__cuda *c) {
     free(c);
 }
 
-extern "C" void moept__cuda_pointers(moept__cuda *c, float **params, float **grads) {
+static void moept__cuda_pointers(moept__cuda *c, float **params, float **grads) {
     c->grads_clean = 0; /* the caller may write them */
     *params = c->params;
     *grads = c->grads;
@@ -1809,7 +1913,7 @@ static cudaError_t moept__cast_weights(moept__cuda *c) {
 /* the device masters were (or may be about to be) written by the caller;
    sync-free: their bf16 copy now, so no forward casts (a captured step
    would freeze whether it does) */
-extern "C" void moept__cuda_params_changed(moept__cuda *c) {
+static void moept__cuda_params_changed(moept__cuda *c) {
     moept__on_device on(c->dev, c->probe);
     c->wlow_stale = 1;
     c->grads_clean = 0;
@@ -2039,7 +2143,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     return MOEPT_OK;
 }
 
-extern "C" moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err) {
+static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err) {
     *out = NULL;
     if ((spec->ep && !moept__is_nccl(spec->ep)) || (spec->dp && !moept__is_nccl(spec->dp)))
         return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: the EP and DP comms of a "
@@ -2106,8 +2210,8 @@ static moept_status moept__host_wait(moept__cuda *c, char *err) {
 }
 
 /* ---- host <-> device ---------------------------------------------------- */
-extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
-                                           const float *bias, const int32_t *slot_of, char *err) {
+static moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
+                                       const float *bias, const int32_t *slot_of, char *err) {
     MOEPT__ENTER(c);
     const int64_t n = c->sp.n_params, E = c->sp.E;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
@@ -2122,7 +2226,7 @@ extern "C" moept_status moept__cuda_upload(moept__cuda *c, const float *params, 
     return MOEPT_OK;
 }
 
-extern "C" moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err) {
+static moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err) {
     MOEPT__ENTER(c);
     const int64_t n = c->sp.n_params;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
@@ -2132,8 +2236,8 @@ extern "C" moept_status moept__cuda_download(moept__cuda *c, float *params, floa
     return MOEPT_OK;
 }
 
-extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
-                                                     float *dwts, char *err) {
+static moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
+                                                 float *dwts, char *err) {
     MOEPT__ENTER(c);
     if (!c->fwd_valid) return moept__kfail(err, MOEPT_ERR_STATE, "no forward yet");
     const int64_t T = c->T, K = c->sp.K, E = c->sp.E;
@@ -2150,7 +2254,7 @@ extern "C" moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *id
     return MOEPT_OK;
 }
 
-extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
+static moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
     MOEPT__ENTER(c);
     c->grads_clean = 0;
     MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s));
@@ -2161,8 +2265,8 @@ extern "C" moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
 /* The first non-finite dx element of the backwards since zero_grad (-1:
    none): their check ran on the device; this reads it (a host sync).
    Sync-free mode: why a step since failed its checks, into why ("" if none). */
-extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st,
-                                             char *why, char *err) {
+static moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st,
+                                         char *why, char *err) {
     MOEPT__ENTER(c);
     MOEPT__STAGE("optimizer"); /* read by grad_norm and adamw_step */
     MOEPT__CU(cudaMemcpyAsync(c->h_bad + 5, &c->bad[5], 2 * 8, cudaMemcpyDeviceToHost, c->s));
@@ -2181,8 +2285,8 @@ extern "C" moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad,
 
 /* Sync-free mode: the last forward's statistics, as moept__fwd_plan and
    moept__fwd_losses give them in the default mode (a host sync) */
-extern "C" moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows,
-                                               moept__cuda_step *out, char *err) {
+static moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows,
+                                           moept__dev_step *out, char *err) {
     MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, M = c->M, me = p->rank;
@@ -2463,7 +2567,7 @@ static cudaStream_t moept__stream_of(const moept_comm *m) { return ((moept__nccl
    shared expert, until moept__from_comm or an event joins the two). */
 enum { MOEPT__X_OUT = 1, MOEPT__X_AFTER = 2, MOEPT__X_JOIN = 4 };
 static moept_status moept__exchange(moept__cuda *c, void *local, const moept_seg *ls, void *remote,
-                                    const moept_seg *rs, int flags, moept__cuda_step *out, char *err) {
+                                    const moept_seg *rs, int flags, moept__dev_step *out, char *err) {
     moept_comm *ep = c->sp.ep;
     const int dispatch = flags & MOEPT__X_OUT;
     double t0 = moept__clock();
@@ -2542,7 +2646,7 @@ static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
    training forward may still wait for its backward, else the training
    slot (moept.c's moept__eval_slot); its buffers made at its first use (a
    failure is agreed as the call's rejection) */
-static void moept__fwd_slot(moept__cuda *c, const moept__cuda_step *o, moept__fwd *f, char *why) {
+static void moept__fwd_slot(moept__cuda *c, const moept__dev_step *o, moept__fwd *f, char *why) {
     if (f->reject) return; /* (o->slot may be out of range) */
     const moept__cuda *s0 = moept__slot(c, 0);
     const int s = !o->eval ? o->slot : c->sp.inference ? 0 : c->nslots > 1 ? c->nslots
@@ -2720,7 +2824,7 @@ static void moept__fwd_count(moept__cuda *c, moept__fwd *f) {
    then knows every rank's receive size, so all agree on growth without
    another round); global loss statistics and the failure flag summed on the
    device (moept__fwd_share); then the forward's one host synchronisation */
-static moept_status moept__fwd_share(moept__cuda *c, moept__cuda_step *out, char *err) {
+static moept_status moept__fwd_share(moept__cuda *c, moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P;
     moept_status st;
@@ -2751,7 +2855,7 @@ static moept_status moept__fwd_share(moept__cuda *c, moept__cuda_step *out, char
     }
     return MOEPT_OK;
 }
-static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__cuda_step *out, char *err) {
+static moept_status moept__fwd_exchange_counts(moept__cuda *c, moept__dev_step *out, char *err) {
     const int64_t E = c->sp.E, P = c->sp.P;
     double t0 = moept__clock();
     MOEPT__TRY(moept__fwd_share(c, out, err));
@@ -2855,7 +2959,7 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
 
 /* 6. commit: the step's counts, from the agreed message (chunked: per
    chunk too; kept: a rejected step's message must not change them) */
-static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_step *out) {
+static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__dev_step *out) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, me = p->rank;
     c->cur = f->nb;
@@ -2884,7 +2988,7 @@ static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__cuda_s
 
 /* 7. losses (the same host arithmetic as moept.c); the aux gradient's
    per-expert factors go to the device for the backward */
-static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__cuda_step *out, char *err) {
+static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E;
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
@@ -2904,7 +3008,7 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
    tok_of_row, from the count's kept rows per block), and on the host each
    slot's first row, each local expert's, the exchange's pieces and the rows
    per peer (sync-free: the fixed blocks of moept__sf_layout) */
-static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__cuda_step *out, char *err) {
+static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, El = p->El, P = p->P, K = p->K, T_ = c->T;
     if (!c->B) {
@@ -2931,7 +3035,7 @@ static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__c
 /* 9. dispatch: the rows go once: x -> send buffer -> experts (chunked: the
    pipeline sends them chunk by chunk) */
 template <typename T>
-static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D;
     void *xs = p->P > 1 ? c->xs : c->xr; /* at one rank the permuted rows are the experts' rows */
@@ -2985,7 +3089,7 @@ static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
 /* 10. experts: the routed FFNs, their rows' way back (in flight while the
    shared expert and its gate run) */
 template <typename T>
-static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a,
                                  c->lda_a, c->yr, err));
@@ -3126,7 +3230,7 @@ static moept_status moept__shared_bwd(moept__cuda *c, const T *x, char *err) {
    into ys): ys -> yr, dxr -> ys, the shared expert's backward while chunk 0
    travels, the weight gradients while the last chunk's dxs return. */
 template <typename T>
-static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, moept__cuda_step *out,
+static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, moept__dev_step *out,
                                     char *err) {
     const int64_t C = c->C, T_ = c->T;
     void *send = bwd ? c->ys : c->xs, *recv = bwd ? c->yr : c->xr, *res = bwd ? c->dxr : c->yr;
@@ -3162,7 +3266,7 @@ static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, m
    agreed there (moept__k_sf_agree: reported later), and the step committed
    to its fixed blocks; a host-detected failure fails this rank's call after
    the collectives (its peers see it in the flags) */
-static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_step *out, char *err) {
+static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     MOEPT__STAGE("exchange_counts");
     MOEPT__TRY(moept__fwd_share(c, out, err));
@@ -3201,7 +3305,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__cuda_
    losses read when asked for (moept__cuda_step_stats). */
 template <typename T>
 static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, void *yv, double *lstat_out,
-                                   int64_t *peer_rows, moept__cuda_step *out, char *err) {
+                                   int64_t *peer_rows, moept__dev_step *out, char *err) {
     const T *x = (const T *)xv;
     moept__fwd f;
     memset(&f, 0, sizeof f);
@@ -3252,8 +3356,8 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     return MOEPT_OK;
 }
 
-extern "C" moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
-                                            int64_t *peer_rows, moept__cuda_step *out, char *err) {
+static moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
+                                        int64_t *peer_rows, moept__dev_step *out, char *err) {
     MOEPT__ENTER(c);
     const int was = c->active;
     moept_status st = c->esz == 2 ? moept__forward<moept__bf16>(c, x, T, y, lstat, peer_rows, out, err)
@@ -3317,7 +3421,7 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
    none does */
 template <typename T>
 static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, const void *dx, int64_t tag,
-                                     moept__cuda_step *out, char *err) {
+                                     moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, T_ = c->T;
     char local[MOEPT__ERRLEN] = "";
@@ -3405,7 +3509,7 @@ static moept_status moept__bwd_combine(moept__cuda *c, const T *x, const T *dy, 
 /* 3. experts: dys out, the FFNs' backward, dxs back (the shared expert's
    backward while they travel) */
 template <typename T>
-static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_step *out, char *err) {
+static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     void *ys = p->P > 1 ? c->ys : c->yr;
     const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN;
@@ -3421,7 +3525,7 @@ static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__cuda_s
 
 /* 4. router': dlogits, then gWr += dlogits^T xin (xin = xf * u under
    jitter: the noise drawn again), and the shared gate's gsg += dsg^T xf */
-static moept_status moept__bwd_router(moept__cuda *c, const float *xf, const moept__cuda_step *o,
+static moept_status moept__bwd_router(moept__cuda *c, const float *xf, const moept__dev_step *o,
                                       char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = c->T;
@@ -3471,7 +3575,7 @@ static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
    (chunked: the pipeline) -> router' -> dx. */
 template <typename T>
 static moept_status moept__backward(moept__cuda *c, const void *xv, const void *dyv, void *dxv,
-                                    moept__cuda_step *out, char *err) {
+                                    moept__dev_step *out, char *err) {
     const T *x = (const T *)xv, *dy = (const T *)dyv;
     MOEPT__STAGE("bwd.agree");
     MOEPT__TRY(moept__bwd_agree<T>(c, x, dy, dxv, out->tag, out, err));
@@ -3491,8 +3595,8 @@ static moept_status moept__backward(moept__cuda *c, const void *xv, const void *
 
 /* The backward of opts.slot's forward; then the last forward's slot is the
    active one again (routing, statistics and growth read it) */
-extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
-                                             moept__cuda_step *out, char *err) {
+static moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
+                                         moept__dev_step *out, char *err) {
     MOEPT__ENTER(c);
     c->grads_clean = 0;
     const int last = c->active;
@@ -3515,7 +3619,7 @@ extern "C" moept_status moept__cuda_backward(moept__cuda *c, const void *x, cons
 
 /* Gradient reduction as moept_sync_grads: router and shared expert over EP,
    then everything over DP, on the comms' streams. */
-extern "C" moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err) {
+static moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err) {
     MOEPT__ENTER(c);
     c->grads_clean = 0;
     const moept__cuda_spec *p = &c->sp;
@@ -3550,7 +3654,7 @@ extern "C" moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char
    after a clean scan of the same gradients (grad_norm's): nothing to do.
    Every call that changes the device gradients clears grads_clean; a
    sync-free layer's may change in a replayed graph, so it always scans. */
-extern "C" moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err) {
+static moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err) {
     MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
     const int64_t n = p->n_params;
@@ -3612,8 +3716,8 @@ static moept_status moept__opt_ready(moept__cuda *c, int from_host, const float 
    set from the host's m0, v0 [n_params] (NULL: zeros), which a loaded
    checkpoint made newer. bf16 layers get their expert weights' bf16 copy
    from the same pass. */
-extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host,
-                                          const float *m0, const float *v0, char *err) {
+static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host,
+                                      const float *m0, const float *v0, char *err) {
     MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
     const int64_t n = p->n_params, e0 = p->E * p->D;
@@ -3632,7 +3736,7 @@ extern "C" moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *
 }
 
 /* AdamW's moments to the host (a sync) */
-extern "C" moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err) {
+static moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err) {
     MOEPT__ENTER(c);
     const int64_t n = c->sp.n_params;
     if (!c->opt_m) {
@@ -3650,8 +3754,8 @@ extern "C" moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float
 /* ---- resharding (moept_reshard) ---------------------------------------- */
 /* before the agreement: the moments the host made newer, uploaded (so the
    device's move them), and one expert of staging */
-extern "C" moept_status moept__cuda_reshard_prep(moept__cuda *c, int from_host, const float *m0,
-                                                 const float *v0, int *nbuf, char *err) {
+static moept_status moept__cuda_reshard_prep(moept__cuda *c, int from_host, const float *m0,
+                                             const float *v0, int *nbuf, char *err) {
     MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
     if (from_host) MOEPT__TRY(moept__opt_ready(c, 1, m0, v0, err));
@@ -3700,8 +3804,8 @@ static moept_status moept__rs_backup(moept__cuda *c, const moept__cuda_moves *mv
    into that slot, over the EP comm's point-to-point call (device to device,
    only the moved experts); the copy out of the staging is queued on the
    comm's stream, so the next round's receive follows it. */
-extern "C" moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_moves *mv, float *backup,
-                                                 int *backed, int64_t *sent, int64_t *recvd, char *err) {
+static moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_moves *mv, float *backup,
+                                             int *backed, int64_t *sent, int64_t *recvd, char *err) {
     MOEPT__ENTER(c);
     const int64_t n13 = c->sp.H * c->sp.D, n2 = c->sp.D * c->sp.F;
     const int nb = c->opt_m ? 3 : 1;
@@ -3725,13 +3829,13 @@ extern "C" moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cu
     return moept__host_wait(c, err); /* moept.c then calls moept__cuda_params_changed */
 }
 
-extern "C" moept_status moept__cuda_reshard_undo(moept__cuda *c, const moept__cuda_moves *mv,
-                                                 const float *backup, char *err) {
+static moept_status moept__cuda_reshard_undo(moept__cuda *c, const moept__cuda_moves *mv,
+                                             const float *backup, char *err) {
     MOEPT__ENTER(c);
     return moept__rs_backup(c, mv, (float *)backup, 1, err);
 }
 
-extern "C" moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t *slot_of, char *err) {
+static moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t *slot_of, char *err) {
     MOEPT__ENTER(c);
     MOEPT__TRY(moept__host_wait(c, err)); /* a pageable copy follows */
     MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)c->sp.E * 4, cudaMemcpyHostToDevice, c->s));
@@ -3743,10 +3847,515 @@ extern "C" moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t
     return moept__host_wait(c, err);
 }
 
-extern "C" void moept__cuda_reshard_end(moept__cuda *c) {
+static void moept__cuda_reshard_end(moept__cuda *c) {
     if (!c->rs_stage) return;
     moept__on_device on(c->dev, c->probe);
     (void)cudaFree(c->rs_stage);
     c->allocated_bytes -= (c->sp.H * c->sp.D + c->sp.D * c->sp.F) * 4;
     c->rs_stage = NULL;
 }
+
+/* ------------------------------------------------------------------------
+   The executor table: the layer (moept.c) calls these. They see the layer
+   through moept__view_of and report to it through moept.c's moept__dev_*
+   calls (moept.h's internal part), and keep their own state beside it.
+   ------------------------------------------------------------------------ */
+/* A CUDA layer's state beside the device executor: which side changed last
+   for the parameters (with the bias and placement), the gradients and
+   AdamW's moments, and what the device checked that the host has not read */
+typedef enum { MOEPT__SAME = 0, MOEPT__HOST_NEWER, MOEPT__DEVICE_NEWER } moept__newer;
+typedef struct moept__cudax {
+    moept__cuda *c;
+    moept__newer params, grads, opt; /* opt: MOEPT__SAME also when there are none */
+    int routing_on_host;   /* host ids/wts/logits hold the committed step */
+    int dx_pending;        /* a backward's dx check on the device not yet read */
+    int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
+    int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
+    int slot;              /* the last forward's forward slot (an evaluation's: max_inflight) */
+    /* moept_reshard, during the call: this rank's moves, their buffers (1, or 3 with
+       the moments) and the leaving experts' bytes [n][rs_nbuf][H*D + D*F], for an undo */
+    int rs_nbuf;
+    int64_t *rs_slot;      /* [n] local slot of each leaving expert, then to, from [n] int32 */
+    float *rs_backup;
+} moept__cudax;
+
+/* the layer's view (its current host buffers) and this executor's state */
+static moept__cudax *moept__cx(moept_layer *L, moept__view *v) {
+    moept__view_of(L, v);
+    return (moept__cudax *)*v->xstate;
+}
+
+static moept_status moept__cuda_to_host(moept_layer *L, int what) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    int p = (what & MOEPT__HOST_PARAMS) && X->params == MOEPT__DEVICE_NEWER;
+    int g = (what & MOEPT__HOST_GRADS) && X->grads == MOEPT__DEVICE_NEWER;
+    moept_status st;
+    if ((p || g) &&
+        (st = moept__cuda_download(X->c, p ? v.params : NULL, g ? v.grads : NULL, moept__errbuf())))
+        return st;
+    if (p) X->params = MOEPT__SAME;
+    if (g) X->grads = MOEPT__SAME;
+    if (!(what & MOEPT__HOST_OPT) || X->opt != MOEPT__DEVICE_NEWER) return MOEPT_OK;
+    if ((st = moept__opt_alloc(L, "moept_save_checkpoint"))) return st; /* the host's moments, for a save */
+    moept__view_of(L, &v);
+    st = moept__cuda_opt_download(X->c, v.m, v.v, moept__errbuf());
+    if (!st) X->opt = MOEPT__SAME;
+    return st;
+}
+
+static void moept__cuda_host_wrote(moept_layer *L, int what) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    if (what & MOEPT__HOST_PARAMS) X->params = MOEPT__HOST_NEWER;
+    if (what & MOEPT__HOST_GRADS) X->grads = MOEPT__HOST_NEWER;
+    if (what & MOEPT__HOST_OPT)
+        X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
+}
+
+static moept_status moept__to_device(moept_layer *L) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER;
+    if (!p && !g) return MOEPT_OK;
+    moept_status st = moept__cuda_upload(X->c, p ? v.params : NULL, g ? v.grads : NULL, p ? v.bias : NULL,
+                                         p ? v.slot_of : NULL, moept__errbuf());
+    if (st) return st;
+    if (p) X->params = MOEPT__SAME;
+    if (g) X->grads = MOEPT__SAME;
+    return MOEPT_OK;
+}
+
+/* what the device executor holds now, into the layer's statistics */
+static void moept__cuda_held(moept_layer *L) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    int64_t a = 0, b = 0, w = 0;
+    moept__cuda_sizes(X->c, &a, &b, &w);
+    moept__dev_held(L, a, b, w);
+}
+
+/* sync-free: the last forward's device statistics, read now (a host sync) */
+static moept_status moept__cuda_settle(moept_layer *L) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    if (!X->stats_pending) return MOEPT_OK;
+    moept__dev_step r;
+    memset(&r, 0, sizeof r);
+    moept_status st = moept__cuda_step_stats(X->c, v.lstat, v.peer_rows, &r, moept__errbuf());
+    if (st) return st;
+    X->stats_pending = 0;
+    moept__dev_step_done(L, &r);
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = moept__to_device(L);
+    if (st) return st;
+    moept__dev_step r;
+    memset(&r, 0, sizeof r);
+    /* the slot in the tag's high half (0: an evaluation), agreed with the call */
+    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD) | (int64_t)(f->eval ? 0 : f->slot + 1) << 32;
+    r.slot = f->slot;
+    r.eval = f->eval;
+    r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
+    r.reject_msg = f->reject ? f->reject_why : NULL;
+    r.replay = f->replay; /* device memory: checked there, agreed with the executor's checks */
+    r.jitter = v.cfg->router_jitter > 0.0f && !f->eval; /* the CPU's noise: its key, counted alike */
+    r.jitter_key = moept__jitter_key(L);
+    r.mask = f->mask; /* device memory, as x and y */
+    r.logits_out = f->logits_out;
+    st = moept__cuda_forward(X->c, f->x, f->T, f->y, v.lstat, v.peer_rows, &r, moept__errbuf());
+    moept__dev_agreed(L, r.agreed);
+    moept__cuda_held(L); /* a failed forward's too: a slot it made stays */
+    /* sync-free: a rank's own rejection fails its call alone and its peers
+       go on, so it counts the forward as they do: the ranks' noise keys stay alike */
+    if (st && r.agreed && X->sync_free) moept__dev_count_jitter(L, r.jitter);
+    if (st) return st;
+    X->routing_on_host = 0;
+    X->slot = r.slot; /* its backward's gradients are moept_routing_grads' */
+    X->stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
+    moept__dev_forward_done(L, &r, f->T, f->eval);
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx,
+                                           const moept_backward_opts *o) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = moept__to_device(L);
+    if (st) return st;
+    moept__dev_step r;
+    memset(&r, 0, sizeof r);
+    r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
+    char why[MOEPT__ERRLEN];
+    if (o->slot < 0 || o->slot >= v.nslots) { /* (the slot's own state: the executor's checks) */
+        snprintf(why, sizeof why, "moept_backward: opts.slot %d is not in 0..max_inflight-1 (%d)", o->slot,
+                 v.nslots - 1);
+        r.reject = MOEPT_ERR_INVALID_ARGUMENT;
+        r.reject_msg = why;
+    } else if (!moept__finite(o->router_loss_scale)) {
+        r.reject = MOEPT_ERR_INVALID_ARGUMENT;
+        r.reject_msg = "moept_backward: opts.router_loss_scale is not finite";
+    }
+    r.router_loss_scale = o->router_loss_scale;
+    r.dlogits = o->dlogits; /* device memory, as x */
+    r.slot = o->slot;
+    st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__errbuf());
+    moept__dev_agreed(L, r.agreed);
+    moept__cuda_held(L);
+    if (st) return st;
+    moept__dev_backward_done(L, &r, o->slot == X->slot); /* the last forward's: its routing grads */
+    X->grads = MOEPT__DEVICE_NEWER;
+    X->dx_pending = 1;
+    return MOEPT_OK;
+}
+
+/* router and shared expert over EP, then everything over DP, on the device */
+static moept_status moept__cuda_layer_sync_grads(moept_layer *L, float scale) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = moept__to_device(L);
+    if (!st) st = moept__cuda_sync_grads(X->c, scale, moept__errbuf());
+    if (!st) X->grads = MOEPT__DEVICE_NEWER;
+    return st;
+}
+
+/* s NULL: the executor may keep what a scan of the same gradients found */
+static moept_status moept__cuda_layer_grad_scan(moept_layer *L, double *s, int64_t *bad) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = moept__to_device(L);
+    return st ? st : moept__cuda_grad_scan(X->c, s, bad, moept__errbuf());
+}
+
+/* the step on the device (its parameters, moments and bf16 weights), where
+   the gradients are; nothing crosses to the host */
+static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = moept__cuda_adamw(X->c, &k, X->opt == MOEPT__HOST_NEWER, v.m, v.v, moept__errbuf());
+    if (st) return st;
+    X->opt = MOEPT__DEVICE_NEWER;
+    X->params = MOEPT__DEVICE_NEWER;
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = moept__cuda_zero_grad(X->c, moept__errbuf()); /* its dx check reset with them */
+    if (st) return st;
+    X->grads = MOEPT__SAME; /* both sides zero */
+    X->dx_pending = 0;
+    return MOEPT_OK;
+}
+
+/* the device's dx check of the backwards since zero_grad (and, sync-free,
+   its other checks), read without a sync at the backward */
+static moept_status moept__cuda_grads_check(moept_layer *L) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    if (!X->dx_pending && !X->sync_free) return MOEPT_OK;
+    int64_t bad = -1;
+    char why[MOEPT__ERRLEN];
+    moept_status why_st = MOEPT_OK;
+    moept_status st = moept__cuda_dx_check(X->c, &bad, &why_st, why, moept__errbuf());
+    if (st) return st;
+    X->dx_pending = 0;
+    moept__dev_grads_bad(L, bad, why_st, why);
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, v.dwts, moept__errbuf());
+    if (X->routing_on_host) return MOEPT_OK;
+    moept_status st = moept__cuda_download_routing(X->c, v.ids, v.wts, v.logits, NULL, moept__errbuf());
+    if (!st) X->routing_on_host = 1;
+    return st;
+}
+
+static moept_status moept__cuda_device_params(moept_layer *L, float **params, float **grads) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = moept__to_device(L); /* hand out the newest values */
+    if (st) return st;
+    moept__cuda_pointers(X->c, params, grads);
+    moept__cuda_params_changed(X->c); /* the caller may write them */
+    return MOEPT_OK;
+}
+
+static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept__cuda_params_changed(X->c);
+    X->params = MOEPT__DEVICE_NEWER;
+    if (v.grads) X->grads = MOEPT__DEVICE_NEWER;
+    return MOEPT_OK;
+}
+
+/* moept_reshard, before the agreement: the deferred statistics read, the
+   host's newer parameters and moments on the device (the device's move),
+   one expert of device staging, and this rank's moves with a host backup
+   of the experts it sends */
+static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept__moves *mv) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    const int64_t P = v.P, me = v.rank, n = mv->n, part = v.H * v.D + v.D * v.F;
+    moept_status st = moept__cuda_settle(L);
+    if (!st) st = moept__to_device(L);
+    if (!st) st = moept__cuda_reshard_prep(X->c, X->opt == MOEPT__HOST_NEWER, v.m, v.v, &X->rs_nbuf,
+                                           moept__errbuf());
+    if (st) return moept__fail(L, st, "moept_reshard: %s", moept__errbuf());
+    if (X->opt == MOEPT__HOST_NEWER) X->opt = MOEPT__SAME;
+    X->rs_slot = (int64_t *)malloc((size_t)(2 * (n > 0 ? n : 1)) * sizeof(int64_t));
+    X->rs_backup = (float *)malloc((size_t)(n * X->rs_nbuf * part > 0 ? n * X->rs_nbuf * part : 1) *
+                                   sizeof(float));
+    if (!X->rs_slot || !X->rs_backup) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of "
+                                                         "host memory (a backup of the experts it sends)");
+    int32_t *to = (int32_t *)(X->rs_slot + n), *from = to + n;
+    for (int64_t k = 0, i = 0; k < mv->rounds; k++) {
+        const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
+        if (go < 0) continue;
+        X->rs_slot[i] = v.slot_of[go] % v.El;
+        to[i] = mv->new_rank[go];
+        from[i++] = (int32_t)(v.slot_of[come] / v.El);
+    }
+    return MOEPT_OK;
+}
+
+/* the moves, then every rank's verdict: all keep them (the new placement on
+   the device, gradients zeroed), or all put their experts back */
+static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *mv, int64_t *sent,
+                                        int64_t *recvd) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    const int64_t n = mv->n;
+    const moept__cuda_moves cm = {n, mv->rounds, (int32_t *)(X->rs_slot + n), (int32_t *)(X->rs_slot + n) + n,
+                                  X->rs_slot};
+    int backed = 0;
+    moept_status st = moept__cuda_reshard_move(X->c, &cm, X->rs_backup, &backed, sent, recvd,
+                                               moept__errbuf()), ast;
+    if (st) moept__fail(L, st, "moept_reshard: %s", moept__errbuf());
+    int64_t failed = st != MOEPT_OK;
+    moept_comm *bad = NULL;
+    ast = moept__sum_ep_dp(v.ep, v.dp, &failed, 1, MOEPT_DTYPE_I64, &bad);
+    if (!st && !ast && !failed) {
+        st = moept__cuda_reshard_commit(X->c, mv->nslot, moept__errbuf());
+        X->params = MOEPT__DEVICE_NEWER;
+        X->grads = MOEPT__SAME; /* zero on both sides (moept__reshard_commit: the host's) */
+        if (X->rs_nbuf == 3) X->opt = MOEPT__DEVICE_NEWER;
+        moept__cuda_params_changed(X->c);
+        return st;
+    }
+    if (!st && ast) st = moept__fail(L, ast, "moept_reshard: the agreement after the moves failed (every "
+                                     "rank's experts put back): %s", bad->err);
+    else if (!st) st = moept__fail(L, MOEPT_ERR_STATE, "moept_reshard: %lld other rank(s) failed to move "
+                                   "their experts; every rank's experts put back", (long long)failed);
+    char keep[MOEPT__ERRLEN];
+    memcpy(keep, moept__errbuf(), sizeof keep);
+    moept_status ust = backed ? moept__cuda_reshard_undo(X->c, &cm, X->rs_backup, moept__errbuf()) : MOEPT_OK;
+    moept__cuda_params_changed(X->c);
+    if (ust) return moept__fail(L, ust, "moept_reshard: putting this rank's experts back failed: %s",
+                                moept__errbuf());
+    memcpy(moept__errbuf(), keep, sizeof keep);
+    return st;
+}
+
+/* moept_reshard after its agreement: the moves (agreed), the resources freed */
+static moept_status moept__cuda_layer_reshard(moept_layer *L, const moept__moves *mv, int agreed,
+                                          int64_t *sent, int64_t *recvd) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = agreed ? moept__cuda_reshard_run(L, mv, sent, recvd) : MOEPT_OK;
+    moept__cuda_reshard_end(X->c);
+    free(X->rs_slot);
+    free(X->rs_backup);
+    X->rs_slot = NULL;
+    X->rs_backup = NULL;
+    return st;
+}
+
+static void moept__cuda_layer_destroy(moept_layer *L) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    if (!X) return;
+    if (X->c) moept__cuda_destroy(X->c);
+    free(X);
+    *v.xstate = NULL;
+}
+
+static moept__exec moept__cuda_exec_make(void) {
+    moept__exec e;
+    memset(&e, 0, sizeof e);
+    e.name = "the CUDA executor";
+    e.caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER | MOEPT__CAN_AUX_SEQ |
+             MOEPT__CAN_MASK | MOEPT__CAN_RESHARD;
+    e.forward = moept__cuda_layer_forward;
+    e.backward = moept__cuda_layer_backward;
+    e.sync_grads = moept__cuda_layer_sync_grads;
+    e.grad_scan = moept__cuda_layer_grad_scan;
+    e.adamw = moept__cuda_layer_adamw;
+    e.zero_grad = moept__cuda_layer_zero_grad;
+    e.grads_check = moept__cuda_grads_check;
+    e.settle = moept__cuda_settle;
+    e.routing = moept__cuda_routing;
+    e.to_host = moept__cuda_to_host;
+    e.host_wrote = moept__cuda_host_wrote;
+    e.device_params = moept__cuda_device_params;
+    e.params_changed = moept__cuda_layer_params_changed;
+    e.reshard_ready = moept__cuda_layer_reshard_ready;
+    e.reshard = moept__cuda_layer_reshard;
+    e.destroy = moept__cuda_layer_destroy;
+    return e;
+}
+/* the table (C++ has no designated initializers before C++20: filled once, at load) */
+static const moept__exec moept__cuda_exec = moept__cuda_exec_make();
+
+/* ------------------------------------------------------------------------
+   moept_create_cuda
+   ------------------------------------------------------------------------ */
+/* create_cuda, 1: this rank's options (the config's features come from the
+   executor's capability bits in moept__create) */
+static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                               const moept_cuda_options *o, char *why, moept_status *why_st) {
+    *why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
+    const char *w = NULL;
+    if (o->dtype != MOEPT_DTYPE_F32 && o->dtype != MOEPT_DTYPE_BF16)
+        w = "options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16";
+    else if ((int)o->gemm_form < MOEPT_GEMM_AUTO || (int)o->gemm_form > MOEPT_GEMM_STRIDED)
+        w = "options.gemm_form must be a moept_gemm_form";
+    else if (moept_cuda_device_count() < 1) {
+        *why_st = MOEPT_ERR_DEVICE;
+        w = "no CUDA device";
+    } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
+        *why_st = MOEPT_ERR_UNSUPPORTED;
+        w = "options.sync_free with overlap_chunks > 1 is not supported";
+    } else if ((ep && !moept__is_nccl(ep)) || (dp && !moept__is_nccl(dp))) /* size 1 too */
+        w = "the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)";
+    if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
+    return w != NULL;
+}
+
+/* create_cuda, 2: every rank runs the same executor options (a rank that
+   skips the backward's agreement would leave the others waiting); sync-free
+   blocks are the same size everywhere, from the EP group's largest max_tokens */
+static moept_status moept__cuda_options_agree(moept_comm *ep, moept_comm *dp, const moept_cuda_options *o,
+                                          const moept_config *cfg, int64_t *block_tokens) {
+    int64_t mine[3] = {(int64_t)o->dtype, o->unchecked_backward != 0, o->sync_free != 0};
+    int64_t sum[3] = {mine[0], mine[1], mine[2]};
+    int64_t ranks = (ep ? ep->size : 1) * (dp ? dp->size : 1);
+    moept_comm *bad = NULL;
+    moept_status st = moept__sum_ep_dp(ep, dp, sum, 3, MOEPT_DTYPE_I64, &bad);
+    if (st) return moept__thread_fail(st, "moept_create_cuda: option agreement failed: %s", bad->err);
+    for (int i = 0; i < 3; i++)
+        if (sum[i] != mine[i] * ranks)
+            return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: options.%s differs "
+                                      "between ranks", i == 0 ? "dtype" : i == 1 ? "unchecked_backward"
+                                                                                 : "sync_free");
+    *block_tokens = cfg ? cfg->max_tokens : 0;
+    if (!o->sync_free || !ep || ep->size == 1) return MOEPT_OK;
+    if ((st = moept__group_max(ep, *block_tokens, block_tokens)))
+        return moept__thread_fail(st, "moept_create_cuda: max_tokens agreement failed: %s", ep->err);
+    return MOEPT_OK;
+}
+
+/* create_cuda, 3: what the device executor is told of the layer */
+static void moept__cuda_spec_of(moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
+                            moept__cuda_spec *sp) {
+    moept__view v;
+    moept__view_of(L, &v);
+    const moept_config *cfg = v.cfg;
+    memset(sp, 0, sizeof *sp);
+    sp->family = (int)cfg->family; sp->act = v.act; sp->norm = cfg->norm_topk_prob;
+    sp->aux = (int)cfg->aux_loss; sp->global_balance = cfg->global_balance && (v.ep || v.dp);
+    sp->n_group = (int)cfg->n_group; sp->topk_group = (int)cfg->topk_group;
+    sp->group_fill = (int)cfg->group_fill;
+    sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
+    sp->sync_free = o->sync_free != 0;
+    sp->inference = cfg->inference_only != 0;
+    sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
+    sp->nslots = v.nslots;
+    sp->D = v.D; sp->F = v.F; sp->E = v.E; sp->K = v.K; sp->S = v.S; sp->H = v.H; sp->HS = v.HS;
+    sp->El = v.El; sp->P = v.P; sp->rank = v.rank; sp->Tmax = v.Tmax; sp->block_tokens = block_tokens;
+    sp->C = v.P > 1 ? v.C : 1; /* one EP rank: no exchange to overlap */
+    sp->scale = cfg->routed_scaling_factor; sp->aux_coef = cfg->aux_loss_coef;
+    sp->z_coef = cfg->z_loss_coef;
+    sp->jitter = cfg->router_jitter; sp->jitter_seed = cfg->jitter_seed;
+    sp->seq_len = cfg->aux_loss == MOEPT_AUX_SEQ ? cfg->aux_seq_len : 0;
+    sp->capacity_factor = v.capacity_factor;
+    sp->n_params = v.n_params;
+    sp->off13 = v.off13; sp->off2 = v.off2; sp->offs13 = v.offs13; sp->offs2 = v.offs2; sp->offsg = v.offsg;
+    sp->ep = v.ep; sp->dp = v.dp; sp->stream = o->stream;
+}
+
+/* create_cuda, 4: the device executor set up and the parameters uploaded,
+   agreed (a rank whose device failed fails every rank) */
+static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
+                                  moept_comm *ep, moept_comm *dp) {
+    moept__cuda_spec sp;
+    moept__cuda_spec_of(L, o, block_tokens, &sp);
+    moept__view v;
+    moept__view_of(L, &v);
+    char err[MOEPT__ERRLEN] = "";
+    moept__cudax *X = (moept__cudax *)calloc(1, sizeof *X);
+    moept_status st = MOEPT_ERR_OUT_OF_MEMORY;
+    if (!X) snprintf(err, sizeof err, "moept_create_cuda: out of host memory");
+    else {
+        *v.xstate = X;
+        X->params = MOEPT__HOST_NEWER;
+        X->grads = v.grads ? MOEPT__HOST_NEWER : MOEPT__SAME; /* an inference layer has none */
+        X->sync_free = sp.sync_free;
+        st = moept__cuda_create(&sp, &X->c, err);
+    }
+    if (!st && (st = moept__to_device(L))) memcpy(err, moept__errbuf(), sizeof err);
+    if (!st) moept__cuda_held(L);
+    moept_status ast; /* the agreement's own status: this rank's st is kept */
+    int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);
+    if (st) return moept__thread_fail(st, "%s", err);
+    if (ast) return moept__thread_fail(ast, "moept_create_cuda: failure agreement failed");
+    if (failed)
+        return moept__thread_fail(MOEPT_ERR_DEVICE,
+                                  "moept_create_cuda: another rank failed to set up "
+                                  "its device");
+    return MOEPT_OK;
+}
+
+extern "C" moept_status moept_create_cuda(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
+                                          const moept_cuda_options *opt, moept_layer **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: out is NULL");
+    *out = NULL;
+    moept_cuda_options o;
+    memset(&o, 0, sizeof o);
+    if (opt) o = *opt;
+    /* this rank's checks, agreed before the collective create */
+    char why[MOEPT__ERRLEN] = "";
+    moept_status why_st, st;
+    int bad = moept__cuda_options_bad(cfg, ep, dp, &o, why, &why_st);
+    int64_t failed = moept__any_failed(ep, dp, bad, &st);
+    if (st) return moept__thread_fail(st, "moept_create_cuda: failure agreement failed");
+    if (bad) return moept__thread_fail(why_st, "%s", why);
+    if (failed)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                  "moept_create_cuda: another rank's options were "
+                                  "rejected");
+    int64_t block_tokens;
+    if ((st = moept__cuda_options_agree(ep, dp, &o, cfg, &block_tokens))) return st;
+    moept_layer *L = NULL;
+    if ((st = moept__create(cfg, ep, dp, &moept__cuda_exec, "moept_create_cuda", &L))) return st;
+    if ((st = moept__cuda_start(L, &o, block_tokens, ep, dp))) {
+        char keep[MOEPT__ERRLEN];
+        memcpy(keep, moept__errbuf(), sizeof keep);
+        moept_destroy(L);
+        memcpy(moept__errbuf(), keep, sizeof keep);
+        return st;
+    }
+    *out = L;
+    return MOEPT_OK;
+}
+
+extern "C" int moept_cuda_device_count(void) { return moept__cuda_device_count(); }
