@@ -47,6 +47,12 @@
                 pipeline), _router, _dx; FSDP gathers its experts between
                 agree and combine' (moept__bwd_fsdp_gather, CPU only)
    moept__forward and moept__backward are these lists in both files. */
+#if defined(__cplusplus) && !defined(MOEPT__KERNELS)
+/* C11 only (_Thread_local, stdatomic.h, void * conversions): the rest of the
+   file is skipped, so this is the one error a C++ compiler prints (only
+   moept_kernels.cu compiles a part of it as C++: the shared math) */
+#error "compile moept.c as C11 (cc -std=c11 -c moept.c); C++ code includes only moept.h and links moept.o"
+#else
 #if !defined(MOEPT__KERNELS) && !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -61,6 +67,14 @@
    (MOEPT__KERNELS: it includes this file for it), so the reference-case
    checks cover the math the CUDA kernels run. C and C++ alike.
    ------------------------------------------------------------------------ */
+/* a few of these only the device calls (and test_props, on the host): no
+   warning where the host's C build leaves them unused */
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#define MOEPT__HOST_UNUSED __attribute__((unused))
+#else
+#define MOEPT__HOST_UNUSED
+#endif
+
 MOEPT_HD static inline int moept__finite(float v) {
     /* not isfinite(): -ffast-math builds must still catch NaN/Inf */
     union { float f; uint32_t u; } b; b.f = v;
@@ -478,10 +492,11 @@ MOEPT_HD static inline void moept__plan_place(int64_t i, int64_t pos, int64_t ke
     }
 }
 
+/* the GPU plan's two helpers below run on the device (and in test_props on the host) */
 /* The GPU plan's count pass, per assignment: within its block's slots
    sl[0..n), the number of earlier assignments to the same slot (its rank)
    and whether none later shares it (then rank + 1 is the block's count). */
-MOEPT_HD static inline int moept__block_rank(const int32_t *sl, int n, int i, int *last) {
+MOEPT_HD MOEPT__HOST_UNUSED static inline int moept__block_rank(const int32_t *sl, int n, int i, int *last) {
     int r = 0, l = 1;
     for (int j = 0; j < n; j++) {
         int same = sl[j] == sl[i];
@@ -495,8 +510,8 @@ MOEPT_HD static inline int moept__block_rank(const int32_t *sl, int n, int i, in
 /* The GPU plan's scan pass, per slot e: hist [nblk][E] block counts become
    each block's first position within the slot; returns the rows kept
    (capacity cap, -1 for none). */
-MOEPT_HD static inline int64_t moept__plan_scan_slot(int64_t *hist, int64_t nblk, int64_t E, int64_t e,
-                                                     int64_t cap) {
+MOEPT_HD MOEPT__HOST_UNUSED static inline int64_t moept__plan_scan_slot(int64_t *hist, int64_t nblk,
+                                                                         int64_t E, int64_t e, int64_t cap) {
     int64_t run = 0;
     for (int64_t b = 0; b < nblk; b++) {
         int64_t h = hist[b * E + e];
@@ -505,6 +520,8 @@ MOEPT_HD static inline int64_t moept__plan_scan_slot(int64_t *hist, int64_t nblk
     }
     return cap >= 0 && run > cap ? cap : run;
 }
+
+
 
 /* One term of a token's combine: acc + w * v (k in slot order). Neither
    executor contracts it into an fma (C11 without -ffp-contract=fast;
@@ -585,7 +602,7 @@ MOEPT_HD static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, 
    moept__chunk_of is the chunk of token t (0 <= t < T): the largest c with
    c T / C <= t, i.e. c T < (t + 1) C. */
 MOEPT_HD static inline int64_t moept__chunk_start(int64_t T, int64_t C, int64_t c) { return c * T / C; }
-MOEPT_HD static inline int64_t moept__chunk_of(int64_t t, int64_t T, int64_t C) {
+MOEPT_HD MOEPT__HOST_UNUSED static inline int64_t moept__chunk_of(int64_t t, int64_t T, int64_t C) {
     return ((t + 1) * C - 1) / T;
 }
 
@@ -738,11 +755,6 @@ static inline void *moept__take(moept__carve *c, size_t bytes) {
 }
 
 #ifndef MOEPT__KERNELS /* the rest is C11, moept.c's own */
-#ifdef __cplusplus
-/* C11 only (_Thread_local, stdatomic.h, void * conversions): the rest of the
-   file is skipped, so this is the one error a C++ compiler prints */
-#error "compile moept.c as C11 (cc -std=c11 -c moept.c); C++ code includes only moept.h and links moept.o"
-#endif
 #if defined(__FAST_MATH__)
 /* -ffast-math (and -Ofast) assume no NaN or Inf (the input and output checks
    vanish) and change exp and the softmax: every reference case fails */
@@ -8022,3 +8034,4 @@ moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshar
     return local;
 }
 #endif /* !MOEPT__KERNELS */
+#endif /* !__cplusplus || MOEPT__KERNELS */
