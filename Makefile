@@ -175,7 +175,7 @@ $(B)/cblas/bench_layer: bench/bench_layer.c bench/peak.h bench/bench_shape.h moe
 
 # CUDA executor: nvcc with the ptxas report kept (tests/check_ptxas.sh reads
 # it: no kernel may spill to local memory); moept.c with -DMOEPT_CUDA.
-$(B)/cuda/moept_kernels.o: moept_kernels.cu $(HDRS) | $(B)
+$(B)/cuda/moept_kernels.o: moept_kernels.cu moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cuda
 	$(NVCC) $(NVCCFLAGS) -Xptxas -v -c moept_kernels.cu -o $@ 2> $(B)/cuda/ptxas.txt || { cat $(B)/cuda/ptxas.txt; exit 1; }
 	@grep -v '^ptxas info' $(B)/cuda/ptxas.txt >&2 || true
@@ -364,7 +364,7 @@ $(B)/emu/rt.o: $(EMU_SRC) $(EMU_HDRS) | $(B)
 	$(EMU_CXX) -O2 -c tests/emu/emu_nccl.cc -o $(B)/emu/emu_nccl.o
 	ld -r $(B)/emu/emu_rt.o $(B)/emu/emu_kernel.o $(B)/emu/emu_blas.o $(B)/emu/emu_nccl.o -o $@
 
-$(B)/emu/moept_kernels.o: moept_kernels.cu $(HDRS) tests/emu/cuda_emu.h | $(B)
+$(B)/emu/moept_kernels.o: moept_kernels.cu moept.c $(HDRS) tests/emu/cuda_emu.h | $(B)
 	@mkdir -p $(B)/emu
 	$(EMU_CXX) -O2 $(EMU_KFLAGS) -c moept_kernels.cu -o $@
 
