@@ -61,8 +61,8 @@ report "relative links and #anchors in README.md and docs/*.md resolve" "$tmp/ba
 # 2. docs/X.md "Heading" references (prose and comments) name a heading of X
 : >"$tmp/bad"
 for f in $docs moept.h moept.c; do
-    joined "$f" | grep -oE '(docs/)?[A-Z]+\.md,? "[^"]+"' | while read -r ref; do
-        file=docs/$(echo "$ref" | sed -E 's/^(docs\/)?([A-Z]+\.md).*/\2/')
+    joined "$f" | grep -oE '(docs/)?[A-Z_]+\.md,? "[^"]+"' | while read -r ref; do
+        file=docs/$(echo "$ref" | sed -E 's/^(docs\/)?([A-Z_]+\.md).*/\2/')
         head=$(echo "$ref" | sed -E 's/^[^"]*"([^"]+)"$/\1/')
         [ -f "$file" ] || { echo "$f: $ref: no file $file" >>"$tmp/bad"; continue; }
         grep -qE "^#+ $(printf '%s' "$head" | sed 's/[][\.*^$()+?{}|]/\\&/g')\$" "$file" ||
