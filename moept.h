@@ -25,7 +25,8 @@
      and moept_kernels.cu's, not API.
      Beyond this header: README.md (what runs where, quick start),
      docs/GUIDE.md (the training loop, parallelism, your own comm backend,
-     checkpoints, errors), docs/CUDA.md (the GPU executor), docs/DESIGN.md.
+     checkpoints, errors), docs/CUDA.md (the GPU executor), docs/PERF.md
+     (every measured figure), docs/DESIGN.md and docs/CUDA_INTERNALS.md.
 
    VENDORING
      Copy moept.h and moept.c into your project and compile moept.c as C11
@@ -78,6 +79,9 @@
      moept_destroy(L);
 
    CONVENTIONS
+     The library's contract, stated here and nowhere else (errors, group
+     calls and what "one rank's error is every rank's" means; docs/GUIDE.md
+     and docs/DESIGN.md refer here).
      - All row-major float32. x, y, dx, dy are [T][hidden_size].
      - Gradients accumulate across moept_backward calls until
        moept_zero_grad (as in PyTorch). They are gradients of

@@ -12,6 +12,12 @@
 # - one link line, `cc your.o moept.o -lm -pthread`, in README.md and moept.h,
 #   and no other "link with" line; every README mpirun of build/train_mpi
 #   carries --oversubscribe (2-core machines refuse -np 4 without it).
+# - every dated measurement lives in docs/PERF.md (test-run times in
+#   docs/TESTING.md): no date (YYYY-MM-DD) in the other docs or in moept.h's
+#   top comment, but in a README paragraph that quotes `make run`'s or
+#   `make test`'s time and links to PERF.md or TESTING.md; no sentence
+#   outside TESTING.md (and that README paragraph) times a test run (`make
+#   test`, `make check`, CI's run, "N passed").
 # usage: sh tests/check_docs.sh (from the repository root)
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/moept_docs.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
@@ -61,8 +67,8 @@ report "relative links and #anchors in README.md and docs/*.md resolve" "$tmp/ba
 # 2. docs/X.md "Heading" references (prose and comments) name a heading of X
 : >"$tmp/bad"
 for f in $docs moept.h moept.c; do
-    joined "$f" | grep -oE '(docs/)?[A-Z]+\.md,? "[^"]+"' | while read -r ref; do
-        file=docs/$(echo "$ref" | sed -E 's/^(docs\/)?([A-Z]+\.md).*/\2/')
+    joined "$f" | grep -oE '(docs/)?[A-Z_]+\.md,? "[^"]+"' | while read -r ref; do
+        file=docs/$(echo "$ref" | sed -E 's/^(docs\/)?([A-Z_]+\.md).*/\2/')
         head=$(echo "$ref" | sed -E 's/^[^"]*"([^"]+)"$/\1/')
         [ -f "$file" ] || { echo "$f: $ref: no file $file" >>"$tmp/bad"; continue; }
         grep -qE "^#+ $(printf '%s' "$head" | sed 's/[][\.*^$()+?{}|]/\\&/g')\$" "$file" ||
@@ -105,4 +111,29 @@ done
 grep -nE 'mpirun .*build/train_mpi' README.md | grep -v -- '--oversubscribe' |
     sed 's/^/README.md:/; s/$/ (no --oversubscribe)/' >>"$tmp/bad"
 report "one link line in README.md and moept.h; mpirun lines carry --oversubscribe" "$tmp/bad"
+
+# 6. dated figures in docs/PERF.md, test-run times in docs/TESTING.md
+: >"$tmp/bad"
+awk '{ print } /\*\// { exit }' moept.h >"$tmp/moept_top"
+date_re='(^|[^0-9])20[0-9][0-9]-[01][0-9]-[0-3][0-9]([^0-9]|$)'
+run_re='`make (test|check)`[^.]* (took|takes|ran in)|CI.s (whole |clean-clone )?run[^.]* took'
+run_re="$run_re|[0-9]+ passed, [0-9]+ failed"
+quote_ok() { # a README paragraph quoting make run's or make test's time, linked to where it lives
+    printf '%s\n' "$1" | grep -qE '`make (run|test)`' &&
+        printf '%s\n' "$1" | grep -qE '\(docs/(PERF|TESTING)\.md[#)]'
+}
+for f in $docs "$tmp/moept_top"; do
+    case $f in docs/PERF.md|docs/TESTING.md) continue ;; esac
+    name=$f; [ "$f" = "$tmp/moept_top" ] && name="moept.h (top comment)"
+    joined "$f" | while IFS= read -r para; do
+        dated=$(printf '%s\n' "$para" | grep -cE "$date_re")
+        timed=$(printf '%s\n' "$para" | sed 's/\. /.\n/g' | grep -cE "$run_re")
+        [ "$dated" = 0 ] && [ "$timed" = 0 ] && continue
+        [ "$f" = README.md ] && quote_ok "$para" && continue
+        printf '%s: %s\n' "$name" "$(printf '%s' "$para" | cut -c1-150)" >>"$tmp/bad"
+    done
+done
+joined docs/PERF.md | sed 's/\. /.\n/g' | grep -E "$run_re" | cut -c1-150 |
+    sed 's|^|docs/PERF.md: a test-run time (docs/TESTING.md holds them): |' >>"$tmp/bad"
+report "dated figures only in docs/PERF.md, test-run times only in docs/TESTING.md" "$tmp/bad"
 exit $status

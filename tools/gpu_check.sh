@@ -1,6 +1,6 @@
 #!/bin/sh
 # tools/gpu_check.sh - the real-GPU checks, for a session lent a GPU machine
-# (the device tool; docs/CUDA.md "On a GPU" records what they gave).
+# (the device tool; docs/PERF.md "The CUDA executor on one H200" records what they gave).
 #
 #   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [sanitize] [bench]
 #                         [bench_small] [profile]   (default: build rules check sanitize bench)

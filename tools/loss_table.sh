@@ -1,6 +1,6 @@
 #!/bin/sh
 # usage: tools/loss_table.sh   (from the repository root, after make)
-# The example's loss table (docs/GUIDE.md, "The training loop"): build/train at
+# The example's loss table (docs/PERF.md, "The example's loss curve at EP 1 and EP 4"): build/train at
 # EP=1, EP=4 over threads and EP=4 over MPI (when build/train_mpi and mpirun
 # exist), make run's settings, on the shipped text; prints the markdown table
 # and the largest difference from EP=1. Logs go to build/ep1.csv, build/ep4.csv, build/ep4_mpi.csv
