@@ -34,6 +34,8 @@
      safetensors                    the reader, then the writer
      Hugging Face checkpoints       config.json, weights in and out
      Training checkpoints           the own format: staged, agreed, committed
+                                    (these four, the file formats, compile out
+                                    with MOEPT_NO_IO: nothing else calls them)
      Placement and resharding
 
    The stage map: a stage's function has one name and one meaning in both
@@ -2832,10 +2834,12 @@ static moept_status moept__to_host(const moept_layer *cL, int params, int grads)
     moept_layer *L = (moept_layer *)cL;
     return MOEPT__EX(L, to_host, L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
 }
+#ifndef MOEPT_NO_IO
 /* the AdamW moments, for a save */
 static moept_status moept__opt_to_host(moept_layer *L) {
     return MOEPT__EX(L, to_host, L, MOEPT__HOST_OPT);
 }
+#endif
 static void moept__host_wrote(moept_layer *L, int params, int grads) {
     if (L->ex->host_wrote)
         L->ex->host_wrote(L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
@@ -2874,6 +2878,7 @@ static uint64_t moept__fnv_f32(const float *v, int n) {
 /* A directory argument's fingerprint: the path as realpath resolves it
    (the same directory named two ways is the same), as given where it does
    not resolve (not made yet) */
+#ifndef MOEPT_NO_IO
 char *realpath(const char *restrict path, char *restrict resolved); /* POSIX.1-2008 (glibc: XOPEN only) */
 static uint64_t moept__fnv_dir(const char *dir) {
     if (!dir) return 0;
@@ -2883,6 +2888,7 @@ static uint64_t moept__fnv_dir(const char *dir) {
 #endif
     return moept__fnv(MOEPT__FNV0, dir, strlen(dir));
 }
+#endif
 
 /* One group's agreement: [failed, calls differ, arguments differ] (out:
    summed over the group) and, to compare, tag, tag^2 and each 16-bit piece
@@ -5743,6 +5749,7 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out) {
 }
 #endif /* MOEPT_MPI */
 
+#ifndef MOEPT_NO_IO /* the file formats: a vendor that reads and writes no files may drop them */
 /* ------------------------------------------------------------------------
    JSON (RFC 8259), strict, for every file moept reads: the safetensors
    header, config.json, model.safetensors.index.json and a training
@@ -7809,6 +7816,8 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
                       NULL};
     return moept__load_staged(L, &ld);
 }
+
+#endif /* !MOEPT_NO_IO */
 
 /* ------------------------------------------------------------------------
    Placement and resharding

@@ -49,6 +49,10 @@
      MOEPT_GEMM_PORTABLE  the builtin GEMM's portable C kernel even where an
                         AVX-512, AVX2+FMA or NEON one exists (the kernel is
                         otherwise picked from the target: -march matters).
+     MOEPT_NO_IO        compiles the file formats out (JSON, safetensors,
+                        Hugging Face and training checkpoints: about a
+                        quarter of moept.c); their functions are then not
+                        defined (a call to one fails to link).
      MOEPT_NO_VEC       the activations' plain scalar loops instead of
                         GCC/clang vector types (bitwise the same results).
      MOEPT_MPI          the MPI backend (moept_comm_mpi); compile with mpicc.
