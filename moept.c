@@ -1630,10 +1630,8 @@ typedef struct moept__saved {       /* the committed forward (double-buffered ro
     int eval;              /* the committed forward was an evaluation: nothing kept for backward */
     int jitter;            /* its router saw jittered x, drawn under jkey */
     uint64_t jkey;
-    int64_t jitter_micro;  /* training forwards since the last AdamW step (the noise key) */
     float *xj;             /* [Tmax][D] the router's jittered input (router_jitter > 0) */
     uint64_t *jrow[2];     /* [Tmax] the tokens' hashes that key their noise (as logits[2]) */
-    int jitter_frozen;     /* tests: draw the last forward's noise again (finite differences) */
     double *lstat;         /* [ls.n] loss statistics (all-reduced when global) */
     moept__lso ls;         /* their fields' offsets (moept.h) */
     double aux_value, z_value; /* the losses in double */
@@ -1647,11 +1645,18 @@ typedef struct moept__saved {       /* the committed forward (double-buffered ro
     int64_t sh_n;          /* unmasked tokens (< T: padded) */
 } moept__saved;
 
-typedef struct moept__plan {        /* where each routed row goes */
+typedef struct moept__plan {        /* the placement, and the plan's scratch */
     int32_t *slot_of;      /* [E] placement: expert e lives on rank slot_of[e] / El, local
                               index slot_of[e] % El; the plan orders rows by slot, so
                               dispatch order follows the placement (identity at create) */
     int32_t *expert_at;    /* [E] the inverse: the expert in each slot */
+    int64_t *fill;         /* [E] plan cursor */
+    double *seqstat;       /* [2E + 1] one sequence's aux counts, score sums, tokens */
+    float *choice;         /* [nthreads][2E] per-thread scratch */
+    int32_t *kscratch;     /* [nthreads][K] */
+} moept__plan;
+
+typedef struct moept__fplan {       /* a forward's plan: where each routed row goes */
     int64_t *counts;       /* [E] rows kept per expert */
     int64_t *counts_next;  /* [E] kept rows per expert of a step not yet committed */
     int64_t *offsets;      /* [E+1] first permuted row of each expert */
@@ -1659,31 +1664,30 @@ typedef struct moept__plan {        /* where each routed row goes */
     int64_t *tok_of_row;   /* [Nmax] token of each permuted row */
     int32_t *slot_of_row;  /* [Nmax] its slot k */
     int64_t N;             /* rows kept this step */
-    int64_t *fill;         /* [E] plan cursor */
-    double *seqstat;       /* [2E + 1] one sequence's aux counts, score sums, tokens */
-    float *choice;         /* [nthreads][2E] per-thread scratch */
-    int32_t *kscratch;     /* [nthreads][K] */
-} moept__plan;
+} moept__fplan;
 
-typedef struct moept__exch {        /* the expert-parallel exchange */
+typedef struct moept__exch {        /* the expert-parallel exchange: the layer's */
+    moept_seg *count_segs; /* [2][P] the count exchange's pieces */
+    int direct;            /* the experts' rows in the EP comm's shared memory: token ranks
+                              write and read them in place (no exchange buffers) */
+} moept__exch;
+
+typedef struct moept__fexch {       /* a forward's exchange */
     int64_t *rcounts;      /* [P][El] rows from peer p for local expert j */
     int64_t *rcounts_next; /* [P][El] the same for a step not yet committed */
     int64_t *roffsets;     /* [El+1] first received row of each local expert */
     moept_seg *send_segs;  /* [P][El] dispatch pieces (elements): xs for peer q's expert j */
     moept_seg *recv_segs;  /* [P][El] dispatch pieces (elements): xr from peer p, expert j */
-    moept_seg *count_segs; /* [2][P] the count exchange's pieces */
     int64_t R, Rcap;       /* rows received this step; rows the receive block holds */
     void *rwork;           /* receive-side block: [xr | yr (P > 1)] | h | a */
     int64_t *peer_rows;    /* [2][P] rows sent to / received from each peer */
-    int direct;            /* the experts' rows in the EP comm's shared memory: token ranks
-                              write and read them in place (no exchange buffers) */
     void *shm;             /* direct: this rank's shared block (ep->shm_free) */
     float **shbase;        /* [2][P] direct: every rank's shared block, [shcap][D] xr then
                               [shcap][D] yr; the second half: a growing step's new blocks */
     int64_t shcap;         /* direct: rows of xr (and of yr) every rank's shared block holds */
     int64_t *allcnt, *allcnt_next; /* [P][E] direct: every rank's rows per slot */
     int64_t *dst_row;      /* [E] direct: where our rows of slot s start in its rank's xr/yr */
-} moept__exch;
+} moept__fexch;
 
 typedef struct moept__chunks {      /* chunked overlap (C > 1) */
     int64_t *ccnt, *ccnt_next;   /* [C][E] kept rows per chunk and slot */
@@ -1704,7 +1708,7 @@ typedef struct moept__fsdp {        /* this rank's flat shard of the full expert
     double gather_seconds;
 } moept__fsdp;
 
-typedef struct moept__workspace {   /* the CPU steps' activations */
+typedef struct moept__fws {         /* a forward's activations (the CPU steps') */
     float *xs;             /* [Nmax][D] permuted input rows = the dispatch send buffer
                               (none on the direct path) */
     union {                /* [Nmax][D] one buffer, a name per content (none on the direct path): */
@@ -1723,20 +1727,40 @@ typedef struct moept__workspace {   /* the CPU steps' activations */
                               layer writes them over h's first F columns (lda_a = H) */
     float *hs;             /* [Tmax][HS] shared pre-activations */
     float *as;             /* [Tmax][lda_as] shared activations; backward: da (inference: hs) */
-    int64_t lda_a, lda_as; /* a's and as's row strides: F and S, or H and HS */
     float *yss;            /* [Tmax][D] shared outputs; backward: dys_shared */
     float *sg;             /* [Tmax] shared gate values (sigmoid) */
+    float *dwts;           /* [Tmax][K] dL/d routing weight */
+} moept__fws;
+
+typedef struct moept__workspace {   /* the CPU steps' scratch, the layer's */
+    int64_t lda_a, lda_as; /* a's and as's row strides: F and S, or H and HS */
     float *dsg;            /* [Tmax] shared gate logit gradients */
     /* a padded step's shared expert runs over the unmasked rows only, packed
        (allocated at the first such step): whatever padded rows of x hold
        changes nothing, and the GEMMs are those of the call without them */
     float *xsh;            /* [Tmax][D] the unmasked rows of x, packed */
     int64_t *shrow;        /* [Tmax] their tokens */
-    float *dwts;           /* [Tmax][K] dL/d routing weight */
     float *dlogits;        /* [Tmax][E] */
     moept__gemm *descs;    /* [El * P] grouped GEMM descriptors (a chunk: one per expert and source) */
     moept__gemm_ws gws;
 } moept__workspace;
+
+/* A forward's state: what a training forward writes and its backward reads
+   (with the double buffers it commits between), one per forward slot. The
+   rest is the layer's: parameters, gradients, AdamW, placement, comms,
+   counters, scratch (router choice, fill, seqstat, GEMM packing and
+   descriptors, dlogits, dsg, the shared expert's packed rows, which the
+   backward packs again, fsdp's gathered experts, which it gathers again). */
+typedef struct moept__fstate {
+    moept__saved fwd;      /* the router's outputs, losses, x's fingerprint, the jitter key */
+    moept__fplan plan;
+    moept__fexch xch;
+    moept__chunks ch;
+    moept__fws ws;
+    void *work;            /* the block its buffers live in (the receive rows: xch.rwork) */
+    int64_t work_bytes;
+    int ready;             /* its buffers are allocated (slot 0 at create, others at first use) */
+} moept__fstate;
 
 struct moept_layer {
     moept_config cfg;      /* resolved */
@@ -1763,41 +1787,26 @@ struct moept_layer {
     void *xstate;
 
     moept__params par;
-    moept__saved fwd;
     moept__plan plan;
     moept__exch xch;
-    moept__chunks ch;
     moept__fsdp fs;
     moept__workspace ws;
     struct { float *m, *v; int64_t t; } opt;  /* AdamW: [n_params] moments (first step allocates), steps */
     struct { int64_t allocations, allocated_bytes, workspace_bytes; } dev; /* the device executor's */
 
     moept__counter mem;
-    void *work;            /* the one workspace block every buffer lives in */
+    void *work;            /* the block the layer's own buffers live in */
     int64_t work_bytes;
     moept_stats stats;
-    /* forward slots (moept__use_slot): the active slot's forward state is in
-       the fields above; slot s's, when s is not active, in shadow[s] (its
-       other fields unused). Slot nslots: evaluation forwards' (training layers) */
-    int nslots, active;    /* max(1, max_inflight); the slot whose state the layer holds */
-    struct moept_layer *shadow; /* [nslots + 1], allocated at the first other slot's use */
-    unsigned char *ready;  /* [nslots + 1] slot s has its buffers */
+    /* forward slots: slot s's forward state (moept__fstate), s < nslots a
+       training forward's (opts.slot), nslots the evaluations' (a training
+       layer's); last: the slot of the last forward that succeeded */
+    int nslots, last;      /* max(1, max_inflight) */
+    moept__fstate *slots;  /* [nslots + 1] */
+    int64_t jitter_micro;  /* training forwards since the last AdamW step (the noise key) */
+    int jitter_frozen;     /* tests: draw the last forward's noise again (finite differences) */
 };
 
-/* A forward's state: what a training forward writes and its backward reads,
-   with the double buffers it commits between (each slot its own pair). The
-   rest is layer-wide: parameters, gradients, AdamW, placement, comms,
-   counters, scratch (router choice, fill, seqstat, GEMM packing and
-   descriptors, dlogits, dsg, the shared expert's packed rows, which
-   the backward packs again, fsdp's gathered experts, which it gathers again). */
-#define MOEPT__FSTATE(X) \
-    X(fwd) X(plan.counts) X(plan.counts_next) X(plan.offsets) X(plan.row_of) X(plan.tok_of_row) \
-    X(plan.slot_of_row) X(plan.N) X(xch.rcounts) X(xch.rcounts_next) X(xch.roffsets) \
-    X(xch.send_segs) X(xch.recv_segs) X(xch.R) X(xch.Rcap) X(xch.rwork) X(xch.peer_rows) X(xch.shm) \
-    X(xch.shbase) X(xch.shcap) X(xch.allcnt) X(xch.allcnt_next) X(xch.dst_row) X(ch.ccnt) \
-    X(ch.ccnt_next) X(ch.rccnt) X(ch.rccnt_next) X(ch.cmsg) X(ch.csend) X(ch.crecv) X(ch.cruns) \
-    X(ch.da) X(ch.dx) X(ws.xs) X(ws.ys) X(ws.xr) X(ws.yr) X(ws.h) X(ws.a) X(ws.hs) X(ws.as) X(ws.yss) \
-    X(ws.sg) X(ws.dwts) X(work) X(work_bytes)
 
 
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
@@ -2037,24 +2046,20 @@ static void moept__build_table(moept_layer *L) {
 void moept_destroy(moept_layer *L) {
     if (!L) return;
     if (L->ex && L->ex->destroy) L->ex->destroy(L);
-    /* every buffer lives in one of three blocks */
+    /* every buffer lives in a block: parameters, table, workspace, a slot's */
     MOEPT_FREE(L->par.params);
     MOEPT_FREE(L->par.table);
-    MOEPT_FREE(L->work);
-    MOEPT_FREE(L->xch.rwork);
-    if (L->xch.shm) L->ep->shm_free(L->ep, L->xch.shm);
+    MOEPT_FREE(L->work); /* slot 0's buffers too */
     MOEPT_FREE(L->opt.m);
     MOEPT_FREE(L->ws.xsh);
     MOEPT_FREE(L->ws.shrow);
-    for (int s = 0; L->shadow && s <= L->nslots; s++) {
-        moept_layer *o = &L->shadow[s];
-        if (s == L->active || !L->ready[s]) continue;
-        MOEPT_FREE(o->work);
-        MOEPT_FREE(o->xch.rwork);
-        if (o->xch.shm) L->ep->shm_free(L->ep, o->xch.shm);
+    for (int s = 0; L->slots && s <= L->nslots; s++) { /* and every slot's own */
+        moept__fstate *sl = &L->slots[s];
+        MOEPT_FREE(sl->work);
+        MOEPT_FREE(sl->xch.rwork);
+        if (sl->xch.shm) L->ep->shm_free(L->ep, sl->xch.shm);
     }
-    MOEPT_FREE(L->shadow);
-    MOEPT_FREE(L->ready);
+    MOEPT_FREE(L->slots);
     MOEPT_FREE(L);
 }
 
@@ -2069,88 +2074,93 @@ static int moept__rows_dispatch(const moept_layer *L) {
 /* The workspace every executor's layer keeps on the host: the committed
    routing (moept_routing), its gradient (moept_routing_grads), the loss
    counts, placement and peer rows. */
-static void moept__layout_host(moept_layer *L, moept__carve *c, int run) {
+static void moept__layout_host(moept_layer *L, moept__fstate *sl, moept__carve *c, int run, int own) {
     const int64_t T = L->Tmax, E = L->E, K = L->K;
     const size_t f = sizeof(float), i64 = sizeof(int64_t), t = !L->cfg.inference_only;
     for (int b = 0; b < 2; b++) { /* a device executor's host copy: one */
         const size_t on = b == 0 || run;
-        L->fwd.logits[b] = moept__take(c, on * (size_t)(T * E) * f);
-        L->fwd.ids[b] = moept__take(c, on * (size_t)(T * K) * sizeof(int32_t));
-        L->fwd.wts[b] = moept__take(c, on * (size_t)(T * K) * f);
+        sl->fwd.logits[b] = moept__take(c, on * (size_t)(T * E) * f);
+        sl->fwd.ids[b] = moept__take(c, on * (size_t)(T * K) * sizeof(int32_t));
+        sl->fwd.wts[b] = moept__take(c, on * (size_t)(T * K) * f);
     }
-    L->plan.slot_of = moept__take(c, (size_t)E * sizeof(int32_t));
-    L->plan.expert_at = moept__take(c, (size_t)E * sizeof(int32_t));
-    L->fwd.lstat = moept__take(c, (size_t)L->fwd.ls.n * sizeof(double));
-    L->xch.peer_rows = moept__take(c, (size_t)(2 * L->P) * i64);
-    L->fwd.sel_counts = moept__take(c, (size_t)E * i64);
-    L->fwd.aux_counts = moept__take(c, (size_t)E * i64);
-    L->ws.dwts = moept__take(c, t * (size_t)(T * K) * f);
+    if (own) {
+        L->plan.slot_of = moept__take(c, (size_t)E * sizeof(int32_t));
+        L->plan.expert_at = moept__take(c, (size_t)E * sizeof(int32_t));
+    }
+    sl->fwd.lstat = moept__take(c, (size_t)moept__lstat_of(E).n * sizeof(double));
+    sl->xch.peer_rows = moept__take(c, (size_t)(2 * L->P) * i64);
+    sl->fwd.sel_counts = moept__take(c, (size_t)E * i64);
+    sl->fwd.aux_counts = moept__take(c, (size_t)E * i64);
+    sl->ws.dwts = moept__take(c, t * (size_t)(T * K) * f);
 }
 
 /* The CPU steps' routing and plan: scores, counts, the exchange's pieces,
    each row's place */
-static void moept__layout_plan(moept_layer *L, moept__carve *c) {
+static void moept__layout_plan(moept_layer *L, moept__fstate *sl, moept__carve *c, int own) {
     const int64_t T = L->Tmax, N = L->Nmax, E = L->E, K = L->K, P = L->P, El = L->El;
     const size_t f = sizeof(float), i64 = sizeof(int64_t), dir = L->xch.direct;
-    for (int b = 0; b < 2; b++) L->fwd.probs[b] = moept__take(c, (size_t)(T * E) * f);
-    L->plan.choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
-    L->plan.counts = moept__take(c, (size_t)E * i64);
-    L->plan.counts_next = moept__take(c, (size_t)E * i64);
-    L->xch.rcounts = moept__take(c, (size_t)(P * El) * i64);
-    L->xch.rcounts_next = moept__take(c, (size_t)(P * El) * i64);
-    L->xch.roffsets = moept__take(c, (size_t)(El + 1) * i64);
-    L->xch.send_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
-    L->xch.recv_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
-    L->xch.count_segs = moept__take(c, (size_t)(2 * P) * sizeof(moept_seg));
-    L->plan.offsets = moept__take(c, (size_t)(E + 1) * i64);
-    L->plan.row_of = moept__take(c, (size_t)(T * K) * i64);
-    L->plan.tok_of_row = moept__take(c, (size_t)N * i64);
-    L->plan.slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
-    L->xch.shbase = moept__take(c, dir * (size_t)(2 * P) * sizeof(float *));
-    L->xch.allcnt = moept__take(c, dir * (size_t)(P * E) * i64);
-    L->xch.allcnt_next = moept__take(c, dir * (size_t)(P * E) * i64);
-    L->xch.dst_row = moept__take(c, dir * (size_t)E * i64);
-    L->plan.seqstat = moept__take(c, (size_t)(2 * E + 1) * sizeof(double));
+    for (int b = 0; b < 2; b++) sl->fwd.probs[b] = moept__take(c, (size_t)(T * E) * f);
+    sl->plan.counts = moept__take(c, (size_t)E * i64);
+    sl->plan.counts_next = moept__take(c, (size_t)E * i64);
+    sl->xch.rcounts = moept__take(c, (size_t)(P * El) * i64);
+    sl->xch.rcounts_next = moept__take(c, (size_t)(P * El) * i64);
+    sl->xch.roffsets = moept__take(c, (size_t)(El + 1) * i64);
+    sl->xch.send_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
+    sl->xch.recv_segs = moept__take(c, (size_t)(P * El) * sizeof(moept_seg));
+    sl->plan.offsets = moept__take(c, (size_t)(E + 1) * i64);
+    sl->plan.row_of = moept__take(c, (size_t)(T * K) * i64);
+    sl->plan.tok_of_row = moept__take(c, (size_t)N * i64);
+    sl->plan.slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
+    sl->xch.shbase = moept__take(c, dir * (size_t)(2 * P) * sizeof(float *));
+    sl->xch.allcnt = moept__take(c, dir * (size_t)(P * E) * i64);
+    sl->xch.allcnt_next = moept__take(c, dir * (size_t)(P * E) * i64);
+    sl->xch.dst_row = moept__take(c, dir * (size_t)E * i64);
     const int64_t nseq = L->cfg.aux_loss == MOEPT_AUX_SEQ ? T / L->cfg.aux_seq_len : 1; /* T a multiple */
-    L->fwd.aux_g = moept__take(c, (size_t)(nseq * E) * f);
-    L->plan.fill = moept__take(c, (size_t)E * i64);
-    L->plan.kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
-    L->ws.descs = moept__take(c, (size_t)(El * P) * sizeof(moept__gemm));
+    sl->fwd.aux_g = moept__take(c, (size_t)(nseq * E) * f);
+    if (own) { /* the layer's scratch */
+        L->plan.choice = moept__take(c, (size_t)(2 * L->nthreads * E) * f);
+        L->xch.count_segs = moept__take(c, (size_t)(2 * P) * sizeof(moept_seg));
+        L->plan.seqstat = moept__take(c, (size_t)(2 * E + 1) * sizeof(double));
+        L->plan.fill = moept__take(c, (size_t)E * i64);
+        L->plan.kscratch = moept__take(c, (size_t)(L->nthreads * K) * sizeof(int32_t));
+        L->ws.descs = moept__take(c, (size_t)(El * P) * sizeof(moept__gemm));
+    }
     const size_t on = L->C > 1, C = (size_t)L->C; /* chunked overlap */
-    L->ch.ccnt = moept__take(c, on * C * (size_t)E * i64);
-    L->ch.ccnt_next = moept__take(c, on * C * (size_t)E * i64);
-    L->ch.rccnt = moept__take(c, on * (size_t)(P * El) * C * i64);
-    L->ch.rccnt_next = moept__take(c, on * (size_t)(P * El) * C * i64);
-    L->ch.cmsg = moept__take(c, on * (size_t)(P * El) * C * i64);
-    L->ch.csend = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
-    L->ch.crecv = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
-    L->ch.cruns = moept__take(c, on * (size_t)(3 * El * P) * i64);
+    sl->ch.ccnt = moept__take(c, on * C * (size_t)E * i64);
+    sl->ch.ccnt_next = moept__take(c, on * C * (size_t)E * i64);
+    sl->ch.rccnt = moept__take(c, on * (size_t)(P * El) * C * i64);
+    sl->ch.rccnt_next = moept__take(c, on * (size_t)(P * El) * C * i64);
+    sl->ch.cmsg = moept__take(c, on * (size_t)(P * El) * C * i64);
+    sl->ch.csend = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
+    sl->ch.crecv = moept__take(c, on * C * (size_t)(P * El) * sizeof(moept_seg));
+    sl->ch.cruns = moept__take(c, on * (size_t)(3 * El * P) * i64);
 }
 
 /* The CPU steps' activations and the GEMM's packing buffers */
-static void moept__layout_acts(moept_layer *L, moept__carve *c) {
+static void moept__layout_acts(moept_layer *L, moept__fstate *sl, moept__carve *c, int own) {
     const int64_t T = L->Tmax, N = L->Nmax, E = L->E, D = L->D;
     const size_t f = sizeof(float);
     /* the direct (shared-memory) path gathers from x and combines from the
        experts' rows in place: no send/receive buffers on the token side */
     int64_t Nxs = L->xch.direct ? 0 : N;
-    L->ws.xs = moept__take(c, moept__rows_dispatch(L) ? 0 : (size_t)(Nxs * D) * f);
-    L->ws.ys = moept__take(c, (size_t)(Nxs * D) * f);
+    sl->ws.xs = moept__take(c, moept__rows_dispatch(L) ? 0 : (size_t)(Nxs * D) * f);
+    sl->ws.ys = moept__take(c, (size_t)(Nxs * D) * f);
     /* an inference layer keeps nothing for backward: no router or gate
        gradients, the shared activations over hs, no jitter */
     const int train = !L->cfg.inference_only, jit = train && L->cfg.router_jitter > 0.0f;
     if (L->S > 0) {
-        L->ws.hs = moept__take(c, (size_t)(T * L->HS) * f);
-        L->ws.as = train ? moept__take(c, (size_t)(T * L->S) * f) : L->ws.hs;
-        L->ws.lda_as = train ? L->S : L->HS;
-        L->ws.yss = moept__take(c, (size_t)(T * D) * f);
-        L->ws.sg = moept__take(c, (size_t)T * f);
-        L->ws.dsg = moept__take(c, train ? (size_t)T * f : 0);
+        sl->ws.hs = moept__take(c, (size_t)(T * L->HS) * f);
+        sl->ws.as = train ? moept__take(c, (size_t)(T * L->S) * f) : sl->ws.hs;
+        sl->ws.yss = moept__take(c, (size_t)(T * D) * f);
+        sl->ws.sg = moept__take(c, (size_t)T * f);
     }
+    sl->fwd.lse = moept__take(c, (size_t)T * f);
+    sl->fwd.xj = moept__take(c, jit ? (size_t)(T * D) * f : 0);
+    for (int b = 0; b < 2; b++) sl->fwd.jrow[b] = moept__take(c, jit ? (size_t)T * 8 : 0);
+    if (!own) return; /* the rest is the layer's scratch */
+    L->ws.lda_as = train ? L->S : L->HS;
+    L->ws.dsg = moept__take(c, train && L->S > 0 ? (size_t)T * f : 0);
     L->ws.dlogits = moept__take(c, train ? (size_t)(T * E) * f : 0);
-    L->fwd.lse = moept__take(c, (size_t)T * f);
-    L->fwd.xj = moept__take(c, jit ? (size_t)(T * D) * f : 0);
-    for (int b = 0; b < 2; b++) L->fwd.jrow[b] = moept__take(c, jit ? (size_t)T * 8 : 0);
     if (L->fsdp) {
         L->fs.full = moept__take(c, (size_t)(L->fsdp->size * L->fs.shard) * f);
         L->fs.gfull = moept__take(c, train ? (size_t)(L->fsdp->size * L->fs.shard) * f : 0);
@@ -2167,13 +2177,14 @@ static void moept__layout_acts(moept_layer *L, moept__carve *c) {
 }
 
 /* The fixed workspace: what the host keeps for every executor, and, where
-   the steps run on the host, theirs (a device executor keeps its own) */
-static void moept__layout_work(moept_layer *L, moept__carve *c) {
+   the steps run on the host, theirs (a device executor keeps its own): a
+   forward slot's buffers, and with own the layer's scratch too */
+static void moept__layout_work(moept_layer *L, moept__fstate *sl, moept__carve *c, int own) {
     const int run = (L->ex->caps & MOEPT__CAN_HOST_STEPS) != 0;
-    moept__layout_host(L, c, run);
+    moept__layout_host(L, sl, c, run, own);
     if (!run) return;
-    moept__layout_plan(L, c);
-    moept__layout_acts(L, c);
+    moept__layout_plan(L, sl, c, own);
+    moept__layout_acts(L, sl, c, own);
 }
 
 /* The receive block's row widths (floats): xr, yr (at one rank they are
@@ -2192,9 +2203,9 @@ static void moept__recv_widths(const moept_layer *L, int64_t w[6]) {
    shrinks). The rows of the committed step are kept, so a step rejected
    after growing still leaves the layer's saved state intact. Returns 0 on
    out-of-memory (nothing changed). */
-static int moept__grow_recv(moept_layer *L, int64_t need) {
-    if (need <= L->xch.Rcap && L->xch.rwork) return 1;
-    int64_t cap = need > 2 * L->xch.Rcap ? need : 2 * L->xch.Rcap;
+static int moept__grow_recv(moept_layer *L, moept__fstate *sl, int64_t need) {
+    if (need <= sl->xch.Rcap && sl->xch.rwork) return 1;
+    int64_t cap = need > 2 * sl->xch.Rcap ? need : 2 * sl->xch.Rcap;
     if (cap < 1) cap = 1;
     int own_xy = L->P > 1 && !L->xch.direct; /* direct: xr and yr are shared (moept__grow_shared) */
     const int train = !L->cfg.inference_only;
@@ -2211,28 +2222,28 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
     float *a = moept__take(&cv, (size_t)(cap * w_a) * sizeof(float));
     float *da = moept__take(&cv, (size_t)(cap * w_da) * sizeof(float));
     float *dxs = moept__take(&cv, (size_t)(cap * w_dx) * sizeof(float));
-    int64_t keep = L->xch.rwork && L->fwd.valid ? L->xch.R : 0;
+    int64_t keep = sl->xch.rwork && sl->fwd.valid ? sl->xch.R : 0;
     if (keep > 0) {
         if (own_xy) {
-            memcpy(xr, L->ws.xr, (size_t)(keep * w_xr) * sizeof(float));
-            memcpy(yr, L->ws.yr, (size_t)(keep * w_yr) * sizeof(float));
+            memcpy(xr, sl->ws.xr, (size_t)(keep * w_xr) * sizeof(float));
+            memcpy(yr, sl->ws.yr, (size_t)(keep * w_yr) * sizeof(float));
         }
-        memcpy(h, L->ws.h, (size_t)(keep * w_h) * sizeof(float));
-        memcpy(a, L->ws.a, (size_t)(keep * w_a) * sizeof(float));
+        memcpy(h, sl->ws.h, (size_t)(keep * w_h) * sizeof(float));
+        memcpy(a, sl->ws.a, (size_t)(keep * w_a) * sizeof(float));
     }
-    MOEPT_FREE(L->xch.rwork);
-    L->xch.rwork = blk;
+    MOEPT_FREE(sl->xch.rwork);
+    sl->xch.rwork = blk;
     if (!L->xch.direct) {
-        L->ws.xr = own_xy ? xr : L->ws.xs;
-        L->ws.yr = own_xy ? yr : L->ws.ys;
+        sl->ws.xr = own_xy ? xr : sl->ws.xs;
+        sl->ws.yr = own_xy ? yr : sl->ws.ys;
     }
-    L->ws.h = h;
-    L->ws.a = train ? a : h;
+    sl->ws.h = h;
+    sl->ws.a = train ? a : h;
     L->ws.lda_a = train ? L->F : L->H;
-    L->ch.da = da;
-    L->ch.dx = dxs;
-    if (L->xch.Rcap > 0) L->stats.recv_growths++;
-    L->xch.Rcap = cap;
+    sl->ch.da = da;
+    sl->ch.dx = dxs;
+    if (sl->xch.Rcap > 0) L->stats.recv_growths++;
+    sl->xch.Rcap = cap;
     L->stats.recv_capacity = cap;
     return 1;
 }
@@ -2242,111 +2253,82 @@ static int moept__grow_recv(moept_layer *L, int64_t need) {
    alike from the all-gathered counts), so all grow together, the same cap.
    The committed step's rows are kept; on failure (every rank's, the comm
    agrees) nothing changed. */
-static moept_status moept__grow_shared(moept_layer *L, int64_t need) {
-    if (need <= L->xch.shcap && L->xch.shm) return MOEPT_OK;
-    int64_t cap = !L->xch.shm || need > 2 * L->xch.shcap ? need : 2 * L->xch.shcap;
+static moept_status moept__grow_shared(moept_layer *L, moept__fstate *sl, int64_t need) {
+    if (need <= sl->xch.shcap && sl->xch.shm) return MOEPT_OK;
+    int64_t cap = !sl->xch.shm || need > 2 * sl->xch.shcap ? need : 2 * sl->xch.shcap;
     if (cap < 1) cap = 1;
     const int64_t D = L->D, P = L->P;
     void *h = NULL;
     int64_t bytes = 2 * cap * D * (int64_t)sizeof(float);
-    moept_status st = L->ep->shm_alloc(L->ep, bytes, (void **)(L->xch.shbase + P), &h);
+    moept_status st = L->ep->shm_alloc(L->ep, bytes, (void **)(sl->xch.shbase + P), &h);
     if (st) return st;
-    float *xr = L->xch.shbase[P + L->rank], *yr = xr + cap * D;
-    int64_t keep = L->xch.shm && L->fwd.valid ? L->xch.R : 0;
+    float *xr = sl->xch.shbase[P + L->rank], *yr = xr + cap * D;
+    int64_t keep = sl->xch.shm && sl->fwd.valid ? sl->xch.R : 0;
     if (keep > 0) {
-        memcpy(xr, L->ws.xr, (size_t)(keep * D) * sizeof(float));
-        memcpy(yr, L->ws.yr, (size_t)(keep * D) * sizeof(float));
+        memcpy(xr, sl->ws.xr, (size_t)(keep * D) * sizeof(float));
+        memcpy(yr, sl->ws.yr, (size_t)(keep * D) * sizeof(float));
     }
-    if (L->xch.shm) L->ep->shm_free(L->ep, L->xch.shm);
+    if (sl->xch.shm) L->ep->shm_free(L->ep, sl->xch.shm);
     L->mem.allocations++; /* the comm's memory, the layer's rows */
     L->mem.bytes += bytes;
-    memcpy(L->xch.shbase, L->xch.shbase + P, (size_t)P * sizeof(float *));
-    L->xch.shm = h;
-    L->xch.shcap = cap;
-    L->ws.xr = xr;
-    L->ws.yr = yr;
+    memcpy(sl->xch.shbase, sl->xch.shbase + P, (size_t)P * sizeof(float *));
+    sl->xch.shm = h;
+    sl->xch.shcap = cap;
+    sl->ws.xr = xr;
+    sl->ws.yr = yr;
     return MOEPT_OK;
 }
 
-/* Swaps the forward state (MOEPT__FSTATE) of a and b: pointers and counts, no data */
-static void moept__swap_fstate(moept_layer *a, moept_layer *b) {
-#define MOEPT__SWAP_FIELD(fld)                    \
-    {                                             \
-        unsigned char t_[sizeof a->fld];          \
-        memcpy(t_, &a->fld, sizeof t_);           \
-        memcpy(&a->fld, &b->fld, sizeof t_);      \
-        memcpy(&b->fld, t_, sizeof t_);           \
-    }
-    MOEPT__FSTATE(MOEPT__SWAP_FIELD)
-#undef MOEPT__SWAP_FIELD
+/* A slot's state made empty: no forward saved, nothing received yet */
+static void moept__slot_clear(const moept_layer *L, moept__fstate *sl) {
+    sl->fwd.ls = moept__lstat_of(L->E);
+    sl->fwd.cur = 0; sl->fwd.T = -1; sl->fwd.valid = sl->fwd.bwd_valid = sl->fwd.eval = sl->fwd.jitter = 0;
+    sl->plan.N = 0;
+    sl->xch.R = sl->xch.Rcap = sl->xch.shcap = 0;
+    sl->xch.rwork = sl->xch.shm = NULL;
+    sl->ws.xr = sl->ws.yr = sl->ws.h = sl->ws.a = sl->ch.da = sl->ch.dx = NULL;
 }
 
-/* Slot s's buffers, into shadow[s]: the workspace laid out again and the
-   receive rows as at create (the direct path's shared rows come with its
-   first forward's growth, collective). 0: out of memory, nothing changed. */
+/* Slot s's buffers: its part of the workspace and the receive rows as at
+   create (the direct path's shared rows come with its first forward's
+   growth, collective). 0: out of memory, nothing changed. */
 static int moept__slot_alloc(moept_layer *L, int s) {
-    moept_layer t = *L;
-    t.fsdp = NULL; /* fsdp's gathered experts are the layer's: not laid out again */
+    moept__fstate *sl = &L->slots[s];
     moept__carve c = {NULL, 0};
-    moept__layout_work(&t, &c);
+    moept__layout_work(L, sl, &c, 0);
     void *blk = moept__alloc(&L->mem, c.off);
     if (!blk) return 0;
     memset(blk, 0, c.off);
     c.base = blk; c.off = 0;
-    moept__layout_work(&t, &c);
-    t.work = blk; t.work_bytes = (int64_t)c.off;
-    t.fwd.cur = 0; t.fwd.T = -1; t.fwd.valid = t.fwd.bwd_valid = t.fwd.eval = t.fwd.jitter = 0;
-    t.plan.N = 0;
-    t.xch.R = t.xch.Rcap = t.xch.shcap = 0;
-    t.xch.rwork = t.xch.shm = NULL;
-    t.ws.xr = t.ws.yr = t.ws.h = t.ws.a = t.ch.da = t.ch.dx = NULL;
-    t.mem = L->mem; /* the receive rows a create makes (more grow with a step, as slot 0's) */
-    if (!moept__grow_recv(&t, L->Nmax)) {
+    moept__layout_work(L, sl, &c, 0);
+    moept__slot_clear(L, sl);
+    if (!moept__grow_recv(L, sl, L->Nmax)) {
         MOEPT_FREE(blk);
+        memset(sl, 0, sizeof *sl);
         return 0;
     }
-    L->mem = t.mem;
-    moept__swap_fstate(&L->shadow[s], &t);
-    L->ready[s] = 1;
+    sl->work = blk; sl->work_bytes = (int64_t)c.off;
+    sl->ready = 1;
     return 1;
 }
 
-/* Makes slot s the one whose forward state the layer holds (O(1): fields
-   swap), its buffers allocated at its first use. Out of memory: nothing
-   changed. The jitter's count of training forwards is the layer's. */
-static moept_status moept__use_slot(moept_layer *L, int s, const char *call) {
-    if (s == L->active) return MOEPT_OK;
-    if (!L->shadow) {
-        L->shadow = moept__alloc(&L->mem, (size_t)(L->nslots + 1) * sizeof(moept_layer));
-        L->ready = moept__alloc(&L->mem, (size_t)(L->nslots + 1));
-        if (!L->shadow || !L->ready) {
-            MOEPT_FREE(L->shadow);
-            MOEPT_FREE(L->ready);
-            L->shadow = NULL;
-            L->ready = NULL;
-        } else {
-            memset(L->shadow, 0, (size_t)(L->nslots + 1) * sizeof(moept_layer));
-            memset(L->ready, 0, (size_t)(L->nslots + 1));
-            L->ready[L->active] = 1;
-        }
-    }
-    if (!L->shadow || (!L->ready[s] && !moept__slot_alloc(L, s)))
+/* Slot s's state (its buffers allocated at its first use; out of memory:
+   nothing changed). Nothing switches: the caller works on the state it got. */
+static moept_status moept__slot_get(moept_layer *L, int s, const char *call, moept__fstate **out) {
+    if (!L->slots[s].ready && !moept__slot_alloc(L, s))
         return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for forward slot %d's state",
                            call, s);
-    const int64_t jm = L->fwd.jitter_micro;
-    const int jf = L->fwd.jitter_frozen;
-    moept__swap_fstate(L, &L->shadow[L->active]);
-    moept__swap_fstate(L, &L->shadow[s]);
-    L->fwd.jitter_micro = jm;
-    L->fwd.jitter_frozen = jf;
-    L->active = s;
+    *out = &L->slots[s];
     return MOEPT_OK;
 }
 
+/* the last successful forward's state: what moept_routing, moept_get_stats
+   and update_bias read (moept_routing_grads: its backward's) */
+static moept__fstate *moept__last(const moept_layer *L) { return &L->slots[L->last]; }
+
 /* Every slot's saved forward dropped (the placement changed under them) */
 static void moept__slots_invalidate(moept_layer *L) {
-    L->fwd.valid = 0;
-    for (int s = 0; L->shadow && s <= L->nslots; s++) L->shadow[s].fwd.valid = 0;
+    for (int s = 0; s <= L->nslots; s++) L->slots[s].fwd.valid = 0;
 }
 
 /* Config fields every rank must agree on, serialised for the create-time
@@ -2506,7 +2488,6 @@ static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm
     L->D = c->hidden_size; L->F = c->intermediate_size; L->E = c->num_experts;
     L->K = c->top_k; L->S = c->shared_intermediate_size; L->act = (int)c->activation;
     L->El = L->E / L->P;
-    L->fwd.ls = moept__lstat_of(L->E);
     L->C = c->overlap_chunks;
     /* chunked overlap needs the exchange's own buffers (the direct
        shared-memory path has no exchange to overlap); a device executor
@@ -2517,7 +2498,6 @@ static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm
     L->HS = gated ? 2 * L->S : L->S;
     L->Tmax = c->max_tokens;
     L->Nmax = c->max_tokens * c->top_k;
-    L->fwd.T = -1;
     L->nslots = c->max_inflight > 1 ? (int)c->max_inflight : 1;
 #ifdef _OPENMP
     L->nthreads = omp_get_max_threads();
@@ -2551,8 +2531,13 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
     size_t pbytes = (size_t)(nmir * L->par.n_params + E) * sizeof(float);
     L->par.params = moept__alloc(mem, pbytes);
     L->par.table = moept__alloc(mem, (size_t)(3 * El + 8) * sizeof(moept__param));
+    /* the forward slots' states; the workspace block: the layer's scratch and slot 0's buffers */
+    L->slots = moept__alloc(mem, (size_t)(L->nslots + 1) * sizeof(moept__fstate));
+    if (!L->slots) return 0;
+    memset(L->slots, 0, (size_t)(L->nslots + 1) * sizeof(moept__fstate));
+    moept__fstate *sl0 = &L->slots[0];
     moept__carve wc = {NULL, 0};
-    moept__layout_work(L, &wc);
+    moept__layout_work(L, sl0, &wc, 1);
     size_t wbytes = wc.off;
     L->work = moept__alloc(mem, wbytes);
     L->work_bytes = (int64_t)wbytes;
@@ -2560,7 +2545,9 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
     memset(L->par.params, 0, pbytes);
     memset(L->work, 0, wbytes);
     wc.base = L->work; wc.off = 0;
-    moept__layout_work(L, &wc);
+    moept__layout_work(L, sl0, &wc, 1);
+    moept__slot_clear(L, sl0);
+    sl0->ready = 1;
     float *p = L->par.params, *g = nmir >= 2 ? L->par.params + L->par.n_params : NULL;
     L->par.w_router = p; L->par.g_router = moept__gnext(&g, n_router); p += n_router;
     if (L->fsdp) { /* the experts live gathered in the workspace */
@@ -2600,7 +2587,7 @@ moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept_comm *
         int ok = moept__layer_alloc(L, &mem);
         L->mem = mem;
         /* the receive block: at one rank it is the send side's own rows */
-        if (ok && (ex->caps & MOEPT__CAN_HOST_STEPS)) ok = moept__grow_recv(L, L->Nmax);
+        if (ok && (ex->caps & MOEPT__CAN_HOST_STEPS)) ok = moept__grow_recv(L, &L->slots[0], L->Nmax);
         if (!ok) {
             L->ex = NULL; /* nothing of the executor's yet */
             moept_destroy(L);
@@ -2619,7 +2606,7 @@ moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept_comm *
        all of the same size (the largest max_tokens' rows) */
     int64_t rows = 0;
     if (L->xch.direct &&
-        ((st = moept__group_max(ep, L->Nmax, &rows)) || (st = moept__grow_shared(L, rows)))) {
+        ((st = moept__group_max(ep, L->Nmax, &rows)) || (st = moept__grow_shared(L, &L->slots[0], rows)))) {
         moept_destroy(L);
         return moept__thread_fail(st, "%s: the experts' shared rows: %s", call, ep->err);
     }
@@ -3157,19 +3144,20 @@ static moept_status moept__exchanged(moept_layer *L, moept_status st, double t0,
 /* One direction of the expert exchange. dispatch = 1: rows of xs-side
    buffer `local` go to the experts' ranks, landing expert-major in `remote`;
    dispatch = 0: the reverse. Counted in the stats. */
-static moept_status moept__exchange(moept_layer *L, float *local, float *remote, int dispatch) {
+static moept_status moept__exchange(moept_layer *L, moept__fstate *sl, float *local, float *remote,
+                                    int dispatch) {
     double t0 = moept__now();
-    moept_seg *s = L->xch.send_segs, *r = L->xch.recv_segs;
+    moept_seg *s = sl->xch.send_segs, *r = sl->xch.recv_segs;
     moept_status st = dispatch ? L->ep->alltoallv(L->ep, local, s, remote, r, (int)L->El, 4)
                                : L->ep->alltoallv(L->ep, remote, r, local, s, (int)L->El, 4);
     return moept__exchanged(L, st, t0, dispatch);
 }
 
 /* the forward dispatch from x by index (moept__rows_dispatch) */
-static moept_status moept__exchange_rows(moept_layer *L, const float *x) {
+static moept_status moept__exchange_rows(moept_layer *L, moept__fstate *sl, const float *x) {
     double t0 = moept__now();
-    moept_status st = L->ep->alltoallv_rows(L->ep, x, L->plan.tok_of_row, L->D, L->xch.send_segs, L->ws.xr,
-                                            L->xch.recv_segs, (int)L->El, 4);
+    moept_status st = L->ep->alltoallv_rows(L->ep, x, sl->plan.tok_of_row, L->D, sl->xch.send_segs, sl->ws.xr,
+                                            sl->xch.recv_segs, (int)L->El, 4);
     return moept__exchanged(L, st, t0, 1);
 }
 
@@ -3211,36 +3199,38 @@ static void moept__row_scale(float *y, float w, const float *x, int64_t n) {
 
 /* Direct path: row r of this rank's permuted order (slot s) where the
    slot's rank keeps it: in its xr (out = 0) or its yr (out = 1) */
-static inline float *moept__shared_row(const moept_layer *L, int64_t s, int64_t r, int out) {
+static inline float *moept__shared_row(const moept_layer *L, moept__fstate *sl, int64_t s, int64_t r,
+                                       int out) {
     const int64_t D = L->D;
-    return L->xch.shbase[s / L->El] + (out * L->xch.shcap + L->xch.dst_row[s] + r - L->plan.offsets[s]) * D;
+    const int64_t row = out * sl->xch.shcap + sl->xch.dst_row[s] + r - sl->plan.offsets[s];
+    return sl->xch.shbase[s / L->El] + row * D;
 }
 
 /* Direct plan: where our rows of each slot start in its rank's xr/yr.
    That rank's order (expert-major, then by source rank), from everyone's
    counts. */
-static void moept__direct_plan(moept_layer *L) {
+static void moept__direct_plan(moept_layer *L, moept__fstate *sl) {
     const int64_t E = L->E, El = L->El, P = L->P;
     for (int64_t q = 0; q < P; q++) {
         int64_t off = 0;
         for (int64_t s = q * El; s < (q + 1) * El; s++)
             for (int64_t p = 0; p < P; p++) {
-                if (p == L->rank) L->xch.dst_row[s] = off;
-                off += L->xch.allcnt[p * E + s];
+                if (p == L->rank) sl->xch.dst_row[s] = off;
+                off += sl->xch.allcnt[p * E + s];
             }
     }
 }
 
 /* Direct dispatch: our rows straight from x into the experts' ranks' xr
    (each row moves once, no send buffer) */
-static void moept__direct_push(moept_layer *L, const float *x) {
+static void moept__direct_push(moept_layer *L, moept__fstate *sl, const float *x) {
     const int64_t D = L->D, E = L->E;
-    #pragma omp parallel MOEPT__PAR(L->plan.N * D)
+    #pragma omp parallel MOEPT__PAR(sl->plan.N * D)
     for (int64_t s = 0; s < E; s++) {
-        float *dst = moept__shared_row(L, s, L->plan.offsets[s], 0);
-        const int64_t *tok = L->plan.tok_of_row + L->plan.offsets[s];
+        float *dst = moept__shared_row(L, sl, s, sl->plan.offsets[s], 0);
+        const int64_t *tok = sl->plan.tok_of_row + sl->plan.offsets[s];
         #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < L->plan.counts[s]; i++)
+        for (int64_t i = 0; i < sl->plan.counts[s]; i++)
             memcpy(dst + i * D, x + tok[i] * D, (size_t)D * sizeof(float));
     }
 }
@@ -3316,8 +3306,8 @@ static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, in
    ------------------------------------------------------------------------ */
 /* The packed rows of a padded step's shared expert: its unmasked tokens
    (ids -1: padding), their x rows into L->xsh; returns how many. */
-static int64_t moept__shared_pack(moept_layer *L, const float *x, int64_t T) {
-    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+static int64_t moept__shared_pack(moept_layer *L, moept__fstate *sl, const float *x, int64_t T) {
+    const int32_t *ids = sl->fwd.ids[sl->fwd.cur];
     const int64_t D = L->D, K = L->K;
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++)
@@ -3344,37 +3334,38 @@ static void moept__shared_move(const moept_layer *L, float *v, int64_t w, int64_
 
 /* the committed step's unmasked tokens, which the shared expert runs over
    (packed when fewer than its T tokens) */
-static int64_t moept__shared_rows(const moept_layer *L, int64_t T) {
-    return L->fwd.sh_n < T ? L->fwd.sh_n : T;
+static int64_t moept__shared_rows(const moept__fstate *sl, int64_t T) {
+    return sl->fwd.sh_n < T ? sl->fwd.sh_n : T;
 }
 
 /* The shared expert (and its sigmoid gate) over the T tokens; a padded
    step's over its unmasked rows, packed, then their outputs unpacked */
-static void moept__shared_forward(moept_layer *L, const float *x, int64_t T) {
+static void moept__shared_forward(moept_layer *L, moept__fstate *sl, const float *x, int64_t T) {
     if (L->S <= 0) return;
     const int64_t D = L->D;
-    const int64_t n = moept__shared_rows(L, T);
+    const int64_t n = moept__shared_rows(sl, T);
     if (n < T) {
-        moept__shared_pack(L, x, T);
+        moept__shared_pack(L, sl, x, T);
         x = L->ws.xsh;
     }
     int64_t off[2] = {0, n};
-    moept__ffn_forward(L, x, 1, off, L->par.ws13, L->par.ws2, L->HS, L->S, L->ws.hs, L->ws.as, L->ws.lda_as,
-                       L->ws.yss);
+    moept__ffn_forward(L, x, 1, off, L->par.ws13, L->par.ws2, L->HS, L->S, sl->ws.hs, sl->ws.as, L->ws.lda_as,
+                       sl->ws.yss);
     if (L->par.wsg) {
-        moept__gemm gg = moept__gemm_make(0, 1, n, 1, D, x, D, L->par.wsg, D, 0.0f, L->ws.sg, 1);
+        moept__gemm gg = moept__gemm_make(0, 1, n, 1, D, x, D, L->par.wsg, D, 0.0f, sl->ws.sg, 1);
         moept__gemm_run(&gg, 1, &L->ws.gws);
-        for (int64_t t = 0; t < n; t++) L->ws.sg[t] = moept__sigmoid(L->ws.sg[t]);
+        for (int64_t t = 0; t < n; t++) sl->ws.sg[t] = moept__sigmoid(sl->ws.sg[t]);
     }
     if (n < T) {
-        moept__shared_move(L, L->ws.yss, D, n, T, 0);
-        if (L->par.wsg) moept__shared_move(L, L->ws.sg, 1, n, T, 0);
+        moept__shared_move(L, sl->ws.yss, D, n, T, 0);
+        if (L->par.wsg) moept__shared_move(L, sl->ws.sg, 1, n, T, 0);
     }
 }
 
 /* Combine of tokens [t0, t1): each output row written once, the shared
    expert's row first, then the k contributions in slot order. */
-static void moept__combine_range(moept_layer *L, float *y, const float *wts, const int32_t *ids,
+static void moept__combine_range(moept_layer *L, moept__fstate *sl, float *y, const float *wts,
+                                 const int32_t *ids,
                                  int64_t t0, int64_t t1) {
     const int64_t D = L->D, K = L->K;
     #pragma omp parallel for schedule(static) MOEPT__PAR((t1 - t0) * D * K)
@@ -3382,17 +3373,17 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
         float *yt = y + t * D;
         if (ids[t * K] < 0) { memset(yt, 0, (size_t)D * sizeof(float)); continue; } /* padding */
         if (L->S > 0) {
-            float gs = L->par.wsg ? L->ws.sg[t] : 1.0f;
-            moept__row_scale(yt, gs, L->ws.yss + t * D, D);
+            float gs = L->par.wsg ? sl->ws.sg[t] : 1.0f;
+            moept__row_scale(yt, gs, sl->ws.yss + t * D, D);
         } else {
             memset(yt, 0, (size_t)D * sizeof(float));
         }
         for (int64_t k = 0; k < K; k++) {
-            int64_t r = L->plan.row_of[t * K + k];
+            int64_t r = sl->plan.row_of[t * K + k];
             if (r < 0) continue;
             float w = wts[t * K + k];
             int64_t s = L->plan.slot_of[ids[t * K + k]];
-            const float *src = L->xch.direct ? moept__shared_row(L, s, r, 1) : L->ws.ys + r * D;
+            const float *src = L->xch.direct ? moept__shared_row(L, sl, s, r, 1) : sl->ws.ys + r * D;
             moept__row_axpy(yt, w, src, D);
         }
     }
@@ -3414,9 +3405,11 @@ static void moept__combine_range(moept_layer *L, float *y, const float *wts, con
 /* Chunk c's exchange pieces (ss [P][El] on the token side, rs [P][El] on the
    expert side; NULL: not wanted) and its row runs on the expert side;
    returns the runs (moept__plan_chunk above, as the CUDA executor's). */
-static int64_t moept__chunk_plan(moept_layer *L, int64_t c, moept_seg *ss, moept_seg *rs, int64_t *runs) {
-    return moept__plan_chunk(c, L->C, L->P, L->El, L->D, L->plan.offsets, L->ch.ccnt,
-                             L->ep ? L->xch.rcounts : L->plan.counts, L->xch.roffsets, L->ch.rccnt, ss, rs,
+static int64_t moept__chunk_plan(moept_layer *L, moept__fstate *sl, int64_t c, moept_seg *ss, moept_seg *rs,
+                                 int64_t *runs) {
+    return moept__plan_chunk(c, L->C, L->P, L->El, L->D, sl->plan.offsets, sl->ch.ccnt,
+                             L->ep ? sl->xch.rcounts : sl->plan.counts, sl->xch.roffsets, sl->ch.rccnt, ss,
+                                 rs,
                              runs);
 }
 
@@ -3441,47 +3434,48 @@ static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64
 }
 
 /* the activation of a chunk's rows (backward: from da into dh over h) */
-static void moept__runs_act(moept_layer *L, const int64_t *runs, int64_t n, const float *da) {
+static void moept__runs_act(moept_layer *L, moept__fstate *sl, const int64_t *runs, int64_t n,
+                            const float *da) {
     const int64_t H = L->H, F = L->F, stride = L->El * L->P;
     for (int64_t i = 0; i < n; i++) {
         int64_t r0 = runs[i], rows = runs[stride + i];
         #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
         for (int64_t r = r0; r < r0 + rows; r++) {
-            if (da) moept__act_bwd_rowv(L->act, L->ws.h + r * H, da + r * F, F, L->ws.h + r * H);
-            else moept__act_fwd_rowv(L->act, L->ws.h + r * H, F, L->ws.a + r * L->ws.lda_a);
+            if (da) moept__act_bwd_rowv(L->act, sl->ws.h + r * H, da + r * F, F, sl->ws.h + r * H);
+            else moept__act_fwd_rowv(L->act, sl->ws.h + r * H, F, sl->ws.a + r * L->ws.lda_a);
         }
     }
 }
 
 /* Expert FFN over a chunk's runs (the one-chunk descriptors, row by row). */
-static void moept__ffn_runs_forward(moept_layer *L, const int64_t *runs, int64_t n) {
+static void moept__ffn_runs_forward(moept_layer *L, moept__fstate *sl, const int64_t *runs, int64_t n) {
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
     moept__gemm *gd = L->ws.descs;
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, H, D, L->ws.xr + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f,
-                                    L->ws.h + r0 * H, H));
+                   moept__gemm_make(0, 1, rows, H, D, sl->ws.xr + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f,
+                                    sl->ws.h + r0 * H, H));
     moept__gemm_run_progress(L, gd, n);
-    moept__runs_act(L, runs, n, NULL);
+    moept__runs_act(L, sl, runs, n, NULL);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, D, F, L->ws.a + r0 * L->ws.lda_a, L->ws.lda_a,
-                                    L->par.w2 + e * D * F, F, 0.0f, L->ws.yr + r0 * D, D));
+                   moept__gemm_make(0, 1, rows, D, F, sl->ws.a + r0 * L->ws.lda_a, L->ws.lda_a,
+                                    L->par.w2 + e * D * F, F, 0.0f, sl->ws.yr + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
 /* Its backward, data side: a = act(h) kept, da into ch.da, dh over h, dxs
    into ch.dx (dyr stays for the weight gradients). */
-static void moept__ffn_runs_backward(moept_layer *L, const int64_t *runs, int64_t n) {
+static void moept__ffn_runs_backward(moept_layer *L, moept__fstate *sl, const int64_t *runs, int64_t n) {
     const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
     moept__gemm *gd = L->ws.descs;
-    moept__runs_act(L, runs, n, NULL);
+    moept__runs_act(L, sl, runs, n, NULL);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, F, D, L->ws.yr + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f,
-                                    L->ch.da + r0 * F, F));
+                   moept__gemm_make(0, 0, rows, F, D, sl->ws.yr + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f,
+                                    sl->ch.da + r0 * F, F));
     moept__gemm_run_progress(L, gd, n);
-    moept__runs_act(L, runs, n, L->ch.da);
+    moept__runs_act(L, sl, runs, n, sl->ch.da);
     MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, D, H, L->ws.h + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f,
-                                    L->ch.dx + r0 * D, D));
+                   moept__gemm_make(0, 0, rows, D, H, sl->ws.h + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f,
+                                    sl->ch.dx + r0 * D, D));
     moept__gemm_run_progress(L, gd, n);
 }
 
@@ -3515,71 +3509,72 @@ static moept_status moept__complete(moept_layer *L, int slot) {
 typedef struct moept__pipe {
     const float *send; float *recv;   /* out: token side -> expert side */
     const float *res; float *ret;     /* back: expert side -> token side */
-    void (*compute)(moept_layer *L, const int64_t *runs, int64_t n);
-    void (*done)(moept_layer *L, const struct moept__pipe *p, int64_t c);
-    void (*tail)(moept_layer *L);
-    void (*start)(moept_layer *L, const struct moept__pipe *p); /* once chunk 0 is in flight */
+    void (*compute)(moept_layer *L, moept__fstate *sl, const int64_t *runs, int64_t n);
+    void (*done)(moept_layer *L, moept__fstate *sl, const struct moept__pipe *p, int64_t c);
+    void (*tail)(moept_layer *L, moept__fstate *sl);
+    void (*start)(moept_layer *L, moept__fstate *sl, const struct moept__pipe *p); /* chunk 0 in flight */
     const float *x;
     float *y;
     const float *wts;
     const int32_t *ids; /* forward: the shared expert's, the combine's */
 } moept__pipe;
 
-static moept_status moept__pipeline(moept_layer *L, const moept__pipe *p) {
+static moept_status moept__pipeline(moept_layer *L, moept__fstate *sl, const moept__pipe *p) {
     const int64_t C = L->C, PE = L->P * L->El;
     moept_status st;
     if (L->ep) {
-        moept__chunk_plan(L, 0, L->ch.csend, L->ch.crecv, L->ch.cruns);
-        if ((st = moept__post(L, p->send, L->ch.csend, p->recv, L->ch.crecv, 0))) return st;
+        moept__chunk_plan(L, sl, 0, sl->ch.csend, sl->ch.crecv, sl->ch.cruns);
+        if ((st = moept__post(L, p->send, sl->ch.csend, p->recv, sl->ch.crecv, 0))) return st;
         moept__count_bytes(L, 1);
     }
-    if (p->start) p->start(L, p);
+    if (p->start) p->start(L, sl, p);
     for (int64_t c = 0; c < C; c++) {
-        moept_seg *ss = L->ch.csend + c * PE, *rs = L->ch.crecv + c * PE;
+        moept_seg *ss = sl->ch.csend + c * PE, *rs = sl->ch.crecv + c * PE;
         if (L->ep && c + 1 < C) {
-            moept_seg *s2 = L->ch.csend + (c + 1) * PE, *r2 = L->ch.crecv + (c + 1) * PE;
-            moept__chunk_plan(L, c + 1, s2, r2, L->ch.cruns);
+            moept_seg *s2 = sl->ch.csend + (c + 1) * PE, *r2 = sl->ch.crecv + (c + 1) * PE;
+            moept__chunk_plan(L, sl, c + 1, s2, r2, sl->ch.cruns);
             if ((st = moept__post(L, p->send, s2, p->recv, r2, (int)((c + 1) % 2)))) return st;
         }
-        int64_t nruns = moept__chunk_plan(L, c, NULL, NULL, L->ch.cruns);
+        int64_t nruns = moept__chunk_plan(L, sl, c, NULL, NULL, sl->ch.cruns);
         if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
-        p->compute(L, L->ch.cruns, nruns);
+        p->compute(L, sl, sl->ch.cruns, nruns);
         if (L->ep && (st = moept__post(L, p->res, rs, p->ret, ss, 2 + (int)(c % 2)))) return st;
         if (c > 0) {
             if (L->ep && (st = moept__complete(L, 2 + (int)((c - 1) % 2)))) return st;
-            if (p->done) p->done(L, p, c - 1);
+            if (p->done) p->done(L, sl, p, c - 1);
         }
     }
-    if (p->tail) p->tail(L);
+    if (p->tail) p->tail(L, sl);
     if (L->ep && (st = moept__complete(L, 2 + (int)((C - 1) % 2)))) return st;
     if (L->ep) moept__count_bytes(L, 0);
-    if (p->done) p->done(L, p, C - 1);
+    if (p->done) p->done(L, sl, p, C - 1);
     return MOEPT_OK;
 }
 
 /* forward: the shared expert, while chunk 0 travels */
-static void moept__chunk_shared(moept_layer *L, const moept__pipe *p) {
-    moept__shared_forward(L, p->x, L->fwd.T);
+static void moept__chunk_shared(moept_layer *L, moept__fstate *sl, const moept__pipe *p) {
+    moept__shared_forward(L, sl, p->x, sl->fwd.T);
 }
 
 /* forward: chunk c's tokens combined once its rows are back */
-static void moept__chunk_combine(moept_layer *L, const moept__pipe *p, int64_t c) {
-    moept__combine_range(L, p->y, p->wts, p->ids, moept__chunk_start(L->fwd.T, L->C, c),
-                         moept__chunk_start(L->fwd.T, L->C, c + 1));
+static void moept__chunk_combine(moept_layer *L, moept__fstate *sl, const moept__pipe *p, int64_t c) {
+    moept__combine_range(L, sl, p->y, p->wts, p->ids, moept__chunk_start(sl->fwd.T, L->C, c),
+                         moept__chunk_start(sl->fwd.T, L->C, c + 1));
 }
 
 /* The forward from the permute on, chunked. */
-static moept_status moept__forward_chunked(moept_layer *L, const float *x, float *y, const float *wts,
+static moept_status moept__forward_chunked(moept_layer *L, moept__fstate *sl, const float *x, float *y,
+                                           const float *wts,
                                            const int32_t *ids) {
-    const int64_t D = L->D, N = L->plan.N;
+    const int64_t D = L->D, N = sl->plan.N;
     double ts = moept__now();
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
     for (int64_t r = 0; r < N; r++)
-        memcpy(L->ws.xs + r * D, x + L->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
-    moept__pipe p = {L->ws.xs,
-                     L->ws.xr,
-                     L->ws.yr,
-                     L->ws.ys,
+        memcpy(sl->ws.xs + r * D, x + sl->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
+    moept__pipe p = {sl->ws.xs,
+                     sl->ws.xr,
+                     sl->ws.yr,
+                     sl->ws.ys,
                      moept__ffn_runs_forward,
                      moept__chunk_combine,
                      NULL,
@@ -3588,24 +3583,24 @@ static moept_status moept__forward_chunked(moept_layer *L, const float *x, float
                      y,
                      wts,
                      ids};
-    moept_status st = moept__pipeline(L, &p);
+    moept_status st = moept__pipeline(L, sl, &p);
     L->stats.dispatch_seconds += moept__now() - ts;
     return st;
 }
 
 /* backward: the weight gradients reduce over every row, as the one-chunk
    step, while the last chunk's dxs travel */
-static void moept__chunk_weight_grads(moept_layer *L) {
-    moept__ffn_grad_w2(L, L->El, L->xch.roffsets, L->ws.dyr, L->ws.a, L->par.g2, L->F);
-    moept__ffn_grad_w13(L, L->El, L->xch.roffsets, L->ws.h, L->ws.xr, L->par.g13, L->H);
+static void moept__chunk_weight_grads(moept_layer *L, moept__fstate *sl) {
+    moept__ffn_grad_w2(L, L->El, sl->xch.roffsets, sl->ws.dyr, sl->ws.a, L->par.g2, L->F);
+    moept__ffn_grad_w13(L, L->El, sl->xch.roffsets, sl->ws.h, sl->ws.xr, L->par.g13, L->H);
 }
 
 /* The backward's experts part, chunked (after combine' wrote dys). */
-static moept_status moept__backward_chunked(moept_layer *L) {
-    moept__pipe p = {L->ws.dys,
-                     L->ws.dyr,
-                     L->ch.dx,
-                     L->ws.dxs,
+static moept_status moept__backward_chunked(moept_layer *L, moept__fstate *sl) {
+    moept__pipe p = {sl->ws.dys,
+                     sl->ws.dyr,
+                     sl->ch.dx,
+                     sl->ws.dxs,
                      moept__ffn_runs_backward,
                      NULL,
                      moept__chunk_weight_grads,
@@ -3614,7 +3609,7 @@ static moept_status moept__backward_chunked(moept_layer *L) {
                      NULL,
                      NULL,
                      NULL};
-    return moept__pipeline(L, &p);
+    return moept__pipeline(L, sl, &p);
 }
 
 /* ------------------------------------------------------------------------
@@ -3645,9 +3640,10 @@ static int64_t moept__x_scan(const float *x, int64_t n, uint64_t *fp) {
 /* A call's output out [T][D] (or a loss, found by the caller: `local`)
    non-finite from finite inputs: the call fails on every rank of the EP
    group and dp, each with `after` said (what the caller must do next). */
-static moept_status moept__agree_finite(moept_layer *L, const char *call, const char *out, const float *v,
+static moept_status moept__agree_finite(moept_layer *L, moept__fstate *sl, const char *call,
+                                        const char *out, const float *v,
                                         moept_status local, moept_comm *dp, const char *after) {
-    int64_t bad = local ? -1 : moept__first_nonfinite(v, L->fwd.T * L->D), failed;
+    int64_t bad = local ? -1 : moept__first_nonfinite(v, sl->fwd.T * L->D), failed;
     moept_status st;
     if (bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC,
@@ -3670,7 +3666,8 @@ static int moept__finite_d(double v) { return v == v && fabs(v) <= 3.40282346638
    groups it spans. The experts' saved activations are this step's by now,
    so the forward state is dropped (backward and update_bias are refused
    until the next forward). */
-static moept_status moept__forward_finite(moept_layer *L, const float *y, double aux, double z, int global) {
+static moept_status moept__forward_finite(moept_layer *L, moept__fstate *sl, const float *y, double aux,
+                                          double z, int global) {
     static const char *after = "the step is rejected, run forward again";
     moept_status local = MOEPT_OK; /* losses count only where they are part of the objective */
     int zbad = L->cfg.z_loss_coef > 0.0f && !moept__finite_d(z);
@@ -3679,8 +3676,8 @@ static moept_status moept__forward_finite(moept_layer *L, const float *y, double
                             "moept_forward: the %s loss is not finite from finite inputs; "
                             "%s",
                             zbad ? "z" : "aux", after);
-    local = moept__agree_finite(L, "moept_forward", "y", y, local, global ? L->dp : NULL, after);
-    if (local) L->fwd.valid = 0;
+    local = moept__agree_finite(L, sl, "moept_forward", "y", y, local, global ? L->dp : NULL, after);
+    if (local) sl->fwd.valid = 0;
     return local;
 }
 
@@ -3693,7 +3690,7 @@ static moept_status moept__forward_finite(moept_layer *L, const float *y, double
 /* The noise key of the next training forward: AdamW steps (checkpointed)
    and forwards since the last one, so a resumed run draws what it drew. */
 uint64_t moept__jitter_key(const moept_layer *L) {
-    return ((uint64_t)L->opt.t << 20) ^ (uint64_t)L->fwd.jitter_micro;
+    return ((uint64_t)L->opt.t << 20) ^ (uint64_t)L->jitter_micro;
 }
 /* out [T][D] = x * u (mul) or out * u, the router's input under jitter or
    its gradient; rows [T] the tokens' hashes (hash: computed here from x) */
@@ -3745,18 +3742,18 @@ static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
    noise in a training forward), then each token's top-k (or the experts
    opts.replay_ids gives it); a masked token is routed nowhere (ids -1,
    weights 0) */
-static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
+static moept_status moept__fwd_route(moept_layer *L, moept__fstate *sl, moept__fstep *f) {
     const int64_t T = f->T, D = L->D, E = L->E, K = L->K;
     const int fam = (int)L->cfg.family, nb = f->nb;
-    float *logits = L->fwd.logits[nb], *probs = L->fwd.probs[nb], *wts = L->fwd.wts[nb];
-    int32_t *ids = L->fwd.ids[nb];
+    float *logits = sl->fwd.logits[nb], *probs = sl->fwd.probs[nb], *wts = sl->fwd.wts[nb];
+    int32_t *ids = sl->fwd.ids[nb];
     const float *xin = f->x;
     if (f->jitter) { /* (frozen, for tests: the committed step's noise again) */
-        if (L->fwd.jitter_frozen)
-            memcpy(L->fwd.jrow[nb], L->fwd.jrow[L->fwd.cur], (size_t)T * sizeof(uint64_t));
-        f->jkey = L->fwd.jitter_frozen ? L->fwd.jkey : moept__jitter_key(L);
-        moept__jitter_apply(L, f->jkey, f->x, T, L->fwd.xj, L->fwd.jrow[nb], !L->fwd.jitter_frozen);
-        xin = L->fwd.xj;
+        if (L->jitter_frozen)
+            memcpy(sl->fwd.jrow[nb], sl->fwd.jrow[sl->fwd.cur], (size_t)T * sizeof(uint64_t));
+        f->jkey = L->jitter_frozen ? sl->fwd.jkey : moept__jitter_key(L);
+        moept__jitter_apply(L, f->jkey, f->x, T, sl->fwd.xj, sl->fwd.jrow[nb], !L->jitter_frozen);
+        xin = sl->fwd.xj;
     }
     moept__gemm g = moept__gemm_make(0, 1, T, E, D, xin, D, L->par.w_router, D, 0.0f, logits, E);
     moept__gemm_run(&g, 1, &L->ws.gws);
@@ -3793,10 +3790,10 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstep *f) {
 /* 3. the pending step's kept rows per chunk and slot, in one pass over the
    assignments (capacity keeps each slot's earliest): counts_next [E], and
    chunked ccnt_next [C][E] */
-static void moept__fwd_count(moept_layer *L, const moept__fstep *f) {
+static void moept__fwd_count(moept_layer *L, moept__fstate *sl, const moept__fstep *f) {
     const int64_t E = L->E, K = L->K, C = L->C, T = f->T, cap = f->cap;
-    const int32_t *ids = L->fwd.ids[f->nb];
-    int64_t *cc = C > 1 ? L->ch.ccnt_next : L->plan.counts_next; /* [C][E] */
+    const int32_t *ids = sl->fwd.ids[f->nb];
+    int64_t *cc = C > 1 ? sl->ch.ccnt_next : sl->plan.counts_next; /* [C][E] */
     for (int64_t i = 0; i < C * E; i++) cc[i] = 0;
     for (int64_t c = 0; c < C; c++)
         for (int64_t i = moept__chunk_start(T, C, c) * K; i < moept__chunk_start(T, C, c + 1) * K; i++)
@@ -3809,35 +3806,35 @@ static void moept__fwd_count(moept_layer *L, const moept__fstep *f) {
             kept += cc[c * E + e];
             before += sel;
         }
-        L->plan.counts_next[e] = kept;
+        sl->plan.counts_next[e] = kept;
     }
 }
 
 /* 4, direct: every rank's counts to every rank (allcnt_next), so each
    knows where its rows go in the experts' shared rows and how many rows
    every rank's experts get */
-static moept_status moept__fwd_gather_counts(moept_layer *L, moept__fstep *f) {
+static moept_status moept__fwd_gather_counts(moept_layer *L, moept__fstate *sl, moept__fstep *f) {
     const int64_t E = L->E, El = L->El, P = L->P;
     double t0 = moept__now();
     moept_status st =
-        L->ep->allgather(L->ep, L->plan.counts_next, L->xch.allcnt_next, E * (int64_t)sizeof(int64_t));
+        L->ep->allgather(L->ep, sl->plan.counts_next, sl->xch.allcnt_next, E * (int64_t)sizeof(int64_t));
     L->stats.comm_seconds += moept__now() - t0;
     if (st) return moept__fail(L, st, "moept_forward: count all-gather failed: %s", L->ep->err);
     int64_t R = 0;
     for (int64_t p = 0; p < P; p++)
         for (int64_t j = 0; j < El; j++)
-            R += L->xch.rcounts_next[p * El + j] = L->xch.allcnt_next[p * E + L->rank * El + j];
+            R += sl->xch.rcounts_next[p * El + j] = sl->xch.allcnt_next[p * E + L->rank * El + j];
     f->R_next = R;
     return MOEPT_OK;
 }
 
 /* the most rows any rank's experts get next step (direct) */
-static int64_t moept__max_recv(const moept_layer *L) {
+static int64_t moept__max_recv(const moept_layer *L, moept__fstate *sl) {
     int64_t most = 0;
     for (int64_t q = 0; q < L->P; q++) {
         int64_t n = 0;
         for (int64_t p = 0; p < L->P; p++)
-            for (int64_t s = q * L->El; s < (q + 1) * L->El; s++) n += L->xch.allcnt_next[p * L->E + s];
+            for (int64_t s = q * L->El; s < (q + 1) * L->El; s++) n += sl->xch.allcnt_next[p * L->E + s];
         most = n > most ? n : most;
     }
     return most;
@@ -3846,16 +3843,16 @@ static int64_t moept__max_recv(const moept_layer *L) {
 /* 4. counts before data, always: no rank trusts sizes it computed alone.
    rcounts_next [P][El] (chunked: rccnt_next [P][C][El]) and R_next, the
    rows this rank's experts will receive. */
-static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) {
+static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstate *sl, moept__fstep *f) {
     const int64_t E = L->E, El = L->El, C = L->C, P = L->P;
     int64_t R = 0;
     if (!L->ep) {
-        if (C > 1) memcpy(L->ch.rccnt_next, L->ch.ccnt_next, (size_t)(C * E) * sizeof(int64_t));
-        for (int64_t e = 0; e < E; e++) R += L->plan.counts_next[e];
+        if (C > 1) memcpy(sl->ch.rccnt_next, sl->ch.ccnt_next, (size_t)(C * E) * sizeof(int64_t));
+        for (int64_t e = 0; e < E; e++) R += sl->plan.counts_next[e];
         f->R_next = R;
         return MOEPT_OK;
     }
-    if (L->xch.direct) return moept__fwd_gather_counts(L, f);
+    if (L->xch.direct) return moept__fwd_gather_counts(L, sl, f);
     moept_seg *cs = L->xch.count_segs, *cr = L->xch.count_segs + P;
     const int64_t per = C * El; /* chunked: every chunk's counts, [c][j] per peer */
     for (int64_t q = 0; q < P; q++) cs[q] = cr[q] = (moept_seg){q * per, per};
@@ -3863,33 +3860,33 @@ static moept_status moept__fwd_exchange_counts(moept_layer *L, moept__fstep *f) 
         for (int64_t q = 0; q < P; q++)
             for (int64_t c = 0; c < C; c++)
                 for (int64_t j = 0; j < El; j++)
-                    L->ch.cmsg[(q * C + c) * El + j] = L->ch.ccnt_next[c * E + q * El + j];
+                    sl->ch.cmsg[(q * C + c) * El + j] = sl->ch.ccnt_next[c * E + q * El + j];
     double t0 = moept__now();
-    moept_status st = L->ep->alltoallv(L->ep, C > 1 ? L->ch.cmsg : L->plan.counts_next, cs,
-                                       C > 1 ? L->ch.rccnt_next : L->xch.rcounts_next, cr, 1, 8);
+    moept_status st = L->ep->alltoallv(L->ep, C > 1 ? sl->ch.cmsg : sl->plan.counts_next, cs,
+                                       C > 1 ? sl->ch.rccnt_next : sl->xch.rcounts_next, cr, 1, 8);
     L->stats.comm_seconds += moept__now() - t0;
     if (st) return moept__fail(L, st, "moept_forward: count exchange failed: %s", L->ep->err);
     if (C > 1)
         for (int64_t p = 0; p < P; p++)
             for (int64_t j = 0; j < El; j++) {
                 int64_t n = 0;
-                for (int64_t c = 0; c < C; c++) n += L->ch.rccnt_next[(p * C + c) * El + j];
-                L->xch.rcounts_next[p * El + j] = n;
+                for (int64_t c = 0; c < C; c++) n += sl->ch.rccnt_next[(p * C + c) * El + j];
+                sl->xch.rcounts_next[p * El + j] = n;
             }
-    for (int64_t i = 0; i < P * El; i++) R += L->xch.rcounts_next[i];
+    for (int64_t i = 0; i < P * El; i++) R += sl->xch.rcounts_next[i];
     f->R_next = R;
     return MOEPT_OK;
 }
 
 /* 5. room to receive, then agreement on it: every rank commits, or none */
-static moept_status moept__fwd_agree_growth(moept_layer *L, const moept__fstep *f) {
+static moept_status moept__fwd_agree_growth(moept_layer *L, moept__fstate *sl, const moept__fstep *f) {
     moept_status local = MOEPT_OK, st;
     moept_comm *grp = L->group, *dp = f->global ? L->dp : NULL;
-    int64_t most = L->xch.direct ? moept__max_recv(L) : 0;
-    if (L->xch.direct && (st = moept__grow_shared(L, most))) /* all grow, or none */
+    int64_t most = L->xch.direct ? moept__max_recv(L, sl) : 0;
+    if (L->xch.direct && (st = moept__grow_shared(L, sl, most))) /* all grow, or none */
         local = moept__fail(L, st, "moept_forward: cannot grow the shared rows to %lld: %s", (long long)most,
                             L->ep->err);
-    else if (!moept__grow_recv(L, f->R_next))
+    else if (!moept__grow_recv(L, sl, f->R_next))
         local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY,
                             "moept_forward: cannot grow the receive buffers to %lld "
                             "rows",
@@ -3909,22 +3906,22 @@ static moept_status moept__fwd_agree_growth(moept_layer *L, const moept__fstep *
 }
 
 /* 6. commit: from here on every rank proceeds */
-static void moept__fwd_commit(moept_layer *L, const moept__fstep *f) {
-    L->fwd.cur = f->nb;
-    L->fwd.T = f->T;
-    L->fwd.x_fp = f->x_fp;
-    L->fwd.valid = 1;
-    L->fwd.bwd_valid = 0;
-    L->fwd.eval = f->eval;
-    L->fwd.jitter = f->jitter;
-    L->fwd.jkey = f->jkey;
-    L->fwd.jitter_micro += f->jitter;
-    { int64_t *t = L->plan.counts; L->plan.counts = L->plan.counts_next; L->plan.counts_next = t; }
-    { int64_t *t = L->xch.rcounts; L->xch.rcounts = L->xch.rcounts_next; L->xch.rcounts_next = t; }
-    { int64_t *t = L->xch.allcnt; L->xch.allcnt = L->xch.allcnt_next; L->xch.allcnt_next = t; }
-    { int64_t *t = L->ch.ccnt; L->ch.ccnt = L->ch.ccnt_next; L->ch.ccnt_next = t; }
-    { int64_t *t = L->ch.rccnt; L->ch.rccnt = L->ch.rccnt_next; L->ch.rccnt_next = t; }
-    L->xch.R = f->R_next;
+static void moept__fwd_commit(moept_layer *L, moept__fstate *sl, const moept__fstep *f) {
+    sl->fwd.cur = f->nb;
+    sl->fwd.T = f->T;
+    sl->fwd.x_fp = f->x_fp;
+    sl->fwd.valid = 1;
+    sl->fwd.bwd_valid = 0;
+    sl->fwd.eval = f->eval;
+    sl->fwd.jitter = f->jitter;
+    sl->fwd.jkey = f->jkey;
+    L->jitter_micro += f->jitter;
+    { int64_t *t = sl->plan.counts; sl->plan.counts = sl->plan.counts_next; sl->plan.counts_next = t; }
+    { int64_t *t = sl->xch.rcounts; sl->xch.rcounts = sl->xch.rcounts_next; sl->xch.rcounts_next = t; }
+    { int64_t *t = sl->xch.allcnt; sl->xch.allcnt = sl->xch.allcnt_next; sl->xch.allcnt_next = t; }
+    { int64_t *t = sl->ch.ccnt; sl->ch.ccnt = sl->ch.ccnt_next; sl->ch.ccnt_next = t; }
+    { int64_t *t = sl->ch.rccnt; sl->ch.rccnt = sl->ch.rccnt_next; sl->ch.rccnt_next = t; }
+    sl->xch.R = f->R_next;
     L->stats.bytes_sent = L->stats.bytes_received = 0;
     L->stats.comm_seconds = L->stats.dispatch_seconds = L->stats.combine_seconds = 0.0;
     if (L->fsdp) { /* the gather before the commit belongs to this step */
@@ -3938,14 +3935,14 @@ static void moept__fwd_commit(moept_layer *L, const moept__fstep *f) {
    seqstat: its value goes to lstat's sum, its gradient (before the 1/nseq
    of the mean) to aux_g row sq; an all-padding sequence counts for nothing.
    seqstat is cleared for the next one. */
-static void moept__seq_close(moept_layer *L, int64_t sq) {
+static void moept__seq_close(moept_layer *L, moept__fstate *sl, int64_t sq) {
     const int64_t E = L->E;
     double *c = L->plan.seqstat, *ps = c + E, n = c[2 * E];
-    float *g = L->fwd.aux_g + sq * E;
+    float *g = sl->fwd.aux_g + sq * E;
     if (n > 0.0) {
-        L->fwd.lstat[L->fwd.ls.seqaux] +=
+        sl->fwd.lstat[sl->fwd.ls.seqaux] +=
             moept__aux_finalize(c, ps, E, L->K, MOEPT_AUX_SEQ, n, L->cfg.aux_loss_coef, g);
-        L->fwd.lstat[L->fwd.ls.nseq] += 1.0;
+        sl->fwd.lstat[sl->fwd.ls.nseq] += 1.0;
     } else {
         for (int64_t e = 0; e < E; e++) g[e] = 0.0f;
     }
@@ -3954,18 +3951,19 @@ static void moept__seq_close(moept_layer *L, int64_t sq) {
 
 /* One unmasked token's part of the loss statistics: its lse (z loss), its
    selections, and its aux scores and counts (also into the sequence's) */
-static void moept__loss_token(moept_layer *L, int64_t t, double *sel, double *auxc, double *psum) {
+static void moept__loss_token(moept_layer *L, moept__fstate *sl, int64_t t, double *sel, double *auxc,
+                              double *psum) {
     const int64_t E = L->E, K = L->K;
     const int aux = (int)L->cfg.aux_loss;
-    const float *lg = L->fwd.logits[L->fwd.cur] + t * E;
-    const int32_t *ids = L->fwd.ids[L->fwd.cur] + t * K;
-    L->fwd.lse[t] = moept__lse(lg, E);
-    L->fwd.lstat[L->fwd.ls.lse2] += (double)L->fwd.lse[t] * L->fwd.lse[t];
+    const float *lg = sl->fwd.logits[sl->fwd.cur] + t * E;
+    const int32_t *ids = sl->fwd.ids[sl->fwd.cur] + t * K;
+    sl->fwd.lse[t] = moept__lse(lg, E);
+    sl->fwd.lstat[sl->fwd.ls.lse2] += (double)sl->fwd.lse[t] * sl->fwd.lse[t];
     for (int64_t k = 0; k < K; k++) sel[ids[k]] += 1.0;
     if (aux == MOEPT_AUX_NONE) return;
     float *score = L->plan.choice;
     int32_t *cid = L->plan.kscratch;
-    moept__aux_token((int)L->cfg.family, aux, lg, L->fwd.probs[L->fwd.cur] + t * E, ids, (int)E, (int)K,
+    moept__aux_token((int)L->cfg.family, aux, lg, sl->fwd.probs[sl->fwd.cur] + t * E, ids, (int)E, (int)K,
                      score, cid);
     for (int64_t e = 0; e < E; e++) psum[e] += score[e];
     for (int64_t k = 0; k < K; k++) auxc[cid[k]] += 1.0;
@@ -3980,41 +3978,42 @@ static void moept__loss_token(moept_layer *L, int64_t t, double *sel, double *au
    tokens in token order (double), and each sequence's aux loss
    (MOEPT_AUX_SEQ), summed over the groups when global; returns the aux
    value through *aux_v */
-static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, double *aux_v) {
+static moept_status moept__fwd_losses(moept_layer *L, moept__fstate *sl, const moept__fstep *f,
+                                      double *aux_v) {
     const int64_t T = f->T, E = L->E, K = L->K;
     const int aux = (int)L->cfg.aux_loss, seq = aux == MOEPT_AUX_SEQ;
     const int64_t slen = seq ? L->cfg.aux_seq_len : 0; /* tokens per sequence */
-    const int32_t *ids = L->fwd.ids[L->fwd.cur];
-    double *sel = L->fwd.lstat + L->fwd.ls.sel, *auxc = L->fwd.lstat + L->fwd.ls.auxc,
-           *psum = L->fwd.lstat + L->fwd.ls.psum;
-    for (int64_t i = 0; i < L->fwd.ls.n; i++) L->fwd.lstat[i] = 0.0;
+    const int32_t *ids = sl->fwd.ids[sl->fwd.cur];
+    double *sel = sl->fwd.lstat + sl->fwd.ls.sel, *auxc = sl->fwd.lstat + sl->fwd.ls.auxc,
+           *psum = sl->fwd.lstat + sl->fwd.ls.psum;
+    for (int64_t i = 0; i < sl->fwd.ls.n; i++) sl->fwd.lstat[i] = 0.0;
     for (int64_t i = 0; i < 2 * E + 1; i++) L->plan.seqstat[i] = 0.0;
     for (int64_t t = 0; t < T; t++) {
-        L->fwd.lse[t] = 0.0f;
-        if (ids[t * K] >= 0) moept__loss_token(L, t, sel, auxc, psum); /* else padding */
-        if (seq && (t + 1) % slen == 0) moept__seq_close(L, t / slen);
+        sl->fwd.lse[t] = 0.0f;
+        if (ids[t * K] >= 0) moept__loss_token(L, sl, t, sel, auxc, psum); /* else padding */
+        if (seq && (t + 1) % slen == 0) moept__seq_close(L, sl, t / slen);
     }
-    L->fwd.lstat[L->fwd.ls.T] = (double)f->valid;
+    sl->fwd.lstat[sl->fwd.ls.T] = (double)f->valid;
     if (f->global) { /* the whole batch's statistics (a failure here is a broken comm) */
-        moept_status st = moept__world_sum(L, L->fwd.lstat, L->fwd.ls.n, MOEPT_DTYPE_F64);
+        moept_status st = moept__world_sum(L, sl->fwd.lstat, sl->fwd.ls.n, MOEPT_DTYPE_F64);
         if (st) return st;
     }
     for (int64_t e = 0; e < E; e++) {
-        L->fwd.sel_counts[e] = (int64_t)sel[e];
-        L->fwd.aux_counts[e] = (int64_t)auxc[e];
+        sl->fwd.sel_counts[e] = (int64_t)sel[e];
+        sl->fwd.aux_counts[e] = (int64_t)auxc[e];
     }
-    L->fwd.counts_global = f->global || (!L->group && !L->dp);
-    L->fwd.loss_T = L->fwd.lstat[L->fwd.ls.T] > 0 ? L->fwd.lstat[L->fwd.ls.T] : 1.0;
+    sl->fwd.counts_global = f->global || (!L->group && !L->dp);
+    sl->fwd.loss_T = sl->fwd.lstat[sl->fwd.ls.T] > 0 ? sl->fwd.lstat[sl->fwd.ls.T] : 1.0;
     if (!seq) {
         *aux_v =
-            moept__aux_finalize(auxc, psum, E, K, aux, L->fwd.loss_T, L->cfg.aux_loss_coef, L->fwd.aux_g);
+            moept__aux_finalize(auxc, psum, E, K, aux, sl->fwd.loss_T, L->cfg.aux_loss_coef, sl->fwd.aux_g);
         return MOEPT_OK;
     }
     /* the mean over sequences: each row's gradient times 1/nseq */
-    double nseq = L->fwd.lstat[L->fwd.ls.nseq];
-    *aux_v = nseq > 0.0 ? L->fwd.lstat[L->fwd.ls.seqaux] / nseq : 0.0;
+    double nseq = sl->fwd.lstat[sl->fwd.ls.nseq];
+    *aux_v = nseq > 0.0 ? sl->fwd.lstat[sl->fwd.ls.seqaux] / nseq : 0.0;
     const float inv = nseq > 0.0 ? (float)(1.0 / nseq) : 0.0f;
-    for (int64_t i = 0; i < T / slen * E; i++) L->fwd.aux_g[i] *= inv;
+    for (int64_t i = 0; i < T / slen * E; i++) sl->fwd.aux_g[i] *= inv;
     return MOEPT_OK;
 }
 
@@ -4022,96 +4021,97 @@ static moept_status moept__fwd_losses(moept_layer *L, const moept__fstep *f, dou
    expert's place in the placement); slot order is destination-rank order,
    so xs is the send buffer. Then where the received rows go: expert-major,
    then by source rank, and the exchange's pieces. */
-static void moept__fwd_plan(moept_layer *L) {
-    const int64_t T = L->fwd.T, D = L->D, E = L->E, K = L->K, El = L->El, P = L->P;
-    const int32_t *ids = L->fwd.ids[L->fwd.cur];
-    L->plan.offsets[0] = 0;
+static void moept__fwd_plan(moept_layer *L, moept__fstate *sl) {
+    const int64_t T = sl->fwd.T, D = L->D, E = L->E, K = L->K, El = L->El, P = L->P;
+    const int32_t *ids = sl->fwd.ids[sl->fwd.cur];
+    sl->plan.offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) {
-        L->plan.offsets[e + 1] = L->plan.offsets[e] + L->plan.counts[e];
+        sl->plan.offsets[e + 1] = sl->plan.offsets[e] + sl->plan.counts[e];
         L->plan.fill[e] = 0;
     }
-    L->plan.N = L->plan.offsets[E];
+    sl->plan.N = sl->plan.offsets[E];
     for (int64_t i = 0; i < T * K; i++) {
-        if (ids[i] < 0) { L->plan.row_of[i] = -1; continue; } /* padding */
+        if (ids[i] < 0) { sl->plan.row_of[i] = -1; continue; } /* padding */
         int64_t e = L->plan.slot_of[ids[i]];
-        moept__plan_place(i, L->plan.fill[e]++, L->plan.counts[e], L->plan.offsets[e], K, L->plan.row_of,
-                          L->plan.tok_of_row, L->plan.slot_of_row);
+        moept__plan_place(i, L->plan.fill[e]++, sl->plan.counts[e], sl->plan.offsets[e], K, sl->plan.row_of,
+                          sl->plan.tok_of_row, sl->plan.slot_of_row);
     }
-    moept__plan_roffsets(P, El, L->ep ? L->xch.rcounts : L->plan.counts,
-                         L->xch.roffsets); /* one rank: P = 1 */
+    moept__plan_roffsets(P, El, L->ep ? sl->xch.rcounts : sl->plan.counts,
+                         sl->xch.roffsets); /* one rank: P = 1 */
     if (!L->ep) return;
-    moept__plan_segs(P, El, D, L->plan.offsets, L->plan.counts, L->xch.rcounts, L->xch.roffsets,
-                     L->xch.send_segs, L->xch.recv_segs);
-    moept__plan_peer_rows(P, El, L->rank, L->plan.counts, L->xch.rcounts, El, L->xch.peer_rows,
+    moept__plan_segs(P, El, D, sl->plan.offsets, sl->plan.counts, sl->xch.rcounts, sl->xch.roffsets,
+                     sl->xch.send_segs, sl->xch.recv_segs);
+    moept__plan_peer_rows(P, El, L->rank, sl->plan.counts, sl->xch.rcounts, El, sl->xch.peer_rows,
                           &L->stats.rows_sent, &L->stats.rows_received);
-    if (L->xch.direct) moept__direct_plan(L);
+    if (L->xch.direct) moept__direct_plan(L, sl);
 }
 
 /* 9. dispatch: each kept row to its expert (direct: written straight into
    the experts' shared rows; a backend with alltoallv_rows sends from x by
    index; else permuted into xs, then exchanged) */
-static moept_status moept__fwd_dispatch(moept_layer *L, const float *x) {
-    const int64_t D = L->D, N = L->plan.N;
+static moept_status moept__fwd_dispatch(moept_layer *L, moept__fstate *sl, const float *x) {
+    const int64_t D = L->D, N = sl->plan.N;
     if (L->xch.direct) { /* our rows into the experts' rows; all have arrived after the barrier */
-        moept__direct_push(L, x);
+        moept__direct_push(L, sl, x);
         moept__count_bytes(L, 1);
         return moept__direct_sync(L, "moept_forward");
     }
-    if (moept__rows_dispatch(L)) return moept__exchange_rows(L, x);
+    if (moept__rows_dispatch(L)) return moept__exchange_rows(L, sl, x);
     #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
     for (int64_t r = 0; r < N; r++)
-        memcpy(L->ws.xs + r * D, x + L->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
-    return L->ep ? moept__exchange(L, L->ws.xs, L->ws.xr, 1) : MOEPT_OK;
+        memcpy(sl->ws.xs + r * D, x + sl->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
+    return L->ep ? moept__exchange(L, sl, sl->ws.xs, sl->ws.xr, 1) : MOEPT_OK;
 }
 
 /* 10. the experts' rows back (direct: read where they lie), the shared
    expert, and the combine: each output row written once */
-static moept_status moept__fwd_combine(moept_layer *L, const float *x, float *y) {
+static moept_status moept__fwd_combine(moept_layer *L, moept__fstate *sl, const float *x, float *y) {
     moept_status st;
     double ts = moept__now();
     if (L->xch.direct) {
         if ((st = moept__direct_sync(L, "moept_forward"))) return st;
         moept__count_bytes(L, 0);
-    } else if (L->ep && (st = moept__exchange(L, L->ws.ys, L->ws.yr, 0))) return st;
+    } else if (L->ep && (st = moept__exchange(L, sl, sl->ws.ys, sl->ws.yr, 0))) return st;
     L->stats.combine_seconds += moept__now() - ts;
-    moept__shared_forward(L, x, L->fwd.T);
+    moept__shared_forward(L, sl, x, sl->fwd.T);
     ts = moept__now();
-    moept__combine_range(L, y, L->fwd.wts[L->fwd.cur], L->fwd.ids[L->fwd.cur], 0, L->fwd.T);
+    moept__combine_range(L, sl, y, sl->fwd.wts[sl->fwd.cur], sl->fwd.ids[sl->fwd.cur], 0, sl->fwd.T);
     L->stats.combine_seconds += moept__now() - ts;
     return MOEPT_OK;
 }
 
 /* dispatch -> experts -> combine (chunked: as a pipeline); direct: no rank
    may leave (and free or regrow its rows) while a peer still reads them */
-static moept_status moept__fwd_run(moept_layer *L, const moept__fstep *f) {
+static moept_status moept__fwd_run(moept_layer *L, moept__fstate *sl, const moept__fstep *f) {
     moept_status st;
     if (L->C > 1) {
-        if ((st = moept__forward_chunked(L, f->x, f->y, L->fwd.wts[L->fwd.cur], L->fwd.ids[L->fwd.cur])))
+        if ((st = moept__forward_chunked(L, sl, f->x, f->y, sl->fwd.wts[sl->fwd.cur],
+                                         sl->fwd.ids[sl->fwd.cur])))
             return st;
     } else {
         double ts = moept__now();
-        if ((st = moept__fwd_dispatch(L, f->x))) return st;
+        if ((st = moept__fwd_dispatch(L, sl, f->x))) return st;
         L->stats.dispatch_seconds += moept__now() - ts;
-        moept__ffn_forward(L, L->ws.xr, L->El, L->xch.roffsets, L->par.w13, L->par.w2, L->H, L->F, L->ws.h,
-                           L->ws.a, L->ws.lda_a, L->ws.yr);
-        if ((st = moept__fwd_combine(L, f->x, f->y))) return st;
+        moept__ffn_forward(L, sl->ws.xr, L->El, sl->xch.roffsets, L->par.w13, L->par.w2, L->H, L->F, sl->ws.h,
+                           sl->ws.a, L->ws.lda_a, sl->ws.yr);
+        if ((st = moept__fwd_combine(L, sl, f->x, f->y))) return st;
     }
     return L->xch.direct ? moept__direct_sync(L, "moept_forward") : MOEPT_OK;
 }
 
 /* The step's statistics, once its output is known finite */
-static void moept__fwd_stats(moept_layer *L, const moept__fstep *f, double aux_v) {
+static void moept__fwd_stats(moept_layer *L, moept__fstate *sl, const moept__fstep *f, double aux_v) {
     moept_stats *sts = &L->stats;
     sts->steps++;
     sts->tokens = f->T;
     sts->masked_tokens = f->T - f->valid;
-    sts->routed_rows = L->plan.N;
-    sts->dropped_rows = f->valid * L->K - L->plan.N;
+    sts->routed_rows = sl->plan.N;
+    sts->dropped_rows = f->valid * L->K - sl->plan.N;
     sts->capacity = f->cap;
-    L->fwd.aux_value = aux_v;
-    L->fwd.z_value = L->fwd.lstat[L->fwd.ls.lse2] / L->fwd.loss_T;
+    sl->fwd.aux_value = aux_v;
+    sl->fwd.z_value = sl->fwd.lstat[sl->fwd.ls.lse2] / sl->fwd.loss_T;
     sts->aux_loss = (float)aux_v;
-    sts->z_loss = (float)L->fwd.z_value;
+    sts->z_loss = (float)sl->fwd.z_value;
 }
 
 /* An evaluation forward's slot: its own where a training forward may still
@@ -4120,7 +4120,7 @@ static void moept__fwd_stats(moept_layer *L, const moept__fstep *f, double aux_v
    loop's evaluations add no workspace */
 static int moept__eval_slot(const moept_layer *L) {
     if (L->nslots > 1) return L->nslots;
-    const moept_layer *s0 = L->active == 0 || !L->shadow ? L : &L->shadow[0];
+    const moept__fstate *s0 = &L->slots[0];
     return s0->fwd.valid && !s0->fwd.eval && !s0->fwd.bwd_valid ? L->nslots : 0;
 }
 
@@ -4128,14 +4128,15 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     /* a training forward's slot; an evaluation's own (a training layer's
        evaluation leaves every training forward's state as it was) */
     const int slot = !f->eval ? f->slot : L->cfg.inference_only ? 0 : moept__eval_slot(L);
+    moept__fstate *sl = &L->slots[slot]; /* its buffers made at its first use; nothing switches */
     moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why)
-                                   : moept__use_slot(L, slot, "moept_forward"),
+                                   : moept__slot_get(L, slot, "moept_forward", &sl),
                  st;
     f->global = L->cfg.global_balance && (L->group || L->dp);
-    f->nb = 1 - L->fwd.cur;
+    f->nb = 1 - sl->fwd.cur;
     f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
     if (!local) local = moept__fwd_checks(L, f);
-    if (!local) local = moept__fwd_route(L, f);
+    if (!local) local = moept__fwd_route(L, sl, f);
     if (!local && L->S > 0 && f->valid < f->T && !L->ws.xsh) { /* the first padded step: room to pack */
         L->ws.xsh = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
         L->ws.shrow = moept__alloc(&L->mem, (size_t)L->cfg.max_tokens * sizeof(int64_t));
@@ -4154,26 +4155,28 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
         return st;
     /* the unmasked tokens': padding changes no token's fate */
     f->cap = moept__capacity(L->capacity_factor, f->valid, L->K, L->E);
-    moept__fwd_count(L, f);
-    if ((st = moept__fwd_exchange_counts(L, f))) return st;
-    if ((st = moept__fwd_agree_growth(L, f))) return st;
+    moept__fwd_count(L, sl, f);
+    if ((st = moept__fwd_exchange_counts(L, sl, f))) return st;
+    if ((st = moept__fwd_agree_growth(L, sl, f))) return st;
     /* fsdp: the full experts from every rank's shard (before the commit: a
        broken comm leaves the last step intact) */
     if (L->fsdp && (st = moept__fsdp_gather(L))) return st;
     const moept_stats stats_before = L->stats; /* restored if the output check fails */
-    moept__fwd_commit(L, f);
-    L->fwd.sh_n = f->valid;
+    moept__fwd_commit(L, sl, f);
+    sl->fwd.sh_n = f->valid;
     double aux_v = 0.0;
-    if ((st = moept__fwd_losses(L, f, &aux_v)) || (moept__fwd_plan(L), (st = moept__fwd_run(L, f)))) {
-        L->fwd.valid = 0;
+    if ((st = moept__fwd_losses(L, sl, f, &aux_v)) || (moept__fwd_plan(L, sl), (st = moept__fwd_run(L, sl,
+            f)))) {
+        sl->fwd.valid = 0;
         return st;
     }
-    if ((st = moept__forward_finite(L, f->y, aux_v, L->fwd.lstat[L->fwd.ls.lse2] / L->fwd.loss_T,
+    if ((st = moept__forward_finite(L, sl, f->y, aux_v, sl->fwd.lstat[sl->fwd.ls.lse2] / sl->fwd.loss_T,
                                     f->global))) {
         L->stats = stats_before;
         return st;
     }
-    moept__fwd_stats(L, f, aux_v);
+    moept__fwd_stats(L, sl, f, aux_v);
+    L->last = slot; /* what moept_routing and moept_get_stats read from now on */
     return MOEPT_OK;
 }
 
@@ -4212,9 +4215,10 @@ moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) 
    held earlier micro-batches, config.grad_backup's copy restores them
    exactly, and without it (the copy doubles the gradients' memory)
    adamw_step and grad_norm refuse them until moept_zero_grad. */
-static moept_status moept__backward_finite(moept_layer *L, const float *dx, int grads_were_zero,
+static moept_status moept__backward_finite(moept_layer *L, moept__fstate *sl, const float *dx,
+                                           int grads_were_zero,
                                            const moept_stats *before) {
-    moept_status st = moept__agree_finite(L, "moept_backward", "dx", dx, MOEPT_OK, NULL,
+    moept_status st = moept__agree_finite(L, sl, "moept_backward", "dx", dx, MOEPT_OK, NULL,
         grads_were_zero ? "the gradients are as they were (zero)"
         : L->par.grads_copy ? "the gradients are as they were (config.grad_backup's copy)"
         : "the gradients accumulated since moept_zero_grad are refused until moept_zero_grad");
@@ -4224,7 +4228,7 @@ static moept_status moept__backward_finite(moept_layer *L, const float *dx, int 
     else if (L->par.grads_copy)
         memcpy(L->par.grads, L->par.grads_copy, (size_t)L->par.n_params * sizeof(float));
     else if (L->par.grads_dx_bad < 0) {
-        int64_t bad = moept__first_nonfinite(dx, L->fwd.T * L->D);
+        int64_t bad = moept__first_nonfinite(dx, sl->fwd.T * L->D);
         L->par.grads_dx_bad = bad < 0 ? 0 : bad; /* 0: a peer's dx */
     }
     return st;
@@ -4252,29 +4256,28 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
    (ys) become dys, then the experts' dxs; dx is written once, by the last. */
 
 /* agree: this rank's checks, then (EP) agreement so no rank is left waiting */
-static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float *dy, const float *dx,
-                                     float rscale, int slot) {
+static moept_status moept__bwd_agree(moept_layer *L, moept__fstate *sl, const float *x, const float *dy,
+                                     const float *dx, float rscale, int slot) {
     moept_status local = MOEPT_OK;
     uint64_t x_fp = 0;
     if (slot < 0 || slot >= L->nslots)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: opts.slot %d is not in "
                             "0..max_inflight-1 (%d)", slot, L->nslots - 1);
-    else if (L->active != slot && (!L->shadow || !L->ready[slot] || !L->shadow[slot].fwd.valid))
+    else if (L->last != slot && (!sl->ready || !sl->fwd.valid))
         local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: slot %d holds no forward to "
                             "differentiate", slot);
-    else local = moept__use_slot(L, slot, "moept_backward"); /* (allocated: cannot fail) */
-    const int64_t T = L->fwd.T, D = L->D;
+    const int64_t T = sl->fwd.T, D = L->D;
     if (local) (void)0;
-    else if (!L->fwd.valid)
+    else if (!sl->fwd.valid)
         local = moept__fail(L, MOEPT_ERR_STATE, "moept_backward: no forward to differentiate");
     else if (!moept__finite(rscale))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
                             "moept_backward: opts.router_loss_scale is not finite");
-    else if (L->fwd.eval)
+    else if (sl->fwd.eval)
         local = moept__fail(L, MOEPT_ERR_STATE,
                             "moept_backward: the last forward was an evaluation (opts.eval): "
                             "it kept nothing to differentiate");
-    else if (L->fwd.bwd_valid) /* the step's saved activations were consumed in place */
+    else if (sl->fwd.bwd_valid) /* the step's saved activations were consumed in place */
         local = moept__fail(L, MOEPT_ERR_STATE,
                             "moept_backward: this forward was already differentiated; run "
                             "forward again");
@@ -4283,7 +4286,7 @@ static moept_status moept__bwd_agree(moept_layer *L, const float *x, const float
                             !x ? "x" : !dy ? "dy" : "dx");
     else if (moept__overlaps(dx, x, (size_t)(T * D) * sizeof(float)))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, MOEPT__DX_ALIAS);
-    else if (moept__x_scan(x, T * D, &x_fp) >= 0 || x_fp != L->fwd.x_fp)
+    else if (moept__x_scan(x, T * D, &x_fp) >= 0 || x_fp != sl->fwd.x_fp)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: x is not the last forward's x "
                             "(another buffer, or changed since, e.g. by a y written over it)");
     else {
@@ -4307,26 +4310,26 @@ static moept_status moept__bwd_fsdp_gather(moept_layer *L) {
 /* combine': dL/dw per slot, then dys = w * dy in place of ys (direct path:
    of the output where the expert's rank keeps it); the shared expert's
    dy (gated) in yss and its gate's gradient in dsg */
-static void moept__bwd_combine(moept_layer *L, const float *dy) {
+static void moept__bwd_combine(moept_layer *L, moept__fstate *sl, const float *dy) {
     double ts = moept__now();
-    const int64_t T = L->fwd.T, D = L->D, K = L->K;
-    const float *wts = L->fwd.wts[L->fwd.cur];
-    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+    const int64_t T = sl->fwd.T, D = L->D, K = L->K;
+    const float *wts = sl->fwd.wts[sl->fwd.cur];
+    const int32_t *ids = sl->fwd.ids[sl->fwd.cur];
     const int direct = L->xch.direct;
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         const float *dyt = dy + t * D;
         for (int64_t k = 0; k < K; k++) {
-            int64_t r = L->plan.row_of[t * K + k];
-            if (r < 0) { L->ws.dwts[t * K + k] = 0.0f; continue; }
+            int64_t r = sl->plan.row_of[t * K + k];
+            if (r < 0) { sl->ws.dwts[t * K + k] = 0.0f; continue; }
             float *dys =
-                direct ? moept__shared_row(L, L->plan.slot_of[ids[t * K + k]], r, 1) : L->ws.dys + r * D;
-            L->ws.dwts[t * K + k] = (float)moept__dot(dys, dyt, D); /* the output row still, then dys */
+                direct ? moept__shared_row(L, sl, L->plan.slot_of[ids[t * K + k]], r, 1) : sl->ws.dys + r * D;
+            sl->ws.dwts[t * K + k] = (float)moept__dot(dys, dyt, D); /* the output row still, then dys */
             moept__row_scale(dys, wts[t * K + k], dyt, D);
         }
         if (L->S > 0) { /* padding: its y row was 0, nothing flows back */
-            float *yss = L->ws.yss + t * D;
-            float gs = L->par.wsg ? L->ws.sg[t] : 1.0f;
+            float *yss = sl->ws.yss + t * D;
+            float gs = L->par.wsg ? sl->ws.sg[t] : 1.0f;
             int pad = ids[t * K] < 0;
             if (L->par.wsg) L->ws.dsg[t] = pad ? 0.0f : moept__gate_bwd(moept__dot(yss, dyt, D), gs);
             if (pad) memset(yss, 0, (size_t)D * sizeof(float));
@@ -4338,41 +4341,43 @@ static void moept__bwd_combine(moept_layer *L, const float *dy) {
 
 /* The shared expert's weight gradients from its dys (yss), its dxs left in
    yss; a padded step's over the packed unmasked rows, as its forward */
-static void moept__bwd_shared(moept_layer *L, const float *x) {
-    const int64_t T = L->fwd.T, D = L->D, n = moept__shared_rows(L, T);
+static void moept__bwd_shared(moept_layer *L, moept__fstate *sl, const float *x) {
+    const int64_t T = sl->fwd.T, D = L->D, n = moept__shared_rows(sl, T);
     if (n < T) {
-        moept__shared_pack(L, x, T);
+        moept__shared_pack(L, sl, x, T);
         x = L->ws.xsh;
-        moept__shared_move(L, L->ws.yss, D, n, T, 1);
+        moept__shared_move(L, sl->ws.yss, D, n, T, 1);
         if (L->par.wsg) moept__shared_move(L, L->ws.dsg, 1, n, T, 1);
     }
     int64_t off[2] = {0, n};
-    moept__ffn_backward(L, x, 1, off, L->par.ws13, L->par.ws2, L->par.gs13, L->par.gs2, L->HS, L->S, L->ws.hs,
-                        L->ws.as, L->ws.yss);
+    moept__ffn_backward(L, x, 1, off, L->par.ws13, L->par.ws2, L->par.gs13, L->par.gs2, L->HS, L->S,
+                        sl->ws.hs,
+                        sl->ws.as, sl->ws.yss);
 }
 
 /* experts': the dys travel to the experts, the FFNs' backward, the dxs
    come back into ys (chunked: as a pipeline); the shared expert's backward
    meanwhile */
-static moept_status moept__bwd_experts(moept_layer *L, const float *x) {
+static moept_status moept__bwd_experts(moept_layer *L, moept__fstate *sl, const float *x) {
     moept_status st;
     double ts = moept__now();
     if (L->xch.direct) { /* our dys are in place: wait for every rank's */
         moept__count_bytes(L, 1);
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
     } else if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
-        if ((st = moept__backward_chunked(L))) return st;
-    } else if (L->ep && (st = moept__exchange(L, L->ws.dys, L->ws.dyr, 1))) return st;
+        if ((st = moept__backward_chunked(L, sl))) return st;
+    } else if (L->ep && (st = moept__exchange(L, sl, sl->ws.dys, sl->ws.dyr, 1))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
     if (L->C == 1) /* dyr in, dxr out over it */
-        moept__ffn_backward(L, L->ws.xr, L->El, L->xch.roffsets, L->par.w13, L->par.w2, L->par.g13, L->par.g2,
-                            L->H, L->F, L->ws.h, L->ws.a, L->ws.dyr);
-    if (L->S > 0) moept__bwd_shared(L, x);
+        moept__ffn_backward(L, sl->ws.xr, L->El, sl->xch.roffsets, L->par.w13, L->par.w2, L->par.g13,
+                            L->par.g2,
+                            L->H, L->F, sl->ws.h, sl->ws.a, sl->ws.dyr);
+    if (L->S > 0) moept__bwd_shared(L, sl, x);
     ts = moept__now();
     if (L->xch.direct) {
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
         moept__count_bytes(L, 0);
-    } else if (L->C == 1 && L->ep && (st = moept__exchange(L, L->ws.dxs, L->ws.dxr, 0))) return st;
+    } else if (L->C == 1 && L->ep && (st = moept__exchange(L, sl, sl->ws.dxs, sl->ws.dxr, 0))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
     return MOEPT_OK;
 }
@@ -4381,14 +4386,15 @@ static moept_status moept__bwd_experts(moept_layer *L, const float *x) {
    g_router += dlogits^T xin where the router saw xin = x * u (jitter: the
    noise drawn again into xj; else u = 1), and the shared gate's
    gsg += dsg^T x (over the packed rows as its forward) */
-static void moept__bwd_router(moept_layer *L, const float *x, const moept_backward_opts *o) {
-    const int64_t T = L->fwd.T, D = L->D, E = L->E, K = L->K;
+static void moept__bwd_router(moept_layer *L, moept__fstate *sl, const float *x,
+                              const moept_backward_opts *o) {
+    const int64_t T = sl->fwd.T, D = L->D, E = L->E, K = L->K;
     const int fam = (int)L->cfg.family, aux = (int)L->cfg.aux_loss, norm = L->cfg.norm_topk_prob;
-    const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? L->fwd.aux_g : NULL;
+    const float *aux_g = aux != MOEPT_AUX_NONE && L->cfg.aux_loss_coef != 0.0f ? sl->fwd.aux_g : NULL;
     const int64_t slen = aux == MOEPT_AUX_SEQ ? L->cfg.aux_seq_len : 0; /* aux_g's row: t / slen */
-    const float zc = L->cfg.z_loss_coef, scale = L->cfg.routed_scaling_factor, Tl = (float)L->fwd.loss_T;
-    const float *logits = L->fwd.logits[L->fwd.cur], *probs = L->fwd.probs[L->fwd.cur];
-    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+    const float zc = L->cfg.z_loss_coef, scale = L->cfg.routed_scaling_factor, Tl = (float)sl->fwd.loss_T;
+    const float *logits = sl->fwd.logits[sl->fwd.cur], *probs = sl->fwd.probs[sl->fwd.cur];
+    const int32_t *ids = sl->fwd.ids[sl->fwd.cur];
     #pragma omp parallel for schedule(static) MOEPT__PAR_MAX(T * E * K, L->nthreads)
     for (int64_t t = 0; t < T; t++) {
         float *scratch = L->plan.choice + (int64_t)MOEPT__TID * 2 * E;
@@ -4396,20 +4402,20 @@ static void moept__bwd_router(moept_layer *L, const float *x, const moept_backwa
             for (int64_t e = 0; e < E; e++) L->ws.dlogits[t * E + e] = 0.0f;
             continue;
         }
-        float zgrad = moept__zgrad(zc, L->fwd.lse[t], Tl);
-        moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, L->ws.dwts + t * K,
+        float zgrad = moept__zgrad(zc, sl->fwd.lse[t], Tl);
+        moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, sl->ws.dwts + t * K,
                                 aux_g && slen ? aux_g + t / slen * E : aux_g, zgrad, (int)E, (int)K, norm,
                                 scale, o->router_loss_scale, o->dlogits ? o->dlogits + t * E : NULL, scratch,
                                 L->ws.dlogits + t * E);
     }
     const float *xin = x;
-    if (L->fwd.jitter) {
-        moept__jitter_apply(L, L->fwd.jkey, x, T, L->fwd.xj, L->fwd.jrow[L->fwd.cur], 0);
-        xin = L->fwd.xj;
+    if (sl->fwd.jitter) {
+        moept__jitter_apply(L, sl->fwd.jkey, x, T, sl->fwd.xj, sl->fwd.jrow[sl->fwd.cur], 0);
+        xin = sl->fwd.xj;
     }
     moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->ws.dlogits, E, xin, D, 1.0f, L->par.g_router, D);
     moept__gemm_run(&g, 1, &L->ws.gws);
-    const int64_t n = moept__shared_rows(L, T);
+    const int64_t n = moept__shared_rows(sl, T);
     if (L->S > 0 && L->par.wsg) {
         g = moept__gemm_make(1, 0, 1, D, n, L->ws.dsg, 1, n < T ? L->ws.xsh : x, D, 1.0f, L->par.gsg, D);
         moept__gemm_run(&g, 1, &L->ws.gws);
@@ -4419,80 +4425,80 @@ static void moept__bwd_router(moept_layer *L, const float *x, const moept_backwa
 /* dx in one place: the sum of each token's K rows of dxs in slot order,
    then the shared expert's dxs and its gate's term (over its packed rows),
    then the router's (dlogits W) * u */
-static moept_status moept__bwd_dx(moept_layer *L, float *dx) {
+static moept_status moept__bwd_dx(moept_layer *L, moept__fstate *sl, float *dx) {
     double ts = moept__now();
-    const int64_t T = L->fwd.T, D = L->D, E = L->E, K = L->K;
-    const int32_t *ids = L->fwd.ids[L->fwd.cur];
+    const int64_t T = sl->fwd.T, D = L->D, E = L->E, K = L->K;
+    const int32_t *ids = sl->fwd.ids[sl->fwd.cur];
     const int direct = L->xch.direct;
     const float *dxs =
-        L->C > 1 && !L->ep ? L->ch.dx : L->ws.dxs; /* chunked at one rank: the experts' own rows */
+        L->C > 1 && !L->ep ? sl->ch.dx : sl->ws.dxs; /* chunked at one rank: the experts' own rows */
 #pragma omp parallel for schedule(static) MOEPT__PAR(T * D * K)
     for (int64_t t = 0; t < T; t++) {
         float *dxt = dx + t * D;
         memset(dxt, 0, (size_t)D * sizeof(float));
         for (int64_t k = 0; k < K; k++) {
-            int64_t r = L->plan.row_of[t * K + k];
+            int64_t r = sl->plan.row_of[t * K + k];
             if (r < 0) continue;
             const float *src =
-                direct ? moept__shared_row(L, L->plan.slot_of[ids[t * K + k]], r, 1) : dxs + r * D;
+                direct ? moept__shared_row(L, sl, L->plan.slot_of[ids[t * K + k]], r, 1) : dxs + r * D;
             moept__row_axpy(dxt, 1.0f, src, D);
         }
     }
     moept_status st;
     if (direct && (st = moept__direct_sync(L, "moept_backward"))) return st; /* peers done reading */
     L->stats.dispatch_seconds += moept__now() - ts;
-    const int64_t n = moept__shared_rows(L, T);
+    const int64_t n = moept__shared_rows(sl, T);
     if (L->S > 0) {
         if (n < T) moept__shared_move(L, dx, D, n, T, 1);
         #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
-        for (int64_t t = 0; t < n; t++) moept__row_axpy(dx + t * D, 1.0f, L->ws.yss + t * D, D);
+        for (int64_t t = 0; t < n; t++) moept__row_axpy(dx + t * D, 1.0f, sl->ws.yss + t * D, D);
         if (L->par.wsg) { /* dx += dsg wsg */
             moept__gemm g = moept__gemm_make(0, 0, n, D, 1, L->ws.dsg, 1, L->par.wsg, D, 1.0f, dx, D);
             moept__gemm_run(&g, 1, &L->ws.gws);
         }
         if (n < T) moept__shared_move(L, dx, D, n, T, 0);
     }
-    if (!L->fwd.jitter) {
+    if (!sl->fwd.jitter) {
         moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->ws.dlogits, E, L->par.w_router, D, 1.0f, dx, D);
         moept__gemm_run(&g, 1, &L->ws.gws);
         return MOEPT_OK;
     }
-    moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->ws.dlogits, E, L->par.w_router, D, 0.0f, L->fwd.xj, D);
+    moept__gemm g = moept__gemm_make(0, 0, T, D, E, L->ws.dlogits, E, L->par.w_router, D, 0.0f, sl->fwd.xj,
+                                     D);
     moept__gemm_run(&g, 1, &L->ws.gws);
-    moept__jitter_apply(L, L->fwd.jkey, NULL, T, L->fwd.xj, L->fwd.jrow[L->fwd.cur], 0);
+    moept__jitter_apply(L, sl->fwd.jkey, NULL, T, sl->fwd.xj, sl->fwd.jrow[sl->fwd.cur], 0);
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
-    for (int64_t i = 0; i < T * D; i++) dx[i] += L->fwd.xj[i];
+    for (int64_t i = 0; i < T * D; i++) dx[i] += sl->fwd.xj[i];
     return MOEPT_OK;
 }
 
 static moept_status moept__backward_slot(moept_layer *L, const float *x, const float *dy, float *dx,
                                          const moept_backward_opts *o) {
     moept_status st;
-    if ((st = moept__bwd_agree(L, x, dy, dx, o->router_loss_scale, o->slot))) return st;
+    /* the state of the forward it differentiates (a slot out of range is refused, agreed) */
+    moept__fstate *sl = &L->slots[o->slot >= 0 && o->slot < L->nslots ? o->slot : L->last];
+    if ((st = moept__bwd_agree(L, sl, x, dy, dx, o->router_loss_scale, o->slot))) return st;
     const moept_stats stats_before = L->stats; /* restored if dx is not finite */
     const int grads_were_zero = moept__all_zero(L->par.grads, L->par.n_params);
     if (L->par.grads_copy && !grads_were_zero)
         memcpy(L->par.grads_copy, L->par.grads, (size_t)L->par.n_params * sizeof(float));
     if (L->fsdp && (st = moept__bwd_fsdp_gather(L))) return st;
-    moept__bwd_combine(L, dy);
-    if ((st = moept__bwd_experts(L, x))) return st;
-    moept__bwd_router(L, x, o);
-    if ((st = moept__bwd_dx(L, dx))) return st;
-    L->fwd.bwd_valid = 1; /* the saved activations are consumed, whatever follows */
-    if ((st = moept__backward_finite(L, dx, grads_were_zero, &stats_before))) return st;
+    moept__bwd_combine(L, sl, dy);
+    if ((st = moept__bwd_experts(L, sl, x))) return st;
+    moept__bwd_router(L, sl, x, o);
+    if ((st = moept__bwd_dx(L, sl, dx))) return st;
+    sl->fwd.bwd_valid = 1; /* the saved activations are consumed, whatever follows */
+    if ((st = moept__backward_finite(L, sl, dx, grads_were_zero, &stats_before))) return st;
     if (L->fsdp && (st = moept__fsdp_reduce_scatter(L))) return st;
     return MOEPT_OK;
 }
 
-/* The backward of opts.slot's forward; then the last forward's slot is the
-   active one again (moept_routing, moept_get_stats and update_bias read the
-   last forward call's; moept_routing_grads its backward, once it ran) */
+/* The backward of opts.slot's forward (moept_routing, moept_get_stats and
+   update_bias go on reading the last forward's; moept_routing_grads its
+   backward, once it ran) */
 static moept_status moept__backward(moept_layer *L, const float *x, const float *dy, float *dx,
                                     const moept_backward_opts *o) {
-    const int last = L->active;
-    moept_status st = moept__backward_slot(L, x, dy, dx, o);
-    (void)moept__use_slot(L, last, "moept_backward"); /* allocated: cannot fail */
-    return st;
+    return moept__backward_slot(L, x, dy, dx, o);
 }
 
 /* ------------------------------------------------------------------------
@@ -4574,12 +4580,13 @@ static moept_status moept__settle(const moept_layer *cL) {
 
 moept_status moept_get_peer_rows(const moept_layer *L, int64_t *sent, int64_t *received) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_peer_rows: layer is NULL");
-    if (!L->fwd.valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_get_peer_rows: no forward yet");
+    const moept__fstate *sl = moept__last(L);
+    if (!sl->fwd.valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_get_peer_rows: no forward yet");
     moept_status st = moept__settle(L);
     if (st) return st;
     for (int q = 0; q < L->P; q++) {
-        int64_t s = L->ep ? L->xch.peer_rows[q] : L->plan.N,
-                r = L->ep ? L->xch.peer_rows[L->P + q] : L->plan.N;
+        int64_t s = L->ep ? sl->xch.peer_rows[q] : sl->plan.N,
+                r = L->ep ? sl->xch.peer_rows[L->P + q] : sl->plan.N;
         if (sent) sent[q] = s;
         if (received) received[q] = r;
     }
@@ -4588,15 +4595,16 @@ moept_status moept_get_peer_rows(const moept_layer *L, int64_t *sent, int64_t *r
 
 moept_status moept_update_bias(moept_layer *L, float rate) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: layer is NULL");
+    moept__fstate *sl = moept__last(L);
     moept_status bad = MOEPT_OK;
     if (L->cfg.family != MOEPT_FAMILY_DEEPSEEK_V3)
         bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
                           "moept_update_bias: only deepseek_v3 has a correction bias");
     else if (!moept__finite(rate) || rate < 0.0f)
         bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_update_bias: rate must be finite and >= 0");
-    else if (!L->fwd.valid)
+    else if (!sl->fwd.valid)
         bad = moept__fail(L, MOEPT_ERR_STATE, "moept_update_bias: no forward has counted tokens yet");
-    else if (L->fwd.eval)
+    else if (sl->fwd.eval)
         bad = moept__fail(L, MOEPT_ERR_STATE,
                           "moept_update_bias: the last forward was an evaluation (opts.eval)");
     else bad = moept__settle(L);
@@ -4607,18 +4615,18 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     moept__host_wrote(L, 1, 0);
     /* the bias is replicated: every rank must see the whole batch's counts
        (already so with global_balance; otherwise sum them here) */
-    double *cnt = L->fwd.lstat; /* [E] the forward's selection counts; free after the forward */
-    if ((L->group || L->dp) && !L->fwd.counts_global) {
+    double *cnt = sl->fwd.lstat; /* [E] the forward's selection counts; free after the forward */
+    if ((L->group || L->dp) && !sl->fwd.counts_global) {
         moept_status st = moept__world_sum(L, cnt, L->E, MOEPT_DTYPE_F64);
         if (st) return st;
-        for (int64_t e = 0; e < L->E; e++) L->fwd.sel_counts[e] = (int64_t)cnt[e];
-        L->fwd.counts_global = 1; /* a second call after the same forward sums nothing twice */
+        for (int64_t e = 0; e < L->E; e++) sl->fwd.sel_counts[e] = (int64_t)cnt[e];
+        sl->fwd.counts_global = 1; /* a second call after the same forward sums nothing twice */
     }
     double total = 0.0;
-    for (int64_t e = 0; e < L->E; e++) total += (double)L->fwd.sel_counts[e];
+    for (int64_t e = 0; e < L->E; e++) total += (double)sl->fwd.sel_counts[e];
     double mean = total / (double)L->E;
     for (int64_t e = 0; e < L->E; e++) {
-        double c = (double)L->fwd.sel_counts[e];
+        double c = (double)sl->fwd.sel_counts[e];
         L->par.bias[e] += rate * (float)((mean > c) - (mean < c));
     }
     return MOEPT_OK;
@@ -4626,28 +4634,31 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
 
 moept_status moept_routing(moept_layer *L, const int32_t **ids, const float **weights, const float **logits) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing: layer is NULL");
-    if (!L->fwd.valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing: no forward yet");
+    const moept__fstate *sl = moept__last(L);
+    if (!sl->fwd.valid) return moept__fail(L, MOEPT_ERR_STATE, "moept_routing: no forward yet");
     moept_status cs = MOEPT__EX(L, routing, L, 0); /* a device's routing, copied to the host */
     if (cs) return cs;
-    if (ids) *ids = L->fwd.ids[L->fwd.cur];
-    if (weights) *weights = L->fwd.wts[L->fwd.cur];
-    if (logits) *logits = L->fwd.logits[L->fwd.cur];
+    if (ids) *ids = sl->fwd.ids[sl->fwd.cur];
+    if (weights) *weights = sl->fwd.wts[sl->fwd.cur];
+    if (logits) *logits = sl->fwd.logits[sl->fwd.cur];
     return MOEPT_OK;
 }
 
 moept_status moept_routing_grads(moept_layer *L, const float **dweights) {
     if (!L || !dweights)
         return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_routing_grads: NULL argument");
-    if (!L->fwd.bwd_valid)
+    const moept__fstate *sl = moept__last(L);
+    if (!sl->fwd.bwd_valid)
         return moept__fail(L, MOEPT_ERR_STATE, "moept_routing_grads: no backward since the last forward");
     moept_status cs = MOEPT__EX(L, routing, L, 1);
     if (cs) return cs;
-    *dweights = L->ws.dwts;
+    *dweights = sl->ws.dwts;
     return MOEPT_OK;
 }
 
 moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe) {
     if (!L || !st) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_stats: NULL argument");
+    const moept__fstate *sl = moept__last(L);
     moept_status ss = moept__settle(L);
     if (ss) return ss;
     *st = L->stats;
@@ -4656,16 +4667,16 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     int64_t w[6];
     moept__recv_widths(L, w);
     int64_t row = w[0] + w[1] + w[2] + w[3] + w[4] + w[5];
-    st->workspace_bytes = 0;
-    for (int s = 0; s <= L->nslots; s++) { /* every forward slot's (the active one's in L) */
-        const moept_layer *o = s == L->active ? L : L->shadow && L->ready[s] ? &L->shadow[s] : NULL;
-        if (o) st->workspace_bytes += o->work_bytes + o->xch.Rcap * row * (int64_t)sizeof(float) +
-                                      2 * o->xch.shcap * L->D * (int64_t)sizeof(float);
+    st->workspace_bytes = L->work_bytes;
+    for (int s = 0; s <= L->nslots; s++) { /* every forward slot's */
+        const moept__fstate *o = &L->slots[s];
+        if (o->ready) st->workspace_bytes += o->work_bytes + o->xch.Rcap * row * (int64_t)sizeof(float) +
+                                             2 * o->xch.shcap * L->D * (int64_t)sizeof(float);
     }
     st->shared_exchange = L->xch.direct;
     st->device_workspace_bytes = L->dev.workspace_bytes;
     if (tpe)
-        for (int64_t e = 0; e < L->E; e++) tpe[e] = L->fwd.valid ? L->fwd.sel_counts[e] : 0;
+        for (int64_t e = 0; e < L->E; e++) tpe[e] = sl->fwd.valid ? sl->fwd.sel_counts[e] : 0;
     return MOEPT_OK;
 }
 
@@ -4743,7 +4754,7 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     moept__adamw_k k = {1.0f - lr * wd, b1, b2, (float)(lr / bc1), (float)sqrt(bc2), eps};
     if ((st = L->ex->adamw(L, k))) return st;
     L->opt.t = t;
-    L->fwd.jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
+    L->jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
     return MOEPT_OK;
 }
 
@@ -4752,9 +4763,7 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
    of the layer and its reports (moept.h's internal part)
    ------------------------------------------------------------------------ */
 static moept_status moept__cpu_forward(moept_layer *L, moept__fstep *f) {
-    const int was = L->active;
     moept_status st = moept__forward(L, f);
-    if (st) (void)moept__use_slot(L, was, "moept_forward"); /* the last forward's slot (made: no failure) */
     moept__load_note();
     return st;
 }
@@ -4785,6 +4794,7 @@ static const moept__exec moept__cpu_exec = {
 char *moept__errbuf(void) { return moept__thread_err; }
 
 void moept__view_of(moept_layer *L, moept__view *v) {
+    moept__fstate *sl = moept__last(L); /* a device layer's host copies: one state */
     memset(v, 0, sizeof *v);
     v->cfg = &L->cfg;
     v->D = L->D; v->F = L->F; v->E = L->E; v->K = L->K; v->S = L->S; v->H = L->H; v->HS = L->HS;
@@ -4799,10 +4809,12 @@ void moept__view_of(moept_layer *L, moept__view *v) {
     v->offsg = L->par.wsg ? L->par.wsg - L->par.params : -1;
     v->slot_of = L->plan.slot_of;
     v->m = L->opt.m; v->v = L->opt.v;
-    v->lstat = L->fwd.lstat;
-    v->peer_rows = L->xch.peer_rows;
-    v->ids = L->fwd.ids[L->fwd.cur]; v->wts = L->fwd.wts[L->fwd.cur]; v->logits = L->fwd.logits[L->fwd.cur];
-    v->dwts = L->ws.dwts;
+    v->lstat = sl->fwd.lstat;
+    v->peer_rows = sl->xch.peer_rows;
+    v->ids = sl->fwd.ids[sl->fwd.cur];
+    v->wts = sl->fwd.wts[sl->fwd.cur];
+    v->logits = sl->fwd.logits[sl->fwd.cur];
+    v->dwts = sl->ws.dwts;
 }
 
 void moept__dev_agreed(moept_layer *L, int n) { L->agreed_calls += n; }
@@ -4824,17 +4836,18 @@ static void moept__dev_stats(moept_layer *L, const moept__dev_step *r) {
 /* the forward's statistics that come from the device (lstat and peer_rows
    were written by the executor) */
 void moept__dev_step_done(moept_layer *L, const moept__dev_step *r) {
+    moept__fstate *sl = moept__last(L);
     const int64_t E = L->E;
     for (int64_t e = 0; e < E; e++) {
-        L->fwd.sel_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.sel + e];
-        L->fwd.aux_counts[e] = (int64_t)L->fwd.lstat[L->fwd.ls.auxc + e];
+        sl->fwd.sel_counts[e] = (int64_t)sl->fwd.lstat[sl->fwd.ls.sel + e];
+        sl->fwd.aux_counts[e] = (int64_t)sl->fwd.lstat[sl->fwd.ls.auxc + e];
     }
-    L->fwd.counts_global = r->counts_global;
-    L->plan.N = r->N; L->xch.R = r->R;
-    L->fwd.loss_T = r->loss_T; L->fwd.aux_value = r->aux_value; L->fwd.z_value = r->z_value;
+    sl->fwd.counts_global = r->counts_global;
+    sl->plan.N = r->N; sl->xch.R = r->R;
+    sl->fwd.loss_T = r->loss_T; sl->fwd.aux_value = r->aux_value; sl->fwd.z_value = r->z_value;
     moept_stats *sts = &L->stats;
     sts->routed_rows = r->N;
-    sts->masked_tokens = L->fwd.T - r->valid;
+    sts->masked_tokens = sl->fwd.T - r->valid;
     sts->dropped_rows = r->valid * L->K - r->N;
     sts->capacity = r->capacity;
     sts->rows_sent = r->rows_sent;
@@ -4844,8 +4857,9 @@ void moept__dev_step_done(moept_layer *L, const moept__dev_step *r) {
 }
 
 void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r, int64_t T, int eval) {
-    L->fwd.jitter_micro += r->jitter;
-    L->fwd.T = T; L->fwd.valid = 1; L->fwd.bwd_valid = 0; L->fwd.eval = eval;
+    moept__fstate *sl = moept__last(L);
+    L->jitter_micro += r->jitter;
+    sl->fwd.T = T; sl->fwd.valid = 1; sl->fwd.bwd_valid = 0; sl->fwd.eval = eval;
     moept_stats *sts = &L->stats;
     sts->bytes_sent = sts->bytes_received = 0;
     sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
@@ -4856,11 +4870,12 @@ void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r, int64_t T
 }
 
 void moept__dev_backward_done(moept_layer *L, const moept__dev_step *r, int last) {
+    moept__fstate *sl = moept__last(L);
     moept__dev_stats(L, r);
-    if (last) L->fwd.bwd_valid = 1;
+    if (last) sl->fwd.bwd_valid = 1;
 }
 
-void moept__dev_count_jitter(moept_layer *L, int n) { L->fwd.jitter_micro += n; }
+void moept__dev_count_jitter(moept_layer *L, int n) { L->jitter_micro += n; }
 
 void moept__dev_grads_bad(moept_layer *L, int64_t bad, moept_status why_st, const char *why) {
     if (bad >= 0 && L->par.grads_dx_bad < 0) L->par.grads_dx_bad = bad;
@@ -7802,7 +7817,7 @@ static void moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *sta
     }
     L->opt.t = L->par.grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
     if (L->ex->host_wrote) L->ex->host_wrote(L, MOEPT__HOST_OPT); /* an executor's moments: from these */
-    L->fwd.jitter_micro = 0;
+    L->jitter_micro = 0;
 }
 
 /* Loads a training checkpoint saved at any EP size P that divides E into

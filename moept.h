@@ -304,17 +304,14 @@
      may still wait for its backward (several slots, or one whose forward
      was not differentiated yet), so forward, evaluation, backward equals
      forward, backward; else (one slot, its forward differentiated) in the
-     training slot, adding no memory. Switching slots moves no data (the
-     layer swaps its pointers to the slot's buffers).
+     training slot, adding no memory. Each slot holds its own forward state
+     (no data moves between slots; a call works on the slot it names).
      Memory: each slot used, and a training layer's first evaluation in its
-     own workspace, add one slot's: a CPU layer's, the workspace a new layer
-     holds (moept_stats.workspace_bytes at create, less fsdp's gathered
-     experts: the routing, plan, exchange layout and activations, and
-     copies of the layer's scratch, e.g. the builtin GEMM's packing
-     buffers, which stay unused); a CUDA layer's, its forward state only on
-     the device (the routing, plan, send rows, the shared expert's
-     activations and the receive rows: docs/CUDA.md, "Memory"), less than
-     the create's device_workspace_bytes (no scratch, no cuBLAS workspace).
+     own workspace, add one slot's forward state: the routing, plan,
+     exchange layout, activations and receive rows (on a CUDA layer on the
+     device, with the send rows: docs/CUDA.md, "Memory"), less than the
+     create's workspace_bytes (device_workspace_bytes): the layer's scratch
+     (the builtin GEMM's packing, cuBLAS's workspace) is shared.
      Allocated at the slot's first forward (out of memory: that forward
      fails on every rank, nothing changed); its receive rows grow with a
      step's rows as slot 0's do. workspace_bytes (CPU) and

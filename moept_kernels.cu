@@ -71,7 +71,6 @@
 #include <sched.h>
 #include <string.h>
 #include <time.h>
-#include <utility> /* std::swap: forward slots */
 
 typedef uint16_t moept__bf16;
 
@@ -1542,6 +1541,54 @@ extern "C" int moept_comm_nccl_aborted(const moept_comm *c) {
 /* ------------------------------------------------------------------------
    The executor
    ------------------------------------------------------------------------ */
+/* A forward slot's state: what a forward writes and its backward reads
+   (the committed step's double buffers among them), one per forward slot */
+typedef struct moept__cslot {
+    /* device: its block (moept__slot_layout), fwork_bytes long */
+    void *fwork;
+    int64_t fwork_bytes;
+    float *xf;                  /* [Tmax][D] fp32 router input (BF16; F32 uses x) */
+    int xf_committed;           /* xf holds the committed step's x (bf16: a rejected forward wrote it) */
+    uint64_t *jrow[2];          /* [Tmax] its tokens' hashes (the noise's keys), as logits */
+    float *logits[2];           /* [Tmax][E] double-buffered: a rejected step keeps the last */
+    float *probs[2];            /* [Tmax][E] */
+    int32_t *ids[2];            /* [Tmax][K] */
+    float *wts[2];              /* [Tmax][K] */
+    float *lse[2];              /* [Tmax] */
+    float *seqg[2];             /* MOEPT_AUX_SEQ: [Tmax / slen][E] each sequence's aux gradient */
+    unsigned long long *ybad;   /* [1] the committed forward's first non-finite y index */
+    int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
+    int64_t *tok_of_row;        /* [Tmax*K] */
+    int32_t *kslot_of_row;      /* [Tmax*K] */
+    void *xs, *ys;              /* [Tmax*K][D] send/receive side of the token rows (P > 1) */
+    void *hs, *as, *yss;        /* [Tmax][HS], [Tmax][lda_as], [Tmax][D] shared expert (T); an inference
+                                   layer's as is hs (lda_as = HS: the activations over the gate half) */
+    float *sg;                  /* [Tmax] shared gate */
+    float *dwts;                /* [Tmax][K] (an inference layer: none) */
+    float *aux_g;               /* [E] */
+    int64_t *cmsg;              /* sync-free: the committed step's msg_all [P][M] and lstat [3E + 5] */
+    double *clstat;             /* (a call rejected here after it ran the statistics kernels keeps them) */
+    /* device: the receive block (grows geometrically, never shrinks) */
+    void *rblock;
+    void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][lda_a] (T); an inference
+                                   layer's a is h (lda_a = H: the activations over the gate half) */
+    void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
+    int64_t Rcap, rblock_bytes;
+    /* host: its plan arrays (moept__slot_host_layout) */
+    void *fhost;
+    int64_t *counts, *offsets;  /* [E], [E+1] rows kept per expert slot and their first row */
+    int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
+    moept_seg *send_segs, *recv_segs; /* [P][El] */
+    int64_t *ccnt, *rccnt;      /* chunked: [C][E] kept rows per chunk and expert slot, [P][C][El]
+                                   rows from peer p in chunk c for local expert j */
+    int cur, fwd_valid, bwd_done, fwd_eval; /* the committed step's buffers; it was an evaluation */
+    int jit;                    /* the committed step's router saw xf * u, drawn under jkey */
+    uint64_t jkey;
+    int masked;                 /* the committed step had a padding mask */
+    int64_t T, N, R;
+    double loss_T;              /* tokens the committed step's losses average over */
+} moept__cslot;
+
 struct moept__cuda {
     moept__cuda_spec sp;
     int dev;                    /* the device current at create: current in every call (moept__on_device) */
@@ -1582,35 +1629,21 @@ struct moept__cuda {
     int32_t *slot_of;           /* [E] */
     void *wlow;                 /* [n_params - E*D] bf16 copy of the non-router weights (BF16) */
     int wlow_stale;             /* the fp32 masters changed since wlow was cast from them */
-    int xf_committed;           /* slot: xf holds the committed step's x (bf16: a rejected forward wrote
-                                   it) */
 
-    /* Forward slots (config.max_inflight): the fields marked "slot" are a
-       forward's state, what its backward reads (moept__CSLOT, as moept.c's
-       MOEPT__FSTATE); they belong to the active slot, and slot s's, when s is
-       not active, wait in shadow[s] (moept__use_slot swaps them: O(1)). The
-       rest is the layer's: parameters, placement, comms, scratch. */
+    /* Forward slots (config.max_inflight): slot s's forward state, what its
+       backward reads (moept__cslot, as moept.c's moept__fstate); the rest is
+       the layer's: parameters, placement, comms, scratch. */
     int nslots;                 /* max(1, max_inflight) training slots; slot nslots: evaluations' */
-    int active;                 /* the slot whose state the fields hold: the last forward's between calls */
-    moept__cuda *shadow;        /* [nslots + 1]; shadow[active] is all zero */
+    int last;                   /* the slot of the last forward that succeeded */
+    moept__cslot *slots;        /* [nslots + 1] */
 
     /* device: the fixed workspace (one allocation, sized for Tmax) */
     void *work;
-    void *fwork;                /* slot: its device block (moept__slot_layout), fwork_bytes long */
-    int64_t fwork_bytes;
-    float *xf;                  /* slot: [Tmax][D] fp32 router input (BF16; F32 uses x) */
     float *xj;                  /* [Tmax][D] the router's input under jitter, xf * u (router_jitter) */
-    uint64_t *jrow[2];          /* slot: [Tmax] its tokens' hashes (the noise's keys), as logits */
-    float *logits[2];           /* slot: [Tmax][E] double-buffered: a rejected step keeps the last */
-    float *probs[2];            /* slot: [Tmax][E] */
-    int32_t *ids[2];            /* slot: [Tmax][K] */
-    float *wts[2];              /* slot: [Tmax][K] */
-    float *lse[2];              /* slot: [Tmax] */
     float *scratch;             /* [Tmax][2E] router scratch, aux scores, router' scratch */
     int32_t *cids;              /* [Tmax][K] aux-counted ids */
     double *lstat;              /* [3E + 5] loss statistics (moept__lso) + failure flag */
     double *seqst;              /* MOEPT_AUX_SEQ: [Tmax / slen][2E + 2] per sequence (moept__k_seq_stats) */
-    float *seqg[2];             /* slot: MOEPT_AUX_SEQ: [Tmax / slen][E] each sequence's aux gradient */
     int64_t *hist;              /* [nblk_max][E] the count's per block, then block offsets */
     int32_t *lrank;             /* [Tmax*K] rank within block and slot */
     int64_t *kept, *koff;       /* [E], [E+1] */
@@ -1618,32 +1651,14 @@ struct moept__cuda {
     unsigned long long *csel;   /* [C][E] chunked: assignments per chunk and slot */
     unsigned long long *bad;    /* [8] first non-finite x index, token with bad logits, dy index, x
                                    again (backward), (unused), dx index, sync-free code, gradient index */
-    unsigned long long *ybad;   /* slot: [1] the committed forward's first non-finite y index */
     double *gpart;              /* [MOEPT__NPART][2] the gradient scan's block sums */
-    int64_t *row_of;            /* slot: [Tmax*K] permuted row of each assignment, -1 dropped */
-    int64_t *tok_of_row;        /* slot: [Tmax*K] */
-    int32_t *kslot_of_row;      /* slot: [Tmax*K] */
-    void *xs, *ys;              /* slot: [Tmax*K][D] send/receive side of the token rows (P > 1) */
-    void *hs, *as, *yss;        /* slot: [Tmax][HS], [Tmax][lda_as], [Tmax][D] shared expert (T); an
-                                   inference layer's as is hs (lda_as = HS: the activations over the gate
-                                   half) */
-    float *sg, *dsg;            /* [Tmax] shared gate (slot), its gradient (an inference layer: no dsg) */
-    float *dwts;                /* slot: [Tmax][K] (an inference layer: none, nor dlogits) */
+    float *dsg;                 /* [Tmax] the shared gate's gradient (an inference layer: none) */
     float *dlogits;             /* [Tmax][E] */
-    float *aux_g;               /* slot: [E] */
     const void **d_ptrs;        /* [3G] the grouped GEMM's pointer arrays (moept__k_ptrs writes them
                                    in stream order, after the last GEMM that read them) */
 
-    /* device, slot: the receive block (grows geometrically, never shrinks) */
-    void *rblock;
-    void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][lda_a] (T); an inference
-                                   layer's a is h (lda_a = H: the activations over the gate half) */
-    void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
     int64_t lda_a, lda_as;      /* a's and as's row strides: F and S, or H and HS */
-    int64_t Rcap;               /* slot, as rblock_bytes */
     int64_t B;                  /* sync-free: rows of each (rank, expert) block, Rcap = E B; 0 otherwise */
-    int64_t *cmsg;              /* slot, sync-free: the committed step's msg_all [P][M] and lstat [3E + 5] */
-    double *clstat;             /* (a call rejected here after it ran the statistics kernels keeps them) */
 
     /* pinned host */
     void *pinned;
@@ -1654,12 +1669,7 @@ struct moept__cuda {
     float *h_aux_g;             /* [E] */
 
     /* host */
-    void *hblock, *fhost;       /* the host plan arrays' block; slot: its own (moept__slot_host_layout) */
-    int64_t *counts, *offsets;  /* slot: [E], [E+1] rows kept per expert slot and their first row */
-    int64_t *rcounts, *roffsets;/* slot: [P][El], [El+1] */
-    moept_seg *send_segs, *recv_segs; /* slot: [P][El] */
-    int64_t *ccnt, *rccnt;      /* slot, chunked: [C][E] kept rows per chunk and expert slot, [P][C][El]
-                                   rows from peer p in chunk c for local expert j */
+    void *hblock;               /* the host plan arrays' block */
     moept_seg *csend, *crecv;   /* [P][El] one chunk's exchange pieces */
     int64_t *cruns;             /* [3][G] one chunk's row runs: first row, rows, local expert */
     int64_t *grow_ok;           /* [P] */
@@ -1668,15 +1678,9 @@ struct moept__cuda {
     cublasOperation_t *gops;    /* [2][G] */
     float *galpha;              /* [2][G] */
 
-    int cur, fwd_valid, bwd_done, fwd_eval; /* slot: the committed step's buffers; it was an evaluation */
-    int jit;                    /* slot: the committed step's router saw xf * u, drawn under jkey */
-    uint64_t jkey;
-    int masked;                 /* slot: the committed step had a padding mask */
     void *xsh;                  /* [Tmax][D] (T) a masked step's shared-expert input (moept__k_unpadded),
                                    made at the first masked forward (S > 0), again by its backward */
-    int64_t T, N, R;            /* slot */
-    double loss_T;              /* slot: tokens the committed step's losses average over */
-    int64_t allocations, allocated_bytes, fixed_bytes, rblock_bytes, growths;
+    int64_t allocations, allocated_bytes, fixed_bytes, growths;
 };
 
 static moept_status moept__dmalloc(moept__cuda *c, void **p, size_t bytes, char *err) {
@@ -1693,32 +1697,17 @@ static moept_status moept__dmalloc(moept__cuda *c, void **p, size_t bytes, char 
 }
 
 
-/* A forward's state (the struct's "slot" fields), swapped between the
-   layer and shadow[s] */
-#define MOEPT__CSLOT(X)                                                                                  \
-    X(fwork) X(fwork_bytes) X(xf) X(jrow) X(logits) X(probs) X(ids) X(wts) X(lse) X(seqg) X(aux_g)      \
-    X(clstat) X(cmsg) X(ybad) X(row_of) X(tok_of_row) X(kslot_of_row) X(xs) X(ys) X(hs) X(as) X(yss)    \
-    X(sg) X(dwts) X(fhost) X(counts) X(offsets) X(rcounts) X(roffsets) X(send_segs) X(recv_segs)        \
-    X(ccnt) X(rccnt) X(rblock) X(xr) X(yr) X(h) X(a) X(dar) X(dxr) X(Rcap) X(rblock_bytes) X(cur)       \
-    X(fwd_valid) X(bwd_done) X(fwd_eval) X(jit) X(jkey) X(masked) X(T) X(N) X(R) X(loss_T) X(xf_committed)
-#define MOEPT__CSWAP(f) std::swap(a->f, b->f);
-static void moept__swap_slot(moept__cuda *a, moept__cuda *b) { MOEPT__CSLOT(MOEPT__CSWAP) }
-#undef MOEPT__CSWAP
 
-/* The state of slot s, active or not */
-static const moept__cuda *moept__slot(const moept__cuda *c, int s) {
-    return s == c->active ? c : &c->shadow[s];
+/* A slot's blocks freed, its state zero (a slot never used) */
+static void moept__slot_free(moept__cslot *sl) {
+    cudaFree(sl->fwork);
+    cudaFree(sl->rblock);
+    free(sl->fhost);
+    memset(sl, 0, sizeof *sl);
 }
 
-/* The slot fields' blocks freed, the fields zero (a slot never used) */
-static void moept__slot_free(moept__cuda *o) {
-    moept__cuda z;
-    memset(&z, 0, sizeof z);
-    moept__swap_slot(o, &z);
-    cudaFree(z.fwork);
-    cudaFree(z.rblock);
-    free(z.fhost);
-}
+/* the last successful forward's state: what the host reads back (routing, statistics) */
+static moept__cslot *moept__last(const moept__cuda *c) { return &c->slots[c->last]; }
 
 /* The layer's device scratch: what a forward or backward writes and reads
    within the call */
@@ -1750,47 +1739,47 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
 
 /* A forward slot's device block: the routing (double-buffered), the plan,
    the send rows and the shared expert's activations */
-static void moept__slot_layout(moept__cuda *c, moept__carve *cv) {
+static void moept__slot_layout(moept__cuda *c, moept__cslot *sl, moept__carve *cv) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t T = p->Tmax, E = p->E, K = p->K, D = p->D, P = p->P;
     const size_t f = sizeof(float), es = (size_t)c->esz;
-    c->xf = (float *)moept__take(cv, p->dtype == MOEPT_DTYPE_BF16 ? (size_t)(T * D) * f : 0);
+    sl->xf = (float *)moept__take(cv, p->dtype == MOEPT_DTYPE_BF16 ? (size_t)(T * D) * f : 0);
     const int jit = p->jitter > 0.0f && !p->inference;
     const int64_t nseq = p->seq_len > 0 ? T / p->seq_len : 0;
     for (int b = 0; b < 2; b++) {
-        c->jrow[b] = (uint64_t *)moept__take(cv, jit ? (size_t)T * 8 : 0);
-        c->logits[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
-        c->probs[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
-        c->ids[b] = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
-        c->wts[b] = (float *)moept__take(cv, (size_t)(T * K) * f);
-        c->lse[b] = (float *)moept__take(cv, (size_t)T * f);
-        c->seqg[b] = (float *)moept__take(cv, (size_t)(nseq * E) * f);
+        sl->jrow[b] = (uint64_t *)moept__take(cv, jit ? (size_t)T * 8 : 0);
+        sl->logits[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
+        sl->probs[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
+        sl->ids[b] = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
+        sl->wts[b] = (float *)moept__take(cv, (size_t)(T * K) * f);
+        sl->lse[b] = (float *)moept__take(cv, (size_t)T * f);
+        sl->seqg[b] = (float *)moept__take(cv, (size_t)(nseq * E) * f);
     }
-    c->aux_g = (float *)moept__take(cv, (size_t)E * f);
-    c->clstat = (double *)moept__take(cv, c->B ? (size_t)MOEPT__NLSTAT(E) * 8 : 0);
-    c->cmsg = (int64_t *)moept__take(cv, c->B ? (size_t)(P * c->M) * 8 : 0);
-    c->ybad = (unsigned long long *)moept__take(cv, 8);
+    sl->aux_g = (float *)moept__take(cv, (size_t)E * f);
+    sl->clstat = (double *)moept__take(cv, c->B ? (size_t)MOEPT__NLSTAT(E) * 8 : 0);
+    sl->cmsg = (int64_t *)moept__take(cv, c->B ? (size_t)(P * c->M) * 8 : 0);
+    sl->ybad = (unsigned long long *)moept__take(cv, 8);
     const int64_t rows = T * K > E * c->B ? T * K : E * c->B; /* sync-free: E blocks of B rows */
-    c->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
-    c->tok_of_row = (int64_t *)moept__take(cv, (size_t)rows * 8);
-    c->kslot_of_row = (int32_t *)moept__take(cv, (size_t)rows * 4);
-    c->xs = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
-    c->ys = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
+    sl->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
+    sl->tok_of_row = (int64_t *)moept__take(cv, (size_t)rows * 8);
+    sl->kslot_of_row = (int32_t *)moept__take(cv, (size_t)rows * 4);
+    sl->xs = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
+    sl->ys = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
     /* an inference layer keeps nothing for a backward (as moept.c's moept__layout_acts): the shared
        activations over hs, no gradients of the gate, the weights or the logits */
     const size_t train = !p->inference;
-    c->hs = moept__take(cv, (size_t)(T * p->HS) * es);
-    c->as = train ? moept__take(cv, (size_t)(T * p->S) * es) : c->hs;
+    sl->hs = moept__take(cv, (size_t)(T * p->HS) * es);
+    sl->as = train ? moept__take(cv, (size_t)(T * p->S) * es) : sl->hs;
     c->lda_as = train ? p->S : p->HS;
-    c->yss = moept__take(cv, p->S > 0 ? (size_t)(T * D) * es : 0);
-    c->sg = (float *)moept__take(cv, (size_t)T * f);
-    c->dwts = (float *)moept__take(cv, train * (size_t)(T * K) * f);
+    sl->yss = moept__take(cv, p->S > 0 ? (size_t)(T * D) * es : 0);
+    sl->sg = (float *)moept__take(cv, (size_t)T * f);
+    sl->dwts = (float *)moept__take(cv, train * (size_t)(T * K) * f);
 }
 
 /* Makes the receive block hold `need` rows, keeping the committed step's rows. */
-static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
-    if (need <= c->Rcap && c->rblock) return MOEPT_OK;
-    int64_t cap = need > 2 * c->Rcap ? need : 2 * c->Rcap;
+static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, char *err) {
+    if (need <= sl->Rcap && sl->rblock) return MOEPT_OK;
+    int64_t cap = need > 2 * sl->Rcap ? need : 2 * sl->Rcap;
     if (cap < 1) cap = 1;
     const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F;
     size_t es = (size_t)c->esz;
@@ -1805,13 +1794,13 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
     void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * Fa) * es);
     void *dar = moept__take(&cv, chunked ? (size_t)(cap * F) * es : 0);
     void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
-    int64_t keep = c->fwd_valid ? c->R : 0;
-    if (keep > 0 && c->rblock) {
+    int64_t keep = sl->fwd_valid ? sl->R : 0;
+    if (keep > 0 && sl->rblock) {
         const cudaMemcpyKind dd = cudaMemcpyDeviceToDevice;
-        cudaError_t e = cudaMemcpyAsync(xr, c->xr, (size_t)(keep * D) * es, dd, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(yr, c->yr, (size_t)(keep * D) * es, dd, c->s);
-        if (e == cudaSuccess) e = cudaMemcpyAsync(h, c->h, (size_t)(keep * H) * es, dd, c->s);
-        if (e == cudaSuccess && train) e = cudaMemcpyAsync(a, c->a, (size_t)(keep * F) * es, dd, c->s);
+        cudaError_t e = cudaMemcpyAsync(xr, sl->xr, (size_t)(keep * D) * es, dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(yr, sl->yr, (size_t)(keep * D) * es, dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(h, sl->h, (size_t)(keep * H) * es, dd, c->s);
+        if (e == cudaSuccess && train) e = cudaMemcpyAsync(a, sl->a, (size_t)(keep * F) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaStreamSynchronize(c->s);
         if (e != cudaSuccess) {
             cudaFree(blk);
@@ -1819,23 +1808,20 @@ static moept_status moept__grow(moept__cuda *c, int64_t need, char *err) {
                                 cudaGetErrorString(e));
         }
     }
-    if (c->rblock) cudaFree(c->rblock);
-    c->rblock = blk;
-    c->xr = xr; c->yr = yr; c->h = h; c->a = train ? a : h; c->dar = dar; c->dxr = dxr;
+    if (sl->rblock) cudaFree(sl->rblock);
+    sl->rblock = blk;
+    sl->xr = xr; sl->yr = yr; sl->h = h; sl->a = train ? a : h; sl->dar = dar; sl->dxr = dxr;
     c->lda_a = train ? F : H;
-    if (c->Rcap > 0) c->growths++;
-    c->rblock_bytes = (int64_t)bytes;
-    c->Rcap = cap;
+    if (sl->Rcap > 0) c->growths++;
+    sl->rblock_bytes = (int64_t)bytes;
+    sl->Rcap = cap;
     return MOEPT_OK;
 }
 
 /* The device workspace: the layer's, and each forward slot's with its receive rows */
 static int64_t moept__workspace(const moept__cuda *c) {
     int64_t n = c->fixed_bytes;
-    for (int s = 0; s <= c->nslots; s++) {
-        const moept__cuda *o = moept__slot(c, s);
-        n += o->fwork_bytes + o->rblock_bytes;
-    }
+    for (int s = 0; c->slots && s <= c->nslots; s++) n += c->slots[s].fwork_bytes + c->slots[s].rblock_bytes;
     return n;
 }
 
@@ -1881,9 +1867,8 @@ static void moept__cuda_destroy(moept__cuda *c) {
     cudaFree(c->rs_stage);
     cudaFree(c->wlow);
     cudaFree(c->work);
-    moept__slot_free(c);
-    for (int s = 0; c->shadow && s <= c->nslots; s++) moept__slot_free(&c->shadow[s]);
-    free(c->shadow);
+    for (int s = 0; c->slots && s <= c->nslots; s++) moept__slot_free(&c->slots[s]);
+    free(c->slots);
     cudaFree(c->xsh);
     cudaFreeHost(c->pinned);
     if (c->probe) cudaStreamDestroy(c->probe);
@@ -1981,17 +1966,17 @@ static moept_status moept__blas_create(moept__cuda *c, char *err) {
    for slot e = q El + j are block e of its send buffer ([E][B] rows); rank
    q receives them in block j P + s of its receive buffer, so local expert
    j's rows are blocks [j P, (j + 1) P): one group of P B rows. */
-static void moept__sf_layout(moept__cuda *c) {
+static void moept__sf_layout(moept__cuda *c, moept__cslot *sl) {
     const int64_t D = c->sp.D, El = c->sp.El, P = c->sp.P, B = c->B;
     for (int64_t q = 0; q < P; q++)
         for (int64_t j = 0; j < El; j++) {
-            c->send_segs[q * El + j].offset = (q * El + j) * B * D;
-            c->send_segs[q * El + j].count = B * D;
-            c->recv_segs[q * El + j].offset = (j * P + q) * B * D;
-            c->recv_segs[q * El + j].count = B * D;
+            sl->send_segs[q * El + j].offset = (q * El + j) * B * D;
+            sl->send_segs[q * El + j].count = B * D;
+            sl->recv_segs[q * El + j].offset = (j * P + q) * B * D;
+            sl->recv_segs[q * El + j].count = B * D;
         }
-    for (int64_t j = 0; j <= El; j++) c->roffsets[j] = j * P * B;
-    c->N = c->R = c->sp.E * B;
+    for (int64_t j = 0; j <= El; j++) sl->roffsets[j] = j * P * B;
+    sl->N = sl->R = c->sp.E * B;
 }
 
 /* The host plan arrays' scratch in one block (hblock); with kv->base NULL
@@ -2011,25 +1996,25 @@ static void moept__host_layout(moept__cuda *c, moept__carve *kv) {
 }
 
 /* ... and a forward slot's: its plan (fhost) */
-static void moept__slot_host_layout(moept__cuda *c, moept__carve *kv) {
+static void moept__slot_host_layout(moept__cuda *c, moept__cslot *sl, moept__carve *kv) {
     const int64_t E = c->sp.E, P = c->sp.P, El = c->sp.El, C = c->C;
-    c->counts = (int64_t *)moept__take(kv, (size_t)E * 8);
-    c->offsets = (int64_t *)moept__take(kv, (size_t)(E + 1) * 8);
-    c->rcounts = (int64_t *)moept__take(kv, (size_t)(P * El) * 8);
-    c->roffsets = (int64_t *)moept__take(kv, (size_t)(El + 1) * 8);
-    c->send_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->recv_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
-    c->ccnt = (int64_t *)moept__take(kv, C > 1 ? (size_t)(C * E) * 8 : 0);
-    c->rccnt = (int64_t *)moept__take(kv, C > 1 ? (size_t)(P * C * El) * 8 : 0);
+    sl->counts = (int64_t *)moept__take(kv, (size_t)E * 8);
+    sl->offsets = (int64_t *)moept__take(kv, (size_t)(E + 1) * 8);
+    sl->rcounts = (int64_t *)moept__take(kv, (size_t)(P * El) * 8);
+    sl->roffsets = (int64_t *)moept__take(kv, (size_t)(El + 1) * 8);
+    sl->send_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    sl->recv_segs = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
+    sl->ccnt = (int64_t *)moept__take(kv, C > 1 ? (size_t)(C * E) * 8 : 0);
+    sl->rccnt = (int64_t *)moept__take(kv, C > 1 ? (size_t)(P * C * El) * 8 : 0);
 }
 
-/* The active slot's buffers, at its first use (the fields zero): its device
-   and host blocks and the receive rows a create makes (every rank its own
-   Tmax*K rows; sync-free: all its blocks, for good) */
-static moept_status moept__slot_alloc(moept__cuda *c, char *err) {
+/* A slot's buffers, at its first use (its state zero): its device and host
+   blocks and the receive rows a create makes (every rank its own Tmax*K
+   rows; sync-free: all its blocks, for good) */
+static moept_status moept__slot_alloc(moept__cuda *c, moept__cslot *sl, char *err) {
     moept__carve cv = {NULL, 0}, kv = {NULL, 0};
-    moept__slot_layout(c, &cv);
-    moept__slot_host_layout(c, &kv);
+    moept__slot_layout(c, sl, &cv);
+    moept__slot_host_layout(c, sl, &kv);
     void *blk = NULL;
     moept_status st = moept__dmalloc(c, &blk, cv.off, err);
     char *hb = st ? NULL : (char *)calloc(1, kv.off);
@@ -2038,39 +2023,31 @@ static moept_status moept__slot_alloc(moept__cuda *c, char *err) {
         return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory");
     }
     if (st) return st;
-    c->fwork = blk;
-    c->fwork_bytes = (int64_t)cv.off;
-    c->fhost = hb;
+    sl->fwork = blk;
+    sl->fwork_bytes = (int64_t)cv.off;
+    sl->fhost = hb;
     cv = {(char *)blk, 0};
     kv = {hb, 0};
-    moept__slot_layout(c, &cv);
-    moept__slot_host_layout(c, &kv);
-    c->T = -1;
+    moept__slot_layout(c, sl, &cv);
+    moept__slot_host_layout(c, sl, &kv);
+    sl->T = -1;
     cudaError_t e = cudaMemsetAsync(blk, 0, cv.off, c->s);
-    st = e == cudaSuccess ? moept__grow(c, c->B ? c->sp.E * c->B : c->sp.Tmax * c->sp.K, err)
+    st = e == cudaSuccess ? moept__grow(c, sl, c->B ? c->sp.E * c->B : c->sp.Tmax * c->sp.K, err)
                           : moept__kfail(err, MOEPT_ERR_DEVICE, "cudaMemsetAsync: %s", cudaGetErrorString(e));
     if (st) {
-        moept__slot_free(c);
+        moept__slot_free(sl);
         return st;
     }
-    if (c->B) moept__sf_layout(c);
+    if (c->B) moept__sf_layout(c, sl);
     return MOEPT_OK;
 }
 
-/* Makes slot s the active one (O(1): the fields swap), its buffers made at
-   its first use; a failure changes nothing */
-static moept_status moept__use_slot(moept__cuda *c, int s, char *err) {
-    if (s == c->active) return MOEPT_OK;
-    const int was = c->active;
-    moept__swap_slot(c, &c->shadow[was]);
-    moept__swap_slot(c, &c->shadow[s]);
-    c->active = s;
-    moept_status st = c->fwork ? MOEPT_OK : moept__slot_alloc(c, err);
-    if (st) { /* back: the slot's fields are zero again */
-        moept__swap_slot(c, &c->shadow[s]);
-        moept__swap_slot(c, &c->shadow[was]);
-        c->active = was;
-    }
+/* Slot s's state, its buffers made at its first use (a failure changes
+   nothing); nothing switches: the caller works on the state it got */
+static moept_status moept__slot_get(moept__cuda *c, int s, moept__cslot **out, char *err) {
+    moept__cslot *sl = &c->slots[s];
+    moept_status st = sl->fwork ? MOEPT_OK : moept__slot_alloc(c, sl, err);
+    if (!st) *out = sl;
     return st;
 }
 
@@ -2116,8 +2093,8 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     moept__layout(c, &cv);
     MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* no backward's dx yet, no failed step */
     c->nslots = p->nslots > 1 ? p->nslots : 1;
-    c->shadow = (moept__cuda *)calloc((size_t)c->nslots + 1, sizeof(moept__cuda));
-    if (!c->shadow)
+    c->slots = (moept__cslot *)calloc((size_t)c->nslots + 1, sizeof(moept__cslot));
+    if (!c->slots)
         return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     /* pinned host block */
     size_t hb = (size_t)(P * c->M) * 8 + (size_t)MOEPT__NLSTAT(E) * 8 + 8 * 8 + (size_t)MOEPT__NPART * 2 * 8 +
@@ -2138,7 +2115,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     kv.base = (char *)c->hblock;
     kv.off = 0;
     moept__host_layout(c, &kv);
-    MOEPT__TRY(moept__slot_alloc(c, err)); /* slot 0 */
+    MOEPT__TRY(moept__slot_alloc(c, &c->slots[0], err));
     MOEPT__CU(cudaStreamSynchronize(c->s));
     return MOEPT_OK;
 }
@@ -2239,17 +2216,18 @@ static moept_status moept__cuda_download(moept__cuda *c, float *params, float *g
 static moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
                                                  float *dwts, char *err) {
     MOEPT__ENTER(c);
-    if (!c->fwd_valid) return moept__kfail(err, MOEPT_ERR_STATE, "no forward yet");
-    const int64_t T = c->T, K = c->sp.K, E = c->sp.E;
+    const moept__cslot *sl = moept__last(c);
+    if (!sl->fwd_valid) return moept__kfail(err, MOEPT_ERR_STATE, "no forward yet");
+    const int64_t T = sl->T, K = c->sp.K, E = c->sp.E;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     if (ids)
-        MOEPT__CU(cudaMemcpyAsync(ids, c->ids[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+        MOEPT__CU(cudaMemcpyAsync(ids, sl->ids[sl->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
     if (wts)
-        MOEPT__CU(cudaMemcpyAsync(wts, c->wts[c->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+        MOEPT__CU(cudaMemcpyAsync(wts, sl->wts[sl->cur], (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
     if (logits)
-        MOEPT__CU(cudaMemcpyAsync(logits, c->logits[c->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost,
+        MOEPT__CU(cudaMemcpyAsync(logits, sl->logits[sl->cur], (size_t)(T * E) * 4, cudaMemcpyDeviceToHost,
                                   c->s));
-    if (dwts) MOEPT__CU(cudaMemcpyAsync(dwts, c->dwts, (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
+    if (dwts) MOEPT__CU(cudaMemcpyAsync(dwts, sl->dwts, (size_t)(T * K) * 4, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     return MOEPT_OK;
 }
@@ -2288,10 +2266,11 @@ static moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moe
 static moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_t *peer_rows,
                                            moept__dev_step *out, char *err) {
     MOEPT__ENTER(c);
+    const moept__cslot *sl = moept__last(c);
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, M = c->M, me = p->rank;
-    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, c->cmsg, (size_t)(P * M) * 8, cudaMemcpyDeviceToHost, c->s));
-    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, c->clstat, (size_t)MOEPT__NLSTAT(E) * 8, cudaMemcpyDeviceToHost,
+    MOEPT__CU(cudaMemcpyAsync(c->h_msg_all, sl->cmsg, (size_t)(P * M) * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_lstat, sl->clstat, (size_t)MOEPT__NLSTAT(E) * 8, cudaMemcpyDeviceToHost,
                               c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
@@ -2646,13 +2625,15 @@ static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
    training forward may still wait for its backward, else the training
    slot (moept.c's moept__eval_slot); its buffers made at its first use (a
    failure is agreed as the call's rejection) */
-static void moept__fwd_slot(moept__cuda *c, const moept__dev_step *o, moept__fwd *f, char *why) {
+static void moept__fwd_slot(moept__cuda *c, const moept__dev_step *o, moept__fwd *f, moept__cslot **out,
+                            char *why) {
+    *out = moept__last(c); /* a rejected forward runs in the last one's spare buffers */
     if (f->reject) return; /* (o->slot may be out of range) */
-    const moept__cuda *s0 = moept__slot(c, 0);
+    const moept__cslot *s0 = &c->slots[0];
     const int s = !o->eval ? o->slot : c->sp.inference ? 0 : c->nslots > 1 ? c->nslots
                 : s0->fwd_valid && !s0->fwd_eval && !s0->bwd_done ? c->nslots : 0;
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    if (!moept__slot(c, s)->fwork && cudaStreamIsCapturing(c->s, &cap) == cudaSuccess &&
+    if (!c->slots[s].fwork && cudaStreamIsCapturing(c->s, &cap) == cudaSuccess &&
         cap != cudaStreamCaptureStatusNone) { /* cudaMalloc would invalidate the caller's capture */
         f->reject = MOEPT_ERR_STATE;
         snprintf(why, MOEPT__ERRLEN, "moept_forward: forward slot %d's first use makes its buffers, which a "
@@ -2661,13 +2642,14 @@ static void moept__fwd_slot(moept__cuda *c, const moept__dev_step *o, moept__fwd
         return;
     }
     char e[MOEPT__ERRLEN];
-    if (moept__use_slot(c, s, e) == MOEPT_OK) return;
+    if (moept__slot_get(c, s, out, e) == MOEPT_OK) return;
     f->reject = MOEPT_ERR_OUT_OF_MEMORY;
     snprintf(why, MOEPT__ERRLEN, "moept_forward: out of memory for forward slot %d's state (%.400s)", s, e);
 }
 
 /* 1. this rank's argument checks; the kernels then run on a valid T only */
-static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const void *y, const char *reject,
+static void moept__fwd_checks(moept__cuda *c, moept__cslot *sl, const void *x, int64_t Tn, const void *y,
+                              const char *reject,
                               moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
     if (f->reject) {
@@ -2700,7 +2682,7 @@ static void moept__fwd_checks(moept__cuda *c, const void *x, int64_t Tn, const v
                  "layer's replay ids are [tokens][top_k] int32 on its device, as x is)");
     }
     f->T = f->host_bad ? 0 : Tn;
-    f->nb = 1 - c->cur;
+    f->nb = 1 - sl->cur;
 }
 
 /* x [n]'s finiteness (the first bad index into bad) and, with xf, its fp32 copy */
@@ -2712,20 +2694,20 @@ static void moept__check(moept__cuda *c, const T *x, int64_t n, float *xf, unsig
 
 /* MOEPT_AUX_SEQ: each sequence's statistics, aux value and gradient row
    (into the spare seqg), their sum and count into the loss statistics */
-static void moept__seq_stats(moept__cuda *c, moept__fwd *f) {
+static void moept__seq_stats(moept__cuda *c, moept__cslot *sl, moept__fwd *f) {
     const int64_t E = c->sp.E, nseq = f->T / c->sp.seq_len;
     if (nseq > 0)
         MOEPT__LAUNCH(moept__k_seq_stats, moept__grid(nseq * E), MOEPT__TB, 0, c->s)(
-                c->ids[f->nb], c->cids, c->scratch, nseq, c->sp.seq_len, (int)E, (int)c->sp.K, c->seqst);
+                sl->ids[f->nb], c->cids, c->scratch, nseq, c->sp.seq_len, (int)E, (int)c->sp.K, c->seqst);
     MOEPT__LAUNCH(moept__k_seq_close, 1, MOEPT__TB, 0, c->s)(c->seqst, nseq, (int)E, (int)c->sp.K,
-                                                          c->sp.aux_coef, c->seqg[f->nb], c->lstat);
+                                                          c->sp.aux_coef, sl->seqg[f->nb], c->lstat);
     MOEPT__PRE(cudaGetLastError());
 }
 /* ... after the commit: the committed rows times 1/nseq (the mean) */
-static void moept__seq_mean(moept__cuda *c) {
-    const int64_t n = c->T / c->sp.seq_len * c->sp.E;
+static void moept__seq_mean(moept__cuda *c, moept__cslot *sl) {
+    const int64_t n = sl->T / c->sp.seq_len * c->sp.E;
     if (n > 0)
-        MOEPT__LAUNCH(moept__k_seq_scale, moept__grid(n), MOEPT__TB, 0, c->s)(c->seqg[c->cur], n, c->lstat,
+        MOEPT__LAUNCH(moept__k_seq_scale, moept__grid(n), MOEPT__TB, 0, c->s)(sl->seqg[sl->cur], n, c->lstat,
                                                                             moept__lstat_of(c->sp.E).nseq);
 }
 
@@ -2742,7 +2724,7 @@ static void moept__jitter(moept__cuda *c, const float *xf, int64_t T, uint64_t *
 /* 2. route: the bf16 weights, x's check, the fp32 router (on x * u under
    jitter), top-k, loss statistics */
 template <typename T>
-static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
+static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = f->T;
     const int nb = f->nb;
@@ -2752,60 +2734,60 @@ static void moept__fwd_route(moept__cuda *c, const T *x, moept__fwd *f) {
         MOEPT__PRE(moept__cast_weights(c));
         MOEPT__STAGE("route");
     }
-    const float *xf = c->wlow ? c->xf : (const float *)x;
+    const float *xf = c->wlow ? sl->xf : (const float *)x;
     if (T_ > 0) {
-        moept__check<T>(c, x, T_ * D, c->wlow ? c->xf : NULL, &c->bad[0]);
+        moept__check<T>(c, x, T_ * D, c->wlow ? sl->xf : NULL, &c->bad[0]);
         MOEPT__PRE(cudaGetLastError());
-        c->xf_committed = 0; /* until this step commits */
-        if (f->jitter) moept__jitter(c, xf, T_, c->jrow[nb], f->jkey, 1);
+        sl->xf_committed = 0; /* until this step commits */
+        if (f->jitter) moept__jitter(c, xf, T_, sl->jrow[nb], f->jkey, 1);
         /* router GEMM in fp32: logits = xf Wr^T */
         moept__gemm g = moept__gemm_make(0, 1, T_, E, D, f->jitter ? c->xj : xf, D, c->params, D, 0.0f,
-                                         c->logits[nb], E);
+                                         sl->logits[nb], E);
         if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-            p->family, p->aux, c->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group,
-            p->group_fill, p->scale, T_, c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->lse[nb],
+            p->family, p->aux, sl->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group,
+            p->group_fill, p->scale, T_, sl->probs[nb], c->scratch, sl->ids[nb], sl->wts[nb], sl->lse[nb],
             c->cids, &c->bad[1], f->mask);
         MOEPT__PRE(cudaGetLastError());
         if (f->replay) {
             MOEPT__LAUNCH(moept__k_replay, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-                p->family, p->aux, c->logits[nb], f->replay, (int)E, (int)K, p->norm, p->scale, T_,
-                c->probs[nb], c->scratch, c->ids[nb], c->wts[nb], c->cids, &c->bad[1]);
+                p->family, p->aux, sl->logits[nb], f->replay, (int)E, (int)K, p->norm, p->scale, T_,
+                sl->probs[nb], c->scratch, sl->ids[nb], sl->wts[nb], c->cids, &c->bad[1]);
             MOEPT__PRE(cudaGetLastError());
         }
         if (f->logits_out) {
             MOEPT__LAUNCH(moept__k_logits_out, moept__grid(T_ * E), MOEPT__TB, 0, c->s)(
-                c->logits[nb], c->ids[nb], T_, (int)E, (int)K, f->logits_out);
+                sl->logits[nb], sl->ids[nb], T_, (int)E, (int)K, f->logits_out);
             MOEPT__PRE(cudaGetLastError());
         }
     }
     MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(
-            c->ids[nb], c->cids, c->scratch, c->lse[nb], T_, (int)E, (int)K, p->aux, c->lstat);
+            sl->ids[nb], c->cids, c->scratch, sl->lse[nb], T_, (int)E, (int)K, p->aux, c->lstat);
     MOEPT__PRE(cudaGetLastError());
-    if (p->seq_len > 0) moept__seq_stats(c, f);
+    if (p->seq_len > 0) moept__seq_stats(c, sl, f);
 }
 
 /* 3. count: the kept rows per slot (capacity applied) into the count
    message; chunked, per chunk and slot too */
-static void moept__fwd_count(moept__cuda *c, moept__fwd *f) {
+static void moept__fwd_count(moept__cuda *c, moept__cslot *sl, moept__fwd *f) {
     const int64_t E = c->sp.E, K = c->sp.K, T_ = f->T, C = c->C, nblk = (T_ * K + MOEPT__PB - 1) / MOEPT__PB;
     if (nblk > 0) {
         MOEPT__PRE(cudaMemsetAsync(c->hist, 0, (size_t)(nblk * E) * 8, c->s));
         MOEPT__LAUNCH(moept__k_count, (unsigned)nblk, MOEPT__PB, 0, c->s)(
-                c->ids[f->nb], c->slot_of, T_ * c->sp.K, (int)E, c->lrank, c->hist);
+                sl->ids[f->nb], c->slot_of, T_ * c->sp.K, (int)E, c->lrank, c->hist);
         MOEPT__PRE(cudaGetLastError());
     }
     MOEPT__LAUNCH(moept__k_count_scan, 1, MOEPT__TB, 0, c->s)(
             c->hist, nblk, (int)E, (int)K, c->sp.capacity_factor, c->kept, c->koff, c->msg, c->bad,
-            f->host_bad, c->M - 1, f->tag, !c->sp.global_balance && c->sp.z_coef > 0.0f, c->Rcap, c->B,
+            f->host_bad, c->M - 1, f->tag, !c->sp.global_balance && c->sp.z_coef > 0.0f, sl->Rcap, c->B,
             c->lstat);
     MOEPT__PRE(cudaGetLastError());
     if (C > 1) {
         MOEPT__PRE(cudaMemsetAsync(c->csel, 0, (size_t)(C * E) * 8, c->s));
         if (T_ > 0) {
             MOEPT__LAUNCH(moept__k_chunk_count, moept__grid(T_ * K), MOEPT__TB, 0, c->s)(
-                    c->ids[f->nb], c->slot_of, T_, K, C, (int)E, c->csel);
+                    sl->ids[f->nb], c->slot_of, T_, K, C, (int)E, c->csel);
             MOEPT__PRE(cudaGetLastError());
         }
         MOEPT__LAUNCH(moept__k_chunk_scan, moept__grid(E), MOEPT__TB, 0, c->s)(
@@ -2815,7 +2797,7 @@ static void moept__fwd_count(moept__cuda *c, moept__fwd *f) {
     if (f->pre) { /* the kernels may not have written the message: the host does */
         f->host_bad = 1;
         for (int64_t i = 0; i < c->M; i++)
-            c->h_msg_all[i] = i == E ? 1 : i == E + 1 ? f->tag : i == E + 2 ? c->Rcap : 0;
+            c->h_msg_all[i] = i == E ? 1 : i == E + 1 ? f->tag : i == E + 2 ? sl->Rcap : 0;
         cudaMemcpyAsync(c->msg, c->h_msg_all, (size_t)c->M * 8, cudaMemcpyHostToDevice, c->s);
     }
 }
@@ -2900,7 +2882,7 @@ static void moept__replay_msg(const moept__cuda *c, moept__fwd *f) {
    flags; then the receive sizes of every rank against the capacity it sent
    (ranks with fewer max_tokens start smaller): growth (rare) is agreed in a
    second round */
-static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char *err) {
+static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__cslot *sl, moept__fwd *f, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, El = p->El, P = p->P, me = p->rank, M = c->M;
     for (int64_t q = 0; q < P; q++) /* the tag's low half: the call; its high half: the slot */
@@ -2942,7 +2924,7 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
         if (Rq > c->h_msg_all[q * M + E + 2]) anyone_grows = 1;
     }
     if (!anyone_grows) return MOEPT_OK;
-    int64_t ok = moept__grow(c, f->R, err) == MOEPT_OK;
+    int64_t ok = moept__grow(c, sl, f->R, err) == MOEPT_OK;
     moept_status st;
     if (P > 1) {
         if ((st = p->ep->allgather(p->ep, &ok, c->grow_ok, 8)))
@@ -2959,47 +2941,48 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__fwd *f, char 
 
 /* 6. commit: the step's counts, from the agreed message (chunked: per
    chunk too; kept: a rejected step's message must not change them) */
-static void moept__fwd_commit(moept__cuda *c, const moept__fwd *f, moept__dev_step *out) {
+static void moept__fwd_commit(moept__cuda *c, moept__cslot *sl, const moept__fwd *f, moept__dev_step *out) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, me = p->rank;
-    c->cur = f->nb;
-    c->T = f->T;
-    c->xf_committed = 1;
-    c->fwd_valid = 1;
-    c->bwd_done = 0;
-    c->fwd_eval = f->eval;
-    c->jit = f->jitter; c->jkey = f->jkey;
-    c->R = f->R;
+    sl->cur = f->nb;
+    sl->T = f->T;
+    sl->xf_committed = 1;
+    sl->fwd_valid = 1;
+    sl->bwd_done = 0;
+    sl->fwd_eval = f->eval;
+    sl->jit = f->jitter; sl->jkey = f->jkey;
+    sl->R = f->R;
     const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
-    for (int64_t e = 0; e < E; e++) c->counts[e] = mine[e];
+    for (int64_t e = 0; e < E; e++) sl->counts[e] = mine[e];
     for (int64_t s = 0; s < P; s++)
-        for (int64_t j = 0; j < El; j++) c->rcounts[s * El + j] = c->h_msg_all[s * M + me * El + j];
+        for (int64_t j = 0; j < El; j++) sl->rcounts[s * El + j] = c->h_msg_all[s * M + me * El + j];
     for (int64_t ch = 0; ch < C && C > 1; ch++) { /* the message's tail: [C][E] per rank */
-        for (int64_t e = 0; e < E; e++) c->ccnt[ch * E + e] = mine[E + 3 + ch * E + e];
+        for (int64_t e = 0; e < E; e++) sl->ccnt[ch * E + e] = mine[E + 3 + ch * E + e];
         for (int64_t s = 0; s < P; s++)
             for (int64_t j = 0; j < El; j++)
-                c->rccnt[(s * C + ch) * El + j] = c->h_msg_all[s * M + E + 3 + ch * E + me * El + j];
+                sl->rccnt[(s * C + ch) * El + j] = c->h_msg_all[s * M + E + 3 + ch * E + me * El + j];
     }
     out->R = f->R;
     out->valid = mine[M - 1];
     out->capacity = moept__capacity(p->capacity_factor, out->valid, p->K, E); /* the device's */
-    c->masked = f->mask != NULL;
+    sl->masked = f->mask != NULL;
 }
 
 /* 7. losses (the same host arithmetic as moept.c); the aux gradient's
    per-expert factors go to the device for the backward */
-static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__dev_step *out, char *err) {
+static moept_status moept__fwd_losses(moept__cuda *c, moept__cslot *sl, double *lstat_out,
+                                      moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E;
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
     out->aux_value = moept__aux_value(c->h_lstat, E, p->K, p->aux, p->aux_coef, c->h_aux_g);
     out->z_value = c->h_lstat[3 * E + 1] / Tl;
     out->loss_T = Tl;
-    c->loss_T = Tl;
+    sl->loss_T = Tl;
     out->counts_global = p->global_balance || (!p->ep && !p->dp);
     memcpy(lstat_out, c->h_lstat, (size_t)moept__lstat_of(E).n * 8);
-    if (p->seq_len > 0) moept__seq_mean(c);
-    else MOEPT__CU(cudaMemcpyAsync(c->aux_g, c->h_aux_g, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+    if (p->seq_len > 0) moept__seq_mean(c, sl);
+    else MOEPT__CU(cudaMemcpyAsync(sl->aux_g, c->h_aux_g, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3008,25 +2991,26 @@ static moept_status moept__fwd_losses(moept__cuda *c, double *lstat_out, moept__
    tok_of_row, from the count's kept rows per block), and on the host each
    slot's first row, each local expert's, the exchange's pieces and the rows
    per peer (sync-free: the fixed blocks of moept__sf_layout) */
-static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__dev_step *out, char *err) {
+static moept_status moept__fwd_plan(moept__cuda *c, moept__cslot *sl, int64_t *peer_rows,
+                                    moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, K = p->K, T_ = c->T;
+    const int64_t D = p->D, E = p->E, El = p->El, P = p->P, K = p->K, T_ = sl->T;
     if (!c->B) {
-        c->offsets[0] = 0;
-        for (int64_t e = 0; e < E; e++) c->offsets[e + 1] = c->offsets[e] + c->counts[e];
-        c->N = out->N = c->offsets[E];
-        moept__plan_roffsets(P, El, c->rcounts, c->roffsets);
-        moept__plan_segs(P, El, D, c->offsets, c->counts, c->rcounts, c->roffsets, c->send_segs,
-                         c->recv_segs);
-        moept__plan_peer_rows(P, El, p->rank, c->counts, c->rcounts, El, peer_rows, &out->rows_sent,
+        sl->offsets[0] = 0;
+        for (int64_t e = 0; e < E; e++) sl->offsets[e + 1] = sl->offsets[e] + sl->counts[e];
+        sl->N = out->N = sl->offsets[E];
+        moept__plan_roffsets(P, El, sl->rcounts, sl->roffsets);
+        moept__plan_segs(P, El, D, sl->offsets, sl->counts, sl->rcounts, sl->roffsets, sl->send_segs,
+                         sl->recv_segs);
+        moept__plan_peer_rows(P, El, p->rank, sl->counts, sl->rcounts, El, peer_rows, &out->rows_sent,
                               &out->rows_received);
     }
     if (c->B) /* the blocks' unused rows */
-        MOEPT__CU(cudaMemsetAsync(c->tok_of_row, 0xff, (size_t)c->N * 8, c->s));
+        MOEPT__CU(cudaMemsetAsync(sl->tok_of_row, 0xff, (size_t)sl->N * 8, c->s));
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_plan_place, (unsigned)((T_ * K + 255) / 256), 256, 0, c->s)(
-            c->ids[c->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)E, c->row_of,
-            c->tok_of_row, c->kslot_of_row);
+            sl->ids[sl->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)E, sl->row_of,
+            sl->tok_of_row, sl->kslot_of_row);
         MOEPT__LAUNCHED();
     }
     return MOEPT_OK;
@@ -3035,18 +3019,19 @@ static moept_status moept__fwd_plan(moept__cuda *c, int64_t *peer_rows, moept__d
 /* 9. dispatch: the rows go once: x -> send buffer -> experts (chunked: the
    pipeline sends them chunk by chunk) */
 template <typename T>
-static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__dev_step *out, char *err) {
+static moept_status moept__fwd_dispatch(moept__cuda *c, moept__cslot *sl, const T *x, moept__dev_step *out,
+                                        char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D;
-    void *xs = p->P > 1 ? c->xs : c->xr; /* at one rank the permuted rows are the experts' rows */
-    if (c->N > 0) {
+    void *xs = p->P > 1 ? sl->xs : sl->xr; /* at one rank the permuted rows are the experts' rows */
+    if (sl->N > 0) {
         const int vec = moept__vec<T>(D, x, xs);
-        const moept__shape sh = moept__rows_shape(c->N, vec ? D / MOEPT__VEC(T) : D);
-        MOEPT__LAUNCH_V(vec, moept__k_gather, T, sh.g, sh.b, c->s, x, c->tok_of_row, c->N, (int)D, (T *)xs);
+        const moept__shape sh = moept__rows_shape(sl->N, vec ? D / MOEPT__VEC(T) : D);
+        MOEPT__LAUNCH_V(vec, moept__k_gather, T, sh.g, sh.b, c->s, x, sl->tok_of_row, sl->N, (int)D, (T *)xs);
         MOEPT__LAUNCHED();
     }
     if (p->P > 1 && c->C == 1)
-        MOEPT__TRY(moept__exchange(c, xs, c->send_segs, c->xr, c->recv_segs,
+        MOEPT__TRY(moept__exchange(c, xs, sl->send_segs, sl->xr, sl->recv_segs,
                                    MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN, out, err));
     return MOEPT_OK;
 }
@@ -3054,12 +3039,12 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, const T *x, moept__dev_s
 /* The shared expert's input: x, or a masked step's x with its padded rows
    zero (xsh: made again by the backward, as forward slots share it) */
 template <typename T>
-static moept_status moept__shared_in(moept__cuda *c, const T **x, char *err) {
-    const int64_t D = c->sp.D, T_ = c->T;
-    if (!c->masked) return MOEPT_OK;
+static moept_status moept__shared_in(moept__cuda *c, moept__cslot *sl, const T **x, char *err) {
+    const int64_t D = c->sp.D, T_ = sl->T;
+    if (!sl->masked) return MOEPT_OK;
     const int vec = moept__vec<T>(D, *x, c->xsh);
     const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
-    MOEPT__LAUNCH_V(vec, moept__k_unpadded, T, sh.g, sh.b, c->s, *x, c->ids[c->cur], T_, (int)D,
+    MOEPT__LAUNCH_V(vec, moept__k_unpadded, T, sh.g, sh.b, c->s, *x, sl->ids[sl->cur], T_, (int)D,
                     (int)c->sp.K, (T *)c->xsh);
     MOEPT__LAUNCHED();
     *x = (const T *)c->xsh;
@@ -3069,19 +3054,19 @@ static moept_status moept__shared_in(moept__cuda *c, const T **x, char *err) {
 /* the shared expert and its gate over every token (while routed rows
    travel) */
 template <typename T>
-static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
+static moept_status moept__shared_fwd(moept__cuda *c, moept__cslot *sl, const T *x, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, T_ = c->T;
+    const int64_t D = p->D, T_ = sl->T;
     if (p->S == 0 || T_ == 0) return MOEPT_OK;
-    MOEPT__TRY(moept__shared_in<T>(c, &x, err));
+    MOEPT__TRY(moept__shared_in<T>(c, sl, &x, err));
     int64_t off[2] = {0, T_};
-    MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->lda_as,
-                                 c->yss, err));
+    MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, sl->hs, sl->as, c->lda_as,
+                                 sl->yss, err));
     if (p->offsg < 0) return MOEPT_OK;
     moept__gemm gg =
-        moept__gemm_make(0, 1, T_, 1, D, (const float *)x, D, moept__w(c, p->offsg), D, 0.0f, c->sg, 1);
+        moept__gemm_make(0, 1, T_, 1, D, (const float *)x, D, moept__w(c, p->offsg), D, 0.0f, sl->sg, 1);
     MOEPT__TRY(moept__gemms(c, &gg, 1, c->dt, CUDA_R_32F, err));
-    MOEPT__LAUNCH(moept__k_sigmoid, moept__grid(T_), MOEPT__TB, 0, c->s)(c->sg, T_);
+    MOEPT__LAUNCH(moept__k_sigmoid, moept__grid(T_), MOEPT__TB, 0, c->s)(sl->sg, T_);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3089,13 +3074,15 @@ static moept_status moept__shared_fwd(moept__cuda *c, const T *x, char *err) {
 /* 10. experts: the routed FFNs, their rows' way back (in flight while the
    shared expert and its gate run) */
 template <typename T>
-static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__dev_step *out, char *err) {
+static moept_status moept__fwd_experts(moept__cuda *c, moept__cslot *sl, const T *x, moept__dev_step *out,
+                                       char *err) {
     const moept__cuda_spec *p = &c->sp;
-    MOEPT__TRY(moept__ffn_fwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a,
-                                 c->lda_a, c->yr, err));
+    MOEPT__TRY(moept__ffn_fwd<T>(c, sl->xr, p->El, sl->roffsets, p->off13, p->off2, p->H, p->F, sl->h, sl->a,
+                                 c->lda_a, sl->yr, err));
     if (p->P > 1)
-        MOEPT__TRY(moept__exchange(c, c->ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
-    MOEPT__TRY(moept__shared_fwd<T>(c, x, err));
+        MOEPT__TRY(moept__exchange(c, sl->ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out,
+                                   err));
+    MOEPT__TRY(moept__shared_fwd<T>(c, sl, x, err));
     if (p->P > 1) MOEPT__TRY(moept__from_comm(c, c->cs, err)); /* the experts' outputs are back */
     return MOEPT_OK;
 }
@@ -3103,17 +3090,19 @@ static moept_status moept__fwd_experts(moept__cuda *c, const T *x, moept__dev_st
 /* 11. combine tokens [t0, t1): y = sum_k w_k (expert rows) + the shared
    expert's (gated) */
 template <typename T>
-static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t t1, char *err) {
+static moept_status moept__fwd_combine(moept__cuda *c, moept__cslot *sl, T *y, int64_t t0, int64_t t1,
+                                       char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, K = p->K;
     if (t1 <= t0) return MOEPT_OK;
-    const void *ys = p->P > 1 ? c->ys : c->yr;
-    const T *yss = p->S > 0 ? (const T *)c->yss + t0 * D : NULL;
+    const void *ys = p->P > 1 ? sl->ys : sl->yr;
+    const T *yss = p->S > 0 ? (const T *)sl->yss + t0 * D : NULL;
     const int vec = moept__vec<T>(D, ys, yss, y);
     const moept__shape sh = moept__rows_shape(t1 - t0, vec ? D / MOEPT__VEC(T) : D);
-    MOEPT__LAUNCH_V(vec, moept__k_combine, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of + t0 * K,
-                    c->wts[c->cur] + t0 * K, yss, p->offsg >= 0 ? c->sg + t0 : NULL, t1 - t0, (int)D, (int)K,
-                    y + t0 * D, t0 * D, c->ybad);
+    MOEPT__LAUNCH_V(vec, moept__k_combine, T, sh.g, sh.b, c->s, (const T *)ys, sl->row_of + t0 * K,
+                    sl->wts[sl->cur] + t0 * K, yss, p->offsg >= 0 ? sl->sg + t0 : NULL, t1 - t0, (int)D,
+                        (int)K,
+                    y + t0 * D, t0 * D, sl->ybad);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3128,20 +3117,20 @@ static moept_status moept__fwd_combine(moept__cuda *c, T *y, int64_t t0, int64_t
 /* Chunk ch's exchange pieces (c->csend, c->crecv) and its row runs on the
    expert side (c->cruns [3][G]); returns the runs (moept.h's
    moept__plan_chunk, as moept.c's moept__chunk_plan). */
-static int64_t moept__chunk_plan(moept__cuda *c, int64_t ch) {
+static int64_t moept__chunk_plan(moept__cuda *c, moept__cslot *sl, int64_t ch) {
     const moept__cuda_spec *p = &c->sp;
-    return moept__plan_chunk(ch, c->C, p->P, p->El, p->D, c->offsets, c->ccnt, c->rcounts, c->roffsets,
-                             c->rccnt, c->csend, c->crecv, c->cruns);
+    return moept__plan_chunk(ch, c->C, p->P, p->El, p->D, sl->offsets, sl->ccnt, sl->rcounts, sl->roffsets,
+                             sl->rccnt, c->csend, c->crecv, c->cruns);
 }
 
 /* the activation of a chunk's n runs (bwd: dh over h from da in dar) */
 template <typename T>
-static moept_status moept__runs_act(moept__cuda *c, int64_t n, int bwd, char *err) {
+static moept_status moept__runs_act(moept__cuda *c, moept__cslot *sl, int64_t n, int bwd, char *err) {
     const int64_t H = c->sp.H, F = c->sp.F, G = c->G, lda = bwd ? F : c->lda_a;
     for (int64_t i = 0; i < n; i++) {
         int64_t r0 = c->cruns[i], rows = c->cruns[G + i];
-        void *a = (T *)(bwd ? c->dar : c->a) + r0 * lda;
-        MOEPT__TRY(moept__act<T>(c, bwd, (T *)c->h + r0 * H, a, rows, F, H, lda, err));
+        void *a = (T *)(bwd ? sl->dar : sl->a) + r0 * lda;
+        MOEPT__TRY(moept__act<T>(c, bwd, (T *)sl->h + r0 * H, a, rows, F, H, lda, err));
     }
     return MOEPT_OK;
 }
@@ -3149,18 +3138,18 @@ static moept_status moept__runs_act(moept__cuda *c, int64_t n, int bwd, char *er
 /* A chunk's expert FFN over its runs: h = xr W13^T, a = act(h), yr = a W2^T
    (moept__ffn_fwd's descriptors, run by run; a's rows lda_a apart) */
 template <typename T>
-static moept_status moept__runs_fwd(moept__cuda *c, int64_t n, char *err) {
+static moept_status moept__runs_fwd(moept__cuda *c, moept__cslot *sl, int64_t n, char *err) {
     const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F, G = c->G, es = c->esz, lda = c->lda_a;
-    const char *X = (const char *)c->xr, *A = (const char *)c->a;
+    const char *X = (const char *)sl->xr, *A = (const char *)sl->a;
     const char *W13 = (const char *)moept__w(c, c->sp.off13), *W2 = (const char *)moept__w(c, c->sp.off2);
-    char *Hh = (char *)c->h, *Y = (char *)c->yr;
+    char *Hh = (char *)sl->h, *Y = (char *)sl->yr;
     moept__gemm *gd = c->descs;
     MOEPT__PER_RUN(gd, c->cruns, n, G,
                    moept__gemm_make(0, 1, rows, H, D, (const float *)(X + r0 * D * es), D,
                                     (const float *)(W13 + e * H * D * es), D, 0.0f,
                                     (float *)(Hh + r0 * H * es), H));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
-    MOEPT__TRY(moept__runs_act<T>(c, n, 0, err));
+    MOEPT__TRY(moept__runs_act<T>(c, sl, n, 0, err));
     MOEPT__PER_RUN(gd, c->cruns, n, G,
                    moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * lda * es), lda,
                                     (const float *)(W2 + e * D * F * es), F, 0.0f,
@@ -3171,18 +3160,18 @@ static moept_status moept__runs_fwd(moept__cuda *c, int64_t n, char *err) {
 /* Its backward, data side: da = dys W2 into dar, dh over h, dxs = dh W13
    into dxr; the forward's a and dys in yr live on for the weight gradients */
 template <typename T>
-static moept_status moept__runs_bwd(moept__cuda *c, int64_t n, char *err) {
+static moept_status moept__runs_bwd(moept__cuda *c, moept__cslot *sl, int64_t n, char *err) {
     const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F, G = c->G, es = c->esz;
-    const char *Y = (const char *)c->yr, *Hh = (const char *)c->h;
+    const char *Y = (const char *)sl->yr, *Hh = (const char *)sl->h;
     const char *W13 = (const char *)moept__w(c, c->sp.off13), *W2 = (const char *)moept__w(c, c->sp.off2);
-    char *DA = (char *)c->dar, *DX = (char *)c->dxr;
+    char *DA = (char *)sl->dar, *DX = (char *)sl->dxr;
     moept__gemm *gd = c->descs;
     MOEPT__PER_RUN(gd, c->cruns, n, G,
                    moept__gemm_make(0, 0, rows, F, D, (const float *)(Y + r0 * D * es), D,
                                     (const float *)(W2 + e * D * F * es), F, 0.0f,
                                     (float *)(DA + r0 * F * es), F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
-    MOEPT__TRY(moept__runs_act<T>(c, n, 1, err));
+    MOEPT__TRY(moept__runs_act<T>(c, sl, n, 1, err));
     MOEPT__PER_RUN(gd, c->cruns, n, G,
                    moept__gemm_make(0, 0, rows, D, H, (const float *)(Hh + r0 * H * es), H,
                                     (const float *)(W13 + e * H * D * es), D, 0.0f,
@@ -3192,19 +3181,19 @@ static moept_status moept__runs_bwd(moept__cuda *c, int64_t n, char *err) {
 
 /* The expert weight gradients over every row of each local expert (as the
    one-chunk step: g2 += dys^T a, g13 += dh^T xr), once all chunks computed */
-static moept_status moept__weight_grads(moept__cuda *c, char *err) {
+static moept_status moept__weight_grads(moept__cuda *c, moept__cslot *sl, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, H = p->H, F = p->F, es = c->esz;
-    const char *Y = (const char *)c->yr, *A = (const char *)c->a;
-    const char *Hh = (const char *)c->h, *X = (const char *)c->xr;
+    const char *Y = (const char *)sl->yr, *A = (const char *)sl->a;
+    const char *Hh = (const char *)sl->h, *X = (const char *)sl->xr;
     float *g13 = c->grads + p->off13, *g2 = c->grads + p->off2;
     moept__gemm *gd = c->descs;
     int64_t n;
-    MOEPT__PER_GROUP(gd, n, p->El, c->roffsets,
+    MOEPT__PER_GROUP(gd, n, p->El, sl->roffsets,
                      moept__gemm_make(1, 0, D, F, rows, (const float *)(Y + r0 * D * es), D,
                                       (const float *)(A + r0 * F * es), F, 1.0f, g2 + e * D * F, F));
     MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
-    MOEPT__PER_GROUP(gd, n, p->El, c->roffsets,
+    MOEPT__PER_GROUP(gd, n, p->El, sl->roffsets,
                      moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
                                       (const float *)(X + r0 * D * es), D, 1.0f, g13 + e * H * D, D));
     return moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err);
@@ -3213,12 +3202,12 @@ static moept_status moept__weight_grads(moept__cuda *c, char *err) {
 /* the shared expert's backward (dxs over yss), while routed rows travel; a
    masked step's over its forward's input (xsh) */
 template <typename T>
-static moept_status moept__shared_bwd(moept__cuda *c, const T *x, char *err) {
+static moept_status moept__shared_bwd(moept__cuda *c, moept__cslot *sl, const T *x, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    if (p->S == 0 || c->T == 0) return MOEPT_OK;
-    int64_t off[2] = {0, c->T};
-    MOEPT__TRY(moept__shared_in<T>(c, &x, err));
-    return moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, c->hs, c->as, c->yss, err);
+    if (p->S == 0 || sl->T == 0) return MOEPT_OK;
+    int64_t off[2] = {0, sl->T};
+    MOEPT__TRY(moept__shared_in<T>(c, sl, &x, err));
+    return moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, sl->hs, sl->as, sl->yss, err);
 }
 
 /* The chunk pipeline of both passes (moept.c's moept__pipeline): chunk ch+1
@@ -3230,69 +3219,71 @@ static moept_status moept__shared_bwd(moept__cuda *c, const T *x, char *err) {
    into ys): ys -> yr, dxr -> ys, the shared expert's backward while chunk 0
    travels, the weight gradients while the last chunk's dxs return. */
 template <typename T>
-static moept_status moept__pipeline(moept__cuda *c, int bwd, const T *x, T *y, moept__dev_step *out,
+static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, const T *x, T *y,
+                                    moept__dev_step *out,
                                     char *err) {
-    const int64_t C = c->C, T_ = c->T;
-    void *send = bwd ? c->ys : c->xs, *recv = bwd ? c->yr : c->xr, *res = bwd ? c->dxr : c->yr;
+    const int64_t C = c->C, T_ = sl->T;
+    void *send = bwd ? sl->ys : sl->xs, *recv = bwd ? sl->yr : sl->xr, *res = bwd ? sl->dxr : sl->yr;
     const int X_OUT = MOEPT__X_OUT;
-    moept__chunk_plan(c, 0);
+    moept__chunk_plan(c, sl, 0);
     MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT | MOEPT__X_AFTER, out, err));
     MOEPT__CU(cudaEventRecord(c->ev_out[0], c->cs));
-    MOEPT__TRY(bwd ? moept__shared_bwd<T>(c, x, err) : moept__shared_fwd<T>(c, x, err));
+    MOEPT__TRY(bwd ? moept__shared_bwd<T>(c, sl, x, err) : moept__shared_fwd<T>(c, sl, x, err));
     for (int64_t ch = 0; ch < C; ch++) {
         if (ch + 1 < C) { /* its rows were ready before chunk 0 left: no wait on the compute stream */
-            moept__chunk_plan(c, ch + 1);
+            moept__chunk_plan(c, sl, ch + 1);
             MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT, out, err));
             MOEPT__CU(cudaEventRecord(c->ev_out[(ch + 1) % 2], c->cs));
         }
-        int64_t n = moept__chunk_plan(c, ch);
+        int64_t n = moept__chunk_plan(c, sl, ch);
         MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_out[ch % 2], 0));
-        MOEPT__TRY(bwd ? moept__runs_bwd<T>(c, n, err) : moept__runs_fwd<T>(c, n, err));
-        MOEPT__TRY(moept__exchange(c, c->ys, c->csend, res, c->crecv, MOEPT__X_AFTER, out, err));
+        MOEPT__TRY(bwd ? moept__runs_bwd<T>(c, sl, n, err) : moept__runs_fwd<T>(c, sl, n, err));
+        MOEPT__TRY(moept__exchange(c, sl->ys, c->csend, res, c->crecv, MOEPT__X_AFTER, out, err));
         MOEPT__CU(cudaEventRecord(c->ev_back[ch % 2], c->cs));
         if (ch > 0 && !bwd) {
             MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_back[(ch - 1) % 2], 0));
             int64_t t0 = moept__chunk_start(T_, C, ch - 1), t1 = moept__chunk_start(T_, C, ch);
-            MOEPT__TRY(moept__fwd_combine<T>(c, y, t0, t1, err));
+            MOEPT__TRY(moept__fwd_combine<T>(c, sl, y, t0, t1, err));
         }
     }
-    if (bwd) MOEPT__TRY(moept__weight_grads(c, err));
+    if (bwd) MOEPT__TRY(moept__weight_grads(c, sl, err));
     /* the last chunk's return is the comm stream's last op: all are back */
     MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_back[(C - 1) % 2], 0));
-    return bwd ? MOEPT_OK : moept__fwd_combine<T>(c, y, moept__chunk_start(T_, C, C - 1), T_, err);
+    return bwd ? MOEPT_OK : moept__fwd_combine<T>(c, sl, y, moept__chunk_start(T_, C, C - 1), T_, err);
 }
 
 /* Sync-free 4-6: the counts and statistics shared on the device, the checks
    agreed there (moept__k_sf_agree: reported later), and the step committed
    to its fixed blocks; a host-detected failure fails this rank's call after
    the collectives (its peers see it in the flags) */
-static moept_status moept__sf_commit(moept__cuda *c, moept__fwd *f, moept__dev_step *out, char *err) {
+static moept_status moept__sf_commit(moept__cuda *c, moept__cslot *sl, moept__fwd *f, moept__dev_step *out,
+                                     char *err) {
     const moept__cuda_spec *p = &c->sp;
     MOEPT__STAGE("exchange_counts");
     MOEPT__TRY(moept__fwd_share(c, out, err));
     MOEPT__STAGE("agree_growth");
     MOEPT__LAUNCH(moept__k_sf_agree, 1, 1, 0, c->s)(c->msg_all, p->P, c->M, (int)p->E, (int)p->K, p->aux,
                                                   f->tag, p->global_balance, p->z_coef, p->aux_coef, c->lstat,
-                                                  c->aux_g, c->bad, p->rank, f->host_bad);
+                                                  sl->aux_g, c->bad, p->rank, f->host_bad);
     MOEPT__LAUNCHED();
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
                                  : f->reject ? f->reject : MOEPT_ERR_INVALID_ARGUMENT, "%s", f->local);
     MOEPT__STAGE("commit");
     const size_t nmsg = (size_t)(p->P * c->M) * 8, nlstat = (size_t)MOEPT__NLSTAT(p->E) * 8;
-    MOEPT__CU(cudaMemcpyAsync(c->cmsg, c->msg_all, nmsg, cudaMemcpyDeviceToDevice, c->s));
-    MOEPT__CU(cudaMemcpyAsync(c->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
-    c->cur = f->nb;
-    c->T = f->T;
-    c->masked = f->mask != NULL;
-    c->jit = f->jitter; c->jkey = f->jkey;
-    c->xf_committed = 1;
-    c->fwd_valid = 1;
-    c->bwd_done = 0;
-    c->fwd_eval = f->eval;
+    MOEPT__CU(cudaMemcpyAsync(sl->cmsg, c->msg_all, nmsg, cudaMemcpyDeviceToDevice, c->s));
+    MOEPT__CU(cudaMemcpyAsync(sl->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
+    sl->cur = f->nb;
+    sl->T = f->T;
+    sl->masked = f->mask != NULL;
+    sl->jit = f->jitter; sl->jkey = f->jkey;
+    sl->xf_committed = 1;
+    sl->fwd_valid = 1;
+    sl->bwd_done = 0;
+    sl->fwd_eval = f->eval;
     out->deferred = 1;
     if (p->seq_len > 0) {
-        moept__seq_mean(c);
+        moept__seq_mean(c, sl);
         MOEPT__LAUNCHED();
     }
     return MOEPT_OK;
@@ -3318,55 +3309,54 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     f.logits_out = out->logits_out;
     f.eval = out->eval;
     char why[MOEPT__ERRLEN];
-    moept__fwd_slot(c, out, &f, why);
-    moept__fwd_checks(c, xv, Tn, yv, f.reject == out->reject ? out->reject_msg : why, &f);
+    moept__cslot *sl; /* the forward's slot (nothing switches: the layer's last changes once it is done) */
+    moept__fwd_slot(c, out, &f, &sl, why);
+    moept__fwd_checks(c, sl, xv, Tn, yv, f.reject == out->reject ? out->reject_msg : why, &f);
     MOEPT__STAGE("route");
-    moept__fwd_route<T>(c, x, &f);
+    moept__fwd_route<T>(c, sl, x, &f);
     MOEPT__STAGE("count");
-    moept__fwd_count(c, &f);
+    moept__fwd_count(c, sl, &f);
     if (c->B) {
-        MOEPT__TRY(moept__sf_commit(c, &f, out, err));
+        MOEPT__TRY(moept__sf_commit(c, sl, &f, out, err));
     } else {
         MOEPT__STAGE("exchange_counts");
         MOEPT__TRY(moept__fwd_exchange_counts(c, out, err));
         MOEPT__STAGE("agree_growth");
-        MOEPT__TRY(moept__fwd_agree_growth(c, &f, err));
+        MOEPT__TRY(moept__fwd_agree_growth(c, sl, &f, err));
         MOEPT__STAGE("commit");
-        moept__fwd_commit(c, &f, out); /* nothing fails from here on but the device */
+        moept__fwd_commit(c, sl, &f, out); /* nothing fails from here on but the device */
         MOEPT__STAGE("losses");
-        MOEPT__TRY(moept__fwd_losses(c, lstat_out, out, err));
+        MOEPT__TRY(moept__fwd_losses(c, sl, lstat_out, out, err));
     }
     /* y's finiteness, checked by the combine as it writes y and read by the
        backward's host sync (a sync here would stall the host's run-ahead):
        a committed step's flag, which no rejected forward resets */
-    MOEPT__CU(cudaMemsetAsync(c->ybad, 0xff, 8, c->s));
+    MOEPT__CU(cudaMemsetAsync(sl->ybad, 0xff, 8, c->s));
     MOEPT__STAGE("plan");
-    MOEPT__TRY(moept__fwd_plan(c, peer_rows, out, err));
+    MOEPT__TRY(moept__fwd_plan(c, sl, peer_rows, out, err));
     MOEPT__STAGE("dispatch");
-    MOEPT__TRY(moept__fwd_dispatch<T>(c, x, out, err));
+    MOEPT__TRY(moept__fwd_dispatch<T>(c, sl, x, out, err));
     if (c->C > 1) {
         MOEPT__STAGE("pipeline");
-        MOEPT__TRY(moept__pipeline<T>(c, 0, x, (T *)yv, out, err));
+        MOEPT__TRY(moept__pipeline<T>(c, sl, 0, x, (T *)yv, out, err));
     } else {
         MOEPT__STAGE("experts");
-        MOEPT__TRY(moept__fwd_experts<T>(c, x, out, err));
+        MOEPT__TRY(moept__fwd_experts<T>(c, sl, x, out, err));
         MOEPT__STAGE("combine");
-        MOEPT__TRY(moept__fwd_combine<T>(c, (T *)yv, 0, c->T, err));
+        MOEPT__TRY(moept__fwd_combine<T>(c, sl, (T *)yv, 0, sl->T, err));
     }
+    c->last = (int)(sl - c->slots); /* what the host reads back from now on */
     return MOEPT_OK;
 }
 
 static moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T, void *y, double *lstat,
                                         int64_t *peer_rows, moept__dev_step *out, char *err) {
     MOEPT__ENTER(c);
-    const int was = c->active;
     moept_status st = c->esz == 2 ? moept__forward<moept__bf16>(c, x, T, y, lstat, peer_rows, out, err)
                                   : moept__forward<float>(c, x, T, y, lstat, peer_rows, out, err);
     MOEPT__STAGE(NULL);
-    char e[MOEPT__ERRLEN];
-    if (st) (void)moept__use_slot(c, was, e); /* the last forward's slot again (made: no failure) */
-    out->slot = c->active;
-    out->recv_capacity = c->Rcap;
+    out->slot = c->last;
+    out->recv_capacity = moept__last(c)->Rcap;
     out->recv_growths = c->growths;
     return st;
 }
@@ -3378,7 +3368,8 @@ static moept_status moept__cuda_forward(moept__cuda *c, const void *x, int64_t T
    was not finite, [E + 3] opts.router_loss_scale's bits (the same on
    every rank). A step whose y was not finite anywhere is dropped on every
    rank. */
-static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_status why, const char *local,
+static moept_status moept__bwd_exchange(moept__cuda *c, moept__cslot *sl, int64_t tag, moept_status why,
+                                        const char *local,
                                         int ybad, float rscale, char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, M = c->M, P = p->P;
@@ -3390,7 +3381,7 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
     uint32_t sb;
     rscale += 0.0f; /* -0 as +0: the same value */
     memcpy(&sb, &rscale, 4);
-    mine[E + 3] = (int64_t)sb | (int64_t)c->active << 32; /* opts.router_loss_scale and opts.slot */
+    mine[E + 3] = (int64_t)sb | (int64_t)(sl - c->slots) << 32; /* opts.router_loss_scale and opts.slot */
     if (p->ep) {
         moept_status st = p->ep->allgather(p->ep, mine, c->h_msg_all, M * 8); /* host buffers: waits */
         if (st) return moept__kfail(err, st, "moept_backward: failure agreement failed: %s", p->ep->err);
@@ -3403,7 +3394,7 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
         yfail += c->h_msg_all[q * M + E + 2] != 0;
         sdiff += c->h_msg_all[q * M + E + 3] != mine[E + 3];
     }
-    if (ybad || (yfail && !sdiff)) c->fwd_valid = 0; /* (peers naming other slots keep theirs) */
+    if (ybad || (yfail && !sdiff)) sl->fwd_valid = 0; /* (peers naming other slots keep theirs) */
     if (local[0]) return moept__kfail(err, why, "%s", local);
     if (failed)
         return moept__kfail(err, MOEPT_ERR_STATE, "moept_backward: %lld other rank(s) rejected the step; %s",
@@ -3420,23 +3411,24 @@ static moept_status moept__bwd_exchange(moept__cuda *c, int64_t tag, moept_statu
    unchecked_backward), then the agreement: every rank differentiates, or
    none does */
 template <typename T>
-static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, const void *dx, int64_t tag,
+static moept_status moept__bwd_agree(moept__cuda *c, moept__cslot *sl, const T *x, const T *dy,
+                                     const void *dx, int64_t tag,
                                      moept__dev_step *out, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, T_ = c->T;
+    const int64_t D = p->D, T_ = sl->T;
     char local[MOEPT__ERRLEN] = "";
     moept_status why = MOEPT_OK;
     if (out->reject) {
         why = out->reject;
         snprintf(local, sizeof local, "%s", out->reject_msg);
-    } else if (!c->fwd_valid) {
+    } else if (!sl->fwd_valid) {
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local, "moept_backward: no forward to differentiate");
-    } else if (c->fwd_eval) {
+    } else if (sl->fwd_eval) {
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local, "moept_backward: the last forward was an evaluation (opts.eval): it "
                  "kept nothing to differentiate");
-    } else if (c->bwd_done) { /* ys and h were overwritten in place */
+    } else if (sl->bwd_done) { /* ys and h were overwritten in place */
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local,
                  "moept_backward: this forward was already differentiated; run forward again");
@@ -3455,14 +3447,14 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
     /* unchecked_backward: no host sync and no agreement; a rank's rejection is its own. Sync-free:
        y's and dy's checks are noted for the next adamw_step or grad_norm */
     if (p->sync_free && !local[0]) {
-        MOEPT__LAUNCH(moept__k_sf_note, 1, 1, 0, c->s)(c->bad, c->ybad);
+        MOEPT__LAUNCH(moept__k_sf_note, 1, 1, 0, c->s)(c->bad, sl->ybad);
         MOEPT__LAUNCHED();
     }
     if (p->unchecked_backward || p->sync_free)
         return local[0] ? moept__kfail(err, why, "%s", local) : MOEPT_OK;
     /* the step's second host sync */
     MOEPT__CU(cudaMemcpyAsync(c->h_bad + 2, &c->bad[2], 2 * 8, cudaMemcpyDeviceToHost, c->s));
-    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 4, c->ybad, 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 4, sl->ybad, 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     int ybad = !local[0] && T_ > 0 && c->h_bad[4] != ULLONG_MAX;
     if (ybad) {
@@ -3476,30 +3468,31 @@ static moept_status moept__bwd_agree(moept__cuda *c, const T *x, const T *dy, co
                  (long long)(c->h_bad[2] / D), (long long)(c->h_bad[2] % D));
     }
     out->agreed = 1;
-    return moept__bwd_exchange(c, tag, why, local, ybad, out->router_loss_scale, err);
+    return moept__bwd_exchange(c, sl, tag, why, local, ybad, out->router_loss_scale, err);
 }
 
 /* 2. combine': dL/dw and dys in place of the outputs (ys), the shared
    expert's dy (gated) in yss; the router's fp32 input again (bf16: a
    rejected forward may have overwritten xf) */
 template <typename T>
-static moept_status moept__bwd_combine(moept__cuda *c, const T *x, const T *dy, char *err) {
+static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T *x, const T *dy, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, K = p->K, T_ = c->T;
+    const int64_t D = p->D, K = p->K, T_ = sl->T;
     if (T_ == 0) return MOEPT_OK;
-    if (c->wlow && !c->xf_committed) { /* a rejected forward converted its x since */
-        moept__check<T>(c, x, T_ * D, c->xf, &c->bad[3]);
+    if (c->wlow && !sl->xf_committed) { /* a rejected forward converted its x since */
+        moept__check<T>(c, x, T_ * D, sl->xf, &c->bad[3]);
         MOEPT__LAUNCHED();
-        c->xf_committed = 1;
+        sl->xf_committed = 1;
     }
-    void *ys = p->P > 1 ? c->ys : c->yr;
-    const int vec = moept__vec<T>(D, ys, dy, c->yss);
-    MOEPT__LAUNCH_V(vec, moept__k_combine_bwd, T, (unsigned)(T_ * K), MOEPT__TB, c->s, (T *)ys, c->row_of,
-                    c->wts[c->cur], dy, (int)D, (int)K, c->dwts);
+    void *ys = p->P > 1 ? sl->ys : sl->yr;
+    const int vec = moept__vec<T>(D, ys, dy, sl->yss);
+    MOEPT__LAUNCH_V(vec, moept__k_combine_bwd, T, (unsigned)(T_ * K), MOEPT__TB, c->s, (T *)ys, sl->row_of,
+                    sl->wts[sl->cur], dy, (int)D, (int)K, sl->dwts);
     MOEPT__LAUNCHED();
     if (p->S > 0) {
-        MOEPT__LAUNCH_V(vec, moept__k_shared_bwd, T, (unsigned)T_, MOEPT__TB, c->s, (T *)c->yss,
-                        p->offsg >= 0 ? c->sg : NULL, dy, (int)D, c->dsg, c->masked ? c->ids[c->cur] : NULL,
+        MOEPT__LAUNCH_V(vec, moept__k_shared_bwd, T, (unsigned)T_, MOEPT__TB, c->s, (T *)sl->yss,
+                        p->offsg >= 0 ? sl->sg : NULL, dy, (int)D, c->dsg,
+                            sl->masked ? sl->ids[sl->cur] : NULL,
                         (int)K);
         MOEPT__LAUNCHED();
     }
@@ -3509,40 +3502,43 @@ static moept_status moept__bwd_combine(moept__cuda *c, const T *x, const T *dy, 
 /* 3. experts: dys out, the FFNs' backward, dxs back (the shared expert's
    backward while they travel) */
 template <typename T>
-static moept_status moept__bwd_experts(moept__cuda *c, const T *x, moept__dev_step *out, char *err) {
+static moept_status moept__bwd_experts(moept__cuda *c, moept__cslot *sl, const T *x, moept__dev_step *out,
+                                       char *err) {
     const moept__cuda_spec *p = &c->sp;
-    void *ys = p->P > 1 ? c->ys : c->yr;
+    void *ys = p->P > 1 ? sl->ys : sl->yr;
     const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN;
-    if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, c->send_segs, c->yr, c->recv_segs, both, out, err));
-    MOEPT__TRY(moept__ffn_bwd<T>(c, c->xr, p->El, c->roffsets, p->off13, p->off2, p->H, p->F, c->h, c->a,
-                                 c->yr, err));
+    if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, both, out, err));
+    MOEPT__TRY(moept__ffn_bwd<T>(c, sl->xr, p->El, sl->roffsets, p->off13, p->off2, p->H, p->F, sl->h, sl->a,
+                                 sl->yr, err));
     if (p->P > 1)
-        MOEPT__TRY(moept__exchange(c, ys, c->send_segs, c->yr, c->recv_segs, MOEPT__X_AFTER, out, err));
-    MOEPT__TRY(moept__shared_bwd<T>(c, x, err));
+        MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out, err));
+    MOEPT__TRY(moept__shared_bwd<T>(c, sl, x, err));
     if (p->P > 1) MOEPT__TRY(moept__from_comm(c, c->cs, err));
     return MOEPT_OK;
 }
 
 /* 4. router': dlogits, then gWr += dlogits^T xin (xin = xf * u under
    jitter: the noise drawn again), and the shared gate's gsg += dsg^T xf */
-static moept_status moept__bwd_router(moept__cuda *c, const float *xf, const moept__dev_step *o,
+static moept_status moept__bwd_router(moept__cuda *c, moept__cslot *sl, const float *xf,
+                                      const moept__dev_step *o,
                                       char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, E = p->E, K = p->K, T_ = c->T;
-    const int cur = c->cur;
+    const int64_t D = p->D, E = p->E, K = p->K, T_ = sl->T;
+    const int cur = sl->cur;
     const float *aux_g = p->aux == MOEPT_AUX_NONE || p->aux_coef == 0.0f ? NULL
-                       : p->seq_len > 0 ? c->seqg[cur] : c->aux_g; /* [T / slen][E] or [E] */
+                       : p->seq_len > 0 ? sl->seqg[cur] : sl->aux_g; /* [T / slen][E] or [E] */
     MOEPT__LAUNCH(moept__k_router_bwd, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-        p->family, p->aux, c->logits[cur], c->probs[cur], c->ids[cur], c->dwts, aux_g, p->seq_len, p->z_coef,
-        c->lse[cur],
-        (float)c->loss_T, c->B ? c->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale,
+        p->family, p->aux, sl->logits[cur], sl->probs[cur], sl->ids[cur], sl->dwts, aux_g, p->seq_len,
+            p->z_coef,
+        sl->lse[cur],
+        (float)sl->loss_T, c->B ? sl->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale,
         o->router_loss_scale, o->dlogits, T_, c->scratch, c->dlogits);
     MOEPT__LAUNCHED();
-    if (c->jit) {
-        moept__jitter(c, xf, T_, c->jrow[cur], c->jkey, 0);
+    if (sl->jit) {
+        moept__jitter(c, xf, T_, sl->jrow[cur], sl->jkey, 0);
         MOEPT__LAUNCHED();
     }
-    const float *xin = c->jit ? c->xj : xf;
+    const float *xin = sl->jit ? c->xj : xf;
     moept__gemm g = moept__gemm_make(1, 0, E, D, T_, c->dlogits, E, xin, D, 1.0f, c->grads, D);
     MOEPT__TRY(moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, err));
     if (p->S == 0 || p->offsg < 0) return MOEPT_OK;
@@ -3554,17 +3550,17 @@ static moept_status moept__bwd_router(moept__cuda *c, const float *xf, const moe
    shared gate's and the router's terms; a non-finite dx from finite dy is
    flagged for the next adamw_step or grad_norm (no host sync here) */
 template <typename T>
-static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
+static moept_status moept__bwd_dx(moept__cuda *c, moept__cslot *sl, T *dx, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, T_ = c->T;
-    const void *ys = p->P > 1 ? c->ys : c->yr;
+    const int64_t D = p->D, T_ = sl->T;
+    const void *ys = p->P > 1 ? sl->ys : sl->yr;
     const int gate = p->S > 0 && p->offsg >= 0;
-    const T *yss = p->S > 0 ? (const T *)c->yss : NULL;
+    const T *yss = p->S > 0 ? (const T *)sl->yss : NULL;
     /* the router's weights (fp32 rows of D) are read as vectors of as many lanes */
     const int vec = moept__vec<T>(D, ys, yss, dx) && moept__vec<T>(0, c->params); /* D % V: Wr's rows too */
     const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
-    const moept__jit jit = {c->jit ? c->jrow[c->cur] : NULL, p->jitter_seed, c->jkey, p->jitter};
-    MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, c->row_of, yss,
+    const moept__jit jit = {sl->jit ? sl->jrow[sl->cur] : NULL, p->jitter_seed, sl->jkey, p->jitter};
+    MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, sl->row_of, yss,
                     gate ? c->dsg : NULL, gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_,
                     (int)D, (int)p->K, (int)p->E, jit, dx, &c->bad[5]);
     MOEPT__LAUNCHED();
@@ -3574,45 +3570,45 @@ static moept_status moept__bwd_dx(moept__cuda *c, T *dx, char *err) {
 /* The backward, stage by stage as moept.c's: agree -> combine' -> experts'
    (chunked: the pipeline) -> router' -> dx. */
 template <typename T>
-static moept_status moept__backward(moept__cuda *c, const void *xv, const void *dyv, void *dxv,
+static moept_status moept__backward(moept__cuda *c, moept__cslot *sl, const void *xv, const void *dyv,
+                                    void *dxv,
                                     moept__dev_step *out, char *err) {
     const T *x = (const T *)xv, *dy = (const T *)dyv;
     MOEPT__STAGE("bwd.agree");
-    MOEPT__TRY(moept__bwd_agree<T>(c, x, dy, dxv, out->tag, out, err));
-    c->bwd_done = 1; /* from here on the saved rows change */
-    const float *xf = c->wlow ? c->xf : (const float *)xv;
+    MOEPT__TRY(moept__bwd_agree<T>(c, sl, x, dy, dxv, out->tag, out, err));
+    sl->bwd_done = 1; /* from here on the saved rows change */
+    const float *xf = c->wlow ? sl->xf : (const float *)xv;
     MOEPT__STAGE("bwd.combine");
-    MOEPT__TRY(moept__bwd_combine<T>(c, x, dy, err));
+    MOEPT__TRY(moept__bwd_combine<T>(c, sl, x, dy, err));
     MOEPT__STAGE(c->C > 1 ? "bwd.pipeline" : "bwd.experts");
-    if (c->C > 1) MOEPT__TRY(moept__pipeline<T>(c, 1, x, NULL, out, err));
-    else MOEPT__TRY(moept__bwd_experts<T>(c, x, out, err));
-    if (c->T == 0) return MOEPT_OK;
+    if (c->C > 1) MOEPT__TRY(moept__pipeline<T>(c, sl, 1, x, NULL, out, err));
+    else MOEPT__TRY(moept__bwd_experts<T>(c, sl, x, out, err));
+    if (sl->T == 0) return MOEPT_OK;
     MOEPT__STAGE("bwd.router");
-    MOEPT__TRY(moept__bwd_router(c, xf, out, err));
+    MOEPT__TRY(moept__bwd_router(c, sl, xf, out, err));
     MOEPT__STAGE("bwd.dx");
-    return moept__bwd_dx<T>(c, (T *)dxv, err);
+    return moept__bwd_dx<T>(c, sl, (T *)dxv, err);
 }
 
-/* The backward of opts.slot's forward; then the last forward's slot is the
-   active one again (routing, statistics and growth read it) */
+/* The backward of opts.slot's forward (routing, statistics and growth go
+   on reading the last forward's) */
 static moept_status moept__cuda_backward(moept__cuda *c, const void *x, const void *dy, void *dx,
                                          moept__dev_step *out, char *err) {
     MOEPT__ENTER(c);
     c->grads_clean = 0;
-    const int last = c->active;
     char e[MOEPT__ERRLEN];
-    if (!out->reject && !moept__slot(c, out->slot)->fwork) { /* (out->reject: the slot may be out of range) */
+    /* its forward's state (out->reject: the slot may be out of range; the last one's, refused alike) */
+    moept__cslot *sl = out->reject ? moept__last(c) : &c->slots[out->slot];
+    if (!out->reject && !sl->fwork) {
         out->reject = MOEPT_ERR_STATE;
         snprintf(e, sizeof e, "moept_backward: slot %d holds no forward to differentiate", out->slot);
         out->reject_msg = e;
-    } else if (!out->reject) {
-        (void)moept__use_slot(c, out->slot, err); /* made: no failure */
+        sl = moept__last(c);
     }
-    moept_status st = c->esz == 2 ? moept__backward<moept__bf16>(c, x, dy, dx, out, err)
-                                  : moept__backward<float>(c, x, dy, dx, out, err);
+    moept_status st = c->esz == 2 ? moept__backward<moept__bf16>(c, sl, x, dy, dx, out, err)
+                                  : moept__backward<float>(c, sl, x, dy, dx, out, err);
     MOEPT__STAGE(NULL);
-    (void)moept__use_slot(c, last, e);
-    out->recv_capacity = c->Rcap;
+    out->recv_capacity = moept__last(c)->Rcap;
     out->recv_growths = c->growths;
     return st;
 }
@@ -3842,8 +3838,7 @@ static moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t *sl
     if (c->grads) /* (an inference layer has none) */
         MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s)); /* the dx check stays */
     c->grads_clean = 0;
-    c->fwd_valid = 0; /* every slot's saved forward: its plan used the old placement */
-    for (int s = 0; s <= c->nslots; s++) c->shadow[s].fwd_valid = 0;
+    for (int s = 0; s <= c->nslots; s++) c->slots[s].fwd_valid = 0; /* their plans: the old placement */
     return moept__host_wait(c, err);
 }
 

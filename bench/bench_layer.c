@@ -65,7 +65,8 @@ static int cmp_d(const void *a, const void *b) {
    step's row counts) on buffers of their own, into g[6E + 3]: returns
    their count and adds their flops to *flops. The buffers live until exit. */
 static int64_t floor_gemms(const moept_layer *L, const float *x, int64_t T, moept__gemm *g, double *flops) {
-    const int64_t D = L->D, F = L->F, E = L->E, N = L->plan.N, H = L->H;
+    const moept__fplan *pl = &moept__last(L)->plan; /* the step's */
+    const int64_t D = L->D, F = L->F, E = L->E, N = pl->N, H = L->H;
     float *bx = calloc((size_t)(N * D), 4), *bh = calloc((size_t)(N * H), 4), *ba = calloc((size_t)(N * F), 4);
     float *by = calloc((size_t)(N * D), 4), *lg = calloc((size_t)(T * E), 4), *dxx = calloc((size_t)(T * D), 4);
     int64_t n = 0;
@@ -73,7 +74,7 @@ static int64_t floor_gemms(const moept_layer *L, const float *x, int64_t T, moep
     g[n++] = moept__gemm_make(1, 0, E, D, T, lg, E, x, D, 1.0f, L->par.g_router, D);
     g[n++] = moept__gemm_make(0, 0, T, D, E, lg, E, L->par.w_router, D, 1.0f, dxx, D);
     for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = L->plan.offsets[e], m = L->plan.counts[e];
+        int64_t r0 = pl->offsets[e], m = pl->counts[e];
         if (!m) continue;
         g[n++] = moept__gemm_make(0, 1, m, H, D, bx + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f, bh + r0 * H, H);
         g[n++] = moept__gemm_make(0, 1, m, D, F, ba + r0 * F, F, L->par.w2 + e * D * F, F, 0.0f, by + r0 * D, D);

@@ -88,15 +88,15 @@ static snap take(moept_layer *L) {
     s.params = malloc(pb);
     memcpy(s.params, L->par.params, pb);
     moept_get_stats(L, &s.st, NULL);
-    s.T = L->fwd.T;
+    s.T = moept__last(L)->fwd.T;
     s.logits = malloc((size_t)(L->Tmax * L->E) * 4);
     s.w = malloc((size_t)(L->Tmax * L->K) * 4);
     s.ids = malloc((size_t)(L->Tmax * L->K) * 4);
     const int32_t *ids; const float *w, *lg;
     if (moept_routing(L, &ids, &w, &lg) == MOEPT_OK) {
-        memcpy(s.logits, lg, (size_t)(L->fwd.T * L->E) * 4);
-        memcpy(s.w, w, (size_t)(L->fwd.T * L->K) * 4);
-        memcpy(s.ids, ids, (size_t)(L->fwd.T * L->K) * 4);
+        memcpy(s.logits, lg, (size_t)(moept__last(L)->fwd.T * L->E) * 4);
+        memcpy(s.w, w, (size_t)(moept__last(L)->fwd.T * L->K) * 4);
+        memcpy(s.ids, ids, (size_t)(moept__last(L)->fwd.T * L->K) * 4);
     }
     return s;
 }

@@ -22,8 +22,8 @@ static double objective(moept_layer *L, const float *x, int64_t T, const float *
     if (moept_forward_ex(L, x, T, y, &fo) != MOEPT_OK) return NAN;
     double o = 0.0;
     for (int64_t i = 0; i < T * L->D; i++) o += (double)y[i] * gy[i];
-    o += (double)L->cfg.aux_loss_coef * L->fwd.aux_value + (double)L->cfg.z_loss_coef * L->fwd.z_value;
-    memcpy(ids, L->fwd.ids[L->fwd.cur], (size_t)(T * L->K) * sizeof(int32_t));
+    o += (double)L->cfg.aux_loss_coef * moept__last(L)->fwd.aux_value + (double)L->cfg.z_loss_coef * moept__last(L)->fwd.z_value;
+    memcpy(ids, moept__last(L)->fwd.ids[moept__last(L)->fwd.cur], (size_t)(T * L->K) * sizeof(int32_t));
     return o;
 }
 
@@ -113,7 +113,7 @@ static void run_gcase(const gcase *gc) {
     EXPECT(isfinite(base), "%s: forward failed: %s", gc->name, moept_last_error(L));
     EXPECT_OK(moept_backward(L, x, gy, dx));
     /* freeze the analytic gradients before the perturbed forwards */
-    L->fwd.jitter_frozen = 1; /* router jitter: every perturbed forward draws this step's noise */
+    L->jitter_frozen = 1; /* router jitter: every perturbed forward draws this step's noise */
     float *gcopy = malloc((size_t)L->par.n_params * sizeof(float));
     memcpy(gcopy, L->par.grads, (size_t)L->par.n_params * sizeof(float));
     static const moept__ptype types[] = {MOEPT__P_ROUTER, MOEPT__P_GATE, MOEPT__P_UP, MOEPT__P_DOWN,

@@ -54,8 +54,8 @@ static void ref_ffn(const moept_layer *L, const float *x, const float *w13, cons
 
 static double ref_forward_err(const moept_layer *L, const float *x, int64_t T, const float *y) {
     const int64_t D = L->D, K = L->K;
-    const int32_t *ids = L->fwd.ids[L->fwd.cur];
-    const float *w = L->fwd.wts[L->fwd.cur];
+    const int32_t *ids = moept__last(L)->fwd.ids[moept__last(L)->fwd.cur];
+    const float *w = moept__last(L)->fwd.wts[moept__last(L)->fwd.cur];
     double *o = malloc((size_t)D * sizeof(double)), *acc = malloc((size_t)D * sizeof(double));
     int64_t *seen = calloc((size_t)L->E, sizeof(int64_t));
     int64_t cap = L->stats.capacity;
@@ -103,10 +103,10 @@ static void test_dropless_plan(void) {
     EXPECT(st.routed_rows == 150 && st.dropped_rows == 0, "routed %lld dropped %lld", (long long)st.routed_rows, (long long)st.dropped_rows);
     /* stable: rows of each expert in increasing token order, each row's token routed there */
     for (int e = 0; e < 8; e++)
-        for (int64_t r = L->plan.offsets[e]; r < L->plan.offsets[e + 1]; r++) {
-            if (r > L->plan.offsets[e]) EXPECT(L->plan.tok_of_row[r] > L->plan.tok_of_row[r - 1], "expert %d rows out of token order", e);
-            int64_t t = L->plan.tok_of_row[r], hit = 0;
-            for (int k = 0; k < 3; k++) hit |= L->fwd.ids[L->fwd.cur][t * 3 + k] == e && L->plan.row_of[t * 3 + k] == r;
+        for (int64_t r = moept__last(L)->plan.offsets[e]; r < moept__last(L)->plan.offsets[e + 1]; r++) {
+            if (r > moept__last(L)->plan.offsets[e]) EXPECT(moept__last(L)->plan.tok_of_row[r] > moept__last(L)->plan.tok_of_row[r - 1], "expert %d rows out of token order", e);
+            int64_t t = moept__last(L)->plan.tok_of_row[r], hit = 0;
+            for (int k = 0; k < 3; k++) hit |= moept__last(L)->fwd.ids[moept__last(L)->fwd.cur][t * 3 + k] == e && moept__last(L)->plan.row_of[t * 3 + k] == r;
             EXPECT(hit, "row %lld not owned by token %lld", (long long)r, (long long)t);
         }
     double err = ref_forward_err(L, x, 50, y);
@@ -132,8 +132,8 @@ static void test_capacity(void) {
     EXPECT(st.capacity == cap, "capacity %lld != %lld", (long long)st.capacity, (long long)cap);
     int64_t kept = 0;
     for (int e = 0; e < 4; e++) {
-        EXPECT(L->plan.counts[e] <= cap, "expert %d keeps %lld > capacity %lld", e, (long long)L->plan.counts[e], (long long)cap);
-        kept += L->plan.counts[e];
+        EXPECT(moept__last(L)->plan.counts[e] <= cap, "expert %d keeps %lld > capacity %lld", e, (long long)moept__last(L)->plan.counts[e], (long long)cap);
+        kept += moept__last(L)->plan.counts[e];
     }
     EXPECT(st.dropped_rows > 0, "the skewed router should overflow an expert");
     EXPECT(st.dropped_rows == 80 - kept, "dropped %lld != T*K - kept", (long long)st.dropped_rows);
@@ -141,8 +141,8 @@ static void test_capacity(void) {
     for (int e = 0; e < 4; e++) {
         int64_t last_kept = -1, first_drop = 1 << 30;
         for (int64_t i = 0; i < 80; i++) {
-            if (L->fwd.ids[L->fwd.cur][i] != e) continue;
-            if (L->plan.row_of[i] >= 0) last_kept = i; else if (i < first_drop) first_drop = i;
+            if (moept__last(L)->fwd.ids[moept__last(L)->fwd.cur][i] != e) continue;
+            if (moept__last(L)->plan.row_of[i] >= 0) last_kept = i; else if (i < first_drop) first_drop = i;
         }
         EXPECT(last_kept < first_drop, "expert %d kept a later token than one it dropped", e);
     }
@@ -251,8 +251,8 @@ static void test_ties_lower_index(void) {
         EXPECT_OK(moept_forward(L, x, 4, y));
         for (int t = 0; t < 4; t++)
             for (int k = 0; k < 3; k++)
-                EXPECT(L->fwd.ids[L->fwd.cur][t * 3 + k] == k, "family %d token %d slot %d: expert %d, ties must go to the lower index",
-                       f, t, k, L->fwd.ids[L->fwd.cur][t * 3 + k]);
+                EXPECT(moept__last(L)->fwd.ids[moept__last(L)->fwd.cur][t * 3 + k] == k, "family %d token %d slot %d: expert %d, ties must go to the lower index",
+                       f, t, k, moept__last(L)->fwd.ids[moept__last(L)->fwd.cur][t * 3 + k]);
         moept_destroy(L);
     }
 }
@@ -306,17 +306,17 @@ static void test_group_limited(void) {
         for (int g = 0; g < 4; g++) { /* top-2 sum of s + bias in the group */
             double b1 = -1e9, b2 = -1e9;
             for (int e = g * 4; e < g * 4 + 4; e++) {
-                double v = 1 / (1 + exp(-(double)L->fwd.logits[L->fwd.cur][t * 16 + e])) + L->par.bias[e];
+                double v = 1 / (1 + exp(-(double)moept__last(L)->fwd.logits[moept__last(L)->fwd.cur][t * 16 + e])) + L->par.bias[e];
                 if (v > b1) { b2 = b1; b1 = v; } else if (v > b2) b2 = v;
             }
             gsc[g] = b1 + b2;
         }
         double wsum = 0;
         for (int k = 0; k < 4; k++) {
-            int e = L->fwd.ids[L->fwd.cur][t * 4 + k], g = e / 4, better = 0;
+            int e = moept__last(L)->fwd.ids[moept__last(L)->fwd.cur][t * 4 + k], g = e / 4, better = 0;
             for (int h = 0; h < 4; h++) better += gsc[h] > gsc[g];
             EXPECT(better < 2, "token %d: expert %d from a group outside the top 2", t, e);
-            wsum += L->fwd.wts[L->fwd.cur][t * 4 + k];
+            wsum += moept__last(L)->fwd.wts[moept__last(L)->fwd.cur][t * 4 + k];
         }
         EXPECT(fabs(wsum - 2.0) < 1e-5, "token %d: weights sum %g, expected the scaling factor 2", t, wsum);
     }
@@ -411,7 +411,7 @@ static void test_update_bias(void) {
     memcpy(before, L->par.bias, sizeof before);
     EXPECT_OK(moept_update_bias(L, 0.01f));
     for (int e = 0; e < 4; e++) {
-        double mean = 16.0 / 4, cnt = (double)L->fwd.sel_counts[e];
+        double mean = 16.0 / 4, cnt = (double)moept__last(L)->fwd.sel_counts[e];
         double want = before[e] + (cnt < mean ? 0.01 : cnt > mean ? -0.01 : 0.0);
         EXPECT(fabs(L->par.bias[e] - want) < 1e-7, "expert %d count %g: bias %g, want %g", e, cnt, L->par.bias[e], want);
     }
@@ -579,7 +579,7 @@ static void test_gpu_plan_emulated(void) {
         for (int64_t i = 0; i < T * D; i++) x[i] = (float)((moept__mix(&st) >> 40) * (1.0 / 16777216.0)) + 0.1f;
         for (int64_t d = 0; d < D; d++) L->par.w_router[3 * D + d] = -50.0f; /* x > 0: expert 3 never chosen */
         EXPECT_OK(moept_forward(L, x, T, y));
-        const int32_t *ids = L->fwd.ids[L->fwd.cur];
+        const int32_t *ids = moept__last(L)->fwd.ids[moept__last(L)->fwd.cur];
         int64_t nblk = (TK + PB - 1) / PB, cap = L->stats.capacity;
         int64_t *hist = calloc((size_t)(nblk * E), sizeof(int64_t)), *kept = calloc((size_t)E, sizeof(int64_t));
         int64_t *koff = calloc((size_t)E + 1, sizeof(int64_t)), *row_of = calloc((size_t)TK, sizeof(int64_t));
@@ -600,12 +600,12 @@ static void test_gpu_plan_emulated(void) {
             int64_t s = L->plan.slot_of[ids[a]];
             moept__plan_place(a, hist[(a / PB) * E + s] + lrank[a], kept[s], koff[s], K, row_of, tok, ks);
         }
-        EXPECT(koff[E] == L->plan.N, "kept rows %lld vs %lld", (long long)koff[E], (long long)L->plan.N);
+        EXPECT(koff[E] == moept__last(L)->plan.N, "kept rows %lld vs %lld", (long long)koff[E], (long long)moept__last(L)->plan.N);
         EXPECT(kept[3] == 0, "expert 3 got rows");
-        for (int64_t e = 0; e < E; e++) EXPECT(kept[e] == L->plan.counts[e], "slot %lld: %lld vs %lld", (long long)e, (long long)kept[e], (long long)L->plan.counts[e]);
-        for (int64_t a = 0; a < TK; a++) EXPECT(row_of[a] == L->plan.row_of[a], "assignment %lld: row %lld vs %lld", (long long)a, (long long)row_of[a], (long long)L->plan.row_of[a]);
-        for (int64_t r = 0; r < L->plan.N; r++)
-            EXPECT(tok[r] == L->plan.tok_of_row[r] && ks[r] == L->plan.slot_of_row[r], "row %lld differs", (long long)r);
+        for (int64_t e = 0; e < E; e++) EXPECT(kept[e] == moept__last(L)->plan.counts[e], "slot %lld: %lld vs %lld", (long long)e, (long long)kept[e], (long long)moept__last(L)->plan.counts[e]);
+        for (int64_t a = 0; a < TK; a++) EXPECT(row_of[a] == moept__last(L)->plan.row_of[a], "assignment %lld: row %lld vs %lld", (long long)a, (long long)row_of[a], (long long)moept__last(L)->plan.row_of[a]);
+        for (int64_t r = 0; r < moept__last(L)->plan.N; r++)
+            EXPECT(tok[r] == moept__last(L)->plan.tok_of_row[r] && ks[r] == moept__last(L)->plan.slot_of_row[r], "row %lld differs", (long long)r);
         free(x); free(y); free(hist); free(kept); free(koff); free(row_of); free(tok); free(ks); free(lrank);
         moept_destroy(L);
     }
@@ -968,10 +968,10 @@ static void test_inference_layer(void) {
     moept_get_stats(Lt, &st, NULL);
     moept_get_stats(Li, &si, NULL);
     int64_t dpar = st.param_bytes - si.param_bytes, dws = st.workspace_bytes - si.workspace_bytes;
-    int64_t want_ws = (Lt->xch.Rcap * F + T * (K + E + S + 1)) * 4;
+    int64_t want_ws = (moept__last(Lt)->xch.Rcap * F + T * (K + E + S + 1)) * 4;
     EXPECT(dpar == Lt->par.n_params * 4, "parameter bytes saved %lld, want %lld", (long long)dpar,
            (long long)(Lt->par.n_params * 4));
-    EXPECT(Li->xch.Rcap == Lt->xch.Rcap && dws >= want_ws - 5 * 64 && dws <= want_ws + 5 * 64,
+    EXPECT(moept__last(Li)->xch.Rcap == moept__last(Lt)->xch.Rcap && dws >= want_ws - 5 * 64 && dws <= want_ws + 5 * 64,
            "workspace bytes saved %lld, want %lld (+-320)", (long long)dws, (long long)want_ws);
     printf("# inference layer: %lld of %lld bytes (parameters %lld -> %lld, workspace %lld -> %lld)\n",
            (long long)(si.param_bytes + si.workspace_bytes), (long long)(st.param_bytes + st.workspace_bytes),

@@ -617,9 +617,9 @@ static int64_t workspace(const moept_layer *L) {
 
 /* Each slot used adds one slot's memory (one rank: the receive rows never
    grow), counted in moept_stats.workspace_bytes, and a training layer's
-   evaluation forward, where it needs its own slot, one more: a CPU layer's
-   slot is the workspace the layer holds at create; a CUDA layer's is its
-   forward state only (less than the create's). The config's range. */
+   evaluation forward, where it needs its own slot, one more: a slot is its
+   forward state only (the layer's scratch is shared: less than the
+   create's workspace), on both executors. The config's range. */
 static void test_slot_memory(void) {
     moept_config c = slot_cfg(1);
     c.max_inflight = 4;
@@ -633,17 +633,16 @@ static void test_slot_memory(void) {
     mh[3] = 0;
     void *mask = tu_dev(mh, TOK);
     const int64_t wc = workspace(L);
-    int64_t unit = wc, base = 0; /* k slots used: base + k unit (a CUDA layer: measured at k = 2) */
+    int64_t unit = wc, base = 0; /* k slots used: base + k unit (measured at k = 2) */
     for (int k = 0; k < 4; k++) {
         moept_forward_opts f = {mask, 0, NULL, NULL, k};
         EXPECT_OK(moept_forward_ex(L, o.x[0], TOK, o.y, &f));
         const int64_t w = workspace(L);
-        if (TU_GPU && k == 0) base = w - unit; /* (a CUDA layer's first masked forward: the mask's room) */
-        if (TU_GPU && k == 1) {
+        if (k == 0) base = w - unit; /* (the first masked forward: room to pack the shared rows) */
+        if (k == 1) {
             unit = w - (base + unit);
             base = w - 2 * unit;
-            EXPECT(unit > 0 && unit < wc, "a CUDA layer's slot: %lld bytes of %lld", (long long)unit,
-                   (long long)wc);
+            EXPECT(unit > 0 && unit < wc, "a slot: %lld bytes of %lld", (long long)unit, (long long)wc);
         }
         EXPECT(w == base + (k + 1) * unit, "%d slots: workspace %lld, want %lld", k + 1, (long long)w,
                (long long)(base + (k + 1) * unit));
