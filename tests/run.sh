@@ -120,13 +120,13 @@ outputs() { # the $B/ paths of a suite's command, less options' values; its need
 run_suite() {
     name=$1 ran=1; shift
     echo "== $name"
-    cpu
-    t0=$(now) c0=$cpus
-    "$@" >"$log" 2>&1
-    rc=$?
-    cpu
+    t0=$(now)
+    # in a subshell of its own, whose children are the suite's alone (a "par"
+    # suite reaped meanwhile counts in this shell's)
+    ("$@" >"$log" 2>&1; echo $? >"$log.rc"; cpu; echo "$cpus" >"$log.rc.cpu")
+    rc=$(cat "$log.rc") csecs=$(awk '{ printf "%.1f", $1 }' "$log.rc.cpu")
+    rm -f "$log.rc" "$log.rc.cpu"
     secs=$(echo "$(now) $t0" | awk '{ printf "%.1f", $1 - $2 }')
-    csecs=$(echo "$cpus $c0" | awk '{ printf "%.1f", $1 - $2 }')
     echo "$secs $csecs $name" >>"$B/times.txt"
     # a suite's own "N passed, N failed" line is reworded: CI reads such a line alone as the
     # run's closing line, and the grand total below must be the only one
