@@ -64,7 +64,7 @@ $(B):
 $(B)/moept.o: moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -c moept.c -o $@
 
-$(B)/moept_check: tests/moept_check.c $(B)/moept.o
+$(B)/moept_check: tests/moept_check.c tests/testutil.h $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
 # A white-box test (one that includes moept.c: it reads the internals) is one
@@ -90,7 +90,7 @@ $(B)/$(1)/moept.o: moept.c $(HDRS)
 	@mkdir -p $$(@D)
 	$(2) $(3) $(WARN) -c moept.c -o $$@
 
-$(B)/$(1)/moept_check: tests/moept_check.c $(B)/$(1)/moept.o
+$(B)/$(1)/moept_check: tests/moept_check.c tests/testutil.h $(B)/$(1)/moept.o
 	$(2) $(3) $(WARN) $$< $(B)/$(1)/moept.o -o $$@ $(LDLIBS) $(4)
 
 $(B)/$(1)/test_%: tests/test_%.c $(B)/$(1)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.h
@@ -107,12 +107,12 @@ $(B)/mpi/moept.o: moept.c $(HDRS)
 	@mkdir -p $(@D)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI -c moept.c -o $@
 
-$(B)/moept_check_mpi: tests/moept_check.c $(B)/mpi/moept.o
+$(B)/moept_check_mpi: tests/moept_check.c tests/testutil.h $(B)/mpi/moept.o
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< $(B)/mpi/moept.o -o $@ $(LDLIBS)
 
 # the same with 7-element message chunks and a tiny "INT_MAX": every
 # large-count path (chunked pieces, chunked all-reduce, p2p all-gather) runs
-$(B)/moept_check_mpi_chunked: tests/moept_check.c moept.c $(HDRS) | $(B)
+$(B)/moept_check_mpi_chunked: tests/moept_check.c tests/testutil.h moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI -DMOEPT__MPI_CHUNK=7 -DMOEPT__MPI_INT_MAX=5 tests/moept_check.c moept.c -o $@ $(LDLIBS)
 
 $(B)/test_%_mpi: tests/test_%.c $(B)/mpi/moept.o $(HDRS) tests/testutil.h
@@ -120,10 +120,10 @@ $(B)/test_%_mpi: tests/test_%.c $(B)/mpi/moept.o $(HDRS) tests/testutil.h
 	    $(LDLIBS)
 
 # the kill -9 loop's worker (tests/crash.sh)
-$(B)/crash_save: tests/crash_save.c moept.c $(HDRS) | $(B)
+$(B)/crash_save: tests/crash_save.c tests/testutil.h moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
 
-$(B)/crash_save_mpi: tests/crash_save.c moept.c $(HDRS) | $(B)
+$(B)/crash_save_mpi: tests/crash_save.c tests/testutil.h moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
 $(B)/train_mpi: examples/train.c $(B)/mpi/moept.o
@@ -188,7 +188,7 @@ $(B)/cuda/moept.o: moept.c $(HDRS) | $(B)
 
 CUDA_OBJS = $(B)/cuda/moept.o $(B)/cuda/moept_kernels.o
 
-$(B)/moept_check_cuda: tests/moept_check.c $(CUDA_OBJS)
+$(B)/moept_check_cuda: tests/moept_check.c tests/testutil.h $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/test_cuda: tests/test_cuda.c tests/testutil.h $(CUDA_OBJS)
@@ -220,7 +220,7 @@ $(B)/cuda-mpi/moept.o: moept.c $(HDRS) | $(B)
 
 CUDA_MPI_OBJS = $(B)/cuda-mpi/moept.o $(B)/cuda/moept_kernels.o
 
-$(B)/moept_check_cuda_mpi: tests/moept_check.c $(CUDA_MPI_OBJS)
+$(B)/moept_check_cuda_mpi: tests/moept_check.c tests/testutil.h $(CUDA_MPI_OBJS)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(CUDA_INC) $< $(CUDA_MPI_OBJS) -o $@ \
 	    $(CUDA_LIBS) $(LDLIBS)
 
@@ -238,6 +238,9 @@ ARCH_X86 := $(filter x86_64,$(shell uname -m))
 CPUFLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 GEMM_V3 := $(if $(ARCH_X86),$(if $(filter avx2,$(CPUFLAGS)),$(if $(filter fma,$(CPUFLAGS)),yes)))
 GEMM_V4 := $(if $(ARCH_X86),$(if $(filter avx512f,$(CPUFLAGS)),yes))
+# the kernel the plain build's flags select (v4, v3 or neither): tests/suites runs it once
+GEMM_PLAIN := $(if $(ARCH_X86),$(shell $(CC) $(ARCH) -dM -E -x c /dev/null 2>/dev/null | \
+    awk '/ __AVX512F__ / { a = 1 } / __AVX2__ / { b = 1 } / __FMA__ / { c = 1 } END { print a ? "v4" : b && c ? "v3" : "" }'))
 AARCH64_CC := $(shell command -v aarch64-linux-gnu-gcc 2>/dev/null)
 QEMU_AARCH64 := $(shell command -v qemu-aarch64 2>/dev/null || command -v qemu-aarch64-static 2>/dev/null)
 A64_OK := $(if $(AARCH64_CC),$(if $(QEMU_AARCH64),yes))
@@ -267,6 +270,7 @@ TORCH_OK := $(if $(filter test test-build,$(MAKECMDGOALS)),$(shell python3 -c 'i
 
 TEST_ENV = B="$(B)" CASES="$(CASES)" MPIRUN="$(if $(MPICC),$(MPIRUN))" SAN="$(SAN_OK)" TSAN="$(TSAN_OK)" \
            CBLAS="$(if $(CBLAS_LIBS),yes)" VALGRIND="$(VALGRIND)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" \
+           GEMM_PLAIN="$(GEMM_PLAIN)" \
            ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" EMU="$(EMU_OK)" \
            CUDA="$(CUDA_OK)" NVCC="$(NVCC)" TORCH="$(TORCH_OK)"
 suite_outputs = $(sort $(shell $(TEST_ENV) sh tests/run.sh --bins $(1)))
@@ -276,9 +280,13 @@ all: $(filter $(B)/test_%,$(call suite_outputs,cpu))
 cuda: $(call suite_outputs,cuda)
 emu: $(call suite_outputs,emu)
 
-# the binaries build in parallel, a job a core; the suites then run one at a time
+# the binaries build in parallel, a job a core, the longest compiles first (so
+# that the build does not end on one of them alone); then the suites run
 NPROC := $(shell nproc 2>/dev/null || echo 1)
-test-build: all $(SUITE_BINS)
+LONGEST = $(if $(filter $(B)/emu-san/%,$(SUITE_BINS)),$(B)/emu-san/moept_kernels.o) \
+          $(if $(filter $(B)/test_cuda,$(SUITE_BINS)),$(B)/cuda/moept_kernels.o) \
+          $(if $(filter $(B)/emu/%,$(SUITE_BINS)),$(B)/emu/moept_kernels.o)
+test-build: $(LONGEST) all $(SUITE_BINS)
 
 test:
 	@$(MAKE) --no-print-directory -j$(NPROC) test-build
@@ -356,13 +364,13 @@ clean:
 # The kernels' unit is C++ with -fsanitize=thread's instrumentation but not its
 # runtime: every load and store calls tests/emu's checks. Needs only the CUDA,
 # cuBLAS and NCCL headers (for their declarations), no GPU and no CUDA library.
-$(B)/emu/rt.o: $(EMU_SRC) $(EMU_HDRS) | $(B)
-	@mkdir -p $(B)/emu
-	$(EMU_CXX) -O2 -c tests/emu/emu_rt.cc -o $(B)/emu/emu_rt.o
-	$(EMU_CXX) -O2 -c tests/emu/emu_kernel.cc -o $(B)/emu/emu_kernel.o
-	$(EMU_CXX) -O2 -c tests/emu/emu_blas.cc -o $(B)/emu/emu_blas.o
-	$(EMU_CXX) -O2 -c tests/emu/emu_nccl.cc -o $(B)/emu/emu_nccl.o
-	ld -r $(B)/emu/emu_rt.o $(B)/emu/emu_kernel.o $(B)/emu/emu_blas.o $(B)/emu/emu_nccl.o -o $@
+# (an object a rule: make -j compiles them side by side)
+$(B)/emu/emu_%.o: tests/emu/emu_%.cc $(EMU_HDRS)
+	@mkdir -p $(@D)
+	$(EMU_CXX) -O2 -c $< -o $@
+
+$(B)/emu/rt.o: $(patsubst tests/emu/%.cc,$(B)/emu/%.o,$(EMU_SRC))
+	ld -r $^ -o $@
 
 $(B)/emu/moept_kernels.o: moept_kernels.cu moept.c $(HDRS) tests/emu/cuda_emu.h | $(B)
 	@mkdir -p $(B)/emu
@@ -374,7 +382,7 @@ $(B)/emu/moept.o: moept.c $(HDRS) | $(B)
 
 EMU_OBJS = $(B)/emu/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
 
-$(B)/emu/moept_check: tests/moept_check.c $(EMU_OBJS)
+$(B)/emu/moept_check: tests/moept_check.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 $(B)/emu/test_cuda: tests/test_cuda.c tests/testutil.h $(EMU_OBJS)
@@ -411,7 +419,7 @@ $(B)/emu-mpi/moept.o: moept.c $(HDRS) | $(B)
 
 EMU_MPI_OBJS = $(B)/emu-mpi/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
 
-$(B)/emu/moept_check_mpi: tests/moept_check.c $(EMU_MPI_OBJS)
+$(B)/emu/moept_check_mpi: tests/moept_check.c tests/testutil.h $(EMU_MPI_OBJS)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI -DMOEPT_EMU $(EMU_INC) $< $(EMU_MPI_OBJS) -o $@ \
 	    $(EMU_LIBS)
 
@@ -426,12 +434,16 @@ $(B)/emu/test_emu: tests/emu/test_emu.cc $(B)/emu/rt.o
 
 # the same under ASan + UBSan (no per-access hooks: ASan and the tsan
 # instrumentation do not mix; ASan sees the kernels' stacks and host memory)
-$(B)/emu-san/moept_check: tests/moept_check.c moept.c moept_kernels.cu $(HDRS) $(EMU_SRC) $(EMU_HDRS)
-	@mkdir -p $(B)/emu-san
-	$(EMU_CXX) -O1 $(SAN) -c tests/emu/emu_rt.cc -o $(B)/emu-san/emu_rt.o
-	$(EMU_CXX) -O1 $(SAN) -c tests/emu/emu_kernel.cc -o $(B)/emu-san/emu_kernel.o
-	$(EMU_CXX) -O1 $(SAN) -c tests/emu/emu_blas.cc -o $(B)/emu-san/emu_blas.o
-	$(EMU_CXX) -O1 $(SAN) -c tests/emu/emu_nccl.cc -o $(B)/emu-san/emu_nccl.o
-	$(EMU_CXX) -O1 $(SAN) -x c++ -include tests/emu/cuda_emu.h -c moept_kernels.cu -o $(B)/emu-san/moept_kernels.o
-	$(CC) -O1 -g $(WARN) $(SAN) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) tests/moept_check.c moept.c $(B)/emu-san/*.o -o $@ $(EMU_LIBS)
+$(B)/emu-san/emu_%.o: tests/emu/emu_%.cc $(EMU_HDRS)
+	@mkdir -p $(@D)
+	$(EMU_CXX) -O1 $(SAN) -c $< -o $@
+
+$(B)/emu-san/moept_kernels.o: moept_kernels.cu $(HDRS) $(EMU_HDRS)
+	@mkdir -p $(@D)
+	$(EMU_CXX) -O1 $(SAN) -x c++ -include tests/emu/cuda_emu.h -c moept_kernels.cu -o $@
+
+EMU_SAN_OBJS = $(patsubst tests/emu/%.cc,$(B)/emu-san/%.o,$(EMU_SRC)) $(B)/emu-san/moept_kernels.o
+$(B)/emu-san/moept_check: tests/moept_check.c tests/testutil.h moept.c $(HDRS) $(EMU_SAN_OBJS)
+	$(CC) -O1 -g $(WARN) $(SAN) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) tests/moept_check.c moept.c $(EMU_SAN_OBJS) -o $@ \
+	    $(EMU_LIBS)
 

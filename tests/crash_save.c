@@ -20,9 +20,9 @@
    save left (sets the index does not name, temporary files): the evidence
    that the kill landed inside a save. */
 #include "../moept.c"
+#include "testutil.h"
 
 #include <dirent.h>
-#include <pthread.h>
 #ifdef MOEPT_MPI
 #include <mpi.h>
 #endif
@@ -147,20 +147,10 @@ static void *verify_main(void *arg) {
 }
 
 static int run_threads(void *(*fn)(void *), const char *dir, int P, int64_t steps, job *js) {
-    moept_thread_group *g = NULL;
-    if (P > 1 && moept_thread_group_create(P, 60000, &g)) return 2;
-    pthread_t th[8];
-    for (int r = 0; r < P; r++) {
-        memset(&js[r], 0, sizeof js[r]);
-        js[r].g = g; js[r].r = r; js[r].P = P; js[r].dir = dir; js[r].steps = steps;
-        pthread_create(&th[r], NULL, fn, &js[r]);
-    }
+    job proto = {.P = P, .dir = dir, .steps = steps};
+    tu_ranks_from(P, 60000, fn, js, sizeof js[0], &proto);
     int rc = 0;
-    for (int r = 0; r < P; r++) {
-        pthread_join(th[r], NULL);
-        rc = js[r].rc > rc ? js[r].rc : rc;
-    }
-    moept_thread_group_destroy(g);
+    for (int r = 0; r < P; r++) rc = js[r].rc > rc ? js[r].rc : rc;
     return rc;
 }
 

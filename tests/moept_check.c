@@ -39,6 +39,7 @@
    MPI (the bf16 reference's CPU layer runs over MPI). */
 #define MOEPT_INTERNAL /* moept__f32_to_bf16 / moept__bf16_to_f32 */
 #include "../moept.h"
+#include "testutil.h" /* tu_threads */
 #ifdef MOEPT_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -665,9 +666,7 @@ typedef struct rank_job {
 
 static void *rank_main(void *arg) {
     rank_job *j = arg;
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
+    tu_rank_thread();
 #ifdef MOEPT_CUDA
     run_case_gpu(&j->c, &j->g);
 #else
@@ -680,7 +679,6 @@ static void run_threads(check *c, int P) {
     moept_thread_group *g;
     if (moept_thread_group_create(P, 60000, &g) != MOEPT_OK) { failf(c, "%s", moept_last_error(NULL)); return; }
     rank_job *jobs = calloc((size_t)P, sizeof *jobs);
-    pthread_t *th = calloc((size_t)P, sizeof *th);
 #ifdef MOEPT_CUDA
     ncclUniqueId id;
     if (ncclGetUniqueId(&id) != ncclSuccess) { failf(c, "ncclGetUniqueId failed"); P = 0; }
@@ -694,11 +692,10 @@ static void run_threads(check *c, int P) {
         moept_comm_threads(g, r, &jobs[r].c.ep);
         if (g_no_shm) jobs[r].c.ep->shm_alloc = NULL;
 #endif
-        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
     }
-    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
+    tu_threads(P, rank_main, jobs, sizeof *jobs);
     for (int r = 0; r < P; r++) merge(c, &jobs[r].c, r);
-    free(jobs); free(th);
+    free(jobs);
     moept_thread_group_destroy(g);
 }
 #endif

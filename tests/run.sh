@@ -1,18 +1,26 @@
 #!/bin/sh
 # Runs the test suites that tests/suites names and totals the results.
 # Suites print "ok - ...", "FAIL - ...", "skip - ..." lines; the reference
-# checker prints PASS/FAIL lines. Each suite's time goes to $B/times.txt and
-# the slowest five are listed at the end; the last line is the grand total.
+# checker prints PASS/FAIL lines. Each suite's time (seconds of wall clock,
+# then of CPU: user + system) goes to $B/times.txt and the slowest five are
+# listed at the end; the last line is the grand total. Suites marked "par"
+# (independent of every other suite, each keeping about one core busy) run
+# two at a time: one in the background while the next suites run, its
+# output printed once it is done (a group's time counts from its first
+# suite to the next group's, what ran beside it included).
 # usage: sh tests/run.sh            every suite (make test)
 #        sh tests/run.sh --check    the suites marked "check" (make check)
+#        SERIAL=1 sh tests/run.sh   every suite one at a time ("par" ignored)
 #        sh tests/run.sh --bins [--check] [GROUP]
 #            prints, one a line, the build outputs those suites use (of the
 #            groups whose name starts with GROUP) and runs nothing: the
 #            Makefile builds these
 #        sh tests/run.sh --list [--check] [GROUP]
 #            prints every suite's group and label, whatever this machine has
+#        sh tests/run.sh [--check] GROUP
+#            runs the groups whose name starts with GROUP (after make test-build)
 # What this machine has comes from the Makefile, in the environment: CASES,
-# MPIRUN, SAN, TSAN, CBLAS, VALGRIND, GEMM_V3, GEMM_V4, ARCH_X86,
+# MPIRUN, SAN, TSAN, CBLAS, VALGRIND, GEMM_V3, GEMM_V4, GEMM_PLAIN, ARCH_X86,
 # QEMU_AARCH64, EMU, CUDA, NVCC, TORCH (empty: not found; the group says "skip").
 B=${B:-build}
 mode=run only= want=
@@ -35,8 +43,15 @@ units() { printf '%s' "$table" | awk -v v="$1" '{ for (i = 2; i <= NF; i++) if (
                                              v == "" { print $1 }'; }
 checked() { units check | grep -qx "$1" && echo check; }
 
-on=1 gname= gt0= ran= marked= needed=
+on=1 gname= gt0= ran= marked= needed= beside= bgpid= bgdir=
 now() { date +%s.%N; }
+# cpus: the CPU seconds (user + system) of this shell's finished children
+# (times in this shell: in a $(...) it would count the subshell's)
+cpu() {
+    times >"$cpuf"
+    cpus=$(awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/)
+                          printf "%.2f", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$cpuf")
+}
 group_end() { # the time a group took, beside its suites'
     [ "$mode" = run ] && [ -n "$gt0" ] && [ -n "$ran" ] || return 0
     secs=$(echo "$(now) $gt0" | awk '{ printf "%.0f", $1 - $2 }')
@@ -48,8 +63,9 @@ group() { # name, condition (empty: the group does not run), why (empty: no skip
     group_end
     gname=$1 on=$2 needed=
     [ "$mode" = list ] && on=1
-    if [ "$mode" != run ]; then
-        case $1 in "$want"*) ;; *) on= ;; esac
+    picked=1
+    case $1 in "$want"*) ;; *) on= picked= ;; esac
+    if [ "$mode" != run ] || [ -z "$picked" ]; then :
     elif [ -z "$on" ]; then
         [ -z "$3" ] || [ -n "$only" ] || skip "$1" "$3"
     else
@@ -58,17 +74,39 @@ group() { # name, condition (empty: the group does not run), why (empty: no skip
 }
 needs() { needed="$needed $*"; }
 check() { marked=1; "$@"; }
+par() { beside=1; "$@"; }
 suite() { # label, command...
     sel=$on
     [ -z "$only" ] || [ -n "$marked" ] || sel=
-    marked=
+    bg=$beside
+    marked= beside=
     if [ -z "$sel" ]; then :
     elif [ "$mode" = list ]; then echo "$gname: $1"
     elif [ "$mode" = bins ]; then outputs "$@"
+    elif [ -n "$bg" ] && [ -z "$SERIAL" ] && [ -z "$bgpid" ]; then bg_suite "$@"
     else run_suite "$@"
     fi
     needed=
+    [ -z "$bgdir" ] || [ ! -f "$bgdir/done" ] || bg_wait
     return 0
+}
+# a "par" suite while none runs in the background: run_suite in a subshell,
+# its output and results kept until bg_wait (a "par" suite while one does
+# runs here, in the foreground)
+bg_suite() {
+    bgdir=$(mktemp -d)
+    ran=1
+    (log=$bgdir/log res=$bgdir/res cpuf=$bgdir/cpu status=0; : >"$res"
+     run_suite "$@" >"$bgdir/out" 2>&1; : >"$bgdir/done"; exit $status) &
+    bgpid=$!
+}
+bg_wait() {
+    [ -n "$bgpid" ] || return 0
+    wait "$bgpid" || status=1
+    cat "$bgdir/out"
+    cat "$bgdir/res" >>"$B/results.txt"
+    rm -rf "$bgdir"
+    bgpid= bgdir=
 }
 outputs() { # the $B/ paths of a suite's command, less options' values; its needs
     shift
@@ -83,23 +121,26 @@ run_suite() {
     name=$1 ran=1; shift
     echo "== $name"
     t0=$(now)
-    "$@" >"$log" 2>&1
-    rc=$?
+    # in a subshell of its own, whose children are the suite's alone (a "par"
+    # suite reaped meanwhile counts in this shell's)
+    ("$@" >"$log" 2>&1; echo $? >"$log.rc"; cpu; echo "$cpus" >"$log.rc.cpu")
+    rc=$(cat "$log.rc") csecs=$(awk '{ printf "%.1f", $1 }' "$log.rc.cpu")
+    rm -f "$log.rc" "$log.rc.cpu"
     secs=$(echo "$(now) $t0" | awk '{ printf "%.1f", $1 - $2 }')
-    echo "$secs $name" >>"$B/times.txt"
+    echo "$secs $csecs $name" >>"$B/times.txt"
     # a suite's own "N passed, N failed" line is reworded: CI reads such a line alone as the
     # run's closing line, and the grand total below must be the only one
     sed -E 's/^([0-9]+) passed, ([0-9]+) failed(, ([0-9]+) skipped)?$/(this suite: \1 ok, \2 failed\3)/' \
         "$log"
-    echo "($secs s)"
+    echo "($secs s, $csecs s of CPU)"
     sed -e 's/^\(.*\)  *PASS  .*/ok - \1/' -e 's/^\(.*\)  *FAIL  .*/FAIL - \1/' \
         -e 's/^\([^ ]*\)  *SKIP  \(.*\)/skip - \1 (\2)/' "$log" |
-        grep -E '^(ok|FAIL|skip) - ' | sed "s|^\([a-zA-Z]*\) - |\1 - $name: |" >>"$B/results.txt"
+        grep -E '^(ok|FAIL|skip) - ' | sed "s|^\([a-zA-Z]*\) - |\1 - $name: |" >>"$res"
     if [ $rc -ne 0 ]; then
-        echo "FAIL - $name: exit status $rc" >>"$B/results.txt"
+        echo "FAIL - $name: exit status $rc" >>"$res"
         status=1
     elif ! grep -qE '^(ok|FAIL|skip) - |  (PASS|FAIL|SKIP)  ' "$log"; then
-        echo "ok - $name" >>"$B/results.txt"   # a program judged by its exit status
+        echo "ok - $name" >>"$res"   # a program judged by its exit status
     fi
 }
 skip() { echo "skip - $1: $2" | tee -a "$B/results.txt"; }
@@ -109,8 +150,8 @@ if [ "$mode" != run ]; then
     exit 0
 fi
 
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+log=$(mktemp) cpuf=$(mktemp) res=$B/results.txt
+trap 'rm -f "$log" "$cpuf"' EXIT
 mkdir -p "$B"
 : >"$B/results.txt"
 : >"$B/times.txt"
@@ -120,18 +161,22 @@ if [ -n "$MPIRUN" ]; then
 fi
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0
 export MOEPT_EMU_HANG_S=${MOEPT_EMU_HANG_S:-90}
-t_all=$(now)
+cpu
+t_all=$(now) c_all=$cpus
 . tests/suites
+bg_wait
 group_end
 
 p=$(grep -c '^ok - ' "$B/results.txt")
 f=$(grep -c '^FAIL - ' "$B/results.txt")
 s=$(grep -c '^skip - ' "$B/results.txt")
 echo
-echo "the slowest suites (seconds):"
+cpu
+echo "the slowest suites (seconds of wall clock, of CPU):"
 sort -rn "$B/times.txt" | head -n 5
 echo "the groups: $(awk '{ t = $1; sub(/^[^ ]* /, ""); printf "%s%s %s s", n++ ? ", " : "", $0, t }' \
-    "$B/group_times.txt"); $(echo "$(now) $t_all" | awk '{ printf "%.0f", $1 - $2 }') s in all"
+    "$B/group_times.txt"); $(echo "$(now) $t_all" | awk '{ printf "%.0f", $1 - $2 }') s in all, \
+$(echo "$cpus $c_all" | awk '{ printf "%.0f", $1 - $2 }') s of CPU"
 grep '^FAIL - ' "$B/results.txt"
 echo "total: $p passed, $f failed, $s skipped"
 [ "$f" -eq 0 ] && [ $status -eq 0 ]

@@ -269,18 +269,8 @@ static void *ta_rank(void *arg) {
 
 static void ta_two_ranks(moept_sharding sh, const char *what) {
     ta_mark m = ta_now();
-    ta_job jobs[2];
-    for (int r = 0; r < 2; r++) jobs[r].sh = sh;
-    moept_thread_group *g = NULL;
-    pthread_t th[2];
-    EXPECT_OK(moept_thread_group_create(2, 20000, &g));
-    if (!g) return;
-    for (int r = 0; r < 2; r++) {
-        jobs[r].g = g; jobs[r].r = r; jobs[r].st = MOEPT_OK; jobs[r].why[0] = 0;
-        pthread_create(&th[r], NULL, ta_rank, &jobs[r]);
-    }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    ta_job jobs[2], proto = {.sh = sh};
+    tu_ranks_from(2, 20000, ta_rank, jobs, sizeof jobs[0], &proto);
     for (int r = 0; r < 2; r++) EXPECT(jobs[r].st == MOEPT_OK, "%s rank %d: %s", what, r, jobs[r].why);
     ta_expect_balanced(m, what);
 }

@@ -281,13 +281,11 @@ static void test_layout(void) {
         moept_thread_group_create(2, 10000, &dg[i]);
     }
     lj js[4];
-    pthread_t th[4];
     for (int r = 0; r < 4; r++) {
         memset(&js[r], 0, sizeof js[r]);
         js[r].r = r; js[r].ep = eg[r / 2]; js[r].dp = dg[r % 2];
-        pthread_create(&th[r], NULL, layout_main, &js[r]);
     }
-    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    tu_threads(4, layout_main, js, sizeof js[0]);
     for (int r = 0; r < 4; r++)
         EXPECT(js[r].st == MOEPT_ERR_INVALID_ARGUMENT && strstr(js[r].msg, "passed different"),
                "rank %d: status %d (%s)", r, (int)js[r].st, js[r].msg);

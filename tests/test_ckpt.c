@@ -238,12 +238,8 @@ static void *load_main(void *arg) {
 }
 
 static void test_per_rank_loading_reads_only_owned_bytes(void) {
-    moept_thread_group *g;
-    moept_thread_group_create(4, 20000, &g);
     lj js[4];
-    pthread_t th[4];
-    for (int r = 0; r < 4; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; pthread_create(&th[r], NULL, load_main, &js[r]); }
-    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    tu_ranks(4, 20000, load_main, js, sizeof js[0]);
     for (int r = 0; r < 4; r++) {
         EXPECT(js[r].st == MOEPT_OK, "rank %d: %s", r, js[r].err);
         EXPECT(js[r].read <= js[r].bound, "rank %d read %lld bytes > owned + replicated + headers = %lld", r,
@@ -251,7 +247,6 @@ static void test_per_rank_loading_reads_only_owned_bytes(void) {
         EXPECT(js[r].read >= js[r].owned, "rank %d read %lld bytes < its own tensors' %lld", r, (long long)js[r].read,
                (long long)js[r].owned);
     }
-    moept_thread_group_destroy(g);
 }
 
 /* FP8 weights as DeepSeek-V3 publishes them (tools/make_fp8_checkpoint.py:
@@ -299,19 +294,14 @@ static void test_fp8_checkpoint_dequantised(void) {
     fp8_main(&one);
     EXPECT(one.st == MOEPT_OK && one.bad == 0, "EP=1: %s, %lld parameters differ from the float64 dequantisation",
            one.err, (long long)one.bad);
-    moept_thread_group *g;
-    moept_thread_group_create(4, 20000, &g);
     f8j js[4];
-    pthread_t th[4];
-    for (int r = 0; r < 4; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; pthread_create(&th[r], NULL, fp8_main, &js[r]); }
-    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    tu_ranks(4, 20000, fp8_main, js, sizeof js[0]);
     for (int r = 0; r < 4; r++) {
         EXPECT(js[r].st == MOEPT_OK && js[r].bad == 0, "EP=4 rank %d: %s, %lld parameters differ", r, js[r].err,
                (long long)js[r].bad);
         EXPECT(js[r].read < one.read, "EP=4 rank %d read %lld bytes, the whole layer %lld", r, (long long)js[r].read,
                (long long)one.read);
     }
-    moept_thread_group_destroy(g);
     /* the e4m3 decoding on its own: every byte against ldexp's */
     for (int b = 0; b < 256; b++) {
         int e = (b >> 3) & 15, m = b & 7;
@@ -409,10 +399,8 @@ static void *write_same_path(void *arg) {
     return NULL;
 }
 static void test_concurrent_writers_of_one_path(void) {
-    pthread_t th[2];
     int fails[2] = {0, 0};
-    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, write_same_path, &fails[r]);
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    tu_threads(2, write_same_path, fails, sizeof fails[0]);
     EXPECT(fails[0] + fails[1] == 0, "%d of 80 writes failed", fails[0] + fails[1]);
     moept_st_file *f = NULL;
     float out[64];
@@ -628,9 +616,7 @@ static void *resume_main(void *arg) {
     rj *j = arg;
     moept_comm *c = NULL;
     if (j->P > 1) moept_comm_threads(j->g, j->r, &c);
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
+    tu_rank_thread();
     moept_config cfg = fam_cfg(MOEPT_FAMILY_DEEPSEEK_V3);
     cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.global_balance = 1;
     moept_layer *L = NULL;
@@ -662,16 +648,8 @@ static void *resume_main(void *arg) {
 }
 
 static void run_resume(int P, rj *js, int from, int to, int save_at, const char *dir) {
-    moept_thread_group *g = NULL;
-    if (P > 1) moept_thread_group_create(P, 20000, &g);
-    pthread_t th[4];
-    for (int r = 0; r < P; r++) {
-        memset(&js[r], 0, sizeof js[r]);
-        js[r].g = g; js[r].r = r; js[r].P = P; js[r].from = from; js[r].to = to; js[r].save_at = save_at; js[r].dir = dir;
-        pthread_create(&th[r], NULL, resume_main, &js[r]);
-    }
-    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    rj proto = {.P = P, .from = from, .to = to, .save_at = save_at, .dir = dir};
+    tu_ranks_from(P, 20000, resume_main, js, sizeof js[0], &proto);
 }
 
 static void test_resume_is_bitwise(void) {
@@ -873,17 +851,8 @@ static void test_checkpoint_across_ep_sizes(void) {
         snprintf(dq, sizeof dq, "build/xep_%d_to_%d", P, Q);
         rj a[4];
         run_resume(P, a, 0, 3, 3, dp); /* 3 steps at EP=P (optimizer state, bias moved), saved */
-        moept_thread_group *g = NULL;
-        if (Q > 1) moept_thread_group_create(Q, 20000, &g);
-        rs js[4];
-        pthread_t th[4];
-        for (int r = 0; r < Q; r++) {
-            memset(&js[r], 0, sizeof js[r]);
-            js[r].g = g; js[r].r = r; js[r].Q = Q; js[r].src = dp; js[r].dst = dq;
-            pthread_create(&th[r], NULL, reshard_main, &js[r]);
-        }
-        for (int r = 0; r < Q; r++) pthread_join(th[r], NULL);
-        moept_thread_group_destroy(g);
+        rs js[4], proto = {.Q = Q, .src = dp, .dst = dq};
+        tu_ranks_from(Q, 20000, reshard_main, js, sizeof js[0], &proto);
         for (int r = 0; r < Q; r++) EXPECT(js[r].st == MOEPT_OK, "EP=%d -> EP=%d rank %d: %s", P, Q, r, js[r].err);
         /* EP=P -> 1 and EP=P -> Q -> 1 hold the same state, bit for bit */
         moept_layer *A = load_one(dp), *B = load_one(dq);

@@ -882,16 +882,13 @@ static void nccl_rank_close(nccl_rank *n) {
     if (!aborted) ncclCommDestroy(n->nc);
     cudaStreamDestroy(n->s);
 }
-/* fn on two threads, fn(jobs + r * size) for rank r */
-/* jobs [2], each `size` bytes and starting with a two_ranks: one NCCL
-   clique, a thread per rank */
+/* fn on two threads, fn(jobs + r * size) for rank r: jobs [2], each `size`
+   bytes and starting with a two_ranks (one NCCL clique) */
 static void run_two(void *(*fn)(void *), void *jobs, size_t size) {
     ncclUniqueId id;
     ncclGetUniqueId(&id);
     for (int r = 0; r < 2; r++) *(two_ranks *)((char *)jobs + r * size) = (two_ranks){r, id};
-    pthread_t th[2];
-    for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, fn, (char *)jobs + r * size);
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    tu_threads(2, fn, jobs, size);
 }
 typedef struct grow_job {
     two_ranks tr;
@@ -2650,10 +2647,8 @@ static void nccl_close_n(nccl_rank *nr) {
 static void run_n(int n, int timeout_ms, void *(*fn)(void *), void *jobs, size_t size) {
     ncclUniqueId id;
     ncclGetUniqueId(&id);
-    pthread_t th[8];
     for (int r = 0; r < n; r++) *(n_ranks *)((char *)jobs + r * size) = (n_ranks){r, n, timeout_ms, id};
-    for (int r = 0; r < n; r++) pthread_create(&th[r], NULL, fn, (char *)jobs + r * size);
-    for (int r = 0; r < n; r++) pthread_join(th[r], NULL);
+    tu_threads(n, fn, jobs, size);
 }
 
 /* rank r's file of the checkpoint in dir: in the set its index names (a

@@ -64,9 +64,7 @@ static void *rank_main(void *arg) {
     job *j = arg;
     world *w = j->w;
     int r = j->r, er = r % w->P, dr = r / w->P;
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
+    tu_rank_thread();
     moept_comm *ep = NULL, *dp = NULL;
     if (w->P > 1) moept_comm_threads(w->ep[dr], er, &ep);
     if (w->DP > 1) moept_comm_threads(w->dp[er], dr, &dp);
@@ -113,13 +111,9 @@ static void run_world(world *w) {
     int n = w->P * w->DP;
     for (int d = 0; d < w->DP; d++) moept_thread_group_create(w->P, 20000, &w->ep[d]);
     for (int e = 0; e < w->P; e++) moept_thread_group_create(w->DP, 20000, &w->dp[e]);
-    pthread_t th[MAXR * 2];
     job jobs[MAXR * 2];
-    for (int r = 0; r < n; r++) {
-        jobs[r] = (job){w, r};
-        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
-    }
-    for (int r = 0; r < n; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < n; r++) jobs[r] = (job){w, r};
+    tu_threads(n, rank_main, jobs, sizeof jobs[0]);
     for (int d = 0; d < w->DP; d++) moept_thread_group_destroy(w->ep[d]);
     for (int e = 0; e < w->P; e++) moept_thread_group_destroy(w->dp[e]);
 }
@@ -340,16 +334,21 @@ static void test_steady_state_allocations(void) {
     free_world(w);
 }
 
-/* a rank whose config differs: every rank gets an error and returns */
-typedef struct mm { moept_thread_group *g; int r; moept_status st; char err[MOEPT__ERRLEN]; } mm;
+/* ranks whose configs differ (tweak changes rank r's of P): every rank gets an error and returns */
+typedef struct mm {
+    moept_thread_group *g; int r;
+    moept_family fam;
+    void (*tweak)(moept_config *c, int r, int P);
+    moept_status st;
+    char err[MOEPT__ERRLEN];
+} mm;
 static void *mismatch_main(void *arg) {
     mm *m = arg;
     moept_comm *c;
     moept_comm_threads(m->g, m->r, &c);
-    moept_config cfg = cfg_of(MOEPT_FAMILY_MIXTRAL);
+    moept_config cfg = cfg_of(m->fam);
     cfg.max_tokens = 8;
-    if (m->r == 2) cfg.intermediate_size = 37;
-    if (m->r == 3 && m->g->size == 5) cfg.num_experts = 7; /* fails its own checks too */
+    m->tweak(&cfg, m->r, m->g->size);
     moept_layer *L = NULL;
     m->st = moept_create_parallel(&cfg, c, NULL, &L);
     snprintf(m->err, sizeof m->err, "%s", moept_last_error(NULL));
@@ -357,49 +356,33 @@ static void *mismatch_main(void *arg) {
     return NULL;
 }
 
+static void other_ffn_size(moept_config *c, int r, int P) {
+    if (r == 2) c->intermediate_size = 37;
+    if (r == 3 && P == 5) c->num_experts = 7; /* fails its own checks too */
+}
 static void test_mismatched_config(void) {
     for (int size = 4; size <= 5; size++) {
-        moept_thread_group *g;
-        moept_thread_group_create(size, 10000, &g);
-        mm ms[5];
-        pthread_t th[5];
-        for (int r = 0; r < size; r++) { ms[r].g = g; ms[r].r = r; pthread_create(&th[r], NULL, mismatch_main, &ms[r]); }
-        for (int r = 0; r < size; r++) pthread_join(th[r], NULL);
+        mm ms[5], proto = {.fam = MOEPT_FAMILY_MIXTRAL, .tweak = other_ffn_size};
+        tu_ranks_from(size, 10000, mismatch_main, ms, sizeof ms[0], &proto);
         for (int r = 0; r < size; r++) {
             EXPECT(ms[r].st == MOEPT_ERR_INVALID_ARGUMENT, "size %d rank %d: status %d", size, r, ms[r].st);
             if (size == 4)
                 EXPECT(strstr(ms[r].err, "intermediate_size") != NULL, "rank %d: message '%s' does not name the field", r, ms[r].err);
         }
-        moept_thread_group_destroy(g);
     }
 }
 
 /* ranks that differ only in group_fill: every rank's create fails, naming it */
-static void *gfill_main(void *arg) {
-    mm *m = arg;
-    moept_comm *c;
-    moept_comm_threads(m->g, m->r, &c);
-    moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
-    cfg.max_tokens = 8;
-    if (m->r == 1) cfg.group_fill = MOEPT_GROUP_FILL_ZERO;
-    moept_layer *L = NULL;
-    m->st = moept_create_parallel(&cfg, c, NULL, &L);
-    snprintf(m->err, sizeof m->err, "%s", moept_last_error(NULL));
-    moept_destroy(L);
-    return NULL;
+static void other_group_fill(moept_config *c, int r, int P) {
+    (void)P;
+    if (r == 1) c->group_fill = MOEPT_GROUP_FILL_ZERO;
 }
-
 static void test_mismatched_group_fill(void) {
-    moept_thread_group *g;
-    moept_thread_group_create(2, 10000, &g);
-    mm ms[2];
-    pthread_t th[2];
-    for (int r = 0; r < 2; r++) { ms[r].g = g; ms[r].r = r; pthread_create(&th[r], NULL, gfill_main, &ms[r]); }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    mm ms[2], proto = {.fam = MOEPT_FAMILY_DEEPSEEK_V3, .tweak = other_group_fill};
+    tu_ranks_from(2, 10000, mismatch_main, ms, sizeof ms[0], &proto);
     for (int r = 0; r < 2; r++)
         EXPECT(ms[r].st == MOEPT_ERR_INVALID_ARGUMENT && strstr(ms[r].err, "group_fill"),
                "rank %d: status %d, message '%s'", r, ms[r].st, ms[r].err);
-    moept_thread_group_destroy(g);
 }
 
 /* one rank's NaN: every rank fails the step, and the next step works */
@@ -455,19 +438,14 @@ static void *nan_main(void *arg) {
 }
 
 static void test_one_rank_bad_input(void) {
-    moept_thread_group *g;
-    moept_thread_group_create(4, 10000, &g);
     nn ms[4];
-    pthread_t th[4];
-    for (int r = 0; r < 4; r++) { memset(&ms[r], 0, sizeof ms[r]); ms[r].g = g; ms[r].r = r; pthread_create(&th[r], NULL, nan_main, &ms[r]); }
-    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+    tu_ranks(4, 10000, nan_main, ms, sizeof ms[0]);
     for (int r = 0; r < 4; r++) {
         EXPECT(ms[r].st1 == (r == 1 ? MOEPT_ERR_NUMERIC : MOEPT_ERR_STATE), "rank %d: status %d (%s)", r, ms[r].st1, ms[r].err);
         EXPECT(ms[r].st2 == MOEPT_OK, "rank %d: the next step failed", r);
         EXPECT(!ms[r].stat_changed, "rank %d: the rejected step changed %s", r, ms[r].stat_changed);
         EXPECT(ms[r].y0 == ms[r].y1, "rank %d: the same input gave a different output after the rejected step", r);
     }
-    moept_thread_group_destroy(g);
 }
 
 static void test_threads_comm_timeout(void) {
@@ -516,13 +494,8 @@ static void *bias_main(void *arg) {
 static void test_update_bias_ep(void) {
     bj one = {NULL, 0, 1, {0}, MOEPT_OK};
     bias_main(&one);
-    moept_thread_group *g;
-    moept_thread_group_create(4, 20000, &g);
-    bj js[4];
-    pthread_t th[4];
-    for (int r = 0; r < 4; r++) { memset(&js[r], 0, sizeof js[r]); js[r].g = g; js[r].r = r; js[r].P = 4; pthread_create(&th[r], NULL, bias_main, &js[r]); }
-    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    bj js[4], proto = {.P = 4};
+    tu_ranks_from(4, 20000, bias_main, js, sizeof js[0], &proto);
     EXPECT(one.st == MOEPT_OK, "one rank failed");
     for (int r = 0; r < 4; r++) {
         EXPECT(js[r].st == MOEPT_OK, "rank %d failed", r);
@@ -833,9 +806,7 @@ static void *reshard_main(void *arg) {
     rsj *j = arg;
     moept_comm *c;
     moept_comm_threads(j->g, j->r, &c);
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
+    tu_rank_thread();
     moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
     cfg.max_tokens = 16;
     moept_layer *L = NULL;
@@ -906,20 +877,11 @@ static void *reshard_main(void *arg) {
 
 static void test_reshard_permutation(void) {
     const int P = 4;
-    moept_thread_group *g;
-    moept_thread_group_create(P, 20000, &g);
     moept_config cfg = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
     int64_t H = 2 * cfg.intermediate_size, part = H * cfg.hidden_size + cfg.hidden_size * cfg.intermediate_size;
     float *before = calloc((size_t)(RS_E * part), 4), *mbefore = calloc((size_t)(RS_E * part), 4);
-    rsj js[4];
-    pthread_t th[4];
-    for (int r = 0; r < P; r++) {
-        memset(&js[r], 0, sizeof js[r]);
-        js[r].g = g; js[r].r = r; js[r].P = P; js[r].before = before; js[r].mbefore = mbefore;
-        pthread_create(&th[r], NULL, reshard_main, &js[r]);
-    }
-    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    rsj js[4], proto = {.P = P, .before = before, .mbefore = mbefore};
+    tu_ranks_from(P, 20000, reshard_main, js, sizeof js[0], &proto);
     int64_t sent = 0, recvd = 0;
     for (int r = 0; r < P; r++) {
         EXPECT(js[r].st == MOEPT_OK, "rank %d: %s", r, js[r].err);
@@ -1020,17 +982,8 @@ static void test_reshard_any_placement(void) {
     moept_config cfg = cfg_of(MOEPT_FAMILY_MIXTRAL);
     int64_t part = 2 * cfg.intermediate_size * cfg.hidden_size + cfg.hidden_size * cfg.intermediate_size;
     float *before = calloc((size_t)(RA_E * part), 4);
-    raj js[4];
-    memset(js, 0, sizeof js);
-    moept_thread_group *g;
-    moept_thread_group_create(4, 20000, &g);
-    pthread_t th[4];
-    for (int r = 0; r < 4; r++) {
-        js[r].g = g; js[r].r = r; js[r].before = before;
-        pthread_create(&th[r], NULL, reshard_any_main, &js[r]);
-    }
-    for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    raj js[4], proto = {.before = before};
+    tu_ranks_from(4, 20000, reshard_any_main, js, sizeof js[0], &proto);
     for (int r = 0; r < 4; r++) {
         EXPECT(js[r].bad == 0, "rank %d: %d failures (%s)", r, js[r].bad, js[r].err);
         EXPECT(!js[r].rounds_bad && !js[r].bytes_bad, "rank %d: %lld reports with other rounds or moves, %lld "

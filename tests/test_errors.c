@@ -455,9 +455,7 @@ static void test_one_error_channel(void) {
     EXPECT(strstr(moept_last_error(L), "test_errors_no_model"), "the config reader's failure read through the "
            "layer: '%s'", moept_last_error(L));
     moept_status other = MOEPT_OK;
-    pthread_t th;
-    pthread_create(&th, NULL, fail_elsewhere, &other);
-    pthread_join(th, NULL);
+    tu_threads(1, fail_elsewhere, &other, sizeof other);
     EXPECT(other == MOEPT_ERR_IO && strstr(moept_last_error(L), "test_errors_no_model"),
            "another thread's failure (%d) shows here: '%s'", (int)other, moept_last_error(L));
     /* AdamW: lr <= 0 or not finite is refused, naming lr; nothing changes */

@@ -14,9 +14,10 @@
 
 #define MAXP 4
 typedef struct job {
+    moept_thread_group *g; int r; /* tu_ranks_on */
     moept_comm *comm;
     moept_config cfg;
-    int64_t T;
+    int64_t T;                /* 90 - 23 r tokens */
     moept_layer *ep, *fs;     /* kept for the cross-rank comparison */
     float *y[2], *dx[2];      /* [mode][T*D] of the last step */
     double worst;             /* largest relative error on this rank */
@@ -25,11 +26,11 @@ typedef struct job {
 
 static void *run(void *arg) {
     job *j = arg;
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
+    tu_rank_thread();
     moept_config ce = j->cfg, cf = j->cfg;
     cf.expert_sharding = MOEPT_SHARD_FSDP;
+    j->T = 90 - 23 * j->r;
+    moept_comm_threads(j->g, j->r, &j->comm);
     if (moept_create_parallel(&ce, j->comm, NULL, &j->ep) || moept_create_parallel(&cf, j->comm, NULL, &j->fs)) {
         snprintf(j->why, sizeof j->why, "create: %s", moept_last_error(NULL));
         return NULL;
@@ -91,25 +92,18 @@ static void *run(void *arg) {
 
 static int g_P, g_variant;
 static void test_case(void) {
-    moept_thread_group *g;
-    job jobs[MAXP];
-    pthread_t th[MAXP];
+    moept_thread_group *g; /* destroyed after the layers, which keep its comms */
+    job jobs[MAXP], proto = {0};
     if (moept_thread_group_create(g_P, 60000, &g)) { EXPECT(0, "group"); return; }
-    for (int r = 0; r < g_P; r++) {
-        memset(&jobs[r], 0, sizeof jobs[r]);
-        moept_config c = {0};
-        c.hidden_size = 20; c.intermediate_size = 28; c.num_experts = 8; c.top_k = 2;
-        c.norm_topk_prob = 1; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.max_tokens = 90;
-        c.global_balance = 1;
-        if (g_variant == 1) { c.family = MOEPT_FAMILY_QWEN2_MOE; c.shared_intermediate_size = 12; }
-        if (g_variant == 2) { c.family = MOEPT_FAMILY_DEEPSEEK_V3; c.n_group = 2; c.topk_group = 1; c.shared_intermediate_size = 8; }
-        if (g_variant == 3) { c.family = MOEPT_FAMILY_OLMOE; c.overlap_chunks = 3; c.capacity_factor = 1.2f; }
-        jobs[r].cfg = c;
-        jobs[r].T = 90 - 23 * r;
-        moept_comm_threads(g, r, &jobs[r].comm);
-        pthread_create(&th[r], NULL, run, &jobs[r]);
-    }
-    for (int r = 0; r < g_P; r++) pthread_join(th[r], NULL);
+    moept_config c = {0};
+    c.hidden_size = 20; c.intermediate_size = 28; c.num_experts = 8; c.top_k = 2;
+    c.norm_topk_prob = 1; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.max_tokens = 90;
+    c.global_balance = 1;
+    if (g_variant == 1) { c.family = MOEPT_FAMILY_QWEN2_MOE; c.shared_intermediate_size = 12; }
+    if (g_variant == 2) { c.family = MOEPT_FAMILY_DEEPSEEK_V3; c.n_group = 2; c.topk_group = 1; c.shared_intermediate_size = 8; }
+    if (g_variant == 3) { c.family = MOEPT_FAMILY_OLMOE; c.overlap_chunks = 3; c.capacity_factor = 1.2f; }
+    proto.cfg = c;
+    tu_ranks_on(g, g_P, run, jobs, sizeof jobs[0], &proto);
     for (int r = 0; r < g_P; r++) {
         EXPECT(!jobs[r].why[0], "rank %d: %s", r, jobs[r].why);
         EXPECT(jobs[r].worst <= 1e-5, "rank %d: relative difference %.3g", r, jobs[r].worst);

@@ -18,6 +18,7 @@
 #endif
 
 typedef struct job {
+    moept_thread_group *g; int r; /* threads: the group (NULL: EP = 1) and rank (tu_ranks_on) */
     moept_comm *ep;
     moept_config cfg;
     int C;
@@ -98,34 +99,35 @@ static moept_config make_cfg(int variant) {
     return c;
 }
 
+/* uneven: rank r of P has 150 - 37 r tokens, none in the middle step on the last rank */
+static void set_tokens(job *j, int r, int P) {
+    j->T[0] = 150 - 37 * (r % 4); j->T[1] = r == P - 1 && P > 1 ? 0 : 97; j->T[2] = 5 + r;
+}
+
 #ifndef MOEPT_MPI
 static void *thread_main(void *arg) {
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
-    run_job(arg);
+    job *j = arg;
+    tu_rank_thread();
+    if (moept_comm_threads(j->g, j->r, &j->ep)) {
+        snprintf(j->why, sizeof j->why, "comm: %s", moept_last_error(NULL));
+        return NULL;
+    }
+    set_tokens(j, j->r, j->ep->size);
+    run_job(j);
     return NULL;
 }
 
 static int g_P, g_C, g_variant;
 static void test_case(void) {
-    moept_thread_group *g = NULL;
-    job jobs[4];
-    pthread_t th[4];
-    if (g_P > 1 && moept_thread_group_create(g_P, 60000, &g)) { EXPECT(0, "group"); return; }
-    for (int r = 0; r < g_P; r++) {
-        memset(&jobs[r], 0, sizeof jobs[r]);
-        jobs[r].cfg = make_cfg(g_variant);
-        jobs[r].C = g_C;
-        /* uneven: rank r has 150 - 37 r tokens, none in the middle step on the last rank */
-        jobs[r].T[0] = 150 - 37 * r; jobs[r].T[1] = r == g_P - 1 && g_P > 1 ? 0 : 97; jobs[r].T[2] = 5 + r;
-        if (g) moept_comm_threads(g, r, &jobs[r].ep);
-        if (g_P == 1) run_job(&jobs[r]);
-        else pthread_create(&th[r], NULL, thread_main, &jobs[r]);
+    job jobs[4], proto = {.cfg = make_cfg(g_variant), .C = g_C};
+    if (g_P == 1) { /* one rank, on this thread */
+        jobs[0] = proto;
+        set_tokens(&jobs[0], 0, 1);
+        run_job(&jobs[0]);
+    } else {
+        tu_ranks_from(g_P, 60000, thread_main, jobs, sizeof jobs[0], &proto);
     }
-    for (int r = 0; r < g_P && g_P > 1; r++) pthread_join(th[r], NULL);
     for (int r = 0; r < g_P; r++) EXPECT(!jobs[r].why[0], "rank %d: %s", r, jobs[r].why);
-    moept_thread_group_destroy(g);
 }
 
 int main(void) {
@@ -186,7 +188,7 @@ int main(int argc, char **argv) {
             memset(&j, 0, sizeof j);
             j.ep = world; j.cfg = make_cfg(v); j.C = C;
             int r = world->rank, P = world->size;
-            j.T[0] = 150 - 37 * (r % 4); j.T[1] = r == P - 1 && P > 1 ? 0 : 97; j.T[2] = 5 + r;
+            set_tokens(&j, r, P);
             run_job(&j);
             /* every rank's verdict */
             int64_t mine = j.why[0] != 0, any = mine;

@@ -242,7 +242,6 @@ static void *rank_main(void *arg) {
 }
 
 static void run_world(world *w) {
-    pthread_t th[MAXP];
     job jobs[MAXP];
     if (w->DP < 1) w->DP = 1;
     const int n = w->P * w->DP;
@@ -260,11 +259,8 @@ static void run_world(world *w) {
 #endif
     for (int d = 0; d < w->DP && w->P > 1 && !w->m.gpu; d++) moept_thread_group_create(w->P, 20000, &g_ep[d]);
     for (int e = 0; e < w->P && w->DP > 1; e++) moept_thread_group_create(w->DP, 20000, &g_dp[e]);
-    for (int r = 0; r < n; r++) {
-        jobs[r] = (job){w, r};
-        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
-    }
-    for (int r = 0; r < n; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < n; r++) jobs[r] = (job){w, r};
+    tu_threads(n, rank_main, jobs, sizeof jobs[0]);
     for (int d = 0; d < w->DP && w->P > 1 && !w->m.gpu; d++) moept_thread_group_destroy(g_ep[d]);
     for (int e = 0; e < w->P && w->DP > 1; e++) moept_thread_group_destroy(g_dp[e]);
 }

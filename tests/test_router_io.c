@@ -110,21 +110,8 @@ static void *scale_rank(void *arg) {
 static moept_status scale_world(const moept_config *c, int P, int sync_free, float s, float pass_s,
                                 float bad_rank_s, double err[3], char *why) {
     sjob jobs[MAXP];
-    tu_new_world();
-    for (int r = 0; r < P; r++) {
-        memset(&jobs[r], 0, sizeof jobs[r]);
-        jobs[r].c = c; jobs[r].P = P; jobs[r].sync_free = sync_free;
-        jobs[r].s = s; jobs[r].pass_s = pass_s; jobs[r].bad_rank_s = bad_rank_s;
-    }
-    moept_thread_group *g = NULL; /* the threads backend's (CUDA layers meet over NCCL) */
-    pthread_t th[MAXP];
-    moept_thread_group_create(P, 20000, &g);
-    for (int r = 0; r < P; r++) {
-        jobs[r].g = g; jobs[r].r = r;
-        pthread_create(&th[r], NULL, scale_rank, &jobs[r]);
-    }
-    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
-    moept_thread_group_destroy(g);
+    sjob proto = {.c = c, .P = P, .sync_free = sync_free, .s = s, .pass_s = pass_s, .bad_rank_s = bad_rank_s};
+    tu_world_ranks(P, scale_rank, jobs, sizeof jobs[0], &proto);
     moept_status st = MOEPT_OK;
     err[0] = err[1] = err[2] = 0;
     for (int r = 0; r < P; r++) {

@@ -109,12 +109,10 @@ static void order_calls(sj *j, moept_layer *L, const mbs *b, void *ye) {
     }
 }
 
-static sj order_proto; /* the run's settings (tu_ranks zeroes the jobs) */
+static sj order_proto; /* the run's settings, each job's start */
 
 static void *order_main(void *arg) {
     sj *j = arg;
-    j->cfg = order_proto.cfg; j->P = order_proto.P; j->order = order_proto.order;
-    j->nslots = order_proto.nslots; j->eval = order_proto.eval; j->sync_free = order_proto.sync_free;
     tu_ep e;
     moept_layer *L = slot_layer(&j->cfg, tu_ep_open(&e, j->g, j->P, j->r), j->nslots, j->sync_free);
     if (!L) {
@@ -147,8 +145,7 @@ static void run_order(sj *js, int P, const moept_config *cfg, const int *order, 
                       int sync_free) {
     order_proto.cfg = *cfg; order_proto.P = P; order_proto.order = order;
     order_proto.nslots = nslots; order_proto.eval = eval; order_proto.sync_free = sync_free;
-    tu_new_world();
-    tu_ranks(P, 20000, order_main, js, sizeof *js);
+    tu_world_ranks(P, order_main, js, sizeof *js, &order_proto);
 }
 
 static moept_config slot_cfg(int kind) {
@@ -447,8 +444,7 @@ static void *wrong_main(void *arg) {
 static void test_wrong_slots(void) {
     nj js[2];
     if (too_few_devices(2)) return;
-    tu_new_world();
-    tu_ranks(2, 20000, wrong_main, js, sizeof js[0]);
+    tu_world_ranks(2, wrong_main, js, sizeof js[0], NULL);
     const char *what[6] = {"empty slot", "slots differ (forward)", "out of range (forward)",
                            "slots differ (backward)", "out of range (backward)", "second backward"};
     for (int r = 0; r < 2; r++) {
@@ -533,8 +529,7 @@ static void *grow_main(void *arg) {
 static void test_grow_other_slot(void) {
     gj js[2];
     if (too_few_devices(2)) return;
-    tu_new_world();
-    tu_ranks(2, 20000, grow_main, js, sizeof js[0]);
+    tu_world_ranks(2, grow_main, js, sizeof js[0], NULL);
     for (int r = 0; r < 2; r++)
         EXPECT(!js[r].st && js[r].same, "rank %d: %d (%s), or F0 F1 B0 B1 differs from sequential", r,
                js[r].st, js[r].err);
@@ -587,8 +582,7 @@ static void *reshard_main(void *arg) {
 static void test_reshard_slots(void) {
     rj js[2];
     if (too_few_devices(2)) return;
-    tu_new_world();
-    tu_ranks(2, 20000, reshard_main, js, sizeof js[0]);
+    tu_world_ranks(2, reshard_main, js, sizeof js[0], NULL);
     for (int r = 0; r < 2; r++)
         EXPECT(!js[r].st[0] && js[r].st[1] == MOEPT_ERR_STATE && js[r].st[2] == MOEPT_ERR_STATE &&
                !js[r].st[3], "rank %d: reshard %d, backward of slot 0 %d and of slot 1 %d after it "
@@ -781,8 +775,7 @@ static void *sf_wrong_main(void *arg) {
 static void test_sync_free_slots(void) {
     fj js[2];
     if (too_few_devices(2)) return;
-    tu_new_world();
-    tu_ranks(2, 20000, sf_wrong_main, js, sizeof js[0]);
+    tu_world_ranks(2, sf_wrong_main, js, sizeof js[0], NULL);
     for (int r = 0; r < 2; r++)
         EXPECT(!js[r].st[0] && js[r].st[1] == MOEPT_ERR_INVALID_ARGUMENT && strstr(js[r].err, "opts.slot"),
                "rank %d: forward %d, grad_norm %d (%s)", r, js[r].st[0], js[r].st[1], js[r].err);
@@ -914,8 +907,7 @@ static void *oom_main(void *arg) {
 static void test_slot_oom(void) {
     for (oom_nth = 1; oom_nth <= 2; oom_nth++) { /* the slot's block, then its receive rows */
         oj js[2];
-        tu_new_world();
-        tu_ranks(2, 20000, oom_main, js, sizeof js[0]);
+        tu_world_ranks(2, oom_main, js, sizeof js[0], NULL);
         for (int r = 0; r < 2; r++) {
             const oj *j = &js[r];
             EXPECT(!j->st[0] && j->st[1] == (r ? MOEPT_ERR_OUT_OF_MEMORY : MOEPT_ERR_STATE) &&

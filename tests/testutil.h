@@ -102,23 +102,54 @@ static inline double tu_maxrelerr(const float *a, const float *b, long long n) {
     }
     return den > 0 ? num / den : num;
 }
-#ifdef MOEPT_H
 #include <pthread.h>
-/* Runs fn on P thread ranks of one group, one job each: jobs is an array of
-   P structs of job_size bytes, each starting with the group and its rank
-   (`moept_thread_group *g; int r;`), filled in here after zeroing. */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+/* a rank thread's first call: one OpenMP thread (the ranks share the cores) */
+static inline void tu_rank_thread(void) {
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+}
+/* fn on n threads at once (n <= 64), fn(jobs + i * job_size) on thread i;
+   back when every one has returned */
+static inline void tu_threads(int n, void *(*fn)(void *), void *jobs, size_t job_size) {
+    pthread_t th[64];
+    if (n > 64) { printf("FAIL - tu_threads: %d threads, at most 64\n", n); exit(1); }
+    for (int i = 0; i < n; i++) pthread_create(&th[i], NULL, fn, (char *)jobs + (size_t)i * job_size);
+    for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
+}
+#ifdef MOEPT_H
+/* Runs fn on P thread ranks of group g (NULL: no group), one job each, and
+   waits for them: jobs is an array of P structs of job_size bytes, each
+   starting with the group and its rank (`moept_thread_group *g; int r;`),
+   filled in here after the job is zeroed (proto NULL) or copied from *proto. */
 typedef struct tu_rank { moept_thread_group *g; int r; } tu_rank;
-static inline void tu_ranks(int P, int timeout_ms, void *(*fn)(void *), void *jobs, size_t job_size) {
-    moept_thread_group *g = NULL;
-    pthread_t th[16];
-    moept_thread_group_create(P, timeout_ms, &g);
+static inline void tu_ranks_on(moept_thread_group *g, int P, void *(*fn)(void *), void *jobs, size_t job_size,
+                               const void *proto) {
     for (int r = 0; r < P; r++) {
         tu_rank *j = (tu_rank *)((char *)jobs + (size_t)r * job_size);
-        memset(j, 0, job_size);
+        if (proto) memcpy(j, proto, job_size);
+        else memset(j, 0, job_size);
         j->g = g; j->r = r;
-        pthread_create(&th[r], NULL, fn, j);
     }
-    for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
+    tu_threads(P, fn, jobs, job_size);
+}
+/* the same on a new group of P ranks (timeout_ms), destroyed after */
+static inline void tu_ranks(int P, int timeout_ms, void *(*fn)(void *), void *jobs, size_t job_size) {
+    moept_thread_group *g = NULL;
+    moept_thread_group_create(P, timeout_ms, &g);
+    tu_ranks_on(g, P, fn, jobs, job_size, NULL);
+    moept_thread_group_destroy(g);
+}
+/* each job a copy of *proto first, and a group only at P > 1 (at P = 1,
+   g NULL: the rank is a layer of its own) */
+static inline void tu_ranks_from(int P, int timeout_ms, void *(*fn)(void *), void *jobs, size_t job_size,
+                                 const void *proto) {
+    moept_thread_group *g = NULL;
+    if (P > 1) moept_thread_group_create(P, timeout_ms, &g);
+    tu_ranks_on(g, P, fn, jobs, job_size, proto);
     moept_thread_group_destroy(g);
 }
 #endif

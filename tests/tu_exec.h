@@ -19,6 +19,14 @@ static inline void tu_new_world(void) {
     ncclGetUniqueId(tu_nccl_id());
 #endif
 }
+/* fn on P ranks in a new world (tu_ranks_from: each job a copy of *proto, or
+   zeroed where proto is NULL; a thread group at P > 1, which CUDA layers do
+   not use: they meet over NCCL) */
+static inline void tu_world_ranks(int P, void *(*fn)(void *), void *jobs, size_t job_size,
+                                  const void *proto) {
+    tu_new_world();
+    tu_ranks_from(P, 20000, fn, jobs, job_size, proto);
+}
 typedef struct tu_ep { moept_comm *c; void *nc, *stream; } tu_ep;
 /* rank r's EP comm of P ranks (NULL at P = 1), and its device */
 static inline moept_comm *tu_ep_open(tu_ep *e, moept_thread_group *g, int P, int r) {
