@@ -143,6 +143,9 @@ $(B)/bench_layer: bench/bench_layer.c bench/peak.h bench/bench_shape.h moept.c $
 $(B)/bench_a2a: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 
+$(B)/bench_adamw: bench/bench_adamw.c $(B)/moept.o
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
+
 $(B)/bench_load: bench/bench_load.c moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 

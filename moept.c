@@ -870,6 +870,9 @@ typedef struct moept__exec {
                              const moept_backward_opts *o); /* o: never NULL */
     moept_status (*sync_grads)(moept_layer *L, float scale);     /* after the call's agreement */
     moept_status (*grad_scan)(moept_layer *L, double *s, int64_t *bad);
+    /* AdamW's check (NULL: grad_scan's sums): *g2 >= every gradient's square, and
+       the first non-finite element (-1: none) */
+    moept_status (*grad_max)(moept_layer *L, double *g2, int64_t *bad);
     moept_status (*adamw_ready)(moept_layer *L);                 /* before the agreement */
     moept_status (*adamw)(moept_layer *L, moept__adamw_k k);     /* after it */
     /* the step with k computed, nothing written: the first element whose m,
@@ -4005,6 +4008,25 @@ static moept_status moept__cpu_grad_scan(moept_layer *L, double *s, int64_t *bad
     return MOEPT_OK;
 }
 
+/* The CPU's AdamW check: the largest |g| in one pass that vectorises (max
+   and NaN are order-free), where grad_scan's ordered double sum is a serial
+   chain (docs/PERF.md, bench_adamw) */
+static moept_status moept__cpu_grad_max(moept_layer *L, double *g2, int64_t *bad) {
+    const float *g = L->par.grads;
+    const int64_t n = L->par.n_params;
+    float mx = 0.0f;
+    int nonnum = 0;
+    #pragma omp parallel for simd schedule(static) reduction(max : mx) reduction(| : nonnum) MOEPT__PAR(n)
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(g[i]);
+        mx = a > mx ? a : mx;
+        nonnum |= a != a;
+    }
+    *bad = nonnum || !moept__finite(mx) ? moept__first_nonfinite(g, n) : -1;
+    *g2 = (double)mx * mx;
+    return MOEPT_OK;
+}
+
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: layer is NULL");
     if (!L->par.grads) return moept__no_grads(L, "moept_grad_norm");
@@ -4223,8 +4245,8 @@ static int moept__adamw_consts(const moept_adamw *o, int64_t t, moept__adamw_k *
 }
 
 /* Would the step write a non-finite moment or parameter? Bounds settle it
-   at no cost where they can: every g^2 <= s (the gradient scan's sum of
-   squares), so the new |m| <= b1 mb + (1 - b1) sqrt(s) and v <= b2 vb +
+   at no cost where they can: every g^2 <= s (the CPU's max, a device's sum
+   of squares), so the new |m| <= b1 mb + (1 - b1) sqrt(s) and v <= b2 vb +
    (1 - b2) s; with the decay in [0, 1], |p'| <= |p| + step |m| / eps, which
    rounds to a finite float while step |m| / eps is under half an ulp of
    FLT_MAX (2^103; 2^100 leaves room for rounding). Otherwise (gradients near
@@ -4262,7 +4284,7 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     const int64_t t = L->opt.t + 1;
     moept__adamw_k k;
     char why[200];
-    double s[2] = {0.0, 0.0}, nb[2]; /* the gradients' squares [replicated, experts]; the new bounds */
+    double s[2] = {0.0, 0.0}, g2 = 0.0, nb[2]; /* sums of squares [replicated, experts]; max g^2; bounds */
     moept_status local = MOEPT_OK;
     int64_t bad = -1;
     if (!o)
@@ -4271,14 +4293,15 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: %s", why);
     else local = moept__grads_refused(L, "moept_adamw_step");
     if (!local) local = moept__unsynced(L);
-    if (!local) local = L->ex->grad_scan(L, s, &bad);
+    if (!local) local = L->ex->grad_max ? L->ex->grad_max(L, &g2, &bad) : L->ex->grad_scan(L, s, &bad);
+    if (!local && !L->ex->grad_max) g2 = s[0] + s[1];
     if (!local && bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC,
                             "moept_adamw_step: the gradient of '%s' is not finite (flat "
                             "element %lld); nothing changed",
                             moept__param_of(L, bad), (long long)bad);
     if (!local) local = MOEPT__EX(L, adamw_ready, L);
-    if (!local) local = moept__adamw_guard(L, k, s[0] + s[1], nb);
+    if (!local) local = moept__adamw_guard(L, k, g2, nb);
     moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
                                         moept__fnv_f32((const float[5]){d.lr, d.beta1, d.beta2, d.eps,
                                                                         d.weight_decay}, 5));
@@ -4320,6 +4343,7 @@ static const moept__exec moept__cpu_exec = {
     .backward = moept__cpu_backward,
     .sync_grads = moept__cpu_sync_grads,
     .grad_scan = moept__cpu_grad_scan,
+    .grad_max = moept__cpu_grad_max,
     .adamw_ready = moept__cpu_adamw_ready,
     .adamw = moept__cpu_adamw,
     .adamw_probe = moept__cpu_adamw_probe,
@@ -7664,17 +7688,11 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
    itself). Any size up to MOEPT__INDEX_MAX is read whole (other keys may
    grow it). */
 #define MOEPT__INDEX_MAX (1 << 20)
-static moept_status moept__read_ckpt_index_cfg(const char *dir, int64_t *ep, char *fp, size_t fpn,
-                                               int64_t *step, char *set, size_t setn, char *cfg, size_t cfgn);
-static inline moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn,
-                                                  int64_t *step, char *set, size_t setn) {
-    return moept__read_ckpt_index_cfg(dir, ep, fp, fpn, step, set, setn, NULL, 0);
-}
-/* ... and the model's config fields as saved ("config": "v1,v2,...": the
-   fingerprint's, so a mismatch can name its field; "" in older indexes) */
-static moept_status moept__read_ckpt_index_cfg(const char *dir, int64_t *ep, char *fp, size_t fpn,
-                                               int64_t *step, char *set, size_t setn, char *cfg,
-                                               size_t cfgn) {
+/* cfg (NULL: not wanted): the model's config fields as saved ("config":
+   "v1,v2,...", the fingerprint's, so a mismatch can name its field; "" in
+   older indexes) */
+static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn, int64_t *step,
+                                           char *set, size_t setn, char *cfg, size_t cfgn) {
     char path[4096];
     snprintf(path, sizeof path, "%s/index.json", dir);
     int fd, missing;
@@ -7798,7 +7816,7 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
     int64_t P = 0, istep = -1;
     const size_t n = (size_t)L->par.n_params;
     moept_status st =
-        moept__read_ckpt_index_cfg(dir, &P, ffp, sizeof ffp, &istep, set, sizeof set, cfg, sizeof cfg);
+        moept__read_ckpt_index(dir, &P, ffp, sizeof ffp, &istep, set, sizeof set, cfg, sizeof cfg);
     if (st) return st;
     if (strcmp(ffp, fp) != 0) {
         moept__fp_diff(L, cfg, why, sizeof why);

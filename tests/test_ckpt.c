@@ -24,7 +24,7 @@ static const char *rank_file(const char *dir, int r, int P) {
     int64_t ep, step;
     char *out = path[next++ % 3];
     out[0] = 0;
-    if (moept__read_ckpt_index(dir, &ep, fp, sizeof fp, &step, set, sizeof set) == MOEPT_OK)
+    if (moept__read_ckpt_index(dir, &ep, fp, sizeof fp, &step, set, sizeof set, NULL, 0) == MOEPT_OK)
         snprintf(out, 512, "%s/%s/rank-%d-of-%d.safetensors", dir, set, r, P);
     return out;
 }
@@ -467,7 +467,7 @@ static void test_ckpt_index_size_and_step(void) {
     char fp[32], set[64], *big = malloc(8192);
     int64_t ep, step;
     moept__fp_hex(L, fp, sizeof fp);
-    EXPECT_OK(moept__read_ckpt_index("build/ckpt_idx", &ep, fp, sizeof fp, &step, set, sizeof set));
+    EXPECT_OK(moept__read_ckpt_index("build/ckpt_idx", &ep, fp, sizeof fp, &step, set, sizeof set, NULL, 0));
     int n = snprintf(big, 8192, "{\"note\": \"");
     for (int i = 0; i < 6000; i++) big[n++] = 'x';
     snprintf(big + n, (size_t)(8192 - n), "\", \"format\": \"moept-train-v1\", \"ep_size\": 1, \"fingerprint\": \"%s\", "
