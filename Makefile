@@ -143,6 +143,9 @@ $(B)/bench_layer: bench/bench_layer.c bench/peak.h bench/bench_shape.h moept.c $
 $(B)/bench_a2a: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 
+$(B)/bench_adamw: bench/bench_adamw.c $(B)/moept.o
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
+
 $(B)/bench_load: bench/bench_load.c moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 
@@ -195,6 +198,9 @@ $(B)/test_cuda: tests/test_cuda.c tests/testutil.h $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/test_slots_cuda: tests/test_slots.c tests/testutil.h tests/tu_exec.h $(CUDA_OBJS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+$(B)/test_refuse_cuda: tests/test_refuse.c tests/testutil.h tests/tu_exec.h $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/train_cuda: examples/train.c $(CUDA_OBJS)
@@ -301,10 +307,11 @@ check:
 bench-busy: $(B)/train
 	sh bench/busy.sh $(B)/train 200
 
-# the long runs: the kill -9 loop with 50 kills a mode (make test runs 5)
+# the long runs: the kill -9 loop with 50 kills a mode (make test runs 5), and 10 kills of one of
+# 4 processes of the emulated GPUs' moept_check_mpi (make test runs 2)
 STRESS_KILLS ?= 50
-stress: $(B)/crash_save $(if $(MPICC),$(B)/crash_save_mpi)
-	@MPIRUN="$(if $(MPICC),$(MPIRUN),)" KILLS=$(STRESS_KILLS) sh tests/stress.sh
+stress: $(B)/crash_save $(if $(MPICC),$(B)/crash_save_mpi) $(if $(and $(MPICC),$(EMU_OK)),$(B)/emu/moept_check_mpi)
+	@MPIRUN="$(if $(MPICC),$(MPIRUN),)" EMU="$(EMU_OK)" KILLS=$(STRESS_KILLS) sh tests/stress.sh
 
 run: $(B)/train
 	$(B)/train
@@ -395,6 +402,9 @@ $(B)/emu/test_router_io: tests/test_router_io.c tests/testutil.h tests/tu_exec.h
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 $(B)/emu/test_slots: tests/test_slots.c tests/testutil.h tests/tu_exec.h $(EMU_OBJS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/test_refuse: tests/test_refuse.c tests/testutil.h tests/tu_exec.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 $(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)

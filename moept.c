@@ -774,6 +774,7 @@ static inline void *moept__take(moept__carve *c, size_t bytes) {
 #endif
 
 #include <errno.h>
+#include <float.h>
 #include <stdatomic.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -1626,6 +1627,7 @@ typedef struct moept__saved {       /* the committed forward (double-buffered ro
     int64_t T;             /* tokens of the committed forward, -1 none */
     int valid;
     int bwd_valid;         /* a backward ran since the last forward */
+    const char *stale;     /* the call that changed the weights since this forward (NULL: none) */
     uint64_t x_fp;         /* the forward's x, fingerprinted: backward checks it got the same */
     int eval;              /* the committed forward was an evaluation: nothing kept for backward */
     int jitter;            /* its router saw jittered x, drawn under jkey */
@@ -1792,6 +1794,8 @@ struct moept_layer {
     moept__fsdp fs;
     moept__workspace ws;
     struct { float *m, *v; int64_t t; } opt;  /* AdamW: [n_params] moments (first step allocates), steps */
+    double opt_mb, opt_vb; /* bounds on this rank's max |m|, max v (INFINITY: unknown: the step probes) */
+    int grads_unsynced;    /* a group layer's backward since moept_sync_grads (zero_grad, grads_synced) */
     struct { int64_t allocations, allocated_bytes, workspace_bytes; } dev; /* the device executor's */
 
     moept__counter mem;
@@ -2331,16 +2335,25 @@ static void moept__slots_invalidate(moept_layer *L) {
     for (int s = 0; s <= L->nslots; s++) L->slots[s].fwd.valid = 0;
 }
 
+/* A call that changed the weights: every pending forward's backward is
+   refused from now on (it would mix the old activations with the new
+   weights); the forwards' routing and counts stay readable (update_bias) */
+static void moept__stale_forwards(moept_layer *L, const char *call) {
+    for (int s = 0; s <= L->nslots; s++) L->slots[s].fwd.stale = call;
+    if (L->ex->stale_forwards) L->ex->stale_forwards(L, call);
+}
+
 /* Config fields every rank must agree on, serialised for the create-time
-   all-gather (a mismatch is an error on every rank, never a hang later). */
-#define MOEPT__NFP 29
+   all-gather (a mismatch is an error on every rank, never a hang later):
+   all but max_tokens, each rank's own bound on its rows (moept.h). */
+#define MOEPT__NFP 30
 #define MOEPT__NFP_MODEL 19 /* the model's fields, first: a checkpoint's fingerprint */
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
     "global_balance", "group_fill", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed",
-    "aux_seq_len", "inference_only", "grad_backup", "EP size", "DP size",
+    "aux_seq_len", "inference_only", "grad_backup", "max_inflight", "EP size", "DP size",
     "EP comm's shared memory (shm_alloc)"};
 
 static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int shm, int64_t *fp) {
@@ -2353,7 +2366,7 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
                              c->global_balance, c->group_fill, c->overlap_chunks, c->expert_sharding, b[4],
                              (int64_t)c->jitter_seed, c->aux_seq_len,
-                             c->inference_only, c->grad_backup, P, DP, shm};
+                             c->inference_only, c->grad_backup, c->max_inflight, P, DP, shm};
     memcpy(fp, v, sizeof v);
 }
 
@@ -2631,6 +2644,34 @@ static const moept__param *moept__find(const moept_layer *L, const char *name) {
     return NULL;
 }
 
+/* Levenshtein distance of a and b (each cut at 127 characters) */
+static int moept__edits(const char *a, const char *b) {
+    int row[128], na = (int)strnlen(a, 127), nb = (int)strnlen(b, 127);
+    for (int j = 0; j <= nb; j++) row[j] = j;
+    for (int i = 1; i <= na; i++) {
+        int diag = row[0];
+        row[0] = i;
+        for (int j = 1; j <= nb; j++) {
+            const int up = row[j], sub = diag + (a[i - 1] != b[j - 1]);
+            row[j] = up + 1 < row[j - 1] + 1 ? up + 1 : row[j - 1] + 1;
+            row[j] = sub < row[j] ? sub : row[j];
+            diag = up;
+        }
+    }
+    return row[nb];
+}
+
+/* This layer's parameter name nearest to name (ties: the first in buffer order) */
+static const char *moept__nearest_param(const moept_layer *L, const char *name) {
+    const char *best = "";
+    int bd = INT_MAX;
+    for (int64_t i = 0; i < L->par.n_table; i++) {
+        const int d = moept__edits(name, L->par.table[i].name);
+        if (d < bd) { bd = d; best = L->par.table[i].name; }
+    }
+    return best;
+}
+
 static moept_status moept__param_io(const moept_layer *L, const char *fn,
                                     const char *name, int64_t numel,
                                     const void *ptr, const moept__param **out) {
@@ -2645,8 +2686,11 @@ static moept_status moept__param_io(const moept_layer *L, const char *fn,
             return moept__fail(L, MOEPT_ERR_NOT_FOUND,
                                "%s: expert %lld of '%s' lives on EP rank %lld, not on rank %d", fn, e, name,
                                (long long)(L->plan.slot_of[e] / L->El), L->rank);
-        return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: no parameter named '%s' in this %s layer", fn, name,
-                           moept__family_name(L->cfg.family));
+        return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: no parameter named '%s' in this %s layer (the "
+                           "nearest: '%s'; names are HF's with the MoE block's prefix "
+                           "model.layers.N.%s stripped)", fn, name, moept__family_name(L->cfg.family),
+                           moept__nearest_param(L, name),
+                           L->cfg.family == MOEPT_FAMILY_MIXTRAL ? "block_sparse_moe." : "mlp.");
     }
     if (numel != p->rows * p->cols)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s(%s): numel %lld, expected %lld ([%lld][%lld])",
@@ -2668,6 +2712,7 @@ moept_status moept_set_param(moept_layer *L, const char *name, const float *src,
     if (p->flat >= 0) moept__fsdp_write(L, p->flat, src, numel); /* this rank's part */
     else memcpy(p->data, src, (size_t)numel * sizeof(float));
     moept__host_wrote(L, 1, 0);
+    if (p->type != MOEPT__P_BIAS) moept__stale_forwards(L, "moept_set_param"); /* (the bias only routes) */
     return MOEPT_OK;
 }
 
@@ -2762,6 +2807,7 @@ moept_status moept_zero_grad(moept_layer *L) {
     memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
     L->par.grads_dx_bad = -1;
     L->par.grads_sf_bad = MOEPT_OK;
+    L->grads_unsynced = 0; /* zeros are the same on every rank */
     return MOEPT_OK;
 }
 
@@ -2789,6 +2835,7 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_init_params: layer is NULL");
     MOEPT__HOST_SYNC(L, 1, 0);
     moept__host_wrote(L, 1, 0);
+    moept__stale_forwards(L, "moept_init_params");
     for (int64_t i = 0; i < L->par.n_table; i++) {
         const moept__param *p = &L->par.table[i];
         if (p->type == MOEPT__P_BIAS) { memset(p->data, 0, (size_t)p->cols * sizeof(float)); continue; }
@@ -3912,6 +3959,7 @@ static void moept__fwd_commit(moept_layer *L, moept__fstate *sl, const moept__fs
     sl->fwd.x_fp = f->x_fp;
     sl->fwd.valid = 1;
     sl->fwd.bwd_valid = 0;
+    sl->fwd.stale = NULL;
     sl->fwd.eval = f->eval;
     sl->fwd.jitter = f->jitter;
     sl->fwd.jkey = f->jkey;
@@ -4244,7 +4292,9 @@ moept_status moept_backward_ex(moept_layer *L, const float *x, const float *dy, 
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
     if (!L->par.grads) return moept__no_grads(L, "moept_backward");
     const moept_backward_opts def = moept_backward_default();
-    return L->ex->backward(L, x, dy, dx, o ? o : &def);
+    moept_status st = L->ex->backward(L, x, dy, dx, o ? o : &def);
+    if (!st && (L->group || L->dp)) L->grads_unsynced = 1;
+    return st;
 }
 
 moept_status moept_backward(moept_layer *L, const float *x, const float *dy, float *dx) {
@@ -4256,8 +4306,21 @@ moept_status moept_backward(moept_layer *L, const float *x, const float *dy, flo
    (ys) become dys, then the experts' dxs; dx is written once, by the last. */
 
 /* agree: this rank's checks, then (EP) agreement so no rank is left waiting */
+#define MOEPT__STALE_MSG                                                                                \
+    "moept_backward: %s changed the weights since this forward; its gradients would mix the old "      \
+    "activations with the new weights: run the forward again"
+/* the caller's dlogits [T][E]: its first non-finite element the backward
+   reads (padded rows are not read), -1 if none */
+static int64_t moept__dlogits_bad(const moept_layer *L, const moept__fstate *sl, const float *dlogits) {
+    const int32_t *ids = sl->fwd.ids[sl->fwd.cur];
+    for (int64_t t = 0; t < sl->fwd.T; t++)
+        for (int64_t e = 0; ids[t * L->K] >= 0 && e < L->E; e++)
+            if (!moept__finite(dlogits[t * L->E + e])) return t * L->E + e;
+    return -1;
+}
+
 static moept_status moept__bwd_agree(moept_layer *L, moept__fstate *sl, const float *x, const float *dy,
-                                     const float *dx, float rscale, int slot) {
+                                     const float *dx, const float *dlogits, float rscale, int slot) {
     moept_status local = MOEPT_OK;
     uint64_t x_fp = 0;
     if (slot < 0 || slot >= L->nslots)
@@ -4281,6 +4344,8 @@ static moept_status moept__bwd_agree(moept_layer *L, moept__fstate *sl, const fl
         local = moept__fail(L, MOEPT_ERR_STATE,
                             "moept_backward: this forward was already differentiated; run "
                             "forward again");
+    else if (sl->fwd.stale)
+        local = moept__fail(L, MOEPT_ERR_STATE, MOEPT__STALE_MSG, sl->fwd.stale);
     else if (T > 0 && (!x || !dy || !dx))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: %s is NULL",
                             !x ? "x" : !dy ? "dy" : "dx");
@@ -4294,6 +4359,10 @@ static moept_status moept__bwd_agree(moept_layer *L, moept__fstate *sl, const fl
         if (bad >= 0)
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
+        else if (dlogits && (bad = moept__dlogits_bad(L, sl, dlogits)) >= 0)
+            local = moept__fail(L, MOEPT_ERR_NUMERIC,
+                                "moept_backward: opts.dlogits[%lld][%lld] is not finite",
+                                (long long)(bad / L->E), (long long)(bad % L->E));
     }
     return moept__agree_call(L, L->group, NULL, local, MOEPT__CALL_BACKWARD,
                              moept__fnv(moept__fnv_f32(&rscale, 1), &slot, sizeof slot));
@@ -4477,7 +4546,7 @@ static moept_status moept__backward_slot(moept_layer *L, const float *x, const f
     moept_status st;
     /* the state of the forward it differentiates (a slot out of range is refused, agreed) */
     moept__fstate *sl = &L->slots[o->slot >= 0 && o->slot < L->nslots ? o->slot : L->last];
-    if ((st = moept__bwd_agree(L, sl, x, dy, dx, o->router_loss_scale, o->slot))) return st;
+    if ((st = moept__bwd_agree(L, sl, x, dy, dx, o->dlogits, o->router_loss_scale, o->slot))) return st;
     const moept_stats stats_before = L->stats; /* restored if dx is not finite */
     const int grads_were_zero = moept__all_zero(L->par.grads, L->par.n_params);
     if (L->par.grads_copy && !grads_were_zero)
@@ -4513,7 +4582,25 @@ moept_status moept_sync_grads(moept_layer *L, float scale) {
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_SYNC_GRADS,
                                         moept__fnv_f32(&scale, 1));
     if (ag) return ag;
-    return L->ex->sync_grads(L, scale);
+    moept_status st = L->ex->sync_grads(L, scale);
+    if (!st) L->grads_unsynced = 0;
+    return st;
+}
+
+moept_status moept_grads_synced(moept_layer *L) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grads_synced: layer is NULL");
+    L->grads_unsynced = 0;
+    return MOEPT_OK;
+}
+
+/* A group layer's step over gradients no sync has summed since a backward
+   would let the ranks train different models (their replicated weights
+   drift apart): refused, the caller agrees. */
+static moept_status moept__unsynced(moept_layer *L) {
+    if (!L->grads_unsynced) return MOEPT_OK;
+    return moept__fail(L, MOEPT_ERR_STATE, "moept_adamw_step: the gradients were not synced over the group "
+                       "since the last backward: call moept_sync_grads first (or moept_grads_synced if you "
+                       "summed them yourself)");
 }
 
 /* the CPU's: router and shared expert over EP, then everything over DP */
@@ -4550,6 +4637,25 @@ static moept_status moept__cpu_grad_scan(moept_layer *L, double *s, int64_t *bad
         s[i >= n_router && i < n_router + n_exp] += g * g;
     }
     *bad = s && isfinite(s[0] + s[1]) ? -1 : moept__first_nonfinite(L->par.grads, L->par.n_params);
+    return MOEPT_OK;
+}
+
+/* The CPU's AdamW check: the largest |g| in one pass that vectorises (max
+   and NaN are order-free), where grad_scan's ordered double sum is a serial
+   chain (docs/PERF.md, bench_adamw) */
+static moept_status moept__cpu_grad_max(moept_layer *L, double *g2, int64_t *bad) {
+    const float *g = L->par.grads;
+    const int64_t n = L->par.n_params;
+    float mx = 0.0f;
+    int nonnum = 0;
+    #pragma omp parallel for simd schedule(static) reduction(max : mx) reduction(| : nonnum) MOEPT__PAR(n)
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(g[i]);
+        mx = a > mx ? a : mx;
+        nonnum |= a != a;
+    }
+    *bad = nonnum || !moept__finite(mx) ? moept__first_nonfinite(g, n) : -1;
+    *g2 = (double)mx * mx;
     return MOEPT_OK;
 }
 
@@ -4718,43 +4824,128 @@ static moept_status moept__cpu_adamw(moept_layer *L, moept__adamw_k k) {
     return MOEPT_OK;
 }
 
+/* The step computed into registers, nothing written (moept__exec's
+   adamw_probe): the lowest failing element wins, whatever the threads */
+static moept_status moept__cpu_adamw_probe(moept_layer *L, moept__adamw_k k, int64_t *bad, double *mmax,
+                                           double *vmax) {
+    const float *p = L->par.params, *g = L->par.grads, *m = L->opt.m, *v = L->opt.v;
+    const int64_t n = L->par.n_params;
+    int64_t first = INT64_MAX;
+    float mm = 0.0f, vm = 0.0f;
+    #pragma omp parallel for schedule(static) reduction(min : first) reduction(max : mm, vm) MOEPT__PAR(n)
+    for (int64_t i = 0; i < n; i++) {
+        float mi = m[i], vi = v[i];
+        const float q = moept__adamw1(p[i], g[i], &mi, &vi, k);
+        const int code = !moept__finite(vi) ? 2 : !moept__finite(mi) ? 1 : !moept__finite(q) ? 3 : 0;
+        if (code) first = first < 4 * i + code ? first : 4 * i + code;
+        else { mm = mm > fabsf(mi) ? mm : fabsf(mi); vm = vm > vi ? vm : vi; }
+    }
+    *bad = first == INT64_MAX ? -1 : first;
+    *mmax = mm;
+    *vmax = vm;
+    return MOEPT_OK;
+}
+
 moept_adamw moept_adamw_default(float lr) { return (moept_adamw){lr, 0.9f, 0.999f, 1e-8f, 0.01f}; }
+
+/* The step's constants k for step t, each hyperparameter checked for what
+   it does (torch.optim.AdamW's ranges; a decay factor 1 - lr wd in [0, 1];
+   a bias-corrected step size finite in fp32 at this t). 0 and why: refused. */
+static int moept__adamw_consts(const moept_adamw *o, int64_t t, moept__adamw_k *k, char *why, size_t n) {
+    const float lr = o->lr, b1 = o->beta1, b2 = o->beta2, eps = o->eps, wd = o->weight_decay;
+    const double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
+    const double step = lr / bc1;
+    if (!moept__finite(lr) || !(lr > 0)) /* lr 0 would only advance t and the moments: a caller's slip */
+        snprintf(why, n, "lr %g must be finite and > 0", (double)lr);
+    else if (!(b1 >= 0 && b1 < 1))
+        snprintf(why, n, "beta1 %g must be in [0, 1)", (double)b1);
+    else if (!(b2 >= 0 && b2 < 1))
+        snprintf(why, n, "beta2 %g must be in [0, 1)", (double)b2);
+    else if (!moept__finite(eps) || !(eps > 0))
+        snprintf(why, n, "eps %g must be finite and > 0", (double)eps);
+    else if (!moept__finite(wd) || !(wd >= 0))
+        snprintf(why, n, "weight_decay %g must be finite and >= 0", (double)wd);
+    else if (!((double)lr * wd <= 1.0))
+        snprintf(why, n, "lr * weight_decay = %g must be <= 1 (each step multiplies the weights by "
+                 "1 - lr * weight_decay)", (double)lr * wd);
+    else if (!(step < (double)FLT_MAX))
+        snprintf(why, n, "the bias-corrected step size lr / (1 - beta1^%lld) = %g is not finite in fp32 "
+                 "at this step; lower lr", (long long)t, step);
+    else {
+        *k = (moept__adamw_k){1.0f - lr * wd, b1, b2, (float)step, (float)sqrt(bc2), eps};
+        return 1;
+    }
+    return 0;
+}
+
+/* Would the step write a non-finite moment or parameter? Bounds settle it
+   at no cost where they can: every g^2 <= s (the CPU's max, a device's sum
+   of squares), so the new |m| <= b1 mb + (1 - b1) sqrt(s) and v <= b2 vb +
+   (1 - b2) s; with the decay in [0, 1], |p'| <= |p| + step |m| / eps, which
+   rounds to a finite float while step |m| / eps is under half an ulp of
+   FLT_MAX (2^103; 2^100 leaves room for rounding). Otherwise (gradients near
+   fp32's limit, moments just loaded or moved) the executor probes: the step
+   computed, nothing written. nb: the bounds after the step. */
+static moept_status moept__adamw_guard(moept_layer *L, moept__adamw_k k, double s, double nb[2]) {
+    const double lim = FLT_MAX / 4.0;
+    nb[0] = k.b1 * L->opt_mb + (1.0 - k.b1) * sqrt(s); /* NaN (0 * INFINITY) fails the test: a probe */
+    nb[1] = k.b2 * L->opt_vb + (1.0 - k.b2) * s;
+    if (nb[0] <= lim && nb[1] <= lim && k.step * nb[0] / k.eps <= 0x1p100) return MOEPT_OK;
+    int64_t bad = -1;
+    moept_status st = L->ex->adamw_probe(L, k, &bad, &nb[0], &nb[1]);
+    if (st || bad < 0) return st;
+    const char *name = moept__param_of(L, bad / 4);
+    const long long i = (long long)(bad / 4);
+    if (bad % 4 == 3)
+        return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_adamw_step: the update of '%s' (flat element %lld) "
+                           "would make it non-finite (the weight near fp32's limit, or lr / eps too large); "
+                           "nothing changed", name, i);
+    return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_adamw_step: the gradient of '%s' (flat element %lld) is "
+                       "too large for AdamW's fp32 %s moment (%s overflows); nothing changed: clip the "
+                       "gradients (scale them to a norm from moept_grad_norm) or lower the loss scale",
+                       name, i, bad % 4 == 2 ? "second" : "first",
+                       bad % 4 == 2 ? "v = beta2 v + (1 - beta2) g^2" : "m = beta1 m + (1 - beta1) g");
+}
 
 /* Agreed over the EP and DP groups (a rank whose own experts' gradients are
    not finite must not leave the others a step ahead): arguments and every
-   gradient checked, then all step or none does. */
+   gradient checked, and the step itself (moept__adamw_guard), then all step
+   or none does. */
 moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
     if (!L->par.grads) return moept__no_grads(L, "moept_adamw_step");
     moept_adamw d = o ? *o : moept_adamw_default(0.0f);
-    float b1 = d.beta1, b2 = d.beta2, eps = d.eps, wd = d.weight_decay, lr = d.lr;
+    const int64_t t = L->opt.t + 1;
+    moept__adamw_k k;
+    char why[200];
+    double s[2] = {0.0, 0.0}, g2 = 0.0, nb[2]; /* sums of squares [replicated, experts]; max g^2; bounds */
     moept_status local = MOEPT_OK;
     int64_t bad = -1;
     if (!o)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: opt is NULL");
-    else if (!moept__finite(lr) || !(lr > 0)) /* lr 0 would only advance t and the moments: a caller's slip */
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: lr %g must be finite and > 0",
-                            (double)lr);
-    else if (!(b1 >= 0 && b1 < 1) || !(b2 >= 0 && b2 < 1) || !(eps > 0) || !moept__finite(wd) || wd < 0)
-        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT,
-                            "moept_adamw_step: need betas in [0,1), eps > 0, weight_decay >= 0");
+    else if (!moept__adamw_consts(o, t, &k, why, sizeof why))
+        local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: %s", why);
     else local = moept__grads_refused(L, "moept_adamw_step");
-    if (!local) local = L->ex->grad_scan(L, NULL, &bad); /* NULL: the executor may keep what it found */
+    if (!local) local = moept__unsynced(L);
+    if (!local) local = L->ex->grad_max ? L->ex->grad_max(L, &g2, &bad) : L->ex->grad_scan(L, s, &bad);
+    if (!local && !L->ex->grad_max) g2 = s[0] + s[1];
     if (!local && bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC,
                             "moept_adamw_step: the gradient of '%s' is not finite (flat "
                             "element %lld); nothing changed",
                             moept__param_of(L, bad), (long long)bad);
     if (!local) local = MOEPT__EX(L, adamw_ready, L);
+    if (!local) local = moept__adamw_guard(L, k, g2, nb);
     moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
-                                              moept__fnv_f32((const float[5]){lr, b1, b2, eps, wd}, 5));
+                                        moept__fnv_f32((const float[5]){d.lr, d.beta1, d.beta2, d.eps,
+                                                                        d.weight_decay}, 5));
     if (st) return st;
-    const int64_t t = L->opt.t + 1;
-    double bc1 = 1.0 - pow((double)b1, (double)t), bc2 = 1.0 - pow((double)b2, (double)t);
-    moept__adamw_k k = {1.0f - lr * wd, b1, b2, (float)(lr / bc1), (float)sqrt(bc2), eps};
     if ((st = L->ex->adamw(L, k))) return st;
     L->opt.t = t;
+    L->opt_mb = nb[0];
+    L->opt_vb = nb[1];
     L->jitter_micro = 0; /* the jitter's key: (AdamW steps, forwards since) */
+    moept__stale_forwards(L, "moept_adamw_step");
     return MOEPT_OK;
 }
 
@@ -4784,8 +4975,10 @@ static const moept__exec moept__cpu_exec = {
     .backward = moept__cpu_backward,
     .sync_grads = moept__cpu_sync_grads,
     .grad_scan = moept__cpu_grad_scan,
+    .grad_max = moept__cpu_grad_max,
     .adamw_ready = moept__cpu_adamw_ready,
     .adamw = moept__cpu_adamw,
+    .adamw_probe = moept__cpu_adamw_probe,
 };
 
 /* A device executor's view of its layer, and its reports (moept.h's
@@ -4911,7 +5104,9 @@ moept_status moept_cuda_params_changed(moept_layer *L) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_cuda_params_changed: layer is NULL");
     if (!L->ex->params_changed)
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_cuda_params_changed: not a CUDA layer");
-    return L->ex->params_changed(L);
+    moept_status st = L->ex->params_changed(L);
+    if (!st) moept__stale_forwards(L, "moept_cuda_params_changed");
+    return st;
 }
 
 /* ------------------------------------------------------------------------
@@ -6759,6 +6954,7 @@ typedef struct moept__hfconf {
     int n;
     char *key[MOEPT__HF_KEYS], *str[MOEPT__HF_KEYS];
     int kind[MOEPT__HF_KEYS];
+    int form[MOEPT__HF_KEYS]; /* a number's JSON form: 0 float (8.0, 1E1), 1 integer, 2 true/false */
     double num[MOEPT__HF_KEYS];
 } moept__hfconf;
 
@@ -6778,10 +6974,16 @@ static int moept__hf_value(moept__json *j, moept__hfconf *h, int i) {
             j->p += strlen(words[w]);
             h->kind[i] = w == 2 ? MOEPT__HK_NULL : MOEPT__HK_NUM;
             h->num[i] = w == 0;
+            h->form[i] = 2;
             return 1;
         }
     h->kind[i] = MOEPT__HK_NUM;
-    return moept__jnum(j, &h->num[i]);
+    const char *at = j->p;
+    if (!moept__jnum(j, &h->num[i])) return 0;
+    h->form[i] = 1; /* Python's json: an int unless a fraction or an exponent is written */
+    for (; at < j->p; at++)
+        if (*at == '.' || *at == 'e' || *at == 'E') h->form[i] = 0;
+    return 1;
 }
 
 static moept_status moept__hf_parse(moept__hfconf *h, char *buf, int64_t size) {
@@ -6859,9 +7061,13 @@ static moept_status moept__hf_int(const moept__hfconf *h, const char *key, int64
         return MOEPT_OK;
     }
     double v = h->num[i];
-    if (h->kind[i] != MOEPT__HK_NUM || v != floor(v) || v < (double)lo || v > (double)hi)
-        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be an integer in %lld..%lld",
-                                  h->path, key, (long long)lo, (long long)hi);
+    const int flag = lo == 0 && hi == 1 && h->form[i] == 2; /* a boolean key: true, false, 0 or 1 */
+    if (h->kind[i] != MOEPT__HK_NUM || (h->form[i] != 1 && !flag) || v != floor(v) || v < (double)lo ||
+        v > (double)hi)
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"%s\" must be a JSON integer in %lld..%lld%s "
+                                  "(as transformers reads it)", h->path, key, (long long)lo, (long long)hi,
+                                  h->kind[i] != MOEPT__HK_NUM ? "" : h->form[i] == 2 ? ", not a boolean"
+                                  : h->form[i] == 0 ? ", not a float (a fraction or an exponent)" : "");
     *out = (int64_t)v;
     return MOEPT_OK;
 }
@@ -7330,6 +7536,7 @@ static moept_status moept__load_staged(moept_layer *L, moept__load *ld) {
     L->stats.checkpoint_bytes_read += bytes;
     ld->commit(L, ld, stage);
     MOEPT_FREE(stage);
+    moept__stale_forwards(L, ld->call);
     return MOEPT_OK;
 }
 
@@ -7435,6 +7642,43 @@ moept_status moept_save_hf_as(moept_layer *L, const char *path, int64_t layer_in
 /* ------------------------------------------------------------------------
    Training checkpoints
    ------------------------------------------------------------------------ */
+/* The model's config fields of the fingerprint, "v1,v2,..." (index.json's "config") */
+static void moept__fp_fields(const moept_layer *L, char *out, size_t n) {
+    int64_t fp[MOEPT__NFP];
+    moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, L->xch.direct, fp);
+    size_t at = 0;
+    out[0] = 0;
+    for (int i = 1; i < MOEPT__NFP_MODEL && at < n; i++)
+        at += (size_t)snprintf(out + at, n - at, "%s%lld", i > 1 ? "," : "", (long long)fp[i]);
+}
+
+/* Where a checkpoint's config (saved, moept__fp_fields') and this layer's
+   differ: the first field and both values, into why ("" if not known) */
+static void moept__fp_diff(const moept_layer *L, const char *saved, char *why, size_t n) {
+    char mine[512];
+    moept__fp_fields(L, mine, sizeof mine);
+    why[0] = 0;
+    const char *a = saved, *b = mine;
+    for (int i = 1; i < MOEPT__NFP_MODEL && *a; i++) {
+        char *ea, *eb;
+        const long long va = strtoll(a, &ea, 10), vb = strtoll(b, &eb, 10);
+        if (va != vb) {
+            const int fl = i == 12 || i == 14 || i == 15 || i == 16; /* a float's bits (moept__fingerprint) */
+            float fa, fb;
+            int32_t ba = (int32_t)va, bb = (int32_t)vb;
+            memcpy(&fa, &ba, 4);
+            memcpy(&fb, &bb, 4);
+            const char *f = moept__fp_names[i];
+            if (fl) snprintf(why, n, ": %s %g there, %g in this layer", f, (double)fa, (double)fb);
+            else snprintf(why, n, ": %s %lld there, %lld in this layer", f, va, vb);
+            return;
+        }
+        if (*ea != ',' || *eb != ',') return;
+        a = ea + 1;
+        b = eb + 1;
+    }
+}
+
 static void moept__fp_hex(const moept_layer *L, char *out, size_t n) {
     int64_t fp[MOEPT__NFP];
     moept__fingerprint(&L->cfg, 1, L->P, L->dp ? L->dp->size : 1, L->xch.direct, fp);
@@ -7470,8 +7714,11 @@ static moept_status moept__ckpt_add(moept_st_writer *w, const char *name, const 
 static moept_status moept__ckpt_write_rank(const moept_layer *L, const char *set, const char *fp,
                                            const char *step) {
     char path[4096], name[256];
+    struct stat sb;
     if (mkdir(set, 0755) != 0 && errno != EEXIST)
         return moept__thread_fail(MOEPT_ERR_IO, "cannot create %s: %s", set, strerror(errno));
+    if (lstat(set, &sb) != 0 || !S_ISDIR(sb.st_mode)) /* another rank's mkdir, not a link put there */
+        return moept__thread_fail(MOEPT_ERR_IO, "%s is not a directory the save made", set);
     moept_st_writer *w;
     moept_status st = moept_st_writer_create(&w);
     for (int64_t i = 0; !st && i < L->par.n_table; i++) {
@@ -7508,36 +7755,68 @@ static int moept__ckpt_set_name_ok(const char *s) {
     return 1;
 }
 
-/* Removes a set directory: its rank files and their temporaries, then the
-   directory (left if anything else is in it). */
-static void moept__ckpt_rmset(const char *path) {
-    char file[4096];
-    DIR *s = opendir(path);
-    if (!s) return;
+/* The checkpoint directory is a boundary: what is removed is a regular
+   file in it (unlinkat never follows a link: a link named like ours is
+   left alone, and so is what it points to) */
+static void moept__unlink_regular(int dfd, const char *name) {
+    struct stat sb;
+    if (fstatat(dfd, name, &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(sb.st_mode)) unlinkat(dfd, name, 0);
+}
+
+/* Removes set directory `name` of the directory open as dfd: its rank files
+   and their temporaries, then the directory (left if anything else is in
+   it). A link named like a set is not opened (O_NOFOLLOW). */
+static void moept__ckpt_rmset(int dfd, const char *name) {
+    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return;
+    DIR *s = fdopendir(fd);
+    if (!s) { close(fd); return; }
     for (struct dirent *f; (f = readdir(s));)
-        if (strncmp(f->d_name, "rank-", 5) == 0) {
-            snprintf(file, sizeof file, "%s/%s", path, f->d_name);
-            unlink(file);
-        }
-    closedir(s);
-    rmdir(path);
+        if (strncmp(f->d_name, "rank-", 5) == 0) moept__unlink_regular(fd, f->d_name);
+    closedir(s); /* (closes fd) */
+    unlinkat(dfd, name, AT_REMOVEDIR);
 }
 
 /* After a commit: removes what superseded or killed saves left in `dir`,
    sets other than `keep`, the index's temporaries and the rank files of the
    older flat layout. Best effort: what cannot be removed stays, and is never
-   read (only the index's set is). */
-static void moept__ckpt_clean(const char *dir, const char *keep) {
-    char path[4096];
-    DIR *d = opendir(dir);
-    if (!d) return;
+   read (only the index's set is). keep NULL: only the set `only` (a failed
+   save's). */
+static void moept__ckpt_clean(const char *dir, const char *keep, const char *only) {
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return;
+    if (only) {
+        moept__ckpt_rmset(dfd, only);
+        close(dfd);
+        return;
+    }
+    DIR *d = fdopendir(dfd);
+    if (!d) { close(dfd); return; }
     for (struct dirent *e; (e = readdir(d));) {
         const char *n = e->d_name;
-        snprintf(path, sizeof path, "%s/%s", dir, n);
-        if (strncmp(n, "index.json.tmp.", 15) == 0 || strncmp(n, "rank-", 5) == 0) unlink(path);
-        else if (moept__ckpt_set_name_ok(n) && strcmp(n, keep) != 0) moept__ckpt_rmset(path);
+        if (strncmp(n, "index.json.tmp.", 15) == 0 || strncmp(n, "rank-", 5) == 0)
+            moept__unlink_regular(dfd, n);
+        else if (moept__ckpt_set_name_ok(n) && strcmp(n, keep) != 0) moept__ckpt_rmset(dfd, n);
     }
     closedir(d);
+}
+
+/* A save writes only what a load takes: a non-finite parameter, moment or
+   bias refuses it (the caller agrees) before the directory is touched */
+static moept_status moept__ckpt_finite(moept_layer *L, const char *call) {
+    const float *bufs[3] = {L->par.params, L->opt.m, L->opt.v};
+    static const char *pre[3] = {"", "optimizer.m.", "optimizer.v."};
+    for (int b = 0; b < 3; b++) {
+        const int64_t i = bufs[b] ? moept__first_nonfinite(bufs[b], L->par.n_params) : -1;
+        if (i >= 0)
+            return moept__fail(L, MOEPT_ERR_NUMERIC, "%s: '%s%s' (flat element %lld) is not finite; nothing "
+                               "was written and the previous checkpoint stays current", call, pre[b],
+                               moept__param_of(L, i), (long long)i);
+    }
+    if (moept__first_nonfinite(L->par.bias, L->E) >= 0)
+        return moept__fail(L, MOEPT_ERR_NUMERIC, "%s: the correction bias is not finite; nothing was written "
+                           "and the previous checkpoint stays current", call);
+    return MOEPT_OK;
 }
 
 /* A value the layer's root (EP rank 0 of DP replica 0) chose, given to every
@@ -7577,8 +7856,8 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
                             "%s: not in fsdp mode (the expert-parallel layer is the "
                             "one that saves, loads and reshards)",
                             call);
-    else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK)
-        local = moept__opt_to_host(L);
+    else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK && (local = moept__opt_to_host(L)) == MOEPT_OK)
+        local = moept__ckpt_finite(L, call);
     /* nothing is made before the ranks agree, on the directory too */
     moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_CHECKPOINT,
                                         moept__fnv_dir(dir));
@@ -7586,8 +7865,9 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     int committed = 0;
     int64_t nonce = root ? moept__nonce() : 0;
     if (st || (st = moept__share(L, &nonce, call))) return st;
-    char fp[32], step[32], set[64], path[4096], meta[512];
+    char fp[32], step[32], set[64], path[4096], meta[1024], cfg[512];
     moept__fp_hex(L, fp, sizeof fp);
+    moept__fp_fields(L, cfg, sizeof cfg);
     snprintf(step, sizeof step, "%lld", (long long)L->opt.t);
     snprintf(set, sizeof set, "save-%s-%012llx", step, (unsigned long long)nonce);
     snprintf(path, sizeof path, "%s/%s", dir, set);
@@ -7598,8 +7878,8 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     if (!(st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_FILES, 0)) && root) {
         snprintf(meta, sizeof meta,
                  "{\"format\": \"moept-train-v1\", \"num_experts\": %lld, \"ep_size\": %d, "
-                 "\"fingerprint\": \"%s\", \"step\": %s, \"set\": \"%s\"}\n",
-                 (long long)L->E, L->P, fp, step, set);
+                 "\"fingerprint\": \"%s\", \"step\": %s, \"set\": \"%s\", \"config\": \"%s\"}\n",
+                 (long long)L->E, L->P, fp, step, set, cfg);
         moept__text t = {meta};
         snprintf(path, sizeof path, "%s/index.json", dir);
         if ((local = moept__atomic_write(path, moept__text_emit, &t))) /* <- the commit */
@@ -7607,12 +7887,8 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
         committed = !local;
     }
     if (!st) st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_COMMIT, 0);
-    if (committed) {
-        moept__ckpt_clean(dir, set);
-    } else if (root) { /* a failed save's set goes; the current one stays */
-        snprintf(path, sizeof path, "%s/%s", dir, set);
-        moept__ckpt_rmset(path);
-    }
+    if (committed) moept__ckpt_clean(dir, set, NULL);
+    else if (root) moept__ckpt_clean(dir, NULL, set); /* a failed save's set goes; the current one stays */
     return st;
 }
 
@@ -7622,8 +7898,11 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
    itself). Any size up to MOEPT__INDEX_MAX is read whole (other keys may
    grow it). */
 #define MOEPT__INDEX_MAX (1 << 20)
+/* cfg (NULL: not wanted): the model's config fields as saved ("config":
+   "v1,v2,...", the fingerprint's, so a mismatch can name its field; "" in
+   older indexes) */
 static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *fp, size_t fpn, int64_t *step,
-                                           char *set, size_t setn) {
+                                           char *set, size_t setn, char *cfg, size_t cfgn) {
     char path[4096];
     snprintf(path, sizeof path, "%s/index.json", dir);
     int fd, missing;
@@ -7641,6 +7920,7 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
     buf[size] = 0;
     *ep = *step = -1;
     fp[0] = set[0] = 0;
+    if (cfg) cfg[0] = 0;
     if ((st = moept__json_check(buf, size, path))) {
         MOEPT_FREE(buf);
         return st;
@@ -7661,6 +7941,10 @@ static moept_status moept__read_ckpt_index(const char *dir, int64_t *ep, char *f
             if (v) snprintf(set, setn, "%s", v);
             ok = v != NULL;
             set_ok = v && moept__ckpt_set_name_ok(v) && strlen(v) < setn;
+        } else if (cfg && strcmp(k, "config") == 0) {
+            char *v = moept__jstring(&j);
+            if (v) snprintf(cfg, cfgn, "%s", v);
+            ok = v != NULL;
         } else ok = moept__jvalue(&j, 1, NULL);
     }
     ok = ok && !j.err;
@@ -7737,15 +8021,18 @@ static moept_status moept__ckpt_verify(const moept_st_file *f, const char *dir, 
    nothing. */
 static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, float *stage, long long *t,
                                      int64_t *bytes) {
-    char fp[32], ffp[64], name[256], set[64], base[4096];
+    char fp[32], ffp[64], name[256], set[64], base[4096], cfg[512], why[200];
     moept__fp_hex(L, fp, sizeof fp);
     int64_t P = 0, istep = -1;
     const size_t n = (size_t)L->par.n_params;
-    moept_status st = moept__read_ckpt_index(dir, &P, ffp, sizeof ffp, &istep, set, sizeof set);
+    moept_status st =
+        moept__read_ckpt_index(dir, &P, ffp, sizeof ffp, &istep, set, sizeof set, cfg, sizeof cfg);
     if (st) return st;
-    if (strcmp(ffp, fp) != 0)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s was saved with another config (fingerprint "
-                                  "%s, this layer %s)", dir, ffp, fp);
+    if (strcmp(ffp, fp) != 0) {
+        moept__fp_diff(L, cfg, why, sizeof why);
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s was saved with another config%s "
+                                  "(fingerprint %s, this layer %s)", dir, why, ffp, fp);
+    }
     if (P > L->E || L->E % P != 0)
         return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: EP size %lld does not divide E=%lld", dir,
                                   (long long)P, (long long)L->E);
@@ -7816,6 +8103,7 @@ static void moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *sta
         memset(L->opt.m, 0, 2 * n * sizeof(float));
     }
     L->opt.t = L->par.grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
+    L->opt_mb = L->opt_vb = INFINITY; /* the next step probes the loaded moments */
     if (L->ex->host_wrote) L->ex->host_wrote(L, MOEPT__HOST_OPT); /* an executor's moments: from these */
     L->jitter_micro = 0;
 }
@@ -8013,6 +8301,7 @@ static void moept__reshard_commit(moept_layer *L, const moept__moves *mv, int64_
     moept__build_table(L);
     if (L->par.grads) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
     moept__slots_invalidate(L); /* the saved forwards' plans used the old placement */
+    L->opt_mb = L->opt_vb = INFINITY; /* other experts' moments came in: the next step probes */
     if (rep) {
         rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;
         rep->rounds = mv->rounds; rep->extra_bytes = (L->H * L->D + L->D * L->F) * (int64_t)sizeof(float);

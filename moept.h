@@ -96,6 +96,14 @@
        (the same values): the CPU executor checks a fingerprint of every
        element and rejects any other x with MOEPT_ERR_INVALID_ARGUMENT
        (the CUDA executor does not check).
+     - A call that changes the weights between a forward and its backward
+       (moept_set_param of a weight, moept_init_params, moept_load_checkpoint,
+       moept_load_hf, moept_adamw_step, moept_cuda_params_changed) makes
+       every pending forward's backward fail with MOEPT_ERR_STATE naming the
+       call (its gradients would mix the old activations with the new
+       weights), on both executors; the forwards' routing and counts stay
+       readable (moept_update_bias, moept_routing). moept_reshard drops the
+       pending forwards (their plans used the old placement).
      - Aliasing: y may overlap x (every read of x comes before the first
        write of y; x is then gone, so a backward needs its values from
        elsewhere), dx may overlap dy (likewise); dx must not overlap x (the
@@ -904,7 +912,10 @@ moept_status moept_create(const moept_config *cfg, moept_layer **out);
    E/P experts [r*E/P, (r+1)*E/P)); router and shared expert are replicated.
    `dp` (may be NULL) joins the ranks that hold the same experts in other EP
    groups (world = EP x DP). Every rank of both groups calls this together;
-   a config that differs between ranks is an error on every rank. The comms
+   a config that differs between ranks is an error on every rank naming the
+   field, except max_tokens: each rank's own bound on its rows (ranks may
+   hold batches of different sizes; a sync-free CUDA layer sizes its blocks
+   from the largest). The comms
    must outlive the layer. */
 moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep,
                                    moept_comm *dp, moept_layer **out);
@@ -1045,8 +1056,13 @@ moept_status moept_get_placement(const moept_layer *layer, int32_t *rank_of);
    `scale`. With scale = 1 the gradients are those of the sum of every
    rank's objective, i.e. of one rank processing the whole batch (use
    global_balance for its aux loss); scale = 1/DP averages over data-parallel
-   replicas as DDP does. */
+   replicas as DDP does. Under EP or DP, moept_adamw_step refuses (on every
+   rank) gradients a backward changed since the last sync or zero_grad. */
 moept_status moept_sync_grads(moept_layer *layer, float scale);
+/* For callers who sum the gradient buffer (moept_grads) over the group
+   themselves: declares this rank's gradients synced, so moept_adamw_step
+   takes them. Local, no communication. */
+moept_status moept_grads_synced(moept_layer *layer);
 /* Global L2 norm of the gradients (for clipping), each expert counted once
    and replicated parameters once. Call after moept_sync_grads. */
 moept_status moept_grad_norm(moept_layer *layer, double *norm);
@@ -1114,7 +1130,8 @@ moept_status moept_st_read_i64(moept_st_file *f, const moept_st_tensor *t,
 /* ---- optimizer and training checkpoints -------------------------------- */
 typedef struct moept_adamw {
     float lr, beta1, beta2, eps, weight_decay; /* each as given (0 is 0); lr finite and > 0,
-                                                  betas in [0,1), eps > 0, weight_decay >= 0 */
+                                                  betas in [0,1), eps finite and > 0,
+                                                  weight_decay finite and >= 0, lr*weight_decay <= 1 */
 } moept_adamw;
 /* torch.optim.AdamW's defaults at this lr: betas (0.9, 0.999), eps 1e-8,
    weight_decay 0.01. Set a field after it to change one:
@@ -1127,9 +1144,18 @@ moept_adamw moept_adamw_default(float lr);
    updates everywhere. The state (m, v, t) is allocated on the first call
    (a CUDA layer's m and v on the device, where its step runs: see CUDA).
    A non-finite gradient anywhere (on any rank of the groups) rejects the
-   step with MOEPT_ERR_NUMERIC naming the parameter; nothing changes. An lr
-   that is not finite and > 0 (0 would train nothing) is refused with
-   MOEPT_ERR_INVALID_ARGUMENT. */
+   step with MOEPT_ERR_NUMERIC naming the parameter; nothing changes. So
+   does a step that would make a moment or a parameter non-finite (a
+   finite gradient too large for fp32's v = b2 v + (1-b2) g^2, say): the
+   state stays one a save can write and a load can read. Checked as the
+   step goes, at no extra pass in practice: bounds from the gradients' sum
+   of squares settle it, and only where they cannot (gradients near fp32's
+   limit, moments just loaded or resharded) the step is first computed
+   without writing. A hyperparameter out of range (the opt fields' comment;
+   0 lr would train nothing), or a bias-corrected step size lr/(1-b1^t)
+   that overflows fp32, is refused with MOEPT_ERR_INVALID_ARGUMENT. A step
+   drops nothing but makes pending forwards' backwards fail (see
+   moept_backward). */
 moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
 /* Training checkpoint in directory `dir` (created if needed), atomic as a
    set. Each rank of DP replica 0 writes rank-R-of-P.safetensors
@@ -1148,7 +1174,12 @@ moept_status moept_adamw_step(moept_layer *layer, const moept_adamw *opt);
    restores the exact state, so training resumes bitwise; a
    checkpoint saved at EP size P loads into any EP size Q (P and Q dividing
    E): each rank reads only its experts' byte ranges from the files that
-   hold them. One job saves into a directory at a time. */
+   hold them. One job saves into a directory at a time. A save refuses
+   (MOEPT_ERR_NUMERIC, on every rank, before touching `dir`) a state with a
+   non-finite parameter or moment, so the previous set survives. `dir` is a
+   boundary: the library writes and removes only regular files and
+   directories it made inside it, never through a symbolic link (a link
+   named like a set is left alone); reads follow links. */
 moept_status moept_save_checkpoint(moept_layer *layer, const char *dir);
 moept_status moept_load_checkpoint(moept_layer *layer, const char *dir);
 
@@ -1393,8 +1424,15 @@ typedef struct moept__exec {
                              const moept_backward_opts *o); /* o: never NULL */
     moept_status (*sync_grads)(moept_layer *L, float scale);     /* after the call's agreement */
     moept_status (*grad_scan)(moept_layer *L, double *s, int64_t *bad);
+    /* AdamW's check (NULL: grad_scan's sums): *g2 >= every gradient's square, and
+       the first non-finite element (-1: none) */
+    moept_status (*grad_max)(moept_layer *L, double *g2, int64_t *bad);
     moept_status (*adamw_ready)(moept_layer *L);                 /* before the agreement */
     moept_status (*adamw)(moept_layer *L, moept__adamw_k k);     /* after it */
+    /* the step with k computed, nothing written: the first element whose m,
+       v or p would not be finite (index * 4 + 1, 2, 3; -1: none), the new
+       moments' max |m| and max v where all are */
+    moept_status (*adamw_probe)(moept_layer *L, moept__adamw_k k, int64_t *bad, double *mmax, double *vmax);
     /* state between the host's copy and the executor's (NULL: nothing to do) */
     moept_status (*zero_grad)(moept_layer *L);
     moept_status (*grads_check)(moept_layer *L); /* read checks the executor made without a sync */
@@ -1411,6 +1449,7 @@ typedef struct moept__exec {
     moept_status (*reshard_ready)(moept_layer *L, const moept__moves *mv);
     moept_status (*reshard)(moept_layer *L, const moept__moves *mv, int agreed, int64_t *sent,
                             int64_t *recvd);
+    void (*stale_forwards)(moept_layer *L, const char *call); /* moept__stale_forwards (NULL: none) */
     void (*destroy)(moept_layer *L);
 } moept__exec;
 /* The group calls: each agreement carries the call's id (moept.c's table names them) */

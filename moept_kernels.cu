@@ -148,6 +148,13 @@ static moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t 
 static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host, const float *m0,
                                       const float *v0, char *err);
 static moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err);
+/* adamw_probe: the step computed, nothing written (moept.c's adamw_probe,
+   a host sync); stale_forwards: every slot's pending backward refused,
+   naming call (a string that outlives the layer) */
+static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k *k, int from_host,
+                                            const float *m0, const float *v0, int64_t *bad, double *mmax,
+                                            double *vmax, char *err);
+static void moept__cuda_stale_forwards(moept__cuda *c, const char *call);
 static void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
 /* moept_reshard's moves on the device, this rank's part of moept.c's plan:
    round k sends local slot slot[k]'s expert to rank to[k] and receives one
@@ -568,6 +575,38 @@ __global__ void moept__k_adamw(T *p, const T *g, T *m, T *v, int64_t n, moept__a
             }
         }
         low[e - e0] = moept__f32_to_bf16(pv[0]);
+    }
+}
+
+/* The step of moept__k_adamw computed, nothing written (moept.c's
+   moept__adamw_guard, when bounds cannot settle it): out[0] the lowest
+   element * 4 + 1, 2, 3 whose m, v or p would not be finite (atomicMin:
+   the same whatever the schedule); out[1], out[2] the bits of the new max
+   |m| and max v (non-negative floats order as their bits) */
+template <typename T, int V>
+__global__ void moept__k_adamw_probe(const T *p, const T *g, const T *m, const T *v, int64_t n,
+                                     moept__adamw_k k, unsigned long long *out) {
+    float mx[2] = {0.0f, 0.0f};
+    MOEPT__FLAT_FOR(i, n, V) {
+        int w;
+        const int64_t e = moept__flat<V>(i, n, &w);
+        float pv[V], gv[V], mv[V], vv[V];
+        moept__ldf<V>(p + e, w, pv); moept__ldf<V>(g + e, w, gv);
+        moept__ldf<V>(m + e, w, mv); moept__ldf<V>(v + e, w, vv);
+        for (int l = 0; l < w; l++) {
+            const float q = moept__adamw1(pv[l], gv[l], &mv[l], &vv[l], k);
+            const int code = !moept__finite(vv[l])   ? 2
+                             : !moept__finite(mv[l]) ? 1
+                             : !moept__finite(q)     ? 3
+                                                     : 0;
+            if (code) atomicMin(&out[0], (unsigned long long)(4 * (e + l) + code));
+            else { mx[0] = fmaxf(mx[0], fabsf(mv[l])); mx[1] = fmaxf(mx[1], vv[l]); }
+        }
+    }
+    for (int b = 0; b < 2; b++) {
+        uint32_t u;
+        memcpy(&u, &mx[b], 4);
+        atomicMax(&out[1 + b], (unsigned long long)u);
     }
 }
 
@@ -1582,6 +1621,7 @@ typedef struct moept__cslot {
     int64_t *ccnt, *rccnt;      /* chunked: [C][E] kept rows per chunk and expert slot, [P][C][El]
                                    rows from peer p in chunk c for local expert j */
     int cur, fwd_valid, bwd_done, fwd_eval; /* the committed step's buffers; it was an evaluation */
+    const char *fwd_stale;      /* the call that changed the weights since its forward (NULL: none) */
     int jit;                    /* the committed step's router saw xf * u, drawn under jkey */
     uint64_t jkey;
     int masked;                 /* the committed step had a padding mask */
@@ -1625,6 +1665,7 @@ struct moept__cuda {
     float *opt_m, *opt_v;       /* [n_params] each: AdamW's moments (the first device step allocates) */
     float *rs_stage;            /* [H*D + D*F] moept_reshard's staging of one expert, during the call */
     int grads_clean;            /* a scan found the gradients finite and no call since changed them */
+    double gsum[2];             /* that scan's sums (moept__cuda_grad_scan) */
     float *bias;                /* [E] */
     int32_t *slot_of;           /* [E] */
     void *wlow;                 /* [n_params - E*D] bf16 copy of the non-router weights (BF16) */
@@ -2949,6 +2990,7 @@ static void moept__fwd_commit(moept__cuda *c, moept__cslot *sl, const moept__fwd
     sl->xf_committed = 1;
     sl->fwd_valid = 1;
     sl->bwd_done = 0;
+    sl->fwd_stale = NULL;
     sl->fwd_eval = f->eval;
     sl->jit = f->jitter; sl->jkey = f->jkey;
     sl->R = f->R;
@@ -3280,6 +3322,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__cslot *sl, moept__fw
     sl->xf_committed = 1;
     sl->fwd_valid = 1;
     sl->bwd_done = 0;
+    sl->fwd_stale = NULL;
     sl->fwd_eval = f->eval;
     out->deferred = 1;
     if (p->seq_len > 0) {
@@ -3432,6 +3475,11 @@ static moept_status moept__bwd_agree(moept__cuda *c, moept__cslot *sl, const T *
         why = MOEPT_ERR_STATE;
         snprintf(local, sizeof local,
                  "moept_backward: this forward was already differentiated; run forward again");
+    } else if (sl->fwd_stale) { /* moept.c's message */
+        why = MOEPT_ERR_STATE;
+        snprintf(local, sizeof local, "moept_backward: %s changed the weights since this forward; its "
+                 "gradients would mix the old activations with the new weights: run the forward again",
+                 sl->fwd_stale);
     } else if (T_ > 0 && (!x || !dy || !dx)) {
         why = MOEPT_ERR_INVALID_ARGUMENT;
         snprintf(local, sizeof local, "moept_backward: %s is NULL", !x ? "x" : !dy ? "dy" : "dx");
@@ -3646,8 +3694,8 @@ static moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *er
    gradients, in double; first_bad: the first non-finite gradient element,
    -1 if none. The block sums come back to the host (the one sync) and are
    added there in block order: deterministic. A second pass finds the
-   element only when the sum is not finite. sums NULL (adamw_step's check)
-   after a clean scan of the same gradients (grad_norm's): nothing to do.
+   element only when the sum is not finite. After a clean scan of the same
+   gradients (grad_norm's, then adamw_step's) the sums it found.
    Every call that changes the device gradients clears grads_clean; a
    sync-free layer's may change in a replayed graph, so it always scans. */
 static moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err) {
@@ -3656,8 +3704,12 @@ static moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t 
     const int64_t n = p->n_params;
     double s2[2];
     *first_bad = -1;
-    if (!sums && c->grads_clean && !c->B) return MOEPT_OK;
     sums = sums ? sums : s2;
+    if (c->grads_clean && !c->B) {
+        sums[0] = c->gsum[0];
+        sums[1] = c->gsum[1];
+        return MOEPT_OK;
+    }
     c->grads_clean = 0;
     const int vec = moept__vec<float>(0, c->grads), V = vec ? MOEPT__VEC(float) : 1;
     int nb = moept__grid(n / V + n % V);
@@ -3671,6 +3723,8 @@ static moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t 
     sums[0] = sums[1] = 0.0;
     for (int b = 0; b < nb; b++) { sums[0] += c->h_gpart[2 * b]; sums[1] += c->h_gpart[2 * b + 1]; }
     c->grads_clean = isfinite(sums[0] + sums[1]);
+    c->gsum[0] = sums[0];
+    c->gsum[1] = sums[1];
     if (!c->grads_clean) {
         MOEPT__CU(cudaMemsetAsync(&c->bad[7], 0xff, 8, c->s));
         moept__check<float>(c, c->grads, n, NULL, &c->bad[7]);
@@ -3728,6 +3782,39 @@ static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, i
     MOEPT__STAGE(NULL);
     MOEPT__LAUNCHED();
     c->wlow_stale = 0;
+    return MOEPT_OK;
+}
+
+/* The step with k computed on the device, nothing written (moept__k_adamw_probe;
+   a host sync): bad, the first failing element * 4 + 1, 2, 3 for m, v, p, or -1;
+   the new max |m| and max v. The moments the host made newer go up first. */
+static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k *k, int from_host,
+                                            const float *m0, const float *v0, int64_t *bad, double *mmax,
+                                            double *vmax, char *err) {
+    MOEPT__ENTER(c);
+    const int64_t n = c->sp.n_params;
+    MOEPT__TRY(moept__opt_ready(c, from_host, m0, v0, err));
+    unsigned long long *out = (unsigned long long *)c->gpart, *h = (unsigned long long *)c->h_gpart; /* [3] */
+    const unsigned long long init[3] = {ULLONG_MAX, 0, 0};
+    const int vec = moept__vec<float>(0, c->params, c->grads) && moept__vec<float>(0, c->opt_m, c->opt_v);
+    const int V = vec ? MOEPT__VEC(float) : 1;
+    MOEPT__STAGE("optimizer");
+    MOEPT__TRY(moept__host_wait(c, err)); /* a pageable copy follows */
+    MOEPT__CU(cudaMemcpyAsync(out, init, sizeof init, cudaMemcpyHostToDevice, c->s));
+    MOEPT__LAUNCH_V(vec, moept__k_adamw_probe, float, moept__grid(n / V + n % V), MOEPT__TB, c->s, c->params,
+                    c->grads, c->opt_m, c->opt_v, n, *k, out);
+    MOEPT__LAUNCHED();
+    MOEPT__CU(cudaMemcpyAsync(h, out, 3 * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__TRY(moept__host_wait(c, err));
+    MOEPT__STAGE(NULL);
+    float f[2];
+    for (int b = 0; b < 2; b++) {
+        const uint32_t u = (uint32_t)h[1 + b];
+        memcpy(&f[b], &u, 4);
+    }
+    *bad = h[0] == ULLONG_MAX ? -1 : (int64_t)h[0];
+    *mmax = f[0];
+    *vmax = f[1];
     return MOEPT_OK;
 }
 
@@ -3840,6 +3927,11 @@ static moept_status moept__cuda_reshard_commit(moept__cuda *c, const int32_t *sl
     c->grads_clean = 0;
     for (int s = 0; s <= c->nslots; s++) c->slots[s].fwd_valid = 0; /* their plans: the old placement */
     return moept__host_wait(c, err);
+}
+
+/* moept.c's moept__stale_forwards: every slot's pending backward refused */
+static void moept__cuda_stale_forwards(moept__cuda *c, const char *call) {
+    for (int s = 0; s <= c->nslots; s++) c->slots[s].fwd_stale = call;
 }
 
 static void moept__cuda_reshard_end(moept__cuda *c) {
@@ -4038,6 +4130,21 @@ static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
     return MOEPT_OK;
 }
 
+static moept_status moept__cuda_layer_adamw_probe(moept_layer *L, moept__adamw_k k, int64_t *bad,
+                                                 double *mmax, double *vmax) {
+    moept__view v;
+    moept__cudax *X = moept__cx(L, &v);
+    moept_status st = moept__cuda_adamw_probe(X->c, &k, X->opt == MOEPT__HOST_NEWER, v.m, v.v, bad, mmax,
+                                              vmax, moept__errbuf());
+    if (!st && X->opt == MOEPT__HOST_NEWER) X->opt = MOEPT__SAME; /* uploaded */
+    return st;
+}
+
+static void moept__cuda_layer_stale(moept_layer *L, const char *call) {
+    moept__view v;
+    moept__cuda_stale_forwards(moept__cx(L, &v)->c, call);
+}
+
 static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
     moept__view v;
     moept__cudax *X = moept__cx(L, &v);
@@ -4195,6 +4302,8 @@ static moept__exec moept__cuda_exec_make(void) {
     e.sync_grads = moept__cuda_layer_sync_grads;
     e.grad_scan = moept__cuda_layer_grad_scan;
     e.adamw = moept__cuda_layer_adamw;
+    e.adamw_probe = moept__cuda_layer_adamw_probe;
+    e.stale_forwards = moept__cuda_layer_stale;
     e.zero_grad = moept__cuda_layer_zero_grad;
     e.grads_check = moept__cuda_grads_check;
     e.settle = moept__cuda_settle;

@@ -1,21 +1,28 @@
 #!/bin/sh
-# usage: tests/crash_gpu.sh MPIRUN TRAIN_MPI [KILLS]
-# kill -9 of one process of a running one-process-per-GPU job (TRAIN_MPI:
-# build/emu/train_mpi, or build/train_cuda_mpi on GPUs), KILLS times (default
-# 3), each at a random moment 1.5-3.5 s into training, a random rank: the
-# job must end within 60 s and leave no moept or emulated-NCCL segment in
-# /dev/shm (every segment is unlinked as soon as all its ranks mapped it).
+# usage: tests/crash_gpu.sh MPIRUN BIN [KILLS [NP [ARG...]]]
+# kill -9 of one process of a running one-process-per-GPU job (BIN:
+# build/emu/train_mpi, or build/train_cuda_mpi on GPUs, with the default ARGs
+# --ep NP --steps 1000000 --quiet; or build/emu/moept_check_mpi with its own,
+# e.g. --ep 4 and the reference cases a few times over), KILLS times (default
+# 3), each at a random moment 1.5-3.5 s into the run, a random rank of NP
+# (default 2): the job must end within 60 s with an error (a status other
+# than 0) and leave no moept or emulated-NCCL segment in /dev/shm (every
+# segment is unlinked as soon as all its ranks mapped it).
 # What ends the job is mpirun, which kills the other ranks when one dies;
 # moept's own timeout and abort for a peer that never comes run over the
 # same emulated NCCL path in test_cuda's absent-peer tests (ranks as threads).
-mpirun=$1 bin=$2 kills=${3:-3}
+mpirun=$1 bin=$2 kills=${3:-3} np=${4:-2}
+shift 2
+[ $# -gt 0 ] && shift
+[ $# -gt 0 ] && shift
+[ $# -gt 0 ] || set -- --ep "$np" --steps 1000000 --quiet
 export OMP_NUM_THREADS=1
 before=$(ls /dev/shm 2>/dev/null | grep -c moept)
 fail=0
 i=0
 while [ $i -lt "$kills" ]; do
     i=$((i + 1))
-    "$mpirun" --oversubscribe -np 2 "$bin" --ep 2 --steps 1000000 --quiet >/dev/null 2>&1 &
+    "$mpirun" --oversubscribe -np "$np" "$bin" "$@" >/dev/null 2>&1 &
     mp=$!
     sleep "$(awk -v s="$i$$" 'BEGIN { srand(s); printf "%.2f", 1.5 + 2 * rand() }')"
     ranks=$(pgrep -P $mp)
@@ -35,10 +42,17 @@ while [ $i -lt "$kills" ]; do
         echo "FAIL - kill $i: the job still runs 60 s after one rank was killed"
         fail=1
         kill -9 $mp $ranks 2>/dev/null
+        wait $mp 2>/dev/null
     else
-        echo "ok - kill $i: the job ended $(($(date +%s) - t0)) s after a rank was killed"
+        wait $mp 2>/dev/null
+        rc=$?
+        if [ $rc -eq 0 ]; then
+            echo "FAIL - kill $i: the job ended with status 0 after a rank was killed"
+            fail=1
+        else
+            echo "ok - kill $i: the job ended $(($(date +%s) - t0)) s after a rank was killed, status $rc"
+        fi
     fi
-    wait $mp 2>/dev/null
     left=$(ls /dev/shm 2>/dev/null | grep -c moept)
     if [ "$left" -gt "$before" ]; then
         echo "FAIL - kill $i: $((left - before)) segment(s) left in /dev/shm:" \

@@ -158,7 +158,7 @@ static int run_threads(void *(*fn)(void *), const char *dir, int P, int64_t step
 static int leftovers(const char *dir) {
     char set[64] = "", fp[64], p[4096];
     int64_t ep, step;
-    moept__read_ckpt_index(dir, &ep, fp, sizeof fp, &step, set, sizeof set);
+    moept__read_ckpt_index(dir, &ep, fp, sizeof fp, &step, set, sizeof set, NULL, 0);
     int n = 0;
     DIR *d = opendir(dir);
     for (struct dirent *e; d && (e = readdir(d));) {
@@ -190,7 +190,7 @@ static int verify(const char *dir) {
     int64_t P = 0, istep;
     int left = leftovers(dir);
     int64_t logged = last_logged(dir);
-    if (moept__read_ckpt_index(dir, &P, fp, sizeof fp, &istep, set, sizeof set) || P < 1 || P > 8) {
+    if (moept__read_ckpt_index(dir, &P, fp, sizeof fp, &istep, set, sizeof set, NULL, 0) || P < 1 || P > 8) {
         printf("FAIL no readable index.json in %s (last committed step %lld)\n", dir, (long long)logged);
         return 1;
     }

@@ -1,6 +1,7 @@
 #!/bin/sh
 # `make stress`: the kill -9 loop (tests/crash.sh) with $KILLS kills in each
-# mode, MPI modes when Open MPI is there; the last line is the total.
+# mode, MPI modes when Open MPI is there, and 10 kills of one of 4 emulated-GPU
+# processes (tests/crash_gpu.sh) where $EMU is set; the last line is the total.
 B=${B:-build}
 KILLS=${KILLS:-50}
 export B MPIRUN OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -12,5 +13,16 @@ for m in $modes; do
     sh tests/crash.sh "$KILLS" "$m" || failed=$((failed + 1))
     echo "   ($m: $(($(date +%s) - t0)) s)"
 done
-echo "stress: $failed of $(echo $modes | wc -w) modes failed"
+n=$(echo $modes | wc -w)
+if [ -n "$MPIRUN" ] && [ -n "$EMU" ]; then # one of 4 emulated-GPU processes killed mid-step, 10 times
+    t0=$(date +%s)
+    cases=$(ls tests/cases/*.safetensors)
+    MOEPT_EMU_DEVICES=1 sh tests/crash_gpu.sh "$MPIRUN" "$B/emu/moept_check_mpi" 10 4 --ep 4 \
+        $cases || failed=$((failed + 1))
+    echo "   (emu moept_check_mpi -np 4: $(($(date +%s) - t0)) s)"
+    n=$((n + 1))
+else
+    echo "skip - emulated GPU processes: Open MPI or the CUDA headers not found"
+fi
+echo "stress: $failed of $n modes failed"
 [ $failed -eq 0 ]

@@ -115,6 +115,7 @@ static moept_status step(rank_ctx *c) {
     moept_status st = moept_zero_grad(c->L);
     if (!st) st = moept_forward(c->L, c->x, T, c->y);
     if (!st) st = moept_backward(c->L, c->x, c->dy, c->dx);
+    if (!st) st = moept_sync_grads(c->L, 1.0f); /* (adamw_step refuses unsynced gradients) */
     return st;
 }
 
@@ -261,6 +262,7 @@ static void *layout_main(void *arg) {
     if (!j->st) j->st = moept_init_params(L, 3);
     if (!j->st) j->st = moept_forward(L, x, T, y);
     if (!j->st) j->st = moept_backward(L, x, dy, dx);
+    if (!j->st) j->st = moept_sync_grads(L, 1.0f);
     if (!j->st) {
         moept_adamw o = {j->r == 3 ? 2e-3f : 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
         j->st = moept_adamw_step(L, &o);

@@ -1557,6 +1557,7 @@ static void *sfd_rank(void *arg) {
     SFD(moept_zero_grad(L));                                              /* 5 */
     SFD(moept_forward(L, xd, T, yd));                                     /* 6 */
     SFD(moept_backward(L, xd, dyd, dxd));                                 /* 7 */
+    moept_grads_synced(L); /* (what is tested: the device's checks, not the sync) */
     SFD(moept_adamw_step(L, &opt));     /* 8: a clean step */
     float nan = NAN;
     if (j->tr.rank == 0) cudaMemcpy((float *)dyd + 7, &nan, 4, cudaMemcpyHostToDevice);

@@ -555,6 +555,7 @@ static void *agree_main(void *arg) {
     float *p0 = malloc((size_t)n * sizeof(float));
     memcpy(p0, L->par.params, (size_t)n * sizeof(float));
     moept_adamw opt = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    moept_grads_synced(L); /* (the step's own refusal is what is tested here) */
     if (bad) g[n - 1] = NAN; /* this rank's own: the others' gradients are fine */
     j->st[3] = moept_adamw_step(L, &opt);
     snprintf(j->err[3], MOEPT__ERRLEN, "%s", moept_last_error(L));
@@ -697,6 +698,7 @@ static void *nonfinite_main(void *arg) {
     moept_zero_grad(L);
     if (!j->next) j->next = moept_forward(L, x, 8, y);
     if (!j->next) j->next = moept_backward(L, x, x, dx);
+    if (!j->next) j->next = moept_sync_grads(L, 1.0f);
     if (!j->next) j->next = moept_adamw_step(L, &opt);
     moept_destroy(L);
     moept_comm_destroy(c);
@@ -761,6 +763,7 @@ static void *grad_backup_main(void *arg) {
     double norm;
     moept_adamw opt = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
     j->norm = moept_grad_norm(L, &norm);
+    moept_grads_synced(L); /* (the restored gradients are what is tested here) */
     j->step = moept_adamw_step(L, &opt);
     free(g0);
     moept_destroy(L);

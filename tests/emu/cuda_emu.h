@@ -36,6 +36,11 @@ static inline unsigned long long atomicMin(unsigned long long *p, unsigned long 
     if (v < o) *p = v;
     return o;
 }
+static inline unsigned long long atomicMax(unsigned long long *p, unsigned long long v) {
+    unsigned long long o = *p;
+    if (v > o) *p = v;
+    return o;
+}
 static inline int atomicAdd(int *p, int v) { int o = *p; *p = o + v; return o; }
 static inline float atomicAdd(float *p, float v) { float o = *p; *p = o + v; return o; }
 static inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) {
