@@ -3,6 +3,7 @@
    is made, its calls agree, its steps run stage by stage, its parameters
    are trained, its state goes to files):
 
+   The MoE core: the math, a layer, its stages, its training
      Shared per-element math        routing, losses, activations, plan, jitter:
                                     host and device (moept_kernels.cu includes
                                     this section alone, MOEPT__KERNELS)
@@ -29,14 +30,15 @@
      Executor glue                  the CPU executor's table; a device executor's
                                     view of the layer and its reports (the CUDA
                                     executor's table is moept_kernels.cu's)
-     Communication backends         threads, MPI
+     Placement and resharding
+   The groups' transport
+     Communication backends         threads, MPI (NCCL: moept_kernels.cu)
+   The file formats (a vendor that reads and writes no files drops them:
+   MOEPT_NO_IO compiles them out; nothing above calls them)
      JSON                           strict RFC 8259, one object iterator
      safetensors                    the reader, then the writer
      Hugging Face checkpoints       config.json, weights in and out
      Training checkpoints           the own format: staged, agreed, committed
-                                    (these four, the file formats, compile out
-                                    with MOEPT_NO_IO: nothing else calls them)
-     Placement and resharding
 
    The stage map: a stage's function has one name and one meaning in both
    executors, here and in moept_kernels.cu (its own map at its top has the
@@ -5110,6 +5112,231 @@ moept_status moept_cuda_params_changed(moept_layer *L) {
 }
 
 /* ------------------------------------------------------------------------
+   Placement and resharding
+   ------------------------------------------------------------------------ */
+moept_status moept_get_placement(const moept_layer *L, int32_t *rank_of) {
+    if (!L || !rank_of)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_placement: NULL argument");
+    for (int64_t e = 0; e < L->E; e++) rank_of[e] = (int32_t)(L->plan.slot_of[e] / L->El);
+    return MOEPT_OK;
+}
+
+/* the pieces of local slot j in one of the three expert-shaped buffers
+   (parameters, AdamW m, AdamW v): w13 rows and w2 rows */
+static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, float **w13, float **w2) {
+    *w13 = base + (L->par.w13 - L->par.params) + j * L->H * L->D;
+    *w2 = base + (L->par.w2 - L->par.params) + j * L->D * L->F;
+}
+
+/* moept_reshard's arguments: every expert to a rank in 0..P-1, E/P to each
+   (per [P]: scratch) */
+static moept_status moept__reshard_check(moept_layer *L, const int32_t *new_rank, int64_t *per) {
+    const int64_t E = L->E, El = L->El, P = L->P;
+    for (int64_t r = 0; r < P; r++) per[r] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (new_rank[e] < 0 || new_rank[e] >= P)
+            return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: expert %lld to rank %d, not in "
+                               "0..%lld", (long long)e, new_rank[e], (long long)P - 1);
+        per[new_rank[e]]++;
+    }
+    for (int64_t r = 0; r < P; r++)
+        if (per[r] != El)
+            return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: rank %lld would hold %lld "
+                               "experts; every rank holds E/P = %lld", (long long)r, (long long)per[r],
+                               (long long)El);
+    return MOEPT_OK;
+}
+
+/* Kuhn's augmenting path from rank r over the pairs with edges left
+   (first [P+1]: rank r's pairs, pto/pleft [pairs]); mate [P]: the pair
+   matched into each rank, seen [P] */
+static int moept__rs_augment(int64_t r, const int64_t *first, const int32_t *pfrom, const int32_t *pto,
+                             const int64_t *pleft, int32_t *mate, uint8_t *seen) {
+    for (int64_t i = first[r]; i < first[r + 1]; i++) {
+        const int32_t s = pto[i];
+        if (!pleft[i] || seen[s]) continue;
+        seen[s] = 1;
+        if (mate[s] < 0 || moept__rs_augment(pfrom[mate[s]], first, pfrom, pto, pleft, mate, seen)) {
+            mate[s] = (int32_t)i;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The pairs (old rank, new rank) of the moves, rank by rank (first [P+1]),
+   each with its count (pleft) and its experts in id order from ord[pnext];
+   each rank's pair with itself holds its R - n_r idle rounds. *R: the most
+   moves of one rank. ord [E], pfrom, pto, pleft, pnext [E + P] */
+static int64_t moept__rs_pairs(const moept_layer *L, const int32_t *new_rank, int32_t *ord, int64_t *first,
+                               int32_t *pfrom, int32_t *pto, int64_t *pleft, int64_t *pnext, int64_t *R) {
+    const int64_t El = L->El, P = L->P;
+    int64_t no = 0, np = 0;
+    *R = 0;
+    for (int64_t r = 0; r < P; r++) {
+        const int64_t at = no;
+        first[r] = np;
+        for (int64_t j = 0; j < El; j++) { /* rank r's leaving experts by (new rank, id): insertion */
+            const int32_t e = L->plan.expert_at[r * El + j];
+            if (new_rank[e] == r) continue;
+            int64_t i = no++;
+            for (; i > at && (new_rank[ord[i - 1]] > new_rank[e] ||
+                              (new_rank[ord[i - 1]] == new_rank[e] && ord[i - 1] > e)); i--)
+                ord[i] = ord[i - 1];
+            ord[i] = e;
+        }
+        for (int64_t i = at; i < no; i++) {
+            if (i == at || new_rank[ord[i]] != new_rank[ord[i - 1]]) {
+                pfrom[np] = (int32_t)r; pto[np] = new_rank[ord[i]]; pleft[np] = 0; pnext[np++] = i;
+            }
+            pleft[np - 1]++;
+        }
+        pfrom[np] = pto[np] = (int32_t)r; pleft[np] = -(no - at); pnext[np++] = -1; /* idle: R - n_r */
+        *R = no - at > *R ? no - at : *R;
+    }
+    first[P] = np;
+    for (int64_t i = 0; i < np; i++)
+        if (pnext[i] < 0) pleft[i] += *R;
+    return no;
+}
+
+/* moept_reshard's schedule, the same on every rank. Each expert whose owner
+   changes is an edge from its old rank to its new one; a rank loses as many
+   as it gains (E/P before and after), so with idle self-edges padding every
+   rank to R each way the graph is R-regular and splits into R perfect
+   matchings (Koenig's theorem): the rounds. In a round each rank sends one
+   expert and receives one, or is idle, so a round's messages all meet in
+   that round (none waits for a later one) and the arriving expert takes the
+   place the leaving one frees: one expert of staging. go, come [R][P]: the
+   expert rank r sends, receives in round k (-1: idle); nslot [E]: the new
+   slots (an expert that stays keeps its own). scratch: int64 [4E + 5P + 3]. */
+static void moept__reshard_plan(const moept_layer *L, const int32_t *new_rank, int64_t *scratch, int32_t *go,
+                                int32_t *come, int32_t *nslot, int64_t *rounds, int64_t *moved) {
+    const int64_t E = L->E, El = L->El, P = L->P;
+    int64_t *first = scratch, *pleft = first + P + 1, *pnext = pleft + E + P;
+    int32_t *ord = (int32_t *)(pnext + E + P), *pfrom = ord + E, *pto = pfrom + E + P, *mate = pto + E + P;
+    uint8_t *seen = (uint8_t *)(mate + P);
+    int64_t R;
+    *moved = moept__rs_pairs(L, new_rank, ord, first, pfrom, pto, pleft, pnext, &R);
+    *rounds = R;
+    for (int64_t e = 0; e < E; e++)
+        nslot[e] = new_rank[e] == L->plan.slot_of[e] / El ? L->plan.slot_of[e] : -1;
+    for (int64_t k = 0; k < R; k++) {
+        for (int64_t s = 0; s < P; s++) mate[s] = -1;
+        for (int64_t r = 0; r < P; r++) { /* a regular graph: each finds its path (a perfect matching) */
+            memset(seen, 0, (size_t)P);
+            moept__rs_augment(r, first, pfrom, pto, pleft, mate, seen);
+        }
+        for (int64_t s = 0; s < P; s++) go[k * P + s] = come[k * P + s] = -1;
+        for (int64_t s = 0; s < P; s++) {
+            const int64_t i = mate[s];
+            if (i < 0) continue; /* not reached (see above) */
+            pleft[i]--;
+            if (pfrom[i] != s) go[k * P + pfrom[i]] = come[k * P + s] = ord[pnext[i]++];
+        }
+        for (int64_t s = 0; s < P; s++) /* into the place its rank's leaving expert frees */
+            if (come[k * P + s] >= 0) nslot[come[k * P + s]] = L->plan.slot_of[go[k * P + s]];
+    }
+}
+
+/* The host's rounds: in round k this rank sends go's expert (parameters,
+   then AdamW m and v where allocated) and receives come's through stage
+   [H*D + D*F] into the slot go's vacates. Every rank calls the comm in
+   every round. Bytes moved add to sent and recvd. */
+static moept_status moept__reshard_rounds(moept_layer *L, const moept__moves *mv, float *stage, int64_t *sent,
+                                          int64_t *recvd) {
+    const int64_t El = L->El, P = L->P, me = L->rank, n13 = L->H * L->D, n2 = L->D * L->F;
+    float *bufs[3] = {L->par.params, L->opt.m, L->opt.v};
+    for (int64_t k = 0; k < mv->rounds; k++) {
+        const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
+        for (int b = 0; b < 3; b++) {
+            /* optimizer state moves only if allocated (the same on every rank in a training loop) */
+            int have = bufs[b] != NULL;
+            moept_p2p s[2], r[2];
+            int ns = 0, nr = 0;
+            float *w13 = NULL, *w2 = NULL;
+            if (have && go >= 0) {
+                moept__expert_parts(L, bufs[b], L->plan.slot_of[go] % El, &w13, &w2);
+                int to = (int)mv->new_rank[go];
+                s[ns++] = (moept_p2p){to, w13, n13 * (int64_t)sizeof(float)};
+                s[ns++] = (moept_p2p){to, w2, n2 * (int64_t)sizeof(float)};
+                int from = (int)(L->plan.slot_of[come] / El);
+                r[nr++] = (moept_p2p){from, stage, n13 * (int64_t)sizeof(float)};
+                r[nr++] = (moept_p2p){from, stage + n13, n2 * (int64_t)sizeof(float)};
+            }
+            double t0 = moept__now();
+            moept_status st = L->ep->p2p(L->ep, s, ns, r, nr);
+            L->stats.comm_seconds += moept__now() - t0;
+            if (st) return moept__fail(L, st, "moept_reshard: round %lld: %s", (long long)k, L->ep->err);
+            for (int i = 0; i < ns; i++) *sent += s[i].bytes;
+            for (int i = 0; i < nr; i++) *recvd += r[i].bytes;
+            if (nr) { /* into the slot go vacated */
+                memcpy(w13, stage, (size_t)n13 * sizeof(float));
+                memcpy(w2, stage + n13, (size_t)n2 * sizeof(float));
+            }
+        }
+    }
+    return MOEPT_OK;
+}
+
+/* moept_reshard after its agreement: the placement and the tables built
+   from it, gradients zeroed, the report */
+static void moept__reshard_commit(moept_layer *L, const moept__moves *mv, int64_t moved, int64_t sent,
+                                  int64_t recvd, moept_reshard_report *rep) {
+    for (int64_t e = 0; e < L->E; e++) {
+        L->plan.slot_of[e] = mv->nslot[e];
+        L->plan.expert_at[mv->nslot[e]] = (int32_t)e;
+    }
+    moept__build_table(L);
+    if (L->par.grads) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
+    moept__slots_invalidate(L); /* the saved forwards' plans used the old placement */
+    L->opt_mb = L->opt_vb = INFINITY; /* other experts' moments came in: the next step probes */
+    if (rep) {
+        rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;
+        rep->rounds = mv->rounds; rep->extra_bytes = (L->H * L->D + L->D * L->F) * (int64_t)sizeof(float);
+    }
+}
+
+moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshard_report *rep) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: layer is NULL");
+    if (L->fsdp)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not in fsdp mode (the expert-parallel "
+                           "layer is the one that saves, loads and reshards)");
+    char why[MOEPT__ERRLEN];
+    if (moept__ex_refuse(L->ex, MOEPT__CAN_RESHARD, "moept_reshard", why))
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s", why);
+    const int64_t E = L->E, P = L->P, me = L->rank;
+    moept_status local = MOEPT_OK, st;
+    if (!new_rank) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: new_rank is NULL");
+    int64_t *per = moept__alloc(NULL, (size_t)(4 * E + 5 * P + 3) * sizeof(int64_t)); /* checks', plan's */
+    int32_t *nslot = moept__alloc(NULL, (size_t)(3 * E) * sizeof(int32_t)); /* nslot [E], go, come [R][P] */
+    float *stage = L->ex->reshard ? NULL : moept__alloc(NULL, (size_t)(L->H * L->D + L->D * L->F) * 4);
+    if (!local && (!per || !nslot || (!stage && !L->ex->reshard)))
+        local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
+    if (!local) local = moept__reshard_check(L, new_rank, per);
+    int64_t moved = 0, sent = 0, recvd = 0;
+    moept__moves mv = {new_rank, nslot, nslot + E, nslot + 2 * E, 0, 0};
+    if (!local) {
+        moept__reshard_plan(L, new_rank, per, nslot + E, nslot + 2 * E, nslot, &mv.rounds, &moved);
+        for (int64_t k = 0; k < mv.rounds; k++) mv.n += mv.go[k * P + me] >= 0;
+        local = MOEPT__EX(L, reshard_ready, L, &mv);
+    }
+    /* every rank of the layout must pass the same table (DP replicas hold alike), and be at the
+       same AdamW step: what moves (the moments too, once a step made them) pairs send with receive */
+    uint64_t fp = new_rank ? moept__fnv(MOEPT__FNV0, new_rank, (size_t)E * sizeof(int32_t)) : 0;
+    fp = moept__fnv(fp, &L->opt.t, sizeof L->opt.t);
+    if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_RESHARD, fp))) local = st;
+    if (L->ex->reshard) { /* released when not agreed */
+        if ((st = L->ex->reshard(L, &mv, !local, &sent, &recvd)) && !local) local = st;
+    } else if (!local) {
+        local = moept__reshard_rounds(L, &mv, stage, &sent, &recvd);
+    }
+    if (!local) moept__reshard_commit(L, &mv, moved, sent, recvd, rep);
+    MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(stage);
+    return local;
+}
+
+/* ------------------------------------------------------------------------
    Communication backends
    ------------------------------------------------------------------------ */
 static moept_status moept__comm_fail(moept_comm *c, moept_status s, const char *fmt, ...) {
@@ -8122,229 +8349,5 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
 
 #endif /* !MOEPT_NO_IO */
 
-/* ------------------------------------------------------------------------
-   Placement and resharding
-   ------------------------------------------------------------------------ */
-moept_status moept_get_placement(const moept_layer *L, int32_t *rank_of) {
-    if (!L || !rank_of)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_placement: NULL argument");
-    for (int64_t e = 0; e < L->E; e++) rank_of[e] = (int32_t)(L->plan.slot_of[e] / L->El);
-    return MOEPT_OK;
-}
-
-/* the pieces of local slot j in one of the three expert-shaped buffers
-   (parameters, AdamW m, AdamW v): w13 rows and w2 rows */
-static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, float **w13, float **w2) {
-    *w13 = base + (L->par.w13 - L->par.params) + j * L->H * L->D;
-    *w2 = base + (L->par.w2 - L->par.params) + j * L->D * L->F;
-}
-
-/* moept_reshard's arguments: every expert to a rank in 0..P-1, E/P to each
-   (per [P]: scratch) */
-static moept_status moept__reshard_check(moept_layer *L, const int32_t *new_rank, int64_t *per) {
-    const int64_t E = L->E, El = L->El, P = L->P;
-    for (int64_t r = 0; r < P; r++) per[r] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        if (new_rank[e] < 0 || new_rank[e] >= P)
-            return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: expert %lld to rank %d, not in "
-                               "0..%lld", (long long)e, new_rank[e], (long long)P - 1);
-        per[new_rank[e]]++;
-    }
-    for (int64_t r = 0; r < P; r++)
-        if (per[r] != El)
-            return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: rank %lld would hold %lld "
-                               "experts; every rank holds E/P = %lld", (long long)r, (long long)per[r],
-                               (long long)El);
-    return MOEPT_OK;
-}
-
-/* Kuhn's augmenting path from rank r over the pairs with edges left
-   (first [P+1]: rank r's pairs, pto/pleft [pairs]); mate [P]: the pair
-   matched into each rank, seen [P] */
-static int moept__rs_augment(int64_t r, const int64_t *first, const int32_t *pfrom, const int32_t *pto,
-                             const int64_t *pleft, int32_t *mate, uint8_t *seen) {
-    for (int64_t i = first[r]; i < first[r + 1]; i++) {
-        const int32_t s = pto[i];
-        if (!pleft[i] || seen[s]) continue;
-        seen[s] = 1;
-        if (mate[s] < 0 || moept__rs_augment(pfrom[mate[s]], first, pfrom, pto, pleft, mate, seen)) {
-            mate[s] = (int32_t)i;
-            return 1;
-        }
-    }
-    return 0;
-}
-
-/* The pairs (old rank, new rank) of the moves, rank by rank (first [P+1]),
-   each with its count (pleft) and its experts in id order from ord[pnext];
-   each rank's pair with itself holds its R - n_r idle rounds. *R: the most
-   moves of one rank. ord [E], pfrom, pto, pleft, pnext [E + P] */
-static int64_t moept__rs_pairs(const moept_layer *L, const int32_t *new_rank, int32_t *ord, int64_t *first,
-                               int32_t *pfrom, int32_t *pto, int64_t *pleft, int64_t *pnext, int64_t *R) {
-    const int64_t El = L->El, P = L->P;
-    int64_t no = 0, np = 0;
-    *R = 0;
-    for (int64_t r = 0; r < P; r++) {
-        const int64_t at = no;
-        first[r] = np;
-        for (int64_t j = 0; j < El; j++) { /* rank r's leaving experts by (new rank, id): insertion */
-            const int32_t e = L->plan.expert_at[r * El + j];
-            if (new_rank[e] == r) continue;
-            int64_t i = no++;
-            for (; i > at && (new_rank[ord[i - 1]] > new_rank[e] ||
-                              (new_rank[ord[i - 1]] == new_rank[e] && ord[i - 1] > e)); i--)
-                ord[i] = ord[i - 1];
-            ord[i] = e;
-        }
-        for (int64_t i = at; i < no; i++) {
-            if (i == at || new_rank[ord[i]] != new_rank[ord[i - 1]]) {
-                pfrom[np] = (int32_t)r; pto[np] = new_rank[ord[i]]; pleft[np] = 0; pnext[np++] = i;
-            }
-            pleft[np - 1]++;
-        }
-        pfrom[np] = pto[np] = (int32_t)r; pleft[np] = -(no - at); pnext[np++] = -1; /* idle: R - n_r */
-        *R = no - at > *R ? no - at : *R;
-    }
-    first[P] = np;
-    for (int64_t i = 0; i < np; i++)
-        if (pnext[i] < 0) pleft[i] += *R;
-    return no;
-}
-
-/* moept_reshard's schedule, the same on every rank. Each expert whose owner
-   changes is an edge from its old rank to its new one; a rank loses as many
-   as it gains (E/P before and after), so with idle self-edges padding every
-   rank to R each way the graph is R-regular and splits into R perfect
-   matchings (Koenig's theorem): the rounds. In a round each rank sends one
-   expert and receives one, or is idle, so a round's messages all meet in
-   that round (none waits for a later one) and the arriving expert takes the
-   place the leaving one frees: one expert of staging. go, come [R][P]: the
-   expert rank r sends, receives in round k (-1: idle); nslot [E]: the new
-   slots (an expert that stays keeps its own). scratch: int64 [4E + 5P + 3]. */
-static void moept__reshard_plan(const moept_layer *L, const int32_t *new_rank, int64_t *scratch, int32_t *go,
-                                int32_t *come, int32_t *nslot, int64_t *rounds, int64_t *moved) {
-    const int64_t E = L->E, El = L->El, P = L->P;
-    int64_t *first = scratch, *pleft = first + P + 1, *pnext = pleft + E + P;
-    int32_t *ord = (int32_t *)(pnext + E + P), *pfrom = ord + E, *pto = pfrom + E + P, *mate = pto + E + P;
-    uint8_t *seen = (uint8_t *)(mate + P);
-    int64_t R;
-    *moved = moept__rs_pairs(L, new_rank, ord, first, pfrom, pto, pleft, pnext, &R);
-    *rounds = R;
-    for (int64_t e = 0; e < E; e++)
-        nslot[e] = new_rank[e] == L->plan.slot_of[e] / El ? L->plan.slot_of[e] : -1;
-    for (int64_t k = 0; k < R; k++) {
-        for (int64_t s = 0; s < P; s++) mate[s] = -1;
-        for (int64_t r = 0; r < P; r++) { /* a regular graph: each finds its path (a perfect matching) */
-            memset(seen, 0, (size_t)P);
-            moept__rs_augment(r, first, pfrom, pto, pleft, mate, seen);
-        }
-        for (int64_t s = 0; s < P; s++) go[k * P + s] = come[k * P + s] = -1;
-        for (int64_t s = 0; s < P; s++) {
-            const int64_t i = mate[s];
-            if (i < 0) continue; /* not reached (see above) */
-            pleft[i]--;
-            if (pfrom[i] != s) go[k * P + pfrom[i]] = come[k * P + s] = ord[pnext[i]++];
-        }
-        for (int64_t s = 0; s < P; s++) /* into the place its rank's leaving expert frees */
-            if (come[k * P + s] >= 0) nslot[come[k * P + s]] = L->plan.slot_of[go[k * P + s]];
-    }
-}
-
-/* The host's rounds: in round k this rank sends go's expert (parameters,
-   then AdamW m and v where allocated) and receives come's through stage
-   [H*D + D*F] into the slot go's vacates. Every rank calls the comm in
-   every round. Bytes moved add to sent and recvd. */
-static moept_status moept__reshard_rounds(moept_layer *L, const moept__moves *mv, float *stage, int64_t *sent,
-                                          int64_t *recvd) {
-    const int64_t El = L->El, P = L->P, me = L->rank, n13 = L->H * L->D, n2 = L->D * L->F;
-    float *bufs[3] = {L->par.params, L->opt.m, L->opt.v};
-    for (int64_t k = 0; k < mv->rounds; k++) {
-        const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
-        for (int b = 0; b < 3; b++) {
-            /* optimizer state moves only if allocated (the same on every rank in a training loop) */
-            int have = bufs[b] != NULL;
-            moept_p2p s[2], r[2];
-            int ns = 0, nr = 0;
-            float *w13 = NULL, *w2 = NULL;
-            if (have && go >= 0) {
-                moept__expert_parts(L, bufs[b], L->plan.slot_of[go] % El, &w13, &w2);
-                int to = (int)mv->new_rank[go];
-                s[ns++] = (moept_p2p){to, w13, n13 * (int64_t)sizeof(float)};
-                s[ns++] = (moept_p2p){to, w2, n2 * (int64_t)sizeof(float)};
-                int from = (int)(L->plan.slot_of[come] / El);
-                r[nr++] = (moept_p2p){from, stage, n13 * (int64_t)sizeof(float)};
-                r[nr++] = (moept_p2p){from, stage + n13, n2 * (int64_t)sizeof(float)};
-            }
-            double t0 = moept__now();
-            moept_status st = L->ep->p2p(L->ep, s, ns, r, nr);
-            L->stats.comm_seconds += moept__now() - t0;
-            if (st) return moept__fail(L, st, "moept_reshard: round %lld: %s", (long long)k, L->ep->err);
-            for (int i = 0; i < ns; i++) *sent += s[i].bytes;
-            for (int i = 0; i < nr; i++) *recvd += r[i].bytes;
-            if (nr) { /* into the slot go vacated */
-                memcpy(w13, stage, (size_t)n13 * sizeof(float));
-                memcpy(w2, stage + n13, (size_t)n2 * sizeof(float));
-            }
-        }
-    }
-    return MOEPT_OK;
-}
-
-/* moept_reshard after its agreement: the placement and the tables built
-   from it, gradients zeroed, the report */
-static void moept__reshard_commit(moept_layer *L, const moept__moves *mv, int64_t moved, int64_t sent,
-                                  int64_t recvd, moept_reshard_report *rep) {
-    for (int64_t e = 0; e < L->E; e++) {
-        L->plan.slot_of[e] = mv->nslot[e];
-        L->plan.expert_at[mv->nslot[e]] = (int32_t)e;
-    }
-    moept__build_table(L);
-    if (L->par.grads) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
-    moept__slots_invalidate(L); /* the saved forwards' plans used the old placement */
-    L->opt_mb = L->opt_vb = INFINITY; /* other experts' moments came in: the next step probes */
-    if (rep) {
-        rep->experts_moved = moved; rep->bytes_sent = sent; rep->bytes_received = recvd;
-        rep->rounds = mv->rounds; rep->extra_bytes = (L->H * L->D + L->D * L->F) * (int64_t)sizeof(float);
-    }
-}
-
-moept_status moept_reshard(moept_layer *L, const int32_t *new_rank, moept_reshard_report *rep) {
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: layer is NULL");
-    if (L->fsdp)
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "moept_reshard: not in fsdp mode (the expert-parallel "
-                           "layer is the one that saves, loads and reshards)");
-    char why[MOEPT__ERRLEN];
-    if (moept__ex_refuse(L->ex, MOEPT__CAN_RESHARD, "moept_reshard", why))
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s", why);
-    const int64_t E = L->E, P = L->P, me = L->rank;
-    moept_status local = MOEPT_OK, st;
-    if (!new_rank) local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_reshard: new_rank is NULL");
-    int64_t *per = moept__alloc(NULL, (size_t)(4 * E + 5 * P + 3) * sizeof(int64_t)); /* checks', plan's */
-    int32_t *nslot = moept__alloc(NULL, (size_t)(3 * E) * sizeof(int32_t)); /* nslot [E], go, come [R][P] */
-    float *stage = L->ex->reshard ? NULL : moept__alloc(NULL, (size_t)(L->H * L->D + L->D * L->F) * 4);
-    if (!local && (!per || !nslot || (!stage && !L->ex->reshard)))
-        local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of memory");
-    if (!local) local = moept__reshard_check(L, new_rank, per);
-    int64_t moved = 0, sent = 0, recvd = 0;
-    moept__moves mv = {new_rank, nslot, nslot + E, nslot + 2 * E, 0, 0};
-    if (!local) {
-        moept__reshard_plan(L, new_rank, per, nslot + E, nslot + 2 * E, nslot, &mv.rounds, &moved);
-        for (int64_t k = 0; k < mv.rounds; k++) mv.n += mv.go[k * P + me] >= 0;
-        local = MOEPT__EX(L, reshard_ready, L, &mv);
-    }
-    /* every rank of the layout must pass the same table (DP replicas hold alike), and be at the
-       same AdamW step: what moves (the moments too, once a step made them) pairs send with receive */
-    uint64_t fp = new_rank ? moept__fnv(MOEPT__FNV0, new_rank, (size_t)E * sizeof(int32_t)) : 0;
-    fp = moept__fnv(fp, &L->opt.t, sizeof L->opt.t);
-    if ((st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_RESHARD, fp))) local = st;
-    if (L->ex->reshard) { /* released when not agreed */
-        if ((st = L->ex->reshard(L, &mv, !local, &sent, &recvd)) && !local) local = st;
-    } else if (!local) {
-        local = moept__reshard_rounds(L, &mv, stage, &sent, &recvd);
-    }
-    if (!local) moept__reshard_commit(L, &mv, moved, sent, recvd, rep);
-    MOEPT_FREE(per); MOEPT_FREE(nslot); MOEPT_FREE(stage);
-    return local;
-}
 #endif /* !MOEPT__KERNELS */
 #endif /* !__cplusplus || MOEPT__KERNELS */
