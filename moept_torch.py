@@ -382,12 +382,13 @@ class MoeptMoE(torch.nn.Module):
                                "the layer on the device instead)")
         return self
 
-    def forward(self, hidden_states, attention_mask=None):
+    def forward(self, hidden_states, attention_mask=None, **unused):
+        """hidden_states [..][D] -> y of its shape (transformers 4.x blocks: (y, router logits [T][E]));
+        attention_mask: as set_padding_mask, for this call; other keywords a decoder layer passes: unused"""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if x.device == self.device_ and x.dtype != self.dtype_ and x.dtype.is_floating_point and \
-                self.device_.type == "cuda" and torch.is_autocast_enabled() and \
-                torch.get_autocast_gpu_dtype() == self.dtype_:
+                _autocast_dtype(self.device_) == self.dtype_:
             x = x.to(self.dtype_)  # autocast: the layer's dtype, as autocast would cast a matmul's input
         x = self._check(x, "hidden_states", self.dtype_).contiguous()
         mask = attention_mask if attention_mask is not None else self._mask
@@ -434,6 +435,16 @@ class MoeptMoE(torch.nn.Module):
             if self._nccl is not None and not aborted:
                 self._nccl[0].ncclCommDestroy(self._nccl[1])
         self._comms = []
+
+
+def _autocast_dtype(device):
+    """the dtype torch.autocast casts to on this device type now, or None (off; CUDA only)"""
+    if device.type != "cuda":
+        return None
+    try:  # torch >= 2.4
+        return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    except (AttributeError, TypeError):
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
 def _nccl_ok(r, what):

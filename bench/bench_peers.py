@@ -27,6 +27,7 @@ buffers alike; the caches emptied between peers). With --device cpu: exits 1 if 
 differs from transformers' by more than 1e-5 (relative), so the script cannot rot.
 """
 import argparse
+import gc
 import os
 import re
 import statistics
@@ -51,8 +52,10 @@ def hf_block(s, dtype, device):
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     cfg = MixtralConfig(hidden_size=s["D"], intermediate_size=s["F"], num_local_experts=s["E"],
                         num_experts_per_tok=s["K"], num_hidden_layers=1, router_jitter_noise=0.0)
-    if hasattr(cfg, "_experts_implementation"):
-        cfg._experts_implementation = "eager"
+    try:
+        cfg._experts_implementation = "eager"  # 5.x: read by the experts' forward
+    except Exception:
+        pass
     blk = MixtralSparseMoeBlock(cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -69,7 +72,7 @@ def hf_impls(blk):
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         names += [n for n in ALL_EXPERTS_FUNCTIONS.keys() if n not in names]
-    except ImportError:
+    except Exception:
         pass
     return names
 
@@ -158,6 +161,8 @@ def time_peer(name, make, x, dy, style, reps, dev):
         torch.cuda.empty_cache()
     base = device_used(dev)
     mod = make()
+    if getattr(mod, "shared_weights", False):  # built before base: its weights counted here
+        base -= sum(p.numel() * p.element_size() for p in mod.parameters())
     ts, y, dx = [], None, None
     for i in range(reps + 2):
         for p in mod.parameters():
@@ -171,7 +176,10 @@ def time_peer(name, make, x, dy, style, reps, dev):
         if i >= 2:
             ts.append(time.perf_counter() - t0)
     used = device_used(dev) - base
+    for p in mod.parameters():
+        p.grad = None
     del mod
+    gc.collect()
     return statistics.median(ts), used, y.float(), dx.float()
 
 
@@ -195,9 +203,9 @@ def run_shape(a, name, s, dev, dtype, rows):
     peers = []
     for impl in hf_impls(blk):
         def make(impl=impl):
-            if impl in ("eager", "eager (4.x)"):
-                return blk
-            blk.experts.config._experts_implementation = impl
+            blk.shared_weights = True
+            if impl not in ("eager", "eager (4.x)"):
+                blk.experts.config._experts_implementation = impl
             return blk
         peers.append((f"transformers {transformers.__version__} {impl}", make, "hf"))
     ldtype = dtype if dev.type == "cuda" else torch.float32

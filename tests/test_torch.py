@@ -35,6 +35,15 @@ def ok(cond, msg):
     print(("ok - " if cond else "FAIL - ") + msg, flush=True)
 
 
+def same(a, u, v):
+    """u equals v: bitwise with CPU layers; on the GPU within 1e-5 (fp32) or 2^-6 (bf16) of max |v|, since
+    cuBLAS may pick another kernel for another row count"""
+    if a.device == "cpu":
+        return torch.equal(u, v)
+    tol = 1e-5 if a.dtype == "fp32" else 2 ** -6
+    return float((u.float() - v.float()).abs().max()) <= tol * max(float(v.float().abs().max()), 1e-30)
+
+
 def raises(fn, exc, words):
     """fn() raises exc whose message holds every one of words"""
     try:
@@ -156,10 +165,11 @@ def test_state_dict(a):
         ok(all(torch.equal(v, saved[k]) for k, v in m2.state_dict().items()) and torch.equal(m2(x)[0], y0),
            "state_dict round trip: a layer from the config alone, loaded, gives the same state and y bitwise")
         hb.load_state_dict(saved)
-        yh = hb(x.float())[0]
-        err = float((yh - y0.float()).abs().max())
+        yh = hb(x.float().cpu())[0]
+        err = float((yh - y0.float().cpu()).abs().max()) / float(yh.abs().max())
         tol = 1e-5 if a.dtype == "fp32" else 2 ** -5
-        ok(err <= tol, f"the HF block loaded from moept's state_dict gives moept's y (max diff {err:.1e})")
+        ok(err <= tol, f"the HF block loaded from moept's state_dict gives moept's y (max diff {err:.1e} "
+           "of the largest)")
     # 5.x's fused experts: the same weights as gate_up_proj [E][2F][D] and down_proj [E][D][F]
     F = m.F
     fused = torch.nn.Module()
@@ -207,8 +217,9 @@ def test_mask(a):
     y, logits, dx = y.reshape(-1, 32), logits.reshape(-1, 4), x.grad.reshape(-1, 32)
     ok(float(y[~keep].abs().max()) == 0 and float(logits[~keep].abs().max()) == 0 and
        float(dx[~keep].abs().max()) == 0, "attention_mask: padded tokens get y 0, logits 0, dx 0")
-    ok(torch.equal(y[keep], yk) and torch.equal(logits[keep], lk) and torch.equal(dx[keep], xk.grad),
-       "attention_mask: the other tokens' y, logits and dx are those of their forward alone, bitwise")
+    ok(same(a, y[keep], yk) and same(a, logits[keep], lk) and same(a, dx[keep], xk.grad),
+       "attention_mask: the other tokens' y, logits and dx are those of their forward alone "
+       f"({'bitwise' if a.device == 'cpu' else 'to rounding'})")
     ok(abs(float(aux) - float(ref)) <= 1e-6 * abs(float(ref)),
        f"hf_aux_loss with the mask = transformers' on the unpadded tokens ({float(aux):.6f})")
 
