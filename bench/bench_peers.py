@@ -27,6 +27,7 @@ buffers alike; the caches emptied between peers). With --device cpu: exits 1 if 
 differs from transformers' by more than 1e-5 (relative), so the script cannot rot.
 """
 import argparse
+import contextlib
 import gc
 import os
 import re
@@ -56,12 +57,15 @@ def hf_block(s, dtype, device):
         cfg._experts_implementation = "eager"  # 5.x: read by the experts' forward
     except Exception:
         pass
-    blk = MixtralSparseMoeBlock(cfg)
-    g = torch.Generator().manual_seed(0)
+    # made on the device where torch can (torch >= 2.0: a device as context), and drawn there
+    with (device if hasattr(torch.device, "__enter__") else contextlib.nullcontext()):
+        blk = MixtralSparseMoeBlock(cfg)
+    blk = blk.to(device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for _, p in sorted(blk.named_parameters()):
-            p.copy_(torch.randn(p.shape, generator=g) * (0.02 if p.dim() > 1 else 1.0))
-    return blk.to(device=device, dtype=dtype), cfg
+            p.normal_(0.0, 0.02, generator=g)
+    return blk, cfg
 
 
 def hf_impls(blk):

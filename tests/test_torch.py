@@ -144,7 +144,7 @@ def block_pair(a, family="qwen2_moe", **kw):
     hf = tiny(family)
     hb = moe_block(hf.model.layers[0])
     return hf, hb, mt.MoeptMoE(hb, hf.config, layer_idx=0, device=a.device, dtype=a.torch_dtype,
-                               max_tokens=64, lib=a.lib, **kw)
+                               max_tokens=64, lib=a.lib, hf_outputs=True, **kw)
 
 
 def test_state_dict(a):
@@ -160,39 +160,57 @@ def test_state_dict(a):
         y0 = m(x)[0]
         saved = {k: v.clone() for k, v in m.state_dict().items()}
         m2 = mt.MoeptMoE(None, hf.config, layer_idx=0, device=a.device, dtype=a.torch_dtype, max_tokens=64,
-                         lib=a.lib, hf_outputs=True)
+                         lib=a.lib, hf_outputs=True, fused=m._fused)
         m2.load_state_dict(saved)
         ok(all(torch.equal(v, saved[k]) for k, v in m2.state_dict().items()) and torch.equal(m2(x)[0], y0),
            "state_dict round trip: a layer from the config alone, loaded, gives the same state and y bitwise")
         hb.load_state_dict(saved)
-        yh = hb(x.float().cpu())[0]
+        yh = hb(x.float().cpu())
+        yh = yh[0] if isinstance(yh, tuple) else yh  # 4.x: (y, logits); 5.x: y
         err = float((yh - y0.float().cpu()).abs().max()) / float(yh.abs().max())
         tol = 1e-5 if a.dtype == "fp32" else 2 ** -5
         ok(err <= tol, f"the HF block loaded from moept's state_dict gives moept's y (max diff {err:.1e} "
            "of the largest)")
-    # 5.x's fused experts: the same weights as gate_up_proj [E][2F][D] and down_proj [E][D][F]
-    F = m.F
-    fused = torch.nn.Module()
-    fused.gate = torch.nn.Module()
-    fused.gate.weight = torch.nn.Parameter(hb.gate.weight.detach().clone())
-    fused.experts = torch.nn.Module()
-    fused.experts.gate_up_proj = torch.nn.Parameter(torch.stack([
-        torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in hb.experts]).detach())
-    fused.experts.down_proj = torch.nn.Parameter(
-        torch.stack([e.down_proj.weight for e in hb.experts]).detach())
-    fused.shared_expert, fused.shared_expert_gate = hb.shared_expert, hb.shared_expert_gate
-    mf = mt.MoeptMoE(fused, hf.config, layer_idx=0, device=a.device, dtype=a.torch_dtype, max_tokens=64,
-                     lib=a.lib)
-    keys = list(mf.state_dict())
-    ok("experts.gate_up_proj" in keys and "experts.down_proj" in keys and
-       tuple(mf.state_dict()["experts.gate_up_proj"].shape) == (4, 2 * F, 32) and
-       all(torch.equal(mf.state_dict()[k].cpu(), fused.state_dict()[k]) for k in fused.state_dict()),
-       f"fused experts (transformers 5.x): the block's keys and values ({', '.join(keys[:3])}, ...)")
+    # the other transformers layout of the same weights (4.x per-expert modules <-> 5.x's fused
+    # gate_up_proj [E][2F][D] and down_proj [E][D][F]): its own keys and values, and the same y
+    other = other_layout(hb, m.F)
+    mo = mt.MoeptMoE(other, hf.config, layer_idx=0, device=a.device, dtype=a.torch_dtype, max_tokens=64,
+                     lib=a.lib, hf_outputs=True)
+    osd, ref = mo.state_dict(), other.state_dict()
+    fused = hasattr(other.experts, "gate_up_proj")
+    ok(list(osd) == list(ref) and all(torch.equal(osd[k].cpu(), ref[k].float()) for k in ref),
+       f"{'fused (5.x)' if fused else 'per-expert (4.x)'} experts from the same weights: that block's keys "
+       f"and values ({', '.join(list(osd)[:3])}, ...)")
     with torch.no_grad():
         m3 = mt.MoeptMoE(hb, hf.config, layer_idx=0, device=a.device, dtype=a.torch_dtype, max_tokens=64,
-                         lib=a.lib)
-        ok(not isinstance(mf(x), tuple) and torch.equal(mf(x), m3(x)[0]),
-           "fused experts give the per-expert layer's y bitwise")
+                         lib=a.lib, hf_outputs=True)
+        ok(torch.equal(mo(x)[0], m3(x)[0]), "the other layout gives the same layer's y bitwise")
+
+
+def other_layout(hb, F):
+    """a block with hb's weights (Qwen2-MoE names) in the other layout: 4.x's ModuleList of experts
+    becomes 5.x's fused tensors, and the reverse"""
+    blk = torch.nn.Module()
+    blk.gate = torch.nn.Module()
+    blk.gate.weight = torch.nn.Parameter(hb.gate.weight.detach().clone())
+    if hasattr(hb.experts, "gate_up_proj"):
+        gu, dn = hb.experts.gate_up_proj.detach(), hb.experts.down_proj.detach()
+        blk.experts = torch.nn.ModuleList()
+        for e in range(gu.shape[0]):
+            ex = torch.nn.Module()
+            for name, w in (("gate_proj", gu[e, :F]), ("up_proj", gu[e, F:]), ("down_proj", dn[e])):
+                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+                lin.weight = torch.nn.Parameter(w.clone())
+                setattr(ex, name, lin)
+            blk.experts.append(ex)
+    else:
+        blk.experts = torch.nn.Module()
+        blk.experts.gate_up_proj = torch.nn.Parameter(torch.stack([
+            torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in hb.experts]).detach())
+        blk.experts.down_proj = torch.nn.Parameter(
+            torch.stack([e.down_proj.weight for e in hb.experts]).detach())
+    blk.shared_expert, blk.shared_expert_gate = hb.shared_expert, hb.shared_expert_gate
+    return blk
 
 
 def test_mask(a):
