@@ -534,7 +534,6 @@ def swap_moe_blocks(model, **kwargs):
         for attr in ("mlp", "block_sparse_moe"):
             mod = getattr(layer, attr, None)
             if mod is not None and _is_moe_block(mod):
-                kwargs.setdefault("layer_idx", None)
                 b = MoeptMoE(mod, model.config, **dict(kwargs, layer_idx=i))
                 setattr(layer, attr, b)
                 blocks.append(b)
