@@ -177,18 +177,16 @@ $(B)/cblas/bench_layer: bench/bench_layer.c bench/peak.h bench/bench_shape.h moe
 # it: no kernel may spill to local memory); moept.c with -DMOEPT_CUDA.
 $(B)/cuda/moept_kernels.o: moept_kernels.cu $(HDRS) | $(B)
 	@mkdir -p $(B)/cuda
-	$(NVCC) $(NVCCFLAGS) -Xptxas -v -c moept_kernels.cu -o $@ 2> $(B)/cuda/ptxas.txt || { cat $(B)/cuda/ptxas.txt; exit 1; }
+	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -Xptxas -v -c moept_kernels.cu -o $@ 2> $(B)/cuda/ptxas.txt || \
+	    { cat $(B)/cuda/ptxas.txt; exit 1; }
 	@grep -v '^ptxas info' $(B)/cuda/ptxas.txt >&2 || true
 
 $(B)/cuda/ptxas.txt: $(B)/cuda/moept_kernels.o ;
 
-# the CUDA layers' shared library for moept_torch.py (CPU layers too): position-independent objects
-$(B)/cuda-pic/moept_kernels.o: moept_kernels.cu $(HDRS) | $(B)
-	@mkdir -p $(B)/cuda-pic
-	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -c moept_kernels.cu -o $@
-
-$(B)/libmoept_cuda.so: moept.c $(B)/cuda-pic/moept_kernels.o $(HDRS)
-	$(CC) $(CFLAGS) $(WARN) $(OMP) -fPIC -shared -DMOEPT_CUDA $(CUDA_INC) moept.c $(B)/cuda-pic/moept_kernels.o \
+# the CUDA layers' shared library for moept_torch.py (CPU layers too); the kernels' object is
+# position-independent for it (the programs link it as well)
+$(B)/libmoept_cuda.so: moept.c $(B)/cuda/moept_kernels.o $(HDRS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -fPIC -shared -DMOEPT_CUDA $(CUDA_INC) moept.c $(B)/cuda/moept_kernels.o \
 	    -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/cuda/moept.o: moept.c $(HDRS) | $(B)
