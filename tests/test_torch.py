@@ -105,7 +105,7 @@ def train_side_by_side(a, family, steps, pad):
                     loss = m(input_ids=ids, attention_mask=mask, labels=labels,
                              output_router_logits=False).loss + mt.hf_aux_loss(blocks, m.config, mask)
             loss.backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         worst = max(worst, abs(losses[0] - losses[1]) / (abs(losses[1]) if a.dtype == "bf16" else 1))
         if step == 0:
             gerr = grad_error(hf, model, blocks)
