@@ -140,6 +140,43 @@ def test_train(a):
            f"(MoE blocks {gm:.2e}, the rest {gr:.2e})")
 
 
+def test_deepseek(a):
+    """a DeepSeek-V3 (group-limited sigmoid routing, its correction bias, a shared expert, a dense first
+    layer) swapped: one step's loss and MoE gradients against transformers', the block's keys"""
+    import transformers as tf
+    if not hasattr(tf, "DeepseekV3ForCausalLM"):
+        print(f"skip - deepseek_v3: transformers {tf.__version__} has none")
+        return
+    torch.manual_seed(0)
+    c = tf.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, max_position_embeddings=16,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        tie_word_embeddings=False, initializer_range=0.1, routed_scaling_factor=2.5)
+    hf = tf.DeepseekV3ForCausalLM(c).float()
+    with torch.no_grad():  # a bias that moves the routing (HF starts it at zero)
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    hf = hf.to(a.device)
+    model = copy.deepcopy(hf)
+    blocks = mt.swap_moe_blocks(model, device=a.device, dtype=a.torch_dtype, max_tokens=64, lib=a.lib)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2)).to(a.device)
+    losses = []
+    for m in (model, hf):
+        with autocast(a):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+    hb, mb = hf.model.layers[1].mlp, model.model.layers[1].mlp
+    gm = max(float((p.grad - hb.get_parameter(n).grad).abs().max()) for n, p in mb.named_parameters()) / \
+        max(float(hb.get_parameter(n).grad.abs().max()) for n, _ in mb.named_parameters())
+    tol_loss, tol_grad = (1e-5, 1e-5) if a.dtype == "fp32" else (2 ** -5 * abs(losses[1]), 2 ** -3)
+    ok(len(blocks) == 1 and sorted(mb.state_dict()) == sorted(hb.state_dict()) and
+       abs(losses[0] - losses[1]) <= tol_loss and gm <= tol_grad,
+       f"deepseek_v3 (group routing, correction bias, shared expert): the block's keys, loss within "
+       f"{tol_loss:.1g} ({abs(losses[0] - losses[1]):.1e}), MoE gradients {gm:.1e} of the largest")
+
+
 def block_pair(a, family="qwen2_moe", **kw):
     hf = tiny(family)
     hb = moe_block(hf.model.layers[0])
@@ -316,6 +353,7 @@ def main():
     import transformers
     print(f"# torch {torch.__version__}, transformers {transformers.__version__}, {a.device}, {a.dtype}")
     test_train(a)
+    test_deepseek(a)
     test_state_dict(a)
     test_mask(a)
     test_recompute(a)
