@@ -294,10 +294,12 @@ class MoeptMoE(torch.nn.Module):
         uid, rank, size = nccl_unique_id(), dist.get_rank(group), dist.get_world_size(group)
         if rank == 0:
             _nccl_ok(nccl.ncclGetUniqueId(C.byref(uid)), "ncclGetUniqueId")
-        box = [bytes(uid.internal) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if hasattr(dist, "get_global_rank")
-                                   else 0, group=group)
-        C.memmove(C.addressof(uid), box[0], 128)
+        box = [C.string_at(C.addressof(uid), C.sizeof(uid)) if rank == 0 else None]  # all 128 bytes
+        src = 0 if group is None else dist.get_global_rank(group, 0)  # broadcast's src: a global rank
+        dist.broadcast_object_list(box, src=src, group=group)
+        if len(box[0]) != C.sizeof(uid):
+            raise RuntimeError("moept_torch: the broadcast ncclUniqueId is not 128 bytes")
+        C.memmove(C.addressof(uid), box[0], C.sizeof(uid))
         comm = C.c_void_p()
         nccl.ncclCommInitRank.argtypes = [C.POINTER(C.c_void_p), C.c_int, nccl_unique_id, C.c_int]
         _nccl_ok(nccl.ncclCommInitRank(C.byref(comm), size, uid, rank), "ncclCommInitRank")
