@@ -129,7 +129,7 @@ $(B)/crash_save_mpi: tests/crash_save.c tests/testutil.h moept.c $(HDRS) | $(B)
 $(B)/train_mpi: examples/train.c $(B)/mpi/moept.o
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< $(B)/mpi/moept.o -o $@ $(LDLIBS)
 
-# a shared library for bindings (examples/hf_swap.py loads it through ctypes)
+# a shared library for bindings (moept_torch.py loads it through ctypes)
 $(B)/libmoept.so: moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -fPIC -shared moept.c -o $@ $(LDLIBS)
 
@@ -180,10 +180,17 @@ $(B)/cblas/bench_layer: bench/bench_layer.c bench/peak.h bench/bench_shape.h moe
 # it: no kernel may spill to local memory); moept.c with -DMOEPT_CUDA.
 $(B)/cuda/moept_kernels.o: moept_kernels.cu moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cuda
-	$(NVCC) $(NVCCFLAGS) -Xptxas -v -c moept_kernels.cu -o $@ 2> $(B)/cuda/ptxas.txt || { cat $(B)/cuda/ptxas.txt; exit 1; }
+	$(NVCC) $(NVCCFLAGS) -Xcompiler -fPIC -Xptxas -v -c moept_kernels.cu -o $@ 2> $(B)/cuda/ptxas.txt || \
+	    { cat $(B)/cuda/ptxas.txt; exit 1; }
 	@grep -v '^ptxas info' $(B)/cuda/ptxas.txt >&2 || true
 
 $(B)/cuda/ptxas.txt: $(B)/cuda/moept_kernels.o ;
+
+# the CUDA layers' shared library for moept_torch.py (CPU layers too); the kernels' object is
+# position-independent for it (the programs link it as well)
+$(B)/libmoept_cuda.so: moept.c $(B)/cuda/moept_kernels.o $(HDRS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -fPIC -shared -DMOEPT_CUDA $(CUDA_INC) moept.c $(B)/cuda/moept_kernels.o \
+	    -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 $(B)/cuda/moept.o: moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/cuda
@@ -270,15 +277,21 @@ TSAN_OK := $(shell echo 'int main(void){return 0;}' | $(CC) -x c -fsanitize=thre
 # What to build and run comes from tests/suites (tests/run.sh --bins prints a
 # selection's build outputs); the suites print "ok/FAIL/skip - name" lines
 # and tests/run.sh totals them.
-# torch and transformers for examples/hf_swap.py --check (looked up, not imported: quick; only for make test)
-TORCH_OK := $(if $(filter test test-build,$(MAKECMDGOALS)),$(shell python3 -c 'import importlib.util as u, sys; \
-    sys.exit(not (u.find_spec("torch") and u.find_spec("transformers")))' 2>/dev/null && echo yes))
+# torch and transformers for moept_torch.py's tests and examples/hf_swap.py --check: the first of
+# python3 and Debian's /usr/bin/python3 that finds both (looked up, not imported: quick; only for make
+# test); TF440: transformers 4.40 installed apart (pip --target; .ci/run does), run through PYTHONPATH
+TORCH_OK := $(if $(filter test test-build,$(MAKECMDGOALS)),$(firstword $(foreach p,python3 /usr/bin/python3,\
+    $(shell $(p) -c 'import importlib.util as u, sys; \
+    sys.exit(not (u.find_spec("torch") and u.find_spec("transformers")))' 2>/dev/null && echo $(p)))))
+TF440_DIR ?= /opt/moept/transformers-4.40
+TF440 := $(wildcard $(TF440_DIR)/transformers)
 
 TEST_ENV = B="$(B)" CASES="$(CASES)" MPIRUN="$(if $(MPICC),$(MPIRUN))" SAN="$(SAN_OK)" TSAN="$(TSAN_OK)" \
            CBLAS="$(if $(CBLAS_LIBS),yes)" VALGRIND="$(VALGRIND)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" \
            GEMM_PLAIN="$(GEMM_PLAIN)" \
            ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" EMU="$(EMU_OK)" \
-           CUDA="$(CUDA_OK)" NVCC="$(NVCC)" TORCH="$(TORCH_OK)"
+           CUDA="$(CUDA_OK)" NVCC="$(NVCC)" TORCH="$(TORCH_OK)" \
+           TF440="$(if $(TF440),$(TF440_DIR))"
 suite_outputs = $(sort $(shell $(TEST_ENV) sh tests/run.sh --bins $(1)))
 SUITE_BINS := $(call suite_outputs)
 CHECK_BINS := $(call suite_outputs,--check)
@@ -448,7 +461,7 @@ $(B)/emu-san/emu_%.o: tests/emu/emu_%.cc $(EMU_HDRS)
 	@mkdir -p $(@D)
 	$(EMU_CXX) -O1 $(SAN) -c $< -o $@
 
-$(B)/emu-san/moept_kernels.o: moept_kernels.cu $(HDRS) $(EMU_HDRS)
+$(B)/emu-san/moept_kernels.o: moept_kernels.cu moept.c $(HDRS) $(EMU_HDRS)
 	@mkdir -p $(@D)
 	$(EMU_CXX) -O1 $(SAN) -x c++ -include tests/emu/cuda_emu.h -c moept_kernels.cu -o $@
 

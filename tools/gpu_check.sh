@@ -3,7 +3,8 @@
 # (the device tool; docs/PERF.md "The CUDA executor on one H200" records what they gave).
 #
 #   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [sanitize] [bench]
-#                         [bench_small] [profile]   (default: build rules check sanitize bench)
+#                         [bench_small] [profile] [torch] [peers]
+#                         (default: build rules check sanitize bench torch peers)
 #
 # prebuilt: instead of build, the binaries tools/gpu_prebuild.sh built
 #           beforehand and the device tool carried (GPUB, default gpub), cuBLAS,
@@ -36,6 +37,15 @@
 #           tools/cupti_summary.py (where gpu_prebuild.sh built the tracer;
 #           else Nsight Systems' summaries where nsys is installed)
 # rules:    tests/cuda_rules.cu's answers against tests/cuda_rules.txt
+# torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
+#           /usr/bin/python3 whose torch sees the GPU): tests/test_torch.py with CPU layers (this
+#           transformers' blocks) and CUDA layers in fp32 and bf16; examples/hf_swap.py --check for
+#           each family with CPU layers, on the GPU in fp32 and bf16 (autocast), and in bf16 at
+#           D 1024 with the MoE block timed at 8192 tokens against transformers' (docs/TORCH.md)
+# peers:    bench/bench_peers.py: one MoE layer's forward + backward beside transformers' block in
+#           each experts implementation, a torch._grouped_mm layer and moept's C API (bench_cuda),
+#           at Mixtral-8x7B (T 8192), DeepSeek-V3's experts (16 local, top-8, T 8192) and
+#           Qwen3-30B-A3B (T 4096), bf16 (docs/PERF.md has the table)
 #
 # Logs go to $OUT (the device tool's output folder; default build/gpu): one
 # <phase>.log each and summary.txt, one line per step with its exit status
@@ -44,7 +54,7 @@ set -u
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
 SUM="$OUT/summary.txt"
-phases=${*:-build rules check sanitize bench}
+phases=${*:-build rules check sanitize bench torch peers}
 failed=0
 
 step() { # name, command...: appended to the phase's log; a summary line
@@ -88,7 +98,7 @@ build() {
     echo "NCCL_HOME=$NCCL_HOME" | tee -a "$SUM"
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
     mpi=$(command -v mpicc >/dev/null && echo build/train_mpi)
-    step "make cuda (sm_${cap:-90})" make -j8 cuda build/train build/cuda_rules $mpi \
+    step "make cuda (sm_${cap:-90})" make -j8 cuda build/train build/cuda_rules build/libmoept_cuda.so $mpi \
         CUDA_ARCHS="-gencode arch=compute_${cap:-90},code=sm_${cap:-90}" NCCL_HOME="$NCCL_HOME"
     step "ptxas: no spills" sh tests/check_ptxas.sh
 }
@@ -224,10 +234,63 @@ profile() { # where the layer's step spends its GPU time beyond the GEMMs
     done
 }
 
+torch_py() { # the first python whose torch sees the GPU and which has transformers (or $TORCH_PY)
+    [ -n "${TORCH_PY:-}" ] && { echo "$TORCH_PY"; return; }
+    for p in python3 /usr/bin/python3; do
+        $p -c 'import torch, transformers, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null &&
+            { echo "$p"; return; }
+    done
+}
+
+torch_phase() {
+    LOG="$OUT/torch.log"
+    P=$(torch_py)
+    if [ -z "$P" ] || [ ! -f build/libmoept_cuda.so ]; then
+        echo "skip - torch: no python with torch (seeing the GPU) and transformers, or no" \
+            "build/libmoept_cuda.so" | tee -a "$SUM"
+        return
+    fi
+    $P -c 'import torch, transformers as t; print("# torch", torch.__version__, "transformers",
+        t.__version__)' | tee -a "$SUM" "$LOG"
+    L=build/libmoept_cuda.so
+    step "test_torch, CPU layers" $P tests/test_torch.py --device cpu --lib $L
+    step "test_torch, CUDA layers fp32" $P tests/test_torch.py --device cuda --lib $L
+    step "test_torch, CUDA layers bf16" $P tests/test_torch.py --device cuda --dtype bf16 --lib $L
+    for f in mixtral qwen2_moe olmoe; do
+        step "hf_swap --check --family $f, CPU layers" $P examples/hf_swap.py --check --family $f --lib $L
+    done
+    for f in mixtral qwen2_moe; do
+        step "hf_swap --check --family $f --device cuda" $P examples/hf_swap.py --check --family $f \
+            --device cuda --lib $L
+        step "hf_swap --check --family $f --device cuda --dtype bf16" $P examples/hf_swap.py --check \
+            --family $f --device cuda --dtype bf16 --lib $L
+    done
+    step "hf_swap --check --device cuda --dtype bf16, D 1024 F 3584 E 8, block timed at T 8192" \
+        $P examples/hf_swap.py --check --device cuda --dtype bf16 --hidden 1024 --ffn 3584 --experts 8 \
+        --topk 2 --batch 8 --seq 256 --vocab 512 --init 0.02 --steps 10 --time-tokens 8192 --lib $L
+    grep -E "^#|largest|gradient error|MoE block|FAIL" "$LOG" | tee -a "$SUM" >/dev/null
+}
+
+peers() {
+    LOG="$OUT/peers.log"
+    P=$(torch_py)
+    if [ -z "$P" ] || [ ! -f build/libmoept_cuda.so ]; then
+        echo "skip - peers: no python with torch (seeing the GPU), or no build/libmoept_cuda.so" |
+            tee -a "$SUM"
+        return
+    fi
+    step "bench_peers: Mixtral-8x7B T 8192, DeepSeek-V3 experts T 8192, Qwen3-30B-A3B T 4096, bf16" \
+        timeout 330 $P bench/bench_peers.py --device cuda --lib build/libmoept_cuda.so \
+        --bench-cuda build/bench_cuda
+    sed -n '/^$/,$p' "$LOG" >>"$SUM"
+}
+
 for p in $phases; do
     case $p in
-    build | prebuilt | rules | check | sanitize | bench | bench_small | profile) $p ;;
-    *) echo "usage: $0 [build|prebuilt] [rules] [check] [sanitize] [bench] [bench_small] [profile]" >&2
+    build | prebuilt | rules | check | sanitize | bench | bench_small | profile | peers) $p ;;
+    torch) torch_phase ;;
+    *) echo "usage: $0 [build|prebuilt] [rules] [check] [sanitize] [bench] [bench_small] [profile] [torch]" \
+            "[peers]" >&2
        exit 2 ;;
     esac
 done

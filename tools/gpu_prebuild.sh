@@ -5,8 +5,10 @@
 # (CUDA_ARCH, default 90: H100 and H200) and, where Open MPI is installed
 # from Debian's packages, its files with $GPUB/ompi_env.sh to run them from
 # there (the lent machines have no mpirun). Needs the CUDA toolkit of the GPU
-# machine's major version (13 on the lent ones). Then, with the device tool:
-#   run: sh tools/gpu_check.sh prebuilt rules check sanitize bench, carry ["gpub"]
+# machine's major version (13 on the lent ones); with it the shared library moept_torch.py loads
+# (libmoept_cuda.so). Then, with the device tool (about 8 minutes: checks, then the peers):
+#   run: sh tools/gpu_check.sh prebuilt rules check torch peers, carry ["gpub"]
+# (sanitize and bench: a second call)
 set -eu
 G=${GPUB:-gpub}
 A=${CUDA_ARCH:-90}
@@ -16,7 +18,7 @@ command -v mpicc >/dev/null && mpi="$G/moept_check_cuda_mpi $G/train_cuda_mpi"
 # shellcheck disable=SC2086
 make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute_$A,code=sm_$A" \
     "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
-    "$G/bench_cuda" "$G/train" "$G/cuda_rules" $mpi
+    "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/libmoept_cuda.so" $mpi
 # the CUPTI tracer for the profile phase, with CUPTI's library beside it, where its headers are
 # (CUPTI: the toolkit's extras/CUPTI, else the nvidia-cuda-cupti wheel's nvidia/cu13); optional
 C=${CUPTI:-}

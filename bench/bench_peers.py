@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""bench_peers: one MoE layer's forward + backward on one device, moept beside what a PyTorch user would
+run instead, at the same shape, with the same weights, input and output gradient.
+
+    python3 bench/bench_peers.py [--device cuda|cpu] [--shape mixtral|deepseek|qwen3|tiny|all]
+                                 [--tokens T] [--reps R] [--lib PATH] [--bench-cuda PATH]
+
+Peers (each row: time per step, TFLOP/s of the expert GEMMs, device memory, time over the fastest's,
+and y and dx against transformers' eager block: max |difference| and its norm relative to the norm):
+  - moept (C API): bench/bench_cuda at the shape (--bench-cuda; CUDA only; its own random weights and
+    input, so its outputs are not compared: the module's row runs the same layer on these);
+  - moept (moept_torch): MoeptMoE built from the transformers block, bf16 on the GPU (fp32 on the CPU);
+  - transformers: the Mixtral block in each experts implementation the installed version offers (4.x: its
+    per-expert loop; 5.x: "eager" and every registered one, e.g. batched_mm, grouped_mm), bf16 weights;
+  - grouped_mm: a layer of this file's own over torch._grouped_mm (torch.nn.functional.grouped_mm where
+    present) as its documentation gives it: tokens sorted by expert, each expert's rows padded to a
+    multiple of 16, one grouped GEMM for gate/up and one for down; on the CPU (no grouped GEMM) the same
+    layer with a loop of torch.mm per expert, so the smoke mode runs its code.
+Shapes (bf16 on the GPU): mixtral: Mixtral-8x7B (D 4096, F 14336, E 8, K 2), T 8192; deepseek: DeepSeek-V3's
+experts (D 7168, F 2048) with 16 of its 256 experts local, top-8 among them (each expert gets about T/2
+rows, as one rank of a 16-way EP group), T 8192, no shared expert; qwen3: Qwen3-30B-A3B (D 2048, F 768,
+E 128, K 8), T 4096; tiny (the smoke mode: --device cpu): D 32, F 48, E 4, K 2, T 64, fp32. Every shape
+routes as Mixtral (softmax, top-k, renormalised: Qwen3's norm_topk_prob), so every peer does the same work.
+Time: median of --reps steps after 2 warm-ups, CUDA-synchronised. Memory: the device memory in use at the
+end of the peer's steps less before it (torch.cuda.mem_get_info: torch's cached blocks and moept's own
+buffers alike; the caches emptied between peers). With --device cpu: exits 1 if a compared peer's y or dx
+differs from transformers' by more than 1e-5 (relative), so the script cannot rot.
+"""
+import argparse
+import contextlib
+import gc
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import moept_torch as mt  # noqa: E402
+
+SHAPES = {"mixtral": dict(D=4096, F=14336, E=8, K=2, T=8192),
+          "deepseek": dict(D=7168, F=2048, E=16, K=8, T=8192),
+          "qwen3": dict(D=2048, F=768, E=128, K=8, T=4096),
+          "tiny": dict(D=32, F=48, E=4, K=2, T=64)}
+
+
+def hf_block(s, dtype, device):
+    """transformers' Mixtral block at shape s, weights drawn here; (block, config, version's style)"""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    cfg = MixtralConfig(hidden_size=s["D"], intermediate_size=s["F"], num_local_experts=s["E"],
+                        num_experts_per_tok=s["K"], num_hidden_layers=1, router_jitter_noise=0.0)
+    try:
+        cfg._experts_implementation = "eager"  # 5.x: read by the experts' forward
+    except Exception:
+        pass
+    # made on the device where torch can (torch >= 2.0: a device as context), and drawn there
+    with (device if hasattr(torch.device, "__enter__") else contextlib.nullcontext()):
+        blk = MixtralSparseMoeBlock(cfg)
+    blk = blk.to(device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for _, p in sorted(blk.named_parameters()):
+            p.normal_(0.0, 0.02, generator=g)
+    return blk, cfg
+
+
+def hf_impls(blk):
+    """the experts implementations the installed transformers offers for this block"""
+    if not hasattr(blk.experts, "gate_up_proj"):
+        return ["eager (4.x)"]
+    names = ["eager"]
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        names += [n for n in ALL_EXPERTS_FUNCTIONS.keys() if n not in names]
+    except Exception:
+        pass
+    return names
+
+
+def expert_weights(blk, F):
+    """(router [E][D], w13 [E][2F][D] gate rows first, w2 [E][D][F]) of either version's block"""
+    ex = blk.experts
+    if hasattr(ex, "gate_up_proj"):
+        return blk.gate.weight, ex.gate_up_proj, ex.down_proj
+    w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in ex])
+    return blk.gate.weight, w13, torch.stack([e.w2.weight for e in ex])
+
+
+class GroupedMM(torch.nn.Module):
+    """A Mixtral-routed MoE layer over one grouped GEMM per projection (this file's own code, after
+    torch._grouped_mm's documentation: mat_a [M][K] rows grouped by offs, mat_b [G][K][N], offs [G] int32
+    cumulative row ends)"""
+
+    ALIGN = 16  # rows a group starts at a multiple of (the grouped GEMM's alignment)
+
+    def __init__(self, router, w13, w2, K):
+        super().__init__()
+        self.router = torch.nn.Parameter(router.detach().float().clone())   # [E][D] fp32
+        self.w13 = torch.nn.Parameter(w13.detach().clone())                  # [E][2F][D]
+        self.w2 = torch.nn.Parameter(w2.detach().clone())                    # [E][D][F]
+        self.K = K
+        f = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+        self.gmm = f if f is not None and w13.is_cuda else None
+
+    def grouped(self, a, b, offs, ends):
+        """a [M][k] in groups, b [G][k][n] -> [M][n]"""
+        if self.gmm is not None:
+            return self.gmm(a, b, offs=offs)
+        out, start = [], 0
+        for g, end in enumerate(ends):
+            out.append(a[start:end] @ b[g])
+            start = end
+        return torch.cat(out)
+
+    def forward(self, x):  # x [T][D] -> y [T][D]
+        T, D = x.shape
+        E, F = self.w2.shape[0], self.w2.shape[2]
+        probs = torch.softmax(x.float() @ self.router.t(), -1)                       # [T][E] fp32
+        top, ids = torch.topk(probs, self.K, dim=-1)                                 # [T][K]
+        top = top / top.sum(-1, keepdim=True)
+        flat = ids.reshape(-1)                                                       # [T*K]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E)                                   # [E]
+        padded = (counts + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+        pstart = torch.cumsum(padded, 0) - padded                                    # [E]
+        start = torch.cumsum(counts, 0) - counts
+        e_sorted = flat[order]
+        pos = pstart[e_sorted] + torch.arange(flat.numel(), device=x.device) - start[e_sorted]
+        M = int(padded.sum())
+        xp = x.new_zeros(M, D).index_copy(0, pos, x[order // self.K])               # [M][D]
+        ends = torch.cumsum(padded, 0)
+        offs = ends.to(torch.int32)
+        h = self.grouped(xp, self.w13.transpose(1, 2), offs, ends.tolist())         # [M][2F]
+        a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+        yp = self.grouped(a, self.w2.transpose(1, 2), offs, ends.tolist())          # [M][D]
+        rows = yp[pos] * top.reshape(-1)[order, None].to(yp.dtype)                   # [T*K][D]
+        return x.new_zeros(T, D).index_add(0, order // self.K, rows)
+
+
+def step_fn(mod, x, dy, style):
+    """one forward + backward; (y, dx)"""
+    xi = x.detach().requires_grad_()
+    out = mod(xi.unsqueeze(0)) if style == "hf" else mod(xi)
+    y = out[0] if isinstance(out, tuple) else out
+    y = y.reshape(x.shape)
+    y.backward(dy)
+    return y.detach(), xi.grad
+
+
+def device_used(dev):
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    return total - free
+
+
+def time_peer(name, make, x, dy, style, reps, dev):
+    """(median seconds, bytes, y, dx) of a peer built by make()"""
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    base = device_used(dev)
+    mod = make()
+    if getattr(mod, "shared_weights", False):  # built before base: its weights counted here
+        base -= sum(p.numel() * p.element_size() for p in mod.parameters())
+    ts, y, dx = [], None, None
+    for i in range(reps + 2):
+        for p in mod.parameters():
+            p.grad = None
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        y, dx = step_fn(mod, x, dy, style)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i >= 2:
+            ts.append(time.perf_counter() - t0)
+    used = device_used(dev) - base
+    for p in mod.parameters():
+        p.grad = None
+    del mod
+    gc.collect()
+    return statistics.median(ts), used, y.float(), dx.float()
+
+
+def bench_cuda_row(path, s, reps):
+    """moept's C API: bench_cuda's step time at the shape (default GEMM form)"""
+    args = [path, "--tokens", str(s["T"]), "--hidden", str(s["D"]), "--ffn", str(s["F"]), "--experts",
+            str(s["E"]), "--topk", str(s["K"]), "--bf16", "--gemm-form", "auto", "--reps", str(reps)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300).stdout
+    m = re.search(r"RESULT tokens=.*?step_ms=([0-9.]+)", out)
+    return float(m.group(1)) / 1e3 if m else None
+
+
+def run_shape(a, name, s, dev, dtype, rows):
+    import transformers
+    torch.manual_seed(1)
+    T, D, F, E, K = s["T"], s["D"], s["F"], s["E"], s["K"]
+    x = torch.randn(T, D, device=dev).to(dtype)
+    dy = (torch.randn(T, D, device=dev) * 0.01).to(dtype)
+    flops = 6.0 * T * K * 3 * D * F  # forward (2 per multiply-add) + backward (twice that), 3 GEMMs
+    blk, cfg = hf_block(s, dtype, dev)
+    peers = []
+    for impl in hf_impls(blk):
+        def make(impl=impl):
+            blk.shared_weights = True
+            if impl not in ("eager", "eager (4.x)"):
+                blk.experts.config._experts_implementation = impl
+            return blk
+        peers.append((f"transformers {transformers.__version__} {impl}", make, "hf"))
+    ldtype = dtype if dev.type == "cuda" else torch.float32
+    peers.append(("moept (moept_torch)", lambda: mt.MoeptMoE(
+        blk, cfg, layer_idx=0, device=dev, dtype=ldtype, max_tokens=T, lib=a.lib, hf_outputs=False), "hf"))
+    peers.append(("grouped_mm (own layer)" + ("" if dev.type == "cuda" else ", torch.mm loop"),
+                  lambda: GroupedMM(*expert_weights(blk, F), K), "own"))
+    results, ref = [], None
+    for pname, make, style in peers:
+        try:
+            t, used, y, dx = time_peer(pname, make, x, dy, style, a.reps, dev)
+        except Exception as e:  # a peer this install cannot run: a row saying why
+            results.append((pname, None, None, None, None, f"{type(e).__name__}: {str(e)[:80]}"))
+            continue
+        finally:
+            if hasattr(blk.experts, "config"):
+                blk.experts.config._experts_implementation = "eager"
+        if ref is None:
+            ref = (y, dx)
+        dif = [float((u - v).abs().max()) for u, v in zip((y, dx), ref)]
+        rel = [float((u - v).norm() / v.norm()) for u, v in zip((y, dx), ref)]
+        results.append((pname, t, used, dif, rel, ""))
+    if a.bench_cuda and dev.type == "cuda" and os.path.exists(a.bench_cuda):
+        t = bench_cuda_row(a.bench_cuda, s, a.reps)
+        results.insert(0, ("moept (C API, bench_cuda)", t, None, None, None, "" if t else "no RESULT line"))
+    best = min(r[1] for r in results if r[1])
+    print(f"\n{name}: T {T}, D {D}, F {F}, E {E}, K {K}, {str(ldtype).replace('torch.', '')}, "
+          f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}")
+    print(f"  {'peer':44s} {'ms':>9s} {'TFLOP/s':>8s} {'mem GiB':>8s} {'x best':>7s}  "
+          f"y max|diff| (rel)    dx max|diff| (rel)")
+    for pname, t, used, dif, rel, why in results:
+        if t is None:
+            print(f"  {pname:44s} {'-':>9s}  unavailable: {why}")
+            continue
+        mem = f"{used / 2**30:8.2f}" if used is not None else f"{'-':>8s}"
+        cmp = (f"  {dif[0]:9.2e} ({rel[0]:7.1e})  {dif[1]:9.2e} ({rel[1]:7.1e})" if dif else
+               "  (own weights: not compared)")
+        print(f"  {pname:44s} {t * 1e3:9.3f} {flops / t / 1e12:8.1f} {mem} {t / best:7.2f}{cmp}")
+        rows.append((name, pname, t, used, rel))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", default=None, help="mixtral, deepseek, qwen3, tiny, all (default: all on "
+                    "CUDA, tiny on the CPU)")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--lib", default=None)
+    ap.add_argument("--bench-cuda", default=os.path.join("build", "bench_cuda"))
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("skip - bench_peers --device cuda: torch sees no GPU")
+        return 0
+    a.lib = mt.load_library(a.lib, cuda=dev.type == "cuda")
+    shapes = a.shape or ("all" if dev.type == "cuda" else "tiny")
+    names = ["mixtral", "deepseek", "qwen3"] if shapes == "all" else shapes.split(",")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    rows = []
+    for n in names:
+        s = dict(SHAPES[n])
+        if a.tokens:
+            s["T"] = a.tokens
+        run_shape(a, n, s, dev, dtype, rows)
+    if dev.type == "cpu":  # the smoke mode: every peer that ran agrees with transformers
+        bad = [r for r in rows if r[4] and max(r[4]) > 1e-5]
+        ran = [r for r in rows if r[4] is not None]
+        print(("ok" if not bad and len(ran) >= 2 else "FAIL") +
+              f" - bench_peers --device cpu: {len(ran)} peers ran, y and dx within 1e-5 (relative) of "
+              "transformers'" + ("" if not bad else f" (not: {', '.join(r[1] for r in bad)})"))
+        return 1 if bad or len(ran) < 2 else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,560 @@
+"""moept_torch: a moept MoE layer as a torch.nn.Module, on the CPU or a CUDA GPU (one file, ctypes over
+moept's shared library; no build against torch).
+
+    make build/libmoept.so            # CPU layers
+    make build/libmoept_cuda.so       # CUDA layers (nvcc, cuBLAS, NCCL): also runs CPU layers
+    import moept_torch
+    blocks = moept_torch.swap_moe_blocks(model, device="cuda", dtype=torch.bfloat16, max_tokens=B * S)
+    moept_torch.set_padding_mask(blocks, attention_mask)        # optional: padding routed nowhere
+    out = model(input_ids=ids, labels=ids, output_router_logits=False)
+    loss = out.loss + moept_torch.hf_aux_loss(blocks, model.config, attention_mask)
+
+docs/TORCH.md says what it does, what it checks and what it refuses; in short:
+  - MoeptMoE(block, config) stands in for a transformers MoE block (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3;
+    transformers 4.40 to 4.4x's per-expert modules and 5.x's fused gate_up_proj / down_proj); sizes and
+    routing from moept_config_from_hf on the block's config; weights copied in.
+  - Its parameters are torch tensors viewing the layer's fp32 master weights (host memory, or the CUDA
+    layer's device buffers): torch's optimizer, clipping and state_dict see them, under the HF block's
+    names; .to()/.cuda()/.half() cannot move or cast them (a move raises; a dtype cast leaves them fp32).
+  - forward(x) -> y, with the router's logits kept (block.router_logits) and their gradient taken back
+    (hf_aux_loss: transformers' own load_balancing_loss_func over every layer's logits); under
+    transformers 4.x the block returns (y, logits) as HF's did, and HF's own loss adds the aux term.
+  - every tensor's dtype, device and layout is checked before its pointer crosses: a wrong dtype or
+    device raises TypeError / ValueError; a non-contiguous tensor is copied (the one cast done).
+"""
+import ctypes as C
+import json
+import os
+import tempfile
+
+import torch
+
+ABI_VERSION = 1  # moept.h's MOEPT_ABI_VERSION these mirrors follow
+MOEPT_AUX_NONE, MOEPT_DTYPE_F32, MOEPT_DTYPE_BF16 = 0, 0, 2
+DTYPES = {torch.float32: MOEPT_DTYPE_F32, torch.bfloat16: MOEPT_DTYPE_BF16}
+
+
+class moept_config(C.Structure):
+    _fields_ = [("family", C.c_int), ("hidden_size", C.c_int64), ("intermediate_size", C.c_int64),
+                ("num_experts", C.c_int64), ("top_k", C.c_int64), ("norm_topk_prob", C.c_int),
+                ("activation", C.c_int), ("shared_intermediate_size", C.c_int64), ("shared_gate", C.c_int),
+                ("n_group", C.c_int64), ("topk_group", C.c_int64), ("routed_scaling_factor", C.c_float),
+                ("aux_loss", C.c_int), ("aux_loss_coef", C.c_float), ("group_fill", C.c_int),
+                ("aux_seq_len", C.c_int64), ("z_loss_coef", C.c_float), ("capacity_factor", C.c_float),
+                ("max_tokens", C.c_int64), ("global_balance", C.c_int), ("overlap_chunks", C.c_int64),
+                ("expert_sharding", C.c_int), ("router_jitter", C.c_float), ("jitter_seed", C.c_uint64),
+                ("inference_only", C.c_int), ("grad_backup", C.c_int), ("max_inflight", C.c_int64)]
+
+
+class moept_forward_opts(C.Structure):
+    _fields_ = [("mask", C.c_void_p), ("eval", C.c_int), ("replay_ids", C.c_void_p),
+                ("logits_out", C.c_void_p), ("slot", C.c_int)]
+
+
+class moept_backward_opts(C.Structure):
+    _fields_ = [("router_loss_scale", C.c_float), ("dlogits", C.c_void_p), ("slot", C.c_int)]
+
+
+class moept_param_info(C.Structure):
+    _fields_ = [("name", C.c_char_p), ("rows", C.c_int64), ("cols", C.c_int64),
+                ("data", C.c_void_p), ("grad", C.c_void_p), ("shard_offset", C.c_int64)]
+
+
+class moept_cuda_options(C.Structure):
+    _fields_ = [("dtype", C.c_int), ("stream", C.c_void_p), ("unchecked_backward", C.c_int),
+                ("sync_free", C.c_int), ("gemm_form", C.c_int)]
+
+
+class nccl_unique_id(C.Structure):  # nccl.h: ncclUniqueId, NCCL_UNIQUE_ID_BYTES 128
+    _fields_ = [("internal", C.c_char * 128)]
+
+
+MIRRORS = [moept_config, moept_forward_opts, moept_backward_opts, moept_param_info, moept_cuda_options]
+
+
+def check_abi(lib):
+    """The library's layout of every mirrored struct, field by field, or ImportError (before other calls)"""
+    lib.moept_abi_layout.restype = C.c_int64
+    lib.moept_abi_layout.argtypes = [C.c_char_p, C.c_int64]
+    n = lib.moept_abi_layout(None, 0)
+    buf = C.create_string_buffer(n + 1)
+    lib.moept_abi_layout(buf, n + 1)
+    sizes, fields, errs = {}, {}, []
+    for line in buf.value.decode().splitlines():
+        w = line.split()
+        if w[0] == "abi" and int(w[1]) != ABI_VERSION:
+            errs.append(f"ABI version {w[1]}, these mirrors follow {ABI_VERSION}")
+        elif w[0] == "struct":
+            sizes[w[1]] = int(w[2])
+        elif w[0] == "field":
+            s, f = w[1].split(".")
+            fields.setdefault(s, []).append((f, int(w[2]), int(w[3])))
+    for m in MIRRORS:
+        s = m.__name__
+        mine = [(f, getattr(m, f).offset, getattr(m, f).size) for f, _ in m._fields_]
+        if sizes.get(s) != C.sizeof(m):
+            errs.append(f"{s}: {C.sizeof(m)} bytes here, {sizes.get(s)} in the library")
+        if mine != fields.get(s):
+            errs.append(f"{s}: fields (name, offset, size) here {mine}, in the library {fields.get(s)}")
+    if errs:
+        raise ImportError("moept_torch: the library's ABI differs from this binding:\n  " + "\n  ".join(errs))
+
+
+_LIBS = {}
+
+
+def load_library(path=None, cuda=False):
+    """moept's shared library (once per path): `path`, else $MOEPT_LIB, else build/libmoept_cuda.so (cuda)
+    or build/libmoept.so beside this file"""
+    path = path or os.environ.get("MOEPT_LIB") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "build", "libmoept_cuda.so" if cuda else "libmoept.so")
+    if path in _LIBS:
+        return _LIBS[path]
+    lib = C.CDLL(path)
+    check_abi(lib)
+    P, I64, S = C.c_void_p, C.c_int64, C.c_int
+    sig = {"moept_config_from_hf": ([C.c_char_p, I64, C.POINTER(moept_config)], S),
+           "moept_create": ([C.POINTER(moept_config), C.POINTER(P)], S),
+           "moept_create_cuda": ([C.POINTER(moept_config), P, P, C.POINTER(moept_cuda_options),
+                                  C.POINTER(P)], S),
+           "moept_cuda_device_count": ([], S),
+           "moept_cuda_params": ([P, C.POINTER(P), C.POINTER(P), C.POINTER(I64)], S),
+           "moept_cuda_params_changed": ([P], S),
+           "moept_destroy": ([P], None),
+           "moept_set_param": ([P, C.c_char_p, P, I64], S),
+           "moept_param_count": ([P], I64),
+           "moept_param_info_at": ([P, I64, C.POINTER(moept_param_info)], S),
+           "moept_params": ([P, C.POINTER(P), C.POINTER(I64)], S),
+           "moept_forward_ex": ([P, P, I64, P, C.POINTER(moept_forward_opts)], S),
+           "moept_backward_ex": ([P, P, P, P, C.POINTER(moept_backward_opts)], S),
+           "moept_zero_grad": ([P], S),
+           "moept_routing": ([P, C.POINTER(C.POINTER(C.c_int32)), P, P], S),
+           "moept_comm_destroy": ([P], None),
+           "moept_last_error": ([P], C.c_char_p)}
+    if hasattr(lib, "moept_comm_nccl"):  # CUDA builds
+        sig["moept_comm_nccl"] = ([P, P, S, C.POINTER(P)], S)
+        sig["moept_comm_nccl_aborted"] = ([P], S)
+    for name, (args, res) in sig.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
+    _LIBS[path] = lib
+    return lib
+
+
+def _ok(lib, status, what):
+    if status != 0:
+        raise RuntimeError(f"moept: {what}: " + lib.moept_last_error(None).decode())
+
+
+class _DeviceMemory:
+    """fp32 device memory moept owns, as torch sees CUDA memory of others (__cuda_array_interface__)"""
+
+    def __init__(self, ptr, shape):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": "<f4", "data": (ptr, False),
+                                         "version": 2, "strides": None}
+
+
+def _view(ptr, shape, device):
+    """the layer's own fp32 memory at `ptr` as a tensor of `shape`, no copy"""
+    n = 1
+    for s in shape:
+        n *= s
+    if device.type == "cpu":
+        return torch.frombuffer((C.c_float * n).from_address(ptr), dtype=torch.float32).view(*shape)
+    return torch.as_tensor(_DeviceMemory(ptr, shape), device=device)
+
+
+def _hf_config_to_moept(lib, hf_config, layer_idx):
+    """moept_config_from_hf on the config's JSON (sizes, routing, activation: moept's own reading of
+    config.json); the first MoE layer when layer_idx is None"""
+    d = hf_config.to_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(d, f, default=str)
+        layers = [layer_idx] if layer_idx is not None else range(int(d.get("num_hidden_layers", 1)))
+        cfg, err = moept_config(), ""
+        for i in layers:
+            if lib.moept_config_from_hf(tmp.encode(), i, C.byref(cfg)) == 0:
+                return cfg
+            err = lib.moept_last_error(None).decode()
+    raise ValueError(f"moept_torch: no MoE layer in this config (layer {layer_idx}): {err}")
+
+
+class _Fn(torch.autograd.Function):
+    """y, logits = moept forward of x [T][D] (the layer's dtype) and mask [T] uint8 or None; the backward
+    takes dy and the gradient of the caller's router loss on the logits (None: none)"""
+
+    @staticmethod
+    def forward(ctx, x, mask, m, slot, train, *params):
+        ctx.set_materialize_grads(False)
+        y = torch.empty_like(x)
+        logits = torch.empty(x.shape[0], m.num_experts, device=x.device, dtype=torch.float32)
+        o = moept_forward_opts(mask.data_ptr() if mask is not None else None, 0 if train else 1, None,
+                               logits.data_ptr(), slot)
+        m._call("moept_forward_ex", m._h, x.data_ptr(), x.shape[0], y.data_ptr(), C.byref(o),
+                tensors=(x, y, logits, mask))
+        ctx.m, ctx.slot, ctx.generation = m, slot, m._slot_gen[slot]
+        ctx.save_for_backward(x, mask)
+        return y, logits
+
+    @staticmethod
+    def backward(ctx, dy, dlogits):
+        m = ctx.m
+        x, mask = ctx.saved_tensors
+        if m._slot_gen[ctx.slot] != ctx.generation:
+            raise RuntimeError(f"moept_torch: the forward this backward differentiates was overwritten: slot "
+                               f"{ctx.slot} was reused by a later forward (raise max_inflight: forwards in "
+                               f"flight at once, {m.max_inflight} now)")
+        dy = torch.zeros_like(x) if dy is None else m._check(dy.contiguous(), "dy", x.dtype)
+        if dlogits is not None:
+            dlogits = m._check(dlogits.contiguous(), "dlogits", torch.float32)
+        dx = torch.empty_like(x)
+        o = moept_backward_opts(1.0, dlogits.data_ptr() if dlogits is not None else None, ctx.slot)
+        m._call("moept_zero_grad", m._h)  # this call's gradients only: autograd sums them
+        m._call("moept_backward_ex", m._h, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), C.byref(o),
+                tensors=(x, dy, dx, dlogits, mask))
+        grads = [g.clone() if need else None for g, need in zip(m._grads, ctx.needs_input_grad[5:])]
+        return (dx if ctx.needs_input_grad[0] else None, None, None, None, None, *grads)
+
+
+class MoeptMoE(torch.nn.Module):
+    """A moept layer standing in for a transformers MoE block (or built from a config alone).
+
+    block:       the HF block whose weights are copied in (None: moept_init_params' torch-like init);
+                 its parameter names are kept (5.x's fused experts.gate_up_proj [E][2F][D] and
+                 experts.down_proj [E][D][F], or 4.x's experts.N.w1.weight ...)
+    config:      the HF model config (sizes and routing: moept_config_from_hf); layer_idx: which layer
+                 (None: the first MoE layer)
+    device:      "cpu" or a CUDA device; dtype: the token rows' and expert GEMMs' type (CPU: float32;
+                 CUDA: float32 or bfloat16; the master weights, router and logits stay fp32)
+    max_tokens:  most tokens a forward (B*S): moept sizes its buffers from it
+    max_inflight: training forwards whose backward is still to come (recomputation, pipelines)
+    ep_group:    CUDA layers: experts sharded over this torch.distributed group (moept's NCCL comm,
+                 from an ncclUniqueId the group broadcasts); None: every expert here
+    fused:       parameter names: True 5.x's fused ones, False 4.x's per expert; None: as the block's
+    hf_outputs:  return (y, router_logits) as transformers 4.x's blocks did (None: as the block's
+                 version does, i.e. when the block has per-expert modules)
+    """
+
+    def __init__(self, block=None, config=None, *, layer_idx=None, device="cpu", dtype=torch.float32,
+                 max_tokens=4096, max_inflight=1, ep_group=None, lib=None, fused=None, hf_outputs=None,
+                 cuda_options=None):
+        super().__init__()
+        if config is None:
+            raise ValueError("moept_torch: MoeptMoE needs the HF model config (config=model.config)")
+        self.device_ = torch.device(device)
+        if self.device_.type == "cuda" and self.device_.index is None:
+            self.device_ = torch.device("cuda", torch.cuda.current_device())
+        cuda = self.device_.type == "cuda"
+        if dtype not in (torch.float32, torch.bfloat16) or (not cuda and dtype != torch.float32):
+            raise TypeError(f"moept_torch: dtype {dtype} on {self.device_.type}: CPU layers take float32, "
+                            "CUDA layers float32 or bfloat16")
+        self.dtype_, self.max_inflight = dtype, max(1, max_inflight)
+        self._lib = lib = lib if isinstance(lib, C.CDLL) else load_library(lib, cuda=cuda)
+        cfg = _hf_config_to_moept(lib, config, layer_idx)
+        cfg.aux_loss, cfg.aux_loss_coef, cfg.z_loss_coef = MOEPT_AUX_NONE, 0.0, 0.0  # the aux: hf_aux_loss
+        cfg.max_tokens, cfg.max_inflight = max_tokens, self.max_inflight
+        self.num_experts, self.top_k, self.F = cfg.num_experts, cfg.top_k, cfg.intermediate_size
+        self._h, self._comms, self._nccl = C.c_void_p(), [], None
+        self._stream = None
+        if cuda:
+            self._create_cuda(cfg, ep_group, cuda_options)
+        else:
+            if ep_group is not None:
+                raise ValueError("moept_torch: a CPU layer under torch.distributed holds every expert "
+                                 "(EP over CPU layers needs moept's thread or MPI comms, not gloo)")
+            self._call("moept_create", C.byref(cfg), C.byref(self._h))
+        self._slot, self._slot_gen = 0, [0] * self.max_inflight
+        self.router_logits, self._mask = None, None
+        self._build_params(block, fused)
+        self.hf_outputs = (block is not None and not self._fused) if hf_outputs is None else hf_outputs
+        self._versions = self._param_versions()
+
+    # -- creation --------------------------------------------------------------------------------------
+    def _create_cuda(self, cfg, ep_group, cuda_options):
+        lib = self._lib
+        if not hasattr(lib, "moept_comm_nccl"):
+            raise ValueError("moept_torch: device cuda needs the CUDA build (make build/libmoept_cuda.so)")
+        if lib.moept_cuda_device_count() < 1:
+            raise RuntimeError("moept_torch: the CUDA build sees no GPU")
+        o = moept_cuda_options() if cuda_options is None else cuda_options
+        o.dtype = DTYPES[self.dtype_]
+        with torch.cuda.device(self.device_):
+            self._stream = torch.cuda.current_stream(self.device_)  # the layer's stream, fixed at create
+            o.stream = self._stream.cuda_stream
+            ep = None
+            if ep_group is not None:
+                ep = self._nccl_comm(ep_group)
+            self._call("moept_create_cuda", C.byref(cfg), ep, None, C.byref(o), C.byref(self._h))
+
+    def _nccl_comm(self, group):
+        """moept's NCCL comm over the ranks of `group`: rank 0 of it draws the ncclUniqueId, the group
+        broadcasts it (torch.distributed), every rank inits its communicator on this device"""
+        import torch.distributed as dist
+        nccl = C.CDLL("libnccl.so.2")  # the one the CUDA build linked (already loaded)
+        uid, rank, size = nccl_unique_id(), dist.get_rank(group), dist.get_world_size(group)
+        if rank == 0:
+            _nccl_ok(nccl.ncclGetUniqueId(C.byref(uid)), "ncclGetUniqueId")
+        box = [C.string_at(C.addressof(uid), C.sizeof(uid)) if rank == 0 else None]  # all 128 bytes
+        src = 0 if group is None else dist.get_global_rank(group, 0)  # broadcast's src: a global rank
+        dist.broadcast_object_list(box, src=src, group=group)
+        if len(box[0]) != C.sizeof(uid):
+            raise RuntimeError("moept_torch: the broadcast ncclUniqueId is not 128 bytes")
+        C.memmove(C.addressof(uid), box[0], C.sizeof(uid))
+        comm = C.c_void_p()
+        nccl.ncclCommInitRank.argtypes = [C.POINTER(C.c_void_p), C.c_int, nccl_unique_id, C.c_int]
+        _nccl_ok(nccl.ncclCommInitRank(C.byref(comm), size, uid, rank), "ncclCommInitRank")
+        self._nccl = (nccl, comm)
+        self._comm_stream = torch.cuda.Stream(self.device_)  # the EP exchange's stream
+        c = C.c_void_p()
+        self._call("moept_comm_nccl", comm, self._comm_stream.cuda_stream, 0, C.byref(c))
+        self._comms.append(c)
+        return c
+
+    def _build_params(self, block, fused):
+        """every moept parameter as a torch view of the layer's fp32 masters, registered under the HF
+        block's names; the block's weights copied in first"""
+        lib, infos = self._lib, []
+        for i in range(lib.moept_param_count(self._h)):
+            info = moept_param_info()
+            self._call("moept_param_info_at", self._h, i, C.byref(info))
+            infos.append((info.name.decode(), info.rows, info.cols, info.data, info.grad))
+        ex = getattr(block, "experts", None)
+        self._fused = hasattr(ex, "gate_up_proj") if fused is None else fused
+        if block is not None:
+            for name, rows, cols, _, _ in infos:
+                t = _hf_source(block, name, self.F, rows, cols)
+                t = t.detach().to("cpu", torch.float32).contiguous()
+                self._call("moept_set_param", self._h, name.encode(), t.data_ptr(), t.numel())
+        if self.device_.type == "cuda":
+            base, n = C.c_void_p(), C.c_int64()
+            self._call("moept_params", self._h, C.byref(base), C.byref(n))  # the host copy's layout
+            dp, dg = C.c_void_p(), C.c_void_p()
+            self._call("moept_cuda_params", self._h, C.byref(dp), C.byref(dg), C.byref(n))  # uploads
+            infos = [(nm, r, c, None if d is None else dp.value + (d - base.value),
+                      None if g is None else dg.value + (d - base.value)) for nm, r, c, d, g in infos]
+        self._names, self._grads = [], []
+        views = [(nm, r, c, d, g) for nm, r, c, d, g in infos if g is not None]
+        for name, shape, d, g in _hf_layout(views, self._fused, self.F):
+            p = torch.nn.Parameter(_view(d, shape, self.device_))
+            _register(self, name, p)
+            self._names.append(name)
+            self._grads.append(_view(g, shape, self.device_))
+        # the DeepSeek-V3 correction bias (no gradient): a CPU layer's host memory, as a buffer
+        for name, r, c, d, g in infos:
+            if g is None and self.device_.type == "cpu":
+                _register(self, name, _view(d, (c,) if r == 1 else (r, c), self.device_), buffer=True)
+        self._params = [self.get_parameter(n) for n in self._names]
+
+    # -- calls -----------------------------------------------------------------------------------------
+    def _call(self, fn, *args, tensors=()):
+        """a library call, on the layer's stream joined to torch's current one (CUDA)"""
+        lib = self._lib
+        if self._stream is None or fn in ("moept_create_cuda",):
+            return _ok(lib, getattr(lib, fn)(*args), fn)
+        cur = torch.cuda.current_stream(self.device_)
+        if cur == self._stream:
+            return _ok(lib, getattr(lib, fn)(*args), fn)
+        self._stream.wait_stream(cur)  # the caller's stream switched: order the layer's work after it
+        st = getattr(lib, fn)(*args)
+        for t in tensors:
+            if t is not None:
+                t.record_stream(self._stream)
+        cur.wait_stream(self._stream)
+        return _ok(lib, st, fn)
+
+    def _check(self, t, what, dtype):
+        if t.dtype != dtype:
+            raise TypeError(f"moept_torch: {what} is {t.dtype}, this layer takes {dtype} (a layer's dtype "
+                            f"is set at create: dtype=)")
+        if t.device != self.device_:
+            raise ValueError(f"moept_torch: {what} is on {t.device}, this layer on {self.device_} (its "
+                             "parameters cannot move: create it on the device)")
+        return t
+
+    def _param_versions(self):
+        return [p._version for p in self._params]
+
+    def _apply(self, fn, *args, **kwargs):
+        """.to()/.cuda()/.cpu()/.half()...: a move off the layer's device raises; a dtype cast leaves the
+        fp32 master weights as they are (the compute dtype is the layer's, set at create)"""
+        probe = fn(torch.empty(0, device=self.device_, dtype=torch.float32))
+        if probe.device != self.device_:
+            raise RuntimeError(f"moept_torch: this layer's parameters are moept's memory on {self.device_}; "
+                               f"moving them to {probe.device} would detach them from the layer (create "
+                               "the layer on the device instead)")
+        return self
+
+    def forward(self, hidden_states, attention_mask=None, **unused):
+        """hidden_states [..][D] -> y of its shape (transformers 4.x blocks: (y, router logits [T][E]));
+        attention_mask: as set_padding_mask, for this call; other keywords a decoder layer passes: unused"""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        if x.device == self.device_ and x.dtype != self.dtype_ and x.dtype.is_floating_point and \
+                _autocast_dtype(self.device_) == self.dtype_:
+            x = x.to(self.dtype_)  # autocast: the layer's dtype, as autocast would cast a matmul's input
+        x = self._check(x, "hidden_states", self.dtype_).contiguous()
+        mask = attention_mask if attention_mask is not None else self._mask
+        if mask is not None:
+            mask = self._check_mask(mask, x.shape[0])
+        if self._versions != self._param_versions():  # written in place (optimizer, load_state_dict)
+            if self.device_.type == "cuda":
+                self._call("moept_cuda_params_changed", self._h)
+            self._versions = self._param_versions()
+        slot = self._slot
+        train = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self._params))
+        if train:  # a training forward takes the next slot (else: moept's evaluation forward, no state)
+            self._slot = (self._slot + 1) % self.max_inflight
+            self._slot_gen[slot] += 1
+        y, logits = _Fn.apply(x, mask, self, slot, train, *self._params)
+        self.router_logits = logits
+        y = y.reshape(shape)
+        return (y, logits) if self.hf_outputs else y
+
+    def _check_mask(self, mask, T):
+        if mask.numel() != T:
+            raise ValueError(f"moept_torch: attention_mask has {mask.numel()} elements, the input {T} tokens")
+        if mask.device != self.device_:
+            raise ValueError(f"moept_torch: attention_mask is on {mask.device}, this layer on {self.device_}")
+        return (mask.reshape(-1) != 0).to(torch.uint8).contiguous()  # moept's padding mask: 0 = padding
+
+    def routing(self):
+        """the last training forward's top-k expert ids [T][K] (int64, on the CPU)"""
+        ids = C.POINTER(C.c_int32)()
+        self._call("moept_routing", self._h, C.byref(ids), None, None)
+        T = self.router_logits.shape[0]
+        return torch.tensor(ids[:T * self.top_k], dtype=torch.int64).view(T, self.top_k)
+
+    def __del__(self):
+        lib, h = self.__dict__.get("_lib"), self.__dict__.get("_h")
+        if lib is None:  # a failed create
+            return
+        if h:
+            lib.moept_destroy(h)
+            self._h = C.c_void_p()
+        for c in self.__dict__.get("_comms", []):
+            aborted = lib.moept_comm_nccl_aborted(c)
+            lib.moept_comm_destroy(c)
+            if self._nccl is not None and not aborted:
+                self._nccl[0].ncclCommDestroy(self._nccl[1])
+        self._comms = []
+
+
+def _autocast_dtype(device):
+    """the dtype torch.autocast casts to on this device type now, or None (off; CUDA only)"""
+    if device.type != "cuda":
+        return None
+    try:  # torch >= 2.4
+        return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    except (AttributeError, TypeError):
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+
+
+def _nccl_ok(r, what):
+    if r != 0:
+        raise RuntimeError(f"moept_torch: {what} returned ncclResult_t {r}")
+
+
+def _hf_source(block, name, F, rows, cols):
+    """the HF block's tensor holding moept's parameter `name` [rows][cols]: by name (4.x per-expert
+    modules, the router, shared experts), or a slice of 5.x's fused experts.gate_up_proj [E][2F][D]
+    (gate rows first) and experts.down_proj [E][D][F]"""
+    w, ex = name.split("."), getattr(block, "experts", None)
+    if w[0] == "experts" and hasattr(ex, "gate_up_proj"):
+        e = int(w[1])
+        t = {"w1": ex.gate_up_proj[e, :F], "gate_proj": ex.gate_up_proj[e, :F],
+             "w3": ex.gate_up_proj[e, F:], "up_proj": ex.gate_up_proj[e, F:],
+             "w2": ex.down_proj[e], "down_proj": ex.down_proj[e]}[w[2]]
+    else:
+        try:
+            t = block.get_parameter(name)
+        except AttributeError:
+            t = block.get_buffer(name)
+    if tuple(t.shape) != (rows, cols) and not (t.dim() == 1 and t.numel() == rows * cols):
+        raise ValueError(f"moept_torch: the block's {name} is {tuple(t.shape)}, moept's [{rows}][{cols}] "
+                         "(transposed expert weights are not supported)")
+    return t.reshape(rows, cols)
+
+
+def _hf_layout(views, fused, F):
+    """(HF name, shape, data, grad) of each parameter: moept's own names (= 4.x's), or the experts'
+    tensors fused as 5.x's (moept's w13 [El][2F][D] and w2 [El][D][F] are contiguous, in local order)"""
+    if not fused:
+        return [(nm, (r, c), d, g) for nm, r, c, d, g in views]
+    out, gu, dn, at = [], [], [], None
+    for nm, r, c, d, g in views:
+        w = nm.split(".")
+        if w[0] != "experts":
+            out.append((nm, (r, c), d, g))
+            continue
+        at = len(out) if at is None else at  # the fused tensors where the experts were, as in HF's order
+        if w[2] in ("w2", "down_proj"):
+            dn.append((r, c, d, g))
+        else:
+            gu.append((r, c, d, g))
+    El = len(dn)
+    if El:
+        D, Fx = dn[0][0], dn[0][1]
+        H = len(gu) // El * Fx  # 2F gated, F not
+        for j in range(El):  # the fused views are only right if moept's layout is as assumed
+            if gu[j * (H // Fx)][2] != gu[0][2] + j * H * D * 4 or dn[j][2] != dn[0][2] + j * D * Fx * 4:
+                raise RuntimeError("moept_torch: moept's expert weights are not [E][2F][D] contiguous")
+        out[at:at] = [("experts.gate_up_proj", (El, H, D), gu[0][2], gu[0][3]),
+                      ("experts.down_proj", (El, D, Fx), dn[0][2], dn[0][3])]
+    return out
+
+
+class _Names(torch.nn.Module):
+    """a level of an HF name (experts, experts.3, ...): holds the parameters under it; [i] as a ModuleList"""
+
+    def __getitem__(self, i):
+        return self._modules[str(i)]
+
+
+def _register(module, name, t, buffer=False):
+    """t under the dotted `name` (plain submodules for the prefixes), so state_dict shows HF's key"""
+    *path, leaf = name.split(".")
+    m = module
+    for p in path:
+        if p not in m._modules:
+            m.add_module(p, _Names())
+        m = m._modules[p]
+    if buffer:
+        m.register_buffer(leaf, t)
+    else:
+        m.register_parameter(leaf, t)
+
+
+def _is_moe_block(mod):
+    return hasattr(mod, "gate") and hasattr(mod, "experts") and not isinstance(mod, MoeptMoE)
+
+
+def swap_moe_blocks(model, **kwargs):
+    """every decoder layer's MoE block (mlp, or 4.x Mixtral's block_sparse_moe) for a MoeptMoE built
+    from it; returns them in layer order (keyword arguments: MoeptMoE's)"""
+    blocks = []
+    for i, layer in enumerate(model.model.layers):
+        for attr in ("mlp", "block_sparse_moe"):
+            mod = getattr(layer, attr, None)
+            if mod is not None and _is_moe_block(mod):
+                b = MoeptMoE(mod, model.config, **dict(kwargs, layer_idx=i))
+                setattr(layer, attr, b)
+                blocks.append(b)
+    return blocks
+
+
+def set_padding_mask(blocks, attention_mask):
+    """moept's padding mask for the blocks' next forwards (kept until set again; None: no padding):
+    attention_mask [B][S] (nonzero = token), on the layers' device; padding is routed nowhere, gets y 0
+    and no gradient, and is left out of the losses' token counts (moept_forward_opts.mask)"""
+    for b in blocks:
+        b._mask = attention_mask
+
+
+def hf_aux_loss(blocks, config, attention_mask=None):
+    """transformers' aux term over every swapped layer's logits (router_aux_loss_coef times its own
+    load_balancing_loss_func, the padding left out as HF does with attention_mask); its gradient reaches
+    each layer's router through the logits"""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    logits = tuple(b.router_logits for b in blocks)
+    return config.router_aux_loss_coef * load_balancing_loss_func(
+        logits, blocks[0].num_experts, config.num_experts_per_tok, attention_mask)
