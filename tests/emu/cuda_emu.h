@@ -30,7 +30,9 @@ void moept_emu_syncthreads(int line);
 #define __syncthreads() moept_emu_syncthreads(__LINE__)
 
 /* atomics: the blocks of a launch run one at a time and a block's threads
-   switch only at barriers, so a read-modify-write is atomic as written */
+   switch only at barriers, so a read-modify-write is atomic as written.
+   Each returns the old value and stores the new one (CUDA C++ Programming
+   Guide, "Atomic Functions": atomicMin, atomicMax, atomicAdd) */
 static inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v) {
     unsigned long long o = *p;
     if (v < o) *p = v;
