@@ -54,8 +54,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     } else if (which == 2) { /* a training checkpoint index */
         put("index.json", data, size);
         int64_t ep, step;
-        char fp[32], set[64];
-        moept__read_ckpt_index(g_dir, &ep, fp, sizeof fp, &step, set, sizeof set);
+        char fp[32], set[64], cfg[512]; /* the config's fields too: the whole index is parsed */
+        moept__read_ckpt_index(g_dir, &ep, fp, sizeof fp, &step, set, sizeof set, cfg, sizeof cfg);
     } else { /* a model's config.json */
         put("config.json", data, size);
         moept_config c = moept_config_default(MOEPT_FAMILY_MIXTRAL);
