@@ -664,7 +664,8 @@ void moept_comm_destroy(moept_comm *c);
    executor": at create grad_backup and expert_sharding =
    MOEPT_SHARD_FSDP (docs/CUDA.md, "What it does not run", says why).
    Everything else a CPU layer does, a CUDA layer does. Its comms are NCCL comms
-   (moept_comm_nccl); a host comm is refused at create.
+   (moept_comm_nccl) or, for ranks that are threads on one device,
+   moept_comm_cuda_threads; a host comm is refused at create.
    A layer lives on the device current at its create, and each call makes
    that device current for its duration (the caller's is restored), so any
    thread may call it; its NCCL comms must be on the same device. A kernel
@@ -803,6 +804,21 @@ moept_status moept_cuda_params_changed(moept_layer *layer);
    duration. */
 moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeout_ms, moept_comm **out);
 int moept_comm_nccl_aborted(const moept_comm *c);
+/* Ranks that are threads of one process on one GPU, without NCCL (expert
+   parallelism on one device: debugging, tests, a workstation): each rank's
+   thread makes its comm from the same thread group (moept_thread_group_create)
+   on the device current at the call, its collectives on its `stream`. Rows
+   move by cudaMemcpyAsync between the ranks' buffers (each rank copies its
+   peers' bytes to it), ordered by events; sums run in rank order (the same
+   bits on every rank). Device-buffer calls are asynchronous on `stream` as
+   NCCL's are (p2p waits); host buffers go through the thread group once the
+   stream has drained. A stream that does not drain within timeout_ms (0 =
+   600 s) is an error; a rank that does not come, the group's timeout. The
+   group's comm of `rank` (moept_comm_threads) carries the rendezvous: other
+   calls on it are collectives in the same order too. moept_comm_destroy
+   frees it (the group stays the caller's). */
+moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank, void *stream, int timeout_ms,
+                                     moept_comm **out);
 #endif
 
 typedef struct moept_stats {

@@ -1224,7 +1224,8 @@ typedef struct moept__nccl {
     int dev;                /* the communicator's device (ncclCommCuDevice): current in every call */
 } moept__nccl;
 
-static moept_status moept__nccl_fail(moept_comm *c, moept_status s, const char *fmt, ...) {
+/* a comm call's failure, its message in c->err (NCCL and the threads-on-one-device comm) */
+static moept_status moept__cfail(moept_comm *c, moept_status s, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(c->err, sizeof c->err, fmt, ap);
@@ -1235,7 +1236,7 @@ static moept_status moept__nccl_fail(moept_comm *c, moept_status s, const char *
 #define MOEPT__NENTER(c)                                                                                  \
     moept__on_device moept__dev_(((moept__nccl *)(c)->ctx)->dev, ((moept__nccl *)(c)->ctx)->probe);       \
     if (moept__dev_.e != cudaSuccess)                                                                     \
-    return moept__nccl_fail((c), MOEPT_ERR_DEVICE, "device %d at the call's start: %s",                  \
+    return moept__cfail((c), MOEPT_ERR_DEVICE, "device %d at the call's start: %s",                  \
                             ((moept__nccl *)(c)->ctx)->dev, cudaGetErrorString(moept__dev_.e))
 
 static double moept__clock(void) {
@@ -1257,14 +1258,14 @@ static moept_status moept__nccl_abort(moept_comm *c, const char *what) {
              last ? last : "", last && last[0] ? ")" : "");
     ncclCommAbort(n->comm);
     n->aborted = 1;
-    return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s; the NCCL communicator was aborted (ncclCommAbort "
+    return moept__cfail(c, MOEPT_ERR_COMM, "%s; the NCCL communicator was aborted (ncclCommAbort "
                             "freed it: do not destroy it; make a new one)", n->abort_why);
 }
 /* Every call on an aborted communicator fails at once. */
 static moept_status moept__nccl_dead(moept_comm *c) {
     moept__nccl *n = (moept__nccl *)c->ctx;
     if (!n->aborted) return MOEPT_OK;
-    return moept__nccl_fail(c, MOEPT_ERR_COMM, "the NCCL communicator was aborted after an earlier error: %s",
+    return moept__cfail(c, MOEPT_ERR_COMM, "the NCCL communicator was aborted after an earlier error: %s",
                             n->abort_why);
 }
 
@@ -1285,7 +1286,7 @@ static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char 
         moept__pause();
     }
     if (r != ncclSuccess)
-        return moept__nccl_fail(c, MOEPT_ERR_COMM, "%s: %s (%s) (moept_kernels.cu:%d)", call,
+        return moept__cfail(c, MOEPT_ERR_COMM, "%s: %s (%s) (moept_kernels.cu:%d)", call,
                                 ncclGetErrorString(r), ncclGetLastError(n->comm), line);
     return MOEPT_OK;
 }
@@ -1294,11 +1295,11 @@ static moept_status moept__nccl_check(moept_comm *c, ncclResult_t r, const char 
         moept_status s_ = moept__nccl_check((c), (call), #call, __LINE__);      \
         if (s_ != MOEPT_OK) return s_;                                          \
     } while (0)
-#define MOEPT__NCU(c, call)                                                                     \
+#define MOEPT__CCU(c, call)                                                                     \
     do {                                                                                        \
         cudaError_t e_ = (call);                                                                \
         if (e_ != cudaSuccess)                                                                  \
-            return moept__nccl_fail((c), MOEPT_ERR_DEVICE, "%s: %s (moept_kernels.cu:%d)", #call, \
+            return moept__cfail((c), MOEPT_ERR_DEVICE, "%s: %s (moept_kernels.cu:%d)", #call, \
                                     cudaGetErrorString(e_), __LINE__);                          \
     } while (0)
 
@@ -1311,7 +1312,7 @@ static moept_status moept__nccl_wait(moept_comm *c) {
     for (;;) {
         cudaError_t q = cudaStreamQuery(n->stream);
         if (q != cudaSuccess && q != cudaErrorNotReady)
-            return moept__nccl_fail(c, MOEPT_ERR_DEVICE, "cudaStreamQuery: %s", cudaGetErrorString(q));
+            return moept__cfail(c, MOEPT_ERR_DEVICE, "cudaStreamQuery: %s", cudaGetErrorString(q));
         ncclResult_t r = ncclSuccess; /* checked after the stream is done too: an op may end in error */
         if (ncclCommGetAsyncError(n->comm, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
             char what[160];
@@ -1347,11 +1348,11 @@ static moept_status moept__nccl_stage(moept_comm *c, size_t dev, size_t host) {
         if (want < 2 * *have) want = 2 * *have;
         if (want < 4096) want = 4096;
         if (*p && n->nretired == MOEPT__NRETIRED)
-            return moept__nccl_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "nccl: staging grown too often");
+            return moept__cfail(c, MOEPT_ERR_OUT_OF_MEMORY, "nccl: staging grown too often");
         void *q = NULL;
         cudaError_t e = h ? cudaMallocHost(&q, want) : cudaMalloc(&q, want);
         if (e != cudaSuccess)
-            return moept__nccl_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "nccl: %zu bytes of %s staging: %s", want,
+            return moept__cfail(c, MOEPT_ERR_OUT_OF_MEMORY, "nccl: %zu bytes of %s staging: %s", want,
                                     h ? "pinned host" : "device", cudaGetErrorString(e));
         if (*p) {
             n->retired_host[n->nretired] = h;
@@ -1402,13 +1403,13 @@ static moept_status moept__nccl_in(moept_comm *c, size_t total, const void *src,
     MOEPT__TRY(moept__nccl_stage(c, total, total));
     if (!n) return MOEPT_OK;
     memcpy(k->host, src, n);
-    MOEPT__NCU(c, cudaMemcpyAsync(k->stage, k->host, n, cudaMemcpyHostToDevice, k->stream));
+    MOEPT__CCU(c, cudaMemcpyAsync(k->stage, k->host, n, cudaMemcpyHostToDevice, k->stream));
     return MOEPT_OK;
 }
 static moept_status moept__nccl_out(moept_comm *c, size_t off, size_t n) {
     moept__nccl *k = (moept__nccl *)c->ctx;
     if (n)
-        MOEPT__NCU(c, cudaMemcpyAsync((char *)k->host + off, (char *)k->stage + off, n,
+        MOEPT__CCU(c, cudaMemcpyAsync((char *)k->host + off, (char *)k->stage + off, n,
                                       cudaMemcpyDeviceToHost, k->stream));
     return moept__nccl_wait(c);
 }
@@ -1417,7 +1418,7 @@ static moept_status moept__nccl_out(moept_comm *c, size_t off, size_t n) {
 static int moept__nccl_on_host(moept_comm *c, const void *a, const void *b, const char *call) {
     const int ha = moept__is_host(a), hb = moept__is_host(b);
     if (ha == hb) return ha;
-    moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl %s: one buffer is host memory, the other device "
+    moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl %s: one buffer is host memory, the other device "
                      "memory (both one or the other)", call);
     return -1;
 }
@@ -1427,7 +1428,7 @@ static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const
     MOEPT__NENTER(c);
     MOEPT__TRY(moept__nccl_dead(c));
     if (es != 2 && es != 4 && es != 8)
-        return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
+        return moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
     const int host = moept__nccl_on_host(c, send, recv, "alltoallv");
     if (host < 0) return MOEPT_ERR_INVALID_ARGUMENT;
     if (!host) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
@@ -1499,10 +1500,10 @@ static moept_status moept__nccl_p2p(moept_comm *c, const moept_p2p *sends, int n
     MOEPT__TRY(moept__nccl_dead(c));
     for (int i = 0; i < nsend; i++)
         if (moept__is_host(sends[i].buf))
-            return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: send %d is host memory", i);
+            return moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: send %d is host memory", i);
     for (int i = 0; i < nrecv; i++)
         if (moept__is_host(recvs[i].buf))
-            return moept__nccl_fail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: receive %d is host memory", i);
+            return moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl p2p: receive %d is host memory", i);
     MOEPT__NC(c, ncclGroupStart());
     ncclResult_t r = ncclSuccess; /* the group is closed whatever happens inside it */
     for (int i = 0; i < nsend && r == ncclSuccess; i++)
@@ -1575,6 +1576,406 @@ extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeo
 static int moept__is_nccl(const moept_comm *c) { return c && c->destroy == moept__nccl_destroy; }
 extern "C" int moept_comm_nccl_aborted(const moept_comm *c) {
     return moept__is_nccl(c) && ((const moept__nccl *)c->ctx)->aborted;
+}
+
+/* ------------------------------------------------------------------------
+   Ranks as threads on one device (moept_comm_cuda_threads)
+   ------------------------------------------------------------------------
+   No NCCL: each rank's thread enqueues, on its own stream, the copies that
+   bring its peers' bytes to it (a pull), after the peers' inputs are ready.
+   A device-buffer call is three steps around two rendezvous of the thread
+   group (host all-gathers, which order the events' records before the
+   waits on them, as cudaStreamWaitEvent waits for the record made before
+   the wait was enqueued: CUDA Runtime API, cudaStreamWaitEvent):
+     post    record `ready` on the stream; all-gather each rank's post (its
+             buffers, events, status and the call's shape);
+     pull    wait for every peer's `ready`; copy (or sum) from the peers'
+             buffers; record `done`; all-gather the statuses;
+     finish  wait for every peer's `done`: no rank's stream goes on to
+             rewrite a buffer a peer still reads.
+   A `ready` is recorded again only after the peers waited on it (they did
+   before the second rendezvous), a `done` only after the next post's.
+   Each call is asynchronous on the stream as NCCL's are (p2p waits, as
+   the NCCL backend's does); host buffers go through the thread group after
+   the stream has drained. One rank's refusal is every rank's: it is in
+   its post or its status. */
+typedef struct moept__tpost {
+    int64_t status;             /* MOEPT_OK, or the rank's refusal (its message in comm->err) */
+    int64_t dev;
+    int64_t shape[3];           /* the call and its sizes: the same on every rank */
+    const moept_comm *comm;
+    cudaEvent_t ready, done;
+    const void *send;           /* alltoallv, allgather: its send buffer; allreduce: its staged input */
+    const moept_seg *ss;        /* alltoallv: its pieces [P][nseg] */
+    const moept_p2p *sends;     /* p2p: its sends [nsend] */
+    int64_t nsend;
+} moept__tpost;
+
+typedef struct moept__tdev {
+    moept_comm *host;           /* the thread group's comm of this rank: host buffers, rendezvous */
+    cudaStream_t stream;
+    cudaStream_t probe;         /* empty, of the comm's device (moept__on_device) */
+    int dev, timeout_ms;
+    cudaEvent_t ready, done;
+    moept__tpost *posts;        /* [P] every rank's post of the call in progress */
+    int64_t *status;            /* [P] every rank's status after its pull */
+    void *stage;                /* [stage_bytes] allreduce: its input as the peers read it */
+    size_t stage_bytes;
+    void *retired[MOEPT__NRETIRED]; /* outgrown stages, freed at destroy (a peer may still read one) */
+    int nretired;
+} moept__tdev;
+
+#define MOEPT__TD(c) ((moept__tdev *)(c)->ctx)
+#define MOEPT__TENTER(c)                                                                                  \
+    moept__on_device moept__dev_(MOEPT__TD(c)->dev, MOEPT__TD(c)->probe);                                 \
+    if (moept__dev_.e != cudaSuccess)                                                                     \
+    return moept__cfail((c), MOEPT_ERR_DEVICE, "device %d at the call's start: %s", MOEPT__TD(c)->dev,   \
+                        cudaGetErrorString(moept__dev_.e))
+
+/* Waits for the stream (the timeout: its work cannot wait on a peer, but a
+   stalled device is an error, not a hang) */
+static moept_status moept__td_drain(moept_comm *c) {
+    moept__tdev *t = MOEPT__TD(c);
+    const double t0 = moept__clock();
+    for (;;) {
+        cudaError_t q = cudaStreamQuery(t->stream);
+        if (q == cudaSuccess) return MOEPT_OK;
+        if (q != cudaErrorNotReady)
+            return moept__cfail(c, MOEPT_ERR_DEVICE, "cudaStreamQuery: %s", cudaGetErrorString(q));
+        if (moept__clock() - t0 > t->timeout_ms * 1e-3)
+            return moept__cfail(c, MOEPT_ERR_COMM, "cuda threads comm: the stream did not drain in %d ms",
+                                t->timeout_ms);
+        moept__pause();
+    }
+}
+
+/* The post: st is this rank's verdict so far; every rank returns the same */
+static moept_status moept__td_post(moept_comm *c, moept__tpost *mine, moept_status st) {
+    moept__tdev *t = MOEPT__TD(c);
+    mine->dev = t->dev;
+    mine->comm = c;
+    mine->ready = t->ready;
+    mine->done = t->done;
+    cudaError_t e = st ? cudaSuccess : cudaEventRecord(t->ready, t->stream);
+    if (e != cudaSuccess)
+        st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaEventRecord: %s", cudaGetErrorString(e));
+    mine->status = st;
+    moept_status h = t->host->allgather(t->host, mine, t->posts, (int64_t)sizeof *mine);
+    if (h) return moept__cfail(c, h, "cuda threads comm: %s", t->host->err);
+    for (int r = 0; r < c->size; r++) {
+        const moept__tpost *p = &t->posts[r];
+        if (p->status && r == c->rank) return (moept_status)p->status;
+        if (p->status)
+            return moept__cfail(c, (moept_status)p->status, "cuda threads comm: rank %d: %s", r,
+                                p->comm->err);
+        if (memcmp(p->shape, mine->shape, sizeof mine->shape) != 0)
+            return moept__cfail(c, MOEPT_ERR_COMM, "cuda threads comm: ranks %d and %d made different calls "
+                                "(or with other sizes)", c->rank, r);
+        if (p->dev != t->dev)
+            return moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads comm: rank %d is on device "
+                                "%lld, rank %d on %d (one device: NCCL across devices)", r,
+                                (long long)p->dev, c->rank, t->dev);
+    }
+    return MOEPT_OK;
+}
+
+/* The pull's start: the stream waits for every peer's inputs */
+static cudaError_t moept__td_after_peers(moept__tdev *t, int me, int P) {
+    cudaError_t e = cudaSuccess;
+    for (int r = 0; r < P && e == cudaSuccess; r++)
+        if (r != me) e = cudaStreamWaitEvent(t->stream, t->posts[r].ready, 0);
+    return e;
+}
+
+/* The finish: st this rank's pull; every rank returns the same */
+static moept_status moept__td_finish(moept_comm *c, moept_status st) {
+    moept__tdev *t = MOEPT__TD(c);
+    cudaError_t e = cudaEventRecord(t->done, t->stream);
+    if (!st && e != cudaSuccess)
+        st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaEventRecord: %s", cudaGetErrorString(e));
+    int64_t mine = st;
+    moept_status h = t->host->allgather(t->host, &mine, t->status, 8);
+    if (h) return moept__cfail(c, h, "cuda threads comm: %s", t->host->err);
+    for (int r = 0; r < c->size; r++) /* (a done never recorded: the wait is a no-op) */
+        if (r != c->rank && (e = cudaStreamWaitEvent(t->stream, t->posts[r].done, 0)) != cudaSuccess && !st)
+            st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaStreamWaitEvent: %s", cudaGetErrorString(e));
+    for (int r = 0; r < c->size && !st; r++)
+        if (t->status[r])
+            st = moept__cfail(c, (moept_status)t->status[r], "cuda threads comm: rank %d: %s", r,
+                              t->posts[r].comm->err);
+    return st;
+}
+
+/* Copies coalesced: a piece that continues the last on both sides extends it */
+typedef struct moept__tcopy {
+    char *dst;
+    const char *src;
+    size_t n;
+    cudaStream_t s;
+    cudaError_t e;
+} moept__tcopy;
+static void moept__td_flush(moept__tcopy *k) {
+    if (k->n && k->e == cudaSuccess)
+        k->e = cudaMemcpyAsync(k->dst, k->src, k->n, cudaMemcpyDeviceToDevice, k->s);
+    k->n = 0;
+}
+static void moept__td_copy(moept__tcopy *k, void *dst, const void *src, size_t n) {
+    if (!n) return;
+    if (k->n && (char *)dst == k->dst + k->n && (const char *)src == k->src + k->n) {
+        k->n += n;
+        return;
+    }
+    moept__td_flush(k);
+    k->dst = (char *)dst;
+    k->src = (const char *)src;
+    k->n = n;
+}
+
+/* both host memory (1), both device memory (0), or one of each (-1, refused) */
+static int moept__td_on_host(moept_comm *c, const void *a, const void *b, const char *call) {
+    const int ha = moept__is_host(a), hb = moept__is_host(b);
+    if (ha == hb) return ha;
+    moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads %s: one buffer is host memory, the other "
+                 "device memory (both one or the other)", call);
+    return -1;
+}
+/* host buffers: after the stream's work, through the thread group */
+#define MOEPT__TD_HOST(c, call)                                                                       \
+    do {                                                                                              \
+        MOEPT__TRY(moept__td_drain(c));                                                               \
+        moept_comm *h_ = MOEPT__TD(c)->host;                                                          \
+        moept_status s_ = (call);                                                                     \
+        return s_ ? moept__cfail((c), s_, "%s", h_->err) : MOEPT_OK;                                  \
+    } while (0)
+
+static moept_status moept__td_alltoallv(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
+                                        const moept_seg *rs, int nseg, int es) {
+    MOEPT__TENTER(c);
+    moept__tdev *t = MOEPT__TD(c);
+    const int host = moept__td_on_host(c, send, recv, "alltoallv");
+    if (host == 1) MOEPT__TD_HOST(c, h_->alltoallv(h_, send, ss, recv, rs, nseg, es));
+    moept__tpost mine = {};
+    mine.shape[0] = 1, mine.shape[1] = nseg, mine.shape[2] = es;
+    mine.send = send;
+    mine.ss = ss;
+    moept_status st = host < 0 ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_OK;
+    if (!st && es != 2 && es != 4 && es != 8)
+        st = moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads alltoallv: elem_size %d", es);
+    MOEPT__TRY(moept__td_post(c, &mine, st));
+    moept__tcopy k = {NULL, NULL, 0, t->stream, moept__td_after_peers(t, c->rank, c->size)};
+    int bad = -1;
+    for (int p = 0; p < c->size; p++)
+        for (int s = 0; s < nseg; s++) {
+            const moept_seg *a = &t->posts[p].ss[c->rank * nseg + s], *b = &rs[p * nseg + s];
+            if (a->count != b->count) bad = p;
+            else if (b->count > 0)
+                moept__td_copy(&k, (char *)recv + b->offset * es,
+                               (const char *)t->posts[p].send + a->offset * es, (size_t)(b->count * es));
+        }
+    moept__td_flush(&k);
+    if (bad >= 0)
+        st = moept__cfail(c, MOEPT_ERR_COMM, "cuda threads alltoallv: rank %d sends other counts than "
+                          "rank %d expects", bad, c->rank);
+    else if (k.e != cudaSuccess)
+        st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaMemcpyAsync: %s", cudaGetErrorString(k.e));
+    return moept__td_finish(c, st);
+}
+
+static moept_status moept__td_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
+    MOEPT__TENTER(c);
+    moept__tdev *t = MOEPT__TD(c);
+    const int host = moept__td_on_host(c, send, recv, "allgather");
+    if (host == 1) MOEPT__TD_HOST(c, h_->allgather(h_, send, recv, bytes));
+    moept__tpost mine = {};
+    mine.shape[0] = 2, mine.shape[1] = bytes;
+    mine.send = send;
+    MOEPT__TRY(moept__td_post(c, &mine, host < 0 ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_OK));
+    moept__tcopy k = {NULL, NULL, 0, t->stream, moept__td_after_peers(t, c->rank, c->size)};
+    for (int p = 0; p < c->size; p++)
+        moept__td_copy(&k, (char *)recv + p * bytes, t->posts[p].send, (size_t)bytes);
+    moept__td_flush(&k);
+    moept_status st = MOEPT_OK;
+    if (k.e != cudaSuccess)
+        st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaMemcpyAsync: %s", cudaGetErrorString(k.e));
+    return moept__td_finish(c, st);
+}
+
+/* out = in (first) or out += in: the ranks' inputs summed in rank order, one
+   launch a rank, so every rank gets the same bits (as the threads and MPI
+   backends sum) */
+template <typename V>
+__global__ void moept__k_td_sum(V *out, const V *in, int64_t n, int first) {
+    MOEPT__FOR(i, n) out[i] = first ? in[i] : out[i] + in[i];
+}
+template <typename V>
+static cudaError_t moept__td_sum(moept__tdev *t, void *buf, int64_t n, int P) {
+    for (int r = 0; r < P; r++) {
+        MOEPT__LAUNCH(moept__k_td_sum<V>, moept__grid(n), MOEPT__TB, 0, t->stream)(
+                (V *)buf, (const V *)t->posts[r].send, n, r == 0);
+        cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+/* this rank's input copied where the peers read it (a peer's sum must not
+   see this rank's buffer half overwritten by its own) */
+static moept_status moept__td_stage(moept_comm *c, const void *buf, size_t bytes) {
+    moept__tdev *t = MOEPT__TD(c);
+    if (bytes > t->stage_bytes) {
+        if (t->stage && t->nretired == MOEPT__NRETIRED)
+            return moept__cfail(c, MOEPT_ERR_OUT_OF_MEMORY, "cuda threads comm: staging grown too often");
+        size_t want = bytes < 2 * t->stage_bytes ? 2 * t->stage_bytes : bytes;
+        void *q = NULL;
+        cudaError_t e = cudaMalloc(&q, want < 4096 ? 4096 : want);
+        if (e != cudaSuccess)
+            return moept__cfail(c, MOEPT_ERR_OUT_OF_MEMORY, "cuda threads comm: %zu bytes of staging: %s",
+                                want, cudaGetErrorString(e));
+        if (t->stage) t->retired[t->nretired++] = t->stage;
+        t->stage = q;
+        t->stage_bytes = want < 4096 ? 4096 : want;
+    }
+    if (bytes) MOEPT__CCU(c, cudaMemcpyAsync(t->stage, buf, bytes, cudaMemcpyDeviceToDevice, t->stream));
+    return MOEPT_OK;
+}
+
+static moept_status moept__td_allreduce(moept_comm *c, void *buf, int64_t count, moept_dtype dt) {
+    MOEPT__TENTER(c);
+    moept__tdev *t = MOEPT__TD(c);
+    if (moept__is_host(buf)) MOEPT__TD_HOST(c, h_->allreduce(h_, buf, count, dt));
+    const size_t es = dt == MOEPT_DTYPE_F32 ? 4 : 8;
+    moept__tpost mine = {};
+    mine.shape[0] = 3, mine.shape[1] = count, mine.shape[2] = dt;
+    moept_status st = MOEPT_OK;
+    if (dt != MOEPT_DTYPE_F32 && dt != MOEPT_DTYPE_F64 && dt != MOEPT_DTYPE_I64)
+        st = moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads allreduce: dtype %d (F32, F64 or I64)",
+                          (int)dt);
+    if (!st) st = moept__td_stage(c, buf, (size_t)count * es);
+    mine.send = t->stage;
+    MOEPT__TRY(moept__td_post(c, &mine, st));
+    cudaError_t e = moept__td_after_peers(t, c->rank, c->size);
+    if (e == cudaSuccess && count > 0)
+        e = dt == MOEPT_DTYPE_F32   ? moept__td_sum<float>(t, buf, count, c->size)
+            : dt == MOEPT_DTYPE_F64 ? moept__td_sum<double>(t, buf, count, c->size)
+                                    : moept__td_sum<int64_t>(t, buf, count, c->size);
+    if (e != cudaSuccess)
+        st = moept__cfail(c, MOEPT_ERR_DEVICE, "cuda threads allreduce: %s", cudaGetErrorString(e));
+    return moept__td_finish(c, st);
+}
+
+/* Messages between two ranks match in list order; the call waits for its
+   copies, as the NCCL backend's does */
+static moept_status moept__td_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs,
+                                  int nrecv) {
+    MOEPT__TENTER(c);
+    moept__tdev *t = MOEPT__TD(c);
+    moept_status st = MOEPT_OK;
+    for (int i = 0; i < nsend + nrecv && !st; i++) {
+        const moept_p2p *m = i < nsend ? &sends[i] : &recvs[i - nsend];
+        if (m->bytes > 0 && moept__is_host(m->buf))
+            st = moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads p2p: %s %d is host memory",
+                              i < nsend ? "send" : "receive", i < nsend ? i : i - nsend);
+    }
+    moept__tpost mine = {};
+    mine.shape[0] = 4;
+    mine.sends = sends;
+    mine.nsend = nsend;
+    MOEPT__TRY(moept__td_post(c, &mine, st));
+    moept__tcopy k = {NULL, NULL, 0, t->stream, moept__td_after_peers(t, c->rank, c->size)};
+    int bad = -1;
+    for (int i = 0; i < nrecv; i++) {
+        const int p = recvs[i].peer;
+        int nth = 0;
+        for (int j = 0; j < i; j++) nth += recvs[j].peer == p;
+        const moept_p2p *m = NULL;
+        for (int64_t j = 0; p >= 0 && p < c->size && j < t->posts[p].nsend && !m; j++)
+            if (t->posts[p].sends[j].peer == c->rank && nth-- == 0) m = &t->posts[p].sends[j];
+        if (!m || m->bytes != recvs[i].bytes) bad = i;
+        else moept__td_copy(&k, recvs[i].buf, m->buf, (size_t)m->bytes);
+    }
+    moept__td_flush(&k);
+    if (bad >= 0)
+        st = moept__cfail(c, MOEPT_ERR_COMM, "cuda threads p2p: rank %d's receive %d matches no send of "
+                          "that size", c->rank, bad);
+    else if (k.e != cudaSuccess)
+        st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaMemcpyAsync: %s", cudaGetErrorString(k.e));
+    MOEPT__TRY(moept__td_finish(c, st));
+    return moept__td_drain(c);
+}
+
+/* The frees wait for the device: the stream is drained first, up to the
+   timeout (a stage a peer may still read is kept rather than freed early) */
+static void moept__td_destroy(moept_comm *c) {
+    moept__tdev *t = MOEPT__TD(c);
+    if (t) {
+        moept__on_device on(t->dev, t->probe);
+        if (moept__td_drain(c) == MOEPT_OK) {
+            for (int i = 0; i < t->nretired; i++) cudaFree(t->retired[i]);
+            if (t->stage) cudaFree(t->stage);
+        }
+        if (t->ready) cudaEventDestroy(t->ready);
+        if (t->done) cudaEventDestroy(t->done);
+        if (t->probe) cudaStreamDestroy(t->probe);
+        free(t->posts);
+        free(t->status);
+        free(t);
+    }
+    free(c);
+}
+
+static int moept__is_tdev(const moept_comm *c) { return c && c->destroy == moept__td_destroy; }
+
+extern "C" moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank, void *stream, int timeout_ms,
+                                                moept_comm **out) {
+    if (!out) return MOEPT_ERR_INVALID_ARGUMENT;
+    *out = NULL;
+    moept_comm *host = NULL;
+    moept_status st = moept_comm_threads(g, rank, &host);
+    if (st) return st;
+    moept_comm *c = (moept_comm *)calloc(1, sizeof *c);
+    moept__tdev *t = (moept__tdev *)calloc(1, sizeof *t);
+    moept__tpost *posts = (moept__tpost *)calloc((size_t)host->size, sizeof *posts);
+    int64_t *status = (int64_t *)calloc((size_t)host->size, sizeof *status);
+    if (!c || !t || !posts || !status) {
+        free(c), free(t), free(posts), free(status);
+        return MOEPT_ERR_OUT_OF_MEMORY;
+    }
+    t->host = host, t->posts = posts, t->status = status;
+    t->stream = (cudaStream_t)stream;
+    t->timeout_ms = timeout_ms > 0 ? timeout_ms : 600000;
+    c->ctx = t;
+    c->destroy = moept__td_destroy;
+    if (cudaGetDevice(&t->dev) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&t->probe, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&t->ready, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&t->done, cudaEventDisableTiming) != cudaSuccess) {
+        cudaGetLastError();
+        moept__td_destroy(c);
+        return MOEPT_ERR_DEVICE;
+    }
+    c->rank = rank;
+    c->size = host->size;
+    c->alltoallv = moept__td_alltoallv;
+    c->allreduce = moept__td_allreduce;
+    c->allgather = moept__td_allgather;
+    c->p2p = moept__td_p2p;
+    *out = c;
+    return MOEPT_OK;
+}
+
+/* The comms a CUDA layer takes: NCCL's and the threads-on-one-device one */
+static int moept__is_dcomm(const moept_comm *c) { return moept__is_nccl(c) || moept__is_tdev(c); }
+static const char *const moept__dcomm_only = "the EP and DP comms of a CUDA layer must be NCCL comms "
+    "(moept_comm_nccl) or, for ranks on one device, moept_comm_cuda_threads";
+static cudaStream_t moept__stream_of(const moept_comm *m) {
+    return moept__is_tdev(m) ? ((moept__tdev *)m->ctx)->stream : ((moept__nccl *)m->ctx)->stream;
+}
+/* a host wait for the comm's stream, with its timeout (NCCL: and its async errors) */
+static moept_status moept__dcomm_wait(moept_comm *m) {
+    return moept__is_tdev(m) ? moept__td_drain(m) : moept__nccl_wait(m);
+}
+static int moept__dev_of(const moept_comm *m) {
+    return moept__is_tdev(m) ? ((moept__tdev *)m->ctx)->dev : ((moept__nccl *)m->ctx)->dev;
 }
 
 /* ------------------------------------------------------------------------
@@ -1887,7 +2288,7 @@ static void moept__cuda_destroy(moept__cuda *c) {
     moept__on_device on(c->dev, c->probe); /* a lost context: each call below fails, host memory is freed */
     moept_comm *comms[2] = {c->sp.ep, c->sp.dp};
     for (int i = 0; i < 2 && c->blas; i++)
-        if (comms[i] && !moept_comm_nccl_aborted(comms[i])) (void)moept__nccl_wait(comms[i]);
+        if (comms[i] && !moept_comm_nccl_aborted(comms[i])) (void)moept__dcomm_wait(comms[i]);
     if (c->blas) (void)cudaStreamSynchronize(c->s);
     if (c->blas) cublasDestroy(c->blas);
     for (int i = 0; i < MOEPT__SIDE; i++) { /* joined to s by events: s's sync covered them */
@@ -2100,7 +2501,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     const int64_t E = p->E, P = p->P, C = c->C;
     c->s = (cudaStream_t)p->stream;
     c->cs = c->s;
-    if (p->ep) c->cs = ((moept__nccl *)p->ep->ctx)->stream;
+    if (p->ep) c->cs = moept__stream_of(p->ep);
     MOEPT__CU(cudaStreamCreateWithFlags(&c->probe, cudaStreamNonBlocking));
     MOEPT__CU(cudaEventCreateWithFlags(&c->ev_compute, cudaEventDisableTiming));
     MOEPT__CU(cudaEventCreateWithFlags(&c->ev_comm, cudaEventDisableTiming));
@@ -2163,17 +2564,16 @@ static moept_status moept__create(moept__cuda *c, char *err) {
 
 static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err) {
     *out = NULL;
-    if ((spec->ep && !moept__is_nccl(spec->ep)) || (spec->dp && !moept__is_nccl(spec->dp)))
-        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: the EP and DP comms of a "
-                            "CUDA layer must be NCCL comms (moept_comm_nccl)");
+    if ((spec->ep && !moept__is_dcomm(spec->ep)) || (spec->dp && !moept__is_dcomm(spec->dp)))
+        return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: %s", moept__dcomm_only);
     int dev = 0;
     MOEPT__CU(cudaGetDevice(&dev));
     const moept_comm *cm[2] = {spec->ep, spec->dp};
     for (int i = 0; i < 2; i++) /* their streams and buffers are the layer's device's */
-        if (cm[i] && ((const moept__nccl *)cm[i]->ctx)->dev != dev)
-            return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: the %s comm's NCCL "
-                                "communicator is on device %d, the layer on device %d (the current one)",
-                                i ? "DP" : "EP", ((const moept__nccl *)cm[i]->ctx)->dev, dev);
+        if (cm[i] && moept__dev_of(cm[i]) != dev)
+            return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: the %s comm is on "
+                                "device %d, the layer on device %d (the current one)",
+                                i ? "DP" : "EP", moept__dev_of(cm[i]), dev);
     if (spec->E > INT_MAX / 2 || spec->K > INT_MAX)
         return moept__kfail(err, MOEPT_ERR_INVALID_ARGUMENT, "moept_create_cuda: too many experts");
     if (spec->D >= (1 << 30) || spec->H >= (1 << 30) || spec->HS >= (1 << 30))
@@ -2220,7 +2620,7 @@ static moept_status moept__host_wait(moept__cuda *c, char *err) {
     moept_comm *comms[2] = {c->sp.ep, c->sp.dp};
     for (int i = 0; i < 2; i++)
         if (comms[i] && !moept_comm_nccl_aborted(comms[i])) {
-            moept_status st = moept__nccl_wait(comms[i]);
+            moept_status st = moept__dcomm_wait(comms[i]);
             if (st) return moept__kfail(err, st, "%s", comms[i]->err);
         }
     MOEPT__CU(cudaStreamSynchronize(c->s));
@@ -2576,7 +2976,6 @@ static moept_status moept__from_comm(moept__cuda *c, cudaStream_t cs, char *err)
     MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_comm, 0));
     return MOEPT_OK;
 }
-static cudaStream_t moept__stream_of(const moept_comm *m) { return ((moept__nccl *)m->ctx)->stream; }
 
 /* One direction of the expert exchange (as moept.c's moept__exchange):
    pieces ls [P][El] of the token side `local`, rs [P][El] of the expert side
@@ -4339,8 +4738,8 @@ static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moep
     } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
         *why_st = MOEPT_ERR_UNSUPPORTED;
         w = "options.sync_free with overlap_chunks > 1 is not supported";
-    } else if ((ep && !moept__is_nccl(ep)) || (dp && !moept__is_nccl(dp))) /* size 1 too */
-        w = "the EP and DP comms of a CUDA layer must be NCCL comms (moept_comm_nccl)";
+    } else if ((ep && !moept__is_dcomm(ep)) || (dp && !moept__is_dcomm(dp))) /* size 1 too */
+        w = moept__dcomm_only;
     if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
     return w != NULL;
 }

@@ -2,6 +2,7 @@
    through moept and compares every output and gradient.
 
    usage: moept_check [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--reshard]
+                      [--comm nccl|nccl-one-gpu|device]
                       [--gemm-form auto|grouped|per-expert|strided] [--tol X]
                       [--weights DIR --layer L [--hf-config]] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
@@ -29,7 +30,9 @@
    (--tol, 1e-5, against the file) and in bf16 (--tol-bf16, 2^-6 normwise,
    against the CPU layer run on the bf16-rounded inputs and expert weights,
    routing exactly), with x, dy, y and dx in device memory; --ep N runs N
-   GPUs as threads over NCCL; --sync-free runs the CUDA layer in its
+   GPUs as threads over NCCL (--comm device: N threads on device 0 over
+   moept_comm_cuda_threads, no NCCL; --comm nccl-one-gpu: over NCCL, all on
+   device 0, which NCCL allows from 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1); --sync-free runs the CUDA layer in its
    sync-free mode (moept_cuda_options.sync_free); --gemm-form picks
    moept_cuda_options.gemm_form (ignored on the CPU). With fewer devices than
    ranks every case is reported skipped and the exit status is 0.
@@ -67,6 +70,8 @@ static int g_expect_shm;        /* --expect-shm: fail if the EP comm offers no s
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
 static int g_sync_free;         /* CUDA: --sync-free */
 static int g_gemm_form;         /* CUDA: --gemm-form (moept_gemm_form) */
+static int g_comm_device;       /* CUDA: --comm device: the ranks threads on device 0, no NCCL */
+static int g_one_gpu;           /* CUDA: --comm device or nccl-one-gpu: every rank on device 0 */
 static int g_digest;            /* --digest: print a hash of every compared result's bits (refactors
                                    that must leave results bitwise unchanged compare two runs' hashes) */
 static int g_reshard;           /* --reshard: with the weights set, every expert to the next rank */
@@ -622,10 +627,12 @@ static void merge(check *c, const check *r, int rank) {
 }
 
 #ifdef MOEPT_CUDA
-/* A GPU rank: its device, its place in the NCCL clique and the clique's id */
+/* A GPU rank: its device, its place in the NCCL clique and the clique's id
+   (--comm device: the thread group of the ranks on device 0 instead) */
 typedef struct gpu_rank {
     int dev, rank, size;
     ncclUniqueId id;
+    moept_thread_group *tg;
 } gpu_rank;
 
 /* One GPU per rank: its NCCL communicator and two non-blocking streams
@@ -638,10 +645,12 @@ static void run_case_gpu(check *c, const gpu_rank *g) {
     int ok = cudaSetDevice(g ? g->dev : 0) == cudaSuccess &&
              cudaStreamCreateWithFlags(&ks, cudaStreamNonBlocking) == cudaSuccess &&
              cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking) == cudaSuccess;
-    if (ok && g) ok = ncclCommInitRank(&nc, g->size, g->id, g->rank) == ncclSuccess &&
-                      moept_comm_nccl(nc, cs, 60000, &ep) == MOEPT_OK;
+    if (ok && g && g->tg) ok = moept_comm_cuda_threads(g->tg, g->rank, cs, 60000, &ep) == MOEPT_OK;
+    else if (ok && g) ok = ncclCommInitRank(&nc, g->size, g->id, g->rank) == ncclSuccess &&
+                           moept_comm_nccl(nc, cs, 60000, &ep) == MOEPT_OK;
     if (!ok) {
-        failf(c, "cannot set up this rank's device, streams or NCCL communicator");
+        failf(c, "cannot set up this rank's device, streams or %s",
+              g && g->tg ? "device comm" : "NCCL communicator");
     } else {
         c->ep = ep;
         c->stream = ks;
@@ -681,12 +690,17 @@ static void run_threads(check *c, int P) {
     rank_job *jobs = calloc((size_t)P, sizeof *jobs);
 #ifdef MOEPT_CUDA
     ncclUniqueId id;
-    if (ncclGetUniqueId(&id) != ncclSuccess) { failf(c, "ncclGetUniqueId failed"); P = 0; }
+    moept_thread_group *tg = NULL; /* --comm device: the device comms' group */
+    if (g_comm_device ? moept_thread_group_create(P, 60000, &tg) != MOEPT_OK
+                      : ncclGetUniqueId(&id) != ncclSuccess) {
+        failf(c, "%s failed", g_comm_device ? "moept_thread_group_create" : "ncclGetUniqueId");
+        P = 0;
+    }
 #endif
     for (int r = 0; r < P; r++) {
         jobs[r].c.path = c->path;
 #ifdef MOEPT_CUDA
-        jobs[r].g = (gpu_rank){r, r, P, id};
+        jobs[r].g = (gpu_rank){g_one_gpu ? 0 : r, r, P, id, tg};
         moept_comm_threads(g, r, &jobs[r].c.ref_ep); /* the bf16 reference's */
 #else
         moept_comm_threads(g, r, &jobs[r].c.ep);
@@ -697,6 +711,9 @@ static void run_threads(check *c, int P) {
     for (int r = 0; r < P; r++) merge(c, &jobs[r].c, r);
     free(jobs);
     moept_thread_group_destroy(g);
+#ifdef MOEPT_CUDA
+    moept_thread_group_destroy(tg);
+#endif
 }
 #endif
 
@@ -722,6 +739,15 @@ int main(int argc, char **argv) {
                 return 2;
             }
         }
+        else if (strcmp(argv[first], "--comm") == 0 && first + 1 < argc) {
+            const char *m = argv[++first];
+            if (strcmp(m, "device") != 0 && strcmp(m, "nccl") != 0 && strcmp(m, "nccl-one-gpu") != 0) {
+                fprintf(stderr, "moept_check: --comm nccl|nccl-one-gpu|device, not %s\n", m);
+                return 2;
+            }
+            g_comm_device = strcmp(m, "device") == 0;
+            g_one_gpu = strcmp(m, "nccl") != 0;
+        }
         else if (strcmp(argv[first], "--no-shm") == 0) g_no_shm = 1;
         else if (strcmp(argv[first], "--digest") == 0) g_digest = 1;
         else if (strcmp(argv[first], "--reshard") == 0) g_reshard = 1;
@@ -729,7 +755,7 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
             fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--digest] "
-                    "[--reshard] [--gemm-form F] [--tol X] [--weights DIR --layer L] "
+                    "[--reshard] [--gemm-form F] [--comm C] [--tol X] [--weights DIR --layer L] "
                     "FILE...\n", argv[0]);
             return 2;
         }
@@ -739,6 +765,12 @@ int main(int argc, char **argv) {
         return 2;
     }
     if (P < 1 || P > 1024) { fprintf(stderr, "moept_check: --ep %d not in 1..1024\n", P); return 2; }
+#if defined(MOEPT_MPI) || !defined(MOEPT_CUDA)
+    if (g_one_gpu) {
+        fprintf(stderr, "moept_check: --comm device, nccl-one-gpu: ranks as threads of a CUDA build only\n");
+        return 2;
+    }
+#endif
 #ifdef MOEPT_MPI
     MPI_Init(&argc, &argv);
     moept_comm *world = NULL;
@@ -767,7 +799,7 @@ int main(int argc, char **argv) {
 #ifdef MOEPT_MPI
     const int need = 1; /* a GPU a process: device local_rank % device_count */
 #else
-    const int need = P;
+    const int need = g_one_gpu ? 1 : P; /* --comm device, nccl-one-gpu: every rank on device 0 */
 #endif
     if (moept_cuda_device_count() < need) { /* a GPU check without a GPU is skipped, never passed */
         for (int i = first; i < argc && me == 0; i++) {
@@ -801,7 +833,7 @@ int main(int argc, char **argv) {
             memset(&mine, 0, sizeof mine);
             mine.path = argv[arg];
 #ifdef MOEPT_CUDA
-            gpu_rank g = {local_rank % moept_cuda_device_count(), me, P, {{0}}};
+            gpu_rank g = {local_rank % moept_cuda_device_count(), me, P, {{0}}, NULL};
             if (me == 0 && ncclGetUniqueId(&g.id) != ncclSuccess) failf(&mine, "ncclGetUniqueId failed");
             MPI_Bcast(&g.id, (int)sizeof g.id, MPI_BYTE, 0, MPI_COMM_WORLD);
             mine.ref_ep = world;

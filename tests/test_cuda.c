@@ -2611,7 +2611,7 @@ static void test_other_device_current(void) {
     j[0].ready = j[1].ready = &ready;
     run_two(swap_rank, j, sizeof j[0]);
     const char *what[6] = {"create + forward", "forward", "backward", "sync_grads", "grad_norm", "zero_grad"};
-    EXPECT(j[1].bad == MOEPT_ERR_INVALID_ARGUMENT && strstr(j[1].bad_msg, "communicator is on device 1"),
+    EXPECT(j[1].bad == MOEPT_ERR_INVALID_ARGUMENT && strstr(j[1].bad_msg, "comm is on device 1"),
            "rank 1, created with device 0 current and its comm on device 1: %d (%s)", (int)j[1].bad,
            j[1].bad_msg);
     EXPECT(j[0].bad != MOEPT_OK, "rank 0's create succeeded while rank 1's failed");
@@ -3020,6 +3020,160 @@ static void test_no_device(void) {
     EXPECT(strstr(moept_last_error(NULL), "no CUDA device") != NULL, "message: %s", moept_last_error(NULL));
 }
 
+/* ---- moept_comm_cuda_threads: ranks as threads on one device ---- */
+#define TD_P 3
+typedef struct td_job {
+    tu_rank tr;                 /* its group and rank */
+    int mode;                   /* 0: the collectives; 1..3: one rank's call differs; 4: another device */
+    moept_status st, after;     /* the mode's call, then a plain all-reduce */
+    char msg[256];
+    int wrong;                  /* mode 0: results that differ from the host's */
+} td_job;
+
+/* piece s from rank p to rank q: its element count, and its first element's value */
+static int64_t td_cnt(int p, int q, int s) { return (p * 7 + q * 3 + s * 5) % 4 * 3; }
+static float td_val(int p, int q, int s, int64_t i) { return (float)(p * 1000 + q * 100 + s * 10 + i); }
+static float td_f32(int r, int i) { return (float)sin(r * 1000.0 + i) * 1e3f; }
+
+static int td_alltoallv(moept_comm *c, cudaStream_t s) {
+    const int me = c->rank, P = c->size;
+    moept_seg ss[TD_P * 2], rs[TD_P * 2];
+    float hs[200], hr[200];
+    int64_t so = 0, ro = 0, wrong = 0;
+    for (int q = 0; q < P; q++) /* sends in (peer, piece) order; receives in (piece, peer) order */
+        for (int k = 0; k < 2; k++) {
+            ss[q * 2 + k] = (moept_seg){so, td_cnt(me, q, k)};
+            for (int64_t i = 0; i < td_cnt(me, q, k); i++) hs[so + i] = td_val(me, q, k, i);
+            so += td_cnt(me, q, k);
+        }
+    for (int k = 0; k < 2; k++)
+        for (int p = 0; p < P; p++) rs[p * 2 + k] = (moept_seg){ro, td_cnt(p, me, k)}, ro += td_cnt(p, me, k);
+    float *ds = NULL, *dr = NULL;
+    cudaMalloc((void **)&ds, 800), cudaMalloc((void **)&dr, 800);
+    cudaMemcpy(ds, hs, (size_t)so * 4, cudaMemcpyHostToDevice);
+    EXPECT_OK(c->alltoallv(c, ds, ss, dr, rs, 2, 4));
+    cudaStreamSynchronize(s);
+    cudaMemcpy(hr, dr, (size_t)ro * 4, cudaMemcpyDeviceToHost);
+    for (int p = 0; p < P; p++)
+        for (int k = 0; k < 2; k++)
+            for (int64_t i = 0; i < rs[p * 2 + k].count; i++)
+                wrong += hr[rs[p * 2 + k].offset + i] != td_val(p, me, k, i);
+    cudaFree(ds), cudaFree(dr);
+    return (int)wrong;
+}
+
+/* all-gather, the three sums (rank order: the host's bits), p2p around the ring, a host all-reduce */
+static int td_others(moept_comm *c, cudaStream_t s) {
+    const int me = c->rank, P = c->size, n = 1000;
+    int wrong = 0;
+    float hf[1000], want[1000], got[TD_P * 3];
+    double hd[1000];
+    int64_t hi[1000];
+    for (int i = 0; i < n; i++) {
+        hf[i] = td_f32(me, i), hd[i] = hf[i] * 1e-3, hi[i] = (int64_t)me << 40 | i;
+        want[i] = td_f32(0, i);
+        for (int r = 1; r < P; r++) want[i] += td_f32(r, i);
+    }
+    void *d = NULL, *g = NULL;
+    cudaMalloc(&d, 8 * n), cudaMalloc(&g, 64);
+    cudaMemcpy(d, hf, 12, cudaMemcpyHostToDevice);
+    EXPECT_OK(c->allgather(c, d, g, 12));
+    cudaStreamSynchronize(s);
+    cudaMemcpy(got, g, (size_t)P * 12, cudaMemcpyDeviceToHost);
+    for (int r = 0; r < P; r++)
+        for (int i = 0; i < 3; i++) wrong += got[r * 3 + i] != td_f32(r, i);
+    cudaMemcpy(d, hf, 4 * n, cudaMemcpyHostToDevice);
+    EXPECT_OK(c->allreduce(c, d, n, MOEPT_DTYPE_F32));
+    cudaStreamSynchronize(s);
+    cudaMemcpy(hf, d, 4 * n, cudaMemcpyDeviceToHost);
+    for (int i = 0; i < n; i++) wrong += memcmp(&hf[i], &want[i], 4) != 0;
+    for (int t = 0; t < 2; t++) {
+        cudaMemcpy(d, t ? (void *)hi : (void *)hd, 8 * n, cudaMemcpyHostToDevice);
+        EXPECT_OK(c->allreduce(c, d, n, t ? MOEPT_DTYPE_I64 : MOEPT_DTYPE_F64));
+        cudaStreamSynchronize(s);
+        cudaMemcpy(t ? (void *)hi : (void *)hd, d, 8 * n, cudaMemcpyDeviceToHost);
+    }
+    for (int i = 0; i < n; i++) {
+        double w = td_f32(0, i) * 1e-3;
+        for (int r = 1; r < P; r++) w += td_f32(r, i) * 1e-3;
+        wrong += hd[i] != w || hi[i] != ((int64_t)(P * (P - 1) / 2) << 40) + (int64_t)P * i;
+    }
+    /* two messages to the next rank, two from the previous, matched in order */
+    float m[2][4] = {{me, 1, 2, 3}, {me, 5, 6, 7}}, r[8];
+    char *dm = (char *)d;
+    cudaMemcpy(dm, m, 32, cudaMemcpyHostToDevice);
+    moept_p2p snd[2] = {{(me + 1) % P, dm, 16}, {(me + 1) % P, dm + 16, 16}};
+    moept_p2p rcv[2] = {{(me + P - 1) % P, dm + 64, 16}, {(me + P - 1) % P, dm + 96, 16}};
+    EXPECT_OK(c->p2p(c, snd, 2, rcv, 2));
+    cudaMemcpy(r, dm + 64, 16, cudaMemcpyDeviceToHost);
+    cudaMemcpy(r + 4, dm + 96, 16, cudaMemcpyDeviceToHost);
+    wrong += r[0] != (me + P - 1) % P || r[1] != 1 || r[4] != r[0] || r[5] != 5;
+    int64_t h[2] = {me, 1};
+    EXPECT_OK(c->allreduce(c, h, 2, MOEPT_DTYPE_I64)); /* host memory: through the thread group */
+    wrong += h[0] != P * (P - 1) / 2 || h[1] != P;
+    cudaFree(d), cudaFree(g);
+    return wrong;
+}
+
+/* modes 1..3: rank `mode - 1`'s call is wrong (one buffer on the host;
+   another size; a receive no send matches); mode 4: a right call */
+static moept_status td_misuse(moept_comm *c, int mode) {
+    void *d = NULL;
+    cudaMalloc(&d, 256);
+    const int odd = c->rank == mode - 1;
+    int64_t host[4] = {0};
+    moept_status st = MOEPT_OK;
+    if (mode == 1) st = c->allgather(c, d, odd ? (void *)host : (char *)d + 64, 8);
+    if (mode == 2) st = c->allgather(c, d, (char *)d + 64, odd ? 4 : 8);
+    if (mode == 4) st = c->allgather(c, d, (char *)d + 64, 8); /* a right call, from another device */
+    if (mode == 3) {
+        const int P = c->size, me = c->rank;
+        moept_p2p snd = {(me + 1) % P, d, 16}, rcv = {(me + P - 1) % P, (char *)d + 64, odd ? 32 : 16};
+        st = c->p2p(c, &snd, 1, &rcv, 1);
+    }
+    cudaFree(d);
+    return st;
+}
+
+static void *td_rank(void *arg) {
+    td_job *j = arg;
+    cudaSetDevice(j->mode == 4 && j->tr.r == 1 ? 1 : 0);
+    cudaStream_t s;
+    moept_comm *c = NULL;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    EXPECT_OK(moept_comm_cuda_threads(j->tr.g, j->tr.r, s, 20000, &c));
+    if (!c) return NULL;
+    if (j->mode == 0) j->wrong = td_alltoallv(c, s) + td_others(c, s);
+    else j->st = td_misuse(c, j->mode);
+    snprintf(j->msg, sizeof j->msg, "%s", c->err);
+    int64_t v[1] = {1};
+    void *d = NULL;
+    cudaMalloc(&d, 8);
+    cudaMemcpy(d, v, 8, cudaMemcpyHostToDevice);
+    j->after = c->allreduce(c, d, 1, MOEPT_DTYPE_I64);
+    cudaStreamSynchronize(s);
+    cudaFree(d);
+    moept_comm_destroy(c);
+    cudaStreamDestroy(s);
+    return NULL;
+}
+
+static void test_comm_cuda_threads(void) {
+    const char *want[5] = {"", "host memory", "different calls", "matches no send", "device"};
+    for (int mode = 0; mode < 5; mode++) {
+        if (mode == 4 && moept_cuda_device_count() < 2) continue; /* one GPU: no other device to try */
+        td_job j[TD_P], proto = {{NULL, 0}, mode, 0, 0, "", 0};
+        tu_ranks_from(TD_P, 20000, td_rank, j, sizeof *j, &proto);
+        for (int r = 0; r < TD_P; r++) {
+            EXPECT(!j[r].wrong, "rank %d: %d results differ from the host's", r, j[r].wrong);
+            EXPECT(mode ? j[r].st != MOEPT_OK && strstr(j[r].msg, want[mode]) : j[r].st == MOEPT_OK,
+                   "mode %d, rank %d: %d (%s)", mode, r, (int)j[r].st, j[r].msg);
+            EXPECT(mode == 4 || j[r].after == MOEPT_OK, "mode %d, rank %d: the next call: %d", mode, r,
+                   (int)j[r].after);
+        }
+    }
+}
+
 int main(void) {
     tu_before = reseed;
     int n = moept_cuda_device_count();
@@ -3032,6 +3186,8 @@ int main(void) {
         tu_skip("cuda: rejected step keeps state; steady state allocates nothing", why);
         tu_skip("cuda: the host keeps only what host calls read (routing copy, counts, placement)", why);
         tu_skip("cuda: bad options and host comms rejected", why);
+        tu_skip("cuda: moept_comm_cuda_threads, 3 ranks on one device: collectives against the host's (sums "
+                "bitwise), one rank's wrong call fails every rank, the next call runs", why);
         tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
         tu_skip("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", why);
         tu_skip("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps", why);
@@ -3049,6 +3205,8 @@ int main(void) {
     tu_run("cuda: rejected step keeps state; steady state allocates nothing", test_rejected_and_steady);
     tu_run("cuda: the host keeps only what host calls read (routing copy, counts, placement)", test_host_workspace);
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
+    tu_run("cuda: moept_comm_cuda_threads, 3 ranks on one device: collectives against the host's (sums "
+           "bitwise), one rank's wrong call fails every rank, the next call runs", test_comm_cuda_threads);
     tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
     tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
     tu_run("cuda: a sync-free step captured in a CUDA graph (thread-local, global), replays equal eager steps",

@@ -2,9 +2,9 @@
 # tools/gpu_check.sh - the real-GPU checks, for a session lent a GPU machine
 # (the device tool; docs/PERF.md "The CUDA executor on one H200" records what they gave).
 #
-#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [sanitize] [bench]
+#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [sanitize] [bench]
 #                         [bench_small] [profile] [torch] [peers]
-#                         (default: build rules check sanitize bench torch peers)
+#                         (default: build rules check ep1gpu sanitize bench torch peers)
 #
 # prebuilt: instead of build, the binaries tools/gpu_prebuild.sh built
 #           beforehand and the device tool carried (GPUB, default gpub), cuBLAS,
@@ -21,6 +21,11 @@
 #           more GPUs also --ep 2 as threads (chunked and not) and the
 #           multi-process recipe (mpirun -np N, N = 2..GPUs: every case,
 #           --sync-free, --chunks 3, the example's curve), each process one GPU
+# ep1gpu:   several ranks on the one GPU, as threads: moept_check_cuda --ep 2 and
+#           4 over moept_comm_cuda_threads (plain, --sync-free, --chunks 3,
+#           --reshard); and over NCCL (--comm nccl-one-gpu,
+#           NCCL_MULTI_RANK_GPU_ENABLE=1), recorded but not counted as a
+#           failure, since NCCL before 2.30 refuses two ranks on one GPU
 # sanitize: compute-sanitizer memcheck, racecheck, synccheck, initcheck on
 #           moept_check_cuda over three cases
 # bench:    bench_cuda at Mixtral-8x7B's layer (D 4096, F 14336, E 8, K 2,
@@ -54,7 +59,7 @@ set -u
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
 SUM="$OUT/summary.txt"
-phases=${*:-build rules check sanitize bench torch peers}
+phases=${*:-build rules check ep1gpu sanitize bench torch peers}
 failed=0
 
 step() { # name, command...: appended to the phase's log; a summary line
@@ -161,6 +166,21 @@ check() {
     else
         echo "skip - --ep 2, chunks and the multi-process recipe: $(gpus) GPU(s)" | tee -a "$SUM"
     fi
+}
+
+ep1gpu() {
+    LOG="$OUT/ep1gpu.log"
+    for n in 2 4; do
+        for m in "" --sync-free "--chunks 3" --reshard; do
+            step "moept_check_cuda --ep $n --comm device $m (threads on GPU 0)" build/moept_check_cuda --ep $n \
+                --comm device $m tests/cases/*.safetensors
+        done
+    done
+    f=$failed # NCCL's own: informational (2.28 says "Duplicate GPU detected")
+    step "moept_check_cuda --ep 2 --comm nccl-one-gpu (NCCL_MULTI_RANK_GPU_ENABLE=1; needs NCCL 2.30+)" \
+        env NCCL_MULTI_RANK_GPU_ENABLE=1 build/moept_check_cuda --ep 2 --comm nccl-one-gpu \
+        tests/cases/*.safetensors
+    failed=$f
 }
 
 rules() { # CUDA's answers to the calls the emulator has rules for, against tests/cuda_rules.txt
@@ -287,9 +307,10 @@ peers() {
 
 for p in $phases; do
     case $p in
-    build | prebuilt | rules | check | sanitize | bench | bench_small | profile | peers) $p ;;
+    build | prebuilt | rules | check | ep1gpu | sanitize | bench | bench_small | profile | peers) $p ;;
     torch) torch_phase ;;
-    *) echo "usage: $0 [build|prebuilt] [rules] [check] [sanitize] [bench] [bench_small] [profile] [torch]" \
+    *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [sanitize] [bench] [bench_small] [profile]" \
+            "[torch]" \
             "[peers]" >&2
        exit 2 ;;
     esac
