@@ -435,7 +435,7 @@ $(B)/emu/bench_cuda: bench/bench_cuda.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 # one process per emulated GPU: MPI + the emulated CUDA, its NCCL across
-# processes through POSIX shared memory (tests/emu/emu_nccl.cc)
+# processes through shared anonymous memory files (tests/emu/emu_nccl.cc)
 $(B)/emu-mpi/moept.o: moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/emu-mpi
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(EMU_INC) -c moept.c -o $@

@@ -6,8 +6,10 @@
 # e.g. --ep 4 and the reference cases a few times over), KILLS times (default
 # 3), each at a random moment 1.5-3.5 s into the run, a random rank of NP
 # (default 2): the job must end within 60 s with an error (a status other
-# than 0) and leave no moept or emulated-NCCL segment in /dev/shm (every
-# segment is unlinked as soon as all its ranks mapped it).
+# than 0) and leave no moept or emulated-NCCL segment in /dev/shm (both are
+# anonymous memory files, which no kill can leave behind). Only this run's
+# names count: new since its job started and naming one of its processes'
+# pids (a name held its maker's), so other jobs on the machine cannot fail it.
 # What ends the job is mpirun, which kills the other ranks when one dies;
 # moept's own timeout and abort for a peer that never comes run over the
 # same emulated NCCL path in test_cuda's absent-peer tests (ranks as threads).
@@ -17,11 +19,23 @@ shift 2
 [ $# -gt 0 ] && shift
 [ $# -gt 0 ] || set -- --ep "$np" --steps 1000000 --quiet
 export OMP_NUM_THREADS=1
-before=$(ls /dev/shm 2>/dev/null | grep -c moept)
+shm() { ls /dev/shm 2>/dev/null | grep moept; }
+# the names in $2 (one a line) not in $1 that have a dot-separated field
+# among the pids $3
+mine() {
+    OLD=$1 PIDS=$3 awk '
+        BEGIN { split(ENVIRON["OLD"], o, "\n"); for (i in o) seen[o[i]] = 1
+                split(ENVIRON["PIDS"], p, " "); for (i in p) pid[p[i]] = 1 }
+        $0 == "" || ($0 in seen) { next }
+        { n = split($0, f, "."); for (i = 1; i <= n; i++) if (f[i] in pid) { print; next } }' <<EOF
+$2
+EOF
+}
 fail=0
 i=0
 while [ $i -lt "$kills" ]; do
     i=$((i + 1))
+    before=$(shm)
     "$mpirun" --oversubscribe -np "$np" "$bin" "$@" >/dev/null 2>&1 &
     mp=$!
     sleep "$(awk -v s="$i$$" 'BEGIN { srand(s); printf "%.2f", 1.5 + 2 * rand() }')"
@@ -53,10 +67,10 @@ while [ $i -lt "$kills" ]; do
             echo "ok - kill $i: the job ended $(($(date +%s) - t0)) s after a rank was killed, status $rc"
         fi
     fi
-    left=$(ls /dev/shm 2>/dev/null | grep -c moept)
-    if [ "$left" -gt "$before" ]; then
-        echo "FAIL - kill $i: $((left - before)) segment(s) left in /dev/shm:" \
-            "$(ls /dev/shm | grep moept | tr '\n' ' ')"
+    left=$(mine "$before" "$(shm)" "$mp $ranks")
+    if [ -n "$left" ]; then
+        echo "FAIL - kill $i: $(echo "$left" | wc -l) segment(s) of this job left in /dev/shm:" \
+            "$(echo "$left" | tr '\n' ' ')"
         fail=1
     else
         echo "ok - kill $i: nothing left in /dev/shm"

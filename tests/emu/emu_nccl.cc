@@ -17,8 +17,20 @@
    through the ring; an op moves all its sends and receives together (as a
    group does), and a send completes when its receiver has taken every
    byte. A collective is every rank's part sent to every other rank, summed
-   in rank order (every rank gets the same sum). The segment is unlinked as
-   soon as every rank has mapped it.
+   in rank order (every rank gets the same sum).
+
+   The segment has no name: ncclGetUniqueId makes it, an anonymous memory
+   file (memfd_create), and the id holds its maker's pid and descriptor and
+   a nonce, as NCCL's id holds its maker's bootstrap address. Another
+   process opens it through /proc/<pid>/fd/<fd> while the maker keeps the
+   descriptor, which it closes once every rank has joined (an id no rank of
+   its process joins keeps it until exit); the memory lives until the last
+   unmap. So no kill at any moment (of a rank, of the maker, of the
+   survivors by mpirun, before or after the init completes) can leave
+   anything in /dev/shm, where a name made at ncclCommInitRank stayed until
+   every rank had mapped it. A rank whose id's maker has exited gets
+   ncclRemoteError, as NCCL's from an unreachable bootstrap root; an id
+   used after its world formed (an id serves one communicator) is a report.
 
    A peer that does not come is waited for, as real NCCL does: NCCL reports
    no error for a live peer that is merely absent (NCCL User Guide,
@@ -32,6 +44,8 @@
    kind, count or type differs from what its receiver posted. */
 #include "emu_internal.h"
 
+#include <cerrno>
+#include <csignal>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -60,8 +74,9 @@ struct Ring {
 };
 /* The shared segment: zero-filled by ftruncate, which is every counter's start */
 struct Shm {
+    std::atomic<uint64_t> nonce;        /* the id's: a descriptor that leads elsewhere is told apart */
     std::atomic<uint64_t> magic;
-    std::atomic<int> n, joined, mapped; /* the last rank to map it unlinks its name */
+    std::atomic<int> n, joined;         /* once every rank joined, every process has it mapped */
     std::atomic<int> aborted[MAXRANKS];  /* its messages may stay unreceived */
     Ring ring[MAXRANKS * MAXRANKS];     /* [src * MAXRANKS + dst] */
 };
@@ -95,7 +110,8 @@ struct Comm {
 };
 
 static std::mutex g_mu;
-static std::map<std::string, World *> g_worlds; /* by the id's segment name */
+static std::map<std::string, World *> g_worlds; /* by the id's text */
+static std::map<std::string, int> g_made;       /* ids made here: the descriptor, kept until all joined */
 /* > 0: a peer absent this long is a transport error (moept_emu_nccl_inject_error) */
 static std::atomic<int> g_inject_ms{0};
 /* > 0: the n-th point-to-point op from now (an outermost ncclGroupEnd's sends
@@ -410,30 +426,85 @@ ncclResult_t ncclGetVersion(int *v) {
     return ncclSuccess;
 }
 
-/* The id names the world's shared segment (made by the first rank to join) */
+/* The id: its maker's pid, the descriptor of the segment it made (an anonymous
+   memory file, zero-filled by ftruncate) and the nonce written in it */
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     if (!id) return ncclInvalidArgument;
-    static std::atomic<int> counter{0};
+    static std::atomic<uint64_t> counter{0};
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(CLOCK_REALTIME, &ts);
+    const uint64_t ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    const uint64_t nonce = (ns * 0x9e3779b97f4a7c15ULL) ^ ((uint64_t)getpid() << 40) ^ ++counter;
+    const int fd = memfd_create("moept-emu-nccl", MFD_CLOEXEC);
+    if (fd < 0) return ncclSystemError;
+    void *p = MAP_FAILED;
+    if (ftruncate(fd, sizeof(Shm)) == 0)
+        p = mmap(nullptr, sizeof(Shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        close(fd);
+        return ncclSystemError;
+    }
+    ((Shm *)p)->nonce.store(nonce);
+    munmap(p, sizeof(Shm));
     memset(id, 0, sizeof *id);
-    snprintf(id->internal, sizeof id->internal, "/moept-emu-nccl.%d.%d.%lx", (int)getpid(), counter++,
-             (unsigned long)ts.tv_nsec);
+    snprintf(id->internal, sizeof id->internal, "moept-emu-nccl.%d.%d.%llx", (int)getpid(), fd,
+             (unsigned long long)nonce);
+    std::lock_guard<std::mutex> lk(g_mu);
+    g_made[id->internal] = fd;
     return ncclSuccess;
 }
 
-/* maps the id's segment (making it if this rank is first); NULL if it cannot */
-static Shm *map_world(const char *name) {
-    int fd = shm_open(name, O_RDWR | O_CREAT, 0600);
-    if (fd < 0) return nullptr;
-    Shm *m = nullptr;
-    struct stat st;
-    if (fstat(fd, &st) == 0 && (st.st_size == (off_t)sizeof(Shm) || ftruncate(fd, sizeof(Shm)) == 0)) {
-        void *p = mmap(nullptr, sizeof(Shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p != MAP_FAILED) m = (Shm *)p;
+/* whether process pid runs still (a zombie's descriptors are gone) */
+static bool alive(int pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return kill(pid, 0) == 0 || errno == EPERM;
+    const size_t k = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[k] = 0;
+    const char *s = strrchr(buf, ')'); /* "pid (comm) state ..." */
+    return s && s[1] && s[2] != 'Z' && s[2] != 'X';
+}
+
+/* maps the id's segment (under g_mu): through the descriptor, if this process
+   made the id, else through the maker's in /proc. NULL if it cannot, *err
+   saying why: ncclRemoteError when the maker has exited (no report: a peer's
+   death), else a report (the id spent, or /proc will not open it) */
+static Shm *map_world(const std::string &name, ncclResult_t *err) {
+    int pid = 0, fd = -1;
+    unsigned long long nonce = 0;
+    *err = ncclInvalidArgument;
+    if (sscanf(name.c_str(), "moept-emu-nccl.%d.%d.%llx", &pid, &fd, &nonce) != 3) return nullptr;
+    auto made = g_made.find(name);
+    int f = made != g_made.end() ? made->second : -1, e = ENOENT;
+    if (made == g_made.end() && pid != (int)getpid()) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
+        f = open(path, O_RDWR | O_CLOEXEC);
+        e = errno;
     }
-    close(fd);
-    return m;
+    struct stat st;
+    void *p = MAP_FAILED;
+    if (f >= 0 && fstat(f, &st) == 0 && st.st_size == (off_t)sizeof(Shm))
+        p = mmap(nullptr, sizeof(Shm), PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+    if (f >= 0 && made == g_made.end()) close(f);
+    Shm *m = p == MAP_FAILED ? nullptr : (Shm *)p;
+    if (m && m->nonce.load() == nonce) return m;
+    if (m) munmap(m, sizeof(Shm));
+    if (!alive(pid)) {
+        fprintf(stderr, "moept-emu: nccl: ncclCommInitRank: the id's maker (pid %d) has exited\n", pid);
+        *err = ncclRemoteError;
+    } else if (f < 0 && e != ENOENT) {
+        report("nccl", "ncclCommInitRank: cannot open the segment of %s through /proc/%d/fd/%d: %s",
+               name.c_str(), pid, fd, strerror(e));
+        *err = ncclSystemError;
+    } else {
+        report("nccl", "ncclCommInitRank: the id %s is spent (its world formed; an id serves one "
+               "communicator)", name.c_str());
+        *err = ncclInvalidUsage;
+    }
+    return nullptr;
 }
 
 ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank) {
@@ -441,21 +512,19 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
     char name[sizeof id.internal + 1];
     memcpy(name, id.internal, sizeof id.internal);
     name[sizeof id.internal] = 0;
-    if (strncmp(name, "/moept-emu-nccl.", 16) != 0) return ncclInvalidArgument;
+    if (strncmp(name, "moept-emu-nccl.", 15) != 0) return ncclInvalidArgument;
     if (sticky(cur_dev)) return ncclUnhandledCudaError; /* a lost context (see coll) */
     World *w;
     {
         std::lock_guard<std::mutex> lk(g_mu);
         auto it = g_worlds.find(name);
         if (it == g_worlds.end()) {
+            ncclResult_t err;
+            Shm *m = map_world(name, &err);
+            if (!m) return err;
             w = new World();
             w->name = name;
-            w->shm = map_world(name);
-            if (!w->shm) {
-                delete w;
-                report("nccl", "ncclCommInitRank: cannot map the shared segment %s", name);
-                return ncclSystemError;
-            }
+            w->shm = m;
             w->n = n;
             w->last.resize((size_t)n);
             g_worlds[name] = w;
@@ -467,7 +536,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
     int zero = 0;
     uint64_t z = 0;
     if (!m->magic.compare_exchange_strong(z, MAGIC) && z != MAGIC) {
-        report("nccl", "ncclCommInitRank: the segment %s is not an emulated NCCL world", name);
+        report("nccl", "ncclCommInitRank: the segment of %s is not an emulated NCCL world", name);
         return ncclInvalidArgument;
     }
     if (!m->n.compare_exchange_strong(zero, n) && zero != n) return ncclInvalidArgument;
@@ -490,7 +559,12 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
             hang(h);
         }
     }
-    if (m->mapped.fetch_add(1) + 1 == n) shm_unlink(name); /* every rank has it: the name can go */
+    std::lock_guard<std::mutex> lk(g_mu); /* every rank joined, so every process mapped it: the maker's */
+    auto made = g_made.find(name);        /* descriptor can go (the memory lives until the last unmap) */
+    if (made != g_made.end()) {
+        close(made->second);
+        g_made.erase(made);
+    }
     *out = (ncclComm_t)c;
     return ncclSuccess;
 }
