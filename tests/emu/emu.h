@@ -25,6 +25,10 @@ void moept_emu_nccl_inject_error(int ms);
    fails as after a network error: it moves nothing, and its communicator's
    asynchronous error is ncclRemoteError. 0 disarms. */
 void moept_emu_nccl_fail_p2p(int n);
+/* The emulated NCCL's version (ncclGetVersion, and the rules that depend on
+   it) as if another libnccl were loaded, e.g. 23007 for 2.30.7; 0 restores
+   the headers' NCCL_VERSION_CODE. */
+void moept_emu_nccl_version(int code);
 /* Fault injection: the next kernel launched on device dev (from now) faults
    when it runs, as one that touched an illegal address: a "context" report
    (take it), and the device's context is lost (cudaErrorIllegalAddress).

@@ -1,7 +1,8 @@
 /* emu_nccl.cc - the emulated NCCL. Ranks are threads of one process or
    processes (one emulated GPU each, as users deploy NCCL: the unique id
    travels by MPI or a file), or both; each rank has its own emulated device
-   (cudaSetDevice before ncclCommInitRank). Written from NCCL's
+   (cudaSetDevice before ncclCommInitRank; two ranks on one fail it, as
+   NCCL's duplicate-GPU check does: dup_gpu). Written from NCCL's
    documentation: ncclGetUniqueId/ncclCommInitRank (blocking until every
    rank joined), ncclGroupStart/End (per thread, nested; the group's
    point-to-point calls become one op per stream at the outermost
@@ -78,6 +79,7 @@ struct Shm {
     std::atomic<uint64_t> magic;
     std::atomic<int> n, joined;         /* once every rank joined, every process has it mapped */
     std::atomic<int> aborted[MAXRANKS];  /* its messages may stay unreceived */
+    std::atomic<int> pid[MAXRANKS], dev[MAXRANKS]; /* each rank's GPU, set before it joins */
     Ring ring[MAXRANKS * MAXRANKS];     /* [src * MAXRANKS + dst] */
 };
 /* A message's header in its ring */
@@ -118,6 +120,11 @@ static std::atomic<int> g_inject_ms{0};
    and receives) enqueued for device g_fail_p2p_dev fails (moept_emu_nccl_fail_p2p) */
 static std::atomic<int> g_fail_p2p{0};
 static std::atomic<int> g_fail_p2p_dev{-1};
+/* the emulated library's version (ncclGetVersion): the headers', or moept_emu_nccl_version's */
+static std::atomic<int> g_version{NCCL_VERSION_CODE};
+/* NCCL's last error, one for the process (src/debug.cc: every WARN writes it; ncclGetLastError
+   returns it whatever the comm): here what the init failures write, given for a NULL comm */
+static char g_last[256];
 
 struct Pending {
     Comm *c;
@@ -413,6 +420,7 @@ using namespace emu;
 
 int moept_emu_nccl_group_depth(void) { return t_depth; }
 extern "C" void moept_emu_nccl_inject_error(int ms) { g_inject_ms = ms > 0 ? ms : 0; }
+extern "C" void moept_emu_nccl_version(int code) { g_version = code > 0 ? code : NCCL_VERSION_CODE; }
 extern "C" void moept_emu_nccl_fail_p2p(int n) {
     g_fail_p2p_dev = cur_dev;
     g_fail_p2p = n > 0 ? n : 0;
@@ -422,7 +430,7 @@ extern "C" {
 
 ncclResult_t ncclGetVersion(int *v) {
     if (!v) return ncclInvalidArgument;
-    *v = NCCL_VERSION_CODE;
+    *v = g_version.load();
     return ncclSuccess;
 }
 
@@ -507,6 +515,56 @@ static Shm *map_world(const std::string &name, ncclResult_t *err) {
     return nullptr;
 }
 
+/* Two ranks of one communicator on one GPU, checked once every rank joined (NCCL checks after
+   its first all-gather of the ranks' peer info, src/init.cc initTransportsRank). An emulated GPU
+   is one process's device (each process has its own, as each process of the MPI runs sees one
+   GPU), so two ranks share one when their process and device are the same.
+   - NCCL before 2.30 (NVIDIA/nccl src/init.cc to v2.29.7-1, e.g. v2.28.9-1 line 904): a rank
+     whose GPU (host hash and PCI bus id) another rank i also has, lowest i first, WARNs
+     "Duplicate GPU detected : rank <its rank> and rank <i> both on CUDA device <bus id, hex>"
+     and ncclCommInitRank gives ncclInvalidUsage, *comm NULL (ncclCommInitRankDev's fail path).
+     ncclGetLastError gives the last WARN, whatever the comm (src/debug.cc ncclLastError). Seen
+     on every sharing rank: github.com/horovod/horovod/issues/3929, NVIDIA/nccl/issues/1241.
+     The emulator prints the device ordinal (it has no bus id). A rank on a GPU of its own
+     passes the check and goes on to a bootstrap exchange with peers that have left; here it
+     gets ncclRemoteError ("a remote process exiting prematurely", NCCL API ncclResult_t)
+     rather than a wait without end.
+   - From 2.30 (docs/userguide/source/env.rst: NCCL_MULTI_RANK_GPU_ENABLE, "since 2.30",
+     default 0; v2.30.7-1 src/init.cc): every rank of a communicator in which any two share a
+     GPU gives ncclInvalidUsage, WARN "Multiple Ranks are using the same GPU/Partition. Set
+     NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.", unless the variable is set
+     (nonzero: NCCL_PARAM reads an integer); then the communicator forms. (2.30.3 and 2.30.4
+     failed only the host's first rank, src/graph/topo.cc ncclCheckMultiRank; 2.30.7 is
+     emulated.) */
+static ncclResult_t dup_gpu(Shm *m, int n, int rank, char *msg, size_t len) {
+    auto same = [m](int i, int j) {
+        return m->pid[i].load() == m->pid[j].load() && m->dev[i].load() == m->dev[j].load();
+    };
+    int mine = -1, any = 0; /* the lowest other rank on this rank's GPU; whether any two share one */
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++)
+            if (i != j && same(i, j)) {
+                any = 1;
+                if (i == rank && mine < 0) mine = j;
+            }
+    if (!any) return ncclSuccess;
+    if (g_version.load() >= NCCL_VERSION(2, 30, 0)) {
+        const char *e = getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+        if (e && strtoll(e, nullptr, 0) != 0) return ncclSuccess;
+        snprintf(msg, len, "Multiple Ranks are using the same GPU/Partition. Set "
+                 "NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this configuration.");
+        return ncclInvalidUsage;
+    }
+    if (mine < 0) {
+        snprintf(msg, len, "rank %d: ranks of this communicator that share a GPU left its initialisation",
+                 rank);
+        return ncclRemoteError;
+    }
+    snprintf(msg, len, "Duplicate GPU detected : rank %d and rank %d both on CUDA device %x", rank, mine,
+             m->dev[rank].load());
+    return ncclInvalidUsage;
+}
+
 ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank) {
     if (!out || n < 1 || n > MAXRANKS || rank < 0 || rank >= n) return ncclInvalidArgument;
     char name[sizeof id.internal + 1];
@@ -548,6 +606,8 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
     c->w = w;
     c->rank = rank;
     c->dev = cur_dev;
+    m->pid[rank] = (int)getpid();
+    m->dev[rank] = cur_dev;
     m->joined.fetch_add(1);
     double t0 = now();
     while (m->joined.load() < n) { /* blocking, as ncclCommInitRank is: for ever */
@@ -559,11 +619,25 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int n, ncclUniqueId id, int rank)
             hang(h);
         }
     }
+    char msg[sizeof g_last];
+    const ncclResult_t dup = dup_gpu(m, n, rank, msg, sizeof msg);
     std::lock_guard<std::mutex> lk(g_mu); /* every rank joined, so every process mapped it: the maker's */
     auto made = g_made.find(name);        /* descriptor can go (the memory lives until the last unmap) */
     if (made != g_made.end()) {
         close(made->second);
         g_made.erase(made);
+    }
+    if (dup != ncclSuccess) { /* no communicator: this rank's part of the world goes */
+        fprintf(stderr, "moept-emu: nccl: ncclCommInitRank: %s\n", msg);
+        memcpy(g_last, msg, sizeof g_last);
+        delete c;
+        if (--w->live == 0 && !w->aborted) {
+            munmap(w->shm, sizeof(Shm));
+            g_worlds.erase(w->name);
+            delete w;
+        }
+        *out = nullptr;
+        return dup;
     }
     *out = (ncclComm_t)c;
     return ncclSuccess;
@@ -603,7 +677,7 @@ const char *ncclGetLastError(ncclComm_t h) {
         report("nccl", "ncclGetLastError on a communicator that ncclCommAbort or ncclCommDestroy already freed");
         return "";
     }
-    return c ? c->err : "";
+    return c ? c->err : g_last;
 }
 
 const char *ncclGetErrorString(ncclResult_t r) {

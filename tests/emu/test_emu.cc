@@ -1012,6 +1012,87 @@ static void nccl_unmatched(int inject) {
     moept_emu_nccl_inject_error(0);
 }
 
+/* NCCL: n ranks of one communicator, rank r a thread on device devs[r],
+   initialise (and destroy what formed); res gets each rank's
+   ncclCommInitRank result, msg the last error of the first that failed.
+   Returns the seconds the initialisation took. */
+static double nccl_init_on(int n, const int *devs, ncclResult_t *res, char *msg, size_t len) {
+    ncclUniqueId id;
+    ncclGetUniqueId(&id);
+    std::vector<ncclComm_t> comms((size_t)n, nullptr);
+    std::mutex mu;
+    msg[0] = 0;
+    auto rank = [&](int r) {
+        cudaSetDevice(devs[r]);
+        res[r] = ncclCommInitRank(&comms[(size_t)r], n, id, r);
+        std::lock_guard<std::mutex> lk(mu);
+        if (res[r] != ncclSuccess && !msg[0]) snprintf(msg, len, "%s", ncclGetLastError(nullptr));
+    };
+    const double t0 = now_s();
+    std::vector<std::thread> ts;
+    for (int r = 0; r < n; r++) ts.emplace_back(rank, r);
+    for (auto &t : ts) t.join();
+    const double dt = now_s() - t0;
+    for (int r = 0; r < n; r++)
+        if (comms[(size_t)r]) ncclCommDestroy(comms[(size_t)r]);
+    return dt;
+}
+
+/* NCCL before 2.30 (the headers here: NCCL_VERSION_CODE) refuses two ranks
+   of a communicator on one GPU: each of them gets ncclInvalidUsage from
+   ncclCommInitRank, "Duplicate GPU detected" its last error, at once (no
+   wait; a rank with a GPU of its own ncclRemoteError);
+   NCCL_MULTI_RANK_GPU_ENABLE=1 does nothing before 2.30. On two GPUs the
+   communicator forms. From 2.30 every rank fails, unless the variable is 1. */
+static void nccl_dup_gpu() {
+    char msg[256], why[400];
+    ncclResult_t res[3];
+    const int same[2] = {0, 0}, two[2] = {0, 1};
+    double dt = nccl_init_on(2, same, res, msg, sizeof msg);
+    snprintf(why, sizeof why, "results %d, %d in %.1f s, last error '%s'", res[0], res[1], dt, msg);
+    result("nccl: two ranks on one GPU fail ncclCommInitRank with ncclInvalidUsage at once",
+           res[0] == ncclInvalidUsage && res[1] == ncclInvalidUsage && dt < 5 &&
+               strstr(msg, "Duplicate GPU detected : rank ") && strstr(msg, " both on CUDA device "), why);
+    expect_clean("nccl: ... as a result, not a report");
+    setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+    dt = nccl_init_on(2, same, res, msg, sizeof msg);
+    unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+    snprintf(why, sizeof why, "results %d, %d in %.1f s", res[0], res[1], dt);
+    result("nccl: ... NCCL_MULTI_RANK_GPU_ENABLE=1 does not allow it before NCCL 2.30",
+           NCCL_VERSION_CODE >= 23000 || (res[0] == ncclInvalidUsage && res[1] == ncclInvalidUsage), why);
+    dt = nccl_init_on(2, two, res, msg, sizeof msg);
+    snprintf(why, sizeof why, "results %d, %d, last error '%s'", res[0], res[1], msg);
+    const bool formed = res[0] == ncclSuccess && res[1] == ncclSuccess;
+    result("nccl: two ranks on two GPUs form the communicator", formed, why);
+    const int three[3] = {1, 0, 1}; /* ranks 0 and 2 share device 1; rank 1 has its own */
+    dt = nccl_init_on(3, three, res, msg, sizeof msg);
+    snprintf(why, sizeof why, "results %d, %d, %d in %.1f s", res[0], res[1], res[2], dt);
+    result("nccl: ... of three, the two sharing a GPU ncclInvalidUsage, the third ncclRemoteError, at once",
+           NCCL_VERSION_CODE >= 23000 ||
+               (res[0] == ncclInvalidUsage && res[2] == ncclInvalidUsage && res[1] == ncclRemoteError &&
+                dt < 5),
+           why);
+    expect_clean("nccl: ... with no report");
+    /* as if NCCL 2.30.7 were loaded */
+    moept_emu_nccl_version(23007);
+    int v = 0;
+    ncclGetVersion(&v);
+    dt = nccl_init_on(3, three, res, msg, sizeof msg);
+    snprintf(why, sizeof why, "version %d: results %d, %d, %d in %.1f s, last error '%s'", v, res[0], res[1],
+             res[2], dt, msg);
+    result("nccl: 2.30, every rank fails ncclCommInitRank when two share a GPU",
+           v == 23007 && res[0] == ncclInvalidUsage && res[1] == ncclInvalidUsage &&
+               res[2] == ncclInvalidUsage && strstr(msg, "Set NCCL_MULTI_RANK_GPU_ENABLE=1"), why);
+    setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+    dt = nccl_init_on(2, same, res, msg, sizeof msg);
+    unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+    snprintf(why, sizeof why, "results %d, %d, last error '%s'", res[0], res[1], msg);
+    result("nccl: 2.30, ... NCCL_MULTI_RANK_GPU_ENABLE=1 allows it",
+           res[0] == ncclSuccess && res[1] == ncclSuccess, why);
+    moept_emu_nccl_version(0);
+    expect_clean("nccl: ... with no report");
+}
+
 int main() {
     kernels();
     lost_context();
@@ -1023,6 +1104,7 @@ int main() {
     blas_rules();
     nccl_unmatched(0);
     nccl_unmatched(1);
+    nccl_dup_gpu();
     capture();
     capture_modes();
     return g_fail;
