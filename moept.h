@@ -564,7 +564,8 @@ typedef struct moept_config {
 /* ---- communication -------------------------------------------------
    A small table of collectives over a group of ranks. Built in: single
    rank (NULL), threads in one process (moept_comm_threads), MPI
-   (moept_comm_mpi, with -DMOEPT_MPI), NCCL (CUDA builds). A host framework
+   (moept_comm_mpi, with -DMOEPT_MPI), NCCL and threads on one GPU (CUDA
+   builds: moept_comm_nccl, moept_comm_cuda_threads). A host framework
    can fill in its own. Counts and offsets are in elements. Every call is
    collective: all ranks of the group make it, in the same order. */
 typedef struct moept_seg {
@@ -816,7 +817,8 @@ int moept_comm_nccl_aborted(const moept_comm *c);
    600 s) is an error; a rank that does not come, the group's timeout. The
    group's comm of `rank` (moept_comm_threads) carries the rendezvous: other
    calls on it are collectives in the same order too. moept_comm_destroy
-   frees it (the group stays the caller's). */
+   of this comm is collective too (a barrier of the group: a peer may
+   still wait on its events); the group stays the caller's. */
 moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank, void *stream, int timeout_ms,
                                      moept_comm **out);
 #endif

@@ -1903,18 +1903,23 @@ static moept_status moept__td_p2p(moept_comm *c, const moept_p2p *sends, int nse
     return moept__td_drain(c);
 }
 
-/* The frees wait for the device: the stream is drained first, up to the
-   timeout (a stage a peer may still read is kept rather than freed early) */
+/* Collective (every rank's thread calls it): a peer may still be about to
+   wait on this rank's events after the last call's rendezvous, so they go
+   only after a barrier of the group; a group that fails it (a rank that
+   never comes) leaves them allocated rather than freed under a peer. The
+   frees wait for the device: the stream is drained first, up to the
+   timeout (a stage a peer may still read is kept rather than freed early). */
 static void moept__td_destroy(moept_comm *c) {
     moept__tdev *t = MOEPT__TD(c);
     if (t) {
         moept__on_device on(t->dev, t->probe);
-        if (moept__td_drain(c) == MOEPT_OK) {
+        const int met = !t->host || t->host->barrier(t->host) == MOEPT_OK;
+        if (met && moept__td_drain(c) == MOEPT_OK) {
             for (int i = 0; i < t->nretired; i++) cudaFree(t->retired[i]);
             if (t->stage) cudaFree(t->stage);
         }
-        if (t->ready) cudaEventDestroy(t->ready);
-        if (t->done) cudaEventDestroy(t->done);
+        if (t->ready && met) cudaEventDestroy(t->ready);
+        if (t->done && met) cudaEventDestroy(t->done);
         if (t->probe) cudaStreamDestroy(t->probe);
         free(t->posts);
         free(t->status);
@@ -1950,6 +1955,7 @@ extern "C" moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank,
         cudaEventCreateWithFlags(&t->ready, cudaEventDisableTiming) != cudaSuccess ||
         cudaEventCreateWithFlags(&t->done, cudaEventDisableTiming) != cudaSuccess) {
         cudaGetLastError();
+        t->host = NULL; /* (no barrier: the peers' comms are not this one's concern yet) */
         moept__td_destroy(c);
         return MOEPT_ERR_DEVICE;
     }
