@@ -1414,12 +1414,12 @@ static moept_status moept__nccl_out(moept_comm *c, size_t off, size_t n) {
     return moept__nccl_wait(c);
 }
 /* both buffers host memory (1: staged) or both device memory (0); one of
-   each is refused (-1, the comm's error set) */
-static int moept__nccl_on_host(moept_comm *c, const void *a, const void *b, const char *call) {
+   each is refused (-1, the comm's error set). call: the backend and call */
+static int moept__on_host(moept_comm *c, const void *a, const void *b, const char *call) {
     const int ha = moept__is_host(a), hb = moept__is_host(b);
     if (ha == hb) return ha;
-    moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl %s: one buffer is host memory, the other device "
-                     "memory (both one or the other)", call);
+    moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "%s: one buffer is host memory, the other device memory "
+                 "(both one or the other)", call);
     return -1;
 }
 
@@ -1429,7 +1429,7 @@ static moept_status moept__nccl_alltoallv(moept_comm *c, const void *send, const
     MOEPT__TRY(moept__nccl_dead(c));
     if (es != 2 && es != 4 && es != 8)
         return moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "nccl alltoallv: elem_size %d", es);
-    const int host = moept__nccl_on_host(c, send, recv, "alltoallv");
+    const int host = moept__on_host(c, send, recv, "nccl alltoallv");
     if (host < 0) return MOEPT_ERR_INVALID_ARGUMENT;
     if (!host) return moept__nccl_a2a_dev(c, send, ss, recv, rs, nseg, es);
     moept__nccl *n = (moept__nccl *)c->ctx;
@@ -1477,7 +1477,7 @@ static moept_status moept__nccl_allgather(moept_comm *c, const void *send, void 
     moept__nccl *n = (moept__nccl *)c->ctx;
     MOEPT__TRY(moept__nccl_dead(c));
     if (bytes <= 0) return MOEPT_OK;
-    const int host = moept__nccl_on_host(c, send, recv, "allgather");
+    const int host = moept__on_host(c, send, recv, "nccl allgather");
     if (host < 0) return MOEPT_ERR_INVALID_ARGUMENT;
     if (!host) {
         MOEPT__NC(c, ncclAllGather(send, recv, (size_t)bytes, ncclUint8, n->comm, n->stream));
@@ -1731,14 +1731,6 @@ static void moept__td_copy(moept__tcopy *k, void *dst, const void *src, size_t n
     k->n = n;
 }
 
-/* both host memory (1), both device memory (0), or one of each (-1, refused) */
-static int moept__td_on_host(moept_comm *c, const void *a, const void *b, const char *call) {
-    const int ha = moept__is_host(a), hb = moept__is_host(b);
-    if (ha == hb) return ha;
-    moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads %s: one buffer is host memory, the other "
-                 "device memory (both one or the other)", call);
-    return -1;
-}
 /* host buffers: after the stream's work, through the thread group */
 #define MOEPT__TD_HOST(c, call)                                                                       \
     do {                                                                                              \
@@ -1752,7 +1744,7 @@ static moept_status moept__td_alltoallv(moept_comm *c, const void *send, const m
                                         const moept_seg *rs, int nseg, int es) {
     MOEPT__TENTER(c);
     moept__tdev *t = MOEPT__TD(c);
-    const int host = moept__td_on_host(c, send, recv, "alltoallv");
+    const int host = moept__on_host(c, send, recv, "cuda threads alltoallv");
     if (host == 1) MOEPT__TD_HOST(c, h_->alltoallv(h_, send, ss, recv, rs, nseg, es));
     moept__tpost mine = {};
     mine.shape[0] = 1, mine.shape[1] = nseg, mine.shape[2] = es;
@@ -1784,7 +1776,7 @@ static moept_status moept__td_alltoallv(moept_comm *c, const void *send, const m
 static moept_status moept__td_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
     MOEPT__TENTER(c);
     moept__tdev *t = MOEPT__TD(c);
-    const int host = moept__td_on_host(c, send, recv, "allgather");
+    const int host = moept__on_host(c, send, recv, "cuda threads allgather");
     if (host == 1) MOEPT__TD_HOST(c, h_->allgather(h_, send, recv, bytes));
     moept__tpost mine = {};
     mine.shape[0] = 2, mine.shape[1] = bytes;
