@@ -1615,6 +1615,7 @@ typedef struct moept__params {      /* one buffer, gradients mirror it */
        gradients accumulated before it: adamw_step and grad_norm refuse them
        until zero_grad. -1: none; else dx's first bad element (or 0 for a peer's) */
     int64_t grads_dx_bad;
+    int64_t grads_dl_bad;       /* CUDA: opts.dlogits' first non-finite element since zero_grad, or -1 */
     moept_status grads_sf_bad;  /* sync-free CUDA: a step since zero_grad failed its device checks */
     char grads_sf_why[MOEPT__ERRLEN];
 } moept__params;
@@ -2488,7 +2489,7 @@ static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm
                                const moept__exec *ex) {
     L->cfg = *c;
     L->ex = ex;
-    L->par.grads_dx_bad = -1;
+    L->par.grads_dx_bad = L->par.grads_dl_bad = -1;
     L->ep = ep && ep->size > 1 ? ep : NULL;
     L->dp = dp && dp->size > 1 ? dp : NULL;
     L->P = ep ? ep->size : 1; L->rank = ep ? ep->rank : 0;
@@ -2807,7 +2808,7 @@ moept_status moept_zero_grad(moept_layer *L) {
     moept_status st = MOEPT__EX(L, zero_grad, L); /* the executor's copy, and its checks reset */
     if (st) return st;
     memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
-    L->par.grads_dx_bad = -1;
+    L->par.grads_dx_bad = L->par.grads_dl_bad = -1;
     L->par.grads_sf_bad = MOEPT_OK;
     L->grads_unsynced = 0; /* zeros are the same on every rank */
     return MOEPT_OK;
@@ -2824,6 +2825,13 @@ static moept_status moept__grads_refused(moept_layer *L, const char *call) {
                            "%s: a sync-free step since moept_zero_grad failed its checks "
                            "(%s); its gradients are refused: moept_zero_grad, then the next micro-batch",
                            call, L->par.grads_sf_why);
+    const int64_t dl = L->par.grads_dl_bad; /* checked on the device (the CPU's backward refuses it) */
+    if (dl >= 0)
+        return moept__fail(L, MOEPT_ERR_NUMERIC,
+                           "%s: a backward since moept_zero_grad read its opts.dlogits[%lld][%lld], which "
+                           "was not finite; its gradients hold partial sums: moept_zero_grad, then the next "
+                           "micro-batch",
+                           call, (long long)(dl / L->E), (long long)(dl % L->E));
     if (L->par.grads_dx_bad < 0) return MOEPT_OK;
     return moept__fail(
         L, MOEPT_ERR_NUMERIC,
@@ -5072,8 +5080,9 @@ void moept__dev_backward_done(moept_layer *L, const moept__dev_step *r, int last
 
 void moept__dev_count_jitter(moept_layer *L, int n) { L->jitter_micro += n; }
 
-void moept__dev_grads_bad(moept_layer *L, int64_t bad, moept_status why_st, const char *why) {
+void moept__dev_grads_bad(moept_layer *L, int64_t bad, int64_t dl_bad, moept_status why_st, const char *why) {
     if (bad >= 0 && L->par.grads_dx_bad < 0) L->par.grads_dx_bad = bad;
+    if (dl_bad >= 0 && L->par.grads_dl_bad < 0) L->par.grads_dl_bad = dl_bad;
     if (why_st && !L->par.grads_sf_bad) { /* the sync-free mode's checks, made on the device */
         L->par.grads_sf_bad = why_st;
         snprintf(L->par.grads_sf_why, sizeof L->par.grads_sf_why, "%s", why);

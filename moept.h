@@ -194,11 +194,13 @@
        this one's partial sums, and moept_adamw_step and moept_grad_norm
        refuse them on every rank, naming dx, until moept_zero_grad, as
        mixed-precision training skips a step whose gradients overflowed.
-       The CUDA backward checks dx on the device without a host sync: its
-       next moept_adamw_step or moept_grad_norm reads the check and refuses
-       the same way (no grad_backup there). Nothing non-finite reaches the parameters or the
-       optimizer state: moept_adamw_step also refuses non-finite gradients
-       (moept_grad_norm then returns their Inf or NaN norm).
+       The CUDA backward checks dx, and opts.dlogits (a CPU backward refuses
+       a non-finite one at the call), on the device without a host sync: its
+       next moept_adamw_step or moept_grad_norm reads the checks and refuses
+       the same way, naming dlogits first (no grad_backup there). Nothing
+       non-finite reaches the parameters or the optimizer state:
+       moept_adamw_step also refuses non-finite gradients (moept_grad_norm
+       then returns their Inf or NaN norm).
      - The library never prints, exits or aborts. Per-step work performs no
        allocation (checked through moept_stats.allocations).
      - Top-k ties go to the lower expert index; all sums are in a fixed order,
@@ -1032,7 +1034,9 @@ typedef struct moept_backward_opts {
                                  loss, added to moept's terms; logits as
                                  moept_forward_opts.logits_out wrote them. A CUDA layer's is
                                  device memory, as x. Padded rows (opts.mask) are not read.
-                                 Not scaled by router_loss_scale */
+                                 Not scaled by router_loss_scale. Finite (a CUDA layer's is
+                                 checked on the device: the next adamw_step or grad_norm
+                                 refuses the gradients, naming it) */
     int slot;                 /* the forward differentiated: the training forward saved in this
                                  slot (FORWARD SLOTS). 0 in moept_backward_default() */
 } moept_backward_opts;
@@ -1539,7 +1543,7 @@ void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r, int64_t T
 void moept__dev_step_done(moept_layer *L, const moept__dev_step *r);
 void moept__dev_backward_done(moept_layer *L, const moept__dev_step *r, int last);
 void moept__dev_count_jitter(moept_layer *L, int n);
-void moept__dev_grads_bad(moept_layer *L, int64_t bad, moept_status why_st, const char *why);
+void moept__dev_grads_bad(moept_layer *L, int64_t bad, int64_t dl_bad, moept_status why_st, const char *why);
 /* moept.c's helpers a device executor calls: the layer made with an
    executor; failures (the calling thread's message, moept__errbuf); the
    call tag; the jitter key; AdamW's host moments; sums and maxima over the

@@ -123,10 +123,11 @@ static moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
 static void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
                               int64_t *workspace_bytes);
 /* first_bad: the first non-finite dx element of the backwards since
-   zero_grad, -1 if none (a host sync); sync-free mode: the first failed
-   device check since, its status in why_st (OK: none) and text in why */
-static moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st, char *why,
-                                         char *err);
+   zero_grad, -1 if none (a host sync), dl_bad opts.dlogits' ([T][E]);
+   sync-free mode: the first failed device check since, its status in
+   why_st (OK: none) and text in why */
+static moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, int64_t *dl_bad,
+                                         moept_status *why_st, char *why, char *err);
 /* lstat [3E + 4] receives the step's loss statistics (moept__lso: selection
    counts, aux counts, score sums, T, sum lse^2, the sequences' aux sum and
    count; global when global_balance);
@@ -1116,15 +1117,17 @@ __global__ void moept__k_logits_out(const float *logits, const int32_t *ids, int
 }
 
 /* Router backward, one thread per token. scratch [T][2E]; ls the router
-   losses' scale, dlx [T][E] the caller's dL/dlogits or NULL. */
+   losses' scale, dlx [T][E] the caller's dL/dlogits or NULL, its first
+   non-finite element the token reads into dl_bad (moept.c refuses it at
+   the call; here it is read by adamw_step and grad_norm, as dx's check) */
 __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const float *probs,
                                     const int32_t *ids, const float *dwts, const float *aux_g, int64_t slen,
                                     float zc, const float *lse, float Tl, const double *Tdev, int E, int K,
                                     int norm, float scale, float ls, const float *dlx, int64_t T,
-                                    float *scratch, float *dlogits) {
+                                    float *scratch, float *dlogits, unsigned long long *dl_bad) {
     int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (t >= T) return;
-    if (ids[t * K] < 0) { /* padding: routed nowhere, in no loss */
+    if (ids[t * K] < 0) { /* padding: routed nowhere, in no loss (its dlx row not read, as moept.c's) */
         for (int e = 0; e < E; e++) dlogits[t * E + e] = 0.0f;
         return;
     }
@@ -1134,6 +1137,11 @@ __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const
     moept__router_token_bwd(fam, aux, logits + t * E, probs + t * E, ids + t * K, dwts + t * K, ag, zg,
                             E, K, norm, scale, ls, dlx ? dlx + t * E : NULL, scratch + t * 2 * E,
                             dlogits + t * E);
+    for (int e = 0; dlx && e < E; e++)
+        if (!moept__finite(dlx[t * E + e])) {
+            atomicMin(dl_bad, (unsigned long long)(t * E + e));
+            break;
+        }
 }
 
 /* Sync-free mode: why a step failed its device checks, reported by the next
@@ -1141,7 +1149,7 @@ __global__ void moept__k_router_bwd(int fam, int aux, const float *logits, const
    zero_grad; moept__sf_why says it) */
 enum {
     MOEPT__SF_INPUT = 1, MOEPT__SF_LOSS, MOEPT__SF_ARGS, MOEPT__SF_PEER, MOEPT__SF_CALLS, MOEPT__SF_Y,
-    MOEPT__SF_DY, MOEPT__SF_REPLAY, MOEPT__SF_SLOT
+    MOEPT__SF_DY, MOEPT__SF_REPLAY, MOEPT__SF_SLOT, MOEPT__SF_DLOGITS /* (the host's, from bad[4]) */
 };
 __device__ __forceinline__ unsigned long long moept__sf_min(unsigned long long a, int b) {
     return a < (unsigned long long)b ? a : (unsigned long long)b;
@@ -2090,7 +2098,8 @@ struct moept__cuda {
     int64_t *msg, *msg_all;     /* [M], [P][M] the count message */
     unsigned long long *csel;   /* [C][E] chunked: assignments per chunk and slot */
     unsigned long long *bad;    /* [8] first non-finite x index, token with bad logits, dy index, x
-                                   again (backward), (unused), dx index, sync-free code, gradient index */
+                                   again (backward), opts.dlogits index, dx index, sync-free code,
+                                   gradient index ([4..6]: since zero_grad) */
     double *gpart;              /* [MOEPT__NPART][2] the gradient scan's block sums */
     float *dsg;                 /* [Tmax] the shared gate's gradient (an inference layer: none) */
     float *dlogits;             /* [Tmax][E] */
@@ -2531,7 +2540,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     cv.base = (char *)c->work;
     cv.off = 0;
     moept__layout(c, &cv);
-    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* no backward's dx yet, no failed step */
+    MOEPT__CU(cudaMemsetAsync(&c->bad[4], 0xff, 3 * 8, c->s)); /* no backward's dx yet, no failed step */
     c->nslots = p->nslots > 1 ? p->nslots : 1;
     c->slots = (moept__cslot *)calloc((size_t)c->nslots + 1, sizeof(moept__cslot));
     if (!c->slots)
@@ -2675,28 +2684,34 @@ static moept_status moept__cuda_zero_grad(moept__cuda *c, char *err) {
     MOEPT__ENTER(c);
     c->grads_clean = 0;
     MOEPT__CU(cudaMemsetAsync(c->grads, 0, (size_t)c->sp.n_params * 4, c->s));
-    MOEPT__CU(cudaMemsetAsync(&c->bad[5], 0xff, 2 * 8, c->s)); /* the dx check, the sync-free flag */
+    MOEPT__CU(cudaMemsetAsync(&c->bad[4], 0xff, 3 * 8, c->s)); /* dlogits', dx's checks, the sync-free flag */
     return MOEPT_OK;
 }
 
 /* The first non-finite dx element of the backwards since zero_grad (-1:
-   none): their check ran on the device; this reads it (a host sync).
-   Sync-free mode: why a step since failed its checks, into why ("" if none). */
-static moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, moept_status *why_st,
-                                         char *why, char *err) {
+   none), and opts.dlogits': their checks ran on the device; this reads them
+   (a host sync). Sync-free mode: why a step since failed its checks, into
+   why ("" if none). */
+static moept_status moept__cuda_dx_check(moept__cuda *c, int64_t *first_bad, int64_t *dl_bad,
+                                         moept_status *why_st, char *why, char *err) {
     MOEPT__ENTER(c);
     MOEPT__STAGE("optimizer"); /* read by grad_norm and adamw_step */
-    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 5, &c->bad[5], 2 * 8, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->h_bad + 4, &c->bad[4], 3 * 8, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     MOEPT__STAGE(NULL);
     *first_bad = c->h_bad[5] == ULLONG_MAX ? -1 : (int64_t)c->h_bad[5];
-    const unsigned long long code = c->h_bad[6];
+    *dl_bad = c->h_bad[4] == ULLONG_MAX ? -1 : (int64_t)c->h_bad[4];
+    unsigned long long code = c->h_bad[6];
+    if (c->sp.sync_free && *dl_bad >= 0 && code > MOEPT__SF_DLOGITS) code = MOEPT__SF_DLOGITS;
     why[0] = 0;
     *why_st = code == ULLONG_MAX ? MOEPT_OK
             : code == MOEPT__SF_ARGS || code == MOEPT__SF_PEER || code == MOEPT__SF_CALLS ? MOEPT_ERR_STATE
             : code == MOEPT__SF_REPLAY || code == MOEPT__SF_SLOT ? MOEPT_ERR_INVALID_ARGUMENT
             : MOEPT_ERR_NUMERIC;
-    if (*why_st) snprintf(why, MOEPT__ERRLEN, "%s", moept__sf_why(code));
+    if (code == MOEPT__SF_DLOGITS)
+        snprintf(why, MOEPT__ERRLEN, "opts.dlogits[%lld][%lld] was not finite",
+                 (long long)(*dl_bad / c->sp.E), (long long)(*dl_bad % c->sp.E));
+    else if (*why_st) snprintf(why, MOEPT__ERRLEN, "%s", moept__sf_why(code));
     return MOEPT_OK;
 }
 
@@ -3977,7 +3992,7 @@ static moept_status moept__bwd_router(moept__cuda *c, moept__cslot *sl, const fl
             p->z_coef,
         sl->lse[cur],
         (float)sl->loss_T, c->B ? sl->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale,
-        o->router_loss_scale, o->dlogits, T_, c->scratch, c->dlogits);
+        o->router_loss_scale, o->dlogits, T_, c->scratch, c->dlogits, &c->bad[4]);
     MOEPT__LAUNCHED();
     if (sl->jit) {
         moept__jitter(c, xf, T_, sl->jrow[cur], sl->jkey, 0);
@@ -4558,13 +4573,13 @@ static moept_status moept__cuda_grads_check(moept_layer *L) {
     moept__view v;
     moept__cudax *X = moept__cx(L, &v);
     if (!X->dx_pending && !X->sync_free) return MOEPT_OK;
-    int64_t bad = -1;
+    int64_t bad = -1, dl_bad = -1;
     char why[MOEPT__ERRLEN];
     moept_status why_st = MOEPT_OK;
-    moept_status st = moept__cuda_dx_check(X->c, &bad, &why_st, why, moept__errbuf());
+    moept_status st = moept__cuda_dx_check(X->c, &bad, &dl_bad, &why_st, why, moept__errbuf());
     if (st) return st;
     X->dx_pending = 0;
-    moept__dev_grads_bad(L, bad, why_st, why);
+    moept__dev_grads_bad(L, bad, dl_bad, why_st, why);
     return MOEPT_OK;
 }
 

@@ -9,6 +9,9 @@
      sequence-wise one), EP 1 and 2 (GPU: sync-free too); without the scale
      the router's gradient is off by the losses' whole weight;
    - ranks that pass different scales fail every rank;
+   - a NaN in dlogits fails the step naming opts.dlogits[t][e] (CUDA: the
+     device's check, read by grad_norm, default and sync-free; a padded
+     row's is not read), a scale of Inf names router_loss_scale;
    - transformers' cross-layer aux loss (load_balancing_loss_func over two
      layers' logits concatenated) through logits_out and dlogits, its
      gradient computed here from the formula, equals transformers'
@@ -177,6 +180,83 @@ static void test_scale_must_match(void) {
     st = scale_world(&c, 1, 0, 1.0f, NAN, 0.0f, e, why);
     EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && strstr(why, "not finite"), "NaN scale: %s (%s)",
            moept_status_string(st), why);
+}
+
+/* ---- a non-finite dlogits or router_loss_scale is named --------------- */
+typedef struct njob {
+    moept_thread_group *g; int r;
+    int P, sync_free, pad; /* pad: the NaN in a padded token's row (never read) */
+    float ls;              /* every rank's router_loss_scale */
+    moept_status st;
+    char why[512];
+} njob;
+
+/* rank 0's dlogits[2][1] NaN: the step's first failure (the backward's, or
+   grad_norm's where the device checked it: a CUDA layer) */
+static void *nonfinite_rank(void *arg) {
+    njob *j = arg;
+    const moept_config c = cfg_of(0);
+    const int64_t D = c.hidden_size, E = c.num_experts;
+    tu_ep e;
+    moept_comm *ep = tu_ep_open(&e, j->g, j->P, j->r);
+    moept_layer *L = NULL;
+    j->st = make_layer(&c, ep, j->sync_free, &L);
+    unsigned long long seed = 5 + (unsigned long long)j->r;
+    float x[TR * 16], dl[TR * 8] = {0}; /* cfg_of(0): D 16, E 8 */
+    uint8_t mask[TR];
+    memset(mask, 1, sizeof mask);
+    if (j->pad) mask[2] = 0;
+    tu_fill(x, TR * D, 1.0, &seed);
+    if (j->r == 0) dl[2 * E + 1] = NAN;
+    void *xd = tu_dev(x, sizeof x), *yd = tu_dev(NULL, sizeof x), *dxd = tu_dev(NULL, sizeof x);
+    void *dld = tu_dev(dl, sizeof dl), *md = tu_dev(mask, sizeof mask);
+    moept_forward_opts fo = {.mask = md};
+    moept_backward_opts bo = moept_backward_default();
+    bo.dlogits = dld;
+    bo.router_loss_scale = j->ls;
+    double norm = 0;
+    if (!j->st) j->st = moept_forward_ex(L, xd, TR, yd, &fo);
+    if (!j->st) j->st = moept_backward_ex(L, xd, xd, dxd, &bo);
+    if (!j->st) j->st = moept_grad_norm(L, &norm);
+    if (j->st) snprintf(j->why, sizeof j->why, "%s", moept_last_error(L));
+    else if (!isfinite(norm)) {
+        j->st = MOEPT_ERR_STATE;
+        snprintf(j->why, sizeof j->why, "the gradients' norm is %g", norm);
+    }
+    tu_dev_free(xd); tu_dev_free(yd); tu_dev_free(dxd); tu_dev_free(dld); tu_dev_free(md);
+    moept_destroy(L);
+    tu_ep_close(&e);
+    return NULL;
+}
+
+/* the failure names what was not finite on the rank that passed it (CPU:
+   at the backward; CUDA: the device's check, read by grad_norm, default and
+   sync-free); the same NaN in a padded row is not read; a scale of Inf is
+   refused at the call, on every rank */
+static void test_nonfinite_named(void) {
+    for (int P = 1; P <= MAXP; P++)
+        for (int sf = 0; sf <= GPU; sf++)
+            for (int which = 0; which < 3; which++) {
+                njob jobs[MAXP];
+                njob proto = {.P = P, .sync_free = sf, .pad = which == 1, .ls = which == 2 ? INFINITY : 1.0f};
+                tu_world_ranks(P, nonfinite_rank, jobs, sizeof jobs[0], &proto);
+                const char *name = which == 2 ? "opts.router_loss_scale is not finite" : "opts.dlogits[2][1]";
+                for (int r = 0; r < P; r++) {
+                    const njob *j = &jobs[r];
+                    const moept_status want = which == 2 ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_ERR_NUMERIC;
+                    if (which == 1)
+                        EXPECT(!j->st, "EP %d%s rank %d: a NaN in a padded row refused: %s", P,
+                               sf ? " sync-free" : "", r, j->why);
+                    else if (r == 0 || which == 2)
+                        EXPECT(j->st == want && strstr(j->why, name) && strstr(j->why, "not finite"),
+                               "EP %d%s rank %d: %s (%s), not naming %s", P, sf ? " sync-free" : "", r,
+                               moept_status_string(j->st), j->why, name);
+                    else
+                        EXPECT(j->st, "EP %d%s rank %d: the peer's NaN dlogits not refused", P,
+                               sf ? " sync-free" : "", r);
+                    if (which == 0 && r == 0) printf("# EP %d%s: %s\n", P, sf ? " sync-free" : "", j->why);
+                }
+            }
 }
 
 /* ---- HF's cross-layer aux loss through logits_out / dlogits ----------- */
@@ -348,6 +428,9 @@ int main(void) {
     tu_run(GPU ? "router io (GPU): ranks with different scales, or a NaN scale, fail every rank"
                : "router io: ranks with different scales, or a NaN scale, fail every rank",
            test_scale_must_match);
+    tu_run(GPU ? "router io (GPU): a non-finite dlogits or router_loss_scale is named (EP 1, 2; sync-free)"
+               : "router io: a non-finite dlogits or router_loss_scale is named (EP 1, 2)",
+           test_nonfinite_named);
     tu_run(GPU ? "router io (GPU): HF's cross-layer aux loss via logits_out and dlogits = transformers'"
                : "router io: HF's cross-layer aux loss via logits_out and dlogits = transformers'",
            test_hf_cross_layer);
