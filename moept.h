@@ -816,7 +816,9 @@ int moept_comm_nccl_aborted(const moept_comm *c);
    bits on every rank). Device-buffer calls are asynchronous on `stream` as
    NCCL's are (p2p waits); host buffers go through the thread group once the
    stream has drained. A stream that does not drain within timeout_ms (0 =
-   600 s) is an error; a rank that does not come, the group's timeout. The
+   600 s) is an error; a rank that does not come, the group's timeout. Every
+   rank passes buffers of one kind (device or host) to a call; a call in a
+   CUDA graph capture is refused (a replay would skip the rendezvous). The
    group's comm of `rank` (moept_comm_threads) carries the rendezvous: other
    calls on it are collectives in the same order too. moept_comm_destroy
    of this comm is collective too (a barrier of the group: a peer may

@@ -158,12 +158,14 @@ static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k
 static void moept__cuda_stale_forwards(moept__cuda *c, const char *call);
 static void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
 /* moept_reshard's moves on the device, this rank's part of moept.c's plan:
-   round k sends local slot slot[k]'s expert to rank to[k] and receives one
-   from rank from[k] into that slot (k < n; no more than `rounds`). */
+   its move i, in round round[i] of `rounds`, sends local slot slot[i]'s
+   expert to rank to[i] and receives one from rank from[i] into that slot
+   (i < n). In a round without a move of its own a rank still takes part. */
 typedef struct moept__cuda_moves {
     int64_t n, rounds;
     const int32_t *to, *from;  /* [n] */
     const int64_t *slot;       /* [n] */
+    const int64_t *round;      /* [n] ascending */
 } moept__cuda_moves;
 /* prep, before the agreement: the moments the host made newer on the
    device (from_host, as moept__cuda_adamw), the staging of one expert;
@@ -1607,11 +1609,14 @@ extern "C" int moept_comm_nccl_aborted(const moept_comm *c) {
    the NCCL backend's does); host buffers go through the thread group after
    the stream has drained. One rank's refusal is every rank's: it is in
    its post or its status. */
+typedef struct moept__tverdict {
+    int64_t status;             /* MOEPT_OK, or the rank's refusal */
+    char err[256];              /* its message (a copy: the rank may write its comm's next) */
+} moept__tverdict;
 typedef struct moept__tpost {
-    int64_t status;             /* MOEPT_OK, or the rank's refusal (its message in comm->err) */
+    moept__tverdict v;
     int64_t dev;
     int64_t shape[3];           /* the call and its sizes: the same on every rank */
-    const moept_comm *comm;
     cudaEvent_t ready, done;
     const void *send;           /* alltoallv, allgather: its send buffer; allreduce: its staged input */
     const moept_seg *ss;        /* alltoallv: its pieces [P][nseg] */
@@ -1626,7 +1631,7 @@ typedef struct moept__tdev {
     int dev, timeout_ms;
     cudaEvent_t ready, done;
     moept__tpost *posts;        /* [P] every rank's post of the call in progress */
-    int64_t *status;            /* [P] every rank's status after its pull */
+    moept__tverdict *status;    /* [P] every rank's verdict after its pull */
     void *stage;                /* [stage_bytes] allreduce: its input as the peers read it */
     size_t stage_bytes;
     void *retired[MOEPT__NRETIRED]; /* outgrown stages, freed at destroy (a peer may still read one) */
@@ -1661,21 +1666,24 @@ static moept_status moept__td_drain(moept_comm *c) {
 static moept_status moept__td_post(moept_comm *c, moept__tpost *mine, moept_status st) {
     moept__tdev *t = MOEPT__TD(c);
     mine->dev = t->dev;
-    mine->comm = c;
     mine->ready = t->ready;
     mine->done = t->done;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (!st && cudaStreamIsCapturing(t->stream, &cap) == cudaSuccess && cap != cudaStreamCaptureStatusNone)
+        st = moept__cfail(c, MOEPT_ERR_UNSUPPORTED, "cuda threads comm: not in a CUDA graph capture (a "
+                          "replay would skip the ranks' rendezvous; NCCL comms can be captured)");
     cudaError_t e = st ? cudaSuccess : cudaEventRecord(t->ready, t->stream);
     if (e != cudaSuccess)
         st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaEventRecord: %s", cudaGetErrorString(e));
-    mine->status = st;
+    mine->v.status = st;
+    snprintf(mine->v.err, sizeof mine->v.err, "%s", st ? c->err : "");
     moept_status h = t->host->allgather(t->host, mine, t->posts, (int64_t)sizeof *mine);
     if (h) return moept__cfail(c, h, "cuda threads comm: %s", t->host->err);
     for (int r = 0; r < c->size; r++) {
         const moept__tpost *p = &t->posts[r];
-        if (p->status && r == c->rank) return (moept_status)p->status;
-        if (p->status)
-            return moept__cfail(c, (moept_status)p->status, "cuda threads comm: rank %d: %s", r,
-                                p->comm->err);
+        if (p->v.status && r == c->rank) return (moept_status)p->v.status;
+        if (p->v.status)
+            return moept__cfail(c, (moept_status)p->v.status, "cuda threads comm: rank %d: %s", r, p->v.err);
         if (memcmp(p->shape, mine->shape, sizeof mine->shape) != 0)
             return moept__cfail(c, MOEPT_ERR_COMM, "cuda threads comm: ranks %d and %d made different calls "
                                 "(or with other sizes)", c->rank, r);
@@ -1701,16 +1709,17 @@ static moept_status moept__td_finish(moept_comm *c, moept_status st) {
     cudaError_t e = cudaEventRecord(t->done, t->stream);
     if (!st && e != cudaSuccess)
         st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaEventRecord: %s", cudaGetErrorString(e));
-    int64_t mine = st;
-    moept_status h = t->host->allgather(t->host, &mine, t->status, 8);
+    moept__tverdict mine = {st, ""};
+    snprintf(mine.err, sizeof mine.err, "%s", st ? c->err : "");
+    moept_status h = t->host->allgather(t->host, &mine, t->status, (int64_t)sizeof mine);
     if (h) return moept__cfail(c, h, "cuda threads comm: %s", t->host->err);
     for (int r = 0; r < c->size; r++) /* (a done never recorded: the wait is a no-op) */
         if (r != c->rank && (e = cudaStreamWaitEvent(t->stream, t->posts[r].done, 0)) != cudaSuccess && !st)
             st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaStreamWaitEvent: %s", cudaGetErrorString(e));
     for (int r = 0; r < c->size && !st; r++)
-        if (t->status[r])
-            st = moept__cfail(c, (moept_status)t->status[r], "cuda threads comm: rank %d: %s", r,
-                              t->posts[r].comm->err);
+        if (t->status[r].status)
+            st = moept__cfail(c, (moept_status)t->status[r].status, "cuda threads comm: rank %d: %s", r,
+                              t->status[r].err);
     return st;
 }
 
@@ -1940,7 +1949,7 @@ extern "C" moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank,
     moept_comm *c = (moept_comm *)calloc(1, sizeof *c);
     moept__tdev *t = (moept__tdev *)calloc(1, sizeof *t);
     moept__tpost *posts = (moept__tpost *)calloc((size_t)host->size, sizeof *posts);
-    int64_t *status = (int64_t *)calloc((size_t)host->size, sizeof *status);
+    moept__tverdict *status = (moept__tverdict *)calloc((size_t)host->size, sizeof *status);
     if (!c || !t || !posts || !status) {
         free(c), free(t), free(posts), free(status);
         return MOEPT_ERR_OUT_OF_MEMORY;
@@ -4307,20 +4316,26 @@ static moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_m
     moept_comm *ep = c->sp.ep;
     MOEPT__TRY(moept__rs_backup(c, mv, backup, 0, err));
     *backed = 1;
-    for (int64_t k = 0; k < mv->n; k++)
+    for (int64_t k = 0, i = 0; k < mv->rounds; k++) {
+        const int idle = i >= mv->n || mv->round[i] != k; /* a call with nothing: a comm whose p2p is a
+                                                             rendezvous of the group (threads) needs it */
         for (int b = 0; b < nb; b++) {
-            float *w13, *w2;
-            moept__rs_parts(c, b, mv->slot[k], &w13, &w2);
-            moept_p2p s[2] = {{mv->to[k], w13, n13 * 4}, {mv->to[k], w2, n2 * 4}};
-            moept_p2p r[2] = {{mv->from[k], c->rs_stage, n13 * 4}, {mv->from[k], c->rs_stage + n13, n2 * 4}};
-            moept_status st = ep->p2p(ep, s, 2, r, 2);
+            float *w13 = NULL, *w2 = NULL;
+            if (!idle) moept__rs_parts(c, b, mv->slot[i], &w13, &w2);
+            moept_p2p s[2] = {{idle ? 0 : mv->to[i], w13, n13 * 4}, {idle ? 0 : mv->to[i], w2, n2 * 4}};
+            moept_p2p r[2] = {{idle ? 0 : mv->from[i], c->rs_stage, n13 * 4},
+                              {idle ? 0 : mv->from[i], c->rs_stage + n13, n2 * 4}};
+            moept_status st = ep->p2p(ep, s, idle ? 0 : 2, r, idle ? 0 : 2);
             if (st) return moept__kfail(err, st, "round %lld: %s", (long long)k, ep->err);
+            if (idle) continue;
             *sent += (n13 + n2) * 4;
             *recvd += (n13 + n2) * 4;
             const float *st13 = c->rs_stage, *st2 = c->rs_stage + n13;
             MOEPT__CU(cudaMemcpyAsync(w13, st13, (size_t)n13 * 4, cudaMemcpyDeviceToDevice, c->cs));
             MOEPT__CU(cudaMemcpyAsync(w2, st2, (size_t)n2 * 4, cudaMemcpyDeviceToDevice, c->cs));
         }
+        i += !idle;
+    }
     return moept__host_wait(c, err); /* moept.c then calls moept__cuda_params_changed */
 }
 
@@ -4374,7 +4389,7 @@ typedef struct moept__cudax {
     /* moept_reshard, during the call: this rank's moves, their buffers (1, or 3 with
        the moments) and the leaving experts' bytes [n][rs_nbuf][H*D + D*F], for an undo */
     int rs_nbuf;
-    int64_t *rs_slot;      /* [n] local slot of each leaving expert, then to, from [n] int32 */
+    int64_t *rs_slot;      /* [n] local slot of each leaving expert, [n] its round, then to, from [n] int32 */
     float *rs_backup;
 } moept__cudax;
 
@@ -4626,15 +4641,16 @@ static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept_
                                            moept__errbuf());
     if (st) return moept__fail(L, st, "moept_reshard: %s", moept__errbuf());
     if (X->opt == MOEPT__HOST_NEWER) X->opt = MOEPT__SAME;
-    X->rs_slot = (int64_t *)malloc((size_t)(2 * (n > 0 ? n : 1)) * sizeof(int64_t));
+    X->rs_slot = (int64_t *)malloc((size_t)(3 * (n > 0 ? n : 1)) * sizeof(int64_t));
     X->rs_backup = (float *)malloc((size_t)(n * X->rs_nbuf * part > 0 ? n * X->rs_nbuf * part : 1) *
                                    sizeof(float));
     if (!X->rs_slot || !X->rs_backup) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of "
                                                          "host memory (a backup of the experts it sends)");
-    int32_t *to = (int32_t *)(X->rs_slot + n), *from = to + n;
+    int32_t *to = (int32_t *)(X->rs_slot + 2 * n), *from = to + n;
     for (int64_t k = 0, i = 0; k < mv->rounds; k++) {
         const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
         if (go < 0) continue;
+        X->rs_slot[n + i] = k;
         X->rs_slot[i] = v.slot_of[go] % v.El;
         to[i] = mv->new_rank[go];
         from[i++] = (int32_t)(v.slot_of[come] / v.El);
@@ -4649,8 +4665,8 @@ static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *
     moept__view v;
     moept__cudax *X = moept__cx(L, &v);
     const int64_t n = mv->n;
-    const moept__cuda_moves cm = {n, mv->rounds, (int32_t *)(X->rs_slot + n), (int32_t *)(X->rs_slot + n) + n,
-                                  X->rs_slot};
+    const int32_t *to = (const int32_t *)(X->rs_slot + 2 * n);
+    const moept__cuda_moves cm = {n, mv->rounds, to, to + n, X->rs_slot, X->rs_slot + n};
     int backed = 0;
     moept_status st = moept__cuda_reshard_move(X->c, &cm, X->rs_backup, &backed, sent, recvd,
                                                moept__errbuf()), ast;

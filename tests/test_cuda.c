@@ -881,7 +881,7 @@ static void nccl_rank_open(nccl_rank *n, const two_ranks *t) {
 static void nccl_rank_close(nccl_rank *n) {
     int aborted = moept_comm_nccl_aborted(n->c); /* then the handle is freed already */
     moept_comm_destroy(n->c);
-    if (!aborted) ncclCommDestroy(n->nc);
+    if (!aborted && n->nc) ncclCommDestroy(n->nc);
     cudaStreamDestroy(n->s);
 }
 /* fn on two threads, fn(jobs + r * size) for rank r: jobs [2], each `size`
@@ -2637,12 +2637,17 @@ static void test_absent_peer_grads(void) { absent_peer(1); }
 
 /* ---- moept_reshard on CUDA layers: n emulated NCCL ranks as threads ---- */
 /* The first member of every n-rank job */
-typedef struct n_ranks { int rank, n, timeout_ms; ncclUniqueId id; } n_ranks;
+/* (tg: every rank on device 0 over moept_comm_cuda_threads, no NCCL) */
+typedef struct n_ranks { int rank, n, timeout_ms; ncclUniqueId id; moept_thread_group *tg; } n_ranks;
 static void nccl_open_n(nccl_rank *nr, const n_ranks *t) {
     memset(nr, 0, sizeof *nr);
-    cudaSetDevice(t->rank);
+    cudaSetDevice(t->tg ? 0 : t->rank);
     cudaStreamCreateWithFlags(&nr->s, cudaStreamNonBlocking);
     if (t->n < 2) return; /* one rank: no comm */
+    if (t->tg) {
+        moept_comm_cuda_threads(t->tg, t->rank, nr->s, t->timeout_ms, &nr->c);
+        return;
+    }
     ncclCommInitRank(&nr->nc, t->n, t->id, t->rank);
     moept_comm_nccl(nr->nc, nr->s, t->timeout_ms, &nr->c);
 }
@@ -2651,11 +2656,15 @@ static void nccl_close_n(nccl_rank *nr) {
     else cudaStreamDestroy(nr->s);
 }
 /* fn on n threads, one NCCL clique (jobs [n] of `size` bytes, each starting with an n_ranks) */
+static int g_run_n_one_device; /* run_n: the ranks on device 0 over moept_comm_cuda_threads */
 static void run_n(int n, int timeout_ms, void *(*fn)(void *), void *jobs, size_t size) {
     ncclUniqueId id;
     ncclGetUniqueId(&id);
-    for (int r = 0; r < n; r++) *(n_ranks *)((char *)jobs + r * size) = (n_ranks){r, n, timeout_ms, id};
+    moept_thread_group *tg = NULL;
+    if (g_run_n_one_device) moept_thread_group_create(n, timeout_ms, &tg);
+    for (int r = 0; r < n; r++) *(n_ranks *)((char *)jobs + r * size) = (n_ranks){r, n, timeout_ms, id, tg};
     tu_threads(n, fn, jobs, size);
+    moept_thread_group_destroy(tg);
 }
 
 /* rank r's file of the checkpoint in dir: in the set its index names (a
@@ -2888,6 +2897,18 @@ static void test_reshard(void) {
     rsh_case(2, swap2, "build/ckpt_cuda_rs/swap2_bf16", 1, 0);
 }
 
+/* The same over moept_comm_cuda_threads, every rank on one device: in the
+   mix some ranks move in fewer rounds than others, and this comm's p2p is
+   a rendezvous of the group, so they take part in every round still */
+static void test_reshard_one_device(void) {
+    static const int32_t mix[8] = {1, 2, 0, 0, 3, 1, 2, 3}, swap2[8] = {1, 1, 0, 0, 1, 0, 0, 1};
+    mkdir("build/ckpt_cuda_rs", 0755);
+    g_run_n_one_device = 1;
+    rsh_case(4, mix, "build/ckpt_cuda_rs/mix4_one_device", 0, 0);
+    rsh_case(2, swap2, "build/ckpt_cuda_rs/swap2_one_device_bf16", 1, 1);
+    g_run_n_one_device = 0;
+}
+
 /* A checkpoint of a resharded CUDA layer loads at another EP size: X loads
    <dir>/a (saved after the move), Y <dir>/c (the same state before it, at
    the identity placement); they must not differ (parameters, next step). */
@@ -3030,7 +3051,8 @@ static void test_no_device(void) {
 #define TD_P 3
 typedef struct td_job {
     tu_rank tr;                 /* its group and rank */
-    int mode;                   /* 0: the collectives; 1..3: one rank's call differs; 4: another device */
+    int mode;                   /* 0: the collectives; 1..3: one rank's call differs; 4: another device;
+                                   5: in a graph capture */
     moept_status st, after;     /* the mode's call, then a plain all-reduce */
     char msg[256];
     int wrong;                  /* mode 0: results that differ from the host's */
@@ -3150,7 +3172,17 @@ static void *td_rank(void *arg) {
     EXPECT_OK(moept_comm_cuda_threads(j->tr.g, j->tr.r, s, 20000, &c));
     if (!c) return NULL;
     if (j->mode == 0) j->wrong = td_alltoallv(c, s) + td_others(c, s);
-    else j->st = td_misuse(c, j->mode);
+    else if (j->mode < 5) j->st = td_misuse(c, j->mode);
+    else { /* every rank's stream capturing: refused on every rank */
+        void *d = NULL;
+        cudaGraph_t gr = NULL;
+        cudaMalloc(&d, 256);
+        cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+        j->st = c->allgather(c, d, (char *)d + 64, 8);
+        cudaStreamEndCapture(s, &gr);
+        if (gr) cudaGraphDestroy(gr);
+        cudaFree(d);
+    }
     snprintf(j->msg, sizeof j->msg, "%s", c->err);
     int64_t v[1] = {1};
     void *d = NULL;
@@ -3165,8 +3197,8 @@ static void *td_rank(void *arg) {
 }
 
 static void test_comm_cuda_threads(void) {
-    const char *want[5] = {"", "host memory", "different calls", "matches no send", "device"};
-    for (int mode = 0; mode < 5; mode++) {
+    const char *want[6] = {"", "host memory", "different calls", "matches no send", "device", "graph capture"};
+    for (int mode = 0; mode < 6; mode++) {
         if (mode == 4 && moept_cuda_device_count() < 2) continue; /* one GPU: no other device to try */
         td_job j[TD_P], proto = {{NULL, 0}, mode, 0, 0, "", 0};
         tu_ranks_from(TD_P, 20000, td_rank, j, sizeof *j, &proto);
@@ -3193,7 +3225,7 @@ int main(void) {
         tu_skip("cuda: the host keeps only what host calls read (routing copy, counts, placement)", why);
         tu_skip("cuda: bad options and host comms rejected", why);
         tu_skip("cuda: moept_comm_cuda_threads, 3 ranks on one device: collectives against the host's (sums "
-                "bitwise), one rank's wrong call fails every rank, the next call runs", why);
+                "bitwise), one rank's wrong call or a capture fails every rank, the next call runs", why);
         tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
         tu_skip("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", why);
         tu_skip("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps", why);
@@ -3212,7 +3244,8 @@ int main(void) {
     tu_run("cuda: the host keeps only what host calls read (routing copy, counts, placement)", test_host_workspace);
     tu_run("cuda: bad options and host comms rejected", test_bad_options);
     tu_run("cuda: moept_comm_cuda_threads, 3 ranks on one device: collectives against the host's (sums "
-           "bitwise), one rank's wrong call fails every rank, the next call runs", test_comm_cuda_threads);
+           "bitwise), one rank's wrong call or a capture fails every rank, the next call runs",
+           test_comm_cuda_threads);
     tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
     tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
     tu_run("cuda: a sync-free step captured in a CUDA graph (thread-local, global), replays equal eager steps",
@@ -3276,6 +3309,9 @@ int main(void) {
            test_inference_ep2);
     tu_run("cuda (emulated, 4 and 2 EP ranks): moept_reshard equals save and load at the new placement bitwise, "
            "the moved bytes counted", test_reshard);
+    tu_run("cuda (emulated, 4 and 2 ranks on one device): moept_reshard over moept_comm_cuda_threads, some "
+           "ranks moving in fewer rounds, equals save and load at the new placement bitwise",
+           test_reshard_one_device);
     tu_run_after("cuda (emulated): a resharded layer's checkpoint loads at EP 4 -> 2, 2 -> 4, 4 -> 1 as the "
                  "state before the move (test_reshard's checkpoints)", test_reshard_other_sizes);
     tu_run("cuda (emulated, 4 EP ranks): a reshard failing on one rank fails all, every rank as it was",
