@@ -37,7 +37,8 @@ EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/i
 EMU_OK   := $(if $(EMU_INC),$(shell printf '\043include <cuda_runtime.h>\n\043include <cublas_v2.h>\n\043include <nccl.h>\nint main(void){return 0;}' | $(CXX) -x c++ - $(EMU_INC) -o /dev/null 2>/dev/null && echo yes))
 CXX     ?= g++
 EMU_CXX  = $(CXX) -std=c++17 -g -Wall -Wextra -Wno-unknown-pragmas $(EMU_INC)
-EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tests/emu/emu_nccl.cc
+EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tests/emu/emu_lt.cc \
+           tests/emu/emu_nccl.cc
 EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
 # -fno-tree-sra: a 16-byte vector access stays one access (g++ would split it into its fields)
 EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0 \
@@ -221,6 +222,10 @@ $(B)/test_fault: tests/test_fault.cu tests/testutil.h $(CUDA_OBJS)
 # CUDA's answers to the calls the emulator has rules for (tests/cuda_rules.txt: a real GPU's)
 $(B)/cuda_rules: tests/cuda_rules.cu | $(B)
 	$(NVCC) $(NVCCFLAGS) tests/cuda_rules.cu -o $@
+
+# cuBLASLt's answers to block-scaled FP8 matmuls (tests/lt_rules.txt: a real GPU's)
+$(B)/lt_rules: tests/lt_rules.cu | $(B)
+	$(NVCC) $(NVCCFLAGS) tests/lt_rules.cu -o $@ $(CUDA_LIBDIRS) -lcublasLt
 
 $(B)/bench_cuda: bench/bench_cuda.c $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
@@ -423,6 +428,10 @@ $(B)/emu/test_refuse: tests/test_refuse.c tests/testutil.h tests/tu_exec.h $(EMU
 $(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/test_fault.cu -o $(B)/emu/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_fault.o $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/lt_rules: tests/lt_rules.cu $(B)/emu/rt.o
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/lt_rules.cu -o $(B)/emu/lt_rules.o
+	$(EMU_CXX) $(B)/emu/lt_rules.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
 
 $(B)/emu/cuda_rules: tests/cuda_rules.cu $(B)/emu/rt.o
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/cuda_rules.cu -o $(B)/emu/cuda_rules.o

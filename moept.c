@@ -1546,7 +1546,7 @@ static void moept__gemm_run(const moept__gemm *gs, int64_t count,
 static const char *const moept__cap_names[MOEPT__NCAPS] = {
     "config.router_jitter", "config.inference_only", "config.grad_backup", "MOEPT_AUX_SEQ",
     "config.expert_sharding = MOEPT_SHARD_FSDP", "a padding mask (opts.mask)", "resharding",
-    "running on the host", "device parameters"};
+    "running on the host", "device parameters", "config.fp8"};
 
 /* an entry the executor may leave NULL: MOEPT_OK (nothing to do) */
 #define MOEPT__EX(L, fn, ...) ((L)->ex->fn ? (L)->ex->fn(__VA_ARGS__) : MOEPT_OK)
@@ -1565,12 +1565,13 @@ static moept_status moept__ex_refuse(const moept__exec *ex, unsigned cap, const 
 /* A config's features the executor lacks (at create, agreed with the config) */
 static moept_status moept__ex_refuse_config(const moept__exec *ex, const moept_config *c, const char *call,
                                             char *why) {
-    const int need[5] = {c->router_jitter != 0.0f, c->inference_only != 0, c->grad_backup != 0,
-                         c->aux_loss == MOEPT_AUX_SEQ, c->expert_sharding == MOEPT_SHARD_FSDP};
-    const unsigned cap[5] = {MOEPT__CAN_JITTER, MOEPT__CAN_INFERENCE, MOEPT__CAN_GRAD_BACKUP,
-                             MOEPT__CAN_AUX_SEQ, MOEPT__CAN_FSDP};
+    const int need[6] = {c->router_jitter != 0.0f, c->inference_only != 0, c->grad_backup != 0,
+                         c->aux_loss == MOEPT_AUX_SEQ, c->expert_sharding == MOEPT_SHARD_FSDP,
+                         c->fp8 != MOEPT_FP8_OFF};
+    const unsigned cap[6] = {MOEPT__CAN_JITTER, MOEPT__CAN_INFERENCE, MOEPT__CAN_GRAD_BACKUP,
+                             MOEPT__CAN_AUX_SEQ, MOEPT__CAN_FSDP, MOEPT__CAN_FP8};
     moept_status st = MOEPT_OK;
-    for (int i = 0; i < 5 && !st; i++)
+    for (int i = 0; i < 6 && !st; i++)
         if (need[i]) st = moept__ex_refuse(ex, cap[i], call, why);
     return st;
 }
@@ -1735,6 +1736,8 @@ typedef struct moept__fws {         /* a forward's activations (the CPU steps') 
     float *yss;            /* [Tmax][D] shared outputs; backward: dys_shared */
     float *sg;             /* [Tmax] shared gate values (sigmoid) */
     float *dwts;           /* [Tmax][K] dL/d routing weight */
+    float *q1, *q2;        /* config.fp8: [Rcap][max(D, H)] and [Rcap][D] the experts' quantized
+                              operands (x rows; backward: a, dy, dh, x tiled for the wgrad) */
 } moept__fws;
 
 typedef struct moept__workspace {   /* the CPU steps' scratch, the layer's */
@@ -1748,6 +1751,10 @@ typedef struct moept__workspace {   /* the CPU steps' scratch, the layer's */
     float *dlogits;        /* [Tmax][E] */
     moept__gemm *descs;    /* [El * P] grouped GEMM descriptors (a chunk: one per expert and source) */
     moept__gemm_ws gws;
+    /* config.fp8: the weights quantized (made at each forward) and the shared expert's operands */
+    float *q8w13, *q8w2;   /* [El][H][D], [El][D][F] */
+    float *q8ws13, *q8ws2; /* [HS][D], [D][S] */
+    float *q8s1, *q8s2;    /* [Tmax][max(D, HS)], [Tmax][D] (training: both; else q8s1's D columns) */
 } moept__workspace;
 
 /* A forward's state: what a training forward writes and its backward reads
@@ -1961,6 +1968,11 @@ static moept_status moept__resolve_train(moept_config *c) {
         MOEPT__BAD("config.inference_only: %d must be 0 or 1", c->inference_only);
     if (c->grad_backup != 0 && c->grad_backup != 1)
         MOEPT__BAD("config.grad_backup: %d must be 0 or 1", c->grad_backup);
+    if ((unsigned)c->fp8 > MOEPT_FP8_BLOCKWISE)
+        MOEPT__BAD("config.fp8: %d is not a moept_fp8", (int)c->fp8);
+    if (c->fp8 != MOEPT_FP8_OFF && (c->overlap_chunks > 1 || c->expert_sharding == MOEPT_SHARD_FSDP))
+        return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "config.fp8: not with %s (not supported yet)",
+                                  c->overlap_chunks > 1 ? "overlap_chunks > 1" : "FSDP sharding");
     if (c->max_inflight < 0 || c->max_inflight > MOEPT_MAX_INFLIGHT)
         MOEPT__BAD("config.max_inflight: %lld must be in 0..%d", (long long)c->max_inflight,
                    MOEPT_MAX_INFLIGHT);
@@ -2168,6 +2180,14 @@ static void moept__layout_acts(moept_layer *L, moept__fstate *sl, moept__carve *
     L->ws.lda_as = train ? L->S : L->HS;
     L->ws.dsg = moept__take(c, train && L->S > 0 ? (size_t)T * f : 0);
     L->ws.dlogits = moept__take(c, train ? (size_t)(T * E) * f : 0);
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF, q8s = q8 && L->S > 0;
+    const int64_t HS = L->HS, dhs = D > HS ? D : HS;
+    L->ws.q8w13 = moept__take(c, q8 ? (size_t)(L->El * L->H * D) * f : 0);
+    L->ws.q8w2 = moept__take(c, q8 ? (size_t)(L->El * D * L->F) * f : 0);
+    L->ws.q8ws13 = moept__take(c, q8s ? (size_t)(HS * D) * f : 0);
+    L->ws.q8ws2 = moept__take(c, q8s ? (size_t)(D * L->S) * f : 0);
+    L->ws.q8s1 = moept__take(c, q8s ? (size_t)(T * dhs) * f : 0);
+    L->ws.q8s2 = moept__take(c, q8s && train ? (size_t)(T * D) * f : 0);
     if (L->fsdp) {
         L->fs.full = moept__take(c, (size_t)(L->fsdp->size * L->fs.shard) * f);
         L->fs.gfull = moept__take(c, train ? (size_t)(L->fsdp->size * L->fs.shard) * f : 0);
@@ -2195,15 +2215,19 @@ static void moept__layout_work(moept_layer *L, moept__fstate *sl, moept__carve *
 }
 
 /* The receive block's row widths (floats): xr, yr (at one rank they are
-   xs, ys), h, a (an inference layer writes a over h), and the chunked
-   backward's da, dxs */
-static void moept__recv_widths(const moept_layer *L, int64_t w[6]) {
+   xs, ys), h, a (an inference layer writes a over h), the chunked
+   backward's da, dxs, and config.fp8's q1, q2 */
+#define MOEPT__NRECV 8
+static void moept__recv_widths(const moept_layer *L, int64_t w[MOEPT__NRECV]) {
     const int own_xy = L->P > 1 && !L->xch.direct, train = !L->cfg.inference_only, ch = train && L->C > 1;
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
     w[0] = w[1] = own_xy ? L->D : 0;
     w[2] = L->H;
     w[3] = train ? L->F : 0;
     w[4] = ch ? L->F : 0;
     w[5] = ch ? L->D : 0;
+    w[6] = q8 ? (train && L->H > L->D ? L->H : L->D) : 0;
+    w[7] = q8 && train ? L->D : 0;
 }
 
 /* Makes the receive block hold `need` rows (geometric growth, never
@@ -2216,10 +2240,11 @@ static int moept__grow_recv(moept_layer *L, moept__fstate *sl, int64_t need) {
     if (cap < 1) cap = 1;
     int own_xy = L->P > 1 && !L->xch.direct; /* direct: xr and yr are shared (moept__grow_shared) */
     const int train = !L->cfg.inference_only;
-    int64_t wd[6];
+    int64_t wd[MOEPT__NRECV], row = 0;
     moept__recv_widths(L, wd);
+    for (int i = 0; i < MOEPT__NRECV; i++) row += wd[i];
     const int64_t w_xr = wd[0], w_yr = wd[1], w_h = wd[2], w_a = wd[3], w_da = wd[4], w_dx = wd[5];
-    size_t bytes = (size_t)cap * (size_t)(w_xr + w_yr + w_h + w_a + w_da + w_dx) * sizeof(float) + 6 * 64;
+    size_t bytes = (size_t)cap * (size_t)row * sizeof(float) + MOEPT__NRECV * 64;
     char *blk = moept__alloc(&L->mem, bytes);
     if (!blk) return 0;
     moept__carve cv = {blk, 0};
@@ -2229,6 +2254,8 @@ static int moept__grow_recv(moept_layer *L, moept__fstate *sl, int64_t need) {
     float *a = moept__take(&cv, (size_t)(cap * w_a) * sizeof(float));
     float *da = moept__take(&cv, (size_t)(cap * w_da) * sizeof(float));
     float *dxs = moept__take(&cv, (size_t)(cap * w_dx) * sizeof(float));
+    float *q1 = moept__take(&cv, (size_t)(cap * wd[6]) * sizeof(float));
+    float *q2 = moept__take(&cv, (size_t)(cap * wd[7]) * sizeof(float));
     int64_t keep = sl->xch.rwork && sl->fwd.valid ? sl->xch.R : 0;
     if (keep > 0) {
         if (own_xy) {
@@ -2249,6 +2276,8 @@ static int moept__grow_recv(moept_layer *L, moept__fstate *sl, int64_t need) {
     L->ws.lda_a = train ? L->F : L->H;
     sl->ch.da = da;
     sl->ch.dx = dxs;
+    sl->ws.q1 = wd[6] ? q1 : NULL;
+    sl->ws.q2 = wd[7] ? q2 : NULL;
     if (sl->xch.Rcap > 0) L->stats.recv_growths++;
     sl->xch.Rcap = cap;
     L->stats.recv_capacity = cap;
@@ -2293,7 +2322,7 @@ static void moept__slot_clear(const moept_layer *L, moept__fstate *sl) {
     sl->plan.N = 0;
     sl->xch.R = sl->xch.Rcap = sl->xch.shcap = 0;
     sl->xch.rwork = sl->xch.shm = NULL;
-    sl->ws.xr = sl->ws.yr = sl->ws.h = sl->ws.a = sl->ch.da = sl->ch.dx = NULL;
+    sl->ws.xr = sl->ws.yr = sl->ws.h = sl->ws.a = sl->ch.da = sl->ch.dx = sl->ws.q1 = sl->ws.q2 = NULL;
 }
 
 /* Slot s's buffers: its part of the workspace and the receive rows as at
@@ -2349,14 +2378,14 @@ static void moept__stale_forwards(moept_layer *L, const char *call) {
 /* Config fields every rank must agree on, serialised for the create-time
    all-gather (a mismatch is an error on every rank, never a hang later):
    all but max_tokens, each rank's own bound on its rows (moept.h). */
-#define MOEPT__NFP 30
+#define MOEPT__NFP 31
 #define MOEPT__NFP_MODEL 19 /* the model's fields, first: a checkpoint's fingerprint */
 static const char *moept__fp_names[MOEPT__NFP] = {
     "(rank's own validation)", "family", "hidden_size", "intermediate_size", "num_experts", "top_k",
     "norm_topk_prob", "activation", "shared_intermediate_size", "shared_gate", "n_group", "topk_group",
     "routed_scaling_factor", "aux_loss", "aux_loss_coef", "z_loss_coef", "capacity_factor",
     "global_balance", "group_fill", "overlap_chunks", "expert_sharding", "router_jitter", "jitter_seed",
-    "aux_seq_len", "inference_only", "grad_backup", "max_inflight", "EP size", "DP size",
+    "aux_seq_len", "inference_only", "grad_backup", "max_inflight", "fp8", "EP size", "DP size",
     "EP comm's shared memory (shm_alloc)"};
 
 static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int shm, int64_t *fp) {
@@ -2369,7 +2398,7 @@ static void moept__fingerprint(const moept_config *c, int ok, int P, int DP, int
                              c->n_group, c->topk_group, b[0], c->aux_loss, b[1], b[2], b[3],
                              c->global_balance, c->group_fill, c->overlap_chunks, c->expert_sharding, b[4],
                              (int64_t)c->jitter_seed, c->aux_seq_len,
-                             c->inference_only, c->grad_backup, c->max_inflight, P, DP, shm};
+                             c->inference_only, c->grad_backup, c->max_inflight, c->fp8, P, DP, shm};
     memcpy(fp, v, sizeof v);
 }
 
@@ -2807,7 +2836,8 @@ moept_status moept_zero_grad(moept_layer *L) {
     if (!L->par.grads) return moept__no_grads(L, "moept_zero_grad");
     moept_status st = MOEPT__EX(L, zero_grad, L); /* the executor's copy, and its checks reset */
     if (st) return st;
-    memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
+    if (!L->ex->zero_grad) /* else the executor's zeros are the gradients (the host copy reads them) */
+        memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
     L->par.grads_dx_bad = L->par.grads_dl_bad = -1;
     L->par.grads_sf_bad = MOEPT_OK;
     L->grads_unsynced = 0; /* zeros are the same on every rank */
@@ -3095,24 +3125,123 @@ static void moept__act_bwd_rowv(int kind, const float *h, const float *da, int64
     }
 }
 
+/* ------------------------------------------------------------------------
+   FP8 (config.fp8): DeepSeek-V3's blockwise E4M3, the spec a GPU's FP8
+   GEMMs are held to. An operand is quantized and dequantized in its tiles,
+   then the GEMMs run in fp32: each tile's scale s = amax / 448 (1 if the
+   tile is zero), each value s * e4m3(v / s).
+   ------------------------------------------------------------------------ */
+#define MOEPT__Q8_TILE 128
+#define MOEPT__E4M3_MAX 448.0f
+
+/* x rounded to E4M3 (OCP float8_e4m3fn: 3 mantissa bits, exponents -6..8,
+   subnormals in steps of 2^-9, no infinities), to nearest even, saturating
+   at +-448 (cvt.rn.satfinite's rule; 464 and up would round to 480, which
+   E4M3 lacks); NaN stays NaN */
+static float moept__e4m3_round(float x) {
+    float ax = fabsf(x), r;
+    if (ax != ax) return x;
+    if (ax >= MOEPT__E4M3_MAX) return x < 0.0f ? -MOEPT__E4M3_MAX : MOEPT__E4M3_MAX;
+    if (ax < 0.015625f) { /* below 2^-6: a multiple of 2^-9, which is 2^14's ulp */
+        r = (ax + 16384.0f) - 16384.0f;
+    } else { /* 3 of float's 23 mantissa bits kept, ties to even */
+        uint32_t u;
+        memcpy(&u, &ax, sizeof u);
+        u = (u + 0x7FFFFu + ((u >> 20) & 1u)) & ~0xFFFFFu;
+        memcpy(&r, &u, sizeof r);
+        if (r > MOEPT__E4M3_MAX) r = MOEPT__E4M3_MAX;
+    }
+    return x < 0.0f ? -r : r;
+}
+
+/* a tile's scale: amax / 448, 1 for a zero tile (or one too small to scale: s would be 0) */
+static float moept__q8_scale(float amax) {
+    float s = amax / MOEPT__E4M3_MAX;
+    return s > 0.0f ? s : amax == amax ? 1.0f : amax;
+}
+static float moept__q8(float v, float s) { return moept__e4m3_round(v / s) * s; }
+
+/* each row's 1 x 128 tiles along its cols: src [rows][lds] -> dst [rows][ldd] (may be src) */
+static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t lds, float *dst,
+                           int64_t ldd) {
+    #pragma omp parallel for schedule(static) MOEPT__PAR(rows * cols)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j0 = 0; j0 < cols; j0 += MOEPT__Q8_TILE) {
+            const int64_t j1 = j0 + MOEPT__Q8_TILE < cols ? j0 + MOEPT__Q8_TILE : cols;
+            const float *v = src + r * lds;
+            float amax = 0.0f;
+            for (int64_t j = j0; j < j1; j++) amax = fabsf(v[j]) > amax || v[j] != v[j] ? fabsf(v[j]) : amax;
+            const float s = moept__q8_scale(amax);
+            for (int64_t j = j0; j < j1; j++) dst[r * ldd + j] = moept__q8(v[j], s);
+        }
+}
+
+/* each group's 128 x 1 tiles down every column (the wgrad's operands: its
+   reduction runs over a group's rows): src [..][ld] -> dst [..][ld] */
+static void moept__q8_cols(const float *src, int64_t ld, int64_t cols, int64_t groups, const int64_t *offsets,
+                           float *dst) {
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = offsets[g], r1 = offsets[g + 1];
+        #pragma omp parallel for schedule(static) MOEPT__PAR((r1 - r0) * cols)
+        for (int64_t j = 0; j < cols; j++)
+            for (int64_t i0 = r0; i0 < r1; i0 += MOEPT__Q8_TILE) {
+                const int64_t i1 = i0 + MOEPT__Q8_TILE < r1 ? i0 + MOEPT__Q8_TILE : r1;
+                float amax = 0.0f;
+                for (int64_t i = i0; i < i1; i++) {
+                    const float v = src[i * ld + j];
+                    amax = fabsf(v) > amax || v != v ? fabsf(v) : amax;
+                }
+                const float s = moept__q8_scale(amax);
+                for (int64_t i = i0; i < i1; i++) dst[i * ld + j] = moept__q8(src[i * ld + j], s);
+            }
+    }
+}
+
+/* a weight's 128 x 128 blocks: w [rows][cols] -> dst */
+static void moept__q8_blocks(const float *w, int64_t rows, int64_t cols, float *dst) {
+    const int64_t nb = (cols + MOEPT__Q8_TILE - 1) / MOEPT__Q8_TILE;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(rows * cols)
+    for (int64_t b = 0; b < (rows + MOEPT__Q8_TILE - 1) / MOEPT__Q8_TILE * nb; b++) {
+        const int64_t i0 = b / nb * MOEPT__Q8_TILE, j0 = b % nb * MOEPT__Q8_TILE;
+        const int64_t i1 = i0 + MOEPT__Q8_TILE < rows ? i0 + MOEPT__Q8_TILE : rows;
+        const int64_t j1 = j0 + MOEPT__Q8_TILE < cols ? j0 + MOEPT__Q8_TILE : cols;
+        float amax = 0.0f;
+        for (int64_t i = i0; i < i1; i++)
+            for (int64_t j = j0; j < j1; j++) {
+                const float v = w[i * cols + j];
+                amax = fabsf(v) > amax || v != v ? fabsf(v) : amax;
+            }
+        const float s = moept__q8_scale(amax);
+        for (int64_t i = i0; i < i1; i++)
+            for (int64_t j = j0; j < j1; j++) dst[i * cols + j] = moept__q8(w[i * cols + j], s);
+    }
+}
+
 /* Expert FFN over the permuted rows of every group: h = xs W13^T,
-   a = act(h), ys = a W2^T. The same code runs the shared expert (one group). */
+   a = act(h), ys = a W2^T. The same code runs the shared expert (one group).
+   config.fp8: q ([rows][D] at the rows' indices) takes xs quantized, a is
+   quantized in place, and w13, w2 are the quantized weights. */
 static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
                                const int64_t *offsets, const float *w13,
                                const float *w2, int64_t H, int64_t F,
-                               float *h, float *a, int64_t lda, float *ys) {
+                               float *h, float *a, int64_t lda, float *ys, float *q) {
     const int64_t D = L->D;
     moept__gemm *gd = L->ws.descs;
     int64_t n;
+    int64_t R = offsets[groups] - offsets[0], base = offsets[0];
+    if (q) {
+        moept__q8_rows(xs + base * D, R, D, D, q + base * D, D);
+        xs = q;
+    }
     MOEPT__PER_GROUP(
         gd, n, groups, offsets,
         moept__gemm_make(0, 1, rows, H, D, xs + r0 * D, D, w13 + e * H * D, D, 0.0f, h + r0 * H, H));
     moept__gemm_run(gd, n, &L->ws.gws);
-    int64_t R = offsets[groups] - offsets[0], base = offsets[0];
     const int act = L->act;
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++) /* (a may be h itself: a[j] is h[j]'s only reader) */
         moept__act_fwd_rowv(act, h + r * H, F, a + r * lda);
+    if (q) moept__q8_rows(a + base * lda, R, F, lda, a + base * lda, lda);
     MOEPT__PER_GROUP(gd, n, groups, offsets,
                      moept__gemm_make(0, 1, rows, D, F, a + r0 * lda, lda, w2 + e * D * F, F, 0.0f,
                                       ys + r0 * D, D));
@@ -3143,12 +3272,15 @@ static void moept__ffn_grad_w13(moept_layer *L, int64_t groups, const int64_t *o
 /* Backward of moept__ffn_forward. dys (in ys) -> weight grads accumulate,
    dxs written over ys, h overwritten by dh. `a` is scratch: the activations
    are recomputed from h (cheap) so one [rows][F] buffer serves both a and
-   da, instead of keeping a from the forward and a second one for da. */
+   da, instead of keeping a from the forward and a second one for da.
+   config.fp8 (q1 [rows][max(D, H)], q2 [rows][D], w13 and w2 quantized):
+   each GEMM's token operands quantized along its reduction, the wgrads'
+   down each group's columns, the dgrads' along the rows. */
 static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
                                 const int64_t *offsets, const float *w13,
                                 const float *w2, float *g13, float *g2,
                                 int64_t H, int64_t F, float *h, float *a,
-                                float *ys) {
+                                float *ys, float *q1, float *q2) {
     const int64_t D = L->D;
     const int act = L->act;
     int64_t R = offsets[groups] - offsets[0], base = offsets[0];
@@ -3157,21 +3289,52 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_fwd_rowv(act, h + r * H, F, a + r * F);
-    moept__ffn_grad_w2(L, groups, offsets, ys, a, g2, F);
-    /* da = dys W2 (over a) */
+    const float *dy = ys; /* da = dys W2 (over a) */
+    if (q1) {
+        moept__q8_cols(a, F, F, groups, offsets, q1);
+        moept__q8_cols(ys, D, D, groups, offsets, q2);
+        moept__ffn_grad_w2(L, groups, offsets, q2, q1, g2, F);
+        moept__q8_rows(ys + base * D, R, D, D, q2 + base * D, D);
+        dy = q2;
+    } else {
+        moept__ffn_grad_w2(L, groups, offsets, ys, a, g2, F);
+    }
     MOEPT__PER_GROUP(
         gd, n, groups, offsets,
-        moept__gemm_make(0, 0, rows, F, D, ys + r0 * D, D, w2 + e * D * F, F, 0.0f, a + r0 * F, F));
+        moept__gemm_make(0, 0, rows, F, D, dy + r0 * D, D, w2 + e * D * F, F, 0.0f, a + r0 * F, F));
     moept__gemm_run(gd, n, &L->ws.gws);
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_bwd_rowv(act, h + r * H, a + r * F, F, h + r * H);
-    moept__ffn_grad_w13(L, groups, offsets, h, xs, g13, H);
-    /* dxs = dh W13 (into ys) */
+    const float *dh = h; /* dxs = dh W13 (into ys) */
+    if (q1) {
+        moept__q8_cols(h, H, H, groups, offsets, q1);
+        moept__q8_cols(xs, D, D, groups, offsets, q2);
+        moept__ffn_grad_w13(L, groups, offsets, q1, q2, g13, H);
+        moept__q8_rows(h + base * H, R, H, H, q1 + base * H, H);
+        dh = q1;
+    } else {
+        moept__ffn_grad_w13(L, groups, offsets, h, xs, g13, H);
+    }
     MOEPT__PER_GROUP(
         gd, n, groups, offsets,
-        moept__gemm_make(0, 0, rows, D, H, h + r0 * H, H, w13 + e * H * D, D, 0.0f, ys + r0 * D, D));
+        moept__gemm_make(0, 0, rows, D, H, dh + r0 * H, H, w13 + e * H * D, D, 0.0f, ys + r0 * D, D));
     moept__gemm_run(gd, n, &L->ws.gws);
+}
+
+/* config.fp8: the weights' quantized copies, made at each forward (the
+   backward reads the same: a weight change fails the pending backwards) */
+static void moept__q8_weights(moept_layer *L) {
+    if (L->cfg.fp8 == MOEPT_FP8_OFF) return;
+    const int64_t D = L->D, H = L->H, F = L->F;
+    for (int64_t e = 0; e < L->El; e++) {
+        moept__q8_blocks(L->par.w13 + e * H * D, H, D, L->ws.q8w13 + e * H * D);
+        moept__q8_blocks(L->par.w2 + e * D * F, D, F, L->ws.q8w2 + e * D * F);
+    }
+    if (L->S > 0) {
+        moept__q8_blocks(L->par.ws13, L->HS, D, L->ws.q8ws13);
+        moept__q8_blocks(L->par.ws2, D, L->S, L->ws.q8ws2);
+    }
 }
 
 /* ------------------------------------------------------------------------
@@ -3406,8 +3569,9 @@ static void moept__shared_forward(moept_layer *L, moept__fstate *sl, const float
         x = L->ws.xsh;
     }
     int64_t off[2] = {0, n};
-    moept__ffn_forward(L, x, 1, off, L->par.ws13, L->par.ws2, L->HS, L->S, sl->ws.hs, sl->ws.as, L->ws.lda_as,
-                       sl->ws.yss);
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
+    moept__ffn_forward(L, x, 1, off, q8 ? L->ws.q8ws13 : L->par.ws13, q8 ? L->ws.q8ws2 : L->par.ws2, L->HS,
+                       L->S, sl->ws.hs, sl->ws.as, L->ws.lda_as, sl->ws.yss, q8 ? L->ws.q8s1 : NULL);
     if (L->par.wsg) {
         moept__gemm gg = moept__gemm_make(0, 1, n, 1, D, x, D, L->par.wsg, D, 0.0f, sl->ws.sg, 1);
         moept__gemm_run(&gg, 1, &L->ws.gws);
@@ -4150,8 +4314,10 @@ static moept_status moept__fwd_run(moept_layer *L, moept__fstate *sl, const moep
         double ts = moept__now();
         if ((st = moept__fwd_dispatch(L, sl, f->x))) return st;
         L->stats.dispatch_seconds += moept__now() - ts;
-        moept__ffn_forward(L, sl->ws.xr, L->El, sl->xch.roffsets, L->par.w13, L->par.w2, L->H, L->F, sl->ws.h,
-                           sl->ws.a, L->ws.lda_a, sl->ws.yr);
+        const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
+        moept__ffn_forward(L, sl->ws.xr, L->El, sl->xch.roffsets, q8 ? L->ws.q8w13 : L->par.w13,
+                           q8 ? L->ws.q8w2 : L->par.w2, L->H, L->F, sl->ws.h, sl->ws.a, L->ws.lda_a,
+                           sl->ws.yr, sl->ws.q1);
         if ((st = moept__fwd_combine(L, sl, f->x, f->y))) return st;
     }
     return L->xch.direct ? moept__direct_sync(L, "moept_forward") : MOEPT_OK;
@@ -4221,6 +4387,7 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     if (L->fsdp && (st = moept__fsdp_gather(L))) return st;
     const moept_stats stats_before = L->stats; /* restored if the output check fails */
     moept__fwd_commit(L, sl, f);
+    moept__q8_weights(L);
     sl->fwd.sh_n = f->valid;
     double aux_v = 0.0;
     if ((st = moept__fwd_losses(L, sl, f, &aux_v)) || (moept__fwd_plan(L, sl), (st = moept__fwd_run(L, sl,
@@ -4429,9 +4596,10 @@ static void moept__bwd_shared(moept_layer *L, moept__fstate *sl, const float *x)
         if (L->par.wsg) moept__shared_move(L, L->ws.dsg, 1, n, T, 1);
     }
     int64_t off[2] = {0, n};
-    moept__ffn_backward(L, x, 1, off, L->par.ws13, L->par.ws2, L->par.gs13, L->par.gs2, L->HS, L->S,
-                        sl->ws.hs,
-                        sl->ws.as, sl->ws.yss);
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
+    moept__ffn_backward(L, x, 1, off, q8 ? L->ws.q8ws13 : L->par.ws13, q8 ? L->ws.q8ws2 : L->par.ws2,
+                        L->par.gs13, L->par.gs2, L->HS, L->S, sl->ws.hs, sl->ws.as, sl->ws.yss,
+                        q8 ? L->ws.q8s1 : NULL, q8 ? L->ws.q8s2 : NULL);
 }
 
 /* experts': the dys travel to the experts, the FFNs' backward, the dxs
@@ -4448,9 +4616,10 @@ static moept_status moept__bwd_experts(moept_layer *L, moept__fstate *sl, const 
     } else if (L->ep && (st = moept__exchange(L, sl, sl->ws.dys, sl->ws.dyr, 1))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
     if (L->C == 1) /* dyr in, dxr out over it */
-        moept__ffn_backward(L, sl->ws.xr, L->El, sl->xch.roffsets, L->par.w13, L->par.w2, L->par.g13,
-                            L->par.g2,
-                            L->H, L->F, sl->ws.h, sl->ws.a, sl->ws.dyr);
+        moept__ffn_backward(L, sl->ws.xr, L->El, sl->xch.roffsets,
+                            sl->ws.q1 ? L->ws.q8w13 : L->par.w13, sl->ws.q1 ? L->ws.q8w2 : L->par.w2,
+                            L->par.g13, L->par.g2, L->H, L->F, sl->ws.h, sl->ws.a, sl->ws.dyr, sl->ws.q1,
+                            sl->ws.q2);
     if (L->S > 0) moept__bwd_shared(L, sl, x);
     ts = moept__now();
     if (L->xch.direct) {
@@ -4780,9 +4949,9 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     *st = L->stats;
     st->allocations = L->mem.allocations + L->dev.allocations;
     st->allocated_bytes = L->mem.bytes + L->dev.allocated_bytes;
-    int64_t w[6];
+    int64_t w[MOEPT__NRECV], row = 0;
     moept__recv_widths(L, w);
-    int64_t row = w[0] + w[1] + w[2] + w[3] + w[4] + w[5];
+    for (int i = 0; i < MOEPT__NRECV; i++) row += w[i];
     st->workspace_bytes = L->work_bytes;
     for (int s = 0; s <= L->nslots; s++) { /* every forward slot's */
         const moept__fstate *o = &L->slots[s];
@@ -4980,7 +5149,7 @@ static moept_status moept__cpu_backward(moept_layer *L, const float *x, const fl
 static const moept__exec moept__cpu_exec = {
     .name = "the CPU executor",
     .caps = MOEPT__CAN_JITTER | MOEPT__CAN_INFERENCE | MOEPT__CAN_GRAD_BACKUP | MOEPT__CAN_AUX_SEQ |
-            MOEPT__CAN_FSDP | MOEPT__CAN_MASK | MOEPT__CAN_RESHARD | MOEPT__CAN_HOST_STEPS,
+            MOEPT__CAN_FSDP | MOEPT__CAN_MASK | MOEPT__CAN_RESHARD | MOEPT__CAN_HOST_STEPS | MOEPT__CAN_FP8,
     .forward = moept__cpu_forward,
     .backward = moept__cpu_backward,
     .sync_grads = moept__cpu_sync_grads,

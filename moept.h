@@ -13,8 +13,8 @@
    CONTENTS
      This comment: vendoring, compile-time options, usage, conventions
      (errors, group calls, numerics), routing, family defaults, losses,
-     padding/evaluation/jitter, routing replay, inference layers, parameter
-     names. Then the
+     padding/evaluation/jitter, routing replay, inference layers, FP8
+     training, parameter names. Then the
      declarations, each documented where it is declared: config,
      communication (the comm table and its backends), CUDA (the executor,
      its options and the NCCL backend), statistics, config_from_hf,
@@ -393,6 +393,29 @@
      device either (moept_cuda_params' grads is NULL), and its activations
      the same way (docs/CUDA.md, "Memory").
 
+   FP8 TRAINING (config.fp8 = MOEPT_FP8_BLOCKWISE; CPU layers for now)
+     DeepSeek-V3's recipe (its paper, section 3.3): every GEMM of the
+     experts' FFNs (forward, dgrad and wgrad of W13 and W2; the shared
+     expert's too) takes its operands quantized to E4M3 (OCP FP8: largest
+     448, subnormals down to 2^-9, no infinities) and accumulates in fp32:
+       token rows (x, the activations a, dy, dh): a scale per 1 x 128 tile
+         along the GEMM's reduction dimension (D or F of a row; for the
+         wgrad, 128 rows of one expert along each column);
+       weights: a scale per 128 x 128 block (the same blocks serve W and
+         W^T, so the forward and the dgrad read one copy).
+     A tile's scale is s = amax / 448 from its own values (1 where all are
+     zero; an edge tile of fewer elements alike); each v becomes
+     s * e4m3(v / s), rounded to nearest even and saturating. The router,
+     its losses, the shared expert's gate, the combine, the master weights,
+     gradients and AdamW stay fp32. The CPU layer computes exactly this (the
+     operands quantized and dequantized, then its fp32 GEMMs): the spec a
+     GPU's FP8 GEMMs are held to. Results differ from fp32 by E4M3's
+     precision (u = 2^-4 a rounding; tests/moept_check.c's --dtype fp8 bound
+     and docs/GUIDE.md). The quantized weights are made at each forward
+     (the memory of one copy of the experts' weights, in workspace_bytes).
+     Refused at create (MOEPT_ERR_UNSUPPORTED) with overlap_chunks > 1,
+     FSDP sharding and on the CUDA executor.
+
    PARAMETER NAMES (per family, the HF module-relative names)
      all:          gate.weight [E][D]
      deepseek_v3:  gate.e_score_correction_bias [E]   (a buffer, no gradient)
@@ -447,6 +470,12 @@ typedef enum moept_dtype {
     MOEPT_DTYPE_U8 = 6, MOEPT_DTYPE_BOOL = 7,
     MOEPT_DTYPE_F8_E4M3 = 8 /* float8_e4m3fn (read only: FP8 checkpoints) */
 } moept_dtype;
+
+/* config.fp8: the expert GEMMs' operands in FP8 (FP8 TRAINING) */
+typedef enum moept_fp8 {
+    MOEPT_FP8_OFF = 0,
+    MOEPT_FP8_BLOCKWISE = 1 /* E4M3, DeepSeek-V3's tiles: rows 1 x 128, weights 128 x 128 */
+} moept_fp8;
 
 typedef struct moept_layer moept_layer;
 
@@ -561,6 +590,9 @@ typedef struct moept_config {
                                          layers */
     int64_t max_inflight;             /* training forwards saved at once (FORWARD SLOTS):
                                          0 or 1: one (slot 0), up to MOEPT_MAX_INFLIGHT */
+    moept_fp8 fp8;                    /* MOEPT_FP8_BLOCKWISE: the expert GEMMs' operands
+                                         quantized to E4M3 (FP8 TRAINING); CPU layers,
+                                         not with overlap_chunks > 1 or FSDP */
 } moept_config;
 
 /* ---- communication -------------------------------------------------
@@ -1281,6 +1313,7 @@ int64_t moept_abi_layout(char *buf, int64_t cap);
     F(moept_config, global_balance) F(moept_config, overlap_chunks) \
     F(moept_config, expert_sharding) F(moept_config, router_jitter) F(moept_config, jitter_seed) \
     F(moept_config, inference_only) F(moept_config, grad_backup) F(moept_config, max_inflight) \
+    F(moept_config, fp8) \
     S(moept_stats) F(moept_stats, steps) F(moept_stats, tokens) F(moept_stats, routed_rows) \
     F(moept_stats, dropped_rows) F(moept_stats, masked_tokens) F(moept_stats, capacity) \
     F(moept_stats, aux_loss) F(moept_stats, z_loss) F(moept_stats, allocations) \
@@ -1411,7 +1444,8 @@ enum {
     MOEPT__CAN_RESHARD = 1 << 6,     /* moept_reshard */
     MOEPT__CAN_HOST_STEPS = 1 << 7,  /* the steps run on the host: the CPU workspace is its own */
     MOEPT__CAN_DEVICE = 1 << 8,      /* parameters on a device (moept_cuda_params) */
-    MOEPT__NCAPS = 9
+    MOEPT__CAN_FP8 = 1 << 9,         /* config.fp8 */
+    MOEPT__NCAPS = 10
 };
 enum { MOEPT__HOST_PARAMS = 1, MOEPT__HOST_GRADS = 2, MOEPT__HOST_OPT = 4 }; /* host copies (bits) */
 /* AdamW's constants for one step (moept.c's moept__adamw1) */

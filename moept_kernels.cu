@@ -4577,7 +4577,7 @@ static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
     moept__cudax *X = moept__cx(L, &v);
     moept_status st = moept__cuda_zero_grad(X->c, moept__errbuf()); /* its dx check reset with them */
     if (st) return st;
-    X->grads = MOEPT__SAME; /* both sides zero */
+    X->grads = MOEPT__DEVICE_NEWER; /* the host copy is not cleared: the device's zeros are read if asked */
     X->dx_pending = 0;
     return MOEPT_OK;
 }

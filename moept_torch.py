@@ -43,7 +43,8 @@ class moept_config(C.Structure):
                 ("aux_seq_len", C.c_int64), ("z_loss_coef", C.c_float), ("capacity_factor", C.c_float),
                 ("max_tokens", C.c_int64), ("global_balance", C.c_int), ("overlap_chunks", C.c_int64),
                 ("expert_sharding", C.c_int), ("router_jitter", C.c_float), ("jitter_seed", C.c_uint64),
-                ("inference_only", C.c_int), ("grad_backup", C.c_int), ("max_inflight", C.c_int64)]
+                ("inference_only", C.c_int), ("grad_backup", C.c_int), ("max_inflight", C.c_int64),
+                ("fp8", C.c_int)]
 
 
 class moept_forward_opts(C.Structure):
@@ -122,6 +123,7 @@ def load_library(path=None, cuda=False):
            "moept_cuda_params_changed": ([P], S),
            "moept_destroy": ([P], None),
            "moept_set_param": ([P, C.c_char_p, P, I64], S),
+           "moept_get_param": ([P, C.c_char_p, P, I64], S),
            "moept_param_count": ([P], I64),
            "moept_param_info_at": ([P, I64, C.POINTER(moept_param_info)], S),
            "moept_params": ([P, C.POINTER(P), C.POINTER(I64)], S),
@@ -339,10 +341,22 @@ class MoeptMoE(torch.nn.Module):
             _register(self, name, p)
             self._names.append(name)
             self._grads.append(_view(g, shape, self.device_))
-        # the DeepSeek-V3 correction bias (no gradient): a CPU layer's host memory, as a buffer
+        # the DeepSeek-V3 correction bias (no gradient), a buffer: a CPU layer's host memory; a CUDA
+        # layer keeps it in its host copy, so the buffer is a device copy that the next forward after a
+        # write (load_state_dict, an in-place update) sets (moept_set_param)
+        self._bufs = []
         for name, r, c, d, g in infos:
-            if g is None and self.device_.type == "cpu":
-                _register(self, name, _view(d, (c,) if r == 1 else (r, c), self.device_), buffer=True)
+            if g is not None:
+                continue
+            shape = (c,) if r == 1 else (r, c)
+            if self.device_.type == "cpu":
+                _register(self, name, _view(d, shape, self.device_), buffer=True)
+                continue
+            h = torch.empty(shape, dtype=torch.float32)
+            self._call("moept_get_param", self._h, name.encode(), h.data_ptr(), h.numel())
+            self._bufs.append((name, h.to(self.device_)))
+            _register(self, name, self._bufs[-1][1], buffer=True)
+        self._buf_versions = [t._version for _, t in self._bufs]
         self._params = [self.get_parameter(n) for n in self._names]
 
     # -- calls -----------------------------------------------------------------------------------------
@@ -400,6 +414,11 @@ class MoeptMoE(torch.nn.Module):
             if self.device_.type == "cuda":
                 self._call("moept_cuda_params_changed", self._h)
             self._versions = self._param_versions()
+        if [t._version for _, t in self._bufs] != self._buf_versions:  # a CUDA layer's bias buffer written
+            for name, t in self._bufs:
+                h = t.detach().to("cpu", torch.float32).contiguous()
+                self._call("moept_set_param", self._h, name.encode(), h.data_ptr(), h.numel())
+            self._buf_versions = [t._version for _, t in self._bufs]
         slot = self._slot
         train = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self._params))
         if train:  # a training forward takes the next slot (else: moept's evaluation forward, no state)

@@ -9,7 +9,7 @@
    usage: train [--data FILE]... [--steps N] [--batch B] [--layers L]
                 [--dim D] [--ffn F] [--experts E] [--topk K] [--ctx C]
                 [--family mixtral|qwen2_moe|olmoe|deepseek_v3] [--lr X]
-                [--csv FILE] [--seed S] [--ep N] [--quiet]
+                [--csv FILE] [--seed S] [--ep N] [--quiet] [--dtype fp8]
           mpirun -np N train_mpi --ep N ...      (built with -DMOEPT_MPI)
           mpirun -np N*M train_mpi --ep N --dp M ...
           train_cuda [--bf16] ... (built with -DMOEPT_CUDA: the MoE layers on the
@@ -68,6 +68,7 @@ typedef struct opts {
     unsigned long long seed;
     int ep, dp;
     int bf16;              /* train_cuda --bf16: the MoE layers in bf16 (rows and expert weights) */
+    int fp8;               /* --dtype fp8: the expert GEMMs in FP8 (config.fp8, CPU layers) */
 } opts;
 
 typedef struct adam { float *m, *v; int64_t n; } adam;
@@ -173,6 +174,7 @@ static void usage(void) {
     fprintf(stderr, "usage: train [--data FILE]... [--steps N] [--batch B] [--layers L] [--dim D] [--ffn F]\n"
                     "             [--experts E] [--topk K] [--ctx C] [--family NAME] [--lr X] [--csv FILE]\n"
                     "             [--seed S] [--ep N] [--dp N (train_mpi)] [--quiet] [--bf16 (train_cuda)]\n"
+                    "             [--dtype fp8 (the experts' GEMMs in E4M3: config.fp8)]\n"
                     "exit status 1: a check failed (a library call; with --steps >= %d, the loss's moving\n"
                     "average not below step 1's loss); 2: usage\n", MIN_JUDGED_STEPS);
     exit(2);
@@ -193,6 +195,7 @@ static void parse(int argc, char **argv, opts *o) {
         if (strcmp(a, "--csv") == 0 && v) { o->csv = v; i++; continue; }
         if (strcmp(a, "--seed") == 0 && v) { o->seed = strtoull(v, NULL, 10); i++; continue; }
         if (strcmp(a, "--quiet") == 0) { o->quiet = 1; continue; }
+        if (strcmp(a, "--dtype") == 0 && v && strcmp(v, "fp8") == 0) { o->fp8 = 1; i++; continue; }
 #ifdef MOEPT_CUDA
         if (strcmp(a, "--bf16") == 0) { o->bf16 = 1; continue; }
 #endif
@@ -386,6 +389,7 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
     cfg.num_experts = o.experts; cfg.top_k = o.topk; cfg.norm_topk_prob = 1;
     cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.z_loss_coef = 1e-3f;
     cfg.max_tokens = B; cfg.global_balance = 1;
+    cfg.fp8 = o.fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
     if (o.family == MOEPT_FAMILY_QWEN2_MOE || o.family == MOEPT_FAMILY_DEEPSEEK_V3) cfg.shared_intermediate_size = o.ffn;
     if (o.family == MOEPT_FAMILY_DEEPSEEK_V3 && o.experts % 4 == 0 && o.topk <= o.experts / 2) { cfg.n_group = 4; cfg.topk_group = 2; }
 #ifdef MOEPT_CUDA

@@ -2327,7 +2327,7 @@ static void test_inference_ep2(void) {
 }
 
 /* What the CUDA executor lacks comes from its capability bits, refused in
-   one place: each feature it does not run (the two config features at
+   one place: each feature it does not run (the three config features at
    create) fails on both ranks, with the same status and the same message
    on each, in one shape; the layer made after the refusals runs
    (agree_job's slot 2). */
@@ -2336,16 +2336,17 @@ static void *caps_rank(void *arg) {
     nccl_rank n;
     moept_layer *L = NULL;
     nccl_rank_open(&n, &j->tr);
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 3; k++) {
         moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
         if (k == 0) cfg.grad_backup = 1;
         if (k == 1) cfg.expert_sharding = MOEPT_SHARD_FSDP;
+        if (k == 2) cfg.fp8 = MOEPT_FP8_BLOCKWISE;
         agree_call(j, k, moept_create_cuda(&cfg, n.c, NULL, NULL, &L), NULL);
         if (L) { moept_destroy(L); L = NULL; }
     }
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     if (moept_create_cuda(&cfg, n.c, NULL, NULL, &L) != MOEPT_OK) {
-        agree_call(j, 2, MOEPT_ERR_DEVICE, NULL);
+        agree_call(j, 3, MOEPT_ERR_DEVICE, NULL);
         nccl_rank_close(&n);
         return NULL;
     }
@@ -2355,7 +2356,7 @@ static void *caps_rank(void *arg) {
     unsigned long long rs = 11 + (unsigned long long)j->tr.rank;
     for (int64_t i = 0; i < T * D; i++) x[i] = (float)tu_rand(&rs);
     void *xd = dev_from(x, T * D, 0), *yd = dev_from(x, T * D, 0);
-    agree_call(j, 2, moept_forward(L, xd, T, yd), L);
+    agree_call(j, 3, moept_forward(L, xd, T, yd), L);
     cudaFree(xd); cudaFree(yd);
     free(x);
     moept_destroy(L);
@@ -2367,8 +2368,8 @@ static void test_capability_refusals(void) {
     agree_job j[2];
     memset(j, 0, sizeof j);
     run_two(caps_rank, j, sizeof j[0]);
-    const char *what[2] = {"config.grad_backup", "MOEPT_SHARD_FSDP"};
-    for (int k = 0; k < 2; k++) {
+    const char *what[3] = {"config.grad_backup", "MOEPT_SHARD_FSDP", "config.fp8"};
+    for (int k = 0; k < 3; k++) {
         EXPECT(j[0].st[k] == MOEPT_ERR_UNSUPPORTED && j[1].st[k] == MOEPT_ERR_UNSUPPORTED,
                "%s: status %d, %d (%s | %s)", what[k], (int)j[0].st[k], (int)j[1].st[k], j[0].msg[k], j[1].msg[k]);
         EXPECT(strcmp(j[0].msg[k], j[1].msg[k]) == 0, "%s: the ranks' messages differ: %s | %s", what[k],
@@ -2376,7 +2377,7 @@ static void test_capability_refusals(void) {
         EXPECT(strstr(j[0].msg[k], what[k]) && strstr(j[0].msg[k], "is not supported by the CUDA executor"),
                "%s: message %s", what[k], j[0].msg[k]);
     }
-    EXPECT(!j[0].st[2] && !j[1].st[2], "a forward after the refusals: %s | %s", j[0].msg[2], j[1].msg[2]);
+    EXPECT(!j[0].st[3] && !j[1].st[3], "a forward after the refusals: %s | %s", j[0].msg[3], j[1].msg[3]);
 }
 
 /* An inference-only layer reshards as a training one does (it has no

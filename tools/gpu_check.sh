@@ -2,9 +2,9 @@
 # tools/gpu_check.sh - the real-GPU checks, for a session lent a GPU machine
 # (the device tool; docs/PERF.md "The CUDA executor on one H200" records what they gave).
 #
-#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [sanitize] [bench]
+#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [fp8] [sanitize] [bench]
 #                         [bench_small] [profile] [torch] [peers]
-#                         (default: build rules check ep1gpu sanitize bench torch peers)
+#                         (default: build rules check ep1gpu fp8 sanitize bench torch peers)
 #
 # prebuilt: instead of build, the binaries tools/gpu_prebuild.sh built
 #           beforehand and the device tool carried (GPUB, default gpub), cuBLAS,
@@ -42,6 +42,11 @@
 #           tools/cupti_summary.py (where gpu_prebuild.sh built the tracer;
 #           else Nsight Systems' summaries where nsys is installed)
 # rules:    tests/cuda_rules.cu's answers against tests/cuda_rules.txt
+# fp8:      cuBLASLt's block-scaled FP8 GEMMs: tests/lt_rules.cu's answers against
+#           tests/lt_rules.txt, their accuracy (fp32 D against the exact product of the
+#           dequantized operands) and their time against bf16 at the expert GEMMs of
+#           Mixtral-8x7B and DeepSeek-V3 (T 8192); torch's FP8 grouped GEMM
+#           (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
 # torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
 #           /usr/bin/python3 whose torch sees the GPU): tests/test_torch.py with CPU layers (this
 #           transformers' blocks) and CUDA layers in fp32 and bf16; examples/hf_swap.py --check for
@@ -59,7 +64,7 @@ set -u
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
 SUM="$OUT/summary.txt"
-phases=${*:-build rules check ep1gpu sanitize bench torch peers}
+phases=${*:-build rules check ep1gpu fp8 sanitize bench torch peers}
 failed=0
 
 step() { # name, command...: appended to the phase's log; a summary line
@@ -189,6 +194,18 @@ rules() { # CUDA's answers to the calls the emulator has rules for, against test
     step "cuda_rules: this GPU answers as tests/cuda_rules.txt" sh tests/cuda_rules.sh build/cuda_rules --no-skip
 }
 
+fp8() {
+    LOG="$OUT/fp8.log"
+    step "lt_rules: block-scaled FP8 matmuls answered as tests/lt_rules.txt" sh tests/lt_rules.sh build/lt_rules \
+        --no-skip
+    step "lt_rules accuracy" build/lt_rules accuracy
+    step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
+    P=$(torch_py)
+    [ -n "$P" ] && step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" \
+        $P bench/fp8_grouped_peer.py
+    grep -E "^accuracy|^time|^Mixtral|^DeepSeek" "$LOG" | tee -a "$SUM" >/dev/null
+}
+
 sanitize() {
     LOG="$OUT/sanitize.log"
     cases="tests/cases/mixtral_e8_t40.safetensors tests/cases/qwen2_shared_norm_e8.safetensors"
@@ -307,9 +324,9 @@ peers() {
 
 for p in $phases; do
     case $p in
-    build | prebuilt | rules | check | ep1gpu | sanitize | bench | bench_small | profile | peers) $p ;;
+    build | prebuilt | rules | check | ep1gpu | fp8 | sanitize | bench | bench_small | profile | peers) $p ;;
     torch) torch_phase ;;
-    *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [sanitize] [bench] [bench_small] [profile]" \
+    *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [fp8] [sanitize] [bench] [bench_small] [profile]" \
             "[torch]" \
             "[peers]" >&2
        exit 2 ;;

@@ -18,7 +18,7 @@ command -v mpicc >/dev/null && mpi="$G/moept_check_cuda_mpi $G/train_cuda_mpi"
 # shellcheck disable=SC2086
 make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute_$A,code=sm_$A" \
     "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
-    "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/libmoept_cuda.so" $mpi
+    "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/lt_rules" "$G/libmoept_cuda.so" $mpi
 # the CUPTI tracer for the profile phase, with CUPTI's library beside it, where its headers are
 # (CUPTI: the toolkit's extras/CUPTI, else the nvidia-cuda-cupti wheel's nvidia/cu13); optional
 C=${CUPTI:-}

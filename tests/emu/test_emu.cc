@@ -1,9 +1,11 @@
 /* test_emu: the emulator's own tests. Each checker is shown to fire on a
    small deliberately broken kernel or call sequence (the report must come,
    and is then taken so the run stays clean), and the emulated cuBLAS is
-   checked against hand-worked products written from its documentation.
+   checked against hand-worked products written from its documentation;
+   so is the emulated cuBLASLt (block-scaled FP8), each of its rules firing.
    Prints "ok/FAIL - name" lines; exits 1 on any failure. */
 #include <cuda_runtime.h>
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <nccl.h>
 
@@ -1093,6 +1095,130 @@ static void nccl_dup_gpu() {
     expect_clean("nccl: ... with no report");
 }
 
+/* ---- cuBLASLt (emu_lt.cc): block-scaled FP8 matmuls. tests/lt_rules.txt
+   holds what a real H200 answered to the layouts, sizes and alignments
+   (build/emu/lt_rules prints the same); here each of the emulator's other
+   rules fires on a call that breaks it alone, with its status and report,
+   and a hand-worked product comes out right. ---- */
+struct LtArgs {
+    cublasComputeType_t comp = CUBLAS_COMPUTE_32F;
+    cudaDataType_t scale = CUDA_R_32F, at = CUDA_R_8F_E4M3, ct = CUDA_R_32F, dt = CUDA_R_32F;
+    int32_t amode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    int32_t bmode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    int64_t m = 16, n = 16, k = 128;
+    size_t aoff = 0, wsoff = 0;
+    bool no_scale = false, epilogue = false, batch = false, bad_algo = false, dev_alpha = false;
+};
+
+/* A [m][k] and B [n][k] of 1.0, A's scales 2, B's 0.5 (every element of D: k); the matmul's status */
+static cublasStatus_t lt_call(const LtArgs &a, float *d00) {
+    cublasLtHandle_t h;
+    cublasLtCreate(&h);
+    char *blk;
+    cudaMalloc((void **)&blk, 1 << 16);
+    cudaMemset(blk, 0x38, 8192); /* E4M3 0x38 = 1.0: A at 0, B at 4096 */
+    float sa[8] = {2, 2, 2, 2, 2, 2, 2, 2}, sb[64];
+    for (float &v : sb) v = 0.5f;
+    float *dsa = (float *)(blk + 8192), *dsb = (float *)(blk + 8448), *one = (float *)(blk + 9000);
+    cudaMemcpy(dsa, sa, sizeof sa, cudaMemcpyHostToDevice);
+    cudaMemcpy(dsb, sb, sizeof sb, cudaMemcpyHostToDevice);
+    char *D = blk + 12288;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatmulDescCreate(&op, a.comp, a.scale);
+    int32_t t = CUBLAS_OP_T, nn = CUBLAS_OP_N;
+    const float *pa = a.no_scale ? nullptr : dsa, *pb = dsb;
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, 4);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nn, 4);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a.amode, 4);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &a.bmode, 4);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof pa);
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof pb);
+    if (a.epilogue) {
+        cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_RELU;
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e);
+    }
+    cublasLtMatrixLayout_t la, lb, lc, ld;
+    cublasLtMatrixLayoutCreate(&la, a.at, a.k, a.m, a.k);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, a.k, a.n, a.k);
+    cublasLtMatrixLayoutCreate(&lc, a.ct, a.m, a.n, a.m);
+    cublasLtMatrixLayoutCreate(&ld, a.dt, a.m, a.n, a.m);
+    if (a.batch) {
+        int32_t two = 2;
+        cublasLtMatrixLayoutSetAttribute(lb, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &two, 4);
+    }
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulHeuristicResult_t res;
+    memset(&res, 0, sizeof res);
+    int nres = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, lc, ld, pref, 1, &res, &nres);
+    if (a.bad_algo) res.algo.data[0] = 0;
+    float al = 1, be = 0;
+    if (a.dev_alpha) cudaMemcpy(one, &al, 4, cudaMemcpyHostToDevice);
+    const float *alpha = a.dev_alpha ? one : &al;
+    cublasStatus_t st = cublasLtMatmul(h, op, alpha, blk + a.aoff, la, blk + 4096, lb, &be, D, lc, D, ld,
+                                       nres ? &res.algo : nullptr, blk + 16384 * 2 + a.wsoff, 0, 0);
+    cudaDeviceSynchronize();
+    if (d00) cudaMemcpy(d00, D, 4, cudaMemcpyDeviceToHost);
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc); cublasLtMatrixLayoutDestroy(ld);
+    cublasLtMatmulDescDestroy(op);
+    cudaFree(blk);
+    cublasLtDestroy(h);
+    return st;
+}
+
+static void lt_rules() {
+    float d = 0;
+    cublasStatus_t st = lt_call(LtArgs(), &d);
+    result("cublasLt: E4M3 1.0 x 1.0 over k 128, scales 2 and 0.5: D = 128", st == 0 && d == 128.0f,
+           "refused or wrong");
+    struct {
+        const char *name, *want;
+        cublasStatus_t st;
+        std::function<void(LtArgs &)> set;
+    } cs[] = {
+        {"a TF32 compute type", "CUBLAS_COMPUTE_32F and scaleType", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.comp = CUBLAS_COMPUTE_32F_FAST_TF32; }},
+        {"an fp16 scale type", "CUBLAS_COMPUTE_32F and scaleType", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.scale = CUDA_R_16F; }},
+        {"an E5M2 A", "E5M2 operands are documented but not emulated", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.at = CUDA_R_8F_E5M2; }},
+        {"an fp16 C and D", "an fp16 D is documented but not emulated", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.ct = a.dt = CUDA_R_16F; }},
+        {"an FP8 D with block scales", "D must be CUDA_R_16BF", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.ct = a.dt = CUDA_R_8F_E4M3; }},
+        {"C fp32, D bf16", "C's type must be D's", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.dt = CUDA_R_16BF; }},
+        {"tensor-wide scaling on A", "scale modes other than", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.amode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F; }},
+        {"a bf16 D of 4 rows (8 bytes a column)", "leading dimensions of C and D",
+         CUBLAS_STATUS_NOT_SUPPORTED, [](LtArgs &a) { a.m = 4; a.ct = a.dt = CUDA_R_16BF; }},
+        {"a workspace off 256 bytes", "256-byte aligned", CUBLAS_STATUS_INVALID_VALUE,
+         [](LtArgs &a) { a.wsoff = 128; }},
+        {"a block mode without its scales", "without its scales", CUBLAS_STATUS_INVALID_VALUE,
+         [](LtArgs &a) { a.no_scale = true; }},
+        {"A 8 bytes off 16", "A, B, C and D must be 16-byte aligned", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.aoff = 8; }},
+        {"an algo no heuristic returned", "an algo no heuristic", CUBLAS_STATUS_INVALID_VALUE,
+         [](LtArgs &a) { a.bad_algo = true; }},
+        {"an epilogue", "documented but not emulated", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.epilogue = true; }},
+        {"a batched B", "order or batch", CUBLAS_STATUS_NOT_SUPPORTED, [](LtArgs &a) { a.batch = true; }},
+        {"a device alpha", "POINTER_MODE_DEVICE", CUBLAS_STATUS_NOT_SUPPORTED,
+         [](LtArgs &a) { a.dev_alpha = true; }},
+    };
+    for (auto &c : cs) {
+        LtArgs a;
+        c.set(a);
+        char name[160];
+        snprintf(name, sizeof name, "cublasLt rules: %s is refused", c.name);
+        result(name, lt_call(a, nullptr) == c.st, "another status");
+        expect_report(name, c.want);
+    }
+}
+
 int main() {
     kernels();
     lost_context();
@@ -1102,6 +1228,7 @@ int main() {
     copies();
     blas();
     blas_rules();
+    lt_rules();
     nccl_unmatched(0);
     nccl_unmatched(1);
     nccl_dup_gpu();
