@@ -225,7 +225,9 @@ $(B)/cuda_rules: tests/cuda_rules.cu | $(B)
 
 # cuBLASLt's answers to block-scaled FP8 matmuls (tests/lt_rules.txt: a real GPU's)
 $(B)/lt_rules: tests/lt_rules.cu | $(B)
-	$(NVCC) $(NVCCFLAGS) tests/lt_rules.cu -o $@ $(CUDA_LIBDIRS) -lcublasLt
+	@mkdir -p $(B)/cuda
+	$(NVCC) $(NVCCFLAGS) -c tests/lt_rules.cu -o $(B)/cuda/lt_rules.o
+	$(CC) $(B)/cuda/lt_rules.o -o $@ $(CUDA_LIBDIRS) -lcublasLt -lcudart -lstdc++ -lm
 
 $(B)/bench_cuda: bench/bench_cuda.c $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)

@@ -2186,7 +2186,7 @@ static void moept__layout_acts(moept_layer *L, moept__fstate *sl, moept__carve *
     L->ws.q8w2 = moept__take(c, q8 ? (size_t)(L->El * D * L->F) * f : 0);
     L->ws.q8ws13 = moept__take(c, q8s ? (size_t)(HS * D) * f : 0);
     L->ws.q8ws2 = moept__take(c, q8s ? (size_t)(D * L->S) * f : 0);
-    L->ws.q8s1 = moept__take(c, q8s ? (size_t)(T * dhs) * f : 0);
+    L->ws.q8s1 = moept__take(c, q8s ? (size_t)(T * (train ? dhs : D)) * f : 0);
     L->ws.q8s2 = moept__take(c, q8s && train ? (size_t)(T * D) * f : 0);
     if (L->fsdp) {
         L->fs.full = moept__take(c, (size_t)(L->fsdp->size * L->fs.shard) * f);
@@ -3151,7 +3151,7 @@ static float moept__e4m3_round(float x) {
         memcpy(&r, &u, sizeof r);
         if (r > MOEPT__E4M3_MAX) r = MOEPT__E4M3_MAX;
     }
-    return x < 0.0f ? -r : r;
+    return copysignf(r, x); /* -0 stays -0, and a negative that rounds to 0 gives -0, as cvt.rn does */
 }
 
 /* a tile's scale: amax / 448, 1 for a zero tile (or one too small to scale: s would be 0) */

@@ -399,10 +399,12 @@
      expert's too) takes its operands quantized to E4M3 (OCP FP8: largest
      448, subnormals down to 2^-9, no infinities) and accumulates in fp32:
        token rows (x, the activations a, dy, dh): a scale per 1 x 128 tile
-         along the GEMM's reduction dimension (D or F of a row; for the
-         wgrad, 128 rows of one expert along each column);
-       weights: a scale per 128 x 128 block (the same blocks serve W and
-         W^T, so the forward and the dgrad read one copy).
+         along the GEMM's reduction dimension (D, F, or H = 2F of a row;
+         for the wgrad, 128 rows of one expert along each column);
+       weights: a scale per 128 x 128 block of W13 [H][D] and W2 [D][F]
+         (W and W^T have the same blocks). The tiles run over the fused
+         gate|up rows: where F is a multiple of 128, as in every released
+         model, they are the separate projections' own.
      A tile's scale is s = amax / 448 from its own values (1 where all are
      zero; an edge tile of fewer elements alike); each v becomes
      s * e4m3(v / s), rounded to nearest even and saturating. The router,
@@ -411,8 +413,10 @@
      operands quantized and dequantized, then its fp32 GEMMs): the spec a
      GPU's FP8 GEMMs are held to. Results differ from fp32 by E4M3's
      precision (u = 2^-4 a rounding; tests/moept_check.c's --dtype fp8 bound
-     and docs/GUIDE.md). The quantized weights are made at each forward
-     (the memory of one copy of the experts' weights, in workspace_bytes).
+     and docs/GUIDE.md). The quantized weights are made at each forward,
+     since a CPU layer's weights may be written through moept_params'
+     pointer at any time (the memory of one copy of the experts' weights,
+     in workspace_bytes; a pass over them a forward).
      Refused at create (MOEPT_ERR_UNSUPPORTED) with overlap_chunks > 1,
      FSDP sharding and on the CUDA executor.
 

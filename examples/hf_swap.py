@@ -198,7 +198,7 @@ def main():
             elif step == 1:
                 ref(input_ids=ids, labels=ids, output_router_logits=True).loss.backward()
                 grads, grads_hf = grad_error(ref, model), grad_error(ref, hf)
-                tol_grad = 2 * max(grads_hf) + (a.tol or 2 ** -7)
+                tol_grad = a.tol or 2 * max(grads_hf) + 2 ** -7
                 del ref
         for opt in opts:
             opt.step()

@@ -148,7 +148,8 @@ static run_out run_case(cublasLtHandle_t h, const lcase *c, void *ws, size_t wss
                         ref += p, mag += fabs(p);
                     }
                 }
-                double d = esz == 4 ? ((float *)hd)[i + (size_t)j * m] : bf16_value(((uint16_t *)hd)[i + (size_t)j * m]);
+                size_t at = i + (size_t)j * m;
+                double d = esz == 4 ? ((float *)hd)[at] : bf16_value(((uint16_t *)hd)[at]);
                 double e = mag > 0 ? fabs(d - ref) / mag : fabs(d);
                 if (e > o.err || e != e) o.err = e != e ? INFINITY : e;
             }

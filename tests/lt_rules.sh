@@ -1,6 +1,6 @@
 #!/bin/sh
 # usage: tests/lt_rules.sh LT_RULES [--no-skip]
-# LT_RULES (build/lt_rules: a real GPU; the emulated GPU's to come) must answer
+# LT_RULES (build/lt_rules: a real GPU; build/emu/lt_rules: the emulated one) must answer
 # the block-scaled FP8 cublasLtMatmul cases as the real GPU of
 # tests/lt_rules.txt did: each case's heuristic and matmul statuses, line for
 # line (its D column is a reading of the GPU's accuracy, not a rule: left out).
