@@ -1826,6 +1826,7 @@ struct moept_layer {
 static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
 static void moept__host_wrote(moept_layer *L, int params, int grads);
+static void moept__host_wrote_bias(moept_layer *L);
 /* The group calls (moept.h's table): each agreement carries the call's id
    and a fingerprint of the arguments that must match on every rank */
 static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
@@ -2736,15 +2737,17 @@ moept_status moept_set_param(moept_layer *L, const char *name, const float *src,
     const moept__param *p = NULL;
     moept_status st = moept__param_io(L, "moept_set_param", name, numel, src, &p);
     if (st || !p || !src) return st ? st : MOEPT_ERR_INVALID_ARGUMENT;
-    MOEPT__HOST_SYNC(L, 1, 0);
+    const int bias = p->type == MOEPT__P_BIAS; /* the host's alone: no device writes it */
+    if (!bias) MOEPT__HOST_SYNC(L, 1, 0);
     for (int64_t i = 0; i < numel; i++)
         if (!moept__finite(src[i]))
             return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_set_param(%s): element %lld is not finite", name,
                                (long long)i);
     if (p->flat >= 0) moept__fsdp_write(L, p->flat, src, numel); /* this rank's part */
     else memcpy(p->data, src, (size_t)numel * sizeof(float));
-    moept__host_wrote(L, 1, 0);
-    if (p->type != MOEPT__P_BIAS) moept__stale_forwards(L, "moept_set_param"); /* (the bias only routes) */
+    if (bias) moept__host_wrote_bias(L);
+    else moept__host_wrote(L, 1, 0);
+    if (!bias) moept__stale_forwards(L, "moept_set_param"); /* (the bias only routes) */
     return MOEPT_OK;
 }
 
@@ -2917,6 +2920,11 @@ static moept_status moept__opt_to_host(moept_layer *L) {
 static void moept__host_wrote(moept_layer *L, int params, int grads) {
     if (L->ex->host_wrote)
         L->ex->host_wrote(L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
+}
+/* the correction bias alone changed on the host (its one home: no executor writes it), so an executor
+   copies the bias, not the parameters (a per-step moept_update_bias) */
+static void moept__host_wrote_bias(moept_layer *L) {
+    if (L->ex->host_wrote) L->ex->host_wrote(L, MOEPT__HOST_BIAS);
 }
 
 /* ------------------------------------------------------------------------
@@ -4896,8 +4904,7 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_UPDATE_BIAS,
                                         moept__fnv_f32(&rate, 1));
     if (ag) return ag;
-    MOEPT__HOST_SYNC(L, 1, 0);
-    moept__host_wrote(L, 1, 0);
+    moept__host_wrote_bias(L);
     /* the bias is replicated: every rank must see the whole batch's counts
        (already so with global_balance; otherwise sum them here) */
     double *cnt = sl->fwd.lstat; /* [E] the forward's selection counts; free after the forward */

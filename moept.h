@@ -737,7 +737,9 @@ void moept_comm_destroy(moept_comm *c);
    after other changes (an upload, moept_cuda_params,
    moept_cuda_params_changed) it is cast at the next forward, in the
    sync-free mode at once. Everything else (checkpoints, bias updates)
-   works on the host copy.
+   works on the host copy; the correction bias has its one home there
+   (moept_update_bias or moept_set_param of it copies its E floats to the
+   device at the next forward, not the parameters).
 
    SYNC-FREE MODE (options.sync_free = 1; off by default)
      Forward and backward never wait on the host, so the host runs ahead
@@ -1451,7 +1453,8 @@ enum {
     MOEPT__CAN_FP8 = 1 << 9,         /* config.fp8 */
     MOEPT__NCAPS = 10
 };
-enum { MOEPT__HOST_PARAMS = 1, MOEPT__HOST_GRADS = 2, MOEPT__HOST_OPT = 4 }; /* host copies (bits) */
+enum { MOEPT__HOST_PARAMS = 1, MOEPT__HOST_GRADS = 2, MOEPT__HOST_OPT = 4, /* host copies (bits) */
+       MOEPT__HOST_BIAS = 8 };
 /* AdamW's constants for one step (moept.c's moept__adamw1) */
 typedef struct moept__adamw_k { float decay, b1, b2, step, sbc2, eps; } moept__adamw_k;
 /* moept_reshard's schedule (moept__reshard_plan), the same on every rank */

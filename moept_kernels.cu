@@ -4381,6 +4381,7 @@ typedef enum { MOEPT__SAME = 0, MOEPT__HOST_NEWER, MOEPT__DEVICE_NEWER } moept__
 typedef struct moept__cudax {
     moept__cuda *c;
     moept__newer params, grads, opt; /* opt: MOEPT__SAME also when there are none */
+    int bias_newer;        /* the host's correction bias changed alone: copied without the parameters */
     int routing_on_host;   /* host ids/wts/logits hold the committed step */
     int dx_pending;        /* a backward's dx check on the device not yet read */
     int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
@@ -4423,6 +4424,7 @@ static void moept__cuda_host_wrote(moept_layer *L, int what) {
     moept__cudax *X = moept__cx(L, &v);
     if (what & MOEPT__HOST_PARAMS) X->params = MOEPT__HOST_NEWER;
     if (what & MOEPT__HOST_GRADS) X->grads = MOEPT__HOST_NEWER;
+    if (what & MOEPT__HOST_BIAS) X->bias_newer = 1;
     if (what & MOEPT__HOST_OPT)
         X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
 }
@@ -4430,13 +4432,14 @@ static void moept__cuda_host_wrote(moept_layer *L, int what) {
 static moept_status moept__to_device(moept_layer *L) {
     moept__view v;
     moept__cudax *X = moept__cx(L, &v);
-    int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER;
-    if (!p && !g) return MOEPT_OK;
-    moept_status st = moept__cuda_upload(X->c, p ? v.params : NULL, g ? v.grads : NULL, p ? v.bias : NULL,
+    int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER, b = p || X->bias_newer;
+    if (!p && !g && !b) return MOEPT_OK;
+    moept_status st = moept__cuda_upload(X->c, p ? v.params : NULL, g ? v.grads : NULL, b ? v.bias : NULL,
                                          p ? v.slot_of : NULL, moept__errbuf());
     if (st) return st;
     if (p) X->params = MOEPT__SAME;
     if (g) X->grads = MOEPT__SAME;
+    X->bias_newer = 0;
     return MOEPT_OK;
 }
 

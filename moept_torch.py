@@ -343,8 +343,7 @@ class MoeptMoE(torch.nn.Module):
             self._grads.append(_view(g, shape, self.device_))
         # the DeepSeek-V3 correction bias (no gradient), a buffer: a CPU layer's host memory; a CUDA
         # layer keeps it in its host copy, so the buffer is a device copy that the next forward after an
-        # in-place write (load_state_dict, copy_) sets through moept_set_param, a round trip of the
-        # layer's parameters through the host: fine for loads, costly for a per-step update
+        # in-place write (load_state_dict, copy_) sets through moept_set_param (E floats each way)
         self._bufs = []
         for name, r, c, d, g in infos:
             if g is not None:

@@ -1132,6 +1132,61 @@ static void test_chunked_equals_one_chunk(void) {
    device writes them. The output after set_param, and after the AdamW
    step, is that of a layer given the same fp32 parameters through the host
    and casting them (stale or wrongly written bf16 weights would not be). */
+/* The correction bias lives on the host (moept_update_bias computes it
+   there): an update, or moept_set_param of the bias, copies E floats to the
+   device at the next forward, not the parameters (downloaded and uploaded
+   whole before: a per-step update_bias moved every weight twice), and that
+   forward routes by the new bias as a CPU layer does. */
+static void test_bias_update_copies_bias(void) {
+    moept_config cfg = family_cfg(3);
+    cfg.max_tokens = 64;
+    const int64_t T = 50, D = cfg.hidden_size, E = cfg.num_experts, K = cfg.top_k;
+    moept_layer *g = cuda_layer(cfg, 0), *c = NULL;
+    EXPECT_OK(moept_create(&cfg, &c));
+    if (!g || !c) { moept_destroy(g); moept_destroy(c); return; }
+    moept_init_params(c, 3);
+    float *x = malloc((size_t)(2 * T * D) * sizeof(float)), *y = calloc((size_t)(2 * T * D), sizeof(float));
+    for (int64_t i = 0; i < 2 * T * D; i++) x[i] = frand();
+    void *xd = dev_from(x, T * D, 0), *dyd = dev_from(x + T * D, T * D, 0), *dxd = dev_from(y, T * D, 0);
+    const moept_adamw hp = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    float bias[64];
+    for (int64_t e = 0; e < E; e++) bias[e] = 0.05f * (float)(e % 3);
+    for (int k = 0; k < 2 && !tu_bad; k++) { /* a step, then update_bias (k 0) or set_param (k 1) */
+        EXPECT_OK(forward_y(g, xd, T, D, 0, NULL, y) ? MOEPT_ERR_DEVICE : moept_backward(g, xd, dyd, dxd));
+        EXPECT_OK(moept_adamw_step(g, &hp)); /* the device's parameters are newer than the host's */
+        EXPECT_OK(moept_forward(c, x, T, y));
+        EXPECT_OK(moept_backward(c, x, x + T * D, y + T * D));
+        EXPECT_OK(moept_adamw_step(c, &hp));
+        cudaDeviceSynchronize();
+        moept_emu_counts_reset();
+        if (k == 0) {
+            EXPECT_OK(moept_update_bias(g, 0.05f));
+            EXPECT_OK(moept_update_bias(c, 0.05f));
+        } else {
+            EXPECT_OK(moept_set_param(g, "gate.e_score_correction_bias", bias, E));
+            EXPECT_OK(moept_set_param(c, "gate.e_score_correction_bias", bias, E));
+        }
+        if (forward_y(g, xd, T, D, 0, NULL, y) || moept_forward(c, x, T, y + T * D)) break;
+        cudaDeviceSynchronize();
+        moept_emu_counts n;
+        moept_emu_counts_get(0, NULL, &n);
+        moept_stats st;
+        moept_get_stats(g, &st, NULL);
+        EXPECT(n.cread + n.cwrite < st.param_bytes / 4, "%s: copies moved %lld bytes (the parameters: %lld)",
+               k ? "set_param(bias)" : "update_bias", n.cread + n.cwrite, (long long)st.param_bytes);
+        const int32_t *gi, *ci;
+        EXPECT_OK(moept_routing(g, &gi, NULL, NULL));
+        EXPECT_OK(moept_routing(c, &ci, NULL, NULL));
+        EXPECT(memcmp(gi, ci, (size_t)(T * K) * sizeof(int32_t)) == 0, "%s: the routing differs from the CPU's",
+               k ? "set_param(bias)" : "update_bias");
+        EXPECT(tu_relerr(y, y + T * D, T * D) <= 1e-5, "%s: y against the CPU's: %g",
+               k ? "set_param(bias)" : "update_bias", tu_relerr(y, y + T * D, T * D));
+    }
+    cudaFree(xd); cudaFree(dyd); cudaFree(dxd);
+    free(x); free(y);
+    moept_destroy(g); moept_destroy(c);
+}
+
 static void test_bf16_weights_cast_once(void) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
     moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_AUTO};
@@ -3317,6 +3372,8 @@ int main(void) {
     tu_run("cuda (emulated, 4 and 2 ranks on one device): moept_reshard over moept_comm_cuda_threads, some "
            "ranks moving in fewer rounds, equals save and load at the new placement bitwise",
            test_reshard_one_device);
+    tu_run("cuda (emulated): a bias update or write copies the bias alone to the device, and routes as the CPU's",
+           test_bias_update_copies_bias);
 #endif
     return tu_done();
 }
