@@ -3277,6 +3277,28 @@ static void moept__ffn_grad_w13(moept_layer *L, int64_t groups, const int64_t *o
     moept__gemm_run(L->ws.descs, n, &L->ws.gws);
 }
 
+/* One weight's gradient from the gradient of its GEMM's output dout
+   [rows][wo] and its input in [rows][wi] (fn: moept__ffn_grad_w2 or _w13,
+   w its last argument); returns dout as the dgrad reads it. config.fp8 (qo,
+   qi: scratch of dout's and in's widths): both quantized down each group's
+   columns for the wgrad, then dout along its rows, into qo, for the dgrad. */
+typedef void (*moept__wgrad_fn)(moept_layer *, int64_t, const int64_t *, const float *, const float *,
+                                float *, int64_t);
+static const float *moept__wgrad(moept_layer *L, int64_t groups, const int64_t *offsets,
+                                 moept__wgrad_fn fn, const float *dout, int64_t wo, const float *in,
+                                 int64_t wi, float *g, int64_t w, float *qo, float *qi) {
+    if (!qo) {
+        fn(L, groups, offsets, dout, in, g, w);
+        return dout;
+    }
+    const int64_t base = offsets[0], R = offsets[groups] - base;
+    moept__q8_cols(in, wi, wi, groups, offsets, qi);
+    moept__q8_cols(dout, wo, wo, groups, offsets, qo);
+    fn(L, groups, offsets, qo, qi, g, w);
+    moept__q8_rows(dout + base * wo, R, wo, wo, qo + base * wo, wo);
+    return qo;
+}
+
 /* Backward of moept__ffn_forward. dys (in ys) -> weight grads accumulate,
    dxs written over ys, h overwritten by dh. `a` is scratch: the activations
    are recomputed from h (cheap) so one [rows][F] buffer serves both a and
@@ -3297,16 +3319,8 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_fwd_rowv(act, h + r * H, F, a + r * F);
-    const float *dy = ys; /* da = dys W2 (over a) */
-    if (q1) {
-        moept__q8_cols(a, F, F, groups, offsets, q1);
-        moept__q8_cols(ys, D, D, groups, offsets, q2);
-        moept__ffn_grad_w2(L, groups, offsets, q2, q1, g2, F);
-        moept__q8_rows(ys + base * D, R, D, D, q2 + base * D, D);
-        dy = q2;
-    } else {
-        moept__ffn_grad_w2(L, groups, offsets, ys, a, g2, F);
-    }
+    /* da = dys W2 (over a) */
+    const float *dy = moept__wgrad(L, groups, offsets, moept__ffn_grad_w2, ys, D, a, F, g2, F, q2, q1);
     MOEPT__PER_GROUP(
         gd, n, groups, offsets,
         moept__gemm_make(0, 0, rows, F, D, dy + r0 * D, D, w2 + e * D * F, F, 0.0f, a + r0 * F, F));
@@ -3314,16 +3328,8 @@ static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
     #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
     for (int64_t r = base; r < base + R; r++)
         moept__act_bwd_rowv(act, h + r * H, a + r * F, F, h + r * H);
-    const float *dh = h; /* dxs = dh W13 (into ys) */
-    if (q1) {
-        moept__q8_cols(h, H, H, groups, offsets, q1);
-        moept__q8_cols(xs, D, D, groups, offsets, q2);
-        moept__ffn_grad_w13(L, groups, offsets, q1, q2, g13, H);
-        moept__q8_rows(h + base * H, R, H, H, q1 + base * H, H);
-        dh = q1;
-    } else {
-        moept__ffn_grad_w13(L, groups, offsets, h, xs, g13, H);
-    }
+    /* dxs = dh W13 (into ys) */
+    const float *dh = moept__wgrad(L, groups, offsets, moept__ffn_grad_w13, h, H, xs, D, g13, H, q1, q2);
     MOEPT__PER_GROUP(
         gd, n, groups, offsets,
         moept__gemm_make(0, 0, rows, D, H, dh + r0 * H, H, w13 + e * H * D, D, 0.0f, ys + r0 * D, D));

@@ -196,7 +196,7 @@ rules() { # CUDA's answers to the calls the emulator has rules for, against test
 
 fp8() {
     LOG="$OUT/fp8.log"
-    step "lt_rules: block-scaled FP8 matmuls answered as tests/lt_rules.txt" sh tests/lt_rules.sh build/lt_rules \
+    step "lt_rules: block-scaled FP8 matmuls answered as tests/lt_rules.txt" sh tests/cuda_rules.sh build/lt_rules \
         --no-skip
     step "lt_rules accuracy" build/lt_rules accuracy
     step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
