@@ -13,6 +13,8 @@
      moept.h names (rows 1 x 128 along the reduction, the wgrad's 128 x 1
      down each expert's rows, weights 128 x 128), to fp32 accumulation;
    - the FP8 layer differs from the fp32 one (it quantizes) within 2^-2;
+   - an inference layer, and two forwards in flight, equal the training
+     layer bitwise;
    - the combinations refused at create. */
 #include "../moept.c"
 #include "testutil.h"
@@ -264,6 +266,51 @@ static void test_fp8_vs_fp32(void) {
     moept_destroy(L8); moept_destroy(L32);
 }
 
+/* an inference layer (a written over h) and two forwards in flight (each slot its own scratch, one copy of
+   the quantized weights) give the training layer's results bitwise */
+static void test_inference_and_slots(void) {
+    moept_config c = fp8_cfg();
+    c.family = MOEPT_FAMILY_DEEPSEEK_V3; c.shared_intermediate_size = 72; c.routed_scaling_factor = 2.5f;
+    c.num_experts = 4; c.max_inflight = 2;
+    moept_layer *L, *I, *S;
+    EXPECT_OK(moept_create(&c, &L));
+    EXPECT_OK(moept_create(&c, &S));
+    c.inference_only = 1; c.max_inflight = 0;
+    EXPECT_OK(moept_create(&c, &I));
+    if (tu_bad) return;
+    moept_init_params(L, 6); moept_init_params(I, 6); moept_init_params(S, 6);
+    const int64_t T = 70, D = 200, n = T * D;
+    float *x = malloc(2 * n * 4), *dy = malloc(2 * n * 4), *y = malloc(4 * n * 4), *dx = malloc(4 * n * 4);
+    unsigned long long s = 12;
+    tu_fill(x, 2 * n, 1.0, &s);
+    tu_fill(dy, 2 * n, 1.0, &s);
+    EXPECT_OK(moept_forward(I, x, T, y + 2 * n));
+    for (int k = 0; k < 2; k++) { /* L: forward, backward; twice */
+        EXPECT_OK(moept_forward(L, x + k * n, T, y + k * n));
+        EXPECT_OK(moept_backward(L, x + k * n, dy + k * n, dx + k * n));
+    }
+    EXPECT(memcmp(y, y + 2 * n, (size_t)n * 4) == 0, "the inference layer's y is not the training one's");
+    moept_forward_opts fo = {0};
+    moept_backward_opts bo = moept_backward_default();
+    for (int k = 0; k < 2; k++) { /* S: two forwards, then their backwards in reverse */
+        fo.slot = k;
+        EXPECT_OK(moept_forward_ex(S, x + k * n, T, y + 2 * n + k * n, &fo));
+    }
+    for (int k = 1; k >= 0; k--) {
+        bo.slot = k;
+        EXPECT_OK(moept_backward_ex(S, x + k * n, dy + k * n, dx + 2 * n + k * n, &bo));
+    }
+    EXPECT(memcmp(y, y + 2 * n, (size_t)(2 * n) * 4) == 0 && memcmp(dx, dx + 2 * n, (size_t)(2 * n) * 4) == 0,
+           "two forwards in flight differ from one after the other");
+    float *g1, *g2;
+    int64_t np;
+    moept_grads(L, &g1, &np);
+    moept_grads(S, &g2, &np);
+    EXPECT(memcmp(g1, g2, (size_t)np * 4) == 0, "two forwards in flight: the gradients differ");
+    free(x); free(dy); free(y); free(dx);
+    moept_destroy(L); moept_destroy(I); moept_destroy(S);
+}
+
 static void test_refusals(void) {
     moept_config c = fp8_cfg();
     moept_layer *L = NULL;
@@ -285,6 +332,7 @@ int main(void) {
     RUN(test_tiles);
     RUN(test_layer_gemms);
     RUN(test_fp8_vs_fp32);
+    RUN(test_inference_and_slots);
     RUN(test_refusals);
     return tu_done();
 }
