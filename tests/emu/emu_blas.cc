@@ -54,23 +54,6 @@ static int reduced_chunk() {
 }
 
 static size_t esize(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
-static float ld_elem(const void *p, cudaDataType_t t, int64_t i) {
-    if (t == CUDA_R_32F) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static uint16_t to_bf16(float v) { /* round to nearest even; a NaN stays a (quiet) NaN */
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-static void st_elem(void *p, cudaDataType_t t, int64_t i, float v) {
-    if (t == CUDA_R_32F) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = to_bf16(v);
-}
 static float in_type(cudaDataType_t t, float v) { /* v rounded to t and back */
     if (t == CUDA_R_32F) return v;
     uint32_t u = (uint32_t)to_bf16(v) << 16;

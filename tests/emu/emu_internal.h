@@ -14,6 +14,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -47,6 +48,26 @@ struct Granule {
     uint32_t wep, rep[2];
     uint8_t ws, rs[2], pad;
 };
+
+/* element i of a cuBLAS(Lt) matrix of type t (CUDA_R_32F, else bf16), read and written (bf16: rounded
+   to nearest even, a NaN kept quiet) */
+inline float ld_elem(const void *p, cudaDataType_t t, int64_t i) {
+    if (t == CUDA_R_32F) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline uint16_t to_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline void st_elem(void *p, cudaDataType_t t, int64_t i, float v) {
+    if (t == CUDA_R_32F) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = to_bf16(v);
+}
 
 struct Alloc {
     char *base;
