@@ -2745,9 +2745,12 @@ moept_status moept_set_param(moept_layer *L, const char *name, const float *src,
                                (long long)i);
     if (p->flat >= 0) moept__fsdp_write(L, p->flat, src, numel); /* this rank's part */
     else memcpy(p->data, src, (size_t)numel * sizeof(float));
-    if (bias) moept__host_wrote_bias(L);
-    else moept__host_wrote(L, 1, 0);
-    if (!bias) moept__stale_forwards(L, "moept_set_param"); /* (the bias only routes) */
+    if (bias) {
+        moept__host_wrote_bias(L); /* (the bias only routes: the pending backwards stand) */
+    } else {
+        moept__host_wrote(L, 1, 0);
+        moept__stale_forwards(L, "moept_set_param");
+    }
     return MOEPT_OK;
 }
 
@@ -3168,6 +3171,8 @@ static float moept__q8_scale(float amax) {
     return s > 0.0f ? s : amax == amax ? 1.0f : amax;
 }
 static float moept__q8(float v, float s) { return moept__e4m3_round(v / s) * s; }
+/* a tile's running amax with v (a NaN sticks: the tile's values become NaN, as the GPU's would) */
+static float moept__q8_amax(float m, float v) { return fabsf(v) > m || v != v ? fabsf(v) : m; }
 
 /* each row's 1 x 128 tiles along its cols: src [rows][lds] -> dst [rows][ldd] (may be src) */
 static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t lds, float *dst,
@@ -3178,7 +3183,7 @@ static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t
             const int64_t j1 = j0 + MOEPT__Q8_TILE < cols ? j0 + MOEPT__Q8_TILE : cols;
             const float *v = src + r * lds;
             float amax = 0.0f;
-            for (int64_t j = j0; j < j1; j++) amax = fabsf(v[j]) > amax || v[j] != v[j] ? fabsf(v[j]) : amax;
+            for (int64_t j = j0; j < j1; j++) amax = moept__q8_amax(amax, v[j]);
             const float s = moept__q8_scale(amax);
             for (int64_t j = j0; j < j1; j++) dst[r * ldd + j] = moept__q8(v[j], s);
         }
@@ -3195,10 +3200,7 @@ static void moept__q8_cols(const float *src, int64_t ld, int64_t cols, int64_t g
             for (int64_t i0 = r0; i0 < r1; i0 += MOEPT__Q8_TILE) {
                 const int64_t i1 = i0 + MOEPT__Q8_TILE < r1 ? i0 + MOEPT__Q8_TILE : r1;
                 float amax = 0.0f;
-                for (int64_t i = i0; i < i1; i++) {
-                    const float v = src[i * ld + j];
-                    amax = fabsf(v) > amax || v != v ? fabsf(v) : amax;
-                }
+                for (int64_t i = i0; i < i1; i++) amax = moept__q8_amax(amax, src[i * ld + j]);
                 const float s = moept__q8_scale(amax);
                 for (int64_t i = i0; i < i1; i++) dst[i * ld + j] = moept__q8(src[i * ld + j], s);
             }
@@ -3215,10 +3217,7 @@ static void moept__q8_blocks(const float *w, int64_t rows, int64_t cols, float *
         const int64_t j1 = j0 + MOEPT__Q8_TILE < cols ? j0 + MOEPT__Q8_TILE : cols;
         float amax = 0.0f;
         for (int64_t i = i0; i < i1; i++)
-            for (int64_t j = j0; j < j1; j++) {
-                const float v = w[i * cols + j];
-                amax = fabsf(v) > amax || v != v ? fabsf(v) : amax;
-            }
+            for (int64_t j = j0; j < j1; j++) amax = moept__q8_amax(amax, w[i * cols + j]);
         const float s = moept__q8_scale(amax);
         for (int64_t i = i0; i < i1; i++)
             for (int64_t j = j0; j < j1; j++) dst[i * cols + j] = moept__q8(w[i * cols + j], s);
