@@ -97,7 +97,9 @@ $(B)/$(1)/moept_check: tests/moept_check.c tests/testutil.h $(B)/$(1)/moept.o
 $(B)/$(1)/test_%: tests/test_%.c $(B)/$(1)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.h
 	$(2) $(3) $(WARN) -D_DEFAULT_SOURCE $$< $$(call linked,$$<,$(B)/$(1)/moept.o) -o $$@ $(LDLIBS) $(4)
 endef
-$(eval $(call variant,san,$(CC),-O1 -g $(OMP) $(SAN)))
+# ASan + UBSan at -O0: a third of -O1's compile time (UBSan's checks are
+# most of it), twice the run time, and nothing optimized out of the checks
+$(eval $(call variant,san,$(CC),-O0 -g $(OMP) $(SAN)))
 $(eval $(call variant,cblas,$(CC),$(CFLAGS) $(OMP) -DMOEPT_CBLAS,$(CBLAS_LIBS)))
 # valgrind: a plain build (no OpenMP: libgomp's pool reads as leaks)
 $(eval $(call variant,vg,$(CC),-O1 -g))
