@@ -30,7 +30,7 @@ CUDA_LIBDIRS = $(foreach d,$(sort $(wildcard $(CUDA_HOME)/lib64 $(CUDA_HOME)/lib
 CUDA_OK := $(if $(NVCC),$(shell printf '\043include <nccl.h>\n\043include <cublas_v2.h>\nint main(void){int v;return (int)ncclGetVersion(&v)+(int)cublasCreate(0);}' | $(CC) -x c - $(CUDA_INC) $(CUDA_LIBDIRS) -lnccl -lcublas -lcudart -o /dev/null 2>/dev/null && echo yes))
 CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVCCFLAGS ?= -O3 -std=c++17 --fmad=false -Xcompiler -Wall,-Wextra,-Wno-unknown-pragmas $(CUDA_ARCHS)
-CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lnccl -lstdc++
+CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lcublasLt -lnccl -lstdc++
 
 # the emulated GPU (tests/emu; rules at the end): needs only the CUDA, cuBLAS and NCCL headers
 EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/include; do [ -f $$d/cuda_runtime.h ] && [ -f $$d/cublas_v2.h ] && echo -I$$d && break; done) $(if $(wildcard $(NCCL_HOME)/include/nccl.h),-I$(NCCL_HOME)/include)

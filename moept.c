@@ -748,6 +748,61 @@ MOEPT_HD static inline float moept__jitter_u(uint64_t seed, uint64_t key, uint64
     return 1.0f - eps + 2.0f * eps * ((float)(moept__mix(&s) >> 40) * 0x1.0p-24f);
 }
 
+/* FP8 (config.fp8): DeepSeek-V3's blockwise E4M3 (the FP8 section below
+   has the spec). Its per-element steps, host and device alike: rounding,
+   a tile's scale and running amax, and the byte of a rounded value. */
+#define MOEPT__Q8_TILE 128
+#define MOEPT__E4M3_MAX 448.0f
+MOEPT_HD static inline uint32_t moept__f32_bits(float f) {
+    union { float f; uint32_t u; } b;
+    b.f = f;
+    return b.u;
+}
+MOEPT_HD static inline float moept__bits_f32(uint32_t u) {
+    union { float f; uint32_t u; } b;
+    b.u = u;
+    return b.f;
+}
+/* x rounded to E4M3 (OCP float8_e4m3fn: 3 mantissa bits, exponents -6..8,
+   subnormals in steps of 2^-9, no infinities), to nearest even, saturating
+   at +-448 (cvt.rn.satfinite's rule; 464 and up would round to 480, which
+   E4M3 lacks); NaN stays NaN; -0 stays -0, and a negative that rounds to 0
+   gives -0, as cvt.rn does */
+MOEPT_HD static inline float moept__e4m3_round(float x) {
+    const uint32_t u = moept__f32_bits(x), sign = u & 0x80000000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return x;
+    const float ax = moept__bits_f32(a);
+    float r;
+    if (ax >= MOEPT__E4M3_MAX) r = MOEPT__E4M3_MAX;
+    else if (ax < 0.015625f) r = (ax + 16384.0f) - 16384.0f; /* below 2^-6: multiples of 2^-9, 2^14's ulp */
+    else { /* 3 of float's 23 mantissa bits kept, ties to even */
+        a = (a + 0x7FFFFu + ((a >> 20) & 1u)) & ~0xFFFFFu;
+        r = moept__bits_f32(a);
+        if (r > MOEPT__E4M3_MAX) r = MOEPT__E4M3_MAX;
+    }
+    return moept__bits_f32(moept__f32_bits(r) | sign);
+}
+/* the E4M3 byte of r, a value moept__e4m3_round gave (NaN: 0x7f with the sign) */
+MOEPT_HD static inline uint8_t moept__e4m3_byte(float r) {
+    const uint32_t u = moept__f32_bits(r), a = u & 0x7fffffffu;
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7f);
+    if (a < 0x3c800000u) return (uint8_t)(sign | (uint8_t)(moept__bits_f32(a) * 512.0f)); /* 0, subnormals */
+    return (uint8_t)(sign | (((a >> 23) - 120u) << 3) | ((a >> 20) & 7u));
+}
+/* a tile's scale: amax / 448, 1 for a zero tile (or one too small to scale: s would be 0) */
+MOEPT_HD static inline float moept__q8_scale(float amax) {
+    const float s = amax / MOEPT__E4M3_MAX;
+    return s > 0.0f ? s : amax == amax ? 1.0f : amax;
+}
+MOEPT_HD static inline float moept__q8(float v, float s) { return moept__e4m3_round(v / s) * s; }
+/* a tile's running amax with v (a NaN sticks: the tile's values become NaN, as the GPU's would) */
+MOEPT_HD static inline float moept__q8_amax(float m, float v) {
+    const float av = moept__bits_f32(moept__f32_bits(v) & 0x7fffffffu);
+    return av > m || av != av ? av : m;
+}
+
 /* Carves 64-byte aligned sub-buffers out of one block; with base NULL it
    only measures (the layouts run twice: size, then carve). Host and device
    workspaces alike. */
@@ -3142,38 +3197,6 @@ static void moept__act_bwd_rowv(int kind, const float *h, const float *da, int64
    then the GEMMs run in fp32: each tile's scale s = amax / 448 (1 if the
    tile is zero), each value s * e4m3(v / s).
    ------------------------------------------------------------------------ */
-#define MOEPT__Q8_TILE 128
-#define MOEPT__E4M3_MAX 448.0f
-
-/* x rounded to E4M3 (OCP float8_e4m3fn: 3 mantissa bits, exponents -6..8,
-   subnormals in steps of 2^-9, no infinities), to nearest even, saturating
-   at +-448 (cvt.rn.satfinite's rule; 464 and up would round to 480, which
-   E4M3 lacks); NaN stays NaN */
-static float moept__e4m3_round(float x) {
-    float ax = fabsf(x), r;
-    if (ax != ax) return x;
-    if (ax >= MOEPT__E4M3_MAX) return x < 0.0f ? -MOEPT__E4M3_MAX : MOEPT__E4M3_MAX;
-    if (ax < 0.015625f) { /* below 2^-6: a multiple of 2^-9, which is 2^14's ulp */
-        r = (ax + 16384.0f) - 16384.0f;
-    } else { /* 3 of float's 23 mantissa bits kept, ties to even */
-        uint32_t u;
-        memcpy(&u, &ax, sizeof u);
-        u = (u + 0x7FFFFu + ((u >> 20) & 1u)) & ~0xFFFFFu;
-        memcpy(&r, &u, sizeof r);
-        if (r > MOEPT__E4M3_MAX) r = MOEPT__E4M3_MAX;
-    }
-    return copysignf(r, x); /* -0 stays -0, and a negative that rounds to 0 gives -0, as cvt.rn does */
-}
-
-/* a tile's scale: amax / 448, 1 for a zero tile (or one too small to scale: s would be 0) */
-static float moept__q8_scale(float amax) {
-    float s = amax / MOEPT__E4M3_MAX;
-    return s > 0.0f ? s : amax == amax ? 1.0f : amax;
-}
-static float moept__q8(float v, float s) { return moept__e4m3_round(v / s) * s; }
-/* a tile's running amax with v (a NaN sticks: the tile's values become NaN, as the GPU's would) */
-static float moept__q8_amax(float m, float v) { return fabsf(v) > m || v != v ? fabsf(v) : m; }
-
 /* each row's 1 x 128 tiles along its cols: src [rows][lds] -> dst [rows][ldd] (may be src) */
 static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t lds, float *dst,
                            int64_t ldd) {

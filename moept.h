@@ -60,7 +60,7 @@
                         with -DMOEPT_CUDA -I$CUDA_HOME/include, compile
                         moept_kernels.cu with nvcc (it includes moept.c's
                         shared math: keep the three files together), link
-                        -lcudart -lcublas -lnccl -lstdc++ (see docs/CUDA.md).
+                        -lcudart -lcublas -lcublasLt -lnccl -lstdc++ (see docs/CUDA.md).
      MOEPT_MALLOC(n), MOEPT_FREE(p)
                         override the allocator (define before moept.c).
                         Every allocation is counted in moept_stats.
@@ -393,7 +393,7 @@
      device either (moept_cuda_params' grads is NULL), and its activations
      the same way (docs/CUDA.md, "Memory").
 
-   FP8 TRAINING (config.fp8 = MOEPT_FP8_BLOCKWISE; CPU layers for now)
+   FP8 TRAINING (config.fp8 = MOEPT_FP8_BLOCKWISE; CPU and CUDA layers)
      DeepSeek-V3's recipe (its paper, section 3.3): every GEMM of the
      experts' FFNs (forward, dgrad and wgrad of W13 and W2; the shared
      expert's too) takes its operands quantized to E4M3 (OCP FP8: largest
@@ -417,8 +417,15 @@
      since a CPU layer's weights may be written through moept_params'
      pointer at any time (the memory of one copy of the experts' weights,
      in workspace_bytes; a pass over them a forward).
+     A CUDA layer runs the same tiles on cuBLASLt's block-scaled FP8
+     matmuls (E4M3 bytes with fp32 scales, one call per expert GEMM), its
+     rows between the stages in options.dtype; its E4M3 weights (W13, W2
+     and their transposes, for the dgrads) are made once after the fp32
+     masters change, and counted in device_workspace_bytes. It equals the
+     CPU's FP8 layer but for accumulation order, which moves a few E4M3
+     roundings (docs/CUDA.md, "FP8": the bound); link -lcublasLt.
      Refused at create (MOEPT_ERR_UNSUPPORTED) with overlap_chunks > 1,
-     FSDP sharding and on the CUDA executor.
+     FSDP sharding, and options.sync_free on CUDA.
 
    PARAMETER NAMES (per family, the HF module-relative names)
      all:          gate.weight [E][D]

@@ -4,7 +4,7 @@
    Build: nvcc -O3 --fmad=false -c moept_kernels.cu (see docs/CUDA.md for the
    -gencode list; moept.c must be beside it: its shared math is included
    here) and link with moept.c compiled with -DMOEPT_CUDA, plus -lcudart
-   -lcublas -lnccl -lstdc++. The executor's table and moept_create_cuda
+   -lcublas -lcublasLt -lnccl -lstdc++. The executor's table and moept_create_cuda
    are at the end of this file.
 
    The stage map: each stage has one name and one meaning in both
@@ -62,6 +62,7 @@
 
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cublasLt.h>
 #include <nccl.h>
 
 #include <limits.h>
@@ -89,6 +90,7 @@ typedef struct moept__cuda_spec {
     int unchecked_backward;
     int sync_free;              /* static shapes, device-side checks reported later */
     int inference;              /* config.inference_only: no gradients, activations over h */
+    int fp8;                    /* config.fp8: the expert GEMMs in E4M3 on cuBLASLt (moept__q8_*) */
     int gemm_form;              /* moept_gemm_form */
     int nslots;                 /* forward slots: max(1, config.max_inflight) */
     int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
@@ -2045,6 +2047,16 @@ typedef struct moept__cslot {
     double loss_T;              /* tokens the committed step's losses average over */
 } moept__cslot;
 
+/* One weight set's E4M3 copies (the routed experts', the shared expert's): W13 [n][Hp][Dp] and W2
+   [n][Dp][Fp] for the forward (A: the weight, TN), their transposes for the dgrads, each with its BLK
+   scales; made from the fp32 masters once after they change (moept__q8_weights) */
+typedef struct moept__q8w {
+    int64_t n, H, F, Hp, Fp, off13, off2; /* matrices, widths (padded), their masters' offsets */
+    uint8_t *w13, *w13t, *w2, *w2t;
+    float *s13, *s13t, *s2, *s2t;
+    int64_t ns13, ns13t, ns2, ns2t;       /* scale floats per matrix */
+} moept__q8w;
+
 struct moept__cuda {
     moept__cuda_spec sp;
     int dev;                    /* the device current at create: current in every call (moept__on_device) */
@@ -2138,6 +2150,18 @@ struct moept__cuda {
 
     void *xsh;                  /* [Tmax][D] (T) a masked step's shared-expert input (moept__k_unpadded),
                                    made at the first masked forward (S > 0), again by its backward */
+    /* config.fp8: cuBLASLt, the weights' E4M3 copies (routed, shared) in one block, and the token
+       operands' scratch for one group of q8rows padded rows (moept__q8_room: it grows) */
+    cublasLtHandle_t lt;
+    moept__q8w q8w[2];
+    void *q8wblk;
+    int64_t q8w_bytes;
+    int q8_stale;               /* the fp32 masters changed since q8w was made from them */
+    void *q8blk;
+    int64_t q8rows, q8_bytes;
+    uint8_t *q8a, *q8b;         /* [q8rows][Wp] a matmul's token operands, or [Wp][q8rows] transposed */
+    float *q8sa, *q8sb;         /* their scales */
+    float *q8out;               /* [max(q8rows, Wp)][Wp] the matmul's fp32 result */
     int64_t allocations, allocated_bytes, fixed_bytes, growths;
 };
 
@@ -2278,7 +2302,7 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
 
 /* The device workspace: the layer's, and each forward slot's with its receive rows */
 static int64_t moept__workspace(const moept__cuda *c) {
-    int64_t n = c->fixed_bytes;
+    int64_t n = c->fixed_bytes + c->q8_bytes;
     for (int s = 0; c->slots && s <= c->nslots; s++) n += c->slots[s].fwork_bytes + c->slots[s].rblock_bytes;
     return n;
 }
@@ -2312,7 +2336,10 @@ static void moept__cuda_destroy(moept__cuda *c) {
         if (c->side[i]) cudaStreamDestroy(c->side[i]);
         if (c->ev_side[i]) cudaEventDestroy(c->ev_side[i]);
     }
+    if (c->lt) cublasLtDestroy(c->lt);
     cudaFree(c->blas_ws); /* after the handles that used it */
+    cudaFree(c->q8wblk);
+    cudaFree(c->q8blk);
     if (c->ev_fork) cudaEventDestroy(c->ev_fork);
     if (c->ev_compute) cudaEventDestroy(c->ev_compute);
     if (c->ev_comm) cudaEventDestroy(c->ev_comm);
@@ -2359,6 +2386,7 @@ static cudaError_t moept__cast_weights(moept__cuda *c) {
 static void moept__cuda_params_changed(moept__cuda *c) {
     moept__on_device on(c->dev, c->probe);
     c->wlow_stale = 1;
+    c->q8_stale = 1;
     c->grads_clean = 0;
     if (c->B && c->wlow) (void)moept__cast_weights(c); /* a failure leaves it stale: the forward casts */
 }
@@ -2512,6 +2540,308 @@ static moept_status moept__slot_get(moept__cuda *c, int s, moept__cslot **out, c
 /* n_params rounded up to 64 floats: the gradients and AdamW's v start 16-byte aligned */
 static int64_t moept__npad(const moept__cuda *c) { return (c->sp.n_params + 63) / 64 * 64; }
 
+/* ---- FP8 (config.fp8): DeepSeek-V3's blockwise E4M3 on cuBLASLt ----------
+   The operands of each expert GEMM quantized as moept.c's FP8 section does
+   (moept__q8_rows, _cols, _blocks: the same tiles, amax, scale and
+   rounding, from the shared math), written as E4M3 bytes with their fp32
+   scales in the layouts cuBLASLt's block-scaled matmuls read (cuBLAS
+   Library, 3.1.4.5 "128-element 1D and 128x128 2D Block Scaling For FP8
+   Data Types"): an operand whose op() is r x k keeps VEC128 scales
+   [ceil(k/128)][r] and BLK128x128 scales [ceil(r/128)][L4], L4 the k
+   blocks rounded up to 4. Every dimension is padded with zeros to 16 (a
+   zero changes no tile's amax): cuBLASLt takes M and N multiples of 4, K
+   and the leading dimensions multiples of 16 bytes (tests/lt_rules.txt). */
+#define MOEPT__Q8_PAD(n) (((n) + 15) / 16 * 16)
+#define MOEPT__Q8_L(k) (((k) + MOEPT__Q8_TILE - 1) / MOEPT__Q8_TILE)
+#define MOEPT__Q8_L4(k) ((MOEPT__Q8_L(k) + 3) / 4 * 4)
+
+/* v's E4M3 byte in a tile of scale sc */
+__device__ __forceinline__ uint8_t moept__q8_byte(float v, float sc) {
+    return moept__e4m3_byte(moept__e4m3_round(v / sc));
+}
+
+/* Rows r < n of src [n][lds] (its first K columns) into 1 x 128 tiles: q [np][Kp] E4M3 (rows from n on
+   and columns from K on zero), s [ceil(Kp/128)][np] (VEC128 of an operand whose op() is np x Kp) */
+template <typename T>
+__global__ void moept__k_q8_rows(const T *src, int64_t n, int K, int64_t lds, int64_t np, int Kp, uint8_t *q,
+                                 float *s) {
+    const int L = MOEPT__Q8_L(Kp);
+    MOEPT__FOR(i, np * L) {
+        const int64_t r = i / L;
+        const int b = (int)(i % L), j0 = b * MOEPT__Q8_TILE;
+        const int jp = j0 + MOEPT__Q8_TILE < Kp ? j0 + MOEPT__Q8_TILE : Kp;
+        const int j1 = r >= n ? j0 : jp < K ? jp : K;
+        float amax = 0.0f;
+        for (int j = j0; j < j1; j++) amax = moept__q8_amax(amax, moept__ld(src, r * lds + j));
+        const float sc = moept__q8_scale(amax);
+        for (int j = j0; j < jp; j++)
+            q[r * Kp + j] = j < j1 ? moept__q8_byte(moept__ld(src, r * lds + j), sc) : 0;
+        s[r + (int64_t)b * np] = sc;
+    }
+}
+
+/* The wgrad's operands: columns c < C of src [n][lds], transposed, in 128 x 1 tiles down the rows:
+   q [Cp][np] (column c's values along row c; padding zero), s [ceil(np/128)][Cp] */
+template <typename T>
+__global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
+                                 float *s) {
+    const int64_t L = MOEPT__Q8_L(np);
+    MOEPT__FOR(i, Cp * L) {
+        const int c = (int)(i / L);
+        const int64_t b = i % L, r0 = b * MOEPT__Q8_TILE;
+        const int64_t rp = r0 + MOEPT__Q8_TILE < np ? r0 + MOEPT__Q8_TILE : np;
+        const int64_t r1 = c < C ? (rp < n ? rp : n) : r0;
+        float amax = 0.0f;
+        for (int64_t r = r0; r < r1; r++) amax = moept__q8_amax(amax, moept__ld(src, r * lds + c));
+        const float sc = moept__q8_scale(amax);
+        for (int64_t r = r0; r < rp; r++)
+            q[c * np + r] = r < r1 ? moept__q8_byte(moept__ld(src, r * lds + c), sc) : 0;
+        s[c + b * Cp] = sc;
+    }
+}
+
+/* Weights: nw matrices w [nw][M][K] (fp32 masters) in 128 x 128 blocks, one thread block a block:
+   q [nw][Mp][Kp] as they are and qt [nw][Kp][Mp] transposed (the dgrad's A), zero-padded; the block's
+   scale into s [nw][ceil(Mp/128)][L4(Kp)] and st [nw][ceil(Kp/128)][L4(Mp)] (BLK128x128 of each) */
+__global__ void moept__k_q8_blocks(const float *w, int64_t nw, int M, int K, int Mp, int Kp, uint8_t *q,
+                                   float *s, uint8_t *qt, float *st) {
+    __shared__ float sh[MOEPT__TB];
+    const int TL = MOEPT__Q8_TILE;
+    const int bm = (Mp + TL - 1) / TL, bk = (Kp + TL - 1) / TL;
+    const int64_t ns = (int64_t)bm * MOEPT__Q8_L4(Kp), nst = (int64_t)bk * MOEPT__Q8_L4(Mp);
+    for (int64_t t = blockIdx.x; t < nw * bm * bk; t += gridDim.x) {
+        const int64_t e = t / (bm * bk);
+        const int i0 = (int)(t % (bm * bk) / bk) * TL, j0 = (int)(t % bk) * TL;
+        const float *we = w + e * M * K;
+        float amax = 0.0f;
+        for (int l = threadIdx.x; l < TL * TL; l += blockDim.x) {
+            const int i = i0 + l / TL, j = j0 + l % TL;
+            if (i < M && j < K) amax = moept__q8_amax(amax, we[(int64_t)i * K + j]);
+        }
+        sh[threadIdx.x] = amax;
+        __syncthreads();
+        for (int h = MOEPT__TB / 2; h > 0; h >>= 1) {
+            if ((int)threadIdx.x < h) sh[threadIdx.x] = moept__q8_amax(sh[threadIdx.x], sh[threadIdx.x + h]);
+            __syncthreads();
+        }
+        const float sc = moept__q8_scale(sh[0]);
+        for (int l = threadIdx.x; l < TL * TL; l += blockDim.x) {
+            const int i = i0 + l / TL, j = j0 + l % TL;
+            if (i >= Mp || j >= Kp) continue;
+            const uint8_t v = i < M && j < K ? moept__q8_byte(we[(int64_t)i * K + j], sc) : 0;
+            q[(e * Mp + i) * Kp + j] = v;
+            qt[(e * Kp + j) * Mp + i] = v;
+        }
+        if (threadIdx.x == 0) {
+            s[e * ns + i0 / TL * MOEPT__Q8_L4(Kp) + j0 / TL] = sc;
+            st[e * nst + j0 / TL * MOEPT__Q8_L4(Mp) + i0 / TL] = sc;
+        }
+        __syncthreads(); /* sh[0] read by all before the next block's amax */
+    }
+}
+
+/* A matmul's fp32 result out [n][ldo] (its first m columns) into rows of T dst [n][ldd], or (acc) added
+   to fp32 dst (the weight gradients) */
+template <typename T>
+__global__ void moept__k_q8_out(const float *out, int64_t n, int m, int ldo, T *dst, int64_t ldd, int acc) {
+    MOEPT__FOR(i, n * m) {
+        const int64_t r = i / m;
+        const int j = (int)(i % m);
+        const float v = out[r * ldo + j];
+        if (acc) ((float *)dst)[r * ldd + j] += v;
+        else moept__st(dst, r * ldd + j, v);
+    }
+}
+
+/* The widest padded operand width, D and the experts' (a weight set's H >= F) */
+static int64_t moept__q8_wp(const moept__cuda *c) {
+    int64_t w = MOEPT__Q8_PAD(c->sp.D);
+    for (int i = 0; i < 2; i++) w = c->q8w[i].Hp > w ? c->q8w[i].Hp : w;
+    return w;
+}
+
+/* The weight sets' copies in one block (with cv->base NULL: measured) */
+static void moept__q8w_layout(moept__cuda *c, moept__carve *cv) {
+    const int64_t Dp = MOEPT__Q8_PAD(c->sp.D);
+    for (int i = 0; i < 2; i++) {
+        moept__q8w *w = &c->q8w[i];
+        const size_t n = (size_t)w->n;
+        w->w13 = (uint8_t *)moept__take(cv, n * (size_t)(w->Hp * Dp));
+        w->w13t = (uint8_t *)moept__take(cv, n * (size_t)(w->Hp * Dp));
+        w->w2 = (uint8_t *)moept__take(cv, n * (size_t)(Dp * w->Fp));
+        w->w2t = (uint8_t *)moept__take(cv, n * (size_t)(Dp * w->Fp));
+        w->s13 = (float *)moept__take(cv, n * (size_t)w->ns13 * 4);
+        w->s13t = (float *)moept__take(cv, n * (size_t)w->ns13t * 4);
+        w->s2 = (float *)moept__take(cv, n * (size_t)w->ns2 * 4);
+        w->s2t = (float *)moept__take(cv, n * (size_t)w->ns2t * 4);
+    }
+}
+
+/* config.fp8 at create: the cuBLASLt handle and the weight copies (zeroed: the scales' padding too) */
+static moept_status moept__q8_create(moept__cuda *c, char *err) {
+    const moept__cuda_spec *p = &c->sp;
+    if (!p->fp8) return MOEPT_OK;
+    MOEPT__CB(cublasLtCreate(&c->lt));
+    const int64_t Dp = MOEPT__Q8_PAD(p->D), TL = MOEPT__Q8_TILE;
+    const int64_t n[2] = {p->El, p->S > 0 ? 1 : 0}, H[2] = {p->H, p->HS}, F[2] = {p->F, p->S};
+    const int64_t o13[2] = {p->off13, p->offs13}, o2[2] = {p->off2, p->offs2};
+    for (int i = 0; i < 2; i++) {
+        moept__q8w *w = &c->q8w[i];
+        w->n = n[i]; w->H = H[i]; w->F = F[i]; w->off13 = o13[i]; w->off2 = o2[i];
+        w->Hp = MOEPT__Q8_PAD(w->H); w->Fp = MOEPT__Q8_PAD(w->F);
+        w->ns13 = (w->Hp + TL - 1) / TL * MOEPT__Q8_L4(Dp);
+        w->ns13t = (Dp + TL - 1) / TL * MOEPT__Q8_L4(w->Hp);
+        w->ns2 = (Dp + TL - 1) / TL * MOEPT__Q8_L4(w->Fp);
+        w->ns2t = (w->Fp + TL - 1) / TL * MOEPT__Q8_L4(Dp);
+    }
+    moept__carve cv = {NULL, 0};
+    moept__q8w_layout(c, &cv);
+    MOEPT__TRY(moept__dmalloc(c, &c->q8wblk, cv.off, err));
+    MOEPT__CU(cudaMemsetAsync(c->q8wblk, 0, cv.off, c->s));
+    c->q8w_bytes = (int64_t)cv.off;
+    cv.base = (char *)c->q8wblk;
+    cv.off = 0;
+    moept__q8w_layout(c, &cv);
+    c->q8_stale = 1;
+    return MOEPT_OK;
+}
+
+/* config.fp8: the weights' E4M3 copies from the fp32 masters, once after they changed (queued on s;
+   stale until it launched) */
+static cudaError_t moept__q8_weights(moept__cuda *c) {
+    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), TL = MOEPT__Q8_TILE;
+    for (int i = 0; i < 2; i++) {
+        const moept__q8w *w = &c->q8w[i];
+        if (w->n == 0) continue;
+        const int64_t M[2] = {w->H, D}, K[2] = {D, w->F}, Mp[2] = {w->Hp, Dp}, Kp[2] = {Dp, w->Fp};
+        for (int m = 0; m < 2; m++) {
+            const int64_t nb = w->n * ((Mp[m] + TL - 1) / TL) * ((Kp[m] + TL - 1) / TL);
+            const int grid = (int)(nb < 8 * MOEPT__MAX_GRID ? nb : 8 * MOEPT__MAX_GRID);
+            MOEPT__LAUNCH(moept__k_q8_blocks, grid, MOEPT__TB, 0, c->s)(
+                c->params + (m ? w->off2 : w->off13), w->n, (int)M[m], (int)K[m], (int)Mp[m], (int)Kp[m],
+                m ? w->w2 : w->w13, m ? w->s2 : w->s13, m ? w->w2t : w->w13t, m ? w->s2t : w->s13t);
+        }
+    }
+    cudaError_t e = cudaGetLastError();
+    c->q8_stale = e != cudaSuccess;
+    return e;
+}
+
+/* The token operands' scratch for one expert's rows padded (np <= rows): two E4M3 operands [rows][Wp]
+   (or [Wp][rows]), their scales, the matmul's fp32 result; grown geometrically, once the compute stream
+   no longer reads the old one */
+static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
+    if (rows <= c->q8rows && c->q8blk) return MOEPT_OK;
+    const int64_t cap = MOEPT__Q8_PAD(rows > 2 * c->q8rows ? rows : 2 * c->q8rows), W = moept__q8_wp(c);
+    const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * MOEPT__Q8_L(cap), sc = s1 > s2 ? s1 : s2;
+    const int64_t out = (cap > W ? cap : W) * W;
+    void *blk = NULL;
+    const size_t bytes = (size_t)(2 * cap * W + 2 * sc * 4 + out * 4) + 5 * 64;
+    MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
+    MOEPT__CU(cudaStreamSynchronize(c->s));
+    cudaFree(c->q8blk);
+    c->q8blk = blk;
+    moept__carve cv = {(char *)blk, 0};
+    c->q8a = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
+    c->q8b = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
+    c->q8sa = (float *)moept__take(&cv, (size_t)sc * 4);
+    c->q8sb = (float *)moept__take(&cv, (size_t)sc * 4);
+    c->q8out = (float *)moept__take(&cv, (size_t)out * 4);
+    c->q8rows = cap;
+    c->q8_bytes = (int64_t)bytes;
+    return MOEPT_OK;
+}
+
+/* the most padded rows of one group */
+static int64_t moept__q8_rows_max(int64_t groups, const int64_t *offs) {
+    int64_t m = 16;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t np = MOEPT__Q8_PAD(offs[g + 1] - offs[g]);
+        m = np > m ? np : m;
+    }
+    return m;
+}
+
+/* out [n][m] fp32 = sum over k of A(i, l) B(j, l) in 128-blocks, each block's sum times its scales
+   (cuBLASLt's TN: A [m][k] and B [n][k] E4M3 rows; scale modes am, bm: VEC128 or BLK128x128), on the
+   compute stream with the cuBLAS handle's workspace (the same stream's) */
+static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t k, const uint8_t *A,
+                                   const float *sa, int32_t am, const uint8_t *B, const float *sb, float *out,
+                                   char *err) {
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, lo = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t hr;
+    int found = 0;
+    const int32_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N, bm = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const uint64_t ws = (uint64_t)c->blas_ws_each;
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t r = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    const cublasLtMatmulDescAttributes_t at[6] = {CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB,
+        CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+        CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER};
+    const void *av[6] = {&ta, &tb, &am, &bm, &sa, &sb};
+    for (int i = 0; i < 6 && !r; i++)
+        r = cublasLtMatmulDescSetAttribute(op, at[i], av[i], i < 4 ? sizeof(int32_t) : sizeof(void *));
+    if (!r) r = cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)m, k);
+    if (!r) r = cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)n, k);
+    if (!r) r = cublasLtMatrixLayoutCreate(&lo, CUDA_R_32F, (uint64_t)m, (uint64_t)n, m);
+    if (!r) r = cublasLtMatmulPreferenceCreate(&pref);
+    if (!r)
+        r = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                 sizeof ws);
+    if (!r) r = cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, lo, lo, pref, 1, &hr, &found);
+    if (!r && !found) r = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (!r)
+        r = cublasLtMatmul(c->lt, op, &one, A, la, B, lb, &zero, out, lo, out, lo, &hr.algo, c->blas_ws,
+                           (size_t)ws, c->s);
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (lo) cublasLtMatrixLayoutDestroy(lo);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+    if (r != CUBLAS_STATUS_SUCCESS)
+        return moept__kfail(err, MOEPT_ERR_DEVICE, "cublasLtMatmul (FP8, m %lld n %lld k %lld): %s "
+                            "(moept_kernels.cu:%d)", (long long)m, (long long)n, (long long)k,
+                            cublasGetStatusString(r), __LINE__);
+    return MOEPT_OK;
+}
+
+/* n rows of src (K columns, lds apart) as a matmul's B along K: q [np][Kp], scales s */
+template <typename T>
+static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, int64_t K, int64_t lds,
+                                    uint8_t *q, float *s, char *err) {
+    const int64_t np = MOEPT__Q8_PAD(n), Kp = MOEPT__Q8_PAD(K);
+    MOEPT__LAUNCH(moept__k_q8_rows<T>, moept__grid(np * MOEPT__Q8_L(Kp)), MOEPT__TB, 0, c->s)(
+        (const T *)src, n, (int)K, lds, np, (int)Kp, q, s);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+/* the C columns of n rows of src, transposed, down the rows (a wgrad's operand): q [Cp][np], s */
+template <typename T>
+static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, int64_t C, uint8_t *q,
+                                   float *s, char *err) {
+    const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C);
+    MOEPT__LAUNCH(moept__k_q8_cols<T>, moept__grid(Cp * MOEPT__Q8_L(np)), MOEPT__TB, 0, c->s)(
+        (const T *)src, n, (int)C, C, (int)Cp, np, q, s);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+/* the matmul's result [n][ldo] (m columns) into dst [n][ldd]: T rows, or (acc) added to fp32 gradients */
+template <typename T>
+static moept_status moept__q8_result(moept__cuda *c, int64_t n, int64_t m, int64_t ldo, void *dst,
+                                     int64_t ldd, int acc, char *err) {
+    if (acc)
+        MOEPT__LAUNCH(moept__k_q8_out<float>, moept__grid(n * m), MOEPT__TB, 0, c->s)(
+            c->q8out, n, (int)m, (int)ldo, (float *)dst, ldd, 1);
+    else
+        MOEPT__LAUNCH(moept__k_q8_out<T>, moept__grid(n * m), MOEPT__TB, 0, c->s)(
+            c->q8out, n, (int)m, (int)ldo, (T *)dst, ldd, 0);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+
+
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P, C = c->C;
@@ -2526,6 +2856,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
         MOEPT__CU(cudaEventCreateWithFlags(&c->ev_back[i], cudaEventDisableTiming));
     }
     MOEPT__TRY(moept__blas_create(c, err));
+    MOEPT__TRY(moept__q8_create(c, err));
     /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too);
        an inference layer has no gradients */
     const int64_t npad = moept__npad(c), nmir = p->inference ? 1 : 2;
@@ -2545,7 +2876,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     MOEPT__TRY(moept__dmalloc(c, &c->work, cv.off, err));
     MOEPT__CU(cudaMemsetAsync(c->work, 0, cv.off, c->s));
     c->fixed_bytes = (int64_t)cv.off + (c->wlow ? (p->n_params - E * p->D) * 2 : 0) +
-                     (1 + c->nside) * c->blas_ws_each;
+                     (1 + c->nside) * c->blas_ws_each + c->q8w_bytes;
     cv.base = (char *)c->work;
     cv.off = 0;
     moept__layout(c, &cv);
@@ -2649,7 +2980,7 @@ static moept_status moept__cuda_upload(moept__cuda *c, const float *params, cons
     MOEPT__ENTER(c);
     const int64_t n = c->sp.n_params, E = c->sp.E;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
-    if (params) c->wlow_stale = 1;
+    if (params) c->wlow_stale = c->q8_stale = 1;
     if (grads) c->grads_clean = 0;
     if (params) MOEPT__CU(cudaMemcpyAsync(c->params, params, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
     if (grads) MOEPT__CU(cudaMemcpyAsync(c->grads, grads, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
@@ -2917,6 +3248,83 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
     return MOEPT_OK;
 }
 
+#define MOEPT__VEC128 CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+#define MOEPT__BLK128 CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+
+/* config.fp8's moept__ffn_fwd over weight set w: each group's rows along D, h = xs W13^T (cuBLASLt, the
+   weights BLK128x128, the rows VEC128), a = act(h) over all rows, a along F, ys = a W2^T; each matmul's
+   fp32 result into the rows of T */
+template <typename T>
+static moept_status moept__q8_ffn_fwd(moept__cuda *c, const moept__q8w *w, const void *xs, int64_t groups,
+                                      const int64_t *offs, void *h, void *a, int64_t lda, void *ys,
+                                      char *err) {
+    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), H = w->H, F = w->F, es = c->esz;
+    const char *X = (const char *)xs, *A = (const char *)a;
+    char *Hh = (char *)h, *Y = (char *)ys;
+    MOEPT__TRY(moept__q8_room(c, moept__q8_rows_max(groups, offs), err));
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
+        if (n == 0) continue;
+        MOEPT__TRY(moept__q8_along<T>(c, X + r0 * D * es, n, D, D, c->q8b, c->q8sb, err));
+        MOEPT__TRY(moept__q8_gemm(c, w->Hp, np, Dp, w->w13 + g * w->Hp * Dp, w->s13 + g * w->ns13,
+                                  MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, err));
+        MOEPT__TRY(moept__q8_result<T>(c, n, H, w->Hp, Hh + r0 * H * es, H, 0, err));
+    }
+    const int64_t R = offs[groups] - offs[0], base = offs[0];
+    MOEPT__TRY(moept__act<T>(c, 0, (T *)h + base * H, (T *)a + base * lda, R, F, H, lda, err));
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
+        if (n == 0) continue;
+        MOEPT__TRY(moept__q8_along<T>(c, A + r0 * lda * es, n, F, lda, c->q8b, c->q8sb, err));
+        MOEPT__TRY(moept__q8_gemm(c, Dp, np, w->Fp, w->w2 + g * Dp * w->Fp, w->s2 + g * w->ns2, MOEPT__BLK128,
+                                  c->q8b, c->q8sb, c->q8out, err));
+        MOEPT__TRY(moept__q8_result<T>(c, n, D, Dp, Y + r0 * D * es, D, 0, err));
+    }
+    return MOEPT_OK;
+}
+
+/* Its backward, group by group as moept.c's moept__ffn_backward: g2 += dys^T a (both down the rows),
+   da = dys W2 (dys along D; W2's transposed copy) over a, dh = act'(h, da) over h, g13 += dh^T xs,
+   dxs = dh W13 (dh along H) over ys */
+template <typename T>
+static moept_status moept__q8_ffn_bwd(moept__cuda *c, const moept__q8w *w, const void *xs, int64_t groups,
+                                      const int64_t *offs, void *h, void *a, void *ys, char *err) {
+    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), H = w->H, F = w->F, Hp = w->Hp, Fp = w->Fp, es = c->esz;
+    const char *X = (const char *)xs;
+    char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
+    float *g13 = c->grads + w->off13, *g2 = c->grads + w->off2;
+    MOEPT__TRY(moept__q8_room(c, moept__q8_rows_max(groups, offs), err));
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
+        if (n == 0) continue;
+        MOEPT__TRY(moept__q8_down<T>(c, A + r0 * F * es, n, F, c->q8a, c->q8sa, err));
+        MOEPT__TRY(moept__q8_down<T>(c, Y + r0 * D * es, n, D, c->q8b, c->q8sb, err));
+        MOEPT__TRY(moept__q8_gemm(c, Fp, Dp, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, c->q8out,
+                                  err));
+        MOEPT__TRY(moept__q8_result<T>(c, D, F, Fp, g2 + g * D * F, F, 1, err));
+        MOEPT__TRY(moept__q8_along<T>(c, Y + r0 * D * es, n, D, D, c->q8b, c->q8sb, err));
+        MOEPT__TRY(moept__q8_gemm(c, Fp, np, Dp, w->w2t + g * Fp * Dp, w->s2t + g * w->ns2t, MOEPT__BLK128,
+                                  c->q8b, c->q8sb, c->q8out, err));
+        MOEPT__TRY(moept__q8_result<T>(c, n, F, Fp, A + r0 * F * es, F, 0, err));
+    }
+    const int64_t R = offs[groups] - offs[0], base = offs[0];
+    MOEPT__TRY(moept__act<T>(c, 1, (T *)h + base * H, (T *)a + base * F, R, F, H, F, err));
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
+        if (n == 0) continue;
+        MOEPT__TRY(moept__q8_down<T>(c, X + r0 * D * es, n, D, c->q8a, c->q8sa, err));
+        MOEPT__TRY(moept__q8_down<T>(c, Hh + r0 * H * es, n, H, c->q8b, c->q8sb, err));
+        MOEPT__TRY(moept__q8_gemm(c, Dp, Hp, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, c->q8out,
+                                  err));
+        MOEPT__TRY(moept__q8_result<T>(c, H, D, Dp, g13 + g * H * D, D, 1, err));
+        MOEPT__TRY(moept__q8_along<T>(c, Hh + r0 * H * es, n, H, H, c->q8b, c->q8sb, err));
+        MOEPT__TRY(moept__q8_gemm(c, Dp, np, Hp, w->w13t + g * Dp * Hp, w->s13t + g * w->ns13t, MOEPT__BLK128,
+                                  c->q8b, c->q8sb, c->q8out, err));
+        MOEPT__TRY(moept__q8_result<T>(c, n, D, Dp, Y + r0 * D * es, D, 0, err));
+    }
+    return MOEPT_OK;
+}
+
 /* Expert FFN forward over grouped rows: h = xs W13^T, a = act(h), ys = a W2^T.
    The same descriptors as moept.c's moept__ffn_forward (pointers advance in
    elements of the data type: bytes of es); a's rows lda apart (an inference
@@ -2925,6 +3333,8 @@ template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
                                    int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
                                    int64_t lda, void *ys, char *err) {
+    if (c->sp.fp8)
+        return moept__q8_ffn_fwd<T>(c, &c->q8w[w13off != c->sp.off13], xs, groups, offs, h, a, lda, ys, err);
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
     const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
@@ -2952,6 +3362,8 @@ template <typename T>
 static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
                                    int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
                                    void *ys, char *err) {
+    if (c->sp.fp8)
+        return moept__q8_ffn_bwd<T>(c, &c->q8w[w13off != c->sp.off13], xs, groups, offs, h, a, ys, err);
     const int64_t D = c->sp.D, es = c->esz;
     moept__gemm *gd = c->descs;
     const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
@@ -3194,6 +3606,11 @@ static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept
     if (c->wlow && c->wlow_stale) { /* the bf16 weights, once after the fp32 masters changed */
         MOEPT__STAGE("weights");
         MOEPT__PRE(moept__cast_weights(c));
+        MOEPT__STAGE("route");
+    }
+    if (c->sp.fp8 && c->q8_stale) { /* config.fp8: the weights' E4M3 copies, likewise */
+        MOEPT__STAGE("weights");
+        MOEPT__PRE(moept__q8_weights(c));
         MOEPT__STAGE("route");
     }
     const float *xf = c->wlow ? sl->xf : (const float *)x;
@@ -4203,6 +4620,7 @@ static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, i
     MOEPT__STAGE(NULL);
     MOEPT__LAUNCHED();
     c->wlow_stale = 0;
+    c->q8_stale = 1; /* (FP8: the copies are made at the next forward) */
     return MOEPT_OK;
 }
 
@@ -4727,7 +5145,7 @@ static moept__exec moept__cuda_exec_make(void) {
     memset(&e, 0, sizeof e);
     e.name = "the CUDA executor";
     e.caps = MOEPT__CAN_INFERENCE | MOEPT__CAN_DEVICE | MOEPT__CAN_JITTER | MOEPT__CAN_AUX_SEQ |
-             MOEPT__CAN_MASK | MOEPT__CAN_RESHARD;
+             MOEPT__CAN_MASK | MOEPT__CAN_RESHARD | MOEPT__CAN_FP8;
     e.forward = moept__cuda_layer_forward;
     e.backward = moept__cuda_layer_backward;
     e.sync_grads = moept__cuda_layer_sync_grads;
@@ -4770,6 +5188,9 @@ static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moep
     } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
         *why_st = MOEPT_ERR_UNSUPPORTED;
         w = "options.sync_free with overlap_chunks > 1 is not supported";
+    } else if (cfg && o->sync_free && cfg->fp8 != MOEPT_FP8_OFF) {
+        *why_st = MOEPT_ERR_UNSUPPORTED;
+        w = "options.sync_free with config.fp8 is not supported yet";
     } else if ((ep && !moept__is_dcomm(ep)) || (dp && !moept__is_dcomm(dp))) /* size 1 too */
         w = moept__dcomm_only;
     if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);
@@ -4813,6 +5234,7 @@ static void moept__cuda_spec_of(moept_layer *L, const moept_cuda_options *o, int
     sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
     sp->sync_free = o->sync_free != 0;
     sp->inference = cfg->inference_only != 0;
+    sp->fp8 = cfg->fp8 != MOEPT_FP8_OFF;
     sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
     sp->nslots = v.nslots;
     sp->D = v.D; sp->F = v.F; sp->E = v.E; sp->K = v.K; sp->S = v.S; sp->H = v.H; sp->HS = v.HS;

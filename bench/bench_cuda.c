@@ -16,7 +16,10 @@
 
    usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D]
                      [--ffn F] [--experts E] [--topk K] [--reps R] [--bf16|--fp32]
-                     [--gemm-form auto|grouped|per-expert|strided|all]
+                     [--gemm-form auto|grouped|per-expert|strided|all] [--fp8]
+   --fp8: the layer's expert GEMMs in FP8 (config.fp8: cuBLASLt, E4M3 in
+   DeepSeek-V3's tiles), its rows in the dtype; the floor stays the dtype's
+   cuBLAS GEMMs, so step_over_floor compares the FP8 layer with that floor.
    Defaults: Mixtral-8x7B's layer (--shape mixtral: D 4096, F 14336, E 8,
    K 2) at T 8192 in bf16. --shape deepseek: DeepSeek-V3's expert (D 7168,
    F 2048) with 16 local experts (its 256 over 16 EP ranks), top-8: about
@@ -46,7 +49,7 @@
         }                                                                               \
     } while (0)
 
-typedef struct shape { int64_t T, D, F, E, K, reps; int bf16, form; } shape; /* form -1: all */
+typedef struct shape { int64_t T, D, F, E, K, reps; int bf16, form, fp8; } shape; /* form -1: all */
 
 static const char *form_names[4] = {"auto", "grouped", "per-expert", "strided"};
 
@@ -161,12 +164,12 @@ static float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
 static void usage(void) {
     fprintf(stderr, "usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D] [--ffn F] "
                     "[--experts E] [--topk K] [--reps R] [--bf16|--fp32] "
-                    "[--gemm-form auto|grouped|per-expert|strided|all]\n");
+                    "[--gemm-form auto|grouped|per-expert|strided|all] [--fp8]\n");
     exit(2);
 }
 
 static void parse(int argc, char **argv, shape *s) {
-    *s = (shape){8192, 4096, 14336, 8, 2, 5, 1, MOEPT_GEMM_AUTO};
+    *s = (shape){8192, 4096, 14336, 8, 2, 5, 1, MOEPT_GEMM_AUTO, 0};
     for (int i = 1; i < argc; i++) {
         int64_t *v = !strcmp(argv[i], "--tokens") ? &s->T : !strcmp(argv[i], "--hidden") ? &s->D
                      : !strcmp(argv[i], "--ffn") ? &s->F : !strcmp(argv[i], "--experts") ? &s->E
@@ -174,6 +177,7 @@ static void parse(int argc, char **argv, shape *s) {
         if (v && i + 1 < argc) *v = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--bf16")) s->bf16 = 1;
         else if (!strcmp(argv[i], "--fp32")) s->bf16 = 0;
+        else if (!strcmp(argv[i], "--fp8")) s->fp8 = 1;
         else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
             const char *n = argv[++i];
             if (!strcmp(n, "mixtral")) s->D = 4096, s->F = 14336, s->E = 8, s->K = 2;
@@ -232,6 +236,7 @@ static double step_bench(const shape *s, int f, cudaStream_t st, int64_t *off, i
     cfg.family = MOEPT_FAMILY_MIXTRAL;
     cfg.hidden_size = D; cfg.intermediate_size = s->F; cfg.num_experts = E; cfg.top_k = K;
     cfg.norm_topk_prob = 1; cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.max_tokens = T;
+    cfg.fp8 = s->fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
     /* unchecked_backward: the step's one host sync, as a trainer that checks dy itself would run */
     moept_cuda_options o = {s->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, st, 1, 0, (moept_gemm_form)f};
     moept_layer *L = NULL;
@@ -303,9 +308,10 @@ int main(int argc, char **argv) {
     CK(cudaEventRecord(e1, st));
     double floor_ms = elapsed_ms(e0, e1) / (double)s.reps;
     for (int i = 0; i < nf; i++)
-        printf("RESULT tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld dtype=%s reps=%lld step_ms=%.3f "
+        printf("RESULT tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld dtype=%s%s reps=%lld step_ms=%.3f "
                "floor_ms=%.3f step_over_floor=%.3f floor_tflops=%.1f gemm_form=%s\n",
                (long long)T, (long long)s.D, (long long)s.F, (long long)E, (long long)K, s.bf16 ? "bf16" : "fp32",
+               s.fp8 ? "+fp8" : "",
                (long long)s.reps, step_ms[i], floor_ms, step_ms[i] / floor_ms, flops / (floor_ms * 1e-3) * 1e-12,
                form_names[forms[i]]);
     cublasDestroy(hb);

@@ -68,7 +68,7 @@ typedef struct opts {
     unsigned long long seed;
     int ep, dp;
     int bf16;              /* train_cuda --bf16: the MoE layers in bf16 (rows and expert weights) */
-    int fp8;               /* --dtype fp8: the expert GEMMs in FP8 (config.fp8, CPU layers) */
+    int fp8;               /* --dtype fp8: the expert GEMMs in FP8 (config.fp8) */
 } opts;
 
 typedef struct adam { float *m, *v; int64_t n; } adam;
@@ -503,7 +503,8 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
     if (lead) {
         double secs = now() - t0;
 #ifdef MOEPT_CUDA
-        const char *gemm = M.bf16 ? "cuBLAS, bf16" : "cuBLAS, fp32"; /* the CPU's kernel runs none of them */
+        const char *gemm = o.fp8 ? (M.bf16 ? "cuBLASLt FP8, bf16 rows" : "cuBLASLt FP8, fp32 rows")
+                           : M.bf16 ? "cuBLAS, bf16" : "cuBLAS, fp32"; /* the CPU's kernel runs none of them */
 #else
         const char *gemm = moept_gemm_kernel();
 #endif

@@ -2,7 +2,8 @@
    its definition by code of this file's own:
    - E4M3 rounding against the format's 254 finite values (decoded from the
      bytes by the safetensors reader's decoder) by nearest search, ties to
-     the even mantissa, saturating at 448, NaN kept, every subnormal;
+     the even mantissa, saturating at 448, NaN kept, every subnormal; and
+     each value's byte (the GPU's operands) against the decoder;
    - a tile's scale (amax / 448: the largest element maps to 448) and the
      round trip of every element within E4M3's step; edge tiles (fewer than
      128 elements) and blocks take their own scales; zero tiles stay zero;
@@ -69,6 +70,20 @@ static void test_e4m3_round(void) {
     EXPECT(isnan(moept__e4m3_round(NAN)), "NaN stays NaN");
     EXPECT(e4m3_vals[0x7E] == 448.0f && isnan(e4m3_vals[0x7F]) && e4m3_vals[1] == 0x1p-9f,
            "the decoder: 0x7E is 448, 0x7F NaN, 0x01 2^-9");
+}
+
+/* the byte a GPU's FP8 operand holds (moept__e4m3_byte): every byte's value encodes back to that byte,
+   NaN to 0x7F with its sign */
+static void test_e4m3_bytes(void) {
+    e4m3_table();
+    int bad = 0, first = -1;
+    for (int b = 0; b < 256; b++) {
+        const int want = (b & 0x7F) == 0x7F ? (b & 0x80) | 0x7F : b;
+        if (moept__e4m3_byte(moept__e4m3_round(e4m3_vals[b])) != want && !bad++) first = b;
+    }
+    EXPECT(bad == 0, "%d bytes encode apart from their value, first 0x%02x (%g) -> 0x%02x", bad, first,
+           first < 0 ? 0.0 : (double)e4m3_vals[first],
+           first < 0 ? 0 : moept__e4m3_byte(moept__e4m3_round(e4m3_vals[first])));
 }
 
 /* ---- tiles ---- */
@@ -329,6 +344,7 @@ static void test_refusals(void) {
 
 int main(void) {
     RUN(test_e4m3_round);
+    RUN(test_e4m3_bytes);
     RUN(test_tiles);
     RUN(test_layer_gemms);
     RUN(test_fp8_vs_fp32);

@@ -45,7 +45,9 @@
 # fp8:      cuBLASLt's block-scaled FP8 GEMMs: tests/lt_rules.cu's answers against
 #           tests/lt_rules.txt, their accuracy (fp32 D against the exact product of the
 #           dequantized operands) and their time against bf16 at the expert GEMMs of
-#           Mixtral-8x7B and DeepSeek-V3 (T 8192); torch's FP8 grouped GEMM
+#           Mixtral-8x7B and DeepSeek-V3 (T 8192); the FP8 layer (config.fp8) on the
+#           reference cases, and timed against the bf16 layer at both shapes (bench_cuda
+#           --fp8, one run, the same bf16 GEMM floor); torch's FP8 grouped GEMM
 #           (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
 # torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
 #           /usr/bin/python3 whose torch sees the GPU): tests/test_torch.py with CPU layers (this
@@ -146,7 +148,11 @@ check() {
     step "test_fault: a kernel fault loses the context, moept says so" build/test_fault
     step "curve fp32 vs CPU" sh tests/curves.sh fp32 build/train_cuda
     step "curve bf16 vs CPU" sh tests/curves.sh bf16 build/train_cuda
+    step "curve fp8 vs CPU" sh tests/curves.sh fp8 build/train_cuda
     step "train_cuda 300 steps" build/train_cuda --steps 300 --csv "$OUT/train_cuda.csv"
+    step "train_cuda --bf16 --dtype fp8 300 steps (against bf16: tools/curve_diff.py)" build/train_cuda --steps 300 \
+        --bf16 --dtype fp8 --csv "$OUT/train_cuda_fp8.csv"
+    step "train_cuda --bf16 300 steps" build/train_cuda --steps 300 --bf16 --csv "$OUT/train_cuda_bf16.csv"
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
     if command -v mpirun >/dev/null && [ -x build/moept_check_cuda_mpi ]; then
         step "mpirun -np 1 moept_check_cuda_mpi: every case" mpirun -np 1 build/moept_check_cuda_mpi --ep 1 \
@@ -200,10 +206,17 @@ fp8() {
         --no-skip
     step "lt_rules accuracy" build/lt_rules accuracy
     step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
+    step "moept_check_cuda --dtype fp8: the reference cases (FP8 layer against the file 2^-2, the CPU's 2^-5)" \
+        build/moept_check_cuda --dtype fp8 tests/cases/*.safetensors
+    for sh in mixtral deepseek; do # the layer in FP8 against bf16, one run, the same floor (bf16 GEMMs)
+        step "bench_cuda $sh T=8192 bf16" build/bench_cuda --shape $sh --tokens 8192 --bf16
+        step "bench_cuda $sh T=8192 bf16 rows, FP8 expert GEMMs" build/bench_cuda --shape $sh --tokens 8192 \
+            --bf16 --fp8
+    done
     P=$(torch_py)
     [ -n "$P" ] && step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" \
         $P bench/fp8_grouped_peer.py
-    grep -E "^accuracy|^time|^Mixtral|^DeepSeek" "$LOG" | tee -a "$SUM" >/dev/null
+    grep -E "^accuracy|^time|^Mixtral|^DeepSeek|^RESULT.*gemm_form" "$LOG" | tee -a "$SUM" >/dev/null
 }
 
 sanitize() {

@@ -172,6 +172,9 @@ int is_pinned(const void *p);
 /* in an op: n bytes at p are read or written (memcheck on the device,
    the stream hazard check); returns 0 after a report */
 int touch(const void *p, size_t n, int write, const char *what);
+/* what == nullptr: a kernel's access, described (block, thread) only when a report needs it: one
+   snprintf an access was most of an emulated kernel's time */
+void kernel_what(char *buf, size_t len);
 uint64_t checksum(const void *p, size_t n);
 /* counts (moept_emu_counts): a host wait on device d, a completed op */
 void count_sync(int d);

@@ -316,6 +316,15 @@ static void shared_access(const char *p, size_t n, int write) {
     }
 }
 
+/* the access kernel_access checks (one block runs at a time), described for a report */
+static thread_local int g_kwrite;
+void kernel_what(char *buf, size_t len) {
+    const Exec *x = X;
+    const uint3 t = x && x->cur >= 0 ? x->f[x->cur].tid : make_uint3(0, 0, 0);
+    snprintf(buf, len, "%s by block (%u,%u,%u) thread (%u,%u,%u)", g_kwrite ? "write" : "read", x ? x->bid.x : 0,
+             x ? x->bid.y : 0, x ? x->bid.z : 0, t.x, t.y, t.z);
+}
+
 static void kernel_access(const char *p, size_t n, int write) {
     Exec *x = X;
     if (p >= __data_start && p < _end) return shared_access(p, n, write);
@@ -349,10 +358,8 @@ static void kernel_access(const char *p, size_t n, int write) {
                : !a->live ? "freed memory" : "past the end of its allocation");
         return;
     }
-    char what[120];
-    snprintf(what, sizeof what, "%s by block (%u,%u,%u) thread (%u,%u,%u)", write ? "write" : "read", x->bid.x,
-             x->bid.y, x->bid.z, t.x, t.y, t.z);
-    touch(p, n, write, what);
+    g_kwrite = write;
+    touch(p, n, write, nullptr);
 }
 
 static inline void access(const void *p, size_t n, int write) {

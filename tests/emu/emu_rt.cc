@@ -263,7 +263,8 @@ static void hazard(Alloc *a, const char *p, size_t n, int write, const char *wha
             for (int r = 0; r < 2; r++)
                 if (g.rep[r] && g.rs[r] != sid && o->vc.c[g.rs[r]] < g.rep[r]) { other = g.rs[r]; oep = g.rep[r]; kind = "write after read"; }
         if (kind) {
-            char prev[160];
+            char prev[160], wb[120];
+            if (!what) kernel_what(wb, sizeof wb), what = wb;
             name_of(other, oep, prev, sizeof prev);
             report("hazard", "%s (%s of %zu bytes at %p, device %d, stream %d) is not ordered after %s on stream %d "
                    "(%s): no event or synchronisation between them", o->name.c_str(), what, n, (const void *)p,
@@ -292,6 +293,9 @@ int touch(const void *p, size_t n, int write, const char *what) {
     int d;
     Alloc *a = find(p, &d);
     if (d < 0) return 1; /* host memory: the caller checked the kind */
+    char wb[120];
+    if (!what && (d != o->s->dev || !a || !a->live || (const char *)p + n > a->base + a->size))
+        kernel_what(wb, sizeof wb), what = wb;
     if (d != o->s->dev) { /* a device fault: the context is lost (lose), then the report says why */
         lose(o->s->dev, cudaErrorIllegalAddress, o->name.c_str(), "another device's memory");
         report("memcheck", "%s: %s of %zu bytes at %p touches device %d's memory from device %d", o->name.c_str(), what,
