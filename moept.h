@@ -424,8 +424,9 @@
      masters change, and counted in device_workspace_bytes. It equals the
      CPU's FP8 layer but for accumulation order, which moves a few E4M3
      roundings (docs/CUDA.md, "FP8": the bound); link -lcublasLt.
-     Refused at create (MOEPT_ERR_UNSUPPORTED) with overlap_chunks > 1,
-     FSDP sharding, and options.sync_free on CUDA.
+     It needs compute capability 9.0 and cuBLAS 12.9 (refused at create,
+     MOEPT_ERR_UNSUPPORTED, on anything older). Refused at create with
+     overlap_chunks > 1 and FSDP sharding.
 
    PARAMETER NAMES (per family, the HF module-relative names)
      all:          gate.weight [E][D]

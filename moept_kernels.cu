@@ -2258,7 +2258,11 @@ static void moept__slot_layout(moept__cuda *c, moept__cslot *sl, moept__carve *c
     sl->dwts = (float *)moept__take(cv, train * (size_t)(T * K) * f);
 }
 
-/* Makes the receive block hold `need` rows, keeping the committed step's rows. */
+static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err);
+static moept_status moept__host_wait(moept__cuda *c, char *err);
+
+/* Makes the receive block hold `need` rows, keeping the committed step's rows; config.fp8's token
+   scratch with it (moept__q8_room), so a failure is the growth's, which the ranks agree on. */
 static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, char *err) {
     if (need <= sl->Rcap && sl->rblock) return MOEPT_OK;
     int64_t cap = need > 2 * sl->Rcap ? need : 2 * sl->Rcap;
@@ -2271,6 +2275,11 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     size_t bytes = (size_t)cap * (size_t)(2 * D + H + Fa + (chunked ? D + F : 0)) * es + 6 * 64;
     void *blk = NULL;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
+    moept_status qs = moept__q8_room(c, cap > c->sp.Tmax ? cap : c->sp.Tmax, err); /* (the shared expert's) */
+    if (qs) {
+        cudaFree(blk);
+        return qs;
+    }
     moept__carve cv = {(char *)blk, 0};
     void *xr = moept__take(&cv, (size_t)(cap * D) * es), *yr = moept__take(&cv, (size_t)(cap * D) * es);
     void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * Fa) * es);
@@ -2383,12 +2392,14 @@ static cudaError_t moept__cast_weights(moept__cuda *c) {
 /* the device masters were (or may be about to be) written by the caller;
    sync-free: their bf16 copy now, so no forward casts (a captured step
    would freeze whether it does) */
+static cudaError_t moept__q8_weights(moept__cuda *c);
 static void moept__cuda_params_changed(moept__cuda *c) {
     moept__on_device on(c->dev, c->probe);
     c->wlow_stale = 1;
     c->q8_stale = 1;
     c->grads_clean = 0;
     if (c->B && c->wlow) (void)moept__cast_weights(c); /* a failure leaves it stale: the forward casts */
+    if (c->B && c->sp.fp8) (void)moept__q8_weights(c); /* (FP8's copies alike) */
 }
 
 /* Every handle's math mode: fp32 stays fp32 (no TF32), and reductions stay in the fp32 compute type
@@ -2681,6 +2692,16 @@ static void moept__q8w_layout(moept__cuda *c, moept__carve *cv) {
 static moept_status moept__q8_create(moept__cuda *c, char *err) {
     const moept__cuda_spec *p = &c->sp;
     if (!p->fp8) return MOEPT_OK;
+#if CUBLAS_VERSION < 120900
+    return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: config.fp8 needs cuBLASLt's "
+                        "block-scaled FP8 matmuls (cuBLAS 12.9 or later); this build has %d", CUBLAS_VERSION);
+#endif
+    int major = 0;
+    MOEPT__CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->dev));
+    if (major < 9) /* cuBLAS Library, 3.1.4.5: the 128-element block scaling runs on compute capability 9.0 */
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: config.fp8 needs a GPU of "
+                            "compute capability 9.0 or later (cuBLASLt block-scaled FP8); device %d "
+                            "is %d.x", c->dev, major);
     MOEPT__CB(cublasLtCreate(&c->lt));
     const int64_t Dp = MOEPT__Q8_PAD(p->D), TL = MOEPT__Q8_TILE;
     const int64_t n[2] = {p->El, p->S > 0 ? 1 : 0}, H[2] = {p->H, p->HS}, F[2] = {p->F, p->S};
@@ -2728,17 +2749,21 @@ static cudaError_t moept__q8_weights(moept__cuda *c) {
 }
 
 /* The token operands' scratch for one expert's rows padded (np <= rows): two E4M3 operands [rows][Wp]
-   (or [Wp][rows]), their scales, the matmul's fp32 result; grown geometrically, once the compute stream
-   no longer reads the old one */
+   (or [Wp][rows]), their scales, the matmul's fp32 result; grown geometrically with the receive block
+   (moept__grow), once the compute stream no longer reads the old one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
-    if (rows <= c->q8rows && c->q8blk) return MOEPT_OK;
+    if (!c->sp.fp8 || (MOEPT__Q8_PAD(rows) <= c->q8rows && c->q8blk)) return MOEPT_OK;
     const int64_t cap = MOEPT__Q8_PAD(rows > 2 * c->q8rows ? rows : 2 * c->q8rows), W = moept__q8_wp(c);
     const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * MOEPT__Q8_L(cap), sc = s1 > s2 ? s1 : s2;
     const int64_t out = (cap > W ? cap : W) * W;
     void *blk = NULL;
     const size_t bytes = (size_t)(2 * cap * W + 2 * sc * 4 + out * 4) + 5 * 64;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
-    MOEPT__CU(cudaStreamSynchronize(c->s));
+    moept_status st = moept__host_wait(c, err); /* the old scratch's last reader done */
+    if (st) {
+        cudaFree(blk);
+        return st;
+    }
     cudaFree(c->q8blk);
     c->q8blk = blk;
     moept__carve cv = {(char *)blk, 0};
@@ -2752,19 +2777,22 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     return MOEPT_OK;
 }
 
-/* the most padded rows of one group */
-static int64_t moept__q8_rows_max(int64_t groups, const int64_t *offs) {
-    int64_t m = 16;
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t np = MOEPT__Q8_PAD(offs[g + 1] - offs[g]);
-        m = np > m ? np : m;
-    }
-    return m;
+/* whether each group's padded rows fit the scratch (moept__grow made it for the receive block's) */
+static moept_status moept__q8_fits(const moept__cuda *c, int64_t groups, const int64_t *offs, char *err) {
+    for (int64_t g = 0; g < groups; g++)
+        if (MOEPT__Q8_PAD(offs[g + 1] - offs[g]) > c->q8rows)
+            return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld rows of one expert past the "
+                                "scratch's %lld (moept_kernels.cu:%d)", (long long)(offs[g + 1] - offs[g]),
+                                (long long)c->q8rows, __LINE__);
+    return MOEPT_OK;
 }
 
 /* out [n][m] fp32 = sum over k of A(i, l) B(j, l) in 128-blocks, each block's sum times its scales
    (cuBLASLt's TN: A [m][k] and B [n][k] E4M3 rows; scale modes am, bm: VEC128 or BLK128x128), on the
    compute stream with the cuBLAS handle's workspace (the same stream's) */
+#if CUBLAS_VERSION >= 120900
+#define MOEPT__VEC128 CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+#define MOEPT__BLK128 CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
 static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t k, const uint8_t *A,
                                    const float *sa, int32_t am, const uint8_t *B, const float *sb, float *out,
                                    char *err) {
@@ -2806,6 +2834,14 @@ static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t
                             cublasGetStatusString(r), __LINE__);
     return MOEPT_OK;
 }
+#else /* (moept__q8_create refuses config.fp8 in such a build) */
+#define MOEPT__VEC128 0
+#define MOEPT__BLK128 0
+static moept_status moept__q8_gemm(moept__cuda *, int64_t, int64_t, int64_t, const uint8_t *, const float *,
+                                   int32_t, const uint8_t *, const float *, float *, char *err) {
+    return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "config.fp8: cuBLAS 12.9 or later");
+}
+#endif
 
 /* n rows of src (K columns, lds apart) as a matmul's B along K: q [np][Kp], scales s */
 template <typename T>
@@ -2987,6 +3023,7 @@ static moept_status moept__cuda_upload(moept__cuda *c, const float *params, cons
     if (bias) MOEPT__CU(cudaMemcpyAsync(c->bias, bias, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
     if (slot_of) MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
     if (params && c->B && c->wlow) MOEPT__CU(moept__cast_weights(c));
+    if (params && c->B && c->sp.fp8) MOEPT__CU(moept__q8_weights(c));
     MOEPT__TRY(moept__host_wait(c, err)); /* the host arrays may change after we return */
     return MOEPT_OK;
 }
@@ -3248,9 +3285,6 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
     return MOEPT_OK;
 }
 
-#define MOEPT__VEC128 CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
-#define MOEPT__BLK128 CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
-
 /* config.fp8's moept__ffn_fwd over weight set w: each group's rows along D, h = xs W13^T (cuBLASLt, the
    weights BLK128x128, the rows VEC128), a = act(h) over all rows, a along F, ys = a W2^T; each matmul's
    fp32 result into the rows of T */
@@ -3261,7 +3295,7 @@ static moept_status moept__q8_ffn_fwd(moept__cuda *c, const moept__q8w *w, const
     const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), H = w->H, F = w->F, es = c->esz;
     const char *X = (const char *)xs, *A = (const char *)a;
     char *Hh = (char *)h, *Y = (char *)ys;
-    MOEPT__TRY(moept__q8_room(c, moept__q8_rows_max(groups, offs), err));
+    MOEPT__TRY(moept__q8_fits(c, groups, offs, err));
     for (int64_t g = 0; g < groups; g++) {
         const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
         if (n == 0) continue;
@@ -3293,7 +3327,7 @@ static moept_status moept__q8_ffn_bwd(moept__cuda *c, const moept__q8w *w, const
     const char *X = (const char *)xs;
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
     float *g13 = c->grads + w->off13, *g2 = c->grads + w->off2;
-    MOEPT__TRY(moept__q8_room(c, moept__q8_rows_max(groups, offs), err));
+    MOEPT__TRY(moept__q8_fits(c, groups, offs, err));
     for (int64_t g = 0; g < groups; g++) {
         const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
         if (n == 0) continue;
@@ -4620,7 +4654,7 @@ static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, i
     MOEPT__STAGE(NULL);
     MOEPT__LAUNCHED();
     c->wlow_stale = 0;
-    c->q8_stale = 1; /* (FP8: the copies are made at the next forward) */
+    if (c->sp.fp8) MOEPT__CU(moept__q8_weights(c)); /* FP8's copies from the new masters, as the bf16 copy */
     return MOEPT_OK;
 }
 
@@ -5188,9 +5222,7 @@ static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moep
     } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
         *why_st = MOEPT_ERR_UNSUPPORTED;
         w = "options.sync_free with overlap_chunks > 1 is not supported";
-    } else if (cfg && o->sync_free && cfg->fp8 != MOEPT_FP8_OFF) {
-        *why_st = MOEPT_ERR_UNSUPPORTED;
-        w = "options.sync_free with config.fp8 is not supported yet";
+
     } else if ((ep && !moept__is_dcomm(ep)) || (dp && !moept__is_dcomm(dp))) /* size 1 too */
         w = moept__dcomm_only;
     if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);

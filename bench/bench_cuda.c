@@ -308,7 +308,8 @@ int main(int argc, char **argv) {
     CK(cudaEventRecord(e1, st));
     double floor_ms = elapsed_ms(e0, e1) / (double)s.reps;
     for (int i = 0; i < nf; i++)
-        printf("RESULT tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld dtype=%s%s reps=%lld step_ms=%.3f "
+        printf("RESULT tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld dtype=%s%s reps=%lld "
+               "step_ms=%.3f "
                "floor_ms=%.3f step_over_floor=%.3f floor_tflops=%.1f gemm_form=%s\n",
                (long long)T, (long long)s.D, (long long)s.F, (long long)E, (long long)K, s.bf16 ? "bf16" : "fp32",
                s.fp8 ? "+fp8" : "",

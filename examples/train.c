@@ -503,8 +503,9 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
     if (lead) {
         double secs = now() - t0;
 #ifdef MOEPT_CUDA
+        /* (the CPU's kernel runs none of them) */
         const char *gemm = o.fp8 ? (M.bf16 ? "cuBLASLt FP8, bf16 rows" : "cuBLASLt FP8, fp32 rows")
-                           : M.bf16 ? "cuBLAS, bf16" : "cuBLAS, fp32"; /* the CPU's kernel runs none of them */
+                           : M.bf16 ? "cuBLAS, bf16" : "cuBLAS, fp32";
 #else
         const char *gemm = moept_gemm_kernel();
 #endif

@@ -321,8 +321,9 @@ static thread_local int g_kwrite;
 void kernel_what(char *buf, size_t len) {
     const Exec *x = X;
     const uint3 t = x && x->cur >= 0 ? x->f[x->cur].tid : make_uint3(0, 0, 0);
-    snprintf(buf, len, "%s by block (%u,%u,%u) thread (%u,%u,%u)", g_kwrite ? "write" : "read", x ? x->bid.x : 0,
-             x ? x->bid.y : 0, x ? x->bid.z : 0, t.x, t.y, t.z);
+    const uint3 b = x ? x->bid : make_uint3(0, 0, 0);
+    snprintf(buf, len, "%s by block (%u,%u,%u) thread (%u,%u,%u)", g_kwrite ? "write" : "read", b.x, b.y, b.z,
+             t.x, t.y, t.z);
 }
 
 static void kernel_access(const char *p, size_t n, int write) {
