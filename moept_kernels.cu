@@ -2696,12 +2696,6 @@ static moept_status moept__q8_create(moept__cuda *c, char *err) {
     return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: config.fp8 needs cuBLASLt's "
                         "block-scaled FP8 matmuls (cuBLAS 12.9 or later); this build has %d", CUBLAS_VERSION);
 #endif
-    int major = 0;
-    MOEPT__CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->dev));
-    if (major < 9) /* cuBLAS Library, 3.1.4.5: the 128-element block scaling runs on compute capability 9.0 */
-        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: config.fp8 needs a GPU of "
-                            "compute capability 9.0 or later (cuBLASLt block-scaled FP8); device %d "
-                            "is %d.x", c->dev, major);
     MOEPT__CB(cublasLtCreate(&c->lt));
     const int64_t Dp = MOEPT__Q8_PAD(p->D), TL = MOEPT__Q8_TILE;
     const int64_t n[2] = {p->El, p->S > 0 ? 1 : 0}, H[2] = {p->H, p->HS}, F[2] = {p->F, p->S};
@@ -2789,7 +2783,8 @@ static moept_status moept__q8_fits(const moept__cuda *c, int64_t groups, const i
 
 /* out [n][m] fp32 = sum over k of A(i, l) B(j, l) in 128-blocks, each block's sum times its scales
    (cuBLASLt's TN: A [m][k] and B [n][k] E4M3 rows; scale modes am, bm: VEC128 or BLK128x128), on the
-   compute stream with the cuBLAS handle's workspace (the same stream's) */
+   compute stream with the cuBLAS handle's workspace (the same stream's). out NULL: cuBLASLt's heuristic
+   alone, MOEPT_ERR_UNSUPPORTED where it has no algorithm */
 #if CUBLAS_VERSION >= 120900
 #define MOEPT__VEC128 CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
 #define MOEPT__BLK128 CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
@@ -2820,7 +2815,8 @@ static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t
                                                  sizeof ws);
     if (!r) r = cublasLtMatmulAlgoGetHeuristic(c->lt, op, la, lb, lo, lo, pref, 1, &hr, &found);
     if (!r && !found) r = CUBLAS_STATUS_NOT_SUPPORTED;
-    if (!r)
+    const int probe = out == NULL;
+    if (!r && !probe)
         r = cublasLtMatmul(c->lt, op, &one, A, la, B, lb, &zero, out, lo, out, lo, &hr.algo, c->blas_ws,
                            (size_t)ws, c->s);
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
@@ -2829,8 +2825,10 @@ static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t
     if (la) cublasLtMatrixLayoutDestroy(la);
     if (op) cublasLtMatmulDescDestroy(op);
     if (r != CUBLAS_STATUS_SUCCESS)
-        return moept__kfail(err, MOEPT_ERR_DEVICE, "cublasLtMatmul (FP8, m %lld n %lld k %lld): %s "
-                            "(moept_kernels.cu:%d)", (long long)m, (long long)n, (long long)k,
+        return moept__kfail(err, probe ? MOEPT_ERR_UNSUPPORTED : MOEPT_ERR_DEVICE, "%s (FP8, m %lld n %lld "
+                            "k %lld): %s (moept_kernels.cu:%d)", probe ? "moept_create_cuda: config.fp8: "
+                            "cuBLASLt has no block-scaled matmul on this device (compute capability 9.0 runs "
+                            "them)" : "cublasLtMatmul", (long long)m, (long long)n, (long long)k,
                             cublasGetStatusString(r), __LINE__);
     return MOEPT_OK;
 }
@@ -2842,6 +2840,15 @@ static moept_status moept__q8_gemm(moept__cuda *, int64_t, int64_t, int64_t, con
     return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "config.fp8: cuBLAS 12.9 or later");
 }
 #endif
+
+/* config.fp8 at create: whether cuBLASLt runs the block-scaled matmuls here at all (a GPU under compute
+   capability 9.0 has none: cuBLAS Library, 3.1.4.5), by its heuristic for the forward's first shape */
+static moept_status moept__q8_probe(moept__cuda *c, char *err) {
+    const moept__q8w *w = &c->q8w[0];
+    if (!c->sp.fp8) return MOEPT_OK;
+    return moept__q8_gemm(c, w->Hp, 16, MOEPT__Q8_PAD(c->sp.D), w->w13, w->s13, MOEPT__BLK128, w->w13, w->s13,
+                          NULL, err);
+}
 
 /* n rows of src (K columns, lds apart) as a matmul's B along K: q [np][Kp], scales s */
 template <typename T>
@@ -2893,6 +2900,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     }
     MOEPT__TRY(moept__blas_create(c, err));
     MOEPT__TRY(moept__q8_create(c, err));
+    MOEPT__TRY(moept__q8_probe(c, err));
     /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too);
        an inference layer has no gradients */
     const int64_t npad = moept__npad(c), nmir = p->inference ? 1 : 2;
