@@ -3325,44 +3325,48 @@ static moept_status moept__q8_ffn_fwd(moept__cuda *c, const moept__q8w *w, const
     return MOEPT_OK;
 }
 
-/* Its backward, group by group as moept.c's moept__ffn_backward: g2 += dys^T a (both down the rows),
-   da = dys W2 (dys along D; W2's transposed copy) over a, dh = act'(h, da) over h, g13 += dh^T xs,
-   dxs = dh W13 (dh along H) over ys */
+/* One group's weight gradient and dgrad through one weight W [wo][wi] (moept.c's moept__wgrad, then
+   the dgrad): g += dout^T in (both down the group's n rows, into fp32 g [wo][wi]), then din = dout W
+   (dout along wo; W's transposed E4M3 copy wt, its scales st) into din's n rows of wi */
+template <typename T>
+static moept_status moept__q8_back(moept__cuda *c, int64_t n, const char *dout, int64_t wo, const char *in,
+                                   int64_t wi, float *g, const uint8_t *wt, const float *st, char *din,
+                                   char *err) {
+    const int64_t np = MOEPT__Q8_PAD(n), wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
+    MOEPT__TRY(moept__q8_down<T>(c, in, n, wi, c->q8a, c->q8sa, err));
+    MOEPT__TRY(moept__q8_down<T>(c, dout, n, wo, c->q8b, c->q8sb, err));
+    MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, c->q8out,
+                              err));
+    MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, g, wi, 1, err));
+    MOEPT__TRY(moept__q8_along<T>(c, dout, n, wo, wo, c->q8b, c->q8sb, err));
+    MOEPT__TRY(moept__q8_gemm(c, wip, np, wop, wt, st, MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, err));
+    return moept__q8_result<T>(c, n, wi, wip, din, wi, 0, err);
+}
+
+/* Its backward, group by group as moept.c's moept__ffn_backward: g2 += dys^T a and da = dys W2 over a,
+   dh = act'(h, da) over h, then g13 += dh^T xs and dxs = dh W13 over ys */
 template <typename T>
 static moept_status moept__q8_ffn_bwd(moept__cuda *c, const moept__q8w *w, const void *xs, int64_t groups,
                                       const int64_t *offs, void *h, void *a, void *ys, char *err) {
-    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), H = w->H, F = w->F, Hp = w->Hp, Fp = w->Fp, es = c->esz;
+    const int64_t D = c->sp.D, H = w->H, F = w->F, es = c->esz;
+    const int64_t s13 = w->Hp * MOEPT__Q8_PAD(D), s2 = w->Fp * MOEPT__Q8_PAD(D);
     const char *X = (const char *)xs;
     char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
     float *g13 = c->grads + w->off13, *g2 = c->grads + w->off2;
     MOEPT__TRY(moept__q8_fits(c, groups, offs, err));
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
-        if (n == 0) continue;
-        MOEPT__TRY(moept__q8_down<T>(c, A + r0 * F * es, n, F, c->q8a, c->q8sa, err));
-        MOEPT__TRY(moept__q8_down<T>(c, Y + r0 * D * es, n, D, c->q8b, c->q8sb, err));
-        MOEPT__TRY(moept__q8_gemm(c, Fp, Dp, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, c->q8out,
-                                  err));
-        MOEPT__TRY(moept__q8_result<T>(c, D, F, Fp, g2 + g * D * F, F, 1, err));
-        MOEPT__TRY(moept__q8_along<T>(c, Y + r0 * D * es, n, D, D, c->q8b, c->q8sb, err));
-        MOEPT__TRY(moept__q8_gemm(c, Fp, np, Dp, w->w2t + g * Fp * Dp, w->s2t + g * w->ns2t, MOEPT__BLK128,
-                                  c->q8b, c->q8sb, c->q8out, err));
-        MOEPT__TRY(moept__q8_result<T>(c, n, F, Fp, A + r0 * F * es, F, 0, err));
+        const int64_t r0 = offs[g], n = offs[g + 1] - r0;
+        if (n > 0)
+            MOEPT__TRY(moept__q8_back<T>(c, n, Y + r0 * D * es, D, A + r0 * F * es, F, g2 + g * D * F,
+                                         w->w2t + g * s2, w->s2t + g * w->ns2t, A + r0 * F * es, err));
     }
     const int64_t R = offs[groups] - offs[0], base = offs[0];
     MOEPT__TRY(moept__act<T>(c, 1, (T *)h + base * H, (T *)a + base * F, R, F, H, F, err));
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
-        if (n == 0) continue;
-        MOEPT__TRY(moept__q8_down<T>(c, X + r0 * D * es, n, D, c->q8a, c->q8sa, err));
-        MOEPT__TRY(moept__q8_down<T>(c, Hh + r0 * H * es, n, H, c->q8b, c->q8sb, err));
-        MOEPT__TRY(moept__q8_gemm(c, Dp, Hp, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, c->q8out,
-                                  err));
-        MOEPT__TRY(moept__q8_result<T>(c, H, D, Dp, g13 + g * H * D, D, 1, err));
-        MOEPT__TRY(moept__q8_along<T>(c, Hh + r0 * H * es, n, H, H, c->q8b, c->q8sb, err));
-        MOEPT__TRY(moept__q8_gemm(c, Dp, np, Hp, w->w13t + g * Dp * Hp, w->s13t + g * w->ns13t, MOEPT__BLK128,
-                                  c->q8b, c->q8sb, c->q8out, err));
-        MOEPT__TRY(moept__q8_result<T>(c, n, D, Dp, Y + r0 * D * es, D, 0, err));
+        const int64_t r0 = offs[g], n = offs[g + 1] - r0;
+        if (n > 0)
+            MOEPT__TRY(moept__q8_back<T>(c, n, Hh + r0 * H * es, H, X + r0 * D * es, D, g13 + g * H * D,
+                                         w->w13t + g * s13, w->s13t + g * w->ns13t, Y + r0 * D * es, err));
     }
     return MOEPT_OK;
 }
