@@ -213,6 +213,8 @@ fp8() {
         step "bench_cuda $sh T=8192 bf16 rows, FP8 expert GEMMs" build/bench_cuda --shape $sh --tokens 8192 \
             --bf16 --fp8
     done
+    profile fp8 # the quantizing kernels' share of the FP8 step (moept__k_q8_*), per kernel
+    LOG="$OUT/fp8.log"
     P=$(torch_py)
     [ -n "$P" ] && step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" \
         $P bench/fp8_grouped_peer.py
@@ -255,29 +257,30 @@ bench_small() { # where each GEMM form wins at fewer rows an expert (AUTO's choi
     grep RESULT "$LOG" | grep -v optimizer | tee -a "$SUM"
 }
 
-profile() { # where the layer's step spends its GPU time beyond the GEMMs
-    LOG="$OUT/profile.log"
+profile() { # where the layer's step spends its GPU time beyond the GEMMs; "profile fp8": the FP8 layer's
+    x=${1:+_$1}
+    LOG="$OUT/profile$x.log"
     g=${GPUB:-gpub}
     case $g in /*) ;; *) g=$PWD/$g ;; esac
     n=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
     for shape in mixtral deepseek; do
-        a="--shape $shape --tokens 8192 --bf16 --gemm-form auto --reps 5"
-        t="$OUT/trace_$shape.csv"
+        a="--shape $shape --tokens 8192 --bf16 --gemm-form auto --reps 5${1:+ --$1}"
+        t="$OUT/trace_$shape$x.csv"
         if [ -f "$g/cupti_trace.so" ]; then # 2 warm-up steps + 5
             # shellcheck disable=SC2086
             step "CUPTI trace: bench_cuda $a" env CUDA_INJECTION64_PATH="$g/cupti_trace.so" CUPTI_TRACE="$t" \
                 build/bench_cuda $a
             [ -f "$t" ] || continue
             step "cupti_summary.py: $shape" sh -c "python3 tools/cupti_summary.py '$t' --skip 2 \
-                >'$OUT/profile_$shape.txt'"
-            cat "$OUT/profile_$shape.txt" >>"$SUM"
+                >'$OUT/profile_$shape$x.txt'"
+            cat "$OUT/profile_$shape$x.txt" >>"$SUM"
             gzip -f "$t"
         elif [ -n "$n" ]; then
             # shellcheck disable=SC2086
-            step "nsys: bench_cuda $a" "$n" profile -t cuda -o "$OUT/prof_$shape" -f true build/bench_cuda $a
-            step "nsys stats" "$n" stats -q -r cuda_gpu_kern_sum,cuda_api_sum -f csv -o "$OUT/prof_$shape" \
-                "$OUT/prof_$shape.nsys-rep"
-            rm -f "$OUT/prof_$shape.nsys-rep" "$OUT/prof_$shape.sqlite"
+            step "nsys: bench_cuda $a" "$n" profile -t cuda -o "$OUT/prof_$shape$x" -f true build/bench_cuda $a
+            step "nsys stats" "$n" stats -q -r cuda_gpu_kern_sum,cuda_api_sum -f csv -o "$OUT/prof_$shape$x" \
+                "$OUT/prof_$shape$x.nsys-rep"
+            rm -f "$OUT/prof_$shape$x.nsys-rep" "$OUT/prof_$shape$x.sqlite"
         else
             echo "skip - profile: neither $g/cupti_trace.so nor nsys" | tee -a "$SUM"
         fi
