@@ -2884,7 +2884,6 @@ static moept_status moept__q8_result(moept__cuda *c, int64_t n, int64_t m, int64
     return MOEPT_OK;
 }
 
-
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P, C = c->C;
@@ -5234,7 +5233,6 @@ static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moep
     } else if (cfg && o->sync_free && cfg->overlap_chunks > 1) {
         *why_st = MOEPT_ERR_UNSUPPORTED;
         w = "options.sync_free with overlap_chunks > 1 is not supported";
-
     } else if ((ep && !moept__is_dcomm(ep)) || (dp && !moept__is_dcomm(dp))) /* size 1 too */
         w = moept__dcomm_only;
     if (w) snprintf(why, MOEPT__ERRLEN, "moept_create_cuda: %s", w);

@@ -1446,11 +1446,10 @@ static double stage_formula(const char *st, double T, double R, double D, double
 
 /* out [n]: stage_pins' stages; other (if given): the work outside them (this
    function's own cudaDeviceSynchronize after the step: one host sync) */
-static int g_counts_fp8; /* step_counts' layer runs config.fp8 */
-static int step_counts(int bf16, int sync_free, int64_t D, int64_t F, moept_emu_counts *out, int n,
+static int step_counts(int bf16, int sync_free, int fp8, int64_t D, int64_t F, moept_emu_counts *out, int n,
                        moept_emu_counts *other) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-    cfg.fp8 = g_counts_fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
+    cfg.fp8 = fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
     cfg.hidden_size = D;
     cfg.intermediate_size = F;
     cfg.max_tokens = 64;
@@ -1489,7 +1488,8 @@ static void test_stage_counts(void) {
     const double E = (double)base_cfg(MOEPT_FAMILY_MIXTRAL).num_experts;
     for (int bf = 0; bf < 2; bf++) {
         moept_emu_counts c[2][NS];
-        if (!step_counts(bf, 0, D[0], F[0], c[0], NS, NULL) || !step_counts(bf, 0, D[1], F[1], c[1], NS, NULL))
+        if (!step_counts(bf, 0, 0, D[0], F[0], c[0], NS, NULL) ||
+            !step_counts(bf, 0, 0, D[1], F[1], c[1], NS, NULL))
             return;
         for (int i = 0; i < NS; i++) {
             const stage_pin *p = &stage_pins[i];
@@ -1524,10 +1524,7 @@ static void test_sync_free_counts(void) {
     enum { NS = sizeof stage_pins / sizeof stage_pins[0] };
     for (int bf = 0; bf < 4; bf++) { /* fp32, bf16, then both with config.fp8 (syncs only: cuBLASLt's GEMMs) */
         moept_emu_counts c[NS], other;
-        g_counts_fp8 = bf >= 2;
-        const int ok = step_counts(bf % 2, 1, 64, 96, c, NS, &other);
-        g_counts_fp8 = 0;
-        if (!ok) return;
+        if (!step_counts(bf % 2, 1, bf >= 2, 64, 96, c, NS, &other)) return;
         for (int i = 0; i < NS; i++) /* the optimizer's: grad_norm and adamw_step read the checks and scan */
             EXPECT(c[i].syncs == (strcmp(stage_pins[i].name, "optimizer") ? 0 : 4),
                    "bf16 %d, sync-free, stage %s: %ld host syncs", bf, stage_pins[i].name, c[i].syncs);

@@ -249,6 +249,12 @@ int is_pinned(const void *p) {
 static void name_of(int sid, uint32_t ep, char *buf, size_t len);
 static Stream *g_streams[MAXSTREAMS];
 
+/* a report's description of the access: what, or a kernel's (kernel_what) */
+static const char *what_of(const char *what, char *buf, size_t len) {
+    if (!what) kernel_what(buf, len);
+    return what ? what : buf;
+}
+
 static void hazard(Alloc *a, const char *p, size_t n, int write, const char *what) {
     Op *o = cur_op;
     const int sid = o->s->id;
@@ -264,11 +270,10 @@ static void hazard(Alloc *a, const char *p, size_t n, int write, const char *wha
                 if (g.rep[r] && g.rs[r] != sid && o->vc.c[g.rs[r]] < g.rep[r]) { other = g.rs[r]; oep = g.rep[r]; kind = "write after read"; }
         if (kind) {
             char prev[160], wb[120];
-            if (!what) kernel_what(wb, sizeof wb), what = wb;
             name_of(other, oep, prev, sizeof prev);
-            report("hazard", "%s (%s of %zu bytes at %p, device %d, stream %d) is not ordered after %s on stream %d "
-                   "(%s): no event or synchronisation between them", o->name.c_str(), what, n, (const void *)p,
-                   a->dev, sid, prev, other, kind);
+            report("hazard", "%s (%s of %zu bytes at %p, device %d, stream %d) is not ordered after %s on "
+                   "stream %d (%s): no event or synchronisation between them", o->name.c_str(),
+                   what_of(what, wb, sizeof wb), n, (const void *)p, a->dev, sid, prev, other, kind);
             return; /* one report per access */
         }
         /* distinct bytes: a granule this op already wrote, or read, is in
@@ -294,18 +299,16 @@ int touch(const void *p, size_t n, int write, const char *what) {
     Alloc *a = find(p, &d);
     if (d < 0) return 1; /* host memory: the caller checked the kind */
     char wb[120];
-    if (!what && (d != o->s->dev || !a || !a->live || (const char *)p + n > a->base + a->size))
-        kernel_what(wb, sizeof wb), what = wb;
     if (d != o->s->dev) { /* a device fault: the context is lost (lose), then the report says why */
         lose(o->s->dev, cudaErrorIllegalAddress, o->name.c_str(), "another device's memory");
-        report("memcheck", "%s: %s of %zu bytes at %p touches device %d's memory from device %d", o->name.c_str(), what,
-               n, p, d, o->s->dev);
+        report("memcheck", "%s: %s of %zu bytes at %p touches device %d's memory from device %d",
+               o->name.c_str(), what_of(what, wb, sizeof wb), n, p, d, o->s->dev);
         return 0;
     }
     if (!a || !a->live || (const char *)p + n > a->base + a->size) {
         lose(o->s->dev, cudaErrorIllegalAddress, o->name.c_str(), "outside every live allocation");
         report("memcheck", "%s: %s of %zu bytes at %p is outside every live allocation of device %d%s", o->name.c_str(),
-               what, n, p, d, a && !a->live ? " (freed)" : "");
+               what_of(what, wb, sizeof wb), n, p, d, a && !a->live ? " (freed)" : "");
         return 0;
     }
     hazard(a, (const char *)p, n, write, what);
