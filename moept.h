@@ -423,7 +423,8 @@
      and their transposes, for the dgrads) are made once after the fp32
      masters change, and counted in device_workspace_bytes. It equals the
      CPU's FP8 layer but for accumulation order, which moves a few E4M3
-     roundings (docs/CUDA.md, "FP8": the bound); link -lcublasLt.
+     roundings (docs/CUDA.md, "FP8": the bound); link -lcublasLt. On an
+     H200 not yet faster than the bf16 layer (docs/PERF.md).
      It needs compute capability 9.0 and cuBLAS 12.9 (refused at create,
      MOEPT_ERR_UNSUPPORTED, on anything older). Refused at create with
      overlap_chunks > 1 and FSDP sharding.

@@ -2571,52 +2571,108 @@ __device__ __forceinline__ uint8_t moept__q8_byte(float v, float sc) {
     return moept__e4m3_byte(moept__e4m3_round(v / sc));
 }
 
+/* 32 threads a tile, 4 elements each; a block MOEPT__Q8_TB tiles (the tile's amax through shared memory) */
+#define MOEPT__Q8_TB (MOEPT__TB / 32)
+
+/* v's 4 E4M3 bytes in one word (the first lowest: little-endian), each zero where its live bit is off */
+__device__ __forceinline__ uint32_t moept__q8_word(const float *v, int live, float sc) {
+    uint32_t w = 0;
+    for (int e = 0; e < 4; e++)
+        if (live >> e & 1) w |= (uint32_t)moept__q8_byte(v[e], sc) << (8 * e);
+    return w;
+}
+
+/* The amax of the 32 values m of each 32-thread group of a block, through sh [MOEPT__TB] (every
+   thread of the block comes here) */
+__device__ __forceinline__ float moept__q8_amax32(float *sh, float m) {
+    const int l = (int)threadIdx.x % 32;
+    sh[threadIdx.x] = m;
+    __syncthreads();
+    for (int h = 16; h > 0; h >>= 1) {
+        if (l < h) sh[threadIdx.x] = moept__q8_amax(sh[threadIdx.x], sh[threadIdx.x + h]);
+        __syncthreads();
+    }
+    const float r = sh[threadIdx.x - l];
+    __syncthreads(); /* sh read by all before it is written again */
+    return r;
+}
+
 /* Rows r < n of src [n][lds] (its first K columns) into 1 x 128 tiles: q [np][Kp] E4M3 (rows from n on
-   and columns from K on zero), s [ceil(Kp/128)][np] (VEC128 of an operand whose op() is np x Kp) */
+   and columns from K on zero), s [ceil(Kp/128)][np] (VEC128 of an operand whose op() is np x Kp). A tile
+   is 32 threads' 4 adjacent columns each: reads along the row, one word written a thread */
 template <typename T>
 __global__ void moept__k_q8_rows(const T *src, int64_t n, int K, int64_t lds, int64_t np, int Kp, uint8_t *q,
                                  float *s) {
-    const int L = MOEPT__Q8_L(Kp);
-    MOEPT__FOR(i, np * L) {
-        const int64_t r = i / L;
-        const int b = (int)(i % L), j0 = b * MOEPT__Q8_TILE;
-        const int jp = j0 + MOEPT__Q8_TILE < Kp ? j0 + MOEPT__Q8_TILE : Kp;
-        const int j1 = r >= n ? j0 : jp < K ? jp : K;
-        float amax = 0.0f;
-        for (int j = j0; j < j1; j++) amax = moept__q8_amax(amax, moept__ld(src, r * lds + j));
-        const float sc = moept__q8_scale(amax);
-        for (int j = j0; j < jp; j++)
-            q[r * Kp + j] = j < j1 ? moept__q8_byte(moept__ld(src, r * lds + j), sc) : 0;
-        s[r + (int64_t)b * np] = sc;
+    __shared__ float sh[MOEPT__TB];
+    const int L = MOEPT__Q8_L(Kp), l = (int)threadIdx.x % 32;
+    const int64_t nt = np * L;
+    for (int64_t t = (int64_t)blockIdx.x * MOEPT__Q8_TB; t < nt; t += (int64_t)gridDim.x * MOEPT__Q8_TB) {
+        const int64_t i = t + threadIdx.x / 32, r = i / L;
+        const int b = (int)(i % L), j = b * MOEPT__Q8_TILE + 4 * l;
+        const int out = i < nt && j < Kp; /* Kp a multiple of 16: a thread's 4 columns all in or all out */
+        float v[4], amax = 0.0f;
+        int live = 0;
+        for (int e = 0; e < 4; e++) {
+            const int in = out && r < n && j + e < K;
+            v[e] = in ? moept__ld(src, r * lds + j + e) : 0.0f;
+            live |= in << e;
+            amax = moept__q8_amax(amax, v[e]);
+        }
+        const float sc = moept__q8_scale(moept__q8_amax32(sh, amax));
+        if (out) *(uint32_t *)(q + r * Kp + j) = moept__q8_word(v, live, sc);
+        if (out && l == 0) s[r + (int64_t)b * np] = sc;
     }
 }
 
 /* The wgrad's operands: columns c < C of src [n][lds], transposed, in 128 x 1 tiles down the rows:
-   q [Cp][np] (column c's values along row c; padding zero), s [ceil(np/128)][Cp] */
+   q [Cp][np] (column c's values along row c; padding zero), s [ceil(np/128)][Cp]. A block a panel of
+   128 rows x 32 columns: read along the rows into shared memory, each column's amax, then written
+   along q's rows, a word a thread */
 template <typename T>
 __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
                                  float *s) {
-    const int64_t L = MOEPT__Q8_L(np);
-    MOEPT__FOR(i, Cp * L) {
-        const int c = (int)(i / L);
-        const int64_t b = i % L, r0 = b * MOEPT__Q8_TILE;
-        const int64_t rp = r0 + MOEPT__Q8_TILE < np ? r0 + MOEPT__Q8_TILE : np;
-        const int64_t r1 = c < C ? (rp < n ? rp : n) : r0;
+    __shared__ float pan[MOEPT__Q8_TILE][33]; /* (33: a column's reads fall in different banks) */
+    __shared__ float part[MOEPT__Q8_TB][32];
+    const int64_t L = MOEPT__Q8_L(np), nc = (Cp + 31) / 32;
+    const int x = (int)threadIdx.x % 32, y = (int)threadIdx.x / 32;
+    for (int64_t t = blockIdx.x; t < L * nc; t += gridDim.x) {
+        const int64_t b = t / nc, r0 = b * MOEPT__Q8_TILE;
+        const int c0 = (int)(t % nc) * 32;
         float amax = 0.0f;
-        for (int64_t r = r0; r < r1; r++) amax = moept__q8_amax(amax, moept__ld(src, r * lds + c));
-        const float sc = moept__q8_scale(amax);
-        for (int64_t r = r0; r < rp; r++)
-            q[c * np + r] = r < r1 ? moept__q8_byte(moept__ld(src, r * lds + c), sc) : 0;
-        s[c + b * Cp] = sc;
+        for (int k = y; k < MOEPT__Q8_TILE; k += MOEPT__Q8_TB) {
+            const int64_t r = r0 + k;
+            const float v = r < n && c0 + x < C ? moept__ld(src, r * lds + c0 + x) : 0.0f;
+            pan[k][x] = v;
+            amax = moept__q8_amax(amax, v);
+        }
+        part[y][x] = amax;
+        __syncthreads();
+        for (int k = 0; k < 32 / MOEPT__Q8_TB; k++) { /* column cc's 128 rows: 32 words, word x */
+            const int cc = y + k * MOEPT__Q8_TB, c = c0 + cc;
+            const int64_t r = r0 + 4 * x;
+            float m = 0.0f, v[4];
+            for (int u = 0; u < MOEPT__Q8_TB; u++) m = moept__q8_amax(m, part[u][cc]);
+            const float sc = moept__q8_scale(m);
+            int live = 0;
+            for (int e = 0; e < 4; e++) {
+                v[e] = pan[4 * x + e][cc];
+                live |= (c < C && r + e < n) << e;
+            }
+            if (c < Cp && r < np) *(uint32_t *)(q + (int64_t)c * np + r) = moept__q8_word(v, live, sc);
+            if (c < Cp && x == 0) s[c + b * Cp] = sc;
+        }
+        __syncthreads(); /* pan and part read by all before the next panel */
     }
 }
 
 /* Weights: nw matrices w [nw][M][K] (fp32 masters) in 128 x 128 blocks, one thread block a block:
    q [nw][Mp][Kp] as they are and qt [nw][Kp][Mp] transposed (the dgrad's A), zero-padded; the block's
-   scale into s [nw][ceil(Mp/128)][L4(Kp)] and st [nw][ceil(Kp/128)][L4(Mp)] (BLK128x128 of each) */
+   scale into s [nw][ceil(Mp/128)][L4(Kp)] and st [nw][ceil(Kp/128)][L4(Mp)] (BLK128x128 of each). The
+   bytes go through shared memory so that both copies are written along their rows */
 __global__ void moept__k_q8_blocks(const float *w, int64_t nw, int M, int K, int Mp, int Kp, uint8_t *q,
                                    float *s, uint8_t *qt, float *st) {
     __shared__ float sh[MOEPT__TB];
+    __shared__ uint8_t qb[MOEPT__Q8_TILE][MOEPT__Q8_TILE + 4];
     const int TL = MOEPT__Q8_TILE;
     const int bm = (Mp + TL - 1) / TL, bk = (Kp + TL - 1) / TL;
     const int64_t ns = (int64_t)bm * MOEPT__Q8_L4(Kp), nst = (int64_t)bk * MOEPT__Q8_L4(Mp);
@@ -2638,16 +2694,20 @@ __global__ void moept__k_q8_blocks(const float *w, int64_t nw, int M, int K, int
         const float sc = moept__q8_scale(sh[0]);
         for (int l = threadIdx.x; l < TL * TL; l += blockDim.x) {
             const int i = i0 + l / TL, j = j0 + l % TL;
-            if (i >= Mp || j >= Kp) continue;
             const uint8_t v = i < M && j < K ? moept__q8_byte(we[(int64_t)i * K + j], sc) : 0;
-            q[(e * Mp + i) * Kp + j] = v;
-            qt[(e * Kp + j) * Mp + i] = v;
+            qb[l / TL][l % TL] = v;
+            if (i < Mp && j < Kp) q[(e * Mp + i) * Kp + j] = v;
+        }
+        __syncthreads();
+        for (int l = threadIdx.x; l < TL * TL; l += blockDim.x) { /* qt's row j: i along it */
+            const int i = i0 + l % TL, j = j0 + l / TL;
+            if (i < Mp && j < Kp) qt[(e * Kp + j) * Mp + i] = qb[l % TL][l / TL];
         }
         if (threadIdx.x == 0) {
             s[e * ns + i0 / TL * MOEPT__Q8_L4(Kp) + j0 / TL] = sc;
             st[e * nst + j0 / TL * MOEPT__Q8_L4(Mp) + i0 / TL] = sc;
         }
-        __syncthreads(); /* sh[0] read by all before the next block's amax */
+        __syncthreads(); /* sh[0] and qb read by all before the next block */
     }
 }
 
@@ -2655,9 +2715,7 @@ __global__ void moept__k_q8_blocks(const float *w, int64_t nw, int M, int K, int
    to fp32 dst (the weight gradients) */
 template <typename T>
 __global__ void moept__k_q8_out(const float *out, int64_t n, int m, int ldo, T *dst, int64_t ldd, int acc) {
-    MOEPT__FOR(i, n * m) {
-        const int64_t r = i / m;
-        const int j = (int)(i % m);
+    MOEPT__ROWS(r, n) MOEPT__LANES(j, m, 1) {
         const float v = out[r * ldo + j];
         if (acc) ((float *)dst)[r * ldd + j] += v;
         else moept__st(dst, r * ldd + j, v);
@@ -2781,8 +2839,9 @@ static moept_status moept__q8_fits(const moept__cuda *c, int64_t groups, const i
     return MOEPT_OK;
 }
 
-/* out [n][m] fp32 = sum over k of A(i, l) B(j, l) in 128-blocks, each block's sum times its scales
-   (cuBLASLt's TN: A [m][k] and B [n][k] E4M3 rows; scale modes am, bm: VEC128 or BLK128x128), on the
+/* out [n][ldo] fp32 = sum over k of A(i, l) B(j, l) in 128-blocks, each block's sum times its scales
+   (cuBLASLt's TN: A [m][k] and B [n][k] E4M3 rows; scale modes am, bm: VEC128 or BLK128x128), or (acc)
+   out += that in place (beta 1: cuBLASLt adds C to the fp32 sum, as moept__k_q8_out would), on the
    compute stream with the cuBLAS handle's workspace (the same stream's). out NULL: cuBLASLt's heuristic
    alone, MOEPT_ERR_UNSUPPORTED where it has no algorithm */
 #if CUBLAS_VERSION >= 120900
@@ -2790,7 +2849,7 @@ static moept_status moept__q8_fits(const moept__cuda *c, int64_t groups, const i
 #define MOEPT__BLK128 CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
 static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t k, const uint8_t *A,
                                    const float *sa, int32_t am, const uint8_t *B, const float *sb, float *out,
-                                   char *err) {
+                                   int64_t ldo, int acc, char *err) {
     cublasLtMatmulDesc_t op = NULL;
     cublasLtMatrixLayout_t la = NULL, lb = NULL, lo = NULL;
     cublasLtMatmulPreference_t pref = NULL;
@@ -2798,7 +2857,7 @@ static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t
     int found = 0;
     const int32_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N, bm = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     const uint64_t ws = (uint64_t)c->blas_ws_each;
-    const float one = 1.0f, zero = 0.0f;
+    const float one = 1.0f, beta = acc ? 1.0f : 0.0f;
     cublasStatus_t r = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
     const cublasLtMatmulDescAttributes_t at[6] = {CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB,
         CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
@@ -2808,7 +2867,7 @@ static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t
         r = cublasLtMatmulDescSetAttribute(op, at[i], av[i], i < 4 ? sizeof(int32_t) : sizeof(void *));
     if (!r) r = cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)m, k);
     if (!r) r = cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, (uint64_t)k, (uint64_t)n, k);
-    if (!r) r = cublasLtMatrixLayoutCreate(&lo, CUDA_R_32F, (uint64_t)m, (uint64_t)n, m);
+    if (!r) r = cublasLtMatrixLayoutCreate(&lo, CUDA_R_32F, (uint64_t)m, (uint64_t)n, ldo);
     if (!r) r = cublasLtMatmulPreferenceCreate(&pref);
     if (!r)
         r = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
@@ -2817,7 +2876,7 @@ static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t
     if (!r && !found) r = CUBLAS_STATUS_NOT_SUPPORTED;
     const int probe = out == NULL;
     if (!r && !probe)
-        r = cublasLtMatmul(c->lt, op, &one, A, la, B, lb, &zero, out, lo, out, lo, &hr.algo, c->blas_ws,
+        r = cublasLtMatmul(c->lt, op, &one, A, la, B, lb, &beta, out, lo, out, lo, &hr.algo, c->blas_ws,
                            (size_t)ws, c->s);
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (lo) cublasLtMatrixLayoutDestroy(lo);
@@ -2836,7 +2895,8 @@ static moept_status moept__q8_gemm(moept__cuda *c, int64_t m, int64_t n, int64_t
 #define MOEPT__VEC128 0
 #define MOEPT__BLK128 0
 static moept_status moept__q8_gemm(moept__cuda *, int64_t, int64_t, int64_t, const uint8_t *, const float *,
-                                   int32_t, const uint8_t *, const float *, float *, char *err) {
+                                   int32_t, const uint8_t *, const float *, float *, int64_t, int,
+                                   char *err) {
     return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "config.fp8: cuBLAS 12.9 or later");
 }
 #endif
@@ -2847,7 +2907,7 @@ static moept_status moept__q8_probe(moept__cuda *c, char *err) {
     const moept__q8w *w = &c->q8w[0];
     if (!c->sp.fp8) return MOEPT_OK;
     return moept__q8_gemm(c, w->Hp, 16, MOEPT__Q8_PAD(c->sp.D), w->w13, w->s13, MOEPT__BLK128, w->w13, w->s13,
-                          NULL, err);
+                          NULL, w->Hp, 0, err);
 }
 
 /* n rows of src (K columns, lds apart) as a matmul's B along K: q [np][Kp], scales s */
@@ -2855,7 +2915,7 @@ template <typename T>
 static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, int64_t K, int64_t lds,
                                     uint8_t *q, float *s, char *err) {
     const int64_t np = MOEPT__Q8_PAD(n), Kp = MOEPT__Q8_PAD(K);
-    MOEPT__LAUNCH(moept__k_q8_rows<T>, moept__grid(np * MOEPT__Q8_L(Kp)), MOEPT__TB, 0, c->s)(
+    MOEPT__LAUNCH(moept__k_q8_rows<T>, moept__grid(np * MOEPT__Q8_L(Kp) * 32), MOEPT__TB, 0, c->s)(
         (const T *)src, n, (int)K, lds, np, (int)Kp, q, s);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
@@ -2865,7 +2925,8 @@ template <typename T>
 static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, int64_t C, uint8_t *q,
                                    float *s, char *err) {
     const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C);
-    MOEPT__LAUNCH(moept__k_q8_cols<T>, moept__grid(Cp * MOEPT__Q8_L(np)), MOEPT__TB, 0, c->s)(
+    MOEPT__LAUNCH(moept__k_q8_cols<T>, moept__grid(MOEPT__Q8_L(np) * (Cp + 31) / 32 * MOEPT__TB), MOEPT__TB,
+                  0, c->s)(
         (const T *)src, n, (int)C, C, (int)Cp, np, q, s);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
@@ -2874,12 +2935,12 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, i
 template <typename T>
 static moept_status moept__q8_result(moept__cuda *c, int64_t n, int64_t m, int64_t ldo, void *dst,
                                      int64_t ldd, int acc, char *err) {
+    const moept__shape sh = moept__rows_shape(n, m);
+    const int M = (int)m, L = (int)ldo;
     if (acc)
-        MOEPT__LAUNCH(moept__k_q8_out<float>, moept__grid(n * m), MOEPT__TB, 0, c->s)(
-            c->q8out, n, (int)m, (int)ldo, (float *)dst, ldd, 1);
+        MOEPT__LAUNCH(moept__k_q8_out<float>, sh.g, sh.b, 0, c->s)(c->q8out, n, M, L, (float *)dst, ldd, 1);
     else
-        MOEPT__LAUNCH(moept__k_q8_out<T>, moept__grid(n * m), MOEPT__TB, 0, c->s)(
-            c->q8out, n, (int)m, (int)ldo, (T *)dst, ldd, 0);
+        MOEPT__LAUNCH(moept__k_q8_out<T>, sh.g, sh.b, 0, c->s)(c->q8out, n, M, L, (T *)dst, ldd, 0);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3308,7 +3369,7 @@ static moept_status moept__q8_ffn_fwd(moept__cuda *c, const moept__q8w *w, const
         if (n == 0) continue;
         MOEPT__TRY(moept__q8_along<T>(c, X + r0 * D * es, n, D, D, c->q8b, c->q8sb, err));
         MOEPT__TRY(moept__q8_gemm(c, w->Hp, np, Dp, w->w13 + g * w->Hp * Dp, w->s13 + g * w->ns13,
-                                  MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, err));
+                                  MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, w->Hp, 0, err));
         MOEPT__TRY(moept__q8_result<T>(c, n, H, w->Hp, Hh + r0 * H * es, H, 0, err));
     }
     const int64_t R = offs[groups] - offs[0], base = offs[0];
@@ -3318,7 +3379,7 @@ static moept_status moept__q8_ffn_fwd(moept__cuda *c, const moept__q8w *w, const
         if (n == 0) continue;
         MOEPT__TRY(moept__q8_along<T>(c, A + r0 * lda * es, n, F, lda, c->q8b, c->q8sb, err));
         MOEPT__TRY(moept__q8_gemm(c, Dp, np, w->Fp, w->w2 + g * Dp * w->Fp, w->s2 + g * w->ns2, MOEPT__BLK128,
-                                  c->q8b, c->q8sb, c->q8out, err));
+                                  c->q8b, c->q8sb, c->q8out, Dp, 0, err));
         MOEPT__TRY(moept__q8_result<T>(c, n, D, Dp, Y + r0 * D * es, D, 0, err));
     }
     return MOEPT_OK;
@@ -3334,11 +3395,17 @@ static moept_status moept__q8_back(moept__cuda *c, int64_t n, const char *dout, 
     const int64_t np = MOEPT__Q8_PAD(n), wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
     MOEPT__TRY(moept__q8_down<T>(c, in, n, wi, c->q8a, c->q8sa, err));
     MOEPT__TRY(moept__q8_down<T>(c, dout, n, wo, c->q8b, c->q8sb, err));
-    MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, c->q8out,
-                              err));
-    MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, g, wi, 1, err));
+    if (wi == wip && wo == wop) /* g's own layout (no padding): cuBLASLt adds into it */
+        MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, g, wi, 1,
+                                  err));
+    else {
+        MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, c->q8out,
+                                  wip, 0, err));
+        MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, g, wi, 1, err));
+    }
     MOEPT__TRY(moept__q8_along<T>(c, dout, n, wo, wo, c->q8b, c->q8sb, err));
-    MOEPT__TRY(moept__q8_gemm(c, wip, np, wop, wt, st, MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, err));
+    MOEPT__TRY(moept__q8_gemm(c, wip, np, wop, wt, st, MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, wip, 0,
+                              err));
     return moept__q8_result<T>(c, n, wi, wip, din, wi, 0, err);
 }
 

@@ -46,7 +46,9 @@
 #           tests/lt_rules.txt, their accuracy (fp32 D against the exact product of the
 #           dequantized operands) and their time against bf16 at the expert GEMMs of
 #           Mixtral-8x7B and DeepSeek-V3 (T 8192); the FP8 layer (config.fp8) on the
-#           reference cases, and timed against the bf16 layer at both shapes (bench_cuda
+#           reference cases, its 4-step loss curve against the CPU's FP8, train_cuda
+#           --bf16 300 steps with --dtype fp8 and without (tools/curve_diff.py compares
+#           them), timed against the bf16 layer at both shapes (bench_cuda
 #           --fp8, one run, the same bf16 GEMM floor); torch's FP8 grouped GEMM
 #           (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
 # torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
@@ -148,11 +150,7 @@ check() {
     step "test_fault: a kernel fault loses the context, moept says so" build/test_fault
     step "curve fp32 vs CPU" sh tests/curves.sh fp32 build/train_cuda
     step "curve bf16 vs CPU" sh tests/curves.sh bf16 build/train_cuda
-    step "curve fp8 vs CPU" sh tests/curves.sh fp8 build/train_cuda
     step "train_cuda 300 steps" build/train_cuda --steps 300 --csv "$OUT/train_cuda.csv"
-    step "train_cuda --bf16 --dtype fp8 300 steps (against bf16: tools/curve_diff.py)" build/train_cuda --steps 300 \
-        --bf16 --dtype fp8 --csv "$OUT/train_cuda_fp8.csv"
-    step "train_cuda --bf16 300 steps" build/train_cuda --steps 300 --bf16 --csv "$OUT/train_cuda_bf16.csv"
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
     if command -v mpirun >/dev/null && [ -x build/moept_check_cuda_mpi ]; then
         step "mpirun -np 1 moept_check_cuda_mpi: every case" mpirun -np 1 build/moept_check_cuda_mpi --ep 1 \
@@ -208,6 +206,10 @@ fp8() {
     step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
     step "moept_check_cuda --dtype fp8: the reference cases (FP8 layer against the file 2^-2, the CPU's 2^-5)" \
         build/moept_check_cuda --dtype fp8 tests/cases/*.safetensors
+    step "curve fp8 vs CPU" sh tests/curves.sh fp8 build/train_cuda
+    step "train_cuda --bf16 --dtype fp8 300 steps (against bf16: tools/curve_diff.py)" build/train_cuda --steps 300 \
+        --bf16 --dtype fp8 --csv "$OUT/train_cuda_fp8.csv"
+    step "train_cuda --bf16 300 steps" build/train_cuda --steps 300 --bf16 --csv "$OUT/train_cuda_bf16.csv"
     for sh in mixtral deepseek; do # the layer in FP8 against bf16, one run, the same floor (bf16 GEMMs)
         step "bench_cuda $sh T=8192 bf16" build/bench_cuda --shape $sh --tokens 8192 --bf16
         step "bench_cuda $sh T=8192 bf16 rows, FP8 expert GEMMs" build/bench_cuda --shape $sh --tokens 8192 \
