@@ -19,10 +19,10 @@ fp8) tl=0.0009765625 ta=0.0009765625 flags="--dtype fp8" cpu="--dtype fp8" ;;
 *) tl=1e-5 ta=1e-5 flags="" cpu="" ;;
 esac
 out="$B/train_gpu4_$mode.csv"
-rm -f "$out" "$B/train_cpu4.csv" # never a stale curve: a GPU run that skips writes none
+rm -f "$out" "$B/train_cpu4_$mode.csv" # never a stale curve (a GPU run that skips writes none); a mode its own
 # the example exits non-zero only when a check failed (a 4-step run's loss
 # drop is not judged): any non-zero status fails here
-"$B/train" --steps 4 --quiet $cpu --csv "$B/train_cpu4.csv" >/dev/null || exit 1
+"$B/train" --steps 4 --quiet $cpu --csv "$B/train_cpu4_$mode.csv" >/dev/null || exit 1
 "$gpu" --steps 4 --quiet $flags --csv "$out" || exit 1
 if [ ! -s "$out" ]; then
     echo "skip - $gpu $mode loss curve: no GPU run (no device)"
@@ -42,4 +42,4 @@ awk -F, -v tl=$tl -v ta=$ta -v mode=$mode -v gpu="$gpu" '
         printf "%s - %s %s loss curve vs the CPU one (loss %g, aux %g relative; %d steps)\n",
                bad ? "FAIL" : "ok", gpu, mode, tl, ta, n
         exit bad
-    }' "$B/train_cpu4.csv" "$out"
+    }' "$B/train_cpu4_$mode.csv" "$out"

@@ -15,8 +15,8 @@ mpirun=$1 bin=${2:-$B/train_mpi} ep=${3:-2} dp=${4:-2} bf16=$5
 np=$((ep * dp))
 tag=$(basename "$bin")_${ep}x${dp}${bf16:+_bf16}
 if [ -n "$bf16" ]; then tl=0.00048828125; ta=0.0009765625; else tl=1e-5; ta=1e-5; fi
-rm -f "$B/epdp_1.csv" "$B/epdp_$tag.csv"
-"$B/train" --steps 4 --quiet --csv "$B/epdp_1.csv" > /dev/null || exit 1
+rm -f "$B/epdp_1_$tag.csv" "$B/epdp_$tag.csv" # (the CPU curve its own: suites run side by side)
+"$B/train" --steps 4 --quiet --csv "$B/epdp_1_$tag.csv" > /dev/null || exit 1
 OMP_NUM_THREADS=1 timeout 300 "$mpirun" --oversubscribe -np $np "$bin" --ep $ep --dp $dp --steps 4 --quiet \
     ${bf16:+--bf16} --csv "$B/epdp_$tag.csv" > "$B/epdp_$tag.log" 2>&1
 rc=$?
@@ -36,4 +36,4 @@ awk -F, -v tl=$tl -v ta=$ta -v what="$bin --ep $ep --dp $dp${bf16:+ --bf16} (mpi
         printf "%s - %s loss curve vs the CPU --ep 1 (loss %g, aux %g relative; %d steps)\n",
                bad ? "FAIL" : "ok", what, tl, ta, n
         exit bad
-    }' "$B/epdp_1.csv" "$B/epdp_$tag.csv"
+    }' "$B/epdp_1_$tag.csv" "$B/epdp_$tag.csv"
