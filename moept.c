@@ -791,10 +791,11 @@ MOEPT_HD MOEPT__HOST_UNUSED static inline uint8_t moept__e4m3_byte(float r) {
     if (a < 0x3c800000u) return (uint8_t)(sign | (uint8_t)(moept__bits_f32(a) * 512.0f)); /* 0, subnormals */
     return (uint8_t)(sign | (((a >> 23) - 120u) << 3) | ((a >> 20) & 7u));
 }
-/* a tile's scale: amax / 448, 1 for a zero tile (or one too small to scale: s would be 0) */
+/* a tile's scale: amax / 448, 1 for a zero tile (or one too small to scale: s would be 0), one quiet
+   NaN for a tile with a NaN (whichever NaN the amax met first: an order the GPU's reductions differ in) */
 MOEPT_HD static inline float moept__q8_scale(float amax) {
     const float s = amax / MOEPT__E4M3_MAX;
-    return s > 0.0f ? s : amax == amax ? 1.0f : amax;
+    return s > 0.0f ? s : amax == amax ? 1.0f : moept__bits_f32(0x7fc00000u);
 }
 MOEPT_HD static inline float moept__q8(float v, float s) { return moept__e4m3_round(v / s) * s; }
 /* a tile's running amax with v (a NaN sticks: the tile's values become NaN, as the GPU's would) */

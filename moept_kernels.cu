@@ -2631,7 +2631,7 @@ __global__ void moept__k_q8_rows(const T *src, int64_t n, int K, int64_t lds, in
 template <typename T>
 __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
                                  float *s) {
-    __shared__ float pan[MOEPT__Q8_TILE][33]; /* (33: a column's reads fall in different banks) */
+    __shared__ float pan[MOEPT__Q8_TILE][33]; /* (33: a column's reads fall in 8 banks, not 1) */
     __shared__ float part[MOEPT__Q8_TB][32];
     const int64_t L = MOEPT__Q8_L(np), nc = (Cp + 31) / 32;
     const int x = (int)threadIdx.x % 32, y = (int)threadIdx.x / 32;
@@ -2925,7 +2925,7 @@ template <typename T>
 static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, int64_t C, uint8_t *q,
                                    float *s, char *err) {
     const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C);
-    MOEPT__LAUNCH(moept__k_q8_cols<T>, moept__grid(MOEPT__Q8_L(np) * (Cp + 31) / 32 * MOEPT__TB), MOEPT__TB,
+    MOEPT__LAUNCH(moept__k_q8_cols<T>, moept__grid(MOEPT__Q8_L(np) * ((Cp + 31) / 32) * MOEPT__TB), MOEPT__TB,
                   0, c->s)(
         (const T *)src, n, (int)C, C, (int)Cp, np, q, s);
     MOEPT__LAUNCHED();

@@ -13,7 +13,7 @@
 B=${B:-build}
 mpirun=$1 bin=${2:-$B/train_mpi} ep=${3:-2} dp=${4:-2} bf16=$5
 np=$((ep * dp))
-tag=$(basename "$bin")_${ep}x${dp}${bf16:+_bf16}
+tag=$(echo "$bin" | tr / _)_${ep}x${dp}${bf16:+_bf16} # (its folder too: build/ and build/emu/ both have train_mpi)
 if [ -n "$bf16" ]; then tl=0.00048828125; ta=0.0009765625; else tl=1e-5; ta=1e-5; fi
 rm -f "$B/epdp_1_$tag.csv" "$B/epdp_$tag.csv" # (the CPU curve its own: suites run side by side)
 "$B/train" --steps 4 --quiet --csv "$B/epdp_1_$tag.csv" > /dev/null || exit 1

@@ -462,7 +462,8 @@ int main(void) {
     RUN(test_unsynced_refused);
     RUN(test_config_differs);
     RUN(test_names);
-    (void)!system("rm -rf /tmp/moept_refuse_*_overflow /tmp/moept_refuse_*_save /tmp/moept_refuse_*_stale "
-                   "/tmp/moept_refuse_*_names");
+    char rm[64]; /* this process's folders (tdir): another test_refuse may run beside it */
+    snprintf(rm, sizeof rm, "rm -rf /tmp/moept_refuse_%d_*", (int)getpid());
+    (void)!system(rm);
     return tu_done();
 }
