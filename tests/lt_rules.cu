@@ -10,7 +10,8 @@
 
    rules:    each case's heuristic count, cublasLtMatmul's status and whether
              D equals the product of the dequantized operands (fp64 on the
-             host) to 2^-10 of the sum of the products' magnitudes: a wrong
+             host; with beta 1, plus D's values before the call, C = D) to
+             2^-10 of the sum of the products' magnitudes: a wrong
              reading of a scale layout is off by far more. The statuses are
              the rules; D is a reading (the H200's FP8 accumulation comes
              near 2^-10, and a bf16 D's rounding adds to it)
@@ -105,7 +106,13 @@ static run_out run_case(cublasLtHandle_t h, const lcase *c, void *ws, size_t wss
     cudaMemcpy(db, hb, nb, cudaMemcpyHostToDevice);
     cudaMemcpy(dsa + c->scale_off, hsa, nsa * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(dsb + c->scale_off, hsb, nsb * 4, cudaMemcpyHostToDevice);
-    cudaMemset(dd, 0, nd * esz);
+    /* D = C before the call: zeros, or (beta 1, an fp32 D) values the sum must add in place, larger than
+       the products' magnitudes (a C left out is then off by most of the sum), drawn apart from next() */
+    float *hc = (float *)calloc(nd, 4);
+    if (c->beta != 0.0f && esz == 4)
+        for (size_t i = 0; i < nd; i++) hc[i] = (i & 1 ? -1.0f : 1.0f) * (float)(1 + i % 7) * 8192.0f;
+    if (esz == 4) cudaMemcpy(dd, hc, nd * 4, cudaMemcpyHostToDevice);
+    else cudaMemset(dd, 0, nd * esz);
     cublasLtMatmulDesc_t op;
     cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
     int32_t ta = c->ta, tb = c->tb, am = c->amode, bm = c->bmode;
@@ -149,6 +156,8 @@ static run_out run_case(cublasLtHandle_t h, const lcase *c, void *ws, size_t wss
                     }
                 }
                 size_t at = i + (size_t)j * m;
+                ref += (double)c->beta * hc[at];
+                mag += fabs((double)c->beta * hc[at]);
                 double d = esz == 4 ? ((float *)hd)[at] : bf16_value(((uint16_t *)hd)[at]);
                 double e = mag > 0 ? fabs(d - ref) / mag : fabs(d);
                 if (e > o.err || e != e) o.err = e != e ? INFINITY : e;
@@ -164,7 +173,7 @@ static run_out run_case(cublasLtHandle_t h, const lcase *c, void *ws, size_t wss
     cublasLtMatrixLayoutDestroy(la); cublasLtMatrixLayoutDestroy(lb); cublasLtMatrixLayoutDestroy(ld);
     cublasLtMatmulDescDestroy(op);
     cudaFree(da); cudaFree(db); cudaFree(dsa); cudaFree(dsb); cudaFree(dd);
-    free(ha); free(hb); free(hsa); free(hsb);
+    free(ha); free(hb); free(hsa); free(hsb); free(hc);
     return o;
 }
 

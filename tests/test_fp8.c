@@ -70,10 +70,10 @@ static void test_e4m3_round(void) {
     EXPECT(isnan(moept__e4m3_round(NAN)), "NaN stays NaN");
     /* a NaN tile's scale is one quiet NaN, whichever NaN its amax kept (the GPU's reductions keep another) */
     const uint32_t nans[3] = {0x7fc00000u, 0x7fc00123u, 0x7f800001u};
-    for (int i = 0; i < 3; i++)
-        EXPECT(moept__f32_bits(moept__q8_scale(moept__q8_amax(1.0f, moept__bits_f32(nans[i])))) == 0x7fc00000u,
-               "the scale of a tile with NaN 0x%08x: 0x%08x", nans[i],
-               moept__f32_bits(moept__q8_scale(moept__q8_amax(1.0f, moept__bits_f32(nans[i])))));
+    for (int i = 0; i < 3; i++) {
+        const uint32_t got = moept__f32_bits(moept__q8_scale(moept__q8_amax(1.0f, moept__bits_f32(nans[i]))));
+        EXPECT(got == 0x7fc00000u, "the scale of a tile with NaN 0x%08x: 0x%08x", nans[i], got);
+    }
     EXPECT(e4m3_vals[0x7E] == 448.0f && isnan(e4m3_vals[0x7F]) && e4m3_vals[1] == 0x1p-9f,
            "the decoder: 0x7E is 448, 0x7F NaN, 0x01 2^-9");
 }
