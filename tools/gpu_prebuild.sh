@@ -20,7 +20,9 @@ make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute
     "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
     "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/lt_rules" "$G/libmoept_cuda.so" $mpi
 # the CUPTI tracer for the profile phase, with CUPTI's library beside it, where its headers are
-# (CUPTI: the toolkit's extras/CUPTI, else the nvidia-cuda-cupti wheel's nvidia/cu13); optional
+# (CUPTI: the toolkit's extras/CUPTI, else the nvidia-cuda-cupti wheel's nvidia/cu13); optional. A wheel
+# of the toolkit's own version (pip install --target /opt/cupti 'nvidia-cuda-cupti==13.0.*', then
+# CUPTI=/opt/cupti/nvidia/cu13): a newer one's headers name runtime types the toolkit lacks
 C=${CUPTI:-}
 [ -z "$C" ] && [ -f /usr/local/cuda/extras/CUPTI/include/cupti.h ] && C=/usr/local/cuda/extras/CUPTI
 if [ -z "$C" ]; then
