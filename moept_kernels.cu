@@ -3395,14 +3395,10 @@ static moept_status moept__q8_back(moept__cuda *c, int64_t n, const char *dout, 
     const int64_t np = MOEPT__Q8_PAD(n), wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
     MOEPT__TRY(moept__q8_down<T>(c, in, n, wi, c->q8a, c->q8sa, err));
     MOEPT__TRY(moept__q8_down<T>(c, dout, n, wo, c->q8b, c->q8sb, err));
-    if (wi == wip && wo == wop) /* g's own layout (no padding): cuBLASLt adds into it */
-        MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, g, wi, 1,
-                                  err));
-    else {
-        MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb, c->q8out,
-                                  wip, 0, err));
-        MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, g, wi, 1, err));
-    }
+    const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
+    MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb,
+                              direct ? g : c->q8out, direct ? wi : wip, direct, err));
+    if (!direct) MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, g, wi, 1, err));
     MOEPT__TRY(moept__q8_along<T>(c, dout, n, wo, wo, c->q8b, c->q8sb, err));
     MOEPT__TRY(moept__q8_gemm(c, wip, np, wop, wt, st, MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, wip, 0,
                               err));
