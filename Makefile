@@ -68,17 +68,33 @@ $(B)/moept.o: moept.c $(HDRS) | $(B)
 $(B)/moept_check: tests/moept_check.c tests/testutil.h $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
-# A white-box test (one that includes moept.c: it reads the internals) is one
-# translation unit; a test of the public API links the build's moept.o.
-linked = $(if $(shell grep -l '^.include "\.\./moept\.c"' $(1)),,$(2))
+# A white-box program (one that includes moept.c: it reads the internals) is one
+# translation unit, compiled as the whole program where the compiler can: what
+# it does not reach is not compiled (a quarter of its compile time; the same C
+# and no -ffast-math, so the same answers); a test of the public API links the
+# build's moept.o.
+WHOLE := $(shell printf 'int main(void){return 0;}' | $(CC) -Werror -fwhole-program -x c - -o /dev/null 2>/dev/null && echo -fwhole-program)
+linked = $(if $(shell grep -l '^.include "\.\./moept\.c"' $(1)),$(WHOLE),$(2))
 
 $(B)/test_%: tests/test_%.c $(B)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.h
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< $(call linked,$<,$(B)/moept.o) -o $@ $(LDLIBS)
 
+# The white-box programs but test_alloc as one program a build (tests/whitebox.c: moept.c compiled
+# once for them all, not once each), linked under each one's name; its name picks the test.
+WB = test_props test_grad test_errors test_ckpt test_ep test_fsdp test_refuse test_slots test_fp8
+WB_DEPS = tests/whitebox.c $(patsubst %,tests/%.c,$(WB)) moept.c $(HDRS) tests/testutil.h tests/tu_exec.h
+
+$(B)/whitebox: $(WB_DEPS) | $(B)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $(WHOLE) $< -o $@ $(LDLIBS)
+
+$(addprefix $(B)/,$(WB)): $(B)/whitebox
+	ln -f $< $@
+
 # every allocation through MOEPT_MALLOC/MOEPT_FREE: test_alloc poisons malloc, free & co., so a direct
 # call in moept.c fails to compile; its MPI and CUDA code is compiled the same way where they build
 $(B)/test_alloc: tests/test_alloc.c moept.c $(HDRS) tests/testutil.h | $(B)
-	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -Werror=implicit-function-declaration $< -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $(WHOLE) -Werror=implicit-function-declaration $< -o $@ \
+	    $(LDLIBS)
 	$(if $(MPICC),$(MPICC) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI -Werror=implicit-function-declaration \
 	    -fsyntax-only $<)
 	$(if $(EMU_OK),$(CC) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA $(EMU_INC) \
@@ -96,6 +112,13 @@ $(B)/$(1)/moept_check: tests/moept_check.c tests/testutil.h $(B)/$(1)/moept.o
 
 $(B)/$(1)/test_%: tests/test_%.c $(B)/$(1)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.h
 	$(2) $(3) $(WARN) -D_DEFAULT_SOURCE $$< $$(call linked,$$<,$(B)/$(1)/moept.o) -o $$@ $(LDLIBS) $(4)
+
+$(B)/$(1)/whitebox: $(WB_DEPS)
+	@mkdir -p $$(@D)
+	$(2) $(3) $(WARN) -D_DEFAULT_SOURCE $(WHOLE) $$< -o $$@ $(LDLIBS) $(4)
+
+$(addprefix $(B)/$(1)/,$(WB)): $(B)/$(1)/whitebox
+	ln -f $$< $$@
 endef
 # ASan + UBSan at -O0: a third of -O1's compile time (UBSan's checks are
 # most of it), twice the run time, and nothing optimized out of the checks
@@ -124,10 +147,10 @@ $(B)/test_%_mpi: tests/test_%.c $(B)/mpi/moept.o $(HDRS) tests/testutil.h
 
 # the kill -9 loop's worker (tests/crash.sh)
 $(B)/crash_save: tests/crash_save.c tests/testutil.h moept.c $(HDRS) | $(B)
-	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $< -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $(WHOLE) $< -o $@ $(LDLIBS)
 
 $(B)/crash_save_mpi: tests/crash_save.c tests/testutil.h moept.c $(HDRS) | $(B)
-	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
+	$(MPICC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $(WHOLE) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
 $(B)/train_mpi: examples/train.c $(B)/mpi/moept.o
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< $(B)/mpi/moept.o -o $@ $(LDLIBS)

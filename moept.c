@@ -51,6 +51,8 @@
                 pipeline), _router, _dx; FSDP gathers its experts between
                 agree and combine' (moept__bwd_fsdp_gather, CPU only)
    moept__forward and moept__backward are these lists in both files. */
+#ifndef MOEPT__C_ONCE /* (the white-box tests' one program, tests/whitebox.c, includes it once for all) */
+#define MOEPT__C_ONCE
 #if defined(__cplusplus) && !defined(MOEPT__KERNELS)
 /* C11 only (_Thread_local, stdatomic.h, void * conversions): the rest of the
    file is skipped, so this is the one error a C++ compiler prints (only
@@ -8565,3 +8567,4 @@ moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
 
 #endif /* !MOEPT__KERNELS */
 #endif /* !__cplusplus || MOEPT__KERNELS */
+#endif /* MOEPT__C_ONCE */

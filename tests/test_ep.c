@@ -621,7 +621,7 @@ static void test_group_calls_agree(void) {
    (forward against backward: the count exchange against an all-reduce,
    until the threads timeout; over MPI, forever). */
 typedef struct oj { moept_thread_group *g; int r; moept_status st[2], next; char err[2][MOEPT__ERRLEN]; } oj;
-static void *order_main(void *arg) {
+static void *ep_order_main(void *arg) {
     oj *j = arg;
     moept_comm *c;
     moept_layer *L = rank_layer(j, cfg_of(MOEPT_FAMILY_MIXTRAL), &c);
@@ -643,7 +643,7 @@ static void *order_main(void *arg) {
 }
 static void test_call_order_mismatch(void) {
     oj js[2];
-    tu_ranks(2, 10000, order_main, js, sizeof js[0]);
+    tu_ranks(2, 10000, ep_order_main, js, sizeof js[0]);
     for (int r = 0; r < 2; r++) {
         for (int k = 0; k < 2; k++)
             EXPECT(js[r].st[k] == MOEPT_ERR_STATE && strstr(js[r].err[k], "call sequences differ"),
@@ -829,7 +829,7 @@ static void expert_copy(moept_layer *L, const float *base, int64_t j, float *dst
     memcpy(dst + h, base + (L->par.w2 - L->par.params) + j * L->D * L->F, (size_t)(L->D * L->F) * 4);
 }
 
-static void *reshard_main(void *arg) {
+static void *ep_reshard_main(void *arg) {
     rsj *j = arg;
     moept_comm *c;
     moept_comm_threads(j->g, j->r, &c);
@@ -908,7 +908,7 @@ static void test_reshard_permutation(void) {
     int64_t H = 2 * cfg.intermediate_size, part = H * cfg.hidden_size + cfg.hidden_size * cfg.intermediate_size;
     float *before = calloc((size_t)(RS_E * part), 4), *mbefore = calloc((size_t)(RS_E * part), 4);
     rsj js[4], proto = {.P = P, .before = before, .mbefore = mbefore};
-    tu_ranks_from(P, 20000, reshard_main, js, sizeof js[0], &proto);
+    tu_ranks_from(P, 20000, ep_reshard_main, js, sizeof js[0], &proto);
     int64_t sent = 0, recvd = 0;
     for (int r = 0; r < P; r++) {
         EXPECT(js[r].st == MOEPT_OK, "rank %d: %s", r, js[r].err);

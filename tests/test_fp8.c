@@ -293,19 +293,19 @@ static void test_inference_and_slots(void) {
     moept_config c = fp8_cfg();
     c.family = MOEPT_FAMILY_DEEPSEEK_V3; c.shared_intermediate_size = 72; c.routed_scaling_factor = 2.5f;
     c.num_experts = 4; c.max_inflight = 2;
-    moept_layer *L, *I, *S;
+    moept_layer *L, *Li, *S;
     EXPECT_OK(moept_create(&c, &L));
     EXPECT_OK(moept_create(&c, &S));
     c.inference_only = 1; c.max_inflight = 0;
-    EXPECT_OK(moept_create(&c, &I));
+    EXPECT_OK(moept_create(&c, &Li));
     if (tu_bad) return;
-    moept_init_params(L, 6); moept_init_params(I, 6); moept_init_params(S, 6);
+    moept_init_params(L, 6); moept_init_params(Li, 6); moept_init_params(S, 6);
     const int64_t T = 70, D = 200, n = T * D;
     float *x = malloc(2 * n * 4), *dy = malloc(2 * n * 4), *y = malloc(4 * n * 4), *dx = malloc(4 * n * 4);
     unsigned long long s = 12;
     tu_fill(x, 2 * n, 1.0, &s);
     tu_fill(dy, 2 * n, 1.0, &s);
-    EXPECT_OK(moept_forward(I, x, T, y + 2 * n));
+    EXPECT_OK(moept_forward(Li, x, T, y + 2 * n));
     for (int k = 0; k < 2; k++) { /* L: forward, backward; twice */
         EXPECT_OK(moept_forward(L, x + k * n, T, y + k * n));
         EXPECT_OK(moept_backward(L, x + k * n, dy + k * n, dx + k * n));
@@ -329,7 +329,7 @@ static void test_inference_and_slots(void) {
     moept_grads(S, &g2, &np);
     EXPECT(memcmp(g1, g2, (size_t)np * 4) == 0, "two forwards in flight: the gradients differ");
     free(x); free(dy); free(y); free(dx);
-    moept_destroy(L); moept_destroy(I); moept_destroy(S);
+    moept_destroy(L); moept_destroy(Li); moept_destroy(S);
 }
 
 static void test_refusals(void) {

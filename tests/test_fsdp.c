@@ -13,7 +13,7 @@
 #endif
 
 #define MAXP 4
-typedef struct job {
+typedef struct fsdp_job {
     moept_thread_group *g; int r; /* tu_ranks_on */
     moept_comm *comm;
     moept_config cfg;
@@ -22,10 +22,10 @@ typedef struct job {
     float *y[2], *dx[2];      /* [mode][T*D] of the last step */
     double worst;             /* largest relative error on this rank */
     char why[600];
-} job;
+} fsdp_job;
 
 static void *run(void *arg) {
-    job *j = arg;
+    fsdp_job *j = arg;
     tu_rank_thread();
     moept_config ce = j->cfg, cf = j->cfg;
     cf.expert_sharding = MOEPT_SHARD_FSDP;
@@ -93,7 +93,7 @@ static void *run(void *arg) {
 static int g_P, g_variant;
 static void test_case(void) {
     moept_thread_group *g; /* destroyed after the layers, which keep its comms */
-    job jobs[MAXP], proto = {0};
+    fsdp_job jobs[MAXP], proto = {0};
     if (moept_thread_group_create(g_P, 60000, &g)) { EXPECT(0, "group"); return; }
     moept_config c = {0};
     c.hidden_size = 20; c.intermediate_size = 28; c.num_experts = 8; c.top_k = 2;
@@ -120,7 +120,7 @@ static void test_case(void) {
                 memcpy(ep + e * H * D, A->par.g13 + jl * H * D, (size_t)(H * D) * 4);
                 memcpy(ep + E * H * D + e * D * F, A->par.g2 + jl * D * F, (size_t)(D * F) * 4);
             }
-            int64_t off, cnt, tot;
+            int64_t off = 0, cnt = 0, tot = 0; /* (set by the call; a failed one is reported) */
             EXPECT_OK(moept_fsdp_shard(B, &off, &cnt, &tot));
             EXPECT(tot == total && off == r * B->fs.shard, "shard %d: offset %lld", r, (long long)off);
             memcpy(fs + off, B->par.grads + E * D, (size_t)cnt * 4);

@@ -229,7 +229,7 @@ static void test_jitter(void) {
 
 /* Padding: the gradients of the masked objective (their tokens in no loss,
    their y rows 0) */
-static void test_mask(void) {
+static void test_mask_gradients(void) {
     static const moept_family fams[] = {MOEPT_FAMILY_QWEN2_MOE, MOEPT_FAMILY_DEEPSEEK_V3};
     for (int f = 0; f < 2; f++) {
         gcase c = {"mask", base_cfg(fams[f]), 12, 0, 0};
@@ -262,7 +262,7 @@ int main(void) {
     RUN(test_aux_loss_only);
     RUN(test_z_loss_only);
     RUN(test_jitter);
-    RUN(test_mask);
+    RUN(test_mask_gradients);
     RUN(test_seq_aux);
     return tu_done();
 }

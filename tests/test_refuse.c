@@ -31,16 +31,16 @@
 #define NB ((size_t)(TOK * DIM) * sizeof(float))
 
 static int g_P; /* the ranks of the next tu_ranks (which zeroes the jobs) */
-typedef struct rj {
+typedef struct refuse_job {
     moept_thread_group *g;
     int r;
     int P;
     moept_status st[8];
     char err[8][512];
     int same[8];
-} rj;
+} refuse_job;
 
-static moept_config cfg_of(int deepseek) {
+static moept_config refuse_cfg(int deepseek) {
     moept_config c = {0};
     c.hidden_size = DIM; c.intermediate_size = 12; c.num_experts = 4; c.top_k = 2; c.max_tokens = TOK;
     c.family = MOEPT_FAMILY_MIXTRAL;
@@ -97,8 +97,8 @@ static moept_status fb(moept_layer *L, int r, float *dx_h) {
     return st;
 }
 
-static moept_layer *open_layer(rj *j, tu_ep *e, int deepseek) {
-    moept_config c = cfg_of(deepseek);
+static moept_layer *open_layer(refuse_job *j, tu_ep *e, int deepseek) {
+    moept_config c = refuse_cfg(deepseek);
     moept_comm *ep = tu_ep_open(e, j->g, j->P, j->r);
     moept_layer *L = NULL;
     if (tu_layer(&c, ep, 0, &L) || moept_init_params(L, 7)) {
@@ -113,7 +113,7 @@ static moept_layer *open_layer(rj *j, tu_ep *e, int deepseek) {
    nothing changed; 1: the save after it succeeds and loads; 2: 5e20 on
    every rank (v = 2.5e38, inside fp32) steps, and the state saves and loads */
 static void *overflow_main(void *arg) {
-    rj *j = arg;
+    refuse_job *j = arg;
     j->P = g_P;
     tu_ep e;
     moept_layer *L = open_layer(j, &e, 0);
@@ -150,12 +150,12 @@ out:
 
 static void test_overflow_refused(void) {
     for (int P = 1; P <= 2; P++) {
-        rj js[2];
+        refuse_job js[2];
         g_P = P;
         tu_new_world();
         tu_ranks(P, 20000, overflow_main, js, sizeof js[0]);
         for (int r = 0; r < P; r++) {
-            rj *j = &js[r];
+            refuse_job *j = &js[r];
             const int mine = r == P - 1;
             EXPECT(j->st[0] == (mine ? MOEPT_ERR_NUMERIC : MOEPT_ERR_STATE) &&
                    strstr(j->err[0], mine ? "too large for AdamW's fp32 second moment" : "other rank") &&
@@ -172,7 +172,7 @@ static void test_overflow_refused(void) {
 
 /* every hyperparameter out of range refused, naming it, nothing changed */
 static void *hyper_main(void *arg) {
-    rj *j = arg;
+    refuse_job *j = arg;
     j->P = g_P;
     tu_ep e;
     moept_layer *L = open_layer(j, &e, 0);
@@ -196,7 +196,7 @@ static void *hyper_main(void *arg) {
 }
 
 static void test_hyperparameters(void) {
-    rj js[1];
+    refuse_job js[1];
     g_P = 1;
     tu_new_world();
     tu_ranks(1, 20000, hyper_main, js, sizeof js[0]);
@@ -209,7 +209,7 @@ static void test_hyperparameters(void) {
 
 /* a non-finite weight: the save refuses before touching the directory */
 static void *save_main(void *arg) {
-    rj *j = arg;
+    refuse_job *j = arg;
     j->P = g_P;
     tu_ep e;
     moept_layer *L = open_layer(j, &e, 0);
@@ -235,7 +235,7 @@ static void *save_main(void *arg) {
 }
 
 static void test_save_refuses_nonfinite(void) {
-    rj js[1];
+    refuse_job js[1];
     g_P = 1;
     tu_new_world();
     tu_ranks(1, 20000, save_main, js, sizeof js[0]);
@@ -262,7 +262,7 @@ static void test_links_not_followed(void) {
     snprintf(link, sizeof link, "%s/save-1-000000000000", dir);
     snprintf(flat, sizeof flat, "%s/rank-0-of-1.safetensors", dir);
     EXPECT(symlink(victim, link) == 0 && symlink(vflat, flat) == 0, "set-up: symlinks");
-    moept_config c = cfg_of(0);
+    moept_config c = refuse_cfg(0);
     moept_layer *L = NULL;
     EXPECT_OK(moept_create(&c, &L));
     EXPECT_OK(moept_init_params(L, 3));
@@ -282,7 +282,7 @@ static void test_links_not_followed(void) {
    update_bias after the step; the correction bias changes no weight (4); a
    forward again differentiates (5) */
 static void *stale_main(void *arg) {
-    rj *j = arg;
+    refuse_job *j = arg;
     j->P = g_P;
     tu_ep e;
     moept_layer *L = open_layer(j, &e, 1);
@@ -326,7 +326,7 @@ static void *stale_main(void *arg) {
 
 static void test_stale_forwards(void) {
     for (int P = 1; P <= 2; P++) {
-        rj js[2];
+        refuse_job js[2];
         g_P = P;
         tu_new_world();
         tu_ranks(P, 20000, stale_main, js, sizeof js[0]);
@@ -347,7 +347,7 @@ static void test_stale_forwards(void) {
 /* EP 2: a step without moept_sync_grads refused on both ranks, naming it;
    moept_grads_synced lets it through; zero_grad clears it */
 static void *unsynced_main(void *arg) {
-    rj *j = arg;
+    refuse_job *j = arg;
     j->P = g_P;
     tu_ep e;
     moept_layer *L = open_layer(j, &e, 0);
@@ -368,7 +368,7 @@ static void *unsynced_main(void *arg) {
 }
 
 static void test_unsynced_refused(void) {
-    rj js[2];
+    refuse_job js[2];
     g_P = 2;
     tu_new_world();
     tu_ranks(2, 20000, unsynced_main, js, sizeof js[0]);
@@ -383,10 +383,10 @@ static void test_unsynced_refused(void) {
 
 /* max_inflight differing between ranks: refused at create on both, named */
 static void *differ_main(void *arg) {
-    rj *j = arg;
+    refuse_job *j = arg;
     j->P = g_P;
     tu_ep e;
-    moept_config c = cfg_of(0);
+    moept_config c = refuse_cfg(0);
     if (j->r == 1) c.max_inflight = 2;
     moept_comm *ep = tu_ep_open(&e, j->g, j->P, j->r);
     moept_layer *L = NULL;
@@ -398,7 +398,7 @@ static void *differ_main(void *arg) {
 }
 
 static void test_config_differs(void) {
-    rj js[2];
+    refuse_job js[2];
     g_P = 2;
     tu_new_world();
     tu_ranks(2, 20000, differ_main, js, sizeof js[0]);
@@ -411,7 +411,7 @@ static void test_config_differs(void) {
 /* a checkpoint of another config names the field and both values; a wrong
    parameter name suggests the nearest; a NaN in dlogits is named */
 static void test_names(void) {
-    moept_config c = cfg_of(0), c1 = c;
+    moept_config c = refuse_cfg(0), c1 = c;
     c1.top_k = 1;
     moept_layer *A = NULL, *B = NULL;
     const char *dir = tdir("names");

@@ -118,7 +118,7 @@ static moept_status scale_world(const moept_config *c, int P, int sync_free, flo
     moept_status st = MOEPT_OK;
     err[0] = err[1] = err[2] = 0;
     for (int r = 0; r < P; r++) {
-        if (jobs[r].st && !st) { st = jobs[r].st; snprintf(why, 512, "rank %d: %s", r, jobs[r].why); }
+        if (jobs[r].st && !st) { st = jobs[r].st; snprintf(why, 512, "rank %d: %.480s", r, jobs[r].why); }
         err[0] = fmax(err[0], jobs[r].err_g);
         err[1] = fmax(err[1], jobs[r].err_router);
         err[2] = fmax(err[2], jobs[r].err_dx);

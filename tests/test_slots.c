@@ -111,7 +111,7 @@ static void order_calls(sj *j, moept_layer *L, const mbs *b, void *ye) {
 
 static sj order_proto; /* the run's settings, each job's start */
 
-static void *order_main(void *arg) {
+static void *slots_order_main(void *arg) {
     sj *j = arg;
     tu_ep e;
     moept_layer *L = slot_layer(&j->cfg, tu_ep_open(&e, j->g, j->P, j->r), j->nslots, j->sync_free);
@@ -145,7 +145,7 @@ static void run_order(sj *js, int P, const moept_config *cfg, const int *order, 
                       int sync_free) {
     order_proto.cfg = *cfg; order_proto.P = P; order_proto.order = order;
     order_proto.nslots = nslots; order_proto.eval = eval; order_proto.sync_free = sync_free;
-    tu_world_ranks(P, order_main, js, sizeof *js, &order_proto);
+    tu_world_ranks(P, slots_order_main, js, sizeof *js, &order_proto);
 }
 
 static moept_config slot_cfg(int kind) {
@@ -540,10 +540,10 @@ static void test_grow_other_slot(void) {
 /* moept_reshard with two slots and an evaluation in flight (EP 2): both
    slots' forwards are dropped (their backwards refuse on every rank), and
    a forward and backward after it run */
-typedef struct rj { moept_thread_group *g; int r; moept_status st[4]; char err[4][512]; } rj;
+typedef struct slots_rj { moept_thread_group *g; int r; moept_status st[4]; char err[4][512]; } slots_rj;
 
-static void *reshard_main(void *arg) {
-    rj *j = arg;
+static void *slots_reshard_main(void *arg) {
+    slots_rj *j = arg;
     moept_config cfg = slot_cfg(0);
     cfg.router_jitter = 0.0f;
     tu_ep e;
@@ -580,9 +580,9 @@ static void *reshard_main(void *arg) {
 }
 
 static void test_reshard_slots(void) {
-    rj js[2];
+    slots_rj js[2];
     if (too_few_devices(2)) return;
-    tu_world_ranks(2, reshard_main, js, sizeof js[0], NULL);
+    tu_world_ranks(2, slots_reshard_main, js, sizeof js[0], NULL);
     for (int r = 0; r < 2; r++)
         EXPECT(!js[r].st[0] && js[r].st[1] == MOEPT_ERR_STATE && js[r].st[2] == MOEPT_ERR_STATE &&
                !js[r].st[3], "rank %d: reshard %d, backward of slot 0 %d and of slot 1 %d after it "

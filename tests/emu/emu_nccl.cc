@@ -296,7 +296,8 @@ static bool transfer(Comm *c, std::vector<Xfer> &xs, const char *what) {
         }
         for (auto &o : last)
             if (o) force(o->s, o->seq);
-        if (now() - idle > 1e-3) usleep(50);
+        const double still = now() - idle;
+        if (still > 1e-4) usleep(still > 1e-2 ? 1000 : 50);
         else sched_yield();
         const int inject = g_inject_ms.load();
         if (inject > 0 && now() - t0 > inject * 1e-3) {

@@ -4,8 +4,9 @@
 
    Device memory: each device has its own address range (ARENA bytes,
    reserved PROT_NONE). Allocations are never reused, each is followed by a
-   guard page and filled with 0xff bytes (NaN as fp32, bf16 and fp64).
-   While no op of the device runs, its range is PROT_NONE: host code that
+   guard page and filled with 0xff bytes (NaN as fp32, bf16 and fp64)
+   before any op can read it. While no op of the device runs, its range is
+   PROT_NONE (mapped and given back in whole huge pages): host code that
    dereferences device memory faults, and the handler says where. Where the
    CPU has protection keys, each device's range also has its own key, which
    only a stream worker enables, and only while it runs one of the device's
@@ -152,18 +153,24 @@ Device *dev(int d) {
     if (!devices[d]) {
         Device *v = new Device();
         v->id = d;
-        v->arena = (char *)mmap(nullptr, ARENA, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        /* the range starts on a HUGE boundary (reserved HUGE more, the start rounded up) */
+        char *raw = (char *)mmap(nullptr, ARENA + HUGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                                 -1, 0);
         v->page_of = (uint32_t *)mmap(nullptr, ARENA / PAGE * 4, PROT_READ | PROT_WRITE,
                                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (v->arena == MAP_FAILED || v->page_of == MAP_FAILED) {
+        v->chunk_live = (uint32_t *)calloc(ARENA / HUGE, sizeof(uint32_t));
+        if (raw == MAP_FAILED || v->page_of == MAP_FAILED || !v->chunk_live) {
             fprintf(stderr, "moept-emu: cannot reserve device memory\n");
             abort();
         }
+        v->arena = raw + (HUGE - (uintptr_t)raw % HUGE) % HUGE;
         /* Transparent huge pages where the kernel offers them (madvise mode):
            each mprotect of the used range (dev_enter, dev_leave) changes one
            entry per 2 MiB instead of one per page; where pages were 4 KiB,
            that was most of an emulated run's time (the reference cases at
-           EP 2: 14 s, 5 s with it). Protections are unchanged. */
+           EP 2: 14 s, 5 s with it). So that pages stay huge, every mprotect
+           and MADV_DONTNEED covers whole ones (map_used, release): a part of
+           one would split it. Protections are unchanged. */
         madvise(v->arena, ARENA, MADV_HUGEPAGE);
         static bool handler;
         if (!handler) {
@@ -228,13 +235,33 @@ static void protect(void *p, size_t n, int prot) {
         abort();
     }
 }
+/* a new allocation's bytes: not zero, so that a read before any write shows up */
+static void fill(Device *v, Alloc *a) {
+    pkey_access(v, true);
+    memset(a->base, 0xff, a->size);
+    pkey_access(v, false);
+    a->unfilled = false;
+}
+/* maps the used range read-write, in whole huge pages (v->m held): the bytes past top up to the
+   next HUGE boundary too (no allocation's: the checks of every access report them, mapped or not) */
+static void map_used(Device *v) {
+    const size_t want = (v->top + HUGE - 1) / HUGE * HUGE;
+    if (want > v->mapped) protect(v->arena + v->mapped, want - v->mapped, PROT_READ | PROT_WRITE);
+    if (want > v->mapped) v->mapped = want;
+}
+/* (an allocation made while the device was idle is filled here, under this mapping: the pages are
+   mapped and unmapped once a run of ops, not once more an allocation) */
 static void dev_enter(Device *v) {
     std::lock_guard<std::mutex> lk(v->m);
-    if (v->active++ == 0 && g_protect && v->top) protect(v->arena, v->top, PROT_READ | PROT_WRITE);
+    if (v->active++ > 0 || !g_protect) return;
+    map_used(v);
+    for (Alloc *a : v->unfilled)
+        if (a->unfilled && a->live) fill(v, a);
+    v->unfilled.clear();
 }
 static void dev_leave(Device *v) {
     std::lock_guard<std::mutex> lk(v->m);
-    if (--v->active == 0 && g_protect && v->top) protect(v->arena, v->top, PROT_NONE);
+    if (--v->active == 0 && g_protect && v->mapped) protect(v->arena, v->mapped, PROT_NONE), v->mapped = 0;
 }
 
 int is_pinned(const void *p) {
@@ -782,13 +809,18 @@ extern "C" void moept_emu_fault_next_kernel(int d) {
     if (d >= 0 && d < MAXDEV) dev(d)->fault_next = 1;
 }
 
-/* an allocation's pages go back (v->m held); its addresses are never reused */
+/* the HUGE chunks an allocation has bytes in */
+static size_t chunk0(const Device *v, const Alloc *a) { return (size_t)(a->base - v->arena) / HUGE; }
+static size_t chunk1(const Device *v, const Alloc *a) { return (size_t)(a->base + a->size - 1 - v->arena) / HUGE; }
+
+/* an allocation's memory goes back (v->m held), a whole huge page at a time: each page in which no
+   live allocation is left and no later one can be made (below top); its addresses are never reused.
+   MADV_DONTNEED drops pages whatever their protection: no mprotect. */
 static void release(Device *v, Alloc *a) {
     a->live = false;
-    size_t len = (a->size + PAGE - 1) / PAGE * PAGE;
-    protect(a->base, len, PROT_READ | PROT_WRITE);
-    madvise(a->base, len, MADV_DONTNEED);
-    if (g_protect && v->active == 0) protect(a->base, len, PROT_NONE);
+    a->unfilled = false;
+    for (size_t c = chunk0(v, a); c <= chunk1(v, a); c++)
+        if (--v->chunk_live[c] == 0 && (c + 1) * HUGE <= v->top) madvise(v->arena + c * HUGE, HUGE, MADV_DONTNEED);
     free(a->shadow);
     a->shadow = nullptr;
 }
@@ -956,11 +988,14 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
         uint32_t id = (uint32_t)v->allocs.size();
         for (size_t i = 0; i < pages; i++) v->page_of[v->top / PAGE + i] = id;
         v->top += (pages + 1) * PAGE; /* and a guard page */
-        protect(a->base, pages * PAGE, PROT_READ | PROT_WRITE);
-        pkey_access(v, true);
-        memset(a->base, 0xff, bytes); /* not zero: a read before any write shows up */
-        pkey_access(v, false);
-        if (g_protect && v->active == 0) protect(a->base, pages * PAGE, PROT_NONE);
+        for (size_t c = chunk0(v, a); c <= chunk1(v, a); c++) v->chunk_live[c]++;
+        if (g_protect && v->active == 0) { /* unmapped until the device's next op: filled then */
+            a->unfilled = true;
+            v->unfilled.push_back(a);
+        } else { /* mapped now (the ops' mapping, or no protection, may end below it) */
+            map_used(v);
+            fill(v, a);
+        }
     }
     {
         std::lock_guard<std::mutex> lk(g_count_mu);
@@ -1111,11 +1146,15 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
         report("nccl", "cudaStreamQuery inside ncclGroupStart/ncclGroupEnd (an ncclGroupStart left open?)");
     std::shared_ptr<Op> last;
     {
-        std::lock_guard<std::mutex> lk(s->m);
+        std::unique_lock<std::mutex> lk(s->m);
         if (!s->q.empty()) {
             s->released = s->next_seq - 1; /* a poll lets the work run, and says "not yet" */
             s->cv.notify_all();
-            return cudaErrorNotReady;
+            /* ... after waiting up to 200 us for it (a query's time is no rule of CUDA's): a host
+               thread polling in a loop leaves the CPU to the workers instead of spinning beside them */
+            const uint64_t had = s->completed;
+            s->cv.wait_for(lk, std::chrono::microseconds(200), [&] { return s->completed != had; });
+            if (!s->q.empty()) return cudaErrorNotReady;
         }
         last = s->last;
     }
