@@ -73,7 +73,8 @@ $(B)/moept_check: tests/moept_check.c tests/testutil.h $(B)/moept.o
 # it does not reach is not compiled (a quarter of its compile time; the same C
 # and no -ffast-math, so the same answers); a test of the public API links the
 # build's moept.o.
-WHOLE := $(shell printf 'int main(void){return 0;}' | $(CC) -Werror -fwhole-program -x c - -o /dev/null 2>/dev/null && echo -fwhole-program)
+WHOLE := $(shell printf 'int main(void){return 0;}' | $(CC) -Werror -fwhole-program -x c - -o /dev/null \
+    2>/dev/null && echo -fwhole-program)
 linked = $(if $(shell grep -l '^.include "\.\./moept\.c"' $(1)),$(WHOLE),$(2))
 
 $(B)/test_%: tests/test_%.c $(B)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.h

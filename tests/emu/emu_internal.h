@@ -31,7 +31,7 @@ constexpr int MAXDEV = 8;          /* emulated devices (ranks) */
 constexpr int MAXSTREAMS = 64;     /* streams over all devices: the vector-clock width */
 constexpr size_t ARENA = (size_t)1 << 32; /* device address space per device */
 constexpr size_t PAGE = 4096;
-constexpr size_t HUGE = (size_t)2 << 20; /* a transparent huge page: mapping and release go by these */
+constexpr size_t HUGE_PG = (size_t)2 << 20; /* a transparent huge page: mapping and release go by these */
 
 /* A vector clock over streams: op o happens before op p iff p's clock has
    o's stream entry >= o's epoch. */
@@ -136,8 +136,8 @@ struct Device {
     uint32_t *page_of = nullptr;   /* [ARENA/PAGE] allocation id + 1, 0 = none */
     std::mutex m;
     int active = 0;                /* device ops running: memory is mapped RW */
-    size_t mapped = 0;             /* [arena, arena + mapped) is RW: top rounded up to HUGE, or 0 */
-    uint32_t *chunk_live = nullptr; /* [ARENA/HUGE] live allocations with bytes in each HUGE chunk */
+    size_t mapped = 0;             /* [arena, arena + mapped) is RW: top rounded up to HUGE_PG, or 0 */
+    uint32_t *chunk_live = nullptr; /* [ARENA/HUGE_PG] live allocations with bytes in each HUGE_PG chunk */
     std::vector<Alloc *> unfilled; /* allocations made while it was unmapped, not filled yet */
     int pkey = -1;                 /* its protection key (-1: none): only a worker running one
                                       of the device's ops has access, other threads fault */

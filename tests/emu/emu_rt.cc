@@ -153,17 +153,17 @@ Device *dev(int d) {
     if (!devices[d]) {
         Device *v = new Device();
         v->id = d;
-        /* the range starts on a HUGE boundary (reserved HUGE more, the start rounded up) */
-        char *raw = (char *)mmap(nullptr, ARENA + HUGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                                 -1, 0);
+        /* the range starts on a HUGE_PG boundary (reserved HUGE_PG more, the start rounded up) */
+        char *raw = (char *)mmap(nullptr, ARENA + HUGE_PG, PROT_NONE,
+                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         v->page_of = (uint32_t *)mmap(nullptr, ARENA / PAGE * 4, PROT_READ | PROT_WRITE,
                                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        v->chunk_live = (uint32_t *)calloc(ARENA / HUGE, sizeof(uint32_t));
+        v->chunk_live = (uint32_t *)calloc(ARENA / HUGE_PG, sizeof(uint32_t));
         if (raw == MAP_FAILED || v->page_of == MAP_FAILED || !v->chunk_live) {
             fprintf(stderr, "moept-emu: cannot reserve device memory\n");
             abort();
         }
-        v->arena = raw + (HUGE - (uintptr_t)raw % HUGE) % HUGE;
+        v->arena = raw + (HUGE_PG - (uintptr_t)raw % HUGE_PG) % HUGE_PG;
         /* Transparent huge pages where the kernel offers them (madvise mode):
            each mprotect of the used range (dev_enter, dev_leave) changes one
            entry per 2 MiB instead of one per page; where pages were 4 KiB,
@@ -243,9 +243,9 @@ static void fill(Device *v, Alloc *a) {
     a->unfilled = false;
 }
 /* maps the used range read-write, in whole huge pages (v->m held): the bytes past top up to the
-   next HUGE boundary too (no allocation's: the checks of every access report them, mapped or not) */
+   next HUGE_PG boundary too (no allocation's: the checks of every access report them, mapped or not) */
 static void map_used(Device *v) {
-    const size_t want = (v->top + HUGE - 1) / HUGE * HUGE;
+    const size_t want = (v->top + HUGE_PG - 1) / HUGE_PG * HUGE_PG;
     if (want > v->mapped) protect(v->arena + v->mapped, want - v->mapped, PROT_READ | PROT_WRITE);
     if (want > v->mapped) v->mapped = want;
 }
@@ -809,9 +809,11 @@ extern "C" void moept_emu_fault_next_kernel(int d) {
     if (d >= 0 && d < MAXDEV) dev(d)->fault_next = 1;
 }
 
-/* the HUGE chunks an allocation has bytes in */
-static size_t chunk0(const Device *v, const Alloc *a) { return (size_t)(a->base - v->arena) / HUGE; }
-static size_t chunk1(const Device *v, const Alloc *a) { return (size_t)(a->base + a->size - 1 - v->arena) / HUGE; }
+/* the HUGE_PG chunks an allocation has bytes in */
+static size_t chunk0(const Device *v, const Alloc *a) { return (size_t)(a->base - v->arena) / HUGE_PG; }
+static size_t chunk1(const Device *v, const Alloc *a) {
+    return (size_t)(a->base + a->size - 1 - v->arena) / HUGE_PG;
+}
 
 /* an allocation's memory goes back (v->m held), a whole huge page at a time: each page in which no
    live allocation is left and no later one can be made (below top); its addresses are never reused.
@@ -820,7 +822,8 @@ static void release(Device *v, Alloc *a) {
     a->live = false;
     a->unfilled = false;
     for (size_t c = chunk0(v, a); c <= chunk1(v, a); c++)
-        if (--v->chunk_live[c] == 0 && (c + 1) * HUGE <= v->top) madvise(v->arena + c * HUGE, HUGE, MADV_DONTNEED);
+        if (--v->chunk_live[c] == 0 && (c + 1) * HUGE_PG <= v->top)
+            madvise(v->arena + c * HUGE_PG, HUGE_PG, MADV_DONTNEED);
     free(a->shadow);
     a->shadow = nullptr;
 }
