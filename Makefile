@@ -70,8 +70,8 @@ $(B)/moept_check: tests/moept_check.c tests/testutil.h $(B)/moept.o
 
 # A white-box program (one that includes moept.c: it reads the internals) is one
 # translation unit, compiled as the whole program where the compiler can: what
-# it does not reach is not compiled (a quarter of its compile time; the same C
-# and no -ffast-math, so the same answers); a test of the public API links the
+# it does not reach is not compiled (docs/TESTING.md, "Times"; the same C and
+# no -ffast-math, so the same answers); a test of the public API links the
 # build's moept.o.
 WHOLE := $(shell printf 'int main(void){return 0;}' | $(CC) -Werror -fwhole-program -x c - -o /dev/null \
     2>/dev/null && echo -fwhole-program)

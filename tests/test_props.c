@@ -420,7 +420,7 @@ static void test_update_bias(void) {
 
 /* R = op(A) op(B) in fp64 (op(A) [m][k], op(B) [k][n]; ta: A is stored [k][m], tb: B is [n][k]), each
    row of op(A) and op(B)'s transpose made contiguous doubles first and each sum kept in four parts:
-   under qemu-user and valgrind the reference was most of the GEMM tests' time */
+   under qemu-user and valgrind the reference dominated the GEMM tests' time */
 static void ref_gemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *A, int64_t lda,
                      const float *B, int64_t ldb, double *R) {
     double *a = malloc((size_t)k * 8), *bt = malloc((size_t)(n * k) * 8); /* a [k]; bt [n][k] */
@@ -521,8 +521,7 @@ static void test_gemm_thread_splits(void) {
                                         {20, 2100, 600, 1, 0, 1}};
     /* Without OpenMP (the valgrind, TSan and aarch64 builds) there is one thread and nothing to split:
        the first two shapes only, and one run of each (two and three threads would run the one-thread
-       code again; test_gemm_all_transposes checks the kernels' blocks and edges in every build). Under
-       qemu-user and valgrind the other five took most of a minute. */
+       code again; test_gemm_all_transposes checks the kernels' blocks and edges in every build). */
 #ifdef _OPENMP
     const int ths = 3;
     const size_t nshapes = sizeof shapes / sizeof shapes[0];

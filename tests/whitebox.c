@@ -1,7 +1,7 @@
 /* The white-box test programs of a build variant as one program: each of
    them includes moept.c to read its internals, and one by one they
-   compiled it once each (39 times over the variants, a quarter of the
-   build's CPU). Here moept.c is compiled once for all; the Makefile links
+   compiled it once each: 39 compiles of moept.c over the variants
+   (docs/TESTING.md, "Times"). Here moept.c is compiled once for all; the Makefile links
    the program under each test's name (ln), and the name it runs as picks
    that test's main. A file-scope name two tests share fails to compile
    here: give it the test's own name. */

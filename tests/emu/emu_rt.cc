@@ -246,8 +246,9 @@ static void fill(Device *v, Alloc *a) {
    next HUGE_PG boundary too (no allocation's: the checks of every access report them, mapped or not) */
 static void map_used(Device *v) {
     const size_t want = (v->top + HUGE_PG - 1) / HUGE_PG * HUGE_PG;
-    if (want > v->mapped) protect(v->arena + v->mapped, want - v->mapped, PROT_READ | PROT_WRITE);
-    if (want > v->mapped) v->mapped = want;
+    if (want <= v->mapped) return;
+    protect(v->arena + v->mapped, want - v->mapped, PROT_READ | PROT_WRITE);
+    v->mapped = want;
 }
 /* (an allocation made while the device was idle is filled here, under this mapping: the pages are
    mapped and unmapped once a run of ops, not once more an allocation) */
@@ -1153,8 +1154,10 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
         if (!s->q.empty()) {
             s->released = s->next_seq - 1; /* a poll lets the work run, and says "not yet" */
             s->cv.notify_all();
-            /* ... after waiting up to 200 us for it (a query's time is no rule of CUDA's): a host
-               thread polling in a loop leaves the CPU to the workers instead of spinning beside them */
+            /* ... after waiting up to 200 us for it: CUDA Runtime API, cudaStreamQuery, says only
+               cudaSuccess once all of the stream's work has completed, else cudaErrorNotReady (how long
+               the call takes is no rule); a host thread polling in a loop leaves the CPU to the workers
+               instead of spinning beside them */
             const uint64_t had = s->completed;
             s->cv.wait_for(lk, std::chrono::microseconds(200), [&] { return s->completed != had; });
             if (!s->q.empty()) return cudaErrorNotReady;
