@@ -51,7 +51,7 @@ SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover
 HDRS    = moept.h
 
 
-.PHONY: bench-busy cuda emu all test test-build check stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
+.PHONY: bench-busy cuda emu all test test-build test-build-stage check stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
 
 # (train_mpi where mpicc is found: the README's mpirun lines run it; the test programs: below)
 all: info $(B)/moept_check $(B)/train $(if $(MPICC),$(B)/train_mpi) $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
@@ -83,7 +83,8 @@ $(B)/test_%: tests/test_%.c $(B)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.
 # The white-box programs but test_alloc as one program a build (tests/whitebox.c: moept.c compiled
 # once for them all, not once each), linked under each one's name; its name picks the test.
 WB = test_props test_grad test_errors test_ckpt test_ep test_fsdp test_refuse test_slots test_fp8
-WB_DEPS = tests/whitebox.c $(patsubst %,tests/%.c,$(WB)) moept.c $(HDRS) tests/testutil.h tests/tu_exec.h
+WB_DEPS = tests/whitebox.c $(patsubst %,tests/%.c,$(WB)) tests/moept_check.c moept.c $(HDRS) \
+          tests/testutil.h tests/tu_exec.h
 
 $(B)/whitebox: $(WB_DEPS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) $(WHOLE) $< -o $@ $(LDLIBS)
@@ -102,14 +103,11 @@ $(B)/test_alloc: tests/test_alloc.c moept.c $(HDRS) tests/testutil.h | $(B)
 	    -Werror=implicit-function-declaration -fsyntax-only $<)
 
 # The test variants, a directory each: DIR, compiler, flags, libraries. DIR/moept.o is
-# compiled once; moept_check and the public-API tests link it.
+# compiled once, where a public-API test links it; moept_check is the white-box program's.
 define variant
 $(B)/$(1)/moept.o: moept.c $(HDRS)
 	@mkdir -p $$(@D)
 	$(2) $(3) $(WARN) -c moept.c -o $$@
-
-$(B)/$(1)/moept_check: tests/moept_check.c tests/testutil.h $(B)/$(1)/moept.o
-	$(2) $(3) $(WARN) $$< $(B)/$(1)/moept.o -o $$@ $(LDLIBS) $(4)
 
 $(B)/$(1)/test_%: tests/test_%.c $(B)/$(1)/moept.o $(HDRS) tests/testutil.h tests/tu_exec.h
 	$(2) $(3) $(WARN) -D_DEFAULT_SOURCE $$< $$(call linked,$$<,$(B)/$(1)/moept.o) -o $$@ $(LDLIBS) $(4)
@@ -118,7 +116,7 @@ $(B)/$(1)/whitebox: $(WB_DEPS)
 	@mkdir -p $$(@D)
 	$(2) $(3) $(WARN) -D_DEFAULT_SOURCE $(WHOLE) $$< -o $$@ $(LDLIBS) $(4)
 
-$(addprefix $(B)/$(1)/,$(WB)): $(B)/$(1)/whitebox
+$(addprefix $(B)/$(1)/,$(WB) moept_check): $(B)/$(1)/whitebox
 	ln -f $$< $$@
 endef
 # ASan + UBSan at -O0: a third of -O1's compile time (UBSan's checks are
@@ -163,27 +161,22 @@ $(B)/libmoept.so: moept.c $(HDRS) | $(B)
 $(B)/train: examples/train.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
-# (with OpenBLAS found, it also times the floor through OpenBLAS, same process)
-$(B)/bench_layer: bench/bench_layer.c bench/peak.h bench/bench_shape.h moept.c $(HDRS) | $(B)
+# The benchmarks as one program (bench/benches.c: moept.c compiled once for all five), linked under
+# each one's name; its name picks the benchmark. With OpenBLAS found, bench_layer also times the floor
+# through OpenBLAS, same process. (make bench's other builds compile a benchmark's file alone.)
+BENCHES = bench_layer bench_a2a bench_load bench_reshard bench_scenario
+$(B)/benches: bench/benches.c $(patsubst %,bench/%.c,$(BENCHES)) bench/peak.h bench/bench_shape.h \
+              bench/bench_threads.h moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $(if $(CBLAS_LIBS),-DBENCH_CBLAS) $< -o $@ $(LDLIBS) $(CBLAS_LIBS)
 
-$(B)/bench_a2a: bench/bench_a2a.c moept.c $(HDRS) | $(B)
-	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
+$(addprefix $(B)/,$(BENCHES)): $(B)/benches
+	ln -f $< $@
 
 $(B)/bench_adamw: bench/bench_adamw.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
-$(B)/bench_load: bench/bench_load.c moept.c $(HDRS) | $(B)
-	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
-
 $(B)/hf_resave: tools/hf_resave.c $(B)/moept.o
 	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
-
-$(B)/bench_reshard: bench/bench_reshard.c moept.c $(HDRS) | $(B)
-	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
-
-$(B)/bench_scenario: bench/bench_scenario.c bench/bench_threads.h moept.c $(HDRS) | $(B)
-	$(CC) $(CFLAGS) $(WARN) $(OMP) $< -o $@ $(LDLIBS)
 
 $(B)/bench_scenario_mpi: bench/bench_scenario.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
@@ -313,9 +306,9 @@ TSAN_OK := $(shell echo 'int main(void){return 0;}' | $(CC) -x c -fsanitize=thre
 # torch and transformers for moept_torch.py's tests and examples/hf_swap.py --check: the first of
 # python3 and Debian's /usr/bin/python3 that finds both (looked up, not imported: quick; only for make
 # test); TF440: transformers 4.40 installed apart (pip --target; .ci/run does), run through PYTHONPATH
-TORCH_OK := $(if $(filter test test-build,$(MAKECMDGOALS)),$(firstword $(foreach p,python3 /usr/bin/python3,\
-    $(shell $(p) -c 'import importlib.util as u, sys; \
-    sys.exit(not (u.find_spec("torch") and u.find_spec("transformers")))' 2>/dev/null && echo $(p)))))
+TORCH_OK := $(strip $(if $(filter test test-build test-build-stage,$(MAKECMDGOALS)),\
+    $(firstword $(foreach p,python3 /usr/bin/python3,$(shell $(p) -c 'import importlib.util as u, sys; \
+    sys.exit(not (u.find_spec("torch") and u.find_spec("transformers")))' 2>/dev/null && echo $(p))))))
 TF440_DIR ?= /opt/moept/transformers-4.40
 TF440 := $(wildcard $(TF440_DIR)/transformers)
 
@@ -333,16 +326,35 @@ cuda: $(call suite_outputs,cuda)
 emu: $(call suite_outputs,emu)
 
 # the binaries build in parallel, a job a core, the longest compiles first (so
-# that the build does not end on one of them alone); then the suites run
+# that the build does not end on one of them alone). make test builds what the
+# suites before tests/suites' first "later" line run, then starts them while
+# the rest builds beside them, niced (-k: a failed program fails its suites
+# alone), a stage a "later" line: its compiles take the cores the suites leave
+# idle. tests/run.sh waits at each such line for its stage's exit status
+# (LATE_BUILD.N.rc); an interrupted make test stops the build.
 NPROC := $(shell nproc 2>/dev/null || echo 1)
 LONGEST = $(if $(filter $(B)/emu-san/%,$(SUITE_BINS)),$(B)/emu-san/moept_kernels.o) \
           $(if $(filter $(B)/test_cuda,$(SUITE_BINS)),$(B)/cuda/moept_kernels.o) \
           $(if $(filter $(B)/emu/%,$(SUITE_BINS)),$(B)/emu/moept_kernels.o)
 test-build: $(LONGEST) all $(SUITE_BINS)
+# (STAGE=N: what the suites before the N-th "later" line run)
+STAGE = 1
+test-build-stage: all $(if $(filter test-build-stage,$(MAKECMDGOALS)),$(call suite_outputs,--stage $(STAGE)))
 
+LATE_BUILD = $(B)/late_build
+LATE_MAKE = $(MAKE) --no-print-directory -k -j$(NPROC) # (not $(MAKE) in a recipe: make -n runs that line)
+LATER = $(shell grep -c '^later' tests/suites)
 test:
-	@$(MAKE) --no-print-directory -j$(NPROC) test-build
-	@$(TEST_ENV) sh tests/run.sh
+	@$(MAKE) --no-print-directory -j$(NPROC) test-build-stage
+	@rm -f $(LATE_BUILD).*; \
+	{ trap 'kill $$m 2>/dev/null; exit 143' TERM; \
+	  n=1; while [ $$n -le $(LATER) ]; do \
+	    if [ $$n -lt $(LATER) ]; then t="test-build-stage STAGE=$$((n + 1))"; else t=test-build; fi; \
+	    nice -n 19 $(LATE_MAKE) $$t >$(LATE_BUILD).$$n.log 2>&1 & m=$$!; \
+	    wait $$m; echo $$? >$(LATE_BUILD).$$n.tmp; mv $(LATE_BUILD).$$n.tmp $(LATE_BUILD).$$n.rc; n=$$((n + 1)); \
+	  done; } & late=$$!; \
+	trap 'kill $$late 2>/dev/null; exit 130' INT TERM HUP; \
+	$(TEST_ENV) LATE_BUILD=$(LATE_BUILD) LATE_BUILD_PID=$$late sh tests/run.sh; rc=$$?; wait $$late; exit $$rc
 
 # the edit-compile loop's subset (tests/suites' "check" lines), about a minute
 check:
@@ -503,7 +515,8 @@ $(B)/emu-san/moept_kernels.o: moept_kernels.cu moept.c $(HDRS) $(EMU_HDRS)
 	$(EMU_CXX) -O1 $(SAN) -x c++ -include tests/emu/cuda_emu.h -c moept_kernels.cu -o $@
 
 EMU_SAN_OBJS = $(patsubst tests/emu/%.cc,$(B)/emu-san/%.o,$(EMU_SRC)) $(B)/emu-san/moept_kernels.o
+# (moept.c at -O0: a third of -O1's compile, and the same run time: the kernels' unit is the work)
 $(B)/emu-san/moept_check: tests/moept_check.c tests/testutil.h moept.c $(HDRS) $(EMU_SAN_OBJS)
-	$(CC) -O1 -g $(WARN) $(SAN) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) tests/moept_check.c moept.c $(EMU_SAN_OBJS) -o $@ \
+	$(CC) -O0 -g $(WARN) $(SAN) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) tests/moept_check.c moept.c $(EMU_SAN_OBJS) -o $@ \
 	    $(EMU_LIBS)
 

@@ -19,16 +19,16 @@
 
 #include "bench_threads.h"
 
-typedef struct cfg { int P, reps; int64_t T, D, E, K, F; } cfg;
-typedef struct res { double moept, raw, wait; int64_t routed, peer_sum; int bytes_ok; } res;
+typedef struct a2a_cfg { int P, reps; int64_t T, D, E, K, F; } a2a_cfg;
+typedef struct a2a_res { double moept, raw, wait; int64_t routed, peer_sum; int bytes_ok; } a2a_res;
 
-static int cmp_d(const void *a, const void *b) {
+static int a2a_cmp(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
 
 static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    qsort(v, (size_t)n, sizeof *v, a2a_cmp);
     return v[n / 2];
 }
 
@@ -58,8 +58,8 @@ static double raw_exchange(moept_comm *c, float *send, float *recv, const int64_
 }
 
 static void rank_run(const void *kv, moept_comm *c, void *outv) {
-    const cfg *k = kv;
-    res *out = outv;
+    const a2a_cfg *k = kv;
+    a2a_res *out = outv;
 #ifdef _OPENMP
     omp_set_num_threads(1); /* one core per rank */
 #endif
@@ -111,7 +111,7 @@ static void rank_run(const void *kv, moept_comm *c, void *outv) {
 }
 
 /* prints the RESULT line; returns whether every rank moved exactly its rows' bytes */
-static int report(const char *backend, const cfg *k, res *all) {
+static int a2a_report(const char *backend, const a2a_cfg *k, a2a_res *all) {
     double sm = 0, sr = 0, sw = 0;
     int slow = 0;
     for (int r = 0; r < k->P; r++) {
@@ -138,7 +138,7 @@ int main(int argc, char **argv) {
 #ifdef MOEPT_MPI
     MPI_Init(&argc, &argv);
 #endif
-    cfg k = {4, 9, 4096, 1024, 8, 2, 16};
+    a2a_cfg k = {4, 9, 4096, 1024, 8, 2, 16};
     for (int i = 1; i + 1 < argc; i += 2) {
         long long v = atoll(argv[i + 1]);
         if (!strcmp(argv[i], "--ranks")) k.P = (int)v;
@@ -151,15 +151,15 @@ int main(int argc, char **argv) {
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
 #ifdef MOEPT_MPI
-    res all[BENCH_MAX_RANKS];
+    a2a_res all[BENCH_MAX_RANKS];
     int me = bench_run_mpi(&k.P, rank_run, &k, all, sizeof all[0]);
     if (me < 0) MPI_Abort(MPI_COMM_WORLD, 2);
-    int exact = me != 0 || report("mpi", &k, all);
+    int exact = me != 0 || a2a_report("mpi", &k, all);
     MPI_Finalize();
 #else
-    res all[BENCH_MAX_RANKS];
+    a2a_res all[BENCH_MAX_RANKS];
     if (!bench_run_threads(k.P, rank_run, &k, all, sizeof all[0])) return 2;
-    int exact = report("threads", &k, all);
+    int exact = a2a_report("threads", &k, all);
 #endif
     return exact ? 0 : 1;
 }

@@ -11,10 +11,10 @@
 
 #include "bench_threads.h"
 
-typedef struct cfg { int64_t D, F, E; int S, P; const char *dir; } cfg;
-typedef struct res { double t_moept, t_all; int64_t b_moept, b_all; moept_status st; } res;
+typedef struct load_cfg { int64_t D, F, E; int S, P; const char *dir; } load_cfg;
+typedef struct load_res { double t_moept, t_all; int64_t b_moept, b_all; moept_status st; } load_res;
 
-static moept_config layer_cfg(const cfg *k) {
+static moept_config layer_cfg(const load_cfg *k) {
     moept_config c = {0};
     c.family = MOEPT_FAMILY_MIXTRAL;
     c.hidden_size = k->D; c.intermediate_size = k->F; c.num_experts = k->E; c.top_k = 2; c.norm_topk_prob = 1;
@@ -23,7 +23,7 @@ static moept_config layer_cfg(const cfg *k) {
 }
 
 /* writes the layer as S shards (experts split evenly, router in shard 0) + index */
-static void write_checkpoint(const cfg *k) {
+static void write_checkpoint(const load_cfg *k) {
     moept_config c = layer_cfg(k);
     moept_layer *L;
     moept_create(&c, &L);
@@ -59,9 +59,9 @@ static void write_checkpoint(const cfg *k) {
     moept_destroy(L);
 }
 
-static void rank_main(const void *kv, moept_comm *comm, void *outv) {
-    const cfg *k = kv;
-    res *out = outv;
+static void load_rank(const void *kv, moept_comm *comm, void *outv) {
+    const load_cfg *k = kv;
+    load_res *out = outv;
     moept_config c = layer_cfg(k);
     moept_layer *L;
     if ((out->st = moept_create_parallel(&c, comm, NULL, &L))) return;
@@ -108,7 +108,7 @@ static void rank_main(const void *kv, moept_comm *comm, void *outv) {
 }
 
 int main(int argc, char **argv) {
-    cfg k = {1024, 3584, 8, 4, 4, "build/bench_load_ckpt"};
+    load_cfg k = {1024, 3584, 8, 4, 4, "build/bench_load_ckpt"};
     for (int i = 1; i + 1 < argc; i += 2) {
         long long v = atoll(argv[i + 1]);
         if (!strcmp(argv[i], "--hidden")) k.D = v;
@@ -119,8 +119,8 @@ int main(int argc, char **argv) {
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
     write_checkpoint(&k);
-    res out[BENCH_MAX_RANKS];
-    if (!bench_run_threads(k.P, rank_main, &k, out, sizeof out[0])) return 2;
+    load_res out[BENCH_MAX_RANKS];
+    if (!bench_run_threads(k.P, load_rank, &k, out, sizeof out[0])) return 2;
     printf("| rank | moept bytes read | moept time (ms) | read-everything bytes | read-everything time (ms) | bytes ratio | time ratio |\n");
     printf("|---|---|---|---|---|---|---|\n");
     for (int r = 0; r < k.P; r++) {

@@ -13,12 +13,16 @@
 
 #include "bench_threads.h"
 
-typedef struct cfg { int64_t D, F, E; int P; } cfg;
-typedef struct res { double t_moept, t_base; int64_t b_moept, b_base, x_moept, x_base, moved; moept_status st; } res;
+typedef struct rs_cfg { int64_t D, F, E; int P; } rs_cfg;
+typedef struct rs_res {
+    double t_moept, t_base;
+    int64_t b_moept, b_base, x_moept, x_base, moved;
+    moept_status st;
+} rs_res;
 
-static void rank_main(const void *kv, moept_comm *comm, void *outv) {
-    const cfg *k = kv;
-    res *out = outv;
+static void rs_rank(const void *kv, moept_comm *comm, void *outv) {
+    const rs_cfg *k = kv;
+    rs_res *out = outv;
     moept_config c = {0};
     c.family = MOEPT_FAMILY_MIXTRAL;
     c.hidden_size = k->D; c.intermediate_size = k->F; c.num_experts = k->E; c.top_k = 2; c.norm_topk_prob = 1;
@@ -64,7 +68,7 @@ static void rank_main(const void *kv, moept_comm *comm, void *outv) {
 }
 
 int main(int argc, char **argv) {
-    cfg k = {256, 896, 64, 4};
+    rs_cfg k = {256, 896, 64, 4};
     for (int i = 1; i + 1 < argc; i += 2) {
         long long v = atoll(argv[i + 1]);
         if (!strcmp(argv[i], "--hidden")) k.D = v;
@@ -73,8 +77,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--ranks")) k.P = (int)v;
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
-    res out[BENCH_MAX_RANKS];
-    if (!bench_run_threads(k.P, rank_main, &k, out, sizeof out[0])) return 2;
+    rs_res out[BENCH_MAX_RANKS];
+    if (!bench_run_threads(k.P, rs_rank, &k, out, sizeof out[0])) return 2;
     printf("E=%lld experts, D=%lld, F=%lld, %d ranks (threads); %lld experts change owner\n\n", (long long)k.E, (long long)k.D,
            (long long)k.F, k.P, (long long)out[0].moved);
     printf("| rank | moept bytes received | gather-all bytes received | moept time (ms) | gather-all time (ms) | moept extra memory (MiB) | gather-all extra memory (MiB) |\n");

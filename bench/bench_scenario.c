@@ -47,7 +47,7 @@ typedef struct bres {
     char err[600];
 } bres;
 
-static double now(void) {
+static double sc_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -83,13 +83,13 @@ static void run_rank(const void *kv, moept_comm *c, void *outv) {
     for (int it = 0; it < k->warmup + k->steps && !out->err[0]; it++)
         for (int m = 0; m < k->nm; m++) {
             { int64_t z = 0; c->allreduce(c, &z, 1, MOEPT_DTYPE_I64); } /* start together */
-            double t0 = now();
+            double t0 = sc_now();
             moept_zero_grad(L[m]);
             if (moept_forward(L[m], x, T, y) || moept_backward(L[m], x, dy, dx) || moept_sync_grads(L[m], 1.0f)) {
                 snprintf(out->err, sizeof out->err, "%s", moept_last_error(L[m]));
                 break;
             }
-            double t = now() - t0;
+            double t = sc_now() - t0;
             moept_stats st;
             moept_get_stats(L[m], &st, NULL);
             if (it >= k->warmup) {
@@ -108,7 +108,7 @@ static int cmpd(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static void report(const bconf *k, const bres *all, int P) {
+static void sc_report(const bconf *k, const bres *all, int P) {
     for (int r = 0; r < P; r++)
         if (all[r].err[0]) { fprintf(stderr, "bench_scenario: rank %d: %s\n", r, all[r].err); exit(1); }
     static const char *names[3] = {"fsdp", "ep", "overlap"};
@@ -182,13 +182,13 @@ int main(int argc, char **argv) {
     bres *all = calloc(BENCH_MAX_RANKS, sizeof *all);
     int me = bench_run_mpi(&k.P, run_rank, &k, all, sizeof *all);
     if (me < 0) MPI_Abort(MPI_COMM_WORLD, 2);
-    if (me == 0) report(&k, all, k.P);
+    if (me == 0) sc_report(&k, all, k.P);
     free(all);
     MPI_Finalize();
 #else
     bres *all = calloc((size_t)(k.P > 0 ? k.P : 1), sizeof *all);
     if (!bench_run_threads(k.P, run_rank, &k, all, sizeof *all)) return 2;
-    report(&k, all, k.P);
+    sc_report(&k, all, k.P);
     free(all);
 #endif
     return 0;

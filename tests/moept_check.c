@@ -693,7 +693,7 @@ typedef struct rank_job {
 #endif
 } rank_job;
 
-static void *rank_main(void *arg) {
+static void *check_rank(void *arg) {
     rank_job *j = arg;
     tu_rank_thread();
 #ifdef MOEPT_CUDA
@@ -727,7 +727,7 @@ static void run_threads(check *c, int P) {
         if (g_no_shm) jobs[r].c.ep->shm_alloc = NULL;
 #endif
     }
-    tu_threads(P, rank_main, jobs, sizeof *jobs);
+    tu_threads(P, check_rank, jobs, sizeof *jobs);
     for (int r = 0; r < P; r++) merge(c, &jobs[r].c, r);
     free(jobs);
     moept_thread_group_destroy(g);

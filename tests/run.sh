@@ -13,22 +13,29 @@
 # usage: sh tests/run.sh            every suite (make test)
 #        sh tests/run.sh --check    the suites marked "check" (make check)
 #        SERIAL=1 sh tests/run.sh   every suite one at a time ("par" ignored)
-#        sh tests/run.sh --bins [--check] [GROUP]
+#        sh tests/run.sh --bins [--check] [--stage N] [GROUP]
 #            prints, one a line, the build outputs those suites use (of the
-#            groups whose name starts with GROUP) and runs nothing: the
+#            groups whose name starts with GROUP; --stage N: of the suites
+#            before tests/suites' N-th "later" line) and runs nothing: the
 #            Makefile builds these
 #        sh tests/run.sh --list [--check] [GROUP]
 #            prints every suite's group and label, whatever this machine has
 #        sh tests/run.sh [--check] GROUP
 #            runs the groups whose name starts with GROUP (after make test-build)
+# LATE_BUILD=F, LATE_BUILD_PID=P (make test): the programs of the suites
+# after tests/suites' first "later" line are being built meanwhile, by
+# process P, a stage a "later" line: the programs up to the next one (the
+# rest at the last), its output in F.N.log, then its exit status in F.N.rc;
+# the N-th "later" line waits for F.N.rc (or P's end without it: a FAIL).
 # What this machine has comes from the Makefile, in the environment: CASES,
 # MPIRUN, SAN, TSAN, CBLAS, VALGRIND, GEMM_V3, GEMM_V4, GEMM_PLAIN, ARCH_X86,
 # QEMU_AARCH64, EMU, CUDA, NVCC, TORCH (empty: not found; the group says "skip").
 B=${B:-build}
-mode=run only= want=
+mode=run only= want= stage= nlater=0
 while [ $# -gt 0 ]; do
     case $1 in
         --bins) mode=bins ;;
+        --stage) stage=$2; shift ;;
         --list) mode=list ;;
         --check) only=check ;;
         *) want=$1 ;;
@@ -36,6 +43,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 status=0
+late=$LATE_BUILD late_pid=$LATE_BUILD_PID
+unset LATE_BUILD LATE_BUILD_PID # (not the suites': a run.sh of theirs waits for nothing)
 
 # the unit table: "unit PROGRAM VARIANT..." lines; `units V` lists the programs run in variant V
 table=
@@ -75,11 +84,42 @@ group() { # name, condition (empty: the group does not run), why (empty: no skip
     fi
 }
 needs() { needed="$needed $*"; }
+# a line between the suites whose programs make test has built and the later ones, whose programs
+# it builds beside the runs before this line: here the run waits for that build, running the
+# queued "par" suites meanwhile
+alive() { # process $1 runs (not gone, not a zombie: its parent, make's shell, reaps it at the end)
+    if [ -r "/proc/$1/stat" ]; then ! grep -q '^[0-9]* (.*) Z' "/proc/$1/stat"
+    else kill -0 "$1" 2>/dev/null; fi
+}
+later() {
+    nlater=$((nlater + 1))
+    [ "$mode" = run ] && [ -n "$late" ] || return 0
+    group_end
+    f=$late.$nlater
+    gname="waiting for the build of the later suites' programs ($nlater)" gt0=$(now) ran=1
+    while [ ! -f "$f.rc" ]; do # the queued suites meanwhile, in both slots (as drain)
+        if [ -n "$late_pid" ] && ! alive "$late_pid" && [ ! -f "$f.rc" ]; then
+            echo 1 >"$f.rc" # it ended without its exit status
+            break
+        fi
+        next_par
+        if [ -n "$bgpid" ] && pop; then eval "run_suite $next"; else sleep 1; fi
+    done
+    group_end
+    echo "== the build of the later suites' programs ($nlater)"
+    cat "$f.log" 2>/dev/null
+    if [ "$(cat "$f.rc")" != 0 ]; then
+        echo "FAIL - the build of the later suites' programs ($nlater): exit status $(cat "$f.rc")" |
+            tee -a "$res"
+        status=1
+    fi
+}
 check() { marked=1; "$@"; }
 par() { beside=1; "$@"; }
 suite() { # label, command...
     sel=$on
     [ -z "$only" ] || [ -n "$marked" ] || sel=
+    [ -z "$stage" ] || [ "$nlater" -lt "$stage" ] || sel=
     bg=$beside
     marked= beside=
     if [ -z "$sel" ]; then :

@@ -75,6 +75,68 @@ struct Gemm {
 /* elements a column-major operand spans: rows r, cols c, leading dim ld */
 static int64_t span(int64_t r, int64_t c, int64_t ld) { return r == 0 || c == 0 ? 0 : ld * (c - 1) + r; }
 
+/* The reduced-precision form: k in chunks of g.red, each chunk's sum and the running sum held in
+   C's type (moept_emu_blas_reduced_reduction) */
+static void gemm_reduced(const Gemm &g) {
+    for (int64_t j = 0; j < g.n; j++)
+        for (int64_t i = 0; i < g.m; i++) {
+            float acc = 0.0f;
+            if (g.alpha != 0.0f)
+                for (int64_t l0 = 0; l0 < g.k; l0 += g.red) {
+                    float part = 0.0f;
+                    for (int64_t l = l0; l < g.k && l < l0 + g.red; l++) {
+                        float a = ld_elem(g.A, g.at, g.ta == CUBLAS_OP_N ? i + l * g.lda : l + i * g.lda);
+                        float b = ld_elem(g.B, g.bt, g.tb == CUBLAS_OP_N ? l + j * g.ldb : j + l * g.ldb);
+                        part += a * b;
+                    }
+                    acc = in_type(g.ct, acc + in_type(g.ct, part));
+                }
+            float v = g.alpha * acc;
+            if (g.beta != 0.0f) v += g.beta * ld_elem(g.C, g.ct, i + j * g.ldc);
+            st_elem(g.C, g.ct, i + j * g.ldc, v);
+        }
+}
+
+/* c[i] += a[i] * b, i < m: four lanes at a time (each lane's product and sum rounded as alone) */
+static void axpy(float *__restrict c, const float *__restrict a, float b, int64_t m) {
+    typedef float f4 __attribute__((vector_size(16)));
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+        f4 cv, av;
+        memcpy(&cv, c + i, sizeof cv);
+        memcpy(&av, a + i, sizeof av);
+        cv += av * b;
+        memcpy(c + i, &cv, sizeof cv);
+    }
+    for (; i < m; i++) c[i] += a[i] * b;
+}
+
+/* The fp32 form: each element of C is the sum of its k products in fp32, k in order, then
+   alpha * sum (+ beta * C). op(A) is unpacked once, k-major, so that a column of C is k axpys: its
+   m sums advance side by side, each adding the same products in the same order as it would alone. */
+static void gemm_fp32(const Gemm &g) {
+    const bool prod = g.alpha != 0.0f; /* alpha 0: op(A) op(B) is not read (not even a NaN) */
+    std::vector<float> ap(prod ? (size_t)(g.k * g.m) : 0); /* op(A) [k][m] */
+    std::vector<float> col((size_t)g.m);                     /* C's column j [m] */
+    for (int64_t l = 0; prod && l < g.k; l++)
+        for (int64_t i = 0; i < g.m; i++)
+            ap[(size_t)(l * g.m + i)] =
+                ld_elem(g.A, g.at, g.ta == CUBLAS_OP_N ? i + l * g.lda : l + i * g.lda);
+    for (int64_t j = 0; j < g.n; j++) {
+        float *__restrict c = col.data();
+        for (int64_t i = 0; i < g.m; i++) c[i] = 0.0f;
+        for (int64_t l = 0; prod && l < g.k; l++) {
+            const float b = ld_elem(g.B, g.bt, g.tb == CUBLAS_OP_N ? l + j * g.ldb : j + l * g.ldb);
+            axpy(c, ap.data() + l * g.m, b, g.m);
+        }
+        for (int64_t i = 0; i < g.m; i++) {
+            float v = g.alpha * (0.0f + c[i]);
+            if (g.beta != 0.0f) v += g.beta * ld_elem(g.C, g.ct, i + j * g.ldc);
+            st_elem(g.C, g.ct, i + j * g.ldc, v);
+        }
+    }
+}
+
 static void gemm_run(const Gemm &g) {
     int64_t ar = g.ta == CUBLAS_OP_N ? g.m : g.k, ac = g.ta == CUBLAS_OP_N ? g.k : g.m;
     int64_t br = g.tb == CUBLAS_OP_N ? g.k : g.n, bc = g.tb == CUBLAS_OP_N ? g.n : g.k;
@@ -87,25 +149,8 @@ static void gemm_run(const Gemm &g) {
     if (g.beta != 0.0f) ok &= touch(g.C, (size_t)span(g.m, g.n, g.ldc) * esize(g.ct), 0, "cuBLAS read of C");
     ok &= touch(g.C, (size_t)span(g.m, g.n, g.ldc) * esize(g.ct), 1, "cuBLAS write of C");
     if (!ok) return;
-    const int64_t chunk = g.red > 0 ? g.red : g.k;
-    for (int64_t j = 0; j < g.n; j++)
-        for (int64_t i = 0; i < g.m; i++) {
-            float acc = 0.0f;
-            if (g.alpha != 0.0f)
-                for (int64_t l0 = 0; l0 < g.k; l0 += chunk) {
-                    float part = 0.0f;
-                    for (int64_t l = l0; l < g.k && l < l0 + chunk; l++) {
-                        float a = ld_elem(g.A, g.at, g.ta == CUBLAS_OP_N ? i + l * g.lda : l + i * g.lda);
-                        float b = ld_elem(g.B, g.bt, g.tb == CUBLAS_OP_N ? l + j * g.ldb : j + l * g.ldb);
-                        part += a * b;
-                    }
-                    /* reduced: each chunk's sum and the running sum held in C's type */
-                    acc = g.red > 0 ? in_type(g.ct, acc + in_type(g.ct, part)) : acc + part;
-                }
-            float v = g.alpha * acc;
-            if (g.beta != 0.0f) v += g.beta * ld_elem(g.C, g.ct, i + j * g.ldc);
-            st_elem(g.C, g.ct, i + j * g.ldc, v);
-        }
+    if (g.red > 0) gemm_reduced(g);
+    else gemm_fp32(g);
 }
 
 static bool bad_op(cublasOperation_t t) { return t != CUBLAS_OP_N && t != CUBLAS_OP_T && t != CUBLAS_OP_C; }
