@@ -109,15 +109,31 @@ static moept_layer *open_layer(refuse_job *j, tu_ep *e, int deepseek) {
     return L;
 }
 
-/* 0: a gradient of 1e21 on rank P-1 (fp32 v overflows) refused everywhere,
-   nothing changed; 1: the save after it succeeds and loads; 2: 5e20 on
-   every rank (v = 2.5e38, inside fp32) steps, and the state saves and loads */
-static void *overflow_main(void *arg) {
+/* A rank's part of a test on its layer (open_layer's), which refuse_rank then closes */
+typedef void refuse_body(refuse_job *j, moept_layer *L);
+static refuse_body *g_body; /* the next refuse_ranks' */
+static int g_deepseek;      /* its layers with DeepSeek-V3's routing */
+static void *refuse_rank(void *arg) {
     refuse_job *j = arg;
     j->P = g_P;
     tu_ep e;
-    moept_layer *L = open_layer(j, &e, 0);
-    if (!L) return NULL;
+    moept_layer *L = open_layer(j, &e, g_deepseek);
+    if (L) g_body(j, L);
+    moept_destroy(L);
+    tu_ep_close(&e);
+    return NULL;
+}
+/* body on P rank threads of a new world, a job each (js[P], zeroed first) */
+static void refuse_ranks(int P, refuse_body *body, int deepseek, refuse_job *js) {
+    g_P = P, g_body = body, g_deepseek = deepseek;
+    tu_new_world();
+    tu_ranks(P, 20000, refuse_rank, js, sizeof js[0]);
+}
+
+/* 0: a gradient of 1e21 on rank P-1 (fp32 v overflows) refused everywhere,
+   nothing changed; 1: the save after it succeeds and loads; 2: 5e20 on
+   every rank (v = 2.5e38, inside fp32) steps, and the state saves and loads */
+static void overflow_body(refuse_job *j, moept_layer *L) {
     const moept_adamw o = moept_adamw_default(1e-3f);
     const char *dir = tdir("overflow");
     moept_status st = fb(L, j->r, NULL);
@@ -127,7 +143,7 @@ static void *overflow_main(void *arg) {
     if (!st) st = fb(L, j->r, NULL);
     if (!st) st = moept_sync_grads(L, 1.0f);
     if (st) { j->st[0] = MOEPT_ERR_STATE; snprintf(j->err[0], 512, "set-up: %.400s", moept_last_error(L)); }
-    if (st) goto out;
+    if (st) return;
     const uint64_t h0 = params_hash(L);
     if (j->r == j->P - 1) poke(L, 1, 3, 1e21f);
     j->st[0] = moept_adamw_step(L, &o);
@@ -142,18 +158,12 @@ static void *overflow_main(void *arg) {
     if (!j->st[2]) j->st[2] = moept_save_checkpoint(L, dir);
     if (!j->st[2]) j->st[2] = moept_load_checkpoint(L, dir);
     j->same[2] = T_IS(L, 2);
-out:
-    moept_destroy(L);
-    tu_ep_close(&e);
-    return NULL;
 }
 
 static void test_overflow_refused(void) {
     for (int P = 1; P <= 2; P++) {
         refuse_job js[2];
-        g_P = P;
-        tu_new_world();
-        tu_ranks(P, 20000, overflow_main, js, sizeof js[0]);
+        refuse_ranks(P, overflow_body, 0, js);
         for (int r = 0; r < P; r++) {
             refuse_job *j = &js[r];
             const int mine = r == P - 1;
@@ -171,12 +181,7 @@ static void test_overflow_refused(void) {
 }
 
 /* every hyperparameter out of range refused, naming it, nothing changed */
-static void *hyper_main(void *arg) {
-    refuse_job *j = arg;
-    j->P = g_P;
-    tu_ep e;
-    moept_layer *L = open_layer(j, &e, 0);
-    if (!L) return NULL;
+static void hyper_body(refuse_job *j, moept_layer *L) {
     moept_status st = fb(L, j->r, NULL);
     if (!st) st = moept_sync_grads(L, 1.0f);
     const uint64_t h0 = params_hash(L);
@@ -190,16 +195,11 @@ static void *hyper_main(void *arg) {
         snprintf(j->err[k], 512, "%s", moept_last_error(L));
         j->same[k] = params_hash(L) == h0 && T_IS(L, 0);
     }
-    moept_destroy(L);
-    tu_ep_close(&e);
-    return NULL;
 }
 
 static void test_hyperparameters(void) {
     refuse_job js[1];
-    g_P = 1;
-    tu_new_world();
-    tu_ranks(1, 20000, hyper_main, js, sizeof js[0]);
+    refuse_ranks(1, hyper_body, 0, js);
     const char *want[7] = {"bias-corrected step size", "eps inf", "eps nan", "weight_decay inf",
                            "lr * weight_decay", "beta1 1", "beta2 -0.5"};
     for (int k = 0; k < 7; k++)
@@ -208,12 +208,7 @@ static void test_hyperparameters(void) {
 }
 
 /* a non-finite weight: the save refuses before touching the directory */
-static void *save_main(void *arg) {
-    refuse_job *j = arg;
-    j->P = g_P;
-    tu_ep e;
-    moept_layer *L = open_layer(j, &e, 0);
-    if (!L) return NULL;
+static void save_body(refuse_job *j, moept_layer *L) {
     const char *dir = tdir("save");
     char idx[300], before[300] = "", after[300] = "";
     snprintf(idx, sizeof idx, "%s/index.json", dir);
@@ -229,16 +224,11 @@ static void *save_main(void *arg) {
     j->same[0] = before[0] && !strcmp(before, after);
     if (!j->st[1]) j->st[1] = moept_load_checkpoint(L, dir);
     j->same[1] = params_hash(L) == h0;
-    moept_destroy(L);
-    tu_ep_close(&e);
-    return NULL;
 }
 
 static void test_save_refuses_nonfinite(void) {
     refuse_job js[1];
-    g_P = 1;
-    tu_new_world();
-    tu_ranks(1, 20000, save_main, js, sizeof js[0]);
+    refuse_ranks(1, save_body, 0, js);
     EXPECT(js[0].st[0] == MOEPT_ERR_NUMERIC && strstr(js[0].err[0], "'gate.weight' (flat element 5) is not "
            "finite") && js[0].same[0], "the save of an Inf weight: %d (%s), index unchanged %d",
            (int)js[0].st[0], js[0].err[0], js[0].same[0]);
@@ -281,12 +271,7 @@ static void test_links_not_followed(void) {
    makes the backward fail naming it (k = 0..3); routing stays readable, and
    update_bias after the step; the correction bias changes no weight (4); a
    forward again differentiates (5) */
-static void *stale_main(void *arg) {
-    refuse_job *j = arg;
-    j->P = g_P;
-    tu_ep e;
-    moept_layer *L = open_layer(j, &e, 1);
-    if (!L) return NULL;
+static void stale_body(refuse_job *j, moept_layer *L) {
     const char *dir = tdir("stale");
     float w[4 * DIM], x[TOK * DIM], dy[TOK * DIM];
     unsigned long long s = 3;
@@ -319,17 +304,12 @@ static void *stale_main(void *arg) {
     j->st[5] = st ? st : moept_forward(L, xd, TOK, y);
     if (!j->st[5]) j->st[5] = moept_backward(L, xd, dyd, dx);
     tu_dev_free(xd); tu_dev_free(dyd); tu_dev_free(y); tu_dev_free(dx);
-    moept_destroy(L);
-    tu_ep_close(&e);
-    return NULL;
 }
 
 static void test_stale_forwards(void) {
     for (int P = 1; P <= 2; P++) {
         refuse_job js[2];
-        g_P = P;
-        tu_new_world();
-        tu_ranks(P, 20000, stale_main, js, sizeof js[0]);
+        refuse_ranks(P, stale_body, 1, js);
         const char *call[4] = {"moept_set_param changed", "moept_load_checkpoint changed",
                                "moept_init_params changed", "moept_adamw_step changed"};
         for (int r = 0; r < P; r++) {
@@ -346,12 +326,7 @@ static void test_stale_forwards(void) {
 
 /* EP 2: a step without moept_sync_grads refused on both ranks, naming it;
    moept_grads_synced lets it through; zero_grad clears it */
-static void *unsynced_main(void *arg) {
-    refuse_job *j = arg;
-    j->P = g_P;
-    tu_ep e;
-    moept_layer *L = open_layer(j, &e, 0);
-    if (!L) return NULL;
+static void unsynced_body(refuse_job *j, moept_layer *L) {
     const moept_adamw o = moept_adamw_default(1e-3f);
     moept_status st = fb(L, j->r, NULL);
     const uint64_t h0 = params_hash(L);
@@ -362,16 +337,11 @@ static void *unsynced_main(void *arg) {
     j->st[1] = moept_adamw_step(L, &o);
     j->st[2] = moept_zero_grad(L);
     if (!j->st[2]) j->st[2] = moept_adamw_step(L, &o);
-    moept_destroy(L);
-    tu_ep_close(&e);
-    return NULL;
 }
 
 static void test_unsynced_refused(void) {
     refuse_job js[2];
-    g_P = 2;
-    tu_new_world();
-    tu_ranks(2, 20000, unsynced_main, js, sizeof js[0]);
+    refuse_ranks(2, unsynced_body, 0, js);
     for (int r = 0; r < 2; r++) {
         EXPECT(js[r].st[0] == MOEPT_ERR_STATE && strstr(js[r].err[0], "call moept_sync_grads") &&
                js[r].same[0],
