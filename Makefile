@@ -465,6 +465,9 @@ $(B)/emu/test_slots: tests/test_slots.c tests/testutil.h tests/tu_exec.h $(EMU_O
 $(B)/emu/test_refuse: tests/test_refuse.c tests/testutil.h tests/tu_exec.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
+$(B)/emu/test_range: tests/test_range.c tests/testutil.h tests/tu_exec.h $(EMU_OBJS)
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
 $(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/test_fault.cu -o $(B)/emu/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_fault.o $(EMU_OBJS) -o $@ $(EMU_LIBS)
@@ -515,6 +518,10 @@ $(B)/emu-san/moept_kernels.o: moept_kernels.cu moept.c $(HDRS) $(EMU_HDRS)
 	$(EMU_CXX) -O1 $(SAN) -x c++ -include tests/emu/cuda_emu.h -c moept_kernels.cu -o $@
 
 EMU_SAN_OBJS = $(patsubst tests/emu/%.cc,$(B)/emu-san/%.o,$(EMU_SRC)) $(B)/emu-san/moept_kernels.o
+$(B)/emu-san/test_range: tests/test_range.c tests/testutil.h tests/tu_exec.h moept.c $(HDRS) $(EMU_SAN_OBJS)
+	$(CC) -O0 -g $(WARN) $(SAN) -D_DEFAULT_SOURCE -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< moept.c \
+	    $(EMU_SAN_OBJS) -o $@ $(EMU_LIBS)
+
 # (moept.c at -O0: a third of -O1's compile, and the same run time: the kernels' unit is the work)
 $(B)/emu-san/moept_check: tests/moept_check.c tests/testutil.h moept.c $(HDRS) $(EMU_SAN_OBJS)
 	$(CC) -O0 -g $(WARN) $(SAN) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) tests/moept_check.c moept.c $(EMU_SAN_OBJS) -o $@ \

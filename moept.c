@@ -1806,6 +1806,7 @@ typedef struct moept__workspace {   /* the CPU steps' scratch, the layer's */
        changes nothing, and the GEMMs are those of the call without them */
     float *xsh;            /* [Tmax][D] the unmasked rows of x, packed */
     int64_t *shrow;        /* [Tmax] their tokens */
+    float *xz;             /* [Tmax][D] a padded step's router input: padded rows zero (first such step) */
     float *dlogits;        /* [Tmax][E] */
     moept__gemm *descs;    /* [El * P] grouped GEMM descriptors (a chunk: one per expert and source) */
     moept__gemm_ws gws;
@@ -2131,6 +2132,7 @@ void moept_destroy(moept_layer *L) {
     MOEPT_FREE(L->opt.m);
     MOEPT_FREE(L->ws.xsh);
     MOEPT_FREE(L->ws.shrow);
+    MOEPT_FREE(L->ws.xz);
     for (int s = 0; L->slots && s <= L->nslots; s++) { /* and every slot's own */
         moept__fstate *sl = &L->slots[s];
         MOEPT_FREE(sl->work);
@@ -2537,6 +2539,49 @@ moept_status moept_create(const moept_config *cfg, moept_layer **out) {
     return moept_create_parallel(cfg, NULL, NULL, out);
 }
 
+static int64_t moept__nonce(void);
+/* create, 1b: the EP and DP groups are two axes of one grid: no rank shares
+   both with another (one comm passed as both would add different experts'
+   gradients together and the router's twice), and a DP group joins ranks
+   of one EP rank (the same experts). Each rank draws an id; both groups'
+   are gathered; any rank's finding fails every rank of both groups. */
+static moept_status moept__agree_grid(moept_comm *ep, moept_comm *dp, const char *call) {
+    if (!ep || !dp || ep->size < 2 || dp->size < 2) return MOEPT_OK;
+    const int P = ep->size, DP = dp->size;
+    int64_t *ids = moept__alloc(NULL, (size_t)(P + 2 * DP) * sizeof(int64_t)), *dps = ids ? ids + P : NULL;
+    const int64_t me[2] = {moept__nonce(), ep->rank};
+    moept_status st, local = MOEPT_OK;
+    int64_t failed = moept__any_failed(ep, dp, ids == NULL, &st);
+    if (!st && !failed && !(st = ep->allgather(ep, me, ids, sizeof me[0])))
+        st = dp->allgather(dp, me, dps, sizeof me);
+    for (int q = 0; !st && !failed && !local && q < DP; q++) {
+        int shared = -1;
+        for (int r = 0; r < P && q != dp->rank; r++) shared = ids[r] == dps[2 * q] ? r : shared;
+        if (ep == dp)
+            local = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: one comm passed as both the EP and "
+                                       "the DP comm; they must be two axes of an EP x DP grid", call);
+        else if (shared >= 0)
+            local = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: DP rank %d is also EP rank %d of "
+                                       "this rank's EP group: the EP and DP groups must be two axes of an "
+                                       "EP x DP grid (no rank shares both with another)", call, q, shared);
+        else if (dps[2 * q + 1] != ep->rank)
+            local = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: DP rank %d is EP rank %lld, this "
+                                       "rank EP rank %d: a DP group joins the ranks that hold the same "
+                                       "experts (one EP rank of each EP group)", call, q,
+                                       (long long)dps[2 * q + 1], ep->rank);
+    }
+    MOEPT_FREE(ids);
+    if (st) return moept__thread_fail(st, "%s: the EP x DP grid check's all-gather failed: %s", call,
+                                      ep->err[0] ? ep->err : dp->err);
+    if (failed) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory on a rank", call);
+    failed = moept__any_failed(ep, dp, local != MOEPT_OK, &st);
+    if (st) return moept__thread_fail(st, "%s: the EP x DP grid agreement failed", call);
+    if (failed && !local)
+        local = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: the EP and DP comms do not form an EP x "
+                                   "DP grid (another rank names the problem)", call);
+    return local;
+}
+
 /* create, 1: this rank's checks (comms, config, what the executor can do),
    then the agreement: every rank learns whether any failed */
 static moept_status moept__create_checks(const moept_config *cfg, moept_comm *ep, moept_comm *dp,
@@ -2568,6 +2613,7 @@ static moept_status moept__create_checks(const moept_config *cfg, moept_comm *ep
     moept__fingerprint(c, st == MOEPT_OK, P, DP, moept__has_shm(ep), fp);
     moept_status ag = moept__agree_config(ep, "EP", fp, call);
     if (!ag) ag = moept__agree_config(dp, "DP", fp, call);
+    if (!ag) ag = moept__agree_grid(ep, dp, call);
     if (st) { memcpy(moept__thread_err, mine, sizeof mine); return st; }
     return ag;
 }
@@ -3897,13 +3943,27 @@ static int64_t moept__x_scan(const float *x, int64_t n, uint64_t *fp) {
     return bad < n ? bad : -1;
 }
 
+/* The first non-finite element of v [T][D] in a row that is not padding
+   (mask[t] 0, or with no mask its ids -1: such rows are not read), -1 if
+   none; run after a whole scan found one (the rare path) */
+static int64_t moept__unpadded_bad(const float *v, int64_t T, int64_t D, const uint8_t *mask,
+                                   const int32_t *ids, int64_t K) {
+    for (int64_t t = 0; t < T; t++) {
+        const int read = mask ? mask[t] != 0 : !ids || ids[t * K] >= 0;
+        const int64_t i = read ? moept__first_nonfinite(v + t * D, D) : -1;
+        if (i >= 0) return t * D + i;
+    }
+    return -1;
+}
+
 /* A call's output out [T][D] (or a loss, found by the caller: `local`)
    non-finite from finite inputs: the call fails on every rank of the EP
-   group and dp, each with `after` said (what the caller must do next). */
+   group and dp, each with `after` said (what the caller must do next); v NULL: out
+   was scanned and is finite */
 static moept_status moept__agree_finite(moept_layer *L, moept__fstate *sl, const char *call,
                                         const char *out, const float *v,
                                         moept_status local, moept_comm *dp, const char *after) {
-    int64_t bad = local ? -1 : moept__first_nonfinite(v, sl->fwd.T * L->D), failed;
+    int64_t bad = local || !v ? -1 : moept__first_nonfinite(v, sl->fwd.T * L->D), failed; /* v NULL: clean */
     moept_status st;
     if (bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC,
@@ -3921,6 +3981,23 @@ static moept_status moept__agree_finite(moept_layer *L, moept__fstate *sl, const
 }
 
 static int moept__finite_d(double v) { return v == v && fabs(v) <= 3.4028234663852886e38; } /* as a float */
+
+/* A non-finite parameter, named (which tensor, which element) into why [n],
+   so a forward whose output is not finite blames its cause, not an
+   overflow; 0 if every parameter is finite (a scan on the failure path) */
+static int moept__params_bad(const moept_layer *L, char *why, size_t n) {
+    for (int64_t t = 0; t < L->par.n_table; t++) {
+        const moept__param *p = &L->par.table[t];
+        const int64_t i = p->data ? moept__first_nonfinite(p->data, p->rows * p->cols) : -1;
+        if (i >= 0) {
+            snprintf(why, n, "parameter '%s' element [%lld][%lld] is %g (set through moept_params, "
+                     "moept_set_param or a load?): every parameter must be finite", p->name,
+                     (long long)(i / p->cols), (long long)(i % p->cols), (double)p->data[i]);
+            return 1;
+        }
+    }
+    return 0;
+}
 /* Finite inputs can still give a non-finite output or loss (an overflow in
    the experts or the shared expert): the step fails on every rank of the
    groups it spans. The experts' saved activations are this step's by now,
@@ -3931,12 +4008,19 @@ static moept_status moept__forward_finite(moept_layer *L, moept__fstate *sl, con
     static const char *after = "the step is rejected, run forward again";
     moept_status local = MOEPT_OK; /* losses count only where they are part of the objective */
     int zbad = L->cfg.z_loss_coef > 0.0f && !moept__finite_d(z);
-    if (zbad || (L->cfg.aux_loss_coef > 0.0f && !moept__finite_d(aux)))
+    char why[MOEPT__ERRLEN - 64];
+    const int ybad = moept__first_nonfinite(y, sl->fwd.T * L->D) >= 0; /* (the one scan of y) */
+    if ((zbad || !moept__finite_d(aux) || ybad) && moept__params_bad(L, why, sizeof why)) { /* the cause */
+        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: %s; %s", why, after);
+        zbad = 0;
+    }
+    if (!local && (zbad || (L->cfg.aux_loss_coef > 0.0f && !moept__finite_d(aux))))
         local = moept__fail(L, MOEPT_ERR_NUMERIC,
                             "moept_forward: the %s loss is not finite from finite inputs; "
                             "%s",
                             zbad ? "z" : "aux", after);
-    local = moept__agree_finite(L, sl, "moept_forward", "y", y, local, global ? L->dp : NULL, after);
+    local = moept__agree_finite(L, sl, "moept_forward", "y", ybad ? y : NULL, local, global ? L->dp : NULL,
+                                after);
     if (local) sl->fwd.valid = 0;
     return local;
 }
@@ -3985,6 +4069,7 @@ static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
                            "moept_forward: tokens %lld is not a multiple of config.aux_seq_len (%lld)",
                            (long long)T, (long long)L->cfg.aux_seq_len);
     int64_t bad = moept__x_scan(f->x, T * D, &f->x_fp);
+    if (bad >= 0) bad = moept__unpadded_bad(f->x, T, D, f->mask, NULL, L->K);
     if (bad >= 0)
         return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: x[%lld][%lld] is not finite",
                            (long long)(bad / D), (long long)(bad % D));
@@ -3996,6 +4081,26 @@ static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
                                (long long)(code / 2), MOEPT__REPLAY_WHY(code));
     }
     return MOEPT_OK;
+}
+
+/* The router's input where a token is padded (mask[t] 0, or with no mask
+   its ids -1): xin with the padded rows zero in out [T][D] (out may be xin),
+   so that nothing a padded row holds (a NaN too) reaches a logit or the
+   router's gradient; xin itself where no token is padded */
+static const float *moept__router_in(const float *xin, int64_t T, int64_t D, const uint8_t *mask,
+                                     const int32_t *ids, int64_t K, float *out) {
+    int64_t t = 0;
+    while (t < T && (mask ? mask[t] != 0 : ids[t * K] >= 0)) t++;
+    if (t == T) return xin;
+    #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
+    for (int64_t r = 0; r < T; r++) {
+        if (mask ? mask[r] != 0 : ids[r * K] >= 0) {
+            if (out != xin) memcpy(out + r * D, xin + r * D, (size_t)D * sizeof(float));
+        } else {
+            memset(out + r * D, 0, (size_t)D * sizeof(float));
+        }
+    }
+    return out;
 }
 
 /* 2. route into the spare buffers: the fp32 router on x (times the jitter
@@ -4015,6 +4120,7 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstate *sl, moept__f
         moept__jitter_apply(L, f->jkey, f->x, T, sl->fwd.xj, sl->fwd.jrow[nb], !L->jitter_frozen);
         xin = sl->fwd.xj;
     }
+    if (f->mask) xin = moept__router_in(xin, T, D, f->mask, NULL, L->K, f->jitter ? sl->fwd.xj : L->ws.xz);
     moept__gemm g = moept__gemm_make(0, 1, T, E, D, xin, D, L->par.w_router, D, 0.0f, logits, E);
     moept__gemm_run(&g, 1, &L->ws.gws);
     int64_t first_bad = T, valid = 0;
@@ -4390,7 +4496,8 @@ static int moept__eval_slot(const moept_layer *L) {
 static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     /* a training forward's slot; an evaluation's own (a training layer's
        evaluation leaves every training forward's state as it was) */
-    const int slot = !f->eval ? f->slot : L->cfg.inference_only ? 0 : moept__eval_slot(L);
+    const int slot = f->reject ? 0 /* (an out-of-range f->slot is never an index) */
+                     : !f->eval ? f->slot : L->cfg.inference_only ? 0 : moept__eval_slot(L);
     moept__fstate *sl = &L->slots[slot]; /* its buffers made at its first use; nothing switches */
     moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why)
                                    : moept__slot_get(L, slot, "moept_forward", &sl),
@@ -4399,6 +4506,12 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     f->nb = 1 - sl->fwd.cur;
     f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
     if (!local) local = moept__fwd_checks(L, f);
+    if (!local && f->mask && !L->ws.xz && memchr(f->mask, 0, (size_t)f->T)) { /* the first padded step */
+        L->ws.xz = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
+        if (!L->ws.xz)
+            local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: out of memory for the router's "
+                                "input with the padded rows zero");
+    }
     if (!local) local = moept__fwd_route(L, sl, f);
     if (!local && L->S > 0 && f->valid < f->T && !L->ws.xsh) { /* the first padded step: room to pack */
         L->ws.xsh = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
@@ -4539,6 +4652,7 @@ static moept_status moept__bwd_agree(moept_layer *L, moept__fstate *sl, const fl
                                      const float *dx, const float *dlogits, float rscale, int slot) {
     moept_status local = MOEPT_OK;
     uint64_t x_fp = 0;
+    const int32_t *ids = sl->ready ? sl->fwd.ids[sl->fwd.cur] : NULL; /* -1: padding, whose rows go unread */
     if (slot < 0 || slot >= L->nslots)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: opts.slot %d is not in "
                             "0..max_inflight-1 (%d)", slot, L->nslots - 1);
@@ -4567,11 +4681,13 @@ static moept_status moept__bwd_agree(moept_layer *L, moept__fstate *sl, const fl
                             !x ? "x" : !dy ? "dy" : "dx");
     else if (moept__overlaps(dx, x, (size_t)(T * D) * sizeof(float)))
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, MOEPT__DX_ALIAS);
-    else if (moept__x_scan(x, T * D, &x_fp) >= 0 || x_fp != sl->fwd.x_fp)
+    else if ((moept__x_scan(x, T * D, &x_fp) >= 0 && moept__unpadded_bad(x, T, D, NULL, ids, L->K) >= 0) ||
+             x_fp != sl->fwd.x_fp)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: x is not the last forward's x "
                             "(another buffer, or changed since, e.g. by a y written over it)");
     else {
         int64_t bad = moept__first_nonfinite(dy, T * D);
+        if (bad >= 0) bad = moept__unpadded_bad(dy, T, D, NULL, ids, L->K);
         if (bad >= 0)
             local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_backward: dy[%lld][%lld] is not finite",
                                 (long long)(bad / D), (long long)(bad % D));
@@ -4700,6 +4816,7 @@ static void moept__bwd_router(moept_layer *L, moept__fstate *sl, const float *x,
         moept__jitter_apply(L, sl->fwd.jkey, x, T, sl->fwd.xj, sl->fwd.jrow[sl->fwd.cur], 0);
         xin = sl->fwd.xj;
     }
+    if (L->ws.xz) xin = moept__router_in(xin, T, D, NULL, ids, K, sl->fwd.jitter ? sl->fwd.xj : L->ws.xz);
     moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->ws.dlogits, E, xin, D, 1.0f, L->par.g_router, D);
     moept__gemm_run(&g, 1, &L->ws.gws);
     const int64_t n = moept__shared_rows(sl, T);

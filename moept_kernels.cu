@@ -491,17 +491,28 @@ __device__ __forceinline__ void moept__stf(T *p, int w, float *v) {
     else v[0] = moept__st(p, 0, v[0]);
 }
 
+/* The padded rows [T][D] of a check (mask[t] 0, or with no mask ids[t][0]
+   -1): not read, their copy zero. D 0: none */
+typedef struct moept__pad { const uint8_t *mask; const int32_t *ids; int64_t D; int K; } moept__pad;
+__device__ __forceinline__ int moept__padded(const moept__pad &p, int64_t e) {
+    const int64_t t = p.D ? e / p.D : 0;
+    return p.D && (p.mask ? !p.mask[t] : p.ids[t * p.K] < 0);
+}
 /* x [n] -> finiteness (first bad index, atomicMin: the same index whatever
-   the order) and, when xf is given, its fp32 copy (the router's input) */
+   the order) and, when xf is given, its fp32 copy (the router's input);
+   padded rows are not checked and copy as zeros */
 template <typename T, int V>
-__global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long long *first_bad) {
+__global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long long *first_bad,
+                               moept__pad pd) {
     MOEPT__FLAT_FOR(i, n, V) {
-        int w;
+        int w, seen = 0;
         const int64_t e = moept__flat<V>(i, n, &w);
         float v[V];
         moept__ldf<V>(x + e, w, v);
         for (int l = 0; l < w; l++)
-            if (!moept__finite(v[l])) { atomicMin(first_bad, (unsigned long long)(e + l)); break; }
+            if (moept__padded(pd, e + l)) v[l] = 0.0f;
+            else if (!seen && !moept__finite(v[l]))
+                atomicMin(first_bad, (unsigned long long)(e + l)), seen = 1;
         if (xf) moept__stf<V>(xf + e, w, v);
     }
 }
@@ -2150,6 +2161,8 @@ struct moept__cuda {
 
     void *xsh;                  /* [Tmax][D] (T) a masked step's shared-expert input (moept__k_unpadded),
                                    made at the first masked forward (S > 0), again by its backward */
+    float *xz;                  /* [Tmax][D] an F32 layer's router input in a masked step, padded rows zero
+                                   (a BF16 layer's xf is one): made at the first masked forward */
     /* config.fp8: cuBLASLt, the weights' E4M3 copies (routed, shared) in one block, and the token
        operands' scratch for one group of q8rows padded rows (moept__q8_room: it grows) */
     cublasLtHandle_t lt;
@@ -2364,6 +2377,7 @@ static void moept__cuda_destroy(moept__cuda *c) {
     for (int s = 0; c->slots && s <= c->nslots; s++) moept__slot_free(&c->slots[s]);
     free(c->slots);
     cudaFree(c->xsh);
+    cudaFree(c->xz);
     cudaFreeHost(c->pinned);
     if (c->probe) cudaStreamDestroy(c->probe);
     free(c->hblock);
@@ -3583,21 +3597,27 @@ typedef struct moept__fwd {
 
 /* A mask is device memory, as x and y are (the route kernel reads it); a
    layer with a shared expert makes the room for its unpadded input (xsh) at
-   its first masked forward, as moept.c makes its packed rows' */
+   its first masked forward, as moept.c makes its packed rows', and an F32
+   layer the room for its router's (xz) */
 static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
     char why[MOEPT__ERRLEN] = "";
     if (moept__is_host(f->mask)) {
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: opts.mask is not device memory (a CUDA layer's "
                  "mask is [tokens] bytes on its device, as x and y are)");
-    } else if (p->S > 0 && !c->xsh) {
+    } else { /* (xz: an F32 layer's, esz 4) */
         const size_t bytes = (size_t)(p->Tmax * p->D) * (size_t)c->esz;
-        if (moept__dmalloc(c, &c->xsh, bytes, why) == MOEPT_OK) {
+        void *xz = NULL;
+        if (p->S > 0 && !c->xsh && moept__dmalloc(c, &c->xsh, bytes, why) == MOEPT_OK)
             c->fixed_bytes += (int64_t)bytes;
-        } else {
+        if (!c->wlow && !c->xz && moept__dmalloc(c, &xz, bytes, why) == MOEPT_OK) {
+            c->xz = (float *)xz;
+            c->fixed_bytes += (int64_t)bytes;
+        }
+        if ((p->S > 0 && !c->xsh) || (!c->wlow && !c->xz)) {
             f->reject = MOEPT_ERR_OUT_OF_MEMORY; /* agreed as a host rejection, with this status */
-            snprintf(f->local, MOEPT__ERRLEN, "moept_forward: out of device memory for the shared expert's "
-                     "unpadded rows (%.400s)", why);
+            snprintf(f->local, MOEPT__ERRLEN, "moept_forward: out of device memory for the unpadded rows "
+                     "(%.400s)", why);
         }
     }
     if (f->local[0]) f->host_bad = 1;
@@ -3669,9 +3689,14 @@ static void moept__fwd_checks(moept__cuda *c, moept__cslot *sl, const void *x, i
 
 /* x [n]'s finiteness (the first bad index into bad) and, with xf, its fp32 copy */
 template <typename T>
-static void moept__check(moept__cuda *c, const T *x, int64_t n, float *xf, unsigned long long *bad) {
+static void moept__check(moept__cuda *c, const T *x, int64_t n, float *xf, unsigned long long *bad,
+                         moept__pad pd = moept__pad{NULL, NULL, 0, 0}) {
     const int vec = moept__vec<T>(0, x, xf), V = vec ? MOEPT__VEC(T) : 1;
-    MOEPT__LAUNCH_V(vec, moept__k_check, T, moept__grid(n / V + n % V), MOEPT__TB, c->s, x, n, xf, bad);
+    MOEPT__LAUNCH_V(vec, moept__k_check, T, moept__grid(n / V + n % V), MOEPT__TB, c->s, x, n, xf, bad, pd);
+}
+/* a masked step's padded rows (its forward's ids -1); none unmasked */
+static moept__pad moept__pad_of(const moept__cuda *c, const moept__cslot *sl) {
+    return moept__pad{NULL, sl->masked ? sl->ids[sl->cur] : NULL, sl->masked ? c->sp.D : 0, (int)c->sp.K};
 }
 
 /* MOEPT_AUX_SEQ: each sequence's statistics, aux value and gradient row
@@ -3721,9 +3746,11 @@ static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept
         MOEPT__PRE(moept__q8_weights(c));
         MOEPT__STAGE("route");
     }
-    const float *xf = c->wlow ? sl->xf : (const float *)x;
+    /* (a masked step's: padded rows zero, so nothing they hold reaches a logit or the router's gradient) */
+    float *xmask = f->mask ? (c->wlow ? sl->xf : c->xz) : c->wlow ? sl->xf : NULL;
+    const float *xf = xmask ? xmask : (const float *)x;
     if (T_ > 0) {
-        moept__check<T>(c, x, T_ * D, c->wlow ? sl->xf : NULL, &c->bad[0]);
+        moept__check<T>(c, x, T_ * D, xmask, &c->bad[0], moept__pad{f->mask, NULL, f->mask ? D : 0, (int)K});
         MOEPT__PRE(cudaGetLastError());
         sl->xf_committed = 0; /* until this step commits */
         if (f->jitter) moept__jitter(c, xf, T_, sl->jrow[nb], f->jkey, 1);
@@ -4435,7 +4462,7 @@ static moept_status moept__bwd_agree(moept__cuda *c, moept__cslot *sl, const T *
     }
     if (!local[0] && T_ > 0) {
         MOEPT__CU(cudaMemsetAsync(&c->bad[2], 0xff, 8, c->s));
-        moept__check<T>(c, dy, T_ * D, NULL, &c->bad[2]);
+        moept__check<T>(c, dy, T_ * D, NULL, &c->bad[2], moept__pad_of(c, sl)); /* padded rows: unread */
         MOEPT__LAUNCHED();
     }
     /* unchecked_backward: no host sync and no agreement; a rank's rejection is its own. Sync-free:
@@ -4473,8 +4500,9 @@ static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, K = p->K, T_ = sl->T;
     if (T_ == 0) return MOEPT_OK;
-    if (c->wlow && !sl->xf_committed) { /* a rejected forward converted its x since */
-        moept__check<T>(c, x, T_ * D, sl->xf, &c->bad[3]);
+    if ((c->wlow && !sl->xf_committed) || (!c->wlow && sl->masked)) { /* a rejected forward converted
+                                                                           its x since; xz is every slot's */
+        moept__check<T>(c, x, T_ * D, c->wlow ? sl->xf : c->xz, &c->bad[3], moept__pad_of(c, sl));
         MOEPT__LAUNCHED();
         sl->xf_committed = 1;
     }
@@ -4571,7 +4599,7 @@ static moept_status moept__backward(moept__cuda *c, moept__cslot *sl, const void
     MOEPT__STAGE("bwd.agree");
     MOEPT__TRY(moept__bwd_agree<T>(c, sl, x, dy, dxv, out->tag, out, err));
     sl->bwd_done = 1; /* from here on the saved rows change */
-    const float *xf = c->wlow ? sl->xf : (const float *)xv;
+    const float *xf = c->wlow ? sl->xf : sl->masked ? c->xz : (const float *)xv;
     MOEPT__STAGE("bwd.combine");
     MOEPT__TRY(moept__bwd_combine<T>(c, sl, x, dy, err));
     MOEPT__STAGE(c->C > 1 ? "bwd.pipeline" : "bwd.experts");
@@ -4999,8 +5027,10 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     if (st) return st;
     moept__dev_step r;
     memset(&r, 0, sizeof r);
-    /* the slot in the tag's high half (0: an evaluation), agreed with the call */
-    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD) | (int64_t)(f->eval ? 0 : f->slot + 1) << 32;
+    /* the slot in the tag's high half (0: an evaluation), agreed with the call (unsigned: an
+       out-of-range slot is refused, agreed) */
+    r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD) |
+            (int64_t)((uint64_t)(f->eval ? 0u : (uint32_t)f->slot + 1u) << 32);
     r.slot = f->slot;
     r.eval = f->eval;
     r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */

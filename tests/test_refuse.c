@@ -417,6 +417,64 @@ static void test_names(void) {
     moept_destroy(A);
 }
 
+/* EP and DP comms that are no EP x DP grid, refused at create on every rank, named: one comm passed as
+   both; CPU layers (4 ranks, EP 2 x DP 2): a DP group of the EP group's own ranks, and one joining
+   different EP ranks; the grid itself is accepted */
+static moept_thread_group *g_grid[4]; /* EP groups 0, 1, then DP groups 0, 1 */
+static int g_grid_mode;               /* 0 the grid, 1 one comm as both, 2 DP = EP's ranks, 3 mixed */
+static void *grid_main(void *arg) {
+    refuse_job *j = arg;
+    j->P = g_P;
+    moept_config c = refuse_cfg(0);
+    moept_layer *L = NULL;
+    moept_comm *ep = NULL, *dp = NULL;
+#if TU_GPU
+    tu_ep e;
+    ep = tu_ep_open(&e, j->g, j->P, j->r);
+    dp = ep;
+#else
+    const int r = j->r, er = r % 2, dg = g_grid_mode == 2 ? r / 2 : g_grid_mode == 3 ? (r % 2 != r / 2) : r % 2;
+    moept_comm_threads(g_grid[r / 2], er, &ep);
+    if (g_grid_mode == 1) dp = ep;
+    else moept_comm_threads(g_grid[2 + dg], g_grid_mode == 2 ? er : r / 2, &dp);
+#endif
+#if TU_GPU
+    moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, 0, MOEPT_GEMM_AUTO};
+    j->st[0] = moept_create_cuda(&c, ep, dp, &o, &L);
+#else
+    j->st[0] = moept_create_parallel(&c, ep, dp, &L);
+#endif
+    snprintf(j->err[0], 512, "%s", moept_last_error(NULL));
+    moept_destroy(L);
+#if TU_GPU
+    tu_ep_close(&e);
+#endif
+    return NULL;
+}
+
+static void test_grid_slips(void) {
+    static const char *const want[4] = {NULL, "one comm passed as both the EP and the DP comm",
+                                        "is also EP rank", "a DP group joins the ranks that hold the same"};
+    for (int m = TU_GPU ? 1 : 0; m < (TU_GPU ? 2 : 4); m++) {
+        refuse_job js[4];
+        const int P = TU_GPU ? 2 : 4;
+        g_grid_mode = m, g_P = TU_GPU ? 2 : 1;
+        for (int k = 0; k < 4 && !TU_GPU; k++) moept_thread_group_create(2, 20000, &g_grid[k]);
+        tu_new_world();
+        tu_ranks(P, 20000, grid_main, js, sizeof js[0]);
+        for (int k = 0; k < 4 && !TU_GPU; k++) moept_thread_group_destroy(g_grid[k]);
+        for (int r = 0; r < P; r++) {
+            if (!m) {
+                EXPECT(js[r].st[0] == MOEPT_OK, "the grid, rank %d: %d (%s)", r, (int)js[r].st[0], js[r].err[0]);
+                continue;
+            }
+            EXPECT(js[r].st[0] == MOEPT_ERR_INVALID_ARGUMENT &&
+                       (strstr(js[r].err[0], want[m]) || strstr(js[r].err[0], "another rank names")),
+                   "mode %d rank %d: %d (%s)", m, r, (int)js[r].st[0], js[r].err[0]);
+        }
+    }
+}
+
 int main(void) {
 #if TU_GPU
     if (moept_cuda_device_count() < 2) {
@@ -432,6 +490,7 @@ int main(void) {
     RUN(test_unsynced_refused);
     RUN(test_config_differs);
     RUN(test_names);
+    RUN(test_grid_slips);
     char rm[64]; /* this process's folders (tdir): another test_refuse may run beside it */
     snprintf(rm, sizeof rm, "rm -rf /tmp/moept_refuse_%d_*", (int)getpid());
     (void)!system(rm);

@@ -77,6 +77,13 @@ static inline void *tu_dev(const void *h, size_t bytes) {
     return d;
 #endif
 }
+static inline void tu_to_dev(void *d, const void *h, size_t bytes) {
+#ifdef MOEPT_CUDA
+    cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice);
+#else
+    memcpy(d, h, bytes);
+#endif
+}
 static inline void tu_to_host(void *h, const void *d, size_t bytes) {
 #ifdef MOEPT_CUDA
     cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost);
