@@ -7955,9 +7955,41 @@ static moept_status moept__hf_find(const char *dir, moept__hf_src *s, const char
     return MOEPT_OK;
 }
 
+/* One member of config.json's quantization_config (j at its value):
+   weight_block_size is honoured; fmt, quant_method and activation_scheme
+   must be DeepSeek-V3's, the only FP8 scheme moept dequantises (E4M3
+   weights times one scale a block); other keys are not read. */
+static moept_status moept__hf_quant_key(moept__json *j, const char *k, const char *path, int64_t blk[2]) {
+    static const char *const want[3][2] = {
+        {"fmt", "e4m3"}, {"quant_method", "fp8"}, {"activation_scheme", "dynamic"}};
+    if (strcmp(k, "weight_block_size") == 0) {
+        if (moept__jchar(j, '[') && moept__juint(j, &blk[0]) && moept__jchar(j, ',') &&
+            moept__juint(j, &blk[1]) && moept__jchar(j, ']') && blk[0] > 0 && blk[1] > 0)
+            return MOEPT_OK;
+        return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\": weight_block_size "
+                                  "must be [rows, cols] (positive integers)", path);
+    }
+    for (int i = 0; i < 3; i++) {
+        if (strcmp(k, want[i][0]) != 0) continue;
+        const char *v = moept__jpeek(j, '"') ? moept__jstring(j) : NULL;
+        if (!v)
+            return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: quantization_config.%s must be a string "
+                                      "(\"%s\")", path, k, want[i][1]);
+        if (strcmp(v, want[i][1]) != 0)
+            return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "%s: quantization_config.%s is \"%s\": moept "
+                                      "loads only \"%s\" (DeepSeek-V3's block-scaled FP8)", path, k, v,
+                                      want[i][1]);
+        return MOEPT_OK;
+    }
+    if (moept__jvalue(j, 1, NULL)) return MOEPT_OK;
+    return moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\": %s", path,
+                              j->err ? j->err : "syntax");
+}
+
 /* The scale block of FP8 weights: config.json's
    quantization_config.weight_block_size, or DeepSeek-V3's 128 x 128 where
-   the directory has no config.json or it says nothing */
+   the directory has no config.json or it says nothing; the object's other
+   fields checked (moept__hf_quant_key) */
 static moept_status moept__hf_fp8_block(const char *dir, int64_t blk[2]) {
     blk[0] = blk[1] = 128;
     char path[4096];
@@ -7967,23 +7999,15 @@ static moept_status moept__hf_fp8_block(const char *dir, int64_t blk[2]) {
     moept_status st = moept__hf_load(path, &h, &missing);
     if (st) return missing ? MOEPT_OK : st;
     int i = moept__hf_key(h, "quantization_config");
-    if (i >= 0 && h->kind[i] == MOEPT__HK_OTHER) { /* {..., "weight_block_size": [r, c], ...} */
+    if (i >= 0 && h->kind[i] != MOEPT__HK_OTHER && h->kind[i] != MOEPT__HK_NULL)
+        st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\" must be an object", path);
+    if (i >= 0 && h->kind[i] == MOEPT__HK_OTHER) {
         moept__json j = moept__hf_raw(h, i);
         int64_t n = 0;
         char *k;
-        int ok = 1;
-        while (ok && moept__jmember(&j, &n, &k)) {
-            if (strcmp(k, "weight_block_size") == 0)
-                ok = moept__jchar(&j, '[') && moept__juint(&j, &blk[0]) && moept__jchar(&j, ',') &&
-                     moept__juint(&j, &blk[1]) && moept__jchar(&j, ']') && blk[0] > 0 && blk[1] > 0;
-            else
-                ok = moept__jvalue(&j, 1, NULL);
-        }
-        if (!ok || j.err)
-            st = moept__thread_fail(MOEPT_ERR_FORMAT,
-                                    "%s: key \"quantization_config\": weight_block_size must be "
-                                    "[rows, cols] (positive integers)",
-                                    path);
+        while (!st && moept__jmember(&j, &n, &k)) st = moept__hf_quant_key(&j, k, path, blk);
+        if (!st && j.err)
+            st = moept__thread_fail(MOEPT_ERR_FORMAT, "%s: key \"quantization_config\": %s", path, j.err);
     }
     moept__hf_free(h);
     return st;
@@ -8014,6 +8038,15 @@ static moept_status moept__hf_fp8_scale(const char *dir, moept__hf_src *src, con
     int64_t before = f->bytes_read;
     st = moept_st_read_f32(f, t, scale, sr * sc);
     *bytes += f->bytes_read - before;
+    /* 0, -0 or < 0 zeroes or negates a block, a denormal loses its bits: a corrupt file, not a scale */
+    for (int64_t b = 0; !st && b < sr * sc; b++) {
+        uint32_t u;
+        memcpy(&u, &scale[b], sizeof u);
+        if (u < 0x00800000u || u >= 0x7f800000u) /* not in [2^-126, FLT_MAX] (the sign bit: >= 2^31) */
+            st = moept__thread_fail(MOEPT_ERR_NUMERIC, "%s: '%s' block [%lld][%lld] is %g: a scale must be a "
+                                    "positive normal finite number", dir, sname, (long long)(b / sc),
+                                    (long long)(b % sc), (double)scale[b]);
+    }
     for (int64_t r = 0; !st && r < rows; r++) /* e4m3 x float: one rounding, as float64 then float */
         for (int64_t c = 0; c < cols; c++) dst[r * cols + c] *= scale[r / br * sc + c / bc];
     MOEPT_FREE(scale);

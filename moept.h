@@ -1283,9 +1283,22 @@ moept_status moept_st_write(moept_st_writer *w, const char *path);
    from config.json's quantization_config.weight_block_size, else 128 x
    128) are dequantised on load: element times its block's scale, one fp32
    rounding (equal to a float64 dequantisation rounded to fp32); a rank
-   reads only its own experts' weights and scales.
+   reads only its own experts' weights and scales. Each scale read must be
+   a positive normal finite fp32 number: 0, -0, a negative, a denormal,
+   NaN or Inf (a block zeroed, negated or lost) is MOEPT_ERR_NUMERIC, as a
+   non-finite weight element is, naming the scale tensor and the block
+   ([block row][block column]). quantization_config, read here (not by
+   moept_config_from_hf): weight_block_size is honoured, any positive
+   [rows, cols]; fmt must be "e4m3", quant_method "fp8" and
+   activation_scheme "dynamic", DeepSeek-V3's values, which an absent
+   field takes; another value is MOEPT_ERR_UNSUPPORTED naming the field.
+   A field of the wrong type, or a quantization_config that is not an
+   object (null: none), is MOEPT_ERR_FORMAT; its other keys are not read
+   (a tensor is FP8 by its dtype). quantization_config is checked whether
+   or not the checkpoint holds FP8 tensors.
    The bytes read (headers included) are counted in moept_stats. Nothing
-   changes unless every tensor was found and read. */
+   changes unless every tensor was found, read and passed these checks on
+   every rank (a group call: one rank's refusal fails them all). */
 moept_status moept_load_hf(moept_layer *layer, const char *dir, int64_t layer_index);
 /* Writes this rank's experts (and, if with_replicated, the router, bias and
    shared expert) of layer `layer_index` under the HF names, as one

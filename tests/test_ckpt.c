@@ -1221,6 +1221,150 @@ static void test_fp8_block_size_huge(void) {
     moept_destroy(L);
 }
 
+/* deepseek_fp8 copied into dir, its config.json with `from` replaced by
+   `to` (from NULL: as it is); 0 if the copy failed */
+static int fp8_copy(const char *dir, const char *from, const char *to) {
+    static const char *const names[2] = {"config.json", "model.safetensors"};
+    mkdir(dir, 0755);
+    int ok = 1;
+    for (int i = 0; i < 2; i++) {
+        char path[256], *text = calloc(1, 1 << 17), *out = calloc(1, 1 << 17);
+        snprintf(path, sizeof path, "tests/checkpoints/deepseek_fp8/%s", names[i]);
+        FILE *f = fopen(path, "rb");
+        size_t n = f ? fread(text, 1, (1 << 17) - 1, f) : 0, m = n;
+        if (f) fclose(f);
+        char *at = i == 0 && from ? strstr(text, from) : NULL;
+        ok = ok && n > 0 && (!from || i == 1 || at);
+        if (at) m = (size_t)snprintf(out, 1 << 17, "%.*s%s%s", (int)(at - text), text, to, at + strlen(from));
+        else memcpy(out, text, n);
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        f = fopen(path, "wb");
+        ok = ok && f && fwrite(out, 1, m, f) == m;
+        if (f) fclose(f);
+        free(text); free(out);
+    }
+    return ok;
+}
+
+/* A layer loaded from deepseek_fp8, then from j->dir: the second load's
+   status and message, and whether it changed the parameters or the bias */
+typedef struct f8b {
+    moept_thread_group *g; int r; const char *dir; moept_status st; int changed; char err[512];
+} f8b;
+static void *fp8_reload_main(void *arg) {
+    f8b *j = arg;
+    const char *good = "tests/checkpoints/deepseek_fp8";
+    moept_comm *c = NULL;
+    if (j->g) moept_comm_threads(j->g, j->r, &c);
+    moept_config cfg = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
+    cfg.max_tokens = 8;
+    moept_layer *L = NULL;
+    moept_status st = moept_config_from_hf(good, 1, &cfg);
+    if (!st) st = moept_create_parallel(&cfg, c, NULL, &L);
+    if (!st) st = moept_load_hf(L, good, 1);
+    if (st) {
+        j->st = MOEPT_ERR_STATE;
+        snprintf(j->err, sizeof j->err, "set-up: %.400s", moept_last_error(L));
+    } else {
+        size_t np = (size_t)L->par.n_params, ne = (size_t)L->E;
+        float *before = malloc((np + ne) * 4);
+        memcpy(before, L->par.params, np * 4);
+        memcpy(before + np, L->par.bias, ne * 4);
+        j->st = moept_load_hf(L, j->dir, 1);
+        snprintf(j->err, sizeof j->err, "%s", j->st ? moept_last_error(L) : "loaded");
+        j->changed = memcmp(before, L->par.params, np * 4) != 0 ||
+                     memcmp(before + np, L->par.bias, ne * 4) != 0;
+        free(before);
+    }
+    moept_destroy(L);
+    moept_comm_destroy(c);
+    return NULL;
+}
+
+/* An FP8 checkpoint's scale that is not a positive normal finite fp32
+   number (0, -0, negative, denormal, NaN, Inf: a block zeroed, negated or
+   not finite) is refused with MOEPT_ERR_NUMERIC naming the scale tensor
+   and the block, the parameters bitwise as they were; at EP = 4 the rank
+   holding the expert refuses and every rank fails, none changed */
+static void test_fp8_bad_scale_refused(void) {
+    const char *dir = "build/ckpt_fp8_scale";
+    const char *sname = "model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv";
+    static const float bad[] = {0.0f, -0.0f, -0.5f, 1e-40f, NAN, INFINITY, -INFINITY};
+    static const char *const shown[] = {"is 0:", "is -0:", "is -0.5:", "e-41:", "nan:", "is inf:",
+                                        "is -inf:"};
+    EXPECT(fp8_copy(dir, NULL, NULL), "copying deepseek_fp8 into %s", dir);
+    moept_st_file *sf = NULL;
+    EXPECT_OK(moept_st_open("build/ckpt_fp8_scale/model.safetensors", &sf));
+    const moept_st_tensor *t = sf ? moept_st_find(sf, sname) : NULL;
+    EXPECT(t && t->dtype == MOEPT_DTYPE_F32 && t->ndim == 2 && t->shape[1] == 2, "no F32 [.., 2] '%s'",
+           sname);
+    int64_t at = t ? t->offset + 4 : 0; /* block [0][1] */
+    moept_st_close(sf);
+    if (!t) return;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int fd = open("build/ckpt_fp8_scale/model.safetensors", O_WRONLY);
+        EXPECT(fd >= 0 && pwrite(fd, &bad[i], 4, at) == 4, "writing the scale");
+        if (fd >= 0) close(fd);
+        f8b one = {0};
+        one.dir = dir;
+        fp8_reload_main(&one);
+        EXPECT(one.st == MOEPT_ERR_NUMERIC && strstr(one.err, sname) && strstr(one.err, "block [0][1]") &&
+               strstr(one.err, shown[i]) &&
+               strstr(one.err, "a scale must be a positive normal finite number"),
+               "scale %g: status %d, '%s'", (double)bad[i], (int)one.st, one.err);
+        EXPECT(!one.changed, "scale %g: the refused load changed the layer", (double)bad[i]);
+        if (bad[i] != -0.5f) continue;
+        f8b js[4], proto = {0};
+        proto.dir = dir;
+        tu_ranks_from(4, 20000, fp8_reload_main, js, sizeof js[0], &proto);
+        int named = 0;
+        for (int r = 0; r < 4; r++) {
+            EXPECT(js[r].st != MOEPT_OK && !strstr(js[r].err, "set-up"),
+                   "EP=4 rank %d: status %d, '%s'", r, (int)js[r].st, js[r].err);
+            EXPECT(!js[r].changed, "EP=4 rank %d: the refused load changed the layer", r);
+            named += js[r].st == MOEPT_ERR_NUMERIC && strstr(js[r].err, sname) != NULL;
+        }
+        EXPECT(named == 1, "EP=4: %d ranks named the scale (the one holding expert 3 should)", named);
+    }
+}
+
+/* quantization_config's fields moept does not implement are refused, the
+   parameters unchanged: fmt but "e4m3", quant_method but "fp8",
+   activation_scheme but "dynamic" (MOEPT_ERR_UNSUPPORTED); a field or the
+   object of the wrong type (MOEPT_ERR_FORMAT). Absent fields are
+   DeepSeek-V3's, keys moept does not read are ignored, weight_block_size
+   is honoured (4 x 8 here) */
+static void test_fp8_quant_config_refused(void) {
+    static const struct { const char *from, *to; moept_status st; const char *needle; } cases[] = {
+        {"\"fmt\": \"e4m3\"", "\"fmt\": \"e5m2\"", MOEPT_ERR_UNSUPPORTED,
+         "quantization_config.fmt is \"e5m2\""},
+        {"\"quant_method\": \"fp8\"", "\"quant_method\": \"fbgemm_fp8\"", MOEPT_ERR_UNSUPPORTED,
+         "quantization_config.quant_method is \"fbgemm_fp8\""},
+        {"\"activation_scheme\": \"dynamic\"", "\"activation_scheme\": \"static\"", MOEPT_ERR_UNSUPPORTED,
+         "quantization_config.activation_scheme is \"static\""},
+        {"\"fmt\": \"e4m3\"", "\"fmt\": 4", MOEPT_ERR_FORMAT, "quantization_config.fmt must be a string"},
+        {"\"fmt\": \"e4m3\"", "\"fmt\": null", MOEPT_ERR_FORMAT, "quantization_config.fmt must be a string"},
+        {"\"quantization_config\": {", "\"quantization_config\": \"fp8\", \"q\": {", MOEPT_ERR_FORMAT,
+         "\"quantization_config\" must be an object"},
+        {"\"activation_scheme\": \"dynamic\",\n    \"fmt\": \"e4m3\",\n    \"quant_method\": \"fp8\",\n    ",
+         "",
+         MOEPT_OK, NULL},
+        {"\"fmt\": \"e4m3\"", "\"fmt\": \"e4m3\", \"modules_to_not_convert\": null", MOEPT_OK, NULL},
+    };
+    const char *dir = "build/ckpt_fp8_qconf";
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        EXPECT(fp8_copy(dir, cases[i].from, cases[i].to), "case %zu: no '%s' in the config", i,
+               cases[i].from);
+        f8b one = {0};
+        one.dir = dir;
+        fp8_reload_main(&one);
+        EXPECT(one.st == cases[i].st && (!cases[i].needle || strstr(one.err, cases[i].needle)),
+               "case %zu: status %d, '%s' (wanted %d, '%s')", i, (int)one.st, one.err, (int)cases[i].st,
+               cases[i].needle ? cases[i].needle : "");
+        EXPECT(!one.changed, "case %zu: the load changed the layer", i);
+    }
+}
+
 /* group_fill is in a checkpoint's fingerprint, the default's print being
    the one from before the field (FNV-1a over the 18 fields before it);
    moept_config_from_hf sets the reference's -inf */
@@ -1280,5 +1424,7 @@ int main(void) {
     RUN(test_group_fill_checkpoints);
     RUN(test_fp8_checkpoint_dequantised);
     RUN(test_fp8_block_size_huge);
+    RUN(test_fp8_bad_scale_refused);
+    RUN(test_fp8_quant_config_refused);
     return tu_done();
 }

@@ -1,6 +1,7 @@
 /* libFuzzer target: config.json, read by moept's strict JSON reader
    (moept__json_check) and then by moept_config_from_hf (layers 0..3) and
-   the FP8 block reader (quantization_config.weight_block_size).
+   the FP8 block reader (quantization_config: weight_block_size read, fmt,
+   quant_method and activation_scheme checked).
 
    The input is the file. Every input must give MOEPT_OK or an error status
    with a message, never a crash, a leak or UB; and what
