@@ -175,7 +175,10 @@
      - Finite inputs that give a non-finite output or loss (an overflow in
        the experts; a loss counts where its coefficient is > 0) fail the
        forward on every rank with MOEPT_ERR_NUMERIC and the statistics
-       unchanged. The one exception to "left exactly as it was": the
+       unchanged; where a parameter is not finite (written through
+       moept_params, moept_set_param or a load), a CPU layer's message
+       names it and its element instead of blaming an overflow. The one
+       exception to "left exactly as it was": the
        experts' saved activations are that step's by then, so backward and
        update_bias are refused until the next forward. On the CUDA
        executor a non-finite loss fails the forward the same way (it is
@@ -264,13 +267,18 @@
      average over the unmasked tokens (global balance: over every rank's).
      Unmasked tokens get the values they would get without the padding
      rows, bitwise (the CUDA executor: up to the order of its loss sums).
-     A CUDA layer's mask is device memory, as x and y are (a host pointer
+     A padded row of x, dy or opts.dlogits is not read: it is not checked
+     (NaN, Inf, anything), and the router and the shared expert see zeros
+     there, so every output, loss and gradient is the zero-padded call's,
+     bitwise. A layer allocates max_tokens x hidden_size floats at its
+     first masked forward for that zero-padded router input (a CPU layer's,
+     an F32 CUDA layer's; a BF16 one zeroes its fp32 copy). A CUDA layer's mask is device memory, as x and y are (a host pointer
      fails the call: MOEPT_ERR_INVALID_ARGUMENT on the rank that passed it,
      MOEPT_ERR_STATE on its peers; in the sync-free mode its peers learn at
      their next moept_adamw_step or moept_grad_norm); one with a shared
      expert allocates max_tokens x hidden_size elements of its dtype at its
      first masked forward (the shared expert's input, padded rows zero), so
-     run one before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward
+     run one masked forward before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward
      (FORWARD SLOTS: it leaves every training forward's saved state as it was).
      config.router_jitter = eps: a training forward routes on x * u, u
      uniform in [1 - eps, 1 + eps] per element (as Switch Transformer and
@@ -984,7 +992,11 @@ moept_status moept_create(const moept_config *cfg, moept_layer **out);
    a config that differs between ranks is an error on every rank naming the
    field, except max_tokens: each rank's own bound on its rows (ranks may
    hold batches of different sizes; a sync-free CUDA layer sizes its blocks
-   from the largest). The comms
+   from the largest). The EP and DP groups must be two axes of one EP x DP
+   grid: one comm passed as both, a DP peer that is also in this rank's EP
+   group, or a DP group joining ranks of different EP ranks (so holding
+   other experts) is MOEPT_ERR_INVALID_ARGUMENT on every rank, the message
+   naming it (each rank draws an id; both groups gather them). The comms
    must outlive the layer. */
 moept_status moept_create_parallel(const moept_config *cfg, moept_comm *ep,
                                    moept_comm *dp, moept_layer **out);
