@@ -5656,12 +5656,12 @@ static void moept__break_missing(moept_thread_group *g, uint64_t gen) {
 static int moept__barrier(moept_thread_group *g, int rank, int tag) {
     pthread_mutex_lock(&g->mu);
     uint64_t gen = g->generation;
-    const int mine = tag == MOEPT__AT_DESTROY; /* the destroyer: this rank or the first */
+    const int dtor = tag == MOEPT__AT_DESTROY; /* on a mismatch: this rank destroys, the first calls */
     if (!g->broken && g->seen[rank] == gen + 1)
         moept__break(g, "rank %d claimed twice (two threads call as it)", rank);
     else if (!g->broken && g->arrived && g->tag != tag)
         moept__break(g, "rank %d destroyed the comm while rank %d was in a call (destroy is collective)",
-                     mine ? rank : g->tag_rank, mine ? g->tag_rank : rank);
+                     dtor ? rank : g->tag_rank, dtor ? g->tag_rank : rank);
     if (g->broken) { pthread_mutex_unlock(&g->mu); return -1; }
     g->seen[rank] = gen + 1;
     if (!g->arrived) g->tag = tag, g->tag_rank = rank;

@@ -1930,10 +1930,10 @@ static moept_status moept__td_p2p(moept_comm *c, const moept_p2p *sends, int nse
 /* Collective (every rank's thread calls it): a peer may still be about to
    wait on this rank's events after the last call's rendezvous, so they go
    only after a barrier of the group; a group that fails it (a rank that
-   never comes, a peer in a call: it fails too) leaves them allocated rather
-   than freed under a peer. The
-   frees wait for the device: the stream is drained first, up to the
-   timeout (a stage a peer may still read is kept rather than freed early). */
+   never comes, a peer in a call: that call fails too) leaves them allocated
+   rather than freed under a peer. The frees wait for the device: the
+   stream is drained first, up to the timeout (a stage a peer may still
+   read is kept rather than freed early). */
 static void moept__td_destroy(moept_comm *c) {
     moept__tdev *t = MOEPT__TD(c);
     if (t) {
