@@ -5734,14 +5734,54 @@ struct moept_thread_group {
     size_t scratch_bytes;
     int scratch_fail;
     moept_comm *comms;       /* [size] */
+    uint64_t *seen;          /* [size] the generation + 1 each rank last arrived in */
+    int tag, tag_rank;       /* what the generation's first arrival is in (MOEPT__AT_*), and its rank */
+    unsigned char *claimed;  /* [size] ranks with a live moept_comm_cuda_threads comm */
+    char why[200];           /* why the group broke */
 };
 
-/* Returns 0, or -1 if a rank timed out (the group is then broken for good:
-   every later collective fails at once instead of hanging). */
-static int moept__barrier(moept_thread_group *g) {
+/* what a rank arrives at a barrier for: a collective, or a destroy (of a
+   moept_comm_cuda_threads comm); the two never meet */
+enum { MOEPT__AT_CALL, MOEPT__AT_DESTROY };
+
+/* under g->mu: the group breaks for good, the first reason kept */
+static void moept__break(moept_thread_group *g, const char *fmt, ...) {
+    if (!g->broken) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(g->why, sizeof g->why, fmt, ap);
+        va_end(ap);
+        g->broken = 1;
+    }
+    pthread_cond_broadcast(&g->cv);
+}
+
+/* under g->mu, at a timeout: the ranks that did not arrive in generation gen */
+static void moept__break_missing(moept_thread_group *g, uint64_t gen) {
+    char list[120] = "";
+    int n = 0, len = 0;
+    for (int r = 0; r < g->size; r++)
+        if (g->seen[r] != gen + 1 && len < (int)sizeof list - 16)
+            len += snprintf(list + len, sizeof list - (size_t)len, "%s%d", n++ ? ", " : "", r);
+    moept__break(g, "rank%s %s did not arrive within %d ms (group broken)", n > 1 ? "s" : "", list,
+                 g->timeout_ms);
+}
+
+/* Returns 0, or -1 if the group is broken (g->why): a rank that timed out,
+   a rank two threads arrive as, a destroy that meets a peer's call. Every
+   later collective then fails at once instead of hanging or mixing data. */
+static int moept__barrier(moept_thread_group *g, int rank, int tag) {
     pthread_mutex_lock(&g->mu);
-    if (g->broken) { pthread_mutex_unlock(&g->mu); return -1; }
     uint64_t gen = g->generation;
+    const int dtor = tag == MOEPT__AT_DESTROY; /* on a mismatch: this rank destroys, the first calls */
+    if (!g->broken && g->seen[rank] == gen + 1)
+        moept__break(g, "rank %d claimed twice (two threads call as it)", rank);
+    else if (!g->broken && g->arrived && g->tag != tag)
+        moept__break(g, "rank %d destroyed the comm while rank %d was in a call (destroy is collective)",
+                     dtor ? rank : g->tag_rank, dtor ? g->tag_rank : rank);
+    if (g->broken) { pthread_mutex_unlock(&g->mu); return -1; }
+    g->seen[rank] = gen + 1;
+    if (!g->arrived) g->tag = tag, g->tag_rank = rank;
     if (++g->arrived == g->size) {
         g->arrived = 0;
         g->generation++;
@@ -5754,12 +5794,9 @@ static int moept__barrier(moept_thread_group *g) {
     int64_t ns = dl.tv_nsec + (int64_t)(g->timeout_ms % 1000) * 1000000;
     dl.tv_sec += g->timeout_ms / 1000 + ns / 1000000000;
     dl.tv_nsec = ns % 1000000000;
-    while (gen == g->generation && !g->broken) {
-        if (pthread_cond_timedwait(&g->cv, &g->mu, &dl) == ETIMEDOUT && gen == g->generation) {
-            g->broken = 1;
-            pthread_cond_broadcast(&g->cv);
-        }
-    }
+    while (gen == g->generation && !g->broken)
+        if (pthread_cond_timedwait(&g->cv, &g->mu, &dl) == ETIMEDOUT && gen == g->generation)
+            moept__break_missing(g, gen);
     int ok = gen != g->generation;
     pthread_mutex_unlock(&g->mu);
     return ok ? 0 : -1;
@@ -5768,11 +5805,9 @@ static int moept__barrier(moept_thread_group *g) {
 #define MOEPT__GROUP(c) ((moept_thread_group *)(c)->ctx)
 #define MOEPT__BARRIER(c)                                                                                    \
     do {                                                                                                     \
-        if (moept__barrier(MOEPT__GROUP(c)))                                                                 \
-            return moept__comm_fail(                                                                         \
-                c, MOEPT_ERR_COMM,                                                                           \
-                "threads comm: rank %d: another rank did not arrive within %d ms (group broken)", (c)->rank, \
-                MOEPT__GROUP(c)->timeout_ms);                                                                \
+        if (moept__barrier(MOEPT__GROUP(c), (c)->rank, MOEPT__AT_CALL))                                     \
+            return moept__comm_fail(c, MOEPT_ERR_COMM, "threads comm: rank %d: %s", (c)->rank,              \
+                                    MOEPT__GROUP(c)->why);                                                   \
     } while (0)
 
 static moept_status moept__thr_alltoallv(moept_comm *c, const void *send, const moept_seg *send_segs,
@@ -5942,11 +5977,16 @@ moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_gr
     g->timeout_ms = timeout_ms ? timeout_ms : 600000;
     g->slots = moept__alloc(NULL, (size_t)size * sizeof *g->slots);
     g->comms = moept__alloc(NULL, (size_t)size * sizeof *g->comms);
-    if (!g->slots || !g->comms) {
-        MOEPT_FREE(g->slots); MOEPT_FREE(g->comms); MOEPT_FREE(g);
+    g->seen = moept__alloc(NULL, (size_t)size * sizeof *g->seen);
+    g->claimed = moept__alloc(NULL, (size_t)size);
+    if (!g->slots || !g->comms || !g->seen || !g->claimed) {
+        MOEPT_FREE(g->slots); MOEPT_FREE(g->comms);
+        MOEPT_FREE(g->seen); MOEPT_FREE(g->claimed); MOEPT_FREE(g);
         return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_thread_group_create: out of memory");
     }
     memset(g->slots, 0, (size_t)size * sizeof *g->slots);
+    memset(g->seen, 0, (size_t)size * sizeof *g->seen);
+    memset(g->claimed, 0, (size_t)size);
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
     for (int r = 0; r < size; r++) {
@@ -5975,6 +6015,8 @@ void moept_thread_group_destroy(moept_thread_group *g) {
     MOEPT_FREE(g->scratch);
     MOEPT_FREE(g->slots);
     MOEPT_FREE(g->comms);
+    MOEPT_FREE(g->seen);
+    MOEPT_FREE(g->claimed);
     MOEPT_FREE(g);
 }
 
@@ -5986,6 +6028,35 @@ moept_status moept_comm_threads(moept_thread_group *g, int rank, moept_comm **ou
                                   rank, g->size - 1);
     *out = &g->comms[rank];
     return MOEPT_OK;
+}
+
+/* moept_comm_cuda_threads' rank: one live comm a rank. A second claim
+   breaks the group (the first claimer and its peers must not go on with a
+   rank two threads play); a broken group is refused. */
+moept_status moept__thr_claim(moept_thread_group *g, int rank) {
+    moept_status st = MOEPT_OK;
+    char why[sizeof g->why];
+    pthread_mutex_lock(&g->mu);
+    if (g->broken) st = MOEPT_ERR_COMM;
+    else if (g->claimed[rank]) {
+        moept__break(g, "rank %d claimed twice (two threads made its moept_comm_cuda_threads comm)", rank);
+        st = MOEPT_ERR_INVALID_ARGUMENT;
+    } else g->claimed[rank] = 1;
+    snprintf(why, sizeof why, "%s", g->why);
+    pthread_mutex_unlock(&g->mu);
+    return st ? moept__thread_fail(st, "moept_comm_cuda_threads: rank %d: %s", rank, why) : MOEPT_OK;
+}
+
+void moept__thr_release(moept_thread_group *g, int rank) {
+    pthread_mutex_lock(&g->mu);
+    g->claimed[rank] = 0;
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* moept_comm_cuda_threads' destroy: a barrier that a peer's call breaks
+   (both fail, g->why says so). 0: every rank met it. */
+int moept__thr_destroy_barrier(moept_comm *host) {
+    return moept__barrier(MOEPT__GROUP(host), host->rank, MOEPT__AT_DESTROY);
 }
 
 /* ---- MPI ---- */

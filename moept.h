@@ -697,7 +697,9 @@ struct moept_comm {
 /* Threads: `size` ranks in one process. Create the group once, then hand
    each rank's thread its comm (moept_comm_threads). A rank that waits
    longer than timeout_ms (0 = 600 s) for the others fails with
-   MOEPT_ERR_COMM instead of hanging. */
+   MOEPT_ERR_COMM instead of hanging, naming the ranks that did not come;
+   two threads arriving at one collective as the same rank fail it. Either
+   breaks the group: its later collectives fail at once, with that message. */
 typedef struct moept_thread_group moept_thread_group;
 moept_status moept_thread_group_create(int size, int timeout_ms, moept_thread_group **out);
 void moept_thread_group_destroy(moept_thread_group *g);
@@ -871,13 +873,22 @@ int moept_comm_nccl_aborted(const moept_comm *c);
    bits on every rank). Device-buffer calls are asynchronous on `stream` as
    NCCL's are (p2p waits); host buffers go through the thread group once the
    stream has drained. A stream that does not drain within timeout_ms (0 =
-   600 s) is an error; a rank that does not come, the group's timeout. Every
-   rank passes buffers of one kind (device or host) to a call; a call in a
-   CUDA graph capture is refused (a replay would skip the rendezvous). The
-   group's comm of `rank` (moept_comm_threads) carries the rendezvous: other
-   calls on it are collectives in the same order too. moept_comm_destroy
-   of this comm is collective too (a barrier of the group: a peer may
-   still wait on its events); the group stays the caller's. */
+   600 s) is an error. The group's comm of `rank` (moept_comm_threads)
+   carries the rendezvous: other calls on it are collectives in the same
+   order too. moept_comm_destroy of this comm is collective too (a barrier
+   of the group: a peer may still wait on its events); the group stays the
+   caller's. Misuse fails every rank, the message naming it, and moves no
+   data: a rank whose comm another thread holds is refused at create
+   (MOEPT_ERR_INVALID_ARGUMENT, "rank N claimed twice") and breaks the
+   group, so the others' create or next call fails (MOEPT_ERR_COMM); a rank
+   that does not come fails its peers' call at the group's timeout
+   (MOEPT_ERR_COMM, naming it); host buffers on one rank and device buffers
+   on another in one call are refused on every rank
+   (MOEPT_ERR_INVALID_ARGUMENT; each rank passes buffers of one kind); a
+   destroy while a peer is in a call fails that call (MOEPT_ERR_COMM) and
+   breaks the group, freeing nothing a peer may still use; a call in a CUDA
+   graph capture is refused (MOEPT_ERR_UNSUPPORTED: a replay would skip the
+   rendezvous). */
 moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank, void *stream, int timeout_ms,
                                      moept_comm **out);
 #endif
@@ -1637,6 +1648,12 @@ moept_status moept__sum_ep_dp(moept_comm *ep, moept_comm *dp, void *buf, int64_t
                               moept_comm **bad);
 int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st);
 moept_status moept__group_max(moept_comm *g, int64_t v, int64_t *most);
+/* The thread group's part in moept_comm_cuda_threads: a rank's comm claimed
+   (a second claim fails and breaks the group; a broken group refuses) and
+   released; the destroy's barrier (-1: not met, a peer's call breaks it) */
+moept_status moept__thr_claim(moept_thread_group *g, int rank);
+void moept__thr_release(moept_thread_group *g, int rank);
+int moept__thr_destroy_barrier(moept_comm *host);
 #ifdef __cplusplus
 }
 #endif

@@ -1616,6 +1616,10 @@ extern "C" int moept_comm_nccl_aborted(const moept_comm *c) {
              buffers; record `done`; all-gather the statuses;
      finish  wait for every peer's `done`: no rank's stream goes on to
              rewrite a buffer a peer still reads.
+   The post also says whether the rank's buffers are host memory: then,
+   every rank's being so, its stream drained, the call goes through the
+   thread group instead (ranks of both kinds: every rank refuses, so none
+   pairs a pull's rendezvous with a host collective's).
    A `ready` is recorded again only after the peers waited on it (they did
    before the second rendezvous), a `done` only after the next post's.
    Each call is asynchronous on the stream as NCCL's are (p2p waits, as
@@ -1629,6 +1633,7 @@ typedef struct moept__tverdict {
 typedef struct moept__tpost {
     moept__tverdict v;
     int64_t dev;
+    int64_t host;               /* 1: its buffers are host memory (the call goes through the thread group) */
     int64_t shape[3];           /* the call and its sizes: the same on every rank */
     cudaEvent_t ready, done;
     const void *send;           /* alltoallv, allgather: its send buffer; allreduce: its staged input */
@@ -1639,6 +1644,7 @@ typedef struct moept__tpost {
 
 typedef struct moept__tdev {
     moept_comm *host;           /* the thread group's comm of this rank: host buffers, rendezvous */
+    moept_thread_group *group;  /* its group, once this comm holds its rank's claim (moept__thr_claim) */
     cudaStream_t stream;
     cudaStream_t probe;         /* empty, of the comm's device (moept__on_device) */
     int dev, timeout_ms;
@@ -1685,7 +1691,8 @@ static moept_status moept__td_post(moept_comm *c, moept__tpost *mine, moept_stat
     if (!st && cudaStreamIsCapturing(t->stream, &cap) == cudaSuccess && cap != cudaStreamCaptureStatusNone)
         st = moept__cfail(c, MOEPT_ERR_UNSUPPORTED, "cuda threads comm: not in a CUDA graph capture (a "
                           "replay would skip the ranks' rendezvous; NCCL comms can be captured)");
-    cudaError_t e = st ? cudaSuccess : cudaEventRecord(t->ready, t->stream);
+    if (!st && mine->host) st = moept__td_drain(c); /* the host copies come after the stream's work */
+    cudaError_t e = st || mine->host ? cudaSuccess : cudaEventRecord(t->ready, t->stream);
     if (e != cudaSuccess)
         st = moept__cfail(c, MOEPT_ERR_DEVICE, "cudaEventRecord: %s", cudaGetErrorString(e));
     mine->v.status = st;
@@ -1697,6 +1704,10 @@ static moept_status moept__td_post(moept_comm *c, moept__tpost *mine, moept_stat
         if (p->v.status && r == c->rank) return (moept_status)p->v.status;
         if (p->v.status)
             return moept__cfail(c, (moept_status)p->v.status, "cuda threads comm: rank %d: %s", r, p->v.err);
+        if (p->host != t->posts[0].host) /* (against rank 0's: the same message on every rank) */
+            return moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads comm: rank %d passed %s "
+                                "buffers, rank 0 %s buffers (every rank passes one kind to a call)", r,
+                                p->host ? "host" : "device", t->posts[0].host ? "host" : "device");
         if (memcmp(p->shape, mine->shape, sizeof mine->shape) != 0)
             return moept__cfail(c, MOEPT_ERR_COMM, "cuda threads comm: ranks %d and %d made different calls "
                                 "(or with other sizes)", c->rank, r);
@@ -1761,10 +1772,9 @@ static void moept__td_copy(moept__tcopy *k, void *dst, const void *src, size_t n
     k->n = n;
 }
 
-/* host buffers: after the stream's work, through the thread group */
+/* host buffers on every rank (the post agreed, and drained the stream): through the thread group */
 #define MOEPT__TD_HOST(c, call)                                                                       \
     do {                                                                                              \
-        MOEPT__TRY(moept__td_drain(c));                                                               \
         moept_comm *h_ = MOEPT__TD(c)->host;                                                          \
         moept_status s_ = (call);                                                                     \
         return s_ ? moept__cfail((c), s_, "%s", h_->err) : MOEPT_OK;                                  \
@@ -1775,15 +1785,16 @@ static moept_status moept__td_alltoallv(moept_comm *c, const void *send, const m
     MOEPT__TENTER(c);
     moept__tdev *t = MOEPT__TD(c);
     const int host = moept__on_host(c, send, recv, "cuda threads alltoallv");
-    if (host == 1) MOEPT__TD_HOST(c, h_->alltoallv(h_, send, ss, recv, rs, nseg, es));
     moept__tpost mine = {};
     mine.shape[0] = 1, mine.shape[1] = nseg, mine.shape[2] = es;
+    mine.host = host == 1;
     mine.send = send;
     mine.ss = ss;
     moept_status st = host < 0 ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_OK;
     if (!st && es != 2 && es != 4 && es != 8)
         st = moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads alltoallv: elem_size %d", es);
     MOEPT__TRY(moept__td_post(c, &mine, st));
+    if (mine.host) MOEPT__TD_HOST(c, h_->alltoallv(h_, send, ss, recv, rs, nseg, es));
     moept__tcopy k = {NULL, NULL, 0, t->stream, moept__td_after_peers(t, c->rank, c->size)};
     int bad = -1;
     for (int p = 0; p < c->size; p++)
@@ -1807,11 +1818,12 @@ static moept_status moept__td_allgather(moept_comm *c, const void *send, void *r
     MOEPT__TENTER(c);
     moept__tdev *t = MOEPT__TD(c);
     const int host = moept__on_host(c, send, recv, "cuda threads allgather");
-    if (host == 1) MOEPT__TD_HOST(c, h_->allgather(h_, send, recv, bytes));
     moept__tpost mine = {};
     mine.shape[0] = 2, mine.shape[1] = bytes;
+    mine.host = host == 1;
     mine.send = send;
     MOEPT__TRY(moept__td_post(c, &mine, host < 0 ? MOEPT_ERR_INVALID_ARGUMENT : MOEPT_OK));
+    if (mine.host) MOEPT__TD_HOST(c, h_->allgather(h_, send, recv, bytes));
     moept__tcopy k = {NULL, NULL, 0, t->stream, moept__td_after_peers(t, c->rank, c->size)};
     for (int p = 0; p < c->size; p++)
         moept__td_copy(&k, (char *)recv + p * bytes, t->posts[p].send, (size_t)bytes);
@@ -1864,17 +1876,18 @@ static moept_status moept__td_stage(moept_comm *c, const void *buf, size_t bytes
 static moept_status moept__td_allreduce(moept_comm *c, void *buf, int64_t count, moept_dtype dt) {
     MOEPT__TENTER(c);
     moept__tdev *t = MOEPT__TD(c);
-    if (moept__is_host(buf)) MOEPT__TD_HOST(c, h_->allreduce(h_, buf, count, dt));
     const size_t es = dt == MOEPT_DTYPE_F32 ? 4 : 8;
     moept__tpost mine = {};
     mine.shape[0] = 3, mine.shape[1] = count, mine.shape[2] = dt;
+    mine.host = moept__is_host(buf);
     moept_status st = MOEPT_OK;
     if (dt != MOEPT_DTYPE_F32 && dt != MOEPT_DTYPE_F64 && dt != MOEPT_DTYPE_I64)
         st = moept__cfail(c, MOEPT_ERR_INVALID_ARGUMENT, "cuda threads allreduce: dtype %d (F32, F64 or I64)",
                           (int)dt);
-    if (!st) st = moept__td_stage(c, buf, (size_t)count * es);
+    if (!st && !mine.host) st = moept__td_stage(c, buf, (size_t)count * es);
     mine.send = t->stage;
     MOEPT__TRY(moept__td_post(c, &mine, st));
+    if (mine.host) MOEPT__TD_HOST(c, h_->allreduce(h_, buf, count, dt));
     cudaError_t e = moept__td_after_peers(t, c->rank, c->size);
     if (e == cudaSuccess && count > 0)
         e = dt == MOEPT_DTYPE_F32   ? moept__td_sum<float>(t, buf, count, c->size)
@@ -1928,14 +1941,15 @@ static moept_status moept__td_p2p(moept_comm *c, const moept_p2p *sends, int nse
 /* Collective (every rank's thread calls it): a peer may still be about to
    wait on this rank's events after the last call's rendezvous, so they go
    only after a barrier of the group; a group that fails it (a rank that
-   never comes) leaves them allocated rather than freed under a peer. The
-   frees wait for the device: the stream is drained first, up to the
-   timeout (a stage a peer may still read is kept rather than freed early). */
+   never comes, a peer in a call: that call fails too) leaves them allocated
+   rather than freed under a peer. The frees wait for the device: the
+   stream is drained first, up to the timeout (a stage a peer may still
+   read is kept rather than freed early). */
 static void moept__td_destroy(moept_comm *c) {
     moept__tdev *t = MOEPT__TD(c);
     if (t) {
         moept__on_device on(t->dev, t->probe);
-        const int met = !t->host || t->host->barrier(t->host) == MOEPT_OK;
+        const int met = !t->host || moept__thr_destroy_barrier(t->host) == 0;
         if (met && moept__td_drain(c) == MOEPT_OK) {
             for (int i = 0; i < t->nretired; i++) cudaFree(t->retired[i]);
             if (t->stage) cudaFree(t->stage);
@@ -1943,6 +1957,7 @@ static void moept__td_destroy(moept_comm *c) {
         if (t->ready && met) cudaEventDestroy(t->ready);
         if (t->done && met) cudaEventDestroy(t->done);
         if (t->probe) cudaStreamDestroy(t->probe);
+        if (t->group) moept__thr_release(t->group, c->rank);
         free(t->posts);
         free(t->status);
         free(t);
@@ -1954,7 +1969,7 @@ static int moept__is_tdev(const moept_comm *c) { return c && c->destroy == moept
 
 extern "C" moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank, void *stream, int timeout_ms,
                                                 moept_comm **out) {
-    if (!out) return MOEPT_ERR_INVALID_ARGUMENT;
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_cuda_threads: out is NULL");
     *out = NULL;
     moept_comm *host = NULL;
     moept_status st = moept_comm_threads(g, rank, &host);
@@ -1965,9 +1980,14 @@ extern "C" moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank,
     moept__tverdict *status = (moept__tverdict *)calloc((size_t)host->size, sizeof *status);
     if (!c || !t || !posts || !status) {
         free(c), free(t), free(posts), free(status);
-        return MOEPT_ERR_OUT_OF_MEMORY;
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_cuda_threads: out of memory");
     }
-    t->host = host, t->posts = posts, t->status = status;
+    if ((st = moept__thr_claim(g, rank))) { /* a rank two threads claim: refused, and the group broken */
+        free(c), free(t), free(posts), free(status);
+        return st;
+    }
+    t->host = host, t->group = g, t->posts = posts, t->status = status;
+    c->rank = rank;
     t->stream = (cudaStream_t)stream;
     t->timeout_ms = timeout_ms > 0 ? timeout_ms : 600000;
     c->ctx = t;
@@ -1979,9 +1999,8 @@ extern "C" moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank,
         cudaGetLastError();
         t->host = NULL; /* (no barrier: the peers' comms are not this one's concern yet) */
         moept__td_destroy(c);
-        return MOEPT_ERR_DEVICE;
+        return moept__thread_fail(MOEPT_ERR_DEVICE, "moept_comm_cuda_threads: no device, stream or events");
     }
-    c->rank = rank;
     c->size = host->size;
     c->alltoallv = moept__td_alltoallv;
     c->allreduce = moept__td_allreduce;

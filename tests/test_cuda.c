@@ -3325,6 +3325,153 @@ static void test_comm_cuda_threads(void) {
     }
 }
 
+/* ---- moept_comm_cuda_threads misused: every rank fails, naming the misuse ---- */
+#define TM_P 3
+enum { TM_DUP, TM_MISSING, TM_MIXED, TM_DESTROY };
+typedef struct tm_job {
+    moept_thread_group *g;
+    int rank, host, mode;       /* the rank it claims; host: its buffers are host memory; TM_* */
+    pthread_barrier_t *made;    /* (TM_DUP) every thread past its create before any call */
+    moept_status st[5];         /* [0] the create, then its calls */
+    char msg[5][256];
+    int wrong;                  /* results that differ (a call OK), bytes a failed call wrote */
+} tm_job;
+
+/* op 0: an all-gather of each rank's 8 bytes; 1: an all-to-all, one I64 a
+   peer; 2: an all-reduce of P I64. Buffers on the host when `host` */
+static moept_status tm_call(moept_comm *c, cudaStream_t s, int op, int host, int *wrong) {
+    const int P = c->size, me = c->rank;
+    int64_t in[TM_P] = {0}, out[TM_P] = {0}, want[TM_P] = {0};
+    moept_seg ss[TM_P], rs[TM_P];
+    for (int q = 0; q < P; q++) {
+        in[q] = me * 10 + q + 1, out[q] = op == 2 ? in[q] : -1;
+        ss[q] = rs[q] = (moept_seg){q, 1};
+        want[q] = op == 0 ? q * 10 + 1 : op == 1 ? q * 10 + me + 1 : 0;
+        for (int r = 0; r < P && op == 2; r++) want[q] += r * 10 + q + 1;
+    }
+    void *din = NULL, *dout = NULL;
+    cudaMalloc(&din, sizeof in), cudaMalloc(&dout, sizeof out);
+    cudaMemcpy(din, in, sizeof in, cudaMemcpyHostToDevice);
+    cudaMemcpy(dout, out, sizeof out, cudaMemcpyHostToDevice);
+    void *pin = host ? (void *)in : din, *pout = host ? (void *)out : dout;
+    moept_status st = op == 0   ? c->allgather(c, pin, pout, 8)
+                      : op == 1 ? c->alltoallv(c, pin, ss, pout, rs, 1, 8)
+                                : c->allreduce(c, pout, P, MOEPT_DTYPE_I64);
+    cudaStreamSynchronize(s);
+    if (!host) cudaMemcpy(out, dout, sizeof out, cudaMemcpyDeviceToHost);
+    for (int q = 0; q < P; q++) *wrong += out[q] != (st ? (op == 2 ? in[q] : -1) : want[q]);
+    cudaFree(din), cudaFree(dout);
+    return st;
+}
+
+static void *tm_rank(void *arg) {
+    tm_job *j = arg;
+    cudaSetDevice(0);
+    cudaStream_t s;
+    cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    moept_comm *c = NULL;
+    j->st[0] = moept_comm_cuda_threads(j->g, j->rank, s, 20000, &c);
+    snprintf(j->msg[0], sizeof j->msg[0], "%s", c ? "" : moept_last_error(NULL));
+    if (j->made) pthread_barrier_wait(j->made);
+    int n = 0; /* calls made */
+    if (c && j->mode == TM_MIXED) {
+        for (int op = 0; op < 3; op++) {
+            j->st[++n] = tm_call(c, s, op, j->host, &j->wrong);
+            snprintf(j->msg[n], sizeof j->msg[n], "%s", c->err);
+        }
+        j->st[++n] = tm_call(c, s, 0, 0, &j->wrong); /* a right call: it runs */
+    } else if (c) {
+        j->st[++n] = tm_call(c, s, 0, 0, &j->wrong);
+        snprintf(j->msg[n], sizeof j->msg[n], "%s", c->err);
+        if (j->mode == TM_DESTROY && j->rank == 1) moept_comm_destroy(c), c = NULL; /* rank 0 is in a call */
+        else if (j->mode == TM_DESTROY) j->st[++n] = tm_call(c, s, 0, 0, &j->wrong);
+        snprintf(j->msg[n], sizeof j->msg[n], "%s", c ? c->err : "");
+    }
+    moept_comm_destroy(c);
+    cudaStreamDestroy(s);
+    return NULL;
+}
+
+/* n threads (j[i].rank, j[i].host filled in) on a group of `size` */
+static void tm_run(tm_job *j, int n, int size, int timeout_ms, int mode) {
+    moept_thread_group *g = NULL;
+    pthread_barrier_t made;
+    pthread_barrier_init(&made, NULL, (unsigned)n);
+    moept_thread_group_create(size, timeout_ms, &g);
+    for (int i = 0; i < n; i++) j[i].g = g, j[i].mode = mode, j[i].made = mode == TM_DUP ? &made : NULL;
+    tu_threads(n, tm_rank, j, sizeof *j);
+    moept_thread_group_destroy(g);
+    pthread_barrier_destroy(&made);
+}
+
+/* threads claiming ranks 0, 1, 1 of a group of 2: the second claim refused,
+   every other thread's create or first call fails, naming the rank */
+static void test_td_duplicate_rank(void) {
+    tm_job j[3] = {{.rank = 0}, {.rank = 1}, {.rank = 1}};
+    tm_run(j, 3, 2, 5000, TM_DUP);
+    int dup = 0;
+    for (int i = 0; i < 3; i++) {
+        const int k = j[i].st[0] ? 0 : 1;
+        dup += j[i].st[0] == MOEPT_ERR_INVALID_ARGUMENT;
+        EXPECT(j[i].st[k] != MOEPT_OK && strstr(j[i].msg[k], "rank 1 claimed twice"),
+               "thread %d (rank %d): %s %d (%s)", i, j[i].rank, k ? "the call" : "the create",
+               (int)j[i].st[k], j[i].msg[k]);
+        EXPECT(!j[i].wrong, "thread %d: %d values wrong or written by a failed call", i, j[i].wrong);
+    }
+    EXPECT(dup == 1, "%d creates refused as the duplicate, not 1", dup);
+}
+
+/* ranks 0 and 1 of a group of 3: the call fails at the group's timeout, naming rank 2 */
+static void test_td_missing_rank(void) {
+    tm_job j[2] = {{.rank = 0}, {.rank = 1}};
+    tm_run(j, 2, 3, 1000, TM_MISSING);
+    for (int i = 0; i < 2; i++) {
+        EXPECT(j[i].st[0] == MOEPT_OK, "rank %d: the create: %d (%s)", i, (int)j[i].st[0], j[i].msg[0]);
+        EXPECT(j[i].st[1] == MOEPT_ERR_COMM && strstr(j[i].msg[1], "rank 2 did not arrive"),
+               "rank %d: the call: %d (%s)", i, (int)j[i].st[1], j[i].msg[1]);
+        EXPECT(!j[i].wrong, "rank %d: %d values written by the failed call", i, j[i].wrong);
+    }
+}
+
+/* rank 1 passes host buffers, ranks 0 and 2 device buffers: every rank
+   refuses each call, the same message, nothing written; the next call runs */
+static void test_td_mixed_kinds(void) {
+    tm_job j[3] = {{.rank = 0}, {.rank = 1, .host = 1}, {.rank = 2}};
+    tm_run(j, 3, 3, 5000, TM_MIXED);
+    const char *op[3] = {"allgather", "alltoallv", "allreduce"};
+    for (int i = 0; i < 3; i++) {
+        EXPECT(j[i].st[0] == MOEPT_OK, "rank %d: the create: %d (%s)", i, (int)j[i].st[0], j[i].msg[0]);
+        for (int k = 1; k < 4; k++)
+            EXPECT(j[i].st[k] == MOEPT_ERR_INVALID_ARGUMENT &&
+                   strstr(j[i].msg[k], "rank 1 passed host buffers, rank 0 device buffers"),
+                   "rank %d, %s: %d (%s)", i, op[k - 1], (int)j[i].st[k], j[i].msg[k]);
+        EXPECT(j[i].st[4] == MOEPT_OK, "rank %d: the next call: %d", i, (int)j[i].st[4]);
+        EXPECT(!j[i].wrong, "rank %d: %d values wrong or written by a refused call", i, j[i].wrong);
+    }
+}
+
+/* after a call, rank 1 destroys its comm while rank 0 makes the next: rank 0 fails, naming it */
+static void test_td_destroy_in_call(void) {
+    tm_job j[2] = {{.rank = 0}, {.rank = 1}};
+    tm_run(j, 2, 2, 5000, TM_DESTROY);
+    for (int i = 0; i < 2; i++)
+        EXPECT(j[i].st[0] == MOEPT_OK && j[i].st[1] == MOEPT_OK,
+               "rank %d: the create or the first call: %d %d", i, (int)j[i].st[0], (int)j[i].st[1]);
+    EXPECT(j[0].st[2] == MOEPT_ERR_COMM &&
+           strstr(j[0].msg[2], "rank 1 destroyed the comm while rank 0 was in a call"),
+           "rank 0's call: %d (%s)", (int)j[0].st[2], j[0].msg[2]);
+    EXPECT(!j[0].wrong && !j[1].wrong, "%d, %d values wrong or written by the failed call", j[0].wrong,
+           j[1].wrong);
+}
+
+#define TD_DUP "cuda: moept_comm_cuda_threads, a rank two threads claim: refused at the second create, " \
+               "every other thread's create or call fails naming it"
+#define TD_MISSING "cuda: moept_comm_cuda_threads, a rank that never comes: the peers' call fails at the " \
+                   "group's timeout naming it, nothing written"
+#define TD_MIXED "cuda: moept_comm_cuda_threads, one rank's host buffers against the others' device " \
+                 "buffers: every rank refuses (all-gather, all-to-all, all-reduce), the next call runs"
+#define TD_DESTROY "cuda: moept_comm_cuda_threads, a destroy while the peer is in a call: the call fails " \
+                   "naming it, no crash"
 #define FP8_TILES "cuda: config.fp8 (cuBLASLt E4M3) equals the CPU's FP8 layer, edge tiles and shared " \
                   "expert (fp32 2^-5, bf16 rows 2^-3)"
 #define FP8_STEPS "cuda (emulated): config.fp8 over 3 steps of accumulated micro-batches equals the CPU's " \
@@ -3343,6 +3490,10 @@ int main(void) {
         tu_skip("cuda: bad options and host comms rejected", why);
         tu_skip("cuda: moept_comm_cuda_threads, 3 ranks on one device: collectives against the host's (sums "
                 "bitwise), one rank's wrong call or a capture fails every rank, the next call runs", why);
+        tu_skip(TD_DUP, why);
+        tu_skip(TD_MISSING, why);
+        tu_skip(TD_MIXED, why);
+        tu_skip(TD_DESTROY, why);
         tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
         tu_skip("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", why);
         tu_skip("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps", why);
@@ -3364,6 +3515,10 @@ int main(void) {
     tu_run("cuda: moept_comm_cuda_threads, 3 ranks on one device: collectives against the host's (sums "
            "bitwise), one rank's wrong call or a capture fails every rank, the next call runs",
            test_comm_cuda_threads);
+    tu_run(TD_DUP, test_td_duplicate_rank);
+    tu_run(TD_MISSING, test_td_missing_rank);
+    tu_run(TD_MIXED, test_td_mixed_kinds);
+    tu_run(TD_DESTROY, test_td_destroy_in_call);
     tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
     tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
     tu_run("cuda: a sync-free step captured in a CUDA graph (thread-local, global), replays equal eager steps",
