@@ -31,23 +31,13 @@ typedef struct state {
     int32_t ids[TOK * TOPK], place[NE];
 } state;
 
-static uint64_t hash(const float *v, int64_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &v[i], 4);
-        h = (h ^ u) * 1099511628211ull;
-    }
-    return h;
-}
-
 /* what a refused call must leave as it was (the host's view of a CUDA layer's) */
 static void state_of(moept_layer *L, state *s) {
     memset(s, 0, sizeof *s);
     float *p = NULL;
     int64_t n = 0;
-    if (!moept_params(L, &p, &n)) s->params = hash(p, n);
-    if (!moept_grads(L, &p, &n)) s->grads = hash(p, n);
+    if (!moept_params(L, &p, &n)) s->params = tu_hash(p, n);
+    if (!moept_grads(L, &p, &n)) s->grads = tu_hash(p, n);
     moept_stats st;
     if (!moept_get_stats(L, &st, s->tpe)) {
         s->steps = st.steps, s->tokens = st.tokens, s->routed = st.routed_rows;

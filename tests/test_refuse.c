@@ -73,14 +73,7 @@ static void poke(moept_layer *L, int b, int64_t i, float v) {
 static uint64_t params_hash(moept_layer *L) {
     float *p;
     int64_t n;
-    if (moept_params(L, &p, &n)) return 0;
-    uint64_t h = 1469598103934665603ull;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &p[i], 4);
-        h = (h ^ u) * 1099511628211ull;
-    }
-    return h;
+    return moept_params(L, &p, &n) ? 0 : tu_hash(p, n);
 }
 
 /* forward and backward of one micro-batch (slot 0), dy scaled */

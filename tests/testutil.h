@@ -80,6 +80,16 @@ static inline double tu_rand(unsigned long long *s) {
     *s = *s * 6364136223846793005ull + 1442695040888963407ull;
     return (double)(*s >> 11) / 4503599627370496.0 - 1.0;
 }
+/* FNV-1a over the bits of v [n] (a bitwise fingerprint: -0 and NaN payloads count) */
+static inline unsigned long long tu_hash(const float *v, long long n) {
+    unsigned long long h = 1469598103934665603ull;
+    for (long long i = 0; i < n; i++) {
+        unsigned int u;
+        memcpy(&u, &v[i], 4);
+        h = (h ^ u) * 1099511628211ull;
+    }
+    return h;
+}
 static inline void tu_fill(float *v, long long n, double scale, unsigned long long *s) {
     for (long long i = 0; i < n; i++) v[i] = (float)(scale * tu_rand(s));
 }
