@@ -793,11 +793,15 @@ MOEPT_HD MOEPT__HOST_UNUSED static inline uint8_t moept__e4m3_byte(float r) {
     if (a < 0x3c800000u) return (uint8_t)(sign | (uint8_t)(moept__bits_f32(a) * 512.0f)); /* 0, subnormals */
     return (uint8_t)(sign | (((a >> 23) - 120u) << 3) | ((a >> 20) & 7u));
 }
-/* a tile's scale: amax / 448, 1 for a zero tile (or one too small to scale: s would be 0), one quiet
-   NaN for a tile with a NaN (whichever NaN the amax met first: an order the GPU's reductions differ in) */
+/* a tile's scale: amax / 448, at least 2^-63 (a zero tile's too), one quiet NaN for a tile with a NaN
+   (whichever NaN the amax met first: an order the GPU's reductions differ in). The floor keeps the
+   product of two scales, cuBLASLt's factor of a block's E4M3 sum, a normal fp32 number (2^-126 at the
+   least): with smaller scales it would lose bits or underflow to 0 where the CPU's dequantized products
+   do not. A tile whose amax is below 448 * 2^-63 keeps its values in steps of 2^-72 */
+#define MOEPT__Q8_SMIN 0x1p-63f
 MOEPT_HD static inline float moept__q8_scale(float amax) {
     const float s = amax / MOEPT__E4M3_MAX;
-    return s > 0.0f ? s : amax == amax ? 1.0f : moept__bits_f32(0x7fc00000u);
+    return s >= MOEPT__Q8_SMIN ? s : s == s ? MOEPT__Q8_SMIN : moept__bits_f32(0x7fc00000u);
 }
 MOEPT_HD static inline float moept__q8(float v, float s) { return moept__e4m3_round(v / s) * s; }
 /* a tile's running amax with v (a NaN sticks: the tile's values become NaN, as the GPU's would) */
@@ -3243,8 +3247,8 @@ static void moept__act_bwd_rowv(int kind, const float *h, const float *da, int64
 /* ------------------------------------------------------------------------
    FP8 (config.fp8): DeepSeek-V3's blockwise E4M3, the spec a GPU's FP8
    GEMMs are held to. An operand is quantized and dequantized in its tiles,
-   then the GEMMs run in fp32: each tile's scale s = amax / 448 (1 if the
-   tile is zero), each value s * e4m3(v / s).
+   then the GEMMs run in fp32: each tile's scale s = max(amax / 448, 2^-63)
+   (moept__q8_scale), each value s * e4m3(v / s).
    ------------------------------------------------------------------------ */
 /* each row's 1 x 128 tiles along its cols: src [rows][lds] -> dst [rows][ldd] (may be src) */
 static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t lds, float *dst,

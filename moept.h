@@ -413,9 +413,13 @@
          (W and W^T have the same blocks). The tiles run over the fused
          gate|up rows: where F is a multiple of 128, as in every released
          model, they are the separate projections' own.
-     A tile's scale is s = amax / 448 from its own values (1 where all are
-     zero; an edge tile of fewer elements alike); each v becomes
-     s * e4m3(v / s), rounded to nearest even and saturating. The router,
+     A tile's scale is s = max(amax / 448, 2^-63) from its own values (an
+     edge tile of fewer elements alike); each v becomes s * e4m3(v / s),
+     rounded to nearest even and saturating. The floor keeps every product
+     of two scales (what a block-scaled GEMM multiplies a block's E4M3 sum
+     by) at or over fp32's least normal, 2^-126: a tile whose amax is under
+     448 * 2^-63 (about 4.9e-17) keeps its values in steps of 2^-72, and
+     those under 2^-73 become 0, on every executor. The router,
      its losses, the shared expert's gate, the combine, the master weights,
      gradients and AdamW stay fp32. The CPU layer computes exactly this (the
      operands quantized and dequantized, then its fp32 GEMMs): the spec a

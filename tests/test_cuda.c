@@ -256,6 +256,97 @@ static void test_fp8_tiles(void) {
         EXPECT(e <= 0x1p-3, "%s: bf16 rows, rel err %.3g > 2^-3", i ? "qwen2" : "mixtral", e);
     }
 }
+/* got against want where both are finite: the worst difference over the largest |want| (0 if none);
+   *apart counts the elements finite on one side only */
+static double finite_err(const float *got, const float *want, int64_t n, int64_t *apart) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int fg = isfinite(got[i]) != 0, fw = isfinite(want[i]) != 0;
+        *apart += fg != fw;
+        if (!fg || !fw) continue;
+        const double d = fabs((double)got[i] - want[i]), m = fabs((double)want[i]);
+        num = d > num ? d : num;
+        den = m > den ? m : den;
+    }
+    return den > 0 ? num / den : num;
+}
+
+/* One FP8 step at x = xs * U(-1, 1) (dy U(-1, 1)) on both layers: the same first failure of the forward,
+   the backward and the gradient norm (where the CPU's forward refuses an overflowed y, the CUDA layer's
+   backward does: docs/CUDA.md, "Host synchronisations"); y, dx and every gradient equal within `tol`
+   where finite, non-finite at the same elements */
+static void fp8_range_step(moept_config cfg, float xs, double tol, const char *what) {
+    moept_layer *L[2] = {NULL, NULL}; /* CPU, GPU */
+    moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, 0, MOEPT_GEMM_AUTO};
+    EXPECT_OK(moept_create(&cfg, &L[0]));
+    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L[1]));
+    if (!L[0] || !L[1]) { moept_destroy(L[0]); moept_destroy(L[1]); return; }
+    const int64_t T = cfg.max_tokens, D = cfg.hidden_size;
+    float *h[6]; /* x, dy, y and dx of the CPU, of the GPU */
+    for (int i = 0; i < 6; i++) h[i] = calloc((size_t)(T * D), sizeof(float));
+    for (int64_t i = 0; i < T * D; i++) { h[0][i] = xs * frand(); h[1][i] = frand(); }
+    void *d[4] = {dev_from(h[0], T * D, 0), dev_from(h[1], T * D, 0), dev_from(h[2], T * D, 0),
+                  dev_from(h[3], T * D, 0)}; /* x, dy, y, dx on the device */
+    moept_status fw[2], bw[2], nm[2];
+    double norm[2] = {0, 0};
+    for (int v = 0; v < 2; v++) {
+        moept_init_params(L[v], 7);
+        fw[v] = moept_forward(L[v], v ? d[0] : h[0], T, v ? d[2] : h[2]);
+        bw[v] = moept_backward(L[v], v ? d[0] : h[0], v ? d[1] : h[1], v ? d[3] : h[3]);
+        nm[v] = moept_grad_norm(L[v], &norm[v]);
+    }
+    host_from(h[4], d[2], T * D, 0);
+    host_from(h[5], d[3], T * D, 0);
+    moept_status first[2];
+    for (int v = 0; v < 2; v++) first[v] = fw[v] ? fw[v] : bw[v] ? bw[v] : nm[v];
+    EXPECT(first[0] == first[1], "%s: the step's first failure %d | %d (forward %d | %d, backward %d | %d, "
+           "grad_norm %d | %d; CPU | GPU)", what, first[0], first[1], fw[0], fw[1], bw[0], bw[1], nm[0],
+           nm[1]);
+    int64_t apart = 0;
+    double e = fw[0] || fw[1] ? 0 : finite_err(h[4], h[2], T * D, &apart), worst = e;
+    e = fw[0] || fw[1] || bw[0] || bw[1] ? 0 : finite_err(h[5], h[3], T * D, &apart);
+    worst = e > worst ? e : worst;
+    for (int64_t i = 0; i < moept_param_count(L[0]); i++) {
+        moept_param_info a, b;
+        moept_param_info_at(L[0], i, &a);
+        moept_param_info_at(L[1], i, &b);
+        if (!a.grad) continue;
+        e = finite_err(b.grad, a.grad, a.rows * a.cols, &apart);
+        worst = e > worst ? e : worst;
+    }
+    EXPECT(apart == 0, "%s: %lld values finite on one executor only", what, (long long)apart);
+    EXPECT(worst <= tol, "%s: rel err %.3g > %.3g", what, worst, tol);
+    for (int i = 0; i < 4; i++) cudaFree(d[i]);
+    for (int i = 0; i < 6; i++) free(h[i]);
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+}
+
+/* config.fp8 where the tiles' scales are tiny or huge (test_fp8_tiles' widths; no aux or z loss, whose
+   dx would hide the experts'): x at 1e-40 (subnormal) and 1e-30 (tiles under the scale's floor: h, dh
+   quantize to 0), 1e-20 (some values of the floored tiles survive: the wgrads' sums subnormal, 1e-40),
+   1e30 (scales ~2e27; a gated activation overflows: NUMERIC on both, the CPU's forward and the CUDA
+   backward; GELU's step runs). Mixtral, qwen2 with a shared expert, olmoe (without the scale's floor
+   the GPU's dx, y or weight gradients were 0 at x 1e-40 and 1e-20 where the CPU's were not) */
+static void test_fp8_ranges(void) {
+    const float xs[4] = {1e-40f, 1e-30f, 1e-20f, 1e30f};
+    const char *names[4] = {"1e-40", "1e-30", "1e-20", "1e30"};
+    for (int f = 0; f < 3; f++)
+        for (int s = 0; s < 4; s++) {
+            moept_config c = family_cfg(f);
+            c.hidden_size = 200;
+            c.intermediate_size = 136;
+            c.shared_intermediate_size = f == 1 ? 136 : 0;
+            c.num_experts = 4;
+            c.max_tokens = 300;
+            c.aux_loss_coef = c.z_loss_coef = 0.0f;
+            c.fp8 = MOEPT_FP8_BLOCKWISE;
+            char what[80];
+            snprintf(what, sizeof what, "family %d, x %s", f, names[s]);
+            fp8_range_step(c, xs[s], 0x1p-5, what);
+        }
+}
+
 /* why the device cannot run the FP8 tests (cuBLASLt has no block-scaled FP8 matmul on it: refused at
    create), or NULL; asked once */
 static const char *fp8_skip(void) {
@@ -3474,6 +3565,8 @@ static void test_td_destroy_in_call(void) {
                    "naming it, no crash"
 #define FP8_TILES "cuda: config.fp8 (cuBLASLt E4M3) equals the CPU's FP8 layer, edge tiles and shared " \
                   "expert (fp32 2^-5, bf16 rows 2^-3)"
+#define FP8_RANGES "cuda: config.fp8 equals the CPU's FP8 layer at tiny and huge scales (x 1e-40 to 1e30: " \
+                   "statuses, non-finite values, 2^-5)"
 #define FP8_STEPS "cuda (emulated): config.fp8 over 3 steps of accumulated micro-batches equals the CPU's " \
                   "(2^-5)"
 int main(void) {
@@ -3504,6 +3597,7 @@ int main(void) {
         tu_skip("cuda: padding masks equal the CPU layer's (4 families, fp32 and bf16, capacity, all padding)", why);
         tu_skip("cuda: a padded row's values change nothing (bitwise); capacity is the unmasked tokens'", why);
         tu_skip(FP8_TILES, why);
+        tu_skip(FP8_RANGES, why);
         return tu_done();
     }
     tu_run("cuda: fp32 equals the CPU layer (4 families, 1e-5)", test_fp32);
@@ -3533,6 +3627,8 @@ int main(void) {
            test_mask_padding_values);
     if (fp8_skip()) tu_skip(FP8_TILES, fp8_skip());
     else tu_run(FP8_TILES, test_fp8_tiles);
+    if (fp8_skip()) tu_skip(FP8_RANGES, fp8_skip());
+    else tu_run(FP8_RANGES, test_fp8_ranges);
 #ifdef MOEPT_EMU
     tu_run("cuda (emulated, 2 NCCL ranks): a failed growth, then the next step runs", test_failed_growth_then_next_step);
     tu_run("cuda (emulated, 2 DP ranks): a peer absent from the loss all-reduce: ERR_COMM, aborted once",

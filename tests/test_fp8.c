@@ -7,6 +7,8 @@
    - a tile's scale (amax / 448: the largest element maps to 448) and the
      round trip of every element within E4M3's step; edge tiles (fewer than
      128 elements) and blocks take their own scales; zero tiles stay zero;
+   - the scale's floor, 2^-63 (no product of two scales under fp32's least
+     normal): tiles of amax 1e-20 and 1e-30 quantize at it;
    - each of a layer's GEMMs, stage by stage, with D 200, F 136 (2F 272)
      and 150 rows an expert, so every operand has whole and edge tiles: h,
      the experts' outputs, both weight gradients, dh and the experts' dx
@@ -94,10 +96,12 @@ static void test_e4m3_bytes(void) {
 
 /* ---- tiles ---- */
 static float q8_ref(float v, float s) { return e4m3_ref(v / s) * s; }
+/* amax / 448, not under 2^-63 */
+static float amax_scale(float amax) { return amax / 448.0f > 0x1p-63f ? amax / 448.0f : 0x1p-63f; }
 static float scale_ref(const float *v, int64_t n, int64_t stride) {
     float amax = 0;
     for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(v[i * stride]));
-    return amax > 0 ? amax / 448.0f : 1.0f;
+    return amax_scale(amax);
 }
 
 static void test_tiles(void) {
@@ -140,7 +144,7 @@ static void test_tiles(void) {
             float amax = 0;
             for (int64_t a = i0; a < BR && a < i0 + 128; a++)
                 for (int64_t b = j0; b < BC && b < j0 + 128; b++) amax = fmaxf(amax, fabsf(w[a * BC + b]));
-            bad += wq[i * BC + j] != q8_ref(w[i * BC + j], amax / 448.0f);
+            bad += wq[i * BC + j] != q8_ref(w[i * BC + j], amax_scale(amax));
         }
     EXPECT(bad == 0, "blocks: %d elements differ", bad);
     const int64_t off[3] = {0, 150, 190}; /* two groups: 128 + 22 rows, then 40 */
@@ -157,6 +161,43 @@ static void test_tiles(void) {
     free(w); free(wq);
 }
 
+/* The scale's floor: s = max(amax / 448, 2^-63), so that the product of two scales (a block-scaled GEMM's
+   factor of a block's E4M3 sum) is never under fp32's least normal, 2^-126; a tile of smaller amax
+   quantizes in steps of 2^-72 (its values below 2^-73 to 0), rows and blocks alike */
+static void test_scale_floor(void) {
+    const float amax[8] = {0.0f, 0x1p-149f, 1e-40f, 1e-30f, 1e-20f, 448.0f * 0x1p-63f, 1.0f, 3e38f};
+    const float want[8] = {0x1p-63f, 0x1p-63f, 0x1p-63f, 0x1p-63f, 0x1p-63f, 0x1p-63f, 1.0f / 448.0f,
+                           3e38f / 448.0f};
+    for (int i = 0; i < 8; i++) {
+        EXPECT(moept__q8_scale(amax[i]) == want[i], "amax %g: scale %a, want %a", (double)amax[i],
+               (double)moept__q8_scale(amax[i]), (double)want[i]);
+        for (int j = 0; j < 8; j++) {
+            const float p = moept__q8_scale(amax[i]) * moept__q8_scale(amax[j]);
+            EXPECT(p >= 0x1p-126f, "amax %g and %g: the scales' product %a is under fp32's least normal",
+                   (double)amax[i], (double)amax[j], (double)p);
+        }
+    }
+    float x[2 * 200], q[2 * 200], w[130 * 130], wq[130 * 130];
+    unsigned long long s = 5;
+    tu_fill(x, 2 * 200, 1e-20, &s); /* row 0: amax ~1e-20, below 448 * 2^-63 */
+    tu_fill(x + 200, 200, 1e-30, &s); /* row 1: ~1e-30, under 2^-73 */
+    x[7] = 1e-20f;
+    moept__q8_rows(x, 2, 200, 200, q, 200);
+    int bad = 0, zero = 1;
+    for (int j = 0; j < 200; j++) {
+        bad += q[j] != q8_ref(x[j], 0x1p-63f);
+        zero &= q[200 + j] == 0.0f;
+    }
+    EXPECT(bad == 0, "rows of amax 1e-20: %d elements not at the floor's scale", bad);
+    EXPECT(q[7] == 0x1.8p-4f * 0x1p-63f, "1e-20 in a floored tile: %a, want 0x1.8p-4 * 2^-63", (double)q[7]);
+    EXPECT(zero, "a tile of amax 1e-30 quantizes to 0");
+    tu_fill(w, 130 * 130, 1e-25, &s);
+    moept__q8_blocks(w, 130, 130, wq);
+    bad = 0;
+    for (int i = 0; i < 130 * 130; i++) bad += wq[i] != q8_ref(w[i], 0x1p-63f);
+    EXPECT(bad == 0, "blocks of amax 1e-25: %d elements not at the floor's scale", bad);
+}
+
 /* ---- a layer's GEMMs against fp64 products of this file's quantization ---- */
 enum { QROWS, QCOLS, QBLK };
 /* m [rows][cols] quantized by this file: rows 1 x 128, columns 128 x 1 (one group), blocks */
@@ -169,7 +210,7 @@ static float *quant(const float *m, int64_t rows, int64_t cols, int how) {
             float amax = 0;
             for (int64_t i = i0; i < i1; i++)
                 for (int64_t j = j0; j < j1; j++) amax = fmaxf(amax, fabsf(m[i * cols + j]));
-            float sc = amax > 0 ? amax / 448.0f : 1.0f;
+            float sc = amax_scale(amax);
             for (int64_t i = i0; i < i1; i++)
                 for (int64_t j = j0; j < j1; j++) o[i * cols + j] = q8_ref(m[i * cols + j], sc);
         }
@@ -352,6 +393,7 @@ int main(void) {
     RUN(test_e4m3_round);
     RUN(test_e4m3_bytes);
     RUN(test_tiles);
+    RUN(test_scale_floor);
     RUN(test_layer_gemms);
     RUN(test_fp8_vs_fp32);
     RUN(test_inference_and_slots);
