@@ -1810,7 +1810,8 @@ typedef struct moept__workspace {   /* the CPU steps' scratch, the layer's */
        changes nothing, and the GEMMs are those of the call without them */
     float *xsh;            /* [Tmax][D] the unmasked rows of x, packed */
     int64_t *shrow;        /* [Tmax] their tokens */
-    float *xz;             /* [Tmax][D] a padded step's router input: padded rows zero (first such step) */
+    float *xz;             /* [Tmax][D] a padded step's router-gradient input: padded rows zero (made at the
+                              first such forward) */
     float *dlogits;        /* [Tmax][E] */
     moept__gemm *descs;    /* [El * P] grouped GEMM descriptors (a chunk: one per expert and source) */
     moept__gemm_ws gws;
@@ -2543,7 +2544,17 @@ moept_status moept_create(const moept_config *cfg, moept_layer **out) {
     return moept_create_parallel(cfg, NULL, NULL, out);
 }
 
-static int64_t moept__nonce(void);
+/* A number no other rank, process or call draws (in practice): the clock,
+   the process and a counter, mixed (a checkpoint set's name, a rank's id) */
+static int64_t moept__nonce(void) {
+    static atomic_ulong calls;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t h = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 24) ^
+                 ((uint64_t)atomic_fetch_add(&calls, 1) << 44);
+    h *= 0x9e3779b97f4a7c15ull;
+    return (int64_t)((h ^ (h >> 31)) & 0xffffffffffffull); /* 48 bits: sums of one value and zeros */
+}
 /* create, 1b: the EP and DP groups are two axes of one grid: no rank shares
    both with another (one comm passed as both would add different experts'
    gradients together and the router's twice), and a DP group joins ranks
@@ -2575,12 +2586,15 @@ static moept_status moept__agree_grid(moept_comm *ep, moept_comm *dp, const char
                                        (long long)dps[2 * q + 1], ep->rank);
     }
     MOEPT_FREE(ids);
-    if (st) return moept__thread_fail(st, "%s: the EP x DP grid check's all-gather failed: %s", call,
-                                      ep->err[0] ? ep->err : dp->err);
-    if (failed) return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory on a rank", call);
+    if (st) /* (the verdict below is every rank's: none returns before it) */
+        local = moept__thread_fail(st, "%s: the EP x DP grid check's all-gather failed: %s", call,
+                                   ep->err[0] ? ep->err : dp->err);
+    else if (failed)
+        local = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory on a rank", call);
     failed = moept__any_failed(ep, dp, local != MOEPT_OK, &st);
+    if (local) return local;
     if (st) return moept__thread_fail(st, "%s: the EP x DP grid agreement failed", call);
-    if (failed && !local)
+    if (failed)
         local = moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: the EP and DP comms do not form an EP x "
                                    "DP grid (another rank names the problem)", call);
     return local;
@@ -2615,11 +2629,24 @@ static moept_status moept__create_checks(const moept_config *cfg, moept_comm *ep
     memcpy(mine, moept__thread_err, sizeof mine);
     int64_t fp[MOEPT__NFP];
     moept__fingerprint(c, st == MOEPT_OK, P, DP, moept__has_shm(ep), fp);
-    moept_status ag = moept__agree_config(ep, "EP", fp, call);
-    if (!ag) ag = moept__agree_config(dp, "DP", fp, call);
-    if (!ag) ag = moept__agree_grid(ep, dp, call);
-    if (st) { memcpy(moept__thread_err, mine, sizeof mine); return st; }
-    return ag;
+    /* both groups' agreements on every rank (a rank that skipped one would leave its group waiting), one
+       verdict over both, then (all fine) the grid's */
+    moept_status ag = moept__agree_config(ep, "EP", fp, call), cs;
+    char first[MOEPT__ERRLEN];
+    memcpy(first, moept__thread_err, sizeof first);
+    moept_status a2 = moept__agree_config(dp, "DP", fp, call);
+    if (!ag && a2) memcpy(first, moept__thread_err, sizeof first);
+    ag = ag ? ag : a2;
+    const int64_t failed = moept__any_failed(ep, dp, st || ag, &cs);
+    if (st || ag) {
+        memcpy(moept__thread_err, st ? mine : first, sizeof mine);
+        return st ? st : ag;
+    }
+    if (cs) return moept__thread_fail(cs, "%s: the config agreement failed", call);
+    if (failed)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: a rank of another EP or DP group refused "
+                                  "its config (see its error)", call);
+    return moept__agree_grid(ep, dp, call);
 }
 
 /* create, 2: the layer's shapes, groups and executor from the resolved config */
@@ -3962,12 +3989,11 @@ static int64_t moept__unpadded_bad(const float *v, int64_t T, int64_t D, const u
 
 /* A call's output out [T][D] (or a loss, found by the caller: `local`)
    non-finite from finite inputs: the call fails on every rank of the EP
-   group and dp, each with `after` said (what the caller must do next); v NULL: out
-   was scanned and is finite */
+   group and dp, each with `after` said (what the caller must do next). */
 static moept_status moept__agree_finite(moept_layer *L, moept__fstate *sl, const char *call,
                                         const char *out, const float *v,
                                         moept_status local, moept_comm *dp, const char *after) {
-    int64_t bad = local || !v ? -1 : moept__first_nonfinite(v, sl->fwd.T * L->D), failed; /* v NULL: clean */
+    int64_t bad = local ? -1 : moept__first_nonfinite(v, sl->fwd.T * L->D), failed;
     moept_status st;
     if (bad >= 0)
         local = moept__fail(L, MOEPT_ERR_NUMERIC,
@@ -3987,8 +4013,8 @@ static moept_status moept__agree_finite(moept_layer *L, moept__fstate *sl, const
 static int moept__finite_d(double v) { return v == v && fabs(v) <= 3.4028234663852886e38; } /* as a float */
 
 /* A non-finite parameter, named (which tensor, which element) into why [n],
-   so a forward whose output is not finite blames its cause, not an
-   overflow; 0 if every parameter is finite (a scan on the failure path) */
+   so a call whose output is not finite blames its cause, not an overflow;
+   0 if every parameter is finite (a scan on the failure path) */
 static int moept__params_bad(const moept_layer *L, char *why, size_t n) {
     for (int64_t t = 0; t < L->par.n_table; t++) {
         const moept__param *p = &L->par.table[t];
@@ -4002,6 +4028,22 @@ static int moept__params_bad(const moept_layer *L, char *why, size_t n) {
     }
     return 0;
 }
+
+/* An executor's report of a non-finite output, logit or loss (an
+   overflow?) replaced by its cause where a parameter is not finite: which
+   one, which element (the failure path: the host's view of the parameters
+   read); an input's own report (x, dy, dlogits) kept */
+static moept_status moept__numeric_cause(moept_layer *L, moept_status st, const char *call) {
+    char was[MOEPT__ERRLEN], why[MOEPT__ERRLEN - 96];
+    if (st != MOEPT_ERR_NUMERIC ||
+        !(strstr(moept__thread_err, "from finite inputs") || strstr(moept__thread_err, "router logits")))
+        return st;
+    memcpy(was, moept__thread_err, sizeof was);
+    if (moept__to_host(L, 1, 0) == MOEPT_OK && moept__params_bad(L, why, sizeof why))
+        return moept__fail(L, st, "%s: %s; the step is rejected, run forward again", call, why);
+    memcpy(moept__thread_err, was, sizeof was);
+    return st;
+}
 /* Finite inputs can still give a non-finite output or loss (an overflow in
    the experts or the shared expert): the step fails on every rank of the
    groups it spans. The experts' saved activations are this step's by now,
@@ -4012,19 +4054,12 @@ static moept_status moept__forward_finite(moept_layer *L, moept__fstate *sl, con
     static const char *after = "the step is rejected, run forward again";
     moept_status local = MOEPT_OK; /* losses count only where they are part of the objective */
     int zbad = L->cfg.z_loss_coef > 0.0f && !moept__finite_d(z);
-    char why[MOEPT__ERRLEN - 64];
-    const int ybad = moept__first_nonfinite(y, sl->fwd.T * L->D) >= 0; /* (the one scan of y) */
-    if ((zbad || !moept__finite_d(aux) || ybad) && moept__params_bad(L, why, sizeof why)) { /* the cause */
-        local = moept__fail(L, MOEPT_ERR_NUMERIC, "moept_forward: %s; %s", why, after);
-        zbad = 0;
-    }
-    if (!local && (zbad || (L->cfg.aux_loss_coef > 0.0f && !moept__finite_d(aux))))
+    if (zbad || (L->cfg.aux_loss_coef > 0.0f && !moept__finite_d(aux)))
         local = moept__fail(L, MOEPT_ERR_NUMERIC,
                             "moept_forward: the %s loss is not finite from finite inputs; "
                             "%s",
                             zbad ? "z" : "aux", after);
-    local = moept__agree_finite(L, sl, "moept_forward", "y", ybad ? y : NULL, local, global ? L->dp : NULL,
-                                after);
+    local = moept__agree_finite(L, sl, "moept_forward", "y", y, local, global ? L->dp : NULL, after);
     if (local) sl->fwd.valid = 0;
     return local;
 }
@@ -4087,18 +4122,19 @@ static moept_status moept__fwd_checks(moept_layer *L, moept__fstep *f) {
     return MOEPT_OK;
 }
 
-/* The router's input where a token is padded (mask[t] 0, or with no mask
-   its ids -1): xin with the padded rows zero in out [T][D] (out may be xin),
-   so that nothing a padded row holds (a NaN too) reaches a logit or the
-   router's gradient; xin itself where no token is padded */
-static const float *moept__router_in(const float *xin, int64_t T, int64_t D, const uint8_t *mask,
-                                     const int32_t *ids, int64_t K, float *out) {
+/* The router gradient's input where a token is padded (its ids -1): xin
+   with the padded rows zero in out [T][D] (out may be xin), so nothing a
+   padded row holds (a NaN too) reaches the gradient (a padded row's
+   logits, which moept_routing reports as transformers' router computes
+   them, are its own); xin itself where no token is padded */
+static const float *moept__router_in(const float *xin, int64_t T, int64_t D, const int32_t *ids, int64_t K,
+                                     float *out) {
     int64_t t = 0;
-    while (t < T && (mask ? mask[t] != 0 : ids[t * K] >= 0)) t++;
+    while (t < T && ids[t * K] >= 0) t++;
     if (t == T) return xin;
     #pragma omp parallel for schedule(static) MOEPT__PAR(T * D)
     for (int64_t r = 0; r < T; r++) {
-        if (mask ? mask[r] != 0 : ids[r * K] >= 0) {
+        if (ids[r * K] >= 0) {
             if (out != xin) memcpy(out + r * D, xin + r * D, (size_t)D * sizeof(float));
         } else {
             memset(out + r * D, 0, (size_t)D * sizeof(float));
@@ -4124,7 +4160,6 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstate *sl, moept__f
         moept__jitter_apply(L, f->jkey, f->x, T, sl->fwd.xj, sl->fwd.jrow[nb], !L->jitter_frozen);
         xin = sl->fwd.xj;
     }
-    if (f->mask) xin = moept__router_in(xin, T, D, f->mask, NULL, L->K, f->jitter ? sl->fwd.xj : L->ws.xz);
     moept__gemm g = moept__gemm_make(0, 1, T, E, D, xin, D, L->par.w_router, D, 0.0f, logits, E);
     moept__gemm_run(&g, 1, &L->ws.gws);
     int64_t first_bad = T, valid = 0;
@@ -4513,8 +4548,8 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     if (!local && f->mask && !L->ws.xz && memchr(f->mask, 0, (size_t)f->T)) { /* the first padded step */
         L->ws.xz = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
         if (!L->ws.xz)
-            local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: out of memory for the router's "
-                                "input with the padded rows zero");
+            local = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_forward: out of memory for the router "
+                                "gradient's input with the padded rows zero");
     }
     if (!local) local = moept__fwd_route(L, sl, f);
     if (!local && L->S > 0 && f->valid < f->T && !L->ws.xsh) { /* the first padded step: room to pack */
@@ -4579,7 +4614,7 @@ moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *
         snprintf(f.reject_why, sizeof f.reject_why, "moept_forward: opts.slot %d is not in "
                  "0..max_inflight-1 (%d)", f.slot, L->nslots - 1);
     }
-    return L->ex->forward(L, &f);
+    return moept__numeric_cause(L, L->ex->forward(L, &f), "moept_forward");
 }
 
 moept_status moept_forward(moept_layer *L, const float *x, int64_t T, float *y) {
@@ -4625,7 +4660,7 @@ moept_status moept_backward_ex(moept_layer *L, const float *x, const float *dy, 
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
     if (!L->par.grads) return moept__no_grads(L, "moept_backward");
     const moept_backward_opts def = moept_backward_default();
-    moept_status st = L->ex->backward(L, x, dy, dx, o ? o : &def);
+    moept_status st = moept__numeric_cause(L, L->ex->backward(L, x, dy, dx, o ? o : &def), "moept_backward");
     if (!st && (L->group || L->dp)) L->grads_unsynced = 1;
     return st;
 }
@@ -4820,7 +4855,7 @@ static void moept__bwd_router(moept_layer *L, moept__fstate *sl, const float *x,
         moept__jitter_apply(L, sl->fwd.jkey, x, T, sl->fwd.xj, sl->fwd.jrow[sl->fwd.cur], 0);
         xin = sl->fwd.xj;
     }
-    if (L->ws.xz) xin = moept__router_in(xin, T, D, NULL, ids, K, sl->fwd.jitter ? sl->fwd.xj : L->ws.xz);
+    if (L->ws.xz) xin = moept__router_in(xin, T, D, ids, K, sl->fwd.jitter ? sl->fwd.xj : L->ws.xz);
     moept__gemm g = moept__gemm_make(1, 0, E, D, T, L->ws.dlogits, E, xin, D, 1.0f, L->par.g_router, D);
     moept__gemm_run(&g, 1, &L->ws.gws);
     const int64_t n = moept__shared_rows(sl, T);
@@ -8496,15 +8531,6 @@ static moept_status moept__share(moept_layer *L, int64_t *v, const char *call) {
     return MOEPT_OK;
 }
 
-static int64_t moept__nonce(void) {
-    static atomic_ulong calls;
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    uint64_t h = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 24) ^
-                 ((uint64_t)atomic_fetch_add(&calls, 1) << 44);
-    h *= 0x9e3779b97f4a7c15ull;
-    return (int64_t)((h ^ (h >> 31)) & 0xffffffffffffull); /* 48 bits: sums of one value and zeros */
-}
 
 /* Saves a training checkpoint as a set: every rank of DP replica 0 writes
    its file into a new set directory, all agree that every file is whole,

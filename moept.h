@@ -176,8 +176,9 @@
        the experts; a loss counts where its coefficient is > 0) fail the
        forward on every rank with MOEPT_ERR_NUMERIC and the statistics
        unchanged; where a parameter is not finite (written through
-       moept_params, moept_set_param or a load), a CPU layer's message
-       names it and its element instead of blaming an overflow. The one
+       moept_params, moept_set_param or a load), the message names it and
+       its element instead of blaming an overflow (a CUDA layer's: the
+       backward that reports its y). The one
        exception to "left exactly as it was": the
        experts' saved activations are that step's by then, so backward and
        update_bias are refused until the next forward. On the CUDA
@@ -267,19 +268,25 @@
      average over the unmasked tokens (global balance: over every rank's).
      Unmasked tokens get the values they would get without the padding
      rows, bitwise (the CUDA executor: up to the order of its loss sums).
-     A padded row of x, dy or opts.dlogits is not read: it is not checked
-     (NaN, Inf, anything), and the router and the shared expert see zeros
-     there, so every output, loss and gradient is the zero-padded call's,
-     bitwise. A layer allocates max_tokens x hidden_size floats at its
-     first masked forward for that zero-padded router input (a CPU layer's,
-     an F32 CUDA layer's; a BF16 one zeroes its fp32 copy). A CUDA layer's mask is device memory, as x and y are (a host pointer
-     fails the call: MOEPT_ERR_INVALID_ARGUMENT on the rank that passed it,
+     What a padded row of x, dy or opts.dlogits holds changes nothing: it
+     is not checked (NaN, Inf, anything), the shared expert and the
+     router's gradient see zeros there, and every output, loss and
+     gradient is the zero-padded call's, bitwise. (A padded row's router
+     logits, which moept_routing reports, are computed from it, as
+     transformers' router does; its x still counts in backward's check
+     that x is the forward's.) A layer allocates max_tokens x hidden_size
+     floats at its first masked forward for the router gradient's
+     zero-padded input (a CPU layer, an F32 CUDA layer; a BF16 one zeroes
+     its fp32 copy of x). A CUDA
+     layer's mask is device memory, as x and y are (a host pointer fails
+     the call: MOEPT_ERR_INVALID_ARGUMENT on the rank that passed it,
      MOEPT_ERR_STATE on its peers; in the sync-free mode its peers learn at
      their next moept_adamw_step or moept_grad_norm); one with a shared
      expert allocates max_tokens x hidden_size elements of its dtype at its
      first masked forward (the shared expert's input, padded rows zero), so
-     run one masked forward before capturing a step in a CUDA graph. opts.eval = 1: no jitter, nothing kept for backward
-     (FORWARD SLOTS: it leaves every training forward's saved state as it was).
+     run one masked forward before capturing a step in a CUDA graph.
+     opts.eval = 1: no jitter, nothing kept for backward (FORWARD SLOTS: it
+     leaves every training forward's saved state as it was).
      config.router_jitter = eps: a training forward routes on x * u, u
      uniform in [1 - eps, 1 + eps] per element (as Switch Transformer and
      Megatron-Core's input jitter); the experts and the shared expert see x.
@@ -419,7 +426,7 @@
      of two scales (what a block-scaled GEMM multiplies a block's E4M3 sum
      by) at or over fp32's least normal, 2^-126: a tile whose amax is under
      448 * 2^-63 (about 4.9e-17) keeps its values in steps of 2^-72, and
-     those under 2^-73 become 0, on every executor. The router,
+     those at or under 2^-73 become 0, on every executor. The router,
      its losses, the shared expert's gate, the combine, the master weights,
      gradients and AdamW stay fp32. The CPU layer computes exactly this (the
      operands quantized and dequantized, then its fp32 GEMMs): the spec a
@@ -877,7 +884,8 @@ int moept_comm_nccl_aborted(const moept_comm *c);
    bits on every rank). Device-buffer calls are asynchronous on `stream` as
    NCCL's are (p2p waits); host buffers go through the thread group once the
    stream has drained. A stream that does not drain within timeout_ms (0 =
-   600 s) is an error. The group's comm of `rank` (moept_comm_threads)
+   600 s; < 0 is MOEPT_ERR_INVALID_ARGUMENT, as for moept_comm_nccl) is an
+   error. The group's comm of `rank` (moept_comm_threads)
    carries the rendezvous: other calls on it are collectives in the same
    order too. moept_comm_destroy of this comm is collective too (a barrier
    of the group: a peer may still wait on its events); the group stays the

@@ -492,15 +492,16 @@ __device__ __forceinline__ void moept__stf(T *p, int w, float *v) {
 }
 
 /* The padded rows [T][D] of a check (mask[t] 0, or with no mask ids[t][0]
-   -1): not read, their copy zero. D 0: none */
-typedef struct moept__pad { const uint8_t *mask; const int32_t *ids; int64_t D; int K; } moept__pad;
+   -1): not checked; zero: their copy zero (else copied as they are). D 0:
+   none */
+typedef struct moept__pad { const uint8_t *mask; const int32_t *ids; int64_t D; int K, zero; } moept__pad;
 __device__ __forceinline__ int moept__padded(const moept__pad &p, int64_t e) {
     const int64_t t = p.D ? e / p.D : 0;
     return p.D && (p.mask ? !p.mask[t] : p.ids[t * p.K] < 0);
 }
 /* x [n] -> finiteness (first bad index, atomicMin: the same index whatever
    the order) and, when xf is given, its fp32 copy (the router's input);
-   padded rows are not checked and copy as zeros */
+   padded rows are not checked */
 template <typename T, int V>
 __global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long long *first_bad,
                                moept__pad pd) {
@@ -510,7 +511,7 @@ __global__ void moept__k_check(const T *x, int64_t n, float *xf, unsigned long l
         float v[V];
         moept__ldf<V>(x + e, w, v);
         for (int l = 0; l < w; l++)
-            if (moept__padded(pd, e + l)) v[l] = 0.0f;
+            if (moept__padded(pd, e + l)) v[l] = pd.zero ? 0.0f : v[l];
             else if (!seen && !moept__finite(v[l]))
                 atomicMin(first_bad, (unsigned long long)(e + l)), seen = 1;
         if (xf) moept__stf<V>(xf + e, w, v);
@@ -1562,12 +1563,16 @@ static void moept__nccl_destroy(moept_comm *c) {
 }
 
 extern "C" moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeout_ms, moept_comm **out) {
-    if (!out) return MOEPT_ERR_INVALID_ARGUMENT;
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_nccl: out is NULL");
     *out = NULL;
     int rank = 0, size = 0, dev = 0;
+    if (timeout_ms < 0)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_nccl: timeout_ms %d < 0",
+                                  timeout_ms);
     if (!comm || ncclCommUserRank(comm, &rank) != ncclSuccess || ncclCommCount(comm, &size) != ncclSuccess ||
         ncclCommCuDevice(comm, &dev) != ncclSuccess)
-        return MOEPT_ERR_INVALID_ARGUMENT;
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_nccl: the NCCL comm is NULL or "
+                                  "does not answer its rank, size and device");
     moept_comm *c = (moept_comm *)calloc(1, sizeof *c);
     moept__nccl *n = (moept__nccl *)calloc(1, sizeof *n);
     if (!c || !n) { free(c); free(n); return MOEPT_ERR_OUT_OF_MEMORY; }
@@ -1971,6 +1976,9 @@ extern "C" moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank,
                                                 moept_comm **out) {
     if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_cuda_threads: out is NULL");
     *out = NULL;
+    if (timeout_ms < 0)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_cuda_threads: timeout_ms %d < 0",
+                                  timeout_ms);
     moept_comm *host = NULL;
     moept_status st = moept_comm_threads(g, rank, &host);
     if (st) return st;
@@ -2180,8 +2188,9 @@ struct moept__cuda {
 
     void *xsh;                  /* [Tmax][D] (T) a masked step's shared-expert input (moept__k_unpadded),
                                    made at the first masked forward (S > 0), again by its backward */
-    float *xz;                  /* [Tmax][D] an F32 layer's router input in a masked step, padded rows zero
-                                   (a BF16 layer's xf is one): made at the first masked forward */
+    float *xz;                  /* [Tmax][D] an F32 layer's router-gradient input in a masked step, padded
+                                   rows zero (a BF16 layer zeroes its xf's): made at the first masked
+                                   forward */
     /* config.fp8: cuBLASLt, the weights' E4M3 copies (routed, shared) in one block, and the token
        operands' scratch for one group of q8rows padded rows (moept__q8_room: it grows) */
     cublasLtHandle_t lt;
@@ -3709,13 +3718,13 @@ static void moept__fwd_checks(moept__cuda *c, moept__cslot *sl, const void *x, i
 /* x [n]'s finiteness (the first bad index into bad) and, with xf, its fp32 copy */
 template <typename T>
 static void moept__check(moept__cuda *c, const T *x, int64_t n, float *xf, unsigned long long *bad,
-                         moept__pad pd = moept__pad{NULL, NULL, 0, 0}) {
+                         moept__pad pd = moept__pad{NULL, NULL, 0, 0, 0}) {
     const int vec = moept__vec<T>(0, x, xf), V = vec ? MOEPT__VEC(T) : 1;
     MOEPT__LAUNCH_V(vec, moept__k_check, T, moept__grid(n / V + n % V), MOEPT__TB, c->s, x, n, xf, bad, pd);
 }
-/* a masked step's padded rows (its forward's ids -1); none unmasked */
+/* a masked step's padded rows (its forward's ids -1), zero in the copy; none unmasked */
 static moept__pad moept__pad_of(const moept__cuda *c, const moept__cslot *sl) {
-    return moept__pad{NULL, sl->masked ? sl->ids[sl->cur] : NULL, sl->masked ? c->sp.D : 0, (int)c->sp.K};
+    return moept__pad{NULL, sl->masked ? sl->ids[sl->cur] : NULL, sl->masked ? c->sp.D : 0, (int)c->sp.K, 1};
 }
 
 /* MOEPT_AUX_SEQ: each sequence's statistics, aux value and gradient row
@@ -3765,11 +3774,10 @@ static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept
         MOEPT__PRE(moept__q8_weights(c));
         MOEPT__STAGE("route");
     }
-    /* (a masked step's: padded rows zero, so nothing they hold reaches a logit or the router's gradient) */
-    float *xmask = f->mask ? (c->wlow ? sl->xf : c->xz) : c->wlow ? sl->xf : NULL;
-    const float *xf = xmask ? xmask : (const float *)x;
-    if (T_ > 0) {
-        moept__check<T>(c, x, T_ * D, xmask, &c->bad[0], moept__pad{f->mask, NULL, f->mask ? D : 0, (int)K});
+    const float *xf = c->wlow ? sl->xf : (const float *)x;
+    if (T_ > 0) { /* (padded rows: unchecked; their logits are computed, as transformers' router does) */
+        moept__check<T>(c, x, T_ * D, c->wlow ? sl->xf : NULL, &c->bad[0],
+                        moept__pad{f->mask, NULL, f->mask ? D : 0, (int)K, 0});
         MOEPT__PRE(cudaGetLastError());
         sl->xf_committed = 0; /* until this step commits */
         if (f->jitter) moept__jitter(c, xf, T_, sl->jrow[nb], f->jkey, 1);
@@ -4519,8 +4527,8 @@ static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, K = p->K, T_ = sl->T;
     if (T_ == 0) return MOEPT_OK;
-    if ((c->wlow && !sl->xf_committed) || (!c->wlow && sl->masked)) { /* a rejected forward converted
-                                                                           its x since; xz is every slot's */
+    if ((c->wlow && !sl->xf_committed) || sl->masked) { /* a rejected forward converted its x since; a
+                                                           masked step's router gradient reads zeros */
         moept__check<T>(c, x, T_ * D, c->wlow ? sl->xf : c->xz, &c->bad[3], moept__pad_of(c, sl));
         MOEPT__LAUNCHED();
         sl->xf_committed = 1;
@@ -5335,9 +5343,13 @@ static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moep
                                const moept_cuda_options *o, char *why, moept_status *why_st) {
     *why_st = MOEPT_ERR_INVALID_ARGUMENT; /* no device: MOEPT_ERR_DEVICE, a caller falls back by it */
     const char *w = NULL;
-    if (o->dtype != MOEPT_DTYPE_F32 && o->dtype != MOEPT_DTYPE_BF16)
+    static_assert(sizeof o->dtype == sizeof(int) && sizeof o->gemm_form == sizeof(int), "C's enums are ints");
+    int dt, gf; /* the ints a C caller stored (in C++ an enum load outside its values is undefined) */
+    memcpy(&dt, &o->dtype, sizeof dt);
+    memcpy(&gf, &o->gemm_form, sizeof gf);
+    if (dt != MOEPT_DTYPE_F32 && dt != MOEPT_DTYPE_BF16)
         w = "options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16";
-    else if ((int)o->gemm_form < MOEPT_GEMM_AUTO || (int)o->gemm_form > MOEPT_GEMM_STRIDED)
+    else if (gf < MOEPT_GEMM_AUTO || gf > MOEPT_GEMM_STRIDED)
         w = "options.gemm_form must be a moept_gemm_form";
     else if (moept_cuda_device_count() < 1) {
         *why_st = MOEPT_ERR_DEVICE;

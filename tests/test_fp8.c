@@ -163,7 +163,7 @@ static void test_tiles(void) {
 
 /* The scale's floor: s = max(amax / 448, 2^-63), so that the product of two scales (a block-scaled GEMM's
    factor of a block's E4M3 sum) is never under fp32's least normal, 2^-126; a tile of smaller amax
-   quantizes in steps of 2^-72 (its values below 2^-73 to 0), rows and blocks alike */
+   quantizes in steps of 2^-72 (its values at or below 2^-73 to 0), rows and blocks alike */
 static void test_scale_floor(void) {
     const float amax[8] = {0.0f, 0x1p-149f, 1e-40f, 1e-30f, 1e-20f, 448.0f * 0x1p-63f, 1.0f, 3e38f};
     const float want[8] = {0x1p-63f, 0x1p-63f, 0x1p-63f, 0x1p-63f, 0x1p-63f, 0x1p-63f, 1.0f / 448.0f,

@@ -426,10 +426,11 @@ static void *grid_main(void *arg) {
     ep = tu_ep_open(&e, j->g, j->P, j->r);
     dp = ep;
 #else
-    const int r = j->r, er = r % 2, dg = g_grid_mode == 2 ? r / 2 : g_grid_mode == 3 ? (r % 2 != r / 2) : r % 2;
+    const int r = j->r, er = r % 2, m = g_grid_mode;
+    const int dg = m == 2 ? r / 2 : m == 3 ? (r % 2 != r / 2) : r % 2; /* this rank's DP group */
     moept_comm_threads(g_grid[r / 2], er, &ep);
-    if (g_grid_mode == 1) dp = ep;
-    else moept_comm_threads(g_grid[2 + dg], g_grid_mode == 2 ? er : r / 2, &dp);
+    if (m == 1) dp = ep;
+    else moept_comm_threads(g_grid[2 + dg], m == 2 ? er : r / 2, &dp);
 #endif
 #if TU_GPU
     moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, 0, MOEPT_GEMM_AUTO};
@@ -456,9 +457,13 @@ static void test_grid_slips(void) {
         tu_new_world();
         tu_ranks(P, 20000, grid_main, js, sizeof js[0]);
         for (int k = 0; k < 4 && !TU_GPU; k++) moept_thread_group_destroy(g_grid[k]);
+        int named = 0; /* the ranks that name the problem (at least one must) */
+        for (int r = 0; m && r < P; r++) named += strstr(js[r].err[0], want[m]) != NULL;
+        EXPECT(!m || named > 0, "mode %d: no rank named the problem (rank 0: %s)", m, js[0].err[0]);
         for (int r = 0; r < P; r++) {
             if (!m) {
-                EXPECT(js[r].st[0] == MOEPT_OK, "the grid, rank %d: %d (%s)", r, (int)js[r].st[0], js[r].err[0]);
+                EXPECT(js[r].st[0] == MOEPT_OK, "the grid, rank %d: %d (%s)", r, (int)js[r].st[0],
+                       js[r].err[0]);
                 continue;
             }
             EXPECT(js[r].st[0] == MOEPT_ERR_INVALID_ARGUMENT &&
