@@ -327,17 +327,16 @@ static void test_groups_and_files(void) {
     }
     EXPECT(moept_comm_threads(g, 0, NULL) == MOEPT_ERR_INVALID_ARGUMENT, "comm out NULL: accepted");
 #if TU_GPU
-    for (int i = 0; g && i < 4; i++) {
-        moept_comm *c = (moept_comm *)g;
-        EXPECT(moept_comm_cuda_threads(g, ranks[i], NULL, 1000, &c) == MOEPT_ERR_INVALID_ARGUMENT && !c,
-               "cuda_threads rank %d of 2: accepted", ranks[i]);
+    for (int i = 0; g && i < 5; i++) { /* every rank class, then a timeout of -1 */
+        moept_comm *dc = (moept_comm *)g;
+        EXPECT(moept_comm_cuda_threads(g, i < 4 ? ranks[i] : 0, NULL, i < 4 ? 1000 : -1, &dc) ==
+                   MOEPT_ERR_INVALID_ARGUMENT && !dc, "cuda_threads rank %d timeout %d: accepted",
+               i < 4 ? ranks[i] : 0, i < 4 ? 1000 : -1);
     }
-    moept_comm *c = NULL;
-    EXPECT(moept_comm_cuda_threads(g, 0, NULL, -1, &c) == MOEPT_ERR_INVALID_ARGUMENT && !c,
-           "cuda_threads timeout -1: accepted");
-    EXPECT(moept_comm_cuda_threads(NULL, 0, NULL, 1000, &c) == MOEPT_ERR_INVALID_ARGUMENT,
+    moept_comm *dc = NULL;
+    EXPECT(moept_comm_cuda_threads(NULL, 0, NULL, 1000, &dc) == MOEPT_ERR_INVALID_ARGUMENT,
            "cuda_threads g NULL");
-    EXPECT(moept_comm_nccl(NULL, NULL, 1000, &c) == MOEPT_ERR_INVALID_ARGUMENT && !c, "nccl comm NULL");
+    EXPECT(moept_comm_nccl(NULL, NULL, 1000, &dc) == MOEPT_ERR_INVALID_ARGUMENT && !dc, "nccl comm NULL");
 #endif
     moept_thread_group_destroy(g);
     /* config.json's layer index, the bound being num_hidden_layers */
