@@ -255,17 +255,21 @@ static void test_per_rank_loading_reads_only_owned_bytes(void) {
    dequantisation, bitwise; at EP = 4 a rank reads fewer bytes than the
    whole layer (only its experts' weights and scales) */
 typedef struct f8j { moept_thread_group *g; int r; int64_t read; moept_status st; int64_t bad; char err[512]; } f8j;
-static void *fp8_main(void *arg) {
-    f8j *j = arg;
-    const char *dir = "tests/checkpoints/deepseek_fp8";
-    moept_comm *c = NULL;
-    if (j->g) moept_comm_threads(j->g, j->r, &c);
+/* rank r's layer 1 of dir, sized by its config.json and loaded (EP over g where given) */
+static moept_status fp8_open(moept_thread_group *g, int r, const char *dir, moept_comm **c, moept_layer **L) {
+    *c = NULL;
+    if (g) moept_comm_threads(g, r, c);
     moept_config cfg = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
     cfg.max_tokens = 8;
+    moept_status st = moept_config_from_hf(dir, 1, &cfg);
+    if (!st) st = moept_create_parallel(&cfg, *c, NULL, L);
+    return st ? st : moept_load_hf(*L, dir, 1);
+}
+static void *fp8_main(void *arg) {
+    f8j *j = arg;
+    moept_comm *c;
     moept_layer *L = NULL;
-    j->st = moept_config_from_hf(dir, 1, &cfg);
-    if (!j->st) j->st = moept_create_parallel(&cfg, c, NULL, &L);
-    if (!j->st) j->st = moept_load_hf(L, dir, 1);
+    j->st = fp8_open(j->g, j->r, "tests/checkpoints/deepseek_fp8", &c, &L);
     moept_st_file *ref = NULL;
     if (!j->st) j->st = moept_st_open("tests/checkpoints/deepseek_fp8/dequant.safetensors", &ref);
     if (j->st) snprintf(j->err, sizeof j->err, "%s", L ? moept_last_error(L) : moept_last_error(NULL));
@@ -1253,16 +1257,9 @@ typedef struct f8b {
 } f8b;
 static void *fp8_reload_main(void *arg) {
     f8b *j = arg;
-    const char *good = "tests/checkpoints/deepseek_fp8";
-    moept_comm *c = NULL;
-    if (j->g) moept_comm_threads(j->g, j->r, &c);
-    moept_config cfg = moept_config_default(MOEPT_FAMILY_DEEPSEEK_V3);
-    cfg.max_tokens = 8;
+    moept_comm *c;
     moept_layer *L = NULL;
-    moept_status st = moept_config_from_hf(good, 1, &cfg);
-    if (!st) st = moept_create_parallel(&cfg, c, NULL, &L);
-    if (!st) st = moept_load_hf(L, good, 1);
-    if (st) {
+    if (fp8_open(j->g, j->r, "tests/checkpoints/deepseek_fp8", &c, &L)) {
         j->st = MOEPT_ERR_STATE;
         snprintf(j->err, sizeof j->err, "set-up: %.400s", moept_last_error(L));
     } else {
