@@ -8531,7 +8531,6 @@ static moept_status moept__share(moept_layer *L, int64_t *v, const char *call) {
     return MOEPT_OK;
 }
 
-
 /* Saves a training checkpoint as a set: every rank of DP replica 0 writes
    its file into a new set directory, all agree that every file is whole,
    then the root renames index.json (naming the set) into place: the one

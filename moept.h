@@ -274,17 +274,17 @@
      gradient is the zero-padded call's, bitwise. (A padded row's router
      logits, which moept_routing reports, are computed from it, as
      transformers' router does; its x still counts in backward's check
-     that x is the forward's.) A layer allocates max_tokens x hidden_size
-     floats at its first masked forward for the router gradient's
-     zero-padded input (a CPU layer, an F32 CUDA layer; a BF16 one zeroes
-     its fp32 copy of x). A CUDA
-     layer's mask is device memory, as x and y are (a host pointer fails
-     the call: MOEPT_ERR_INVALID_ARGUMENT on the rank that passed it,
-     MOEPT_ERR_STATE on its peers; in the sync-free mode its peers learn at
-     their next moept_adamw_step or moept_grad_norm); one with a shared
-     expert allocates max_tokens x hidden_size elements of its dtype at its
-     first masked forward (the shared expert's input, padded rows zero), so
-     run one masked forward before capturing a step in a CUDA graph.
+     that x is the forward's.) A CPU layer allocates max_tokens x
+     hidden_size floats at its first masked forward for the router
+     gradient's zero-padded input. A CUDA layer's mask is device memory, as
+     x and y are (a host pointer fails the call: MOEPT_ERR_INVALID_ARGUMENT
+     on the rank that passed it, MOEPT_ERR_STATE on its peers; in the
+     sync-free mode its peers learn at their next moept_adamw_step or
+     moept_grad_norm); an F32 one, or one with a shared expert, allocates
+     max_tokens x hidden_size elements of its dtype at its first masked
+     forward (x with its padded rows zero: the shared expert's input, and
+     F32, the router gradient's; a BF16 layer zeroes its fp32 copy of x),
+     so run one masked forward before capturing a step in a CUDA graph.
      opts.eval = 1: no jitter, nothing kept for backward (FORWARD SLOTS: it
      leaves every training forward's saved state as it was).
      config.router_jitter = eps: a training forward routes on x * u, u

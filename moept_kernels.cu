@@ -2186,11 +2186,10 @@ struct moept__cuda {
     cublasOperation_t *gops;    /* [2][G] */
     float *galpha;              /* [2][G] */
 
-    void *xsh;                  /* [Tmax][D] (T) a masked step's shared-expert input (moept__k_unpadded),
-                                   made at the first masked forward (S > 0), again by its backward */
-    float *xz;                  /* [Tmax][D] an F32 layer's router-gradient input in a masked step, padded
-                                   rows zero (a BF16 layer zeroes its xf's): made at the first masked
-                                   forward */
+    void *xsh;                  /* [Tmax][D] (T) a masked step's x with its padded rows zero
+                                   (moept__k_unpadded): the shared expert's input and an F32 layer's
+                                   router-gradient input; made at the first masked forward (S > 0 or
+                                   F32), again by its backward's combine' */
     /* config.fp8: cuBLASLt, the weights' E4M3 copies (routed, shared) in one block, and the token
        operands' scratch for one group of q8rows padded rows (moept__q8_room: it grows) */
     cublasLtHandle_t lt;
@@ -2405,7 +2404,6 @@ static void moept__cuda_destroy(moept__cuda *c) {
     for (int s = 0; c->slots && s <= c->nslots; s++) moept__slot_free(&c->slots[s]);
     free(c->slots);
     cudaFree(c->xsh);
-    cudaFree(c->xz);
     cudaFreeHost(c->pinned);
     if (c->probe) cudaStreamDestroy(c->probe);
     free(c->hblock);
@@ -3624,25 +3622,20 @@ typedef struct moept__fwd {
     } while (0)
 
 /* A mask is device memory, as x and y are (the route kernel reads it); a
-   layer with a shared expert makes the room for its unpadded input (xsh) at
-   its first masked forward, as moept.c makes its packed rows', and an F32
-   layer the room for its router's (xz) */
+   layer with a shared expert, or an F32 layer (its router's gradient),
+   makes the room for x with its padded rows zero (xsh) at its first masked
+   forward, as moept.c makes its rows' */
 static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
     char why[MOEPT__ERRLEN] = "";
     if (moept__is_host(f->mask)) {
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: opts.mask is not device memory (a CUDA layer's "
                  "mask is [tokens] bytes on its device, as x and y are)");
-    } else { /* (xz: an F32 layer's, esz 4) */
+    } else if ((p->S > 0 || !c->wlow) && !c->xsh) {
         const size_t bytes = (size_t)(p->Tmax * p->D) * (size_t)c->esz;
-        void *xz = NULL;
-        if (p->S > 0 && !c->xsh && moept__dmalloc(c, &c->xsh, bytes, why) == MOEPT_OK)
+        if (moept__dmalloc(c, &c->xsh, bytes, why) == MOEPT_OK) {
             c->fixed_bytes += (int64_t)bytes;
-        if (!c->wlow && !c->xz && moept__dmalloc(c, &xz, bytes, why) == MOEPT_OK) {
-            c->xz = (float *)xz;
-            c->fixed_bytes += (int64_t)bytes;
-        }
-        if ((p->S > 0 && !c->xsh) || (!c->wlow && !c->xz)) {
+        } else {
             f->reject = MOEPT_ERR_OUT_OF_MEMORY; /* agreed as a host rejection, with this status */
             snprintf(f->local, MOEPT__ERRLEN, "moept_forward: out of device memory for the unpadded rows "
                      "(%.400s)", why);
@@ -4079,7 +4072,7 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, moept__cslot *sl, const 
 }
 
 /* The shared expert's input: x, or a masked step's x with its padded rows
-   zero (xsh: made again by the backward, as forward slots share it) */
+   zero (xsh: made again by the backward's combine', as forward slots share it) */
 template <typename T>
 static moept_status moept__shared_in(moept__cuda *c, moept__cslot *sl, const T **x, char *err) {
     const int64_t D = c->sp.D, T_ = sl->T;
@@ -4242,13 +4235,13 @@ static moept_status moept__weight_grads(moept__cuda *c, moept__cslot *sl, char *
 }
 
 /* the shared expert's backward (dxs over yss), while routed rows travel; a
-   masked step's over its forward's input (xsh) */
+   masked step's over its forward's input (xsh, padded rows zero) */
 template <typename T>
 static moept_status moept__shared_bwd(moept__cuda *c, moept__cslot *sl, const T *x, char *err) {
     const moept__cuda_spec *p = &c->sp;
     if (p->S == 0 || sl->T == 0) return MOEPT_OK;
     int64_t off[2] = {0, sl->T};
-    MOEPT__TRY(moept__shared_in<T>(c, sl, &x, err));
+    if (sl->masked) x = (const T *)c->xsh; /* (made again by combine') */
     return moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, sl->hs, sl->as, sl->yss, err);
 }
 
@@ -4527,11 +4520,15 @@ static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, K = p->K, T_ = sl->T;
     if (T_ == 0) return MOEPT_OK;
-    if ((c->wlow && !sl->xf_committed) || sl->masked) { /* a rejected forward converted its x since; a
+    if (c->wlow && (!sl->xf_committed || sl->masked)) { /* a rejected forward converted its x since; a
                                                            masked step's router gradient reads zeros */
-        moept__check<T>(c, x, T_ * D, c->wlow ? sl->xf : c->xz, &c->bad[3], moept__pad_of(c, sl));
+        moept__check<T>(c, x, T_ * D, sl->xf, &c->bad[3], moept__pad_of(c, sl));
         MOEPT__LAUNCHED();
         sl->xf_committed = 1;
+    }
+    if (c->xsh) { /* a masked step's x with its padded rows zero, once for the whole backward */
+        const T *xu = x;
+        MOEPT__TRY(moept__shared_in<T>(c, sl, &xu, err));
     }
     void *ys = p->P > 1 ? sl->ys : sl->yr;
     const int vec = moept__vec<T>(D, ys, dy, sl->yss);
@@ -4626,7 +4623,7 @@ static moept_status moept__backward(moept__cuda *c, moept__cslot *sl, const void
     MOEPT__STAGE("bwd.agree");
     MOEPT__TRY(moept__bwd_agree<T>(c, sl, x, dy, dxv, out->tag, out, err));
     sl->bwd_done = 1; /* from here on the saved rows change */
-    const float *xf = c->wlow ? sl->xf : sl->masked ? c->xz : (const float *)xv;
+    const float *xf = c->wlow ? sl->xf : sl->masked ? (const float *)c->xsh : (const float *)xv;
     MOEPT__STAGE("bwd.combine");
     MOEPT__TRY(moept__bwd_combine<T>(c, sl, x, dy, err));
     MOEPT__STAGE(c->C > 1 ? "bwd.pipeline" : "bwd.experts");
