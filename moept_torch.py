@@ -22,10 +22,14 @@ docs/TORCH.md says what it does, what it checks and what it refuses; in short:
   - every tensor's dtype, device and layout is checked before its pointer crosses: a wrong dtype or
     device raises TypeError / ValueError; a non-contiguous tensor is copied (the one cast done).
 """
+import copy
 import ctypes as C
 import json
 import os
+import re
 import tempfile
+import threading
+import weakref
 
 import torch
 
@@ -66,11 +70,24 @@ class moept_cuda_options(C.Structure):
                 ("sync_free", C.c_int), ("gemm_form", C.c_int)]
 
 
+class moept_stats(C.Structure):
+    _fields_ = [("steps", C.c_int64), ("tokens", C.c_int64), ("routed_rows", C.c_int64),
+                ("dropped_rows", C.c_int64), ("masked_tokens", C.c_int64), ("capacity", C.c_int64),
+                ("aux_loss", C.c_float), ("z_loss", C.c_float), ("allocations", C.c_int64),
+                ("allocated_bytes", C.c_int64), ("workspace_bytes", C.c_int64), ("param_bytes", C.c_int64),
+                ("rows_sent", C.c_int64), ("rows_received", C.c_int64), ("bytes_sent", C.c_int64),
+                ("bytes_received", C.c_int64), ("comm_seconds", C.c_double), ("dispatch_seconds", C.c_double),
+                ("combine_seconds", C.c_double), ("recv_capacity", C.c_int64), ("recv_growths", C.c_int64),
+                ("checkpoint_bytes_read", C.c_int64), ("device_workspace_bytes", C.c_int64),
+                ("shared_exchange", C.c_int64)]
+
+
 class nccl_unique_id(C.Structure):  # nccl.h: ncclUniqueId, NCCL_UNIQUE_ID_BYTES 128
     _fields_ = [("internal", C.c_char * 128)]
 
 
-MIRRORS = [moept_config, moept_forward_opts, moept_backward_opts, moept_param_info, moept_cuda_options]
+MIRRORS = [moept_config, moept_forward_opts, moept_backward_opts, moept_param_info, moept_cuda_options,
+           moept_stats]
 
 
 def check_abi(lib):
@@ -116,6 +133,7 @@ def load_library(path=None, cuda=False):
     P, I64, S = C.c_void_p, C.c_int64, C.c_int
     sig = {"moept_config_from_hf": ([C.c_char_p, I64, C.POINTER(moept_config)], S),
            "moept_create": ([C.POINTER(moept_config), C.POINTER(P)], S),
+           "moept_create_parallel": ([C.POINTER(moept_config), P, P, C.POINTER(P)], S),
            "moept_create_cuda": ([C.POINTER(moept_config), P, P, C.POINTER(moept_cuda_options),
                                   C.POINTER(P)], S),
            "moept_cuda_device_count": ([], S),
@@ -130,6 +148,7 @@ def load_library(path=None, cuda=False):
            "moept_forward_ex": ([P, P, I64, P, C.POINTER(moept_forward_opts)], S),
            "moept_backward_ex": ([P, P, P, P, C.POINTER(moept_backward_opts)], S),
            "moept_zero_grad": ([P], S),
+           "moept_get_stats": ([P, C.POINTER(moept_stats), P], S),
            "moept_routing": ([P, C.POINTER(C.POINTER(C.c_int32)), P, P], S),
            "moept_comm_destroy": ([P], None),
            "moept_last_error": ([P], C.c_char_p)}
@@ -142,27 +161,47 @@ def load_library(path=None, cuda=False):
     return lib
 
 
-def _ok(lib, status, what):
-    if status != 0:
-        raise RuntimeError(f"moept: {what}: " + lib.moept_last_error(None).decode())
+class _Layer:
+    """the C layer and what it uses (comms, an NCCL communicator): destroyed when the module and every
+    tensor viewing the layer's memory (parameters, gradients, state_dict values) are gone"""
+
+    def __init__(self, lib):
+        self.lib, self.h, self.comms, self.nccl, self.keep = lib, C.c_void_p(), [], None, []
+
+    def __del__(self):
+        lib = self.lib
+        if self.h:
+            lib.moept_destroy(self.h)
+            self.h = C.c_void_p()
+        for c in self.comms:  # after the layer, which uses them
+            aborted = lib.moept_comm_nccl_aborted(c) if self.nccl is not None else 0
+            lib.moept_comm_destroy(c)
+            if self.nccl is not None and not aborted:
+                self.nccl[0].ncclCommDestroy(self.nccl[1])
+        self.comms = []
 
 
 class _DeviceMemory:
-    """fp32 device memory moept owns, as torch sees CUDA memory of others (__cuda_array_interface__)"""
+    """fp32 device memory moept owns, as torch sees CUDA memory of others (__cuda_array_interface__); torch
+    keeps this object, and so the layer, while a tensor views it"""
 
-    def __init__(self, ptr, shape):
+    def __init__(self, ptr, shape, owner):
+        self.owner = owner
         self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": "<f4", "data": (ptr, False),
                                          "version": 2, "strides": None}
 
 
-def _view(ptr, shape, device):
-    """the layer's own fp32 memory at `ptr` as a tensor of `shape`, no copy"""
+def _view(ptr, shape, device, owner):
+    """the layer's own fp32 memory at `ptr` as a tensor of `shape`, no copy; the tensor (and every view
+    of it) keeps `owner` alive"""
     n = 1
     for s in shape:
         n *= s
     if device.type == "cpu":
-        return torch.frombuffer((C.c_float * n).from_address(ptr), dtype=torch.float32).view(*shape)
-    return torch.as_tensor(_DeviceMemory(ptr, shape), device=device)
+        buf = type("_HostMemory", (C.c_float * n,), {}).from_address(ptr)  # a class whose objects take
+        buf.owner = owner                                                  # attributes: torch keeps buf
+        return torch.frombuffer(buf, dtype=torch.float32).view(*shape)
+    return torch.as_tensor(_DeviceMemory(ptr, shape, owner), device=device)
 
 
 def _hf_config_to_moept(lib, hf_config, layer_idx):
@@ -181,48 +220,90 @@ def _hf_config_to_moept(lib, hf_config, layer_idx):
     raise ValueError(f"moept_torch: no MoE layer in this config (layer {layer_idx}): {err}")
 
 
+class _Param(torch.nn.Parameter):
+    """a parameter viewing the layer's memory: `p.data = t` copies t's values in (shape kept) instead of
+    detaching p from the layer, and reading `p.data` (which writes can bypass version counters through)
+    makes a CUDA layer recast its low-precision copies before its next forward"""
+
+    @property
+    def data(self):
+        owner = getattr(self, "_moept", None)
+        if owner is not None and owner() is not None:
+            owner()._dirty = True
+        return torch.nn.Parameter.data.__get__(self)
+
+    @data.setter
+    def data(self, t):
+        if tuple(t.shape) != tuple(self.shape):
+            raise ValueError(f"moept_torch: p.data = a {tuple(t.shape)} tensor; this parameter is moept's "
+                             f"memory of shape {tuple(self.shape)} (its values can change, not its shape)")
+        with torch.no_grad():
+            torch.Tensor.copy_(self, t)
+
+    def __repr__(self):
+        return "Parameter (moept) containing:\n" + repr(self.detach())
+
+    def __reduce_ex__(self, proto):  # pickles (torch.save of a parameter) as a plain one, by value
+        return torch.nn.Parameter.__reduce_ex__(torch.nn.Parameter(self.detach().clone(), self.requires_grad),
+                                                proto)
+
+
 class _Fn(torch.autograd.Function):
     """y, logits = moept forward of x [T][D] (the layer's dtype) and mask [T] uint8 or None; the backward
-    takes dy and the gradient of the caller's router loss on the logits (None: none)"""
+    takes dy and the gradient of the caller's router loss on the logits (None: none) and adds the
+    parameters' gradients into their .grad, which are views of the layer's gradient buffers"""
 
     @staticmethod
-    def forward(ctx, x, mask, m, slot, train, *params):
+    def forward(ctx, x, mask, m, train, *params):
         ctx.set_materialize_grads(False)
         y = torch.empty_like(x)
         logits = torch.empty(x.shape[0], m.num_experts, device=x.device, dtype=torch.float32)
+        slot = m._slot if m._replay is None else m._replay  # a recomputation: the slot of its backward
         o = moept_forward_opts(mask.data_ptr() if mask is not None else None, 0 if train else 1, None,
                                logits.data_ptr(), slot)
         m._call("moept_forward_ex", m._h, x.data_ptr(), x.shape[0], y.data_ptr(), C.byref(o),
-                tensors=(x, y, logits, mask))
+                tensors=(x, y, logits, mask), named=True)
+        if train:  # the forward took its slot: the binding's state moves only now (a refusal leaves it)
+            m._slot = (slot + 1) % m.max_inflight if m._replay is None else m._slot
+            m._slot_gen[slot] += 1
         ctx.m, ctx.slot, ctx.generation = m, slot, m._slot_gen[slot]
-        ctx.save_for_backward(x, mask)
+        ctx.save_for_backward(x, mask, *params)  # autograd's version check: no in-place write before backward
         return y, logits
 
     @staticmethod
     def backward(ctx, dy, dlogits):
         m = ctx.m
-        x, mask = ctx.saved_tensors
-        if m._slot_gen[ctx.slot] != ctx.generation:
-            raise RuntimeError(f"moept_torch: the forward this backward differentiates was overwritten: slot "
-                               f"{ctx.slot} was reused by a later forward (raise max_inflight: forwards in "
-                               f"flight at once, {m.max_inflight} now)")
-        dy = torch.zeros_like(x) if dy is None else m._check(dy.contiguous(), "dy", x.dtype)
-        if dlogits is not None:
-            dlogits = m._check(dlogits.contiguous(), "dlogits", torch.float32)
-        dx = torch.empty_like(x)
-        o = moept_backward_opts(1.0, dlogits.data_ptr() if dlogits is not None else None, ctx.slot)
-        m._call("moept_zero_grad", m._h)  # this call's gradients only: autograd sums them
-        m._call("moept_backward_ex", m._h, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), C.byref(o),
-                tensors=(x, dy, dx, dlogits, mask))
-        grads = [g.clone() if need else None for g, need in zip(m._grads, ctx.needs_input_grad[5:])]
-        return (dx if ctx.needs_input_grad[0] else None, None, None, None, None, *grads)
+        with m._lock:
+            # a non-reentrant checkpoint recomputes its region when a saved tensor is first read: the
+            # forward it runs then is this one's again, into this slot (its state, for the x it returns)
+            reused, m._replay = m._slot_gen[ctx.slot] != ctx.generation, ctx.slot
+            try:
+                x, mask = ctx.saved_tensors[:2]  # raises if a parameter was written in place since
+            finally:
+                m._replay = None
+            if reused:
+                raise RuntimeError(f"moept_torch: the forward this backward differentiates was overwritten: "
+                                   f"slot {ctx.slot} was reused by a later forward (raise max_inflight: "
+                                   f"forwards in flight at once, {m.max_inflight} now)")
+            dy = torch.zeros_like(x) if dy is None else m._check(dy.contiguous(), "dy", x.dtype, x.shape)
+            dlogits = m._take_stash(dlogits, x.shape[0])
+            if dlogits is not None:
+                dlogits = m._check(dlogits.contiguous(), "dlogits", torch.float32,
+                                   (x.shape[0], m.num_experts))
+            dx = torch.empty_like(x)
+            o = moept_backward_opts(1.0, dlogits.data_ptr() if dlogits is not None else None, ctx.slot)
+            bind = m._grads_begin()
+            m._call("moept_backward_ex", m._h, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), C.byref(o),
+                    tensors=(x, dy, dx, dlogits, mask))
+            m._grads_end(bind)
+        return (dx if ctx.needs_input_grad[0] else None, None, None, None) + (None,) * len(m._params)
 
 
 class MoeptMoE(torch.nn.Module):
     """A moept layer standing in for a transformers MoE block (or built from a config alone).
 
     block:       the HF block whose weights are copied in (None: moept_init_params' torch-like init);
-                 its parameter names are kept (5.x's fused experts.gate_up_proj [E][2F][D] and
+                 its parameter names and order are kept (5.x's fused experts.gate_up_proj [E][2F][D] and
                  experts.down_proj [E][D][F], or 4.x's experts.N.w1.weight ...)
     config:      the HF model config (sizes and routing: moept_config_from_hf); layer_idx: which layer
                  (None: the first MoE layer)
@@ -230,11 +311,12 @@ class MoeptMoE(torch.nn.Module):
                  CUDA: float32 or bfloat16; the master weights, router and logits stay fp32)
     max_tokens:  most tokens a forward (B*S): moept sizes its buffers from it
     max_inflight: training forwards whose backward is still to come (recomputation, pipelines)
-    ep_group:    CUDA layers: experts sharded over this torch.distributed group (moept's NCCL comm,
-                 from an ncclUniqueId the group broadcasts); None: every expert here
+    ep_group:    experts sharded over this torch.distributed group: CUDA layers through moept's NCCL comm
+                 (from an ncclUniqueId the group broadcasts), CPU layers through the group's own
+                 collectives (moept_comm_custom); None: every expert here
     fused:       parameter names: True 5.x's fused ones, False 4.x's per expert; None: as the block's
-    hf_outputs:  return (y, router_logits) as transformers 4.x's blocks did (None: as the block's
-                 version does, i.e. when the block has per-expert modules)
+    hf_outputs:  return (y, router_logits) as transformers 4.x's blocks did (None: as the block does: a
+                 block with per-expert modules, or with no block the installed transformers' major version)
     """
 
     def __init__(self, block=None, config=None, *, layer_idx=None, device="cpu", dtype=torch.float32,
@@ -250,26 +332,46 @@ class MoeptMoE(torch.nn.Module):
         if dtype not in (torch.float32, torch.bfloat16) or (not cuda and dtype != torch.float32):
             raise TypeError(f"moept_torch: dtype {dtype} on {self.device_.type}: CPU layers take float32, "
                             "CUDA layers float32 or bfloat16")
-        self.dtype_, self.max_inflight = dtype, max(1, max_inflight)
-        self._lib = lib = lib if isinstance(lib, C.CDLL) else load_library(lib, cuda=cuda)
+        self.dtype_, self.max_inflight, self.max_tokens = dtype, max(1, max_inflight), max_tokens
+        self._args = dict(layer_idx=layer_idx, device=self.device_, dtype=dtype, max_tokens=max_tokens,
+                          max_inflight=self.max_inflight, lib=lib, cuda_options=cuda_options)
+        self._hf_config, self._ep_group = config, ep_group
+        lib = lib if isinstance(lib, C.CDLL) else load_library(lib, cuda=cuda)
         cfg = _hf_config_to_moept(lib, config, layer_idx)
         cfg.aux_loss, cfg.aux_loss_coef, cfg.z_loss_coef = MOEPT_AUX_NONE, 0.0, 0.0  # the aux: hf_aux_loss
         cfg.max_tokens, cfg.max_inflight = max_tokens, self.max_inflight
-        self.num_experts, self.top_k, self.F = cfg.num_experts, cfg.top_k, cfg.intermediate_size
-        self._h, self._comms, self._nccl = C.c_void_p(), [], None
+        # transformers' jitter (Mixtral's router_jitter_noise): the block's input times uniform noise from
+        # torch's generator, when training, as HF's block does (so moept's own, router-only jitter is off)
+        self.jitter_noise, cfg.router_jitter = float(cfg.router_jitter), 0.0
+        self.num_experts, self.top_k, self.F, self.hidden_size = (cfg.num_experts, cfg.top_k,
+                                                                  cfg.intermediate_size, cfg.hidden_size)
+        self._layer = _Layer(lib)
+        self._lock = threading.RLock()  # one call at a time on this layer (its workspace is one)
         self._stream = None
         if cuda:
             self._create_cuda(cfg, ep_group, cuda_options)
+        elif ep_group is not None:
+            comm = self._torch_comm(ep_group)
+            self._call("moept_create_parallel", C.byref(cfg), comm, None, C.byref(self._layer.h))
         else:
-            if ep_group is not None:
-                raise ValueError("moept_torch: a CPU layer under torch.distributed holds every expert "
-                                 "(EP over CPU layers needs moept's thread or MPI comms, not gloo)")
-            self._call("moept_create", C.byref(cfg), C.byref(self._h))
-        self._slot, self._slot_gen = 0, [0] * self.max_inflight
+            self._call("moept_create", C.byref(cfg), C.byref(self._layer.h))
+        self._slot, self._slot_gen, self._stash, self._dirty = 0, [0] * self.max_inflight, [], False
+        self._replay = None  # the slot of the backward whose checkpoint recomputes its forward now
         self.router_logits, self._mask = None, None
         self._build_params(block, fused)
-        self.hf_outputs = (block is not None and not self._fused) if hf_outputs is None else hf_outputs
+        if hf_outputs is None:
+            per_expert = block is not None and not hasattr(getattr(block, "experts", None), "gate_up_proj")
+            hf_outputs = per_expert if block is not None else _transformers_major() < 5
+        self.hf_outputs = hf_outputs
         self._versions = self._param_versions()
+
+    @property
+    def _lib(self):
+        return self._layer.lib
+
+    @property
+    def _h(self):
+        return self._layer.h
 
     # -- creation --------------------------------------------------------------------------------------
     def _create_cuda(self, cfg, ep_group, cuda_options):
@@ -286,7 +388,7 @@ class MoeptMoE(torch.nn.Module):
             ep = None
             if ep_group is not None:
                 ep = self._nccl_comm(ep_group)
-            self._call("moept_create_cuda", C.byref(cfg), ep, None, C.byref(o), C.byref(self._h))
+            self._call("moept_create_cuda", C.byref(cfg), ep, None, C.byref(o), C.byref(self._layer.h))
 
     def _nccl_comm(self, group):
         """moept's NCCL comm over the ranks of `group`: rank 0 of it draws the ncclUniqueId, the group
@@ -305,16 +407,25 @@ class MoeptMoE(torch.nn.Module):
         comm = C.c_void_p()
         nccl.ncclCommInitRank.argtypes = [C.POINTER(C.c_void_p), C.c_int, nccl_unique_id, C.c_int]
         _nccl_ok(nccl.ncclCommInitRank(C.byref(comm), size, uid, rank), "ncclCommInitRank")
-        self._nccl = (nccl, comm)
+        self._layer.nccl = (nccl, comm)
         self._comm_stream = torch.cuda.Stream(self.device_)  # the EP exchange's stream
         c = C.c_void_p()
         self._call("moept_comm_nccl", comm, self._comm_stream.cuda_stream, 0, C.byref(c))
-        self._comms.append(c)
+        self._layer.comms.append(c)
+        return c
+
+    def _torch_comm(self, group):
+        """moept's comm whose collectives are torch.distributed's over `group` (gloo on the CPU)"""
+        ops, ctx = _TorchCollectives.make(group)
+        c = C.c_void_p()
+        self._call("moept_comm_custom", C.byref(ops), None, ctx.rank, ctx.size, C.byref(c))
+        self._layer.keep.append((ops, ctx))  # the callbacks live as long as the comm
+        self._layer.comms.append(c)
         return c
 
     def _build_params(self, block, fused):
         """every moept parameter as a torch view of the layer's fp32 masters, registered under the HF
-        block's names; the block's weights copied in first"""
+        block's names and in its order; the block's weights copied in first"""
         lib, infos = self._lib, []
         for i in range(lib.moept_param_count(self._h)):
             info = moept_param_info()
@@ -334,13 +445,15 @@ class MoeptMoE(torch.nn.Module):
             self._call("moept_cuda_params", self._h, C.byref(dp), C.byref(dg), C.byref(n))  # uploads
             infos = [(nm, r, c, None if d is None else dp.value + (d - base.value),
                       None if g is None else dg.value + (d - base.value)) for nm, r, c, d, g in infos]
-        self._names, self._grads = [], []
+        self._names, self._grads, self._moept_names = [], [], {}
         views = [(nm, r, c, d, g) for nm, r, c, d, g in infos if g is not None]
-        for name, shape, d, g in _hf_layout(views, self._fused, self.F):
-            p = torch.nn.Parameter(_view(d, shape, self.device_))
+        me = weakref.ref(self)
+        for name, shape, d, g in _hf_order(_hf_layout(views, self._fused, self.F), block):
+            p = _Param(_view(d, shape, self.device_, self._layer))
+            p._moept = me
             _register(self, name, p)
             self._names.append(name)
-            self._grads.append(_view(g, shape, self.device_))
+            self._grads.append(_view(g, shape, self.device_, self._layer))
         # the DeepSeek-V3 correction bias (no gradient), a buffer: a CPU layer's host memory; a CUDA
         # layer keeps it in its host copy, so the buffer is a device copy that the next forward after an
         # in-place write (load_state_dict, copy_) sets through moept_set_param (E floats each way)
@@ -350,7 +463,7 @@ class MoeptMoE(torch.nn.Module):
                 continue
             shape = (c,) if r == 1 else (r, c)
             if self.device_.type == "cpu":
-                _register(self, name, _view(d, shape, self.device_), buffer=True)
+                _register(self, name, _view(d, shape, self.device_, self._layer), buffer=True)
                 continue
             h = torch.empty(shape, dtype=torch.float32)
             self._call("moept_get_param", self._h, name.encode(), h.data_ptr(), h.numel())
@@ -358,31 +471,42 @@ class MoeptMoE(torch.nn.Module):
             _register(self, name, self._bufs[-1][1], buffer=True)
         self._buf_versions = [t._version for _, t in self._bufs]
         self._params = [self.get_parameter(n) for n in self._names]
+        self._ptrs = [p.data_ptr() for p in self._params]
 
     # -- calls -----------------------------------------------------------------------------------------
-    def _call(self, fn, *args, tensors=()):
+    def _call(self, fn, *args, tensors=(), named=False):
         """a library call, on the layer's stream joined to torch's current one (CUDA)"""
         lib = self._lib
         if self._stream is None or fn in ("moept_create_cuda",):
-            return _ok(lib, getattr(lib, fn)(*args), fn)
+            return self._ok(getattr(lib, fn)(*args), fn, named)
         cur = torch.cuda.current_stream(self.device_)
         if cur == self._stream:
-            return _ok(lib, getattr(lib, fn)(*args), fn)
+            return self._ok(getattr(lib, fn)(*args), fn, named)
         self._stream.wait_stream(cur)  # the caller's stream switched: order the layer's work after it
         st = getattr(lib, fn)(*args)
         for t in tensors:
             if t is not None:
                 t.record_stream(self._stream)
         cur.wait_stream(self._stream)
-        return _ok(lib, st, fn)
+        return self._ok(st, fn, named)
 
-    def _check(self, t, what, dtype):
+    def _ok(self, status, fn, named):
+        if status == 0:
+            return
+        msg = self._lib.moept_last_error(None).decode()
+        if named:  # moept names a non-finite parameter by its own name: say the module's too
+            msg = _hf_name_in(msg, self._fused, self.F)
+        raise RuntimeError(f"moept: {fn}: {msg}")
+
+    def _check(self, t, what, dtype, shape=None):
         if t.dtype != dtype:
             raise TypeError(f"moept_torch: {what} is {t.dtype}, this layer takes {dtype} (a layer's dtype "
                             f"is set at create: dtype=)")
         if t.device != self.device_:
             raise ValueError(f"moept_torch: {what} is on {t.device}, this layer on {self.device_} (its "
                              "parameters cannot move: create it on the device)")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"moept_torch: {what} is {tuple(t.shape)}, this call needs {tuple(shape)}")
         return t
 
     def _param_versions(self):
@@ -401,33 +525,64 @@ class MoeptMoE(torch.nn.Module):
     def forward(self, hidden_states, attention_mask=None, **unused):
         """hidden_states [..][D] -> y of its shape (transformers 4.x blocks: (y, router logits [T][E]));
         attention_mask: as set_padding_mask, for this call; other keywords a decoder layer passes: unused"""
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
+        x = self._input(hidden_states)
+        mask = attention_mask if attention_mask is not None else self._mask
+        if mask is not None:
+            mask = self._check_mask(mask, x.shape[0])
+        if self.training and self.jitter_noise > 0:  # HF's jitter: the block's input, when training
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        with self._lock:
+            self._sync_params()
+            # grad mode decides only whether state is kept for a backward (module.training: the jitter)
+            train = torch.is_grad_enabled() and (x.requires_grad or
+                                                 any(p.requires_grad for p in self._params))
+            if x.shape[0] == 0:  # no tokens: nothing to route (a 0-row call is not moept's)
+                y, logits = x * 0, torch.zeros(0, self.num_experts, device=x.device)
+            else:
+                y, logits = _Fn.apply(x, mask, self, train, *self._params)
+            # hf_aux_loss reads these; a forward without autograd while training (a reentrant checkpoint's
+            # first pass) gives them a gradient of their own, for the recomputed forward's backward
+            self.router_logits = self._stash_leaf(logits) if self.training and not train else logits
+        y = y.reshape(hidden_states.shape)
+        return (y, logits) if self.hf_outputs else y
+
+    def _input(self, hidden_states):
+        """hidden_states [..][D] as x [T][D] of the layer's dtype and device, checked before any pointer
+        crosses"""
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"moept_torch: hidden_states is {tuple(hidden_states.shape)}; this layer takes "
+                             f"[..][{self.hidden_size}] (hidden_size)")
+        x = hidden_states.reshape(-1, self.hidden_size)
         if x.device == self.device_ and x.dtype != self.dtype_ and x.dtype.is_floating_point and \
                 _autocast_dtype(self.device_) == self.dtype_:
             x = x.to(self.dtype_)  # autocast: the layer's dtype, as autocast would cast a matmul's input
         x = self._check(x, "hidden_states", self.dtype_).contiguous()
-        mask = attention_mask if attention_mask is not None else self._mask
-        if mask is not None:
-            mask = self._check_mask(mask, x.shape[0])
-        if self._versions != self._param_versions():  # written in place (optimizer, load_state_dict)
+        if x.shape[0] > self.max_tokens:
+            raise ValueError(f"moept_torch: hidden_states holds {x.shape[0]} tokens, more than this layer's "
+                             f"max_tokens ({self.max_tokens}, set at create)")
+        return x
+
+    def _sync_params(self):
+        """what was written since the last call reaches the layer: a parameter whose storage was replaced
+        (set_) gets its values copied back into the layer's memory and views it again; a CUDA layer
+        recasts after in-place writes; a CUDA layer's bias buffer is set"""
+        for i, p in enumerate(self._params):
+            if p.data_ptr() != self._ptrs[i]:
+                grad, p.grad = p.grad, None
+                view = _view(self._ptrs[i], tuple(p.shape), self.device_, self._layer)
+                with torch.no_grad():
+                    view.copy_(torch.nn.Parameter.data.__get__(p))
+                torch.nn.Parameter.data.__set__(p, view)
+                p.grad = grad
+        if self._versions != self._param_versions() or self._dirty:  # optimizer, load_state_dict, p.data
             if self.device_.type == "cuda":
                 self._call("moept_cuda_params_changed", self._h)
-            self._versions = self._param_versions()
+            self._versions, self._dirty = self._param_versions(), False
         if [t._version for _, t in self._bufs] != self._buf_versions:  # a CUDA layer's bias buffer written
             for name, t in self._bufs:
                 h = t.detach().to("cpu", torch.float32).contiguous()
                 self._call("moept_set_param", self._h, name.encode(), h.data_ptr(), h.numel())
             self._buf_versions = [t._version for _, t in self._bufs]
-        slot = self._slot
-        train = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self._params))
-        if train:  # a training forward takes the next slot (else: moept's evaluation forward, no state)
-            self._slot = (self._slot + 1) % self.max_inflight
-            self._slot_gen[slot] += 1
-        y, logits = _Fn.apply(x, mask, self, slot, train, *self._params)
-        self.router_logits = logits
-        y = y.reshape(shape)
-        return (y, logits) if self.hf_outputs else y
 
     def _check_mask(self, mask, T):
         if mask.numel() != T:
@@ -436,6 +591,61 @@ class MoeptMoE(torch.nn.Module):
             raise ValueError(f"moept_torch: attention_mask is on {mask.device}, this layer on {self.device_}")
         return (mask.reshape(-1) != 0).to(torch.uint8).contiguous()  # moept's padding mask: 0 = padding
 
+    # -- gradients: .grad is the layer's own gradient buffer -----------------------------------------
+    def _grads_begin(self):
+        """before a backward (moept adds into its gradient buffers): which parameters' .grad already are
+        those buffers. All that take a gradient: nothing to do; none: the buffers are zeroed, then bound;
+        a mix (a .grad replaced or set to None alone): the bound ones' sums are kept aside"""
+        want = [i for i, p in enumerate(self._params) if p.requires_grad]
+        bound = {i for i in want if self._is_bound(i)}
+        if len(bound) == len(want):
+            return None
+        kept = {i: self._grads[i].clone() for i in bound}
+        self._call("moept_zero_grad", self._h)
+        return want, kept
+
+    def _grads_end(self, bind):
+        if bind is None:
+            return
+        want, kept = bind
+        for i in want:
+            p, g = self._params[i], self._grads[i]
+            if i in kept:
+                g.add_(kept[i])
+            elif p.grad is None:
+                p.grad = g
+            else:  # a .grad of the caller's: this backward's part added to it
+                p.grad.add_(g)
+
+    def _is_bound(self, i):
+        g = self._params[i].grad
+        return g is not None and g.data_ptr() == self._grads[i].data_ptr() and g.shape == self._grads[i].shape
+
+    # -- the router's logits under reentrant checkpointing -------------------------------------------
+    def _stash_leaf(self, logits):
+        """a forward run without autograd while training (a reentrant checkpoint's first pass): its logits
+        still take a gradient (hf_aux_loss), kept until this layer's next backward (the recomputed
+        forward's) adds it to its own"""
+        leaf = logits.detach().requires_grad_()
+        me = weakref.ref(self)
+
+        def keep(g):
+            if me() is not None:
+                me()._stash.append(g.detach())
+        leaf.register_hook(keep)
+        return leaf
+
+    def _take_stash(self, dlogits, T):
+        if not self._stash:
+            return dlogits
+        g = self._stash.pop(0)
+        if g.shape[0] != T:
+            raise RuntimeError(f"moept_torch: a router-logit gradient of {g.shape[0]} tokens reached a "
+                               f"forward run without autograd, and the next backward is of {T} tokens: it "
+                               "belongs to no backward (differentiate the logits of a training forward)")
+        return g if dlogits is None else dlogits + g
+
+    # -- the rest ----------------------------------------------------------------------------------------
     def routing(self):
         """the last training forward's top-k expert ids [T][K] (int64, on the CPU)"""
         ids = C.POINTER(C.c_int32)()
@@ -443,19 +653,39 @@ class MoeptMoE(torch.nn.Module):
         T = self.router_logits.shape[0]
         return torch.tensor(ids[:T * self.top_k], dtype=torch.int64).view(T, self.top_k)
 
-    def __del__(self):
-        lib, h = self.__dict__.get("_lib"), self.__dict__.get("_h")
-        if lib is None:  # a failed create
-            return
-        if h:
-            lib.moept_destroy(h)
-            self._h = C.c_void_p()
-        for c in self.__dict__.get("_comms", []):
-            aborted = lib.moept_comm_nccl_aborted(c)
-            lib.moept_comm_destroy(c)
-            if self._nccl is not None and not aborted:
-                self._nccl[0].ncclCommDestroy(self._nccl[1])
-        self._comms = []
+    def stats(self):
+        """moept_get_stats as a dict: the last forward's losses and token counts, tokens_per_expert (a
+        list over all E experts), drops, the layer's bytes (param_bytes, workspace_bytes, ...) and the
+        expert exchange's rows, bytes and seconds"""
+        s, per = moept_stats(), (C.c_int64 * self.num_experts)()
+        with self._lock:
+            self._call("moept_get_stats", self._h, C.byref(s), per)
+        d = {f: getattr(s, f) for f, _ in moept_stats._fields_}
+        d["tokens_per_expert"] = list(per)
+        return d
+
+    def __deepcopy__(self, memo):
+        """an independent layer: the same config and options, these parameters, buffers and gradients
+        (forwards in flight are not copied); an expert-parallel layer raises (its copy would need its
+        own group)"""
+        if self._ep_group is not None:
+            raise RuntimeError("moept_torch: deepcopy of an expert-parallel MoeptMoE: each copy would need "
+                               "its own comm; build one with MoeptMoE(None, config, ep_group=...) and "
+                               "load_state_dict")
+        new = MoeptMoE(None, copy.deepcopy(self._hf_config, memo), fused=self._fused,
+                       hf_outputs=self.hf_outputs, **self._args)
+        memo[id(self)] = new
+        with torch.no_grad():
+            for p, q, g in zip(self._params, new._params, new._grads):
+                q.copy_(p)
+                q.requires_grad_(p.requires_grad)
+                if p.grad is not None:
+                    q.grad = g.copy_(p.grad)
+            for (_, t), (_, u) in zip(self.named_buffers(), new.named_buffers()):
+                u.copy_(t)
+        new.train(self.training)
+        new._mask = copy.deepcopy(self._mask, memo)
+        return new
 
 
 def _autocast_dtype(device):
@@ -520,6 +750,45 @@ def _hf_layout(views, fused, F):
         out[at:at] = [("experts.gate_up_proj", (El, H, D), gu[0][2], gu[0][3]),
                       ("experts.down_proj", (El, D, Fx), dn[0][2], dn[0][3])]
     return out
+
+
+def _hf_order(items, block):
+    """items (name, ...) in the order the HF block registers its parameters (so a positional optimizer
+    state moves between a swapped and an unswapped model): the block's own where it has every name; else
+    transformers' convention, where moept's differs: a Mixtral expert registers w1, w2, w3 (moept holds
+    w1, w3, w2)"""
+    if block is not None:
+        order = {n: i for i, (n, _) in enumerate(block.named_parameters())}
+        if all(it[0] in order for it in items):
+            return sorted(items, key=lambda it: order[it[0]])
+    rank, first = {"w1": 0, "w2": 1, "w3": 2}, {}
+
+    def key(i):
+        w = items[i][0].split(".")
+        if w[0] != "experts" or len(w) < 3 or w[2] not in rank:
+            return (i, 0)
+        return (first.setdefault(w[1], i), rank[w[2]])
+    return [items[i] for i in sorted(range(len(items)), key=key)]
+
+
+def _hf_name_in(msg, fused, F):
+    """moept's message naming a parameter element ('experts.3.w1.weight' element [i][j]) with the fused
+    layout's name and index where the module holds 5.x's fused tensors"""
+    m = re.search(r"parameter '(experts\.(\d+)\.(\w+)\.weight)' element \[(\d+)\]\[(\d+)\]", msg)
+    if not fused or m is None:
+        return msg
+    e, w, i, j = int(m.group(2)), m.group(3), int(m.group(4)), int(m.group(5))
+    name = "experts.down_proj" if w in ("w2", "down_proj") else "experts.gate_up_proj"
+    i += F if w in ("w3", "up_proj") else 0
+    return msg[:m.start()] + f"parameter '{name}' element [{e}][{i}][{j}]" + msg[m.end():]
+
+
+def _transformers_major():
+    try:
+        import transformers
+        return int(transformers.__version__.split(".")[0])
+    except (ImportError, ValueError):
+        return 5
 
 
 class _Names(torch.nn.Module):

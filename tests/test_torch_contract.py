@@ -1,0 +1,396 @@
+#!/usr/bin/env python3
+"""test_torch_contract: moept_torch under ordinary PyTorch use (CPU layers; a few seconds).
+
+    python3 tests/test_torch_contract.py [--lib PATH] [--module DIR]
+
+What a PyTorch user does without reading the docs, each against torch's own behaviour or the unswapped
+transformers model:
+  - lifetime: state_dict values, a kept parameter and an optimizer outlive the module (each in a child
+    process, so a crash is a failure, not the end of the run), and a later layer does not reuse them;
+  - checks before any pointer crosses: a width other than hidden_size, 0-d, more than max_tokens, 0 tokens;
+    a non-finite weight named by the module's own parameter name;
+  - autograd: an in-place write (optimizer.step, load_state_dict) between a forward and its backward
+    raises as torch's layers do; vector_to_parameters (p.data = ...) keeps the parameters moept's;
+    gradient checkpointing (reentrant and not) with hf_aux_loss gives transformers' router gradient;
+    eval() with grad enabled has no jitter, train() has HF's; a rejected forward leaves the pending
+    backward as it was; 4 threads x 25 forwards equal the serial ones bitwise; deepcopy is independent;
+  - .grad is the layer's own gradient buffer (no per-backward copy); accumulation and set_to_none work;
+  - HF conventions: Mixtral's parameter order (an AdamW state moved both ways), fused=True on a 4.x
+    block returns 4.x's (y, logits), stats() as a dict.
+--module DIR imports moept_torch.py from DIR (an older copy: shows which of these fail there; --only NAME
+runs one test, as a crash ends the run).
+Prints "ok - " / "FAIL - " lines; exits 1 on a failure.
+"""
+import argparse
+import copy
+import os
+import subprocess
+import sys
+import threading
+
+import torch
+
+failed = 0
+A = None  # the parsed arguments
+mt = None  # the moept_torch under test
+
+
+def ok(cond, msg):
+    global failed
+    failed += not cond
+    print(("ok - " if cond else "FAIL - ") + msg, flush=True)
+
+
+def raises(fn, exc, words=()):
+    """fn() raises exc whose message holds every one of words"""
+    try:
+        fn()
+    except exc as e:
+        return all(w in str(e) for w in words)
+    except Exception:  # noqa: BLE001 (another exception is a failure too)
+        return False
+    return False
+
+
+def mixtral(seed=0, jitter=0.0, layers=2):
+    import transformers as tf
+    torch.manual_seed(seed)
+    return tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        router_aux_loss_coef=0.02, output_router_logits=True, tie_word_embeddings=False,
+        initializer_range=0.1, router_jitter_noise=jitter))
+
+
+def block(model, i=0):
+    layer = model.model.layers[i]
+    return getattr(layer, "block_sparse_moe", None) or layer.mlp
+
+
+def layer(hf=None, **kw):
+    hf = hf or mixtral()
+    return hf, mt.MoeptMoE(block(hf), hf.config, layer_idx=0, max_tokens=64, lib=A.lib, **kw)
+
+
+def child(code):
+    """code run in a fresh python with moept_torch imported as mt: (exit status, output)"""
+    pre = (f"import sys, gc, io, torch; sys.path.insert(0, {A.module!r}); import moept_torch as mt; "
+           f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+           f"import test_torch_contract as tc; tc.setup({A.lib_path!r}, {A.module!r})\n")
+    r = subprocess.run([sys.executable, "-c", pre + code], capture_output=True, text=True, timeout=300)
+    return r.returncode, (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+
+
+def test_lifetime():
+    cases = {
+        "state_dict() kept, the module deleted, torch.save": """
+hf, m = tc.layer()
+sd = m.state_dict(); ref = {k: v.clone() for k, v in sd.items()}
+del m; gc.collect()
+junk = [tc.layer()[1] for _ in range(3)]  # layers made after: their memory is not sd's
+torch.save(sd, io.BytesIO())
+sys.exit(0 if all(torch.equal(sd[k], ref[k]) for k in ref) else 3)""",
+        "optimizer.step() after the module is deleted": """
+hf, m = tc.layer()
+opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+m(torch.randn(8, 32))[0].square().sum().backward()
+w = [p.detach().clone() for p in m.parameters()]
+del m; gc.collect()
+junk = [tc.layer()[1] for _ in range(3)]
+opt.step()
+ps = opt.param_groups[0]["params"]
+sys.exit(0 if all(not torch.equal(p, q) and torch.isfinite(p).all() for p, q in zip(ps, w)) else 3)""",
+        "a kept m.gate.weight, the module deleted, new layers made": """
+hf, m = tc.layer()
+g = m.gate.weight; ref = g.detach().clone()
+del m; gc.collect()
+junk = [tc.layer(tc.mixtral(seed=5))[1] for _ in range(3)]
+sys.exit(0 if torch.equal(g.detach(), ref) else 3)""",
+    }
+    for what, code in cases.items():
+        rc, tail = child(code)
+        ok(rc == 0, f"lifetime: {what} (exit {rc}{': ' + tail[0] if rc else ''})")
+    rc, tail = child("""
+import weakref
+hf, m = tc.layer()
+g = m.gate.weight; owner = weakref.ref(m._layer)
+del m; gc.collect(); alive = owner() is not None
+del g; gc.collect()
+sys.exit(0 if alive and owner() is None else 3)""")
+    ok(rc == 0, f"lifetime: the layer is freed when the module and its last view are gone (exit {rc})")
+
+
+def test_checks():
+    hf, m = layer()
+    x = torch.randn(4, 32)
+    ok(raises(lambda: m(torch.randn(2, 8)), ValueError, ["hidden_size", "32"]) and
+       raises(lambda: m(torch.randn(4, 64)), ValueError, ["hidden_size"]),
+       "a width other than hidden_size ([2][8], [4][64] into a 32-wide layer): ValueError")
+    ok(raises(lambda: m(torch.tensor(1.0)), ValueError, ["hidden_size"]), "a 0-d input: ValueError")
+    ok(raises(lambda: m(torch.randn(65, 32)), ValueError, ["max_tokens"]), "more than max_tokens: ValueError")
+    e = torch.randn(0, 32, requires_grad=True)
+    y = m(e)[0]
+    y.sum().backward()
+    ok(tuple(y.shape) == (0, 32) and tuple(e.grad.shape) == (0, 32), "0 tokens: an empty y and dx")
+    with torch.no_grad():
+        m.experts[1].w1.weight[2, 3] = float("nan")
+    ok(raises(lambda: m(x), RuntimeError, ["experts.1.w1.weight", "[2][3]"]),
+       "a NaN weight is named (experts.1.w1.weight element [2][3])")
+    hf, mf = layer(fused=True)
+    with torch.no_grad():
+        mf.experts.gate_up_proj[1, 48 + 2, 3] = float("inf")  # w3 (up) row 2 of expert 1
+    ok(raises(lambda: mf(x), RuntimeError, ["experts.gate_up_proj", "[1][50][3]"]),
+       "an Inf in a fused weight is named by the module's name (experts.gate_up_proj element [1][50][3])")
+
+
+def test_inplace():
+    hf, m = layer()
+    x = torch.randn(8, 32)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(x)[0].sum().backward()
+    y = m(x)[0]
+    opt.step()
+    ok(raises(lambda: y.sum().backward(), RuntimeError, ["inplace"]),
+       "optimizer.step() between a forward and its backward: autograd's in-place error")
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    y = m(x)[0]
+    m.load_state_dict(sd)
+    ok(raises(lambda: y.sum().backward(), RuntimeError, ["inplace"]),
+       "load_state_dict between a forward and its backward: autograd's in-place error")
+    # vector_to_parameters assigns p.data: the values reach the layer, the parameters stay its memory
+    ptrs = [p.data_ptr() for p in m.parameters()]
+    vec = torch.nn.utils.parameters_to_vector(m.parameters()) * 0.5
+    torch.nn.utils.vector_to_parameters(vec, m.parameters())
+    hf2, ref = layer()
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), m.parameters()):
+            p.copy_(q)
+        same = torch.equal(m(x)[0], ref(x)[0])
+    ok(same and [p.data_ptr() for p in m.parameters()] == ptrs,
+       "vector_to_parameters: the layer computes with the new values, the parameters still its memory")
+
+
+def router_grad(model, hf_loss, reentrant):
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if hf_loss:
+        loss = model(input_ids=ids, labels=ids, output_router_logits=True).loss
+    else:
+        blocks = [block(model, i) for i in range(len(model.model.layers))]
+        loss = model(input_ids=ids, labels=ids, output_router_logits=False).loss + \
+            mt.hf_aux_loss(blocks, model.config)
+    loss.backward()
+    return torch.cat([block(model, i).gate.weight.grad.reshape(-1) for i in range(len(model.model.layers))])
+
+
+def test_checkpointing():
+    for reentrant in (True, False):
+        hf = mixtral()
+        model = copy.deepcopy(hf)
+        mt.swap_moe_blocks(model, max_tokens=64, lib=A.lib)
+        try:
+            g, h = router_grad(model, False, reentrant), router_grad(hf, True, reentrant)
+            err = float((g - h).abs().max() / h.abs().max())
+        except RuntimeError as e:
+            err = str(e)
+        ok(isinstance(err, float) and err <= 1e-5,
+           f"gradient checkpointing ({'reentrant' if reentrant else 'non-reentrant'}) with hf_aux_loss: the "
+           f"routers' gradient is transformers' ({err if isinstance(err, str) else f'{err:.1e}'})")
+
+
+def test_jitter():
+    hf = mixtral(jitter=0.2)
+    _, m = layer(hf)
+    hb = block(hf)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    m.eval()
+    y1, y2 = m(x)[0], m(x)[0]
+    with torch.no_grad():
+        y3 = m(x)[0]
+    ok(torch.equal(y1, y2) and torch.equal(y1, y3),
+       "eval() with grad enabled: no jitter (y as under no_grad)")
+    m.train(), hb.train()
+    torch.manual_seed(7)
+    ym = m(x)[0]
+    torch.manual_seed(7)
+    yh = hb(x.detach().clone())[0]
+    err = float((ym - yh).abs().max() / yh.abs().max())
+    ok(err <= 1e-5 and not torch.equal(ym, y1),
+       f"train(): HF's jitter (the block's input times torch's noise), y as the HF block's ({err:.1e})")
+
+
+def test_rejected():
+    _, m = layer()
+    _, ref = layer()
+    x = torch.randn(8, 32, requires_grad=True)
+    y = m(x)[0]
+    bad = torch.randn(8, 32, requires_grad=True)
+    with torch.no_grad():
+        bad[3, 4] = float("nan")
+    rejected = raises(lambda: m(bad), RuntimeError, ["not finite"])
+    y.square().sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    ref(xr)[0].square().sum().backward()
+    same = torch.equal(x.grad, xr.grad) and all(torch.equal(p.grad, q.grad) for p, q in
+                                                zip(m.parameters(), ref.parameters()))
+    ok(rejected and same, "a rejected forward, then the pending forward's backward: as if it had not run")
+
+
+def test_threads():
+    _, m = layer()
+    xs = [torch.randn(3 + i % 5, 2, 32, generator=torch.Generator().manual_seed(i)) for i in range(100)]
+    with torch.no_grad():
+        serial = [m(x)[0] for x in xs]
+    got = [None] * len(xs)
+
+    def run(k):
+        with torch.no_grad():
+            for i in range(k, len(xs), 4):
+                got[i] = m(xs[i])[0]
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    ok(all(g is not None and torch.equal(g, s) for g, s in zip(got, serial)),
+       "4 threads x 25 forwards on one module: each equals its serial forward, bitwise")
+
+
+def test_deepcopy():
+    _, m = layer()
+    x = torch.randn(8, 32)
+    try:
+        c = copy.deepcopy(m)
+    except Exception as e:  # noqa: BLE001
+        ok(False, f"deepcopy: {type(e).__name__}: {str(e)[:80]}")
+        return
+    with torch.no_grad():
+        y = m(x)[0]
+        same = torch.equal(c(x)[0], y)
+        for p in c.parameters():
+            p.mul_(0.5)
+        ok(same and torch.equal(m(x)[0], y) and not torch.equal(c(x)[0], y) and
+           all(p.data_ptr() != q.data_ptr() for p, q in zip(m.parameters(), c.parameters())),
+           "deepcopy: the same y, then independent (writing the copy leaves the original)")
+
+
+def test_grads():
+    _, m = layer()
+    _, ref = layer()
+    xs = [torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for x in xs[:2]:
+        m(x)[0].square().sum().backward()
+    bound = all(p.grad.data_ptr() == g.data_ptr() for p, g in zip(m._params, m._grads))
+    want = []
+    for x in xs[:2]:  # each backward's own gradients
+        ref.zero_grad(set_to_none=True)
+        ref(x)[0].square().sum().backward()
+        want.append([p.grad.clone() for p in ref.parameters()])
+    acc = all(torch.allclose(p.grad, a + b, rtol=1e-6, atol=1e-7) for p, a, b in
+              zip(m.parameters(), *want))
+    ok(bound and acc, ".grad is the layer's gradient buffer (no copy a backward); 2 micro-batches accumulate")
+    m.zero_grad(set_to_none=True)
+    m(xs[1])[0].square().sum().backward()
+    fresh = all(torch.equal(p.grad, w) for p, w in zip(m.parameters(), want[1]))
+    m.zero_grad(set_to_none=False)
+    zeroed = all(float(p.grad.abs().max()) == 0 for p in m.parameters())
+    ok(fresh and zeroed, "zero_grad(set_to_none=True) then a backward: that backward's gradients; "
+       "zero_grad(set_to_none=False) zeroes them")
+
+
+def test_order():
+    hf = mixtral()
+    model = copy.deepcopy(hf)
+    mt.swap_moe_blocks(model, max_tokens=64, lib=A.lib)
+    names = [n for n, _ in model.named_parameters()]
+    hnames = [n for n, _ in hf.named_parameters()]
+    ok(names == hnames, "Mixtral: the swapped model's parameters in transformers' order (w1, w2, w3)")
+    _, fresh = layer(mixtral())
+    fresh = mt.MoeptMoE(None, hf.config, layer_idx=0, max_tokens=64, lib=A.lib, fused=False)
+    ok([n for n, _ in fresh.named_parameters()] == [n for n, _ in block(hf).named_parameters()],
+       "Mixtral, built from the config alone: transformers' order too")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    errs = []
+    for src, dst in ((hf, model), (model, hf)):  # one AdamW step on src, its state moved to dst
+        a, b = copy.deepcopy(hf), copy.deepcopy(hf)
+        if src is model:
+            mt.swap_moe_blocks(a, max_tokens=64, lib=A.lib)
+        if dst is model:
+            mt.swap_moe_blocks(b, max_tokens=64, lib=A.lib)
+        oa = torch.optim.AdamW(a.parameters(), lr=1e-2)
+        a(input_ids=ids, labels=ids, output_router_logits=False).loss.backward()
+        oa.step()
+        ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+        ob.load_state_dict(oa.state_dict())
+        sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+        ok_shapes = all(sa[i]["exp_avg"].shape == p.shape for i, p in enumerate(b.parameters()))
+        with torch.no_grad():
+            for p, q in zip(b.parameters(), a.parameters()):
+                p.copy_(q)
+        for m_, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            m_(input_ids=ids, labels=ids, output_router_logits=False).loss.backward()
+            o.step()
+        errs.append(max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+                    if ok_shapes and sb else float("inf"))
+    ok(max(errs) <= 1e-5, f"an AdamW state moved swapped -> transformers and back: the next step agrees "
+       f"({errs[0]:.1e}, {errs[1]:.1e})")
+
+
+def test_hf_outputs_and_stats():
+    hf = mixtral()
+    model = copy.deepcopy(hf)
+    blocks = mt.swap_moe_blocks(model, max_tokens=64, lib=A.lib, fused=True)
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(4))
+    try:
+        with torch.no_grad():
+            lm = model(input_ids=ids).logits
+            lh = hf(input_ids=ids).logits
+        err = float((lm - lh).abs().max())
+    except (ValueError, RuntimeError) as e:
+        err = str(e)[:80]
+    ok(isinstance(err, float) and err <= 1e-5, f"fused=True on a transformers 4.x block: 4.x's (y, logits), "
+       f"the model's logits as transformers' at batch 3 ({err if isinstance(err, str) else f'{err:.1e}'})")
+    b = blocks[0]
+    model(input_ids=ids)
+    try:
+        s = b.stats()
+        good = (isinstance(s, dict) and s["tokens"] == 48 and sum(s["tokens_per_expert"]) == 48 * 2 and
+                len(s["tokens_per_expert"]) == 4 and s["param_bytes"] > 0)
+    except AttributeError:
+        good = False
+    ok(good, "stats(): moept's stats as a dict (tokens, tokens_per_expert, bytes)")
+
+
+def setup(lib_path, module):
+    """moept_torch from `module`, its library at lib_path (child processes call this too)"""
+    global A, mt
+    sys.path.insert(0, module)
+    import moept_torch
+    mt = moept_torch
+    A = argparse.Namespace(lib_path=lib_path, module=module, lib=mt.load_library(lib_path))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--lib", default=os.path.join(here, "..", "build", "libmoept.so"))
+    ap.add_argument("--module", default=os.path.join(here, ".."))
+    ap.add_argument("--only", default=None, help="one test by name (test_checks, ...)")
+    a = ap.parse_args()
+    setup(os.path.abspath(a.lib), os.path.abspath(a.module))
+    import transformers
+    print(f"# torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"moept_torch from {A.module}")
+    for t in (test_lifetime, test_checks, test_inplace, test_checkpointing, test_jitter, test_rejected,
+              test_threads, test_deepcopy, test_grads, test_order, test_hf_outputs_and_stats):
+        if a.only and t.__name__ != a.only:
+            continue
+        try:
+            t()
+        except Exception as e:  # noqa: BLE001 (an old module may fail anywhere: a failure, and on)
+            ok(False, f"{t.__name__}: {type(e).__name__}: {str(e)[:100]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
