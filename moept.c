@@ -5746,6 +5746,134 @@ void moept_comm_destroy(moept_comm *c) {
     if (c && c->destroy) c->destroy(c);
 }
 
+/* ---- the caller's collectives (moept_comm_custom): moept's exchanges in
+   the plain forms a framework has, its pieces staged only where they are
+   not already packed per peer in rank order ---- */
+typedef struct moept__cust {
+    moept_comm_ops ops;
+    void *ctx;
+    int64_t *bytes;     /* [2 size]: this exchange's bytes to, then from, each peer */
+    char *stage;        /* [cap] the packed send, then the packed receive, where staged */
+    int64_t cap;
+} moept__cust;
+
+static moept_status moept__cust_rc(moept_comm *c, int rc, const char *op) {
+    return rc ? moept__comm_fail(c, MOEPT_ERR_COMM, "moept_comm_custom: the caller's %s returned %d", op, rc)
+              : MOEPT_OK;
+}
+
+/* n pieces already packed: each nonempty one right after the last */
+static int moept__cust_packed(const moept_seg *s, int64_t n) {
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (s[i].count && s[i].offset != at) return 0;
+        at += s[i].count;
+    }
+    return 1;
+}
+
+/* the pieces of buf (element size es) to or from a packed stage */
+static void moept__cust_copy(char *stage, char *buf, const moept_seg *s, int64_t n, int es, int to_stage) {
+    for (int64_t i = 0, at = 0; i < n; at += s[i].count * es, i++)
+        if (to_stage) memcpy(stage + at, buf + s[i].offset * es, (size_t)(s[i].count * es));
+        else memcpy(buf + s[i].offset * es, stage + at, (size_t)(s[i].count * es));
+}
+
+static moept_status moept__cust_alltoallv(moept_comm *c, const void *send, const moept_seg *ss, void *recv,
+                                          const moept_seg *rs, int nseg, int es) {
+    moept__cust *u = c->ctx;
+    const int P = c->size;
+    const int64_t n = (int64_t)P * nseg;
+    int64_t ns = 0, nr = 0;
+    for (int q = 0; q < P; q++) {
+        u->bytes[q] = u->bytes[P + q] = 0;
+        for (int s = 0; s < nseg; s++) {
+            u->bytes[q] += ss[q * nseg + s].count * es;
+            u->bytes[P + q] += rs[q * nseg + s].count * es;
+        }
+        ns += u->bytes[q];
+        nr += u->bytes[P + q];
+    }
+    const int sp = moept__cust_packed(ss, n), rp = moept__cust_packed(rs, n);
+    const int64_t need = (sp ? 0 : ns) + (rp ? 0 : nr);
+    if (need > u->cap) {
+        char *g = moept__alloc(NULL, (size_t)need);
+        if (!g) return moept__comm_fail(c, MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_custom: out of memory");
+        MOEPT_FREE(u->stage);
+        u->stage = g; u->cap = need;
+    }
+    char *sb = sp ? (char *)send : u->stage, *rb = rp ? (char *)recv : u->stage + (sp ? 0 : ns);
+    if (!sp) moept__cust_copy(sb, (char *)send, ss, n, es, 1);
+    moept_status st = moept__cust_rc(c, u->ops.alltoallv(u->ctx, sb, u->bytes, rb, u->bytes + P),
+                                     "alltoallv");
+    if (!st && !rp) moept__cust_copy(rb, recv, rs, n, es, 0);
+    return st;
+}
+
+static moept_status moept__cust_allreduce(moept_comm *c, void *buf, int64_t count, moept_dtype dtype) {
+    moept__cust *u = c->ctx;
+    return moept__cust_rc(c, u->ops.allreduce(u->ctx, buf, count, dtype), "allreduce");
+}
+
+static moept_status moept__cust_allgather(moept_comm *c, const void *send, void *recv, int64_t bytes) {
+    moept__cust *u = c->ctx;
+    return moept__cust_rc(c, u->ops.allgather(u->ctx, send, recv, bytes), "allgather");
+}
+
+static moept_status moept__cust_p2p(moept_comm *c, const moept_p2p *sends, int nsend, const moept_p2p *recvs,
+                                    int nrecv) {
+    moept__cust *u = c->ctx;
+    if (!u->ops.p2p)
+        return moept__comm_fail(c, MOEPT_ERR_UNSUPPORTED, "moept_comm_custom: the caller gave no p2p op");
+    return moept__cust_rc(c, u->ops.p2p(u->ctx, sends, nsend, recvs, nrecv), "p2p");
+}
+
+static moept_status moept__cust_barrier(moept_comm *c) {
+    moept__cust *u = c->ctx;
+    return moept__cust_rc(c, u->ops.barrier(u->ctx), "barrier");
+}
+
+static void moept__cust_destroy(moept_comm *c) {
+    moept__cust *u = c->ctx;
+    MOEPT_FREE(u->stage);
+    MOEPT_FREE(u->bytes);
+    MOEPT_FREE(u);
+    MOEPT_FREE(c);
+}
+
+moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, int size, moept_comm **out) {
+    if (!out) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_custom: out is NULL");
+    *out = NULL;
+    if (!ops || !ops->alltoallv || !ops->allreduce || !ops->allgather)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT,
+                                  "moept_comm_custom: ops, with alltoallv, allreduce and allgather, is "
+                                  "required");
+    if (size < 1 || rank < 0 || rank >= size)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_comm_custom: rank %d of size %d", rank,
+                                  size);
+    moept_comm *c = moept__alloc(NULL, sizeof *c);
+    moept__cust *u = moept__alloc(NULL, sizeof *u);
+    int64_t *bytes = moept__alloc(NULL, (size_t)(2 * size) * sizeof(int64_t));
+    if (!c || !u || !bytes) {
+        MOEPT_FREE(c);
+        MOEPT_FREE(u);
+        MOEPT_FREE(bytes);
+        return moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "moept_comm_custom: out of memory");
+    }
+    memset(c, 0, sizeof *c);
+    memset(u, 0, sizeof *u);
+    u->ops = *ops; u->ctx = ctx; u->bytes = bytes;
+    c->rank = rank; c->size = size; c->ctx = u;
+    c->alltoallv = moept__cust_alltoallv;
+    c->allreduce = moept__cust_allreduce;
+    c->allgather = moept__cust_allgather;
+    c->p2p = moept__cust_p2p;
+    c->barrier = ops->barrier ? moept__cust_barrier : NULL;
+    c->destroy = moept__cust_destroy;
+    *out = c;
+    return MOEPT_OK;
+}
+
 /* ---- threads: ranks are threads of one process; a collective publishes
    each rank's buffers and every receiver copies straight from the sender's
    memory (one copy per byte, no staging). ---- */

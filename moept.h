@@ -723,6 +723,34 @@ moept_status moept_comm_mpi(MPI_Comm comm, moept_comm **out);
 #endif
 void moept_comm_destroy(moept_comm *c);
 
+/* A comm over the caller's own collectives: a framework's transport
+   (torch.distributed, a job's existing MPI or NCCL wrapper) with moept's
+   agreement and error rules on top, so the library needs no dependency of
+   its own. moept packs each exchange into the plain forms below (pieces
+   gathered per peer when they are not already); ops is copied, ctx is
+   passed back to every op. An op returns 0, or nonzero for a failure: the
+   moept call then fails with MOEPT_ERR_COMM naming the op, and the ops are
+   expected to fail (or time out) alike on the peers (moept agrees before it
+   acts, so one rank's refusal is every rank's; a transport that hangs on a
+   lost peer hangs moept with it). Buffers are host memory. */
+typedef struct moept_comm_ops {
+    /* all-to-all-v of packed bytes: send holds send_bytes[0] bytes for peer 0,
+       then send_bytes[1] for peer 1, ...; recv likewise by recv_bytes [size]
+       (torch.distributed's all_to_all_single with split sizes) */
+    int (*alltoallv)(void *ctx, const void *send, const int64_t *send_bytes, void *recv,
+                     const int64_t *recv_bytes);
+    int (*allreduce)(void *ctx, void *buf, int64_t count, moept_dtype dtype); /* sum in place:
+                                                                   F32, F64 or I64 */
+    int (*allgather)(void *ctx, const void *send, void *recv, int64_t bytes); /* recv [size][bytes] */
+    /* all the listed sends and receives (moept_p2p), matched between two
+       ranks in list order; NULL: resharding is refused */
+    int (*p2p)(void *ctx, const moept_p2p *sends, int nsend, const moept_p2p *recvs, int nrecv);
+    int (*barrier)(void *ctx); /* optional (NULL) */
+} moept_comm_ops;
+/* rank in [0, size); alltoallv, allreduce and allgather are required.
+   Destroy with moept_comm_destroy (which calls no op). */
+moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, int size, moept_comm **out);
+
 /* ---- CUDA ------------------------------------------------------------
    A layer on a GPU (build with MOEPT_CUDA; without it moept_create_cuda
    fails with MOEPT_ERR_UNSUPPORTED and moept_cuda_device_count is 0; with
@@ -1403,7 +1431,10 @@ int64_t moept_abi_layout(char *buf, int64_t cap);
     F(moept_st_tensor, nbytes) \
     S(moept_cuda_options) F(moept_cuda_options, dtype) F(moept_cuda_options, stream) \
     F(moept_cuda_options, unchecked_backward) F(moept_cuda_options, sync_free) \
-    F(moept_cuda_options, gemm_form)
+    F(moept_cuda_options, gemm_form) \
+    S(moept_p2p) F(moept_p2p, peer) F(moept_p2p, buf) F(moept_p2p, bytes) \
+    S(moept_comm_ops) F(moept_comm_ops, alltoallv) F(moept_comm_ops, allreduce) \
+    F(moept_comm_ops, allgather) F(moept_comm_ops, p2p) F(moept_comm_ops, barrier)
 
 #ifdef __cplusplus
 }

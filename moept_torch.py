@@ -82,12 +82,28 @@ class moept_stats(C.Structure):
                 ("shared_exchange", C.c_int64)]
 
 
+class moept_p2p(C.Structure):
+    _fields_ = [("peer", C.c_int), ("buf", C.c_void_p), ("bytes", C.c_int64)]
+
+
+_I64P = C.POINTER(C.c_int64)
+
+
+class moept_comm_ops(C.Structure):
+    _fields_ = [("alltoallv", C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, _I64P, C.c_void_p, _I64P)),
+                ("allreduce", C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_int64, C.c_int)),
+                ("allgather", C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_void_p, C.c_int64)),
+                ("p2p", C.CFUNCTYPE(C.c_int, C.c_void_p, C.POINTER(moept_p2p), C.c_int,
+                                    C.POINTER(moept_p2p), C.c_int)),
+                ("barrier", C.CFUNCTYPE(C.c_int, C.c_void_p))]
+
+
 class nccl_unique_id(C.Structure):  # nccl.h: ncclUniqueId, NCCL_UNIQUE_ID_BYTES 128
     _fields_ = [("internal", C.c_char * 128)]
 
 
 MIRRORS = [moept_config, moept_forward_opts, moept_backward_opts, moept_param_info, moept_cuda_options,
-           moept_stats]
+           moept_stats, moept_p2p, moept_comm_ops]
 
 
 def check_abi(lib):
@@ -151,6 +167,7 @@ def load_library(path=None, cuda=False):
            "moept_get_stats": ([P, C.POINTER(moept_stats), P], S),
            "moept_routing": ([P, C.POINTER(C.POINTER(C.c_int32)), P, P], S),
            "moept_comm_destroy": ([P], None),
+           "moept_comm_custom": ([C.POINTER(moept_comm_ops), P, S, S, C.POINTER(P)], S),
            "moept_last_error": ([P], C.c_char_p)}
     if hasattr(lib, "moept_comm_nccl"):  # CUDA builds
         sig["moept_comm_nccl"] = ([P, P, S, C.POINTER(P)], S)
@@ -179,6 +196,73 @@ class _Layer:
             if self.nccl is not None and not aborted:
                 self.nccl[0].ncclCommDestroy(self.nccl[1])
         self.comms = []
+
+
+def _host(ptr, n, dtype=torch.uint8):
+    """n elements of host memory at ptr as a tensor (no copy; the caller keeps the memory)"""
+    if not n:
+        return torch.empty(0, dtype=dtype)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer((C.c_uint8 * (n * size)).from_address(ptr), dtype=dtype)
+
+
+class _TorchCollectives:
+    """moept_comm_ops over a torch.distributed group (host tensors: gloo); an op that raises returns 1
+    and keeps its message (the moept call fails with MOEPT_ERR_COMM; _ok adds it)"""
+    DTYPES = {0: torch.float32, 3: torch.float64, 4: torch.int64}  # moept_dtype F32, F64, I64
+
+    def __init__(self, group):
+        import torch.distributed as dist
+        self.dist, self.group = dist, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.error = None
+
+    @staticmethod
+    def make(group):
+        ctx = _TorchCollectives(group)
+        T = {f: t for f, t in moept_comm_ops._fields_}
+        ops = moept_comm_ops(*(T[f](ctx._guard(getattr(ctx, f))) for f, _ in moept_comm_ops._fields_))
+        return ops, ctx
+
+    def _guard(self, fn):
+        def op(_ctx, *args):
+            try:
+                fn(*args)
+                return 0
+            except Exception as e:  # noqa: BLE001 (nothing may unwind through C)
+                self.error = f"{type(e).__name__}: {e}"
+                return 1
+        return op
+
+    def _global(self, peer):
+        d = self.dist
+        if self.group is None:
+            return peer
+        get = getattr(d, "get_global_rank", None) or d.distributed_c10d._get_global_rank
+        return get(self.group, peer)
+
+    def alltoallv(self, send, sb, recv, rb):
+        sb, rb = [sb[q] for q in range(self.size)], [rb[q] for q in range(self.size)]
+        self.dist.all_to_all_single(_host(recv, sum(rb)), _host(send, sum(sb)), rb, sb, group=self.group)
+
+    def allreduce(self, buf, count, dtype):
+        self.dist.all_reduce(_host(buf, count, self.DTYPES[dtype]), group=self.group)
+
+    def allgather(self, send, recv, n):
+        out = list(_host(recv, n * self.size).split(n)) if n else [_host(0, 0)] * self.size
+        self.dist.all_gather(out, _host(send, n), group=self.group)
+
+    def p2p(self, sends, ns, recvs, nr):
+        d = self.dist
+        ops = [d.P2POp(d.isend, _host(sends[i].buf, sends[i].bytes), self._global(sends[i].peer), self.group)
+               for i in range(ns) if sends[i].bytes]
+        ops += [d.P2POp(d.irecv, _host(recvs[i].buf, recvs[i].bytes), self._global(recvs[i].peer), self.group)
+                for i in range(nr) if recvs[i].bytes]
+        for w in d.batch_isend_irecv(ops) if ops else []:
+            w.wait()
+
+    def barrier(self):
+        self.dist.barrier(group=self.group)
 
 
 class _DeviceMemory:
@@ -496,6 +580,9 @@ class MoeptMoE(torch.nn.Module):
         msg = self._lib.moept_last_error(None).decode()
         if named:  # moept names a non-finite parameter by its own name: say the module's too
             msg = _hf_name_in(msg, self._fused, self.F)
+        for _, ctx in self._layer.keep:  # a torch.distributed op that raised: what it said
+            if ctx.error:
+                msg, ctx.error = f"{msg} ({ctx.error})", None
         raise RuntimeError(f"moept: {fn}: {msg}")
 
     def _check(self, t, what, dtype, shape=None):

@@ -21,6 +21,8 @@ typedef struct world {
     int eval_differs[MAXR * 2];
     int infer;                 /* 1: inference-only layers (forwards only; every training call
                                   must refuse with MOEPT_ERR_STATE on every rank) */
+    int custom;                /* 1: the EP comm is moept_comm_custom over ops that call the
+                                  threads comm in its plain forms; 2: its alltoallv fails */
     moept_thread_group *ep[MAXR], *dp[MAXR];
     /* results */
     float *y, *dx;             /* [Ttot][D] */
@@ -60,14 +62,48 @@ static moept_status infer_refusals(moept_layer *L, const float *x, const float *
     return strstr(moept_last_error(L), "inference_only") ? MOEPT_OK : MOEPT_ERR_INVALID_ARGUMENT;
 }
 
+/* moept_comm_custom's ops over a threads comm: what a framework's transport
+   does (packed all-to-all-v by bytes, sums, gathers, p2p), and a failing one */
+typedef struct plain { moept_comm *t; int fail; } plain;
+
+static int plain_alltoallv(void *ctx, const void *send, const int64_t *sb, void *recv, const int64_t *rb) {
+    plain *u = ctx;
+    moept_seg ss[MAXR], rv[MAXR];
+    int64_t a = 0, b = 0;
+    for (int q = 0; q < u->t->size; q++) { /* in 2-byte elements: every moept row is */
+        ss[q] = (moept_seg){a / 2, sb[q] / 2};
+        rv[q] = (moept_seg){b / 2, rb[q] / 2};
+        a += sb[q]; b += rb[q];
+    }
+    return u->fail ? 7 : (int)u->t->alltoallv(u->t, send, ss, recv, rv, 1, 2);
+}
+static int plain_allreduce(void *ctx, void *buf, int64_t n, moept_dtype t) {
+    plain *u = ctx;
+    return (int)u->t->allreduce(u->t, buf, n, t);
+}
+static int plain_allgather(void *ctx, const void *send, void *recv, int64_t bytes) {
+    plain *u = ctx;
+    return (int)u->t->allgather(u->t, send, recv, bytes);
+}
+static int plain_p2p(void *ctx, const moept_p2p *s, int ns, const moept_p2p *r, int nr) {
+    plain *u = ctx;
+    return (int)u->t->p2p(u->t, s, ns, r, nr);
+}
+
 static void *rank_main(void *arg) {
     job *j = arg;
     world *w = j->w;
     int r = j->r, er = r % w->P, dr = r / w->P;
     tu_rank_thread();
-    moept_comm *ep = NULL, *dp = NULL;
+    moept_comm *ep = NULL, *dp = NULL, *custom = NULL;
     if (w->P > 1) moept_comm_threads(w->ep[dr], er, &ep);
     if (w->DP > 1) moept_comm_threads(w->dp[er], dr, &dp);
+    plain u = {ep, w->custom == 2};
+    moept_comm_ops ops = {plain_alltoallv, plain_allreduce, plain_allgather, plain_p2p, NULL};
+    if (ep && w->custom) {
+        EXPECT_OK(moept_comm_custom(&ops, &u, er, w->P, &custom));
+        ep = custom;
+    }
     moept_layer *L = NULL;
     moept_config c = w->cfg;
     int64_t mx = 1;
@@ -104,6 +140,7 @@ static void *rank_main(void *arg) {
     w->grads[r] = calloc((size_t)L->par.n_params, 4);
     if (L->par.grads) memcpy(w->grads[r], L->par.grads, (size_t)L->par.n_params * 4);
     moept_destroy(L);
+    moept_comm_destroy(custom);
     return NULL;
 }
 
@@ -211,6 +248,33 @@ static void test_ep_matches_one_rank(void) {
             compare_world(w, what, 1e-6);
             free_world(w);
         }
+}
+
+/* moept_comm_custom over the caller's plain collectives: EP 2 and 4 as one
+   rank (chunked overlap too: its pieces staged per peer), and a failing op
+   fails the forward on every rank, naming the op */
+static void test_ep_custom_comm(void) {
+    for (int f = 0; f < 2; f++)
+        for (int P = 2; P <= 4; P += 2) {
+            int64_t T[MAXR] = {37, 20, 51, 8};
+            moept_config c = cfg_of(f ? MOEPT_FAMILY_DEEPSEEK_V3 : MOEPT_FAMILY_MIXTRAL);
+            c.overlap_chunks = f ? 2 : 1;
+            world *w = new_world(c, P, 1, T, 300 + (uint64_t)f);
+            w->custom = 1;
+            run_world(w);
+            char what[64];
+            snprintf(what, sizeof what, "moept_comm_custom, family %d EP=%d", f, P);
+            compare_world(w, what, 1e-6);
+            free_world(w);
+        }
+    int64_t T[MAXR] = {16, 16};
+    world *w = new_world(cfg_of(MOEPT_FAMILY_MIXTRAL), 2, 1, T, 9);
+    w->custom = 2;
+    run_world(w);
+    for (int r = 0; r < 2; r++)
+        EXPECT(w->st[r] == MOEPT_ERR_COMM && strstr(w->err[r], "alltoallv returned 7"),
+                     "rank %d: a failing alltoallv op: status %d, '%s'", r, w->st[r], w->err[r]);
+    free_world(w);
 }
 
 /* config.fp8: EP 2 and 4 equal one rank bitwise (y, dx, the routed experts'
@@ -1023,6 +1087,7 @@ static void test_reshard_any_placement(void) {
 int main(void) {
     RUN(test_ep_matches_one_rank);
     RUN(test_ep_fp8);
+    RUN(test_ep_custom_comm);
     RUN(test_skew_and_empty);
     RUN(test_ep_jitter_and_eval);
     RUN(test_ep_inference);
