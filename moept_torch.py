@@ -14,13 +14,18 @@ docs/TORCH.md says what it does, what it checks and what it refuses; in short:
     transformers 4.40 to 4.4x's per-expert modules and 5.x's fused gate_up_proj / down_proj); sizes and
     routing from moept_config_from_hf on the block's config; weights copied in.
   - Its parameters are torch tensors viewing the layer's fp32 master weights (host memory, or the CUDA
-    layer's device buffers): torch's optimizer, clipping and state_dict see them, under the HF block's
-    names; .to()/.cuda()/.half() cannot move or cast them (a move raises; a dtype cast leaves them fp32).
+    layer's device buffers), their .grad views of its gradients (moept's backward adds into them: no
+    copy): torch's optimizer, clipping and state_dict see them, under the HF block's names and in its
+    order; every such tensor keeps the layer alive; .to()/.cuda()/.half() cannot move or cast them (a
+    move raises; a dtype cast leaves them fp32); an in-place write between a forward and its backward
+    raises, as autograd does for torch's layers.
   - forward(x) -> y, with the router's logits kept (block.router_logits) and their gradient taken back
     (hf_aux_loss: transformers' own load_balancing_loss_func over every layer's logits); under
     transformers 4.x the block returns (y, logits) as HF's did, and HF's own loss adds the aux term.
-  - every tensor's dtype, device and layout is checked before its pointer crosses: a wrong dtype or
-    device raises TypeError / ValueError; a non-contiguous tensor is copied (the one cast done).
+  - every tensor's dtype, device, shape and layout is checked before its pointer crosses: a wrong dtype
+    or device raises TypeError / ValueError; a non-contiguous tensor is copied (the one cast done).
+  - calls on one module are serialised (thread-safe, not parallel); ep_group shards the experts over a
+    torch.distributed group (CUDA layers: NCCL; CPU layers: the group's own collectives, e.g. gloo).
 """
 import copy
 import ctypes as C
