@@ -72,13 +72,15 @@ def layer(hf=None, **kw):
     return hf, mt.MoeptMoE(block(hf), hf.config, layer_idx=0, max_tokens=64, lib=A.lib, **kw)
 
 
-def child(code):
-    """code run in a fresh python with moept_torch imported as mt: (exit status, output)"""
+def child(code, tail=True):
+    """code run in a fresh python with moept_torch imported as mt: (exit status, its last output line, or
+    every line)"""
     pre = (f"import sys, gc, io, torch; sys.path.insert(0, {A.module!r}); import moept_torch as mt; "
            f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
            f"import test_torch_contract as tc; tc.setup({A.lib_path!r}, {A.module!r})\n")
     r = subprocess.run([sys.executable, "-c", pre + code], capture_output=True, text=True, timeout=300)
-    return r.returncode, (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    return r.returncode, (lines[-1:] or [""]) if tail else lines
 
 
 def test_lifetime():
@@ -107,17 +109,22 @@ del m; gc.collect()
 junk = [tc.layer(tc.mixtral(seed=5))[1] for _ in range(3)]
 sys.exit(0 if torch.equal(g.detach(), ref) else 3)""",
     }
-    for what, code in cases.items():
-        rc, tail = child(code)
-        ok(rc == 0, f"lifetime: {what} (exit {rc}{': ' + tail[0] if rc else ''})")
-    rc, tail = child("""
+    cases["the layer is freed when the module and its last view are gone"] = """
 import weakref
 hf, m = tc.layer()
 g = m.gate.weight; owner = weakref.ref(m._layer)
 del m; gc.collect(); alive = owner() is not None
 del g; gc.collect()
-sys.exit(0 if alive and owner() is None else 3)""")
-    ok(rc == 0, f"lifetime: the layer is freed when the module and its last view are gone (exit {rc})")
+sys.exit(0 if alive and owner() is None else 3)"""
+    # one child runs them in turn, each in a function of its own, printing its exit code; a crash ends
+    # the child, and the cases it did not reach fail with it
+    run = "try:\n    case{0}()\nexcept SystemExit as e:\n    print('case', {0}, e.code, flush=True)\n"
+    body = "".join(f"def case{i}():\n" + "".join(f"    {ln}\n" for ln in code.strip().splitlines()) +
+                   run.format(i) for i, code in enumerate(cases.values()))
+    rc, out = child(body + "print('done')", tail=False)
+    codes = {int(w[1]): int(w[2]) for w in (ln.split() for ln in out) if len(w) == 3 and w[0] == "case"}
+    for i, what in enumerate(cases):
+        ok(codes.get(i) == 0, f"lifetime: {what} (exit {codes.get(i, f'none: the child ended {rc}')})")
 
 
 def test_checks():
