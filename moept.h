@@ -632,7 +632,8 @@ typedef struct moept_config {
    rank (NULL), threads in one process (moept_comm_threads), MPI
    (moept_comm_mpi, with -DMOEPT_MPI), NCCL and threads on one GPU (CUDA
    builds: moept_comm_nccl, moept_comm_cuda_threads). A host framework
-   can fill in its own, or hand its plain collectives to moept_comm_custom. Counts and offsets are in elements. Every call is
+   can fill in its own, or hand its plain collectives to
+   moept_comm_custom. Counts and offsets are in elements. Every call is
    collective: all ranks of the group make it, in the same order. */
 typedef struct moept_seg {
     int64_t offset, count;     /* elements */
