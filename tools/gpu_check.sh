@@ -323,7 +323,8 @@ torch_phase() {
     step "hf_swap --check --device cuda --dtype bf16, D 1024 F 3584 E 8, block timed at T 8192" \
         $P examples/hf_swap.py --check --device cuda --dtype bf16 --hidden 1024 --ffn 3584 --experts 8 \
         --topk 2 --batch 8 --seq 256 --vocab 512 --init 0.02 --steps 10 --time-tokens 8192 --lib $L
-    grep -E "^#|largest|gradient error|MoE block|FAIL" "$LOG" | tee -a "$SUM" >/dev/null
+    grep -E "^#|largest|gradient error|loss drift|gradients against|MoE block|FAIL" "$LOG" |
+        tee -a "$SUM" >/dev/null
 }
 
 peers() {
