@@ -26,6 +26,7 @@ docs/TORCH.md says what it does, what it checks and what it refuses; in short:
     or device raises TypeError / ValueError; a non-contiguous tensor is copied (the one cast done).
   - calls on one module are serialised (thread-safe, not parallel); ep_group shards the experts over a
     torch.distributed group (CUDA layers: NCCL; CPU layers: the group's own collectives, e.g. gloo).
+  - torch.compile (torch >= 2.4): the block is a custom op, moept::forward, in the graph (no graph break).
 """
 import copy
 import ctypes as C
@@ -345,17 +346,8 @@ class _Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mask, m, train, *params):
         ctx.set_materialize_grads(False)
-        y = torch.empty_like(x)
-        logits = torch.empty(x.shape[0], m.num_experts, device=x.device, dtype=torch.float32)
-        slot = m._slot if m._replay is None else m._replay  # a recomputation: the slot of its backward
-        o = moept_forward_opts(mask.data_ptr() if mask is not None else None, 0 if train else 1, None,
-                               logits.data_ptr(), slot)
-        m._call("moept_forward_ex", m._h, x.data_ptr(), x.shape[0], y.data_ptr(), C.byref(o),
-                tensors=(x, y, logits, mask), named=True)
-        if train:  # the forward took its slot: the binding's state moves only now (a refusal leaves it)
-            m._slot = (slot + 1) % m.max_inflight if m._replay is None else m._slot
-            m._slot_gen[slot] += 1
-        ctx.m, ctx.slot, ctx.generation = m, slot, m._slot_gen[slot]
+        y, logits, slot, generation = _forward_call(m, x, mask, train)
+        ctx.m, ctx.slot, ctx.generation = m, slot, generation
         ctx.save_for_backward(x, mask, *params)  # autograd's version check: no in-place write before backward
         return y, logits
 
@@ -371,21 +363,198 @@ class _Fn(torch.autograd.Function):
             finally:
                 m._replay = None
             if reused:
-                raise RuntimeError(f"moept_torch: the forward this backward differentiates was overwritten: "
-                                   f"slot {ctx.slot} was reused by a later forward (raise max_inflight: "
-                                   f"forwards in flight at once, {m.max_inflight} now)")
-            dy = torch.zeros_like(x) if dy is None else m._check(dy.contiguous(), "dy", x.dtype, x.shape)
-            dlogits = m._take_stash(dlogits, x.shape[0])
-            if dlogits is not None:
-                dlogits = m._check(dlogits.contiguous(), "dlogits", torch.float32,
-                                   (x.shape[0], m.num_experts))
-            dx = torch.empty_like(x)
-            o = moept_backward_opts(1.0, dlogits.data_ptr() if dlogits is not None else None, ctx.slot)
-            bind = m._grads_begin()
-            m._call("moept_backward_ex", m._h, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), C.byref(o),
-                    tensors=(x, dy, dx, dlogits, mask))
-            m._grads_end(bind)
+                raise _overwritten(m, ctx.slot)
+            dx = _backward_call(m, ctx.slot, x, mask, dy, dlogits)
         return (dx if ctx.needs_input_grad[0] else None, None, None, None) + (None,) * len(m._params)
+
+
+def _forward_call(m, x, mask, train):
+    """moept's forward (m._lock held): y, logits, the slot it took and that slot's generation"""
+    y = torch.empty_like(x)
+    logits = torch.empty(x.shape[0], m.num_experts, device=x.device, dtype=torch.float32)
+    slot = m._slot if m._replay is None else m._replay  # a recomputation: the slot of its backward
+    o = moept_forward_opts(mask.data_ptr() if mask is not None else None, 0 if train else 1, None,
+                           logits.data_ptr(), slot)
+    m._call("moept_forward_ex", m._h, x.data_ptr(), x.shape[0], y.data_ptr(), C.byref(o),
+            tensors=(x, y, logits, mask), named=True)
+    if train:  # the forward took its slot: the binding's state moves only now (a refusal leaves it)
+        m._slot = (slot + 1) % m.max_inflight if m._replay is None else m._slot
+        m._slot_gen[slot] += 1
+    return y, logits, slot, m._slot_gen[slot]
+
+
+def _backward_call(m, slot, x, mask, dy, dlogits):
+    """moept's backward of the forward in `slot` (m._lock held): dx; the parameters' gradients added into
+    the layer's buffers, bound as their .grad"""
+    dy = torch.zeros_like(x) if dy is None else m._check(dy.contiguous(), "dy", x.dtype, x.shape)
+    dlogits = m._take_stash(dlogits, x.shape[0])
+    if dlogits is not None:
+        dlogits = m._check(dlogits.contiguous(), "dlogits", torch.float32, (x.shape[0], m.num_experts))
+    dx = torch.empty_like(x)
+    o = moept_backward_opts(1.0, dlogits.data_ptr() if dlogits is not None else None, slot)
+    bind = m._grads_begin()
+    m._call("moept_backward_ex", m._h, x.data_ptr(), dy.data_ptr(), dx.data_ptr(), C.byref(o),
+            tensors=(x, dy, dx, dlogits, mask))
+    m._grads_end(bind)
+    return dx
+
+
+def _overwritten(m, slot):
+    return RuntimeError(f"moept_torch: the forward this backward differentiates was overwritten: slot {slot} "
+                        f"was reused by a later forward (raise max_inflight: forwards in flight at once, "
+                        f"{m.max_inflight} now)")
+
+
+# -- torch.compile (torch >= 2.4): the layer as custom ops ----------------------------------------------
+# Under torch.compile the module's forward calls moept::forward, an opaque op with a fake (shape-only)
+# implementation, so Dynamo keeps the MoE block in its graph instead of breaking at the ctypes calls; its
+# autograd formula calls moept::backward. Both run the machinery above, at run time. What a compiled
+# graph holds of a layer:
+#   - its id, a string (_OP_LAYERS finds the module; an int could be traced as a symbol);
+#   - an anchor, an empty parameter of its own that requires a gradient, instead of the parameters
+#     (Dynamo in torch 2.4 to 2.7 does not trace a Parameter subclass): it makes y require a gradient, and
+#     the gradient moept::backward returns for it keeps the backward in the graph when x takes none (the
+#     parameters' gradients go to the layer's buffers, which no graph shows);
+#   - the ticket, a tensor a forward returns for its backward: its slot, that slot's generation and the
+#     parameters' versions (Python state in a compiled graph is fixed when traced; autograd's version
+#     check does not see the parameters, so the backward does it).
+# moept::forward changes the layer's hidden state (its slots): it is an ordered effect (torch >= 2.7), so
+# the compiler neither drops, merges nor reorders it; before, a plain op (a merge of two same-input calls
+# changes no value or gradient).
+_OP_LAYERS = weakref.WeakValueDictionary()  # op id -> MoeptMoE
+_OP_IDS = iter(range(1, 1 << 62))  # never reused: a compiled graph's id cannot name a later layer
+_OPS = None  # True once the ops are defined; False: torch < 2.4, or defined by another copy of this file
+_TORCH = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])
+_OP_LOCK = threading.Lock()  # layers made in two threads at once: the ops defined once
+
+
+def _op_register(m):
+    """m's id and anchor for the ops (defined on the first layer, where torch has torch.library.custom_op)"""
+    global _OPS
+    with _OP_LOCK:
+        if _OPS is None:
+            _OPS = _TORCH >= (2, 4) and _op_define()
+    m._op_id = str(next(_OP_IDS))
+    m._op_anchor = [torch.nn.Parameter(torch.zeros(0, device=m.device_))]  # a list: not m's parameter
+    _OP_LAYERS[m._op_id] = m
+
+
+def _compiling():
+    return _OPS is True and torch.compiler.is_compiling()
+
+
+def _op_layer(i):
+    m = _OP_LAYERS.get(i)
+    if m is None:
+        raise RuntimeError(f"moept_torch: a compiled graph calls layer {i}, which no longer exists")
+    return m
+
+
+def _compiled_forward(m, x, mask, shape):
+    """MoeptMoE.forward's rest under torch.compile; grad mode alone makes it a training forward (the
+    parameters' requires_grad is not traced)"""
+    train = torch.is_grad_enabled()
+    if x.shape[0] == 0:
+        y, logits = x * 0, torch.zeros(0, m.num_experts, device=x.device)
+    else:
+        y, logits, _ = torch.ops.moept.forward(x, mask, m._op_anchor[0], m._op_id, train)
+    m.router_logits = _stash_outside(m, logits) if m.training and not train else logits
+    y = y.reshape(shape)
+    return (y, logits) if m.hf_outputs else y
+
+
+def _outside_graph(fn):
+    c = getattr(torch, "compiler", None)
+    return c.disable(fn) if hasattr(c, "disable") else fn
+
+
+@_outside_graph
+def _stash_outside(m, logits):
+    """a forward without autograd while training (a reentrant checkpoint's first pass) under torch.compile:
+    its logits' gradient hook, run eagerly (Dynamo traces no hook that keeps state: a graph break)"""
+    return m._stash_leaf(logits)
+
+
+def _versions(m):
+    return sum(p._version for p in m._params)  # a write to any parameter raises it
+
+
+def _op_inputs(m, x, mask):
+    """x and mask checked as eager mode's are, before their pointers cross (a graph passes what it made)"""
+    x = m._check(x.contiguous(), "x", m.dtype_, (x.shape[0], m.hidden_size))
+    return x, None if mask is None else m._check(mask.contiguous(), "mask", torch.uint8, (x.shape[0],))
+
+
+def _op_define():
+    """moept::forward and moept::backward; False where another copy of this file defined them"""
+    from typing import Optional, Tuple
+    from torch import Tensor
+    try:  # another copy of this file (imported from another path) defined them: its registry, not ours
+        torch.ops.moept.forward
+        return False
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        @torch.library.custom_op("moept::forward", mutates_args=())
+        def forward(x: Tensor, mask: Optional[Tensor], anchor: Tensor, layer: str,
+                    train: bool) -> Tuple[Tensor, Tensor, Tensor]:
+            """y, logits and the ticket of the layer's forward"""
+            m = _op_layer(layer)
+            x, mask = _op_inputs(m, x, mask)
+            with m._lock:
+                m._sync_params()
+                y, logits, slot, generation = _forward_call(m, x, mask, train)
+                return y, logits, torch.tensor([slot, generation, _versions(m)])
+
+        @torch.library.custom_op("moept::backward", mutates_args=())
+        def backward(x: Tensor, mask: Optional[Tensor], ticket: Tensor, dy: Tensor, dlogits: Tensor,
+                     layer: str) -> Tuple[Tensor, Tensor]:
+            """dx and the anchor's (empty) gradient of the forward that gave ticket; the parameters'
+            gradients added into the layer's buffers"""
+            m = _op_layer(layer)
+            x, mask = _op_inputs(m, x, mask)
+            slot, generation, versions = ticket.tolist()
+            with m._lock:
+                if versions != _versions(m):  # autograd's words
+                    raise RuntimeError("moept_torch: one of the variables needed for gradient computation "
+                                       "has been modified by an inplace operation: a parameter of the "
+                                       "layer, written between the forward and this backward")
+                if m._slot_gen[slot] != generation:
+                    raise _overwritten(m, slot)
+                dx = _backward_call(m, slot, x, mask, dy, dlogits)
+            return dx, m._op_anchor[0].new_zeros(0)
+    except (RuntimeError, ValueError):  # a torch that refuses these definitions: the eager path alone
+        return False
+
+    @forward.register_fake
+    def _(x, mask, anchor, layer, train):
+        n = _op_layer(layer).num_experts
+        return torch.empty_like(x), x.new_empty(x.shape[0], n, dtype=torch.float32), \
+            torch.empty(3, dtype=torch.int64)
+
+    @backward.register_fake
+    def _(x, mask, ticket, dy, dlogits, layer):
+        return torch.empty_like(x), x.new_empty(0, dtype=torch.float32)
+
+    def setup_context(ctx, inputs, output):
+        ctx.layer = inputs[3]
+        ctx.save_for_backward(inputs[0], inputs[1], output[2])
+
+    def grad(ctx, dy, dlogits, _):
+        x, mask, ticket = ctx.saved_tensors
+        dx, danchor = torch.ops.moept.backward(x, mask, ticket, dy, dlogits, ctx.layer)
+        return dx if ctx.needs_input_grad[0] else None, None, danchor, None, None
+
+    forward.register_autograd(grad, setup_context=setup_context)
+    if _TORCH < (2, 7):  # effect tokens miscompile: 2.4 misplaces input gradients, 2.5's inductor the inputs
+        return True
+    try:  # an ordered effect: newer torch's registration, else the table before it
+        from torch._library.effects import EffectType
+        torch.library._register_effectful_op(forward._opoverload, EffectType.ORDERED)
+    except (ImportError, AttributeError):
+        from torch._higher_order_ops.effects import SIDE_EFFECTS, _EffectType
+        SIDE_EFFECTS[forward._opoverload] = _EffectType.ORDERED
+    return True
 
 
 class MoeptMoE(torch.nn.Module):
@@ -446,6 +615,7 @@ class MoeptMoE(torch.nn.Module):
             self._call("moept_create", C.byref(cfg), C.byref(self._layer.h))
         self._slot, self._slot_gen, self._stash, self._dirty = 0, [0] * self.max_inflight, [], False
         self._replay = None  # the slot of the backward whose checkpoint recomputes its forward now
+        _op_register(self)  # torch.compile's handles on the layer
         self.router_logits, self._mask = None, None
         self._build_params(block, fused)
         if hf_outputs is None:
@@ -623,6 +793,8 @@ class MoeptMoE(torch.nn.Module):
             mask = self._check_mask(mask, x.shape[0])
         if self.training and self.jitter_noise > 0:  # HF's jitter: the block's input, when training
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        if _compiling():  # torch.compile: the layer is one op of the graph, not ctypes calls
+            return _compiled_forward(self, x, mask, hidden_states.shape)
         with self._lock:
             self._sync_params()
             # grad mode decides only whether state is kept for a backward (module.training: the jitter)

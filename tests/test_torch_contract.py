@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """test_torch_contract: moept_torch under ordinary PyTorch use (CPU layers; a few seconds).
 
-    python3 tests/test_torch_contract.py [--lib PATH] [--module DIR]
+    python3 tests/test_torch_contract.py [--lib PATH] [--module DIR] [--only NAME] [--backend B]
 
 What a PyTorch user does without reading the docs, each against torch's own behaviour or the unswapped
 transformers model:
@@ -16,7 +16,9 @@ transformers model:
     backward as it was; 4 threads x 25 forwards equal the serial ones bitwise; deepcopy is independent;
   - .grad is the layer's own gradient buffer (no per-backward copy); accumulation and set_to_none work;
   - HF conventions: Mixtral's parameter order (an AdamW state moved both ways), fused=True on a 4.x
-    block returns 4.x's (y, logits), stats() as a dict.
+    block returns 4.x's (y, logits), stats() as a dict;
+  - torch.compile (torch >= 2.4; skip before): the block is one custom op of the graph, no graph break, and
+    compiled forward and backward give eager's values (--backend: aot_eager, or inductor).
 --module DIR imports moept_torch.py from DIR (an older copy: shows which of these fail there; --only NAME
 runs one test, as a crash ends the run).
 Prints "ok - " / "FAIL - " lines; exits 1 on a failure.
@@ -327,7 +329,7 @@ def test_order():
         a(input_ids=ids, labels=ids, output_router_logits=False).loss.backward()
         oa.step()
         ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
-        ob.load_state_dict(oa.state_dict())
+        ob.load_state_dict(copy.deepcopy(oa.state_dict()))  # torch 2.x's keeps the dict's tensors: not shared
         sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
         ok_shapes = all(sa[i]["exp_avg"].shape == p.shape for i, p in enumerate(b.parameters()))
         with torch.no_grad():
@@ -368,6 +370,88 @@ def test_hf_outputs_and_stats():
     ok(good, "stats(): moept's stats as a dict (tokens, tokens_per_expert, bytes)")
 
 
+def test_compile():
+    """torch.compile: the block is one op of the graph (moept::forward); compiled = eager"""
+    if not hasattr(torch.library, "custom_op"):  # torch < 2.4
+        print(f"skip - torch.compile: torch {torch.__version__} (moept's custom ops need torch >= 2.4)")
+        return
+    hf = mixtral()
+    _, m = layer(hf, hf_outputs=True)  # (y, logits) under transformers 5.x too
+    _, c = layer(hf, hf_outputs=True)
+    if getattr(mt, "_OPS", None) is not True:  # set by the first layer
+        ok(False, "torch.compile: moept_torch defines no custom ops (moept::forward, moept::backward)")
+        return
+    import torch._dynamo as dynamo
+    be = A.backend
+    x, mask = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(6)), torch.ones(2, 8)
+    mask[1, 6:] = 0  # padding
+    fn = torch.compile(c, backend=be, fullgraph=True)  # fullgraph: a graph break raises
+
+    def run(mod, f, x_grad=True):
+        xx = x.clone().requires_grad_(x_grad)
+        y, logits = f(xx, attention_mask=mask)
+        (y.square().sum() + logits.square().sum()).backward()
+        return [y, logits] + ([xx.grad] if x_grad else []) + [p.grad.clone() for p in mod.parameters()]
+
+    def err(a, b):
+        return max(float((u - v).abs().max() / v.abs().max().clamp_min(1e-30)) for u, v in
+                   zip([t.detach() for t in a], [t.detach() for t in b]))
+    try:
+        e = [err(run(c, fn), run(m, m))]
+        m.zero_grad(set_to_none=True)
+        c.zero_grad(set_to_none=True)
+        e.append(err(run(c, fn, False), run(m, m, False)))  # no dx: the backward still runs (parameters)
+        bound = all(p.grad.data_ptr() == g.data_ptr() for p, g in zip(c._params, c._grads))
+        what = f"{e[0]:.1e}, {e[1]:.1e}"
+    except Exception as ex:  # noqa: BLE001
+        e, bound, what = [1.0], False, f"{type(ex).__name__}: {str(ex)[:150]}"
+    ok(max(e) <= 1e-5 and bound, f"torch.compile(block, fullgraph=True, backend={be}): no graph break; y, "
+       f"logits, dx and the gradients as eager's, padded, and with x taking no gradient ({what}); .grad is "
+       "the layer's buffer")
+    opt = torch.optim.SGD(c.parameters(), lr=0.1)
+    y = fn(x)[0]
+    opt.step()
+    inplace = raises(lambda: y.sum().backward(), RuntimeError, ["inplace"])
+    f2 = torch.compile(layer(hf, hf_outputs=True)[1], backend=be, fullgraph=True)
+    y1 = f2(x)[0]
+    f2(x)
+    ok(inplace and raises(lambda: y1.sum().backward(), RuntimeError, ["overwritten", "max_inflight"]),
+       "compiled: optimizer.step() before the backward raises (inplace); a reused slot too (max_inflight)")
+
+    # a swapped Mixtral, torch.compile(model): the graphs call moept::forward once a layer and no graph
+    # break is the block's; two training steps (SGD between: the graph sees the new weights) and a no_grad
+    # forward as eager's
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    got = []
+    for compiled in (False, True):
+        model = copy.deepcopy(hf)
+        blocks = mt.swap_moe_blocks(model, max_tokens=64, lib=A.lib)
+        if compiled:
+            dynamo.reset()
+            ex = dynamo.explain(model)(input_ids=ids, labels=ids, output_router_logits=False)
+            ops = sum(str(n.target).startswith("moept.forward") for g in ex.graphs for n in g.graph.nodes)
+            ours = [b for b in ex.break_reasons if any("moept_torch" in f.filename for f in b.user_stack)]
+        f = torch.compile(model, backend=be) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = []
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            loss = f(input_ids=ids, labels=ids, output_router_logits=False).loss + \
+                mt.hf_aux_loss(blocks, model.config)
+            loss.backward()
+            out += [loss] + [p.grad.clone() for p in model.parameters()]
+            opt.step()
+        with torch.no_grad():
+            out.append(f(input_ids=ids, output_router_logits=False).logits)
+        got.append(out)
+    ok(ops == len(model.model.layers) and not ours,
+       f"torch.compile(model): moept::forward in the graphs once a layer ({ops}), no graph break in the "
+       f"block ({len(ex.break_reasons)} in all: {[str(b.reason)[:60] for b in ex.break_reasons]})")
+    e = err(got[1], got[0])
+    ok(e <= 1e-5, f"torch.compile(model, backend={be}): two steps' losses and gradients, then a no_grad "
+       f"forward's logits, as eager's ({e:.1e})")
+
+
 def setup(lib_path, module):
     """moept_torch from `module`, its library at lib_path (child processes call this too)"""
     global A, mt
@@ -383,13 +467,16 @@ def main():
     ap.add_argument("--lib", default=os.path.join(here, "..", "build", "libmoept.so"))
     ap.add_argument("--module", default=os.path.join(here, ".."))
     ap.add_argument("--only", default=None, help="one test by name (test_checks, ...)")
+    ap.add_argument("--backend", default="aot_eager", help="test_compile's torch.compile backend (inductor: "
+                    "the default one, slower to compile)")
     a = ap.parse_args()
     setup(os.path.abspath(a.lib), os.path.abspath(a.module))
+    A.backend = a.backend
     import transformers
     print(f"# torch {torch.__version__}, transformers {transformers.__version__}, "
           f"moept_torch from {A.module}")
     for t in (test_lifetime, test_checks, test_inplace, test_checkpointing, test_jitter, test_rejected,
-              test_threads, test_deepcopy, test_grads, test_order, test_hf_outputs_and_stats):
+              test_threads, test_deepcopy, test_grads, test_order, test_hf_outputs_and_stats, test_compile):
         if a.only and t.__name__ != a.only:
             continue
         try:

@@ -53,7 +53,8 @@
 #           (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
 # torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
 #           /usr/bin/python3 whose torch sees the GPU): tests/test_torch.py with CPU layers (this
-#           transformers' blocks) and CUDA layers in fp32 and bf16; examples/hf_swap.py --check for
+#           transformers' blocks) and CUDA layers in fp32 and bf16; tests/test_torch_contract.py's
+#           test_compile (CPU layers; torch >= 2.4); examples/hf_swap.py --check for
 #           each family with CPU layers, on the GPU in fp32 and bf16 (autocast), and in bf16 at
 #           D 1024 with the MoE block timed at 8192 tokens against transformers' (docs/TORCH.md)
 # peers:    bench/bench_peers.py: one MoE layer's forward + backward beside transformers' block in
@@ -311,6 +312,8 @@ torch_phase() {
     step "test_torch, CPU layers" $P tests/test_torch.py --device cpu --lib $L
     step "test_torch, CUDA layers fp32" $P tests/test_torch.py --device cuda --lib $L
     step "test_torch, CUDA layers bf16" $P tests/test_torch.py --device cuda --dtype bf16 --lib $L
+    step "test_torch_contract --only test_compile (torch.compile where torch >= 2.4), CPU layers" $P \
+        tests/test_torch_contract.py --only test_compile --lib $L
     for f in mixtral qwen2_moe olmoe; do
         step "hf_swap --check --family $f, CPU layers" $P examples/hf_swap.py --check --family $f --lib $L
     done
