@@ -450,19 +450,6 @@ def _op_layer(i):
     return m
 
 
-def _compiled_forward(m, x, mask, shape):
-    """MoeptMoE.forward's rest under torch.compile; grad mode alone makes it a training forward (the
-    parameters' requires_grad is not traced)"""
-    train = torch.is_grad_enabled()
-    if x.shape[0] == 0:
-        y, logits = x * 0, torch.zeros(0, m.num_experts, device=x.device)
-    else:
-        y, logits, _ = torch.ops.moept.forward(x, mask, m._op_anchor[0], m._op_id, train)
-    m.router_logits = _stash_outside(m, logits) if m.training and not train else logits
-    y = y.reshape(shape)
-    return (y, logits) if m.hf_outputs else y
-
-
 def _outside_graph(fn):
     c = getattr(torch, "compiler", None)
     return c.disable(fn) if hasattr(c, "disable") else fn
@@ -470,8 +457,8 @@ def _outside_graph(fn):
 
 @_outside_graph
 def _stash_outside(m, logits):
-    """a forward without autograd while training (a reentrant checkpoint's first pass) under torch.compile:
-    its logits' gradient hook, run eagerly (Dynamo traces no hook that keeps state: a graph break)"""
+    """m._stash_leaf outside any compiled graph (Dynamo traces no hook that keeps state: under torch.compile
+    a graph break)"""
     return m._stash_leaf(logits)
 
 
@@ -573,6 +560,7 @@ class MoeptMoE(torch.nn.Module):
                  (from an ncclUniqueId the group broadcasts), CPU layers through the group's own
                  collectives (moept_comm_custom); None: every expert here
     fused:       parameter names: True 5.x's fused ones, False 4.x's per expert; None: as the block's
+                 (no block: as the installed transformers' major version)
     hf_outputs:  return (y, router_logits) as transformers 4.x's blocks did (None: as the block does: a
                  block with per-expert modules, or with no block the installed transformers' major version)
     """
@@ -691,7 +679,9 @@ class MoeptMoE(torch.nn.Module):
             self._call("moept_param_info_at", self._h, i, C.byref(info))
             infos.append((info.name.decode(), info.rows, info.cols, info.data, info.grad))
         ex = getattr(block, "experts", None)
-        self._fused = hasattr(ex, "gate_up_proj") if fused is None else fused
+        if fused is None:  # the block's layout; with no block, the installed transformers' (5.x: fused)
+            fused = hasattr(ex, "gate_up_proj") if block is not None else _transformers_major() >= 5
+        self._fused = fused
         if block is not None:
             for name, rows, cols, _, _ in infos:
                 t = _hf_source(block, name, self.F, rows, cols)
@@ -793,20 +783,21 @@ class MoeptMoE(torch.nn.Module):
             mask = self._check_mask(mask, x.shape[0])
         if self.training and self.jitter_noise > 0:  # HF's jitter: the block's input, when training
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        if _compiling():  # torch.compile: the layer is one op of the graph, not ctypes calls
-            return _compiled_forward(self, x, mask, hidden_states.shape)
-        with self._lock:
-            self._sync_params()
-            # grad mode decides only whether state is kept for a backward (module.training: the jitter)
-            train = torch.is_grad_enabled() and (x.requires_grad or
-                                                 any(p.requires_grad for p in self._params))
-            if x.shape[0] == 0:  # no tokens: nothing to route (a 0-row call is not moept's)
-                y, logits = x * 0, torch.zeros(0, self.num_experts, device=x.device)
-            else:
+        # grad mode decides only whether state is kept for a backward (module.training: the jitter); under
+        # torch.compile grad mode alone (the parameters' requires_grad is not traced)
+        train = torch.is_grad_enabled() and (_compiling() or x.requires_grad or
+                                             any(p.requires_grad for p in self._params))
+        if x.shape[0] == 0:  # no tokens: nothing to route (a 0-row call is not moept's)
+            y, logits = x * 0, torch.zeros(0, self.num_experts, device=x.device)
+        elif _compiling():  # torch.compile: the layer is one op of the graph, not ctypes calls
+            y, logits, _ = torch.ops.moept.forward(x, mask, self._op_anchor[0], self._op_id, train)
+        else:
+            with self._lock:
+                self._sync_params()
                 y, logits = _Fn.apply(x, mask, self, train, *self._params)
-            # hf_aux_loss reads these; a forward without autograd while training (a reentrant checkpoint's
-            # first pass) gives them a gradient of their own, for the recomputed forward's backward
-            self.router_logits = self._stash_leaf(logits) if self.training and not train else logits
+        # hf_aux_loss reads these; a forward without autograd while training (a reentrant checkpoint's first
+        # pass) gives them a gradient of their own, for the recomputed forward's backward
+        self.router_logits = _stash_outside(self, logits) if self.training and not train else logits
         y = y.reshape(hidden_states.shape)
         return (y, logits) if self.hf_outputs else y
 
