@@ -450,6 +450,11 @@ EMU_OBJS = $(B)/emu/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
 $(B)/emu/moept_check: tests/moept_check.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
+# test_alloc on a CUDA layer: moept.c compiled in, its allocations counted (the host's bytes at two sizes)
+$(B)/emu/test_alloc: tests/test_alloc.c moept.c $(HDRS) tests/testutil.h $(B)/emu/moept_kernels.o $(B)/emu/rt.o
+	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests \
+	    -Werror=implicit-function-declaration $< $(B)/emu/moept_kernels.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
+
 $(B)/emu/test_cuda: tests/test_cuda.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 

@@ -1651,8 +1651,11 @@ typedef struct moept__param {
     moept__ptype type;
     int64_t expert;        /* global expert id for expert weights, else -1 */
     int64_t rows, cols;    /* logical HF shape [rows][cols] */
-    float *data;           /* first row; rows are `stride` floats apart */
-    float *grad;           /* NULL: no gradient (the bias) */
+    int64_t off;           /* first element's index in the parameter buffer; -1: none (the
+                              bias, fsdp's expert tensors) */
+    float *data;           /* its host home (NULL where the buffers are a device's: L->ex->io) */
+    float *grad;           /* NULL: no gradient (the bias, an inference layer, a device's) */
+    int trains;            /* it has a gradient (and AdamW moments) */
     int64_t flat;          /* fsdp: offset in the full expert space (data, grad NULL); else -1 */
 } moept__param;
 
@@ -1661,17 +1664,21 @@ typedef struct moept__param {
    of the step, the expert-parallel exchange, the chunked overlap, the FSDP
    shard, the CPU steps' workspace, AdamW's state, the device's counters. */
 typedef struct moept__params {      /* one buffer, gradients mirror it */
+    /* the host's buffers, NULL where an executor keeps them (L->ex->io: a device's) */
     float *params, *grads; int64_t n_params;
+    int trains;            /* the layer has gradients (not inference_only) */
+    int64_t o13, o2, os13, os2, osg; /* offsets of w13, w2, ws13, ws2, wsg (-1: none; router at 0) */
     int64_t n_exp;         /* expert floats in the parameter buffer (El (H+F) D, or the fsdp shard) */
-    float *w_router;       /* [E][D] */
+    float *w_router;       /* [E][D] (these NULL where the buffers are a device's) */
     float *w13;            /* [El][H][D] local experts: gate rows 0..F-1, up rows F..2F-1 */
     float *w2;             /* [El][D][F] */
     float *ws13;           /* [HS][D] shared gate+up */
     float *ws2;            /* [D][S] shared down */
     float *wsg;            /* [1][D] shared-expert gate (NULL if ungated) */
     float *g_router, *g13, *g2, *gs13, *gs2, *gsg; /* gradient mirrors */
-    float *bias;           /* [E] correction bias (not a trainable parameter) */
+    float *bias;           /* [E] correction bias (not a trainable parameter; the host's always) */
     moept__param *table; int64_t n_table;
+    float *block;          /* what holds the host's buffers and the bias */
     float *grads_copy;     /* [n_params] config.grad_backup: the gradients as an accumulating
                               backward found them */
     /* a backward whose dx came out non-finite left partial sums in
@@ -1867,7 +1874,9 @@ struct moept_layer {
     moept__exch xch;
     moept__fsdp fs;
     moept__workspace ws;
-    struct { float *m, *v; int64_t t; } opt;  /* AdamW: [n_params] moments (first step allocates), steps */
+    /* AdamW: [n_params] moments (the CPU's; first step allocates), steps, whether the
+       layer has moments (the CPU's, or its executor's) */
+    struct { float *m, *v; int64_t t; int held; } opt;
     double opt_mb, opt_vb; /* bounds on this rank's max |m|, max v (INFINITY: unknown: the step probes) */
     int grads_unsynced;    /* a group layer's backward since moept_sync_grads (zero_grad, grads_synced) */
     struct { int64_t allocations, allocated_bytes, workspace_bytes; } dev; /* the device executor's */
@@ -1887,10 +1896,9 @@ struct moept_layer {
 
 
 
-static moept_status moept__to_host(const moept_layer *L, int params, int grads);
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
-static void moept__host_wrote(moept_layer *L, int params, int grads);
-static void moept__host_wrote_bias(moept_layer *L);
+static moept_status moept__io(const moept_layer *L, int which, int64_t off, int64_t n, float *h, int write);
+static moept_status moept__tables_changed(moept_layer *L);
 /* The group calls (moept.h's table): each agreement carries the call's id
    and a fingerprint of the arguments that must match on every rank */
 static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
@@ -1909,11 +1917,6 @@ static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
 };
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
                                       int call, uint64_t args);
-#define MOEPT__HOST_SYNC(L, p, g)                         \
-    do {                                                  \
-        moept_status st_ = moept__to_host((L), (p), (g)); \
-        if (st_) return st_;                              \
-    } while (0)
 
 /* a layer's failure: the thread's message too (L names the call's layer) */
 moept_status moept__fail(const moept_layer *L, moept_status s, const char *fmt, ...) {
@@ -2057,81 +2060,72 @@ static moept_status moept__resolve(const moept_config *in, moept_config *c) {
     return st ? st : moept__resolve_train(c);
 }
 
+/* g + off, or NULL where there is no buffer */
+static float *moept__goff(float *g, int64_t off) { return g ? g + off : NULL; }
+
+/* parameter `off` floats into the buffer (fsdp experts: `off` into the full expert space) */
 static void moept__add_param(moept_layer *L, moept__ptype type, int64_t expert,
-                             int64_t rows, int64_t cols, float *data, float *grad,
-                             const char *fmt, ...) {
+                             int64_t rows, int64_t cols, int64_t off, const char *fmt, ...) {
     moept__param *p = &L->par.table[L->par.n_table++];
     va_list ap; va_start(ap, fmt);
     vsnprintf(p->name, sizeof p->name, fmt, ap);
     va_end(ap);
     p->type = type; p->expert = expert; p->rows = rows; p->cols = cols;
-    p->data = data; p->grad = grad;
+    p->trains = type != MOEPT__P_BIAS && L->par.trains;
     p->flat = -1;
+    p->off = type == MOEPT__P_BIAS ? -1 : off;
     if (L->fsdp && expert >= 0) { /* sharded flat: no contiguous home on this rank */
-        p->flat = data - L->par.w13 < L->E * L->H * L->D && data >= L->par.w13
-            ? data - L->par.w13
-            : L->E * L->H * L->D + (data - L->par.w2);
-        p->data = p->grad = NULL;
+        p->flat = off;
+        p->off = -1;
     }
+    p->data = type == MOEPT__P_BIAS ? L->par.bias : p->off >= 0 ? moept__goff(L->par.params, p->off) : NULL;
+    p->grad = p->trains && p->off >= 0 ? moept__goff(L->par.grads, p->off) : NULL;
 }
 
-/* The gradient of the next n parameters (*g advanced past them), or NULL
-   in an inference layer, which has none */
-static float *moept__gnext(float **g, int64_t n) {
-    float *r = *g;
-    if (r) *g = r + n;
-    return r;
-}
-/* g + off, or NULL where there is no gradient */
-static float *moept__goff(float *g, int64_t off) { return g ? g + off : NULL; }
 
 static void moept__build_table(moept_layer *L) {
-    const int64_t D = L->D, F = L->F, E = L->E, S = L->S;
+    const int64_t D = L->D, F = L->F, E = L->E, S = L->S, HD = L->H * D;
     int mix = L->cfg.family == MOEPT_FAMILY_MIXTRAL;
-    (void)E;
     int gated = moept__act_gated(L->act);
+    /* fsdp: the experts' offsets in the full expert space (w13 of all, then w2) */
+    const int64_t o13 = L->fsdp ? 0 : L->par.o13, o2 = L->fsdp ? E * HD : L->par.o2;
     L->par.n_table = 0;
-    moept__add_param(L, MOEPT__P_ROUTER, -1, E, D, L->par.w_router, L->par.g_router, "gate.weight");
+    moept__add_param(L, MOEPT__P_ROUTER, -1, E, D, 0, "gate.weight");
     for (int64_t j = 0; j < L->El; j++) { /* this rank's experts, named by global id */
         long long e = (long long)L->plan.expert_at[(int64_t)L->rank * L->El + j];
-        float *w = L->par.w13 + j * L->H * D, *g = moept__goff(L->par.g13, j * L->H * D);
-        float *w2 = L->par.w2 + j * D * F, *g2 = moept__goff(L->par.g2, j * D * F);
         if (gated) {
-            moept__add_param(L, MOEPT__P_GATE, e, F, D, w, g,
+            moept__add_param(L, MOEPT__P_GATE, e, F, D, o13 + j * HD,
                              mix ? "experts.%lld.w1.weight" : "experts.%lld.gate_proj.weight", e);
-            moept__add_param(L, MOEPT__P_UP, e, F, D, w + F * D, moept__goff(g, F * D),
+            moept__add_param(L, MOEPT__P_UP, e, F, D, o13 + j * HD + F * D,
                              mix ? "experts.%lld.w3.weight" : "experts.%lld.up_proj.weight", e);
         } else {
-            moept__add_param(L, MOEPT__P_UP, e, F, D, w, g,
+            moept__add_param(L, MOEPT__P_UP, e, F, D, o13 + j * HD,
                              mix ? "experts.%lld.w1.weight" : "experts.%lld.up_proj.weight", e);
         }
-        moept__add_param(L, MOEPT__P_DOWN, e, D, F, w2, g2,
+        moept__add_param(L, MOEPT__P_DOWN, e, D, F, o2 + j * D * F,
                          mix ? "experts.%lld.w2.weight" : "experts.%lld.down_proj.weight", e);
     }
     if (S > 0) {
         const char *pre = L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3 ? "shared_experts" : "shared_expert";
+        const int64_t os = L->par.os13;
         if (gated) {
-            moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, L->par.ws13, L->par.gs13,
-                             "%s.gate_proj.weight", pre);
-            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->par.ws13 + S * D, moept__goff(L->par.gs13, S * D),
-                             "%s.up_proj.weight", pre);
+            moept__add_param(L, MOEPT__P_SGATE_PROJ, -1, S, D, os, "%s.gate_proj.weight", pre);
+            moept__add_param(L, MOEPT__P_SUP, -1, S, D, os + S * D, "%s.up_proj.weight", pre);
         } else {
-            moept__add_param(L, MOEPT__P_SUP, -1, S, D, L->par.ws13, L->par.gs13, "%s.up_proj.weight", pre);
+            moept__add_param(L, MOEPT__P_SUP, -1, S, D, os, "%s.up_proj.weight", pre);
         }
-        moept__add_param(L, MOEPT__P_SDOWN, -1, D, S, L->par.ws2, L->par.gs2, "%s.down_proj.weight", pre);
-        if (L->par.wsg)
-            moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->par.wsg, L->par.gsg,
-                             "shared_expert_gate.weight");
+        moept__add_param(L, MOEPT__P_SDOWN, -1, D, S, L->par.os2, "%s.down_proj.weight", pre);
+        if (L->par.osg >= 0) moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->par.osg, "shared_expert_gate.weight");
     }
     if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
-        moept__add_param(L, MOEPT__P_BIAS, -1, 1, E, L->par.bias, NULL, "gate.e_score_correction_bias");
+        moept__add_param(L, MOEPT__P_BIAS, -1, 1, E, -1, "gate.e_score_correction_bias");
 }
 
 void moept_destroy(moept_layer *L) {
     if (!L) return;
     if (L->ex && L->ex->destroy) L->ex->destroy(L);
     /* every buffer lives in a block: parameters, table, workspace, a slot's */
-    MOEPT_FREE(L->par.params);
+    MOEPT_FREE(L->par.block);
     MOEPT_FREE(L->par.table);
     MOEPT_FREE(L->work); /* slot 0's buffers too */
     MOEPT_FREE(L->opt.m);
@@ -2693,7 +2687,9 @@ static void moept__layer_shape(moept_layer *L, const moept_config *c, moept_comm
 
 /* create, 3: the parameter buffer router | w13 | w2 | ws13 | ws2 | wsg,
    then its gradient mirror (and grad_backup's copy), then the bias; the
-   workspace block. 0: out of memory (the caller frees what is set). */
+   workspace block. An executor with buffers of its own (a device's) gets
+   the layout alone: the host keeps the bias, no copy. 0: out of memory
+   (the caller frees what is set). */
 static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
     const int64_t D = L->D, F = L->F, E = L->E, S = L->S, El = L->El;
     const moept_config *c = &L->cfg;
@@ -2707,10 +2703,14 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
         L->par.n_exp = L->fs.shard;
     }
     L->par.n_params = n_router + L->par.n_exp + ns13 + ns2 + nsg;
+    L->par.o13 = n_router; L->par.o2 = n_router + n13; /* (fsdp: the shard at n_router) */
+    L->par.os13 = n_router + L->par.n_exp; L->par.os2 = L->par.os13 + ns13;
+    L->par.osg = nsg ? L->par.os2 + ns2 : -1;
+    L->par.trains = !c->inference_only;
     /* an inference layer has no gradient mirror; grad_backup adds its copy */
-    const int64_t nmir = c->inference_only ? 1 : c->grad_backup ? 3 : 2;
+    const int64_t nmir = L->ex->io ? 0 : c->inference_only ? 1 : c->grad_backup ? 3 : 2;
     size_t pbytes = (size_t)(nmir * L->par.n_params + E) * sizeof(float);
-    L->par.params = moept__alloc(mem, pbytes);
+    float *block = moept__alloc(mem, pbytes);
     L->par.table = moept__alloc(mem, (size_t)(3 * El + 8) * sizeof(moept__param));
     /* the forward slots' states; the workspace block: the layer's scratch and slot 0's buffers */
     L->slots = moept__alloc(mem, (size_t)(L->nslots + 1) * sizeof(moept__fstate));
@@ -2722,29 +2722,31 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
     size_t wbytes = wc.off;
     L->work = moept__alloc(mem, wbytes);
     L->work_bytes = (int64_t)wbytes;
-    if (!L->par.params || !L->par.table || !L->work) return 0;
-    memset(L->par.params, 0, pbytes);
+    L->par.block = block;
+    if (!block || !L->par.table || !L->work) return 0;
+    memset(block, 0, pbytes);
     memset(L->work, 0, wbytes);
     wc.base = L->work; wc.off = 0;
     moept__layout_work(L, sl0, &wc, 1);
     moept__slot_clear(L, sl0);
     sl0->ready = 1;
-    float *p = L->par.params, *g = nmir >= 2 ? L->par.params + L->par.n_params : NULL;
-    L->par.w_router = p; L->par.g_router = moept__gnext(&g, n_router); p += n_router;
+    L->par.params = nmir ? block : NULL;
+    L->par.grads = nmir >= 2 ? block + L->par.n_params : NULL;
+    L->par.grads_copy = nmir == 3 ? block + 2 * L->par.n_params : NULL;
+    L->par.bias = block + nmir * L->par.n_params;
+    float *p = L->par.params, *g = L->par.grads;
+    L->par.w_router = p; L->par.g_router = g;
     if (L->fsdp) { /* the experts live gathered in the workspace */
-        L->fs.w = p; L->fs.g = moept__gnext(&g, L->fs.shard); p += L->fs.shard;
+        L->fs.w = moept__goff(p, n_router); L->fs.g = moept__goff(g, n_router);
         L->par.w13 = L->fs.full; L->par.w2 = L->fs.full + n13;
-        L->par.g13 = nmir >= 2 ? L->fs.gfull : NULL; L->par.g2 = moept__goff(L->par.g13, n13);
+        L->par.g13 = g ? L->fs.gfull : NULL; L->par.g2 = moept__goff(L->par.g13, n13);
     } else {
-        L->par.w13 = p; L->par.g13 = moept__gnext(&g, n13); p += n13;
-        L->par.w2 = p; L->par.g2 = moept__gnext(&g, n2); p += n2;
+        L->par.w13 = moept__goff(p, L->par.o13); L->par.g13 = moept__goff(g, L->par.o13);
+        L->par.w2 = moept__goff(p, L->par.o2); L->par.g2 = moept__goff(g, L->par.o2);
     }
-    L->par.ws13 = p; L->par.gs13 = moept__gnext(&g, ns13); p += ns13;
-    L->par.ws2 = p; L->par.gs2 = moept__gnext(&g, ns2); p += ns2;
-    L->par.wsg = nsg ? p : NULL; L->par.gsg = nsg ? moept__gnext(&g, nsg) : NULL;
-    L->par.grads = nmir >= 2 ? L->par.params + L->par.n_params : NULL;
-    L->par.grads_copy = nmir == 3 ? L->par.params + 2 * L->par.n_params : NULL;
-    L->par.bias = L->par.params + nmir * L->par.n_params;
+    L->par.ws13 = moept__goff(p, L->par.os13); L->par.gs13 = moept__goff(g, L->par.os13);
+    L->par.ws2 = moept__goff(p, L->par.os2); L->par.gs2 = moept__goff(g, L->par.os2);
+    L->par.wsg = nsg ? moept__goff(p, L->par.osg) : NULL; L->par.gsg = nsg ? moept__goff(g, L->par.osg) : NULL;
     for (int64_t e = 0; e < E; e++) L->plan.slot_of[e] = L->plan.expert_at[e] = (int32_t)e;
     moept__build_table(L);
     L->stats.param_bytes = (int64_t)pbytes;
@@ -2868,57 +2870,61 @@ static moept_status moept__param_io(const moept_layer *L, const char *fn,
     return MOEPT_OK;
 }
 
+/* the first non-finite of src [n] (-1: none) */
+static moept_status moept__finite_in(const moept_layer *L, const char *call, const char *what, const float *src,
+                                     int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!moept__finite(src[i]))
+            return moept__fail(L, MOEPT_ERR_NUMERIC, "%s(%s): element %lld is not finite", call, what,
+                               (long long)i);
+    return MOEPT_OK;
+}
+
 moept_status moept_set_param(moept_layer *L, const char *name, const float *src, int64_t numel) {
     const moept__param *p = NULL;
     moept_status st = moept__param_io(L, "moept_set_param", name, numel, src, &p);
     if (st || !p || !src) return st ? st : MOEPT_ERR_INVALID_ARGUMENT;
-    const int bias = p->type == MOEPT__P_BIAS; /* the host's alone: no device writes it */
-    if (!bias) MOEPT__HOST_SYNC(L, 1, 0);
-    for (int64_t i = 0; i < numel; i++)
-        if (!moept__finite(src[i]))
-            return moept__fail(L, MOEPT_ERR_NUMERIC, "moept_set_param(%s): element %lld is not finite", name,
-                               (long long)i);
-    if (p->flat >= 0) moept__fsdp_write(L, p->flat, src, numel); /* this rank's part */
-    else memcpy(p->data, src, (size_t)numel * sizeof(float));
-    if (bias) {
-        moept__host_wrote_bias(L); /* (the bias only routes: the pending backwards stand) */
-    } else {
-        moept__host_wrote(L, 1, 0);
-        moept__stale_forwards(L, "moept_set_param");
+    if ((st = moept__finite_in(L, "moept_set_param", name, src, numel))) return st;
+    if (p->type == MOEPT__P_BIAS) { /* the host's alone; it only routes: the pending backwards stand */
+        memcpy(p->data, src, (size_t)numel * sizeof(float));
+        return moept__tables_changed(L);
     }
+    if (p->flat >= 0) moept__fsdp_write(L, p->flat, src, numel); /* this rank's part */
+    else if ((st = moept__io(L, MOEPT_BUF_PARAMS, p->off, numel, (float *)src, 1))) return st;
+    moept__stale_forwards(L, "moept_set_param");
     return MOEPT_OK;
+}
+
+/* a parameter's values (grad 0) or gradient into dst */
+static moept_status moept__get(const moept_layer *L, const char *call, const char *name, float *dst,
+                               int64_t numel, int grad) {
+    const moept__param *p = NULL;
+    moept_status st = moept__param_io(L, call, name, numel, dst, &p);
+    if (st) return st;
+    if (p->flat >= 0)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED,
+                           "%s(%s): fsdp keeps expert %s sharded flat over the group; read this rank's part "
+                           "through %s and moept_fsdp_shard", call, name, grad ? "gradients" : "weights",
+                           grad ? "moept_grads" : "moept_params");
+    if (grad && !p->trains) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: '%s' has no gradient", call, name);
+    if (p->type == MOEPT__P_BIAS) {
+        memcpy(dst, p->data, (size_t)numel * sizeof(float));
+        return MOEPT_OK;
+    }
+    return moept__io(L, grad ? MOEPT_BUF_GRADS : MOEPT_BUF_PARAMS, p->off, numel, dst, 0);
 }
 
 moept_status moept_get_param(const moept_layer *L, const char *name, float *dst, int64_t numel) {
-    const moept__param *p = NULL;
-    moept_status st = moept__param_io(L, "moept_get_param", name, numel, dst, &p);
-    if (st) return st;
-    MOEPT__HOST_SYNC(L, 1, 0);
-    if (p->flat >= 0)
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED,
-                           "moept_get_param(%s): fsdp keeps expert weights sharded flat over "
-                           "the group; read this rank's part through moept_params and moept_fsdp_shard",
-                           name);
-    memcpy(dst, p->data, (size_t)numel * sizeof(float));
-    return MOEPT_OK;
+    return moept__get(L, "moept_get_param", name, dst, numel, 0);
 }
 
 moept_status moept_get_grad(const moept_layer *L, const char *name, float *dst, int64_t numel) {
-    const moept__param *p = NULL;
-    moept_status st = moept__param_io(L, "moept_get_grad", name, numel, dst, &p);
-    if (st) return st;
-    MOEPT__HOST_SYNC(L, 0, 1);
-    if (p->flat >= 0)
-        return moept__fail(L, MOEPT_ERR_UNSUPPORTED,
-                           "moept_get_grad(%s): fsdp keeps expert gradients sharded flat over "
-                           "the group; read this rank's part through moept_grads and moept_fsdp_shard",
-                           name);
-    if (!p->grad) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "moept_get_grad: '%s' has no gradient", name);
-    memcpy(dst, p->grad, (size_t)numel * sizeof(float));
-    return MOEPT_OK;
+    return moept__get(L, "moept_get_grad", name, dst, numel, 1);
 }
 
 int64_t moept_param_count(const moept_layer *L) { return L ? L->par.n_table : 0; }
+
+int64_t moept_param_numel(const moept_layer *L) { return L ? L->par.n_params : 0; }
 
 moept_status moept_fsdp_shard(const moept_layer *L, int64_t *offset, int64_t *count, int64_t *total) {
     if (!L || !offset || !count || !total)
@@ -2937,21 +2943,11 @@ moept_status moept_param_info_at(const moept_layer *L, int64_t i, moept_param_in
     if (i < 0 || i >= L->par.n_table)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_param_info_at: index %lld not in 0..%lld",
                            (long long)i, (long long)L->par.n_table - 1);
-    MOEPT__HOST_SYNC(L, 1, 1);
-    moept__host_wrote((moept_layer *)L, 1, 1); /* the pointers may be written through */
     const moept__param *p = &L->par.table[i];
     info->name = p->name; info->rows = p->rows; info->cols = p->cols;
     info->data = p->data; info->grad = p->grad;
     info->shard_offset = p->flat;
-    return MOEPT_OK;
-}
-
-moept_status moept_params(moept_layer *L, float **params, int64_t *numel) {
-    if (!L || !params || !numel)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_params: NULL argument");
-    MOEPT__HOST_SYNC(L, 1, 0);
-    moept__host_wrote(L, 1, 0);
-    *params = L->par.params; *numel = L->par.n_params;
+    info->offset = p->off;
     return MOEPT_OK;
 }
 
@@ -2962,23 +2958,59 @@ static moept_status moept__no_grads(moept_layer *L, const char *call) {
                        "%s: an inference-only layer (config.inference_only) has no gradients", call);
 }
 
+/* the host's buffer (moept_params, moept_grads), or the refusal of a layer whose buffers a device keeps */
+static moept_status moept__host_buf(moept_layer *L, const char *call, float *buf, float **out, int64_t *numel) {
+    if (!L || !out || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: NULL argument", call);
+    if (L->ex->io)
+        return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s: this layer's buffers live on its device (%s): "
+                           "moept_cuda_params gives their device pointers, moept_buf_read and "
+                           "moept_buf_write copy them", call, L->ex->name);
+    *out = buf; *numel = L->par.n_params;
+    return MOEPT_OK;
+}
+
+moept_status moept_params(moept_layer *L, float **params, int64_t *numel) {
+    return moept__host_buf(L, "moept_params", L ? L->par.params : NULL, params, numel);
+}
+
 moept_status moept_grads(moept_layer *L, float **grads, int64_t *numel) {
-    if (!L || !grads || !numel)
-        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grads: NULL argument");
-    if (!L->par.grads) return moept__no_grads(L, "moept_grads");
-    MOEPT__HOST_SYNC(L, 0, 1);
-    moept__host_wrote(L, 0, 1);
-    *grads = L->par.grads; *numel = L->par.n_params;
+    if (L && !L->par.trains) return moept__no_grads(L, "moept_grads");
+    return moept__host_buf(L, "moept_grads", L ? L->par.grads : NULL, grads, numel);
+}
+
+/* moept_buf_read / moept_buf_write's checks */
+static moept_status moept__buf_args(const moept_layer *L, const char *call, moept_buf which, int64_t off,
+                                    int64_t n, const float *h) {
+    if (!L || (!h && n > 0)) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: NULL argument", call);
+    if (which != MOEPT_BUF_PARAMS && which != MOEPT_BUF_GRADS)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: which is %d, not a moept_buf", call, (int)which);
+    if (off < 0 || n < 0 || off > L->par.n_params - n)
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: [%lld, %lld + %lld) is not within the %lld "
+                           "floats of the buffer", call, (long long)off, (long long)off, (long long)n,
+                           (long long)L->par.n_params);
+    if (which == MOEPT_BUF_GRADS && !L->par.trains) return moept__no_grads((moept_layer *)L, call);
+    return MOEPT_OK;
+}
+
+moept_status moept_buf_read(const moept_layer *L, moept_buf which, int64_t off, int64_t n, float *dst) {
+    moept_status st = moept__buf_args(L, "moept_buf_read", which, off, n, dst);
+    return st || !n ? st : moept__io(L, (int)which, off, n, dst, 0);
+}
+
+moept_status moept_buf_write(moept_layer *L, moept_buf which, int64_t off, int64_t n, const float *src) {
+    moept_status st = moept__buf_args(L, "moept_buf_write", which, off, n, src);
+    if (!st) st = moept__finite_in(L, "moept_buf_write", which ? "gradients" : "parameters", src, n);
+    if (st || !n || (st = moept__io(L, (int)which, off, n, (float *)src, 1))) return st;
+    if (which == MOEPT_BUF_PARAMS) moept__stale_forwards(L, "moept_buf_write");
     return MOEPT_OK;
 }
 
 moept_status moept_zero_grad(moept_layer *L) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_zero_grad: layer is NULL");
-    if (!L->par.grads) return moept__no_grads(L, "moept_zero_grad");
-    moept_status st = MOEPT__EX(L, zero_grad, L); /* the executor's copy, and its checks reset */
+    if (!L->par.trains) return moept__no_grads(L, "moept_zero_grad");
+    moept_status st = MOEPT__EX(L, zero_grad, L); /* the executor's, and its checks reset */
     if (st) return st;
-    if (!L->ex->zero_grad) /* else the executor's zeros are the gradients (the host copy reads them) */
-        memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
+    if (!L->ex->zero_grad) memset(L->par.grads, 0, (size_t)L->par.n_params * sizeof(float));
     L->par.grads_dx_bad = L->par.grads_dl_bad = -1;
     L->par.grads_sf_bad = MOEPT_OK;
     L->grads_unsynced = 0; /* zeros are the same on every rank */
@@ -3012,58 +3044,72 @@ static moept_status moept__grads_refused(moept_layer *L, const char *call) {
         call, (long long)(L->par.grads_dx_bad / L->D), (long long)(L->par.grads_dx_bad % L->D));
 }
 
+/* init_params' stream of values of one parameter (seeded by its name, so a layout change keeps each value) */
+typedef struct moept__init_rng { uint64_t s; float bound; } moept__init_rng;
+static moept__init_rng moept__init_rng_of(const moept__param *p, uint64_t seed) {
+    moept__init_rng r = {seed, 1.0f / sqrtf((float)p->cols)};
+    for (const char *c = p->name; *c; c++) r.s = r.s * 131 + (unsigned char)*c;
+    return r;
+}
+/* the next n values into dst (NULL: drawn and dropped) */
+static void moept__init_fill(moept__init_rng *r, float *dst, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        double u = (double)(moept__mix(&r->s) >> 11) * (1.0 / 9007199254740992.0);
+        if (dst) dst[j] = (float)((2.0 * u - 1.0) * r->bound);
+    }
+}
+
 moept_status moept_init_params(moept_layer *L, uint64_t seed) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_init_params: layer is NULL");
-    MOEPT__HOST_SYNC(L, 1, 0);
-    moept__host_wrote(L, 1, 0);
+    enum { CHUNK = 1 << 16 }; /* the host's share of a device layer's write: one chunk */
+    float *buf = L->ex->io ? moept__alloc(NULL, CHUNK * sizeof(float)) : NULL;
+    if (L->ex->io && !buf) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_init_params: out of memory");
+    moept_status st = MOEPT_OK;
     moept__stale_forwards(L, "moept_init_params");
-    for (int64_t i = 0; i < L->par.n_table; i++) {
+    for (int64_t i = 0; !st && i < L->par.n_table; i++) {
         const moept__param *p = &L->par.table[i];
-        if (p->type == MOEPT__P_BIAS) { memset(p->data, 0, (size_t)p->cols * sizeof(float)); continue; }
-        /* seed per parameter name, so a layout change keeps each value */
-        uint64_t s = seed;
-        for (const char *c = p->name; *c; c++) s = s * 131 + (unsigned char)*c;
-        float bound = 1.0f / sqrtf((float)p->cols);
-        if (p->flat >= 0) { /* fsdp: the same values as EP, this rank's part kept */
-            int64_t lo = (int64_t)L->fsdp->rank * L->fs.shard, n = p->rows * p->cols;
-            for (int64_t j = 0; j < n; j++) {
-                double u = (double)(moept__mix(&s) >> 11) * (1.0 / 9007199254740992.0);
-                if (p->flat + j >= lo && p->flat + j < lo + L->fs.shard)
-                    L->fs.w[p->flat + j - lo] = (float)((2.0 * u - 1.0) * bound);
+        const int64_t n = p->rows * p->cols;
+        moept__init_rng r = moept__init_rng_of(p, seed);
+        if (p->type == MOEPT__P_BIAS) {
+            memset(p->data, 0, (size_t)n * sizeof(float));
+        } else if (p->flat >= 0) { /* fsdp: the same values as EP, this rank's part kept */
+            int64_t lo = (int64_t)L->fsdp->rank * L->fs.shard, a = p->flat > lo ? p->flat : lo;
+            int64_t b = p->flat + n < lo + L->fs.shard ? p->flat + n : lo + L->fs.shard;
+            moept__init_fill(&r, NULL, a - p->flat);
+            if (b > a) moept__init_fill(&r, L->fs.w + (a - lo), b - a);
+        } else if (!buf) {
+            moept__init_fill(&r, p->data, n);
+        } else {
+            for (int64_t j = 0; !st && j < n; j += CHUNK) {
+                const int64_t m = n - j < CHUNK ? n - j : CHUNK;
+                moept__init_fill(&r, buf, m);
+                st = moept__io(L, MOEPT_BUF_PARAMS, p->off + j, m, buf, 1);
             }
-            continue;
-        }
-        for (int64_t j = 0; j < p->rows * p->cols; j++) {
-            double u = (double)(moept__mix(&s) >> 11) * (1.0 / 9007199254740992.0);
-            p->data[j] = (float)((2.0 * u - 1.0) * bound);
         }
     }
+    MOEPT_FREE(buf);
+    if (!st) st = moept__tables_changed(L);
+    return st;
+}
+
+
+/* Elements [off, off + n) of buffer `which` (moept_buf, MOEPT__BUF_M/V) to
+   or from host memory h: an executor's own buffers through its io (a
+   device's), else the host's; moments the layer lacks read as zeros. */
+static moept_status moept__io(const moept_layer *cL, int which, int64_t off, int64_t n, float *h, int write) {
+    moept_layer *L = (moept_layer *)cL;
+    if (L->ex->io) return L->ex->io(L, which, off, n, h, write);
+    float *b = which == MOEPT_BUF_PARAMS ? L->par.params : which == MOEPT_BUF_GRADS ? L->par.grads
+             : which == MOEPT__BUF_M    ? L->opt.m       : L->opt.v;
+    if (!b && write) return moept__fail(L, MOEPT_ERR_STATE, "internal: a write to a buffer the layer lacks");
+    if (!b) memset(h, 0, (size_t)n * sizeof(float));
+    else if (write) memcpy(b + off, h, (size_t)n * sizeof(float));
+    else memcpy(h, b + off, (size_t)n * sizeof(float));
     return MOEPT_OK;
 }
 
-
-/* The host's copy of the parameters, gradients and bias serves every host
-   call; an executor that keeps its own (a device's) copies it over when
-   the host reads, and learns when the host wrote. */
-static moept_status moept__to_host(const moept_layer *cL, int params, int grads) {
-    moept_layer *L = (moept_layer *)cL;
-    return MOEPT__EX(L, to_host, L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
-}
-#ifndef MOEPT_NO_IO
-/* the AdamW moments, for a save */
-static moept_status moept__opt_to_host(moept_layer *L) {
-    return MOEPT__EX(L, to_host, L, MOEPT__HOST_OPT);
-}
-#endif
-static void moept__host_wrote(moept_layer *L, int params, int grads) {
-    if (L->ex->host_wrote)
-        L->ex->host_wrote(L, (params ? MOEPT__HOST_PARAMS : 0) | (grads ? MOEPT__HOST_GRADS : 0));
-}
-/* the correction bias alone changed on the host (its one home: no executor writes it), so an executor
-   copies the bias, not the parameters (a per-step moept_update_bias) */
-static void moept__host_wrote_bias(moept_layer *L) {
-    if (L->ex->host_wrote) L->ex->host_wrote(L, MOEPT__HOST_BIAS);
-}
+/* the bias or the placement changed on the host, their one home: an executor's copies follow */
+static moept_status moept__tables_changed(moept_layer *L) { return MOEPT__EX(L, tables, L); }
 
 /* ------------------------------------------------------------------------
    Agreement: every group call agrees before it acts (moept.h's table of group
@@ -4012,17 +4058,50 @@ static moept_status moept__agree_finite(moept_layer *L, moept__fstate *sl, const
 
 static int moept__finite_d(double v) { return v == v && fabs(v) <= 3.4028234663852886e38; } /* as a float */
 
+/* The first non-finite element of buffer `which` (moept__io's) in [off,
+   off + n) into *at (-1: none) and its value into *v, read in chunks where
+   an executor keeps the buffers */
+static moept_status moept__first_bad(const moept_layer *L, int which, int64_t off, int64_t n, int64_t *at,
+                                     float *v) {
+    *at = -1;
+    if (!L->ex->io) {
+        const float *b = which == MOEPT_BUF_PARAMS ? L->par.params : which == MOEPT_BUF_GRADS ? L->par.grads
+                       : which == MOEPT__BUF_M    ? L->opt.m       : L->opt.v;
+        if (b && (*at = moept__first_nonfinite(b + off, n)) >= 0) *v = b[off + *at];
+        return MOEPT_OK;
+    }
+    float buf[4096];
+    for (int64_t j = 0; j < n; j += 4096) {
+        const int64_t m = n - j < 4096 ? n - j : 4096;
+        moept_status st = moept__io(L, which, off + j, m, buf, 0);
+        if (st) return st;
+        const int64_t i = moept__first_nonfinite(buf, m);
+        if (i >= 0) {
+            *at = j + i;
+            *v = buf[i];
+            return MOEPT_OK;
+        }
+    }
+    return MOEPT_OK;
+}
+
 /* A non-finite parameter, named (which tensor, which element) into why [n],
    so a call whose output is not finite blames its cause, not an overflow;
    0 if every parameter is finite (a scan on the failure path) */
 static int moept__params_bad(const moept_layer *L, char *why, size_t n) {
     for (int64_t t = 0; t < L->par.n_table; t++) {
         const moept__param *p = &L->par.table[t];
-        const int64_t i = p->data ? moept__first_nonfinite(p->data, p->rows * p->cols) : -1;
+        int64_t i = -1;
+        float v = 0;
+        if (p->type == MOEPT__P_BIAS) {
+            if ((i = moept__first_nonfinite(p->data, p->cols)) >= 0) v = p->data[i];
+        } else if (p->off >= 0 && moept__first_bad(L, MOEPT_BUF_PARAMS, p->off, p->rows * p->cols, &i, &v)) {
+            return 0; /* (unread: the executor's report stands) */
+        }
         if (i >= 0) {
             snprintf(why, n, "parameter '%s' element [%lld][%lld] is %g (set through moept_params, "
                      "moept_set_param or a load?): every parameter must be finite", p->name,
-                     (long long)(i / p->cols), (long long)(i % p->cols), (double)p->data[i]);
+                     (long long)(i / p->cols), (long long)(i % p->cols), (double)v);
             return 1;
         }
     }
@@ -4039,7 +4118,7 @@ static moept_status moept__numeric_cause(moept_layer *L, moept_status st, const 
         !(strstr(moept__thread_err, "from finite inputs") || strstr(moept__thread_err, "router logits")))
         return st;
     memcpy(was, moept__thread_err, sizeof was);
-    if (moept__to_host(L, 1, 0) == MOEPT_OK && moept__params_bad(L, why, sizeof why))
+    if (moept__params_bad(L, why, sizeof why))
         return moept__fail(L, st, "%s: %s; the step is rejected, run forward again", call, why);
     memcpy(moept__thread_err, was, sizeof was);
     return st;
@@ -4658,7 +4737,7 @@ moept_backward_opts moept_backward_default(void) {
 moept_status moept_backward_ex(moept_layer *L, const float *x, const float *dy, float *dx,
                                const moept_backward_opts *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_backward: layer is NULL");
-    if (!L->par.grads) return moept__no_grads(L, "moept_backward");
+    if (!L->par.trains) return moept__no_grads(L, "moept_backward");
     const moept_backward_opts def = moept_backward_default();
     moept_status st = moept__numeric_cause(L, L->ex->backward(L, x, dy, dx, o ? o : &def), "moept_backward");
     if (!st && (L->group || L->dp)) L->grads_unsynced = 1;
@@ -4949,7 +5028,7 @@ static moept_status moept__backward(moept_layer *L, const float *x, const float 
    ------------------------------------------------------------------------ */
 moept_status moept_sync_grads(moept_layer *L, float scale) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: layer is NULL");
-    if (!L->par.grads) return moept__no_grads(L, "moept_sync_grads");
+    if (!L->par.trains) return moept__no_grads(L, "moept_sync_grads");
     moept_status bad = MOEPT_OK;
     if (!moept__finite(scale))
         bad = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_sync_grads: scale is not finite");
@@ -5035,7 +5114,7 @@ static moept_status moept__cpu_grad_max(moept_layer *L, double *g2, int64_t *bad
 
 moept_status moept_grad_norm(moept_layer *L, double *norm) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: layer is NULL");
-    if (!L->par.grads) return moept__no_grads(L, "moept_grad_norm");
+    if (!L->par.trains) return moept__no_grads(L, "moept_grad_norm");
     moept_status bad = norm ? moept__grads_refused(L, "moept_grad_norm")
                             : moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "moept_grad_norm: norm is NULL");
     double s[2] = {0.0, 0.0}; /* [replicated, experts] */
@@ -5091,7 +5170,6 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_UPDATE_BIAS,
                                         moept__fnv_f32(&rate, 1));
     if (ag) return ag;
-    moept__host_wrote_bias(L);
     /* the bias is replicated: every rank must see the whole batch's counts
        (already so with global_balance; otherwise sum them here) */
     double *cnt = sl->fwd.lstat; /* [E] the forward's selection counts; free after the forward */
@@ -5108,7 +5186,7 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
         double c = (double)sl->fwd.sel_counts[e];
         L->par.bias[e] += rate * (float)((mean > c) - (mean < c));
     }
-    return MOEPT_OK;
+    return moept__tables_changed(L);
 }
 
 moept_status moept_routing(moept_layer *L, const int32_t **ids, const float **weights, const float **logits) {
@@ -5166,21 +5244,20 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
 static const char *moept__param_of(const moept_layer *L, int64_t i) {
     for (int64_t t = 0; t < L->par.n_table; t++) {
         const moept__param *p = &L->par.table[t];
-        int64_t off = p->data - L->par.params;
-        if (p->grad && i >= off && i < off + p->rows * p->cols) return p->name;
+        if (p->trains && p->off >= 0 && i >= p->off && i < p->off + p->rows * p->cols) return p->name;
     }
     return "?";
 }
 
-/* The host's AdamW moments [2][n_params], zero, allocated once: the CPU's
-   at the first step (before the agreement: a rank out of memory fails
-   every rank), a device executor's copy at the first save */
-moept_status moept__opt_alloc(moept_layer *L, const char *call) {
+/* The CPU's AdamW moments [2][n_params], zero, allocated once, at the
+   first step (before the agreement: a rank out of memory fails every rank) */
+static moept_status moept__opt_alloc(moept_layer *L, const char *call) {
     if (L->opt.m) return MOEPT_OK;
     float *s = moept__alloc(&L->mem, (size_t)(2 * L->par.n_params) * sizeof(float));
     if (!s) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "%s: out of memory for the optimizer state", call);
     memset(s, 0, (size_t)(2 * L->par.n_params) * sizeof(float));
     L->opt.m = s; L->opt.v = s + L->par.n_params;
+    L->opt.held = 1;
     return MOEPT_OK;
 }
 
@@ -5286,7 +5363,7 @@ static moept_status moept__adamw_guard(moept_layer *L, moept__adamw_k k, double 
    or none does. */
 moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
     if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_adamw_step: layer is NULL");
-    if (!L->par.grads) return moept__no_grads(L, "moept_adamw_step");
+    if (!L->par.trains) return moept__no_grads(L, "moept_adamw_step");
     moept_adamw d = o ? *o : moept_adamw_default(0.0f);
     const int64_t t = L->opt.t + 1;
     moept__adamw_k k;
@@ -5307,7 +5384,7 @@ moept_status moept_adamw_step(moept_layer *L, const moept_adamw *o) {
                             "moept_adamw_step: the gradient of '%s' is not finite (flat "
                             "element %lld); nothing changed",
                             moept__param_of(L, bad), (long long)bad);
-    if (!local) local = MOEPT__EX(L, adamw_ready, L);
+    if (!local && !(local = MOEPT__EX(L, adamw_ready, L))) L->opt.held = 1; /* (zeros: as none) */
     if (!local) local = moept__adamw_guard(L, k, g2, nb);
     moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_ADAMW_STEP,
                                         moept__fnv_f32((const float[5]){d.lr, d.beta1, d.beta2, d.eps,
@@ -5369,12 +5446,10 @@ void moept__view_of(moept_layer *L, moept__view *v) {
     v->capacity_factor = L->capacity_factor;
     v->ep = L->ep; v->dp = L->dp;
     v->xstate = &L->xstate;
-    v->params = L->par.params; v->grads = L->par.grads; v->bias = L->par.bias;
-    v->off13 = L->par.w13 - L->par.params; v->off2 = L->par.w2 - L->par.params;
-    v->offs13 = L->par.ws13 - L->par.params; v->offs2 = L->par.ws2 - L->par.params;
-    v->offsg = L->par.wsg ? L->par.wsg - L->par.params : -1;
+    v->grads = L->par.trains; v->bias = L->par.bias;
+    v->off13 = L->par.o13; v->off2 = L->par.o2; v->offs13 = L->par.os13; v->offs2 = L->par.os2;
+    v->offsg = L->par.osg;
     v->slot_of = L->plan.slot_of;
-    v->m = L->opt.m; v->v = L->opt.v;
     v->lstat = sl->fwd.lstat;
     v->peer_rows = sl->xch.peer_rows;
     v->ids = sl->fwd.ids[sl->fwd.cur];
@@ -5496,8 +5571,8 @@ moept_status moept_get_placement(const moept_layer *L, int32_t *rank_of) {
 /* the pieces of local slot j in one of the three expert-shaped buffers
    (parameters, AdamW m, AdamW v): w13 rows and w2 rows */
 static void moept__expert_parts(const moept_layer *L, float *base, int64_t j, float **w13, float **w2) {
-    *w13 = base + (L->par.w13 - L->par.params) + j * L->H * L->D;
-    *w2 = base + (L->par.w2 - L->par.params) + j * L->D * L->F;
+    *w13 = base + L->par.o13 + j * L->H * L->D;
+    *w2 = base + L->par.o2 + j * L->D * L->F;
 }
 
 /* moept_reshard's arguments: every expert to a rank in 0..P-1, E/P to each
@@ -8336,11 +8411,12 @@ struct moept__load {
     const char *bad_args;  /* non-NULL: the arguments are refused, with this */
     int copies;            /* the stage: [copies * n_params] then the bias [E] */
     moept_status (*read)(const moept_layer *L, moept__load *ld, float *stage, int64_t *bytes);
-    void (*commit)(moept_layer *L, moept__load *ld, const float *stage);
+    moept_status (*commit)(moept_layer *L, moept__load *ld, const float *stage); /* fails: a device's */
     const char *dir;       /* the loader's arguments */
     int64_t layer_index;
     long long step;        /* the checkpoint's step (its read sets it) */
     float *opt;            /* [2 n_params] AdamW state its read allocated: freed unless committed */
+    int moments;           /* the layer has moments once committed (its read made them ready) */
 };
 
 static moept_status moept__load_staged(moept_layer *L, moept__load *ld) {
@@ -8350,10 +8426,9 @@ static moept_status moept__load_staged(moept_layer *L, moept__load *ld) {
                            "one that saves, loads and reshards)", ld->call);
     const size_t nstage = (size_t)ld->copies * (size_t)L->par.n_params + (size_t)L->E;
     int64_t bytes = 0; /* counted only if the load commits */
-    float *stage = NULL;
-    moept_status local = moept__to_host(L, 1, 0); /* its message the thread's */
-    moept_status st = local ? local
-                      : ld->bad_args ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s", ld->bad_args)
+    float *stage = NULL; /* (a whole copy, what this call needs while it runs) */
+    moept_status local = MOEPT_OK;
+    moept_status st = ld->bad_args ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s", ld->bad_args)
                       : !(stage = moept__alloc(NULL, nstage * sizeof(float)))
                           ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
                           : ld->read(L, ld, stage, &bytes);
@@ -8363,12 +8438,12 @@ static moept_status moept__load_staged(moept_layer *L, moept__load *ld) {
         MOEPT_FREE(ld->opt);
         return st;
     }
-    moept__host_wrote(L, 1, 0);
     L->stats.checkpoint_bytes_read += bytes;
-    ld->commit(L, ld, stage);
+    st = ld->commit(L, ld, stage);
     MOEPT_FREE(stage);
     moept__stale_forwards(L, ld->call);
-    return MOEPT_OK;
+    if (!st) st = moept__tables_changed(L);
+    return st ? moept__fail(L, st, "%s: %s", ld->call, moept__thread_err) : MOEPT_OK;
 }
 
 /* Every parameter of decoder layer `layer_index` into stage [n_params + E]
@@ -8383,7 +8458,7 @@ static moept_status moept__hf_read(const moept_layer *L, const char *dir, int64_
     for (int64_t i = 0; !st && i < L->par.n_table; i++) {
         const moept__param *p = &L->par.table[i];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        float *dst = p->type == MOEPT__P_BIAS ? stage + L->par.n_params : stage + (p->data - L->par.params);
+        float *dst = p->type == MOEPT__P_BIAS ? stage + L->par.n_params : stage + p->off;
         st = moept__hf_read_one(dir, &src, name, p, dst, bytes);
     }
     moept__hf_src_free(&src);
@@ -8394,10 +8469,10 @@ static moept_status moept__hf_stage(const moept_layer *L, moept__load *ld, float
     return moept__hf_read(L, ld->dir, ld->layer_index, stage, bytes);
 }
 
-static void moept__hf_commit(moept_layer *L, moept__load *ld, const float *stage) {
+static moept_status moept__hf_commit(moept_layer *L, moept__load *ld, const float *stage) {
     (void)ld;
-    memcpy(L->par.params, stage, (size_t)L->par.n_params * sizeof(float));
     memcpy(L->par.bias, stage + L->par.n_params, (size_t)L->E * sizeof(float));
+    return moept__io(L, MOEPT_BUF_PARAMS, 0, L->par.n_params, (float *)stage, 1);
 }
 
 /* Collective over the EP and DP groups (moept__load_staged) */
@@ -8405,7 +8480,7 @@ moept_status moept_load_hf(moept_layer *L, const char *dir, int64_t layer_index)
     moept__load ld = {"moept_load_hf", MOEPT__CALL_LOAD_HF,
                       moept__fnv(moept__fnv_dir(dir), &layer_index, sizeof layer_index),
                       !dir || layer_index < 0 ? "bad directory or layer index" : NULL, 1,
-                      moept__hf_stage, moept__hf_commit, dir, layer_index, -1, NULL};
+                      moept__hf_stage, moept__hf_commit, dir, layer_index, -1, NULL, 0};
     return moept__load_staged(L, &ld);
 }
 
@@ -8413,21 +8488,40 @@ moept_status moept_save_hf(moept_layer *L, const char *path, int64_t layer_index
     return moept_save_hf_as(L, path, layer_index, with_replicated, MOEPT_DTYPE_F32);
 }
 
-/* The weights in the file's dtype: one block, in table order (the writer
-   keeps pointers until it writes) */
-static uint16_t *moept__hf_low(const moept_layer *L, int with_replicated, moept_dtype dtype) {
-    int64_t n = 0;
-    for (int64_t i = 0; i < L->par.n_table; i++)
-        if (L->par.table[i].expert >= 0 || with_replicated) n += L->par.table[i].rows * L->par.table[i].cols;
-    uint16_t *low = moept__alloc(NULL, (size_t)(n > 0 ? n : 1) * 2), *o = low;
-    for (int64_t i = 0; low && i < L->par.n_table; i++) {
+/* The weights in the file's dtype (2 or 4 bytes), one block in table order
+   (the writer keeps pointers until it writes); NULL where they are written
+   from the host's own fp32 buffer. An executor's are read through one
+   buffer of the largest tensor. */
+static void *moept__hf_block(const moept_layer *L, int with_replicated, moept_dtype dtype, moept_status *st) {
+    *st = MOEPT_OK;
+    if (dtype == MOEPT_DTYPE_F32 && !L->ex->io) return NULL;
+    const size_t esz = dtype == MOEPT_DTYPE_F32 ? 4 : 2;
+    int64_t n = 0, most = 1;
+    for (int64_t i = 0; i < L->par.n_table; i++) {
         const moept__param *p = &L->par.table[i];
-        if (p->expert < 0 && !with_replicated) continue;
-        for (int64_t k = 0; k < p->rows * p->cols; k++)
-            *o++ =
-                dtype == MOEPT_DTYPE_BF16 ? moept__f32_to_bf16(p->data[k]) : moept__f32_to_half(p->data[k]);
+        if (p->expert >= 0 || with_replicated) n += p->rows * p->cols;
+        most = p->rows * p->cols > most ? p->rows * p->cols : most;
     }
-    return low;
+    unsigned char *block = moept__alloc(NULL, (size_t)(n > 0 ? n : 1) * esz), *o = block;
+    float *tmp = L->ex->io ? moept__alloc(NULL, (size_t)most * sizeof(float)) : NULL;
+    if (!block || (L->ex->io && !tmp))
+        *st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the %s copy", moept__dtype_name(dtype));
+    for (int64_t i = 0; !*st && i < L->par.n_table; i++) {
+        const moept__param *p = &L->par.table[i];
+        const int64_t m = p->rows * p->cols;
+        if (p->expert < 0 && !with_replicated) continue;
+        const float *v = p->data;
+        if (p->type != MOEPT__P_BIAS && tmp && !(*st = moept__io(L, MOEPT_BUF_PARAMS, p->off, m, tmp, 0)))
+            v = tmp;
+        for (int64_t k = 0; !*st && k < m; k++, o += esz) {
+            uint16_t h = dtype == MOEPT_DTYPE_BF16 ? moept__f32_to_bf16(v[k]) : moept__f32_to_half(v[k]);
+            if (esz == 4) memcpy(o, &v[k], 4);
+            else memcpy(o, &h, 2);
+        }
+    }
+    MOEPT_FREE(tmp);
+    if (*st) MOEPT_FREE(block);
+    return *st ? NULL : block;
 }
 
 moept_status moept_save_hf_as(moept_layer *L, const char *path, int64_t layer_index, int with_replicated,
@@ -8442,22 +8536,20 @@ moept_status moept_save_hf_as(moept_layer *L, const char *path, int64_t layer_in
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED,
                            "moept_save_hf: not in fsdp mode (the expert-parallel layer is the one that "
                            "saves, loads and reshards)");
-    MOEPT__HOST_SYNC(L, 1, 0);
     char prefix[128], name[256];
     moept__hf_prefix(L, layer_index, prefix, sizeof prefix);
     moept_st_writer *w = NULL;
-    uint16_t *low = dtype == MOEPT_DTYPE_F32 ? NULL : moept__hf_low(L, with_replicated, dtype), *o = low;
-    moept_status st = dtype != MOEPT_DTYPE_F32 && !low
-                          ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the %s copy",
-                                               moept__dtype_name(dtype))
-                          : moept_st_writer_create(&w);
+    moept_status st;
+    unsigned char *low = moept__hf_block(L, with_replicated, dtype, &st), *o = low;
+    const size_t esz = dtype == MOEPT_DTYPE_F32 ? 4 : 2;
+    if (!st) st = moept_st_writer_create(&w);
     for (int64_t i = 0; !st && i < L->par.n_table; i++) {
         const moept__param *p = &L->par.table[i];
         if (p->expert < 0 && !with_replicated) continue;
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
         int64_t shape[2] = {p->rows, p->cols};
         const void *data = low ? (const void *)o : (const void *)p->data;
-        o += low ? p->rows * p->cols : 0;
+        o += low ? (size_t)(p->rows * p->cols) * esz : 0;
         /* the correction bias stays F32, as DeepSeek-V3's published bf16 weights keep it */
         st = p->type == MOEPT__P_BIAS ? moept_st_add(w, name, MOEPT_DTYPE_F32, 1, shape + 1, p->data)
                                       : moept_st_add(w, name, dtype, 2, shape, data);
@@ -8543,7 +8635,7 @@ static moept_status moept__ckpt_add(moept_st_writer *w, const char *name, const 
    another rank has not yet): parameters, AdamW state and bias, each with
    its checksum, and the step and config fingerprint as metadata. */
 static moept_status moept__ckpt_write_rank(const moept_layer *L, const char *set, const char *fp,
-                                           const char *step) {
+                                           const char *step, float *const b[3]) {
     char path[4096], name[256];
     struct stat sb;
     if (mkdir(set, 0755) != 0 && errno != EEXIST)
@@ -8555,13 +8647,12 @@ static moept_status moept__ckpt_write_rank(const moept_layer *L, const char *set
     for (int64_t i = 0; !st && i < L->par.n_table; i++) {
         const moept__param *p = &L->par.table[i];
         int64_t shape[2] = {p->rows, p->cols};
-        st = moept__ckpt_add(w, p->name, shape, p->data);
-        if (!st && p->grad && L->opt.m) {
-            int64_t off = p->data - L->par.params;
+        st = moept__ckpt_add(w, p->name, shape, p->type == MOEPT__P_BIAS ? p->data : b[0] + p->off);
+        if (!st && p->trains && b[1]) {
             snprintf(name, sizeof name, "optimizer.m.%s", p->name);
-            st = moept__ckpt_add(w, name, shape, L->opt.m + off);
+            st = moept__ckpt_add(w, name, shape, b[1] + p->off);
             snprintf(name, sizeof name, "optimizer.v.%s", p->name);
-            if (!st) st = moept__ckpt_add(w, name, shape, L->opt.v + off);
+            if (!st) st = moept__ckpt_add(w, name, shape, b[2] + p->off);
         }
     }
     if (!st) st = moept_st_add_meta(w, "format", "moept-train-v1");
@@ -8634,8 +8725,7 @@ static void moept__ckpt_clean(const char *dir, const char *keep, const char *onl
 
 /* A save writes only what a load takes: a non-finite parameter, moment or
    bias refuses it (the caller agrees) before the directory is touched */
-static moept_status moept__ckpt_finite(moept_layer *L, const char *call) {
-    const float *bufs[3] = {L->par.params, L->opt.m, L->opt.v};
+static moept_status moept__ckpt_finite(moept_layer *L, const char *call, float *const bufs[3]) {
     static const char *pre[3] = {"", "optimizer.m.", "optimizer.v."};
     for (int b = 0; b < 3; b++) {
         const int64_t i = bufs[b] ? moept__first_nonfinite(bufs[b], L->par.n_params) : -1;
@@ -8648,6 +8738,29 @@ static moept_status moept__ckpt_finite(moept_layer *L, const char *call) {
         return moept__fail(L, MOEPT_ERR_NUMERIC, "%s: the correction bias is not finite; nothing was written "
                            "and the previous checkpoint stays current", call);
     return MOEPT_OK;
+}
+
+/* A save's view of the parameters and the moments (b[1], b[2] NULL: none):
+   the host's own buffers, or whole copies of an executor's (the writer
+   keeps pointers until it writes; moept__unstage frees them) */
+static moept_status moept__stage_bufs(moept_layer *L, float *b[3]) {
+    b[0] = b[1] = b[2] = NULL;
+    if (!L->ex->io) {
+        b[0] = L->par.params; b[1] = L->opt.m; b[2] = L->opt.v;
+        return MOEPT_OK;
+    }
+    const int64_t n = L->par.n_params;
+    for (int k = 0; k < (L->opt.held ? 3 : 1); k++) {
+        if (!(b[k] = moept__alloc(NULL, (size_t)(n > 0 ? n : 1) * sizeof(float))))
+            return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for a copy of the buffers");
+        moept_status st = moept__io(L, k == 0 ? MOEPT_BUF_PARAMS : k == 1 ? MOEPT__BUF_M : MOEPT__BUF_V, 0, n,
+                                    b[k], 0);
+        if (st) return st;
+    }
+    return MOEPT_OK;
+}
+static void moept__unstage(const moept_layer *L, float *b[3]) {
+    for (int k = 0; k < 3 && L->ex->io; k++) MOEPT_FREE(b[k]);
 }
 
 /* A value the layer's root (EP rank 0 of DP replica 0) chose, given to every
@@ -8666,9 +8779,16 @@ static moept_status moept__share(moept_layer *L, int64_t *v, const char *call) {
    save killed anywhere leaves either the old set or the new one current.
    After the commit the root removes the sets it superseded and any that
    killed saves left behind. */
+static moept_status moept__save_ckpt(moept_layer *L, const char *dir, float *b[3]);
 moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
+    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_save_checkpoint: layer is NULL");
+    float *b[3] = {NULL, NULL, NULL};
+    moept_status st = moept__save_ckpt(L, dir, b);
+    moept__unstage(L, b);
+    return st;
+}
+static moept_status moept__save_ckpt(moept_layer *L, const char *dir, float *b[3]) {
     static const char *call = "moept_save_checkpoint";
-    if (!L) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: layer is NULL", call);
     moept_status local = MOEPT_OK;
     if (!dir || strlen(dir) > 3000)
         local = moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: dir is %s", call, dir ? "too long" : "NULL");
@@ -8677,8 +8797,8 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
                             "%s: not in fsdp mode (the expert-parallel layer is the "
                             "one that saves, loads and reshards)",
                             call);
-    else if ((local = moept__to_host(L, 1, 0)) == MOEPT_OK && (local = moept__opt_to_host(L)) == MOEPT_OK)
-        local = moept__ckpt_finite(L, call);
+    else if ((local = moept__stage_bufs(L, b)) == MOEPT_OK)
+        local = moept__ckpt_finite(L, call, b);
     /* nothing is made before the ranks agree, on the directory too */
     moept_status st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_CHECKPOINT,
                                         moept__fnv_dir(dir));
@@ -8694,7 +8814,7 @@ moept_status moept_save_checkpoint(moept_layer *L, const char *dir) {
     snprintf(path, sizeof path, "%s/%s", dir, set);
     if (writer && mkdir(dir, 0755) != 0 && errno != EEXIST)
         local = moept__fail(L, MOEPT_ERR_IO, "%s: cannot create %s: %s", call, dir, strerror(errno));
-    else if (writer && (local = moept__ckpt_write_rank(L, path, fp, step)))
+    else if (writer && (local = moept__ckpt_write_rank(L, path, fp, step, b)))
         local = moept__fail(L, local, "%s: %s", call, moept__thread_err);
     if (!(st = moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_SAVE_FILES, 0)) && root) {
         snprintf(meta, sizeof meta,
@@ -8869,9 +8989,9 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
         const moept__param *p = &L->par.table[i];
         int64_t src = moept__ckpt_source(L, base, p, P, files, fp, t, bytes, &st);
         if (src < 0) break;
-        int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->data - L->par.params,
+        int64_t off = p->type == MOEPT__P_BIAS ? 3 * (int64_t)n : p->off,
                 cnt = p->rows * p->cols;
-        for (int k = 0; k < (p->grad && *t > 0 ? 3 : 1) && !st; k++) {
+        for (int k = 0; k < (p->trains && *t > 0 ? 3 : 1) && !st; k++) {
             if (k == 0) snprintf(name, sizeof name, "%s", p->name);
             else snprintf(name, sizeof name, "optimizer.%c.%s", k == 1 ? 'm' : 'v', p->name);
             const moept_st_tensor *tt = moept_st_find(files[src], name);
@@ -8900,13 +9020,15 @@ static moept_status moept__ckpt_read(const moept_layer *L, const char *dir, floa
    lacks (allocated before the agreement, counted at the commit) */
 static moept_status moept__ckpt_stage(const moept_layer *L, moept__load *ld, float *stage, int64_t *bytes) {
     moept_status st = moept__ckpt_read(L, ld->dir, stage, &ld->step, bytes);
-    if (!st && ld->step > 0 && L->par.grads && !L->opt.m &&
-        !(ld->opt = moept__alloc(NULL, 2 * (size_t)L->par.n_params * sizeof(float))))
+    if (st || ld->step <= 0 || !L->par.trains || L->opt.held) return st;
+    ld->moments = 1;
+    if (L->ex->io) return MOEPT__EX((moept_layer *)L, adamw_ready, (moept_layer *)L); /* (zeros: as none) */
+    if (!(ld->opt = moept__alloc(NULL, 2 * (size_t)L->par.n_params * sizeof(float))))
         st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the optimizer state");
     return st;
 }
 
-static void moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *stage) {
+static moept_status moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *stage) {
     const size_t n = (size_t)L->par.n_params;
     const long long t = ld->step;
     if (ld->opt) {
@@ -8915,18 +9037,16 @@ static void moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *sta
         L->mem.allocations++;
         L->mem.bytes += (int64_t)(2 * n * sizeof(float));
     }
-    memcpy(L->par.params, stage, n * sizeof(float));
+    L->opt.held |= ld->moments;
     memcpy(L->par.bias, stage + 3 * n, (size_t)L->E * sizeof(float));
-    if (t > 0 && L->opt.m) { /* (an inference layer takes the parameters only) */
-        memcpy(L->opt.m, stage + n, n * sizeof(float));
-        memcpy(L->opt.v, stage + 2 * n, n * sizeof(float));
-    } else if (L->opt.m) {
-        memset(L->opt.m, 0, 2 * n * sizeof(float));
-    }
-    L->opt.t = L->par.grads ? t : 0; /* an inference layer saves no optimizer state: step 0 */
+    /* the moments: the checkpoint's, or zeros at step 0 (the stage's; an inference layer has none) */
+    moept_status st = moept__io(L, MOEPT_BUF_PARAMS, 0, (int64_t)n, (float *)stage, 1);
+    if (!st && L->opt.held) st = moept__io(L, MOEPT__BUF_M, 0, (int64_t)n, (float *)stage + n, 1);
+    if (!st && L->opt.held) st = moept__io(L, MOEPT__BUF_V, 0, (int64_t)n, (float *)stage + 2 * n, 1);
+    L->opt.t = L->par.trains ? t : 0; /* an inference layer saves no optimizer state: step 0 */
     L->opt_mb = L->opt_vb = INFINITY; /* the next step probes the loaded moments */
-    if (L->ex->host_wrote) L->ex->host_wrote(L, MOEPT__HOST_OPT); /* an executor's moments: from these */
     L->jitter_micro = 0;
+    return st;
 }
 
 /* Loads a training checkpoint saved at any EP size P that divides E into
@@ -8937,7 +9057,7 @@ static void moept__ckpt_commit(moept_layer *L, moept__load *ld, const float *sta
 moept_status moept_load_checkpoint(moept_layer *L, const char *dir) {
     moept__load ld = {"moept_load_checkpoint", MOEPT__CALL_LOAD_CHECKPOINT, moept__fnv_dir(dir),
                       !dir ? "dir is NULL" : NULL, 3, moept__ckpt_stage, moept__ckpt_commit, dir, 0, -1,
-                      NULL};
+                      NULL, 0};
     return moept__load_staged(L, &ld);
 }
 

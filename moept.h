@@ -976,10 +976,13 @@ moept_status moept_get_peer_rows(const moept_layer *layer, int64_t *sent, int64_
 typedef struct moept_param_info {
     const char *name;  /* HF module-relative name; valid while the layer lives */
     int64_t rows, cols; /* shape [rows][cols]; a vector has rows = 1 */
-    float *data;       /* inside the parameter buffer (NULL for none) */
+    float *data;       /* inside the parameter buffer (NULL for none, and in a
+                          CUDA layer, whose buffers live on its device) */
     float *grad;       /* mirror in the gradient buffer; NULL without gradient */
     int64_t shard_offset; /* fsdp expert tensors: offset in the full expert space
                              (data and grad NULL); -1 otherwise */
+    int64_t offset;    /* first element's index in the buffer moept_buf_read
+                          reads (-1: the correction bias, outside it) */
 } moept_param_info;
 
 /* A config with `family` set and every other field zero (each zero takes
@@ -1074,9 +1077,23 @@ int64_t moept_param_count(const moept_layer *layer);
 moept_status moept_param_info_at(const moept_layer *layer, int64_t index,
                                  moept_param_info *info);
 /* The one contiguous parameter buffer and its gradient mirror (same layout).
-   The correction bias is not in it (moept_set_param/get_param reach it). */
+   The correction bias is not in it (moept_set_param/get_param reach it).
+   A CUDA layer's buffers live on its device only: these refuse it
+   (MOEPT_ERR_UNSUPPORTED); moept_cuda_params gives the device pointers,
+   moept_buf_read / moept_buf_write copy. */
 moept_status moept_params(moept_layer *layer, float **params, int64_t *numel);
 moept_status moept_grads(moept_layer *layer, float **grads, int64_t *numel);
+/* Copies of any layer's buffers, wherever they live: elements [offset,
+   offset + count) of the parameter or gradient buffer (moept_params'
+   layout, moept_param_numel floats) to or from host memory. A write checks
+   that every value is finite first (nothing written otherwise) and, of the
+   parameters, invalidates pending backwards as moept_set_param does. */
+typedef enum moept_buf { MOEPT_BUF_PARAMS = 0, MOEPT_BUF_GRADS = 1 } moept_buf;
+int64_t moept_param_numel(const moept_layer *layer);
+moept_status moept_buf_read(const moept_layer *layer, moept_buf which, int64_t offset, int64_t count,
+                            float *dst);
+moept_status moept_buf_write(moept_layer *layer, moept_buf which, int64_t offset, int64_t count,
+                             const float *src);
 /* Fills every parameter with deterministic random values in the ranges of
    torch.nn.Linear's default init (uniform +-1/sqrt(fan_in)). */
 moept_status moept_init_params(moept_layer *layer, uint64_t seed);
@@ -1421,7 +1438,7 @@ int64_t moept_abi_layout(char *buf, int64_t cap);
     F(moept_backward_opts, slot) \
     S(moept_param_info) F(moept_param_info, name) F(moept_param_info, rows) \
     F(moept_param_info, cols) F(moept_param_info, data) F(moept_param_info, grad) \
-    F(moept_param_info, shard_offset) \
+    F(moept_param_info, shard_offset) F(moept_param_info, offset) \
     S(moept_adamw) F(moept_adamw, lr) F(moept_adamw, beta1) F(moept_adamw, beta2) \
     F(moept_adamw, eps) F(moept_adamw, weight_decay) \
     S(moept_reshard_report) F(moept_reshard_report, experts_moved) \
@@ -1542,8 +1559,8 @@ enum {
     MOEPT__CAN_FP8 = 1 << 9,         /* config.fp8 */
     MOEPT__NCAPS = 10
 };
-enum { MOEPT__HOST_PARAMS = 1, MOEPT__HOST_GRADS = 2, MOEPT__HOST_OPT = 4, /* host copies (bits) */
-       MOEPT__HOST_BIAS = 8 };
+/* an executor's buffers (moept_buf's values, then AdamW's moments) */
+enum { MOEPT__BUF_M = 2, MOEPT__BUF_V = 3 };
 /* AdamW's constants for one step (moept.c's moept__adamw1) */
 typedef struct moept__adamw_k { float decay, b1, b2, step, sbc2, eps; } moept__adamw_k;
 /* moept_reshard's schedule (moept__reshard_plan), the same on every rank */
@@ -1587,13 +1604,16 @@ typedef struct moept__exec {
        v or p would not be finite (index * 4 + 1, 2, 3; -1: none), the new
        moments' max |m| and max v where all are */
     moept_status (*adamw_probe)(moept_layer *L, moept__adamw_k k, int64_t *bad, double *mmax, double *vmax);
-    /* state between the host's copy and the executor's (NULL: nothing to do) */
-    moept_status (*zero_grad)(moept_layer *L);
+    moept_status (*zero_grad)(moept_layer *L); /* NULL: the host's memset */
     moept_status (*grads_check)(moept_layer *L); /* read checks the executor made without a sync */
     moept_status (*settle)(moept_layer *L);      /* statistics the executor deferred */
     moept_status (*routing)(moept_layer *L, int dweights); /* ids/wts/logits (or dwts) to the host */
-    moept_status (*to_host)(moept_layer *L, int what);      /* MOEPT__HOST_* the host is to read */
-    void (*host_wrote)(moept_layer *L, int what);           /* MOEPT__HOST_* the host changed */
+    /* a device executor's buffers (its own home: the host holds no copy), elements
+       [off, off + n) of buffer `which` (moept_buf, MOEPT__BUF_M/V) to or from host
+       memory h; a parameter write invalidates the executor's derived copies. NULL: the
+       layer's buffers are the host's (moept__params) */
+    moept_status (*io)(moept_layer *L, int which, int64_t off, int64_t n, float *h, int write);
+    moept_status (*tables)(moept_layer *L); /* the host's bias and placement changed (O(E)) */
     moept_status (*device_params)(moept_layer *L, float **params, float **grads);
     moept_status (*params_changed)(moept_layer *L);
     /* moept_reshard's moves (NULL: the host's rounds): ready before the
@@ -1653,10 +1673,10 @@ typedef struct moept__view {
     double capacity_factor;        /* the config's, read as the decimal it was written as */
     moept_comm *ep, *dp;           /* NULL: one rank */
     void **xstate;                 /* the executor's own state */
-    float *params, *grads, *bias;  /* [n_params], [n_params] (NULL: inference), [E] (or NULL) */
+    int grads;                     /* the layer has gradients (not inference_only) */
+    float *bias;                   /* [E] the correction bias (its one home) */
     int64_t off13, off2, offs13, offs2, offsg; /* offsets in params; offsg -1: no shared gate */
     int32_t *slot_of;              /* [E] the placement */
-    float *m, *v;                  /* [n_params] AdamW's host moments (NULL until moept__opt_alloc) */
     double *lstat;                 /* [moept__lstat_of(E).n] the last forward's loss statistics */
     int64_t *peer_rows;            /* [2][P] its rows sent to / received from each peer */
     int32_t *ids;                  /* [Tmax][K] its routing, host copies: ids, */
@@ -1678,7 +1698,7 @@ void moept__dev_count_jitter(moept_layer *L, int n);
 void moept__dev_grads_bad(moept_layer *L, int64_t bad, int64_t dl_bad, moept_status why_st, const char *why);
 /* moept.c's helpers a device executor calls: the layer made with an
    executor; failures (the calling thread's message, moept__errbuf); the
-   call tag; the jitter key; AdamW's host moments; sums and maxima over the
+   call tag; the jitter key; sums and maxima over the
    groups (moept__any_failed: 0 when no rank failed) */
 moept_status moept__create(const moept_config *cfg, moept_comm *ep, moept_comm *dp, const moept__exec *ex,
                            const char *call, moept_layer **out);
@@ -1687,7 +1707,6 @@ moept_status moept__thread_fail(moept_status s, const char *fmt, ...);
 char *moept__errbuf(void); /* [MOEPT__ERRLEN] */
 int64_t moept__call_tag(const moept_layer *L, int call);
 uint64_t moept__jitter_key(const moept_layer *L);
-moept_status moept__opt_alloc(moept_layer *L, const char *call);
 moept_status moept__sum_ep_dp(moept_comm *ep, moept_comm *dp, void *buf, int64_t n, moept_dtype t,
                               moept_comm **bad);
 int64_t moept__any_failed(moept_comm *ep, moept_comm *dp, int64_t mine, moept_status *st);

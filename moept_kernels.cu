@@ -108,13 +108,15 @@ typedef struct moept__cuda_spec {
 } moept__cuda_spec;
 static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err);
 static void moept__cuda_destroy(moept__cuda *c);
-/* Host <-> device copies of the parameter buffer, its gradient mirror, the
-   correction bias [E] and the placement slot_of [E] (NULL: skip). */
-static moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
-                                       const float *bias, const int32_t *slot_of, char *err);
-static moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err);
-/* The device parameters changed outside an upload: the bf16 copy is recast
-   at the next forward. */
+/* The layer's buffers are the device's (the host keeps no copy): io copies
+   elements [off, off + n) of one (moept_buf, MOEPT__BUF_M/V) to or from
+   host memory h; tables copies the host's correction bias [E] and
+   placement slot_of [E], their one home. */
+static moept_status moept__cuda_io(moept__cuda *c, int which, int64_t off, int64_t n, float *h, int write,
+                                   char *err);
+static moept_status moept__cuda_tables(moept__cuda *c, const float *bias, const int32_t *slot_of, char *err);
+/* The device parameters changed (a write, the caller's optimizer): the bf16
+   copy is recast at the next forward (sync-free: now). */
 static void moept__cuda_params_changed(moept__cuda *c);
 /* The committed step's router state: ids, wts [T][K], logits [T][E], and
    after a backward dwts [T][K] (NULL: skip). */
@@ -144,19 +146,16 @@ static moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_
 static moept_status moept__cuda_sync_grads(moept__cuda *c, float scale, char *err);
 /* The optimizer on the device. grad_scan: sums [2] of the squared
    replicated and expert gradients (deterministic), the first non-finite
-   element or -1 (a host sync). adamw: one step, queued; with from_host the
-   moments are first set from m0, v0 [n_params] (NULL: zeros). opt_download:
-   the moments to the host (zeros before the first step). */
+   element or -1 (a host sync). opt_ready: the moments allocated (zeros)
+   before the step's agreement; adamw: one step, queued. */
 static moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t *first_bad, char *err);
-static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host, const float *m0,
-                                      const float *v0, char *err);
-static moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err);
+static moept_status moept__opt_ready(moept__cuda *c, char *err);
+static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, char *err);
 /* adamw_probe: the step computed, nothing written (moept.c's adamw_probe,
    a host sync); stale_forwards: every slot's pending backward refused,
    naming call (a string that outlives the layer) */
-static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k *k, int from_host,
-                                            const float *m0, const float *v0, int64_t *bad, double *mmax,
-                                            double *vmax, char *err);
+static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k *k, int64_t *bad,
+                                            double *mmax, double *vmax, char *err);
 static void moept__cuda_stale_forwards(moept__cuda *c, const char *call);
 static void moept__cuda_pointers(moept__cuda *c, float **params, float **grads);
 /* moept_reshard's moves on the device, this rank's part of moept.c's plan:
@@ -169,8 +168,7 @@ typedef struct moept__cuda_moves {
     const int64_t *slot;       /* [n] */
     const int64_t *round;      /* [n] ascending */
 } moept__cuda_moves;
-/* prep, before the agreement: the moments the host made newer on the
-   device (from_host, as moept__cuda_adamw), the staging of one expert;
+/* prep, before the agreement: the staging of one expert;
    *nbuf: the expert-shaped buffers that move (1, or 3 with the moments).
    move: the leaving experts' bytes into backup [n][nbuf][H*D + D*F] (host;
    *backed = 1 once they are), then the rounds; bytes moved add to *sent
@@ -178,8 +176,7 @@ typedef struct moept__cuda_moves {
    back into its slots. commit: the new placement slot_of [E], zero
    gradients. After a move, moept__cuda_params_changed. end: the staging
    freed. */
-static moept_status moept__cuda_reshard_prep(moept__cuda *c, int from_host, const float *m0, const float *v0,
-                                             int *nbuf, char *err);
+static moept_status moept__cuda_reshard_prep(moept__cuda *c, int *nbuf, char *err);
 static moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_moves *mv, float *backup,
                                              int *backed, int64_t *sent, int64_t *recvd, char *err);
 static moept_status moept__cuda_reshard_undo(moept__cuda *c, const moept__cuda_moves *mv, const float *backup,
@@ -3102,8 +3099,8 @@ static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda
    polled with their timeouts and async errors (the compute stream waits on
    them through events, so a peer that never comes would hang a plain
    synchronize); what is left on the compute stream is this rank's own. An
-   aborted comm has no work left (the abort ended it): the host copies of the
-   parameters stay readable. It also goes before every copy to or from the
+   aborted comm has no work left (the abort ended it): the parameters stay
+   readable. It also goes before every copy to or from the
    caller's (pageable) host memory: such a copy waits for the stream's
    earlier work inside the call (the CUDA Runtime API's "API synchronization
    behavior"), so that work must be this rank's own by then. */
@@ -3119,29 +3116,31 @@ static moept_status moept__host_wait(moept__cuda *c, char *err) {
 }
 
 /* ---- host <-> device ---------------------------------------------------- */
-static moept_status moept__cuda_upload(moept__cuda *c, const float *params, const float *grads,
-                                       const float *bias, const int32_t *slot_of, char *err) {
+static moept_status moept__cuda_io(moept__cuda *c, int which, int64_t off, int64_t n, float *h, int write,
+                                   char *err) {
     MOEPT__ENTER(c);
-    const int64_t n = c->sp.n_params, E = c->sp.E;
+    float *d = which == MOEPT_BUF_PARAMS ? c->params : which == MOEPT_BUF_GRADS ? c->grads
+             : which == MOEPT__BUF_M    ? c->opt_m   : c->opt_v;
+    if (!d && write) return moept__kfail(err, MOEPT_ERR_STATE, "internal: a write to a buffer the layer lacks");
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
-    if (params) c->wlow_stale = c->q8_stale = 1;
-    if (grads) c->grads_clean = 0;
-    if (params) MOEPT__CU(cudaMemcpyAsync(c->params, params, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
-    if (grads) MOEPT__CU(cudaMemcpyAsync(c->grads, grads, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
-    if (bias) MOEPT__CU(cudaMemcpyAsync(c->bias, bias, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
-    if (slot_of) MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
-    if (params && c->B && c->wlow) MOEPT__CU(moept__cast_weights(c));
-    if (params && c->B && c->sp.fp8) MOEPT__CU(moept__q8_weights(c));
-    MOEPT__TRY(moept__host_wait(c, err)); /* the host arrays may change after we return */
+    if (!d) {
+        memset(h, 0, (size_t)n * 4); /* moments before the first step */
+        return MOEPT_OK;
+    }
+    if (write && which == MOEPT_BUF_GRADS) c->grads_clean = 0;
+    if (write) MOEPT__CU(cudaMemcpyAsync(d + off, h, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
+    else MOEPT__CU(cudaMemcpyAsync(h, d + off, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__TRY(moept__host_wait(c, err)); /* the host array may change after we return */
+    if (write && which == MOEPT_BUF_PARAMS) moept__cuda_params_changed(c);
     return MOEPT_OK;
 }
 
-static moept_status moept__cuda_download(moept__cuda *c, float *params, float *grads, char *err) {
+static moept_status moept__cuda_tables(moept__cuda *c, const float *bias, const int32_t *slot_of, char *err) {
     MOEPT__ENTER(c);
-    const int64_t n = c->sp.n_params;
+    const int64_t E = c->sp.E;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
-    if (params) MOEPT__CU(cudaMemcpyAsync(params, c->params, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
-    if (grads) MOEPT__CU(cudaMemcpyAsync(grads, c->grads, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->bias, bias, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
+    MOEPT__CU(cudaMemcpyAsync(c->slot_of, slot_of, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     return MOEPT_OK;
 }
@@ -4737,9 +4736,9 @@ static moept_status moept__cuda_grad_scan(moept__cuda *c, double *sums, int64_t 
 
 /* The moments on the device: allocated at the first use (zeros); with
    from_host set from the host's m0, v0 [n_params] (NULL: zeros) */
-static moept_status moept__opt_ready(moept__cuda *c, int from_host, const float *m0, const float *v0,
-                                     char *err) {
-    const int64_t n = c->sp.n_params, npad = moept__npad(c);
+static moept_status moept__opt_ready(moept__cuda *c, char *err) {
+    MOEPT__ENTER(c);
+    const int64_t npad = moept__npad(c);
     if (!c->opt_m) {
         void *blk = NULL;
         MOEPT__TRY(moept__dmalloc(c, &blk, (size_t)(2 * npad) * 4, err));
@@ -4747,29 +4746,18 @@ static moept_status moept__opt_ready(moept__cuda *c, int from_host, const float 
         c->opt_v = c->opt_m + npad;
         c->fixed_bytes += 2 * npad * 4;
         MOEPT__CU(cudaMemsetAsync(blk, 0, (size_t)(2 * npad) * 4, c->s));
-    } else if (from_host && !m0) {
-        MOEPT__CU(cudaMemsetAsync(c->opt_m, 0, (size_t)(2 * npad) * 4, c->s));
-    }
-    if (from_host && m0) {
-        MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
-        MOEPT__CU(cudaMemcpyAsync(c->opt_m, m0, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
-        MOEPT__CU(cudaMemcpyAsync(c->opt_v, v0, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
-        MOEPT__TRY(moept__host_wait(c, err)); /* the host arrays may change after we return */
     }
     return MOEPT_OK;
 }
 
-/* One AdamW step on the device's parameters (queued, no host sync). The
-   moments are allocated at the first (zeros); with from_host they are first
-   set from the host's m0, v0 [n_params] (NULL: zeros), which a loaded
-   checkpoint made newer. bf16 layers get their expert weights' bf16 copy
-   from the same pass. */
-static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, int from_host,
-                                      const float *m0, const float *v0, char *err) {
+/* One AdamW step on the device's parameters (queued, no host sync; the
+   moments made by moept__opt_ready). bf16 layers get their expert weights'
+   bf16 copy from the same pass. */
+static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, char *err) {
     MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
     const int64_t n = p->n_params, e0 = p->E * p->D;
-    MOEPT__TRY(moept__opt_ready(c, from_host, m0, v0, err));
+    MOEPT__TRY(moept__opt_ready(c, err));
     moept__bf16 *low = (moept__bf16 *)c->wlow;
     const int vec = e0 % 4 == 0 && (uintptr_t)low % 8 == 0 && moept__vec<float>(0, c->params, c->grads) &&
                     moept__vec<float>(0, c->opt_m, c->opt_v);
@@ -4786,13 +4774,12 @@ static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, i
 
 /* The step with k computed on the device, nothing written (moept__k_adamw_probe;
    a host sync): bad, the first failing element * 4 + 1, 2, 3 for m, v, p, or -1;
-   the new max |m| and max v. The moments the host made newer go up first. */
-static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k *k, int from_host,
-                                            const float *m0, const float *v0, int64_t *bad, double *mmax,
-                                            double *vmax, char *err) {
+   the new max |m| and max v. */
+static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k *k, int64_t *bad,
+                                            double *mmax, double *vmax, char *err) {
     MOEPT__ENTER(c);
     const int64_t n = c->sp.n_params;
-    MOEPT__TRY(moept__opt_ready(c, from_host, m0, v0, err));
+    MOEPT__TRY(moept__opt_ready(c, err));
     unsigned long long *out = (unsigned long long *)c->gpart, *h = (unsigned long long *)c->h_gpart; /* [3] */
     const unsigned long long init[3] = {ULLONG_MAX, 0, 0};
     const int vec = moept__vec<float>(0, c->params, c->grads) && moept__vec<float>(0, c->opt_m, c->opt_v);
@@ -4817,30 +4804,11 @@ static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k
     return MOEPT_OK;
 }
 
-/* AdamW's moments to the host (a sync) */
-static moept_status moept__cuda_opt_download(moept__cuda *c, float *m, float *v, char *err) {
-    MOEPT__ENTER(c);
-    const int64_t n = c->sp.n_params;
-    if (!c->opt_m) {
-        memset(m, 0, (size_t)n * 4);
-        memset(v, 0, (size_t)n * 4);
-        return MOEPT_OK;
-    }
-    MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
-    MOEPT__CU(cudaMemcpyAsync(m, c->opt_m, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
-    MOEPT__CU(cudaMemcpyAsync(v, c->opt_v, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
-    MOEPT__TRY(moept__host_wait(c, err));
-    return MOEPT_OK;
-}
-
 /* ---- resharding (moept_reshard) ---------------------------------------- */
-/* before the agreement: the moments the host made newer, uploaded (so the
-   device's move them), and one expert of staging */
-static moept_status moept__cuda_reshard_prep(moept__cuda *c, int from_host, const float *m0,
-                                             const float *v0, int *nbuf, char *err) {
+/* before the agreement: one expert of staging */
+static moept_status moept__cuda_reshard_prep(moept__cuda *c, int *nbuf, char *err) {
     MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
-    if (from_host) MOEPT__TRY(moept__opt_ready(c, 1, m0, v0, err));
     *nbuf = c->opt_m ? 3 : 1;
     if (!c->rs_stage)
         MOEPT__TRY(moept__dmalloc(c, (void **)&c->rs_stage, (size_t)(p->H * p->D + p->D * p->F) * 4, err));
@@ -4952,14 +4920,10 @@ static void moept__cuda_reshard_end(moept__cuda *c) {
    through moept__view_of and report to it through moept.c's moept__dev_*
    calls (moept.h's internal part), and keep their own state beside it.
    ------------------------------------------------------------------------ */
-/* A CUDA layer's state beside the device executor: which side changed last
-   for the parameters (with the bias and placement), the gradients and
-   AdamW's moments, and what the device checked that the host has not read */
-typedef enum { MOEPT__SAME = 0, MOEPT__HOST_NEWER, MOEPT__DEVICE_NEWER } moept__newer;
+/* A CUDA layer's state beside the device executor (whose buffers are the
+   layer's only copy): what the device checked that the host has not read */
 typedef struct moept__cudax {
     moept__cuda *c;
-    moept__newer params, grads, opt; /* opt: MOEPT__SAME also when there are none */
-    int bias_newer;        /* the host's correction bias changed alone: copied without the parameters */
     int routing_on_host;   /* host ids/wts/logits hold the committed step */
     int dx_pending;        /* a backward's dx check on the device not yet read */
     int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
@@ -4978,47 +4942,16 @@ static moept__cudax *moept__cx(moept_layer *L, moept__view *v) {
     return (moept__cudax *)*v->xstate;
 }
 
-static moept_status moept__cuda_to_host(moept_layer *L, int what) {
+static moept_status moept__cuda_layer_io(moept_layer *L, int which, int64_t off, int64_t n, float *h,
+                                         int write) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    int p = (what & MOEPT__HOST_PARAMS) && X->params == MOEPT__DEVICE_NEWER;
-    int g = (what & MOEPT__HOST_GRADS) && X->grads == MOEPT__DEVICE_NEWER;
-    moept_status st;
-    if ((p || g) &&
-        (st = moept__cuda_download(X->c, p ? v.params : NULL, g ? v.grads : NULL, moept__errbuf())))
-        return st;
-    if (p) X->params = MOEPT__SAME;
-    if (g) X->grads = MOEPT__SAME;
-    if (!(what & MOEPT__HOST_OPT) || X->opt != MOEPT__DEVICE_NEWER) return MOEPT_OK;
-    if ((st = moept__opt_alloc(L, "moept_save_checkpoint"))) return st; /* the host's moments, for a save */
-    moept__view_of(L, &v);
-    st = moept__cuda_opt_download(X->c, v.m, v.v, moept__errbuf());
-    if (!st) X->opt = MOEPT__SAME;
-    return st;
+    return moept__cuda_io(moept__cx(L, &v)->c, which, off, n, h, write, moept__errbuf());
 }
 
-static void moept__cuda_host_wrote(moept_layer *L, int what) {
+static moept_status moept__cuda_layer_tables(moept_layer *L) {
     moept__view v;
     moept__cudax *X = moept__cx(L, &v);
-    if (what & MOEPT__HOST_PARAMS) X->params = MOEPT__HOST_NEWER;
-    if (what & MOEPT__HOST_GRADS) X->grads = MOEPT__HOST_NEWER;
-    if (what & MOEPT__HOST_BIAS) X->bias_newer = 1;
-    if (what & MOEPT__HOST_OPT)
-        X->opt = MOEPT__HOST_NEWER; /* the device's moments: from these at the next step */
-}
-
-static moept_status moept__to_device(moept_layer *L) {
-    moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    int p = X->params == MOEPT__HOST_NEWER, g = X->grads == MOEPT__HOST_NEWER, b = p || X->bias_newer;
-    if (!p && !g && !b) return MOEPT_OK;
-    moept_status st = moept__cuda_upload(X->c, p ? v.params : NULL, g ? v.grads : NULL, b ? v.bias : NULL,
-                                         p ? v.slot_of : NULL, moept__errbuf());
-    if (st) return st;
-    if (p) X->params = MOEPT__SAME;
-    if (g) X->grads = MOEPT__SAME;
-    X->bias_newer = 0;
-    return MOEPT_OK;
+    return moept__cuda_tables(X->c, v.bias, v.slot_of, moept__errbuf());
 }
 
 /* what the device executor holds now, into the layer's statistics */
@@ -5047,8 +4980,7 @@ static moept_status moept__cuda_settle(moept_layer *L) {
 static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     moept__view v;
     moept__cudax *X = moept__cx(L, &v);
-    moept_status st = moept__to_device(L);
-    if (st) return st;
+    moept_status st;
     moept__dev_step r;
     memset(&r, 0, sizeof r);
     /* the slot in the tag's high half (0: an evaluation), agreed with the call (unsigned: an
@@ -5082,8 +5014,7 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
                                            const moept_backward_opts *o) {
     moept__view v;
     moept__cudax *X = moept__cx(L, &v);
-    moept_status st = moept__to_device(L);
-    if (st) return st;
+    moept_status st;
     moept__dev_step r;
     memset(&r, 0, sizeof r);
     r.tag = moept__call_tag(L, MOEPT__CALL_BACKWARD);
@@ -5105,7 +5036,6 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     moept__cuda_held(L);
     if (st) return st;
     moept__dev_backward_done(L, &r, o->slot == X->slot); /* the last forward's: its routing grads */
-    X->grads = MOEPT__DEVICE_NEWER;
     X->dx_pending = 1;
     return MOEPT_OK;
 }
@@ -5113,41 +5043,32 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
 /* router and shared expert over EP, then everything over DP, on the device */
 static moept_status moept__cuda_layer_sync_grads(moept_layer *L, float scale) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    moept_status st = moept__to_device(L);
-    if (!st) st = moept__cuda_sync_grads(X->c, scale, moept__errbuf());
-    if (!st) X->grads = MOEPT__DEVICE_NEWER;
-    return st;
+    return moept__cuda_sync_grads(moept__cx(L, &v)->c, scale, moept__errbuf());
 }
 
 /* s NULL: the executor may keep what a scan of the same gradients found */
 static moept_status moept__cuda_layer_grad_scan(moept_layer *L, double *s, int64_t *bad) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    moept_status st = moept__to_device(L);
-    return st ? st : moept__cuda_grad_scan(X->c, s, bad, moept__errbuf());
+    return moept__cuda_grad_scan(moept__cx(L, &v)->c, s, bad, moept__errbuf());
 }
 
 /* the step on the device (its parameters, moments and bf16 weights), where
    the gradients are; nothing crosses to the host */
 static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    moept_status st = moept__cuda_adamw(X->c, &k, X->opt == MOEPT__HOST_NEWER, v.m, v.v, moept__errbuf());
-    if (st) return st;
-    X->opt = MOEPT__DEVICE_NEWER;
-    X->params = MOEPT__DEVICE_NEWER;
-    return MOEPT_OK;
+    return moept__cuda_adamw(moept__cx(L, &v)->c, &k, moept__errbuf());
+}
+
+/* before the step's agreement (and a load's): the moments, so a rank out of memory fails every rank */
+static moept_status moept__cuda_layer_adamw_ready(moept_layer *L) {
+    moept__view v;
+    return moept__opt_ready(moept__cx(L, &v)->c, moept__errbuf());
 }
 
 static moept_status moept__cuda_layer_adamw_probe(moept_layer *L, moept__adamw_k k, int64_t *bad,
                                                  double *mmax, double *vmax) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    moept_status st = moept__cuda_adamw_probe(X->c, &k, X->opt == MOEPT__HOST_NEWER, v.m, v.v, bad, mmax,
-                                              vmax, moept__errbuf());
-    if (!st && X->opt == MOEPT__HOST_NEWER) X->opt = MOEPT__SAME; /* uploaded */
-    return st;
+    return moept__cuda_adamw_probe(moept__cx(L, &v)->c, &k, bad, mmax, vmax, moept__errbuf());
 }
 
 static void moept__cuda_layer_stale(moept_layer *L, const char *call) {
@@ -5160,7 +5081,6 @@ static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
     moept__cudax *X = moept__cx(L, &v);
     moept_status st = moept__cuda_zero_grad(X->c, moept__errbuf()); /* its dx check reset with them */
     if (st) return st;
-    X->grads = MOEPT__DEVICE_NEWER; /* the host copy is not cleared: the device's zeros are read if asked */
     X->dx_pending = 0;
     return MOEPT_OK;
 }
@@ -5194,8 +5114,6 @@ static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
 static moept_status moept__cuda_device_params(moept_layer *L, float **params, float **grads) {
     moept__view v;
     moept__cudax *X = moept__cx(L, &v);
-    moept_status st = moept__to_device(L); /* hand out the newest values */
-    if (st) return st;
     moept__cuda_pointers(X->c, params, grads);
     moept__cuda_params_changed(X->c); /* the caller may write them */
     return MOEPT_OK;
@@ -5203,15 +5121,11 @@ static moept_status moept__cuda_device_params(moept_layer *L, float **params, fl
 
 static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    moept__cuda_params_changed(X->c);
-    X->params = MOEPT__DEVICE_NEWER;
-    if (v.grads) X->grads = MOEPT__DEVICE_NEWER;
+    moept__cuda_params_changed(moept__cx(L, &v)->c);
     return MOEPT_OK;
 }
 
-/* moept_reshard, before the agreement: the deferred statistics read, the
-   host's newer parameters and moments on the device (the device's move),
+/* moept_reshard, before the agreement: the deferred statistics read,
    one expert of device staging, and this rank's moves with a host backup
    of the experts it sends */
 static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept__moves *mv) {
@@ -5219,11 +5133,8 @@ static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept_
     moept__cudax *X = moept__cx(L, &v);
     const int64_t P = v.P, me = v.rank, n = mv->n, part = v.H * v.D + v.D * v.F;
     moept_status st = moept__cuda_settle(L);
-    if (!st) st = moept__to_device(L);
-    if (!st) st = moept__cuda_reshard_prep(X->c, X->opt == MOEPT__HOST_NEWER, v.m, v.v, &X->rs_nbuf,
-                                           moept__errbuf());
+    if (!st) st = moept__cuda_reshard_prep(X->c, &X->rs_nbuf, moept__errbuf());
     if (st) return moept__fail(L, st, "moept_reshard: %s", moept__errbuf());
-    if (X->opt == MOEPT__HOST_NEWER) X->opt = MOEPT__SAME;
     X->rs_slot = (int64_t *)malloc((size_t)(3 * (n > 0 ? n : 1)) * sizeof(int64_t));
     X->rs_backup = (float *)malloc((size_t)(n * X->rs_nbuf * part > 0 ? n * X->rs_nbuf * part : 1) *
                                    sizeof(float));
@@ -5259,9 +5170,6 @@ static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *
     ast = moept__sum_ep_dp(v.ep, v.dp, &failed, 1, MOEPT_DTYPE_I64, &bad);
     if (!st && !ast && !failed) {
         st = moept__cuda_reshard_commit(X->c, mv->nslot, moept__errbuf());
-        X->params = MOEPT__DEVICE_NEWER;
-        X->grads = MOEPT__SAME; /* zero on both sides (moept__reshard_commit: the host's) */
-        if (X->rs_nbuf == 3) X->opt = MOEPT__DEVICE_NEWER;
         moept__cuda_params_changed(X->c);
         return st;
     }
@@ -5319,8 +5227,9 @@ static moept__exec moept__cuda_exec_make(void) {
     e.grads_check = moept__cuda_grads_check;
     e.settle = moept__cuda_settle;
     e.routing = moept__cuda_routing;
-    e.to_host = moept__cuda_to_host;
-    e.host_wrote = moept__cuda_host_wrote;
+    e.io = moept__cuda_layer_io;
+    e.tables = moept__cuda_layer_tables;
+    e.adamw_ready = moept__cuda_layer_adamw_ready;
     e.device_params = moept__cuda_device_params;
     e.params_changed = moept__cuda_layer_params_changed;
     e.reshard_ready = moept__cuda_layer_reshard_ready;
@@ -5413,7 +5322,7 @@ static void moept__cuda_spec_of(moept_layer *L, const moept_cuda_options *o, int
     sp->ep = v.ep; sp->dp = v.dp; sp->stream = o->stream;
 }
 
-/* create_cuda, 4: the device executor set up and the parameters uploaded,
+/* create_cuda, 4: the device executor set up (zero parameters) and the tables copied,
    agreed (a rank whose device failed fails every rank) */
 static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
                                   moept_comm *ep, moept_comm *dp) {
@@ -5427,12 +5336,10 @@ static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *
     if (!X) snprintf(err, sizeof err, "moept_create_cuda: out of host memory");
     else {
         *v.xstate = X;
-        X->params = MOEPT__HOST_NEWER;
-        X->grads = v.grads ? MOEPT__HOST_NEWER : MOEPT__SAME; /* an inference layer has none */
         X->sync_free = sp.sync_free;
-        st = moept__cuda_create(&sp, &X->c, err);
+        st = moept__cuda_create(&sp, &X->c, err); /* zero parameters, as a CPU layer's */
     }
-    if (!st && (st = moept__to_device(L))) memcpy(err, moept__errbuf(), sizeof err);
+    if (!st && (st = moept__cuda_layer_tables(L))) memcpy(err, moept__errbuf(), sizeof err);
     if (!st) moept__cuda_held(L);
     moept_status ast; /* the agreement's own status: this rank's st is kept */
     int64_t failed = moept__any_failed(ep, dp, st != MOEPT_OK, &ast);

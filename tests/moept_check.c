@@ -365,11 +365,9 @@ static int ref_build(check *c, const moept_config *cfg, moept_layer *L, const fl
     ok = ok && (!g_reshard || P == 1 || reshard_next(R, E, P) == MOEPT_OK);
     for (int64_t i = 0; ok && i < moept_param_count(L); i++) {
         moept_param_info pi;
-        moept_param_info_at(L, i, &pi);
+        float *w = tu_param(L, i, 0, &pi); /* (a CUDA layer's: a copy of its device's) */
         int64_t n = pi.rows * pi.cols;
-        float *w = malloc((size_t)(n + 1) * sizeof(float));
         ok = w != NULL;
-        if (ok) memcpy(w, pi.data, (size_t)n * sizeof(float));
         if (ok && !is_router(pi.name) && g_bf16) round_bf16(w, n);
         ok = ok && moept_set_param(R, pi.name, w, n) == MOEPT_OK;
         free(w);
@@ -617,13 +615,13 @@ static void run_case(check *c) {
     if (c->ep) c->ep->allreduce(c->ep, &floor_abs, 1, MOEPT_DTYPE_F64); /* the summed gradient's floor */
     for (int64_t i = 0; i < np; i++) {
         moept_param_info pi;
-        moept_param_info_at(L, i, &pi);
-        if (!pi.grad) continue;
+        float *g = tu_param(L, i, 1, &pi);
+        if (!g) continue;
         char name[160];
         snprintf(name, sizeof name, "grad.%s", pi.name);
-        if (!(want = want_f(c, name, pi.rows, pi.cols))) goto done;
-        compare_floor(c, name, pi.grad, want, pi.rows * pi.cols,
-                      strcmp(pi.name, "gate.weight") == 0 ? floor_abs : 0.0);
+        if (!(want = want_f(c, name, pi.rows, pi.cols))) { free(g); goto done; }
+        compare_floor(c, name, g, want, pi.rows * pi.cols, strcmp(pi.name, "gate.weight") == 0 ? floor_abs : 0.0);
+        free(g);
         free(want); want = NULL;
     }
 done:

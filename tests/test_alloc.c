@@ -51,6 +51,7 @@ static pthread_mutex_t ta_mu = PTHREAD_MUTEX_INITIALIZER;
 static void **ta_live;                  /* [ta_cap] */
 static size_t ta_n, ta_cap;
 static long long ta_allocs, ta_frees, ta_foreign, ta_realpath_null;
+static long long ta_bytes;              /* allocated through MOEPT_MALLOC, in all */
 
 static void *ta_malloc(size_t n) {
     void *p = malloc(n);
@@ -65,6 +66,7 @@ static void *ta_malloc(size_t n) {
     }
     ta_live[ta_n++] = p;
     ta_allocs++;
+    ta_bytes += (long long)n;
     pthread_mutex_unlock(&ta_mu);
     return p;
 }
@@ -108,6 +110,8 @@ char *ta_realpath(const char *restrict path, char *restrict resolved) {
 #define realpath(p, r) ta_realpath(p, r)
 
 #include "../moept.c" /* one translation unit, as the other tests */
+#undef malloc /* (moept.c's calls were the poison's target; the tests' helpers may allocate) */
+#undef free
 #include "testutil.h"
 
 enum { T = 12 };
@@ -283,7 +287,62 @@ static void test_ep_direct_threads(void) {
     ta_direct = 0;
 }
 
+#ifdef MOEPT_CUDA
+#include <cuda_runtime.h>
+#include "emu/emu.h"
+/* Host bytes allocated (through MOEPT_MALLOC: moept.c's; moept_kernels.cu's host state is a fixed struct)
+   and device bytes held by a CUDA layer with experts F wide, over its create, init_params, a forward,
+   a backward, an AdamW step and a parameter read, and its destroy balanced */
+static void ta_cuda_layer(int64_t F, long long *host, long long *dev, int64_t *numel) {
+    moept_config c = ta_cfg();
+    c.intermediate_size = F;
+    c.shared_intermediate_size = F;
+    float x[T * 16], w[16 * 4];
+    for (int i = 0; i < T * 16; i++) x[i] = (float)(i % 7) * 0.1f - 0.3f;
+    void *xd = NULL, *yd = NULL, *dxd = NULL;
+    cudaMalloc(&xd, sizeof x); cudaMalloc(&yd, sizeof x); cudaMalloc(&dxd, sizeof x);
+    cudaMemcpy(xd, x, sizeof x, cudaMemcpyHostToDevice);
+    const long long d0 = moept_emu_device_bytes(0), b0 = ta_bytes;
+    ta_mark m = ta_now();
+    moept_layer *L = NULL;
+    const moept_adamw o = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    moept_status st = moept_create_cuda(&c, NULL, NULL, NULL, &L);
+    if (!st) st = moept_init_params(L, 1);
+    if (!st) st = moept_forward(L, xd, T, yd);
+    if (!st) st = moept_backward(L, xd, xd, dxd);
+    if (!st) st = moept_adamw_step(L, &o);
+    if (!st) st = moept_get_param(L, "gate.weight", w, 4 * 16);
+    EXPECT(!st, "F %lld: %s", (long long)F, moept_last_error(L));
+    *host = ta_bytes - b0;
+    *dev = moept_emu_device_bytes(0) - d0;
+    *numel = moept_param_numel(L);
+    moept_destroy(L);
+    ta_expect_balanced(m, "a CUDA layer");
+    cudaFree(xd); cudaFree(yd); cudaFree(dxd);
+}
+
+/* A CUDA layer keeps no host copy of its parameters, gradients or moments: at 1 and 1024 times the
+   expert width (params x ~1000 on the device) the host allocates the same bytes */
+static void test_cuda_host_bytes(void) {
+    long long h[2], d[2];
+    int64_t n[2];
+    ta_cuda_layer(8, &h[0], &d[0], &n[0]);
+    ta_cuda_layer(8192, &h[1], &d[1], &n[1]);
+    printf("# CUDA layer, F 8 and 8192: %lld and %lld parameters; host %lld and %lld bytes, device %lld and "
+           "%lld\n", (long long)n[0], (long long)n[1], h[0], h[1], d[0], d[1]);
+    EXPECT(d[1] - d[0] >= 12 * (n[1] - n[0]), "the device bytes grew by %lld, not the parameters, gradients "
+           "and moments' (%lld more parameters)", d[1] - d[0], (long long)(n[1] - n[0]));
+    EXPECT(h[0] == h[1] && h[1] < n[1], "the host allocated %lld bytes at F 8, %lld at F 8192 (%lld "
+           "parameters)", h[0], h[1], (long long)n[1]);
+}
+#endif
+
 int main(void) {
+#ifdef MOEPT_CUDA
+    RUN(test_cuda_host_bytes);
+    printf("# %lld blocks through MOEPT_MALLOC, %lld freed through MOEPT_FREE\n", ta_allocs, ta_frees);
+    return tu_done();
+#endif
     RUN(test_one_rank);
     RUN(test_files);
     RUN(test_ep_threads);

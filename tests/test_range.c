@@ -31,13 +31,15 @@ typedef struct state {
     int32_t ids[TOK * TOPK], place[NE];
 } state;
 
-/* what a refused call must leave as it was (the host's view of a CUDA layer's) */
+/* what a refused call must leave as it was (the host's copies of a CUDA layer's) */
 static void state_of(moept_layer *L, state *s) {
     memset(s, 0, sizeof *s);
-    float *p = NULL;
     int64_t n = 0;
-    if (!moept_params(L, &p, &n)) s->params = tu_hash(p, n);
-    if (!moept_grads(L, &p, &n)) s->grads = tu_hash(p, n);
+    float *p = tu_buf(L, MOEPT_BUF_PARAMS, &n), *g = tu_buf(L, MOEPT_BUF_GRADS, &n);
+    if (p) s->params = tu_hash(p, n);
+    if (g) s->grads = tu_hash(g, n);
+    free(p);
+    free(g);
     moept_stats st;
     if (!moept_get_stats(L, &st, s->tpe)) {
         s->steps = st.steps, s->tokens = st.tokens, s->routed = st.routed_rows;
@@ -432,15 +434,16 @@ static void padded_run(const moept_config *c, float junk, float *out) {
         EXPECT_OK(moept_forward_ex(L, xd, TOK, y, &fo));
         EXPECT_OK(moept_backward_ex(L, xd, dyd, dx, &bo));
         moept_stats st;
-        float *g = NULL;
         int64_t n = 0;
         EXPECT_OK(moept_get_stats(L, &st, NULL));
-        EXPECT_OK(moept_grads(L, &g, &n));
+        float *g = tu_buf(L, MOEPT_BUF_GRADS, &n);
+        EXPECT(g != NULL, "the gradients: %s", moept_last_error(L));
         tu_to_host(out, y, NB);
         tu_to_host(out + TD, dx, NB);
         tu_to_host(out + 2 * TD, lo, sizeof dl);
         out[2 * TD + TE] = st.aux_loss, out[2 * TD + TE + 1] = st.z_loss;
         if (g) memcpy(out + 2 * TD + TE + 2, g, (size_t)n * sizeof(float));
+        free(g);
     }
     moept_destroy(L);
     tu_dev_free(xd); tu_dev_free(dyd); tu_dev_free(y); tu_dev_free(dx); tu_dev_free(dld); tu_dev_free(lo);
@@ -471,8 +474,22 @@ static void test_padded_rows_unread(void) {
     }
 }
 
-/* A NaN parameter (written through moept_param_info_at's pointer) named as the cause when the forward's
-   output or router logits are not finite, which tensor and element, not blamed on an overflow (a CUDA
+/* element i of parameter *in made NaN where the layer keeps it (a CUDA layer: its device) */
+static void put_nan(moept_layer *L, const moept_param_info *in, int64_t i) {
+    const float nan = NAN;
+#if TU_GPU
+    float *p, *g;
+    int64_t n;
+    if (moept_cuda_params(L, &p, &g, &n) == MOEPT_OK && in->offset >= 0)
+        cudaMemcpy(p + in->offset + i, &nan, sizeof nan, cudaMemcpyHostToDevice);
+#else
+    (void)L;
+    in->data[i] = nan;
+#endif
+}
+
+/* A NaN parameter (written where the layer keeps it: moept_buf_write refuses it) named as the cause when
+   the forward's output or router logits are not finite, which tensor and element, not blamed on an overflow (a CUDA
    layer's forward does not read y back: its backward reports y, naming the parameter) */
 static void nonfinite_param(const char *name, int64_t i, const char *want) {
     moept_config c = range_cfg();
@@ -485,7 +502,7 @@ static void nonfinite_param(const char *name, int64_t i, const char *want) {
     EXPECT_OK(create(&c, &L));
     EXPECT_OK(L ? moept_init_params(L, 1) : MOEPT_ERR_STATE);
     for (int64_t k = 0; L && k < moept_param_count(L); k++) /* (every expert's, every rank's copy) */
-        if (!moept_param_info_at(L, k, &in) && strstr(in.name, name)) in.data[i] = NAN;
+        if (!moept_param_info_at(L, k, &in) && strstr(in.name, name)) put_nan(L, &in, i);
     moept_status st = L ? moept_forward(L, xd, TOK, y) : MOEPT_ERR_STATE;
     if (TU_GPU && !st) st = moept_backward(L, xd, xd, dx); /* (y is checked there) */
     EXPECT(st == MOEPT_ERR_NUMERIC && strstr(moept_last_error(L), want), "a NaN in %s: %d (%s)", name,

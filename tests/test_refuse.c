@@ -65,15 +65,17 @@ static void poke(moept_layer *L, int b, int64_t i, float v) {
     if (!b) moept_cuda_params_changed(L);
 #else
     if (b) moept_grads(L, &g, &n); else moept_params(L, &p, &n);
-    (b ? g : p)[i] = v;
+    (b ? g : p)[i] = v; /* (moept_buf_write refuses it) */
 #endif
 }
 
 /* a hash of every parameter, as the host reads them */
 static uint64_t params_hash(moept_layer *L) {
-    float *p;
     int64_t n;
-    return moept_params(L, &p, &n) ? 0 : tu_hash(p, n);
+    float *p = tu_buf(L, MOEPT_BUF_PARAMS, &n);
+    uint64_t h = p ? tu_hash(p, n) : 0;
+    free(p);
+    return h;
 }
 
 /* forward and backward of one micro-batch (slot 0), dy scaled */

@@ -131,11 +131,9 @@ static moept_status step(moept_layer *L, const world *w, int64_t T, const float 
     if (!st) st = moept_grad_norm(L, &(double){0}); /* sync-free: reads the device's checks */
     const int32_t *ids;
     const float *wts;
-    float *g;
     if (!st) st = moept_routing(L, &ids, &wts, NULL);
     if (!st) { memcpy(o->ids, ids, (size_t)(T * K) * 4); memcpy(o->wts, wts, (size_t)(T * K) * 4); }
-    if (!st) st = moept_grads(L, &g, &o->ng);
-    if (!st) { o->g = malloc((size_t)o->ng * 4); memcpy(o->g, g, (size_t)o->ng * 4); }
+    if (!st && !(o->g = tu_buf(L, MOEPT_BUF_GRADS, &o->ng))) st = MOEPT_ERR_STATE;
     if (!st) st = moept_get_stats(L, &o->st, o->tpe);
     return st;
 }

@@ -59,10 +59,7 @@ static moept_status fwd_bwd(moept_layer *L, const float *x, const float *dy, flo
     if (!st) st = moept_forward(L, xd, TR, yd);
     if (!st) st = moept_backward_ex(L, xd, dyd, dxd, &bo);
     if (!st) st = moept_grad_norm(L, &(double){0}); /* sync-free: the device's checks */
-    float *gp;
-    int64_t n;
-    if (!st) st = moept_grads(L, &gp, &n);
-    if (!st && n == ng) memcpy(g, gp, (size_t)ng * 4);
+    if (!st && ng == moept_param_numel(L)) st = moept_buf_read(L, MOEPT_BUF_GRADS, 0, ng, g);
     if (!st) tu_to_host(dx, dxd, TR * D * 4);
     tu_dev_free(xd); tu_dev_free(yd); tu_dev_free(dyd); tu_dev_free(dxd);
     free(dys);
@@ -89,9 +86,7 @@ static void *scale_rank(void *arg) {
     float *x = malloc(TR * D * 4), *dy = malloc(TR * D * 4);
     tu_fill(x, TR * D, 1.0, &seed);
     tu_fill(dy, TR * D, 1.0, &seed);
-    int64_t ng = 0;
-    float *gp;
-    if (!j->st) j->st = moept_grads(L, &gp, &ng);
+    int64_t ng = moept_param_numel(L);
     float *g1 = calloc((size_t)ng + 1, 4), *gs = calloc((size_t)ng + 1, 4);
     float *dx1 = malloc(TR * D * 4), *dxs = malloc(TR * D * 4);
     float ls = j->bad_rank_s != 0.0f && j->r == 1 ? j->bad_rank_s : j->pass_s;

@@ -85,9 +85,7 @@ static moept_layer *slot_layer(const moept_config *cfg, moept_comm *c, int max_i
 
 /* the layer's gradients, copied out (NULL: none) */
 static float *grads_of(moept_layer *L, int64_t *n) {
-    float *g, *out = NULL;
-    if (moept_grads(L, &g, n) == MOEPT_OK && (out = malloc((size_t)*n * 4))) memcpy(out, g, (size_t)*n * 4);
-    return out;
+    return tu_buf(L, MOEPT_BUF_GRADS, n);
 }
 
 /* the order's calls on one rank; the first failure stops it */

@@ -90,6 +90,26 @@ static inline unsigned long long tu_hash(const float *v, long long n) {
     }
     return h;
 }
+/* parameter i of any layer (a CUDA layer's buffers live on its device): a malloc'd copy of its
+   values (grad 0) or gradient (1), NULL where it has none; *info filled when given */
+static inline float *tu_param(const moept_layer *L, int64_t i, int grad, moept_param_info *info) {
+    moept_param_info pi;
+    if (moept_param_info_at(L, i, &pi) != MOEPT_OK) return NULL;
+    if (info) *info = pi;
+    const int64_t n = pi.rows * pi.cols;
+    float *v = (float *)malloc((size_t)(n + 1) * sizeof(float));
+    if (v && (grad ? moept_get_grad(L, pi.name, v, n) : moept_get_param(L, pi.name, v, n)) == MOEPT_OK) return v;
+    free(v);
+    return NULL;
+}
+/* a malloc'd copy of a layer's whole parameter or gradient buffer (any executor's), *n its floats */
+static inline float *tu_buf(const moept_layer *L, moept_buf which, int64_t *n) {
+    *n = moept_param_numel(L);
+    float *v = (float *)malloc((size_t)(*n + 1) * sizeof(float));
+    if (v && moept_buf_read(L, which, 0, *n, v) == MOEPT_OK) return v;
+    free(v);
+    return NULL;
+}
 static inline void tu_fill(float *v, long long n, double scale, unsigned long long *s) {
     for (long long i = 0; i < n; i++) v[i] = (float)(scale * tu_rand(s));
 }
