@@ -51,7 +51,7 @@ SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover
 HDRS    = moept.h
 
 
-.PHONY: bench-busy cuda emu all test test-build test-build-stage check stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
+.PHONY: bench-busy cuda emu emu-lib all test test-build test-build-stage check stress run bench bench-scenarios bench-layer bench-a2a bench-load bench-reshard fuzz fuzz-safetensors fuzz-config clean info check-cases sanitize cblas-test valgrind
 
 # (train_mpi where mpicc is found: the README's mpirun lines run it; the test programs: below)
 all: info $(B)/moept_check $(B)/train $(if $(MPICC),$(B)/train_mpi) $(B)/bench_layer $(B)/bench_a2a $(B)/bench_load $(B)/bench_reshard $(B)/bench_scenario $(B)/plan
@@ -316,7 +316,7 @@ TEST_ENV = B="$(B)" CASES="$(CASES)" MPIRUN="$(if $(MPICC),$(MPIRUN))" SAN="$(SA
            CBLAS="$(if $(CBLAS_LIBS),yes)" VALGRIND="$(VALGRIND)" GEMM_V3="$(GEMM_V3)" GEMM_V4="$(GEMM_V4)" \
            GEMM_PLAIN="$(GEMM_PLAIN)" \
            ARCH_X86="$(ARCH_X86)" QEMU_AARCH64="$(if $(A64_OK),$(QEMU_AARCH64))" EMU="$(EMU_OK)" \
-           CUDA="$(CUDA_OK)" NVCC="$(NVCC)" TORCH="$(TORCH_OK)" \
+           EMU_INC="$(EMU_INC)" CUDA="$(CUDA_OK)" NVCC="$(NVCC)" TORCH="$(TORCH_OK)" \
            TF440="$(if $(TF440),$(TF440_DIR))"
 suite_outputs = $(sort $(shell $(TEST_ENV) sh tests/run.sh --bins $(1)))
 SUITE_BINS := $(call suite_outputs)
@@ -446,6 +446,13 @@ $(B)/emu/moept.o: moept.c $(HDRS) | $(B)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) -c moept.c -o $@
 
 EMU_OBJS = $(B)/emu/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
+
+# a program of yours on the emulated GPU (docs/CUDA.md, "Your program on the emulated GPU"): the kernels
+# and the emulator in one archive, linked in place of moept_kernels.o and the CUDA libraries
+$(B)/emu/libmoept_emu.a: $(B)/emu/moept_kernels.o $(B)/emu/rt.o
+	rm -f $@
+	ar rcs $@ $^
+emu-lib: $(B)/emu/libmoept_emu.a
 
 $(B)/emu/moept_check: tests/moept_check.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)

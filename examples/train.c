@@ -37,6 +37,7 @@
    (local_rank: its place among the processes of its host); rank 0 of each
    EP and DP group makes an NCCL id and broadcasts it over the group's MPI
    communicator, and every rank joins with ncclCommInitRank. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 (with no -fopenmp to declare it) */
 #include "../moept.h"
 
 #define MIN_JUDGED_STEPS 100 /* a run this long is expected to lower its loss */

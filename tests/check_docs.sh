@@ -18,6 +18,25 @@
 #   `make test`'s time and links to PERF.md or TESTING.md; no sentence
 #   outside TESTING.md (and that README paragraph) times a test run (`make
 #   test`, `make check`, CI's run, "N passed").
+# - every measured figure lives in docs/PERF.md or docs/TESTING.md, with its
+#   command, date and machine. A figure is a number with a unit of time (ns,
+#   µs, ms, s, min), of size (KiB, MB, GB, ...) or of rate (TFLOP/s, GB/s,
+#   tokens/s, ...), or a ratio (2.4x, 2.4×; 8 x 65535 and 1 × 128 are
+#   products). It is a measured one when its sentence says a run gave it:
+#   measured, faster, slower, speed-up, median, best of, fastest, slowest,
+#   wall clock, CPU time, resident (RSS, high-water: a process's memory),
+#   "took/takes/ran/runs/reached/came to" right before a number, "on the
+#   H200" (a GPU, a CPU, "this machine", N cores), or the figure is in
+#   tokens/s. Configuration values (T 8192, a 64 MiB limit), sizes a formula
+#   gives, tolerances (1e-5), timeouts, data-sheet rates and the cost
+#   models' times say none of that and pass. Outside PERF.md and TESTING.md
+#   (scanned: every other tracked markdown file, README.md and docs/*.md,
+#   and moept.h's top comment) a measured figure passes only in code (fenced
+#   or indented blocks, `inline`), in a paragraph (a list item and a table
+#   row are each one) that links to docs/PERF.md or docs/TESTING.md, where
+#   it is dated, or in a section of the list below (check 7), each with its
+#   reason (an entry whose heading is gone fails). CHANGELOG.md is history
+#   and keeps the figures of its day.
 # usage: sh tests/check_docs.sh (from the repository root)
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/moept_docs.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
@@ -136,4 +155,72 @@ done
 joined docs/PERF.md | sed 's/\. /.\n/g' | grep -E "$run_re" | cut -c1-150 |
     sed 's|^|docs/PERF.md: a test-run time (docs/TESTING.md holds them): |' >>"$tmp/bad"
 report "dated figures only in docs/PERF.md, test-run times only in docs/TESTING.md" "$tmp/bad"
+
+# 7. measured figures only in docs/PERF.md and docs/TESTING.md (the rule: the top comment)
+: >"$tmp/bad"
+# sections whose figures are not this project's measurements, FILE|HEADING, each under its reason
+grep -v '^#' >"$tmp/figures_ok" <<'EOF'
+# the planner's predictions (they depend on no machine) beside a published run's own figures;
+# docs/PERF.md, "The planner's check (`build/plan --check`)", has the command's output
+docs/PLAN.md|The check against the published fine-tune
+EOF
+while IFS='|' read -r f head; do
+    grep -qE "^#+ $(printf '%s' "$head" | sed 's/[][\.*^$()+?{}|]/\\&/g')\$" "$f" 2>/dev/null ||
+        echo "tests/check_docs.sh: its figures' section \"$head\" is no heading of $f" >>"$tmp/bad"
+done <"$tmp/figures_ok"
+# a file's prose, a paragraph a line as "HEADING<TAB>TEXT" (a list item, a table row and a heading
+# each one); code blocks, `inline code` and comments left out; md=0: a C comment (no indented code)
+prose() {
+    awk -v md="${2:-1}" '
+        function flush() { if (p != "") print head "\t" p; p = "" }
+        /^ *```/ { flush(); fence = !fence; next }
+        fence { next }
+        NF == 0 { flush(); blank = 1; next }
+        md && (blank || icode) && /^    / { icode = 1; next }
+        { icode = 0; blank = 0 }
+        md && /^#+ / { flush(); head = $0; sub(/^#+ +/, "", head); print head "\t" head; next }
+        /^ *\|/ || /^ *([-*]|[0-9]+\.) / { flush() }
+        {
+            s = $0; sub(/^[ \t*\/]+/, "", s)
+            gsub(/<!--[^>]*-->/, "", s); gsub(/`[^`]*`/, "", s)
+            p = p " " s
+            if ($0 ~ /^ *\|/) flush()
+        }
+        END { flush() }' "$1"
+}
+measured() { # file name, allowed headings (one a line): the measured figures' sentences
+    awk -F '\t' -v name="$1" -v ok="$2" '
+    BEGIN {
+        n = split(ok, o, "\n"); for (i = 1; i <= n; i++) allowed[o[i]] = 1
+        num = "[0-9]+([.,][0-9]+)*"
+        unit = "(ns|µs|us|ms|s|secs?|seconds?|min|mins|minutes?|hours?|[kmgtp]i?b|([kmgt] )?[a-z]+/s)"
+        fig = "(^|[^a-z0-9_.])" num " ?" unit "([^a-z0-9_/]|$)"
+        ratio = "[0-9](x|×)([^a-z0-9]|$)"
+        said = "(^|[^a-z])(measur(ed|ing|ements?)|faster|slower|speed-?ups?|median|best of|fastest|slowest"
+        said = said "|wall[- ]clock|of cpu|cpu time|resident|rss|high-water)([^a-z]|$)|[0-9] ?(tokens|tok)/s"
+        ran = "(^|[^a-z])(took|takes?|taking|ran|runs?|running|came to|comes to|reach(es|ed)?|achiev(es|ed)?)"
+        ran = ran " (about |~|only |under |over |up to |at |in |at most |at least )?[0-9]"
+        on = "(^|[^a-z])on ((an?|the|one|this|that)( [^ ]+)?( [^ ]+)? "
+        on = on "(h100|h200|a100|b200|gpu|epyc|xeon|machine)|[0-9]+ (cores|vcpus|threads|gpus))([^a-z]|$)"
+    }
+    $1 in allowed { next }
+    $2 ~ /\]\(([^)]*\/)?(PERF|TESTING)\.md[#)]/ { next }
+    {
+        n = split($2, sent, /(\. |; )/)
+        for (i = 1; i <= n; i++) {
+            sub(/^ +/, "", sent[i]); s = tolower(sent[i])
+            if (!(s ~ said || s ~ ran || s ~ on) || !(match(s, fig) || match(s, ratio))) continue
+            from = RSTART > 70 ? RSTART - 70 : 1     # the figure, with what comes before it
+            print name ($1 != "" ? " (" $1 ")" : "") ": " (from > 1 ? "..." : "") substr(sent[i], from, 150)
+        }
+    }'
+}
+mds=$( (echo "$docs"; git ls-files '*.md' 2>/dev/null) | tr ' ' '\n' | sort -u)
+for f in $mds "$tmp/moept_top"; do
+    case $f in docs/PERF.md|docs/TESTING.md|CHANGELOG.md) continue ;; esac
+    ok=$(awk -F '|' -v f="$f" '$1 == f { print $2 }' "$tmp/figures_ok")
+    if [ "$f" = "$tmp/moept_top" ]; then prose "$f" 0 | measured "moept.h (top comment)" ""
+    else prose "$f" | measured "$f" "$ok"; fi >>"$tmp/bad"
+done
+report "measured figures only in docs/PERF.md and docs/TESTING.md (or linked to them)" "$tmp/bad"
 exit $status

@@ -29,7 +29,8 @@
 # the N-th "later" line waits for F.N.rc (or P's end without it: a FAIL).
 # What this machine has comes from the Makefile, in the environment: CASES,
 # MPIRUN, SAN, TSAN, CBLAS, VALGRIND, GEMM_V3, GEMM_V4, GEMM_PLAIN, ARCH_X86,
-# QEMU_AARCH64, EMU, CUDA, NVCC, TORCH (empty: not found; the group says "skip").
+# QEMU_AARCH64, EMU, CUDA, NVCC, TORCH (empty: not found; the group says "skip"); EMU_INC (the
+# emulator's -I flags: the CUDA, cuBLAS and NCCL headers).
 B=${B:-build}
 mode=run only= want= stage= nlater=0
 while [ $# -gt 0 ]; do
