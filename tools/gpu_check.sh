@@ -57,10 +57,11 @@
 #           test_compile (CPU layers; torch >= 2.4); examples/hf_swap.py --check for
 #           each family with CPU layers, on the GPU in fp32 and bf16 (autocast), and in bf16 at
 #           D 1024 with the MoE block timed at 8192 tokens against transformers' (docs/TORCH.md)
-# peers:    bench/bench_peers.py: one MoE layer's forward + backward beside transformers' block in
-#           each experts implementation, a torch._grouped_mm layer and moept's C API (bench_cuda),
-#           at Mixtral-8x7B (T 8192), DeepSeek-V3's experts (16 local, top-8, T 8192) and
-#           Qwen3-30B-A3B (T 4096), bf16 (docs/PERF.md has the table)
+# peers:    bench/bench_peers.py: one MoE layer's forward + backward, moept's C API (bench_cuda) and
+#           moept_torch beside transformers' block in each experts implementation and a
+#           torch._grouped_mm layer, each with bf16 parameters and with fp32 parameters under
+#           torch.autocast (bf16), at Mixtral-8x7B (T 8192), DeepSeek-V3's experts (16 local, top-8,
+#           T 8192) and Qwen3-30B-A3B (T 4096), bf16 in and out (docs/PERF.md has the table)
 #
 # Logs go to $OUT (the device tool's output folder; default build/gpu): one
 # <phase>.log each and summary.txt, one line per step with its exit status
@@ -338,7 +339,7 @@ peers() {
             tee -a "$SUM"
         return
     fi
-    step "bench_peers: Mixtral-8x7B T 8192, DeepSeek-V3 experts T 8192, Qwen3-30B-A3B T 4096, bf16" \
+    step "bench_peers: Mixtral-8x7B T 8192, DeepSeek-V3 experts T 8192, Qwen3-30B-A3B T 4096, bf16 + amp" \
         timeout 330 $P bench/bench_peers.py --device cuda --lib build/libmoept_cuda.so \
         --bench-cuda build/bench_cuda
     sed -n '/^$/,$p' "$LOG" >>"$SUM"
