@@ -79,6 +79,7 @@
      moept_forward(L, x, T, y);          // x [T][D] -> y [T][D]
      moept_backward(L, x, dy, dx);       // dy [T][D] -> dx [T][D], grads +=
      float *g; int64_t n; moept_grads(L, &g, &n);  // one contiguous range
+     // (any layer, a CUDA layer's too: moept_buf_read(L, MOEPT_BUF_GRADS, 0, n, g))
      moept_zero_grad(L);
      moept_destroy(L);
 
@@ -769,9 +770,9 @@ moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, i
    thread may call it; its NCCL comms must be on the same device. A kernel
    fault (an illegal address...) loses the device's CUDA context for good:
    the call that sees it, and every later call that needs the device, fails
-   with MOEPT_ERR_DEVICE and says so; destroy the layer and its comms (only
-   a new process can use the device again; current host copies stay
-   readable).
+   with MOEPT_ERR_DEVICE and says so, reading a parameter too (the device
+   was its one home: a checkpoint is the way back); destroy the layer and
+   its comms (only a new process can use the device again).
    Its moept_forward / moept_backward take DEVICE pointers x, y, dy, dx of
    options.dtype (F32, or BF16 passed as float* casts); the router, its
    logits, the losses, accumulation, master weights and gradients stay
@@ -780,25 +781,27 @@ moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, i
    (reading the exchanged expert counts, which size everything after), and
    one per backward for the dy check, the forward's y check and the call's
    agreement, unless unchecked_backward is set.
-   Parameters: moept_set_param / moept_get_param / moept_get_grad take host
-   arrays as for a CPU layer (the host copy is uploaded before the next
-   forward); moept_params / moept_grads return the host copies, downloaded
-   on demand. moept_cuda_params returns the device buffers for an optimizer
-   that stays on the GPU (call moept_cuda_params_changed after it writes).
+   Parameters: the layer's parameters, gradients and AdamW moments live on
+   the device alone (the host keeps the correction bias and the placement,
+   E values each). moept_set_param / moept_get_param / moept_get_grad and
+   moept_buf_read / moept_buf_write copy between them and host arrays, at
+   once (a host sync); moept_params / moept_grads, whose pointers would be
+   host memory, refuse. moept_cuda_params returns the device buffers for an
+   optimizer that stays on the GPU (call moept_cuda_params_changed after it
+   writes). A save copies what it writes to the host while it runs (the
+   writer's buffers), a load stages what it reads there before copying it
+   over; between calls the host holds no parameter-sized memory.
    moept_adamw_step and moept_grad_norm run on the device, where the
-   gradients are: nothing crosses to the host but the norm's block sums;
-   the AdamW moments live on the device (copied to the host by
-   moept_save_checkpoint, from it after moept_load_checkpoint), and the
-   step equals a CPU layer's bitwise. adamw_step keeps grad_norm's finding
+   gradients are: nothing crosses to the host but the norm's block sums,
+   and the step equals a CPU layer's bitwise. adamw_step keeps grad_norm's finding
    that the same gradients are finite, so after a norm it does not wait on
    the host (a sync-free layer's may change in a replayed graph: it scans).
    A bf16 layer's weight copy is written by the AdamW step's own pass;
-   after other changes (an upload, moept_cuda_params,
+   after other changes (a write, moept_cuda_params,
    moept_cuda_params_changed) it is cast at the next forward, in the
-   sync-free mode at once. Everything else (checkpoints, bias updates)
-   works on the host copy; the correction bias has its one home there
+   sync-free mode at once. The correction bias has its one home on the host
    (moept_update_bias or moept_set_param of it copies its E floats to the
-   device at the next forward, not the parameters).
+   device, not the parameters).
 
    SYNC-FREE MODE (options.sync_free = 1; off by default)
      Forward and backward never wait on the host, so the host runs ahead
@@ -899,7 +902,7 @@ moept_status moept_cuda_params_changed(moept_layer *layer);
    fails at once without touching the handle. ncclCommAbort frees the
    communicator: when moept_comm_nccl_aborted(c) is 1, the owner must not
    call ncclCommDestroy on it (a double free); moept_comm_destroy(c) is still
-   needed. The layers' host copies of parameters stay readable. Each call
+   needed. The layers' parameters stay readable. Each call
    makes the communicator's device (ncclCommCuDevice) current for its
    duration. */
 moept_status moept_comm_nccl(ncclComm_t comm, void *stream, int timeout_ms, moept_comm **out);
@@ -1186,8 +1189,8 @@ moept_status moept_zero_grad(moept_layer *layer);
    leaving one freed). Parameters and AdamW state move; gradients are
    zeroed. From then on the dispatch order follows the placement. Every EP
    group of a DP layout must reshard alike. A CUDA layer moves them device
-   to device over its NCCL comm and also keeps a host copy of the experts
-   it sends: if any rank's moves fail (a comm error), every rank fails and
+   to device over its NCCL comm and keeps a host copy of the experts it
+   sends while the call runs: if any rank's moves fail (a comm error), every rank fails and
    puts its experts back, so every rank is as before the call. A CPU
    layer whose comm fails during the moves is left part-moved, and peers
    that finished keep their moves (reload a checkpoint). */

@@ -68,7 +68,8 @@ class moept_backward_opts(C.Structure):
 
 class moept_param_info(C.Structure):
     _fields_ = [("name", C.c_char_p), ("rows", C.c_int64), ("cols", C.c_int64),
-                ("data", C.c_void_p), ("grad", C.c_void_p), ("shard_offset", C.c_int64)]
+                ("data", C.c_void_p), ("grad", C.c_void_p), ("shard_offset", C.c_int64),
+                ("offset", C.c_int64)]
 
 
 class moept_cuda_options(C.Structure):
@@ -677,23 +678,23 @@ class MoeptMoE(torch.nn.Module):
         for i in range(lib.moept_param_count(self._h)):
             info = moept_param_info()
             self._call("moept_param_info_at", self._h, i, C.byref(info))
-            infos.append((info.name.decode(), info.rows, info.cols, info.data, info.grad))
+            infos.append((info.name.decode(), info.rows, info.cols, info.data, info.grad, info.offset))
         ex = getattr(block, "experts", None)
         if fused is None:  # the block's layout; with no block, the installed transformers' (5.x: fused)
             fused = hasattr(ex, "gate_up_proj") if block is not None else _transformers_major() >= 5
         self._fused = fused
         if block is not None:
-            for name, rows, cols, _, _ in infos:
+            for name, rows, cols, _, _, _ in infos:
                 t = _hf_source(block, name, self.F, rows, cols)
                 t = t.detach().to("cpu", torch.float32).contiguous()
                 self._call("moept_set_param", self._h, name.encode(), t.data_ptr(), t.numel())
-        if self.device_.type == "cuda":
-            base, n = C.c_void_p(), C.c_int64()
-            self._call("moept_params", self._h, C.byref(base), C.byref(n))  # the host copy's layout
-            dp, dg = C.c_void_p(), C.c_void_p()
-            self._call("moept_cuda_params", self._h, C.byref(dp), C.byref(dg), C.byref(n))  # uploads
-            infos = [(nm, r, c, None if d is None else dp.value + (d - base.value),
-                      None if g is None else dg.value + (d - base.value)) for nm, r, c, d, g in infos]
+        if self.device_.type == "cuda":  # its buffers live on the device alone: views of those
+            dp, dg, n = C.c_void_p(), C.c_void_p(), C.c_int64()
+            self._call("moept_cuda_params", self._h, C.byref(dp), C.byref(dg), C.byref(n))
+            infos = [(nm, r, c, None if o < 0 else dp.value + 4 * o,
+                      None if o < 0 or dg.value is None else dg.value + 4 * o) for nm, r, c, _, _, o in infos]
+        else:
+            infos = [i[:5] for i in infos]
         self._names, self._grads, self._moept_names = [], [], {}
         views = [(nm, r, c, d, g) for nm, r, c, d, g in infos if g is not None]
         me = weakref.ref(self)

@@ -72,7 +72,8 @@ typedef struct opts {
     int fp8;               /* --dtype fp8: the expert GEMMs in FP8 (config.fp8) */
 } opts;
 
-typedef struct adam { float *m, *v; int64_t n; } adam;
+/* p, g: the MoE layers' copies this optimizer steps (moept_buf_read/write: a CUDA layer's live on its GPU) */
+typedef struct adam { float *m, *v, *p, *g; int64_t n; } adam;
 
 typedef struct model {
     int V, D, C, NL, B;    /* B: this rank's rows per step */
@@ -129,7 +130,7 @@ static void allsum(moept_comm *c, void *buf, int64_t n, moept_dtype t) {
 }
 
 static adam adam_new(int64_t n) {
-    adam a = {xcalloc((size_t)n, 4), xcalloc((size_t)n, 4), n};
+    adam a = {xcalloc((size_t)n, 4), xcalloc((size_t)n, 4), NULL, NULL, n};
     return a;
 }
 
@@ -412,9 +413,10 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
         check(moept_create_parallel(&cfg, ep, dp, &M.moe[l]), NULL, "moept_create");
 #endif
         check(moept_init_params(M.moe[l], o.seed * 100 + (unsigned long long)l), M.moe[l], "init");
-        float *p; int64_t n;
-        moept_params(M.moe[l], &p, &n);
+        const int64_t n = moept_param_numel(M.moe[l]);
         M.a_moe[l] = adam_new(n);
+        M.a_moe[l].p = xcalloc((size_t)n, 4);
+        M.a_moe[l].g = xcalloc((size_t)n, 4);
     }
     M.a_emb = adam_new((int64_t)M.C * V * D); M.a_norm = adam_new((int64_t)(NL + 1) * D); M.a_head = adam_new((int64_t)V * D);
 
@@ -451,11 +453,12 @@ static int train_rank(const opts *op, moept_comm *comm, moept_comm *ep, moept_co
         allsum(comm, M.g_head, (int64_t)V * D, MOEPT_DTYPE_F32);
         float lr = o.lr * (s < 50 ? (float)s / 50 : 0.5f * (1 + cosf(3.14159265f * (float)(s - 50) / (float)(o.steps - 49))));
         for (int l = 0; l < NL; l++) {
-            float *p, *g; int64_t n;
+            adam *a = &M.a_moe[l];
             check(moept_sync_grads(M.moe[l], 1.0f), M.moe[l], "sync_grads");
-            moept_params(M.moe[l], &p, &n);
-            moept_grads(M.moe[l], &g, &n);
-            adam_step(&M.a_moe[l], p, g, s, lr, 0.01f);
+            check(moept_buf_read(M.moe[l], MOEPT_BUF_PARAMS, 0, a->n, a->p), M.moe[l], "buf_read");
+            check(moept_buf_read(M.moe[l], MOEPT_BUF_GRADS, 0, a->n, a->g), M.moe[l], "buf_read");
+            adam_step(a, a->p, a->g, s, lr, 0.01f);
+            check(moept_buf_write(M.moe[l], MOEPT_BUF_PARAMS, 0, a->n, a->p), M.moe[l], "buf_write");
         }
         adam_step(&M.a_emb, M.emb, M.g_emb, s, lr, 0.0f);
         adam_step(&M.a_norm, M.norm, M.g_norm, s, lr, 0.0f);
