@@ -604,6 +604,16 @@ MOEPT_HD static inline int64_t moept__capacity(double cf, int64_t T, int64_t K, 
     return c < (double)(T * K) ? (int64_t)c : T * K;
 }
 
+/* An evaluation forward's slot, both executors' rule (nslots training
+   slots; slot nslots is the evaluations'): its own where a training forward
+   may still wait for its backward (pending: slot 0 holds a training
+   forward not yet differentiated); a one-slot layer otherwise evaluates in
+   slot 0, so a training loop's evaluations add no workspace; an inference
+   layer has slot 0 alone. */
+MOEPT_HD MOEPT__HOST_UNUSED static inline int moept__eval_slot_of(int nslots, int inference, int pending) {
+    return inference ? 0 : nslots > 1 || pending ? nslots : 0;
+}
+
 /* Chunked overlap: chunk c of C holds tokens [c T / C, (c+1) T / C);
    moept__chunk_of is the chunk of token t (0 <= t < T): the largest c with
    c T / C <= t, i.e. c T < (t + 1) C. */
@@ -2115,7 +2125,8 @@ static void moept__build_table(moept_layer *L) {
             moept__add_param(L, MOEPT__P_SUP, -1, S, D, os, "%s.up_proj.weight", pre);
         }
         moept__add_param(L, MOEPT__P_SDOWN, -1, D, S, L->par.os2, "%s.down_proj.weight", pre);
-        if (L->par.osg >= 0) moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->par.osg, "shared_expert_gate.weight");
+        if (L->par.osg >= 0)
+            moept__add_param(L, MOEPT__P_SGATE, -1, 1, D, L->par.osg, "shared_expert_gate.weight");
     }
     if (L->cfg.family == MOEPT_FAMILY_DEEPSEEK_V3)
         moept__add_param(L, MOEPT__P_BIAS, -1, 1, E, -1, "gate.e_score_correction_bias");
@@ -2746,7 +2757,8 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
     }
     L->par.ws13 = moept__goff(p, L->par.os13); L->par.gs13 = moept__goff(g, L->par.os13);
     L->par.ws2 = moept__goff(p, L->par.os2); L->par.gs2 = moept__goff(g, L->par.os2);
-    L->par.wsg = nsg ? moept__goff(p, L->par.osg) : NULL; L->par.gsg = nsg ? moept__goff(g, L->par.osg) : NULL;
+    L->par.wsg = nsg ? moept__goff(p, L->par.osg) : NULL;
+    L->par.gsg = nsg ? moept__goff(g, L->par.osg) : NULL;
     for (int64_t e = 0; e < E; e++) L->plan.slot_of[e] = L->plan.expert_at[e] = (int32_t)e;
     moept__build_table(L);
     L->stats.param_bytes = (int64_t)pbytes;
@@ -2871,8 +2883,8 @@ static moept_status moept__param_io(const moept_layer *L, const char *fn,
 }
 
 /* the first non-finite of src [n] (-1: none) */
-static moept_status moept__finite_in(const moept_layer *L, const char *call, const char *what, const float *src,
-                                     int64_t n) {
+static moept_status moept__finite_in(const moept_layer *L, const char *call, const char *what,
+                                     const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         if (!moept__finite(src[i]))
             return moept__fail(L, MOEPT_ERR_NUMERIC, "%s(%s): element %lld is not finite", call, what,
@@ -2906,7 +2918,8 @@ static moept_status moept__get(const moept_layer *L, const char *call, const cha
                            "%s(%s): fsdp keeps expert %s sharded flat over the group; read this rank's part "
                            "through %s and moept_fsdp_shard", call, name, grad ? "gradients" : "weights",
                            grad ? "moept_grads" : "moept_params");
-    if (grad && !p->trains) return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: '%s' has no gradient", call, name);
+    if (grad && !p->trains)
+        return moept__fail(L, MOEPT_ERR_NOT_FOUND, "%s: '%s' has no gradient", call, name);
     if (p->type == MOEPT__P_BIAS) {
         memcpy(dst, p->data, (size_t)numel * sizeof(float));
         return MOEPT_OK;
@@ -2959,8 +2972,10 @@ static moept_status moept__no_grads(moept_layer *L, const char *call) {
 }
 
 /* the host's buffer (moept_params, moept_grads), or the refusal of a layer whose buffers a device keeps */
-static moept_status moept__host_buf(moept_layer *L, const char *call, float *buf, float **out, int64_t *numel) {
-    if (!L || !out || !numel) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: NULL argument", call);
+static moept_status moept__host_buf(moept_layer *L, const char *call, float *buf, float **out,
+                                    int64_t *numel) {
+    if (!L || !out || !numel)
+        return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: NULL argument", call);
     if (L->ex->io)
         return moept__fail(L, MOEPT_ERR_UNSUPPORTED, "%s: this layer's buffers live on its device (%s): "
                            "moept_cuda_params gives their device pointers, moept_buf_read and "
@@ -2983,7 +2998,8 @@ static moept_status moept__buf_args(const moept_layer *L, const char *call, moep
                                     int64_t n, const float *h) {
     if (!L || (!h && n > 0)) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s: NULL argument", call);
     if (which != MOEPT_BUF_PARAMS && which != MOEPT_BUF_GRADS)
-        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: which is %d, not a moept_buf", call, (int)which);
+        return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: which is %d, not a moept_buf", call,
+                           (int)which);
     if (off < 0 || n < 0 || off > L->par.n_params - n)
         return moept__fail(L, MOEPT_ERR_INVALID_ARGUMENT, "%s: [%lld, %lld + %lld) is not within the %lld "
                            "floats of the buffer", call, (long long)off, (long long)off, (long long)n,
@@ -4601,21 +4617,18 @@ static void moept__fwd_stats(moept_layer *L, moept__fstate *sl, const moept__fst
     sts->z_loss = (float)sl->fwd.z_value;
 }
 
-/* An evaluation forward's slot: its own where a training forward may still
-   be waiting for its backward; a one-slot layer whose training forward was
-   differentiated (or never ran) evaluates in that slot, so a training
-   loop's evaluations add no workspace */
+/* An evaluation forward's slot (moept__eval_slot_of) */
 static int moept__eval_slot(const moept_layer *L) {
-    if (L->nslots > 1) return L->nslots;
     const moept__fstate *s0 = &L->slots[0];
-    return s0->fwd.valid && !s0->fwd.eval && !s0->fwd.bwd_valid ? L->nslots : 0;
+    return moept__eval_slot_of(L->nslots, L->cfg.inference_only,
+                               s0->fwd.valid && !s0->fwd.eval && !s0->fwd.bwd_valid);
 }
 
 static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
     /* a training forward's slot; an evaluation's own (a training layer's
        evaluation leaves every training forward's state as it was) */
     const int slot = f->reject ? 0 /* (an out-of-range f->slot is never an index) */
-                     : !f->eval ? f->slot : L->cfg.inference_only ? 0 : moept__eval_slot(L);
+                     : !f->eval ? f->slot : moept__eval_slot(L);
     moept__fstate *sl = &L->slots[slot]; /* its buffers made at its first use; nothing switches */
     moept_status local = f->reject ? moept__fail(L, f->reject, "%s", f->reject_why)
                                    : moept__slot_get(L, slot, "moept_forward", &sl),
@@ -8505,7 +8518,8 @@ static void *moept__hf_block(const moept_layer *L, int with_replicated, moept_dt
     unsigned char *block = moept__alloc(NULL, (size_t)(n > 0 ? n : 1) * esz), *o = block;
     float *tmp = L->ex->io ? moept__alloc(NULL, (size_t)most * sizeof(float)) : NULL;
     if (!block || (L->ex->io && !tmp))
-        *st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the %s copy", moept__dtype_name(dtype));
+        *st = moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory for the %s copy",
+                                 moept__dtype_name(dtype));
     for (int64_t i = 0; !*st && i < L->par.n_table; i++) {
         const moept__param *p = &L->par.table[i];
         const int64_t m = p->rows * p->cols;

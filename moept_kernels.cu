@@ -2122,6 +2122,17 @@ struct moept__cuda {
                                    unmasked tokens */
     int64_t moff;               /* where the loss statistics start in it */
 
+    /* the layer's side: what the device checked that the host has not read */
+    int routing_on_host;        /* host ids/wts/logits hold the committed step */
+    int dx_pending;             /* a backward's dx check on the device not yet read */
+    int stats_pending;          /* sync-free: the last forward's device statistics not read yet */
+    int last_slot;              /* the last forward's forward slot (an evaluation's: max_inflight) */
+    /* moept_reshard, during the call: this rank's moves, their buffers (1, or 3 with the moments) and
+       the leaving experts' bytes [n][rs_nbuf][H*D + D*F] (host), for an undo */
+    int rs_nbuf;
+    int64_t *rs_slot;           /* [n] local slot of each leaving expert, [n] its round; to, from [n] int32 */
+    float *rs_backup;
+
     /* device: parameters */
     float *params, *grads;      /* [n_params] each: router | w13 | w2 | ws13 | ws2 | wsg (16-byte aligned);
                                    an inference layer has no grads (NULL) */
@@ -3121,7 +3132,8 @@ static moept_status moept__cuda_io(moept__cuda *c, int which, int64_t off, int64
     MOEPT__ENTER(c);
     float *d = which == MOEPT_BUF_PARAMS ? c->params : which == MOEPT_BUF_GRADS ? c->grads
              : which == MOEPT__BUF_M    ? c->opt_m   : c->opt_v;
-    if (!d && write) return moept__kfail(err, MOEPT_ERR_STATE, "internal: a write to a buffer the layer lacks");
+    if (!d && write)
+        return moept__kfail(err, MOEPT_ERR_STATE, "internal: a write to a buffer the layer lacks");
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     if (!d) {
         memset(h, 0, (size_t)n * 4); /* moments before the first step */
@@ -3643,17 +3655,16 @@ static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
     if (f->local[0]) f->host_bad = 1;
 }
 
-/* 0. slot: a training forward's (opts.slot), an evaluation's own where a
-   training forward may still wait for its backward, else the training
-   slot (moept.c's moept__eval_slot); its buffers made at its first use (a
-   failure is agreed as the call's rejection) */
+/* 0. slot: a training forward's (opts.slot), an evaluation's by
+   moept__eval_slot_of; its buffers made at its first use (a failure is
+   agreed as the call's rejection) */
 static void moept__fwd_slot(moept__cuda *c, const moept__dev_step *o, moept__fwd *f, moept__cslot **out,
                             char *why) {
     *out = moept__last(c); /* a rejected forward runs in the last one's spare buffers */
     if (f->reject) return; /* (o->slot may be out of range) */
     const moept__cslot *s0 = &c->slots[0];
-    const int s = !o->eval ? o->slot : c->sp.inference ? 0 : c->nslots > 1 ? c->nslots
-                : s0->fwd_valid && !s0->fwd_eval && !s0->bwd_done ? c->nslots : 0;
+    const int pending = s0->fwd_valid && !s0->fwd_eval && !s0->bwd_done;
+    const int s = !o->eval ? o->slot : moept__eval_slot_of(c->nslots, c->sp.inference, pending);
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     if (!c->slots[s].fwork && cudaStreamIsCapturing(c->s, &cap) == cudaSuccess &&
         cap != cudaStreamCaptureStatusNone) { /* cudaMalloc would invalidate the caller's capture */
@@ -4920,66 +4931,51 @@ static void moept__cuda_reshard_end(moept__cuda *c) {
    through moept__view_of and report to it through moept.c's moept__dev_*
    calls (moept.h's internal part), and keep their own state beside it.
    ------------------------------------------------------------------------ */
-/* A CUDA layer's state beside the device executor (whose buffers are the
-   layer's only copy): what the device checked that the host has not read */
-typedef struct moept__cudax {
-    moept__cuda *c;
-    int routing_on_host;   /* host ids/wts/logits hold the committed step */
-    int dx_pending;        /* a backward's dx check on the device not yet read */
-    int stats_pending;     /* sync-free: the last forward's device statistics not read yet */
-    int sync_free;         /* checks read at every adamw_step/grad_norm (a replayed graph's too) */
-    int slot;              /* the last forward's forward slot (an evaluation's: max_inflight) */
-    /* moept_reshard, during the call: this rank's moves, their buffers (1, or 3 with
-       the moments) and the leaving experts' bytes [n][rs_nbuf][H*D + D*F], for an undo */
-    int rs_nbuf;
-    int64_t *rs_slot;      /* [n] local slot of each leaving expert, [n] its round, then to, from [n] int32 */
-    float *rs_backup;
-} moept__cudax;
 
-/* the layer's view (its current host buffers) and this executor's state */
-static moept__cudax *moept__cx(moept_layer *L, moept__view *v) {
+/* the layer's view and this executor's state (the one CUDA layer struct) */
+static moept__cuda *moept__cx(moept_layer *L, moept__view *v) {
     moept__view_of(L, v);
-    return (moept__cudax *)*v->xstate;
+    return (moept__cuda *)*v->xstate;
 }
 
 static moept_status moept__cuda_layer_io(moept_layer *L, int which, int64_t off, int64_t n, float *h,
                                          int write) {
     moept__view v;
-    return moept__cuda_io(moept__cx(L, &v)->c, which, off, n, h, write, moept__errbuf());
+    return moept__cuda_io(moept__cx(L, &v), which, off, n, h, write, moept__errbuf());
 }
 
 static moept_status moept__cuda_layer_tables(moept_layer *L) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    return moept__cuda_tables(X->c, v.bias, v.slot_of, moept__errbuf());
+    moept__cuda *c = moept__cx(L, &v);
+    return moept__cuda_tables(c, v.bias, v.slot_of, moept__errbuf());
 }
 
 /* what the device executor holds now, into the layer's statistics */
 static void moept__cuda_held(moept_layer *L) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
+    moept__cuda *c = moept__cx(L, &v);
     int64_t a = 0, b = 0, w = 0;
-    moept__cuda_sizes(X->c, &a, &b, &w);
+    moept__cuda_sizes(c, &a, &b, &w);
     moept__dev_held(L, a, b, w);
 }
 
 /* sync-free: the last forward's device statistics, read now (a host sync) */
 static moept_status moept__cuda_settle(moept_layer *L) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    if (!X->stats_pending) return MOEPT_OK;
+    moept__cuda *c = moept__cx(L, &v);
+    if (!c->stats_pending) return MOEPT_OK;
     moept__dev_step r;
     memset(&r, 0, sizeof r);
-    moept_status st = moept__cuda_step_stats(X->c, v.lstat, v.peer_rows, &r, moept__errbuf());
+    moept_status st = moept__cuda_step_stats(c, v.lstat, v.peer_rows, &r, moept__errbuf());
     if (st) return st;
-    X->stats_pending = 0;
+    c->stats_pending = 0;
     moept__dev_step_done(L, &r);
     return MOEPT_OK;
 }
 
 static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
+    moept__cuda *c = moept__cx(L, &v);
     moept_status st;
     moept__dev_step r;
     memset(&r, 0, sizeof r);
@@ -4996,16 +4992,16 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
     r.jitter_key = moept__jitter_key(L);
     r.mask = f->mask; /* device memory, as x and y */
     r.logits_out = f->logits_out;
-    st = moept__cuda_forward(X->c, f->x, f->T, f->y, v.lstat, v.peer_rows, &r, moept__errbuf());
+    st = moept__cuda_forward(c, f->x, f->T, f->y, v.lstat, v.peer_rows, &r, moept__errbuf());
     moept__dev_agreed(L, r.agreed);
     moept__cuda_held(L); /* a failed forward's too: a slot it made stays */
     /* sync-free: a rank's own rejection fails its call alone and its peers
        go on, so it counts the forward as they do: the ranks' noise keys stay alike */
-    if (st && r.agreed && X->sync_free) moept__dev_count_jitter(L, r.jitter);
+    if (st && r.agreed && c->sp.sync_free) moept__dev_count_jitter(L, r.jitter);
     if (st) return st;
-    X->routing_on_host = 0;
-    X->slot = r.slot; /* its backward's gradients are moept_routing_grads' */
-    X->stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
+    c->routing_on_host = 0;
+    c->last_slot = r.slot; /* its backward's gradients are moept_routing_grads' */
+    c->stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
     moept__dev_forward_done(L, &r, f->T, f->eval);
     return MOEPT_OK;
 }
@@ -5013,7 +5009,7 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
 static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, const float *dy, float *dx,
                                            const moept_backward_opts *o) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
+    moept__cuda *c = moept__cx(L, &v);
     moept_status st;
     moept__dev_step r;
     memset(&r, 0, sizeof r);
@@ -5031,57 +5027,57 @@ static moept_status moept__cuda_layer_backward(moept_layer *L, const float *x, c
     r.router_loss_scale = o->router_loss_scale;
     r.dlogits = o->dlogits; /* device memory, as x */
     r.slot = o->slot;
-    st = moept__cuda_backward(X->c, x, dy, dx, &r, moept__errbuf());
+    st = moept__cuda_backward(c, x, dy, dx, &r, moept__errbuf());
     moept__dev_agreed(L, r.agreed);
     moept__cuda_held(L);
     if (st) return st;
-    moept__dev_backward_done(L, &r, o->slot == X->slot); /* the last forward's: its routing grads */
-    X->dx_pending = 1;
+    moept__dev_backward_done(L, &r, o->slot == c->last_slot); /* the last forward's: its routing grads */
+    c->dx_pending = 1;
     return MOEPT_OK;
 }
 
 /* router and shared expert over EP, then everything over DP, on the device */
 static moept_status moept__cuda_layer_sync_grads(moept_layer *L, float scale) {
     moept__view v;
-    return moept__cuda_sync_grads(moept__cx(L, &v)->c, scale, moept__errbuf());
+    return moept__cuda_sync_grads(moept__cx(L, &v), scale, moept__errbuf());
 }
 
 /* s NULL: the executor may keep what a scan of the same gradients found */
 static moept_status moept__cuda_layer_grad_scan(moept_layer *L, double *s, int64_t *bad) {
     moept__view v;
-    return moept__cuda_grad_scan(moept__cx(L, &v)->c, s, bad, moept__errbuf());
+    return moept__cuda_grad_scan(moept__cx(L, &v), s, bad, moept__errbuf());
 }
 
 /* the step on the device (its parameters, moments and bf16 weights), where
    the gradients are; nothing crosses to the host */
 static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
     moept__view v;
-    return moept__cuda_adamw(moept__cx(L, &v)->c, &k, moept__errbuf());
+    return moept__cuda_adamw(moept__cx(L, &v), &k, moept__errbuf());
 }
 
 /* before the step's agreement (and a load's): the moments, so a rank out of memory fails every rank */
 static moept_status moept__cuda_layer_adamw_ready(moept_layer *L) {
     moept__view v;
-    return moept__opt_ready(moept__cx(L, &v)->c, moept__errbuf());
+    return moept__opt_ready(moept__cx(L, &v), moept__errbuf());
 }
 
 static moept_status moept__cuda_layer_adamw_probe(moept_layer *L, moept__adamw_k k, int64_t *bad,
                                                  double *mmax, double *vmax) {
     moept__view v;
-    return moept__cuda_adamw_probe(moept__cx(L, &v)->c, &k, bad, mmax, vmax, moept__errbuf());
+    return moept__cuda_adamw_probe(moept__cx(L, &v), &k, bad, mmax, vmax, moept__errbuf());
 }
 
 static void moept__cuda_layer_stale(moept_layer *L, const char *call) {
     moept__view v;
-    moept__cuda_stale_forwards(moept__cx(L, &v)->c, call);
+    moept__cuda_stale_forwards(moept__cx(L, &v), call);
 }
 
 static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    moept_status st = moept__cuda_zero_grad(X->c, moept__errbuf()); /* its dx check reset with them */
+    moept__cuda *c = moept__cx(L, &v);
+    moept_status st = moept__cuda_zero_grad(c, moept__errbuf()); /* its dx check reset with them */
     if (st) return st;
-    X->dx_pending = 0;
+    c->dx_pending = 0;
     return MOEPT_OK;
 }
 
@@ -5089,39 +5085,39 @@ static moept_status moept__cuda_layer_zero_grad(moept_layer *L) {
    its other checks), read without a sync at the backward */
 static moept_status moept__cuda_grads_check(moept_layer *L) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    if (!X->dx_pending && !X->sync_free) return MOEPT_OK;
+    moept__cuda *c = moept__cx(L, &v);
+    if (!c->dx_pending && !c->sp.sync_free) return MOEPT_OK;
     int64_t bad = -1, dl_bad = -1;
     char why[MOEPT__ERRLEN];
     moept_status why_st = MOEPT_OK;
-    moept_status st = moept__cuda_dx_check(X->c, &bad, &dl_bad, &why_st, why, moept__errbuf());
+    moept_status st = moept__cuda_dx_check(c, &bad, &dl_bad, &why_st, why, moept__errbuf());
     if (st) return st;
-    X->dx_pending = 0;
+    c->dx_pending = 0;
     moept__dev_grads_bad(L, bad, dl_bad, why_st, why);
     return MOEPT_OK;
 }
 
 static moept_status moept__cuda_routing(moept_layer *L, int dweights) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    if (dweights) return moept__cuda_download_routing(X->c, NULL, NULL, NULL, v.dwts, moept__errbuf());
-    if (X->routing_on_host) return MOEPT_OK;
-    moept_status st = moept__cuda_download_routing(X->c, v.ids, v.wts, v.logits, NULL, moept__errbuf());
-    if (!st) X->routing_on_host = 1;
+    moept__cuda *c = moept__cx(L, &v);
+    if (dweights) return moept__cuda_download_routing(c, NULL, NULL, NULL, v.dwts, moept__errbuf());
+    if (c->routing_on_host) return MOEPT_OK;
+    moept_status st = moept__cuda_download_routing(c, v.ids, v.wts, v.logits, NULL, moept__errbuf());
+    if (!st) c->routing_on_host = 1;
     return st;
 }
 
 static moept_status moept__cuda_device_params(moept_layer *L, float **params, float **grads) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    moept__cuda_pointers(X->c, params, grads);
-    moept__cuda_params_changed(X->c); /* the caller may write them */
+    moept__cuda *c = moept__cx(L, &v);
+    moept__cuda_pointers(c, params, grads);
+    moept__cuda_params_changed(c); /* the caller may write them */
     return MOEPT_OK;
 }
 
 static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
     moept__view v;
-    moept__cuda_params_changed(moept__cx(L, &v)->c);
+    moept__cuda_params_changed(moept__cx(L, &v));
     return MOEPT_OK;
 }
 
@@ -5130,22 +5126,22 @@ static moept_status moept__cuda_layer_params_changed(moept_layer *L) {
    of the experts it sends */
 static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept__moves *mv) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
+    moept__cuda *c = moept__cx(L, &v);
     const int64_t P = v.P, me = v.rank, n = mv->n, part = v.H * v.D + v.D * v.F;
     moept_status st = moept__cuda_settle(L);
-    if (!st) st = moept__cuda_reshard_prep(X->c, &X->rs_nbuf, moept__errbuf());
+    if (!st) st = moept__cuda_reshard_prep(c, &c->rs_nbuf, moept__errbuf());
     if (st) return moept__fail(L, st, "moept_reshard: %s", moept__errbuf());
-    X->rs_slot = (int64_t *)malloc((size_t)(3 * (n > 0 ? n : 1)) * sizeof(int64_t));
-    X->rs_backup = (float *)malloc((size_t)(n * X->rs_nbuf * part > 0 ? n * X->rs_nbuf * part : 1) *
+    c->rs_slot = (int64_t *)malloc((size_t)(3 * (n > 0 ? n : 1)) * sizeof(int64_t));
+    c->rs_backup = (float *)malloc((size_t)(n * c->rs_nbuf * part > 0 ? n * c->rs_nbuf * part : 1) *
                                    sizeof(float));
-    if (!X->rs_slot || !X->rs_backup) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of "
+    if (!c->rs_slot || !c->rs_backup) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_reshard: out of "
                                                          "host memory (a backup of the experts it sends)");
-    int32_t *to = (int32_t *)(X->rs_slot + 2 * n), *from = to + n;
+    int32_t *to = (int32_t *)(c->rs_slot + 2 * n), *from = to + n;
     for (int64_t k = 0, i = 0; k < mv->rounds; k++) {
         const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
         if (go < 0) continue;
-        X->rs_slot[n + i] = k;
-        X->rs_slot[i] = v.slot_of[go] % v.El;
+        c->rs_slot[n + i] = k;
+        c->rs_slot[i] = v.slot_of[go] % v.El;
         to[i] = mv->new_rank[go];
         from[i++] = (int32_t)(v.slot_of[come] / v.El);
     }
@@ -5157,20 +5153,20 @@ static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept_
 static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *mv, int64_t *sent,
                                         int64_t *recvd) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
+    moept__cuda *c = moept__cx(L, &v);
     const int64_t n = mv->n;
-    const int32_t *to = (const int32_t *)(X->rs_slot + 2 * n);
-    const moept__cuda_moves cm = {n, mv->rounds, to, to + n, X->rs_slot, X->rs_slot + n};
+    const int32_t *to = (const int32_t *)(c->rs_slot + 2 * n);
+    const moept__cuda_moves cm = {n, mv->rounds, to, to + n, c->rs_slot, c->rs_slot + n};
     int backed = 0;
-    moept_status st = moept__cuda_reshard_move(X->c, &cm, X->rs_backup, &backed, sent, recvd,
+    moept_status st = moept__cuda_reshard_move(c, &cm, c->rs_backup, &backed, sent, recvd,
                                                moept__errbuf()), ast;
     if (st) moept__fail(L, st, "moept_reshard: %s", moept__errbuf());
     int64_t failed = st != MOEPT_OK;
     moept_comm *bad = NULL;
     ast = moept__sum_ep_dp(v.ep, v.dp, &failed, 1, MOEPT_DTYPE_I64, &bad);
     if (!st && !ast && !failed) {
-        st = moept__cuda_reshard_commit(X->c, mv->nslot, moept__errbuf());
-        moept__cuda_params_changed(X->c);
+        st = moept__cuda_reshard_commit(c, mv->nslot, moept__errbuf());
+        moept__cuda_params_changed(c);
         return st;
     }
     if (!st && ast) st = moept__fail(L, ast, "moept_reshard: the agreement after the moves failed (every "
@@ -5179,8 +5175,8 @@ static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *
                                    "their experts; every rank's experts put back", (long long)failed);
     char keep[MOEPT__ERRLEN];
     memcpy(keep, moept__errbuf(), sizeof keep);
-    moept_status ust = backed ? moept__cuda_reshard_undo(X->c, &cm, X->rs_backup, moept__errbuf()) : MOEPT_OK;
-    moept__cuda_params_changed(X->c);
+    moept_status ust = backed ? moept__cuda_reshard_undo(c, &cm, c->rs_backup, moept__errbuf()) : MOEPT_OK;
+    moept__cuda_params_changed(c);
     if (ust) return moept__fail(L, ust, "moept_reshard: putting this rank's experts back failed: %s",
                                 moept__errbuf());
     memcpy(moept__errbuf(), keep, sizeof keep);
@@ -5191,22 +5187,21 @@ static moept_status moept__cuda_reshard_run(moept_layer *L, const moept__moves *
 static moept_status moept__cuda_layer_reshard(moept_layer *L, const moept__moves *mv, int agreed,
                                           int64_t *sent, int64_t *recvd) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
+    moept__cuda *c = moept__cx(L, &v);
     moept_status st = agreed ? moept__cuda_reshard_run(L, mv, sent, recvd) : MOEPT_OK;
-    moept__cuda_reshard_end(X->c);
-    free(X->rs_slot);
-    free(X->rs_backup);
-    X->rs_slot = NULL;
-    X->rs_backup = NULL;
+    moept__cuda_reshard_end(c);
+    free(c->rs_slot);
+    free(c->rs_backup);
+    c->rs_slot = NULL;
+    c->rs_backup = NULL;
     return st;
 }
 
 static void moept__cuda_layer_destroy(moept_layer *L) {
     moept__view v;
-    moept__cudax *X = moept__cx(L, &v);
-    if (!X) return;
-    if (X->c) moept__cuda_destroy(X->c);
-    free(X);
+    moept__cuda *c = moept__cx(L, &v);
+    if (!c) return;
+    moept__cuda_destroy(c); /* (frees c) */
     *v.xstate = NULL;
 }
 
@@ -5331,14 +5326,9 @@ static moept_status moept__cuda_start(moept_layer *L, const moept_cuda_options *
     moept__view v;
     moept__view_of(L, &v);
     char err[MOEPT__ERRLEN] = "";
-    moept__cudax *X = (moept__cudax *)calloc(1, sizeof *X);
-    moept_status st = MOEPT_ERR_OUT_OF_MEMORY;
-    if (!X) snprintf(err, sizeof err, "moept_create_cuda: out of host memory");
-    else {
-        *v.xstate = X;
-        X->sync_free = sp.sync_free;
-        st = moept__cuda_create(&sp, &X->c, err); /* zero parameters, as a CPU layer's */
-    }
+    moept__cuda *c = NULL;
+    moept_status st = moept__cuda_create(&sp, &c, err); /* zero parameters, as a CPU layer's */
+    *v.xstate = c;
     if (!st && (st = moept__cuda_layer_tables(L))) memcpy(err, moept__errbuf(), sizeof err);
     if (!st) moept__cuda_held(L);
     moept_status ast; /* the agreement's own status: this rank's st is kept */

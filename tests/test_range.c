@@ -489,8 +489,9 @@ static void put_nan(moept_layer *L, const moept_param_info *in, int64_t i) {
 }
 
 /* A NaN parameter (written where the layer keeps it: moept_buf_write refuses it) named as the cause when
-   the forward's output or router logits are not finite, which tensor and element, not blamed on an overflow (a CUDA
-   layer's forward does not read y back: its backward reports y, naming the parameter) */
+   the forward's output or router logits are not finite, which tensor and element, not blamed on an
+   overflow (a CUDA layer's forward does not read y back: its backward reports y, naming the
+   parameter) */
 static void nonfinite_param(const char *name, int64_t i, const char *want) {
     moept_config c = range_cfg();
     moept_layer *L = NULL;

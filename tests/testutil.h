@@ -98,7 +98,8 @@ static inline float *tu_param(const moept_layer *L, int64_t i, int grad, moept_p
     if (info) *info = pi;
     const int64_t n = pi.rows * pi.cols;
     float *v = (float *)malloc((size_t)(n + 1) * sizeof(float));
-    if (v && (grad ? moept_get_grad(L, pi.name, v, n) : moept_get_param(L, pi.name, v, n)) == MOEPT_OK) return v;
+    if (v && (grad ? moept_get_grad(L, pi.name, v, n) : moept_get_param(L, pi.name, v, n)) == MOEPT_OK)
+        return v;
     free(v);
     return NULL;
 }
