@@ -181,9 +181,10 @@ $(B)/hf_resave: tools/hf_resave.c $(B)/moept.o
 $(B)/bench_scenario_mpi: bench/bench_scenario.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
 
-# the planner (tools/plan.c): memory, bytes and time per step at cluster scale
-$(B)/plan: tools/plan.c | $(B)
-	$(CC) $(CFLAGS) $(WARN) $< -o $@ -lm
+# the planner (tools/plan.c): memory, bytes and time per step at cluster scale, and one layer's bytes by
+# kind (linked with moept.o: --check holds that model to layers it makes)
+$(B)/plan: tools/plan.c $(B)/moept.o
+	$(CC) $(CFLAGS) $(WARN) $(OMP) $< $(B)/moept.o -o $@ $(LDLIBS)
 
 $(B)/bench_a2a_mpi: bench/bench_a2a.c moept.c $(HDRS) | $(B)
 	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_MPI $< -o $@ $(LDLIBS)
@@ -494,6 +495,10 @@ $(B)/emu/cuda_rules: tests/cuda_rules.cu $(B)/emu/rt.o
 
 $(B)/emu/train: examples/train.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+# the planner's --check with CUDA layers on the emulated GPU beside the CPU's
+$(B)/emu/plan: tools/plan.c $(EMU_OBJS)
+	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 $(B)/emu/bench_cuda: bench/bench_cuda.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)

@@ -1836,6 +1836,7 @@ typedef struct moept__workspace {   /* the CPU steps' scratch, the layer's */
     float *q8w13, *q8w2;   /* [El][H][D], [El][D][F] */
     float *q8ws13, *q8ws2; /* [HS][D], [D][S] */
     float *q8s1, *q8s2;    /* [Tmax][max(D, HS)], [Tmax][D] (training: both; else q8s1's D columns) */
+    int64_t q8w_bytes;     /* the quantized weights' part of the block (moept_stats' CASTS) */
 } moept__workspace;
 
 /* A forward's state: what a training forward writes and its backward reads
@@ -1889,7 +1890,10 @@ struct moept_layer {
     struct { float *m, *v; int64_t t; int held; } opt;
     double opt_mb, opt_vb; /* bounds on this rank's max |m|, max v (INFINITY: unknown: the step probes) */
     int grads_unsynced;    /* a group layer's backward since moept_sync_grads (zero_grad, grads_synced) */
-    struct { int64_t allocations, allocated_bytes, workspace_bytes; } dev; /* the device executor's */
+    struct {               /* the device executor's: since create; held now, by moept_mem_kind on the
+                              device, and its own host blocks */
+        int64_t allocations, allocated_bytes, workspace_bytes, bytes[MOEPT_MEM_NKINDS], host;
+    } dev;
 
     moept__counter mem;
     void *work;            /* the block the layer's own buffers live in */
@@ -2253,10 +2257,12 @@ static void moept__layout_acts(moept_layer *L, moept__fstate *sl, moept__carve *
     L->ws.dlogits = moept__take(c, train ? (size_t)(T * E) * f : 0);
     const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF, q8s = q8 && L->S > 0;
     const int64_t HS = L->HS, dhs = D > HS ? D : HS;
+    const size_t q0 = c->off;
     L->ws.q8w13 = moept__take(c, q8 ? (size_t)(L->El * L->H * D) * f : 0);
     L->ws.q8w2 = moept__take(c, q8 ? (size_t)(L->El * D * L->F) * f : 0);
     L->ws.q8ws13 = moept__take(c, q8s ? (size_t)(HS * D) * f : 0);
     L->ws.q8ws2 = moept__take(c, q8s ? (size_t)(D * L->S) * f : 0);
+    L->ws.q8w_bytes = q8 ? (int64_t)(c->off - q0) : 0;
     L->ws.q8s1 = moept__take(c, q8s ? (size_t)(T * (train ? dhs : D)) * f : 0);
     L->ws.q8s2 = moept__take(c, q8s && train ? (size_t)(T * D) * f : 0);
     if (L->fsdp) {
@@ -5226,6 +5232,33 @@ moept_status moept_routing_grads(moept_layer *L, const float **dweights) {
     return MOEPT_OK;
 }
 
+/* What the layer holds on the host now, by moept_mem_kind (every block it
+   allocated and still holds, each in one kind; its device executor's host
+   blocks in WORKSPACE), and workspace_bytes, param_bytes */
+static void moept__host_held(const moept_layer *L, moept_stats *st) {
+    const int64_t f = sizeof(float), n = L->par.n_params, D = L->D, T = L->cfg.max_tokens;
+    const int64_t nmir = L->ex->io ? 0 : L->cfg.inference_only ? 1 : L->cfg.grad_backup ? 3 : 2;
+    int64_t *h = st->host_bytes, w[MOEPT__NRECV], row = 0;
+    moept__recv_widths(L, w);
+    for (int i = 0; i < MOEPT__NRECV; i++) row += w[i];
+    h[MOEPT_MEM_PARAMS] = ((nmir ? n : 0) + L->E) * f;
+    h[MOEPT_MEM_GRADS] = (nmir > 1 ? nmir - 1 : 0) * n * f;
+    h[MOEPT_MEM_MOMENTS] = L->opt.m ? 2 * n * f : 0;
+    h[MOEPT_MEM_CASTS] = L->ws.q8w_bytes;
+    st->param_bytes = h[MOEPT_MEM_PARAMS] + h[MOEPT_MEM_GRADS];
+    st->workspace_bytes = L->work_bytes;
+    int64_t rest = 0; /* the receive blocks' alignment, the bookkeeping, the padded steps' buffers */
+    for (int s = 0; s <= L->nslots; s++) { /* every forward slot's */
+        const moept__fstate *o = &L->slots[s];
+        if (o->ready) st->workspace_bytes += o->work_bytes + o->xch.Rcap * row * f + 2 * o->xch.shcap * D * f;
+        if (o->xch.rwork) rest += MOEPT__NRECV * 64;
+    }
+    rest += (int64_t)(sizeof *L + (size_t)(3 * L->El + 8) * sizeof(moept__param) +
+                      (size_t)(L->nslots + 1) * sizeof(moept__fstate));
+    rest += (L->ws.xz ? T * D * f : 0) + (L->ws.xsh ? T * D * f : 0) + (L->ws.shrow ? T * 8 : 0);
+    h[MOEPT_MEM_WORKSPACE] = st->workspace_bytes - L->ws.q8w_bytes + rest + L->dev.host;
+}
+
 moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe) {
     if (!L || !st) return moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "moept_get_stats: NULL argument");
     const moept__fstate *sl = moept__last(L);
@@ -5234,17 +5267,10 @@ moept_status moept_get_stats(const moept_layer *L, moept_stats *st, int64_t *tpe
     *st = L->stats;
     st->allocations = L->mem.allocations + L->dev.allocations;
     st->allocated_bytes = L->mem.bytes + L->dev.allocated_bytes;
-    int64_t w[MOEPT__NRECV], row = 0;
-    moept__recv_widths(L, w);
-    for (int i = 0; i < MOEPT__NRECV; i++) row += w[i];
-    st->workspace_bytes = L->work_bytes;
-    for (int s = 0; s <= L->nslots; s++) { /* every forward slot's */
-        const moept__fstate *o = &L->slots[s];
-        if (o->ready) st->workspace_bytes += o->work_bytes + o->xch.Rcap * row * (int64_t)sizeof(float) +
-                                             2 * o->xch.shcap * L->D * (int64_t)sizeof(float);
-    }
+    moept__host_held(L, st);
     st->shared_exchange = L->xch.direct;
     st->device_workspace_bytes = L->dev.workspace_bytes;
+    memcpy(st->device_bytes, L->dev.bytes, sizeof st->device_bytes);
     if (tpe)
         for (int64_t e = 0; e < L->E; e++) tpe[e] = sl->fwd.valid ? sl->fwd.sel_counts[e] : 0;
     return MOEPT_OK;
@@ -5473,10 +5499,14 @@ void moept__view_of(moept_layer *L, moept__view *v) {
 
 void moept__dev_agreed(moept_layer *L, int n) { L->agreed_calls += n; }
 
-void moept__dev_held(moept_layer *L, int64_t allocations, int64_t bytes, int64_t workspace_bytes) {
+void moept__dev_held(moept_layer *L, int64_t allocations, int64_t bytes,
+                     const int64_t device[MOEPT_MEM_NKINDS], int64_t host) {
     L->dev.allocations = allocations;
     L->dev.allocated_bytes = bytes;
-    L->dev.workspace_bytes = workspace_bytes;
+    memcpy(L->dev.bytes, device, sizeof L->dev.bytes);
+    L->dev.host = host;
+    L->dev.workspace_bytes =
+        device[MOEPT_MEM_MOMENTS] + device[MOEPT_MEM_CASTS] + device[MOEPT_MEM_WORKSPACE];
 }
 
 static void moept__dev_stats(moept_layer *L, const moept__dev_step *r) {

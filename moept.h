@@ -120,10 +120,11 @@
        forward state and the step statistics (steps, tokens, routed and
        dropped rows, capacity, losses, rows and bytes sent and received,
        checkpoint_bytes_read). The memory and time counters (allocations,
-       allocated_bytes, workspace_bytes, recv_capacity, recv_growths, the
-       *_seconds) count what happened: an EP step that grew a rank's
-       receive buffers before a peer rejected it keeps the larger buffers
-       (and their rows), and the time spent agreeing is time spent.
+       allocated_bytes, workspace_bytes, host_bytes, device_bytes,
+       recv_capacity, recv_growths, the *_seconds) count what happened: an
+       EP step that grew a rank's receive buffers before a peer rejected it
+       keeps the larger buffers (and their rows), and the time spent
+       agreeing is time spent.
      - Group calls. Under EP/DP (FSDP: its group in place of EP) the
        calls below are collective: each rank checks its arguments (the
        loads: reads into a staging copy), then all agree before anything
@@ -436,15 +437,16 @@
      and docs/GUIDE.md). The quantized weights are made at each forward,
      since a CPU layer's weights may be written through moept_params'
      pointer at any time (the memory of one copy of the experts' weights,
-     in workspace_bytes; a pass over them a forward).
+     in workspace_bytes and host_bytes' CASTS; a pass over them a forward).
      A CUDA layer runs the same tiles on cuBLASLt's block-scaled FP8
      matmuls (E4M3 bytes with fp32 scales, one call per expert GEMM), its
      rows between the stages in options.dtype; its E4M3 weights (W13, W2
      and their transposes, for the dgrads) are made once after the fp32
-     masters change, and counted in device_workspace_bytes. It equals the
-     CPU's FP8 layer but for accumulation order, which moves a few E4M3
-     roundings (docs/CUDA.md, "FP8": the bound); link -lcublasLt. On an
-     H200 not yet faster than the bf16 layer (docs/PERF.md).
+     masters change, and counted in device_workspace_bytes (device_bytes'
+     CASTS). It equals the CPU's FP8 layer but for accumulation order,
+     which moves a few E4M3 roundings (docs/CUDA.md, "FP8": the bound);
+     link -lcublasLt. On an H200 not yet faster than the bf16 layer
+     (docs/PERF.md).
      It needs compute capability 9.0 and cuBLAS 12.9 (refused at create,
      MOEPT_ERR_UNSUPPORTED, on anything older). Refused at create with
      overlap_chunks > 1 and FSDP sharding.
@@ -937,6 +939,46 @@ moept_status moept_comm_cuda_threads(moept_thread_group *g, int rank, void *stre
                                      moept_comm **out);
 #endif
 
+/* The memory a layer holds now, by kind (moept_stats.host_bytes and
+   device_bytes): every byte of its own buffers on that side is in exactly
+   one kind, so a side's kinds sum to all it holds (tests/test_alloc.c checks
+   the sums against the allocator's and the emulated GPU's live bytes; the
+   transient buffers of a call are freed before it returns). n is
+   moept_param_numel, npad n rounded up to 64.
+     PARAMS     the fp32 parameters and the correction bias [E]. CPU layer:
+                4 (n + E) on the host. CUDA layer: the device's parameter
+                block, 4 npad + 8 E + 256 (the bias and the placement
+                beside the parameters, the alignment); the host keeps the
+                bias alone, 4 E.
+     GRADS      the fp32 gradients (none in an inference layer), with
+                config.grad_backup's second copy on the CPU: 4 n (8 n),
+                on the device 4 npad.
+     MOMENTS    AdamW's m and v, from the first moept_adamw_step (or a
+                load of a checkpoint that has them): 8 n on the CPU, 8 npad
+                on the device.
+     CASTS      lower-precision copies of the weights, made from the fp32
+                masters: a bf16 CUDA layer's bf16 copy of every weight but
+                the router's (2 bytes each); config.fp8's quantized weights
+                (the CPU layer's dequantized fp32 copy of the experts',
+                4 bytes each; the CUDA layer's E4M3 copies of W13 and W2
+                and their transposes, with their scales).
+     WORKSPACE  the rest: every forward slot's routing, plan, activations
+                and exchange rows, the receive rows (moept_stats.recv_capacity),
+                the GEMM scratch (the builtin GEMM's packing, cuBLAS's
+                workspaces, FP8's token operands), FSDP's gathered experts
+                and their gradients, and the layer's bookkeeping (its
+                struct, parameter table; a CUDA layer's executor's host
+                blocks, pinned ones included).
+   docs/PLAN.md models each kind from the config (tools/plan.c). */
+typedef enum moept_mem_kind {
+    MOEPT_MEM_PARAMS = 0,
+    MOEPT_MEM_GRADS = 1,
+    MOEPT_MEM_MOMENTS = 2,
+    MOEPT_MEM_CASTS = 3,
+    MOEPT_MEM_WORKSPACE = 4,
+    MOEPT_MEM_NKINDS = 5
+} moept_mem_kind;
+
 typedef struct moept_stats {
     int64_t steps;             /* successful forwards since create */
     int64_t tokens;            /* T of the last forward */
@@ -950,8 +992,11 @@ typedef struct moept_stats {
                                   (not the transient buffers of a load or save,
                                   freed before the call returns) */
     int64_t allocated_bytes;   /* bytes allocated since create */
-    int64_t workspace_bytes;   /* bytes held now (parameters excluded) */
-    int64_t param_bytes;       /* parameters + gradients (+ config.grad_backup's copy) */
+    int64_t workspace_bytes;   /* host bytes held now in the workspace blocks: the layer's,
+                                  each forward slot's, the receive and shared rows (a part of
+                                  host_bytes' CASTS + WORKSPACE) */
+    int64_t param_bytes;       /* parameters + gradients (+ config.grad_backup's copy) on the
+                                  host: host_bytes' PARAMS + GRADS */
     /* expert parallel, last forward + backward on this rank */
     int64_t rows_sent, rows_received;   /* token rows to/from other ranks, per direction */
     int64_t bytes_sent, bytes_received; /* all exchanges of the step (dispatch,
@@ -965,10 +1010,13 @@ typedef struct moept_stats {
     int64_t recv_growths;      /* times they grew (each an allocation) */
     int64_t checkpoint_bytes_read; /* by moept_load_hf since create */
     int64_t device_workspace_bytes; /* CUDA layers: device memory held beyond the
-                                       parameters (allocations above count both sides) */
+                                       parameters and gradients: device_bytes' MOMENTS +
+                                       CASTS + WORKSPACE (allocations above count both sides) */
     int64_t shared_exchange;   /* 1: the expert exchange writes and reads the experts'
                                   rows in shared memory (the EP comm's shm_alloc);
                                   0: by message, or one rank */
+    int64_t host_bytes[MOEPT_MEM_NKINDS];   /* bytes held now, by moept_mem_kind: host memory */
+    int64_t device_bytes[MOEPT_MEM_NKINDS]; /* device memory (CUDA layers; zeros on the CPU) */
 } moept_stats;
 
 /* Rows this rank sent to / received from each EP peer in the last forward's
@@ -1434,7 +1482,7 @@ int64_t moept_abi_layout(char *buf, int64_t cap);
     F(moept_stats, bytes_received) F(moept_stats, comm_seconds) F(moept_stats, dispatch_seconds) \
     F(moept_stats, combine_seconds) F(moept_stats, recv_capacity) F(moept_stats, recv_growths) \
     F(moept_stats, checkpoint_bytes_read) F(moept_stats, device_workspace_bytes) \
-    F(moept_stats, shared_exchange) \
+    F(moept_stats, shared_exchange) F(moept_stats, host_bytes) F(moept_stats, device_bytes) \
     S(moept_forward_opts) F(moept_forward_opts, mask) F(moept_forward_opts, eval) \
     F(moept_forward_opts, replay_ids) F(moept_forward_opts, logits_out) F(moept_forward_opts, slot) \
     S(moept_backward_opts) F(moept_backward_opts, router_loss_scale) F(moept_backward_opts, dlogits) \
@@ -1687,13 +1735,15 @@ typedef struct moept__view {
     float *dwts;                   /* [Tmax][K] dL/d routing weight (after a backward) */
 } moept__view;
 void moept__view_of(moept_layer *L, moept__view *v);
-/* A device executor's reports: the calls agreed (tags used), what its
-   device holds, a forward done (its statistics, unless deferred), the
+/* A device executor's reports: the calls agreed (tags used), what it
+   holds (its allocations and bytes since create; now: its device's bytes by
+   moept_mem_kind and its own host blocks' bytes), a forward done (its statistics, unless deferred), the
    deferred statistics read, a backward done (last: of the last forward),
    jitter forwards counted by a failed sync-free forward, and the checks it
    made on the device (dx's first non-finite element, a sync-free check) */
 void moept__dev_agreed(moept_layer *L, int n);
-void moept__dev_held(moept_layer *L, int64_t allocations, int64_t bytes, int64_t workspace_bytes);
+void moept__dev_held(moept_layer *L, int64_t allocations, int64_t bytes,
+                     const int64_t device[MOEPT_MEM_NKINDS], int64_t host);
 void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r, int64_t T, int eval);
 void moept__dev_step_done(moept_layer *L, const moept__dev_step *r);
 void moept__dev_backward_done(moept_layer *L, const moept__dev_step *r, int last);

@@ -123,9 +123,10 @@ static void moept__cuda_params_changed(moept__cuda *c);
 static moept_status moept__cuda_download_routing(moept__cuda *c, int32_t *ids, float *wts, float *logits,
                                                  float *dwts, char *err);
 static moept_status moept__cuda_zero_grad(moept__cuda *c, char *err);
-/* What the executor holds now: its allocations, their bytes, the device workspace (every slot's) */
+/* What the executor holds: its allocations and their bytes since create; now, its device bytes by
+   moept_mem_kind (every slot's among them) and its own host blocks' bytes */
 static void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
-                              int64_t *workspace_bytes);
+                              int64_t device[MOEPT_MEM_NKINDS], int64_t *host);
 /* first_bad: the first non-finite dx element of the backwards since
    zero_grad, -1 if none (a host sync), dl_bad opts.dlogits' ([T][E]);
    sync-free mode: the first failed device check since, its status in
@@ -2066,8 +2067,9 @@ typedef struct moept__cslot {
                                    layer's a is h (lda_a = H: the activations over the gate half) */
     void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
     int64_t Rcap, rblock_bytes;
-    /* host: its plan arrays (moept__slot_host_layout) */
+    /* host: its plan arrays (moept__slot_host_layout), fhost_bytes long */
     void *fhost;
+    int64_t fhost_bytes;
     int64_t *counts, *offsets;  /* [E], [E+1] rows kept per expert slot and their first row */
     int64_t *rcounts, *roffsets;/* [P][El], [El+1] */
     moept_seg *send_segs, *recv_segs; /* [P][El] */
@@ -2210,7 +2212,10 @@ struct moept__cuda {
     uint8_t *q8a, *q8b;         /* [q8rows][Wp] a matmul's token operands, or [Wp][q8rows] transposed */
     float *q8sa, *q8sb;         /* their scales */
     float *q8out;               /* [max(q8rows, Wp)][Wp] the matmul's fp32 result */
-    int64_t allocations, allocated_bytes, fixed_bytes, growths;
+    int64_t allocations, allocated_bytes, growths;
+    /* held now (moept__cuda_sizes): the parameter block (gradients among them), the fixed workspace
+       block, xsh's; the host's: this struct with its slots, pinned and plan blocks */
+    int64_t pblock_bytes, work_bytes, xsh_bytes, host_bytes;
 };
 
 static moept_status moept__dmalloc(moept__cuda *c, void **p, size_t bytes, char *err) {
@@ -2357,18 +2362,33 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     return MOEPT_OK;
 }
 
-/* The device workspace: the layer's, and each forward slot's with its receive rows */
-static int64_t moept__workspace(const moept__cuda *c) {
-    int64_t n = c->fixed_bytes + c->q8_bytes;
-    for (int s = 0; c->slots && s <= c->nslots; s++) n += c->slots[s].fwork_bytes + c->slots[s].rblock_bytes;
-    return n;
-}
+/* n_params rounded up to 64 floats: the gradients and AdamW's v start 16-byte aligned */
+static int64_t moept__npad(const moept__cuda *c) { return (c->sp.n_params + 63) / 64 * 64; }
 
+/* What the layer holds by kind (moept.h, moept_mem_kind): on the device the parameter block less the
+   gradients, the gradients, the moments, the bf16 and E4M3 weight copies, and the rest (the workspace
+   block, the cuBLAS workspaces, FP8's token scratch, the unpadded rows, every slot's blocks, a reshard's
+   staging while it lasts); on the host its own blocks (the slots' plan arrays among them) */
 static void moept__cuda_sizes(const moept__cuda *c, int64_t *allocations, int64_t *allocated_bytes,
-                              int64_t *workspace_bytes) {
+                              int64_t device[MOEPT_MEM_NKINDS], int64_t *host) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t npad = moept__npad(c);
     *allocations = c->allocations;
     *allocated_bytes = c->allocated_bytes;
-    *workspace_bytes = moept__workspace(c);
+    device[MOEPT_MEM_GRADS] = c->grads ? npad * 4 : 0;
+    device[MOEPT_MEM_PARAMS] = c->pblock_bytes - device[MOEPT_MEM_GRADS];
+    device[MOEPT_MEM_MOMENTS] = c->opt_m ? 2 * npad * 4 : 0;
+    device[MOEPT_MEM_CASTS] = (c->wlow ? (p->n_params - p->E * p->D) * 2 : 0) + c->q8w_bytes;
+    int64_t w = c->work_bytes + (c->blas_ws ? (1 + c->nside) * c->blas_ws_each : 0) + c->q8_bytes;
+    w += c->xsh_bytes;
+    w += c->rs_stage ? (p->H * p->D + p->D * p->F) * 4 : 0;
+    int64_t h = c->host_bytes;
+    for (int s = 0; c->slots && s <= c->nslots; s++) {
+        w += c->slots[s].fwork_bytes + c->slots[s].rblock_bytes;
+        h += c->slots[s].fhost_bytes;
+    }
+    device[MOEPT_MEM_WORKSPACE] = w;
+    *host = h;
 }
 
 static int moept__cuda_device_count(void) {
@@ -2571,6 +2591,7 @@ static moept_status moept__slot_alloc(moept__cuda *c, moept__cslot *sl, char *er
     sl->fwork = blk;
     sl->fwork_bytes = (int64_t)cv.off;
     sl->fhost = hb;
+    sl->fhost_bytes = (int64_t)kv.off;
     cv = {(char *)blk, 0};
     kv = {hb, 0};
     moept__slot_layout(c, sl, &cv);
@@ -2595,9 +2616,6 @@ static moept_status moept__slot_get(moept__cuda *c, int s, moept__cslot **out, c
     if (!st) *out = sl;
     return st;
 }
-
-/* n_params rounded up to 64 floats: the gradients and AdamW's v start 16-byte aligned */
-static int64_t moept__npad(const moept__cuda *c) { return (c->sp.n_params + 63) / 64 * 64; }
 
 /* ---- FP8 (config.fp8): DeepSeek-V3's blockwise E4M3 on cuBLASLt ----------
    The operands of each expert GEMM quantized as moept.c's FP8 section does
@@ -3015,6 +3033,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     size_t pbytes = (size_t)(nmir * npad + E) * 4 + (size_t)E * 4 + 256;
     void *pb = NULL;
     MOEPT__TRY(moept__dmalloc(c, &pb, pbytes, err));
+    c->pblock_bytes = (int64_t)pbytes;
     /* on the layer's stream: the legacy stream would not order a non-blocking one */
     MOEPT__CU(cudaMemsetAsync(pb, 0, pbytes, c->s));
     c->params = (float *)pb;
@@ -3027,8 +3046,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     moept__layout(c, &cv);
     MOEPT__TRY(moept__dmalloc(c, &c->work, cv.off, err));
     MOEPT__CU(cudaMemsetAsync(c->work, 0, cv.off, c->s));
-    c->fixed_bytes = (int64_t)cv.off + (c->wlow ? (p->n_params - E * p->D) * 2 : 0) +
-                     (1 + c->nside) * c->blas_ws_each + c->q8w_bytes;
+    c->work_bytes = (int64_t)cv.off;
     cv.base = (char *)c->work;
     cv.off = 0;
     moept__layout(c, &cv);
@@ -3037,10 +3055,12 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->slots = (moept__cslot *)calloc((size_t)c->nslots + 1, sizeof(moept__cslot));
     if (!c->slots)
         return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
+    c->host_bytes += (int64_t)((size_t)(c->nslots + 1) * sizeof(moept__cslot));
     /* pinned host block */
     size_t hb = (size_t)(P * c->M) * 8 + (size_t)MOEPT__NLSTAT(E) * 8 + 8 * 8 + (size_t)MOEPT__NPART * 2 * 8 +
                 (size_t)E * 4 + 6 * 64;
     MOEPT__CU(cudaMallocHost(&c->pinned, hb));
+    c->host_bytes += (int64_t)hb;
     moept__carve hv = {(char *)c->pinned, 0};
     c->h_msg_all = (int64_t *)moept__take(&hv, (size_t)(P * c->M) * 8);
     c->h_lstat = (double *)moept__take(&hv, (size_t)MOEPT__NLSTAT(E) * 8);
@@ -3053,6 +3073,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     c->hblock = calloc(1, kv.off);
     if (!c->hblock)
         return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
+    c->host_bytes += (int64_t)kv.off;
     kv.base = (char *)c->hblock;
     kv.off = 0;
     moept__host_layout(c, &kv);
@@ -3082,6 +3103,7 @@ static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda
     if (!c) return moept__kfail(err, MOEPT_ERR_OUT_OF_MEMORY, "moept_create_cuda: out of host memory");
     c->sp = *spec;
     c->dev = dev;
+    c->host_bytes = (int64_t)sizeof *c;
     c->esz = spec->dtype == MOEPT_DTYPE_BF16 ? 2 : 4;
     c->dt = spec->dtype == MOEPT_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     c->nblk_max = (spec->Tmax * spec->K + MOEPT__PB - 1) / MOEPT__PB;
@@ -3645,7 +3667,7 @@ static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
     } else if ((p->S > 0 || !c->wlow) && !c->xsh) {
         const size_t bytes = (size_t)(p->Tmax * p->D) * (size_t)c->esz;
         if (moept__dmalloc(c, &c->xsh, bytes, why) == MOEPT_OK) {
-            c->fixed_bytes += (int64_t)bytes;
+            c->xsh_bytes = (int64_t)bytes;
         } else {
             f->reject = MOEPT_ERR_OUT_OF_MEMORY; /* agreed as a host rejection, with this status */
             snprintf(f->local, MOEPT__ERRLEN, "moept_forward: out of device memory for the unpadded rows "
@@ -4755,7 +4777,6 @@ static moept_status moept__opt_ready(moept__cuda *c, char *err) {
         MOEPT__TRY(moept__dmalloc(c, &blk, (size_t)(2 * npad) * 4, err));
         c->opt_m = (float *)blk;
         c->opt_v = c->opt_m + npad;
-        c->fixed_bytes += 2 * npad * 4;
         MOEPT__CU(cudaMemsetAsync(blk, 0, (size_t)(2 * npad) * 4, c->s));
     }
     return MOEPT_OK;
@@ -4954,9 +4975,9 @@ static moept_status moept__cuda_layer_tables(moept_layer *L) {
 static void moept__cuda_held(moept_layer *L) {
     moept__view v;
     moept__cuda *c = moept__cx(L, &v);
-    int64_t a = 0, b = 0, w = 0;
-    moept__cuda_sizes(c, &a, &b, &w);
-    moept__dev_held(L, a, b, w);
+    int64_t a = 0, b = 0, dev[MOEPT_MEM_NKINDS], host = 0;
+    moept__cuda_sizes(c, &a, &b, dev, &host); /* (host: this state too) */
+    moept__dev_held(L, a, b, dev, host);
 }
 
 /* sync-free: the last forward's device statistics, read now (a host sync) */
@@ -5058,7 +5079,9 @@ static moept_status moept__cuda_layer_adamw(moept_layer *L, moept__adamw_k k) {
 /* before the step's agreement (and a load's): the moments, so a rank out of memory fails every rank */
 static moept_status moept__cuda_layer_adamw_ready(moept_layer *L) {
     moept__view v;
-    return moept__opt_ready(moept__cx(L, &v), moept__errbuf());
+    const moept_status st = moept__opt_ready(moept__cx(L, &v), moept__errbuf());
+    moept__cuda_held(L); /* (the moments' bytes) */
+    return st;
 }
 
 static moept_status moept__cuda_layer_adamw_probe(moept_layer *L, moept__adamw_k k, int64_t *bad,
@@ -5190,6 +5213,7 @@ static moept_status moept__cuda_layer_reshard(moept_layer *L, const moept__moves
     moept__cuda *c = moept__cx(L, &v);
     moept_status st = agreed ? moept__cuda_reshard_run(L, mv, sent, recvd) : MOEPT_OK;
     moept__cuda_reshard_end(c);
+    moept__cuda_held(L); /* (the staging's allocation) */
     free(c->rs_slot);
     free(c->rs_backup);
     c->rs_slot = NULL;

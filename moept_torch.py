@@ -42,6 +42,7 @@ import torch
 ABI_VERSION = 1  # moept.h's MOEPT_ABI_VERSION these mirrors follow
 MOEPT_AUX_NONE, MOEPT_DTYPE_F32, MOEPT_DTYPE_BF16 = 0, 0, 2
 DTYPES = {torch.float32: MOEPT_DTYPE_F32, torch.bfloat16: MOEPT_DTYPE_BF16}
+MEM_KINDS = ("params", "grads", "moments", "casts", "workspace")  # moept_mem_kind, in its order
 
 
 class moept_config(C.Structure):
@@ -86,7 +87,8 @@ class moept_stats(C.Structure):
                 ("bytes_received", C.c_int64), ("comm_seconds", C.c_double), ("dispatch_seconds", C.c_double),
                 ("combine_seconds", C.c_double), ("recv_capacity", C.c_int64), ("recv_growths", C.c_int64),
                 ("checkpoint_bytes_read", C.c_int64), ("device_workspace_bytes", C.c_int64),
-                ("shared_exchange", C.c_int64)]
+                ("shared_exchange", C.c_int64), ("host_bytes", C.c_int64 * 5),
+                ("device_bytes", C.c_int64 * 5)]
 
 
 class moept_p2p(C.Structure):
@@ -911,12 +913,15 @@ class MoeptMoE(torch.nn.Module):
 
     def stats(self):
         """moept_get_stats as a dict: the last forward's losses and token counts, tokens_per_expert (a
-        list over all E experts), drops, the layer's bytes (param_bytes, workspace_bytes, ...) and the
-        expert exchange's rows, bytes and seconds"""
+        list over all E experts), drops, the layer's bytes (param_bytes, workspace_bytes, ...; held now
+        by kind: host_bytes and device_bytes, dicts over MEM_KINDS) and the expert exchange's rows,
+        bytes and seconds"""
         s, per = moept_stats(), (C.c_int64 * self.num_experts)()
         with self._lock:
             self._call("moept_get_stats", self._h, C.byref(s), per)
         d = {f: getattr(s, f) for f, _ in moept_stats._fields_}
+        for f in ("host_bytes", "device_bytes"):
+            d[f] = dict(zip(MEM_KINDS, getattr(s, f)))
         d["tokens_per_expert"] = list(per)
         return d
 

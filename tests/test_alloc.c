@@ -49,9 +49,11 @@
 /* the live blocks MOEPT_MALLOC gave, under a lock (ranks are threads) */
 static pthread_mutex_t ta_mu = PTHREAD_MUTEX_INITIALIZER;
 static void **ta_live;                  /* [ta_cap] */
+static size_t *ta_size;                 /* [ta_cap] their sizes */
 static size_t ta_n, ta_cap;
 static long long ta_allocs, ta_frees, ta_foreign, ta_realpath_null;
 static long long ta_bytes;              /* allocated through MOEPT_MALLOC, in all */
+static long long ta_held;               /* the live blocks' bytes */
 
 static void *ta_malloc(size_t n) {
     void *p = malloc(n);
@@ -60,13 +62,17 @@ static void *ta_malloc(size_t n) {
     if (ta_n == ta_cap) {
         size_t cap = ta_cap ? 2 * ta_cap : 1024;
         void **v = realloc(ta_live, cap * sizeof *v);
-        if (!v) abort();
+        size_t *z = v ? realloc(ta_size, cap * sizeof *z) : NULL;
+        if (!v || !z) abort();
         ta_live = v;
+        ta_size = z;
         ta_cap = cap;
     }
+    ta_size[ta_n] = n;
     ta_live[ta_n++] = p;
     ta_allocs++;
     ta_bytes += (long long)n;
+    ta_held += (long long)n;
     pthread_mutex_unlock(&ta_mu);
     return p;
 }
@@ -77,7 +83,13 @@ static void ta_free(void *p) {
     size_t i = ta_n;
     while (i > 0 && ta_live[i - 1] != p) i--;
     if (i == 0) ta_foreign++; /* not from MOEPT_MALLOC: freed anyway, and counted */
-    else { ta_live[i - 1] = ta_live[--ta_n]; ta_frees++; }
+    else {
+        ta_held -= (long long)ta_size[i - 1];
+        ta_n--;
+        ta_live[i - 1] = ta_live[ta_n];
+        ta_size[i - 1] = ta_size[ta_n];
+        ta_frees++;
+    }
     pthread_mutex_unlock(&ta_mu);
     free(p);
 }
@@ -234,6 +246,89 @@ static void test_files(void) {
     ta_expect_balanced(m, "files");
 }
 
+/* moept_stats' bytes by kind against what the layer holds: host, the live blocks MOEPT_MALLOC gave
+   since `held0` (and the device executor's own host blocks, which it allocates itself); device, the
+   emulated GPU's live allocations since `dev0` (-1: no device); and the older fields' relations */
+static long long ta_sum(const int64_t *b) {
+    long long s = 0;
+    for (int k = 0; k < MOEPT_MEM_NKINDS; k++) s += b[k];
+    return s;
+}
+static void ta_expect_held(moept_layer *L, long long held0, long long dev0, long long dev_now,
+                           const char *what) {
+    moept_stats st;
+    memset(&st, 0, sizeof st);
+    EXPECT_OK(moept_get_stats(L, &st, NULL));
+    pthread_mutex_lock(&ta_mu);
+    const long long held = ta_held - held0;
+    pthread_mutex_unlock(&ta_mu);
+    const long long h = ta_sum(st.host_bytes) - L->dev.host, d = ta_sum(st.device_bytes);
+    EXPECT(h == held, "%s: host_bytes sum to %lld (less the executor's own %lld), the layer holds %lld", what,
+           h, (long long)L->dev.host, held);
+    EXPECT(dev0 < 0 ? d == 0 : d == dev_now - dev0, "%s: device_bytes sum to %lld, the device holds %lld",
+           what, d, dev0 < 0 ? 0 : dev_now - dev0);
+    const int64_t *db = st.device_bytes;
+    EXPECT(st.param_bytes == st.host_bytes[MOEPT_MEM_PARAMS] + st.host_bytes[MOEPT_MEM_GRADS] &&
+           st.device_workspace_bytes == d - db[MOEPT_MEM_PARAMS] - db[MOEPT_MEM_GRADS],
+           "%s: param_bytes %lld, device_workspace_bytes %lld against the kinds", what,
+           (long long)st.param_bytes, (long long)st.device_workspace_bytes);
+    for (int k = 0; k < MOEPT_MEM_NKINDS; k++)
+        EXPECT(st.host_bytes[k] >= 0 && st.device_bytes[k] >= 0, "%s: kind %d negative", what, k);
+}
+
+/* Every byte a CPU layer holds is in exactly one kind: the sums equal the live blocks after create,
+   an evaluation (its own slot), forwards into both slots, their backwards, an AdamW step (the
+   moments), a padded forward (its buffers) and a checkpoint loaded into a fresh layer (its moments),
+   in plain, grad_backup, fp8 and inference layers */
+static void test_held_by_kind(void) {
+    mkdir("build/alloc_files", 0755);
+    for (int v = 0; v < 4; v++) {
+        moept_config c = ta_cfg();
+        c.grad_backup = v == 1;
+        c.fp8 = v == 2 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
+        c.inference_only = v == 3;
+        char what[64];
+        snprintf(what, sizeof what, "%s", (const char *[]){"plain", "grad_backup", "fp8", "inference"}[v]);
+        pthread_mutex_lock(&ta_mu);
+        const long long h0 = ta_held;
+        pthread_mutex_unlock(&ta_mu);
+        moept_layer *L = NULL;
+        EXPECT_OK(moept_create(&c, &L));
+        if (!L) return;
+        ta_expect_held(L, h0, -1, 0, what);
+        float x[T * 16], y[T * 16], dx[T * 16];
+        uint8_t mask[T];
+        unsigned long long seed = 11;
+        tu_fill(x, T * 16, 1.0, &seed);
+        for (int t = 0; t < T; t++) mask[t] = t % 3 != 0;
+        moept_forward_opts ev = {NULL, 1, NULL, NULL, 0}, f1 = {NULL, 0, NULL, NULL, 1};
+        moept_forward_opts fm = {mask, 0, NULL, NULL, 0};
+        moept_backward_opts b1 = moept_backward_default();
+        b1.slot = 1;
+        const moept_adamw o = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
+        EXPECT_OK(moept_init_params(L, 2));
+        EXPECT_OK(moept_forward_ex(L, x, T, y, &ev));
+        if (!c.inference_only) {
+            EXPECT_OK(moept_forward(L, x, T, y));
+            EXPECT_OK(moept_forward_ex(L, x, T, y, &f1));
+            ta_expect_held(L, h0, -1, 0, what);
+            EXPECT_OK(moept_backward(L, x, x, dx));
+            EXPECT_OK(moept_backward_ex(L, x, x, dx, &b1));
+            EXPECT_OK(moept_adamw_step(L, &o));
+            EXPECT_OK(moept_save_checkpoint(L, "build/alloc_files/held"));
+        }
+        EXPECT_OK(moept_forward_ex(L, x, T, y, &fm));
+        ta_expect_held(L, h0, -1, 0, what);
+        moept_destroy(L);
+        if (c.inference_only) continue;
+        EXPECT_OK(moept_create(&c, &L)); /* the moments from a checkpoint, before any step */
+        if (!L) return;
+        EXPECT_OK(moept_load_checkpoint(L, "build/alloc_files/held"));
+        ta_expect_held(L, h0, -1, 0, what);
+        moept_destroy(L);
+    }
+}
+
 typedef struct ta_job {
     moept_thread_group *g; int r;
     moept_sharding sh;
@@ -302,7 +397,7 @@ static void ta_cuda_layer(int64_t F, long long *host, long long *dev, int64_t *n
     void *xd = NULL, *yd = NULL, *dxd = NULL;
     cudaMalloc(&xd, sizeof x); cudaMalloc(&yd, sizeof x); cudaMalloc(&dxd, sizeof x);
     cudaMemcpy(xd, x, sizeof x, cudaMemcpyHostToDevice);
-    const long long d0 = moept_emu_device_bytes(0), b0 = ta_bytes;
+    const long long d0 = moept_emu_device_bytes(0), b0 = ta_bytes, h0 = ta_held;
     ta_mark m = ta_now();
     moept_layer *L = NULL;
     const moept_adamw o = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
@@ -313,6 +408,7 @@ static void ta_cuda_layer(int64_t F, long long *host, long long *dev, int64_t *n
     if (!st) st = moept_adamw_step(L, &o);
     if (!st) st = moept_get_param(L, "gate.weight", w, 4 * 16);
     EXPECT(!st, "F %lld: %s", (long long)F, moept_last_error(L));
+    if (L) ta_expect_held(L, h0, d0, moept_emu_device_bytes(0), "a CUDA layer");
     *host = ta_bytes - b0;
     *dev = moept_emu_device_bytes(0) - d0;
     *numel = moept_param_numel(L);
@@ -335,15 +431,64 @@ static void test_cuda_host_bytes(void) {
     EXPECT(h[0] == h[1] && h[1] < n[1], "the host allocated %lld bytes at F 8, %lld at F 8192 (%lld "
            "parameters)", h[0], h[1], (long long)n[1]);
 }
+
+/* Every byte a CUDA layer holds is in exactly one kind, on both sides: after create, forwards into
+   each slot, a padded one (its unpadded rows), the backwards, an AdamW step (the moments), in fp32,
+   bf16 with two slots, bf16 with fp8 and bf16 inference layers */
+static void test_cuda_held_by_kind(void) {
+    for (int v = 0; v < 4; v++) {
+        moept_config c = ta_cfg();
+        c.fp8 = v == 2 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
+        c.inference_only = v == 3;
+        c.max_inflight = v == 1 ? 2 : 1;
+        const moept_cuda_options opt = {v ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, 0, MOEPT_GEMM_AUTO};
+        const char *what =
+            (const char *[]){"cuda fp32", "cuda bf16, 2 slots", "cuda bf16 fp8", "cuda bf16 inference"}[v];
+        uint16_t x[T * 16];
+        uint8_t mask[T];
+        for (int i = 0; i < T * 16; i++) x[i] = v ? 0x3e00 + (uint16_t)(i % 7) : 0;
+        float xf[T * 16];
+        for (int i = 0; i < T * 16; i++) xf[i] = (float)(i % 7) * 0.1f - 0.3f;
+        for (int t = 0; t < T; t++) mask[t] = t % 3 != 0;
+        void *xd = NULL, *yd = NULL, *dxd = NULL, *md = NULL;
+        cudaMalloc(&xd, sizeof xf); cudaMalloc(&yd, sizeof xf); cudaMalloc(&dxd, sizeof xf);
+        cudaMalloc(&md, T);
+        cudaMemcpy(xd, v ? (const void *)x : (const void *)xf, v ? sizeof x : sizeof xf,
+                   cudaMemcpyHostToDevice);
+        cudaMemcpy(md, mask, T, cudaMemcpyHostToDevice);
+        const long long d0 = moept_emu_device_bytes(0), h0 = ta_held;
+        moept_layer *L = NULL;
+        EXPECT_OK(moept_create_cuda(&c, NULL, NULL, &opt, &L));
+        if (!L) return;
+        ta_expect_held(L, h0, d0, moept_emu_device_bytes(0), what);
+        moept_forward_opts f1 = {NULL, 0, NULL, NULL, 1}, fm = {md, 0, NULL, NULL, 0};
+        moept_backward_opts b1 = moept_backward_default();
+        b1.slot = 1;
+        const moept_adamw o = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
+        EXPECT_OK(moept_init_params(L, 2));
+        if (c.max_inflight > 1) EXPECT_OK(moept_forward_ex(L, xd, T, yd, &f1));
+        EXPECT_OK(moept_forward_ex(L, xd, T, yd, &fm));
+        if (!c.inference_only) {
+            EXPECT_OK(moept_backward(L, xd, xd, dxd));
+            if (c.max_inflight > 1) EXPECT_OK(moept_backward_ex(L, xd, xd, dxd, &b1));
+            EXPECT_OK(moept_adamw_step(L, &o));
+        }
+        ta_expect_held(L, h0, d0, moept_emu_device_bytes(0), what);
+        moept_destroy(L);
+        cudaFree(xd); cudaFree(yd); cudaFree(dxd); cudaFree(md);
+    }
+}
 #endif
 
 int main(void) {
 #ifdef MOEPT_CUDA
     RUN(test_cuda_host_bytes);
+    RUN(test_cuda_held_by_kind);
     printf("# %lld blocks through MOEPT_MALLOC, %lld freed through MOEPT_FREE\n", ta_allocs, ta_frees);
     return tu_done();
 #endif
     RUN(test_one_rank);
+    RUN(test_held_by_kind);
     RUN(test_files);
     RUN(test_ep_threads);
     RUN(test_fsdp_threads);

@@ -372,10 +372,12 @@ def test_hf_outputs_and_stats():
     try:
         s = b.stats()
         good = (isinstance(s, dict) and s["tokens"] == 48 and sum(s["tokens_per_expert"]) == 48 * 2 and
-                len(s["tokens_per_expert"]) == 4 and s["param_bytes"] > 0)
+                len(s["tokens_per_expert"]) == 4 and s["param_bytes"] > 0 and
+                s["host_bytes"]["params"] + s["host_bytes"]["grads"] == s["param_bytes"] and
+                s["host_bytes"]["workspace"] > 0 and list(s["device_bytes"]) == list(mt.MEM_KINDS))
     except AttributeError:
         good = False
-    ok(good, "stats(): moept's stats as a dict (tokens, tokens_per_expert, bytes)")
+    ok(good, "stats(): moept's stats as a dict (tokens, tokens_per_expert, bytes; by kind, host and device)")
 
 
 def test_compile():
