@@ -4257,7 +4257,7 @@ static moept_status moept__fwd_route(moept_layer *L, moept__fstate *sl, moept__f
     if (f->jitter) { /* (frozen, for tests: the committed step's noise again) */
         if (L->jitter_frozen)
             memcpy(sl->fwd.jrow[nb], sl->fwd.jrow[sl->fwd.cur], (size_t)T * sizeof(uint64_t));
-        f->jkey = L->jitter_frozen ? sl->fwd.jkey : moept__jitter_key(L);
+        if (L->jitter_frozen) f->jkey = sl->fwd.jkey;
         moept__jitter_apply(L, f->jkey, f->x, T, sl->fwd.xj, sl->fwd.jrow[nb], !L->jitter_frozen);
         xin = sl->fwd.xj;
     }
@@ -4641,7 +4641,6 @@ static moept_status moept__forward(moept_layer *L, moept__fstep *f) {
                  st;
     f->global = L->cfg.global_balance && (L->group || L->dp);
     f->nb = 1 - sl->fwd.cur;
-    f->jitter = L->cfg.router_jitter > 0.0f && !f->eval;
     if (!local) local = moept__fwd_checks(L, f);
     if (!local && f->mask && !L->ws.xz && memchr(f->mask, 0, (size_t)f->T)) { /* the first padded step */
         L->ws.xz = moept__alloc(&L->mem, (size_t)(L->cfg.max_tokens * L->D) * sizeof(float));
@@ -4706,6 +4705,8 @@ moept_status moept_forward_ex(moept_layer *L, const float *x, int64_t T, float *
         f.slot = o->slot;
     }
     f.eval |= L->cfg.inference_only; /* nothing to keep */
+    f.jitter = L->cfg.router_jitter > 0.0f && !f.eval; /* the noise's key: every executor's */
+    f.jkey = moept__jitter_key(L);
     if (f.mask) f.reject = moept__ex_refuse(L->ex, MOEPT__CAN_MASK, "moept_forward", f.reject_why);
     if (!f.eval && (f.slot < 0 || f.slot >= L->nslots)) { /* agreed as the executor's refusals */
         f.reject = MOEPT_ERR_INVALID_ARGUMENT;
@@ -5540,16 +5541,16 @@ void moept__dev_step_done(moept_layer *L, const moept__dev_step *r) {
     sts->z_loss = (float)r->z_value;
 }
 
-void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r, int64_t T, int eval) {
+void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r) {
     moept__fstate *sl = moept__last(L);
-    L->jitter_micro += r->jitter;
-    sl->fwd.T = T; sl->fwd.valid = 1; sl->fwd.bwd_valid = 0; sl->fwd.eval = eval;
+    L->jitter_micro += r->f->jitter;
+    sl->fwd.T = r->f->T; sl->fwd.valid = 1; sl->fwd.bwd_valid = 0; sl->fwd.eval = r->f->eval;
     moept_stats *sts = &L->stats;
     sts->bytes_sent = sts->bytes_received = 0;
     sts->comm_seconds = sts->dispatch_seconds = sts->combine_seconds = 0.0;
     moept__dev_stats(L, r);
     sts->steps++;
-    sts->tokens = T;
+    sts->tokens = r->f->T;
     if (!r->deferred) moept__dev_step_done(L, r); /* sync-free: read when asked for (settle) */
 }
 

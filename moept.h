@@ -1620,8 +1620,9 @@ typedef struct moept__moves {
     const int32_t *go, *come;        /* [rounds][P] the expert each rank sends, receives (-1: idle) */
     int64_t rounds, n;               /* n: the rounds this rank is not idle in */
 } moept__moves;
-/* A forward's arguments and what its stages found before the commit (the
-   routing is in the spare buffers nb). */
+/* A forward's arguments, packed once by moept_forward_ex for every
+   executor's stages, and what the CPU's stages found before the commit
+   (the routing is in the spare buffers nb). */
 typedef struct moept__fstep {
     const float *x;        /* [T][D] */
     float *y;              /* [T][D] */
@@ -1630,9 +1631,10 @@ typedef struct moept__fstep {
     float *logits_out;     /* [T][E] the router's logits written here, or NULL */
     int slot;              /* the training forward's slot (opts.slot) */
     int64_t T, valid;      /* tokens; unmasked ones */
-    int eval, global, nb, jitter;
+    int eval, global, nb;
+    int jitter;            /* the router sees x * u (router_jitter, a training forward) */
     uint64_t x_fp;         /* x's fingerprint, for the backward's check */
-    uint64_t jkey;         /* the jitter noise's key */
+    uint64_t jkey;         /* the jitter noise's key (moept__jitter_key) */
     int64_t cap, R_next;   /* per-expert capacity (-1 dropless); rows to receive */
     moept_status reject;   /* the executor refuses this call (agreed as a local check) */
     char reject_why[MOEPT__ERRLEN];
@@ -1695,14 +1697,10 @@ typedef struct moept__dev_step {
     moept_status reject;       /* in: a rejection moept.c found (an option this executor
                                   lacks, ...), agreed like the executor's own checks */
     const char *reject_msg;
-    const int32_t *replay;     /* in: [T][K] the experts to route to (opts.replay_ids, device), or NULL */
-    int jitter;                /* in: this forward's router sees x * u, its noise keyed by jitter_key */
-    uint64_t jitter_key;
-    const uint8_t *mask;       /* in: the forward's padding mask [T] on the device, or NULL */
-    float *logits_out;         /* in: [T][E] the forward's logits written here (device), or NULL */
-    int slot;                  /* in: the forward's or backward's opts.slot (a forward's tag carries it);
-                                  out (forward): the slot it used (an evaluation's: moept__fwd_slot) */
-    int eval;                  /* in (forward): an evaluation (opts.eval) */
+    const moept__fstep *f;     /* in (forward): its arguments as moept_forward_ex packed them (x, y,
+                                  T, mask, replay ids, logits_out, eval, jitter: device pointers) */
+    int slot;                  /* in (backward): opts.slot; out (forward): the slot it used (an
+                                  evaluation's: moept__eval_slot_of) */
     float router_loss_scale;   /* in (backward): the aux and z gradients' factor */
     const float *dlogits;      /* in (backward): [T][E] the caller's dL/dlogits (device), or NULL */
     int64_t valid;             /* out: this rank's unmasked tokens (deferred as N) */
@@ -1744,7 +1742,7 @@ void moept__view_of(moept_layer *L, moept__view *v);
 void moept__dev_agreed(moept_layer *L, int n);
 void moept__dev_held(moept_layer *L, int64_t allocations, int64_t bytes,
                      const int64_t device[MOEPT_MEM_NKINDS], int64_t host);
-void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r, int64_t T, int eval);
+void moept__dev_forward_done(moept_layer *L, const moept__dev_step *r);
 void moept__dev_step_done(moept_layer *L, const moept__dev_step *r);
 void moept__dev_backward_done(moept_layer *L, const moept__dev_step *r, int last);
 void moept__dev_count_jitter(moept_layer *L, int n);

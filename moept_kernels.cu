@@ -3636,12 +3636,8 @@ typedef struct moept__fwd {
     int64_t T, R;              /* tokens (0 if rejected), rows to receive */
     int64_t tag;               /* the call's agreement tag (moept.c's) */
     moept_status reject;       /* moept.c's rejection of the call, agreed as a host one */
-    const int32_t *replay;     /* [T][K] opts.replay_ids (device), or NULL */
-    int jitter;                /* the router sees xf * u, drawn under jkey */
-    uint64_t jkey;
-    const uint8_t *mask;       /* [T] the padding mask on the device, or NULL */
-    float *logits_out;         /* [T][E] the caller's copy of the logits (device), or NULL */
-    int eval;                  /* an evaluation forward (its slot: moept__fwd_slot) */
+    const moept__fstep *a;     /* the call's arguments (mask, replay ids, logits_out, eval, jitter
+                                  and its key: moept_forward_ex's, device pointers) */
 } moept__fwd;
 
 #define MOEPT__PRE(call)                                                                             \
@@ -3661,7 +3657,7 @@ typedef struct moept__fwd {
 static void moept__fwd_mask_check(moept__cuda *c, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
     char why[MOEPT__ERRLEN] = "";
-    if (moept__is_host(f->mask)) {
+    if (moept__is_host(f->a->mask)) {
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: opts.mask is not device memory (a CUDA layer's "
                  "mask is [tokens] bytes on its device, as x and y are)");
     } else if ((p->S > 0 || !c->wlow) && !c->xsh) {
@@ -3686,14 +3682,14 @@ static void moept__fwd_slot(moept__cuda *c, const moept__dev_step *o, moept__fwd
     if (f->reject) return; /* (o->slot may be out of range) */
     const moept__cslot *s0 = &c->slots[0];
     const int pending = s0->fwd_valid && !s0->fwd_eval && !s0->bwd_done;
-    const int s = !o->eval ? o->slot : moept__eval_slot_of(c->nslots, c->sp.inference, pending);
+    const int s = !o->f->eval ? o->f->slot : moept__eval_slot_of(c->nslots, c->sp.inference, pending);
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     if (!c->slots[s].fwork && cudaStreamIsCapturing(c->s, &cap) == cudaSuccess &&
         cap != cudaStreamCaptureStatusNone) { /* cudaMalloc would invalidate the caller's capture */
         f->reject = MOEPT_ERR_STATE;
         snprintf(why, MOEPT__ERRLEN, "moept_forward: forward slot %d's first use makes its buffers, which a "
                  "CUDA graph capture cannot: run a forward in it (%s) before capturing", s,
-                 o->eval ? "an evaluation" : "a training forward");
+                 o->f->eval ? "an evaluation" : "a training forward");
         return;
     }
     char e[MOEPT__ERRLEN];
@@ -3730,8 +3726,8 @@ static void moept__fwd_checks(moept__cuda *c, moept__cslot *sl, const void *x, i
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: a CUDA error was pending: %s",
                  cudaGetErrorString(f->pending));
     }
-    if (!f->host_bad && f->mask && Tn > 0) moept__fwd_mask_check(c, f);
-    if (!f->host_bad && f->replay && Tn > 0 && moept__is_host(f->replay)) { /* k_replay would fault */
+    if (!f->host_bad && f->a->mask && Tn > 0) moept__fwd_mask_check(c, f);
+    if (!f->host_bad && f->a->replay && Tn > 0 && moept__is_host(f->a->replay)) { /* k_replay would fault */
         f->host_bad = 1;
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: opts.replay_ids is not device memory (a CUDA "
                  "layer's replay ids are [tokens][top_k] int32 on its device, as x is)");
@@ -3802,29 +3798,29 @@ static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept
     const float *xf = c->wlow ? sl->xf : (const float *)x;
     if (T_ > 0) { /* (padded rows: unchecked; their logits are computed, as transformers' router does) */
         moept__check<T>(c, x, T_ * D, c->wlow ? sl->xf : NULL, &c->bad[0],
-                        moept__pad{f->mask, NULL, f->mask ? D : 0, (int)K, 0});
+                        moept__pad{f->a->mask, NULL, f->a->mask ? D : 0, (int)K, 0});
         MOEPT__PRE(cudaGetLastError());
         sl->xf_committed = 0; /* until this step commits */
-        if (f->jitter) moept__jitter(c, xf, T_, sl->jrow[nb], f->jkey, 1);
+        if (f->a->jitter) moept__jitter(c, xf, T_, sl->jrow[nb], f->a->jkey, 1);
         /* router GEMM in fp32: logits = xf Wr^T */
-        moept__gemm g = moept__gemm_make(0, 1, T_, E, D, f->jitter ? c->xj : xf, D, c->params, D, 0.0f,
+        moept__gemm g = moept__gemm_make(0, 1, T_, E, D, f->a->jitter ? c->xj : xf, D, c->params, D, 0.0f,
                                          sl->logits[nb], E);
         if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
         const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
             p->family, p->aux, sl->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group,
             p->group_fill, p->scale, T_, sl->probs[nb], c->scratch, sl->ids[nb], sl->wts[nb], sl->lse[nb],
-            c->cids, &c->bad[1], f->mask);
+            c->cids, &c->bad[1], f->a->mask);
         MOEPT__PRE(cudaGetLastError());
-        if (f->replay) {
+        if (f->a->replay) {
             MOEPT__LAUNCH(moept__k_replay, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-                p->family, p->aux, sl->logits[nb], f->replay, (int)E, (int)K, p->norm, p->scale, T_,
+                p->family, p->aux, sl->logits[nb], f->a->replay, (int)E, (int)K, p->norm, p->scale, T_,
                 sl->probs[nb], c->scratch, sl->ids[nb], sl->wts[nb], c->cids, &c->bad[1]);
             MOEPT__PRE(cudaGetLastError());
         }
-        if (f->logits_out) {
+        if (f->a->logits_out) {
             MOEPT__LAUNCH(moept__k_logits_out, moept__grid(T_ * E), MOEPT__TB, 0, c->s)(
-                sl->logits[nb], sl->ids[nb], T_, (int)E, (int)K, f->logits_out);
+                sl->logits[nb], sl->ids[nb], T_, (int)E, (int)K, f->a->logits_out);
             MOEPT__PRE(cudaGetLastError());
         }
     }
@@ -4016,8 +4012,8 @@ static void moept__fwd_commit(moept__cuda *c, moept__cslot *sl, const moept__fwd
     sl->fwd_valid = 1;
     sl->bwd_done = 0;
     sl->fwd_stale = NULL;
-    sl->fwd_eval = f->eval;
-    sl->jit = f->jitter; sl->jkey = f->jkey;
+    sl->fwd_eval = f->a->eval;
+    sl->jit = f->a->jitter; sl->jkey = f->a->jkey;
     sl->R = f->R;
     const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
     for (int64_t e = 0; e < E; e++) sl->counts[e] = mine[e];
@@ -4032,7 +4028,7 @@ static void moept__fwd_commit(moept__cuda *c, moept__cslot *sl, const moept__fwd
     out->R = f->R;
     out->valid = mine[M - 1];
     out->capacity = moept__capacity(p->capacity_factor, out->valid, p->K, E); /* the device's */
-    sl->masked = f->mask != NULL;
+    sl->masked = f->a->mask != NULL;
 }
 
 /* 7. losses (the same host arithmetic as moept.c); the aux gradient's
@@ -4342,13 +4338,13 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__cslot *sl, moept__fw
     MOEPT__CU(cudaMemcpyAsync(sl->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
     sl->cur = f->nb;
     sl->T = f->T;
-    sl->masked = f->mask != NULL;
-    sl->jit = f->jitter; sl->jkey = f->jkey;
+    sl->masked = f->a->mask != NULL;
+    sl->jit = f->a->jitter; sl->jkey = f->a->jkey;
     sl->xf_committed = 1;
     sl->fwd_valid = 1;
     sl->bwd_done = 0;
     sl->fwd_stale = NULL;
-    sl->fwd_eval = f->eval;
+    sl->fwd_eval = f->a->eval;
     out->deferred = 1;
     if (p->seq_len > 0) {
         moept__seq_mean(c, sl);
@@ -4370,12 +4366,7 @@ static moept_status moept__forward(moept__cuda *c, const void *xv, int64_t Tn, v
     memset(&f, 0, sizeof f);
     f.tag = out->tag;
     f.reject = out->reject;
-    f.replay = out->replay;
-    f.jitter = out->jitter && c->sp.jitter > 0.0f;
-    f.jkey = out->jitter_key;
-    f.mask = out->mask;
-    f.logits_out = out->logits_out;
-    f.eval = out->eval;
+    f.a = out->f;
     char why[MOEPT__ERRLEN];
     moept__cslot *sl; /* the forward's slot (nothing switches: the layer's last changes once it is done) */
     moept__fwd_slot(c, out, &f, &sl, why);
@@ -5004,26 +4995,20 @@ static moept_status moept__cuda_layer_forward(moept_layer *L, moept__fstep *f) {
        out-of-range slot is refused, agreed) */
     r.tag = moept__call_tag(L, MOEPT__CALL_FORWARD) |
             (int64_t)((uint64_t)(f->eval ? 0u : (uint32_t)f->slot + 1u) << 32);
-    r.slot = f->slot;
-    r.eval = f->eval;
+    r.f = f; /* (replay ids, mask: device memory, checked there, agreed with the executor's checks) */
     r.reject = f->reject; /* agreed in the executor's count exchange, as its own checks */
     r.reject_msg = f->reject ? f->reject_why : NULL;
-    r.replay = f->replay; /* device memory: checked there, agreed with the executor's checks */
-    r.jitter = v.cfg->router_jitter > 0.0f && !f->eval; /* the CPU's noise: its key, counted alike */
-    r.jitter_key = moept__jitter_key(L);
-    r.mask = f->mask; /* device memory, as x and y */
-    r.logits_out = f->logits_out;
     st = moept__cuda_forward(c, f->x, f->T, f->y, v.lstat, v.peer_rows, &r, moept__errbuf());
     moept__dev_agreed(L, r.agreed);
     moept__cuda_held(L); /* a failed forward's too: a slot it made stays */
     /* sync-free: a rank's own rejection fails its call alone and its peers
        go on, so it counts the forward as they do: the ranks' noise keys stay alike */
-    if (st && r.agreed && c->sp.sync_free) moept__dev_count_jitter(L, r.jitter);
+    if (st && r.agreed && c->sp.sync_free) moept__dev_count_jitter(L, f->jitter);
     if (st) return st;
     c->routing_on_host = 0;
     c->last_slot = r.slot; /* its backward's gradients are moept_routing_grads' */
     c->stats_pending = r.deferred; /* sync-free: read when asked for (moept__cuda_settle) */
-    moept__dev_forward_done(L, &r, f->T, f->eval);
+    moept__dev_forward_done(L, &r);
     return MOEPT_OK;
 }
 
