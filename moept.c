@@ -1913,6 +1913,8 @@ struct moept_layer {
 static void moept__fsdp_write(moept_layer *L, int64_t flat, const float *src, int64_t n);
 static moept_status moept__io(const moept_layer *L, int which, int64_t off, int64_t n, float *h, int write);
 static moept_status moept__tables_changed(moept_layer *L);
+static moept_status moept__params_written(moept_layer *L);
+static moept_status moept__bias_set(moept_layer *L, const float *src, float *was);
 /* The group calls (moept.h's table): each agreement carries the call's id
    and a fingerprint of the arguments that must match on every rank */
 static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
@@ -1928,6 +1930,7 @@ static const struct { const char *name, *args; } moept__calls[MOEPT__NCALLS] = {
     [MOEPT__CALL_LOAD_CHECKPOINT] = {"moept_load_checkpoint", "directories"},
     [MOEPT__CALL_LOAD_HF] = {"moept_load_hf", "directories or layer indices"},
     [MOEPT__CALL_RESHARD] = {"moept_reshard", "placements (new_rank) or optimizer steps"},
+    [MOEPT__CALL_LOAD_COMMIT] = {"a load's commit", ""},
 };
 static moept_status moept__agree_call(moept_layer *L, moept_comm *grp, moept_comm *dp, moept_status local,
                                       int call, uint64_t args);
@@ -2727,7 +2730,7 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
     /* an inference layer has no gradient mirror; grad_backup adds its copy */
     const int64_t nmir = L->ex->io ? 0 : c->inference_only ? 1 : c->grad_backup ? 3 : 2;
     size_t pbytes = (size_t)(nmir * L->par.n_params + E) * sizeof(float);
-    float *block = moept__alloc(mem, pbytes);
+    float *block = L->par.block = moept__alloc(mem, pbytes);
     L->par.table = moept__alloc(mem, (size_t)(3 * El + 8) * sizeof(moept__param));
     /* the forward slots' states; the workspace block: the layer's scratch and slot 0's buffers */
     L->slots = moept__alloc(mem, (size_t)(L->nslots + 1) * sizeof(moept__fstate));
@@ -2739,7 +2742,6 @@ static int moept__layer_alloc(moept_layer *L, moept__counter *mem) {
     size_t wbytes = wc.off;
     L->work = moept__alloc(mem, wbytes);
     L->work_bytes = (int64_t)wbytes;
-    L->par.block = block;
     if (!block || !L->par.table || !L->work) return 0;
     memset(block, 0, pbytes);
     memset(L->work, 0, wbytes);
@@ -2903,14 +2905,12 @@ moept_status moept_set_param(moept_layer *L, const char *name, const float *src,
     moept_status st = moept__param_io(L, "moept_set_param", name, numel, src, &p);
     if (st || !p || !src) return st ? st : MOEPT_ERR_INVALID_ARGUMENT;
     if ((st = moept__finite_in(L, "moept_set_param", name, src, numel))) return st;
-    if (p->type == MOEPT__P_BIAS) { /* the host's alone; it only routes: the pending backwards stand */
-        memcpy(p->data, src, (size_t)numel * sizeof(float));
-        return moept__tables_changed(L);
-    }
+    if (p->type == MOEPT__P_BIAS) /* the host's alone; it only routes: the pending backwards stand */
+        return moept__bias_set(L, src, NULL);
     if (p->flat >= 0) moept__fsdp_write(L, p->flat, src, numel); /* this rank's part */
     else if ((st = moept__io(L, MOEPT_BUF_PARAMS, p->off, numel, (float *)src, 1))) return st;
     moept__stale_forwards(L, "moept_set_param");
-    return MOEPT_OK;
+    return moept__params_written(L);
 }
 
 /* a parameter's values (grad 0) or gradient into dst */
@@ -3023,8 +3023,9 @@ moept_status moept_buf_write(moept_layer *L, moept_buf which, int64_t off, int64
     moept_status st = moept__buf_args(L, "moept_buf_write", which, off, n, src);
     if (!st) st = moept__finite_in(L, "moept_buf_write", which ? "gradients" : "parameters", src, n);
     if (st || !n || (st = moept__io(L, (int)which, off, n, (float *)src, 1))) return st;
-    if (which == MOEPT_BUF_PARAMS) moept__stale_forwards(L, "moept_buf_write");
-    return MOEPT_OK;
+    if (which != MOEPT_BUF_PARAMS) return MOEPT_OK;
+    moept__stale_forwards(L, "moept_buf_write");
+    return moept__params_written(L);
 }
 
 moept_status moept_zero_grad(moept_layer *L) {
@@ -3097,8 +3098,10 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
         } else if (p->flat >= 0) { /* fsdp: the same values as EP, this rank's part kept */
             int64_t lo = (int64_t)L->fsdp->rank * L->fs.shard, a = p->flat > lo ? p->flat : lo;
             int64_t b = p->flat + n < lo + L->fs.shard ? p->flat + n : lo + L->fs.shard;
-            moept__init_fill(&r, NULL, a - p->flat);
-            if (b > a) moept__init_fill(&r, L->fs.w + (a - lo), b - a);
+            if (b > a) {
+                moept__init_fill(&r, NULL, a - p->flat);
+                moept__init_fill(&r, L->fs.w + (a - lo), b - a);
+            }
         } else if (!buf) {
             moept__init_fill(&r, p->data, n);
         } else {
@@ -3110,6 +3113,7 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
         }
     }
     MOEPT_FREE(buf);
+    if (!st) st = moept__params_written(L);
     if (!st) st = moept__tables_changed(L);
     return st;
 }
@@ -3121,6 +3125,7 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
 static moept_status moept__io(const moept_layer *cL, int which, int64_t off, int64_t n, float *h, int write) {
     moept_layer *L = (moept_layer *)cL;
     if (L->ex->io) return L->ex->io(L, which, off, n, h, write);
+    if (n == 0) return MOEPT_OK;
     float *b = which == MOEPT_BUF_PARAMS ? L->par.params : which == MOEPT_BUF_GRADS ? L->par.grads
              : which == MOEPT__BUF_M    ? L->opt.m       : L->opt.v;
     if (!b && write) return moept__fail(L, MOEPT_ERR_STATE, "internal: a write to a buffer the layer lacks");
@@ -3132,6 +3137,23 @@ static moept_status moept__io(const moept_layer *cL, int which, int64_t off, int
 
 /* the bias or the placement changed on the host, their one home: an executor's copies follow */
 static moept_status moept__tables_changed(moept_layer *L) { return MOEPT__EX(L, tables, L); }
+
+/* parameters written (moept__io): an executor's derived copies made again (once, after the writes) */
+static moept_status moept__params_written(moept_layer *L) { return MOEPT__EX(L, params_changed, L); }
+
+/* the correction bias set to src [E] on the host and where the executor routes, or, if that fails, as
+   it was (was [E]: scratch; NULL: allocated here) */
+static moept_status moept__bias_set(moept_layer *L, const float *src, float *was) {
+    const size_t bytes = (size_t)L->E * sizeof(float);
+    float *own = was ? NULL : moept__alloc(NULL, bytes);
+    if (!was && !(was = own)) return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of memory (the bias)");
+    memcpy(was, L->par.bias, bytes);
+    memmove(L->par.bias, src, bytes);
+    moept_status st = moept__tables_changed(L);
+    if (st) memcpy(L->par.bias, was, bytes);
+    MOEPT_FREE(own);
+    return st;
+}
 
 /* ------------------------------------------------------------------------
    Agreement: every group call agrees before it acts (moept.h's table of group
@@ -4092,19 +4114,21 @@ static moept_status moept__first_bad(const moept_layer *L, int which, int64_t of
         if (b && (*at = moept__first_nonfinite(b + off, n)) >= 0) *v = b[off + *at];
         return MOEPT_OK;
     }
-    float buf[4096];
-    for (int64_t j = 0; j < n; j += 4096) {
-        const int64_t m = n - j < 4096 ? n - j : 4096;
-        moept_status st = moept__io(L, which, off + j, m, buf, 0);
-        if (st) return st;
-        const int64_t i = moept__first_nonfinite(buf, m);
+    enum { CHUNK = 1 << 20 }; /* 4 MiB a copy: few host syncs, a bounded host share */
+    const int64_t cap = n < CHUNK ? n : CHUNK;
+    float *buf = moept__alloc(NULL, (size_t)(cap > 0 ? cap : 1) * sizeof(float));
+    moept_status st = buf ? MOEPT_OK : moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of memory (a scan)");
+    for (int64_t j = 0; !st && j < n && *at < 0; j += cap) {
+        const int64_t m = n - j < cap ? n - j : cap;
+        st = moept__io(L, which, off + j, m, buf, 0);
+        const int64_t i = st ? -1 : moept__first_nonfinite(buf, m);
         if (i >= 0) {
             *at = j + i;
             *v = buf[i];
-            return MOEPT_OK;
         }
     }
-    return MOEPT_OK;
+    MOEPT_FREE(buf);
+    return st;
 }
 
 /* A non-finite parameter, named (which tensor, which element) into why [n],
@@ -5187,14 +5211,18 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
         bad = moept__fail(L, MOEPT_ERR_STATE,
                           "moept_update_bias: the last forward was an evaluation (opts.eval)");
     else bad = moept__settle(L);
+    float *nb = bad ? NULL : moept__alloc(NULL, (size_t)(2 * L->E) * sizeof(float)); /* new bias, old */
+    if (!bad && !nb) bad = moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "moept_update_bias: out of memory");
     moept_status ag = moept__agree_call(L, L->group, L->dp, bad, MOEPT__CALL_UPDATE_BIAS,
                                         moept__fnv_f32(&rate, 1));
+    if (ag) MOEPT_FREE(nb);
     if (ag) return ag;
     /* the bias is replicated: every rank must see the whole batch's counts
        (already so with global_balance; otherwise sum them here) */
     double *cnt = sl->fwd.lstat; /* [E] the forward's selection counts; free after the forward */
     if ((L->group || L->dp) && !sl->fwd.counts_global) {
         moept_status st = moept__world_sum(L, cnt, L->E, MOEPT_DTYPE_F64);
+        if (st) MOEPT_FREE(nb);
         if (st) return st;
         for (int64_t e = 0; e < L->E; e++) sl->fwd.sel_counts[e] = (int64_t)cnt[e];
         sl->fwd.counts_global = 1; /* a second call after the same forward sums nothing twice */
@@ -5204,9 +5232,11 @@ moept_status moept_update_bias(moept_layer *L, float rate) {
     double mean = total / (double)L->E;
     for (int64_t e = 0; e < L->E; e++) {
         double c = (double)sl->fwd.sel_counts[e];
-        L->par.bias[e] += rate * (float)((mean > c) - (mean < c));
+        nb[e] = L->par.bias[e] + rate * (float)((mean > c) - (mean < c));
     }
-    return moept__tables_changed(L);
+    moept_status st = moept__bias_set(L, nb, nb + L->E);
+    MOEPT_FREE(nb);
+    return st;
 }
 
 moept_status moept_routing(moept_layer *L, const int32_t **ids, const float **weights, const float **logits) {
@@ -5487,6 +5517,7 @@ void moept__view_of(moept_layer *L, moept__view *v) {
     v->ep = L->ep; v->dp = L->dp;
     v->xstate = &L->xstate;
     v->grads = L->par.trains; v->bias = L->par.bias;
+    v->moments = L->opt.t > 0;
     v->off13 = L->par.o13; v->off2 = L->par.o2; v->offs13 = L->par.os13; v->offs2 = L->par.os2;
     v->offsg = L->par.osg;
     v->slot_of = L->plan.slot_of;
@@ -5741,8 +5772,9 @@ static moept_status moept__reshard_rounds(moept_layer *L, const moept__moves *mv
     for (int64_t k = 0; k < mv->rounds; k++) {
         const int32_t go = mv->go[k * P + me], come = mv->come[k * P + me];
         for (int b = 0; b < 3; b++) {
-            /* optimizer state moves only if allocated (the same on every rank in a training loop) */
-            int have = bufs[b] != NULL;
+            /* the moments move once a step made them (agreed state: a rank's own rejected first step
+               may have allocated its zeros alone) */
+            int have = b == 0 || (L->opt.t > 0 && bufs[b] != NULL);
             moept_p2p s[2], r[2];
             int ns = 0, nr = 0;
             float *w13 = NULL, *w2 = NULL;
@@ -8471,8 +8503,10 @@ static moept_status moept__load_staged(moept_layer *L, moept__load *ld) {
     const size_t nstage = (size_t)ld->copies * (size_t)L->par.n_params + (size_t)L->E;
     int64_t bytes = 0; /* counted only if the load commits */
     float *stage = NULL; /* (a whole copy, what this call needs while it runs) */
-    moept_status local = MOEPT_OK;
-    moept_status st = ld->bad_args ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s", ld->bad_args)
+    /* (a device's pending errors: agreed here, not found by the commit on one rank) */
+    moept_status local = moept__io(L, MOEPT_BUF_PARAMS, 0, 0, NULL, 0);
+    moept_status st = local ? local
+                      : ld->bad_args ? moept__thread_fail(MOEPT_ERR_INVALID_ARGUMENT, "%s", ld->bad_args)
                       : !(stage = moept__alloc(NULL, nstage * sizeof(float)))
                           ? moept__thread_fail(MOEPT_ERR_OUT_OF_MEMORY, "out of memory")
                           : ld->read(L, ld, stage, &bytes);
@@ -8482,12 +8516,17 @@ static moept_status moept__load_staged(moept_layer *L, moept__load *ld) {
         MOEPT_FREE(ld->opt);
         return st;
     }
-    L->stats.checkpoint_bytes_read += bytes;
+    /* the device writes first, then the host's state; a device that fails them (after the agreement:
+       this rank alone) fails every rank through the commit's own agreement */
     st = ld->commit(L, ld, stage);
     MOEPT_FREE(stage);
     moept__stale_forwards(L, ld->call);
+    if (!st) st = moept__params_written(L);
     if (!st) st = moept__tables_changed(L);
-    return st ? moept__fail(L, st, "%s: %s", ld->call, moept__thread_err) : MOEPT_OK;
+    if (!st) L->stats.checkpoint_bytes_read += bytes;
+    local = st ? moept__fail(L, st, "%s: the commit on this rank failed (the layer may be part-loaded: "
+                             "load again): %s", ld->call, moept__thread_err) : MOEPT_OK;
+    return moept__agree_call(L, L->group, L->dp, local, MOEPT__CALL_LOAD_COMMIT, 0);
 }
 
 /* Every parameter of decoder layer `layer_index` into stage [n_params + E]
@@ -8515,8 +8554,9 @@ static moept_status moept__hf_stage(const moept_layer *L, moept__load *ld, float
 
 static moept_status moept__hf_commit(moept_layer *L, moept__load *ld, const float *stage) {
     (void)ld;
-    memcpy(L->par.bias, stage + L->par.n_params, (size_t)L->E * sizeof(float));
-    return moept__io(L, MOEPT_BUF_PARAMS, 0, L->par.n_params, (float *)stage, 1);
+    moept_status st = moept__io(L, MOEPT_BUF_PARAMS, 0, L->par.n_params, (float *)stage, 1);
+    if (!st) memcpy(L->par.bias, stage + L->par.n_params, (size_t)L->E * sizeof(float));
+    return st;
 }
 
 /* Collective over the EP and DP groups (moept__load_staged) */
@@ -9082,12 +9122,14 @@ static moept_status moept__ckpt_commit(moept_layer *L, moept__load *ld, const fl
         L->mem.allocations++;
         L->mem.bytes += (int64_t)(2 * n * sizeof(float));
     }
-    L->opt.held |= ld->moments;
-    memcpy(L->par.bias, stage + 3 * n, (size_t)L->E * sizeof(float));
+    const int held = L->opt.held || ld->moments;
     /* the moments: the checkpoint's, or zeros at step 0 (the stage's; an inference layer has none) */
     moept_status st = moept__io(L, MOEPT_BUF_PARAMS, 0, (int64_t)n, (float *)stage, 1);
-    if (!st && L->opt.held) st = moept__io(L, MOEPT__BUF_M, 0, (int64_t)n, (float *)stage + n, 1);
-    if (!st && L->opt.held) st = moept__io(L, MOEPT__BUF_V, 0, (int64_t)n, (float *)stage + 2 * n, 1);
+    if (!st && held) st = moept__io(L, MOEPT__BUF_M, 0, (int64_t)n, (float *)stage + n, 1);
+    if (!st && held) st = moept__io(L, MOEPT__BUF_V, 0, (int64_t)n, (float *)stage + 2 * n, 1);
+    if (st) return st;
+    L->opt.held = held;
+    memcpy(L->par.bias, stage + 3 * n, (size_t)L->E * sizeof(float));
     L->opt.t = L->par.trains ? t : 0; /* an inference layer saves no optimizer state: step 0 */
     L->opt_mb = L->opt_vb = INFINITY; /* the next step probes the loaded moments */
     L->jitter_micro = 0;

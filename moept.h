@@ -1028,12 +1028,16 @@ typedef struct moept_param_info {
     const char *name;  /* HF module-relative name; valid while the layer lives */
     int64_t rows, cols; /* shape [rows][cols]; a vector has rows = 1 */
     float *data;       /* inside the parameter buffer (NULL for none, and in a
-                          CUDA layer, whose buffers live on its device) */
-    float *grad;       /* mirror in the gradient buffer; NULL without gradient */
+                          CUDA layer, whose buffers live on its device; the
+                          correction bias: its host home, always) */
+    float *grad;       /* mirror in the gradient buffer; NULL without gradient,
+                          and in a CUDA layer (moept_get_grad names those
+                          without: MOEPT_ERR_NOT_FOUND) */
     int64_t shard_offset; /* fsdp expert tensors: offset in the full expert space
                              (data and grad NULL); -1 otherwise */
     int64_t offset;    /* first element's index in the buffer moept_buf_read
-                          reads (-1: the correction bias, outside it) */
+                          reads (-1: the correction bias, and fsdp's expert
+                          tensors, outside it) */
 } moept_param_info;
 
 /* A config with `family` set and every other field zero (each zero takes
@@ -1663,8 +1667,9 @@ typedef struct moept__exec {
     moept_status (*routing)(moept_layer *L, int dweights); /* ids/wts/logits (or dwts) to the host */
     /* a device executor's buffers (its own home: the host holds no copy), elements
        [off, off + n) of buffer `which` (moept_buf, MOEPT__BUF_M/V) to or from host
-       memory h; a parameter write invalidates the executor's derived copies. NULL: the
-       layer's buffers are the host's (moept__params) */
+       memory h (n 0: the device's pending errors, checked); a parameter write marks the
+       executor's derived copies stale (the writer calls params_changed once after its
+       writes). NULL: the layer's buffers are the host's (moept__params) */
     moept_status (*io)(moept_layer *L, int which, int64_t off, int64_t n, float *h, int write);
     moept_status (*tables)(moept_layer *L); /* the host's bias and placement changed (O(E)) */
     moept_status (*device_params)(moept_layer *L, float **params, float **grads);
@@ -1684,7 +1689,7 @@ enum {
     MOEPT__CALL_FORWARD = 1, MOEPT__CALL_BACKWARD, MOEPT__CALL_SYNC_GRADS, MOEPT__CALL_GRAD_NORM,
     MOEPT__CALL_UPDATE_BIAS, MOEPT__CALL_ADAMW_STEP, MOEPT__CALL_SAVE_CHECKPOINT, MOEPT__CALL_SAVE_FILES,
     MOEPT__CALL_SAVE_COMMIT, MOEPT__CALL_LOAD_CHECKPOINT, MOEPT__CALL_LOAD_HF, MOEPT__CALL_RESHARD,
-    MOEPT__NCALLS
+    MOEPT__CALL_LOAD_COMMIT, MOEPT__NCALLS
 };
 
 /* Results of a forward the host keeps (statistics and the saved state's size);
@@ -1723,6 +1728,8 @@ typedef struct moept__view {
     moept_comm *ep, *dp;           /* NULL: one rank */
     void **xstate;                 /* the executor's own state */
     int grads;                     /* the layer has gradients (not inference_only) */
+    int moments;                   /* AdamW's moments move with their experts (a step was taken:
+                                      agreed state, the same on every rank) */
     float *bias;                   /* [E] the correction bias (its one home) */
     int64_t off13, off2, offs13, offs2, offsg; /* offsets in params; offsg -1: no shared gate */
     int32_t *slot_of;              /* [E] the placement */

@@ -170,14 +170,15 @@ typedef struct moept__cuda_moves {
     const int64_t *round;      /* [n] ascending */
 } moept__cuda_moves;
 /* prep, before the agreement: the staging of one expert;
-   *nbuf: the expert-shaped buffers that move (1, or 3 with the moments).
+   *nbuf: the expert-shaped buffers that move (1, or 3 with the moments:
+   where `moments`, agreed state, says a step made them on every rank).
    move: the leaving experts' bytes into backup [n][nbuf][H*D + D*F] (host;
    *backed = 1 once they are), then the rounds; bytes moved add to *sent
    and *recvd. undo: the backup
    back into its slots. commit: the new placement slot_of [E], zero
    gradients. After a move, moept__cuda_params_changed. end: the staging
    freed. */
-static moept_status moept__cuda_reshard_prep(moept__cuda *c, int *nbuf, char *err);
+static moept_status moept__cuda_reshard_prep(moept__cuda *c, int moments, int *nbuf, char *err);
 static moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_moves *mv, float *backup,
                                              int *backed, int64_t *sent, int64_t *recvd, char *err);
 static moept_status moept__cuda_reshard_undo(moept__cuda *c, const moept__cuda_moves *mv, const float *backup,
@@ -3156,16 +3157,17 @@ static moept_status moept__cuda_io(moept__cuda *c, int which, int64_t off, int64
              : which == MOEPT__BUF_M    ? c->opt_m   : c->opt_v;
     if (!d && write)
         return moept__kfail(err, MOEPT_ERR_STATE, "internal: a write to a buffer the layer lacks");
-    MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
+    MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow (n 0: the pending errors alone) */
+    if (n == 0) return MOEPT_OK;
     if (!d) {
         memset(h, 0, (size_t)n * 4); /* moments before the first step */
         return MOEPT_OK;
     }
-    if (write && which == MOEPT_BUF_GRADS) c->grads_clean = 0;
+    if (write) c->grads_clean = 0;
+    if (write && which == MOEPT_BUF_PARAMS) c->wlow_stale = c->q8_stale = 1; /* (recast: params_changed) */
     if (write) MOEPT__CU(cudaMemcpyAsync(d + off, h, (size_t)n * 4, cudaMemcpyHostToDevice, c->s));
     else MOEPT__CU(cudaMemcpyAsync(h, d + off, (size_t)n * 4, cudaMemcpyDeviceToHost, c->s));
     MOEPT__TRY(moept__host_wait(c, err)); /* the host array may change after we return */
-    if (write && which == MOEPT_BUF_PARAMS) moept__cuda_params_changed(c);
     return MOEPT_OK;
 }
 
@@ -4829,10 +4831,10 @@ static moept_status moept__cuda_adamw_probe(moept__cuda *c, const moept__adamw_k
 
 /* ---- resharding (moept_reshard) ---------------------------------------- */
 /* before the agreement: one expert of staging */
-static moept_status moept__cuda_reshard_prep(moept__cuda *c, int *nbuf, char *err) {
+static moept_status moept__cuda_reshard_prep(moept__cuda *c, int moments, int *nbuf, char *err) {
     MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
-    *nbuf = c->opt_m ? 3 : 1;
+    *nbuf = moments && c->opt_m ? 3 : 1;
     if (!c->rs_stage)
         MOEPT__TRY(moept__dmalloc(c, (void **)&c->rs_stage, (size_t)(p->H * p->D + p->D * p->F) * 4, err));
     return MOEPT_OK;
@@ -4851,7 +4853,7 @@ static void moept__rs_parts(moept__cuda *c, int b, int64_t j, float **w13, float
 static moept_status moept__rs_backup(moept__cuda *c, const moept__cuda_moves *mv, float *backup, int dir,
                                      char *err) {
     const int64_t n13 = c->sp.H * c->sp.D, n2 = c->sp.D * c->sp.F;
-    const int nb = c->opt_m ? 3 : 1;
+    const int nb = c->rs_nbuf;
     MOEPT__TRY(moept__host_wait(c, err)); /* pageable copies follow */
     if (c->cs != c->s) { /* after the moves' copies on the comm's stream (an aborted comm's too: ended) */
         MOEPT__CU(cudaEventRecord(c->ev_comm, c->cs));
@@ -4881,7 +4883,7 @@ static moept_status moept__cuda_reshard_move(moept__cuda *c, const moept__cuda_m
                                              int *backed, int64_t *sent, int64_t *recvd, char *err) {
     MOEPT__ENTER(c);
     const int64_t n13 = c->sp.H * c->sp.D, n2 = c->sp.D * c->sp.F;
-    const int nb = c->opt_m ? 3 : 1;
+    const int nb = c->rs_nbuf;
     moept_comm *ep = c->sp.ep;
     MOEPT__TRY(moept__rs_backup(c, mv, backup, 0, err));
     *backed = 1;
@@ -5137,7 +5139,7 @@ static moept_status moept__cuda_layer_reshard_ready(moept_layer *L, const moept_
     moept__cuda *c = moept__cx(L, &v);
     const int64_t P = v.P, me = v.rank, n = mv->n, part = v.H * v.D + v.D * v.F;
     moept_status st = moept__cuda_settle(L);
-    if (!st) st = moept__cuda_reshard_prep(c, &c->rs_nbuf, moept__errbuf());
+    if (!st) st = moept__cuda_reshard_prep(c, v.moments, &c->rs_nbuf, moept__errbuf());
     if (st) return moept__fail(L, st, "moept_reshard: %s", moept__errbuf());
     c->rs_slot = (int64_t *)malloc((size_t)(3 * (n > 0 ? n : 1)) * sizeof(int64_t));
     c->rs_backup = (float *)malloc((size_t)(n * c->rs_nbuf * part > 0 ? n * c->rs_nbuf * part : 1) *
