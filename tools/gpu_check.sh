@@ -2,8 +2,8 @@
 # tools/gpu_check.sh - the real-GPU checks, for a session lent a GPU machine
 # (the device tool; docs/PERF.md "The CUDA executor on one H200" records what they gave).
 #
-#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [fp8] [sanitize] [bench]
-#                         [bench_small] [profile] [torch] [peers]
+#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank] [fp8] [sanitize]
+#                         [bench] [bench_small] [profile] [torch] [peers]
 #                         (default: build rules check ep1gpu fp8 sanitize bench torch peers)
 #
 # prebuilt: instead of build, the binaries tools/gpu_prebuild.sh built
@@ -26,6 +26,16 @@
 #           --reshard); and over NCCL (--comm nccl-one-gpu,
 #           NCCL_MULTI_RANK_GPU_ENABLE=1), recorded but not counted as a
 #           failure, since NCCL before 2.30 refuses two ranks on one GPU
+# nccl-multirank: the same over NCCL 2.30+, every failure counted: the archive
+#           tools/build_nccl.sh put in $GPUB unpacked, its libnccl.so.2 first on
+#           LD_LIBRARY_PATH (the version NCCL_DEBUG=VERSION prints must be 2.30+),
+#           NCCL_MULTI_RANK_GPU_ENABLE=1; moept_check_cuda --ep 2 and 4 --comm
+#           nccl-one-gpu (threads) and mpirun -np 2 and 4 moept_check_cuda_mpi
+#           (processes, all on device 0), every case, plain, --sync-free,
+#           --chunks 3, --reshard; at 4 ranks NCCL_MAX_CTAS 8 (or the one set).
+#           The steps share NCCL_MR_BUDGET seconds (420: the device tool's call
+#           is 600 s), each at most STEP_TIMEOUT (120); NCCL_MR_EP (default
+#           "2 4") picks the rank counts, for a second call
 # sanitize: compute-sanitizer memcheck, racecheck, synccheck, initcheck on
 #           moept_check_cuda over three cases
 # bench:    bench_cuda at Mixtral-8x7B's layer (D 4096, F 14336, E 8, K 2,
@@ -194,6 +204,85 @@ ep1gpu() {
     failed=$f
 }
 
+nccl_multirank() { # several NCCL ranks on GPU 0 (threads, then processes) over NCCL 2.30+
+    LOG="$OUT/nccl-multirank.log"
+    g=${GPUB:-gpub}
+    a=$(ls "$g"/nccl-*.tar.xz 2>/dev/null | sort -V | tail -1)
+    n=build/nccl-multirank
+    rm -rf "$n"
+    mkdir -p "$n"
+    # tar's -J needs the xz program, which a bare image may lack; Python's tarfile reads xz itself
+    if [ -z "$a" ] || ! { tar -xJf "$a" -C "$n" 2>>"$LOG" || python3 -m tarfile -e "$a" "$n" >>"$LOG" 2>&1; }
+    then
+        echo "FAIL - nccl-multirank: no NCCL archive in $g (tools/build_nccl.sh makes it)" | tee -a "$SUM"
+        failed=1
+        return
+    fi
+    ld=${LD_LIBRARY_PATH:-}
+    export LD_LIBRARY_PATH="$PWD/$n/lib${ld:+:$ld}" NCCL_MULTI_RANK_GPU_ENABLE=1
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+    ldd build/moept_check_cuda build/moept_check_cuda_mpi 2>&1 | grep -E '^build|libnccl' >>"$LOG"
+    # a device tool's call is at most 600 s: the steps share NCCL_MR_BUDGET seconds, each at most
+    # STEP_TIMEOUT (default 120); a step past the budget is not run and fails (NCCL_MR_EP=4: the rest)
+    end=$(($(date +%s) + ${NCCL_MR_BUDGET:-420}))
+    st=${STEP_TIMEOUT:-0}
+    l0=$(wc -l <"$LOG")
+    mr_step "NCCL_DEBUG=VERSION moept_check_cuda --ep 2 --comm nccl-one-gpu: which NCCL is loaded" \
+        env NCCL_DEBUG=VERSION build/moept_check_cuda --ep 2 --comm nccl-one-gpu \
+        tests/cases/mixtral_e8_t40.safetensors
+    v=$(tail -n +$((l0 + 1)) "$LOG" | sed -n 's/.*NCCL version \([0-9][0-9.]*\).*/\1/p' | tail -1)
+    echo "# NCCL loaded: ${v:-none}" | tee -a "$SUM"
+    case $v in
+    2.[3-9][0-9].* | [3-9].*) ;;
+    *)
+        echo "FAIL - nccl-multirank: NCCL ${v:-?} loaded, not the archive's 2.30+; nothing run" |
+            tee -a "$SUM"
+        failed=1
+        v= ;;
+    esac
+    # NCCL_MULTI_RANK_GPU_ENABLE (2.30, experimental), as NCCL's user guide has it
+    # (docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html): each rank on a GPU takes its own
+    # channels and NCCL hangs when the GPU cannot hold them all; its defaults hold 2 ranks a GPU, and
+    # NCCL_MAX_CTAS caps a rank's channels for more
+    for p in ${v:+${NCCL_MR_EP:-2 4}}; do
+        x=
+        [ "$p" -gt 2 ] && x=NCCL_MAX_CTAS=${NCCL_MAX_CTAS:-8}
+        for m in "" --sync-free "--chunks 3" --reshard; do
+            # shellcheck disable=SC2086
+            mr_step "moept_check_cuda --ep $p --comm nccl-one-gpu${m:+ $m}${x:+ ($x)}" env $x \
+                build/moept_check_cuda --ep $p --comm nccl-one-gpu $m tests/cases/*.safetensors
+        done
+        if ! command -v mpirun >/dev/null || [ ! -x build/moept_check_cuda_mpi ]; then
+            echo "FAIL - mpirun -np $p on one GPU: mpirun or build/moept_check_cuda_mpi missing" |
+                tee -a "$SUM"
+            failed=1
+            continue
+        fi
+        for m in "" --sync-free "--chunks 3" --reshard; do # every process on device 0 (local rank % 1)
+            # shellcheck disable=SC2086
+            mr_step "mpirun -np $p moept_check_cuda_mpi --ep $p${m:+ $m} (one GPU)${x:+ ($x)}" env $x mpirun \
+                -np $p build/moept_check_cuda_mpi --ep $p $m tests/cases/*.safetensors
+        done
+    done
+    STEP_TIMEOUT=$st
+    if [ -n "$ld" ]; then LD_LIBRARY_PATH=$ld; else unset LD_LIBRARY_PATH; fi
+    unset NCCL_MULTI_RANK_GPU_ENABLE
+}
+
+mr_step() { # step under the phase's budget (end): the time left caps its STEP_TIMEOUT
+    left=$((end - $(date +%s)))
+    if [ $left -lt 15 ]; then
+        echo "FAIL - not run, the phase's ${NCCL_MR_BUDGET:-420} s spent: $1" | tee -a "$SUM"
+        failed=1
+        return
+    fi
+    t=$st
+    [ "$t" -le 0 ] && t=120
+    [ "$t" -gt $left ] && t=$left
+    STEP_TIMEOUT=$t
+    step "$@"
+}
+
 rules() { # CUDA's answers to the calls the emulator has rules for, against tests/cuda_rules.txt
     LOG="$OUT/rules.log"
     { build/cuda_rules capture && build/cuda_rules fault; } >"$OUT/cuda_rules.txt" 2>>"$LOG"
@@ -349,9 +438,9 @@ for p in $phases; do
     case $p in
     build | prebuilt | rules | check | ep1gpu | fp8 | sanitize | bench | bench_small | profile | peers) $p ;;
     torch) torch_phase ;;
-    *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [fp8] [sanitize] [bench] [bench_small] [profile]" \
-            "[torch]" \
-            "[peers]" >&2
+    nccl-multirank) nccl_multirank ;;
+    *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank] [fp8] [sanitize] [bench]" \
+            "[bench_small] [profile] [torch] [peers]" >&2
        exit 2 ;;
     esac
 done

@@ -8,11 +8,13 @@
 # machine's major version (13 on the lent ones); with it the shared library moept_torch.py loads
 # (libmoept_cuda.so). Then, with the device tool (about 8 minutes: checks, then the peers):
 #   run: sh tools/gpu_check.sh prebuilt rules check torch peers, carry ["gpub"]
-# (sanitize and bench: a second call)
+# (sanitize and bench: a second call; nccl-multirank, after tools/build_nccl.sh: a call of its own)
 set -eu
 G=${GPUB:-gpub}
 A=${CUDA_ARCH:-90}
-grep -qx "/$G/" .git/info/exclude 2>/dev/null || echo "/$G/" >>.git/info/exclude
+X=$(git rev-parse --git-path info/exclude) # a worktree's is its main repository's
+mkdir -p "$(dirname "$X")"
+grep -qx "/$G/" "$X" 2>/dev/null || echo "/$G/" >>"$X"
 mpi=
 command -v mpicc >/dev/null && mpi="$G/moept_check_cuda_mpi $G/train_cuda_mpi"
 # shellcheck disable=SC2086
@@ -38,6 +40,8 @@ if [ -n "$l" ] && cp -L "$l" "$G/" && cc -O2 -Wall -Wextra -shared -fPIC -I"$C/i
 else
     echo "gpu_prebuild: no CUPTI headers and library (set CUPTI); no tracer for the profile phase" >&2
 fi
+# NCCL 2.30+ for the nccl-multirank phase, packed where tools/build_nccl.sh built it (not built here)
+sh tools/build_nccl.sh --cached || echo "gpu_prebuild: no NCCL archive for the nccl-multirank phase" >&2
 [ -n "$mpi" ] && command -v dpkg >/dev/null || exit 0
 # Open MPI 4 and what its launcher and plugins load that a CUDA image may lack
 rm -rf "$G/ompi"
