@@ -3119,6 +3119,12 @@ moept_status moept_init_params(moept_layer *L, uint64_t seed) {
 }
 
 
+/* the host's buffer `which` (moept_buf, MOEPT__BUF_M/V), or NULL where the layer lacks it */
+static float *moept__host_of(const moept_layer *L, int which) {
+    return which == MOEPT_BUF_PARAMS ? L->par.params : which == MOEPT_BUF_GRADS ? L->par.grads
+         : which == MOEPT__BUF_M    ? L->opt.m       : L->opt.v;
+}
+
 /* Elements [off, off + n) of buffer `which` (moept_buf, MOEPT__BUF_M/V) to
    or from host memory h: an executor's own buffers through its io (a
    device's), else the host's; moments the layer lacks read as zeros. */
@@ -3126,8 +3132,7 @@ static moept_status moept__io(const moept_layer *cL, int which, int64_t off, int
     moept_layer *L = (moept_layer *)cL;
     if (L->ex->io) return L->ex->io(L, which, off, n, h, write);
     if (n == 0) return MOEPT_OK;
-    float *b = which == MOEPT_BUF_PARAMS ? L->par.params : which == MOEPT_BUF_GRADS ? L->par.grads
-             : which == MOEPT__BUF_M    ? L->opt.m       : L->opt.v;
+    float *b = moept__host_of(L, which);
     if (!b && write) return moept__fail(L, MOEPT_ERR_STATE, "internal: a write to a buffer the layer lacks");
     if (!b) memset(h, 0, (size_t)n * sizeof(float));
     else if (write) memcpy(b + off, h, (size_t)n * sizeof(float));
@@ -4109,8 +4114,7 @@ static moept_status moept__first_bad(const moept_layer *L, int which, int64_t of
                                      float *v) {
     *at = -1;
     if (!L->ex->io) {
-        const float *b = which == MOEPT_BUF_PARAMS ? L->par.params : which == MOEPT_BUF_GRADS ? L->par.grads
-                       : which == MOEPT__BUF_M    ? L->opt.m       : L->opt.v;
+        const float *b = moept__host_of(L, which);
         if (b && (*at = moept__first_nonfinite(b + off, n)) >= 0) *v = b[off + *at];
         return MOEPT_OK;
     }
@@ -5268,12 +5272,11 @@ moept_status moept_routing_grads(moept_layer *L, const float **dweights) {
    blocks in WORKSPACE), and workspace_bytes, param_bytes */
 static void moept__host_held(const moept_layer *L, moept_stats *st) {
     const int64_t f = sizeof(float), n = L->par.n_params, D = L->D, T = L->cfg.max_tokens;
-    const int64_t nmir = L->ex->io ? 0 : L->cfg.inference_only ? 1 : L->cfg.grad_backup ? 3 : 2;
     int64_t *h = st->host_bytes, w[MOEPT__NRECV], row = 0;
     moept__recv_widths(L, w);
     for (int i = 0; i < MOEPT__NRECV; i++) row += w[i];
-    h[MOEPT_MEM_PARAMS] = ((nmir ? n : 0) + L->E) * f;
-    h[MOEPT_MEM_GRADS] = (nmir > 1 ? nmir - 1 : 0) * n * f;
+    h[MOEPT_MEM_PARAMS] = ((L->par.params ? n : 0) + L->E) * f; /* (the bias: the host's always) */
+    h[MOEPT_MEM_GRADS] = ((L->par.grads ? n : 0) + (L->par.grads_copy ? n : 0)) * f;
     h[MOEPT_MEM_MOMENTS] = L->opt.m ? 2 * n * f : 0;
     h[MOEPT_MEM_CASTS] = L->ws.q8w_bytes;
     st->param_bytes = h[MOEPT_MEM_PARAMS] + h[MOEPT_MEM_GRADS];
@@ -8829,17 +8832,18 @@ static moept_status moept__ckpt_finite(moept_layer *L, const char *call, float *
    the host's own buffers, or whole copies of an executor's (the writer
    keeps pointers until it writes; moept__unstage frees them) */
 static moept_status moept__stage_bufs(moept_layer *L, float *b[3]) {
-    b[0] = b[1] = b[2] = NULL;
-    if (!L->ex->io) {
-        b[0] = L->par.params; b[1] = L->opt.m; b[2] = L->opt.v;
-        return MOEPT_OK;
-    }
+    static const int which[3] = {MOEPT_BUF_PARAMS, MOEPT__BUF_M, MOEPT__BUF_V};
     const int64_t n = L->par.n_params;
-    for (int k = 0; k < (L->opt.held ? 3 : 1); k++) {
+    b[0] = b[1] = b[2] = NULL;
+    for (int k = 0; k < 3; k++) {
+        if (!L->ex->io) {
+            b[k] = moept__host_of(L, which[k]);
+            continue;
+        }
+        if (k > 0 && !L->opt.held) break;
         if (!(b[k] = moept__alloc(NULL, (size_t)(n > 0 ? n : 1) * sizeof(float))))
             return moept__fail(L, MOEPT_ERR_OUT_OF_MEMORY, "out of host memory for a copy of the buffers");
-        moept_status st = moept__io(L, k == 0 ? MOEPT_BUF_PARAMS : k == 1 ? MOEPT__BUF_M : MOEPT__BUF_V, 0, n,
-                                    b[k], 0);
+        moept_status st = moept__io(L, which[k], 0, n, b[k], 0);
         if (st) return st;
     }
     return MOEPT_OK;

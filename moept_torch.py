@@ -87,8 +87,8 @@ class moept_stats(C.Structure):
                 ("bytes_received", C.c_int64), ("comm_seconds", C.c_double), ("dispatch_seconds", C.c_double),
                 ("combine_seconds", C.c_double), ("recv_capacity", C.c_int64), ("recv_growths", C.c_int64),
                 ("checkpoint_bytes_read", C.c_int64), ("device_workspace_bytes", C.c_int64),
-                ("shared_exchange", C.c_int64), ("host_bytes", C.c_int64 * 5),
-                ("device_bytes", C.c_int64 * 5)]
+                ("shared_exchange", C.c_int64), ("host_bytes", C.c_int64 * len(MEM_KINDS)),
+                ("device_bytes", C.c_int64 * len(MEM_KINDS))]
 
 
 class moept_p2p(C.Structure):
