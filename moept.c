@@ -564,25 +564,53 @@ MOEPT_HD static inline float moept__adamw1(float p, float g, float *m, float *v,
 
 
 
-/* gd[0..n) = one GEMM descriptor per group that has rows: `make` is an
-   expression of the group e, its first row r0 and its row count rows. Both
-   executors build their expert GEMMs with it. */
-#define MOEPT__PER_GROUP(gd, n, groups, offs, make)                          \
-    do {                                                                     \
-        (n) = 0;                                                             \
-        for (int64_t e = 0; e < (groups); e++) {                             \
-            int64_t r0 = (offs)[e], rows = (offs)[e + 1] - r0;               \
-            if (rows) (gd)[(n)++] = (make);                                  \
-        }                                                                    \
-    } while (0)
-
-/* gd[0..n) for a chunk's n row runs (runs [3][stride]: first row, rows,
-   local expert): `make` is an expression of r0, rows and e, as above. */
-#define MOEPT__PER_RUN(gd, runs, n, stride, make)                                             \
-    for (int64_t i_ = 0; i_ < (n); i_++) {                                                    \
-        int64_t r0 = (runs)[i_], rows = (runs)[(stride) + i_], e = (runs)[2 * (stride) + i_]; \
-        (gd)[i_] = (make);                                                                    \
+/* Row runs, what the expert FFN runs over (both executors): run i is rows
+   [r0, r0 + rows) of local expert e. Either every group's (offs [n + 1]:
+   run e is group e, its rows contiguous from offs[0]) or a chunk's (runs
+   [3][stride]: first row, rows, local expert), whose runs lie apart. */
+typedef struct moept__runs {
+    const int64_t *offs, *runs;
+    int64_t n, stride;
+} moept__runs;
+static inline moept__runs moept__runs_groups(const int64_t *offs, int64_t n) {
+    moept__runs R = {offs, NULL, n, 0};
+    return R;
+}
+static inline moept__runs moept__runs_chunk(const int64_t *runs, int64_t n, int64_t stride) {
+    moept__runs R = {NULL, runs, n, stride};
+    return R;
+}
+static inline void moept__run_at(const moept__runs *R, int64_t i, int64_t *r0, int64_t *rows, int64_t *e) {
+    if (R->offs) {
+        *r0 = R->offs[i]; *rows = R->offs[i + 1] - *r0; *e = i;
+    } else {
+        *r0 = R->runs[i]; *rows = R->runs[R->stride + i]; *e = R->runs[2 * R->stride + i];
     }
+}
+/* The row spans a per-row pass (the activation) covers: the groups' rows
+   as one, a chunk's run by run */
+static inline int64_t moept__spans(const moept__runs *R) { return R->offs ? 1 : R->n; }
+static inline void moept__span_at(const moept__runs *R, int64_t i, int64_t *r0, int64_t *rows) {
+    int64_t e;
+    if (R->offs) {
+        *r0 = R->offs[0]; *rows = R->offs[R->n] - *r0;
+    } else {
+        moept__run_at(R, i, r0, rows, &e);
+    }
+}
+
+/* gd[0..n) = one GEMM descriptor per run that has rows: `make` is an
+   expression of its expert e, first row r0 and row count rows. Both
+   executors build their expert GEMMs with it. */
+#define MOEPT__PER_RUN(gd, n, R, make)                                  \
+    do {                                                                \
+        (n) = 0;                                                        \
+        for (int64_t i_ = 0; i_ < (R)->n; i_++) {                       \
+            int64_t r0, rows, e;                                        \
+            moept__run_at((R), i_, &r0, &rows, &e);                     \
+            if (rows) (gd)[(n)++] = (make);                             \
+        }                                                               \
+    } while (0)
 
 /* Whether byte ranges [a, a + n) and [b, b + n) overlap (compared as
    integers: the pointers may belong to unrelated objects). */
@@ -2055,9 +2083,9 @@ static moept_status moept__resolve_train(moept_config *c) {
         MOEPT__BAD("config.grad_backup: %d must be 0 or 1", c->grad_backup);
     if ((unsigned)c->fp8 > MOEPT_FP8_BLOCKWISE)
         MOEPT__BAD("config.fp8: %d is not a moept_fp8", (int)c->fp8);
-    if (c->fp8 != MOEPT_FP8_OFF && (c->overlap_chunks > 1 || c->expert_sharding == MOEPT_SHARD_FSDP))
-        return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "config.fp8: not with %s (not supported yet)",
-                                  c->overlap_chunks > 1 ? "overlap_chunks > 1" : "FSDP sharding");
+    if (c->fp8 != MOEPT_FP8_OFF && c->expert_sharding == MOEPT_SHARD_FSDP)
+        return moept__thread_fail(MOEPT_ERR_UNSUPPORTED, "config.fp8: not with FSDP sharding (not "
+                                  "supported yet)");
     if (c->max_inflight < 0 || c->max_inflight > MOEPT_MAX_INFLIGHT)
         MOEPT__BAD("config.max_inflight: %lld must be in 0..%d", (long long)c->max_inflight,
                    MOEPT_MAX_INFLIGHT);
@@ -3387,12 +3415,14 @@ static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t
         }
 }
 
-/* each group's 128 x 1 tiles down every column (the wgrad's operands: its
-   reduction runs over a group's rows): src [..][ld] -> dst [..][ld] */
-static void moept__q8_cols(const float *src, int64_t ld, int64_t cols, int64_t groups, const int64_t *offsets,
-                           float *dst) {
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = offsets[g], r1 = offsets[g + 1];
+/* each run's 128 x 1 tiles down every column, from its first row (the
+   wgrad's operands: its reduction runs over a group's rows, R a group a
+   run): src [..][ld] -> dst [..][ld] */
+static void moept__q8_cols(const float *src, int64_t ld, int64_t cols, const moept__runs *R, float *dst) {
+    for (int64_t g = 0; g < R->n; g++) {
+        int64_t r0, r1, e;
+        moept__run_at(R, g, &r0, &r1, &e);
+        r1 += r0;
         #pragma omp parallel for schedule(static) MOEPT__PAR((r1 - r0) * cols)
         for (int64_t j = 0; j < cols; j++)
             for (int64_t i0 = r0; i0 < r1; i0 += MOEPT__Q8_TILE) {
@@ -3422,115 +3452,142 @@ static void moept__q8_blocks(const float *w, int64_t rows, int64_t cols, float *
     }
 }
 
-/* Expert FFN over the permuted rows of every group: h = xs W13^T,
-   a = act(h), ys = a W2^T. The same code runs the shared expert (one group).
-   config.fp8: q ([rows][D] at the rows' indices) takes xs quantized, a is
-   quantized in place, and w13, w2 are the quantized weights. */
-static void moept__ffn_forward(moept_layer *L, const float *xs, int64_t groups,
-                               const int64_t *offsets, const float *w13,
-                               const float *w2, int64_t H, int64_t F,
-                               float *h, float *a, int64_t lda, float *ys, float *q) {
-    const int64_t D = L->D;
-    moept__gemm *gd = L->ws.descs;
-    int64_t n;
-    int64_t R = offsets[groups] - offsets[0], base = offsets[0];
-    if (q) {
-        moept__q8_rows(xs + base * D, R, D, D, q + base * D, D);
-        xs = q;
+/* ------------------------------------------------------------------------
+   The expert FFN, written once: gate/up, the activation, down and their
+   backward over a list of row runs (moept__runs: every group, or a chunk's
+   runs), for the routed experts and the shared expert alike. config.fp8 is
+   a property of the operands (the weights' quantized copies, the token
+   operands quantized in q1, q2), not another copy of the code.
+   ------------------------------------------------------------------------ */
+/* One FFN's operands; row buffers are indexed by row (a run touches its own) */
+typedef struct moept__ffn {
+    const float *w13, *w2; /* [E][H][D], [E][D][F] as the GEMMs read them (config.fp8: quantized) */
+    float *g13, *g2;       /* [E][H][D], [E][D][F] their gradients (accumulated) */
+    int64_t H, F, lda;     /* h's width (gate|up), a's, a's row stride (an inference layer's a lies
+                              over h: H) */
+    const float *x;        /* [rows][D] the inputs */
+    float *h, *a;          /* [rows][H] gate|up (backward: dh over it), [rows][lda] activations */
+    float *y;              /* [rows][D] the outputs; backward: their gradients in */
+    float *da, *dx;        /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
+    float *q1, *q2;        /* config.fp8: [rows][max(D, H)], [rows][D] token operands; NULL: off */
+} moept__ffn;
+
+/* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys) */
+static moept__ffn moept__ffn_routed(moept_layer *L, moept__fstate *sl) {
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF, ch = L->C > 1;
+    moept__ffn f = {q8 ? L->ws.q8w13 : L->par.w13, q8 ? L->ws.q8w2 : L->par.w2, L->par.g13, L->par.g2,
+                    L->H, L->F, L->ws.lda_a, sl->ws.xr, sl->ws.h, sl->ws.a, sl->ws.yr,
+                    ch ? sl->ch.da : sl->ws.a, ch ? sl->ch.dx : sl->ws.yr, sl->ws.q1, sl->ws.q2};
+    return f;
+}
+
+/* The shared expert's over x (its unmasked rows, packed where padded) */
+static moept__ffn moept__ffn_shared(moept_layer *L, moept__fstate *sl, const float *x) {
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
+    moept__ffn f = {q8 ? L->ws.q8ws13 : L->par.ws13, q8 ? L->ws.q8ws2 : L->par.ws2, L->par.gs13, L->par.gs2,
+                    L->HS, L->S, L->ws.lda_as, x, sl->ws.hs, sl->ws.as, sl->ws.yss, sl->ws.as,
+                    sl->ws.yss, q8 ? L->ws.q8s1 : NULL, q8 ? L->ws.q8s2 : NULL};
+    return f;
+}
+
+/* GEMMs in groups that share op(B) (consecutive runs of one expert: its
+   weight panels packed once for all the runs), letting the comm move posted
+   messages between groups (chunked overlap). */
+static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64_t n) {
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1;
+#ifndef MOEPT_CBLAS
+        int fits = g[i].m > 0 && g[i].m <= L->ws.gws.m_max && g[i].k > 0 && g[i].n > 0;
+        while (j < n && fits && g[j].b == g[i].b && g[j].trans_b == g[i].trans_b && g[j].ldb == g[i].ldb &&
+               g[j].n == g[i].n && g[j].k == g[i].k && g[j].m > 0 && g[j].m <= L->ws.gws.m_max)
+            j++;
+        if (j - i > 1) moept__gemm_builtin(&g[i], j - i, &L->ws.gws);
+        else
+#endif
+            moept__gemm_run(&g[i], 1, &L->ws.gws);
+        if (L->ep && L->ep->progress) L->ep->progress(L->ep);
+        i = j;
     }
-    MOEPT__PER_GROUP(
-        gd, n, groups, offsets,
-        moept__gemm_make(0, 1, rows, H, D, xs + r0 * D, D, w13 + e * H * D, D, 0.0f, h + r0 * H, H));
-    moept__gemm_run(gd, n, &L->ws.gws);
-    const int act = L->act;
-    #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
-    for (int64_t r = base; r < base + R; r++) /* (a may be h itself: a[j] is h[j]'s only reader) */
-        moept__act_fwd_rowv(act, h + r * H, F, a + r * lda);
-    if (q) moept__q8_rows(a + base * lda, R, F, lda, a + base * lda, lda);
-    MOEPT__PER_GROUP(gd, n, groups, offsets,
-                     moept__gemm_make(0, 1, rows, D, F, a + r0 * lda, lda, w2 + e * D * F, F, 0.0f,
-                                      ys + r0 * D, D));
-    moept__gemm_run(gd, n, &L->ws.gws);
 }
 
-/* The expert weight gradients, reductions over every row of each group:
-   g2 += dys^T a (a = the activations) and g13 += dh^T xs. */
-static void moept__ffn_grad_w2(moept_layer *L, int64_t groups, const int64_t *offsets, const float *ys,
-                               const float *a, float *g2, int64_t F) {
-    const int64_t D = L->D;
-    int64_t n;
-    MOEPT__PER_GROUP(
-        L->ws.descs, n, groups, offsets,
-        moept__gemm_make(1, 0, D, F, rows, ys + r0 * D, D, a + r0 * F, F, 1.0f, g2 + e * D * F, F));
-    moept__gemm_run(L->ws.descs, n, &L->ws.gws);
-}
-static void moept__ffn_grad_w13(moept_layer *L, int64_t groups, const int64_t *offsets, const float *dh,
-                                const float *xs, float *g13, int64_t H) {
-    const int64_t D = L->D;
-    int64_t n;
-    MOEPT__PER_GROUP(
-        L->ws.descs, n, groups, offsets,
-        moept__gemm_make(1, 0, H, D, rows, dh + r0 * H, H, xs + r0 * D, D, 1.0f, g13 + e * H * D, D));
-    moept__gemm_run(L->ws.descs, n, &L->ws.gws);
-}
-
-/* One weight's gradient from the gradient of its GEMM's output dout
-   [rows][wo] and its input in [rows][wi] (fn: moept__ffn_grad_w2 or _w13,
-   w its last argument); returns dout as the dgrad reads it. config.fp8 (qo,
-   qi: scratch of dout's and in's widths): both quantized down each group's
-   columns for the wgrad, then dout along its rows, into qo, for the dgrad. */
-typedef void (*moept__wgrad_fn)(moept_layer *, int64_t, const int64_t *, const float *, const float *,
-                                float *, int64_t);
-static const float *moept__wgrad(moept_layer *L, int64_t groups, const int64_t *offsets,
-                                 moept__wgrad_fn fn, const float *dout, int64_t wo, const float *in,
-                                 int64_t wi, float *g, int64_t w, float *qo, float *qi) {
-    if (!qo) {
-        fn(L, groups, offsets, dout, in, g, w);
-        return dout;
+/* The activation over R's rows: a = act(h); with da, dh = act'(h, da) over h */
+static void moept__ffn_act(moept_layer *L, const moept__ffn *f, const moept__runs *R, const float *da) {
+    for (int64_t i = 0; i < moept__spans(R); i++) {
+        int64_t r0, rows;
+        moept__span_at(R, i, &r0, &rows);
+        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * f->F)
+        for (int64_t r = r0; r < r0 + rows; r++) { /* (a may be h itself: a[j] is h[j]'s only reader) */
+            if (da) moept__act_bwd_rowv(L->act, f->h + r * f->H, da + r * f->F, f->F, f->h + r * f->H);
+            else moept__act_fwd_rowv(L->act, f->h + r * f->H, f->F, f->a + r * f->lda);
+        }
     }
-    const int64_t base = offsets[0], R = offsets[groups] - base;
-    moept__q8_cols(in, wi, wi, groups, offsets, qi);
-    moept__q8_cols(dout, wo, wo, groups, offsets, qo);
-    fn(L, groups, offsets, qo, qi, g, w);
-    moept__q8_rows(dout + base * wo, R, wo, wo, qo + base * wo, wo);
-    return qo;
 }
 
-/* Backward of moept__ffn_forward. dys (in ys) -> weight grads accumulate,
-   dxs written over ys, h overwritten by dh. `a` is scratch: the activations
-   are recomputed from h (cheap) so one [rows][F] buffer serves both a and
-   da, instead of keeping a from the forward and a second one for da.
-   config.fp8 (q1 [rows][max(D, H)], q2 [rows][D], w13 and w2 quantized):
-   each GEMM's token operands quantized along its reduction, the wgrads'
-   down each group's columns, the dgrads' along the rows. */
-static void moept__ffn_backward(moept_layer *L, const float *xs, int64_t groups,
-                                const int64_t *offsets, const float *w13,
-                                const float *w2, float *g13, float *g2,
-                                int64_t H, int64_t F, float *h, float *a,
-                                float *ys, float *q1, float *q2) {
-    const int64_t D = L->D;
-    const int act = L->act;
-    int64_t R = offsets[groups] - offsets[0], base = offsets[0];
-    moept__gemm *gd = L->ws.descs;
+/* One matmul of the FFN over R's rows through weight W [wo][wi] (W13 [H][D],
+   W2 [D][F]): forward out [rows][wo] = in [rows][wi] W^T, backward (the
+   dgrad) out [rows][wi] = in [rows][wo] W. config.fp8: in quantized along
+   its rows first (x, dh into q1; dy into q2; a in place). */
+static void moept__ffn_mm(moept_layer *L, const moept__ffn *f, const moept__runs *R, int w2, int bwd,
+                          const float *in, float *out) {
+    const int64_t wo = w2 ? L->D : f->H, wi = w2 ? f->F : L->D;
+    const int64_t k = bwd ? wo : wi, m = bwd ? wi : wo, ld = w2 && !bwd ? f->lda : k;
+    const float *w = w2 ? f->w2 : f->w13;
+    if (f->q1) {
+        float *q = !w2 ? f->q1 : bwd ? f->q2 : f->a;
+        for (int64_t i = 0; i < moept__spans(R); i++) {
+            int64_t r0, rows;
+            moept__span_at(R, i, &r0, &rows);
+            moept__q8_rows(in + r0 * ld, rows, k, ld, q + r0 * ld, ld);
+        }
+        in = q;
+    }
     int64_t n;
-    #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
-    for (int64_t r = base; r < base + R; r++)
-        moept__act_fwd_rowv(act, h + r * H, F, a + r * F);
-    /* da = dys W2 (over a) */
-    const float *dy = moept__wgrad(L, groups, offsets, moept__ffn_grad_w2, ys, D, a, F, g2, F, q2, q1);
-    MOEPT__PER_GROUP(
-        gd, n, groups, offsets,
-        moept__gemm_make(0, 0, rows, F, D, dy + r0 * D, D, w2 + e * D * F, F, 0.0f, a + r0 * F, F));
-    moept__gemm_run(gd, n, &L->ws.gws);
-    #pragma omp parallel for schedule(static) MOEPT__PAR(R * F)
-    for (int64_t r = base; r < base + R; r++)
-        moept__act_bwd_rowv(act, h + r * H, a + r * F, F, h + r * H);
-    /* dxs = dh W13 (into ys) */
-    const float *dh = moept__wgrad(L, groups, offsets, moept__ffn_grad_w13, h, H, xs, D, g13, H, q1, q2);
-    MOEPT__PER_GROUP(
-        gd, n, groups, offsets,
-        moept__gemm_make(0, 0, rows, D, H, dh + r0 * H, H, w13 + e * H * D, D, 0.0f, ys + r0 * D, D));
-    moept__gemm_run(gd, n, &L->ws.gws);
+    MOEPT__PER_RUN(L->ws.descs, n, R,
+                   moept__gemm_make(0, !bwd, rows, m, k, in + r0 * ld, ld, w + e * wo * wi, wi, 0.0f,
+                                    out + r0 * m, m));
+    moept__gemm_run_progress(L, L->ws.descs, n);
+}
+
+/* A weight's gradient over R's rows (whole groups: the reduction runs over an
+   expert's rows): W2's g2 += dy^T a, W13's g13 += dh^T x. config.fp8: both
+   operands quantized down each group's columns first (into q2 and q1). */
+static void moept__ffn_wgrad(moept_layer *L, const moept__ffn *f, const moept__runs *R, int w2) {
+    const int64_t wo = w2 ? L->D : f->H, wi = w2 ? f->F : L->D;
+    const float *dout = w2 ? f->y : f->h, *in = w2 ? f->a : f->x;
+    float *g = w2 ? f->g2 : f->g13;
+    if (f->q1) {
+        float *qo = w2 ? f->q2 : f->q1, *qi = w2 ? f->q1 : f->q2;
+        moept__q8_cols(in, wi, wi, R, qi);
+        moept__q8_cols(dout, wo, wo, R, qo);
+        dout = qo;
+        in = qi;
+    }
+    int64_t n;
+    MOEPT__PER_RUN(L->ws.descs, n, R,
+                   moept__gemm_make(1, 0, wo, wi, rows, dout + r0 * wo, wo, in + r0 * wi, wi, 1.0f,
+                                    g + e * wo * wi, wi));
+    moept__gemm_run_progress(L, L->ws.descs, n);
+}
+
+/* The forward over R's rows: h = x W13^T, a = act(h), y = a W2^T */
+static void moept__ffn_forward(moept_layer *L, const moept__ffn *f, const moept__runs *R) {
+    moept__ffn_mm(L, f, R, 0, 0, f->x, f->h);
+    moept__ffn_act(L, f, R, NULL);
+    moept__ffn_mm(L, f, R, 1, 0, f->a, f->y);
+}
+
+/* Its backward over R's rows, dy in y: a = act(h) again (cheap: one buffer
+   serves a and da where da is a), da = dy W2, dh = act'(h, da) over h,
+   dxs = dh W13. wgrad (R every group): the weight gradients in between,
+   each before its operand is overwritten; else the caller runs them once
+   every run is done (moept__ffn_wgrad, chunked overlap). */
+static void moept__ffn_backward(moept_layer *L, const moept__ffn *f, const moept__runs *R, int wgrad) {
+    moept__ffn_act(L, f, R, NULL);
+    if (wgrad) moept__ffn_wgrad(L, f, R, 1);
+    moept__ffn_mm(L, f, R, 1, 1, f->y, f->da);
+    moept__ffn_act(L, f, R, f->da);
+    if (wgrad) moept__ffn_wgrad(L, f, R, 0);
+    moept__ffn_mm(L, f, R, 0, 1, f->h, f->dx);
 }
 
 /* config.fp8: the weights' quantized copies, made at each forward (the
@@ -3779,10 +3836,10 @@ static void moept__shared_forward(moept_layer *L, moept__fstate *sl, const float
         moept__shared_pack(L, sl, x, T);
         x = L->ws.xsh;
     }
-    int64_t off[2] = {0, n};
-    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
-    moept__ffn_forward(L, x, 1, off, q8 ? L->ws.q8ws13 : L->par.ws13, q8 ? L->ws.q8ws2 : L->par.ws2, L->HS,
-                       L->S, sl->ws.hs, sl->ws.as, L->ws.lda_as, sl->ws.yss, q8 ? L->ws.q8s1 : NULL);
+    const int64_t off[2] = {0, n};
+    const moept__runs R = moept__runs_groups(off, 1);
+    const moept__ffn f = moept__ffn_shared(L, sl, x);
+    moept__ffn_forward(L, &f, &R);
     if (L->par.wsg) {
         moept__gemm gg = moept__gemm_make(0, 1, n, 1, D, x, D, L->par.wsg, D, 0.0f, sl->ws.sg, 1);
         moept__gemm_run(&gg, 1, &L->ws.gws);
@@ -3845,70 +3902,16 @@ static int64_t moept__chunk_plan(moept_layer *L, moept__fstate *sl, int64_t c, m
                              runs);
 }
 
-/* GEMMs in groups that share op(B) (consecutive runs of one expert: its
-   weight panels packed once for all the runs), letting the comm move posted
-   messages between groups. */
-static void moept__gemm_run_progress(moept_layer *L, const moept__gemm *g, int64_t n) {
-    for (int64_t i = 0; i < n;) {
-        int64_t j = i + 1;
-#ifndef MOEPT_CBLAS
-        int fits = g[i].m > 0 && g[i].m <= L->ws.gws.m_max && g[i].k > 0 && g[i].n > 0;
-        while (j < n && fits && g[j].b == g[i].b && g[j].trans_b == g[i].trans_b && g[j].ldb == g[i].ldb &&
-               g[j].n == g[i].n && g[j].k == g[i].k && g[j].m > 0 && g[j].m <= L->ws.gws.m_max)
-            j++;
-        if (j - i > 1) moept__gemm_builtin(&g[i], j - i, &L->ws.gws);
-        else
-#endif
-            moept__gemm_run(&g[i], 1, &L->ws.gws);
-        if (L->ep && L->ep->progress) L->ep->progress(L->ep);
-        i = j;
-    }
+/* A chunk's expert FFN over its runs (the one-chunk step's descriptors,
+   row by row); backward: the data side, the weight gradients once at the
+   end (moept__chunk_weight_grads) */
+static void moept__chunk_forward(moept_layer *L, moept__fstate *sl, const moept__runs *R) {
+    moept__ffn f = moept__ffn_routed(L, sl);
+    moept__ffn_forward(L, &f, R);
 }
-
-/* the activation of a chunk's rows (backward: from da into dh over h) */
-static void moept__runs_act(moept_layer *L, moept__fstate *sl, const int64_t *runs, int64_t n,
-                            const float *da) {
-    const int64_t H = L->H, F = L->F, stride = L->El * L->P;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = runs[i], rows = runs[stride + i];
-        #pragma omp parallel for schedule(static) MOEPT__PAR(rows * F)
-        for (int64_t r = r0; r < r0 + rows; r++) {
-            if (da) moept__act_bwd_rowv(L->act, sl->ws.h + r * H, da + r * F, F, sl->ws.h + r * H);
-            else moept__act_fwd_rowv(L->act, sl->ws.h + r * H, F, sl->ws.a + r * L->ws.lda_a);
-        }
-    }
-}
-
-/* Expert FFN over a chunk's runs (the one-chunk descriptors, row by row). */
-static void moept__ffn_runs_forward(moept_layer *L, moept__fstate *sl, const int64_t *runs, int64_t n) {
-    const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
-    moept__gemm *gd = L->ws.descs;
-    MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, H, D, sl->ws.xr + r0 * D, D, L->par.w13 + e * H * D, D, 0.0f,
-                                    sl->ws.h + r0 * H, H));
-    moept__gemm_run_progress(L, gd, n);
-    moept__runs_act(L, sl, runs, n, NULL);
-    MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 1, rows, D, F, sl->ws.a + r0 * L->ws.lda_a, L->ws.lda_a,
-                                    L->par.w2 + e * D * F, F, 0.0f, sl->ws.yr + r0 * D, D));
-    moept__gemm_run_progress(L, gd, n);
-}
-
-/* Its backward, data side: a = act(h) kept, da into ch.da, dh over h, dxs
-   into ch.dx (dyr stays for the weight gradients). */
-static void moept__ffn_runs_backward(moept_layer *L, moept__fstate *sl, const int64_t *runs, int64_t n) {
-    const int64_t D = L->D, H = L->H, F = L->F, stride = L->El * L->P;
-    moept__gemm *gd = L->ws.descs;
-    moept__runs_act(L, sl, runs, n, NULL);
-    MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, F, D, sl->ws.yr + r0 * D, D, L->par.w2 + e * D * F, F, 0.0f,
-                                    sl->ch.da + r0 * F, F));
-    moept__gemm_run_progress(L, gd, n);
-    moept__runs_act(L, sl, runs, n, sl->ch.da);
-    MOEPT__PER_RUN(gd, runs, n, stride,
-                   moept__gemm_make(0, 0, rows, D, H, sl->ws.h + r0 * H, H, L->par.w13 + e * H * D, D, 0.0f,
-                                    sl->ch.dx + r0 * D, D));
-    moept__gemm_run_progress(L, gd, n);
+static void moept__chunk_backward(moept_layer *L, moept__fstate *sl, const moept__runs *R) {
+    moept__ffn f = moept__ffn_routed(L, sl);
+    moept__ffn_backward(L, &f, R, 0);
 }
 
 /* Post / complete one exchange of a chunk (non-blocking where the comm has
@@ -3941,7 +3944,7 @@ static moept_status moept__complete(moept_layer *L, int slot) {
 typedef struct moept__pipe {
     const float *send; float *recv;   /* out: token side -> expert side */
     const float *res; float *ret;     /* back: expert side -> token side */
-    void (*compute)(moept_layer *L, moept__fstate *sl, const int64_t *runs, int64_t n);
+    void (*compute)(moept_layer *L, moept__fstate *sl, const moept__runs *R);
     void (*done)(moept_layer *L, moept__fstate *sl, const struct moept__pipe *p, int64_t c);
     void (*tail)(moept_layer *L, moept__fstate *sl);
     void (*start)(moept_layer *L, moept__fstate *sl, const struct moept__pipe *p); /* chunk 0 in flight */
@@ -3969,7 +3972,8 @@ static moept_status moept__pipeline(moept_layer *L, moept__fstate *sl, const moe
         }
         int64_t nruns = moept__chunk_plan(L, sl, c, NULL, NULL, sl->ch.cruns);
         if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
-        p->compute(L, sl, sl->ch.cruns, nruns);
+        const moept__runs R = moept__runs_chunk(sl->ch.cruns, nruns, PE);
+        p->compute(L, sl, &R);
         if (L->ep && (st = moept__post(L, p->res, rs, p->ret, ss, 2 + (int)(c % 2)))) return st;
         if (c > 0) {
             if (L->ep && (st = moept__complete(L, 2 + (int)((c - 1) % 2)))) return st;
@@ -4007,7 +4011,7 @@ static moept_status moept__forward_chunked(moept_layer *L, moept__fstate *sl, co
                      sl->ws.xr,
                      sl->ws.yr,
                      sl->ws.ys,
-                     moept__ffn_runs_forward,
+                     moept__chunk_forward,
                      moept__chunk_combine,
                      NULL,
                      moept__chunk_shared,
@@ -4023,8 +4027,10 @@ static moept_status moept__forward_chunked(moept_layer *L, moept__fstate *sl, co
 /* backward: the weight gradients reduce over every row, as the one-chunk
    step, while the last chunk's dxs travel */
 static void moept__chunk_weight_grads(moept_layer *L, moept__fstate *sl) {
-    moept__ffn_grad_w2(L, L->El, sl->xch.roffsets, sl->ws.dyr, sl->ws.a, L->par.g2, L->F);
-    moept__ffn_grad_w13(L, L->El, sl->xch.roffsets, sl->ws.h, sl->ws.xr, L->par.g13, L->H);
+    const moept__ffn f = moept__ffn_routed(L, sl);
+    const moept__runs R = moept__runs_groups(sl->xch.roffsets, L->El);
+    moept__ffn_wgrad(L, &f, &R, 1);
+    moept__ffn_wgrad(L, &f, &R, 0);
 }
 
 /* The backward's experts part, chunked (after combine' wrote dys). */
@@ -4033,7 +4039,7 @@ static moept_status moept__backward_chunked(moept_layer *L, moept__fstate *sl) {
                      sl->ws.dyr,
                      sl->ch.dx,
                      sl->ws.dxs,
-                     moept__ffn_runs_backward,
+                     moept__chunk_backward,
                      NULL,
                      moept__chunk_weight_grads,
                      NULL,
@@ -4627,10 +4633,9 @@ static moept_status moept__fwd_run(moept_layer *L, moept__fstate *sl, const moep
         double ts = moept__now();
         if ((st = moept__fwd_dispatch(L, sl, f->x))) return st;
         L->stats.dispatch_seconds += moept__now() - ts;
-        const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
-        moept__ffn_forward(L, sl->ws.xr, L->El, sl->xch.roffsets, q8 ? L->ws.q8w13 : L->par.w13,
-                           q8 ? L->ws.q8w2 : L->par.w2, L->H, L->F, sl->ws.h, sl->ws.a, L->ws.lda_a,
-                           sl->ws.yr, sl->ws.q1);
+        const moept__runs R = moept__runs_groups(sl->xch.roffsets, L->El);
+        const moept__ffn ff = moept__ffn_routed(L, sl);
+        moept__ffn_forward(L, &ff, &R);
         if ((st = moept__fwd_combine(L, sl, f->x, f->y))) return st;
     }
     return L->xch.direct ? moept__direct_sync(L, "moept_forward") : MOEPT_OK;
@@ -4916,11 +4921,10 @@ static void moept__bwd_shared(moept_layer *L, moept__fstate *sl, const float *x)
         moept__shared_move(L, sl->ws.yss, D, n, T, 1);
         if (L->par.wsg) moept__shared_move(L, L->ws.dsg, 1, n, T, 1);
     }
-    int64_t off[2] = {0, n};
-    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
-    moept__ffn_backward(L, x, 1, off, q8 ? L->ws.q8ws13 : L->par.ws13, q8 ? L->ws.q8ws2 : L->par.ws2,
-                        L->par.gs13, L->par.gs2, L->HS, L->S, sl->ws.hs, sl->ws.as, sl->ws.yss,
-                        q8 ? L->ws.q8s1 : NULL, q8 ? L->ws.q8s2 : NULL);
+    const int64_t off[2] = {0, n};
+    const moept__runs R = moept__runs_groups(off, 1);
+    const moept__ffn f = moept__ffn_shared(L, sl, x);
+    moept__ffn_backward(L, &f, &R, 1);
 }
 
 /* experts': the dys travel to the experts, the FFNs' backward, the dxs
@@ -4936,11 +4940,11 @@ static moept_status moept__bwd_experts(moept_layer *L, moept__fstate *sl, const 
         if ((st = moept__backward_chunked(L, sl))) return st;
     } else if (L->ep && (st = moept__exchange(L, sl, sl->ws.dys, sl->ws.dyr, 1))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
-    if (L->C == 1) /* dyr in, dxr out over it */
-        moept__ffn_backward(L, sl->ws.xr, L->El, sl->xch.roffsets,
-                            sl->ws.q1 ? L->ws.q8w13 : L->par.w13, sl->ws.q1 ? L->ws.q8w2 : L->par.w2,
-                            L->par.g13, L->par.g2, L->H, L->F, sl->ws.h, sl->ws.a, sl->ws.dyr, sl->ws.q1,
-                            sl->ws.q2);
+    if (L->C == 1) { /* dyr in, dxr out over it */
+        const moept__runs R = moept__runs_groups(sl->xch.roffsets, L->El);
+        const moept__ffn f = moept__ffn_routed(L, sl);
+        moept__ffn_backward(L, &f, &R, 1);
+    }
     if (L->S > 0) moept__bwd_shared(L, sl, x);
     ts = moept__now();
     if (L->xch.direct) {

@@ -448,8 +448,10 @@
      link -lcublasLt. On an H200 not yet faster than the bf16 layer
      (docs/PERF.md).
      It needs compute capability 9.0 and cuBLAS 12.9 (refused at create,
-     MOEPT_ERR_UNSUPPORTED, on anything older). Refused at create with
-     overlap_chunks > 1 and FSDP sharding.
+     MOEPT_ERR_UNSUPPORTED, on anything older). With overlap_chunks > 1 a
+     chunk's rows are quantized as the whole step's and the wgrads run over
+     whole experts once every chunk is in: bitwise the one-chunk step on the
+     CPU. Refused at create with FSDP sharding.
 
    PARAMETER NAMES (per family, the HF module-relative names)
      all:          gate.weight [E][D]
@@ -626,8 +628,8 @@ typedef struct moept_config {
     int64_t max_inflight;             /* training forwards saved at once (FORWARD SLOTS):
                                          0 or 1: one (slot 0), up to MOEPT_MAX_INFLIGHT */
     moept_fp8 fp8;                    /* MOEPT_FP8_BLOCKWISE: the expert GEMMs' operands
-                                         quantized to E4M3 (FP8 TRAINING); CPU layers,
-                                         not with overlap_chunks > 1 or FSDP */
+                                         quantized to E4M3 (FP8 TRAINING); not with
+                                         FSDP sharding */
 } moept_config;
 
 /* ---- communication -------------------------------------------------

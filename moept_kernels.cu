@@ -2896,13 +2896,16 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     return MOEPT_OK;
 }
 
-/* whether each group's padded rows fit the scratch (moept__grow made it for the receive block's) */
-static moept_status moept__q8_fits(const moept__cuda *c, int64_t groups, const int64_t *offs, char *err) {
-    for (int64_t g = 0; g < groups; g++)
-        if (MOEPT__Q8_PAD(offs[g + 1] - offs[g]) > c->q8rows)
+/* whether each run's padded rows fit the scratch (moept__grow made it for the receive block's) */
+static moept_status moept__q8_fits(const moept__cuda *c, const moept__runs *R, char *err) {
+    for (int64_t i = 0; i < R->n; i++) {
+        int64_t r0, rows, e;
+        moept__run_at(R, i, &r0, &rows, &e);
+        if (MOEPT__Q8_PAD(rows) > c->q8rows)
             return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld rows of one expert past the "
-                                "scratch's %lld (moept_kernels.cu:%d)", (long long)(offs[g + 1] - offs[g]),
-                                (long long)c->q8rows, __LINE__);
+                                "scratch's %lld (moept_kernels.cu:%d)", (long long)rows, (long long)c->q8rows,
+                                __LINE__);
+    }
     return MOEPT_OK;
 }
 
@@ -3428,156 +3431,155 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
     return MOEPT_OK;
 }
 
-/* config.fp8's moept__ffn_fwd over weight set w: each group's rows along D, h = xs W13^T (cuBLASLt, the
-   weights BLK128x128, the rows VEC128), a = act(h) over all rows, a along F, ys = a W2^T; each matmul's
-   fp32 result into the rows of T */
-template <typename T>
-static moept_status moept__q8_ffn_fwd(moept__cuda *c, const moept__q8w *w, const void *xs, int64_t groups,
-                                      const int64_t *offs, void *h, void *a, int64_t lda, void *ys,
-                                      char *err) {
-    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), H = w->H, F = w->F, es = c->esz;
-    const char *X = (const char *)xs, *A = (const char *)a;
-    char *Hh = (char *)h, *Y = (char *)ys;
-    MOEPT__TRY(moept__q8_fits(c, groups, offs, err));
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
-        if (n == 0) continue;
-        MOEPT__TRY(moept__q8_along<T>(c, X + r0 * D * es, n, D, D, c->q8b, c->q8sb, err));
-        MOEPT__TRY(moept__q8_gemm(c, w->Hp, np, Dp, w->w13 + g * w->Hp * Dp, w->s13 + g * w->ns13,
-                                  MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, w->Hp, 0, err));
-        MOEPT__TRY(moept__q8_result<T>(c, n, H, w->Hp, Hh + r0 * H * es, H, 0, err));
-    }
-    const int64_t R = offs[groups] - offs[0], base = offs[0];
-    MOEPT__TRY(moept__act<T>(c, 0, (T *)h + base * H, (T *)a + base * lda, R, F, H, lda, err));
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = offs[g], n = offs[g + 1] - r0, np = MOEPT__Q8_PAD(n);
-        if (n == 0) continue;
-        MOEPT__TRY(moept__q8_along<T>(c, A + r0 * lda * es, n, F, lda, c->q8b, c->q8sb, err));
-        MOEPT__TRY(moept__q8_gemm(c, Dp, np, w->Fp, w->w2 + g * Dp * w->Fp, w->s2 + g * w->ns2, MOEPT__BLK128,
-                                  c->q8b, c->q8sb, c->q8out, Dp, 0, err));
-        MOEPT__TRY(moept__q8_result<T>(c, n, D, Dp, Y + r0 * D * es, D, 0, err));
-    }
-    return MOEPT_OK;
+/* ---- the expert FFN, written once (moept.c's moept__ffn_*) -------------
+   gate/up, the activation, down and their backward over a list of row runs
+   (moept__runs: every group, or a chunk's runs), for the routed experts and
+   the shared expert alike; config.fp8 is a property of the operands (the
+   weights' E4M3 copies, cuBLASLt's block-scaled matmuls), not another copy. */
+typedef struct moept__ffn {
+    int64_t off13, off2;        /* the weights' masters in params (read as moept__w gives them) */
+    const moept__q8w *q8;       /* config.fp8: their E4M3 copies; NULL: off */
+    int64_t H, F, lda;          /* h's width (gate|up), a's, a's row stride (an inference layer's a lies
+                                   over h: H) */
+    const void *x;              /* [rows][D] the inputs (T) */
+    void *h, *a;                /* [rows][H] gate|up (backward: dh over it), [rows][lda] activations */
+    void *y;                    /* [rows][D] the outputs; backward: their gradients in */
+    void *da, *dx;              /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
+} moept__ffn;
+
+/* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys) */
+static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl) {
+    const moept__cuda_spec *p = &c->sp;
+    const int ch = c->C > 1;
+    moept__ffn f = {p->off13, p->off2, p->fp8 ? &c->q8w[0] : NULL, p->H, p->F, c->lda_a, sl->xr, sl->h,
+                    sl->a, sl->yr, ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr};
+    return f;
 }
 
-/* One group's weight gradient and dgrad through one weight W [wo][wi] (moept.c's moept__wgrad, then
-   the dgrad): g += dout^T in (both down the group's n rows, into fp32 g [wo][wi]), then din = dout W
-   (dout along wo; W's transposed E4M3 copy wt, its scales st) into din's n rows of wi */
+/* The shared expert's over x (a masked step's: xsh, its padded rows zero) */
+static moept__ffn moept__ffn_shared(moept__cuda *c, moept__cslot *sl, const void *x) {
+    const moept__cuda_spec *p = &c->sp;
+    moept__ffn f = {p->offs13, p->offs2, p->fp8 ? &c->q8w[1] : NULL, p->HS, p->S, c->lda_as, x, sl->hs,
+                    sl->as, sl->yss, sl->as, sl->yss};
+    return f;
+}
+
+/* The activation over R's rows: a = act(h); bwd: dh = act'(h, da) over h */
 template <typename T>
-static moept_status moept__q8_back(moept__cuda *c, int64_t n, const char *dout, int64_t wo, const char *in,
-                                   int64_t wi, float *g, const uint8_t *wt, const float *st, char *din,
+static moept_status moept__ffn_act(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int bwd,
                                    char *err) {
-    const int64_t np = MOEPT__Q8_PAD(n), wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
-    MOEPT__TRY(moept__q8_down<T>(c, in, n, wi, c->q8a, c->q8sa, err));
-    MOEPT__TRY(moept__q8_down<T>(c, dout, n, wo, c->q8b, c->q8sb, err));
-    const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
-    MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb,
-                              direct ? g : c->q8out, direct ? wi : wip, direct, err));
-    if (!direct) MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, g, wi, 1, err));
-    MOEPT__TRY(moept__q8_along<T>(c, dout, n, wo, wo, c->q8b, c->q8sb, err));
-    MOEPT__TRY(moept__q8_gemm(c, wip, np, wop, wt, st, MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, wip, 0,
-                              err));
-    return moept__q8_result<T>(c, n, wi, wip, din, wi, 0, err);
-}
-
-/* Its backward, group by group as moept.c's moept__ffn_backward: g2 += dys^T a and da = dys W2 over a,
-   dh = act'(h, da) over h, then g13 += dh^T xs and dxs = dh W13 over ys */
-template <typename T>
-static moept_status moept__q8_ffn_bwd(moept__cuda *c, const moept__q8w *w, const void *xs, int64_t groups,
-                                      const int64_t *offs, void *h, void *a, void *ys, char *err) {
-    const int64_t D = c->sp.D, H = w->H, F = w->F, es = c->esz;
-    const int64_t s13 = w->Hp * MOEPT__Q8_PAD(D), s2 = w->Fp * MOEPT__Q8_PAD(D);
-    const char *X = (const char *)xs;
-    char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
-    float *g13 = c->grads + w->off13, *g2 = c->grads + w->off2;
-    MOEPT__TRY(moept__q8_fits(c, groups, offs, err));
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = offs[g], n = offs[g + 1] - r0;
-        if (n > 0)
-            MOEPT__TRY(moept__q8_back<T>(c, n, Y + r0 * D * es, D, A + r0 * F * es, F, g2 + g * D * F,
-                                         w->w2t + g * s2, w->s2t + g * w->ns2t, A + r0 * F * es, err));
-    }
-    const int64_t R = offs[groups] - offs[0], base = offs[0];
-    MOEPT__TRY(moept__act<T>(c, 1, (T *)h + base * H, (T *)a + base * F, R, F, H, F, err));
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = offs[g], n = offs[g + 1] - r0;
-        if (n > 0)
-            MOEPT__TRY(moept__q8_back<T>(c, n, Hh + r0 * H * es, H, X + r0 * D * es, D, g13 + g * H * D,
-                                         w->w13t + g * s13, w->s13t + g * w->ns13t, Y + r0 * D * es, err));
+    const int64_t lda = bwd ? f->F : f->lda;
+    for (int64_t i = 0; i < moept__spans(R); i++) {
+        int64_t r0, rows;
+        moept__span_at(R, i, &r0, &rows);
+        void *a = (T *)(bwd ? f->da : f->a) + r0 * lda;
+        MOEPT__TRY(moept__act<T>(c, bwd, (T *)f->h + r0 * f->H, a, rows, f->F, f->H, lda, err));
     }
     return MOEPT_OK;
 }
 
-/* Expert FFN forward over grouped rows: h = xs W13^T, a = act(h), ys = a W2^T.
-   The same descriptors as moept.c's moept__ffn_forward (pointers advance in
-   elements of the data type: bytes of es); a's rows lda apart (an inference
-   layer's a is h: H, the down GEMM reading the gate half of each row). */
+/* config.fp8's matmul of one run: out [n][m] = in [n][k] (rows ld apart, quantized along them) times the
+   E4M3 matrix wq [mp][kp] (scales sq) transposed, each result row into out (T) */
 template <typename T>
-static moept_status moept__ffn_fwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
-                                   int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
-                                   int64_t lda, void *ys, char *err) {
-    if (c->sp.fp8)
-        return moept__q8_ffn_fwd<T>(c, &c->q8w[w13off != c->sp.off13], xs, groups, offs, h, a, lda, ys, err);
-    const int64_t D = c->sp.D, es = c->esz;
-    moept__gemm *gd = c->descs;
-    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
-    const char *W2 = (const char *)moept__w(c, w2off);
-    char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
-    int64_t n;
-    MOEPT__PER_GROUP(gd, n, groups, offs,
-                     moept__gemm_make(0, 1, rows, H, D, (const float *)(X + r0 * D * es), D,
-                                      (const float *)(W13 + e * H * D * es), D, 0.0f,
-                                      (float *)(Hh + r0 * H * es), H));
-    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
-    int64_t R = offs[groups] - offs[0], base = offs[0];
-    MOEPT__TRY(moept__act<T>(c, 0, (T *)h + base * H, (T *)a + base * lda, R, F, H, lda, err));
-    MOEPT__PER_GROUP(gd, n, groups, offs,
-                     moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * lda * es), lda,
-                                      (const float *)(W2 + e * D * F * es), F, 0.0f,
-                                      (float *)(Y + r0 * D * es), D));
-    return moept__gemms(c, gd, n, c->dt, c->dt, err);
+static moept_status moept__q8_mm(moept__cuda *c, int64_t n, const char *in, int64_t k, int64_t ld,
+                                 const uint8_t *wq, const float *sq, int64_t m, char *out, char *err) {
+    const int64_t mp = MOEPT__Q8_PAD(m), np = MOEPT__Q8_PAD(n), kp = MOEPT__Q8_PAD(k);
+    MOEPT__TRY(moept__q8_along<T>(c, in, n, k, ld, c->q8b, c->q8sb, err));
+    MOEPT__TRY(moept__q8_gemm(c, mp, np, kp, wq, sq, MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, mp, 0, err));
+    return moept__q8_result<T>(c, n, m, mp, out, m, 0, err);
 }
 
-/* Its backward (moept__ffn_backward's descriptors): dys in ys -> weight
-   gradients (fp32) accumulate, dxs over ys, dh over h, da over a (after
-   g2 read the forward's a). */
+/* One matmul of the FFN over R's rows through weight W [wo][wi] (W13 [H][D],
+   W2 [D][F]): forward out [rows][wo] = in [rows][wi] W^T, backward (the
+   dgrad) out [rows][wi] = in [rows][wo] W; one cuBLAS GEMM a run (moept__gemms
+   spreads them), or config.fp8's against W's (the dgrad: W^T's) E4M3 copy */
 template <typename T>
-static moept_status moept__ffn_bwd(moept__cuda *c, const void *xs, int64_t groups, const int64_t *offs,
-                                   int64_t w13off, int64_t w2off, int64_t H, int64_t F, void *h, void *a,
-                                   void *ys, char *err) {
-    if (c->sp.fp8)
-        return moept__q8_ffn_bwd<T>(c, &c->q8w[w13off != c->sp.off13], xs, groups, offs, h, a, ys, err);
-    const int64_t D = c->sp.D, es = c->esz;
-    moept__gemm *gd = c->descs;
-    const char *X = (const char *)xs, *W13 = (const char *)moept__w(c, w13off);
-    const char *W2 = (const char *)moept__w(c, w2off);
-    char *Hh = (char *)h, *A = (char *)a, *Y = (char *)ys;
-    float *g13 = c->grads + w13off, *g2 = c->grads + w2off;
-    int64_t R = offs[groups] - offs[0], base = offs[0], n;
-    /* g2 += dys^T a: a = act(h) as the forward left it (a rejected forward
-       or a growth of the receive block keeps it), not recomputed */
-    MOEPT__PER_GROUP(gd, n, groups, offs,
-                     moept__gemm_make(1, 0, D, F, rows, (const float *)(Y + r0 * D * es), D,
-                                      (const float *)(A + r0 * F * es), F, 1.0f, g2 + e * D * F, F));
-    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
-    /* da = dys W2 */
-    MOEPT__PER_GROUP(gd, n, groups, offs,
-                     moept__gemm_make(0, 0, rows, F, D, (const float *)(Y + r0 * D * es), D,
-                                      (const float *)(W2 + e * D * F * es), F, 0.0f,
-                                      (float *)(A + r0 * F * es), F));
-    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
-    MOEPT__TRY(moept__act<T>(c, 1, (T *)h + base * H, (T *)a + base * F, R, F, H, F, err));
-    /* g13 += dh^T xs */
-    MOEPT__PER_GROUP(gd, n, groups, offs,
-                     moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
-                                      (const float *)(X + r0 * D * es), D, 1.0f, g13 + e * H * D, D));
-    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
-    /* dxs = dh W13 (over ys) */
-    MOEPT__PER_GROUP(gd, n, groups, offs,
-                     moept__gemm_make(0, 0, rows, D, H, (const float *)(Hh + r0 * H * es), H,
-                                      (const float *)(W13 + e * H * D * es), D, 0.0f,
-                                      (float *)(Y + r0 * D * es), D));
-    return moept__gemms(c, gd, n, c->dt, c->dt, err);
+static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2, int bwd,
+                                  const void *in, void *out, char *err) {
+    const int64_t wo = w2 ? c->sp.D : f->H, wi = w2 ? f->F : c->sp.D, es = c->esz;
+    const int64_t k = bwd ? wo : wi, m = bwd ? wi : wo, ld = w2 && !bwd ? f->lda : k;
+    const char *I = (const char *)in;
+    char *O = (char *)out;
+    if (f->q8) {
+        const moept__q8w *w = f->q8;
+        const uint8_t *wq = w2 ? (bwd ? w->w2t : w->w2) : (bwd ? w->w13t : w->w13);
+        const float *sq = w2 ? (bwd ? w->s2t : w->s2) : (bwd ? w->s13t : w->s13);
+        const int64_t ns = w2 ? (bwd ? w->ns2t : w->ns2) : (bwd ? w->ns13t : w->ns13);
+        const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
+        MOEPT__TRY(moept__q8_fits(c, R, err));
+        for (int64_t i = 0; i < R->n; i++) {
+            int64_t r0, rows, e;
+            moept__run_at(R, i, &r0, &rows, &e);
+            if (rows > 0)
+                MOEPT__TRY(moept__q8_mm<T>(c, rows, I + r0 * ld * es, k, ld, wq + e * size, sq + e * ns, m,
+                                           O + r0 * m * es, err));
+        }
+        return MOEPT_OK;
+    }
+    const char *W = (const char *)moept__w(c, w2 ? f->off2 : f->off13);
+    int64_t n;
+    MOEPT__PER_RUN(c->descs, n, R,
+                   moept__gemm_make(0, !bwd, rows, m, k, (const float *)(I + r0 * ld * es), ld,
+                                    (const float *)(W + e * wo * wi * es), wi, 0.0f,
+                                    (float *)(O + r0 * m * es), m));
+    return moept__gemms(c, c->descs, n, c->dt, c->dt, err);
+}
+
+/* A weight's gradient over R's rows (whole groups: the reduction runs over an
+   expert's rows), into the fp32 gradients: W2's g2 += dy^T a, W13's
+   g13 += dh^T x (config.fp8: both operands quantized down the rows) */
+template <typename T>
+static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2,
+                                     char *err) {
+    const int64_t wo = w2 ? c->sp.D : f->H, wi = w2 ? f->F : c->sp.D, es = c->esz;
+    const char *O = (const char *)(w2 ? f->y : f->h), *I = (const char *)(w2 ? f->a : f->x);
+    float *g = c->grads + (w2 ? f->off2 : f->off13);
+    if (f->q8) {
+        const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
+        const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
+        MOEPT__TRY(moept__q8_fits(c, R, err));
+        for (int64_t i = 0; i < R->n; i++) {
+            int64_t r0, rows, e;
+            moept__run_at(R, i, &r0, &rows, &e);
+            if (rows == 0) continue;
+            float *ge = g + e * wo * wi;
+            MOEPT__TRY(moept__q8_down<T>(c, I + r0 * wi * es, rows, wi, c->q8a, c->q8sa, err));
+            MOEPT__TRY(moept__q8_down<T>(c, O + r0 * wo * es, rows, wo, c->q8b, c->q8sb, err));
+            const int64_t np = MOEPT__Q8_PAD(rows);
+            MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb,
+                                      direct ? ge : c->q8out, direct ? wi : wip, direct, err));
+            if (!direct) MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, ge, wi, 1, err));
+        }
+        return MOEPT_OK;
+    }
+    int64_t n;
+    MOEPT__PER_RUN(c->descs, n, R,
+                   moept__gemm_make(1, 0, wo, wi, rows, (const float *)(O + r0 * wo * es), wo,
+                                    (const float *)(I + r0 * wi * es), wi, 1.0f, g + e * wo * wi, wi));
+    return moept__gemms(c, c->descs, n, c->dt, CUDA_R_32F, err);
+}
+
+/* The forward over R's rows: h = x W13^T, a = act(h), y = a W2^T */
+template <typename T>
+static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
+    MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 0, 0, f->x, f->h, err));
+    MOEPT__TRY(moept__ffn_act<T>(c, f, R, 0, err));
+    return moept__ffn_mm<T>(c, f, R, 1, 0, f->a, f->y, err);
+}
+
+/* Its backward over R's rows, dy in y: da = dy W2, dh = act'(h, da) over h,
+   dxs = dh W13 (a as the forward left it: a rejected forward or a growth of
+   the receive block keeps it). wgrad (R every group): the weight gradients
+   in between, each before its operand is overwritten; else the caller runs
+   them once every run is done (chunked overlap). */
+template <typename T>
+static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int wgrad,
+                                   char *err) {
+    if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
+    MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));
+    MOEPT__TRY(moept__ffn_act<T>(c, f, R, 1, err));
+    if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 0, err));
+    return moept__ffn_mm<T>(c, f, R, 0, 1, f->h, f->dx, err);
 }
 
 /* ---- communication, joined to the compute stream by events ------------- */
@@ -4124,9 +4126,10 @@ static moept_status moept__shared_fwd(moept__cuda *c, moept__cslot *sl, const T 
     const int64_t D = p->D, T_ = sl->T;
     if (p->S == 0 || T_ == 0) return MOEPT_OK;
     MOEPT__TRY(moept__shared_in<T>(c, sl, &x, err));
-    int64_t off[2] = {0, T_};
-    MOEPT__TRY(moept__ffn_fwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, sl->hs, sl->as, c->lda_as,
-                                 sl->yss, err));
+    const int64_t off[2] = {0, T_};
+    const moept__runs R = moept__runs_groups(off, 1);
+    const moept__ffn f = moept__ffn_shared(c, sl, x);
+    MOEPT__TRY(moept__ffn_fwd<T>(c, &f, &R, err));
     if (p->offsg < 0) return MOEPT_OK;
     moept__gemm gg =
         moept__gemm_make(0, 1, T_, 1, D, (const float *)x, D, moept__w(c, p->offsg), D, 0.0f, sl->sg, 1);
@@ -4142,8 +4145,9 @@ template <typename T>
 static moept_status moept__fwd_experts(moept__cuda *c, moept__cslot *sl, const T *x, moept__dev_step *out,
                                        char *err) {
     const moept__cuda_spec *p = &c->sp;
-    MOEPT__TRY(moept__ffn_fwd<T>(c, sl->xr, p->El, sl->roffsets, p->off13, p->off2, p->H, p->F, sl->h, sl->a,
-                                 c->lda_a, sl->yr, err));
+    const moept__runs R = moept__runs_groups(sl->roffsets, p->El);
+    const moept__ffn f = moept__ffn_routed(c, sl);
+    MOEPT__TRY(moept__ffn_fwd<T>(c, &f, &R, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, sl->ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out,
                                    err));
@@ -4188,91 +4192,17 @@ static int64_t moept__chunk_plan(moept__cuda *c, moept__cslot *sl, int64_t ch) {
                              sl->rccnt, c->csend, c->crecv, c->cruns);
 }
 
-/* the activation of a chunk's n runs (bwd: dh over h from da in dar) */
-template <typename T>
-static moept_status moept__runs_act(moept__cuda *c, moept__cslot *sl, int64_t n, int bwd, char *err) {
-    const int64_t H = c->sp.H, F = c->sp.F, G = c->G, lda = bwd ? F : c->lda_a;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r0 = c->cruns[i], rows = c->cruns[G + i];
-        void *a = (T *)(bwd ? sl->dar : sl->a) + r0 * lda;
-        MOEPT__TRY(moept__act<T>(c, bwd, (T *)sl->h + r0 * H, a, rows, F, H, lda, err));
-    }
-    return MOEPT_OK;
-}
-
-/* A chunk's expert FFN over its runs: h = xr W13^T, a = act(h), yr = a W2^T
-   (moept__ffn_fwd's descriptors, run by run; a's rows lda_a apart) */
-template <typename T>
-static moept_status moept__runs_fwd(moept__cuda *c, moept__cslot *sl, int64_t n, char *err) {
-    const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F, G = c->G, es = c->esz, lda = c->lda_a;
-    const char *X = (const char *)sl->xr, *A = (const char *)sl->a;
-    const char *W13 = (const char *)moept__w(c, c->sp.off13), *W2 = (const char *)moept__w(c, c->sp.off2);
-    char *Hh = (char *)sl->h, *Y = (char *)sl->yr;
-    moept__gemm *gd = c->descs;
-    MOEPT__PER_RUN(gd, c->cruns, n, G,
-                   moept__gemm_make(0, 1, rows, H, D, (const float *)(X + r0 * D * es), D,
-                                    (const float *)(W13 + e * H * D * es), D, 0.0f,
-                                    (float *)(Hh + r0 * H * es), H));
-    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
-    MOEPT__TRY(moept__runs_act<T>(c, sl, n, 0, err));
-    MOEPT__PER_RUN(gd, c->cruns, n, G,
-                   moept__gemm_make(0, 1, rows, D, F, (const float *)(A + r0 * lda * es), lda,
-                                    (const float *)(W2 + e * D * F * es), F, 0.0f,
-                                    (float *)(Y + r0 * D * es), D));
-    return moept__gemms(c, gd, n, c->dt, c->dt, err);
-}
-
-/* Its backward, data side: da = dys W2 into dar, dh over h, dxs = dh W13
-   into dxr; the forward's a and dys in yr live on for the weight gradients */
-template <typename T>
-static moept_status moept__runs_bwd(moept__cuda *c, moept__cslot *sl, int64_t n, char *err) {
-    const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F, G = c->G, es = c->esz;
-    const char *Y = (const char *)sl->yr, *Hh = (const char *)sl->h;
-    const char *W13 = (const char *)moept__w(c, c->sp.off13), *W2 = (const char *)moept__w(c, c->sp.off2);
-    char *DA = (char *)sl->dar, *DX = (char *)sl->dxr;
-    moept__gemm *gd = c->descs;
-    MOEPT__PER_RUN(gd, c->cruns, n, G,
-                   moept__gemm_make(0, 0, rows, F, D, (const float *)(Y + r0 * D * es), D,
-                                    (const float *)(W2 + e * D * F * es), F, 0.0f,
-                                    (float *)(DA + r0 * F * es), F));
-    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, c->dt, err));
-    MOEPT__TRY(moept__runs_act<T>(c, sl, n, 1, err));
-    MOEPT__PER_RUN(gd, c->cruns, n, G,
-                   moept__gemm_make(0, 0, rows, D, H, (const float *)(Hh + r0 * H * es), H,
-                                    (const float *)(W13 + e * H * D * es), D, 0.0f,
-                                    (float *)(DX + r0 * D * es), D));
-    return moept__gemms(c, gd, n, c->dt, c->dt, err);
-}
-
-/* The expert weight gradients over every row of each local expert (as the
-   one-chunk step: g2 += dys^T a, g13 += dh^T xr), once all chunks computed */
-static moept_status moept__weight_grads(moept__cuda *c, moept__cslot *sl, char *err) {
-    const moept__cuda_spec *p = &c->sp;
-    const int64_t D = p->D, H = p->H, F = p->F, es = c->esz;
-    const char *Y = (const char *)sl->yr, *A = (const char *)sl->a;
-    const char *Hh = (const char *)sl->h, *X = (const char *)sl->xr;
-    float *g13 = c->grads + p->off13, *g2 = c->grads + p->off2;
-    moept__gemm *gd = c->descs;
-    int64_t n;
-    MOEPT__PER_GROUP(gd, n, p->El, sl->roffsets,
-                     moept__gemm_make(1, 0, D, F, rows, (const float *)(Y + r0 * D * es), D,
-                                      (const float *)(A + r0 * F * es), F, 1.0f, g2 + e * D * F, F));
-    MOEPT__TRY(moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err));
-    MOEPT__PER_GROUP(gd, n, p->El, sl->roffsets,
-                     moept__gemm_make(1, 0, H, D, rows, (const float *)(Hh + r0 * H * es), H,
-                                      (const float *)(X + r0 * D * es), D, 1.0f, g13 + e * H * D, D));
-    return moept__gemms(c, gd, n, c->dt, CUDA_R_32F, err);
-}
-
 /* the shared expert's backward (dxs over yss), while routed rows travel; a
    masked step's over its forward's input (xsh, padded rows zero) */
 template <typename T>
 static moept_status moept__shared_bwd(moept__cuda *c, moept__cslot *sl, const T *x, char *err) {
     const moept__cuda_spec *p = &c->sp;
     if (p->S == 0 || sl->T == 0) return MOEPT_OK;
-    int64_t off[2] = {0, sl->T};
+    const int64_t off[2] = {0, sl->T};
     if (sl->masked) x = (const T *)c->xsh; /* (made again by combine') */
-    return moept__ffn_bwd<T>(c, x, 1, off, p->offs13, p->offs2, p->HS, p->S, sl->hs, sl->as, sl->yss, err);
+    const moept__runs R = moept__runs_groups(off, 1);
+    const moept__ffn f = moept__ffn_shared(c, sl, x);
+    return moept__ffn_bwd<T>(c, &f, &R, 1, err);
 }
 
 /* The chunk pipeline of both passes (moept.c's moept__pipeline): chunk ch+1
@@ -4289,6 +4219,7 @@ static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, c
                                     char *err) {
     const int64_t C = c->C, T_ = sl->T;
     void *send = bwd ? sl->ys : sl->xs, *recv = bwd ? sl->yr : sl->xr, *res = bwd ? sl->dxr : sl->yr;
+    const moept__ffn f = moept__ffn_routed(c, sl);
     const int X_OUT = MOEPT__X_OUT;
     moept__chunk_plan(c, sl, 0);
     MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT | MOEPT__X_AFTER, out, err));
@@ -4300,9 +4231,9 @@ static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, c
             MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT, out, err));
             MOEPT__CU(cudaEventRecord(c->ev_out[(ch + 1) % 2], c->cs));
         }
-        int64_t n = moept__chunk_plan(c, sl, ch);
+        const moept__runs R = moept__runs_chunk(c->cruns, moept__chunk_plan(c, sl, ch), c->G);
         MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_out[ch % 2], 0));
-        MOEPT__TRY(bwd ? moept__runs_bwd<T>(c, sl, n, err) : moept__runs_fwd<T>(c, sl, n, err));
+        MOEPT__TRY(bwd ? moept__ffn_bwd<T>(c, &f, &R, 0, err) : moept__ffn_fwd<T>(c, &f, &R, err));
         MOEPT__TRY(moept__exchange(c, sl->ys, c->csend, res, c->crecv, MOEPT__X_AFTER, out, err));
         MOEPT__CU(cudaEventRecord(c->ev_back[ch % 2], c->cs));
         if (ch > 0 && !bwd) {
@@ -4311,7 +4242,11 @@ static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, c
             MOEPT__TRY(moept__fwd_combine<T>(c, sl, y, t0, t1, err));
         }
     }
-    if (bwd) MOEPT__TRY(moept__weight_grads(c, sl, err));
+    if (bwd) { /* the weight gradients over every row of each expert, as the one-chunk step */
+        const moept__runs R = moept__runs_groups(sl->roffsets, c->sp.El);
+        MOEPT__TRY(moept__ffn_wgrad<T>(c, &f, &R, 1, err));
+        MOEPT__TRY(moept__ffn_wgrad<T>(c, &f, &R, 0, err));
+    }
     /* the last chunk's return is the comm stream's last op: all are back */
     MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_back[(C - 1) % 2], 0));
     return bwd ? MOEPT_OK : moept__fwd_combine<T>(c, sl, y, moept__chunk_start(T_, C, C - 1), T_, err);
@@ -4579,8 +4514,9 @@ static moept_status moept__bwd_experts(moept__cuda *c, moept__cslot *sl, const T
     void *ys = p->P > 1 ? sl->ys : sl->yr;
     const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN;
     if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, both, out, err));
-    MOEPT__TRY(moept__ffn_bwd<T>(c, sl->xr, p->El, sl->roffsets, p->off13, p->off2, p->H, p->F, sl->h, sl->a,
-                                 sl->yr, err));
+    const moept__runs R = moept__runs_groups(sl->roffsets, p->El);
+    const moept__ffn f = moept__ffn_routed(c, sl);
+    MOEPT__TRY(moept__ffn_bwd<T>(c, &f, &R, 1, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out, err));
     MOEPT__TRY(moept__shared_bwd<T>(c, sl, x, err));

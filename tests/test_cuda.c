@@ -1157,7 +1157,9 @@ static void absent_peer(int what) {
 /* The chunked pipeline against the one-chunk step at two EP ranks: a layer
    with overlap_chunks 3 and one without, the same parameters and inputs
    (uneven T: 37 and 5 tokens, so chunks of 1 and 2 tokens), capacity
-   applied chunk by chunk; between the chunked layer's forward and backward
+   applied chunk by chunk, in fp32, bf16 and FP8 (a chunk's rows quantized as
+   the step's, the wgrad's tiles down each expert's rows once all chunks are
+   in); between the chunked layer's forward and backward
    a rejected forward (rank 0's x has a NaN and routes differently) must not
    change the plan the backward uses. y, dx, every gradient and the byte
    counts must be equal bitwise: the emulated cuBLAS computes each output
@@ -1165,7 +1167,7 @@ static void absent_peer(int what) {
    kernels for other row counts: there, equal to rounding). */
 typedef struct chunk_job {
     two_ranks tr;
-    int fam, bf16;
+    int fam, bf16, fp8;
     float cf;
     int sync_free;          /* 0: chunks 1 against 3; 1: the default mode against the sync-free one */
     int64_t diffs;
@@ -1199,6 +1201,7 @@ static void *chunk_rank(void *arg) {
     moept_config cfg = family_cfg(j->fam);
     cfg.capacity_factor = j->cf;
     cfg.global_balance = 1;
+    cfg.fp8 = j->fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
     const int64_t D = cfg.hidden_size, T = j->tr.rank ? 5 : 37;
     if (j->sync_free) cfg.max_tokens = j->tr.rank ? 8 : 40; /* the blocks come from the larger */
     unsigned long long rs = 99 + (unsigned long long)j->tr.rank;
@@ -1234,12 +1237,13 @@ static void *chunk_rank(void *arg) {
 }
 
 static void test_chunked_equals_one_chunk(void) {
-    const struct { int fam, bf16; float cf; } v[2] = {{1, 0, 0.9f}, {3, 1, 0.0f}}; /* qwen2 + capacity; deepseek bf16 */
-    for (int i = 0; i < 2; i++) {
+    /* qwen2 + capacity; deepseek bf16; deepseek FP8 (bf16 rows) */
+    const struct { int fam, bf16, fp8; float cf; } v[3] = {{1, 0, 0, 0.9f}, {3, 1, 0, 0.0f}, {3, 1, 1, 0.0f}};
+    for (int i = 0; i < 3; i++) {
         chunk_job j[2];
         memset(j, 0, sizeof j);
         for (int r = 0; r < 2; r++) {
-            j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].cf = v[i].cf;
+            j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].fp8 = v[i].fp8; j[r].cf = v[i].cf;
         }
         run_two(chunk_rank, j, sizeof j[0]);
         for (int r = 0; r < 2; r++) {
@@ -3640,7 +3644,8 @@ int main(void) {
            "the peer ERR_COMM within the timeout", test_lost_context);
     tu_run("cuda (emulated, 2 EP ranks): calls with another device current run on the layer's, restore it",
            test_other_device_current);
-    tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise (a rejected step between)",
+    tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise, fp32, bf16, FP8 (a rejected step "
+           "between)",
            test_chunked_equals_one_chunk);
     tu_run("cuda (emulated): bf16 weights cast once per parameter change", test_bf16_weights_cast_once);
     tu_run("cuda (emulated, 2 EP ranks): forward against backward, loss and y overflows fail on both ranks",

@@ -148,7 +148,8 @@ static void test_tiles(void) {
         }
     EXPECT(bad == 0, "blocks: %d elements differ", bad);
     const int64_t off[3] = {0, 150, 190}; /* two groups: 128 + 22 rows, then 40 */
-    moept__q8_cols(w, BC, BC, 2, off, wq);
+    const moept__runs gr = moept__runs_groups(off, 2);
+    moept__q8_cols(w, BC, BC, &gr, wq);
     bad = 0;
     for (int64_t g = 0; g < 2; g++)
         for (int64_t i = off[g]; i < off[g + 1]; i++)
@@ -376,10 +377,6 @@ static void test_inference_and_slots(void) {
 static void test_refusals(void) {
     moept_config c = fp8_cfg();
     moept_layer *L = NULL;
-    c.overlap_chunks = 2;
-    EXPECT(moept_create(&c, &L) == MOEPT_ERR_UNSUPPORTED && strstr(moept_last_error(NULL), "overlap_chunks"),
-           "fp8 with chunks: %s", moept_last_error(NULL));
-    c = fp8_cfg();
     c.expert_sharding = MOEPT_SHARD_FSDP;
     EXPECT(moept_create(&c, &L) == MOEPT_ERR_UNSUPPORTED && strstr(moept_last_error(NULL), "FSDP"),
            "fp8 with FSDP: %s", moept_last_error(NULL));

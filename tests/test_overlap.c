@@ -1,6 +1,8 @@
 /* test_overlap: the chunked overlap (config.overlap_chunks = C) gives
    bitwise the same outputs, input gradients, parameter gradients and losses
-   as C = 1, over several steps, at EP = 1, 2 and 4.
+   as C = 1, over several steps, at EP = 1, 2 and 4, in fp32 and in FP8
+   (config.fp8: a chunk's rows quantized as the whole step's, the wgrad's
+   tiles down each expert's rows once every chunk is in).
 
      build/test_overlap                       threads (EP = 1, 2, 4)
      mpirun -np N build/test_overlap_mpi      MPI processes (EP = N)
@@ -52,11 +54,13 @@ static void run_job(job *j) {
         moept_zero_grad(B);
         if (moept_forward(A, x, T, ya) || moept_forward(B, x, T, yb) || moept_backward(A, x, dy, da) ||
             moept_backward(B, x, dy, db) || moept_sync_grads(A, 1.0f) || moept_sync_grads(B, 1.0f)) {
-            snprintf(j->why, sizeof j->why, "step %d: %s | %s", step, moept_last_error(A), moept_last_error(B));
+            snprintf(j->why, sizeof j->why, "step %d: %s | %s", step, moept_last_error(A),
+                     moept_last_error(B));
             break;
         }
-        if (memcmp(ya, yb, (size_t)(T * D) * 4)) snprintf(j->why, sizeof j->why, "step %d: outputs differ", step);
-        else if (memcmp(da, db, (size_t)(T * D) * 4)) snprintf(j->why, sizeof j->why, "step %d: dx differs", step);
+        const size_t bytes = (size_t)(T * D) * 4;
+        if (memcmp(ya, yb, bytes)) snprintf(j->why, sizeof j->why, "step %d: outputs differ", step);
+        else if (memcmp(da, db, bytes)) snprintf(j->why, sizeof j->why, "step %d: dx differs", step);
         float *ga = NULL, *gb = NULL;
         int64_t n = 0;
         moept_grads(A, &ga, &n);
@@ -64,12 +68,14 @@ static void run_job(job *j) {
         if (!j->why[0] && memcmp(ga, gb, (size_t)n * 4)) {
             int64_t i = 0;
             while (ga[i] == gb[i]) i++;
-            snprintf(j->why, sizeof j->why, "step %d: gradient %lld differs (%.9g vs %.9g)", step, (long long)i, ga[i], gb[i]);
+            snprintf(j->why, sizeof j->why, "step %d: gradient %lld differs (%.9g vs %.9g)", step,
+                     (long long)i, ga[i], gb[i]);
         }
         moept_stats sa, sb;
         moept_get_stats(A, &sa, NULL);
         moept_get_stats(B, &sb, NULL);
-        if (!j->why[0] && (sa.aux_loss != sb.aux_loss || sa.z_loss != sb.z_loss || sa.bytes_sent != sb.bytes_sent))
+        if (!j->why[0] &&
+            (sa.aux_loss != sb.aux_loss || sa.z_loss != sb.z_loss || sa.bytes_sent != sb.bytes_sent))
             snprintf(j->why, sizeof j->why, "step %d: losses or byte counts differ", step);
         /* the optimizer step keeps both on the same parameters */
         moept_adamw o = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
@@ -78,14 +84,26 @@ static void run_job(job *j) {
     }
     moept_stats sb;
     moept_get_stats(B, &sb, NULL);
-    if (!j->why[0] && sb.steps != 3) snprintf(j->why, sizeof j->why, "%lld steps counted", (long long)sb.steps);
+    if (!j->why[0] && sb.steps != 3)
+        snprintf(j->why, sizeof j->why, "%lld steps counted", (long long)sb.steps);
     free(x); free(dy); free(ya); free(yb); free(da); free(db);
     moept_destroy(A);
     moept_destroy(B);
 }
 
+static const char *g_names[8] = {"mixtral", "qwen2_moe+shared", "deepseek_v3 groups+shared",
+                                 "olmoe capacity gelu", "fp8 mixtral", "fp8 qwen2_moe+shared",
+                                 "fp8 deepseek_v3 groups+shared", "fp8 olmoe capacity gelu"};
+
+/* variant v % 4 the family, v / 4 config.fp8 (wide enough for a full 128-tile and an edge) */
 static moept_config make_cfg(int variant) {
     moept_config c = {0};
+    if (variant >= 4) {
+        c = make_cfg(variant - 4);
+        c.fp8 = MOEPT_FP8_BLOCKWISE;
+        c.hidden_size = 136;
+        return c;
+    }
     c.hidden_size = 24; c.intermediate_size = 20; c.num_experts = 8; c.top_k = 2;
     c.norm_topk_prob = 1; c.aux_loss = MOEPT_AUX_HF; c.aux_loss_coef = 0.01f; c.z_loss_coef = 1e-3f;
     c.max_tokens = 150; c.global_balance = 1;
@@ -93,7 +111,8 @@ static moept_config make_cfg(int variant) {
     case 0: c.family = MOEPT_FAMILY_MIXTRAL; break;
     case 1: c.family = MOEPT_FAMILY_QWEN2_MOE; c.shared_intermediate_size = 16; break;
     case 2: c.family = MOEPT_FAMILY_DEEPSEEK_V3; c.n_group = 4; c.topk_group = 2; c.top_k = 3;
-            c.shared_intermediate_size = 12; c.routed_scaling_factor = 2.0f; c.aux_loss = MOEPT_AUX_MEGATRON; break;
+            c.shared_intermediate_size = 12; c.routed_scaling_factor = 2.0f; c.aux_loss = MOEPT_AUX_MEGATRON;
+            break;
     default: c.family = MOEPT_FAMILY_OLMOE; c.capacity_factor = 0.8f; c.activation = MOEPT_ACT_GELU; break;
     }
     return c;
@@ -131,13 +150,13 @@ static void test_case(void) {
 }
 
 int main(void) {
-    static const char *names[4] = {"mixtral", "qwen2_moe+shared", "deepseek_v3 groups+shared", "olmoe capacity gelu"};
     int Ps[3] = {1, 2, 4}, Cs[3] = {2, 3, 4};
-    for (int v = 0; v < 4; v++)
+    for (int v = 0; v < 8; v++)
         for (int p = 0; p < 3; p++) {
             char name[160];
             g_variant = v; g_P = Ps[p]; g_C = Cs[(v + p) % 3];
-            snprintf(name, sizeof name, "overlap C=%d equals C=1 bitwise: %s, EP=%d (threads)", g_C, names[v], g_P);
+            snprintf(name, sizeof name, "overlap C=%d equals C=1 bitwise: %s, EP=%d (threads)", g_C,
+                     g_names[v], g_P);
             tu_run(name, test_case);
         }
     return tu_done();
@@ -180,9 +199,8 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     moept_comm *world = NULL;
     if (moept_comm_mpi(MPI_COMM_WORLD, &world)) { fprintf(stderr, "%s\n", moept_last_error(NULL)); return 2; }
-    static const char *names[4] = {"mixtral", "qwen2_moe+shared", "deepseek_v3 groups+shared", "olmoe capacity gelu"};
     int bad = 0;
-    for (int v = 0; v < 4; v++)
+    for (int v = 0; v < 8; v++)
         for (int C = 2; C <= 4; C += 2) {
             job j;
             memset(&j, 0, sizeof j);
@@ -195,7 +213,8 @@ int main(int argc, char **argv) {
             world->allreduce(world, &any, 1, MOEPT_DTYPE_I64);
             if (mine) fprintf(stderr, "rank %d: %s\n", r, j.why);
             if (r == 0)
-                printf("%s - overlap C=%d equals C=1 bitwise: %s, EP=%d (MPI)\n", any ? "FAIL" : "ok", C, names[v], P);
+                printf("%s - overlap C=%d equals C=1 bitwise: %s, EP=%d (MPI)\n", any ? "FAIL" : "ok", C,
+                       g_names[v], P);
             bad |= any != 0;
         }
     bad |= mpi_call_mismatch(world);
