@@ -1723,7 +1723,7 @@ typedef struct moept__dev_step {
    current host buffers (moept__view_of fills it; pointers may change
    between calls, e.g. the moments appear at the first step or save). */
 typedef struct moept__view {
-    const moept_config *cfg;       /* resolved */
+    const moept_config *cfg;       /* resolved: the layer's own, unchanged while it lives */
     int64_t D, F, E, K, S, H, HS, El, Tmax, C, n_params;
     int P, rank, nslots, act;
     double capacity_factor;        /* the config's, read as the decimal it was written as */

@@ -82,30 +82,26 @@ typedef uint16_t moept__bf16;
    (moept.h) what the layer keeps.
    ------------------------------------------------------------------------ */
 typedef struct moept__cuda moept__cuda;
-/* What the executor needs to know of a layer, filled by moept.c. */
-typedef struct moept__cuda_spec {
-    int family, act, norm, aux, global_balance, n_group, topk_group;
-    int group_fill;             /* moept_group_fill */
+/* What the executor knows of a layer: moept.c's view of it as create saw it (the shape, the resolved
+   config through cfg, the comms; not the host buffers, which move: each call reads its own view),
+   and what the view cannot know, the CUDA options. One description, not a copy refilled from it. */
+struct moept__cuda_spec : moept__view {
     int dtype;                  /* MOEPT_DTYPE_F32 or _BF16 */
     int unchecked_backward;
     int sync_free;              /* static shapes, device-side checks reported later */
-    int inference;              /* config.inference_only: no gradients, activations over h */
-    int fp8;                    /* config.fp8: the expert GEMMs in E4M3 on cuBLASLt (moept__q8_*) */
     int gemm_form;              /* moept_gemm_form */
-    int nslots;                 /* forward slots: max(1, config.max_inflight) */
-    int64_t D, F, E, K, S, H, HS, El, P, rank, Tmax;
-    int64_t C;                  /* overlap chunks (1: off; > 1 only with P > 1) */
     int64_t block_tokens;       /* sync-free: the EP group's largest max_tokens (sizes the blocks) */
-    float scale, aux_coef, z_coef;
-    float jitter;               /* router_jitter's eps (0: off) */
-    uint64_t jitter_seed;
-    int64_t seq_len;            /* MOEPT_AUX_SEQ: tokens per sequence (aux_seq_len) */
-    double capacity_factor;     /* <= 0: dropless */
-    int64_t n_params;           /* router | w13 | w2 | ws13 | ws2 | wsg */
-    int64_t off13, off2, offs13, offs2, offsg; /* offsets in the buffer; offsg -1: no gate */
-    moept_comm *ep, *dp;        /* NULL: one rank */
     void *stream;
-} moept__cuda_spec;
+};
+/* What it derives from the config: the expert GEMMs in E4M3 (moept__q8_*); the aux and z losses
+   over the groups' tokens (where there are groups); MOEPT_AUX_SEQ's tokens per sequence (else 0) */
+static inline int moept__fp8_on(const moept__cuda_spec *p) { return p->cfg->fp8 != MOEPT_FP8_OFF; }
+static inline int moept__global_balance(const moept__cuda_spec *p) {
+    return p->cfg->global_balance && (p->ep || p->dp);
+}
+static inline int64_t moept__seq_len(const moept__cuda_spec *p) {
+    return p->cfg->aux_loss == MOEPT_AUX_SEQ ? p->cfg->aux_seq_len : 0;
+}
 static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda **out, char *err);
 static void moept__cuda_destroy(moept__cuda *c);
 /* The layer's buffers are the device's (the host keeps no copy): io copies
@@ -2251,12 +2247,12 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t T = p->Tmax, E = p->E, K = p->K, D = p->D, P = p->P;
     const size_t f = sizeof(float);
-    const int jit = p->jitter > 0.0f && !p->inference; /* (an inference layer never draws noise) */
+    const int jit = p->cfg->router_jitter > 0.0f && !p->cfg->inference_only; /* (inference: no noise) */
     c->xj = (float *)moept__take(cv, jit ? (size_t)(T * D) * f : 0);
     c->scratch = (float *)moept__take(cv, (size_t)(T * 2 * E) * f);
     c->cids = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
     c->lstat = (double *)moept__take(cv, (size_t)MOEPT__NLSTAT(E) * 8);
-    const int64_t nseq = p->seq_len > 0 ? T / p->seq_len : 0;
+    const int64_t slen = moept__seq_len(p), nseq = slen > 0 ? T / slen : 0;
     c->seqst = (double *)moept__take(cv, (size_t)(nseq * (2 * E + 2)) * 8);
     c->hist = (int64_t *)moept__take(cv, (size_t)(c->nblk_max * E) * 8);
     c->lrank = (int32_t *)moept__take(cv, (size_t)(T * K) * 4);
@@ -2267,7 +2263,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
     c->bad = (unsigned long long *)moept__take(cv, 8 * 8);
     c->gpart = (double *)moept__take(cv, (size_t)MOEPT__NPART * 2 * 8);
-    const size_t train = !p->inference;
+    const size_t train = !p->cfg->inference_only;
     c->dsg = (float *)moept__take(cv, train * (size_t)T * f);
     c->dlogits = (float *)moept__take(cv, train * (size_t)(T * E) * f);
     c->d_ptrs = (const void **)moept__take(cv, (size_t)(3 * c->G) * sizeof(void *));
@@ -2280,8 +2276,8 @@ static void moept__slot_layout(moept__cuda *c, moept__cslot *sl, moept__carve *c
     const int64_t T = p->Tmax, E = p->E, K = p->K, D = p->D, P = p->P;
     const size_t f = sizeof(float), es = (size_t)c->esz;
     sl->xf = (float *)moept__take(cv, p->dtype == MOEPT_DTYPE_BF16 ? (size_t)(T * D) * f : 0);
-    const int jit = p->jitter > 0.0f && !p->inference;
-    const int64_t nseq = p->seq_len > 0 ? T / p->seq_len : 0;
+    const int jit = p->cfg->router_jitter > 0.0f && !p->cfg->inference_only;
+    const int64_t slen = moept__seq_len(p), nseq = slen > 0 ? T / slen : 0;
     for (int b = 0; b < 2; b++) {
         sl->jrow[b] = (uint64_t *)moept__take(cv, jit ? (size_t)T * 8 : 0);
         sl->logits[b] = (float *)moept__take(cv, (size_t)(T * E) * f);
@@ -2303,7 +2299,7 @@ static void moept__slot_layout(moept__cuda *c, moept__cslot *sl, moept__carve *c
     sl->ys = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
     /* an inference layer keeps nothing for a backward (as moept.c's moept__layout_acts): the shared
        activations over hs, no gradients of the gate, the weights or the logits */
-    const size_t train = !p->inference;
+    const size_t train = !p->cfg->inference_only;
     sl->hs = moept__take(cv, (size_t)(T * p->HS) * es);
     sl->as = train ? moept__take(cv, (size_t)(T * p->S) * es) : sl->hs;
     c->lda_as = train ? p->S : p->HS;
@@ -2324,7 +2320,7 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     const int64_t D = c->sp.D, H = c->sp.H, F = c->sp.F;
     size_t es = (size_t)c->esz;
     /* an inference layer writes a over h and has no backward (moept.c's moept__recv_widths) */
-    const int train = !c->sp.inference, chunked = train && c->C > 1;
+    const int train = !c->sp.cfg->inference_only, chunked = train && c->C > 1;
     const int64_t Fa = train ? F : 0;
     size_t bytes = (size_t)cap * (size_t)(2 * D + H + Fa + (chunked ? D + F : 0)) * es + 6 * 64;
     void *blk = NULL;
@@ -2468,7 +2464,7 @@ static void moept__cuda_params_changed(moept__cuda *c) {
     c->q8_stale = 1;
     c->grads_clean = 0;
     if (c->B && c->wlow) (void)moept__cast_weights(c); /* a failure leaves it stale: the forward casts */
-    if (c->B && c->sp.fp8) (void)moept__q8_weights(c); /* (FP8's copies alike) */
+    if (c->B && moept__fp8_on(&c->sp)) (void)moept__q8_weights(c); /* (FP8's copies alike) */
 }
 
 /* Every handle's math mode: fp32 stays fp32 (no TF32), and reductions stay in the fp32 compute type
@@ -2816,7 +2812,7 @@ static void moept__q8w_layout(moept__cuda *c, moept__carve *cv) {
 /* config.fp8 at create: the cuBLASLt handle and the weight copies (zeroed: the scales' padding too) */
 static moept_status moept__q8_create(moept__cuda *c, char *err) {
     const moept__cuda_spec *p = &c->sp;
-    if (!p->fp8) return MOEPT_OK;
+    if (!moept__fp8_on(p)) return MOEPT_OK;
 #if CUBLAS_VERSION < 120900
     return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: config.fp8 needs cuBLASLt's "
                         "block-scaled FP8 matmuls (cuBLAS 12.9 or later); this build has %d", CUBLAS_VERSION);
@@ -2871,7 +2867,7 @@ static cudaError_t moept__q8_weights(moept__cuda *c) {
    (or [Wp][rows]), their scales, the matmul's fp32 result; grown geometrically with the receive block
    (moept__grow), once the compute stream no longer reads the old one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
-    if (!c->sp.fp8 || (MOEPT__Q8_PAD(rows) <= c->q8rows && c->q8blk)) return MOEPT_OK;
+    if (!moept__fp8_on(&c->sp) || (MOEPT__Q8_PAD(rows) <= c->q8rows && c->q8blk)) return MOEPT_OK;
     const int64_t cap = MOEPT__Q8_PAD(rows > 2 * c->q8rows ? rows : 2 * c->q8rows), W = moept__q8_wp(c);
     const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * MOEPT__Q8_L(cap), sc = s1 > s2 ? s1 : s2;
     const int64_t out = (cap > W ? cap : W) * W;
@@ -2975,7 +2971,7 @@ static moept_status moept__q8_gemm(moept__cuda *, int64_t, int64_t, int64_t, con
    capability 9.0 has none: cuBLAS Library, 3.1.4.5), by its heuristic for the forward's first shape */
 static moept_status moept__q8_probe(moept__cuda *c, char *err) {
     const moept__q8w *w = &c->q8w[0];
-    if (!c->sp.fp8) return MOEPT_OK;
+    if (!moept__fp8_on(&c->sp)) return MOEPT_OK;
     return moept__q8_gemm(c, w->Hp, 16, MOEPT__Q8_PAD(c->sp.D), w->w13, w->s13, MOEPT__BLK128, w->w13, w->s13,
                           NULL, w->Hp, 0, err);
 }
@@ -3033,7 +3029,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     MOEPT__TRY(moept__q8_probe(c, err));
     /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too);
        an inference layer has no gradients */
-    const int64_t npad = moept__npad(c), nmir = p->inference ? 1 : 2;
+    const int64_t npad = moept__npad(c), nmir = p->cfg->inference_only ? 1 : 2;
     size_t pbytes = (size_t)(nmir * npad + E) * 4 + (size_t)E * 4 + 256;
     void *pb = NULL;
     MOEPT__TRY(moept__dmalloc(c, &pb, pbytes, err));
@@ -3041,7 +3037,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
     /* on the layer's stream: the legacy stream would not order a non-blocking one */
     MOEPT__CU(cudaMemsetAsync(pb, 0, pbytes, c->s));
     c->params = (float *)pb;
-    c->grads = p->inference ? NULL : c->params + npad;
+    c->grads = p->cfg->inference_only ? NULL : c->params + npad;
     c->bias = c->params + nmir * npad;
     c->slot_of = (int32_t *)(c->bias + E);
     if (p->dtype == MOEPT_DTYPE_BF16)
@@ -3112,7 +3108,7 @@ static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda
     c->dt = spec->dtype == MOEPT_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     c->nblk_max = (spec->Tmax * spec->K + MOEPT__PB - 1) / MOEPT__PB;
     if (c->nblk_max < 1) c->nblk_max = 1;
-    c->C = spec->C > 1 ? spec->C : 1; /* moept.c passes 1 at one EP rank */
+    c->C = spec->P > 1 && spec->C > 1 ? spec->C : 1; /* one EP rank: no exchange to overlap */
     if (spec->sync_free) { /* an expert gets a token once at most: max_tokens rows, or its capacity */
         const int64_t Tb = spec->block_tokens;
         const int64_t cap = moept__capacity(spec->capacity_factor, Tb, spec->K, spec->E);
@@ -3124,7 +3120,7 @@ static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda
     c->moff = spec->E + 3 + (c->C > 1 ? c->C * spec->E : 0);
     /* global balance: the statistics travel with the counts and are summed
        in rank order, so no second collective can meet another call's */
-    c->M = c->moff + (spec->global_balance && spec->ep ? MOEPT__NLSTAT(spec->E) : 0) + 1;
+    c->M = c->moff + (moept__global_balance(spec) && spec->ep ? MOEPT__NLSTAT(spec->E) : 0) + 1;
     c->wlow_stale = 1;
     moept_status st = moept__create(c, err);
     if (st) { moept__cuda_destroy(c); return st; }
@@ -3251,10 +3247,11 @@ static moept_status moept__cuda_step_stats(moept__cuda *c, double *lstat, int64_
                               c->s));
     MOEPT__TRY(moept__host_wait(c, err));
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
-    out->aux_value = moept__aux_value(c->h_lstat, E, p->K, p->aux, p->aux_coef, c->h_aux_g);
+    out->aux_value = moept__aux_value(c->h_lstat, E, p->K, p->cfg->aux_loss, p->cfg->aux_loss_coef,
+                                      c->h_aux_g);
     out->z_value = c->h_lstat[3 * E + 1] / Tl;
     out->loss_T = Tl;
-    out->counts_global = p->global_balance || (!p->ep && !p->dp);
+    out->counts_global = moept__global_balance(p) || (!p->ep && !p->dp);
     memcpy(lstat, c->h_lstat, (size_t)moept__lstat_of(E).n * 8);
     /* this rank's counts head its message; rank q's rows for its expert j are at [q][M] + me El + j */
     moept__plan_peer_rows(P, El, me, c->h_msg_all + me * M, c->h_msg_all + me * El, M, peer_rows,
@@ -3451,16 +3448,18 @@ typedef struct moept__ffn {
 static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl) {
     const moept__cuda_spec *p = &c->sp;
     const int ch = c->C > 1;
-    moept__ffn f = {p->off13, p->off2, p->fp8 ? &c->q8w[0] : NULL, p->H, p->F, c->lda_a, sl->xr, sl->h,
-                    sl->a, sl->yr, ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr};
+    const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[0] : NULL;
+    moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, sl->xr, sl->h, sl->a, sl->yr,
+                    ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr};
     return f;
 }
 
 /* The shared expert's over x (a masked step's: xsh, its padded rows zero) */
 static moept__ffn moept__ffn_shared(moept__cuda *c, moept__cslot *sl, const void *x) {
     const moept__cuda_spec *p = &c->sp;
-    moept__ffn f = {p->offs13, p->offs2, p->fp8 ? &c->q8w[1] : NULL, p->HS, p->S, c->lda_as, x, sl->hs,
-                    sl->as, sl->yss, sl->as, sl->yss};
+    const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[1] : NULL;
+    moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, sl->hs, sl->as, sl->yss, sl->as,
+                    sl->yss};
     return f;
 }
 
@@ -3686,7 +3685,8 @@ static void moept__fwd_slot(moept__cuda *c, const moept__dev_step *o, moept__fwd
     if (f->reject) return; /* (o->slot may be out of range) */
     const moept__cslot *s0 = &c->slots[0];
     const int pending = s0->fwd_valid && !s0->fwd_eval && !s0->bwd_done;
-    const int s = !o->f->eval ? o->f->slot : moept__eval_slot_of(c->nslots, c->sp.inference, pending);
+    const int inference = c->sp.cfg->inference_only;
+    const int s = !o->f->eval ? o->f->slot : moept__eval_slot_of(c->nslots, inference, pending);
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     if (!c->slots[s].fwork && cudaStreamIsCapturing(c->s, &cap) == cudaSuccess &&
         cap != cudaStreamCaptureStatusNone) { /* cudaMalloc would invalidate the caller's capture */
@@ -3717,10 +3717,10 @@ static void moept__fwd_checks(moept__cuda *c, moept__cslot *sl, const void *x, i
     } else if (Tn > 0 && (!x || !y)) {
         f->host_bad = 1;
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: %s is NULL", x ? "y" : "x");
-    } else if (p->seq_len > 0 && Tn % p->seq_len != 0) {
+    } else if (moept__seq_len(p) > 0 && Tn % moept__seq_len(p) != 0) {
         f->host_bad = 1;
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: tokens %lld is not a multiple of "
-                 "config.aux_seq_len (%lld)", (long long)Tn, (long long)p->seq_len);
+                 "config.aux_seq_len (%lld)", (long long)Tn, (long long)p->cfg->aux_seq_len);
     }
     /* an error left pending by an earlier call (a failed allocation) is this
        step's failure, agreed like the others, not a surprise at the first check */
@@ -3755,17 +3755,18 @@ static moept__pad moept__pad_of(const moept__cuda *c, const moept__cslot *sl) {
 /* MOEPT_AUX_SEQ: each sequence's statistics, aux value and gradient row
    (into the spare seqg), their sum and count into the loss statistics */
 static void moept__seq_stats(moept__cuda *c, moept__cslot *sl, moept__fwd *f) {
-    const int64_t E = c->sp.E, nseq = f->T / c->sp.seq_len;
+    const int64_t E = c->sp.E, slen = moept__seq_len(&c->sp), nseq = f->T / slen;
     if (nseq > 0)
         MOEPT__LAUNCH(moept__k_seq_stats, moept__grid(nseq * E), MOEPT__TB, 0, c->s)(
-                sl->ids[f->nb], c->cids, c->scratch, nseq, c->sp.seq_len, (int)E, (int)c->sp.K, c->seqst);
+                sl->ids[f->nb], c->cids, c->scratch, nseq, slen, (int)E, (int)c->sp.K, c->seqst);
     MOEPT__LAUNCH(moept__k_seq_close, 1, MOEPT__TB, 0, c->s)(c->seqst, nseq, (int)E, (int)c->sp.K,
-                                                          c->sp.aux_coef, sl->seqg[f->nb], c->lstat);
+                                                          c->sp.cfg->aux_loss_coef, sl->seqg[f->nb],
+                                                          c->lstat);
     MOEPT__PRE(cudaGetLastError());
 }
 /* ... after the commit: the committed rows times 1/nseq (the mean) */
 static void moept__seq_mean(moept__cuda *c, moept__cslot *sl) {
-    const int64_t n = sl->T / c->sp.seq_len * c->sp.E;
+    const int64_t n = sl->T / moept__seq_len(&c->sp) * c->sp.E;
     if (n > 0)
         MOEPT__LAUNCH(moept__k_seq_scale, moept__grid(n), MOEPT__TB, 0, c->s)(sl->seqg[sl->cur], n, c->lstat,
                                                                             moept__lstat_of(c->sp.E).nseq);
@@ -3777,7 +3778,7 @@ static void moept__jitter(moept__cuda *c, const float *xf, int64_t T, uint64_t *
                           int hash) {
     const int64_t D = c->sp.D;
     if (hash) MOEPT__LAUNCH(moept__k_jitter_rows, moept__grid(T), MOEPT__TB, 0, c->s)(xf, T, D, rows);
-    const moept__jit j = {rows, c->sp.jitter_seed, key, c->sp.jitter};
+    const moept__jit j = {rows, c->sp.cfg->jitter_seed, key, c->sp.cfg->router_jitter};
     MOEPT__LAUNCH(moept__k_jitter, moept__grid(T * D), MOEPT__TB, 0, c->s)(xf, T * D, D, j, c->xj);
 }
 
@@ -3786,6 +3787,7 @@ static void moept__jitter(moept__cuda *c, const float *xf, int64_t T, uint64_t *
 template <typename T>
 static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
+    const moept_config *cf = p->cfg;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = f->T;
     const int nb = f->nb;
     MOEPT__PRE(cudaMemsetAsync(c->bad, 0xff, 4 * 8, c->s));
@@ -3794,7 +3796,7 @@ static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept
         MOEPT__PRE(moept__cast_weights(c));
         MOEPT__STAGE("route");
     }
-    if (c->sp.fp8 && c->q8_stale) { /* config.fp8: the weights' E4M3 copies, likewise */
+    if (moept__fp8_on(&c->sp) && c->q8_stale) { /* config.fp8: the weights' E4M3 copies, likewise */
         MOEPT__STAGE("weights");
         MOEPT__PRE(moept__q8_weights(c));
         MOEPT__STAGE("route");
@@ -3810,16 +3812,18 @@ static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept
         moept__gemm g = moept__gemm_make(0, 1, T_, E, D, f->a->jitter ? c->xj : xf, D, c->params, D, 0.0f,
                                          sl->logits[nb], E);
         if (!f->pre && moept__gemms(c, &g, 1, CUDA_R_32F, CUDA_R_32F, f->local)) f->pre = 1;
-        const float *bias = p->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
+        const float *bias = cf->family == MOEPT_FAMILY_DEEPSEEK_V3 ? c->bias : NULL;
         MOEPT__LAUNCH(moept__k_route, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-            p->family, p->aux, sl->logits[nb], bias, (int)E, (int)K, p->norm, p->n_group, p->topk_group,
-            p->group_fill, p->scale, T_, sl->probs[nb], c->scratch, sl->ids[nb], sl->wts[nb], sl->lse[nb],
-            c->cids, &c->bad[1], f->a->mask);
+            cf->family, cf->aux_loss, sl->logits[nb], bias, (int)E, (int)K, cf->norm_topk_prob,
+            (int)cf->n_group, (int)cf->topk_group, cf->group_fill, cf->routed_scaling_factor, T_,
+            sl->probs[nb], c->scratch, sl->ids[nb], sl->wts[nb], sl->lse[nb], c->cids, &c->bad[1],
+            f->a->mask);
         MOEPT__PRE(cudaGetLastError());
         if (f->a->replay) {
             MOEPT__LAUNCH(moept__k_replay, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-                p->family, p->aux, sl->logits[nb], f->a->replay, (int)E, (int)K, p->norm, p->scale, T_,
-                sl->probs[nb], c->scratch, sl->ids[nb], sl->wts[nb], c->cids, &c->bad[1]);
+                cf->family, cf->aux_loss, sl->logits[nb], f->a->replay, (int)E, (int)K, cf->norm_topk_prob,
+                cf->routed_scaling_factor, T_, sl->probs[nb], c->scratch, sl->ids[nb], sl->wts[nb], c->cids,
+                &c->bad[1]);
             MOEPT__PRE(cudaGetLastError());
         }
         if (f->a->logits_out) {
@@ -3829,9 +3833,9 @@ static void moept__fwd_route(moept__cuda *c, moept__cslot *sl, const T *x, moept
         }
     }
     MOEPT__LAUNCH(moept__k_loss_stats, (unsigned)(E + 1), MOEPT__TB, 0, c->s)(
-            sl->ids[nb], c->cids, c->scratch, sl->lse[nb], T_, (int)E, (int)K, p->aux, c->lstat);
+            sl->ids[nb], c->cids, c->scratch, sl->lse[nb], T_, (int)E, (int)K, cf->aux_loss, c->lstat);
     MOEPT__PRE(cudaGetLastError());
-    if (p->seq_len > 0) moept__seq_stats(c, sl, f);
+    if (moept__seq_len(p) > 0) moept__seq_stats(c, sl, f);
 }
 
 /* 3. count: the kept rows per slot (capacity applied) into the count
@@ -3846,8 +3850,8 @@ static void moept__fwd_count(moept__cuda *c, moept__cslot *sl, moept__fwd *f) {
     }
     MOEPT__LAUNCH(moept__k_count_scan, 1, MOEPT__TB, 0, c->s)(
             c->hist, nblk, (int)E, (int)K, c->sp.capacity_factor, c->kept, c->koff, c->msg, c->bad,
-            f->host_bad, c->M - 1, f->tag, !c->sp.global_balance && c->sp.z_coef > 0.0f, sl->Rcap, c->B,
-            c->lstat);
+            f->host_bad, c->M - 1, f->tag, !moept__global_balance(&c->sp) && c->sp.cfg->z_loss_coef > 0.0f,
+            sl->Rcap, c->B, c->lstat);
     MOEPT__PRE(cudaGetLastError());
     if (C > 1) {
         MOEPT__PRE(cudaMemsetAsync(c->csel, 0, (size_t)(C * E) * 8, c->s));
@@ -3876,7 +3880,7 @@ static moept_status moept__fwd_share(moept__cuda *c, moept__dev_step *out, char 
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P;
     moept_status st;
-    const int gb = p->global_balance;
+    const int gb = moept__global_balance(p);
     if (p->ep) {
         if (gb) MOEPT__CU(cudaMemcpyAsync(c->msg + c->moff, c->lstat, (size_t)MOEPT__NLSTAT(E) * 8,
                                           cudaMemcpyDeviceToDevice, c->s));
@@ -3926,9 +3930,10 @@ static void moept__fwd_loss_check(moept__cuda *c, moept__fwd *f) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E;
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
-    int zbad = p->z_coef > 0.0f && !moept__finite_as_float(c->h_lstat[3 * E + 1] / Tl), abad = 0;
-    if (p->global_balance && !zbad && p->aux_coef > 0.0f)
-        abad = !moept__finite_as_float(moept__aux_value(c->h_lstat, E, p->K, p->aux, p->aux_coef,
+    const moept_config *cf = p->cfg;
+    int zbad = cf->z_loss_coef > 0.0f && !moept__finite_as_float(c->h_lstat[3 * E + 1] / Tl), abad = 0;
+    if (moept__global_balance(p) && !zbad && cf->aux_loss_coef > 0.0f)
+        abad = !moept__finite_as_float(moept__aux_value(c->h_lstat, E, p->K, cf->aux_loss, cf->aux_loss_coef,
                                                         c->h_aux_g));
     if (zbad || abad)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: the %s loss is not finite from finite inputs; "
@@ -3963,13 +3968,13 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__cslot *sl, mo
     else if (!f->host_bad && c->h_bad[1] != ULLONG_MAX)
         snprintf(f->local, MOEPT__ERRLEN, "moept_forward: router logits of token %lld are not finite",
                  (long long)c->h_bad[1]);
-    else if (!f->host_bad && !p->global_balance)
+    else if (!f->host_bad && !moept__global_balance(p))
         moept__fwd_loss_check(c, f);
     int64_t failed = 0;
     for (int64_t q = 0; q < P; q++) failed += c->h_msg_all[q * M + E] != 0;
-    if (p->global_balance && c->h_lstat[moept__lstat_of(E).n] > 0.0 && failed == 0)
+    if (moept__global_balance(p) && c->h_lstat[moept__lstat_of(E).n] > 0.0 && failed == 0)
         failed = 1; /* a DP peer */
-    if (!f->local[0] && !failed && p->global_balance) moept__fwd_loss_check(c, f);
+    if (!f->local[0] && !failed && moept__global_balance(p)) moept__fwd_loss_check(c, f);
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
                                  : f->reject ? f->reject : f->host_bad ? MOEPT_ERR_INVALID_ARGUMENT
@@ -4042,13 +4047,14 @@ static moept_status moept__fwd_losses(moept__cuda *c, moept__cslot *sl, double *
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E;
     const double Tl = c->h_lstat[3 * E] > 0 ? c->h_lstat[3 * E] : 1.0;
-    out->aux_value = moept__aux_value(c->h_lstat, E, p->K, p->aux, p->aux_coef, c->h_aux_g);
+    out->aux_value = moept__aux_value(c->h_lstat, E, p->K, p->cfg->aux_loss, p->cfg->aux_loss_coef,
+                                      c->h_aux_g);
     out->z_value = c->h_lstat[3 * E + 1] / Tl;
     out->loss_T = Tl;
     sl->loss_T = Tl;
-    out->counts_global = p->global_balance || (!p->ep && !p->dp);
+    out->counts_global = moept__global_balance(p) || (!p->ep && !p->dp);
     memcpy(lstat_out, c->h_lstat, (size_t)moept__lstat_of(E).n * 8);
-    if (p->seq_len > 0) moept__seq_mean(c, sl);
+    if (moept__seq_len(p) > 0) moept__seq_mean(c, sl);
     else MOEPT__CU(cudaMemcpyAsync(sl->aux_g, c->h_aux_g, (size_t)E * 4, cudaMemcpyHostToDevice, c->s));
     MOEPT__LAUNCHED();
     return MOEPT_OK;
@@ -4262,9 +4268,11 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__cslot *sl, moept__fw
     MOEPT__STAGE("exchange_counts");
     MOEPT__TRY(moept__fwd_share(c, out, err));
     MOEPT__STAGE("agree_growth");
-    MOEPT__LAUNCH(moept__k_sf_agree, 1, 1, 0, c->s)(c->msg_all, p->P, c->M, (int)p->E, (int)p->K, p->aux,
-                                                  f->tag, p->global_balance, p->z_coef, p->aux_coef, c->lstat,
-                                                  sl->aux_g, c->bad, p->rank, f->host_bad);
+    const moept_config *cf = p->cfg;
+    MOEPT__LAUNCH(moept__k_sf_agree, 1, 1, 0, c->s)(c->msg_all, p->P, c->M, (int)p->E, (int)p->K,
+                                                  cf->aux_loss, f->tag, moept__global_balance(p),
+                                                  cf->z_loss_coef, cf->aux_loss_coef, c->lstat, sl->aux_g,
+                                                  c->bad, p->rank, f->host_bad);
     MOEPT__LAUNCHED();
     if (f->local[0])
         return moept__kfail(err, f->pre || f->pending != cudaSuccess ? MOEPT_ERR_DEVICE
@@ -4283,7 +4291,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__cslot *sl, moept__fw
     sl->fwd_stale = NULL;
     sl->fwd_eval = f->a->eval;
     out->deferred = 1;
-    if (p->seq_len > 0) {
+    if (moept__seq_len(p) > 0) {
         moept__seq_mean(c, sl);
         MOEPT__LAUNCHED();
     }
@@ -4532,13 +4540,16 @@ static moept_status moept__bwd_router(moept__cuda *c, moept__cslot *sl, const fl
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D, E = p->E, K = p->K, T_ = sl->T;
     const int cur = sl->cur;
-    const float *aux_g = p->aux == MOEPT_AUX_NONE || p->aux_coef == 0.0f ? NULL
-                       : p->seq_len > 0 ? sl->seqg[cur] : sl->aux_g; /* [T / slen][E] or [E] */
+    const moept_config *cf = p->cfg;
+    const int64_t slen = moept__seq_len(p);
+    const float *aux_g = cf->aux_loss == MOEPT_AUX_NONE || cf->aux_loss_coef == 0.0f ? NULL
+                       : slen > 0 ? sl->seqg[cur] : sl->aux_g; /* [T / slen][E] or [E] */
     MOEPT__LAUNCH(moept__k_router_bwd, (unsigned)((T_ + 127) / 128), 128, 0, c->s)(
-        p->family, p->aux, sl->logits[cur], sl->probs[cur], sl->ids[cur], sl->dwts, aux_g, p->seq_len,
-            p->z_coef,
+        cf->family, cf->aux_loss, sl->logits[cur], sl->probs[cur], sl->ids[cur], sl->dwts, aux_g, slen,
+            cf->z_loss_coef,
         sl->lse[cur],
-        (float)sl->loss_T, c->B ? sl->clstat + 3 * E : NULL, (int)E, (int)K, p->norm, p->scale,
+        (float)sl->loss_T, c->B ? sl->clstat + 3 * E : NULL, (int)E, (int)K, cf->norm_topk_prob,
+        cf->routed_scaling_factor,
         o->router_loss_scale, o->dlogits, T_, c->scratch, c->dlogits, &c->bad[4]);
     MOEPT__LAUNCHED();
     if (sl->jit) {
@@ -4566,7 +4577,8 @@ static moept_status moept__bwd_dx(moept__cuda *c, moept__cslot *sl, T *dx, char 
     /* the router's weights (fp32 rows of D) are read as vectors of as many lanes */
     const int vec = moept__vec<T>(D, ys, yss, dx) && moept__vec<T>(0, c->params); /* D % V: Wr's rows too */
     const moept__shape sh = moept__rows_shape(T_, vec ? D / MOEPT__VEC(T) : D);
-    const moept__jit jit = {sl->jit ? sl->jrow[sl->cur] : NULL, p->jitter_seed, sl->jkey, p->jitter};
+    const moept__jit jit = {sl->jit ? sl->jrow[sl->cur] : NULL, p->cfg->jitter_seed, sl->jkey,
+                            p->cfg->router_jitter};
     MOEPT__LAUNCH_V(vec, moept__k_dx, T, sh.g, sh.b, c->s, (const T *)ys, sl->row_of, yss,
                     gate ? c->dsg : NULL, gate ? c->params + p->offsg : NULL, c->dlogits, c->params, T_,
                     (int)D, (int)p->K, (int)p->E, jit, dx, &c->bad[5]);
@@ -4729,7 +4741,7 @@ static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, c
     MOEPT__STAGE(NULL);
     MOEPT__LAUNCHED();
     c->wlow_stale = 0;
-    if (c->sp.fp8) MOEPT__CU(moept__q8_weights(c)); /* FP8's copies from the new masters, as the bf16 copy */
+    if (moept__fp8_on(&c->sp)) MOEPT__CU(moept__q8_weights(c)); /* FP8's from the new masters, as bf16's */
     return MOEPT_OK;
 }
 
@@ -5234,34 +5246,21 @@ static moept_status moept__cuda_options_agree(moept_comm *ep, moept_comm *dp, co
     return MOEPT_OK;
 }
 
-/* create_cuda, 3: what the device executor is told of the layer */
+/* create_cuda, 3: what the device executor is told of the layer: its view, less the host buffers
+   and moments, which move between calls (each call reads them from its own view), and the options */
 static void moept__cuda_spec_of(moept_layer *L, const moept_cuda_options *o, int64_t block_tokens,
                             moept__cuda_spec *sp) {
-    moept__view v;
-    moept__view_of(L, &v);
-    const moept_config *cfg = v.cfg;
     memset(sp, 0, sizeof *sp);
-    sp->family = (int)cfg->family; sp->act = v.act; sp->norm = cfg->norm_topk_prob;
-    sp->aux = (int)cfg->aux_loss; sp->global_balance = cfg->global_balance && (v.ep || v.dp);
-    sp->n_group = (int)cfg->n_group; sp->topk_group = (int)cfg->topk_group;
-    sp->group_fill = (int)cfg->group_fill;
+    moept__view_of(L, sp);
+    sp->moments = 0;
+    sp->bias = sp->wts = sp->logits = sp->dwts = NULL;
+    sp->slot_of = sp->ids = NULL;
+    sp->lstat = NULL; sp->peer_rows = NULL;
     sp->dtype = (int)o->dtype; sp->unchecked_backward = o->unchecked_backward != 0;
     sp->sync_free = o->sync_free != 0;
-    sp->inference = cfg->inference_only != 0;
-    sp->fp8 = cfg->fp8 != MOEPT_FP8_OFF;
     sp->gemm_form = (int)o->gemm_form; /* a rank's own choice: its GEMMs are local */
-    sp->nslots = v.nslots;
-    sp->D = v.D; sp->F = v.F; sp->E = v.E; sp->K = v.K; sp->S = v.S; sp->H = v.H; sp->HS = v.HS;
-    sp->El = v.El; sp->P = v.P; sp->rank = v.rank; sp->Tmax = v.Tmax; sp->block_tokens = block_tokens;
-    sp->C = v.P > 1 ? v.C : 1; /* one EP rank: no exchange to overlap */
-    sp->scale = cfg->routed_scaling_factor; sp->aux_coef = cfg->aux_loss_coef;
-    sp->z_coef = cfg->z_loss_coef;
-    sp->jitter = cfg->router_jitter; sp->jitter_seed = cfg->jitter_seed;
-    sp->seq_len = cfg->aux_loss == MOEPT_AUX_SEQ ? cfg->aux_seq_len : 0;
-    sp->capacity_factor = v.capacity_factor;
-    sp->n_params = v.n_params;
-    sp->off13 = v.off13; sp->off2 = v.off2; sp->offs13 = v.offs13; sp->offs2 = v.offs2; sp->offsg = v.offsg;
-    sp->ep = v.ep; sp->dp = v.dp; sp->stream = o->stream;
+    sp->block_tokens = block_tokens;
+    sp->stream = o->stream;
 }
 
 /* create_cuda, 4: the device executor set up (zero parameters) and the tables copied,
