@@ -3469,7 +3469,8 @@ typedef struct moept__ffn {
     float *h, *a;          /* [rows][H] gate|up (backward: dh over it), [rows][lda] activations */
     float *y;              /* [rows][D] the outputs; backward: their gradients in */
     float *da, *dx;        /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
-    float *q1, *q2;        /* config.fp8: [rows][max(D, H)], [rows][D] token operands; NULL: off */
+    float *q1, *q2;        /* config.fp8: [rows][max(D, H)] (inference: [rows][D]), [rows][D] token
+                              operands; NULL: off */
 } moept__ffn;
 
 /* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys) */
@@ -3578,10 +3579,12 @@ static void moept__ffn_forward(moept_layer *L, const moept__ffn *f, const moept_
 
 /* Its backward over R's rows, dy in y: a = act(h) again (cheap: one buffer
    serves a and da where da is a), da = dy W2, dh = act'(h, da) over h,
-   dxs = dh W13. wgrad (R every group): the weight gradients in between,
-   each before its operand is overwritten; else the caller runs them once
-   every run is done (moept__ffn_wgrad, chunked overlap). */
-static void moept__ffn_backward(moept_layer *L, const moept__ffn *f, const moept__runs *R, int wgrad) {
+   dxs = dh W13. R every group: the weight gradients in between, each
+   before its operand is overwritten; a chunk's runs: the caller runs them
+   once every chunk is done (moept__ffn_wgrad over every group: an FP8
+   wgrad's tiles run down an expert's rows). */
+static void moept__ffn_backward(moept_layer *L, const moept__ffn *f, const moept__runs *R) {
+    const int wgrad = R->offs != NULL;
     moept__ffn_act(L, f, R, NULL);
     if (wgrad) moept__ffn_wgrad(L, f, R, 1);
     moept__ffn_mm(L, f, R, 1, 1, f->y, f->da);
@@ -3911,7 +3914,7 @@ static void moept__chunk_forward(moept_layer *L, moept__fstate *sl, const moept_
 }
 static void moept__chunk_backward(moept_layer *L, moept__fstate *sl, const moept__runs *R) {
     moept__ffn f = moept__ffn_routed(L, sl);
-    moept__ffn_backward(L, &f, R, 0);
+    moept__ffn_backward(L, &f, R);
 }
 
 /* Post / complete one exchange of a chunk (non-blocking where the comm has
@@ -4924,7 +4927,7 @@ static void moept__bwd_shared(moept_layer *L, moept__fstate *sl, const float *x)
     const int64_t off[2] = {0, n};
     const moept__runs R = moept__runs_groups(off, 1);
     const moept__ffn f = moept__ffn_shared(L, sl, x);
-    moept__ffn_backward(L, &f, &R, 1);
+    moept__ffn_backward(L, &f, &R);
 }
 
 /* experts': the dys travel to the experts, the FFNs' backward, the dxs
@@ -4943,7 +4946,7 @@ static moept_status moept__bwd_experts(moept_layer *L, moept__fstate *sl, const 
     if (L->C == 1) { /* dyr in, dxr out over it */
         const moept__runs R = moept__runs_groups(sl->xch.roffsets, L->El);
         const moept__ffn f = moept__ffn_routed(L, sl);
-        moept__ffn_backward(L, &f, &R, 1);
+        moept__ffn_backward(L, &f, &R);
     }
     if (L->S > 0) moept__bwd_shared(L, sl, x);
     ts = moept__now();

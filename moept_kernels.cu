@@ -3108,7 +3108,8 @@ static moept_status moept__cuda_create(const moept__cuda_spec *spec, moept__cuda
     c->dt = spec->dtype == MOEPT_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     c->nblk_max = (spec->Tmax * spec->K + MOEPT__PB - 1) / MOEPT__PB;
     if (c->nblk_max < 1) c->nblk_max = 1;
-    c->C = spec->P > 1 && spec->C > 1 ? spec->C : 1; /* one EP rank: no exchange to overlap */
+    c->C = spec->P > 1 && spec->C > 1 ? spec->C : 1; /* one EP rank: no exchange to overlap (read c->C,
+                                                         not sp.C, the config's) */
     if (spec->sync_free) { /* an expert gets a token once at most: max_tokens rows, or its capacity */
         const int64_t Tb = spec->block_tokens;
         const int64_t cap = moept__capacity(spec->capacity_factor, Tb, spec->K, spec->E);
@@ -3568,12 +3569,12 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
 
 /* Its backward over R's rows, dy in y: da = dy W2, dh = act'(h, da) over h,
    dxs = dh W13 (a as the forward left it: a rejected forward or a growth of
-   the receive block keeps it). wgrad (R every group): the weight gradients
-   in between, each before its operand is overwritten; else the caller runs
-   them once every run is done (chunked overlap). */
+   the receive block keeps it). R every group: the weight gradients in
+   between, each before its operand is overwritten; a chunk's runs: the
+   caller runs them once every chunk is done (over every group). */
 template <typename T>
-static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int wgrad,
-                                   char *err) {
+static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
+    const int wgrad = R->offs != NULL;
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
     MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));
     MOEPT__TRY(moept__ffn_act<T>(c, f, R, 1, err));
@@ -4208,7 +4209,7 @@ static moept_status moept__shared_bwd(moept__cuda *c, moept__cslot *sl, const T 
     if (sl->masked) x = (const T *)c->xsh; /* (made again by combine') */
     const moept__runs R = moept__runs_groups(off, 1);
     const moept__ffn f = moept__ffn_shared(c, sl, x);
-    return moept__ffn_bwd<T>(c, &f, &R, 1, err);
+    return moept__ffn_bwd<T>(c, &f, &R, err);
 }
 
 /* The chunk pipeline of both passes (moept.c's moept__pipeline): chunk ch+1
@@ -4239,7 +4240,7 @@ static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, c
         }
         const moept__runs R = moept__runs_chunk(c->cruns, moept__chunk_plan(c, sl, ch), c->G);
         MOEPT__CU(cudaStreamWaitEvent(c->s, c->ev_out[ch % 2], 0));
-        MOEPT__TRY(bwd ? moept__ffn_bwd<T>(c, &f, &R, 0, err) : moept__ffn_fwd<T>(c, &f, &R, err));
+        MOEPT__TRY(bwd ? moept__ffn_bwd<T>(c, &f, &R, err) : moept__ffn_fwd<T>(c, &f, &R, err));
         MOEPT__TRY(moept__exchange(c, sl->ys, c->csend, res, c->crecv, MOEPT__X_AFTER, out, err));
         MOEPT__CU(cudaEventRecord(c->ev_back[ch % 2], c->cs));
         if (ch > 0 && !bwd) {
@@ -4524,7 +4525,7 @@ static moept_status moept__bwd_experts(moept__cuda *c, moept__cslot *sl, const T
     if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, both, out, err));
     const moept__runs R = moept__runs_groups(sl->roffsets, p->El);
     const moept__ffn f = moept__ffn_routed(c, sl);
-    MOEPT__TRY(moept__ffn_bwd<T>(c, &f, &R, 1, err));
+    MOEPT__TRY(moept__ffn_bwd<T>(c, &f, &R, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out, err));
     MOEPT__TRY(moept__shared_bwd<T>(c, sl, x, err));
