@@ -868,6 +868,14 @@ moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, i
        streams (each with its own cuBLAS handle and workspace).
      MOEPT_GEMM_STRIDED: the strided-batched call where the groups are equal,
        else per expert over side streams (never the grouped call).
+     MOEPT_GEMM_KERNEL: moept's own grouped GEMM for Hopper (one launch over
+       every local expert, TMA loads and wgmma, docs/CUDA.md) for the
+       forward's bf16 GEMMs whose rows are 16-byte multiples, AUTO's choice
+       elsewhere (fp32 layers, config.fp8's cuBLASLt, the backward). Refused
+       at create (MOEPT_ERR_UNSUPPORTED) on a GPU other than compute
+       capability 9.0 or a build without sm_90a code (nvcc -gencode
+       arch=compute_90a,code=sm_90a). AUTO does not pick it yet: it has not
+       been timed on a GPU.
    bf16 weight gradients (bf16 A and B, fp32 C) are outside the grouped
    call's table: per expert in every form but where the groups are equal
    (strided, in AUTO and STRIDED). docs/CUDA.md has the side streams' cost. */
@@ -875,7 +883,8 @@ typedef enum moept_gemm_form {
     MOEPT_GEMM_AUTO = 0,
     MOEPT_GEMM_GROUPED = 1,
     MOEPT_GEMM_PER_EXPERT = 2,
-    MOEPT_GEMM_STRIDED = 3
+    MOEPT_GEMM_STRIDED = 3,
+    MOEPT_GEMM_KERNEL = 4
 } moept_gemm_form;
 typedef struct moept_cuda_options {
     moept_dtype dtype;          /* F32 (default) or BF16 token rows and expert weights */

@@ -60,6 +60,7 @@
 #define MOEPT__KERNELS /* moept.c's first section alone: the shared per-element math */
 #include "moept.c"
 
+#include <cuda.h> /* CUtensorMap and cuTensorMapEncodeTiled's types (the function through the runtime) */
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 #include <cublasLt.h>
@@ -306,6 +307,14 @@ struct moept__on_device {
 #endif
 /* The pipeline stage the work queued next belongs to: tests/emu counts
    launches, bytes and host syncs per stage (docs/CUDA.md); nothing here. */
+/* A kernel's dynamic shared memory, 1024-byte aligned (the 128-byte swizzle's repeat) */
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+#define MOEPT__DYN_SMEM(p) uint8_t *p = (uint8_t *)moept_emu_dyn_smem()
+#else
+#define MOEPT__DYN_SMEM(p)                                 \
+    extern __shared__ __align__(1024) uint8_t moept__dsm[]; \
+    uint8_t *p = moept__dsm
+#endif
 #ifndef MOEPT__STAGE
 #define MOEPT__STAGE(name) ((void)0)
 #endif
@@ -2107,6 +2116,8 @@ struct moept__cuda {
        forked from s and joined back by events (moept__gemms); else in a loop on s */
     int nside;
     cudaStream_t side[MOEPT__SIDE];
+    void *gk_encode;            /* options.gemm_form MOEPT_GEMM_KERNEL: cuTensorMapEncodeTiled; NULL: off */
+    int gk_sms;                 /* its CTAs: one a multiprocessor */
     cublasHandle_t side_blas[MOEPT__SIDE];
     cudaEvent_t ev_fork, ev_side[MOEPT__SIDE];
     void *blas_ws;              /* the handles' cuBLAS workspaces, (1 + nside) x blas_ws_each bytes */
@@ -3011,6 +3022,7 @@ static moept_status moept__q8_result(moept__cuda *c, int64_t n, int64_t m, int64
     return MOEPT_OK;
 }
 
+static moept_status moept__gk_create(moept__cuda *c, char *err);
 static moept_status moept__create(moept__cuda *c, char *err) {
     moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, P = p->P, C = c->C;
@@ -3025,6 +3037,7 @@ static moept_status moept__create(moept__cuda *c, char *err) {
         MOEPT__CU(cudaEventCreateWithFlags(&c->ev_back[i], cudaEventDisableTiming));
     }
     MOEPT__TRY(moept__blas_create(c, err));
+    MOEPT__TRY(moept__gk_create(c, err));
     MOEPT__TRY(moept__q8_create(c, err));
     MOEPT__TRY(moept__q8_probe(c, err));
     /* parameters + gradients + bias + placement: one allocation (the gradients 16-byte aligned too);
@@ -3429,6 +3442,364 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
     return MOEPT_OK;
 }
 
+/* ---- the grouped expert GEMM on Hopper (options.gemm_form MOEPT_GEMM_KERNEL) ----
+   out[r][n] = sum_k A[r][k] B[e][n][k] over every run's rows r (run i: rows
+   [r0, r0 + rows) of expert e), one launch for all of them: persistent CTAs
+   walk the (run, m-tile, n-tile) space; a producer thread loads A and B
+   tiles by TMA into a ring of stages (mbarriers: full when the bytes landed,
+   empty when both consumer warpgroups read it); two consumer warpgroups
+   each multiply 64 rows of the 128-row tile with wgmma (bf16, fp32
+   accumulators) and write their rows of out, those past the run's end or
+   past N masked. Both operands are K-major with the 128-byte swizzle (a
+   64-element bf16 row is one swizzle span). Each Hopper instruction is one
+   small device function below: inline PTX on sm_90, tests/emu's emulation
+   (which checks what the hardware requires) in the emulated build. */
+#define MOEPT__GK_BM 128      /* rows of a tile: two consumer warpgroups of 64 */
+#define MOEPT__GK_BN 128      /* columns: wgmma's n */
+#define MOEPT__GK_BK 64       /* reduction step: 128 bytes of bf16, one swizzle span */
+#define MOEPT__GK_ST 4        /* stages in the ring */
+#define MOEPT__GK_THREADS 384 /* producer warpgroup, then two consumers */
+#define MOEPT__GK_RUNS 240    /* runs a launch takes by value (the parameters stay under 4 KB) */
+#define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */
+#define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 1024)
+
+typedef struct moept__gk_args {
+    int32_t r0[MOEPT__GK_RUNS], rows[MOEPT__GK_RUNS], e[MOEPT__GK_RUNS];
+    int32_t n;                /* runs */
+    int32_t N, K;             /* out's columns, the reduction */
+    int64_t ldo;              /* out's row stride (elements) */
+    moept__bf16 *out;         /* [rows][ldo] */
+} moept__gk_args;
+
+#if defined(MOEPT_CUDA_EMU_KERNELS_H)
+#define MOEPT__BOUNDS(t)
+#else
+#define MOEPT__BOUNDS(t) __launch_bounds__(t, 1)
+#endif
+#if defined(MOEPT_CUDA_EMU_KERNELS_H)
+#define MOEPT__SM90 1
+#elif defined(__CUDA_ARCH_FEAT_SM90_ALL) /* sm_90a: wgmma is an arch-specific feature (PTX ISA) */
+#define MOEPT__SM90 2
+#else
+#define MOEPT__SM90 0
+#endif
+__device__ __forceinline__ uint32_t moept__smem_u32(const void *p) {
+#if MOEPT__SM90 == 2
+    return (uint32_t)__cvta_generic_to_shared(p);
+#else
+    return (uint32_t)(uintptr_t)p;
+#endif
+}
+__device__ __forceinline__ void moept__mbar_init(uint64_t *bar, unsigned count) {
+#if MOEPT__SM90 == 1
+    moept_emu_mbar_init(bar, count);
+#elif MOEPT__SM90 == 2
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(moept__smem_u32(bar)), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void moept__fence_mbar_init(void) {
+#if MOEPT__SM90 == 1
+    moept_emu_fence_mbar_init();
+#elif MOEPT__SM90 == 2
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void moept__mbar_arrive(uint64_t *bar) {
+#if MOEPT__SM90 == 1
+    moept_emu_mbar_arrive(bar);
+#elif MOEPT__SM90 == 2
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(moept__smem_u32(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void moept__mbar_expect_tx(uint64_t *bar, unsigned bytes) {
+#if MOEPT__SM90 == 1
+    moept_emu_mbar_arrive_expect_tx(bar, bytes);
+#elif MOEPT__SM90 == 2
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(moept__smem_u32(bar)),
+                 "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void moept__mbar_wait(uint64_t *bar, unsigned parity) {
+#if MOEPT__SM90 == 1
+    moept_emu_mbar_wait(bar, parity);
+#elif MOEPT__SM90 == 2
+    uint32_t ok = 0;
+    while (!ok)
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(ok) : "r"(moept__smem_u32(bar)), "r"(parity) : "memory");
+#endif
+}
+/* the box at (c0, c1) of map's tensor into dst, its bytes completing on bar */
+__device__ __forceinline__ void moept__tma_load(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
+#if MOEPT__SM90 == 1
+    moept_emu_tma_load_2d(dst, map, c0, c1, bar);
+#elif MOEPT__SM90 == 2
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+                 "[%4];" ::"r"(moept__smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(moept__smem_u32(bar))
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void moept__wgmma_fence(void) {
+#if MOEPT__SM90 == 1
+    moept_emu_wgmma_fence();
+#elif MOEPT__SM90 == 2
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void moept__wgmma_commit(void) {
+#if MOEPT__SM90 == 1
+    moept_emu_wgmma_commit();
+#elif MOEPT__SM90 == 2
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void moept__wgmma_wait0(void) {
+#if MOEPT__SM90 == 1
+    moept_emu_wgmma_wait(0);
+#elif MOEPT__SM90 == 2
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+/* d [64] (this thread's part of a 64 x 128 fp32 tile) = A B^T (+ d if acc): A 64 x 16 and B 128 x 16 bf16
+   in shared memory through descriptors da, db (K-major, 128-byte swizzle) */
+__device__ __forceinline__ void moept__wgmma_128(float *d, uint64_t da, uint64_t db, int acc) {
+#if MOEPT__SM90 == 1
+    moept_emu_wgmma_bf16(d, 128, da, db, acc);
+#elif MOEPT__SM90 == 2
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8,"
+        "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26,"
+        "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44,"
+        "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62,"
+        "%63}, %64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+            "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+            "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+            "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+            "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+            "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+            "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+            "+f"(d[63])
+          : "l"(da), "l"(db), "r"(acc));
+#else
+    (void)d; (void)da; (void)db; (void)acc;
+#endif
+}
+/* a K-major, 128-byte-swizzled tile's descriptor at p (1024-aligned): start >> 4, the leading byte offset
+   unused (1), 1024 bytes between 8-row groups, swizzle mode 1 (PTX ISA, "Matrix Descriptor Format") */
+__device__ __forceinline__ uint64_t moept__gk_desc(const void *p) {
+    return (uint64_t)((moept__smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+/* register i of thread t's 64 x 128 accumulators: its row and column (PTX ISA, "Matrix fragments for
+   wgmma.mma_async .m64nNk16", D) */
+__device__ __forceinline__ int moept__gk_row(int i, int t) { return 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int moept__gk_col(int i, int t) { return 8 * (i >> 2) + 2 * (t % 4) + (i & 1); }
+
+/* tile tile of the launch: its run, m-tile and n-tile (the runs' m-tiles in order, n fastest) */
+__device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int tile, int *mt, int *nt) {
+    const int ntn = (g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN;
+    for (int i = 0; i < g->n; i++) {
+        const int n = (g->rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ntn;
+        if (tile < n) {
+            *mt = tile / ntn;
+            *nt = tile % ntn;
+            return i;
+        }
+        tile -= n;
+    }
+    return -1;
+}
+
+/* the producer: one thread loads every k-step of this CTA's tiles into the ring */
+__device__ void moept__gk_produce(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g,
+                                  int tiles, uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
+    const int nkb = (g->K + MOEPT__GK_BK - 1) / MOEPT__GK_BK;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int mt, nt;
+        const int i = moept__gk_locate(g, tile, &mt, &nt);
+        for (int kb = 0; kb < nkb; kb++, it++) {
+            const int s = it % MOEPT__GK_ST;
+            moept__mbar_wait(&empty[s], ((it / MOEPT__GK_ST) & 1) ^ 1); /* a fresh ring: free */
+            moept__mbar_expect_tx(&full[s], 2 * MOEPT__GK_TILE_B);
+            moept__tma_load(sa + s * MOEPT__GK_TILE_B, ma, kb * MOEPT__GK_BK, g->r0[i] + mt * MOEPT__GK_BM,
+                            &full[s]);
+            moept__tma_load(sb + s * MOEPT__GK_TILE_B, mb, kb * MOEPT__GK_BK, g->e[i] * g->N + nt * MOEPT__GK_BN,
+                            &full[s]);
+        }
+    }
+}
+
+/* a consumer warpgroup: rows [64 w, 64 w + 64) of each tile, then its rows of out */
+__device__ void moept__gk_consume(const moept__gk_args *g, int tiles, int w, const uint8_t *sa,
+                                  const uint8_t *sb, uint64_t *full, uint64_t *empty) {
+    const int nkb = (g->K + MOEPT__GK_BK - 1) / MOEPT__GK_BK, t = threadIdx.x % 128;
+    float d[64];
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int mt, nt;
+        const int i = moept__gk_locate(g, tile, &mt, &nt);
+        for (int kb = 0; kb < nkb; kb++, it++) {
+            const int s = it % MOEPT__GK_ST;
+            moept__mbar_wait(&full[s], (it / MOEPT__GK_ST) & 1);
+            const uint64_t da = moept__gk_desc(sa + s * MOEPT__GK_TILE_B + w * MOEPT__GK_TILE_B / 2);
+            const uint64_t db = moept__gk_desc(sb + s * MOEPT__GK_TILE_B);
+            moept__wgmma_fence();
+            for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 elements = 32 bytes = 2 in the start field */
+                moept__wgmma_128(d, da + 2 * k, db + 2 * k, kb > 0 || k > 0);
+            moept__wgmma_commit();
+            moept__wgmma_wait0();
+            moept__mbar_arrive(&empty[s]);
+        }
+        const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_BN;
+        moept__bf16 *o = g->out + (int64_t)g->r0[i] * g->ldo;
+        for (int j = 0; j < 64; j++) {
+            const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
+            if (r < g->rows[i] && col < g->N) o[r * g->ldo + col] = moept__f32_to_bf16(d[j]);
+        }
+    }
+}
+
+__global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
+                const __grid_constant__ moept__gk_args g) {
+#if MOEPT__SM90
+    MOEPT__DYN_SMEM(smem);
+    uint8_t *sa = smem, *sb = smem + MOEPT__GK_ST * MOEPT__GK_TILE_B;
+    uint64_t *full = (uint64_t *)(sb + MOEPT__GK_ST * MOEPT__GK_TILE_B), *empty = full + MOEPT__GK_ST;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < MOEPT__GK_ST; s++) {
+            moept__mbar_init(&full[s], 1);
+            moept__mbar_init(&empty[s], 256); /* every consumer thread, once its wgmma retired */
+        }
+        moept__fence_mbar_init();
+    }
+    __syncthreads();
+    int tiles = 0;
+    for (int i = 0; i < g.n; i++)
+        tiles += (g.rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g.N + MOEPT__GK_BN - 1) / MOEPT__GK_BN);
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        if (threadIdx.x == 0) moept__gk_produce(&ma, &mb, &g, tiles, sa, sb, full, empty);
+    } else {
+        moept__gk_consume(&g, tiles, wg - 1, sa, sb, full, empty);
+    }
+#endif
+}
+
+/* whether this build has the kernel's code: sm_90a, or the emulator (a one-thread launch at create) */
+__global__ void moept__k_probe_sm90(int *built) { *built = MOEPT__SM90 != 0; }
+
+/* cuTensorMapEncodeTiled (CUDA Driver API), reached through the runtime: no libcuda to link */
+typedef CUresult (*moept__encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                     const cuuint64_t *, const cuuint32_t *, const cuuint32_t *,
+                                     CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                     CUtensorMapFloatOOBfill);
+
+/* at create, options.gemm_form MOEPT_GEMM_KERNEL: a GPU of compute capability 9.0 and a build with the
+   kernel's sm_90a code, else refused; the kernel runs where it applies (bf16 operands, config.fp8 off) */
+static moept_status moept__gk_create(moept__cuda *c, char *err) {
+    if (c->sp.gemm_form != MOEPT_GEMM_KERNEL) return MOEPT_OK;
+    int major = 0, minor = 0, sms = 0, built = 0, *d = NULL;
+    MOEPT__CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->dev));
+    MOEPT__CU(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, c->dev));
+    MOEPT__CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c->dev));
+    if (major != 9 || minor != 0)
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form MOEPT_GEMM_KERNEL "
+                            "needs compute capability 9.0 (wgmma, TMA); this GPU has %d.%d", major, minor);
+    MOEPT__CU(cudaMalloc((void **)&d, sizeof *d));
+    MOEPT__LAUNCH(moept__k_probe_sm90, 1, 1, 0, c->s)(d);
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaMemcpyAsync(&built, d, sizeof built, cudaMemcpyDeviceToHost, c->s);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->s);
+    cudaFree(d);
+    MOEPT__CU(e);
+    if (!built)
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form MOEPT_GEMM_KERNEL: "
+                            "this build has no sm_90a code (nvcc -gencode arch=compute_90a,code=sm_90a)");
+    void *fn = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form MOEPT_GEMM_KERNEL: "
+                            "no cuTensorMapEncodeTiled in the driver (%s)", cudaGetErrorString(e));
+    MOEPT__CU(cudaFuncSetAttribute((const void *)moept__k_gk, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   MOEPT__GK_SMEM));
+    c->gk_encode = (void *)fn;
+    c->gk_sms = sms;
+    return MOEPT_OK;
+}
+
+/* whether the kernel takes these operands: TMA needs 16-byte row strides and bases, 32-bit coordinates */
+static int moept__gk_ok(const moept__cuda *c, const void *A, int64_t lda, int64_t K, const void *B, int64_t N) {
+    return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp) && K % 8 == 0 &&
+           lda % 8 == 0 && (uintptr_t)A % 16 == 0 && (uintptr_t)B % 16 == 0 && N < INT_MAX / 2 && K < INT_MAX;
+}
+
+/* a bf16 matrix [rows][cols] (rows ld elements apart) as TMA boxes of 64 x 128, 128-byte swizzled */
+static moept_status moept__gk_map(moept__cuda *c, CUtensorMap *m, const void *p, int64_t rows, int64_t cols,
+                                  int64_t ld, char *err) {
+    const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)(ld * 2)};
+    const cuuint32_t box[2] = {MOEPT__GK_BK, MOEPT__GK_BM}, es[2] = {1, 1};
+    const CUresult r = ((moept__encode_fn)c->gk_encode)(
+        m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dim, stride, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return moept__kfail(err, MOEPT_ERR_DEVICE, "cuTensorMapEncodeTiled: error %d (moept_kernels.cu:%d)", (int)r,
+                            __LINE__);
+    return MOEPT_OK;
+}
+
+/* one launch over g's runs: a CTA a multiprocessor, or a tile */
+static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, const CUtensorMap *mb,
+                                     const moept__gk_args *g, char *err) {
+    int64_t tiles = 0;
+    for (int i = 0; i < g->n; i++)
+        tiles += (g->rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN);
+    if (tiles == 0) return MOEPT_OK;
+    const int grid = (int)(tiles < c->gk_sms ? tiles : c->gk_sms);
+    MOEPT__LAUNCH(moept__k_gk, grid, MOEPT__GK_THREADS, MOEPT__GK_SMEM, c->s)(*ma, *mb, *g);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+
+/* out [rows][ldo] = A B_e^T over R's runs by the kernel: A [..][lda] bf16 rows, B [E][N][K] bf16; up to
+   MOEPT__GK_RUNS runs a launch */
+static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda, int64_t K,
+                              const void *B, int64_t N, void *out, int64_t ldo, char *err) {
+    int64_t end = 0, ne = 0; /* A's rows and B's experts the runs reach */
+    for (int64_t i = 0; i < R->n; i++) {
+        int64_t r0, rows, e;
+        moept__run_at(R, i, &r0, &rows, &e);
+        if (rows > 0 && r0 + rows > end) end = r0 + rows;
+        if (rows > 0 && e + 1 > ne) ne = e + 1;
+    }
+    if (end == 0) return MOEPT_OK;
+    if (end >= INT_MAX || ne * N >= INT_MAX)
+        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows past TMA's 32-bit coordinates "
+                            "(moept_kernels.cu:%d)", (long long)end, __LINE__);
+    CUtensorMap ma, mb;
+    MOEPT__TRY(moept__gk_map(c, &ma, A, end, K, lda, err));
+    MOEPT__TRY(moept__gk_map(c, &mb, B, ne * N, K, K, err));
+    moept__gk_args g;
+    g.n = 0; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = (moept__bf16 *)out;
+    for (int64_t i = 0; i < R->n; i++) {
+        int64_t r0, rows, e;
+        moept__run_at(R, i, &r0, &rows, &e);
+        if (rows == 0) continue;
+        g.r0[g.n] = (int32_t)r0; g.rows[g.n] = (int32_t)rows; g.e[g.n] = (int32_t)e;
+        if (++g.n == MOEPT__GK_RUNS) {
+            MOEPT__TRY(moept__gk_launch(c, &ma, &mb, &g, err));
+            g.n = 0;
+        }
+    }
+    return moept__gk_launch(c, &ma, &mb, &g, err);
+}
+
 /* ---- the expert FFN, written once (moept.c's moept__ffn_*) -------------
    gate/up, the activation, down and their backward over a list of row runs
    (moept__runs: every group, or a chunk's runs), for the routed experts and
@@ -3517,6 +3888,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         return MOEPT_OK;
     }
     const char *W = (const char *)moept__w(c, w2 ? f->off2 : f->off13);
+    if (!bwd && moept__gk_ok(c, I, ld, k, W, m)) /* the forward's out = in W^T: B is W [E][m][k] */
+        return moept__gk(c, R, I, ld, k, W, m, O, m, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
                    moept__gemm_make(0, !bwd, rows, m, k, (const float *)(I + r0 * ld * es), ld,
@@ -5210,7 +5583,7 @@ static int moept__cuda_options_bad(const moept_config *cfg, moept_comm *ep, moep
     memcpy(&gf, &o->gemm_form, sizeof gf);
     if (dt != MOEPT_DTYPE_F32 && dt != MOEPT_DTYPE_BF16)
         w = "options.dtype must be MOEPT_DTYPE_F32 or MOEPT_DTYPE_BF16";
-    else if (gf < MOEPT_GEMM_AUTO || gf > MOEPT_GEMM_STRIDED)
+    else if (gf < MOEPT_GEMM_AUTO || gf > MOEPT_GEMM_KERNEL)
         w = "options.gemm_form must be a moept_gemm_form";
     else if (moept_cuda_device_count() < 1) {
         *why_st = MOEPT_ERR_DEVICE;

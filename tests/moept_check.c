@@ -3,7 +3,7 @@
 
    usage: moept_check [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--reshard]
                       [--comm nccl|nccl-one-gpu|device]
-                      [--gemm-form auto|grouped|per-expert|strided] [--tol X]
+                      [--gemm-form auto|grouped|per-expert|strided|kernel] [--tol X]
                       [--weights DIR --layer L [--hf-config]] FILE...
           mpirun -np N moept_check_mpi --ep N FILE...   (built with -DMOEPT_MPI)
    With --ep N the experts are sharded over N ranks (threads, or MPI
@@ -755,12 +755,12 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--tol-fp8-cpu") == 0 && first + 1 < argc)
             tol_fp8_cpu = atof(argv[++first]);
         else if (strcmp(argv[first], "--gemm-form") == 0 && first + 1 < argc) {
-            const char *f = argv[++first], *names[4] = {"auto", "grouped", "per-expert", "strided"};
+            const char *f = argv[++first], *names[5] = {"auto", "grouped", "per-expert", "strided", "kernel"};
             g_gemm_form = -1;
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < 5; i++)
                 if (strcmp(f, names[i]) == 0) g_gemm_form = i;
             if (g_gemm_form < 0) {
-                fprintf(stderr, "moept_check: --gemm-form auto|grouped|per-expert|strided, not %s\n", f);
+                fprintf(stderr, "moept_check: --gemm-form auto|grouped|per-expert|strided|kernel, not %s\n", f);
                 return 2;
             }
         }

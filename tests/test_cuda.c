@@ -1259,6 +1259,53 @@ static void test_chunked_equals_one_chunk(void) {
     }
 }
 
+/* The grouped kernel (options.gemm_form MOEPT_GEMM_KERNEL: the forward's bf16 GEMMs) against cuBLAS's
+   per-expert form, the same layer and tokens, at its edge shapes: experts with 0 and 1 rows, rows past one
+   128-row tile, D and F not multiples of its 64 and 128, one expert holding every token (identical
+   tokens), max_tokens rows. y and dx agree within bf16's rounding of two summation orders (2^-6 of the
+   largest); the kernel runs wherever TMA takes the rows (16-byte row strides), cuBLAS where not (D 68). */
+static void test_kernel_form(void) {
+    const struct { int64_t D, F, E, K, T; int same; } v[5] = {
+        {64, 64, 4, 2, 40, 0}, {72, 40, 8, 1, 5, 0}, {136, 200, 8, 2, 300, 0}, {64, 48, 4, 2, 200, 1},
+        {68, 36, 4, 2, 30, 0}};
+    for (int i = 0; i < 5 && !tu_bad; i++) {
+        moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+        cfg.hidden_size = v[i].D; cfg.intermediate_size = v[i].F; cfg.num_experts = v[i].E;
+        cfg.top_k = v[i].K; cfg.max_tokens = v[i].T;
+        const int64_t T = v[i].T, D = v[i].D, n = T * D;
+        float *x = malloc((size_t)n * 4), *out = calloc((size_t)(4 * n), 4);
+        unsigned long long rs = 5 + (unsigned long long)i;
+        for (int64_t j = 0; j < n; j++) x[j] = v[i].same && j >= D ? x[j % D] : (float)tu_rand(&rs);
+        void *xd = dev_from(x, n, 1), *dxd = dev_from(out, n, 1);
+        const long k0 = moept_emu_launches("moept__k_gk");
+        for (int f = 0; f < 2 && !tu_bad; f++) {
+            moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, f ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_PER_EXPERT};
+            moept_layer *L = NULL;
+            EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+            if (!L) break;
+            moept_init_params(L, 3);
+            if (!forward_y(L, xd, T, D, 1, NULL, out + f * n)) { /* dy = x */
+                EXPECT_OK(moept_backward(L, xd, xd, dxd));
+                host_from(out + (2 + f) * n, dxd, n, 1);
+            }
+            moept_destroy(L);
+        }
+        const long launched = moept_emu_launches("moept__k_gk") - k0;
+        EXPECT(D % 8 == 0 ? launched > 0 : launched == 0, "shape %d: %ld kernel launches", i, launched);
+        for (int w = 0; w < 2; w++) {
+            const float *a = out + 2 * w * n, *b = a + n;
+            double big = 1e-30, diff = 0.0;
+            for (int64_t j = 0; j < n; j++) {
+                big = fmax(big, fabs(a[j]));
+                diff = fmax(diff, fabs((double)a[j] - b[j]));
+            }
+            EXPECT(diff <= big / 64.0, "shape %d: %s differs by %.3g (largest %.3g)", i, w ? "dx" : "y", diff, big);
+        }
+        cudaFree(xd); cudaFree(dxd);
+        free(x); free(out);
+    }
+}
+
 /* bf16 weights are cast from the fp32 masters once per change, not every
    forward (issue #14 item 1), counted by the emulator: none on a second
    forward with the same parameters; one after set_param and after
@@ -3648,6 +3695,7 @@ int main(void) {
            "between)",
            test_chunked_equals_one_chunk);
     tu_run("cuda (emulated): bf16 weights cast once per parameter change", test_bf16_weights_cast_once);
+    tu_run("cuda (emulated): the grouped kernel form against cuBLAS's at its edge shapes", test_kernel_form);
     tu_run("cuda (emulated, 2 EP ranks): forward against backward, loss and y overflows fail on both ranks",
            test_call_agreement);
     tu_run("cuda (emulated, EP 1 and 2): router jitter draws the CPU's noise, none in eval (fp32, bf16)",

@@ -3,7 +3,7 @@
 # (the device tool; docs/PERF.md "The CUDA executor on one H200" records what they gave).
 #
 #   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank] [fp8] [sanitize]
-#                         [bench] [bench_small] [profile] [torch] [peers]
+#                         [bench] [bench_small] [profile] [grouped] [torch] [peers]
 #                         (default: build rules check ep1gpu fp8 sanitize bench torch peers)
 #
 # prebuilt: instead of build, the binaries tools/gpu_prebuild.sh built
@@ -46,6 +46,10 @@
 # bench_small: each GEMM form at fewer rows an expert: Mixtral and DeepSeek-V3
 #           at T 1024, Qwen3-30B-A3B's (D 2048, F 768, E 128, K 8) and
 #           OLMoE's (D 2048, F 1024, E 64, K 8) layers at T 4096, bf16
+# grouped:  the grouped kernel (gemm_form kernel, sm_90a): moept_check_cuda --gemm-form kernel
+#           over every case (plain, --sync-free), then bench_cuda at Qwen3-30B-A3B's and
+#           OLMoE's layers (T 4096), DeepSeek-V3's experts and Mixtral-8x7B (T 8192), every form
+#           (the kernel among them) against the GEMM floor, then the peers
 # profile:  where the Mixtral layer's and DeepSeek-V3 experts' step (bf16,
 #           T 8192, default form) spend their GPU time beyond the GEMMs:
 #           tools/cupti_trace.c's records of bench_cuda, summed per step by
@@ -108,6 +112,8 @@ nccl_home() { # where nccl.h and libnccl are: CUDA_HOME, else the Python package
     for f in "$p"/lib/libnccl.so*; do ln -sf "$f" build/nccl/lib/libnccl.so; ln -sf "$f" build/nccl/lib/libnccl.so.2; done
     echo "$PWD/build/nccl"
 }
+# an architecture's gencode name: 90 is sm_90a, whose arch-specific wgmma the grouped kernel needs
+sfx() { if [ "$1" = 90 ]; then echo 90a; else echo "$1"; fi; }
 
 gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
 
@@ -125,7 +131,7 @@ build() {
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
     mpi=$(command -v mpicc >/dev/null && echo build/train_mpi)
     step "make cuda (sm_${cap:-90})" make -j8 cuda build/train build/cuda_rules build/libmoept_cuda.so $mpi \
-        CUDA_ARCHS="-gencode arch=compute_${cap:-90},code=sm_${cap:-90}" NCCL_HOME="$NCCL_HOME"
+        CUDA_ARCHS="-gencode arch=compute_$(sfx "${cap:-90}"),code=sm_$(sfx "${cap:-90}")" NCCL_HOME="$NCCL_HOME"
     step "ptxas: no spills" sh tests/check_ptxas.sh
 }
 
@@ -420,6 +426,24 @@ torch_phase() {
         tee -a "$SUM" >/dev/null
 }
 
+grouped() { # the grouped kernel (gemm_form kernel): every case through it, its step against cuBLAS's forms
+    LOG="$OUT/grouped.log"
+    k="--gemm-form kernel"
+    step "moept_check_cuda $k: every case, fp32 (cuBLAS) and bf16 (the kernel)" build/moept_check_cuda $k \
+        tests/cases/*.safetensors
+    step "moept_check_cuda $k --sync-free: every case" build/moept_check_cuda $k --sync-free \
+        tests/cases/*.safetensors
+    step "bench_cuda Qwen3-30B-A3B bf16 T=4096, every form" build/bench_cuda --hidden 2048 --ffn 768 \
+        --experts 128 --topk 8 --tokens 4096 --bf16 --gemm-form all
+    step "bench_cuda OLMoE bf16 T=4096, every form" build/bench_cuda --hidden 2048 --ffn 1024 --experts 64 \
+        --topk 8 --tokens 4096 --bf16 --gemm-form all
+    step "bench_cuda DeepSeek-V3 experts bf16 T=8192, every form" build/bench_cuda --shape deepseek \
+        --tokens 8192 --bf16 --gemm-form all
+    step "bench_cuda Mixtral-8x7B bf16 T=8192, every form" build/bench_cuda --tokens 8192 --bf16 --gemm-form all
+    grep -E "^RESULT|^skip" "$LOG" | grep -v optimizer | tee -a "$SUM" >/dev/null
+    peers
+}
+
 peers() {
     LOG="$OUT/peers.log"
     P=$(torch_py)
@@ -436,11 +460,12 @@ peers() {
 
 for p in $phases; do
     case $p in
-    build | prebuilt | rules | check | ep1gpu | fp8 | sanitize | bench | bench_small | profile | peers) $p ;;
+    build | prebuilt | rules | check | ep1gpu | fp8 | sanitize | bench | bench_small | profile | grouped | peers)
+        $p ;;
     torch) torch_phase ;;
     nccl-multirank) nccl_multirank ;;
     *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank] [fp8] [sanitize] [bench]" \
-            "[bench_small] [profile] [torch] [peers]" >&2
+            "[bench_small] [profile] [grouped] [torch] [peers]" >&2
        exit 2 ;;
     esac
 done

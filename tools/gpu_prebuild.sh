@@ -12,13 +12,14 @@
 set -eu
 G=${GPUB:-gpub}
 A=${CUDA_ARCH:-90}
+AF=$A; [ "$A" = 90 ] && AF=90a # sm_90a: the grouped kernel's arch-specific wgmma
 X=$(git rev-parse --git-path info/exclude) # a worktree's is its main repository's
 mkdir -p "$(dirname "$X")"
 grep -qx "/$G/" "$X" 2>/dev/null || echo "/$G/" >>"$X"
 mpi=
 command -v mpicc >/dev/null && mpi="$G/moept_check_cuda_mpi $G/train_cuda_mpi"
 # shellcheck disable=SC2086
-make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute_$A,code=sm_$A" \
+make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute_$AF,code=sm_$AF" \
     "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
     "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/lt_rules" "$G/libmoept_cuda.so" $mpi
 # the CUPTI tracer for the profile phase, with CUPTI's library beside it, where its headers are
