@@ -751,10 +751,11 @@ float bf16(const char *p) {
     return f;
 }
 
-/* D = A B (+ D): each product of two bf16 values is exact in fp32 (8-bit significands), and the 16 are
-   added to the accumulator in k order, each addition rounded to nearest even in fp32 (a plain fp32 loop
-   over k gives the same bits). The D fragment of .m64nNk16 with fp32 accumulators (PTX ISA, wgmma,
-   "Matrix Fragments for wgmma.mma_async.m64nNk16", accumulator D): thread lane l of the warpgroup
+/* D = A B (+ D): each product of two bf16 values is exact in fp32 (8-bit significands; barring
+   underflow), and the 16 are added to the accumulator in k order, each addition rounded to nearest even
+   in fp32 (a plain fp32 loop over k gives the same bits). The D fragment of .m64nNk16 with fp32
+   accumulators (PTX ISA, wgmma, "Matrix Fragments for wgmma.mma_async.m64nNk16", accumulator D):
+   thread lane l of the warpgroup
    (warp w = l / 32, g = (l % 32) / 4, q = l % 4) holds in register i (0 <= i < N/2)
      row = 16 w + g + 8 ((i >> 1) & 1),  col = 8 (i >> 2) + 2 q + (i & 1). */
 void compute(const WgOp &op) {

@@ -1392,6 +1392,12 @@ __global__ void k_mbar_bad(const CUtensorMap tm, int what) {
     if (what == 5 && t == 0) moept_emu_mbar_init(&mb[0], 0);
 }
 
+/* a store one byte past the launch's dynamic shared memory */
+__global__ void k_dyn_past(int bytes) {
+    char *sm = (char *)moept_emu_dyn_smem();
+    if (threadIdx.x == 0) sm[bytes] = 1;
+}
+
 typedef CUresult (*encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
                               const cuuint64_t *, const cuuint32_t *, const cuuint32_t *,
                               CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
@@ -1753,6 +1759,12 @@ static void hopper_kernels() {
     }
     cudaFree(g);
     cudaFree(o);
+    MOEPT__LAUNCH(k_dyn_past, 1, 32, 1024, 0)(1024);
+    cudaError_t e = cudaDeviceSynchronize();
+    expect_report("memcheck: a store past the launch's dynamic shared memory", "past the launch's 1024 bytes");
+    result("... faults: cudaErrorIllegalAddress (the context is lost)", e == cudaErrorIllegalAddress,
+           cudaGetErrorString(e));
+    moept_emu_recover(0);
 }
 
 int main() {
