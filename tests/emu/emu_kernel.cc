@@ -530,8 +530,10 @@ void moept_emu_launch(const char *name, const void *func, dim3 g, dim3 b, size_t
         return;
     }
     Stream *s = stream_of(h);
-    /* dynamic shared memory past the kernel's limit (48 KiB until cudaFuncSetAttribute raised it):
-       the driver refuses the launch with CUDA_ERROR_INVALID_VALUE, "invalid argument" */
+    /* dynamic shared memory past the kernel's limit (48 KiB until cudaFuncSetAttribute raised it: CUDA
+       Runtime API, cudaFuncAttributeMaxDynamicSharedMemorySize, "the requested maximum size" of it): the
+       launch is refused with cudaErrorInvalidValue, as the driver answers CUDA_ERROR_INVALID_VALUE
+       ("invalid argument") for it (not yet recorded on a GPU in tests/cuda_rules.txt) */
     if (smem > func_max_dyn_smem(s->dev, func)) {
         set_last_error(cudaErrorInvalidValue);
         return;

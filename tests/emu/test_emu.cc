@@ -1761,7 +1761,8 @@ static void hopper_kernels() {
     cudaFree(o);
     MOEPT__LAUNCH(k_dyn_past, 1, 32, 1024, 0)(1024);
     cudaError_t e = cudaDeviceSynchronize();
-    expect_report("memcheck: a store past the launch's dynamic shared memory", "past the launch's 1024 bytes");
+    expect_report("memcheck: a store past the launch's dynamic shared memory",
+                  "past the launch's 1024 bytes");
     result("... faults: cudaErrorIllegalAddress (the context is lost)", e == cudaErrorIllegalAddress,
            cudaGetErrorString(e));
     moept_emu_recover(0);
