@@ -38,7 +38,7 @@ EMU_OK   := $(if $(EMU_INC),$(shell printf '\043include <cuda_runtime.h>\n\043in
 CXX     ?= g++
 EMU_CXX  = $(CXX) -std=c++17 -g -Wall -Wextra -Wno-unknown-pragmas $(EMU_INC)
 EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tests/emu/emu_lt.cc \
-           tests/emu/emu_nccl.cc
+           tests/emu/emu_nccl.cc tests/emu/emu_hopper.cc
 EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
 # -fno-tree-sra: a 16-byte vector access stays one access (g++ would split it into its fields)
 EMU_KFLAGS = -x c++ -include tests/emu/cuda_emu.h -fsanitize=thread --param tsan-instrument-func-entry-exit=0 \

@@ -13,6 +13,7 @@
 #define __shared__ static
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <memory>
 #include <tuple>
 #include <utility>
@@ -55,8 +56,8 @@ static inline unsigned long long atomicAdd(unsigned long long *p, unsigned long 
    now (as <<<>>> does) and copied with the kernel's address into a blob the
    op keeps; each thread gets its own copy of the blob on its stack (kernel
    parameters are trivially copyable), so reading them is a stack access. */
-void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_t s, const void *blob, size_t n,
-                      void (*invoke)(void *));
+void moept_emu_launch(const char *name, const void *func, dim3 g, dim3 b, size_t smem, cudaStream_t s,
+                      const void *blob, size_t n, void (*invoke)(void *));
 template <typename... P>
 struct moept_emu_launcher {
     void (*k)(P...);
@@ -71,7 +72,7 @@ struct moept_emu_launcher {
     static void invoke(void *p) { std::apply(((blob *)p)->k, ((blob *)p)->a); }
     void operator()(P... a) const { /* by the kernel's own parameter types, as a call */
         blob bl{k, std::tuple<P...>(a...)};
-        moept_emu_launch(name, g, b, smem, s, &bl, sizeof bl, invoke);
+        moept_emu_launch(name, reinterpret_cast<const void *>(k), g, b, smem, s, &bl, sizeof bl, invoke);
     }
 };
 template <typename... P>
@@ -80,6 +81,45 @@ moept_emu_launcher<P...> moept_emu_kernel(void (*k)(P...), dim3 g, dim3 b, size_
     return moept_emu_launcher<P...>{k, g, b, smem, s, name};
 }
 #define MOEPT__LAUNCH(k, g, b, smem, s) moept_emu_kernel(k, g, b, smem, s, #k)
+/* ---- Hopper (sm_90) primitives: tests/emu/emu_hopper.cc, docs/CUDA_INTERNALS.md "Verified without a GPU"
+   Each stands for one PTX instruction (or, mbar_wait, a try_wait loop) and is called by every thread
+   that executes it, as the PTX would be. The .sync.aligned ones (wgmma_*) are warpgroup-wide: the
+   calling thread waits there until the 128 threads of its warpgroup (4 consecutive warps, the first
+   warp's index a multiple of 4) all reach it. */
+/* this block's dynamic shared memory (extern __shared__), 1024-byte aligned: the launch's smem bytes */
+void *moept_emu_dyn_smem(void);
+/* mbarrier (PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier"): a 64-bit
+   object in shared memory */
+void moept_emu_mbar_init(uint64_t *bar, unsigned count);             /* mbarrier.init.shared::cta.b64 */
+void moept_emu_fence_mbar_init(void);                                /* fence.mbarrier_init.release.cluster */
+/* mbarrier.arrive.release.cta.shared::cta.b64 */
+void moept_emu_mbar_arrive(uint64_t *bar);
+/* mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 */
+void moept_emu_mbar_arrive_expect_tx(uint64_t *bar, unsigned bytes);
+/* mbarrier.try_wait.parity.shared::cta.b64 until it returns true (the thread yields meanwhile) */
+void moept_emu_mbar_wait(uint64_t *bar, unsigned parity);
+/* cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [map, {c0, c1}], [bar];
+   map: a CUtensorMap made by cuTensorMapEncodeTiled (through cudaGetDriverEntryPointByVersion) */
+void moept_emu_tma_load_2d(void *smem_dst, const void *tensor_map, int c0, int c1, uint64_t *bar);
+void moept_emu_fence_proxy_async(void);                              /* fence.proxy.async.shared::cta */
+/* wgmma (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions") */
+void moept_emu_wgmma_fence(void);                                    /* wgmma.fence.sync.aligned */
+/* wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {d}, desc_a, desc_b, scale_d, 1, 1, 0, 0: A and B
+   K-major in shared memory; d: this thread's n/2 fp32 accumulators (the D fragment of .m64nNk16) */
+void moept_emu_wgmma_bf16(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d);
+void moept_emu_wgmma_commit(void);                                   /* wgmma.commit_group.sync.aligned */
+void moept_emu_wgmma_wait(int n);                                    /* wgmma.wait_group.sync.aligned n */
+/* the shared-window address of p (what a matrix descriptor's start address encodes): its offset in the
+   dynamic shared memory (the only shared memory with an address in the emulator) */
+unsigned moept_emu_smem_addr(const void *p);
+/* cuda_runtime.h's C++ overload (nvcc's only): a kernel itself, as under nvcc */
+template <class T>
+static inline cudaError_t cudaFuncSetAttribute(T *func, enum cudaFuncAttribute attr, int value) {
+    return ::cudaFuncSetAttribute(reinterpret_cast<const void *>(func), attr, value);
+}
+/* CUDA C++ Programming Guide, "Address Space Conversion Functions" (device code; nvcc's headers only) */
+static inline size_t __cvta_generic_to_shared(const void *p) { return moept_emu_smem_addr(p); }
+
 /* the executor's stage: what is queued next is counted under it (emu.h) */
 extern "C" void moept_emu_stage(const char *name);
 #define MOEPT__STAGE(name) moept_emu_stage(name)

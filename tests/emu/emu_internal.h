@@ -196,6 +196,60 @@ cudaError_t sticky(int d);
    never runs; every later call on d returns e (moept_emu_recover ends it). */
 void lose(int d, cudaError_t e, const char *op, const char *why);
 
+/* ---- the block in flight (emu_kernel.cc) and the Hopper primitives (emu_hopper.cc) ----
+   One block runs at a time, process-wide; these are called from a kernel's thread (a fiber). */
+#ifdef __SANITIZE_ADDRESS__
+constexpr size_t FIBER_STACK = 256 * 1024;
+#else
+constexpr size_t FIBER_STACK = 64 * 1024;
+#endif
+/* the opt-in dynamic shared memory of a block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin, 227 KiB),
+   and what a kernel gets without cudaFuncSetAttribute (48 KiB) */
+constexpr size_t DYN_SMEM_MAX = 232448;
+constexpr size_t DYN_SMEM_DEFAULT = 48 * 1024;
+/* the dynamic shared memory: DYN_SMEM_MAX bytes of static storage, 1024-byte aligned (one block at a time);
+   its shared-window address is the offset from dyn_smem() */
+char *dyn_smem();
+struct KBlock {
+    const char *name;              /* the kernel */
+    uint3 bid;
+    int nthreads;
+    int t;                         /* the calling thread (linear index), -1: none */
+    uint32_t blk;                  /* block serial (shared memory's lifetime) */
+    uint32_t epoch;                /* barrier interval (racecheck) */
+    size_t smem;                   /* the launch's dynamic shared bytes */
+};
+/* the block this thread runs (false: not in a kernel) */
+bool kblock(KBlock *k);
+/* the calling thread blocks until ready(arg) holds (checked between the block's runs of its threads);
+   a block in which nothing can run any more is a deadlock report and ends there (never returns then) */
+void kernel_block(bool (*ready)(void *), void *arg, const char *what);
+/* ends the block now (after a report that leaves it nothing defined to do); never returns */
+[[noreturn]] void kernel_end_block();
+/* n bytes of shared memory at p written by the async proxy (a TMA load): written for initcheck, no
+   generic writer for racecheck */
+void smem_async_write(const char *p, size_t n);
+/* the kernels' loads and stores reach the checks (their unit has the instrumentation: not under ASan) */
+bool kernel_hooks();
+/* has a thread (or the async proxy) of this block written the shared byte at p */
+bool smem_defined(const char *p);
+/* p is shared memory (static __shared__ storage or the dynamic shared memory) */
+bool is_shared(const void *p);
+/* a thread's stack (its FIBER_STACK bytes) */
+const char *fiber_stack(int t);
+/* the kernel's dynamic shared memory limit for device dev (cudaFuncSetAttribute,
+   cudaFuncAttributeMaxDynamicSharedMemorySize; DYN_SMEM_DEFAULT until raised) */
+size_t func_max_dyn_smem(int dev, const void *func);
+/* emu_hopper.cc's hooks: on while the block has used a wgmma primitive (the stack hook's cost) */
+extern bool hop_on;
+void hop_block();                                        /* a new block begins */
+void hop_shared(int t, size_t off, size_t n, int write); /* a generic access of dynamic shared memory */
+void hop_stack(int t, size_t off, size_t n, int write);  /* an access of thread t's own stack (hop_on) */
+void hop_barrier();                                      /* a __syncthreads released the block */
+void hop_exit(int t);                                    /* thread t returned from the kernel */
+/* the emulated driver's cuTensorMapEncodeTiled (cudaGetDriverEntryPointByVersion) */
+void *tensor_map_encode_tiled();
+
 }  // namespace emu
 
 int moept_emu_nccl_group_depth(void);

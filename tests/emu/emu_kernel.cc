@@ -37,15 +37,12 @@ extern "C" char __data_start[], _end[], __executable_start[];
 
 namespace emu {
 
-#ifdef __SANITIZE_ADDRESS__
-constexpr size_t STACK = 256 * 1024;
-#else
-constexpr size_t STACK = 64 * 1024;
-#endif
+constexpr size_t STACK = FIBER_STACK;
 constexpr int MAXTHREADS = 1024;
-constexpr size_t SHARED_MAX = 48 * 1024;
 
-enum { F_NEW, F_READY, F_WAIT, F_EXIT };
+/* F_WAIT: at a __syncthreads; F_BLOCK: in an emulator wait (kernel_block: an mbarrier, a warpgroup's
+   .sync.aligned instruction) until its ready() holds */
+enum { F_NEW, F_READY, F_WAIT, F_BLOCK, F_EXIT };
 
 struct Fiber {
 #if defined(__x86_64__)
@@ -57,6 +54,9 @@ struct Fiber {
     int state, line;
     uint3 tid;
     void *fake;             /* ASan's fake stack while switched out */
+    bool (*ready)(void *);  /* F_BLOCK: what it waits for */
+    void *warg;
+    const char *what;
 };
 
 /* one block in flight on this worker */
@@ -79,6 +79,8 @@ struct Exec {
     void *sched_fake;
     uint32_t epoch;         /* barrier interval, for racecheck */
     uint32_t blk;           /* block serial, for initcheck */
+    size_t smem;            /* the launch's dynamic shared memory bytes */
+    bool ended;             /* kernel_end_block: the block ends now */
 };
 
 static thread_local Exec *X;
@@ -95,6 +97,11 @@ struct SharedShadow {
 };
 static uint32_t g_block;
 static SharedShadow *g_sh;
+
+/* the dynamic shared memory (extern __shared__ on a GPU; moept_emu_dyn_smem): static storage, so the
+   shared-memory checks above cover it; a launch's bytes are its first smem */
+alignas(1024) static char g_dyn[DYN_SMEM_MAX];
+char *dyn_smem() { return g_dyn; }
 
 #if defined(__x86_64__)
 extern "C" void moept_emu_swap(void **save, void *to);
@@ -150,12 +157,14 @@ extern "C" void moept_emu_fiber_main(void) {
 #ifdef __SANITIZE_ADDRESS__
     __sanitizer_finish_switch_fiber(nullptr, &X->sched_lo, &X->sched_size);
 #endif
-    /* this thread's copy of the parameters, on its own stack */
+    /* this thread's copy of the parameters, on its own stack (128-byte aligned: a CUtensorMap
+       parameter keeps its alignment) */
     size_t n = X->blob->size();
-    alignas(16) char args[512];
-    char *a = n <= sizeof args ? args : (char *)__builtin_alloca(n);
+    alignas(128) char args[512];
+    char *a = n <= sizeof args ? args : (char *)__builtin_alloca_with_align(n, 1024);
     memcpy(a, X->blob->data(), n);
     X->invoke(a);
+    if (hop_on) hop_exit(X->cur);
     Fiber *f = &X->f[X->cur];
     f->state = F_EXIT;
     to_sched(f, true);
@@ -209,7 +218,29 @@ static void shuffle(std::vector<int> &v, uint64_t *s) {
     for (size_t i = v.size(); i > 1; i--) std::swap(v[i - 1], v[rnd(s) % i]);
 }
 
-/* one block: phases between barriers, each in a fresh order */
+/* the block cannot go on (a deadlock): what its threads wait in, reported as a GPU's hang */
+static void deadlock(Exec *x, int n) {
+    int wait = 0, block = 0, exited = 0, line = -1, first = -1;
+    const char *what = nullptr;
+    for (int i = 0; i < n; i++) {
+        const Fiber &fi = x->f[i];
+        if (fi.state == F_EXIT) exited++;
+        else if (fi.state == F_WAIT) { wait++; if (line < 0) line = fi.line; }
+        else if (fi.state == F_BLOCK) { block++; if (first < 0) { first = i; what = fi.what; } }
+    }
+    char at[64] = "";
+    if (wait) snprintf(at, sizeof at, " (line %d)", line);
+    /* a warpgroup's .sync.aligned instruction that some of its 128 threads never reach (PTX ISA, wgmma:
+       .sync.aligned requires every thread of the warpgroup to execute the same instruction) */
+    const bool wg = what && !strncmp(what, "wgmma", 5);
+    report(wg ? "wgmma" : "hang", "kernel %s block (%u,%u,%u): %s%s: %d thread(s) wait in %s (first: thread "
+           "%d), %d at __syncthreads%s, %d exited: nothing left to run (a GPU would hang)", x->name, x->bid.x,
+           x->bid.y, x->bid.z, wg ? "not every thread of a warpgroup executes " : "deadlock", wg ? what : "",
+           block, what ? what : "?", first, wait, at, exited);
+}
+
+/* one block: phases between barriers, each in a fresh order; within a phase, passes over the
+   threads until none can run (a thread blocked in an emulator wait runs again once its ready() holds) */
 static void run_block(Exec *x, int n, uint64_t *seed) {
     Fiber *f = x->f;
     for (int i = 0; i < n; i++) {
@@ -221,25 +252,40 @@ static void run_block(Exec *x, int n, uint64_t *seed) {
     for (;;) {
         x->epoch = ++g_epoch;
         shuffle(order, seed);
-        for (int i : order) {
-            if (f[i].state == F_NEW) fiber_init(&f[i]);
-            if (f[i].state == F_NEW || f[i].state == F_READY) {
-                f[i].state = F_READY;
-                x->cur = i;
-                to_fiber(&f[i]);
-                x->cur = -1;
+        for (bool ran = true; ran;) {
+            ran = false;
+            for (int i : order) {
+                if (f[i].state == F_BLOCK && f[i].ready(f[i].warg)) f[i].state = F_READY;
+                if (f[i].state == F_NEW) fiber_init(&f[i]);
+                if (f[i].state == F_NEW || f[i].state == F_READY) {
+                    f[i].state = F_READY;
+                    x->cur = i;
+                    to_fiber(&f[i]);
+                    x->cur = -1;
+                    ran = true;
+                    if (x->ended) { /* kernel_end_block: its threads are not resumed */
+                        for (int j = 0; j < n; j++) f[j].state = F_EXIT;
+                        return;
+                    }
+                }
             }
         }
-        int waiting = 0, exited = 0, line = -1, line2 = -1;
+        int waiting = 0, blocked = 0, exited = 0, line = -1, line2 = -1;
         for (int i = 0; i < n; i++) {
             if (f[i].state == F_EXIT) exited++;
+            if (f[i].state == F_BLOCK) blocked++;
             if (f[i].state == F_WAIT) {
                 waiting++;
                 if (line < 0) line = f[i].line;
                 else if (f[i].line != line) line2 = f[i].line;
             }
         }
-        if (!waiting) return;
+        if (!waiting && !blocked) return;
+        if (blocked) { /* nothing runs and nothing can release them */
+            deadlock(x, n);
+            for (int i = 0; i < n; i++) f[i].state = F_EXIT;
+            return;
+        }
         if (exited || line2 >= 0) {
             char other[48] = "";
             if (line2 >= 0) snprintf(other, sizeof other, "; others wait at line %d", line2);
@@ -249,11 +295,13 @@ static void run_block(Exec *x, int n, uint64_t *seed) {
             for (int i = 0; i < n; i++) f[i].state = F_EXIT;
             return;
         }
+        if (hop_on) hop_barrier();
         for (int i = 0; i < n; i++) f[i].state = F_READY;
     }
 }
 
-static void run_kernel(Op &o, const char *name, dim3 g, dim3 b, const std::vector<char> &blob, void (*invoke)(void *)) {
+static void run_kernel(Op &o, const char *name, dim3 g, dim3 b, size_t smem, const std::vector<char> &blob,
+                       void (*invoke)(void *)) {
     std::lock_guard<std::mutex> lk(g_sm);
     Exec x;
     memset((void *)&x, 0, sizeof x);
@@ -263,6 +311,7 @@ static void run_kernel(Op &o, const char *name, dim3 g, dim3 b, const std::vecto
     x.invoke = invoke;
     x.bd = b;
     x.gd = g;
+    x.smem = smem;
     x.f = fibers();
     x.cur = -1;
     const int n = (int)(b.x * b.y * b.z);
@@ -279,7 +328,9 @@ static void run_kernel(Op &o, const char *name, dim3 g, dim3 b, const std::vecto
         uint64_t i = border.empty() ? k : (uint64_t)border[k];
         x.bid = make_uint3((unsigned)(i % g.x), (unsigned)(i / g.x % g.y), (unsigned)(i / ((uint64_t)g.x * g.y)));
         x.blk = ++g_block; /* shared memory starts undefined */
+        hop_block();
         run_block(&x, n, &seed);
+        if (x.ended) break; /* kernel_end_block: the launch ends there */
     }
     X = nullptr;
 }
@@ -289,6 +340,17 @@ static void shared_access(const char *p, size_t n, int write) {
     Exec *x = X;
     const uint16_t t = (uint16_t)x->cur;
     size_t off = (size_t)(p - __data_start);
+    if (p + n > g_dyn && p < g_dyn + DYN_SMEM_MAX) { /* dynamic shared memory: the launch's bytes */
+        if (p < g_dyn || p + n > g_dyn + x->smem) {
+            const uint3 ti = x->f[t].tid;
+            lose(x->op->s->dev, cudaErrorIllegalAddress, x->op->name.c_str(), nullptr);
+            report("memcheck", "kernel %s block (%u,%u,%u) thread (%u,%u,%u): %s of %zu bytes at dynamic "
+                   "shared memory offset %td: past the launch's %zu bytes", x->name, x->bid.x, x->bid.y,
+                   x->bid.z, ti.x, ti.y, ti.z, write ? "write" : "read", n, p - g_dyn, x->smem);
+            return;
+        }
+        hop_shared(t, (size_t)(p - g_dyn), n, write);
+    }
     for (size_t i = 0; i < n; i++) {
         SharedShadow &s = g_sh[off + i];
         const char *kind = nullptr;
@@ -326,13 +388,20 @@ void kernel_what(char *buf, size_t len) {
              t.x, t.y, t.z);
 }
 
+static bool g_hooks; /* a kernel's access reached these hooks: the kernels' unit is instrumented */
+bool kernel_hooks() { return g_hooks; }
+
 static void kernel_access(const char *p, size_t n, int write) {
     Exec *x = X;
+    g_hooks = true;
     if (p >= __data_start && p < _end) return shared_access(p, n, write);
     if (!write && p >= __executable_start && p < __data_start) return; /* code and constants */
     if (x->cur >= 0) {
         const char *lo = x->f[x->cur].lo;
-        if (p >= lo && p < lo + STACK) return; /* the thread's own stack */
+        if (p >= lo && p < lo + STACK) { /* the thread's own stack */
+            if (hop_on) hop_stack(x->cur, (size_t)(p - lo), n, write);
+            return;
+        }
     }
     int d;
     Alloc *a = find(p, &d);
@@ -390,6 +459,50 @@ void moept_emu_syncthreads(int line) {
     to_sched(f, false);
 }
 
+namespace emu {
+bool kblock(KBlock *k) {
+    const Exec *x = X;
+    if (!x) return false;
+    k->name = x->name;
+    k->bid = x->bid;
+    k->nthreads = (int)(x->bd.x * x->bd.y * x->bd.z);
+    k->t = x->cur;
+    k->blk = x->blk;
+    k->epoch = x->epoch;
+    k->smem = x->smem;
+    return true;
+}
+void kernel_block(bool (*ready)(void *), void *arg, const char *what) {
+    Fiber *f = &X->f[X->cur];
+    while (!ready(arg)) {
+        f->state = F_BLOCK;
+        f->ready = ready;
+        f->warg = arg;
+        f->what = what;
+        to_sched(f, false);
+    }
+}
+void kernel_end_block() {
+    X->ended = true;
+    Fiber *f = &X->f[X->cur];
+    f->state = F_EXIT;
+    to_sched(f, true);
+    abort(); /* never resumed */
+}
+void smem_async_write(const char *p, size_t n) {
+    const size_t off = (size_t)(p - __data_start);
+    for (size_t i = 0; i < n; i++) {
+        SharedShadow &s = g_sh[off + i];
+        s.blk = X->blk;
+        s.wep = s.rep = 0;
+        s.rmulti = 0;
+    }
+}
+bool smem_defined(const char *p) { return g_sh[p - __data_start].blk == X->blk; }
+bool is_shared(const void *p) { return (const char *)p >= __data_start && (const char *)p < _end; }
+const char *fiber_stack(int t) { return g_fibers[t].lo; }
+}  // namespace emu
+
 /* launches queued so far, by kernel (moept_emu_launches) */
 static std::mutex g_launch_mu;
 static std::map<std::string, long> g_launches;
@@ -402,8 +515,8 @@ extern "C" long moept_emu_launches(const char *part) {
     return n;
 }
 
-void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_t h, const void *blob, size_t nb,
-                      void (*invoke)(void *)) {
+void moept_emu_launch(const char *name, const void *func, dim3 g, dim3 b, size_t smem, cudaStream_t h,
+                      const void *blob, size_t nb, void (*invoke)(void *)) {
     static std::once_flag once;
     std::call_once(once, [] {
         g_sh = (SharedShadow *)calloc((size_t)(_end - __data_start) + 1, sizeof(SharedShadow));
@@ -412,11 +525,19 @@ void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_
     });
     uint64_t threads = (uint64_t)b.x * b.y * b.z;
     if (!g.x || !g.y || !g.z || !threads || threads > 1024 || b.x > 1024 || b.y > 1024 || b.z > 64 ||
-        g.x > 2147483647u || g.y > 65535 || g.z > 65535 || smem > SHARED_MAX) {
+        g.x > 2147483647u || g.y > 65535 || g.z > 65535) {
         set_last_error(cudaErrorInvalidConfiguration);
         return;
     }
     Stream *s = stream_of(h);
+    /* dynamic shared memory past the kernel's limit (48 KiB until cudaFuncSetAttribute raised it: CUDA
+       Runtime API, cudaFuncAttributeMaxDynamicSharedMemorySize, "the requested maximum size" of it): the
+       launch is refused with cudaErrorInvalidValue, as the driver answers CUDA_ERROR_INVALID_VALUE
+       ("invalid argument") for it (not yet recorded on a GPU in tests/cuda_rules.txt) */
+    if (smem > func_max_dyn_smem(s->dev, func)) {
+        set_last_error(cudaErrorInvalidValue);
+        return;
+    }
     if (cudaError_t e = sticky(s->dev)) { /* the context is lost (lose): the launch returns its error */
         set_last_error(e);
         return;
@@ -433,9 +554,9 @@ void moept_emu_launch(const char *name, dim3 g, dim3 b, size_t smem, cudaStream_
     char nm[160];
     snprintf(nm, sizeof nm, "kernel %s<<<(%u,%u,%u),(%u,%u,%u)>>>", name, g.x, g.y, g.z, b.x, b.y, b.z);
     auto bp = std::make_shared<std::vector<char>>((const char *)blob, (const char *)blob + nb);
-    enqueue(s, nm, [name, g, b, bp, invoke, fault](Op &o) {
+    enqueue(s, nm, [name, g, b, smem, bp, invoke, fault](Op &o) {
         if (fault) lose(o.s->dev, cudaErrorIllegalAddress, o.name.c_str(), "injected");
-        else run_kernel(o, name, g, b, *bp, invoke);
+        else run_kernel(o, name, g, b, smem, *bp, invoke);
     });
 }
 

@@ -787,6 +787,16 @@ static void sync_device(int d) {
     for (Stream *s : ss) sync_stream(s);
 }
 
+/* cudaFuncSetAttribute's cudaFuncAttributeMaxDynamicSharedMemorySize, by (device, kernel) */
+static std::mutex g_func_mu;
+static std::map<std::pair<int, const void *>, size_t> g_func_smem;
+
+size_t func_max_dyn_smem(int d, const void *func) {
+    std::lock_guard<std::mutex> lk(g_func_mu);
+    auto it = g_func_smem.find({d, func});
+    return it == g_func_smem.end() ? DYN_SMEM_DEFAULT : it->second;
+}
+
 }  // namespace emu
 
 using namespace emu;
@@ -921,10 +931,63 @@ cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int d) {
     int cc = e && atoi(e) > 0 ? atoi(e) : 80;
     if (a == cudaDevAttrComputeCapabilityMajor) *v = cc / 10;
     else if (a == cudaDevAttrComputeCapabilityMinor) *v = cc % 10;
+    /* shared memory a block: 48 KiB, and sm_90's 227 KiB opt-in (cudaFuncSetAttribute), whatever the
+       compute capability answered (the Hopper primitives' rules are sm_90's) */
+    else if (a == cudaDevAttrMaxSharedMemoryPerBlock) *v = (int)DYN_SMEM_DEFAULT;
+    else if (a == cudaDevAttrMaxSharedMemoryPerBlockOptin) *v = (int)DYN_SMEM_MAX;
     else {
         report("runtime", "cudaDeviceGetAttribute(%d): not emulated", (int)a);
         return fail(cudaErrorInvalidValue);
     }
+    return cudaSuccess;
+}
+
+/* Runtime API, cudaFuncSetAttribute: cudaFuncAttributeMaxDynamicSharedMemorySize, "the requested maximum
+   size in bytes of dynamically-allocated shared memory", which with the kernel's static shared memory
+   "cannot exceed the device attribute cudaDevAttrMaxSharedMemoryPerBlockOptin" (sm_90: 232448 bytes);
+   an attribute that "cannot be written, or if the value is incorrect": cudaErrorInvalidValue. The
+   value is the kernel's on the current device; a launch with more dynamic shared memory than it (48 KiB
+   until set) is refused (moept_emu_launch). The emulator does not know a kernel's static __shared__
+   bytes (tests/check_ptxas.sh holds them under 48 KiB): the limit is taken whole for dynamic memory.
+   cudaFuncAttributePreferredSharedMemoryCarveout is a hint ("the driver can choose a different ratio"):
+   taken, ignored. The other attributes are not emulated (a report). */
+extern "C" cudaError_t cudaFuncSetAttribute(const void *func, enum cudaFuncAttribute attr, int value) {
+    if (cudaError_t le = lost_call(cur_dev)) return le;
+    if (!func) return fail(cudaErrorInvalidDeviceFunction);
+    if (attr == cudaFuncAttributePreferredSharedMemoryCarveout)
+        return value >= -1 && value <= 100 ? cudaSuccess : fail(cudaErrorInvalidValue);
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) {
+        report("runtime", "cudaFuncSetAttribute(%d): not emulated", (int)attr);
+        return fail(cudaErrorInvalidValue);
+    }
+    if (value < 0 || (size_t)value > DYN_SMEM_MAX) return fail(cudaErrorInvalidValue);
+    std::lock_guard<std::mutex> lk(g_func_mu);
+    g_func_smem[{cur_dev, func}] = (size_t)value;
+    return cudaSuccess;
+}
+
+/* Runtime API, cudaGetDriverEntryPointByVersion: the driver function for symbol as of cudaVersion
+   (1000 major + 10 minor). The emulated driver (CUDA_VERSION of the headers) has one:
+   cuTensorMapEncodeTiled (introduced in CUDA 12.0; emu_hopper.cc). "If the specified CUDA version is
+   greater than the driver version": cudaErrorInvalidValue. A symbol found but newer than cudaVersion:
+   cudaSuccess, funcPtr NULL, cudaDriverEntryPointVersionNotSufficent; not found (here: any other
+   symbol, also a "not emulated" report): cudaSuccess, NULL, cudaDriverEntryPointSymbolNotFound. The
+   flags: cudaEnableDefault, cudaEnableLegacyStream, cudaEnablePerThreadDefaultStream. */
+extern "C" cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **funcPtr,
+                                                        unsigned int cudaVersion, unsigned long long flags,
+                                                        enum cudaDriverEntryPointQueryResult *driverStatus) {
+    if (!symbol || !funcPtr || flags > cudaEnablePerThreadDefaultStream || cudaVersion > CUDART_VERSION)
+        return fail(cudaErrorInvalidValue);
+    enum cudaDriverEntryPointQueryResult st = cudaDriverEntryPointSymbolNotFound;
+    *funcPtr = nullptr;
+    if (!strcmp(symbol, "cuTensorMapEncodeTiled")) {
+        st = cudaVersion >= 12000 ? cudaDriverEntryPointSuccess : cudaDriverEntryPointVersionNotSufficent;
+        if (st == cudaDriverEntryPointSuccess) *funcPtr = tensor_map_encode_tiled();
+    } else {
+        report("runtime", "cudaGetDriverEntryPointByVersion(\"%s\"): not emulated (answered: not found)",
+               symbol);
+    }
+    if (driverStatus) *driverStatus = st;
     return cudaSuccess;
 }
 

@@ -4,6 +4,7 @@
    checked against hand-worked products written from its documentation;
    so is the emulated cuBLASLt (block-scaled FP8), each of its rules firing.
    Prints "ok/FAIL - name" lines; exits 1 on any failure. */
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -1219,6 +1220,554 @@ static void lt_rules() {
     }
 }
 
+/* ---- Hopper: mbarrier, TMA, wgmma (tests/emu/emu_hopper.cc) ----
+   A matrix descriptor for a K-major operand at p (PTX ISA, wgmma "Matrix Descriptor Format"): start
+   address, leading and stride byte offsets (each >> 4), swizzle mode (0 none, 1 128B, 2 64B, 3 32B),
+   base offset (bits 49-51). */
+static uint64_t hdesc(const void *p, int mode, unsigned lbo, unsigned sbo, int base = 0) {
+    const uint64_t a = __cvta_generic_to_shared(p);
+    return ((a & 0x3ffff) >> 4) | ((uint64_t)((lbo & 0x3ffff) >> 4) << 16) |
+           ((uint64_t)((sbo & 0x3ffff) >> 4) << 32) | ((uint64_t)base << 49) | ((uint64_t)mode << 62);
+}
+static uint16_t hbf(float v) { /* exact for the small integers and bf16 values used here */
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (uint16_t)(u >> 16);
+}
+/* the no-swizzle canonical K-major layout (8x16-byte core matrices, LBO 128 between the two along K,
+   SBO 256 between 8-row groups): the byte offset of element (r, k) */
+static unsigned kmaj(int r, int k) {
+    return (unsigned)((r / 8) * 256 + (k / 8) * 128 + (r % 8) * 16 + (k % 8) * 2);
+}
+
+/* m64nNk16 with A[r][k] = (k == 0 ? r : k == 1 ? 1 : 0), B[c][k] = (k == 0 ? N : k == 1 ? c : 0):
+   D[r][c] = N r + c, each register's value names its place. Stores by the threads, fence.proxy.async
+   (unless fence is 0), barrier, one wgmma; out[t * N/2 + i] = thread t's d[i]. bad: 1 writes d after
+   the wgmma.fence, 2 reads d before the wait, 3 returns without waiting, 4 N = 12 */
+__global__ void k_wg_frag(float *out, int n, int fence, int bad) {
+    char *sm = (char *)moept_emu_dyn_smem();
+    const int t = threadIdx.x;
+    for (int e = t; e < 64 * 16; e += 128) {
+        const int r = e / 16, k = e % 16;
+        *(uint16_t *)(sm + kmaj(r, k)) = hbf(k == 0 ? (float)r : k == 1 ? 1.0f : 0.0f);
+    }
+    for (int e = t; e < n * 16; e += 128) {
+        const int c = e / 16, k = e % 16;
+        *(uint16_t *)(sm + 8192 + kmaj(c, k)) = hbf(k == 0 ? (float)n : k == 1 ? (float)c : 0.0f);
+    }
+    if (fence) moept_emu_fence_proxy_async();
+    __syncthreads();
+    float d[128];
+    moept_emu_wgmma_fence();
+    if (bad == 1 && t == 7) d[3] = 1.0f;
+    moept_emu_wgmma_bf16(d, bad == 4 ? 12 : n, hdesc(sm, 0, 128, 256), hdesc(sm + 8192, 0, 128, 256), 0);
+    moept_emu_wgmma_commit();
+    if (bad == 2 && t == 9) out[0] = d[1];
+    if (bad == 3) return;
+    moept_emu_wgmma_wait(0);
+    for (int i = 0; i < n / 2; i++) out[t * (n / 2) + i] = d[i];
+}
+
+/* only part of the warpgroup reaches wgmma.fence (the others return), or a block of 64 threads */
+__global__ void k_wg_partial(int keep) {
+    if ((int)threadIdx.x >= keep) return;
+    moept_emu_wgmma_fence();
+}
+
+/* The GEMM: C[M][128] = A[M][K] B[128][K]^T, bf16 in, fp32 out; A and B K-major in global memory,
+   loaded by TMA in boxes of (span / 2) x 128 (K x rows, one swizzle span a row) into 2 stages of
+   dynamic shared memory (stage s: A at 32768 s, B at 32768 s + 16384), full[s] (the producer's
+   arrive.expect_tx and the TMA's bytes) and empty[s] (the 256 consumer threads) mbarriers; warpgroups
+   0 and 1 each compute 64 rows with m64n128k16 (the descriptor's start advanced 32 bytes a k16 step
+   within the swizzled row), warp 8's first thread produces. bug selects a broken variant. */
+enum { HB_NONE, HB_ACC_READ, HB_ACC_WRITE, HB_SMEM_WRITE, HB_PHASE, HB_OUTSIDE, HB_BASE, HB_DIVERGE,
+       HB_DIVERGE_KIND };
+__global__ void k_hgemm(const CUtensorMap tma, const CUtensorMap tmb, float *C, int M, int KT, int span,
+                        int bug) {
+    __shared__ uint64_t full[2], empty[2];
+    char *sm = (char *)moept_emu_dyn_smem();
+    const int t = threadIdx.x, mode = span == 128 ? 1 : span == 64 ? 2 : 3;
+    if (t == 0) {
+        for (int s = 0; s < 2; s++) {
+            moept_emu_mbar_init(&full[s], 1);
+            moept_emu_mbar_init(&empty[s], 256);
+        }
+        moept_emu_fence_mbar_init();
+    }
+    __syncthreads();
+    if (t >= 256) {
+        if (t == 256)
+            for (int kt = 0; kt < KT; kt++) {
+                const int s = kt % 2;
+                moept_emu_mbar_wait(&empty[s], ((kt / 2) & 1) ^ 1);
+                moept_emu_mbar_arrive_expect_tx(&full[s], (unsigned)(2 * 128 * span));
+                moept_emu_tma_load_2d(sm + 32768 * s, &tma, kt * span / 2, 0, &full[s]);
+                moept_emu_tma_load_2d(sm + 32768 * s + 16384, &tmb, kt * span / 2, 0, &full[s]);
+            }
+        return;
+    }
+    const int wg = t / 128;
+    float d[64];
+    for (int kt = 0; kt < KT; kt++) {
+        const int s = kt % 2;
+        moept_emu_mbar_wait(&full[s], (kt / 2) & 1);
+        moept_emu_wgmma_fence();
+        if (bug == HB_ACC_WRITE && kt == 1 && t == 3) d[5] = 0.0f;
+        for (int ks = 0; ks < span / 32; ks++) {
+            const char *a = sm + 32768 * s + wg * 64 * span + ks * 32, *b = sm + 32768 * s + 16384 + ks * 32;
+            uint64_t da = hdesc(a, mode, 16, 8 * span), db = hdesc(b, mode, 16, 8 * span);
+            if (bug == HB_PHASE) da = hdesc(a + 128, mode, 16, 8 * span);
+            if (bug == HB_OUTSIDE) da = hdesc(sm + 65536, mode, 16, 8 * span);
+            if (bug == HB_BASE) da = hdesc(a, mode, 16, 8 * span, 1);
+            if (bug == HB_DIVERGE && t == 5) db += 2;
+            if (bug == HB_DIVERGE_KIND && t == 70 && kt == 1) moept_emu_wgmma_commit();
+            moept_emu_wgmma_bf16(d, 128, da, db, kt > 0 || ks > 0);
+        }
+        moept_emu_wgmma_commit();
+        if (bug == HB_ACC_READ && kt == 0 && t == 1) C[0] = d[2];
+        if (bug == HB_SMEM_WRITE && kt == 0 && t == 2) sm[16384 + 64] = 0;
+        moept_emu_wgmma_wait(0);
+        moept_emu_mbar_arrive(&empty[s]);
+    }
+    const int l = t % 128, w = l / 32, g = (l % 32) / 4, q = l % 4;
+    for (int i = 0; i < 64; i++) {
+        const int row = wg * 64 + 16 * w + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * q + (i & 1);
+        if (row < M) C[row * 128 + col] = d[i];
+    }
+}
+
+/* one TMA load of box (c0, c1) into dynamic shared memory, its raw bytes copied to out. With early, a
+   thread reads the bytes before any thread waited on the mbarrier; with one_waits, thread 0 alone
+   waits and a __syncthreads orders the others after it. dst_off: where the box lands. */
+__global__ void k_tma_box(const CUtensorMap tm, char *out, int c0, int c1, int bytes, int dst_off, int early,
+                          int one_waits) {
+    __shared__ uint64_t bar;
+    char *sm = (char *)moept_emu_dyn_smem();
+    const int t = threadIdx.x;
+    if (t == 0) moept_emu_mbar_init(&bar, 1);
+    __syncthreads();
+    if (t == 0) {
+        moept_emu_mbar_arrive_expect_tx(&bar, (unsigned)bytes);
+        moept_emu_tma_load_2d(sm + dst_off, &tm, c0, c1, &bar);
+    }
+    __syncthreads();
+    if (early && t == 1) out[0] = sm[dst_off];
+    if (!one_waits || t == 0) moept_emu_mbar_wait(&bar, 0);
+    if (one_waits) __syncthreads();
+    for (int i = t; i < bytes; i += blockDim.x) out[i] = sm[dst_off + i];
+}
+
+/* mbarrier misuse, one per case: 0 a second wait on a completed phase, 1 a TMA load before the bytes
+   were expected (tx-count below zero), 2 an arrive on an uninitialised mbarrier, 3 a wait that never
+   completes (count 2, one arrival), 4 an arrive by another thread with no barrier after the init, 5
+   init count 0 */
+__global__ void k_mbar_bad(const CUtensorMap tm, int what) {
+    __shared__ uint64_t mb[2];
+    char *sm = (char *)moept_emu_dyn_smem();
+    const int t = threadIdx.x;
+    if (what == 0 && t == 0) {
+        moept_emu_mbar_init(&mb[0], 1);
+        moept_emu_mbar_arrive(&mb[0]);
+        moept_emu_mbar_wait(&mb[0], 0);
+        moept_emu_mbar_wait(&mb[0], 0);
+    }
+    if (what == 1 && t == 0) {
+        moept_emu_mbar_init(&mb[0], 1);
+        moept_emu_tma_load_2d(sm, &tm, 0, 0, &mb[0]);
+        moept_emu_mbar_arrive_expect_tx(&mb[0], 256);
+        moept_emu_mbar_wait(&mb[0], 0);
+    }
+    if (what == 2 && t == 0) moept_emu_mbar_arrive(&mb[1]);
+    if (what == 3) {
+        if (t == 0) moept_emu_mbar_init(&mb[0], 2);
+        __syncthreads();
+        if (t == 0) moept_emu_mbar_arrive(&mb[0]);
+        moept_emu_mbar_wait(&mb[0], 0);
+    }
+    if (what == 4) { /* (an empty wgmma group: it orders the threads' steps, not their memory) */
+        if (t == 0) moept_emu_mbar_init(&mb[0], 2);
+        moept_emu_wgmma_commit();
+        if (t == 1) moept_emu_mbar_arrive(&mb[0]);
+    }
+    if (what == 5 && t == 0) moept_emu_mbar_init(&mb[0], 0);
+}
+
+/* a store one byte past the launch's dynamic shared memory */
+__global__ void k_dyn_past(int bytes) {
+    char *sm = (char *)moept_emu_dyn_smem();
+    if (threadIdx.x == 0) sm[bytes] = 1;
+}
+
+typedef CUresult (*encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                              const cuuint64_t *, const cuuint32_t *, const cuuint32_t *,
+                              CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                              CUtensorMapFloatOOBfill);
+static encode_fn g_encode;
+
+/* a 2-D tensor map: rows x cols elements of es bytes at p (row pitch ld elements), box bc x br */
+static CUresult tmap2(CUtensorMap *m, void *p, CUtensorMapDataType dt, int es, uint64_t cols, uint64_t rows,
+                      uint64_t ld, unsigned bc, unsigned br, CUtensorMapSwizzle sw) {
+    cuuint64_t dim[2] = {cols, rows}, str[1] = {ld * (uint64_t)es};
+    cuuint32_t box[2] = {bc, br}, est[2] = {1, 1};
+    return g_encode(m, dt, 2, p, dim, str, box, est, CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
+                    CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+static void hopper_runtime() {
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    void *fn = nullptr;
+    const char *sym = "cuTensorMapEncodeTiled";
+    cudaError_t e = cudaGetDriverEntryPointByVersion(sym, &fn, 12000, cudaEnableDefault, &q);
+    g_encode = (encode_fn)fn;
+    result("driver entry point: cuTensorMapEncodeTiled at 12.0",
+           e == cudaSuccess && fn && q == cudaDriverEntryPointSuccess, "not found");
+    e = cudaGetDriverEntryPointByVersion(sym, &fn, 11080, cudaEnableDefault, &q);
+    result("... asked as of 11.8: cudaSuccess, NULL, cudaDriverEntryPointVersionNotSufficent",
+           e == cudaSuccess && !fn && q == cudaDriverEntryPointVersionNotSufficent, "another answer");
+    e = cudaGetDriverEntryPointByVersion(sym, &fn, CUDART_VERSION + 10, cudaEnableDefault, &q);
+    result("... a version past the driver's: cudaErrorInvalidValue", e == cudaErrorInvalidValue,
+           cudaGetErrorString(e));
+    cudaGetLastError();
+    e = cudaGetDriverEntryPointByVersion("cuMemAlloc", &fn, 12000, cudaEnableDefault, &q);
+    result("... another symbol: cudaSuccess, NULL, cudaDriverEntryPointSymbolNotFound",
+           e == cudaSuccess && !fn && q == cudaDriverEntryPointSymbolNotFound, "another answer");
+    expect_report("... and reported (not emulated)", "not emulated");
+    if (!g_encode) return;
+
+    /* cuTensorMapEncodeTiled's requirements (CUDA Driver API), each refused alone */
+    void *g;
+    cudaMalloc(&g, 1 << 20);
+    struct Case {
+        const char *name, *want;
+        int dt;
+        cuuint32_t rank;
+        size_t addr_off, map_off;
+        cuuint64_t dim0, dim1, stride;
+        cuuint32_t box0, box1, est1;
+        CUtensorMapInterleave il;
+        CUtensorMapSwizzle sw;
+        CUtensorMapFloatOOBfill oob;
+    };
+    const int BF = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    const CUtensorMapInterleave IN = CU_TENSOR_MAP_INTERLEAVE_NONE;
+    const CUtensorMapSwizzle S0 = CU_TENSOR_MAP_SWIZZLE_NONE, S128 = CU_TENSOR_MAP_SWIZZLE_128B;
+    const CUtensorMapFloatOOBfill O0 = CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE;
+    const int F32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32, U16 = CU_TENSOR_MAP_DATA_TYPE_UINT16;
+    const int U4 = CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN8B;
+    const CUtensorMapInterleave I16 = CU_TENSOR_MAP_INTERLEAVE_16B;
+    const CUtensorMapSwizzle S32 = CU_TENSOR_MAP_SWIZZLE_32B;
+    const CUtensorMapFloatOOBfill ONAN = CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA;
+    const Case cs[] = { /* name, the report's words; type, rank, offsets; dims, stride; box, estride; modes */
+        {"a valid bf16 map (128B swizzle)", nullptr, BF, 2, 0, 0, 200, 100, 400, 64, 128, 1, IN, S128, O0},
+        {"a valid fp32 map", nullptr, F32, 2, 0, 0, 24, 10, 96, 8, 4, 1, IN, S0, O0},
+        {"tensorMap not 64-byte aligned", "aligned to 64", BF, 2, 0, 16, 200, 100, 400, 64, 128, 1, IN, S128,
+         O0},
+        {"tensorRank 0", "tensorRank", BF, 0, 0, 0, 200, 100, 400, 64, 128, 1, IN, S128, O0},
+        {"tensorRank 6", "tensorRank", BF, 6, 0, 0, 200, 100, 400, 64, 128, 1, IN, S128, O0},
+        {"globalAddress 8-byte aligned", "globalAddress", BF, 2, 8, 0, 200, 100, 400, 64, 128, 1, IN, S128,
+         O0},
+        {"globalDim 0", "globalDim", BF, 2, 0, 0, 200, 0, 400, 64, 128, 1, IN, S128, O0},
+        {"globalDim 2^32 + 1", "globalDim", BF, 2, 0, 0, 200, (1ull << 32) + 1, 400, 64, 128, 1, IN, S128,
+         O0},
+        {"globalStrides not a multiple of 16", "globalStrides", BF, 2, 0, 0, 200, 100, 408, 64, 128, 1, IN,
+         S128, O0},
+        {"globalStrides 2^40", "globalStrides", BF, 2, 0, 0, 200, 100, 1ull << 40, 64, 128, 1, IN, S128, O0},
+        {"globalStrides below its row's bytes", "below", BF, 2, 0, 0, 200, 100, 384, 64, 128, 1, IN, S128,
+         O0},
+        {"boxDim 257", "boxDim", BF, 2, 0, 0, 200, 300, 400, 64, 257, 1, IN, S128, O0},
+        {"boxDim 0", "boxDim", BF, 2, 0, 0, 200, 100, 400, 0, 128, 1, IN, S128, O0},
+        {"boxDim[0] of 8 bytes (not a multiple of 16)", "multiple of 16", BF, 2, 0, 0, 200, 100, 400, 4, 128,
+         1, IN, S0, O0},
+        {"elementStrides 9", "elementStrides", BF, 2, 0, 0, 200, 100, 400, 64, 128, 9, IN, S128, O0},
+        {"elementStrides 0", "elementStrides", BF, 2, 0, 0, 200, 100, 400, 64, 128, 0, IN, S128, O0},
+        {"a 256-byte box row with the 128B swizzle", "swizzle span", BF, 2, 0, 0, 200, 100, 400, 128, 128, 1,
+         IN, S128, O0},
+        {"a 64-byte box row with the 32B swizzle", "swizzle span", BF, 2, 0, 0, 200, 100, 400, 32, 128, 1, IN,
+         S32, O0},
+        {"interleave at rank 2", ">= 3", BF, 2, 0, 0, 200, 100, 400, 64, 128, 1, I16, S0, O0},
+        {"the NaN fill on an integer type", "floating-point", U16, 2, 0, 0, 200, 100, 400, 64, 128, 1, IN,
+         S128, ONAN},
+        {"a packed 4-bit type", "not emulated", U4, 2, 0, 0, 256, 100, 400, 64, 128, 1, IN, S0, O0},
+        {"tensorDataType 99", "not a type", 99, 2, 0, 0, 200, 100, 400, 64, 128, 1, IN, S0, O0},
+    };
+    alignas(128) static char maps[2 * sizeof(CUtensorMap)];
+    for (const Case &c : cs) {
+        cuuint64_t dim[6] = {c.dim0, c.dim1, 4, 4, 4, 4}, str[5] = {c.stride, c.stride * 4096, 0, 0, 0};
+        for (int i = 2; i < 5; i++) str[i] = str[i - 1] * 4;
+        cuuint32_t box[6] = {c.box0, c.box1, 1, 1, 1, 1}, est[6] = {1, c.est1, 1, 1, 1, 1};
+        CUresult r = g_encode((CUtensorMap *)(maps + c.map_off), (CUtensorMapDataType)c.dt, c.rank,
+                              (char *)g + c.addr_off, dim, str, box, est, c.il, c.sw,
+                              CU_TENSOR_MAP_L2_PROMOTION_NONE, c.oob);
+        char name[160];
+        snprintf(name, sizeof name, "cuTensorMapEncodeTiled: %s %s", c.name,
+                 c.want ? "is refused" : "is taken");
+        result(name, c.want ? r == CUDA_ERROR_INVALID_VALUE : r == CUDA_SUCCESS, "another status");
+        if (c.want) expect_report(name, c.want);
+    }
+    cudaFree(g);
+
+    /* dynamic shared memory: 48 KiB without the attribute, up to sm_90's 227 KiB with it */
+    int optin = 0;
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+    result("cudaDevAttrMaxSharedMemoryPerBlockOptin: 232448 (sm_90)", optin == 232448, "another value");
+    float *p;
+    cudaMalloc((void **)&p, 256);
+    MOEPT__LAUNCH(k_fill, 1, 32, 49152, 0)(p, 0.0f, 64);
+    result("a launch with 48 KiB of dynamic shared memory runs without the attribute",
+           cudaGetLastError() == cudaSuccess, "refused");
+    MOEPT__LAUNCH(k_fill, 1, 32, 49153, 0)(p, 0.0f, 64);
+    result("... one byte more is refused (cudaErrorInvalidValue)",
+           cudaGetLastError() == cudaErrorInvalidValue, "accepted");
+    const cudaFuncAttribute MAXDYN = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    result("cudaFuncSetAttribute(MaxDynamicSharedMemorySize) above 232448 is refused",
+           cudaFuncSetAttribute(k_fill, MAXDYN, 232449) == cudaErrorInvalidValue, "accepted");
+    cudaGetLastError();
+    result("... 232448 is taken", cudaFuncSetAttribute(k_fill, MAXDYN, 232448) == cudaSuccess, "refused");
+    MOEPT__LAUNCH(k_fill, 1, 32, 232448, 0)(p, 0.0f, 64);
+    result("... and the kernel launches with 232448 bytes", cudaGetLastError() == cudaSuccess, "refused");
+    MOEPT__LAUNCH(k_copy, 1, 32, 65536, 0)(p, p + 32, 16);
+    result("... another kernel still may not (the attribute is the kernel's)",
+           cudaGetLastError() == cudaErrorInvalidValue, "accepted");
+    result("cudaFuncSetAttribute of no function: cudaErrorInvalidDeviceFunction",
+           cudaFuncSetAttribute((const void *)nullptr, MAXDYN, 1024) == cudaErrorInvalidDeviceFunction,
+           "another status");
+    cudaGetLastError();
+    cudaDeviceSynchronize();
+    expect_clean("... clean");
+    cudaFree(p);
+}
+
+static float bfv(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* the GEMM with each swizzle: bitwise the fp32 reference summed in k order (the emulator's order), A's
+   rows past M and K past 200 read as zeros (the TMA's out-of-bounds fill) */
+static bool hgemm_run(int span, int bug, char *why, size_t len) {
+    const int M = 100, N = 128, K = 200, BK = span / 2, KT = (K + BK - 1) / BK;
+    std::vector<uint16_t> a((size_t)M * K), b((size_t)N * K);
+    uint32_t s = 12345;
+    for (auto *v : {&a, &b})
+        for (uint16_t &x : *v) {
+            s = s * 1664525u + 1013904223u;
+            x = hbf((float)((int)(s >> 24) - 128) / 64.0f);
+        }
+    void *da, *db;
+    float *dc;
+    cudaMalloc(&da, a.size() * 2);
+    cudaMalloc(&db, b.size() * 2);
+    cudaMalloc((void **)&dc, (size_t)M * N * 4);
+    cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice);
+    CUtensorMapSwizzle sw = span == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
+                            : span == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B;
+    CUtensorMap ta, tb;
+    CUresult r1 = tmap2(&ta, da, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, K, M, K, BK, 128, sw);
+    CUresult r2 = tmap2(&tb, db, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, K, N, K, BK, 128, sw);
+    cudaFuncSetAttribute(k_hgemm, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+    MOEPT__LAUNCH(k_hgemm, 1, 288, 65536, 0)(ta, tb, dc, M, KT, span, bug);
+    cudaError_t e = cudaGetLastError();
+    std::vector<float> c((size_t)M * N);
+    cudaMemcpy(c.data(), dc, c.size() * 4, cudaMemcpyDeviceToHost);
+    cudaFree(da);
+    cudaFree(db);
+    cudaFree(dc);
+    if (r1 != CUDA_SUCCESS || r2 != CUDA_SUCCESS || e != cudaSuccess) {
+        snprintf(why, len, "maps %d %d, launch %s", (int)r1, (int)r2, cudaGetErrorString(e));
+        return false;
+    }
+    long bad = 0;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float ref = 0.0f;
+            for (int k = 0; k < K; k++) ref += bfv(a[(size_t)i * K + k]) * bfv(b[(size_t)j * K + k]);
+            if (c[(size_t)i * N + j] != ref && bad++ == 0)
+                snprintf(why, len, "C[%d][%d] = %.9g, the reference %.9g", i, j, c[(size_t)i * N + j], ref);
+        }
+    return bad == 0;
+}
+
+static void hopper_kernels() {
+    char why[300] = "";
+    /* the D fragment of m64n16k16, hand-worked from the PTX ISA's figure: thread lane l (warp w = l / 32,
+       g = (l % 32) / 4, q = l % 4) holds d[i] = D[16 w + g + 8 ((i >> 1) & 1)][8 (i >> 2) + 2 q + (i & 1)],
+       here D[r][c] = 16 r + c */
+    float *out;
+    cudaMalloc((void **)&out, 128 * 128 * 4);
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 1, 0);
+    std::vector<float> h(128 * 8);
+    cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost);
+    expect_clean("wgmma m64n16k16 from generic stores, fence.proxy.async, __syncthreads: clean");
+    /* thread 0: rows 0, 8, cols 0, 1, 8, 9; thread 5: rows 1, 9, cols 2, 3, 10, 11; thread 37 (warp 1):
+       rows 17, 25, cols 2, 3, 10, 11; thread 127 (warp 3, lane 31): rows 55, 63, cols 6, 7, 14, 15 */
+    const float want[4][8] = {{0, 1, 128, 129, 8, 9, 136, 137},
+                              {18, 19, 146, 147, 26, 27, 154, 155},
+                              {274, 275, 402, 403, 282, 283, 410, 411},
+                              {886, 887, 1014, 1015, 894, 895, 1022, 1023}};
+    const int who[4] = {0, 5, 37, 127};
+    bool ok = true;
+    for (int x = 0; x < 4; x++)
+        for (int i = 0; i < 8; i++) ok = ok && h[(size_t)who[x] * 8 + (size_t)i] == want[x][i];
+    std::vector<int> seen(64 * 16, 0);
+    for (float v : h)
+        if (v >= 0 && v < 1024 && v == (int)v) seen[(size_t)v]++;
+    for (int v : seen) ok = ok && v == 1;
+    result("... the D fragment: threads 0, 5, 37, 127 hold the hand-worked elements, every element once", ok,
+           "wrong layout");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 0, 0);
+    cudaDeviceSynchronize();
+    expect_report("proxy: wgmma reads generic stores with no fence.proxy.async", "no fence.proxy.async");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 1, 1);
+    cudaDeviceSynchronize();
+    expect_report("wgmma: accumulators written between wgmma.fence and wgmma.mma_async",
+                  "since its last wgmma.fence");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 1, 2);
+    cudaDeviceSynchronize();
+    expect_report("wgmma: an accumulator read before wgmma.wait_group retires the mma",
+                  "while the wgmma.mma_async");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 1, 3);
+    cudaDeviceSynchronize();
+    expect_report("wgmma: threads return with a wgmma.mma_async in flight", "in flight (no wgmma.wait_group");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 1, 4);
+    cudaDeviceSynchronize();
+    expect_report("wgmma: N = 12 is no .m64nNk16 shape", "multiple of 8");
+    MOEPT__LAUNCH(k_wg_partial, 1, 128, 0, 0)(64);
+    cudaDeviceSynchronize();
+    expect_report("wgmma: half a warpgroup reaches wgmma.fence (the others return)",
+                  "not every thread of a warpgroup executes wgmma.fence");
+    MOEPT__LAUNCH(k_wg_partial, 1, 64, 0, 0)(64);
+    cudaDeviceSynchronize();
+    expect_report("wgmma: a block of 64 threads has no whole warpgroup", "of the 128 threads");
+
+    static const int spans[3] = {128, 64, 32};
+    for (int sp : spans) {
+        char name[160];
+        snprintf(name, sizeof name, "TMA + mbarrier + wgmma GEMM 100x128x200, %dB swizzle, 2 stages: bitwise "
+                 "the fp32 reference (rows and K past the tensor zero)", sp);
+        bool good = hgemm_run(sp, HB_NONE, why, sizeof why);
+        result(name, good, why);
+        expect_clean("... clean");
+    }
+    struct Bug { int bug; const char *name, *want; };
+    const Bug bugs[] = {
+        {HB_ACC_READ, "wgmma: a thread reads its accumulator between commit and wait",
+         "while the wgmma.mma_async"},
+        {HB_ACC_WRITE, "wgmma: a thread writes an accumulator after wgmma.fence (next k-tile)",
+         "since its last wgmma.fence"},
+        {HB_SMEM_WRITE, "wgmma: a thread stores to an operand while the mma is in flight", "in flight reads"},
+        {HB_PHASE, "wgmma: an A descriptor one 128-byte row into the 128B swizzle pattern",
+         "base offset is 0"},
+        {HB_OUTSIDE, "wgmma: an A descriptor past the launch's dynamic shared memory", "outside the block"},
+        {HB_BASE, "wgmma: a non-zero base offset (not emulated)", "not emulated"},
+        {HB_DIVERGE, "wgmma: one thread of the warpgroup passes another B descriptor",
+         "must execute the same"},
+        {HB_DIVERGE_KIND, "wgmma: one thread commits where the others issue an mma", "must execute the same"},
+    };
+    for (const Bug &b : bugs) {
+        hgemm_run(128, b.bug, why, sizeof why);
+        expect_report(b.name, b.want);
+    }
+    cudaFree(out);
+
+    /* TMA boxes: the swizzle layouts and the out-of-bounds fill */
+    void *g;
+    char *o;
+    cudaMalloc(&g, 1 << 16);
+    cudaMalloc((void **)&o, 4096);
+    std::vector<uint16_t> v(4096);
+    for (size_t i = 0; i < v.size(); i++) v[i] = (uint16_t)i;
+    cudaMemcpy(g, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
+    const struct { CUtensorMapSwizzle sw; int span; } sws[] = {
+        {CU_TENSOR_MAP_SWIZZLE_128B, 128}, {CU_TENSOR_MAP_SWIZZLE_64B, 64}, {CU_TENSOR_MAP_SWIZZLE_32B, 32}};
+    for (const auto &s : sws) {
+        const int cols = s.span / 2; /* a row: one span */
+        CUtensorMap m;
+        tmap2(&m, g, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, (uint64_t)cols, 8, (uint64_t)cols, (unsigned)cols, 8,
+              s.sw);
+        MOEPT__LAUNCH(k_tma_box, 1, 64, 4096, 0)(m, o, 0, 0, 8 * s.span, 1024, 0, 0);
+        std::vector<uint16_t> r((size_t)4 * s.span);
+        cudaMemcpy(r.data(), o, r.size() * 2, cudaMemcpyDeviceToHost);
+        /* the 16-byte chunk c of row j (bytes 16 c of the row at s.span j) lands at chunk c ^ (address bits
+           7 and up, as many as the span has chunks); hand-worked: element 72 (byte 144) holds the first
+           element of row 1 (128B: chunk 1 = 0 ^ 1), row 2 (64B: byte 128 is row 2, bits [7:8] = 1) and
+           row 4 (32B: byte 128 is row 4, bit 7 = 1), which is element 64 each time */
+        bool good = r[72] == 64 && r[0] == 0;
+        for (int j = 0; j < 8; j++)
+            for (int c = 0; c < s.span / 16; c++) {
+                const unsigned lin = (unsigned)(j * s.span + c * 16);
+                const unsigned phys = lin ^ (((lin >> 7) & (unsigned)(s.span / 16 - 1)) << 4);
+                for (unsigned e = 0; e < 8; e++) good = good && r[phys / 2 + e] == (uint16_t)(lin / 2 + e);
+            }
+        char name[120];
+        snprintf(name, sizeof name, "TMA: the %dB swizzle layout (16-byte chunks XOR the address's row bits)",
+                 s.span);
+        result(name, good, "another layout");
+    }
+    {   /* fp32 [10][24], box 8 x 4 at (-4, 8): columns -4..-1 and rows 10, 11 are zeros, still 128 bytes */
+        std::vector<float> f(240);
+        for (int i = 0; i < 240; i++) f[(size_t)i] = (float)(i + 1);
+        cudaMemcpy(g, f.data(), 240 * 4, cudaMemcpyHostToDevice);
+        CUtensorMap m;
+        tmap2(&m, g, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, 24, 10, 24, 8, 4, CU_TENSOR_MAP_SWIZZLE_NONE);
+        MOEPT__LAUNCH(k_tma_box, 1, 32, 1024, 0)(m, o, -4, 8, 128, 128, 0, 0);
+        float r[32];
+        cudaMemcpy(r, o, sizeof r, cudaMemcpyDeviceToHost);
+        bool good = true;
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 8; i++) {
+                const int row = 8 + j, col = i - 4;
+                const float w = row < 10 && col >= 0 ? (float)(row * 24 + col + 1) : 0.0f;
+                good = good && r[j * 8 + i] == w;
+            }
+        result("TMA: out-of-bounds elements (a negative column, rows past the end) read as zeros, the box's "
+               "full bytes complete the phase", good && r[4] == 193.0f && r[16] == 0.0f, "wrong box");
+        expect_clean("... clean");
+        MOEPT__LAUNCH(k_tma_box, 1, 32, 1024, 0)(m, o, 0, 0, 128, 128, 0, 1);
+        cudaDeviceSynchronize();
+        expect_clean("TMA: one thread waits, a __syncthreads orders the others after it: clean");
+        MOEPT__LAUNCH(k_tma_box, 1, 32, 1024, 0)(m, o, 0, 0, 128, 128, 1, 0);
+        cudaDeviceSynchronize();
+        expect_report("tma: a thread reads the TMA's bytes before waiting on the mbarrier",
+                      "before it waited");
+        MOEPT__LAUNCH(k_tma_box, 1, 32, 1024, 0)(m, o, 0, 0, 128, 144, 0, 0);
+        cudaDeviceSynchronize();
+        expect_report("tma: a destination 16 bytes off 128-byte alignment", "not 128-byte aligned");
+        CUtensorMap m128;
+        tmap2(&m128, g, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, 64, 8, 64, 64, 8, CU_TENSOR_MAP_SWIZZLE_128B);
+        MOEPT__LAUNCH(k_tma_box, 1, 32, 4096, 0)(m128, o, 0, 0, 1024, 128, 0, 0);
+        cudaDeviceSynchronize();
+        expect_report("tma: a 128B-swizzled destination off the pattern's 1024-byte repeat", "repeat");
+        CUtensorMap m32;
+        tmap2(&m32, g, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, 64, 8, 64, 16, 8, CU_TENSOR_MAP_SWIZZLE_32B);
+        const struct { int what; const char *name, *want; } mb[] = {
+            {0, "mbarrier: a second wait on a phase that already completed",
+             "a second time in the same phase"},
+            {1, "mbarrier: a TMA load before its bytes were expected (tx-count below zero)", "goes negative"},
+            {2, "mbarrier: an arrive on an uninitialised mbarrier", "uninitialised mbarrier"},
+            {3, "mbarrier: a wait that can never complete (count 2, one arrival): deadlock", "deadlock"},
+            {4, "mbarrier: another thread arrives with no __syncthreads after the init", "no __syncthreads"},
+            {5, "mbarrier: init count 0", "outside [1, 2^20 - 1]"},
+        };
+        for (const auto &c : mb) {
+            MOEPT__LAUNCH(k_mbar_bad, 1, 128, 1024, 0)(m32, c.what);
+            cudaDeviceSynchronize();
+            expect_report(c.name, c.want);
+        }
+    }
+    cudaFree(g);
+    cudaFree(o);
+    MOEPT__LAUNCH(k_dyn_past, 1, 32, 1024, 0)(1024);
+    cudaError_t e = cudaDeviceSynchronize();
+    expect_report("memcheck: a store past the launch's dynamic shared memory",
+                  "past the launch's 1024 bytes");
+    result("... faults: cudaErrorIllegalAddress (the context is lost)", e == cudaErrorIllegalAddress,
+           cudaGetErrorString(e));
+    moept_emu_recover(0);
+}
+
 int main() {
     kernels();
     lost_context();
@@ -1234,5 +1783,7 @@ int main() {
     nccl_dup_gpu();
     capture();
     capture_modes();
+    hopper_runtime();
+    hopper_kernels();
     return g_fail;
 }
