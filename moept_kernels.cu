@@ -3484,7 +3484,7 @@ typedef struct moept__gk_args {
 #define MOEPT__SM90 0
 #endif
 __device__ __forceinline__ uint32_t moept__smem_u32(const void *p) {
-#if MOEPT__SM90 == 2
+#if MOEPT__SM90
     return (uint32_t)__cvta_generic_to_shared(p);
 #else
     return (uint32_t)(uintptr_t)p;
@@ -3494,7 +3494,8 @@ __device__ __forceinline__ void moept__mbar_init(uint64_t *bar, unsigned count) 
 #if MOEPT__SM90 == 1
     moept_emu_mbar_init(bar, count);
 #elif MOEPT__SM90 == 2
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(moept__smem_u32(bar)), "r"(count) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(moept__smem_u32(bar)), "r"(count)
+                 : "memory");
 #endif
 }
 __device__ __forceinline__ void moept__fence_mbar_init(void) {
@@ -3508,15 +3509,16 @@ __device__ __forceinline__ void moept__mbar_arrive(uint64_t *bar) {
 #if MOEPT__SM90 == 1
     moept_emu_mbar_arrive(bar);
 #elif MOEPT__SM90 == 2
-    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(moept__smem_u32(bar)) : "memory");
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(moept__smem_u32(bar))
+                 : "memory");
 #endif
 }
 __device__ __forceinline__ void moept__mbar_expect_tx(uint64_t *bar, unsigned bytes) {
 #if MOEPT__SM90 == 1
     moept_emu_mbar_arrive_expect_tx(bar, bytes);
 #elif MOEPT__SM90 == 2
-    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(moept__smem_u32(bar)),
-                 "r"(bytes) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;"
+                 ::"r"(moept__smem_u32(bar)), "r"(bytes) : "memory");
 #endif
 }
 __device__ __forceinline__ void moept__mbar_wait(uint64_t *bar, unsigned parity) {
@@ -3525,17 +3527,20 @@ __device__ __forceinline__ void moept__mbar_wait(uint64_t *bar, unsigned parity)
 #elif MOEPT__SM90 == 2
     uint32_t ok = 0;
     while (!ok)
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}"
                      : "=r"(ok) : "r"(moept__smem_u32(bar)), "r"(parity) : "memory");
 #endif
 }
 /* the box at (c0, c1) of map's tensor into dst, its bytes completing on bar */
-__device__ __forceinline__ void moept__tma_load(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
+__device__ __forceinline__ void moept__tma_load(void *dst, const CUtensorMap *map, int c0, int c1,
+                                                uint64_t *bar) {
 #if MOEPT__SM90 == 1
     moept_emu_tma_load_2d(dst, map, c0, c1, bar);
 #elif MOEPT__SM90 == 2
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-                 "[%4];" ::"r"(moept__smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(moept__smem_u32(bar))
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
+                 "[%1, {%2, %3}], [%4];"
+                 ::"r"(moept__smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(moept__smem_u32(bar))
                  : "memory");
 #endif
 }
@@ -3597,7 +3602,9 @@ __device__ __forceinline__ uint64_t moept__gk_desc(const void *p) {
 }
 /* register i of thread t's 64 x 128 accumulators: its row and column (PTX ISA, "Matrix fragments for
    wgmma.mma_async .m64nNk16", D) */
-__device__ __forceinline__ int moept__gk_row(int i, int t) { return 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int moept__gk_row(int i, int t) {
+    return 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1);
+}
 __device__ __forceinline__ int moept__gk_col(int i, int t) { return 8 * (i >> 2) + 2 * (t % 4) + (i & 1); }
 
 /* tile tile of the launch: its run, m-tile and n-tile (the runs' m-tiles in order, n fastest) */
@@ -3621,7 +3628,7 @@ __device__ void moept__gk_produce(const CUtensorMap *ma, const CUtensorMap *mb, 
     const int nkb = (g->K + MOEPT__GK_BK - 1) / MOEPT__GK_BK;
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int mt, nt;
+        int mt = 0, nt = 0;
         const int i = moept__gk_locate(g, tile, &mt, &nt);
         for (int kb = 0; kb < nkb; kb++, it++) {
             const int s = it % MOEPT__GK_ST;
@@ -3629,8 +3636,8 @@ __device__ void moept__gk_produce(const CUtensorMap *ma, const CUtensorMap *mb, 
             moept__mbar_expect_tx(&full[s], 2 * MOEPT__GK_TILE_B);
             moept__tma_load(sa + s * MOEPT__GK_TILE_B, ma, kb * MOEPT__GK_BK, g->r0[i] + mt * MOEPT__GK_BM,
                             &full[s]);
-            moept__tma_load(sb + s * MOEPT__GK_TILE_B, mb, kb * MOEPT__GK_BK, g->e[i] * g->N + nt * MOEPT__GK_BN,
-                            &full[s]);
+            const int nrow = g->e[i] * g->N + nt * MOEPT__GK_BN; /* B's rows: expert e's W, [E][N][K] */
+            moept__tma_load(sb + s * MOEPT__GK_TILE_B, mb, kb * MOEPT__GK_BK, nrow, &full[s]);
         }
     }
 }
@@ -3642,7 +3649,7 @@ __device__ void moept__gk_consume(const moept__gk_args *g, int tiles, int w, con
     float d[64];
     int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int mt, nt;
+        int mt = 0, nt = 0;
         const int i = moept__gk_locate(g, tile, &mt, &nt);
         for (int kb = 0; kb < nkb; kb++, it++) {
             const int s = it % MOEPT__GK_ST;
@@ -3665,8 +3672,9 @@ __device__ void moept__gk_consume(const moept__gk_args *g, int tiles, int w, con
     }
 }
 
-__global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
-                const __grid_constant__ moept__gk_args g) {
+__global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_constant__ CUtensorMap ma,
+                                                             const __grid_constant__ CUtensorMap mb,
+                                                             const __grid_constant__ moept__gk_args g) {
 #if MOEPT__SM90
     MOEPT__DYN_SMEM(smem);
     uint8_t *sa = smem, *sb = smem + MOEPT__GK_ST * MOEPT__GK_TILE_B;
@@ -3695,8 +3703,9 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
 __global__ void moept__k_probe_sm90(int *built) { *built = MOEPT__SM90 != 0; }
 
 /* cuTensorMapEncodeTiled (CUDA Driver API), reached through the runtime: no libcuda to link */
-typedef CUresult (*moept__encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                     const cuuint64_t *, const cuuint32_t *, const cuuint32_t *,
+typedef CUresult (*moept__encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                     const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                     const cuuint32_t *,
                                      CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
                                      CUtensorMapFloatOOBfill);
 
@@ -3709,8 +3718,9 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
     MOEPT__CU(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, c->dev));
     MOEPT__CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c->dev));
     if (major != 9 || minor != 0)
-        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form MOEPT_GEMM_KERNEL "
-                            "needs compute capability 9.0 (wgmma, TMA); this GPU has %d.%d", major, minor);
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
+                            "MOEPT_GEMM_KERNEL needs compute capability 9.0 (wgmma, TMA); this GPU has %d.%d",
+                            major, minor);
     MOEPT__CU(cudaMalloc((void **)&d, sizeof *d));
     MOEPT__LAUNCH(moept__k_probe_sm90, 1, 1, 0, c->s)(d);
     cudaError_t e = cudaGetLastError();
@@ -3719,14 +3729,16 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
     cudaFree(d);
     MOEPT__CU(e);
     if (!built)
-        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form MOEPT_GEMM_KERNEL: "
-                            "this build has no sm_90a code (nvcc -gencode arch=compute_90a,code=sm_90a)");
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
+                            "MOEPT_GEMM_KERNEL: this build has no sm_90a code (nvcc -gencode "
+                            "arch=compute_90a,code=sm_90a)");
     void *fn = NULL;
     cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
     e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
     if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
-        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form MOEPT_GEMM_KERNEL: "
-                            "no cuTensorMapEncodeTiled in the driver (%s)", cudaGetErrorString(e));
+        return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
+                            "MOEPT_GEMM_KERNEL: no cuTensorMapEncodeTiled in the driver (%s)",
+                            cudaGetErrorString(e));
     MOEPT__CU(cudaFuncSetAttribute((const void *)moept__k_gk, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    MOEPT__GK_SMEM));
     c->gk_encode = (void *)fn;
@@ -3735,7 +3747,8 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
 }
 
 /* whether the kernel takes these operands: TMA needs 16-byte row strides and bases, 32-bit coordinates */
-static int moept__gk_ok(const moept__cuda *c, const void *A, int64_t lda, int64_t K, const void *B, int64_t N) {
+static int moept__gk_ok(const moept__cuda *c, const void *A, int64_t lda, int64_t K, const void *B,
+                        int64_t N) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp) && K % 8 == 0 &&
            lda % 8 == 0 && (uintptr_t)A % 16 == 0 && (uintptr_t)B % 16 == 0 && N < INT_MAX / 2 && K < INT_MAX;
 }
@@ -3746,11 +3759,12 @@ static moept_status moept__gk_map(moept__cuda *c, CUtensorMap *m, const void *p,
     const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)(ld * 2)};
     const cuuint32_t box[2] = {MOEPT__GK_BK, MOEPT__GK_BM}, es[2] = {1, 1};
     const CUresult r = ((moept__encode_fn)c->gk_encode)(
-        m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dim, stride, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
-        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+        m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dim, stride, box, es,
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
-        return moept__kfail(err, MOEPT_ERR_DEVICE, "cuTensorMapEncodeTiled: error %d (moept_kernels.cu:%d)", (int)r,
-                            __LINE__);
+        return moept__kfail(err, MOEPT_ERR_DEVICE, "cuTensorMapEncodeTiled: error %d (moept_kernels.cu:%d)",
+                            (int)r, __LINE__);
     return MOEPT_OK;
 }
 
@@ -3780,8 +3794,8 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     }
     if (end == 0) return MOEPT_OK;
     if (end >= INT_MAX || ne * N >= INT_MAX)
-        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows past TMA's 32-bit coordinates "
-                            "(moept_kernels.cu:%d)", (long long)end, __LINE__);
+        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows past TMA's 32-bit "
+                            "coordinates (moept_kernels.cu:%d)", (long long)end, __LINE__);
     CUtensorMap ma, mb;
     MOEPT__TRY(moept__gk_map(c, &ma, A, end, K, lda, err));
     MOEPT__TRY(moept__gk_map(c, &mb, B, ne * N, K, K, err));

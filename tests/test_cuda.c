@@ -464,10 +464,10 @@ static void test_bad_options(void) {
     moept_layer *L = (moept_layer *)1;
     moept_status st = moept_create_cuda(&cfg, NULL, NULL, &o, &L);
     EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && L == NULL, "dtype F16 accepted (%d)", (int)st);
-    moept_cuda_options gf = {MOEPT_DTYPE_F32, NULL, 0, 0, (moept_gemm_form)4};
+    moept_cuda_options gf = {MOEPT_DTYPE_F32, NULL, 0, 0, (moept_gemm_form)5};
     st = moept_create_cuda(&cfg, NULL, NULL, &gf, &L);
     EXPECT(st == MOEPT_ERR_INVALID_ARGUMENT && L == NULL && strstr(moept_last_error(NULL), "gemm_form"),
-           "gemm_form 4 accepted: %d (%s)", (int)st, moept_last_error(NULL));
+           "gemm_form 5 accepted: %d (%s)", (int)st, moept_last_error(NULL));
     moept_config gb = cfg; /* the gradients' backup copy is a CPU layer's */
     gb.grad_backup = 1;
     st = moept_create_cuda(&gb, NULL, NULL, NULL, &L);
@@ -1263,8 +1263,21 @@ static void test_chunked_equals_one_chunk(void) {
    per-expert form, the same layer and tokens, at its edge shapes: experts with 0 and 1 rows, rows past one
    128-row tile, D and F not multiples of its 64 and 128, one expert holding every token (identical
    tokens), max_tokens rows. y and dx agree within bf16's rounding of two summation orders (2^-6 of the
-   largest); the kernel runs wherever TMA takes the rows (16-byte row strides), cuBLAS where not (D 68). */
+   largest); the kernel runs wherever TMA takes the rows (16-byte row strides), cuBLAS where not (D 68).
+   The emulated GPU answers compute capability 9.0 here (MOEPT_EMU_CC); at its default 8.0 the form is
+   refused at create, naming what it needs. */
 static void test_kernel_form(void) {
+    moept_config c0 = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_cuda_options o0 = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+    moept_layer *L0 = NULL;
+    const char *cc = getenv("MOEPT_EMU_CC");
+    char keep[16] = "";
+    if (cc) snprintf(keep, sizeof keep, "%s", cc);
+    setenv("MOEPT_EMU_CC", "80", 1);
+    EXPECT(moept_create_cuda(&c0, NULL, NULL, &o0, &L0) == MOEPT_ERR_UNSUPPORTED &&
+           strstr(moept_last_error(NULL), "compute capability 9.0"), "on 8.0: %s", moept_last_error(NULL));
+    moept_destroy(L0);
+    setenv("MOEPT_EMU_CC", "90", 1);
     const struct { int64_t D, F, E, K, T; int same; } v[5] = {
         {64, 64, 4, 2, 40, 0}, {72, 40, 8, 1, 5, 0}, {136, 200, 8, 2, 300, 0}, {64, 48, 4, 2, 200, 1},
         {68, 36, 4, 2, 30, 0}};
@@ -1304,6 +1317,8 @@ static void test_kernel_form(void) {
         cudaFree(xd); cudaFree(dxd);
         free(x); free(out);
     }
+    if (keep[0]) setenv("MOEPT_EMU_CC", keep, 1);
+    else unsetenv("MOEPT_EMU_CC");
 }
 
 /* bf16 weights are cast from the fp32 masters once per change, not every

@@ -935,6 +935,9 @@ cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int d) {
        compute capability answered (the Hopper primitives' rules are sm_90's) */
     else if (a == cudaDevAttrMaxSharedMemoryPerBlock) *v = (int)DYN_SMEM_DEFAULT;
     else if (a == cudaDevAttrMaxSharedMemoryPerBlockOptin) *v = (int)DYN_SMEM_MAX;
+    /* multiprocessors: 4 (MOEPT_EMU_SMS to change; an H200 has 132), so a persistent kernel's CTAs each
+       take several tiles here, as on a GPU at a large step */
+    else if (a == cudaDevAttrMultiProcessorCount) *v = getenv("MOEPT_EMU_SMS") ? atoi(getenv("MOEPT_EMU_SMS")) : 4;
     else {
         report("runtime", "cudaDeviceGetAttribute(%d): not emulated", (int)a);
         return fail(cudaErrorInvalidValue);
