@@ -3677,6 +3677,7 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
                                                              const __grid_constant__ moept__gk_args g) {
 #if MOEPT__SM90
     MOEPT__DYN_SMEM(smem);
+    smem += (1024 - (moept__smem_u32(smem) & 1023)) & 1023; /* the swizzle's repeat, whatever the base */
     uint8_t *sa = smem, *sb = smem + MOEPT__GK_ST * MOEPT__GK_TILE_B;
     uint64_t *full = (uint64_t *)(sb + MOEPT__GK_ST * MOEPT__GK_TILE_B), *empty = full + MOEPT__GK_ST;
     if (threadIdx.x == 0) {
@@ -3734,11 +3735,15 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
                             "arch=compute_90a,code=sm_90a)");
     void *fn = NULL;
     cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050 /* (the unversioned query is deprecated from 12.5) */
     e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+#else
+    e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &q);
+#endif
     if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
         return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
-                            "MOEPT_GEMM_KERNEL: no cuTensorMapEncodeTiled in the driver (%s)",
-                            cudaGetErrorString(e));
+                            "MOEPT_GEMM_KERNEL: no cuTensorMapEncodeTiled in the driver (%s, query "
+                            "result %d)", cudaGetErrorString(e), (int)q);
     MOEPT__CU(cudaFuncSetAttribute((const void *)moept__k_gk, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    MOEPT__GK_SMEM));
     c->gk_encode = (void *)fn;
@@ -3775,6 +3780,9 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
     for (int i = 0; i < g->n; i++)
         tiles += (g->rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN);
     if (tiles == 0) return MOEPT_OK;
+    if (tiles >= INT_MAX)
+        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld tiles past its 32-bit tile index "
+                            "(moept_kernels.cu:%d)", (long long)tiles, __LINE__);
     const int grid = (int)(tiles < c->gk_sms ? tiles : c->gk_sms);
     MOEPT__LAUNCH(moept__k_gk, grid, MOEPT__GK_THREADS, MOEPT__GK_SMEM, c->s)(*ma, *mb, *g);
     MOEPT__LAUNCHED();

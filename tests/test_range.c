@@ -299,7 +299,7 @@ static void test_create(void) {
     moept_config c = range_cfg();
     EXPECT(create(&c, NULL) == MOEPT_ERR_INVALID_ARGUMENT, "out NULL: accepted");
 #if TU_GPU
-    static const int64_t bad[] = {-1, 4, 1 << 30, INT_MIN};
+    static const int64_t bad[] = {-1, 5, 1 << 30, INT_MIN};
     for (int i = 0; i < 4; i++) {
         moept_cuda_options o = {MOEPT_DTYPE_F32, NULL, 0, 0, (moept_gemm_form)bad[i]};
         L = NULL;
