@@ -3490,109 +3490,82 @@ __device__ __forceinline__ uint32_t moept__smem_u32(const void *p) {
     return (uint32_t)(uintptr_t)p;
 #endif
 }
-__device__ __forceinline__ void moept__mbar_init(uint64_t *bar, unsigned count) {
+/* each primitive: the emulator's call in the emulated build, the PTX on sm_90a, nothing elsewhere */
 #if MOEPT__SM90 == 1
-    moept_emu_mbar_init(bar, count);
+#define MOEPT__HOPPER(emu, ...) emu
 #elif MOEPT__SM90 == 2
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(moept__smem_u32(bar)), "r"(count)
-                 : "memory");
+#define MOEPT__HOPPER(emu, ...) __VA_ARGS__
+#else
+#define MOEPT__HOPPER(emu, ...) ((void)0)
 #endif
+__device__ __forceinline__ void moept__mbar_init(uint64_t *bar, unsigned count) {
+    MOEPT__HOPPER(moept_emu_mbar_init(bar, count),
+                  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(moept__smem_u32(bar)),
+                               "r"(count) : "memory"));
 }
 __device__ __forceinline__ void moept__fence_mbar_init(void) {
-#if MOEPT__SM90 == 1
-    moept_emu_fence_mbar_init();
-#elif MOEPT__SM90 == 2
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
+    MOEPT__HOPPER(moept_emu_fence_mbar_init(),
+                  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"));
 }
 __device__ __forceinline__ void moept__mbar_arrive(uint64_t *bar) {
-#if MOEPT__SM90 == 1
-    moept_emu_mbar_arrive(bar);
-#elif MOEPT__SM90 == 2
-    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(moept__smem_u32(bar))
-                 : "memory");
-#endif
+    MOEPT__HOPPER(moept_emu_mbar_arrive(bar),
+                  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];"
+                               ::"r"(moept__smem_u32(bar)) : "memory"));
 }
 __device__ __forceinline__ void moept__mbar_expect_tx(uint64_t *bar, unsigned bytes) {
-#if MOEPT__SM90 == 1
-    moept_emu_mbar_arrive_expect_tx(bar, bytes);
-#elif MOEPT__SM90 == 2
-    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;"
-                 ::"r"(moept__smem_u32(bar)), "r"(bytes) : "memory");
-#endif
+    MOEPT__HOPPER(moept_emu_mbar_arrive_expect_tx(bar, bytes),
+                  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;"
+                               ::"r"(moept__smem_u32(bar)), "r"(bytes) : "memory"));
 }
 __device__ __forceinline__ void moept__mbar_wait(uint64_t *bar, unsigned parity) {
-#if MOEPT__SM90 == 1
-    moept_emu_mbar_wait(bar, parity);
-#elif MOEPT__SM90 == 2
-    uint32_t ok = 0;
-    while (!ok)
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(ok) : "r"(moept__smem_u32(bar)), "r"(parity) : "memory");
-#endif
+    MOEPT__HOPPER(moept_emu_mbar_wait(bar, parity),
+                  for (uint32_t ok = 0; !ok;)
+                      asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                                   "selp.u32 %0, 1, 0, p;\n}"
+                                   : "=r"(ok) : "r"(moept__smem_u32(bar)), "r"(parity) : "memory"));
 }
 /* the box at (c0, c1) of map's tensor into dst, its bytes completing on bar */
 __device__ __forceinline__ void moept__tma_load(void *dst, const CUtensorMap *map, int c0, int c1,
                                                 uint64_t *bar) {
-#if MOEPT__SM90 == 1
-    moept_emu_tma_load_2d(dst, map, c0, c1, bar);
-#elif MOEPT__SM90 == 2
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
-                 "[%1, {%2, %3}], [%4];"
-                 ::"r"(moept__smem_u32(dst)), "l"(map), "r"(c0), "r"(c1), "r"(moept__smem_u32(bar))
-                 : "memory");
-#endif
+    MOEPT__HOPPER(moept_emu_tma_load_2d(dst, map, c0, c1, bar),
+                  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                               "[%0], [%1, {%2, %3}], [%4];"
+                               ::"r"(moept__smem_u32(dst)), "l"(map), "r"(c0), "r"(c1),
+                               "r"(moept__smem_u32(bar)) : "memory"));
 }
 __device__ __forceinline__ void moept__wgmma_fence(void) {
-#if MOEPT__SM90 == 1
-    moept_emu_wgmma_fence();
-#elif MOEPT__SM90 == 2
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
+    MOEPT__HOPPER(moept_emu_wgmma_fence(), asm volatile("wgmma.fence.sync.aligned;" ::: "memory"));
 }
 __device__ __forceinline__ void moept__wgmma_commit(void) {
-#if MOEPT__SM90 == 1
-    moept_emu_wgmma_commit();
-#elif MOEPT__SM90 == 2
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-#endif
+    MOEPT__HOPPER(moept_emu_wgmma_commit(), asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"));
 }
 __device__ __forceinline__ void moept__wgmma_wait0(void) {
-#if MOEPT__SM90 == 1
-    moept_emu_wgmma_wait(0);
-#elif MOEPT__SM90 == 2
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#endif
+    MOEPT__HOPPER(moept_emu_wgmma_wait(0), asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"));
 }
 /* d [64] (this thread's part of a 64 x 128 fp32 tile) = A B^T (+ d if acc): A 64 x 16 and B 128 x 16 bf16
    in shared memory through descriptors da, db (K-major, 128-byte swizzle) */
 __device__ __forceinline__ void moept__wgmma_128(float *d, uint64_t da, uint64_t db, int acc) {
-#if MOEPT__SM90 == 1
-    moept_emu_wgmma_bf16(d, 128, da, db, acc);
-#elif MOEPT__SM90 == 2
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8,"
-        "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26,"
-        "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44,"
-        "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62,"
-        "%63}, %64, %65, p, 1, 1, 0, 0;\n"
-        "}\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-            "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-            "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-            "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-            "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-            "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-            "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-            "+f"(d[63])
-          : "l"(da), "l"(db), "r"(acc));
-#else
+    MOEPT__HOPPER(moept_emu_wgmma_bf16(d, 128, da, db, acc),
+            asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8,"
+            "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26,"
+            "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44,"
+            "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62,"
+            "%63}, %64, %65, p, 1, 1, 0, 0;\n"
+            "}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+                "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+                "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+                "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+                "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+                "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+                "+f"(d[63])
+              : "l"(da), "l"(db), "r"(acc)));
     (void)d; (void)da; (void)db; (void)acc;
-#endif
 }
 /* a K-major, 128-byte-swizzled tile's descriptor at p (1024-aligned): start >> 4, the leading byte offset
    unused (1), 1024 bytes between 8-row groups, swizzle mode 1 (PTX ISA, "Matrix Descriptor Format") */
