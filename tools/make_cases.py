@@ -67,6 +67,12 @@ GROUP_FILL = [
     (("deepseek_fill_neg_inf", "deepseek_v3", 12, 16, 6, 8, 4, 1, 6, 4, 3, 2.5, 0.01, 0.001), "-inf"),
     (("deepseek_fill_zero",    "deepseek_v3", 12, 14, 5, 12, 3, 0, 10, 6, 5, 1.5, 0.01, 0.002), "0"),
 ]
+# Widths of multiples of 8 (D, F and the shared expert's S): the rows a GPU's TMA loads (16-byte row
+# strides), so the grouped kernel form runs every expert GEMM of these
+WIDE = [
+    ("qwen2_shared_wide8",     "qwen2_moe",   48, 32, 24, 4, 2, 1, 16, 1, 1, 1.0, 0.01, 0.001),
+    ("deepseek_wide8",         "deepseek_v3", 40, 32, 16, 8, 2, 1, 16, 4, 2, 2.5, 0.01, 0.001),
+]
 FILL_LINE = 'masked_fill(~score_mask.bool(), float("-inf"))'
 
 
@@ -322,7 +328,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
     every = ([(c, (), 0, None) for c in CASES] + [m + (0, None) for m in MASKED] + [q + (None,) for q in SEQ]
-             + [(c, (), 0, fill) for c, fill in GROUP_FILL])  # new cases last: the others keep their seeds
+             + [(c, (), 0, fill) for c, fill in GROUP_FILL]
+             + [(c, (), 0, None) for c in WIDE])  # new cases last: the others keep their seeds
     for i, (spec, pad, seq, fill) in enumerate(every):
         if args.only and spec[0] not in args.only.split(","):
             continue
