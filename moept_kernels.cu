@@ -305,8 +305,6 @@ struct moept__on_device {
 #ifndef MOEPT__LAUNCH
 #define MOEPT__LAUNCH(k, g, b, smem, s) k<<<g, b, smem, s>>>
 #endif
-/* The pipeline stage the work queued next belongs to: tests/emu counts
-   launches, bytes and host syncs per stage (docs/CUDA.md); nothing here. */
 /* A kernel's dynamic shared memory, 1024-byte aligned (the 128-byte swizzle's repeat) */
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
 #define MOEPT__DYN_SMEM(p) uint8_t *p = (uint8_t *)moept_emu_dyn_smem()
@@ -315,6 +313,8 @@ struct moept__on_device {
     extern __shared__ __align__(1024) uint8_t moept__dsm[]; \
     uint8_t *p = moept__dsm
 #endif
+/* The pipeline stage the work queued next belongs to: tests/emu counts
+   launches, bytes and host syncs per stage (docs/CUDA.md); nothing here. */
 #ifndef MOEPT__STAGE
 #define MOEPT__STAGE(name) ((void)0)
 #endif
@@ -3595,53 +3595,58 @@ __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int til
     return -1;
 }
 
-/* the producer: one thread loads every k-step of this CTA's tiles into the ring */
-__device__ void moept__gk_produce(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g,
-                                  int tiles, uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
-    const int nkb = (g->K + MOEPT__GK_BK - 1) / MOEPT__GK_BK;
-    int it = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int mt = 0, nt = 0;
-        const int i = moept__gk_locate(g, tile, &mt, &nt);
-        for (int kb = 0; kb < nkb; kb++, it++) {
-            const int s = it % MOEPT__GK_ST;
-            moept__mbar_wait(&empty[s], ((it / MOEPT__GK_ST) & 1) ^ 1); /* a fresh ring: free */
-            moept__mbar_expect_tx(&full[s], 2 * MOEPT__GK_TILE_B);
-            moept__tma_load(sa + s * MOEPT__GK_TILE_B, ma, kb * MOEPT__GK_BK, g->r0[i] + mt * MOEPT__GK_BM,
-                            &full[s]);
-            const int nrow = g->e[i] * g->N + nt * MOEPT__GK_BN; /* B's rows: expert e's W, [E][N][K] */
-            moept__tma_load(sb + s * MOEPT__GK_TILE_B, mb, kb * MOEPT__GK_BK, nrow, &full[s]);
-        }
+/* consumer w's k-step from stage s: d (+)= its 64 rows of A times B^T, 16 columns of K a wgmma */
+__device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *sa, const uint8_t *sb, int w, int s,
+                                              int acc) {
+    const uint64_t da = moept__gk_desc(sa + s * MOEPT__GK_TILE_B + w * MOEPT__GK_TILE_B / 2);
+    const uint64_t db = moept__gk_desc(sb + s * MOEPT__GK_TILE_B);
+    moept__wgmma_fence();
+    for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 elements = 32 bytes = 2 in the start field */
+        moept__wgmma_128(d, da + 2 * k, db + 2 * k, acc || k > 0);
+    moept__wgmma_commit();
+    moept__wgmma_wait0();
+}
+
+/* consumer w's rows [64 w, 64 w + 64) of run i's tile (mt, nt) into out, past the run or N masked */
+__device__ __forceinline__ void moept__gk_store(const moept__gk_args *g, const float *d, int i, int mt,
+                                                int nt, int w) {
+    const int t = threadIdx.x % 128;
+    const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_BN;
+    moept__bf16 *o = g->out + (int64_t)g->r0[i] * g->ldo;
+    for (int j = 0; j < 64; j++) {
+        const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
+        if (r < g->rows[i] && col < g->N) o[r * g->ldo + col] = moept__f32_to_bf16(d[j]);
     }
 }
 
-/* a consumer warpgroup: rows [64 w, 64 w + 64) of each tile, then its rows of out */
-__device__ void moept__gk_consume(const moept__gk_args *g, int tiles, int w, const uint8_t *sa,
-                                  const uint8_t *sb, uint64_t *full, uint64_t *empty) {
-    const int nkb = (g->K + MOEPT__GK_BK - 1) / MOEPT__GK_BK, t = threadIdx.x % 128;
+/* this CTA's tiles, k-step by k-step through the ring of stages. w -1: the producer thread (waits for a
+   stage to be empty, loads A's and B's tiles into it by TMA); w 0 or 1: a consumer warpgroup (waits for
+   a stage to be full, multiplies, frees it; stores each finished tile) */
+__device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
+                               uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
+    const int nkb = (g->K + MOEPT__GK_BK - 1) / MOEPT__GK_BK, ntn = (g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN;
+    int tiles = 0, it = 0;
+    for (int i = 0; i < g->n; i++) tiles += (g->rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ntn;
     float d[64];
-    int it = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int mt = 0, nt = 0;
         const int i = moept__gk_locate(g, tile, &mt, &nt);
         for (int kb = 0; kb < nkb; kb++, it++) {
-            const int s = it % MOEPT__GK_ST;
-            moept__mbar_wait(&full[s], (it / MOEPT__GK_ST) & 1);
-            const uint64_t da = moept__gk_desc(sa + s * MOEPT__GK_TILE_B + w * MOEPT__GK_TILE_B / 2);
-            const uint64_t db = moept__gk_desc(sb + s * MOEPT__GK_TILE_B);
-            moept__wgmma_fence();
-            for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 elements = 32 bytes = 2 in the start field */
-                moept__wgmma_128(d, da + 2 * k, db + 2 * k, kb > 0 || k > 0);
-            moept__wgmma_commit();
-            moept__wgmma_wait0();
-            moept__mbar_arrive(&empty[s]);
+            const int s = it % MOEPT__GK_ST, phase = (it / MOEPT__GK_ST) & 1;
+            if (w < 0) {
+                moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
+                moept__mbar_expect_tx(&full[s], 2 * MOEPT__GK_TILE_B);
+                /* A's rows: run i's; B's: expert e's W [N][K] in B [E][N][K] */
+                const int arow = g->r0[i] + mt * MOEPT__GK_BM, brow = g->e[i] * g->N + nt * MOEPT__GK_BN;
+                moept__tma_load(sa + s * MOEPT__GK_TILE_B, ma, kb * MOEPT__GK_BK, arow, &full[s]);
+                moept__tma_load(sb + s * MOEPT__GK_TILE_B, mb, kb * MOEPT__GK_BK, brow, &full[s]);
+            } else {
+                moept__mbar_wait(&full[s], phase);
+                moept__gk_mma(d, sa, sb, w, s, kb > 0);
+                moept__mbar_arrive(&empty[s]);
+            }
         }
-        const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_BN;
-        moept__bf16 *o = g->out + (int64_t)g->r0[i] * g->ldo;
-        for (int j = 0; j < 64; j++) {
-            const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
-            if (r < g->rows[i] && col < g->N) o[r * g->ldo + col] = moept__f32_to_bf16(d[j]);
-        }
+        if (w >= 0) moept__gk_store(g, d, i, mt, nt, w);
     }
 }
 
@@ -3661,15 +3666,8 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
         moept__fence_mbar_init();
     }
     __syncthreads();
-    int tiles = 0;
-    for (int i = 0; i < g.n; i++)
-        tiles += (g.rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g.N + MOEPT__GK_BN - 1) / MOEPT__GK_BN);
-    const int wg = threadIdx.x / 128;
-    if (wg == 0) {
-        if (threadIdx.x == 0) moept__gk_produce(&ma, &mb, &g, tiles, sa, sb, full, empty);
-    } else {
-        moept__gk_consume(&g, tiles, wg - 1, sa, sb, full, empty);
-    }
+    const int wg = threadIdx.x / 128; /* the first warpgroup's thread 0 produces, its others rest */
+    if (wg > 0 || threadIdx.x == 0) moept__gk_walk(&ma, &mb, &g, wg - 1, sa, sb, full, empty);
 #endif
 }
 
