@@ -3443,17 +3443,24 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 }
 
 /* ---- the grouped expert GEMM on Hopper (options.gemm_form MOEPT_GEMM_KERNEL) ----
-   out[r][n] = sum_k A[r][k] B[e][n][k] over every run's rows r (run i: rows
-   [r0, r0 + rows) of expert e), one launch for all of them: persistent CTAs
-   walk the (run, m-tile, n-tile) space; a producer thread loads A and B
-   tiles by TMA into a ring of stages (mbarriers: full when the bytes landed,
-   empty when both consumer warpgroups read it); two consumer warpgroups
-   each multiply 64 rows of the 128-row tile with wgmma (bf16, fp32
-   accumulators) and write their rows of out, those past the run's end or
-   past N masked. Both operands are K-major with the 128-byte swizzle (a
-   64-element bf16 row is one swizzle span). Each Hopper instruction is one
-   small device function below: inline PTX on sm_90, tests/emu's emulation
-   (which checks what the hardware requires) in the emulated build. */
+   One launch computes one of the expert FFN's three products over every run
+   i (rows [r0, r0 + rows) of expert e), the form a template argument:
+     FWD    out[r][n]  = sum_k A[r][k] B[e][n][k]   (h = x W13^T, y = a W2^T)
+     DGRAD  out[r][n]  = sum_k A[r][k] B[e][k][n]   (da = dy W2, dx = dh W13)
+     WGRAD  G[e][m][n] += sum_r A[r][m] B[r][n]     (g2 += dy^T a, g13 += dh^T x; r over the run's rows:
+                                                     a run an expert)
+   Persistent CTAs walk the (run, m-tile, n-tile) space; a producer thread
+   loads A and B tiles by TMA into a ring of stages (mbarriers: full when the
+   bytes landed, empty when both consumer warpgroups read it); two consumer
+   warpgroups each multiply 64 rows of the 128-row tile with wgmma (bf16,
+   fp32 accumulators) and write their rows (rows past the run or columns
+   past N masked; WGRAD adds into the fp32 gradient, each tile by one CTA).
+   Every tile is 128-byte swizzled: a row of K (K-major: FWD's operands,
+   A of DGRAD) or a line of 64 along M or N (MN-major: DGRAD's B, WGRAD's
+   both, wgmma's transpose immediates) is one swizzle span. Each Hopper
+   instruction is one small device function below: inline PTX on sm_90a,
+   tests/emu's emulation (which checks what the hardware requires) in the
+   emulated build. */
 #define MOEPT__GK_BM 128      /* rows of a tile: two consumer warpgroups of 64 */
 #define MOEPT__GK_BN 128      /* columns: wgmma's n */
 #define MOEPT__GK_BK 64       /* reduction step: 128 bytes of bf16, one swizzle span */
@@ -3461,14 +3468,21 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT__GK_THREADS 384 /* producer warpgroup, then two consumers */
 #define MOEPT__GK_RUNS 240    /* runs a launch takes by value (the parameters stay under 4 KB) */
 #define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */
+#define MOEPT__GK_HALF (MOEPT__GK_TILE_B / 2)             /* 64 of a tile's 128 rows, or lines */
 #define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 1024)
+enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD };
 
 typedef struct moept__gk_args {
     int32_t r0[MOEPT__GK_RUNS], rows[MOEPT__GK_RUNS], e[MOEPT__GK_RUNS];
     int32_t n;                /* runs */
-    int32_t N, K;             /* out's columns, the reduction */
+    int32_t M, N, K;          /* WGRAD: the gradient's rows an expert; its columns, or out's; the reduction
+                                 (FWD, DGRAD) */
     int64_t ldo;              /* out's row stride (elements) */
-    moept__bf16 *out;         /* [rows][ldo] */
+    void *out;                /* bf16 [rows][ldo], or (WGRAD) fp32 [E][M][N] */
+    const int64_t *cnt;       /* the sync-free mode's committed counts [P][cstride] (device); NULL: off */
+    int64_t cB, cstride, cbase; /* ... a run's blocks of cB rows, rank s's block of expert e holding
+                                   cnt[s cstride + cbase + e] real rows, the rest zeros */
+    int32_t cP;               /* ... blocks a run */
 } moept__gk_args;
 
 #if defined(MOEPT_CUDA_EMU_KERNELS_H)
@@ -3542,17 +3556,28 @@ __device__ __forceinline__ void moept__wgmma_commit(void) {
 __device__ __forceinline__ void moept__wgmma_wait0(void) {
     MOEPT__HOPPER(moept_emu_wgmma_wait(0), asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"));
 }
-/* d [64] (this thread's part of a 64 x 128 fp32 tile) = A B^T (+ d if acc): A 64 x 16 and B 128 x 16 bf16
-   in shared memory through descriptors da, db (K-major, 128-byte swizzle) */
+/* fence.proxy.async: this thread's shared-memory stores before it, visible to the async proxy (a wgmma's
+   operand reads) once a barrier orders them before the wgmma */
+__device__ __forceinline__ void moept__fence_proxy_async(void) {
+    MOEPT__HOPPER(moept_emu_fence_proxy_async(), asm volatile("fence.proxy.async.shared::cta;" ::: "memory"));
+}
+/* bar.sync id, n: the named barrier id (1-15) of n threads (a warpgroup: 128) */
+__device__ __forceinline__ void moept__bar_sync(unsigned id, unsigned n) {
+    MOEPT__HOPPER(moept_emu_bar_sync(id, n), asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"));
+}
+/* d [64] (this thread's part of a 64 x 128 fp32 tile) = A B (+ d if acc): A 64 x 16 and B 16 x 128 bf16
+   in shared memory through descriptors da, db, 128-byte swizzled, each K-major (TA, TB 0) or MN-major (1:
+   the instruction's transpose immediates) */
+template <int TA, int TB>
 __device__ __forceinline__ void moept__wgmma_128(float *d, uint64_t da, uint64_t db, int acc) {
-    MOEPT__HOPPER(moept_emu_wgmma_bf16(d, 128, da, db, acc),
+    MOEPT__HOPPER(moept_emu_wgmma_bf16(d, 128, da, db, acc, TA, TB),
             asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8,"
             "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26,"
             "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44,"
             "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62,"
-            "%63}, %64, %65, p, 1, 1, 0, 0;\n"
+            "%63}, %64, %65, p, 1, 1, %67, %68;\n"
             "}\n"
               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
@@ -3564,14 +3589,16 @@ __device__ __forceinline__ void moept__wgmma_128(float *d, uint64_t da, uint64_t
                 "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
                 "+f"(d[63])
-              : "l"(da), "l"(db), "r"(acc)));
+              : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)));
     (void)d; (void)da; (void)db; (void)acc;
 }
-/* a K-major, 128-byte-swizzled tile's descriptor at p (1024-aligned): start >> 4, the leading byte offset
-   unused (1), 1024 bytes between 8-row groups, swizzle mode 1 (PTX ISA, "Matrix Descriptor Format") */
-__device__ __forceinline__ uint64_t moept__gk_desc(const void *p) {
-    return (uint64_t)((moept__smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
-           (uint64_t)1 << 62;
+/* a 128-byte-swizzled tile's descriptor at p (its pattern 1024-aligned; PTX ISA, wgmma, "Matrix
+   Descriptor Format", "Canonical Layouts"): K-major, rows of 128 bytes 8 to a 1024-byte group (the
+   stride offset), the leading offset unused (1); MN-major (mn), lines of 64 along M or N, one a k: 8 k
+   a 1024-byte group (the stride offset), the next 64 of M or N the leading offset (a half tile) on */
+__device__ __forceinline__ uint64_t moept__gk_desc(const void *p, int mn) {
+    return (uint64_t)((moept__smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t)(mn ? MOEPT__GK_HALF >> 4 : 1) << 16 |
+           (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
 }
 /* register i of thread t's 64 x 128 accumulators: its row and column (PTX ISA, "Matrix fragments for
    wgmma.mma_async .m64nNk16", D) */
@@ -3580,11 +3607,36 @@ __device__ __forceinline__ int moept__gk_row(int i, int t) {
 }
 __device__ __forceinline__ int moept__gk_col(int i, int t) { return 8 * (i >> 2) + 2 * (t % 4) + (i & 1); }
 
+/* run i's m-tiles and k-steps: FWD and DGRAD tile its rows and step through K, WGRAD tiles the
+   gradient's M rows and steps through its rows */
+template <int F>
+__device__ __forceinline__ int moept__gk_mtiles(const moept__gk_args *g, int i) {
+    const int m = F == MOEPT__GK_WGRAD ? (g->rows[i] > 0 ? g->M : 0) : g->rows[i];
+    return (m + MOEPT__GK_BM - 1) / MOEPT__GK_BM;
+}
+template <int F>
+__device__ __forceinline__ int moept__gk_ksteps(const moept__gk_args *g, int i) {
+    return ((F == MOEPT__GK_WGRAD ? g->rows[i] : g->K) + MOEPT__GK_BK - 1) / MOEPT__GK_BK;
+}
+
+/* whether rows [r, r + n) of run i hold a real row: always, but in the sync-free mode, whose blocks
+   hold their committed count of rows and zeros after (what a tile of zero rows gives is known: zeros,
+   or nothing to add; the tile space stays the static one, the same launch in a captured graph) */
+__device__ __forceinline__ int moept__gk_live(const moept__gk_args *g, int i, int64_t r, int64_t n) {
+    if (!g->cnt) return 1;
+    for (int64_t s = r / g->cB; s < g->cP && s * g->cB < r + n; s++) {
+        const int64_t lo = s * g->cB, hi = lo + g->cnt[s * g->cstride + g->cbase + g->e[i]];
+        if ((r > lo ? r : lo) < (r + n < hi ? r + n : hi)) return 1;
+    }
+    return 0;
+}
+
 /* tile tile of the launch: its run, m-tile and n-tile (the runs' m-tiles in order, n fastest) */
+template <int F>
 __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int tile, int *mt, int *nt) {
     const int ntn = (g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN;
     for (int i = 0; i < g->n; i++) {
-        const int n = (g->rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ntn;
+        const int n = moept__gk_mtiles<F>(g, i) * ntn;
         if (tile < n) {
             *mt = tile / ntn;
             *nt = tile % ntn;
@@ -3595,61 +3647,115 @@ __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int til
     return -1;
 }
 
-/* consumer w's k-step from stage s: d (+)= its 64 rows of A times B^T, 16 columns of K a wgmma */
-__device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *sa, const uint8_t *sb, int w, int s,
-                                              int acc) {
-    const uint64_t da = moept__gk_desc(sa + s * MOEPT__GK_TILE_B + w * MOEPT__GK_TILE_B / 2);
-    const uint64_t db = moept__gk_desc(sb + s * MOEPT__GK_TILE_B);
+/* the producer: k-step kb of run i's tile (mt, nt) into stage (a, b), its bytes completing on bar.
+   K-major tiles are one box of 64 x 128, MN-major ones two of 64 x 64 (a line of 64 is the span) */
+template <int F>
+__device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUtensorMap *mb,
+                                               const moept__gk_args *g, int i, int mt, int nt, int kb,
+                                               uint8_t *a, uint8_t *b, uint64_t *bar) {
+    const int k0 = kb * MOEPT__GK_BK, n0 = nt * MOEPT__GK_BN;
+    if (F == MOEPT__GK_WGRAD) /* A: the run's rows k0.. of dy or dh [rows][M] */
+        for (int h = 0; h < 2; h++)
+            moept__tma_load(a + h * MOEPT__GK_HALF, ma, mt * MOEPT__GK_BM + 64 * h, g->r0[i] + k0, bar);
+    else /* A: rows of the run [rows][K] */
+        moept__tma_load(a, ma, k0, g->r0[i] + mt * MOEPT__GK_BM, bar);
+    if (F == MOEPT__GK_FWD) /* B: expert e's W [N][K] in [E N][K] */
+        moept__tma_load(b, mb, k0, g->e[i] * g->N + n0, bar);
+    else /* B: expert e's W [K][N] in [E K][N], or (WGRAD) the run's rows of x or a [rows][N] */
+        for (int h = 0; h < 2; h++)
+            moept__tma_load(b + h * MOEPT__GK_HALF, mb, n0 + 64 * h,
+                            F == MOEPT__GK_DGRAD ? g->e[i] * g->K + k0 : g->r0[i] + k0, bar);
+}
+
+/* WGRAD's last k-step of a run: its rows from v on are the next run's (or zeros past the tensor), in A
+   and B alike. Consumer w zeroes those lines of A's and B's half w (a line one k; the swizzle moves
+   16-byte chunks within a line), fences them for the async proxy, and both consumers meet at a barrier
+   before either multiplies (B is shared). A chunk is always the same thread's */
+__device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v) {
+    const int t = threadIdx.x % 128;
+    for (int c = t; c < MOEPT__GK_HALF / 16; c += 128)
+        if (c / 8 >= v) {
+            *(uint4 *)(a + 16 * c) = make_uint4(0, 0, 0, 0);
+            *(uint4 *)(b + 16 * c) = make_uint4(0, 0, 0, 0);
+        }
+    moept__fence_proxy_async();
+    moept__bar_sync(1, 256);
+}
+
+/* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma */
+template <int F>
+__device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const uint8_t *b, int w, int acc) {
+    const int ta = F == MOEPT__GK_WGRAD, tb = F != MOEPT__GK_FWD;
+    const uint64_t da = moept__gk_desc(a + w * MOEPT__GK_HALF, ta), db = moept__gk_desc(b, tb);
     moept__wgmma_fence();
-    for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 elements = 32 bytes = 2 in the start field */
-        moept__wgmma_128(d, da + 2 * k, db + 2 * k, acc || k > 0);
+    for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 of K: 32 bytes of a K-major row, 2 groups of MN lines */
+        moept__wgmma_128<F == MOEPT__GK_WGRAD, F != MOEPT__GK_FWD>(d, da + (ta ? 128 : 2) * k,
+                                                                   db + (tb ? 128 : 2) * k, acc || k > 0);
     moept__wgmma_commit();
     moept__wgmma_wait0();
 }
 
-/* consumer w's rows [64 w, 64 w + 64) of run i's tile (mt, nt) into out, past the run or N masked */
+/* consumer w's rows [64 w, 64 w + 64) of run i's tile (mt, nt) into out, past the run (M) or N masked:
+   bf16 stores, or (WGRAD) added to expert e's fp32 gradient */
+template <int F>
 __device__ __forceinline__ void moept__gk_store(const moept__gk_args *g, const float *d, int i, int mt,
                                                 int nt, int w) {
     const int t = threadIdx.x % 128;
     const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_BN;
-    moept__bf16 *o = g->out + (int64_t)g->r0[i] * g->ldo;
+    const int64_t rows = F == MOEPT__GK_WGRAD ? g->M : g->rows[i];
     for (int j = 0; j < 64; j++) {
         const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
-        if (r < g->rows[i] && col < g->N) o[r * g->ldo + col] = moept__f32_to_bf16(d[j]);
+        if (r >= rows || col >= g->N) continue;
+        if (F == MOEPT__GK_WGRAD)
+            ((float *)g->out)[((int64_t)g->e[i] * g->M + r) * g->N + col] += d[j];
+        else
+            ((moept__bf16 *)g->out)[(g->r0[i] + r) * g->ldo + col] = moept__f32_to_bf16(d[j]);
     }
 }
 
 /* this CTA's tiles, k-step by k-step through the ring of stages. w -1: the producer thread (waits for a
    stage to be empty, loads A's and B's tiles into it by TMA); w 0 or 1: a consumer warpgroup (waits for
    a stage to be full, multiplies, frees it; stores each finished tile) */
+template <int F>
 __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
                                uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
-    const int nkb = (g->K + MOEPT__GK_BK - 1) / MOEPT__GK_BK, ntn = (g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN;
+    const int ntn = (g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN;
     int tiles = 0, it = 0;
-    for (int i = 0; i < g->n; i++) tiles += (g->rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ntn;
+    for (int i = 0; i < g->n; i++) tiles += moept__gk_mtiles<F>(g, i) * ntn;
     float d[64];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int mt = 0, nt = 0;
-        const int i = moept__gk_locate(g, tile, &mt, &nt);
-        for (int kb = 0; kb < nkb; kb++, it++) {
+        int mt = 0, nt = 0, first = 1;
+        const int i = moept__gk_locate<F>(g, tile, &mt, &nt), nkb = moept__gk_ksteps<F>(g, i);
+        const int live = F == MOEPT__GK_WGRAD || moept__gk_live(g, i, (int64_t)mt * MOEPT__GK_BM,
+                                                                 MOEPT__GK_BM);
+        for (int kb = 0; kb < nkb && live; kb++) {
+            if (F == MOEPT__GK_WGRAD && !moept__gk_live(g, i, (int64_t)kb * MOEPT__GK_BK, MOEPT__GK_BK))
+                continue; /* (the producer and the consumers skip the same steps) */
             const int s = it % MOEPT__GK_ST, phase = (it / MOEPT__GK_ST) & 1;
+            it++;
+            uint8_t *a = sa + s * MOEPT__GK_TILE_B, *b = sb + s * MOEPT__GK_TILE_B;
             if (w < 0) {
                 moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
                 moept__mbar_expect_tx(&full[s], 2 * MOEPT__GK_TILE_B);
-                /* A's rows: run i's; B's: expert e's W [N][K] in B [E][N][K] */
-                const int arow = g->r0[i] + mt * MOEPT__GK_BM, brow = g->e[i] * g->N + nt * MOEPT__GK_BN;
-                moept__tma_load(sa + s * MOEPT__GK_TILE_B, ma, kb * MOEPT__GK_BK, arow, &full[s]);
-                moept__tma_load(sb + s * MOEPT__GK_TILE_B, mb, kb * MOEPT__GK_BK, brow, &full[s]);
+                moept__gk_load<F>(ma, mb, g, i, mt, nt, kb, a, b, &full[s]);
             } else {
                 moept__mbar_wait(&full[s], phase);
-                moept__gk_mma(d, sa, sb, w, s, kb > 0);
+                const int v = g->rows[i] - kb * MOEPT__GK_BK;
+                if (F == MOEPT__GK_WGRAD && v < MOEPT__GK_BK)
+                    moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v);
+                moept__gk_mma<F>(d, a, b, w, !first);
                 moept__mbar_arrive(&empty[s]);
             }
+            first = 0;
         }
-        if (w >= 0) moept__gk_store(g, d, i, mt, nt, w);
+        if (w < 0 || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
+        if (first)
+            for (int j = 0; j < 64; j++) d[j] = 0.0f; /* zero rows in: zeros out */
+        moept__gk_store<F>(g, d, i, mt, nt, w);
     }
 }
 
+template <int F>
 __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_constant__ CUtensorMap ma,
                                                              const __grid_constant__ CUtensorMap mb,
                                                              const __grid_constant__ moept__gk_args g) {
@@ -3667,7 +3773,7 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
     }
     __syncthreads();
     const int wg = threadIdx.x / 128; /* the first warpgroup's thread 0 produces, its others rest */
-    if (wg > 0 || threadIdx.x == 0) moept__gk_walk(&ma, &mb, &g, wg - 1, sa, sb, full, empty);
+    if (wg > 0 || threadIdx.x == 0) moept__gk_walk<F>(&ma, &mb, &g, wg - 1, sa, sb, full, empty);
 #endif
 }
 
@@ -3715,25 +3821,30 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
         return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
                             "MOEPT_GEMM_KERNEL: no cuTensorMapEncodeTiled in the driver (%s, query "
                             "result %d)", cudaGetErrorString(e), (int)q);
-    MOEPT__CU(cudaFuncSetAttribute((const void *)moept__k_gk, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   MOEPT__GK_SMEM));
+    const void *forms[3] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
+                            (const void *)moept__k_gk<MOEPT__GK_DGRAD>,
+                            (const void *)moept__k_gk<MOEPT__GK_WGRAD>};
+    for (int i = 0; i < 3; i++)
+        MOEPT__CU(cudaFuncSetAttribute(forms[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       MOEPT__GK_SMEM));
     c->gk_encode = (void *)fn;
     c->gk_sms = sms;
     return MOEPT_OK;
 }
 
-/* whether the kernel takes these operands: TMA needs 16-byte row strides and bases, 32-bit coordinates */
-static int moept__gk_ok(const moept__cuda *c, const void *A, int64_t lda, int64_t K, const void *B,
-                        int64_t N) {
-    return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp) && K % 8 == 0 &&
-           lda % 8 == 0 && (uintptr_t)A % 16 == 0 && (uintptr_t)B % 16 == 0 && N < INT_MAX / 2 && K < INT_MAX;
+/* whether the kernel takes these operands (bf16 A and B, row strides lda and ldb elements): TMA needs
+   16-byte row strides and bases */
+static int moept__gk_ok(const moept__cuda *c, const void *A, int64_t lda, const void *B, int64_t ldb) {
+    return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp) && lda % 8 == 0 &&
+           ldb % 8 == 0 && (uintptr_t)A % 16 == 0 && (uintptr_t)B % 16 == 0;
 }
 
-/* a bf16 matrix [rows][cols] (rows ld elements apart) as TMA boxes of 64 x 128, 128-byte swizzled */
+/* a bf16 matrix [rows][cols] (rows ld elements apart) as TMA boxes of 64 columns (128 bytes) x box rows,
+   128-byte swizzled */
 static moept_status moept__gk_map(moept__cuda *c, CUtensorMap *m, const void *p, int64_t rows, int64_t cols,
-                                  int64_t ld, char *err) {
+                                  int64_t ld, int box_rows, char *err) {
     const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)(ld * 2)};
-    const cuuint32_t box[2] = {MOEPT__GK_BK, MOEPT__GK_BM}, es[2] = {1, 1};
+    const cuuint32_t box[2] = {MOEPT__GK_BK, (cuuint32_t)box_rows}, es[2] = {1, 1};
     const CUresult r = ((moept__encode_fn)c->gk_encode)(
         m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dim, stride, box, es,
         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -3744,27 +3855,41 @@ static moept_status moept__gk_map(moept__cuda *c, CUtensorMap *m, const void *p,
     return MOEPT_OK;
 }
 
-/* one launch over g's runs: a CTA a multiprocessor, or a tile */
+/* one launch over g's runs: a CTA a multiprocessor, or a tile (the device's count, moept__gk_mtiles) */
+template <int F>
 static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, const CUtensorMap *mb,
                                      const moept__gk_args *g, char *err) {
     int64_t tiles = 0;
-    for (int i = 0; i < g->n; i++)
-        tiles += (g->rows[i] + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN);
+    for (int i = 0; i < g->n; i++) {
+        const int64_t m = F == MOEPT__GK_WGRAD ? (g->rows[i] > 0 ? g->M : 0) : g->rows[i];
+        tiles += (m + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN);
+    }
     if (tiles == 0) return MOEPT_OK;
     if (tiles >= INT_MAX)
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld tiles past its 32-bit tile index "
                             "(moept_kernels.cu:%d)", (long long)tiles, __LINE__);
     const int grid = (int)(tiles < c->gk_sms ? tiles : c->gk_sms);
-    MOEPT__LAUNCH(moept__k_gk, grid, MOEPT__GK_THREADS, MOEPT__GK_SMEM, c->s)(*ma, *mb, *g);
+    const size_t sm = MOEPT__GK_SMEM; /* (each form launched by its name: the emulator counts by name) */
+    if (F == MOEPT__GK_FWD)
+        MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_FWD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
+    else if (F == MOEPT__GK_DGRAD)
+        MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_DGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
+    else MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_WGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 
-/* out [rows][ldo] = A B_e^T over R's runs by the kernel: A [..][lda] bf16 rows, B [E][N][K] bf16; up to
-   MOEPT__GK_RUNS runs a launch */
-static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda, int64_t K,
-                              const void *B, int64_t N, void *out, int64_t ldo, char *err) {
-    int64_t end = 0, ne = 0; /* A's rows and B's experts the runs reach */
+/* One product of the FFN over R's runs by the kernel (the form F, above), up to MOEPT__GK_RUNS runs a
+   launch: A [..][lda] bf16 rows (FWD, DGRAD: [..][K]; WGRAD: [..][M]); B the weights, W [E][N][K]
+   (FWD) or [E][K][N] (DGRAD), or (WGRAD) rows [..][ldb] of N; out bf16 [..][ldo] of N, or (WGRAD) the
+   fp32 gradient [E][M][N] added into (R: whole groups, an expert once). cnt: the sync-free mode's
+   committed counts (R its groups of P blocks), the tiles of zero rows skipped; NULL: every tile run */
+template <int F>
+static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda,
+                              const void *B, int64_t ldb, int64_t M, int64_t N, int64_t K, void *out,
+                              int64_t ldo, const int64_t *cnt, char *err) {
+    const int wg = F == MOEPT__GK_WGRAD;
+    int64_t end = 0, ne = 0; /* the rows and the experts the runs reach */
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
@@ -3772,25 +3897,29 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
         if (rows > 0 && e + 1 > ne) ne = e + 1;
     }
     if (end == 0) return MOEPT_OK;
-    if (end >= INT_MAX || ne * N >= INT_MAX)
+    if (end >= INT_MAX / 2 || ne * (F == MOEPT__GK_FWD ? N : K) >= INT_MAX / 2 || M >= INT_MAX / 2 ||
+        N >= INT_MAX / 2 || K >= INT_MAX / 2)
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows past TMA's 32-bit "
                             "coordinates (moept_kernels.cu:%d)", (long long)end, __LINE__);
-    CUtensorMap ma, mb;
-    MOEPT__TRY(moept__gk_map(c, &ma, A, end, K, lda, err));
-    MOEPT__TRY(moept__gk_map(c, &mb, B, ne * N, K, K, err));
+    CUtensorMap ma, mb; /* K-major tiles one box of 128 rows, MN-major ones two of 64 lines */
+    MOEPT__TRY(moept__gk_map(c, &ma, A, end, wg ? M : K, lda, wg ? 64 : MOEPT__GK_BM, err));
+    if (F == MOEPT__GK_FWD) MOEPT__TRY(moept__gk_map(c, &mb, B, ne * N, K, ldb, MOEPT__GK_BN, err));
+    else MOEPT__TRY(moept__gk_map(c, &mb, B, wg ? end : ne * K, N, ldb, 64, err));
     moept__gk_args g;
-    g.n = 0; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = (moept__bf16 *)out;
+    g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
+    g.cnt = R->offs ? cnt : NULL; g.cB = c->B; g.cstride = c->M; g.cbase = c->sp.rank * c->sp.El;
+    g.cP = (int32_t)c->sp.P;
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
         if (rows == 0) continue;
         g.r0[g.n] = (int32_t)r0; g.rows[g.n] = (int32_t)rows; g.e[g.n] = (int32_t)e;
         if (++g.n == MOEPT__GK_RUNS) {
-            MOEPT__TRY(moept__gk_launch(c, &ma, &mb, &g, err));
+            MOEPT__TRY(moept__gk_launch<F>(c, &ma, &mb, &g, err));
             g.n = 0;
         }
     }
-    return moept__gk_launch(c, &ma, &mb, &g, err);
+    return moept__gk_launch<F>(c, &ma, &mb, &g, err);
 }
 
 /* ---- the expert FFN, written once (moept.c's moept__ffn_*) -------------
@@ -3807,6 +3936,8 @@ typedef struct moept__ffn {
     void *h, *a;                /* [rows][H] gate|up (backward: dh over it), [rows][lda] activations */
     void *y;                    /* [rows][D] the outputs; backward: their gradients in */
     void *da, *dx;              /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
+    const int64_t *cnt;         /* the sync-free mode's committed counts (the routed experts'; device):
+                                   the grouped kernel skips the blocks' zero rows; NULL: none */
 } moept__ffn;
 
 /* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys) */
@@ -3815,7 +3946,7 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl) {
     const int ch = c->C > 1;
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[0] : NULL;
     moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, sl->xr, sl->h, sl->a, sl->yr,
-                    ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr};
+                    ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL};
     return f;
 }
 
@@ -3824,7 +3955,7 @@ static moept__ffn moept__ffn_shared(moept__cuda *c, moept__cslot *sl, const void
     const moept__cuda_spec *p = &c->sp;
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[1] : NULL;
     moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, sl->hs, sl->as, sl->yss, sl->as,
-                    sl->yss};
+                    sl->yss, NULL};
     return f;
 }
 
@@ -3881,8 +4012,9 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         return MOEPT_OK;
     }
     const char *W = (const char *)moept__w(c, w2 ? f->off2 : f->off13);
-    if (!bwd && moept__gk_ok(c, I, ld, k, W, m)) /* the forward's out = in W^T: B is W [E][m][k] */
-        return moept__gk(c, R, I, ld, k, W, m, O, m, err);
+    if (moept__gk_ok(c, I, ld, W, bwd ? m : k)) /* W [E][m][k]: the forward's B; the dgrad's [E][K][N] */
+        return bwd ? moept__gk<MOEPT__GK_DGRAD>(c, R, I, ld, W, m, 0, m, k, O, m, f->cnt, err)
+                   : moept__gk<MOEPT__GK_FWD>(c, R, I, ld, W, k, 0, m, k, O, m, f->cnt, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
                    moept__gemm_make(0, !bwd, rows, m, k, (const float *)(I + r0 * ld * es), ld,
@@ -3918,6 +4050,8 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
         }
         return MOEPT_OK;
     }
+    if (moept__gk_ok(c, O, wo, I, wi)) /* g [E][wo][wi] += O^T I, each expert's rows */
+        return moept__gk<MOEPT__GK_WGRAD>(c, R, O, wo, I, wi, wo, wi, 0, g, wi, f->cnt, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
                    moept__gemm_make(1, 0, wo, wi, rows, (const float *)(O + r0 * wo * es), wo,

@@ -7,6 +7,9 @@
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+#ifdef MOEPT_EMU
+#include "emu/emu.h"
+#endif
 
 static unsigned long long rng_state = 12345;
 static float frand(void) { return (float)tu_rand(&rng_state); }
@@ -792,13 +795,20 @@ static void test_device_adamw(void) {
    PyTorch's default) and replayed for three more steps on new inputs
    written into the captured buffers; each replay's y, dx and gradients
    equal an eager layer's bitwise (the same parameters, the same calls).
-   Runs on a real GPU (tools/gpu_check.sh) and the emulated one. */
-static void graph_one_gpu(enum cudaStreamCaptureMode mode) {
+   Each step's tokens route differently: the replays run other counts than
+   the captured step's. With gemm_form the grouped kernel (on an emulated
+   GPU of compute capability 9.0): its launches replayed too. Runs on a
+   real GPU (tools/gpu_check.sh) and the emulated one. */
+static void graph_one_gpu(enum cudaStreamCaptureMode mode, moept_gemm_form gf) {
     moept_config cfg = base_cfg(MOEPT_FAMILY_QWEN2_MOE);
     const int64_t D = cfg.hidden_size, T = 12;
+    if (gf == MOEPT_GEMM_KERNEL) cfg.max_tokens = 16; /* (the static blocks' rows: the emulated kernel's time) */
     cudaStream_t s;
     cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    moept_cuda_options o = {.dtype = MOEPT_DTYPE_BF16, .stream = s, .sync_free = 1};
+    moept_cuda_options o = {.dtype = MOEPT_DTYPE_BF16, .stream = s, .sync_free = 1, .gemm_form = gf};
+#ifdef MOEPT_EMU
+    const long k0 = moept_emu_launches("moept__k_gk");
+#endif
     moept_layer *L[2] = {NULL, NULL}; /* captured, eager */
     for (int v = 0; v < 2; v++) {
         EXPECT(moept_create_cuda(&cfg, NULL, NULL, &o, &L[v]) == MOEPT_OK, "create: %s", moept_last_error(NULL));
@@ -854,8 +864,12 @@ static void graph_one_gpu(enum cudaStreamCaptureMode mode) {
         }
         diffs += count_diffs(out, out + 2 * T * D, 2 * T * D) + grad_diffs(L[0], L[1]);
     }
-    EXPECT(diffs == 0, "mode %d: %lld values of the replays differ from the eager steps", (int)mode,
-           (long long)diffs);
+    EXPECT(diffs == 0, "mode %d, gemm_form %d: %lld values of the replays differ from the eager steps",
+           (int)mode, (int)gf, (long long)diffs);
+#ifdef MOEPT_EMU
+    const long kl = moept_emu_launches("moept__k_gk") - k0;
+    EXPECT(gf == MOEPT_GEMM_KERNEL ? kl > 0 : kl == 0, "gemm_form %d: %ld grouped kernel launches", (int)gf, kl);
+#endif
     if (x) cudaGraphExecDestroy(x);
     if (g) cudaGraphDestroy(g);
     cudaFree(xd); cudaFree(dyd); cudaFree(yd); cudaFree(dxd);
@@ -866,8 +880,19 @@ static void graph_one_gpu(enum cudaStreamCaptureMode mode) {
 }
 
 static void test_graph_one_gpu(void) {
-    graph_one_gpu(cudaStreamCaptureModeThreadLocal);
-    graph_one_gpu(cudaStreamCaptureModeGlobal);
+    graph_one_gpu(cudaStreamCaptureModeThreadLocal, MOEPT_GEMM_AUTO);
+    graph_one_gpu(cudaStreamCaptureModeGlobal, MOEPT_GEMM_AUTO);
+#ifdef MOEPT_EMU
+    if (getenv("MOEPT_EMU_CC")) return; /* (a run of its own set it) */
+    setenv("MOEPT_EMU_CC", "90", 1);
+    graph_one_gpu(cudaStreamCaptureModeThreadLocal, MOEPT_GEMM_KERNEL);
+    unsetenv("MOEPT_EMU_CC");
+#else
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+    if (major == 9 && minor == 0) graph_one_gpu(cudaStreamCaptureModeThreadLocal, MOEPT_GEMM_KERNEL);
+#endif
 }
 
 /* Padding masks: every family, fp32 and bf16, against the CPU layer under
@@ -980,7 +1005,6 @@ static void test_mask_padding_values(void) {
    fail on rank 0 at a pending error while rank 1 waits in the exchange. */
 #include <nccl.h>
 #include <pthread.h>
-#include "emu/emu.h"
 #include <sys/stat.h>
 #include <unistd.h>
 #include <time.h>
@@ -1259,13 +1283,28 @@ static void test_chunked_equals_one_chunk(void) {
     }
 }
 
-/* The grouped kernel (options.gemm_form MOEPT_GEMM_KERNEL: the forward's bf16 GEMMs) against cuBLAS's
-   per-expert form, the same layer and tokens, at its edge shapes: experts with 0 and 1 rows, rows past one
-   128-row tile, D and F not multiples of its 64 and 128, one expert holding every token (identical
-   tokens), max_tokens rows. y and dx agree within bf16's rounding of two summation orders (2^-6 of the
-   largest); the kernel runs wherever TMA takes the rows (16-byte row strides), cuBLAS where not (D 68).
-   The emulated GPU answers compute capability 9.0 here (MOEPT_EMU_CC); at its default 8.0 the form is
-   refused at create, naming what it needs. */
+/* Every gradient of L (the parameters in buffer order) into g, parameter i from off[i] (off[n] the end,
+   n < 32); n, or -1 */
+static int all_grads(moept_layer *L, float *g, int64_t *off) {
+    const int n = (int)moept_param_count(L);
+    off[0] = 0;
+    for (int i = 0; i < n && i < 31; i++) {
+        moept_param_info pi;
+        if (moept_param_info_at(L, i, &pi) || moept_get_grad(L, pi.name, g + off[i], pi.rows * pi.cols))
+            return -1;
+        off[i + 1] = off[i] + pi.rows * pi.cols;
+    }
+    return n < 32 ? n : -1;
+}
+
+/* The grouped kernel (options.gemm_form MOEPT_GEMM_KERNEL: every bf16 expert GEMM, forward, dgrad and
+   wgrad) against cuBLAS's per-expert form, the same layer and tokens, at its edge shapes: experts with 0
+   and 1 rows, rows past one 128-row tile and not a multiple of its 64-row reduction step (the wgrad's
+   tail), D and F not multiples of its 64 and 128, one expert holding every token (identical tokens),
+   max_tokens rows. y, dx and the weight gradients agree within bf16's rounding of two summation orders
+   (2^-6 of the largest); the kernel runs wherever TMA takes the rows (16-byte row strides), each of its
+   three forms launched, cuBLAS where not (D 68). The emulated GPU answers compute capability 9.0 here
+   (MOEPT_EMU_CC); at its default 8.0 the form is refused at create, naming what it needs. */
 static void test_kernel_form(void) {
     moept_config c0 = base_cfg(MOEPT_FAMILY_MIXTRAL);
     moept_cuda_options o0 = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
@@ -1286,11 +1325,14 @@ static void test_kernel_form(void) {
         cfg.hidden_size = v[i].D; cfg.intermediate_size = v[i].F; cfg.num_experts = v[i].E;
         cfg.top_k = v[i].K; cfg.max_tokens = v[i].T;
         const int64_t T = v[i].T, D = v[i].D, n = T * D;
-        float *x = malloc((size_t)n * 4), *out = calloc((size_t)(4 * n), 4);
+        float *x = malloc((size_t)n * 4), *out = calloc((size_t)(4 * n), 4), *gr[2] = {NULL, NULL};
+        int ng[2] = {-1, -1};
+        int64_t off[2][32];
         unsigned long long rs = 5 + (unsigned long long)i;
         for (int64_t j = 0; j < n; j++) x[j] = v[i].same && j >= D ? x[j % D] : (float)tu_rand(&rs);
         void *xd = dev_from(x, n, 1), *dxd = dev_from(out, n, 1);
-        const long k0 = moept_emu_launches("moept__k_gk");
+        const long k0 = moept_emu_launches("moept__k_gk"), k1 = moept_emu_launches("GK_DGRAD"),
+                   k2 = moept_emu_launches("GK_WGRAD");
         for (int f = 0; f < 2 && !tu_bad; f++) {
             moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, f ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_PER_EXPERT};
             moept_layer *L = NULL;
@@ -1300,11 +1342,26 @@ static void test_kernel_form(void) {
             if (!forward_y(L, xd, T, D, 1, NULL, out + f * n)) { /* dy = x */
                 EXPECT_OK(moept_backward(L, xd, xd, dxd));
                 host_from(out + (2 + f) * n, dxd, n, 1);
+                gr[f] = malloc((size_t)moept_param_numel(L) * 4);
+                ng[f] = gr[f] ? all_grads(L, gr[f], off[f]) : -1;
             }
             moept_destroy(L);
         }
-        const long launched = moept_emu_launches("moept__k_gk") - k0;
-        EXPECT(D % 8 == 0 ? launched > 0 : launched == 0, "shape %d: %ld kernel launches", i, launched);
+        const long launched = moept_emu_launches("moept__k_gk") - k0, dg = moept_emu_launches("GK_DGRAD") - k1,
+                   wg = moept_emu_launches("GK_WGRAD") - k2;
+        EXPECT(D % 8 == 0 ? launched > 0 && dg > 0 && wg > 0 : launched == 0, "shape %d: %ld kernel launches "
+               "(%ld dgrad, %ld wgrad)", i, launched, dg, wg);
+        EXPECT(ng[0] > 0 && ng[0] == ng[1], "shape %d: %d and %d gradients", i, ng[0], ng[1]);
+        for (int p = 0; ng[0] > 0 && ng[0] == ng[1] && p < ng[0]; p++) { /* each parameter's largest */
+            double big = 1e-30, diff = 0.0;
+            for (int64_t j = off[0][p]; j < off[0][p + 1]; j++) {
+                big = fmax(big, fabs(gr[0][j]));
+                diff = fmax(diff, fabs((double)gr[0][j] - gr[1][j]));
+            }
+            EXPECT(diff <= big / 64.0, "shape %d: parameter %d's gradient differs by %.3g (largest %.3g)", i,
+                   p, diff, big);
+        }
+        free(gr[0]); free(gr[1]);
         for (int w = 0; w < 2; w++) {
             const float *a = out + 2 * w * n, *b = a + n;
             double big = 1e-30, diff = 0.0;

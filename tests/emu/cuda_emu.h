@@ -102,11 +102,14 @@ void moept_emu_mbar_wait(uint64_t *bar, unsigned parity);
    map: a CUtensorMap made by cuTensorMapEncodeTiled (through cudaGetDriverEntryPointByVersion) */
 void moept_emu_tma_load_2d(void *smem_dst, const void *tensor_map, int c0, int c1, uint64_t *bar);
 void moept_emu_fence_proxy_async(void);                              /* fence.proxy.async.shared::cta */
+void moept_emu_bar_sync(unsigned id, unsigned count);                /* bar.sync id, count */
 /* wgmma (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions") */
 void moept_emu_wgmma_fence(void);                                    /* wgmma.fence.sync.aligned */
-/* wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {d}, desc_a, desc_b, scale_d, 1, 1, 0, 0: A and B
-   K-major in shared memory; d: this thread's n/2 fp32 accumulators (the D fragment of .m64nNk16) */
-void moept_emu_wgmma_bf16(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d);
+/* wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {d}, desc_a, desc_b, scale_d, 1, 1, trans_a,
+   trans_b: A and B in shared memory, K-major (trans 0) or MN-major (1); d: this thread's n/2 fp32
+   accumulators (the D fragment of .m64nNk16) */
+void moept_emu_wgmma_bf16(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d, int trans_a,
+                          int trans_b);
 void moept_emu_wgmma_commit(void);                                   /* wgmma.commit_group.sync.aligned */
 void moept_emu_wgmma_wait(int n);                                    /* wgmma.wait_group.sync.aligned n */
 /* the shared-window address of p (what a matrix descriptor's start address encodes): its offset in the

@@ -63,7 +63,7 @@ struct Mbar {
 };
 
 struct Args {                      /* a thread's .sync.aligned instruction */
-    int kind, n, scale;
+    int kind, n, scale, trans;     /* trans: imm-trans-a (bit 0) and imm-trans-b (bit 1) */
     uint64_t da, db;
     float *d;
 };
@@ -73,7 +73,7 @@ const char *const KNAME[] = {"wgmma.fence.sync.aligned", "wgmma.mma_async.sync.a
 
 struct WgOp {                      /* one wgmma.mma_async of a warpgroup */
     uint64_t da, db;
-    int n, scale, wg;
+    int n, scale, trans, wg;
     float *d[WG];
     std::vector<uint32_t> offa, offb; /* each element's shared offset: A [64][16], B [n][16] */
     std::vector<uint32_t> bytes;   /* the operand bytes, once each */
@@ -101,6 +101,12 @@ struct Range {
     WgOp *op;
 };
 
+struct NamedBar {                  /* bar.sync a, b in progress */
+    int count = 0;                 /* b of its first arrival */
+    uint64_t gen = 0;              /* completions */
+    std::vector<int> in;           /* the threads arrived */
+};
+
 struct Block {
     uint32_t blk = 0;
     int n = 0;
@@ -108,6 +114,8 @@ struct Block {
     std::vector<Mbar> mbars;
     std::vector<Wg> wgs;
     std::vector<uint32_t> pfence;  /* per thread: the clock at its last fence.proxy.async (0: none) */
+    std::vector<uint32_t> bsync;   /* ... at the last barrier it passed (bar.sync, __syncthreads; 0: none) */
+    NamedBar nbar[16];             /* bar.sync's barriers 0-15 (0: __syncthreads' own) */
     std::vector<uint32_t> wfence;  /* ... at its last wgmma.fence (0: none) */
     std::vector<std::vector<Range>> acc; /* per thread: its accumulators in flight (stack offsets) */
     std::vector<WaitRec> wait;
@@ -148,6 +156,8 @@ bool cur(KBlock *k) {
         B.mbars.clear();
         B.wgs.assign((size_t)(B.n + WG - 1) / WG, Wg());
         B.pfence.assign((size_t)B.n, 0);
+        B.bsync.assign((size_t)B.n, 0);
+        for (NamedBar &nb : B.nbar) nb = NamedBar();
         B.wfence.assign((size_t)B.n, 0);
         B.acc.assign((size_t)B.n, {});
         B.wait.assign((size_t)B.n, WaitRec());
@@ -361,6 +371,8 @@ void hop_stack(int t, size_t off, size_t n, int write) {
 /* a __syncthreads orders every thread after what each had observed: a phase one thread saw complete
    is complete for all of them (bar.sync is a CTA-wide fence) */
 void hop_barrier() {
+    const uint32_t now = ++g_hclock;
+    std::fill(B.bsync.begin(), B.bsync.end(), now);
     for (Mbar &m : B.mbars) {
         int64_t mx = -1;
         for (int64_t v : m.obs) mx = std::max(mx, v);
@@ -490,6 +502,49 @@ void moept_emu_fence_proxy_async(void) {
     KBlock k;
     if (!need(&k, "fence.proxy.async")) return;
     B.pfence[(size_t)k.t] = ++g_hclock;
+}
+
+namespace emu {
+namespace {
+bool nbar_done(void *p) {
+    const WaitRec *w = (const WaitRec *)p;
+    return B.nbar[w->bar].gen != w->gen;
+}
+}  // namespace
+}  // namespace emu
+
+/* PTX ISA, bar / barrier: bar.sync a, b: barrier a (0-15) completes when b threads (a multiple of the
+   warp size, at most the block's) arrived; every arrival at one barrier gives the same b. Barrier 0 is
+   __syncthreads' (b the block), not emulated here with another b. */
+void moept_emu_bar_sync(unsigned id, unsigned count) {
+    KBlock k;
+    if (!need(&k, "bar.sync")) return;
+    if (id > 15 || count == 0 || count % 32 || (int)count > k.nthreads ||
+        (id == 0 && (int)count != k.nthreads)) {
+        report("synccheck", WHERE ": bar.sync %u, %u: the barrier must be 0-15 and the count a multiple of "
+               "32 up to the block's %d threads (barrier 0 with another count: not emulated)", AT(k), id,
+               count, k.nthreads);
+        kernel_end_block();
+    }
+    NamedBar &nb = B.nbar[id];
+    if (nb.in.empty()) nb.count = (int)count;
+    if (nb.count != (int)count) {
+        report("synccheck", WHERE ": bar.sync %u, %u while %zu thread(s) wait there with the count %d", AT(k),
+               id, count, nb.in.size(), nb.count);
+        kernel_end_block();
+    }
+    nb.in.push_back(k.t);
+    if ((int)nb.in.size() < nb.count) {
+        WaitRec &w = B.wait[(size_t)k.t];
+        w.bar = (int)id;
+        w.gen = nb.gen;
+        kernel_block(nbar_done, &w, "bar.sync");
+        return;
+    }
+    const uint32_t now = ++g_hclock;
+    for (int t : nb.in) B.bsync[(size_t)t] = now;
+    nb.in.clear();
+    nb.gen++;
 }
 
 /* CUDA Driver API, cuTensorMapEncodeTiled: each requirement of its documentation, in its order */
@@ -686,18 +741,24 @@ void moept_emu_tma_load_2d(void *smem_dst, const void *tensor_map, int c0, int c
 namespace {
 
 /* a matrix descriptor (PTX ISA, wgmma, "Matrix Descriptor Format"): bits 0-13 the start address >> 4,
-   16-29 the leading dimension byte offset >> 4, 32-45 the stride dimension byte offset >> 4, 49-51
-   the base offset, 62-63 the swizzle (0 none, 1 128B, 2 64B, 3 32B). The operand is K-major (the
-   instruction's transpose immediates are 0) with rows rows of 16 bf16 (32 bytes of K), laid out as the
-   canonical layouts of "Shared Memory Matrix Layout" / "Strides":
-     no swizzle: 8x16-byte core matrices; element (r, k) at start + (r / 8) SBO + (k / 8) LBO
-                 + (r % 8) 16 + (k % 8) 2;
-     S-byte swizzle: rows of S bytes, 8 to a pattern; (r, k) at swz(start + (r / 8) SBO + (r % 8) S
-                 + 2 k), the LBO unused (K-major swizzled layouts do not use it).
+   16-29 the leading dimension byte offset (LBO) >> 4, 32-45 the stride dimension byte offset (SBO) >> 4,
+   49-51 the base offset, 62-63 the swizzle (0 none, 1 128B, 2 64B, 3 32B). The operand has rows rows
+   (A's M, B's N) and 16 bf16 of K, laid out as the canonical layouts of "Shared Memory Matrix Layout",
+   "Canonical Layouts" (T = 8 bf16 = 16 bytes; the instruction's imm-trans immediate picks the major-ness):
+     K-major (trans 0), no swizzle: ((8,m),(T,2k)):((1T,SBO),(1,LBO)), so element (r, k) at
+                 start + (r / 8) SBO + (k / 8) LBO + (r % 8) 16 + (k % 8) 2;
+     K-major, S-byte swizzle: ((8,m),(T,2k)):((S/2,SBO),(1,T)): rows of S bytes, 8 to a pattern; (r, k)
+                 at swz(start + (r / 8) SBO + (r % 8) S + 2 k), the LBO unused ("assumed 1");
+     MN-major (trans 1), no swizzle: ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO)): (r, k) at
+                 start + (r / 8) SBO + (k / 8) LBO + (k % 8) 16 + (r % 8) 2;
+     MN-major, S-byte swizzle: ((T,S/16,m),(8,k)):((1,T,LBO),(S/2,SBO)): lines of S bytes along MN, one
+                 a k; (r, k) at swz(start + (r / (S/2)) LBO + (k / 8) SBO + (k % 8) S + 2 (r % (S/2))).
    The base offset is 0 when the pattern starts on its repeat (1024/512/256 bytes); the emulator
-   holds that (its start address's 128-byte row within the repeat must be 0) and does not emulate a
-   non-zero base offset. Each element's shared offset goes to off; false (why) when it is invalid. */
-bool decode(const KBlock &k, uint64_t desc, int rows, std::vector<uint32_t> &off, char *why, size_t len) {
+   holds that (its start address's row within the repeat must be 0) and does not emulate a non-zero
+   base offset, nor an MN-major start inside a line. Each element's shared offset goes to off; false
+   (why) when it is invalid. */
+bool decode(const KBlock &k, uint64_t desc, int rows, bool mn, std::vector<uint32_t> &off, char *why,
+            size_t len) {
     const size_t start = (size_t)(desc & 0x3fff) << 4, lbo = (size_t)((desc >> 16) & 0x3fff) << 4;
     const size_t sbo = (size_t)((desc >> 32) & 0x3fff) << 4;
     const int base = (int)((desc >> 49) & 7), mode = (int)(desc >> 62);
@@ -719,18 +780,29 @@ bool decode(const KBlock &k, uint64_t desc, int rows, std::vector<uint32_t> &off
                      (start % rep) >> 7, span, rep);
             return false;
         }
-        if (start % (size_t)span + 32 > (size_t)span) {
+        if (mn && start % (size_t)span) {
+            snprintf(why, len, "start address 0x%zx inside an MN-major %d-byte line: not emulated", start,
+                     span);
+            return false;
+        }
+        if (!mn && start % (size_t)span + 32 > (size_t)span) {
             snprintf(why, len, "start address 0x%zx: the k16 slice (32 bytes) crosses its %d-byte swizzle "
                      "row", start, span);
             return false;
         }
     }
     off.resize((size_t)rows * 16);
+    const size_t at = (size_t)(span ? span / 2 : 8); /* elements of a line (MN-major) */
     for (int r = 0; r < rows; r++)
         for (int kk = 0; kk < 16; kk++) {
             const size_t rr = (size_t)r, k8 = (size_t)kk;
-            const size_t lin = span ? start + rr / 8 * sbo + rr % 8 * (size_t)span + 2 * k8
-                                    : start + rr / 8 * sbo + k8 / 8 * lbo + rr % 8 * 16 + k8 % 8 * 2;
+            size_t lin;
+            if (!mn)
+                lin = span ? start + rr / 8 * sbo + rr % 8 * (size_t)span + 2 * k8
+                           : start + rr / 8 * sbo + k8 / 8 * lbo + rr % 8 * 16 + k8 % 8 * 2;
+            else
+                lin = span ? start + rr / at * lbo + k8 / 8 * sbo + k8 % 8 * (size_t)span + 2 * (rr % at)
+                           : start + rr / 8 * sbo + k8 / 8 * lbo + k8 % 8 * 16 + rr % 8 * 2;
             const size_t p = swz(lin, span);
             if (p + 2 > k.smem) {
                 snprintf(why, len, "element (%d, %d) at shared address 0x%zx is outside the block's %zu "
@@ -802,10 +874,11 @@ void issue(const KBlock &k, int wg, Wg &g) {
     op->db = a0.db;
     op->n = a0.n;
     op->scale = a0.scale;
+    op->trans = a0.trans;
     op->wg = wg;
     op->told = op->lost = false;
-    const bool bad_a = !decode(k, a0.da, 64, op->offa, why, sizeof why);
-    if (bad_a || !decode(k, a0.db, a0.n, op->offb, why, sizeof why)) {
+    const bool bad_a = !decode(k, a0.da, 64, a0.trans & 1, op->offa, why, sizeof why);
+    if (bad_a || !decode(k, a0.db, a0.n, (a0.trans & 2) != 0, op->offb, why, sizeof why)) {
         const bool ne = strstr(why, "not emulated") != nullptr;
         report(ne ? "runtime" : "wgmma", WHERE ": wgmma.mma_async %s descriptor 0x%016llx: %s", AT(k),
                bad_a ? "A" : "B", (unsigned long long)(bad_a ? a0.da : a0.db), why);
@@ -862,6 +935,15 @@ void issue(const KBlock &k, int wg, Wg &g) {
             report("proxy", WHERE ": wgmma.mma_async reads shared memory at dynamic offset %u that thread %d "
                    "stored with no fence.proxy.async since", AT(k), o, h.gw_t);
         }
+        /* ... and the store, fenced, must happen before the issue: a barrier (bar.sync, __syncthreads)
+           between the storing thread and the warpgroup ("Memory Consistency Model", causality order:
+           a barrier's arrive synchronizes with its wait) */
+        if (!told && h.gw && B.bsync[h.gw_t] <= B.pfence[h.gw_t]) {
+            told = true;
+            report("proxy", WHERE ": wgmma.mma_async reads shared memory at dynamic offset %u that thread %d "
+                   "stored and fenced (fence.proxy.async), but no barrier (bar.sync) ordered that before the "
+                   "wgmma", AT(k), o, h.gw_t);
+        }
         if (!told && h.tma_bar) {
             const Mbar &m = B.mbars[(size_t)h.tma_bar - 1];
             for (int l = 0; l < WG && !told; l++)
@@ -911,7 +993,8 @@ void collective(Args a) {
     }
     for (int l = 1; l < WG; l++) {
         const Args &x = g.args[l], &y = g.args[0];
-        if (x.kind != y.kind || x.n != y.n || x.scale != y.scale || x.da != y.da || x.db != y.db) {
+        if (x.kind != y.kind || x.n != y.n || x.scale != y.scale || x.trans != y.trans || x.da != y.da ||
+            x.db != y.db) {
             report("wgmma", WHERE ": warpgroup %d: thread %d executes %s (n %d, scale-d %d, descriptors "
                    "0x%llx 0x%llx) where thread %d executes %s (n %d, scale-d %d, 0x%llx 0x%llx): the 128 "
                    "threads must execute the same .sync.aligned instruction", AT(k), wg, wg * WG + l,
@@ -946,9 +1029,11 @@ void collective(Args a) {
 
 }  // namespace
 
-void moept_emu_wgmma_fence(void) { collective(Args{K_FENCE, 0, 0, 0, 0, nullptr}); }
-void moept_emu_wgmma_bf16(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    collective(Args{K_MMA, n, scale_d != 0, desc_a, desc_b, d});
+void moept_emu_wgmma_fence(void) { collective(Args{K_FENCE, 0, 0, 0, 0, 0, nullptr}); }
+void moept_emu_wgmma_bf16(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d, int trans_a,
+                          int trans_b) {
+    /* PTX ISA, wgmma.mma_async: imm-trans-a and imm-trans-b are 0 or 1 (transpose only for .f16/.bf16) */
+    collective(Args{K_MMA, n, scale_d != 0, (trans_a != 0) | (trans_b != 0) << 1, desc_a, desc_b, d});
 }
-void moept_emu_wgmma_commit(void) { collective(Args{K_COMMIT, 0, 0, 0, 0, nullptr}); }
-void moept_emu_wgmma_wait(int n) { collective(Args{K_WAIT, n, 0, 0, 0, nullptr}); }
+void moept_emu_wgmma_commit(void) { collective(Args{K_COMMIT, 0, 0, 0, 0, 0, nullptr}); }
+void moept_emu_wgmma_wait(int n) { collective(Args{K_WAIT, n, 0, 0, 0, 0, nullptr}); }

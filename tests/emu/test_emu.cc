@@ -1260,7 +1260,8 @@ __global__ void k_wg_frag(float *out, int n, int fence, int bad) {
     float d[128];
     moept_emu_wgmma_fence();
     if (bad == 1 && t == 7) d[3] = 1.0f;
-    moept_emu_wgmma_bf16(d, bad == 4 ? 12 : n, hdesc(sm, 0, 128, 256), hdesc(sm + 8192, 0, 128, 256), 0);
+    moept_emu_wgmma_bf16(d, bad == 4 ? 12 : n, hdesc(sm, 0, 128, 256), hdesc(sm + 8192, 0, 128, 256), 0, 0,
+                         0);
     moept_emu_wgmma_commit();
     if (bad == 2 && t == 9) out[0] = d[1];
     if (bad == 3) return;
@@ -1321,7 +1322,7 @@ __global__ void k_hgemm(const CUtensorMap tma, const CUtensorMap tmb, float *C, 
             if (bug == HB_BASE) da = hdesc(a, mode, 16, 8 * span, 1);
             if (bug == HB_DIVERGE && t == 5) db += 2;
             if (bug == HB_DIVERGE_KIND && t == 70 && kt == 1) moept_emu_wgmma_commit();
-            moept_emu_wgmma_bf16(d, 128, da, db, kt > 0 || ks > 0);
+            moept_emu_wgmma_bf16(d, 128, da, db, kt > 0 || ks > 0, 0, 0);
         }
         moept_emu_wgmma_commit();
         if (bug == HB_ACC_READ && kt == 0 && t == 1) C[0] = d[2];
