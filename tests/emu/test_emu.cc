@@ -1240,10 +1240,19 @@ static unsigned kmaj(int r, int k) {
     return (unsigned)((r / 8) * 256 + (k / 8) * 128 + (r % 8) * 16 + (k % 8) * 2);
 }
 
+/* the PTX ISA's worked example "MN-Major, 64B swizzling and bf16 type" (wgmma, "Canonical Layouts"):
+   Swizzle<2,4,3> o ((8,4,2),(8,2)):((1,8,256),(32,512)), 64 of MN by 16 of K, LBO 256 and SBO 512
+   elements: the byte offset of element (c, k) */
+static unsigned mn64(int c, int k) {
+    const unsigned e = (unsigned)(c % 8 + (c / 8 % 4) * 8 + (c / 32) * 256 + (k % 8) * 32 + (k / 8) * 512);
+    return (2 * e) ^ (((2 * e) >> 7 & 3) << 4);
+}
+
 /* m64nNk16 with A[r][k] = (k == 0 ? r : k == 1 ? 1 : 0), B[c][k] = (k == 0 ? N : k == 1 ? c : 0):
    D[r][c] = N r + c, each register's value names its place. Stores by the threads, fence.proxy.async
-   (unless fence is 0), barrier, one wgmma; out[t * N/2 + i] = thread t's d[i]. bad: 1 writes d after
-   the wgmma.fence, 2 reads d before the wait, 3 returns without waiting, 4 N = 12 */
+   (unless fence is 0), barrier (fence 2: none; 3: bar.sync 1, 128 in place of __syncthreads), one
+   wgmma; out[t * N/2 + i] = thread t's d[i]. bad: 1 writes d after the wgmma.fence, 2 reads d before the
+   wait, 3 returns without waiting, 4 N = 12, 5 B N-major as mn64 (N 64; imm-trans-b 1) */
 __global__ void k_wg_frag(float *out, int n, int fence, int bad) {
     char *sm = (char *)moept_emu_dyn_smem();
     const int t = threadIdx.x;
@@ -1253,20 +1262,30 @@ __global__ void k_wg_frag(float *out, int n, int fence, int bad) {
     }
     for (int e = t; e < n * 16; e += 128) {
         const int c = e / 16, k = e % 16;
-        *(uint16_t *)(sm + 8192 + kmaj(c, k)) = hbf(k == 0 ? (float)n : k == 1 ? (float)c : 0.0f);
+        *(uint16_t *)(sm + 8192 + (bad == 5 ? mn64(c, k) : kmaj(c, k))) =
+            hbf(k == 0 ? (float)n : k == 1 ? (float)c : 0.0f);
     }
     if (fence) moept_emu_fence_proxy_async();
-    __syncthreads();
+    if (fence == 3) moept_emu_bar_sync(1, 128);
+    else if (fence != 2) __syncthreads();
     float d[128];
     moept_emu_wgmma_fence();
     if (bad == 1 && t == 7) d[3] = 1.0f;
-    moept_emu_wgmma_bf16(d, bad == 4 ? 12 : n, hdesc(sm, 0, 128, 256), hdesc(sm + 8192, 0, 128, 256), 0, 0,
-                         0);
+    const uint64_t db = bad == 5 ? hdesc(sm + 8192, 2, 512, 1024) : hdesc(sm + 8192, 0, 128, 256);
+    moept_emu_wgmma_bf16(d, bad == 4 ? 12 : n, hdesc(sm, 0, 128, 256), db, 0, 0, bad == 5);
     moept_emu_wgmma_commit();
     if (bad == 2 && t == 9) out[0] = d[1];
     if (bad == 3) return;
     moept_emu_wgmma_wait(0);
     for (int i = 0; i < n / 2; i++) out[t * (n / 2) + i] = d[i];
+}
+
+/* bar.sync 1 misused: bad 1 a count of 48 (not whole warps), 2 threads 64-127 give another count, 3
+   threads 64-127 return (the barrier never completes) */
+__global__ void k_bar(int bad) {
+    const int t = threadIdx.x;
+    if (bad == 3 && t >= 64) return;
+    moept_emu_bar_sync(1, bad == 1 ? 48 : bad == 2 && t >= 64 ? 64 : 128);
 }
 
 /* only part of the warpgroup reaches wgmma.fence (the others return), or a block of 64 threads */
@@ -1618,6 +1637,31 @@ static void hopper_kernels() {
     for (int v : seen) ok = ok && v == 1;
     result("... the D fragment: threads 0, 5, 37, 127 hold the hand-worked elements, every element once", ok,
            "wrong layout");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 64, 3, 5);
+    h.assign(128 * 32, -1.0f);
+    cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost);
+    expect_clean("wgmma with B N-major (imm-trans-b), stores fenced, bar.sync 1, 128: clean");
+    ok = true;
+    for (int t = 0; t < 128; t++) /* D[r][c] = 64 r + c at the fragment's places */
+        for (int i = 0; i < 32; i++) {
+            const int r = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1);
+            const int c = 8 * (i >> 2) + 2 * (t % 4) + (i & 1);
+            ok = ok && h[(size_t)t * 32 + (size_t)i] == (float)(64 * r + c);
+        }
+    result("... B laid out as the PTX ISA's worked example (MN-major, 64B swizzle, LBO 512, SBO 1024 bytes): "
+           "every element of D", ok, "wrong MN-major layout");
+    MOEPT__LAUNCH(k_bar, 1, 128, 0, 0)(1);
+    cudaDeviceSynchronize();
+    expect_report("synccheck: bar.sync with a count not of whole warps", "a multiple of 32");
+    MOEPT__LAUNCH(k_bar, 1, 128, 0, 0)(2);
+    cudaDeviceSynchronize();
+    expect_report("synccheck: bar.sync's threads give different counts", "wait there with the count");
+    MOEPT__LAUNCH(k_bar, 1, 128, 0, 0)(3);
+    cudaDeviceSynchronize();
+    expect_report("hang: half of bar.sync's threads return", "wait in bar.sync");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 2, 0);
+    cudaDeviceSynchronize();
+    expect_report("proxy: generic stores fenced but no barrier before the wgmma", "no barrier (bar.sync)");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 0, 0);
     cudaDeviceSynchronize();
     expect_report("proxy: wgmma reads generic stores with no fence.proxy.async", "no fence.proxy.async");
