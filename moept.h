@@ -869,9 +869,11 @@ moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, i
      MOEPT_GEMM_STRIDED: the strided-batched call where the groups are equal,
        else per expert over side streams (never the grouped call).
      MOEPT_GEMM_KERNEL: moept's own grouped GEMM for Hopper (one launch over
-       every local expert, TMA loads and wgmma, docs/CUDA.md) for the
-       forward's bf16 GEMMs whose rows are 16-byte multiples, AUTO's choice
-       elsewhere (fp32 layers, config.fp8's cuBLASLt, the backward). Refused
+       every local expert, TMA loads and wgmma, docs/CUDA.md) for every bf16
+       expert GEMM (forward, dgrad and wgrad) whose rows are 16-byte
+       multiples; in the sync-free mode it skips the blocks' zero rows by
+       the counts on the device. AUTO's choice elsewhere (fp32 layers,
+       config.fp8's cuBLASLt, widths not multiples of 8). Refused
        at create (MOEPT_ERR_UNSUPPORTED) on a GPU other than compute
        capability 9.0 or a build without sm_90a code (nvcc -gencode
        arch=compute_90a,code=sm_90a). AUTO does not pick it yet: it has not
