@@ -3449,6 +3449,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
      DGRAD  out[r][n]  = sum_k A[r][k] B[e][k][n]   (da = dy W2, dx = dh W13)
      WGRAD  G[e][m][n] += sum_r A[r][m] B[r][n]     (g2 += dy^T a, g13 += dh^T x; r over the run's rows:
                                                      a run an expert)
+     GATE   FWD's h = x W13^T with the gated activation in its epilogue: a tile's columns are 64 of the
+            gate half and the same 64 of the up half, so a thread holds g and u of its columns and
+            writes h and a = act(g, u) (the activation pass fused)
    Persistent CTAs walk the (run, m-tile, n-tile) space; a producer thread
    loads A and B tiles by TMA into a ring of stages (mbarriers: full when the
    bytes landed, empty when both consumer warpgroups read it); two consumer
@@ -3470,7 +3473,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */
 #define MOEPT__GK_HALF (MOEPT__GK_TILE_B / 2)             /* 64 of a tile's 128 rows, or lines */
 #define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 1024)
-enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD };
+enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE };
+/* a tile's columns of N: 128, or (GATE) 64 of the gate half and the same 64 of the up half */
+#define MOEPT__GK_TN(F) ((F) == MOEPT__GK_GATE ? MOEPT__GK_BN / 2 : MOEPT__GK_BN)
 
 typedef struct moept__gk_args {
     int32_t r0[MOEPT__GK_RUNS], rows[MOEPT__GK_RUNS], e[MOEPT__GK_RUNS];
@@ -3483,6 +3488,10 @@ typedef struct moept__gk_args {
     int64_t cB, cstride, cbase; /* ... a run's blocks of cB rows, rank s's block of expert e holding
                                    cnt[s cstride + cbase + e] real rows, the rest zeros */
     int32_t cP;               /* ... blocks a run */
+    int32_t act, hout;        /* GATE: the activation (config.act); whether h is stored (not when a lies
+                                 over it) */
+    void *a;                  /* GATE: a = act(g, u) bf16 [rows][lda] */
+    int64_t lda;
 } moept__gk_args;
 
 #if defined(MOEPT_CUDA_EMU_KERNELS_H)
@@ -3634,7 +3643,7 @@ __device__ __forceinline__ int moept__gk_live(const moept__gk_args *g, int i, in
 /* tile tile of the launch: its run, m-tile and n-tile (the runs' m-tiles in order, n fastest) */
 template <int F>
 __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int tile, int *mt, int *nt) {
-    const int ntn = (g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN;
+    const int ntn = (g->N + MOEPT__GK_TN(F) - 1) / MOEPT__GK_TN(F);
     for (int i = 0; i < g->n; i++) {
         const int n = moept__gk_mtiles<F>(g, i) * ntn;
         if (tile < n) {
@@ -3653,7 +3662,7 @@ template <int F>
 __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUtensorMap *mb,
                                                const moept__gk_args *g, int i, int mt, int nt, int kb,
                                                uint8_t *a, uint8_t *b, uint64_t *bar) {
-    const int k0 = kb * MOEPT__GK_BK, n0 = nt * MOEPT__GK_BN;
+    const int k0 = kb * MOEPT__GK_BK, n0 = nt * MOEPT__GK_TN(F);
     if (F == MOEPT__GK_WGRAD) /* A: the run's rows k0.. of dy or dh [rows][M] */
         for (int h = 0; h < 2; h++)
             moept__tma_load(a + h * MOEPT__GK_HALF, ma, mt * MOEPT__GK_BM + 64 * h, g->r0[i] + k0, bar);
@@ -3661,6 +3670,9 @@ __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUte
         moept__tma_load(a, ma, k0, g->r0[i] + mt * MOEPT__GK_BM, bar);
     if (F == MOEPT__GK_FWD) /* B: expert e's W [N][K] in [E N][K] */
         moept__tma_load(b, mb, k0, g->e[i] * g->N + n0, bar);
+    else if (F == MOEPT__GK_GATE) /* B: rows n0.. of expert e's gate half and of its up half, [E 2N][K] */
+        for (int h = 0; h < 2; h++)
+            moept__tma_load(b + h * MOEPT__GK_HALF, mb, k0, (2 * g->e[i] + h) * g->N + n0, bar);
     else /* B: expert e's W [K][N] in [E K][N], or (WGRAD) the run's rows of x or a [rows][N] */
         for (int h = 0; h < 2; h++)
             moept__tma_load(b + h * MOEPT__GK_HALF, mb, n0 + 64 * h,
@@ -3685,12 +3697,12 @@ __device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v) {
 /* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma */
 template <int F>
 __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const uint8_t *b, int w, int acc) {
-    const int ta = F == MOEPT__GK_WGRAD, tb = F != MOEPT__GK_FWD;
+    const int ta = F == MOEPT__GK_WGRAD, tb = F == MOEPT__GK_DGRAD || F == MOEPT__GK_WGRAD;
     const uint64_t da = moept__gk_desc(a + w * MOEPT__GK_HALF, ta), db = moept__gk_desc(b, tb);
     moept__wgmma_fence();
     for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 of K: 32 bytes of a K-major row, 2 groups of MN lines */
-        moept__wgmma_128<F == MOEPT__GK_WGRAD, F != MOEPT__GK_FWD>(d, da + (ta ? 128 : 2) * k,
-                                                                   db + (tb ? 128 : 2) * k, acc || k > 0);
+        moept__wgmma_128<F == MOEPT__GK_WGRAD, F == MOEPT__GK_DGRAD || F == MOEPT__GK_WGRAD>(
+            d, da + (ta ? 128 : 2) * k, db + (tb ? 128 : 2) * k, acc || k > 0);
     moept__wgmma_commit();
     moept__wgmma_wait0();
 }
@@ -3713,13 +3725,35 @@ __device__ __forceinline__ void moept__gk_store(const moept__gk_args *g, const f
     }
 }
 
+/* GATE's epilogue: consumer w's rows of run i's tile nt, the gate columns n0 + c (c < 64) in registers
+   j < 32 and the up columns in j + 32 (the D fragment's column 64 + c): h's two as bf16, then a =
+   act(g, u) from those bf16 values, as the activation pass computes it from h */
+__device__ __forceinline__ void moept__gk_store_act(const moept__gk_args *g, const float *d, int i, int mt,
+                                                    int nt, int w) {
+    const int t = threadIdx.x % 128;
+    const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_TN(MOEPT__GK_GATE);
+    moept__bf16 *h = (moept__bf16 *)g->out, *a = (moept__bf16 *)g->a;
+    for (int j = 0; j < 32; j++) {
+        const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
+        if (r >= g->rows[i] || col >= g->N) continue;
+        const moept__bf16 hg = moept__f32_to_bf16(d[j]), hu = moept__f32_to_bf16(d[j + 32]);
+        const int64_t at = (g->r0[i] + r) * g->ldo + col;
+        if (g->hout) {
+            h[at] = hg;
+            h[at + g->N] = hu;
+        }
+        a[(g->r0[i] + r) * g->lda + col] =
+            moept__f32_to_bf16(moept__act_fwd1(g->act, moept__bf16_to_f32(hg), moept__bf16_to_f32(hu)));
+    }
+}
+
 /* this CTA's tiles, k-step by k-step through the ring of stages. w -1: the producer thread (waits for a
    stage to be empty, loads A's and B's tiles into it by TMA); w 0 or 1: a consumer warpgroup (waits for
    a stage to be full, multiplies, frees it; stores each finished tile) */
 template <int F>
 __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
                                uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
-    const int ntn = (g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN;
+    const int ntn = (g->N + MOEPT__GK_TN(F) - 1) / MOEPT__GK_TN(F);
     int tiles = 0, it = 0;
     for (int i = 0; i < g->n; i++) tiles += moept__gk_mtiles<F>(g, i) * ntn;
     float d[64];
@@ -3751,7 +3785,8 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
         if (w < 0 || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
         if (first)
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* zero rows in: zeros out */
-        moept__gk_store<F>(g, d, i, mt, nt, w);
+        if (F == MOEPT__GK_GATE) moept__gk_store_act(g, d, i, mt, nt, w);
+        else moept__gk_store<F>(g, d, i, mt, nt, w);
     }
 }
 
@@ -3821,10 +3856,11 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
         return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
                             "MOEPT_GEMM_KERNEL: no cuTensorMapEncodeTiled in the driver (%s, query "
                             "result %d)", cudaGetErrorString(e), (int)q);
-    const void *forms[3] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
+    const void *forms[4] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
                             (const void *)moept__k_gk<MOEPT__GK_DGRAD>,
-                            (const void *)moept__k_gk<MOEPT__GK_WGRAD>};
-    for (int i = 0; i < 3; i++)
+                            (const void *)moept__k_gk<MOEPT__GK_WGRAD>,
+                            (const void *)moept__k_gk<MOEPT__GK_GATE>};
+    for (int i = 0; i < 4; i++)
         MOEPT__CU(cudaFuncSetAttribute(forms[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        MOEPT__GK_SMEM));
     c->gk_encode = (void *)fn;
@@ -3862,7 +3898,7 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
     int64_t tiles = 0;
     for (int i = 0; i < g->n; i++) {
         const int64_t m = F == MOEPT__GK_WGRAD ? (g->rows[i] > 0 ? g->M : 0) : g->rows[i];
-        tiles += (m + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g->N + MOEPT__GK_BN - 1) / MOEPT__GK_BN);
+        tiles += (m + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g->N + MOEPT__GK_TN(F) - 1) / MOEPT__GK_TN(F));
     }
     if (tiles == 0) return MOEPT_OK;
     if (tiles >= INT_MAX)
@@ -3874,7 +3910,9 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
         MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_FWD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
     else if (F == MOEPT__GK_DGRAD)
         MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_DGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
-    else MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_WGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
+    else if (F == MOEPT__GK_WGRAD)
+        MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_WGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
+    else MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_GATE>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3882,12 +3920,19 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
 /* One product of the FFN over R's runs by the kernel (the form F, above), up to MOEPT__GK_RUNS runs a
    launch: A [..][lda] bf16 rows (FWD, DGRAD: [..][K]; WGRAD: [..][M]); B the weights, W [E][N][K]
    (FWD) or [E][K][N] (DGRAD), or (WGRAD) rows [..][ldb] of N; out bf16 [..][ldo] of N, or (WGRAD) the
-   fp32 gradient [E][M][N] added into (R: whole groups, an expert once). cnt: the sync-free mode's
-   committed counts (R its groups of P blocks), the tiles of zero rows skipped; NULL: every tile run */
+   fp32 gradient [E][M][N] added into (R: whole groups, an expert once); GATE as FWD with W13
+   [E][2N][K] (N the gate half's columns), out h [..][ldo] of 2N (if a is not h) and act's a. cnt: the
+   sync-free mode's committed counts (R its groups of P blocks), the tiles of zero rows skipped; NULL:
+   every tile run */
+typedef struct moept__gk_act {
+    void *a;                    /* GATE: a [..][lda] bf16 */
+    int64_t lda;
+    int act;                    /* config.act */
+} moept__gk_act;
 template <int F>
 static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda,
                               const void *B, int64_t ldb, int64_t M, int64_t N, int64_t K, void *out,
-                              int64_t ldo, const int64_t *cnt, char *err) {
+                              int64_t ldo, const int64_t *cnt, const moept__gk_act *ga, char *err) {
     const int wg = F == MOEPT__GK_WGRAD;
     int64_t end = 0, ne = 0; /* the rows and the experts the runs reach */
     for (int64_t i = 0; i < R->n; i++) {
@@ -3897,18 +3942,21 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
         if (rows > 0 && e + 1 > ne) ne = e + 1;
     }
     if (end == 0) return MOEPT_OK;
-    if (end >= INT_MAX / 2 || ne * (F == MOEPT__GK_FWD ? N : K) >= INT_MAX / 2 || M >= INT_MAX / 2 ||
+    const int64_t bn = F == MOEPT__GK_FWD ? N : F == MOEPT__GK_GATE ? 2 * N : K; /* B's rows an expert */
+    if (end >= INT_MAX / 2 || ne * bn >= INT_MAX / 2 || M >= INT_MAX / 2 ||
         N >= INT_MAX / 2 || K >= INT_MAX / 2)
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows past TMA's 32-bit "
                             "coordinates (moept_kernels.cu:%d)", (long long)end, __LINE__);
     CUtensorMap ma, mb; /* K-major tiles one box of 128 rows, MN-major ones two of 64 lines */
     MOEPT__TRY(moept__gk_map(c, &ma, A, end, wg ? M : K, lda, wg ? 64 : MOEPT__GK_BM, err));
-    if (F == MOEPT__GK_FWD) MOEPT__TRY(moept__gk_map(c, &mb, B, ne * N, K, ldb, MOEPT__GK_BN, err));
+    if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE)
+        MOEPT__TRY(moept__gk_map(c, &mb, B, ne * bn, K, ldb, F == MOEPT__GK_FWD ? MOEPT__GK_BN : 64, err));
     else MOEPT__TRY(moept__gk_map(c, &mb, B, wg ? end : ne * K, N, ldb, 64, err));
     moept__gk_args g;
     g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
     g.cnt = R->offs ? cnt : NULL; g.cB = c->B; g.cstride = c->M; g.cbase = c->sp.rank * c->sp.El;
     g.cP = (int32_t)c->sp.P;
+    g.act = ga ? ga->act : 0; g.a = ga ? ga->a : NULL; g.lda = ga ? ga->lda : 0; g.hout = !ga || ga->a != out;
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
@@ -4013,8 +4061,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
     }
     const char *W = (const char *)moept__w(c, w2 ? f->off2 : f->off13);
     if (moept__gk_ok(c, I, ld, W, bwd ? m : k)) /* W [E][m][k]: the forward's B; the dgrad's [E][K][N] */
-        return bwd ? moept__gk<MOEPT__GK_DGRAD>(c, R, I, ld, W, m, 0, m, k, O, m, f->cnt, err)
-                   : moept__gk<MOEPT__GK_FWD>(c, R, I, ld, W, k, 0, m, k, O, m, f->cnt, err);
+        return bwd ? moept__gk<MOEPT__GK_DGRAD>(c, R, I, ld, W, m, 0, m, k, O, m, f->cnt, NULL, err)
+                   : moept__gk<MOEPT__GK_FWD>(c, R, I, ld, W, k, 0, m, k, O, m, f->cnt, NULL, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
                    moept__gemm_make(0, !bwd, rows, m, k, (const float *)(I + r0 * ld * es), ld,
@@ -4051,7 +4099,7 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
         return MOEPT_OK;
     }
     if (moept__gk_ok(c, O, wo, I, wi)) /* g [E][wo][wi] += O^T I, each expert's rows */
-        return moept__gk<MOEPT__GK_WGRAD>(c, R, O, wo, I, wi, wo, wi, 0, g, wi, f->cnt, err);
+        return moept__gk<MOEPT__GK_WGRAD>(c, R, O, wo, I, wi, wo, wi, 0, g, wi, f->cnt, NULL, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
                    moept__gemm_make(1, 0, wo, wi, rows, (const float *)(O + r0 * wo * es), wo,
@@ -4062,8 +4110,16 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
 /* The forward over R's rows: h = x W13^T, a = act(h), y = a W2^T */
 template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
-    MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 0, 0, f->x, f->h, err));
-    MOEPT__TRY(moept__ffn_act<T>(c, f, R, 0, err));
+    const int64_t D = c->sp.D, F = f->F;
+    const void *W13 = moept__w(c, f->off13);
+    if (!f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * F && moept__gk_ok(c, f->x, D, W13, D)) {
+        /* the grouped kernel with the activation in its epilogue */
+        const moept__gk_act ga = {f->a, f->lda, c->sp.act};
+        MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, 0, F, D, f->h, f->H, f->cnt, &ga, err));
+    } else {
+        MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 0, 0, f->x, f->h, err));
+        MOEPT__TRY(moept__ffn_act<T>(c, f, R, 0, err));
+    }
     return moept__ffn_mm<T>(c, f, R, 1, 0, f->a, f->y, err);
 }
 

@@ -1332,7 +1332,7 @@ static void test_kernel_form(void) {
         for (int64_t j = 0; j < n; j++) x[j] = v[i].same && j >= D ? x[j % D] : (float)tu_rand(&rs);
         void *xd = dev_from(x, n, 1), *dxd = dev_from(out, n, 1);
         const long k0 = moept_emu_launches("moept__k_gk"), k1 = moept_emu_launches("GK_DGRAD"),
-                   k2 = moept_emu_launches("GK_WGRAD");
+                   k2 = moept_emu_launches("GK_WGRAD"), k3 = moept_emu_launches("GK_GATE");
         for (int f = 0; f < 2 && !tu_bad; f++) {
             moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, f ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_PER_EXPERT};
             moept_layer *L = NULL;
@@ -1348,9 +1348,9 @@ static void test_kernel_form(void) {
             moept_destroy(L);
         }
         const long launched = moept_emu_launches("moept__k_gk") - k0, dg = moept_emu_launches("GK_DGRAD") - k1,
-                   wg = moept_emu_launches("GK_WGRAD") - k2;
-        EXPECT(D % 8 == 0 ? launched > 0 && dg > 0 && wg > 0 : launched == 0, "shape %d: %ld kernel launches "
-               "(%ld dgrad, %ld wgrad)", i, launched, dg, wg);
+                   wg = moept_emu_launches("GK_WGRAD") - k2, ga = moept_emu_launches("GK_GATE") - k3;
+        EXPECT(D % 8 == 0 ? launched > 0 && dg > 0 && wg > 0 && ga > 0 : launched == 0, "shape %d: %ld kernel "
+               "launches (%ld dgrad, %ld wgrad, %ld gate/up with the activation)", i, launched, dg, wg, ga);
         EXPECT(ng[0] > 0 && ng[0] == ng[1], "shape %d: %d and %d gradients", i, ng[0], ng[1]);
         for (int p = 0; ng[0] > 0 && ng[0] == ng[1] && p < ng[0]; p++) { /* each parameter's largest */
             double big = 1e-30, diff = 0.0;
