@@ -369,8 +369,9 @@ bench-busy: $(B)/train
 # the long runs: the kill -9 loop with 50 kills a mode (make test runs 5), and 10 kills of one of
 # 4 processes of the emulated GPUs' moept_check_mpi (make test runs 2)
 STRESS_KILLS ?= 50
-stress: $(B)/crash_save $(if $(MPICC),$(B)/crash_save_mpi) $(if $(and $(MPICC),$(EMU_OK)),$(B)/emu/moept_check_mpi)
-	@MPIRUN="$(if $(MPICC),$(MPIRUN),)" EMU="$(EMU_OK)" KILLS=$(STRESS_KILLS) sh tests/stress.sh
+stress: $(B)/crash_save $(if $(MPICC),$(B)/crash_save_mpi) $(if $(and $(MPICC),$(EMU_OK)),$(B)/emu/moept_check_mpi) \
+        $(if $(EMU_OK),$(B)/emu/moept_check) $(if $(and $(EMU_OK),$(SAN_OK)),$(B)/emu-san/moept_check)
+	@MPIRUN="$(if $(MPICC),$(MPIRUN),)" EMU="$(EMU_OK)" SAN="$(SAN_OK)" KILLS=$(STRESS_KILLS) sh tests/stress.sh
 
 run: $(B)/train
 	$(B)/train

@@ -1,7 +1,10 @@
 #!/bin/sh
 # `make stress`: the kill -9 loop (tests/crash.sh) with $KILLS kills in each
 # mode, MPI modes when Open MPI is there, and 10 kills of one of 4 emulated-GPU
-# processes (tests/crash_gpu.sh) where $EMU is set; the last line is the total.
+# processes (tests/crash_gpu.sh) where $EMU is set; then the emulated GPU's
+# reference-case runs kept out of make test for its time (where $EMU is set:
+# the sync-free FP8 step at one rank; under ASan + UBSan where $SAN is too:
+# one chunk, sync-free, FP8); the last line is the total.
 B=${B:-build}
 KILLS=${KILLS:-50}
 export B MPIRUN OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -24,6 +27,26 @@ if [ -n "$MPIRUN" ] && [ -n "$EMU" ]; then # one of 4 emulated-GPU processes kil
     n=$((n + 1))
 else
     echo "skip - emulated GPU processes: Open MPI or the CUDA headers not found"
+fi
+if [ -n "$EMU" ]; then
+    c=$(echo tests/cases/*.safetensors)
+    runs="emu/moept_check --ep 1 --dtype fp8 --sync-free"
+    [ -n "$SAN" ] && runs="$runs|emu-san/moept_check --ep 2|emu-san/moept_check --ep 2 --sync-free"
+    [ -n "$SAN" ] && runs="$runs|emu-san/moept_check --ep 2 --dtype fp8"
+    IFS='|'
+    for r in $runs; do
+        IFS=' '
+        set -- $r
+        p=$1; shift
+        if LSAN_OPTIONS=suppressions=tests/emu/lsan.supp "$B/$p" "$@" $c >"$B/stress.log" 2>&1; then
+            echo "ok - $p $*: $(tail -n 1 "$B/stress.log")"
+        else
+            echo "FAIL - $p $*:"; tail -n 20 "$B/stress.log"; failed=$((failed + 1))
+        fi
+        n=$((n + 1))
+        IFS='|'
+    done
+    IFS=' '
 fi
 echo "stress: $failed of $n modes failed"
 [ $failed -eq 0 ]
