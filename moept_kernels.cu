@@ -3733,6 +3733,7 @@ __device__ __forceinline__ void moept__gk_store_act(const moept__gk_args *g, con
     const int t = threadIdx.x % 128;
     const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_TN(MOEPT__GK_GATE);
     moept__bf16 *h = (moept__bf16 *)g->out, *a = (moept__bf16 *)g->a;
+#pragma unroll /* (d stays in registers) */
     for (int j = 0; j < 32; j++) {
         const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
         if (r >= g->rows[i] || col >= g->N) continue;
