@@ -3467,7 +3467,13 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT__GK_BM 128      /* rows of a tile: two consumer warpgroups of 64 */
 #define MOEPT__GK_BN 128      /* columns: wgmma's n */
 #define MOEPT__GK_BK 64       /* reduction step: 128 bytes of bf16, one swizzle span */
-#define MOEPT__GK_ST 4        /* stages in the ring */
+#ifndef MOEPT_GK_STAGES /* (tools/gpu_check.sh grouped sweeps 2 to 6: 32 KiB a stage) */
+#define MOEPT_GK_STAGES 4
+#endif
+#define MOEPT__GK_ST MOEPT_GK_STAGES /* stages in the ring */
+#if MOEPT__GK_ST < 2 || MOEPT__GK_ST > 6
+#error "MOEPT_GK_STAGES: 2 to 6 (the ring in 227 KiB of shared memory)"
+#endif
 #define MOEPT__GK_THREADS 384 /* producer warpgroup, then two consumers */
 #define MOEPT__GK_RUNS 240    /* runs a launch takes by value (the parameters stay under 4 KB) */
 #define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */

@@ -2,8 +2,8 @@
 """bench_peers: one MoE layer's forward + backward on one device, moept beside what a PyTorch user would
 run instead, at the same shape, with the same weights, input and output gradient.
 
-    python3 bench/bench_peers.py [--device cuda|cpu] [--shape mixtral|deepseek|qwen3|tiny|all]
-                                 [--tokens T] [--reps R] [--lib PATH] [--bench-cuda PATH]
+    python3 bench/bench_peers.py [--device cuda|cpu] [--shape mixtral|deepseek|qwen3|olmoe|tiny|all]
+                                 [--tokens T] [--reps R] [--lib PATH] [--bench-cuda PATH] [--peers DIR]
 
 Peers (each row: time per step, TFLOP/s of the expert GEMMs, device memory, time over the fastest's,
 and y and dx against transformers' eager block, the first row: max |difference| and its norm relative to the
@@ -22,6 +22,9 @@ The rows:
     each expert's rows padded to a multiple of 16, one grouped GEMM for gate/up and one for down, the
     router fp32; on the CPU (no grouped GEMM) the same layer with a loop of torch.mm per expert, so the
     smoke mode runs its code;
+  - ScatterMoE, bf16 params (GPU only, where --peers DIR, default build/peers, holds its scattermoe package:
+    tools/gpu_prebuild.sh copies it there from $SCATTERMOE, never into the repository): its GLUMLP (Triton
+    kernels that gather and scatter the rows inside the grouped GEMMs) behind the own layer's fp32 router;
   - moept (moept_torch): MoeptMoE built from the transformers block; on the GPU a bf16 CUDA layer, which
     holds fp32 master parameters and fp32 gradients (torch's .grad views them) and bf16 copies of the
     weights inside, x and y bf16: the fp32 params + autocast regime, so its row sits just above those rows
@@ -39,7 +42,8 @@ The rows:
 Shapes (bf16 on the GPU): mixtral: Mixtral-8x7B (D 4096, F 14336, E 8, K 2), T 8192; deepseek: DeepSeek-V3's
 experts (D 7168, F 2048) with 16 of its 256 experts local, top-8 among them (each expert gets about T/2
 rows, as one rank of a 16-way EP group), T 8192, no shared expert; qwen3: Qwen3-30B-A3B (D 2048, F 768,
-E 128, K 8), T 4096; tiny (the smoke mode: --device cpu): D 32, F 48, E 4, K 2, T 64, fp32. Every shape
+E 128, K 8), T 4096; olmoe: OLMoE-1B-7B (D 2048, F 1024, E 64, K 8), T 4096; tiny (the smoke mode:
+--device cpu): D 32, F 48, E 4, K 2, T 64, fp32. Every shape
 routes as Mixtral (softmax, top-k, renormalised: Qwen3's norm_topk_prob), so every peer does the same work.
 Time: median of --reps steps after 2 warm-ups, CUDA-synchronised. Memory: the device memory in use at the
 end of the peer's steps less before it (torch.cuda.mem_get_info: torch's cached blocks and moept's own
@@ -70,6 +74,7 @@ import moept_torch as mt  # noqa: E402
 SHAPES = {"mixtral": dict(D=4096, F=14336, E=8, K=2, T=8192),
           "deepseek": dict(D=7168, F=2048, E=16, K=8, T=8192),
           "qwen3": dict(D=2048, F=768, E=128, K=8, T=4096),
+          "olmoe": dict(D=2048, F=1024, E=64, K=8, T=4096),
           "tiny": dict(D=32, F=48, E=4, K=2, T=64)}
 AMP_BOUND = 2.0 ** -6  # the smoke mode's bound on an autocast row's y and dx against fp32 transformers'
 
@@ -172,6 +177,30 @@ class GroupedMM(torch.nn.Module):
         yp = self.grouped(a, w2.transpose(1, 2), offs, ends.tolist())               # [M][D]
         rows = yp[pos] * top.reshape(-1)[order, None].to(yp.dtype)                   # [T*K][D]
         return x.new_zeros(T, D).index_add(0, order // self.K, rows.to(x.dtype))
+
+
+class ScatterMoE(torch.nn.Module):
+    """ScatterMoE's GLUMLP (github.com/shawntan/scattermoe: weights [E][out][in], its gate/up output split
+    as (up, gate) by chunk(2)), routed as the own layer (fp32 router, softmax top-k renormalised)"""
+
+    def __init__(self, router, w13, w2, K):
+        super().__init__()
+        from scattermoe.mlp import GLUMLP
+        E, F2, D = w13.shape
+        F = F2 // 2
+        self.router = torch.nn.Parameter(router.detach().to(torch.float32, copy=True))  # [E][D] fp32
+        self.mlp = GLUMLP(D, F, E, K).to(device=w13.device, dtype=w13.dtype)
+        with torch.no_grad():
+            self.mlp.experts.weight.copy_(torch.cat([w13[:, F:], w13[:, :F]], 1))  # [E][2F][D] up first
+            self.mlp.output_experts.weight.copy_(w2)                                # [E][D][F]
+        self.K = K
+
+    def forward(self, x):  # x [T][D] -> y [T][D]
+        with torch.autocast(x.device.type, enabled=False):
+            probs = torch.softmax(x.float() @ self.router.t(), -1)                   # [T][E] fp32
+        top, ids = torch.topk(probs, self.K, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        return self.mlp(x, top.to(x.dtype), ids)
 
 
 def autocast_dtype(dev):
@@ -278,6 +307,9 @@ def run_shape(a, name, s, dev, dtype, rows):
     hf_peers(blk, pure, None, "pure")
     peers.append((f"grouped_mm (own layer){loop}{pure}", lambda: GroupedMM(*expert_weights(blk, F), K),
                   "own", None, "pure"))
+    if dev.type == "cuda":  # (a row saying why where its package or Triton is missing)
+        peers.append((f"ScatterMoE (Triton){pure}", lambda: ScatterMoE(*expert_weights(blk, F), K), "own",
+                      None, "pure"))
     ldtype = dtype if dev.type == "cuda" else torch.float32
     mixed = ", fp32 masters + bf16 copies" if ldtype == torch.bfloat16 else ", fp32"
 
@@ -344,20 +376,24 @@ def run_shape(a, name, s, dev, dtype, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shape", default=None, help="mixtral, deepseek, qwen3, tiny, all (default: all on "
-                    "CUDA, tiny on the CPU)")
+    ap.add_argument("--shape", default=None, help="mixtral, deepseek, qwen3, olmoe, tiny, all (default: all "
+                    "on CUDA, tiny on the CPU)")
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lib", default=None)
     ap.add_argument("--bench-cuda", default=os.path.join("build", "bench_cuda"))
+    ap.add_argument("--peers", default=os.path.join("build", "peers"),
+                    help="a directory holding peers' packages (scattermoe), put first on sys.path")
     a = ap.parse_args()
+    if os.path.isdir(a.peers):
+        sys.path.insert(0, os.path.abspath(a.peers))
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("skip - bench_peers --device cuda: torch sees no GPU")
         return 0
     a.lib = mt.load_library(a.lib, cuda=dev.type == "cuda")
     shapes = a.shape or ("all" if dev.type == "cuda" else "tiny")
-    names = ["mixtral", "deepseek", "qwen3"] if shapes == "all" else shapes.split(",")
+    names = ["mixtral", "deepseek", "qwen3", "olmoe"] if shapes == "all" else shapes.split(",")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rows = []
     for n in names:

@@ -47,9 +47,12 @@
 #           at T 1024, Qwen3-30B-A3B's (D 2048, F 768, E 128, K 8) and
 #           OLMoE's (D 2048, F 1024, E 64, K 8) layers at T 4096, bf16
 # grouped:  the grouped kernel (gemm_form kernel, sm_90a): moept_check_cuda --gemm-form kernel
-#           over every case (plain, --sync-free), then bench_cuda at Qwen3-30B-A3B's and
-#           OLMoE's layers (T 4096), DeepSeek-V3's experts and Mixtral-8x7B (T 8192), every form
-#           (the kernel among them) against the GEMM floor, then the peers
+#           over every case (plain, --sync-free), test_cuda (its edge shapes, a captured
+#           graph replayed through it), then bench_cuda at Qwen3-30B-A3B's and
+#           OLMoE's layers (T 4096), DeepSeek-V3's experts and Mixtral-8x7B (T 8192): the
+#           kernel at ring depths 2 to 6 (MOEPT_GK_STAGES: build/st<N>/bench_cuda, made by
+#           gpu_prebuild.sh or here), then every form (the kernel among them) against the GEMM
+#           floor, then the peers
 # profile:  where the Mixtral layer's and DeepSeek-V3 experts' step (bf16,
 #           T 8192, default form) spend their GPU time beyond the GEMMs:
 #           tools/cupti_trace.c's records of bench_cuda, summed per step by
@@ -433,6 +436,21 @@ grouped() { # the grouped kernel (gemm_form kernel): every case through it, its 
         tests/cases/*.safetensors
     step "moept_check_cuda $k --sync-free: every case" build/moept_check_cuda $k --sync-free \
         tests/cases/*.safetensors
+    for s in 2 3 5 6; do
+        [ -x build/st$s/bench_cuda ] || step "make build/st$s/bench_cuda (MOEPT_GK_STAGES=$s)" make -j8 \
+            B=build/st$s CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a" NVCC_DEFS=-DMOEPT_GK_STAGES=$s \
+            NCCL_HOME="$(nccl_home)" build/st$s/bench_cuda
+    done
+    for sh in "--hidden 2048 --ffn 768 --experts 128 --topk 8 --tokens 4096" \
+              "--hidden 2048 --ffn 1024 --experts 64 --topk 8 --tokens 4096" \
+              "--shape deepseek --tokens 8192" "--tokens 8192"; do
+        for s in 2 3 4 5 6; do
+            b=build/st$s/bench_cuda
+            [ $s = 4 ] && b=build/bench_cuda
+            # shellcheck disable=SC2086
+            step "sweep: stages $s, $sh" $b $sh --bf16 --gemm-form kernel --reps 10
+        done
+    done
     step "bench_cuda Qwen3-30B-A3B bf16 T=4096, every form" build/bench_cuda --hidden 2048 --ffn 768 \
         --experts 128 --topk 8 --tokens 4096 --bf16 --gemm-form all
     step "bench_cuda OLMoE bf16 T=4096, every form" build/bench_cuda --hidden 2048 --ffn 1024 --experts 64 \
@@ -440,7 +458,7 @@ grouped() { # the grouped kernel (gemm_form kernel): every case through it, its 
     step "bench_cuda DeepSeek-V3 experts bf16 T=8192, every form" build/bench_cuda --shape deepseek \
         --tokens 8192 --bf16 --gemm-form all
     step "bench_cuda Mixtral-8x7B bf16 T=8192, every form" build/bench_cuda --tokens 8192 --bf16 --gemm-form all
-    grep -E "^RESULT|^skip" "$LOG" | grep -v optimizer | tee -a "$SUM" >/dev/null
+    grep -E "^RESULT|^skip|^== sweep" "$LOG" | grep -v optimizer | tee -a "$SUM" >/dev/null
     peers
 }
 
@@ -452,9 +470,9 @@ peers() {
             tee -a "$SUM"
         return
     fi
-    step "bench_peers: Mixtral-8x7B T 8192, DeepSeek-V3 experts T 8192, Qwen3-30B-A3B T 4096, bf16 + amp" \
-        timeout 330 $P bench/bench_peers.py --device cuda --lib build/libmoept_cuda.so \
-        --bench-cuda build/bench_cuda
+    step "bench_peers: Mixtral-8x7B, DeepSeek-V3 experts T 8192, Qwen3-30B-A3B, OLMoE T 4096, bf16 + amp" \
+        timeout 420 $P bench/bench_peers.py --device cuda --lib build/libmoept_cuda.so \
+        --bench-cuda build/bench_cuda --peers build/peers
     sed -n '/^$/,$p' "$LOG" >>"$SUM"
 }
 

@@ -22,6 +22,22 @@ command -v mpicc >/dev/null && mpi="$G/moept_check_cuda_mpi $G/train_cuda_mpi"
 make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute_$AF,code=sm_$AF" \
     "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
     "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/lt_rules" "$G/libmoept_cuda.so" $mpi
+# the grouped kernel's other ring depths, for the grouped phase's sweep (4, the default, is bench_cuda's)
+if [ "$A" = 90 ]; then
+    for s in 2 3 5 6; do
+        make -j"$(nproc)" B="$G/st$s" ARCH=-march=x86-64-v2 NVCC_DEFS=-DMOEPT_GK_STAGES=$s \
+            CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a" "$G/st$s/bench_cuda"
+        find "$G/st$s" -mindepth 1 ! -name bench_cuda -exec rm -rf {} + 2>/dev/null || true
+    done
+fi
+# ScatterMoE (Triton) for the peers' rows: its package from $SCATTERMOE (a clone of
+# github.com/shawntan/scattermoe, or its git directory) into $G/peers, carried with gpub, never committed
+S=${SCATTERMOE:-}
+if [ -n "$S" ]; then
+    rm -rf "$G/peers" && mkdir -p "$G/peers"
+    if [ -d "$S/scattermoe" ]; then cp -r "$S/scattermoe" "$G/peers/"
+    else git --git-dir="$S" archive HEAD scattermoe | tar -x -C "$G/peers"; fi
+fi
 # the CUPTI tracer for the profile phase, with CUPTI's library beside it, where its headers are
 # (CUPTI: the toolkit's extras/CUPTI, else the nvidia-cuda-cupti wheel's nvidia/cu13); optional. A wheel
 # of the toolkit's own version (pip install --target /opt/cupti 'nvidia-cuda-cupti==13.0.*', then
