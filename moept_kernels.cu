@@ -3452,6 +3452,8 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
      GATE   FWD's h = x W13^T with the gated activation in its epilogue: a tile's columns are 64 of the
             gate half and the same 64 of the up half, so a thread holds g and u of its columns and
             writes h and a = act(g, u) (the activation pass fused)
+     DACT   DGRAD's da = dy W2 with the activation's backward in its epilogue: each thread reads g and u
+            of its columns from h and writes dh = act'(g, u, da) over them (da never stored)
    Persistent CTAs walk the (run, m-tile, n-tile) space; a producer thread
    loads A and B tiles by TMA into a ring of stages (mbarriers: full when the
    bytes landed, empty when both consumer warpgroups read it); two consumer
@@ -3479,7 +3481,7 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */
 #define MOEPT__GK_HALF (MOEPT__GK_TILE_B / 2)             /* 64 of a tile's 128 rows, or lines */
 #define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 1024)
-enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE };
+enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT };
 /* a tile's columns of N: 128, or (GATE) 64 of the gate half and the same 64 of the up half */
 #define MOEPT__GK_TN(F) ((F) == MOEPT__GK_GATE ? MOEPT__GK_BN / 2 : MOEPT__GK_BN)
 
@@ -3682,7 +3684,7 @@ __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUte
     else /* B: expert e's W [K][N] in [E K][N], or (WGRAD) the run's rows of x or a [rows][N] */
         for (int h = 0; h < 2; h++)
             moept__tma_load(b + h * MOEPT__GK_HALF, mb, n0 + 64 * h,
-                            F == MOEPT__GK_DGRAD ? g->e[i] * g->K + k0 : g->r0[i] + k0, bar);
+                            F == MOEPT__GK_WGRAD ? g->r0[i] + k0 : g->e[i] * g->K + k0, bar);
 }
 
 /* WGRAD's last k-step of a run: its rows from v on are the next run's (or zeros past the tensor), in A
@@ -3703,11 +3705,11 @@ __device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v) {
 /* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma */
 template <int F>
 __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const uint8_t *b, int w, int acc) {
-    const int ta = F == MOEPT__GK_WGRAD, tb = F == MOEPT__GK_DGRAD || F == MOEPT__GK_WGRAD;
+    const int ta = F == MOEPT__GK_WGRAD, tb = F != MOEPT__GK_FWD && F != MOEPT__GK_GATE;
     const uint64_t da = moept__gk_desc(a + w * MOEPT__GK_HALF, ta), db = moept__gk_desc(b, tb);
     moept__wgmma_fence();
     for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 of K: 32 bytes of a K-major row, 2 groups of MN lines */
-        moept__wgmma_128<F == MOEPT__GK_WGRAD, F == MOEPT__GK_DGRAD || F == MOEPT__GK_WGRAD>(
+        moept__wgmma_128<F == MOEPT__GK_WGRAD, F != MOEPT__GK_FWD && F != MOEPT__GK_GATE>(
             d, da + (ta ? 128 : 2) * k, db + (tb ? 128 : 2) * k, acc || k > 0);
     moept__wgmma_commit();
     moept__wgmma_wait0();
@@ -3754,6 +3756,27 @@ __device__ __forceinline__ void moept__gk_store_act(const moept__gk_args *g, con
     }
 }
 
+/* DACT's epilogue: consumer w's rows of run i's tile (mt, nt) of da, each value rounded to bf16 as the
+   dgrad's store would, then dh = act'(g, u, da) from h's g and u, written over them, as the activation
+   pass's backward computes it */
+__device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, const float *d, int i, int mt,
+                                                     int nt, int w) {
+    const int t = threadIdx.x % 128;
+    const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_BN;
+    moept__bf16 *h = (moept__bf16 *)g->out;
+#pragma unroll /* (d stays in registers) */
+    for (int j = 0; j < 64; j++) {
+        const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
+        if (r >= g->rows[i] || col >= g->N) continue;
+        const int64_t at = (g->r0[i] + r) * g->ldo + col;
+        float dg, du;
+        moept__act_bwd1(g->act, moept__bf16_to_f32(h[at]), moept__bf16_to_f32(h[at + g->N]),
+                        moept__bf16_to_f32(moept__f32_to_bf16(d[j])), &dg, &du);
+        h[at] = moept__f32_to_bf16(dg);
+        h[at + g->N] = moept__f32_to_bf16(du);
+    }
+}
+
 /* this CTA's tiles, k-step by k-step through the ring of stages. w -1: the producer thread (waits for a
    stage to be empty, loads A's and B's tiles into it by TMA); w 0 or 1: a consumer warpgroup (waits for
    a stage to be full, multiplies, frees it; stores each finished tile) */
@@ -3793,6 +3816,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
         if (first)
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* zero rows in: zeros out */
         if (F == MOEPT__GK_GATE) moept__gk_store_act(g, d, i, mt, nt, w);
+        else if (F == MOEPT__GK_DACT) moept__gk_store_dact(g, d, i, mt, nt, w);
         else moept__gk_store<F>(g, d, i, mt, nt, w);
     }
 }
@@ -3863,11 +3887,12 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
         return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
                             "MOEPT_GEMM_KERNEL: no cuTensorMapEncodeTiled in the driver (%s, query "
                             "result %d)", cudaGetErrorString(e), (int)q);
-    const void *forms[4] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
+    const void *forms[5] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
                             (const void *)moept__k_gk<MOEPT__GK_DGRAD>,
                             (const void *)moept__k_gk<MOEPT__GK_WGRAD>,
-                            (const void *)moept__k_gk<MOEPT__GK_GATE>};
-    for (int i = 0; i < 4; i++)
+                            (const void *)moept__k_gk<MOEPT__GK_GATE>,
+                            (const void *)moept__k_gk<MOEPT__GK_DACT>};
+    for (int i = 0; i < 5; i++)
         MOEPT__CU(cudaFuncSetAttribute(forms[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        MOEPT__GK_SMEM));
     c->gk_encode = (void *)fn;
@@ -3919,7 +3944,9 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
         MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_DGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
     else if (F == MOEPT__GK_WGRAD)
         MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_WGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
-    else MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_GATE>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
+    else if (F == MOEPT__GK_GATE)
+        MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_GATE>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
+    else MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_DACT>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3928,7 +3955,8 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
    launch: A [..][lda] bf16 rows (FWD, DGRAD: [..][K]; WGRAD: [..][M]); B the weights, W [E][N][K]
    (FWD) or [E][K][N] (DGRAD), or (WGRAD) rows [..][ldb] of N; out bf16 [..][ldo] of N, or (WGRAD) the
    fp32 gradient [E][M][N] added into (R: whole groups, an expert once); GATE as FWD with W13
-   [E][2N][K] (N the gate half's columns), out h [..][ldo] of 2N (if a is not h) and act's a. cnt: the
+   [E][2N][K] (N the gate half's columns), out h [..][ldo] of 2N (if a is not h) and act's a; DACT as
+   DGRAD, out h [..][ldo] read and overwritten with dh (ga's act). cnt: the
    sync-free mode's committed counts (R its groups of P blocks), the tiles of zero rows skipped; NULL:
    every tile run */
 typedef struct moept__gk_act {
@@ -4115,12 +4143,18 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
 }
 
 /* The forward over R's rows: h = x W13^T, a = act(h), y = a W2^T */
+/* whether the grouped kernel runs f's activation in a GEMM's epilogue (a gated one: its g and u), given
+   that GEMM's operands A (rows lda apart) and B (ldb) */
+static int moept__ffn_fused(const moept__cuda *c, const moept__ffn *f, const void *A, int64_t lda,
+                            const void *B, int64_t ldb) {
+    return !f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_ok(c, A, lda, B, ldb);
+}
+
 template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
-    if (!f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * F && moept__gk_ok(c, f->x, D, W13, D)) {
-        /* the grouped kernel with the activation in its epilogue */
+    if (moept__ffn_fused(c, f, f->x, D, W13, D)) { /* h and a by the gate/up GEMM */
         const moept__gk_act ga = {f->a, f->lda, c->sp.act};
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, 0, F, D, f->h, f->H, f->cnt, &ga, err));
     } else {
@@ -4138,9 +4172,16 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
 template <typename T>
 static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
     const int wgrad = R->offs != NULL;
+    const int64_t D = c->sp.D, F = f->F;
+    const void *W2 = moept__w(c, f->off2);
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
-    MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));
-    MOEPT__TRY(moept__ffn_act<T>(c, f, R, 1, err));
+    if (moept__ffn_fused(c, f, f->y, D, W2, F)) { /* dh over h by the down dgrad */
+        const moept__gk_act ga = {NULL, 0, c->sp.act};
+        MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, 0, F, D, f->h, f->H, f->cnt, &ga, err));
+    } else {
+        MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));
+        MOEPT__TRY(moept__ffn_act<T>(c, f, R, 1, err));
+    }
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 0, err));
     return moept__ffn_mm<T>(c, f, R, 0, 1, f->h, f->dx, err);
 }
