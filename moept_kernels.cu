@@ -3501,6 +3501,8 @@ typedef struct moept__gk_args {
     void *a;                  /* GATE: a = act(g, u) bf16 [rows][lda] */
     int64_t lda;
 } moept__gk_args;
+/* (a kernel's parameters: 4 KB, the two tensor maps and these) */
+static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
 
 #if defined(MOEPT_CUDA_EMU_KERNELS_H)
 #define MOEPT__BOUNDS(t)
@@ -3578,7 +3580,7 @@ __device__ __forceinline__ void moept__wgmma_wait0(void) {
 __device__ __forceinline__ void moept__fence_proxy_async(void) {
     MOEPT__HOPPER(moept_emu_fence_proxy_async(), asm volatile("fence.proxy.async.shared::cta;" ::: "memory"));
 }
-/* bar.sync id, n: the named barrier id (1-15) of n threads (a warpgroup: 128) */
+/* bar.sync id, n: the named barrier id (1-15) of n threads (the two consumer warpgroups: 256) */
 __device__ __forceinline__ void moept__bar_sync(unsigned id, unsigned n) {
     MOEPT__HOPPER(moept_emu_bar_sync(id, n), asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"));
 }
@@ -3977,11 +3979,16 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
         if (rows > 0 && e + 1 > ne) ne = e + 1;
     }
     if (end == 0) return MOEPT_OK;
+    if (wg && !R->offs) /* (each gradient tile one CTA's: an expert once a launch) */
+        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: a weight gradient over a chunk's runs "
+                            "(moept_kernels.cu:%d)", __LINE__);
     const int64_t bn = F == MOEPT__GK_FWD ? N : F == MOEPT__GK_GATE ? 2 * N : K; /* B's rows an expert */
     if (end >= INT_MAX / 2 || ne * bn >= INT_MAX / 2 || M >= INT_MAX / 2 ||
         N >= INT_MAX / 2 || K >= INT_MAX / 2)
-        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows past TMA's 32-bit "
-                            "coordinates (moept_kernels.cu:%d)", (long long)end, __LINE__);
+        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows, %lld weight rows, M %lld, "
+                            "N %lld or K %lld past TMA's 32-bit coordinates (moept_kernels.cu:%d)",
+                            (long long)end, (long long)(ne * bn), (long long)M, (long long)N, (long long)K,
+                            __LINE__);
     CUtensorMap ma, mb; /* K-major tiles one box of 128 rows, MN-major ones two of 64 lines */
     MOEPT__TRY(moept__gk_map(c, &ma, A, end, wg ? M : K, lda, wg ? 64 : MOEPT__GK_BM, err));
     if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE)

@@ -1366,6 +1366,20 @@ static void test_kernel_form(void) {
                    p, diff, big);
         }
         free(gr[0]); free(gr[1]);
+        if (i == 0) { /* an inference-only layer (a over h: the gate/up form stores a alone): y bitwise */
+            moept_config ic = cfg;
+            ic.inference_only = 1;
+            moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+            moept_layer *Lt = NULL, *Li = NULL;
+            EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &Lt));
+            EXPECT_OK(moept_create_cuda(&ic, NULL, NULL, &o, &Li));
+            if (Lt && Li && !moept_init_params(Lt, 3) && !moept_init_params(Li, 3) &&
+                !forward_y(Lt, xd, T, D, 1, NULL, out) && !forward_y(Li, xd, T, D, 1, NULL, out + n)) {
+                const int64_t d = count_diffs(out, out + n, n);
+                EXPECT(d == 0, "inference-only: %lld y values differ from the training layer's", (long long)d);
+            }
+            moept_destroy(Lt); moept_destroy(Li);
+        }
         for (int w = 0; w < 2; w++) {
             const float *a = out + 2 * w * n, *b = a + n;
             double big = 1e-30, diff = 0.0;

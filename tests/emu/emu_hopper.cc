@@ -26,6 +26,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -101,6 +102,12 @@ struct Range {
     WgOp *op;
 };
 
+struct BarSeen {                   /* a barrier a thread passed: its completion's clock, and the clock of
+                                      the thread's last fence.proxy.async before it */
+    uint32_t at = 0, fence = 0;
+};
+constexpr int NSEEN = 4;           /* the barriers kept a thread (the newest) */
+
 struct NamedBar {                  /* bar.sync a, b in progress */
     int count = 0;                 /* b of its first arrival */
     uint64_t gen = 0;              /* completions */
@@ -114,7 +121,8 @@ struct Block {
     std::vector<Mbar> mbars;
     std::vector<Wg> wgs;
     std::vector<uint32_t> pfence;  /* per thread: the clock at its last fence.proxy.async (0: none) */
-    std::vector<uint32_t> bsync;   /* ... at the last barrier it passed (bar.sync, __syncthreads; 0: none) */
+    std::vector<std::array<BarSeen, NSEEN>> seen; /* per thread: the last barriers it passed (bar.sync,
+                                                     __syncthreads), newest first */
     NamedBar nbar[16];             /* bar.sync's barriers 0-15 (0: __syncthreads' own) */
     std::vector<uint32_t> wfence;  /* ... at its last wgmma.fence (0: none) */
     std::vector<std::vector<Range>> acc; /* per thread: its accumulators in flight (stack offsets) */
@@ -156,7 +164,7 @@ bool cur(KBlock *k) {
         B.mbars.clear();
         B.wgs.assign((size_t)(B.n + WG - 1) / WG, Wg());
         B.pfence.assign((size_t)B.n, 0);
-        B.bsync.assign((size_t)B.n, 0);
+        B.seen.assign((size_t)B.n, std::array<BarSeen, NSEEN>());
         for (NamedBar &nb : B.nbar) nb = NamedBar();
         B.wfence.assign((size_t)B.n, 0);
         B.acc.assign((size_t)B.n, {});
@@ -370,9 +378,29 @@ void hop_stack(int t, size_t off, size_t n, int write) {
 
 /* a __syncthreads orders every thread after what each had observed: a phase one thread saw complete
    is complete for all of them (bar.sync is a CTA-wide fence) */
+/* thread t passed the barrier completing at clock now */
+void passed(int t, uint32_t now) {
+    std::array<BarSeen, NSEEN> &v = B.seen[(size_t)t];
+    for (int i = NSEEN - 1; i > 0; i--) v[(size_t)i] = v[(size_t)i - 1];
+    v[0].at = now;
+    v[0].fence = B.pfence[(size_t)t];
+}
+
+/* whether a barrier that thread w passed after fencing (fence.proxy.async) its store of clock stamp, a
+   barrier thread r passed too, orders that store before r's next async-proxy read ("Memory Consistency
+   Model": w's release at the barrier, r's acquire) */
+bool ordered(int w, uint32_t stamp, int r) {
+    for (const BarSeen &b : B.seen[(size_t)w]) {
+        if (!b.at || b.fence <= stamp) continue;
+        for (const BarSeen &c : B.seen[(size_t)r])
+            if (c.at == b.at) return true;
+    }
+    return false;
+}
+
 void hop_barrier() {
     const uint32_t now = ++g_hclock;
-    std::fill(B.bsync.begin(), B.bsync.end(), now);
+    for (int t = 0; t < B.n && (size_t)t < B.seen.size(); t++) passed(t, now);
     for (Mbar &m : B.mbars) {
         int64_t mx = -1;
         for (int64_t v : m.obs) mx = std::max(mx, v);
@@ -515,15 +543,17 @@ bool nbar_done(void *p) {
 
 /* PTX ISA, bar / barrier: bar.sync a, b: barrier a (0-15) completes when b threads (a multiple of the
    warp size, at most the block's) arrived; every arrival at one barrier gives the same b. Barrier 0 is
-   __syncthreads' (b the block), not emulated here with another b. */
+   __syncthreads' own, not emulated here. */
 void moept_emu_bar_sync(unsigned id, unsigned count) {
     KBlock k;
     if (!need(&k, "bar.sync")) return;
-    if (id > 15 || count == 0 || count % 32 || (int)count > k.nthreads ||
-        (id == 0 && (int)count != k.nthreads)) {
+    if (id > 15 || count == 0 || count % 32 || (int)count > k.nthreads) {
         report("synccheck", WHERE ": bar.sync %u, %u: the barrier must be 0-15 and the count a multiple of "
-               "32 up to the block's %d threads (barrier 0 with another count: not emulated)", AT(k), id,
-               count, k.nthreads);
+               "32 up to the block's %d threads", AT(k), id, count, k.nthreads);
+        kernel_end_block();
+    }
+    if (id == 0) { /* __syncthreads' barrier: with another count, or beside it, not emulated */
+        report("runtime", WHERE ": bar.sync 0, %u: barrier 0 (__syncthreads') is not emulated", AT(k), count);
         kernel_end_block();
     }
     NamedBar &nb = B.nbar[id];
@@ -542,7 +572,7 @@ void moept_emu_bar_sync(unsigned id, unsigned count) {
         return;
     }
     const uint32_t now = ++g_hclock;
-    for (int t : nb.in) B.bsync[(size_t)t] = now;
+    for (int t : nb.in) passed(t, now);
     nb.in.clear();
     nb.gen++;
 }
@@ -921,6 +951,8 @@ void issue(const KBlock &k, int wg, Wg &g) {
     std::sort(bytes.begin(), bytes.end());
     bytes.erase(std::unique(bytes.begin(), bytes.end()), bytes.end());
     bool told = false;
+    int memo_w = -1;
+    uint32_t memo_s = 0;
     for (uint32_t o : bytes) {
         HopByte &h = hb(o, k.blk);
         if (!told && kernel_hooks() && !smem_defined(dyn_smem() + o)) { /* (stores reach it: instrumented) */
@@ -936,14 +968,21 @@ void issue(const KBlock &k, int wg, Wg &g) {
                    "stored with no fence.proxy.async since", AT(k), o, h.gw_t);
         }
         /* ... and the store, fenced, must happen before the issue: a barrier (bar.sync, __syncthreads)
-           between the storing thread and the warpgroup ("Memory Consistency Model", causality order:
-           a barrier's arrive synchronizes with its wait) */
-        if (!told && h.gw && B.bsync[h.gw_t] <= B.pfence[h.gw_t]) {
-            told = true;
-            report("proxy", WHERE ": wgmma.mma_async reads shared memory at dynamic offset %u that thread %d "
-                   "stored and fenced (fence.proxy.async), but no barrier (bar.sync) ordered that before the "
-                   "wgmma", AT(k), o, h.gw_t);
+           that the storing thread passed after its fence and every thread of the warpgroup passed too
+           ("Memory Consistency Model", causality order: a barrier's arrive synchronizes with its wait;
+           among each thread's last few barriers) */
+        const bool again = h.gw && memo_w == h.gw_t && memo_s == h.gw_stamp; /* (a store's bytes: once) */
+        if (h.gw && !again) {
+            memo_w = h.gw_t;
+            memo_s = h.gw_stamp;
         }
+        for (int l = 0; !told && h.gw && !again && l < WG; l++)
+            if (!ordered(h.gw_t, h.gw_stamp, wg * WG + l)) {
+                told = true;
+                report("proxy", WHERE ": wgmma.mma_async reads shared memory at dynamic offset %u that "
+                       "thread %d stored, but no barrier that it passed after a fence.proxy.async and "
+                       "thread %d passed too ordered that before the wgmma", AT(k), o, h.gw_t, wg * WG + l);
+            }
         if (!told && h.tma_bar) {
             const Mbar &m = B.mbars[(size_t)h.tma_bar - 1];
             for (int l = 0; l < WG && !told; l++)

@@ -1248,11 +1248,20 @@ static unsigned mn64(int c, int k) {
     return (2 * e) ^ (((2 * e) >> 7 & 3) << 4);
 }
 
+/* the canonical MN-major layout with the 128B swizzle ("Canonical Layouts": ((T,8,m),(8,k)):((1,T,LBO),
+   (8T,SBO)), Swizzle<3,4,3>), 128 of N by 16 of K: LBO 2048 bytes (the second 64 of N), SBO 1024 (the
+   second 8 of K); the grouped kernel's B tiles are this with LBO 8192 */
+static unsigned mn128(int c, int k) {
+    const unsigned b = (unsigned)((c / 64) * 2048 + (k / 8) * 1024 + (k % 8) * 128 + (c % 64) * 2);
+    return b ^ ((b >> 7 & 7) << 4);
+}
+
 /* m64nNk16 with A[r][k] = (k == 0 ? r : k == 1 ? 1 : 0), B[c][k] = (k == 0 ? N : k == 1 ? c : 0):
    D[r][c] = N r + c, each register's value names its place. Stores by the threads, fence.proxy.async
-   (unless fence is 0), barrier (fence 2: none; 3: bar.sync 1, 128 in place of __syncthreads), one
+   (unless fence is 0), barrier (fence 2: none; 3: bar.sync 1, 128 in place of __syncthreads; 4: then a
+   store elsewhere, fenced, with no barrier after it), one
    wgmma; out[t * N/2 + i] = thread t's d[i]. bad: 1 writes d after the wgmma.fence, 2 reads d before the
-   wait, 3 returns without waiting, 4 N = 12, 5 B N-major as mn64 (N 64; imm-trans-b 1) */
+   wait, 3 returns without waiting, 4 N = 12, 5 B N-major as mn64 (N 64; imm-trans-b 1), 6 as mn128 (N 128) */
 __global__ void k_wg_frag(float *out, int n, int fence, int bad) {
     char *sm = (char *)moept_emu_dyn_smem();
     const int t = threadIdx.x;
@@ -1262,17 +1271,22 @@ __global__ void k_wg_frag(float *out, int n, int fence, int bad) {
     }
     for (int e = t; e < n * 16; e += 128) {
         const int c = e / 16, k = e % 16;
-        *(uint16_t *)(sm + 8192 + (bad == 5 ? mn64(c, k) : kmaj(c, k))) =
+        *(uint16_t *)(sm + 8192 + (bad == 5 ? mn64(c, k) : bad == 6 ? mn128(c, k) : kmaj(c, k))) =
             hbf(k == 0 ? (float)n : k == 1 ? (float)c : 0.0f);
     }
     if (fence) moept_emu_fence_proxy_async();
     if (fence == 3) moept_emu_bar_sync(1, 128);
     else if (fence != 2) __syncthreads();
+    if (fence == 4) { /* (the operands' stores stay ordered by the barrier above) */
+        *(float *)(sm + 11264 + 4 * t) = 1.0f;
+        moept_emu_fence_proxy_async();
+    }
     float d[128];
     moept_emu_wgmma_fence();
     if (bad == 1 && t == 7) d[3] = 1.0f;
-    const uint64_t db = bad == 5 ? hdesc(sm + 8192, 2, 512, 1024) : hdesc(sm + 8192, 0, 128, 256);
-    moept_emu_wgmma_bf16(d, bad == 4 ? 12 : n, hdesc(sm, 0, 128, 256), db, 0, 0, bad == 5);
+    const uint64_t db = bad == 5 ? hdesc(sm + 8192, 2, 512, 1024)
+                        : bad == 6 ? hdesc(sm + 8192, 1, 2048, 1024) : hdesc(sm + 8192, 0, 128, 256);
+    moept_emu_wgmma_bf16(d, bad == 4 ? 12 : n, hdesc(sm, 0, 128, 256), db, 0, 0, bad >= 5);
     moept_emu_wgmma_commit();
     if (bad == 2 && t == 9) out[0] = d[1];
     if (bad == 3) return;
@@ -1650,6 +1664,19 @@ static void hopper_kernels() {
         }
     result("... B laid out as the PTX ISA's worked example (MN-major, 64B swizzle, LBO 512, SBO 1024 bytes): "
            "every element of D", ok, "wrong MN-major layout");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 128, 1, 6);
+    h.assign(128 * 64, -1.0f);
+    cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost);
+    expect_clean("wgmma m64n128k16 with B N-major in the 128B swizzle (the grouped kernel's): clean");
+    ok = true;
+    for (int t = 0; t < 128; t++)
+        for (int i = 0; i < 64; i++) {
+            const int r = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1);
+            const int c = 8 * (i >> 2) + 2 * (t % 4) + (i & 1);
+            ok = ok && h[(size_t)t * 64 + (size_t)i] == (float)(128 * r + c);
+        }
+    result("... B in the canonical MN-major 128B layout (two atoms of 64 along N: LBO 2048, SBO 1024 bytes): "
+           "every element of D", ok, "wrong MN-major layout");
     MOEPT__LAUNCH(k_bar, 1, 128, 0, 0)(1);
     cudaDeviceSynchronize();
     expect_report("synccheck: bar.sync with a count not of whole warps", "a multiple of 32");
@@ -1661,7 +1688,10 @@ static void hopper_kernels() {
     expect_report("hang: half of bar.sync's threads return", "wait in bar.sync");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 2, 0);
     cudaDeviceSynchronize();
-    expect_report("proxy: generic stores fenced but no barrier before the wgmma", "no barrier (bar.sync)");
+    expect_report("proxy: generic stores fenced but no barrier before the wgmma", "no barrier that it passed");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 4, 0);
+    cudaDeviceSynchronize();
+    expect_clean("wgmma after a fence and barrier, then another store fenced with no barrier: clean");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 0, 0);
     cudaDeviceSynchronize();
     expect_report("proxy: wgmma reads generic stores with no fence.proxy.async", "no fence.proxy.async");
