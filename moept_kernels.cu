@@ -3572,8 +3572,11 @@ __device__ __forceinline__ void moept__wgmma_fence(void) {
 __device__ __forceinline__ void moept__wgmma_commit(void) {
     MOEPT__HOPPER(moept_emu_wgmma_commit(), asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"));
 }
-__device__ __forceinline__ void moept__wgmma_wait0(void) {
-    MOEPT__HOPPER(moept_emu_wgmma_wait(0), asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"));
+/* wgmma.wait_group N: until at most N of this warpgroup's newest groups are pending */
+template <int N>
+__device__ __forceinline__ void moept__wgmma_wait(void) {
+    MOEPT__HOPPER(moept_emu_wgmma_wait(N),
+                  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"));
 }
 /* fence.proxy.async: this thread's shared-memory stores before it, visible to the async proxy (a wgmma's
    operand reads) once a barrier orders them before the wgmma */
@@ -3704,7 +3707,8 @@ __device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v) {
     moept__bar_sync(1, 256);
 }
 
-/* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma */
+/* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma, issued as one
+   group (the caller waits for it) */
 template <int F>
 __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const uint8_t *b, int w, int acc) {
     const int ta = F == MOEPT__GK_WGRAD, tb = F != MOEPT__GK_FWD && F != MOEPT__GK_GATE;
@@ -3714,7 +3718,6 @@ __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const 
         moept__wgmma_128<F == MOEPT__GK_WGRAD, F != MOEPT__GK_FWD && F != MOEPT__GK_GATE>(
             d, da + (ta ? 128 : 2) * k, db + (tb ? 128 : 2) * k, acc || k > 0);
     moept__wgmma_commit();
-    moept__wgmma_wait0();
 }
 
 /* consumer w's rows [64 w, 64 w + 64) of run i's tile (mt, nt) into out, past the run (M) or N masked:
@@ -3781,7 +3784,8 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
 
 /* this CTA's tiles, k-step by k-step through the ring of stages. w -1: the producer thread (waits for a
    stage to be empty, loads A's and B's tiles into it by TMA); w 0 or 1: a consumer warpgroup (waits for
-   a stage to be full, multiplies, frees it; stores each finished tile) */
+   a stage to be full, issues its wgmmas, then waits for the step before's and frees that stage, so one
+   step's multiplies run while the next is issued; stores each finished tile) */
 template <int F>
 __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
                                uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
@@ -3790,7 +3794,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
     for (int i = 0; i < g->n; i++) tiles += moept__gk_mtiles<F>(g, i) * ntn;
     float d[64];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int mt = 0, nt = 0, first = 1;
+        int mt = 0, nt = 0, first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
         const int i = moept__gk_locate<F>(g, tile, &mt, &nt), nkb = moept__gk_ksteps<F>(g, i);
         const int live = F == MOEPT__GK_WGRAD || moept__gk_live(g, i, (int64_t)mt * MOEPT__GK_BM,
                                                                  MOEPT__GK_BM);
@@ -3810,9 +3814,15 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
                 if (F == MOEPT__GK_WGRAD && v < MOEPT__GK_BK)
                     moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v);
                 moept__gk_mma<F>(d, a, b, w, !first);
-                moept__mbar_arrive(&empty[s]);
+                moept__wgmma_wait<1>();
+                if (held >= 0) moept__mbar_arrive(&empty[held]);
+                held = s;
             }
             first = 0;
+        }
+        if (held >= 0) {
+            moept__wgmma_wait<0>();
+            moept__mbar_arrive(&empty[held]);
         }
         if (w < 0 || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
         if (first)
