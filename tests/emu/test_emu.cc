@@ -1302,6 +1302,20 @@ __global__ void k_bar(int bad) {
     moept_emu_bar_sync(1, bad == 1 ? 48 : bad == 2 && t >= 64 ? 64 : 128);
 }
 
+/* whether k_wg_frag's out (thread t's d[i] at t n/2 + i) holds D[r][c] = n r + c at the places of the
+   m64nNk16 D fragment (a copy to the host: it waits for the kernel) */
+static bool frag_is(const float *out, int n) {
+    std::vector<float> h((size_t)(64 * n), -1.0f);
+    cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost);
+    for (int t = 0; t < 128; t++)
+        for (int i = 0; i < n / 2; i++) {
+            const int r = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1);
+            const int c = 8 * (i >> 2) + 2 * (t % 4) + (i & 1);
+            if (h[(size_t)t * (size_t)(n / 2) + (size_t)i] != (float)(n * r + c)) return false;
+        }
+    return true;
+}
+
 /* only part of the warpgroup reaches wgmma.fence (the others return), or a block of 64 threads */
 __global__ void k_wg_partial(int keep) {
     if ((int)threadIdx.x >= keep) return;
@@ -1652,29 +1666,13 @@ static void hopper_kernels() {
     result("... the D fragment: threads 0, 5, 37, 127 hold the hand-worked elements, every element once", ok,
            "wrong layout");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 64, 3, 5);
-    h.assign(128 * 32, -1.0f);
-    cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost);
+    ok = frag_is(out, 64);
     expect_clean("wgmma with B N-major (imm-trans-b), stores fenced, bar.sync 1, 128: clean");
-    ok = true;
-    for (int t = 0; t < 128; t++) /* D[r][c] = 64 r + c at the fragment's places */
-        for (int i = 0; i < 32; i++) {
-            const int r = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1);
-            const int c = 8 * (i >> 2) + 2 * (t % 4) + (i & 1);
-            ok = ok && h[(size_t)t * 32 + (size_t)i] == (float)(64 * r + c);
-        }
     result("... B laid out as the PTX ISA's worked example (MN-major, 64B swizzle, LBO 512, SBO 1024 bytes): "
            "every element of D", ok, "wrong MN-major layout");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 128, 1, 6);
-    h.assign(128 * 64, -1.0f);
-    cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost);
+    ok = frag_is(out, 128);
     expect_clean("wgmma m64n128k16 with B N-major in the 128B swizzle (the grouped kernel's): clean");
-    ok = true;
-    for (int t = 0; t < 128; t++)
-        for (int i = 0; i < 64; i++) {
-            const int r = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1);
-            const int c = 8 * (i >> 2) + 2 * (t % 4) + (i & 1);
-            ok = ok && h[(size_t)t * 64 + (size_t)i] == (float)(128 * r + c);
-        }
     result("... B in the canonical MN-major 128B layout (two atoms of 64 along N: LBO 2048, SBO 1024 bytes): "
            "every element of D", ok, "wrong MN-major layout");
     MOEPT__LAUNCH(k_bar, 1, 128, 0, 0)(1);
