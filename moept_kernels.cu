@@ -3722,19 +3722,35 @@ __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const 
 
 /* consumer w's rows [64 w, 64 w + 64) of run i's tile (mt, nt) into out, past the run (M) or N masked:
    bf16 stores, or (WGRAD) added to expert e's fp32 gradient */
+/* p[0] = bf16(x), and p[1] = bf16(y) where two: one 4-byte store where p is 4-byte aligned */
+__device__ __forceinline__ void moept__st_bf16x2(moept__bf16 *p, float x, float y, int two) {
+    if (two && ((uintptr_t)p & 3) == 0) {
+        *(uint32_t *)p = (uint32_t)moept__f32_to_bf16(x) | (uint32_t)moept__f32_to_bf16(y) << 16;
+    } else {
+        p[0] = moept__f32_to_bf16(x);
+        if (two) p[1] = moept__f32_to_bf16(y);
+    }
+}
+
+/* (registers j and j + 1, j even, hold columns c and c + 1 of one row: stored as a pair) */
 template <int F>
 __device__ __forceinline__ void moept__gk_store(const moept__gk_args *g, const float *d, int i, int mt,
                                                 int nt, int w) {
     const int t = threadIdx.x % 128;
     const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_BN;
     const int64_t rows = F == MOEPT__GK_WGRAD ? g->M : g->rows[i];
-    for (int j = 0; j < 64; j++) {
+#pragma unroll
+    for (int j = 0; j < 64; j += 2) {
         const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
         if (r >= rows || col >= g->N) continue;
-        if (F == MOEPT__GK_WGRAD)
-            ((float *)g->out)[((int64_t)g->e[i] * g->M + r) * g->N + col] += d[j];
-        else
-            ((moept__bf16 *)g->out)[(g->r0[i] + r) * g->ldo + col] = moept__f32_to_bf16(d[j]);
+        if (F == MOEPT__GK_WGRAD) {
+            float *o = (float *)g->out + ((int64_t)g->e[i] * g->M + r) * g->N + col;
+            o[0] += d[j];
+            if (col + 1 < g->N) o[1] += d[j + 1];
+        } else {
+            moept__st_bf16x2((moept__bf16 *)g->out + (g->r0[i] + r) * g->ldo + col, d[j], d[j + 1],
+                             col + 1 < g->N);
+        }
     }
 }
 
@@ -3747,17 +3763,22 @@ __device__ __forceinline__ void moept__gk_store_act(const moept__gk_args *g, con
     const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_TN(MOEPT__GK_GATE);
     moept__bf16 *h = (moept__bf16 *)g->out, *a = (moept__bf16 *)g->a;
 #pragma unroll /* (d stays in registers) */
-    for (int j = 0; j < 32; j++) {
+    for (int j = 0; j < 32; j += 2) { /* (j and j + 1: columns c and c + 1 of one row, stored as pairs) */
         const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
         if (r >= g->rows[i] || col >= g->N) continue;
-        const moept__bf16 hg = moept__f32_to_bf16(d[j]), hu = moept__f32_to_bf16(d[j + 32]);
+        const int two = col + 1 < g->N;
+        float gv[2], uv[2], av[2];
+        for (int q = 0; q < 2; q++) { /* h's bf16 values, and act of them */
+            gv[q] = moept__bf16_to_f32(moept__f32_to_bf16(d[j + q]));
+            uv[q] = moept__bf16_to_f32(moept__f32_to_bf16(d[j + q + 32]));
+            av[q] = moept__act_fwd1(g->act, gv[q], uv[q]);
+        }
         const int64_t at = (g->r0[i] + r) * g->ldo + col;
         if (g->hout) {
-            h[at] = hg;
-            h[at + g->N] = hu;
+            moept__st_bf16x2(h + at, gv[0], gv[1], two);
+            moept__st_bf16x2(h + at + g->N, uv[0], uv[1], two);
         }
-        a[(g->r0[i] + r) * g->lda + col] =
-            moept__f32_to_bf16(moept__act_fwd1(g->act, moept__bf16_to_f32(hg), moept__bf16_to_f32(hu)));
+        moept__st_bf16x2(a + (g->r0[i] + r) * g->lda + col, av[0], av[1], two);
     }
 }
 
@@ -3815,14 +3836,14 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
                     moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v);
                 moept__gk_mma<F>(d, a, b, w, !first);
                 moept__wgmma_wait<1>();
-                if (held >= 0) moept__mbar_arrive(&empty[held]);
+                if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
                 held = s;
             }
             first = 0;
         }
         if (held >= 0) {
             moept__wgmma_wait<0>();
-            moept__mbar_arrive(&empty[held]);
+            if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
         }
         if (w < 0 || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
         if (first)
@@ -3845,7 +3866,8 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
     if (threadIdx.x == 0) {
         for (int s = 0; s < MOEPT__GK_ST; s++) {
             moept__mbar_init(&full[s], 1);
-            moept__mbar_init(&empty[s], 256); /* every consumer thread, once its wgmma retired */
+            moept__mbar_init(&empty[s], 2); /* each consumer warpgroup's first thread, once its group
+                                               retired (wgmma.wait_group waits for the whole warpgroup) */
         }
         moept__fence_mbar_init();
     }
