@@ -16,7 +16,9 @@
 
    usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D]
                      [--ffn F] [--experts E] [--topk K] [--reps R] [--bf16|--fp32]
-                     [--gemm-form auto|grouped|per-expert|strided|kernel|all] [--fp8]
+                     [--gemm-form auto|grouped|per-expert|strided|kernel|all] [--fp8] [--sync-free]
+   --sync-free: moept_cuda_options.sync_free (static blocks of max_tokens rows an expert, dropless: the
+   cuBLAS forms multiply their zero rows, the kernel form skips them by the counts on the device).
    --fp8: the layer's expert GEMMs in FP8 (config.fp8: cuBLASLt, E4M3 in
    DeepSeek-V3's tiles), its rows in the dtype; the floor stays the dtype's
    cuBLAS GEMMs, so step_over_floor compares the FP8 layer with that floor.
@@ -49,7 +51,7 @@
         }                                                                               \
     } while (0)
 
-typedef struct shape { int64_t T, D, F, E, K, reps; int bf16, form, fp8; } shape; /* form -1: all */
+typedef struct shape { int64_t T, D, F, E, K, reps; int bf16, form, fp8, sync_free; } shape; /* form -1: all */
 
 static const char *form_names[5] = {"auto", "grouped", "per-expert", "strided", "kernel"};
 
@@ -164,12 +166,12 @@ static float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
 static void usage(void) {
     fprintf(stderr, "usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D] [--ffn F] "
                     "[--experts E] [--topk K] [--reps R] [--bf16|--fp32] "
-                    "[--gemm-form auto|grouped|per-expert|strided|kernel|all] [--fp8]\n");
+                    "[--gemm-form auto|grouped|per-expert|strided|kernel|all] [--fp8] [--sync-free]\n");
     exit(2);
 }
 
 static void parse(int argc, char **argv, shape *s) {
-    *s = (shape){8192, 4096, 14336, 8, 2, 5, 1, MOEPT_GEMM_AUTO, 0};
+    *s = (shape){8192, 4096, 14336, 8, 2, 5, 1, MOEPT_GEMM_AUTO, 0, 0};
     for (int i = 1; i < argc; i++) {
         int64_t *v = !strcmp(argv[i], "--tokens") ? &s->T : !strcmp(argv[i], "--hidden") ? &s->D
                      : !strcmp(argv[i], "--ffn") ? &s->F : !strcmp(argv[i], "--experts") ? &s->E
@@ -178,6 +180,7 @@ static void parse(int argc, char **argv, shape *s) {
         else if (!strcmp(argv[i], "--bf16")) s->bf16 = 1;
         else if (!strcmp(argv[i], "--fp32")) s->bf16 = 0;
         else if (!strcmp(argv[i], "--fp8")) s->fp8 = 1;
+        else if (!strcmp(argv[i], "--sync-free")) s->sync_free = 1;
         else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
             const char *n = argv[++i];
             if (!strcmp(n, "mixtral")) s->D = 4096, s->F = 14336, s->E = 8, s->K = 2;
@@ -238,7 +241,7 @@ static double step_bench(const shape *s, int f, cudaStream_t st, int64_t *off, i
     cfg.norm_topk_prob = 1; cfg.aux_loss = MOEPT_AUX_HF; cfg.aux_loss_coef = 0.01f; cfg.max_tokens = T;
     cfg.fp8 = s->fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
     /* unchecked_backward: the step's one host sync, as a trainer that checks dy itself would run */
-    moept_cuda_options o = {s->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, st, 1, 0, (moept_gemm_form)f};
+    moept_cuda_options o = {s->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, st, 1, s->sync_free, (moept_gemm_form)f};
     moept_layer *L = NULL;
     moept_status cst = moept_create_cuda(&cfg, NULL, NULL, &o, &L);
     if (cst == MOEPT_ERR_UNSUPPORTED && f == MOEPT_GEMM_KERNEL) { /* not this GPU or build: said, skipped */
@@ -316,11 +319,11 @@ int main(int argc, char **argv) {
         if (step_ms[i] <= 0.0) continue; /* (skipped) */
         printf("RESULT tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld dtype=%s%s reps=%lld "
                "step_ms=%.3f "
-               "floor_ms=%.3f step_over_floor=%.3f floor_tflops=%.1f gemm_form=%s\n",
+               "floor_ms=%.3f step_over_floor=%.3f floor_tflops=%.1f gemm_form=%s sync_free=%d\n",
                (long long)T, (long long)s.D, (long long)s.F, (long long)E, (long long)K, s.bf16 ? "bf16" : "fp32",
                s.fp8 ? "+fp8" : "",
                (long long)s.reps, step_ms[i], floor_ms, step_ms[i] / floor_ms, flops / (floor_ms * 1e-3) * 1e-12,
-               form_names[forms[i]]);
+               form_names[forms[i]], s.sync_free);
     }
     cublasDestroy(hb);
     floor_free(&b);

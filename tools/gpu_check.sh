@@ -52,7 +52,7 @@
 #           OLMoE's layers (T 4096), DeepSeek-V3's experts and Mixtral-8x7B (T 8192): the
 #           kernel at ring depths 2 to 6 (MOEPT_GK_STAGES: build/st<N>/bench_cuda, made by
 #           gpu_prebuild.sh or here), then every form (the kernel among them) against the GEMM
-#           floor, then the peers
+#           floor, in the sync-free mode too at Qwen3's and DeepSeek-V3's shapes, then the peers
 # profile:  where the Mixtral layer's and DeepSeek-V3 experts' step (bf16,
 #           T 8192, default form) spend their GPU time beyond the GEMMs:
 #           tools/cupti_trace.c's records of bench_cuda, summed per step by
@@ -458,6 +458,11 @@ grouped() { # the grouped kernel (gemm_form kernel): every case through it, its 
     step "bench_cuda DeepSeek-V3 experts bf16 T=8192, every form" build/bench_cuda --shape deepseek \
         --tokens 8192 --bf16 --gemm-form all
     step "bench_cuda Mixtral-8x7B bf16 T=8192, every form" build/bench_cuda --tokens 8192 --bf16 --gemm-form all
+    # the sync-free mode's static blocks (dropless: E/K times the rows): the kernel skips their zero rows
+    step "bench_cuda Qwen3-30B-A3B bf16 T=4096 --sync-free, every form" build/bench_cuda --hidden 2048 \
+        --ffn 768 --experts 128 --topk 8 --tokens 4096 --bf16 --sync-free --gemm-form all
+    step "bench_cuda DeepSeek-V3 experts bf16 T=8192 --sync-free, every form" build/bench_cuda \
+        --shape deepseek --tokens 8192 --bf16 --sync-free --gemm-form all
     grep -E "^RESULT|^skip|^== sweep" "$LOG" | grep -v optimizer | tee -a "$SUM" >/dev/null
     peers
 }
