@@ -998,6 +998,158 @@ static void test_mask_padding_values(void) {
     }
 }
 
+/* Every gradient of L (the parameters in buffer order) into g, parameter i from off[i] (off[n] the end,
+   n < 32); n, or -1 */
+static int all_grads(moept_layer *L, float *g, int64_t *off) {
+    const int n = (int)moept_param_count(L);
+    off[0] = 0;
+    for (int i = 0; i < n && i < 31; i++) {
+        moept_param_info pi;
+        if (moept_param_info_at(L, i, &pi) || moept_get_grad(L, pi.name, g + off[i], pi.rows * pi.cols))
+            return -1;
+        off[i + 1] = off[i] + pi.rows * pi.cols;
+    }
+    return n < 32 ? n : -1;
+}
+
+/* the largest |a - b| of n values within 2^-6 of the largest |a| (bf16's rounding of two summation orders) */
+static void close_to(const float *a, const float *b, int64_t n, const char *what, int shape) {
+    double big = 1e-30, diff = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        big = fmax(big, fabs(a[j]));
+        diff = fmax(diff, fabs((double)a[j] - b[j]));
+    }
+    EXPECT(diff <= big / 64.0, "shape %d: %s differs by %.3g (largest %.3g)", shape, what, diff, big);
+}
+
+/* The grouped kernel's shape i of test_kernel_form: a step of cfg in the per-expert form and in the
+   kernel form on the same tokens (xd, dy = x), y, dx and each parameter's gradient close; under the
+   emulator, each of the kernel's forms launched where TMA takes the rows (D a multiple of 8; the down
+   dgrad's epilogue form where F is too) and none where not */
+static void kernel_form_shape(moept_config cfg, const void *xd, int i) {
+    const int64_t T = cfg.max_tokens, D = cfg.hidden_size, n = T * D;
+    float *out = calloc((size_t)(4 * n), 4), *gr[2] = {NULL, NULL};
+    int ng[2] = {-1, -1};
+    int64_t off[2][32];
+    void *dxd = dev_from(out, n, 1);
+#ifdef MOEPT_EMU
+    const char *names[5] = {"moept__k_gk", "GK_DGRAD", "GK_WGRAD", "GK_GATE", "GK_DACT"};
+    long k[5];
+    for (int f = 0; f < 5; f++) k[f] = moept_emu_launches(names[f]);
+#endif
+    for (int f = 0; f < 2 && !tu_bad; f++) {
+        moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, f ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_PER_EXPERT};
+        moept_layer *L = NULL;
+        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+        if (L && !moept_init_params(L, 3) && !forward_y(L, xd, T, D, 1, NULL, out + f * n)) {
+            EXPECT_OK(moept_backward(L, xd, xd, dxd));
+            host_from(out + (2 + f) * n, dxd, n, 1);
+            gr[f] = malloc((size_t)moept_param_numel(L) * 4);
+            ng[f] = gr[f] ? all_grads(L, gr[f], off[f]) : -1;
+        }
+        moept_destroy(L);
+    }
+#ifdef MOEPT_EMU
+    for (int f = 0; f < 5; f++) k[f] = moept_emu_launches(names[f]) - k[f];
+    EXPECT(D % 8 == 0 ? k[0] > 0 && k[1] > 0 && k[2] > 0 && k[3] > 0 && (k[4] > 0 || cfg.intermediate_size % 8)
+                      : k[0] == 0,
+           "shape %d: %ld kernel launches (%ld dgrad, %ld wgrad, %ld gate/up with the activation, %ld down "
+           "dgrad with its backward)", i, k[0], k[1], k[2], k[3], k[4]);
+#endif
+    close_to(out, out + n, n, "y", i);
+    close_to(out + 2 * n, out + 3 * n, n, "dx", i);
+    EXPECT(ng[0] > 0 && ng[0] == ng[1], "shape %d: %d and %d gradients", i, ng[0], ng[1]);
+    for (int p = 0; ng[0] > 0 && ng[0] == ng[1] && p < ng[0]; p++) {
+        char what[40];
+        snprintf(what, sizeof what, "parameter %d's gradient", p);
+        close_to(gr[0] + off[0][p], gr[1] + off[0][p], off[0][p + 1] - off[0][p], what, i);
+    }
+    free(gr[0]); free(gr[1]); free(out);
+    cudaFree(dxd);
+}
+
+/* An inference-only layer in the kernel form (a over h: the gate/up form stores a alone): y a training
+   layer's bitwise */
+static void kernel_form_inference(moept_config cfg, const void *xd) {
+    const int64_t T = cfg.max_tokens, D = cfg.hidden_size, n = T * D;
+    moept_config ic = cfg;
+    ic.inference_only = 1;
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+    moept_layer *Lt = NULL, *Li = NULL;
+    float *y = calloc((size_t)(2 * n), 4);
+    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &Lt));
+    EXPECT_OK(moept_create_cuda(&ic, NULL, NULL, &o, &Li));
+    if (Lt && Li && !moept_init_params(Lt, 3) && !moept_init_params(Li, 3) &&
+        !forward_y(Lt, xd, T, D, 1, NULL, y) && !forward_y(Li, xd, T, D, 1, NULL, y + n)) {
+        const int64_t d = count_diffs(y, y + n, n);
+        EXPECT(d == 0, "inference-only: %lld y values differ from the training layer's", (long long)d);
+    }
+    moept_destroy(Lt); moept_destroy(Li);
+    free(y);
+}
+
+/* The grouped kernel (options.gemm_form MOEPT_GEMM_KERNEL: every bf16 expert GEMM, forward, dgrad and
+   wgrad, the gated activation and its backward in the gate/up GEMM's and the down dgrad's epilogues)
+   against cuBLAS's per-expert form, the same layer and tokens, at its edge shapes: experts with 0
+   and 1 rows, rows past one 128-row tile and not a multiple of its 64-row reduction step (the wgrad's
+   tail), D and F not multiples of its 64 and 128, one expert holding every token (identical tokens),
+   max_tokens rows (kernel_form_shape); an inference-only layer (kernel_form_inference). The kernel runs
+   wherever TMA takes the rows (16-byte row strides), cuBLAS where not (D 68). On the emulated GPU,
+   which answers compute capability 9.0 here (MOEPT_EMU_CC; at its default 8.0 the form is refused at
+   create, naming what it needs), and on a GPU of compute capability 9.0 (tools/gpu_check.sh) */
+static void test_kernel_form(void) {
+#ifdef MOEPT_EMU
+    moept_config c0 = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_cuda_options o0 = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+    moept_layer *L0 = NULL;
+    const char *cc = getenv("MOEPT_EMU_CC");
+    char keep[16] = "";
+    if (cc) snprintf(keep, sizeof keep, "%s", cc);
+    setenv("MOEPT_EMU_CC", "80", 1);
+    EXPECT(moept_create_cuda(&c0, NULL, NULL, &o0, &L0) == MOEPT_ERR_UNSUPPORTED &&
+           strstr(moept_last_error(NULL), "compute capability 9.0"), "on 8.0: %s", moept_last_error(NULL));
+    moept_destroy(L0);
+    setenv("MOEPT_EMU_CC", "90", 1);
+#endif
+    const struct { int64_t D, F, E, K, T; int same; } v[5] = {
+        {64, 64, 4, 2, 40, 0}, {72, 40, 8, 1, 5, 0}, {136, 200, 8, 2, 300, 0}, {64, 48, 4, 2, 200, 1},
+        {68, 36, 4, 2, 30, 0}};
+    for (int i = 0; i < 5 && !tu_bad; i++) {
+        moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
+        cfg.hidden_size = v[i].D; cfg.intermediate_size = v[i].F; cfg.num_experts = v[i].E;
+        cfg.top_k = v[i].K; cfg.max_tokens = v[i].T;
+        const int64_t D = v[i].D, n = v[i].T * D;
+        float *x = malloc((size_t)n * 4);
+        unsigned long long rs = 5 + (unsigned long long)i;
+        for (int64_t j = 0; j < n; j++) x[j] = v[i].same && j >= D ? x[j % D] : (float)tu_rand(&rs);
+        void *xd = dev_from(x, n, 1);
+        kernel_form_shape(cfg, xd, i);
+        if (i == 0) kernel_form_inference(cfg, xd);
+        cudaFree(xd);
+        free(x);
+    }
+#ifdef MOEPT_EMU
+    if (keep[0]) setenv("MOEPT_EMU_CC", keep, 1);
+    else unsetenv("MOEPT_EMU_CC");
+#endif
+}
+
+/* why this GPU cannot run the grouped kernel (not compute capability 9.0, or no sm_90a code), or NULL */
+static const char *kernel_form_skip(void) {
+#ifdef MOEPT_EMU
+    return NULL;
+#else
+    static char why[300];
+    moept_config c = base_cfg(MOEPT_FAMILY_MIXTRAL);
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+    moept_layer *L = NULL;
+    moept_status st = moept_create_cuda(&c, NULL, NULL, &o, &L);
+    snprintf(why, sizeof why, "%s", st ? moept_last_error(NULL) : "");
+    moept_destroy(L);
+    return st ? why : NULL;
+#endif
+}
+
 #ifdef MOEPT_EMU
 /* Two NCCL ranks (emulated GPUs as threads). Rank 0 must grow its receive
    block (every token of both ranks goes to its expert) and that allocation
@@ -1283,118 +1435,6 @@ static void test_chunked_equals_one_chunk(void) {
     }
 }
 
-/* Every gradient of L (the parameters in buffer order) into g, parameter i from off[i] (off[n] the end,
-   n < 32); n, or -1 */
-static int all_grads(moept_layer *L, float *g, int64_t *off) {
-    const int n = (int)moept_param_count(L);
-    off[0] = 0;
-    for (int i = 0; i < n && i < 31; i++) {
-        moept_param_info pi;
-        if (moept_param_info_at(L, i, &pi) || moept_get_grad(L, pi.name, g + off[i], pi.rows * pi.cols))
-            return -1;
-        off[i + 1] = off[i] + pi.rows * pi.cols;
-    }
-    return n < 32 ? n : -1;
-}
-
-/* The grouped kernel (options.gemm_form MOEPT_GEMM_KERNEL: every bf16 expert GEMM, forward, dgrad and
-   wgrad, the gated activation and its backward in the gate/up GEMM's and the down dgrad's epilogues)
-   against cuBLAS's per-expert form, the same layer and tokens, at its edge shapes: experts with 0
-   and 1 rows, rows past one 128-row tile and not a multiple of its 64-row reduction step (the wgrad's
-   tail), D and F not multiples of its 64 and 128, one expert holding every token (identical tokens),
-   max_tokens rows. y, dx and the weight gradients agree within bf16's rounding of two summation orders
-   (2^-6 of the largest); the kernel runs wherever TMA takes the rows (16-byte row strides), each of its
-   three forms launched, cuBLAS where not (D 68). The emulated GPU answers compute capability 9.0 here
-   (MOEPT_EMU_CC); at its default 8.0 the form is refused at create, naming what it needs. */
-static void test_kernel_form(void) {
-    moept_config c0 = base_cfg(MOEPT_FAMILY_MIXTRAL);
-    moept_cuda_options o0 = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
-    moept_layer *L0 = NULL;
-    const char *cc = getenv("MOEPT_EMU_CC");
-    char keep[16] = "";
-    if (cc) snprintf(keep, sizeof keep, "%s", cc);
-    setenv("MOEPT_EMU_CC", "80", 1);
-    EXPECT(moept_create_cuda(&c0, NULL, NULL, &o0, &L0) == MOEPT_ERR_UNSUPPORTED &&
-           strstr(moept_last_error(NULL), "compute capability 9.0"), "on 8.0: %s", moept_last_error(NULL));
-    moept_destroy(L0);
-    setenv("MOEPT_EMU_CC", "90", 1);
-    const struct { int64_t D, F, E, K, T; int same; } v[5] = {
-        {64, 64, 4, 2, 40, 0}, {72, 40, 8, 1, 5, 0}, {136, 200, 8, 2, 300, 0}, {64, 48, 4, 2, 200, 1},
-        {68, 36, 4, 2, 30, 0}};
-    for (int i = 0; i < 5 && !tu_bad; i++) {
-        moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
-        cfg.hidden_size = v[i].D; cfg.intermediate_size = v[i].F; cfg.num_experts = v[i].E;
-        cfg.top_k = v[i].K; cfg.max_tokens = v[i].T;
-        const int64_t T = v[i].T, D = v[i].D, n = T * D;
-        float *x = malloc((size_t)n * 4), *out = calloc((size_t)(4 * n), 4), *gr[2] = {NULL, NULL};
-        int ng[2] = {-1, -1};
-        int64_t off[2][32];
-        unsigned long long rs = 5 + (unsigned long long)i;
-        for (int64_t j = 0; j < n; j++) x[j] = v[i].same && j >= D ? x[j % D] : (float)tu_rand(&rs);
-        void *xd = dev_from(x, n, 1), *dxd = dev_from(out, n, 1);
-        const long k0 = moept_emu_launches("moept__k_gk"), k1 = moept_emu_launches("GK_DGRAD"),
-                   k2 = moept_emu_launches("GK_WGRAD"), k3 = moept_emu_launches("GK_GATE"),
-                   k4 = moept_emu_launches("GK_DACT");
-        for (int f = 0; f < 2 && !tu_bad; f++) {
-            moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, f ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_PER_EXPERT};
-            moept_layer *L = NULL;
-            EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
-            if (!L) break;
-            moept_init_params(L, 3);
-            if (!forward_y(L, xd, T, D, 1, NULL, out + f * n)) { /* dy = x */
-                EXPECT_OK(moept_backward(L, xd, xd, dxd));
-                host_from(out + (2 + f) * n, dxd, n, 1);
-                gr[f] = malloc((size_t)moept_param_numel(L) * 4);
-                ng[f] = gr[f] ? all_grads(L, gr[f], off[f]) : -1;
-            }
-            moept_destroy(L);
-        }
-        const long launched = moept_emu_launches("moept__k_gk") - k0, dg = moept_emu_launches("GK_DGRAD") - k1,
-                   wg = moept_emu_launches("GK_WGRAD") - k2, ga = moept_emu_launches("GK_GATE") - k3,
-                   dac = moept_emu_launches("GK_DACT") - k4;
-        EXPECT(D % 8 == 0 ? launched > 0 && dg > 0 && wg > 0 && ga > 0 && (dac > 0 || v[i].F % 8) : launched == 0,
-               "shape %d: %ld kernel launches (%ld dgrad, %ld wgrad, %ld gate/up with the activation, %ld down "
-               "dgrad with its backward)", i, launched, dg, wg, ga, dac);
-        EXPECT(ng[0] > 0 && ng[0] == ng[1], "shape %d: %d and %d gradients", i, ng[0], ng[1]);
-        for (int p = 0; ng[0] > 0 && ng[0] == ng[1] && p < ng[0]; p++) { /* each parameter's largest */
-            double big = 1e-30, diff = 0.0;
-            for (int64_t j = off[0][p]; j < off[0][p + 1]; j++) {
-                big = fmax(big, fabs(gr[0][j]));
-                diff = fmax(diff, fabs((double)gr[0][j] - gr[1][j]));
-            }
-            EXPECT(diff <= big / 64.0, "shape %d: parameter %d's gradient differs by %.3g (largest %.3g)", i,
-                   p, diff, big);
-        }
-        free(gr[0]); free(gr[1]);
-        if (i == 0) { /* an inference-only layer (a over h: the gate/up form stores a alone): y bitwise */
-            moept_config ic = cfg;
-            ic.inference_only = 1;
-            moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
-            moept_layer *Lt = NULL, *Li = NULL;
-            EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &Lt));
-            EXPECT_OK(moept_create_cuda(&ic, NULL, NULL, &o, &Li));
-            if (Lt && Li && !moept_init_params(Lt, 3) && !moept_init_params(Li, 3) &&
-                !forward_y(Lt, xd, T, D, 1, NULL, out) && !forward_y(Li, xd, T, D, 1, NULL, out + n)) {
-                const int64_t d = count_diffs(out, out + n, n);
-                EXPECT(d == 0, "inference-only: %lld y values differ from the training layer's", (long long)d);
-            }
-            moept_destroy(Lt); moept_destroy(Li);
-        }
-        for (int w = 0; w < 2; w++) {
-            const float *a = out + 2 * w * n, *b = a + n;
-            double big = 1e-30, diff = 0.0;
-            for (int64_t j = 0; j < n; j++) {
-                big = fmax(big, fabs(a[j]));
-                diff = fmax(diff, fabs((double)a[j] - b[j]));
-            }
-            EXPECT(diff <= big / 64.0, "shape %d: %s differs by %.3g (largest %.3g)", i, w ? "dx" : "y", diff, big);
-        }
-        cudaFree(xd); cudaFree(dxd);
-        free(x); free(out);
-    }
-    if (keep[0]) setenv("MOEPT_EMU_CC", keep, 1);
-    else unsetenv("MOEPT_EMU_CC");
-}
 
 /* bf16 weights are cast from the fp32 masters once per change, not every
    forward (issue #14 item 1), counted by the emulator: none on a second
@@ -3705,6 +3745,7 @@ static void test_td_destroy_in_call(void) {
                  "buffers: every rank refuses (all-gather, all-to-all, all-reduce), the next call runs"
 #define TD_DESTROY "cuda: moept_comm_cuda_threads, a destroy while the peer is in a call: the call fails " \
                    "naming it, no crash"
+#define KERNEL_FORM "cuda: the grouped kernel form (sm_90) against cuBLAS's at its edge shapes"
 #define FP8_TILES "cuda: config.fp8 (cuBLASLt E4M3) equals the CPU's FP8 layer, edge tiles and shared " \
                   "expert (fp32 2^-5, bf16 rows 2^-3)"
 #define FP8_RANGES "cuda: config.fp8 equals the CPU's FP8 layer at tiny and huge scales (x 1e-40 to 1e30: " \
@@ -3731,6 +3772,7 @@ int main(void) {
         tu_skip(TD_DESTROY, why);
         tu_skip("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", why);
         tu_skip("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", why);
+        tu_skip(KERNEL_FORM, why);
         tu_skip("cuda: a sync-free step captured in a CUDA graph (thread-local), replays equal eager steps", why);
         tu_skip("cuda: an inference-only layer's y is a training layer's bitwise, the CPU's to its bound; "
                 "training calls refused as the CPU's (4 families, fp32, bf16, sync-free)", why);
@@ -3757,6 +3799,8 @@ int main(void) {
     tu_run(TD_DESTROY, test_td_destroy_in_call);
     tu_run("cuda: a dx overflow refuses the gradients until zero_grad (fp32, bf16)", test_dx_overflow);
     tu_run("cuda: AdamW and the gradient norm on the device equal the CPU's (fp32, bf16)", test_device_adamw);
+    if (kernel_form_skip()) tu_skip(KERNEL_FORM, kernel_form_skip());
+    else tu_run(KERNEL_FORM, test_kernel_form);
     tu_run("cuda: a sync-free step captured in a CUDA graph (thread-local, global), replays equal eager steps",
            test_graph_one_gpu);
     tu_run("cuda: an inference-only layer's y is a training layer's bitwise, the CPU's to its bound; "
@@ -3785,7 +3829,6 @@ int main(void) {
            "between)",
            test_chunked_equals_one_chunk);
     tu_run("cuda (emulated): bf16 weights cast once per parameter change", test_bf16_weights_cast_once);
-    tu_run("cuda (emulated): the grouped kernel form against cuBLAS's at its edge shapes", test_kernel_form);
     tu_run("cuda (emulated, 2 EP ranks): forward against backward, loss and y overflows fail on both ranks",
            test_call_agreement);
     tu_run("cuda (emulated, EP 1 and 2): router jitter draws the CPU's noise, none in eval (fp32, bf16)",
