@@ -2,9 +2,10 @@
 # `make stress`: the kill -9 loop (tests/crash.sh) with $KILLS kills in each
 # mode, MPI modes when Open MPI is there, and 10 kills of one of 4 emulated-GPU
 # processes (tests/crash_gpu.sh) where $EMU is set; then the emulated GPU's
-# reference-case runs kept out of make test for its time (where $EMU is set:
-# the sync-free FP8 step at one rank; under ASan + UBSan where $SAN is too:
-# one chunk, sync-free, FP8); the last line is the total.
+# runs kept out of make test for its time (where $EMU is set: the sync-free
+# FP8 step at one rank; the emulator and the kernels under ASan + UBSan where
+# $SAN is too: the reference cases at EP 2 with three chunks and one,
+# sync-free and FP8, and test_range); the last line is the total.
 B=${B:-build}
 KILLS=${KILLS:-50}
 export B MPIRUN OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -31,7 +32,8 @@ fi
 if [ -n "$EMU" ]; then
     c=$(echo tests/cases/*.safetensors)
     runs="emu/moept_check --ep 1 --dtype fp8 --sync-free"
-    [ -n "$SAN" ] && runs="$runs|emu-san/moept_check --ep 2|emu-san/moept_check --ep 2 --sync-free"
+    [ -n "$SAN" ] && runs="$runs|emu-san/moept_check --ep 2 --chunks 3|emu-san/moept_check --ep 2"
+    [ -n "$SAN" ] && runs="$runs|emu-san/moept_check --ep 2 --sync-free"
     [ -n "$SAN" ] && runs="$runs|emu-san/moept_check --ep 2 --dtype fp8"
     IFS='|'
     for r in $runs; do
@@ -47,6 +49,14 @@ if [ -n "$EMU" ]; then
         IFS='|'
     done
     IFS=' '
+    if [ -n "$SAN" ]; then
+        if LSAN_OPTIONS=suppressions=tests/emu/lsan.supp "$B/emu-san/test_range" >"$B/stress.log" 2>&1; then
+            echo "ok - emu-san/test_range: $(tail -n 1 "$B/stress.log")"
+        else
+            echo "FAIL - emu-san/test_range:"; tail -n 20 "$B/stress.log"; failed=$((failed + 1))
+        fi
+        n=$((n + 1))
+    fi
 fi
 echo "stress: $failed of $n modes failed"
 [ $failed -eq 0 ]
