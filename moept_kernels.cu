@@ -3632,9 +3632,20 @@ __device__ __forceinline__ int moept__gk_col(int i, int t) { return 8 * (i >> 2)
 /* run i's m-tiles and k-steps: FWD and DGRAD tile its rows and step through K, WGRAD tiles the
    gradient's M rows and steps through its rows */
 template <int F>
-__device__ __forceinline__ int moept__gk_mtiles(const moept__gk_args *g, int i) {
+MOEPT_HD static inline int moept__gk_mtiles(const moept__gk_args *g, int i) {
     const int m = F == MOEPT__GK_WGRAD ? (g->rows[i] > 0 ? g->M : 0) : g->rows[i];
     return (m + MOEPT__GK_BM - 1) / MOEPT__GK_BM;
+}
+/* ... its n-tiles, and the launch's tiles (the host sizes the grid by them, the CTAs walk them) */
+template <int F>
+MOEPT_HD static inline int moept__gk_ntiles(const moept__gk_args *g) {
+    return (g->N + MOEPT__GK_TN(F) - 1) / MOEPT__GK_TN(F);
+}
+template <int F>
+MOEPT_HD static inline int64_t moept__gk_tiles(const moept__gk_args *g) {
+    int64_t tiles = 0;
+    for (int i = 0; i < g->n; i++) tiles += (int64_t)moept__gk_mtiles<F>(g, i) * moept__gk_ntiles<F>(g);
+    return tiles;
 }
 template <int F>
 __device__ __forceinline__ int moept__gk_ksteps(const moept__gk_args *g, int i) {
@@ -3656,7 +3667,7 @@ __device__ __forceinline__ int moept__gk_live(const moept__gk_args *g, int i, in
 /* tile tile of the launch: its run, m-tile and n-tile (the runs' m-tiles in order, n fastest) */
 template <int F>
 __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int tile, int *mt, int *nt) {
-    const int ntn = (g->N + MOEPT__GK_TN(F) - 1) / MOEPT__GK_TN(F);
+    const int ntn = moept__gk_ntiles<F>(g);
     for (int i = 0; i < g->n; i++) {
         const int n = moept__gk_mtiles<F>(g, i) * ntn;
         if (tile < n) {
@@ -3711,17 +3722,14 @@ __device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v) {
    group (the caller waits for it) */
 template <int F>
 __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const uint8_t *b, int w, int acc) {
-    const int ta = F == MOEPT__GK_WGRAD, tb = F != MOEPT__GK_FWD && F != MOEPT__GK_GATE;
-    const uint64_t da = moept__gk_desc(a + w * MOEPT__GK_HALF, ta), db = moept__gk_desc(b, tb);
+    constexpr int TA = F == MOEPT__GK_WGRAD, TB = F != MOEPT__GK_FWD && F != MOEPT__GK_GATE; /* MN-major */
+    const uint64_t da = moept__gk_desc(a + w * MOEPT__GK_HALF, TA), db = moept__gk_desc(b, TB);
     moept__wgmma_fence();
     for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 of K: 32 bytes of a K-major row, 2 groups of MN lines */
-        moept__wgmma_128<F == MOEPT__GK_WGRAD, F != MOEPT__GK_FWD && F != MOEPT__GK_GATE>(
-            d, da + (ta ? 128 : 2) * k, db + (tb ? 128 : 2) * k, acc || k > 0);
+        moept__wgmma_128<TA, TB>(d, da + (TA ? 128 : 2) * k, db + (TB ? 128 : 2) * k, acc || k > 0);
     moept__wgmma_commit();
 }
 
-/* consumer w's rows [64 w, 64 w + 64) of run i's tile (mt, nt) into out, past the run (M) or N masked:
-   bf16 stores, or (WGRAD) added to expert e's fp32 gradient */
 /* p[0] = bf16(x), and p[1] = bf16(y) where two: one 4-byte store where p is 4-byte aligned */
 __device__ __forceinline__ void moept__st_bf16x2(moept__bf16 *p, float x, float y, int two) {
     if (two && ((uintptr_t)p & 3) == 0) {
@@ -3732,7 +3740,9 @@ __device__ __forceinline__ void moept__st_bf16x2(moept__bf16 *p, float x, float 
     }
 }
 
-/* (registers j and j + 1, j even, hold columns c and c + 1 of one row: stored as a pair) */
+/* consumer w's rows [64 w, 64 w + 64) of run i's tile (mt, nt) into out, past the run (M) or N masked:
+   bf16 stores, or (WGRAD) added to expert e's fp32 gradient (registers j and j + 1, j even, hold
+   columns c and c + 1 of one row: stored as a pair) */
 template <int F>
 __device__ __forceinline__ void moept__gk_store(const moept__gk_args *g, const float *d, int i, int mt,
                                                 int nt, int w) {
@@ -3810,9 +3820,8 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
 template <int F>
 __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
                                uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
-    const int ntn = (g->N + MOEPT__GK_TN(F) - 1) / MOEPT__GK_TN(F);
-    int tiles = 0, it = 0;
-    for (int i = 0; i < g->n; i++) tiles += moept__gk_mtiles<F>(g, i) * ntn;
+    const int tiles = (int)moept__gk_tiles<F>(g); /* (under INT_MAX: moept__gk_launch) */
+    int it = 0;
     float d[64];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int mt = 0, nt = 0, first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
@@ -3957,30 +3966,26 @@ static moept_status moept__gk_map(moept__cuda *c, CUtensorMap *m, const void *p,
     return MOEPT_OK;
 }
 
-/* one launch over g's runs: a CTA a multiprocessor, or a tile (the device's count, moept__gk_mtiles) */
+/* one launch over g's runs: a CTA a multiprocessor, or a tile */
 template <int F>
 static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, const CUtensorMap *mb,
                                      const moept__gk_args *g, char *err) {
-    int64_t tiles = 0;
-    for (int i = 0; i < g->n; i++) {
-        const int64_t m = F == MOEPT__GK_WGRAD ? (g->rows[i] > 0 ? g->M : 0) : g->rows[i];
-        tiles += (m + MOEPT__GK_BM - 1) / MOEPT__GK_BM * ((g->N + MOEPT__GK_TN(F) - 1) / MOEPT__GK_TN(F));
-    }
+    const int64_t tiles = moept__gk_tiles<F>(g);
     if (tiles == 0) return MOEPT_OK;
     if (tiles >= INT_MAX)
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld tiles past its 32-bit tile index "
                             "(moept_kernels.cu:%d)", (long long)tiles, __LINE__);
     const int grid = (int)(tiles < c->gk_sms ? tiles : c->gk_sms);
-    const size_t sm = MOEPT__GK_SMEM; /* (each form launched by its name: the emulator counts by name) */
-    if (F == MOEPT__GK_FWD)
-        MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_FWD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
-    else if (F == MOEPT__GK_DGRAD)
-        MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_DGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
-    else if (F == MOEPT__GK_WGRAD)
-        MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_WGRAD>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
-    else if (F == MOEPT__GK_GATE)
-        MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_GATE>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
-    else MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_DACT>, grid, MOEPT__GK_THREADS, sm, c->s)(*ma, *mb, *g);
+    /* each form launched by its own name (the emulator counts launches by name) */
+#define MOEPT__GK_GO(X)                                                                                 \
+    if (F == MOEPT__GK_##X)                                                                             \
+    MOEPT__LAUNCH(moept__k_gk<MOEPT__GK_##X>, grid, MOEPT__GK_THREADS, MOEPT__GK_SMEM, c->s)(*ma, *mb, *g)
+    MOEPT__GK_GO(FWD);
+    MOEPT__GK_GO(DGRAD);
+    MOEPT__GK_GO(WGRAD);
+    MOEPT__GK_GO(GATE);
+    MOEPT__GK_GO(DACT);
+#undef MOEPT__GK_GO
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
