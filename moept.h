@@ -870,10 +870,10 @@ moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, i
        else per expert over side streams (never the grouped call).
      MOEPT_GEMM_KERNEL: moept's own grouped GEMM for Hopper (one launch over
        every local expert, TMA loads and wgmma, docs/CUDA.md) for every bf16
-       expert GEMM (forward, dgrad and wgrad) whose rows are 16-byte
-       multiples; in the sync-free mode it skips the blocks' zero rows by
-       the counts on the device. AUTO's choice elsewhere (fp32 layers,
-       config.fp8's cuBLASLt, widths not multiples of 8). Refused
+       expert GEMM (forward, dgrad and wgrad, the gated activation and its
+       backward in their epilogues), at any widths; in the sync-free mode
+       it skips the blocks' zero rows by the counts on the device. AUTO's
+       choice elsewhere (fp32 layers, config.fp8's cuBLASLt). Refused
        at create (MOEPT_ERR_UNSUPPORTED) on a GPU other than compute
        capability 9.0 or a build without sm_90a code (nvcc -gencode
        arch=compute_90a,code=sm_90a). AUTO does not pick it yet: it has not

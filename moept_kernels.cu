@@ -2497,15 +2497,15 @@ static moept_status moept__blas_handle(moept__cuda *c, cublasHandle_t *h, cudaSt
 }
 
 /* Whether a call of several expert GEMMs can go per expert: bf16 layers (their weight gradients are
-   outside the grouped call's type table, and odd widths break its alignment rule), the per-expert and
-   strided forms, and a cuBLAS without the grouped call */
+   outside the grouped call's type table, and odd widths break its alignment rule) but in the kernel
+   form (one launch each), the per-expert and strided forms, and a cuBLAS without the grouped call */
 static int moept__side_wanted(const moept__cuda *c) {
+    const int f = c->sp.gemm_form, bf16 = c->sp.dtype == MOEPT_DTYPE_BF16;
+    if (bf16 && f == MOEPT_GEMM_KERNEL) return 0;
 #if CUBLAS_VERSION < 120500
-    (void)c;
     return 1;
 #else
-    const int f = c->sp.gemm_form;
-    return c->sp.dtype == MOEPT_DTYPE_BF16 || f == MOEPT_GEMM_PER_EXPERT || f == MOEPT_GEMM_STRIDED;
+    return bf16 || f == MOEPT_GEMM_PER_EXPERT || f == MOEPT_GEMM_STRIDED;
 #endif
 }
 
@@ -3454,9 +3454,11 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
             writes h and a = act(g, u) (the activation pass fused)
      DACT   DGRAD's da = dy W2 with the activation's backward in its epilogue: each thread reads g and u
             of its columns from h and writes dh = act'(g, u, da) over them (da never stored)
-   Persistent CTAs walk the (run, m-tile, n-tile) space; a producer thread
-   loads A and B tiles by TMA into a ring of stages (mbarriers: full when the
-   bytes landed, empty when both consumer warpgroups read it); two consumer
+   Persistent CTAs walk the (run, m-tile, n-tile) space; a producer loads A
+   and B tiles into a ring of stages (mbarriers: full when the bytes landed,
+   empty when both consumer warpgroups read it): one thread by TMA, or,
+   for an operand whose rows TMA cannot take, the first warpgroup's 128
+   threads by their own loads into the same swizzled boxes; two consumer
    warpgroups each multiply 64 rows of the 128-row tile with wgmma (bf16,
    fp32 accumulators) and write their rows (rows past the run or columns
    past N masked; WGRAD adds into the fp32 gradient, each tile by one CTA).
@@ -3485,6 +3487,14 @@ enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__G
 /* a tile's columns of N: 128, or (GATE) 64 of the gate half and the same 64 of the up half */
 #define MOEPT__GK_TN(F) ((F) == MOEPT__GK_GATE ? MOEPT__GK_BN / 2 : MOEPT__GK_BN)
 
+/* an operand whose rows TMA cannot take (a row stride or base not a multiple of 16 bytes): bf16
+   [rows][cols], rows ld elements apart, which the producer warpgroup loads itself (moept__gk_box) */
+typedef struct moept__gk_src {
+    const uint16_t *p;
+    int64_t ld;
+    int32_t rows, cols;
+} moept__gk_src;
+
 typedef struct moept__gk_args {
     int32_t r0[MOEPT__GK_RUNS], rows[MOEPT__GK_RUNS], e[MOEPT__GK_RUNS];
     int32_t n;                /* runs */
@@ -3500,6 +3510,8 @@ typedef struct moept__gk_args {
                                  over it) */
     void *a;                  /* GATE: a = act(g, u) bf16 [rows][lda] */
     int64_t lda;
+    moept__gk_src src[2];     /* A and B where loaded by the producer warpgroup, not TMA: */
+    int32_t lsu;              /* ... bit 0 A, bit 1 B (0: both by TMA, one producer thread) */
 } moept__gk_args;
 /* (a kernel's parameters: 4 KB, the two tensor maps and these) */
 static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
@@ -3680,39 +3692,100 @@ __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int til
     return -1;
 }
 
-/* the producer: k-step kb of run i's tile (mt, nt) into stage (a, b), its bytes completing on bar.
+/* the producer warpgroup's copy of a box as a TMA load of it writes it (moept__tma_load, its map's
+   swizzle): columns c0.. (64) of rows r1.. (n) of s into dst, 16-byte chunk q of box row j at chunk
+   q ^ (j % 8), zeros past the tensor and from box row lim on; 16-byte loads where the rows allow them,
+   else element by element. Each thread its chunks: the caller fences them for the async proxy and
+   arrives on the stage's full barrier (its consumers' wait orders them before their wgmmas) */
+__device__ __forceinline__ void moept__gk_box(uint8_t *dst, const moept__gk_src *s, int c0, int r1, int n,
+                                              int lim) {
+    const int vec = s->ld % 8 == 0 && ((uintptr_t)s->p & 15) == 0;
+    for (int c = threadIdx.x % 128; c < 8 * n; c += 128) {
+        const int j = c / 8, q = c % 8, col = c0 + 8 * q;
+        const int64_t r = (int64_t)r1 + j;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (j < lim && r < s->rows && col < s->cols) {
+            const uint16_t *e = s->p + r * s->ld + col;
+            if (vec && col + 8 <= s->cols) {
+                v = *(const uint4 *)e;
+            } else {
+                uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int u = 0; u < 8 && col + u < s->cols; u++) h[u] = e[u];
+                v = make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16,
+                               h[4] | (uint32_t)h[5] << 16, h[6] | (uint32_t)h[7] << 16);
+            }
+        }
+        *(uint4 *)(dst + ((128 * j + 16 * q) ^ (j % 8) << 4)) = v;
+    }
+}
+
+/* operand o's box at (c0, c1) of n rows into dst: pass 0 the producer warpgroup's own loads (g->lsu's
+   operands; rows from lim on zeros), pass 1 the TMA loads (the others; thread 0 issues them, their bytes
+   completing on bar) */
+__device__ __forceinline__ void moept__gk_fetch(const moept__gk_args *g, const CUtensorMap *map, int o,
+                                                int pass, uint8_t *dst, int c0, int c1, int n, int lim,
+                                                uint64_t *bar) {
+    if (g->lsu >> o & 1) {
+        if (pass == 0) moept__gk_box(dst, &g->src[o], c0, c1, n, lim);
+    } else if (pass == 1 && threadIdx.x == 0) {
+        moept__tma_load(dst, map, c0, c1, bar);
+    }
+}
+
+/* the producer: k-step kb of run i's tile (mt, nt) into stage (a, b), pass by pass (moept__gk_fetch).
    K-major tiles are one box of 64 x 128, MN-major ones two of 64 x 64 (a line of 64 is the span) */
 template <int F>
 __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUtensorMap *mb,
                                                const moept__gk_args *g, int i, int mt, int nt, int kb,
-                                               uint8_t *a, uint8_t *b, uint64_t *bar) {
+                                               uint8_t *a, uint8_t *b, uint64_t *bar, int pass) {
     const int k0 = kb * MOEPT__GK_BK, n0 = nt * MOEPT__GK_TN(F);
+    const int v = F == MOEPT__GK_WGRAD ? g->rows[i] - k0 : MOEPT__GK_BM; /* WGRAD: the run's rows left */
     if (F == MOEPT__GK_WGRAD) /* A: the run's rows k0.. of dy or dh [rows][M] */
         for (int h = 0; h < 2; h++)
-            moept__tma_load(a + h * MOEPT__GK_HALF, ma, mt * MOEPT__GK_BM + 64 * h, g->r0[i] + k0, bar);
+            moept__gk_fetch(g, ma, 0, pass, a + h * MOEPT__GK_HALF, mt * MOEPT__GK_BM + 64 * h,
+                            g->r0[i] + k0, 64, v, bar);
     else /* A: rows of the run [rows][K] */
-        moept__tma_load(a, ma, k0, g->r0[i] + mt * MOEPT__GK_BM, bar);
+        moept__gk_fetch(g, ma, 0, pass, a, k0, g->r0[i] + mt * MOEPT__GK_BM, MOEPT__GK_BM, v, bar);
     if (F == MOEPT__GK_FWD) /* B: expert e's W [N][K] in [E N][K] */
-        moept__tma_load(b, mb, k0, g->e[i] * g->N + n0, bar);
+        moept__gk_fetch(g, mb, 1, pass, b, k0, g->e[i] * g->N + n0, MOEPT__GK_BN, v, bar);
     else if (F == MOEPT__GK_GATE) /* B: rows n0.. of expert e's gate half and of its up half, [E 2N][K] */
         for (int h = 0; h < 2; h++)
-            moept__tma_load(b + h * MOEPT__GK_HALF, mb, k0, (2 * g->e[i] + h) * g->N + n0, bar);
+            moept__gk_fetch(g, mb, 1, pass, b + h * MOEPT__GK_HALF, k0, (2 * g->e[i] + h) * g->N + n0, 64,
+                            v, bar);
     else /* B: expert e's W [K][N] in [E K][N], or (WGRAD) the run's rows of x or a [rows][N] */
         for (int h = 0; h < 2; h++)
-            moept__tma_load(b + h * MOEPT__GK_HALF, mb, n0 + 64 * h,
-                            F == MOEPT__GK_WGRAD ? g->r0[i] + k0 : g->e[i] * g->K + k0, bar);
+            moept__gk_fetch(g, mb, 1, pass, b + h * MOEPT__GK_HALF, n0 + 64 * h,
+                            F == MOEPT__GK_WGRAD ? g->r0[i] + k0 : g->e[i] * g->K + k0, 64, v, bar);
+}
+
+/* the producer thread(s) fill stage (a, b): their own loads (fenced for the async proxy), then an
+   arrival each on bar (thread 0's announcing the TMA loads' bytes), then the TMA loads */
+template <int F>
+__device__ __forceinline__ void moept__gk_produce(const CUtensorMap *ma, const CUtensorMap *mb,
+                                                  const moept__gk_args *g, int i, int mt, int nt, int kb,
+                                                  uint8_t *a, uint8_t *b, uint64_t *bar) {
+    if (g->lsu) {
+        moept__gk_load<F>(ma, mb, g, i, mt, nt, kb, a, b, bar, 0);
+        moept__fence_proxy_async();
+    }
+    const unsigned tx = (g->lsu & 1 ? 0 : MOEPT__GK_TILE_B) + (g->lsu & 2 ? 0 : MOEPT__GK_TILE_B);
+    if (threadIdx.x == 0 && tx) moept__mbar_expect_tx(bar, tx);
+    else moept__mbar_arrive(bar);
+    moept__gk_load<F>(ma, mb, g, i, mt, nt, kb, a, b, bar, 1);
 }
 
 /* WGRAD's last k-step of a run: its rows from v on are the next run's (or zeros past the tensor), in A
-   and B alike. Consumer w zeroes those lines of A's and B's half w (a line one k; the swizzle moves
-   16-byte chunks within a line), fences them for the async proxy, and both consumers meet at a barrier
-   before either multiplies (B is shared). A chunk is always the same thread's */
-__device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v) {
+   and B alike. Consumer w zeroes those lines of A's and B's half w that TMA loaded (the producer's own
+   loads leave them zeros; lsu: g->lsu) (a line one k; the swizzle moves 16-byte chunks within a line),
+   fences them for the async proxy, and both consumers meet at a barrier before either multiplies (B is
+   shared). A chunk is always the same thread's */
+__device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v, int lsu) {
     const int t = threadIdx.x % 128;
+    if (lsu == 3) return;
     for (int c = t; c < MOEPT__GK_HALF / 16; c += 128)
         if (c / 8 >= v) {
-            *(uint4 *)(a + 16 * c) = make_uint4(0, 0, 0, 0);
-            *(uint4 *)(b + 16 * c) = make_uint4(0, 0, 0, 0);
+            if (!(lsu & 1)) *(uint4 *)(a + 16 * c) = make_uint4(0, 0, 0, 0);
+            if (!(lsu & 2)) *(uint4 *)(b + 16 * c) = make_uint4(0, 0, 0, 0);
         }
     moept__fence_proxy_async();
     moept__bar_sync(1, 256);
@@ -3813,8 +3886,8 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
     }
 }
 
-/* this CTA's tiles, k-step by k-step through the ring of stages. w -1: the producer thread (waits for a
-   stage to be empty, loads A's and B's tiles into it by TMA); w 0 or 1: a consumer warpgroup (waits for
+/* this CTA's tiles, k-step by k-step through the ring of stages. w -1: the producer (waits for a stage
+   to be empty, loads A's and B's tiles into it: moept__gk_produce); w 0 or 1: a consumer warpgroup (waits for
    a stage to be full, issues its wgmmas, then waits for the step before's and frees that stage, so one
    step's multiplies run while the next is issued; stores each finished tile) */
 template <int F>
@@ -3836,13 +3909,12 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             uint8_t *a = sa + s * MOEPT__GK_TILE_B, *b = sb + s * MOEPT__GK_TILE_B;
             if (w < 0) {
                 moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
-                moept__mbar_expect_tx(&full[s], 2 * MOEPT__GK_TILE_B);
-                moept__gk_load<F>(ma, mb, g, i, mt, nt, kb, a, b, &full[s]);
+                moept__gk_produce<F>(ma, mb, g, i, mt, nt, kb, a, b, &full[s]);
             } else {
                 moept__mbar_wait(&full[s], phase);
                 const int v = g->rows[i] - kb * MOEPT__GK_BK;
                 if (F == MOEPT__GK_WGRAD && v < MOEPT__GK_BK)
-                    moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v);
+                    moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v, g->lsu);
                 moept__gk_mma<F>(d, a, b, w, !first);
                 moept__wgmma_wait<1>();
                 if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
@@ -3874,15 +3946,15 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
     uint64_t *full = (uint64_t *)(sb + MOEPT__GK_ST * MOEPT__GK_TILE_B), *empty = full + MOEPT__GK_ST;
     if (threadIdx.x == 0) {
         for (int s = 0; s < MOEPT__GK_ST; s++) {
-            moept__mbar_init(&full[s], 1);
+            moept__mbar_init(&full[s], g.lsu ? 128 : 1); /* the producer threads */
             moept__mbar_init(&empty[s], 2); /* each consumer warpgroup's first thread, once its group
                                                retired (wgmma.wait_group waits for the whole warpgroup) */
         }
         moept__fence_mbar_init();
     }
     __syncthreads();
-    const int wg = threadIdx.x / 128; /* the first warpgroup's thread 0 produces, its others rest */
-    if (wg > 0 || threadIdx.x == 0) moept__gk_walk<F>(&ma, &mb, &g, wg - 1, sa, sb, full, empty);
+    const int wg = threadIdx.x / 128; /* the first warpgroup produces (TMA alone: its thread 0) */
+    if (wg > 0 || threadIdx.x == 0 || g.lsu) moept__gk_walk<F>(&ma, &mb, &g, wg - 1, sa, sb, full, empty);
 #endif
 }
 
@@ -3943,17 +4015,23 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
     return MOEPT_OK;
 }
 
-/* whether the kernel takes these operands (bf16 A and B, row strides lda and ldb elements): TMA needs
-   16-byte row strides and bases */
-static int moept__gk_ok(const moept__cuda *c, const void *A, int64_t lda, const void *B, int64_t ldb) {
-    return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp) && lda % 8 == 0 &&
-           ldb % 8 == 0 && (uintptr_t)A % 16 == 0 && (uintptr_t)B % 16 == 0;
+/* whether the kernel takes the layer's operands: bf16 (config.fp8 off) */
+static int moept__gk_ok(const moept__cuda *c) {
+    return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp);
 }
 
-/* a bf16 matrix [rows][cols] (rows ld elements apart) as TMA boxes of 64 columns (128 bytes) x box rows,
-   128-byte swizzled */
-static moept_status moept__gk_map(moept__cuda *c, CUtensorMap *m, const void *p, int64_t rows, int64_t cols,
-                                  int64_t ld, int box_rows, char *err) {
+/* operand o (0 A, 1 B) of g, a bf16 matrix [rows][cols] (rows ld elements apart): TMA boxes of 64 columns
+   (128 bytes) x box rows, 128-byte swizzled, where TMA takes its rows (16-byte row strides and base),
+   else the producer warpgroup's own loads of the same boxes (g->lsu, g->src) */
+static moept_status moept__gk_operand(moept__cuda *c, moept__gk_args *g, CUtensorMap *m, int o, const void *p,
+                                      int64_t rows, int64_t cols, int64_t ld, int box_rows, char *err) {
+    memset(m, 0, sizeof *m);
+    if (ld % 8 || (uintptr_t)p % 16) {
+        g->lsu |= 1 << o;
+        g->src[o].p = (const uint16_t *)p; g->src[o].ld = ld;
+        g->src[o].rows = (int32_t)rows; g->src[o].cols = (int32_t)cols;
+        return MOEPT_OK;
+    }
     const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)(ld * 2)};
     const cuuint32_t box[2] = {MOEPT__GK_BK, (cuuint32_t)box_rows}, es[2] = {1, 1};
     const CUresult r = ((moept__encode_fn)c->gk_encode)(
@@ -4027,11 +4105,13 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
                             (long long)end, (long long)(ne * bn), (long long)M, (long long)N, (long long)K,
                             __LINE__);
     CUtensorMap ma, mb; /* K-major tiles one box of 128 rows, MN-major ones two of 64 lines */
-    MOEPT__TRY(moept__gk_map(c, &ma, A, end, wg ? M : K, lda, wg ? 64 : MOEPT__GK_BM, err));
-    if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE)
-        MOEPT__TRY(moept__gk_map(c, &mb, B, ne * bn, K, ldb, F == MOEPT__GK_FWD ? MOEPT__GK_BN : 64, err));
-    else MOEPT__TRY(moept__gk_map(c, &mb, B, wg ? end : ne * K, N, ldb, 64, err));
     moept__gk_args g;
+    g.lsu = 0;
+    MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, end, wg ? M : K, lda, wg ? 64 : MOEPT__GK_BM, err));
+    if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE)
+        MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, ne * bn, K, ldb,
+                                     F == MOEPT__GK_FWD ? MOEPT__GK_BN : 64, err));
+    else MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, wg ? end : ne * K, N, ldb, 64, err));
     g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
     g.cnt = R->offs ? cnt : NULL; g.cB = c->B; g.cstride = c->M; g.cbase = c->sp.rank * c->sp.El;
     g.cP = (int32_t)c->sp.P;
@@ -4139,7 +4219,7 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         return MOEPT_OK;
     }
     const char *W = (const char *)moept__w(c, w2 ? f->off2 : f->off13);
-    if (moept__gk_ok(c, I, ld, W, bwd ? m : k)) /* W [E][m][k]: the forward's B; the dgrad's [E][K][N] */
+    if (moept__gk_ok(c)) /* W [E][m][k]: the forward's B; the dgrad's [E][K][N] */
         return bwd ? moept__gk<MOEPT__GK_DGRAD>(c, R, I, ld, W, m, 0, m, k, O, m, f->cnt, NULL, err)
                    : moept__gk<MOEPT__GK_FWD>(c, R, I, ld, W, k, 0, m, k, O, m, f->cnt, NULL, err);
     int64_t n;
@@ -4177,7 +4257,7 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
         }
         return MOEPT_OK;
     }
-    if (moept__gk_ok(c, O, wo, I, wi)) /* g [E][wo][wi] += O^T I, each expert's rows */
+    if (moept__gk_ok(c)) /* g [E][wo][wi] += O^T I, each expert's rows */
         return moept__gk<MOEPT__GK_WGRAD>(c, R, O, wo, I, wi, wo, wi, 0, g, wi, f->cnt, NULL, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
@@ -4187,18 +4267,16 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
 }
 
 /* The forward over R's rows: h = x W13^T, a = act(h), y = a W2^T */
-/* whether the grouped kernel runs f's activation in a GEMM's epilogue (a gated one: its g and u), given
-   that GEMM's operands A (rows lda apart) and B (ldb) */
-static int moept__ffn_fused(const moept__cuda *c, const moept__ffn *f, const void *A, int64_t lda,
-                            const void *B, int64_t ldb) {
-    return !f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_ok(c, A, lda, B, ldb);
+/* whether the grouped kernel runs f's activation in a GEMM's epilogue (a gated one: its g and u) */
+static int moept__ffn_fused(const moept__cuda *c, const moept__ffn *f) {
+    return !f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_ok(c);
 }
 
 template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
-    if (moept__ffn_fused(c, f, f->x, D, W13, D)) { /* h and a by the gate/up GEMM */
+    if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
         const moept__gk_act ga = {f->a, f->lda, c->sp.act};
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, 0, F, D, f->h, f->H, f->cnt, &ga, err));
     } else {
@@ -4219,7 +4297,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     const int64_t D = c->sp.D, F = f->F;
     const void *W2 = moept__w(c, f->off2);
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
-    if (moept__ffn_fused(c, f, f->y, D, W2, F)) { /* dh over h by the down dgrad */
+    if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
         const moept__gk_act ga = {NULL, 0, c->sp.act};
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, 0, F, D, f->h, f->H, f->cnt, &ga, err));
     } else {

@@ -70,6 +70,7 @@ static int g_expect_shm;        /* --expect-shm: fail if the EP comm offers no s
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
 static int g_fp8;               /* --dtype fp8: config.fp8 = MOEPT_FP8_BLOCKWISE, against the file */
 static int g_vs_cpu;            /* CUDA --dtype fp8: this fp32 pass against the CPU's FP8 layer */
+static int g_bf16_only;         /* CUDA --dtype bf16: the bf16 pass alone */
 static int g_sync_free;         /* CUDA: --sync-free */
 static int g_gemm_form;         /* CUDA: --gemm-form (moept_gemm_form) */
 static int g_comm_device;       /* CUDA: --comm device: the ranks threads on device 0, no NCCL */
@@ -751,6 +752,8 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--sync-free") == 0) g_sync_free = 1;
         else if (strcmp(argv[first], "--dtype") == 0 && first + 1 < argc && !strcmp(argv[first + 1], "fp8"))
             g_fp8 = 1, first++;
+        else if (strcmp(argv[first], "--dtype") == 0 && first + 1 < argc && !strcmp(argv[first + 1], "bf16"))
+            g_bf16_only = 1, first++;
         else if (strcmp(argv[first], "--tol-fp8") == 0 && first + 1 < argc) tol_fp8 = atof(argv[++first]);
         else if (strcmp(argv[first], "--tol-fp8-cpu") == 0 && first + 1 < argc)
             tol_fp8_cpu = atof(argv[++first]);
@@ -779,9 +782,9 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[first], "--expect-shm") == 0) g_expect_shm = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
-            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] [--digest] "
-                    "[--reshard] [--gemm-form F] [--comm C] [--tol X] [--weights DIR --layer L] "
-                    "FILE...\n", argv[0]);
+            fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] "
+                    "[--dtype fp8|bf16] [--digest] [--reshard] [--gemm-form F] [--comm C] [--tol X] "
+                    "[--weights DIR --layer L] FILE...\n", argv[0]);
             return 2;
         }
     }
@@ -846,7 +849,12 @@ int main(int argc, char **argv) {
     const int passes = 1;
 #endif
     const int nfiles = argc - first;
-    for (int it = 0; it < nfiles * passes; it++) { /* CUDA: fp32 pass, (FP8: against the CPU,) bf16 */
+    if (g_bf16_only && (passes == 1 || g_fp8)) {
+        fprintf(stderr, "moept_check: --dtype bf16: a CUDA build's bf16 pass, not with --dtype fp8\n");
+        return 2;
+    }
+    /* CUDA: fp32 pass, (FP8: against the CPU,) bf16 */
+    for (int it = g_bf16_only ? nfiles * (passes - 1) : 0; it < nfiles * passes; it++) {
         int arg = first + it % nfiles;
         g_bf16 = passes > 1 && it >= nfiles * (passes - 1);
         g_vs_cpu = passes == 3 && it / nfiles == 1;

@@ -61,6 +61,9 @@ struct Mbar {
     bool told;                     /* its init-visibility report was made */
     std::vector<int64_t> obs;      /* per thread: the last completed phase it knows of (waits, barriers) */
     std::vector<int64_t> own;      /* per thread: the phase its own last wait observed (-2: none) */
+    std::vector<std::array<int64_t, 2>> arr; /* per thread: the phases of its last two arrivals, newest */
+    std::vector<std::array<uint32_t, 2>> arrf; /* ... and the clock of its last fence.proxy.async before
+                                                  each (0: none) */
 };
 
 struct Args {                      /* a thread's .sync.aligned instruction */
@@ -228,6 +231,11 @@ void arrive(const KBlock &k, Mbar &m, const char *op) {
                (long long)m.count);
         return;
     }
+    const size_t t = (size_t)k.t;
+    m.arr[t][1] = m.arr[t][0];
+    m.arrf[t][1] = m.arrf[t][0];
+    m.arr[t][0] = m.ph; /* (the phase it arrives in: ph counts those completed) */
+    m.arrf[t][0] = B.pfence[t];
     m.pending--;
     complete_if_done(m);
 }
@@ -386,15 +394,22 @@ void passed(int t, uint32_t now) {
     v[0].fence = B.pfence[(size_t)t];
 }
 
-/* whether a barrier that thread w passed after fencing (fence.proxy.async) its store of clock stamp, a
-   barrier thread r passed too, orders that store before r's next async-proxy read ("Memory Consistency
-   Model": w's release at the barrier, r's acquire) */
+/* whether thread w's store of clock stamp, fenced (fence.proxy.async) by w, is ordered before thread
+   r's next async-proxy read ("Memory Consistency Model": w's release, r's acquire): by a barrier that w
+   passed after its fence and r passed too (among each thread's last NSEEN), or by an mbarrier phase
+   that w arrived on after its fence (mbarrier.arrive is a release; among its last two arrivals on that
+   mbarrier) and r observed completed (a wait's acquire, or a barrier after another thread's) */
 bool ordered(int w, uint32_t stamp, int r) {
     for (const BarSeen &b : B.seen[(size_t)w]) {
         if (!b.at || b.fence <= stamp) continue;
         for (const BarSeen &c : B.seen[(size_t)r])
             if (c.at == b.at) return true;
     }
+    for (const Mbar &m : B.mbars)
+        for (int i = 0; i < 2; i++)
+            if (m.arr[(size_t)w][i] >= 0 && m.arrf[(size_t)w][i] > stamp &&
+                m.obs[(size_t)r] >= m.arr[(size_t)w][i])
+                return true;
     return false;
 }
 
@@ -471,6 +486,8 @@ void moept_emu_mbar_init(uint64_t *bar, unsigned count) {
     m.told = false;
     m.obs.assign((size_t)B.n, -1);
     m.own.assign((size_t)B.n, -2);
+    m.arr.assign((size_t)B.n, {-1, -1});
+    m.arrf.assign((size_t)B.n, {0, 0});
 }
 
 /* PTX ISA, fence.mbarrier_init.release.cluster: orders prior mbarrier.init for the cluster (a block's
@@ -951,8 +968,7 @@ void issue(const KBlock &k, int wg, Wg &g) {
     std::sort(bytes.begin(), bytes.end());
     bytes.erase(std::unique(bytes.begin(), bytes.end()), bytes.end());
     bool told = false;
-    int memo_w = -1;
-    uint32_t memo_s = 0;
+    std::vector<uint32_t> okst((size_t)B.n, 0); /* per storing thread: a stamp of its found ordered */
     for (uint32_t o : bytes) {
         HopByte &h = hb(o, k.blk);
         if (!told && kernel_hooks() && !smem_defined(dyn_smem() + o)) { /* (stores reach it: instrumented) */
@@ -967,22 +983,20 @@ void issue(const KBlock &k, int wg, Wg &g) {
             report("proxy", WHERE ": wgmma.mma_async reads shared memory at dynamic offset %u that thread %d "
                    "stored with no fence.proxy.async since", AT(k), o, h.gw_t);
         }
-        /* ... and the store, fenced, must happen before the issue: a barrier (bar.sync, __syncthreads)
-           that the storing thread passed after its fence and every thread of the warpgroup passed too
-           ("Memory Consistency Model", causality order: a barrier's arrive synchronizes with its wait;
-           among each thread's last few barriers) */
-        const bool again = h.gw && memo_w == h.gw_t && memo_s == h.gw_stamp; /* (a store's bytes: once) */
-        if (h.gw && !again) {
-            memo_w = h.gw_t;
-            memo_s = h.gw_stamp;
-        }
+        /* ... and the store, fenced, must happen before the issue: a barrier (bar.sync, __syncthreads) or
+           an mbarrier phase after the storing thread's fence, ordering it before every thread of the
+           warpgroup ("Memory Consistency Model", causality order: ordered()) */
+        const bool again = h.gw && okst[h.gw_t] == h.gw_stamp + 1; /* (a store's bytes: once) */
         for (int l = 0; !told && h.gw && !again && l < WG; l++)
             if (!ordered(h.gw_t, h.gw_stamp, wg * WG + l)) {
                 told = true;
                 report("proxy", WHERE ": wgmma.mma_async reads shared memory at dynamic offset %u that "
                        "thread %d stored, but no barrier that it passed after a fence.proxy.async and "
-                       "thread %d passed too ordered that before the wgmma", AT(k), o, h.gw_t, wg * WG + l);
+                       "thread %d passed too, nor an mbarrier phase it arrived on after one and thread %d "
+                       "saw complete, ordered that before the wgmma", AT(k), o, h.gw_t, wg * WG + l,
+                       wg * WG + l);
             }
+        if (h.gw && !told) okst[h.gw_t] = h.gw_stamp + 1;
         if (!told && h.tma_bar) {
             const Mbar &m = B.mbars[(size_t)h.tma_bar - 1];
             for (int l = 0; l < WG && !told; l++)

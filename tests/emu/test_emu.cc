@@ -1294,6 +1294,37 @@ __global__ void k_wg_frag(float *out, int n, int fence, int bad) {
     for (int i = 0; i < n / 2; i++) out[t * (n / 2) + i] = d[i];
 }
 
+/* k_wg_frag's operands (n 16) handed from a producer warpgroup to a consumer one by an mbarrier, as
+   the grouped kernel's own loads are: warpgroup 0 stores them, fences them (mode 0), arrives on the
+   mbarrier (count 128); warpgroup 1 waits on its phase and multiplies (out as k_wg_frag's). mode 1: no
+   fence; 2: the fence after the arrival */
+__global__ void k_wg_handoff(float *out, int mode) {
+    __shared__ uint64_t bar;
+    char *sm = (char *)moept_emu_dyn_smem();
+    const int t = threadIdx.x % 128;
+    if (threadIdx.x == 0) moept_emu_mbar_init(&bar, 128);
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        for (int e = t; e < 64 * 16; e += 128) {
+            const int r = e / 16, k = e % 16;
+            *(uint16_t *)(sm + kmaj(r, k)) = hbf(k == 0 ? (float)r : k == 1 ? 1.0f : 0.0f);
+            const int c = r % 16; /* (B's 16 rows, each stored by four threads alike) */
+            *(uint16_t *)(sm + 8192 + kmaj(c, k)) = hbf(k == 0 ? 16.0f : k == 1 ? (float)c : 0.0f);
+        }
+        if (mode == 0) moept_emu_fence_proxy_async();
+        moept_emu_mbar_arrive(&bar);
+        if (mode == 2) moept_emu_fence_proxy_async();
+        return;
+    }
+    moept_emu_mbar_wait(&bar, 0);
+    float d[8];
+    moept_emu_wgmma_fence();
+    moept_emu_wgmma_bf16(d, 16, hdesc(sm, 0, 128, 256), hdesc(sm + 8192, 0, 128, 256), 0, 0, 0);
+    moept_emu_wgmma_commit();
+    moept_emu_wgmma_wait(0);
+    for (int i = 0; i < 8; i++) out[t * 8 + i] = d[i];
+}
+
 /* bar.sync 1 misused: bad 1 a count of 48 (not whole warps), 2 threads 64-127 give another count, 3
    threads 64-127 return (the barrier never completes) */
 __global__ void k_bar(int bad) {
@@ -1693,6 +1724,19 @@ static void hopper_kernels() {
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 0, 0);
     cudaDeviceSynchronize();
     expect_report("proxy: wgmma reads generic stores with no fence.proxy.async", "no fence.proxy.async");
+    MOEPT__LAUNCH(k_wg_handoff, 1, 256, 12288, 0)(out, 0);
+    ok = frag_is(out, 16);
+    expect_clean("wgmma by one warpgroup on another's stores, fenced, then an mbarrier arrival it waited on: "
+                 "clean");
+    result("... every element of D", ok, "wrong result");
+    MOEPT__LAUNCH(k_wg_handoff, 1, 256, 12288, 0)(out, 1);
+    cudaDeviceSynchronize();
+    expect_report("proxy: another warpgroup's stores handed over by an mbarrier with no fence.proxy.async",
+                  "no fence.proxy.async");
+    MOEPT__LAUNCH(k_wg_handoff, 1, 256, 12288, 0)(out, 2);
+    cudaDeviceSynchronize();
+    expect_report("proxy: ... the fence after the mbarrier arrival (nothing orders it before the wgmma)",
+                  "nor an mbarrier phase");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 1, 1);
     cudaDeviceSynchronize();
     expect_report("wgmma: accumulators written between wgmma.fence and wgmma.mma_async",
