@@ -2673,69 +2673,99 @@ __device__ __forceinline__ float moept__q8_amax32(float *sh, float m) {
 
 /* Rows r < n of src [n][lds] (its first K columns) into 1 x 128 tiles: q [np][Kp] E4M3 (rows from n on
    and columns from K on zero), s [ceil(Kp/128)][np] (VEC128 of an operand whose op() is np x Kp). A tile
-   is 32 threads' 4 adjacent columns each: reads along the row, one word written a thread */
-template <typename T>
+   is 8 threads' 16 adjacent columns each (Kp a multiple of 16: all in or all out), read in V-vectors
+   where the row holds them, the tile's amax through shared memory (one barrier a round: sh's halves
+   alternate), 16 bytes written a thread: a block's round reads MOEPT__TB / 8 tiles */
+template <typename T, int V>
 __global__ void moept__k_q8_rows(const T *src, int64_t n, int K, int64_t lds, int64_t np, int Kp, uint8_t *q,
                                  float *s) {
-    __shared__ float sh[MOEPT__TB];
-    const int L = MOEPT__Q8_L(Kp), l = (int)threadIdx.x % 32;
+    __shared__ float sh[2][MOEPT__TB];
+    const int L = MOEPT__Q8_L(Kp), l = (int)threadIdx.x % 8, tb = MOEPT__TB / 8;
     const int64_t nt = np * L;
-    for (int64_t t = (int64_t)blockIdx.x * MOEPT__Q8_TB; t < nt; t += (int64_t)gridDim.x * MOEPT__Q8_TB) {
-        const int64_t i = t + threadIdx.x / 32, r = i / L;
-        const int b = (int)(i % L), j = b * MOEPT__Q8_TILE + 4 * l;
-        const int out = i < nt && j < Kp; /* Kp a multiple of 16: a thread's 4 columns all in or all out */
-        float v[4], amax = 0.0f;
+    int h = 0;
+    for (int64_t t = (int64_t)blockIdx.x * tb; t < nt; t += (int64_t)gridDim.x * tb, h ^= 1) {
+        const int64_t i = t + threadIdx.x / 8, r = i / L;
+        const int b = (int)(i % L), j = b * MOEPT__Q8_TILE + 16 * l;
+        const int out = i < nt && j < Kp;
+        float v[16], amax = 0.0f;
         int live = 0;
-        for (int e = 0; e < 4; e++) {
-            const int in = out && r < n && j + e < K;
-            v[e] = in ? moept__ld(src, r * lds + j + e) : 0.0f;
-            live |= in << e;
-            amax = moept__q8_amax(amax, v[e]);
+        if (V > 1 && out && r < n && j + 16 <= K) {
+            for (int c = 0; c < 16; c += V) moept__ldv<V>(src + r * lds + j + c, v + c);
+            live = 0xffff;
+        } else {
+            for (int e = 0; e < 16; e++) {
+                const int in = out && r < n && j + e < K;
+                v[e] = in ? moept__ld(src, r * lds + j + e) : 0.0f;
+                live |= in << e;
+            }
         }
-        const float sc = moept__q8_scale(moept__q8_amax32(sh, amax));
-        if (out) *(uint32_t *)(q + r * Kp + j) = moept__q8_word(v, live, sc);
+        for (int e = 0; e < 16; e++) amax = moept__q8_amax(amax, v[e]);
+        sh[h][threadIdx.x] = amax;
+        __syncthreads(); /* (the next round writes the other half: this one's reads are done by the one
+                            after's barrier) */
+        for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, sh[h][threadIdx.x - l + u]);
+        const float sc = moept__q8_scale(amax);
+        if (out)
+            *(uint4 *)(q + r * Kp + j) =
+                make_uint4(moept__q8_word(v, live, sc), moept__q8_word(v + 4, live >> 4, sc),
+                           moept__q8_word(v + 8, live >> 8, sc), moept__q8_word(v + 12, live >> 12, sc));
         if (out && l == 0) s[r + (int64_t)b * np] = sc;
     }
 }
 
 /* The wgrad's operands: columns c < C of src [n][lds], transposed, in 128 x 1 tiles down the rows:
    q [Cp][np] (column c's values along row c; padding zero), s [ceil(np/128)][Cp]. A block a panel of
-   128 rows x 32 columns: read along the rows into shared memory, each column's amax, then written
-   along q's rows, a word a thread */
-template <typename T>
+   128 rows x W columns (a row's W values 128 bytes): read along the rows in V-vectors where the rows
+   hold them (8 threads a row) into shared memory as they are; then 8 threads a column, 16 rows each
+   (a warp 32 columns of the same rows: no bank conflicts), its amax from their 8 partial ones, 16 bytes
+   of q written a thread */
+template <typename T, int V>
 __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
                                  float *s) {
-    __shared__ float pan[MOEPT__Q8_TILE][33]; /* (33: a column's reads fall in 8 banks, not 1) */
-    __shared__ float part[MOEPT__Q8_TB][32];
-    const int64_t L = MOEPT__Q8_L(np), nc = (Cp + 31) / 32;
-    const int x = (int)threadIdx.x % 32, y = (int)threadIdx.x / 32;
+    constexpr int W = 128 / (int)sizeof(T), PW = W + 4 / (int)sizeof(T); /* (a row 33 words apart) */
+    static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 16 rows, 8 threads a 128-byte row");
+    __shared__ T pan[MOEPT__Q8_TILE * PW];
+    __shared__ float part[2][MOEPT__TB];
+    const int64_t L = MOEPT__Q8_L(np), nc = (Cp + W - 1) / W;
+    const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8, l = (int)threadIdx.x % 32;
     for (int64_t t = blockIdx.x; t < L * nc; t += gridDim.x) {
         const int64_t b = t / nc, r0 = b * MOEPT__Q8_TILE;
-        const int c0 = (int)(t % nc) * 32;
-        float amax = 0.0f;
-        for (int k = y; k < MOEPT__Q8_TILE; k += MOEPT__Q8_TB) {
-            const int64_t r = r0 + k;
-            const float v = r < n && c0 + x < C ? moept__ld(src, r * lds + c0 + x) : 0.0f;
-            pan[k][x] = v;
-            amax = moept__q8_amax(amax, v);
-        }
-        part[y][x] = amax;
-        __syncthreads();
-        for (int k = 0; k < 32 / MOEPT__Q8_TB; k++) { /* column cc's 128 rows: 32 words, word x */
-            const int cc = y + k * MOEPT__Q8_TB, c = c0 + cc;
-            const int64_t r = r0 + 4 * x;
-            float m = 0.0f, v[4];
-            for (int u = 0; u < MOEPT__Q8_TB; u++) m = moept__q8_amax(m, part[u][cc]);
-            const float sc = moept__q8_scale(m);
-            int live = 0;
-            for (int e = 0; e < 4; e++) {
-                v[e] = pan[4 * x + e][cc];
-                live |= (c < C && r + e < n) << e;
+        const int c0 = (int)(t % nc) * W, w = W / 8; /* w: a thread's columns of a row */
+        for (int rr = y; rr < MOEPT__Q8_TILE; rr += MOEPT__TB / 8) {
+            const int64_t r = r0 + rr;
+            const int c = c0 + w * x;
+            T *d = pan + rr * PW + w * x;
+            if (V > 1 && r < n && c + w <= C) {
+                const uint4 u = *(const uint4 *)(src + r * lds + c);
+                const uint32_t uw[4] = {u.x, u.y, u.z, u.w};
+                for (int e = 0; e < 4; e++) ((uint32_t *)d)[e] = uw[e];
+            } else {
+                for (int e = 0; e < w; e++) d[e] = r < n && c + e < C ? src[r * lds + c + e] : (T)0;
             }
-            if (c < Cp && r < np) *(uint32_t *)(q + (int64_t)c * np + r) = moept__q8_word(v, live, sc);
-            if (c < Cp && x == 0) s[c + b * Cp] = sc;
         }
-        __syncthreads(); /* pan and part read by all before the next panel */
+        __syncthreads();
+        for (int p = 0; p < W / 32; p++) { /* 32 columns a pass; warp k their rows 16 k.. */
+            const int cc = l + 32 * p, c = c0 + cc, k = (int)threadIdx.x / 32;
+            const int64_t r = r0 + 16 * k;
+            float v[16], amax = 0.0f;
+            int live = 0;
+            for (int e = 0; e < 16; e++) {
+                v[e] = moept__ld(pan, (int64_t)(16 * k + e) * PW + cc);
+                live |= (c < C && r + e < n) << e;
+                amax = moept__q8_amax(amax, v[e]);
+            }
+            part[p & 1][threadIdx.x] = amax;
+            __syncthreads(); /* (the next pass writes the other half: this one's reads are done by its
+                                barrier) */
+            for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, part[p & 1][32 * u + l]);
+            const float sc = moept__q8_scale(amax);
+            if (c < Cp && r < np)
+                *(uint4 *)(q + (int64_t)c * np + r) =
+                    make_uint4(moept__q8_word(v, live, sc), moept__q8_word(v + 4, live >> 4, sc),
+                               moept__q8_word(v + 8, live >> 8, sc), moept__q8_word(v + 12, live >> 12, sc));
+            if (c < Cp && k == 0) s[c + b * Cp] = sc;
+        }
+        __syncthreads(); /* pan read by all before the next panel */
     }
 }
 
@@ -2786,13 +2816,20 @@ __global__ void moept__k_q8_blocks(const float *w, int64_t nw, int M, int K, int
 }
 
 /* A matmul's fp32 result out [n][ldo] (its first m columns) into rows of T dst [n][ldd], or (acc) added
-   to fp32 dst (the weight gradients) */
-template <typename T>
+   to fp32 dst (the weight gradients); V-vectors of T where the rows hold them */
+template <typename T, int V>
 __global__ void moept__k_q8_out(const float *out, int64_t n, int m, int ldo, T *dst, int64_t ldd, int acc) {
-    MOEPT__ROWS(r, n) MOEPT__LANES(j, m, 1) {
-        const float v = out[r * ldo + j];
-        if (acc) ((float *)dst)[r * ldd + j] += v;
-        else moept__st(dst, r * ldd + j, v);
+    MOEPT__ROWS(r, n) MOEPT__LANES(j, m, V) {
+        float v[V], g[V];
+        moept__ldv<V>(out + r * ldo + j, v);
+        if (acc) {
+            float *d = (float *)dst + r * ldd + j;
+            moept__ldv<V>(d, g);
+            for (int l = 0; l < V; l++) g[l] += v[l];
+            moept__stv<V>(d, g);
+        } else {
+            moept__stv<V>(dst + r * ldd + j, v);
+        }
     }
 }
 
@@ -2992,8 +3029,8 @@ template <typename T>
 static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, int64_t K, int64_t lds,
                                     uint8_t *q, float *s, char *err) {
     const int64_t np = MOEPT__Q8_PAD(n), Kp = MOEPT__Q8_PAD(K);
-    MOEPT__LAUNCH(moept__k_q8_rows<T>, moept__grid(np * MOEPT__Q8_L(Kp) * 32), MOEPT__TB, 0, c->s)(
-        (const T *)src, n, (int)K, lds, np, (int)Kp, q, s);
+    MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, moept__grid(np * MOEPT__Q8_L(Kp) * 8),
+                    MOEPT__TB, c->s, (const T *)src, n, (int)K, lds, np, (int)Kp, q, s);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3001,10 +3038,10 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
 template <typename T>
 static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, int64_t C, uint8_t *q,
                                    float *s, char *err) {
-    const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C);
-    MOEPT__LAUNCH(moept__k_q8_cols<T>, moept__grid(MOEPT__Q8_L(np) * ((Cp + 31) / 32) * MOEPT__TB), MOEPT__TB,
-                  0, c->s)(
-        (const T *)src, n, (int)C, C, (int)Cp, np, q, s);
+    const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C), W = 128 / (int64_t)sizeof(T);
+    MOEPT__LAUNCH_V(moept__vec<T>(C, src), moept__k_q8_cols, T,
+                    moept__grid(MOEPT__Q8_L(np) * ((Cp + W - 1) / W) * MOEPT__TB), MOEPT__TB, c->s,
+                    (const T *)src, n, (int)C, C, (int)Cp, np, q, s);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3012,12 +3049,17 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, i
 template <typename T>
 static moept_status moept__q8_result(moept__cuda *c, int64_t n, int64_t m, int64_t ldo, void *dst,
                                      int64_t ldd, int acc, char *err) {
-    const moept__shape sh = moept__rows_shape(n, m);
     const int M = (int)m, L = (int)ldo;
-    if (acc)
-        MOEPT__LAUNCH(moept__k_q8_out<float>, sh.g, sh.b, 0, c->s)(c->q8out, n, M, L, (float *)dst, ldd, 1);
-    else
-        MOEPT__LAUNCH(moept__k_q8_out<T>, sh.g, sh.b, 0, c->s)(c->q8out, n, M, L, (T *)dst, ldd, 0);
+    if (acc) {
+        const int vec = moept__vec<float>(m, dst) && ldd % 4 == 0 && ldo % 4 == 0;
+        const moept__shape sh = moept__rows_shape(n, vec ? m / 4 : m);
+        MOEPT__LAUNCH_V(vec, moept__k_q8_out, float, sh.g, sh.b, c->s, c->q8out, n, M, L, (float *)dst, ldd,
+                        1);
+    } else {
+        const int vec = moept__vec<T>(m, dst) && ldd % MOEPT__VEC(T) == 0 && ldo % 4 == 0;
+        const moept__shape sh = moept__rows_shape(n, vec ? m / MOEPT__VEC(T) : m);
+        MOEPT__LAUNCH_V(vec, moept__k_q8_out, T, sh.g, sh.b, c->s, c->q8out, n, M, L, (T *)dst, ldd, 0);
+    }
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3694,25 +3736,33 @@ __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int til
 
 /* the producer warpgroup's copy of a box as a TMA load of it writes it (moept__tma_load, its map's
    swizzle): columns c0.. (64) of rows r1.. (n) of s into dst, 16-byte chunk q of box row j at chunk
-   q ^ (j % 8), zeros past the tensor and from box row lim on; 16-byte loads where the rows allow them,
-   else element by element. Each thread its chunks: the caller fences them for the async proxy and
-   arrives on the stage's full barrier (its consumers' wait orders them before their wgmmas) */
+   q ^ (j % 8), zeros past the tensor and from box row lim on; a chunk in 16-, 8- or 4-byte loads as its
+   address allows (these rows are not all 16-byte aligned: else TMA loads them), else element by
+   element. Each thread its chunks: the caller fences them for the async proxy and arrives on the
+   stage's full barrier (its consumers' wait orders them before their wgmmas) */
 __device__ __forceinline__ void moept__gk_box(uint8_t *dst, const moept__gk_src *s, int c0, int r1, int n,
                                               int lim) {
-    const int vec = s->ld % 8 == 0 && ((uintptr_t)s->p & 15) == 0;
     for (int c = threadIdx.x % 128; c < 8 * n; c += 128) {
         const int j = c / 8, q = c % 8, col = c0 + 8 * q;
         const int64_t r = (int64_t)r1 + j;
         uint4 v = make_uint4(0, 0, 0, 0);
         if (j < lim && r < s->rows && col < s->cols) {
             const uint16_t *e = s->p + r * s->ld + col;
-            if (vec && col + 8 <= s->cols) {
-                v = *(const uint4 *)e;
-            } else {
-                uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int u = 0; u < 8 && col + u < s->cols; u++) h[u] = e[u];
+            const int al = (int)((uintptr_t)e & 15);
+            if (col + 8 > s->cols || al % 4) { /* the row's end, or a 2-byte aligned chunk */
+                uint16_t h[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) h[u] = col + u < s->cols ? e[u] : 0;
                 v = make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16,
                                h[4] | (uint32_t)h[5] << 16, h[6] | (uint32_t)h[7] << 16);
+            } else if (al == 0) {
+                v = *(const uint4 *)e;
+            } else if (al == 8) {
+                const uint2 a = ((const uint2 *)e)[0], b = ((const uint2 *)e)[1];
+                v = make_uint4(a.x, a.y, b.x, b.y);
+            } else {
+                const uint32_t *w = (const uint32_t *)e;
+                v = make_uint4(w[0], w[1], w[2], w[3]);
             }
         }
         *(uint4 *)(dst + ((128 * j + 16 * q) ^ (j % 8) << 4)) = v;

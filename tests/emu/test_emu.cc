@@ -1297,12 +1297,16 @@ __global__ void k_wg_frag(float *out, int n, int fence, int bad) {
 /* k_wg_frag's operands (n 16) handed from a producer warpgroup to a consumer one by an mbarrier, as
    the grouped kernel's own loads are: warpgroup 0 stores them, fences them (mode 0), arrives on the
    mbarrier (count 128); warpgroup 1 waits on its phase and multiplies (out as k_wg_frag's). mode 1: no
-   fence; 2: the fence after the arrival */
+   fence; 2: the fence after the arrival; 3: the consumers wait on another mbarrier, which thread 0
+   alone arrives on (after its fence): the other threads' stores are not ordered */
 __global__ void k_wg_handoff(float *out, int mode) {
-    __shared__ uint64_t bar;
+    __shared__ uint64_t bar, bar0;
     char *sm = (char *)moept_emu_dyn_smem();
     const int t = threadIdx.x % 128;
-    if (threadIdx.x == 0) moept_emu_mbar_init(&bar, 128);
+    if (threadIdx.x == 0) {
+        moept_emu_mbar_init(&bar, 128);
+        moept_emu_mbar_init(&bar0, 1);
+    }
     __syncthreads();
     if (threadIdx.x < 128) {
         for (int e = t; e < 64 * 16; e += 128) {
@@ -1311,12 +1315,13 @@ __global__ void k_wg_handoff(float *out, int mode) {
             const int c = r % 16; /* (B's 16 rows, each stored by four threads alike) */
             *(uint16_t *)(sm + 8192 + kmaj(c, k)) = hbf(k == 0 ? 16.0f : k == 1 ? (float)c : 0.0f);
         }
-        if (mode == 0) moept_emu_fence_proxy_async();
+        if (mode != 1 && mode != 2) moept_emu_fence_proxy_async();
         moept_emu_mbar_arrive(&bar);
         if (mode == 2) moept_emu_fence_proxy_async();
+        if (mode == 3 && t == 0) moept_emu_mbar_arrive(&bar0);
         return;
     }
-    moept_emu_mbar_wait(&bar, 0);
+    moept_emu_mbar_wait(mode == 3 ? &bar0 : &bar, 0);
     float d[8];
     moept_emu_wgmma_fence();
     moept_emu_wgmma_bf16(d, 16, hdesc(sm, 0, 128, 256), hdesc(sm + 8192, 0, 128, 256), 0, 0, 0);
@@ -1737,6 +1742,10 @@ static void hopper_kernels() {
     cudaDeviceSynchronize();
     expect_report("proxy: ... the fence after the mbarrier arrival (nothing orders it before the wgmma)",
                   "nor an mbarrier phase");
+    MOEPT__LAUNCH(k_wg_handoff, 1, 256, 12288, 0)(out, 3);
+    cudaDeviceSynchronize();
+    expect_report("proxy: ... the consumers wait on an mbarrier only thread 0 arrived on (the others' stores "
+                  "unordered)", "thread 1 stored, but no barrier");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 1, 1);
     cudaDeviceSynchronize();
     expect_report("wgmma: accumulators written between wgmma.fence and wgmma.mma_async",
