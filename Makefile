@@ -29,7 +29,7 @@ CUDA_INC = $(sort -I$(CUDA_HOME)/include -I$(NCCL_HOME)/include)
 CUDA_LIBDIRS = $(foreach d,$(sort $(wildcard $(CUDA_HOME)/lib64 $(CUDA_HOME)/lib $(NCCL_HOME)/lib64 $(NCCL_HOME)/lib)),-L$(d) -Wl,-rpath,$(d))
 CUDA_OK := $(if $(NVCC),$(shell printf '\043include <nccl.h>\n\043include <cublas_v2.h>\nint main(void){int v;return (int)ncclGetVersion(&v)+(int)cublasCreate(0);}' | $(CC) -x c - $(CUDA_INC) $(CUDA_LIBDIRS) -lnccl -lcublas -lcudart -o /dev/null 2>/dev/null && echo yes))
 CUDA_ARCHS ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code=compute_90
-# NVCC_DEFS: -D options for the kernels' unit alone (tools/gpu_prebuild.sh: the grouped kernel's stages)
+# NVCC_DEFS: -D options for the kernels' unit alone (tools/gpu_prebuild.sh: the grouped kernel's variants)
 NVCCFLAGS ?= -O3 -std=c++17 --fmad=false -Xcompiler -Wall,-Wextra,-Wno-unknown-pragmas $(CUDA_ARCHS) $(NVCC_DEFS)
 CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lcublasLt -lnccl -lstdc++
 

@@ -871,8 +871,10 @@ moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, i
      MOEPT_GEMM_KERNEL: moept's own grouped GEMM for Hopper (one launch over
        every local expert, TMA loads and wgmma, docs/CUDA.md) for every bf16
        expert GEMM (forward, dgrad and wgrad, the gated activation and its
-       backward in their epilogues), at any widths; in the sync-free mode
-       it skips the blocks' zero rows by the counts on the device. AUTO's
+       backward in their epilogues), at any widths; at one rank the routed
+       experts read x through the dispatch's row index (no permuted copy);
+       in the sync-free mode it skips the blocks' zero rows by the counts on
+       the device. AUTO's
        choice elsewhere (fp32 layers, config.fp8's cuBLASLt). Refused
        at create (MOEPT_ERR_UNSUPPORTED) on a GPU other than compute
        capability 9.0 or a build without sm_90a code (nvcc -gencode

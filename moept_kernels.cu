@@ -3517,6 +3517,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT_GK_STAGES 4
 #endif
 #define MOEPT__GK_ST MOEPT_GK_STAGES /* stages in the ring */
+#ifndef MOEPT_GK_GATHER /* (1: at one rank the gate/up GEMM gathers its rows: moept__gk_gather) */
+#define MOEPT_GK_GATHER 1
+#endif
 #if MOEPT__GK_ST < 2 || MOEPT__GK_ST > 6
 #error "MOEPT_GK_STAGES: 2 to 6 (the ring in 227 KiB of shared memory)"
 #endif
@@ -3535,6 +3538,7 @@ typedef struct moept__gk_src {
     const uint16_t *p;
     int64_t ld;
     int32_t rows, cols;
+    const int64_t *idx;       /* [rows]: row r is p's row idx[r] (-1: zeros); NULL: row r */
 } moept__gk_src;
 
 typedef struct moept__gk_args {
@@ -3735,19 +3739,20 @@ __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int til
 }
 
 /* the producer warpgroup's copy of a box as a TMA load of it writes it (moept__tma_load, its map's
-   swizzle): columns c0.. (64) of rows r1.. (n) of s into dst, 16-byte chunk q of box row j at chunk
-   q ^ (j % 8), zeros past the tensor and from box row lim on; a chunk in 16-, 8- or 4-byte loads as its
-   address allows (these rows are not all 16-byte aligned: else TMA loads them), else element by
-   element. Each thread its chunks: the caller fences them for the async proxy and arrives on the
-   stage's full barrier (its consumers' wait orders them before their wgmmas) */
+   swizzle): columns c0.. (64) of rows r1.. (n) of s (through s->idx: a gather) into dst, 16-byte chunk
+   q of box row j at chunk q ^ (j % 8), zeros past the tensor and from box row lim on; a chunk in 16-, 8-
+   or 4-byte loads as its address allows (a gather's rows, or rows not all 16-byte aligned: else TMA
+   loads them), else element by element. Each thread its chunks: the caller fences them for the async
+   proxy and arrives on the stage's full barrier (its consumers' wait orders them before their wgmmas) */
 __device__ __forceinline__ void moept__gk_box(uint8_t *dst, const moept__gk_src *s, int c0, int r1, int n,
                                               int lim) {
     for (int c = threadIdx.x % 128; c < 8 * n; c += 128) {
         const int j = c / 8, q = c % 8, col = c0 + 8 * q;
         const int64_t r = (int64_t)r1 + j;
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (j < lim && r < s->rows && col < s->cols) {
-            const uint16_t *e = s->p + r * s->ld + col;
+        const int64_t pr = r < s->rows && s->idx ? s->idx[r] : r; /* (the gathered operand's row) */
+        if (j < lim && r < s->rows && col < s->cols && pr >= 0) {
+            const uint16_t *e = s->p + pr * s->ld + col;
             const int al = (int)((uintptr_t)e & 15);
             if (col + 8 > s->cols || al % 4) { /* the row's end, or a 2-byte aligned chunk */
                 uint16_t h[8];
@@ -4069,16 +4074,24 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
 static int moept__gk_ok(const moept__cuda *c) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp);
 }
+/* whether the routed experts read x's rows through the dispatch's index (the gate/up GEMM's A, the
+   W13 gradient's B), no permuted copy made: where the kernel runs every GEMM that reads them and no
+   exchange makes the copy anyway (one rank; MOEPT_GK_GATHER 0: the copy, as the other forms) */
+static int moept__gk_gather(const moept__cuda *c) {
+    return MOEPT_GK_GATHER && moept__gk_ok(c) && c->sp.P == 1 && c->C == 1;
+}
 
-/* operand o (0 A, 1 B) of g, a bf16 matrix [rows][cols] (rows ld elements apart): TMA boxes of 64 columns
-   (128 bytes) x box rows, 128-byte swizzled, where TMA takes its rows (16-byte row strides and base),
-   else the producer warpgroup's own loads of the same boxes (g->lsu, g->src) */
+/* operand o (0 A, 1 B) of g, a bf16 matrix [rows][cols] (rows ld elements apart; idx: row r is p's row
+   idx[r]): TMA boxes of 64 columns (128 bytes) x box rows, 128-byte swizzled, where TMA takes its rows
+   (16-byte row strides and base, no index), else the producer warpgroup's own loads of the same boxes
+   (g->lsu, g->src) */
 static moept_status moept__gk_operand(moept__cuda *c, moept__gk_args *g, CUtensorMap *m, int o, const void *p,
-                                      int64_t rows, int64_t cols, int64_t ld, int box_rows, char *err) {
+                                      const int64_t *idx, int64_t rows, int64_t cols, int64_t ld,
+                                      int box_rows, char *err) {
     memset(m, 0, sizeof *m);
-    if (ld % 8 || (uintptr_t)p % 16) {
+    if (ld % 8 || (uintptr_t)p % 16 || idx) {
         g->lsu |= 1 << o;
-        g->src[o].p = (const uint16_t *)p; g->src[o].ld = ld;
+        g->src[o].p = (const uint16_t *)p; g->src[o].ld = ld; g->src[o].idx = idx;
         g->src[o].rows = (int32_t)rows; g->src[o].cols = (int32_t)cols;
         return MOEPT_OK;
     }
@@ -4123,7 +4136,8 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
    (FWD) or [E][K][N] (DGRAD), or (WGRAD) rows [..][ldb] of N; out bf16 [..][ldo] of N, or (WGRAD) the
    fp32 gradient [E][M][N] added into (R: whole groups, an expert once); GATE as FWD with W13
    [E][2N][K] (N the gate half's columns), out h [..][ldo] of 2N (if a is not h) and act's a; DACT as
-   DGRAD, out h [..][ldo] read and overwritten with dh (ga's act). cnt: the
+   DGRAD, out h [..][ldo] read and overwritten with dh (ga's act). xi: the rows of x through the
+   dispatch's index (FWD's and GATE's A, WGRAD's B: moept__gk_gather), or NULL. cnt: the
    sync-free mode's committed counts (R its groups of P blocks), the tiles of zero rows skipped; NULL:
    every tile run */
 typedef struct moept__gk_act {
@@ -4133,8 +4147,9 @@ typedef struct moept__gk_act {
 } moept__gk_act;
 template <int F>
 static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda,
-                              const void *B, int64_t ldb, int64_t M, int64_t N, int64_t K, void *out,
-                              int64_t ldo, const int64_t *cnt, const moept__gk_act *ga, char *err) {
+                              const void *B, int64_t ldb, const int64_t *xi, int64_t M, int64_t N,
+                              int64_t K, void *out, int64_t ldo, const int64_t *cnt, const moept__gk_act *ga,
+                              char *err) {
     const int wg = F == MOEPT__GK_WGRAD;
     int64_t end = 0, ne = 0; /* the rows and the experts the runs reach */
     for (int64_t i = 0; i < R->n; i++) {
@@ -4157,11 +4172,12 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     CUtensorMap ma, mb; /* K-major tiles one box of 128 rows, MN-major ones two of 64 lines */
     moept__gk_args g;
     g.lsu = 0;
-    MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, end, wg ? M : K, lda, wg ? 64 : MOEPT__GK_BM, err));
+    const int64_t *ai = wg ? NULL : xi, *bi = wg ? xi : NULL; /* x's rows: A, or WGRAD's B */
+    MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, ai, end, wg ? M : K, lda, wg ? 64 : MOEPT__GK_BM, err));
     if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE)
-        MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, ne * bn, K, ldb,
+        MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, NULL, ne * bn, K, ldb,
                                      F == MOEPT__GK_FWD ? MOEPT__GK_BN : 64, err));
-    else MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, wg ? end : ne * K, N, ldb, 64, err));
+    else MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, bi, wg ? end : ne * K, N, ldb, 64, err));
     g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
     g.cnt = R->offs ? cnt : NULL; g.cB = c->B; g.cstride = c->M; g.cbase = c->sp.rank * c->sp.El;
     g.cP = (int32_t)c->sp.P;
@@ -4189,7 +4205,9 @@ typedef struct moept__ffn {
     const moept__q8w *q8;       /* config.fp8: their E4M3 copies; NULL: off */
     int64_t H, F, lda;          /* h's width (gate|up), a's, a's row stride (an inference layer's a lies
                                    over h: H) */
-    const void *x;              /* [rows][D] the inputs (T) */
+    const void *x;              /* [rows][D] the inputs (T), or (xi) the tokens' rows */
+    const int64_t *xi;          /* [rows] x's row of each (the dispatch's index: -1 zeros) where the grouped
+                                   kernel reads them through it (moept__gk_gather); NULL: x is the rows */
     void *h, *a;                /* [rows][H] gate|up (backward: dh over it), [rows][lda] activations */
     void *y;                    /* [rows][D] the outputs; backward: their gradients in */
     void *da, *dx;              /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
@@ -4197,13 +4215,15 @@ typedef struct moept__ffn {
                                    the grouped kernel skips the blocks' zero rows; NULL: none */
 } moept__ffn;
 
-/* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys) */
-static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl) {
+/* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys); x the step's tokens, read
+   through the dispatch's index where moept__gk_gather (else the permuted rows, xr) */
+static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void *x) {
     const moept__cuda_spec *p = &c->sp;
-    const int ch = c->C > 1;
+    const int ch = c->C > 1, gi = moept__gk_gather(c);
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[0] : NULL;
-    moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, sl->xr, sl->h, sl->a, sl->yr,
-                    ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL};
+    moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, gi ? x : sl->xr, gi ? sl->tok_of_row : NULL,
+                    sl->h, sl->a, sl->yr, ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr,
+                    c->B ? sl->cmsg : NULL};
     return f;
 }
 
@@ -4211,8 +4231,8 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl) {
 static moept__ffn moept__ffn_shared(moept__cuda *c, moept__cslot *sl, const void *x) {
     const moept__cuda_spec *p = &c->sp;
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[1] : NULL;
-    moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, sl->hs, sl->as, sl->yss, sl->as,
-                    sl->yss, NULL};
+    moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, NULL, sl->hs, sl->as, sl->yss,
+                    sl->as, sl->yss, NULL};
     return f;
 }
 
@@ -4270,8 +4290,9 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
     }
     const char *W = (const char *)moept__w(c, w2 ? f->off2 : f->off13);
     if (moept__gk_ok(c)) /* W [E][m][k]: the forward's B; the dgrad's [E][K][N] */
-        return bwd ? moept__gk<MOEPT__GK_DGRAD>(c, R, I, ld, W, m, 0, m, k, O, m, f->cnt, NULL, err)
-                   : moept__gk<MOEPT__GK_FWD>(c, R, I, ld, W, k, 0, m, k, O, m, f->cnt, NULL, err);
+        return bwd ? moept__gk<MOEPT__GK_DGRAD>(c, R, I, ld, W, m, NULL, 0, m, k, O, m, f->cnt, NULL, err)
+                   : moept__gk<MOEPT__GK_FWD>(c, R, I, ld, W, k, in == f->x ? f->xi : NULL, 0, m, k, O, m,
+                                              f->cnt, NULL, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
                    moept__gemm_make(0, !bwd, rows, m, k, (const float *)(I + r0 * ld * es), ld,
@@ -4308,7 +4329,8 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
         return MOEPT_OK;
     }
     if (moept__gk_ok(c)) /* g [E][wo][wi] += O^T I, each expert's rows */
-        return moept__gk<MOEPT__GK_WGRAD>(c, R, O, wo, I, wi, wo, wi, 0, g, wi, f->cnt, NULL, err);
+        return moept__gk<MOEPT__GK_WGRAD>(c, R, O, wo, I, wi, w2 ? NULL : f->xi, wo, wi, 0, g, wi, f->cnt,
+                                          NULL, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
                    moept__gemm_make(1, 0, wo, wi, rows, (const float *)(O + r0 * wo * es), wo,
@@ -4328,7 +4350,8 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
     const void *W13 = moept__w(c, f->off13);
     if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
         const moept__gk_act ga = {f->a, f->lda, c->sp.act};
-        MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, 0, F, D, f->h, f->H, f->cnt, &ga, err));
+        MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
+                                             err));
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 0, 0, f->x, f->h, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 0, err));
@@ -4349,7 +4372,8 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
         const moept__gk_act ga = {NULL, 0, c->sp.act};
-        MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, 0, F, D, f->h, f->H, f->cnt, &ga, err));
+        MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
+                                             err));
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 1, err));
@@ -4874,7 +4898,7 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, moept__cslot *sl, const 
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D;
     void *xs = p->P > 1 ? sl->xs : sl->xr; /* at one rank the permuted rows are the experts' rows */
-    if (sl->N > 0) {
+    if (sl->N > 0 && !moept__gk_gather(c)) { /* (else the experts read x through the index) */
         const int vec = moept__vec<T>(D, x, xs);
         const moept__shape sh = moept__rows_shape(sl->N, vec ? D / MOEPT__VEC(T) : D);
         MOEPT__LAUNCH_V(vec, moept__k_gather, T, sh.g, sh.b, c->s, x, sl->tok_of_row, sl->N, (int)D, (T *)xs);
@@ -4929,7 +4953,7 @@ static moept_status moept__fwd_experts(moept__cuda *c, moept__cslot *sl, const T
                                        char *err) {
     const moept__cuda_spec *p = &c->sp;
     const moept__runs R = moept__runs_groups(sl->roffsets, p->El);
-    const moept__ffn f = moept__ffn_routed(c, sl);
+    const moept__ffn f = moept__ffn_routed(c, sl, x);
     MOEPT__TRY(moept__ffn_fwd<T>(c, &f, &R, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, sl->ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out,
@@ -5002,7 +5026,7 @@ static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, c
                                     char *err) {
     const int64_t C = c->C, T_ = sl->T;
     void *send = bwd ? sl->ys : sl->xs, *recv = bwd ? sl->yr : sl->xr, *res = bwd ? sl->dxr : sl->yr;
-    const moept__ffn f = moept__ffn_routed(c, sl);
+    const moept__ffn f = moept__ffn_routed(c, sl, x);
     const int X_OUT = MOEPT__X_OUT;
     moept__chunk_plan(c, sl, 0);
     MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT | MOEPT__X_AFTER, out, err));
@@ -5300,7 +5324,7 @@ static moept_status moept__bwd_experts(moept__cuda *c, moept__cslot *sl, const T
     const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN;
     if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, both, out, err));
     const moept__runs R = moept__runs_groups(sl->roffsets, p->El);
-    const moept__ffn f = moept__ffn_routed(c, sl);
+    const moept__ffn f = moept__ffn_routed(c, sl, x);
     MOEPT__TRY(moept__ffn_bwd<T>(c, &f, &R, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out, err));

@@ -51,8 +51,10 @@
 #           graph replayed through it), then bench_cuda at Qwen3-30B-A3B's and
 #           OLMoE's layers (T 4096), DeepSeek-V3's experts and Mixtral-8x7B (T 8192): the
 #           kernel at ring depths 2 to 6 (MOEPT_GK_STAGES: build/st<N>/bench_cuda, made by
-#           gpu_prebuild.sh or here), then every form (the kernel among them) against the GEMM
-#           floor, in the sync-free mode too at Qwen3's and DeepSeek-V3's shapes, then the peers
+#           gpu_prebuild.sh or here) and without its gather (build/stng: MOEPT_GK_GATHER=0, the
+#           gate/up GEMM on the dispatch's permuted copy), then every form (the kernel among them)
+#           against the GEMM floor, in the sync-free mode too at Qwen3's and DeepSeek-V3's shapes,
+#           then the peers
 # profile:  where the Mixtral layer's and DeepSeek-V3 experts' step (bf16,
 #           T 8192, default form) spend their GPU time beyond the GEMMs:
 #           tools/cupti_trace.c's records of bench_cuda, summed per step by
@@ -436,15 +438,17 @@ grouped() { # the grouped kernel (gemm_form kernel): every case through it, its 
         tests/cases/*.safetensors
     step "moept_check_cuda $k --sync-free: every case" build/moept_check_cuda $k --sync-free \
         tests/cases/*.safetensors
-    for s in 2 3 5 6; do
-        [ -x build/st$s/bench_cuda ] || step "make build/st$s/bench_cuda (MOEPT_GK_STAGES=$s)" make -j8 \
-            B=build/st$s CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a" NVCC_DEFS=-DMOEPT_GK_STAGES=$s \
+    for s in 2 3 5 6 ng; do # (ng: 4 stages, the gate/up GEMM on the permuted copy, not the gather)
+        d=-DMOEPT_GK_STAGES=$s
+        [ $s = ng ] && d=-DMOEPT_GK_GATHER=0
+        [ -x build/st$s/bench_cuda ] || step "make build/st$s/bench_cuda ($d)" make -j8 \
+            B=build/st$s CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a" NVCC_DEFS=$d \
             NCCL_HOME="$(nccl_home)" build/st$s/bench_cuda
     done
     for sh in "--hidden 2048 --ffn 768 --experts 128 --topk 8 --tokens 4096" \
               "--hidden 2048 --ffn 1024 --experts 64 --topk 8 --tokens 4096" \
               "--shape deepseek --tokens 8192" "--tokens 8192"; do
-        for s in 2 3 4 5 6; do
+        for s in 2 3 4 5 6 ng; do
             b=build/st$s/bench_cuda
             [ $s = 4 ] && b=build/bench_cuda
             # shellcheck disable=SC2086

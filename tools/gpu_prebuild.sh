@@ -22,10 +22,13 @@ command -v mpicc >/dev/null && mpi="$G/moept_check_cuda_mpi $G/train_cuda_mpi"
 make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute_$AF,code=sm_$AF" \
     "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
     "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/lt_rules" "$G/libmoept_cuda.so" $mpi
-# the grouped kernel's other ring depths, for the grouped phase's sweep (4, the default, is bench_cuda's)
+# the grouped kernel's other ring depths, and its gate/up GEMM on the permuted copy in place of the
+# gather (ng), for the grouped phase's sweep (4 stages with the gather, the defaults, are bench_cuda's)
 if [ "$A" = 90 ]; then
-    for s in 2 3 5 6; do
-        make -j"$(nproc)" B="$G/st$s" ARCH=-march=x86-64-v2 NVCC_DEFS=-DMOEPT_GK_STAGES=$s \
+    for s in 2 3 5 6 ng; do
+        d=-DMOEPT_GK_STAGES=$s
+        [ $s = ng ] && d=-DMOEPT_GK_GATHER=0
+        make -j"$(nproc)" B="$G/st$s" ARCH=-march=x86-64-v2 NVCC_DEFS=$d \
             CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a" "$G/st$s/bench_cuda"
         find "$G/st$s" -mindepth 1 ! -name bench_cuda -exec rm -rf {} + 2>/dev/null || true
     done
