@@ -110,6 +110,9 @@ void moept_emu_wgmma_fence(void);                                    /* wgmma.fe
    accumulators (the D fragment of .m64nNk16) */
 void moept_emu_wgmma_bf16(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d, int trans_a,
                           int trans_b);
+/* wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {d}, desc_a, desc_b, scale_d, 1, 1: A and B E4M3
+   in shared memory, K-major (FP8 has no transpose); d as above */
+void moept_emu_wgmma_e4m3(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d);
 void moept_emu_wgmma_commit(void);                                   /* wgmma.commit_group.sync.aligned */
 void moept_emu_wgmma_wait(int n);                                    /* wgmma.wait_group.sync.aligned n */
 /* the shared-window address of p (what a matrix descriptor's start address encodes): its offset in the

@@ -1,6 +1,6 @@
 /* emu_hopper.cc - the Hopper (sm_90) primitives of the emulated kernels (cuda_emu.h): mbarriers, TMA
    2D tensor loads and the tensor maps they read (cuTensorMapEncodeTiled), fence.proxy.async, and
-   wgmma.mma_async (bf16 in shared memory, fp32 accumulators) with its fence, commit and wait.
+   wgmma.mma_async (bf16 or e4m3 in shared memory, fp32 accumulators) with its fence, commit and wait.
 
    Each is called by every thread that executes the instruction (a fiber of emu_kernel.cc). The rules
    are the PTX ISA's and the CUDA Driver API's, each cited beside the code that holds it; a broken one
@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -70,6 +71,7 @@ struct Args {                      /* a thread's .sync.aligned instruction */
     int kind, n, scale, trans;     /* trans: imm-trans-a (bit 0) and imm-trans-b (bit 1) */
     uint64_t da, db;
     float *d;
+    int es;                        /* an mma's operand element: 2 bytes (bf16, k16) or 1 (e4m3, k32) */
 };
 enum { K_FENCE, K_MMA, K_COMMIT, K_WAIT };
 const char *const KNAME[] = {"wgmma.fence.sync.aligned", "wgmma.mma_async.sync.aligned",
@@ -77,9 +79,9 @@ const char *const KNAME[] = {"wgmma.fence.sync.aligned", "wgmma.mma_async.sync.a
 
 struct WgOp {                      /* one wgmma.mma_async of a warpgroup */
     uint64_t da, db;
-    int n, scale, trans, wg;
+    int n, scale, trans, wg, es;
     float *d[WG];
-    std::vector<uint32_t> offa, offb; /* each element's shared offset: A [64][16], B [n][16] */
+    std::vector<uint32_t> offa, offb; /* each element's shared offset: A [64][K], B [n][K] (K 32 / es) */
     std::vector<uint32_t> bytes;   /* the operand bytes, once each */
     bool told;                     /* its accumulator-access report was made */
     bool lost;                     /* ... its report of a thread returning with it in flight */
@@ -790,8 +792,10 @@ namespace {
 /* a matrix descriptor (PTX ISA, wgmma, "Matrix Descriptor Format"): bits 0-13 the start address >> 4,
    16-29 the leading dimension byte offset (LBO) >> 4, 32-45 the stride dimension byte offset (SBO) >> 4,
    49-51 the base offset, 62-63 the swizzle (0 none, 1 128B, 2 64B, 3 32B). The operand has rows rows
-   (A's M, B's N) and 16 bf16 of K, laid out as the canonical layouts of "Shared Memory Matrix Layout",
-   "Canonical Layouts" (T = 8 bf16 = 16 bytes; the instruction's imm-trans immediate picks the major-ness):
+   (A's M, B's N) and 32 bytes of K (16 bf16, or 32 e4m3: es bytes an element), laid out as the canonical
+   layouts of "Shared Memory Matrix Layout", "Canonical Layouts" (T = 16 bytes, 8 bf16 or 16 e4m3; the
+   instruction's imm-trans immediate picks the major-ness, for bf16 alone: FP8 operands are K-major).
+   Below for bf16 (es 2); with e4m3 each k's 2 becomes 1 and its 8 (in T) 16:
      K-major (trans 0), no swizzle: ((8,m),(T,2k)):((1T,SBO),(1,LBO)), so element (r, k) at
                  start + (r / 8) SBO + (k / 8) LBO + (r % 8) 16 + (k % 8) 2;
      K-major, S-byte swizzle: ((8,m),(T,2k)):((S/2,SBO),(1,T)): rows of S bytes, 8 to a pattern; (r, k)
@@ -804,8 +808,8 @@ namespace {
    holds that (its start address's row within the repeat must be 0) and does not emulate a non-zero
    base offset, nor an MN-major start inside a line. Each element's shared offset goes to off; false
    (why) when it is invalid. */
-bool decode(const KBlock &k, uint64_t desc, int rows, bool mn, std::vector<uint32_t> &off, char *why,
-            size_t len) {
+bool decode(const KBlock &k, uint64_t desc, int rows, bool mn, int es, std::vector<uint32_t> &off,
+            char *why, size_t len) {
     const size_t start = (size_t)(desc & 0x3fff) << 4, lbo = (size_t)((desc >> 16) & 0x3fff) << 4;
     const size_t sbo = (size_t)((desc >> 32) & 0x3fff) << 4;
     const int base = (int)((desc >> 49) & 7), mode = (int)(desc >> 62);
@@ -833,30 +837,32 @@ bool decode(const KBlock &k, uint64_t desc, int rows, bool mn, std::vector<uint3
             return false;
         }
         if (!mn && start % (size_t)span + 32 > (size_t)span) {
-            snprintf(why, len, "start address 0x%zx: the k16 slice (32 bytes) crosses its %d-byte swizzle "
+            snprintf(why, len, "start address 0x%zx: the K slice (32 bytes) crosses its %d-byte swizzle "
                      "row", start, span);
             return false;
         }
     }
-    off.resize((size_t)rows * 16);
-    const size_t at = (size_t)(span ? span / 2 : 8); /* elements of a line (MN-major) */
+    const int K = 32 / es;
+    const size_t e = (size_t)es, te = 16 / e; /* bytes an element, elements a T */
+    off.resize((size_t)rows * (size_t)K);
+    const size_t at = (size_t)(span ? span / 2 : 8); /* elements of a line (MN-major, bf16) */
     for (int r = 0; r < rows; r++)
-        for (int kk = 0; kk < 16; kk++) {
+        for (int kk = 0; kk < K; kk++) {
             const size_t rr = (size_t)r, k8 = (size_t)kk;
             size_t lin;
             if (!mn)
-                lin = span ? start + rr / 8 * sbo + rr % 8 * (size_t)span + 2 * k8
-                           : start + rr / 8 * sbo + k8 / 8 * lbo + rr % 8 * 16 + k8 % 8 * 2;
+                lin = span ? start + rr / 8 * sbo + rr % 8 * (size_t)span + e * k8
+                           : start + rr / 8 * sbo + k8 / te * lbo + rr % 8 * 16 + k8 % te * e;
             else
                 lin = span ? start + rr / at * lbo + k8 / 8 * sbo + k8 % 8 * (size_t)span + 2 * (rr % at)
                            : start + rr / 8 * sbo + k8 / 8 * lbo + k8 % 8 * 16 + rr % 8 * 2;
             const size_t p = swz(lin, span);
-            if (p + 2 > k.smem) {
+            if (p + e > k.smem) {
                 snprintf(why, len, "element (%d, %d) at shared address 0x%zx is outside the block's %zu "
                          "bytes of dynamic shared memory", r, kk, p, k.smem);
                 return false;
             }
-            off[(size_t)r * 16 + (size_t)kk] = (uint32_t)p;
+            off[(size_t)r * (size_t)K + (size_t)kk] = (uint32_t)p;
         }
     return true;
 }
@@ -870,25 +876,39 @@ float bf16(const char *p) {
     return f;
 }
 
-/* D = A B (+ D): each product of two bf16 values is exact in fp32 (8-bit significands; barring
-   underflow), and the 16 are added to the accumulator in k order, each addition rounded to nearest even
-   in fp32 (a plain fp32 loop over k gives the same bits). The D fragment of .m64nNk16 with fp32
-   accumulators (PTX ISA, wgmma, "Matrix Fragments for wgmma.mma_async.m64nNk16", accumulator D):
+/* an E4M3 byte's value (PTX ISA, "Alternate Floating-Point Data Formats": 1 sign, 4 exponent bits
+   biased by 7, 3 mantissa bits; exponent 0 subnormal (m / 8 2^-6); no infinity, S.1111.111 NaN) */
+float e4m3(uint8_t b) {
+    const int ex = b >> 3 & 15, m = b & 7;
+    const float v = ex == 15 && m == 7 ? NAN : ex ? ldexpf(1.0f + (float)m / 8.0f, ex - 7)
+                                                 : ldexpf((float)m / 8.0f, -6);
+    return b & 0x80 ? -v : v;
+}
+
+/* D = A B (+ D): each product of two bf16 (or e4m3) values is exact in fp32 (8-bit significands, or
+   4-bit; barring underflow), and the K (16, or 32) are added to the accumulator in k order, each
+   addition rounded to nearest even in fp32 (a plain fp32 loop over k gives the same bits); the tensor
+   cores' own order and precision are not emulated (their FP8 sums keep fewer bits: the kernels promote
+   them into fp32 every 128 of K). The D fragment of .m64nNk16 and .m64nNk32 with fp32
+   accumulators (PTX ISA, wgmma, "Matrix Fragments for wgmma.mma_async.m64nNk16", accumulator D; the
+   k32 shapes' D is the same):
    thread lane l of the warpgroup
    (warp w = l / 32, g = (l % 32) / 4, q = l % 4) holds in register i (0 <= i < N/2)
      row = 16 w + g + 8 ((i >> 1) & 1),  col = 8 (i >> 2) + 2 q + (i & 1). */
 void compute(const WgOp &op) {
     const char *s = dyn_smem();
-    std::vector<float> a(64 * 16), b((size_t)op.n * 16);
-    for (size_t i = 0; i < a.size(); i++) a[i] = bf16(s + op.offa[i]);
-    for (size_t i = 0; i < b.size(); i++) b[i] = bf16(s + op.offb[i]);
+    const size_t K = (size_t)(32 / op.es);
+    std::vector<float> a(64 * K), b((size_t)op.n * K);
+    auto val = [&](uint32_t o) { return op.es == 2 ? bf16(s + o) : e4m3((uint8_t)s[o]); };
+    for (size_t i = 0; i < a.size(); i++) a[i] = val(op.offa[i]);
+    for (size_t i = 0; i < b.size(); i++) b[i] = val(op.offb[i]);
     for (int l = 0; l < WG; l++) {
         const int w = l / 32, g = (l % 32) / 4, q = l % 4;
         for (int i = 0; i < op.n / 2; i++) {
             const int row = 16 * w + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * q + (i & 1);
             float acc = op.scale ? op.d[l][i] : 0.0f;
-            const float *ar = &a[(size_t)row * 16], *br = &b[(size_t)col * 16];
-            for (int kk = 0; kk < 16; kk++) acc += ar[kk] * br[kk];
+            const float *ar = &a[(size_t)row * K], *br = &b[(size_t)col * K];
+            for (size_t kk = 0; kk < K; kk++) acc += ar[kk] * br[kk];
             op.d[l][i] = acc;
         }
     }
@@ -910,10 +930,11 @@ void retire(WgOp *op) {
 void issue(const KBlock &k, int wg, Wg &g) {
     const Args &a0 = g.args[0];
     char why[300];
-    /* PTX ISA, wgmma.mma_async, "Matrix Shape": .m64nNk16 with bf16, N a multiple of 8 in 8..256 */
+    /* PTX ISA, wgmma.mma_async, "Matrix Shape": .m64nNk16 with bf16, .m64nNk32 with e4m3, N a multiple
+       of 8 in 8..256 */
     if (a0.n < 8 || a0.n > 256 || a0.n % 8) {
-        report("wgmma", WHERE ": wgmma.mma_async.m64n%dk16: N must be a multiple of 8 in 8..256", AT(k),
-               a0.n);
+        report("wgmma", WHERE ": wgmma.mma_async.m64n%dk%d: N must be a multiple of 8 in 8..256", AT(k),
+               a0.n, 32 / a0.es);
         kernel_end_block();
     }
     std::unique_ptr<WgOp> op(new WgOp());
@@ -922,10 +943,11 @@ void issue(const KBlock &k, int wg, Wg &g) {
     op->n = a0.n;
     op->scale = a0.scale;
     op->trans = a0.trans;
+    op->es = a0.es;
     op->wg = wg;
     op->told = op->lost = false;
-    const bool bad_a = !decode(k, a0.da, 64, a0.trans & 1, op->offa, why, sizeof why);
-    if (bad_a || !decode(k, a0.db, a0.n, (a0.trans & 2) != 0, op->offb, why, sizeof why)) {
+    const bool bad_a = !decode(k, a0.da, 64, a0.trans & 1, a0.es, op->offa, why, sizeof why);
+    if (bad_a || !decode(k, a0.db, a0.n, (a0.trans & 2) != 0, a0.es, op->offb, why, sizeof why)) {
         const bool ne = strstr(why, "not emulated") != nullptr;
         report(ne ? "runtime" : "wgmma", WHERE ": wgmma.mma_async %s descriptor 0x%016llx: %s", AT(k),
                bad_a ? "A" : "B", (unsigned long long)(bad_a ? a0.da : a0.db), why);
@@ -962,9 +984,11 @@ void issue(const KBlock &k, int wg, Wg &g) {
     }
     /* the operands: defined, visible to the async proxy, complete */
     std::vector<uint32_t> bytes;
-    bytes.reserve((op->offa.size() + op->offb.size()) * 2);
-    for (uint32_t o : op->offa) { bytes.push_back(o); bytes.push_back(o + 1); }
-    for (uint32_t o : op->offb) { bytes.push_back(o); bytes.push_back(o + 1); }
+    bytes.reserve((op->offa.size() + op->offb.size()) * (size_t)a0.es);
+    for (uint32_t o : op->offa)
+        for (int b = 0; b < a0.es; b++) bytes.push_back(o + (uint32_t)b);
+    for (uint32_t o : op->offb)
+        for (int b = 0; b < a0.es; b++) bytes.push_back(o + (uint32_t)b);
     std::sort(bytes.begin(), bytes.end());
     bytes.erase(std::unique(bytes.begin(), bytes.end()), bytes.end());
     bool told = false;
@@ -1047,7 +1071,7 @@ void collective(Args a) {
     for (int l = 1; l < WG; l++) {
         const Args &x = g.args[l], &y = g.args[0];
         if (x.kind != y.kind || x.n != y.n || x.scale != y.scale || x.trans != y.trans || x.da != y.da ||
-            x.db != y.db) {
+            x.db != y.db || x.es != y.es) {
             report("wgmma", WHERE ": warpgroup %d: thread %d executes %s (n %d, scale-d %d, descriptors "
                    "0x%llx 0x%llx) where thread %d executes %s (n %d, scale-d %d, 0x%llx 0x%llx): the 128 "
                    "threads must execute the same .sync.aligned instruction", AT(k), wg, wg * WG + l,
@@ -1082,11 +1106,15 @@ void collective(Args a) {
 
 }  // namespace
 
-void moept_emu_wgmma_fence(void) { collective(Args{K_FENCE, 0, 0, 0, 0, 0, nullptr}); }
+void moept_emu_wgmma_fence(void) { collective(Args{K_FENCE, 0, 0, 0, 0, 0, nullptr, 2}); }
 void moept_emu_wgmma_bf16(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d, int trans_a,
                           int trans_b) {
     /* PTX ISA, wgmma.mma_async: imm-trans-a and imm-trans-b are 0 or 1 (transpose only for .f16/.bf16) */
-    collective(Args{K_MMA, n, scale_d != 0, (trans_a != 0) | (trans_b != 0) << 1, desc_a, desc_b, d});
+    collective(Args{K_MMA, n, scale_d != 0, (trans_a != 0) | (trans_b != 0) << 1, desc_a, desc_b, d, 2});
 }
-void moept_emu_wgmma_commit(void) { collective(Args{K_COMMIT, 0, 0, 0, 0, 0, nullptr}); }
-void moept_emu_wgmma_wait(int n) { collective(Args{K_WAIT, n, 0, 0, 0, 0, nullptr}); }
+/* the FP8 variant: no transpose immediates (K-major A and B) */
+void moept_emu_wgmma_e4m3(float *d, int n, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    collective(Args{K_MMA, n, scale_d != 0, 0, desc_a, desc_b, d, 1});
+}
+void moept_emu_wgmma_commit(void) { collective(Args{K_COMMIT, 0, 0, 0, 0, 0, nullptr, 2}); }
+void moept_emu_wgmma_wait(int n) { collective(Args{K_WAIT, n, 0, 0, 0, 0, nullptr, 2}); }

@@ -1330,6 +1330,46 @@ __global__ void k_wg_handoff(float *out, int mode) {
     for (int i = 0; i < 8; i++) out[t * 8 + i] = d[i];
 }
 
+/* E4M3's byte for v: 0, or 2^e (1 + m/8) (PTX ISA, "Alternate Floating-Point Data Formats": exponent
+   bias 7); exact for the integers up to 16 and the powers of two used here */
+static uint8_t he4m3(int v) {
+    if (v == 0) return 0;
+    int e = 0;
+    while ((2 << e) <= v) e++;
+    return (uint8_t)((e + 7) << 3 | ((v << 3 >> e) & 7));
+}
+
+/* m64nNk32 in E4M3 (wgmma .e4m3.e4m3): A[r][0..3] = (r / 8, r % 8, 8, 1), B[c][0..3] = (128, 16, c / 8,
+   c % 8), the other k 0: D[r][c] = 16 r + c. swz 0: the no-swizzle canonical K-major layout (core
+   matrices of 8 rows x 16 bytes: LBO 128, SBO 256); swz 1: the grouped kernel's, rows of 128 bytes in
+   the 128B swizzle (SBO 1024), the k32 slice at byte 32 s of each row (the descriptor's start advanced
+   32 s), the row's other bytes 1.0 (a slice read in the wrong place gives other sums). out as k_wg_frag's */
+__global__ void k_wg_e4m3(float *out, int n, int swz, int s) {
+    char *sm = (char *)moept_emu_dyn_smem();
+    const int t = threadIdx.x, kb = swz ? 128 : 32; /* bytes a row holds */
+    for (int e = t; e < (64 + n) * kb; e += 128) { /* A's 64 rows, then B's n at byte 8192 */
+        const int b = e >= 64 * kb, r = b ? e / kb - 64 : e / kb, j = e % kb, k = j - (swz ? 32 * s : 0);
+        int v = -1;                               /* (-1: outside the slice) */
+        if (k >= 0 && k < 32) {
+            const int a4[4] = {r / 8, r % 8, 8, 1}, b4[4] = {128, 16, r / 8, r % 8};
+            v = k < 4 ? (b ? b4[k] : a4[k]) : 0;
+        }
+        const unsigned o = swz ? (unsigned)((r / 8) * 1024 + (r % 8) * 128 + j)
+                               : (unsigned)((r / 8) * 256 + (j / 16) * 128 + (r % 8) * 16 + j % 16);
+        sm[(b ? 8192 : 0) + (swz ? o ^ ((o >> 7 & 7) << 4) : o)] = (char)(v < 0 ? 0x38 : he4m3(v));
+    }
+    moept_emu_fence_proxy_async();
+    __syncthreads();
+    float d[64];
+    moept_emu_wgmma_fence();
+    const int st = swz ? 32 * s : 0;
+    moept_emu_wgmma_e4m3(d, n, hdesc(sm + st, swz, 128, swz ? 1024 : 256),
+                         hdesc(sm + 8192 + st, swz, 128, swz ? 1024 : 256), 0);
+    moept_emu_wgmma_commit();
+    moept_emu_wgmma_wait(0);
+    for (int i = 0; i < n / 2; i++) out[t * (n / 2) + i] = d[i];
+}
+
 /* bar.sync 1 misused: bad 1 a count of 48 (not whole warps), 2 threads 64-127 give another count, 3
    threads 64-127 return (the barrier never completes) */
 __global__ void k_bar(int bad) {
@@ -1338,16 +1378,16 @@ __global__ void k_bar(int bad) {
     moept_emu_bar_sync(1, bad == 1 ? 48 : bad == 2 && t >= 64 ? 64 : 128);
 }
 
-/* whether k_wg_frag's out (thread t's d[i] at t n/2 + i) holds D[r][c] = n r + c at the places of the
-   m64nNk16 D fragment (a copy to the host: it waits for the kernel) */
-static bool frag_is(const float *out, int n) {
+/* whether k_wg_frag's out (thread t's d[i] at t n/2 + i) holds D[r][c] = mul r + c (mul: n, or given)
+   at the places of the m64nNk16 D fragment (a copy to the host: it waits for the kernel) */
+static bool frag_is(const float *out, int n, int mul = 0) {
     std::vector<float> h((size_t)(64 * n), -1.0f);
     cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost);
     for (int t = 0; t < 128; t++)
         for (int i = 0; i < n / 2; i++) {
             const int r = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i >> 1) & 1);
             const int c = 8 * (i >> 2) + 2 * (t % 4) + (i & 1);
-            if (h[(size_t)t * (size_t)(n / 2) + (size_t)i] != (float)(n * r + c)) return false;
+            if (h[(size_t)t * (size_t)(n / 2) + (size_t)i] != (float)((mul ? mul : n) * r + c)) return false;
         }
     return true;
 }
@@ -1711,6 +1751,15 @@ static void hopper_kernels() {
     expect_clean("wgmma m64n128k16 with B N-major in the 128B swizzle (the grouped kernel's): clean");
     result("... B in the canonical MN-major 128B layout (two atoms of 64 along N: LBO 2048, SBO 1024 bytes): "
            "every element of D", ok, "wrong MN-major layout");
+    MOEPT__LAUNCH(k_wg_e4m3, 1, 128, 12288, 0)(out, 16, 0, 0);
+    ok = frag_is(out, 16);
+    expect_clean("wgmma m64n16k32 .e4m3, no swizzle (core matrices of 8 rows x 16 e4m3): clean");
+    result("... every element of D (the k32 shape's D fragment is k16's)", ok, "wrong result");
+    MOEPT__LAUNCH(k_wg_e4m3, 1, 128, 24576, 0)(out, 128, 1, 2);
+    ok = frag_is(out, 128, 16);
+    expect_clean("wgmma m64n128k32 .e4m3, the 128B swizzle's third k32 slice (the grouped kernel's layout): "
+                 "clean");
+    result("... every element of D", ok, "wrong result: another slice read");
     MOEPT__LAUNCH(k_bar, 1, 128, 0, 0)(1);
     cudaDeviceSynchronize();
     expect_report("synccheck: bar.sync with a count not of whole warps", "a multiple of 32");
