@@ -96,7 +96,9 @@
      - moept_backward must be given the same x as the last moept_forward
        (the same values): the CPU executor checks a fingerprint of every
        element and rejects any other x with MOEPT_ERR_INVALID_ARGUMENT
-       (the CUDA executor does not check).
+       (the CUDA executor does not check: its shared expert's gradients,
+       and at one rank in the kernel GEMM form its routed experts' W13
+       gradients, are computed from the x the backward is given).
      - A call that changes the weights between a forward and its backward
        (moept_set_param of a weight, moept_init_params, moept_load_checkpoint,
        moept_load_hf, moept_adamw_step, moept_cuda_params_changed) makes

@@ -2321,6 +2321,7 @@ static void moept__slot_layout(moept__cuda *c, moept__cslot *sl, moept__carve *c
 
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err);
 static moept_status moept__host_wait(moept__cuda *c, char *err);
+static int moept__gk_gather(const moept__cuda *c);
 
 /* Makes the receive block hold `need` rows, keeping the committed step's rows; config.fp8's token
    scratch with it (moept__q8_room), so a failure is the growth's, which the ranks agree on. */
@@ -2332,8 +2333,8 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     size_t es = (size_t)c->esz;
     /* an inference layer writes a over h and has no backward (moept.c's moept__recv_widths) */
     const int train = !c->sp.cfg->inference_only, chunked = train && c->C > 1;
-    const int64_t Fa = train ? F : 0;
-    size_t bytes = (size_t)cap * (size_t)(2 * D + H + Fa + (chunked ? D + F : 0)) * es + 6 * 64;
+    const int64_t Fa = train ? F : 0, Dx = moept__gk_gather(c) ? 0 : D; /* (gathered: no xr) */
+    size_t bytes = (size_t)cap * (size_t)(D + Dx + H + Fa + (chunked ? D + F : 0)) * es + 6 * 64;
     void *blk = NULL;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status qs = moept__q8_room(c, cap > c->sp.Tmax ? cap : c->sp.Tmax, err); /* (the shared expert's) */
@@ -2342,14 +2343,14 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
         return qs;
     }
     moept__carve cv = {(char *)blk, 0};
-    void *xr = moept__take(&cv, (size_t)(cap * D) * es), *yr = moept__take(&cv, (size_t)(cap * D) * es);
+    void *xr = moept__take(&cv, (size_t)(cap * Dx) * es), *yr = moept__take(&cv, (size_t)(cap * D) * es);
     void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * Fa) * es);
     void *dar = moept__take(&cv, chunked ? (size_t)(cap * F) * es : 0);
     void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
     int64_t keep = sl->fwd_valid ? sl->R : 0;
     if (keep > 0 && sl->rblock) {
         const cudaMemcpyKind dd = cudaMemcpyDeviceToDevice;
-        cudaError_t e = cudaMemcpyAsync(xr, sl->xr, (size_t)(keep * D) * es, dd, c->s);
+        cudaError_t e = cudaMemcpyAsync(xr, sl->xr, (size_t)(keep * Dx) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaMemcpyAsync(yr, sl->yr, (size_t)(keep * D) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaMemcpyAsync(h, sl->h, (size_t)(keep * H) * es, dd, c->s);
         if (e == cudaSuccess && train) e = cudaMemcpyAsync(a, sl->a, (size_t)(keep * F) * es, dd, c->s);
@@ -2645,30 +2646,12 @@ __device__ __forceinline__ uint8_t moept__q8_byte(float v, float sc) {
     return moept__e4m3_byte(moept__e4m3_round(v / sc));
 }
 
-/* 32 threads a tile, 4 elements each; a block MOEPT__Q8_TB tiles (the tile's amax through shared memory) */
-#define MOEPT__Q8_TB (MOEPT__TB / 32)
-
 /* v's 4 E4M3 bytes in one word (the first lowest: little-endian), each zero where its live bit is off */
 __device__ __forceinline__ uint32_t moept__q8_word(const float *v, int live, float sc) {
     uint32_t w = 0;
     for (int e = 0; e < 4; e++)
         if (live >> e & 1) w |= (uint32_t)moept__q8_byte(v[e], sc) << (8 * e);
     return w;
-}
-
-/* The amax of the 32 values m of each 32-thread group of a block, through sh [MOEPT__TB] (every
-   thread of the block comes here) */
-__device__ __forceinline__ float moept__q8_amax32(float *sh, float m) {
-    const int l = (int)threadIdx.x % 32;
-    sh[threadIdx.x] = m;
-    __syncthreads();
-    for (int h = 16; h > 0; h >>= 1) {
-        if (l < h) sh[threadIdx.x] = moept__q8_amax(sh[threadIdx.x], sh[threadIdx.x + h]);
-        __syncthreads();
-    }
-    const float r = sh[threadIdx.x - l];
-    __syncthreads(); /* sh read by all before it is written again */
-    return r;
 }
 
 /* Rows r < n of src [n][lds] (its first K columns) into 1 x 128 tiles: q [np][Kp] E4M3 (rows from n on
@@ -2716,54 +2699,61 @@ __global__ void moept__k_q8_rows(const T *src, int64_t n, int K, int64_t lds, in
 /* The wgrad's operands: columns c < C of src [n][lds], transposed, in 128 x 1 tiles down the rows:
    q [Cp][np] (column c's values along row c; padding zero), s [ceil(np/128)][Cp]. A block a panel of
    128 rows x W columns (a row's W values 128 bytes): read along the rows in V-vectors where the rows
-   hold them (8 threads a row) into shared memory as they are; then 8 threads a column, 16 rows each
-   (a warp 32 columns of the same rows: no bank conflicts), its amax from their 8 partial ones, 16 bytes
-   of q written a thread */
+   hold them (8 threads a row) into shared memory as they are, each row's 32 words rotated by 4 a
+   16-row chunk (moept__q8_pan); then 8 threads a column, 16 rows each (a warp 4 columns: the 8
+   chunks' words fall in distinct banks), its amax from their 8 partial ones, each thread's 16 bytes
+   of q stored, a column's 128 contiguous */
+template <typename T>
+__device__ __forceinline__ int moept__q8_pan(int rr, int c) { /* element (rr, c)'s index in the panel */
+    constexpr int S = (int)sizeof(T), PW = 132 / S; /* (a row 33 words apart) */
+    const int b = c * S, w = ((b >> 2) + 4 * (rr / 16)) & 31;
+    return rr * PW + (4 * w + (b & 3)) / S;
+}
 template <typename T, int V>
 __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
                                  float *s) {
-    constexpr int W = 128 / (int)sizeof(T), PW = W + 4 / (int)sizeof(T); /* (a row 33 words apart) */
-    static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 16 rows, 8 threads a 128-byte row");
-    __shared__ T pan[MOEPT__Q8_TILE * PW];
+    constexpr int W = 128 / (int)sizeof(T), w = W / 8; /* w: a thread's columns of a row, 16 bytes */
+    static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 4 columns x 8 chunks, 8 threads a row");
+    __shared__ __align__(16) T pan[MOEPT__Q8_TILE * (132 / sizeof(T))];
     __shared__ float part[2][MOEPT__TB];
     const int64_t L = MOEPT__Q8_L(np), nc = (Cp + W - 1) / W;
-    const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8, l = (int)threadIdx.x % 32;
+    const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8;
     for (int64_t t = blockIdx.x; t < L * nc; t += gridDim.x) {
         const int64_t b = t / nc, r0 = b * MOEPT__Q8_TILE;
-        const int c0 = (int)(t % nc) * W, w = W / 8; /* w: a thread's columns of a row */
+        const int c0 = (int)(t % nc) * W;
         for (int rr = y; rr < MOEPT__Q8_TILE; rr += MOEPT__TB / 8) {
             const int64_t r = r0 + rr;
             const int c = c0 + w * x;
-            T *d = pan + rr * PW + w * x;
-            if (V > 1 && r < n && c + w <= C) {
+            if (V > 1 && r < n && c + w <= C) { /* (its 4 words stay together: rotated by 4) */
                 const uint4 u = *(const uint4 *)(src + r * lds + c);
                 const uint32_t uw[4] = {u.x, u.y, u.z, u.w};
-                for (int e = 0; e < 4; e++) ((uint32_t *)d)[e] = uw[e];
+                for (int e = 0; e < 4; e++) ((uint32_t *)(pan + moept__q8_pan<T>(rr, w * x)))[e] = uw[e];
             } else {
-                for (int e = 0; e < w; e++) d[e] = r < n && c + e < C ? src[r * lds + c + e] : (T)0;
+                for (int e = 0; e < w; e++)
+                    pan[moept__q8_pan<T>(rr, w * x + e)] = r < n && c + e < C ? src[r * lds + c + e] : (T)0;
             }
         }
         __syncthreads();
-        for (int p = 0; p < W / 32; p++) { /* 32 columns a pass; warp k their rows 16 k.. */
-            const int cc = l + 32 * p, c = c0 + cc, k = (int)threadIdx.x / 32;
-            const int64_t r = r0 + 16 * k;
+        for (int p = 0; p < W / 32; p++) { /* 32 columns a pass: column y of the pass, its rows 16 x.. */
+            const int cc = y + 32 * p, c = c0 + cc;
+            const int64_t r = r0 + 16 * x;
             float v[16], amax = 0.0f;
             int live = 0;
             for (int e = 0; e < 16; e++) {
-                v[e] = moept__ld(pan, (int64_t)(16 * k + e) * PW + cc);
+                v[e] = moept__ld(pan, moept__q8_pan<T>(16 * x + e, cc));
                 live |= (c < C && r + e < n) << e;
                 amax = moept__q8_amax(amax, v[e]);
             }
             part[p & 1][threadIdx.x] = amax;
             __syncthreads(); /* (the next pass writes the other half: this one's reads are done by its
                                 barrier) */
-            for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, part[p & 1][32 * u + l]);
+            for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, part[p & 1][8 * y + u]);
             const float sc = moept__q8_scale(amax);
             if (c < Cp && r < np)
                 *(uint4 *)(q + (int64_t)c * np + r) =
                     make_uint4(moept__q8_word(v, live, sc), moept__q8_word(v + 4, live >> 4, sc),
                                moept__q8_word(v + 8, live >> 8, sc), moept__q8_word(v + 12, live >> 12, sc));
-            if (c < Cp && k == 0) s[c + b * Cp] = sc;
+            if (c < Cp && x == 0) s[c + b * Cp] = sc;
         }
         __syncthreads(); /* pan read by all before the next panel */
     }
@@ -3738,39 +3728,52 @@ __device__ __forceinline__ int moept__gk_locate(const moept__gk_args *g, int til
     return -1;
 }
 
+/* the 8 columns col.. of s's row pr (zeros past its end) in 16-, 8- or 4-byte loads as the address allows */
+__device__ __forceinline__ uint4 moept__gk_chunk(const moept__gk_src *s, int64_t pr, int col) {
+    if (col >= s->cols) return make_uint4(0, 0, 0, 0);
+    const uint16_t *e = s->p + pr * s->ld + col;
+    const int al = (int)((uintptr_t)e & 15);
+    if (col + 8 > s->cols || al % 4) { /* the row's end, or a 2-byte aligned chunk */
+        uint16_t h[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) h[u] = col + u < s->cols ? e[u] : 0;
+        return make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16,
+                          h[4] | (uint32_t)h[5] << 16, h[6] | (uint32_t)h[7] << 16);
+    }
+    if (al == 0) return *(const uint4 *)e;
+    if (al == 8) {
+        const uint2 a = ((const uint2 *)e)[0], b = ((const uint2 *)e)[1];
+        return make_uint4(a.x, a.y, b.x, b.y);
+    }
+    const uint32_t *w = (const uint32_t *)e;
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 /* the producer warpgroup's copy of a box as a TMA load of it writes it (moept__tma_load, its map's
    swizzle): columns c0.. (64) of rows r1.. (n) of s (through s->idx: a gather) into dst, 16-byte chunk
-   q of box row j at chunk q ^ (j % 8), zeros past the tensor and from box row lim on; a chunk in 16-, 8-
-   or 4-byte loads as its address allows (a gather's rows, or rows not all 16-byte aligned: else TMA
-   loads them), else element by element. Each thread its chunks: the caller fences them for the async
-   proxy and arrives on the stage's full barrier (its consumers' wait orders them before their wgmmas) */
+   q of box row j at chunk q ^ (j % 8), zeros past the tensor and from box row lim on (the rows: a
+   gather's, or not all 16-byte aligned, else TMA loads them). A thread's chunks c = t + 128 i (at most
+   8: n <= 128 rows): their rows first (a gather's index), then every load, then the stores, so that its
+   loads are in flight together; the caller fences them for the async proxy and arrives on the stage's
+   full barrier (its consumers' wait orders them before their wgmmas) */
 __device__ __forceinline__ void moept__gk_box(uint8_t *dst, const moept__gk_src *s, int c0, int r1, int n,
                                               int lim) {
-    for (int c = threadIdx.x % 128; c < 8 * n; c += 128) {
-        const int j = c / 8, q = c % 8, col = c0 + 8 * q;
-        const int64_t r = (int64_t)r1 + j;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        const int64_t pr = r < s->rows && s->idx ? s->idx[r] : r; /* (the gathered operand's row) */
-        if (j < lim && r < s->rows && col < s->cols && pr >= 0) {
-            const uint16_t *e = s->p + pr * s->ld + col;
-            const int al = (int)((uintptr_t)e & 15);
-            if (col + 8 > s->cols || al % 4) { /* the row's end, or a 2-byte aligned chunk */
-                uint16_t h[8];
+    const int t = threadIdx.x % 128;
+    int64_t pr[8];
+    uint4 v[8];
 #pragma unroll
-                for (int u = 0; u < 8; u++) h[u] = col + u < s->cols ? e[u] : 0;
-                v = make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16,
-                               h[4] | (uint32_t)h[5] << 16, h[6] | (uint32_t)h[7] << 16);
-            } else if (al == 0) {
-                v = *(const uint4 *)e;
-            } else if (al == 8) {
-                const uint2 a = ((const uint2 *)e)[0], b = ((const uint2 *)e)[1];
-                v = make_uint4(a.x, a.y, b.x, b.y);
-            } else {
-                const uint32_t *w = (const uint32_t *)e;
-                v = make_uint4(w[0], w[1], w[2], w[3]);
-            }
-        }
-        *(uint4 *)(dst + ((128 * j + 16 * q) ^ (j % 8) << 4)) = v;
+    for (int i = 0; i < 8; i++) { /* (-1: a zero chunk) */
+        const int c = t + 128 * i, j = c / 8;
+        const int64_t r = (int64_t)r1 + j;
+        pr[i] = c < 8 * n && j < lim && r < s->rows ? (s->idx ? s->idx[r] : r) : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        v[i] = pr[i] >= 0 ? moept__gk_chunk(s, pr[i], c0 + 8 * (t % 8)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int c = t + 128 * i, j = c / 8, q = c % 8;
+        if (c < 8 * n) *(uint4 *)(dst + ((128 * j + 16 * q) ^ (j % 8) << 4)) = v[i];
     }
 }
 

@@ -14,13 +14,15 @@
           plan --layer [the shape options, --ep P --tokens T --chunks C]
                [--executor cpu|cuda] [--dtype fp32|bf16] [--fp8] [--inference]
                [--inflight N] [--grad-backup] [--shared-gate] [--gemm KERNEL] [--cc N]
+               [--gemm-form auto|kernel]
           plan --check [--scenarios build/scenarios.csv]
    The ep modes' MoE layers are moept's (default: CUDA, bf16; --framework:
    as the rest of the model, --weight-bytes and the others a parameter,
    sharded over the world). --layer prints one layer's bytes by kind on a
    rank (the shapes of --preset and the options; --gemm avx512, avx2, neon,
    portable or cblas: a CPU layer's GEMM packing; --cc: the GPU's compute
-   capability x 10, which sizes cuBLAS's workspaces).
+   capability x 10, which sizes cuBLAS's workspaces; --gemm-form kernel: a
+   CUDA layer in moept's grouped kernel form, which needs 9.0).
    --check compares the Mixtral-8x7B fine-tune on 8 x A100-80GB with the
    published measurements (FSDP only: 83 tokens/s, 54.8 GB peak; expert
    parallel: 337 tokens/s, 45.5 GB peak), and with --scenarios the byte
@@ -32,6 +34,7 @@
    layer's sync-free mode (moept_cuda_options.sync_free): its static blocks'
    memory and traffic against the default mode's, dropless or at
    --capacity-factor. */
+#define _DEFAULT_SOURCE /* setenv: the emulated GPU's compute capability for the kernel form's layer */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -104,6 +107,7 @@ typedef struct memcfg {
     int grad_backup;       /* config.grad_backup (a CPU layer's second copy of the gradients) */
     double mr, nr, kc, nc; /* CPU: the builtin GEMM's blocking (kc 0: MOEPT_CBLAS, no packing) */
     double cc;             /* CUDA: compute capability x 10 (cuBLAS's workspaces: 32 MiB from 90, else 4) */
+    int kernel;            /* CUDA: options.gemm_form MOEPT_GEMM_KERNEL (compute capability 9.0) */
 } memcfg;
 
 typedef struct membytes { double host[MEM_NKINDS], dev[MEM_NKINDS]; } membytes;
@@ -182,7 +186,10 @@ static double mem_cuda_workspace(const memcfg *c) {
     double w = a64(8 * T * E) + 2 * a64(4 * N) + a64(8 * (3 * E + 5)) + a64(8 * nblk * E) + a64(8 * E) +
                a64(8 * (E + 1)) + a64(8 * M) + a64(8 * P * M) + ch * a64(8 * C * E) + 64 + 16384 +
                tr * (a64(4 * T) + a64(4 * T * E)) + a64(24 * G);
-    const double nside = G > 1 && c->bf16 ? (G < 4 ? G : 4) : 0;
+    const int kb = c->kernel && c->bf16; /* the kernel form's bf16 layer: no side streams; at one rank
+                                            unchunked without FP8, the experts' x gathered (no xr) */
+    const double nside = G > 1 && c->bf16 && !kb ? (G < 4 ? G : 4) : 0;
+    const double xr = kb && !c->fp8 && P == 1 ? 0 : D; /* (at P 1 the chunks are off) */
     w += (1 + nside) * (c->cc >= 90 ? 32 : 4) * 1048576.0;
     if (c->fp8) {
         const double cap = pad16(dmax(R, T)), W = dmax(pad16(D), dmax(pad16(H), pad16(HS)));
@@ -193,7 +200,7 @@ static double mem_cuda_workspace(const memcfg *c) {
                   a64(4 * E) + 64 + 2 * a64(8 * N) + a64(4 * N) + (P > 1 ? 2 * a64(es * N * D) : 0) +
                   a64(es * T * HS) + tr * a64(es * T * S) + (S > 0 ? a64(es * T * D) : 0) + a64(4 * T) +
                   tr * a64(4 * N);
-    slot += R * (2 * D + H + tr * F + tr * ch * (D + F)) * es + 6 * 64; /* chunked: the backward's da, dx */
+    slot += R * (D + xr + H + tr * F + tr * ch * (D + F)) * es + 6 * 64; /* chunked: the backward's da, dx */
     return w + c->slots * slot;
 }
 
@@ -498,7 +505,8 @@ static moept_status lrank_run(lrank *r, moept_comm *ep, void *stream) {
     moept_layer *L = NULL;
     moept_status st;
 #ifdef MOEPT_CUDA
-    moept_cuda_options o = {m->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, stream, 0, 0, MOEPT_GEMM_AUTO};
+    moept_cuda_options o = {m->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, stream, 0, 0,
+                            m->kernel ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_AUTO};
     st = m->cuda ? moept_create_cuda(&cfg, ep, NULL, &o, &L) : moept_create_parallel(&cfg, ep, NULL, &L);
 #else
     (void)stream;
@@ -601,23 +609,26 @@ static int check_layers(void) {
     static const struct lcase {
         const char *name;
         double D, F, E, K, S, P, C, T;
-        int gate, cuda, bf16, fp8, train, slots, grad_backup;
+        int gate, cuda, bf16, fp8, train, slots, grad_backup, kernel;
     } cases[] = {
-        {"cpu: mixtral-like, training", 64, 96, 8, 2, 0, 1, 1, 1024, 0, 0, 0, 0, 1, 1, 0},
+        {"cpu: mixtral-like, training", 64, 96, 8, 2, 0, 1, 1, 1024, 0, 0, 0, 0, 1, 1, 0, 0},
         {"cpu: qwen2-like (shared expert, gate), 2 forward slots", 64, 64, 8, 2, 128, 1, 1, 256, 1, 0, 0, 0,
-         1, 2, 0},
-        {"cpu: fp8, shared expert", 64, 96, 8, 2, 64, 1, 1, 256, 0, 0, 0, 1, 1, 1, 0},
-        {"cpu: inference_only, shared expert", 64, 96, 8, 2, 64, 1, 1, 256, 1, 0, 0, 0, 0, 1, 0},
-        {"cpu: EP 2 (threads, shared memory), grad_backup", 64, 96, 8, 2, 0, 2, 1, 256, 0, 0, 0, 0, 1, 1, 1},
+         1, 2, 0, 0},
+        {"cpu: fp8, shared expert", 64, 96, 8, 2, 64, 1, 1, 256, 0, 0, 0, 1, 1, 1, 0, 0},
+        {"cpu: inference_only, shared expert", 64, 96, 8, 2, 64, 1, 1, 256, 1, 0, 0, 0, 0, 1, 0, 0},
+        {"cpu: EP 2 (threads, shared memory), grad_backup", 64, 96, 8, 2, 0, 2, 1, 256, 0, 0, 0, 0, 1, 1, 1,
+         0},
         {"cpu: EP 2, 2 overlap chunks (threads, messages), shared expert", 64, 96, 8, 2, 64, 2, 2, 256, 0, 0,
-         0, 0, 1, 1, 0},
+         0, 0, 1, 1, 0, 0},
 #ifdef MOEPT_CUDA
-        {"cuda: fp32, training", 64, 96, 8, 2, 0, 1, 1, 1024, 0, 1, 0, 0, 1, 1, 0},
-        {"cuda: bf16, shared expert, 2 forward slots", 64, 64, 8, 2, 128, 1, 1, 256, 1, 1, 1, 0, 1, 2, 0},
-        {"cuda: bf16, fp8, shared expert", 128, 128, 8, 2, 128, 1, 1, 256, 0, 1, 1, 1, 1, 1, 0},
-        {"cuda: bf16, inference_only", 64, 96, 8, 2, 0, 1, 1, 256, 0, 1, 1, 0, 0, 1, 0},
-        {"cuda: bf16, EP 2 (threads on one device)", 64, 96, 8, 2, 0, 2, 1, 256, 0, 1, 1, 0, 1, 1, 0},
-        {"cuda: fp32, EP 2, 2 overlap chunks", 64, 96, 8, 2, 0, 2, 2, 256, 0, 1, 0, 0, 1, 1, 0},
+        {"cuda: fp32, training", 64, 96, 8, 2, 0, 1, 1, 1024, 0, 1, 0, 0, 1, 1, 0, 0},
+        {"cuda: bf16, shared expert, 2 forward slots", 64, 64, 8, 2, 128, 1, 1, 256, 1, 1, 1, 0, 1, 2, 0, 0},
+        {"cuda: bf16, fp8, shared expert", 128, 128, 8, 2, 128, 1, 1, 256, 0, 1, 1, 1, 1, 1, 0, 0},
+        {"cuda: bf16, inference_only", 64, 96, 8, 2, 0, 1, 1, 256, 0, 1, 1, 0, 0, 1, 0, 0},
+        {"cuda: bf16, EP 2 (threads on one device)", 64, 96, 8, 2, 0, 2, 1, 256, 0, 1, 1, 0, 1, 1, 0, 0},
+        {"cuda: fp32, EP 2, 2 overlap chunks", 64, 96, 8, 2, 0, 2, 2, 256, 0, 1, 0, 0, 1, 1, 0, 0},
+        {"cuda: bf16, the kernel GEMM form, shared expert (sm_90)", 64, 96, 8, 2, 64, 1, 1, 256, 0, 1, 1, 0,
+         1, 1, 0, 1},
 #endif
     };
     memcfg gemm;
@@ -649,10 +660,17 @@ static int check_layers(void) {
         m.gate = q->gate;
         m.cuda = q->cuda, m.bf16 = q->bf16, m.fp8 = q->fp8, m.train = m.moments = q->train;
         m.slots = q->slots;
-        m.grad_backup = q->grad_backup, m.shm = 1, m.cc = cc;
+        m.grad_backup = q->grad_backup, m.shm = 1, m.cc = cc, m.kernel = q->kernel;
 #ifdef MOEPT_CUDA
         if (m.cuda && moept_cuda_device_count() == 0) {
             printf("skip - %s: no CUDA device\n", q->name);
+            continue;
+        }
+#ifdef MOEPT_EMU
+        if (m.kernel) setenv("MOEPT_EMU_CC", "90", 1), m.cc = 90; /* (the emulated GPU answers 9.0) */
+#endif
+        if (m.kernel && m.cc != 90) {
+            printf("skip - %s: compute capability %.0f\n", q->name, m.cc);
             continue;
         }
 #endif
@@ -754,6 +772,9 @@ static int layer_option(const char *a, const char *v, memcfg *l, cluster *c) {
         if (!gemm_of(v, l)) return -1;
     } else if (!strcmp(a, "--cc")) {
         l->cc = c->cc = atof(v);
+    } else if (!strcmp(a, "--gemm-form")) {
+        if (strcmp(v, "auto") && strcmp(v, "kernel")) return -1;
+        l->kernel = !strcmp(v, "kernel");
     } else {
         return 0;
     }
