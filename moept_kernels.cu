@@ -3598,6 +3598,12 @@ __device__ __forceinline__ void moept__mbar_expect_tx(uint64_t *bar, unsigned by
                   asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;"
                                ::"r"(moept__smem_u32(bar)), "r"(bytes) : "memory"));
 }
+/* the expect-tx operation alone: TMA loads' bytes announced before they are issued, the arrival later */
+__device__ __forceinline__ void moept__mbar_expect(uint64_t *bar, unsigned bytes) {
+    MOEPT__HOPPER(moept_emu_mbar_expect_tx(bar, bytes),
+                  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;"
+                               ::"r"(moept__smem_u32(bar)), "r"(bytes) : "memory"));
+}
 __device__ __forceinline__ void moept__mbar_wait(uint64_t *bar, unsigned parity) {
     MOEPT__HOPPER(moept_emu_mbar_wait(bar, parity),
                   for (uint32_t ok = 0; !ok;)
@@ -3816,20 +3822,24 @@ __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUte
                             F == MOEPT__GK_WGRAD ? g->r0[i] + k0 : g->e[i] * g->K + k0, 64, v, bar);
 }
 
-/* the producer thread(s) fill stage (a, b): their own loads (fenced for the async proxy), then an
-   arrival each on bar (thread 0's announcing the TMA loads' bytes), then the TMA loads */
+/* the producer fills stage (a, b). TMA alone: thread 0's arrival announces the loads' bytes, then it
+   issues them. Else thread 0 announces the TMA loads' bytes (if any) and issues them first, then every
+   producer thread makes its own loads, fences them for the async proxy and arrives */
 template <int F>
 __device__ __forceinline__ void moept__gk_produce(const CUtensorMap *ma, const CUtensorMap *mb,
                                                   const moept__gk_args *g, int i, int mt, int nt, int kb,
                                                   uint8_t *a, uint8_t *b, uint64_t *bar) {
-    if (g->lsu) {
-        moept__gk_load<F>(ma, mb, g, i, mt, nt, kb, a, b, bar, 0);
-        moept__fence_proxy_async();
-    }
     const unsigned tx = (g->lsu & 1 ? 0 : MOEPT__GK_TILE_B) + (g->lsu & 2 ? 0 : MOEPT__GK_TILE_B);
-    if (threadIdx.x == 0 && tx) moept__mbar_expect_tx(bar, tx);
-    else moept__mbar_arrive(bar);
+    if (!g->lsu) {
+        moept__mbar_expect_tx(bar, tx);
+        moept__gk_load<F>(ma, mb, g, i, mt, nt, kb, a, b, bar, 1);
+        return;
+    }
+    if (threadIdx.x == 0 && tx) moept__mbar_expect(bar, tx);
     moept__gk_load<F>(ma, mb, g, i, mt, nt, kb, a, b, bar, 1);
+    moept__gk_load<F>(ma, mb, g, i, mt, nt, kb, a, b, bar, 0);
+    moept__fence_proxy_async();
+    moept__mbar_arrive(bar);
 }
 
 /* WGRAD's last k-step of a run: its rows from v on are the next run's (or zeros past the tensor), in A

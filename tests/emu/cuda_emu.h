@@ -96,6 +96,8 @@ void moept_emu_fence_mbar_init(void);                                /* fence.mb
 void moept_emu_mbar_arrive(uint64_t *bar);
 /* mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 */
 void moept_emu_mbar_arrive_expect_tx(uint64_t *bar, unsigned bytes);
+/* mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [bar], bytes (the expect-tx operation, no arrival) */
+void moept_emu_mbar_expect_tx(uint64_t *bar, unsigned bytes);
 /* mbarrier.try_wait.parity.shared::cta.b64 until it returns true (the thread yields meanwhile) */
 void moept_emu_mbar_wait(uint64_t *bar, unsigned parity);
 /* cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [map, {c0, c1}], [bar];

@@ -505,18 +505,34 @@ void moept_emu_mbar_arrive(uint64_t *bar) {
     arrive(k, *mbar_of(k, bar, "mbarrier.arrive", nullptr), "mbarrier.arrive");
 }
 
-/* PTX ISA, mbarrier.arrive.expect_tx: the expect-tx operation (tx-count += bytes), then arrive-on */
+/* PTX ISA, "expect-tx operation": tx-count += bytes, within its range; false (reported) past it */
+namespace emu {
+namespace {
+bool expect_tx(const KBlock &k, Mbar *m, unsigned bytes, const char *op) {
+    if ((int64_t)bytes > TX_MAX || m->tx + (int64_t)bytes > TX_MAX) {
+        report("mbarrier", WHERE ": %s of %u bytes takes the tx-count of the mbarrier at %p past 2^20 - 1",
+               AT(k), op, bytes, m->addr);
+        return false;
+    }
+    m->tx += bytes;
+    return true;
+}
+}  // namespace
+}  // namespace emu
+
+/* PTX ISA, mbarrier.arrive.expect_tx: the expect-tx operation, then arrive-on */
 void moept_emu_mbar_arrive_expect_tx(uint64_t *bar, unsigned bytes) {
     KBlock k;
     if (!need(&k, "mbarrier.arrive.expect_tx")) return;
     Mbar *m = mbar_of(k, bar, "mbarrier.arrive.expect_tx", nullptr);
-    if ((int64_t)bytes > TX_MAX || m->tx + (int64_t)bytes > TX_MAX) {
-        report("mbarrier", WHERE ": mbarrier.arrive.expect_tx of %u bytes takes the tx-count of the mbarrier "
-               "at %p past 2^20 - 1", AT(k), bytes, (void *)bar);
-        return;
-    }
-    m->tx += bytes;
-    arrive(k, *m, "mbarrier.arrive.expect_tx");
+    if (expect_tx(k, m, bytes, "mbarrier.arrive.expect_tx")) arrive(k, *m, "mbarrier.arrive.expect_tx");
+}
+
+/* PTX ISA, mbarrier.expect_tx: the expect-tx operation alone (no arrival; relaxed: no ordering) */
+void moept_emu_mbar_expect_tx(uint64_t *bar, unsigned bytes) {
+    KBlock k;
+    if (!need(&k, "mbarrier.expect_tx")) return;
+    expect_tx(k, mbar_of(k, bar, "mbarrier.expect_tx", nullptr), bytes, "mbarrier.expect_tx");
 }
 
 /* PTX ISA, mbarrier.test_wait/try_wait: .parity waits for "the completion of the phase indicated by

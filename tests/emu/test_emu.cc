@@ -1514,6 +1514,13 @@ __global__ void k_mbar_bad(const CUtensorMap tm, int what) {
         if (t == 1) moept_emu_mbar_arrive(&mb[0]);
     }
     if (what == 5 && t == 0) moept_emu_mbar_init(&mb[0], 0);
+    if (what >= 6 && t == 0) { /* the bytes expected alone, the TMA, then (7) the arrival */
+        moept_emu_mbar_init(&mb[0], 1);
+        moept_emu_mbar_expect_tx(&mb[0], 256);
+        moept_emu_tma_load_2d(sm, &tm, 0, 0, &mb[0]);
+        if (what == 7) moept_emu_mbar_arrive(&mb[0]);
+        moept_emu_mbar_wait(&mb[0], 0);
+    }
 }
 
 /* a store one byte past the launch's dynamic shared memory */
@@ -1925,12 +1932,16 @@ static void hopper_kernels() {
             {3, "mbarrier: a wait that can never complete (count 2, one arrival): deadlock", "deadlock"},
             {4, "mbarrier: another thread arrives with no __syncthreads after the init", "no __syncthreads"},
             {5, "mbarrier: init count 0", "outside [1, 2^20 - 1]"},
+            {6, "mbarrier: a TMA's bytes expected (mbarrier.expect_tx) but no arrival: deadlock", "deadlock"},
         };
         for (const auto &c : mb) {
             MOEPT__LAUNCH(k_mbar_bad, 1, 128, 1024, 0)(m32, c.what);
             cudaDeviceSynchronize();
             expect_report(c.name, c.want);
         }
+        MOEPT__LAUNCH(k_mbar_bad, 1, 128, 1024, 0)(m32, 7);
+        cudaDeviceSynchronize();
+        expect_clean("mbarrier: a TMA's bytes expected alone before the copy, the arrival after: clean");
     }
     cudaFree(g);
     cudaFree(o);
