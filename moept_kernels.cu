@@ -3486,6 +3486,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
             writes h and a = act(g, u) (the activation pass fused)
      DACT   DGRAD's da = dy W2 with the activation's backward in its epilogue: each thread reads g and u
             of its columns from h and writes dh = act'(g, u, da) over them (da never stored)
+     FWD8   FWD in E4M3 (config.fp8): A the rows quantized 1 x 128, B the weights' E4M3 copy [E][bn][K]
+            with 128 x 128 scales; each 128-wide k-step (four k32 wgmmas) summed apart, then promoted into
+            the fp32 accumulators times its row's and block's scales (moept__gk_promote)
    Persistent CTAs walk the (run, m-tile, n-tile) space; a producer loads A
    and B tiles into a ring of stages (mbarriers: full when the bytes landed,
    empty when both consumer warpgroups read it): one thread by TMA, or,
@@ -3518,9 +3521,11 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */
 #define MOEPT__GK_HALF (MOEPT__GK_TILE_B / 2)             /* 64 of a tile's 128 rows, or lines */
 #define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 1024)
-enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT };
+enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT, MOEPT__GK_FWD8 };
 /* a tile's columns of N: 128, or (GATE) 64 of the gate half and the same 64 of the up half */
 #define MOEPT__GK_TN(F) ((F) == MOEPT__GK_GATE ? MOEPT__GK_BN / 2 : MOEPT__GK_BN)
+/* a k-step's elements of the reduction: 128 bytes, 64 bf16 or (FWD8) 128 E4M3, one scale block */
+#define MOEPT__GK_KB(F) ((F) == MOEPT__GK_FWD8 ? 2 * MOEPT__GK_BK : MOEPT__GK_BK)
 
 /* an operand whose rows TMA cannot take (a row stride or base not a multiple of 16 bytes): bf16
    [rows][cols], rows ld elements apart, which the producer warpgroup loads itself (moept__gk_box) */
@@ -3548,6 +3553,10 @@ typedef struct moept__gk_args {
     int64_t lda;
     moept__gk_src src[2];     /* A and B where loaded by the producer warpgroup, not TMA: */
     int32_t lsu;              /* ... bit 0 A, bit 1 B (0: both by TMA, one producer thread) */
+    int32_t bn;               /* FWD, FWD8: B's rows an expert (N; FWD8: its padded rows) */
+    const float *sa, *sb;     /* FWD8: A's scales [ceil(K/128)][sald] (1 x 128), B's [E][sbe] of 128 x 128
+                                 blocks [ceil(bn/128)][sbld] */
+    int64_t sald, sbe, sbld;
 } moept__gk_args;
 /* (a kernel's parameters: 4 KB, the two tensor maps and these) */
 static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
@@ -3644,6 +3653,30 @@ __device__ __forceinline__ void moept__bar_sync(unsigned id, unsigned n) {
 /* d [64] (this thread's part of a 64 x 128 fp32 tile) = A B (+ d if acc): A 64 x 16 and B 16 x 128 bf16
    in shared memory through descriptors da, db, 128-byte swizzled, each K-major (TA, TB 0) or MN-major (1:
    the instruction's transpose immediates) */
+/* the same with A 64 x 32 and B 32 x 128 E4M3, K-major (FP8 has no transpose) */
+__device__ __forceinline__ void moept__wgmma_e4m3_128(float *d, uint64_t da, uint64_t db, int acc) {
+    MOEPT__HOPPER(moept_emu_wgmma_e4m3(d, 128, da, db, acc),
+            asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8,"
+            "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26,"
+            "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44,"
+            "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62,"
+            "%63}, %64, %65, p, 1, 1;\n"
+            "}\n"
+              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+                "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+                "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+                "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+                "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+                "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+                "+f"(d[63])
+              : "l"(da), "l"(db), "r"(acc)));
+    (void)d; (void)da; (void)db; (void)acc;
+}
 template <int TA, int TB>
 __device__ __forceinline__ void moept__wgmma_128(float *d, uint64_t da, uint64_t db, int acc) {
     MOEPT__HOPPER(moept_emu_wgmma_bf16(d, 128, da, db, acc, TA, TB),
@@ -3703,7 +3736,7 @@ MOEPT_HD static inline int64_t moept__gk_tiles(const moept__gk_args *g) {
 }
 template <int F>
 __device__ __forceinline__ int moept__gk_ksteps(const moept__gk_args *g, int i) {
-    return ((F == MOEPT__GK_WGRAD ? g->rows[i] : g->K) + MOEPT__GK_BK - 1) / MOEPT__GK_BK;
+    return ((F == MOEPT__GK_WGRAD ? g->rows[i] : g->K) + MOEPT__GK_KB(F) - 1) / MOEPT__GK_KB(F);
 }
 
 /* whether rows [r, r + n) of run i hold a real row: always, but in the sync-free mode, whose blocks
@@ -3802,24 +3835,26 @@ template <int F>
 __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUtensorMap *mb,
                                                const moept__gk_args *g, int i, int mt, int nt, int kb,
                                                uint8_t *a, uint8_t *b, uint64_t *bar, int pass) {
-    const int k0 = kb * MOEPT__GK_BK, n0 = nt * MOEPT__GK_TN(F);
-    const int v = F == MOEPT__GK_WGRAD ? g->rows[i] - k0 : MOEPT__GK_BM; /* WGRAD: the run's rows left */
+    const int k0 = kb * MOEPT__GK_KB(F), n0 = nt * MOEPT__GK_TN(F);
+    /* the run's rows left in the box (the producer's own loads read no further; B's weights: all) */
+    const int v = g->rows[i] - (F == MOEPT__GK_WGRAD ? k0 : mt * MOEPT__GK_BM);
     if (F == MOEPT__GK_WGRAD) /* A: the run's rows k0.. of dy or dh [rows][M] */
         for (int h = 0; h < 2; h++)
             moept__gk_fetch(g, ma, 0, pass, a + h * MOEPT__GK_HALF, mt * MOEPT__GK_BM + 64 * h,
                             g->r0[i] + k0, 64, v, bar);
     else /* A: rows of the run [rows][K] */
         moept__gk_fetch(g, ma, 0, pass, a, k0, g->r0[i] + mt * MOEPT__GK_BM, MOEPT__GK_BM, v, bar);
-    if (F == MOEPT__GK_FWD) /* B: expert e's W [N][K] in [E N][K] */
-        moept__gk_fetch(g, mb, 1, pass, b, k0, g->e[i] * g->N + n0, MOEPT__GK_BN, v, bar);
+    const int vb = F == MOEPT__GK_WGRAD ? v : MOEPT__GK_BM;
+    if (F == MOEPT__GK_FWD || F == MOEPT__GK_FWD8) /* B: expert e's W [N][K] in [E bn][K] */
+        moept__gk_fetch(g, mb, 1, pass, b, k0, g->e[i] * g->bn + n0, MOEPT__GK_BN, vb, bar);
     else if (F == MOEPT__GK_GATE) /* B: rows n0.. of expert e's gate half and of its up half, [E 2N][K] */
         for (int h = 0; h < 2; h++)
             moept__gk_fetch(g, mb, 1, pass, b + h * MOEPT__GK_HALF, k0, (2 * g->e[i] + h) * g->N + n0, 64,
-                            v, bar);
+                            vb, bar);
     else /* B: expert e's W [K][N] in [E K][N], or (WGRAD) the run's rows of x or a [rows][N] */
         for (int h = 0; h < 2; h++)
             moept__gk_fetch(g, mb, 1, pass, b + h * MOEPT__GK_HALF, n0 + 64 * h,
-                            F == MOEPT__GK_WGRAD ? g->r0[i] + k0 : g->e[i] * g->K + k0, 64, v, bar);
+                            F == MOEPT__GK_WGRAD ? g->r0[i] + k0 : g->e[i] * g->K + k0, 64, vb, bar);
 }
 
 /* the producer fills stage (a, b). TMA alone: thread 0's arrival announces the loads' bytes, then it
@@ -3859,16 +3894,35 @@ __device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v, in
     moept__bar_sync(1, 256);
 }
 
-/* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma, issued as one
-   group (the caller waits for it) */
+/* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma (FWD8: 32 E4M3),
+   issued as one group (the caller waits for it) */
 template <int F>
 __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const uint8_t *b, int w, int acc) {
-    constexpr int TA = F == MOEPT__GK_WGRAD, TB = F != MOEPT__GK_FWD && F != MOEPT__GK_GATE; /* MN-major */
+    constexpr int TA = F == MOEPT__GK_WGRAD, TB = F == MOEPT__GK_DGRAD || F == MOEPT__GK_WGRAD || /* MN- */
+                                                  F == MOEPT__GK_DACT;                            /* major */
     const uint64_t da = moept__gk_desc(a + w * MOEPT__GK_HALF, TA), db = moept__gk_desc(b, TB);
     moept__wgmma_fence();
-    for (int k = 0; k < MOEPT__GK_BK / 16; k++) /* 16 of K: 32 bytes of a K-major row, 2 groups of MN lines */
-        moept__wgmma_128<TA, TB>(d, da + (TA ? 128 : 2) * k, db + (TB ? 128 : 2) * k, acc || k > 0);
+    for (int k = 0; k < 4; k++) { /* 32 bytes of a K-major row a wgmma, or 2 groups of MN lines */
+        if (F == MOEPT__GK_FWD8) moept__wgmma_e4m3_128(d, da + 2 * k, db + 2 * k, acc || k > 0);
+        else moept__wgmma_128<TA, TB>(d, da + (TA ? 128 : 2) * k, db + (TB ? 128 : 2) * k, acc || k > 0);
+    }
     moept__wgmma_commit();
+}
+
+/* FWD8: consumer w's k-step kb, its block sums t, into d times their scales: its rows' 1 x 128 ones of A
+   and the tile's 128 x 128 one of B (the promotion into fp32 every 128 of K, DeepSeek-V3's: the tensor
+   cores' FP8 sums keep fewer bits). A thread's registers hold two rows (moept__gk_row) */
+__device__ __forceinline__ void moept__gk_promote(const moept__gk_args *g, float *d, const float *t, int i,
+                                                  int mt, int nt, int kb, int w, int first) {
+    const int l = threadIdx.x % 128;
+    const float sb = g->sb[g->e[i] * g->sbe + nt * g->sbld + kb];
+    float s[2];
+    for (int h = 0; h < 2; h++) { /* (rows past the scales' are never stored) */
+        const int64_t r = (int64_t)g->r0[i] + mt * MOEPT__GK_BM + w * 64 + moept__gk_row(2 * h, l);
+        s[h] = r < g->sald ? g->sa[kb * g->sald + r] * sb : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < 64; j++) d[j] = (first ? 0.0f : d[j]) + t[j] * s[(j >> 1) & 1];
 }
 
 /* p[0] = bf16(x), and p[1] = bf16(y) where two: one 4-byte store where p is 4-byte aligned */
@@ -3963,7 +4017,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
                                uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
     const int tiles = (int)moept__gk_tiles<F>(g); /* (under INT_MAX: moept__gk_launch) */
     int it = 0;
-    float d[64];
+    float d[64], t[F == MOEPT__GK_FWD8 ? 64 : 1]; /* t: FWD8's k-step sums, promoted into d */
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int mt = 0, nt = 0, first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
         const int i = moept__gk_locate<F>(g, tile, &mt, &nt), nkb = moept__gk_ksteps<F>(g, i);
@@ -3983,10 +4037,17 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
                 const int v = g->rows[i] - kb * MOEPT__GK_BK;
                 if (F == MOEPT__GK_WGRAD && v < MOEPT__GK_BK)
                     moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v, g->lsu);
-                moept__gk_mma<F>(d, a, b, w, !first);
-                moept__wgmma_wait<1>();
-                if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
-                held = s;
+                if (F == MOEPT__GK_FWD8) { /* (its stage freed at once: t read, promoted) */
+                    moept__gk_mma<F>(t, a, b, w, 0);
+                    moept__wgmma_wait<0>();
+                    if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
+                    moept__gk_promote(g, d, t, i, mt, nt, kb, w, first);
+                } else {
+                    moept__gk_mma<F>(d, a, b, w, !first);
+                    moept__wgmma_wait<1>();
+                    if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
+                    held = s;
+                }
             }
             first = 0;
         }
@@ -4070,12 +4131,13 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
         return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
                             "MOEPT_GEMM_KERNEL: no cuTensorMapEncodeTiled in the driver (%s, query "
                             "result %d)", cudaGetErrorString(e), (int)q);
-    const void *forms[5] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
+    const void *forms[6] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
                             (const void *)moept__k_gk<MOEPT__GK_DGRAD>,
                             (const void *)moept__k_gk<MOEPT__GK_WGRAD>,
                             (const void *)moept__k_gk<MOEPT__GK_GATE>,
-                            (const void *)moept__k_gk<MOEPT__GK_DACT>};
-    for (int i = 0; i < 5; i++)
+                            (const void *)moept__k_gk<MOEPT__GK_DACT>,
+                            (const void *)moept__k_gk<MOEPT__GK_FWD8>};
+    for (int i = 0; i < 6; i++)
         MOEPT__CU(cudaFuncSetAttribute(forms[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        MOEPT__GK_SMEM));
     c->gk_encode = (void *)fn;
@@ -4087,6 +4149,10 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
 static int moept__gk_ok(const moept__cuda *c) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp);
 }
+/* whether the kernel runs config.fp8's forward products (FWD8; their backward: cuBLASLt's) */
+static int moept__gk_q8(const moept__cuda *c) {
+    return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && moept__fp8_on(&c->sp);
+}
 /* whether the routed experts read x's rows through the dispatch's index (the gate/up GEMM's A, the
    W13 gradient's B), no permuted copy made: where the kernel runs every GEMM that reads them and no
    exchange makes the copy anyway (one rank; MOEPT_GK_GATHER 0: the copy, as the other forms) */
@@ -4094,24 +4160,28 @@ static int moept__gk_gather(const moept__cuda *c) {
     return MOEPT_GK_GATHER && moept__gk_ok(c) && c->sp.P == 1 && c->C == 1;
 }
 
-/* operand o (0 A, 1 B) of g, a bf16 matrix [rows][cols] (rows ld elements apart; idx: row r is p's row
-   idx[r]): TMA boxes of 64 columns (128 bytes) x box rows, 128-byte swizzled, where TMA takes its rows
-   (16-byte row strides and base, no index), else the producer warpgroup's own loads of the same boxes
-   (g->lsu, g->src) */
+/* operand o (0 A, 1 B) of g, a matrix [rows][cols] of bf16 (es 2) or E4M3 (es 1) (rows ld elements
+   apart; idx: row r is p's row idx[r]): TMA boxes of 128 bytes x box rows, 128-byte swizzled, where TMA
+   takes its rows (16-byte row strides and base, no index, not own), else the producer warpgroup's own
+   loads of the same boxes (g->lsu, g->src; bf16) */
 static moept_status moept__gk_operand(moept__cuda *c, moept__gk_args *g, CUtensorMap *m, int o, const void *p,
-                                      const int64_t *idx, int64_t rows, int64_t cols, int64_t ld,
-                                      int box_rows, char *err) {
+                                      int es, const int64_t *idx, int own, int64_t rows, int64_t cols,
+                                      int64_t ld, int box_rows, char *err) {
     memset(m, 0, sizeof *m);
-    if (ld % 8 || (uintptr_t)p % 16 || idx) {
+    if (ld * es % 16 || (uintptr_t)p % 16 || idx || own) {
+        if (es != 2)
+            return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel's own loads: bf16 rows alone "
+                                "(moept_kernels.cu:%d)", __LINE__);
         g->lsu |= 1 << o;
         g->src[o].p = (const uint16_t *)p; g->src[o].ld = ld; g->src[o].idx = idx;
         g->src[o].rows = (int32_t)rows; g->src[o].cols = (int32_t)cols;
         return MOEPT_OK;
     }
-    const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)(ld * 2)};
-    const cuuint32_t box[2] = {MOEPT__GK_BK, (cuuint32_t)box_rows}, es[2] = {1, 1};
+    const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)(ld * es)};
+    const cuuint32_t box[2] = {(cuuint32_t)(128 / es), (cuuint32_t)box_rows}, ones[2] = {1, 1};
     const CUresult r = ((moept__encode_fn)c->gk_encode)(
-        m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dim, stride, box, es,
+        m, es == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)p, dim,
+        stride, box, ones,
         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
@@ -4139,6 +4209,7 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
     MOEPT__GK_GO(WGRAD);
     MOEPT__GK_GO(GATE);
     MOEPT__GK_GO(DACT);
+    MOEPT__GK_GO(FWD8);
 #undef MOEPT__GK_GO
     MOEPT__LAUNCHED();
     return MOEPT_OK;
@@ -4153,15 +4224,26 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
    dispatch's index (FWD's and GATE's A, WGRAD's B: moept__gk_gather), or NULL. cnt: the
    sync-free mode's committed counts (R its groups of P blocks), the tiles of zero rows skipped; NULL:
    every tile run */
-typedef struct moept__gk_act {
+typedef struct moept__gk_ext {   /* a form's extras */
     void *a;                    /* GATE: a [..][lda] bf16 */
     int64_t lda;
-    int act;                    /* config.act */
-} moept__gk_act;
+    int act;                    /* GATE, DACT: config.act */
+    int64_t bn;                 /* FWD8: B's rows an expert (the E4M3 copy's padded rows) */
+    const float *sa, *sb;       /* FWD8: the scales, as moept__gk_args's */
+    int64_t sald, sbe, sbld;
+} moept__gk_ext;
+/* g's fields of a form's extras (ga; NULL: none) and B's rows an expert */
+template <int F>
+static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t bn) {
+    g->act = ga ? ga->act : 0; g->a = ga ? ga->a : NULL; g->lda = ga ? ga->lda : 0; g->bn = (int32_t)bn;
+    g->sa = F == MOEPT__GK_FWD8 ? ga->sa : NULL; g->sb = F == MOEPT__GK_FWD8 ? ga->sb : NULL;
+    g->sald = F == MOEPT__GK_FWD8 ? ga->sald : 0; g->sbe = F == MOEPT__GK_FWD8 ? ga->sbe : 0;
+    g->sbld = F == MOEPT__GK_FWD8 ? ga->sbld : 0;
+}
 template <int F>
 static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda,
                               const void *B, int64_t ldb, const int64_t *xi, int64_t M, int64_t N,
-                              int64_t K, void *out, int64_t ldo, const int64_t *cnt, const moept__gk_act *ga,
+                              int64_t K, void *out, int64_t ldo, const int64_t *cnt, const moept__gk_ext *ga,
                               char *err) {
     const int wg = F == MOEPT__GK_WGRAD;
     int64_t end = 0, ne = 0; /* the rows and the experts the runs reach */
@@ -4175,7 +4257,11 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     if (wg && !R->offs) /* (each gradient tile one CTA's: an expert once a launch) */
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: a weight gradient over a chunk's runs "
                             "(moept_kernels.cu:%d)", __LINE__);
-    const int64_t bn = F == MOEPT__GK_FWD ? N : F == MOEPT__GK_GATE ? 2 * N : K; /* B's rows an expert */
+    const int64_t bn = F == MOEPT__GK_FWD    ? N /* B's rows an expert */
+                       : F == MOEPT__GK_GATE ? 2 * N
+                       : F == MOEPT__GK_FWD8 ? ga->bn
+                                             : K;
+    const int es = F == MOEPT__GK_FWD8 ? 1 : 2; /* the operands' element bytes */
     if (end >= INT_MAX / 2 || ne * bn >= INT_MAX / 2 || M >= INT_MAX / 2 ||
         N >= INT_MAX / 2 || K >= INT_MAX / 2)
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows, %lld weight rows, M %lld, "
@@ -4186,15 +4272,19 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     moept__gk_args g;
     g.lsu = 0;
     const int64_t *ai = wg ? NULL : xi, *bi = wg ? xi : NULL; /* x's rows: A, or WGRAD's B */
-    MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, ai, end, wg ? M : K, lda, wg ? 64 : MOEPT__GK_BM, err));
-    if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE)
-        MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, NULL, ne * bn, K, ldb,
-                                     F == MOEPT__GK_FWD ? MOEPT__GK_BN : 64, err));
-    else MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, bi, wg ? end : ne * K, N, ldb, 64, err));
+    /* a chunk's runs: A's rows by the producer's own loads, which stop at a run's end (TMA's box would read
+       on into rows of a chunk still arriving) */
+    MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, es, ai, !R->offs, end, wg ? M : K, lda,
+                                 wg ? 64 : MOEPT__GK_BM, err));
+    if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE || F == MOEPT__GK_FWD8)
+        MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, NULL, 0, ne * bn, K, ldb,
+                                     F == MOEPT__GK_GATE ? 64 : MOEPT__GK_BN, err));
+    else MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, bi, 0, wg ? end : ne * K, N, ldb, 64, err));
+    moept__gk_more<F>(&g, ga, bn);
     g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
     g.cnt = R->offs ? cnt : NULL; g.cB = c->B; g.cstride = c->M; g.cbase = c->sp.rank * c->sp.El;
     g.cP = (int32_t)c->sp.P;
-    g.act = ga ? ga->act : 0; g.a = ga ? ga->a : NULL; g.lda = ga ? ga->lda : 0; g.hout = !ga || ga->a != out;
+    g.hout = !ga || ga->a != out;
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
@@ -4274,6 +4364,29 @@ static moept_status moept__q8_mm(moept__cuda *c, int64_t n, const char *in, int6
     return moept__q8_result<T>(c, n, m, mp, out, m, 0, err);
 }
 
+/* config.fp8's forward product over R's runs in one launch of the grouped kernel (FWD8): the rows
+   [0, end) of in (k columns, ld apart) quantized at once in 1 x 128 tiles, W's E4M3 copy wq [E][mp][kp]
+   with its 128 x 128 scales sq (ns an expert), out [..][m] bf16 */
+template <typename T>
+static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept__runs *R, const char *in,
+                               int64_t k, int64_t ld, const uint8_t *wq, const float *sq, int64_t ns,
+                               int64_t m, char *out, char *err) {
+    int64_t end = 0;
+    for (int64_t i = 0; i < R->n; i++) {
+        int64_t r0, rows, e;
+        moept__run_at(R, i, &r0, &rows, &e);
+        if (rows > 0 && r0 + rows > end) end = r0 + rows;
+    }
+    if (end == 0) return MOEPT_OK;
+    if (MOEPT__Q8_PAD(end) > c->q8rows)
+        return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld rows past the scratch's %lld "
+                            "(moept_kernels.cu:%d)", (long long)end, (long long)c->q8rows, __LINE__);
+    const int64_t mp = MOEPT__Q8_PAD(m), kp = MOEPT__Q8_PAD(k), np = MOEPT__Q8_PAD(end);
+    MOEPT__TRY(moept__q8_along<T>(c, in, end, k, ld, c->q8b, c->q8sb, err));
+    const moept__gk_ext ge = {NULL, 0, 0, mp, c->q8sb, sq, np, ns, MOEPT__Q8_L4(kp)};
+    return moept__gk<MOEPT__GK_FWD8>(c, R, c->q8b, kp, wq, kp, NULL, 0, m, kp, out, m, f->cnt, &ge, err);
+}
+
 /* One matmul of the FFN over R's rows through weight W [wo][wi] (W13 [H][D],
    W2 [D][F]): forward out [rows][wo] = in [rows][wi] W^T, backward (the
    dgrad) out [rows][wi] = in [rows][wo] W; one cuBLAS GEMM a run (moept__gemms
@@ -4291,6 +4404,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         const float *sq = w2 ? (bwd ? w->s2t : w->s2) : (bwd ? w->s13t : w->s13);
         const int64_t ns = w2 ? (bwd ? w->ns2t : w->ns2) : (bwd ? w->ns13t : w->ns13);
         const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
+        if (!bwd && moept__gk_q8(c) && R->offs) /* (whole groups: a chunk's quantized rows per run) */
+            return moept__gk8<T>(c, f, R, I, k, ld, wq, sq, ns, m, O, err);
         MOEPT__TRY(moept__q8_fits(c, R, err));
         for (int64_t i = 0; i < R->n; i++) {
             int64_t r0, rows, e;
@@ -4362,7 +4477,7 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
     if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
-        const moept__gk_act ga = {f->a, f->lda, c->sp.act};
+        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0};
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else {
@@ -4384,7 +4499,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     const void *W2 = moept__w(c, f->off2);
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
-        const moept__gk_act ga = {NULL, 0, c->sp.act};
+        const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0};
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else {

@@ -1024,7 +1024,8 @@ static void close_to(const float *a, const float *b, int64_t n, const char *what
 
 /* The grouped kernel's shape i of test_kernel_form: a step of cfg in the per-expert form and in the
    kernel form on the same tokens (xd, dy = x), y, dx and each parameter's gradient close; under the
-   emulator, each of the kernel's five forms launched */
+   emulator, each of the kernel's five bf16 forms launched, or (cfg.fp8) its FP8 forward's alone (the
+   backward's products cuBLASLt's in both) */
 static void kernel_form_shape(moept_config cfg, const void *xd, int i) {
     const int64_t T = cfg.max_tokens, D = cfg.hidden_size, n = T * D;
     float *out = calloc((size_t)(4 * n), 4), *gr[2] = {NULL, NULL};
@@ -1032,9 +1033,9 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i) {
     int64_t *off[2] = {NULL, NULL};
     void *dxd = dev_from(out, n, 1);
 #ifdef MOEPT_EMU
-    const char *names[5] = {"moept__k_gk", "GK_DGRAD", "GK_WGRAD", "GK_GATE", "GK_DACT"};
-    long k[5];
-    for (int f = 0; f < 5; f++) k[f] = moept_emu_launches(names[f]);
+    const char *names[6] = {"moept__k_gk", "GK_DGRAD", "GK_WGRAD", "GK_GATE", "GK_DACT", "GK_FWD8"};
+    long k[6];
+    for (int f = 0; f < 6; f++) k[f] = moept_emu_launches(names[f]);
 #endif
     for (int f = 0; f < 2 && !tu_bad; f++) {
         moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, f ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_PER_EXPERT};
@@ -1050,10 +1051,10 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i) {
         moept_destroy(L);
     }
 #ifdef MOEPT_EMU
-    for (int f = 0; f < 5; f++) k[f] = moept_emu_launches(names[f]) - k[f];
-    EXPECT(k[0] > 0 && k[1] > 0 && k[2] > 0 && k[3] > 0 && k[4] > 0,
+    for (int f = 0; f < 6; f++) k[f] = moept_emu_launches(names[f]) - k[f];
+    EXPECT(cfg.fp8 ? k[5] > 0 && k[5] == k[0] : k[1] > 0 && k[2] > 0 && k[3] > 0 && k[4] > 0 && k[5] == 0,
            "shape %d: %ld kernel launches (%ld dgrad, %ld wgrad, %ld gate/up with the activation, %ld down "
-           "dgrad with its backward)", i, k[0], k[1], k[2], k[3], k[4]);
+           "dgrad with its backward, %ld FP8 forward)", i, k[0], k[1], k[2], k[3], k[4], k[5]);
     EXPECT(cfg.num_experts < 250 || k[0] >= 12, "shape %d: %ld launches, not two a GEMM", i, k[0]);
 #endif
     close_to(out, out + n, n, "y", i);
@@ -1094,7 +1095,7 @@ static void kernel_form_inference(moept_config cfg, const void *xd) {
    and 1 rows, rows past one 128-row tile and not a multiple of its 64-row reduction step (the wgrad's
    tail), D and F not multiples of its 64 and 128, one expert holding every token (identical tokens),
    max_tokens rows, more experts with rows than a launch takes runs (about 294 of 300: two launches a
-   GEMM)
+   GEMM); config.fp8 (its forward products in the kernel's FP8 form, partial 128-blocks of K and N)
    (kernel_form_shape); an inference-only layer (kernel_form_inference). Rows TMA takes (16-byte row
    strides) and rows it does not (D 68: the producer warpgroup loads them), each alone or beside the
    other in one launch (F 40: TMA's). On the
@@ -1115,13 +1116,15 @@ static void test_kernel_form(void) {
     moept_destroy(L0);
     setenv("MOEPT_EMU_CC", "90", 1);
 #endif
-    const struct { int64_t D, F, E, K, T; int same; } v[6] = {
-        {64, 64, 4, 2, 40, 0}, {72, 40, 8, 1, 5, 0}, {136, 200, 8, 2, 300, 0}, {64, 48, 4, 2, 200, 1},
-        {68, 40, 4, 2, 30, 0}, {64, 32, 300, 2, 600, 0}};
-    for (int i = 0; i < 6 && !tu_bad; i++) {
+    const struct { int64_t D, F, E, K, T; int same, fp8; } v[7] = {
+        {64, 64, 4, 2, 40, 0, 0}, {72, 40, 8, 1, 5, 0, 0}, {136, 200, 8, 2, 300, 0, 0},
+        {64, 48, 4, 2, 200, 1, 0}, {68, 40, 4, 2, 30, 0, 0}, {64, 32, 300, 2, 600, 0, 0},
+        {136, 200, 8, 2, 300, 0, 1}};
+    for (int i = 0; i < 7 && !tu_bad; i++) {
         moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
         cfg.hidden_size = v[i].D; cfg.intermediate_size = v[i].F; cfg.num_experts = v[i].E;
         cfg.top_k = v[i].K; cfg.max_tokens = v[i].T;
+        cfg.fp8 = v[i].fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
         const int64_t D = v[i].D, n = v[i].T * D;
         float *x = malloc((size_t)n * 4);
         unsigned long long rs = 5 + (unsigned long long)i;

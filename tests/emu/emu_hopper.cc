@@ -414,6 +414,16 @@ bool ordered(int w, uint32_t stamp, int r) {
                 return true;
     return false;
 }
+/* ordered() for every thread of warpgroup wg at once by the mbarrier route (obs: each mbarrier's least
+   completed phase its threads observed), a fast path: false sends the caller to ordered() a thread */
+bool ordered_wg(int w, uint32_t stamp, const std::vector<int64_t> &obs) {
+    for (size_t m = 0; m < B.mbars.size(); m++)
+        for (int i = 0; i < 2; i++)
+            if (B.mbars[m].arr[(size_t)w][i] >= 0 && B.mbars[m].arrf[(size_t)w][i] > stamp &&
+                obs[m] >= B.mbars[m].arr[(size_t)w][i])
+                return true;
+    return false;
+}
 
 void hop_barrier() {
     const uint32_t now = ++g_hclock;
@@ -913,21 +923,22 @@ float e4m3(uint8_t b) {
      row = 16 w + g + 8 ((i >> 1) & 1),  col = 8 (i >> 2) + 2 q + (i & 1). */
 void compute(const WgOp &op) {
     const char *s = dyn_smem();
-    const size_t K = (size_t)(32 / op.es);
-    std::vector<float> a(64 * K), b((size_t)op.n * K);
+    const size_t K = (size_t)(32 / op.es), n = (size_t)op.n;
     auto val = [&](uint32_t o) { return op.es == 2 ? bf16(s + o) : e4m3((uint8_t)s[o]); };
-    for (size_t i = 0; i < a.size(); i++) a[i] = val(op.offa[i]);
-    for (size_t i = 0; i < b.size(); i++) b[i] = val(op.offb[i]);
-    for (int l = 0; l < WG; l++) {
+    auto at = [n](int l, int i) { /* thread l's register i: its element of D [64][n] */
         const int w = l / 32, g = (l % 32) / 4, q = l % 4;
-        for (int i = 0; i < op.n / 2; i++) {
-            const int row = 16 * w + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * q + (i & 1);
-            float acc = op.scale ? op.d[l][i] : 0.0f;
-            const float *ar = &a[(size_t)row * K], *br = &b[(size_t)col * K];
-            for (size_t kk = 0; kk < K; kk++) acc += ar[kk] * br[kk];
-            op.d[l][i] = acc;
-        }
-    }
+        return (size_t)(16 * w + g + 8 * ((i >> 1) & 1)) * n + (size_t)(8 * (i >> 2) + 2 * q + (i & 1));
+    };
+    std::vector<float> a(64 * K), bt(K * n), dm(64 * n); /* A [64][K], B by k then column, D */
+    for (size_t i = 0; i < a.size(); i++) a[i] = val(op.offa[i]);
+    for (size_t i = 0; i < bt.size(); i++) bt[i % K * n + i / K] = val(op.offb[i]);
+    for (int l = 0; l < WG; l++)
+        for (int i = 0; i < op.n / 2; i++) dm[at(l, i)] = op.scale ? op.d[l][i] : 0.0f;
+    for (size_t r = 0; r < 64; r++) /* (each element's sum in k order: the columns side by side) */
+        for (size_t kk = 0; kk < K; kk++)
+            for (size_t c = 0; c < n; c++) dm[r * n + c] += a[r * K + kk] * bt[kk * n + c];
+    for (int l = 0; l < WG; l++)
+        for (int i = 0; i < op.n / 2; i++) op.d[l][i] = dm[at(l, i)];
 }
 
 void retire(WgOp *op) {
@@ -998,15 +1009,23 @@ void issue(const KBlock &k, int wg, Wg &g) {
             break;
         }
     }
-    /* the operands: defined, visible to the async proxy, complete */
+    /* the operands: defined, visible to the async proxy, complete; their bytes once each (g_mark: the
+       issue that last took a byte) */
+    static std::vector<uint64_t> g_mark(DYN_SMEM_MAX, 0);
+    static uint64_t g_issue = 0;
+    g_issue++;
     std::vector<uint32_t> bytes;
     bytes.reserve((op->offa.size() + op->offb.size()) * (size_t)a0.es);
-    for (uint32_t o : op->offa)
-        for (int b = 0; b < a0.es; b++) bytes.push_back(o + (uint32_t)b);
-    for (uint32_t o : op->offb)
-        for (int b = 0; b < a0.es; b++) bytes.push_back(o + (uint32_t)b);
-    std::sort(bytes.begin(), bytes.end());
-    bytes.erase(std::unique(bytes.begin(), bytes.end()), bytes.end());
+    for (int ab = 0; ab < 2; ab++)
+        for (uint32_t o : ab ? op->offb : op->offa)
+            for (uint32_t b = o; b < o + (uint32_t)a0.es; b++)
+                if (g_mark[b] != g_issue) {
+                    g_mark[b] = g_issue;
+                    bytes.push_back(b);
+                }
+    std::vector<int64_t> robs(B.mbars.size(), INT64_MAX); /* the warpgroup's least observed phases */
+    for (size_t m = 0; m < B.mbars.size(); m++)
+        for (int l = 0; l < WG; l++) robs[m] = std::min(robs[m], B.mbars[m].obs[(size_t)(wg * WG + l)]);
     bool told = false;
     std::vector<uint32_t> okst((size_t)B.n, 0); /* per storing thread: a stamp of its found ordered */
     for (uint32_t o : bytes) {
@@ -1026,7 +1045,8 @@ void issue(const KBlock &k, int wg, Wg &g) {
         /* ... and the store, fenced, must happen before the issue: a barrier (bar.sync, __syncthreads) or
            an mbarrier phase after the storing thread's fence, ordering it before every thread of the
            warpgroup ("Memory Consistency Model", causality order: ordered()) */
-        const bool again = h.gw && okst[h.gw_t] == h.gw_stamp + 1; /* (a store's bytes: once) */
+        const bool again = h.gw && (okst[h.gw_t] == h.gw_stamp + 1 || /* (a store's bytes: once) */
+                                    ordered_wg(h.gw_t, h.gw_stamp, robs));
         for (int l = 0; !told && h.gw && !again && l < WG; l++)
             if (!ordered(h.gw_t, h.gw_stamp, wg * WG + l)) {
                 told = true;
