@@ -3635,6 +3635,17 @@ __device__ __forceinline__ void moept__wgmma_fence(void) {
 __device__ __forceinline__ void moept__wgmma_commit(void) {
     MOEPT__HOPPER(moept_emu_wgmma_commit(), asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"));
 }
+/* the accumulators d [64] as a compiler fence (no instruction; CUTLASS's warpgroup_fence_operand): the
+   compiler keeps every other read and write of them on its side of it, so none moves into a wgmma's
+   flight (a read after wgmma.wait_group stays after it) */
+__device__ __forceinline__ void moept__acc_fence(float *d) {
+#if MOEPT__SM90 == 2
+#pragma unroll
+    for (int j = 0; j < 64; j++) asm volatile("" : "+f"(d[j])::"memory");
+#else
+    (void)d;
+#endif
+}
 /* wgmma.wait_group N: until at most N of this warpgroup's newest groups are pending */
 template <int N>
 __device__ __forceinline__ void moept__wgmma_wait(void) {
@@ -3901,26 +3912,30 @@ __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const 
     constexpr int TA = F == MOEPT__GK_WGRAD, TB = F == MOEPT__GK_DGRAD || F == MOEPT__GK_WGRAD || /* MN- */
                                                   F == MOEPT__GK_DACT;                            /* major */
     const uint64_t da = moept__gk_desc(a + w * MOEPT__GK_HALF, TA), db = moept__gk_desc(b, TB);
+    moept__acc_fence(d);
     moept__wgmma_fence();
     for (int k = 0; k < 4; k++) { /* 32 bytes of a K-major row a wgmma, or 2 groups of MN lines */
         if (F == MOEPT__GK_FWD8) moept__wgmma_e4m3_128(d, da + 2 * k, db + 2 * k, acc || k > 0);
         else moept__wgmma_128<TA, TB>(d, da + (TA ? 128 : 2) * k, db + (TB ? 128 : 2) * k, acc || k > 0);
     }
     moept__wgmma_commit();
+    moept__acc_fence(d);
 }
 
-/* FWD8: consumer w's k-step kb, its block sums t, into d times their scales: its rows' 1 x 128 ones of A
-   and the tile's 128 x 128 one of B (the promotion into fp32 every 128 of K, DeepSeek-V3's: the tensor
-   cores' FP8 sums keep fewer bits). A thread's registers hold two rows (moept__gk_row) */
-__device__ __forceinline__ void moept__gk_promote(const moept__gk_args *g, float *d, const float *t, int i,
-                                                  int mt, int nt, int kb, int w, int first) {
+/* FWD8: consumer w's scales of k-step kb, a product a row of its thread's two (moept__gk_row): the row's
+   1 x 128 one of A times the tile's 128 x 128 one of B (loaded before the step's wgmmas are issued) */
+__device__ __forceinline__ void moept__gk_scales(const moept__gk_args *g, int i, int mt, int nt, int kb,
+                                                 int w, float *s) {
     const int l = threadIdx.x % 128;
     const float sb = g->sb[g->e[i] * g->sbe + nt * g->sbld + kb];
-    float s[2];
     for (int h = 0; h < 2; h++) { /* (rows past the scales' are never stored) */
         const int64_t r = (int64_t)g->r0[i] + mt * MOEPT__GK_BM + w * 64 + moept__gk_row(2 * h, l);
         s[h] = r < g->sald ? g->sa[kb * g->sald + r] * sb : 0.0f;
     }
+}
+/* ... its block sums t into d times those scales (the promotion into fp32 every 128 of K, DeepSeek-V3's:
+   the tensor cores' FP8 sums keep fewer bits) */
+__device__ __forceinline__ void moept__gk_promote(float *d, const float *t, const float *s, int first) {
 #pragma unroll
     for (int j = 0; j < 64; j++) d[j] = (first ? 0.0f : d[j]) + t[j] * s[(j >> 1) & 1];
 }
@@ -4037,11 +4052,14 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
                 const int v = g->rows[i] - kb * MOEPT__GK_BK;
                 if (F == MOEPT__GK_WGRAD && v < MOEPT__GK_BK)
                     moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v, g->lsu);
-                if (F == MOEPT__GK_FWD8) { /* (its stage freed at once: t read, promoted) */
+                if constexpr (F == MOEPT__GK_FWD8) { /* (its stage freed at once: t read, promoted) */
+                    float sc[2];
+                    moept__gk_scales(g, i, mt, nt, kb, w, sc);
                     moept__gk_mma<F>(t, a, b, w, 0);
                     moept__wgmma_wait<0>();
+                    moept__acc_fence(t);
                     if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
-                    moept__gk_promote(g, d, t, i, mt, nt, kb, w, first);
+                    moept__gk_promote(d, t, sc, first);
                 } else {
                     moept__gk_mma<F>(d, a, b, w, !first);
                     moept__wgmma_wait<1>();
@@ -4053,6 +4071,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
         }
         if (held >= 0) {
             moept__wgmma_wait<0>();
+            moept__acc_fence(d);
             if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
         }
         if (w < 0 || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
