@@ -3494,7 +3494,7 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
    empty when both consumer warpgroups read it): one thread by TMA, or,
    for an operand whose rows TMA cannot take, the first warpgroup's 128
    threads by their own loads into the same swizzled boxes; two consumer
-   warpgroups each multiply 64 rows of the 128-row tile with wgmma (bf16,
+   warpgroups each multiply 64 rows of the 128-row tile with wgmma (bf16, or E4M3 in FWD8;
    fp32 accumulators) and write their rows (rows past the run or columns
    past N masked; WGRAD adds into the fp32 gradient, each tile by one CTA).
    Every tile is 128-byte swizzled: a row of K (K-major: FWD's operands,
@@ -3661,55 +3661,43 @@ __device__ __forceinline__ void moept__fence_proxy_async(void) {
 __device__ __forceinline__ void moept__bar_sync(unsigned id, unsigned n) {
     MOEPT__HOPPER(moept_emu_bar_sync(id, n), asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"));
 }
+/* wgmma's 64 accumulators: the instruction's register list, and the asm's operands (d[0..63]) */
+#define MOEPT__WG_DLIST                                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "  \
+    "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
+    "%62, %63}"
+#define MOEPT__WG_D(d)                                                                                  \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),    \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),      \
+        "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),    \
+        "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),    \
+        "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),    \
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),    \
+        "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),    \
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),    \
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 /* d [64] (this thread's part of a 64 x 128 fp32 tile) = A B (+ d if acc): A 64 x 16 and B 16 x 128 bf16
    in shared memory through descriptors da, db, 128-byte swizzled, each K-major (TA, TB 0) or MN-major (1:
    the instruction's transpose immediates) */
-/* the same with A 64 x 32 and B 32 x 128 E4M3, K-major (FP8 has no transpose) */
-__device__ __forceinline__ void moept__wgmma_e4m3_128(float *d, uint64_t da, uint64_t db, int acc) {
-    MOEPT__HOPPER(moept_emu_wgmma_e4m3(d, 128, da, db, acc),
-            asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8,"
-            "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26,"
-            "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44,"
-            "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62,"
-            "%63}, %64, %65, p, 1, 1;\n"
-            "}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-                "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-                "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-                "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-                "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-                "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-                "+f"(d[63])
-              : "l"(da), "l"(db), "r"(acc)));
-    (void)d; (void)da; (void)db; (void)acc;
-}
 template <int TA, int TB>
 __device__ __forceinline__ void moept__wgmma_128(float *d, uint64_t da, uint64_t db, int acc) {
     MOEPT__HOPPER(moept_emu_wgmma_bf16(d, 128, da, db, acc, TA, TB),
-            asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8,"
-            "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26,"
-            "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44,"
-            "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62,"
-            "%63}, %64, %65, p, 1, 1, %67, %68;\n"
-            "}\n"
-              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-                "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-                "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-                "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-                "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-                "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-                "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-                "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-                "+f"(d[63])
-              : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)));
+                  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MOEPT__WG_DLIST
+                               ", %64, %65, p, 1, 1, %67, %68;\n}\n"
+                               : MOEPT__WG_D(d)
+                               : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB)));
+    (void)d; (void)da; (void)db; (void)acc;
+}
+/* the same with A 64 x 32 and B 32 x 128 E4M3, K-major (FP8 has no transpose) */
+__device__ __forceinline__ void moept__wgmma_e4m3_128(float *d, uint64_t da, uint64_t db, int acc) {
+    MOEPT__HOPPER(moept_emu_wgmma_e4m3(d, 128, da, db, acc),
+                  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MOEPT__WG_DLIST
+                               ", %64, %65, p, 1, 1;\n}\n"
+                               : MOEPT__WG_D(d)
+                               : "l"(da), "l"(db), "r"(acc)));
     (void)d; (void)da; (void)db; (void)acc;
 }
 /* a 128-byte-swizzled tile's descriptor at p (its pattern 1024-aligned; PTX ISA, wgmma, "Matrix
