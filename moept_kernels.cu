@@ -2653,6 +2653,11 @@ __device__ __forceinline__ uint32_t moept__q8_word(const float *v, int live, flo
         if (live >> e & 1) w |= (uint32_t)moept__q8_byte(v[e], sc) << (8 * e);
     return w;
 }
+/* ... v's 16 in 16 bytes (live's bits 0-15) */
+__device__ __forceinline__ uint4 moept__q8_16(const float *v, int live, float sc) {
+    return make_uint4(moept__q8_word(v, live, sc), moept__q8_word(v + 4, live >> 4, sc),
+                      moept__q8_word(v + 8, live >> 8, sc), moept__q8_word(v + 12, live >> 12, sc));
+}
 
 /* Rows r < n of src [n][lds] (its first K columns) into 1 x 128 tiles: q [np][Kp] E4M3 (rows from n on
    and columns from K on zero), s [ceil(Kp/128)][np] (VEC128 of an operand whose op() is np x Kp). A tile
@@ -2688,10 +2693,7 @@ __global__ void moept__k_q8_rows(const T *src, int64_t n, int K, int64_t lds, in
                             after's barrier) */
         for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, sh[h][threadIdx.x - l + u]);
         const float sc = moept__q8_scale(amax);
-        if (out)
-            *(uint4 *)(q + r * Kp + j) =
-                make_uint4(moept__q8_word(v, live, sc), moept__q8_word(v + 4, live >> 4, sc),
-                           moept__q8_word(v + 8, live >> 8, sc), moept__q8_word(v + 12, live >> 12, sc));
+        if (out) *(uint4 *)(q + r * Kp + j) = moept__q8_16(v, live, sc);
         if (out && l == 0) s[r + (int64_t)b * np] = sc;
     }
 }
@@ -2749,10 +2751,7 @@ __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, in
                                 barrier) */
             for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, part[p & 1][8 * y + u]);
             const float sc = moept__q8_scale(amax);
-            if (c < Cp && r < np)
-                *(uint4 *)(q + (int64_t)c * np + r) =
-                    make_uint4(moept__q8_word(v, live, sc), moept__q8_word(v + 4, live >> 4, sc),
-                               moept__q8_word(v + 8, live >> 8, sc), moept__q8_word(v + 12, live >> 12, sc));
+            if (c < Cp && r < np) *(uint4 *)(q + (int64_t)c * np + r) = moept__q8_16(v, live, sc);
             if (c < Cp && x == 0) s[c + b * Cp] = sc;
         }
         __syncthreads(); /* pan read by all before the next panel */
