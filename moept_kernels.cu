@@ -3645,6 +3645,15 @@ __device__ __forceinline__ void moept__acc_fence(float *d) {
     (void)d;
 #endif
 }
+/* v, which every thread of the warp holds alike, as the compiler can see it: lane 0's broadcast (so a
+   branch on it is not divergent, and ptxas does not serialize the wgmmas behind it: its C7518) */
+__device__ __forceinline__ int moept__warp_uniform(int v) {
+#if MOEPT__SM90 == 2
+    return __shfl_sync(0xffffffffu, v, 0);
+#else
+    return v;
+#endif
+}
 /* wgmma.wait_group N: until at most N of this warpgroup's newest groups are pending */
 template <int N>
 __device__ __forceinline__ void moept__wgmma_wait(void) {
@@ -3906,7 +3915,6 @@ __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const 
         else moept__wgmma_128<TA, TB>(d, da + (TA ? 128 : 2) * k, db + (TB ? 128 : 2) * k, acc || k > 0);
     }
     moept__wgmma_commit();
-    moept__acc_fence(d);
 }
 
 /* FWD8: consumer w's scales of k-step kb, a product a row of its thread's two (moept__gk_row): the row's
@@ -4010,11 +4018,14 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
     }
 }
 
-/* this CTA's tiles, k-step by k-step through the ring of stages. w -1: the producer (waits for a stage
-   to be empty, loads A's and B's tiles into it: moept__gk_produce); w 0 or 1: a consumer warpgroup (waits for
-   a stage to be full, issues its wgmmas, then waits for the step before's and frees that stage, so one
-   step's multiplies run while the next is issued; stores each finished tile) */
-template <int F>
+/* this CTA's tiles, k-step by k-step through the ring of stages. P: the producer (waits for a stage
+   to be empty, loads A's and B's tiles into it: moept__gk_produce); else consumer warpgroup w, 0 or 1
+   (waits for a stage to be full, issues its wgmmas, then waits for the step before's and frees that
+   stage, so one step's multiplies run while the next is issued; stores each finished tile). What keeps
+   ptxas from serializing the wgmmas or injecting waits (its C7518, C7517; tests/check_ptxas.sh lists
+   them): the role a template argument and warp-uniform (no branch on it between the wgmmas), d zeroed
+   where a tile starts (not on a path after the loop), read after a wait every consumer passes */
+template <int F, int P>
 __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
                                uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
     const int tiles = (int)moept__gk_tiles<F>(g); /* (under INT_MAX: moept__gk_launch) */
@@ -4022,6 +4033,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
     float d[64], t[F == MOEPT__GK_FWD8 ? 64 : 1]; /* t: FWD8's k-step sums, promoted into d */
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int mt = 0, nt = 0, first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
+        for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
         const int i = moept__gk_locate<F>(g, tile, &mt, &nt), nkb = moept__gk_ksteps<F>(g, i);
         const int live = F == MOEPT__GK_WGRAD || moept__gk_live(g, i, (int64_t)mt * MOEPT__GK_BM,
                                                                  MOEPT__GK_BM);
@@ -4031,7 +4043,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             const int s = it % MOEPT__GK_ST, phase = (it / MOEPT__GK_ST) & 1;
             it++;
             uint8_t *a = sa + s * MOEPT__GK_TILE_B, *b = sb + s * MOEPT__GK_TILE_B;
-            if (w < 0) {
+            if constexpr (P) {
                 moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
                 moept__gk_produce<F>(ma, mb, g, i, mt, nt, kb, a, b, &full[s]);
             } else {
@@ -4056,14 +4068,12 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             }
             first = 0;
         }
-        if (held >= 0) {
+        if constexpr (!P) { /* (a wait on every path: ptxas injects none before d's reads) */
             moept__wgmma_wait<0>();
             moept__acc_fence(d);
-            if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
+            if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
         }
-        if (w < 0 || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
-        if (first)
-            for (int j = 0; j < 64; j++) d[j] = 0.0f; /* zero rows in: zeros out */
+        if (P || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
         if (F == MOEPT__GK_GATE) moept__gk_store_act(g, d, i, mt, nt, w);
         else if (F == MOEPT__GK_DACT) moept__gk_store_dact(g, d, i, mt, nt, w);
         else moept__gk_store<F>(g, d, i, mt, nt, w);
@@ -4088,8 +4098,10 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
         moept__fence_mbar_init();
     }
     __syncthreads();
-    const int wg = threadIdx.x / 128; /* the first warpgroup produces (TMA alone: its thread 0) */
-    if (wg > 0 || threadIdx.x == 0 || g.lsu) moept__gk_walk<F>(&ma, &mb, &g, wg - 1, sa, sb, full, empty);
+    const int wg = moept__warp_uniform(threadIdx.x / 128); /* the first warpgroup produces (TMA alone: its
+                                                               thread 0) */
+    if (wg > 0) moept__gk_walk<F, 0>(&ma, &mb, &g, wg - 1, sa, sb, full, empty);
+    else if (threadIdx.x == 0 || g.lsu) moept__gk_walk<F, 1>(&ma, &mb, &g, -1, sa, sb, full, empty);
 #endif
 }
 
