@@ -3928,11 +3928,11 @@ __device__ __forceinline__ void moept__gk_scales(const moept__gk_args *g, int i,
         s[h] = r < g->sald ? g->sa[kb * g->sald + r] * sb : 0.0f;
     }
 }
-/* ... its block sums t into d times those scales (the promotion into fp32 every 128 of K, DeepSeek-V3's:
-   the tensor cores' FP8 sums keep fewer bits) */
-__device__ __forceinline__ void moept__gk_promote(float *d, const float *t, const float *s, int first) {
+/* ... its block sums t into d (zeros where a tile starts) times those scales (the promotion into fp32
+   every 128 of K, DeepSeek-V3's: the tensor cores' FP8 sums keep fewer bits) */
+__device__ __forceinline__ void moept__gk_promote(float *d, const float *t, const float *s) {
 #pragma unroll
-    for (int j = 0; j < 64; j++) d[j] = (first ? 0.0f : d[j]) + t[j] * s[(j >> 1) & 1];
+    for (int j = 0; j < 64; j++) d[j] += t[j] * s[(j >> 1) & 1];
 }
 
 /* p[0] = bf16(x), and p[1] = bf16(y) where two: one 4-byte store where p is 4-byte aligned */
@@ -4058,7 +4058,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
                     moept__wgmma_wait<0>();
                     moept__acc_fence(t);
                     if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
-                    moept__gk_promote(d, t, sc, first);
+                    moept__gk_promote(d, t, sc);
                 } else {
                     moept__gk_mma<F>(d, a, b, w, !first);
                     moept__wgmma_wait<1>();

@@ -401,28 +401,27 @@ void passed(int t, uint32_t now) {
    passed after its fence and r passed too (among each thread's last NSEEN), or by an mbarrier phase
    that w arrived on after its fence (mbarrier.arrive is a release; among its last two arrivals on that
    mbarrier) and r observed completed (a wait's acquire, or a barrier after another thread's) */
+template <class Obs> /* ... the mbarrier route, obs(m) the completed phase of mbarrier m the reader saw */
+bool by_mbar(int w, uint32_t stamp, Obs obs) {
+    for (size_t m = 0; m < B.mbars.size(); m++)
+        for (int i = 0; i < 2; i++)
+            if (B.mbars[m].arr[(size_t)w][i] >= 0 && B.mbars[m].arrf[(size_t)w][i] > stamp &&
+                obs(m) >= B.mbars[m].arr[(size_t)w][i])
+                return true;
+    return false;
+}
 bool ordered(int w, uint32_t stamp, int r) {
     for (const BarSeen &b : B.seen[(size_t)w]) {
         if (!b.at || b.fence <= stamp) continue;
         for (const BarSeen &c : B.seen[(size_t)r])
             if (c.at == b.at) return true;
     }
-    for (const Mbar &m : B.mbars)
-        for (int i = 0; i < 2; i++)
-            if (m.arr[(size_t)w][i] >= 0 && m.arrf[(size_t)w][i] > stamp &&
-                m.obs[(size_t)r] >= m.arr[(size_t)w][i])
-                return true;
-    return false;
+    return by_mbar(w, stamp, [r](size_t m) { return B.mbars[m].obs[(size_t)r]; });
 }
-/* ordered() for every thread of warpgroup wg at once by the mbarrier route (obs: each mbarrier's least
+/* ordered() for every thread of a warpgroup at once by the mbarrier route (obs: each mbarrier's least
    completed phase its threads observed), a fast path: false sends the caller to ordered() a thread */
 bool ordered_wg(int w, uint32_t stamp, const std::vector<int64_t> &obs) {
-    for (size_t m = 0; m < B.mbars.size(); m++)
-        for (int i = 0; i < 2; i++)
-            if (B.mbars[m].arr[(size_t)w][i] >= 0 && B.mbars[m].arrf[(size_t)w][i] > stamp &&
-                obs[m] >= B.mbars[m].arr[(size_t)w][i])
-                return true;
-    return false;
+    return by_mbar(w, stamp, [&obs](size_t m) { return obs[m]; });
 }
 
 void hop_barrier() {
