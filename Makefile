@@ -488,6 +488,12 @@ $(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/test_fault.cu -o $(B)/emu/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_fault.o $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
+# a white-box test of the FP8 quantizers: moept_kernels.cu compiled into it
+$(B)/emu/test_q8: tests/test_q8.cu tests/testutil.h moept_kernels.cu moept.c $(HDRS) $(B)/emu/moept.o \
+                  $(B)/emu/rt.o
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) -Itests -c tests/test_q8.cu -o $(B)/emu/test_q8.o
+	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_q8.o $(B)/emu/moept.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
+
 $(B)/emu/lt_rules: tests/lt_rules.cu $(B)/emu/rt.o
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/lt_rules.cu -o $(B)/emu/lt_rules.o
 	$(EMU_CXX) $(B)/emu/lt_rules.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)

@@ -831,6 +831,15 @@ MOEPT_HD MOEPT__HOST_UNUSED static inline uint8_t moept__e4m3_byte(float r) {
     if (a < 0x3c800000u) return (uint8_t)(sign | (uint8_t)(moept__bits_f32(a) * 512.0f)); /* 0, subnormals */
     return (uint8_t)(sign | (((a >> 23) - 120u) << 3) | ((a >> 20) & 7u));
 }
+/* the value of E4M3 byte b (float8_e4m3fn: sign, 4 exponent bits biased by 7, 3 mantissa bits; no
+   infinities, S.1111.111 is NaN), exact in float */
+MOEPT_HD static inline float moept__e4m3_f32(uint8_t b) {
+    const uint32_t e = (b >> 3) & 15u, m = b & 7u, sign = (uint32_t)(b & 0x80u) << 24;
+    const float v = e == 15 && m == 7 ? moept__bits_f32(0x7fc00000u)
+                    : e == 0          ? (float)m * 0x1p-9f
+                                      : moept__bits_f32((e + 120u) << 23 | m << 20);
+    return moept__bits_f32(moept__f32_bits(v) | sign);
+}
 /* a tile's scale: amax / 448, at least 2^-63 (a zero tile's too), one quiet NaN for a tile with a NaN
    (whichever NaN the amax met first: an order the GPU's reductions differ in). The floor keeps the
    product of two scales, cuBLASLt's factor of a block's E4M3 sum, a normal fp32 number (2^-126 at the
@@ -3471,6 +3480,9 @@ typedef struct moept__ffn {
     float *da, *dx;        /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
     float *q1, *q2;        /* config.fp8: [rows][max(D, H)] (inference: [rows][D]), [rows][D] token
                               operands; NULL: off */
+    int xq;                /* config.fp8's routed experts: x's rows reach them quantized (1 x 128, as
+                              the forward's gate/up reads them; a GPU's dispatch writes and sends them
+                              so): the W13 gradient's x is those values, quantized down the columns */
 } moept__ffn;
 
 /* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys) */
@@ -3478,7 +3490,7 @@ static moept__ffn moept__ffn_routed(moept_layer *L, moept__fstate *sl) {
     const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF, ch = L->C > 1;
     moept__ffn f = {q8 ? L->ws.q8w13 : L->par.w13, q8 ? L->ws.q8w2 : L->par.w2, L->par.g13, L->par.g2,
                     L->H, L->F, L->ws.lda_a, sl->ws.xr, sl->ws.h, sl->ws.a, sl->ws.yr,
-                    ch ? sl->ch.da : sl->ws.a, ch ? sl->ch.dx : sl->ws.yr, sl->ws.q1, sl->ws.q2};
+                    ch ? sl->ch.da : sl->ws.a, ch ? sl->ch.dx : sl->ws.yr, sl->ws.q1, sl->ws.q2, q8};
     return f;
 }
 
@@ -3487,7 +3499,7 @@ static moept__ffn moept__ffn_shared(moept_layer *L, moept__fstate *sl, const flo
     const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
     moept__ffn f = {q8 ? L->ws.q8ws13 : L->par.ws13, q8 ? L->ws.q8ws2 : L->par.ws2, L->par.gs13, L->par.gs2,
                     L->HS, L->S, L->ws.lda_as, x, sl->ws.hs, sl->ws.as, sl->ws.yss, sl->ws.as,
-                    sl->ws.yss, q8 ? L->ws.q8s1 : NULL, q8 ? L->ws.q8s2 : NULL};
+                    sl->ws.yss, q8 ? L->ws.q8s1 : NULL, q8 ? L->ws.q8s2 : NULL, 0};
     return f;
 }
 
@@ -3551,13 +3563,19 @@ static void moept__ffn_mm(moept_layer *L, const moept__ffn *f, const moept__runs
 
 /* A weight's gradient over R's rows (whole groups: the reduction runs over an
    expert's rows): W2's g2 += dy^T a, W13's g13 += dh^T x. config.fp8: both
-   operands quantized down each group's columns first (into q2 and q1). */
+   operands quantized down each group's columns first (into q2 and q1; x's
+   rows as they reached the experts: f->xq). */
 static void moept__ffn_wgrad(moept_layer *L, const moept__ffn *f, const moept__runs *R, int w2) {
     const int64_t wo = w2 ? L->D : f->H, wi = w2 ? f->F : L->D;
     const float *dout = w2 ? f->y : f->h, *in = w2 ? f->a : f->x;
     float *g = w2 ? f->g2 : f->g13;
     if (f->q1) {
         float *qo = w2 ? f->q2 : f->q1, *qi = w2 ? f->q1 : f->q2;
+        if (!w2 && f->xq) { /* (the groups' rows: one span) */
+            const int64_t r0 = R->offs[0];
+            moept__q8_rows(in + r0 * wi, R->offs[R->n] - r0, wi, wi, qi + r0 * wi, wi);
+            in = qi;
+        }
         moept__q8_cols(in, wi, wi, R, qi);
         moept__q8_cols(dout, wo, wo, R, qo);
         dout = qo;
@@ -7558,13 +7576,6 @@ static float moept__half_to_f32(uint16_t h) {
 
 /* reads the tensor's bytes in chunks through a small stack buffer and
    converts; dst receives numel values of `out_size` bytes */
-/* float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no
-   infinities, S.1111.111 is NaN; every value is exact in float */
-static float moept__e4m3_to_f32(unsigned char b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    float v = e == 15 && m == 7 ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
-    return b & 0x80 ? -v : v;
-}
 
 static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, void *dst,
                                    int64_t numel, int want_int) {
@@ -7627,7 +7638,7 @@ static moept_status moept__st_read(moept_st_file *f, const moept_st_tensor *t, v
                     v = (float)d;
                 } else if (t->dtype == MOEPT_DTYPE_BF16)
                     v = moept__bf16_to_f32((uint16_t)(b[0] | (b[1] << 8)));
-                else if (t->dtype == MOEPT_DTYPE_F8_E4M3) v = moept__e4m3_to_f32(b[0]);
+                else if (t->dtype == MOEPT_DTYPE_F8_E4M3) v = moept__e4m3_f32(b[0]);
                 else v = moept__half_to_f32((uint16_t)(b[0] | (b[1] << 8)));
                 ((float *)dst)[done + i] = v;
             }

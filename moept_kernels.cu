@@ -2059,7 +2059,8 @@ typedef struct moept__cslot {
     int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
     int64_t *tok_of_row;        /* [Tmax*K] */
     int32_t *kslot_of_row;      /* [Tmax*K] */
-    void *xs, *ys;              /* [Tmax*K][D] send/receive side of the token rows (P > 1) */
+    void *xs, *ys;              /* [Tmax*K][D] send/receive side of the token rows (P > 1; xs: x's rows
+                                   moept__xrow bytes each, config.fp8's records) */
     void *hs, *as, *yss;        /* [Tmax][HS], [Tmax][lda_as], [Tmax][D] shared expert (T); an inference
                                    layer's as is hs (lda_as = HS: the activations over the gate half) */
     float *sg;                  /* [Tmax] shared gate */
@@ -2069,7 +2070,8 @@ typedef struct moept__cslot {
     double *clstat;             /* (a call rejected here after it ran the statistics kernels keeps them) */
     /* device: the receive block (grows geometrically, never shrinks) */
     void *rblock;
-    void *xr, *yr, *h, *a;      /* [Rcap][D], [Rcap][D], [Rcap][H], [Rcap][lda_a] (T); an inference
+    void *xr, *yr, *h, *a;      /* [Rcap][D] (rows moept__xrow bytes), [Rcap][D], [Rcap][H], [Rcap][lda_a]
+                                   (T); an inference
                                    layer's a is h (lda_a = H: the activations over the gate half) */
     void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
     int64_t Rcap, rblock_bytes;
@@ -2197,6 +2199,7 @@ struct moept__cuda {
     /* host */
     void *hblock;               /* the host plan arrays' block */
     moept_seg *csend, *crecv;   /* [P][El] one chunk's exchange pieces */
+    moept_seg *q8segs;          /* [2][P][El] config.fp8: the pieces of an exchange of x's records */
     int64_t *cruns;             /* [3][G] one chunk's row runs: first row, rows, local expert */
     int64_t *grow_ok;           /* [P] */
     moept__gemm *descs;         /* [G] */
@@ -2280,6 +2283,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->d_ptrs = (const void **)moept__take(cv, (size_t)(3 * c->G) * sizeof(void *));
 }
 
+static int64_t moept__xrow(const moept__cuda *c);
 /* A forward slot's device block: the routing (double-buffered), the plan,
    the send rows and the shared expert's activations */
 static void moept__slot_layout(moept__cuda *c, moept__cslot *sl, moept__carve *cv) {
@@ -2306,7 +2310,7 @@ static void moept__slot_layout(moept__cuda *c, moept__cslot *sl, moept__carve *c
     sl->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     sl->tok_of_row = (int64_t *)moept__take(cv, (size_t)rows * 8);
     sl->kslot_of_row = (int32_t *)moept__take(cv, (size_t)rows * 4);
-    sl->xs = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
+    sl->xs = moept__take(cv, P > 1 ? (size_t)(rows * moept__xrow(c)) : 0);
     sl->ys = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
     /* an inference layer keeps nothing for a backward (as moept.c's moept__layout_acts): the shared
        activations over hs, no gradients of the gate, the weights or the logits */
@@ -2333,8 +2337,8 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     size_t es = (size_t)c->esz;
     /* an inference layer writes a over h and has no backward (moept.c's moept__recv_widths) */
     const int train = !c->sp.cfg->inference_only, chunked = train && c->C > 1;
-    const int64_t Fa = train ? F : 0, Dx = moept__gk_gather(c) ? 0 : D; /* (gathered: no xr) */
-    size_t bytes = (size_t)cap * (size_t)(D + Dx + H + Fa + (chunked ? D + F : 0)) * es + 6 * 64;
+    const int64_t Fa = train ? F : 0, xb = moept__gk_gather(c) ? 0 : moept__xrow(c); /* (gathered: no xr) */
+    size_t bytes = (size_t)cap * ((size_t)(D + H + Fa + (chunked ? D + F : 0)) * es + (size_t)xb) + 6 * 64;
     void *blk = NULL;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status qs = moept__q8_room(c, cap > c->sp.Tmax ? cap : c->sp.Tmax, err); /* (the shared expert's) */
@@ -2343,14 +2347,14 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
         return qs;
     }
     moept__carve cv = {(char *)blk, 0};
-    void *xr = moept__take(&cv, (size_t)(cap * Dx) * es), *yr = moept__take(&cv, (size_t)(cap * D) * es);
+    void *xr = moept__take(&cv, (size_t)(cap * xb)), *yr = moept__take(&cv, (size_t)(cap * D) * es);
     void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * Fa) * es);
     void *dar = moept__take(&cv, chunked ? (size_t)(cap * F) * es : 0);
     void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
     int64_t keep = sl->fwd_valid ? sl->R : 0;
     if (keep > 0 && sl->rblock) {
         const cudaMemcpyKind dd = cudaMemcpyDeviceToDevice;
-        cudaError_t e = cudaMemcpyAsync(xr, sl->xr, (size_t)(keep * Dx) * es, dd, c->s);
+        cudaError_t e = cudaMemcpyAsync(xr, sl->xr, (size_t)(keep * xb), dd, c->s);
         if (e == cudaSuccess) e = cudaMemcpyAsync(yr, sl->yr, (size_t)(keep * D) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaMemcpyAsync(h, sl->h, (size_t)(keep * H) * es, dd, c->s);
         if (e == cudaSuccess && train) e = cudaMemcpyAsync(a, sl->a, (size_t)(keep * F) * es, dd, c->s);
@@ -2567,6 +2571,8 @@ static void moept__host_layout(moept__cuda *c, moept__carve *kv) {
         c->csend = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
         c->crecv = (moept_seg *)moept__take(kv, (size_t)(P * El) * sizeof(moept_seg));
     }
+    const size_t nq = moept__fp8_on(&c->sp) ? (size_t)(2 * P * El) : 0;
+    c->q8segs = (moept_seg *)moept__take(kv, nq * sizeof(moept_seg));
 }
 
 /* ... and a forward slot's: its plan (fhost) */
@@ -2640,6 +2646,17 @@ static moept_status moept__slot_get(moept__cuda *c, int s, moept__cslot **out, c
 #define MOEPT__Q8_PAD(n) (((n) + 15) / 16 * 16)
 #define MOEPT__Q8_L(k) (((k) + MOEPT__Q8_TILE - 1) / MOEPT__Q8_TILE)
 #define MOEPT__Q8_L4(k) ((MOEPT__Q8_L(k) + 3) / 4 * 4)
+/* A routed token's row as config.fp8's dispatch writes it, the exchange moves it and the experts read
+   it (an FP8 record, moept.c's "x's rows quantized once"): its D values in E4M3 in 1 x 128 tiles, zeros
+   to Dp = MOEPT__Q8_PAD(D) bytes, then the tiles' fp32 scales; recw(D) bytes, a multiple of 16 (TMA's
+   row stride; the exchange's 4-byte words) */
+__host__ __device__ static inline int64_t moept__q8_recw(int64_t D) {
+    return MOEPT__Q8_PAD(MOEPT__Q8_PAD(D) + 4 * MOEPT__Q8_L(D));
+}
+/* the bytes of one of x's rows as the experts receive them: a record (config.fp8), or D of T */
+static int64_t moept__xrow(const moept__cuda *c) {
+    return moept__fp8_on(&c->sp) ? moept__q8_recw(c->sp.D) : c->sp.D * c->esz;
+}
 
 /* v's E4M3 byte in a tile of scale sc */
 __device__ __forceinline__ uint8_t moept__q8_byte(float v, float sc) {
@@ -2659,31 +2676,34 @@ __device__ __forceinline__ uint4 moept__q8_16(const float *v, int live, float sc
                       moept__q8_word(v + 8, live >> 8, sc), moept__q8_word(v + 12, live >> 12, sc));
 }
 
-/* Rows r < n of src [n][lds] (its first K columns) into 1 x 128 tiles: q [np][Kp] E4M3 (rows from n on
-   and columns from K on zero), s [ceil(Kp/128)][np] (VEC128 of an operand whose op() is np x Kp). A tile
+/* Rows r < nw of src (row idx[r], -1 zeros; idx NULL: row r; rows from n on zeros), their first K
+   columns, lds apart, into 1 x 128 tiles: q [nw][ldq] E4M3 (columns K to Kp zero), tile b's scale at
+   s[r srs + b sbs] (srs 1, sbs >= nw: VEC128 of an operand whose op() is sbs x Kp; or an FP8 record's,
+   moept__q8_recw). A tile
    is 8 threads' 16 adjacent columns each (Kp a multiple of 16: all in or all out), read in V-vectors
    where the row holds them, the tile's amax through shared memory (one barrier a round: sh's halves
    alternate), 16 bytes written a thread: a block's round reads MOEPT__TB / 8 tiles */
 template <typename T, int V>
-__global__ void moept__k_q8_rows(const T *src, int64_t n, int K, int64_t lds, int64_t np, int Kp, uint8_t *q,
-                                 float *s) {
+__global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, int K, int64_t lds, int64_t nw,
+                                 int Kp, uint8_t *q, int64_t ldq, float *s, int64_t srs, int64_t sbs) {
     __shared__ float sh[2][MOEPT__TB];
     const int L = MOEPT__Q8_L(Kp), l = (int)threadIdx.x % 8, tb = MOEPT__TB / 8;
-    const int64_t nt = np * L;
+    const int64_t nt = nw * L;
     int h = 0;
     for (int64_t t = (int64_t)blockIdx.x * tb; t < nt; t += (int64_t)gridDim.x * tb, h ^= 1) {
         const int64_t i = t + threadIdx.x / 8, r = i / L;
         const int b = (int)(i % L), j = b * MOEPT__Q8_TILE + 16 * l;
         const int out = i < nt && j < Kp;
+        const int64_t sr = !out || r >= n ? -1 : idx ? idx[r] : r; /* the source row (-1: zeros) */
         float v[16], amax = 0.0f;
         int live = 0;
-        if (V > 1 && out && r < n && j + 16 <= K) {
-            for (int c = 0; c < 16; c += V) moept__ldv<V>(src + r * lds + j + c, v + c);
+        if (V > 1 && sr >= 0 && j + 16 <= K) {
+            for (int c = 0; c < 16; c += V) moept__ldv<V>(src + sr * lds + j + c, v + c);
             live = 0xffff;
         } else {
             for (int e = 0; e < 16; e++) {
-                const int in = out && r < n && j + e < K;
-                v[e] = in ? moept__ld(src, r * lds + j + e) : 0.0f;
+                const int in = sr >= 0 && j + e < K;
+                v[e] = in ? moept__ld(src, sr * lds + j + e) : 0.0f;
                 live |= in << e;
             }
         }
@@ -2693,13 +2713,16 @@ __global__ void moept__k_q8_rows(const T *src, int64_t n, int K, int64_t lds, in
                             after's barrier) */
         for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, sh[h][threadIdx.x - l + u]);
         const float sc = moept__q8_scale(amax);
-        if (out) *(uint4 *)(q + r * Kp + j) = moept__q8_16(v, live, sc);
-        if (out && l == 0) s[r + (int64_t)b * np] = sc;
+        if (out) *(uint4 *)(q + r * ldq + j) = moept__q8_16(v, live, sc);
+        if (out && l == 0) s[r * srs + b * sbs] = sc;
     }
 }
 
 /* The wgrad's operands: columns c < C of src [n][lds], transposed, in 128 x 1 tiles down the rows:
-   q [Cp][np] (column c's values along row c; padding zero), s [ceil(np/128)][Cp]. A block a panel of
+   q [Cp][np] (column c's values along row c; padding zero), s [ceil(np/128)][Cp]. src's values as they
+   are, or (T uint8_t, rs) FP8 records' (moept__q8_recw): E4M3 bytes times their row's 1 x 128 scales,
+   rs[r rsr + c / 128] (the dequantized rows the experts received, quantized again down the columns,
+   DeepSeek-V3's workflow for a wgrad's x). A block a panel of
    128 rows x W columns (a row's W values 128 bytes): read along the rows in V-vectors where the rows
    hold them (8 threads a row) into shared memory as they are, each row's 32 words rotated by 4 a
    16-row chunk (moept__q8_pan); then 8 threads a column, 16 rows each (a warp 4 columns: the 8
@@ -2713,11 +2736,12 @@ __device__ __forceinline__ int moept__q8_pan(int rr, int c) { /* element (rr, c)
 }
 template <typename T, int V>
 __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
-                                 float *s) {
+                                 float *s, const float *rs, int64_t rsr) {
     constexpr int W = 128 / (int)sizeof(T), w = W / 8; /* w: a thread's columns of a row, 16 bytes */
     static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 4 columns x 8 chunks, 8 threads a row");
     __shared__ __align__(16) T pan[MOEPT__Q8_TILE * (132 / sizeof(T))];
     __shared__ float part[2][MOEPT__TB];
+    __shared__ float rsc[MOEPT__Q8_TILE]; /* records: the panel's rows' scales (its 128 columns: one tile) */
     const int64_t L = MOEPT__Q8_L(np), nc = (Cp + W - 1) / W;
     const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8;
     for (int64_t t = blockIdx.x; t < L * nc; t += gridDim.x) {
@@ -2726,6 +2750,7 @@ __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, in
         for (int rr = y; rr < MOEPT__Q8_TILE; rr += MOEPT__TB / 8) {
             const int64_t r = r0 + rr;
             const int c = c0 + w * x;
+            if (sizeof(T) == 1 && x == 0) rsc[rr] = r < n ? rs[r * rsr + c0 / MOEPT__Q8_TILE] : 0.0f;
             if (V > 1 && r < n && c + w <= C) { /* (its 4 words stay together: rotated by 4) */
                 const uint4 u = *(const uint4 *)(src + r * lds + c);
                 const uint32_t uw[4] = {u.x, u.y, u.z, u.w};
@@ -2742,7 +2767,9 @@ __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, in
             float v[16], amax = 0.0f;
             int live = 0;
             for (int e = 0; e < 16; e++) {
-                v[e] = moept__ld(pan, moept__q8_pan<T>(16 * x + e, cc));
+                const int at = moept__q8_pan<T>(16 * x + e, cc);
+                if constexpr (sizeof(T) == 1) v[e] = moept__e4m3_f32(pan[at]) * rsc[16 * x + e];
+                else v[e] = moept__ld(pan, at);
                 live |= (c < C && r + e < n) << e;
                 amax = moept__q8_amax(amax, v[e]);
             }
@@ -2755,6 +2782,26 @@ __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, in
             if (c < Cp && x == 0) s[c + b * Cp] = sc;
         }
         __syncthreads(); /* pan read by all before the next panel */
+    }
+}
+
+/* Rows r < nw of FP8 records rec (moept__q8_recw(Kp) bytes apart; rows from n on zeros) as a matmul's
+   operand along K, their bytes and scales as they are: q [nw][Kp], tile b's scale at s[b sbs + r]
+   (moept__k_q8_rows' layout, srs 1) */
+__global__ void moept__k_q8_unrec(const uint8_t *rec, int64_t n, int64_t nw, int Kp, uint8_t *q, float *s,
+                                  int64_t sbs) {
+    const int L = MOEPT__Q8_L(Kp), per = Kp / 16 + L; /* a row's 16-byte pieces, then its scales */
+    const int64_t W = moept__q8_recw(Kp);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nw * per;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / per;
+        const int j = (int)(i % per);
+        if (j < Kp / 16)
+            *(uint4 *)(q + r * Kp + 16 * j) = r < n ? *(const uint4 *)(rec + r * W + 16 * j)
+                                                    : make_uint4(0, 0, 0, 0);
+        else
+            s[(j - Kp / 16) * sbs + r] = r < n ? ((const float *)(rec + r * W + Kp))[j - Kp / 16]
+                                               : moept__q8_scale(0.0f);
     }
 }
 
@@ -3013,24 +3060,50 @@ static moept_status moept__q8_probe(moept__cuda *c, char *err) {
                           NULL, w->Hp, 0, err);
 }
 
-/* n rows of src (K columns, lds apart) as a matmul's B along K: q [np][Kp], scales s */
+/* n rows of src (K columns, lds apart) as a matmul's B along K: q [np][Kp], scales s; ss > 0: rows of a
+   larger operand, its scales ss rows apart (no padding rows written) */
 template <typename T>
 static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, int64_t K, int64_t lds,
-                                    uint8_t *q, float *s, char *err) {
-    const int64_t np = MOEPT__Q8_PAD(n), Kp = MOEPT__Q8_PAD(K);
-    MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, moept__grid(np * MOEPT__Q8_L(Kp) * 8),
-                    MOEPT__TB, c->s, (const T *)src, n, (int)K, lds, np, (int)Kp, q, s);
+                                    uint8_t *q, float *s, int64_t ss, char *err) {
+    const int64_t nw = ss ? n : MOEPT__Q8_PAD(n), Kp = MOEPT__Q8_PAD(K);
+    MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, moept__grid(nw * MOEPT__Q8_L(Kp) * 8),
+                    MOEPT__TB, c->s, (const T *)src, NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1,
+                    ss ? ss : nw);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
-/* the C columns of n rows of src, transposed, down the rows (a wgrad's operand): q [Cp][np], s */
+/* the C columns of n rows of src (lds apart), transposed, down the rows (a wgrad's operand): q [Cp][np],
+   s; T uint8_t: FP8 records (C = D), dequantized as read */
 template <typename T>
-static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, int64_t C, uint8_t *q,
-                                   float *s, char *err) {
+static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, int64_t C, int64_t lds,
+                                   uint8_t *q, float *s, char *err) {
     const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C), W = 128 / (int64_t)sizeof(T);
-    MOEPT__LAUNCH_V(moept__vec<T>(C, src), moept__k_q8_cols, T,
+    const float *rs = sizeof(T) == 1 ? (const float *)((const uint8_t *)src + MOEPT__Q8_PAD(C)) : NULL;
+    MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_cols, T,
                     moept__grid(MOEPT__Q8_L(np) * ((Cp + W - 1) / W) * MOEPT__TB), MOEPT__TB, c->s,
-                    (const T *)src, n, (int)C, C, (int)Cp, np, q, s);
+                    (const T *)src, n, (int)C, lds, (int)Cp, np, q, s, rs, lds / 4);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+/* config.fp8's dispatch: rows r < n of the routed tokens, x's row idx[r] each (-1: zeros), as FP8 records
+   rec [n][moept__q8_recw(D)] (the 1 x 128 tiles of moept__q8_along, in the records' layout) */
+template <typename T>
+static moept_status moept__q8_records(moept__cuda *c, const T *x, const int64_t *idx, int64_t n, void *rec,
+                                      char *err) {
+    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), W = moept__q8_recw(D);
+    uint8_t *q = (uint8_t *)rec;
+    MOEPT__LAUNCH_V(moept__vec<T>(D, x), moept__k_q8_rows, T, moept__grid(n * MOEPT__Q8_L(Dp) * 8), MOEPT__TB,
+                    c->s, x, idx, n, (int)D, D, n, (int)Dp, q, W, (float *)(q + Dp), W / 4, 1);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+/* n FP8 records (k columns) as a matmul's operand along k: q [np][kp], scales s (q8_along's layout); ss
+   > 0: rows of a larger operand, its scales ss rows apart (no padding rows written) */
+static moept_status moept__q8_unrec(moept__cuda *c, const void *rec, int64_t n, int64_t k, uint8_t *q,
+                                    float *s, int64_t ss, char *err) {
+    const int64_t nw = ss ? n : MOEPT__Q8_PAD(n), kp = MOEPT__Q8_PAD(k);
+    MOEPT__LAUNCH(moept__k_q8_unrec, moept__grid(nw * (kp / 16 + MOEPT__Q8_L(kp))), MOEPT__TB, 0, c->s)(
+        (const uint8_t *)rec, n, nw, (int)kp, q, s, ss ? ss : nw);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3553,9 +3626,9 @@ typedef struct moept__gk_args {
     moept__gk_src src[2];     /* A and B where loaded by the producer warpgroup, not TMA: */
     int32_t lsu;              /* ... bit 0 A, bit 1 B (0: both by TMA, one producer thread) */
     int32_t bn;               /* FWD, FWD8: B's rows an expert (N; FWD8: its padded rows) */
-    const float *sa, *sb;     /* FWD8: A's scales [ceil(K/128)][sald] (1 x 128), B's [E][sbe] of 128 x 128
-                                 blocks [ceil(bn/128)][sbld] */
-    int64_t sald, sbe, sbld;
+    const float *sa, *sb;     /* FWD8: A's 1 x 128 scales, row r's k-block b at sa[r sars + b sabs] (r <
+                                 sarows); B's [E][sbe] of 128 x 128 blocks [ceil(bn/128)][sbld] */
+    int64_t sarows, sars, sabs, sbe, sbld;
 } moept__gk_args;
 /* (a kernel's parameters: 4 KB, the two tensor maps and these) */
 static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
@@ -3925,7 +3998,7 @@ __device__ __forceinline__ void moept__gk_scales(const moept__gk_args *g, int i,
     const float sb = g->sb[g->e[i] * g->sbe + nt * g->sbld + kb];
     for (int h = 0; h < 2; h++) { /* (rows past the scales' are never stored) */
         const int64_t r = (int64_t)g->r0[i] + mt * MOEPT__GK_BM + w * 64 + moept__gk_row(2 * h, l);
-        s[h] = r < g->sald ? g->sa[kb * g->sald + r] * sb : 0.0f;
+        s[h] = r < g->sarows ? g->sa[r * g->sars + kb * g->sabs] * sb : 0.0f;
     }
 }
 /* ... its block sums t into d (zeros where a tile starts) times those scales (the promotion into fp32
@@ -4248,15 +4321,16 @@ typedef struct moept__gk_ext {   /* a form's extras */
     int act;                    /* GATE, DACT: config.act */
     int64_t bn;                 /* FWD8: B's rows an expert (the E4M3 copy's padded rows) */
     const float *sa, *sb;       /* FWD8: the scales, as moept__gk_args's */
-    int64_t sald, sbe, sbld;
+    int64_t sarows, sars, sabs, sbe, sbld;
 } moept__gk_ext;
 /* g's fields of a form's extras (ga; NULL: none) and B's rows an expert */
 template <int F>
 static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t bn) {
     g->act = ga ? ga->act : 0; g->a = ga ? ga->a : NULL; g->lda = ga ? ga->lda : 0; g->bn = (int32_t)bn;
     g->sa = F == MOEPT__GK_FWD8 ? ga->sa : NULL; g->sb = F == MOEPT__GK_FWD8 ? ga->sb : NULL;
-    g->sald = F == MOEPT__GK_FWD8 ? ga->sald : 0; g->sbe = F == MOEPT__GK_FWD8 ? ga->sbe : 0;
-    g->sbld = F == MOEPT__GK_FWD8 ? ga->sbld : 0;
+    const int q = F == MOEPT__GK_FWD8;
+    g->sarows = q ? ga->sarows : 0; g->sars = q ? ga->sars : 0; g->sabs = q ? ga->sabs : 0;
+    g->sbe = q ? ga->sbe : 0; g->sbld = q ? ga->sbld : 0;
 }
 template <int F>
 static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda,
@@ -4291,8 +4365,9 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     g.lsu = 0;
     const int64_t *ai = wg ? NULL : xi, *bi = wg ? xi : NULL; /* x's rows: A, or WGRAD's B */
     /* a chunk's runs: A's rows by the producer's own loads, which stop at a run's end (TMA's box would read
-       on into rows of a chunk still arriving) */
-    MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, es, ai, !R->offs, end, wg ? M : K, lda,
+       on into rows of a chunk still arriving; FWD8's A is their quantized copy, made on this stream) */
+    const int own = !R->offs && F != MOEPT__GK_FWD8;
+    MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, es, ai, own, end, wg ? M : K, lda,
                                  wg ? 64 : MOEPT__GK_BM, err));
     if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE || F == MOEPT__GK_FWD8)
         MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, NULL, 0, ne * bn, K, ldb,
@@ -4329,6 +4404,8 @@ typedef struct moept__ffn {
     const void *x;              /* [rows][D] the inputs (T), or (xi) the tokens' rows */
     const int64_t *xi;          /* [rows] x's row of each (the dispatch's index: -1 zeros) where the grouped
                                    kernel reads them through it (moept__gk_gather); NULL: x is the rows */
+    int xq;                     /* x's rows are FP8 records (moept__q8_recw bytes each: config.fp8's routed
+                                   experts, as their dispatch quantized them); 0: T */
     void *h, *a;                /* [rows][H] gate|up (backward: dh over it), [rows][lda] activations */
     void *y;                    /* [rows][D] the outputs; backward: their gradients in */
     void *da, *dx;              /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
@@ -4343,7 +4420,7 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void
     const int ch = c->C > 1, gi = moept__gk_gather(c);
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[0] : NULL;
     moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, gi ? x : sl->xr, gi ? sl->tok_of_row : NULL,
-                    sl->h, sl->a, sl->yr, ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr,
+                    q8 != NULL, sl->h, sl->a, sl->yr, ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr,
                     c->B ? sl->cmsg : NULL};
     return f;
 }
@@ -4352,7 +4429,7 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void
 static moept__ffn moept__ffn_shared(moept__cuda *c, moept__cslot *sl, const void *x) {
     const moept__cuda_spec *p = &c->sp;
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[1] : NULL;
-    moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, NULL, sl->hs, sl->as, sl->yss,
+    moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, NULL, 0, sl->hs, sl->as, sl->yss,
                     sl->as, sl->yss, NULL};
     return f;
 }
@@ -4371,23 +4448,36 @@ static moept_status moept__ffn_act(moept__cuda *c, const moept__ffn *f, const mo
     return MOEPT_OK;
 }
 
-/* config.fp8's matmul of one run: out [n][m] = in [n][k] (rows ld apart, quantized along them) times the
-   E4M3 matrix wq [mp][kp] (scales sq) transposed, each result row into out (T) */
+/* n rows of in (k columns, ld apart) as an FP8 matmul's operand along k, into FP8's token scratch from row
+   r0 on (q8b, q8sb, its scales ss rows apart; 0: r0 0 and ss the padded n, as moept__q8_along): quantized,
+   or (rec) FP8 records, whose bytes and scales are already the operand's */
 template <typename T>
-static moept_status moept__q8_mm(moept__cuda *c, int64_t n, const char *in, int64_t k, int64_t ld,
+static moept_status moept__q8_operand(moept__cuda *c, const char *in, int rec, int64_t n, int64_t k,
+                                      int64_t ld, int64_t r0, int64_t ss, char *err) {
+    uint8_t *q = c->q8b + r0 * MOEPT__Q8_PAD(k);
+    return rec ? moept__q8_unrec(c, in, n, k, q, c->q8sb + r0, ss, err)
+               : moept__q8_along<T>(c, in, n, k, ld, q, c->q8sb + r0, ss, err);
+}
+
+/* config.fp8's matmul of one run: out [n][m] = in [n][k] (rows ld apart, quantized along them, or FP8
+   records: rec) times the E4M3 matrix wq [mp][kp] (scales sq) transposed, each result row into out (T) */
+template <typename T>
+static moept_status moept__q8_mm(moept__cuda *c, int64_t n, const char *in, int rec, int64_t k, int64_t ld,
                                  const uint8_t *wq, const float *sq, int64_t m, char *out, char *err) {
     const int64_t mp = MOEPT__Q8_PAD(m), np = MOEPT__Q8_PAD(n), kp = MOEPT__Q8_PAD(k);
-    MOEPT__TRY(moept__q8_along<T>(c, in, n, k, ld, c->q8b, c->q8sb, err));
+    MOEPT__TRY(moept__q8_operand<T>(c, in, rec, n, k, ld, 0, 0, err));
     MOEPT__TRY(moept__q8_gemm(c, mp, np, kp, wq, sq, MOEPT__BLK128, c->q8b, c->q8sb, c->q8out, mp, 0, err));
     return moept__q8_result<T>(c, n, m, mp, out, m, 0, err);
 }
 
-/* config.fp8's forward product over R's runs in one launch of the grouped kernel (FWD8): the rows
-   [0, end) of in (k columns, ld apart) quantized at once in 1 x 128 tiles, W's E4M3 copy wq [E][mp][kp]
-   with its 128 x 128 scales sq (ns an expert), out [..][m] bf16 */
+/* config.fp8's forward product over R's runs in one launch of the grouped kernel (FWD8): A the rows
+   [0, end) of in (k columns, ld apart) quantized in 1 x 128 tiles (whole groups: at once; a chunk's
+   runs: each run's, as the rows between belong to chunks still arriving), or (rec) in's FP8 records as
+   they are (a chunk's runs: each run's copied, for the same reason), W's E4M3 copy wq [E][mp][kp] with
+   its 128 x 128 scales sq (ns an expert), out [..][m] bf16 */
 template <typename T>
 static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept__runs *R, const char *in,
-                               int64_t k, int64_t ld, const uint8_t *wq, const float *sq, int64_t ns,
+                               int rec, int64_t k, int64_t ld, const uint8_t *wq, const float *sq, int64_t ns,
                                int64_t m, char *out, char *err) {
     int64_t end = 0;
     for (int64_t i = 0; i < R->n; i++) {
@@ -4400,8 +4490,19 @@ static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept_
         return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld rows past the scratch's %lld "
                             "(moept_kernels.cu:%d)", (long long)end, (long long)c->q8rows, __LINE__);
     const int64_t mp = MOEPT__Q8_PAD(m), kp = MOEPT__Q8_PAD(k), np = MOEPT__Q8_PAD(end);
-    MOEPT__TRY(moept__q8_along<T>(c, in, end, k, ld, c->q8b, c->q8sb, err));
-    const moept__gk_ext ge = {NULL, 0, 0, mp, c->q8sb, sq, np, ns, MOEPT__Q8_L4(kp)};
+    if (rec && R->offs) { /* the records as A: their bytes kp wide, ld apart, each row's scales after them */
+        const moept__gk_ext ge = {NULL, 0, 0, mp, (const float *)(in + kp), sq, end, ld / 4, 1, ns,
+                                  MOEPT__Q8_L4(kp)};
+        return moept__gk<MOEPT__GK_FWD8>(c, R, in, ld, wq, kp, NULL, 0, m, kp, out, m, f->cnt, &ge, err);
+    }
+    const int64_t es = rec ? 1 : c->esz;
+    if (R->offs) MOEPT__TRY(moept__q8_operand<T>(c, in, rec, end, k, ld, 0, 0, err));
+    for (int64_t i = 0; !R->offs && i < R->n; i++) {
+        int64_t r0, rows, e;
+        moept__run_at(R, i, &r0, &rows, &e);
+        if (rows > 0) MOEPT__TRY(moept__q8_operand<T>(c, in + r0 * ld * es, rec, rows, k, ld, r0, np, err));
+    }
+    const moept__gk_ext ge = {NULL, 0, 0, mp, c->q8sb, sq, np, 1, np, ns, MOEPT__Q8_L4(kp)};
     return moept__gk<MOEPT__GK_FWD8>(c, R, c->q8b, kp, wq, kp, NULL, 0, m, kp, out, m, f->cnt, &ge, err);
 }
 
@@ -4412,8 +4513,10 @@ static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept_
 template <typename T>
 static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2, int bwd,
                                   const void *in, void *out, char *err) {
-    const int64_t wo = w2 ? c->sp.D : f->H, wi = w2 ? f->F : c->sp.D, es = c->esz;
-    const int64_t k = bwd ? wo : wi, m = bwd ? wi : wo, ld = w2 && !bwd ? f->lda : k;
+    const int64_t wo = w2 ? c->sp.D : f->H, wi = w2 ? f->F : c->sp.D;
+    const int rec = f->xq && in == f->x; /* (x's FP8 records: their bytes, recw apart) */
+    const int64_t k = bwd ? wo : wi, m = bwd ? wi : wo;
+    const int64_t ld = rec ? moept__q8_recw(k) : w2 && !bwd ? f->lda : k, es = rec ? 1 : c->esz;
     const char *I = (const char *)in;
     char *O = (char *)out;
     if (f->q8) {
@@ -4422,15 +4525,15 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         const float *sq = w2 ? (bwd ? w->s2t : w->s2) : (bwd ? w->s13t : w->s13);
         const int64_t ns = w2 ? (bwd ? w->ns2t : w->ns2) : (bwd ? w->ns13t : w->ns13);
         const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
-        if (!bwd && moept__gk_q8(c) && R->offs) /* (whole groups: a chunk's quantized rows per run) */
-            return moept__gk8<T>(c, f, R, I, k, ld, wq, sq, ns, m, O, err);
+        if (!bwd && moept__gk_q8(c))
+            return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O, err);
         MOEPT__TRY(moept__q8_fits(c, R, err));
         for (int64_t i = 0; i < R->n; i++) {
             int64_t r0, rows, e;
             moept__run_at(R, i, &r0, &rows, &e);
             if (rows > 0)
-                MOEPT__TRY(moept__q8_mm<T>(c, rows, I + r0 * ld * es, k, ld, wq + e * size, sq + e * ns, m,
-                                           O + r0 * m * es, err));
+                MOEPT__TRY(moept__q8_mm<T>(c, rows, I + r0 * ld * es, rec, k, ld, wq + e * size, sq + e * ns,
+                                           m, O + r0 * m * c->esz, err));
         }
         return MOEPT_OK;
     }
@@ -4457,6 +4560,8 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
     const char *O = (const char *)(w2 ? f->y : f->h), *I = (const char *)(w2 ? f->a : f->x);
     float *g = c->grads + (w2 ? f->off2 : f->off13);
     if (f->q8) {
+        const int rec = f->xq && !w2; /* (I x's FP8 records) */
+        const int64_t ldi = rec ? moept__q8_recw(wi) : wi;
         const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
         const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
         MOEPT__TRY(moept__q8_fits(c, R, err));
@@ -4465,8 +4570,10 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
             moept__run_at(R, i, &r0, &rows, &e);
             if (rows == 0) continue;
             float *ge = g + e * wo * wi;
-            MOEPT__TRY(moept__q8_down<T>(c, I + r0 * wi * es, rows, wi, c->q8a, c->q8sa, err));
-            MOEPT__TRY(moept__q8_down<T>(c, O + r0 * wo * es, rows, wo, c->q8b, c->q8sb, err));
+            if (rec)
+                MOEPT__TRY(moept__q8_down<uint8_t>(c, I + r0 * ldi, rows, wi, ldi, c->q8a, c->q8sa, err));
+            else MOEPT__TRY(moept__q8_down<T>(c, I + r0 * wi * es, rows, wi, wi, c->q8a, c->q8sa, err));
+            MOEPT__TRY(moept__q8_down<T>(c, O + r0 * wo * es, rows, wo, wo, c->q8b, c->q8sb, err));
             const int64_t np = MOEPT__Q8_PAD(rows);
             MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb,
                                       direct ? ge : c->q8out, direct ? wi : wip, direct, err));
@@ -4495,7 +4602,7 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
     if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
-        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0};
+        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0};
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else {
@@ -4517,7 +4624,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     const void *W2 = moept__w(c, f->off2);
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
-        const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0};
+        const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0};
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else {
@@ -4548,25 +4655,38 @@ static moept_status moept__from_comm(moept__cuda *c, cudaStream_t cs, char *err)
    MOEPT__X_AFTER (after the compute stream's work so far: not needed for a
    later chunk, whose rows were gathered long before), MOEPT__X_JOIN (the
    compute stream waits for it; without, it runs independent work, e.g. the
-   shared expert, until moept__from_comm or an event joins the two). */
-enum { MOEPT__X_OUT = 1, MOEPT__X_AFTER = 2, MOEPT__X_JOIN = 4 };
+   shared expert, until moept__from_comm or an event joins the two), MOEPT__X_XQ
+   (x's rows: config.fp8's records, moept__xrow bytes a row, moved as 4-byte
+   words; the pieces' counts stay D a row). */
+enum { MOEPT__X_OUT = 1, MOEPT__X_AFTER = 2, MOEPT__X_JOIN = 4, MOEPT__X_XQ = 8 };
 static moept_status moept__exchange(moept__cuda *c, void *local, const moept_seg *ls, void *remote,
                                     const moept_seg *rs, int flags, moept__dev_step *out, char *err) {
     moept_comm *ep = c->sp.ep;
-    const int dispatch = flags & MOEPT__X_OUT;
+    const int dispatch = flags & MOEPT__X_OUT, xq = (flags & MOEPT__X_XQ) && moept__fp8_on(&c->sp);
+    const int64_t D = c->sp.D, n = c->sp.P * c->sp.El, w = xq ? moept__xrow(c) / 4 : D; /* a row's words */
+    const int es = xq ? 4 : c->esz;
+    const moept_seg *lp = ls, *rp = rs;
+    if (xq) { /* the pieces in records' words */
+        moept_seg *q = c->q8segs;
+        for (int64_t i = 0; i < n; i++) {
+            q[i].offset = ls[i].offset / D * w; q[i].count = ls[i].count / D * w;
+            q[n + i].offset = rs[i].offset / D * w; q[n + i].count = rs[i].count / D * w;
+        }
+        lp = q; rp = q + n;
+    }
     double t0 = moept__clock();
     if (flags & MOEPT__X_AFTER) MOEPT__TRY(moept__to_comm(c, c->cs, err));
-    moept_status st = dispatch ? ep->alltoallv(ep, local, ls, remote, rs, (int)c->sp.El, c->esz)
-                               : ep->alltoallv(ep, remote, rs, local, ls, (int)c->sp.El, c->esz);
+    moept_status st = dispatch ? ep->alltoallv(ep, local, lp, remote, rp, (int)c->sp.El, es)
+                               : ep->alltoallv(ep, remote, rp, local, lp, (int)c->sp.El, es);
     if (st)
         return moept__kfail(err, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", ep->err);
     if (flags & MOEPT__X_JOIN) MOEPT__TRY(moept__from_comm(c, c->cs, err));
-    int64_t rb = c->sp.D * c->esz;
+    const int64_t rb = w * es; /* a row's bytes */
     int64_t sent = 0, recvd = 0;
-    for (int64_t i = 0; i < c->sp.P * c->sp.El; i++)
+    for (int64_t i = 0; i < n; i++)
         if (i / c->sp.El != c->sp.rank) { sent += ls[i].count; recvd += rs[i].count; }
-    out->bytes_sent += (dispatch ? sent : recvd) / c->sp.D * rb;
-    out->bytes_received += (dispatch ? recvd : sent) / c->sp.D * rb;
+    out->bytes_sent += (dispatch ? sent : recvd) / D * rb;
+    out->bytes_received += (dispatch ? recvd : sent) / D * rb;
     out->comm_seconds += moept__clock() - t0; /* enqueue time: the wire time overlaps compute */
     return MOEPT_OK;
 }
@@ -5037,14 +5157,16 @@ static moept_status moept__fwd_plan(moept__cuda *c, moept__cslot *sl, int64_t *p
 }
 
 /* 9. dispatch: the rows go once: x -> send buffer -> experts (chunked: the
-   pipeline sends them chunk by chunk) */
+   pipeline sends them chunk by chunk); config.fp8: as FP8 records, quantized as they are gathered */
 template <typename T>
 static moept_status moept__fwd_dispatch(moept__cuda *c, moept__cslot *sl, const T *x, moept__dev_step *out,
                                         char *err) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t D = p->D;
     void *xs = p->P > 1 ? sl->xs : sl->xr; /* at one rank the permuted rows are the experts' rows */
-    if (sl->N > 0 && !moept__gk_gather(c)) { /* (else the experts read x through the index) */
+    if (sl->N > 0 && moept__fp8_on(p)) {
+        MOEPT__TRY(moept__q8_records<T>(c, x, sl->tok_of_row, sl->N, xs, err));
+    } else if (sl->N > 0 && !moept__gk_gather(c)) { /* (else the experts read x through the index) */
         const int vec = moept__vec<T>(D, x, xs);
         const moept__shape sh = moept__rows_shape(sl->N, vec ? D / MOEPT__VEC(T) : D);
         MOEPT__LAUNCH_V(vec, moept__k_gather, T, sh.g, sh.b, c->s, x, sl->tok_of_row, sl->N, (int)D, (T *)xs);
@@ -5052,7 +5174,7 @@ static moept_status moept__fwd_dispatch(moept__cuda *c, moept__cslot *sl, const 
     }
     if (p->P > 1 && c->C == 1)
         MOEPT__TRY(moept__exchange(c, xs, sl->send_segs, sl->xr, sl->recv_segs,
-                                   MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN, out, err));
+                                   MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN | MOEPT__X_XQ, out, err));
     return MOEPT_OK;
 }
 
@@ -5173,7 +5295,7 @@ static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, c
     const int64_t C = c->C, T_ = sl->T;
     void *send = bwd ? sl->ys : sl->xs, *recv = bwd ? sl->yr : sl->xr, *res = bwd ? sl->dxr : sl->yr;
     const moept__ffn f = moept__ffn_routed(c, sl, x);
-    const int X_OUT = MOEPT__X_OUT;
+    const int X_OUT = MOEPT__X_OUT | (bwd ? 0 : MOEPT__X_XQ);
     moept__chunk_plan(c, sl, 0);
     MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT | MOEPT__X_AFTER, out, err));
     MOEPT__CU(cudaEventRecord(c->ev_out[0], c->cs));

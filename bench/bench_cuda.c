@@ -14,7 +14,7 @@
    by running side by side on its side streams (tools/gpu_check.sh's
    profile phase times each part).
 
-   usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D]
+   usage: bench_cuda [--shape mixtral|deepseek|qwen3] [--tokens T] [--hidden D]
                      [--ffn F] [--experts E] [--topk K] [--reps R] [--bf16|--fp32]
                      [--gemm-form auto|grouped|per-expert|strided|kernel|all] [--fp8] [--sync-free]
    --sync-free: moept_cuda_options.sync_free (static blocks of max_tokens rows an expert, dropless: the
@@ -25,8 +25,9 @@
    Defaults: Mixtral-8x7B's layer (--shape mixtral: D 4096, F 14336, E 8,
    K 2) at T 8192 in bf16. --shape deepseek: DeepSeek-V3's expert (D 7168,
    F 2048) with 16 local experts (its 256 over 16 EP ranks), top-8: about
-   T / 2 rows an expert, as a rank of that EP group receives. The options
-   after --shape override it.
+   T / 2 rows an expert, as a rank of that EP group receives. --shape qwen3:
+   Qwen3-30B-A3B's layer (D 2048, F 768, E 128, K 8). The options after
+   --shape override it.
    --gemm-form times the layer with that moept_cuda_options.gemm_form (all:
    each in turn, one layer at a time); the floor is the same for all.
    Prints one "RESULT key=value ..." line per form, then the optimizer's.
@@ -164,7 +165,7 @@ static float elapsed_ms(cudaEvent_t a, cudaEvent_t b) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: bench_cuda [--shape mixtral|deepseek] [--tokens T] [--hidden D] [--ffn F] "
+    fprintf(stderr, "usage: bench_cuda [--shape mixtral|deepseek|qwen3] [--tokens T] [--hidden D] [--ffn F] "
                     "[--experts E] [--topk K] [--reps R] [--bf16|--fp32] "
                     "[--gemm-form auto|grouped|per-expert|strided|kernel|all] [--fp8] [--sync-free]\n");
     exit(2);
@@ -185,6 +186,7 @@ static void parse(int argc, char **argv, shape *s) {
             const char *n = argv[++i];
             if (!strcmp(n, "mixtral")) s->D = 4096, s->F = 14336, s->E = 8, s->K = 2;
             else if (!strcmp(n, "deepseek")) s->D = 7168, s->F = 2048, s->E = 16, s->K = 8;
+            else if (!strcmp(n, "qwen3")) s->D = 2048, s->F = 768, s->E = 128, s->K = 8;
             else usage();
         } else if (!strcmp(argv[i], "--gemm-form") && i + 1 < argc) {
             const char *n = argv[++i];

@@ -78,6 +78,10 @@ static int g_one_gpu;           /* CUDA: --comm device or nccl-one-gpu: every ra
 static int g_digest;            /* --digest: print a hash of every compared result's bits (refactors
                                    that must leave results bitwise unchanged compare two runs' hashes) */
 static int g_reshard;           /* --reshard: with the weights set, every expert to the next rank */
+static int g_ep_digest;         /* --ep-digest: a hash of the results an EP split leaves bitwise alone (each
+                                   token's output, input gradient and routing, each expert's gradients; not
+                                   the losses nor gradients summed over the ranks), a term a value of its
+                                   name, place and bits, summed over the ranks: --ep N prints EP 1's */
 
 /* ---- the layer, on the CPU or (MOEPT_CUDA) on the GPU ---- */
 #ifdef MOEPT_CUDA
@@ -163,6 +167,8 @@ typedef struct check {
     char reason[600];       /* non-empty: the case failed for this reason */
     char skip[200];         /* non-empty: the case cannot run at this --ep */
     uint64_t digest;        /* --digest: FNV-1a of the names and bits of every result compared */
+    uint64_t ep_digest;     /* --ep-digest: this rank's sum */
+    int64_t at;             /* the compared values' first one's place in the whole result (--ep: a slice) */
 } check;
 
 static int failf(check *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -222,6 +228,18 @@ static float *read_f(check *c, const char *name, int64_t rows, int64_t cols) {
     return buf;
 }
 
+/* splitmix64's finaliser */
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+/* the results --ep-digest holds: a token's or an expert's, computed where it lives */
+static int ep_split_free(const char *name) {
+    return !strcmp(name, "output") || !strcmp(name, "grad.input") || !strcmp(name, "router_logits") ||
+           !strcmp(name, "topk_weights") || !strncmp(name, "grad.experts.", 13);
+}
+
 /* relative error |a-b|/|b|; an absolute allowance floor_abs is taken off
    |a-b| first (see the router gradient below) */
 static void compare_floor(check *c, const char *name, const float *got, const float *want, int64_t n,
@@ -230,6 +248,15 @@ static void compare_floor(check *c, const char *name, const float *got, const fl
         for (const char *p = name; *p; p++) c->digest = (c->digest ^ (uint8_t)*p) * 0x100000001b3ULL;
         const uint8_t *b = (const uint8_t *)got;
         for (int64_t i = 0; i < n * (int64_t)sizeof(float); i++) c->digest = (c->digest ^ b[i]) * 0x100000001b3ULL;
+    }
+    if (g_ep_digest && ep_split_free(name)) {
+        uint64_t hn = 0xcbf29ce484222325ULL;
+        for (const char *p = name; *p; p++) hn = (hn ^ (uint8_t)*p) * 0x100000001b3ULL;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t b;
+            memcpy(&b, got + i, sizeof b);
+            c->ep_digest += mix64(hn + mix64((uint64_t)(c->at + i) << 32 | b));
+        }
     }
     double num = 0.0, den = 0.0;
     for (int64_t i = 0; i < n; i++) {
@@ -250,6 +277,13 @@ static void compare_floor(check *c, const char *name, const float *got, const fl
 static void compare(check *c, const char *name, const float *got, const float *want, int64_t n) {
     compare_floor(c, name, got, want, n, 0.0);
 }
+/* the same, got the values of the whole result's from its at-th on */
+static void compare_at(check *c, const char *name, const float *got, const float *want, int64_t n,
+                       int64_t at) {
+    c->at = at;
+    compare(c, name, got, want, n);
+    c->at = 0;
+}
 
 /* this rank's rows lo..lo+Tr of a [T][w] result (--ep: tokens in slices). FP8 measures a slice against
    the whole tensor's norm, scaled to the slice's rows: a few tokens can cancel to a norm far under
@@ -261,7 +295,7 @@ static void compare_rows(check *c, const char *name, const float *got, const flo
         for (int64_t i = 0; i < T * w; i++) den += (double)want[i] * want[i];
         c->den_full = den * (double)Tr / (double)T;
     }
-    compare(c, name, got, want + lo * w, Tr * w);
+    compare_at(c, name, got, want + lo * w, Tr * w, lo * w);
     c->den_full = 0.0;
 }
 
@@ -550,7 +584,7 @@ static void run_case(check *c) {
     const int32_t *ids; const float *wts, *logits;
     moept_routing(L, &ids, &wts, &logits);
     if (!(want = want_f(c, "router_logits", T, E))) goto done;
-    compare(c, "router_logits", logits, want + lo * E, Tr * E);
+    compare_at(c, "router_logits", logits, want + lo * E, Tr * E, lo * E);
     free(want); want = NULL;
     /* top-k: the same set per token; weights paired with their ids */
     const moept_st_tensor *tid = moept_st_find(c->f, "expected.topk_ids");
@@ -571,7 +605,7 @@ static void run_case(check *c) {
             got[t * K + k] = wts[t * K + j];
         }
     free(eid);
-    if (!c->reason[0]) compare(c, "topk_weights", got, want + lo * K, Tr * K);
+    if (!c->reason[0]) compare_at(c, "topk_weights", got, want + lo * K, Tr * K, lo * K);
     free(want); want = NULL;
     moept_stats st;
     moept_get_stats(L, &st, NULL);
@@ -637,6 +671,7 @@ done:
 /* merges the ranks' verdicts into c (worst error, first reason) */
 static void merge(check *c, const check *r, int rank) {
     c->digest = (c->digest ^ r->digest) * 0x100000001b3ULL; /* in rank order */
+    c->ep_digest += r->ep_digest;
     if (r->skip[0] && !c->skip[0]) snprintf(c->skip, sizeof c->skip, "%s", r->skip);
     if (r->reason[0] && !c->reason[0]) snprintf(c->reason, sizeof c->reason, "rank %d: %.560s", rank, r->reason);
     if (!(r->worst <= c->worst) || (r->worst > c->worst)) {
@@ -778,12 +813,14 @@ int main(int argc, char **argv) {
         }
         else if (strcmp(argv[first], "--no-shm") == 0) g_no_shm = 1;
         else if (strcmp(argv[first], "--digest") == 0) g_digest = 1;
+        else if (strcmp(argv[first], "--ep-digest") == 0) g_ep_digest = 1;
         else if (strcmp(argv[first], "--reshard") == 0) g_reshard = 1;
         else if (strcmp(argv[first], "--expect-shm") == 0) g_expect_shm = 1;
         else if (strcmp(argv[first], "--") == 0) { first++; break; }
         else {
             fprintf(stderr, "usage: %s [--ep N] [--chunks C] [--no-shm] [--expect-shm] [--sync-free] "
-                    "[--dtype fp8|bf16] [--digest] [--reshard] [--gemm-form F] [--comm C] [--tol X] "
+                    "[--dtype fp8|bf16] [--digest] [--ep-digest] [--reshard] [--gemm-form F] [--comm C] "
+                    "[--tol X] "
                     "[--weights DIR --layer L] FILE...\n", argv[0]);
             return 2;
         }
@@ -908,9 +945,10 @@ int main(int argc, char **argv) {
             printf("%-40s SKIP  %s\n", label, c.skip);
         else if (c.reason[0])
             printf("%-40s FAIL  max rel err %.3g (%s): %s\n", label, c.worst, c.worst_name[0] ? c.worst_name : "-", c.reason);
-        else if (g_digest)
-            printf("%-40s PASS  max rel err %.3g (%s) digest %016llx\n", label, c.worst, c.worst_name,
-                   (unsigned long long)c.digest);
+        else if (g_digest || g_ep_digest)
+            printf("%-40s PASS  max rel err %.3g (%s) %s %016llx\n", label, c.worst, c.worst_name,
+                   g_digest ? "digest" : "ep-digest",
+                   (unsigned long long)(g_digest ? c.digest : c.ep_digest));
         else
             printf("%-40s PASS  max rel err %.3g (%s)\n", label, c.worst, c.worst_name);
     }

@@ -310,7 +310,7 @@ static void test_fp8_checkpoint_dequantised(void) {
     for (int b = 0; b < 256; b++) {
         int e = (b >> 3) & 15, m = b & 7;
         double v = e == 0 ? m * pow(2, -9) : (1 + m / 8.0) * pow(2, e - 7);
-        float got = moept__e4m3_to_f32((unsigned char)b);
+        float got = moept__e4m3_f32((uint8_t)b);
         if (e == 15 && m == 7) EXPECT(isnan(got), "e4m3 %#x: NaN expected, %g", b, got);
         else EXPECT(got == (float)(b & 0x80 ? -v : v), "e4m3 %#x: %g, want %g", b, got, b & 0x80 ? -v : v);
     }

@@ -1464,6 +1464,77 @@ static void test_chunked_equals_one_chunk(void) {
 }
 
 
+/* config.fp8 under EP sends the routed rows as FP8 records (moept.h's config.fp8: D E4M3 bytes padded to
+   16, then their 1 x 128 scales in fp32, padded to 16 bytes): at two ranks, the same step by bf16 rows
+   and by records (chunked too) moves the same rows, and their bytes differ by the dispatched rows times
+   2D less a record's size, each direction; the combine and the backward's exchanges stay bf16 */
+typedef struct xbytes_job {
+    two_ranks tr;
+    int chunks;
+    moept_stats st[2];       /* fp8 off, on */
+    char msg[300];
+} xbytes_job;
+
+static void *xbytes_rank(void *arg) {
+    xbytes_job *j = arg;
+    nccl_rank n;
+    nccl_rank_open(&n, &j->tr);
+    moept_config cfg = family_cfg(3);
+    cfg.global_balance = 1;
+    cfg.overlap_chunks = j->chunks;
+    const int64_t D = cfg.hidden_size, T = j->tr.rank ? 9 : 23;
+    unsigned long long rs = 5 + (unsigned long long)j->tr.rank;
+    float *x = malloc((size_t)(2 * T * D) * sizeof(float)), *dy = x + T * D;
+    float *out = malloc((size_t)(2 * T * D) * sizeof(float));
+    for (int64_t i = 0; i < 2 * T * D; i++) x[i] = (float)tu_rand(&rs);
+    void *xd = dev_from(x, T * D, 1), *dyd = dev_from(dy, T * D, 1);
+    moept_layer *L[2] = {NULL, NULL}; /* (both kept to the end: a destroy's frees may wait for every device,
+                                         the peer's next collective too: docs/CUDA_INTERNALS.md) */
+    for (int v = 0; v < 2 && !j->msg[0]; v++) {
+        moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_AUTO};
+        cfg.fp8 = v ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
+        if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
+            snprintf(j->msg, sizeof j->msg, "create (fp8 %d): %s", v, moept_last_error(NULL));
+            break;
+        }
+        moept_init_params(L[v], 7);
+        if (!chunk_step(L[v], D, xd, NULL, dyd, T, 1, out, out + T * D, j->msg))
+            moept_get_stats(L[v], &j->st[v], NULL);
+    }
+    moept_destroy(L[0]);
+    moept_destroy(L[1]);
+    cudaFree(xd); cudaFree(dyd);
+    free(x); free(out);
+    nccl_rank_close(&n);
+    return NULL;
+}
+
+static void test_fp8_exchange_bytes(void) {
+    const int64_t D = family_cfg(3).hidden_size, Dp = (D + 15) / 16 * 16;
+    const int64_t rec = (Dp + 4 * ((D + 127) / 128) + 15) / 16 * 16, less = 2 * D - rec; /* a row's saving */
+    for (int chunks = 1; chunks <= 3; chunks += 2) {
+        xbytes_job j[2];
+        memset(j, 0, sizeof j);
+        for (int r = 0; r < 2; r++) j[r].chunks = chunks;
+        run_two(xbytes_rank, j, sizeof j[0]);
+        for (int r = 0; r < 2; r++) {
+            const moept_stats *a = &j[r].st[0], *b = &j[r].st[1];
+            EXPECT(!j[r].msg[0], "chunks %d rank %d: %s", chunks, r, j[r].msg);
+            EXPECT(a->rows_sent > 0 && a->rows_received > 0 && a->rows_sent == b->rows_sent &&
+                       a->rows_received == b->rows_received,
+                   "chunks %d rank %d: rows sent/received %lld/%lld by bf16 rows, %lld/%lld by records",
+                   chunks, r, (long long)a->rows_sent, (long long)a->rows_received, (long long)b->rows_sent,
+                   (long long)b->rows_received);
+            EXPECT(b->bytes_sent == a->bytes_sent - a->rows_sent * less &&
+                       b->bytes_received == a->bytes_received - a->rows_received * less,
+                   "chunks %d rank %d: bytes sent/received %lld/%lld by records, %lld/%lld by bf16 rows, "
+                   "%lld less a row expected", chunks, r, (long long)b->bytes_sent,
+                   (long long)b->bytes_received, (long long)a->bytes_sent, (long long)a->bytes_received,
+                   (long long)less);
+        }
+    }
+}
+
 /* bf16 weights are cast from the fp32 masters once per change, not every
    forward (issue #14 item 1), counted by the emulator: none on a second
    forward with the same parameters; one after set_param and after
@@ -3856,6 +3927,8 @@ int main(void) {
     tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise, fp32, bf16, FP8 (a rejected step "
            "between)",
            test_chunked_equals_one_chunk);
+    tu_run("cuda (emulated, 2 EP ranks): config.fp8 sends the routed rows as FP8 records, counted in the "
+           "stats (chunked too)", test_fp8_exchange_bytes);
     tu_run("cuda (emulated): bf16 weights cast once per parameter change", test_bf16_weights_cast_once);
     tu_run("cuda (emulated, 2 EP ranks): forward against backward, loss and y overflows fail on both ranks",
            test_call_agreement);

@@ -24,8 +24,12 @@
 
 /* ---- E4M3 by search over the format's values ---- */
 static float e4m3_vals[256];
-static void e4m3_table(void) {
-    for (int b = 0; b < 256; b++) e4m3_vals[b] = moept__e4m3_to_f32((unsigned char)b);
+static void e4m3_table(void) { /* (sign, exponent biased by 7, 3 mantissa bits; S.1111.111 NaN) */
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        const double v = e == 15 && m == 7 ? NAN : e == 0 ? m * pow(2, -9) : (1 + m / 8.0) * pow(2, e - 7);
+        e4m3_vals[b] = (float)(b & 0x80 ? -v : v);
+    }
 }
 
 /* nearest finite E4M3 value to x, ties to the even mantissa (the byte's low bit), saturating */
@@ -81,17 +85,23 @@ static void test_e4m3_round(void) {
 }
 
 /* the byte a GPU's FP8 operand holds (moept__e4m3_byte): every byte's value encodes back to that byte,
-   NaN to 0x7F with its sign */
+   NaN to 0x7F with its sign; and the decoder (moept__e4m3_f32: checkpoints, FP8 rows) gives each byte's
+   value */
 static void test_e4m3_bytes(void) {
     e4m3_table();
-    int bad = 0, first = -1;
+    int bad = 0, first = -1, dbad = 0, dfirst = -1;
     for (int b = 0; b < 256; b++) {
         const int want = (b & 0x7F) == 0x7F ? (b & 0x80) | 0x7F : b;
         if (moept__e4m3_byte(moept__e4m3_round(e4m3_vals[b])) != want && !bad++) first = b;
+        const float v = moept__e4m3_f32((uint8_t)b);
+        if (!(v == e4m3_vals[b] || (isnan(v) && isnan(e4m3_vals[b]))) && !dbad++) dfirst = b;
     }
     EXPECT(bad == 0, "%d bytes encode apart from their value, first 0x%02x (%g) -> 0x%02x", bad, first,
            first < 0 ? 0.0 : (double)e4m3_vals[first],
            first < 0 ? 0 : moept__e4m3_byte(moept__e4m3_round(e4m3_vals[first])));
+    EXPECT(dbad == 0, "%d bytes decode apart from their value, first 0x%02x: %g, want %g", dbad, dfirst,
+           dfirst < 0 ? 0.0 : (double)moept__e4m3_f32((uint8_t)dfirst),
+           dfirst < 0 ? 0.0 : (double)e4m3_vals[dfirst]);
 }
 
 /* ---- tiles ---- */

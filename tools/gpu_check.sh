@@ -67,8 +67,10 @@
 #           Mixtral-8x7B and DeepSeek-V3 (T 8192); the FP8 layer (config.fp8) on the
 #           reference cases, its 4-step loss curve against the CPU's FP8, train_cuda
 #           --bf16 300 steps with --dtype fp8 and without (tools/curve_diff.py compares
-#           them), timed against the bf16 layer at both shapes (bench_cuda
-#           --fp8, one run, the same bf16 GEMM floor); torch's FP8 grouped GEMM
+#           them), timed against the bf16 layer at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's
+#           shapes in AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the
+#           same bf16 GEMM floor), the quantizing kernels' share of each step (profile fp8);
+#           torch's FP8 grouped GEMM
 #           (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
 # torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
 #           /usr/bin/python3 whose torch sees the GPU): tests/test_torch.py with CPU layers (this
@@ -312,12 +314,17 @@ fp8() {
     step "train_cuda --bf16 --dtype fp8 300 steps (against bf16: tools/curve_diff.py)" build/train_cuda --steps 300 \
         --bf16 --dtype fp8 --csv "$OUT/train_cuda_fp8.csv"
     step "train_cuda --bf16 300 steps" build/train_cuda --steps 300 --bf16 --csv "$OUT/train_cuda_bf16.csv"
-    for sh in mixtral deepseek; do # the layer in FP8 against bf16, one run, the same floor (bf16 GEMMs)
-        step "bench_cuda $sh T=8192 bf16" build/bench_cuda --shape $sh --tokens 8192 --bf16
-        step "bench_cuda $sh T=8192 bf16 rows, FP8 expert GEMMs" build/bench_cuda --shape $sh --tokens 8192 \
-            --bf16 --fp8
+    # the layer in FP8 against bf16, each form (AUTO's cuBLAS or cuBLASLt, and the grouped kernel), one
+    # run each, the same floor (bf16 GEMMs)
+    for sh in mixtral:8192 deepseek:8192 qwen3:4096; do
+        for f in auto kernel; do
+            step "bench_cuda ${sh%:*} T=${sh#*:} bf16, $f" build/bench_cuda --shape "${sh%:*}" \
+                --tokens "${sh#*:}" --bf16 --gemm-form $f
+            step "bench_cuda ${sh%:*} T=${sh#*:} bf16 rows, FP8 expert GEMMs, $f" build/bench_cuda \
+                --shape "${sh%:*}" --tokens "${sh#*:}" --bf16 --fp8 --gemm-form $f
+        done
     done
-    profile fp8 # the quantizing kernels' share of the FP8 step (moept__k_q8_*), per kernel
+    profile fp8 # the quantizing kernels' share of the FP8 step (moept__k_q8_*), per kernel, each form
     LOG="$OUT/fp8.log"
     P=$(torch_py)
     [ -n "$P" ] && step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" \
@@ -361,14 +368,20 @@ bench_small() { # where each GEMM form wins at fewer rows an expert (AUTO's choi
     grep RESULT "$LOG" | grep -v optimizer | tee -a "$SUM"
 }
 
-profile() { # where the layer's step spends its GPU time beyond the GEMMs; "profile fp8": the FP8 layer's
+profile() { # where the layer's step spends its GPU time beyond the GEMMs; "profile fp8": the FP8 layer's,
+    # also at Qwen3-30B-A3B's shape and in the grouped kernel's form
     x=${1:+_$1}
     LOG="$OUT/profile$x.log"
     g=${GPUB:-gpub}
     case $g in /*) ;; *) g=$PWD/$g ;; esac
     n=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
-    for shape in mixtral deepseek; do
-        a="--shape $shape --tokens 8192 --bf16 --gemm-form auto --reps 5${1:+ --$1}"
+    runs="mixtral:8192:auto deepseek:8192:auto"
+    [ -n "$x" ] && runs="$runs qwen3:4096:auto mixtral:8192:kernel deepseek:8192:kernel qwen3:4096:kernel"
+    for r in $runs; do
+        shape=${r%%:*} f=${r##*:} tk=${r#*:}
+        tk=${tk%:*}
+        a="--shape $shape --tokens $tk --bf16 --gemm-form $f --reps 5${1:+ --$1}"
+        [ "$f" = auto ] || shape=${shape}_$f
         t="$OUT/trace_$shape$x.csv"
         if [ -f "$g/cupti_trace.so" ]; then # 2 warm-up steps + 5
             # shellcheck disable=SC2086

@@ -189,7 +189,10 @@ static double mem_cuda_workspace(const memcfg *c) {
     const int kb = c->kernel && c->bf16; /* the kernel form's bf16 layer: no side streams; at one rank
                                             unchunked without FP8, the experts' x gathered (no xr) */
     const double nside = G > 1 && c->bf16 && !kb ? (G < 4 ? G : 4) : 0;
-    const double xr = kb && !c->fp8 && P == 1 ? 0 : D; /* (at P 1 the chunks are off) */
+    /* an x row's bytes as the experts receive it: config.fp8's record (D E4M3 bytes, then the 1 x 128
+       scales, each part padded to 16), or D of the dtype */
+    const double xrow = c->fp8 ? pad16(pad16(D) + 4 * ceil(D / 128)) : es * D;
+    const double xr = kb && !c->fp8 && P == 1 ? 0 : xrow; /* (at P 1 the chunks are off) */
     w += (1 + nside) * (c->cc >= 90 ? 32 : 4) * 1048576.0;
     if (c->fp8) {
         const double cap = pad16(dmax(R, T)), W = dmax(pad16(D), dmax(pad16(H), pad16(HS)));
@@ -197,10 +200,12 @@ static double mem_cuda_workspace(const memcfg *c) {
         w += 2 * cap * W + 8 * sc + 4 * dmax(cap, W) * W + 320;
     }
     double slot = (c->bf16 ? a64(4 * T * D) : 0) + 2 * (2 * a64(4 * T * E) + 2 * a64(4 * N) + a64(4 * T)) +
-                  a64(4 * E) + 64 + 2 * a64(8 * N) + a64(4 * N) + (P > 1 ? 2 * a64(es * N * D) : 0) +
+                  a64(4 * E) + 64 + 2 * a64(8 * N) + a64(4 * N) +
+                  (P > 1 ? a64(N * xrow) + a64(es * N * D) : 0) +
                   a64(es * T * HS) + tr * a64(es * T * S) + (S > 0 ? a64(es * T * D) : 0) + a64(4 * T) +
                   tr * a64(4 * N);
-    slot += R * (D + xr + H + tr * F + tr * ch * (D + F)) * es + 6 * 64; /* chunked: the backward's da, dx */
+    /* (chunked: the backward's da, dx) */
+    slot += R * ((D + H + tr * F + tr * ch * (D + F)) * es + xr) + 6 * 64;
     return w + c->slots * slot;
 }
 
@@ -212,7 +217,7 @@ static double mem_cuda_host(const memcfg *c) {
     const double G = dmax(1, El * (ch ? P : 1)), M = E + 4 + ch * C * E;
     const double pinned = 8 * P * M + 8 * (3 * E + 5) + 64 + 16384 + 4 * E + 6 * 64;
     const double descs = a64(8 * P) + a64(72 * G) + a64(88 * G) + 2 * a64(8 * G) +
-                         ch * (a64(24 * G) + 2 * a64(16 * E));
+                         ch * (a64(24 * G) + 2 * a64(16 * E)) + c->fp8 * a64(32 * E); /* (FP8: q8segs) */
     const double plan = a64(8 * E) + a64(8 * (E + 1)) + a64(8 * E) + a64(8 * (El + 1)) + 2 * a64(16 * E) +
                         ch * 2 * a64(8 * C * E);
     const double structs = 1456 + 488 * (c->slots + 1); /* its state, its slots' */
