@@ -833,7 +833,7 @@ MOEPT_HD MOEPT__HOST_UNUSED static inline uint8_t moept__e4m3_byte(float r) {
 }
 /* the value of E4M3 byte b (float8_e4m3fn: sign, 4 exponent bits biased by 7, 3 mantissa bits; no
    infinities, S.1111.111 is NaN), exact in float */
-MOEPT_HD static inline float moept__e4m3_f32(uint8_t b) {
+MOEPT_HD MOEPT__HOST_UNUSED static inline float moept__e4m3_f32(uint8_t b) {
     const uint32_t e = (b >> 3) & 15u, m = b & 7u, sign = (uint32_t)(b & 0x80u) << 24;
     const float v = e == 15 && m == 7 ? moept__bits_f32(0x7fc00000u)
                     : e == 0          ? (float)m * 0x1p-9f

@@ -2679,13 +2679,14 @@ __device__ __forceinline__ uint4 moept__q8_16(const float *v, int live, float sc
 /* Rows r < nw of src (row idx[r], -1 zeros; idx NULL: row r; rows from n on zeros), their first K
    columns, lds apart, into 1 x 128 tiles: q [nw][ldq] E4M3 (columns K to Kp zero), tile b's scale at
    s[r srs + b sbs] (srs 1, sbs >= nw: VEC128 of an operand whose op() is sbs x Kp; or an FP8 record's,
-   moept__q8_recw). A tile
+   moept__q8_recw, whose bytes from tail to ldq, its padding, are zeroed). A tile
    is 8 threads' 16 adjacent columns each (Kp a multiple of 16: all in or all out), read in V-vectors
    where the row holds them, the tile's amax through shared memory (one barrier a round: sh's halves
    alternate), 16 bytes written a thread: a block's round reads MOEPT__TB / 8 tiles */
 template <typename T, int V>
 __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, int K, int64_t lds, int64_t nw,
-                                 int Kp, uint8_t *q, int64_t ldq, float *s, int64_t srs, int64_t sbs) {
+                                 int Kp, uint8_t *q, int64_t ldq, float *s, int64_t srs, int64_t sbs,
+                                 int64_t tail) {
     __shared__ float sh[2][MOEPT__TB];
     const int L = MOEPT__Q8_L(Kp), l = (int)threadIdx.x % 8, tb = MOEPT__TB / 8;
     const int64_t nt = nw * L;
@@ -2715,6 +2716,7 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
         const float sc = moept__q8_scale(amax);
         if (out) *(uint4 *)(q + r * ldq + j) = moept__q8_16(v, live, sc);
         if (out && l == 0) s[r * srs + b * sbs] = sc;
+        for (int64_t t = tail; out && l == 0 && b == L - 1 && t < ldq; t++) q[r * ldq + t] = 0;
     }
 }
 
@@ -3068,7 +3070,7 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
     const int64_t nw = ss ? n : MOEPT__Q8_PAD(n), Kp = MOEPT__Q8_PAD(K);
     MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, moept__grid(nw * MOEPT__Q8_L(Kp) * 8),
                     MOEPT__TB, c->s, (const T *)src, NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1,
-                    ss ? ss : nw);
+                    ss ? ss : nw, Kp);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -3090,10 +3092,10 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, i
 template <typename T>
 static moept_status moept__q8_records(moept__cuda *c, const T *x, const int64_t *idx, int64_t n, void *rec,
                                       char *err) {
-    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), W = moept__q8_recw(D);
+    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), W = moept__q8_recw(D), L = MOEPT__Q8_L(D);
     uint8_t *q = (uint8_t *)rec;
     MOEPT__LAUNCH_V(moept__vec<T>(D, x), moept__k_q8_rows, T, moept__grid(n * MOEPT__Q8_L(Dp) * 8), MOEPT__TB,
-                    c->s, x, idx, n, (int)D, D, n, (int)Dp, q, W, (float *)(q + Dp), W / 4, 1);
+                    c->s, x, idx, n, (int)D, D, n, (int)Dp, q, W, (float *)(q + Dp), W / 4, 1, Dp + 4 * L);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -4516,7 +4518,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
     const int64_t wo = w2 ? c->sp.D : f->H, wi = w2 ? f->F : c->sp.D;
     const int rec = f->xq && in == f->x; /* (x's FP8 records: their bytes, recw apart) */
     const int64_t k = bwd ? wo : wi, m = bwd ? wi : wo;
-    const int64_t ld = rec ? moept__q8_recw(k) : w2 && !bwd ? f->lda : k, es = rec ? 1 : c->esz;
+    const int64_t ld = rec ? moept__q8_recw(k) : w2 && !bwd ? f->lda : k, es = c->esz;
+    const int64_t ies = rec ? 1 : es; /* in's element bytes */
     const char *I = (const char *)in;
     char *O = (char *)out;
     if (f->q8) {
@@ -4532,8 +4535,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
             int64_t r0, rows, e;
             moept__run_at(R, i, &r0, &rows, &e);
             if (rows > 0)
-                MOEPT__TRY(moept__q8_mm<T>(c, rows, I + r0 * ld * es, rec, k, ld, wq + e * size, sq + e * ns,
-                                           m, O + r0 * m * c->esz, err));
+                MOEPT__TRY(moept__q8_mm<T>(c, rows, I + r0 * ld * ies, rec, k, ld, wq + e * size, sq + e * ns,
+                                           m, O + r0 * m * es, err));
         }
         return MOEPT_OK;
     }
@@ -4544,7 +4547,7 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
                                               f->cnt, NULL, err);
     int64_t n;
     MOEPT__PER_RUN(c->descs, n, R,
-                   moept__gemm_make(0, !bwd, rows, m, k, (const float *)(I + r0 * ld * es), ld,
+                   moept__gemm_make(0, !bwd, rows, m, k, (const float *)(I + r0 * ld * ies), ld,
                                     (const float *)(W + e * wo * wi * es), wi, 0.0f,
                                     (float *)(O + r0 * m * es), m));
     return moept__gemms(c, c->descs, n, c->dt, c->dt, err);

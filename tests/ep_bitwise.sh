@@ -28,7 +28,7 @@ for n in $eps; do
     run "$bin" --ep "$n" $opts --ep-digest "$@" >"$d/$n" || status=1
     [ -s "$d/$n" ] || { echo "FAIL - no case passed at --ep $n"; status=1; continue; }
     while IFS='|' read -r label dig; do
-        one=$(grep -F "$label|" "$d/1" | head -n 1 | cut -d'|' -f2)
+        one=$(awk -F'|' -v l="$label" '$1 == l { print $2; exit }' "$d/1")
         if [ -z "$one" ]; then echo "FAIL - $label --ep $n: no EP 1 result"; status=1
         elif [ "$one" = "$dig" ]; then echo "ok - $label --ep $n$opts bitwise EP 1's"
         else echo "FAIL - $label --ep $n$opts: ep-digest $dig, EP 1's $one"; status=1

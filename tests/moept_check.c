@@ -70,7 +70,7 @@ static int g_expect_shm;        /* --expect-shm: fail if the EP comm offers no s
 static int g_bf16;              /* CUDA: this pass runs in bf16 */
 static int g_fp8;               /* --dtype fp8: config.fp8 = MOEPT_FP8_BLOCKWISE, against the file */
 static int g_vs_cpu;            /* CUDA --dtype fp8: this fp32 pass against the CPU's FP8 layer */
-static int g_bf16_only;         /* CUDA --dtype bf16: the bf16 pass alone */
+static int g_bf16_only;         /* CUDA --dtype bf16: the bf16 pass alone (with --dtype fp8: FP8's) */
 static int g_sync_free;         /* CUDA: --sync-free */
 static int g_gemm_form;         /* CUDA: --gemm-form (moept_gemm_form) */
 static int g_comm_device;       /* CUDA: --comm device: the ranks threads on device 0, no NCCL */
@@ -886,8 +886,8 @@ int main(int argc, char **argv) {
     const int passes = 1;
 #endif
     const int nfiles = argc - first;
-    if (g_bf16_only && (passes == 1 || g_fp8)) {
-        fprintf(stderr, "moept_check: --dtype bf16: a CUDA build's bf16 pass, not with --dtype fp8\n");
+    if (g_bf16_only && passes == 1) {
+        fprintf(stderr, "moept_check: --dtype bf16: a CUDA build's bf16 pass\n");
         return 2;
     }
     /* CUDA: fp32 pass, (FP8: against the CPU,) bf16 */

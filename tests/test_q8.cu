@@ -1,17 +1,17 @@
 /* White box: config.fp8's token-row quantizers on the emulated GPU, byte for byte, each against the
    separate pass it replaces and against the CPU layer's spec (moept.c's moept__q8_rows, _cols, written
-   here again from the tile rules' shared math: amax, scale, rounding):
+   here again from the tile rules' shared math, amax, scale and rounding: an oracle apart from both):
    - the dispatch's FP8 records (moept__q8_records: x's rows through the row index, -1 zeros) hold the
-     bytes and scales moept__q8_along makes of the same rows gathered first, and their values
-     e4m3 * scale are the CPU's quantized rows;
+     bytes and scales moept__q8_along makes of the same rows gathered first, their padding zero, and
+     their values e4m3 * scale are the CPU's quantized rows;
    - a record as cuBLASLt's operand (moept__q8_unrec) is moept__q8_along's output, padding rows too;
+     a chunk's runs quantized or copied one run at a time (ss > 0) give the whole operand's rows;
    - the W13 wgrad's column-wise x from the records (moept__q8_down<uint8_t>, dequantized as read)
-     is moept__q8_down of the dequantized rows in fp32, and the CPU's moept__q8_cols of them.
-   fp32 and bf16 rows; widths with whole, edge and lone tiles. */
+     is moept__q8_down of the dequantized rows in fp32, and the CPU's column tiles of them.
+   fp32 and bf16 rows; widths with whole, edge and lone tiles; 37 rows and 300 (three row tiles). */
 #include "../moept_kernels.cu"
 #include "testutil.h"
 
-/* [n] floats of a 16-bit or 32-bit device buffer's host copy, as floats */
 template <typename T>
 static float q8t_f(const T *h, int64_t i) {
     if constexpr (sizeof(T) == 2) return moept__bf16_to_f32(h[i]);
@@ -22,12 +22,20 @@ static T q8t_t(float v) {
     if constexpr (sizeof(T) == 2) return moept__f32_to_bf16(v);
     else return v;
 }
-static void *q8t_dev(const void *h, size_t bytes) {
+/* a device copy of h (NULL: bytes of 0xa5, so what a kernel leaves unwritten shows) */
+template <typename B>
+static B *q8t_dev(const void *h, size_t bytes) {
     void *d = NULL;
     if (cudaMalloc(&d, bytes + 16) != cudaSuccess) return NULL;
     if (h) cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice);
-    else cudaMemset(d, 0xa5, bytes + 16); /* (what a kernel leaves unwritten shows) */
-    return d;
+    else cudaMemset(d, 0xa5, bytes + 16);
+    return (B *)d;
+}
+template <typename B>
+static B *q8t_host(const void *d, size_t bytes) {
+    B *h = (B *)malloc(bytes + 16);
+    cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost);
+    return h;
 }
 static int q8t_same(const void *a, const void *b, size_t n) { return memcmp(a, b, n) == 0; }
 /* the CPU's quantized values of v [n][D]: 1 x 128 tiles along the rows (down: 128 x 1 down the columns,
@@ -44,118 +52,187 @@ static void q8t_cpu(const float *v, int64_t n, int64_t D, int down, float *out) 
         }
 }
 
+/* One width's case: x [Tn][D] of T (magnitudes 2^-20 .. 2^20 a row, some rows zero), n rows of it
+   through the index idx (-1 some), and xs, those rows gathered (fp32 values and T) */
 template <typename T>
-static void q8t_width(int64_t D, cudaStream_t s) {
-    const int64_t Tn = 50, n = 37, Dp = MOEPT__Q8_PAD(D), L = MOEPT__Q8_L(D), W = moept__q8_recw(D);
-    const int64_t np = MOEPT__Q8_PAD(n);
-    unsigned long long rs = 11 + (unsigned long long)D;
-    T *x = (T *)malloc((size_t)(Tn * D) * sizeof(T));
-    float *xs = (float *)calloc((size_t)(n * D), sizeof(float)), *cpu = (float *)malloc((size_t)(n * D) * 4);
-    int64_t idx[n];
-    for (int64_t i = 0; i < Tn * D; i++) { /* magnitudes 2^-20 .. 2^20 a row, some rows zero */
-        const int64_t r = i / D;
-        x[i] = q8t_t<T>(r % 9 == 4 ? 0.0f : (float)tu_rand(&rs) * ldexpf(1.0f, (int)(r % 41) - 20));
-    }
-    for (int64_t r = 0; r < n; r++) idx[r] = r % 7 == 3 ? -1 : (r * 13 + 5) % Tn;
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t d = 0; d < D && idx[r] >= 0; d++) xs[r * D + d] = q8t_f<T>(x, idx[r] * D + d);
-    T *xst = (T *)malloc((size_t)(n * D) * sizeof(T));
-    for (int64_t i = 0; i < n * D; i++) xst[i] = q8t_t<T>(xs[i]);
+struct q8t_case {
+    int64_t D, n, Tn, Dp, L, W, np;
+    T *x, *xst;
+    float *xs;
+    int64_t *idx;
     moept__cuda c;
-    memset(&c, 0, sizeof c);
-    c.sp.D = D;
-    c.s = s;
-    c.esz = (int)sizeof(T);
+};
+template <typename T>
+static void q8t_make(q8t_case<T> *k, int64_t D, int64_t n) {
+    k->D = D; k->n = n; k->Tn = n + 13; k->Dp = MOEPT__Q8_PAD(D); k->L = MOEPT__Q8_L(D);
+    k->W = moept__q8_recw(D); k->np = MOEPT__Q8_PAD(n);
+    unsigned long long rs = 11 + (unsigned long long)(D * n);
+    k->x = (T *)malloc((size_t)(k->Tn * D) * sizeof(T));
+    k->xst = (T *)malloc((size_t)(n * D) * sizeof(T));
+    k->xs = (float *)calloc((size_t)(n * D), sizeof(float));
+    k->idx = (int64_t *)malloc((size_t)n * 8);
+    for (int64_t i = 0; i < k->Tn * D; i++) {
+        const int64_t r = i / D;
+        k->x[i] = q8t_t<T>(r % 9 == 4 ? 0.0f : (float)tu_rand(&rs) * ldexpf(1.0f, (int)(r % 41) - 20));
+    }
+    for (int64_t r = 0; r < n; r++) k->idx[r] = r % 7 == 3 ? -1 : (r * 13 + 5) % k->Tn;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t d = 0; d < D && k->idx[r] >= 0; d++)
+            k->xs[r * D + d] = q8t_f<T>(k->x, k->idx[r] * D + d);
+    for (int64_t i = 0; i < n * D; i++) k->xst[i] = q8t_t<T>(k->xs[i]);
+    memset(&k->c, 0, sizeof k->c);
+    k->c.sp.D = D;
+    k->c.esz = (int)sizeof(T); /* (c.s 0: the legacy stream, as the test's own copies and sets) */
+}
+template <typename T>
+static void q8t_free(q8t_case<T> *k) { free(k->x); free(k->xst); free(k->xs); free(k->idx); }
+
+/* the records against moept__q8_along, their padding, their values against the CPU's; their cuBLASLt
+   copy; the rows dequantized into deq [n][D], the records left in *recd (device) */
+template <typename T>
+static void q8t_records(q8t_case<T> *k, float *deq, uint8_t **recd) {
+    const int64_t D = k->D, n = k->n, Dp = k->Dp, L = k->L, W = k->W, np = k->np;
     char err[MOEPT__ERRLEN] = "";
-    void *xd = q8t_dev(x, (size_t)(Tn * D) * sizeof(T)), *xsd = q8t_dev(xst, (size_t)(n * D) * sizeof(T));
-    int64_t *idxd = (int64_t *)q8t_dev(idx, sizeof idx);
-    uint8_t *rec = (uint8_t *)q8t_dev(NULL, (size_t)(n * W));
-    uint8_t *q = (uint8_t *)q8t_dev(NULL, (size_t)(np * Dp));
-    uint8_t *q2 = (uint8_t *)q8t_dev(NULL, (size_t)(np * Dp));
-    float *sc = (float *)q8t_dev(NULL, (size_t)(L * np) * 4);
-    float *sc2 = (float *)q8t_dev(NULL, (size_t)(L * np) * 4);
-    moept_status st = moept__q8_records<T>(&c, (const T *)xd, idxd, n, rec, err);
-    if (!st) st = moept__q8_along<T>(&c, xsd, n, D, D, q, sc, 0, err);
-    if (!st) st = moept__q8_unrec(&c, rec, n, D, q2, sc2, 0, err);
-    cudaStreamSynchronize(s);
+    T *xd = q8t_dev<T>(k->x, (size_t)(k->Tn * D) * sizeof(T));
+    T *xsd = q8t_dev<T>(k->xst, (size_t)(n * D) * sizeof(T));
+    int64_t *idxd = q8t_dev<int64_t>(k->idx, (size_t)n * 8);
+    uint8_t *rec = q8t_dev<uint8_t>(NULL, (size_t)(n * W)), *q = q8t_dev<uint8_t>(NULL, (size_t)(np * Dp));
+    uint8_t *q2 = q8t_dev<uint8_t>(NULL, (size_t)(np * Dp));
+    float *sc = q8t_dev<float>(NULL, (size_t)(L * np) * 4), *sc2 = q8t_dev<float>(NULL, (size_t)(L * np) * 4);
+    moept_status st = moept__q8_records<T>(&k->c, xd, idxd, n, rec, err);
+    if (!st) st = moept__q8_along<T>(&k->c, xsd, n, D, D, q, sc, 0, err);
+    if (!st) st = moept__q8_unrec(&k->c, rec, n, D, q2, sc2, 0, err);
     EXPECT(!st, "D %lld: %s", (long long)D, err);
-    uint8_t *hrec = (uint8_t *)malloc((size_t)(n * W)), *hq = (uint8_t *)malloc((size_t)(np * Dp));
-    uint8_t *hq2 = (uint8_t *)malloc((size_t)(np * Dp));
-    float *hs = (float *)malloc((size_t)(L * np) * 4), *hs2 = (float *)malloc((size_t)(L * np) * 4);
-    cudaMemcpy(hrec, rec, (size_t)(n * W), cudaMemcpyDeviceToHost);
-    cudaMemcpy(hq, q, (size_t)(np * Dp), cudaMemcpyDeviceToHost);
-    cudaMemcpy(hq2, q2, (size_t)(np * Dp), cudaMemcpyDeviceToHost);
-    cudaMemcpy(hs, sc, (size_t)(L * np) * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(hs2, sc2, (size_t)(L * np) * 4, cudaMemcpyDeviceToHost);
-    /* the records against the separate pass, and their values against the CPU's rows */
-    q8t_cpu(xs, n, D, 0, cpu);
-    int64_t bytes = 0, scales = 0, vals = 0;
-    float *deq = (float *)malloc((size_t)(n * D) * 4);
+    uint8_t *hrec = q8t_host<uint8_t>(rec, (size_t)(n * W)), *hq = q8t_host<uint8_t>(q, (size_t)(np * Dp));
+    uint8_t *hq2 = q8t_host<uint8_t>(q2, (size_t)(np * Dp));
+    float *hs = q8t_host<float>(sc, (size_t)(L * np) * 4), *hs2 = q8t_host<float>(sc2, (size_t)(L * np) * 4);
+    float *cpu = (float *)malloc((size_t)(n * D) * 4);
+    q8t_cpu(k->xs, n, D, 0, cpu);
+    int64_t bytes = 0, scales = 0, pad = 0, vals = 0;
     for (int64_t r = 0; r < n; r++) {
         const float *rsc = (const float *)(hrec + r * W + Dp);
         bytes += !q8t_same(hrec + r * W, hq + r * Dp, (size_t)Dp);
         for (int64_t b = 0; b < L; b++) scales += !q8t_same(&rsc[b], &hs[b * np + r], 4);
+        for (int64_t t = Dp + 4 * L; t < W; t++) pad += hrec[r * W + t] != 0;
         for (int64_t d = 0; d < D; d++) {
             deq[r * D + d] = moept__e4m3_f32(hrec[r * W + d]) * rsc[d / MOEPT__Q8_TILE];
             vals += !q8t_same(&deq[r * D + d], &cpu[r * D + d], 4);
         }
     }
-    EXPECT(bytes == 0 && scales == 0, "D %lld, %s rows: records against moept__q8_along: %lld rows' bytes, "
-           "%lld scales differ", (long long)D, sizeof(T) == 2 ? "bf16" : "fp32", (long long)bytes,
-           (long long)scales);
-    EXPECT(vals == 0, "D %lld, %s rows: %lld record values differ from the CPU's quantized rows",
-           (long long)D, sizeof(T) == 2 ? "bf16" : "fp32", (long long)vals);
+    const char *ty = sizeof(T) == 2 ? "bf16" : "fp32";
+    EXPECT(bytes == 0 && scales == 0 && pad == 0, "D %lld n %lld, %s rows: records against moept__q8_along: "
+           "%lld rows' bytes, %lld scales differ, %lld padding bytes not zero", (long long)D, (long long)n,
+           ty, (long long)bytes, (long long)scales, (long long)pad);
+    EXPECT(vals == 0, "D %lld n %lld, %s rows: %lld record values differ from the CPU's quantized rows",
+           (long long)D, (long long)n, ty, (long long)vals);
     EXPECT(q8t_same(hq, hq2, (size_t)(np * Dp)) && q8t_same(hs, hs2, (size_t)(L * np) * 4),
-           "D %lld: the records as cuBLASLt's operand differ from moept__q8_along's", (long long)D);
-    /* the wgrad's column-wise x: from the records against from their values in fp32, and the CPU's */
-    const int64_t Cp = Dp, nb = MOEPT__Q8_L(np);
-    uint8_t *qa = (uint8_t *)q8t_dev(NULL, (size_t)(Cp * np));
-    uint8_t *qb = (uint8_t *)q8t_dev(NULL, (size_t)(Cp * np));
-    float *sa = (float *)q8t_dev(NULL, (size_t)(nb * Cp) * 4);
-    float *sb = (float *)q8t_dev(NULL, (size_t)(nb * Cp) * 4);
-    float *deqd = (float *)q8t_dev(deq, (size_t)(n * D) * 4);
-    st = moept__q8_down<uint8_t>(&c, rec, n, D, W, qa, sa, err);
-    if (!st) st = moept__q8_down<float>(&c, deqd, n, D, D, qb, sb, err);
-    cudaStreamSynchronize(s);
+           "D %lld n %lld: the records as cuBLASLt's operand differ from moept__q8_along's", (long long)D,
+           (long long)n);
+    *recd = rec;
+    cudaFree(xd); cudaFree(xsd); cudaFree(idxd); cudaFree(q); cudaFree(q2); cudaFree(sc); cudaFree(sc2);
+    free(hrec); free(hq); free(hq2); free(hs); free(hs2); free(cpu);
+}
+
+/* a chunk's runs, [0, n1) and [n1, n) one at a time (ss > 0, the rows' own places), quantized from the
+   gathered rows and copied from the records: the whole operand's rows, bytes and scales */
+template <typename T>
+static void q8t_pieces(q8t_case<T> *k, const uint8_t *rec) {
+    const int64_t D = k->D, n = k->n, Dp = k->Dp, L = k->L, np = k->np, n1 = n / 3, W = k->W;
+    char err[MOEPT__ERRLEN] = "";
+    T *xsd = q8t_dev<T>(k->xst, (size_t)(n * D) * sizeof(T));
+    uint8_t *q[3];
+    float *s[3];
+    for (int v = 0; v < 3; v++) {
+        q[v] = q8t_dev<uint8_t>(NULL, (size_t)(np * Dp));
+        s[v] = q8t_dev<float>(NULL, (size_t)(L * np) * 4);
+    }
+    moept_status st = moept__q8_along<T>(&k->c, xsd, n, D, D, q[0], s[0], 0, err);
+    const int64_t r0[2] = {0, n1}, rows[2] = {n1, n - n1};
+    for (int p = 0; p < 2 && !st; p++) {
+        st = moept__q8_along<T>(&k->c, xsd + r0[p] * D, rows[p], D, D, q[1] + r0[p] * Dp, s[1] + r0[p], np,
+                                err);
+        if (!st)
+            st = moept__q8_unrec(&k->c, rec + r0[p] * W, rows[p], D, q[2] + r0[p] * Dp, s[2] + r0[p], np,
+                                 err);
+    }
     EXPECT(!st, "D %lld: %s", (long long)D, err);
-    uint8_t *ha = (uint8_t *)malloc((size_t)(Cp * np)), *hb = (uint8_t *)malloc((size_t)(Cp * np));
-    float *hsa = (float *)malloc((size_t)(nb * Cp) * 4), *hsb = (float *)malloc((size_t)(nb * Cp) * 4);
-    cudaMemcpy(ha, qa, (size_t)(Cp * np), cudaMemcpyDeviceToHost);
-    cudaMemcpy(hb, qb, (size_t)(Cp * np), cudaMemcpyDeviceToHost);
-    cudaMemcpy(hsa, sa, (size_t)(nb * Cp) * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(hsb, sb, (size_t)(nb * Cp) * 4, cudaMemcpyDeviceToHost);
-    EXPECT(q8t_same(ha, hb, (size_t)(Cp * np)) && q8t_same(hsa, hsb, (size_t)(nb * Cp) * 4),
-           "D %lld: the wgrad's x from the records differs from the same values' in fp32", (long long)D);
-    q8t_cpu(deq, n, D, 1, cpu); /* (the CPU's, in place of its rows) */
-    int64_t cvals = 0;
+    uint8_t *hq[3];
+    float *hs[3];
+    for (int v = 0; v < 3; v++) {
+        hq[v] = q8t_host<uint8_t>(q[v], (size_t)(np * Dp));
+        hs[v] = q8t_host<float>(s[v], (size_t)(L * np) * 4);
+    }
+    int64_t diff = 0;
+    for (int v = 1; v < 3; v++) {
+        diff += !q8t_same(hq[0], hq[v], (size_t)(n * Dp));
+        for (int64_t b = 0; b < L; b++) diff += !q8t_same(hs[0] + b * np, hs[v] + b * np, (size_t)n * 4);
+    }
+    EXPECT(diff == 0, "D %lld n %lld: a chunk's runs one at a time differ from the whole operand",
+           (long long)D, (long long)n);
+    cudaFree(xsd);
+    for (int v = 0; v < 3; v++) { cudaFree(q[v]); cudaFree(s[v]); free(hq[v]); free(hs[v]); }
+}
+
+/* the wgrad's column-wise x from the records against the same from their values in fp32, and the
+   CPU's column tiles of those values */
+static void q8t_columns(int64_t D, int64_t n, const uint8_t *rec, const float *deq, moept__cuda *c) {
+    const int64_t Cp = MOEPT__Q8_PAD(D), np = MOEPT__Q8_PAD(n), nb = MOEPT__Q8_L(np), W = moept__q8_recw(D);
+    char err[MOEPT__ERRLEN] = "";
+    uint8_t *qa = q8t_dev<uint8_t>(NULL, (size_t)(Cp * np)), *qb = q8t_dev<uint8_t>(NULL, (size_t)(Cp * np));
+    const size_t sbytes = (size_t)(nb * Cp) * 4;
+    float *sa = q8t_dev<float>(NULL, sbytes), *sb = q8t_dev<float>(NULL, sbytes);
+    float *deqd = q8t_dev<float>(deq, (size_t)(n * D) * 4);
+    moept_status st = moept__q8_down<uint8_t>(c, rec, n, D, W, qa, sa, err);
+    if (!st) st = moept__q8_down<float>(c, deqd, n, D, D, qb, sb, err);
+    EXPECT(!st, "D %lld: %s", (long long)D, err);
+    uint8_t *ha = q8t_host<uint8_t>(qa, (size_t)(Cp * np)), *hb = q8t_host<uint8_t>(qb, (size_t)(Cp * np));
+    float *hsa = q8t_host<float>(sa, sbytes), *hsb = q8t_host<float>(sb, sbytes);
+    EXPECT(q8t_same(ha, hb, (size_t)(Cp * np)) && q8t_same(hsa, hsb, sbytes),
+           "D %lld n %lld: the wgrad's x from the records differs from the same values' in fp32",
+           (long long)D, (long long)n);
+    float *cpu = (float *)malloc((size_t)(n * D) * 4);
+    q8t_cpu(deq, n, D, 1, cpu);
+    int64_t vals = 0;
     for (int64_t r = 0; r < n; r++)
         for (int64_t d = 0; d < D; d++) {
             const float v = moept__e4m3_f32(ha[d * np + r]) * hsa[r / MOEPT__Q8_TILE * Cp + d];
-            cvals += !q8t_same(&v, &cpu[r * D + d], 4);
+            vals += !q8t_same(&v, &cpu[r * D + d], 4);
         }
-    EXPECT(cvals == 0, "D %lld: %lld of the wgrad's column-wise x differ from the CPU's", (long long)D,
-           (long long)cvals);
-    cudaFree(xd); cudaFree(xsd); cudaFree(idxd); cudaFree(rec); cudaFree(q); cudaFree(q2); cudaFree(sc);
-    cudaFree(sc2); cudaFree(qa); cudaFree(qb); cudaFree(sa); cudaFree(sb); cudaFree(deqd);
-    free(x); free(xs); free(cpu); free(xst); free(hrec); free(hq); free(hq2); free(hs); free(hs2); free(deq);
-    free(ha); free(hb); free(hsa); free(hsb);
+    EXPECT(vals == 0, "D %lld n %lld: %lld of the wgrad's column-wise x differ from the CPU's", (long long)D,
+           (long long)n, (long long)vals);
+    cudaFree(qa); cudaFree(qb); cudaFree(sa); cudaFree(sb); cudaFree(deqd);
+    free(ha); free(hb); free(hsa); free(hsb); free(cpu);
+}
+
+template <typename T>
+static void q8t_width(int64_t D, int64_t n) {
+    q8t_case<T> k;
+    q8t_make<T>(&k, D, n);
+    float *deq = (float *)malloc((size_t)(n * D) * 4);
+    uint8_t *rec = NULL;
+    q8t_records<T>(&k, deq, &rec);
+    if (rec) {
+        q8t_pieces<T>(&k, rec);
+        q8t_columns(D, n, rec, deq, &k.c);
+    }
+    cudaFree(rec);
+    free(deq);
+    q8t_free<T>(&k);
 }
 
 static void test_records(void) {
     const int64_t widths[5] = {64, 200, 7, 300, 136};
-    for (int i = 0; i < 5; i++) { /* (on the legacy stream, as the test's own copies and sets) */
-        q8t_width<float>(widths[i], 0);
-        q8t_width<moept__bf16>(widths[i], 0);
-    }
+    for (int i = 0; i < 5; i++)
+        for (int64_t n = 37; n <= 300; n += 263) {
+            q8t_width<float>(widths[i], n);
+            q8t_width<moept__bf16>(widths[i], n);
+        }
 }
 
 int main(void) {
-    if (moept_cuda_device_count() < 1) {
-        tu_skip("FP8 records, their cuBLASLt copy and the wgrad's column-wise x: the separate passes' bytes, "
-                "the CPU's values", "no CUDA device");
-        return tu_done();
-    }
-    tu_run("FP8 records, their cuBLASLt copy and the wgrad's column-wise x: the separate passes' bytes, the "
-           "CPU's values", test_records);
+    const char *name = "FP8 records, their cuBLASLt copy, a chunk's runs and the wgrad's column-wise x: the "
+                       "separate passes' bytes, the CPU's values";
+    if (moept_cuda_device_count() < 1) tu_skip(name, "no CUDA device");
+    else tu_run(name, test_records);
     return tu_done();
 }

@@ -66,8 +66,10 @@
 #           dequantized operands) and their time against bf16 at the expert GEMMs of
 #           Mixtral-8x7B and DeepSeek-V3 (T 8192); the FP8 layer (config.fp8) on the
 #           reference cases, its 4-step loss curve against the CPU's FP8, train_cuda
-#           --bf16 300 steps with --dtype fp8 and without (tools/curve_diff.py compares
-#           them), timed against the bf16 layer at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's
+#           --bf16 300 steps with --dtype fp8 and without, also at --dim 1024 --ffn 512 (full
+#           FP8 tiles; tools/curve_diff.py compares each pair); the kernel form's FP8 (its bf16
+#           pass) and the device comm's records (EP 2, plain and chunked) on the reference cases;
+#           timed against the bf16 layer at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's
 #           shapes in AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the
 #           same bf16 GEMM floor), the quantizing kernels' share of each step (profile fp8);
 #           torch's FP8 grouped GEMM
@@ -310,10 +312,29 @@ fp8() {
     step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
     step "moept_check_cuda --dtype fp8: the reference cases (FP8 layer against the file 2^-2, the CPU's 2^-5)" \
         build/moept_check_cuda --dtype fp8 tests/cases/*.safetensors
+    for m in "" --sync-free; do
+        step "moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel $m (the kernel's FP8)" \
+            build/moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel $m tests/cases/*.safetensors
+    done
+    for m in "" "--chunks 3"; do
+        step "moept_check_cuda --ep 2 --comm device --dtype fp8 $m: FP8 records between ranks" \
+            build/moept_check_cuda --ep 2 --comm device --dtype fp8 $m tests/cases/*.safetensors
+    done
     step "curve fp8 vs CPU" sh tests/curves.sh fp8 build/train_cuda
     step "train_cuda --bf16 --dtype fp8 300 steps (against bf16: tools/curve_diff.py)" build/train_cuda --steps 300 \
         --bf16 --dtype fp8 --csv "$OUT/train_cuda_fp8.csv"
     step "train_cuda --bf16 300 steps" build/train_cuda --steps 300 --bf16 --csv "$OUT/train_cuda_bf16.csv"
+    # ... and a model whose FP8 tiles are full (hidden 1024, experts 512 wide), each pair's moving averages
+    for t in bf16 fp8; do
+        q=; [ $t = fp8 ] && q="--dtype fp8"
+        # shellcheck disable=SC2086
+        step "train_cuda --bf16 $q 300 steps, --dim 1024 --ffn 512" build/train_cuda --steps 300 --bf16 $q \
+            --dim 1024 --ffn 512 --csv "$OUT/train_cuda_wide_$t.csv"
+    done
+    for w in "" _wide; do
+        step "curve_diff: bf16 against FP8$w" python3 tools/curve_diff.py "$OUT/train_cuda${w}_bf16.csv" \
+            "$OUT/train_cuda${w}_fp8.csv"
+    done
     # the layer in FP8 against bf16, each form (AUTO's cuBLAS or cuBLASLt, and the grouped kernel), one
     # run each, the same floor (bf16 GEMMs)
     for sh in mixtral:8192 deepseek:8192 qwen3:4096; do
