@@ -3561,6 +3561,7 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
      DACT   DGRAD's da = dy W2 with the activation's backward in its epilogue: each thread reads g and u
             of its columns from h and writes dh = act'(g, u, da) over them (da never stored)
      FWD8   FWD in E4M3 (config.fp8): A the rows quantized 1 x 128, B the weights' E4M3 copy [E][bn][K]
+            (a dgrad's: W^T's, the transposed copy)
             with 128 x 128 scales; each 128-wide k-step (four k32 wgmmas) summed apart, then promoted into
             the fp32 accumulators times its row's and block's scales (moept__gk_promote)
    Persistent CTAs walk the (run, m-tile, n-tile) space; a producer loads A
@@ -4242,7 +4243,7 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
 static int moept__gk_ok(const moept__cuda *c) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp);
 }
-/* whether the kernel runs config.fp8's forward products (FWD8; their backward: cuBLASLt's) */
+/* whether the kernel runs config.fp8's forward products and dgrads (FWD8; the wgrads: cuBLASLt's) */
 static int moept__gk_q8(const moept__cuda *c) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && moept__fp8_on(&c->sp);
 }
@@ -4528,7 +4529,7 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         const float *sq = w2 ? (bwd ? w->s2t : w->s2) : (bwd ? w->s13t : w->s13);
         const int64_t ns = w2 ? (bwd ? w->ns2t : w->ns2) : (bwd ? w->ns13t : w->ns13);
         const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
-        if (!bwd && moept__gk_q8(c))
+        if (moept__gk_q8(c)) /* (the dgrad: B the transposed copy, K-major as the forward's) */
             return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O, err);
         MOEPT__TRY(moept__q8_fits(c, R, err));
         for (int64_t i = 0; i < R->n; i++) {
