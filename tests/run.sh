@@ -190,8 +190,14 @@ run_suite() {
     echo "== $name"
     t0=$(now)
     # in a subshell of its own, whose children are the suite's alone (a "par"
-    # suite reaped meanwhile counts in this shell's)
-    ("$@" >"$log" 2>&1; echo $? >"$log.rc"; cpu; echo "$cpus" >"$log.rc.cpu")
+    # suite reaped meanwhile counts in this shell's); its Open MPI session
+    # directories in a directory of its own: two mpiruns of two suites that
+    # start at once race to make a shared one ("File exists": orte_init fails)
+    ompi=
+    [ -n "$MPIRUN" ] && ompi=$(mktemp -d)
+    (if [ -n "$ompi" ]; then export OMPI_MCA_orte_tmpdir_base="$ompi"; fi
+     "$@" >"$log" 2>&1; echo $? >"$log.rc"; cpu; echo "$cpus" >"$log.rc.cpu")
+    [ -n "$ompi" ] && rm -rf "$ompi"
     rc=$(cat "$log.rc") csecs=$(awk '{ printf "%.1f", $1 }' "$log.rc.cpu")
     rm -f "$log.rc" "$log.rc.cpu"
     secs=$(echo "$(now) $t0" | awk '{ printf "%.1f", $1 - $2 }')
