@@ -2222,6 +2222,9 @@ struct moept__cuda {
     int64_t q8rows, q8_bytes;
     uint8_t *q8a, *q8b;         /* [q8rows][Wp] a matmul's token operands, or [Wp][q8rows] transposed */
     float *q8sa, *q8sb;         /* their scales */
+    uint8_t *q8r;               /* [q8rows][Wp] the grouped kernel's (moept__gk_q8): a backward's dy or dh
+                                   quantized along the rows by its wgrad's column pass (moept__q8_twin) */
+    float *q8sr;                /* its scales; q8r, q8sr NULL in the per-expert form */
     float *q8out;               /* [max(q8rows, Wp)][Wp] the matmul's fp32 result */
     int64_t allocations, allocated_bytes, growths;
     /* held now (moept__cuda_sizes): the parameter block (gradients among them), the fixed workspace
@@ -2729,49 +2732,84 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
    hold them (8 threads a row) into shared memory as they are, each row's 32 words rotated by 4 a
    16-row chunk (moept__q8_pan); then 8 threads a column, 16 rows each (a warp 4 columns: the 8
    chunks' words fall in distinct banks), its amax from their 8 partial ones, each thread's 16 bytes
-   of q stored, a column's 128 contiguous */
+   of q stored, a column's 128 contiguous. RW (bf16): also the rows' own copy along them from the same
+   read, the dgrad's operand (moept__k_q8_rows' bytes and scales: qr [n][Cp], tile b's scale at
+   sr[r + b srb], rows n on not written): a block's panels then the 128 columns of one tile */
 template <typename T>
 __device__ __forceinline__ int moept__q8_pan(int rr, int c) { /* element (rr, c)'s index in the panel */
     constexpr int S = (int)sizeof(T), PW = 132 / S; /* (a row 33 words apart) */
     const int b = c * S, w = ((b >> 2) + 4 * (rr / 16)) & 31;
     return rr * PW + (4 * w + (b & 3)) / S;
 }
-template <typename T, int V>
+template <typename T, int V, int RW = 0>
 __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
-                                 float *s, const float *rs, int64_t rsr) {
+                                 float *s, const float *rs, int64_t rsr, uint8_t *qr, float *sr,
+                                 int64_t srb) {
     constexpr int W = 128 / (int)sizeof(T), w = W / 8; /* w: a thread's columns of a row, 16 bytes */
+    constexpr int NP = RW ? MOEPT__Q8_TILE / W : 1, PL = MOEPT__Q8_TILE * (132 / (int)sizeof(T));
     static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 4 columns x 8 chunks, 8 threads a row");
-    __shared__ __align__(16) T pan[MOEPT__Q8_TILE * (132 / sizeof(T))];
+    static_assert(!RW || sizeof(T) == 2, "moept__k_q8_cols: the rows' copy from bf16 (two panels a tile)");
+    __shared__ __align__(16) T pan[NP * PL]; /* NP panels of 128 rows x W columns */
     __shared__ float part[2][MOEPT__TB];
     __shared__ float rsc[MOEPT__Q8_TILE]; /* records: the panel's rows' scales (its 128 columns: one tile) */
-    const int64_t L = MOEPT__Q8_L(np), nc = (Cp + W - 1) / W;
+    __shared__ float rpart[RW ? 4 : 1][MOEPT__TB]; /* RW: each thread's 4 rows' partial amaxes */
+    const int64_t L = MOEPT__Q8_L(np), nc = (Cp + NP * W - 1) / (NP * W);
     const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8;
     for (int64_t t = blockIdx.x; t < L * nc; t += gridDim.x) {
         const int64_t b = t / nc, r0 = b * MOEPT__Q8_TILE;
-        const int c0 = (int)(t % nc) * W;
-        for (int rr = y; rr < MOEPT__Q8_TILE; rr += MOEPT__TB / 8) {
-            const int64_t r = r0 + rr;
-            const int c = c0 + w * x;
-            if (sizeof(T) == 1 && x == 0) rsc[rr] = r < n ? rs[r * rsr + c0 / MOEPT__Q8_TILE] : 0.0f;
-            if (V > 1 && r < n && c + w <= C) { /* (its 4 words stay together: rotated by 4) */
-                const uint4 u = *(const uint4 *)(src + r * lds + c);
-                const uint32_t uw[4] = {u.x, u.y, u.z, u.w};
-                for (int e = 0; e < 4; e++) ((uint32_t *)(pan + moept__q8_pan<T>(rr, w * x)))[e] = uw[e];
-            } else {
-                for (int e = 0; e < w; e++)
-                    pan[moept__q8_pan<T>(rr, w * x + e)] = r < n && c + e < C ? src[r * lds + c + e] : (T)0;
+        const int c0 = (int)(t % nc) * NP * W;
+        for (int p = 0; p < NP; p++)
+            for (int rr = y; rr < MOEPT__Q8_TILE; rr += MOEPT__TB / 8) {
+                const int64_t r = r0 + rr;
+                const int c = c0 + p * W + w * x;
+                T *pp = pan + p * PL;
+                if (sizeof(T) == 1 && x == 0) rsc[rr] = r < n ? rs[r * rsr + c0 / MOEPT__Q8_TILE] : 0.0f;
+                if (V > 1 && r < n && c + w <= C) { /* (its 4 words stay together: rotated by 4) */
+                    const uint4 u = *(const uint4 *)(src + r * lds + c);
+                    const uint32_t uw[4] = {u.x, u.y, u.z, u.w};
+                    for (int e = 0; e < 4; e++) ((uint32_t *)(pp + moept__q8_pan<T>(rr, w * x)))[e] = uw[e];
+                } else {
+                    for (int e = 0; e < w; e++)
+                        pp[moept__q8_pan<T>(rr, w * x + e)] =
+                            r < n && c + e < C ? src[r * lds + c + e] : (T)0;
+                }
+            }
+        __syncthreads();
+        if constexpr (RW) { /* rows y + 32 k, their columns 16 x.. of the tile: 8 threads a row */
+            const int pc = 16 * x % W, j = c0 + 16 * x;
+            const T *pp = pan + 16 * x / W * PL;
+            float am[4];
+            for (int k = 0; k < 4; k++) {
+                am[k] = 0.0f;
+                for (int e = 0; e < 16; e++)
+                    am[k] = moept__q8_amax(am[k], moept__ld(pp, moept__q8_pan<T>(y + 32 * k, pc + e)));
+                rpart[k][threadIdx.x] = am[k];
+            }
+            __syncthreads();
+            for (int k = 0; k < 4; k++) {
+                const int64_t r = r0 + y + 32 * k;
+                for (int u = 0; u < 8; u++) am[k] = moept__q8_amax(am[k], rpart[k][threadIdx.x - x + u]);
+                const float sc = moept__q8_scale(am[k]);
+                float v[16];
+                int live = 0;
+                for (int e = 0; e < 16; e++) {
+                    v[e] = moept__ld(pp, moept__q8_pan<T>(y + 32 * k, pc + e));
+                    live |= (j + e < C) << e;
+                }
+                if (r < n && j < Cp) *(uint4 *)(qr + r * Cp + j) = moept__q8_16(v, live, sc);
+                if (r < n && j < Cp && x == 0) sr[r + (c0 / MOEPT__Q8_TILE) * srb] = sc;
             }
         }
-        __syncthreads();
-        for (int p = 0; p < W / 32; p++) { /* 32 columns a pass: column y of the pass, its rows 16 x.. */
+        for (int p = 0; p < NP * W / 32; p++) { /* 32 columns a pass: column y of the pass, its rows 16 x.. */
             const int cc = y + 32 * p, c = c0 + cc;
+            const T *pp = pan + cc / W * PL;
             const int64_t r = r0 + 16 * x;
             float v[16], amax = 0.0f;
             int live = 0;
             for (int e = 0; e < 16; e++) {
-                const int at = moept__q8_pan<T>(16 * x + e, cc);
-                if constexpr (sizeof(T) == 1) v[e] = moept__e4m3_f32(pan[at]) * rsc[16 * x + e];
-                else v[e] = moept__ld(pan, at);
+                const int at = moept__q8_pan<T>(16 * x + e, cc % W);
+                if constexpr (sizeof(T) == 1) v[e] = moept__e4m3_f32(pp[at]) * rsc[16 * x + e];
+                else v[e] = moept__ld(pp, at);
                 live |= (c < C && r + e < n) << e;
                 amax = moept__q8_amax(amax, v[e]);
             }
@@ -2949,16 +2987,18 @@ static cudaError_t moept__q8_weights(moept__cuda *c) {
     return e;
 }
 
+static int moept__gk_q8(const moept__cuda *c);
 /* The token operands' scratch for one expert's rows padded (np <= rows): two E4M3 operands [rows][Wp]
-   (or [Wp][rows]), their scales, the matmul's fp32 result; grown geometrically with the receive block
-   (moept__grow), once the compute stream no longer reads the old one */
+   (or [Wp][rows]), their scales, the matmul's fp32 result (the grouped kernel's: and q8r, q8sr); grown
+   geometrically with the receive block (moept__grow), once the compute stream no longer reads the old
+   one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     if (!moept__fp8_on(&c->sp) || (MOEPT__Q8_PAD(rows) <= c->q8rows && c->q8blk)) return MOEPT_OK;
     const int64_t cap = MOEPT__Q8_PAD(rows > 2 * c->q8rows ? rows : 2 * c->q8rows), W = moept__q8_wp(c);
     const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * MOEPT__Q8_L(cap), sc = s1 > s2 ? s1 : s2;
-    const int64_t out = (cap > W ? cap : W) * W;
+    const int64_t out = (cap > W ? cap : W) * W, nq = moept__gk_q8(c) ? 3 : 2;
     void *blk = NULL;
-    const size_t bytes = (size_t)(2 * cap * W + 2 * sc * 4 + out * 4) + 5 * 64;
+    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4) + (2 * nq + 1) * 64;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status st = moept__host_wait(c, err); /* the old scratch's last reader done */
     if (st) {
@@ -2973,6 +3013,8 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     c->q8sa = (float *)moept__take(&cv, (size_t)sc * 4);
     c->q8sb = (float *)moept__take(&cv, (size_t)sc * 4);
     c->q8out = (float *)moept__take(&cv, (size_t)out * 4);
+    c->q8r = nq > 2 ? (uint8_t *)moept__take(&cv, (size_t)(cap * W)) : NULL;
+    c->q8sr = nq > 2 ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
     c->q8rows = cap;
     c->q8_bytes = (int64_t)bytes;
     return MOEPT_OK;
@@ -3075,15 +3117,30 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
     return MOEPT_OK;
 }
 /* the C columns of n rows of src (lds apart), transposed, down the rows (a wgrad's operand): q [Cp][np],
-   s; T uint8_t: FP8 records (C = D), dequantized as read */
+   s; T uint8_t: FP8 records (C = D), dequantized as read. qr (bf16): the same read also quantizes the
+   rows along them (moept__q8_along's bytes) into qr [n][Cp], scales sr (srb rows apart) */
 template <typename T>
 static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, int64_t C, int64_t lds,
-                                   uint8_t *q, float *s, char *err) {
-    const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C), W = 128 / (int64_t)sizeof(T);
+                                   uint8_t *q, float *s, char *err, uint8_t *qr = NULL, float *sr = NULL,
+                                   int64_t srb = 0) {
+    const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C), W = qr ? MOEPT__Q8_TILE : 128 / sizeof(T);
     const float *rs = sizeof(T) == 1 ? (const float *)((const uint8_t *)src + MOEPT__Q8_PAD(C)) : NULL;
-    MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_cols, T,
-                    moept__grid(MOEPT__Q8_L(np) * ((Cp + W - 1) / W) * MOEPT__TB), MOEPT__TB, c->s,
-                    (const T *)src, n, (int)C, lds, (int)Cp, np, q, s, rs, lds / 4);
+    const int vec = moept__vec<T>(lds, src);
+    const int grid = moept__grid(MOEPT__Q8_L(np) * ((Cp + W - 1) / W) * MOEPT__TB);
+    if (qr && sizeof(T) != 2)
+        return moept__kfail(err, MOEPT_ERR_STATE, "the rows' copy from bf16 alone (moept_kernels.cu:%d)",
+                            __LINE__);
+    if constexpr (sizeof(T) == 2) {
+        if (qr && vec)
+            MOEPT__LAUNCH((moept__k_q8_cols<T, MOEPT__VEC(T), 1>), grid, MOEPT__TB, 0, c->s)(
+                (const T *)src, n, (int)C, lds, (int)Cp, np, q, s, rs, lds / 4, qr, sr, srb);
+        else if (qr)
+            MOEPT__LAUNCH((moept__k_q8_cols<T, 1, 1>), grid, MOEPT__TB, 0, c->s)(
+                (const T *)src, n, (int)C, lds, (int)Cp, np, q, s, rs, lds / 4, qr, sr, srb);
+    }
+    if (!qr)
+        MOEPT__LAUNCH_V(vec, moept__k_q8_cols, T, grid, MOEPT__TB, c->s, (const T *)src, n, (int)C, lds,
+                        (int)Cp, np, q, s, rs, lds / 4, (uint8_t *)NULL, (float *)NULL, (int64_t)0);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -4478,21 +4535,39 @@ static moept_status moept__q8_mm(moept__cuda *c, int64_t n, const char *in, int 
    runs: each run's, as the rows between belong to chunks still arriving), or (rec) in's FP8 records as
    they are (a chunk's runs: each run's copied, for the same reason), W's E4M3 copy wq [E][mp][kp] with
    its 128 x 128 scales sq (ns an expert), out [..][m] bf16 */
-template <typename T>
-static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept__runs *R, const char *in,
-                               int rec, int64_t k, int64_t ld, const uint8_t *wq, const float *sq, int64_t ns,
-                               int64_t m, char *out, char *err) {
-    int64_t end = 0;
+/* the end of R's rows (its last nonempty run's), checked against the FP8 scratch's rows */
+static moept_status moept__q8_end(const moept__cuda *c, const moept__runs *R, int64_t *end, char *err) {
+    *end = 0;
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
-        if (rows > 0 && r0 + rows > end) end = r0 + rows;
+        if (rows > 0 && r0 + rows > *end) *end = r0 + rows;
     }
-    if (end == 0) return MOEPT_OK;
-    if (MOEPT__Q8_PAD(end) > c->q8rows)
+    if (MOEPT__Q8_PAD(*end) > c->q8rows)
         return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld rows past the scratch's %lld "
-                            "(moept_kernels.cu:%d)", (long long)end, (long long)c->q8rows, __LINE__);
+                            "(moept_kernels.cu:%d)", (long long)*end, (long long)c->q8rows, __LINE__);
+    return MOEPT_OK;
+}
+
+/* whether a backward's dy and dh reach the grouped kernel's dgrads quantized along their rows by their
+   wgrads' column passes, one read each (moept__k_q8_cols' RW: into q8r, q8sr): FP8 in the kernel form,
+   whole groups, unchunked (a chunked layer runs the wgrads after every chunk's dgrads) */
+static int moept__q8_twin(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
+    return f->q8 && c->q8r && R->offs && c->C == 1;
+}
+
+template <typename T>
+static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept__runs *R, const char *in,
+                               int rec, int64_t k, int64_t ld, const uint8_t *wq, const float *sq, int64_t ns,
+                               int64_t m, char *out, int twin, char *err) {
+    int64_t end;
+    MOEPT__TRY(moept__q8_end(c, R, &end, err));
+    if (end == 0) return MOEPT_OK;
     const int64_t mp = MOEPT__Q8_PAD(m), kp = MOEPT__Q8_PAD(k), np = MOEPT__Q8_PAD(end);
+    if (twin) { /* (in's rows quantized already, by its wgrad's read) */
+        const moept__gk_ext ge = {NULL, 0, 0, mp, c->q8sr, sq, np, 1, np, ns, MOEPT__Q8_L4(kp)};
+        return moept__gk<MOEPT__GK_FWD8>(c, R, c->q8r, kp, wq, kp, NULL, 0, m, kp, out, m, f->cnt, &ge, err);
+    }
     if (rec && R->offs) { /* the records as A: their bytes kp wide, ld apart, each row's scales after them */
         const moept__gk_ext ge = {NULL, 0, 0, mp, (const float *)(in + kp), sq, end, ld / 4, 1, ns,
                                   MOEPT__Q8_L4(kp)};
@@ -4530,7 +4605,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         const int64_t ns = w2 ? (bwd ? w->ns2t : w->ns2) : (bwd ? w->ns13t : w->ns13);
         const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
         if (moept__gk_q8(c)) /* (the dgrad: B the transposed copy, K-major as the forward's) */
-            return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O, err);
+            return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O, bwd && moept__q8_twin(c, f, R),
+                                 err);
         MOEPT__TRY(moept__q8_fits(c, R, err));
         for (int64_t i = 0; i < R->n; i++) {
             int64_t r0, rows, e;
@@ -4556,7 +4632,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
 
 /* A weight's gradient over R's rows (whole groups: the reduction runs over an
    expert's rows), into the fp32 gradients: W2's g2 += dy^T a, W13's
-   g13 += dh^T x (config.fp8: both operands quantized down the rows) */
+   g13 += dh^T x (config.fp8: both operands quantized down the rows; moept__q8_twin: dy's and dh's rows
+   along them too, for the dgrad after) */
 template <typename T>
 static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2,
                                      char *err) {
@@ -4568,7 +4645,10 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
         const int64_t ldi = rec ? moept__q8_recw(wi) : wi;
         const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
         const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
+        const int twin = moept__q8_twin(c, f, R); /* (O's rows quantized along them too, for the dgrad) */
+        int64_t end = 0;
         MOEPT__TRY(moept__q8_fits(c, R, err));
+        if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
         for (int64_t i = 0; i < R->n; i++) {
             int64_t r0, rows, e;
             moept__run_at(R, i, &r0, &rows, &e);
@@ -4577,7 +4657,9 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
             if (rec)
                 MOEPT__TRY(moept__q8_down<uint8_t>(c, I + r0 * ldi, rows, wi, ldi, c->q8a, c->q8sa, err));
             else MOEPT__TRY(moept__q8_down<T>(c, I + r0 * wi * es, rows, wi, wi, c->q8a, c->q8sa, err));
-            MOEPT__TRY(moept__q8_down<T>(c, O + r0 * wo * es, rows, wo, wo, c->q8b, c->q8sb, err));
+            MOEPT__TRY(moept__q8_down<T>(c, O + r0 * wo * es, rows, wo, wo, c->q8b, c->q8sb, err,
+                                         twin ? c->q8r + r0 * wop : NULL, twin ? c->q8sr + r0 : NULL,
+                                         MOEPT__Q8_PAD(end)));
             const int64_t np = MOEPT__Q8_PAD(rows);
             MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb,
                                       direct ? ge : c->q8out, direct ? wi : wip, direct, err));

@@ -1062,7 +1062,15 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
         EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
         if (L && !moept_init_params(L, 3) && !(cfg.fp8 && blocks_apart(L)) &&
             !forward_y(L, xd, T, D, 1, NULL, out + f * n)) {
+#ifdef MOEPT_EMU
+            const long q0 = moept_emu_launches("moept__k_q8_rows");
+#endif
             EXPECT_OK(moept_backward(L, xd, xd, dxd));
+#ifdef MOEPT_EMU /* (the kernel's dgrads read dy and dh as their wgrads' column passes quantized them) */
+            const long q = moept_emu_launches("moept__k_q8_rows") - q0;
+            EXPECT(!f || !cfg.fp8 || q == 0, "shape %d: the kernel form's FP8 backward quantized rows in %ld "
+                   "passes of their own", i, q);
+#endif
             host_from(out + (2 + f) * n, dxd, n, 1);
             gr[f] = malloc((size_t)moept_param_numel(L) * 4);
             off[f] = malloc((size_t)(moept_param_count(L) + 1) * sizeof(int64_t));

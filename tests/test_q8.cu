@@ -8,6 +8,8 @@
      a chunk's runs quantized or copied one run at a time (ss > 0) give the whole operand's rows;
    - the W13 wgrad's column-wise x from the records (moept__q8_down<uint8_t>, dequantized as read)
      is moept__q8_down of the dequantized rows in fp32, and the CPU's column tiles of them.
+   - a backward's dy and dh from the wgrad's column pass that also quantizes them along the rows (one
+     read): its columns the plain pass's, its rows moept__q8_along's, run by run.
    fp32 and bf16 rows; widths with whole, edge and lone tiles; 37 rows and 300 (three row tiles). */
 #include "../moept_kernels.cu"
 #include "testutil.h"
@@ -204,6 +206,46 @@ static void q8t_columns(int64_t D, int64_t n, const uint8_t *rec, const float *d
     free(ha); free(hb); free(hsa); free(hsb); free(cpu);
 }
 
+/* bf16 rows in two runs, [0, n1) and [n1, n), each through the wgrad's column pass that also quantizes
+   the rows along them (moept__q8_down's qr: a backward's dy, dh): its columns the plain pass's, its rows
+   moept__q8_along's of the whole operand (bytes and scales; the rows past n are not its to write) */
+static void q8t_twin(q8t_case<moept__bf16> *k) {
+    const int64_t D = k->D, n = k->n, Dp = k->Dp, L = k->L, np = k->np, n1 = n / 3;
+    const int64_t r0[2] = {0, n1}, rows[2] = {n1, n - n1};
+    char err[MOEPT__ERRLEN] = "";
+    moept__bf16 *xsd = q8t_dev<moept__bf16>(k->xst, (size_t)(n * D) * 2);
+    uint8_t *q = q8t_dev<uint8_t>(NULL, (size_t)(np * Dp)), *qr = q8t_dev<uint8_t>(NULL, (size_t)(np * Dp));
+    float *s = q8t_dev<float>(NULL, (size_t)(L * np) * 4), *sr = q8t_dev<float>(NULL, (size_t)(L * np) * 4);
+    moept_status st = moept__q8_along<moept__bf16>(&k->c, xsd, n, D, D, q, s, 0, err);
+    int64_t cols = 0;
+    for (int p = 0; p < 2 && !st; p++) {
+        const int64_t pn = MOEPT__Q8_PAD(rows[p]), sb = (size_t)(MOEPT__Q8_L(pn) * Dp) * 4;
+        const size_t qb = (size_t)(Dp * pn);
+        uint8_t *qc[2] = {q8t_dev<uint8_t>(NULL, qb), q8t_dev<uint8_t>(NULL, qb)};
+        float *sc[2] = {q8t_dev<float>(NULL, (size_t)sb), q8t_dev<float>(NULL, (size_t)sb)};
+        const moept__bf16 *src = xsd + r0[p] * D;
+        st = moept__q8_down<moept__bf16>(&k->c, src, rows[p], D, D, qc[0], sc[0], err);
+        if (!st)
+            st = moept__q8_down<moept__bf16>(&k->c, src, rows[p], D, D, qc[1], sc[1], err, qr + r0[p] * Dp,
+                                             sr + r0[p], np);
+        uint8_t *h0 = q8t_host<uint8_t>(qc[0], qb), *h1 = q8t_host<uint8_t>(qc[1], qb);
+        float *g0 = q8t_host<float>(sc[0], (size_t)sb), *g1 = q8t_host<float>(sc[1], (size_t)sb);
+        cols += !q8t_same(h0, h1, qb) + !q8t_same(g0, g1, (size_t)sb);
+        for (int v = 0; v < 2; v++) { cudaFree(qc[v]); cudaFree(sc[v]); }
+        free(h0); free(h1); free(g0); free(g1);
+    }
+    EXPECT(!st, "D %lld: %s", (long long)D, err);
+    uint8_t *hq = q8t_host<uint8_t>(q, (size_t)(np * Dp)), *hqr = q8t_host<uint8_t>(qr, (size_t)(np * Dp));
+    float *hs = q8t_host<float>(s, (size_t)(L * np) * 4), *hsr = q8t_host<float>(sr, (size_t)(L * np) * 4);
+    int64_t diff = !q8t_same(hq, hqr, (size_t)(n * Dp));
+    for (int64_t b = 0; b < L; b++) diff += !q8t_same(hs + b * np, hsr + b * np, (size_t)n * 4);
+    EXPECT(cols == 0 && diff == 0, "D %lld n %lld: the column pass with the rows' copy: %lld runs' columns "
+           "differ from the plain pass's, the rows from moept__q8_along's in %lld parts", (long long)D,
+           (long long)n, (long long)cols, (long long)diff);
+    cudaFree(xsd); cudaFree(q); cudaFree(qr); cudaFree(s); cudaFree(sr);
+    free(hq); free(hqr); free(hs); free(hsr);
+}
+
 template <typename T>
 static void q8t_width(int64_t D, int64_t n) {
     q8t_case<T> k;
@@ -215,6 +257,7 @@ static void q8t_width(int64_t D, int64_t n) {
         q8t_pieces<T>(&k, rec);
         q8t_columns(D, n, rec, deq, &k.c);
     }
+    if constexpr (sizeof(T) == 2) q8t_twin(&k);
     cudaFree(rec);
     free(deq);
     q8t_free<T>(&k);
@@ -230,8 +273,8 @@ static void test_records(void) {
 }
 
 int main(void) {
-    const char *name = "FP8 records, their cuBLASLt copy, a chunk's runs and the wgrad's column-wise x: the "
-                       "separate passes' bytes, the CPU's values";
+    const char *name = "FP8 records, their cuBLASLt copy, a chunk's runs, the wgrad's column-wise x and "
+                       "the rows' copy from its read: the separate passes' bytes, the CPU's values";
     if (moept_cuda_device_count() < 1) tu_skip(name, "no CUDA device");
     else tu_run(name, test_records);
     return tu_done();

@@ -197,7 +197,8 @@ static double mem_cuda_workspace(const memcfg *c) {
     if (c->fp8) {
         const double cap = pad16(dmax(R, T)), W = dmax(pad16(D), dmax(pad16(H), pad16(HS)));
         const double sc = dmax(ceil(W / 128) * cap, W * ceil(cap / 128));
-        w += 2 * cap * W + 8 * sc + 4 * dmax(cap, W) * W + 320;
+        const double nq = kb ? 3 : 2; /* (the kernel form's: the rows' copy of dy and dh) */
+        w += nq * cap * W + 4 * nq * sc + 4 * dmax(cap, W) * W + (2 * nq + 1) * 64;
     }
     double slot = (c->bf16 ? a64(4 * T * D) : 0) + 2 * (2 * a64(4 * T * E) + 2 * a64(4 * N) + a64(4 * T)) +
                   a64(4 * E) + 64 + 2 * a64(8 * N) + a64(4 * N) +
@@ -634,6 +635,8 @@ static int check_layers(void) {
         {"cuda: fp32, EP 2, 2 overlap chunks", 64, 96, 8, 2, 0, 2, 2, 256, 0, 1, 0, 0, 1, 1, 0, 0},
         {"cuda: bf16, the kernel GEMM form, shared expert (sm_90)", 64, 96, 8, 2, 64, 1, 1, 256, 0, 1, 1, 0,
          1, 1, 0, 1},
+        {"cuda: bf16, fp8, the kernel GEMM form, shared expert (sm_90)", 128, 128, 8, 2, 128, 1, 1, 256, 0, 1,
+         1, 1, 1, 1, 0, 1},
 #endif
     };
     memcfg gemm;
