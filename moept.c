@@ -851,6 +851,15 @@ MOEPT_HD static inline float moept__q8_scale(float amax) {
     return s >= MOEPT__Q8_SMIN ? s : s == s ? MOEPT__Q8_SMIN : moept__bits_f32(0x7fc00000u);
 }
 MOEPT_HD static inline float moept__q8(float v, float s) { return moept__e4m3_round(v / s) * s; }
+#define MOEPT__Q8_PAD(n) (((n) + 15) / 16 * 16)
+#define MOEPT__Q8_L(k) (((k) + MOEPT__Q8_TILE - 1) / MOEPT__Q8_TILE)
+/* A routed token's row as config.fp8's dispatch writes it and an exchange moves it (an FP8 record, "x's
+   rows quantized once"): its D values in E4M3 in 1 x 128 tiles, zeros to Dp = MOEPT__Q8_PAD(D) bytes,
+   then the tiles' fp32 scales; recw(D) bytes, a multiple of 16 (a GPU's TMA row stride; the exchange's
+   4-byte words) */
+MOEPT_HD static inline int64_t moept__q8_recw(int64_t D) {
+    return MOEPT__Q8_PAD(MOEPT__Q8_PAD(D) + 4 * MOEPT__Q8_L(D));
+}
 /* a tile's running amax with v (a NaN sticks: the tile's values become NaN, as the GPU's would) */
 MOEPT_HD static inline float moept__q8_amax(float m, float v) {
     const float av = moept__bits_f32(moept__f32_bits(v) & 0x7fffffffu);
@@ -1832,7 +1841,8 @@ typedef struct moept__fsdp {        /* this rank's flat shard of the full expert
 
 typedef struct moept__fws {         /* a forward's activations (the CPU steps') */
     float *xs;             /* [Nmax][D] permuted input rows = the dispatch send buffer
-                              (none on the direct path) */
+                              (none on the direct path; moept__q8_recs: [Nmax] FP8 records, packed,
+                              as many bytes as the larger) */
     union {                /* [Nmax][D] one buffer, a name per content (none on the direct path): */
         float *ys;         /* the experts' outputs (combine's receive buffer) */
         float *dys;        /* backward, combine': their gradients, to the experts */
@@ -1853,7 +1863,9 @@ typedef struct moept__fws {         /* a forward's activations (the CPU steps') 
     float *sg;             /* [Tmax] shared gate values (sigmoid) */
     float *dwts;           /* [Tmax][K] dL/d routing weight */
     float *q1, *q2;        /* config.fp8: [Rcap][max(D, H)] and [Rcap][D] the experts' quantized
-                              operands (x rows; backward: a, dy, dh, x tiled for the wgrad) */
+                              operands (backward: a, dy, dh, x tiled for the wgrad) */
+    uint8_t *xq;           /* [Rcap][moept__q8_recw(D)] config.fp8 under EP (moept__q8_recs): x's rows
+                              as they arrive, FP8 records (decoded into xr) */
 } moept__fws;
 
 typedef struct moept__workspace {   /* the CPU steps' scratch, the layer's */
@@ -2198,11 +2210,19 @@ void moept_destroy(moept_layer *L) {
 }
 
 
+/* Whether config.fp8's routed rows travel as FP8 records (moept__q8_recw:
+   the exchange's messages; the direct path writes their values into the
+   experts' rows, no message to shrink) */
+static int moept__q8_recs(const moept_layer *L) {
+    return L->cfg.fp8 != MOEPT_FP8_OFF && L->ep && !L->xch.direct;
+}
+
 /* The one-chunk forward dispatches from the token rows themselves when the
    backend can (alltoallv_rows) and the rows leave the rank (P > 1): the
-   permuted order is then only an index, tok_of_row, and xs is not needed */
+   permuted order is then only an index, tok_of_row, and xs is not needed
+   (not config.fp8's: its records are made first, in xs) */
 static int moept__rows_dispatch(const moept_layer *L) {
-    return L->ep && L->P > 1 && L->C == 1 && !L->xch.direct && L->ep->alltoallv_rows;
+    return L->ep && L->P > 1 && L->C == 1 && !L->xch.direct && L->ep->alltoallv_rows && !moept__q8_recs(L);
 }
 
 /* The workspace every executor's layer keeps on the host: the committed
@@ -2277,7 +2297,8 @@ static void moept__layout_acts(moept_layer *L, moept__fstate *sl, moept__carve *
     /* the direct (shared-memory) path gathers from x and combines from the
        experts' rows in place: no send/receive buffers on the token side */
     int64_t Nxs = L->xch.direct ? 0 : N;
-    sl->ws.xs = moept__take(c, moept__rows_dispatch(L) ? 0 : (size_t)(Nxs * D) * f);
+    const int64_t rw = moept__q8_recs(L) ? moept__q8_recw(D) : 0, xsrow = rw > D * 4 ? rw : D * 4;
+    sl->ws.xs = moept__take(c, moept__rows_dispatch(L) ? 0 : (size_t)(Nxs * xsrow));
     sl->ws.ys = moept__take(c, (size_t)(Nxs * D) * f);
     /* an inference layer keeps nothing for backward: no router or gate
        gradients, the shared activations over hs, no jitter */
@@ -2333,11 +2354,13 @@ static void moept__layout_work(moept_layer *L, moept__fstate *sl, moept__carve *
 
 /* The receive block's row widths (floats): xr, yr (at one rank they are
    xs, ys), h, a (an inference layer writes a over h), the chunked
-   backward's da, dxs, and config.fp8's q1, q2 */
-#define MOEPT__NRECV 8
+   backward's da, dxs, and config.fp8's q1, q2, and its records as they
+   arrive (moept__q8_recs: decoded into xr) */
+#define MOEPT__NRECV 9
 static void moept__recv_widths(const moept_layer *L, int64_t w[MOEPT__NRECV]) {
     const int own_xy = L->P > 1 && !L->xch.direct, train = !L->cfg.inference_only, ch = train && L->C > 1;
     const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
+    w[8] = moept__q8_recs(L) ? moept__q8_recw(L->D) / 4 : 0;
     w[0] = w[1] = own_xy ? L->D : 0;
     w[2] = L->H;
     w[3] = train ? L->F : 0;
@@ -2373,6 +2396,7 @@ static int moept__grow_recv(moept_layer *L, moept__fstate *sl, int64_t need) {
     float *dxs = moept__take(&cv, (size_t)(cap * w_dx) * sizeof(float));
     float *q1 = moept__take(&cv, (size_t)(cap * wd[6]) * sizeof(float));
     float *q2 = moept__take(&cv, (size_t)(cap * wd[7]) * sizeof(float));
+    float *xq = moept__take(&cv, (size_t)(cap * wd[8]) * sizeof(float));
     int64_t keep = sl->xch.rwork && sl->fwd.valid ? sl->xch.R : 0;
     if (keep > 0) {
         if (own_xy) {
@@ -2395,6 +2419,7 @@ static int moept__grow_recv(moept_layer *L, moept__fstate *sl, int64_t need) {
     sl->ch.dx = dxs;
     sl->ws.q1 = wd[6] ? q1 : NULL;
     sl->ws.q2 = wd[7] ? q2 : NULL;
+    sl->ws.xq = wd[8] ? (uint8_t *)xq : NULL;
     if (sl->xch.Rcap > 0) L->stats.recv_growths++;
     sl->xch.Rcap = cap;
     L->stats.recv_capacity = cap;
@@ -2440,6 +2465,7 @@ static void moept__slot_clear(const moept_layer *L, moept__fstate *sl) {
     sl->xch.R = sl->xch.Rcap = sl->xch.shcap = 0;
     sl->xch.rwork = sl->xch.shm = NULL;
     sl->ws.xr = sl->ws.yr = sl->ws.h = sl->ws.a = sl->ch.da = sl->ch.dx = sl->ws.q1 = sl->ws.q2 = NULL;
+    sl->ws.xq = NULL;
 }
 
 /* Slot s's buffers: its part of the workspace and the receive rows as at
@@ -3424,6 +3450,38 @@ static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t
         }
 }
 
+/* one routed row v [D] quantized once, as the dispatch sends it (moept__q8_rows' tiles and values):
+   into out [D], or (out NULL) as an FP8 record rec [moept__q8_recw(D)] bytes, its padding zero */
+static void moept__q8_row(const float *v, int64_t D, float *out, uint8_t *rec) {
+    const int64_t Dp = MOEPT__Q8_PAD(D), L = MOEPT__Q8_L(D);
+    for (int64_t b = 0; b < L; b++) {
+        const int64_t j0 = b * MOEPT__Q8_TILE, j1 = j0 + MOEPT__Q8_TILE < D ? j0 + MOEPT__Q8_TILE : D;
+        float amax = 0.0f;
+        for (int64_t j = j0; j < j1; j++) amax = moept__q8_amax(amax, v[j]);
+        const float s = moept__q8_scale(amax);
+        for (int64_t j = j0; j < j1; j++) {
+            const float r = moept__e4m3_round(v[j] / s);
+            if (out) out[j] = r * s; /* (moept__q8) */
+            else rec[j] = moept__e4m3_byte(r);
+        }
+        if (!out) memcpy(rec + Dp + 4 * b, &s, 4);
+    }
+    if (!out) {
+        memset(rec + D, 0, (size_t)(Dp - D));
+        memset(rec + Dp + 4 * L, 0, (size_t)(moept__q8_recw(D) - Dp - 4 * L));
+    }
+}
+/* a record's values into out [D]: each byte's E4M3 value times its tile's scale (moept__q8_row's out) */
+static void moept__q8_unrecord(const uint8_t *rec, int64_t D, float *out) {
+    const int64_t Dp = MOEPT__Q8_PAD(D);
+    for (int64_t b = 0; b < MOEPT__Q8_L(D); b++) {
+        const int64_t j0 = b * MOEPT__Q8_TILE, j1 = j0 + MOEPT__Q8_TILE < D ? j0 + MOEPT__Q8_TILE : D;
+        float s;
+        memcpy(&s, rec + Dp + 4 * b, 4);
+        for (int64_t j = j0; j < j1; j++) out[j] = moept__e4m3_f32(rec[j]) * s;
+    }
+}
+
 /* each run's 128 x 1 tiles down every column, from its first row (the
    wgrad's operands: its reduction runs over a group's rows, R a group a
    run): src [..][ld] -> dst [..][ld] */
@@ -3481,8 +3539,9 @@ typedef struct moept__ffn {
     float *q1, *q2;        /* config.fp8: [rows][max(D, H)] (inference: [rows][D]), [rows][D] token
                               operands; NULL: off */
     int xq;                /* config.fp8's routed experts: x's rows reach them quantized (1 x 128, as
-                              the forward's gate/up reads them; a GPU's dispatch writes and sends them
-                              so): the W13 gradient's x is those values, quantized down the columns */
+                              the forward's gate/up reads them: the dispatch quantized them once, and
+                              sends them so, moept__q8_row): the W13 gradient's x is those values,
+                              quantized down the columns */
 } moept__ffn;
 
 /* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys) */
@@ -3539,13 +3598,13 @@ static void moept__ffn_act(moept_layer *L, const moept__ffn *f, const moept__run
 /* One matmul of the FFN over R's rows through weight W [wo][wi] (W13 [H][D],
    W2 [D][F]): forward out [rows][wo] = in [rows][wi] W^T, backward (the
    dgrad) out [rows][wi] = in [rows][wo] W. config.fp8: in quantized along
-   its rows first (x, dh into q1; dy into q2; a in place). */
+   its rows first (dh into q1; dy into q2; a in place; x where not f->xq). */
 static void moept__ffn_mm(moept_layer *L, const moept__ffn *f, const moept__runs *R, int w2, int bwd,
                           const float *in, float *out) {
     const int64_t wo = w2 ? L->D : f->H, wi = w2 ? f->F : L->D;
     const int64_t k = bwd ? wo : wi, m = bwd ? wi : wo, ld = w2 && !bwd ? f->lda : k;
     const float *w = w2 ? f->w2 : f->w13;
-    if (f->q1) {
+    if (f->q1 && !(f->xq && in == f->x)) {
         float *q = !w2 ? f->q1 : bwd ? f->q2 : f->a;
         for (int64_t i = 0; i < moept__spans(R); i++) {
             int64_t r0, rows;
@@ -3564,18 +3623,13 @@ static void moept__ffn_mm(moept_layer *L, const moept__ffn *f, const moept__runs
 /* A weight's gradient over R's rows (whole groups: the reduction runs over an
    expert's rows): W2's g2 += dy^T a, W13's g13 += dh^T x. config.fp8: both
    operands quantized down each group's columns first (into q2 and q1; x's
-   rows as they reached the experts: f->xq). */
+   rows as they reached the experts, quantized along them: f->xq). */
 static void moept__ffn_wgrad(moept_layer *L, const moept__ffn *f, const moept__runs *R, int w2) {
     const int64_t wo = w2 ? L->D : f->H, wi = w2 ? f->F : L->D;
     const float *dout = w2 ? f->y : f->h, *in = w2 ? f->a : f->x;
     float *g = w2 ? f->g2 : f->g13;
     if (f->q1) {
         float *qo = w2 ? f->q2 : f->q1, *qi = w2 ? f->q1 : f->q2;
-        if (!w2 && f->xq) { /* (the groups' rows: one span) */
-            const int64_t r0 = R->offs[0];
-            moept__q8_rows(in + r0 * wi, R->offs[R->n] - r0, wi, wi, qi + r0 * wi, wi);
-            in = qi;
-        }
         moept__q8_cols(in, wi, wi, R, qi);
         moept__q8_cols(dout, wo, wo, R, qo);
         dout = qo;
@@ -3639,11 +3693,16 @@ static double moept__now(void) {
 }
 #endif
 
-/* an exchange's bytes and time into the stats; its failure named */
-static moept_status moept__exchanged(moept_layer *L, moept_status st, double t0, int dispatch) {
-    int64_t rowbytes = L->D * (int64_t)sizeof(float);
+/* the bytes of one exchange direction, for the stats: rows of D floats, or (rec) FP8 records */
+static void moept__count_bytes(moept_layer *L, int dispatch, int rec) {
+    const int64_t rowbytes = rec ? moept__q8_recw(L->D) : L->D * (int64_t)sizeof(float);
     L->stats.bytes_sent += (dispatch ? L->stats.rows_sent : L->stats.rows_received) * rowbytes;
     L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
+}
+
+/* an exchange's bytes and time into the stats; its failure named */
+static moept_status moept__exchanged(moept_layer *L, moept_status st, double t0, int dispatch) {
+    moept__count_bytes(L, dispatch, 0);
     L->stats.comm_seconds += moept__now() - t0;
     if (st)
         return moept__fail(L, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", L->ep->err);
@@ -3670,11 +3729,37 @@ static moept_status moept__exchange_rows(moept_layer *L, moept__fstate *sl, cons
     return moept__exchanged(L, st, t0, 1);
 }
 
-/* the bytes of one exchange direction, for the stats (direct path) */
-static void moept__count_bytes(moept_layer *L, int dispatch) {
-    int64_t rowbytes = L->D * (int64_t)sizeof(float);
-    L->stats.bytes_sent += (dispatch ? L->stats.rows_sent : L->stats.rows_received) * rowbytes;
-    L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
+/* The exchange's pieces [n], rows of `from` elements, as rows of `to` (config.fp8's records travel in
+   the pieces of the plan's rows of D: rescaled for their exchange, and back once it completed) */
+static void moept__segs_rows(moept_seg *s, int64_t n, int64_t from, int64_t to) {
+    for (int64_t i = 0; i < n; i++) {
+        s[i].offset = s[i].offset / from * to;
+        s[i].count = s[i].count / from * to;
+    }
+}
+
+/* config.fp8 under EP: the experts' rows [r0, r0 + n) of x as their records arrived, decoded into xr */
+static void moept__q8_arrived(moept_layer *L, moept__fstate *sl, int64_t r0, int64_t n) {
+    const int64_t D = L->D, W = moept__q8_recw(D);
+    #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
+    for (int64_t r = r0; r < r0 + n; r++) moept__q8_unrecord(sl->ws.xq + r * W, D, sl->ws.xr + r * D);
+}
+
+/* config.fp8's dispatch under EP: the records in xs to the experts' ranks (into xq), then decoded */
+static moept_status moept__exchange_records(moept_layer *L, moept__fstate *sl) {
+    const int64_t D = L->D, W4 = moept__q8_recw(D) / 4, n = L->P * L->El;
+    moept_seg *s = sl->xch.send_segs, *r = sl->xch.recv_segs;
+    double t0 = moept__now();
+    moept__segs_rows(s, n, D, W4);
+    moept__segs_rows(r, n, D, W4);
+    moept_status st = L->ep->alltoallv(L->ep, sl->ws.xs, s, sl->ws.xq, r, (int)L->El, 4);
+    moept__segs_rows(s, n, W4, D);
+    moept__segs_rows(r, n, W4, D);
+    L->stats.comm_seconds += moept__now() - t0;
+    moept__count_bytes(L, 1, 1);
+    if (st) return moept__fail(L, st, "expert exchange (dispatch): %s", L->ep->err);
+    moept__q8_arrived(L, sl, 0, sl->xch.roffsets[L->El]);
+    return MOEPT_OK;
 }
 
 /* Row kernels of the combine and its backward: y = y + w x (combine_step)
@@ -3734,13 +3819,31 @@ static void moept__direct_plan(moept_layer *L, moept__fstate *sl) {
    (each row moves once, no send buffer) */
 static void moept__direct_push(moept_layer *L, moept__fstate *sl, const float *x) {
     const int64_t D = L->D, E = L->E;
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF; /* (x's rows quantized once, as they are written) */
     #pragma omp parallel MOEPT__PAR(sl->plan.N * D)
     for (int64_t s = 0; s < E; s++) {
         float *dst = moept__shared_row(L, sl, s, sl->plan.offsets[s], 0);
         const int64_t *tok = sl->plan.tok_of_row + sl->plan.offsets[s];
         #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < sl->plan.counts[s]; i++)
-            memcpy(dst + i * D, x + tok[i] * D, (size_t)D * sizeof(float));
+        for (int64_t i = 0; i < sl->plan.counts[s]; i++) {
+            if (q8) moept__q8_row(x + tok[i] * D, D, dst + i * D, NULL);
+            else memcpy(dst + i * D, x + tok[i] * D, (size_t)D * sizeof(float));
+        }
+    }
+}
+
+/* The routed rows into xs in slot order (x's row tok_of_row[r] each): as they are, or config.fp8's
+   quantized once (moept__q8_row): their values (one rank: xs is the experts' rows), or under EP FP8
+   records (moept__q8_recs: the exchange's rows, moept__q8_recw(D) bytes each, packed) */
+static void moept__gather_rows(moept_layer *L, moept__fstate *sl, const float *x) {
+    const int64_t D = L->D, N = sl->plan.N, W = moept__q8_recw(D);
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF, rec = moept__q8_recs(L);
+    #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
+    for (int64_t r = 0; r < N; r++) {
+        const float *v = x + sl->plan.tok_of_row[r] * D;
+        if (rec) moept__q8_row(v, D, NULL, (uint8_t *)sl->ws.xs + r * W);
+        else if (q8) moept__q8_row(v, D, sl->ws.xs + r * D, NULL);
+        else memcpy(sl->ws.xs + r * D, v, (size_t)D * sizeof(float));
     }
 }
 
@@ -3927,6 +4030,11 @@ static int64_t moept__chunk_plan(moept_layer *L, moept__fstate *sl, int64_t c, m
    row by row); backward: the data side, the weight gradients once at the
    end (moept__chunk_weight_grads) */
 static void moept__chunk_forward(moept_layer *L, moept__fstate *sl, const moept__runs *R) {
+    for (int64_t i = 0; moept__q8_recs(L) && i < moept__spans(R); i++) { /* (its rows' records) */
+        int64_t r0, rows;
+        moept__span_at(R, i, &r0, &rows);
+        moept__q8_arrived(L, sl, r0, rows);
+    }
     moept__ffn f = moept__ffn_routed(L, sl);
     moept__ffn_forward(L, &f, R);
 }
@@ -3964,6 +4072,7 @@ static moept_status moept__complete(moept_layer *L, int slot) {
    Slots: 0/1 out, 2/3 back, alternating. */
 typedef struct moept__pipe {
     const float *send; float *recv;   /* out: token side -> expert side */
+    int rec;                          /* ... config.fp8's records (moept__q8_recs: xs -> xq) */
     const float *res; float *ret;     /* back: expert side -> token side */
     void (*compute)(moept_layer *L, moept__fstate *sl, const moept__runs *R);
     void (*done)(moept_layer *L, moept__fstate *sl, const struct moept__pipe *p, int64_t c);
@@ -3975,13 +4084,23 @@ typedef struct moept__pipe {
     const int32_t *ids; /* forward: the shared expert's, the combine's */
 } moept__pipe;
 
+/* a chunk's rows out (p->rec: its records, the pieces rescaled until that exchange completes) */
+static moept_status moept__post_out(moept_layer *L, const struct moept__pipe *p, moept_seg *ss, moept_seg *rs,
+                                    int slot) {
+    if (p->rec) {
+        moept__segs_rows(ss, L->P * L->El, L->D, moept__q8_recw(L->D) / 4);
+        moept__segs_rows(rs, L->P * L->El, L->D, moept__q8_recw(L->D) / 4);
+    }
+    return moept__post(L, p->send, ss, p->recv, rs, slot);
+}
+
 static moept_status moept__pipeline(moept_layer *L, moept__fstate *sl, const moept__pipe *p) {
     const int64_t C = L->C, PE = L->P * L->El;
     moept_status st;
     if (L->ep) {
         moept__chunk_plan(L, sl, 0, sl->ch.csend, sl->ch.crecv, sl->ch.cruns);
-        if ((st = moept__post(L, p->send, sl->ch.csend, p->recv, sl->ch.crecv, 0))) return st;
-        moept__count_bytes(L, 1);
+        if ((st = moept__post_out(L, p, sl->ch.csend, sl->ch.crecv, 0))) return st;
+        moept__count_bytes(L, 1, p->rec);
     }
     if (p->start) p->start(L, sl, p);
     for (int64_t c = 0; c < C; c++) {
@@ -3989,10 +4108,14 @@ static moept_status moept__pipeline(moept_layer *L, moept__fstate *sl, const moe
         if (L->ep && c + 1 < C) {
             moept_seg *s2 = sl->ch.csend + (c + 1) * PE, *r2 = sl->ch.crecv + (c + 1) * PE;
             moept__chunk_plan(L, sl, c + 1, s2, r2, sl->ch.cruns);
-            if ((st = moept__post(L, p->send, s2, p->recv, r2, (int)((c + 1) % 2)))) return st;
+            if ((st = moept__post_out(L, p, s2, r2, (int)((c + 1) % 2)))) return st;
         }
         int64_t nruns = moept__chunk_plan(L, sl, c, NULL, NULL, sl->ch.cruns);
         if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
+        if (L->ep && p->rec) { /* (the pieces back in rows of D: the results return in them) */
+            moept__segs_rows(ss, PE, moept__q8_recw(L->D) / 4, L->D);
+            moept__segs_rows(rs, PE, moept__q8_recw(L->D) / 4, L->D);
+        }
         const moept__runs R = moept__runs_chunk(sl->ch.cruns, nruns, PE);
         p->compute(L, sl, &R);
         if (L->ep && (st = moept__post(L, p->res, rs, p->ret, ss, 2 + (int)(c % 2)))) return st;
@@ -4003,7 +4126,7 @@ static moept_status moept__pipeline(moept_layer *L, moept__fstate *sl, const moe
     }
     if (p->tail) p->tail(L, sl);
     if (L->ep && (st = moept__complete(L, 2 + (int)((C - 1) % 2)))) return st;
-    if (L->ep) moept__count_bytes(L, 0);
+    if (L->ep) moept__count_bytes(L, 0, 0);
     if (p->done) p->done(L, sl, p, C - 1);
     return MOEPT_OK;
 }
@@ -4023,13 +4146,12 @@ static void moept__chunk_combine(moept_layer *L, moept__fstate *sl, const moept_
 static moept_status moept__forward_chunked(moept_layer *L, moept__fstate *sl, const float *x, float *y,
                                            const float *wts,
                                            const int32_t *ids) {
-    const int64_t D = L->D, N = sl->plan.N;
     double ts = moept__now();
-    #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
-    for (int64_t r = 0; r < N; r++)
-        memcpy(sl->ws.xs + r * D, x + sl->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
+    moept__gather_rows(L, sl, x);
+    const int rec = moept__q8_recs(L);
     moept__pipe p = {sl->ws.xs,
-                     sl->ws.xr,
+                     rec ? (float *)sl->ws.xq : sl->ws.xr,
+                     rec,
                      sl->ws.yr,
                      sl->ws.ys,
                      moept__chunk_forward,
@@ -4058,6 +4180,7 @@ static void moept__chunk_weight_grads(moept_layer *L, moept__fstate *sl) {
 static moept_status moept__backward_chunked(moept_layer *L, moept__fstate *sl) {
     moept__pipe p = {sl->ws.dys,
                      sl->ws.dyr,
+                     0,
                      sl->ch.dx,
                      sl->ws.dxs,
                      moept__chunk_backward,
@@ -4612,16 +4735,14 @@ static void moept__fwd_plan(moept_layer *L, moept__fstate *sl) {
    the experts' shared rows; a backend with alltoallv_rows sends from x by
    index; else permuted into xs, then exchanged) */
 static moept_status moept__fwd_dispatch(moept_layer *L, moept__fstate *sl, const float *x) {
-    const int64_t D = L->D, N = sl->plan.N;
     if (L->xch.direct) { /* our rows into the experts' rows; all have arrived after the barrier */
         moept__direct_push(L, sl, x);
-        moept__count_bytes(L, 1);
+        moept__count_bytes(L, 1, 0);
         return moept__direct_sync(L, "moept_forward");
     }
     if (moept__rows_dispatch(L)) return moept__exchange_rows(L, sl, x);
-    #pragma omp parallel for schedule(static) MOEPT__PAR(N * D)
-    for (int64_t r = 0; r < N; r++)
-        memcpy(sl->ws.xs + r * D, x + sl->plan.tok_of_row[r] * D, (size_t)D * sizeof(float));
+    moept__gather_rows(L, sl, x);
+    if (moept__q8_recs(L)) return moept__exchange_records(L, sl);
     return L->ep ? moept__exchange(L, sl, sl->ws.xs, sl->ws.xr, 1) : MOEPT_OK;
 }
 
@@ -4632,7 +4753,7 @@ static moept_status moept__fwd_combine(moept_layer *L, moept__fstate *sl, const 
     double ts = moept__now();
     if (L->xch.direct) {
         if ((st = moept__direct_sync(L, "moept_forward"))) return st;
-        moept__count_bytes(L, 0);
+        moept__count_bytes(L, 0, 0);
     } else if (L->ep && (st = moept__exchange(L, sl, sl->ws.ys, sl->ws.yr, 0))) return st;
     L->stats.combine_seconds += moept__now() - ts;
     moept__shared_forward(L, sl, x, sl->fwd.T);
@@ -4955,7 +5076,7 @@ static moept_status moept__bwd_experts(moept_layer *L, moept__fstate *sl, const 
     moept_status st;
     double ts = moept__now();
     if (L->xch.direct) { /* our dys are in place: wait for every rank's */
-        moept__count_bytes(L, 1);
+        moept__count_bytes(L, 1, 0);
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
     } else if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
         if ((st = moept__backward_chunked(L, sl))) return st;
@@ -4970,7 +5091,7 @@ static moept_status moept__bwd_experts(moept_layer *L, moept__fstate *sl, const 
     ts = moept__now();
     if (L->xch.direct) {
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
-        moept__count_bytes(L, 0);
+        moept__count_bytes(L, 0, 0);
     } else if (L->C == 1 && L->ep && (st = moept__exchange(L, sl, sl->ws.dxs, sl->ws.dxr, 0))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
     return MOEPT_OK;

@@ -423,7 +423,13 @@
          routed experts' x is quantized once, as its rows are dispatched:
          their W13 gradient's x is those rows' values quantized down the
          columns (DeepSeek-V3's workflow for an activation kept in FP8:
-         the experts never see x itself);
+         the experts never see x itself). Under EP the exchange moves
+         them as FP8 records: the row's D E4M3 bytes padded with zeros to
+         a multiple of 16, then its ceil(D / 128) fp32 scales, padded to
+         a multiple of 16 bytes (7,392 bytes for D = 7,168), bytes_sent
+         counts them (a CPU layer whose ranks share memory writes the
+         quantized values into the experts' rows instead); the combine's
+         and the backward's exchanges move rows of the layer's dtype;
        weights: a scale per 128 x 128 block of W13 [H][D] and W2 [D][F]
          (W and W^T have the same blocks). The tiles run over the fused
          gate|up rows: where F is a multiple of 128, as in every released
@@ -446,13 +452,9 @@
      in workspace_bytes and host_bytes' CASTS; a pass over them a forward).
      A CUDA layer runs the same tiles on cuBLASLt's block-scaled FP8
      matmuls (E4M3 bytes with fp32 scales, one call per expert GEMM), its
-     rows between the stages in options.dtype. Its dispatch writes each
-     routed row as an FP8 record, which the exchange moves under EP
-     (bytes_sent counts them): the row's D E4M3 bytes padded with zeros to
-     a multiple of 16, then its ceil(D / 128) fp32 scales, padded to a
-     multiple of 16 bytes (7,392 bytes for D = 7,168, about half a bf16
-     row); the combine's and the backward's exchanges move options.dtype
-     rows. Its E4M3 weights (W13, W2
+     rows between the stages in options.dtype; its dispatch writes the
+     FP8 records, which the grouped kernel reads as they are. Its E4M3
+     weights (W13, W2
      and their transposes, for the dgrads) are made once after the fp32
      masters change, and counted in device_workspace_bytes (device_bytes'
      CASTS). It equals the CPU's FP8 layer but for accumulation order,

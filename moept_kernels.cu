@@ -2646,16 +2646,7 @@ static moept_status moept__slot_get(moept__cuda *c, int s, moept__cslot **out, c
    blocks rounded up to 4. Every dimension is padded with zeros to 16 (a
    zero changes no tile's amax): cuBLASLt takes M and N multiples of 4, K
    and the leading dimensions multiples of 16 bytes (tests/lt_rules.txt). */
-#define MOEPT__Q8_PAD(n) (((n) + 15) / 16 * 16)
-#define MOEPT__Q8_L(k) (((k) + MOEPT__Q8_TILE - 1) / MOEPT__Q8_TILE)
 #define MOEPT__Q8_L4(k) ((MOEPT__Q8_L(k) + 3) / 4 * 4)
-/* A routed token's row as config.fp8's dispatch writes it, the exchange moves it and the experts read
-   it (an FP8 record, moept.c's "x's rows quantized once"): its D values in E4M3 in 1 x 128 tiles, zeros
-   to Dp = MOEPT__Q8_PAD(D) bytes, then the tiles' fp32 scales; recw(D) bytes, a multiple of 16 (TMA's
-   row stride; the exchange's 4-byte words) */
-__host__ __device__ static inline int64_t moept__q8_recw(int64_t D) {
-    return MOEPT__Q8_PAD(MOEPT__Q8_PAD(D) + 4 * MOEPT__Q8_L(D));
-}
 /* the bytes of one of x's rows as the experts receive them: a record (config.fp8), or D of T */
 static int64_t moept__xrow(const moept__cuda *c) {
     return moept__fp8_on(&c->sp) ? moept__q8_recw(c->sp.D) : c->sp.D * c->esz;
@@ -2741,6 +2732,38 @@ __device__ __forceinline__ int moept__q8_pan(int rr, int c) { /* element (rr, c)
     const int b = c * S, w = ((b >> 2) + 4 * (rr / 16)) & 31;
     return rr * PW + (4 * w + (b & 3)) / S;
 }
+/* moept__k_q8_cols' RW: rows y + 32 k of the panels (a 128-column tile from c0), columns 16 x.. of each
+   (8 threads a row: x, y the thread's), quantized along the row, the amax through rpart */
+template <typename T, int W, int PL>
+__device__ __forceinline__ void moept__q8_panrows(const T *pan, float (*rpart)[MOEPT__TB], int64_t r0, int c0,
+                                                  int64_t n, int C, int Cp, uint8_t *qr, float *sr,
+                                                  int64_t srb) {
+    const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8, pc = 16 * x % W, j = c0 + 16 * x;
+    const T *pp = pan + 16 * x / W * PL;
+    float am[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        am[k] = 0.0f;
+        for (int e = 0; e < 16; e++)
+            am[k] = moept__q8_amax(am[k], moept__ld(pp, moept__q8_pan<T>(y + 32 * k, pc + e)));
+        rpart[k][threadIdx.x] = am[k];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int64_t r = r0 + y + 32 * k;
+        for (int u = 0; u < 8; u++) am[k] = moept__q8_amax(am[k], rpart[k][threadIdx.x - x + u]);
+        const float sc = moept__q8_scale(am[k]);
+        float v[16];
+        int live = 0;
+        for (int e = 0; e < 16; e++) {
+            v[e] = moept__ld(pp, moept__q8_pan<T>(y + 32 * k, pc + e));
+            live |= (j + e < C) << e;
+        }
+        if (r < n && j < Cp) *(uint4 *)(qr + r * Cp + j) = moept__q8_16(v, live, sc);
+        if (r < n && j < Cp && x == 0) sr[r + (c0 / MOEPT__Q8_TILE) * srb] = sc;
+    }
+}
 template <typename T, int V, int RW = 0>
 __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
                                  float *s, const float *rs, int64_t rsr, uint8_t *qr, float *sr,
@@ -2775,31 +2798,7 @@ __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, in
                 }
             }
         __syncthreads();
-        if constexpr (RW) { /* rows y + 32 k, their columns 16 x.. of the tile: 8 threads a row */
-            const int pc = 16 * x % W, j = c0 + 16 * x;
-            const T *pp = pan + 16 * x / W * PL;
-            float am[4];
-            for (int k = 0; k < 4; k++) {
-                am[k] = 0.0f;
-                for (int e = 0; e < 16; e++)
-                    am[k] = moept__q8_amax(am[k], moept__ld(pp, moept__q8_pan<T>(y + 32 * k, pc + e)));
-                rpart[k][threadIdx.x] = am[k];
-            }
-            __syncthreads();
-            for (int k = 0; k < 4; k++) {
-                const int64_t r = r0 + y + 32 * k;
-                for (int u = 0; u < 8; u++) am[k] = moept__q8_amax(am[k], rpart[k][threadIdx.x - x + u]);
-                const float sc = moept__q8_scale(am[k]);
-                float v[16];
-                int live = 0;
-                for (int e = 0; e < 16; e++) {
-                    v[e] = moept__ld(pp, moept__q8_pan<T>(y + 32 * k, pc + e));
-                    live |= (j + e < C) << e;
-                }
-                if (r < n && j < Cp) *(uint4 *)(qr + r * Cp + j) = moept__q8_16(v, live, sc);
-                if (r < n && j < Cp && x == 0) sr[r + (c0 / MOEPT__Q8_TILE) * srb] = sc;
-            }
-        }
+        if constexpr (RW) moept__q8_panrows<T, W, PL>(pan, rpart, r0, c0, n, C, Cp, qr, sr, srb);
         for (int p = 0; p < NP * W / 32; p++) { /* 32 columns a pass: column y of the pass, its rows 16 x.. */
             const int cc = y + 32 * p, c = c0 + cc;
             const T *pp = pan + cc / W * PL;

@@ -28,6 +28,7 @@ typedef struct world {
     float *y, *dx;             /* [Ttot][D] */
     float *grads[MAXR * 2];    /* per world rank: its gradient buffer after sync */
     int64_t allocs[MAXR * 2];  /* allocations during steps 2..steps */
+    moept_stats stats[MAXR * 2]; /* each rank's after the steps */
     moept_status st[MAXR * 2];
     double norm[MAXR * 2];
     char err[MAXR * 2][MOEPT__ERRLEN];
@@ -135,6 +136,7 @@ static void *rank_main(void *arg) {
     }
     if (!w->st[r] && !w->infer) w->st[r] = moept_grad_norm(L, &w->norm[r]);
     moept_get_stats(L, &s1, NULL);
+    w->stats[r] = s1;
     w->allocs[r] = w->steps > 1 ? s1.allocations - s0.allocations : 0;
     if (w->st[r]) snprintf(w->err[r], sizeof w->err[r], "%s", moept_last_error(L));
     w->grads[r] = calloc((size_t)L->par.n_params, 4);
@@ -297,6 +299,37 @@ static void test_ep_fp8(void) {
             compare_world_r(w, what, 0.0, 1e-6, 0.25);
             free_world(w);
         }
+}
+
+/* config.fp8 over messages (moept_comm_custom: no shared rows; or chunked) sends the routed rows as
+   FP8 records, where the direct path (threads, unchunked) writes them as floats: the same results
+   bitwise, and each rank's dispatch bytes less by its rows times (4 D - the record's) each way */
+static void test_ep_fp8_records(void) {
+    int64_t T[MAXR] = {37, 20, 51, 8};
+    moept_config c = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
+    c.fp8 = MOEPT_FP8_BLOCKWISE;
+    world *w[3];
+    for (int m = 0; m < 3; m++) { /* direct, custom, chunked */
+        c.overlap_chunks = m == 2 ? 2 : 1;
+        w[m] = new_world(c, 4, 1, T, 31);
+        w[m]->custom = m == 1;
+        run_world(w[m]);
+    }
+    const int64_t D = c.hidden_size, less = 4 * D - moept__q8_recw(D), n = w[0]->Ttot * D;
+    for (int m = 1; m < 3; m++) {
+        int64_t bad = 0;
+        for (int r = 0; r < 4; r++) {
+            const moept_stats *a = &w[0]->stats[r], *b = &w[m]->stats[r];
+            bad += b->bytes_sent != a->bytes_sent - a->rows_sent * less ||
+                   b->bytes_received != a->bytes_received - a->rows_received * less || a->rows_sent == 0 ||
+                   w[m]->st[r] != MOEPT_OK;
+        }
+        EXPECT(less > 0 && bad == 0, "%s: %lld ranks' bytes not the direct path's less their rows times %lld",
+               m == 1 ? "custom comm" : "chunked", (long long)bad, (long long)less);
+        EXPECT(!memcmp(w[0]->y, w[m]->y, (size_t)n * 4) && !memcmp(w[0]->dx, w[m]->dx, (size_t)n * 4),
+               "%s: y or dx differ from the direct path's", m == 1 ? "custom comm" : "chunked");
+    }
+    for (int m = 0; m < 3; m++) free_world(w[m]);
 }
 
 /* Router jitter keyed by the tokens' values: EP = 4 equals the whole batch
@@ -1087,6 +1120,7 @@ static void test_reshard_any_placement(void) {
 int main(void) {
     RUN(test_ep_matches_one_rank);
     RUN(test_ep_fp8);
+    RUN(test_ep_fp8_records);
     RUN(test_ep_custom_comm);
     RUN(test_skew_and_empty);
     RUN(test_ep_jitter_and_eval);

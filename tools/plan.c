@@ -130,7 +130,7 @@ static double mem_host_routing(const memcfg *c, int run) {
 }
 
 /* moept.c's struct, parameter table and slot states */
-static double mem_book(const memcfg *c) { return 1824 + 136 * (3 * c->E / c->P + 8) + 672 * (c->slots + 1); }
+static double mem_book(const memcfg *c) { return 1824 + 136 * (3 * c->E / c->P + 8) + 680 * (c->slots + 1); }
 
 /* A CPU layer's workspace: each slot's plan, activations and rows; the layer's scratch */
 static double mem_cpu_workspace(const memcfg *c) {
@@ -138,8 +138,10 @@ static double mem_cpu_workspace(const memcfg *c) {
     const double H = 2 * F, HS = 2 * S, N = T * K, R = c->rows > 0 ? c->rows : N, tr = c->train;
     const double C = P > 1 && c->C > 1 ? c->C : 1, ch = C > 1;
     /* shared memory (one node, unchunked): no token rows; messages: the rows leave from x unchunked
-       (MPI's), from their own send rows chunked */
-    const int dir = P > 1 && c->shm && !ch, msg = P > 1 && !dir, xs = !dir && !(msg && !ch);
+       (MPI's), from their own send rows chunked or as FP8 records (rec: their bytes, xs's rows the
+       larger of theirs and D floats) */
+    const int dir = P > 1 && c->shm && !ch, msg = P > 1 && !dir, xs = !dir && !(msg && !ch && !c->fp8);
+    const double rec = c->fp8 && msg ? pad16(pad16(D) + 4 * ceil(D / 128)) : 0;
     double slot = mem_host_routing(c, 1);
     /* the plan: scores, counts, exchange pieces, each row's place */
     slot += 2 * a64(4 * T * E) + 4 * a64(8 * E) + a64(8 * (El + 1)) + 2 * a64(16 * E) + a64(8 * (E + 1)) +
@@ -147,13 +149,13 @@ static double mem_cpu_workspace(const memcfg *c) {
             (dir ? a64(16 * P) + 2 * a64(8 * P * E) + a64(8 * E) : 0);
     if (ch) slot += 5 * a64(8 * C * E) + 2 * a64(16 * C * E) + a64(24 * E); /* each chunk's counts, pieces */
     /* the token rows (send, receive; none through shared memory), the shared expert's, lse */
-    slot += xs * a64(4 * N * D) + (dir ? 0 : a64(4 * N * D)) + a64(4 * T);
+    slot += xs * a64(N * dmax(4 * D, rec)) + (dir ? 0 : a64(4 * N * D)) + a64(4 * T);
     if (S > 0) slot += a64(4 * T * HS) + tr * a64(4 * T * S) + a64(4 * T * D) + a64(4 * T);
-    /* the receive rows: x, y (messages), h, a, a chunked backward's da and dx, FP8's operands; the
-       shared memory's x, y */
+    /* the receive rows: x, y (messages), h, a, a chunked backward's da and dx, FP8's operands and its
+       records as they arrive; the shared memory's x, y */
     const double row = (msg ? 2 * D : 0) + H + tr * F + tr * ch * (F + D) +
-                       (c->fp8 ? (tr && H > D ? H : D) + tr * D : 0);
-    slot += 4 * R * row + 8 * 64 + (dir ? 8 * R * D : 0);
+                       (c->fp8 ? (tr && H > D ? H : D) + tr * D : 0) + rec / 4;
+    slot += 4 * R * row + 9 * 64 + (dir ? 8 * R * D : 0);
     /* the layer's: placement, plan scratch, GEMM descriptors, gradients of the gate and logits,
        FP8's shared operands, the GEMM's packing */
     double own = 2 * a64(4 * E) + a64(8 * E) + a64(32 * P) + a64(8 * (2 * E + 1)) + a64(8 * E) + a64(4 * K) +
@@ -626,6 +628,8 @@ static int check_layers(void) {
          0},
         {"cpu: EP 2, 2 overlap chunks (threads, messages), shared expert", 64, 96, 8, 2, 64, 2, 2, 256, 0, 0,
          0, 0, 1, 1, 0, 0},
+        {"cpu: fp8, EP 2, 2 overlap chunks (threads, FP8 records)", 72, 96, 8, 2, 0, 2, 2, 256, 0, 0,
+         0, 1, 1, 1, 0, 0},
 #ifdef MOEPT_CUDA
         {"cuda: fp32, training", 64, 96, 8, 2, 0, 1, 1, 1024, 0, 1, 0, 0, 1, 1, 0, 0},
         {"cuda: bf16, shared expert, 2 forward slots", 64, 64, 8, 2, 128, 1, 1, 256, 1, 1, 1, 0, 1, 2, 0, 0},
