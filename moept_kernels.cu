@@ -3620,6 +3620,10 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
             (a dgrad's: W^T's, the transposed copy)
             with 128 x 128 scales; each 128-wide k-step (four k32 wgmmas) summed apart, then promoted into
             the fp32 accumulators times its row's and block's scales (moept__gk_promote)
+     GATE8  GATE in E4M3 (FWD8's operands and promotion; B's gate and up rows of W13's E4M3 copy): a
+            tile is two such subtiles, 128 columns of a, one after the other; each stores h and a as
+            GATE does and keeps its rows' amax of a, and the tile's end quantizes a's rows along them
+            in that 1 x 128 tile (the W2 product's A, moept__k_q8_rows' bytes) from a as stored
    Persistent CTAs walk the (run, m-tile, n-tile) space; a producer loads A
    and B tiles into a ring of stages (mbarriers: full when the bytes landed,
    empty when both consumer warpgroups read it): one thread by TMA, or,
@@ -3651,12 +3655,16 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT__GK_RUNS 240    /* runs a launch takes by value (the parameters stay under 4 KB) */
 #define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */
 #define MOEPT__GK_HALF (MOEPT__GK_TILE_B / 2)             /* 64 of a tile's 128 rows, or lines */
-#define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 1024)
-enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT, MOEPT__GK_FWD8 };
-/* a tile's columns of N: 128, or (GATE) 64 of the gate half and the same 64 of the up half */
-#define MOEPT__GK_TN(F) ((F) == MOEPT__GK_GATE ? MOEPT__GK_BN / 2 : MOEPT__GK_BN)
-/* a k-step's elements of the reduction: 128 bytes, 64 bf16 or (FWD8) 128 E4M3, one scale block */
-#define MOEPT__GK_KB(F) ((F) == MOEPT__GK_FWD8 ? 2 * MOEPT__GK_BK : MOEPT__GK_BK)
+/* the ring, its barriers, GATE8's row amaxes (a consumer's 64 rows x 4 threads), the swizzle's alignment */
+#define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 2 * 64 * 4 * 4 + 1024)
+enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT, MOEPT__GK_FWD8,
+       MOEPT__GK_GATE8, MOEPT__GK_FORMS };
+/* whether form F multiplies E4M3 operands with their scales */
+#define MOEPT__GK_Q(F) ((F) == MOEPT__GK_FWD8 || (F) == MOEPT__GK_GATE8)
+/* a (sub)tile's columns of N: 128, or (GATE, GATE8) 64 of the gate half and the same 64 of the up half */
+#define MOEPT__GK_TN(F) ((F) == MOEPT__GK_GATE || (F) == MOEPT__GK_GATE8 ? MOEPT__GK_BN / 2 : MOEPT__GK_BN)
+/* a k-step's elements of the reduction: 128 bytes, 64 bf16 or (E4M3) 128, one scale block */
+#define MOEPT__GK_KB(F) (MOEPT__GK_Q(F) ? 2 * MOEPT__GK_BK : MOEPT__GK_BK)
 
 /* an operand whose rows TMA cannot take (a row stride or base not a multiple of 16 bytes): bf16
    [rows][cols], rows ld elements apart, which the producer warpgroup loads itself (moept__gk_box) */
@@ -3684,10 +3692,14 @@ typedef struct moept__gk_args {
     int64_t lda;
     moept__gk_src src[2];     /* A and B where loaded by the producer warpgroup, not TMA: */
     int32_t lsu;              /* ... bit 0 A, bit 1 B (0: both by TMA, one producer thread) */
-    int32_t bn;               /* FWD, FWD8: B's rows an expert (N; FWD8: its padded rows) */
+    int32_t bn;               /* B's rows an expert (FWD: N; GATE: 2N; FWD8, GATE8: the padded rows) */
     const float *sa, *sb;     /* FWD8: A's 1 x 128 scales, row r's k-block b at sa[r sars + b sabs] (r <
                                  sarows); B's [E][sbe] of 128 x 128 blocks [ceil(bn/128)][sbld] */
     int64_t sarows, sars, sabs, sbe, sbld;
+    uint8_t *qa;              /* GATE8: a's rows quantized [rows][ldq] E4M3, tile b's scale at
+                                 qs[r + b qsb] */
+    float *qs;
+    int64_t ldq, qsb;
 } moept__gk_args;
 /* (a kernel's parameters: 4 KB, the two tensor maps and these) */
 static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
@@ -3766,13 +3778,14 @@ __device__ __forceinline__ void moept__wgmma_fence(void) {
 __device__ __forceinline__ void moept__wgmma_commit(void) {
     MOEPT__HOPPER(moept_emu_wgmma_commit(), asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"));
 }
-/* the accumulators d [64] as a compiler fence (no instruction; CUTLASS's warpgroup_fence_operand): the
+/* the accumulators d [N] as a compiler fence (no instruction; CUTLASS's warpgroup_fence_operand): the
    compiler keeps every other read and write of them on its side of it, so none moves into a wgmma's
    flight (a read after wgmma.wait_group stays after it) */
+template <int N = 64>
 __device__ __forceinline__ void moept__acc_fence(float *d) {
 #if MOEPT__SM90 == 2
 #pragma unroll
-    for (int j = 0; j < 64; j++) asm volatile("" : "+f"(d[j])::"memory");
+    for (int j = 0; j < N; j++) asm volatile("" : "+f"(d[j])::"memory");
 #else
     (void)d;
 #endif
@@ -3840,6 +3853,24 @@ __device__ __forceinline__ void moept__wgmma_e4m3_128(float *d, uint64_t da, uin
                                : "l"(da), "l"(db), "r"(acc)));
     (void)d; (void)da; (void)db; (void)acc;
 }
+/* ... and with B 32 x 64 (d [32]: a 64 x 64 tile, the fragment's first 32 registers' places) */
+#define MOEPT__WG_DLIST32                                                                                    \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+__device__ __forceinline__ void moept__wgmma_e4m3_64(float *d, uint64_t da, uint64_t db, int acc) {
+    MOEPT__HOPPER(moept_emu_wgmma_e4m3(d, 64, da, db, acc),
+                  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " MOEPT__WG_DLIST32
+                               ", %32, %33, p, 1, 1;\n}\n"
+                               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                                 "+f"(d[30]), "+f"(d[31])
+                               : "l"(da), "l"(db), "r"(acc)));
+    (void)d; (void)da; (void)db; (void)acc;
+}
 /* a 128-byte-swizzled tile's descriptor at p (its pattern 1024-aligned; PTX ISA, wgmma, "Matrix
    Descriptor Format", "Canonical Layouts"): K-major, rows of 128 bytes 8 to a 1024-byte group (the
    stride offset), the leading offset unused (1); MN-major (mn), lines of 64 along M or N, one a k: 8 k
@@ -3865,7 +3896,13 @@ MOEPT_HD static inline int moept__gk_mtiles(const moept__gk_args *g, int i) {
 /* ... its n-tiles, and the launch's tiles (the host sizes the grid by them, the CTAs walk them) */
 template <int F>
 MOEPT_HD static inline int moept__gk_ntiles(const moept__gk_args *g) {
-    return (g->N + MOEPT__GK_TN(F) - 1) / MOEPT__GK_TN(F);
+    const int tn = F == MOEPT__GK_GATE8 ? MOEPT__GK_BN : MOEPT__GK_TN(F); /* (GATE8: two subtiles a tile) */
+    return (g->N + tn - 1) / tn;
+}
+/* ... tile nt's subtiles: GATE8's second where N reaches it */
+template <int F>
+__device__ __forceinline__ int moept__gk_subs(const moept__gk_args *g, int nt) {
+    return F == MOEPT__GK_GATE8 && g->N - nt * MOEPT__GK_BN > MOEPT__GK_BN / 2 ? 2 : 1;
 }
 template <int F>
 MOEPT_HD static inline int64_t moept__gk_tiles(const moept__gk_args *g) {
@@ -3986,9 +4023,10 @@ __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUte
     const int vb = F == MOEPT__GK_WGRAD ? v : MOEPT__GK_BM;
     if (F == MOEPT__GK_FWD || F == MOEPT__GK_FWD8) /* B: expert e's W [N][K] in [E bn][K] */
         moept__gk_fetch(g, mb, 1, pass, b, k0, g->e[i] * g->bn + n0, MOEPT__GK_BN, vb, bar);
-    else if (F == MOEPT__GK_GATE) /* B: rows n0.. of expert e's gate half and of its up half, [E 2N][K] */
+    else if (F == MOEPT__GK_GATE || F == MOEPT__GK_GATE8) /* B: rows n0.. of expert e's gate half and of
+                                                               its up half, [E bn][K] (bn: 2N, or padded) */
         for (int h = 0; h < 2; h++)
-            moept__gk_fetch(g, mb, 1, pass, b + h * MOEPT__GK_HALF, k0, (2 * g->e[i] + h) * g->N + n0, 64,
+            moept__gk_fetch(g, mb, 1, pass, b + h * MOEPT__GK_HALF, k0, g->e[i] * g->bn + h * g->N + n0, 64,
                             vb, bar);
     else /* B: expert e's W [K][N] in [E K][N], or (WGRAD) the run's rows of x or a [rows][N] */
         for (int h = 0; h < 2; h++)
@@ -4033,38 +4071,64 @@ __device__ __forceinline__ void moept__gk_tail(uint8_t *a, uint8_t *b, int v, in
     moept__bar_sync(1, 256);
 }
 
-/* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma (FWD8: 32 E4M3),
-   issued as one group (the caller waits for it) */
+/* consumer w's k-step from stage (a, b): d (+)= its 64 rows of A times B, 16 of K a wgmma (E4M3: 32),
+   issued as one group (the caller waits for it); GATE8: B's half from b alone, 64 columns into d [32]
+   (so its k-step sums take 32 registers, not 64) */
 template <int F>
 __device__ __forceinline__ void moept__gk_mma(float *d, const uint8_t *a, const uint8_t *b, int w, int acc) {
     constexpr int TA = F == MOEPT__GK_WGRAD, TB = F == MOEPT__GK_DGRAD || F == MOEPT__GK_WGRAD || /* MN- */
                                                   F == MOEPT__GK_DACT;                            /* major */
     const uint64_t da = moept__gk_desc(a + w * MOEPT__GK_HALF, TA), db = moept__gk_desc(b, TB);
-    moept__acc_fence(d);
+    moept__acc_fence<F == MOEPT__GK_GATE8 ? 32 : 64>(d);
     moept__wgmma_fence();
     for (int k = 0; k < 4; k++) { /* 32 bytes of a K-major row a wgmma, or 2 groups of MN lines */
-        if (F == MOEPT__GK_FWD8) moept__wgmma_e4m3_128(d, da + 2 * k, db + 2 * k, acc || k > 0);
+        if (F == MOEPT__GK_GATE8) moept__wgmma_e4m3_64(d, da + 2 * k, db + 2 * k, acc || k > 0);
+        else if (MOEPT__GK_Q(F)) moept__wgmma_e4m3_128(d, da + 2 * k, db + 2 * k, acc || k > 0);
         else moept__wgmma_128<TA, TB>(d, da + (TA ? 128 : 2) * k, db + (TB ? 128 : 2) * k, acc || k > 0);
     }
     moept__wgmma_commit();
 }
 
-/* FWD8: consumer w's scales of k-step kb, a product a row of its thread's two (moept__gk_row): the row's
-   1 x 128 one of A times the tile's 128 x 128 one of B (loaded before the step's wgmmas are issued) */
+/* FWD8, GATE8: consumer w's scales of k-step kb for its thread's two rows (moept__gk_row): FWD8's s[h]
+   the row's 1 x 128 one of A times the tile's 128 x 128 one of B; GATE8's s[h] the row's, s[2] the gate
+   rows' block's, s[3] and s[4] the up rows' two (they cross a block where N is not a multiple of 64)
+   (loaded before the step's wgmmas are issued) */
+template <int F>
 __device__ __forceinline__ void moept__gk_scales(const moept__gk_args *g, int i, int mt, int nt, int kb,
                                                  int w, float *s) {
-    const int l = threadIdx.x % 128;
-    const float sb = g->sb[g->e[i] * g->sbe + nt * g->sbld + kb];
+    const int l = threadIdx.x % 128, last = (g->bn + 127) / 128 - 1, bu = (g->N + nt * 64) / 128;
+    const float *sb = g->sb + g->e[i] * g->sbe + kb;
+    const float sg = sb[(F == MOEPT__GK_GATE8 ? nt / 2 : nt) * g->sbld];
     for (int h = 0; h < 2; h++) { /* (rows past the scales' are never stored) */
         const int64_t r = (int64_t)g->r0[i] + mt * MOEPT__GK_BM + w * 64 + moept__gk_row(2 * h, l);
-        s[h] = r < g->sarows ? g->sa[r * g->sars + kb * g->sabs] * sb : 0.0f;
+        const float sa = r < g->sarows ? g->sa[r * g->sars + kb * g->sabs] : 0.0f;
+        s[h] = F == MOEPT__GK_GATE8 ? sa : sa * sg;
+    }
+    if constexpr (F == MOEPT__GK_GATE8) {
+        s[2] = sg;
+        for (int q = 0; q < 2; q++) s[3 + q] = sb[(bu + q < last ? bu + q : last) * g->sbld];
     }
 }
+/* GATE8: which of thread l's registers j of an up half (bit j) hold a column of the up rows' second block */
+__device__ __forceinline__ uint32_t moept__gk_umask(const moept__gk_args *g, int nt) {
+    const int l = threadIdx.x % 128, n0 = g->N + nt * 64;
+    uint32_t m = 0;
+    for (int j = 0; j < 32; j++) m |= (uint32_t)((n0 + moept__gk_col(j, l)) / 128 != n0 / 128) << j;
+    return m;
+}
 /* ... its block sums t into d (zeros where a tile starts) times those scales (the promotion into fp32
-   every 128 of K, DeepSeek-V3's: the tensor cores' FP8 sums keep fewer bits) */
-__device__ __forceinline__ void moept__gk_promote(float *d, const float *t, const float *s) {
+   every 128 of K, DeepSeek-V3's: the tensor cores' FP8 sums keep fewer bits); GATE8: half H of d (the
+   gate columns, or the up ones) from t [32], each scale the product FWD8's would be */
+template <int F, int H = 0>
+__device__ __forceinline__ void moept__gk_promote(float *d, const float *t, const float *s, uint32_t um) {
+    if constexpr (F == MOEPT__GK_GATE8) {
 #pragma unroll
-    for (int j = 0; j < 64; j++) d[j] += t[j] * s[(j >> 1) & 1];
+        for (int j = 0; j < 32; j++)
+            d[32 * H + j] += t[j] * (s[(j >> 1) & 1] * (H ? s[3 + (um >> j & 1)] : s[2]));
+    } else {
+#pragma unroll
+        for (int j = 0; j < 64; j++) d[j] += t[j] * s[(j >> 1) & 1];
+    }
 }
 
 /* p[0] = bf16(x), and p[1] = bf16(y) where two: one 4-byte store where p is 4-byte aligned */
@@ -4103,9 +4167,10 @@ __device__ __forceinline__ void moept__gk_store(const moept__gk_args *g, const f
 
 /* GATE's epilogue: consumer w's rows of run i's tile nt, the gate columns n0 + c (c < 64) in registers
    j < 32 and the up columns in j + 32 (the D fragment's column 64 + c): h's two as bf16, then a =
-   act(g, u) from those bf16 values, as the activation pass computes it from h */
+   act(g, u) from those bf16 values, as the activation pass computes it from h; pam[h] (GATE8; else
+   NULL) the amax of a as stored in the thread's row h */
 __device__ __forceinline__ void moept__gk_store_act(const moept__gk_args *g, const float *d, int i, int mt,
-                                                    int nt, int w) {
+                                                    int nt, int w, float *pam) {
     const int t = threadIdx.x % 128;
     const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_TN(MOEPT__GK_GATE);
     moept__bf16 *h = (moept__bf16 *)g->out, *a = (moept__bf16 *)g->a;
@@ -4126,6 +4191,45 @@ __device__ __forceinline__ void moept__gk_store_act(const moept__gk_args *g, con
             moept__st_bf16x2(h + at + g->N, uv[0], uv[1], two);
         }
         moept__st_bf16x2(a + (g->r0[i] + r) * g->lda + col, av[0], av[1], two);
+        for (int q = 0; pam && q < 1 + two; q++)
+            pam[(j >> 1) & 1] =
+                moept__q8_amax(pam[(j >> 1) & 1], moept__bf16_to_f32(moept__f32_to_bf16(av[q])));
+    }
+}
+
+/* GATE8's end of tile nt: consumer w's rows of a in its 128 columns (the two subtiles' stores, this
+   thread's own columns read back) quantized along the row, one 1 x 128 tile (moept__k_q8_rows' bytes,
+   zeros from N to ldq): the row's amax from its 4 threads' (pam) through red [64][4], its scale at
+   qs[r + nt qsb] */
+__device__ __forceinline__ void moept__gk_store_q8(const moept__gk_args *g, int i, int mt, int nt, int w,
+                                                   const float *pam, float *red) {
+    const int t = threadIdx.x % 128;
+    const int64_t rbase = mt * MOEPT__GK_BM + w * 64;
+    float sc[2];
+    for (int h = 0; h < 2; h++) red[moept__gk_row(2 * h, t) * 4 + t % 4] = pam[h];
+    moept__bar_sync(2 + w, 128);
+    for (int h = 0; h < 2; h++) {
+        float amax = 0.0f;
+        for (int u = 0; u < 4; u++) amax = moept__q8_amax(amax, red[moept__gk_row(2 * h, t) * 4 + u]);
+        sc[h] = moept__q8_scale(amax);
+    }
+    moept__bar_sync(2 + w, 128); /* (red read by all before the next tile's writes) */
+    const moept__bf16 *a = (const moept__bf16 *)g->a;
+    for (int j = 0; j < 64; j += 2) { /* (j < 32: the first subtile's columns, else the second's) */
+        const int64_t r = rbase + moept__gk_row(j, t), col = (int64_t)nt * MOEPT__GK_BN + 64 * (j >= 32) +
+                                                            moept__gk_col(j % 32, t);
+        if (r >= g->rows[i] || col >= g->ldq) continue;
+        const int64_t row = g->r0[i] + r;
+        uint32_t b = 0;
+        for (int q = 0; q < 2; q++)
+            if (col + q < g->N)
+                b |= (uint32_t)moept__q8_byte(moept__bf16_to_f32(a[row * g->lda + col + q]), sc[(j >> 1) & 1])
+                     << (8 * q);
+        *(uint16_t *)(g->qa + row * g->ldq + col) = (uint16_t)b;
+    }
+    for (int h = 0; h < 2 && t % 4 == 0; h++) {
+        const int64_t r = rbase + moept__gk_row(2 * h, t);
+        if (r < g->rows[i]) g->qs[g->r0[i] + r + nt * g->qsb] = sc[h];
     }
 }
 
@@ -4150,65 +4254,98 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
     }
 }
 
-/* this CTA's tiles, k-step by k-step through the ring of stages. P: the producer (waits for a stage
-   to be empty, loads A's and B's tiles into it: moept__gk_produce); else consumer warpgroup w, 0 or 1
-   (waits for a stage to be full, issues its wgmmas, then waits for the step before's and frees that
-   stage, so one step's multiplies run while the next is issued; stores each finished tile). What keeps
-   ptxas from serializing the wgmmas or injecting waits (its C7518, C7517; tests/check_ptxas.sh lists
-   them): the role a template argument and warp-uniform (no branch on it between the wgmmas), d zeroed
-   where a tile starts (not on a path after the loop), read after a wait every consumer passes */
+/* one (sub)tile's k-steps of run i's tile (mt, nt), the producer's loads or consumer w's products into
+   d; whether none ran */
+template <int F, int P>
+__device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUtensorMap *mb,
+                                               const moept__gk_args *g, int w, uint8_t *sa, uint8_t *sb,
+                                               uint64_t *full, uint64_t *empty, int i, int mt, int nt,
+                                               int *it, float *d, float *t) {
+    int first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
+    const int nkb = moept__gk_ksteps<F>(g, i);
+    const uint32_t um = F == MOEPT__GK_GATE8 && !P ? moept__gk_umask(g, nt) : 0;
+    const int live = F == MOEPT__GK_WGRAD || moept__gk_live(g, i, (int64_t)mt * MOEPT__GK_BM, MOEPT__GK_BM);
+    for (int kb = 0; kb < nkb && live; kb++) {
+        if (F == MOEPT__GK_WGRAD && !moept__gk_live(g, i, (int64_t)kb * MOEPT__GK_BK, MOEPT__GK_BK))
+            continue; /* (the producer and the consumers skip the same steps) */
+        const int s = *it % MOEPT__GK_ST, phase = (*it / MOEPT__GK_ST) & 1;
+        (*it)++;
+        uint8_t *a = sa + s * MOEPT__GK_TILE_B, *b = sb + s * MOEPT__GK_TILE_B;
+        if constexpr (P) {
+            moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
+            moept__gk_produce<F>(ma, mb, g, i, mt, nt, kb, a, b, &full[s]);
+        } else {
+            moept__mbar_wait(&full[s], phase);
+            const int v = g->rows[i] - kb * MOEPT__GK_BK;
+            if (F == MOEPT__GK_WGRAD && v < MOEPT__GK_BK)
+                moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v, g->lsu);
+            if constexpr (F == MOEPT__GK_GATE8) { /* (the gate half, then the up half) */
+                float sc[5];
+                moept__gk_scales<F>(g, i, mt, nt, kb, w, sc);
+                moept__gk_mma<F>(t, a, b, w, 0);
+                moept__wgmma_wait<0>();
+                moept__acc_fence<32>(t);
+                moept__gk_promote<F, 0>(d, t, sc, um);
+                moept__gk_mma<F>(t, a, b + MOEPT__GK_HALF, w, 0);
+                moept__wgmma_wait<0>();
+                moept__acc_fence<32>(t);
+                if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
+                moept__gk_promote<F, 1>(d, t, sc, um);
+            } else if constexpr (MOEPT__GK_Q(F)) { /* (its stage freed at once: t read, promoted) */
+                float sc[2];
+                moept__gk_scales<F>(g, i, mt, nt, kb, w, sc);
+                moept__gk_mma<F>(t, a, b, w, 0);
+                moept__wgmma_wait<0>();
+                moept__acc_fence(t);
+                if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
+                moept__gk_promote<F>(d, t, sc, um);
+            } else {
+                moept__gk_mma<F>(d, a, b, w, !first);
+                moept__wgmma_wait<1>();
+                if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
+                held = s;
+            }
+        }
+        first = 0;
+    }
+    if constexpr (!P) { /* (a wait on every path: ptxas injects none before d's reads) */
+        moept__wgmma_wait<0>();
+        moept__acc_fence(d);
+        if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
+    }
+    return first;
+}
+
+/* this CTA's tiles (GATE8: each its subtiles), k-step by k-step through the ring of stages
+   (moept__gk_steps). P: the producer (waits for a stage to be empty, loads A's and B's tiles into it:
+   moept__gk_produce); else consumer warpgroup w, 0 or 1 (waits for a stage to be full, issues its
+   wgmmas, then waits for the step before's and frees that stage, so one step's multiplies run while the
+   next is issued; stores each finished tile). What keeps ptxas from serializing the wgmmas or injecting
+   waits (its C7518, C7517; tests/check_ptxas.sh lists them): the role a template argument and
+   warp-uniform (no branch on it between the wgmmas), d zeroed where a tile starts (not on a path after
+   the loop), read after a wait every consumer passes */
 template <int F, int P>
 __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
-                               uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty) {
+                               uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty, float *red) {
     const int tiles = (int)moept__gk_tiles<F>(g); /* (under INT_MAX: moept__gk_launch) */
     int it = 0;
-    float d[64], t[F == MOEPT__GK_FWD8 ? 64 : 1]; /* t: FWD8's k-step sums, promoted into d */
+    float d[64], t[F == MOEPT__GK_GATE8 ? 32 : MOEPT__GK_Q(F) ? 64 : 1]; /* t: the E4M3 forms' k-step sums,
+                                                                           promoted into d */
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int mt = 0, nt = 0, first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
-        for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
-        const int i = moept__gk_locate<F>(g, tile, &mt, &nt), nkb = moept__gk_ksteps<F>(g, i);
-        const int live = F == MOEPT__GK_WGRAD || moept__gk_live(g, i, (int64_t)mt * MOEPT__GK_BM,
-                                                                 MOEPT__GK_BM);
-        for (int kb = 0; kb < nkb && live; kb++) {
-            if (F == MOEPT__GK_WGRAD && !moept__gk_live(g, i, (int64_t)kb * MOEPT__GK_BK, MOEPT__GK_BK))
-                continue; /* (the producer and the consumers skip the same steps) */
-            const int s = it % MOEPT__GK_ST, phase = (it / MOEPT__GK_ST) & 1;
-            it++;
-            uint8_t *a = sa + s * MOEPT__GK_TILE_B, *b = sb + s * MOEPT__GK_TILE_B;
-            if constexpr (P) {
-                moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
-                moept__gk_produce<F>(ma, mb, g, i, mt, nt, kb, a, b, &full[s]);
-            } else {
-                moept__mbar_wait(&full[s], phase);
-                const int v = g->rows[i] - kb * MOEPT__GK_BK;
-                if (F == MOEPT__GK_WGRAD && v < MOEPT__GK_BK)
-                    moept__gk_tail(a + w * MOEPT__GK_HALF, b + w * MOEPT__GK_HALF, v, g->lsu);
-                if constexpr (F == MOEPT__GK_FWD8) { /* (its stage freed at once: t read, promoted) */
-                    float sc[2];
-                    moept__gk_scales(g, i, mt, nt, kb, w, sc);
-                    moept__gk_mma<F>(t, a, b, w, 0);
-                    moept__wgmma_wait<0>();
-                    moept__acc_fence(t);
-                    if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
-                    moept__gk_promote(d, t, sc);
-                } else {
-                    moept__gk_mma<F>(d, a, b, w, !first);
-                    moept__wgmma_wait<1>();
-                    if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
-                    held = s;
-                }
-            }
-            first = 0;
+        int mt = 0, nt = 0;
+        const int i = moept__gk_locate<F>(g, tile, &mt, &nt);
+        float pam[2] = {0.0f, 0.0f}; /* GATE8: the amax of a in this thread's two rows */
+        for (int sub = 0; sub < moept__gk_subs<F>(g, nt); sub++) {
+            const int st = F == MOEPT__GK_GATE8 ? 2 * nt + sub : nt; /* (the subtile: 64 columns) */
+            for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
+            const int first = moept__gk_steps<F, P>(ma, mb, g, w, sa, sb, full, empty, i, mt, st, &it, d, t);
+            if (P || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
+            if (F == MOEPT__GK_GATE || F == MOEPT__GK_GATE8)
+                moept__gk_store_act(g, d, i, mt, st, w, F == MOEPT__GK_GATE8 ? pam : NULL);
+            else if (F == MOEPT__GK_DACT) moept__gk_store_dact(g, d, i, mt, nt, w);
+            else moept__gk_store<F>(g, d, i, mt, nt, w);
         }
-        if constexpr (!P) { /* (a wait on every path: ptxas injects none before d's reads) */
-            moept__wgmma_wait<0>();
-            moept__acc_fence(d);
-            if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
-        }
-        if (P || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
-        if (F == MOEPT__GK_GATE) moept__gk_store_act(g, d, i, mt, nt, w);
-        else if (F == MOEPT__GK_DACT) moept__gk_store_dact(g, d, i, mt, nt, w);
-        else moept__gk_store<F>(g, d, i, mt, nt, w);
+        if constexpr (F == MOEPT__GK_GATE8 && !P) moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256);
     }
 }
 
@@ -4232,8 +4369,9 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
     __syncthreads();
     const int wg = moept__warp_uniform(threadIdx.x / 128); /* the first warpgroup produces (TMA alone: its
                                                                thread 0) */
-    if (wg > 0) moept__gk_walk<F, 0>(&ma, &mb, &g, wg - 1, sa, sb, full, empty);
-    else if (threadIdx.x == 0 || g.lsu) moept__gk_walk<F, 1>(&ma, &mb, &g, -1, sa, sb, full, empty);
+    float *red = (float *)(empty + MOEPT__GK_ST); /* (GATE8's row amaxes: [2][64][4]) */
+    if (wg > 0) moept__gk_walk<F, 0>(&ma, &mb, &g, wg - 1, sa, sb, full, empty, red);
+    else if (threadIdx.x == 0 || g.lsu) moept__gk_walk<F, 1>(&ma, &mb, &g, -1, sa, sb, full, empty, red);
 #endif
 }
 
@@ -4281,13 +4419,15 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
         return moept__kfail(err, MOEPT_ERR_UNSUPPORTED, "moept_create_cuda: options.gemm_form "
                             "MOEPT_GEMM_KERNEL: no cuTensorMapEncodeTiled in the driver (%s, query "
                             "result %d)", cudaGetErrorString(e), (int)q);
-    const void *forms[6] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
+    const void *forms[] = {(const void *)moept__k_gk<MOEPT__GK_FWD>,
                             (const void *)moept__k_gk<MOEPT__GK_DGRAD>,
                             (const void *)moept__k_gk<MOEPT__GK_WGRAD>,
                             (const void *)moept__k_gk<MOEPT__GK_GATE>,
                             (const void *)moept__k_gk<MOEPT__GK_DACT>,
-                            (const void *)moept__k_gk<MOEPT__GK_FWD8>};
-    for (int i = 0; i < 6; i++)
+                            (const void *)moept__k_gk<MOEPT__GK_FWD8>,
+                            (const void *)moept__k_gk<MOEPT__GK_GATE8>};
+    static_assert(sizeof forms / sizeof forms[0] == MOEPT__GK_FORMS, "moept__gk_create: every form");
+    for (int i = 0; i < MOEPT__GK_FORMS; i++)
         MOEPT__CU(cudaFuncSetAttribute(forms[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        MOEPT__GK_SMEM));
     c->gk_encode = (void *)fn;
@@ -4360,6 +4500,7 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
     MOEPT__GK_GO(GATE);
     MOEPT__GK_GO(DACT);
     MOEPT__GK_GO(FWD8);
+    MOEPT__GK_GO(GATE8);
 #undef MOEPT__GK_GO
     MOEPT__LAUNCHED();
     return MOEPT_OK;
@@ -4375,21 +4516,26 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
    sync-free mode's committed counts (R its groups of P blocks), the tiles of zero rows skipped; NULL:
    every tile run */
 typedef struct moept__gk_ext {   /* a form's extras */
-    void *a;                    /* GATE: a [..][lda] bf16 */
+    void *a;                    /* GATE, GATE8: a [..][lda] bf16 */
     int64_t lda;
-    int act;                    /* GATE, DACT: config.act */
-    int64_t bn;                 /* FWD8: B's rows an expert (the E4M3 copy's padded rows) */
-    const float *sa, *sb;       /* FWD8: the scales, as moept__gk_args's */
+    int act;                    /* GATE, DACT, GATE8: config.act */
+    int64_t bn;                 /* FWD8, GATE8: B's rows an expert (the E4M3 copy's padded rows) */
+    const float *sa, *sb;       /* FWD8, GATE8: the scales, as moept__gk_args's */
     int64_t sarows, sars, sabs, sbe, sbld;
+    uint8_t *qa;                /* GATE8: a quantized, as moept__gk_args's */
+    float *qs;
+    int64_t ldq, qsb;
 } moept__gk_ext;
 /* g's fields of a form's extras (ga; NULL: none) and B's rows an expert */
 template <int F>
 static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t bn) {
     g->act = ga ? ga->act : 0; g->a = ga ? ga->a : NULL; g->lda = ga ? ga->lda : 0; g->bn = (int32_t)bn;
-    g->sa = F == MOEPT__GK_FWD8 ? ga->sa : NULL; g->sb = F == MOEPT__GK_FWD8 ? ga->sb : NULL;
-    const int q = F == MOEPT__GK_FWD8;
+    const int q = MOEPT__GK_Q(F), q8a = F == MOEPT__GK_GATE8;
+    g->sa = q ? ga->sa : NULL; g->sb = q ? ga->sb : NULL;
     g->sarows = q ? ga->sarows : 0; g->sars = q ? ga->sars : 0; g->sabs = q ? ga->sabs : 0;
     g->sbe = q ? ga->sbe : 0; g->sbld = q ? ga->sbld : 0;
+    g->qa = q8a ? ga->qa : NULL; g->qs = q8a ? ga->qs : NULL; g->ldq = q8a ? ga->ldq : 0;
+    g->qsb = q8a ? ga->qsb : 0;
 }
 template <int F>
 static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda,
@@ -4410,9 +4556,9 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
                             "(moept_kernels.cu:%d)", __LINE__);
     const int64_t bn = F == MOEPT__GK_FWD    ? N /* B's rows an expert */
                        : F == MOEPT__GK_GATE ? 2 * N
-                       : F == MOEPT__GK_FWD8 ? ga->bn
+                       : MOEPT__GK_Q(F)      ? ga->bn
                                              : K;
-    const int es = F == MOEPT__GK_FWD8 ? 1 : 2; /* the operands' element bytes */
+    const int es = MOEPT__GK_Q(F) ? 1 : 2; /* the operands' element bytes */
     if (end >= INT_MAX / 2 || ne * bn >= INT_MAX / 2 || M >= INT_MAX / 2 ||
         N >= INT_MAX / 2 || K >= INT_MAX / 2)
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: %lld rows, %lld weight rows, M %lld, "
@@ -4425,12 +4571,12 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     const int64_t *ai = wg ? NULL : xi, *bi = wg ? xi : NULL; /* x's rows: A, or WGRAD's B */
     /* a chunk's runs: A's rows by the producer's own loads, which stop at a run's end (TMA's box would read
        on into rows of a chunk still arriving; FWD8's A is their quantized copy, made on this stream) */
-    const int own = !R->offs && F != MOEPT__GK_FWD8;
+    const int own = !R->offs && !MOEPT__GK_Q(F);
     MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, es, ai, own, end, wg ? M : K, lda,
                                  wg ? 64 : MOEPT__GK_BM, err));
-    if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE || F == MOEPT__GK_FWD8)
+    if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE || MOEPT__GK_Q(F))
         MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, NULL, 0, ne * bn, K, ldb,
-                                     F == MOEPT__GK_GATE ? 64 : MOEPT__GK_BN, err));
+                                     MOEPT__GK_TN(F) == 64 ? 64 : MOEPT__GK_BN, err));
     else MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, bi, 0, wg ? end : ne * K, N, ldb, 64, err));
     moept__gk_more<F>(&g, ga, bn);
     g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
@@ -4529,11 +4675,6 @@ static moept_status moept__q8_mm(moept__cuda *c, int64_t n, const char *in, int 
     return moept__q8_result<T>(c, n, m, mp, out, m, 0, err);
 }
 
-/* config.fp8's forward product over R's runs in one launch of the grouped kernel (FWD8): A the rows
-   [0, end) of in (k columns, ld apart) quantized in 1 x 128 tiles (whole groups: at once; a chunk's
-   runs: each run's, as the rows between belong to chunks still arriving), or (rec) in's FP8 records as
-   they are (a chunk's runs: each run's copied, for the same reason), W's E4M3 copy wq [E][mp][kp] with
-   its 128 x 128 scales sq (ns an expert), out [..][m] bf16 */
 /* the end of R's rows (its last nonempty run's), checked against the FP8 scratch's rows */
 static moept_status moept__q8_end(const moept__cuda *c, const moept__runs *R, int64_t *end, char *err) {
     *end = 0;
@@ -4548,6 +4689,15 @@ static moept_status moept__q8_end(const moept__cuda *c, const moept__runs *R, in
     return MOEPT_OK;
 }
 
+/* whether the grouped kernel runs f's activation in a GEMM's epilogue (a gated one: its g and u): bf16,
+   or (fused8) config.fp8's, which also quantizes a for the W2 product (into q8r) */
+static int moept__ffn_fused(const moept__cuda *c, const moept__ffn *f) {
+    return !f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_ok(c);
+}
+static int moept__ffn_fused8(const moept__cuda *c, const moept__ffn *f) {
+    return f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_q8(c) && c->q8r;
+}
+
 /* whether a backward's dy and dh reach the grouped kernel's dgrads quantized along their rows by their
    wgrads' column passes, one read each (moept__k_q8_cols' RW: into q8r, q8sr): FP8 in the kernel form,
    whole groups, unchunked (a chunked layer runs the wgrads after every chunk's dgrads) */
@@ -4555,32 +4705,38 @@ static int moept__q8_twin(const moept__cuda *c, const moept__ffn *f, const moept
     return f->q8 && c->q8r && R->offs && c->C == 1;
 }
 
-template <typename T>
+/* config.fp8's forward product over R's runs in one launch of the grouped kernel (F: FWD8, or GATE8 with
+   its extras gx): A the rows [0, end) of in (k columns, ld apart) quantized in 1 x 128 tiles (whole
+   groups: at once; a chunk's runs: each run's, as the rows between belong to chunks still arriving), or
+   (rec) in's FP8 records as they are (a chunk's runs: each run's copied, for the same reason), or (pre)
+   in's rows quantized already, in q8r (the gate/up product's, or the wgrad's: moept__q8_twin); W's E4M3
+   copy wq [E][mp][kp] with its 128 x 128 scales sq (ns an expert), out [..][m] bf16 (GATE8: h, of m / 2
+   gate columns and their up ones; a quantized into q8r) */
+template <typename T, int F = MOEPT__GK_FWD8>
 static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept__runs *R, const char *in,
                                int rec, int64_t k, int64_t ld, const uint8_t *wq, const float *sq, int64_t ns,
-                               int64_t m, char *out, int twin, char *err) {
+                               int64_t m, char *out, int pre, const moept__gk_ext *gx, char *err) {
     int64_t end;
     MOEPT__TRY(moept__q8_end(c, R, &end, err));
     if (end == 0) return MOEPT_OK;
     const int64_t mp = MOEPT__Q8_PAD(m), kp = MOEPT__Q8_PAD(k), np = MOEPT__Q8_PAD(end);
-    if (twin) { /* (in's rows quantized already, by its wgrad's read) */
-        const moept__gk_ext ge = {NULL, 0, 0, mp, c->q8sr, sq, np, 1, np, ns, MOEPT__Q8_L4(kp)};
-        return moept__gk<MOEPT__GK_FWD8>(c, R, c->q8r, kp, wq, kp, NULL, 0, m, kp, out, m, f->cnt, &ge, err);
-    }
-    if (rec && R->offs) { /* the records as A: their bytes kp wide, ld apart, each row's scales after them */
-        const moept__gk_ext ge = {NULL, 0, 0, mp, (const float *)(in + kp), sq, end, ld / 4, 1, ns,
-                                  MOEPT__Q8_L4(kp)};
-        return moept__gk<MOEPT__GK_FWD8>(c, R, in, ld, wq, kp, NULL, 0, m, kp, out, m, f->cnt, &ge, err);
+    const int64_t N = F == MOEPT__GK_GATE8 ? m / 2 : m;
+    moept__gk_ext ge = gx ? *gx : moept__gk_ext{};
+    ge.bn = mp; ge.sb = sq; ge.sbe = ns; ge.sbld = MOEPT__Q8_L4(kp); ge.qsb = np;
+    if (rec && R->offs && !pre) { /* the records as A: their bytes kp wide, ld apart, each row's scales
+                                     after them */
+        ge.sa = (const float *)(in + kp); ge.sarows = end; ge.sars = ld / 4; ge.sabs = 1;
+        return moept__gk<F>(c, R, in, ld, wq, kp, NULL, 0, N, kp, out, m, f->cnt, &ge, err);
     }
     const int64_t es = rec ? 1 : c->esz;
-    if (R->offs) MOEPT__TRY(moept__q8_operand<T>(c, in, rec, end, k, ld, 0, 0, err));
-    for (int64_t i = 0; !R->offs && i < R->n; i++) {
+    if (R->offs && !pre) MOEPT__TRY(moept__q8_operand<T>(c, in, rec, end, k, ld, 0, 0, err));
+    for (int64_t i = 0; !R->offs && !pre && i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
         if (rows > 0) MOEPT__TRY(moept__q8_operand<T>(c, in + r0 * ld * es, rec, rows, k, ld, r0, np, err));
     }
-    const moept__gk_ext ge = {NULL, 0, 0, mp, c->q8sb, sq, np, 1, np, ns, MOEPT__Q8_L4(kp)};
-    return moept__gk<MOEPT__GK_FWD8>(c, R, c->q8b, kp, wq, kp, NULL, 0, m, kp, out, m, f->cnt, &ge, err);
+    ge.sa = pre ? c->q8sr : c->q8sb; ge.sarows = np; ge.sars = 1; ge.sabs = np;
+    return moept__gk<F>(c, R, pre ? c->q8r : c->q8b, kp, wq, kp, NULL, 0, N, kp, out, m, f->cnt, &ge, err);
 }
 
 /* One matmul of the FFN over R's rows through weight W [wo][wi] (W13 [H][D],
@@ -4604,8 +4760,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         const int64_t ns = w2 ? (bwd ? w->ns2t : w->ns2) : (bwd ? w->ns13t : w->ns13);
         const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
         if (moept__gk_q8(c)) /* (the dgrad: B the transposed copy, K-major as the forward's) */
-            return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O, bwd && moept__q8_twin(c, f, R),
-                                 err);
+            return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O,
+                                 bwd ? moept__q8_twin(c, f, R) : w2 && moept__ffn_fused8(c, f), NULL, err);
         MOEPT__TRY(moept__q8_fits(c, R, err));
         for (int64_t i = 0; i < R->n; i++) {
             int64_t r0, rows, e;
@@ -4677,19 +4833,21 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
 }
 
 /* The forward over R's rows: h = x W13^T, a = act(h), y = a W2^T */
-/* whether the grouped kernel runs f's activation in a GEMM's epilogue (a gated one: its g and u) */
-static int moept__ffn_fused(const moept__cuda *c, const moept__ffn *f) {
-    return !f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_ok(c);
-}
-
 template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
     if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
-        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0};
+        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0};
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
+    } else if (moept__ffn_fused8(c, f)) { /* h, a and a's E4M3 rows (W2's A) by the gate/up GEMM */
+        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0,    NULL, NULL, 0, 0, 0, 0, 0, c->q8r, c->q8sr,
+                                  MOEPT__Q8_PAD(F), 0};
+        const int64_t ld = f->xq ? moept__q8_recw(D) : D; /* (x's FP8 records, or its rows) */
+        const moept__q8w *q = f->q8;
+        MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
+                                                   q->ns13, f->H, (char *)f->h, 0, &ga, err)));
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 0, 0, f->x, f->h, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 0, err));
@@ -4709,7 +4867,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     const void *W2 = moept__w(c, f->off2);
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
-        const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0};
+        const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0};
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else {

@@ -246,6 +246,30 @@ static void q8t_twin(q8t_case<moept__bf16> *k) {
     free(hq); free(hqr); free(hs); free(hsr);
 }
 
+/* the last forward's a (the routed experts', F columns) as the gate/up kernel quantized it (q8r, q8sr)
+   against moept__q8_along of a as stored: rows and scales */
+static void q8t_gate8(moept__cuda *c, int64_t F) {
+    const moept__cslot *sl = &c->slots[c->last];
+    const int64_t end = sl->roffsets[c->sp.El], np = MOEPT__Q8_PAD(end), Fp = MOEPT__Q8_PAD(F);
+    const int64_t L = MOEPT__Q8_L(F);
+    char err[MOEPT__ERRLEN] = "";
+    uint8_t *q = q8t_dev<uint8_t>(NULL, (size_t)(np * Fp));
+    float *s = q8t_dev<float>(NULL, (size_t)(L * np) * 4);
+    moept_status st = moept__q8_along<moept__bf16>(c, sl->a, end, F, c->lda_a, q, s, 0, err);
+    EXPECT(!st && end > 0 && c->q8r, "%s (%lld rows)", err, (long long)end);
+    if (st || !c->q8r) return;
+    const size_t sb = (size_t)(L * np) * 4;
+    uint8_t *hq = q8t_host<uint8_t>(q, (size_t)(np * Fp));
+    uint8_t *hr = q8t_host<uint8_t>(c->q8r, (size_t)(end * Fp));
+    float *hs = q8t_host<float>(s, sb), *hsr = q8t_host<float>(c->q8sr, sb);
+    int64_t diff = !q8t_same(hq, hr, (size_t)(end * Fp));
+    for (int64_t b = 0; b < L; b++) diff += !q8t_same(hs + b * np, hsr + b * np, (size_t)end * 4);
+    EXPECT(diff == 0, "the gate/up kernel's quantized a differs from moept__q8_along's of a (%lld parts)",
+           (long long)diff);
+    cudaFree(q); cudaFree(s);
+    free(hq); free(hr); free(hs); free(hsr);
+}
+
 template <typename T>
 static void q8t_width(int64_t D, int64_t n) {
     q8t_case<T> k;
@@ -272,10 +296,76 @@ static void test_records(void) {
         }
 }
 
+/* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) with its fused quantizers (a by
+   the gate/up kernel's epilogue, dy and dh by the wgrads' column passes) and without (q8r NULL: each by
+   a pass of its own): y, dx and every gradient bitwise; and (a layer with no shared expert, whose a
+   comes last) the gate/up kernel's quantized a is moept__q8_along's of a as stored, byte for byte.
+   F 200: a's second tile an edge, the up rows' blocks crossed within a subtile */
+static void q8t_fused(moept_family fam) {
+    moept_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.family = fam; cfg.hidden_size = 72; cfg.intermediate_size = 200; cfg.num_experts = 4; cfg.top_k = 2;
+    cfg.norm_topk_prob = 1; cfg.max_tokens = 40; cfg.fp8 = MOEPT_FP8_BLOCKWISE;
+    cfg.shared_intermediate_size = fam == MOEPT_FAMILY_QWEN2_MOE ? 136 : 0;
+    const int64_t T = cfg.max_tokens, D = cfg.hidden_size, F = cfg.intermediate_size;
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+    moept_layer *L[2] = {NULL, NULL};
+    unsigned long long rs = 5;
+    moept__bf16 *xh = (moept__bf16 *)malloc((size_t)(T * D) * 2);
+    for (int64_t i = 0; i < T * D; i++) xh[i] = moept__f32_to_bf16((float)tu_rand(&rs));
+    moept__bf16 *x = q8t_dev<moept__bf16>(xh, (size_t)(T * D) * 2);
+    void *y[2] = {NULL, NULL}, *dx[2] = {NULL, NULL};
+    float *g[2] = {NULL, NULL};
+    int64_t np = 0;
+    for (int v = 0; v < 2 && !tu_bad; v++) {
+        y[v] = q8t_dev<char>(NULL, (size_t)(T * D) * 2);
+        dx[v] = q8t_dev<char>(NULL, (size_t)(T * D) * 2);
+        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L[v]));
+        if (!L[v]) break;
+        moept_init_params(L[v], 7);
+        moept__view view;
+        moept__cuda *c = moept__cx(L[v], &view);
+        if (v) c->q8r = NULL; /* (the separate passes) */
+        const float *xf = (const float *)x; /* (the layer's dtype: bf16) */
+        EXPECT(!moept_forward(L[v], xf, T, (float *)y[v]), "forward: %s", moept_last_error(L[v]));
+        if (!v && fam == MOEPT_FAMILY_MIXTRAL) q8t_gate8(c, F);
+        EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
+        float *pp = NULL, *gp = NULL;
+        EXPECT_OK(moept_cuda_params(L[v], &pp, &gp, &np));
+        if (gp) g[v] = q8t_host<float>(gp, (size_t)np * 4);
+    }
+    int same = g[0] && g[1] && q8t_same(g[0], g[1], (size_t)np * 4);
+    for (int k = 0; k < 2 && L[1]; k++) {
+        char *h0 = q8t_host<char>(k ? dx[0] : y[0], (size_t)(T * D) * 2);
+        char *h1 = q8t_host<char>(k ? dx[1] : y[1], (size_t)(T * D) * 2);
+        same = same && q8t_same(h0, h1, (size_t)(T * D) * 2);
+        free(h0); free(h1);
+    }
+    EXPECT(same, "family %d: the fused quantizers' y, dx or gradients differ from the separate passes'",
+           (int)fam);
+    for (int v = 0; v < 2; v++) { moept_destroy(L[v]); cudaFree(y[v]); cudaFree(dx[v]); free(g[v]); }
+    cudaFree(x);
+    free(xh);
+}
+
+static void test_fused(void) {
+    setenv("MOEPT_EMU_CC", "90", 1);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL);
+    q8t_fused(MOEPT_FAMILY_QWEN2_MOE);
+    unsetenv("MOEPT_EMU_CC");
+}
+
 int main(void) {
     const char *name = "FP8 records, their cuBLASLt copy, a chunk's runs, the wgrad's column-wise x and "
                        "the rows' copy from its read: the separate passes' bytes, the CPU's values";
-    if (moept_cuda_device_count() < 1) tu_skip(name, "no CUDA device");
-    else tu_run(name, test_records);
+    const char *fused = "the kernel form's FP8 layer: its fused quantizers' results the separate passes' "
+                        "bitwise, the gate/up kernel's quantized a moept__q8_along's";
+    if (moept_cuda_device_count() < 1) {
+        tu_skip(name, "no CUDA device");
+        tu_skip(fused, "no CUDA device");
+    } else {
+        tu_run(name, test_records);
+        tu_run(fused, test_fused);
+    }
     return tu_done();
 }

@@ -358,6 +358,23 @@ void hop_shared(int t, size_t off, size_t n, int write) {
     }
 }
 
+uint32_t hop_clock() { return g_hclock; }
+
+/* whether thread w's shared-memory access at clock stamp is ordered before thread r's: by a barrier both
+   passed after it, among each's last NSEEN (PTX ISA, "bar, barrier": once a barrier completes, the
+   memory accesses its threads requested before it are performed relative to all the threads that take
+   part in it; so a named barrier of part of the block orders the accesses of its threads) */
+bool hop_ordered(int w, uint32_t stamp, int r) {
+    KBlock k;
+    if (!cur(&k) || B.seen.size() <= (size_t)std::max(w, r)) return false;
+    for (const BarSeen &b : B.seen[(size_t)w]) {
+        if (!b.at || b.at <= stamp) continue;
+        for (const BarSeen &c : B.seen[(size_t)r])
+            if (c.at == b.at) return true;
+    }
+    return false;
+}
+
 /* an access of thread t's own stack while the block uses the primitives: a wgmma's accumulators */
 void hop_stack(int t, size_t off, size_t n, int write) {
     if (B.acc.size() <= (size_t)t) return;

@@ -246,6 +246,8 @@ void hop_block();                                        /* a new block begins *
 void hop_shared(int t, size_t off, size_t n, int write); /* a generic access of dynamic shared memory */
 void hop_stack(int t, size_t off, size_t n, int write);  /* an access of thread t's own stack (hop_on) */
 void hop_barrier();                                      /* a __syncthreads released the block */
+uint32_t hop_clock();                                    /* the clock now (a shared access's stamp) */
+bool hop_ordered(int w, uint32_t stamp, int r);          /* w's access at stamp before r's, by a bar.sync */
 void hop_exit(int t);                                    /* thread t returned from the kernel */
 /* the emulated driver's cuTensorMapEncodeTiled (cudaGetDriverEntryPointByVersion) */
 void *tensor_map_encode_tiled();

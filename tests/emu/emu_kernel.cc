@@ -90,10 +90,11 @@ static uint32_t g_epoch;
 static uint64_t g_seed;
 
 /* racecheck shadow of the __shared__ section, per byte */
-struct SharedShadow {
+struct SharedShadow {        /* a byte's accesses in the block's barrier interval (epoch: __syncthreads) */
     uint32_t wep, rep, blk;  /* blk: the block that first touched it */
-    uint16_t wt, rt;
-    uint8_t rmulti;
+    uint32_t wst, rst[4];    /* the clock (hop_clock) at the write, at each read */
+    uint16_t wt, rt[4];      /* the writer, the readers (nr of them; 5: more than 4) */
+    uint8_t nr;
 };
 static uint32_t g_block;
 static SharedShadow *g_sh;
@@ -364,17 +365,36 @@ static void shared_access(const char *p, size_t n, int write) {
                 return;
             }
         }
-        if (s.wep == x->epoch && s.wt != t) { kind = write ? "write after write" : "read after write"; other = s.wt; }
-        else if (write && s.rep == x->epoch && (s.rmulti || s.rt != t)) { kind = "write after read"; other = s.rt; }
+        /* (an access the epoch does not order may be ordered by a named barrier both threads passed) */
+        if (s.wep == x->epoch && s.wt != t && !hop_ordered(s.wt, s.wst, t)) {
+            kind = write ? "write after write" : "read after write";
+            other = s.wt;
+        }
+        for (int q = 0; write && !kind && s.rep == x->epoch && q < s.nr; q++)
+            if (q == 4 || (s.rt[q] != t && !hop_ordered(s.rt[q], s.rst[q], t))) {
+                kind = "write after read";
+                other = s.rt[q < 4 ? q : 0];
+            }
         if (kind) {
             report("racecheck", "kernel %s block (%u,%u,%u): thread %d %s %zu bytes of shared memory at offset %zu: "
                    "%s with thread %d since the last barrier", x->name, x->bid.x, x->bid.y, x->bid.z, t,
                    write ? "writes" : "reads", n, off, kind, other);
             return;
         }
-        if (write) { s.wep = x->epoch; s.wt = t; }
-        else if (s.rep != x->epoch) { s.rep = x->epoch; s.rt = t; s.rmulti = 0; }
-        else if (s.rt != t) s.rmulti = 1;
+        if (write) { /* (ordered after every read so far: later accesses are checked against it alone) */
+            s.wep = x->epoch; s.wt = t; s.wst = hop_clock();
+            s.rep = 0;
+            continue;
+        }
+        if (s.rep != x->epoch) { s.rep = x->epoch; s.nr = 0; }
+        int q = 0;
+        while (q < s.nr && q < 4 && s.rt[q] != t) q++;
+        if (q == 4) s.nr = 5;
+        else {
+            s.rt[q] = t;
+            s.rst[q] = hop_clock();
+            if (q == s.nr) s.nr++;
+        }
     }
 }
 
@@ -495,7 +515,7 @@ void smem_async_write(const char *p, size_t n) {
         SharedShadow &s = g_sh[off + i];
         s.blk = X->blk;
         s.wep = s.rep = 0;
-        s.rmulti = 0;
+        s.nr = 0;
     }
 }
 bool smem_defined(const char *p) { return g_sh[p - __data_start].blk == X->blk; }

@@ -1378,6 +1378,23 @@ __global__ void k_bar(int bad) {
     moept_emu_bar_sync(1, bad == 1 ? 48 : bad == 2 && t >= 64 ? 64 : 128);
 }
 
+/* each half of the block exchanges words of shared memory through its own named barrier (bar.sync 1 +
+   half, 64 threads): each thread writes its word, reads its 4-thread group's, writes its word again,
+   reads a neighbour's: clean; bad 1 reads the other half's words (no barrier of its own orders them),
+   bad 2 writes again with no barrier after the group's reads (write after read) */
+__global__ void k_nbar_xchg(int bad, float *out) {
+    __shared__ float shx[128];
+    const int t = threadIdx.x, h = t / 64;
+    shx[t] = (float)t;
+    moept_emu_bar_sync(1 + h, 64);
+    float v = 0.0f;
+    for (int u = 0; u < 4; u++) v += shx[((t & ~3) + u + (bad == 1 ? 64 : 0)) % 128];
+    if (bad != 2) moept_emu_bar_sync(1 + h, 64);
+    shx[t] = v;
+    moept_emu_bar_sync(1 + h, 64);
+    out[t] = shx[t ^ 1];
+}
+
 /* whether k_wg_frag's out (thread t's d[i] at t n/2 + i) holds D[r][c] = mul r + c (mul: n, or given)
    at the places of the m64nNk16 D fragment (a copy to the host: it waits for the kernel) */
 static bool frag_is(const float *out, int n, int mul = 0) {
@@ -1776,6 +1793,19 @@ static void hopper_kernels() {
     MOEPT__LAUNCH(k_bar, 1, 128, 0, 0)(3);
     cudaDeviceSynchronize();
     expect_report("hang: half of bar.sync's threads return", "wait in bar.sync");
+    MOEPT__LAUNCH(k_nbar_xchg, 1, 128, 0, 0)(0, out);
+    std::vector<float> hx(128);
+    cudaMemcpy(hx.data(), out, 128 * 4, cudaMemcpyDeviceToHost);
+    expect_clean("shared memory exchanged within each half of the block through its own bar.sync: clean");
+    ok = true;
+    for (int t = 0; t < 128; t++) ok = ok && hx[(size_t)t] == (float)(16 * ((t ^ 1) / 4) + 6);
+    result("... each thread holds its neighbour's group's sum", ok, "wrong sum");
+    MOEPT__LAUNCH(k_nbar_xchg, 1, 128, 0, 0)(1, out);
+    cudaDeviceSynchronize();
+    expect_report("racecheck: words read that another half's barrier orders", "racecheck");
+    MOEPT__LAUNCH(k_nbar_xchg, 1, 128, 0, 0)(2, out);
+    cudaDeviceSynchronize();
+    expect_report("racecheck: a word written again with no barrier after its group's reads", "racecheck");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 2, 0);
     cudaDeviceSynchronize();
     expect_report("proxy: generic stores fenced but no barrier before the wgmma", "no barrier that it passed");
