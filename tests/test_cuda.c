@@ -1136,7 +1136,7 @@ static void kernel_form_inference(moept_config cfg, const void *xd) {
    max_tokens rows, more experts with rows than a launch takes runs (about 294 of 300: two launches a
    GEMM); config.fp8 (its forward products in the kernel's FP8 form, partial 128-blocks of K and N, the
    weights' blocks scaled apart; experts of about 150 rows, two m-tiles, in the sync-free mode)
-   (kernel_form_shape); an inference-only layer (kernel_form_inference). Rows TMA takes (16-byte row
+   (kernel_form_shape); an inference-only layer, bf16 and FP8 (kernel_form_inference). Rows TMA takes (16-byte row
    strides) and rows it does not (D 68: the producer warpgroup loads them), each alone or beside the
    other in one launch (F 40: TMA's). On the
    emulated GPU,
@@ -1171,7 +1171,7 @@ static void test_kernel_form(void) {
         for (int64_t j = 0; j < n; j++) x[j] = v[i].same && j >= D ? x[j % D] : (float)tu_rand(&rs);
         void *xd = dev_from(x, n, 1);
         kernel_form_shape(cfg, xd, i, v[i].fp8 == 2);
-        if (i == 0) kernel_form_inference(cfg, xd);
+        if (i == 0 || i == 6) kernel_form_inference(cfg, xd); /* (bf16; FP8's gate/up a over h) */
         cudaFree(xd);
         free(x);
     }

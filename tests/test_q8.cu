@@ -12,6 +12,7 @@
      read): its columns the plain pass's, its rows moept__q8_along's, run by run.
    fp32 and bf16 rows; widths with whole, edge and lone tiles; 37 rows and 300 (three row tiles). */
 #include "../moept_kernels.cu"
+#include "emu/emu.h" /* (an emulator program: its launch counts) */
 #include "testutil.h"
 
 template <typename T>
@@ -300,14 +301,15 @@ static void test_records(void) {
    the gate/up kernel's epilogue, dy and dh by the wgrads' column passes) and without (q8r NULL: each by
    a pass of its own): y, dx and every gradient bitwise; and (a layer with no shared expert, whose a
    comes last) the gate/up kernel's quantized a is moept__q8_along's of a as stored, byte for byte.
-   F 200: a's second tile an edge, the up rows' blocks crossed within a subtile */
-static void q8t_fused(moept_family fam) {
+   F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
+   an edge of one subtile */
+static void q8t_fused(moept_family fam, int64_t F) {
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
-    cfg.family = fam; cfg.hidden_size = 72; cfg.intermediate_size = 200; cfg.num_experts = 4; cfg.top_k = 2;
+    cfg.family = fam; cfg.hidden_size = 72; cfg.intermediate_size = F; cfg.num_experts = 4; cfg.top_k = 2;
     cfg.norm_topk_prob = 1; cfg.max_tokens = 40; cfg.fp8 = MOEPT_FP8_BLOCKWISE;
     cfg.shared_intermediate_size = fam == MOEPT_FAMILY_QWEN2_MOE ? 136 : 0;
-    const int64_t T = cfg.max_tokens, D = cfg.hidden_size, F = cfg.intermediate_size;
+    const int64_t T = cfg.max_tokens, D = cfg.hidden_size;
     moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
     moept_layer *L[2] = {NULL, NULL};
     unsigned long long rs = 5;
@@ -327,7 +329,10 @@ static void q8t_fused(moept_family fam) {
         moept__cuda *c = moept__cx(L[v], &view);
         if (v) c->q8r = NULL; /* (the separate passes) */
         const float *xf = (const float *)x; /* (the layer's dtype: bf16) */
+        const long k0 = moept_emu_launches("GK_GATE8");
         EXPECT(!moept_forward(L[v], xf, T, (float *)y[v]), "forward: %s", moept_last_error(L[v]));
+        const long k8 = moept_emu_launches("GK_GATE8") - k0;
+        EXPECT(v ? k8 == 0 : k8 > 0, "layer %d: %ld launches of the fused gate/up form", v, k8);
         if (!v && fam == MOEPT_FAMILY_MIXTRAL) q8t_gate8(c, F);
         EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
         float *pp = NULL, *gp = NULL;
@@ -350,8 +355,9 @@ static void q8t_fused(moept_family fam) {
 
 static void test_fused(void) {
     setenv("MOEPT_EMU_CC", "90", 1);
-    q8t_fused(MOEPT_FAMILY_MIXTRAL);
-    q8t_fused(MOEPT_FAMILY_QWEN2_MOE);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 200);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 136); /* (a's second tile of one subtile, 8 columns) */
+    q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 200);
     unsetenv("MOEPT_EMU_CC");
 }
 
