@@ -1136,12 +1136,11 @@ static void kernel_form_inference(moept_config cfg, const void *xd) {
    max_tokens rows, more experts with rows than a launch takes runs (about 294 of 300: two launches a
    GEMM); config.fp8 (its forward products in the kernel's FP8 form, partial 128-blocks of K and N, the
    weights' blocks scaled apart; experts of about 150 rows, two m-tiles, in the sync-free mode)
-   (kernel_form_shape); an inference-only layer, bf16 and FP8 (kernel_form_inference). Rows TMA takes (16-byte row
-   strides) and rows it does not (D 68: the producer warpgroup loads them), each alone or beside the
-   other in one launch (F 40: TMA's). On the
-   emulated GPU,
-   which answers compute capability 9.0 here (MOEPT_EMU_CC; at its default 8.0 the form is refused at
-   create, naming what it needs), and on a GPU of compute capability 9.0 (tools/gpu_check.sh) */
+   (kernel_form_shape); an inference-only layer, bf16 and FP8 (kernel_form_inference). Rows TMA takes
+   (16-byte row strides) and rows it does not (D 68: the producer warpgroup loads them), each alone or
+   beside the other in one launch (F 40: TMA's). On the emulated GPU, which answers compute capability
+   9.0 here (MOEPT_EMU_CC; at its default 8.0 the form is refused at create, naming what it needs), and
+   on a GPU of compute capability 9.0 (tools/gpu_check.sh) */
 static void test_kernel_form(void) {
 #ifdef MOEPT_EMU
     moept_config c0 = base_cfg(MOEPT_FAMILY_MIXTRAL);
