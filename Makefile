@@ -240,6 +240,12 @@ $(B)/test_fault: tests/test_fault.cu tests/testutil.h $(CUDA_OBJS)
 	$(NVCC) $(NVCCFLAGS) -Itests -c tests/test_fault.cu -o $(B)/cuda/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/test_fault.o $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
+# FP8's quantizers, and the kernel form's fused ones against the separate passes, bitwise (tests/test_q8.cu:
+# the kernels' unit included, so moept.o alone beside it)
+$(B)/test_q8_cuda: tests/test_q8.cu tests/testutil.h moept_kernels.cu moept.c $(HDRS) $(B)/cuda/moept.o
+	$(NVCC) $(NVCCFLAGS) -Itests -c tests/test_q8.cu -o $(B)/cuda/test_q8.o
+	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/test_q8.o $(B)/cuda/moept.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+
 # CUDA's answers to the calls the emulator has rules for (tests/cuda_rules.txt: a real GPU's)
 $(B)/cuda_rules: tests/cuda_rules.cu | $(B)
 	$(NVCC) $(NVCCFLAGS) tests/cuda_rules.cu -o $@

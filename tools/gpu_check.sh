@@ -69,6 +69,8 @@
 #           --bf16 300 steps with --dtype fp8 and without, also at --dim 1024 --ffn 512 (full
 #           FP8 tiles; tools/curve_diff.py compares each pair); the kernel form's FP8 (its bf16
 #           pass) and the device comm's records (EP 2, plain and chunked) on the reference cases;
+#           test_q8 (the quantizers' bytes; the kernel form's fused ones against the separate
+#           passes, the layer's results bitwise);
 #           timed against the bf16 layer at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's
 #           shapes in AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the
 #           same bf16 GEMM floor), the quantizing kernels' share of each step (profile fp8);
@@ -310,6 +312,8 @@ fp8() {
         --no-skip
     step "lt_rules accuracy" build/lt_rules accuracy
     step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
+    step "test_q8: the quantizers' bytes; the fused ones' layer bitwise the separate passes'" \
+        build/test_q8_cuda
     step "moept_check_cuda --dtype fp8: the reference cases (FP8 layer against the file 2^-2, the CPU's 2^-5)" \
         build/moept_check_cuda --dtype fp8 tests/cases/*.safetensors
     for m in "" --sync-free; do
