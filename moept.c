@@ -3435,23 +3435,8 @@ static void moept__act_bwd_rowv(int kind, const float *h, const float *da, int64
    then the GEMMs run in fp32: each tile's scale s = max(amax / 448, 2^-63)
    (moept__q8_scale), each value s * e4m3(v / s).
    ------------------------------------------------------------------------ */
-/* each row's 1 x 128 tiles along its cols: src [rows][lds] -> dst [rows][ldd] (may be src) */
-static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t lds, float *dst,
-                           int64_t ldd) {
-    #pragma omp parallel for schedule(static) MOEPT__PAR(rows * cols)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j0 = 0; j0 < cols; j0 += MOEPT__Q8_TILE) {
-            const int64_t j1 = j0 + MOEPT__Q8_TILE < cols ? j0 + MOEPT__Q8_TILE : cols;
-            const float *v = src + r * lds;
-            float amax = 0.0f;
-            for (int64_t j = j0; j < j1; j++) amax = moept__q8_amax(amax, v[j]);
-            const float s = moept__q8_scale(amax);
-            for (int64_t j = j0; j < j1; j++) dst[r * ldd + j] = moept__q8(v[j], s);
-        }
-}
-
-/* one routed row v [D] quantized once, as the dispatch sends it (moept__q8_rows' tiles and values):
-   into out [D], or (out NULL) as an FP8 record rec [moept__q8_recw(D)] bytes, its padding zero */
+/* one row v [D] in its 1 x 128 tiles: its values into out [D] (may be v), or (out NULL) as an FP8
+   record rec [moept__q8_recw(D)] bytes, its padding zero (a routed row as the dispatch sends it) */
 static void moept__q8_row(const float *v, int64_t D, float *out, uint8_t *rec) {
     const int64_t Dp = MOEPT__Q8_PAD(D), L = MOEPT__Q8_L(D);
     for (int64_t b = 0; b < L; b++) {
@@ -3471,6 +3456,13 @@ static void moept__q8_row(const float *v, int64_t D, float *out, uint8_t *rec) {
         memset(rec + Dp + 4 * L, 0, (size_t)(moept__q8_recw(D) - Dp - 4 * L));
     }
 }
+/* each row's 1 x 128 tiles along its cols: src [rows][lds] -> dst [rows][ldd] (may be src) */
+static void moept__q8_rows(const float *src, int64_t rows, int64_t cols, int64_t lds, float *dst,
+                           int64_t ldd) {
+    #pragma omp parallel for schedule(static) MOEPT__PAR(rows * cols)
+    for (int64_t r = 0; r < rows; r++) moept__q8_row(src + r * lds, cols, dst + r * ldd, NULL);
+}
+
 /* a record's values into out [D]: each byte's E4M3 value times its tile's scale (moept__q8_row's out) */
 static void moept__q8_unrecord(const uint8_t *rec, int64_t D, float *out) {
     const int64_t Dp = MOEPT__Q8_PAD(D);
@@ -3729,12 +3721,16 @@ static moept_status moept__exchange_rows(moept_layer *L, moept__fstate *sl, cons
     return moept__exchanged(L, st, t0, 1);
 }
 
-/* The exchange's pieces [n], rows of `from` elements, as rows of `to` (config.fp8's records travel in
-   the pieces of the plan's rows of D: rescaled for their exchange, and back once it completed) */
-static void moept__segs_rows(moept_seg *s, int64_t n, int64_t from, int64_t to) {
-    for (int64_t i = 0; i < n; i++) {
-        s[i].offset = s[i].offset / from * to;
-        s[i].count = s[i].count / from * to;
+/* The exchange's pieces ss, rs [P][El], rows of D floats, as rows of FP8 records' 4-byte words (on),
+   or back (config.fp8's records travel in the plan's pieces: rescaled for their exchange, and back once
+   it completed) */
+static void moept__rec_pieces(const moept_layer *L, moept_seg *ss, moept_seg *rs, int on) {
+    const int64_t w = moept__q8_recw(L->D) / 4, from = on ? L->D : w, to = on ? w : L->D;
+    for (int64_t i = 0; i < L->P * L->El; i++) {
+        ss[i].offset = ss[i].offset / from * to;
+        ss[i].count = ss[i].count / from * to;
+        rs[i].offset = rs[i].offset / from * to;
+        rs[i].count = rs[i].count / from * to;
     }
 }
 
@@ -3747,14 +3743,11 @@ static void moept__q8_arrived(moept_layer *L, moept__fstate *sl, int64_t r0, int
 
 /* config.fp8's dispatch under EP: the records in xs to the experts' ranks (into xq), then decoded */
 static moept_status moept__exchange_records(moept_layer *L, moept__fstate *sl) {
-    const int64_t D = L->D, W4 = moept__q8_recw(D) / 4, n = L->P * L->El;
     moept_seg *s = sl->xch.send_segs, *r = sl->xch.recv_segs;
     double t0 = moept__now();
-    moept__segs_rows(s, n, D, W4);
-    moept__segs_rows(r, n, D, W4);
+    moept__rec_pieces(L, s, r, 1);
     moept_status st = L->ep->alltoallv(L->ep, sl->ws.xs, s, sl->ws.xq, r, (int)L->El, 4);
-    moept__segs_rows(s, n, W4, D);
-    moept__segs_rows(r, n, W4, D);
+    moept__rec_pieces(L, s, r, 0);
     L->stats.comm_seconds += moept__now() - t0;
     moept__count_bytes(L, 1, 1);
     if (st) return moept__fail(L, st, "expert exchange (dispatch): %s", L->ep->err);
@@ -4087,10 +4080,7 @@ typedef struct moept__pipe {
 /* a chunk's rows out (p->rec: its records, the pieces rescaled until that exchange completes) */
 static moept_status moept__post_out(moept_layer *L, const struct moept__pipe *p, moept_seg *ss, moept_seg *rs,
                                     int slot) {
-    if (p->rec) {
-        moept__segs_rows(ss, L->P * L->El, L->D, moept__q8_recw(L->D) / 4);
-        moept__segs_rows(rs, L->P * L->El, L->D, moept__q8_recw(L->D) / 4);
-    }
+    if (p->rec) moept__rec_pieces(L, ss, rs, 1);
     return moept__post(L, p->send, ss, p->recv, rs, slot);
 }
 
@@ -4112,10 +4102,7 @@ static moept_status moept__pipeline(moept_layer *L, moept__fstate *sl, const moe
         }
         int64_t nruns = moept__chunk_plan(L, sl, c, NULL, NULL, sl->ch.cruns);
         if (L->ep && (st = moept__complete(L, (int)(c % 2)))) return st;
-        if (L->ep && p->rec) { /* (the pieces back in rows of D: the results return in them) */
-            moept__segs_rows(ss, PE, moept__q8_recw(L->D) / 4, L->D);
-            moept__segs_rows(rs, PE, moept__q8_recw(L->D) / 4, L->D);
-        }
+        if (L->ep && p->rec) moept__rec_pieces(L, ss, rs, 0); /* (the results return in rows of D) */
         const moept__runs R = moept__runs_chunk(sl->ch.cruns, nruns, PE);
         p->compute(L, sl, &R);
         if (L->ep && (st = moept__post(L, p->res, rs, p->ret, ss, 2 + (int)(c % 2)))) return st;
