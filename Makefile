@@ -256,8 +256,13 @@ $(B)/lt_rules: tests/lt_rules.cu | $(B)
 	$(NVCC) $(NVCCFLAGS) -c tests/lt_rules.cu -o $(B)/cuda/lt_rules.o
 	$(CC) $(B)/cuda/lt_rules.o -o $@ $(CUDA_LIBDIRS) -lcublasLt -lcudart -lstdc++ -lm
 
-$(B)/bench_cuda: bench/bench_cuda.c $(CUDA_OBJS)
+$(B)/bench_cuda: bench/bench_cuda.c bench/bench_shape.h $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+# config.fp8's quantizing passes against a copy (bench/bench_q8.cu: the kernels' unit included, as test_q8)
+$(B)/bench_q8_cuda: bench/bench_q8.cu bench/bench_shape.h moept_kernels.cu moept.c $(HDRS) $(B)/cuda/moept.o
+	$(NVCC) $(NVCCFLAGS) -c bench/bench_q8.cu -o $(B)/cuda/bench_q8.o
+	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/bench_q8.o $(B)/cuda/moept.o -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 # one process per GPU (the deployment users run): MPI + CUDA, each process on
 # device local_rank % device_count, the NCCL ids broadcast over MPI
@@ -515,8 +520,13 @@ $(B)/emu/train: examples/train.c $(EMU_OBJS)
 $(B)/emu/plan: tools/plan.c $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
-$(B)/emu/bench_cuda: bench/bench_cuda.c $(EMU_OBJS)
+$(B)/emu/bench_cuda: bench/bench_cuda.c bench/bench_shape.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
+
+$(B)/emu/bench_q8: bench/bench_q8.cu bench/bench_shape.h moept_kernels.cu moept.c $(HDRS) $(B)/emu/moept.o \
+                   $(B)/emu/rt.o
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) -c bench/bench_q8.cu -o $(B)/emu/bench_q8.o
+	$(CC) $(CFLAGS) $(OMP) $(B)/emu/bench_q8.o $(B)/emu/moept.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
 
 # one process per emulated GPU: MPI + the emulated CUDA, its NCCL across
 # processes through shared anonymous memory files (tests/emu/emu_nccl.cc)

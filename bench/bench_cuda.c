@@ -22,12 +22,9 @@
    --fp8: the layer's expert GEMMs in FP8 (config.fp8: cuBLASLt, E4M3 in
    DeepSeek-V3's tiles), its rows in the dtype; the floor stays the dtype's
    cuBLAS GEMMs, so step_over_floor compares the FP8 layer with that floor.
-   Defaults: Mixtral-8x7B's layer (--shape mixtral: D 4096, F 14336, E 8,
-   K 2) at T 8192 in bf16. --shape deepseek: DeepSeek-V3's expert (D 7168,
-   F 2048) with 16 local experts (its 256 over 16 EP ranks), top-8: about
-   T / 2 rows an expert, as a rank of that EP group receives. --shape qwen3:
-   Qwen3-30B-A3B's layer (D 2048, F 768, E 128, K 8). The options after
-   --shape override it.
+   Defaults: Mixtral-8x7B's layer (--shape mixtral) at T 8192 in bf16;
+   --shape deepseek, qwen3: bench_shape.h's. The options after --shape
+   override it.
    --gemm-form times the layer with that moept_cuda_options.gemm_form (all:
    each in turn, one layer at a time); the floor is the same for all.
    Prints one "RESULT key=value ..." line per form, then the optimizer's.
@@ -35,6 +32,8 @@
    runs; its times mean nothing there. */
 #define MOEPT_INTERNAL /* moept__gemm_make, moept__gemm_colmajor */
 #include "../moept.h"
+
+#include "bench_shape.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -183,11 +182,7 @@ static void parse(int argc, char **argv, shape *s) {
         else if (!strcmp(argv[i], "--fp8")) s->fp8 = 1;
         else if (!strcmp(argv[i], "--sync-free")) s->sync_free = 1;
         else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
-            const char *n = argv[++i];
-            if (!strcmp(n, "mixtral")) s->D = 4096, s->F = 14336, s->E = 8, s->K = 2;
-            else if (!strcmp(n, "deepseek")) s->D = 7168, s->F = 2048, s->E = 16, s->K = 8;
-            else if (!strcmp(n, "qwen3")) s->D = 2048, s->F = 768, s->E = 128, s->K = 8;
-            else usage();
+            if (!bench_shape_of(argv[++i], &s->D, &s->F, &s->E, &s->K)) usage();
         } else if (!strcmp(argv[i], "--gemm-form") && i + 1 < argc) {
             const char *n = argv[++i];
             s->form = -2;

@@ -53,7 +53,7 @@ static double time_gemm(const moept__gemm *g, moept__gemm_ws *ws, int cblas, int
 }
 
 int main(int argc, char **argv) {
-    bench_shape sh = {4096, 1024, 3584, 8, 2, 5, 1};
+    bench_shape sh = {4096, 1024, 3584, 8, 2, 5, 1, NULL};
     if (!bench_shape_args(argc, argv, &sh)) return 2;
     const int64_t T = sh.T, D = sh.D, F = sh.F, E = sh.E, K = sh.K;
     const int reps = sh.reps, threads = sh.threads;

@@ -88,7 +88,7 @@ static int64_t floor_gemms(const moept_layer *L, const float *x, int64_t T, moep
 }
 
 int main(int argc, char **argv) {
-    bench_shape sh = {4096, 1024, 3584, 8, 2, 3, 1};
+    bench_shape sh = {4096, 1024, 3584, 8, 2, 3, 1, NULL};
     if (!bench_shape_args(argc, argv, &sh)) return 2;
     const int64_t T = sh.T, D = sh.D, F = sh.F, E = sh.E, K = sh.K;
     const int reps = sh.reps;

@@ -1,8 +1,10 @@
-/* bench_shape.h: the Mixtral-shaped layer's options, shared by bench_layer
-   and bench_gemm: --tokens T --hidden D --ffn F --experts E --topk K
-   --reps R --threads N (default: OpenMP's count). */
+/* bench_shape.h: the layer's options, shared by bench_layer, bench_gemm and
+   bench_q8: --shape mixtral|deepseek|qwen3 --tokens T --hidden D --ffn F
+   --experts E --topk K --reps R --threads N (default: OpenMP's count); the
+   named shapes bench_cuda's too. */
 #ifndef BENCH_SHAPE_H
 #define BENCH_SHAPE_H
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,11 +39,29 @@ static inline void bench_cblas(const moept__gemm *g) {
 typedef struct bench_shape {
     int64_t T, D, F, E, K;
     int reps, threads;
+    const char *shape; /* --shape's name (or the caller's default); NULL: none */
 } bench_shape;
 
-/* fills *s from argv over its defaults and applies the thread count;
-   0 (with a message) on an unknown option or a bad value */
-static int bench_shape_args(int argc, char **argv, bench_shape *s) {
+/* the named layers (--shape): Mixtral-8x7B's; DeepSeek-V3's experts, 16 local (its 256 over 16 EP
+   ranks), top-8: about T / 2 rows an expert, as a rank of that EP group receives; Qwen3-30B-A3B's.
+   0: an unknown name */
+static inline int bench_shape_of(const char *name, int64_t *D, int64_t *F, int64_t *E, int64_t *K) {
+    if (!strcmp(name, "mixtral")) *D = 4096, *F = 14336, *E = 8, *K = 2;
+    else if (!strcmp(name, "deepseek")) *D = 7168, *F = 2048, *E = 16, *K = 8;
+    else if (!strcmp(name, "qwen3")) *D = 2048, *F = 768, *E = 128, *K = 8;
+    else return 0;
+    return 1;
+}
+/* fills *s from argv over its defaults (the shape named by --shape, or s->shape, first; the other
+   options over it) and applies the thread count; 0 (with a message) on an unknown option, shape or a
+   bad value */
+static inline int bench_shape_args(int argc, char **argv, bench_shape *s) {
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--shape")) s->shape = argv[i + 1];
+    if (s->shape && !bench_shape_of(s->shape, &s->D, &s->F, &s->E, &s->K)) {
+        fprintf(stderr, "unknown shape %s\n", s->shape);
+        return 0;
+    }
 #ifdef _OPENMP
     s->threads = omp_get_max_threads();
 #else
@@ -56,6 +76,7 @@ static int bench_shape_args(int argc, char **argv, bench_shape *s) {
         else if (!strcmp(argv[i], "--topk")) s->K = v;
         else if (!strcmp(argv[i], "--reps")) s->reps = (int)v;
         else if (!strcmp(argv[i], "--threads")) s->threads = (int)v;
+        else if (!strcmp(argv[i], "--shape")) continue;
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 0; }
     }
     if (s->reps < 1 || s->reps > 64 || s->threads < 1 || s->K < 1 || s->E < s->K || s->T * s->K < s->E) {

@@ -73,7 +73,8 @@
 #           passes, the layer's results bitwise);
 #           timed against the bf16 layer at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's
 #           shapes in AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the
-#           same bf16 GEMM floor), the quantizing kernels' share of each step (profile fp8);
+#           same bf16 GEMM floor), the quantizing kernels' share of each step (profile fp8)
+#           and each quantizing pass's rate against a copy of its bytes (bench_q8, same shapes);
 #           torch's FP8 grouped GEMM
 #           (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
 # torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
@@ -351,10 +352,14 @@ fp8() {
     done
     profile fp8 # the quantizing kernels' share of the FP8 step (moept__k_q8_*), per kernel, each form
     LOG="$OUT/fp8.log"
+    for sh in mixtral:8192 deepseek:8192 qwen3:4096; do # each quantizing pass's TB/s against a copy's
+        step "bench_q8 ${sh%:*} T=${sh#*:}: the quantizing passes" build/bench_q8_cuda --shape "${sh%:*}" \
+            --tokens "${sh#*:}"
+    done
     P=$(torch_py)
     [ -n "$P" ] && step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" \
         $P bench/fp8_grouped_peer.py
-    grep -E "^accuracy|^time|^Mixtral|^DeepSeek|^RESULT.*gemm_form" "$LOG" | tee -a "$SUM" >/dev/null
+    grep -E "^accuracy|^time|^Mixtral|^DeepSeek|^RESULT.*gemm_form|^RESULT q8" "$LOG" | tee -a "$SUM" >/dev/null
 }
 
 sanitize() {

@@ -21,7 +21,8 @@ command -v mpicc >/dev/null && mpi="$G/moept_check_cuda_mpi $G/train_cuda_mpi"
 # shellcheck disable=SC2086
 make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute_$AF,code=sm_$AF" \
     "$G/moept_check_cuda" "$G/test_cuda" "$G/test_slots_cuda" "$G/test_fault" "$G/train_cuda" \
-    "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/lt_rules" "$G/test_q8_cuda" "$G/libmoept_cuda.so" $mpi
+    "$G/bench_cuda" "$G/train" "$G/cuda_rules" "$G/lt_rules" "$G/test_q8_cuda" "$G/bench_q8_cuda" \
+    "$G/libmoept_cuda.so" $mpi
 # the grouped kernel's other ring depths, and its gate/up GEMM on the permuted copy in place of the
 # gather (ng), for the grouped phase's sweep (4 stages with the gather, the defaults, are bench_cuda's)
 if [ "$A" = 90 ]; then
