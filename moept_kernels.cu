@@ -2212,15 +2212,17 @@ struct moept__cuda {
                                    router-gradient input; made at the first masked forward (S > 0 or
                                    F32), again by its backward's combine' */
     /* config.fp8: cuBLASLt, the weights' E4M3 copies (routed, shared) in one block, and the token
-       operands' scratch for one group of q8rows padded rows (moept__q8_room: it grows) */
+       operands' scratch for q8rows padded rows: one group's, or every group's one after another (the
+       wgrads' column passes), their scales q8sc floats (moept__q8_room: it grows) */
     cublasLtHandle_t lt;
     moept__q8w q8w[2];
     void *q8wblk;
     int64_t q8w_bytes;
     int q8_stale;               /* the fp32 masters changed since q8w was made from them */
     void *q8blk;
-    int64_t q8rows, q8_bytes;
-    uint8_t *q8a, *q8b;         /* [q8rows][Wp] a matmul's token operands, or [Wp][q8rows] transposed */
+    int64_t q8rows, q8sc, q8_bytes;
+    uint8_t *q8a, *q8b;         /* [q8rows][Wp] a matmul's token operands, or each group's [Wp][np]
+                                   transposed, one after another (moept__q8_gnext) */
     float *q8sa, *q8sb;         /* their scales */
     uint8_t *q8r;               /* [q8rows][Wp] the grouped kernel's (moept__gk_q8): a backward's dy or dh
                                    quantized along the rows by its wgrad's column pass (moept__q8_twin) */
@@ -2714,8 +2716,20 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
     }
 }
 
-/* The wgrad's operands: columns c < C of src [n][lds], transposed, in 128 x 1 tiles down the rows:
-   q [Cp][np] (column c's values along row c; padding zero), s [ceil(np/128)][Cp]. src's values as they
+/* A column pass's groups (an expert's rows each), at most MOEPT__Q8_G a launch (the kernel's parameters):
+   group g the rows [r0[g], r0[g] + n[g]) of src, its operand at q + q0[g] and its scales at s + s0[g]
+   (moept__q8_gnext's layout: the groups' operands one after another), its tiles [t0[g], t0[g + 1]) of
+   the launch's */
+#define MOEPT__Q8_G 64
+typedef struct moept__q8_grp {
+    int64_t r0[MOEPT__Q8_G], q0[MOEPT__Q8_G], s0[MOEPT__Q8_G];
+    int32_t n[MOEPT__Q8_G], t0[MOEPT__Q8_G + 1];
+    int ng;
+} moept__q8_grp;
+
+/* The wgrad's operands, each group's (G): columns c < C of its n rows of src (lds apart), transposed, in
+   128 x 1 tiles down the rows: q [Cp][np] (column c's values along row c; padding zero), s
+   [ceil(np/128)][Cp]. src's values as they
    are, or (T uint8_t, rs) FP8 records' (moept__q8_recw): E4M3 bytes times their row's 1 x 128 scales,
    rs[r rsr + c / 128] (the dequantized rows the experts received, quantized again down the columns,
    DeepSeek-V3's workflow for a wgrad's x). A block a panel of
@@ -2724,8 +2738,9 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
    16-row chunk (moept__q8_pan); then 8 threads a column, 16 rows each (a warp 4 columns: the 8
    chunks' words fall in distinct banks), its amax from their 8 partial ones, each thread's 16 bytes
    of q stored, a column's 128 contiguous. RW (bf16): also the rows' own copy along them from the same
-   read, the dgrad's operand (moept__k_q8_rows' bytes and scales: qr [n][Cp], tile b's scale at
-   sr[r + b srb], rows n on not written): a block's panels then the 128 columns of one tile */
+   read, the dgrad's operand (moept__k_q8_rows' bytes and scales: qr [rows][Cp] by src's rows, tile b's
+   scale at sr[r + b srb], the rows past a group's not written): a block's panels then the 128 columns of
+   one tile */
 template <typename T>
 __device__ __forceinline__ int moept__q8_pan(int rr, int c) { /* element (rr, c)'s index in the panel */
     constexpr int S = (int)sizeof(T), PW = 132 / S; /* (a row 33 words apart) */
@@ -2765,9 +2780,9 @@ __device__ __forceinline__ void moept__q8_panrows(const T *pan, float (*rpart)[M
     }
 }
 template <typename T, int V, int RW = 0>
-__global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, int Cp, int64_t np, uint8_t *q,
-                                 float *s, const float *rs, int64_t rsr, uint8_t *qr, float *sr,
-                                 int64_t srb) {
+__global__ void moept__k_q8_cols(const T *src0, const moept__q8_grp G, int C, int64_t lds, int Cp,
+                                 uint8_t *q0, float *s0, const float *rs0, int64_t rsr, uint8_t *qr0,
+                                 float *sr0, int64_t srb) {
     constexpr int W = 128 / (int)sizeof(T), w = W / 8; /* w: a thread's columns of a row, 16 bytes */
     constexpr int NP = RW ? MOEPT__Q8_TILE / W : 1, PL = MOEPT__Q8_TILE * (132 / (int)sizeof(T));
     static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 4 columns x 8 chunks, 8 threads a row");
@@ -2776,11 +2791,17 @@ __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, in
     __shared__ float part[2][MOEPT__TB];
     __shared__ float rsc[MOEPT__Q8_TILE]; /* records: the panel's rows' scales (its 128 columns: one tile) */
     __shared__ float rpart[RW ? 4 : 1][MOEPT__TB]; /* RW: each thread's 4 rows' partial amaxes */
-    const int64_t L = MOEPT__Q8_L(np), nc = (Cp + NP * W - 1) / (NP * W);
+    const int nc = (Cp + NP * W - 1) / (NP * W);
     const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8;
-    for (int64_t t = blockIdx.x; t < L * nc; t += gridDim.x) {
-        const int64_t b = t / nc, r0 = b * MOEPT__Q8_TILE;
-        const int c0 = (int)(t % nc) * NP * W;
+    int g = 0;
+    for (int64_t t = blockIdx.x; t < G.t0[G.ng]; t += gridDim.x) {
+        while (t >= G.t0[g + 1]) g++; /* (t grows: so does its group) */
+        const int64_t n = G.n[g], np = MOEPT__Q8_PAD(n), b = (t - G.t0[g]) / nc, r0 = b * MOEPT__Q8_TILE;
+        const int c0 = (int)((t - G.t0[g]) % nc) * NP * W;
+        const T *src = src0 + G.r0[g] * lds;
+        const float *rs = rs0 ? rs0 + G.r0[g] * rsr : NULL;
+        uint8_t *q = q0 + G.q0[g];
+        float *s = s0 + G.s0[g];
         for (int p = 0; p < NP; p++)
             for (int rr = y; rr < MOEPT__Q8_TILE; rr += MOEPT__TB / 8) {
                 const int64_t r = r0 + rr;
@@ -2798,7 +2819,8 @@ __global__ void moept__k_q8_cols(const T *src, int64_t n, int C, int64_t lds, in
                 }
             }
         __syncthreads();
-        if constexpr (RW) moept__q8_panrows<T, W, PL>(pan, rpart, r0, c0, n, C, Cp, qr, sr, srb);
+        if constexpr (RW)
+            moept__q8_panrows<T, W, PL>(pan, rpart, r0, c0, n, C, Cp, qr0 + G.r0[g] * Cp, sr0 + G.r0[g], srb);
         for (int p = 0; p < NP * W / 32; p++) { /* 32 columns a pass: column y of the pass, its rows 16 x.. */
             const int cc = y + 32 * p, c = c0 + cc;
             const T *pp = pan + cc / W * PL;
@@ -2987,14 +3009,15 @@ static cudaError_t moept__q8_weights(moept__cuda *c) {
 }
 
 static int moept__gk_q8(const moept__cuda *c);
-/* The token operands' scratch for one expert's rows padded (np <= rows): two E4M3 operands [rows][Wp]
-   (or [Wp][rows]), their scales, the matmul's fp32 result (the grouped kernel's: and q8r, q8sr); grown
-   geometrically with the receive block (moept__grow), once the compute stream no longer reads the old
-   one */
+/* The token operands' scratch for rows in up to El groups, each padded (16 rows a group more: the column
+   passes' operands, every group's): two E4M3 operands [rows][Wp] (or the groups' [Wp][np]), their
+   scales, the matmul's fp32 result (the grouped kernel's: and q8r, q8sr); grown geometrically with the
+   receive block (moept__grow), once the compute stream no longer reads the old one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
-    if (!moept__fp8_on(&c->sp) || (MOEPT__Q8_PAD(rows) <= c->q8rows && c->q8blk)) return MOEPT_OK;
-    const int64_t cap = MOEPT__Q8_PAD(rows > 2 * c->q8rows ? rows : 2 * c->q8rows), W = moept__q8_wp(c);
-    const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * MOEPT__Q8_L(cap), sc = s1 > s2 ? s1 : s2;
+    const int64_t need = MOEPT__Q8_PAD(rows + 16 * c->sp.El);
+    if (!moept__fp8_on(&c->sp) || (need <= c->q8rows && c->q8blk)) return MOEPT_OK;
+    const int64_t cap = MOEPT__Q8_PAD(need > 2 * c->q8rows ? need : 2 * c->q8rows), W = moept__q8_wp(c);
+    const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * (MOEPT__Q8_L(cap) + c->sp.El), sc = s1 > s2 ? s1 : s2;
     const int64_t out = (cap > W ? cap : W) * W, nq = moept__gk_q8(c) ? 3 : 2;
     void *blk = NULL;
     const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4) + (2 * nq + 1) * 64;
@@ -3014,20 +3037,31 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     c->q8out = (float *)moept__take(&cv, (size_t)out * 4);
     c->q8r = nq > 2 ? (uint8_t *)moept__take(&cv, (size_t)(cap * W)) : NULL;
     c->q8sr = nq > 2 ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
-    c->q8rows = cap;
+    c->q8rows = cap, c->q8sc = sc;
     c->q8_bytes = (int64_t)bytes;
     return MOEPT_OK;
 }
 
-/* whether each run's padded rows fit the scratch (moept__grow made it for the receive block's) */
-static moept_status moept__q8_fits(const moept__cuda *c, const moept__runs *R, char *err) {
+/* a column pass's layout: the operand of a group of n rows after the ones before at (*qo, *so) in q and s,
+   its bytes [Cp][np] and scales [ceil(np/128)][Cp] */
+static void moept__q8_gnext(int64_t n, int64_t Cp, int64_t *qo, int64_t *so) {
+    const int64_t np = MOEPT__Q8_PAD(n);
+    *qo += Cp * np;
+    *so += MOEPT__Q8_L(np) * Cp;
+}
+/* whether each run's padded rows fit the scratch, or (all) every run's operands, one after another, with
+   their scales (moept__grow made it for the receive block's) */
+static moept_status moept__q8_fits(const moept__cuda *c, const moept__runs *R, int all, char *err) {
+    int64_t qo = 0, so = 0;
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
-        if (MOEPT__Q8_PAD(rows) > c->q8rows)
-            return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld rows of one expert past the "
-                                "scratch's %lld (moept_kernels.cu:%d)", (long long)rows, (long long)c->q8rows,
-                                __LINE__);
+        if (!all) qo = so = 0;
+        moept__q8_gnext(rows, moept__q8_wp(c), &qo, &so);
+        if (qo > c->q8rows * moept__q8_wp(c) || so > c->q8sc)
+            return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld rows of %s past the scratch's %lld "
+                                "(moept_kernels.cu:%d)", (long long)rows, all ? "the experts" : "one expert",
+                                (long long)c->q8rows, __LINE__);
     }
     return MOEPT_OK;
 }
@@ -3115,32 +3149,51 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
-/* the C columns of n rows of src (lds apart), transposed, down the rows (a wgrad's operand): q [Cp][np],
-   s; T uint8_t: FP8 records (C = D), dequantized as read. qr (bf16): the same read also quantizes the
-   rows along them (moept__q8_along's bytes) into qr [n][Cp], scales sr (srb rows apart) */
+/* the C columns of each of ng groups of src's rows (group g the rows [offs[g], offs[g + 1]), lds apart),
+   transposed, down the rows (a wgrad's operand each): into q and s, one group's after another's
+   (moept__q8_gnext), MOEPT__Q8_G groups a launch; T uint8_t: FP8 records (C = D), dequantized as read.
+   qr (bf16): the same read also quantizes the rows along them (moept__q8_along's bytes) into qr
+   [rows][Cp] by src's rows, scales sr (srb rows apart) */
 template <typename T>
-static moept_status moept__q8_down(moept__cuda *c, const void *src, int64_t n, int64_t C, int64_t lds,
-                                   uint8_t *q, float *s, char *err, uint8_t *qr = NULL, float *sr = NULL,
-                                   int64_t srb = 0) {
-    const int64_t np = MOEPT__Q8_PAD(n), Cp = MOEPT__Q8_PAD(C), W = qr ? MOEPT__Q8_TILE : 128 / sizeof(T);
+static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_t *offs, int64_t ng,
+                                   int64_t C, int64_t lds, uint8_t *q, float *s, char *err,
+                                   uint8_t *qr = NULL, float *sr = NULL, int64_t srb = 0) {
+    const int64_t Cp = MOEPT__Q8_PAD(C), W = qr ? MOEPT__Q8_TILE : 128 / sizeof(T), nc = (Cp + W - 1) / W;
     const float *rs = sizeof(T) == 1 ? (const float *)((const uint8_t *)src + MOEPT__Q8_PAD(C)) : NULL;
     const int vec = moept__vec<T>(lds, src);
-    const int grid = moept__grid(MOEPT__Q8_L(np) * ((Cp + W - 1) / W) * MOEPT__TB);
     if (qr && sizeof(T) != 2)
         return moept__kfail(err, MOEPT_ERR_STATE, "the rows' copy from bf16 alone (moept_kernels.cu:%d)",
                             __LINE__);
-    if constexpr (sizeof(T) == 2) {
-        if (qr && vec)
-            MOEPT__LAUNCH((moept__k_q8_cols<T, MOEPT__VEC(T), 1>), grid, MOEPT__TB, 0, c->s)(
-                (const T *)src, n, (int)C, lds, (int)Cp, np, q, s, rs, lds / 4, qr, sr, srb);
-        else if (qr)
-            MOEPT__LAUNCH((moept__k_q8_cols<T, 1, 1>), grid, MOEPT__TB, 0, c->s)(
-                (const T *)src, n, (int)C, lds, (int)Cp, np, q, s, rs, lds / 4, qr, sr, srb);
+    moept__q8_grp G;
+    int64_t qo = 0, so = 0;
+    for (int64_t g0 = 0; g0 < ng; g0 += MOEPT__Q8_G) {
+        G.ng = (int)(ng - g0 < MOEPT__Q8_G ? ng - g0 : MOEPT__Q8_G);
+        G.t0[0] = 0;
+        for (int i = 0; i < G.ng; i++) {
+            const int64_t n = offs[g0 + i + 1] - offs[g0 + i];
+            const int64_t t = G.t0[i] + MOEPT__Q8_L(MOEPT__Q8_PAD(n)) * nc; /* (its tiles' end) */
+            if (t > INT32_MAX)
+                return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld tiles in one column pass "
+                                    "(moept_kernels.cu:%d)", (long long)t, __LINE__);
+            G.r0[i] = offs[g0 + i], G.n[i] = (int32_t)n, G.q0[i] = qo, G.s0[i] = so;
+            G.t0[i + 1] = (int32_t)t;
+            moept__q8_gnext(n, Cp, &qo, &so);
+        }
+        if (G.t0[G.ng] == 0) continue;
+        const int grid = moept__grid((int64_t)G.t0[G.ng] * MOEPT__TB);
+        if constexpr (sizeof(T) == 2) {
+            if (qr && vec)
+                MOEPT__LAUNCH((moept__k_q8_cols<T, MOEPT__VEC(T), 1>), grid, MOEPT__TB, 0, c->s)(
+                    (const T *)src, G, (int)C, lds, (int)Cp, q, s, rs, lds / 4, qr, sr, srb);
+            else if (qr)
+                MOEPT__LAUNCH((moept__k_q8_cols<T, 1, 1>), grid, MOEPT__TB, 0, c->s)(
+                    (const T *)src, G, (int)C, lds, (int)Cp, q, s, rs, lds / 4, qr, sr, srb);
+        }
+        if (!qr)
+            MOEPT__LAUNCH_V(vec, moept__k_q8_cols, T, grid, MOEPT__TB, c->s, (const T *)src, G, (int)C, lds,
+                            (int)Cp, q, s, rs, lds / 4, (uint8_t *)NULL, (float *)NULL, (int64_t)0);
+        MOEPT__LAUNCHED();
     }
-    if (!qr)
-        MOEPT__LAUNCH_V(vec, moept__k_q8_cols, T, grid, MOEPT__TB, c->s, (const T *)src, n, (int)C, lds,
-                        (int)Cp, np, q, s, rs, lds / 4, (uint8_t *)NULL, (float *)NULL, (int64_t)0);
-    MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 /* config.fp8's dispatch: rows r < n of the routed tokens, x's row idx[r] each (-1: zeros), as FP8 records
@@ -4762,7 +4815,7 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         if (moept__gk_q8(c)) /* (the dgrad: B the transposed copy, K-major as the forward's) */
             return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O,
                                  bwd ? moept__q8_twin(c, f, R) : w2 && moept__ffn_fused8(c, f), NULL, err);
-        MOEPT__TRY(moept__q8_fits(c, R, err));
+        MOEPT__TRY(moept__q8_fits(c, R, 0, err));
         for (int64_t i = 0; i < R->n; i++) {
             int64_t r0, rows, e;
             moept__run_at(R, i, &r0, &rows, &e);
@@ -4801,24 +4854,24 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
         const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
         const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
         const int twin = moept__q8_twin(c, f, R); /* (O's rows quantized along them too, for the dgrad) */
-        int64_t end = 0;
-        MOEPT__TRY(moept__q8_fits(c, R, err));
+        int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
+        MOEPT__TRY(moept__q8_fits(c, R, 1, err));
         if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
-        for (int64_t i = 0; i < R->n; i++) {
-            int64_t r0, rows, e;
-            moept__run_at(R, i, &r0, &rows, &e);
-            if (rows == 0) continue;
+        /* every expert's two operands, one column pass each (I: x's records, or a) */
+        if (rec) MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err));
+        else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err));
+        MOEPT__TRY(moept__q8_down<T>(c, O, R->offs, R->n, wo, wo, c->q8b, c->q8sb, err, twin ? c->q8r : NULL,
+                                     twin ? c->q8sr : NULL, MOEPT__Q8_PAD(end)));
+        for (int64_t e = 0; e < R->n; e++) {
+            const int64_t rows = R->offs[e + 1] - R->offs[e], np = MOEPT__Q8_PAD(rows);
             float *ge = g + e * wo * wi;
-            if (rec)
-                MOEPT__TRY(moept__q8_down<uint8_t>(c, I + r0 * ldi, rows, wi, ldi, c->q8a, c->q8sa, err));
-            else MOEPT__TRY(moept__q8_down<T>(c, I + r0 * wi * es, rows, wi, wi, c->q8a, c->q8sa, err));
-            MOEPT__TRY(moept__q8_down<T>(c, O + r0 * wo * es, rows, wo, wo, c->q8b, c->q8sb, err,
-                                         twin ? c->q8r + r0 * wop : NULL, twin ? c->q8sr + r0 : NULL,
-                                         MOEPT__Q8_PAD(end)));
-            const int64_t np = MOEPT__Q8_PAD(rows);
-            MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a, c->q8sa, MOEPT__VEC128, c->q8b, c->q8sb,
-                                      direct ? ge : c->q8out, direct ? wi : wip, direct, err));
-            if (!direct) MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, ge, wi, 1, err));
+            if (rows > 0)
+                MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a + qa, c->q8sa + sa, MOEPT__VEC128,
+                                          c->q8b + qb, c->q8sb + sb, direct ? ge : c->q8out,
+                                          direct ? wi : wip, direct, err));
+            if (rows > 0 && !direct) MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, ge, wi, 1, err));
+            moept__q8_gnext(rows, wip, &qa, &sa);
+            moept__q8_gnext(rows, wop, &qb, &sb);
         }
         return MOEPT_OK;
     }

@@ -7,13 +7,12 @@
    The routed rows n = T K split evenly over the E experts. Which passes a step runs depends on the GEMM
    form (the column "form"):
      both:       the dispatch's FP8 records of x (one launch), the wgrads' column-wise x (from the
-                 records) and a (a launch an expert);
+                 records) and a (every expert's in one launch, MOEPT__Q8_G experts a launch);
      per-expert: the per-expert (cuBLASLt) form's: each product's operand along its rows (the records'
                  copy for x, a, dy, dh) and its fp32 result into bf16 (h, y, da, dx), a launch an expert
                  each; the wgrads' column-wise dy and dh;
      kernel:     the kernel form's wgrad column passes of dy and dh that also write the dgrad's rows
-                 (one read each: a launch an expert); its gate/up product quantizes a itself, its
-                 products write bf16.
+                 (one read each); its gate/up product quantizes a itself, its products write bf16.
    The kernel form's chunked step runs the per-expert form's row passes of dy, dh (a launch a run) and
    the plain column passes instead of its own. The "sum" lines add up each form's passes: its
    quantizing bytes and time a step, less the GEMMs.
@@ -56,7 +55,8 @@ enum { BQ_N = (int)(sizeof bq_passes / sizeof bq_passes[0]) };
 
 /* the operands: src [n][max(D, 2F)] bf16 random, x [T][D] bf16 random, rec [n][recw(D)] its records,
    idx [n] (row r: token r / K), c.q8out [n][max(D, 2F) padded] fp32 random (the products' results, and
-   the copy's source); q, qr [np][max padded] and their scales, the passes' outputs; cp as large as
+   the copy's source); q [np + 16 E][max padded], qr [np][max padded] and their scales, the passes'
+   outputs; cp as large as
    q8out, the results' and the copy's destination */
 typedef struct bq_bufs {
     moept__bf16 *src, *x, *cp;
@@ -91,39 +91,39 @@ static void *bq_alloc(size_t bytes) {
     return d;
 }
 
-/* pass p over the n rows, a launch an expert (the records: one), its bytes read and written into *in,
-   *out */
+/* pass p over the n rows, its bytes read and written into *in, *out, its launches into *l: a launch an
+   expert but the records (one) and the wgrads' column passes (every expert's at once) */
 static moept_status bq_run(moept__cuda *c, const bq_pass *p, const bench_shape *s, bq_bufs *b, double *in,
-                           double *out) {
+                           double *out, int64_t *l) {
     const int64_t n = s->T * s->K, D = s->D, W = moept__q8_recw(D), np = MOEPT__Q8_PAD(n);
     const int64_t C = p->w == 'D' ? D : p->w == 'F' ? s->F : 2 * s->F, Cp = MOEPT__Q8_PAD(C);
-    *in = *out = 0.0;
+    const int cols = p->kind == BQ_COLS_REC || p->kind == BQ_COLS || p->kind == BQ_COLS_RW;
+    *in = *out = 0.0, *l = cols ? (s->E + MOEPT__Q8_G - 1) / MOEPT__Q8_G : s->E;
     if (p->kind == BQ_RECORDS) {
-        *in = (double)n * (D * 2 + 8), *out = (double)n * W;
+        *in = (double)n * (D * 2 + 8), *out = (double)n * W, *l = 1;
         return moept__q8_records<moept__bf16>(c, b->x, b->idx, n, b->rec, err);
     }
+    int64_t offs[4097]; /* (the experts' rows, for the column passes) */
+    for (int64_t e = 0; e <= s->E; e++) offs[e] = n * e / s->E;
     for (int64_t e = 0; e < s->E; e++) {
-        const int64_t r0 = n * e / s->E, rows = n * (e + 1) / s->E - r0, rp = MOEPT__Q8_PAD(rows);
+        const int64_t r0 = offs[e], rows = offs[e + 1] - r0, rp = MOEPT__Q8_PAD(rows);
         const double qb = (double)rp * Cp + 4.0 * (double)rp * MOEPT__Q8_L(C); /* an operand's bytes */
         const moept__bf16 *src = b->src + r0 * C;
         moept_status st = MOEPT_OK;
-        switch (p->kind) {
-        case BQ_UNREC: st = moept__q8_unrec(c, b->rec + r0 * W, rows, D, b->q, b->s, 0, err);
-            *in += (double)rows * W, *out += qb; break;
-        case BQ_ROWS: st = moept__q8_along<moept__bf16>(c, src, rows, C, C, b->q, b->s, 0, err);
-            *in += 2.0 * (double)rows * C, *out += qb; break;
-        case BQ_OUT: st = moept__q8_result<moept__bf16>(c, rows, C, Cp, b->cp + r0 * C, C, 0, err);
-            *in += 4.0 * (double)rows * C, *out += 2.0 * (double)rows * C; break;
-        case BQ_COLS_REC: st = moept__q8_down<uint8_t>(c, b->rec + r0 * W, rows, D, W, b->q, b->s, err);
-            *in += (double)rows * W, *out += qb; break;
-        case BQ_COLS: st = moept__q8_down<moept__bf16>(c, src, rows, C, C, b->q, b->s, err);
-            *in += 2.0 * (double)rows * C, *out += qb; break;
-        default: st = moept__q8_down<moept__bf16>(c, src, rows, C, C, b->q, b->s, err, b->qr + r0 * Cp,
-                                                  b->sr + r0, np);
-            *in += 2.0 * (double)rows * C, *out += 2.0 * qb;
-        }
+        *in += p->kind == BQ_UNREC || p->kind == BQ_COLS_REC ? (double)rows * W
+               : (p->kind == BQ_OUT ? 4.0 : 2.0) * (double)rows * C;
+        *out += p->kind == BQ_OUT ? 2.0 * (double)rows * C : p->kind == BQ_COLS_RW ? 2.0 * qb : qb;
+        if (p->kind == BQ_UNREC) st = moept__q8_unrec(c, b->rec + r0 * W, rows, D, b->q, b->s, 0, err);
+        else if (p->kind == BQ_ROWS)
+            st = moept__q8_along<moept__bf16>(c, src, rows, C, C, b->q, b->s, 0, err);
+        else if (p->kind == BQ_OUT)
+            st = moept__q8_result<moept__bf16>(c, rows, C, Cp, b->cp + r0 * C, C, 0, err);
         if (st) return st;
     }
+    if (p->kind == BQ_COLS_REC) return moept__q8_down<uint8_t>(c, b->rec, offs, s->E, D, W, b->q, b->s, err);
+    if (p->kind == BQ_COLS) return moept__q8_down<moept__bf16>(c, b->src, offs, s->E, C, C, b->q, b->s, err);
+    if (p->kind == BQ_COLS_RW)
+        return moept__q8_down<moept__bf16>(c, b->src, offs, s->E, C, C, b->q, b->s, err, b->qr, b->sr, np);
     return MOEPT_OK;
 }
 
@@ -150,8 +150,10 @@ int main(int argc, char **argv) {
     b.cp = (moept__bf16 *)bq_alloc((size_t)(n * Mp) * 4);
     c.q8out = (float *)bq_random(n * Mp, 4);
     b.rec = (uint8_t *)bq_alloc((size_t)(n * moept__q8_recw(s.D)));
-    b.q = (uint8_t *)bq_alloc((size_t)(np * Mp)), b.qr = (uint8_t *)bq_alloc((size_t)(np * Mp));
-    const int64_t sr = MOEPT__Q8_L(Mp) * np, sc = MOEPT__Q8_L(np) * Mp, ns = sr > sc ? sr : sc;
+    /* (the column passes' operands: every expert's rows, each padded to 16) */
+    const int64_t nq = np + 16 * s.E, sr = MOEPT__Q8_L(Mp) * np, sc = (MOEPT__Q8_L(nq) + s.E) * Mp;
+    const int64_t ns = sr > sc ? sr : sc;
+    b.q = (uint8_t *)bq_alloc((size_t)(nq * Mp)), b.qr = (uint8_t *)bq_alloc((size_t)(np * Mp));
     b.s = (float *)bq_alloc((size_t)ns * 4), b.sr = (float *)bq_alloc((size_t)ns * 4); /* (rows', columns') */
     int64_t *idx = (int64_t *)malloc((size_t)n * 8);
     for (int64_t r = 0; r < n; r++) idx[r] = r / s.K;
@@ -161,15 +163,17 @@ int main(int argc, char **argv) {
     printf("# bench_q8 shape=%s tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld reps=%d\n", shape,
            (long long)s.T, (long long)s.D, (long long)s.F, (long long)s.E, (long long)s.K, s.reps);
     double in, out;
-    BQ_CK(bq_run(&c, &bq_passes[0], &s, &b, &in, &out)); /* (the records: the other passes read them) */
+    int64_t l;
+    if (s.E > 4096) { fprintf(stderr, "bench_q8: at most 4096 experts\n"); return 2; }
+    BQ_CK(bq_run(&c, &bq_passes[0], &s, &b, &in, &out, &l)); /* (the records: the other passes read them) */
     cudaEvent_t ev[4];
     for (int i = 0; i < 4; i++) BQ_CK(cudaEventCreate(&ev[i]));
     double sum_ms[3] = {0, 0, 0}, sum_b[3] = {0, 0, 0}; /* both, per-expert, kernel */
     for (int i = 0; i < BQ_N; i++) {
         const bq_pass *p = &bq_passes[i];
-        BQ_CK(bq_run(&c, p, &s, &b, &in, &out)); /* (warm-up) */
+        BQ_CK(bq_run(&c, p, &s, &b, &in, &out, &l)); /* (warm-up) */
         BQ_CK(cudaEventRecord(ev[0], c.s));
-        for (int r = 0; r < s.reps; r++) BQ_CK(bq_run(&c, p, &s, &b, &in, &out));
+        for (int r = 0; r < s.reps; r++) BQ_CK(bq_run(&c, p, &s, &b, &in, &out, &l));
         BQ_CK(cudaEventRecord(ev[1], c.s));
         for (int r = 0; r < s.reps; r++)
             BQ_CK(cudaMemcpyAsync(b.cp, c.q8out, (size_t)in, cudaMemcpyDeviceToDevice, c.s));
@@ -180,7 +184,7 @@ int main(int argc, char **argv) {
         sum_ms[f] += ms, sum_b[f] += in + out;
         printf("RESULT q8 shape=%s tokens=%lld pass=%s form=%s launches=%lld read_mb=%.1f written_mb=%.1f "
                "ms=%.4f tbs=%.3f copy_tbs=%.3f over_copy=%.3f\n", shape, (long long)s.T, p->name, p->form,
-               p->kind == BQ_RECORDS ? 1LL : (long long)s.E, in / 1e6, out / 1e6, ms, tbs, ctbs, tbs / ctbs);
+               (long long)l, in / 1e6, out / 1e6, ms, tbs, ctbs, tbs / ctbs);
     }
     for (int f = 1; f < 3; f++) /* each form's passes with the ones both run */
         printf("RESULT q8 shape=%s tokens=%lld sum form=%s mb=%.1f ms=%.4f tbs=%.3f\n", shape, (long long)s.T,

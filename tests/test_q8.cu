@@ -9,7 +9,8 @@
    - the W13 wgrad's column-wise x from the records (moept__q8_down<uint8_t>, dequantized as read)
      is moept__q8_down of the dequantized rows in fp32, and the CPU's column tiles of them.
    - a backward's dy and dh from the wgrad's column pass that also quantizes them along the rows (one
-     read): its columns the plain pass's, its rows moept__q8_along's, run by run.
+     read): its columns the plain pass's, its rows moept__q8_along's, run by run;
+   - the column passes over every expert's rows in one call: each group's bytes a call of its own's.
    fp32 and bf16 rows; widths with whole, edge and lone tiles; 37 rows and 300 (three row tiles). */
 #include "../moept_kernels.cu"
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
@@ -187,8 +188,9 @@ static void q8t_columns(int64_t D, int64_t n, const uint8_t *rec, const float *d
     const size_t sbytes = (size_t)(nb * Cp) * 4;
     float *sa = q8t_dev<float>(NULL, sbytes), *sb = q8t_dev<float>(NULL, sbytes);
     float *deqd = q8t_dev<float>(deq, (size_t)(n * D) * 4);
-    moept_status st = moept__q8_down<uint8_t>(c, rec, n, D, W, qa, sa, err);
-    if (!st) st = moept__q8_down<float>(c, deqd, n, D, D, qb, sb, err);
+    const int64_t all[2] = {0, n}; /* (one group) */
+    moept_status st = moept__q8_down<uint8_t>(c, rec, all, 1, D, W, qa, sa, err);
+    if (!st) st = moept__q8_down<float>(c, deqd, all, 1, D, D, qb, sb, err);
     EXPECT(!st, "D %lld: %s", (long long)D, err);
     uint8_t *ha = q8t_host<uint8_t>(qa, (size_t)(Cp * np)), *hb = q8t_host<uint8_t>(qb, (size_t)(Cp * np));
     float *hsa = q8t_host<float>(sa, sbytes), *hsb = q8t_host<float>(sb, sbytes);
@@ -226,11 +228,9 @@ static void q8t_twin(q8t_case<moept__bf16> *k) {
         const size_t qb = (size_t)(Dp * pn);
         uint8_t *qc[2] = {q8t_dev<uint8_t>(NULL, qb), q8t_dev<uint8_t>(NULL, qb)};
         float *sc[2] = {q8t_dev<float>(NULL, (size_t)sb), q8t_dev<float>(NULL, (size_t)sb)};
-        const moept__bf16 *src = xsd + r0[p] * D;
-        st = moept__q8_down<moept__bf16>(&k->c, src, rows[p], D, D, qc[0], sc[0], err);
-        if (!st)
-            st = moept__q8_down<moept__bf16>(&k->c, src, rows[p], D, D, qc[1], sc[1], err, qr + r0[p] * Dp,
-                                             sr + r0[p], np);
+        const int64_t run[2] = {0, rows[p]}, at[2] = {r0[p], r0[p] + rows[p]}; /* (the run, by xsd's rows) */
+        st = moept__q8_down<moept__bf16>(&k->c, xsd + r0[p] * D, run, 1, D, D, qc[0], sc[0], err);
+        if (!st) st = moept__q8_down<moept__bf16>(&k->c, xsd, at, 1, D, D, qc[1], sc[1], err, qr, sr, np);
         uint8_t *h0 = q8t_host<uint8_t>(qc[0], qb), *h1 = q8t_host<uint8_t>(qc[1], qb);
         float *g0 = q8t_host<float>(sc[0], (size_t)sb), *g1 = q8t_host<float>(sc[1], (size_t)sb);
         cols += !q8t_same(h0, h1, qb) + !q8t_same(g0, g1, (size_t)sb);
@@ -247,6 +247,76 @@ static void q8t_twin(q8t_case<moept__bf16> *k) {
            (long long)n, (long long)cols, (long long)diff);
     cudaFree(xsd); cudaFree(q); cudaFree(qr); cudaFree(s); cudaFree(sr);
     free(hq); free(hqr); free(hs); free(hsr);
+}
+
+/* the wgrads' column passes over many groups (an expert's rows each) in one call against the same pass a
+   group at a time, bitwise: bf16 rows (plain, and with the rows' copy) and FP8 records. 70 groups (two
+   launches of MOEPT__Q8_G), empty ones among them; every output buffer compared whole, so a group's
+   operand must land where moept__q8_gnext puts it and nothing else be written */
+template <typename T>
+static void q8t_groups1(moept__cuda *c, const T *src, int64_t lds, const int64_t *offs, int64_t ng, int64_t D,
+                        int rw, int64_t np) {
+    const int64_t Dp = MOEPT__Q8_PAD(D), L = MOEPT__Q8_L(D);
+    int64_t qo = 0, so = 0;
+    for (int64_t g = 0; g < ng; g++) moept__q8_gnext(offs[g + 1] - offs[g], Dp, &qo, &so);
+    const size_t qb = (size_t)qo, sb = (size_t)so * 4, rb = (size_t)(np * Dp), srb = (size_t)(L * np) * 4;
+    uint8_t *q[2], *qr[2];
+    float *sc[2], *sr[2];
+    for (int v = 0; v < 2; v++) {
+        q[v] = q8t_dev<uint8_t>(NULL, qb); sc[v] = q8t_dev<float>(NULL, sb);
+        qr[v] = q8t_dev<uint8_t>(NULL, rb); sr[v] = q8t_dev<float>(NULL, srb);
+    }
+    char err[MOEPT__ERRLEN] = "";
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+    const long k0 = moept_emu_launches("moept__k_q8_cols");
+#endif
+    moept_status st = moept__q8_down<T>(c, src, offs, ng, D, lds, q[0], sc[0], err, rw ? qr[0] : NULL,
+                                        rw ? sr[0] : NULL, np);
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+    EXPECT(moept_emu_launches("moept__k_q8_cols") - k0 == (ng + MOEPT__Q8_G - 1) / MOEPT__Q8_G,
+           "%lld groups: %ld launches", (long long)ng, moept_emu_launches("moept__k_q8_cols") - k0);
+#endif
+    qo = so = 0;
+    for (int64_t g = 0; g < ng && !st; g++) { /* (one group a call, its rows by src's: offs + g) */
+        st = moept__q8_down<T>(c, src, offs + g, 1, D, lds, q[1] + qo, sc[1] + so, err, rw ? qr[1] : NULL,
+                               rw ? sr[1] : NULL, np);
+        moept__q8_gnext(offs[g + 1] - offs[g], Dp, &qo, &so);
+    }
+    EXPECT(!st, "D %lld: %s", (long long)D, err);
+    void *h[2][4];
+    for (int v = 0; v < 2; v++) {
+        h[v][0] = q8t_host<uint8_t>(q[v], qb); h[v][1] = q8t_host<float>(sc[v], sb);
+        h[v][2] = q8t_host<uint8_t>(qr[v], rb); h[v][3] = q8t_host<float>(sr[v], srb);
+    }
+    const size_t size[4] = {qb, sb, rb, srb};
+    int diff = 0;
+    for (int i = 0; i < 4; i++) diff |= !q8t_same(h[0][i], h[1][i], size[i]) << i;
+    EXPECT(diff == 0, "D %lld, %s%s, %lld groups in one call against a group a call: parts %d differ "
+           "(1 bytes, 2 scales, 4 the rows' bytes, 8 their scales)", (long long)D, sizeof(T) == 1 ? "records"
+           : "bf16", rw ? " with the rows' copy" : "", (long long)ng, diff);
+    for (int v = 0; v < 2; v++) {
+        cudaFree(q[v]); cudaFree(sc[v]); cudaFree(qr[v]); cudaFree(sr[v]);
+        for (int i = 0; i < 4; i++) free(h[v][i]);
+    }
+}
+static void q8t_groups(int64_t D) {
+    enum { NG = 70 };
+    int64_t offs[NG + 1] = {0};
+    for (int g = 0; g < NG; g++) offs[g + 1] = offs[g] + (g % 9 == 4 ? 0 : (g * 37 + 5) % 151);
+    const int64_t n = offs[NG], W = moept__q8_recw(D);
+    q8t_case<moept__bf16> k;
+    q8t_make<moept__bf16>(&k, D, n);
+    char err[MOEPT__ERRLEN] = "";
+    moept__bf16 *xd = q8t_dev<moept__bf16>(k.x, (size_t)(k.Tn * D) * 2);
+    moept__bf16 *xsd = q8t_dev<moept__bf16>(k.xst, (size_t)(n * D) * 2);
+    int64_t *idxd = q8t_dev<int64_t>(k.idx, (size_t)n * 8);
+    uint8_t *rec = q8t_dev<uint8_t>(NULL, (size_t)(n * W));
+    moept_status st = moept__q8_records<moept__bf16>(&k.c, xd, idxd, n, rec, err);
+    EXPECT(!st, "D %lld: %s", (long long)D, err);
+    for (int rw = 0; rw < 2; rw++) q8t_groups1<moept__bf16>(&k.c, xsd, D, offs, NG, D, rw, k.np);
+    q8t_groups1<uint8_t>(&k.c, rec, W, offs, NG, D, 0, k.np);
+    cudaFree(xd); cudaFree(xsd); cudaFree(idxd); cudaFree(rec);
+    q8t_free<moept__bf16>(&k);
 }
 
 /* the last forward's a (the routed experts', F columns) as the gate/up kernel quantized it (q8r, q8sr)
@@ -297,6 +367,7 @@ static void test_records(void) {
             q8t_width<float>(widths[i], n);
             q8t_width<moept__bf16>(widths[i], n);
         }
+    q8t_groups(200);
 }
 
 /* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) with its fused quantizers (a by
