@@ -2672,19 +2672,54 @@ __device__ __forceinline__ uint4 moept__q8_16(const float *v, int live, float sc
                       moept__q8_word(v + 8, live >> 8, sc), moept__q8_word(v + 12, live >> 12, sc));
 }
 
+#define MOEPT__Q8_G 64 /* a quantizing pass's groups (experts) a launch */
+/* A row pass's groups (an expert's rows each), one a grid row (blockIdx.y): group g the rows [r0[g],
+   r0[g] + n[g]) of the source, its operand the padded rows from o[g] of the output (each group's rows
+   padded to 16, one group after another), its scales a dense [L][np] from L o[g]; ng 0: one operand, as
+   the kernel's own arguments say */
+typedef struct moept__q8_rg {
+    int64_t r0[MOEPT__Q8_G], o[MOEPT__Q8_G];
+    int32_t n[MOEPT__Q8_G];
+    int ng;
+} moept__q8_rg;
+/* groups g0.. of ng (offs [ng + 1]: group g the rows [offs[g], offs[g + 1])), at most MOEPT__Q8_G, into
+   *G, their operands' rows from *o on (*o advanced past them); the most rows of one */
+static int64_t moept__q8_rgroups(const int64_t *offs, int64_t ng, int64_t g0, moept__q8_rg *G, int64_t *o) {
+    int64_t most = 0;
+    G->ng = (int)(ng - g0 < MOEPT__Q8_G ? ng - g0 : MOEPT__Q8_G);
+    for (int i = 0; i < G->ng; i++) {
+        const int64_t n = offs[g0 + i + 1] - offs[g0 + i];
+        G->r0[i] = offs[g0 + i], G->n[i] = (int32_t)n, G->o[i] = *o;
+        *o += MOEPT__Q8_PAD(n);
+        most = n > most ? n : most;
+    }
+    return most;
+}
+/* the rows a launch writes a group: launch g0's groups' most padded (offs), or one operand's n (padded
+   unless ss: rows of a larger operand) */
+static int64_t moept__q8_launch(const int64_t *offs, int64_t ng, int64_t g0, moept__q8_rg *G, int64_t *o,
+                                int64_t n, int64_t ss) {
+    return offs ? MOEPT__Q8_PAD(moept__q8_rgroups(offs, ng, g0, G, o)) : ss ? n : MOEPT__Q8_PAD(n);
+}
+
 /* Rows r < nw of src (row idx[r], -1 zeros; idx NULL: row r; rows from n on zeros), their first K
    columns, lds apart, into 1 x 128 tiles: q [nw][ldq] E4M3 (columns K to Kp zero), tile b's scale at
    s[r srs + b sbs] (srs 1, sbs >= nw: VEC128 of an operand whose op() is sbs x Kp; or an FP8 record's,
    moept__q8_recw, whose bytes from tail to ldq, its padding, are zeroed). A tile
    is 8 threads' 16 adjacent columns each (Kp a multiple of 16: all in or all out), read in V-vectors
    where the row holds them, the tile's amax through shared memory (one barrier a round: sh's halves
-   alternate), 16 bytes written a thread: a block's round reads MOEPT__TB / 8 tiles */
+   alternate), 16 bytes written a thread: a block's round reads MOEPT__TB / 8 tiles. G.ng > 0: group
+   blockIdx.y's rows (idx NULL) into its own operand (moept__q8_rg) */
 template <typename T, int V>
 __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, int K, int64_t lds, int64_t nw,
                                  int Kp, uint8_t *q, int64_t ldq, float *s, int64_t srs, int64_t sbs,
-                                 int64_t tail) {
+                                 int64_t tail, const moept__q8_rg G) {
     __shared__ float sh[2][MOEPT__TB];
     const int L = MOEPT__Q8_L(Kp), l = (int)threadIdx.x % 8, tb = MOEPT__TB / 8;
+    if (G.ng) {
+        const int g = (int)blockIdx.y;
+        src += G.r0[g] * lds, n = G.n[g], nw = MOEPT__Q8_PAD(n), q += G.o[g] * ldq, s += G.o[g] * L, sbs = nw;
+    }
     const int64_t nt = nw * L;
     int h = 0;
     for (int64_t t = (int64_t)blockIdx.x * tb; t < nt; t += (int64_t)gridDim.x * tb, h ^= 1) {
@@ -2720,7 +2755,6 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
    group g the rows [r0[g], r0[g] + n[g]) of src, its operand at q + q0[g] and its scales at s + s0[g]
    (moept__q8_gnext's layout: the groups' operands one after another), its tiles [t0[g], t0[g + 1]) of
    the launch's */
-#define MOEPT__Q8_G 64
 typedef struct moept__q8_grp {
     int64_t r0[MOEPT__Q8_G], q0[MOEPT__Q8_G], s0[MOEPT__Q8_G];
     int32_t n[MOEPT__Q8_G], t0[MOEPT__Q8_G + 1];
@@ -2848,11 +2882,15 @@ __global__ void moept__k_q8_cols(const T *src0, const moept__q8_grp G, int C, in
 
 /* Rows r < nw of FP8 records rec (moept__q8_recw(Kp) bytes apart; rows from n on zeros) as a matmul's
    operand along K, their bytes and scales as they are: q [nw][Kp], tile b's scale at s[b sbs + r]
-   (moept__k_q8_rows' layout, srs 1) */
+   (moept__k_q8_rows' layout, srs 1); G.ng > 0: group blockIdx.y's (moept__q8_rg) */
 __global__ void moept__k_q8_unrec(const uint8_t *rec, int64_t n, int64_t nw, int Kp, uint8_t *q, float *s,
-                                  int64_t sbs) {
+                                  int64_t sbs, const moept__q8_rg G) {
     const int L = MOEPT__Q8_L(Kp), per = Kp / 16 + L; /* a row's 16-byte pieces, then its scales */
     const int64_t W = moept__q8_recw(Kp);
+    if (G.ng) {
+        const int g = (int)blockIdx.y;
+        rec += G.r0[g] * W, n = G.n[g], nw = MOEPT__Q8_PAD(n), q += G.o[g] * Kp, s += G.o[g] * L, sbs = nw;
+    }
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < nw * per;
          i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t r = i / per;
@@ -2913,9 +2951,15 @@ __global__ void moept__k_q8_blocks(const float *w, int64_t nw, int M, int K, int
 }
 
 /* A matmul's fp32 result out [n][ldo] (its first m columns) into rows of T dst [n][ldd], or (acc) added
-   to fp32 dst (the weight gradients); V-vectors of T where the rows hold them */
+   to fp32 dst (the weight gradients); V-vectors of T where the rows hold them. G.ng > 0: group
+   blockIdx.y's result rows (from o[g], moept__q8_rg) into its rows of dst */
 template <typename T, int V>
-__global__ void moept__k_q8_out(const float *out, int64_t n, int m, int ldo, T *dst, int64_t ldd, int acc) {
+__global__ void moept__k_q8_out(const float *out, int64_t n, int m, int ldo, T *dst, int64_t ldd, int acc,
+                                const moept__q8_rg G) {
+    if (G.ng) {
+        const int g = (int)blockIdx.y;
+        out += G.o[g] * ldo, n = G.n[g], dst += G.r0[g] * ldd;
+    }
     MOEPT__ROWS(r, n) MOEPT__LANES(j, m, V) {
         float v[V], g[V];
         moept__ldv<V>(out + r * ldo + j, v);
@@ -3138,15 +3182,23 @@ static moept_status moept__q8_probe(moept__cuda *c, char *err) {
 }
 
 /* n rows of src (K columns, lds apart) as a matmul's B along K: q [np][Kp], scales s; ss > 0: rows of a
-   larger operand, its scales ss rows apart (no padding rows written) */
+   larger operand, its scales ss rows apart (no padding rows written). offs: instead each of ng groups of
+   src's rows (offs [ng + 1], n unused) into its own operand, one after another (moept__q8_rg), MOEPT__Q8_G
+   groups a launch */
 template <typename T>
 static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, int64_t K, int64_t lds,
-                                    uint8_t *q, float *s, int64_t ss, char *err) {
-    const int64_t nw = ss ? n : MOEPT__Q8_PAD(n), Kp = MOEPT__Q8_PAD(K);
-    MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, moept__grid(nw * MOEPT__Q8_L(Kp) * 8),
-                    MOEPT__TB, c->s, (const T *)src, NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1,
-                    ss ? ss : nw, Kp);
-    MOEPT__LAUNCHED();
+                                    uint8_t *q, float *s, int64_t ss, char *err, const int64_t *offs = NULL,
+                                    int64_t ng = 0) {
+    const int64_t Kp = MOEPT__Q8_PAD(K);
+    moept__q8_rg G = {};
+    int64_t o = 0;
+    for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
+        const int64_t nw = moept__q8_launch(offs, ng, g0, &G, &o, n, ss);
+        const dim3 grid((unsigned)moept__grid(nw * MOEPT__Q8_L(Kp) * 8), offs ? (unsigned)G.ng : 1u);
+        MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, grid, MOEPT__TB, c->s, (const T *)src,
+                        NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1, ss ? ss : nw, Kp, G);
+        MOEPT__LAUNCHED();
+    }
     return MOEPT_OK;
 }
 /* the C columns of each of ng groups of src's rows (group g the rows [offs[g], offs[g + 1]), lds apart),
@@ -3203,37 +3255,53 @@ static moept_status moept__q8_records(moept__cuda *c, const T *x, const int64_t 
                                       char *err) {
     const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), W = moept__q8_recw(D), L = MOEPT__Q8_L(D);
     uint8_t *q = (uint8_t *)rec;
+    const moept__q8_rg one = {};
     MOEPT__LAUNCH_V(moept__vec<T>(D, x), moept__k_q8_rows, T, moept__grid(n * MOEPT__Q8_L(Dp) * 8), MOEPT__TB,
-                    c->s, x, idx, n, (int)D, D, n, (int)Dp, q, W, (float *)(q + Dp), W / 4, 1, Dp + 4 * L);
+                    c->s, x, idx, n, (int)D, D, n, (int)Dp, q, W, (float *)(q + Dp), W / 4, 1, Dp + 4 * L,
+                    one);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 /* n FP8 records (k columns) as a matmul's operand along k: q [np][kp], scales s (q8_along's layout); ss
-   > 0: rows of a larger operand, its scales ss rows apart (no padding rows written) */
+   > 0: rows of a larger operand, its scales ss rows apart (no padding rows written); offs: instead each of
+   ng groups' records into its own operand (moept__q8_along's) */
 static moept_status moept__q8_unrec(moept__cuda *c, const void *rec, int64_t n, int64_t k, uint8_t *q,
-                                    float *s, int64_t ss, char *err) {
-    const int64_t nw = ss ? n : MOEPT__Q8_PAD(n), kp = MOEPT__Q8_PAD(k);
-    MOEPT__LAUNCH(moept__k_q8_unrec, moept__grid(nw * (kp / 16 + MOEPT__Q8_L(kp))), MOEPT__TB, 0, c->s)(
-        (const uint8_t *)rec, n, nw, (int)kp, q, s, ss ? ss : nw);
-    MOEPT__LAUNCHED();
+                                    float *s, int64_t ss, char *err, const int64_t *offs = NULL,
+                                    int64_t ng = 0) {
+    const int64_t kp = MOEPT__Q8_PAD(k);
+    moept__q8_rg G = {};
+    int64_t o = 0;
+    for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
+        const int64_t nw = moept__q8_launch(offs, ng, g0, &G, &o, n, ss);
+        const dim3 grid((unsigned)moept__grid(nw * (kp / 16 + MOEPT__Q8_L(kp))), offs ? (unsigned)G.ng : 1u);
+        MOEPT__LAUNCH(moept__k_q8_unrec, grid, MOEPT__TB, 0, c->s)((const uint8_t *)rec, n, nw, (int)kp, q, s,
+                                                                  ss ? ss : nw, G);
+        MOEPT__LAUNCHED();
+    }
     return MOEPT_OK;
 }
-/* the matmul's result [n][ldo] (m columns) into dst [n][ldd]: T rows, or (acc) added to fp32 gradients */
+/* the matmul's result [n][ldo] (m columns) into dst [n][ldd]: T rows, or (acc) added to fp32 gradients;
+   offs: instead each of ng groups' results (from its row o of the result: moept__q8_rg) into its rows */
 template <typename T>
 static moept_status moept__q8_result(moept__cuda *c, int64_t n, int64_t m, int64_t ldo, void *dst,
-                                     int64_t ldd, int acc, char *err) {
-    const int M = (int)m, L = (int)ldo;
-    if (acc) {
-        const int vec = moept__vec<float>(m, dst) && ldd % 4 == 0 && ldo % 4 == 0;
-        const moept__shape sh = moept__rows_shape(n, vec ? m / 4 : m);
-        MOEPT__LAUNCH_V(vec, moept__k_q8_out, float, sh.g, sh.b, c->s, c->q8out, n, M, L, (float *)dst, ldd,
-                        1);
-    } else {
-        const int vec = moept__vec<T>(m, dst) && ldd % MOEPT__VEC(T) == 0 && ldo % 4 == 0;
-        const moept__shape sh = moept__rows_shape(n, vec ? m / MOEPT__VEC(T) : m);
-        MOEPT__LAUNCH_V(vec, moept__k_q8_out, T, sh.g, sh.b, c->s, c->q8out, n, M, L, (T *)dst, ldd, 0);
+                                     int64_t ldd, int acc, char *err, const int64_t *offs = NULL,
+                                     int64_t ng = 0) {
+    const int M = (int)m, L = (int)ldo, v = acc ? 4 : MOEPT__VEC(T); /* (v: a vector's elements) */
+    const int vec = (acc ? moept__vec<float>(m, dst) : moept__vec<T>(m, dst)) && ldd % v == 0 && ldo % 4 == 0;
+    moept__q8_rg G = {};
+    int64_t o = 0;
+    for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
+        const int64_t rows = offs ? moept__q8_rgroups(offs, ng, g0, &G, &o) : n; /* (a group's most) */
+        moept__shape sh = moept__rows_shape(rows, vec ? m / v : m);
+        sh.g.y = offs ? (unsigned)G.ng : 1u;
+        if (acc)
+            MOEPT__LAUNCH_V(vec, moept__k_q8_out, float, sh.g, sh.b, c->s, c->q8out, n, M, L, (float *)dst,
+                            ldd, 1, G);
+        else
+            MOEPT__LAUNCH_V(vec, moept__k_q8_out, T, sh.g, sh.b, c->s, c->q8out, n, M, L, (T *)dst, ldd, 0,
+                            G);
+        MOEPT__LAUNCHED();
     }
-    MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
 
@@ -4728,6 +4796,29 @@ static moept_status moept__q8_mm(moept__cuda *c, int64_t n, const char *in, int 
     return moept__q8_result<T>(c, n, m, mp, out, m, 0, err);
 }
 
+/* config.fp8's matmuls of every group of R (whole groups): out's rows = in's (rows ld apart, quantized
+   along them, or FP8 records: rec) times their expert's E4M3 matrix wq [E][mp][kp] (scales sq, ns an
+   expert) transposed; the groups' operands in one pass, one matmul a group, their results in one pass */
+template <typename T>
+static moept_status moept__q8_mm_all(moept__cuda *c, const moept__runs *R, const char *in, int rec, int64_t k,
+                                     int64_t ld, const uint8_t *wq, const float *sq, int64_t ns, int64_t m,
+                                     char *out, char *err) {
+    const int64_t mp = MOEPT__Q8_PAD(m), kp = MOEPT__Q8_PAD(k);
+    int64_t o = 0; /* (group e's operand and result rows: from o) */
+    MOEPT__TRY(moept__q8_fits(c, R, 1, err));
+    MOEPT__TRY(rec ? moept__q8_unrec(c, in, 0, k, c->q8b, c->q8sb, 0, err, R->offs, R->n)
+                   : moept__q8_along<T>(c, in, 0, k, ld, c->q8b, c->q8sb, 0, err, R->offs, R->n));
+    for (int64_t e = 0; e < R->n; e++) {
+        const int64_t np = MOEPT__Q8_PAD(R->offs[e + 1] - R->offs[e]);
+        if (np > 0)
+            MOEPT__TRY(moept__q8_gemm(c, mp, np, kp, wq + e * mp * kp, sq + e * ns, MOEPT__BLK128,
+                                      c->q8b + o * kp, c->q8sb + o * MOEPT__Q8_L(kp), c->q8out + o * mp, mp,
+                                      0, err));
+        o += np;
+    }
+    return moept__q8_result<T>(c, 0, m, mp, out, m, 0, err, R->offs, R->n);
+}
+
 /* the end of R's rows (its last nonempty run's), checked against the FP8 scratch's rows */
 static moept_status moept__q8_end(const moept__cuda *c, const moept__runs *R, int64_t *end, char *err) {
     *end = 0;
@@ -4815,7 +4906,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         if (moept__gk_q8(c)) /* (the dgrad: B the transposed copy, K-major as the forward's) */
             return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O,
                                  bwd ? moept__q8_twin(c, f, R) : w2 && moept__ffn_fused8(c, f), NULL, err);
-        MOEPT__TRY(moept__q8_fits(c, R, 0, err));
+        if (R->offs) return moept__q8_mm_all<T>(c, R, I, rec, k, ld, wq, sq, ns, m, O, err);
+        MOEPT__TRY(moept__q8_fits(c, R, 0, err)); /* (a chunk's runs: one after another) */
         for (int64_t i = 0; i < R->n; i++) {
             int64_t r0, rows, e;
             moept__run_at(R, i, &r0, &rows, &e);

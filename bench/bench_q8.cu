@@ -7,14 +7,15 @@
    The routed rows n = T K split evenly over the E experts. Which passes a step runs depends on the GEMM
    form (the column "form"):
      both:       the dispatch's FP8 records of x (one launch), the wgrads' column-wise x (from the
-                 records) and a (every expert's in one launch, MOEPT__Q8_G experts a launch);
+                 records) and a;
      per-expert: the per-expert (cuBLASLt) form's: each product's operand along its rows (the records'
-                 copy for x, a, dy, dh) and its fp32 result into bf16 (h, y, da, dx), a launch an expert
-                 each; the wgrads' column-wise dy and dh;
+                 copy for x, a, dy, dh) and its fp32 result into bf16 (h, y, da, dx); the wgrads'
+                 column-wise dy and dh;
      kernel:     the kernel form's wgrad column passes of dy and dh that also write the dgrad's rows
                  (one read each); its gate/up product quantizes a itself, its products write bf16.
-   The kernel form's chunked step runs the per-expert form's row passes of dy, dh (a launch a run) and
-   the plain column passes instead of its own. The "sum" lines add up each form's passes: its
+   Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch. A
+   chunked step runs its row passes a launch a run instead (the kernel form's: of dy and dh, and the
+   plain column passes in place of its own). The "sum" lines add up each form's passes: its
    quantizing bytes and time a step, less the GEMMs.
 
    usage: bench_q8 [--shape mixtral|deepseek|qwen3] [--tokens T] [--hidden D] [--ffn F] [--experts E]
@@ -54,9 +55,9 @@ static const bq_pass bq_passes[] = {
 enum { BQ_N = (int)(sizeof bq_passes / sizeof bq_passes[0]) };
 
 /* the operands: src [n][max(D, 2F)] bf16 random, x [T][D] bf16 random, rec [n][recw(D)] its records,
-   idx [n] (row r: token r / K), c.q8out [n][max(D, 2F) padded] fp32 random (the products' results, and
-   the copy's source); q [np + 16 E][max padded], qr [np][max padded] and their scales, the passes'
-   outputs; cp as large as
+   idx [n] (row r: token r / K), c.q8out [np + 16 E][max(D, 2F) padded] fp32 random (the products'
+   results, and the copy's source); q [np + 16 E][max padded], qr [np][max padded] and their scales, the
+   passes' outputs; cp as large as
    q8out, the results' and the copy's destination */
 typedef struct bq_bufs {
     moept__bf16 *src, *x, *cp;
@@ -91,40 +92,35 @@ static void *bq_alloc(size_t bytes) {
     return d;
 }
 
-/* pass p over the n rows, its bytes read and written into *in, *out, its launches into *l: a launch an
-   expert but the records (one) and the wgrads' column passes (every expert's at once) */
+/* pass p over the n rows, as the layer's whole groups call it (every expert's rows in one call,
+   MOEPT__Q8_G experts a launch; the records: one launch), its bytes read and written into *in, *out,
+   its launches into *l */
 static moept_status bq_run(moept__cuda *c, const bq_pass *p, const bench_shape *s, bq_bufs *b, double *in,
                            double *out, int64_t *l) {
-    const int64_t n = s->T * s->K, D = s->D, W = moept__q8_recw(D), np = MOEPT__Q8_PAD(n);
+    const int64_t n = s->T * s->K, D = s->D, W = moept__q8_recw(D), np = MOEPT__Q8_PAD(n), E = s->E;
     const int64_t C = p->w == 'D' ? D : p->w == 'F' ? s->F : 2 * s->F, Cp = MOEPT__Q8_PAD(C);
-    const int cols = p->kind == BQ_COLS_REC || p->kind == BQ_COLS || p->kind == BQ_COLS_RW;
-    *in = *out = 0.0, *l = cols ? (s->E + MOEPT__Q8_G - 1) / MOEPT__Q8_G : s->E;
+    *in = *out = 0.0, *l = (E + MOEPT__Q8_G - 1) / MOEPT__Q8_G;
     if (p->kind == BQ_RECORDS) {
         *in = (double)n * (D * 2 + 8), *out = (double)n * W, *l = 1;
         return moept__q8_records<moept__bf16>(c, b->x, b->idx, n, b->rec, err);
     }
-    int64_t offs[4097]; /* (the experts' rows, for the column passes) */
-    for (int64_t e = 0; e <= s->E; e++) offs[e] = n * e / s->E;
-    for (int64_t e = 0; e < s->E; e++) {
-        const int64_t r0 = offs[e], rows = offs[e + 1] - r0, rp = MOEPT__Q8_PAD(rows);
+    int64_t offs[4097]; /* (the experts' rows) */
+    for (int64_t e = 0; e <= E; e++) offs[e] = n * e / E;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t rows = offs[e + 1] - offs[e], rp = MOEPT__Q8_PAD(rows);
         const double qb = (double)rp * Cp + 4.0 * (double)rp * MOEPT__Q8_L(C); /* an operand's bytes */
-        const moept__bf16 *src = b->src + r0 * C;
-        moept_status st = MOEPT_OK;
         *in += p->kind == BQ_UNREC || p->kind == BQ_COLS_REC ? (double)rows * W
                : (p->kind == BQ_OUT ? 4.0 : 2.0) * (double)rows * C;
         *out += p->kind == BQ_OUT ? 2.0 * (double)rows * C : p->kind == BQ_COLS_RW ? 2.0 * qb : qb;
-        if (p->kind == BQ_UNREC) st = moept__q8_unrec(c, b->rec + r0 * W, rows, D, b->q, b->s, 0, err);
-        else if (p->kind == BQ_ROWS)
-            st = moept__q8_along<moept__bf16>(c, src, rows, C, C, b->q, b->s, 0, err);
-        else if (p->kind == BQ_OUT)
-            st = moept__q8_result<moept__bf16>(c, rows, C, Cp, b->cp + r0 * C, C, 0, err);
-        if (st) return st;
     }
-    if (p->kind == BQ_COLS_REC) return moept__q8_down<uint8_t>(c, b->rec, offs, s->E, D, W, b->q, b->s, err);
-    if (p->kind == BQ_COLS) return moept__q8_down<moept__bf16>(c, b->src, offs, s->E, C, C, b->q, b->s, err);
-    if (p->kind == BQ_COLS_RW)
-        return moept__q8_down<moept__bf16>(c, b->src, offs, s->E, C, C, b->q, b->s, err, b->qr, b->sr, np);
-    return MOEPT_OK;
+    switch (p->kind) {
+    case BQ_UNREC: return moept__q8_unrec(c, b->rec, 0, D, b->q, b->s, 0, err, offs, E);
+    case BQ_ROWS: return moept__q8_along<moept__bf16>(c, b->src, 0, C, C, b->q, b->s, 0, err, offs, E);
+    case BQ_OUT: return moept__q8_result<moept__bf16>(c, 0, C, Cp, b->cp, C, 0, err, offs, E);
+    case BQ_COLS_REC: return moept__q8_down<uint8_t>(c, b->rec, offs, E, D, W, b->q, b->s, err);
+    case BQ_COLS: return moept__q8_down<moept__bf16>(c, b->src, offs, E, C, C, b->q, b->s, err);
+    default: return moept__q8_down<moept__bf16>(c, b->src, offs, E, C, C, b->q, b->s, err, b->qr, b->sr, np);
+    }
 }
 
 static float bq_ms(cudaEvent_t a, cudaEvent_t b) {
@@ -147,11 +143,12 @@ int main(int argc, char **argv) {
     BQ_CK(cudaStreamCreateWithFlags(&c.s, cudaStreamNonBlocking));
     bq_bufs b;
     b.src = (moept__bf16 *)bq_random(n * M, 2), b.x = (moept__bf16 *)bq_random(s.T * s.D, 2);
-    b.cp = (moept__bf16 *)bq_alloc((size_t)(n * Mp) * 4);
-    c.q8out = (float *)bq_random(n * Mp, 4);
+    /* (the groups' operands and results: every expert's rows, each padded to 16) */
+    const int64_t nq = np + 16 * s.E;
+    b.cp = (moept__bf16 *)bq_alloc((size_t)(nq * Mp) * 4);
+    c.q8out = (float *)bq_random(nq * Mp, 4);
     b.rec = (uint8_t *)bq_alloc((size_t)(n * moept__q8_recw(s.D)));
-    /* (the column passes' operands: every expert's rows, each padded to 16) */
-    const int64_t nq = np + 16 * s.E, sr = MOEPT__Q8_L(Mp) * np, sc = (MOEPT__Q8_L(nq) + s.E) * Mp;
+    const int64_t sr = MOEPT__Q8_L(Mp) * nq, sc = (MOEPT__Q8_L(nq) + s.E) * Mp;
     const int64_t ns = sr > sc ? sr : sc;
     b.q = (uint8_t *)bq_alloc((size_t)(nq * Mp)), b.qr = (uint8_t *)bq_alloc((size_t)(np * Mp));
     b.s = (float *)bq_alloc((size_t)ns * 4), b.sr = (float *)bq_alloc((size_t)ns * 4); /* (rows', columns') */

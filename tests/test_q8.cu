@@ -10,7 +10,9 @@
      is moept__q8_down of the dequantized rows in fp32, and the CPU's column tiles of them.
    - a backward's dy and dh from the wgrad's column pass that also quantizes them along the rows (one
      read): its columns the plain pass's, its rows moept__q8_along's, run by run;
-   - the column passes over every expert's rows in one call: each group's bytes a call of its own's.
+   - the column passes over every expert's rows in one call, and the per-expert form's row passes (the
+     operands along the rows, of bf16 rows and of records, and the results): each group's bytes a call
+     of its own's.
    fp32 and bf16 rows; widths with whole, edge and lone tiles; 37 rows and 300 (three row tiles). */
 #include "../moept_kernels.cu"
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
@@ -299,6 +301,61 @@ static void q8t_groups1(moept__cuda *c, const T *src, int64_t lds, const int64_t
         for (int i = 0; i < 4; i++) free(h[v][i]);
     }
 }
+/* the per-expert form's row passes over every expert's rows in one call (the operands of bf16 rows and of
+   FP8 records, each group's padded rows after the one before; the fp32 results into the groups' rows)
+   against the same a group a call into the same places, every output buffer bitwise */
+static void q8t_rgroups(q8t_case<moept__bf16> *k, const moept__bf16 *xsd, const uint8_t *rec,
+                        const int64_t *offs, int64_t ng) {
+    const int64_t D = k->D, Dp = k->Dp, L = k->L, W = k->W, n = offs[ng];
+    int64_t o = 0;
+    for (int64_t g = 0; g < ng; g++) o += MOEPT__Q8_PAD(offs[g + 1] - offs[g]);
+    const size_t qb = (size_t)(o * Dp), sb = (size_t)(o * L) * 4, yb = (size_t)(n * D) * 2;
+    uint8_t *q[2][2];
+    float *sc[2][2];
+    moept__bf16 *y[2];
+    for (int v = 0; v < 2; v++) {
+        for (int p = 0; p < 2; p++) q[v][p] = q8t_dev<uint8_t>(NULL, qb), sc[v][p] = q8t_dev<float>(NULL, sb);
+        y[v] = q8t_dev<moept__bf16>(NULL, yb);
+    }
+    float *res = (float *)malloc((size_t)(o * Dp) * 4), *saved = k->c.q8out;
+    for (int64_t i = 0; i < o * Dp; i++) res[i] = (float)(i % 1001) * 0.37f - 150.0f;
+    float *resd = q8t_dev<float>(res, (size_t)(o * Dp) * 4);
+    char err[MOEPT__ERRLEN] = "";
+    moept__cuda *c = &k->c;
+    c->q8out = resd;
+    moept_status st = moept__q8_along<moept__bf16>(c, xsd, 0, D, D, q[0][0], sc[0][0], 0, err, offs, ng);
+    if (!st) st = moept__q8_unrec(c, rec, 0, D, q[0][1], sc[0][1], 0, err, offs, ng);
+    if (!st) st = moept__q8_result<moept__bf16>(c, 0, D, Dp, y[0], D, 0, err, offs, ng);
+    o = 0;
+    for (int64_t g = 0; g < ng && !st; g++) {
+        const int64_t r0 = offs[g], rows = offs[g + 1] - r0;
+        st = moept__q8_along<moept__bf16>(c, xsd + r0 * D, rows, D, D, q[1][0] + o * Dp, sc[1][0] + o * L, 0,
+                                          err);
+        if (!st) st = moept__q8_unrec(c, rec + r0 * W, rows, D, q[1][1] + o * Dp, sc[1][1] + o * L, 0, err);
+        c->q8out = resd + o * Dp;
+        if (!st) st = moept__q8_result<moept__bf16>(c, rows, D, Dp, y[1] + r0 * D, D, 0, err);
+        o += MOEPT__Q8_PAD(rows);
+    }
+    c->q8out = saved;
+    EXPECT(!st, "D %lld: %s", (long long)D, err);
+    int diff = 0;
+    for (int p = 0; p < 2; p++) {
+        uint8_t *h0 = q8t_host<uint8_t>(q[0][p], qb), *h1 = q8t_host<uint8_t>(q[1][p], qb);
+        float *g0 = q8t_host<float>(sc[0][p], sb), *g1 = q8t_host<float>(sc[1][p], sb);
+        const int bytes = !q8t_same(h0, h1, qb), scales = !q8t_same(g0, g1, sb);
+        diff |= (bytes | scales << 1) << (2 * p);
+        free(h0); free(h1); free(g0); free(g1);
+    }
+    moept__bf16 *h0 = q8t_host<moept__bf16>(y[0], yb), *h1 = q8t_host<moept__bf16>(y[1], yb);
+    diff |= !q8t_same(h0, h1, yb) << 4;
+    EXPECT(diff == 0, "D %lld, %lld groups in one call against a group a call: parts %d differ (1, 2 the "
+           "rows' bytes, scales; 4, 8 the records'; 16 the results)", (long long)D, (long long)ng, diff);
+    free(h0); free(h1); free(res); cudaFree(resd);
+    for (int v = 0; v < 2; v++) {
+        for (int p = 0; p < 2; p++) cudaFree(q[v][p]), cudaFree(sc[v][p]);
+        cudaFree(y[v]);
+    }
+}
 static void q8t_groups(int64_t D) {
     enum { NG = 70 };
     int64_t offs[NG + 1] = {0};
@@ -315,6 +372,7 @@ static void q8t_groups(int64_t D) {
     EXPECT(!st, "D %lld: %s", (long long)D, err);
     for (int rw = 0; rw < 2; rw++) q8t_groups1<moept__bf16>(&k.c, xsd, D, offs, NG, D, rw, k.np);
     q8t_groups1<uint8_t>(&k.c, rec, W, offs, NG, D, 0, k.np);
+    q8t_rgroups(&k, xsd, rec, offs, NG);
     cudaFree(xd); cudaFree(xsd); cudaFree(idxd); cudaFree(rec);
     q8t_free<moept__bf16>(&k);
 }
