@@ -3103,9 +3103,9 @@ static moept_status moept__q8_fits(const moept__cuda *c, const moept__runs *R, i
         if (!all) qo = so = 0;
         moept__q8_gnext(rows, moept__q8_wp(c), &qo, &so);
         if (qo > c->q8rows * moept__q8_wp(c) || so > c->q8sc)
-            return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld rows of %s past the scratch's %lld "
-                                "(moept_kernels.cu:%d)", (long long)rows, all ? "the experts" : "one expert",
-                                (long long)c->q8rows, __LINE__);
+            return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %s %lld padded rows past the scratch's "
+                                "%lld (moept_kernels.cu:%d)", all ? "the experts'" : "one expert's",
+                                (long long)(qo / moept__q8_wp(c)), (long long)c->q8rows, __LINE__);
     }
     return MOEPT_OK;
 }

@@ -108,10 +108,13 @@ static moept_status bq_run(moept__cuda *c, const bq_pass *p, const bench_shape *
     for (int64_t e = 0; e <= E; e++) offs[e] = n * e / E;
     for (int64_t e = 0; e < E; e++) {
         const int64_t rows = offs[e + 1] - offs[e], rp = MOEPT__Q8_PAD(rows);
-        const double qb = (double)rp * Cp + 4.0 * (double)rp * MOEPT__Q8_L(C); /* an operand's bytes */
+        const int down = p->kind >= BQ_COLS_REC; /* (the column passes' scales: 128 rows x 1) */
+        const double sc = down ? (double)MOEPT__Q8_L(rp) * Cp : (double)rp * MOEPT__Q8_L(C);
+        const double qb = (double)rp * Cp + 4.0 * sc; /* (an operand's bytes and scales) */
+        const double rb = (double)rows * Cp + 4.0 * (double)rows * MOEPT__Q8_L(C); /* (RW's rows' copy) */
         *in += p->kind == BQ_UNREC || p->kind == BQ_COLS_REC ? (double)rows * W
                : (p->kind == BQ_OUT ? 4.0 : 2.0) * (double)rows * C;
-        *out += p->kind == BQ_OUT ? 2.0 * (double)rows * C : p->kind == BQ_COLS_RW ? 2.0 * qb : qb;
+        *out += p->kind == BQ_OUT ? 2.0 * (double)rows * C : p->kind == BQ_COLS_RW ? qb + rb : qb;
     }
     switch (p->kind) {
     case BQ_UNREC: return moept__q8_unrec(c, b->rec, 0, D, b->q, b->s, 0, err, offs, E);
