@@ -2695,11 +2695,21 @@ static int64_t moept__q8_rgroups(const int64_t *offs, int64_t ng, int64_t g0, mo
     }
     return most;
 }
-/* the rows a launch writes a group: launch g0's groups' most padded (offs), or one operand's n (padded
-   unless ss: rows of a larger operand) */
-static int64_t moept__q8_launch(const int64_t *offs, int64_t ng, int64_t g0, moept__q8_rg *G, int64_t *o,
-                                int64_t n, int64_t ss) {
-    return offs ? MOEPT__Q8_PAD(moept__q8_rgroups(offs, ng, g0, G, o)) : ss ? n : MOEPT__Q8_PAD(n);
+/* each launch of a row pass: launch(G, nw, gy) for ng groups of offs (MOEPT__Q8_G a launch, G the
+   launch's, nw its most rows padded, gy its groups: the grid's rows), or (offs NULL) once for one
+   operand of n rows (G.ng 0; nw n padded unless ss: rows of a larger operand) */
+template <typename Launch>
+static moept_status moept__q8_each(const int64_t *offs, int64_t ng, int64_t n, int64_t ss, char *err,
+                                   Launch launch) {
+    moept__q8_rg G = {};
+    int64_t o = 0;
+    for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
+        const int64_t nw = offs ? MOEPT__Q8_PAD(moept__q8_rgroups(offs, ng, g0, &G, &o))
+                                : ss ? n : MOEPT__Q8_PAD(n);
+        launch(G, nw, offs ? (unsigned)G.ng : 1u);
+        MOEPT__LAUNCHED();
+    }
+    return MOEPT_OK;
 }
 
 /* Rows r < nw of src (row idx[r], -1 zeros; idx NULL: row r; rows from n on zeros), their first K
@@ -3190,16 +3200,11 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
                                     uint8_t *q, float *s, int64_t ss, char *err, const int64_t *offs = NULL,
                                     int64_t ng = 0) {
     const int64_t Kp = MOEPT__Q8_PAD(K);
-    moept__q8_rg G = {};
-    int64_t o = 0;
-    for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
-        const int64_t nw = moept__q8_launch(offs, ng, g0, &G, &o, n, ss);
-        const dim3 grid((unsigned)moept__grid(nw * MOEPT__Q8_L(Kp) * 8), offs ? (unsigned)G.ng : 1u);
+    return moept__q8_each(offs, ng, n, ss, err, [&](const moept__q8_rg &G, int64_t nw, unsigned gy) {
+        const dim3 grid((unsigned)moept__grid(nw * MOEPT__Q8_L(Kp) * 8), gy);
         MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, grid, MOEPT__TB, c->s, (const T *)src,
                         NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1, ss ? ss : nw, Kp, G);
-        MOEPT__LAUNCHED();
-    }
-    return MOEPT_OK;
+    });
 }
 /* the C columns of each of ng groups of src's rows (group g the rows [offs[g], offs[g + 1]), lds apart),
    transposed, down the rows (a wgrad's operand each): into q and s, one group's after another's
@@ -3269,16 +3274,11 @@ static moept_status moept__q8_unrec(moept__cuda *c, const void *rec, int64_t n, 
                                     float *s, int64_t ss, char *err, const int64_t *offs = NULL,
                                     int64_t ng = 0) {
     const int64_t kp = MOEPT__Q8_PAD(k);
-    moept__q8_rg G = {};
-    int64_t o = 0;
-    for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
-        const int64_t nw = moept__q8_launch(offs, ng, g0, &G, &o, n, ss);
-        const dim3 grid((unsigned)moept__grid(nw * (kp / 16 + MOEPT__Q8_L(kp))), offs ? (unsigned)G.ng : 1u);
+    return moept__q8_each(offs, ng, n, ss, err, [&](const moept__q8_rg &G, int64_t nw, unsigned gy) {
+        const dim3 grid((unsigned)moept__grid(nw * (kp / 16 + MOEPT__Q8_L(kp))), gy);
         MOEPT__LAUNCH(moept__k_q8_unrec, grid, MOEPT__TB, 0, c->s)((const uint8_t *)rec, n, nw, (int)kp, q, s,
                                                                   ss ? ss : nw, G);
-        MOEPT__LAUNCHED();
-    }
-    return MOEPT_OK;
+    });
 }
 /* the matmul's result [n][ldo] (m columns) into dst [n][ldd]: T rows, or (acc) added to fp32 gradients;
    offs: instead each of ng groups' results (from its row o of the result: moept__q8_rg) into its rows */
@@ -3288,21 +3288,16 @@ static moept_status moept__q8_result(moept__cuda *c, int64_t n, int64_t m, int64
                                      int64_t ng = 0) {
     const int M = (int)m, L = (int)ldo, v = acc ? 4 : MOEPT__VEC(T); /* (v: a vector's elements) */
     const int vec = (acc ? moept__vec<float>(m, dst) : moept__vec<T>(m, dst)) && ldd % v == 0 && ldo % 4 == 0;
-    moept__q8_rg G = {};
-    int64_t o = 0;
-    for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
-        const int64_t rows = offs ? moept__q8_rgroups(offs, ng, g0, &G, &o) : n; /* (a group's most) */
-        moept__shape sh = moept__rows_shape(rows, vec ? m / v : m);
-        sh.g.y = offs ? (unsigned)G.ng : 1u;
+    return moept__q8_each(offs, ng, n, 1, err, [&](const moept__q8_rg &G, int64_t rows, unsigned gy) {
+        moept__shape sh = moept__rows_shape(rows, vec ? m / v : m); /* (rows: a group's most, padded) */
+        sh.g.y = gy;
         if (acc)
             MOEPT__LAUNCH_V(vec, moept__k_q8_out, float, sh.g, sh.b, c->s, c->q8out, n, M, L, (float *)dst,
                             ldd, 1, G);
         else
             MOEPT__LAUNCH_V(vec, moept__k_q8_out, T, sh.g, sh.b, c->s, c->q8out, n, M, L, (T *)dst, ldd, 0,
                             G);
-        MOEPT__LAUNCHED();
-    }
-    return MOEPT_OK;
+    });
 }
 
 static moept_status moept__gk_create(moept__cuda *c, char *err);
