@@ -3692,9 +3692,9 @@ static void moept__count_bytes(moept_layer *L, int dispatch, int rec) {
     L->stats.bytes_received += (dispatch ? L->stats.rows_received : L->stats.rows_sent) * rowbytes;
 }
 
-/* an exchange's bytes and time into the stats; its failure named */
-static moept_status moept__exchanged(moept_layer *L, moept_status st, double t0, int dispatch) {
-    moept__count_bytes(L, dispatch, 0);
+/* an exchange's bytes (rows of D floats, or rec: FP8 records) and time into the stats; its failure named */
+static moept_status moept__exchanged(moept_layer *L, moept_status st, double t0, int dispatch, int rec) {
+    moept__count_bytes(L, dispatch, rec);
     L->stats.comm_seconds += moept__now() - t0;
     if (st)
         return moept__fail(L, st, "expert exchange (%s): %s", dispatch ? "dispatch" : "combine", L->ep->err);
@@ -3710,7 +3710,7 @@ static moept_status moept__exchange(moept_layer *L, moept__fstate *sl, float *lo
     moept_seg *s = sl->xch.send_segs, *r = sl->xch.recv_segs;
     moept_status st = dispatch ? L->ep->alltoallv(L->ep, local, s, remote, r, (int)L->El, 4)
                                : L->ep->alltoallv(L->ep, remote, r, local, s, (int)L->El, 4);
-    return moept__exchanged(L, st, t0, dispatch);
+    return moept__exchanged(L, st, t0, dispatch, 0);
 }
 
 /* the forward dispatch from x by index (moept__rows_dispatch) */
@@ -3718,7 +3718,7 @@ static moept_status moept__exchange_rows(moept_layer *L, moept__fstate *sl, cons
     double t0 = moept__now();
     moept_status st = L->ep->alltoallv_rows(L->ep, x, sl->plan.tok_of_row, L->D, sl->xch.send_segs, sl->ws.xr,
                                             sl->xch.recv_segs, (int)L->El, 4);
-    return moept__exchanged(L, st, t0, 1);
+    return moept__exchanged(L, st, t0, 1, 0);
 }
 
 /* The exchange's pieces ss, rs [P][El], rows of D floats, as rows of FP8 records' 4-byte words (on),
@@ -3748,9 +3748,7 @@ static moept_status moept__exchange_records(moept_layer *L, moept__fstate *sl) {
     moept__rec_pieces(L, s, r, 1);
     moept_status st = L->ep->alltoallv(L->ep, sl->ws.xs, s, sl->ws.xq, r, (int)L->El, 4);
     moept__rec_pieces(L, s, r, 0);
-    L->stats.comm_seconds += moept__now() - t0;
-    moept__count_bytes(L, 1, 1);
-    if (st) return moept__fail(L, st, "expert exchange (dispatch): %s", L->ep->err);
+    if ((st = moept__exchanged(L, st, t0, 1, 1))) return st;
     moept__q8_arrived(L, sl, 0, sl->xch.roffsets[L->El]);
     return MOEPT_OK;
 }

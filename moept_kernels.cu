@@ -2673,24 +2673,27 @@ __device__ __forceinline__ uint4 moept__q8_16(const float *v, int live, float sc
 }
 
 #define MOEPT__Q8_G 64 /* a quantizing pass's groups (experts) a launch */
-/* A row pass's groups (an expert's rows each), one a grid row (blockIdx.y): group g the rows [r0[g],
-   r0[g] + n[g]) of the source, its operand the padded rows from o[g] of the output (each group's rows
-   padded to 16, one group after another), its scales a dense [L][np] from L o[g]; ng 0: one operand, as
-   the kernel's own arguments say */
+/* A quantizing pass's groups (an expert's rows each), one a grid row (blockIdx.y): group g the rows
+   [r0[g], r0[g] + n[g]) of the source; its operand the output's padded rows from o[g] (each group's rows
+   padded to 16, one group after another), its scales a dense [L][np] from L o[g], or (a column pass's,
+   transposed: moept__q8_gnext) [Cp][np] from Cp o[g], scales [ceil(np/128)][Cp] from Cp lb[g]; ng 0 (a
+   row pass): one operand, as the kernel's own arguments say */
 typedef struct moept__q8_rg {
-    int64_t r0[MOEPT__Q8_G], o[MOEPT__Q8_G];
+    int64_t r0[MOEPT__Q8_G], o[MOEPT__Q8_G], lb[MOEPT__Q8_G];
     int32_t n[MOEPT__Q8_G];
     int ng;
 } moept__q8_rg;
 /* groups g0.. of ng (offs [ng + 1]: group g the rows [offs[g], offs[g + 1])), at most MOEPT__Q8_G, into
-   *G, their operands' rows from *o on (*o advanced past them); the most rows of one */
-static int64_t moept__q8_rgroups(const int64_t *offs, int64_t ng, int64_t g0, moept__q8_rg *G, int64_t *o) {
+   *G, their operands from at = {padded rows, 128-row blocks} on (advanced past them); the most rows of
+   one */
+static int64_t moept__q8_rgroups(const int64_t *offs, int64_t ng, int64_t g0, moept__q8_rg *G,
+                                 int64_t at[2]) {
     int64_t most = 0;
     G->ng = (int)(ng - g0 < MOEPT__Q8_G ? ng - g0 : MOEPT__Q8_G);
     for (int i = 0; i < G->ng; i++) {
         const int64_t n = offs[g0 + i + 1] - offs[g0 + i];
-        G->r0[i] = offs[g0 + i], G->n[i] = (int32_t)n, G->o[i] = *o;
-        *o += MOEPT__Q8_PAD(n);
+        G->r0[i] = offs[g0 + i], G->n[i] = (int32_t)n, G->o[i] = at[0], G->lb[i] = at[1];
+        at[0] += MOEPT__Q8_PAD(n), at[1] += MOEPT__Q8_L(MOEPT__Q8_PAD(n));
         most = n > most ? n : most;
     }
     return most;
@@ -2702,9 +2705,9 @@ template <typename Launch>
 static moept_status moept__q8_each(const int64_t *offs, int64_t ng, int64_t n, int64_t ss, char *err,
                                    Launch launch) {
     moept__q8_rg G = {};
-    int64_t o = 0;
+    int64_t at[2] = {0, 0};
     for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
-        const int64_t nw = offs ? MOEPT__Q8_PAD(moept__q8_rgroups(offs, ng, g0, &G, &o))
+        const int64_t nw = offs ? MOEPT__Q8_PAD(moept__q8_rgroups(offs, ng, g0, &G, at))
                                 : ss ? n : MOEPT__Q8_PAD(n);
         launch(G, nw, offs ? (unsigned)G.ng : 1u);
         MOEPT__LAUNCHED();
@@ -2761,30 +2764,19 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
     }
 }
 
-/* A column pass's groups (an expert's rows each), at most MOEPT__Q8_G a launch (the kernel's parameters):
-   group g the rows [r0[g], r0[g] + n[g]) of src, its operand at q + q0[g] and its scales at s + s0[g]
-   (moept__q8_gnext's layout: the groups' operands one after another), its tiles [t0[g], t0[g + 1]) of
-   the launch's */
-typedef struct moept__q8_grp {
-    int64_t r0[MOEPT__Q8_G], q0[MOEPT__Q8_G], s0[MOEPT__Q8_G];
-    int32_t n[MOEPT__Q8_G], t0[MOEPT__Q8_G + 1];
-    int ng;
-} moept__q8_grp;
-
-/* The wgrad's operands, each group's (G): columns c < C of its n rows of src (lds apart), transposed, in
-   128 x 1 tiles down the rows: q [Cp][np] (column c's values along row c; padding zero), s
-   [ceil(np/128)][Cp]. src's values as they
-   are, or (T uint8_t, rs) FP8 records' (moept__q8_recw): E4M3 bytes times their row's 1 x 128 scales,
-   rs[r rsr + c / 128] (the dequantized rows the experts received, quantized again down the columns,
-   DeepSeek-V3's workflow for a wgrad's x). A block a panel of
-   128 rows x W columns (a row's W values 128 bytes): read along the rows in V-vectors where the rows
-   hold them (8 threads a row) into shared memory as they are, each row's 32 words rotated by 4 a
-   16-row chunk (moept__q8_pan); then 8 threads a column, 16 rows each (a warp 4 columns: the 8
-   chunks' words fall in distinct banks), its amax from their 8 partial ones, each thread's 16 bytes
-   of q stored, a column's 128 contiguous. RW (bf16): also the rows' own copy along them from the same
-   read, the dgrad's operand (moept__k_q8_rows' bytes and scales: qr [rows][Cp] by src's rows, tile b's
-   scale at sr[r + b srb], the rows past a group's not written): a block's panels then the 128 columns of
-   one tile */
+/* The wgrad's operands, group blockIdx.y's of G (moept__q8_rg): columns c < C of its n rows of src (lds
+   apart), transposed, in 128 x 1 tiles down the rows: q [Cp][np] (column c's values along row c;
+   padding zero), s [ceil(np/128)][Cp]. src's values as they are, or (T uint8_t, rs) FP8 records'
+   (moept__q8_recw): E4M3 bytes times their row's 1 x 128 scales, rs[r rsr + c / 128] (the dequantized
+   rows the experts received, quantized again down the columns, DeepSeek-V3's workflow for a wgrad's
+   x). A block (of its group's grid row) a panel of 128 rows x W columns (a row's W values 128 bytes):
+   read along the rows in V-vectors where the rows hold them (8 threads a row) into shared memory as
+   they are, each row's 32 words rotated by 4 a 16-row chunk (moept__q8_pan); then 8 threads a column,
+   16 rows each (a warp 4 columns: the 8 chunks' words fall in distinct banks), its amax from their 8
+   partial ones, each thread's 16 bytes of q stored, a column's 128 contiguous. RW (bf16): also the
+   rows' own copy along them from the same read, the dgrad's operand (moept__k_q8_rows' bytes and
+   scales: qr [rows][Cp] by src's rows, tile b's scale at sr[r + b srb], the rows past a group's not
+   written): a block's panels then the 128 columns of one tile */
 template <typename T>
 __device__ __forceinline__ int moept__q8_pan(int rr, int c) { /* element (rr, c)'s index in the panel */
     constexpr int S = (int)sizeof(T), PW = 132 / S; /* (a row 33 words apart) */
@@ -2824,9 +2816,9 @@ __device__ __forceinline__ void moept__q8_panrows(const T *pan, float (*rpart)[M
     }
 }
 template <typename T, int V, int RW = 0>
-__global__ void moept__k_q8_cols(const T *src0, const moept__q8_grp G, int C, int64_t lds, int Cp,
-                                 uint8_t *q0, float *s0, const float *rs0, int64_t rsr, uint8_t *qr0,
-                                 float *sr0, int64_t srb) {
+__global__ void moept__k_q8_cols(const T *src, const moept__q8_rg G, int C, int64_t lds, int Cp, uint8_t *q,
+                                 float *s, const float *rs, int64_t rsr, uint8_t *qr, float *sr,
+                                 int64_t srb) {
     constexpr int W = 128 / (int)sizeof(T), w = W / 8; /* w: a thread's columns of a row, 16 bytes */
     constexpr int NP = RW ? MOEPT__Q8_TILE / W : 1, PL = MOEPT__Q8_TILE * (132 / (int)sizeof(T));
     static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 4 columns x 8 chunks, 8 threads a row");
@@ -2837,15 +2829,14 @@ __global__ void moept__k_q8_cols(const T *src0, const moept__q8_grp G, int C, in
     __shared__ float rpart[RW ? 4 : 1][MOEPT__TB]; /* RW: each thread's 4 rows' partial amaxes */
     const int nc = (Cp + NP * W - 1) / (NP * W);
     const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8;
-    int g = 0;
-    for (int64_t t = blockIdx.x; t < G.t0[G.ng]; t += gridDim.x) {
-        while (t >= G.t0[g + 1]) g++; /* (t grows: so does its group) */
-        const int64_t n = G.n[g], np = MOEPT__Q8_PAD(n), b = (t - G.t0[g]) / nc, r0 = b * MOEPT__Q8_TILE;
-        const int c0 = (int)((t - G.t0[g]) % nc) * NP * W;
-        const T *src = src0 + G.r0[g] * lds;
-        const float *rs = rs0 ? rs0 + G.r0[g] * rsr : NULL;
-        uint8_t *q = q0 + G.q0[g];
-        float *s = s0 + G.s0[g];
+    const int g = (int)blockIdx.y;
+    const int64_t n = G.n[g], np = MOEPT__Q8_PAD(n);
+    src += G.r0[g] * lds, q += G.o[g] * Cp, s += G.lb[g] * Cp;
+    if (sizeof(T) == 1) rs += G.r0[g] * rsr;
+    if constexpr (RW) qr += G.r0[g] * Cp, sr += G.r0[g];
+    for (int64_t t = blockIdx.x; t < MOEPT__Q8_L(np) * nc; t += gridDim.x) {
+        const int64_t b = t / nc, r0 = b * MOEPT__Q8_TILE;
+        const int c0 = (int)(t % nc) * NP * W;
         for (int p = 0; p < NP; p++)
             for (int rr = y; rr < MOEPT__Q8_TILE; rr += MOEPT__TB / 8) {
                 const int64_t r = r0 + rr;
@@ -2864,7 +2855,7 @@ __global__ void moept__k_q8_cols(const T *src0, const moept__q8_grp G, int C, in
             }
         __syncthreads();
         if constexpr (RW)
-            moept__q8_panrows<T, W, PL>(pan, rpart, r0, c0, n, C, Cp, qr0 + G.r0[g] * Cp, sr0 + G.r0[g], srb);
+            moept__q8_panrows<T, W, PL>(pan, rpart, r0, c0, n, C, Cp, qr, sr, srb);
         for (int p = 0; p < NP * W / 32; p++) { /* 32 columns a pass: column y of the pass, its rows 16 x.. */
             const int cc = y + 32 * p, c = c0 + cc;
             const T *pp = pan + cc / W * PL;
@@ -3221,23 +3212,8 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_
     if (qr && sizeof(T) != 2)
         return moept__kfail(err, MOEPT_ERR_STATE, "the rows' copy from bf16 alone (moept_kernels.cu:%d)",
                             __LINE__);
-    moept__q8_grp G;
-    int64_t qo = 0, so = 0;
-    for (int64_t g0 = 0; g0 < ng; g0 += MOEPT__Q8_G) {
-        G.ng = (int)(ng - g0 < MOEPT__Q8_G ? ng - g0 : MOEPT__Q8_G);
-        G.t0[0] = 0;
-        for (int i = 0; i < G.ng; i++) {
-            const int64_t n = offs[g0 + i + 1] - offs[g0 + i];
-            const int64_t t = G.t0[i] + MOEPT__Q8_L(MOEPT__Q8_PAD(n)) * nc; /* (its tiles' end) */
-            if (t > INT32_MAX)
-                return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: %lld tiles in one column pass "
-                                    "(moept_kernels.cu:%d)", (long long)t, __LINE__);
-            G.r0[i] = offs[g0 + i], G.n[i] = (int32_t)n, G.q0[i] = qo, G.s0[i] = so;
-            G.t0[i + 1] = (int32_t)t;
-            moept__q8_gnext(n, Cp, &qo, &so);
-        }
-        if (G.t0[G.ng] == 0) continue;
-        const int grid = moept__grid((int64_t)G.t0[G.ng] * MOEPT__TB);
+    return moept__q8_each(offs, ng, 0, 0, err, [&](const moept__q8_rg &G, int64_t nw, unsigned gy) {
+        const dim3 grid((unsigned)moept__grid(MOEPT__Q8_L(nw) * nc * MOEPT__TB), gy);
         if constexpr (sizeof(T) == 2) {
             if (qr && vec)
                 MOEPT__LAUNCH((moept__k_q8_cols<T, MOEPT__VEC(T), 1>), grid, MOEPT__TB, 0, c->s)(
@@ -3249,9 +3225,7 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_
         if (!qr)
             MOEPT__LAUNCH_V(vec, moept__k_q8_cols, T, grid, MOEPT__TB, c->s, (const T *)src, G, (int)C, lds,
                             (int)Cp, q, s, rs, lds / 4, (uint8_t *)NULL, (float *)NULL, (int64_t)0);
-        MOEPT__LAUNCHED();
-    }
-    return MOEPT_OK;
+    });
 }
 /* config.fp8's dispatch: rows r < n of the routed tokens, x's row idx[r] each (-1: zeros), as FP8 records
    rec [n][moept__q8_recw(D)] (the 1 x 128 tiles of moept__q8_along, in the records' layout) */
