@@ -1842,7 +1842,7 @@ typedef struct moept__fsdp {        /* this rank's flat shard of the full expert
 typedef struct moept__fws {         /* a forward's activations (the CPU steps') */
     float *xs;             /* [Nmax][D] permuted input rows = the dispatch send buffer
                               (none on the direct path; moept__q8_recs: [Nmax] FP8 records, packed,
-                              as many bytes as the larger) */
+                              as many bytes as the larger: x's, then the backward's dys') */
     union {                /* [Nmax][D] one buffer, a name per content (none on the direct path): */
         float *ys;         /* the experts' outputs (combine's receive buffer) */
         float *dys;        /* backward, combine': their gradients, to the experts */
@@ -1865,7 +1865,8 @@ typedef struct moept__fws {         /* a forward's activations (the CPU steps') 
     float *q1, *q2;        /* config.fp8: [Rcap][max(D, H)] and [Rcap][D] the experts' quantized
                               operands (backward: a, dy, dh, x tiled for the wgrad) */
     uint8_t *xq;           /* [Rcap][moept__q8_recw(D)] config.fp8 under EP (moept__q8_recs): x's rows
-                              as they arrive, FP8 records (decoded into xr) */
+                              as they arrive, FP8 records (decoded into xr); the backward's dy's (into
+                              dyr) */
 } moept__fws;
 
 typedef struct moept__workspace {   /* the CPU steps' scratch, the layer's */
@@ -3534,6 +3535,8 @@ typedef struct moept__ffn {
                               the forward's gate/up reads them: the dispatch quantized them once, and
                               sends them so, moept__q8_row): the W13 gradient's x is those values,
                               quantized down the columns */
+    int yq;                /* ... and dy's (1 x 128: combine' quantized them once, and sends them so):
+                              the W2 gradient's dy is those values, quantized down the columns */
 } moept__ffn;
 
 /* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys) */
@@ -3541,7 +3544,7 @@ static moept__ffn moept__ffn_routed(moept_layer *L, moept__fstate *sl) {
     const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF, ch = L->C > 1;
     moept__ffn f = {q8 ? L->ws.q8w13 : L->par.w13, q8 ? L->ws.q8w2 : L->par.w2, L->par.g13, L->par.g2,
                     L->H, L->F, L->ws.lda_a, sl->ws.xr, sl->ws.h, sl->ws.a, sl->ws.yr,
-                    ch ? sl->ch.da : sl->ws.a, ch ? sl->ch.dx : sl->ws.yr, sl->ws.q1, sl->ws.q2, q8};
+                    ch ? sl->ch.da : sl->ws.a, ch ? sl->ch.dx : sl->ws.yr, sl->ws.q1, sl->ws.q2, q8, q8};
     return f;
 }
 
@@ -3550,7 +3553,7 @@ static moept__ffn moept__ffn_shared(moept_layer *L, moept__fstate *sl, const flo
     const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF;
     moept__ffn f = {q8 ? L->ws.q8ws13 : L->par.ws13, q8 ? L->ws.q8ws2 : L->par.ws2, L->par.gs13, L->par.gs2,
                     L->HS, L->S, L->ws.lda_as, x, sl->ws.hs, sl->ws.as, sl->ws.yss, sl->ws.as,
-                    sl->ws.yss, q8 ? L->ws.q8s1 : NULL, q8 ? L->ws.q8s2 : NULL, 0};
+                    sl->ws.yss, q8 ? L->ws.q8s1 : NULL, q8 ? L->ws.q8s2 : NULL, 0, 0};
     return f;
 }
 
@@ -3590,13 +3593,13 @@ static void moept__ffn_act(moept_layer *L, const moept__ffn *f, const moept__run
 /* One matmul of the FFN over R's rows through weight W [wo][wi] (W13 [H][D],
    W2 [D][F]): forward out [rows][wo] = in [rows][wi] W^T, backward (the
    dgrad) out [rows][wi] = in [rows][wo] W. config.fp8: in quantized along
-   its rows first (dh into q1; dy into q2; a in place; x where not f->xq). */
+   its rows first (dh into q1; dy into q2; a in place; x, dy where not f->xq, f->yq). */
 static void moept__ffn_mm(moept_layer *L, const moept__ffn *f, const moept__runs *R, int w2, int bwd,
                           const float *in, float *out) {
     const int64_t wo = w2 ? L->D : f->H, wi = w2 ? f->F : L->D;
     const int64_t k = bwd ? wo : wi, m = bwd ? wi : wo, ld = w2 && !bwd ? f->lda : k;
     const float *w = w2 ? f->w2 : f->w13;
-    if (f->q1 && !(f->xq && in == f->x)) {
+    if (f->q1 && !(f->xq && in == f->x) && !(f->yq && in == f->y)) {
         float *q = !w2 ? f->q1 : bwd ? f->q2 : f->a;
         for (int64_t i = 0; i < moept__spans(R); i++) {
             int64_t r0, rows;
@@ -3614,8 +3617,8 @@ static void moept__ffn_mm(moept_layer *L, const moept__ffn *f, const moept__runs
 
 /* A weight's gradient over R's rows (whole groups: the reduction runs over an
    expert's rows): W2's g2 += dy^T a, W13's g13 += dh^T x. config.fp8: both
-   operands quantized down each group's columns first (into q2 and q1; x's
-   rows as they reached the experts, quantized along them: f->xq). */
+   operands quantized down each group's columns first (into q2 and q1; x's and
+   dy's rows as they reached the experts, quantized along them: f->xq, f->yq). */
 static void moept__ffn_wgrad(moept_layer *L, const moept__ffn *f, const moept__runs *R, int w2) {
     const int64_t wo = w2 ? L->D : f->H, wi = w2 ? f->F : L->D;
     const float *dout = w2 ? f->y : f->h, *in = w2 ? f->a : f->x;
@@ -3734,22 +3737,24 @@ static void moept__rec_pieces(const moept_layer *L, moept_seg *ss, moept_seg *rs
     }
 }
 
-/* config.fp8 under EP: the experts' rows [r0, r0 + n) of x as their records arrived, decoded into xr */
-static void moept__q8_arrived(moept_layer *L, moept__fstate *sl, int64_t r0, int64_t n) {
+/* config.fp8 under EP: the experts' rows [r0, r0 + n) as their records arrived in xq (the forward's
+   x, the backward's dy), decoded into to [Rcap][D] (xr, dyr) */
+static void moept__q8_arrived(moept_layer *L, moept__fstate *sl, int64_t r0, int64_t n, float *to) {
     const int64_t D = L->D, W = moept__q8_recw(D);
     #pragma omp parallel for schedule(static) MOEPT__PAR(n * D)
-    for (int64_t r = r0; r < r0 + n; r++) moept__q8_unrecord(sl->ws.xq + r * W, D, sl->ws.xr + r * D);
+    for (int64_t r = r0; r < r0 + n; r++) moept__q8_unrecord(sl->ws.xq + r * W, D, to + r * D);
 }
 
-/* config.fp8's dispatch under EP: the records in xs to the experts' ranks (into xq), then decoded */
-static moept_status moept__exchange_records(moept_layer *L, moept__fstate *sl) {
+/* config.fp8's dispatch under EP (the forward's x, the backward's dy): the records in xs to the
+   experts' ranks (into xq), then decoded into to */
+static moept_status moept__exchange_records(moept_layer *L, moept__fstate *sl, float *to) {
     moept_seg *s = sl->xch.send_segs, *r = sl->xch.recv_segs;
     double t0 = moept__now();
     moept__rec_pieces(L, s, r, 1);
     moept_status st = L->ep->alltoallv(L->ep, sl->ws.xs, s, sl->ws.xq, r, (int)L->El, 4);
     moept__rec_pieces(L, s, r, 0);
     if ((st = moept__exchanged(L, st, t0, 1, 1))) return st;
-    moept__q8_arrived(L, sl, 0, sl->xch.roffsets[L->El]);
+    moept__q8_arrived(L, sl, 0, sl->xch.roffsets[L->El], to);
     return MOEPT_OK;
 }
 
@@ -4019,17 +4024,22 @@ static int64_t moept__chunk_plan(moept_layer *L, moept__fstate *sl, int64_t c, m
 
 /* A chunk's expert FFN over its runs (the one-chunk step's descriptors,
    row by row); backward: the data side, the weight gradients once at the
-   end (moept__chunk_weight_grads) */
-static void moept__chunk_forward(moept_layer *L, moept__fstate *sl, const moept__runs *R) {
-    for (int64_t i = 0; moept__q8_recs(L) && i < moept__spans(R); i++) { /* (its rows' records) */
+   end (moept__chunk_weight_grads); first its rows' FP8 records decoded (moept__q8_recs: into xr,
+   dyr) */
+static void moept__chunk_arrived(moept_layer *L, moept__fstate *sl, const moept__runs *R, float *to) {
+    for (int64_t i = 0; moept__q8_recs(L) && i < moept__spans(R); i++) {
         int64_t r0, rows;
         moept__span_at(R, i, &r0, &rows);
-        moept__q8_arrived(L, sl, r0, rows);
+        moept__q8_arrived(L, sl, r0, rows, to);
     }
+}
+static void moept__chunk_forward(moept_layer *L, moept__fstate *sl, const moept__runs *R) {
+    moept__chunk_arrived(L, sl, R, sl->ws.xr);
     moept__ffn f = moept__ffn_routed(L, sl);
     moept__ffn_forward(L, &f, R);
 }
 static void moept__chunk_backward(moept_layer *L, moept__fstate *sl, const moept__runs *R) {
+    moept__chunk_arrived(L, sl, R, sl->ws.dyr);
     moept__ffn f = moept__ffn_routed(L, sl);
     moept__ffn_backward(L, &f, R);
 }
@@ -4161,11 +4171,12 @@ static void moept__chunk_weight_grads(moept_layer *L, moept__fstate *sl) {
     moept__ffn_wgrad(L, &f, &R, 0);
 }
 
-/* The backward's experts part, chunked (after combine' wrote dys). */
+/* The backward's experts part, chunked (after combine' wrote dys; config.fp8 under EP: their records) */
 static moept_status moept__backward_chunked(moept_layer *L, moept__fstate *sl) {
-    moept__pipe p = {sl->ws.dys,
-                     sl->ws.dyr,
-                     0,
+    const int rec = moept__q8_recs(L);
+    moept__pipe p = {rec ? sl->ws.xs : sl->ws.dys,
+                     rec ? (float *)sl->ws.xq : sl->ws.dyr,
+                     rec,
                      sl->ch.dx,
                      sl->ws.dxs,
                      moept__chunk_backward,
@@ -4727,7 +4738,7 @@ static moept_status moept__fwd_dispatch(moept_layer *L, moept__fstate *sl, const
     }
     if (moept__rows_dispatch(L)) return moept__exchange_rows(L, sl, x);
     moept__gather_rows(L, sl, x);
-    if (moept__q8_recs(L)) return moept__exchange_records(L, sl);
+    if (moept__q8_recs(L)) return moept__exchange_records(L, sl, sl->ws.xr);
     return L->ep ? moept__exchange(L, sl, sl->ws.xs, sl->ws.xr, 1) : MOEPT_OK;
 }
 
@@ -5007,11 +5018,14 @@ static moept_status moept__bwd_fsdp_gather(moept_layer *L) {
 }
 
 /* combine': dL/dw per slot, then dys = w * dy in place of ys (direct path:
-   of the output where the expert's rank keeps it); the shared expert's
-   dy (gated) in yss and its gate's gradient in dsg */
+   of the output where the expert's rank keeps it), config.fp8's quantized
+   once (1 x 128, moept__q8_row: under EP as FP8 records, into xs, which
+   the forward's dispatch is done with); the shared expert's dy (gated) in
+   yss and its gate's gradient in dsg */
 static void moept__bwd_combine(moept_layer *L, moept__fstate *sl, const float *dy) {
     double ts = moept__now();
-    const int64_t T = sl->fwd.T, D = L->D, K = L->K;
+    const int64_t T = sl->fwd.T, D = L->D, K = L->K, W = moept__q8_recw(D);
+    const int q8 = L->cfg.fp8 != MOEPT_FP8_OFF, rec = moept__q8_recs(L);
     const float *wts = sl->fwd.wts[sl->fwd.cur];
     const int32_t *ids = sl->fwd.ids[sl->fwd.cur];
     const int direct = L->xch.direct;
@@ -5025,6 +5039,8 @@ static void moept__bwd_combine(moept_layer *L, moept__fstate *sl, const float *d
                 direct ? moept__shared_row(L, sl, L->plan.slot_of[ids[t * K + k]], r, 1) : sl->ws.dys + r * D;
             sl->ws.dwts[t * K + k] = (float)moept__dot(dys, dyt, D); /* the output row still, then dys */
             moept__row_scale(dys, wts[t * K + k], dyt, D);
+            if (rec) moept__q8_row(dys, D, NULL, (uint8_t *)sl->ws.xs + r * W);
+            else if (q8) moept__q8_row(dys, D, dys, NULL);
         }
         if (L->S > 0) { /* padding: its y row was 0, nothing flows back */
             float *yss = sl->ws.yss + t * D;
@@ -5065,6 +5081,8 @@ static moept_status moept__bwd_experts(moept_layer *L, moept__fstate *sl, const 
         if ((st = moept__direct_sync(L, "moept_backward"))) return st;
     } else if (L->C > 1) { /* chunked: exchanges in flight while the experts compute */
         if ((st = moept__backward_chunked(L, sl))) return st;
+    } else if (moept__q8_recs(L)) {
+        if ((st = moept__exchange_records(L, sl, sl->ws.dyr))) return st;
     } else if (L->ep && (st = moept__exchange(L, sl, sl->ws.dys, sl->ws.dyr, 1))) return st;
     L->stats.dispatch_seconds += moept__now() - ts;
     if (L->C == 1) { /* dyr in, dxr out over it */

@@ -428,8 +428,12 @@
          a multiple of 16, then its ceil(D / 128) fp32 scales, padded to
          a multiple of 16 bytes (7,392 bytes for D = 7,168), bytes_sent
          counts them (a CPU layer whose ranks share memory writes the
-         quantized values into the experts' rows instead); the combine's
-         and the backward's exchanges move rows of the layer's dtype;
+         quantized values into the experts' rows instead). The routed
+         experts' dy alike: each row w dy is quantized once, as combine'
+         makes it, the W2 dgrad reads it, the W2 gradient's dy is those
+         values quantized down the columns, and the backward's dispatch
+         sends records; the combine's and the backward's returns move
+         rows of the layer's dtype;
        weights: a scale per 128 x 128 block of W13 [H][D] and W2 [D][F]
          (W and W^T have the same blocks). The tiles run over the fused
          gate|up rows: where F is a multiple of 128, as in every released

@@ -1016,9 +1016,10 @@ __global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float
 }
 
 /* <u, dy> over a row (double, per thread in order, then a fixed tree) while
-   u's row becomes s * dy: the combine backward's and the shared expert's */
+   u's row becomes s * dy (store; else it stays): the combine backward's and the shared expert's */
 template <typename T, int V>
-__device__ __forceinline__ double moept__dot_scale(T *u, const T *dy, int D, float s, double *sh) {
+__device__ __forceinline__ double moept__dot_scale(T *u, const T *dy, int D, float s, double *sh,
+                                                   int store = 1) {
     double acc = 0.0;
     for (int d = (int)threadIdx.x * V; d < D; d += MOEPT__TB * V) {
         float g[V], v[V];
@@ -1028,23 +1029,24 @@ __device__ __forceinline__ double moept__dot_scale(T *u, const T *dy, int D, flo
             acc += (double)v[l] * (double)g[l];
             g[l] = moept__scale(s, g[l]);
         }
-        moept__stv<V>(u + d, g);
+        if (store) moept__stv<V>(u + d, g);
     }
     return moept__block_sum(acc, sh);
 }
 
 /* Combine backward, one block per assignment i = (t, k): dwts[i] =
-   <ys[row], dy[t]>, then ys[row] = w * dy[t]. */
+   <ys[row], dy[t]>, then ys[row] = w * dy[t] (store; config.fp8 makes that row's record instead:
+   moept__q8_records' weighted form) */
 template <typename T, int V>
 __global__ void moept__k_combine_bwd(T *ys, const int64_t *row_of, const float *wts, const T *dy,
-                                     int D, int K, float *dwts) {
+                                     int D, int K, float *dwts, int store) {
     __shared__ double sh[MOEPT__TB];
     const int64_t i = blockIdx.x, t = i / K, r = row_of[i];
     if (r < 0) {
         if (threadIdx.x == 0) dwts[i] = 0.0f;
         return;
     }
-    double acc = moept__dot_scale<T, V>(ys + r * D, dy + t * D, D, wts[i], sh);
+    double acc = moept__dot_scale<T, V>(ys + r * D, dy + t * D, D, wts[i], sh, store);
     if (threadIdx.x == 0) dwts[i] = (float)acc;
 }
 
@@ -2074,6 +2076,8 @@ typedef struct moept__cslot {
                                    (T); an inference
                                    layer's a is h (lda_a = H: the activations over the gate half) */
     void *dar, *dxr;            /* [Rcap][F], [Rcap][D] chunked backward: da, dxs (a, dys live on) */
+    void *yq;                   /* [Rcap][moept__q8_recw(D)] config.fp8's training: the backward's dys as
+                                   the experts take them, FP8 records */
     int64_t Rcap, rblock_bytes;
     /* host: its plan arrays (moept__slot_host_layout), fhost_bytes long */
     void *fhost;
@@ -2343,7 +2347,9 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     /* an inference layer writes a over h and has no backward (moept.c's moept__recv_widths) */
     const int train = !c->sp.cfg->inference_only, chunked = train && c->C > 1;
     const int64_t Fa = train ? F : 0, xb = moept__gk_gather(c) ? 0 : moept__xrow(c); /* (gathered: no xr) */
-    size_t bytes = (size_t)cap * ((size_t)(D + H + Fa + (chunked ? D + F : 0)) * es + (size_t)xb) + 6 * 64;
+    const int64_t yb = train && moept__fp8_on(&c->sp) ? moept__q8_recw(D) : 0;
+    size_t bytes = (size_t)cap * ((size_t)(D + H + Fa + (chunked ? D + F : 0)) * es + (size_t)(xb + yb)) +
+                   7 * 64;
     void *blk = NULL;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status qs = moept__q8_room(c, cap > c->sp.Tmax ? cap : c->sp.Tmax, err); /* (the shared expert's) */
@@ -2356,6 +2362,7 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     void *h = moept__take(&cv, (size_t)(cap * H) * es), *a = moept__take(&cv, (size_t)(cap * Fa) * es);
     void *dar = moept__take(&cv, chunked ? (size_t)(cap * F) * es : 0);
     void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
+    void *yq = moept__take(&cv, (size_t)(cap * yb)); /* (a backward's: nothing to keep) */
     int64_t keep = sl->fwd_valid ? sl->R : 0;
     if (keep > 0 && sl->rblock) {
         const cudaMemcpyKind dd = cudaMemcpyDeviceToDevice;
@@ -2372,7 +2379,7 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     }
     if (sl->rblock) cudaFree(sl->rblock);
     sl->rblock = blk;
-    sl->xr = xr; sl->yr = yr; sl->h = h; sl->a = train ? a : h; sl->dar = dar; sl->dxr = dxr;
+    sl->xr = xr; sl->yr = yr; sl->h = h; sl->a = train ? a : h; sl->dar = dar; sl->dxr = dxr; sl->yq = yq;
     c->lda_a = train ? F : H;
     if (sl->Rcap > 0) c->growths++;
     sl->rblock_bytes = (int64_t)bytes;
@@ -2683,6 +2690,13 @@ typedef struct moept__q8_rg {
     int32_t n[MOEPT__Q8_G];
     int ng;
 } moept__q8_rg;
+/* a row pass's weights, as combine' makes dys = w dy: routed row r (token idx[r]'s) times
+   w[idx[r] K + ks[r]], its assignment's routing weight; w NULL: none */
+typedef struct moept__q8_wt {
+    const float *w;
+    const int32_t *ks; /* [rows] the row's assignment of its token (kslot_of_row) */
+    int K;
+} moept__q8_wt;
 /* groups g0.. of ng (offs [ng + 1]: group g the rows [offs[g], offs[g + 1])), at most MOEPT__Q8_G, into
    *G, their operands from at = {padded rows, 128-row blocks} on (advanced past them); the most rows of
    one */
@@ -2722,11 +2736,12 @@ static moept_status moept__q8_each(const int64_t *offs, int64_t ng, int64_t n, i
    is 8 threads' 16 adjacent columns each (Kp a multiple of 16: all in or all out), read in V-vectors
    where the row holds them, the tile's amax through shared memory (one barrier a round: sh's halves
    alternate), 16 bytes written a thread: a block's round reads MOEPT__TB / 8 tiles. G.ng > 0: group
-   blockIdx.y's rows (idx NULL) into its own operand (moept__q8_rg) */
+   blockIdx.y's rows (idx NULL) into its own operand (moept__q8_rg). W.w: row r's values times its
+   routing weight first (moept__q8_wt: combine''s dys) */
 template <typename T, int V>
 __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, int K, int64_t lds, int64_t nw,
                                  int Kp, uint8_t *q, int64_t ldq, float *s, int64_t srs, int64_t sbs,
-                                 int64_t tail, const moept__q8_rg G) {
+                                 int64_t tail, const moept__q8_rg G, const moept__q8_wt W) {
     __shared__ float sh[2][MOEPT__TB];
     const int L = MOEPT__Q8_L(Kp), l = (int)threadIdx.x % 8, tb = MOEPT__TB / 8;
     if (G.ng) {
@@ -2751,6 +2766,10 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
                 v[e] = in ? moept__ld(src, sr * lds + j + e) : 0.0f;
                 live |= in << e;
             }
+        }
+        if (W.w && sr >= 0) { /* (a finite weight: the padding stays zero) */
+            const float g = W.w[sr * W.K + W.ks[r]];
+            for (int e = 0; e < 16; e++) v[e] = moept__scale(g, v[e]);
         }
         for (int e = 0; e < 16; e++) amax = moept__q8_amax(amax, v[e]);
         sh[h][threadIdx.x] = amax;
@@ -3194,7 +3213,7 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
     return moept__q8_each(offs, ng, n, ss, err, [&](const moept__q8_rg &G, int64_t nw, unsigned gy) {
         const dim3 grid((unsigned)moept__grid(nw * MOEPT__Q8_L(Kp) * 8), gy);
         MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, grid, MOEPT__TB, c->s, (const T *)src,
-                        NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1, ss ? ss : nw, Kp, G);
+                        NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1, ss ? ss : nw, Kp, G, moept__q8_wt{});
     });
 }
 /* the C columns of each of ng groups of src's rows (group g the rows [offs[g], offs[g + 1]), lds apart),
@@ -3228,16 +3247,17 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_
     });
 }
 /* config.fp8's dispatch: rows r < n of the routed tokens, x's row idx[r] each (-1: zeros), as FP8 records
-   rec [n][moept__q8_recw(D)] (the 1 x 128 tiles of moept__q8_along, in the records' layout) */
+   rec [n][moept__q8_recw(D)] (the 1 x 128 tiles of moept__q8_along, in the records' layout); wt: each
+   row times its routing weight first (combine''s dys from dy: the backward's dispatch) */
 template <typename T>
 static moept_status moept__q8_records(moept__cuda *c, const T *x, const int64_t *idx, int64_t n, void *rec,
-                                      char *err) {
+                                      char *err, const moept__q8_wt wt = {}) {
     const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), W = moept__q8_recw(D), L = MOEPT__Q8_L(D);
     uint8_t *q = (uint8_t *)rec;
     const moept__q8_rg one = {};
     MOEPT__LAUNCH_V(moept__vec<T>(D, x), moept__k_q8_rows, T, moept__grid(n * MOEPT__Q8_L(Dp) * 8), MOEPT__TB,
                     c->s, x, idx, n, (int)D, D, n, (int)Dp, q, W, (float *)(q + Dp), W / 4, 1, Dp + 4 * L,
-                    one);
+                    one, wt);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -4701,6 +4721,7 @@ typedef struct moept__ffn {
                                    kernel reads them through it (moept__gk_gather); NULL: x is the rows */
     int xq;                     /* x's rows are FP8 records (moept__q8_recw bytes each: config.fp8's routed
                                    experts, as their dispatch quantized them); 0: T */
+    int yq;                     /* ... and the backward's dy's in y (combine' quantized them) */
     void *h, *a;                /* [rows][H] gate|up (backward: dh over it), [rows][lda] activations */
     void *y;                    /* [rows][D] the outputs; backward: their gradients in */
     void *da, *dx;              /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
@@ -4709,14 +4730,16 @@ typedef struct moept__ffn {
 } moept__ffn;
 
 /* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys); x the step's tokens, read
-   through the dispatch's index where moept__gk_gather (else the permuted rows, xr) */
-static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void *x) {
+   through the dispatch's index where moept__gk_gather (else the permuted rows, xr); bwd: dy's rows in
+   (config.fp8: their records, yq) */
+static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void *x, int bwd) {
     const moept__cuda_spec *p = &c->sp;
     const int ch = c->C > 1, gi = moept__gk_gather(c);
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[0] : NULL;
+    const int yq = bwd && q8;
     moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, gi ? x : sl->xr, gi ? sl->tok_of_row : NULL,
-                    q8 != NULL, sl->h, sl->a, sl->yr, ch ? sl->dar : sl->a, ch ? sl->dxr : sl->yr,
-                    c->B ? sl->cmsg : NULL};
+                    q8 != NULL, yq, sl->h, sl->a, yq ? sl->yq : sl->yr, ch ? sl->dar : sl->a,
+                    ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL};
     return f;
 }
 
@@ -4724,7 +4747,7 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void
 static moept__ffn moept__ffn_shared(moept__cuda *c, moept__cslot *sl, const void *x) {
     const moept__cuda_spec *p = &c->sp;
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[1] : NULL;
-    moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, NULL, 0, sl->hs, sl->as, sl->yss,
+    moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, NULL, 0, 0, sl->hs, sl->as, sl->yss,
                     sl->as, sl->yss, NULL};
     return f;
 }
@@ -4811,9 +4834,9 @@ static int moept__ffn_fused8(const moept__cuda *c, const moept__ffn *f) {
     return f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_q8(c) && c->q8r;
 }
 
-/* whether a backward's dy and dh reach the grouped kernel's dgrads quantized along their rows by their
-   wgrads' column passes, one read each (moept__k_q8_cols' RW: into q8r, q8sr): FP8 in the kernel form,
-   whole groups, unchunked (a chunked layer runs the wgrads after every chunk's dgrads) */
+/* whether a backward's dh reaches the grouped kernel's dgrad quantized along its rows by its wgrad's
+   column pass, one read (moept__k_q8_cols' RW: into q8r, q8sr): FP8 in the kernel form, whole groups,
+   unchunked (a chunked layer runs the wgrads after every chunk's dgrads; dy's rows come as records) */
 static int moept__q8_twin(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
     return f->q8 && c->q8r && R->offs && c->C == 1;
 }
@@ -4860,7 +4883,7 @@ template <typename T>
 static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2, int bwd,
                                   const void *in, void *out, char *err) {
     const int64_t wo = w2 ? c->sp.D : f->H, wi = w2 ? f->F : c->sp.D;
-    const int rec = f->xq && in == f->x; /* (x's FP8 records: their bytes, recw apart) */
+    const int rec = (f->xq && in == f->x) || (f->yq && in == f->y); /* (FP8 records: bytes, recw apart) */
     const int64_t k = bwd ? wo : wi, m = bwd ? wi : wo;
     const int64_t ld = rec ? moept__q8_recw(k) : w2 && !bwd ? f->lda : k, es = c->esz;
     const int64_t ies = rec ? 1 : es; /* in's element bytes */
@@ -4874,7 +4897,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
         if (moept__gk_q8(c)) /* (the dgrad: B the transposed copy, K-major as the forward's) */
             return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O,
-                                 bwd ? moept__q8_twin(c, f, R) : w2 && moept__ffn_fused8(c, f), NULL, err);
+                                 bwd ? !rec && moept__q8_twin(c, f, R) : w2 && moept__ffn_fused8(c, f), NULL,
+                                 err);
         if (R->offs) return moept__q8_mm_all<T>(c, R, I, rec, k, ld, wq, sq, ns, m, O, err);
         MOEPT__TRY(moept__q8_fits(c, R, 0, err)); /* (a chunk's runs: one after another) */
         for (int64_t i = 0; i < R->n; i++) {
@@ -4901,8 +4925,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
 
 /* A weight's gradient over R's rows (whole groups: the reduction runs over an
    expert's rows), into the fp32 gradients: W2's g2 += dy^T a, W13's
-   g13 += dh^T x (config.fp8: both operands quantized down the rows; moept__q8_twin: dy's and dh's rows
-   along them too, for the dgrad after) */
+   g13 += dh^T x (config.fp8: both operands quantized down the rows; moept__q8_twin: dh's rows along them
+   too, for the dgrad after; x's and dy's FP8 records dequantized as read) */
 template <typename T>
 static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2,
                                      char *err) {
@@ -4910,19 +4934,23 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
     const char *O = (const char *)(w2 ? f->y : f->h), *I = (const char *)(w2 ? f->a : f->x);
     float *g = c->grads + (w2 ? f->off2 : f->off13);
     if (f->q8) {
-        const int rec = f->xq && !w2; /* (I x's FP8 records) */
+        const int rec = f->xq && !w2, orec = f->yq && w2; /* (I x's FP8 records, O dy's) */
         const int64_t ldi = rec ? moept__q8_recw(wi) : wi;
         const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
         const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
-        const int twin = moept__q8_twin(c, f, R); /* (O's rows quantized along them too, for the dgrad) */
+        const int twin = !orec && moept__q8_twin(c, f, R); /* (O's rows along them too, for the dgrad) */
         int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
         MOEPT__TRY(moept__q8_fits(c, R, 1, err));
         if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
         /* every expert's two operands, one column pass each (I: x's records, or a) */
         if (rec) MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err));
         else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err));
-        MOEPT__TRY(moept__q8_down<T>(c, O, R->offs, R->n, wo, wo, c->q8b, c->q8sb, err, twin ? c->q8r : NULL,
-                                     twin ? c->q8sr : NULL, MOEPT__Q8_PAD(end)));
+        if (orec)
+            MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb,
+                                               err));
+        else
+            MOEPT__TRY(moept__q8_down<T>(c, O, R->offs, R->n, wo, wo, c->q8b, c->q8sb, err,
+                                         twin ? c->q8r : NULL, twin ? c->q8sr : NULL, MOEPT__Q8_PAD(end)));
         for (int64_t e = 0; e < R->n; e++) {
             const int64_t rows = R->offs[e + 1] - R->offs[e], np = MOEPT__Q8_PAD(rows);
             float *ge = g + e * wo * wi;
@@ -5013,8 +5041,8 @@ static moept_status moept__from_comm(moept__cuda *c, cudaStream_t cs, char *err)
    later chunk, whose rows were gathered long before), MOEPT__X_JOIN (the
    compute stream waits for it; without, it runs independent work, e.g. the
    shared expert, until moept__from_comm or an event joins the two), MOEPT__X_XQ
-   (x's rows: config.fp8's records, moept__xrow bytes a row, moved as 4-byte
-   words; the pieces' counts stay D a row). */
+   (x's or dy's rows: config.fp8's records, moept__xrow bytes a row, moved as
+   4-byte words; the pieces' counts stay D a row). */
 enum { MOEPT__X_OUT = 1, MOEPT__X_AFTER = 2, MOEPT__X_JOIN = 4, MOEPT__X_XQ = 8 };
 static moept_status moept__exchange(moept__cuda *c, void *local, const moept_seg *ls, void *remote,
                                     const moept_seg *rs, int flags, moept__dev_step *out, char *err) {
@@ -5578,7 +5606,7 @@ static moept_status moept__fwd_experts(moept__cuda *c, moept__cslot *sl, const T
                                        char *err) {
     const moept__cuda_spec *p = &c->sp;
     const moept__runs R = moept__runs_groups(sl->roffsets, p->El);
-    const moept__ffn f = moept__ffn_routed(c, sl, x);
+    const moept__ffn f = moept__ffn_routed(c, sl, x, 0);
     MOEPT__TRY(moept__ffn_fwd<T>(c, &f, &R, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, sl->ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out,
@@ -5643,16 +5671,19 @@ static moept_status moept__shared_bwd(moept__cuda *c, moept__cslot *sl, const T 
    on its comm stream; the compute stream waits for a chunk's arrival event
    only. forward: xs -> xr, yr -> ys, the shared expert while chunk 0
    travels, chunk ch combined once back. backward (after combine' wrote dys
-   into ys): ys -> yr, dxr -> ys, the shared expert's backward while chunk 0
-   travels, the weight gradients while the last chunk's dxs return. */
+   into ys; config.fp8: their records into xs): ys -> yr (xs -> yq), dxr ->
+   ys, the shared expert's backward while chunk 0 travels, the weight
+   gradients while the last chunk's dxs return. */
 template <typename T>
 static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, const T *x, T *y,
                                     moept__dev_step *out,
                                     char *err) {
     const int64_t C = c->C, T_ = sl->T;
-    void *send = bwd ? sl->ys : sl->xs, *recv = bwd ? sl->yr : sl->xr, *res = bwd ? sl->dxr : sl->yr;
-    const moept__ffn f = moept__ffn_routed(c, sl, x);
-    const int X_OUT = MOEPT__X_OUT | (bwd ? 0 : MOEPT__X_XQ);
+    const int q8 = moept__fp8_on(&c->sp);
+    void *send = bwd && !q8 ? sl->ys : sl->xs, *recv = !bwd ? sl->xr : q8 ? sl->yq : sl->yr;
+    void *res = bwd ? sl->dxr : sl->yr;
+    const moept__ffn f = moept__ffn_routed(c, sl, x, bwd);
+    const int X_OUT = MOEPT__X_OUT | MOEPT__X_XQ; /* (config.fp8: x's and dy's records) */
     moept__chunk_plan(c, sl, 0);
     MOEPT__TRY(moept__exchange(c, send, c->csend, recv, c->crecv, X_OUT | MOEPT__X_AFTER, out, err));
     MOEPT__CU(cudaEventRecord(c->ev_out[0], c->cs));
@@ -5908,7 +5939,10 @@ static moept_status moept__bwd_agree(moept__cuda *c, moept__cslot *sl, const T *
 
 /* 2. combine': dL/dw and dys in place of the outputs (ys), the shared
    expert's dy (gated) in yss; the router's fp32 input again (bf16: a
-   rejected forward may have overwritten xf) */
+   rejected forward may have overwritten xf). config.fp8: the dys as FP8
+   records instead (the backward's dispatch quantizes them once, as the
+   forward's does x: into xs, which that is done with, or at one rank the
+   experts' yq) */
 template <typename T>
 static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T *x, const T *dy, char *err) {
     const moept__cuda_spec *p = &c->sp;
@@ -5925,10 +5959,13 @@ static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T
         MOEPT__TRY(moept__shared_in<T>(c, sl, &xu, err));
     }
     void *ys = p->P > 1 ? sl->ys : sl->yr;
-    const int vec = moept__vec<T>(D, ys, dy, sl->yss);
+    const int vec = moept__vec<T>(D, ys, dy, sl->yss), q8 = moept__fp8_on(p);
     MOEPT__LAUNCH_V(vec, moept__k_combine_bwd, T, (unsigned)(T_ * K), MOEPT__TB, c->s, (T *)ys, sl->row_of,
-                    sl->wts[sl->cur], dy, (int)D, (int)K, sl->dwts);
+                    sl->wts[sl->cur], dy, (int)D, (int)K, sl->dwts, !q8);
     MOEPT__LAUNCHED();
+    if (q8 && sl->N > 0)
+        MOEPT__TRY(moept__q8_records<T>(c, dy, sl->tok_of_row, sl->N, p->P > 1 ? sl->xs : sl->yq, err,
+                                        moept__q8_wt{sl->wts[sl->cur], sl->kslot_of_row, (int)K}));
     if (p->S > 0) {
         MOEPT__LAUNCH_V(vec, moept__k_shared_bwd, T, (unsigned)T_, MOEPT__TB, c->s, (T *)sl->yss,
                         p->offsg >= 0 ? sl->sg : NULL, dy, (int)D, c->dsg,
@@ -5939,17 +5976,19 @@ static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T
     return MOEPT_OK;
 }
 
-/* 3. experts: dys out, the FFNs' backward, dxs back (the shared expert's
-   backward while they travel) */
+/* 3. experts: dys out (config.fp8: their records, xs -> yq), the FFNs'
+   backward, dxs back (the shared expert's backward while they travel) */
 template <typename T>
 static moept_status moept__bwd_experts(moept__cuda *c, moept__cslot *sl, const T *x, moept__dev_step *out,
                                        char *err) {
     const moept__cuda_spec *p = &c->sp;
     void *ys = p->P > 1 ? sl->ys : sl->yr;
-    const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN;
-    if (p->P > 1) MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, both, out, err));
+    const int q8 = moept__fp8_on(p), both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN | MOEPT__X_XQ;
+    if (p->P > 1)
+        MOEPT__TRY(moept__exchange(c, q8 ? sl->xs : ys, sl->send_segs, q8 ? sl->yq : sl->yr, sl->recv_segs,
+                                   both, out, err));
     const moept__runs R = moept__runs_groups(sl->roffsets, p->El);
-    const moept__ffn f = moept__ffn_routed(c, sl, x);
+    const moept__ffn f = moept__ffn_routed(c, sl, x, 1);
     MOEPT__TRY(moept__ffn_bwd<T>(c, &f, &R, err));
     if (p->P > 1)
         MOEPT__TRY(moept__exchange(c, ys, sl->send_segs, sl->yr, sl->recv_segs, MOEPT__X_AFTER, out, err));

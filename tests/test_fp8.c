@@ -14,7 +14,7 @@
      the experts' outputs, both weight gradients, dh and the experts' dx
      equal fp64 products of operands this file quantizes, in the tiles
      moept.h names (rows 1 x 128 along the reduction, the wgrad's 128 x 1
-     down each expert's rows, of x's rows as the forward quantized them,
+     down each expert's rows, of x's and dy's rows as quantized along them,
      weights 128 x 128), to fp32 accumulation;
    - the FP8 layer differs from the fp32 one (it quantizes) within 2^-2;
    - an inference layer, and two forwards in flight, equal the training
@@ -274,9 +274,9 @@ static void test_layer_gemms(void) {
     EXPECT_OK(moept_backward(L, x, dy, dx));
     float *dys = malloc(T * D * 4);
     for (int64_t i = 0; i < T * D; i++) dys[i] = 0.5f * dy[i]; /* the combine's weight, exactly */
-    /* (the W13 wgrad's x: the rows as the experts received them, quantized, then down the columns) */
+    /* (the wgrads' x and dys: the rows as the experts received them, quantized, then down the columns) */
     float *xq = quant(x, T, D, QROWS), *xc = quant(xq, T, D, QCOLS), *dyq = quant(dys, T, D, QROWS);
-    float *dyc = quant(dys, T, D, QCOLS);
+    float *dyc = quant(dyq, T, D, QCOLS);
     const double tol = 1e-5; /* fp32 accumulation over k <= 272 */
     for (int64_t e = 0; e < 2; e++) {
         const float *w13 = L->par.w13 + e * H * D, *w2 = L->par.w2 + e * D * F;

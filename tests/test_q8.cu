@@ -4,11 +4,13 @@
    - the dispatch's FP8 records (moept__q8_records: x's rows through the row index, -1 zeros) hold the
      bytes and scales moept__q8_along makes of the same rows gathered first, their padding zero, and
      their values e4m3 * scale are the CPU's quantized rows;
+   - combine''s records of dy (the same pass, each row times its routing weight as read) hold the
+     bytes of the weighted rows' in fp32, and the CPU's quantized products;
    - a record as cuBLASLt's operand (moept__q8_unrec) is moept__q8_along's output, padding rows too;
      a chunk's runs quantized or copied one run at a time (ss > 0) give the whole operand's rows;
    - the W13 wgrad's column-wise x from the records (moept__q8_down<uint8_t>, dequantized as read)
      is moept__q8_down of the dequantized rows in fp32, and the CPU's column tiles of them.
-   - a backward's dy and dh from the wgrad's column pass that also quantizes them along the rows (one
+   - a backward's dh from the wgrad's column pass that also quantizes it along the rows (one
      read): its columns the plain pass's, its rows moept__q8_along's, run by run;
    - the column passes over every expert's rows in one call, and the per-expert form's row passes (the
      operands along the rows, of bf16 rows and of records, and the results): each group's bytes a call
@@ -401,6 +403,49 @@ static void q8t_gate8(moept__cuda *c, int64_t F) {
     free(hq); free(hr); free(hs); free(hsr);
 }
 
+/* combine''s records (moept__q8_records weighted: row r x's row idx[r] times its assignment's routing
+   weight w[idx[r] K + ks[r]], as the backward makes dy's): the bytes of the separate path's (the rows
+   w x in fp32, as the fp32 layer's combine' stores them, then recorded), their values the CPU's
+   quantized rows of those products */
+template <typename T>
+static void q8t_weighted(q8t_case<T> *k) {
+    const int64_t D = k->D, n = k->n, W = k->W, K = 3;
+    char err[MOEPT__ERRLEN] = "";
+    float *w = (float *)malloc((size_t)(k->Tn * K) * 4), *ws = (float *)calloc((size_t)(n * D), 4);
+    float *cpu = (float *)malloc((size_t)(n * D) * 4);
+    int32_t *ks = (int32_t *)malloc((size_t)n * 4);
+    unsigned long long rs = 3 + (unsigned long long)D;
+    for (int64_t i = 0; i < k->Tn * K; i++) w[i] = ldexpf((float)tu_rand(&rs), (int)(i % 7) - 3);
+    for (int64_t r = 0; r < n; r++) {
+        ks[r] = (int32_t)((r * 5) % K);
+        for (int64_t d = 0; d < D && k->idx[r] >= 0; d++)
+            ws[r * D + d] = moept__scale(w[k->idx[r] * K + ks[r]], k->xs[r * D + d]);
+    }
+    q8t_cpu(ws, n, D, 0, cpu);
+    T *xd = q8t_dev<T>(k->x, (size_t)(k->Tn * D) * sizeof(T));
+    float *wd = q8t_dev<float>(w, (size_t)(k->Tn * K) * 4), *wsd = q8t_dev<float>(ws, (size_t)(n * D) * 4);
+    int32_t *ksd = q8t_dev<int32_t>(ks, (size_t)n * 4);
+    int64_t *idxd = q8t_dev<int64_t>(k->idx, (size_t)n * 8);
+    uint8_t *rec[2] = {q8t_dev<uint8_t>(NULL, (size_t)(n * W)), q8t_dev<uint8_t>(NULL, (size_t)(n * W))};
+    moept_status st = moept__q8_records<T>(&k->c, xd, idxd, n, rec[0], err, moept__q8_wt{wd, ksd, (int)K});
+    if (!st) st = moept__q8_records<float>(&k->c, wsd, NULL, n, rec[1], err);
+    EXPECT(!st, "D %lld: %s", (long long)D, err);
+    uint8_t *h0 = q8t_host<uint8_t>(rec[0], (size_t)(n * W));
+    uint8_t *h1 = q8t_host<uint8_t>(rec[1], (size_t)(n * W));
+    int64_t vals = 0;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t d = 0; d < D; d++) {
+            const float v = moept__e4m3_f32(h0[r * W + d]) * ((const float *)(h0 + r * W + k->Dp))[d / 128];
+            vals += !q8t_same(&v, &cpu[r * D + d], 4);
+        }
+    EXPECT(q8t_same(h0, h1, (size_t)(n * W)) && vals == 0, "D %lld n %lld, %s rows: the weighted records "
+           "differ from the weighted rows' (%lld values from the CPU's)", (long long)D, (long long)n,
+           sizeof(T) == 2 ? "bf16" : "fp32", (long long)vals);
+    cudaFree(xd); cudaFree(wd); cudaFree(wsd); cudaFree(ksd); cudaFree(idxd); cudaFree(rec[0]);
+    cudaFree(rec[1]);
+    free(w); free(ws); free(cpu); free(ks); free(h0); free(h1);
+}
+
 template <typename T>
 static void q8t_width(int64_t D, int64_t n) {
     q8t_case<T> k;
@@ -412,6 +457,7 @@ static void q8t_width(int64_t D, int64_t n) {
         q8t_pieces<T>(&k, rec);
         q8t_columns(D, n, rec, deq, &k.c);
     }
+    q8t_weighted<T>(&k);
     if constexpr (sizeof(T) == 2) q8t_twin(&k);
     cudaFree(rec);
     free(deq);

@@ -208,8 +208,8 @@ static double mem_cuda_workspace(const memcfg *c) {
                   (P > 1 ? a64(N * xrow) + a64(es * N * D) : 0) +
                   a64(es * T * HS) + tr * a64(es * T * S) + (S > 0 ? a64(es * T * D) : 0) + a64(4 * T) +
                   tr * a64(4 * N);
-    /* (chunked: the backward's da, dx) */
-    slot += R * ((D + H + tr * F + tr * ch * (D + F)) * es + xr) + 6 * 64;
+    /* (chunked: the backward's da, dx; config.fp8's training: dy's records) */
+    slot += R * ((D + H + tr * F + tr * ch * (D + F)) * es + xr + tr * c->fp8 * xrow) + 7 * 64;
     return w + c->slots * slot;
 }
 
