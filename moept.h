@@ -457,7 +457,8 @@
      A CUDA layer runs the same tiles on cuBLASLt's block-scaled FP8
      matmuls (E4M3 bytes with fp32 scales, one call per expert GEMM), its
      rows between the stages in options.dtype; its dispatch writes the
-     FP8 records (the grouped kernel's form reads them as they are). Its
+     FP8 records, and its backward's combine dy's (the grouped kernel's
+     form reads them as they are). Its
      E4M3 weights (W13, W2 and their transposes, for the dgrads) are made
      once after the fp32 masters change, and counted in
      device_workspace_bytes (device_bytes' CASTS). It equals the CPU's FP8 layer but for accumulation order,

@@ -2228,8 +2228,9 @@ struct moept__cuda {
     uint8_t *q8a, *q8b;         /* [q8rows][Wp] a matmul's token operands, or each group's [Wp][np]
                                    transposed, one after another (moept__q8_gnext) */
     float *q8sa, *q8sb;         /* their scales */
-    uint8_t *q8r;               /* [q8rows][Wp] the grouped kernel's (moept__gk_q8): a backward's dy or dh
-                                   quantized along the rows by its wgrad's column pass (moept__q8_twin) */
+    uint8_t *q8r;               /* [q8rows][Wp] the grouped kernel's (moept__gk_q8): a backward's dh (the
+                                   shared expert's dy) quantized along the rows by its wgrad's column pass
+                                   (moept__q8_twin), or the forward's a by the gate/up product */
     float *q8sr;                /* its scales; q8r, q8sr NULL in the per-expert form */
     float *q8out;               /* [max(q8rows, Wp)][Wp] the matmul's fp32 result */
     int64_t allocations, allocated_bytes, growths;
@@ -3768,9 +3769,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 /* the ring, its barriers, GATE8's row amaxes (a consumer's 64 rows x 4 threads), the swizzle's alignment */
 #define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 2 * 64 * 4 * 4 + 1024)
 enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT, MOEPT__GK_FWD8,
-       MOEPT__GK_GATE8, MOEPT__GK_FORMS };
-/* whether form F multiplies E4M3 operands with their scales */
-#define MOEPT__GK_Q(F) ((F) == MOEPT__GK_FWD8 || (F) == MOEPT__GK_GATE8)
+       MOEPT__GK_GATE8, MOEPT__GK_DACT8, MOEPT__GK_FORMS };
+/* whether form F multiplies E4M3 operands with their scales (DACT8: FWD8's product, DACT's epilogue) */
+#define MOEPT__GK_Q(F) ((F) == MOEPT__GK_FWD8 || (F) == MOEPT__GK_GATE8 || (F) == MOEPT__GK_DACT8)
 /* a (sub)tile's columns of N: 128, or (GATE, GATE8) 64 of the gate half and the same 64 of the up half */
 #define MOEPT__GK_TN(F) ((F) == MOEPT__GK_GATE || (F) == MOEPT__GK_GATE8 ? MOEPT__GK_BN / 2 : MOEPT__GK_BN)
 /* a k-step's elements of the reduction: 128 bytes, 64 bf16 or (E4M3) 128, one scale block */
@@ -4131,7 +4132,8 @@ __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUte
     else /* A: rows of the run [rows][K] */
         moept__gk_fetch(g, ma, 0, pass, a, k0, g->r0[i] + mt * MOEPT__GK_BM, MOEPT__GK_BM, v, bar);
     const int vb = F == MOEPT__GK_WGRAD ? v : MOEPT__GK_BM;
-    if (F == MOEPT__GK_FWD || F == MOEPT__GK_FWD8) /* B: expert e's W [N][K] in [E bn][K] */
+    if (F == MOEPT__GK_FWD || F == MOEPT__GK_FWD8 || F == MOEPT__GK_DACT8) /* B: expert e's W [N][K] in
+                                                                                [E bn][K] */
         moept__gk_fetch(g, mb, 1, pass, b, k0, g->e[i] * g->bn + n0, MOEPT__GK_BN, vb, bar);
     else if (F == MOEPT__GK_GATE || F == MOEPT__GK_GATE8) /* B: rows n0.. of expert e's gate half and of
                                                                its up half, [E bn][K] (bn: 2N, or padded) */
@@ -4343,9 +4345,9 @@ __device__ __forceinline__ void moept__gk_store_q8(const moept__gk_args *g, int 
     }
 }
 
-/* DACT's epilogue: consumer w's rows of run i's tile (mt, nt) of da, each value rounded to bf16 as the
-   dgrad's store would, then dh = act'(g, u, da) from h's g and u, written over them, as the activation
-   pass's backward computes it */
+/* DACT's (DACT8's) epilogue: consumer w's rows of run i's tile (mt, nt) of da, each value rounded to
+   bf16 as the dgrad's store would, then dh = act'(g, u, da) from h's g and u, written over them, as the
+   activation pass's backward computes it */
 __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, const float *d, int i, int mt,
                                                      int nt, int w) {
     const int t = threadIdx.x % 128;
@@ -4452,7 +4454,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             if (P || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
             if (F == MOEPT__GK_GATE || F == MOEPT__GK_GATE8)
                 moept__gk_store_act(g, d, i, mt, st, w, F == MOEPT__GK_GATE8 ? pam : NULL);
-            else if (F == MOEPT__GK_DACT) moept__gk_store_dact(g, d, i, mt, nt, w);
+            else if (F == MOEPT__GK_DACT || F == MOEPT__GK_DACT8) moept__gk_store_dact(g, d, i, mt, nt, w);
             else moept__gk_store<F>(g, d, i, mt, nt, w);
         }
         if constexpr (F == MOEPT__GK_GATE8 && !P) moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256);
@@ -4535,7 +4537,8 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
                             (const void *)moept__k_gk<MOEPT__GK_GATE>,
                             (const void *)moept__k_gk<MOEPT__GK_DACT>,
                             (const void *)moept__k_gk<MOEPT__GK_FWD8>,
-                            (const void *)moept__k_gk<MOEPT__GK_GATE8>};
+                            (const void *)moept__k_gk<MOEPT__GK_GATE8>,
+                            (const void *)moept__k_gk<MOEPT__GK_DACT8>};
     static_assert(sizeof forms / sizeof forms[0] == MOEPT__GK_FORMS, "moept__gk_create: every form");
     for (int i = 0; i < MOEPT__GK_FORMS; i++)
         MOEPT__CU(cudaFuncSetAttribute(forms[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -4611,6 +4614,7 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
     MOEPT__GK_GO(DACT);
     MOEPT__GK_GO(FWD8);
     MOEPT__GK_GO(GATE8);
+    MOEPT__GK_GO(DACT8);
 #undef MOEPT__GK_GO
     MOEPT__LAUNCHED();
     return MOEPT_OK;
@@ -4825,8 +4829,9 @@ static moept_status moept__q8_end(const moept__cuda *c, const moept__runs *R, in
     return MOEPT_OK;
 }
 
-/* whether the grouped kernel runs f's activation in a GEMM's epilogue (a gated one: its g and u): bf16,
-   or (fused8) config.fp8's, which also quantizes a for the W2 product (into q8r) */
+/* whether the grouped kernel runs f's activation and its backward in a GEMM's epilogue (a gated one: its
+   g and u; the gate/up product's and the down dgrad's): bf16, or (fused8) config.fp8's, whose gate/up
+   product also quantizes a for the W2 product (into q8r) */
 static int moept__ffn_fused(const moept__cuda *c, const moept__ffn *f) {
     return !f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_ok(c);
 }
@@ -4834,20 +4839,22 @@ static int moept__ffn_fused8(const moept__cuda *c, const moept__ffn *f) {
     return f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_q8(c) && c->q8r;
 }
 
-/* whether a backward's dh reaches the grouped kernel's dgrad quantized along its rows by its wgrad's
-   column pass, one read (moept__k_q8_cols' RW: into q8r, q8sr): FP8 in the kernel form, whole groups,
-   unchunked (a chunked layer runs the wgrads after every chunk's dgrads; dy's rows come as records) */
+/* whether a backward's dh, and dy where its rows are not records (the shared expert's), reach the
+   grouped kernel's dgrads quantized along their rows by their wgrads' column passes, one read each
+   (moept__k_q8_cols' RW: into q8r, q8sr): FP8 in the kernel form, whole groups, unchunked (a chunked
+   layer runs the wgrads after every chunk's dgrads) */
 static int moept__q8_twin(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
     return f->q8 && c->q8r && R->offs && c->C == 1;
 }
 
-/* config.fp8's forward product over R's runs in one launch of the grouped kernel (F: FWD8, or GATE8 with
-   its extras gx): A the rows [0, end) of in (k columns, ld apart) quantized in 1 x 128 tiles (whole
+/* config.fp8's product over R's runs in one launch of the grouped kernel (F: FWD8, GATE8 with its
+   extras gx, or DACT8, the down dgrad with the activation's backward: gx's act): A the rows [0, end) of
+   in (k columns, ld apart) quantized in 1 x 128 tiles (whole
    groups: at once; a chunk's runs: each run's, as the rows between belong to chunks still arriving), or
    (rec) in's FP8 records as they are (a chunk's runs: each run's copied, for the same reason), or (pre)
    in's rows quantized already, in q8r (the gate/up product's, or the wgrad's: moept__q8_twin); W's E4M3
    copy wq [E][mp][kp] with its 128 x 128 scales sq (ns an expert), out [..][m] bf16 (GATE8: h, of m / 2
-   gate columns and their up ones; a quantized into q8r) */
+   gate columns and their up ones, a quantized into q8r; DACT8: dh [..][2m] over h, da not stored) */
 template <typename T, int F = MOEPT__GK_FWD8>
 static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept__runs *R, const char *in,
                                int rec, int64_t k, int64_t ld, const uint8_t *wq, const float *sq, int64_t ns,
@@ -4856,13 +4863,13 @@ static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept_
     MOEPT__TRY(moept__q8_end(c, R, &end, err));
     if (end == 0) return MOEPT_OK;
     const int64_t mp = MOEPT__Q8_PAD(m), kp = MOEPT__Q8_PAD(k), np = MOEPT__Q8_PAD(end);
-    const int64_t N = F == MOEPT__GK_GATE8 ? m / 2 : m;
+    const int64_t N = F == MOEPT__GK_GATE8 ? m / 2 : m, ldo = F == MOEPT__GK_DACT8 ? 2 * m : m;
     moept__gk_ext ge = gx ? *gx : moept__gk_ext{};
     ge.bn = mp; ge.sb = sq; ge.sbe = ns; ge.sbld = MOEPT__Q8_L4(kp); ge.qsb = np;
     if (rec && R->offs && !pre) { /* the records as A: their bytes kp wide, ld apart, each row's scales
                                      after them */
         ge.sa = (const float *)(in + kp); ge.sarows = end; ge.sars = ld / 4; ge.sabs = 1;
-        return moept__gk<F>(c, R, in, ld, wq, kp, NULL, 0, N, kp, out, m, f->cnt, &ge, err);
+        return moept__gk<F>(c, R, in, ld, wq, kp, NULL, 0, N, kp, out, ldo, f->cnt, &ge, err);
     }
     const int64_t es = rec ? 1 : c->esz;
     if (R->offs && !pre) MOEPT__TRY(moept__q8_operand<T>(c, in, rec, end, k, ld, 0, 0, err));
@@ -4872,7 +4879,7 @@ static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept_
         if (rows > 0) MOEPT__TRY(moept__q8_operand<T>(c, in + r0 * ld * es, rec, rows, k, ld, r0, np, err));
     }
     ge.sa = pre ? c->q8sr : c->q8sb; ge.sarows = np; ge.sars = 1; ge.sabs = np;
-    return moept__gk<F>(c, R, pre ? c->q8r : c->q8b, kp, wq, kp, NULL, 0, N, kp, out, m, f->cnt, &ge, err);
+    return moept__gk<F>(c, R, pre ? c->q8r : c->q8b, kp, wq, kp, NULL, 0, N, kp, out, ldo, f->cnt, &ge, err);
 }
 
 /* One matmul of the FFN over R's rows through weight W [wo][wi] (W13 [H][D],
@@ -4925,8 +4932,9 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
 
 /* A weight's gradient over R's rows (whole groups: the reduction runs over an
    expert's rows), into the fp32 gradients: W2's g2 += dy^T a, W13's
-   g13 += dh^T x (config.fp8: both operands quantized down the rows; moept__q8_twin: dh's rows along them
-   too, for the dgrad after; x's and dy's FP8 records dequantized as read) */
+   g13 += dh^T x (config.fp8: both operands quantized down the rows; moept__q8_twin: dy's and dh's rows
+   along them too, for the dgrad after, where they are not records; x's and dy's FP8 records dequantized
+   as read) */
 template <typename T>
 static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2,
                                      char *err) {
@@ -5008,10 +5016,16 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     const int64_t D = c->sp.D, F = f->F;
     const void *W2 = moept__w(c, f->off2);
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
+    const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0};
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
-        const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0};
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
+    } else if (moept__ffn_fused8(c, f)) { /* ... in E4M3: A dy's records (the shared expert's: its rows) */
+        const moept__q8w *q = f->q8;
+        MOEPT__TRY((moept__gk8<T, MOEPT__GK_DACT8>(c, f, R, (const char *)f->y, f->yq, D,
+                                                   f->yq ? moept__q8_recw(D) : D, q->w2t, q->s2t, q->ns2t, F,
+                                                   (char *)f->h, !f->yq && moept__q8_twin(c, f, R), &ga,
+                                                   err)));
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 1, err));

@@ -27,6 +27,7 @@ typedef struct world {
     /* results */
     float *y, *dx;             /* [Ttot][D] */
     float *grads[MAXR * 2];    /* per world rank: its gradient buffer after sync */
+    int64_t ngrads[MAXR * 2];  /* ... its length */
     int64_t allocs[MAXR * 2];  /* allocations during steps 2..steps */
     moept_stats stats[MAXR * 2]; /* each rank's after the steps */
     moept_status st[MAXR * 2];
@@ -140,6 +141,7 @@ static void *rank_main(void *arg) {
     w->allocs[r] = w->steps > 1 ? s1.allocations - s0.allocations : 0;
     if (w->st[r]) snprintf(w->err[r], sizeof w->err[r], "%s", moept_last_error(L));
     w->grads[r] = calloc((size_t)L->par.n_params, 4);
+    w->ngrads[r] = L->par.n_params;
     if (L->par.grads) memcpy(w->grads[r], L->par.grads, (size_t)L->par.n_params * 4);
     moept_destroy(L);
     moept_comm_destroy(custom);
@@ -303,8 +305,8 @@ static void test_ep_fp8(void) {
 
 /* config.fp8 over messages (moept_comm_custom: no shared rows; or chunked) sends the routed rows as
    FP8 records, where the direct path (threads, unchunked) writes them as floats: the same results
-   bitwise, and each rank's bytes less by its rows times (4 D - the record's) each way in each of the
-   two dispatches (the forward's x, the backward's dy; the combines send floats) */
+   bitwise (y, dx, every gradient), and each rank's bytes less by its rows times (4 D - the record's) each
+   way in each of the two dispatches (the forward's x, the backward's dy; the combines send floats) */
 static void test_ep_fp8_records(void) {
     int64_t T[MAXR] = {37, 20, 51, 8};
     moept_config c = cfg_of(MOEPT_FAMILY_DEEPSEEK_V3);
@@ -327,8 +329,12 @@ static void test_ep_fp8_records(void) {
         }
         EXPECT(less > 0 && bad == 0, "%s: %lld ranks' bytes not the direct path's less their rows times %lld",
                m == 1 ? "custom comm" : "chunked", (long long)bad, (long long)less);
-        EXPECT(!memcmp(w[0]->y, w[m]->y, (size_t)n * 4) && !memcmp(w[0]->dx, w[m]->dx, (size_t)n * 4),
-               "%s: y or dx differ from the direct path's", m == 1 ? "custom comm" : "chunked");
+        int gsame = 1;
+        for (int r = 0; r < 4; r++)
+            gsame &= w[0]->ngrads[r] == w[m]->ngrads[r] &&
+                     !memcmp(w[0]->grads[r], w[m]->grads[r], (size_t)w[0]->ngrads[r] * 4);
+        EXPECT(!memcmp(w[0]->y, w[m]->y, (size_t)n * 4) && !memcmp(w[0]->dx, w[m]->dx, (size_t)n * 4) && gsame,
+               "%s: y, dx or the gradients differ from the direct path's", m == 1 ? "custom comm" : "chunked");
     }
     for (int m = 0; m < 3; m++) free_world(w[m]);
 }

@@ -216,8 +216,9 @@ static void q8t_columns(int64_t D, int64_t n, const uint8_t *rec, const float *d
 }
 
 /* bf16 rows in two runs, [0, n1) and [n1, n), each through the wgrad's column pass that also quantizes
-   the rows along them (moept__q8_down's qr: a backward's dy, dh): its columns the plain pass's, its rows
-   moept__q8_along's of the whole operand (bytes and scales; the rows past n are not its to write) */
+   the rows along them (moept__q8_down's qr: a backward's dh, the shared expert's dy): its columns the
+   plain pass's, its rows moept__q8_along's of the whole operand (bytes and scales; the rows past n are
+   not its to write) */
 static void q8t_twin(q8t_case<moept__bf16> *k) {
     const int64_t D = k->D, n = k->n, Dp = k->Dp, L = k->L, np = k->np, n1 = n / 3;
     const int64_t r0[2] = {0, n1}, rows[2] = {n1, n - n1};
@@ -474,9 +475,11 @@ static void test_records(void) {
     q8t_groups(200);
 }
 
-/* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) with its fused quantizers (a by
-   the gate/up kernel's epilogue, dy and dh by the wgrads' column passes) and without (q8r NULL: each by
-   a pass of its own): y, dx and every gradient bitwise; and (a layer with no shared expert, whose a
+/* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) with its fused stages (a by
+   the gate/up kernel's epilogue, dh by the down dgrad's, its rows and the shared expert's dy by the
+   wgrads' column passes) and without (q8r NULL: the down dgrad's da stored, then an activation pass; each
+   quantization a pass of its own): y, dx and every gradient bitwise; and (a layer with no shared expert,
+   whose a
    comes last) the gate/up kernel's quantized a is moept__q8_along's of a as stored, byte for byte.
    F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
    an edge of one subtile */

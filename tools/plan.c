@@ -200,7 +200,7 @@ static double mem_cuda_workspace(const memcfg *c) {
         /* (16 rows an expert more: the wgrads' column passes hold every expert's rows padded) */
         const double cap = pad16(dmax(R, T) + 16 * El), W = dmax(pad16(D), dmax(pad16(H), pad16(HS)));
         const double sc = dmax(ceil(W / 128) * cap, W * (ceil(cap / 128) + El));
-        const double nq = kb ? 3 : 2; /* (the kernel form's: the rows' copy of dy and dh) */
+        const double nq = kb ? 3 : 2; /* (the kernel form's: the rows' copy of a, dh) */
         w += nq * cap * W + 4 * nq * sc + 4 * dmax(cap, W) * W + (2 * nq + 1) * 64;
     }
     double slot = (c->bf16 ? a64(4 * T * D) : 0) + 2 * (2 * a64(4 * T * E) + 2 * a64(4 * N) + a64(4 * T)) +
