@@ -3808,7 +3808,7 @@ typedef struct moept__gk_args {
                                  sarows); B's [E][sbe] of 128 x 128 blocks [ceil(bn/128)][sbld] */
     int64_t sarows, sars, sabs, sbe, sbld;
     uint8_t *qa;              /* GATE8: a's rows quantized [rows][ldq] E4M3, tile b's scale at
-                                 qs[r + b qsb] */
+                                 qs[r + b qsb]; DACT8: dh's, or NULL */
     float *qs;
     int64_t ldq, qsb;
 } moept__gk_args;
@@ -4309,12 +4309,14 @@ __device__ __forceinline__ void moept__gk_store_act(const moept__gk_args *g, con
     }
 }
 
-/* GATE8's end of tile nt: consumer w's rows of a in its 128 columns (the two subtiles' stores, this
-   thread's own columns read back) quantized along the row, one 1 x 128 tile (moept__k_q8_rows' bytes,
-   zeros from N to ldq): the row's amax from its 4 threads' (pam) through red [64][4], its scale at
-   qs[r + nt qsb] */
+/* GATE8's end of tile nt (DACT8's where it quantizes dh, once a half): consumer w's rows of src [..][lds]
+   (GATE8: a; DACT8: dh over h) in the tile's 128 columns from column c0 (DACT8's up half: N), this
+   thread's own columns read back (the stores before), quantized along the row into qa's same columns, one
+   1 x 128 tile (moept__k_q8_rows' bytes, zeros from N to lim): the row's amax from its 4 threads' (pam)
+   through red [64][4], its scale at qs[r + b qsb], b the tile's block of qa's row */
 __device__ __forceinline__ void moept__gk_store_q8(const moept__gk_args *g, int i, int mt, int nt, int w,
-                                                   const float *pam, float *red) {
+                                                   const float *pam, float *red, const moept__bf16 *src,
+                                                   int64_t lds, int64_t c0, int64_t lim) {
     const int t = threadIdx.x % 128;
     const int64_t rbase = mt * MOEPT__GK_BM + w * 64;
     float sc[2];
@@ -4326,30 +4328,29 @@ __device__ __forceinline__ void moept__gk_store_q8(const moept__gk_args *g, int 
         sc[h] = moept__q8_scale(amax);
     }
     moept__bar_sync(2 + w, 128); /* (red read by all before the next tile's writes) */
-    const moept__bf16 *a = (const moept__bf16 *)g->a;
-    for (int j = 0; j < 64; j += 2) { /* (j < 32: the first subtile's columns, else the second's) */
-        const int64_t r = rbase + moept__gk_row(j, t), col = (int64_t)nt * MOEPT__GK_BN + 64 * (j >= 32) +
-                                                            moept__gk_col(j % 32, t);
-        if (r >= g->rows[i] || col >= g->ldq) continue;
+    for (int j = 0; j < 64; j += 2) { /* (GATE8's j < 32: the first subtile's columns, else the second's) */
+        const int64_t r = rbase + moept__gk_row(j, t), col = (int64_t)nt * MOEPT__GK_BN + moept__gk_col(j, t);
+        if (r >= g->rows[i] || col >= lim) continue;
         const int64_t row = g->r0[i] + r;
         uint32_t b = 0;
         for (int q = 0; q < 2; q++)
             if (col + q < g->N)
-                b |= (uint32_t)moept__q8_byte(moept__bf16_to_f32(a[row * g->lda + col + q]), sc[(j >> 1) & 1])
-                     << (8 * q);
-        *(uint16_t *)(g->qa + row * g->ldq + col) = (uint16_t)b;
+                b |= (uint32_t)moept__q8_byte(moept__bf16_to_f32(src[row * lds + c0 + col + q]),
+                                              sc[(j >> 1) & 1]) << (8 * q);
+        *(uint16_t *)(g->qa + row * g->ldq + c0 + col) = (uint16_t)b;
     }
     for (int h = 0; h < 2 && t % 4 == 0; h++) {
         const int64_t r = rbase + moept__gk_row(2 * h, t);
-        if (r < g->rows[i]) g->qs[g->r0[i] + r + nt * g->qsb] = sc[h];
+        if (r < g->rows[i]) g->qs[g->r0[i] + r + (c0 / MOEPT__GK_BN + nt) * g->qsb] = sc[h];
     }
 }
 
 /* DACT's (DACT8's) epilogue: consumer w's rows of run i's tile (mt, nt) of da, each value rounded to
    bf16 as the dgrad's store would, then dh = act'(g, u, da) from h's g and u, written over them, as the
-   activation pass's backward computes it */
+   activation pass's backward computes it; pam (DACT8's, where it quantizes dh; else NULL): the amax of
+   dh as stored in the thread's row h, pam[h] the gate half's, pam[2 + h] the up half's */
 __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, const float *d, int i, int mt,
-                                                     int nt, int w) {
+                                                     int nt, int w, float *pam) {
     const int t = threadIdx.x % 128;
     const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_BN;
     moept__bf16 *h = (moept__bf16 *)g->out;
@@ -4363,6 +4364,10 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
                         moept__bf16_to_f32(moept__f32_to_bf16(d[j])), &dg, &du);
         h[at] = moept__f32_to_bf16(dg);
         h[at + g->N] = moept__f32_to_bf16(du);
+        for (int q = 0; pam && q < 2; q++) { /* (the gate half's, the up half's) */
+            float *m = pam + 2 * q + ((j >> 1) & 1);
+            *m = moept__q8_amax(*m, moept__bf16_to_f32(h[at + q * g->N]));
+        }
     }
 }
 
@@ -4446,7 +4451,8 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int mt = 0, nt = 0;
         const int i = moept__gk_locate<F>(g, tile, &mt, &nt);
-        float pam[2] = {0.0f, 0.0f}; /* GATE8: the amax of a in this thread's two rows */
+        float pam[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* GATE8: the amax of a in this thread's two rows (DACT8:
+                                                    of dh's gate half, then its up half's) */
         for (int sub = 0; sub < moept__gk_subs<F>(g, nt); sub++) {
             const int st = F == MOEPT__GK_GATE8 ? 2 * nt + sub : nt; /* (the subtile: 64 columns) */
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
@@ -4454,10 +4460,17 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             if (P || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
             if (F == MOEPT__GK_GATE || F == MOEPT__GK_GATE8)
                 moept__gk_store_act(g, d, i, mt, st, w, F == MOEPT__GK_GATE8 ? pam : NULL);
-            else if (F == MOEPT__GK_DACT || F == MOEPT__GK_DACT8) moept__gk_store_dact(g, d, i, mt, nt, w);
+            else if (F == MOEPT__GK_DACT || F == MOEPT__GK_DACT8)
+                moept__gk_store_dact(g, d, i, mt, nt, w, F == MOEPT__GK_DACT8 && g->qa ? pam : NULL);
             else moept__gk_store<F>(g, d, i, mt, nt, w);
         }
-        if constexpr (F == MOEPT__GK_GATE8 && !P) moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256);
+        const moept__bf16 *qsrc = (const moept__bf16 *)(F == MOEPT__GK_GATE8 ? g->a : g->out);
+        if constexpr (F == MOEPT__GK_GATE8 && !P)
+            moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->lda, 0, g->ldq);
+        if constexpr (F == MOEPT__GK_DACT8 && !P)
+            for (int half = 0; g->qa && half < 2; half++) /* (g->qa: the whole CTA's) */
+                moept__gk_store_q8(g, i, mt, nt, w, pam + 2 * half, red + w * 256, qsrc, g->ldo, half * g->N,
+                                   g->N);
     }
 }
 
@@ -4644,7 +4657,7 @@ typedef struct moept__gk_ext {   /* a form's extras */
 template <int F>
 static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t bn) {
     g->act = ga ? ga->act : 0; g->a = ga ? ga->a : NULL; g->lda = ga ? ga->lda : 0; g->bn = (int32_t)bn;
-    const int q = MOEPT__GK_Q(F), q8a = F == MOEPT__GK_GATE8;
+    const int q = MOEPT__GK_Q(F), q8a = F == MOEPT__GK_GATE8 || F == MOEPT__GK_DACT8;
     g->sa = q ? ga->sa : NULL; g->sb = q ? ga->sb : NULL;
     g->sarows = q ? ga->sarows : 0; g->sars = q ? ga->sars : 0; g->sabs = q ? ga->sabs : 0;
     g->sbe = q ? ga->sbe : 0; g->sbld = q ? ga->sbld : 0;
@@ -4839,7 +4852,16 @@ static int moept__ffn_fused8(const moept__cuda *c, const moept__ffn *f) {
     return f->q8 && moept__act_gated(c->sp.act) && f->H == 2 * f->F && moept__gk_q8(c) && c->q8r;
 }
 
-/* whether a backward's dh, and dy where its rows are not records (the shared expert's), reach the
+/* whether the FP8 down dgrad (DACT8) also quantizes dh along its rows, into q8r (the W13 dgrad's A, a
+   chunk's too): each of its 128-column tiles is a whole 1 x 128 tile of dh's gate half and one of its up
+   half (F a multiple of 128, as in every released model), and its own A is not q8r (dy's records; the
+   shared expert's dy rows lie there) */
+static int moept__q8_dh8(const moept__cuda *c, const moept__ffn *f) {
+    return moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 && f->yq;
+}
+
+/* whether a backward's dh (where not moept__q8_dh8), and dy where its rows are not records (the shared
+   expert's), reach the
    grouped kernel's dgrads quantized along their rows by their wgrads' column passes, one read each
    (moept__k_q8_cols' RW: into q8r, q8sr): FP8 in the kernel form, whole groups, unchunked (a chunked
    layer runs the wgrads after every chunk's dgrads) */
@@ -4904,8 +4926,9 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
         if (moept__gk_q8(c)) /* (the dgrad: B the transposed copy, K-major as the forward's) */
             return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O,
-                                 bwd ? !rec && moept__q8_twin(c, f, R) : w2 && moept__ffn_fused8(c, f), NULL,
-                                 err);
+                                 bwd ? !rec && (moept__q8_twin(c, f, R) || (!w2 && moept__q8_dh8(c, f)))
+                                     : w2 && moept__ffn_fused8(c, f),
+                                 NULL, err);
         if (R->offs) return moept__q8_mm_all<T>(c, R, I, rec, k, ld, wq, sq, ns, m, O, err);
         MOEPT__TRY(moept__q8_fits(c, R, 0, err)); /* (a chunk's runs: one after another) */
         for (int64_t i = 0; i < R->n; i++) {
@@ -4946,7 +4969,8 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
         const int64_t ldi = rec ? moept__q8_recw(wi) : wi;
         const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
         const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
-        const int twin = !orec && moept__q8_twin(c, f, R); /* (O's rows along them too, for the dgrad) */
+        const int twin = !orec && !(!w2 && moept__q8_dh8(c, f)) && moept__q8_twin(c, f, R); /* (O's rows along
+                                                                        them too, for the dgrad) */
         int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
         MOEPT__TRY(moept__q8_fits(c, R, 1, err));
         if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
@@ -5020,11 +5044,15 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
-    } else if (moept__ffn_fused8(c, f)) { /* ... in E4M3: A dy's records (the shared expert's: its rows) */
+    } else if (moept__ffn_fused8(c, f)) { /* ... in E4M3: A dy's records (the shared expert's: its rows),
+                                             dh quantized along its rows too (moept__q8_dh8) */
         const moept__q8w *q = f->q8;
+        const int dh8 = moept__q8_dh8(c, f);
+        const moept__gk_ext g8 = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0,
+                                  dh8 ? c->q8r : NULL, c->q8sr, MOEPT__Q8_PAD(f->H), 0};
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_DACT8>(c, f, R, (const char *)f->y, f->yq, D,
                                                    f->yq ? moept__q8_recw(D) : D, q->w2t, q->s2t, q->ns2t, F,
-                                                   (char *)f->h, !f->yq && moept__q8_twin(c, f, R), &ga,
+                                                   (char *)f->h, !f->yq && moept__q8_twin(c, f, R), &g8,
                                                    err)));
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));

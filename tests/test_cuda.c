@@ -1161,7 +1161,7 @@ static void test_kernel_form(void) {
     const struct { int64_t D, F, E, K, T; int same, fp8; } v[8] = { /* fp8 2: in the sync-free mode */
         {64, 64, 4, 2, 40, 0, 0}, {72, 40, 8, 1, 5, 0, 0}, {136, 200, 8, 2, 300, 0, 0},
         {64, 48, 4, 2, 200, 1, 0}, {68, 40, 4, 2, 30, 0, 0}, {64, 32, 300, 2, 600, 0, 0},
-        {136, 200, 8, 2, 300, 0, 1}, {136, 200, 2, 1, 300, 0, 2}};
+        {136, 200, 8, 2, 300, 0, 1}, {136, 256, 2, 1, 300, 0, 2}};
     for (int i = 0; i < 8 && !tu_bad; i++) {
         moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
         cfg.hidden_size = v[i].D; cfg.intermediate_size = v[i].F; cfg.num_experts = v[i].E;
@@ -1395,6 +1395,7 @@ typedef struct chunk_job {
     int fam, bf16, fp8;
     float cf;
     int sync_free;          /* 0: chunks 1 against 3; 1: the default mode against the sync-free one */
+    int64_t kf;             /* > 0: the kernel GEMM form, F kf (MOEPT_EMU_CC 90 on the emulator) */
     int64_t diffs;
     moept_stats st[2];
     char msg[300];
@@ -1427,6 +1428,7 @@ static void *chunk_rank(void *arg) {
     cfg.capacity_factor = j->cf;
     cfg.global_balance = 1;
     cfg.fp8 = j->fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
+    if (j->kf) cfg.intermediate_size = j->kf;
     const int64_t D = cfg.hidden_size, T = j->tr.rank ? 5 : 37;
     if (j->sync_free) cfg.max_tokens = j->tr.rank ? 8 : 40; /* the blocks come from the larger */
     unsigned long long rs = 99 + (unsigned long long)j->tr.rank;
@@ -1438,7 +1440,7 @@ static void *chunk_rank(void *arg) {
     moept_layer *L[2] = {NULL, NULL};
     for (int v = 0; v < 2 && !j->msg[0]; v++) {
         moept_cuda_options o = {j->bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, j->sync_free && v,
-                                MOEPT_GEMM_AUTO};
+                                j->kf ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_AUTO};
         cfg.overlap_chunks = !j->sync_free && v ? 3 : 1;
         if (moept_create_cuda(&cfg, n.c, NULL, &o, &L[v]) != MOEPT_OK) {
             snprintf(j->msg, sizeof j->msg, "create (variant %d): %s", v, moept_last_error(NULL));
@@ -1462,15 +1464,33 @@ static void *chunk_rank(void *arg) {
 }
 
 static void test_chunked_equals_one_chunk(void) {
-    /* qwen2 + capacity; deepseek bf16; deepseek FP8 (bf16 rows) */
-    const struct { int fam, bf16, fp8; float cf; } v[3] = {{1, 0, 0, 0.9f}, {3, 1, 0, 0.0f}, {3, 1, 1, 0.0f}};
-    for (int i = 0; i < 3; i++) {
+    /* qwen2 + capacity; deepseek bf16; deepseek FP8 (bf16 rows); deepseek FP8 in the kernel form, F 256
+       (the down dgrad quantizes dh along its rows, a chunk's too) */
+    const struct { int fam, bf16, fp8; float cf; int64_t kf; } v[4] = {
+        {1, 0, 0, 0.9f, 0}, {3, 1, 0, 0.0f, 0}, {3, 1, 1, 0.0f, 0}, {3, 1, 1, 0.0f, 256}};
+    const char *cc = getenv("MOEPT_EMU_CC");
+    char keep[16] = "";
+    if (cc) snprintf(keep, sizeof keep, "%s", cc);
+    for (int i = 0; i < 4; i++) {
         chunk_job j[2];
         memset(j, 0, sizeof j);
         for (int r = 0; r < 2; r++) {
             j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].fp8 = v[i].fp8; j[r].cf = v[i].cf;
+            j[r].kf = v[i].kf;
         }
+#ifdef MOEPT_EMU
+        if (v[i].kf) setenv("MOEPT_EMU_CC", "90", 1);
+#else
+        int major = 0, minor = 0; /* (the kernel form: compute capability 9.0) */
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+        if (v[i].kf && !(major == 9 && minor == 0)) continue;
+#endif
         run_two(chunk_rank, j, sizeof j[0]);
+#ifdef MOEPT_EMU
+        if (keep[0]) setenv("MOEPT_EMU_CC", keep, 1);
+        else unsetenv("MOEPT_EMU_CC");
+#endif
         for (int r = 0; r < 2; r++) {
             EXPECT(!j[r].msg[0], "variant %d rank %d: %s", i, r, j[r].msg);
             EXPECT(j[r].diffs == 0, "variant %d rank %d: %lld values differ from the one-chunk step", i, r,
@@ -3946,8 +3966,8 @@ int main(void) {
            "the peer ERR_COMM within the timeout", test_lost_context);
     tu_run("cuda (emulated, 2 EP ranks): calls with another device current run on the layer's, restore it",
            test_other_device_current);
-    tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise, fp32, bf16, FP8 (a rejected step "
-           "between)",
+    tu_run("cuda (emulated, 2 EP ranks): 3 overlap chunks equal one bitwise, fp32, bf16, FP8 (and its kernel "
+           "form; a rejected step between)",
            test_chunked_equals_one_chunk);
     tu_run("cuda (emulated, 2 EP ranks): config.fp8 sends the routed rows as FP8 records, counted in the "
            "stats (chunked too)", test_fp8_exchange_bytes);

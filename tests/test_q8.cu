@@ -476,13 +476,13 @@ static void test_records(void) {
 }
 
 /* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) with its fused stages (a by
-   the gate/up kernel's epilogue, dh by the down dgrad's, its rows and the shared expert's dy by the
-   wgrads' column passes) and without (q8r NULL: the down dgrad's da stored, then an activation pass; each
-   quantization a pass of its own): y, dx and every gradient bitwise; and (a layer with no shared expert,
-   whose a
-   comes last) the gate/up kernel's quantized a is moept__q8_along's of a as stored, byte for byte.
+   the gate/up kernel's epilogue, dh by the down dgrad's, its rows there too (F a multiple of 128) or by
+   the W13 wgrad's column pass, the shared expert's dy's by the W2 wgrad's) and without (q8r NULL: the
+   down dgrad's da stored, then an activation pass; each quantization a pass of its own): y, dx and every
+   gradient bitwise; and (a layer with no shared expert, whose a comes last) the gate/up kernel's
+   quantized a is moept__q8_along's of a as stored, byte for byte.
    F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
-   an edge of one subtile */
+   an edge of one subtile; F 256: whole tiles, where the down dgrad's epilogue quantizes dh's rows too */
 static void q8t_fused(moept_family fam, int64_t F) {
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -542,6 +542,7 @@ static void test_fused(void) {
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 200);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 136); /* (a's second tile of one subtile, 8 columns) */
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 200);
+    q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256); /* (F a multiple of 128: the down dgrad quantizes dh too) */
     unsetenv("MOEPT_EMU_CC");
 }
 
