@@ -3784,6 +3784,8 @@ typedef struct moept__gk_src {
     int64_t ld;
     int32_t rows, cols;
     const int64_t *idx;       /* [rows]: row r is p's row idx[r] (-1: zeros); NULL: row r */
+    int32_t e4m3;             /* E4M3 rows (FP8 records): ld and cols count their bytes in pairs, a box's
+                                 columns 128 bytes from byte c0 */
 } moept__gk_src;
 
 typedef struct moept__gk_args {
@@ -4076,7 +4078,8 @@ __device__ __forceinline__ uint4 moept__gk_chunk(const moept__gk_src *s, int64_t
 }
 
 /* the producer warpgroup's copy of a box as a TMA load of it writes it (moept__tma_load, its map's
-   swizzle): columns c0.. (64) of rows r1.. (n) of s (through s->idx: a gather) into dst, 16-byte chunk
+   swizzle): columns c0.. (64; E4M3 rows: bytes c0.., 128) of rows r1.. (n) of s (through s->idx: a
+   gather) into dst, 16-byte chunk
    q of box row j at chunk q ^ (j % 8), zeros past the tensor and from box row lim on (the rows: a
    gather's, or not all 16-byte aligned, else TMA loads them). A thread's chunks c = t + 128 i (at most
    8: n <= 128 rows): their rows first (a gather's index), then every load, then the stores, so that its
@@ -4085,6 +4088,7 @@ __device__ __forceinline__ uint4 moept__gk_chunk(const moept__gk_src *s, int64_t
 __device__ __forceinline__ void moept__gk_box(uint8_t *dst, const moept__gk_src *s, int c0, int r1, int n,
                                               int lim) {
     const int t = threadIdx.x % 128;
+    if (s->e4m3) c0 /= 2; /* (a box row: 128 bytes either way) */
     int64_t pr[8];
     uint4 v[8];
 #pragma unroll
@@ -4211,9 +4215,11 @@ __device__ __forceinline__ void moept__gk_scales(const moept__gk_args *g, int i,
     const int l = threadIdx.x % 128, last = (g->bn + 127) / 128 - 1, bu = (g->N + nt * 64) / 128;
     const float *sb = g->sb + g->e[i] * g->sbe + kb;
     const float sg = sb[(F == MOEPT__GK_GATE8 ? nt / 2 : nt) * g->sbld];
-    for (int h = 0; h < 2; h++) { /* (rows past the scales' are never stored) */
+    for (int h = 0; h < 2; h++) { /* (rows past the run's are never stored, and may be a chunk's still
+                                     arriving: not read) */
         const int64_t r = (int64_t)g->r0[i] + mt * MOEPT__GK_BM + w * 64 + moept__gk_row(2 * h, l);
-        const float sa = r < g->sarows ? g->sa[r * g->sars + kb * g->sabs] : 0.0f;
+        const int in = r < g->sarows && r - g->r0[i] < g->rows[i];
+        const float sa = in ? g->sa[r * g->sars + kb * g->sabs] : 0.0f;
         s[h] = F == MOEPT__GK_GATE8 ? sa : sa * sg;
     }
     if constexpr (F == MOEPT__GK_GATE8) {
@@ -4585,12 +4591,14 @@ static moept_status moept__gk_operand(moept__cuda *c, moept__gk_args *g, CUtenso
                                       int64_t ld, int box_rows, char *err) {
     memset(m, 0, sizeof *m);
     if (ld * es % 16 || (uintptr_t)p % 16 || idx || own) {
-        if (es != 2)
-            return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel's own loads: bf16 rows alone "
-                                "(moept_kernels.cu:%d)", __LINE__);
+        const int b8 = es == 1; /* (E4M3 rows: their bytes in pairs, as whole rows of records give them) */
+        if (es != 2 && !(b8 && !idx && ld % 2 == 0 && cols % 2 == 0))
+            return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel's own loads: bf16 rows, or E4M3 "
+                                "rows of an even width and stride (moept_kernels.cu:%d)", __LINE__);
         g->lsu |= 1 << o;
-        g->src[o].p = (const uint16_t *)p; g->src[o].ld = ld; g->src[o].idx = idx;
-        g->src[o].rows = (int32_t)rows; g->src[o].cols = (int32_t)cols;
+        g->src[o].p = (const uint16_t *)p; g->src[o].ld = b8 ? ld / 2 : ld; g->src[o].idx = idx;
+        g->src[o].rows = (int32_t)rows; g->src[o].cols = (int32_t)(b8 ? cols / 2 : cols);
+        g->src[o].e4m3 = b8;
         return MOEPT_OK;
     }
     const cuuint64_t dim[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, stride[1] = {(cuuint64_t)(ld * es)};
@@ -4652,6 +4660,7 @@ typedef struct moept__gk_ext {   /* a form's extras */
     uint8_t *qa;                /* GATE8: a quantized, as moept__gk_args's */
     float *qs;
     int64_t ldq, qsb;
+    int arec;                   /* the E4M3 forms: A FP8 records, which a chunk's runs load themselves */
 } moept__gk_ext;
 /* g's fields of a form's extras (ga; NULL: none) and B's rows an expert */
 template <int F>
@@ -4697,8 +4706,9 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     g.lsu = 0;
     const int64_t *ai = wg ? NULL : xi, *bi = wg ? xi : NULL; /* x's rows: A, or WGRAD's B */
     /* a chunk's runs: A's rows by the producer's own loads, which stop at a run's end (TMA's box would read
-       on into rows of a chunk still arriving; FWD8's A is their quantized copy, made on this stream) */
-    const int own = !R->offs && !MOEPT__GK_Q(F);
+       on into rows of a chunk still arriving), bf16 rows or FP8 records (the E4M3 forms' other A: a copy
+       made on this stream) */
+    const int own = !R->offs && (!MOEPT__GK_Q(F) || ga->arec);
     MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, es, ai, own, end, wg ? M : K, lda,
                                  wg ? 64 : MOEPT__GK_BM, err));
     if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE || MOEPT__GK_Q(F))
@@ -4871,10 +4881,11 @@ static int moept__q8_twin(const moept__cuda *c, const moept__ffn *f, const moept
 
 /* config.fp8's product over R's runs in one launch of the grouped kernel (F: FWD8, GATE8 with its
    extras gx, or DACT8, the down dgrad with the activation's backward: gx's act): A the rows [0, end) of
-   in (k columns, ld apart) quantized in 1 x 128 tiles (whole
-   groups: at once; a chunk's runs: each run's, as the rows between belong to chunks still arriving), or
-   (rec) in's FP8 records as they are (a chunk's runs: each run's copied, for the same reason), or (pre)
-   in's rows quantized already, in q8r (the gate/up product's, or the wgrad's: moept__q8_twin); W's E4M3
+   in (k columns, ld apart) quantized in 1 x 128 tiles (whole groups: at once; a chunk's runs: each
+   run's, as the rows between belong to chunks still arriving), or (rec) in's FP8 records as they are (a
+   chunk's runs: the producer warpgroup's own loads, which stop at each run's end, for the same reason),
+   or (pre) in's rows quantized already, in q8r (the gate/up product's, the down dgrad's, or the wgrad's:
+   moept__q8_twin, moept__q8_dh8); W's E4M3
    copy wq [E][mp][kp] with its 128 x 128 scales sq (ns an expert), out [..][m] bf16 (GATE8: h, of m / 2
    gate columns and their up ones, a quantized into q8r; DACT8: dh [..][2m] over h, da not stored) */
 template <typename T, int F = MOEPT__GK_FWD8>
@@ -4888,17 +4899,16 @@ static moept_status moept__gk8(moept__cuda *c, const moept__ffn *f, const moept_
     const int64_t N = F == MOEPT__GK_GATE8 ? m / 2 : m, ldo = F == MOEPT__GK_DACT8 ? 2 * m : m;
     moept__gk_ext ge = gx ? *gx : moept__gk_ext{};
     ge.bn = mp; ge.sb = sq; ge.sbe = ns; ge.sbld = MOEPT__Q8_L4(kp); ge.qsb = np;
-    if (rec && R->offs && !pre) { /* the records as A: their bytes kp wide, ld apart, each row's scales
-                                     after them */
-        ge.sa = (const float *)(in + kp); ge.sarows = end; ge.sars = ld / 4; ge.sabs = 1;
+    if (rec && !pre) { /* the records as A: their bytes kp wide, ld apart, each row's scales after them (a
+                          chunk's runs: loaded by the producer warpgroup, to each run's end) */
+        ge.sa = (const float *)(in + kp); ge.sarows = end; ge.sars = ld / 4; ge.sabs = 1; ge.arec = 1;
         return moept__gk<F>(c, R, in, ld, wq, kp, NULL, 0, N, kp, out, ldo, f->cnt, &ge, err);
     }
-    const int64_t es = rec ? 1 : c->esz;
-    if (R->offs && !pre) MOEPT__TRY(moept__q8_operand<T>(c, in, rec, end, k, ld, 0, 0, err));
+    if (R->offs && !pre) MOEPT__TRY(moept__q8_operand<T>(c, in, 0, end, k, ld, 0, 0, err));
     for (int64_t i = 0; !R->offs && !pre && i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
-        if (rows > 0) MOEPT__TRY(moept__q8_operand<T>(c, in + r0 * ld * es, rec, rows, k, ld, r0, np, err));
+        if (rows > 0) MOEPT__TRY(moept__q8_operand<T>(c, in + r0 * ld * c->esz, 0, rows, k, ld, r0, np, err));
     }
     ge.sa = pre ? c->q8sr : c->q8sb; ge.sarows = np; ge.sars = 1; ge.sabs = np;
     return moept__gk<F>(c, R, pre ? c->q8r : c->q8b, kp, wq, kp, NULL, 0, N, kp, out, ldo, f->cnt, &ge, err);
@@ -5012,12 +5022,12 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
     if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
-        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0};
+        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0, 0};
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else if (moept__ffn_fused8(c, f)) { /* h, a and a's E4M3 rows (W2's A) by the gate/up GEMM */
-        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0,    NULL, NULL, 0, 0, 0, 0, 0, c->q8r, c->q8sr,
-                                  MOEPT__Q8_PAD(F), 0};
+        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, c->q8r, c->q8sr,
+                                  MOEPT__Q8_PAD(F), 0, 0};
         const int64_t ld = f->xq ? moept__q8_recw(D) : D; /* (x's FP8 records, or its rows) */
         const moept__q8w *q = f->q8;
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
@@ -5040,7 +5050,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     const int64_t D = c->sp.D, F = f->F;
     const void *W2 = moept__w(c, f->off2);
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
-    const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0};
+    const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0, 0};
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
@@ -5049,7 +5059,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
         const moept__q8w *q = f->q8;
         const int dh8 = moept__q8_dh8(c, f);
         const moept__gk_ext g8 = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0,
-                                  dh8 ? c->q8r : NULL, c->q8sr, MOEPT__Q8_PAD(f->H), 0};
+                                  dh8 ? c->q8r : NULL, c->q8sr, MOEPT__Q8_PAD(f->H), 0, 0};
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_DACT8>(c, f, R, (const char *)f->y, f->yq, D,
                                                    f->yq ? moept__q8_recw(D) : D, q->w2t, q->s2t, q->ns2t, F,
                                                    (char *)f->h, !f->yq && moept__q8_twin(c, f, R), &g8,

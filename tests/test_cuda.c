@@ -1480,6 +1480,7 @@ static void test_chunked_equals_one_chunk(void) {
         }
 #ifdef MOEPT_EMU
         if (v[i].kf) setenv("MOEPT_EMU_CC", "90", 1);
+        const long u0 = moept_emu_launches("k_q8_unrec");
 #else
         int major = 0, minor = 0; /* (the kernel form: compute capability 9.0) */
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
@@ -1490,6 +1491,9 @@ static void test_chunked_equals_one_chunk(void) {
 #ifdef MOEPT_EMU
         if (keep[0]) setenv("MOEPT_EMU_CC", keep, 1);
         else unsetenv("MOEPT_EMU_CC");
+        const long nu = moept_emu_launches("k_q8_unrec") - u0; /* (the kernel reads records in place, a
+                                                                    chunk's by its own loads) */
+        EXPECT(!v[i].kf || nu == 0, "variant %d: the kernel form copied records %ld times", i, nu);
 #endif
         for (int r = 0; r < 2; r++) {
             EXPECT(!j[r].msg[0], "variant %d rank %d: %s", i, r, j[r].msg);
