@@ -380,16 +380,17 @@ static void q8t_groups(int64_t D) {
     q8t_free<moept__bf16>(&k);
 }
 
-/* the last forward's a (the routed experts', F columns) as the gate/up kernel quantized it (q8r, q8sr)
-   against moept__q8_along of a as stored: rows and scales */
-static void q8t_gate8(moept__cuda *c, int64_t F) {
+/* the routed experts' rows of src (F columns, lds apart) as a kernel's epilogue quantized them (q8r, q8sr)
+   against moept__q8_along of src as stored, rows and scales: the last forward's a (the gate/up kernel),
+   or after a backward dh over h (2F: the down dgrad's) */
+static void q8t_epilogue(moept__cuda *c, const void *src, int64_t F, int64_t lds, const char *what) {
     const moept__cslot *sl = &c->slots[c->last];
     const int64_t end = sl->roffsets[c->sp.El], np = MOEPT__Q8_PAD(end), Fp = MOEPT__Q8_PAD(F);
     const int64_t L = MOEPT__Q8_L(F);
     char err[MOEPT__ERRLEN] = "";
     uint8_t *q = q8t_dev<uint8_t>(NULL, (size_t)(np * Fp));
     float *s = q8t_dev<float>(NULL, (size_t)(L * np) * 4);
-    moept_status st = moept__q8_along<moept__bf16>(c, sl->a, end, F, c->lda_a, q, s, 0, err);
+    moept_status st = moept__q8_along<moept__bf16>(c, src, end, F, lds, q, s, 0, err);
     EXPECT(!st && end > 0 && c->q8r, "%s (%lld rows)", err, (long long)end);
     if (st || !c->q8r) return;
     const size_t sb = (size_t)(L * np) * 4;
@@ -398,8 +399,7 @@ static void q8t_gate8(moept__cuda *c, int64_t F) {
     float *hs = q8t_host<float>(s, sb), *hsr = q8t_host<float>(c->q8sr, sb);
     int64_t diff = !q8t_same(hq, hr, (size_t)(end * Fp));
     for (int64_t b = 0; b < L; b++) diff += !q8t_same(hs + b * np, hsr + b * np, (size_t)end * 4);
-    EXPECT(diff == 0, "the gate/up kernel's quantized a differs from moept__q8_along's of a (%lld parts)",
-           (long long)diff);
+    EXPECT(diff == 0, "%s differs from moept__q8_along's (%lld parts)", what, (long long)diff);
     cudaFree(q); cudaFree(s);
     free(hq); free(hr); free(hs); free(hsr);
 }
@@ -480,7 +480,8 @@ static void test_records(void) {
    the W13 wgrad's column pass, the shared expert's dy's by the W2 wgrad's) and without (q8r NULL: the
    down dgrad's da stored, then an activation pass; each quantization a pass of its own): y, dx and every
    gradient bitwise; and (a layer with no shared expert, whose a comes last) the gate/up kernel's
-   quantized a is moept__q8_along's of a as stored, byte for byte.
+   quantized a is moept__q8_along's of a as stored, byte for byte, as (F 256) the down dgrad's quantized
+   dh is of dh as stored.
    F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
    an edge of one subtile; F 256: whole tiles, where the down dgrad's epilogue quantizes dh's rows too */
 static void q8t_fused(moept_family fam, int64_t F) {
@@ -517,8 +518,11 @@ static void q8t_fused(moept_family fam, int64_t F) {
         const long k8 = moept_emu_launches("GK_GATE8") - k0;
         EXPECT(v ? k8 == 0 : k8 > 0, "layer %d: %ld launches of the fused gate/up form", v, k8);
 #endif
-        if (!v && fam == MOEPT_FAMILY_MIXTRAL) q8t_gate8(c, F);
+        if (!v && fam == MOEPT_FAMILY_MIXTRAL)
+            q8t_epilogue(c, c->slots[c->last].a, F, c->lda_a, "a, quantized");
         EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
+        if (!v && fam == MOEPT_FAMILY_MIXTRAL && F % 128 == 0) /* (q8r last written by the down dgrad) */
+            q8t_epilogue(c, c->slots[c->last].h, 2 * F, 2 * F, "dh, quantized");
         float *pp = NULL, *gp = NULL;
         EXPECT_OK(moept_cuda_params(L[v], &pp, &gp, &np));
         if (gp) g[v] = q8t_host<float>(gp, (size_t)np * 4);
@@ -542,7 +546,8 @@ static void test_fused(void) {
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 200);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 136); /* (a's second tile of one subtile, 8 columns) */
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 200);
-    q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256); /* (F a multiple of 128: the down dgrad quantizes dh too) */
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 256); /* (F a multiple of 128: the down dgrad quantizes dh too) */
+    q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256);
     unsetenv("MOEPT_EMU_CC");
 }
 
@@ -550,7 +555,7 @@ int main(void) {
     const char *name = "FP8 records, their cuBLASLt copy, a chunk's runs, the wgrad's column-wise x and "
                        "the rows' copy from its read: the separate passes' bytes, the CPU's values";
     const char *fused = "the kernel form's FP8 layer: its fused quantizers' results the separate passes' "
-                        "bitwise, the gate/up kernel's quantized a moept__q8_along's";
+                        "bitwise, the gate/up kernel's quantized a and the down dgrad's dh moept__q8_along's";
     int major = 0, minor = 0; /* (the kernel form: compute capability 9.0; the emulator answers it) */
     if (moept_cuda_device_count() > 0) {
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
