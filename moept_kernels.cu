@@ -4368,11 +4368,12 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
         float dg, du;
         moept__act_bwd1(g->act, moept__bf16_to_f32(h[at]), moept__bf16_to_f32(h[at + g->N]),
                         moept__bf16_to_f32(moept__f32_to_bf16(d[j])), &dg, &du);
-        h[at] = moept__f32_to_bf16(dg);
-        h[at + g->N] = moept__f32_to_bf16(du);
-        for (int q = 0; pam && q < 2; q++) { /* (the gate half's, the up half's) */
-            float *m = pam + 2 * q + ((j >> 1) & 1);
-            *m = moept__q8_amax(*m, moept__bf16_to_f32(h[at + q * g->N]));
+        const moept__bf16 bg = moept__f32_to_bf16(dg), bu = moept__f32_to_bf16(du);
+        h[at] = bg;
+        h[at + g->N] = bu;
+        if (pam) { /* (the gate half's, the up half's) */
+            pam[(j >> 1) & 1] = moept__q8_amax(pam[(j >> 1) & 1], moept__bf16_to_f32(bg));
+            pam[2 + ((j >> 1) & 1)] = moept__q8_amax(pam[2 + ((j >> 1) & 1)], moept__bf16_to_f32(bu));
         }
     }
 }
@@ -4474,9 +4475,10 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
         if constexpr (F == MOEPT__GK_GATE8 && !P)
             moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->lda, 0, g->ldq);
         if constexpr (F == MOEPT__GK_DACT8 && !P)
-            for (int half = 0; g->qa && half < 2; half++) /* (g->qa: the whole CTA's) */
-                moept__gk_store_q8(g, i, mt, nt, w, pam + 2 * half, red + w * 256, qsrc, g->ldo, half * g->N,
-                                   g->N);
+            if (g->qa) { /* (the whole CTA's) the gate half, then the up half */
+                moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->ldo, 0, g->N);
+                moept__gk_store_q8(g, i, mt, nt, w, pam + 2, red + w * 256, qsrc, g->ldo, g->N, g->N);
+            }
     }
 }
 

@@ -17,9 +17,9 @@
                  multiple of 128: there its plain column pass of dh, "both"), its products read the
                  records and write bf16.
    Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch. A
-   chunked step runs its row passes a launch a run instead (the kernel form's: of dh, and the plain
-   column pass in place of its own). The "sum" lines add up each form's passes: its quantizing bytes
-   and time a step, less the GEMMs.
+   chunked step runs its row passes a launch a run instead (the kernel form's: of dh where F is not a
+   multiple of 128, and the plain column pass in place of its own). The "sum" lines add up each form's
+   passes: its quantizing bytes and time a step, less the GEMMs.
 
    usage: bench_q8 [--shape mixtral|deepseek|qwen3] [--tokens T] [--hidden D] [--ffn F] [--experts E]
                    [--topk K] [--reps R]

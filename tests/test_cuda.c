@@ -1138,7 +1138,8 @@ static void kernel_form_inference(moept_config cfg, const void *xd) {
    tail), D and F not multiples of its 64 and 128, one expert holding every token (identical tokens),
    max_tokens rows, more experts with rows than a launch takes runs (about 294 of 300: two launches a
    GEMM); config.fp8 (its forward products in the kernel's FP8 form, partial 128-blocks of K and N, the
-   weights' blocks scaled apart; experts of about 150 rows, two m-tiles, in the sync-free mode)
+   weights' blocks scaled apart; experts of about 150 rows, two m-tiles, in the sync-free mode, there
+   also with F 256, whose down dgrad quantizes dh)
    (kernel_form_shape); an inference-only layer, bf16 and FP8 (kernel_form_inference). Rows TMA takes
    (16-byte row strides) and rows it does not (D 68: the producer warpgroup loads them), each alone or
    beside the other in one launch (F 40: TMA's). On the emulated GPU, which answers compute capability
@@ -1158,11 +1159,11 @@ static void test_kernel_form(void) {
     moept_destroy(L0);
     setenv("MOEPT_EMU_CC", "90", 1);
 #endif
-    const struct { int64_t D, F, E, K, T; int same, fp8; } v[8] = { /* fp8 2: in the sync-free mode */
+    const struct { int64_t D, F, E, K, T; int same, fp8; } v[9] = { /* fp8 2: in the sync-free mode */
         {64, 64, 4, 2, 40, 0, 0}, {72, 40, 8, 1, 5, 0, 0}, {136, 200, 8, 2, 300, 0, 0},
         {64, 48, 4, 2, 200, 1, 0}, {68, 40, 4, 2, 30, 0, 0}, {64, 32, 300, 2, 600, 0, 0},
-        {136, 200, 8, 2, 300, 0, 1}, {136, 256, 2, 1, 300, 0, 2}};
-    for (int i = 0; i < 8 && !tu_bad; i++) {
+        {136, 200, 8, 2, 300, 0, 1}, {136, 200, 2, 1, 300, 0, 2}, {136, 256, 2, 1, 300, 0, 2}};
+    for (int i = 0; i < 9 && !tu_bad; i++) {
         moept_config cfg = base_cfg(MOEPT_FAMILY_MIXTRAL);
         cfg.hidden_size = v[i].D; cfg.intermediate_size = v[i].F; cfg.num_experts = v[i].E;
         cfg.top_k = v[i].K; cfg.max_tokens = v[i].T;
@@ -1478,23 +1479,14 @@ static void test_chunked_equals_one_chunk(void) {
             j[r].fam = v[i].fam; j[r].bf16 = v[i].bf16; j[r].fp8 = v[i].fp8; j[r].cf = v[i].cf;
             j[r].kf = v[i].kf;
         }
-#ifdef MOEPT_EMU
-        if (v[i].kf) setenv("MOEPT_EMU_CC", "90", 1);
+        if (v[i].kf) setenv("MOEPT_EMU_CC", "90", 1); /* (this test runs on the emulator alone) */
         const long u0 = moept_emu_launches("k_q8_unrec");
-#else
-        int major = 0, minor = 0; /* (the kernel form: compute capability 9.0) */
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
-        if (v[i].kf && !(major == 9 && minor == 0)) continue;
-#endif
         run_two(chunk_rank, j, sizeof j[0]);
-#ifdef MOEPT_EMU
         if (keep[0]) setenv("MOEPT_EMU_CC", keep, 1);
         else unsetenv("MOEPT_EMU_CC");
         const long nu = moept_emu_launches("k_q8_unrec") - u0; /* (the kernel reads records in place, a
                                                                     chunk's by its own loads) */
         EXPECT(!v[i].kf || nu == 0, "variant %d: the kernel form copied records %ld times", i, nu);
-#endif
         for (int r = 0; r < 2; r++) {
             EXPECT(!j[r].msg[0], "variant %d rank %d: %s", i, r, j[r].msg);
             EXPECT(j[r].diffs == 0, "variant %d rank %d: %lld values differ from the one-chunk step", i, r,
