@@ -161,6 +161,10 @@ static moept_config slot_cfg(int kind) {
         c = slot_cfg(1);
         c.overlap_chunks = 0;
     }
+    if (kind == 5) { /* kind 1 in FP8: x's and dy's records through each slot's exchange buffers */
+        c = slot_cfg(1);
+        c.fp8 = MOEPT_FP8_BLOCKWISE;
+    }
     return c;
 }
 
@@ -199,19 +203,20 @@ static void sj_free(sj *a, int P) {
    test_recompute shows), and one slot with an evaluation between each
    forward and its backward equal the sequential order bitwise (CUDA
    layers: no fsdp, which is a CPU layer's baseline; the masked shared
-   expert unchunked, kind 4, in the sync-free mode) */
+   expert unchunked, kind 4, in the sync-free mode; FP8, kind 5, on the
+   CPU alone) */
 static void test_pipeline_orders(void) {
     static sj seq[4], pipe[4];
     const int Ps[2] = {1, 4};
-    for (int kind = 0; kind < 5; kind++)
-        for (int pi = 0; pi < 2 && !(TU_GPU && kind == 3); pi++)
+    for (int kind = 0; kind < 6; kind++)
+        for (int pi = 0; pi < 2 && !(TU_GPU && (kind == 3 || kind == 5)); pi++)
             for (int sf = TU_GPU && kind == 4; sf <= (TU_GPU && kind == 4); sf++) { /* 4: sync-free (GPU) */
                 const int P = Ps[pi];
                 if ((kind == 4 && P == 1) || too_few_devices(P)) continue; /* at EP 1, 4 is 1 */
                 moept_config c = slot_cfg(kind);
                 run_order(seq, P, &c, seq_order, 0, 0, sf);
                 EXPECT(TU_GPU || P == 1 || kind == 4 || (seq[0].direct == (kind == 0 || kind == 2) &&
-                                            seq[0].C == (kind == 1 ? 2 : 1)),
+                                            seq[0].C == (kind == 1 || kind == 5 ? 2 : 1)),
                        "kind %d EP %d: not the exchange meant (direct %d, C %d)", kind, P, seq[0].direct,
                        seq[0].C);
                 const char *name[5] = {"1F1B", "1F1B, evaluations", "all forwards first",
