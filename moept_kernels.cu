@@ -4758,6 +4758,15 @@ typedef struct moept__ffn {
                                    the grouped kernel skips the blocks' zero rows; NULL: none */
 } moept__ffn;
 
+/* The backward's dys: where combine' writes them (*out) and where the experts read them (*in), the same
+   at one rank: T rows (ys, yr), or config.fp8's FP8 records (xs, which the forward's dispatch is done
+   with; yq) */
+static void moept__dys(const moept__cuda *c, const moept__cslot *sl, void **out, void **in) {
+    const int q8 = moept__fp8_on(&c->sp);
+    *in = q8 ? sl->yq : sl->yr;
+    *out = c->sp.P == 1 ? *in : q8 ? sl->xs : sl->ys;
+}
+
 /* The routed experts' FFN of a slot (one chunk: da over a, dxs over dys); x the step's tokens, read
    through the dispatch's index where moept__gk_gather (else the permuted rows, xr); bwd: dy's rows in
    (config.fp8: their records, yq) */
@@ -4765,9 +4774,10 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void
     const moept__cuda_spec *p = &c->sp;
     const int ch = c->C > 1, gi = moept__gk_gather(c);
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[0] : NULL;
-    const int yq = bwd && q8;
+    void *dout, *dys;
+    moept__dys(c, sl, &dout, &dys);
     moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, gi ? x : sl->xr, gi ? sl->tok_of_row : NULL,
-                    q8 != NULL, yq, sl->h, sl->a, yq ? sl->yq : sl->yr, ch ? sl->dar : sl->a,
+                    q8 != NULL, bwd && q8, sl->h, sl->a, bwd ? dys : sl->yr, ch ? sl->dar : sl->a,
                     ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL};
     return f;
 }
@@ -4881,6 +4891,13 @@ static int moept__q8_twin(const moept__cuda *c, const moept__ffn *f, const moept
     return f->q8 && c->q8r && R->offs && c->C == 1;
 }
 
+/* whether the dgrad through W2 (w2; else W13) reads its A quantized already, in q8r: dh as the down
+   dgrad's epilogue quantized it (moept__q8_dh8), or dh or (not records) dy as its wgrad's column pass
+   did (moept__q8_twin) */
+static int moept__q8_pre(const moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2) {
+    return w2 ? !f->yq && moept__q8_twin(c, f, R) : moept__q8_dh8(c, f) || moept__q8_twin(c, f, R);
+}
+
 /* config.fp8's product over R's runs in one launch of the grouped kernel (F: FWD8, GATE8 with its
    extras gx, or DACT8, the down dgrad with the activation's backward: gx's act): A the rows [0, end) of
    in (k columns, ld apart) quantized in 1 x 128 tiles (whole groups: at once; a chunk's runs: each
@@ -4938,9 +4955,7 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
         const int64_t size = MOEPT__Q8_PAD(m) * MOEPT__Q8_PAD(k);
         if (moept__gk_q8(c)) /* (the dgrad: B the transposed copy, K-major as the forward's) */
             return moept__gk8<T>(c, f, R, I, rec, k, ld, wq, sq, ns, m, O,
-                                 bwd ? !rec && (moept__q8_twin(c, f, R) || (!w2 && moept__q8_dh8(c, f)))
-                                     : w2 && moept__ffn_fused8(c, f),
-                                 NULL, err);
+                                 bwd ? moept__q8_pre(c, f, R, w2) : w2 && moept__ffn_fused8(c, f), NULL, err);
         if (R->offs) return moept__q8_mm_all<T>(c, R, I, rec, k, ld, wq, sq, ns, m, O, err);
         MOEPT__TRY(moept__q8_fits(c, R, 0, err)); /* (a chunk's runs: one after another) */
         for (int64_t i = 0; i < R->n; i++) {
@@ -4981,8 +4996,8 @@ static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const 
         const int64_t ldi = rec ? moept__q8_recw(wi) : wi;
         const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
         const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
-        const int twin = !orec && !(!w2 && moept__q8_dh8(c, f)) && moept__q8_twin(c, f, R); /* (O's rows along
-                                                                        them too, for the dgrad) */
+        const int twin = moept__q8_pre(c, f, R, w2) && (w2 || !moept__q8_dh8(c, f)); /* (O's rows along
+                                                                                  them too, for the dgrad) */
         int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
         MOEPT__TRY(moept__q8_fits(c, R, 1, err));
         if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
@@ -5064,8 +5079,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
                                   dh8 ? c->q8r : NULL, c->q8sr, MOEPT__Q8_PAD(f->H), 0, 0};
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_DACT8>(c, f, R, (const char *)f->y, f->yq, D,
                                                    f->yq ? moept__q8_recw(D) : D, q->w2t, q->s2t, q->ns2t, F,
-                                                   (char *)f->h, !f->yq && moept__q8_twin(c, f, R), &g8,
-                                                   err)));
+                                                   (char *)f->h, moept__q8_pre(c, f, R, 1), &g8, err)));
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 1, err));
@@ -5733,9 +5747,8 @@ static moept_status moept__pipeline(moept__cuda *c, moept__cslot *sl, int bwd, c
                                     moept__dev_step *out,
                                     char *err) {
     const int64_t C = c->C, T_ = sl->T;
-    const int q8 = moept__fp8_on(&c->sp);
-    void *send = bwd && !q8 ? sl->ys : sl->xs, *recv = !bwd ? sl->xr : q8 ? sl->yq : sl->yr;
-    void *res = bwd ? sl->dxr : sl->yr;
+    void *send = sl->xs, *recv = sl->xr, *res = bwd ? sl->dxr : sl->yr;
+    if (bwd) moept__dys(c, sl, &send, &recv);
     const moept__ffn f = moept__ffn_routed(c, sl, x, bwd);
     const int X_OUT = MOEPT__X_OUT | MOEPT__X_XQ; /* (config.fp8: x's and dy's records) */
     moept__chunk_plan(c, sl, 0);
@@ -6017,8 +6030,10 @@ static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T
     MOEPT__LAUNCH_V(vec, moept__k_combine_bwd, T, (unsigned)(T_ * K), MOEPT__TB, c->s, (T *)ys, sl->row_of,
                     sl->wts[sl->cur], dy, (int)D, (int)K, sl->dwts, !q8);
     MOEPT__LAUNCHED();
+    void *out, *in;
+    moept__dys(c, sl, &out, &in);
     if (q8 && sl->N > 0)
-        MOEPT__TRY(moept__q8_records<T>(c, dy, sl->tok_of_row, sl->N, p->P > 1 ? sl->xs : sl->yq, err,
+        MOEPT__TRY(moept__q8_records<T>(c, dy, sl->tok_of_row, sl->N, out, err,
                                         moept__q8_wt{sl->wts[sl->cur], sl->kslot_of_row, (int)K}));
     if (p->S > 0) {
         MOEPT__LAUNCH_V(vec, moept__k_shared_bwd, T, (unsigned)T_, MOEPT__TB, c->s, (T *)sl->yss,
@@ -6036,11 +6051,10 @@ template <typename T>
 static moept_status moept__bwd_experts(moept__cuda *c, moept__cslot *sl, const T *x, moept__dev_step *out,
                                        char *err) {
     const moept__cuda_spec *p = &c->sp;
-    void *ys = p->P > 1 ? sl->ys : sl->yr;
-    const int q8 = moept__fp8_on(p), both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN | MOEPT__X_XQ;
-    if (p->P > 1)
-        MOEPT__TRY(moept__exchange(c, q8 ? sl->xs : ys, sl->send_segs, q8 ? sl->yq : sl->yr, sl->recv_segs,
-                                   both, out, err));
+    void *ys = p->P > 1 ? sl->ys : sl->yr, *dout, *dys;
+    const int both = MOEPT__X_OUT | MOEPT__X_AFTER | MOEPT__X_JOIN | MOEPT__X_XQ;
+    moept__dys(c, sl, &dout, &dys);
+    if (p->P > 1) MOEPT__TRY(moept__exchange(c, dout, sl->send_segs, dys, sl->recv_segs, both, out, err));
     const moept__runs R = moept__runs_groups(sl->roffsets, p->El);
     const moept__ffn f = moept__ffn_routed(c, sl, x, 1);
     MOEPT__TRY(moept__ffn_bwd<T>(c, &f, &R, err));
