@@ -1016,10 +1016,9 @@ __global__ void moept__k_combine(const T *ys, const int64_t *row_of, const float
 }
 
 /* <u, dy> over a row (double, per thread in order, then a fixed tree) while
-   u's row becomes s * dy (store; else it stays): the combine backward's and the shared expert's */
+   u's row becomes s * dy: the combine backward's and the shared expert's */
 template <typename T, int V>
-__device__ __forceinline__ double moept__dot_scale(T *u, const T *dy, int D, float s, double *sh,
-                                                   int store = 1) {
+__device__ __forceinline__ double moept__dot_scale(T *u, const T *dy, int D, float s, double *sh) {
     double acc = 0.0;
     for (int d = (int)threadIdx.x * V; d < D; d += MOEPT__TB * V) {
         float g[V], v[V];
@@ -1029,24 +1028,23 @@ __device__ __forceinline__ double moept__dot_scale(T *u, const T *dy, int D, flo
             acc += (double)v[l] * (double)g[l];
             g[l] = moept__scale(s, g[l]);
         }
-        if (store) moept__stv<V>(u + d, g);
+        moept__stv<V>(u + d, g);
     }
     return moept__block_sum(acc, sh);
 }
 
 /* Combine backward, one block per assignment i = (t, k): dwts[i] =
-   <ys[row], dy[t]>, then ys[row] = w * dy[t] (store; config.fp8 makes that row's record instead:
-   moept__q8_records' weighted form) */
+   <ys[row], dy[t]>, then ys[row] = w * dy[t] (config.fp8: moept__k_combine_bwd8) */
 template <typename T, int V>
 __global__ void moept__k_combine_bwd(T *ys, const int64_t *row_of, const float *wts, const T *dy,
-                                     int D, int K, float *dwts, int store) {
+                                     int D, int K, float *dwts) {
     __shared__ double sh[MOEPT__TB];
     const int64_t i = blockIdx.x, t = i / K, r = row_of[i];
     if (r < 0) {
         if (threadIdx.x == 0) dwts[i] = 0.0f;
         return;
     }
-    double acc = moept__dot_scale<T, V>(ys + r * D, dy + t * D, D, wts[i], sh, store);
+    double acc = moept__dot_scale<T, V>(ys + r * D, dy + t * D, D, wts[i], sh);
     if (threadIdx.x == 0) dwts[i] = (float)acc;
 }
 
@@ -2691,13 +2689,6 @@ typedef struct moept__q8_rg {
     int32_t n[MOEPT__Q8_G];
     int ng;
 } moept__q8_rg;
-/* a row pass's weights, as combine' makes dys = w dy: routed row r (token idx[r]'s) times
-   w[idx[r] K + ks[r]], its assignment's routing weight; w NULL: none */
-typedef struct moept__q8_wt {
-    const float *w;
-    const int32_t *ks; /* [rows] the row's assignment of its token (kslot_of_row) */
-    int K;
-} moept__q8_wt;
 /* groups g0.. of ng (offs [ng + 1]: group g the rows [offs[g], offs[g + 1])), at most MOEPT__Q8_G, into
    *G, their operands from at = {padded rows, 128-row blocks} on (advanced past them); the most rows of
    one */
@@ -2730,19 +2721,46 @@ static moept_status moept__q8_each(const int64_t *offs, int64_t ng, int64_t n, i
     return MOEPT_OK;
 }
 
+/* 16 columns j.. of a row p (NULL: zeros), those under K live: into v (the rest zero), V-vectors where
+   the row holds them; the live ones' bits */
+template <typename T, int V>
+__device__ __forceinline__ int moept__q8_ld16(const T *p, int j, int K, float *v) {
+    int live = 0;
+    if (V > 1 && p && j + 16 <= K) {
+        for (int c = 0; c < 16; c += V) moept__ldv<V>(p + j + c, v + c);
+        return 0xffff;
+    }
+    for (int e = 0; e < 16; e++) {
+        const int in = p && j + e < K;
+        v[e] = in ? moept__ld(p, (int64_t)j + e) : 0.0f;
+        live |= in << e;
+    }
+    return live;
+}
+/* the scale of the 1 x 128 tile whose 16 values v are thread l's of 8 adjacent threads (every thread of
+   the block calls it): the tile's amax from the 8 partial ones through sh's half h, one barrier a round
+   (the next round writes the other half: this one's reads are done by the one after's barrier) */
+__device__ __forceinline__ float moept__q8_tile(const float *v, float (*sh)[MOEPT__TB], int h, int l) {
+    float amax = 0.0f;
+    for (int e = 0; e < 16; e++) amax = moept__q8_amax(amax, v[e]);
+    sh[h][threadIdx.x] = amax;
+    __syncthreads();
+    for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, sh[h][threadIdx.x - l + u]);
+    return moept__q8_scale(amax);
+}
+
 /* Rows r < nw of src (row idx[r], -1 zeros; idx NULL: row r; rows from n on zeros), their first K
    columns, lds apart, into 1 x 128 tiles: q [nw][ldq] E4M3 (columns K to Kp zero), tile b's scale at
    s[r srs + b sbs] (srs 1, sbs >= nw: VEC128 of an operand whose op() is sbs x Kp; or an FP8 record's,
    moept__q8_recw, whose bytes from tail to ldq, its padding, are zeroed). A tile
    is 8 threads' 16 adjacent columns each (Kp a multiple of 16: all in or all out), read in V-vectors
-   where the row holds them, the tile's amax through shared memory (one barrier a round: sh's halves
-   alternate), 16 bytes written a thread: a block's round reads MOEPT__TB / 8 tiles. G.ng > 0: group
-   blockIdx.y's rows (idx NULL) into its own operand (moept__q8_rg). W.w: row r's values times its
-   routing weight first (moept__q8_wt: combine''s dys) */
+   where the row holds them, the tile's amax through shared memory (moept__q8_tile), 16 bytes written a
+   thread: a block's round reads MOEPT__TB / 8 tiles. G.ng > 0: group blockIdx.y's rows (idx NULL) into
+   its own operand (moept__q8_rg) */
 template <typename T, int V>
 __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, int K, int64_t lds, int64_t nw,
                                  int Kp, uint8_t *q, int64_t ldq, float *s, int64_t srs, int64_t sbs,
-                                 int64_t tail, const moept__q8_rg G, const moept__q8_wt W) {
+                                 int64_t tail, const moept__q8_rg G) {
     __shared__ float sh[2][MOEPT__TB];
     const int L = MOEPT__Q8_L(Kp), l = (int)threadIdx.x % 8, tb = MOEPT__TB / 8;
     if (G.ng) {
@@ -2756,32 +2774,53 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
         const int b = (int)(i % L), j = b * MOEPT__Q8_TILE + 16 * l;
         const int out = i < nt && j < Kp;
         const int64_t sr = !out || r >= n ? -1 : idx ? idx[r] : r; /* the source row (-1: zeros) */
-        float v[16], amax = 0.0f;
-        int live = 0;
-        if (V > 1 && sr >= 0 && j + 16 <= K) {
-            for (int c = 0; c < 16; c += V) moept__ldv<V>(src + sr * lds + j + c, v + c);
-            live = 0xffff;
-        } else {
-            for (int e = 0; e < 16; e++) {
-                const int in = sr >= 0 && j + e < K;
-                v[e] = in ? moept__ld(src, sr * lds + j + e) : 0.0f;
-                live |= in << e;
-            }
-        }
-        if (W.w && sr >= 0) { /* (a finite weight: the padding stays zero) */
-            const float g = W.w[sr * W.K + W.ks[r]];
-            for (int e = 0; e < 16; e++) v[e] = moept__scale(g, v[e]);
-        }
-        for (int e = 0; e < 16; e++) amax = moept__q8_amax(amax, v[e]);
-        sh[h][threadIdx.x] = amax;
-        __syncthreads(); /* (the next round writes the other half: this one's reads are done by the one
-                            after's barrier) */
-        for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, sh[h][threadIdx.x - l + u]);
-        const float sc = moept__q8_scale(amax);
+        float v[16];
+        const int live = moept__q8_ld16<T, V>(sr >= 0 ? src + sr * lds : NULL, j, K, v);
+        const float sc = moept__q8_tile(v, sh, h, l);
         if (out) *(uint4 *)(q + r * ldq + j) = moept__q8_16(v, live, sc);
         if (out && l == 0) s[r * srs + b * sbs] = sc;
         for (int64_t t = tail; out && l == 0 && b == L - 1 && t < ldq; t++) q[r * ldq + t] = 0;
     }
+}
+
+/* config.fp8's combine backward, one block per assignment i = (t, k) of TK: dwts[i] = <ys[row], dy[t]>
+   (double, per thread in order, then a fixed tree), and the row's record in rec [..][moept__q8_recw(D)]
+   of w dy[t] (moept__k_q8_rows' tiles, bytes and padding, of the product as moept__scale rounds it), in
+   one read of dy; block TK + r: row r's zero record where no assignment has it (tok_of_row[r] -1: the
+   sync-free blocks' unused rows) */
+template <typename T, int V>
+__global__ void moept__k_combine_bwd8(const T *ys, const int64_t *row_of, const float *wts, const T *dy,
+                                      int D, int K, int64_t TK, const int64_t *tok_of_row, uint8_t *rec,
+                                      float *dwts) {
+    __shared__ float sh[2][MOEPT__TB];
+    __shared__ double sd[MOEPT__TB];
+    const int64_t i = blockIdx.x, r = i < TK ? row_of[i] : tok_of_row[i - TK] < 0 ? i - TK : -1;
+    if (r < 0) {
+        if (i < TK && threadIdx.x == 0) dwts[i] = 0.0f;
+        return;
+    }
+    const int Dp = MOEPT__Q8_PAD(D), L = MOEPT__Q8_L(D), l = (int)threadIdx.x % 8;
+    const T *g = i < TK ? dy + i / K * D : NULL; /* (NULL: zeros) */
+    const float w = i < TK ? wts[i] : 0.0f;
+    uint8_t *q = rec + r * moept__q8_recw(D);
+    double acc = 0.0;
+    int h = 0;
+    for (int b0 = 0; b0 < L; b0 += MOEPT__TB / 8, h ^= 1) { /* (a round: 32 tiles, 8 threads a tile) */
+        const int b = b0 + (int)threadIdx.x / 8, j = b * MOEPT__Q8_TILE + 16 * l, out = b < L && j < Dp;
+        float v[16], u[16];
+        const int live = moept__q8_ld16<T, V>(out ? g : NULL, j, D, v);
+        moept__q8_ld16<T, V>(out && g ? ys + r * D : NULL, j, D, u);
+        for (int e = 0; e < 16; e++) {
+            acc += (double)u[e] * (double)v[e];
+            v[e] = moept__scale(w, v[e]);
+        }
+        const float sc = moept__q8_tile(v, sh, h, l);
+        if (out) *(uint4 *)(q + j) = moept__q8_16(v, live, sc);
+        if (out && l == 0) ((float *)(q + Dp))[b] = sc;
+    }
+    for (int64_t t = Dp + 4 * L + threadIdx.x; t < moept__q8_recw(D); t += MOEPT__TB) q[t] = 0;
+    acc = moept__block_sum(acc, sd);
+    if (i < TK && threadIdx.x == 0) dwts[i] = (float)acc;
 }
 
 /* The wgrad's operands, group blockIdx.y's of G (moept__q8_rg): columns c < C of its n rows of src (lds
@@ -3214,7 +3253,7 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
     return moept__q8_each(offs, ng, n, ss, err, [&](const moept__q8_rg &G, int64_t nw, unsigned gy) {
         const dim3 grid((unsigned)moept__grid(nw * MOEPT__Q8_L(Kp) * 8), gy);
         MOEPT__LAUNCH_V(moept__vec<T>(lds, src), moept__k_q8_rows, T, grid, MOEPT__TB, c->s, (const T *)src,
-                        NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1, ss ? ss : nw, Kp, G, moept__q8_wt{});
+                        NULL, n, (int)K, lds, nw, (int)Kp, q, Kp, s, 1, ss ? ss : nw, Kp, G);
     });
 }
 /* the C columns of each of ng groups of src's rows (group g the rows [offs[g], offs[g + 1]), lds apart),
@@ -3248,17 +3287,30 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_
     });
 }
 /* config.fp8's dispatch: rows r < n of the routed tokens, x's row idx[r] each (-1: zeros), as FP8 records
-   rec [n][moept__q8_recw(D)] (the 1 x 128 tiles of moept__q8_along, in the records' layout); wt: each
-   row times its routing weight first (combine''s dys from dy: the backward's dispatch) */
+   rec [n][moept__q8_recw(D)] (the 1 x 128 tiles of moept__q8_along, in the records' layout) */
 template <typename T>
 static moept_status moept__q8_records(moept__cuda *c, const T *x, const int64_t *idx, int64_t n, void *rec,
-                                      char *err, const moept__q8_wt wt = {}) {
+                                      char *err) {
     const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), W = moept__q8_recw(D), L = MOEPT__Q8_L(D);
     uint8_t *q = (uint8_t *)rec;
     const moept__q8_rg one = {};
     MOEPT__LAUNCH_V(moept__vec<T>(D, x), moept__k_q8_rows, T, moept__grid(n * MOEPT__Q8_L(Dp) * 8), MOEPT__TB,
                     c->s, x, idx, n, (int)D, D, n, (int)Dp, q, W, (float *)(q + Dp), W / 4, 1, Dp + 4 * L,
-                    one, wt);
+                    one);
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
+}
+/* config.fp8's combine' (moept__k_combine_bwd8): over the TK assignments (K a token), dwts [TK] and
+   the dys as FP8 records rec [..][moept__q8_recw(D)] by ys's rows; tok_of_row [n] (the sync-free
+   blocks'; else NULL, n 0): the rows no assignment has, zero records */
+template <typename T>
+static moept_status moept__q8_combine(moept__cuda *c, const T *ys, const int64_t *row_of, const float *wts,
+                                      const T *dy, int64_t TK, int64_t K, const int64_t *tok_of_row,
+                                      int64_t n, void *rec, float *dwts, char *err) {
+    const int64_t D = c->sp.D;
+    if (TK + n == 0) return MOEPT_OK;
+    MOEPT__LAUNCH_V(moept__vec<T>(D, ys, dy), moept__k_combine_bwd8, T, (unsigned)(TK + n), MOEPT__TB, c->s,
+                    ys, row_of, wts, dy, (int)D, (int)K, TK, tok_of_row, (uint8_t *)rec, dwts);
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -6025,16 +6077,17 @@ static moept_status moept__bwd_combine(moept__cuda *c, moept__cslot *sl, const T
         const T *xu = x;
         MOEPT__TRY(moept__shared_in<T>(c, sl, &xu, err));
     }
-    void *ys = p->P > 1 ? sl->ys : sl->yr;
-    const int vec = moept__vec<T>(D, ys, dy, sl->yss), q8 = moept__fp8_on(p);
-    MOEPT__LAUNCH_V(vec, moept__k_combine_bwd, T, (unsigned)(T_ * K), MOEPT__TB, c->s, (T *)ys, sl->row_of,
-                    sl->wts[sl->cur], dy, (int)D, (int)K, sl->dwts, !q8);
-    MOEPT__LAUNCHED();
-    void *out, *in;
+    void *ys = p->P > 1 ? sl->ys : sl->yr, *out, *in;
+    const int vec = moept__vec<T>(D, ys, dy, sl->yss);
     moept__dys(c, sl, &out, &in);
-    if (q8 && sl->N > 0)
-        MOEPT__TRY(moept__q8_records<T>(c, dy, sl->tok_of_row, sl->N, out, err,
-                                        moept__q8_wt{sl->wts[sl->cur], sl->kslot_of_row, (int)K}));
+    if (moept__fp8_on(p)) {
+        MOEPT__TRY(moept__q8_combine<T>(c, (const T *)ys, sl->row_of, sl->wts[sl->cur], dy, T_ * K, K,
+                                        c->B ? sl->tok_of_row : NULL, c->B ? sl->N : 0, out, sl->dwts, err));
+    } else {
+        MOEPT__LAUNCH_V(vec, moept__k_combine_bwd, T, (unsigned)(T_ * K), MOEPT__TB, c->s, (T *)ys,
+                        sl->row_of, sl->wts[sl->cur], dy, (int)D, (int)K, sl->dwts);
+        MOEPT__LAUNCHED();
+    }
     if (p->S > 0) {
         MOEPT__LAUNCH_V(vec, moept__k_shared_bwd, T, (unsigned)T_, MOEPT__TB, c->s, (T *)sl->yss,
                         p->offsg >= 0 ? sl->sg : NULL, dy, (int)D, c->dsg,

@@ -6,9 +6,10 @@
 
    The routed rows n = T K split evenly over the E experts. Which passes a step runs depends on the GEMM
    form (the column "form"):
-     both:       the dispatches' FP8 records (one launch each): the forward's of x, combine''s of dy
-                 (each row times its routing weight as read); the wgrads' column-wise x and dy (from
-                 the records) and a;
+     both:       the dispatches' FP8 records (one launch each): the forward's of x, and combine''s
+                 of dy (each row times its routing weight as read), which reads the expert's output
+                 row too for dL/dw (the whole of combine''s work in FP8); the wgrads' column-wise x and
+                 dy (from the records) and a;
      per-expert: the per-expert (cuBLASLt) form's: each product's operand along its rows (the records'
                  copy for x and dy; a, dh) and its fp32 result into bf16 (h, y, da, dx); the wgrads'
                  column-wise dh;
@@ -39,14 +40,14 @@
 
 static char err[MOEPT__ERRLEN] = "";
 
-enum bq_kind { BQ_RECORDS, BQ_RECORDS_W, BQ_UNREC, BQ_ROWS, BQ_OUT, BQ_COLS_REC, BQ_COLS, BQ_COLS_RW };
+enum bq_kind { BQ_RECORDS, BQ_COMBINE, BQ_UNREC, BQ_ROWS, BQ_OUT, BQ_COLS_REC, BQ_COLS, BQ_COLS_RW };
 typedef struct bq_pass {
     const char *name, *form;
     int kind;
     char w; /* its columns: 'D', 'F' or 'H' (2F) */
 } bq_pass;
 static const bq_pass bq_passes[] = {
-    {"records_x", "both", BQ_RECORDS, 'D'},       {"records_dy", "both", BQ_RECORDS_W, 'D'},
+    {"records_x", "both", BQ_RECORDS, 'D'},       {"combine_dy", "both", BQ_COMBINE, 'D'},
     {"operand_x", "per-expert", BQ_UNREC, 'D'},   {"operand_a", "per-expert", BQ_ROWS, 'F'},
     {"operand_dy", "per-expert", BQ_UNREC, 'D'},  {"operand_dh", "per-expert", BQ_ROWS, 'H'},
     {"result_h", "per-expert", BQ_OUT, 'H'},      {"result_y", "per-expert", BQ_OUT, 'D'},
@@ -58,16 +59,16 @@ static const bq_pass bq_passes[] = {
 enum { BQ_N = (int)(sizeof bq_passes / sizeof bq_passes[0]) };
 
 /* the operands: src [n][max(D, 2F)] bf16 random, x [T][D] bf16 random (dy's too), rec [n][recw(D)] its
-   records, idx [n] (row r: token r / K), wts [T][K] routing weights and ks [n] (row r: r % K), c.q8out
+   records, idx [n] (row r: token r / K), wts [T][K] routing weights, rof [T K] (assignment i's row: i)
+   and dw [T K] (combine''s dL/dw; src its outputs, D wide), c.q8out
    [np + 16 E][max(D, 2F) padded] fp32 random (the products' results, and the copy's source); q
    [np + 16 E][max padded], qr [np][max padded] and their scales, the passes' outputs; cp as large as
    q8out, the results' and the copy's destination */
 typedef struct bq_bufs {
     moept__bf16 *src, *x, *cp;
     uint8_t *rec, *q, *qr;
-    float *s, *sr, *wts;
-    int64_t *idx;
-    int32_t *ks;
+    float *s, *sr, *wts, *dw;
+    int64_t *idx, *rof;
 } bq_bufs;
 
 /* n values, random bf16 (or fp32) in [-1, 1): one random block of 2^20 on the host, copied along */
@@ -108,10 +109,10 @@ static moept_status bq_run(moept__cuda *c, const bq_pass *p, const bench_shape *
         *in = (double)n * (D * 2 + 8), *out = (double)n * W, *l = 1;
         return moept__q8_records<moept__bf16>(c, b->x, b->idx, n, b->rec, err);
     }
-    if (p->kind == BQ_RECORDS_W) { /* (dy's row, its index, its weight and assignment) */
-        *in = (double)n * (D * 2 + 16), *out = (double)n * W, *l = 1;
-        return moept__q8_records<moept__bf16>(c, b->x, b->idx, n, b->rec, err,
-                                              moept__q8_wt{b->wts, b->ks, (int)s->K});
+    if (p->kind == BQ_COMBINE) { /* (dy's row, the output's, its row index and weight; dL/dw) */
+        *in = (double)n * (D * 4 + 12), *out = (double)n * (W + 4), *l = 1;
+        return moept__q8_combine<moept__bf16>(c, b->src, b->rof, b->wts, b->x, n, s->K, NULL, 0, b->rec,
+                                              b->dw, err);
     }
     int64_t offs[4097]; /* (the experts' rows) */
     for (int64_t e = 0; e <= E; e++) offs[e] = n * e / E;
@@ -165,14 +166,13 @@ int main(int argc, char **argv) {
     b.q = (uint8_t *)bq_alloc((size_t)(nq * Mp)), b.qr = (uint8_t *)bq_alloc((size_t)(np * Mp));
     b.s = (float *)bq_alloc((size_t)ns * 4), b.sr = (float *)bq_alloc((size_t)ns * 4); /* (rows', columns') */
     int64_t *idx = (int64_t *)malloc((size_t)n * 8);
-    int32_t *ks = (int32_t *)malloc((size_t)n * 4);
-    for (int64_t r = 0; r < n; r++) idx[r] = r / s.K, ks[r] = (int32_t)(r % s.K);
-    b.idx = (int64_t *)bq_alloc((size_t)n * 8), b.ks = (int32_t *)bq_alloc((size_t)n * 4);
-    b.wts = (float *)bq_random(n, 4); /* ([T][K]) */
+    for (int64_t r = 0; r < n; r++) idx[r] = r / s.K;
+    b.idx = (int64_t *)bq_alloc((size_t)n * 8), b.rof = (int64_t *)bq_alloc((size_t)n * 8);
+    b.wts = (float *)bq_random(n, 4), b.dw = (float *)bq_alloc((size_t)n * 4); /* ([T][K]) */
     BQ_CK(cudaMemcpy(b.idx, idx, (size_t)n * 8, cudaMemcpyHostToDevice));
-    BQ_CK(cudaMemcpy(b.ks, ks, (size_t)n * 4, cudaMemcpyHostToDevice));
+    for (int64_t r = 0; r < n; r++) idx[r] = r;
+    BQ_CK(cudaMemcpy(b.rof, idx, (size_t)n * 8, cudaMemcpyHostToDevice));
     free(idx);
-    free(ks);
     printf("# bench_q8 shape=%s tokens=%lld hidden=%lld ffn=%lld experts=%lld topk=%lld reps=%d\n", shape,
            (long long)s.T, (long long)s.D, (long long)s.F, (long long)s.E, (long long)s.K, s.reps);
     double in, out;
@@ -207,7 +207,7 @@ int main(int argc, char **argv) {
                f == 1 ? "per-expert" : "kernel", (sum_b[0] + sum_b[f]) / 1e6, sum_ms[0] + sum_ms[f],
                (sum_b[0] + sum_b[f]) / ((sum_ms[0] + sum_ms[f]) * 1e9));
     for (int i = 0; i < 4; i++) cudaEventDestroy(ev[i]);
-    void *bufs[] = {b.src, b.x, b.cp, c.q8out, b.rec, b.q, b.qr, b.s, b.sr, b.idx, b.wts, b.ks};
+    void *bufs[] = {b.src, b.x, b.cp, c.q8out, b.rec, b.q, b.qr, b.s, b.sr, b.idx, b.wts, b.rof, b.dw};
     for (void *p : bufs) cudaFree(p);
     cudaStreamDestroy(c.s);
     return 0;

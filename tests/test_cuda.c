@@ -1073,14 +1073,17 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
 #endif
 #ifdef MOEPT_EMU
             const long q0 = moept_emu_launches("moept__k_q8_rows"), b0 = moept_emu_launches("k_act_bwd");
+            const long c0 = moept_emu_launches("k_combine_bwd");
 #endif
             EXPECT_OK(moept_backward(L, xd, xd, dxd));
-#ifdef MOEPT_EMU /* (the kernel's dgrads read dy's records as combine' made them, one row pass, and dh as
-                    its wgrad's column pass quantized it; the down dgrad runs the activation's backward) */
+#ifdef MOEPT_EMU /* (the kernel's dgrads read dy's records as combine' made them, no row pass of its own,
+                    and dh as its wgrad's column pass quantized it; the down dgrad runs the activation's
+                    backward) */
             const long q = moept_emu_launches("moept__k_q8_rows") - q0;
-            const long nb = moept_emu_launches("k_act_bwd") - b0;
-            EXPECT(!f || !cfg.fp8 || (q == 1 && nb == 0), "shape %d: the kernel form's FP8 backward quantized "
-                   "rows in %ld passes, not dy's records' one; %ld activation backward passes", i, q, nb);
+            const long nb = moept_emu_launches("k_act_bwd") - b0, nc = moept_emu_launches("k_combine_bwd") - c0;
+            EXPECT(!f || !cfg.fp8 || (q == 0 && nb == 0 && nc == 1), "shape %d: the kernel form's FP8 backward "
+                   "quantized rows in %ld passes of their own, ran %ld combine' kernels, %ld activation "
+                   "backward passes", i, q, nc, nb);
 #endif
             host_from(out + (2 + f) * n, dxd, n, 1);
             gr[f] = malloc((size_t)moept_param_numel(L) * 4);

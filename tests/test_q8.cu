@@ -4,8 +4,8 @@
    - the dispatch's FP8 records (moept__q8_records: x's rows through the row index, -1 zeros) hold the
      bytes and scales moept__q8_along makes of the same rows gathered first, their padding zero, and
      their values e4m3 * scale are the CPU's quantized rows;
-   - combine''s records of dy (the same pass, each row times its routing weight as read) hold the
-     bytes of the weighted rows' in fp32, and the CPU's quantized products;
+   - combine''s records of dy (its FP8 kernel: each row times its routing weight as read, with dL/dw
+     in the same read) hold the bytes of the weighted rows' in fp32, and the CPU's quantized products;
    - a record as cuBLASLt's operand (moept__q8_unrec) is moept__q8_along's output, padding rows too;
      a chunk's runs quantized or copied one run at a time (ss > 0) give the whole operand's rows;
    - the W13 wgrad's column-wise x from the records (moept__q8_down<uint8_t>, dequantized as read)
@@ -404,47 +404,59 @@ static void q8t_epilogue(moept__cuda *c, const void *src, int64_t F, int64_t lds
     free(hq); free(hr); free(hs); free(hsr);
 }
 
-/* combine''s records (moept__q8_records weighted: row r x's row idx[r] times its assignment's routing
-   weight w[idx[r] K + ks[r]], as the backward makes dy's): the bytes of the separate path's (the rows
-   w x in fp32, as the fp32 layer's combine' stores them, then recorded), their values the CPU's
-   quantized rows of those products */
+/* combine' in FP8 (moept__q8_combine, one read of dy: row r token idx[r]'s dy times its assignment's
+   routing weight w[idx[r] K + ks[r]], and that assignment's dL/dw): its records the bytes of the
+   separate path's (the rows w dy in fp32, as the fp32 layer's combine' stores them, then recorded),
+   the rows no assignment has (idx -1: the sync-free blocks' unused ones) zero records, their values
+   the CPU's quantized products; dL/dw the sums <ys[r], dy[t]> in double (an assignment without a row,
+   a padded token's: 0) */
 template <typename T>
 static void q8t_weighted(q8t_case<T> *k) {
-    const int64_t D = k->D, n = k->n, W = k->W, K = 3;
+    const int64_t D = k->D, n = k->n, W = k->W, K = 3, TK = k->Tn * K;
     char err[MOEPT__ERRLEN] = "";
-    float *w = (float *)malloc((size_t)(k->Tn * K) * 4), *ws = (float *)calloc((size_t)(n * D), 4);
-    float *cpu = (float *)malloc((size_t)(n * D) * 4);
-    int32_t *ks = (int32_t *)malloc((size_t)n * 4);
+    float *w = (float *)malloc((size_t)TK * 4), *ws = (float *)calloc((size_t)(n * D), 4);
+    float *cpu = (float *)malloc((size_t)(n * D) * 4), *dwr = (float *)calloc((size_t)TK, 4);
+    int64_t *row_of = (int64_t *)malloc((size_t)TK * 8);
     unsigned long long rs = 3 + (unsigned long long)D;
-    for (int64_t i = 0; i < k->Tn * K; i++) w[i] = ldexpf((float)tu_rand(&rs), (int)(i % 7) - 3);
-    for (int64_t r = 0; r < n; r++) {
-        ks[r] = (int32_t)((r * 5) % K);
-        for (int64_t d = 0; d < D && k->idx[r] >= 0; d++)
-            ws[r * D + d] = moept__scale(w[k->idx[r] * K + ks[r]], k->xs[r * D + d]);
+    for (int64_t i = 0; i < TK; i++) w[i] = ldexpf((float)tu_rand(&rs), (int)(i % 7) - 3), row_of[i] = -1;
+    for (int64_t r = 0; r < n; r++) { /* (idx's tokens differ: any assignment of each will do) */
+        const int64_t ks = (r * 5) % K, t = k->idx[r];
+        double dot = 0.0;
+        if (t < 0) continue;
+        row_of[t * K + ks] = r;
+        for (int64_t d = 0; d < D; d++) {
+            ws[r * D + d] = moept__scale(w[t * K + ks], k->xs[r * D + d]);
+            dot += (double)q8t_f<T>(k->xst, r * D + d) * (double)k->xs[r * D + d];
+        }
+        dwr[t * K + ks] = (float)dot;
     }
     q8t_cpu(ws, n, D, 0, cpu);
     T *xd = q8t_dev<T>(k->x, (size_t)(k->Tn * D) * sizeof(T));
-    float *wd = q8t_dev<float>(w, (size_t)(k->Tn * K) * 4), *wsd = q8t_dev<float>(ws, (size_t)(n * D) * 4);
-    int32_t *ksd = q8t_dev<int32_t>(ks, (size_t)n * 4);
-    int64_t *idxd = q8t_dev<int64_t>(k->idx, (size_t)n * 8);
+    T *ysd = q8t_dev<T>(k->xst, (size_t)(n * D) * sizeof(T)); /* (the outputs: any rows) */
+    float *wd = q8t_dev<float>(w, (size_t)TK * 4), *wsd = q8t_dev<float>(ws, (size_t)(n * D) * 4);
+    float *dwd = q8t_dev<float>(NULL, (size_t)TK * 4);
+    int64_t *idxd = q8t_dev<int64_t>(k->idx, (size_t)n * 8), *rod = q8t_dev<int64_t>(row_of, (size_t)TK * 8);
     uint8_t *rec[2] = {q8t_dev<uint8_t>(NULL, (size_t)(n * W)), q8t_dev<uint8_t>(NULL, (size_t)(n * W))};
-    moept_status st = moept__q8_records<T>(&k->c, xd, idxd, n, rec[0], err, moept__q8_wt{wd, ksd, (int)K});
+    moept_status st = moept__q8_combine<T>(&k->c, ysd, rod, wd, xd, TK, K, idxd, n, rec[0], dwd, err);
     if (!st) st = moept__q8_records<float>(&k->c, wsd, NULL, n, rec[1], err);
     EXPECT(!st, "D %lld: %s", (long long)D, err);
     uint8_t *h0 = q8t_host<uint8_t>(rec[0], (size_t)(n * W));
     uint8_t *h1 = q8t_host<uint8_t>(rec[1], (size_t)(n * W));
-    int64_t vals = 0;
+    float *dw = q8t_host<float>(dwd, (size_t)TK * 4);
+    int64_t vals = 0, dws = 0;
     for (int64_t r = 0; r < n; r++)
         for (int64_t d = 0; d < D; d++) {
             const float v = moept__e4m3_f32(h0[r * W + d]) * ((const float *)(h0 + r * W + k->Dp))[d / 128];
             vals += !q8t_same(&v, &cpu[r * D + d], 4);
         }
-    EXPECT(q8t_same(h0, h1, (size_t)(n * W)) && vals == 0, "D %lld n %lld, %s rows: the weighted records "
-           "differ from the weighted rows' (%lld values from the CPU's)", (long long)D, (long long)n,
-           sizeof(T) == 2 ? "bf16" : "fp32", (long long)vals);
-    cudaFree(xd); cudaFree(wd); cudaFree(wsd); cudaFree(ksd); cudaFree(idxd); cudaFree(rec[0]);
-    cudaFree(rec[1]);
-    free(w); free(ws); free(cpu); free(ks); free(h0); free(h1);
+    for (int64_t i = 0; i < TK; i++) /* (the same sum in another order: within a rounding) */
+        dws += !(fabsf(dw[i] - dwr[i]) <= 1e-6f * fabsf(dwr[i]));
+    EXPECT(q8t_same(h0, h1, (size_t)(n * W)) && vals == 0 && dws == 0, "D %lld n %lld, %s rows: the "
+           "records of combine' differ from the weighted rows (%lld values from the CPU's); %lld dL/dw off",
+           (long long)D, (long long)n, sizeof(T) == 2 ? "bf16" : "fp32", (long long)vals, (long long)dws);
+    cudaFree(xd); cudaFree(ysd); cudaFree(wd); cudaFree(wsd); cudaFree(dwd); cudaFree(idxd); cudaFree(rod);
+    cudaFree(rec[0]); cudaFree(rec[1]);
+    free(w); free(ws); free(cpu); free(dwr); free(row_of); free(h0); free(h1); free(dw);
 }
 
 template <typename T>
@@ -472,6 +484,10 @@ static void test_records(void) {
             q8t_width<float>(widths[i], n);
             q8t_width<moept__bf16>(widths[i], n);
         }
+    q8t_case<moept__bf16> k; /* (combine' over more tiles than a block's round: 34) */
+    q8t_make<moept__bf16>(&k, 4296, 37);
+    q8t_weighted<moept__bf16>(&k);
+    q8t_free<moept__bf16>(&k);
     q8t_groups(200);
 }
 
