@@ -492,7 +492,7 @@ MOEPT_HD static inline void moept__plan_place(int64_t i, int64_t pos, int64_t ke
         int64_t r = koff + pos;
         row_of[i] = r;
         tok_of_row[r] = i / K;
-        slot_of_row[r] = (int32_t)(i % K);
+        if (slot_of_row) slot_of_row[r] = (int32_t)(i % K); /* (NULL: not kept, as on the GPU) */
     } else {
         row_of[i] = -1;
     }

@@ -887,14 +887,13 @@ __global__ void moept__k_chunk_scan(const unsigned long long *sel, int64_t C, in
    moept__plan_place, from the count's block ranks and offsets. */
 __global__ void moept__k_plan_place(const int32_t *ids, const int32_t *slot_of, const int32_t *lrank,
                                     const int64_t *hist, const int64_t *kept, const int64_t *koff,
-                                    int64_t TK, int64_t K, int E, int64_t *row_of, int64_t *tok_of_row,
-                                    int32_t *kslot_of_row) {
+                                    int64_t TK, int64_t K, int E, int64_t *row_of, int64_t *tok_of_row) {
     int64_t a = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (a >= TK) return;
     if (ids[a] < 0) { row_of[a] = -1; return; } /* padding */
     int s = slot_of[ids[a]];
     int64_t pos = hist[(a / MOEPT__PB) * E + s] + lrank[a];
-    moept__plan_place(a, pos, kept[s], koff[s], K, row_of, tok_of_row, kslot_of_row);
+    moept__plan_place(a, pos, kept[s], koff[s], K, row_of, tok_of_row, NULL);
 }
 
 /* Permute: row r of xs is token tok_of_row[r] of x [N rows of D]; zeros
@@ -2057,8 +2056,7 @@ typedef struct moept__cslot {
     float *seqg[2];             /* MOEPT_AUX_SEQ: [Tmax / slen][E] each sequence's aux gradient */
     unsigned long long *ybad;   /* [1] the committed forward's first non-finite y index */
     int64_t *row_of;            /* [Tmax*K] permuted row of each assignment, -1 dropped */
-    int64_t *tok_of_row;        /* [Tmax*K] */
-    int32_t *kslot_of_row;      /* [Tmax*K] */
+    int64_t *tok_of_row;        /* [Tmax*K] each row's token (sync-free: -1 a block's unused row) */
     void *xs, *ys;              /* [Tmax*K][D] send/receive side of the token rows (P > 1; xs: x's rows
                                    moept__xrow bytes each, config.fp8's records) */
     void *hs, *as, *yss;        /* [Tmax][HS], [Tmax][lda_as], [Tmax][D] shared expert (T); an inference
@@ -2317,7 +2315,6 @@ static void moept__slot_layout(moept__cuda *c, moept__cslot *sl, moept__carve *c
     const int64_t rows = T * K > E * c->B ? T * K : E * c->B; /* sync-free: E blocks of B rows */
     sl->row_of = (int64_t *)moept__take(cv, (size_t)(T * K) * 8);
     sl->tok_of_row = (int64_t *)moept__take(cv, (size_t)rows * 8);
-    sl->kslot_of_row = (int32_t *)moept__take(cv, (size_t)rows * 4);
     sl->xs = moept__take(cv, P > 1 ? (size_t)(rows * moept__xrow(c)) : 0);
     sl->ys = moept__take(cv, P > 1 ? (size_t)(rows * D) * es : 0);
     /* an inference layer keeps nothing for a backward (as moept.c's moept__layout_acts): the shared
@@ -2783,11 +2780,12 @@ __global__ void moept__k_q8_rows(const T *src, const int64_t *idx, int64_t n, in
     }
 }
 
-/* config.fp8's combine backward, one block per assignment i = (t, k) of TK: dwts[i] = <ys[row], dy[t]>
-   (double, per thread in order, then a fixed tree), and the row's record in rec [..][moept__q8_recw(D)]
-   of w dy[t] (moept__k_q8_rows' tiles, bytes and padding, of the product as moept__scale rounds it), in
-   one read of dy; block TK + r: row r's zero record where no assignment has it (tok_of_row[r] -1: the
-   sync-free blocks' unused rows) */
+/* config.fp8's combine backward, one block per assignment i = (t, k) of TK (K a token): dwts [TK],
+   dwts[i] = <ys[row], dy[t]> (ys [rows][D] the outputs, dy [T][D], row = row_of[i], -1: none; double,
+   per thread in order, then a fixed tree: moept__k_combine_bwd's way, its own columns a thread), and the
+   row's record in rec [rows][moept__q8_recw(D)] of w dy[t], w = wts[i] (moept__k_q8_rows' tiles, bytes
+   and padding, of the product as moept__scale rounds it), in one read of dy; block TK + r: row r's zero
+   record where no assignment has it (tok_of_row [rows], -1: the sync-free blocks' unused rows) */
 template <typename T, int V>
 __global__ void moept__k_combine_bwd8(const T *ys, const int64_t *row_of, const float *wts, const T *dy,
                                       int D, int K, int64_t TK, const int64_t *tok_of_row, uint8_t *rec,
@@ -3300,9 +3298,10 @@ static moept_status moept__q8_records(moept__cuda *c, const T *x, const int64_t 
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
-/* config.fp8's combine' (moept__k_combine_bwd8): over the TK assignments (K a token), dwts [TK] and
-   the dys as FP8 records rec [..][moept__q8_recw(D)] by ys's rows; tok_of_row [n] (the sync-free
-   blocks'; else NULL, n 0): the rows no assignment has, zero records */
+/* config.fp8's combine' (moept__k_combine_bwd8): over the TK assignments (K a token; row_of [TK], wts
+   [TK]), from ys [rows][D] and dy [T][D]: dwts [TK] and the dys as FP8 records rec [rows][moept__q8_recw(D)]
+   by ys's rows; tok_of_row [n] (the sync-free blocks'; else NULL, n 0): the rows no assignment has, zero
+   records */
 template <typename T>
 static moept_status moept__q8_combine(moept__cuda *c, const T *ys, const int64_t *row_of, const float *wts,
                                       const T *dy, int64_t TK, int64_t K, const int64_t *tok_of_row,
@@ -5655,7 +5654,7 @@ static moept_status moept__fwd_plan(moept__cuda *c, moept__cslot *sl, int64_t *p
     if (T_ > 0) {
         MOEPT__LAUNCH(moept__k_plan_place, (unsigned)((T_ * K + 255) / 256), 256, 0, c->s)(
             sl->ids[sl->cur], c->slot_of, c->lrank, c->hist, c->kept, c->koff, T_ * K, K, (int)E, sl->row_of,
-            sl->tok_of_row, sl->kslot_of_row);
+            sl->tok_of_row);
         MOEPT__LAUNCHED();
     }
     return MOEPT_OK;

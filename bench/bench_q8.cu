@@ -1,5 +1,6 @@
-/* bench_q8: config.fp8's quantizing passes (moept_kernels.cu's moept__k_q8_*, its unit included: a white
-   box) at a layer's shapes, each launched as the layer launches it and timed with CUDA events, against a
+/* bench_q8: config.fp8's quantizing passes (moept_kernels.cu's moept__k_q8_*, and moept__k_combine_bwd8:
+   combine' with dy's records; its unit included: a white box) at a layer's shapes, each launched as the
+   layer launches it and timed with CUDA events, against a
    device-to-device copy of the bytes it reads in the same run. Per pass: its bytes read and written, its
    time, its rate (bytes read + written a second) and that rate over the copy's (2 x the bytes read over
    the copy's time).

@@ -1073,7 +1073,7 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
 #endif
 #ifdef MOEPT_EMU
             const long q0 = moept_emu_launches("moept__k_q8_rows"), b0 = moept_emu_launches("k_act_bwd");
-            const long c0 = moept_emu_launches("k_combine_bwd");
+            const long c0 = moept_emu_launches("k_combine_bwd"), c80 = moept_emu_launches("k_combine_bwd8");
 #endif
             EXPECT_OK(moept_backward(L, xd, xd, dxd));
 #ifdef MOEPT_EMU /* (the kernel's dgrads read dy's records as combine' made them, no row pass of its own,
@@ -1081,9 +1081,10 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
                     backward) */
             const long q = moept_emu_launches("moept__k_q8_rows") - q0;
             const long nb = moept_emu_launches("k_act_bwd") - b0, nc = moept_emu_launches("k_combine_bwd") - c0;
-            EXPECT(!f || !cfg.fp8 || (q == 0 && nb == 0 && nc == 1), "shape %d: the kernel form's FP8 backward "
-                   "quantized rows in %ld passes of their own, ran %ld combine' kernels, %ld activation "
-                   "backward passes", i, q, nc, nb);
+            const long nc8 = moept_emu_launches("k_combine_bwd8") - c80; /* (of nc: "k_combine_bwd" is in it) */
+            EXPECT(!f || !cfg.fp8 || (q == 0 && nb == 0 && nc == 1 && nc8 == 1), "shape %d: the kernel form's "
+                   "FP8 backward quantized rows in %ld passes of their own, ran %ld combine' kernels (%ld FP8), "
+                   "%ld activation backward passes", i, q, nc, nc8, nb);
 #endif
             host_from(out + (2 + f) * n, dxd, n, 1);
             gr[f] = malloc((size_t)moept_param_numel(L) * 4);

@@ -350,7 +350,8 @@ fp8() {
                 --shape "${sh%:*}" --tokens "${sh#*:}" --bf16 --fp8 --gemm-form $f
         done
     done
-    profile fp8 # the quantizing kernels' share of the FP8 step (moept__k_q8_*), per kernel, each form
+    profile fp8 # the quantizing kernels' share of the FP8 step (moept__k_q8_*; moept__k_combine_bwd8 is
+    # combine' with dy's records), per kernel, each form
     LOG="$OUT/fp8.log"
     for sh in mixtral:8192 deepseek:8192 qwen3:4096; do # each quantizing pass's TB/s against a copy's
         step "bench_q8 ${sh%:*} T=${sh#*:}: the quantizing passes" build/bench_q8_cuda --shape "${sh%:*}" \

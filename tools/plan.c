@@ -204,7 +204,7 @@ static double mem_cuda_workspace(const memcfg *c) {
         w += nq * cap * W + 4 * nq * sc + 4 * dmax(cap, W) * W + (2 * nq + 1) * 64;
     }
     double slot = (c->bf16 ? a64(4 * T * D) : 0) + 2 * (2 * a64(4 * T * E) + 2 * a64(4 * N) + a64(4 * T)) +
-                  a64(4 * E) + 64 + 2 * a64(8 * N) + a64(4 * N) +
+                  a64(4 * E) + 64 + 2 * a64(8 * N) +
                   (P > 1 ? a64(N * xrow) + a64(es * N * D) : 0) +
                   a64(es * T * HS) + tr * a64(es * T * S) + (S > 0 ? a64(es * T * D) : 0) + a64(4 * T) +
                   tr * a64(4 * N);
