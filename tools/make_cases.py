@@ -73,6 +73,11 @@ WIDE = [
     ("qwen2_shared_wide8",     "qwen2_moe",   48, 32, 24, 4, 2, 1, 16, 1, 1, 1.0, 0.01, 0.001),
     ("deepseek_wide8",         "deepseek_v3", 40, 32, 16, 8, 2, 1, 16, 4, 2, 2.5, 0.01, 0.001),
 ]
+# F a multiple of 128, as in every released model: each 1 x 128 FP8 tile of h's and dh's gate and up
+# halves is whole, so the FP8 grouped kernel's down dgrad quantizes dh in its epilogue
+FULL_TILES = [
+    ("mixtral_f128",           "mixtral",     32, 64, 128, 4, 2, 1, 0, 1, 1, 1.0, 0.01, 0.001),
+]
 FILL_LINE = 'masked_fill(~score_mask.bool(), float("-inf"))'
 
 
@@ -329,7 +334,7 @@ def main():
     torch.set_num_threads(1)
     every = ([(c, (), 0, None) for c in CASES] + [m + (0, None) for m in MASKED] + [q + (None,) for q in SEQ]
              + [(c, (), 0, fill) for c, fill in GROUP_FILL]
-             + [(c, (), 0, None) for c in WIDE])  # new cases last: the others keep their seeds
+             + [(c, (), 0, None) for c in WIDE + FULL_TILES])  # new cases last: the others keep their seeds
     for i, (spec, pad, seq, fill) in enumerate(every):
         if args.only and spec[0] not in args.only.split(","):
             continue
