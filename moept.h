@@ -892,9 +892,8 @@ moept_status moept_comm_custom(const moept_comm_ops *ops, void *ctx, int rank, i
        backward in their epilogues), at any widths; at one rank the routed
        experts read x through the dispatch's row index (no permuted copy);
        in the sync-free mode it skips the blocks' zero rows by the counts on
-       the device; with config.fp8 the forward's products and the dgrads in
-       E4M3 (wgmma, the scales promoted every 128 of K), the weight
-       gradients cuBLASLt's.
+       the device; with config.fp8 every expert GEMM in E4M3 (wgmma, the
+       scales promoted every 128 of K).
        AUTO's choice elsewhere (fp32 layers). Refused
        at create (MOEPT_ERR_UNSUPPORTED) on a GPU other than compute
        capability 9.0 or a build without sm_90a code (nvcc -gencode

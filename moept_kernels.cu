@@ -2679,12 +2679,14 @@ __device__ __forceinline__ uint4 moept__q8_16(const float *v, int live, float sc
 /* A quantizing pass's groups (an expert's rows each), one a grid row (blockIdx.y): group g the rows
    [r0[g], r0[g] + n[g]) of the source; its operand the output's padded rows from o[g] (each group's rows
    padded to 16, one group after another), its scales a dense [L][np] from L o[g], or (a column pass's,
-   transposed: moept__q8_gnext) [Cp][np] from Cp o[g], scales [ceil(np/128)][Cp] from Cp lb[g]; ng 0 (a
-   row pass): one operand, as the kernel's own arguments say */
+   transposed: moept__q8_gnext) [Cp][np] from Cp o[g], scales [ceil(np/128)][Cp] from Cp lb[g], or (S >
+   0, the grouped kernel's wgrad, moept__gk_wgrad8) every group's columns of one [Cp][S], group g's from
+   column o[g], its rows padded to 128; ng 0 (a row pass): one operand, as the kernel's own arguments say */
 typedef struct moept__q8_rg {
     int64_t r0[MOEPT__Q8_G], o[MOEPT__Q8_G], lb[MOEPT__Q8_G];
     int32_t n[MOEPT__Q8_G];
     int ng;
+    int64_t S;
 } moept__q8_rg;
 /* groups g0.. of ng (offs [ng + 1]: group g the rows [offs[g], offs[g + 1])), at most MOEPT__Q8_G, into
    *G, their operands from at = {padded rows, 128-row blocks} on (advanced past them); the most rows of
@@ -2696,18 +2698,20 @@ static int64_t moept__q8_rgroups(const int64_t *offs, int64_t ng, int64_t g0, mo
     for (int i = 0; i < G->ng; i++) {
         const int64_t n = offs[g0 + i + 1] - offs[g0 + i];
         G->r0[i] = offs[g0 + i], G->n[i] = (int32_t)n, G->o[i] = at[0], G->lb[i] = at[1];
-        at[0] += MOEPT__Q8_PAD(n), at[1] += MOEPT__Q8_L(MOEPT__Q8_PAD(n));
+        at[0] += G->S ? MOEPT__Q8_L(n) * MOEPT__Q8_TILE : MOEPT__Q8_PAD(n);
+        at[1] += MOEPT__Q8_L(MOEPT__Q8_PAD(n));
         most = n > most ? n : most;
     }
     return most;
 }
 /* each launch of a row pass: launch(G, nw, gy) for ng groups of offs (MOEPT__Q8_G a launch, G the
    launch's, nw its most rows padded, gy its groups: the grid's rows), or (offs NULL) once for one
-   operand of n rows (G.ng 0; nw n padded unless ss: rows of a larger operand) */
+   operand of n rows (G.ng 0; nw n padded unless ss: rows of a larger operand); S: G.S */
 template <typename Launch>
 static moept_status moept__q8_each(const int64_t *offs, int64_t ng, int64_t n, int64_t ss, char *err,
-                                   Launch launch) {
+                                   Launch launch, int64_t S = 0) {
     moept__q8_rg G = {};
+    G.S = S;
     int64_t at[2] = {0, 0};
     for (int64_t g0 = 0; g0 < (offs ? ng : 1); g0 += MOEPT__Q8_G) {
         const int64_t nw = offs ? MOEPT__Q8_PAD(moept__q8_rgroups(offs, ng, g0, &G, at))
@@ -2822,16 +2826,16 @@ __global__ void moept__k_combine_bwd8(const T *ys, const int64_t *row_of, const 
 }
 
 /* The wgrad's operands, group blockIdx.y's of G (moept__q8_rg): columns c < C of its n rows of src (lds
-   apart), transposed, in 128 x 1 tiles down the rows: q [Cp][np] (column c's values along row c;
-   padding zero), s [ceil(np/128)][Cp]. src's values as they are, or (T uint8_t, rs) FP8 records'
-   (moept__q8_recw): E4M3 bytes times their row's 1 x 128 scales, rs[r rsr + c / 128] (the dequantized
-   rows the experts received, quantized again down the columns, DeepSeek-V3's workflow for a wgrad's
-   x). A block (of its group's grid row) a panel of 128 rows x W columns (a row's W values 128 bytes):
-   read along the rows in V-vectors where the rows hold them (8 threads a row) into shared memory as
-   they are, each row's 32 words rotated by 4 a 16-row chunk (moept__q8_pan); then 8 threads a column,
-   16 rows each (a warp 4 columns: the 8 chunks' words fall in distinct banks), its amax from their 8
-   partial ones, each thread's 16 bytes of q stored, a column's 128 contiguous. RW (bf16): also the
-   rows' own copy along them from the same read, the dgrad's operand (moept__k_q8_rows' bytes and
+   apart), transposed, in 128 x 1 tiles down the rows: q [Cp][np] (column c's values along row c; padding
+   zero; G.S: its columns of q [Cp][G.S], padded to 128), s [ceil(np/128)][Cp]. src's values as they are, or
+   (T uint8_t, rs) FP8 records' (moept__q8_recw): E4M3 bytes times their row's 1 x 128 scales, rs[r rsr + c
+   / 128] (the dequantized rows the experts received, quantized again down the columns, DeepSeek-V3's
+   workflow for a wgrad's x). A block (of its group's grid row) a panel of 128 rows x W columns (a row's W
+   values 128 bytes): read along the rows in V-vectors where the rows hold them (8 threads a row) into
+   shared memory as they are, each row's 32 words rotated by 4 a 16-row chunk (moept__q8_pan); then 8
+   threads a column, 16 rows each (a warp 4 columns: the 8 chunks' words fall in distinct banks), its amax
+   from their 8 partial ones, each thread's 16 bytes of q stored, a column's 128 contiguous. RW (bf16): also
+   the rows' own copy along them from the same read, the dgrad's operand (moept__k_q8_rows' bytes and
    scales: qr [rows][Cp] by src's rows, tile b's scale at sr[r + b srb], the rows past a group's not
    written): a block's panels then the 128 columns of one tile */
 template <typename T>
@@ -2887,8 +2891,9 @@ __global__ void moept__k_q8_cols(const T *src, const moept__q8_rg G, int C, int6
     const int nc = (Cp + NP * W - 1) / (NP * W);
     const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8;
     const int g = (int)blockIdx.y;
-    const int64_t n = G.n[g], np = MOEPT__Q8_PAD(n);
-    src += G.r0[g] * lds, q += G.o[g] * Cp, s += G.lb[g] * Cp;
+    const int64_t n = G.n[g], np = MOEPT__Q8_PAD(n), ldq = G.S ? G.S : np; /* (q's row stride) */
+    const int64_t npw = G.S ? MOEPT__Q8_L(np) * MOEPT__Q8_TILE : np; /* (its columns written) */
+    src += G.r0[g] * lds, q += G.S ? G.o[g] : G.o[g] * Cp, s += G.lb[g] * Cp;
     if (sizeof(T) == 1) rs += G.r0[g] * rsr;
     if constexpr (RW) qr += G.r0[g] * Cp, sr += G.r0[g];
     for (int64_t t = blockIdx.x; t < MOEPT__Q8_L(np) * nc; t += gridDim.x) {
@@ -2931,7 +2936,7 @@ __global__ void moept__k_q8_cols(const T *src, const moept__q8_rg G, int C, int6
                                 barrier) */
             for (int u = 0; u < 8; u++) amax = moept__q8_amax(amax, part[p & 1][8 * y + u]);
             const float sc = moept__q8_scale(amax);
-            if (c < Cp && r < np) *(uint4 *)(q + (int64_t)c * np + r) = moept__q8_16(v, live, sc);
+            if (c < Cp && r < npw) *(uint4 *)(q + (int64_t)c * ldq + r) = moept__q8_16(v, live, sc);
             if (c < Cp && x == 0) s[c + b * Cp] = sc;
         }
         __syncthreads(); /* pan read by all before the next panel */
@@ -3111,12 +3116,14 @@ static cudaError_t moept__q8_weights(moept__cuda *c) {
 }
 
 static int moept__gk_q8(const moept__cuda *c);
+static int moept__gk_w8(const moept__cuda *c);
 /* The token operands' scratch for rows in up to El groups, each padded (16 rows a group more: the column
-   passes' operands, every group's): two E4M3 operands [rows][Wp] (or the groups' [Wp][np]), their
-   scales, the matmul's fp32 result (the grouped kernel's: and q8r, q8sr); grown geometrically with the
-   receive block (moept__grow), once the compute stream no longer reads the old one */
+   passes' operands, every group's; the grouped kernel's wgrad, 128: moept__gk_w8): two E4M3 operands
+   [rows][Wp] (or the groups' [Wp][np], or [Wp][S]), their scales, the matmul's fp32 result (the grouped
+   kernel's: and q8r, q8sr); grown geometrically with the receive block (moept__grow), once the compute
+   stream no longer reads the old one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
-    const int64_t need = MOEPT__Q8_PAD(rows + 16 * c->sp.El);
+    const int64_t need = MOEPT__Q8_PAD(rows + (moept__gk_w8(c) ? MOEPT__Q8_TILE : 16) * c->sp.El);
     if (!moept__fp8_on(&c->sp) || (need <= c->q8rows && c->q8blk)) return MOEPT_OK;
     const int64_t cap = MOEPT__Q8_PAD(need > 2 * c->q8rows ? need : 2 * c->q8rows), W = moept__q8_wp(c);
     const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * (MOEPT__Q8_L(cap) + c->sp.El), sc = s1 > s2 ? s1 : s2;
@@ -3151,10 +3158,20 @@ static void moept__q8_gnext(int64_t n, int64_t Cp, int64_t *qo, int64_t *so) {
     *qo += Cp * np;
     *so += MOEPT__Q8_L(np) * Cp;
 }
+/* R's groups' columns in a column pass's one operand [Cp][S] (moept__q8_rg's S: each padded to 128) */
+static int64_t moept__q8_wide(const moept__runs *R) {
+    int64_t S = 0;
+    for (int64_t i = 0; i < R->n; i++) S += MOEPT__Q8_L(R->offs[i + 1] - R->offs[i]) * MOEPT__Q8_TILE;
+    return S;
+}
 /* whether each run's padded rows fit the scratch, or (all) every run's operands, one after another, with
-   their scales (moept__grow made it for the receive block's) */
-static moept_status moept__q8_fits(const moept__cuda *c, const moept__runs *R, int all, char *err) {
+   their scales (moept__grow made it for the receive block's); S > 0: as one [Cp][S] */
+static moept_status moept__q8_fits(const moept__cuda *c, const moept__runs *R, int all, char *err,
+                                   int64_t S = 0) {
     int64_t qo = 0, so = 0;
+    if (S > c->q8rows)
+        return moept__kfail(err, MOEPT_ERR_STATE, "config.fp8: the experts' %lld columns past the scratch's "
+                            "%lld rows (moept_kernels.cu:%d)", (long long)S, (long long)c->q8rows, __LINE__);
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
@@ -3258,11 +3275,12 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
    transposed, down the rows (a wgrad's operand each): into q and s, one group's after another's
    (moept__q8_gnext), MOEPT__Q8_G groups a launch; T uint8_t: FP8 records (C = D), dequantized as read.
    qr (bf16): the same read also quantizes the rows along them (moept__q8_along's bytes) into qr
-   [rows][Cp] by src's rows, scales sr (srb rows apart) */
+   [rows][Cp] by src's rows, scales sr (srb rows apart). S > 0: the groups' columns of one q [Cp][S]
+   instead, each group's rows padded to 128 (moept__q8_rg) */
 template <typename T>
 static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_t *offs, int64_t ng,
                                    int64_t C, int64_t lds, uint8_t *q, float *s, char *err,
-                                   uint8_t *qr = NULL, float *sr = NULL, int64_t srb = 0) {
+                                   uint8_t *qr = NULL, float *sr = NULL, int64_t srb = 0, int64_t S = 0) {
     const int64_t Cp = MOEPT__Q8_PAD(C), W = qr ? MOEPT__Q8_TILE : 128 / sizeof(T), nc = (Cp + W - 1) / W;
     const float *rs = sizeof(T) == 1 ? (const float *)((const uint8_t *)src + MOEPT__Q8_PAD(C)) : NULL;
     const int vec = moept__vec<T>(lds, src);
@@ -3282,7 +3300,7 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_
         if (!qr)
             MOEPT__LAUNCH_V(vec, moept__k_q8_cols, T, grid, MOEPT__TB, c->s, (const T *)src, G, (int)C, lds,
                             (int)Cp, q, s, rs, lds / 4, (uint8_t *)NULL, (float *)NULL, (int64_t)0);
-    });
+    }, S);
 }
 /* config.fp8's dispatch: rows r < n of the routed tokens, x's row idx[r] each (-1: zeros), as FP8 records
    rec [n][moept__q8_recw(D)] (the 1 x 128 tiles of moept__q8_along, in the records' layout) */
@@ -3786,6 +3804,10 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
             tile is two such subtiles, 128 columns of a, one after the other; each stores h and a as
             GATE does and keeps its rows' amax of a, and the tile's end quantizes a's rows along them
             in that 1 x 128 tile (the W2 product's A, moept__k_q8_rows' bytes) from a as stored
+     WGRAD8 WGRAD in E4M3: A and B the wgrad's column copies, K-major along the run's rows (one
+            [Mp][S] and one [Np][S], every expert's columns from r0 padded to 128: moept__q8_down's S),
+            both with 128 x 1 scales; FWD8's k-steps and promotion, each sum times its row's scale of A
+            and its column's of B
    Persistent CTAs walk the (run, m-tile, n-tile) space; a producer loads A
    and B tiles into a ring of stages (mbarriers: full when the bytes landed,
    empty when both consumer warpgroups read it): one thread by TMA, or,
@@ -3820,9 +3842,12 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 /* the ring, its barriers, GATE8's row amaxes (a consumer's 64 rows x 4 threads), the swizzle's alignment */
 #define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 2 * 64 * 4 * 4 + 1024)
 enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT, MOEPT__GK_FWD8,
-       MOEPT__GK_GATE8, MOEPT__GK_DACT8, MOEPT__GK_FORMS };
+       MOEPT__GK_GATE8, MOEPT__GK_DACT8, MOEPT__GK_WGRAD8, MOEPT__GK_FORMS };
 /* whether form F multiplies E4M3 operands with their scales (DACT8: FWD8's product, DACT's epilogue) */
-#define MOEPT__GK_Q(F) ((F) == MOEPT__GK_FWD8 || (F) == MOEPT__GK_GATE8 || (F) == MOEPT__GK_DACT8)
+#define MOEPT__GK_Q(F) \
+    ((F) == MOEPT__GK_FWD8 || (F) == MOEPT__GK_GATE8 || (F) == MOEPT__GK_DACT8 || (F) == MOEPT__GK_WGRAD8)
+/* whether form F is a weight gradient: tiles over an expert's gradient, k-steps over its run's rows */
+#define MOEPT__GK_WG(F) ((F) == MOEPT__GK_WGRAD || (F) == MOEPT__GK_WGRAD8)
 /* a (sub)tile's columns of N: 128, or (GATE, GATE8) 64 of the gate half and the same 64 of the up half */
 #define MOEPT__GK_TN(F) ((F) == MOEPT__GK_GATE || (F) == MOEPT__GK_GATE8 ? MOEPT__GK_BN / 2 : MOEPT__GK_BN)
 /* a k-step's elements of the reduction: 128 bytes, 64 bf16 or (E4M3) 128, one scale block */
@@ -4054,7 +4079,7 @@ __device__ __forceinline__ int moept__gk_col(int i, int t) { return 8 * (i >> 2)
    gradient's M rows and steps through its rows */
 template <int F>
 MOEPT_HD static inline int moept__gk_mtiles(const moept__gk_args *g, int i) {
-    const int m = F == MOEPT__GK_WGRAD ? (g->rows[i] > 0 ? g->M : 0) : g->rows[i];
+    const int m = MOEPT__GK_WG(F) ? (g->rows[i] > 0 ? g->M : 0) : g->rows[i];
     return (m + MOEPT__GK_BM - 1) / MOEPT__GK_BM;
 }
 /* ... its n-tiles, and the launch's tiles (the host sizes the grid by them, the CTAs walk them) */
@@ -4076,7 +4101,7 @@ MOEPT_HD static inline int64_t moept__gk_tiles(const moept__gk_args *g) {
 }
 template <int F>
 __device__ __forceinline__ int moept__gk_ksteps(const moept__gk_args *g, int i) {
-    return ((F == MOEPT__GK_WGRAD ? g->rows[i] : g->K) + MOEPT__GK_KB(F) - 1) / MOEPT__GK_KB(F);
+    return ((MOEPT__GK_WG(F) ? g->rows[i] : g->K) + MOEPT__GK_KB(F) - 1) / MOEPT__GK_KB(F);
 }
 
 /* whether rows [r, r + n) of run i hold a real row: always, but in the sync-free mode, whose blocks
@@ -4178,6 +4203,11 @@ __device__ __forceinline__ void moept__gk_load(const CUtensorMap *ma, const CUte
                                                const moept__gk_args *g, int i, int mt, int nt, int kb,
                                                uint8_t *a, uint8_t *b, uint64_t *bar, int pass) {
     const int k0 = kb * MOEPT__GK_KB(F), n0 = nt * MOEPT__GK_TN(F);
+    if (F == MOEPT__GK_WGRAD8) { /* A, B: the run's columns r0 + k0.. of rows mt.., nt.. (TMA alone) */
+        moept__gk_fetch(g, ma, 0, pass, a, g->r0[i] + k0, mt * MOEPT__GK_BM, MOEPT__GK_BM, 0, bar);
+        moept__gk_fetch(g, mb, 1, pass, b, g->r0[i] + k0, nt * MOEPT__GK_BN, MOEPT__GK_BN, 0, bar);
+        return;
+    }
     /* the run's rows left in the box (the producer's own loads read no further; B's weights: all) */
     const int v = g->rows[i] - (F == MOEPT__GK_WGRAD ? k0 : mt * MOEPT__GK_BM);
     if (F == MOEPT__GK_WGRAD) /* A: the run's rows k0.. of dy or dh [rows][M] */
@@ -4278,6 +4308,33 @@ __device__ __forceinline__ void moept__gk_scales(const moept__gk_args *g, int i,
         for (int q = 0; q < 2; q++) s[3 + q] = sb[(bu + q < last ? bu + q : last) * g->sbld];
     }
 }
+/* WGRAD8: consumer w's scales of k-step kb of run i (its columns' 128 x 1 tiles, from column r0): s[h] its
+   thread's two rows' of A (past A's rows: 0), and *sbk the tile's columns' of B from nt's first */
+__device__ __forceinline__ void moept__gk_scales_wg(const moept__gk_args *g, int i, int mt, int nt, int kb,
+                                                    int w, float *s, const float **sbk) {
+    const int l = threadIdx.x % 128;
+    const int64_t tb = g->r0[i] / MOEPT__GK_KB(MOEPT__GK_WGRAD8) + kb; /* (the k-step's tile row) */
+    for (int h = 0; h < 2; h++) {
+        const int64_t m = (int64_t)mt * MOEPT__GK_BM + w * 64 + moept__gk_row(2 * h, l);
+        s[h] = m < g->sarows ? g->sa[tb * g->sars + m] : 0.0f;
+    }
+    *sbk = g->sb + tb * g->sbld + (int64_t)nt * MOEPT__GK_BN;
+}
+/* ... its sums t into d times those scales, register 4q + u (moept__gk_col: row u / 2, column 8 q + 2 (l
+   % 4) + u % 2), B's column pairs past its bn columns 0 (bn a multiple of 16: a pair is in or out) */
+__device__ __forceinline__ void moept__gk_promote_wg(float *d, const float *t, const float *s,
+                                                     const float *sbk, int nb) {
+    const int l = threadIdx.x % 128;
+#pragma unroll
+    for (int q = 0; q < 16; q++) {
+        const int c = 8 * q + 2 * (l % 4);
+        const float2 b = c < nb ? *(const float2 *)(sbk + c) : make_float2(0.0f, 0.0f);
+        d[4 * q] += t[4 * q] * (s[0] * b.x);
+        d[4 * q + 1] += t[4 * q + 1] * (s[0] * b.y);
+        d[4 * q + 2] += t[4 * q + 2] * (s[1] * b.x);
+        d[4 * q + 3] += t[4 * q + 3] * (s[1] * b.y);
+    }
+}
 /* GATE8: which of thread l's registers j of an up half (bit j) hold a column of the up rows' second block */
 __device__ __forceinline__ uint32_t moept__gk_umask(const moept__gk_args *g, int nt) {
     const int l = threadIdx.x % 128, n0 = g->N + nt * 64;
@@ -4318,12 +4375,12 @@ __device__ __forceinline__ void moept__gk_store(const moept__gk_args *g, const f
                                                 int nt, int w) {
     const int t = threadIdx.x % 128;
     const int64_t rbase = mt * MOEPT__GK_BM + w * 64, cbase = (int64_t)nt * MOEPT__GK_BN;
-    const int64_t rows = F == MOEPT__GK_WGRAD ? g->M : g->rows[i];
+    const int64_t rows = MOEPT__GK_WG(F) ? g->M : g->rows[i];
 #pragma unroll
     for (int j = 0; j < 64; j += 2) {
         const int64_t r = rbase + moept__gk_row(j, t), col = cbase + moept__gk_col(j, t);
         if (r >= rows || col >= g->N) continue;
-        if (F == MOEPT__GK_WGRAD) {
+        if (MOEPT__GK_WG(F)) {
             float *o = (float *)g->out + ((int64_t)g->e[i] * g->M + r) * g->N + col;
             o[0] += d[j];
             if (col + 1 < g->N) o[1] += d[j + 1];
@@ -4439,9 +4496,9 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
     int first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
     const int nkb = moept__gk_ksteps<F>(g, i);
     const uint32_t um = F == MOEPT__GK_GATE8 && !P ? moept__gk_umask(g, nt) : 0;
-    const int live = F == MOEPT__GK_WGRAD || moept__gk_live(g, i, (int64_t)mt * MOEPT__GK_BM, MOEPT__GK_BM);
+    const int live = MOEPT__GK_WG(F) || moept__gk_live(g, i, (int64_t)mt * MOEPT__GK_BM, MOEPT__GK_BM);
     for (int kb = 0; kb < nkb && live; kb++) {
-        if (F == MOEPT__GK_WGRAD && !moept__gk_live(g, i, (int64_t)kb * MOEPT__GK_BK, MOEPT__GK_BK))
+        if (MOEPT__GK_WG(F) && !moept__gk_live(g, i, (int64_t)kb * MOEPT__GK_KB(F), MOEPT__GK_KB(F)))
             continue; /* (the producer and the consumers skip the same steps) */
         const int s = *it % MOEPT__GK_ST, phase = (*it / MOEPT__GK_ST) & 1;
         (*it)++;
@@ -4468,12 +4525,16 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
                 moept__gk_promote<F, 1>(d, t, sc, um);
             } else if constexpr (MOEPT__GK_Q(F)) { /* (its stage freed at once: t read, promoted) */
                 float sc[2];
-                moept__gk_scales<F>(g, i, mt, nt, kb, w, sc);
+                const float *sbk = NULL; /* (WGRAD8: B's column scales) */
+                if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_scales_wg(g, i, mt, nt, kb, w, sc, &sbk);
+                else moept__gk_scales<F>(g, i, mt, nt, kb, w, sc);
                 moept__gk_mma<F>(t, a, b, w, 0);
                 moept__wgmma_wait<0>();
                 moept__acc_fence(t);
                 if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
-                moept__gk_promote<F>(d, t, sc, um);
+                if constexpr (F == MOEPT__GK_WGRAD8)
+                    moept__gk_promote_wg(d, t, sc, sbk, g->bn - nt * MOEPT__GK_BN);
+                else moept__gk_promote<F>(d, t, sc, um);
             } else {
                 moept__gk_mma<F>(d, a, b, w, !first);
                 moept__wgmma_wait<1>();
@@ -4515,7 +4576,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             const int st = F == MOEPT__GK_GATE8 ? 2 * nt + sub : nt; /* (the subtile: 64 columns) */
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
             const int first = moept__gk_steps<F, P>(ma, mb, g, w, sa, sb, full, empty, i, mt, st, &it, d, t);
-            if (P || (first && F == MOEPT__GK_WGRAD)) continue; /* (nothing to add) */
+            if (P || (first && MOEPT__GK_WG(F))) continue; /* (nothing to add) */
             if (F == MOEPT__GK_GATE || F == MOEPT__GK_GATE8)
                 moept__gk_store_act(g, d, i, mt, st, w, F == MOEPT__GK_GATE8 ? pam : NULL);
             else if (F == MOEPT__GK_DACT || F == MOEPT__GK_DACT8)
@@ -4610,7 +4671,8 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
                             (const void *)moept__k_gk<MOEPT__GK_DACT>,
                             (const void *)moept__k_gk<MOEPT__GK_FWD8>,
                             (const void *)moept__k_gk<MOEPT__GK_GATE8>,
-                            (const void *)moept__k_gk<MOEPT__GK_DACT8>};
+                            (const void *)moept__k_gk<MOEPT__GK_DACT8>,
+                            (const void *)moept__k_gk<MOEPT__GK_WGRAD8>};
     static_assert(sizeof forms / sizeof forms[0] == MOEPT__GK_FORMS, "moept__gk_create: every form");
     for (int i = 0; i < MOEPT__GK_FORMS; i++)
         MOEPT__CU(cudaFuncSetAttribute(forms[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -4624,10 +4686,16 @@ static moept_status moept__gk_create(moept__cuda *c, char *err) {
 static int moept__gk_ok(const moept__cuda *c) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && !moept__fp8_on(&c->sp);
 }
-/* whether the kernel runs config.fp8's forward products and dgrads (FWD8; the wgrads: cuBLASLt's) */
+/* whether the kernel runs config.fp8's forward products and dgrads (FWD8) */
 static int moept__gk_q8(const moept__cuda *c) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && moept__fp8_on(&c->sp);
 }
+#ifndef MOEPT_GK_WGRAD8 /* (0: config.fp8's weight gradients in the kernel form by cuBLASLt, a matmul an
+                           expert, as the per-expert form's: tools/gpu_check.sh compares them) */
+#define MOEPT_GK_WGRAD8 1
+#endif
+/* ... and its weight gradients (WGRAD8) */
+static int moept__gk_w8(const moept__cuda *c) { return MOEPT_GK_WGRAD8 && moept__gk_q8(c); }
 /* whether the routed experts read x's rows through the dispatch's index (the gate/up GEMM's A, the
    W13 gradient's B), no permuted copy made: where the kernel runs every GEMM that reads them and no
    exchange makes the copy anyway (one rank; MOEPT_GK_GATHER 0: the copy, as the other forms) */
@@ -4689,6 +4757,7 @@ static moept_status moept__gk_launch(moept__cuda *c, const CUtensorMap *ma, cons
     MOEPT__GK_GO(FWD8);
     MOEPT__GK_GO(GATE8);
     MOEPT__GK_GO(DACT8);
+    MOEPT__GK_GO(WGRAD8);
 #undef MOEPT__GK_GO
     MOEPT__LAUNCHED();
     return MOEPT_OK;
@@ -4731,8 +4800,8 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
                               const void *B, int64_t ldb, const int64_t *xi, int64_t M, int64_t N,
                               int64_t K, void *out, int64_t ldo, const int64_t *cnt, const moept__gk_ext *ga,
                               char *err) {
-    const int wg = F == MOEPT__GK_WGRAD;
-    int64_t end = 0, ne = 0; /* the rows and the experts the runs reach */
+    const int wg = MOEPT__GK_WG(F), w8 = F == MOEPT__GK_WGRAD8; /* (w8: A, B the column copies) */
+    int64_t end = 0, ne = 0, k0 = 0; /* the rows and the experts the runs reach; WGRAD8: a run's columns */
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
@@ -4762,12 +4831,20 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
        on into rows of a chunk still arriving), bf16 rows or FP8 records (the E4M3 forms' other A: a copy
        made on this stream) */
     const int own = !R->offs && (!MOEPT__GK_Q(F) || ga->arec);
-    MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, es, ai, own, end, wg ? M : K, lda,
-                                 wg ? 64 : MOEPT__GK_BM, err));
-    if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE || MOEPT__GK_Q(F))
-        MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, NULL, 0, ne * bn, K, ldb,
-                                     MOEPT__GK_TN(F) == 64 ? 64 : MOEPT__GK_BN, err));
-    else MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, bi, 0, wg ? end : ne * K, N, ldb, 64, err));
+    if (w8) { /* A [sarows][lda], B [bn][ldb]: every run's columns, by TMA */
+        MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, 1, NULL, 0, ga->sarows, lda, lda, MOEPT__GK_BM, err));
+        MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, 1, NULL, 0, bn, ldb, ldb, MOEPT__GK_BN, err));
+    } else {
+        MOEPT__TRY(moept__gk_operand(c, &g, &ma, 0, A, es, ai, own, end, wg ? M : K, lda,
+                                     wg ? 64 : MOEPT__GK_BM, err));
+        if (F == MOEPT__GK_FWD || F == MOEPT__GK_GATE || MOEPT__GK_Q(F))
+            MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, NULL, 0, ne * bn, K, ldb,
+                                         MOEPT__GK_TN(F) == 64 ? 64 : MOEPT__GK_BN, err));
+        else MOEPT__TRY(moept__gk_operand(c, &g, &mb, 1, B, es, bi, 0, wg ? end : ne * K, N, ldb, 64, err));
+    }
+    if (w8 && g.lsu)
+        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel's E4M3 weight gradient: operands TMA "
+                            "cannot load (moept_kernels.cu:%d)", __LINE__);
     moept__gk_more<F>(&g, ga, bn);
     g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
     g.cnt = R->offs ? cnt : NULL; g.cB = c->B; g.cstride = c->M; g.cbase = c->sp.rank * c->sp.El;
@@ -4776,8 +4853,10 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
+        k0 += w8 ? MOEPT__Q8_L(rows) * MOEPT__Q8_TILE : 0;
         if (rows == 0) continue;
-        g.r0[g.n] = (int32_t)r0; g.rows[g.n] = (int32_t)rows; g.e[g.n] = (int32_t)e;
+        g.r0[g.n] = (int32_t)(w8 ? k0 - MOEPT__Q8_L(rows) * MOEPT__Q8_TILE : r0);
+        g.rows[g.n] = (int32_t)rows; g.e[g.n] = (int32_t)e;
         if (++g.n == MOEPT__GK_RUNS) {
             MOEPT__TRY(moept__gk_launch<F>(c, &ma, &mb, &g, err));
             g.n = 0;
@@ -5031,49 +5110,65 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
     return moept__gemms(c, c->descs, n, c->dt, c->dt, err);
 }
 
+/* config.fp8's weight gradient g [E][wo][wi] += O^T I (moept__ffn_wgrad's): every expert's two operands
+   quantized down the rows, one column pass each (I: x's records, or a; O: dy's records, or dy's rows
+   (the shared expert's) or dh, their rows along them too where moept__q8_twin), then the products: the
+   grouped kernel's, one launch (WGRAD8: moept__gk_w8; the operands [Cp][S], every expert's columns
+   padded to 128), or cuBLASLt's, a matmul an expert (into g itself where nothing is padded) */
+template <typename T>
+static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2,
+                                    char *err) {
+    const int64_t wo = w2 ? c->sp.D : f->H, wi = w2 ? f->F : c->sp.D;
+    const char *O = (const char *)(w2 ? f->y : f->h), *I = (const char *)(w2 ? f->a : f->x);
+    float *g = c->grads + (w2 ? f->off2 : f->off13);
+    const int rec = f->xq && !w2, orec = f->yq && w2; /* (I x's FP8 records, O dy's) */
+    const int64_t ldi = rec ? moept__q8_recw(wi) : wi, S = moept__gk_w8(c) ? moept__q8_wide(R) : 0;
+    const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
+    const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
+    const int twin = moept__q8_pre(c, f, R, w2) && (w2 || !moept__q8_dh8(c, f)); /* (O's rows along them
+                                                                                  too, for the dgrad) */
+    int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
+    MOEPT__TRY(moept__q8_fits(c, R, 1, err, S));
+    if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
+    if (rec)
+        MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err, NULL, NULL, 0,
+                                           S));
+    else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err, NULL, NULL, 0, S));
+    if (orec)
+        MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb, err,
+                                           NULL, NULL, 0, S));
+    else
+        MOEPT__TRY(moept__q8_down<T>(c, O, R->offs, R->n, wo, wo, c->q8b, c->q8sb, err, twin ? c->q8r : NULL,
+                                     twin ? c->q8sr : NULL, MOEPT__Q8_PAD(end), S));
+    if (S) { /* A: O's copy [wop][S], B: I's [wip][S], each with a scale a column and 128 of its rows */
+        moept__gk_ext ge = {};
+        ge.bn = wip; ge.sa = c->q8sb; ge.sarows = wop; ge.sars = wop; ge.sb = c->q8sa; ge.sbld = wip;
+        return moept__gk<MOEPT__GK_WGRAD8>(c, R, c->q8b, S, c->q8a, S, NULL, wo, wi, 0, g, wi, f->cnt, &ge,
+                                           err);
+    }
+    for (int64_t e = 0; e < R->n; e++) {
+        const int64_t rows = R->offs[e + 1] - R->offs[e], np = MOEPT__Q8_PAD(rows);
+        float *ge = g + e * wo * wi;
+        if (rows > 0)
+            MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a + qa, c->q8sa + sa, MOEPT__VEC128, c->q8b + qb,
+                                      c->q8sb + sb, direct ? ge : c->q8out, direct ? wi : wip, direct, err));
+        if (rows > 0 && !direct) MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, ge, wi, 1, err));
+        moept__q8_gnext(rows, wip, &qa, &sa);
+        moept__q8_gnext(rows, wop, &qb, &sb);
+    }
+    return MOEPT_OK;
+}
+
 /* A weight's gradient over R's rows (whole groups: the reduction runs over an
    expert's rows), into the fp32 gradients: W2's g2 += dy^T a, W13's
-   g13 += dh^T x (config.fp8: both operands quantized down the rows; moept__q8_twin: dy's and dh's rows
-   along them too, for the dgrad after, where they are not records; x's and dy's FP8 records dequantized
-   as read) */
+   g13 += dh^T x (config.fp8: moept__q8_wgrad) */
 template <typename T>
 static moept_status moept__ffn_wgrad(moept__cuda *c, const moept__ffn *f, const moept__runs *R, int w2,
                                      char *err) {
     const int64_t wo = w2 ? c->sp.D : f->H, wi = w2 ? f->F : c->sp.D, es = c->esz;
     const char *O = (const char *)(w2 ? f->y : f->h), *I = (const char *)(w2 ? f->a : f->x);
     float *g = c->grads + (w2 ? f->off2 : f->off13);
-    if (f->q8) {
-        const int rec = f->xq && !w2, orec = f->yq && w2; /* (I x's FP8 records, O dy's) */
-        const int64_t ldi = rec ? moept__q8_recw(wi) : wi;
-        const int64_t wop = MOEPT__Q8_PAD(wo), wip = MOEPT__Q8_PAD(wi);
-        const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
-        const int twin = moept__q8_pre(c, f, R, w2) && (w2 || !moept__q8_dh8(c, f)); /* (O's rows along
-                                                                                  them too, for the dgrad) */
-        int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
-        MOEPT__TRY(moept__q8_fits(c, R, 1, err));
-        if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
-        /* every expert's two operands, one column pass each (I: x's records, or a) */
-        if (rec) MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err));
-        else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err));
-        if (orec)
-            MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb,
-                                               err));
-        else
-            MOEPT__TRY(moept__q8_down<T>(c, O, R->offs, R->n, wo, wo, c->q8b, c->q8sb, err,
-                                         twin ? c->q8r : NULL, twin ? c->q8sr : NULL, MOEPT__Q8_PAD(end)));
-        for (int64_t e = 0; e < R->n; e++) {
-            const int64_t rows = R->offs[e + 1] - R->offs[e], np = MOEPT__Q8_PAD(rows);
-            float *ge = g + e * wo * wi;
-            if (rows > 0)
-                MOEPT__TRY(moept__q8_gemm(c, wip, wop, np, c->q8a + qa, c->q8sa + sa, MOEPT__VEC128,
-                                          c->q8b + qb, c->q8sb + sb, direct ? ge : c->q8out,
-                                          direct ? wi : wip, direct, err));
-            if (rows > 0 && !direct) MOEPT__TRY(moept__q8_result<T>(c, wo, wi, wip, ge, wi, 1, err));
-            moept__q8_gnext(rows, wip, &qa, &sa);
-            moept__q8_gnext(rows, wop, &qb, &sb);
-        }
-        return MOEPT_OK;
-    }
+    if (f->q8) return moept__q8_wgrad<T>(c, f, R, w2, err);
     if (moept__gk_ok(c)) /* g [E][wo][wi] += O^T I, each expert's rows */
         return moept__gk<MOEPT__GK_WGRAD>(c, R, O, wo, I, wi, w2 ? NULL : f->xi, wo, wi, 0, g, wi, f->cnt,
                                           NULL, err);

@@ -18,7 +18,9 @@
                  read); its gate/up product quantizes a itself, its down dgrad dh (where F is a
                  multiple of 128: there its plain column pass of dh, "both"), its products read the
                  records and write bf16.
-   Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch. A
+   Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch (the
+   column passes as the per-expert form lays them out; the kernel form's write one matrix, each expert's
+   rows padded to 128: the same reads, at most 127 zero columns an expert more written). A
    chunked step runs its row passes a launch a run instead (the kernel form's: of dh where F is not a
    multiple of 128, and the plain column pass in place of its own). The "sum" lines add up each form's
    passes: its quantizing bytes and time a step, less the GEMMs.

@@ -1024,8 +1024,8 @@ static void close_to(const float *a, const float *b, int64_t n, const char *what
 
 /* The grouped kernel's shape i of test_kernel_form: a step of cfg in the per-expert form and in the
    kernel form on the same tokens (xd, dy = x), y, dx and each parameter's gradient close; under the
-   emulator, each of the kernel's five bf16 forms launched, or (cfg.fp8) its FP8 form alone, for the
-   forward's products and the dgrads (the weight gradients cuBLASLt's in both) */
+   emulator, each of the kernel's five bf16 forms launched, or (cfg.fp8) its FP8 forms alone, the weight
+   gradients' among them */
 /* every expert weight's 128 x 128 blocks scaled apart (x 1/2, 1, 2 or 4, by block): an FP8 block scale
    read from the wrong block is then off by a power of two, not lost in random weights' like amaxes */
 static moept_status blocks_apart(moept_layer *L) {
@@ -1051,10 +1051,10 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
     int64_t *off[2] = {NULL, NULL};
     void *dxd = dev_from(out, n, 1);
 #ifdef MOEPT_EMU
-    const char *names[9] = {"moept__k_gk", "GK_DGRAD", "GK_WGRAD", "GK_GATE>", "GK_DACT>", "GK_FWD8",
-                            "GK_GATE8", "moept__k_act_fwd", "GK_DACT8"};
-    long k[9];
-    for (int f = 0; f < 9; f++) k[f] = moept_emu_launches(names[f]);
+    const char *names[10] = {"moept__k_gk", "GK_DGRAD", "GK_WGRAD>", "GK_GATE>", "GK_DACT>", "GK_FWD8",
+                             "GK_GATE8", "moept__k_act_fwd", "GK_DACT8", "GK_WGRAD8"};
+    long k[10];
+    for (int f = 0; f < 10; f++) k[f] = moept_emu_launches(names[f]);
 #endif
     for (int f = 0; f < 2 && !tu_bad; f++) {
         moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, sync_free,
@@ -1094,13 +1094,13 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
         moept_destroy(L);
     }
 #ifdef MOEPT_EMU
-    for (int f = 0; f < 9; f++) k[f] = moept_emu_launches(names[f]) - k[f];
-    EXPECT(cfg.fp8 ? k[5] >= 2 && k[6] >= 1 && k[8] >= 1 && k[5] + k[6] + k[8] == k[0]
-                   : k[1] > 0 && k[2] > 0 && k[3] > 0 && k[4] > 0 && k[5] == 0 && k[6] == 0 && k[8] == 0,
+    for (int f = 0; f < 10; f++) k[f] = moept_emu_launches(names[f]) - k[f];
+    EXPECT(cfg.fp8 ? k[5] >= 2 && k[6] >= 1 && k[8] >= 1 && k[9] >= 2 && k[5] + k[6] + k[8] + k[9] == k[0]
+                   : k[1] > 0 && k[2] > 0 && k[3] > 0 && k[4] > 0 && k[5] + k[6] + k[8] + k[9] == 0,
            "shape %d: %ld kernel launches (%ld dgrad, %ld wgrad, %ld gate/up with the activation, %ld down "
            "dgrad with its backward, %ld FP8: the down product, the gate/up dgrad; %ld FP8 gate/up with the "
-           "activation, %ld FP8 down dgrad with its backward)", i, k[0], k[1], k[2], k[3], k[4], k[5], k[6],
-           k[8]);
+           "activation, %ld FP8 down dgrad with its backward, %ld FP8 wgrad)", i, k[0], k[1], k[2], k[3], k[4],
+           k[5], k[6], k[8], k[9]);
     EXPECT(cfg.num_experts < 250 || k[0] >= 12, "shape %d: %ld launches, not two a GEMM", i, k[0]);
 #endif
     close_to(out, out + n, n, "y", i);

@@ -559,6 +559,85 @@ static void q8t_fused(moept_family fam, int64_t F) {
     free(xh);
 }
 
+/* The grouped kernel's FP8 weight gradient (WGRAD8) on a kernel-form layer's scratch: O [n][wo] and
+   I [n][wi] bf16 rows in groups of 37, 0, 130, 1 and 256 rows (k-steps 1, 0, 2, 1, 2; wo 200 and wi
+   136: M and N tiles past the gradient's edge), their column passes into one [Cp][S] each (moept__q8_down's
+   S: each group's columns moved from its own [Cp][np], byte for byte, and zeros to 128), then g [E][wo][wi]
+   (random first) += O^T I in one launch: against the sums in double of those E4M3 bytes times their
+   scales, each 128 rows' sum times its row's scale of O and its column's of I, within fp32's rounding
+   of them; the empty group's gradient untouched */
+static void q8t_wgrad8(void) {
+    moept_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.family = MOEPT_FAMILY_MIXTRAL; cfg.hidden_size = 72; cfg.intermediate_size = 128; cfg.num_experts = 5;
+    cfg.top_k = 2; cfg.max_tokens = 16; cfg.fp8 = MOEPT_FP8_BLOCKWISE;
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+    moept_layer *L = NULL;
+    EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+    if (!L) return;
+    moept__view view;
+    moept__cuda *c = moept__cx(L, &view);
+    char err[MOEPT__ERRLEN] = "";
+    const int64_t E = 5, wo = 200, wi = 136, wop = 208, wip = 144, offs[6] = {0, 37, 37, 167, 168, 424};
+    const int64_t n = offs[E], S = 768; /* (the groups' columns, each padded to 128) */
+    const moept__runs R = moept__runs_groups(offs, E);
+    unsigned long long rs = 17;
+    moept__bf16 *oh = (moept__bf16 *)malloc((size_t)(n * (wo + wi)) * 2), *ih = oh + n * wo;
+    float *g0 = (float *)malloc((size_t)(E * wo * wi) * 4);
+    for (int64_t i = 0; i < n * (wo + wi); i++) /* (magnitudes by row: the 128 x 1 scales differ) */
+        oh[i] = moept__f32_to_bf16((float)tu_rand(&rs) * ldexpf(1.0f, (int)((i / 7) % 9) - 4));
+    for (int64_t i = 0; i < E * wo * wi; i++) g0[i] = (float)tu_rand(&rs);
+    moept__bf16 *od = q8t_dev<moept__bf16>(oh, (size_t)(n * (wo + wi)) * 2), *id = od + n * wo;
+    float *gd = q8t_dev<float>(g0, (size_t)(E * wo * wi) * 4);
+    uint8_t *qw = q8t_dev<uint8_t>(NULL, (size_t)(wop * 464)); /* (O's per-group copy: 464 rows padded) */
+    float *sw = q8t_dev<float>(NULL, (size_t)(6 * wop) * 4);
+    moept_status st = moept__q8_room(c, 2048, err);
+    if (!st) st = moept__q8_down<moept__bf16>(c, od, offs, E, wo, wo, qw, sw, err);
+    if (!st) st = moept__q8_down<moept__bf16>(c, od, offs, E, wo, wo, c->q8b, c->q8sb, err, NULL, NULL, 0, S);
+    if (!st) st = moept__q8_down<moept__bf16>(c, id, offs, E, wi, wi, c->q8a, c->q8sa, err, NULL, NULL, 0, S);
+    moept__gk_ext ge = {};
+    ge.bn = wip; ge.sa = c->q8sb; ge.sarows = wop; ge.sars = wop; ge.sb = c->q8sa; ge.sbld = wip;
+    if (!st)
+        st = moept__gk<MOEPT__GK_WGRAD8>(c, &R, c->q8b, S, c->q8a, S, NULL, wo, wi, 0, gd, wi, NULL, &ge,
+                                         err);
+    EXPECT(!st, "%s", err);
+    uint8_t *qa = q8t_host<uint8_t>(c->q8a, (size_t)(wip * S));
+    uint8_t *qb = q8t_host<uint8_t>(c->q8b, (size_t)(wop * S));
+    uint8_t *qwh = q8t_host<uint8_t>(qw, (size_t)(wop * 464));
+    float *sa = q8t_host<float>(c->q8sa, (size_t)(6 * wip) * 4);
+    float *sb = q8t_host<float>(c->q8sb, (size_t)(6 * wop) * 4);
+    float *g = q8t_host<float>(gd, (size_t)(E * wo * wi) * 4);
+    int64_t moved = 0, off = 0, k0 = 0, lb = 0, bad = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t rows = offs[e + 1] - offs[e], np = MOEPT__Q8_PAD(rows), L8 = MOEPT__Q8_L(np);
+        for (int64_t m = 0; m < wop; m++) /* (the wide layout: the group's bytes, then zeros to 128) */
+            for (int64_t k = 0; k < L8 * 128; k++)
+                moved += qb[m * S + k0 + k] != (k < np ? qwh[off + m * np + k] : 0);
+        for (int64_t m = 0; m < wo; m++)
+            for (int64_t j = 0; j < wi; j++) {
+                double sum = g0[(e * wo + m) * wi + j], mag = fabs(sum);
+                for (int64_t b = 0; b < L8; b++) {
+                    double t = 0.0, ta = 0.0;
+                    for (int64_t k = 128 * b; k < 128 * b + 128; k++) {
+                        const double p = (double)moept__e4m3_f32(qb[m * S + k0 + k]) *
+                                         (double)moept__e4m3_f32(qa[j * S + k0 + k]);
+                        t += p, ta += fabs(p);
+                    }
+                    const double sc = (double)sb[(lb + b) * wop + m] * sa[(lb + b) * wip + j];
+                    sum += t * sc, mag += ta * sc;
+                }
+                const float got = g[(e * wo + m) * wi + j];
+                bad += rows ? !(fabs(got - sum) <= 1.5e-5 * mag) : got != g0[(e * wo + m) * wi + j];
+            }
+        off += wop * np, k0 += L8 * 128, lb += L8;
+    }
+    EXPECT(moved == 0 && bad == 0, "the FP8 weight gradient: %lld bytes of the wide layout not the groups' "
+           "own, %lld gradients off the sums in double", (long long)moved, (long long)bad);
+    moept_destroy(L);
+    cudaFree(od); cudaFree(gd); cudaFree(qw); cudaFree(sw);
+    free(oh); free(g0); free(qa); free(qb); free(qwh); free(sa); free(sb); free(g);
+}
+
 static void test_fused(void) {
     setenv("MOEPT_EMU_CC", "90", 1);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 200);
@@ -566,6 +645,7 @@ static void test_fused(void) {
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 200);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 256); /* (F a multiple of 128: the down dgrad quantizes dh too) */
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256);
+    q8t_wgrad8();
     unsetenv("MOEPT_EMU_CC");
 }
 

@@ -73,7 +73,8 @@
 #           passes, the layer's results bitwise);
 #           timed against the bf16 layer at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's
 #           shapes in AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the
-#           same bf16 GEMM floor), the quantizing kernels' share of each step (profile fp8)
+#           same bf16 GEMM floor; the kernel form also with its weight gradients by cuBLASLt,
+#           build/stlt: MOEPT_GK_WGRAD8=0), the quantizing kernels' share of each step (profile fp8)
 #           and each quantizing pass's rate against a copy of its bytes (bench_q8, same shapes);
 #           torch's FP8 grouped GEMM
 #           (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
@@ -349,6 +350,14 @@ fp8() {
             step "bench_cuda ${sh%:*} T=${sh#*:} bf16 rows, FP8 expert GEMMs, $f" build/bench_cuda \
                 --shape "${sh%:*}" --tokens "${sh#*:}" --bf16 --fp8 --gemm-form $f
         done
+    done
+    # the kernel form with its FP8 weight gradients by cuBLASLt, a matmul an expert, not the kernel's
+    [ -x build/stlt/bench_cuda ] || step "make build/stlt/bench_cuda (-DMOEPT_GK_WGRAD8=0)" make -j8 \
+        B=build/stlt CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a" NVCC_DEFS=-DMOEPT_GK_WGRAD8=0 \
+        NCCL_HOME="$(nccl_home)" build/stlt/bench_cuda
+    for sh in mixtral:8192 deepseek:8192 qwen3:4096; do
+        step "bench_cuda ${sh%:*} T=${sh#*:} FP8, kernel, wgrads by cuBLASLt" build/stlt/bench_cuda \
+            --shape "${sh%:*}" --tokens "${sh#*:}" --bf16 --fp8 --gemm-form kernel
     done
     profile fp8 # the quantizing kernels' share of the FP8 step (moept__k_q8_*; moept__k_combine_bwd8 is
     # combine' with dy's records), per kernel, each form

@@ -197,8 +197,10 @@ static double mem_cuda_workspace(const memcfg *c) {
     const double xr = kb && !c->fp8 && P == 1 ? 0 : xrow; /* (at P 1 the chunks are off) */
     w += (1 + nside) * (c->cc >= 90 ? 32 : 4) * 1048576.0;
     if (c->fp8) {
-        /* (16 rows an expert more: the wgrads' column passes hold every expert's rows padded) */
-        const double cap = pad16(dmax(R, T) + 16 * El), W = dmax(pad16(D), dmax(pad16(H), pad16(HS)));
+        /* (16 rows an expert more: the wgrads' column passes hold every expert's rows padded; the kernel
+           form's grouped wgrad, 128) */
+        const double cap = pad16(dmax(R, T) + (kb ? 128 : 16) * El);
+        const double W = dmax(pad16(D), dmax(pad16(H), pad16(HS)));
         const double sc = dmax(ceil(W / 128) * cap, W * (ceil(cap / 128) + El));
         const double nq = kb ? 3 : 2; /* (the kernel form's: the rows' copy of a, dh) */
         w += nq * cap * W + 4 * nq * sc + 4 * dmax(cap, W) * W + (2 * nq + 1) * 64;
