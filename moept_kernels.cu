@@ -2228,7 +2228,7 @@ struct moept__cuda {
                                    shared expert's dy) quantized along the rows by its wgrad's column pass
                                    (moept__q8_twin), or the forward's a by the gate/up product */
     float *q8sr;                /* its scales; q8r, q8sr NULL in the per-expert form */
-    float *q8out;               /* [max(q8rows, Wp)][Wp] the matmul's fp32 result */
+    float *q8out;               /* [max(q8rows, Wp)][Wp] cuBLASLt's fp32 result (NULL: moept__gk_w8) */
     int64_t allocations, allocated_bytes, growths;
     /* held now (moept__cuda_sizes): the parameter block (gradients among them), the fixed workspace
        block, xsh's; the host's: this struct with its slots, pinned and plan blocks */
@@ -2680,7 +2680,7 @@ __device__ __forceinline__ uint4 moept__q8_16(const float *v, int live, float sc
    [r0[g], r0[g] + n[g]) of the source; its operand the output's padded rows from o[g] (each group's rows
    padded to 16, one group after another), its scales a dense [L][np] from L o[g], or (a column pass's,
    transposed: moept__q8_gnext) [Cp][np] from Cp o[g], scales [ceil(np/128)][Cp] from Cp lb[g], or (S >
-   0, the grouped kernel's wgrad, moept__gk_wgrad8) every group's columns of one [Cp][S], group g's from
+   0, the grouped kernel's wgrad, moept__q8_wgrad) every group's columns of one [Cp][S], group g's from
    column o[g], its rows padded to 128; ng 0 (a row pass): one operand, as the kernel's own arguments say */
 typedef struct moept__q8_rg {
     int64_t r0[MOEPT__Q8_G], o[MOEPT__Q8_G], lb[MOEPT__Q8_G];
@@ -3119,15 +3119,16 @@ static int moept__gk_q8(const moept__cuda *c);
 static int moept__gk_w8(const moept__cuda *c);
 /* The token operands' scratch for rows in up to El groups, each padded (16 rows a group more: the column
    passes' operands, every group's; the grouped kernel's wgrad, 128: moept__gk_w8): two E4M3 operands
-   [rows][Wp] (or the groups' [Wp][np], or [Wp][S]), their scales, the matmul's fp32 result (the grouped
-   kernel's: and q8r, q8sr); grown geometrically with the receive block (moept__grow), once the compute
-   stream no longer reads the old one */
+   [rows][Wp] (or the groups' [Wp][np], or [Wp][S]), their scales, cuBLASLt's fp32 result (none where
+   the grouped kernel runs every product: moept__gk_w8), and the grouped kernel's q8r, q8sr; grown
+   geometrically with the receive block (moept__grow), once the compute stream no longer reads the old
+   one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     const int64_t need = MOEPT__Q8_PAD(rows + (moept__gk_w8(c) ? MOEPT__Q8_TILE : 16) * c->sp.El);
     if (!moept__fp8_on(&c->sp) || (need <= c->q8rows && c->q8blk)) return MOEPT_OK;
     const int64_t cap = MOEPT__Q8_PAD(need > 2 * c->q8rows ? need : 2 * c->q8rows), W = moept__q8_wp(c);
     const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * (MOEPT__Q8_L(cap) + c->sp.El), sc = s1 > s2 ? s1 : s2;
-    const int64_t out = (cap > W ? cap : W) * W, nq = moept__gk_q8(c) ? 3 : 2;
+    const int64_t out = moept__gk_w8(c) ? 0 : (cap > W ? cap : W) * W, nq = moept__gk_q8(c) ? 3 : 2;
     void *blk = NULL;
     const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4) + (2 * nq + 1) * 64;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
@@ -3143,7 +3144,7 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     c->q8b = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
     c->q8sa = (float *)moept__take(&cv, (size_t)sc * 4);
     c->q8sb = (float *)moept__take(&cv, (size_t)sc * 4);
-    c->q8out = (float *)moept__take(&cv, (size_t)out * 4);
+    c->q8out = out ? (float *)moept__take(&cv, (size_t)out * 4) : NULL;
     c->q8r = nq > 2 ? (uint8_t *)moept__take(&cv, (size_t)(cap * W)) : NULL;
     c->q8sr = nq > 2 ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
     c->q8rows = cap, c->q8sc = sc;
