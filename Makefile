@@ -242,6 +242,9 @@ $(B)/test_fault: tests/test_fault.cu tests/testutil.h $(CUDA_OBJS)
 
 # FP8's quantizers, and the kernel form's fused ones against the separate passes, bitwise (tests/test_q8.cu:
 # the kernels' unit included, so moept.o alone beside it)
+# the FP8 white boxes (their own copy of the kernels' unit): config.fp8 runs on compute capability 9.0
+# alone, so sm_90a code alone (a CUDA_ARCHS given on the command line still wins)
+$(B)/test_q8_cuda $(B)/bench_q8_cuda: CUDA_ARCHS = -gencode arch=compute_90a,code=sm_90a
 $(B)/test_q8_cuda: tests/test_q8.cu tests/testutil.h moept_kernels.cu moept.c $(HDRS) $(B)/cuda/moept.o
 	$(NVCC) $(NVCCFLAGS) -Itests -c tests/test_q8.cu -o $(B)/cuda/test_q8.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/test_q8.o $(B)/cuda/moept.o -o $@ $(CUDA_LIBS) $(LDLIBS)

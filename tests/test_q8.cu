@@ -611,7 +611,7 @@ static void q8t_wgrad8(void) {
     const int64_t n = offs[E], S = 768; /* (the groups' columns, each padded to 128) */
     const moept__runs R = moept__runs_groups(offs, E);
     unsigned long long rs = 17;
-    moept__bf16 *oh = (moept__bf16 *)malloc((size_t)(n * (wo + wi)) * 2), *ih = oh + n * wo;
+    moept__bf16 *oh = (moept__bf16 *)malloc((size_t)(n * (wo + wi)) * 2); /* (O's rows, then I's) */
     float *g0 = (float *)malloc((size_t)(E * wo * wi) * 4);
     for (int64_t i = 0; i < n * (wo + wi); i++) /* (magnitudes by row: the 128 x 1 scales differ) */
         oh[i] = moept__f32_to_bf16((float)tu_rand(&rs) * ldexpf(1.0f, (int)((i / 7) % 9) - 4));
