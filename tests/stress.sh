@@ -2,9 +2,10 @@
 # `make stress`: the kill -9 loop (tests/crash.sh) with $KILLS kills in each
 # mode, MPI modes when Open MPI is there, and 10 kills of one of 4 emulated-GPU
 # processes (tests/crash_gpu.sh) where $EMU is set; then the emulated GPU's
-# runs kept out of make test for its time (where $EMU is set: the sync-free
-# FP8 step at one rank; the emulator and the kernels under ASan + UBSan where
-# $SAN is too: the reference cases at EP 2 with three chunks and one,
+# runs kept out of make test for its time (where $EMU is set: the per-expert
+# (cuBLASLt) FP8 form's reference cases at EP 1, 2 and 4, sync-free and
+# chunked, each bitwise EP 1's; the emulator and the kernels under ASan + UBSan
+# where $SAN is too: the reference cases at EP 2 with three chunks and one,
 # sync-free and FP8, and test_range); the last line is the total.
 B=${B:-build}
 KILLS=${KILLS:-50}
@@ -31,6 +32,16 @@ else
 fi
 if [ -n "$EMU" ]; then
     c=$(echo tests/cases/*.safetensors)
+    for m in --sync-free "--chunks 3"; do # (make test runs the plain one, and the grouped kernel's three)
+        # shellcheck disable=SC2086
+        if sh tests/ep_bitwise.sh "2 4" "$B/emu/moept_check" --dtype fp8 $m -- $c >"$B/stress.log" 2>&1; then
+            k=$(grep -c '^ok' "$B/stress.log")
+            echo "ok - emu/moept_check --dtype fp8 $m at EP 1, 2, 4: $k bitwise EP 1's"
+        else
+            echo "FAIL - emu/moept_check --dtype fp8 $m:"; tail -n 20 "$B/stress.log"; failed=$((failed + 1))
+        fi
+        n=$((n + 1))
+    done
     runs= # (the emulator and the kernels under ASan + UBSan)
     [ -n "$SAN" ] && runs="emu-san/moept_check --ep 2 --chunks 3|emu-san/moept_check --ep 2"
     [ -n "$SAN" ] && runs="$runs|emu-san/moept_check --ep 2 --sync-free"

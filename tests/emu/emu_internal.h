@@ -132,7 +132,9 @@ struct Device {
     int id;
     char *arena = nullptr;
     size_t top = 0;                /* bump pointer: addresses are never reused */
-    std::vector<Alloc *> allocs;   /* every allocation, index = id */
+    std::vector<Alloc *> allocs;   /* every allocation, index = id; its storage reserved whole at the
+                                      device's creation and never moved: find() reads it without m while
+                                      another thread (a rank on the same device) allocates */
     uint32_t *page_of = nullptr;   /* [ARENA/PAGE] allocation id + 1, 0 = none */
     std::mutex m;
     int active = 0;                /* device ops running: memory is mapped RW */

@@ -159,6 +159,7 @@ Device *dev(int d) {
         v->page_of = (uint32_t *)mmap(nullptr, ARENA / PAGE * 4, PROT_READ | PROT_WRITE,
                                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         v->chunk_live = (uint32_t *)calloc(ARENA / HUGE_PG, sizeof(uint32_t));
+        v->allocs.reserve(ARENA / PAGE / 2); /* (the most allocations: a page and a guard page each) */
         if (raw == MAP_FAILED || v->page_of == MAP_FAILED || !v->chunk_live) {
             fprintf(stderr, "moept-emu: cannot reserve device memory\n");
             abort();
