@@ -2652,6 +2652,8 @@ static moept_status moept__slot_get(moept__cuda *c, int s, moept__cslot **out, c
    zero changes no tile's amax): cuBLASLt takes M and N multiples of 4, K
    and the leading dimensions multiples of 16 bytes (tests/lt_rules.txt). */
 #define MOEPT__Q8_L4(k) ((MOEPT__Q8_L(k) + 3) / 4 * 4)
+/* n rows padded to 128: a group's columns in a column pass's one operand [Cp][S] (moept__q8_rg's S) */
+#define MOEPT__Q8_P128(n) (MOEPT__Q8_L(n) * MOEPT__Q8_TILE)
 /* the bytes of one of x's rows as the experts receive them: a record (config.fp8), or D of T */
 static int64_t moept__xrow(const moept__cuda *c) {
     return moept__fp8_on(&c->sp) ? moept__q8_recw(c->sp.D) : c->sp.D * c->esz;
@@ -2698,7 +2700,7 @@ static int64_t moept__q8_rgroups(const int64_t *offs, int64_t ng, int64_t g0, mo
     for (int i = 0; i < G->ng; i++) {
         const int64_t n = offs[g0 + i + 1] - offs[g0 + i];
         G->r0[i] = offs[g0 + i], G->n[i] = (int32_t)n, G->o[i] = at[0], G->lb[i] = at[1];
-        at[0] += G->S ? MOEPT__Q8_L(n) * MOEPT__Q8_TILE : MOEPT__Q8_PAD(n);
+        at[0] += G->S ? MOEPT__Q8_P128(n) : MOEPT__Q8_PAD(n);
         at[1] += MOEPT__Q8_L(MOEPT__Q8_PAD(n));
         most = n > most ? n : most;
     }
@@ -2892,7 +2894,7 @@ __global__ void moept__k_q8_cols(const T *src, const moept__q8_rg G, int C, int6
     const int x = (int)threadIdx.x % 8, y = (int)threadIdx.x / 8;
     const int g = (int)blockIdx.y;
     const int64_t n = G.n[g], np = MOEPT__Q8_PAD(n), ldq = G.S ? G.S : np; /* (q's row stride) */
-    const int64_t npw = G.S ? MOEPT__Q8_L(np) * MOEPT__Q8_TILE : np; /* (its columns written) */
+    const int64_t npw = G.S ? MOEPT__Q8_P128(n) : np; /* (its columns written) */
     src += G.r0[g] * lds, q += G.S ? G.o[g] : G.o[g] * Cp, s += G.lb[g] * Cp;
     if (sizeof(T) == 1) rs += G.r0[g] * rsr;
     if constexpr (RW) qr += G.r0[g] * Cp, sr += G.r0[g];
@@ -3162,7 +3164,7 @@ static void moept__q8_gnext(int64_t n, int64_t Cp, int64_t *qo, int64_t *so) {
 /* R's groups' columns in a column pass's one operand [Cp][S] (moept__q8_rg's S: each padded to 128) */
 static int64_t moept__q8_wide(const moept__runs *R) {
     int64_t S = 0;
-    for (int64_t i = 0; i < R->n; i++) S += MOEPT__Q8_L(R->offs[i + 1] - R->offs[i]) * MOEPT__Q8_TILE;
+    for (int64_t i = 0; i < R->n; i++) S += MOEPT__Q8_P128(R->offs[i + 1] - R->offs[i]);
     return S;
 }
 /* whether each run's padded rows fit the scratch, or (all) every run's operands, one after another, with
@@ -4854,9 +4856,10 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
-        k0 += w8 ? MOEPT__Q8_L(rows) * MOEPT__Q8_TILE : 0;
+        const int64_t col = k0; /* (WGRAD8: the run's first column) */
+        k0 += w8 ? MOEPT__Q8_P128(rows) : 0;
         if (rows == 0) continue;
-        g.r0[g.n] = (int32_t)(w8 ? k0 - MOEPT__Q8_L(rows) * MOEPT__Q8_TILE : r0);
+        g.r0[g.n] = (int32_t)(w8 ? col : r0);
         g.rows[g.n] = (int32_t)rows; g.e[g.n] = (int32_t)e;
         if (++g.n == MOEPT__GK_RUNS) {
             MOEPT__TRY(moept__gk_launch<F>(c, &ma, &mb, &g, err));
