@@ -3807,6 +3807,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
             tile is two such subtiles, 128 columns of a, one after the other; each stores h and a as
             GATE does and keeps its rows' amax of a, and the tile's end quantizes a's rows along them
             in that 1 x 128 tile (the W2 product's A, moept__k_q8_rows' bytes) from a as stored
+     DACT8  DACT in E4M3 (FWD8's product, A dy's records): where F is a multiple of 128 the tile's end
+            also quantizes dh as stored along its rows (the W13 dgrad's A) and, with WGRAD8, down its
+            128 rows (the W13 wgrad's O: moept__k_q8_cols' bytes, the wide [Cp][S])
      WGRAD8 WGRAD in E4M3: A and B the wgrad's column copies, K-major along the run's rows (one
             [Mp][S] and one [Np][S], every expert's columns from r0 padded to 128: moept__q8_down's S),
             both with 128 x 1 scales; FWD8's k-steps and promotion, each sum times its row's scale of A
@@ -3892,6 +3895,12 @@ typedef struct moept__gk_args {
                                  qs[r + b qsb]; DACT8: dh's, or NULL */
     float *qs;
     int64_t ldq, qsb;
+    uint8_t *qc;              /* DACT8 (with qa): dh's columns down its rows [ldq][qcS] E4M3, run i's from
+                                 column o = qc0 + the launch's runs before its rows padded to 128 (theirs
+                                 before the launch: qc0), 128-row block b's scales at qcs[c + (o / 128 + b)
+                                 ldq]; NULL: not written */
+    float *qcs;
+    int64_t qcS, qc0;
 } moept__gk_args;
 /* (a kernel's parameters: 4 KB, the two tensor maps and these) */
 static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
@@ -4462,6 +4471,47 @@ __device__ __forceinline__ void moept__gk_store_q8(const moept__gk_args *g, int 
     }
 }
 
+/* DACT8's end of tile (mt, nt) where it writes dh's column copy (g->qc): the tile's 256 columns of dh
+   as stored (the gate half's 128 from nt 128, the up half's from N + nt 128; N a multiple of 128), each
+   down the tile's 128 rows of run i in one 128 x 1 tile (moept__k_q8_cols' bytes and scale, zeros past
+   the run's rows), into its column of qc from o (g->qc's). The two consumers' 256 threads (both stored
+   their rows first: a barrier of the two), column t % 128 of each half, rows 64 (t / 128).., each
+   column's amax from its two threads' through red [2][256] */
+__device__ void moept__gk_store_q8c(const moept__gk_args *g, int i, int mt, int nt, int w, float *red) {
+    const int t = (int)threadIdx.x % 128 + 128 * w, hr = t / 128;
+    int64_t o = g->qc0 + (int64_t)mt * MOEPT__GK_BM; /* (this tile's first column of qc) */
+    for (int j = 0; j < i; j++) o += MOEPT__Q8_P128(g->rows[j]);
+    const int64_t r0 = (int64_t)mt * MOEPT__GK_BM + 64 * hr, v = g->rows[i] - r0; /* (v: rows live) */
+    const moept__bf16 *src = (const moept__bf16 *)g->out + (g->r0[i] + r0) * g->ldo;
+    float sc[2];
+    moept__bar_sync(1, 256);
+    for (int h = 0; h < 2; h++) {
+        const int64_t c = h * g->N + (int64_t)nt * MOEPT__GK_BN + t % 128;
+        float amax = 0.0f;
+        for (int64_t r = 0; r < 64 && r < v; r++)
+            amax = moept__q8_amax(amax, moept__bf16_to_f32(src[r * g->ldo + c]));
+        red[256 * h + t] = amax;
+    }
+    moept__bar_sync(1, 256);
+    for (int h = 0; h < 2; h++)
+        sc[h] = moept__q8_scale(moept__q8_amax(red[256 * h + t % 128], red[256 * h + 128 + t % 128]));
+    moept__bar_sync(1, 256); /* (red read by all before the next tile's writes) */
+    for (int h = 0; h < 2; h++) {
+        const int64_t c = h * g->N + (int64_t)nt * MOEPT__GK_BN + t % 128;
+        for (int k = 0; k < 64; k += 16) {
+            float x[16];
+            int live = 0;
+            for (int e = 0; e < 16; e++) {
+                const int in = k + e < v;
+                x[e] = in ? moept__bf16_to_f32(src[(k + e) * g->ldo + c]) : 0.0f;
+                live |= in << e;
+            }
+            *(uint4 *)(g->qc + c * g->qcS + o + 64 * hr + k) = moept__q8_16(x, live, sc[h]);
+        }
+        if (hr == 0) g->qcs[c + (o / MOEPT__Q8_TILE) * g->ldq] = sc[h];
+    }
+}
+
 /* DACT's (DACT8's) epilogue: consumer w's rows of run i's tile (mt, nt) of da, each value rounded to
    bf16 as the dgrad's store would, then dh = act'(g, u, da) from h's g and u, written over them, as the
    activation pass's backward computes it; pam (DACT8's, where it quantizes dh; else NULL): the amax of
@@ -4593,6 +4643,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             if (g->qa) { /* (the whole CTA's) the gate half, then the up half */
                 moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->ldo, 0, g->N);
                 moept__gk_store_q8(g, i, mt, nt, w, pam + 2, red + w * 256, qsrc, g->ldo, g->N, g->N);
+                if (g->qc) moept__gk_store_q8c(g, i, mt, nt, w, red);
             }
     }
 }
@@ -4786,6 +4837,9 @@ typedef struct moept__gk_ext {   /* a form's extras */
     float *qs;
     int64_t ldq, qsb;
     int arec;                   /* the E4M3 forms: A FP8 records, which a chunk's runs load themselves */
+    uint8_t *qc;                /* DACT8: dh's column copy, as moept__gk_args's (its qc0 the launches') */
+    float *qcs;
+    int64_t qcS;
 } moept__gk_ext;
 /* g's fields of a form's extras (ga; NULL: none) and B's rows an expert */
 template <int F>
@@ -4797,6 +4851,14 @@ static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t b
     g->sbe = q ? ga->sbe : 0; g->sbld = q ? ga->sbld : 0;
     g->qa = q8a ? ga->qa : NULL; g->qs = q8a ? ga->qs : NULL; g->ldq = q8a ? ga->ldq : 0;
     g->qsb = q8a ? ga->qsb : 0;
+    g->qc = F == MOEPT__GK_DACT8 ? ga->qc : NULL; g->qcs = F == MOEPT__GK_DACT8 ? ga->qcs : NULL;
+    g->qcS = F == MOEPT__GK_DACT8 ? ga->qcS : 0; g->qc0 = 0;
+}
+/* an epilogue's extras: GATE's a [..][lda], config.act, the rows' E4M3 copy qa [..][ldq] with its scales */
+static moept__gk_ext moept__gk_epi(void *a, int64_t lda, int act, uint8_t *qa, float *qs, int64_t ldq) {
+    moept__gk_ext e = {};
+    e.a = a; e.lda = lda; e.act = act; e.qa = qa; e.qs = qs; e.ldq = ldq;
+    return e;
 }
 template <int F>
 static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *A, int64_t lda,
@@ -4804,7 +4866,8 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
                               int64_t K, void *out, int64_t ldo, const int64_t *cnt, const moept__gk_ext *ga,
                               char *err) {
     const int wg = MOEPT__GK_WG(F), w8 = F == MOEPT__GK_WGRAD8; /* (w8: A, B the column copies) */
-    int64_t end = 0, ne = 0, k0 = 0; /* the rows and the experts the runs reach; WGRAD8: a run's columns */
+    int64_t end = 0, ne = 0, k0 = 0; /* the rows and the experts the runs reach; a run's first column of the
+                                        column copies (WGRAD8's operands, DACT8's qc) */
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
@@ -4856,9 +4919,10 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
     for (int64_t i = 0; i < R->n; i++) {
         int64_t r0, rows, e;
         moept__run_at(R, i, &r0, &rows, &e);
-        const int64_t col = k0; /* (WGRAD8: the run's first column) */
-        k0 += w8 ? MOEPT__Q8_P128(rows) : 0;
+        const int64_t col = k0;
+        k0 += MOEPT__Q8_P128(rows);
         if (rows == 0) continue;
+        if (g.n == 0) g.qc0 = col;
         g.r0[g.n] = (int32_t)(w8 ? col : r0);
         g.rows[g.n] = (int32_t)rows; g.e[g.n] = (int32_t)e;
         if (++g.n == MOEPT__GK_RUNS) {
@@ -5032,6 +5096,14 @@ static int moept__q8_pre(const moept__cuda *c, const moept__ffn *f, const moept_
     return w2 ? !f->yq && moept__q8_twin(c, f, R) : moept__q8_dh8(c, f) || moept__q8_twin(c, f, R);
 }
 
+/* whether the down dgrad's epilogue, where it quantizes dh's rows (moept__q8_dh8), also writes dh's copy
+   down its rows, the W13 wgrad's O (into q8b, q8sb as moept__q8_down's S lays it out: the grouped wgrad's,
+   WGRAD8), so no column pass reads dh: whole groups, unchunked (moept__q8_twin's), each 128-row tile of
+   the down dgrad one 128 x 1 tile of the copy */
+static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
+    return moept__q8_dh8(c, f) && moept__q8_twin(c, f, R) && moept__gk_w8(c);
+}
+
 /* config.fp8's product over R's runs in one launch of the grouped kernel (F: FWD8, GATE8 with its
    extras gx, or DACT8, the down dgrad with the activation's backward: gx's act): A the rows [0, end) of
    in (k columns, ld apart) quantized in 1 x 128 tiles (whole groups: at once; a chunk's runs: each
@@ -5116,7 +5188,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
 
 /* config.fp8's weight gradient g [E][wo][wi] += O^T I (moept__ffn_wgrad's): every expert's two operands
    quantized down the rows, one column pass each (I: x's records, or a; O: dy's records, or dy's rows
-   (the shared expert's) or dh, their rows along them too where moept__q8_twin), then the products: the
+   (the shared expert's) or dh, their rows along them too where moept__q8_twin; dh's none where the down
+   dgrad wrote its copy, moept__q8_dhc), then the products: the
    grouped kernel's, one launch (WGRAD8: moept__gk_w8; the operands [Cp][S], every expert's columns
    padded to 128), or cuBLASLt's, a matmul an expert (into g itself where nothing is padded) */
 template <typename T>
@@ -5141,7 +5214,7 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
     if (orec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb, err,
                                            NULL, NULL, 0, S));
-    else
+    else if (w2 || !moept__q8_dhc(c, f, R)) /* (else dh's: the down dgrad wrote it) */
         MOEPT__TRY(moept__q8_down<T>(c, O, R->offs, R->n, wo, wo, c->q8b, c->q8sb, err, twin ? c->q8r : NULL,
                                      twin ? c->q8sr : NULL, MOEPT__Q8_PAD(end), S));
     if (S) { /* A: O's copy [wop][S], B: I's [wip][S], each with a scale a column and 128 of its rows */
@@ -5189,12 +5262,11 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
     if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
-        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0, 0};
+        const moept__gk_ext ga = moept__gk_epi(f->a, f->lda, c->sp.act, NULL, NULL, 0);
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else if (moept__ffn_fused8(c, f)) { /* h, a and a's E4M3 rows (W2's A) by the gate/up GEMM */
-        const moept__gk_ext ga = {f->a, f->lda, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, c->q8r, c->q8sr,
-                                  MOEPT__Q8_PAD(F), 0, 0};
+        const moept__gk_ext ga = moept__gk_epi(f->a, f->lda, c->sp.act, c->q8r, c->q8sr, MOEPT__Q8_PAD(F));
         const int64_t ld = f->xq ? moept__q8_recw(D) : D; /* (x's FP8 records, or its rows) */
         const moept__q8w *q = f->q8;
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
@@ -5217,16 +5289,21 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     const int64_t D = c->sp.D, F = f->F;
     const void *W2 = moept__w(c, f->off2);
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
-    const moept__gk_ext ga = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0, NULL, NULL, 0, 0, 0};
+    const moept__gk_ext ga = moept__gk_epi(NULL, 0, c->sp.act, NULL, NULL, 0);
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else if (moept__ffn_fused8(c, f)) { /* ... in E4M3: A dy's records (the shared expert's: its rows),
-                                             dh quantized along its rows too (moept__q8_dh8) */
+                                             dh quantized along its rows too (moept__q8_dh8), and down
+                                             them (moept__q8_dhc) */
         const moept__q8w *q = f->q8;
         const int dh8 = moept__q8_dh8(c, f);
-        const moept__gk_ext g8 = {NULL, 0, c->sp.act, 0, NULL, NULL, 0, 0, 0, 0, 0,
-                                  dh8 ? c->q8r : NULL, c->q8sr, MOEPT__Q8_PAD(f->H), 0, 0};
+        moept__gk_ext g8 = moept__gk_epi(NULL, 0, c->sp.act, dh8 ? c->q8r : NULL, c->q8sr,
+                                         MOEPT__Q8_PAD(f->H));
+        if (moept__q8_dhc(c, f, R)) {
+            g8.qcS = moept__q8_wide(R), g8.qc = c->q8b, g8.qcs = c->q8sb;
+            MOEPT__TRY(moept__q8_fits(c, R, 1, err, g8.qcS));
+        }
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_DACT8>(c, f, R, (const char *)f->y, f->yq, D,
                                                    f->yq ? moept__q8_recw(D) : D, q->w2t, q->s2t, q->ns2t, F,
                                                    (char *)f->h, moept__q8_pre(c, f, R, 1), &g8, err)));

@@ -15,15 +15,15 @@
                  copy for x and dy; a, dh) and its fp32 result into bf16 (h, y, da, dx); the wgrads'
                  column-wise dh;
      kernel:     the kernel form's wgrad column pass of dh that also writes the dgrad's rows (one
-                 read); its gate/up product quantizes a itself, its down dgrad dh (where F is a
-                 multiple of 128: there its plain column pass of dh, "both"), its products read the
-                 records and write bf16.
+                 read), where F is not a multiple of 128 (where it is, its down dgrad quantizes dh
+                 along and down the rows itself); its gate/up product quantizes a itself, its
+                 products read the records and write bf16.
    Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch (the
    column passes as the per-expert form lays them out; the kernel form's write one matrix, each expert's
    rows padded to 128: the same reads, at most 127 zero columns an expert more written). A
    chunked step runs its row passes a launch a run instead (the kernel form's: of dh where F is not a
-   multiple of 128, and the plain column pass in place of its own). The "sum" lines add up each form's
-   passes: its quantizing bytes and time a step, less the GEMMs.
+   multiple of 128, and the plain column pass of dh in place of its own or its down dgrad's). The "sum"
+   lines add up each form's passes: its quantizing bytes and time a step, less the GEMMs.
 
    usage: bench_q8 [--shape mixtral|deepseek|qwen3] [--tokens T] [--hidden D] [--ffn F] [--experts E]
                    [--topk K] [--reps R]
@@ -185,10 +185,10 @@ int main(int argc, char **argv) {
     cudaEvent_t ev[4];
     for (int i = 0; i < 4; i++) BQ_CK(cudaEventCreate(&ev[i]));
     double sum_ms[3] = {0, 0, 0}, sum_b[3] = {0, 0, 0}; /* both, per-expert, kernel */
-    const int dh8 = s.F % MOEPT__Q8_TILE == 0; /* (the kernel form's down dgrad quantizes dh's rows) */
+    const int dh8 = s.F % MOEPT__Q8_TILE == 0; /* (the kernel form's down dgrad quantizes dh both ways) */
     for (int i = 0; i < BQ_N; i++) {
         const bq_pass *p = &bq_passes[i];
-        const char *form = dh8 && !strcmp(p->name, "wgrad_dh") ? "both" : p->form;
+        const char *form = p->form;
         if (dh8 && p->kind == BQ_COLS_RW) continue;
         BQ_CK(bq_run(&c, p, &s, &b, &in, &out, &l)); /* (warm-up) */
         BQ_CK(cudaEventRecord(ev[0], c.s));

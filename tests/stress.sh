@@ -4,7 +4,8 @@
 # processes (tests/crash_gpu.sh) where $EMU is set; then the emulated GPU's
 # runs kept out of make test for its time (where $EMU is set: the per-expert
 # (cuBLASLt) FP8 form's reference cases at EP 1, 2 and 4, sync-free and
-# chunked, each bitwise EP 1's; the emulator and the kernels under ASan + UBSan
+# chunked, each bitwise EP 1's; test_q8 --wide, the kernel form's FP8 layer with
+# 300 experts; the emulator and the kernels under ASan + UBSan
 # where $SAN is too: the reference cases at EP 2 with three chunks and one,
 # sync-free and FP8, and test_range); the last line is the total.
 B=${B:-build}
@@ -42,6 +43,12 @@ if [ -n "$EMU" ]; then
         fi
         n=$((n + 1))
     done
+    if "$B/emu/test_q8" --wide >"$B/stress.log" 2>&1; then
+        echo "ok - emu/test_q8 --wide: $(tail -n 1 "$B/stress.log")"
+    else
+        echo "FAIL - emu/test_q8 --wide:"; tail -n 20 "$B/stress.log"; failed=$((failed + 1))
+    fi
+    n=$((n + 1))
     runs= # (the emulator and the kernels under ASan + UBSan)
     [ -n "$SAN" ] && runs="emu-san/moept_check --ep 2 --chunks 3|emu-san/moept_check --ep 2"
     [ -n "$SAN" ] && runs="$runs|emu-san/moept_check --ep 2 --sync-free"

@@ -432,6 +432,37 @@ static void q8t_epilogue(moept__cuda *c, const void *src, int64_t F, int64_t lds
     free(hq); free(hr); free(hs); free(hsr);
 }
 
+/* ... and after a backward dh over h (2F columns) down its rows as the down dgrad's epilogue wrote it (q8b,
+   q8sb: the W13 wgrad's O, the groups' columns of one [Cp][S]) against moept__q8_down's column pass */
+static void q8t_epilogue_down(moept__cuda *c, int64_t F) {
+    const moept__cslot *sl = &c->slots[c->last];
+    const int64_t El = c->sp.El, Cp = MOEPT__Q8_PAD(2 * F);
+    const moept__runs R = moept__runs_groups(sl->roffsets, El);
+    const int64_t S = moept__q8_wide(&R);
+    int64_t most = 0, runs = 0; /* (an expert's rows past a tile: a column's two halves and its second
+                                   tile; or the down dgrad's second launch, its runs' first column) */
+    for (int64_t e = 0; e < El; e++) {
+        most = std::max(most, sl->roffsets[e + 1] - sl->roffsets[e]);
+        runs += sl->roffsets[e + 1] > sl->roffsets[e];
+    }
+    EXPECT(most > 128 || runs > MOEPT__GK_RUNS, "dh down its rows: an expert's %lld rows at most, %lld "
+           "experts with rows: no second tile, no second launch", (long long)most, (long long)runs);
+    const size_t qb = (size_t)(Cp * S), sb = (size_t)(S / 128 * Cp) * 4;
+    char err[MOEPT__ERRLEN] = "";
+    uint8_t *q = q8t_dev<uint8_t>(NULL, qb);
+    float *s = q8t_dev<float>(NULL, sb);
+    const moept_status st = moept__q8_down<moept__bf16>(c, sl->h, sl->roffsets, El, 2 * F, 2 * F, q, s, err,
+                                                        NULL, NULL, 0, S);
+    EXPECT(!st && S > 0, "%s (%lld columns)", err, (long long)S);
+    uint8_t *h0 = q8t_host<uint8_t>(q, qb), *h1 = q8t_host<uint8_t>(c->q8b, qb);
+    float *s0 = q8t_host<float>(s, sb), *s1 = q8t_host<float>(c->q8sb, sb);
+    EXPECT(!st && q8t_same(h0, h1, qb) && q8t_same(s0, s1, sb),
+           "dh down its rows: the down dgrad's copy differs from the column pass's (bytes %d, scales %d)",
+           !q8t_same(h0, h1, qb), !q8t_same(s0, s1, sb));
+    cudaFree(q); cudaFree(s);
+    free(h0); free(h1); free(s0); free(s1);
+}
+
 /* combine' in FP8 (moept__q8_combine, one read of dy: row r token idx[r]'s dy times its assignment's
    routing weight w[idx[r] K + ks[r]], and that assignment's dL/dw): its records the bytes of the
    separate path's (the rows w dy in fp32, as the fp32 layer's combine' stores them, then recorded),
@@ -521,22 +552,23 @@ static void test_records(void) {
     q8t_groups(200);
 }
 
-/* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) with its fused stages (a by
-   the gate/up kernel's epilogue, dh by the down dgrad's, its rows there too (F a multiple of 128) or by
-   the W13 wgrad's column pass, the shared expert's dy's by the W2 wgrad's) and without (q8r NULL: the
-   down dgrad's da stored, then an activation pass; each quantization a pass of its own): y, dx and every
-   gradient bitwise; and (a layer with no shared expert, whose a comes last) the gate/up kernel's
-   quantized a is moept__q8_along's of a as stored, byte for byte, as (F 256) the down dgrad's quantized
-   dh is of dh as stored.
+/* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) of T tokens with its fused
+   stages (a by the gate/up kernel's epilogue, dh by the down dgrad's, along its rows and down them there
+   (F a multiple of 128) or by the W13 wgrad's column pass, the shared expert's dy's by the W2 wgrad's)
+   and without (q8r NULL: the down dgrad's da stored, then an activation pass; each quantization a pass
+   of its own): y, dx and every gradient bitwise; the backward's column passes counted; and (a layer with
+   no shared expert, whose a comes last) the gate/up kernel's quantized a is moept__q8_along's of a as
+   stored, byte for byte, as (F 256) the down dgrad's two copies of dh are moept__q8_along's and
+   moept__q8_down's of dh as stored.
    F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
-   an edge of one subtile; F 256: whole tiles, where the down dgrad's epilogue quantizes dh's rows too */
-static void q8t_fused(moept_family fam, int64_t F) {
+   an edge of one subtile; F 256: whole tiles, where the down dgrad's epilogue quantizes dh */
+static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4) {
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
-    cfg.family = fam; cfg.hidden_size = 72; cfg.intermediate_size = F; cfg.num_experts = 4; cfg.top_k = 2;
-    cfg.norm_topk_prob = 1; cfg.max_tokens = 40; cfg.fp8 = MOEPT_FP8_BLOCKWISE;
+    cfg.family = fam; cfg.hidden_size = 72; cfg.intermediate_size = F; cfg.num_experts = E; cfg.top_k = 2;
+    cfg.norm_topk_prob = 1; cfg.max_tokens = T; cfg.fp8 = MOEPT_FP8_BLOCKWISE;
     cfg.shared_intermediate_size = fam == MOEPT_FAMILY_QWEN2_MOE ? 136 : 0;
-    const int64_t T = cfg.max_tokens, D = cfg.hidden_size;
+    const int64_t D = cfg.hidden_size;
     moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
     moept_layer *L[2] = {NULL, NULL};
     unsigned long long rs = 5;
@@ -566,9 +598,21 @@ static void q8t_fused(moept_family fam, int64_t F) {
 #endif
         if (!v && fam == MOEPT_FAMILY_MIXTRAL)
             q8t_epilogue(c, c->slots[c->last].a, F, c->lda_a, "a, quantized");
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+        const long p0 = moept_emu_launches("moept__k_q8_cols");
+#endif
         EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
-        if (!v && fam == MOEPT_FAMILY_MIXTRAL && F % 128 == 0) /* (q8r last written by the down dgrad) */
+#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each; dh's by the down dgrad) */
+        const long np8 = moept_emu_launches("moept__k_q8_cols") - p0;
+        EXPECT(fam != MOEPT_FAMILY_MIXTRAL ||
+                   np8 == (!v && F % 128 == 0 ? 3 : 4) * ((E + MOEPT__Q8_G - 1) / MOEPT__Q8_G),
+               "layer %d: %ld column passes in the backward", v, np8);
+#endif
+        if (!v && fam == MOEPT_FAMILY_MIXTRAL && F % 128 == 0) { /* (q8r, q8b last written by the down
+                                                                    dgrad) */
             q8t_epilogue(c, c->slots[c->last].h, 2 * F, 2 * F, "dh, quantized");
+            q8t_epilogue_down(c, F);
+        }
         float *pp = NULL, *gp = NULL;
         EXPECT_OK(moept_cuda_params(L[v], &pp, &gp, &np));
         if (gp) g[v] = q8t_host<float>(gp, (size_t)np * 4);
@@ -667,21 +711,33 @@ static void q8t_wgrad8(void) {
 
 static void test_fused(void) {
     setenv("MOEPT_EMU_CC", "90", 1);
-    q8t_fused(MOEPT_FAMILY_MIXTRAL, 200);
-    q8t_fused(MOEPT_FAMILY_MIXTRAL, 136); /* (a's second tile of one subtile, 8 columns) */
-    q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 200);
-    q8t_fused(MOEPT_FAMILY_MIXTRAL, 256); /* (F a multiple of 128: the down dgrad quantizes dh too) */
-    q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 200, 40);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 136, 40); /* (a's second tile of one subtile, 8 columns) */
+    q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 200, 40);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 256, 300); /* (F a multiple of 128: the down dgrad quantizes dh too;
+                                                   an expert's rows past a tile) */
+    q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256, 40);
     q8t_wgrad8();
     unsetenv("MOEPT_EMU_CC");
 }
+/* ... with 300 experts, the down dgrad in two launches (240 runs, then the rest): --wide (make stress, where
+   the emulator takes 40 s over it) */
+static void test_wide(void) {
+    setenv("MOEPT_EMU_CC", "90", 1);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 128, 300, 300);
+    unsetenv("MOEPT_EMU_CC");
+}
 
-int main(void) {
+int main(int argc, char **argv) {
+    const int wide = argc > 1 && !strcmp(argv[1], "--wide");
     const char *name = "FP8 records, their cuBLASLt copy, a chunk's runs, the wgrad's column-wise x and "
                        "the rows' copy from its read: the separate passes' bytes, the CPU's values";
-    const char *fused = "the kernel form's FP8 layer: its fused quantizers' results the separate passes' "
-                        "bitwise, the gate/up kernel's quantized a and the down dgrad's dh "
-                        "moept__q8_along's; its weight gradient against sums in double";
+    const char *fused =
+        wide ? "the kernel form's FP8 layer with 300 experts (the down dgrad in two launches): its fused "
+               "quantizers' results the separate passes' bitwise, dh's two copies theirs"
+             : "the kernel form's FP8 layer: its fused quantizers' results the separate passes' bitwise, the "
+               "gate/up kernel's quantized a and the down dgrad's dh moept__q8_along's; its weight gradient "
+               "against sums in double";
     int major = 0, minor = 0; /* (the kernel form: compute capability 9.0; the emulator answers it) */
     if (moept_cuda_device_count() > 0) {
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
@@ -691,11 +747,11 @@ int main(void) {
     major = 9, minor = 0;
 #endif
     if (moept_cuda_device_count() < 1) {
-        tu_skip(name, "no CUDA device");
+        if (!wide) tu_skip(name, "no CUDA device");
         tu_skip(fused, "no CUDA device");
     } else {
-        tu_run(name, test_records);
-        if (major == 9 && minor == 0) tu_run(fused, test_fused);
+        if (!wide) tu_run(name, test_records);
+        if (major == 9 && minor == 0) tu_run(fused, wide ? test_wide : test_fused);
         else tu_skip(fused, "the kernel GEMM form needs compute capability 9.0");
     }
     return tu_done();

@@ -70,7 +70,7 @@
 #           FP8 tiles; tools/curve_diff.py compares each pair); the kernel form's FP8 (its bf16
 #           pass) and the device comm's records (EP 2, plain and chunked) on the reference cases;
 #           test_q8 (the quantizers' bytes; the kernel form's fused ones against the separate
-#           passes, the layer's results bitwise);
+#           passes, the layer's results bitwise; --wide: with 300 experts);
 #           timed against the bf16 layer at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's
 #           shapes in AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the
 #           same bf16 GEMM floor; the kernel form also with its weight gradients by cuBLASLt,
@@ -316,6 +316,7 @@ fp8() {
     step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
     step "test_q8: the quantizers' bytes; the fused ones' layer bitwise the separate passes'" \
         build/test_q8_cuda
+    step "test_q8 --wide: the same with 300 experts" build/test_q8_cuda --wide
     step "moept_check_cuda --dtype fp8: the reference cases (FP8 layer against the file 2^-2, the CPU's 2^-5)" \
         build/moept_check_cuda --dtype fp8 tests/cases/*.safetensors
     for m in "" --sync-free; do
