@@ -433,11 +433,14 @@ static void q8t_epilogue(moept__cuda *c, const void *src, int64_t F, int64_t lds
 }
 
 /* ... and after a backward dh over h (2F columns) down its rows as the down dgrad's epilogue wrote it (q8b,
-   q8sb: the W13 wgrad's O, the groups' columns of one [Cp][S]) against moept__q8_down's column pass */
-static void q8t_epilogue_down(moept__cuda *c, int64_t F) {
-    const moept__cslot *sl = &c->slots[c->last];
+   q8sb: the W13 wgrad's O, the groups' columns of one [Cp][S]; moept__q8_dhc) against moept__q8_down's
+   column pass; wide: the down dgrad's runs past a launch's, else an expert's rows past a tile */
+static void q8t_epilogue_down(moept__cuda *c, int64_t F, int wide) {
+    moept__cslot *sl = &c->slots[c->last];
     const int64_t El = c->sp.El, Cp = MOEPT__Q8_PAD(2 * F);
     const moept__runs R = moept__runs_groups(sl->roffsets, El);
+    const moept__ffn f = moept__ffn_routed(c, sl, NULL, 1);
+    EXPECT(moept__q8_dhc(c, &f, &R), "dh down its rows: the layer's down dgrad does not write it");
     const int64_t S = moept__q8_wide(&R);
     int64_t most = 0, runs = 0; /* (an expert's rows past a tile: a column's two halves and its second
                                    tile; or the down dgrad's second launch, its runs' first column) */
@@ -445,8 +448,8 @@ static void q8t_epilogue_down(moept__cuda *c, int64_t F) {
         most = std::max(most, sl->roffsets[e + 1] - sl->roffsets[e]);
         runs += sl->roffsets[e + 1] > sl->roffsets[e];
     }
-    EXPECT(most > 128 || runs > MOEPT__GK_RUNS, "dh down its rows: an expert's %lld rows at most, %lld "
-           "experts with rows: no second tile, no second launch", (long long)most, (long long)runs);
+    EXPECT(wide ? runs > MOEPT__GK_RUNS : most > 128, "dh down its rows: an expert's %lld rows at most, %lld "
+           "experts with rows: no second %s", (long long)most, (long long)runs, wide ? "launch" : "tile");
     const size_t qb = (size_t)(Cp * S), sb = (size_t)(S / 128 * Cp) * 4;
     char err[MOEPT__ERRLEN] = "";
     uint8_t *q = q8t_dev<uint8_t>(NULL, qb);
@@ -602,16 +605,17 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4) {
         const long p0 = moept_emu_launches("moept__k_q8_cols");
 #endif
         EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
-#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each; dh's by the down dgrad) */
+#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; dh's by the
+                                   down dgrad) */
         const long np8 = moept_emu_launches("moept__k_q8_cols") - p0;
-        EXPECT(fam != MOEPT_FAMILY_MIXTRAL ||
-                   np8 == (!v && F % 128 == 0 ? 3 : 4) * ((E + MOEPT__Q8_G - 1) / MOEPT__Q8_G),
+        const long per = !v && F % 128 == 0 && moept__gk_w8(c) ? 3 : 4; /* (passes a launch of groups) */
+        EXPECT(fam != MOEPT_FAMILY_MIXTRAL || np8 == per * ((E + MOEPT__Q8_G - 1) / MOEPT__Q8_G),
                "layer %d: %ld column passes in the backward", v, np8);
 #endif
         if (!v && fam == MOEPT_FAMILY_MIXTRAL && F % 128 == 0) { /* (q8r, q8b last written by the down
                                                                     dgrad) */
             q8t_epilogue(c, c->slots[c->last].h, 2 * F, 2 * F, "dh, quantized");
-            q8t_epilogue_down(c, F);
+            if (moept__gk_w8(c)) q8t_epilogue_down(c, F, E > MOEPT__GK_RUNS);
         }
         float *pp = NULL, *gp = NULL;
         EXPECT_OK(moept_cuda_params(L[v], &pp, &gp, &np));
