@@ -1422,7 +1422,7 @@ __global__ void k_wg_partial(int keep) {
    0 and 1 each compute 64 rows with m64n128k16 (the descriptor's start advanced 32 bytes a k16 step
    within the swizzled row), warp 8's first thread produces. bug selects a broken variant. */
 enum { HB_NONE, HB_ACC_READ, HB_ACC_WRITE, HB_SMEM_WRITE, HB_PHASE, HB_OUTSIDE, HB_BASE, HB_DIVERGE,
-       HB_DIVERGE_KIND };
+       HB_DIVERGE_KIND, HB_NO_WAIT };
 __global__ void k_hgemm(const CUtensorMap tma, const CUtensorMap tmb, float *C, int M, int KT, int span,
                         int bug) {
     __shared__ uint64_t full[2], empty[2];
@@ -1451,7 +1451,7 @@ __global__ void k_hgemm(const CUtensorMap tma, const CUtensorMap tmb, float *C, 
     float d[64];
     for (int kt = 0; kt < KT; kt++) {
         const int s = kt % 2;
-        moept_emu_mbar_wait(&full[s], (kt / 2) & 1);
+        if (bug != HB_NO_WAIT || kt != 1 || t != 9) moept_emu_mbar_wait(&full[s], (kt / 2) & 1);
         moept_emu_wgmma_fence();
         if (bug == HB_ACC_WRITE && kt == 1 && t == 3) d[5] = 0.0f;
         for (int ks = 0; ks < span / 32; ks++) {
@@ -1877,6 +1877,8 @@ static void hopper_kernels() {
         {HB_DIVERGE, "wgmma: one thread of the warpgroup passes another B descriptor",
          "must execute the same"},
         {HB_DIVERGE_KIND, "wgmma: one thread commits where the others issue an mma", "must execute the same"},
+        {HB_NO_WAIT, "tma: a wgmma reads a TMA load's bytes one thread of its warpgroup did not wait for",
+         "thread 9 did not wait on the mbarrier phase"},
     };
     for (const Bug &b : bugs) {
         hgemm_run(128, b.bug, why, sizeof why);
