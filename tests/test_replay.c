@@ -16,6 +16,9 @@
 #include <math.h>
 #ifdef MOEPT_CUDA
 #include <cuda_runtime.h>
+#ifdef MOEPT_EMU
+#include "emu/emu.h" /* (the emulated GPU's launch counts) */
+#endif
 #define GPU 1
 #else
 #define GPU 0
@@ -33,7 +36,8 @@ typedef struct outs {
     int64_t tpe[64];        /* tokens per expert */
 } outs;
 
-typedef struct mode { int gpu, bf16, sync_free, chunks; } mode;
+/* fp8: config.fp8 (1; on the GPU 2: in the grouped kernel, MOEPT_GEMM_KERNEL) */
+typedef struct mode { int gpu, bf16, sync_free, chunks, fp8; } mode;
 
 /* A world of P ranks (threads; NCCL ranks on the GPU), each with T[r]
    tokens of the batch x, dy [sum T][D]; per rank a list of steps, each with
@@ -141,11 +145,12 @@ static moept_status step(moept_layer *L, const world *w, int64_t T, const float 
 static moept_status make_layer(world *w, moept_comm *ep, moept_comm *dp, moept_layer **L) {
     moept_config c = w->cfg;
     c.overlap_chunks = w->m.chunks;
+    c.fp8 = w->m.fp8 ? MOEPT_FP8_BLOCKWISE : MOEPT_FP8_OFF;
     moept_status st = MOEPT_ERR_UNSUPPORTED;
     if (!w->m.gpu) st = moept_create_parallel(&c, ep, dp, L);
 #ifdef MOEPT_CUDA
     moept_cuda_options o = {w->m.bf16 ? MOEPT_DTYPE_BF16 : MOEPT_DTYPE_F32, NULL, 0, w->m.sync_free,
-                            MOEPT_GEMM_AUTO};
+                            w->m.fp8 == 2 ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_AUTO};
     if (w->m.gpu) st = moept_create_cuda(&c, ep, dp, &o, L);
 #endif
     if (!st) st = moept_init_params(*L, 7);
@@ -681,7 +686,7 @@ static void test_masked_rows(void) {
     static const char *what[3][2] = {{"mask EP 1", "mask EP 2"}, {"mask EP 1 bf16", "mask EP 2 bf16"},
                                      {"mask EP 1 sync-free", "mask EP 2 sync-free"}};
     for (int i = 0; i < nm; i++) {
-        const mode m = {gpu, i == 1, i == 2, 1};
+        const mode m = {gpu, i == 1, i == 2, 1, 0};
         own_ids(MOEPT_FAMILY_QWEN2_MOE, 1, m, mask, what[i][0]);
         own_ids(MOEPT_FAMILY_DEEPSEEK_V3, 2, m, mask, what[i][1]);
     }
@@ -693,10 +698,10 @@ static void test_own_ids_cpu(void) {
     for (int fam = 0; fam < 4; fam++)
         for (int P = 1; P <= 4; P *= 2) {
             snprintf(what, sizeof what, "family %d EP %d", fam, P);
-            own_ids(fam, P, (mode){0, 0, 0, 1}, NULL, what);
+            own_ids(fam, P, (mode){0, 0, 0, 1, 0}, NULL, what);
             if (P == 2) {
                 snprintf(what, sizeof what, "family %d EP %d chunks 3", fam, P);
-                own_ids(fam, P, (mode){0, 0, 0, 3}, NULL, what);
+                own_ids(fam, P, (mode){0, 0, 0, 3, 0}, NULL, what);
             }
         }
 }
@@ -705,15 +710,15 @@ static void test_rollout_cpu(void) {
     char what[64];
     for (int fam = 0; fam < 4; fam++) {
         snprintf(what, sizeof what, "family %d", fam);
-        rollout(fam, (mode){0, 0, 0, 1}, what);
+        rollout(fam, (mode){0, 0, 0, 1, 0}, what);
     }
 }
 
 static void test_rejected_cpu(void) {
-    rejected(1, 1, (mode){0, 0, 0, 1}, "EP 1");
-    rejected(2, 1, (mode){0, 0, 0, 1}, "EP 2");
-    rejected(4, 1, (mode){0, 0, 0, 3}, "EP 4 chunks 3");
-    rejected(2, 2, (mode){0, 0, 0, 1}, "EP 2 x DP 2");
+    rejected(1, 1, (mode){0, 0, 0, 1, 0}, "EP 1");
+    rejected(2, 1, (mode){0, 0, 0, 1, 0}, "EP 2");
+    rejected(4, 1, (mode){0, 0, 0, 3, 0}, "EP 4 chunks 3");
+    rejected(2, 2, (mode){0, 0, 0, 1, 0}, "EP 2 x DP 2");
 }
 #else
 /* the GPU world's values against the CPU world's (the spec): fp32 to 1e-5,
@@ -745,7 +750,7 @@ static void test_other_choice_gpu(void) {
                 world g, c;
                 memset(&g, 0, sizeof g);
                 g.cfg = cfg_of(fam); g.P = P; g.D = g.cfg.hidden_size; g.K = g.cfg.top_k;
-                g.m = (mode){1, bf16, 0, 1};
+                g.m = (mode){1, bf16, 0, 1, 0};
                 int64_t Ttot = 0;
                 for (int r = 0; r < P; r++) Ttot += g.T[r] = 30 / P;
                 float *x = batch(Ttot * g.D, 61), *dy = batch(Ttot * g.D, 62);
@@ -753,7 +758,7 @@ static void test_other_choice_gpu(void) {
                 other_ids(Ttot, g.cfg.num_experts, 0, given);
                 g.x = x; g.dy = dy; g.nsteps = 1; g.replay[0] = given;
                 c = g;
-                c.m = (mode){0, 0, 0, 1};
+                c.m = (mode){0, 0, 0, 1, 0};
                 run_world(&g);
                 run_world(&c);
                 snprintf(what, sizeof what, "family %d EP %d %s", fam, P, bf16 ? "bf16" : "fp32");
@@ -766,21 +771,21 @@ static void test_other_choice_gpu(void) {
 }
 
 static void test_rollout_gpu(void) {
-    rollout(MOEPT_FAMILY_MIXTRAL, (mode){1, 0, 0, 1}, "mixtral fp32");
-    rollout(MOEPT_FAMILY_DEEPSEEK_V3, (mode){1, 1, 0, 1}, "deepseek_v3 bf16");
+    rollout(MOEPT_FAMILY_MIXTRAL, (mode){1, 0, 0, 1, 0}, "mixtral fp32");
+    rollout(MOEPT_FAMILY_DEEPSEEK_V3, (mode){1, 1, 0, 1, 0}, "deepseek_v3 bf16");
 }
 
 static void test_rejected_gpu(void) {
-    rejected(1, 1, (mode){1, 0, 0, 1}, "EP 1");
-    rejected(2, 1, (mode){1, 0, 0, 1}, "EP 2");
-    rejected(2, 1, (mode){1, 1, 0, 3}, "EP 2 bf16 chunks 3");
-    rejected(2, 1, (mode){1, 0, 1, 1}, "EP 2 sync-free");
+    rejected(1, 1, (mode){1, 0, 0, 1, 0}, "EP 1");
+    rejected(2, 1, (mode){1, 0, 0, 1, 0}, "EP 2");
+    rejected(2, 1, (mode){1, 1, 0, 3, 0}, "EP 2 bf16 chunks 3");
+    rejected(2, 1, (mode){1, 0, 1, 1, 0}, "EP 2 sync-free");
 }
 
 static void test_own_ids_gpu(void) {
     char what[128];
-    static const mode ms[] = {{1, 0, 0, 1}, {1, 1, 0, 1}, {1, 0, 1, 1}, {1, 1, 1, 1},
-                              {1, 0, 0, 3}, {1, 1, 0, 3}};
+    static const mode ms[] = {{1, 0, 0, 1, 0}, {1, 1, 0, 1, 0}, {1, 0, 1, 1, 0}, {1, 1, 1, 1, 0},
+                              {1, 0, 0, 3, 0}, {1, 1, 0, 3, 0}};
     for (int fam = 0; fam < 4; fam += 3)
         for (int P = 1; P <= 2; P++)
             for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) {
@@ -791,6 +796,40 @@ static void test_own_ids_gpu(void) {
             }
 }
 #endif
+
+/* config.fp8: own ids replayed equal the forward bitwise, and a padded token's replay row is not read:
+   the CPU layer (4 families, EP 1, 2, chunks 3), or on the GPU (bf16 rows) cuBLASLt's form (AUTO's) and
+   the grouped kernel's, plain, sync-free and chunked (Mixtral; DeepSeek-V3's, with its shared expert
+   and group routing, at EP 2), each a world of its own (the emulated kernel form's CTAs are slow) */
+static void test_fp8(void) {
+    uint8_t mask[40];
+    for (int t = 0; t < 40; t++) mask[t] = t % 5 != 2;
+    typedef struct { int fam, P, masked; mode m; } fp8_case;
+#ifdef MOEPT_CUDA /* (the kernel form and FP8: compute capability 9.0, which the emulator answers so) */
+    static const fp8_case cs[] = {{0, 1, 0, {1, 1, 0, 1, 1}}, {3, 2, 1, {1, 1, 0, 1, 1}},
+                                  {0, 1, 1, {1, 1, 0, 1, 2}}, {3, 2, 0, {1, 1, 0, 1, 2}},
+                                  {3, 2, 1, {1, 1, 1, 1, 2}}, {0, 2, 0, {1, 1, 0, 3, 2}}};
+#else
+    static const fp8_case cs[] = {{0, 1, 0, {0, 0, 0, 1, 1}}, {1, 1, 1, {0, 0, 0, 1, 1}},
+                                  {2, 2, 0, {0, 0, 0, 1, 1}}, {3, 2, 1, {0, 0, 0, 1, 1}},
+                                  {1, 2, 0, {0, 0, 0, 3, 1}}, {3, 2, 0, {0, 0, 0, 3, 1}}};
+#endif
+    char what[128];
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        const mode m = cs[i].m;
+        snprintf(what, sizeof what, "FP8%s family %d EP %d%s%s%s", m.fp8 == 2 ? " kernel" : "", cs[i].fam,
+                 cs[i].P, m.sync_free ? " sync-free" : "", m.chunks > 1 ? " chunks 3" : "",
+                 cs[i].masked ? " mask" : "");
+#ifdef MOEPT_EMU /* (FP8 ran: the grouped kernel's E4M3 gate/up form, or cuBLASLt's matmuls) */
+        const long k0 = moept_emu_launches(m.fp8 == 2 ? "GK_GATE8" : "moept__k_q8");
+#endif
+        own_ids(cs[i].fam, cs[i].P, m, cs[i].masked ? mask : NULL, what);
+#ifdef MOEPT_EMU
+        const long k = moept_emu_launches(m.fp8 == 2 ? "GK_GATE8" : "moept__k_q8") - k0;
+        EXPECT(k > 0, "%s: no FP8 kernel launched (%ld)", what, k);
+#endif
+    }
+}
 
 int main(void) {
 #ifdef MOEPT_CUDA
@@ -808,6 +847,20 @@ int main(void) {
            test_rejected_gpu);
     tu_run("replay (GPU): another choice than the router's equals the CPU layer's (EP 1, 2; fp32, bf16)",
            test_other_choice_gpu);
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+#ifdef MOEPT_EMU /* (the emulated GPU answers 9.0 where asked to) */
+    setenv("MOEPT_EMU_CC", "90", 1);
+    major = 9, minor = 0;
+#endif
+    if (major == 9 && minor == 0)
+        tu_run("replay (GPU), FP8: own ids equal the forward bitwise, a padded token's row is not read "
+               "(EP 1, 2; cuBLASLt's form, the grouped kernel's: sync-free, chunks 3)", test_fp8);
+    else tu_skip("replay (GPU), FP8", "FP8 needs compute capability 9.0");
+#ifdef MOEPT_EMU
+    unsetenv("MOEPT_EMU_CC");
+#endif
 #else
     tu_run("replay: own ids equal the forward bitwise (4 families, EP 1, 2, 4; chunks 3)", test_own_ids_cpu);
     tu_run("replay: a rollout recorded at EP 4 replayed at EP 2 equals it (4 families)", test_rollout_cpu);
@@ -818,6 +871,8 @@ int main(void) {
            test_other_choice_cpu);
     tu_run("replay: the router's gradient under another choice equals central differences",
            test_router_grad_cpu);
+    tu_run("replay, FP8: own ids equal the forward bitwise, a padded token's row is not read (4 families, EP "
+           "1, 2; chunks 3)", test_fp8);
 #endif
     return tu_done();
 }
