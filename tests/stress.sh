@@ -5,7 +5,7 @@
 # runs kept out of make test for its time (where $EMU is set: the per-expert
 # (cuBLASLt) FP8 form's reference cases at EP 1, 2 and 4, sync-free and
 # chunked, each bitwise EP 1's; test_q8 --wide, the kernel form's FP8 layer with
-# 300 experts; the emulator and the kernels under ASan + UBSan
+# 300 experts, two launches a grouped GEMM; the emulator and the kernels under ASan + UBSan
 # where $SAN is too: the reference cases at EP 2 with three chunks and one,
 # sync-free and FP8, and test_range); the last line is the total.
 B=${B:-build}

@@ -724,11 +724,63 @@ static void test_fused(void) {
     q8t_wgrad8();
     unsetenv("MOEPT_EMU_CC");
 }
-/* ... with 300 experts, the down dgrad in two launches (240 runs, then the rest): --wide (make stress, where
-   the emulator takes 40 s over it) */
+/* The kernel form's FP8 step of cfg (T tokens) against the per-expert (cuBLASLt) form's on the same
+   parameters and tokens: y, dx and each parameter's gradient within 2^-4 of its largest value (the
+   same quantized operands, summed in other orders: an E4M3 rounding moved here and there), a form's
+   launch over runs past its first (each a run's offsets of its own) among them */
+static void q8t_forms(moept_config cfg, int64_t T) {
+    const int64_t D = cfg.hidden_size;
+    unsigned long long rs = 9;
+    moept__bf16 *xh = (moept__bf16 *)malloc((size_t)(T * D) * 2);
+    for (int64_t i = 0; i < T * D; i++) xh[i] = moept__f32_to_bf16((float)tu_rand(&rs));
+    const float *x = (const float *)q8t_dev<moept__bf16>(xh, (size_t)(T * D) * 2); /* (the layer's bf16) */
+    float *h[2][3] = {{NULL, NULL, NULL}, {NULL, NULL, NULL}}; /* [form][y, dx, gradients] */
+    int64_t np = 0;
+    for (int f = 0; f < 2 && !tu_bad; f++) {
+        const moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0,
+                                      f ? MOEPT_GEMM_PER_EXPERT : MOEPT_GEMM_KERNEL};
+        moept_layer *L = NULL;
+        char *yd = q8t_dev<char>(NULL, (size_t)(T * D) * 2), *dxd = q8t_dev<char>(NULL, (size_t)(T * D) * 2);
+        float *pp = NULL, *gp = NULL;
+        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+        if (L && !moept_init_params(L, 7) && !moept_forward(L, x, T, (float *)yd) &&
+            !moept_backward(L, x, x, (float *)dxd) && !moept_cuda_params(L, &pp, &gp, &np)) {
+            moept__bf16 *by = q8t_host<moept__bf16>(yd, (size_t)(T * D) * 2);
+            moept__bf16 *bdx = q8t_host<moept__bf16>(dxd, (size_t)(T * D) * 2);
+            h[f][0] = (float *)malloc((size_t)(T * D) * 4), h[f][1] = (float *)malloc((size_t)(T * D) * 4);
+            for (int64_t i = 0; i < T * D; i++) h[f][0][i] = q8t_f(by, i), h[f][1][i] = q8t_f(bdx, i);
+            h[f][2] = q8t_host<float>(gp, (size_t)np * 4);
+            free(by); free(bdx);
+        }
+        EXPECT(L && h[f][2], "form %d: %s", f, L ? moept_last_error(L) : "not made");
+        moept_destroy(L);
+        cudaFree(yd); cudaFree(dxd);
+    }
+    for (int k = 0; k < 3 && h[1][2]; k++) { /* (the gradients: one buffer; its largest) */
+        const int64_t n = k < 2 ? T * D : np;
+        double big = 1e-30, diff = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            big = fmax(big, fabs(h[1][k][i]));
+            diff = fmax(diff, fabs((double)h[0][k][i] - h[1][k][i]));
+        }
+        EXPECT(diff <= big / 16, "%s: the kernel form's off the per-expert form's by %.3g (largest %.3g)",
+               k == 0 ? "y" : k == 1 ? "dx" : "the gradients", diff, big);
+    }
+    for (int f = 0; f < 2; f++) for (int k = 0; k < 3; k++) free(h[f][k]);
+    cudaFree((void *)x);
+    free(xh);
+}
+
+/* ... with 300 experts, each form's launches over runs past its first (240 runs, then the rest): --wide
+   (make stress, where the emulator takes about a minute over it) */
 static void test_wide(void) {
     setenv("MOEPT_EMU_CC", "90", 1);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 128, 300, 300);
+    moept_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.family = MOEPT_FAMILY_MIXTRAL; cfg.hidden_size = 72; cfg.intermediate_size = 128;
+    cfg.num_experts = 300; cfg.top_k = 2; cfg.max_tokens = 300; cfg.fp8 = MOEPT_FP8_BLOCKWISE;
+    q8t_forms(cfg, 300);
     unsetenv("MOEPT_EMU_CC");
 }
 
@@ -737,8 +789,9 @@ int main(int argc, char **argv) {
     const char *name = "FP8 records, their cuBLASLt copy, a chunk's runs, the wgrad's column-wise x and "
                        "the rows' copy from its read: the separate passes' bytes, the CPU's values";
     const char *fused =
-        wide ? "the kernel form's FP8 layer with 300 experts (the down dgrad in two launches): its fused "
-               "quantizers' results the separate passes' bitwise, dh's two copies theirs"
+        wide ? "the kernel form's FP8 layer with 300 experts (each grouped launch 240 runs): its fused "
+               "quantizers' results the separate passes' bitwise, dh's two copies theirs; its step the "
+               "per-expert form's"
              : "the kernel form's FP8 layer: its fused quantizers' results the separate passes' bitwise, the "
                "gate/up kernel's quantized a and the down dgrad's dh moept__q8_along's; its weight gradient "
                "against sums in double";
