@@ -37,7 +37,8 @@ CUDA_LIBS = $(CUDA_LIBDIRS) -lcudart -lcublas -lcublasLt -lnccl -lstdc++
 EMU_INC  := $(shell for d in $(CUDA_HOME)/include /usr/local/cuda/include /usr/include; do [ -f $$d/cuda_runtime.h ] && [ -f $$d/cublas_v2.h ] && echo -I$$d && break; done) $(if $(wildcard $(NCCL_HOME)/include/nccl.h),-I$(NCCL_HOME)/include)
 EMU_OK   := $(if $(EMU_INC),$(shell printf '\043include <cuda_runtime.h>\n\043include <cublas_v2.h>\n\043include <nccl.h>\nint main(void){return 0;}' | $(CXX) -x c++ - $(EMU_INC) -o /dev/null 2>/dev/null && echo yes))
 CXX     ?= g++
-EMU_CXX  = $(CXX) -std=c++17 -g -Wall -Wextra -Wno-unknown-pragmas $(EMU_INC)
+# -ffp-contract=off: no a * b + c fused where the target has FMA (g++'s C++ default), as nvcc's --fmad=false
+EMU_CXX  = $(CXX) -std=c++17 -g -Wall -Wextra -Wno-unknown-pragmas -ffp-contract=off $(EMU_INC)
 EMU_SRC  = tests/emu/emu_rt.cc tests/emu/emu_kernel.cc tests/emu/emu_blas.cc tests/emu/emu_lt.cc \
            tests/emu/emu_nccl.cc tests/emu/emu_hopper.cc
 EMU_HDRS = tests/emu/emu_internal.h tests/emu/emu.h tests/emu/cuda_emu.h
