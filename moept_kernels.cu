@@ -3807,9 +3807,10 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
             tile is two such subtiles, 128 columns of a, one after the other; each stores h and a as
             GATE does and keeps its rows' amax of a, and the tile's end quantizes a's rows along them
             in that 1 x 128 tile (the W2 product's A, moept__k_q8_rows' bytes) from a as stored
-     DACT8  DACT in E4M3 (FWD8's product, A dy's records): where F is a multiple of 128 the tile's end
-            also quantizes dh as stored along its rows (the W13 dgrad's A) and, with WGRAD8, down its
-            128 rows (the W13 wgrad's O: moept__k_q8_cols' bytes, the wide [Cp][S])
+     DACT8  DACT in E4M3 (FWD8's product; A dy's records, or the shared expert's rows): with records
+            and F a multiple of 128 the tile's end also quantizes dh as stored along its rows (the W13
+            dgrad's A) and, with WGRAD8, down its 128 rows (the W13 wgrad's O: moept__k_q8_cols'
+            bytes, the wide [Cp][S])
      WGRAD8 WGRAD in E4M3: A and B the wgrad's column copies, K-major along the run's rows (one
             [Mp][S] and one [Np][S], every expert's columns from r0 padded to 128: moept__q8_down's S),
             both with 128 x 1 scales; FWD8's k-steps and promotion, each sum times its row's scale of A
