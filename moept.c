@@ -486,13 +486,11 @@ MOEPT_HD static inline double moept__aux_finalize(const double *auxc, const doub
    dropped (-1). Both executors compute pos their own way (a counting pass;
    a block-wise count on the GPU) and place through this. */
 MOEPT_HD static inline void moept__plan_place(int64_t i, int64_t pos, int64_t kept, int64_t koff,
-                                              int64_t K, int64_t *row_of, int64_t *tok_of_row,
-                                              int32_t *slot_of_row) {
+                                              int64_t K, int64_t *row_of, int64_t *tok_of_row) {
     if (pos < kept) {
         int64_t r = koff + pos;
         row_of[i] = r;
         tok_of_row[r] = i / K;
-        if (slot_of_row) slot_of_row[r] = (int32_t)(i % K); /* (NULL: not kept, as on the GPU) */
     } else {
         row_of[i] = -1;
     }
@@ -1793,7 +1791,6 @@ typedef struct moept__fplan {       /* a forward's plan: where each routed row g
     int64_t *offsets;      /* [E+1] first permuted row of each expert */
     int64_t *row_of;       /* [Tmax*K] permuted row of assignment t*K+k, -1 dropped */
     int64_t *tok_of_row;   /* [Nmax] token of each permuted row */
-    int32_t *slot_of_row;  /* [Nmax] its slot k */
     int64_t N;             /* rows kept this step */
 } moept__fplan;
 
@@ -2265,7 +2262,6 @@ static void moept__layout_plan(moept_layer *L, moept__fstate *sl, moept__carve *
     sl->plan.offsets = moept__take(c, (size_t)(E + 1) * i64);
     sl->plan.row_of = moept__take(c, (size_t)(T * K) * i64);
     sl->plan.tok_of_row = moept__take(c, (size_t)N * i64);
-    sl->plan.slot_of_row = moept__take(c, (size_t)N * sizeof(int32_t));
     sl->xch.shbase = moept__take(c, dir * (size_t)(2 * P) * sizeof(float *));
     sl->xch.allcnt = moept__take(c, dir * (size_t)(P * E) * i64);
     sl->xch.allcnt_next = moept__take(c, dir * (size_t)(P * E) * i64);
@@ -4715,7 +4711,7 @@ static void moept__fwd_plan(moept_layer *L, moept__fstate *sl) {
         if (ids[i] < 0) { sl->plan.row_of[i] = -1; continue; } /* padding */
         int64_t e = L->plan.slot_of[ids[i]];
         moept__plan_place(i, L->plan.fill[e]++, sl->plan.counts[e], sl->plan.offsets[e], K, sl->plan.row_of,
-                          sl->plan.tok_of_row, sl->plan.slot_of_row);
+                          sl->plan.tok_of_row);
     }
     moept__plan_roffsets(P, El, L->ep ? sl->xch.rcounts : sl->plan.counts,
                          sl->xch.roffsets); /* one rank: P = 1 */

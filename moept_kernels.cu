@@ -893,7 +893,7 @@ __global__ void moept__k_plan_place(const int32_t *ids, const int32_t *slot_of, 
     if (ids[a] < 0) { row_of[a] = -1; return; } /* padding */
     int s = slot_of[ids[a]];
     int64_t pos = hist[(a / MOEPT__PB) * E + s] + lrank[a];
-    moept__plan_place(a, pos, kept[s], koff[s], K, row_of, tok_of_row, NULL);
+    moept__plan_place(a, pos, kept[s], koff[s], K, row_of, tok_of_row);
 }
 
 /* Permute: row r of xs is token tok_of_row[r] of x [N rows of D]; zeros
@@ -3896,10 +3896,10 @@ typedef struct moept__gk_args {
                                  qs[r + b qsb]; DACT8: dh's, or NULL */
     float *qs;
     int64_t ldq, qsb;
-    uint8_t *qc;              /* DACT8 (with qa): dh's columns down its rows [ldq][qcS] E4M3, run i's from
-                                 column o = qc0 + the launch's runs before its rows padded to 128 (theirs
-                                 before the launch: qc0), 128-row block b's scales at qcs[c + (o / 128 + b)
-                                 ldq]; NULL: not written */
+    uint8_t *qc;              /* DACT8 (with qa): dh's columns down its rows [ldq][qcS] E4M3, m-tile mt of
+                                 the launch's runs (theirs in order) its 128 columns from o = qc0 + 128 mt
+                                 (qc0: the runs' before the launch, their rows padded to 128), scales at
+                                 qcs[c + (o / 128) ldq]; NULL: not written */
     float *qcs;
     int64_t qcS, qc0;
 } moept__gk_args;
@@ -4475,13 +4475,15 @@ __device__ __forceinline__ void moept__gk_store_q8(const moept__gk_args *g, int 
 /* DACT8's end of tile (mt, nt) where it writes dh's column copy (g->qc): the tile's 256 columns of dh
    as stored (the gate half's 128 from nt 128, the up half's from N + nt 128; N a multiple of 128), each
    down the tile's 128 rows of run i in one 128 x 1 tile (moept__k_q8_cols' bytes and scale, zeros past
-   the run's rows), into its column of qc from o (g->qc's). The two consumers' 256 threads (both stored
-   their rows first: a barrier of the two), column t % 128 of each half, rows 64 (t / 128).., each
-   column's amax from its two threads' through red [2][256] */
-__device__ void moept__gk_store_q8c(const moept__gk_args *g, int i, int mt, int nt, int w, float *red) {
+   the run's rows), into its column of qc from o (the tile's m-tile over the launch's runs, tile / its
+   n-tiles: as g->qc says). The two consumers' 256 threads (both stored their rows first: a barrier of
+   the two), column t % 128 of each half, rows 64 (t / 128).., each column's amax from its two threads'
+   through red [2][256] */
+template <int F>
+__device__ void moept__gk_store_q8c(const moept__gk_args *g, int tile, int i, int mt, int nt, int w,
+                                    float *red) {
     const int t = (int)threadIdx.x % 128 + 128 * w, hr = t / 128;
-    int64_t o = g->qc0 + (int64_t)mt * MOEPT__GK_BM; /* (this tile's first column of qc) */
-    for (int j = 0; j < i; j++) o += MOEPT__Q8_P128(g->rows[j]);
+    const int64_t o = g->qc0 + (int64_t)(tile / moept__gk_ntiles<F>(g)) * MOEPT__GK_BM;
     const int64_t r0 = (int64_t)mt * MOEPT__GK_BM + 64 * hr, v = g->rows[i] - r0; /* (v: rows live) */
     const moept__bf16 *src = (const moept__bf16 *)g->out + (g->r0[i] + r0) * g->ldo;
     float sc[2];
@@ -4644,7 +4646,7 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             if (g->qa) { /* (the whole CTA's) the gate half, then the up half */
                 moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->ldo, 0, g->N);
                 moept__gk_store_q8(g, i, mt, nt, w, pam + 2, red + w * 256, qsrc, g->ldo, g->N, g->N);
-                if (g->qc) moept__gk_store_q8c(g, i, mt, nt, w, red);
+                if (g->qc) moept__gk_store_q8c<F>(g, tile, i, mt, nt, w, red);
             }
     }
 }

@@ -188,7 +188,6 @@ int main(int argc, char **argv) {
     const int dh8 = s.F % MOEPT__Q8_TILE == 0; /* (the kernel form's down dgrad quantizes dh both ways) */
     for (int i = 0; i < BQ_N; i++) {
         const bq_pass *p = &bq_passes[i];
-        const char *form = p->form;
         if (dh8 && p->kind == BQ_COLS_RW) continue;
         BQ_CK(bq_run(&c, p, &s, &b, &in, &out, &l)); /* (warm-up) */
         BQ_CK(cudaEventRecord(ev[0], c.s));
@@ -199,10 +198,10 @@ int main(int argc, char **argv) {
         BQ_CK(cudaEventRecord(ev[2], c.s));
         const double ms = bq_ms(ev[0], ev[1]) / s.reps, cms = bq_ms(ev[1], ev[2]) / s.reps;
         const double tbs = (in + out) / (ms * 1e9), ctbs = 2.0 * in / (cms * 1e9);
-        const int f = !strcmp(form, "both") ? 0 : !strcmp(form, "per-expert") ? 1 : 2;
+        const int f = !strcmp(p->form, "both") ? 0 : !strcmp(p->form, "per-expert") ? 1 : 2;
         sum_ms[f] += ms, sum_b[f] += in + out;
         printf("RESULT q8 shape=%s tokens=%lld pass=%s form=%s launches=%lld read_mb=%.1f written_mb=%.1f "
-               "ms=%.4f tbs=%.3f copy_tbs=%.3f over_copy=%.3f\n", shape, (long long)s.T, p->name, form,
+               "ms=%.4f tbs=%.3f copy_tbs=%.3f over_copy=%.3f\n", shape, (long long)s.T, p->name, p->form,
                (long long)l, in / 1e6, out / 1e6, ms, tbs, ctbs, tbs / ctbs);
     }
     for (int f = 1; f < 3; f++) /* each form's passes with the ones both run */

@@ -302,7 +302,7 @@ static void q8t_groups1(moept__cuda *c, const T *src, int64_t lds, const int64_t
            "(1 bytes, 2 scales, 4 the rows' bytes, 8 their scales)", (long long)D, sizeof(T) == 1 ? "records"
            : "bf16", rw ? " with the rows' copy" : "", (long long)ng, diff);
     int64_t S = 0; /* the kernel form's layout, into q[1], sc[1], qr[1], sr[1] again */
-    for (int64_t g = 0; g < ng; g++) S += MOEPT__Q8_L(offs[g + 1] - offs[g]) * MOEPT__Q8_TILE;
+    for (int64_t g = 0; g < ng; g++) S += MOEPT__Q8_P128(offs[g + 1] - offs[g]);
     uint8_t *qw = q8t_dev<uint8_t>(NULL, (size_t)(Dp * S));
     st = moept__q8_down<T>(c, src, offs, ng, D, lds, qw, sc[1], err, rw ? qr[1] : NULL, rw ? sr[1] : NULL, np,
                            S);

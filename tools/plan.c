@@ -145,7 +145,7 @@ static double mem_cpu_workspace(const memcfg *c) {
     double slot = mem_host_routing(c, 1);
     /* the plan: scores, counts, exchange pieces, each row's place */
     slot += 2 * a64(4 * T * E) + 4 * a64(8 * E) + a64(8 * (El + 1)) + 2 * a64(16 * E) + a64(8 * (E + 1)) +
-            a64(8 * N) + a64(8 * N) + a64(4 * N) + a64(4 * E) +
+            a64(8 * N) + a64(8 * N) + a64(4 * E) +
             (dir ? a64(16 * P) + 2 * a64(8 * P * E) + a64(8 * E) : 0);
     if (ch) slot += 5 * a64(8 * C * E) + 2 * a64(16 * C * E) + a64(24 * E); /* each chunk's counts, pieces */
     /* the token rows (send, receive; none through shared memory), the shared expert's, lse */
