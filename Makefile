@@ -484,7 +484,7 @@ $(B)/emu/test_alloc: tests/test_alloc.c moept.c $(HDRS) tests/testutil.h $(B)/em
 $(B)/emu/test_cuda: tests/test_cuda.c tests/testutil.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
-$(B)/emu/test_replay: tests/test_replay.c tests/testutil.h $(EMU_OBJS)
+$(B)/emu/test_replay: tests/test_replay.c tests/testutil.h tests/tu_exec.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) -D_DEFAULT_SOURCE $(OMP) -DMOEPT_CUDA -DMOEPT_EMU $(EMU_INC) -Itests $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
 $(B)/emu/test_router_io: tests/test_router_io.c tests/testutil.h tests/tu_exec.h $(EMU_OBJS)

@@ -2228,6 +2228,9 @@ struct moept__cuda {
                                    shared expert's dy) quantized along the rows by its wgrad's column pass
                                    (moept__q8_twin), or the forward's a by the gate/up product */
     float *q8sr;                /* its scales; q8r, q8sr NULL in the per-expert form */
+    const void *q8ac;           /* the a whose copy down its rows q8a, q8sa hold from the gate/up kernel
+                                   (moept__q8_ac: the routed experts' last training forward's, kept for its
+                                   backward's W2 wgrad); NULL: none (a pass or a growth rewrote them) */
     float *q8out;               /* [max(q8rows, Wp)][Wp] cuBLASLt's fp32 result (NULL: moept__gk_w8) */
     int64_t allocations, allocated_bytes, growths;
     /* held now (moept__cuda_sizes): the parameter block (gradients among them), the fixed workspace
@@ -3141,6 +3144,7 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     }
     cudaFree(c->q8blk);
     c->q8blk = blk;
+    c->q8ac = NULL;
     moept__carve cv = {(char *)blk, 0};
     c->q8a = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
     c->q8b = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
@@ -3896,10 +3900,10 @@ typedef struct moept__gk_args {
                                  qs[r + b qsb]; DACT8: dh's, or NULL */
     float *qs;
     int64_t ldq, qsb;
-    uint8_t *qc;              /* DACT8 (with qa): dh's columns down its rows [ldq][qcS] E4M3, m-tile mt of
-                                 the launch's runs (theirs in order) its 128 columns from o = qc0 + 128 mt
-                                 (qc0: the runs' before the launch, their rows padded to 128), scales at
-                                 qcs[c + (o / 128) ldq]; NULL: not written */
+    uint8_t *qc;              /* GATE8, DACT8 (with qa): a's, dh's columns down its rows [ldq][qcS] E4M3,
+                                 m-tile mt of the launch's runs (theirs in order) its 128 columns from
+                                 o = qc0 + 128 mt (qc0: the runs' before the launch, their rows padded to
+                                 128), scales at qcs[c + (o / 128) ldq]; NULL: not written */
     float *qcs;
     int64_t qcS, qc0;
 } moept__gk_args;
@@ -4472,41 +4476,44 @@ __device__ __forceinline__ void moept__gk_store_q8(const moept__gk_args *g, int 
     }
 }
 
-/* DACT8's end of tile (mt, nt) where it writes dh's column copy (g->qc): the tile's 256 columns of dh
-   as stored (the gate half's 128 from nt 128, the up half's from N + nt 128; N a multiple of 128), each
-   down the tile's 128 rows of run i in one 128 x 1 tile (moept__k_q8_cols' bytes and scale, zeros past
-   the run's rows), into its column of qc from o (the tile's m-tile over the launch's runs, tile / its
-   n-tiles: as g->qc says). The two consumers' 256 threads (both stored their rows first: a barrier of
-   the two), column t % 128 of each half, rows 64 (t / 128).., each column's amax from its two threads'
-   through red [2][256] */
+/* The end of tile (mt, nt) where GATE8 writes a's column copy, DACT8 dh's (g->qc): the tile's columns as
+   stored (GATE8: a's 128 from nt 128; DACT8: dh's gate half's 128 from nt 128 and its up half's from
+   N + nt 128; N a multiple of 128), each down the tile's 128 rows of run i in one 128 x 1 tile
+   (moept__k_q8_cols' bytes and scale, zeros past the run's rows), into its column of qc from o (the
+   tile's m-tile over the launch's runs, tile / its n-tiles: as g->qc says). The two consumers' 256
+   threads (both stored their rows first: a barrier of the two), column t % 128 of each half, rows
+   64 (t / 128).., each column's amax from its two threads' through red [halves][256] */
 template <int F>
 __device__ void moept__gk_store_q8c(const moept__gk_args *g, int tile, int i, int mt, int nt, int w,
                                     float *red) {
+    constexpr int NH = F == MOEPT__GK_DACT8 ? 2 : 1; /* (the halves) */
     const int t = (int)threadIdx.x % 128 + 128 * w, hr = t / 128;
     const int64_t o = g->qc0 + (int64_t)(tile / moept__gk_ntiles<F>(g)) * MOEPT__GK_BM;
     const int64_t r0 = (int64_t)mt * MOEPT__GK_BM + 64 * hr, v = g->rows[i] - r0; /* (v: rows live) */
-    const moept__bf16 *src = (const moept__bf16 *)g->out + (g->r0[i] + r0) * g->ldo;
-    float sc[2];
+    const int64_t ld = F == MOEPT__GK_GATE8 ? g->lda : g->ldo;
+    const moept__bf16 *src = (const moept__bf16 *)(F == MOEPT__GK_GATE8 ? g->a : g->out) +
+                             (g->r0[i] + r0) * ld;
+    float sc[NH];
     moept__bar_sync(1, 256);
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < NH; h++) {
         const int64_t c = h * g->N + (int64_t)nt * MOEPT__GK_BN + t % 128;
         float amax = 0.0f;
         for (int64_t r = 0; r < 64 && r < v; r++)
-            amax = moept__q8_amax(amax, moept__bf16_to_f32(src[r * g->ldo + c]));
+            amax = moept__q8_amax(amax, moept__bf16_to_f32(src[r * ld + c]));
         red[256 * h + t] = amax;
     }
     moept__bar_sync(1, 256);
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < NH; h++)
         sc[h] = moept__q8_scale(moept__q8_amax(red[256 * h + t % 128], red[256 * h + 128 + t % 128]));
     moept__bar_sync(1, 256); /* (red read by all before the next tile's writes) */
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < NH; h++) {
         const int64_t c = h * g->N + (int64_t)nt * MOEPT__GK_BN + t % 128;
         for (int k = 0; k < 64; k += 16) {
             float x[16];
             int live = 0;
             for (int e = 0; e < 16; e++) {
                 const int in = k + e < v;
-                x[e] = in ? moept__bf16_to_f32(src[(k + e) * g->ldo + c]) : 0.0f;
+                x[e] = in ? moept__bf16_to_f32(src[(k + e) * ld + c]) : 0.0f;
                 live |= in << e;
             }
             *(uint4 *)(g->qc + c * g->qcS + o + 64 * hr + k) = moept__q8_16(x, live, sc[h]);
@@ -4640,8 +4647,10 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             else moept__gk_store<F>(g, d, i, mt, nt, w);
         }
         const moept__bf16 *qsrc = (const moept__bf16 *)(F == MOEPT__GK_GATE8 ? g->a : g->out);
-        if constexpr (F == MOEPT__GK_GATE8 && !P)
+        if constexpr (F == MOEPT__GK_GATE8 && !P) {
             moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->lda, 0, g->ldq);
+            if (g->qc) moept__gk_store_q8c<F>(g, tile, i, mt, nt, w, red);
+        }
         if constexpr (F == MOEPT__GK_DACT8 && !P)
             if (g->qa) { /* (the whole CTA's) the gate half, then the up half */
                 moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->ldo, 0, g->N);
@@ -4840,7 +4849,8 @@ typedef struct moept__gk_ext {   /* a form's extras */
     float *qs;
     int64_t ldq, qsb;
     int arec;                   /* the E4M3 forms: A FP8 records, which a chunk's runs load themselves */
-    uint8_t *qc;                /* DACT8: dh's column copy, as moept__gk_args's (its qc0 the launches') */
+    uint8_t *qc;                /* GATE8, DACT8: a's, dh's column copy, as moept__gk_args's (its qc0 the
+                                   launches') */
     float *qcs;
     int64_t qcS;
 } moept__gk_ext;
@@ -4854,8 +4864,7 @@ static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t b
     g->sbe = q ? ga->sbe : 0; g->sbld = q ? ga->sbld : 0;
     g->qa = q8a ? ga->qa : NULL; g->qs = q8a ? ga->qs : NULL; g->ldq = q8a ? ga->ldq : 0;
     g->qsb = q8a ? ga->qsb : 0;
-    g->qc = F == MOEPT__GK_DACT8 ? ga->qc : NULL; g->qcs = F == MOEPT__GK_DACT8 ? ga->qcs : NULL;
-    g->qcS = F == MOEPT__GK_DACT8 ? ga->qcS : 0; g->qc0 = 0;
+    g->qc = q8a ? ga->qc : NULL; g->qcs = q8a ? ga->qcs : NULL; g->qcS = q8a ? ga->qcS : 0; g->qc0 = 0;
 }
 /* an epilogue's extras: GATE's a [..][lda], config.act, the rows' E4M3 copy qa [..][ldq] with its scales */
 static moept__gk_ext moept__gk_epi(void *a, int64_t lda, int act, uint8_t *qa, float *qs, int64_t ldq) {
@@ -4957,6 +4966,8 @@ typedef struct moept__ffn {
     void *da, *dx;              /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
     const int64_t *cnt;         /* the sync-free mode's committed counts (the routed experts'; device):
                                    the grouped kernel skips the blocks' zero rows; NULL: none */
+    int ac;                     /* a's copy down its rows in q8a (moept__q8_ac): the routed experts' training
+                                   forward writes it, their backward finds it there (c->q8ac: a's) */
 } moept__ffn;
 
 /* The backward's dys: where combine' writes them (*out) and where the experts read them (*in), the same
@@ -4979,7 +4990,8 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void
     moept__dys(c, sl, &dout, &dys);
     moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, gi ? x : sl->xr, gi ? sl->tok_of_row : NULL,
                     q8 != NULL, bwd && q8, sl->h, sl->a, bwd ? dys : sl->yr, ch ? sl->dar : sl->a,
-                    ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL};
+                    ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL, 0};
+    f.ac = bwd ? sl->a && c->q8ac == sl->a : !sl->fwd_eval && !p->cfg->inference_only;
     return f;
 }
 
@@ -4988,7 +5000,7 @@ static moept__ffn moept__ffn_shared(moept__cuda *c, moept__cslot *sl, const void
     const moept__cuda_spec *p = &c->sp;
     const moept__q8w *q8 = moept__fp8_on(p) ? &c->q8w[1] : NULL;
     moept__ffn f = {p->offs13, p->offs2, q8, p->HS, p->S, c->lda_as, x, NULL, 0, 0, sl->hs, sl->as, sl->yss,
-                    sl->as, sl->yss, NULL};
+                    sl->as, sl->yss, NULL, 0};
     return f;
 }
 
@@ -5107,6 +5119,22 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
     return moept__q8_dh8(c, f) && moept__q8_twin(c, f, R) && moept__gk_w8(c);
 }
 
+/* whether the gate/up kernel's epilogue, where it quantizes a along its rows (moept__ffn_fused8), also
+   writes a's copy down its rows, the W2 wgrad's I (into q8a, q8sa as moept__q8_down's S lays it out:
+   WGRAD8's), which stays there for the backward (f->ac), so no column pass reads a: F a multiple of 128,
+   whole groups, unchunked, as moept__q8_dhc */
+static int moept__q8_ac(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
+    return f->ac && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 && moept__q8_twin(c, f, R) &&
+           moept__gk_w8(c);
+}
+
+/* a grouped launch's column copy (GATE8's of a, DACT8's of dh) over R's groups: one [Cp][S] into q, s */
+static moept_status moept__gk_cols(moept__cuda *c, const moept__runs *R, moept__gk_ext *ge, uint8_t *q,
+                                   float *s, char *err) {
+    ge->qcS = moept__q8_wide(R), ge->qc = q, ge->qcs = s;
+    return moept__q8_fits(c, R, 1, err, ge->qcS);
+}
+
 /* config.fp8's product over R's runs in one launch of the grouped kernel (F: FWD8, GATE8 with its
    extras gx, or DACT8, the down dgrad with the activation's backward: gx's act): A the rows [0, end) of
    in (k columns, ld apart) quantized in 1 x 128 tiles (whole groups: at once; a chunk's runs: each
@@ -5191,8 +5219,9 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
 
 /* config.fp8's weight gradient g [E][wo][wi] += O^T I (moept__ffn_wgrad's): every expert's two operands
    quantized down the rows, one column pass each (I: x's records, or a; O: dy's records, or dy's rows
-   (the shared expert's) or dh, their rows along them too where moept__q8_twin; dh's none where the down
-   dgrad wrote its copy, moept__q8_dhc), then the products: the
+   (the shared expert's) or dh, their rows along them too where moept__q8_twin; none for a where the
+   forward's gate/up kernel wrote its copy, moept__q8_ac, or for dh where the down dgrad did,
+   moept__q8_dhc), then the products: the
    grouped kernel's, one launch (WGRAD8: moept__gk_w8; the operands [Cp][S], every expert's columns
    padded to 128), or cuBLASLt's, a matmul an expert (into g itself where nothing is padded) */
 template <typename T>
@@ -5207,13 +5236,16 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
     const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
     const int twin = moept__q8_pre(c, f, R, w2) && (w2 || !moept__q8_dh8(c, f)); /* (O's rows along them
                                                                                   too, for the dgrad) */
+    const int ac = w2 && moept__q8_ac(c, f, R); /* (a's copy in q8a: the forward's gate/up kernel's) */
     int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
     MOEPT__TRY(moept__q8_fits(c, R, 1, err, S));
     if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
+    if (!ac) c->q8ac = NULL; /* (q8a rewritten) */
     if (rec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err, NULL, NULL, 0,
                                            S));
-    else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err, NULL, NULL, 0, S));
+    else if (!ac)
+        MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err, NULL, NULL, 0, S));
     if (orec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb, err,
                                            NULL, NULL, 0, S));
@@ -5264,16 +5296,22 @@ template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
+    if (c->q8ac == f->a) c->q8ac = NULL; /* (a rewritten) */
     if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
         const moept__gk_ext ga = moept__gk_epi(f->a, f->lda, c->sp.act, NULL, NULL, 0);
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
-    } else if (moept__ffn_fused8(c, f)) { /* h, a and a's E4M3 rows (W2's A) by the gate/up GEMM */
-        const moept__gk_ext ga = moept__gk_epi(f->a, f->lda, c->sp.act, c->q8r, c->q8sr, MOEPT__Q8_PAD(F));
+    } else if (moept__ffn_fused8(c, f)) { /* h, a and a's E4M3 rows (W2's A) by the gate/up GEMM, and a
+                                             down its rows (the W2 wgrad's I, kept: moept__q8_ac) */
+        moept__gk_ext ga = moept__gk_epi(f->a, f->lda, c->sp.act, c->q8r, c->q8sr, MOEPT__Q8_PAD(F));
         const int64_t ld = f->xq ? moept__q8_recw(D) : D; /* (x's FP8 records, or its rows) */
         const moept__q8w *q = f->q8;
+        const int ac = moept__q8_ac(c, f, R);
+        if (ac) MOEPT__TRY(moept__gk_cols(c, R, &ga, c->q8a, c->q8sa, err));
+        if (ac) c->q8ac = NULL; /* (q8a rewritten: another a's copy gone) */
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
                                                    q->ns13, f->H, (char *)f->h, 0, &ga, err)));
+        if (ac) c->q8ac = f->a;
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 0, 0, f->x, f->h, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 0, err));
@@ -5303,10 +5341,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
         const int dh8 = moept__q8_dh8(c, f);
         moept__gk_ext g8 = moept__gk_epi(NULL, 0, c->sp.act, dh8 ? c->q8r : NULL, c->q8sr,
                                          MOEPT__Q8_PAD(f->H));
-        if (moept__q8_dhc(c, f, R)) {
-            g8.qcS = moept__q8_wide(R), g8.qc = c->q8b, g8.qcs = c->q8sb;
-            MOEPT__TRY(moept__q8_fits(c, R, 1, err, g8.qcS));
-        }
+        if (moept__q8_dhc(c, f, R)) MOEPT__TRY(moept__gk_cols(c, R, &g8, c->q8b, c->q8sb, err));
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_DACT8>(c, f, R, (const char *)f->y, f->yq, D,
                                                    f->yq ? moept__q8_recw(D) : D, q->w2t, q->s2t, q->ns2t, F,
                                                    (char *)f->h, moept__q8_pre(c, f, R, 1), &g8, err)));

@@ -10,19 +10,19 @@
      both:       the dispatches' FP8 records (one launch each): the forward's of x, and combine''s
                  of dy (each row times its routing weight as read), which reads the expert's output
                  row too for dL/dw (the whole of combine''s work in FP8); the wgrads' column-wise x and
-                 dy (from the records) and a;
+                 dy (from the records);
      per-expert: the per-expert (cuBLASLt) form's: each product's operand along its rows (the records'
                  copy for x and dy; a, dh) and its fp32 result into bf16 (h, y, da, dx); the wgrads'
-                 column-wise dh;
-     kernel:     the kernel form's wgrad column pass of dh that also writes the dgrad's rows (one
-                 read), where F is not a multiple of 128 (where it is, its down dgrad quantizes dh
-                 along and down the rows itself); its gate/up product quantizes a itself, its
-                 products read the records and write bf16.
+                 column-wise a and dh;
+     kernel:     where F is not a multiple of 128, the kernel form's column pass of a and its wgrad
+                 column pass of dh that also writes the dgrad's rows (one read); where it is, none:
+                 its gate/up product quantizes a along and down the rows itself, its down dgrad dh.
+                 Its products read the records and write bf16.
    Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch (the
    column passes as the per-expert form lays them out; the kernel form's write one matrix, each expert's
    rows padded to 128: the same reads, at most 127 zero columns an expert more written). A
    chunked step runs its row passes a launch a run instead (the kernel form's: of dh where F is not a
-   multiple of 128, and the plain column pass of dh in place of its own or its down dgrad's). The "sum"
+   multiple of 128, and the column passes of a and dh, plain, in place of its own or its kernels'). The "sum"
    lines add up each form's passes: its quantizing bytes and time a step, less the GEMMs.
 
    usage: bench_q8 [--shape mixtral|deepseek|qwen3] [--tokens T] [--hidden D] [--ffn F] [--experts E]
@@ -55,9 +55,9 @@ static const bq_pass bq_passes[] = {
     {"operand_dy", "per-expert", BQ_UNREC, 'D'},  {"operand_dh", "per-expert", BQ_ROWS, 'H'},
     {"result_h", "per-expert", BQ_OUT, 'H'},      {"result_y", "per-expert", BQ_OUT, 'D'},
     {"result_da", "per-expert", BQ_OUT, 'F'},     {"result_dx", "per-expert", BQ_OUT, 'D'},
-    {"wgrad_x", "both", BQ_COLS_REC, 'D'},        {"wgrad_a", "both", BQ_COLS, 'F'},
-    {"wgrad_dy", "both", BQ_COLS_REC, 'D'},       {"wgrad_dh", "per-expert", BQ_COLS, 'H'},
-    {"wgrad_dh_rows", "kernel", BQ_COLS_RW, 'H'},
+    {"wgrad_x", "both", BQ_COLS_REC, 'D'},        {"wgrad_dy", "both", BQ_COLS_REC, 'D'},
+    {"wgrad_a", "per-expert", BQ_COLS, 'F'},      {"wgrad_dh", "per-expert", BQ_COLS, 'H'},
+    {"wgrad_a", "kernel", BQ_COLS, 'F'},          {"wgrad_dh_rows", "kernel", BQ_COLS_RW, 'H'},
 };
 enum { BQ_N = (int)(sizeof bq_passes / sizeof bq_passes[0]) };
 
@@ -185,10 +185,12 @@ int main(int argc, char **argv) {
     cudaEvent_t ev[4];
     for (int i = 0; i < 4; i++) BQ_CK(cudaEventCreate(&ev[i]));
     double sum_ms[3] = {0, 0, 0}, sum_b[3] = {0, 0, 0}; /* both, per-expert, kernel */
-    const int dh8 = s.F % MOEPT__Q8_TILE == 0; /* (the kernel form's down dgrad quantizes dh both ways) */
+    const int f128 = s.F % MOEPT__Q8_TILE == 0; /* (the kernel form's gate/up product quantizes a both ways,
+                                                   its down dgrad dh) */
     for (int i = 0; i < BQ_N; i++) {
         const bq_pass *p = &bq_passes[i];
-        if (dh8 && p->kind == BQ_COLS_RW) continue;
+        const int f = !strcmp(p->form, "both") ? 0 : !strcmp(p->form, "per-expert") ? 1 : 2;
+        if (f128 && f == 2) continue;
         BQ_CK(bq_run(&c, p, &s, &b, &in, &out, &l)); /* (warm-up) */
         BQ_CK(cudaEventRecord(ev[0], c.s));
         for (int r = 0; r < s.reps; r++) BQ_CK(bq_run(&c, p, &s, &b, &in, &out, &l));
@@ -198,7 +200,6 @@ int main(int argc, char **argv) {
         BQ_CK(cudaEventRecord(ev[2], c.s));
         const double ms = bq_ms(ev[0], ev[1]) / s.reps, cms = bq_ms(ev[1], ev[2]) / s.reps;
         const double tbs = (in + out) / (ms * 1e9), ctbs = 2.0 * in / (cms * 1e9);
-        const int f = !strcmp(p->form, "both") ? 0 : !strcmp(p->form, "per-expert") ? 1 : 2;
         sum_ms[f] += ms, sum_b[f] += in + out;
         printf("RESULT q8 shape=%s tokens=%lld pass=%s form=%s launches=%lld read_mb=%.1f written_mb=%.1f "
                "ms=%.4f tbs=%.3f copy_tbs=%.3f over_copy=%.3f\n", shape, (long long)s.T, p->name, p->form,

@@ -12,6 +12,9 @@
      is moept__q8_down of the dequantized rows in fp32, and the CPU's column tiles of them.
    - a backward's dh from the wgrad's column pass that also quantizes it along the rows (one
      read): its columns the plain pass's, its rows moept__q8_along's, run by run;
+   - the kernel form's layer: the grouped kernel's epilogues' copies of a (the gate/up kernel's, the
+     one down its rows kept for the backward while nothing writes over it) and of dh (the down
+     dgrad's) against the passes on the same rows, and its results against the separate passes';
    - the column passes over every expert's rows in one call, and the per-expert form's row passes (the
      operands along the rows, of bf16 rows and of records, and the results): each group's bytes a call
      of its own's.
@@ -432,15 +435,19 @@ static void q8t_epilogue(moept__cuda *c, const void *src, int64_t F, int64_t lds
     free(hq); free(hr); free(hs); free(hsr);
 }
 
-/* ... and after a backward dh over h (2F columns) down its rows as the down dgrad's epilogue wrote it (q8b,
-   q8sb: the W13 wgrad's O, the groups' columns of one [Cp][S]; moept__q8_dhc) against moept__q8_down's
-   column pass; wide: the down dgrad's runs past a launch's, else an expert's rows past a tile */
-static void q8t_epilogue_down(moept__cuda *c, int64_t F, int wide) {
+/* ... and the routed experts' src (C columns, lds apart) down its rows as a kernel's epilogue wrote it
+   (qd, sd: the groups' columns of one [Cp][S]) against moept__q8_down's column pass: the last forward's
+   a (the gate/up kernel's, kept in q8a for the W2 wgrad: moept__q8_ac), or after a backward dh over h
+   (2F columns: the down dgrad's, the W13 wgrad's O in q8b; moept__q8_dhc); wide: the runs past a
+   launch's, else an expert's rows past a tile */
+static void q8t_epilogue_down(moept__cuda *c, const void *src, int64_t C, int64_t lds, const uint8_t *qd,
+                              const float *sd, int wide, const char *what) {
     moept__cslot *sl = &c->slots[c->last];
-    const int64_t El = c->sp.El, Cp = MOEPT__Q8_PAD(2 * F);
+    const int64_t El = c->sp.El, Cp = MOEPT__Q8_PAD(C);
     const moept__runs R = moept__runs_groups(sl->roffsets, El);
     const moept__ffn f = moept__ffn_routed(c, sl, NULL, 1);
-    EXPECT(moept__q8_dhc(c, &f, &R), "dh down its rows: the layer's down dgrad does not write it");
+    EXPECT(src == sl->a ? c->q8ac == sl->a && moept__q8_ac(c, &f, &R) : moept__q8_dhc(c, &f, &R),
+           "%s: the layer's kernel does not write it", what);
     const int64_t S = moept__q8_wide(&R);
     int64_t most = 0, runs = 0; /* (an expert's rows past a tile: a column's two halves and its second
                                    tile; or the down dgrad's second launch, its runs' first column) */
@@ -448,20 +455,19 @@ static void q8t_epilogue_down(moept__cuda *c, int64_t F, int wide) {
         most = std::max(most, sl->roffsets[e + 1] - sl->roffsets[e]);
         runs += sl->roffsets[e + 1] > sl->roffsets[e];
     }
-    EXPECT(wide ? runs > MOEPT__GK_RUNS : most > 128, "dh down its rows: an expert's %lld rows at most, %lld "
-           "experts with rows: no second %s", (long long)most, (long long)runs, wide ? "launch" : "tile");
+    EXPECT(wide ? runs > MOEPT__GK_RUNS : most > 128, "%s: an expert's %lld rows at most, %lld experts with "
+           "rows: no second %s", what, (long long)most, (long long)runs, wide ? "launch" : "tile");
     const size_t qb = (size_t)(Cp * S), sb = (size_t)(S / 128 * Cp) * 4;
     char err[MOEPT__ERRLEN] = "";
     uint8_t *q = q8t_dev<uint8_t>(NULL, qb);
     float *s = q8t_dev<float>(NULL, sb);
-    const moept_status st = moept__q8_down<moept__bf16>(c, sl->h, sl->roffsets, El, 2 * F, 2 * F, q, s, err,
-                                                        NULL, NULL, 0, S);
+    const moept_status st = moept__q8_down<moept__bf16>(c, src, sl->roffsets, El, C, lds, q, s, err, NULL,
+                                                        NULL, 0, S);
     EXPECT(!st && S > 0, "%s (%lld columns)", err, (long long)S);
-    uint8_t *h0 = q8t_host<uint8_t>(q, qb), *h1 = q8t_host<uint8_t>(c->q8b, qb);
-    float *s0 = q8t_host<float>(s, sb), *s1 = q8t_host<float>(c->q8sb, sb);
-    EXPECT(!st && q8t_same(h0, h1, qb) && q8t_same(s0, s1, sb),
-           "dh down its rows: the down dgrad's copy differs from the column pass's (bytes %d, scales %d)",
-           !q8t_same(h0, h1, qb), !q8t_same(s0, s1, sb));
+    uint8_t *h0 = q8t_host<uint8_t>(q, qb), *h1 = q8t_host<uint8_t>(qd, qb);
+    float *s0 = q8t_host<float>(s, sb), *s1 = q8t_host<float>(sd, sb);
+    EXPECT(!st && q8t_same(h0, h1, qb) && q8t_same(s0, s1, sb), "%s: the kernel's copy differs from the "
+           "column pass's (bytes %d, scales %d)", what, !q8t_same(h0, h1, qb), !q8t_same(s0, s1, sb));
     cudaFree(q); cudaFree(s);
     free(h0); free(h1); free(s0); free(s1);
 }
@@ -556,15 +562,16 @@ static void test_records(void) {
 }
 
 /* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) of T tokens with its fused
-   stages (a by the gate/up kernel's epilogue, dh by the down dgrad's, along its rows and down them there
-   (F a multiple of 128) or by the W13 wgrad's column pass, the shared expert's dy's by the W2 wgrad's)
-   and without (q8r NULL: the down dgrad's da stored, then an activation pass; each quantization a pass
-   of its own): y, dx and every gradient bitwise; the backward's column passes counted; and (a layer with
-   no shared expert, whose a comes last) the gate/up kernel's quantized a is moept__q8_along's of a as
-   stored, byte for byte, as (F 256) the down dgrad's two copies of dh are moept__q8_along's and
-   moept__q8_down's of dh as stored.
+   stages (a by the gate/up kernel's epilogue along its rows, and down them (F a multiple of 128) for the
+   backward, dh by the down dgrad's, along its rows and down them there (F a multiple of 128) or by the
+   W13 wgrad's column pass, the shared expert's dy's by the W2 wgrad's) and without (q8r NULL: the down
+   dgrad's da stored, then an activation pass; each quantization a pass of its own): y, dx and every
+   gradient bitwise; the backward's column passes counted; and (a layer with no shared expert, whose a
+   comes last) the gate/up kernel's two copies of a are moept__q8_along's and moept__q8_down's of a as
+   stored, byte for byte, as (F 256) the down dgrad's two copies of dh are of dh as stored.
    F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
-   an edge of one subtile; F 256: whole tiles, where the down dgrad's epilogue quantizes dh */
+   an edge of one subtile; F 256: whole tiles, where the kernels' epilogues write the copies down the
+   rows */
 static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4) {
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -601,21 +608,28 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4) {
 #endif
         if (!v && fam == MOEPT_FAMILY_MIXTRAL)
             q8t_epilogue(c, c->slots[c->last].a, F, c->lda_a, "a, quantized");
+        const int kept = !v && F % 128 == 0 && moept__gk_w8(c); /* (a's, dh's copies down the rows: the
+                                                                   kernels') */
+        if (kept && fam == MOEPT_FAMILY_MIXTRAL) /* (the forward's copy of a, before the backward reads it) */
+            q8t_epilogue_down(c, c->slots[c->last].a, F, c->lda_a, c->q8a, c->q8sa, E > MOEPT__GK_RUNS,
+                              "a down its rows");
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         const long p0 = moept_emu_launches("moept__k_q8_cols");
 #endif
         EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
-#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; dh's by the
-                                   down dgrad) */
+#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; a's by the
+                                   gate/up kernel, dh's by the down dgrad) */
         const long np8 = moept_emu_launches("moept__k_q8_cols") - p0;
-        const long per = !v && F % 128 == 0 && moept__gk_w8(c) ? 3 : 4; /* (passes a launch of groups) */
+        const long per = kept ? 2 : 4; /* (passes a launch of groups) */
         EXPECT(fam != MOEPT_FAMILY_MIXTRAL || np8 == per * ((E + MOEPT__Q8_G - 1) / MOEPT__Q8_G),
                "layer %d: %ld column passes in the backward", v, np8);
 #endif
         if (!v && fam == MOEPT_FAMILY_MIXTRAL && F % 128 == 0) { /* (q8r, q8b last written by the down
                                                                     dgrad) */
             q8t_epilogue(c, c->slots[c->last].h, 2 * F, 2 * F, "dh, quantized");
-            if (moept__gk_w8(c)) q8t_epilogue_down(c, F, E > MOEPT__GK_RUNS);
+            if (kept)
+                q8t_epilogue_down(c, c->slots[c->last].h, 2 * F, 2 * F, c->q8b, c->q8sb, E > MOEPT__GK_RUNS,
+                                  "dh down its rows");
         }
         float *pp = NULL, *gp = NULL;
         EXPECT_OK(moept_cuda_params(L[v], &pp, &gp, &np));
@@ -713,6 +727,72 @@ static void q8t_wgrad8(void) {
     free(oh); free(g0); free(qa); free(qb); free(sa); free(sb); free(g);
 }
 
+/* a's copy down its rows, kept in the scratch from a training forward for its backward (moept__q8_ac):
+   with an evaluation between them (T2 tokens; the copy stays) and with the scratch grown between them (as
+   an EP peer's rows grow it: the copy is gone) against the same two calls alone: y, dx and every gradient
+   bitwise; on the emulated GPU the backward's column passes counted (a's again where the copy is gone) */
+static void q8t_kept(int64_t T, int64_t T2) {
+    moept_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.family = MOEPT_FAMILY_MIXTRAL; cfg.hidden_size = 72; cfg.intermediate_size = 128; cfg.num_experts = 4;
+    cfg.top_k = 2; cfg.max_tokens = T2; cfg.fp8 = MOEPT_FP8_BLOCKWISE;
+    const int64_t D = cfg.hidden_size;
+    const size_t ob = (size_t)(T * D) * 4; /* (y, then dx: bf16) */
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+    unsigned long long rs = 9;
+    moept__bf16 *xh = (moept__bf16 *)malloc((size_t)(T2 * D) * 2);
+    for (int64_t i = 0; i < T2 * D; i++) xh[i] = moept__f32_to_bf16((float)tu_rand(&rs));
+    float *x = (float *)q8t_dev<moept__bf16>(xh, (size_t)(T2 * D) * 2);
+    char *out[3] = {NULL, NULL, NULL}, *ye = q8t_dev<char>(NULL, (size_t)(T2 * D) * 2);
+    float *g[3] = {NULL, NULL, NULL};
+    int64_t np = 0;
+    long passes[3] = {0, 0, 0};
+    char err[MOEPT__ERRLEN] = "";
+    for (int v = 0; v < 3 && !tu_bad; v++) { /* v 1: the evaluation between; 2: the growth */
+        moept_layer *L = NULL;
+        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+        if (!L) break;
+        moept_init_params(L, 7);
+        moept__view view;
+        moept__cuda *c = moept__cx(L, &view);
+        out[v] = q8t_dev<char>(NULL, ob);
+        float *y = (float *)out[v], *dx = (float *)(out[v] + ob / 2);
+        EXPECT(!moept_forward(L, x, T, y), "forward: %s", moept_last_error(L));
+        const void *a = c->slots[c->last].a;
+        EXPECT(c->q8ac == a, "the forward kept no copy of a");
+        moept_forward_opts fo = {NULL, 1, NULL, NULL, 0};
+        if (v == 1)
+            EXPECT(!moept_forward_ex(L, x, T2, (float *)ye, &fo), "evaluation: %s", moept_last_error(L));
+        if (v == 2) EXPECT_OK(moept__q8_room(c, c->q8rows + 1, err));
+        EXPECT((c->q8ac == a) == (v < 2), "%s: the copy %s", v == 1 ? "the evaluation" : "the growth",
+               c->q8ac ? "kept" : "gone");
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+        const long p0 = moept_emu_launches("moept__k_q8_cols");
+#endif
+        EXPECT(!moept_backward(L, x, x, dx), "backward: %s", moept_last_error(L));
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+        passes[v] = moept_emu_launches("moept__k_q8_cols") - p0;
+#endif
+        float *pp = NULL, *gp = NULL;
+        EXPECT_OK(moept_cuda_params(L, &pp, &gp, &np));
+        if (gp) g[v] = q8t_host<float>(gp, (size_t)np * 4);
+        moept_destroy(L);
+    }
+    char *h[3] = {NULL, NULL, NULL};
+    for (int v = 0; v < 3 && out[2]; v++) h[v] = q8t_host<char>(out[v], ob);
+    for (int v = 1; v < 3; v++)
+        EXPECT(h[v] && g[0] && g[v] && q8t_same(h[0], h[v], ob) && q8t_same(g[0], g[v], (size_t)np * 4),
+               "%s between a forward and its backward changed y, dx or the gradients",
+               v == 1 ? "an evaluation" : "a growth of the scratch");
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+    EXPECT(passes[0] == 2 && passes[1] == 2 && passes[2] == 3, "the backward's column passes: %ld, %ld "
+           "(after the evaluation), %ld (after the growth)", passes[0], passes[1], passes[2]);
+#endif
+    for (int v = 0; v < 3; v++) free(h[v]), free(g[v]), cudaFree(out[v]);
+    free(xh);
+    cudaFree(ye); cudaFree(x);
+}
+
 static void test_fused(void) {
     setenv("MOEPT_EMU_CC", "90", 1);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 200, 40);
@@ -721,6 +801,7 @@ static void test_fused(void) {
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 256, 300); /* (F a multiple of 128: the down dgrad quantizes dh too;
                                                    an expert's rows past a tile) */
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256, 40);
+    q8t_kept(40, 300);
     q8t_wgrad8();
     unsetenv("MOEPT_EMU_CC");
 }
@@ -790,11 +871,11 @@ int main(int argc, char **argv) {
                        "the rows' copy from its read: the separate passes' bytes, the CPU's values";
     const char *fused =
         wide ? "the kernel form's FP8 layer with 300 experts (each grouped launch 240 runs): its fused "
-               "quantizers' results the separate passes' bitwise, dh's two copies theirs; its step the "
-               "per-expert form's"
+               "quantizers' results the separate passes' bitwise, a's and dh's two copies theirs; its step "
+               "the per-expert form's"
              : "the kernel form's FP8 layer: its fused quantizers' results the separate passes' bitwise, the "
-               "gate/up kernel's quantized a and the down dgrad's dh moept__q8_along's; its weight gradient "
-               "against sums in double";
+               "gate/up kernel's a and the down dgrad's dh both ways theirs, a's copy kept for the backward "
+               "(an evaluation between, a growth); its weight gradient against sums in double";
     int major = 0, minor = 0; /* (the kernel form: compute capability 9.0; the emulator answers it) */
     if (moept_cuda_device_count() > 0) {
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);

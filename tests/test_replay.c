@@ -12,6 +12,7 @@
 #define MOEPT_INTERNAL /* bf16 conversions (GPU build) */
 #include "../moept.h"
 #include "testutil.h"
+#include "tu_exec.h"
 
 #include <math.h>
 #ifdef MOEPT_CUDA
@@ -797,21 +798,6 @@ static void test_own_ids_gpu(void) {
 }
 #endif
 
-#ifdef MOEPT_CUDA
-/* why this GPU runs no FP8 layer in the kernel form (compute capability 9.0, cuBLAS 12.9 and sm_90a code:
-   refused at create), or NULL */
-static const char *fp8_why(void) {
-    static char why[300];
-    moept_config c = cfg_of(MOEPT_FAMILY_MIXTRAL);
-    c.fp8 = MOEPT_FP8_BLOCKWISE;
-    const moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
-    moept_layer *L = NULL;
-    const moept_status st = moept_create_cuda(&c, NULL, NULL, &o, &L);
-    snprintf(why, sizeof why, "%s", st == MOEPT_ERR_UNSUPPORTED ? moept_last_error(NULL) : "");
-    moept_destroy(L);
-    return why[0] ? why : NULL;
-}
-#endif
 
 /* config.fp8: own ids replayed equal the forward bitwise, and a padded token's replay row is not read:
    the CPU layer (4 families, EP 1, 2, chunks 3), or on the GPU (bf16 rows) cuBLASLt's form (AUTO's) and
@@ -864,20 +850,12 @@ int main(void) {
            test_rejected_gpu);
     tu_run("replay (GPU): another choice than the router's equals the CPU layer's (EP 1, 2; fp32, bf16)",
            test_other_choice_gpu);
-    char cc[16] = "";
-#ifdef MOEPT_EMU /* (the emulated GPU answers 9.0 where asked to; a value set before kept) */
-    if (getenv("MOEPT_EMU_CC")) snprintf(cc, sizeof cc, "%s", getenv("MOEPT_EMU_CC"));
-    setenv("MOEPT_EMU_CC", "90", 1);
-#endif
-    const char *why = fp8_why();
-    if (why) tu_skip("replay (GPU), FP8", why);
+    tu_cc cc; /* (the emulated GPU: compute capability 9.0 for these) */
+    if (!tu_fp8_kernel(&cc)) tu_skip("replay (GPU), FP8", cc.why);
     else
         tu_run("replay (GPU), FP8: own ids equal the forward bitwise, a padded token's row is not read "
                "(EP 1, 2; cuBLASLt's form, the grouped kernel's: sync-free, chunks 3)", test_fp8);
-#ifdef MOEPT_EMU
-    if (cc[0]) setenv("MOEPT_EMU_CC", cc, 1);
-    else unsetenv("MOEPT_EMU_CC");
-#endif
+    tu_cc_restore(&cc);
 #else
     tu_run("replay: own ids equal the forward bitwise (4 families, EP 1, 2, 4; chunks 3)", test_own_ids_cpu);
     tu_run("replay: a rollout recorded at EP 4 replayed at EP 2 equals it (4 families)", test_rollout_cpu);

@@ -8,7 +8,9 @@
    memory, counted exactly. Built twice: build/test_slots runs CPU layers
    over threads (the shared-memory path, the chunked exchange, FSDP),
    build/emu/test_slots CUDA layers on the emulated GPU over NCCL ranks
-   (default, chunked and sync-free; the buffers in device memory). */
+   (default, chunked and sync-free; FP8 in the kernel form, whose gate/up
+   kernel keeps a's copy for the backward of the last forward alone; the
+   buffers in device memory). */
 #ifdef MOEPT_CUDA
 #define MOEPT_INTERNAL
 #include "../moept.h"
@@ -47,21 +49,30 @@ static const int recompute_order[] = {1, 2, 1, -1, 3, 2, -2, 4, 3, -3, 4, -4, 0}
 
 static int64_t tokens_of(int r) { return TOK - 2 * r; } /* ranks hold different counts */
 
-static void mb_data(int r, int m, float *x, float *dy, uint8_t *mask) {
+/* micro-batch m of rank r (bf16: x and dy as bf16 values in their first halves) */
+static void mb_data(int r, int m, float *x, float *dy, uint8_t *mask, int bf16) {
     unsigned long long s = 1000 + 17 * (unsigned long long)r + (unsigned long long)m;
     tu_fill(x, TOK * DIM, 1.0, &s);
     tu_fill(dy, TOK * DIM, 1.0, &s);
+    uint16_t hx[TOK * DIM], hd[TOK * DIM];
+    for (int i = 0; i < TOK * DIM && bf16; i++)
+        hx[i] = moept__f32_to_bf16(x[i]), hd[i] = moept__f32_to_bf16(dy[i]);
+    if (bf16) memcpy(x, hx, sizeof hx), memcpy(dy, hd, sizeof hd);
     for (int t = 0; t < TOK; t++) mask[t] = (t + m + r) % 5 != 0;
 }
+
+/* whether cfg's layers are bf16 in the kernel GEMM form: FP8 on a GPU (the emulated one's grouped
+   kernel) */
+static int bf16_kernel(const moept_config *cfg) { return TU_GPU && cfg->fp8; }
 
 /* rank r's micro-batches where the layer reads them (x, dy, mask), and
    room for y and dx */
 typedef struct mbs { void *x[NMB], *dy[NMB], *mask[NMB], *y[NMB], *dx[NMB]; } mbs;
-static void mbs_open(mbs *b, int r) {
+static void mbs_open(mbs *b, int r, int bf16) {
     float x[TOK * DIM], dy[TOK * DIM];
     uint8_t mask[TOK];
     for (int m = 0; m < NMB; m++) {
-        mb_data(r, m, x, dy, mask);
+        mb_data(r, m, x, dy, mask, bf16);
         b->x[m] = tu_dev(x, NB); b->dy[m] = tu_dev(dy, NB); b->mask[m] = tu_dev(mask, TOK);
         b->y[m] = tu_dev(NULL, NB); b->dx[m] = tu_dev(NULL, NB);
     }
@@ -78,7 +89,13 @@ static moept_layer *slot_layer(const moept_config *cfg, moept_comm *c, int max_i
     moept_config k = *cfg;
     k.max_inflight = max_inflight;
     moept_layer *L = NULL;
+#ifdef MOEPT_CUDA
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, sync_free, MOEPT_GEMM_KERNEL};
+    if (bf16_kernel(cfg) ? moept_create_cuda(&k, c, NULL, &o, &L) : tu_layer(&k, c, sync_free, &L))
+        return NULL;
+#else
     if (tu_layer(&k, c, sync_free, &L)) return NULL;
+#endif
     moept_init_params(L, 7);
     return L;
 }
@@ -123,7 +140,7 @@ static void *slots_order_main(void *arg) {
     j->direct = L->xch.direct; j->C = (int)L->C;
 #endif
     mbs b;
-    mbs_open(&b, j->r);
+    mbs_open(&b, j->r, bf16_kernel(&j->cfg));
     void *ye = tu_dev(NULL, NB);
     order_calls(j, L, &b, ye);
     snprintf(j->err, sizeof j->err, "%s", moept_last_error(L));
@@ -165,6 +182,10 @@ static moept_config slot_cfg(int kind) {
         c = slot_cfg(1);
         c.fp8 = MOEPT_FP8_BLOCKWISE;
     }
+    if (kind == 6) { /* FP8, F 128 (a GPU's: the kernel form, each forward's a down its rows by the
+                        gate/up kernel, kept for the backward while no other forward writes over it) */
+        c.family = MOEPT_FAMILY_MIXTRAL; c.intermediate_size = 128; c.fp8 = MOEPT_FP8_BLOCKWISE;
+    }
     return c;
 }
 
@@ -204,12 +225,20 @@ static void sj_free(sj *a, int P) {
    forward and its backward equal the sequential order bitwise (CUDA
    layers: no fsdp, which is a CPU layer's baseline; the masked shared
    expert unchunked, kind 4, in the sync-free mode; FP8, kind 5, on the
-   CPU alone) */
+   CPU alone, kind 6, bf16 in the kernel form, on the GPU alone, at EP 1:
+   the emulated kernels are slow, and its slots' state is each rank's) */
 static void test_pipeline_orders(void) {
     static sj seq[4], pipe[4];
     const int Ps[2] = {1, 4};
-    for (int kind = 0; kind < 6; kind++)
-        for (int pi = 0; pi < 2 && !(TU_GPU && (kind == 3 || kind == 5)); pi++)
+    for (int kind = 0; kind < 7; kind++) {
+#ifdef MOEPT_CUDA
+        tu_cc cc; /* (kind 6: compute capability 9.0; restored after it) */
+        if (kind == 6 && !tu_fp8_kernel(&cc)) tu_skip("forward slots in FP8's kernel form", cc.why);
+        const int go = kind != 6 || !cc.why[0];
+#else
+        const int go = kind != 6;
+#endif
+        for (int pi = 0; pi < 2 - (kind == 6) && go && !(TU_GPU && (kind == 3 || kind == 5)); pi++)
             for (int sf = TU_GPU && kind == 4; sf <= (TU_GPU && kind == 4); sf++) { /* 4: sync-free (GPU) */
                 const int P = Ps[pi];
                 if ((kind == 4 && P == 1) || too_few_devices(P)) continue; /* at EP 1, 4 is 1 */
@@ -232,6 +261,10 @@ static void test_pipeline_orders(void) {
                 }
                 sj_free(seq, P);
             }
+#ifdef MOEPT_CUDA
+        if (kind == 6) tu_cc_restore(&cc);
+#endif
+    }
 }
 
 /* two layers of c with the same parameters (1: made; 0: the failure noted, none left) */
@@ -252,7 +285,7 @@ static void one_open(one *o) {
     float x[TOK * DIM], dy[TOK * DIM];
     uint8_t mask[TOK];
     for (int m = 0; m < 2; m++) {
-        mb_data(0, m, x, dy, mask);
+        mb_data(0, m, x, dy, mask, 0);
         o->x[m] = tu_dev(x, NB);
         o->dy[m] = tu_dev(dy, NB);
     }
@@ -423,9 +456,9 @@ static void *wrong_main(void *arg) {
     } else {
         float x[TOK * DIM], dy[TOK * DIM], dxh[2][TOK * DIM];
         uint8_t mask[TOK];
-        mb_data(j->r, 1, x, dy, mask);
+        mb_data(j->r, 1, x, dy, mask, 0);
         void *x1 = tu_dev(x, NB);
-        mb_data(j->r, 0, x, dy, mask);
+        mb_data(j->r, 0, x, dy, mask, 0);
         void *x0 = tu_dev(x, NB), *dyd = tu_dev(dy, NB), *y = tu_dev(NULL, NB);
         /* dx's rows past the 6 tokens: compared, never written */
         void *dx = tu_dev(NULL, NB), *dxk = tu_dev(NULL, NB);
@@ -510,7 +543,7 @@ static void *grow_main(void *arg) {
         for (int t = 0; t < TOK; t++) { ids[2 * t] = 0; ids[2 * t + 1] = 1; } /* rank 0's experts */
         void *rep = tu_dev(ids, sizeof ids), *xs[2], *dys[2], *y = tu_dev(NULL, NB), *dx = tu_dev(NULL, NB);
         for (int m = 0; m < 2; m++) {
-            mb_data(j->r, m, x, dy, mask);
+            mb_data(j->r, m, x, dy, mask, 0);
             xs[m] = tu_dev(x, NB); dys[m] = tu_dev(dy, NB);
         }
         const int two[2] = {0, 1}, one_slot[2] = {0, 0};
@@ -554,7 +587,7 @@ static void *slots_reshard_main(void *arg) {
     if (L) {
         float x[TOK * DIM], dy[TOK * DIM];
         uint8_t mask[TOK];
-        mb_data(j->r, 0, x, dy, mask);
+        mb_data(j->r, 0, x, dy, mask, 0);
         void *x0 = tu_dev(x, NB), *dyd = tu_dev(dy, NB), *y = tu_dev(NULL, NB), *dx = tu_dev(NULL, NB);
         moept_forward_opts f0 = {NULL, 0, NULL, NULL, 0}, f1 = {NULL, 0, NULL, NULL, 1};
         moept_forward_opts ev = {NULL, 1, NULL, NULL, 0};
@@ -762,7 +795,7 @@ static void *sf_wrong_main(void *arg) {
     moept_layer *L = slot_layer(&cfg, tu_ep_open(&e, j->g, 2, j->r), 2, 1);
     float x[TOK * DIM], dy[TOK * DIM];
     uint8_t mask[TOK];
-    mb_data(j->r, 0, x, dy, mask);
+    mb_data(j->r, 0, x, dy, mask, 0);
     void *xd = tu_dev(x, NB), *y = tu_dev(NULL, NB);
     moept_forward_opts f = {NULL, 0, NULL, NULL, j->r};
     double norm;
@@ -803,7 +836,7 @@ static void test_bf16_slots(void) {
     float x[TOK * DIM], dy[TOK * DIM];
     uint8_t mask[TOK];
     for (int m = 0; m < 2; m++) {
-        mb_data(0, m, x, dy, mask);
+        mb_data(0, m, x, dy, mask, 0);
         for (int i = 0; i < TOK * DIM; i++) { hx[m][i] = to_bf16(x[i]); hdy[m][i] = to_bf16(dy[i]); }
     }
     memcpy(hx[2], hx[1], nb);
@@ -890,10 +923,10 @@ static void *oom_main(void *arg) {
     if (L && K) {
         float x[TOK * DIM], dy[TOK * DIM];
         uint8_t mask[TOK];
-        mb_data(j->r, 1, x, dy, mask);
+        mb_data(j->r, 1, x, dy, mask, 0);
         void *xs[2], *mk = tu_dev(mask, TOK);
         xs[1] = tu_dev(x, NB);
-        mb_data(j->r, 0, x, dy, mask);
+        mb_data(j->r, 0, x, dy, mask, 0);
         xs[0] = tu_dev(x, NB);
         void *dyd = tu_dev(dy, NB);
         oom_calls(j, L, K, xs, dyd, mk);

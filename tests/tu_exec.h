@@ -53,6 +53,31 @@ static inline void tu_ep_close(tu_ep *e) {
     if (e->nc) { ncclCommDestroy((ncclComm_t)e->nc); cudaStreamDestroy((cudaStream_t)e->stream); }
 #endif
 }
+#ifdef MOEPT_CUDA
+/* An FP8 layer in the kernel GEMM form (bf16 rows), as a test makes one: *why this GPU refuses it at
+   create (compute capability 9.0, cuBLAS 12.9 and sm_90a code), or "" where it runs; the emulated GPU
+   answers 9.0 until tu_cc_restore (MOEPT_EMU_CC; a value set before kept in was) */
+typedef struct tu_cc { char was[16], why[300]; } tu_cc;
+static inline int tu_fp8_kernel(tu_cc *k) {
+    const char *v = getenv("MOEPT_EMU_CC");
+    snprintf(k->was, sizeof k->was, "%s", v ? v : "");
+    setenv("MOEPT_EMU_CC", "90", 1);
+    moept_config c;
+    memset(&c, 0, sizeof c);
+    c.family = MOEPT_FAMILY_MIXTRAL; c.hidden_size = 16; c.intermediate_size = 128; c.num_experts = 4;
+    c.top_k = 2; c.max_tokens = 8; c.fp8 = MOEPT_FP8_BLOCKWISE;
+    const moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
+    moept_layer *L = NULL;
+    const moept_status st = moept_create_cuda(&c, NULL, NULL, &o, &L);
+    snprintf(k->why, sizeof k->why, "%s", st == MOEPT_ERR_UNSUPPORTED ? moept_last_error(NULL) : "");
+    moept_destroy(L);
+    return k->why[0] == 0;
+}
+static inline void tu_cc_restore(const tu_cc *k) {
+    if (k->was[0]) setenv("MOEPT_EMU_CC", k->was, 1);
+    else unsetenv("MOEPT_EMU_CC");
+}
+#endif
 /* a layer of this build's executor (GPU: fp32, or sync-free) */
 static inline moept_status tu_layer(const moept_config *c, moept_comm *ep, int sync_free, moept_layer **L) {
 #ifdef MOEPT_CUDA
