@@ -2228,9 +2228,10 @@ struct moept__cuda {
                                    shared expert's dy) quantized along the rows by its wgrad's column pass
                                    (moept__q8_twin), or the forward's a by the gate/up product */
     float *q8sr;                /* its scales; q8r, q8sr NULL in the per-expert form */
-    const void *q8ac;           /* the a whose copy down its rows q8a, q8sa hold from the gate/up kernel
-                                   (moept__q8_ac: the routed experts' last training forward's, kept for its
-                                   backward's W2 wgrad); NULL: none (a pass or a growth rewrote them) */
+    unsigned long long *q8own;  /* device [1]: the a (its address) whose copy down its rows q8a, q8sa hold
+                                   (moept__q8_ac: a training forward's gate/up kernel's, or its backward's
+                                   pass'), 0: none; written in stream order by the launches that change it
+                                   (moept__q8_own), so a replayed graph keeps it true */
     float *q8out;               /* [max(q8rows, Wp)][Wp] cuBLASLt's fp32 result (NULL: moept__gk_w8) */
     int64_t allocations, allocated_bytes, growths;
     /* held now (moept__cuda_sizes): the parameter block (gradients among them), the fixed workspace
@@ -2285,6 +2286,7 @@ static void moept__layout(moept__cuda *c, moept__carve *cv) {
     c->msg_all = (int64_t *)moept__take(cv, (size_t)(P * c->M) * 8);
     c->csel = (unsigned long long *)moept__take(cv, c->C > 1 ? (size_t)(c->C * E) * 8 : 0);
     c->bad = (unsigned long long *)moept__take(cv, 8 * 8);
+    c->q8own = (unsigned long long *)moept__take(cv, 8);
     c->gpart = (double *)moept__take(cv, (size_t)MOEPT__NPART * 2 * 8);
     const size_t train = !p->cfg->inference_only;
     c->dsg = (float *)moept__take(cv, train * (size_t)T * f);
@@ -2335,6 +2337,12 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err);
 static moept_status moept__host_wait(moept__cuda *c, char *err);
 static int moept__gk_gather(const moept__cuda *c);
 
+/* c->q8own (whose copy of a the FP8 scratch holds: moept__q8_ac) = v where it holds match (0: always) */
+__global__ void moept__k_own(unsigned long long *own, unsigned long long match, unsigned long long v) {
+    if (!match || *own == match) *own = v;
+}
+static unsigned long long moept__u64(const void *p) { return (unsigned long long)(uintptr_t)p; }
+
 /* Makes the receive block hold `need` rows, keeping the committed step's rows; config.fp8's token
    scratch with it (moept__q8_room), so a failure is the growth's, which the ranks agree on. */
 static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, char *err) {
@@ -2363,18 +2371,23 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     void *dxr = moept__take(&cv, chunked ? (size_t)(cap * D) * es : 0);
     void *yq = moept__take(&cv, (size_t)(cap * yb)); /* (a backward's: nothing to keep) */
     int64_t keep = sl->fwd_valid ? sl->R : 0;
+    cudaError_t e = cudaSuccess;
+    if (sl->rblock && moept__fp8_on(&c->sp)) { /* (a's copy in q8a, moept__q8_ac, if of this a: gone with
+                                                     the address, which another slot's a may take) */
+        MOEPT__LAUNCH(moept__k_own, 1, 1, 0, c->s)(c->q8own, moept__u64(sl->a), 0);
+        e = cudaGetLastError();
+    }
     if (keep > 0 && sl->rblock) {
         const cudaMemcpyKind dd = cudaMemcpyDeviceToDevice;
-        cudaError_t e = cudaMemcpyAsync(xr, sl->xr, (size_t)(keep * xb), dd, c->s);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(xr, sl->xr, (size_t)(keep * xb), dd, c->s);
         if (e == cudaSuccess) e = cudaMemcpyAsync(yr, sl->yr, (size_t)(keep * D) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaMemcpyAsync(h, sl->h, (size_t)(keep * H) * es, dd, c->s);
         if (e == cudaSuccess && train) e = cudaMemcpyAsync(a, sl->a, (size_t)(keep * F) * es, dd, c->s);
         if (e == cudaSuccess) e = cudaStreamSynchronize(c->s);
-        if (e != cudaSuccess) {
-            cudaFree(blk);
-            return moept__kfail(err, MOEPT_ERR_DEVICE, "growing the receive block: %s",
-                                cudaGetErrorString(e));
-        }
+    }
+    if (e != cudaSuccess) {
+        cudaFree(blk);
+        return moept__kfail(err, MOEPT_ERR_DEVICE, "growing the receive block: %s", cudaGetErrorString(e));
     }
     if (sl->rblock) cudaFree(sl->rblock);
     sl->rblock = blk;
@@ -2883,8 +2896,9 @@ __device__ __forceinline__ void moept__q8_panrows(const T *pan, float (*rpart)[M
 }
 template <typename T, int V, int RW = 0>
 __global__ void moept__k_q8_cols(const T *src, const moept__q8_rg G, int C, int64_t lds, int Cp, uint8_t *q,
-                                 float *s, const float *rs, int64_t rsr, uint8_t *qr, float *sr,
-                                 int64_t srb) {
+                                 float *s, const float *rs, int64_t rsr, uint8_t *qr, float *sr, int64_t srb,
+                                 const unsigned long long *own, unsigned long long mine) {
+    if (own && *own == mine) return; /* (q holds it already: moept__q8_ac) */
     constexpr int W = 128 / (int)sizeof(T), w = W / 8; /* w: a thread's columns of a row, 16 bytes */
     constexpr int NP = RW ? MOEPT__Q8_TILE / W : 1, PL = MOEPT__Q8_TILE * (132 / (int)sizeof(T));
     static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 4 columns x 8 chunks, 8 threads a row");
@@ -3144,7 +3158,7 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     }
     cudaFree(c->q8blk);
     c->q8blk = blk;
-    c->q8ac = NULL;
+    MOEPT__CU(cudaMemsetAsync(c->q8own, 0, 8, c->s)); /* (no copy of a in the new scratch: moept__q8_ac) */
     moept__carve cv = {(char *)blk, 0};
     c->q8a = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
     c->q8b = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
@@ -3283,11 +3297,14 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
    (moept__q8_gnext), MOEPT__Q8_G groups a launch; T uint8_t: FP8 records (C = D), dequantized as read.
    qr (bf16): the same read also quantizes the rows along them (moept__q8_along's bytes) into qr
    [rows][Cp] by src's rows, scales sr (srb rows apart). S > 0: the groups' columns of one q [Cp][S]
-   instead, each group's rows padded to 128 (moept__q8_rg) */
+   instead, each group's rows padded to 128 (moept__q8_rg). own: nothing where c->q8own holds it (a's
+   copy there already, moept__q8_ac) */
 template <typename T>
 static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_t *offs, int64_t ng,
                                    int64_t C, int64_t lds, uint8_t *q, float *s, char *err,
-                                   uint8_t *qr = NULL, float *sr = NULL, int64_t srb = 0, int64_t S = 0) {
+                                   uint8_t *qr = NULL, float *sr = NULL, int64_t srb = 0, int64_t S = 0,
+                                   const void *own = NULL) {
+    const unsigned long long *ow = own ? c->q8own : NULL, mine = moept__u64(own);
     const int64_t Cp = MOEPT__Q8_PAD(C), W = qr ? MOEPT__Q8_TILE : 128 / sizeof(T), nc = (Cp + W - 1) / W;
     const float *rs = sizeof(T) == 1 ? (const float *)((const uint8_t *)src + MOEPT__Q8_PAD(C)) : NULL;
     const int vec = moept__vec<T>(lds, src);
@@ -3299,14 +3316,14 @@ static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_
         if constexpr (sizeof(T) == 2) {
             if (qr && vec)
                 MOEPT__LAUNCH((moept__k_q8_cols<T, MOEPT__VEC(T), 1>), grid, MOEPT__TB, 0, c->s)(
-                    (const T *)src, G, (int)C, lds, (int)Cp, q, s, rs, lds / 4, qr, sr, srb);
+                    (const T *)src, G, (int)C, lds, (int)Cp, q, s, rs, lds / 4, qr, sr, srb, ow, mine);
             else if (qr)
                 MOEPT__LAUNCH((moept__k_q8_cols<T, 1, 1>), grid, MOEPT__TB, 0, c->s)(
-                    (const T *)src, G, (int)C, lds, (int)Cp, q, s, rs, lds / 4, qr, sr, srb);
+                    (const T *)src, G, (int)C, lds, (int)Cp, q, s, rs, lds / 4, qr, sr, srb, ow, mine);
         }
         if (!qr)
             MOEPT__LAUNCH_V(vec, moept__k_q8_cols, T, grid, MOEPT__TB, c->s, (const T *)src, G, (int)C, lds,
-                            (int)Cp, q, s, rs, lds / 4, (uint8_t *)NULL, (float *)NULL, (int64_t)0);
+                            (int)Cp, q, s, rs, lds / 4, (uint8_t *)NULL, (float *)NULL, (int64_t)0, ow, mine);
     }, S);
 }
 /* config.fp8's dispatch: rows r < n of the routed tokens, x's row idx[r] each (-1: zeros), as FP8 records
@@ -3810,7 +3827,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
      GATE8  GATE in E4M3 (FWD8's operands and promotion; B's gate and up rows of W13's E4M3 copy): a
             tile is two such subtiles, 128 columns of a, one after the other; each stores h and a as
             GATE does and keeps its rows' amax of a, and the tile's end quantizes a's rows along them
-            in that 1 x 128 tile (the W2 product's A, moept__k_q8_rows' bytes) from a as stored
+            in that 1 x 128 tile (the W2 product's A, moept__k_q8_rows' bytes) from a as stored and,
+            with WGRAD8 and F a multiple of 128, down its 128 rows (the W2 wgrad's I, kept for the
+            backward: moept__q8_ac)
      DACT8  DACT in E4M3 (FWD8's product; A dy's records, or the shared expert's rows): with records
             and F a multiple of 128 the tile's end also quantizes dh as stored along its rows (the W13
             dgrad's A) and, with WGRAD8, down its 128 rows (the W13 wgrad's O: moept__k_q8_cols'
@@ -4967,7 +4986,7 @@ typedef struct moept__ffn {
     const int64_t *cnt;         /* the sync-free mode's committed counts (the routed experts'; device):
                                    the grouped kernel skips the blocks' zero rows; NULL: none */
     int ac;                     /* a's copy down its rows in q8a (moept__q8_ac): the routed experts' training
-                                   forward writes it, their backward finds it there (c->q8ac: a's) */
+                                   forward writes it, their backward reads it where c->q8own says it is a's */
 } moept__ffn;
 
 /* The backward's dys: where combine' writes them (*out) and where the experts read them (*in), the same
@@ -4991,7 +5010,9 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void
     moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, gi ? x : sl->xr, gi ? sl->tok_of_row : NULL,
                     q8 != NULL, bwd && q8, sl->h, sl->a, bwd ? dys : sl->yr, ch ? sl->dar : sl->a,
                     ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL, 0};
-    f.ac = bwd ? sl->a && c->q8ac == sl->a : !sl->fwd_eval && !p->cfg->inference_only;
+    /* (an evaluation writes none: its slot is its own, or slot 0 with no backward pending, whose next
+       training forward writes c->q8own) */
+    f.ac = (bwd || !sl->fwd_eval) && !p->cfg->inference_only;
     return f;
 }
 
@@ -5122,10 +5143,18 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
 /* whether the gate/up kernel's epilogue, where it quantizes a along its rows (moept__ffn_fused8), also
    writes a's copy down its rows, the W2 wgrad's I (into q8a, q8sa as moept__q8_down's S lays it out:
    WGRAD8's), which stays there for the backward (f->ac), so no column pass reads a: F a multiple of 128,
-   whole groups, unchunked, as moept__q8_dhc */
+   whole groups, unchunked, as moept__q8_dhc. c->q8own says whose copy q8a holds: a training forward
+   into another slot, or a growth, writes over it, and that backward's pass makes it again */
 static int moept__q8_ac(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
     return f->ac && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 && moept__q8_twin(c, f, R) &&
            moept__gk_w8(c);
+}
+
+/* q8own = the address of a (NULL: 0), queued on the compute stream after what rewrote q8a */
+static moept_status moept__q8_own(moept__cuda *c, const void *a, char *err) {
+    MOEPT__LAUNCH(moept__k_own, 1, 1, 0, c->s)(c->q8own, 0, moept__u64(a));
+    MOEPT__LAUNCHED();
+    return MOEPT_OK;
 }
 
 /* a grouped launch's column copy (GATE8's of a, DACT8's of dh) over R's groups: one [Cp][S] into q, s */
@@ -5236,16 +5265,18 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
     const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
     const int twin = moept__q8_pre(c, f, R, w2) && (w2 || !moept__q8_dh8(c, f)); /* (O's rows along them
                                                                                   too, for the dgrad) */
-    const int ac = w2 && moept__q8_ac(c, f, R); /* (a's copy in q8a: the forward's gate/up kernel's) */
+    const int ac = w2 && moept__q8_ac(c, f, R); /* (a's copy in q8a where the forward's gate/up kernel
+                                                    wrote it and no one wrote over it: c->q8own) */
     int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
     MOEPT__TRY(moept__q8_fits(c, R, 1, err, S));
     if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
-    if (!ac) c->q8ac = NULL; /* (q8a rewritten) */
+    if (!ac && c->q8r) MOEPT__TRY(moept__q8_own(c, NULL, err)); /* (q8a rewritten: the kernel form's) */
     if (rec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err, NULL, NULL, 0,
                                            S));
-    else if (!ac)
-        MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err, NULL, NULL, 0, S));
+    else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err, NULL, NULL, 0, S,
+                                      ac ? f->a : NULL));
+    if (ac) MOEPT__TRY(moept__q8_own(c, f->a, err)); /* (a's copy, the forward's or the pass') */
     if (orec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb, err,
                                            NULL, NULL, 0, S));
@@ -5296,7 +5327,6 @@ template <typename T>
 static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
     const int64_t D = c->sp.D, F = f->F;
     const void *W13 = moept__w(c, f->off13);
-    if (c->q8ac == f->a) c->q8ac = NULL; /* (a rewritten) */
     if (moept__ffn_fused(c, f)) { /* h and a by the gate/up GEMM */
         const moept__gk_ext ga = moept__gk_epi(f->a, f->lda, c->sp.act, NULL, NULL, 0);
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
@@ -5308,10 +5338,10 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
         const moept__q8w *q = f->q8;
         const int ac = moept__q8_ac(c, f, R);
         if (ac) MOEPT__TRY(moept__gk_cols(c, R, &ga, c->q8a, c->q8sa, err));
-        if (ac) c->q8ac = NULL; /* (q8a rewritten: another a's copy gone) */
+        if (ac) MOEPT__TRY(moept__q8_own(c, NULL, err)); /* (until the copy is whole) */
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
                                                    q->ns13, f->H, (char *)f->h, 0, &ga, err)));
-        if (ac) c->q8ac = f->a;
+        if (ac) MOEPT__TRY(moept__q8_own(c, f->a, err));
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 0, 0, f->x, f->h, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 0, err));

@@ -435,6 +435,13 @@ static void q8t_epilogue(moept__cuda *c, const void *src, int64_t F, int64_t lds
     free(hq); free(hr); free(hs); free(hsr);
 }
 
+/* the a whose copy down its rows the kernel form's scratch holds (moept__q8_ac), NULL: none */
+static const void *q8t_owner(const moept__cuda *c) {
+    unsigned long long v = 0;
+    cudaMemcpy(&v, c->q8own, 8, cudaMemcpyDeviceToHost);
+    return (const void *)(uintptr_t)v;
+}
+
 /* ... and the routed experts' src (C columns, lds apart) down its rows as a kernel's epilogue wrote it
    (qd, sd: the groups' columns of one [Cp][S]) against moept__q8_down's column pass: the last forward's
    a (the gate/up kernel's, kept in q8a for the W2 wgrad: moept__q8_ac), or after a backward dh over h
@@ -446,7 +453,7 @@ static void q8t_epilogue_down(moept__cuda *c, const void *src, int64_t C, int64_
     const int64_t El = c->sp.El, Cp = MOEPT__Q8_PAD(C);
     const moept__runs R = moept__runs_groups(sl->roffsets, El);
     const moept__ffn f = moept__ffn_routed(c, sl, NULL, 1);
-    EXPECT(src == sl->a ? c->q8ac == sl->a && moept__q8_ac(c, &f, &R) : moept__q8_dhc(c, &f, &R),
+    EXPECT(src == sl->a ? q8t_owner(c) == sl->a && moept__q8_ac(c, &f, &R) : moept__q8_dhc(c, &f, &R),
            "%s: the layer's kernel does not write it", what);
     const int64_t S = moept__q8_wide(&R);
     int64_t most = 0, runs = 0; /* (an expert's rows past a tile: a column's two halves and its second
@@ -617,10 +624,10 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4) {
         const long p0 = moept_emu_launches("moept__k_q8_cols");
 #endif
         EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
-#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; a's by the
-                                   gate/up kernel, dh's by the down dgrad) */
+#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; dh's by the
+                                   down dgrad; a's launched, and done at once where the copy is there) */
         const long np8 = moept_emu_launches("moept__k_q8_cols") - p0;
-        const long per = kept ? 2 : 4; /* (passes a launch of groups) */
+        const long per = kept ? 3 : 4; /* (passes a launch of groups) */
         EXPECT(fam != MOEPT_FAMILY_MIXTRAL || np8 == per * ((E + MOEPT__Q8_G - 1) / MOEPT__Q8_G),
                "layer %d: %ld column passes in the backward", v, np8);
 #endif
@@ -728,9 +735,10 @@ static void q8t_wgrad8(void) {
 }
 
 /* a's copy down its rows, kept in the scratch from a training forward for its backward (moept__q8_ac):
-   with an evaluation between them (T2 tokens; the copy stays) and with the scratch grown between them (as
-   an EP peer's rows grow it: the copy is gone) against the same two calls alone: y, dx and every gradient
-   bitwise; on the emulated GPU the backward's column passes counted (a's again where the copy is gone) */
+   with an evaluation between them (T2 tokens; the copy stays) and with the receive block grown between
+   them (as an EP peer's rows grow it: the scratch new, a moved, the copy gone) against the same two calls
+   alone: y, dx and every gradient bitwise; on the emulated GPU the bytes the backward's kernels write
+   counted: a's copy, its bytes and scales, more where it is gone (its pass runs) */
 static void q8t_kept(int64_t T, int64_t T2) {
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -746,7 +754,7 @@ static void q8t_kept(int64_t T, int64_t T2) {
     char *out[3] = {NULL, NULL, NULL}, *ye = q8t_dev<char>(NULL, (size_t)(T2 * D) * 2);
     float *g[3] = {NULL, NULL, NULL};
     int64_t np = 0;
-    long passes[3] = {0, 0, 0};
+    long long wrote[3] = {0, 0, 0}, copy = 0; /* (the backward's kernels' bytes; a's copy's) */
     char err[MOEPT__ERRLEN] = "";
     for (int v = 0; v < 3 && !tu_bad; v++) { /* v 1: the evaluation between; 2: the growth */
         moept_layer *L = NULL;
@@ -759,19 +767,30 @@ static void q8t_kept(int64_t T, int64_t T2) {
         float *y = (float *)out[v], *dx = (float *)(out[v] + ob / 2);
         EXPECT(!moept_forward(L, x, T, y), "forward: %s", moept_last_error(L));
         const void *a = c->slots[c->last].a;
-        EXPECT(c->q8ac == a, "the forward kept no copy of a");
+        EXPECT(q8t_owner(c) == a, "the forward kept no copy of a");
         moept_forward_opts fo = {NULL, 1, NULL, NULL, 0};
         if (v == 1)
             EXPECT(!moept_forward_ex(L, x, T2, (float *)ye, &fo), "evaluation: %s", moept_last_error(L));
-        if (v == 2) EXPECT_OK(moept__q8_room(c, c->q8rows + 1, err));
-        EXPECT((c->q8ac == a) == (v < 2), "%s: the copy %s", v == 1 ? "the evaluation" : "the growth",
-               c->q8ac ? "kept" : "gone");
+        const int64_t rows = c->q8rows;
+        if (v == 2) EXPECT_OK(moept__grow(c, &c->slots[c->last], c->slots[c->last].Rcap + 1, err));
+        EXPECT(v < 2 || (c->q8rows > rows && c->slots[c->last].a != a), "the growth: the scratch %lld rows, "
+               "then %lld; a %s", (long long)rows, (long long)c->q8rows, c->slots[c->last].a != a ? "moved" :
+               "in place");
+        EXPECT((q8t_owner(c) == a) == (v < 2), "%s: the copy %s", v == 1 ? "the evaluation" : "the growth",
+               q8t_owner(c) ? "kept" : "gone");
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-        const long p0 = moept_emu_launches("moept__k_q8_cols");
+        cudaDeviceSynchronize();
+        moept_emu_counts_reset();
 #endif
         EXPECT(!moept_backward(L, x, x, dx), "backward: %s", moept_last_error(L));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-        passes[v] = moept_emu_launches("moept__k_q8_cols") - p0;
+        cudaDeviceSynchronize();
+        moept_emu_counts n;
+        moept_emu_counts_get(0, NULL, &n);
+        wrote[v] = n.kwrite;
+        const moept__runs R = moept__runs_groups(c->slots[c->last].roffsets, c->sp.El);
+        const int64_t S = moept__q8_wide(&R);
+        copy = cfg.intermediate_size * S + cfg.intermediate_size * (S / 128) * 4;
 #endif
         float *pp = NULL, *gp = NULL;
         EXPECT_OK(moept_cuda_params(L, &pp, &gp, &np));
@@ -785,8 +804,9 @@ static void q8t_kept(int64_t T, int64_t T2) {
                "%s between a forward and its backward changed y, dx or the gradients",
                v == 1 ? "an evaluation" : "a growth of the scratch");
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-    EXPECT(passes[0] == 2 && passes[1] == 2 && passes[2] == 3, "the backward's column passes: %ld, %ld "
-           "(after the evaluation), %ld (after the growth)", passes[0], passes[1], passes[2]);
+    EXPECT(wrote[1] == wrote[0] && wrote[2] == wrote[0] + copy, "the backward's kernels wrote %lld bytes, "
+           "%lld after the evaluation, %lld after the growth (a's copy: %lld)", wrote[0], wrote[1], wrote[2],
+           copy);
 #endif
     for (int v = 0; v < 3; v++) free(h[v]), free(g[v]), cudaFree(out[v]);
     free(xh);

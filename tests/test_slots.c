@@ -19,6 +19,9 @@
 #endif
 #include "testutil.h"
 #include "tu_exec.h"
+#ifdef MOEPT_EMU
+#include "emu/emu.h" /* (the emulated device's bytes held, and written) */
+#endif
 
 #define NMB 4  /* micro-batches */
 #define TOK 12 /* tokens a rank's micro-batch holds at most */
@@ -39,6 +42,7 @@ typedef struct sj {
     float y[NMB][TOK * DIM], dx[NMB][TOK * DIM];
     float *grads;
     int64_t n;
+    long long bwd_bytes; /* the emulated GPU at EP 1: what its backwards' kernels wrote */
 } sj;
 
 static const int seq_order[] = {1, -1, 2, -2, 3, -3, 4, -4, 0};
@@ -48,6 +52,12 @@ static const int gpipe_order[] = {1, 2, 3, 4, -1, -2, -3, -4, 0};
 static const int recompute_order[] = {1, 2, 1, -1, 3, 2, -2, 4, 3, -3, 4, -4, 0};
 
 static int64_t tokens_of(int r) { return TOK - 2 * r; } /* ranks hold different counts */
+
+#ifdef MOEPT_EMU
+#define MOEPT_EMU_ON 1
+#else
+#define MOEPT_EMU_ON 0
+#endif
 
 /* micro-batch m of rank r (bf16: x and dy as bf16 values in their first halves) */
 static void mb_data(int r, int m, float *x, float *dy, uint8_t *mask, int bf16) {
@@ -105,6 +115,21 @@ static float *grads_of(moept_layer *L, int64_t *n) {
     return tu_buf(L, MOEPT_BUF_GRADS, n);
 }
 
+/* the bytes the emulated GPU's kernels wrote so far, once those queued are done (one rank: its device's;
+   else 0) */
+static long long kernel_bytes(const sj *j) {
+#ifdef MOEPT_EMU
+    moept_emu_counts n;
+    if (j->P > 1) return 0;
+    cudaDeviceSynchronize();
+    moept_emu_counts_get(0, NULL, &n);
+    return n.kwrite;
+#else
+    (void)j;
+    return 0;
+#endif
+}
+
 /* the order's calls on one rank; the first failure stops it */
 static void order_calls(sj *j, moept_layer *L, const mbs *b, void *ye) {
     const int64_t T = tokens_of(j->r);
@@ -119,7 +144,9 @@ static void order_calls(sj *j, moept_layer *L, const mbs *b, void *ye) {
         } else {
             moept_backward_opts o = moept_backward_default();
             o.slot = slot;
+            j->bwd_bytes -= kernel_bytes(j);
             j->st = moept_backward_ex(L, b->x[m], b->dy[m], b->dx[m], &o);
+            j->bwd_bytes += kernel_bytes(j);
         }
     }
 }
@@ -257,6 +284,11 @@ static void test_pipeline_orders(void) {
                     const char *d = sj_differs(pipe, seq, P);
                     EXPECT(!d, "kind %d EP %d%s %s: differs from sequential: %s", kind, P,
                            sf ? " sync-free" : "", name[v], d);
+                    /* (kind 6: a's copy read where each backward follows its forward, else made again) */
+                    const long long more = pipe[0].bwd_bytes - seq[0].bwd_bytes;
+                    EXPECT(kind != 6 || !MOEPT_EMU_ON || (v >= 3 ? more == 0 : more > 0), "kind 6 %s: its "
+                           "backwards wrote %lld bytes, the sequential ones' %lld", name[v],
+                           pipe[0].bwd_bytes, seq[0].bwd_bytes);
                     sj_free(pipe, P);
                 }
                 sj_free(seq, P);
@@ -628,9 +660,6 @@ static void test_reshard_slots(void) {
 
 /* the workspace the layer counts: host (CPU layers) or device (CUDA layers,
    checked against the emulated device's own count of what it holds) */
-#ifdef MOEPT_EMU
-#include "emu/emu.h"
-#endif
 static int64_t workspace(const moept_layer *L) {
     moept_stats s;
     moept_get_stats(L, &s, NULL);
@@ -818,16 +847,12 @@ static void test_sync_free_slots(void) {
 }
 
 /* bf16 slots: F0 F1, a forward of a non-finite x rejected into each slot
-   (it wrote the slot's fp32 router input), B0 B1 equals sequential bitwise */
-static uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-static void test_bf16_slots(void) {
-    moept_config cfg = slot_cfg(4);
+   (it wrote the slot's fp32 router input), B0 B1 equals sequential bitwise;
+   kind 4, and kind 6 in FP8's kernel form (a's copy kept by F1 alone) */
+static void bf16_slots(int kind) {
+    moept_config cfg = slot_cfg(kind);
     cfg.max_inflight = 2;
-    moept_cuda_options co = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_AUTO};
+    moept_cuda_options co = {MOEPT_DTYPE_BF16, NULL, 0, 0, kind == 6 ? MOEPT_GEMM_KERNEL : MOEPT_GEMM_AUTO};
     moept_layer *L[2] = {NULL, NULL};
     for (int v = 0; v < 2; v++)
         if (!moept_create_cuda(&cfg, NULL, NULL, &co, &L[v])) moept_init_params(L[v], 7);
@@ -836,8 +861,8 @@ static void test_bf16_slots(void) {
     float x[TOK * DIM], dy[TOK * DIM];
     uint8_t mask[TOK];
     for (int m = 0; m < 2; m++) {
-        mb_data(0, m, x, dy, mask, 0);
-        for (int i = 0; i < TOK * DIM; i++) { hx[m][i] = to_bf16(x[i]); hdy[m][i] = to_bf16(dy[i]); }
+        mb_data(0, m, x, dy, mask, 1);
+        memcpy(hx[m], x, nb), memcpy(hdy[m], dy, nb);
     }
     memcpy(hx[2], hx[1], nb);
     hx[2][5] = 0x7fc0; /* NaN */
@@ -861,11 +886,18 @@ static void test_bf16_slots(void) {
         tu_to_host(out[0][2 + m], dx, nb);
     }
     EXPECT(L[0] && L[1] && !memcmp(out[0], out[1], sizeof out[0]) && same_grads(L[0], L[1]),
-           "bf16: F0 F1 (rejected forwards) B0 B1 differs from sequential");
+           "bf16, kind %d: F0 F1 (rejected forwards) B0 B1 differs from sequential", kind);
     for (int m = 0; m < 3; m++) tu_dev_free(xd[m]);
     tu_dev_free(dyd[0]); tu_dev_free(dyd[1]); tu_dev_free(y); tu_dev_free(dx);
     moept_destroy(L[0]);
     moept_destroy(L[1]);
+}
+static void test_bf16_slots(void) {
+    bf16_slots(4);
+    tu_cc cc;
+    if (tu_fp8_kernel(&cc)) bf16_slots(6);
+    else tu_skip("bf16 slots in FP8's kernel form", cc.why);
+    tu_cc_restore(&cc);
 }
 #endif
 
