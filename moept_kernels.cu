@@ -2084,6 +2084,8 @@ typedef struct moept__cslot {
     int64_t *ccnt, *rccnt;      /* chunked: [C][E] kept rows per chunk and expert slot, [P][C][El]
                                    rows from peer p in chunk c for local expert j */
     int cur, fwd_valid, bwd_done, fwd_eval; /* the committed step's buffers; it was an evaluation */
+    int again;                  /* the committed forward ran again into the slot, its last training
+                                   forward's backward still to come (activation recomputation) */
     const char *fwd_stale;      /* the call that changed the weights since its forward (NULL: none) */
     int jit;                    /* the committed step's router saw xf * u, drawn under jkey */
     uint64_t jkey;
@@ -2229,9 +2231,9 @@ struct moept__cuda {
                                    (moept__q8_twin), or the forward's a by the gate/up product */
     float *q8sr;                /* its scales; q8r, q8sr NULL in the per-expert form */
     unsigned long long *q8own;  /* device [1]: the a (its address) whose copy down its rows q8a, q8sa hold
-                                   (moept__q8_ac: a training forward's gate/up kernel's, or its backward's
-                                   pass'), 0: none; written in stream order by the launches that change it
-                                   (moept__q8_own), so a replayed graph keeps it true */
+                                   (moept__q8_kept: a training forward's gate/up kernel's), 0: none; written
+                                   in stream order by the launches that change it (moept__q8_own), so a
+                                   replayed graph keeps it true */
     float *q8out;               /* [max(q8rows, Wp)][Wp] cuBLASLt's fp32 result (NULL: moept__gk_w8) */
     int64_t allocations, allocated_bytes, growths;
     /* held now (moept__cuda_sizes): the parameter block (gradients among them), the fixed workspace
@@ -2337,9 +2339,11 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err);
 static moept_status moept__host_wait(moept__cuda *c, char *err);
 static int moept__gk_gather(const moept__cuda *c);
 
-/* c->q8own (whose copy of a the FP8 scratch holds: moept__q8_ac) = v where it holds match (0: always) */
-__global__ void moept__k_own(unsigned long long *own, unsigned long long match, unsigned long long v) {
-    if (!match || *own == match) *own = v;
+/* c->q8own (whose copy of a the FP8 scratch holds: moept__q8_kept) = v: always (MOEPT__OWN_SET), where it
+   holds a (_IS), or where it does not (_NOT) */
+enum { MOEPT__OWN_SET, MOEPT__OWN_IS, MOEPT__OWN_NOT };
+__global__ void moept__k_own(unsigned long long *own, int when, unsigned long long a, unsigned long long v) {
+    if (when == MOEPT__OWN_SET || (*own == a) == (when == MOEPT__OWN_IS)) *own = v;
 }
 static unsigned long long moept__u64(const void *p) { return (unsigned long long)(uintptr_t)p; }
 
@@ -2372,9 +2376,9 @@ static moept_status moept__grow(moept__cuda *c, moept__cslot *sl, int64_t need, 
     void *yq = moept__take(&cv, (size_t)(cap * yb)); /* (a backward's: nothing to keep) */
     int64_t keep = sl->fwd_valid ? sl->R : 0;
     cudaError_t e = cudaSuccess;
-    if (sl->rblock && moept__fp8_on(&c->sp)) { /* (a's copy in q8a, moept__q8_ac, if of this a: gone with
+    if (sl->rblock && moept__fp8_on(&c->sp)) { /* (a's copy in q8a, moept__q8_kept, if of this a: gone with
                                                      the address, which another slot's a may take) */
-        MOEPT__LAUNCH(moept__k_own, 1, 1, 0, c->s)(c->q8own, moept__u64(sl->a), 0);
+        MOEPT__LAUNCH(moept__k_own, 1, 1, 0, c->s)(c->q8own, MOEPT__OWN_IS, moept__u64(sl->a), 0);
         e = cudaGetLastError();
     }
     if (keep > 0 && sl->rblock) {
@@ -2898,7 +2902,7 @@ template <typename T, int V, int RW = 0>
 __global__ void moept__k_q8_cols(const T *src, const moept__q8_rg G, int C, int64_t lds, int Cp, uint8_t *q,
                                  float *s, const float *rs, int64_t rsr, uint8_t *qr, float *sr, int64_t srb,
                                  const unsigned long long *own, unsigned long long mine) {
-    if (own && *own == mine) return; /* (q holds it already: moept__q8_ac) */
+    if (own && *own == mine) return; /* (q holds it already: moept__q8_kept) */
     constexpr int W = 128 / (int)sizeof(T), w = W / 8; /* w: a thread's columns of a row, 16 bytes */
     constexpr int NP = RW ? MOEPT__Q8_TILE / W : 1, PL = MOEPT__Q8_TILE * (132 / (int)sizeof(T));
     static_assert(MOEPT__TB == 256, "moept__k_q8_cols: 8 warps of 4 columns x 8 chunks, 8 threads a row");
@@ -3152,13 +3156,14 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4) + (2 * nq + 1) * 64;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status st = moept__host_wait(c, err); /* the old scratch's last reader done */
-    if (st) {
+    const cudaError_t e = st ? cudaSuccess : cudaMemsetAsync(c->q8own, 0, 8, c->s); /* (no copy of a in the
+                                                                                      new scratch) */
+    if (st || e != cudaSuccess) {
         cudaFree(blk);
-        return st;
+        return st ? st : moept__kfail(err, MOEPT_ERR_DEVICE, "cudaMemsetAsync: %s", cudaGetErrorString(e));
     }
     cudaFree(c->q8blk);
     c->q8blk = blk;
-    MOEPT__CU(cudaMemsetAsync(c->q8own, 0, 8, c->s)); /* (no copy of a in the new scratch: moept__q8_ac) */
     moept__carve cv = {(char *)blk, 0};
     c->q8a = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
     c->q8b = (uint8_t *)moept__take(&cv, (size_t)(cap * W));
@@ -3298,7 +3303,7 @@ static moept_status moept__q8_along(moept__cuda *c, const void *src, int64_t n, 
    qr (bf16): the same read also quantizes the rows along them (moept__q8_along's bytes) into qr
    [rows][Cp] by src's rows, scales sr (srb rows apart). S > 0: the groups' columns of one q [Cp][S]
    instead, each group's rows padded to 128 (moept__q8_rg). own: nothing where c->q8own holds it (a's
-   copy there already, moept__q8_ac) */
+   copy there already, moept__q8_kept) */
 template <typename T>
 static moept_status moept__q8_down(moept__cuda *c, const void *src, const int64_t *offs, int64_t ng,
                                    int64_t C, int64_t lds, uint8_t *q, float *s, char *err,
@@ -3829,7 +3834,7 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
             GATE does and keeps its rows' amax of a, and the tile's end quantizes a's rows along them
             in that 1 x 128 tile (the W2 product's A, moept__k_q8_rows' bytes) from a as stored and,
             with WGRAD8 and F a multiple of 128, down its 128 rows (the W2 wgrad's I, kept for the
-            backward: moept__q8_ac)
+            backward: moept__q8_kept)
      DACT8  DACT in E4M3 (FWD8's product; A dy's records, or the shared expert's rows): with records
             and F a multiple of 128 the tile's end also quantizes dh as stored along its rows (the W13
             dgrad's A) and, with WGRAD8, down its 128 rows (the W13 wgrad's O: moept__k_q8_cols'
@@ -4985,8 +4990,8 @@ typedef struct moept__ffn {
     void *da, *dx;              /* [rows][F], [rows][D] backward: da (may be a), dxs (may be y) */
     const int64_t *cnt;         /* the sync-free mode's committed counts (the routed experts'; device):
                                    the grouped kernel skips the blocks' zero rows; NULL: none */
-    int ac;                     /* a's copy down its rows in q8a (moept__q8_ac): the routed experts' training
-                                   forward writes it, their backward reads it where c->q8own says it is a's */
+    int ac;                     /* a forward of the routed experts that writes a's copy down its rows into
+                                   q8a for its backward (moept__q8_kept) */
 } moept__ffn;
 
 /* The backward's dys: where combine' writes them (*out) and where the experts read them (*in), the same
@@ -5010,9 +5015,10 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void
     moept__ffn f = {p->off13, p->off2, q8, p->H, p->F, c->lda_a, gi ? x : sl->xr, gi ? sl->tok_of_row : NULL,
                     q8 != NULL, bwd && q8, sl->h, sl->a, bwd ? dys : sl->yr, ch ? sl->dar : sl->a,
                     ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL, 0};
-    /* (an evaluation writes none: its slot is its own, or slot 0 with no backward pending, whose next
-       training forward writes c->q8own) */
-    f.ac = (bwd || !sl->fwd_eval) && !p->cfg->inference_only;
+    /* (the copy is of use where the forward's backward comes next: one training slot, or the forward run
+       again into its slot, as activation recomputation does; a forward ahead of another's backward, as
+       1F1B's, writes none) */
+    f.ac = !bwd && !sl->fwd_eval && (c->nslots <= 1 || sl->again);
     return f;
 }
 
@@ -5140,19 +5146,20 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
     return moept__q8_dh8(c, f) && moept__q8_twin(c, f, R) && moept__gk_w8(c);
 }
 
-/* whether the gate/up kernel's epilogue, where it quantizes a along its rows (moept__ffn_fused8), also
-   writes a's copy down its rows, the W2 wgrad's I (into q8a, q8sa as moept__q8_down's S lays it out:
-   WGRAD8's), which stays there for the backward (f->ac), so no column pass reads a: F a multiple of 128,
-   whole groups, unchunked, as moept__q8_dhc. c->q8own says whose copy q8a holds: a training forward
-   into another slot, or a growth, writes over it, and that backward's pass makes it again */
-static int moept__q8_ac(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
-    return f->ac && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 && moept__q8_twin(c, f, R) &&
-           moept__gk_w8(c);
+/* whether the routed experts' gate/up kernel, where it quantizes a along its rows (moept__ffn_fused8),
+   may also write a's copy down its rows in its epilogue (f->ac: a training forward whose backward comes
+   next), the W2 wgrad's I (into q8a, q8sa as moept__q8_down's S lays it out: WGRAD8's), which stays
+   there for the backward, whose pass over a then returns at once: F a multiple of 128, whole groups,
+   unchunked, as moept__q8_dhc (x's records: the routed experts). c->q8own says whose copy q8a holds;
+   another slot's forward, a pass into q8a or a growth writes over it, and that backward's pass runs */
+static int moept__q8_kept(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
+    return f->xq && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 && moept__q8_twin(c, f, R) &&
+           moept__gk_w8(c) && !c->sp.cfg->inference_only;
 }
 
-/* q8own = the address of a (NULL: 0), queued on the compute stream after what rewrote q8a */
-static moept_status moept__q8_own(moept__cuda *c, const void *a, char *err) {
-    MOEPT__LAUNCH(moept__k_own, 1, 1, 0, c->s)(c->q8own, 0, moept__u64(a));
+/* moept__k_own on the compute stream, in order with what reads or writes q8a */
+static moept_status moept__q8_own(moept__cuda *c, int when, const void *a, const void *v, char *err) {
+    MOEPT__LAUNCH(moept__k_own, 1, 1, 0, c->s)(c->q8own, when, moept__u64(a), moept__u64(v));
     MOEPT__LAUNCHED();
     return MOEPT_OK;
 }
@@ -5249,7 +5256,7 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
 /* config.fp8's weight gradient g [E][wo][wi] += O^T I (moept__ffn_wgrad's): every expert's two operands
    quantized down the rows, one column pass each (I: x's records, or a; O: dy's records, or dy's rows
    (the shared expert's) or dh, their rows along them too where moept__q8_twin; none for a where the
-   forward's gate/up kernel wrote its copy, moept__q8_ac, or for dh where the down dgrad did,
+   forward's gate/up kernel wrote its copy, moept__q8_kept, or for dh where the down dgrad did,
    moept__q8_dhc), then the products: the
    grouped kernel's, one launch (WGRAD8: moept__gk_w8; the operands [Cp][S], every expert's columns
    padded to 128), or cuBLASLt's, a matmul an expert (into g itself where nothing is padded) */
@@ -5265,18 +5272,18 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
     const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
     const int twin = moept__q8_pre(c, f, R, w2) && (w2 || !moept__q8_dh8(c, f)); /* (O's rows along them
                                                                                   too, for the dgrad) */
-    const int ac = w2 && moept__q8_ac(c, f, R); /* (a's copy in q8a where the forward's gate/up kernel
-                                                    wrote it and no one wrote over it: c->q8own) */
+    const int ac = w2 && moept__q8_kept(c, f, R); /* (a's copy in q8a where the forward's gate/up kernel
+                                                      wrote it and no one wrote over it: c->q8own) */
     int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
     MOEPT__TRY(moept__q8_fits(c, R, 1, err, S));
     if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
-    if (!ac && c->q8r) MOEPT__TRY(moept__q8_own(c, NULL, err)); /* (q8a rewritten: the kernel form's) */
+    /* (q8a rewritten: c->q8own none first, or, for a's pass, none unless it is a, whose pass returns) */
+    if (c->q8r) MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_NOT : MOEPT__OWN_SET, f->a, NULL, err));
     if (rec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err, NULL, NULL, 0,
                                            S));
     else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err, NULL, NULL, 0, S,
                                       ac ? f->a : NULL));
-    if (ac) MOEPT__TRY(moept__q8_own(c, f->a, err)); /* (a's copy, the forward's or the pass') */
     if (orec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb, err,
                                            NULL, NULL, 0, S));
@@ -5332,16 +5339,17 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else if (moept__ffn_fused8(c, f)) { /* h, a and a's E4M3 rows (W2's A) by the gate/up GEMM, and a
-                                             down its rows (the W2 wgrad's I, kept: moept__q8_ac) */
+                                             down its rows (the W2 wgrad's I, kept: moept__q8_kept) */
         moept__gk_ext ga = moept__gk_epi(f->a, f->lda, c->sp.act, c->q8r, c->q8sr, MOEPT__Q8_PAD(F));
         const int64_t ld = f->xq ? moept__q8_recw(D) : D; /* (x's FP8 records, or its rows) */
         const moept__q8w *q = f->q8;
-        const int ac = moept__q8_ac(c, f, R);
+        const int kept = moept__q8_kept(c, f, R), ac = kept && f->ac;
         if (ac) MOEPT__TRY(moept__gk_cols(c, R, &ga, c->q8a, c->q8sa, err));
-        if (ac) MOEPT__TRY(moept__q8_own(c, NULL, err)); /* (until the copy is whole) */
+        if (kept) /* (the copy none until whole; without one, none if it was this a's, now rewritten) */
+            MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_SET : MOEPT__OWN_IS, f->a, NULL, err));
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
                                                    q->ns13, f->H, (char *)f->h, 0, &ga, err)));
-        if (ac) MOEPT__TRY(moept__q8_own(c, f->a, err));
+        if (ac) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_SET, NULL, f->a, err));
     } else {
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 0, 0, f->x, f->h, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 0, err));
@@ -5830,6 +5838,7 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__cslot *sl, mo
 static void moept__fwd_commit(moept__cuda *c, moept__cslot *sl, const moept__fwd *f, moept__dev_step *out) {
     const moept__cuda_spec *p = &c->sp;
     const int64_t E = p->E, El = p->El, P = p->P, me = p->rank;
+    sl->again = sl->fwd_valid && !sl->fwd_eval && !sl->bwd_done && !f->a->eval;
     sl->cur = f->nb;
     sl->T = f->T;
     sl->xf_committed = 1;
@@ -6100,6 +6109,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__cslot *sl, moept__fw
     const size_t nmsg = (size_t)(p->P * c->M) * 8, nlstat = (size_t)MOEPT__NLSTAT(p->E) * 8;
     MOEPT__CU(cudaMemcpyAsync(sl->cmsg, c->msg_all, nmsg, cudaMemcpyDeviceToDevice, c->s));
     MOEPT__CU(cudaMemcpyAsync(sl->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
+    sl->again = sl->fwd_valid && !sl->fwd_eval && !sl->bwd_done && !f->a->eval;
     sl->cur = f->nb;
     sl->T = f->T;
     sl->masked = f->a->mask != NULL;

@@ -435,7 +435,7 @@ static void q8t_epilogue(moept__cuda *c, const void *src, int64_t F, int64_t lds
     free(hq); free(hr); free(hs); free(hsr);
 }
 
-/* the a whose copy down its rows the kernel form's scratch holds (moept__q8_ac), NULL: none */
+/* the a whose copy down its rows the kernel form's scratch holds (moept__q8_kept), NULL: none */
 static const void *q8t_owner(const moept__cuda *c) {
     unsigned long long v = 0;
     cudaMemcpy(&v, c->q8own, 8, cudaMemcpyDeviceToHost);
@@ -444,7 +444,7 @@ static const void *q8t_owner(const moept__cuda *c) {
 
 /* ... and the routed experts' src (C columns, lds apart) down its rows as a kernel's epilogue wrote it
    (qd, sd: the groups' columns of one [Cp][S]) against moept__q8_down's column pass: the last forward's
-   a (the gate/up kernel's, kept in q8a for the W2 wgrad: moept__q8_ac), or after a backward dh over h
+   a (the gate/up kernel's, kept in q8a for the W2 wgrad: moept__q8_kept), or after a backward dh over h
    (2F columns: the down dgrad's, the W13 wgrad's O in q8b; moept__q8_dhc); wide: the runs past a
    launch's, else an expert's rows past a tile */
 static void q8t_epilogue_down(moept__cuda *c, const void *src, int64_t C, int64_t lds, const uint8_t *qd,
@@ -453,7 +453,7 @@ static void q8t_epilogue_down(moept__cuda *c, const void *src, int64_t C, int64_
     const int64_t El = c->sp.El, Cp = MOEPT__Q8_PAD(C);
     const moept__runs R = moept__runs_groups(sl->roffsets, El);
     const moept__ffn f = moept__ffn_routed(c, sl, NULL, 1);
-    EXPECT(src == sl->a ? q8t_owner(c) == sl->a && moept__q8_ac(c, &f, &R) : moept__q8_dhc(c, &f, &R),
+    EXPECT(src == sl->a ? q8t_owner(c) == sl->a && moept__q8_kept(c, &f, &R) : moept__q8_dhc(c, &f, &R),
            "%s: the layer's kernel does not write it", what);
     const int64_t S = moept__q8_wide(&R);
     int64_t most = 0, runs = 0; /* (an expert's rows past a tile: a column's two halves and its second
@@ -734,12 +734,14 @@ static void q8t_wgrad8(void) {
     free(oh); free(g0); free(qa); free(qb); free(sa); free(sb); free(g);
 }
 
-/* a's copy down its rows, kept in the scratch from a training forward for its backward (moept__q8_ac):
-   with an evaluation between them (T2 tokens; the copy stays) and with the receive block grown between
-   them (as an EP peer's rows grow it: the scratch new, a moved, the copy gone) against the same two calls
-   alone: y, dx and every gradient bitwise; on the emulated GPU the bytes the backward's kernels write
-   counted: a's copy, its bytes and scales, more where it is gone (its pass runs) */
+/* a's copy down its rows, kept in the scratch from a training forward for its backward (moept__q8_kept),
+   and between them (v) 1: an evaluation of T2 tokens (the copy stays), 2: the scratch grown in place (the
+   copy gone), 3: the receive block grown, a moved (the scratch first grown apart: the copy gone with a),
+   against the two calls alone: y, dx and every gradient bitwise; on the emulated GPU the bytes the
+   backward's kernels write counted: a's copy's, its bytes and scales, more where it is gone (its pass
+   runs, once c->q8own's word is zeroed) */
 static void q8t_kept(int64_t T, int64_t T2) {
+    enum { NV = 4 };
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.family = MOEPT_FAMILY_MIXTRAL; cfg.hidden_size = 72; cfg.intermediate_size = 128; cfg.num_experts = 4;
@@ -751,44 +753,46 @@ static void q8t_kept(int64_t T, int64_t T2) {
     moept__bf16 *xh = (moept__bf16 *)malloc((size_t)(T2 * D) * 2);
     for (int64_t i = 0; i < T2 * D; i++) xh[i] = moept__f32_to_bf16((float)tu_rand(&rs));
     float *x = (float *)q8t_dev<moept__bf16>(xh, (size_t)(T2 * D) * 2);
-    char *out[3] = {NULL, NULL, NULL}, *ye = q8t_dev<char>(NULL, (size_t)(T2 * D) * 2);
-    float *g[3] = {NULL, NULL, NULL};
+    char *out[NV] = {NULL}, *ye = q8t_dev<char>(NULL, (size_t)(T2 * D) * 2), *h[NV] = {NULL};
+    float *g[NV] = {NULL};
+    long long wrote[NV] = {0}, copy = 0; /* (the backward's kernels' bytes; a's copy's) */
     int64_t np = 0;
-    long long wrote[3] = {0, 0, 0}, copy = 0; /* (the backward's kernels' bytes; a's copy's) */
     char err[MOEPT__ERRLEN] = "";
-    for (int v = 0; v < 3 && !tu_bad; v++) { /* v 1: the evaluation between; 2: the growth */
+    const char *what[NV] = {"", "the evaluation", "the scratch's growth", "the receive block's growth"};
+    for (int v = 0; v < NV && !tu_bad; v++) {
         moept_layer *L = NULL;
         EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
         if (!L) break;
         moept_init_params(L, 7);
         moept__view view;
         moept__cuda *c = moept__cx(L, &view);
+        if (v == 3) EXPECT_OK(moept__q8_room(c, 4 * c->q8rows, err));
         out[v] = q8t_dev<char>(NULL, ob);
-        float *y = (float *)out[v], *dx = (float *)(out[v] + ob / 2);
-        EXPECT(!moept_forward(L, x, T, y), "forward: %s", moept_last_error(L));
-        const void *a = c->slots[c->last].a;
+        EXPECT(!moept_forward(L, x, T, (float *)out[v]), "forward: %s", moept_last_error(L));
+        moept__cslot *sl = &c->slots[c->last];
+        const void *a = sl->a;
+        const int64_t rows = c->q8rows;
         EXPECT(q8t_owner(c) == a, "the forward kept no copy of a");
         moept_forward_opts fo = {NULL, 1, NULL, NULL, 0};
         if (v == 1)
             EXPECT(!moept_forward_ex(L, x, T2, (float *)ye, &fo), "evaluation: %s", moept_last_error(L));
-        const int64_t rows = c->q8rows;
-        if (v == 2) EXPECT_OK(moept__grow(c, &c->slots[c->last], c->slots[c->last].Rcap + 1, err));
-        EXPECT(v < 2 || (c->q8rows > rows && c->slots[c->last].a != a), "the growth: the scratch %lld rows, "
-               "then %lld; a %s", (long long)rows, (long long)c->q8rows, c->slots[c->last].a != a ? "moved" :
-               "in place");
-        EXPECT((q8t_owner(c) == a) == (v < 2), "%s: the copy %s", v == 1 ? "the evaluation" : "the growth",
-               q8t_owner(c) ? "kept" : "gone");
+        if (v == 2) EXPECT_OK(moept__q8_room(c, c->q8rows + 1, err));
+        if (v == 3) EXPECT_OK(moept__grow(c, sl, sl->Rcap + 1, err));
+        EXPECT(v < 2 || ((v == 2) == (c->q8rows > rows) && (v == 3) == (sl->a != a)), "%s: the scratch %lld "
+               "rows, then %lld; a %s", what[v], (long long)rows, (long long)c->q8rows,
+               sl->a != a ? "moved" : "in place");
+        EXPECT((q8t_owner(c) == a) == (v < 2), "%s: the copy %s", what[v], q8t_owner(c) ? "kept" : "gone");
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         cudaDeviceSynchronize();
         moept_emu_counts_reset();
 #endif
-        EXPECT(!moept_backward(L, x, x, dx), "backward: %s", moept_last_error(L));
+        EXPECT(!moept_backward(L, x, x, (float *)(out[v] + ob / 2)), "backward: %s", moept_last_error(L));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         cudaDeviceSynchronize();
         moept_emu_counts n;
         moept_emu_counts_get(0, NULL, &n);
         wrote[v] = n.kwrite;
-        const moept__runs R = moept__runs_groups(c->slots[c->last].roffsets, c->sp.El);
+        const moept__runs R = moept__runs_groups(sl->roffsets, c->sp.El);
         const int64_t S = moept__q8_wide(&R);
         copy = cfg.intermediate_size * S + cfg.intermediate_size * (S / 128) * 4;
 #endif
@@ -797,18 +801,17 @@ static void q8t_kept(int64_t T, int64_t T2) {
         if (gp) g[v] = q8t_host<float>(gp, (size_t)np * 4);
         moept_destroy(L);
     }
-    char *h[3] = {NULL, NULL, NULL};
-    for (int v = 0; v < 3 && out[2]; v++) h[v] = q8t_host<char>(out[v], ob);
-    for (int v = 1; v < 3; v++)
+    for (int v = 0; v < NV && out[NV - 1]; v++) h[v] = q8t_host<char>(out[v], ob);
+    for (int v = 1; v < NV; v++) {
         EXPECT(h[v] && g[0] && g[v] && q8t_same(h[0], h[v], ob) && q8t_same(g[0], g[v], (size_t)np * 4),
-               "%s between a forward and its backward changed y, dx or the gradients",
-               v == 1 ? "an evaluation" : "a growth of the scratch");
+               "%s between a forward and its backward changed y, dx or the gradients", what[v]);
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-    EXPECT(wrote[1] == wrote[0] && wrote[2] == wrote[0] + copy, "the backward's kernels wrote %lld bytes, "
-           "%lld after the evaluation, %lld after the growth (a's copy: %lld)", wrote[0], wrote[1], wrote[2],
-           copy);
+        EXPECT(wrote[v] == wrote[0] + (v > 1) * (copy + 8), "%s: the backward's kernels wrote %lld bytes, "
+               "%lld without (a's copy: %lld, and c->q8own zeroed before its pass)", what[v], wrote[v],
+               wrote[0], copy);
 #endif
-    for (int v = 0; v < 3; v++) free(h[v]), free(g[v]), cudaFree(out[v]);
+    }
+    for (int v = 0; v < NV; v++) free(h[v]), free(g[v]), cudaFree(out[v]);
     free(xh);
     cudaFree(ye); cudaFree(x);
 }
