@@ -5016,8 +5016,8 @@ static moept__ffn moept__ffn_routed(moept__cuda *c, moept__cslot *sl, const void
                     q8 != NULL, bwd && q8, sl->h, sl->a, bwd ? dys : sl->yr, ch ? sl->dar : sl->a,
                     ch ? sl->dxr : sl->yr, c->B ? sl->cmsg : NULL, 0};
     /* (the copy is of use where the forward's backward comes next: one training slot, or the forward run
-       again into its slot, as activation recomputation does; a forward ahead of another's backward, as
-       1F1B's, writes none) */
+       again into its slot, as activation recomputation does; a layer of several slots' first forward
+       into one, as 1F1B's, writes none: another's backward comes first) */
     f.ac = !bwd && !sl->fwd_eval && (c->nslots <= 1 || sl->again);
     return f;
 }
@@ -5151,7 +5151,8 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
    next), the W2 wgrad's I (into q8a, q8sa as moept__q8_down's S lays it out: WGRAD8's), which stays
    there for the backward, whose pass over a then returns at once: F a multiple of 128, whole groups,
    unchunked, as moept__q8_dhc (x's records: the routed experts). c->q8own says whose copy q8a holds;
-   another slot's forward, a pass into q8a or a growth writes over it, and that backward's pass runs */
+   another slot's forward that writes its own, a pass into q8a, a new scratch or this a moving takes it,
+   and that backward's pass runs */
 static int moept__q8_kept(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
     return f->xq && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 && moept__q8_twin(c, f, R) &&
            moept__gk_w8(c) && !c->sp.cfg->inference_only;
@@ -5344,9 +5345,9 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
         const int64_t ld = f->xq ? moept__q8_recw(D) : D; /* (x's FP8 records, or its rows) */
         const moept__q8w *q = f->q8;
         const int kept = moept__q8_kept(c, f, R), ac = kept && f->ac;
-        if (ac) MOEPT__TRY(moept__gk_cols(c, R, &ga, c->q8a, c->q8sa, err));
         if (kept) /* (the copy none until whole; without one, none if it was this a's, now rewritten) */
             MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_SET : MOEPT__OWN_IS, f->a, NULL, err));
+        if (ac) MOEPT__TRY(moept__gk_cols(c, R, &ga, c->q8a, c->q8sa, err));
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
                                                    q->ns13, f->H, (char *)f->h, 0, &ga, err)));
         if (ac) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_SET, NULL, f->a, err));

@@ -17,9 +17,9 @@
      kernel:     where F is not a multiple of 128, the kernel form's column pass of a and its wgrad
                  column pass of dh that also writes the dgrad's rows (one read); where it is, none:
                  its gate/up product quantizes a along and down the rows itself (the backward's pass
-                 over a finds that copy and returns; where forwards run ahead of their backwards, as
-                 in 1F1B, it writes none and the pass runs, as the per-expert form's), its down dgrad
-                 dh.
+                 over a finds that copy and returns; a layer of several forward slots' first forward
+                 into one, as 1F1B's, writes none and the pass runs, as the per-expert form's), its
+                 down dgrad dh.
                  Its products read the records and write bf16.
    Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch (the
    column passes as the per-expert form lays them out; the kernel form's write one matrix, each expert's

@@ -737,11 +737,13 @@ static void q8t_wgrad8(void) {
 /* a's copy down its rows, kept in the scratch from a training forward for its backward (moept__q8_kept),
    and between them (v) 1: an evaluation of T2 tokens (the copy stays), 2: the scratch grown in place (the
    copy gone), 3: the receive block grown, a moved (the scratch first grown apart: the copy gone with a),
-   against the two calls alone: y, dx and every gradient bitwise; on the emulated GPU the bytes the
-   backward's kernels write counted: a's copy's, its bytes and scales, more where it is gone (its pass
-   runs, once c->q8own's word is zeroed) */
+   4: in a layer of two slots (whose first forward into a slot writes none), the forward run again (a
+   copy), then, its backward dropped as a non-finite y drops it, a forward into the slot again (none:
+   the copy gone with the a it rewrote), against the two calls alone: y, dx and every gradient bitwise;
+   on the emulated GPU the bytes the backward's kernels write counted: a's copy's, its bytes and scales,
+   more where it is gone (its pass runs, once c->q8own's word is zeroed) */
 static void q8t_kept(int64_t T, int64_t T2) {
-    enum { NV = 4 };
+    enum { NV = 5 };
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.family = MOEPT_FAMILY_MIXTRAL; cfg.hidden_size = 72; cfg.intermediate_size = 128; cfg.num_experts = 4;
@@ -758,10 +760,13 @@ static void q8t_kept(int64_t T, int64_t T2) {
     long long wrote[NV] = {0}, copy = 0; /* (the backward's kernels' bytes; a's copy's) */
     int64_t np = 0;
     char err[MOEPT__ERRLEN] = "";
-    const char *what[NV] = {"", "the evaluation", "the scratch's growth", "the receive block's growth"};
+    const char *what[NV] = {"", "the evaluation", "the scratch's growth", "the receive block's growth",
+                            "a forward again after a dropped one"};
     for (int v = 0; v < NV && !tu_bad; v++) {
         moept_layer *L = NULL;
-        EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
+        moept_config cv = cfg;
+        cv.max_inflight = v == 4 ? 2 : 0;
+        EXPECT_OK(moept_create_cuda(&cv, NULL, NULL, &o, &L));
         if (!L) break;
         moept_init_params(L, 7);
         moept__view view;
@@ -769,6 +774,8 @@ static void q8t_kept(int64_t T, int64_t T2) {
         if (v == 3) EXPECT_OK(moept__q8_room(c, 4 * c->q8rows, err));
         out[v] = q8t_dev<char>(NULL, ob);
         EXPECT(!moept_forward(L, x, T, (float *)out[v]), "forward: %s", moept_last_error(L));
+        EXPECT(v < 4 || !q8t_owner(c), "two slots: the first forward into one wrote a copy of a");
+        if (v == 4) EXPECT(!moept_forward(L, x, T, (float *)out[v]), "again: %s", moept_last_error(L));
         moept__cslot *sl = &c->slots[c->last];
         const void *a = sl->a;
         const int64_t rows = c->q8rows;
@@ -778,6 +785,8 @@ static void q8t_kept(int64_t T, int64_t T2) {
             EXPECT(!moept_forward_ex(L, x, T2, (float *)ye, &fo), "evaluation: %s", moept_last_error(L));
         if (v == 2) EXPECT_OK(moept__q8_room(c, c->q8rows + 1, err));
         if (v == 3) EXPECT_OK(moept__grow(c, sl, sl->Rcap + 1, err));
+        if (v == 4) sl->fwd_valid = 0; /* (as a backward that found y not finite leaves it) */
+        if (v == 4) EXPECT(!moept_forward(L, x, T, (float *)out[v]), "third: %s", moept_last_error(L));
         EXPECT(v < 2 || ((v == 2) == (c->q8rows > rows) && (v == 3) == (sl->a != a)), "%s: the scratch %lld "
                "rows, then %lld; a %s", what[v], (long long)rows, (long long)c->q8rows,
                sl->a != a ? "moved" : "in place");
