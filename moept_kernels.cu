@@ -5273,13 +5273,15 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
     const int direct = wi == wip && wo == wop; /* g's own layout (no padding): cuBLASLt adds into it */
     const int twin = moept__q8_pre(c, f, R, w2) && (w2 || !moept__q8_dh8(c, f)); /* (O's rows along them
                                                                                   too, for the dgrad) */
-    const int ac = w2 && moept__q8_kept(c, f, R); /* (a's copy in q8a where the forward's gate/up kernel
-                                                      wrote it and no one wrote over it: c->q8own) */
+    /* (kept: the routed experts of a layer that keeps a's copy in q8a, c->q8own naming it; ac: a's pass,
+       which returns where it is there. The shared expert's passes come after the routed experts' W13
+       wgrad zeroed the word) */
+    const int kept = moept__q8_kept(c, f, R), ac = w2 && kept;
     int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
     MOEPT__TRY(moept__q8_fits(c, R, 1, err, S));
     if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
     /* (q8a rewritten: c->q8own none first, or, for a's pass, none unless it is a, whose pass returns) */
-    if (c->q8r) MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_NOT : MOEPT__OWN_SET, f->a, NULL, err));
+    if (kept) MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_NOT : MOEPT__OWN_SET, f->a, NULL, err));
     if (rec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err, NULL, NULL, 0,
                                            S));
@@ -5836,18 +5838,24 @@ static moept_status moept__fwd_agree_growth(moept__cuda *c, moept__cslot *sl, mo
 
 /* 6. commit: the step's counts, from the agreed message (chunked: per
    chunk too; kept: a rejected step's message must not change them) */
-static void moept__fwd_commit(moept__cuda *c, moept__cslot *sl, const moept__fwd *f, moept__dev_step *out) {
-    const moept__cuda_spec *p = &c->sp;
-    const int64_t E = p->E, El = p->El, P = p->P, me = p->rank;
-    sl->again = sl->fwd_valid && !sl->fwd_eval && !sl->bwd_done && !f->a->eval;
+/* the committed forward's slot state, as both commits (the host's, the sync-free one's) leave it */
+static void moept__slot_commit(moept__cslot *sl, const moept__fwd *f) {
+    sl->again = sl->fwd_valid && !sl->fwd_eval && !sl->bwd_done && !f->a->eval; /* (before they change) */
     sl->cur = f->nb;
     sl->T = f->T;
+    sl->masked = f->a->mask != NULL;
+    sl->jit = f->a->jitter; sl->jkey = f->a->jkey;
     sl->xf_committed = 1;
     sl->fwd_valid = 1;
     sl->bwd_done = 0;
     sl->fwd_stale = NULL;
     sl->fwd_eval = f->a->eval;
-    sl->jit = f->a->jitter; sl->jkey = f->a->jkey;
+}
+
+static void moept__fwd_commit(moept__cuda *c, moept__cslot *sl, const moept__fwd *f, moept__dev_step *out) {
+    const moept__cuda_spec *p = &c->sp;
+    const int64_t E = p->E, El = p->El, P = p->P, me = p->rank;
+    moept__slot_commit(sl, f);
     sl->R = f->R;
     const int64_t M = c->M, C = c->C, *mine = c->h_msg_all + me * M;
     for (int64_t e = 0; e < E; e++) sl->counts[e] = mine[e];
@@ -5862,7 +5870,6 @@ static void moept__fwd_commit(moept__cuda *c, moept__cslot *sl, const moept__fwd
     out->R = f->R;
     out->valid = mine[M - 1];
     out->capacity = moept__capacity(p->capacity_factor, out->valid, p->K, E); /* the device's */
-    sl->masked = f->a->mask != NULL;
 }
 
 /* 7. losses (the same host arithmetic as moept.c); the aux gradient's
@@ -6110,16 +6117,7 @@ static moept_status moept__sf_commit(moept__cuda *c, moept__cslot *sl, moept__fw
     const size_t nmsg = (size_t)(p->P * c->M) * 8, nlstat = (size_t)MOEPT__NLSTAT(p->E) * 8;
     MOEPT__CU(cudaMemcpyAsync(sl->cmsg, c->msg_all, nmsg, cudaMemcpyDeviceToDevice, c->s));
     MOEPT__CU(cudaMemcpyAsync(sl->clstat, c->lstat, nlstat, cudaMemcpyDeviceToDevice, c->s));
-    sl->again = sl->fwd_valid && !sl->fwd_eval && !sl->bwd_done && !f->a->eval;
-    sl->cur = f->nb;
-    sl->T = f->T;
-    sl->masked = f->a->mask != NULL;
-    sl->jit = f->a->jitter; sl->jkey = f->a->jkey;
-    sl->xf_committed = 1;
-    sl->fwd_valid = 1;
-    sl->bwd_done = 0;
-    sl->fwd_stale = NULL;
-    sl->fwd_eval = f->a->eval;
+    moept__slot_commit(sl, f);
     out->deferred = 1;
     if (moept__seq_len(p) > 0) {
         moept__seq_mean(c, sl);
