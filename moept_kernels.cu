@@ -2501,7 +2501,7 @@ static cudaError_t moept__cast_weights(moept__cuda *c) {
 /* the device masters were (or may be about to be) written by the caller;
    sync-free: their bf16 copy now, so no forward casts (a captured step
    would freeze whether it does) */
-static cudaError_t moept__q8_weights(moept__cuda *c);
+static cudaError_t moept__q8_weights(moept__cuda *c, const moept__adamw_k *ak = NULL);
 static void moept__cuda_params_changed(moept__cuda *c) {
     moept__on_device on(c->dev, c->probe);
     c->wlow_stale = 1;
@@ -2990,49 +2990,129 @@ __global__ void moept__k_q8_unrec(const uint8_t *rec, int64_t n, int64_t nw, int
     }
 }
 
-/* Weights: nw matrices w [nw][M][K] (fp32 masters) in 128 x 128 blocks, one thread block a block:
-   q [nw][Mp][Kp] as they are and qt [nw][Kp][Mp] transposed (the dgrad's A), zero-padded; the block's
-   scale into s [nw][ceil(Mp/128)][L4(Kp)] and st [nw][ceil(Kp/128)][L4(Mp)] (BLK128x128 of each). The
-   bytes go through shared memory so that both copies are written along their rows */
-__global__ void moept__k_q8_blocks(const float *w, int64_t nw, int M, int K, int Mp, int Kp, uint8_t *q,
-                                   float *s, uint8_t *qt, float *st) {
-    __shared__ float sh[MOEPT__TB];
-    __shared__ uint8_t qb[MOEPT__Q8_TILE][MOEPT__Q8_TILE + 4];
-    const int TL = MOEPT__Q8_TILE;
+/* One 128 x 128 block (i0, j0) of a weight [M][K] in E4M3, whose copies are q [Mp][Kp] as it is and qt
+   [Kp][Mp] transposed (the dgrad's A; both padded to 16), from its values in the threads' registers:
+   v[k][u] the element (i0 + y + 8 k, j0 + 4 x + u), x the thread's lane, y its warp (zero past M or K).
+   The block's amax through w->sh (a fixed tree), its bytes along q's rows and, through w->qb, along qt's
+   (4 bytes a store), its scale at *s and *st */
+#define MOEPT__Q8_WR (MOEPT__Q8_TILE / (MOEPT__TB / 32)) /* a thread's rows of a block (8 warps) */
+typedef struct moept__q8_wsh {
+    float sh[MOEPT__TB];
+    uint8_t qb[MOEPT__Q8_TILE][MOEPT__Q8_TILE + 4];
+} moept__q8_wsh;
+__device__ __forceinline__ void moept__q8_wblock(const float (*v)[4], int Mp, int Kp, int i0, int j0,
+                                                 uint8_t *q, uint8_t *qt, float *s, float *st,
+                                                 moept__q8_wsh *w) {
+    static_assert(MOEPT__TB == 256, "moept__q8_wblock: 8 warps of 32 lanes, 4 columns a lane");
+    const int x = (int)threadIdx.x % 32, y = (int)threadIdx.x / 32;
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MOEPT__Q8_WR; k++)
+#pragma unroll
+        for (int u = 0; u < 4; u++) amax = moept__q8_amax(amax, v[k][u]);
+    w->sh[threadIdx.x] = amax;
+    __syncthreads();
+    for (int h = MOEPT__TB / 2; h > 0; h >>= 1) {
+        if ((int)threadIdx.x < h)
+            w->sh[threadIdx.x] = moept__q8_amax(w->sh[threadIdx.x], w->sh[threadIdx.x + h]);
+        __syncthreads();
+    }
+    const float sc = moept__q8_scale(w->sh[0]);
+#pragma unroll
+    for (int k = 0; k < MOEPT__Q8_WR; k++) {
+        const int r = y + 8 * k, i = i0 + r, j = j0 + 4 * x;
+        uint32_t word = 0;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const uint8_t b = moept__q8_byte(v[k][u], sc);
+            w->qb[r][4 * x + u] = b;
+            word |= (uint32_t)b << (8 * u);
+        }
+        if (i < Mp && j < Kp) *(uint32_t *)(q + (int64_t)i * Kp + j) = word;
+    }
+    __syncthreads();
+    for (int k = 0; k < MOEPT__Q8_WR; k++) { /* qt's row j: the block's column c, 4 of its rows a lane */
+        const int c = y + 8 * k, j = j0 + c, i = i0 + 4 * x;
+        uint32_t word = 0;
+        for (int u = 0; u < 4; u++) word |= (uint32_t)w->qb[4 * x + u][c] << (8 * u);
+        if (j < Kp && i < Mp) *(uint32_t *)(qt + (int64_t)j * Mp + i) = word;
+    }
+    if (threadIdx.x == 0) *s = sc, *st = sc;
+    __syncthreads(); /* sh[0] and qb read by all before the next block */
+}
+
+/* Weights: nw matrices w [nw][M][K] (fp32 masters) in 128 x 128 blocks, one thread block a block, into
+   their E4M3 copies q [nw][Mp][Kp] and qt [nw][Kp][Mp] (moept__q8_wblock), the blocks' scales into s
+   [nw][ceil(Mp/128)][L4(Kp)] and st [nw][ceil(Kp/128)][L4(Mp)] (BLK128x128 of each). A (AdamW's own
+   pass: moept__cuda_adamw): each element stepped first (moept__adamw1 with g, m, v; low, where not NULL,
+   its bf16 copy), the copies made from the new values as they are in registers, so the masters are
+   read once; V-vectors (4) where the rows hold them */
+typedef struct moept__q8_wargs { /* (A: g, m, v, k, low) */
+    float *w;
+    const float *g;
+    float *m, *v;
+    moept__adamw_k k;
+    moept__bf16 *low;
+} moept__q8_wargs;
+template <int V, int A>
+__global__ void moept__k_q8_blocks(const moept__q8_wargs a, int64_t nw, int M, int K, int Mp, int Kp,
+                                   uint8_t *q, float *s, uint8_t *qt, float *st) {
+    __shared__ moept__q8_wsh sh;
+    float *w = a.w, *m = a.m, *v = a.v;
+    const float *g = a.g;
+    moept__bf16 *low = a.low;
+    const int TL = MOEPT__Q8_TILE, x = (int)threadIdx.x % 32, y = (int)threadIdx.x / 32;
     const int bm = (Mp + TL - 1) / TL, bk = (Kp + TL - 1) / TL;
     const int64_t ns = (int64_t)bm * MOEPT__Q8_L4(Kp), nst = (int64_t)bk * MOEPT__Q8_L4(Mp);
     for (int64_t t = blockIdx.x; t < nw * bm * bk; t += gridDim.x) {
         const int64_t e = t / (bm * bk);
         const int i0 = (int)(t % (bm * bk) / bk) * TL, j0 = (int)(t % bk) * TL;
-        const float *we = w + e * M * K;
-        float amax = 0.0f;
-        for (int l = threadIdx.x; l < TL * TL; l += blockDim.x) {
-            const int i = i0 + l / TL, j = j0 + l % TL;
-            if (i < M && j < K) amax = moept__q8_amax(amax, we[(int64_t)i * K + j]);
+        float vals[MOEPT__Q8_WR][4]; /* (registers: every loop over them unrolled) */
+#pragma unroll
+        for (int k = 0; k < MOEPT__Q8_WR; k++) {
+            const int i = i0 + y + 8 * k, j = j0 + 4 * x;
+            const int n = i < M && j < K ? (K - j < 4 ? K - j : 4) : 0; /* (its live columns) */
+            const int64_t at = (e * M + i) * K + j;
+            float pv[4], gv[4], mv[4], vv[4];
+            if (V == 4 && n == 4) {
+                moept__ldv<V>(w + at, pv);
+                if constexpr (A) {
+                    moept__ldv<V>(g + at, gv); moept__ldv<V>(m + at, mv); moept__ldv<V>(v + at, vv);
+                }
+            } else {
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    pv[u] = u < n ? w[at + u] : 0.0f;
+                    if constexpr (A) gv[u] = u < n ? g[at + u] : 0.0f, mv[u] = u < n ? m[at + u] : 0.0f;
+                    if constexpr (A) vv[u] = u < n ? v[at + u] : 0.0f;
+                }
+            }
+            if constexpr (A) {
+#pragma unroll
+                for (int u = 0; u < 4; u++) pv[u] = moept__adamw1(pv[u], gv[u], &mv[u], &vv[u], a.k);
+                if (V == 4 && n == 4) {
+                    moept__stv<V>(w + at, pv); moept__stv<V>(m + at, mv); moept__stv<V>(v + at, vv);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < 4; u++)
+                        if (u < n) w[at + u] = pv[u], m[at + u] = mv[u], v[at + u] = vv[u];
+                }
+                if (low && V == 4 && n == 4) {
+                    const uint32_t lo = moept__f32_to_bf16(pv[0]) | (uint32_t)moept__f32_to_bf16(pv[1]) << 16;
+                    const uint32_t hi = moept__f32_to_bf16(pv[2]) | (uint32_t)moept__f32_to_bf16(pv[3]) << 16;
+                    *(uint2 *)(low + at) = make_uint2(lo, hi);
+                } else if (low) {
+#pragma unroll
+                    for (int u = 0; u < 4; u++)
+                        if (u < n) low[at + u] = moept__f32_to_bf16(pv[u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) vals[k][u] = u < n ? pv[u] : 0.0f;
         }
-        sh[threadIdx.x] = amax;
-        __syncthreads();
-        for (int h = MOEPT__TB / 2; h > 0; h >>= 1) {
-            if ((int)threadIdx.x < h) sh[threadIdx.x] = moept__q8_amax(sh[threadIdx.x], sh[threadIdx.x + h]);
-            __syncthreads();
-        }
-        const float sc = moept__q8_scale(sh[0]);
-        for (int l = threadIdx.x; l < TL * TL; l += blockDim.x) {
-            const int i = i0 + l / TL, j = j0 + l % TL;
-            const uint8_t v = i < M && j < K ? moept__q8_byte(we[(int64_t)i * K + j], sc) : 0;
-            qb[l / TL][l % TL] = v;
-            if (i < Mp && j < Kp) q[(e * Mp + i) * Kp + j] = v;
-        }
-        __syncthreads();
-        for (int l = threadIdx.x; l < TL * TL; l += blockDim.x) { /* qt's row j: i along it */
-            const int i = i0 + l % TL, j = j0 + l / TL;
-            if (i < Mp && j < Kp) qt[(e * Kp + j) * Mp + i] = qb[l % TL][l / TL];
-        }
-        if (threadIdx.x == 0) {
-            s[e * ns + i0 / TL * MOEPT__Q8_L4(Kp) + j0 / TL] = sc;
-            st[e * nst + j0 / TL * MOEPT__Q8_L4(Mp) + i0 / TL] = sc;
-        }
-        __syncthreads(); /* sh[0] and qb read by all before the next block */
+        moept__q8_wblock(vals, Mp, Kp, i0, j0, q + e * Mp * Kp, qt + e * Kp * Mp,
+                         s + e * ns + i0 / TL * MOEPT__Q8_L4(Kp) + j0 / TL,
+                         st + e * nst + j0 / TL * MOEPT__Q8_L4(Mp) + i0 / TL, &sh);
     }
 }
 
@@ -3117,20 +3197,35 @@ static moept_status moept__q8_create(moept__cuda *c, char *err) {
     return MOEPT_OK;
 }
 
-/* config.fp8: the weights' E4M3 copies from the fp32 masters, once after they changed (queued on s;
-   stale until it launched) */
-static cudaError_t moept__q8_weights(moept__cuda *c) {
-    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), TL = MOEPT__Q8_TILE;
+/* config.fp8: the weights' E4M3 copies, a launch a matrix (moept__k_q8_blocks), from the fp32 masters once
+   after they changed, or (ak) by AdamW's own pass, which steps each block's masters (their bf16 copy too,
+   where the layer keeps one) before it quantizes them; queued on s, stale until they launched */
+static cudaError_t moept__q8_weights(moept__cuda *c, const moept__adamw_k *ak) {
+    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), TL = MOEPT__Q8_TILE, e0 = c->sp.E * D;
+    moept__bf16 *low = (moept__bf16 *)c->wlow; /* (the bf16 copy of the parameters from e0 on) */
+    const int aligned = e0 % 4 == 0 && (uintptr_t)low % 8 == 0 && moept__vec<float>(0, c->params, c->grads) &&
+                        moept__vec<float>(0, c->opt_m, c->opt_v);
     for (int i = 0; i < 2; i++) {
         const moept__q8w *w = &c->q8w[i];
         if (w->n == 0) continue;
         const int64_t M[2] = {w->H, D}, K[2] = {D, w->F}, Mp[2] = {w->Hp, Dp}, Kp[2] = {Dp, w->Fp};
         for (int m = 0; m < 2; m++) {
             const int64_t nb = w->n * ((Mp[m] + TL - 1) / TL) * ((Kp[m] + TL - 1) / TL);
-            const int grid = (int)(nb < 8 * MOEPT__MAX_GRID ? nb : 8 * MOEPT__MAX_GRID);
-            MOEPT__LAUNCH(moept__k_q8_blocks, grid, MOEPT__TB, 0, c->s)(
-                c->params + (m ? w->off2 : w->off13), w->n, (int)M[m], (int)K[m], (int)Mp[m], (int)Kp[m],
-                m ? w->w2 : w->w13, m ? w->s2 : w->s13, m ? w->w2t : w->w13t, m ? w->s2t : w->s13t);
+            const int64_t o = m ? w->off2 : w->off13; /* (the masters' offset) */
+            const dim3 grid((unsigned)(nb < 8 * MOEPT__MAX_GRID ? nb : 8 * MOEPT__MAX_GRID));
+            uint8_t *q = m ? w->w2 : w->w13, *qt = m ? w->w2t : w->w13t;
+            float *s = m ? w->s2 : w->s13, *st = m ? w->s2t : w->s13t;
+            moept__q8_wargs a = {c->params + o, NULL, NULL, NULL, {}, NULL};
+            if (ak) a.g = c->grads + o, a.m = c->opt_m + o, a.v = c->opt_v + o, a.k = *ak;
+            if (ak && low) a.low = low + (o - e0);
+            const int v4 = aligned && o % 4 == 0 && K[m] % 4 == 0; /* (the rows in 4-vectors) */
+            const int mm = (int)M[m], kk = (int)K[m], mp = (int)Mp[m], kp = (int)Kp[m];
+            if (!ak) MOEPT__LAUNCH((moept__k_q8_blocks<1, 0>), grid, MOEPT__TB, 0, c->s)(
+                a, w->n, mm, kk, mp, kp, q, s, qt, st);
+            else if (v4) MOEPT__LAUNCH((moept__k_q8_blocks<4, 1>), grid, MOEPT__TB, 0, c->s)(
+                a, w->n, mm, kk, mp, kp, q, s, qt, st);
+            else MOEPT__LAUNCH((moept__k_q8_blocks<1, 1>), grid, MOEPT__TB, 0, c->s)(
+                a, w->n, mm, kk, mp, kp, q, s, qt, st);
         }
     }
     cudaError_t e = cudaGetLastError();
@@ -6561,25 +6656,49 @@ static moept_status moept__opt_ready(moept__cuda *c, char *err) {
     return MOEPT_OK;
 }
 
+/* AdamW over the parameters [a, b) (moept__k_adamw), their bf16 copy's too from e0 on; launched alone (the
+   caller reads the launch's error) */
+static void moept__adamw_flat(moept__cuda *c, const moept__adamw_k *k, int64_t a, int64_t b) {
+    const int64_t n = b - a, e0 = c->sp.E * c->sp.D;
+    if (n <= 0) return;
+    moept__bf16 *low = (moept__bf16 *)c->wlow; /* (element i's copy at low[a + i - e0]) */
+    float *p = c->params + a, *g = c->grads + a, *m = c->opt_m + a, *v = c->opt_v + a;
+    const int vec = a % 4 == 0 && e0 % 4 == 0 && (uintptr_t)low % 8 == 0 && moept__vec<float>(0, p, g) &&
+                    moept__vec<float>(0, m, v);
+    const int V = vec ? MOEPT__VEC(float) : 1;
+    MOEPT__LAUNCH_V(vec, moept__k_adamw, float, moept__grid(n / V + n % V), MOEPT__TB, c->s, p, g, m, v, n,
+                    *k, e0 - a, low);
+}
+
 /* One AdamW step on the device's parameters (queued, no host sync; the
    moments made by moept__opt_ready). bf16 layers get their expert weights'
-   bf16 copy from the same pass. */
+   bf16 copy from the same pass; config.fp8's expert weights (router | w13 |
+   w2 | ws13 | ws2 | wsg: the four between, one run) get their E4M3 copies
+   from it too, a 128 x 128 block a thread block (moept__q8_weights). */
 static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, char *err) {
     MOEPT__ENTER(c);
     const moept__cuda_spec *p = &c->sp;
-    const int64_t n = p->n_params, e0 = p->E * p->D;
+    const int64_t n = p->n_params, D = p->D;
+    const moept__q8w *w = c->q8w;
     MOEPT__TRY(moept__opt_ready(c, err));
-    moept__bf16 *low = (moept__bf16 *)c->wlow;
-    const int vec = e0 % 4 == 0 && (uintptr_t)low % 8 == 0 && moept__vec<float>(0, c->params, c->grads) &&
-                    moept__vec<float>(0, c->opt_m, c->opt_v);
-    const int V = vec ? MOEPT__VEC(float) : 1;
+    int64_t lo = n, hi = n; /* (the E4M3 copies' masters: [lo, hi)) */
+    if (moept__fp8_on(p)) {
+        lo = w[0].off13, hi = w[1].n ? w[1].off2 + D * w[1].F : w[0].off2 + w[0].n * D * w[0].F;
+        const int64_t sz = w[0].n * (w[0].H + w[0].F) * D + w[1].n * (w[1].H + w[1].F) * D;
+        if (hi - lo != sz || w[0].off2 != lo + w[0].n * w[0].H * D)
+            return moept__kfail(err, MOEPT_ERR_STATE, "moept_adamw_step: the expert weights are not one run "
+                                "(moept_kernels.cu:%d)", __LINE__);
+    }
     MOEPT__STAGE("optimizer");
-    MOEPT__LAUNCH_V(vec, moept__k_adamw, float, moept__grid(n / V + n % V), MOEPT__TB, c->s, c->params,
-                    c->grads, c->opt_m, c->opt_v, n, *k, e0, low);
+    moept__adamw_flat(c, k, 0, lo);
+    moept__adamw_flat(c, k, hi, n);
+    /* (the masters between, stepped as they are quantized) */
+    const cudaError_t e = lo < hi ? moept__q8_weights(c, k) : cudaGetLastError();
     MOEPT__STAGE(NULL);
-    MOEPT__LAUNCHED();
+    if (e != cudaSuccess)
+        return moept__kfail(err, MOEPT_ERR_DEVICE, "moept_adamw_step: %s (moept_kernels.cu:%d)",
+                            cudaGetErrorString(e), __LINE__);
     c->wlow_stale = 0;
-    if (moept__fp8_on(&c->sp)) MOEPT__CU(moept__q8_weights(c)); /* FP8's from the new masters, as bf16's */
     return MOEPT_OK;
 }
 

@@ -196,15 +196,17 @@ static void parse(int argc, char **argv, shape *s) {
 
 /* moept_grad_norm + moept_adamw_step on the device against a device copy
    that moves the same bytes (the norm reads the n gradients; AdamW reads p,
-   g, m, v and writes p, m, v and, bf16, the expert weights' copy), timed
-   in the same run. A RESULT line; nonzero on failure. */
+   g, m, v and writes p, m, v and, bf16, the expert weights' copy, FP8 their
+   two E4M3 copies), timed in the same run. A RESULT line; nonzero on
+   failure. */
 static int optimizer_bench(moept_layer *L, cudaStream_t st, const shape *s, cudaEvent_t e0, cudaEvent_t e1) {
     float *p, *g;
     int64_t n;
     const moept_adamw opt = {1e-6f, 0.9f, 0.999f, 1e-8f, 0.0f};
     double norm;
     if (moept_cuda_params(L, &p, &g, &n)) return fprintf(stderr, "bench_cuda: %s\n", moept_last_error(L)), 1;
-    const double bytes = 32.0 * (double)n + (s->bf16 ? 2.0 * (double)(n - s->E * s->D) : 0.0);
+    const double ne = (double)(n - s->E * s->D); /* (the expert weights: Mixtral's family, no shared expert) */
+    const double bytes = 32.0 * (double)n + (s->bf16 ? 2.0 * ne : 0.0) + (s->fp8 ? 2.0 * ne : 0.0);
     for (int64_t r = -1; r < s->reps; r++) {
         if (r == 0) CK(cudaEventRecord(e0, st));
         if (moept_grad_norm(L, &norm) || moept_adamw_step(L, &opt))

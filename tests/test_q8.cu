@@ -17,7 +17,10 @@
      dgrad's) against the passes on the same rows, and its results against the separate passes';
    - the column passes over every expert's rows in one call, and the per-expert form's row passes (the
      operands along the rows, of bf16 rows and of records, and the results): each group's bytes a call
-     of its own's.
+     of its own's;
+   - the weights' E4M3 copies as the AdamW step makes them (its own kernel: the masters read once)
+     and as the separate pass does: each 128 x 128 block's bytes and scale from the tile rules, the
+     step's masters, moments and bf16 copy the plain step's.
    fp32 and bf16 rows; widths with whole, edge and lone tiles; 37 rows and 300 (three row tiles). */
 #include "../moept_kernels.cu"
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
@@ -825,6 +828,142 @@ static void q8t_kept(int64_t T, int64_t T2) {
     cudaFree(ye); cudaFree(x);
 }
 
+/* the weights' E4M3 copies (c->q8w: each matrix's bytes and scales, both layouts) set to 0xa5, so what a
+   kernel leaves unwritten shows */
+static void q8t_wpoison(moept__cuda *c) {
+    for (int i = 0; i < 2; i++) {
+        const moept__q8w *w = &c->q8w[i];
+        const size_t n = (size_t)w->n, Dp = (size_t)MOEPT__Q8_PAD(c->sp.D);
+        void *p[8] = {w->w13, w->w13t, w->w2, w->w2t, w->s13, w->s13t, w->s2, w->s2t};
+        const size_t b[8] = {n * w->Hp * Dp, n * w->Hp * Dp, n * Dp * w->Fp, n * Dp * w->Fp,
+                             n * w->ns13 * 4, n * w->ns13t * 4, n * w->ns2 * 4, n * w->ns2t * 4};
+        for (int k = 0; k < 8; k++) cudaMemset(p[k], 0xa5, b[k]);
+    }
+}
+/* the weights' E4M3 copies (c->q8w, both layouts) against the tile rules' shared math on the masters w
+   (the layer's parameters): each 128 x 128 block's scale moept__q8_scale(its amax) at its place in both
+   scale layouts, each byte e4m3(v / s), zeros in the padding to 16; the mismatches */
+static int64_t q8t_wcheck(moept__cuda *c, const float *w) {
+    int64_t bad = 0;
+    const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), TL = MOEPT__Q8_TILE;
+    for (int i = 0; i < 2; i++)
+        for (int m = 0; m < 2 && c->q8w[i].n; m++) {
+            const moept__q8w *qw = &c->q8w[i];
+            const int64_t M = m ? D : qw->H, K = m ? qw->F : D, Mp = m ? Dp : qw->Hp, Kp = m ? qw->Fp : Dp;
+            const int64_t ns = m ? qw->ns2 : qw->ns13, nst = m ? qw->ns2t : qw->ns13t, n = qw->n;
+            uint8_t *q = q8t_host<uint8_t>(m ? qw->w2 : qw->w13, (size_t)(n * Mp * Kp));
+            uint8_t *qt = q8t_host<uint8_t>(m ? qw->w2t : qw->w13t, (size_t)(n * Mp * Kp));
+            float *sq = q8t_host<float>(m ? qw->s2 : qw->s13, (size_t)(n * ns) * 4);
+            float *st = q8t_host<float>(m ? qw->s2t : qw->s13t, (size_t)(n * nst) * 4);
+            for (int64_t e = 0; e < n; e++)
+                for (int64_t i0 = 0; i0 < Mp; i0 += TL)
+                    for (int64_t j0 = 0; j0 < Kp; j0 += TL) {
+                        const float *we = w + (m ? qw->off2 : qw->off13) + e * M * K;
+                        float amax = 0.0f;
+                        for (int64_t r = i0; r < i0 + TL && r < M; r++)
+                            for (int64_t k = j0; k < j0 + TL && k < K; k++)
+                                amax = moept__q8_amax(amax, we[r * K + k]);
+                        const float sc = moept__q8_scale(amax);
+                        bad += sq[e * ns + i0 / TL * MOEPT__Q8_L4(Kp) + j0 / TL] != sc;
+                        bad += st[e * nst + j0 / TL * MOEPT__Q8_L4(Mp) + i0 / TL] != sc;
+                        for (int64_t r = i0; r < i0 + TL && r < Mp; r++)
+                            for (int64_t k = j0; k < j0 + TL && k < Kp; k++) {
+                                const float v = r < M && k < K ? we[r * K + k] : 0.0f; /* (padding: 0) */
+                                const uint8_t b = moept__e4m3_byte(moept__e4m3_round(v / sc));
+                                bad += q[(e * Mp + r) * Kp + k] != b;
+                                bad += qt[(e * Kp + k) * Mp + r] != b;
+                            }
+                    }
+            free(q); free(qt); free(sq); free(st);
+        }
+    return bad;
+}
+/* AdamW's own pass (moept__cuda_adamw: the expert weights stepped a 128 x 128 block a thread block, their
+   E4M3 copies made from the new values in the same pass) against the plain pass and moept__q8_weights: a
+   bf16 layer in FP8 and the same layer without (the flat kernel over every parameter), the same
+   parameters and two steps' gradients: the masters, the moments and the bf16 copy bitwise the flat
+   kernel's (one element's step, moept__adamw1, in both), and the E4M3 copies and their scales (every byte
+   poisoned first) bitwise moept__q8_weights' of the new masters; on the emulated GPU the optimizer's
+   kernels read the bytes the flat one reads (the masters once) and write the copies' bytes more. D 302
+   (rows of no 4-vectors), F 200 and the shared expert's 136 (blocks past the edges); D 72, F 256 (each
+   row's 4-vectors) */
+static void q8t_adamw(moept_family fam, int64_t D, int64_t F, int64_t S) {
+    moept_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.family = fam; cfg.hidden_size = D; cfg.intermediate_size = F; cfg.num_experts = 3; cfg.top_k = 2;
+    cfg.norm_topk_prob = 1; cfg.max_tokens = 16; cfg.shared_intermediate_size = S;
+    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_AUTO};
+    moept_adamw opt = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+    moept_layer *L[2] = {NULL, NULL};
+    moept__cuda *c[2] = {NULL, NULL};
+    moept__view view[2];
+    int64_t np = 0;
+    float *pp[2] = {NULL, NULL}, *gp[2] = {NULL, NULL}, *gh = NULL;
+    long long rd[2] = {0, 0}, wr[2] = {0, 0};
+    unsigned long long rs = 11;
+    for (int v = 0; v < 2; v++) { /* (0: FP8) */
+        moept_config cv = cfg;
+        cv.fp8 = v ? MOEPT_FP8_OFF : MOEPT_FP8_BLOCKWISE;
+        EXPECT_OK(moept_create_cuda(&cv, NULL, NULL, &o, &L[v]));
+        if (!L[v]) break;
+        moept_init_params(L[v], 7);
+        c[v] = moept__cx(L[v], &view[v]);
+        EXPECT_OK(moept_cuda_params(L[v], &pp[v], &gp[v], &np));
+    }
+    if (L[1]) gh = (float *)malloc((size_t)np * 4);
+    for (int step = 0; step < 2 && gh && !tu_bad; step++) {
+        for (int64_t i = 0; i < np; i++) gh[i] = (float)tu_rand(&rs) * 0.25f;
+        for (int v = 0; v < 2; v++) {
+            cudaMemcpy(gp[v], gh, (size_t)np * 4, cudaMemcpyHostToDevice);
+            if (!v) q8t_wpoison(c[v]);
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+            cudaDeviceSynchronize();
+            moept_emu_counts_reset();
+#endif
+            EXPECT(!moept_adamw_step(L[v], &opt), "AdamW: %s", moept_last_error(L[v]));
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+            cudaDeviceSynchronize();
+            moept_emu_counts n;
+            moept_emu_counts_get(0, "optimizer", &n);
+            rd[v] = n.kread, wr[v] = n.kwrite;
+#endif
+        }
+        float *h[2][3] = {{NULL}};
+        for (int v = 0; v < 2; v++) {
+            h[v][0] = q8t_host<float>(pp[v], (size_t)np * 4);
+            h[v][1] = q8t_host<float>(c[v]->opt_m, (size_t)np * 4);
+            h[v][2] = q8t_host<float>(c[v]->opt_v, (size_t)np * 4);
+        }
+        const int64_t nl = np - c[0]->sp.E * D; /* (the bf16 copy's) */
+        char *l[2] = {q8t_host<char>(c[0]->wlow, (size_t)nl * 2), q8t_host<char>(c[1]->wlow, (size_t)nl * 2)};
+        EXPECT(q8t_same(h[0][0], h[1][0], (size_t)np * 4) && q8t_same(h[0][1], h[1][1], (size_t)np * 4) &&
+                   q8t_same(h[0][2], h[1][2], (size_t)np * 4) && q8t_same(l[0], l[1], (size_t)nl * 2),
+               "D %lld, step %d: AdamW's own pass's masters, moments or bf16 copy differ from the flat "
+               "kernel's", (long long)D, step);
+        int64_t bad[2] = {q8t_wcheck(c[0], h[0][0]), 0};
+        q8t_wpoison(c[0]);
+        EXPECT(moept__q8_weights(c[0]) == cudaSuccess, "moept__q8_weights");
+        bad[1] = q8t_wcheck(c[0], h[0][0]);
+        EXPECT(!bad[0] && !bad[1], "D %lld, step %d: the E4M3 copies of the new masters, AdamW's own pass's "
+               "and the separate pass's, differ from their tiles' bytes and scales in %lld and %lld places",
+               (long long)D, step, (long long)bad[0], (long long)bad[1]);
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+        long long qw = 0; /* (the copies' bytes and each block's two scales) */
+        for (int i = 0; i < 2; i++) {
+            const moept__q8w *w = &c[0]->q8w[i];
+            const int64_t Dp = MOEPT__Q8_PAD(D), b13 = MOEPT__Q8_L(w->Hp) * MOEPT__Q8_L(Dp);
+            qw += w->n * (2 * w->Hp * Dp + 2 * Dp * w->Fp + 8 * (b13 + MOEPT__Q8_L(Dp) * MOEPT__Q8_L(w->Fp)));
+        }
+        EXPECT(rd[0] == rd[1] && wr[0] == wr[1] + qw, "D %lld, step %d: the FP8 layer's optimizer read %lld "
+               "bytes and wrote %lld, the flat step's %lld and %lld (the E4M3 copies: %lld)", (long long)D,
+               step, rd[0], wr[0], rd[1], wr[1], qw);
+#endif
+        for (int v = 0; v < 2; v++) free(h[v][0]), free(h[v][1]), free(h[v][2]), free(l[v]);
+    }
+    free(gh);
+    for (int v = 0; v < 2; v++) moept_destroy(L[v]);
+}
+
 static void test_fused(void) {
     setenv("MOEPT_EMU_CC", "90", 1);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 200, 40);
@@ -835,6 +974,8 @@ static void test_fused(void) {
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256, 40);
     q8t_kept(40, 300);
     q8t_wgrad8();
+    q8t_adamw(MOEPT_FAMILY_QWEN2_MOE, 302, 200, 136);
+    q8t_adamw(MOEPT_FAMILY_MIXTRAL, 72, 256, 0);
     unsetenv("MOEPT_EMU_CC");
 }
 /* The kernel form's FP8 step of cfg (T tokens) against the per-expert (cuBLASLt) form's on the same
