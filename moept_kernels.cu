@@ -571,31 +571,54 @@ __global__ void moept__k_sumsq(const T *g, int64_t n, int64_t e0, int64_t e1, do
     }
 }
 
-/* One AdamW step over [n] (moept__adamw1, the host's element): p, m, v in
-   place from g. bf16 layers also write p's bf16 copy of elements [e0, n)
-   into low (the expert GEMMs' weights: no separate cast reads p again);
-   V = 4 stores 8 bytes there (e0 % 4 == 0, checked at the launch). */
+/* AdamW on n <= 4 adjacent elements (moept__adamw1, the host's element): p, m, v in place from g, one
+   4-vector each where V is 4 and n 4 (the caller's alignment), else element by element, and (low not
+   NULL) p's bf16 copy (8 bytes where a 4-vector); the new values into pv [4] (past n: untouched) */
+template <int V>
+__device__ __forceinline__ void moept__adamw_n(float *p, const float *g, float *m, float *v, int n,
+                                               moept__adamw_k k, moept__bf16 *low, float *pv) {
+    float gv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, mv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float vv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int vec = V == 4 && n == 4;
+    if (vec) {
+        moept__ldv<4>(p, pv); moept__ldv<4>(g, gv); moept__ldv<4>(m, mv); moept__ldv<4>(v, vv);
+    } else {
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (u < n) pv[u] = p[u], gv[u] = g[u], mv[u] = m[u], vv[u] = v[u];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+        if (u < n) pv[u] = moept__adamw1(pv[u], gv[u], &mv[u], &vv[u], k);
+    if (vec) {
+        moept__stv<4>(p, pv); moept__stv<4>(m, mv); moept__stv<4>(v, vv);
+    } else {
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (u < n) p[u] = pv[u], m[u] = mv[u], v[u] = vv[u];
+    }
+    if (low && vec) {
+        const uint32_t lo = moept__f32_to_bf16(pv[0]) | (uint32_t)moept__f32_to_bf16(pv[1]) << 16;
+        const uint32_t hi = moept__f32_to_bf16(pv[2]) | (uint32_t)moept__f32_to_bf16(pv[3]) << 16;
+        *(uint2 *)low = make_uint2(lo, hi);
+    } else if (low) {
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (u < n) low[u] = moept__f32_to_bf16(pv[u]);
+    }
+}
+/* One AdamW step over [n] (moept__adamw_n): bf16 layers also write p's bf16 copy of elements [e0, n) into
+   low (the expert GEMMs' weights: no separate cast reads p again); V = 4 stores 8 bytes there (e0 % 4 ==
+   0, checked at the launch: moept__adamw_v4) */
 template <typename T, int V>
 __global__ void moept__k_adamw(T *p, const T *g, T *m, T *v, int64_t n, moept__adamw_k k, int64_t e0,
                                moept__bf16 *low) {
+    static_assert(sizeof(T) == 4 && V <= 4, "moept__k_adamw: fp32 parameters, 4-vectors at most");
     MOEPT__FLAT_FOR(i, n, V) {
         int w;
         const int64_t e = moept__flat<V>(i, n, &w);
-        float pv[V], gv[V], mv[V], vv[V];
-        moept__ldf<V>(p + e, w, pv); moept__ldf<V>(g + e, w, gv);
-        moept__ldf<V>(m + e, w, mv); moept__ldf<V>(v + e, w, vv);
-        for (int l = 0; l < w; l++) pv[l] = moept__adamw1(pv[l], gv[l], &mv[l], &vv[l], k);
-        moept__stf<V>(p + e, w, pv); moept__stf<V>(m + e, w, mv); moept__stf<V>(v + e, w, vv);
-        if (!low || e < e0) continue;
-        if constexpr (V == 4) {
-            if (w == 4) {
-                uint32_t lo = moept__f32_to_bf16(pv[0]) | (uint32_t)moept__f32_to_bf16(pv[1]) << 16;
-                uint32_t hi = moept__f32_to_bf16(pv[2]) | (uint32_t)moept__f32_to_bf16(pv[3]) << 16;
-                *(uint2 *)(low + (e - e0)) = make_uint2(lo, hi);
-                continue;
-            }
-        }
-        low[e - e0] = moept__f32_to_bf16(pv[0]);
+        float pv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        moept__adamw_n<V>(p + e, g + e, m + e, v + e, w, k, low && e >= e0 ? low + (e - e0) : NULL, pv);
     }
 }
 
@@ -2991,17 +3014,18 @@ __global__ void moept__k_q8_unrec(const uint8_t *rec, int64_t n, int64_t nw, int
 }
 
 /* One 128 x 128 block (i0, j0) of a weight [M][K] in E4M3, whose copies are q [Mp][Kp] as it is and qt
-   [Kp][Mp] transposed (the dgrad's A; both padded to 16), from its values in the threads' registers:
-   v[k][u] the element (i0 + y + 8 k, j0 + 4 x + u), x the thread's lane, y its warp (zero past M or K).
-   The block's amax through w->sh (a fixed tree), its bytes along q's rows and, through w->qb, along qt's
-   (4 bytes a store), its scale at *s and *st */
+   [Kp][Mp] transposed (the dgrad's A; both padded to 16 with zero bytes), from its values in the threads'
+   registers: v[k][u] the element (i0 + y + 8 k, j0 + 4 x + u), x the thread's lane, y its warp (zero past
+   M or K). The block's amax through w->sh (a fixed tree), its bytes along q's rows and, through w->qb,
+   along qt's (4 bytes a store), its scale at *s and *st */
 #define MOEPT__Q8_WR (MOEPT__Q8_TILE / (MOEPT__TB / 32)) /* a thread's rows of a block (8 warps) */
 typedef struct moept__q8_wsh {
     float sh[MOEPT__TB];
-    uint8_t qb[MOEPT__Q8_TILE][MOEPT__Q8_TILE + 4];
+    uint8_t qb[MOEPT__Q8_TILE][MOEPT__Q8_TILE + 1]; /* (rows 129 bytes apart: a lane's 4 rows a column,
+                                                       the lanes' in distinct banks) */
 } moept__q8_wsh;
-__device__ __forceinline__ void moept__q8_wblock(const float (*v)[4], int Mp, int Kp, int i0, int j0,
-                                                 uint8_t *q, uint8_t *qt, float *s, float *st,
+__device__ __forceinline__ void moept__q8_wblock(const float (*v)[4], int M, int K, int Mp, int Kp, int i0,
+                                                 int j0, uint8_t *q, uint8_t *qt, float *s, float *st,
                                                  moept__q8_wsh *w) {
     static_assert(MOEPT__TB == 256, "moept__q8_wblock: 8 warps of 32 lanes, 4 columns a lane");
     const int x = (int)threadIdx.x % 32, y = (int)threadIdx.x / 32;
@@ -3023,8 +3047,8 @@ __device__ __forceinline__ void moept__q8_wblock(const float (*v)[4], int Mp, in
         const int r = y + 8 * k, i = i0 + r, j = j0 + 4 * x;
         uint32_t word = 0;
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const uint8_t b = moept__q8_byte(v[k][u], sc);
+        for (int u = 0; u < 4; u++) { /* (padding: zero bytes, a NaN block's too) */
+            const uint8_t b = i < M && j + u < K ? moept__q8_byte(v[k][u], sc) : 0;
             w->qb[r][4 * x + u] = b;
             word |= (uint32_t)b << (8 * u);
         }
@@ -3058,9 +3082,7 @@ template <int V, int A>
 __global__ void moept__k_q8_blocks(const moept__q8_wargs a, int64_t nw, int M, int K, int Mp, int Kp,
                                    uint8_t *q, float *s, uint8_t *qt, float *st) {
     __shared__ moept__q8_wsh sh;
-    float *w = a.w, *m = a.m, *v = a.v;
-    const float *g = a.g;
-    moept__bf16 *low = a.low;
+    float *w = a.w;
     const int TL = MOEPT__Q8_TILE, x = (int)threadIdx.x % 32, y = (int)threadIdx.x / 32;
     const int bm = (Mp + TL - 1) / TL, bk = (Kp + TL - 1) / TL;
     const int64_t ns = (int64_t)bm * MOEPT__Q8_L4(Kp), nst = (int64_t)bk * MOEPT__Q8_L4(Mp);
@@ -3073,44 +3095,13 @@ __global__ void moept__k_q8_blocks(const moept__q8_wargs a, int64_t nw, int M, i
             const int i = i0 + y + 8 * k, j = j0 + 4 * x;
             const int n = i < M && j < K ? (K - j < 4 ? K - j : 4) : 0; /* (its live columns) */
             const int64_t at = (e * M + i) * K + j;
-            float pv[4], gv[4], mv[4], vv[4];
-            if (V == 4 && n == 4) {
-                moept__ldv<V>(w + at, pv);
-                if constexpr (A) {
-                    moept__ldv<V>(g + at, gv); moept__ldv<V>(m + at, mv); moept__ldv<V>(v + at, vv);
-                }
-            } else {
+            float pv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if constexpr (A) moept__adamw_n<V>(w + at, a.g + at, a.m + at, a.v + at, n, a.k,
+                                               a.low ? a.low + at : NULL, pv);
 #pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    pv[u] = u < n ? w[at + u] : 0.0f;
-                    if constexpr (A) gv[u] = u < n ? g[at + u] : 0.0f, mv[u] = u < n ? m[at + u] : 0.0f;
-                    if constexpr (A) vv[u] = u < n ? v[at + u] : 0.0f;
-                }
-            }
-            if constexpr (A) {
-#pragma unroll
-                for (int u = 0; u < 4; u++) pv[u] = moept__adamw1(pv[u], gv[u], &mv[u], &vv[u], a.k);
-                if (V == 4 && n == 4) {
-                    moept__stv<V>(w + at, pv); moept__stv<V>(m + at, mv); moept__stv<V>(v + at, vv);
-                } else {
-#pragma unroll
-                    for (int u = 0; u < 4; u++)
-                        if (u < n) w[at + u] = pv[u], m[at + u] = mv[u], v[at + u] = vv[u];
-                }
-                if (low && V == 4 && n == 4) {
-                    const uint32_t lo = moept__f32_to_bf16(pv[0]) | (uint32_t)moept__f32_to_bf16(pv[1]) << 16;
-                    const uint32_t hi = moept__f32_to_bf16(pv[2]) | (uint32_t)moept__f32_to_bf16(pv[3]) << 16;
-                    *(uint2 *)(low + at) = make_uint2(lo, hi);
-                } else if (low) {
-#pragma unroll
-                    for (int u = 0; u < 4; u++)
-                        if (u < n) low[at + u] = moept__f32_to_bf16(pv[u]);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) vals[k][u] = u < n ? pv[u] : 0.0f;
+            for (int u = 0; u < 4; u++) vals[k][u] = u < n ? A ? pv[u] : w[at + u] : 0.0f;
         }
-        moept__q8_wblock(vals, Mp, Kp, i0, j0, q + e * Mp * Kp, qt + e * Kp * Mp,
+        moept__q8_wblock(vals, M, K, Mp, Kp, i0, j0, q + e * Mp * Kp, qt + e * Kp * Mp,
                          s + e * ns + i0 / TL * MOEPT__Q8_L4(Kp) + j0 / TL,
                          st + e * nst + j0 / TL * MOEPT__Q8_L4(Mp) + i0 / TL, &sh);
     }
@@ -3197,14 +3188,18 @@ static moept_status moept__q8_create(moept__cuda *c, char *err) {
     return MOEPT_OK;
 }
 
+/* whether AdamW's 4-vectors of the parameters from a on are aligned: the masters, gradients and moments
+   (16 bytes), the bf16 copy from e0 = E D (8) */
+static int moept__adamw_v4(const moept__cuda *c, int64_t a) {
+    return a % 4 == 0 && c->sp.E * c->sp.D % 4 == 0 && (uintptr_t)c->wlow % 8 == 0 &&
+           moept__vec<float>(0, c->params, c->grads) && moept__vec<float>(0, c->opt_m, c->opt_v);
+}
 /* config.fp8: the weights' E4M3 copies, a launch a matrix (moept__k_q8_blocks), from the fp32 masters once
    after they changed, or (ak) by AdamW's own pass, which steps each block's masters (their bf16 copy too,
    where the layer keeps one) before it quantizes them; queued on s, stale until they launched */
 static cudaError_t moept__q8_weights(moept__cuda *c, const moept__adamw_k *ak) {
     const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), TL = MOEPT__Q8_TILE, e0 = c->sp.E * D;
     moept__bf16 *low = (moept__bf16 *)c->wlow; /* (the bf16 copy of the parameters from e0 on) */
-    const int aligned = e0 % 4 == 0 && (uintptr_t)low % 8 == 0 && moept__vec<float>(0, c->params, c->grads) &&
-                        moept__vec<float>(0, c->opt_m, c->opt_v);
     for (int i = 0; i < 2; i++) {
         const moept__q8w *w = &c->q8w[i];
         if (w->n == 0) continue;
@@ -3218,7 +3213,7 @@ static cudaError_t moept__q8_weights(moept__cuda *c, const moept__adamw_k *ak) {
             moept__q8_wargs a = {c->params + o, NULL, NULL, NULL, {}, NULL};
             if (ak) a.g = c->grads + o, a.m = c->opt_m + o, a.v = c->opt_v + o, a.k = *ak;
             if (ak && low) a.low = low + (o - e0);
-            const int v4 = aligned && o % 4 == 0 && K[m] % 4 == 0; /* (the rows in 4-vectors) */
+            const int v4 = moept__adamw_v4(c, o) && K[m] % 4 == 0; /* (the rows in 4-vectors) */
             const int mm = (int)M[m], kk = (int)K[m], mp = (int)Mp[m], kp = (int)Kp[m];
             if (!ak) MOEPT__LAUNCH((moept__k_q8_blocks<1, 0>), grid, MOEPT__TB, 0, c->s)(
                 a, w->n, mm, kk, mp, kp, q, s, qt, st);
@@ -4445,26 +4440,34 @@ __device__ __forceinline__ void moept__gk_scales(const moept__gk_args *g, int i,
     }
 }
 /* WGRAD8: consumer w's scales of k-step kb of run i (its columns' 128 x 1 tiles, from column r0): s[h] its
-   thread's two rows' of A (past A's rows: 0), and *sbk the tile's columns' of B from nt's first */
+   thread's two rows' of A (past A's rows: 0), and *bv B's of the thread's column of nt's 128 (past bn: 0),
+   loaded before the wgmmas are issued (moept__gk_bscales shares them after) */
 __device__ __forceinline__ void moept__gk_scales_wg(const moept__gk_args *g, int i, int mt, int nt, int kb,
-                                                    int w, float *s, const float **sbk) {
+                                                    int w, float *s, float *bv) {
     const int l = threadIdx.x % 128;
     const int64_t tb = g->r0[i] / MOEPT__GK_KB(MOEPT__GK_WGRAD8) + kb; /* (the k-step's tile row) */
     for (int h = 0; h < 2; h++) {
         const int64_t m = (int64_t)mt * MOEPT__GK_BM + w * 64 + moept__gk_row(2 * h, l);
         s[h] = m < g->sarows ? g->sa[tb * g->sars + m] : 0.0f;
     }
-    *sbk = g->sb + tb * g->sbld + (int64_t)nt * MOEPT__GK_BN;
+    const int64_t n = (int64_t)nt * MOEPT__GK_BN + l;
+    *bv = n < g->bn ? g->sb[tb * g->sbld + n] : 0.0f;
+}
+/* ... B's 128 column scales of consumer w's k-step, each thread's bv, into bs [128] for all 128 threads
+   (the step's half of red's two: the previous step's readers passed the barrier before this one's
+   writers, so one barrier a step) */
+__device__ __forceinline__ void moept__gk_bscales(float *bs, float bv, int w) {
+    bs[threadIdx.x % 128] = bv;
+    moept__bar_sync(2 + w, 128);
 }
 /* ... its sums t into d times those scales, register 4q + u (moept__gk_col: row u / 2, column 8 q + 2 (l
-   % 4) + u % 2), B's column pairs past its bn columns 0 (bn a multiple of 16: a pair is in or out) */
+   % 4) + u % 2), B's from bs */
 __device__ __forceinline__ void moept__gk_promote_wg(float *d, const float *t, const float *s,
-                                                     const float *sbk, int nb) {
+                                                     const float *bs) {
     const int l = threadIdx.x % 128;
 #pragma unroll
     for (int q = 0; q < 16; q++) {
-        const int c = 8 * q + 2 * (l % 4);
-        const float2 b = c < nb ? *(const float2 *)(sbk + c) : make_float2(0.0f, 0.0f);
+        const float2 b = *(const float2 *)(bs + 8 * q + 2 * (l % 4));
         d[4 * q] += t[4 * q] * (s[0] * b.x);
         d[4 * q + 1] += t[4 * q + 1] * (s[0] * b.y);
         d[4 * q + 2] += t[4 * q + 2] * (s[1] * b.x);
@@ -4669,12 +4672,13 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
 }
 
 /* one (sub)tile's k-steps of run i's tile (mt, nt), the producer's loads or consumer w's products into
-   d; whether none ran */
+   d (WGRAD8: B's column scales through red's [2][2][128], consumer w's two halves a step each in turn);
+   whether none ran */
 template <int F, int P>
 __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUtensorMap *mb,
                                                const moept__gk_args *g, int w, uint8_t *sa, uint8_t *sb,
                                                uint64_t *full, uint64_t *empty, int i, int mt, int nt,
-                                               int *it, float *d, float *t) {
+                                               int *it, float *d, float *t, float *red) {
     int first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
     const int nkb = moept__gk_ksteps<F>(g, i);
     const uint32_t um = F == MOEPT__GK_GATE8 && !P ? moept__gk_umask(g, nt) : 0;
@@ -4706,16 +4710,16 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
                 if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
                 moept__gk_promote<F, 1>(d, t, sc, um);
             } else if constexpr (MOEPT__GK_Q(F)) { /* (its stage freed at once: t read, promoted) */
-                float sc[2];
-                const float *sbk = NULL; /* (WGRAD8: B's column scales) */
-                if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_scales_wg(g, i, mt, nt, kb, w, sc, &sbk);
+                float sc[2], bv = 0.0f; /* (WGRAD8: B's column scale, shared through bs as the wgmmas run) */
+                float *bs = red + w * 256 + (*it & 1) * 128;
+                if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_scales_wg(g, i, mt, nt, kb, w, sc, &bv);
                 else moept__gk_scales<F>(g, i, mt, nt, kb, w, sc);
                 moept__gk_mma<F>(t, a, b, w, 0);
+                if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_bscales(bs, bv, w);
                 moept__wgmma_wait<0>();
                 moept__acc_fence(t);
                 if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
-                if constexpr (F == MOEPT__GK_WGRAD8)
-                    moept__gk_promote_wg(d, t, sc, sbk, g->bn - nt * MOEPT__GK_BN);
+                if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_promote_wg(d, t, sc, bs);
                 else moept__gk_promote<F>(d, t, sc, um);
             } else {
                 moept__gk_mma<F>(d, a, b, w, !first);
@@ -4757,7 +4761,8 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
         for (int sub = 0; sub < moept__gk_subs<F>(g, nt); sub++) {
             const int st = F == MOEPT__GK_GATE8 ? 2 * nt + sub : nt; /* (the subtile: 64 columns) */
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
-            const int first = moept__gk_steps<F, P>(ma, mb, g, w, sa, sb, full, empty, i, mt, st, &it, d, t);
+            const int first = moept__gk_steps<F, P>(ma, mb, g, w, sa, sb, full, empty, i, mt, st, &it, d, t,
+                                                    red);
             if (P || (first && MOEPT__GK_WG(F))) continue; /* (nothing to add) */
             if (F == MOEPT__GK_GATE || F == MOEPT__GK_GATE8)
                 moept__gk_store_act(g, d, i, mt, st, w, F == MOEPT__GK_GATE8 ? pam : NULL);
@@ -4799,7 +4804,8 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
     __syncthreads();
     const int wg = moept__warp_uniform(threadIdx.x / 128); /* the first warpgroup produces (TMA alone: its
                                                                thread 0) */
-    float *red = (float *)(empty + MOEPT__GK_ST); /* (GATE8's row amaxes: [2][64][4]) */
+    float *red = (float *)(empty + MOEPT__GK_ST); /* (GATE8's row amaxes: [2][64][4]; WGRAD8's column
+                                                      scales: [2][2][128]) */
     if (wg > 0) moept__gk_walk<F, 0>(&ma, &mb, &g, wg - 1, sa, sb, full, empty, red);
     else if (threadIdx.x == 0 || g.lsu) moept__gk_walk<F, 1>(&ma, &mb, &g, -1, sa, sb, full, empty, red);
 #endif
@@ -6663,9 +6669,7 @@ static void moept__adamw_flat(moept__cuda *c, const moept__adamw_k *k, int64_t a
     if (n <= 0) return;
     moept__bf16 *low = (moept__bf16 *)c->wlow; /* (element i's copy at low[a + i - e0]) */
     float *p = c->params + a, *g = c->grads + a, *m = c->opt_m + a, *v = c->opt_v + a;
-    const int vec = a % 4 == 0 && e0 % 4 == 0 && (uintptr_t)low % 8 == 0 && moept__vec<float>(0, p, g) &&
-                    moept__vec<float>(0, m, v);
-    const int V = vec ? MOEPT__VEC(float) : 1;
+    const int vec = moept__adamw_v4(c, a), V = vec ? MOEPT__VEC(float) : 1;
     MOEPT__LAUNCH_V(vec, moept__k_adamw, float, moept__grid(n / V + n % V), MOEPT__TB, c->s, p, g, m, v, n,
                     *k, e0 - a, low);
 }
@@ -6692,8 +6696,8 @@ static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, c
     MOEPT__STAGE("optimizer");
     moept__adamw_flat(c, k, 0, lo);
     moept__adamw_flat(c, k, hi, n);
-    /* (the masters between, stepped as they are quantized) */
-    const cudaError_t e = lo < hi ? moept__q8_weights(c, k) : cudaGetLastError();
+    cudaError_t e = cudaGetLastError(); /* (a launch refused: none after it) */
+    if (e == cudaSuccess && lo < hi) e = moept__q8_weights(c, k); /* (stepped as they are quantized) */
     MOEPT__STAGE(NULL);
     if (e != cudaSuccess)
         return moept__kfail(err, MOEPT_ERR_DEVICE, "moept_adamw_step: %s (moept_kernels.cu:%d)",

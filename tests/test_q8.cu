@@ -842,7 +842,8 @@ static void q8t_wpoison(moept__cuda *c) {
 }
 /* the weights' E4M3 copies (c->q8w, both layouts) against the tile rules' shared math on the masters w
    (the layer's parameters): each 128 x 128 block's scale moept__q8_scale(its amax) at its place in both
-   scale layouts, each byte e4m3(v / s), zeros in the padding to 16; the mismatches */
+   scale layouts (their padding to 4 blocks as q8t_wpoison left it), each byte e4m3(v / s), zeros in the
+   padding to 16; the mismatches */
 static int64_t q8t_wcheck(moept__cuda *c, const float *w) {
     int64_t bad = 0;
     const int64_t D = c->sp.D, Dp = MOEPT__Q8_PAD(D), TL = MOEPT__Q8_TILE;
@@ -868,12 +869,24 @@ static int64_t q8t_wcheck(moept__cuda *c, const float *w) {
                         bad += st[e * nst + j0 / TL * MOEPT__Q8_L4(Mp) + i0 / TL] != sc;
                         for (int64_t r = i0; r < i0 + TL && r < Mp; r++)
                             for (int64_t k = j0; k < j0 + TL && k < Kp; k++) {
-                                const float v = r < M && k < K ? we[r * K + k] : 0.0f; /* (padding: 0) */
-                                const uint8_t b = moept__e4m3_byte(moept__e4m3_round(v / sc));
+                                const float v = r < M && k < K ? we[r * K + k] / sc : 0.0f;
+                                const uint8_t b = r < M && k < K ? moept__e4m3_byte(moept__e4m3_round(v)) : 0;
                                 bad += q[(e * Mp + r) * Kp + k] != b;
                                 bad += qt[(e * Kp + k) * Mp + r] != b;
                             }
                     }
+            for (int l = 0; l < 2; l++) { /* (each scale layout's rows past their blocks: unwritten) */
+                const float *sc = l ? st : sq;
+                const int64_t rows = MOEPT__Q8_L(l ? Kp : Mp), live = MOEPT__Q8_L(l ? Mp : Kp);
+                const int64_t len = MOEPT__Q8_L4(l ? Mp : Kp), per = l ? nst : ns;
+                for (int64_t e = 0; e < n; e++)
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int64_t k = live; k < len; k++) {
+                            uint32_t u;
+                            memcpy(&u, sc + e * per + r * len + k, 4);
+                            bad += u != 0xa5a5a5a5u;
+                        }
+            }
             free(q); free(qt); free(sq); free(st);
         }
     return bad;
@@ -885,14 +898,15 @@ static int64_t q8t_wcheck(moept__cuda *c, const float *w) {
    kernel's (one element's step, moept__adamw1, in both), and the E4M3 copies and their scales (every byte
    poisoned first) bitwise moept__q8_weights' of the new masters; on the emulated GPU the optimizer's
    kernels read the bytes the flat one reads (the masters once) and write the copies' bytes more. D 302
-   (rows of no 4-vectors), F 200 and the shared expert's 136 (blocks past the edges); D 72, F 256 (each
-   row's 4-vectors) */
-static void q8t_adamw(moept_family fam, int64_t D, int64_t F, int64_t S) {
+   (rows of no 4-vectors), F 200 and the shared expert's 136 (blocks past the edges); D 72, F 256 with a
+   shared expert (4-vectors, the shared gate's too, the flat kernel's run after the copies' masters) and
+   without one in an fp32 layer (no bf16 copy) */
+static void q8t_adamw(moept_family fam, int64_t D, int64_t F, int64_t S, moept_dtype dt) {
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.family = fam; cfg.hidden_size = D; cfg.intermediate_size = F; cfg.num_experts = 3; cfg.top_k = 2;
     cfg.norm_topk_prob = 1; cfg.max_tokens = 16; cfg.shared_intermediate_size = S;
-    moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_AUTO};
+    moept_cuda_options o = {dt, NULL, 0, 0, MOEPT_GEMM_AUTO};
     moept_adamw opt = {1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
     moept_layer *L[2] = {NULL, NULL};
     moept__cuda *c[2] = {NULL, NULL};
@@ -934,12 +948,13 @@ static void q8t_adamw(moept_family fam, int64_t D, int64_t F, int64_t S) {
             h[v][1] = q8t_host<float>(c[v]->opt_m, (size_t)np * 4);
             h[v][2] = q8t_host<float>(c[v]->opt_v, (size_t)np * 4);
         }
-        const int64_t nl = np - c[0]->sp.E * D; /* (the bf16 copy's) */
-        char *l[2] = {q8t_host<char>(c[0]->wlow, (size_t)nl * 2), q8t_host<char>(c[1]->wlow, (size_t)nl * 2)};
-        EXPECT(q8t_same(h[0][0], h[1][0], (size_t)np * 4) && q8t_same(h[0][1], h[1][1], (size_t)np * 4) &&
-                   q8t_same(h[0][2], h[1][2], (size_t)np * 4) && q8t_same(l[0], l[1], (size_t)nl * 2),
-               "D %lld, step %d: AdamW's own pass's masters, moments or bf16 copy differ from the flat "
-               "kernel's", (long long)D, step);
+        const int64_t nl = c[0]->wlow ? np - c[0]->sp.E * D : 0; /* (the bf16 copy's: a bf16 layer's) */
+        char *l[2] = {NULL, NULL};
+        for (int v = 0; v < 2 && nl; v++) l[v] = q8t_host<char>(c[v]->wlow, (size_t)nl * 2);
+        int same = !nl || q8t_same(l[0], l[1], (size_t)nl * 2);
+        for (int k = 0; k < 3; k++) same = same && q8t_same(h[0][k], h[1][k], (size_t)np * 4);
+        EXPECT(same, "D %lld, step %d: AdamW's own pass's masters, moments or bf16 copy differ from the "
+               "flat kernel's", (long long)D, step);
         int64_t bad[2] = {q8t_wcheck(c[0], h[0][0]), 0};
         q8t_wpoison(c[0]);
         EXPECT(moept__q8_weights(c[0]) == cudaSuccess, "moept__q8_weights");
@@ -974,8 +989,9 @@ static void test_fused(void) {
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256, 40);
     q8t_kept(40, 300);
     q8t_wgrad8();
-    q8t_adamw(MOEPT_FAMILY_QWEN2_MOE, 302, 200, 136);
-    q8t_adamw(MOEPT_FAMILY_MIXTRAL, 72, 256, 0);
+    q8t_adamw(MOEPT_FAMILY_QWEN2_MOE, 302, 200, 136, MOEPT_DTYPE_BF16);
+    q8t_adamw(MOEPT_FAMILY_QWEN2_MOE, 72, 256, 128, MOEPT_DTYPE_BF16);
+    q8t_adamw(MOEPT_FAMILY_MIXTRAL, 72, 256, 0, MOEPT_DTYPE_F32);
     unsetenv("MOEPT_EMU_CC");
 }
 /* The kernel form's FP8 step of cfg (T tokens) against the per-expert (cuBLASLt) form's on the same

@@ -95,9 +95,42 @@ struct SharedShadow {        /* a byte's accesses in the block's barrier interva
     uint32_t wst, rst[4];    /* the clock (hop_clock) at the write, at each read */
     uint16_t wt, rt[4];      /* the writer, the readers (nr of them; 5: more than 4) */
     uint8_t nr;
+    uint32_t many;           /* (nr 5) its entry of g_many + 1, this block's */
 };
 static uint32_t g_block;
 static SharedShadow *g_sh;
+/* a byte's readers past the shadow's four in its barrier interval (nr 5): every one of them, with the clock
+   at the latest read. A write is ordered after them where a named barrier each passed after that clock
+   orders it (sound: an earlier read is ordered by the same barrier; stricter only where the reads span a
+   barrier), so a group's word that all its threads read and one rewrites after their bar.sync is clean.
+   One entry a byte that had them, reused; the block's alone (cleared as each block starts) */
+struct ManyReaders {
+    uint32_t ep, st;
+    uint64_t t[MAXTHREADS / 64];
+};
+static std::vector<ManyReaders> g_many;
+/* ... byte s's entry, made (or reused) for a fifth reader in epoch ep: the four it had in it */
+static ManyReaders *many_start(SharedShadow &s, uint32_t ep) {
+    if (!s.many || s.many > g_many.size()) {
+        g_many.emplace_back();
+        s.many = (uint32_t)g_many.size();
+    }
+    ManyReaders &m = g_many[s.many - 1];
+    m = ManyReaders{ep, 0, {}};
+    for (int r = 0; r < 4; r++) m.t[s.rt[r] / 64] |= 1ull << (s.rt[r] % 64);
+    return &m;
+}
+/* ... the first of byte s's readers that no barrier orders before thread t's write (-1: none) */
+static int many_unordered(const SharedShadow &s, int t, uint32_t ep) {
+    if (!s.many || s.many > g_many.size() || g_many[s.many - 1].ep != ep) return 0; /* (unknown: report) */
+    const ManyReaders &m = g_many[s.many - 1];
+    for (int w = 0; w < MAXTHREADS / 64; w++)
+        for (uint64_t b = m.t[w]; b; b &= b - 1) {
+            const int r = 64 * w + __builtin_ctzll(b);
+            if (r != t && !hop_ordered(r, m.st, t)) return r;
+        }
+    return -1;
+}
 
 /* the dynamic shared memory (extern __shared__ on a GPU; moept_emu_dyn_smem): static storage, so the
    shared-memory checks above cover it; a launch's bytes are its first smem */
@@ -329,6 +362,7 @@ static void run_kernel(Op &o, const char *name, dim3 g, dim3 b, size_t smem, con
         uint64_t i = border.empty() ? k : (uint64_t)border[k];
         x.bid = make_uint3((unsigned)(i % g.x), (unsigned)(i / g.x % g.y), (unsigned)(i / ((uint64_t)g.x * g.y)));
         x.blk = ++g_block; /* shared memory starts undefined */
+        g_many.clear();
         hop_block();
         run_block(&x, n, &seed);
         if (x.ended) break; /* kernel_end_block: the launch ends there */
@@ -359,6 +393,7 @@ static void shared_access(const char *p, size_t n, int write) {
         if (s.blk != x->blk) {
             s.blk = x->blk;
             s.wep = s.rep = 0;
+            s.many = 0;
             if (!write) {
                 report("initcheck", "kernel %s block (%u,%u,%u) thread %d reads shared memory at %p that no thread "
                        "of the block wrote", x->name, x->bid.x, x->bid.y, x->bid.z, t, (const void *)(p + i));
@@ -370,11 +405,11 @@ static void shared_access(const char *p, size_t n, int write) {
             kind = write ? "write after write" : "read after write";
             other = s.wt;
         }
-        for (int q = 0; write && !kind && s.rep == x->epoch && q < s.nr; q++)
-            if (q == 4 || (s.rt[q] != t && !hop_ordered(s.rt[q], s.rst[q], t))) {
-                kind = "write after read";
-                other = s.rt[q < 4 ? q : 0];
-            }
+        for (int q = 0; write && !kind && s.rep == x->epoch && q < s.nr; q++) {
+            const int r = q == 4 ? many_unordered(s, t, x->epoch)
+                                 : s.rt[q] != t && !hop_ordered(s.rt[q], s.rst[q], t) ? s.rt[q] : -1;
+            if (r >= 0) kind = "write after read", other = r;
+        }
         if (kind) {
             report("racecheck", "kernel %s block (%u,%u,%u): thread %d %s %zu bytes of shared memory at offset %zu: "
                    "%s with thread %d since the last barrier", x->name, x->bid.x, x->bid.y, x->bid.z, t,
@@ -389,8 +424,12 @@ static void shared_access(const char *p, size_t n, int write) {
         if (s.rep != x->epoch) { s.rep = x->epoch; s.nr = 0; }
         int q = 0;
         while (q < s.nr && q < 4 && s.rt[q] != t) q++;
-        if (q == 4) s.nr = 5;
-        else {
+        if (q == 4) { /* (a fifth reader or more: all of them, at the latest read's clock) */
+            ManyReaders *m = s.nr == 4 ? many_start(s, x->epoch) : &g_many[s.many - 1];
+            m->t[t / 64] |= 1ull << (t % 64);
+            m->st = hop_clock();
+            s.nr = 5;
+        } else {
             s.rt[q] = t;
             s.rst[q] = hop_clock();
             if (q == s.nr) s.nr++;

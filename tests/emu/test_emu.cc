@@ -1395,6 +1395,23 @@ __global__ void k_nbar_xchg(int bad, float *out) {
     out[t] = shx[t ^ 1];
 }
 
+/* more than four readers of a word ordered by a named barrier (racecheck's readers past its four): at
+   step k one thread of each half writes the half's word k & 1, its bar.sync, then all 64 read it, so the
+   write two steps on follows their reads by the barrier between (a double buffer, as WGRAD8's column
+   scales): clean; bad 1 one word (the next step's write follows the reads by no barrier) */
+__global__ void k_nbar_many(int bad, float *out) {
+    __shared__ float shm[2][2]; /* [half][step & 1] */
+    const int t = threadIdx.x, h = t / 64;
+    float acc = 0.0f;
+    for (int k = 0; k < 4; k++) {
+        const int b = bad == 1 ? 0 : k & 1;
+        if (t % 64 == k) shm[h][b] = (float)k;
+        moept_emu_bar_sync(1 + h, 64);
+        acc += shm[h][b];
+    }
+    out[t] = acc;
+}
+
 /* whether k_wg_frag's out (thread t's d[i] at t n/2 + i) holds D[r][c] = mul r + c (mul: n, or given)
    at the places of the m64nNk16 D fragment (a copy to the host: it waits for the kernel) */
 static bool frag_is(const float *out, int n, int mul = 0) {
@@ -1806,6 +1823,16 @@ static void hopper_kernels() {
     MOEPT__LAUNCH(k_nbar_xchg, 1, 128, 0, 0)(2, out);
     cudaDeviceSynchronize();
     expect_report("racecheck: a word written again with no barrier after its group's reads", "racecheck");
+    MOEPT__LAUNCH(k_nbar_many, 1, 128, 0, 0)(0, out);
+    cudaMemcpy(hx.data(), out, 128 * 4, cudaMemcpyDeviceToHost);
+    expect_clean("a word of 64 readers written again two barriers on (a double buffer): clean");
+    ok = true;
+    for (int t = 0; t < 128; t++) ok = ok && hx[(size_t)t] == 6.0f;
+    result("... each thread read each step's word", ok, "wrong sum");
+    MOEPT__LAUNCH(k_nbar_many, 1, 128, 0, 0)(1, out);
+    cudaDeviceSynchronize();
+    expect_report("racecheck: a word of 64 readers written again with no barrier after their reads",
+                  "write after read");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 2, 0);
     cudaDeviceSynchronize();
     expect_report("proxy: generic stores fenced but no barrier before the wgmma", "no barrier that it passed");
