@@ -1412,6 +1412,22 @@ __global__ void k_nbar_many(int bad, float *out) {
     out[t] = acc;
 }
 
+/* ... the readers the shadow keeps (its first four) ordered before the write, the ones after not: threads
+   0-3 read a word, the block's bar.sync, threads 4-127 read it, then (bad 0: after another bar.sync)
+   thread 0 writes it: with bad 1 a race only the readers past four show */
+__global__ void k_nbar_late(int bad, float *out) {
+    __shared__ float w1;
+    const int t = threadIdx.x;
+    if (t == 0) w1 = 1.0f;
+    __syncthreads();
+    float v = t < 4 ? w1 : 0.0f;
+    moept_emu_bar_sync(1, 128);
+    if (t >= 4) v = w1;
+    if (!bad) moept_emu_bar_sync(1, 128);
+    if (t == 0) w1 = 2.0f;
+    out[t] = v;
+}
+
 /* whether k_wg_frag's out (thread t's d[i] at t n/2 + i) holds D[r][c] = mul r + c (mul: n, or given)
    at the places of the m64nNk16 D fragment (a copy to the host: it waits for the kernel) */
 static bool frag_is(const float *out, int n, int mul = 0) {
@@ -1832,6 +1848,13 @@ static void hopper_kernels() {
     MOEPT__LAUNCH(k_nbar_many, 1, 128, 0, 0)(1, out);
     cudaDeviceSynchronize();
     expect_report("racecheck: a word of 64 readers written again with no barrier after their reads",
+                  "write after read");
+    MOEPT__LAUNCH(k_nbar_late, 1, 128, 0, 0)(0, out);
+    cudaDeviceSynchronize();
+    expect_clean("a word read by 4 threads, a barrier, 124 more, a barrier, then written: clean");
+    MOEPT__LAUNCH(k_nbar_late, 1, 128, 0, 0)(1, out);
+    cudaDeviceSynchronize();
+    expect_report("racecheck: ... written with no barrier after the readers past the first four",
                   "write after read");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 2, 0);
     cudaDeviceSynchronize();
