@@ -8,8 +8,11 @@ layers, gloo: moept_comm_custom over torch.distributed), against the same model 
 Each rank holds half the experts and runs half the batch; the replicated weights' gradients are summed
 over the ranks (as DDP would), the experts' are complete where they live. Checked on every rank, against
 a one-rank swapped model on the whole batch: the loss and every gradient within fp32 rounding (1e-5 of
-the largest), then one AdamW step each and the next loss; then the ranks' state_dicts, gathered, load
-into a one-rank model, which gives the sharded model's parameters bitwise and its loss. The aux loss is
+the largest), then one AdamW step each and the next loss and gradients (those within 1e-4: AdamW's first
+step moves each weight by about lr whatever its gradient's size, so a gradient near zero that the two
+models round apart moves the weight differently; measured up to 2.2e-5 on an AMD EPYC, under 1e-5 on an
+Intel Xeon, where a lost update's are of order 1); then the ranks' state_dicts, gathered, load into a
+one-rank model, which gives the sharded model's parameters bitwise and its loss. The aux loss is
 off: transformers' load_balancing_loss_func over one rank's logits is not the whole batch's.
 Prints "ok - " / "FAIL - " lines (rank 0); exits 1 on a failure.
 """
@@ -83,9 +86,11 @@ def main():
         ok(abs(float(total) - float(l1)) <= 1e-5 * abs(float(l1)),
            f"step {step + 1}: the loss at EP {P} is one rank's ({float(total):.6f}, {float(l1):.6f})")
         named = dict(one.named_parameters())
-        errs = [rel(p.grad, named[n].grad) for n, p in ep.named_parameters()]
-        ok(max(errs) <= 1e-5 and len(local) == len([n for n in named if ".experts." in n]) // P,
-           f"step {step + 1}: every gradient at EP {P} is one rank's (largest {max(errs):.1e}; "
+        worst = torch.tensor([max(rel(p.grad, named[n].grad) for n, p in ep.named_parameters())])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # (every rank's)
+        bound = 1e-5 if step == 0 else 1e-4  # (after one AdamW step: the docstring says why)
+        ok(float(worst) <= bound and len(local) == len([n for n in named if ".experts." in n]) // P,
+           f"step {step + 1}: every gradient at EP {P} is one rank's (largest {float(worst):.1e}; "
            f"{len(local)} expert tensors a rank)")
         for o in opts:
             o.step()
