@@ -6685,13 +6685,14 @@ static moept_status moept__cuda_adamw(moept__cuda *c, const moept__adamw_k *k, c
     const int64_t n = p->n_params, D = p->D;
     const moept__q8w *w = c->q8w;
     MOEPT__TRY(moept__opt_ready(c, err));
-    int64_t lo = n, hi = n; /* (the E4M3 copies' masters: [lo, hi)) */
-    if (moept__fp8_on(p)) {
-        lo = w[0].off13, hi = w[1].n ? w[1].off2 + D * w[1].F : w[0].off2 + w[0].n * D * w[0].F;
-        const int64_t sz = w[0].n * (w[0].H + w[0].F) * D + w[1].n * (w[1].H + w[1].F) * D;
-        if (hi - lo != sz || w[0].off2 != lo + w[0].n * w[0].H * D)
+    int64_t lo = n, hi = n; /* (the E4M3 copies' masters: [lo, hi), each set's W13 then W2) */
+    for (int i = 0; i < 2 && moept__fp8_on(p); i++) {
+        if (i == 0) lo = hi = w[0].off13;
+        if (w[i].n == 0) continue;
+        if (w[i].off13 != hi || w[i].off2 != hi + w[i].n * w[i].H * D)
             return moept__kfail(err, MOEPT_ERR_STATE, "moept_adamw_step: the expert weights are not one run "
                                 "(moept_kernels.cu:%d)", __LINE__);
+        hi = w[i].off2 + w[i].n * D * w[i].F;
     }
     MOEPT__STAGE("optimizer");
     moept__adamw_flat(c, k, 0, lo);

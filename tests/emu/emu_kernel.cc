@@ -101,8 +101,8 @@ static uint32_t g_block;
 static SharedShadow *g_sh;
 /* a byte's readers past the shadow's four in its barrier interval (nr 5): every one of them, with the clock
    at the latest read. A write is ordered after them where a named barrier each passed after that clock
-   orders it (sound: an earlier read is ordered by the same barrier; stricter only where the reads span a
-   barrier), so a group's word that all its threads read and one rewrites after their bar.sync is clean.
+   orders it (hop_ordered: PTX ISA, "bar, barrier"; sound, as an earlier read is ordered by the same
+   barrier; stricter only where the reads span a barrier), so a group's word that all its threads read and one rewrites after their bar.sync is clean.
    One entry a byte that had them, reused; the block's alone (cleared as each block starts) */
 struct ManyReaders {
     uint32_t ep, st;
