@@ -2253,10 +2253,14 @@ struct moept__cuda {
                                    shared expert's dy) quantized along the rows by its wgrad's column pass
                                    (moept__q8_twin), or the forward's a by the gate/up product */
     float *q8sr;                /* its scales; q8r, q8sr NULL in the per-expert form */
-    unsigned long long *q8own;  /* device [1]: the a (its address) whose copy down its rows q8a, q8sa hold
-                                   (moept__q8_kept: a training forward's gate/up kernel's), 0: none; written
-                                   in stream order by the launches that change it (moept__q8_own), so a
-                                   replayed graph keeps it true */
+    uint8_t *q8x;               /* [Dp][q8rows] x's records down their rows, the W13 wgrad's I, where the
+                                   forward's gate/up kernel keeps it (moept__q8_kept; NULL: no WGRAD8, or
+                                   an inference layer) */
+    float *q8sx;                /* its scales */
+    unsigned long long *q8own;  /* device [1]: the a (its address) whose copy down its rows q8a, q8sa hold,
+                                   and its forward's x's q8x, q8sx (moept__q8_kept: a training forward's
+                                   gate/up kernel's), 0: none; written in stream order by the launches that
+                                   change it (moept__q8_own), so a replayed graph keeps it true */
     float *q8out;               /* [max(q8rows, Wp)][Wp] cuBLASLt's fp32 result (NULL: moept__gk_w8) */
     int64_t allocations, allocated_bytes, growths;
     /* held now (moept__cuda_sizes): the parameter block (gradients among them), the fixed workspace
@@ -3233,7 +3237,8 @@ static int moept__gk_w8(const moept__cuda *c);
 /* The token operands' scratch for rows in up to El groups, each padded (16 rows a group more: the column
    passes' operands, every group's; the grouped kernel's wgrad, 128: moept__gk_w8): two E4M3 operands
    [rows][Wp] (or the groups' [Wp][np], or [Wp][S]), their scales, cuBLASLt's fp32 result (none where
-   the grouped kernel runs every product: moept__gk_w8), and the grouped kernel's q8r, q8sr; grown
+   the grouped kernel runs every product: moept__gk_w8), and the grouped kernel's q8r, q8sr (and, a
+   training layer's with WGRAD8, x's kept copy q8x, q8sx: [Dp][rows], Dp = D padded); grown
    geometrically with the receive block (moept__grow), once the compute stream no longer reads the old
    one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
@@ -3242,8 +3247,10 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     const int64_t cap = MOEPT__Q8_PAD(need > 2 * c->q8rows ? need : 2 * c->q8rows), W = moept__q8_wp(c);
     const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * (MOEPT__Q8_L(cap) + c->sp.El), sc = s1 > s2 ? s1 : s2;
     const int64_t out = moept__gk_w8(c) ? 0 : (cap > W ? cap : W) * W, nq = moept__gk_q8(c) ? 3 : 2;
+    const int64_t xw = moept__gk_w8(c) && !c->sp.cfg->inference_only ? MOEPT__Q8_PAD(c->sp.D) : 0; /* (q8x) */
     void *blk = NULL;
-    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4) + (2 * nq + 1) * 64;
+    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4 + cap * xw + (xw ? sc * 4 : 0)) +
+                         (2 * nq + 3) * 64;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status st = moept__host_wait(c, err); /* the old scratch's last reader done */
     const cudaError_t e = st ? cudaSuccess : cudaMemsetAsync(c->q8own, 0, 8, c->s); /* (no copy of a in the
@@ -3262,6 +3269,8 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     c->q8out = out ? (float *)moept__take(&cv, (size_t)out * 4) : NULL;
     c->q8r = nq > 2 ? (uint8_t *)moept__take(&cv, (size_t)(cap * W)) : NULL;
     c->q8sr = nq > 2 ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
+    c->q8x = xw ? (uint8_t *)moept__take(&cv, (size_t)(cap * xw)) : NULL;
+    c->q8sx = xw ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
     c->q8rows = cap, c->q8sc = sc;
     c->q8_bytes = (int64_t)bytes;
     return MOEPT_OK;
@@ -3964,8 +3973,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT__GK_RUNS 240    /* runs a launch takes by value (the parameters stay under 4 KB) */
 #define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */
 #define MOEPT__GK_HALF (MOEPT__GK_TILE_B / 2)             /* 64 of a tile's 128 rows, or lines */
-/* the ring, its barriers, GATE8's row amaxes (a consumer's 64 rows x 4 threads), the swizzle's alignment */
-#define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 2 * 64 * 4 * 4 + 1024)
+/* the ring, its barriers, GATE8's row amaxes (a consumer's 64 rows x 4 threads) and x's column partial
+   amaxes (a consumer's 2 x 128: moept__gk_xcols), the swizzle's alignment */
+#define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 4 * 64 * 4 * 4 + 1024)
 enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT, MOEPT__GK_FWD8,
        MOEPT__GK_GATE8, MOEPT__GK_DACT8, MOEPT__GK_WGRAD8, MOEPT__GK_FORMS };
 /* whether form F multiplies E4M3 operands with their scales (DACT8: FWD8's product, DACT's epilogue) */
@@ -4020,6 +4030,10 @@ typedef struct moept__gk_args {
                                  128), scales at qcs[c + (o / 128) ldq]; NULL: not written */
     float *qcs;
     int64_t qcS, qc0;
+    uint8_t *qx;              /* GATE8 (with qc): x's records, A, down their rows [K][qcS] as qc's columns
+                                 are laid out (scales at qxs[c + (o / 128) K]), its CTAs' shares of each
+                                 k-step's A (moept__gk_xcols); NULL: not written */
+    float *qxs;
 } moept__gk_args;
 /* (a kernel's parameters: 4 KB, the two tensor maps and these) */
 static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
@@ -4671,14 +4685,55 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
     }
 }
 
+/* GATE8 with g->qx: this CTA's share of the 128 columns of A's k-step kb in stage a (x's FP8 records as
+   loaded: E4M3 bytes in the 128-byte swizzle, each row's 1 x 128 scale from g->sa) dequantized and
+   quantized again down the m-tile's 128 rows of run i into x's copy down its rows: column kb 128 + c at
+   qx[.. qcS + o], its scale at qxs[.. + (o / 128) K] (moept__k_q8_cols' bytes and scale from records, zeros
+   past the run's rows; columns past K not written). Tile nt of ntn takes the columns [128 nt / ntn,
+   128 (nt + 1) / ntn): each n-tile's CTA loads the same A, so the copy costs no read. Consumer w 8 of them
+   a round, 16 threads a column, 8 rows each, the column's amax from its 16 threads' through part [2][128]
+   (the round's half by *par: the round before's readers passed this round's barrier first, so one a round) */
+__device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, int mt, int nt, int kb, int w,
+                                                const uint8_t *a, int64_t o, float *part, int *par) {
+    const int l = (int)threadIdx.x % 128, p = l % 16, ntn = moept__gk_ntiles<MOEPT__GK_GATE8>(g);
+    const int c0 = 128 * nt / ntn, c1 = 128 * (nt + 1) / ntn, n = g->rows[i] - mt * MOEPT__GK_BM;
+    const int64_t r0 = (int64_t)g->r0[i] + mt * MOEPT__GK_BM;
+    const int live = n >= 8 * p + 8 ? 0xff : n > 8 * p ? (1 << (n - 8 * p)) - 1 : 0;
+    float rs[8]; /* (the thread's rows' scales; past the run's rows 0) */
+    for (int e = 0; e < 8; e++)
+        rs[e] = live >> e & 1 ? g->sa[(r0 + 8 * p + e) * g->sars + kb * g->sabs] : 0.0f;
+    for (int cb = c0; cb < c1; cb += 16) {
+        const int c = cb + 8 * w + l / 16, in = c < c1 && kb * 128 + c < g->K;
+        const int64_t gc = (int64_t)kb * 128 + c;
+        float v[8], amax = 0.0f;
+        for (int e = 0; e < 8; e++) {
+            const int r = 8 * p + e; /* (byte c of box row r: its 16-byte chunk at c / 16 ^ r % 8) */
+            v[e] = in ? moept__e4m3_f32(a[128 * r + (((c >> 4) ^ (r & 7)) << 4) + (c & 15)]) * rs[e] : 0.0f;
+            amax = moept__q8_amax(amax, v[e]);
+        }
+        float *pp = part + (*par & 1) * 128;
+        (*par)++;
+        pp[l] = amax;
+        moept__bar_sync(2 + w, 128);
+        for (int u = 0; u < 16; u++) amax = moept__q8_amax(amax, pp[l - p + u]);
+        const float sc = moept__q8_scale(amax);
+        if (in)
+            *(uint2 *)(g->qx + gc * g->qcS + o + 8 * p) =
+                make_uint2(moept__q8_word(v, live, sc), moept__q8_word(v + 4, live >> 4, sc));
+        if (in && p == 0) g->qxs[gc + (o / MOEPT__Q8_TILE) * g->K] = sc;
+    }
+}
+
 /* one (sub)tile's k-steps of run i's tile (mt, nt), the producer's loads or consumer w's products into
-   d (WGRAD8: B's column scales through red's [2][2][128], consumer w's two halves a step each in turn);
-   whether none ran */
+   d (WGRAD8: B's column scales through red's [2][2][128], consumer w's two halves a step each in turn;
+   GATE8, xo >= 0: x's copy down its rows from each k-step's A, the m-tile's from column xo of it,
+   moept__gk_xcols, through red's [2][2][128] after GATE8's own 512 floats); whether none ran */
 template <int F, int P>
 __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUtensorMap *mb,
                                                const moept__gk_args *g, int w, uint8_t *sa, uint8_t *sb,
                                                uint64_t *full, uint64_t *empty, int i, int mt, int nt,
-                                               int *it, float *d, float *t, float *red) {
+                                               int *it, float *d, float *t, float *red, int64_t xo,
+                                               int *xpar) {
     int first = 1, held = -1; /* held: the stage whose wgmmas may be in flight */
     const int nkb = moept__gk_ksteps<F>(g, i);
     const uint32_t um = F == MOEPT__GK_GATE8 && !P ? moept__gk_umask(g, nt) : 0;
@@ -4704,6 +4759,8 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
                 moept__wgmma_wait<0>();
                 moept__acc_fence<32>(t);
                 moept__gk_promote<F, 0>(d, t, sc, um);
+                if (xo >= 0) /* (t free: no spills, as it would be with the up half's wgmmas in flight) */
+                    moept__gk_xcols(g, i, mt, nt / 2, kb, w, a, xo, red + 512 + 256 * w, xpar);
                 moept__gk_mma<F>(t, a, b + MOEPT__GK_HALF, w, 0);
                 moept__wgmma_wait<0>();
                 moept__acc_fence<32>(t);
@@ -4750,7 +4807,7 @@ template <int F, int P>
 __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
                                uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty, float *red) {
     const int tiles = (int)moept__gk_tiles<F>(g); /* (under INT_MAX: moept__gk_launch) */
-    int it = 0;
+    int it = 0, xpar = 0; /* (xpar: moept__gk_xcols' rounds) */
     float d[64], t[F == MOEPT__GK_GATE8 ? 32 : MOEPT__GK_Q(F) ? 64 : 1]; /* t: the E4M3 forms' k-step sums,
                                                                            promoted into d */
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -4761,8 +4818,12 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
         for (int sub = 0; sub < moept__gk_subs<F>(g, nt); sub++) {
             const int st = F == MOEPT__GK_GATE8 ? 2 * nt + sub : nt; /* (the subtile: 64 columns) */
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
+            const int64_t xo = F == MOEPT__GK_GATE8 && !P && g->qx && sub == 0 /* (x's copy: the m-tile's) */
+                                   ? g->qc0 + (int64_t)(tile / moept__gk_ntiles<F>(g)) * MOEPT__GK_BM
+                                   : -1;
+            const int64_t xu = moept__warp_uniform((int)(xo >= 0)) ? xo : -1; /* (no divergent branch) */
             const int first = moept__gk_steps<F, P>(ma, mb, g, w, sa, sb, full, empty, i, mt, st, &it, d, t,
-                                                    red);
+                                                    red, xu, &xpar);
             if (P || (first && MOEPT__GK_WG(F))) continue; /* (nothing to add) */
             if (F == MOEPT__GK_GATE || F == MOEPT__GK_GATE8)
                 moept__gk_store_act(g, d, i, mt, st, w, F == MOEPT__GK_GATE8 ? pam : NULL);
@@ -4978,6 +5039,8 @@ typedef struct moept__gk_ext {   /* a form's extras */
                                    launches') */
     float *qcs;
     int64_t qcS;
+    uint8_t *qx;                /* GATE8 (with qc): x's records' copy down their rows, as moept__gk_args's */
+    float *qxs;
 } moept__gk_ext;
 /* g's fields of a form's extras (ga; NULL: none) and B's rows an expert */
 template <int F>
@@ -4990,6 +5053,7 @@ static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t b
     g->qa = q8a ? ga->qa : NULL; g->qs = q8a ? ga->qs : NULL; g->ldq = q8a ? ga->ldq : 0;
     g->qsb = q8a ? ga->qsb : 0;
     g->qc = q8a ? ga->qc : NULL; g->qcs = q8a ? ga->qcs : NULL; g->qcS = q8a ? ga->qcS : 0; g->qc0 = 0;
+    g->qx = F == MOEPT__GK_GATE8 && g->qc ? ga->qx : NULL; g->qxs = g->qx ? ga->qxs : NULL;
 }
 /* an epilogue's extras: GATE's a [..][lda], config.act, the rows' E4M3 copy qa [..][ldq] with its scales */
 static moept__gk_ext moept__gk_epi(void *a, int64_t lda, int act, uint8_t *qa, float *qs, int64_t ldq) {
@@ -5250,10 +5314,12 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
 /* whether the routed experts' gate/up kernel, where it quantizes a along its rows (moept__ffn_fused8),
    may also write a's copy down its rows in its epilogue (f->ac: a training forward whose backward comes
    next), the W2 wgrad's I (into q8a, q8sa as moept__q8_down's S lays it out: WGRAD8's), which stays
-   there for the backward, whose pass over a then returns at once: F a multiple of 128, whole groups,
-   unchunked, as moept__q8_dhc (x's records: the routed experts). c->q8own says whose copy q8a holds;
-   another slot's forward that writes its own, a pass into q8a, a new scratch or this a moving takes it,
-   and that backward's pass runs */
+   there for the backward, whose pass over a then returns at once; and with it x's records' copy down
+   their rows, the W13 wgrad's I, from the A tiles the kernel loads (into q8x, q8sx: moept__gk_xcols),
+   whose pass returns at once too: F a multiple of 128, whole groups, unchunked, as moept__q8_dhc (x's
+   records: the routed experts). c->q8own says whose copies q8a and q8x hold; another slot's forward
+   that writes its own, a pass into q8a, a new scratch or this a moving takes it, and that backward's
+   passes run */
 static int moept__q8_kept(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
     return f->xq && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 && moept__q8_twin(c, f, R) &&
            moept__gk_w8(c) && !c->sp.cfg->inference_only;
@@ -5381,13 +5447,17 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
     int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
     MOEPT__TRY(moept__q8_fits(c, R, 1, err, S));
     if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
-    /* (q8a rewritten: c->q8own none first, or, for a's pass, none unless it is a, whose pass returns) */
-    if (kept) MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_NOT : MOEPT__OWN_SET, f->a, NULL, err));
+    /* (a's pass into q8a: c->q8own none first unless it is a, whose pass returns; x's into q8x returns
+       where it is a too, then none: the shared expert's passes write q8a after) */
+    uint8_t *qi = kept && !w2 ? c->q8x : c->q8a; /* (I's copy: x's kept, or a pass's) */
+    float *si = kept && !w2 ? c->q8sx : c->q8sa;
+    if (ac) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_NOT, f->a, NULL, err));
     if (rec)
-        MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, c->q8a, c->q8sa, err, NULL, NULL, 0,
-                                           S));
-    else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, c->q8a, c->q8sa, err, NULL, NULL, 0, S,
+        MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, qi, si, err, NULL, NULL, 0, S,
+                                           kept ? f->a : NULL));
+    else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, qi, si, err, NULL, NULL, 0, S,
                                       ac ? f->a : NULL));
+    if (kept && !w2) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_SET, NULL, NULL, err));
     if (orec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb, err,
                                            NULL, NULL, 0, S));
@@ -5396,9 +5466,8 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
                                      twin ? c->q8sr : NULL, MOEPT__Q8_PAD(end), S));
     if (S) { /* A: O's copy [wop][S], B: I's [wip][S], each with a scale a column and 128 of its rows */
         moept__gk_ext ge = {};
-        ge.bn = wip; ge.sa = c->q8sb; ge.sarows = wop; ge.sars = wop; ge.sb = c->q8sa; ge.sbld = wip;
-        return moept__gk<MOEPT__GK_WGRAD8>(c, R, c->q8b, S, c->q8a, S, NULL, wo, wi, 0, g, wi, f->cnt, &ge,
-                                           err);
+        ge.bn = wip; ge.sa = c->q8sb; ge.sarows = wop; ge.sars = wop; ge.sb = si; ge.sbld = wip;
+        return moept__gk<MOEPT__GK_WGRAD8>(c, R, c->q8b, S, qi, S, NULL, wo, wi, 0, g, wi, f->cnt, &ge, err);
     }
     for (int64_t e = 0; e < R->n; e++) {
         const int64_t rows = R->offs[e + 1] - R->offs[e], np = MOEPT__Q8_PAD(rows);
@@ -5443,7 +5512,8 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
         MOEPT__TRY(moept__gk<MOEPT__GK_GATE>(c, R, f->x, D, W13, D, f->xi, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else if (moept__ffn_fused8(c, f)) { /* h, a and a's E4M3 rows (W2's A) by the gate/up GEMM, and a
-                                             down its rows (the W2 wgrad's I, kept: moept__q8_kept) */
+                                             and x's records down their rows (the wgrads' I, kept:
+                                             moept__q8_kept) */
         moept__gk_ext ga = moept__gk_epi(f->a, f->lda, c->sp.act, c->q8r, c->q8sr, MOEPT__Q8_PAD(F));
         const int64_t ld = f->xq ? moept__q8_recw(D) : D; /* (x's FP8 records, or its rows) */
         const moept__q8w *q = f->q8;
@@ -5451,6 +5521,7 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
         if (kept) /* (the copy none until whole; without one, none if it was this a's, now rewritten) */
             MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_SET : MOEPT__OWN_IS, f->a, NULL, err));
         if (ac) MOEPT__TRY(moept__gk_cols(c, R, &ga, c->q8a, c->q8sa, err));
+        if (ac) ga.qx = c->q8x, ga.qxs = c->q8sx;
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
                                                    q->ns13, f->H, (char *)f->h, 0, &ga, err)));
         if (ac) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_SET, NULL, f->a, err));

@@ -12,9 +12,10 @@
      is moept__q8_down of the dequantized rows in fp32, and the CPU's column tiles of them.
    - a backward's dh from the wgrad's column pass that also quantizes it along the rows (one
      read): its columns the plain pass's, its rows moept__q8_along's, run by run;
-   - the kernel form's layer: the grouped kernel's epilogues' copies of a (the gate/up kernel's, the
-     one down its rows kept for the backward while nothing writes over it) and of dh (the down
-     dgrad's) against the passes on the same rows, and its results against the separate passes';
+   - the kernel form's layer: the grouped kernel's copies of a (the gate/up kernel's, the one down its
+     rows kept for the backward while nothing writes over it), of x's records down their rows (the same
+     kernel's, from the A tiles it loads, kept with a's) and of dh (the down dgrad's) against the passes
+     on the same rows, and its results against the separate passes';
    - the column passes over every expert's rows in one call, and the per-expert form's row passes (the
      operands along the rows, of bf16 rows and of records, and the results): each group's bytes a call
      of its own's;
@@ -445,18 +446,21 @@ static const void *q8t_owner(const moept__cuda *c) {
     return (const void *)(uintptr_t)v;
 }
 
-/* ... and the routed experts' src (C columns, lds apart) down its rows as a kernel's epilogue wrote it
-   (qd, sd: the groups' columns of one [Cp][S]) against moept__q8_down's column pass: the last forward's
-   a (the gate/up kernel's, kept in q8a for the W2 wgrad: moept__q8_kept), or after a backward dh over h
-   (2F columns: the down dgrad's, the W13 wgrad's O in q8b; moept__q8_dhc); wide: the runs past a
-   launch's, else an expert's rows past a tile */
+/* ... and the routed experts' src (C columns, lds apart) down its rows as a kernel wrote it (qd, sd: the
+   groups' columns of one [Cp][S]) against moept__q8_down's column pass: the last forward's a (the gate/up
+   kernel's epilogue's, kept in q8a for the W2 wgrad: moept__q8_kept) or x's records (the same kernel's,
+   from the A tiles it loads: q8x, the W13 wgrad's), or after a backward dh over h (2F columns: the down
+   dgrad's, the W13 wgrad's O in q8b; moept__q8_dhc); wide: the runs past a launch's, else an expert's
+   rows past a tile */
 static void q8t_epilogue_down(moept__cuda *c, const void *src, int64_t C, int64_t lds, const uint8_t *qd,
                               const float *sd, int wide, const char *what) {
     moept__cslot *sl = &c->slots[c->last];
     const int64_t El = c->sp.El, Cp = MOEPT__Q8_PAD(C);
     const moept__runs R = moept__runs_groups(sl->roffsets, El);
     const moept__ffn f = moept__ffn_routed(c, sl, NULL, 1);
-    EXPECT(src == sl->a ? q8t_owner(c) == sl->a && moept__q8_kept(c, &f, &R) : moept__q8_dhc(c, &f, &R),
+    const int rec = src == sl->xr; /* (x's records: dequantized as read) */
+    EXPECT(src == sl->a || rec ? q8t_owner(c) == sl->a && moept__q8_kept(c, &f, &R)
+                               : moept__q8_dhc(c, &f, &R),
            "%s: the layer's kernel does not write it", what);
     const int64_t S = moept__q8_wide(&R);
     int64_t most = 0, runs = 0; /* (an expert's rows past a tile: a column's two halves and its second
@@ -471,8 +475,9 @@ static void q8t_epilogue_down(moept__cuda *c, const void *src, int64_t C, int64_
     char err[MOEPT__ERRLEN] = "";
     uint8_t *q = q8t_dev<uint8_t>(NULL, qb);
     float *s = q8t_dev<float>(NULL, sb);
-    const moept_status st = moept__q8_down<moept__bf16>(c, src, sl->roffsets, El, C, lds, q, s, err, NULL,
-                                                        NULL, 0, S);
+    const moept_status st =
+        rec ? moept__q8_down<uint8_t>(c, src, sl->roffsets, El, C, lds, q, s, err, NULL, NULL, 0, S)
+            : moept__q8_down<moept__bf16>(c, src, sl->roffsets, El, C, lds, q, s, err, NULL, NULL, 0, S);
     EXPECT(!st && S > 0, "%s (%lld columns)", err, (long long)S);
     uint8_t *h0 = q8t_host<uint8_t>(q, qb), *h1 = q8t_host<uint8_t>(qd, qb);
     float *s0 = q8t_host<float>(s, sb), *s1 = q8t_host<float>(sd, sb);
@@ -578,17 +583,18 @@ static void test_records(void) {
    dgrad's da stored, then an activation pass; each quantization a pass of its own): y, dx and every
    gradient bitwise; the backward's column passes counted; and (a layer with no shared expert, whose a
    comes last) the gate/up kernel's two copies of a are moept__q8_along's and moept__q8_down's of a as
-   stored, byte for byte, as (F 256) the down dgrad's two copies of dh are of dh as stored.
+   stored, byte for byte, as (F 256) the down dgrad's two copies of dh are of dh as stored, and (F a
+   multiple of 128) its copy of x's records down their rows is moept__q8_down's of the records (D 300:
+   three k-steps, F 384: three n-tiles that share each k-step's 128 columns unevenly).
    F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
    an edge of one subtile; F 256: whole tiles, where the kernels' epilogues write the copies down the
    rows */
-static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4) {
+static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4, int64_t D = 72) {
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
-    cfg.family = fam; cfg.hidden_size = 72; cfg.intermediate_size = F; cfg.num_experts = E; cfg.top_k = 2;
+    cfg.family = fam; cfg.hidden_size = D; cfg.intermediate_size = F; cfg.num_experts = E; cfg.top_k = 2;
     cfg.norm_topk_prob = 1; cfg.max_tokens = T; cfg.fp8 = MOEPT_FP8_BLOCKWISE;
     cfg.shared_intermediate_size = fam == MOEPT_FAMILY_QWEN2_MOE ? 136 : 0;
-    const int64_t D = cfg.hidden_size;
     moept_cuda_options o = {MOEPT_DTYPE_BF16, NULL, 0, 0, MOEPT_GEMM_KERNEL};
     moept_layer *L[2] = {NULL, NULL};
     unsigned long long rs = 5;
@@ -620,9 +626,13 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4) {
             q8t_epilogue(c, c->slots[c->last].a, F, c->lda_a, "a, quantized");
         const int kept = !v && F % 128 == 0 && moept__gk_w8(c); /* (a's, dh's copies down the rows: the
                                                                    kernels') */
-        if (kept && fam == MOEPT_FAMILY_MIXTRAL) /* (the forward's copy of a, before the backward reads it) */
+        if (kept && fam == MOEPT_FAMILY_MIXTRAL) { /* (the forward's copies, before the backward reads
+                                                     them) */
             q8t_epilogue_down(c, c->slots[c->last].a, F, c->lda_a, c->q8a, c->q8sa, E > MOEPT__GK_RUNS,
                               "a down its rows");
+            q8t_epilogue_down(c, c->slots[c->last].xr, D, moept__q8_recw(D), c->q8x, c->q8sx,
+                              E > MOEPT__GK_RUNS, "x's records down their rows");
+        }
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         const long p0 = moept_emu_launches("moept__k_q8_cols");
 #endif
@@ -737,14 +747,15 @@ static void q8t_wgrad8(void) {
     free(oh); free(g0); free(qa); free(qb); free(sa); free(sb); free(g);
 }
 
-/* a's copy down its rows, kept in the scratch from a training forward for its backward (moept__q8_kept),
+/* a's and x's records' copies down their rows, kept in the scratch from a training forward for its
+   backward (moept__q8_kept),
    and between them (v) 1: an evaluation of T2 tokens (the copy stays), 2: the scratch grown in place (the
    copy gone), 3: the receive block grown, a moved (the scratch first grown apart: the copy gone with a),
    4: in a layer of two slots (whose first forward into a slot writes none), the forward run again (a
    copy), then, its backward dropped as a non-finite y drops it, a forward into the slot again (none:
    the copy gone with the a it rewrote), against the two calls alone: y, dx and every gradient bitwise;
-   on the emulated GPU the bytes the backward's kernels write counted: a's copy's, its bytes and scales,
-   more where it is gone (its pass runs, once c->q8own's word is zeroed) */
+   on the emulated GPU the bytes the backward's kernels write counted: the copies', their bytes and
+   scales, more where they are gone (their passes run, once c->q8own's word is zeroed) */
 static void q8t_kept(int64_t T, int64_t T2) {
     enum { NV = 5 };
     moept_config cfg;
@@ -806,7 +817,8 @@ static void q8t_kept(int64_t T, int64_t T2) {
         wrote[v] = n.kwrite;
         const moept__runs R = moept__runs_groups(sl->roffsets, c->sp.El);
         const int64_t S = moept__q8_wide(&R);
-        copy = cfg.intermediate_size * S + cfg.intermediate_size * (S / 128) * 4;
+        const int64_t wide = cfg.intermediate_size + MOEPT__Q8_PAD(D); /* (a's columns, x's) */
+        copy = wide * S + wide * (S / 128) * 4;
 #endif
         float *pp = NULL, *gp = NULL;
         EXPECT_OK(moept_cuda_params(L, &pp, &gp, &np));
@@ -819,7 +831,7 @@ static void q8t_kept(int64_t T, int64_t T2) {
                "%s between a forward and its backward changed y, dx or the gradients", what[v]);
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         EXPECT(wrote[v] == wrote[0] + (v > 1) * (copy + 8), "%s: the backward's kernels wrote %lld bytes, "
-               "%lld without (a's copy: %lld, and c->q8own zeroed before its pass)", what[v], wrote[v],
+               "%lld without (the copies: %lld, and c->q8own zeroed before a's pass)", what[v], wrote[v],
                wrote[0], copy);
 #endif
     }
@@ -987,6 +999,7 @@ static void test_fused(void) {
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 256, 300); /* (F a multiple of 128: the down dgrad quantizes dh too;
                                                    an expert's rows past a tile) */
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256, 40);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 384, 300, 4, 300); /* (x's copy: three k-steps, three n-tiles) */
     q8t_kept(40, 300);
     q8t_wgrad8();
     q8t_adamw(MOEPT_FAMILY_QWEN2_MOE, 302, 200, 136, MOEPT_DTYPE_BF16);

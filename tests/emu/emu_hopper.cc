@@ -128,6 +128,9 @@ struct Block {
     std::vector<uint32_t> pfence;  /* per thread: the clock at its last fence.proxy.async (0: none) */
     std::vector<std::array<BarSeen, NSEEN>> seen; /* per thread: the last barriers it passed (bar.sync,
                                                      __syncthreads), newest first */
+    std::vector<std::array<BarSeen, 16>> byid; /* ... and the last of each barrier 0-15 (a common one
+                                                  NSEEN newer ones of other barriers hide: a warpgroup's
+                                                  own barrier every k-step, then one of the CTA's) */
     NamedBar nbar[16];             /* bar.sync's barriers 0-15 (0: __syncthreads' own) */
     std::vector<uint32_t> wfence;  /* ... at its last wgmma.fence (0: none) */
     std::vector<std::vector<Range>> acc; /* per thread: its accumulators in flight (stack offsets) */
@@ -170,6 +173,7 @@ bool cur(KBlock *k) {
         B.wgs.assign((size_t)(B.n + WG - 1) / WG, Wg());
         B.pfence.assign((size_t)B.n, 0);
         B.seen.assign((size_t)B.n, std::array<BarSeen, NSEEN>());
+        B.byid.assign((size_t)B.n, std::array<BarSeen, 16>());
         for (NamedBar &nb : B.nbar) nb = NamedBar();
         B.wfence.assign((size_t)B.n, 0);
         B.acc.assign((size_t)B.n, {});
@@ -360,19 +364,29 @@ void hop_shared(int t, size_t off, size_t n, int write) {
 
 uint32_t hop_clock() { return g_hclock; }
 
-/* whether thread w's shared-memory access at clock stamp is ordered before thread r's: by a barrier both
-   passed after it, among each's last NSEEN (PTX ISA, "bar, barrier": once a barrier completes, the
-   memory accesses its threads requested before it are performed relative to all the threads that take
-   part in it; so a named barrier of part of the block orders the accesses of its threads) */
-bool hop_ordered(int w, uint32_t stamp, int r) {
-    KBlock k;
-    if (!cur(&k) || B.seen.size() <= (size_t)std::max(w, r)) return false;
+/* whether threads w and r both passed a barrier whose BarSeen b has b.*after > stamp (at: the completion;
+   fence: w's fence before it), among each's last NSEEN or the last of each barrier id */
+static bool both_passed(int w, uint32_t stamp, int r, uint32_t BarSeen::*after) {
     for (const BarSeen &b : B.seen[(size_t)w]) {
-        if (!b.at || b.at <= stamp) continue;
+        if (!b.at || b.*after <= stamp) continue;
         for (const BarSeen &c : B.seen[(size_t)r])
             if (c.at == b.at) return true;
     }
+    for (int id = 0; id < 16; id++) {
+        const BarSeen &b = B.byid[(size_t)w][(size_t)id];
+        if (b.at && b.*after > stamp && B.byid[(size_t)r][(size_t)id].at == b.at) return true;
+    }
     return false;
+}
+/* whether thread w's shared-memory access at clock stamp is ordered before thread r's: by a barrier both
+   passed after it, among each's last NSEEN or the last of each barrier id (PTX ISA, "bar, barrier": once
+   a barrier completes, the memory accesses its threads requested before it are performed relative to
+   all the threads that take part in it; so a named barrier of part of the block orders the accesses of
+   its threads) */
+bool hop_ordered(int w, uint32_t stamp, int r) {
+    KBlock k;
+    if (!cur(&k) || B.seen.size() <= (size_t)std::max(w, r)) return false;
+    return both_passed(w, stamp, r, &BarSeen::at);
 }
 
 /* an access of thread t's own stack while the block uses the primitives: a wgmma's accumulators */
@@ -405,12 +419,13 @@ void hop_stack(int t, size_t off, size_t n, int write) {
 
 /* a __syncthreads orders every thread after what each had observed: a phase one thread saw complete
    is complete for all of them (bar.sync is a CTA-wide fence) */
-/* thread t passed the barrier completing at clock now */
-void passed(int t, uint32_t now) {
+/* thread t passed barrier id (0: __syncthreads') completing at clock now */
+void passed(int t, uint32_t now, unsigned id) {
     std::array<BarSeen, NSEEN> &v = B.seen[(size_t)t];
     for (int i = NSEEN - 1; i > 0; i--) v[(size_t)i] = v[(size_t)i - 1];
     v[0].at = now;
     v[0].fence = B.pfence[(size_t)t];
+    B.byid[(size_t)t][id % 16] = v[0];
 }
 
 /* whether thread w's store of clock stamp, fenced (fence.proxy.async) by w, is ordered before thread
@@ -428,11 +443,7 @@ bool by_mbar(int w, uint32_t stamp, Obs obs) {
     return false;
 }
 bool ordered(int w, uint32_t stamp, int r) {
-    for (const BarSeen &b : B.seen[(size_t)w]) {
-        if (!b.at || b.fence <= stamp) continue;
-        for (const BarSeen &c : B.seen[(size_t)r])
-            if (c.at == b.at) return true;
-    }
+    if (both_passed(w, stamp, r, &BarSeen::fence)) return true;
     return by_mbar(w, stamp, [r](size_t m) { return B.mbars[m].obs[(size_t)r]; });
 }
 /* ordered() for every thread of a warpgroup at once by the mbarrier route (obs: each mbarrier's least
@@ -443,7 +454,7 @@ bool ordered_wg(int w, uint32_t stamp, const std::vector<int64_t> &obs) {
 
 void hop_barrier() {
     const uint32_t now = ++g_hclock;
-    for (int t = 0; t < B.n && (size_t)t < B.seen.size(); t++) passed(t, now);
+    for (int t = 0; t < B.n && (size_t)t < B.seen.size(); t++) passed(t, now, 0);
     for (Mbar &m : B.mbars) {
         int64_t mx = -1;
         for (int64_t v : m.obs) mx = std::max(mx, v);
@@ -633,7 +644,7 @@ void moept_emu_bar_sync(unsigned id, unsigned count) {
         return;
     }
     const uint32_t now = ++g_hclock;
-    for (int t : nb.in) passed(t, now);
+    for (int t : nb.in) passed(t, now, id);
     nb.in.clear();
     nb.gen++;
 }

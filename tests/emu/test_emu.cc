@@ -1428,6 +1428,22 @@ __global__ void k_nbar_late(int bad, float *out) {
     out[t] = v;
 }
 
+/* ... a barrier that orders them hidden behind more than four of each half's own: all 128 threads read a
+   word, bar.sync 1 (bad 1: none), then six of each half's own (bar.sync 2 + half, 64), then thread 0
+   writes it: the block's barrier still orders the write after the other half's reads (as GATE8's k-steps'
+   barriers of a warpgroup lie between its tiles' ones of both) */
+__global__ void k_nbar_hist(int bad, float *out) {
+    __shared__ float w1;
+    const int t = threadIdx.x, h = t / 64;
+    if (t == 0) w1 = 1.0f;
+    __syncthreads();
+    const float v = w1;
+    if (!bad) moept_emu_bar_sync(1, 128);
+    for (int k = 0; k < 6; k++) moept_emu_bar_sync(2 + h, 64);
+    if (t == 0) w1 = 2.0f;
+    out[t] = v;
+}
+
 /* whether k_wg_frag's out (thread t's d[i] at t n/2 + i) holds D[r][c] = mul r + c (mul: n, or given)
    at the places of the m64nNk16 D fragment (a copy to the host: it waits for the kernel) */
 static bool frag_is(const float *out, int n, int mul = 0) {
@@ -1856,6 +1872,12 @@ static void hopper_kernels() {
     cudaDeviceSynchronize();
     expect_report("racecheck: ... written with no barrier after the readers past the first four",
                   "write after read");
+    MOEPT__LAUNCH(k_nbar_hist, 1, 128, 0, 0)(0, out);
+    cudaDeviceSynchronize();
+    expect_clean("a word read by all, the block's barrier, six of each half's own, then written: clean");
+    MOEPT__LAUNCH(k_nbar_hist, 1, 128, 0, 0)(1, out);
+    cudaDeviceSynchronize();
+    expect_report("racecheck: ... without the block's barrier", "write after read");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 2, 0);
     cudaDeviceSynchronize();
     expect_report("proxy: generic stores fenced but no barrier before the wgmma", "no barrier that it passed");
