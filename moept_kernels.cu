@@ -2253,9 +2253,9 @@ struct moept__cuda {
                                    shared expert's dy) quantized along the rows by its wgrad's column pass
                                    (moept__q8_twin), or the forward's a by the gate/up product */
     float *q8sr;                /* its scales; q8r, q8sr NULL in the per-expert form */
-    uint8_t *q8x;               /* [Dp][q8rows] x's records down their rows, the W13 wgrad's I, where the
-                                   forward's gate/up kernel keeps it (moept__q8_kept; NULL: no WGRAD8, or
-                                   an inference layer) */
+    uint8_t *q8x;               /* [Dp][S] (S <= q8rows) x's records down their rows, the W13 wgrad's I,
+                                   where the forward's gate/up kernel keeps it (moept__q8_kept; NULL: a
+                                   layer that never does, moept__q8_keeps) */
     float *q8sx;                /* its scales */
     unsigned long long *q8own;  /* device [1]: the a (its address) whose copy down its rows q8a, q8sa hold,
                                    and its forward's x's q8x, q8sx (moept__q8_kept: a training forward's
@@ -3234,6 +3234,7 @@ static cudaError_t moept__q8_weights(moept__cuda *c, const moept__adamw_k *ak) {
 
 static int moept__gk_q8(const moept__cuda *c);
 static int moept__gk_w8(const moept__cuda *c);
+static int moept__q8_keeps(const moept__cuda *c);
 /* The token operands' scratch for rows in up to El groups, each padded (16 rows a group more: the column
    passes' operands, every group's; the grouped kernel's wgrad, 128: moept__gk_w8): two E4M3 operands
    [rows][Wp] (or the groups' [Wp][np], or [Wp][S]), their scales, cuBLASLt's fp32 result (none where
@@ -3247,9 +3248,10 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     const int64_t cap = MOEPT__Q8_PAD(need > 2 * c->q8rows ? need : 2 * c->q8rows), W = moept__q8_wp(c);
     const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * (MOEPT__Q8_L(cap) + c->sp.El), sc = s1 > s2 ? s1 : s2;
     const int64_t out = moept__gk_w8(c) ? 0 : (cap > W ? cap : W) * W, nq = moept__gk_q8(c) ? 3 : 2;
-    const int64_t xw = moept__gk_w8(c) && !c->sp.cfg->inference_only ? MOEPT__Q8_PAD(c->sp.D) : 0; /* (q8x) */
+    const int64_t xw = moept__q8_keeps(c) ? MOEPT__Q8_PAD(c->sp.D) : 0; /* (q8x's columns, its scales) */
+    const int64_t xs = xw * (MOEPT__Q8_L(cap) + c->sp.El);
     void *blk = NULL;
-    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4 + cap * xw + (xw ? sc * 4 : 0)) +
+    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4 + cap * xw + xs * 4) +
                          (2 * nq + 3) * 64;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status st = moept__host_wait(c, err); /* the old scratch's last reader done */
@@ -3270,7 +3272,7 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     c->q8r = nq > 2 ? (uint8_t *)moept__take(&cv, (size_t)(cap * W)) : NULL;
     c->q8sr = nq > 2 ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
     c->q8x = xw ? (uint8_t *)moept__take(&cv, (size_t)(cap * xw)) : NULL;
-    c->q8sx = xw ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
+    c->q8sx = xw ? (float *)moept__take(&cv, (size_t)xs * 4) : NULL;
     c->q8rows = cap, c->q8sc = sc;
     c->q8_bytes = (int64_t)bytes;
     return MOEPT_OK;
@@ -4034,6 +4036,7 @@ typedef struct moept__gk_args {
                                  are laid out (scales at qxs[c + (o / 128) K]), its CTAs' shares of each
                                  k-step's A (moept__gk_xcols); NULL: not written */
     float *qxs;
+    int64_t qxD;              /* ... x's columns (D; K its padded width) */
 } moept__gk_args;
 /* (a kernel's parameters: 4 KB, the two tensor maps and these) */
 static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
@@ -4688,27 +4691,32 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
 /* GATE8 with g->qx: this CTA's share of the 128 columns of A's k-step kb in stage a (x's FP8 records as
    loaded: E4M3 bytes in the 128-byte swizzle, each row's 1 x 128 scale from g->sa) dequantized and
    quantized again down the m-tile's 128 rows of run i into x's copy down its rows: column kb 128 + c at
-   qx[.. qcS + o], its scale at qxs[.. + (o / 128) K] (moept__k_q8_cols' bytes and scale from records, zeros
-   past the run's rows; columns past K not written). Tile nt of ntn takes the columns [128 nt / ntn,
-   128 (nt + 1) / ntn): each n-tile's CTA loads the same A, so the copy costs no read. Consumer w 8 of them
-   a round, 16 threads a column, 8 rows each, the column's amax from its 16 threads' through part [2][128]
-   (the round's half by *par: the round before's readers passed this round's barrier first, so one a round) */
+   qx[.. qcS + o], its scale at qxs[.. + (o / 128) K] (moept__k_q8_cols' bytes and scale from records,
+   zeros past the run's rows and x's D columns, non-finite scales as it meets them; columns past K not
+   written). Tile nt of ntn takes the columns [128 nt / ntn, 128 (nt + 1) / ntn): each n-tile's CTA loads
+   the same A, so the copy costs no read. Consumer w 8 of them a round, 16 threads a column, 8 rows each
+   (rows 8 p.., read in turn from row 8 p + p % 8: the 16 threads' reads fall in 8 banks, not one), the
+   column's amax from its 16 threads' through part [2][128] (the round's half by *par: the round before's
+   readers passed this round's barrier first, so one a round) */
 __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, int mt, int nt, int kb, int w,
                                                 const uint8_t *a, int64_t o, float *part, int *par) {
     const int l = (int)threadIdx.x % 128, p = l % 16, ntn = moept__gk_ntiles<MOEPT__GK_GATE8>(g);
     const int c0 = 128 * nt / ntn, c1 = 128 * (nt + 1) / ntn, n = g->rows[i] - mt * MOEPT__GK_BM;
     const int64_t r0 = (int64_t)g->r0[i] + mt * MOEPT__GK_BM;
-    const int live = n >= 8 * p + 8 ? 0xff : n > 8 * p ? (1 << (n - 8 * p)) - 1 : 0;
-    float rs[8]; /* (the thread's rows' scales; past the run's rows 0) */
-    for (int e = 0; e < 8; e++)
-        rs[e] = live >> e & 1 ? g->sa[(r0 + 8 * p + e) * g->sars + kb * g->sabs] : 0.0f;
+    const int any = 8 * w + l / 16 < c1 - c0; /* (a column of the share in some round: Mixtral's 112 n-tiles
+                                                  share 128 columns, one or two a CTA) */
+    float rs[8]; /* (turn e's row 8 p + (e + p) % 8: its scale; past the run's rows 0, not read) */
+    for (int e = 0; e < 8; e++) {
+        const int r = 8 * p + ((e + p) & 7);
+        rs[e] = any && r < n ? g->sa[(r0 + r) * g->sars + kb * g->sabs] : 0.0f;
+    }
     for (int cb = c0; cb < c1; cb += 16) {
-        const int c = cb + 8 * w + l / 16, in = c < c1 && kb * 128 + c < g->K;
+        const int c = cb + 8 * w + l / 16, in = c < c1 && kb * 128 + c < g->K; /* (c past the share: none) */
         const int64_t gc = (int64_t)kb * 128 + c;
         float v[8], amax = 0.0f;
-        for (int e = 0; e < 8; e++) {
-            const int r = 8 * p + e; /* (byte c of box row r: its 16-byte chunk at c / 16 ^ r % 8) */
-            v[e] = in ? moept__e4m3_f32(a[128 * r + (((c >> 4) ^ (r & 7)) << 4) + (c & 15)]) * rs[e] : 0.0f;
+        for (int e = 0; e < 8; e++) { /* (byte c of box row r: its 16-byte chunk at c / 16 ^ r % 8) */
+            const int r = 8 * p + ((e + p) & 7), at = 128 * r + (((c >> 4) ^ (r & 7)) << 4) + (c & 15);
+            v[e] = in && r < n ? moept__e4m3_f32(a[at]) * rs[e] : 0.0f;
             amax = moept__q8_amax(amax, v[e]);
         }
         float *pp = part + (*par & 1) * 128;
@@ -4717,9 +4725,12 @@ __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, 
         moept__bar_sync(2 + w, 128);
         for (int u = 0; u < 16; u++) amax = moept__q8_amax(amax, pp[l - p + u]);
         const float sc = moept__q8_scale(amax);
-        if (in)
-            *(uint2 *)(g->qx + gc * g->qcS + o + 8 * p) =
-                make_uint2(moept__q8_word(v, live, sc), moept__q8_word(v + 4, live >> 4, sc));
+        uint32_t q[2] = {0, 0}; /* (rows 8 p.. in order: turn e's byte at (e + p) % 8) */
+        for (int e = 0; e < 8 && gc < g->qxD; e++) {
+            const int at = (e + p) & 7;
+            if (8 * p + at < n) q[at >> 2] |= (uint32_t)moept__q8_byte(v[e], sc) << (8 * (at & 3));
+        }
+        if (in) *(uint2 *)(g->qx + gc * g->qcS + o + 8 * p) = make_uint2(q[0], q[1]);
         if (in && p == 0) g->qxs[gc + (o / MOEPT__Q8_TILE) * g->K] = sc;
     }
 }
@@ -5041,6 +5052,7 @@ typedef struct moept__gk_ext {   /* a form's extras */
     int64_t qcS;
     uint8_t *qx;                /* GATE8 (with qc): x's records' copy down their rows, as moept__gk_args's */
     float *qxs;
+    int64_t qxD;
 } moept__gk_ext;
 /* g's fields of a form's extras (ga; NULL: none) and B's rows an expert */
 template <int F>
@@ -5054,6 +5066,7 @@ static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t b
     g->qsb = q8a ? ga->qsb : 0;
     g->qc = q8a ? ga->qc : NULL; g->qcs = q8a ? ga->qcs : NULL; g->qcS = q8a ? ga->qcS : 0; g->qc0 = 0;
     g->qx = F == MOEPT__GK_GATE8 && g->qc ? ga->qx : NULL; g->qxs = g->qx ? ga->qxs : NULL;
+    g->qxD = g->qx ? ga->qxD : 0;
 }
 /* an epilogue's extras: GATE's a [..][lda], config.act, the rows' E4M3 copy qa [..][ldq] with its scales */
 static moept__gk_ext moept__gk_epi(void *a, int64_t lda, int act, uint8_t *qa, float *qs, int64_t ldq) {
@@ -5311,6 +5324,13 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
     return moept__q8_dh8(c, f) && moept__q8_twin(c, f, R) && moept__gk_w8(c);
 }
 
+/* moept__q8_kept's part the layer decides at create (its scratch has q8x for it): a training layer's
+   WGRAD8, unchunked, its routed experts' F a multiple of 128 and gated (H 2F) */
+static int moept__q8_keeps(const moept__cuda *c) {
+    return moept__gk_w8(c) && !c->sp.cfg->inference_only && c->C == 1 && c->sp.F % MOEPT__Q8_TILE == 0 &&
+           moept__act_gated(c->sp.act) && c->sp.H == 2 * c->sp.F;
+}
+
 /* whether the routed experts' gate/up kernel, where it quantizes a along its rows (moept__ffn_fused8),
    may also write a's copy down its rows in its epilogue (f->ac: a training forward whose backward comes
    next), the W2 wgrad's I (into q8a, q8sa as moept__q8_down's S lays it out: WGRAD8's), which stays
@@ -5321,8 +5341,8 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
    that writes its own, a pass into q8a, a new scratch or this a moving takes it, and that backward's
    passes run */
 static int moept__q8_kept(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
-    return f->xq && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 && moept__q8_twin(c, f, R) &&
-           moept__gk_w8(c) && !c->sp.cfg->inference_only;
+    return moept__q8_keeps(c) && f->xq && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 &&
+           moept__q8_twin(c, f, R);
 }
 
 /* moept__k_own on the compute stream, in order with what reads or writes q8a */
@@ -5521,7 +5541,7 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
         if (kept) /* (the copy none until whole; without one, none if it was this a's, now rewritten) */
             MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_SET : MOEPT__OWN_IS, f->a, NULL, err));
         if (ac) MOEPT__TRY(moept__gk_cols(c, R, &ga, c->q8a, c->q8sa, err));
-        if (ac) ga.qx = c->q8x, ga.qxs = c->q8sx;
+        if (ac) ga.qx = c->q8x, ga.qxs = c->q8sx, ga.qxD = D;
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
                                                    q->ns13, f->H, (char *)f->h, 0, &ga, err)));
         if (ac) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_SET, NULL, f->a, err));

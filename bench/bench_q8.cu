@@ -26,7 +26,8 @@
    column passes as the per-expert form lays them out; the kernel form's write one matrix, each expert's
    rows padded to 128: the same reads, at most 127 zero columns an expert more written). A
    chunked step runs its row passes a launch a run instead (the kernel form's: of dh where F is not a
-   multiple of 128, and the column passes of a and dh, plain, in place of its own or its kernels'). The "sum"
+   multiple of 128, and the column passes of x's records, a and dh, plain, in place of its own or its
+   kernels'). The "sum"
    lines add up each form's passes: its quantizing bytes and time a step, less the GEMMs.
 
    usage: bench_q8 [--shape mixtral|deepseek|qwen3] [--tokens T] [--hidden D] [--ffn F] [--experts E]

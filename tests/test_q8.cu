@@ -585,7 +585,8 @@ static void test_records(void) {
    comes last) the gate/up kernel's two copies of a are moept__q8_along's and moept__q8_down's of a as
    stored, byte for byte, as (F 256) the down dgrad's two copies of dh are of dh as stored, and (F a
    multiple of 128) its copy of x's records down their rows is moept__q8_down's of the records (D 300:
-   three k-steps, F 384: three n-tiles that share each k-step's 128 columns unevenly).
+   three k-steps, F 384: three n-tiles that share each k-step's 128 columns unevenly; F 1280: ten, a
+   consumer's threads past the share idle).
    F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
    an edge of one subtile; F 256: whole tiles, where the kernels' epilogues write the copies down the
    rows */
@@ -1000,6 +1001,7 @@ static void test_fused(void) {
                                                    an expert's rows past a tile) */
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256, 40);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 384, 300, 4, 300); /* (x's copy: three k-steps, three n-tiles) */
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 1280, 300); /* (... ten n-tiles, a share of 12 or 13 columns a CTA) */
     q8t_kept(40, 300);
     q8t_wgrad8();
     q8t_adamw(MOEPT_FAMILY_QWEN2_MOE, 302, 200, 136, MOEPT_DTYPE_BF16);
