@@ -4725,12 +4725,13 @@ __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, 
         moept__bar_sync(2 + w, 128);
         for (int u = 0; u < 16; u++) amax = moept__q8_amax(amax, pp[l - p + u]);
         const float sc = moept__q8_scale(amax);
-        uint32_t q[2] = {0, 0}; /* (rows 8 p.. in order: turn e's byte at (e + p) % 8) */
-        for (int e = 0; e < 8 && gc < g->qxD; e++) {
-            const int at = (e + p) & 7;
-            if (8 * p + at < n) q[at >> 2] |= (uint32_t)moept__q8_byte(v[e], sc) << (8 * (at & 3));
-        }
-        if (in) *(uint2 *)(g->qx + gc * g->qcS + o + 8 * p) = make_uint2(q[0], q[1]);
+        uint64_t q = 0; /* (turn e's byte at e, then rotated to (e + p) % 8: rows 8 p.. in order) */
+        if (gc < g->qxD)
+            for (int e = 0; e < 8; e++)
+                if (8 * p + ((e + p) & 7) < n) q |= (uint64_t)moept__q8_byte(v[e], sc) << (8 * e);
+        const int rot = 8 * (p & 7);
+        q = rot ? q << rot | q >> (64 - rot) : q;
+        if (in) *(uint2 *)(g->qx + gc * g->qcS + o + 8 * p) = make_uint2((uint32_t)q, (uint32_t)(q >> 32));
         if (in && p == 0) g->qxs[gc + (o / MOEPT__Q8_TILE) * g->K] = sc;
     }
 }

@@ -1001,7 +1001,7 @@ static void test_fused(void) {
                                                    an expert's rows past a tile) */
     q8t_fused(MOEPT_FAMILY_QWEN2_MOE, 256, 40);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 384, 300, 4, 300); /* (x's copy: three k-steps, three n-tiles) */
-    q8t_fused(MOEPT_FAMILY_MIXTRAL, 1280, 300); /* (... ten n-tiles, a share of 12 or 13 columns a CTA) */
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 1280, 150, 2); /* (... ten n-tiles, a share of 12 or 13 columns a CTA) */
     q8t_kept(40, 300);
     q8t_wgrad8();
     q8t_adamw(MOEPT_FAMILY_QWEN2_MOE, 302, 200, 136, MOEPT_DTYPE_BF16);
