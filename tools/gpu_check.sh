@@ -3,6 +3,7 @@
 # (the device tool; docs/PERF.md "The CUDA executor on one H200" records what they gave).
 #
 #   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank] [fp8] [sanitize]
+#                         [fp8_table] [fp8_checks]
 #                         [bench] [bench_small] [profile] [grouped] [torch] [peers]
 #                         (default: build rules check ep1gpu fp8 sanitize bench torch peers)
 #
@@ -61,23 +62,25 @@
 #           tools/cupti_summary.py (where gpu_prebuild.sh built the tracer;
 #           else Nsight Systems' summaries where nsys is installed)
 # rules:    tests/cuda_rules.cu's answers against tests/cuda_rules.txt
-# fp8:      cuBLASLt's block-scaled FP8 GEMMs: tests/lt_rules.cu's answers against
-#           tests/lt_rules.txt, their accuracy (fp32 D against the exact product of the
-#           dequantized operands) and their time against bf16 at the expert GEMMs of
-#           Mixtral-8x7B and DeepSeek-V3 (T 8192); the FP8 layer (config.fp8) on the
-#           reference cases, its 4-step loss curve against the CPU's FP8, train_cuda
-#           --bf16 300 steps with --dtype fp8 and without, also at --dim 1024 --ffn 512 (full
-#           FP8 tiles; tools/curve_diff.py compares each pair); the kernel form's FP8 (its bf16
-#           pass) and the device comm's records (EP 2, plain and chunked) on the reference cases;
-#           test_q8 (the quantizers' bytes; the kernel form's fused ones against the separate
-#           passes, the layer's results bitwise; --wide: with 300 experts);
-#           timed against the bf16 layer at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's
-#           shapes in AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the
-#           same bf16 GEMM floor; the kernel form also with its weight gradients by cuBLASLt,
-#           build/stlt: MOEPT_GK_WGRAD8=0), the quantizing kernels' share of each step (profile fp8)
-#           and each quantizing pass's rate against a copy of its bytes (bench_q8, same shapes);
-#           torch's FP8 grouped GEMM
-#           (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
+# fp8:      fp8_table, then fp8_checks, their steps sharing FP8_BUDGET seconds (540: a device tool's
+#           call is 600 s), each at most STEP_TIMEOUT (120); a step past the budget is not run and
+#           fails, so a second call can run either part alone
+# fp8_table: the issue's table, first: the kernel form's FP8 (its bf16 pass) on the reference
+#           cases, then bf16 against FP8 at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's shapes in
+#           AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the same bf16 GEMM
+#           floor; the kernel form also with its weight gradients by cuBLASLt, build/stlt:
+#           MOEPT_GK_WGRAD8=0), the quantizing kernels' share of each step (profile fp8) and each
+#           quantizing pass's rate against a copy of its bytes (bench_q8, same shapes); torch's FP8
+#           grouped GEMM (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
+# fp8_checks: test_q8 (the quantizers' bytes; the kernel form's fused ones against the separate
+#           passes, the layer's results bitwise; --wide: with 300 experts); the kernel form's FP8
+#           sync-free, the FP8 layer (config.fp8) and the device comm's records (EP 2, plain and
+#           chunked) on the reference cases; cuBLASLt's block-scaled FP8 GEMMs (tests/lt_rules.cu's
+#           answers against tests/lt_rules.txt, their accuracy against the exact product of the
+#           dequantized operands, their time against bf16 at Mixtral's and DeepSeek-V3's expert
+#           GEMMs); the 4-step loss curve against the CPU's FP8; train_cuda --bf16 300 steps with
+#           --dtype fp8 and without, also at --dim 1024 --ffn 512 (full FP8 tiles;
+#           tools/curve_diff.py compares each pair)
 # torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
 #           /usr/bin/python3 whose torch sees the GPU): tests/test_torch.py with CPU layers (this
 #           transformers' blocks) and CUDA layers in fp32 and bf16; tests/test_torch_contract.py's
@@ -100,12 +103,24 @@ SUM="$OUT/summary.txt"
 phases=${*:-build rules check ep1gpu fp8 sanitize bench torch peers}
 failed=0
 
-step() { # name, command...: appended to the phase's log; a summary line
+# name, command...: appended to the phase's log; a summary line. Under a phase's budget (END: budget), a
+# step with under 15 s left is not run (a FAIL line) and the time left caps its STEP_TIMEOUT
+step() {
     name=$1; shift
+    to=${STEP_TIMEOUT:-0}
+    if [ -n "${END:-}" ]; then
+        left=$((END - $(date +%s)))
+        if [ $left -lt 15 ]; then
+            echo "FAIL - not run, the phase's budget spent: $name" | tee -a "$SUM"
+            failed=1
+            return
+        fi
+        if [ "$to" -le 0 ] || [ "$to" -gt $left ]; then to=$left; fi
+    fi
     echo "== $name" >>"$LOG"
     t0=$(date +%s)
-    if [ "${STEP_TIMEOUT:-0}" -gt 0 ]; then
-        timeout "$STEP_TIMEOUT" "$@" >>"$LOG" 2>&1
+    if [ "$to" -gt 0 ]; then
+        timeout "$to" "$@" >>"$LOG" 2>&1
     else
         "$@" >>"$LOG" 2>&1
     fi
@@ -113,6 +128,19 @@ step() { # name, command...: appended to the phase's log; a summary line
     [ $rc -ne 0 ] && failed=1
     line=$(printf '%s rc=%d %4ds  %s' "$(date -u +%H:%M:%S)" $rc $(($(date +%s) - t0)) "$name")
     echo "$line" | tee -a "$SUM"
+}
+
+# budget SECONDS [STEP]: the steps from here share SECONDS (a device tool's call is at most 600 s), each
+# at most STEP (default 120) where STEP_TIMEOUT is unset; budget alone: the budget off, STEP_TIMEOUT as it was
+budget() {
+    if [ $# -eq 0 ]; then
+        END=
+        STEP_TIMEOUT=$st0
+        return
+    fi
+    END=$(($(date +%s) + $1))
+    st0=${STEP_TIMEOUT:-0}
+    [ "$st0" -gt 0 ] || STEP_TIMEOUT=${2:-120}
 }
 
 nccl_home() { # where nccl.h and libnccl are: CUDA_HOME, else the Python package
@@ -241,12 +269,11 @@ nccl_multirank() { # several NCCL ranks on GPU 0 (threads, then processes) over 
     export LD_LIBRARY_PATH="$PWD/$n/lib${ld:+:$ld}" NCCL_MULTI_RANK_GPU_ENABLE=1
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
     ldd build/moept_check_cuda build/moept_check_cuda_mpi 2>&1 | grep -E '^build|libnccl' >>"$LOG"
-    # a device tool's call is at most 600 s: the steps share NCCL_MR_BUDGET seconds, each at most
-    # STEP_TIMEOUT (default 120); a step past the budget is not run and fails (NCCL_MR_EP=4: the rest)
-    end=$(($(date +%s) + ${NCCL_MR_BUDGET:-420}))
-    st=${STEP_TIMEOUT:-0}
+    # the steps share NCCL_MR_BUDGET seconds, each at most STEP_TIMEOUT (default 120); a step past the
+    # budget is not run and fails (NCCL_MR_EP=4: the rest)
+    budget "${NCCL_MR_BUDGET:-420}"
     l0=$(wc -l <"$LOG")
-    mr_step "NCCL_DEBUG=VERSION moept_check_cuda --ep 2 --comm nccl-one-gpu: which NCCL is loaded" \
+    step "NCCL_DEBUG=VERSION moept_check_cuda --ep 2 --comm nccl-one-gpu: which NCCL is loaded" \
         env NCCL_DEBUG=VERSION build/moept_check_cuda --ep 2 --comm nccl-one-gpu \
         tests/cases/mixtral_e8_t40.safetensors
     v=$(tail -n +$((l0 + 1)) "$LOG" | sed -n 's/.*NCCL version \([0-9][0-9.]*\).*/\1/p' | tail -1)
@@ -268,7 +295,7 @@ nccl_multirank() { # several NCCL ranks on GPU 0 (threads, then processes) over 
         [ "$p" -gt 2 ] && x=NCCL_MAX_CTAS=${NCCL_MAX_CTAS:-8}
         for m in "" --sync-free "--chunks 3" --reshard; do
             # shellcheck disable=SC2086
-            mr_step "moept_check_cuda --ep $p --comm nccl-one-gpu${m:+ $m}${x:+ ($x)}" env $x \
+            step "moept_check_cuda --ep $p --comm nccl-one-gpu${m:+ $m}${x:+ ($x)}" env $x \
                 build/moept_check_cuda --ep $p --comm nccl-one-gpu $m tests/cases/*.safetensors
         done
         if ! command -v mpirun >/dev/null || [ ! -x build/moept_check_cuda_mpi ]; then
@@ -279,27 +306,13 @@ nccl_multirank() { # several NCCL ranks on GPU 0 (threads, then processes) over 
         fi
         for m in "" --sync-free "--chunks 3" --reshard; do # every process on device 0 (local rank % 1)
             # shellcheck disable=SC2086
-            mr_step "mpirun -np $p moept_check_cuda_mpi --ep $p${m:+ $m} (one GPU)${x:+ ($x)}" env $x mpirun \
+            step "mpirun -np $p moept_check_cuda_mpi --ep $p${m:+ $m} (one GPU)${x:+ ($x)}" env $x mpirun \
                 -np $p build/moept_check_cuda_mpi --ep $p $m tests/cases/*.safetensors
         done
     done
-    STEP_TIMEOUT=$st
+    budget
     if [ -n "$ld" ]; then LD_LIBRARY_PATH=$ld; else unset LD_LIBRARY_PATH; fi
     unset NCCL_MULTI_RANK_GPU_ENABLE
-}
-
-mr_step() { # step under the phase's budget (end): the time left caps its STEP_TIMEOUT
-    left=$((end - $(date +%s)))
-    if [ $left -lt 15 ]; then
-        echo "FAIL - not run, the phase's ${NCCL_MR_BUDGET:-420} s spent: $1" | tee -a "$SUM"
-        failed=1
-        return
-    fi
-    t=$st
-    [ "$t" -le 0 ] && t=120
-    [ "$t" -gt $left ] && t=$left
-    STEP_TIMEOUT=$t
-    step "$@"
 }
 
 rules() { # CUDA's answers to the calls the emulator has rules for, against tests/cuda_rules.txt
@@ -308,40 +321,20 @@ rules() { # CUDA's answers to the calls the emulator has rules for, against test
     step "cuda_rules: this GPU answers as tests/cuda_rules.txt" sh tests/cuda_rules.sh build/cuda_rules --no-skip
 }
 
+# the FP8 layer (the issue's table first: a device call is at most 600 s, and the steps share FP8_BUDGET,
+# 540 s, each at most STEP_TIMEOUT, 120; a step past it is not run and fails): fp8_table, then fp8_checks
 fp8() {
+    budget "${FP8_BUDGET:-540}"
+    fp8_table
+    fp8_checks
+    budget
+}
+
+fp8_table() { # the kernel's FP8 on the cases, then bf16 against FP8 at three shapes, each form, the
+    # quantizing kernels' share and rate, the peer
     LOG="$OUT/fp8.log"
-    step "lt_rules: block-scaled FP8 matmuls answered as tests/lt_rules.txt" sh tests/cuda_rules.sh build/lt_rules \
-        --no-skip
-    step "lt_rules accuracy" build/lt_rules accuracy
-    step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
-    step "test_q8: the quantizers' bytes; the fused ones' layer bitwise the separate passes'" \
-        build/test_q8_cuda
-    step "test_q8 --wide: the same with 300 experts" build/test_q8_cuda --wide
-    step "moept_check_cuda --dtype fp8: the reference cases (FP8 layer against the file 2^-2, the CPU's 2^-5)" \
-        build/moept_check_cuda --dtype fp8 tests/cases/*.safetensors
-    for m in "" --sync-free; do
-        step "moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel $m (the kernel's FP8)" \
-            build/moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel $m tests/cases/*.safetensors
-    done
-    for m in "" "--chunks 3"; do
-        step "moept_check_cuda --ep 2 --comm device --dtype fp8 $m: FP8 records between ranks" \
-            build/moept_check_cuda --ep 2 --comm device --dtype fp8 $m tests/cases/*.safetensors
-    done
-    step "curve fp8 vs CPU" sh tests/curves.sh fp8 build/train_cuda
-    step "train_cuda --bf16 --dtype fp8 300 steps (against bf16: tools/curve_diff.py)" build/train_cuda --steps 300 \
-        --bf16 --dtype fp8 --csv "$OUT/train_cuda_fp8.csv"
-    step "train_cuda --bf16 300 steps" build/train_cuda --steps 300 --bf16 --csv "$OUT/train_cuda_bf16.csv"
-    # ... and a model whose FP8 tiles are full (hidden 1024, experts 512 wide), each pair's moving averages
-    for t in bf16 fp8; do
-        q=; [ $t = fp8 ] && q="--dtype fp8"
-        # shellcheck disable=SC2086
-        step "train_cuda --bf16 $q 300 steps, --dim 1024 --ffn 512" build/train_cuda --steps 300 --bf16 $q \
-            --dim 1024 --ffn 512 --csv "$OUT/train_cuda_wide_$t.csv"
-    done
-    for w in "" _wide; do
-        step "curve_diff: bf16 against FP8$w" python3 tools/curve_diff.py "$OUT/train_cuda${w}_bf16.csv" \
-            "$OUT/train_cuda${w}_fp8.csv"
-    done
+    step "moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel (the kernel's FP8)" \
+        build/moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel tests/cases/*.safetensors
     # the layer in FP8 against bf16, each form (AUTO's cuBLAS or cuBLASLt, and the grouped kernel), one
     # run each, the same floor (bf16 GEMMs)
     for sh in mixtral:8192 deepseek:8192 qwen3:4096; do
@@ -370,7 +363,42 @@ fp8() {
     P=$(torch_py)
     [ -n "$P" ] && step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" \
         $P bench/fp8_grouped_peer.py
-    grep -E "^accuracy|^time|^Mixtral|^DeepSeek|^RESULT.*gemm_form|^RESULT q8" "$LOG" | tee -a "$SUM" >/dev/null
+    grep -E "^RESULT.*gemm_form|^RESULT q8" "$LOG" | tee -a "$SUM" >/dev/null
+}
+
+fp8_checks() { # cuBLASLt's rules, the fused quantizers' bytes, the cases in every form, the loss curves
+    LOG="$OUT/fp8.log"
+    step "test_q8: the quantizers' bytes; the fused ones' layer bitwise the separate passes'" \
+        build/test_q8_cuda
+    step "test_q8 --wide: the same with 300 experts" build/test_q8_cuda --wide
+    step "moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel --sync-free (the kernel's FP8)" \
+        build/moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel --sync-free \
+        tests/cases/*.safetensors
+    step "moept_check_cuda --dtype fp8: the reference cases (against the file 2^-2, the CPU's FP8 2^-5)" \
+        build/moept_check_cuda --dtype fp8 tests/cases/*.safetensors
+    for m in "" "--chunks 3"; do
+        step "moept_check_cuda --ep 2 --comm device --dtype fp8 $m: FP8 records between ranks" \
+            build/moept_check_cuda --ep 2 --comm device --dtype fp8 $m tests/cases/*.safetensors
+    done
+    step "lt_rules: block-scaled FP8 matmuls answered as tests/lt_rules.txt" sh tests/cuda_rules.sh \
+        build/lt_rules --no-skip
+    step "lt_rules accuracy" build/lt_rules accuracy
+    step "lt_rules time: bf16 and FP8 GEMMs at Mixtral's and DeepSeek-V3's expert shapes" build/lt_rules time
+    step "curve fp8 vs CPU" sh tests/curves.sh fp8 build/train_cuda
+    # 300 steps, bf16 against FP8: the example's model, and one whose FP8 tiles are full (hidden 1024,
+    # experts 512 wide), each pair's moving averages
+    for w in "" _wide; do
+        for t in bf16 fp8; do
+            q=; [ $t = fp8 ] && q="--dtype fp8"
+            d=; [ -n "$w" ] && d="--dim 1024 --ffn 512"
+            # shellcheck disable=SC2086
+            step "train_cuda --bf16${q:+ $q} 300 steps${d:+ $d}" build/train_cuda --steps 300 --bf16 $q $d \
+                --csv "$OUT/train_cuda${w}_$t.csv"
+        done
+        step "curve_diff: bf16 against FP8$w" python3 tools/curve_diff.py "$OUT/train_cuda${w}_bf16.csv" \
+            "$OUT/train_cuda${w}_fp8.csv"
+    done
+    grep -E "^accuracy|^time|^Mixtral|^DeepSeek" "$LOG" | tee -a "$SUM" >/dev/null
 }
 
 sanitize() {
@@ -541,12 +569,14 @@ peers() {
 
 for p in $phases; do
     case $p in
-    build | prebuilt | rules | check | ep1gpu | fp8 | sanitize | bench | bench_small | profile | grouped | peers)
+    build | prebuilt | rules | check | ep1gpu | fp8 | fp8_table | fp8_checks | sanitize | bench | \
+        bench_small | profile | grouped | peers)
         $p ;;
     torch) torch_phase ;;
     nccl-multirank) nccl_multirank ;;
-    *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank] [fp8] [sanitize] [bench]" \
-            "[bench_small] [profile] [grouped] [torch] [peers]" >&2
+    *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank]" \
+            "[fp8|fp8_table|fp8_checks] [sanitize] [bench] [bench_small] [profile] [grouped] [torch]" \
+            "[peers]" >&2
        exit 2 ;;
     esac
 done
