@@ -2,8 +2,8 @@
 # tools/gpu_check.sh - the real-GPU checks, for a session lent a GPU machine
 # (the device tool; docs/PERF.md "The CUDA executor on one H200" records what they gave).
 #
-#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank] [fp8] [sanitize]
-#                         [fp8_table] [fp8_checks]
+#   sh tools/gpu_check.sh [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank]
+#                         [fp8|fp8_table|fp8_checks] [sanitize]
 #                         [bench] [bench_small] [profile] [grouped] [torch] [peers]
 #                         (default: build rules check ep1gpu fp8 sanitize bench torch peers)
 #
@@ -63,8 +63,8 @@
 #           else Nsight Systems' summaries where nsys is installed)
 # rules:    tests/cuda_rules.cu's answers against tests/cuda_rules.txt
 # fp8:      fp8_table, then fp8_checks, their steps sharing FP8_BUDGET seconds (540: a device tool's
-#           call is 600 s), each at most STEP_TIMEOUT (120); a step past the budget is not run and
-#           fails, so a second call can run either part alone
+#           call is 600 s), each at most STEP_TIMEOUT (180); a step past the budget is not run and
+#           fails, so a second call can run either part alone (under the same budget)
 # fp8_table: the issue's table, first: the kernel form's FP8 (its bf16 pass) on the reference
 #           cases, then bf16 against FP8 at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's shapes in
 #           AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the same bf16 GEMM
@@ -120,7 +120,7 @@ step() {
     echo "== $name" >>"$LOG"
     t0=$(date +%s)
     if [ "$to" -gt 0 ]; then
-        timeout "$to" "$@" >>"$LOG" 2>&1
+        timeout -k 10 "$to" "$@" >>"$LOG" 2>&1 # (-k: killed where TERM does not end it)
     else
         "$@" >>"$LOG" 2>&1
     fi
@@ -134,12 +134,12 @@ step() {
 # at most STEP (default 120) where STEP_TIMEOUT is unset; budget alone: the budget off, STEP_TIMEOUT as it was
 budget() {
     if [ $# -eq 0 ]; then
+        [ -n "${END:-}" ] && STEP_TIMEOUT=${st0:-0}
         END=
-        STEP_TIMEOUT=$st0
         return
     fi
+    [ -n "${END:-}" ] || st0=${STEP_TIMEOUT:-0} # (a budget within one: the outer one's STEP_TIMEOUT kept)
     END=$(($(date +%s) + $1))
-    st0=${STEP_TIMEOUT:-0}
     [ "$st0" -gt 0 ] || STEP_TIMEOUT=${2:-120}
 }
 
@@ -322,9 +322,10 @@ rules() { # CUDA's answers to the calls the emulator has rules for, against test
 }
 
 # the FP8 layer (the issue's table first: a device call is at most 600 s, and the steps share FP8_BUDGET,
-# 540 s, each at most STEP_TIMEOUT, 120; a step past it is not run and fails): fp8_table, then fp8_checks
+# 540 s, each at most STEP_TIMEOUT, 180; a step past it is not run and fails): fp8_table, then fp8_checks
+# (either alone as a phase: the same budget)
 fp8() {
-    budget "${FP8_BUDGET:-540}"
+    budget "${FP8_BUDGET:-540}" 180
     fp8_table
     fp8_checks
     budget
@@ -363,7 +364,7 @@ fp8_table() { # the kernel's FP8 on the cases, then bf16 against FP8 at three sh
     P=$(torch_py)
     [ -n "$P" ] && step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" \
         $P bench/fp8_grouped_peer.py
-    grep -E "^RESULT.*gemm_form|^RESULT q8" "$LOG" | tee -a "$SUM" >/dev/null
+    grep -E "^Mixtral|^DeepSeek|^RESULT.*gemm_form|^RESULT q8" "$LOG" | tee -a "$SUM" >/dev/null
 }
 
 fp8_checks() { # cuBLASLt's rules, the fused quantizers' bytes, the cases in every form, the loss curves
@@ -398,7 +399,7 @@ fp8_checks() { # cuBLASLt's rules, the fused quantizers' bytes, the cases in eve
         step "curve_diff: bf16 against FP8$w" python3 tools/curve_diff.py "$OUT/train_cuda${w}_bf16.csv" \
             "$OUT/train_cuda${w}_fp8.csv"
     done
-    grep -E "^accuracy|^time|^Mixtral|^DeepSeek" "$LOG" | tee -a "$SUM" >/dev/null
+    grep -E "^accuracy|^time" "$LOG" | tee -a "$SUM" >/dev/null
 }
 
 sanitize() {
@@ -569,9 +570,13 @@ peers() {
 
 for p in $phases; do
     case $p in
-    build | prebuilt | rules | check | ep1gpu | fp8 | fp8_table | fp8_checks | sanitize | bench | \
-        bench_small | profile | grouped | peers)
+    build | prebuilt | rules | check | ep1gpu | fp8 | sanitize | bench | bench_small | profile | grouped | \
+        peers)
         $p ;;
+    fp8_table | fp8_checks)
+        budget "${FP8_BUDGET:-540}" 180
+        $p
+        budget ;;
     torch) torch_phase ;;
     nccl-multirank) nccl_multirank ;;
     *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank]" \
