@@ -5342,8 +5342,7 @@ static int moept__q8_keeps(const moept__cuda *c) {
    that writes its own, a pass into q8a, a new scratch or this a moving takes it, and that backward's
    passes run */
 static int moept__q8_kept(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
-    return moept__q8_keeps(c) && f->xq && moept__ffn_fused8(c, f) && f->F % MOEPT__Q8_TILE == 0 &&
-           moept__q8_twin(c, f, R);
+    return moept__q8_keeps(c) && f->xq && moept__ffn_fused8(c, f) && moept__q8_twin(c, f, R);
 }
 
 /* moept__k_own on the compute stream, in order with what reads or writes q8a */

@@ -1444,6 +1444,19 @@ __global__ void k_nbar_hist(int bad, float *out) {
     out[t] = v;
 }
 
+/* a racecheck kernel k (its name) of one block of 128 threads, bad 0 then 1: clean, then a write after
+   read reported */
+#define MOEPT__KERNEL(k) k, #k
+static void nbar_pair(void (*k)(int, float *), const char *name, float *out, const char *clean,
+                      const char *racy) {
+    for (int bad = 0; bad < 2; bad++) {
+        moept_emu_kernel(k, 1, 128, 0, 0, name)(bad, out);
+        cudaDeviceSynchronize();
+        if (bad) expect_report(racy, "write after read");
+        else expect_clean(clean);
+    }
+}
+
 /* whether k_wg_frag's out (thread t's d[i] at t n/2 + i) holds D[r][c] = mul r + c (mul: n, or given)
    at the places of the m64nNk16 D fragment (a copy to the host: it waits for the kernel) */
 static bool frag_is(const float *out, int n, int mul = 0) {
@@ -1865,19 +1878,12 @@ static void hopper_kernels() {
     cudaDeviceSynchronize();
     expect_report("racecheck: a word of 64 readers written again with no barrier after their reads",
                   "write after read");
-    MOEPT__LAUNCH(k_nbar_late, 1, 128, 0, 0)(0, out);
-    cudaDeviceSynchronize();
-    expect_clean("a word read by 4 threads, a barrier, 124 more, a barrier, then written: clean");
-    MOEPT__LAUNCH(k_nbar_late, 1, 128, 0, 0)(1, out);
-    cudaDeviceSynchronize();
-    expect_report("racecheck: ... written with no barrier after the readers past the first four",
-                  "write after read");
-    MOEPT__LAUNCH(k_nbar_hist, 1, 128, 0, 0)(0, out);
-    cudaDeviceSynchronize();
-    expect_clean("a word read by all, the block's barrier, six of each half's own, then written: clean");
-    MOEPT__LAUNCH(k_nbar_hist, 1, 128, 0, 0)(1, out);
-    cudaDeviceSynchronize();
-    expect_report("racecheck: ... without the block's barrier", "write after read");
+    nbar_pair(MOEPT__KERNEL(k_nbar_late), out,
+              "a word read by 4 threads, a barrier, 124 more, a barrier, then written: clean",
+              "racecheck: ... written with no barrier after the readers past the first four");
+    nbar_pair(MOEPT__KERNEL(k_nbar_hist), out,
+              "a word read by all, the block's barrier, six of each half's own, then written: clean",
+              "racecheck: ... without the block's barrier");
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 2, 0);
     cudaDeviceSynchronize();
     expect_report("proxy: generic stores fenced but no barrier before the wgmma", "no barrier that it passed");
