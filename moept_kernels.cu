@@ -2257,6 +2257,9 @@ struct moept__cuda {
                                    where the forward's gate/up kernel keeps it (moept__q8_kept; NULL: a
                                    layer that never does, moept__q8_keeps) */
     float *q8sx;                /* its scales */
+    uint8_t *q8y;               /* [Dp][S] dy's records down their rows, the W2 wgrad's O, where the down
+                                   dgrad writes them (moept__q8_dyc; NULL where q8x is) */
+    float *q8sy;                /* its scales */
     unsigned long long *q8own;  /* device [1]: the a (its address) whose copy down its rows q8a, q8sa hold,
                                    and its forward's x's q8x, q8sx (moept__q8_kept: a training forward's
                                    gate/up kernel's), 0: none; written in stream order by the launches that
@@ -3239,7 +3242,8 @@ static int moept__q8_keeps(const moept__cuda *c);
    passes' operands, every group's; the grouped kernel's wgrad, 128: moept__gk_w8): two E4M3 operands
    [rows][Wp] (or the groups' [Wp][np], or [Wp][S]), their scales, cuBLASLt's fp32 result (none where
    the grouped kernel runs every product: moept__gk_w8), and the grouped kernel's q8r, q8sr (and, a
-   training layer's with WGRAD8, x's kept copy q8x, q8sx: [Dp][rows], Dp = D padded); grown
+   training layer's with WGRAD8, x's kept copy q8x, q8sx and dy's q8y, q8sy: [Dp][rows] each, Dp = D
+   padded); grown
    geometrically with the receive block (moept__grow), once the compute stream no longer reads the old
    one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
@@ -3248,11 +3252,11 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     const int64_t cap = MOEPT__Q8_PAD(need > 2 * c->q8rows ? need : 2 * c->q8rows), W = moept__q8_wp(c);
     const int64_t s1 = MOEPT__Q8_L(W) * cap, s2 = W * (MOEPT__Q8_L(cap) + c->sp.El), sc = s1 > s2 ? s1 : s2;
     const int64_t out = moept__gk_w8(c) ? 0 : (cap > W ? cap : W) * W, nq = moept__gk_q8(c) ? 3 : 2;
-    const int64_t xw = moept__q8_keeps(c) ? MOEPT__Q8_PAD(c->sp.D) : 0; /* (q8x's columns, its scales) */
+    const int64_t xw = moept__q8_keeps(c) ? MOEPT__Q8_PAD(c->sp.D) : 0; /* (q8x's, q8y's columns, scales) */
     const int64_t xs = xw * (MOEPT__Q8_L(cap) + c->sp.El);
     void *blk = NULL;
-    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4 + cap * xw + xs * 4) +
-                         (2 * nq + 3) * 64;
+    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4 + 2 * (cap * xw + xs * 4)) +
+                         (2 * nq + 5) * 64;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status st = moept__host_wait(c, err); /* the old scratch's last reader done */
     const cudaError_t e = st ? cudaSuccess : cudaMemsetAsync(c->q8own, 0, 8, c->s); /* (no copy of a in the
@@ -3273,6 +3277,8 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     c->q8sr = nq > 2 ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
     c->q8x = xw ? (uint8_t *)moept__take(&cv, (size_t)(cap * xw)) : NULL;
     c->q8sx = xw ? (float *)moept__take(&cv, (size_t)xs * 4) : NULL;
+    c->q8y = xw ? (uint8_t *)moept__take(&cv, (size_t)(cap * xw)) : NULL;
+    c->q8sy = xw ? (float *)moept__take(&cv, (size_t)xs * 4) : NULL;
     c->q8rows = cap, c->q8sc = sc;
     c->q8_bytes = (int64_t)bytes;
     return MOEPT_OK;
@@ -4032,11 +4038,11 @@ typedef struct moept__gk_args {
                                  128), scales at qcs[c + (o / 128) ldq]; NULL: not written */
     float *qcs;
     int64_t qcS, qc0;
-    uint8_t *qx;              /* GATE8 (with qc): x's records, A, down their rows [K][qcS] as qc's columns
-                                 are laid out (scales at qxs[c + (o / 128) K]), its CTAs' shares of each
-                                 k-step's A (moept__gk_xcols); NULL: not written */
+    uint8_t *qx;              /* GATE8, DACT8 (with qc): A's records (x's, dy's) down their rows [K][qcS] as
+                                 qc's columns are laid out (scales at qxs[c + (o / 128) K]), its CTAs'
+                                 shares of each k-step's A (moept__gk_xcols); NULL: not written */
     float *qxs;
-    int64_t qxD;              /* ... x's columns (D; K its padded width) */
+    int64_t qxD;              /* ... their columns (D; K its padded width) */
 } moept__gk_args;
 /* (a kernel's parameters: 4 KB, the two tensor maps and these) */
 static_assert(sizeof(moept__gk_args) + 2 * sizeof(CUtensorMap) <= 4096, "moept__gk_args: too many runs");
@@ -4688,9 +4694,10 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
     }
 }
 
-/* GATE8 with g->qx: this CTA's share of the 128 columns of A's k-step kb in stage a (x's FP8 records as
-   loaded: E4M3 bytes in the 128-byte swizzle, each row's 1 x 128 scale from g->sa) dequantized and
-   quantized again down the m-tile's 128 rows of run i into x's copy down its rows: column kb 128 + c at
+/* GATE8 or DACT8 with g->qx: this CTA's share of the 128 columns of A's k-step kb in stage a (x's or
+   dy's FP8 records as loaded: E4M3 bytes in the 128-byte swizzle, each row's 1 x 128 scale from g->sa)
+   dequantized and quantized again down the m-tile's 128 rows of run i into their copy down the rows
+   (the W13 wgrad's I, the W2 wgrad's O): column kb 128 + c at
    qx[.. qcS + o], its scale at qxs[.. + (o / 128) K] (moept__k_q8_cols' bytes and scale from records,
    zeros past the run's rows and x's D columns, non-finite scales as it meets them; columns past K not
    written). Tile nt of ntn takes the columns [128 nt / ntn, 128 (nt + 1) / ntn): each n-tile's CTA loads
@@ -4698,9 +4705,10 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
    (rows 8 p.., read in turn from row 8 p + p % 8: the 16 threads' reads fall in 8 banks, not one), the
    column's amax from its 16 threads' through part [2][128] (the round's half by *par: the round before's
    readers passed this round's barrier first, so one a round) */
+template <int F>
 __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, int mt, int nt, int kb, int w,
                                                 const uint8_t *a, int64_t o, float *part, int *par) {
-    const int l = (int)threadIdx.x % 128, p = l % 16, ntn = moept__gk_ntiles<MOEPT__GK_GATE8>(g);
+    const int l = (int)threadIdx.x % 128, p = l % 16, ntn = moept__gk_ntiles<F>(g);
     const int c0 = 128 * nt / ntn, c1 = 128 * (nt + 1) / ntn, n = g->rows[i] - mt * MOEPT__GK_BM;
     const int64_t r0 = (int64_t)g->r0[i] + mt * MOEPT__GK_BM;
     const int any = 8 * w + l / 16 < c1 - c0; /* (a column of the share in some round: Mixtral's 112 n-tiles
@@ -4738,8 +4746,9 @@ __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, 
 
 /* one (sub)tile's k-steps of run i's tile (mt, nt), the producer's loads or consumer w's products into
    d (WGRAD8: B's column scales through red's [2][2][128], consumer w's two halves a step each in turn;
-   GATE8, xo >= 0: x's copy down its rows from each k-step's A, the m-tile's from column xo of it,
-   moept__gk_xcols, through red's [2][2][128] after GATE8's own 512 floats); whether none ran */
+   GATE8, DACT8, xo >= 0: A's records' copy down their rows from each k-step's A, the m-tile's from
+   column xo of it, moept__gk_xcols, through red's [2][2][128] after the epilogues' own 512 floats, the
+   stage freed after it); whether none ran */
 template <int F, int P>
 __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUtensorMap *mb,
                                                const moept__gk_args *g, int w, uint8_t *sa, uint8_t *sb,
@@ -4772,7 +4781,7 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
                 moept__acc_fence<32>(t);
                 moept__gk_promote<F, 0>(d, t, sc, um);
                 if (xo >= 0) /* (t free: no spills, as it would be with the up half's wgmmas in flight) */
-                    moept__gk_xcols(g, i, mt, nt / 2, kb, w, a, xo, red + 512 + 256 * w, xpar);
+                    moept__gk_xcols<F>(g, i, mt, nt / 2, kb, w, a, xo, red + 512 + 256 * w, xpar);
                 moept__gk_mma<F>(t, a, b + MOEPT__GK_HALF, w, 0);
                 moept__wgmma_wait<0>();
                 moept__acc_fence<32>(t);
@@ -4787,9 +4796,14 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
                 if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_bscales(bs, bv, w);
                 moept__wgmma_wait<0>();
                 moept__acc_fence(t);
-                if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
+                if (xo < 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
                 if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_promote_wg(d, t, sc, bs);
                 else moept__gk_promote<F>(d, t, sc, um);
+                if constexpr (F == MOEPT__GK_DACT8)
+                    if (xo >= 0) { /* (t promoted, free: the stage's A read, then the stage freed) */
+                        moept__gk_xcols<F>(g, i, mt, nt, kb, w, a, xo, red + 512 + 256 * w, xpar);
+                        if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
+                    }
             } else {
                 moept__gk_mma<F>(d, a, b, w, !first);
                 moept__wgmma_wait<1>();
@@ -4830,7 +4844,8 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
         for (int sub = 0; sub < moept__gk_subs<F>(g, nt); sub++) {
             const int st = F == MOEPT__GK_GATE8 ? 2 * nt + sub : nt; /* (the subtile: 64 columns) */
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
-            const int64_t xo = F == MOEPT__GK_GATE8 && !P && g->qx && sub == 0 /* (x's copy: the m-tile's) */
+            const int x8 = F == MOEPT__GK_GATE8 || F == MOEPT__GK_DACT8;
+            const int64_t xo = x8 && !P && g->qx && sub == 0 /* (the records' copy: the m-tile's) */
                                    ? g->qc0 + (int64_t)(tile / moept__gk_ntiles<F>(g)) * MOEPT__GK_BM
                                    : -1;
             const int64_t xu = moept__warp_uniform((int)(xo >= 0)) ? xo : -1; /* (no divergent branch) */
@@ -5051,7 +5066,8 @@ typedef struct moept__gk_ext {   /* a form's extras */
                                    launches') */
     float *qcs;
     int64_t qcS;
-    uint8_t *qx;                /* GATE8 (with qc): x's records' copy down their rows, as moept__gk_args's */
+    uint8_t *qx;                /* GATE8, DACT8 (with qc): A's records' copy down their rows, as
+                                   moept__gk_args's */
     float *qxs;
     int64_t qxD;
 } moept__gk_ext;
@@ -5066,7 +5082,7 @@ static void moept__gk_more(moept__gk_args *g, const moept__gk_ext *ga, int64_t b
     g->qa = q8a ? ga->qa : NULL; g->qs = q8a ? ga->qs : NULL; g->ldq = q8a ? ga->ldq : 0;
     g->qsb = q8a ? ga->qsb : 0;
     g->qc = q8a ? ga->qc : NULL; g->qcs = q8a ? ga->qcs : NULL; g->qcS = q8a ? ga->qcS : 0; g->qc0 = 0;
-    g->qx = F == MOEPT__GK_GATE8 && g->qc ? ga->qx : NULL; g->qxs = g->qx ? ga->qxs : NULL;
+    g->qx = q8a && g->qc ? ga->qx : NULL; g->qxs = g->qx ? ga->qxs : NULL;
     g->qxD = g->qx ? ga->qxD : 0;
 }
 /* an epilogue's extras: GATE's a [..][lda], config.act, the rows' E4M3 copy qa [..][ldq] with its scales */
@@ -5345,6 +5361,14 @@ static int moept__q8_kept(const moept__cuda *c, const moept__ffn *f, const moept
     return moept__q8_keeps(c) && f->xq && moept__ffn_fused8(c, f) && moept__q8_twin(c, f, R);
 }
 
+/* whether the down dgrad, where it writes dh's copy down its rows (moept__q8_dhc), also writes dy's
+   records' copy down their rows, the W2 wgrad's O, from the A tiles it loads (into q8y, q8sy:
+   moept__gk_xcols), so no column pass reads dy: a layer that keeps x's copy (moept__q8_keeps, q8y with
+   q8x), its W2 wgrad run after the down dgrad (which writes dh over h, not a) */
+static int moept__q8_dyc(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
+    return moept__q8_keeps(c) && moept__q8_dhc(c, f, R);
+}
+
 /* moept__k_own on the compute stream, in order with what reads or writes q8a */
 static moept_status moept__q8_own(moept__cuda *c, int when, const void *a, const void *v, char *err) {
     MOEPT__LAUNCH(moept__k_own, 1, 1, 0, c->s)(c->q8own, when, moept__u64(a), moept__u64(v));
@@ -5444,8 +5468,8 @@ static moept_status moept__ffn_mm(moept__cuda *c, const moept__ffn *f, const moe
 /* config.fp8's weight gradient g [E][wo][wi] += O^T I (moept__ffn_wgrad's): every expert's two operands
    quantized down the rows, one column pass each (I: x's records, or a; O: dy's records, or dy's rows
    (the shared expert's) or dh, their rows along them too where moept__q8_twin; none for a where the
-   forward's gate/up kernel wrote its copy, moept__q8_kept, or for dh where the down dgrad did,
-   moept__q8_dhc), then the products: the
+   forward's gate/up kernel wrote its copy, moept__q8_kept, or for dh and dy where the down dgrad did,
+   moept__q8_dhc, moept__q8_dyc), then the products: the
    grouped kernel's, one launch (WGRAD8: moept__gk_w8; the operands [Cp][S], every expert's columns
    padded to 128), or cuBLASLt's, a matmul an expert (into g itself where nothing is padded) */
 template <typename T>
@@ -5464,6 +5488,9 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
        which returns where it is there. The shared expert's passes come after the routed experts' W13
        wgrad zeroed the word) */
     const int kept = moept__q8_kept(c, f, R), ac = w2 && kept;
+    const int made = w2 ? moept__q8_dyc(c, f, R) : moept__q8_dhc(c, f, R); /* (O's copy: the down dgrad's) */
+    uint8_t *qo = made && w2 ? c->q8y : c->q8b; /* (dy's there, dh's and a pass's in q8b) */
+    float *so = made && w2 ? c->q8sy : c->q8sb;
     int64_t end = 0, qa = 0, sa = 0, qb = 0, sb = 0; /* (end: twin's rows; qa..sb: expert e's operands) */
     MOEPT__TRY(moept__q8_fits(c, R, 1, err, S));
     if (twin) MOEPT__TRY(moept__q8_end(c, R, &end, err));
@@ -5478,16 +5505,16 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
     else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, qi, si, err, NULL, NULL, 0, S,
                                       ac ? f->a : NULL));
     if (kept && !w2) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_SET, NULL, NULL, err));
-    if (orec)
+    if (orec && !made)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, O, R->offs, R->n, wo, moept__q8_recw(wo), c->q8b, c->q8sb, err,
                                            NULL, NULL, 0, S));
-    else if (w2 || !moept__q8_dhc(c, f, R)) /* (else dh's: the down dgrad wrote it) */
+    else if (!made)
         MOEPT__TRY(moept__q8_down<T>(c, O, R->offs, R->n, wo, wo, c->q8b, c->q8sb, err, twin ? c->q8r : NULL,
                                      twin ? c->q8sr : NULL, MOEPT__Q8_PAD(end), S));
     if (S) { /* A: O's copy [wop][S], B: I's [wip][S], each with a scale a column and 128 of its rows */
         moept__gk_ext ge = {};
-        ge.bn = wip; ge.sa = c->q8sb; ge.sarows = wop; ge.sars = wop; ge.sb = si; ge.sbld = wip;
-        return moept__gk<MOEPT__GK_WGRAD8>(c, R, c->q8b, S, qi, S, NULL, wo, wi, 0, g, wi, f->cnt, &ge, err);
+        ge.bn = wip; ge.sa = so; ge.sarows = wop; ge.sars = wop; ge.sb = si; ge.sbld = wip;
+        return moept__gk<MOEPT__GK_WGRAD8>(c, R, qo, S, qi, S, NULL, wo, wi, 0, g, wi, f->cnt, &ge, err);
     }
     for (int64_t e = 0; e < R->n; e++) {
         const int64_t rows = R->offs[e + 1] - R->offs[e], np = MOEPT__Q8_PAD(rows);
@@ -5562,19 +5589,22 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
     const int wgrad = R->offs != NULL;
     const int64_t D = c->sp.D, F = f->F;
     const void *W2 = moept__w(c, f->off2);
-    if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
+    const int dyc = moept__q8_dyc(c, f, R); /* (the W2 wgrad after the down dgrad, its O dy's copy there) */
+    if (wgrad && !dyc) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
     const moept__gk_ext ga = moept__gk_epi(NULL, 0, c->sp.act, NULL, NULL, 0);
     if (moept__ffn_fused(c, f)) { /* dh over h by the down dgrad */
         MOEPT__TRY(moept__gk<MOEPT__GK_DACT>(c, R, f->y, D, W2, F, NULL, 0, F, D, f->h, f->H, f->cnt, &ga,
                                              err));
     } else if (moept__ffn_fused8(c, f)) { /* ... in E4M3: A dy's records (the shared expert's: its rows),
                                              dh quantized along its rows too (moept__q8_dh8), and down
-                                             them (moept__q8_dhc) */
+                                             them (moept__q8_dhc), dy's records down theirs
+                                             (moept__q8_dyc) */
         const moept__q8w *q = f->q8;
         const int dh8 = moept__q8_dh8(c, f);
         moept__gk_ext g8 = moept__gk_epi(NULL, 0, c->sp.act, dh8 ? c->q8r : NULL, c->q8sr,
                                          MOEPT__Q8_PAD(f->H));
         if (moept__q8_dhc(c, f, R)) MOEPT__TRY(moept__gk_cols(c, R, &g8, c->q8b, c->q8sb, err));
+        if (dyc) g8.qx = c->q8y, g8.qxs = c->q8sy, g8.qxD = D;
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_DACT8>(c, f, R, (const char *)f->y, f->yq, D,
                                                    f->yq ? moept__q8_recw(D) : D, q->w2t, q->s2t, q->ns2t, F,
                                                    (char *)f->h, moept__q8_pre(c, f, R, 1), &g8, err)));
@@ -5582,6 +5612,7 @@ static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const mo
         MOEPT__TRY(moept__ffn_mm<T>(c, f, R, 1, 1, f->y, f->da, err));
         MOEPT__TRY(moept__ffn_act<T>(c, f, R, 1, err));
     }
+    if (dyc) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 1, err));
     if (wgrad) MOEPT__TRY(moept__ffn_wgrad<T>(c, f, R, 0, err));
     return moept__ffn_mm<T>(c, f, R, 0, 1, f->h, f->dx, err);
 }

@@ -9,18 +9,17 @@
    form (the column "form"):
      both:       the dispatches' FP8 records (one launch each): the forward's of x, and combine''s
                  of dy (each row times its routing weight as read), which reads the expert's output
-                 row too for dL/dw (the whole of combine''s work in FP8); the W2 wgrad's column-wise
-                 dy (from the records);
+                 row too for dL/dw (the whole of combine''s work in FP8);
      per-expert: the per-expert (cuBLASLt) form's: each product's operand along its rows (the records'
                  copy for x and dy; a, dh) and its fp32 result into bf16 (h, y, da, dx); the wgrads'
-                 column-wise x (from the records), a and dh;
-     kernel:     where F is not a multiple of 128, the kernel form's column passes of x's records and
-                 of a and its wgrad column pass of dh that also writes the dgrad's rows (one read);
-                 where it is, none: its gate/up product quantizes a along and down the rows itself and
-                 writes x's records' copy down their rows from the tiles it loads (the backward's passes
-                 over a and x find those copies and return; a layer of several forward slots' first
-                 forward into one, as 1F1B's, writes none and the passes run, as the per-expert
-                 form's), its down dgrad dh.
+                 column-wise x and dy (from the records), a and dh;
+     kernel:     where F is not a multiple of 128, the kernel form's column passes of x's and dy's
+                 records and of a and its wgrad column pass of dh that also writes the dgrad's rows (one
+                 read); where it is, none: its gate/up product quantizes a along and down the rows itself
+                 and writes x's records' copy down their rows from the tiles it loads (the backward's
+                 passes over a and x find those copies and return; a layer of several forward slots'
+                 first forward into one, as 1F1B's, writes none and the passes run, as the per-expert
+                 form's), its down dgrad dh both ways and dy's records' copy as x's.
                  Its products read the records and write bf16.
    Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch (the
    column passes as the per-expert form lays them out; the kernel form's write one matrix, each expert's
@@ -60,10 +59,10 @@ static const bq_pass bq_passes[] = {
     {"operand_dy", "per-expert", BQ_UNREC, 'D'},  {"operand_dh", "per-expert", BQ_ROWS, 'H'},
     {"result_h", "per-expert", BQ_OUT, 'H'},      {"result_y", "per-expert", BQ_OUT, 'D'},
     {"result_da", "per-expert", BQ_OUT, 'F'},     {"result_dx", "per-expert", BQ_OUT, 'D'},
-    {"wgrad_dy", "both", BQ_COLS_REC, 'D'},       {"wgrad_x", "per-expert", BQ_COLS_REC, 'D'},
+    {"wgrad_dy", "per-expert", BQ_COLS_REC, 'D'}, {"wgrad_x", "per-expert", BQ_COLS_REC, 'D'},
     {"wgrad_a", "per-expert", BQ_COLS, 'F'},      {"wgrad_dh", "per-expert", BQ_COLS, 'H'},
-    {"wgrad_x", "kernel", BQ_COLS_REC, 'D'},      {"wgrad_a", "kernel", BQ_COLS, 'F'},
-    {"wgrad_dh_rows", "kernel", BQ_COLS_RW, 'H'},
+    {"wgrad_dy", "kernel", BQ_COLS_REC, 'D'},     {"wgrad_x", "kernel", BQ_COLS_REC, 'D'},
+    {"wgrad_a", "kernel", BQ_COLS, 'F'},          {"wgrad_dh_rows", "kernel", BQ_COLS_RW, 'H'},
 };
 enum { BQ_N = (int)(sizeof bq_passes / sizeof bq_passes[0]) };
 
@@ -192,7 +191,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 4; i++) BQ_CK(cudaEventCreate(&ev[i]));
     double sum_ms[3] = {0, 0, 0}, sum_b[3] = {0, 0, 0}; /* both, per-expert, kernel */
     const int f128 = s.F % MOEPT__Q8_TILE == 0; /* (the kernel form's gate/up product quantizes a both ways
-                                                   and copies x's records, its down dgrad dh) */
+                                                   and copies x's records, its down dgrad dh and dy's) */
     for (int i = 0; i < BQ_N; i++) {
         const bq_pass *p = &bq_passes[i];
         const int f = !strcmp(p->form, "both") ? 0 : !strcmp(p->form, "per-expert") ? 1 : 2;

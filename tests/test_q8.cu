@@ -450,17 +450,19 @@ static const void *q8t_owner(const moept__cuda *c) {
    groups' columns of one [Cp][S]) against moept__q8_down's column pass: the last forward's a (the gate/up
    kernel's epilogue's, kept in q8a for the W2 wgrad: moept__q8_kept) or x's records (the same kernel's,
    from the A tiles it loads: q8x, the W13 wgrad's), or after a backward dh over h (2F columns: the down
-   dgrad's, the W13 wgrad's O in q8b; moept__q8_dhc); wide: the runs past a launch's, else an expert's
-   rows past a tile */
+   dgrad's, the W13 wgrad's O in q8b; moept__q8_dhc) or dy's records (the down dgrad's, from its A tiles:
+   q8y, the W2 wgrad's O; moept__q8_dyc); wide: the runs past a launch's, else an expert's rows past a
+   tile */
 static void q8t_epilogue_down(moept__cuda *c, const void *src, int64_t C, int64_t lds, const uint8_t *qd,
                               const float *sd, int wide, const char *what) {
     moept__cslot *sl = &c->slots[c->last];
     const int64_t El = c->sp.El, Cp = MOEPT__Q8_PAD(C);
     const moept__runs R = moept__runs_groups(sl->roffsets, El);
     const moept__ffn f = moept__ffn_routed(c, sl, NULL, 1);
-    const int rec = src == sl->xr; /* (x's records: dequantized as read) */
-    EXPECT(src == sl->a || rec ? q8t_owner(c) == sl->a && moept__q8_kept(c, &f, &R)
-                               : moept__q8_dhc(c, &f, &R),
+    const int rec = src == sl->xr || src == sl->yq; /* (x's, dy's records: dequantized as read) */
+    EXPECT(src == sl->a || src == sl->xr ? q8t_owner(c) == sl->a && moept__q8_kept(c, &f, &R)
+           : rec                        ? moept__q8_dyc(c, &f, &R)
+                                        : moept__q8_dhc(c, &f, &R),
            "%s: the layer's kernel does not write it", what);
     const int64_t S = moept__q8_wide(&R);
     int64_t most = 0, runs = 0; /* (an expert's rows past a tile: a column's two halves and its second
@@ -638,10 +640,11 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4, int
         const long p0 = moept_emu_launches("moept__k_q8_cols");
 #endif
         EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
-#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; dh's by the
-                                   down dgrad; a's launched, and done at once where the copy is there) */
+#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; dy's and
+                                   dh's by the down dgrad; x's and a's launched, and done at once where
+                                   the copies are there) */
         const long np8 = moept_emu_launches("moept__k_q8_cols") - p0;
-        const long per = kept ? 3 : 4; /* (passes a launch of groups) */
+        const long per = kept ? 2 : 4; /* (passes a launch of groups) */
         EXPECT(fam != MOEPT_FAMILY_MIXTRAL || np8 == per * ((E + MOEPT__Q8_G - 1) / MOEPT__Q8_G),
                "layer %d: %ld column passes in the backward", v, np8);
 #endif
@@ -651,6 +654,9 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4, int
             if (kept)
                 q8t_epilogue_down(c, c->slots[c->last].h, 2 * F, 2 * F, c->q8b, c->q8sb, E > MOEPT__GK_RUNS,
                                   "dh down its rows");
+            if (kept)
+                q8t_epilogue_down(c, c->slots[c->last].yq, D, moept__q8_recw(D), c->q8y, c->q8sy,
+                                  E > MOEPT__GK_RUNS, "dy's records down their rows");
         }
         float *pp = NULL, *gp = NULL;
         EXPECT_OK(moept_cuda_params(L[v], &pp, &gp, &np));

@@ -204,11 +204,11 @@ static double mem_cuda_workspace(const memcfg *c) {
         const double sc = dmax(ceil(W / 128) * cap, W * (ceil(cap / 128) + El));
         const double nq = kb ? 3 : 2; /* (the kernel form's: the rows' copy of a, dh) */
         /* (a training kernel form's, unchunked, F a multiple of 128: x's records' copy down their rows,
-           kept from the forward, and its scales) */
+           kept from the forward, and dy's, the down dgrad's, with their scales) */
         const double xw = kb && tr && C == 1 && fmod(F, 128) == 0 ? pad16(D) : 0;
         /* (cuBLASLt's fp32 result: none in the kernel form, every product the grouped kernel's) */
         w += nq * cap * W + 4 * nq * sc + (kb ? 0 : 4 * dmax(cap, W) * W) + (2 * nq + 1) * 64 +
-             xw * cap + 4 * xw * (ceil(cap / 128) + El) + 2 * 64;
+             2 * (xw * cap + 4 * xw * (ceil(cap / 128) + El) + 2 * 64);
     }
     double slot = (c->bf16 ? a64(4 * T * D) : 0) + 2 * (2 * a64(4 * T * E) + 2 * a64(4 * N) + a64(4 * T)) +
                   a64(4 * E) + 64 + 2 * a64(8 * N) +
