@@ -3941,11 +3941,13 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
             GATE does and keeps its rows' amax of a, and the tile's end quantizes a's rows along them
             in that 1 x 128 tile (the W2 product's A, moept__k_q8_rows' bytes) from a as stored and,
             with WGRAD8 and F a multiple of 128, down its 128 rows (the W2 wgrad's I, kept for the
-            backward: moept__q8_kept)
+            backward: moept__q8_kept), and x's records down their rows from each k-step's A (the W13
+            wgrad's I: moept__gk_xcols)
      DACT8  DACT in E4M3 (FWD8's product; A dy's records, or the shared expert's rows): with records
             and F a multiple of 128 the tile's end also quantizes dh as stored along its rows (the W13
             dgrad's A) and, with WGRAD8, down its 128 rows (the W13 wgrad's O: moept__k_q8_cols'
-            bytes, the wide [Cp][S])
+            bytes, the wide [Cp][S]), and its copier dy's records down their rows from each k-step's A
+            (the W2 wgrad's O: moept__q8_dyc)
      WGRAD8 WGRAD in E4M3: A and B the wgrad's column copies, K-major along the run's rows (one
             [Mp][S] and one [Np][S], every expert's columns from r0 padded to 128: moept__q8_down's S),
             both with 128 x 1 scales; FWD8's k-steps and promotion, each sum times its row's scale of A
@@ -3981,8 +3983,9 @@ static moept_status moept__act(moept__cuda *c, int bwd, void *h, void *a, int64_
 #define MOEPT__GK_RUNS 240    /* runs a launch takes by value (the parameters stay under 4 KB) */
 #define MOEPT__GK_TILE_B (MOEPT__GK_BM * MOEPT__GK_BK * 2) /* = the B tile's: BN == BM */
 #define MOEPT__GK_HALF (MOEPT__GK_TILE_B / 2)             /* 64 of a tile's 128 rows, or lines */
-/* the ring, its barriers, GATE8's row amaxes (a consumer's 64 rows x 4 threads) and x's column partial
-   amaxes (a consumer's 2 x 128: moept__gk_xcols), the swizzle's alignment */
+/* the ring, its barriers, GATE8's row amaxes (a consumer's 64 rows x 4 threads) and the records' column
+   partial amaxes (GATE8's consumer's 2 x 128, DACT8's copier's: moept__gk_xcols), the swizzle's
+   alignment */
 #define MOEPT__GK_SMEM (2 * MOEPT__GK_ST * MOEPT__GK_TILE_B + 2 * MOEPT__GK_ST * 8 + 4 * 64 * 4 * 4 + 1024)
 enum { MOEPT__GK_FWD, MOEPT__GK_DGRAD, MOEPT__GK_WGRAD, MOEPT__GK_GATE, MOEPT__GK_DACT, MOEPT__GK_FWD8,
        MOEPT__GK_GATE8, MOEPT__GK_DACT8, MOEPT__GK_WGRAD8, MOEPT__GK_FORMS };
@@ -4699,27 +4702,35 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
    dequantized and quantized again down the m-tile's 128 rows of run i into their copy down the rows
    (the W13 wgrad's I, the W2 wgrad's O): column kb 128 + c at
    qx[.. qcS + o], its scale at qxs[.. + (o / 128) K] (moept__k_q8_cols' bytes and scale from records,
-   zeros past the run's rows and x's D columns, non-finite scales as it meets them; columns past K not
+   zeros past the run's rows and A's qxD columns, non-finite scales as it meets them; columns past K not
    written). Tile nt of ntn takes the columns [128 nt / ntn, 128 (nt + 1) / ntn): each n-tile's CTA loads
-   the same A, so the copy costs no read. Consumer w 8 of them a round, 16 threads a column, 8 rows each
-   (rows 8 p.., read in turn from row 8 p + p % 8: the 16 threads' reads fall in 8 banks, not one), the
-   column's amax from its 16 threads' through part [2][128] (the round's half by *par: the round before's
-   readers passed this round's barrier first, so one a round) */
+   the same A, so the copy costs no read. A group of nth threads (thread l of it; named barrier bar)
+   nth / 16 columns a round, 16 threads a column, 8 rows each (rows 8 p.., read in turn from row
+   8 p + p % 8: the 16 threads' reads fall in 8 banks, not one), the column's amax from its 16 threads'
+   through part [2][128] (the round's half by *par: the round before's readers passed this round's barrier
+   first, so one a round); every read of a done at the last round's barrier. The group (MOEPT__GK_COPIER):
+   DACT8's copier, the producer warpgroup's warps but its first (idle where TMA loads: the copy runs
+   beside the consumers' wgmmas); GATE8's consumer w (between its gate and up halves: with a copier there
+   ptxas spilled the consumers' registers) */
+#define MOEPT__GK_COPIER(F) ((F) == MOEPT__GK_DACT8)
+#define MOEPT__GK_XT 96 /* the copier's threads: warps 1 to 3 */
+#define MOEPT__GK_XB 4  /* its named barrier (1: the consumers', 2 + w: consumer w's) */
 template <int F>
-__device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, int mt, int nt, int kb, int w,
-                                                const uint8_t *a, int64_t o, float *part, int *par) {
-    const int l = (int)threadIdx.x % 128, p = l % 16, ntn = moept__gk_ntiles<F>(g);
+__device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, int mt, int nt, int kb,
+                                                const uint8_t *a, int64_t o, float *part, int *par, int l,
+                                                int nth, int bar) {
+    const int p = l % 16, ntn = moept__gk_ntiles<F>(g), cw = nth / 16;
     const int c0 = 128 * nt / ntn, c1 = 128 * (nt + 1) / ntn, n = g->rows[i] - mt * MOEPT__GK_BM;
     const int64_t r0 = (int64_t)g->r0[i] + mt * MOEPT__GK_BM;
-    const int any = 8 * w + l / 16 < c1 - c0; /* (a column of the share in some round: Mixtral's 112 n-tiles
-                                                  share 128 columns, one or two a CTA) */
+    const int any = l / 16 < c1 - c0; /* (a column of the share in some round: Mixtral's 112 n-tiles share
+                                          128 columns, one or two a CTA) */
     float rs[8]; /* (turn e's row 8 p + (e + p) % 8: its scale; past the run's rows 0, not read) */
     for (int e = 0; e < 8; e++) {
         const int r = 8 * p + ((e + p) & 7);
         rs[e] = any && r < n ? g->sa[(r0 + r) * g->sars + kb * g->sabs] : 0.0f;
     }
-    for (int cb = c0; cb < c1; cb += 16) {
-        const int c = cb + 8 * w + l / 16, in = c < c1 && kb * 128 + c < g->K; /* (c past the share: none) */
+    for (int cb = c0; cb < c1; cb += cw) {
+        const int c = cb + l / 16, in = c < c1 && kb * 128 + c < g->K; /* (c past the share: none) */
         const int64_t gc = (int64_t)kb * 128 + c;
         float v[8], amax = 0.0f;
         for (int e = 0; e < 8; e++) { /* (byte c of box row r: its 16-byte chunk at c / 16 ^ r % 8) */
@@ -4730,7 +4741,7 @@ __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, 
         float *pp = part + (*par & 1) * 128;
         (*par)++;
         pp[l] = amax;
-        moept__bar_sync(2 + w, 128);
+        moept__bar_sync(bar, nth);
         for (int u = 0; u < 16; u++) amax = moept__q8_amax(amax, pp[l - p + u]);
         const float sc = moept__q8_scale(amax);
         uint64_t q = 0; /* (turn e's byte at e, then rotated to (e + p) % 8: rows 8 p.. in order) */
@@ -4744,11 +4755,12 @@ __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, 
     }
 }
 
-/* one (sub)tile's k-steps of run i's tile (mt, nt), the producer's loads or consumer w's products into
-   d (WGRAD8: B's column scales through red's [2][2][128], consumer w's two halves a step each in turn;
-   GATE8, DACT8, xo >= 0: A's records' copy down their rows from each k-step's A, the m-tile's from
-   column xo of it, moept__gk_xcols, through red's [2][2][128] after the epilogues' own 512 floats, the
-   stage freed after it); whether none ran */
+/* one (sub)tile's k-steps of run i's tile (mt, nt), the producer's loads (P), or consumer w's products
+   into d (WGRAD8: B's column scales through red's [2][2][128], consumer w's two halves a step each in
+   turn); xo >= 0 (g->qx): A's records' copy down their rows from each k-step's A, the m-tile's from
+   column xo of it (moept__gk_xcols), by GATE8's consumers through red's [2][2][128] after the
+   epilogues' own 512 floats, or by DACT8's copier (the producer warpgroup's threads from 32: each stage
+   waited for as full, then freed by one more arrival, its own) through its [2][128]; whether none ran */
 template <int F, int P>
 __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUtensorMap *mb,
                                                const moept__gk_args *g, int w, uint8_t *sa, uint8_t *sb,
@@ -4766,8 +4778,16 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
         (*it)++;
         uint8_t *a = sa + s * MOEPT__GK_TILE_B, *b = sb + s * MOEPT__GK_TILE_B;
         if constexpr (P) {
-            moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
-            moept__gk_produce<F>(ma, mb, g, i, mt, nt, kb, a, b, &full[s]);
+            if (MOEPT__GK_COPIER(F) && threadIdx.x >= 32 && !g->lsu) { /* (the copier) */
+                moept__mbar_wait(&full[s], phase);
+                if (xo >= 0)
+                    moept__gk_xcols<F>(g, i, mt, nt, kb, a, xo, red + 512, xpar, (int)threadIdx.x - 32,
+                                       MOEPT__GK_XT, MOEPT__GK_XB);
+                if (threadIdx.x == 32) moept__mbar_arrive(&empty[s]);
+            } else {
+                moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
+                moept__gk_produce<F>(ma, mb, g, i, mt, nt, kb, a, b, &full[s]);
+            }
         } else {
             moept__mbar_wait(&full[s], phase);
             const int v = g->rows[i] - kb * MOEPT__GK_BK;
@@ -4781,7 +4801,8 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
                 moept__acc_fence<32>(t);
                 moept__gk_promote<F, 0>(d, t, sc, um);
                 if (xo >= 0) /* (t free: no spills, as it would be with the up half's wgmmas in flight) */
-                    moept__gk_xcols<F>(g, i, mt, nt / 2, kb, w, a, xo, red + 512 + 256 * w, xpar);
+                    moept__gk_xcols<F>(g, i, mt, nt / 2, kb, a, xo, red + 512 + 256 * w, xpar,
+                                       (int)threadIdx.x % 128, 128, 2 + w);
                 moept__gk_mma<F>(t, a, b + MOEPT__GK_HALF, w, 0);
                 moept__wgmma_wait<0>();
                 moept__acc_fence<32>(t);
@@ -4796,14 +4817,9 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
                 if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_bscales(bs, bv, w);
                 moept__wgmma_wait<0>();
                 moept__acc_fence(t);
-                if (xo < 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
+                if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
                 if constexpr (F == MOEPT__GK_WGRAD8) moept__gk_promote_wg(d, t, sc, bs);
                 else moept__gk_promote<F>(d, t, sc, um);
-                if constexpr (F == MOEPT__GK_DACT8)
-                    if (xo >= 0) { /* (t promoted, free: the stage's A read, then the stage freed) */
-                        moept__gk_xcols<F>(g, i, mt, nt, kb, w, a, xo, red + 512 + 256 * w, xpar);
-                        if (threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[s]);
-                    }
             } else {
                 moept__gk_mma<F>(d, a, b, w, !first);
                 moept__wgmma_wait<1>();
@@ -4813,7 +4829,7 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
         }
         first = 0;
     }
-    if constexpr (!P) { /* (a wait on every path: ptxas injects none before d's reads) */
+    if constexpr (P == 0) { /* (a wait on every path: ptxas injects none before d's reads) */
         moept__wgmma_wait<0>();
         moept__acc_fence(d);
         if (held >= 0 && threadIdx.x % 128 == 0) moept__mbar_arrive(&empty[held]);
@@ -4822,13 +4838,13 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
 }
 
 /* this CTA's tiles (GATE8: each its subtiles), k-step by k-step through the ring of stages
-   (moept__gk_steps). P: the producer (waits for a stage to be empty, loads A's and B's tiles into it:
-   moept__gk_produce); else consumer warpgroup w, 0 or 1 (waits for a stage to be full, issues its
+   (moept__gk_steps). P 1: the producer (waits for a stage to be empty, loads A's and B's tiles into it:
+   moept__gk_produce); P 0: consumer warpgroup w, 0 or 1 (waits for a stage to be full, issues its
    wgmmas, then waits for the step before's and frees that stage, so one step's multiplies run while the
-   next is issued; stores each finished tile). What keeps ptxas from serializing the wgmmas or injecting
-   waits (its C7518, C7517; tests/check_ptxas.sh lists them): the role a template argument and
-   warp-uniform (no branch on it between the wgmmas), d zeroed where a tile starts (not on a path after
-   the loop), read after a wait every consumer passes */
+   next is issued; stores each finished tile); DACT8's copier with P (moept__gk_xcols). What keeps
+   ptxas from serializing the wgmmas or injecting waits (its C7518, C7517; tests/check_ptxas.sh lists
+   them): the role a template argument and warp-uniform (no branch on it between the wgmmas), d zeroed
+   where a tile starts (not on a path after the loop), read after a wait every consumer passes */
 template <int F, int P>
 __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, const moept__gk_args *g, int w,
                                uint8_t *sa, uint8_t *sb, uint64_t *full, uint64_t *empty, float *red) {
@@ -4845,7 +4861,9 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             const int st = F == MOEPT__GK_GATE8 ? 2 * nt + sub : nt; /* (the subtile: 64 columns) */
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
             const int x8 = F == MOEPT__GK_GATE8 || F == MOEPT__GK_DACT8;
-            const int64_t xo = x8 && !P && g->qx && sub == 0 /* (the records' copy: the m-tile's) */
+            /* (the records' copy: the m-tile's, by its copying threads) */
+            const int cp = MOEPT__GK_COPIER(F) ? P && threadIdx.x >= 32 && !g->lsu : !P;
+            const int64_t xo = x8 && cp && g->qx && sub == 0
                                    ? g->qc0 + (int64_t)(tile / moept__gk_ntiles<F>(g)) * MOEPT__GK_BM
                                    : -1;
             const int64_t xu = moept__warp_uniform((int)(xo >= 0)) ? xo : -1; /* (no divergent branch) */
@@ -4859,11 +4877,11 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             else moept__gk_store<F>(g, d, i, mt, nt, w);
         }
         const moept__bf16 *qsrc = (const moept__bf16 *)(F == MOEPT__GK_GATE8 ? g->a : g->out);
-        if constexpr (F == MOEPT__GK_GATE8 && !P) {
+        if constexpr (F == MOEPT__GK_GATE8 && P == 0) {
             moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->lda, 0, g->ldq);
             if (g->qc) moept__gk_store_q8c<F>(g, tile, i, mt, nt, w, red);
         }
-        if constexpr (F == MOEPT__GK_DACT8 && !P)
+        if constexpr (F == MOEPT__GK_DACT8 && P == 0)
             if (g->qa) { /* (the whole CTA's) the gate half, then the up half */
                 moept__gk_store_q8(g, i, mt, nt, w, pam, red + w * 256, qsrc, g->ldo, 0, g->N);
                 moept__gk_store_q8(g, i, mt, nt, w, pam + 2, red + w * 256, qsrc, g->ldo, g->N, g->N);
@@ -4884,8 +4902,9 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
     if (threadIdx.x == 0) {
         for (int s = 0; s < MOEPT__GK_ST; s++) {
             moept__mbar_init(&full[s], g.lsu ? 128 : 1); /* the producer threads */
-            moept__mbar_init(&empty[s], 2); /* each consumer warpgroup's first thread, once its group
-                                               retired (wgmma.wait_group waits for the whole warpgroup) */
+            moept__mbar_init(&empty[s], 2 + (MOEPT__GK_COPIER(F) && g.qx)); /* each consumer warpgroup's
+                                               first thread, once its group retired (wgmma.wait_group waits
+                                               for the whole warpgroup), and the copier's, once it read */
         }
         moept__fence_mbar_init();
     }
@@ -4893,9 +4912,12 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
     const int wg = moept__warp_uniform(threadIdx.x / 128); /* the first warpgroup produces (TMA alone: its
                                                                thread 0) */
     float *red = (float *)(empty + MOEPT__GK_ST); /* (GATE8's row amaxes: [2][64][4]; WGRAD8's column
-                                                      scales: [2][2][128]) */
+                                                      scales: [2][2][128]; the copier's column amaxes
+                                                      [2][128] after 512) */
     if (wg > 0) moept__gk_walk<F, 0>(&ma, &mb, &g, wg - 1, sa, sb, full, empty, red);
-    else if (threadIdx.x == 0 || g.lsu) moept__gk_walk<F, 1>(&ma, &mb, &g, -1, sa, sb, full, empty, red);
+    else if (threadIdx.x == 0 || g.lsu || (MOEPT__GK_COPIER(F) && g.qx && threadIdx.x >= 32)) /* (the
+                                                                 copier's g.qx: TMA loads, moept__gk) */
+        moept__gk_walk<F, 1>(&ma, &mb, &g, -1, sa, sb, full, empty, red);
 #endif
 }
 
@@ -4969,6 +4991,10 @@ static int moept__gk_ok(const moept__cuda *c) {
 static int moept__gk_q8(const moept__cuda *c) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && moept__fp8_on(&c->sp);
 }
+#ifndef MOEPT_GK_XCOLS /* (0: x's and dy's records' copies down their rows by the column passes, not by the
+                          kernels that load the records: tools/gpu_check.sh fp8 compares them) */
+#define MOEPT_GK_XCOLS 1
+#endif
 #ifndef MOEPT_GK_WGRAD8 /* (0: config.fp8's weight gradients in the kernel form by cuBLASLt, a matmul an
                            expert, as the per-expert form's: tools/gpu_check.sh compares them) */
 #define MOEPT_GK_WGRAD8 1
@@ -5143,6 +5169,9 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel's E4M3 weight gradient: operands TMA "
                             "cannot load (moept_kernels.cu:%d)", __LINE__);
     moept__gk_more<F>(&g, ga, bn);
+    if (g.qx && g.lsu) /* (the copier is the producer warpgroup's warps TMA leaves idle) */
+        return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: the records' copy down their rows "
+                            "with operands TMA cannot load (moept_kernels.cu:%d)", __LINE__);
     g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
     g.cnt = R->offs ? cnt : NULL; g.cB = c->B; g.cstride = c->M; g.cbase = c->sp.rank * c->sp.El;
     g.cP = (int32_t)c->sp.P;
@@ -5341,7 +5370,8 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
     return moept__q8_dh8(c, f) && moept__q8_twin(c, f, R) && moept__gk_w8(c);
 }
 
-/* moept__q8_kept's part the layer decides at create (its scratch has q8x for it): a training layer's
+/* moept__q8_kept's part the layer decides at create (its scratch has q8x for it, and q8y for
+   moept__q8_dyc): a training layer's
    WGRAD8, unchunked, its routed experts' F a multiple of 128 and gated (H 2F) */
 static int moept__q8_keeps(const moept__cuda *c) {
     return moept__gk_w8(c) && !c->sp.cfg->inference_only && c->C == 1 && c->sp.F % MOEPT__Q8_TILE == 0 &&
@@ -5366,7 +5396,7 @@ static int moept__q8_kept(const moept__cuda *c, const moept__ffn *f, const moept
    moept__gk_xcols), so no column pass reads dy: a layer that keeps x's copy (moept__q8_keeps, q8y with
    q8x), its W2 wgrad run after the down dgrad (which writes dh over h, not a) */
 static int moept__q8_dyc(const moept__cuda *c, const moept__ffn *f, const moept__runs *R) {
-    return moept__q8_keeps(c) && moept__q8_dhc(c, f, R);
+    return MOEPT_GK_XCOLS && moept__q8_keeps(c) && moept__q8_dhc(c, f, R);
 }
 
 /* moept__k_own on the compute stream, in order with what reads or writes q8a */
@@ -5501,7 +5531,7 @@ static moept_status moept__q8_wgrad(moept__cuda *c, const moept__ffn *f, const m
     if (ac) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_NOT, f->a, NULL, err));
     if (rec)
         MOEPT__TRY(moept__q8_down<uint8_t>(c, I, R->offs, R->n, wi, ldi, qi, si, err, NULL, NULL, 0, S,
-                                           kept ? f->a : NULL));
+                                           kept && MOEPT_GK_XCOLS ? f->a : NULL));
     else MOEPT__TRY(moept__q8_down<T>(c, I, R->offs, R->n, wi, wi, qi, si, err, NULL, NULL, 0, S,
                                       ac ? f->a : NULL));
     if (kept && !w2) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_SET, NULL, NULL, err));
@@ -5568,7 +5598,7 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
         if (kept) /* (the copy none until whole; without one, none if it was this a's, now rewritten) */
             MOEPT__TRY(moept__q8_own(c, ac ? MOEPT__OWN_SET : MOEPT__OWN_IS, f->a, NULL, err));
         if (ac) MOEPT__TRY(moept__gk_cols(c, R, &ga, c->q8a, c->q8sa, err));
-        if (ac) ga.qx = c->q8x, ga.qxs = c->q8sx, ga.qxD = D;
+        if (ac && MOEPT_GK_XCOLS) ga.qx = c->q8x, ga.qxs = c->q8sx, ga.qxD = D;
         MOEPT__TRY((moept__gk8<T, MOEPT__GK_GATE8>(c, f, R, (const char *)f->x, f->xq, D, ld, q->w13, q->s13,
                                                    q->ns13, f->H, (char *)f->h, 0, &ga, err)));
         if (ac) MOEPT__TRY(moept__q8_own(c, MOEPT__OWN_SET, NULL, f->a, err));
@@ -5582,8 +5612,10 @@ static moept_status moept__ffn_fwd(moept__cuda *c, const moept__ffn *f, const mo
 /* Its backward over R's rows, dy in y: da = dy W2, dh = act'(h, da) over h,
    dxs = dh W13 (a as the forward left it: a rejected forward or a growth of
    the receive block keeps it). R every group: the weight gradients in
-   between, each before its operand is overwritten; a chunk's runs: the
-   caller runs them once every chunk is done (over every group). */
+   between, each before its operand is overwritten (W2's after the down
+   dgrad where that writes dy's copy down its rows, moept__q8_dyc: it
+   writes over h alone); a chunk's runs: the caller runs them once every
+   chunk is done (over every group). */
 template <typename T>
 static moept_status moept__ffn_bwd(moept__cuda *c, const moept__ffn *f, const moept__runs *R, char *err) {
     const int wgrad = R->offs != NULL;

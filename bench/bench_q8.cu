@@ -19,7 +19,7 @@
                  and writes x's records' copy down their rows from the tiles it loads (the backward's
                  passes over a and x find those copies and return; a layer of several forward slots'
                  first forward into one, as 1F1B's, writes none and the passes run, as the per-expert
-                 form's), its down dgrad dh both ways and dy's records' copy as x's.
+                 form's), its down dgrad dh both ways and dy's records' copy down their rows.
                  Its products read the records and write bf16.
    Each pass but the records runs over every expert's rows at once, MOEPT__Q8_G experts a launch (the
    column passes as the per-expert form lays them out; the kernel form's write one matrix, each expert's

@@ -591,7 +591,7 @@ static void test_records(void) {
    consumer's threads past the share idle).
    F 200: a's second tile an edge of two subtiles, the up rows' blocks crossed within a subtile; F 136:
    an edge of one subtile; F 256: whole tiles, where the kernels' epilogues write the copies down the
-   rows */
+   rows (a's, dh's), and their k-steps x's and dy's records' (q8x, q8y), each against the column pass */
 static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4, int64_t D = 72) {
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);

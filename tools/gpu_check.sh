@@ -69,7 +69,8 @@
 #           cases, then bf16 against FP8 at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's shapes in
 #           AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the same bf16 GEMM
 #           floor; the kernel form also with its weight gradients by cuBLASLt, build/stlt:
-#           MOEPT_GK_WGRAD8=0), the quantizing kernels' share of each step (profile fp8) and each
+#           MOEPT_GK_WGRAD8=0, and with x's and dy's copies down their rows by the column passes,
+#           build/stnx: MOEPT_GK_XCOLS=0), the quantizing kernels' share of each step (profile fp8) and each
 #           quantizing pass's rate against a copy of its bytes (bench_q8, same shapes); torch's FP8
 #           grouped GEMM (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
 # fp8_checks: test_q8 (the quantizers' bytes; the kernel form's fused ones against the separate
@@ -353,6 +354,14 @@ fp8_table() { # the kernel's FP8 on the cases, then bf16 against FP8 at three sh
     for sh in mixtral:8192 deepseek:8192 qwen3:4096; do
         step "bench_cuda ${sh%:*} T=${sh#*:} FP8, kernel, wgrads by cuBLASLt" build/stlt/bench_cuda \
             --shape "${sh%:*}" --tokens "${sh#*:}" --bf16 --fp8 --gemm-form kernel
+    done
+    # ... with x's and dy's copies down their rows by the column passes, not the kernels that load them
+    [ -x build/stnx/bench_cuda ] || step "make build/stnx/bench_cuda (-DMOEPT_GK_XCOLS=0)" make -j8 \
+        B=build/stnx CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a" NVCC_DEFS=-DMOEPT_GK_XCOLS=0 \
+        NCCL_HOME="$(nccl_home)" build/stnx/bench_cuda
+    for sh in mixtral:8192 deepseek:8192 qwen3:4096; do
+        step "bench_cuda ${sh%:*} T=${sh#*:} FP8, kernel, x's and dy's copies by passes" \
+            build/stnx/bench_cuda --shape "${sh%:*}" --tokens "${sh#*:}" --bf16 --fp8 --gemm-form kernel
     done
     profile fp8 # the quantizing kernels' share of the FP8 step (moept__k_q8_*; moept__k_combine_bwd8 is
     # combine' with dy's records), per kernel, each form

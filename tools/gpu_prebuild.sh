@@ -25,12 +25,14 @@ make -j"$(nproc)" B="$G" ARCH=-march=x86-64-v2 CUDA_ARCHS="-gencode arch=compute
     "$G/libmoept_cuda.so" $mpi
 # the grouped kernel's other ring depths, and its gate/up GEMM on the permuted copy in place of the
 # gather (ng), for the grouped phase's sweep (4 stages with the gather, the defaults, are bench_cuda's);
-# lt: its FP8 weight gradients by cuBLASLt (the fp8 phase's comparison)
+# lt: its FP8 weight gradients by cuBLASLt; nx: x's and dy's FP8 copies down their rows by the column
+# passes, not the kernels (the fp8 phase's comparisons)
 if [ "$A" = 90 ]; then
-    for s in 2 3 5 6 ng lt; do
+    for s in 2 3 5 6 ng lt nx; do
         d=-DMOEPT_GK_STAGES=$s
         [ $s = ng ] && d=-DMOEPT_GK_GATHER=0
         [ $s = lt ] && d=-DMOEPT_GK_WGRAD8=0
+        [ $s = nx ] && d=-DMOEPT_GK_XCOLS=0
         make -j"$(nproc)" B="$G/st$s" ARCH=-march=x86-64-v2 NVCC_DEFS=$d \
             CUDA_ARCHS="-gencode arch=compute_90a,code=sm_90a" "$G/st$s/bench_cuda"
         find "$G/st$s" -mindepth 1 ! -name bench_cuda -exec rm -rf {} + 2>/dev/null || true
