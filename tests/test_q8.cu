@@ -1062,11 +1062,14 @@ static void q8t_forms(moept_config cfg, int64_t T) {
     free(xh);
 }
 
-/* ... with 300 experts, each form's launches over runs past its first (240 runs, then the rest): --wide
-   (make stress, where the emulator takes about a minute over it) */
+/* ... with 300 experts, each form's launches over runs past its first (240 runs, then the rest), and F
+   16512 (more n-tiles than the records' 128 columns): --wide (make stress, where the emulator takes a
+   few minutes over it) */
 static void test_wide(void) {
     setenv("MOEPT_EMU_CC", "90", 1);
     q8t_fused(MOEPT_FAMILY_MIXTRAL, 128, 300, 300);
+    q8t_fused(MOEPT_FAMILY_MIXTRAL, 16512, 150, 2); /* (129 n-tiles: some CTAs' share of x's and dy's copies
+                                                      none) */
     moept_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.family = MOEPT_FAMILY_MIXTRAL; cfg.hidden_size = 72; cfg.intermediate_size = 128;
