@@ -3235,6 +3235,10 @@ static cudaError_t moept__q8_weights(moept__cuda *c, const moept__adamw_k *ak) {
     return e;
 }
 
+#ifndef MOEPT_GK_XCOLS /* (0: x's and dy's records' copies down their rows by the column passes, not by the
+                          kernels that load the records: tools/gpu_check.sh fp8 compares them) */
+#define MOEPT_GK_XCOLS 1
+#endif
 static int moept__gk_q8(const moept__cuda *c);
 static int moept__gk_w8(const moept__cuda *c);
 static int moept__q8_keeps(const moept__cuda *c);
@@ -3243,9 +3247,8 @@ static int moept__q8_keeps(const moept__cuda *c);
    [rows][Wp] (or the groups' [Wp][np], or [Wp][S]), their scales, cuBLASLt's fp32 result (none where
    the grouped kernel runs every product: moept__gk_w8), and the grouped kernel's q8r, q8sr (and, a
    training layer's with WGRAD8, x's kept copy q8x, q8sx and dy's q8y, q8sy: [Dp][rows] each, Dp = D
-   padded); grown
-   geometrically with the receive block (moept__grow), once the compute stream no longer reads the old
-   one */
+   padded); grown geometrically with the receive block (moept__grow), once the compute stream no longer
+   reads the old one */
 static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     const int64_t need = MOEPT__Q8_PAD(rows + (moept__gk_w8(c) ? MOEPT__Q8_TILE : 16) * c->sp.El);
     if (!moept__fp8_on(&c->sp) || (need <= c->q8rows && c->q8blk)) return MOEPT_OK;
@@ -3255,8 +3258,8 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     const int64_t xw = moept__q8_keeps(c) ? MOEPT__Q8_PAD(c->sp.D) : 0; /* (q8x's, q8y's columns, scales) */
     const int64_t xs = xw * (MOEPT__Q8_L(cap) + c->sp.El);
     void *blk = NULL;
-    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4 + 2 * (cap * xw + xs * 4)) +
-                         (2 * nq + 5) * 64;
+    const size_t bytes = (size_t)(nq * cap * W + nq * sc * 4 + out * 4 + (1 + MOEPT_GK_XCOLS) * (cap * xw +
+                                  xs * 4)) + (2 * nq + 5) * 64;
     MOEPT__TRY(moept__dmalloc(c, &blk, bytes, err));
     moept_status st = moept__host_wait(c, err); /* the old scratch's last reader done */
     const cudaError_t e = st ? cudaSuccess : cudaMemsetAsync(c->q8own, 0, 8, c->s); /* (no copy of a in the
@@ -3277,8 +3280,8 @@ static moept_status moept__q8_room(moept__cuda *c, int64_t rows, char *err) {
     c->q8sr = nq > 2 ? (float *)moept__take(&cv, (size_t)sc * 4) : NULL;
     c->q8x = xw ? (uint8_t *)moept__take(&cv, (size_t)(cap * xw)) : NULL;
     c->q8sx = xw ? (float *)moept__take(&cv, (size_t)xs * 4) : NULL;
-    c->q8y = xw ? (uint8_t *)moept__take(&cv, (size_t)(cap * xw)) : NULL;
-    c->q8sy = xw ? (float *)moept__take(&cv, (size_t)xs * 4) : NULL;
+    c->q8y = xw && MOEPT_GK_XCOLS ? (uint8_t *)moept__take(&cv, (size_t)(cap * xw)) : NULL;
+    c->q8sy = xw && MOEPT_GK_XCOLS ? (float *)moept__take(&cv, (size_t)xs * 4) : NULL;
     c->q8rows = cap, c->q8sc = sc;
     c->q8_bytes = (int64_t)bytes;
     return MOEPT_OK;
@@ -4705,7 +4708,8 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
    zeros past the run's rows and A's qxD columns, non-finite scales as it meets them; columns past K not
    written). Tile nt of ntn takes the columns [128 nt / ntn, 128 (nt + 1) / ntn): each n-tile's CTA loads
    the same A, so the copy costs no read. A group of nth threads (thread l of it; named barrier bar)
-   nth / 16 columns a round, 16 threads a column, 8 rows each (rows 8 p.., read in turn from row
+   nth / 16 columns a round, the round's from column first of each step columns (two groups share a
+   round), 16 threads a column, 8 rows each (rows 8 p.., read in turn from row
    8 p + p % 8: the 16 threads' reads fall in 8 banks, not one), the column's amax from its 16 threads'
    through part [2][128] (the round's half by *par: the round before's readers passed this round's barrier
    first, so one a round); every read of a done at the last round's barrier. The group (MOEPT__GK_COPIER):
@@ -4718,19 +4722,19 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
 template <int F>
 __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, int mt, int nt, int kb,
                                                 const uint8_t *a, int64_t o, float *part, int *par, int l,
-                                                int nth, int bar) {
-    const int p = l % 16, ntn = moept__gk_ntiles<F>(g), cw = nth / 16;
+                                                int first, int step, int nth, int bar) {
+    const int p = l % 16, ntn = moept__gk_ntiles<F>(g), cf = first + l / 16; /* (its column of a round) */
     const int c0 = 128 * nt / ntn, c1 = 128 * (nt + 1) / ntn, n = g->rows[i] - mt * MOEPT__GK_BM;
     const int64_t r0 = (int64_t)g->r0[i] + mt * MOEPT__GK_BM;
-    const int any = l / 16 < c1 - c0; /* (a column of the share in some round: Mixtral's 112 n-tiles share
-                                          128 columns, one or two a CTA) */
+    const int any = cf < c1 - c0; /* (a column of the share in some round: Mixtral's 112 n-tiles share 128
+                                      columns, one or two a CTA) */
     float rs[8]; /* (turn e's row 8 p + (e + p) % 8: its scale; past the run's rows 0, not read) */
     for (int e = 0; e < 8; e++) {
         const int r = 8 * p + ((e + p) & 7);
         rs[e] = any && r < n ? g->sa[(r0 + r) * g->sars + kb * g->sabs] : 0.0f;
     }
-    for (int cb = c0; cb < c1; cb += cw) {
-        const int c = cb + l / 16, in = c < c1 && kb * 128 + c < g->K; /* (c past the share: none) */
+    for (int cb = c0; cb < c1; cb += step) {
+        const int c = cb + cf, in = c < c1 && kb * 128 + c < g->K; /* (c past the share: none) */
         const int64_t gc = (int64_t)kb * 128 + c;
         float v[8], amax = 0.0f;
         for (int e = 0; e < 8; e++) { /* (byte c of box row r: its 16-byte chunk at c / 16 ^ r % 8) */
@@ -4781,8 +4785,8 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
             if (MOEPT__GK_COPIER(F) && threadIdx.x >= 32 && !g->lsu) { /* (the copier) */
                 moept__mbar_wait(&full[s], phase);
                 if (xo >= 0)
-                    moept__gk_xcols<F>(g, i, mt, nt, kb, a, xo, red + 512, xpar, (int)threadIdx.x - 32,
-                                       MOEPT__GK_XT, MOEPT__GK_XB);
+                    moept__gk_xcols<F>(g, i, mt, nt, kb, a, xo, red + 512, xpar, (int)threadIdx.x - 32, 0,
+                                       MOEPT__GK_XT / 16, MOEPT__GK_XT, MOEPT__GK_XB);
                 if (threadIdx.x == 32) moept__mbar_arrive(&empty[s]);
             } else {
                 moept__mbar_wait(&empty[s], phase ^ 1); /* a fresh ring: free */
@@ -4802,7 +4806,7 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
                 moept__gk_promote<F, 0>(d, t, sc, um);
                 if (xo >= 0) /* (t free: no spills, as it would be with the up half's wgmmas in flight) */
                     moept__gk_xcols<F>(g, i, mt, nt / 2, kb, a, xo, red + 512 + 256 * w, xpar,
-                                       (int)threadIdx.x % 128, 128, 2 + w);
+                                       (int)threadIdx.x % 128, 8 * w, 16, 128, 2 + w);
                 moept__gk_mma<F>(t, a, b + MOEPT__GK_HALF, w, 0);
                 moept__wgmma_wait<0>();
                 moept__acc_fence<32>(t);
@@ -4991,10 +4995,6 @@ static int moept__gk_ok(const moept__cuda *c) {
 static int moept__gk_q8(const moept__cuda *c) {
     return c->gk_encode && c->sp.dtype == MOEPT_DTYPE_BF16 && moept__fp8_on(&c->sp);
 }
-#ifndef MOEPT_GK_XCOLS /* (0: x's and dy's records' copies down their rows by the column passes, not by the
-                          kernels that load the records: tools/gpu_check.sh fp8 compares them) */
-#define MOEPT_GK_XCOLS 1
-#endif
 #ifndef MOEPT_GK_WGRAD8 /* (0: config.fp8's weight gradients in the kernel form by cuBLASLt, a matmul an
                            expert, as the per-expert form's: tools/gpu_check.sh compares them) */
 #define MOEPT_GK_WGRAD8 1
@@ -5169,7 +5169,8 @@ static moept_status moept__gk(moept__cuda *c, const moept__runs *R, const void *
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel's E4M3 weight gradient: operands TMA "
                             "cannot load (moept_kernels.cu:%d)", __LINE__);
     moept__gk_more<F>(&g, ga, bn);
-    if (g.qx && g.lsu) /* (the copier is the producer warpgroup's warps TMA leaves idle) */
+    if (MOEPT__GK_COPIER(F) && g.qx && g.lsu) /* (the copier: the producer warpgroup's warps TMA leaves
+                                                    idle) */
         return moept__kfail(err, MOEPT_ERR_STATE, "the grouped kernel: the records' copy down their rows "
                             "with operands TMA cannot load (moept_kernels.cu:%d)", __LINE__);
     g.n = 0; g.M = (int32_t)M; g.N = (int32_t)N; g.K = (int32_t)K; g.ldo = ldo; g.out = out;
@@ -5371,8 +5372,8 @@ static int moept__q8_dhc(const moept__cuda *c, const moept__ffn *f, const moept_
 }
 
 /* moept__q8_kept's part the layer decides at create (its scratch has q8x for it, and q8y for
-   moept__q8_dyc): a training layer's
-   WGRAD8, unchunked, its routed experts' F a multiple of 128 and gated (H 2F) */
+   moept__q8_dyc): a training layer's WGRAD8, unchunked, its routed experts' F a multiple of 128 and
+   gated (H 2F) */
 static int moept__q8_keeps(const moept__cuda *c) {
     return moept__gk_w8(c) && !c->sp.cfg->inference_only && c->C == 1 && c->sp.F % MOEPT__Q8_TILE == 0 &&
            moept__act_gated(c->sp.act) && c->sp.H == 2 * c->sp.F;

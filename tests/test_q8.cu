@@ -778,7 +778,8 @@ static void q8t_kept(int64_t T, int64_t T2) {
     float *x = (float *)q8t_dev<moept__bf16>(xh, (size_t)(T2 * D) * 2);
     char *out[NV] = {NULL}, *ye = q8t_dev<char>(NULL, (size_t)(T2 * D) * 2), *h[NV] = {NULL};
     float *g[NV] = {NULL};
-    long long wrote[NV] = {0}, copy = 0; /* (the backward's kernels' bytes; a's copy's) */
+    long long wrote[NV] = {0}, fwrote[NV] = {0}, copy = 0; /* (the backward's kernels' bytes, the first
+                                                                forward's; the copies') */
     int64_t np = 0;
     char err[MOEPT__ERRLEN] = "";
     const char *what[NV] = {"", "the evaluation", "the scratch's growth", "the receive block's growth",
@@ -794,7 +795,17 @@ static void q8t_kept(int64_t T, int64_t T2) {
         moept__cuda *c = moept__cx(L, &view);
         if (v == 3) EXPECT_OK(moept__q8_room(c, 4 * c->q8rows, err));
         out[v] = q8t_dev<char>(NULL, ob);
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+        cudaDeviceSynchronize();
+        moept_emu_counts_reset();
+#endif
         EXPECT(!moept_forward(L, x, T, (float *)out[v]), "forward: %s", moept_last_error(L));
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+        cudaDeviceSynchronize();
+        moept_emu_counts fc;
+        moept_emu_counts_get(0, NULL, &fc);
+        fwrote[v] = fc.kwrite;
+#endif
         EXPECT(v < 4 || !q8t_owner(c), "two slots: the first forward into one wrote a copy of a");
         if (v == 4) EXPECT(!moept_forward(L, x, T, (float *)out[v]), "again: %s", moept_last_error(L));
         moept__cslot *sl = &c->slots[c->last];
@@ -842,6 +853,11 @@ static void q8t_kept(int64_t T, int64_t T2) {
                wrote[0], copy);
 #endif
     }
+#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (the bytes the forward that writes the copies writes: the first into a
+                                   slot of two's, which writes none, the copies' and c->q8own's) */
+    EXPECT(fwrote[0] == fwrote[NV - 1] + copy + 16, "the forward's kernels wrote %lld bytes, %lld without "
+           "the copies (%lld bytes)", fwrote[0], fwrote[NV - 1], copy);
+#endif
     for (int v = 0; v < NV; v++) free(h[v]), free(g[v]), cudaFree(out[v]);
     free(xh);
     cudaFree(ye); cudaFree(x);
