@@ -2258,7 +2258,8 @@ struct moept__cuda {
                                    layer that never does, moept__q8_keeps) */
     float *q8sx;                /* its scales */
     uint8_t *q8y;               /* [Dp][S] dy's records down their rows, the W2 wgrad's O, where the down
-                                   dgrad writes them (moept__q8_dyc; NULL where q8x is) */
+                                   dgrad writes them (moept__q8_dyc; NULL without q8x, or with
+                                   MOEPT_GK_XCOLS 0) */
     float *q8sy;                /* its scales */
     unsigned long long *q8own;  /* device [1]: the a (its address) whose copy down its rows q8a, q8sa hold,
                                    and its forward's x's q8x, q8sx (moept__q8_kept: a training forward's
@@ -4708,9 +4709,9 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
    zeros past the run's rows and A's qxD columns, non-finite scales as it meets them; columns past K not
    written). Tile nt of ntn takes the columns [128 nt / ntn, 128 (nt + 1) / ntn): each n-tile's CTA loads
    the same A, so the copy costs no read. A group of nth threads (thread l of it; named barrier bar)
-   nth / 16 columns a round, the round's from column first of each step columns (two groups share a
-   round), 16 threads a column, 8 rows each (rows 8 p.., read in turn from row
-   8 p + p % 8: the 16 threads' reads fall in 8 banks, not one), the column's amax from its 16 threads'
+   nth / 16 columns a round, from column first of the round's step columns (GATE8's two consumers share
+   a round's 16), 16 threads a column, 8 rows each (rows 8 p.., read in turn from row 8 p + p % 8: the
+   16 threads' reads fall in 8 banks, not one), the column's amax from its 16 threads'
    through part [2][128] (the round's half by *par: the round before's readers passed this round's barrier
    first, so one a round); every read of a done at the last round's barrier. The group (MOEPT__GK_COPIER):
    DACT8's copier, the producer warpgroup's warps but its first (idle where TMA loads: the copy runs
