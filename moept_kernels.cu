@@ -4720,6 +4720,12 @@ __device__ __forceinline__ void moept__gk_store_dact(const moept__gk_args *g, co
 #define MOEPT__GK_COPIER(F) ((F) == MOEPT__GK_DACT8)
 #define MOEPT__GK_XT 96 /* the copier's threads: warps 1 to 3 */
 #define MOEPT__GK_XB 4  /* its named barrier (1: the consumers', 2 + w: consumer w's) */
+/* whether this thread is form F's copier (the launch's records' copy by TMA loads: moept__gk refuses the
+   producer warpgroup's own loads with it) */
+template <int F>
+__device__ __forceinline__ int moept__gk_copier(const moept__gk_args *g) {
+    return MOEPT__GK_COPIER(F) && g->qx && !g->lsu && threadIdx.x >= 32 && threadIdx.x < 128;
+}
 template <int F>
 __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, int mt, int nt, int kb,
                                                 const uint8_t *a, int64_t o, float *part, int *par, int l,
@@ -4783,7 +4789,7 @@ __device__ __forceinline__ int moept__gk_steps(const CUtensorMap *ma, const CUte
         (*it)++;
         uint8_t *a = sa + s * MOEPT__GK_TILE_B, *b = sb + s * MOEPT__GK_TILE_B;
         if constexpr (P) {
-            if (MOEPT__GK_COPIER(F) && threadIdx.x >= 32 && !g->lsu) { /* (the copier) */
+            if (moept__gk_copier<F>(g)) {
                 moept__mbar_wait(&full[s], phase);
                 if (xo >= 0)
                     moept__gk_xcols<F>(g, i, mt, nt, kb, a, xo, red + 512, xpar, (int)threadIdx.x - 32, 0,
@@ -4867,8 +4873,8 @@ __device__ void moept__gk_walk(const CUtensorMap *ma, const CUtensorMap *mb, con
             for (int j = 0; j < 64; j++) d[j] = 0.0f; /* (zero rows in: zeros out) */
             const int x8 = F == MOEPT__GK_GATE8 || F == MOEPT__GK_DACT8;
             /* (the records' copy: the m-tile's, by its copying threads) */
-            const int cp = MOEPT__GK_COPIER(F) ? P && threadIdx.x >= 32 && !g->lsu : !P;
-            const int64_t xo = x8 && cp && g->qx && sub == 0
+            const int cp = MOEPT__GK_COPIER(F) ? P && moept__gk_copier<F>(g) : !P && g->qx;
+            const int64_t xo = x8 && cp && sub == 0
                                    ? g->qc0 + (int64_t)(tile / moept__gk_ntiles<F>(g)) * MOEPT__GK_BM
                                    : -1;
             const int64_t xu = moept__warp_uniform((int)(xo >= 0)) ? xo : -1; /* (no divergent branch) */
@@ -4920,8 +4926,7 @@ __global__ void MOEPT__BOUNDS(MOEPT__GK_THREADS) moept__k_gk(const __grid_consta
                                                       scales: [2][2][128]; the copier's column amaxes
                                                       [2][128] after 512) */
     if (wg > 0) moept__gk_walk<F, 0>(&ma, &mb, &g, wg - 1, sa, sb, full, empty, red);
-    else if (threadIdx.x == 0 || g.lsu || (MOEPT__GK_COPIER(F) && g.qx && threadIdx.x >= 32)) /* (the
-                                                                 copier's g.qx: TMA loads, moept__gk) */
+    else if (threadIdx.x == 0 || g.lsu || moept__gk_copier<F>(&g))
         moept__gk_walk<F, 1>(&ma, &mb, &g, -1, sa, sb, full, empty, red);
 #endif
 }

@@ -439,6 +439,21 @@ static void q8t_epilogue(moept__cuda *c, const void *src, int64_t F, int64_t lds
     free(hq); free(hr); free(hs); free(hsr);
 }
 
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+/* the emulated GPU's kernel counts: zeroed once the device is idle (q8t_count0), then what the calls since
+   counted in stage s (NULL: every stage) once they are done */
+static void q8t_count0(void) {
+    cudaDeviceSynchronize();
+    moept_emu_counts_reset();
+}
+static moept_emu_counts q8t_counts(const char *s) {
+    moept_emu_counts n;
+    cudaDeviceSynchronize();
+    moept_emu_counts_get(0, s, &n);
+    return n;
+}
+#endif
+
 /* the a whose copy down its rows the kernel form's scratch holds (moept__q8_kept), NULL: none */
 static const void *q8t_owner(const moept__cuda *c) {
     unsigned long long v = 0;
@@ -796,15 +811,11 @@ static void q8t_kept(int64_t T, int64_t T2) {
         if (v == 3) EXPECT_OK(moept__q8_room(c, 4 * c->q8rows, err));
         out[v] = q8t_dev<char>(NULL, ob);
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-        cudaDeviceSynchronize();
-        moept_emu_counts_reset();
+        q8t_count0();
 #endif
         EXPECT(!moept_forward(L, x, T, (float *)out[v]), "forward: %s", moept_last_error(L));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-        cudaDeviceSynchronize();
-        moept_emu_counts fc;
-        moept_emu_counts_get(0, NULL, &fc);
-        fwrote[v] = fc.kwrite;
+        fwrote[v] = q8t_counts(NULL).kwrite;
 #endif
         EXPECT(v < 4 || !q8t_owner(c), "two slots: the first forward into one wrote a copy of a");
         if (v == 4) EXPECT(!moept_forward(L, x, T, (float *)out[v]), "again: %s", moept_last_error(L));
@@ -824,15 +835,11 @@ static void q8t_kept(int64_t T, int64_t T2) {
                sl->a != a ? "moved" : "in place");
         EXPECT((q8t_owner(c) == a) == (v < 2), "%s: the copy %s", what[v], q8t_owner(c) ? "kept" : "gone");
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-        cudaDeviceSynchronize();
-        moept_emu_counts_reset();
+        q8t_count0();
 #endif
         EXPECT(!moept_backward(L, x, x, (float *)(out[v] + ob / 2)), "backward: %s", moept_last_error(L));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-        cudaDeviceSynchronize();
-        moept_emu_counts n;
-        moept_emu_counts_get(0, NULL, &n);
-        wrote[v] = n.kwrite;
+        wrote[v] = q8t_counts(NULL).kwrite;
         const moept__runs R = moept__runs_groups(sl->roffsets, c->sp.El);
         const int64_t S = moept__q8_wide(&R);
         const int64_t wide = cfg.intermediate_size + MOEPT__Q8_PAD(D); /* (a's columns, x's) */
@@ -966,14 +973,11 @@ static void q8t_adamw(moept_family fam, int64_t D, int64_t F, int64_t S, moept_d
             cudaMemcpy(gp[v], gh, (size_t)np * 4, cudaMemcpyHostToDevice);
             if (!v) q8t_wpoison(c[v]);
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-            cudaDeviceSynchronize();
-            moept_emu_counts_reset();
+            q8t_count0();
 #endif
             EXPECT(!moept_adamw_step(L[v], &opt), "AdamW: %s", moept_last_error(L[v]));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
-            cudaDeviceSynchronize();
-            moept_emu_counts n;
-            moept_emu_counts_get(0, "optimizer", &n);
+            const moept_emu_counts n = q8t_counts("optimizer");
             rd[v] = n.kread, wr[v] = n.kwrite;
 #endif
         }
