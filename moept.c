@@ -821,11 +821,11 @@ MOEPT_HD static inline float moept__e4m3_round(float x) {
     }
     return moept__bits_f32(moept__f32_bits(r) | sign);
 }
-/* the E4M3 byte of r, a value moept__e4m3_round gave (NaN: 0x7f with the sign) */
+/* the E4M3 byte of r, a value moept__e4m3_round gave (NaN: 0x7f whatever its sign, as cvt writes it) */
 MOEPT_HD MOEPT__HOST_UNUSED static inline uint8_t moept__e4m3_byte(float r) {
     const uint32_t u = moept__f32_bits(r), a = u & 0x7fffffffu;
     const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7f);
+    if (a > 0x7f800000u) return 0x7f;
     if (a < 0x3c800000u) return (uint8_t)(sign | (uint8_t)(moept__bits_f32(a) * 512.0f)); /* 0, subnormals */
     return (uint8_t)(sign | (((a >> 23) - 120u) << 3) | ((a >> 20) & 7u));
 }

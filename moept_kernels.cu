@@ -2710,17 +2710,63 @@ static int64_t moept__xrow(const moept__cuda *c) {
     return moept__fp8_on(&c->sp) ? moept__q8_recw(c->sp.D) : c->sp.D * c->esz;
 }
 
-/* v's E4M3 byte in a tile of scale sc */
-__device__ __forceinline__ uint8_t moept__q8_byte(float v, float sc) {
-    return moept__e4m3_byte(moept__e4m3_round(v / sc));
+/* E4M3 conversions two values at a time: sm_89's cvt where the binary has it (PTX ISA, "Data Movement
+   and Conversion Instructions: cvt", .rn.satfinite: the rounding moept__e4m3_round follows), moept.c's
+   rules in software where not (sm_80's binary); the same bytes and values either way (tests/test_q8.cu:
+   every E4M3 value, the ties between them, saturation, signed zeros). One instruction converts two
+   values where the software spends tens of instructions on one. The emulated device runs the path of
+   a binary built for its compute capability (moept_emu_arch; a default build's sm_80 code on 8.9). */
+#if !defined(MOEPT_CUDA_EMU_KERNELS_H) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define MOEPT__SM89 1
+#else
+#define MOEPT__SM89 0
+#endif
+/* lo's and hi's E4M3 bytes, lo's in bits 0-7 and hi's in 8-15 */
+__device__ __forceinline__ uint32_t moept__e4m3x2(float lo, float hi) {
+#if MOEPT__SM89
+    uint16_t d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+#else
+#if defined(MOEPT_CUDA_EMU_KERNELS_H)
+    if (moept_emu_arch() >= 89) return moept_emu_cvt_e4m3x2_f32(hi, lo);
+#endif
+    return (uint32_t)moept__e4m3_byte(moept__e4m3_round(hi)) << 8 | moept__e4m3_byte(moept__e4m3_round(lo));
+#endif
+}
+/* the values of E4M3 bytes b: bits 0-7's in .x, 8-15's in .y (through f16, which holds every E4M3 value) */
+__device__ __forceinline__ float2 moept__e4m3x2_f32(uint32_t b) {
+#if MOEPT__SM89
+    uint32_t h;
+    float lo, hi;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((uint16_t)b));
+    asm("{.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, u;}"
+        : "=f"(lo), "=f"(hi) : "r"(h));
+    return make_float2(lo, hi);
+#else
+#if defined(MOEPT_CUDA_EMU_KERNELS_H)
+    if (moept_emu_arch() >= 89) {
+        const uint32_t h = moept_emu_cvt_f16x2_e4m3x2((uint16_t)b);
+        return make_float2(moept_emu_cvt_f32_f16((uint16_t)h), moept_emu_cvt_f32_f16((uint16_t)(h >> 16)));
+    }
+#endif
+    return make_float2(moept__e4m3_f32((uint8_t)b), moept__e4m3_f32((uint8_t)(b >> 8)));
+#endif
+}
+/* v0's and v1's E4M3 bytes in a tile of scale sc (v0's low) */
+__device__ __forceinline__ uint32_t moept__q8_pair(float v0, float v1, float sc) {
+    return moept__e4m3x2(v0 / sc, v1 / sc);
+}
+/* 0xff in each of a word's 4 bytes whose bit is set in live's bits 0-3 */
+__device__ __forceinline__ uint32_t moept__q8_bytes(int live) {
+    uint32_t m = 0;
+    for (int e = 0; e < 4; e++) m |= (uint32_t)(live >> e & 1) * (0xffu << (8 * e));
+    return m;
 }
 
 /* v's 4 E4M3 bytes in one word (the first lowest: little-endian), each zero where its live bit is off */
 __device__ __forceinline__ uint32_t moept__q8_word(const float *v, int live, float sc) {
-    uint32_t w = 0;
-    for (int e = 0; e < 4; e++)
-        if (live >> e & 1) w |= (uint32_t)moept__q8_byte(v[e], sc) << (8 * e);
-    return w;
+    return (moept__q8_pair(v[0], v[1], sc) | moept__q8_pair(v[2], v[3], sc) << 16) & moept__q8_bytes(live);
 }
 /* ... v's 16 in 16 bytes (live's bits 0-15) */
 __device__ __forceinline__ uint4 moept__q8_16(const float *v, int live, float sc) {
@@ -2978,10 +3024,17 @@ __global__ void moept__k_q8_cols(const T *src, const moept__q8_rg G, int C, int6
             const int64_t r = r0 + 16 * x;
             float v[16], amax = 0.0f;
             int live = 0;
+            for (int e = 0; e < 16; e += 2) {
+                const int a0 = moept__q8_pan<T>(16 * x + e, cc % W);
+                const int a1 = moept__q8_pan<T>(16 * x + e + 1, cc % W);
+                if constexpr (sizeof(T) == 1) {
+                    const float2 d = moept__e4m3x2_f32(pp[a0] | (uint32_t)pp[a1] << 8);
+                    v[e] = d.x * rsc[16 * x + e], v[e + 1] = d.y * rsc[16 * x + e + 1];
+                } else {
+                    v[e] = moept__ld(pp, a0), v[e + 1] = moept__ld(pp, a1);
+                }
+            }
             for (int e = 0; e < 16; e++) {
-                const int at = moept__q8_pan<T>(16 * x + e, cc % W);
-                if constexpr (sizeof(T) == 1) v[e] = moept__e4m3_f32(pp[at]) * rsc[16 * x + e];
-                else v[e] = moept__ld(pp, at);
                 live |= (c < C && r + e < n) << e;
                 amax = moept__q8_amax(amax, v[e]);
             }
@@ -3053,13 +3106,10 @@ __device__ __forceinline__ void moept__q8_wblock(const float (*v)[4], int M, int
 #pragma unroll
     for (int k = 0; k < MOEPT__Q8_WR; k++) {
         const int r = y + 8 * k, i = i0 + r, j = j0 + 4 * x;
-        uint32_t word = 0;
+        const int nk = K - j, live = i >= M || nk <= 0 ? 0 : nk >= 4 ? 15 : (1 << nk) - 1;
+        const uint32_t word = moept__q8_word(v[k], live, sc); /* (padding: zero bytes, a NaN block's too) */
 #pragma unroll
-        for (int u = 0; u < 4; u++) { /* (padding: zero bytes, a NaN block's too) */
-            const uint8_t b = i < M && j + u < K ? moept__q8_byte(v[k][u], sc) : 0;
-            w->qb[r][4 * x + u] = b;
-            word |= (uint32_t)b << (8 * u);
-        }
+        for (int u = 0; u < 4; u++) w->qb[r][4 * x + u] = (uint8_t)(word >> (8 * u));
         if (i < Mp && j < Kp) *(uint32_t *)(q + (int64_t)i * Kp + j) = word;
     }
     __syncthreads();
@@ -4615,11 +4665,12 @@ __device__ __forceinline__ void moept__gk_store_q8(const moept__gk_args *g, int 
         const int64_t r = rbase + moept__gk_row(j, t), col = (int64_t)nt * MOEPT__GK_BN + moept__gk_col(j, t);
         if (r >= g->rows[i] || col >= lim) continue;
         const int64_t row = g->r0[i] + r;
-        uint32_t b = 0;
-        for (int q = 0; q < 2; q++)
-            if (col + q < g->N)
-                b |= (uint32_t)moept__q8_byte(moept__bf16_to_f32(src[row * lds + c0 + col + q]),
-                                              sc[(j >> 1) & 1]) << (8 * q);
+        const moept__bf16 *p = src + row * lds + c0 + col;
+        const int64_t live = g->N - col; /* (of the pair: from N on zeros) */
+        const float v0 = live > 0 ? moept__bf16_to_f32(p[0]) : 0.0f;
+        const float v1 = live > 1 ? moept__bf16_to_f32(p[1]) : 0.0f;
+        const int bits = live > 1 ? 3 : live > 0;
+        const uint32_t b = moept__q8_pair(v0, v1, sc[(j >> 1) & 1]) & moept__q8_bytes(bits);
         *(uint16_t *)(g->qa + row * g->ldq + c0 + col) = (uint16_t)b;
     }
     for (int h = 0; h < 2 && t % 4 == 0; h++) {
@@ -4744,11 +4795,17 @@ __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, 
         const int c = cb + cf, in = c < c1 && kb * 128 + c < g->K; /* (c past the share: none) */
         const int64_t gc = (int64_t)kb * 128 + c;
         float v[8], amax = 0.0f;
-        for (int e = 0; e < 8; e++) { /* (byte c of box row r: its 16-byte chunk at c / 16 ^ r % 8) */
-            const int r = 8 * p + ((e + p) & 7), at = 128 * r + (((c >> 4) ^ (r & 7)) << 4) + (c & 15);
-            v[e] = in && r < n ? moept__e4m3_f32(a[at]) * rs[e] : 0.0f;
-            amax = moept__q8_amax(amax, v[e]);
+        for (int e = 0; e < 8; e += 2) { /* (byte c of box row r: its 16-byte chunk at c / 16 ^ r % 8) */
+            uint32_t b = 0;
+            for (int u = 0; u < 2; u++) {
+                const int r = 8 * p + ((e + u + p) & 7);
+                const int at = 128 * r + (((c >> 4) ^ (r & 7)) << 4) + (c & 15);
+                b |= in && r < n ? (uint32_t)a[at] << (8 * u) : 0u; /* (past the rows: 0, their scale 0) */
+            }
+            const float2 d = moept__e4m3x2_f32(b);
+            v[e] = d.x * rs[e], v[e + 1] = d.y * rs[e + 1];
         }
+        for (int e = 0; e < 8; e++) amax = moept__q8_amax(amax, v[e]);
         float *pp = part + (*par & 1) * 128;
         (*par)++;
         pp[l] = amax;
@@ -4756,9 +4813,11 @@ __device__ __forceinline__ void moept__gk_xcols(const moept__gk_args *g, int i, 
         for (int u = 0; u < 16; u++) amax = moept__q8_amax(amax, pp[l - p + u]);
         const float sc = moept__q8_scale(amax);
         uint64_t q = 0; /* (turn e's byte at e, then rotated to (e + p) % 8: rows 8 p.. in order) */
-        if (gc < g->qxD)
-            for (int e = 0; e < 8; e++)
-                if (8 * p + ((e + p) & 7) < n) q |= (uint64_t)moept__q8_byte(v[e], sc) << (8 * e);
+        if (gc < g->qxD) {
+            int live = 0;
+            for (int e = 0; e < 8; e++) live |= (8 * p + ((e + p) & 7) < n) << e;
+            q = (uint64_t)moept__q8_word(v + 4, live >> 4, sc) << 32 | moept__q8_word(v, live, sc);
+        }
         const int rot = 8 * (p & 7);
         q = rot ? q << rot | q >> (64 - rot) : q;
         if (in) *(uint2 *)(g->qx + gc * g->qcS + o + 8 * p) = make_uint2((uint32_t)q, (uint32_t)(q >> 32));

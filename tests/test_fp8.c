@@ -86,13 +86,13 @@ static void test_e4m3_round(void) {
 }
 
 /* the byte a GPU's FP8 operand holds (moept__e4m3_byte): every byte's value encodes back to that byte,
-   NaN to 0x7F with its sign; and the decoder (moept__e4m3_f32: checkpoints, FP8 rows) gives each byte's
-   value */
+   NaN to 0x7F whatever its sign (the NaN sm_89's cvt.rn.satfinite writes, as cuda_fp8.hpp has it);
+   and the decoder (moept__e4m3_f32: checkpoints, FP8 rows) gives each byte's value */
 static void test_e4m3_bytes(void) {
     e4m3_table();
     int bad = 0, first = -1, dbad = 0, dfirst = -1;
     for (int b = 0; b < 256; b++) {
-        const int want = (b & 0x7F) == 0x7F ? (b & 0x80) | 0x7F : b;
+        const int want = (b & 0x7F) == 0x7F ? 0x7F : b;
         if (moept__e4m3_byte(moept__e4m3_round(e4m3_vals[b])) != want && !bad++) first = b;
         const float v = moept__e4m3_f32((uint8_t)b);
         if (!(v == e4m3_vals[b] || (isnan(v) && isnan(e4m3_vals[b]))) && !dbad++) dfirst = b;

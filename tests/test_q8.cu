@@ -593,6 +593,75 @@ static void test_records(void) {
     q8t_groups(200);
 }
 
+/* The device's E4M3 conversions (moept__e4m3x2 and back: sm_89's cvt where the binary has it, the
+   software rules where not) against moept.c's spec on the host, byte for byte: x's values in pairs (lo,
+   hi), and the 256 bytes decoded as pairs (b, 255 - b), each byte in both places */
+__global__ void q8t_k_cvt(const float *x, int n, uint16_t *out, float *dec) {
+    const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i < n / 2) out[i] = (uint16_t)moept__e4m3x2(x[2 * i], x[2 * i + 1]);
+    if (i < 256) {
+        const float2 d = moept__e4m3x2_f32((uint32_t)i | (uint32_t)(255 - i) << 8);
+        dec[2 * i] = d.x, dec[2 * i + 1] = d.y;
+    }
+}
+/* the values that decide a rounding: every E4M3 value, each midpoint between neighbours and the floats
+   either side of it, past 448 (to 464, the midpoint to E4M3's missing 480, and on), the zeros, the
+   smallest floats, the infinities, NaNs of either sign, and random bit patterns of every exponent */
+static int q8t_cvt_values(float *x) {
+    int n = 0;
+    for (int b = 0; b < 256; b++) {
+        const float v = moept__e4m3_f32((uint8_t)b);
+        x[n++] = v;
+        if ((b & 0x7f) >= 0x7e) continue; /* (448 and NaN: no next value) */
+        const float m = 0.5f * (v + moept__e4m3_f32((uint8_t)(b + 1))); /* (exact: 5 significant bits) */
+        x[n++] = m, x[n++] = nextafterf(m, 0.0f), x[n++] = nextafterf(m, 2.0f * m);
+    }
+    const float edge[] = {448.0f, 455.9f, 456.0f, 463.99997f, 464.0f, 464.00003f, 480.0f, 1e30f, INFINITY,
+                          0x1p-10f, 0x1p-11f, 0x1p-149f, 0x1p-126f, 0.0f, NAN, 0x1.8p-10f, 0x1.fffffep-7f};
+    for (size_t i = 0; i < sizeof edge / sizeof *edge; i++) x[n++] = edge[i], x[n++] = -edge[i];
+    uint64_t r = 11;
+    for (int i = 0; i < 4096; i++) x[n++] = moept__bits_f32((uint32_t)(moept__mix(&r) >> 32));
+    return n;
+}
+static void q8t_cvt(const char *on) {
+    float *x = (float *)malloc(8192 * sizeof(float)), dh[512];
+    const int n = q8t_cvt_values(x) & ~1;
+    float *xd = q8t_dev<float>(x, (size_t)n * 4), *decd = q8t_dev<float>(NULL, sizeof dh);
+    uint16_t *od = q8t_dev<uint16_t>(NULL, (size_t)n);
+    MOEPT__LAUNCH(q8t_k_cvt, (n / 2 + 255) / 256, 256, 0, 0)(xd, n, od, decd);
+    uint16_t *o = q8t_host<uint16_t>(od, (size_t)n);
+    cudaMemcpy(dh, decd, sizeof dh, cudaMemcpyDeviceToHost);
+    int bad = 0, first = -1, dbad = 0, dfirst = -1;
+    for (int i = 0; i < n; i++) {
+        const int got = o[i / 2] >> (8 * (i & 1)) & 0xff, want = moept__e4m3_byte(moept__e4m3_round(x[i]));
+        if (got != want && !bad++) first = i;
+    }
+    for (int i = 0; i < 512; i++) {
+        const float want = moept__e4m3_f32((uint8_t)(i & 1 ? 255 - i / 2 : i / 2));
+        const int same = want == want ? moept__f32_bits(dh[i]) == moept__f32_bits(want) : dh[i] != dh[i];
+        if (!same && !dbad++) dfirst = i;
+    }
+    EXPECT(bad == 0, "%s: %d of %d values convert apart from moept.c's bytes, first %a: 0x%02x, want 0x%02x",
+           on, bad, n, first < 0 ? 0.0 : (double)x[first],
+           first < 0 ? 0 : o[first / 2] >> (8 * (first & 1)) & 0xff,
+           first < 0 ? 0 : moept__e4m3_byte(moept__e4m3_round(x[first])));
+    EXPECT(dbad == 0, "%s: %d of 512 bytes decode apart from moept.c's values, first (pair %d) %a", on, dbad,
+           dfirst / 2, dfirst < 0 ? 0.0 : (double)dh[dfirst]);
+    cudaFree(xd), cudaFree(decd), cudaFree(od);
+    free(o), free(x);
+}
+static void test_cvt(void) {
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+    setenv("MOEPT_EMU_CC", "80", 1);
+    q8t_cvt("sm_80 (software)");
+    setenv("MOEPT_EMU_CC", "90", 1);
+    q8t_cvt("sm_90 (cvt)");
+    unsetenv("MOEPT_EMU_CC");
+#else
+    q8t_cvt("this GPU");
+#endif
+}
+
 /* The kernel form's FP8 layer (an emulated GPU of compute capability 9.0) of T tokens with its fused
    stages (a by the gate/up kernel's epilogue along its rows, and down them (F a multiple of 128) for the
    backward, dh by the down dgrad's, along its rows and down them there (F a multiple of 128) or by the
@@ -793,8 +862,10 @@ static void q8t_kept(int64_t T, int64_t T2) {
     float *x = (float *)q8t_dev<moept__bf16>(xh, (size_t)(T2 * D) * 2);
     char *out[NV] = {NULL}, *ye = q8t_dev<char>(NULL, (size_t)(T2 * D) * 2), *h[NV] = {NULL};
     float *g[NV] = {NULL};
-    long long wrote[NV] = {0}, fwrote[NV] = {0}, copy = 0; /* (the backward's kernels' bytes, the first
-                                                                forward's; the copies') */
+#ifdef MOEPT_CUDA_EMU_KERNELS_H /* (the emulator's counts: the backward's kernels' bytes, the first forward's;
+                                   the copies') */
+    long long wrote[NV] = {0}, fwrote[NV] = {0}, copy = 0;
+#endif
     int64_t np = 0;
     char err[MOEPT__ERRLEN] = "";
     const char *what[NV] = {"", "the evaluation", "the scratch's growth", "the receive block's growth",
@@ -955,7 +1026,9 @@ static void q8t_adamw(moept_family fam, int64_t D, int64_t F, int64_t S, moept_d
     moept__view view[2];
     int64_t np = 0;
     float *pp[2] = {NULL, NULL}, *gp[2] = {NULL, NULL}, *gh = NULL;
-    long long rd[2] = {0, 0}, wr[2] = {0, 0};
+#ifdef MOEPT_CUDA_EMU_KERNELS_H
+    long long rd[2] = {0, 0}, wr[2] = {0, 0}; /* (the emulator's counts: the optimizer's bytes) */
+#endif
     unsigned long long rs = 11;
     for (int v = 0; v < 2; v++) { /* (0: FP8) */
         moept_config cv = cfg;
@@ -1100,6 +1173,8 @@ static void test_wide(void) {
 
 int main(int argc, char **argv) {
     const int wide = argc > 1 && !strcmp(argv[1], "--wide");
+    const char *cvt = "E4M3 conversions on the device (sm_89's cvt, or software): moept.c's bytes and values "
+                      "at every tie, saturation, zero and NaN";
     const char *name = "FP8 records, their cuBLASLt copy, a chunk's runs, the wgrad's column-wise x and "
                        "the rows' copy from its read: the separate passes' bytes, the CPU's values";
     const char *fused =
@@ -1118,9 +1193,11 @@ int main(int argc, char **argv) {
     major = 9, minor = 0;
 #endif
     if (moept_cuda_device_count() < 1) {
+        if (!wide) tu_skip(cvt, "no CUDA device");
         if (!wide) tu_skip(name, "no CUDA device");
         tu_skip(fused, "no CUDA device");
     } else {
+        if (!wide) tu_run(cvt, test_cvt);
         if (!wide) tu_run(name, test_records);
         if (major == 9 && minor == 0) tu_run(fused, wide ? test_wide : test_fused);
         else tu_skip(fused, "the kernel GEMM form needs compute capability 9.0");

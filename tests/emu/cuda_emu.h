@@ -81,6 +81,12 @@ moept_emu_launcher<P...> moept_emu_kernel(void (*k)(P...), dim3 g, dim3 b, size_
     return moept_emu_launcher<P...>{k, g, b, smem, s, name};
 }
 #define MOEPT__LAUNCH(k, g, b, smem, s) moept_emu_kernel(k, g, b, smem, s, #k)
+/* ---- sm_89's FP8 conversions (PTX ISA, cvt): tests/emu/emu_kernel.cc ----
+   the compute capability the launch's device answered (10 major + minor): the binary nvcc would run */
+int moept_emu_arch(void);
+uint16_t moept_emu_cvt_e4m3x2_f32(float a, float b); /* cvt.rn.satfinite.e4m3x2.f32 d, a, b: a's byte high */
+uint32_t moept_emu_cvt_f16x2_e4m3x2(uint16_t a);     /* cvt.rn.f16x2.e4m3x2 d, a: a's high byte's f16 high */
+float moept_emu_cvt_f32_f16(uint16_t h);             /* cvt.f32.f16 */
 /* ---- Hopper (sm_90) primitives: tests/emu/emu_hopper.cc, docs/CUDA_INTERNALS.md "Verified without a GPU"
    Each stands for one PTX instruction (or, mbar_wait, a try_wait loop) and is called by every thread
    that executes it, as the PTX would be. The .sync.aligned ones (wgmma_*) are warpgroup-wide: the

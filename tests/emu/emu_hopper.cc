@@ -929,15 +929,6 @@ float bf16(const char *p) {
     return f;
 }
 
-/* an E4M3 byte's value (PTX ISA, "Alternate Floating-Point Data Formats": 1 sign, 4 exponent bits
-   biased by 7, 3 mantissa bits; exponent 0 subnormal (m / 8 2^-6); no infinity, S.1111.111 NaN) */
-float e4m3(uint8_t b) {
-    const int ex = b >> 3 & 15, m = b & 7;
-    const float v = ex == 15 && m == 7 ? NAN : ex ? ldexpf(1.0f + (float)m / 8.0f, ex - 7)
-                                                 : ldexpf((float)m / 8.0f, -6);
-    return b & 0x80 ? -v : v;
-}
-
 /* D = A B (+ D): each product of two bf16 (or e4m3) values is exact in fp32 (8-bit significands, or
    4-bit; barring underflow), and the K (16, or 32) are added to the accumulator in k order, each
    addition rounded to nearest even in fp32 (a plain fp32 loop over k gives the same bits); the tensor
@@ -951,7 +942,7 @@ float e4m3(uint8_t b) {
 void compute(const WgOp &op) {
     const char *s = dyn_smem();
     const size_t K = (size_t)(32 / op.es), n = (size_t)op.n;
-    auto val = [&](uint32_t o) { return op.es == 2 ? bf16(s + o) : e4m3((uint8_t)s[o]); };
+    auto val = [&](uint32_t o) { return op.es == 2 ? bf16(s + o) : e4m3_value((uint8_t)s[o]); };
     auto at = [n](int l, int i) { /* thread l's register i: its element of D [64][n] */
         const int w = l / 32, g = (l % 32) / 4, q = l % 4;
         return (size_t)(16 * w + g + 8 * ((i >> 1) & 1)) * n + (size_t)(8 * (i >> 2) + 2 * q + (i & 1));

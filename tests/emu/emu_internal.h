@@ -12,6 +12,7 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -155,6 +156,25 @@ extern thread_local VC host_vc;
 extern thread_local Op *cur_op;    /* set on a worker while its op runs */
 
 void report(const char *checker, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* the emulated devices' compute capability, 10 major + minor (MOEPT_EMU_CC; 80) */
+int compute_capability();
+/* an E4M3 byte's value (PTX ISA, "Alternate Floating-Point Data Formats", OCP FP8's E4M3: 1 sign bit, 4
+   exponent bits biased by 7, 3 mantissa bits; exponent 0 subnormal, m 2^-9; no infinities, S.1111.111
+   NaN), from a table made once: wgmma's and cuBLASLt's FP8 operands, cvt's conversions */
+inline float e4m3_value(uint8_t b) {
+    static const struct T {
+        float v[256];
+        T() {
+            for (int i = 0; i < 256; i++) {
+                const int e = i >> 3 & 15, m = i & 7;
+                const float x = e == 15 && m == 7 ? NAN : e ? ldexpf(1.0f + (float)m / 8.0f, e - 7)
+                                                            : ldexpf((float)m / 8.0f, -6);
+                v[i] = i & 0x80 ? -x : x;
+            }
+        }
+    } t;
+    return t.v[b];
+}
 Device *dev(int d);
 Stream *stream_of(cudaStream_t s);
 /* enqueue: op runs on s after its deps and s's earlier ops; returns it.

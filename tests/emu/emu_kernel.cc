@@ -18,6 +18,8 @@
        written (memcheck). */
 #include "emu_internal.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -81,6 +83,7 @@ struct Exec {
     uint32_t blk;           /* block serial, for initcheck */
     size_t smem;            /* the launch's dynamic shared memory bytes */
     bool ended;             /* kernel_end_block: the block ends now */
+    int arch;               /* the device's compute capability at the launch (10 major + minor) */
 };
 
 static thread_local Exec *X;
@@ -335,7 +338,7 @@ static void run_block(Exec *x, int n, uint64_t *seed) {
 }
 
 static void run_kernel(Op &o, const char *name, dim3 g, dim3 b, size_t smem, const std::vector<char> &blob,
-                       void (*invoke)(void *)) {
+                       void (*invoke)(void *), int arch) {
     std::lock_guard<std::mutex> lk(g_sm);
     Exec x;
     memset((void *)&x, 0, sizeof x);
@@ -346,6 +349,7 @@ static void run_kernel(Op &o, const char *name, dim3 g, dim3 b, size_t smem, con
     x.bd = b;
     x.gd = g;
     x.smem = smem;
+    x.arch = arch;
     x.f = fibers();
     x.cur = -1;
     const int n = (int)(b.x * b.y * b.z);
@@ -518,6 +522,76 @@ void moept_emu_syncthreads(int line) {
     to_sched(f, false);
 }
 
+/* ---- sm_89's FP8 conversions (PTX ISA, "Data Movement and Conversion Instructions: cvt") ----
+   "cvt ... .e4m3x2 ... requires sm_89 or higher": ptxas refuses them for sm_80, so a binary nvcc builds
+   for an older device has none; the kernels choose their rounding in software there (moept_emu_arch). A
+   call on such a device is a report ("arch"): the kernel took a path its binary could not have. */
+int moept_emu_arch(void) { return X ? X->arch : emu::compute_capability(); }
+static void need_sm89(const char *insn) {
+    if (X && X->arch < 89)
+        emu::report("arch", "kernel %s block (%u,%u,%u) thread %d: %s needs sm_89 or higher (PTX ISA, cvt, "
+                    "\"Target ISA notes\"); this device is sm_%d, whose binary cannot hold it", X->name,
+                    X->bid.x, X->bid.y, X->bid.z, X->cur, insn, X->arch);
+}
+/* one value of cvt.rn.satfinite.e4m3x2.f32: .rn, the nearest E4M3 value, a tie to the even mantissa (the
+   even code: a value's successor has the next code); .satfinite, "if the absolute value of input ... is
+   greater than MAX_NORM ... the result is sign-preserved MAX_NORM" (448, S.1111.110, infinities too),
+   and a NaN "is NaN in the specified destination format": of E4M3's two NaN codes, 0x7f, the one the
+   CUDA toolkit's cuda_fp8.hpp writes where it does without the instruction (its host path, which
+   canonicalises a NaN first). A value that rounds to zero keeps its sign (IEEE 754's rounding). The
+   grid: steps of 2^(e-3) in [2^e, 2^(e+1)) for e >= -6, of 2^-9 below 2^-6 (subnormals); a / step
+   is exact in double, nearbyint rounds it to even in the default rounding mode. */
+static uint8_t e4m3_of(float x) {
+    if (std::isnan(x)) return 0x7f;
+    const uint8_t s = std::signbit(x) ? 0x80 : 0;
+    const double a = std::fabs((double)x);
+    if (a >= 448.0) return s | 0x7e;
+    int e;
+    std::frexp(a, &e); /* a in [2^(e-1), 2^e) */
+    const int lo = std::max(e - 1, -6);
+    const double r = std::nearbyint(std::ldexp(a, 3 - lo)); /* a in steps of 2^(lo-3): 0 .. 16 */
+    if (r >= 16.0) return s | (uint8_t)((lo + 8) << 3);     /* rounded up into the next binade */
+    if (r < 8.0) return s | (uint8_t)r;                       /* (zero, or a subnormal: lo -6) */
+    return s | (uint8_t)((lo + 7) << 3 | ((int)r - 8));
+}
+uint16_t moept_emu_cvt_e4m3x2_f32(float a, float b) {
+    need_sm89("cvt.rn.satfinite.e4m3x2.f32");
+    return (uint16_t)(e4m3_of(a) << 8 | e4m3_of(b));
+}
+/* cvt.rn.f16x2.e4m3x2: every E4M3 value is an f16 value (3 of f16's 10 mantissa bits, exponents within
+   f16's normal range but subnormals 2^-9 m, f16 subnormals reach 2^-24); a NaN, f16's 0x7fff
+   (cuda_fp8.hpp's host path again: "fp16 canonical NaN, discard sign") */
+static uint16_t f16_of(uint8_t b) {
+    if ((b & 0x7f) == 0x7f) return 0x7fff;
+    const float v = std::fabs(emu::e4m3_value(b));
+    uint16_t h = 0;
+    if (v != 0.0f) {
+        int e;
+        const float f = std::frexp(v, &e); /* v = f 2^e, f in [0.5, 1): f16 exponent field e + 14 */
+        h = e + 14 >= 1 ? (uint16_t)((e + 14) << 10 | ((int)std::ldexp(f, 11) - 1024))
+                        : (uint16_t)std::ldexp(v, 24);
+    }
+    return (uint16_t)((b & 0x80) << 8 | h);
+}
+uint32_t moept_emu_cvt_f16x2_e4m3x2(uint16_t a) {
+    need_sm89("cvt.rn.f16x2.e4m3x2");
+    return (uint32_t)f16_of((uint8_t)(a >> 8)) << 16 | f16_of((uint8_t)a);
+}
+/* cvt.f32.f16 (exact: every f16 value is a float); a NaN, the canonical 0x7fffffff ("Floating Point
+   Instructions": NaN results are canonical; cuda_fp8.hpp's host path: the sign discarded, the mantissa
+   all ones) */
+float moept_emu_cvt_f32_f16(uint16_t h) {
+    const int e = h >> 10 & 31, m = h & 1023;
+    float v = e == 31 ? (m ? NAN : INFINITY) : e ? std::ldexp(1.0f + (float)m / 1024.0f, e - 15)
+                                                 : std::ldexp((float)m, -24);
+    if (std::isnan(v)) {
+        const uint32_t u = 0x7fffffffu;
+        memcpy(&v, &u, 4);
+        return v;
+    }
+    return h & 0x8000 ? -v : v;
+}
+
 namespace emu {
 bool kblock(KBlock *k) {
     const Exec *x = X;
@@ -613,9 +687,10 @@ void moept_emu_launch(const char *name, const void *func, dim3 g, dim3 b, size_t
     char nm[160];
     snprintf(nm, sizeof nm, "kernel %s<<<(%u,%u,%u),(%u,%u,%u)>>>", name, g.x, g.y, g.z, b.x, b.y, b.z);
     auto bp = std::make_shared<std::vector<char>>((const char *)blob, (const char *)blob + nb);
-    enqueue(s, nm, [name, g, b, smem, bp, invoke, fault](Op &o) {
+    const int arch = compute_capability();
+    enqueue(s, nm, [name, g, b, smem, bp, invoke, fault, arch](Op &o) {
         if (fault) lose(o.s->dev, cudaErrorIllegalAddress, o.name.c_str(), "injected");
-        else run_kernel(o, name, g, b, smem, *bp, invoke);
+        else run_kernel(o, name, g, b, smem, *bp, invoke, arch);
     });
 }
 

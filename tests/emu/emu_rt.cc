@@ -798,6 +798,10 @@ size_t func_max_dyn_smem(int d, const void *func) {
     return it == g_func_smem.end() ? DYN_SMEM_DEFAULT : it->second;
 }
 
+int compute_capability() {
+    const char *e = getenv("MOEPT_EMU_CC");
+    return e && atoi(e) > 0 ? atoi(e) : 80;
+}
 }  // namespace emu
 
 using namespace emu;
@@ -925,11 +929,11 @@ cudaError_t cudaGetDevice(int *d) {
 
 /* The compute capability only: the emulated device is no real architecture; it
    answers 8.0 (MOEPT_EMU_CC=90 for 9.0), so what a caller sizes by it (e.g.
-   the cuBLAS workspace the cuBLAS docs recommend per architecture) stays small */
+   the cuBLAS workspace the cuBLAS docs recommend per architecture) stays small.
+   A kernel runs as the binary nvcc builds for it would (moept_emu_arch). */
 cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int d) {
     if (!v || d < 0 || d >= device_count()) return fail(!v ? cudaErrorInvalidValue : cudaErrorInvalidDevice);
-    const char *e = getenv("MOEPT_EMU_CC");
-    int cc = e && atoi(e) > 0 ? atoi(e) : 80;
+    const int cc = emu::compute_capability();
     if (a == cudaDevAttrComputeCapabilityMajor) *v = cc / 10;
     else if (a == cudaDevAttrComputeCapabilityMinor) *v = cc % 10;
     /* shared memory a block: 48 KiB, and sm_90's 227 KiB opt-in (cudaFuncSetAttribute), whatever the

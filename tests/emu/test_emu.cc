@@ -1800,6 +1800,64 @@ static bool hgemm_run(int span, int bug, char *why, size_t len) {
     return bad == 0;
 }
 
+/* sm_89's FP8 conversions (cvt): pairs through .e4m3x2 and back, and f16 to f32 */
+__global__ void k_cvt8(const float *in, int n, uint16_t *enc, const uint16_t *bytes, uint32_t *f16,
+                       float *f32) {
+    const int i = (int)threadIdx.x;
+    if (i < n) enc[i] = moept_emu_cvt_e4m3x2_f32(in[2 * i], in[2 * i + 1]);
+    if (i < 3) f16[i] = moept_emu_cvt_f16x2_e4m3x2(bytes[i]);
+    if (i < 3) f32[i] = moept_emu_cvt_f32_f16(bytes[3 + i]);
+}
+/* hand-worked from the OCP FP8 E4M3 encoding and the PTX ISA's cvt (a's byte high): .rn's ties to the
+   even code, .satfinite's sign-preserved 448 (0x7e) for 464, 1e9 and infinities and 0x7f for a NaN of
+   either sign, zeros keeping the sign; each byte pair back to two f16, and f16 to f32 */
+static void conversions() {
+    const float in[16] = {1.0f, -1.0f, 448.0f, 1e9f, -INFINITY, NAN, -NAN, 464.0f, 0x1p-10f, -0x1p-10f,
+                          0x3p-10f, 17.0f, 19.0f, 0x1.2p-6f, 0x1.ep-7f, 0x1.fp-7f};
+    const uint16_t want[8] = {0x38b8, 0x7e7e, 0xfe7f, 0x7f7e, 0x0080, 0x0258, 0x5a09, 0x0808};
+    const uint16_t bytes[6] = {0x7e01, 0x80ff, 0x38b9, 0x7fff, 0x5f00, 0x8000};
+    const uint32_t w16[3] = {0x5f001800u, 0x80007fffu, 0x3c00bc80u};
+    float *din, *f32;
+    uint16_t *enc, *db;
+    uint32_t *f16;
+    cudaMalloc((void **)&din, sizeof in), cudaMalloc((void **)&enc, sizeof want);
+    cudaMalloc((void **)&db, sizeof bytes), cudaMalloc((void **)&f16, 12), cudaMalloc((void **)&f32, 12);
+    cudaMemcpy(din, in, sizeof in, cudaMemcpyHostToDevice);
+    cudaMemcpy(db, bytes, sizeof bytes, cudaMemcpyHostToDevice);
+    MOEPT__LAUNCH(k_cvt8, 1, 32, 0, 0)(din, 8, enc, db, f16, f32); /* (compute capability 8.0) */
+    cudaDeviceSynchronize();
+    expect_report("arch: cvt's .e4m3x2 forms on a device below sm_89 (its binary cannot hold them)",
+                  "needs sm_89");
+    setenv("MOEPT_EMU_CC", "90", 1);
+    MOEPT__LAUNCH(k_cvt8, 1, 32, 0, 0)(din, 8, enc, db, f16, f32);
+    cudaDeviceSynchronize();
+    unsetenv("MOEPT_EMU_CC");
+    expect_clean("cvt.rn.satfinite.e4m3x2.f32, cvt.rn.f16x2.e4m3x2 and cvt.f32.f16 on sm_90: clean");
+    uint16_t got[8];
+    uint32_t g16[3], g32[3];
+    cudaMemcpy(got, enc, sizeof got, cudaMemcpyDeviceToHost);
+    cudaMemcpy(g16, f16, sizeof g16, cudaMemcpyDeviceToHost);
+    cudaMemcpy(g32, f32, sizeof g32, cudaMemcpyDeviceToHost);
+    char why[200] = "";
+    for (int i = 7; i >= 0; i--)
+        if (got[i] != want[i])
+            snprintf(why, sizeof why, "(%a, %a) -> 0x%04x, want 0x%04x", (double)in[2 * i],
+                     (double)in[2 * i + 1], got[i], want[i]);
+    result("... each pair's bytes: ties to even, saturation, NaN 0x7f, signed zeros", !*why, why);
+    *why = 0;
+    for (int i = 2; i >= 0; i--)
+        if (g16[i] != w16[i])
+            snprintf(why, sizeof why, "0x%04x -> 0x%08x, want 0x%08x", bytes[i], g16[i], w16[i]);
+    result("... E4M3 pairs to f16 pairs: 448, 2^-9, -0, NaN 0x7fff, 1, -1.125", !*why, why);
+    const uint32_t w32[3] = {0x7fffffffu, 0x43e00000u, 0x80000000u};
+    *why = 0;
+    for (int i = 2; i >= 0; i--)
+        if (g32[i] != w32[i])
+            snprintf(why, sizeof why, "0x%04x -> 0x%08x, want 0x%08x", bytes[3 + i], g32[i], w32[i]);
+    result("... f16 to f32: NaN canonical 0x7fffffff, 448, -0", !*why, why);
+    cudaFree(din), cudaFree(enc), cudaFree(db), cudaFree(f16), cudaFree(f32);
+}
+
 static void hopper_kernels() {
     char why[300] = "";
     /* the D fragment of m64n16k16, hand-worked from the PTX ISA's figure: thread lane l (warp w = l / 32,
@@ -2081,5 +2139,6 @@ int main() {
     capture_modes();
     hopper_runtime();
     hopper_kernels();
+    conversions();
     return g_fail;
 }
