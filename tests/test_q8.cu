@@ -452,6 +452,18 @@ static moept_emu_counts q8t_counts(const char *s) {
     moept_emu_counts_get(0, s, &n);
     return n;
 }
+/* the bytes the kernels since q8t_count0 stored twice in one launch (a launch's stores past its distinct
+   bytes), the router's kernels' aside (a token's thread rewrites its scratch): a duplicated copy writes
+   the same bytes twice, which no comparison of results sees */
+static long long q8t_twice(void) {
+    long long n = 0;
+    const char *st[3] = {NULL, "route", "bwd.router"};
+    for (int i = 0; i < 3; i++) {
+        const moept_emu_counts c = q8t_counts(st[i]);
+        n += (i ? -1 : 1) * (c.kstored - c.kwrite);
+    }
+    return n;
+}
 #endif
 
 /* the a whose copy down its rows the kernel form's scratch holds (moept__q8_kept), NULL: none */
@@ -703,11 +715,13 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4, int
         const float *xf = (const float *)x; /* (the layer's dtype: bf16) */
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         const long k0 = moept_emu_launches("GK_GATE8");
+        q8t_count0();
 #endif
         EXPECT(!moept_forward(L[v], xf, T, (float *)y[v]), "forward: %s", moept_last_error(L[v]));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         const long k8 = moept_emu_launches("GK_GATE8") - k0;
         EXPECT(v ? k8 == 0 : k8 > 0, "layer %d: %ld launches of the fused gate/up form", v, k8);
+        EXPECT(!q8t_twice(), "layer %d: the forward's kernels stored %lld bytes twice", v, q8t_twice());
 #endif
         if (!v && fam == MOEPT_FAMILY_MIXTRAL)
             q8t_epilogue(c, c->slots[c->last].a, F, c->lda_a, "a, quantized");
@@ -722,11 +736,13 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4, int
         }
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         const long p0 = moept_emu_launches("moept__k_q8_cols");
+        q8t_count0();
 #endif
         EXPECT(!moept_backward(L[v], xf, xf, (float *)dx[v]), "backward: %s", moept_last_error(L[v]));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; dy's and
                                    dh's by the down dgrad; x's and a's launched, and done at once where
                                    the copies are there) */
+        EXPECT(!q8t_twice(), "layer %d: the backward's kernels stored %lld bytes twice", v, q8t_twice());
         const long np8 = moept_emu_launches("moept__k_q8_cols") - p0;
         const long per = kept ? 2 : 4; /* (passes a launch of groups) */
         EXPECT(fam != MOEPT_FAMILY_MIXTRAL || np8 == per * ((E + MOEPT__Q8_G - 1) / MOEPT__Q8_G),
@@ -887,6 +903,7 @@ static void q8t_kept(int64_t T, int64_t T2) {
         EXPECT(!moept_forward(L, x, T, (float *)out[v]), "forward: %s", moept_last_error(L));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         fwrote[v] = q8t_counts(NULL).kwrite;
+        EXPECT(!q8t_twice(), "%s: the forward's kernels stored %lld bytes twice", what[v], q8t_twice());
 #endif
         EXPECT(v < 4 || !q8t_owner(c), "two slots: the first forward into one wrote a copy of a");
         if (v == 4) EXPECT(!moept_forward(L, x, T, (float *)out[v]), "again: %s", moept_last_error(L));
@@ -911,6 +928,7 @@ static void q8t_kept(int64_t T, int64_t T2) {
         EXPECT(!moept_backward(L, x, x, (float *)(out[v] + ob / 2)), "backward: %s", moept_last_error(L));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         wrote[v] = q8t_counts(NULL).kwrite;
+        EXPECT(!q8t_twice(), "%s: the backward's kernels stored %lld bytes twice", what[v], q8t_twice());
         const moept__runs R = moept__runs_groups(sl->roffsets, c->sp.El);
         const int64_t S = moept__q8_wide(&R);
         const int64_t wide = cfg.intermediate_size + MOEPT__Q8_PAD(D); /* (a's columns, x's) */

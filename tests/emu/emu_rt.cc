@@ -372,6 +372,7 @@ void count_op(const Op &o) {
         c.kernels++; c.kread += r; c.kwrite += w;
         c.kaccess += (long long)(o.rw[0] + o.rw[1]);
         c.kops += (long long)o.nacc;
+        c.kstored += (long long)o.rw[1];
     }
     else if (!n.compare(0, 6, "cublas")) {
         c.blas++; c.gread += r; c.gwrite += w;
@@ -1664,7 +1665,7 @@ void moept_emu_counts_get(int d, const char *stage, moept_emu_counts *out) {
         if (kv.first.first != d || (stage && kv.first.second != stage)) continue;
         const moept_emu_counts &c = kv.second;
         out->kernels += c.kernels; out->blas += c.blas; out->comms += c.comms; out->copies += c.copies;
-        out->syncs += c.syncs; out->kaccess += c.kaccess; out->kops += c.kops;
+        out->syncs += c.syncs; out->kaccess += c.kaccess; out->kops += c.kops; out->kstored += c.kstored;
         out->kread += c.kread; out->kwrite += c.kwrite; out->cread += c.cread; out->cwrite += c.cwrite;
         out->gread += c.gread; out->gwrite += c.gwrite; out->nread += c.nread; out->nwrite += c.nwrite;
     }

@@ -1800,6 +1800,28 @@ static bool hgemm_run(int span, int bug, char *why, size_t len) {
     return bad == 0;
 }
 
+/* each of n threads stores float i % m (m = n: each once; m = n / 2: each twice, by two threads) */
+__global__ void k_store_mod(float *out, int m) { out[threadIdx.x % m] = (float)threadIdx.x; }
+/* the counts of a launch's stores: kstored every byte stored, kwrite each byte once */
+static void stores_twice() {
+    float *p;
+    cudaMalloc((void **)&p, 256);
+    moept_emu_counts c[2];
+    for (int i = 0; i < 2; i++) {
+        cudaDeviceSynchronize();
+        moept_emu_counts_reset();
+        MOEPT__LAUNCH(k_store_mod, 1, 64, 0, 0)(p, i ? 32 : 64);
+        cudaDeviceSynchronize();
+        moept_emu_counts_get(0, nullptr, &c[i]);
+    }
+    char why[120];
+    snprintf(why, sizeof why, "stored %lld and %lld bytes, distinct %lld and %lld", c[0].kstored, c[1].kstored,
+             c[0].kwrite, c[1].kwrite);
+    result("counts: 64 floats stored once (kstored = kwrite = 256), 32 twice (kstored 256, kwrite 128)",
+           c[0].kstored == 256 && c[0].kwrite == 256 && c[1].kstored == 256 && c[1].kwrite == 128, why);
+    cudaFree(p);
+}
+
 /* sm_89's FP8 conversions (cvt): pairs through .e4m3x2 and back, and f16 to f32 */
 __global__ void k_cvt8(const float *in, int n, uint16_t *enc, const uint16_t *bytes, uint32_t *f16,
                        float *f32) {
@@ -2140,5 +2162,6 @@ int main() {
     hopper_runtime();
     hopper_kernels();
     conversions();
+    stores_twice();
     return g_fail;
 }
