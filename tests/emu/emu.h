@@ -64,7 +64,7 @@ typedef struct moept_emu_counts {
     long long nread, nwrite;           /* NCCL ops: sent, received */
     long long kaccess;                 /* kernels' bytes accessed, every access counted (issue, not traffic) */
     long long kops;                    /* kernels' device memory accesses (kaccess / kops: bytes per access) */
-    long long kstored;                 /* kernels' bytes stored, every store counted: past kwrite where one
+    long long kstored;                 /* kernels' bytes stored, every store counted: past kwrite where a
                                           launch stores a byte twice (a byte store counts 1, kwrite 2) */
     long blas_streams;                 /* distinct streams its cuBLAS calls ran on */
 } moept_emu_counts;

@@ -1815,8 +1815,8 @@ static void stores_twice() {
         moept_emu_counts_get(0, nullptr, &c[i]);
     }
     char why[120];
-    snprintf(why, sizeof why, "stored %lld and %lld bytes, distinct %lld and %lld", c[0].kstored, c[1].kstored,
-             c[0].kwrite, c[1].kwrite);
+    snprintf(why, sizeof why, "stored %lld and %lld bytes, distinct %lld and %lld", c[0].kstored,
+             c[1].kstored, c[0].kwrite, c[1].kwrite);
     result("counts: 64 floats stored once (kstored = kwrite = 256), 32 twice (kstored 256, kwrite 128)",
            c[0].kstored == 256 && c[0].kwrite == 256 && c[1].kstored == 256 && c[1].kwrite == 128, why);
     cudaFree(p);
