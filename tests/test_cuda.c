@@ -1918,6 +1918,11 @@ static void test_stage_counts(void) {
                        "bf16 %d D %lld, stage %s: %ld kernels, %ld cuBLAS calls on %ld streams, %ld host syncs "
                        "(pinned: %ld, %ld on %ld, %ld)", bf, (long long)D[w], p->name, k->kernels, k->blas,
                        k->blas_streams, k->syncs, p->kernels[bf], p->blas[bf], p->blas_streams[bf], p->syncs);
+                /* (no byte stored twice by a launch, but by the router's kernels, whose threads rewrite their
+                   token's scratch: a duplicated store no result shows) */
+                EXPECT(strstr(p->name, "route") || k->kstored == k->kwrite, "bf16 %d D %lld, stage %s: its "
+                       "kernels stored %lld bytes, %lld distinct", bf, (long long)D[w], p->name, k->kstored,
+                       k->kwrite);
             }
             double grew = (double)(c[1][i].kread + c[1][i].kwrite - c[0][i].kread - c[0][i].kwrite);
             double want = stage_formula(p->name, T, R, D[1], F[1], E, bf) -
