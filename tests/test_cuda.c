@@ -1044,6 +1044,21 @@ static moept_status blocks_apart(moept_layer *L) {
     return st;
 }
 
+#ifdef MOEPT_EMU
+/* the bytes the kernels since the last moept_emu_counts_reset stored twice in one launch, the router's
+   kernels' aside (a token's thread rewrites its scratch): a duplicated store no result shows */
+static long long stored_twice(void) {
+    long long n = 0;
+    const char *st[3] = {NULL, "route", "bwd.router"};
+    cudaDeviceSynchronize();
+    for (int i = 0; i < 3; i++) {
+        moept_emu_counts c;
+        moept_emu_counts_get(0, st[i], &c);
+        n += (i ? -1 : 1) * (c.kstored - c.kwrite);
+    }
+    return n;
+}
+#endif
 static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_free) {
     const int64_t T = cfg.max_tokens, D = cfg.hidden_size, n = T * D;
     float *out = calloc((size_t)(4 * n), 4), *gr[2] = {NULL, NULL};
@@ -1063,6 +1078,8 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
         EXPECT_OK(moept_create_cuda(&cfg, NULL, NULL, &o, &L));
 #ifdef MOEPT_EMU
         const long a0 = moept_emu_launches(names[7]);
+        cudaDeviceSynchronize();
+        moept_emu_counts_reset();
 #endif
         if (L && !moept_init_params(L, 3) && !(cfg.fp8 && blocks_apart(L)) &&
             !forward_y(L, xd, T, D, 1, NULL, out + f * n)) {
@@ -1076,6 +1093,10 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
             const long c0 = moept_emu_launches("k_combine_bwd"), c80 = moept_emu_launches("k_combine_bwd8");
 #endif
             EXPECT_OK(moept_backward(L, xd, xd, dxd));
+#ifdef MOEPT_EMU
+            const long long tw = stored_twice();
+            EXPECT(tw == 0, "shape %d, form %d: the step's kernels stored %lld bytes twice", i, f, tw);
+#endif
 #ifdef MOEPT_EMU /* (the kernel's dgrads read dy's records as combine' made them, no row pass of its own,
                     and dh as its wgrad's column pass quantized it; the down dgrad runs the activation's
                     backward) */
