@@ -73,9 +73,9 @@
 #           build/stnx: MOEPT_GK_XCOLS=0), the quantizing kernels' share of each step (profile fp8) and each
 #           quantizing pass's rate against a copy of its bytes (bench_q8, same shapes); torch's FP8
 #           grouped GEMM (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
-# fp8_checks: test_q8 (the quantizers' bytes; the kernel form's fused ones against the separate
-#           passes, the layer's results bitwise; --wide: with 300 experts); the kernel form's FP8
-#           sync-free, the FP8 layer (config.fp8) and the device comm's records (EP 2, plain and
+# fp8_checks: test_q8 (cvt's E4M3 conversions against moept.c's bytes; the quantizers' bytes; the
+#           kernel form's fused ones against the separate passes, the layer's results bitwise; --wide:
+#           with 300 experts); the kernel form's FP8 sync-free, the FP8 layer (config.fp8) and the device comm's records (EP 2, plain and
 #           chunked) on the reference cases; cuBLASLt's block-scaled FP8 GEMMs (tests/lt_rules.cu's
 #           answers against tests/lt_rules.txt, their accuracy against the exact product of the
 #           dequantized operands, their time against bf16 at Mixtral's and DeepSeek-V3's expert
@@ -378,7 +378,7 @@ fp8_table() { # the kernel's FP8 on the cases, then bf16 against FP8 at three sh
 
 fp8_checks() { # cuBLASLt's rules, the fused quantizers' bytes, the cases in every form, the loss curves
     LOG="$OUT/fp8.log"
-    step "test_q8: the quantizers' bytes; the fused ones' layer bitwise the separate passes'" \
+    step "test_q8: cvt's E4M3 bytes; the quantizers'; the fused ones' layer bitwise the separate passes'" \
         build/test_q8_cuda
     step "test_q8 --wide: the same with 300 experts" build/test_q8_cuda --wide
     step "moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel --sync-free (the kernel's FP8)" \
