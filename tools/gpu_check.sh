@@ -75,8 +75,8 @@
 #           grouped GEMM (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
 # fp8_checks: test_q8 (cvt's E4M3 conversions against moept.c's bytes; the quantizers' bytes; the
 #           kernel form's fused ones against the separate passes, the layer's results bitwise; --wide:
-#           with 300 experts); the kernel form's FP8 sync-free, the FP8 layer (config.fp8) and the device comm's records (EP 2, plain and
-#           chunked) on the reference cases; cuBLASLt's block-scaled FP8 GEMMs (tests/lt_rules.cu's
+#           with 300 experts); the kernel form's FP8 sync-free, the FP8 layer (config.fp8) and the
+#           device comm's records (EP 2, plain and chunked) on the reference cases; cuBLASLt's block-scaled FP8 GEMMs (tests/lt_rules.cu's
 #           answers against tests/lt_rules.txt, their accuracy against the exact product of the
 #           dequantized operands, their time against bf16 at Mixtral's and DeepSeek-V3's expert
 #           GEMMs); the 4-step loss curve against the CPU's FP8; train_cuda --bf16 300 steps with
