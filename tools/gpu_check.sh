@@ -73,15 +73,15 @@
 #           build/stnx: MOEPT_GK_XCOLS=0), the quantizing kernels' share of each step (profile fp8) and each
 #           quantizing pass's rate against a copy of its bytes (bench_q8, same shapes); torch's FP8
 #           grouped GEMM (torch._scaled_grouped_mm) against its bf16 one (bench/fp8_grouped_peer.py)
-# fp8_checks: test_q8 (cvt's E4M3 conversions against moept.c's bytes; the quantizers' bytes; the
-#           kernel form's fused ones against the separate passes, the layer's results bitwise; --wide:
-#           with 300 experts); the kernel form's FP8 sync-free, the FP8 layer (config.fp8) and the
-#           device comm's records (EP 2, plain and chunked) on the reference cases; cuBLASLt's block-scaled FP8 GEMMs (tests/lt_rules.cu's
-#           answers against tests/lt_rules.txt, their accuracy against the exact product of the
-#           dequantized operands, their time against bf16 at Mixtral's and DeepSeek-V3's expert
-#           GEMMs); the 4-step loss curve against the CPU's FP8; train_cuda --bf16 300 steps with
-#           --dtype fp8 and without, also at --dim 1024 --ffn 512 (full FP8 tiles;
-#           tools/curve_diff.py compares each pair)
+# fp8_checks: test_q8 (cvt's E4M3 conversions against moept.c's bytes; the quantizers' bytes; the kernel
+#           form's fused ones against the separate passes, the layer's results bitwise; --wide: with 300
+#           experts); the kernel form's FP8 sync-free, the FP8 layer (config.fp8) and the device comm's
+#           records (EP 2, plain and chunked) on the reference cases; cuBLASLt's block-scaled FP8 GEMMs
+#           (tests/lt_rules.cu's answers against tests/lt_rules.txt, their accuracy against the exact
+#           product of the dequantized operands, their time against bf16 at Mixtral's and DeepSeek-V3's
+#           expert GEMMs); the 4-step loss curve against the CPU's FP8; train_cuda --bf16 300 steps with
+#           --dtype fp8 and without, also at --dim 1024 --ffn 512 (full FP8 tiles; tools/curve_diff.py
+#           compares each pair)
 # torch:    moept_torch.py on this machine's torch and transformers (the first of python3 and
 #           /usr/bin/python3 whose torch sees the GPU): tests/test_torch.py with CPU layers (this
 #           transformers' blocks) and CUDA layers in fp32 and bf16; tests/test_torch_contract.py's
