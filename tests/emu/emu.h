@@ -64,14 +64,15 @@ typedef struct moept_emu_counts {
     long long nread, nwrite;           /* NCCL ops: sent, received */
     long long kaccess;                 /* kernels' bytes accessed, every access counted (issue, not traffic) */
     long long kops;                    /* kernels' device memory accesses (kaccess / kops: bytes per access) */
-    long long kstored;                 /* kernels' bytes stored, every store counted: past kwrite where a
-                                          launch stores a byte twice (a byte store counts 1, kwrite 2) */
     long blas_streams;                 /* distinct streams its cuBLAS calls ran on */
 } moept_emu_counts;
 void moept_emu_stage(const char *name);
 /* The sums for device dev under stage (NULL: every stage) since the last reset */
 void moept_emu_counts_get(int dev, const char *stage, moept_emu_counts *out);
 void moept_emu_counts_reset(void);
+/* the bytes kernels whose names have part (NULL: every kernel) stored since the last reset that their
+   launch had stored already (on any device; a byte a launch stores twice, which no result shows) */
+long long moept_emu_stored_again(const char *part);
 /* ---- cuBLAS ----
    Reductions in the output type where the math mode allows them (no
    CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION, computeType

@@ -48,7 +48,7 @@ struct VC {
    readers since, as (stream, epoch). */
 struct Granule {
     uint32_t wep, rep[2];
-    uint8_t ws, rs[2], pad;
+    uint8_t ws, rs[2], wb; /* wb: which of its 2 bytes the writer's op stored (bits 0, 1) */
 };
 
 /* element i of a cuBLAS(Lt) matrix of type t (CUDA_R_32F, else bf16), read and written (bf16: rounded
@@ -103,6 +103,7 @@ struct Op {
     uint64_t rw[2] = {0, 0};       /* device bytes it read, wrote (touch), every access */
     uint64_t nacc = 0;             /* device accesses (touch) */
     uint64_t uq[2] = {0, 0};       /* ... distinct bytes (2-byte granules): its traffic */
+    uint64_t again = 0;            /* bytes it stored that it had stored already */
 };
 
 struct Graph;

@@ -311,7 +311,11 @@ static void hazard(Alloc *a, const char *p, size_t n, int write, const char *wha
         const bool mine_r = (g.rs[0] == sid && g.rep[0] == o->epoch) ||
                             (g.rs[1] == sid && g.rep[1] == o->epoch);
         if (write ? !mine_w : !mine_w && !mine_r) o->uq[write != 0] += 2;
-        if (write) {
+        if (write) { /* (the bytes of granule i this access stores: a byte stored again counted) */
+            const size_t b0 = 2 * i, at = (size_t)(p - a->base);
+            const uint8_t m = (uint8_t)((b0 >= at && b0 < at + n) | (b0 + 1 >= at && b0 + 1 < at + n) << 1);
+            o->again += mine_w ? (size_t)((g.wb & m & 1) + (g.wb & m) / 2) : 0;
+            g.wb = (uint8_t)(mine_w ? g.wb | m : m);
             g.ws = (uint8_t)sid; g.wep = o->epoch; g.rep[0] = g.rep[1] = 0;
         } else if (g.rs[0] == sid || !g.rep[0]) {
             g.rs[0] = (uint8_t)sid; g.rep[0] = o->epoch;
@@ -353,6 +357,7 @@ static std::map<std::pair<int, std::string>, moept_emu_counts> g_counts;
 static long long g_dev_bytes[MAXDEV];
 
 static std::map<std::pair<int, std::string>, std::set<int>> g_blas_streams; /* g_count_mu */
+static std::map<std::string, long long> g_again; /* g_count_mu: bytes stored again, by kernel */
 
 static moept_emu_counts &counts_at(int d, const char *stage) { /* g_count_mu held */
     return g_counts[{d, stage ? stage : "other"}];
@@ -372,7 +377,10 @@ void count_op(const Op &o) {
         c.kernels++; c.kread += r; c.kwrite += w;
         c.kaccess += (long long)(o.rw[0] + o.rw[1]);
         c.kops += (long long)o.nacc;
-        c.kstored += (long long)o.rw[1];
+        if (o.again) { /* (by kernel: "kernel NAME<<<...>>>") */
+            const size_t e = n.find("<<<");
+            g_again[n.substr(7, e == std::string::npos ? std::string::npos : e - 7)] += (long long)o.again;
+        }
     }
     else if (!n.compare(0, 6, "cublas")) {
         c.blas++; c.gread += r; c.gwrite += w;
@@ -1665,7 +1673,7 @@ void moept_emu_counts_get(int d, const char *stage, moept_emu_counts *out) {
         if (kv.first.first != d || (stage && kv.first.second != stage)) continue;
         const moept_emu_counts &c = kv.second;
         out->kernels += c.kernels; out->blas += c.blas; out->comms += c.comms; out->copies += c.copies;
-        out->syncs += c.syncs; out->kaccess += c.kaccess; out->kops += c.kops; out->kstored += c.kstored;
+        out->syncs += c.syncs; out->kaccess += c.kaccess; out->kops += c.kops;
         out->kread += c.kread; out->kwrite += c.kwrite; out->cread += c.cread; out->cwrite += c.cwrite;
         out->gread += c.gread; out->gwrite += c.gwrite; out->nread += c.nread; out->nwrite += c.nwrite;
     }
@@ -1680,6 +1688,15 @@ void moept_emu_counts_reset(void) {
     std::lock_guard<std::mutex> lk(g_count_mu);
     g_counts.clear();
     g_blas_streams.clear();
+    g_again.clear();
+}
+
+long long moept_emu_stored_again(const char *part) {
+    std::lock_guard<std::mutex> lk(g_count_mu);
+    long long n = 0;
+    for (auto &kv : g_again)
+        if (!part || strstr(kv.first.c_str(), part)) n += kv.second;
+    return n;
 }
 
 long long moept_emu_device_bytes(int d) {

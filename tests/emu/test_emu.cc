@@ -1802,23 +1802,26 @@ static bool hgemm_run(int span, int bug, char *why, size_t len) {
 
 /* each of n threads stores float i % m (m = n: each once; m = n / 2: each twice, by two threads) */
 __global__ void k_store_mod(float *out, int m) { out[threadIdx.x % m] = (float)threadIdx.x; }
-/* the counts of a launch's stores: kstored every byte stored, kwrite each byte once */
+/* each thread stores byte i (a byte store) of p, i = t % m, and byte 128 + t % m of it */
+__global__ void k_store_byte(char *p, int m) { p[threadIdx.x % m] = 1, p[128 + threadIdx.x % m] = 2; }
+/* the bytes a launch stores again (moept_emu_stored_again, by kernel): whole floats and single bytes, each
+   stored once, or twice by two threads, or the neighbours of a 2-byte granule each once */
 static void stores_twice() {
-    float *p;
+    char *p;
     cudaMalloc((void **)&p, 256);
-    moept_emu_counts c[2];
-    for (int i = 0; i < 2; i++) {
+    long long n[4];
+    for (int i = 0; i < 4; i++) {
         cudaDeviceSynchronize();
         moept_emu_counts_reset();
-        MOEPT__LAUNCH(k_store_mod, 1, 64, 0, 0)(p, i ? 32 : 64);
+        if (i < 2) MOEPT__LAUNCH(k_store_mod, 1, 64, 0, 0)((float *)p, i ? 32 : 64);
+        else MOEPT__LAUNCH(k_store_byte, 1, 64, 0, 0)(p, i == 2 ? 64 : 32);
         cudaDeviceSynchronize();
-        moept_emu_counts_get(0, nullptr, &c[i]);
+        n[i] = moept_emu_stored_again(i < 2 ? "k_store_mod" : "k_store_byte");
     }
     char why[120];
-    snprintf(why, sizeof why, "stored %lld and %lld bytes, distinct %lld and %lld", c[0].kstored,
-             c[1].kstored, c[0].kwrite, c[1].kwrite);
-    result("counts: 64 floats stored once (kstored = kwrite = 256), 32 twice (kstored 256, kwrite 128)",
-           c[0].kstored == 256 && c[0].kwrite == 256 && c[1].kstored == 256 && c[1].kwrite == 128, why);
+    snprintf(why, sizeof why, "again: %lld, %lld (floats), %lld, %lld (bytes)", n[0], n[1], n[2], n[3]);
+    result("stored again: 64 floats once 0, 32 twice 128 bytes; 128 single bytes once 0, 64 twice 64",
+           n[0] == 0 && n[1] == 128 && n[2] == 0 && n[3] == 64 && moept_emu_stored_again(NULL) == 64, why);
     cudaFree(p);
 }
 
