@@ -3,13 +3,13 @@
    "skip", and only the no-device behaviour is checked. */
 #define MOEPT_INTERNAL /* bf16 conversions */
 #include "../moept.h"
-#include "testutil.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 #ifdef MOEPT_EMU
 #include "emu/emu.h"
 #endif
+#include "testutil.h"
 
 static unsigned long long rng_state = 12345;
 static float frand(void) { return (float)tu_rand(&rng_state); }
@@ -1044,16 +1044,6 @@ static moept_status blocks_apart(moept_layer *L) {
     return st;
 }
 
-#ifdef MOEPT_EMU
-/* the bytes the kernels since the last moept_emu_counts_reset stored twice in one launch, the router's
-   kernels' aside (moept__k_route, _router_bwd, _replay: a token's thread rewrites its scratch): a
-   duplicated store no result shows */
-static long long stored_twice(void) {
-    cudaDeviceSynchronize();
-    return moept_emu_stored_again(NULL) - moept_emu_stored_again("moept__k_route") -
-           moept_emu_stored_again("moept__k_replay");
-}
-#endif
 static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_free) {
     const int64_t T = cfg.max_tokens, D = cfg.hidden_size, n = T * D;
     float *out = calloc((size_t)(4 * n), 4), *gr[2] = {NULL, NULL};
@@ -1089,7 +1079,7 @@ static void kernel_form_shape(moept_config cfg, const void *xd, int i, int sync_
 #endif
             EXPECT_OK(moept_backward(L, xd, xd, dxd));
 #ifdef MOEPT_EMU
-            const long long tw = stored_twice();
+            const long long tw = tu_stored_twice();
             EXPECT(tw == 0, "shape %d, form %d: the step's kernels stored %lld bytes twice", i, f, tw);
 #endif
 #ifdef MOEPT_EMU /* (the kernel's dgrads read dy's records as combine' made them, no row pass of its own,
@@ -1906,7 +1896,7 @@ static int step_counts(int bf16, int sync_free, int fp8, int64_t D, int64_t F, m
     cudaDeviceSynchronize();
     for (int i = 0; i < n; i++) moept_emu_counts_get(0, stage_pins[i].name, &out[i]);
     if (other) moept_emu_counts_get(0, "other", other);
-    const long long tw = stored_twice(); /* (after the counts: its own host sync) */
+    const long long tw = tu_stored_twice(); /* (after the counts: its own host sync) */
     EXPECT(tw == 0, "bf16 %d, sync-free %d, fp8 %d, D %lld: the step's kernels stored %lld bytes twice", bf16,
            sync_free, fp8, (long long)D, tw);
     moept_stats st;

@@ -452,14 +452,6 @@ static moept_emu_counts q8t_counts(const char *s) {
     moept_emu_counts_get(0, s, &n);
     return n;
 }
-/* the bytes the kernels since q8t_count0 stored twice in one launch, the router's kernels' aside (a
-   token's thread rewrites its scratch): a duplicated copy writes the same bytes twice, which no
-   comparison of results sees */
-static long long q8t_twice(void) {
-    cudaDeviceSynchronize();
-    return moept_emu_stored_again(NULL) - moept_emu_stored_again("moept__k_route") -
-           moept_emu_stored_again("moept__k_replay");
-}
 #endif
 
 /* the a whose copy down its rows the kernel form's scratch holds (moept__q8_kept), NULL: none */
@@ -717,7 +709,8 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4, int
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         const long k8 = moept_emu_launches("GK_GATE8") - k0;
         EXPECT(v ? k8 == 0 : k8 > 0, "layer %d: %ld launches of the fused gate/up form", v, k8);
-        EXPECT(!q8t_twice(), "layer %d: the forward's kernels stored %lld bytes twice", v, q8t_twice());
+        const long long tw = tu_stored_twice();
+        EXPECT(!tw, "layer %d: the forward's kernels stored %lld bytes twice", v, tw);
 #endif
         if (!v && fam == MOEPT_FAMILY_MIXTRAL)
             q8t_epilogue(c, c->slots[c->last].a, F, c->lda_a, "a, quantized");
@@ -738,7 +731,8 @@ static void q8t_fused(moept_family fam, int64_t F, int64_t T, int64_t E = 4, int
 #ifdef MOEPT_CUDA_EMU_KERNELS_H /* (x, a, dy and dh down their rows, a launch each 64 experts; dy's and
                                    dh's by the down dgrad; x's and a's launched, and done at once where
                                    the copies are there) */
-        EXPECT(!q8t_twice(), "layer %d: the backward's kernels stored %lld bytes twice", v, q8t_twice());
+        const long long twb = tu_stored_twice();
+        EXPECT(!twb, "layer %d: the backward's kernels stored %lld bytes twice", v, twb);
         const long np8 = moept_emu_launches("moept__k_q8_cols") - p0;
         const long per = kept ? 2 : 4; /* (passes a launch of groups) */
         EXPECT(fam != MOEPT_FAMILY_MIXTRAL || np8 == per * ((E + MOEPT__Q8_G - 1) / MOEPT__Q8_G),
@@ -899,7 +893,8 @@ static void q8t_kept(int64_t T, int64_t T2) {
         EXPECT(!moept_forward(L, x, T, (float *)out[v]), "forward: %s", moept_last_error(L));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         fwrote[v] = q8t_counts(NULL).kwrite;
-        EXPECT(!q8t_twice(), "%s: the forward's kernels stored %lld bytes twice", what[v], q8t_twice());
+        const long long tw = tu_stored_twice();
+        EXPECT(!tw, "%s: the forward's kernels stored %lld bytes twice", what[v], tw);
 #endif
         EXPECT(v < 4 || !q8t_owner(c), "two slots: the first forward into one wrote a copy of a");
         if (v == 4) EXPECT(!moept_forward(L, x, T, (float *)out[v]), "again: %s", moept_last_error(L));
@@ -924,7 +919,8 @@ static void q8t_kept(int64_t T, int64_t T2) {
         EXPECT(!moept_backward(L, x, x, (float *)(out[v] + ob / 2)), "backward: %s", moept_last_error(L));
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
         wrote[v] = q8t_counts(NULL).kwrite;
-        EXPECT(!q8t_twice(), "%s: the backward's kernels stored %lld bytes twice", what[v], q8t_twice());
+        const long long twb = tu_stored_twice();
+        EXPECT(!twb, "%s: the backward's kernels stored %lld bytes twice", what[v], twb);
         const moept__runs R = moept__runs_groups(sl->roffsets, c->sp.El);
         const int64_t S = moept__q8_wide(&R);
         const int64_t wide = cfg.intermediate_size + MOEPT__Q8_PAD(D); /* (a's columns, x's) */

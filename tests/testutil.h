@@ -185,4 +185,15 @@ static inline void tu_ranks_from(int P, int timeout_ms, void *(*fn)(void *), voi
 }
 #endif
 
+#ifdef MOEPT_EMU_H
+/* the bytes the emulated kernels since the last moept_emu_counts_reset stored twice in one launch, the
+   router's kernels aside (moept__k_route, _router_bwd, _replay: a token's thread rewrites its scratch):
+   a duplicated store, which no comparison of results sees (after a synchronize: the counts land as
+   the ops complete) */
+static inline long long tu_stored_twice(void) {
+    cudaDeviceSynchronize();
+    return moept_emu_stored_again(NULL) - moept_emu_stored_again("moept__k_route") -
+           moept_emu_stored_again("moept__k_replay");
+}
+#endif
 #endif
