@@ -241,14 +241,19 @@ $(B)/test_fault: tests/test_fault.cu tests/testutil.h $(CUDA_OBJS)
 	$(NVCC) $(NVCCFLAGS) -Itests -c tests/test_fault.cu -o $(B)/cuda/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/test_fault.o $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
 
-# FP8's quantizers, and the kernel form's fused ones against the separate passes, bitwise (tests/test_q8.cu:
-# the kernels' unit included, so moept.o alone beside it)
-# the FP8 white boxes (their own copy of the kernels' unit): config.fp8 runs on compute capability 9.0
-# alone, so sm_90a code alone (a CUDA_ARCHS given on the command line still wins)
-$(B)/test_q8_cuda $(B)/bench_q8_cuda: CUDA_ARCHS = -gencode arch=compute_90a,code=sm_90a
-$(B)/test_q8_cuda: tests/test_q8.cu tests/testutil.h moept_kernels.cu moept.c $(HDRS) $(B)/cuda/moept.o
-	$(NVCC) $(NVCCFLAGS) -Itests -c tests/test_q8.cu -o $(B)/cuda/test_q8.o
-	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/test_q8.o $(B)/cuda/moept.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+# the FP8 white boxes, test_q8 (FP8's quantizers, and the kernel form's fused ones against the separate
+# passes, bitwise) and bench_q8 (the quantizing passes against a copy), one program (tests/q8.cu: the
+# kernels' unit included once for both, so moept.o alone beside it) linked under each name: config.fp8
+# runs on compute capability 9.0 alone, so sm_90a code alone (a CUDA_ARCHS given on the command line wins)
+Q8_DEPS = tests/q8.cu tests/test_q8.cu bench/bench_q8.cu bench/bench_shape.h tests/testutil.h moept_kernels.cu \
+          moept.c $(HDRS)
+$(B)/cuda/q8: CUDA_ARCHS = -gencode arch=compute_90a,code=sm_90a
+$(B)/cuda/q8: $(Q8_DEPS) $(B)/cuda/moept.o
+	$(NVCC) $(NVCCFLAGS) -Itests -c tests/q8.cu -o $(B)/cuda/q8.o
+	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/q8.o $(B)/cuda/moept.o -o $@ $(CUDA_LIBS) $(LDLIBS)
+
+$(B)/test_q8_cuda $(B)/bench_q8_cuda: $(B)/cuda/q8
+	ln -f $< $@
 
 # CUDA's answers to the calls the emulator has rules for (tests/cuda_rules.txt: a real GPU's)
 $(B)/cuda_rules: tests/cuda_rules.cu | $(B)
@@ -262,11 +267,6 @@ $(B)/lt_rules: tests/lt_rules.cu | $(B)
 
 $(B)/bench_cuda: bench/bench_cuda.c bench/bench_shape.h $(CUDA_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(CUDA_INC) $< $(CUDA_OBJS) -o $@ $(CUDA_LIBS) $(LDLIBS)
-
-# config.fp8's quantizing passes against a copy (bench/bench_q8.cu: the kernels' unit included, as test_q8)
-$(B)/bench_q8_cuda: bench/bench_q8.cu bench/bench_shape.h moept_kernels.cu moept.c $(HDRS) $(B)/cuda/moept.o
-	$(NVCC) $(NVCCFLAGS) -c bench/bench_q8.cu -o $(B)/cuda/bench_q8.o
-	$(CC) $(CFLAGS) $(OMP) $(B)/cuda/bench_q8.o $(B)/cuda/moept.o -o $@ $(CUDA_LIBS) $(LDLIBS)
 
 # one process per GPU (the deployment users run): MPI + CUDA, each process on
 # device local_rank % device_count, the NCCL ids broadcast over MPI
@@ -460,9 +460,23 @@ $(B)/emu/moept_kernels.o: moept_kernels.cu moept.c $(HDRS) tests/emu/cuda_emu.h 
 	@mkdir -p $(B)/emu
 	$(EMU_CXX) -O2 $(EMU_KFLAGS) -c moept_kernels.cu -o $@
 
+# moept.c with -DMOEPT_CUDA sees the CUDA headers' declarations alone: where nvcc is found, the CUDA
+# build's object (and its MPI one's) is the emulated GPU's too, compiled once
+ifeq ($(CUDA_OK),yes)
+$(B)/emu/moept.o: $(B)/cuda/moept.o
+	@mkdir -p $(@D)
+	ln -f $< $@
+$(B)/emu-mpi/moept.o: $(B)/cuda-mpi/moept.o
+	@mkdir -p $(@D)
+	ln -f $< $@
+else
 $(B)/emu/moept.o: moept.c $(HDRS) | $(B)
 	@mkdir -p $(B)/emu
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) -c moept.c -o $@
+$(B)/emu-mpi/moept.o: moept.c $(HDRS) | $(B)
+	@mkdir -p $(B)/emu-mpi
+	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(EMU_INC) -c moept.c -o $@
+endif
 
 EMU_OBJS = $(B)/emu/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
 
@@ -503,11 +517,13 @@ $(B)/emu/test_fault: tests/test_fault.cu tests/testutil.h $(EMU_OBJS)
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/test_fault.cu -o $(B)/emu/test_fault.o
 	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_fault.o $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
-# a white-box test of the FP8 quantizers: moept_kernels.cu compiled into it
-$(B)/emu/test_q8: tests/test_q8.cu tests/testutil.h moept_kernels.cu moept.c $(HDRS) $(B)/emu/moept.o \
-                  $(B)/emu/rt.o
-	$(EMU_CXX) -O1 $(EMU_KFLAGS) -Itests -c tests/test_q8.cu -o $(B)/emu/test_q8.o
-	$(CC) $(CFLAGS) $(OMP) $(B)/emu/test_q8.o $(B)/emu/moept.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
+# the FP8 white boxes, test_q8 and bench_q8, as one program (tests/q8.cu), as the GPU's above
+$(B)/emu/q8: $(Q8_DEPS) $(B)/emu/moept.o $(B)/emu/rt.o
+	$(EMU_CXX) -O1 $(EMU_KFLAGS) -Itests -c tests/q8.cu -o $(B)/emu/q8.o
+	$(CC) $(CFLAGS) $(OMP) $(B)/emu/q8.o $(B)/emu/moept.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
+
+$(B)/emu/test_q8 $(B)/emu/bench_q8: $(B)/emu/q8
+	ln -f $< $@
 
 $(B)/emu/lt_rules: tests/lt_rules.cu $(B)/emu/rt.o
 	$(EMU_CXX) -O1 $(EMU_KFLAGS) -DMOEPT_EMU -Itests -c tests/lt_rules.cu -o $(B)/emu/lt_rules.o
@@ -527,17 +543,8 @@ $(B)/emu/plan: tools/plan.c $(EMU_OBJS)
 $(B)/emu/bench_cuda: bench/bench_cuda.c bench/bench_shape.h $(EMU_OBJS)
 	$(CC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA $(EMU_INC) $< $(EMU_OBJS) -o $@ $(EMU_LIBS)
 
-$(B)/emu/bench_q8: bench/bench_q8.cu bench/bench_shape.h moept_kernels.cu moept.c $(HDRS) $(B)/emu/moept.o \
-                   $(B)/emu/rt.o
-	$(EMU_CXX) -O1 $(EMU_KFLAGS) -c bench/bench_q8.cu -o $(B)/emu/bench_q8.o
-	$(CC) $(CFLAGS) $(OMP) $(B)/emu/bench_q8.o $(B)/emu/moept.o $(B)/emu/rt.o -o $@ $(EMU_LIBS)
-
 # one process per emulated GPU: MPI + the emulated CUDA, its NCCL across
 # processes through shared anonymous memory files (tests/emu/emu_nccl.cc)
-$(B)/emu-mpi/moept.o: moept.c $(HDRS) | $(B)
-	@mkdir -p $(B)/emu-mpi
-	$(MPICC) $(CFLAGS) $(WARN) $(OMP) -DMOEPT_CUDA -DMOEPT_MPI $(EMU_INC) -c moept.c -o $@
-
 EMU_MPI_OBJS = $(B)/emu-mpi/moept.o $(B)/emu/moept_kernels.o $(B)/emu/rt.o
 
 $(B)/emu/moept_check_mpi: tests/moept_check.c tests/testutil.h $(EMU_MPI_OBJS)

@@ -33,7 +33,9 @@
                    [--topk K] [--reps R]
    Defaults: Mixtral-8x7B at T 8192 (bench_shape.h's shapes, bench_cuda's). Prints "RESULT q8 ..." lines.
    Under the emulated GPU (build/emu/bench_q8) it checks that the bench runs; its times mean nothing. */
+#ifndef MOEPT__KERNELS /* (tests/q8.cu includes it once, for this and test_q8) */
 #include "../moept_kernels.cu"
+#endif
 #include "bench_shape.h"
 
 #define BQ_CK(call)                                                                             \

@@ -23,7 +23,9 @@
      and as the separate pass does: each 128 x 128 block's bytes and scale from the tile rules, the
      step's masters, moments and bf16 copy the plain step's.
    fp32 and bf16 rows; widths with whole, edge and lone tiles; 37 rows and 300 (three row tiles). */
+#ifndef MOEPT__KERNELS /* (tests/q8.cu includes it once, for this and bench_q8) */
 #include "../moept_kernels.cu"
+#endif
 #ifdef MOEPT_CUDA_EMU_KERNELS_H
 #include "emu/emu.h" /* (on the emulated GPU: its launch counts) */
 #endif

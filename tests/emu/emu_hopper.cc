@@ -1058,7 +1058,9 @@ void issue(const KBlock &k, int wg, Wg &g) {
     std::vector<uint32_t> okst((size_t)B.n, 0); /* per storing thread: a stamp of its found ordered */
     for (uint32_t o : bytes) {
         HopByte &h = hb(o, k.blk);
-        if (!told && kernel_hooks() && !smem_defined(dyn_smem() + o)) { /* (stores reach it: instrumented) */
+        /* (written in this block: by a generic store, which hop_shared records where the kernels' unit is
+           instrumented, or by a TMA load; the one check of its byte's shadow, not the racecheck's too) */
+        if (!told && kernel_hooks() && !h.gw && !h.tma_bar) {
             told = true;
             report("initcheck", WHERE ": wgmma.mma_async reads shared memory at dynamic offset %u that no "
                    "thread or TMA load of the block wrote", AT(k), o);

@@ -254,8 +254,6 @@ void kernel_block(bool (*ready)(void *), void *arg, const char *what);
 void smem_async_write(const char *p, size_t n);
 /* the kernels' loads and stores reach the checks (their unit has the instrumentation: not under ASan) */
 bool kernel_hooks();
-/* has a thread (or the async proxy) of this block written the shared byte at p */
-bool smem_defined(const char *p);
 /* p is shared memory (static __shared__ storage or the dynamic shared memory) */
 bool is_shared(const void *p);
 /* a thread's stack (its FIBER_STACK bytes) */

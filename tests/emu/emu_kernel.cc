@@ -631,7 +631,6 @@ void smem_async_write(const char *p, size_t n) {
         s.nr = 0;
     }
 }
-bool smem_defined(const char *p) { return g_sh[p - __data_start].blk == X->blk; }
 bool is_shared(const void *p) { return (const char *)p >= __data_start && (const char *)p < _end; }
 const char *fiber_stack(int t) { return g_fibers[t].lo; }
 }  // namespace emu

@@ -1261,12 +1261,14 @@ static unsigned mn128(int c, int k) {
    (unless fence is 0), barrier (fence 2: none; 3: bar.sync 1, 128 in place of __syncthreads; 4: then a
    store elsewhere, fenced, with no barrier after it), one
    wgmma; out[t * N/2 + i] = thread t's d[i]. bad: 1 writes d after the wgmma.fence, 2 reads d before the
-   wait, 3 returns without waiting, 4 N = 12, 5 B N-major as mn64 (N 64; imm-trans-b 1), 6 as mn128 (N 128) */
+   wait, 3 returns without waiting, 4 N = 12, 5 B N-major as mn64 (N 64; imm-trans-b 1), 6 as mn128 (N 128),
+   7 leaves A's element (4, 13) unstored */
 __global__ void k_wg_frag(float *out, int n, int fence, int bad) {
     char *sm = (char *)moept_emu_dyn_smem();
     const int t = threadIdx.x;
     for (int e = t; e < 64 * 16; e += 128) {
         const int r = e / 16, k = e % 16;
+        if (bad == 7 && e == 4 * 16 + 13) continue;
         *(uint16_t *)(sm + kmaj(r, k)) = hbf(k == 0 ? (float)r : k == 1 ? 1.0f : 0.0f);
     }
     for (int e = t; e < n * 16; e += 128) {
@@ -1976,6 +1978,10 @@ static void hopper_kernels() {
     MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 0, 0);
     cudaDeviceSynchronize();
     expect_report("proxy: wgmma reads generic stores with no fence.proxy.async", "no fence.proxy.async");
+    MOEPT__LAUNCH(k_wg_frag, 1, 128, 12288, 0)(out, 16, 1, 7);
+    cudaDeviceSynchronize();
+    expect_report("initcheck: wgmma reads a shared byte that nothing of the block wrote",
+                  "that no thread or TMA load of the block wrote");
     MOEPT__LAUNCH(k_wg_handoff, 1, 256, 12288, 0)(out, 0);
     ok = frag_is(out, 16);
     expect_clean("wgmma by one warpgroup on another's stores, fenced, then an mbarrier arrival it waited on: "
