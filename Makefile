@@ -386,7 +386,8 @@ bench-busy: $(B)/train
 # 4 processes of the emulated GPUs' moept_check_mpi (make test runs 2)
 STRESS_KILLS ?= 50
 stress: $(B)/crash_save $(if $(MPICC),$(B)/crash_save_mpi) $(if $(and $(MPICC),$(EMU_OK)),$(B)/emu/moept_check_mpi) \
-        $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_q8) \
+        $(if $(EMU_OK),$(B)/emu/moept_check $(B)/emu/test_q8 $(B)/emu/bench_cuda $(B)/emu/bench_q8 \
+            $(B)/emu/lt_rules $(B)/emu/train $(B)/train) \
         $(if $(and $(EMU_OK),$(SAN_OK)),$(B)/emu-san/moept_check $(B)/emu-san/test_range)
 	@MPIRUN="$(if $(MPICC),$(MPIRUN),)" EMU="$(EMU_OK)" SAN="$(SAN_OK)" KILLS=$(STRESS_KILLS) sh tests/stress.sh
 

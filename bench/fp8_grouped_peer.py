@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """torch's FP8 grouped GEMM (torch._scaled_grouped_mm: E4M3 operands, row-wise fp32 scales) against its
 bf16 grouped GEMM (torch._grouped_mm) at the expert GEMMs of one MoE layer's forward, on a CUDA GPU:
-Mixtral-8x7B (8 experts, 2048 rows each at T 8192, K 2) and DeepSeek-V3's experts (16 local, 4096 rows
-each at T 8192, K 8). Prints ms and TFLOP/s of each, or why a call could not run.
+Mixtral-8x7B (8 experts, 2048 rows each at T 8192, K 2), DeepSeek-V3's experts (16 local, 4096 rows
+each at T 8192, K 8) and Qwen3-30B-A3B's (128, 256 rows each at T 4096, K 8). Prints ms and TFLOP/s of
+each, or why a call could not run (tools/fp8_table.py reads the lines: "NAME GEMM ...: bf16 ...").
 
 usage: python3 bench/fp8_grouped_peer.py [--reps N]
 """
@@ -61,6 +62,8 @@ def main():
     one("Mixtral down (D x F)", 8, 2048, 4096, 14336, a.reps)
     one("DeepSeek-V3 gate_up (2F x D)", 16, 4096, 4096, 7168, a.reps)
     one("DeepSeek-V3 down (D x F)", 16, 4096, 7168, 2048, a.reps)
+    one("Qwen3-30B-A3B gate_up (2F x D)", 128, 256, 1536, 2048, a.reps)
+    one("Qwen3-30B-A3B down (D x F)", 128, 256, 2048, 768, a.reps)
     return 0
 
 

@@ -4,8 +4,9 @@
 # processes (tests/crash_gpu.sh) where $EMU is set; then the emulated GPU's
 # runs kept out of make test for its time (where $EMU is set: the per-expert
 # (cuBLASLt) FP8 form's reference cases at EP 1, 2 and 4, sync-free and
-# chunked, each bitwise EP 1's; test_q8 --wide, the kernel form's FP8 layer with
-# 300 experts, two launches a grouped GEMM; the emulator and the kernels under ASan + UBSan
+# chunked, each bitwise EP 1's; tools/gpu_check.sh fp8 through tests/gpu_check_emu.sh, test_q8 --wide
+# among its steps (the kernel form's FP8 layer with 300 experts, two launches a grouped GEMM); the
+# emulator and the kernels under ASan + UBSan
 # where $SAN is too: the reference cases at EP 2 with three chunks and one,
 # sync-free and FP8, and test_range); the last line is the total.
 B=${B:-build}
@@ -43,10 +44,12 @@ if [ -n "$EMU" ]; then
         fi
         n=$((n + 1))
     done
-    if "$B/emu/test_q8" --wide >"$B/stress.log" 2>&1; then
-        echo "ok - emu/test_q8 --wide: $(tail -n 1 "$B/stress.log")"
+    # tools/gpu_check.sh's whole FP8 phase, its test_q8 --wide among the steps (make test runs the table's)
+    if sh tests/gpu_check_emu.sh fp8 >"$B/stress.log" 2>&1; then
+        echo "ok - tests/gpu_check_emu.sh fp8: $(grep -c '^ok' "$B/stress.log") steps and rows"
     else
-        echo "FAIL - emu/test_q8 --wide:"; tail -n 20 "$B/stress.log"; failed=$((failed + 1))
+        echo "FAIL - tests/gpu_check_emu.sh fp8:"; grep -v '^ok' "$B/stress.log" | tail -n 20
+        failed=$((failed + 1))
     fi
     n=$((n + 1))
     runs= # (the emulator and the kernels under ASan + UBSan)

@@ -49,9 +49,10 @@ def main():
     if dropped:
         print(f"warning: CUPTI dropped {dropped} records; the sums below miss them")
     gpu = sorted((r for r in rows if r[0] in ("K", "C", "S")), key=lambda r: r[2])
-    # the routing kernel by its mangled name (its length, 14, leads it) or its demangled one
+    # the routing kernel by its mangled name (its length, 14, leads it), its demangled one or its bare name
+    # (the emulated GPU's trace)
     routes = [r[2] for r in gpu
-              if r[0] == "K" and ("14moept__k_route" in r[1] or r[1].startswith("moept__k_route("))]
+              if r[0] == "K" and ("14moept__k_route" in r[1] or r[1].split("(")[0] == "moept__k_route")]
     if len(routes) < a.skip + 2:
         print(f"{len(routes)} routing kernels: no whole step after {a.skip} skipped")
         return

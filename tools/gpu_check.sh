@@ -64,8 +64,10 @@
 # rules:    tests/cuda_rules.cu's answers against tests/cuda_rules.txt
 # fp8:      fp8_table, then fp8_checks, their steps sharing FP8_BUDGET seconds (540: a device tool's
 #           call is 600 s), each at most STEP_TIMEOUT (180); a step past the budget is not run and
-#           fails, so a second call can run either part alone (under the same budget)
-# fp8_table: the issue's table, first: the kernel form's FP8 (its bf16 pass) on the reference
+#           fails, so a second call can run either part alone (under the same budget); then (either
+#           part too) tools/fp8_table.py's table of what they measured: $OUT/fp8_table.md, and in the
+#           summary (tests/gpu_check_emu.sh runs the phase on the emulated GPU)
+# fp8_table: the table's runs, first: the kernel form's FP8 (its bf16 pass) on the reference
 #           cases, then bf16 against FP8 at Mixtral's, DeepSeek-V3's and Qwen3-30B-A3B's shapes in
 #           AUTO's form and the grouped kernel's (bench_cuda --fp8, one run each, the same bf16 GEMM
 #           floor; the kernel form also with its weight gradients by cuBLASLt, build/stlt:
@@ -330,6 +332,14 @@ fp8() {
     fp8_table
     fp8_checks
     budget
+    fp8_report
+}
+
+# the table of what the FP8 steps wrote (tools/fp8_table.py: $OUT/fp8_table.md, and in the summary), made
+# outside the budget: a table of the steps run, however many
+fp8_report() {
+    python3 tools/fp8_table.py "$OUT" >"$OUT/fp8_table.md" 2>>"$OUT/fp8.log" || failed=1
+    cat "$OUT/fp8_table.md" >>"$SUM"
 }
 
 fp8_table() { # the kernel's FP8 on the cases, then bf16 against FP8 at three shapes, each form, the
@@ -337,14 +347,15 @@ fp8_table() { # the kernel's FP8 on the cases, then bf16 against FP8 at three sh
     LOG="$OUT/fp8.log"
     step "moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel (the kernel's FP8)" \
         build/moept_check_cuda --dtype fp8 --dtype bf16 --gemm-form kernel tests/cases/*.safetensors
-    # the layer in FP8 against bf16, each form (AUTO's cuBLAS or cuBLASLt, and the grouped kernel), one
-    # run each, the same floor (bf16 GEMMs)
+    # the layer in FP8 (bf16 rows, FP8 expert GEMMs) against bf16, each form (AUTO's cuBLAS or cuBLASLt,
+    # and the grouped kernel), one run each, the same floor (bf16 GEMMs); tools/fp8_table.py reads the
+    # steps' names as "bench_cuda SHAPE T=N VARIANT"
     for sh in mixtral:8192 deepseek:8192 qwen3:4096; do
         for f in auto kernel; do
             step "bench_cuda ${sh%:*} T=${sh#*:} bf16, $f" build/bench_cuda --shape "${sh%:*}" \
                 --tokens "${sh#*:}" --bf16 --gemm-form $f
-            step "bench_cuda ${sh%:*} T=${sh#*:} bf16 rows, FP8 expert GEMMs, $f" build/bench_cuda \
-                --shape "${sh%:*}" --tokens "${sh#*:}" --bf16 --fp8 --gemm-form $f
+            step "bench_cuda ${sh%:*} T=${sh#*:} FP8, $f" build/bench_cuda --shape "${sh%:*}" \
+                --tokens "${sh#*:}" --bf16 --fp8 --gemm-form $f
         done
     done
     # the kernel form with its FP8 weight gradients by cuBLASLt, a matmul an expert, not the kernel's
@@ -371,9 +382,11 @@ fp8_table() { # the kernel's FP8 on the cases, then bf16 against FP8 at three sh
             --tokens "${sh#*:}"
     done
     P=$(torch_py)
-    [ -n "$P" ] && step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" \
-        $P bench/fp8_grouped_peer.py
-    grep -E "^Mixtral|^DeepSeek|^RESULT.*gemm_form|^RESULT q8" "$LOG" | tee -a "$SUM" >/dev/null
+    if [ -n "$P" ]; then
+        step "fp8_grouped_peer: torch._scaled_grouped_mm against torch._grouped_mm" $P bench/fp8_grouped_peer.py
+    else
+        echo "skip - fp8_grouped_peer: no python whose torch sees a GPU" | tee -a "$SUM"
+    fi
 }
 
 fp8_checks() { # cuBLASLt's rules, the fused quantizers' bytes, the cases in every form, the loss curves
@@ -585,7 +598,8 @@ for p in $phases; do
     fp8_table | fp8_checks)
         budget "${FP8_BUDGET:-540}" 180
         $p
-        budget ;;
+        budget
+        fp8_report ;;
     torch) torch_phase ;;
     nccl-multirank) nccl_multirank ;;
     *) echo "usage: $0 [build|prebuilt] [rules] [check] [ep1gpu] [nccl-multirank]" \

@@ -399,6 +399,36 @@ static void name_of(int sid, uint32_t ep, char *buf, size_t len) {
     snprintf(buf, len, "%s", ep < s->names.size() ? s->names[ep].c_str() : "?");
 }
 
+/* CUPTI's activity trace, stood in for: where CUDA_INJECTION64_PATH names an injection library (on a GPU
+   the driver loads it; tools/cupti_trace.c is one) and CUPTI_TRACE a file, each op is written there as
+   that library writes a record (kind,name,stream,start_ns,end_ns,bytes; K a kernel, cuBLAS's and NCCL's
+   too, C a copy, S a memset; no runtime calls), so tools/cupti_summary.py reads an emulated run. The
+   times are the emulator's own and say nothing of a GPU's. */
+static FILE *trace_file() {
+    static FILE *f = [] {
+        const char *p = getenv("CUPTI_TRACE");
+        FILE *t = getenv("CUDA_INJECTION64_PATH") && p ? fopen(p, "w") : nullptr;
+        if (t) fprintf(t, "kind,name,stream,start_ns,end_ns,bytes\n");
+        return t;
+    }();
+    return f;
+}
+static void trace_op(const Op &o, double t0, double t1) {
+    static std::mutex mu;
+    const std::string &n = o.name;
+    const bool kernel = !n.compare(0, 7, "kernel ");
+    const char kind = kernel || !n.compare(0, 6, "cublas") || !n.compare(0, 4, "nccl") ? 'K'
+                      : !n.compare(0, 10, "cudaMemcpy") ? 'C' : !n.compare(0, 10, "cudaMemset") ? 'S' : 0;
+    if (!kind) return;
+    /* a kernel by its name ("kernel NAME<<<...>>>", NAME in parentheses where it has a template's
+       commas), as CUPTI's demangled; the others by their call */
+    std::string nm = kernel ? n.substr(7, n.find("<<<") - 7) : n.substr(0, n.find(' '));
+    if (kernel && nm.size() > 1 && nm[0] == '(' && nm.back() == ')') nm = nm.substr(1, nm.size() - 2);
+    std::lock_guard<std::mutex> lk(mu);
+    fprintf(trace_file(), "%c,\"%s\",%d,%.0f,%.0f,%llu\n", kind, nm.c_str(), o.s->id, t0 * 1e9, t1 * 1e9,
+            kind == 'K' ? 0ull : (unsigned long long)o.uq[1]);
+}
+
 /* one op on its stream's worker: after its dependencies, with its device's
    memory mapped. `mapped`: the worker holds the mapping from its op before
    (worker); it lets go before waiting on another stream's work. */
@@ -422,7 +452,9 @@ static void run_op(Stream *s, Device *v, const std::shared_ptr<Op> &o, bool &map
     cur_op = o.get();
     if (!mapped) dev_enter(v), mapped = true;
     pkey_access(v, true);
+    const double t0 = trace_file() ? now() : 0.0;
     if (o->run) o->run(*o);
+    if (t0 > 0.0) trace_op(*o, t0, now());
     pkey_access(v, false);
     cur_op = nullptr;
     count_op(*o);
