@@ -13,6 +13,7 @@ runs on into the optimizer's bench) are left out, the rest averaged."""
 import argparse
 import collections
 import csv
+import re
 import shutil
 import subprocess
 
@@ -29,9 +30,16 @@ def union(rows):
     return total + (0 if e0 is None else e0 - s0)
 
 
+def bare(n):
+    """a kernel's name from its mangled one (_Z, the name's length, the name), else up to its arguments"""
+    m = re.match(r"_Z(\d+)", n)
+    return n[m.end():m.end() + int(m.group(1))] if m else n.split("(")[0].split("<")[0]
+
+
 def demangle(names):
+    """each kernel's name without its arguments and template's: c++filt's, else bare()'s"""
     if not shutil.which("c++filt"):
-        return {n: n for n in names}
+        return {n: bare(n) for n in names}
     out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout
     return {n: d.split("(")[0].replace("void ", "").split("<")[0] for n, d in zip(names, out.split("\n"))}
 

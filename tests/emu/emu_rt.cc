@@ -427,6 +427,7 @@ static void trace_op(const Op &o, double t0, double t1) {
     std::lock_guard<std::mutex> lk(mu);
     fprintf(trace_file(), "%c,\"%s\",%d,%.0f,%.0f,%llu\n", kind, nm.c_str(), o.s->id, t0 * 1e9, t1 * 1e9,
             kind == 'K' ? 0ull : (unsigned long long)o.uq[1]);
+    fflush(trace_file()); /* (whole records, whatever ends the process) */
 }
 
 /* one op on its stream's worker: after its dependencies, with its device's
