@@ -85,7 +85,29 @@ case " $phases " in *" fp8 "* | *" fp8_table "*)
     row "slowest quantizing pass" 3 "the quantizing passes' slowest rate, each bench_q8 form"
     row "bf16 / FP8 step >= " 6 "goals: bf16 / FP8, 2 FP8 forms at 3 shapes"
     row "quantizing kernels' share <= " 6 "goals: the share, 2 forms at 3 shapes"
-    row "every quantizing pass >= " 9 "goals: the passes' rate, 3 bench_q8 forms at 3 shapes" ;;
+    row "every quantizing pass >= " 9 "goals: the passes' rate, 3 bench_q8 forms at 3 shapes"
+    # a GPU's trace names kernels mangled, and a bare machine may have no c++filt: Mixtral's trace so
+    # renamed (_Z, the name's length, the name, its template's arguments), summed without c++filt, must
+    # give the table the same share
+    py=$(python3 -c 'import sys; print(sys.executable)') # (the interpreter itself, no PATH needed)
+    mkdir -p "$S/mangled"
+    gzip -dc "$S/out/trace_mixtral_fp8.csv.gz" | "$py" -c 'import csv, re, sys
+w = csv.writer(sys.stdout, lineterminator="\n")
+for r in csv.reader(sys.stdin):
+    b = re.split("[<(]", r[1])[0]
+    k = r[0] == "K" and b.startswith("moept__")
+    w.writerow(r[:1] + [f"_Z{len(b)}{b}ILi1EEvPKT_" if k else r[1]] + r[2:])
+' >"$S/mangled/trace.csv"
+    (cd "$S" && PATH=/nonexistent "$py" tools/cupti_summary.py mangled/trace.csv --skip 2 \
+        >mangled/profile_mixtral_fp8.txt && "$py" tools/fp8_table.py mangled >mangled/table.md)
+    a=$(grep "^| quantizing kernels' share of the FP8 step, auto" "$T" | cut -d'|' -f3)
+    b=$(grep "^| quantizing kernels' share of the FP8 step, auto" "$S/mangled/table.md" | cut -d'|' -f3)
+    if [ -n "$a" ] && [ "$a" = "$b" ] && grep -q '^K,_Z[0-9]*moept__k_q8' "$S/mangled/trace.csv"; then
+        echo "ok - fp8_table.py: Mixtral's share from mangled names without c++filt as from plain ones:$a"
+    else
+        echo "FAIL - fp8_table.py: Mixtral's share from mangled names without c++filt: '$b', plain: '$a'"
+        rc=1
+    fi ;;
 esac
 case " $phases " in *" fp8 "* | *" fp8_checks "*)
     row "loss's moving average" 2 "goals: the loss, the example's model and the wide one" ;;

@@ -12,6 +12,7 @@ peer's bf16 / FP8; then every goal at every shape with its measured value, "-" w
 (a step not run, failed, skipped; a line cut short is left out). docs/PERF.md keeps the tables a lent
 GPU gave."""
 import collections
+import math
 import os
 import re
 import sys
@@ -35,11 +36,12 @@ def fields(line):
 
 
 def number(f, key):
-    """f[key] as a float; None where missing or no number (a line cut short)"""
+    """f[key] as a finite float; None where missing or no such number (a line cut short)"""
     try:
-        return float(f[key])
+        v = float(f[key])
     except (KeyError, ValueError):
         return None
+    return v if math.isfinite(v) else None
 
 
 def steps(log):
@@ -66,27 +68,27 @@ def read(out_dir):
         v = re.match(r"bench_cuda (\S+) T=\d+ (.+)$", name)
         for line in lines:
             f = fields(line) if line.startswith("RESULT ") else {}
-            if v and line.startswith("RESULT tokens=") and number(f, "step_ms") and "gemm_form" in f:
+            if v and line.startswith("RESULT tokens=") and number(f, "step_ms") and "sync_free" in f:
                 bench[v.group(1)][v.group(2)] = (number(f, "step_ms"), f.get("dtype", ""), f["gemm_form"])
             elif line.startswith("RESULT q8 ") and None not in (number(f, "tbs"), number(f, "over_copy")):
                 if "shape" in f and "form" in f and "pass" in f:
                     q8[f["shape"]].append((f["form"], f["pass"], number(f, "tbs"), number(f, "over_copy")))
             elif re.match(r"(Mixtral|DeepSeek-V3|Qwen3-30B-A3B) \S+ .*: bf16 ", line):
-                r = re.search(r"bf16/fp8 ([\d.]+)|unavailable", line)
-                cell = (r.group(1) or "unavailable") if r else "-"
+                r = re.search(r"bf16/fp8 ([\d.]+)|(bf16|fp8) unavailable", line)
+                cell = (r.group(1) or r.group(0)) if r else "-"
                 peer[PEER[line.split()[0]]].append((line.split()[1], cell))
             elif name.startswith("curve_diff") and "largest |relative difference|" in line:
                 model = MODELS[1] if name.endswith("_wide") else MODELS[0]
-                try:
-                    loss[model] = float(line.rsplit(" ", 1)[1].rstrip("%")) / 100
-                except ValueError:
-                    pass
+                v = number({"v": line.rsplit(" ", 1)[1][:-1]}, "v") if line.endswith("%") else None
+                if v is not None:
+                    loss[model] = v / 100
     return T, bench, q8, peer, loss
 
 
 def share(out_dir, shape, form):
     """(the moept__k_q8_* kernels' share of the FP8 step, ms by kernel) from profile fp8's summary; None
-    where it has no step (not run, nsys's instead, no whole step)"""
+    where it has no step (not run, nsys's instead, no whole step) or no such kernel (every FP8 step has
+    one, the records' at least: their names not read)"""
     p = os.path.join(out_dir, f"profile_{shape}{'' if form == 'auto' else '_' + form}_fp8.txt")
     step, q = None, collections.OrderedDict()
     for line in open(p) if os.path.exists(p) else []:
@@ -96,7 +98,7 @@ def share(out_dir, shape, form):
         k = re.search(r"moept__k_q8[a-z0-9_]*", m.group(1)) if m else None  # (demangled or not)
         if k:
             q[k.group(0)] = q.get(k.group(0), 0.0) + float(m.group(2))
-    return (sum(q.values()) / step, q) if step else None
+    return (sum(q.values()) / step, q) if step and q else None
 
 
 def value_rows(out_dir, cols, bench, q8, peer):
@@ -136,17 +138,17 @@ def value_rows(out_dir, cols, bench, q8, peer):
 
 def goals(cols, T, ratio, shares, slowest, loss):
     """the goals' rows: (goal, measured or None, met)"""
-    out = []
+    out, rate_forms = [], sorted({f for (_, f) in slowest}) or ["any"]
     for s in cols:
         name = f"{NAMES.get(s, s)} T {T.get(s, '?')}"
         for form in FORMS:
             g, r = STEP_GOAL.get(s), ratio.get((s, form))
-            out.append((f"bf16 / FP8 step >= {g}, {name}, FP8 {form}", r and f"{r:.2f}", g and r and r >= g))
+            if g:
+                out.append((f"bf16 / FP8 step >= {g}, {name}, FP8 {form}", r and f"{r:.2f}", r and r >= g))
             v = shares.get((s, form))
             out.append((f"quantizing kernels' share <= {SHARE_GOAL:.0%}, {name}, FP8 {form}",
                         v is not None and f"{v:.1%}", v is not None and v <= SHARE_GOAL))
-        fs = sorted({f for (t, f) in slowest if t == s}) or ["any"]
-        for f in fs:
+        for f in rate_forms:
             v = slowest.get((s, f))
             out.append((f"every quantizing pass >= {RATE_GOAL} TB/s, {name}, {forms(f)}",
                         v is not None and f"slowest {v:.2f}", v is not None and v >= RATE_GOAL))

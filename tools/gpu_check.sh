@@ -342,7 +342,7 @@ fp8_report() {
         cat "$OUT/fp8_table.md" >>"$SUM"
         rm -f "$OUT/fp8_table.err"
     else # (the lines it reads, for a table by hand)
-        echo "FAIL - tools/fp8_table.py: $(tail -n 1 "$OUT/fp8_table.err")" | tee -a "$SUM"
+        printf 'FAIL - tools/fp8_table.py: %s\n' "$(tail -n 1 "$OUT/fp8_table.err")" | tee -a "$SUM"
         grep -hE "^== bench|^RESULT (tokens|q8)|^(Mixtral|DeepSeek|Qwen3)|^largest" "$OUT/fp8.log" >>"$SUM"
         failed=1
     fi
