@@ -79,9 +79,9 @@ def read(out_dir):
                 peer[PEER[line.split()[0]]].append((line.split()[1], cell))
             elif name.startswith("curve_diff") and "largest |relative difference|" in line:
                 model = MODELS[1] if name.endswith("_wide") else MODELS[0]
-                v = number({"v": line.rsplit(" ", 1)[1][:-1]}, "v") if line.endswith("%") else None
-                if v is not None:
-                    loss[model] = v / 100
+                pct = number({"v": line.rsplit(" ", 1)[1][:-1]}, "v") if line.endswith("%") else None
+                if pct is not None:
+                    loss[model] = pct / 100
     return T, bench, q8, peer, loss
 
 
@@ -122,7 +122,7 @@ def value_rows(out_dir, cols, bench, q8, peer):
                 shares[(s, form)] = sh[0]
                 k = ", ".join(f"{n.replace('moept__', '')} {ms:.2f}" for n, ms in sh[1].items())
                 kinds[1].setdefault(f"quantizing kernels' share of the FP8 step, {form}", {})[s] = \
-                    f"{sh[0]:.1%} ({k or 'none'} ms)"
+                    f"{sh[0]:.1%} ({k} ms)"
         for form, p, tbs, oc in q8.get(s, []):
             if (s, form) not in slowest or tbs < slowest[(s, form)]:
                 slowest[(s, form)] = tbs
@@ -169,8 +169,7 @@ def main():
         sys.exit(__doc__)
     out_dir = sys.argv[1]
     T, bench, q8, peer, loss = read(out_dir)
-    cols = list(NAMES) + [s for s in list(bench) + list(q8) + list(peer) if s not in NAMES]
-    cols = list(dict.fromkeys(cols))
+    cols = list(dict.fromkeys(list(NAMES) + list(bench) + list(q8) + list(peer)))
     rows, ratio, shares, slowest = value_rows(out_dir, cols, bench, q8, peer)
     if rows:
         print("| | " + " | ".join(f"{NAMES.get(s, s)} T {T.get(s, '?')}" for s in cols) + " |")

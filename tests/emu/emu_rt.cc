@@ -368,28 +368,38 @@ void count_sync(int d) {
     counts_at(d, t_stage).syncs++;
 }
 
+/* what an op is, by the name its call gave it */
+enum OpKind { OP_OTHER, OP_KERNEL, OP_BLAS, OP_NCCL, OP_COPY, OP_SET };
+static OpKind op_kind(const std::string &n) {
+    return !n.compare(0, 7, "kernel ")      ? OP_KERNEL
+           : !n.compare(0, 6, "cublas")     ? OP_BLAS
+           : !n.compare(0, 4, "nccl")       ? OP_NCCL
+           : !n.compare(0, 10, "cudaMemcpy") ? OP_COPY
+           : !n.compare(0, 10, "cudaMemset") ? OP_SET : OP_OTHER;
+}
+/* a kernel op's kernel ("kernel NAME<<<...>>>"; NAME in parentheses where it has a template's commas) */
+static std::string kernel_of(const std::string &n) {
+    std::string k = n.substr(7, n.find("<<<") - 7);
+    return k.size() > 1 && k[0] == '(' && k.back() == ')' ? k.substr(1, k.size() - 2) : k;
+}
+
 void count_op(const Op &o) {
-    const std::string &n = o.name;
     long long r = (long long)o.uq[0], w = (long long)o.uq[1];
+    const OpKind kind = op_kind(o.name);
     std::lock_guard<std::mutex> lk(g_count_mu);
     moept_emu_counts &c = counts_at(o.s->dev, o.stage);
-    if (!n.compare(0, 7, "kernel ")) {
+    if (kind == OP_KERNEL) {
         c.kernels++; c.kread += r; c.kwrite += w;
         c.kaccess += (long long)(o.rw[0] + o.rw[1]);
         c.kops += (long long)o.nacc;
-        if (o.again) { /* (by kernel: "kernel NAME<<<...>>>") */
-            const size_t e = n.find("<<<");
-            g_again[n.substr(7, e == std::string::npos ? std::string::npos : e - 7)] += (long long)o.again;
-        }
+        if (o.again) g_again[kernel_of(o.name)] += (long long)o.again; /* (by kernel) */
     }
-    else if (!n.compare(0, 6, "cublas")) {
+    else if (kind == OP_BLAS) {
         c.blas++; c.gread += r; c.gwrite += w;
         g_blas_streams[{o.s->dev, o.stage ? o.stage : "other"}].insert(o.s->id);
     }
-    else if (!n.compare(0, 4, "nccl")) { c.comms++; c.nread += r; c.nwrite += w; }
-    else if (!n.compare(0, 10, "cudaMemcpy") || !n.compare(0, 10, "cudaMemset")) {
-        c.copies++; c.cread += r; c.cwrite += w;
-    }
+    else if (kind == OP_NCCL) { c.comms++; c.nread += r; c.nwrite += w; }
+    else if (kind == OP_COPY || kind == OP_SET) { c.copies++; c.cread += r; c.cwrite += w; }
 }
 
 /* ---- streams ------------------------------------------------------------ */
@@ -415,15 +425,11 @@ static FILE *trace_file() {
 }
 static void trace_op(const Op &o, double t0, double t1) {
     static std::mutex mu;
-    const std::string &n = o.name;
-    const bool kernel = !n.compare(0, 7, "kernel ");
-    const char kind = kernel || !n.compare(0, 6, "cublas") || !n.compare(0, 4, "nccl") ? 'K'
-                      : !n.compare(0, 10, "cudaMemcpy") ? 'C' : !n.compare(0, 10, "cudaMemset") ? 'S' : 0;
-    if (!kind) return;
-    /* a kernel by its name ("kernel NAME<<<...>>>", NAME in parentheses where it has a template's
-       commas), as CUPTI's demangled; the others by their call */
-    std::string nm = kernel ? n.substr(7, n.find("<<<") - 7) : n.substr(0, n.find(' '));
-    if (kernel && nm.size() > 1 && nm[0] == '(' && nm.back() == ')') nm = nm.substr(1, nm.size() - 2);
+    const OpKind k = op_kind(o.name);
+    if (k == OP_OTHER) return;
+    const char kind = k == OP_COPY ? 'C' : k == OP_SET ? 'S' : 'K';
+    /* a kernel by its name, as CUPTI's demangled; the others by their call */
+    const std::string nm = k == OP_KERNEL ? kernel_of(o.name) : o.name.substr(0, o.name.find(' '));
     std::lock_guard<std::mutex> lk(mu);
     fprintf(trace_file(), "%c,\"%s\",%d,%.0f,%.0f,%llu\n", kind, nm.c_str(), o.s->id, t0 * 1e9, t1 * 1e9,
             kind == 'K' ? 0ull : (unsigned long long)o.uq[1]);
